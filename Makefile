@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# The main job: standard vs Block vs Full AttnRes on big.txt, report in runs/compare/report.md.
 demo: $(VENV)/.installed
-	$(PY) -m attnres demo
+	$(PY) -m attnres compare --preset demo --out runs/compare
 
 # A small CPU training run on the default corpus (see configs/train-cpu.yaml).
 train: $(VENV)/.installed

@@ -20,6 +20,7 @@ from attnres.cli import main as cli_main  # noqa: E402
 from attnres.experiments import (  # noqa: E402
     EXPERIMENTS,
     PFLOPS_DAY,
+    PRESETS,
     arch_shape,
     fit_power_law,
     get_experiment,
@@ -52,8 +53,7 @@ def test_cli_lists_every_experiment():
     assert EXPERIMENT_NAMES == EXPERIMENTS
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
-@pytest.mark.parametrize("preset", ["tiny", "cpu"])
+@pytest.mark.parametrize(("name", "preset"), [(n, p) for n in EXPERIMENTS for p in PRESETS[n]])
 def test_presets_build_valid_configs(name, preset, tmp_path):
     from attnres.experiments.runner import run_config
 
@@ -71,8 +71,12 @@ def test_preset_contents():
     assert sizes == [1, 2, 4, 8, 16]  # up to L = 16 sublayers
     with pytest.raises(ValueError, match="unknown experiment 'nope'"):
         get_experiment("nope", "tiny")
-    with pytest.raises(ValueError, match="unknown experiment preset 'big'"):
+    with pytest.raises(ValueError, match="unknown preset 'big' for experiment 'scaling'; available: tiny, cpu"):
         get_experiment("scaling", "big")
+    compare = get_experiment("compare", "long")
+    assert [v.name for v in compare.variants] == ["standard", "block", "full"]
+    assert compare.base["model"]["n_layers"] >= 12  # the issue: at least 12 transformer blocks
+    assert compare.variants[1].coords == {"S": 3, "N": 8}  # the report's N = 8 blocks
 
 
 def test_arch_shape_hits_ratios_and_budget():
@@ -182,9 +186,45 @@ def test_arch_sweep_end_to_end(corpus, tmp_path):
 
 
 def test_cli_errors_name_bad_values(tmp_path):
-    with pytest.raises(SystemExit, match="unknown experiment preset 'x'"):
+    with pytest.raises(SystemExit, match="unknown preset 'x'"):
         cli_main(["experiment", "scaling", "--preset", "x", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="steps"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path), "steps=0"])
     with pytest.raises(SystemExit, match="no finished runs"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "empty"), "--report-only"])
+
+
+def test_compare_end_to_end(corpus, tmp_path):
+    """`attnres compare`: three models, two seeds, a report with its tables, plots and findings."""
+    out = tmp_path / "compare"
+    over = [f"data.paths=[{corpus}]", "eval_every=2"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--seeds", "0", "1", *over]) == 0
+    records = _check_runs(out, 6)
+    assert {r["variant"] for r in records} == {"standard", "block", "full"}
+    text = (out / "report.md").read_text()
+    for needle in ("val loss @ equal steps", "val loss @ equal compute", "tokens/s", "Paired by seed",
+                   "Fig. 5", "Fig. 8", "Findings (computed)", "Block AttnRes at equal steps", "2 x 16 tokens per step",
+                   "seeds [0, 1]"):
+        assert needle in text, needle
+    for png in ("val_loss.png", "magnitudes.png", "depth_weights.png"):
+        assert (out / png).stat().st_size > 0, png
+    # the same runs through the generic command: nothing is retrained
+    log: list[str] = []
+    run_experiment(get_experiment("compare", "tiny"), out, [0, 1], over, log=log.append)
+    assert all("skipped" in line for line in log)
+
+
+def test_compare_reads_losses_at_equal_compute():
+    """AttnRes costs more FLOPs per step: at the baseline's total compute its loss is read off
+    its curve at an earlier step, linearly interpolated between evaluations."""
+    from attnres.experiments.compare import BASELINE, Run, _equal_compute_losses
+
+    def run(variant, flops_per_step, seed=0):
+        rec = {"variant": variant, "seed": seed, "steps": 100, "flops": 100 * flops_per_step, "val_loss": 2.0}
+        return Run(rec, eval_steps=[50, 75, 100], val_loss=[3.0, 2.5, 2.0])
+
+    groups = {BASELINE: [run(BASELINE, 1.0)], "block": [run("block", 1.25)], "full": [run("full", 2.5)]}
+    losses = _equal_compute_losses(groups)
+    assert losses[BASELINE][0] == pytest.approx(2.0)  # its own budget: its last step
+    assert losses["block"][0] == pytest.approx(2.4)  # step 80: 2.5 - 0.5 * 5 / 25
+    assert math.isnan(losses["full"][0])  # step 40: before the first evaluation, not extrapolated

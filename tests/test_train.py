@@ -107,9 +107,11 @@ def test_resume_rejects_changed_config(tmp_path, corpus_file):
         train(load_config(None, overrides(corpus_file, tmp_path)))
 
 
-def test_sigterm_in_process_checkpoints_and_resumes_exactly(tmp_path, corpus_file):
-    """SIGTERM delivered to this process while ``train`` runs (from a watcher thread, once a
-    few steps are logged): a checkpoint, then a resume that matches the uninterrupted run."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_in_process_checkpoints_and_resumes_exactly(tmp_path, corpus_file, signum):
+    """SIGTERM or SIGINT (Ctrl-C) delivered to this process while ``train`` runs (from a
+    watcher thread, once a few steps are logged): a checkpoint, then a resume that matches
+    the uninterrupted run."""
     steps = 60
     args = overrides(corpus_file, tmp_path / "killed", steps=steps, eval_every=1000, diagnostics_every=1000)
     metrics = tmp_path / "killed" / "metrics.jsonl"
@@ -118,17 +120,17 @@ def test_sigterm_in_process_checkpoints_and_resumes_exactly(tmp_path, corpus_fil
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signum)
                 return
             time.sleep(0.005)
 
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(signum)
     thread = threading.Thread(target=watcher)
     thread.start()
     result = train(load_config(None, args))
     thread.join()
-    assert result.interrupted == "SIGTERM" and 3 <= result.step < steps
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler was removed
+    assert result.interrupted == signal.Signals(signum).name and 3 <= result.step < steps
+    assert signal.getsignal(signum) is before  # the handler was removed
     assert read_checkpoint_state(result.checkpoint)["step"] == result.step
     train(load_config(None, args + ["resume=true"]))
     train(load_config(None, overrides(corpus_file, tmp_path / "full", steps=steps, eval_every=1000,

@@ -8,10 +8,6 @@ import argparse
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a standard and a Block AttnRes model side by side for a few steps")
-    demo.add_argument("--steps", type=int, default=60, help="training steps per model (default 60)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--preset", default="demo", help="model preset (default 'demo')")
     tr = sub.add_parser(
         "train",
         help="train an LM from a YAML config plus key=value overrides",
@@ -22,6 +18,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", help="YAML file with TrainConfig fields (default: built-in defaults)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir (= resume=true)")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, YAML-parsed values")
+    cmp = sub.add_parser(
+        "compare",
+        help="the main job: train standard, Block and Full AttnRes alike and write report.md with plots",
+        description="Train the standard, Block AttnRes and Full AttnRes models with identical data, hyper-parameters "
+        "and seeds on the default corpus (resumable: finished runs are skipped), then write --out/report.md with "
+        "validation-loss curves, a loss table at equal steps and equal compute with tokens/s, output and gradient "
+        "magnitude per block (Fig. 5) and depth-weight heatmaps (Fig. 8). Same as `attnres experiment compare`.",
+    )
+    _grid_arguments(cmp, default_out="runs/compare", presets="'tiny' (seconds), 'demo' (minutes; default) or "
+                    "'long' (the committed 12-block comparison, 30+ minutes per run)")
     ex = sub.add_parser(
         "experiment",
         help="run one of the report's experiment grids and write its tables and plots",
@@ -30,11 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "every run alike, e.g. `attnres experiment block-size --preset cpu --out runs/bs --seeds 0 1 steps=500`.",
     )
     ex.add_argument("name", choices=EXPERIMENT_NAMES, help="which grid")
-    ex.add_argument("--preset", default="cpu", help="grid size: 'tiny' (seconds) or 'cpu' (default)")
-    ex.add_argument("--out", required=True, help="results directory")
-    ex.add_argument("--seeds", nargs="+", default=["0"], help="seeds of every variant (default 0)")
-    ex.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
-    ex.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
+    _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), 'small', 'cpu' (default); compare: 'tiny', "
+                    "'demo' (default), 'long'")
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s")
     gen.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -69,7 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-EXPERIMENT_NAMES = ("ablation", "block-size", "scaling", "arch-sweep")
+EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep")
+DEFAULT_PRESET = {"compare": "demo"}  # the others: "cpu"
+
+
+def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, presets: str) -> None:
+    """The options `compare` and `experiment` share."""
+    parser.add_argument("--preset", help=f"grid size: {presets}")
+    if default_out is None:
+        parser.add_argument("--out", required=True, help="results directory")
+    else:
+        parser.add_argument("--out", default=default_out, help=f"results directory (default {default_out})")
+    parser.add_argument("--seeds", nargs="+", default=["0"], help="seeds of every variant (default 0)")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,26 +93,23 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # argparse binds `experiment`'s positional overrides together with NAME, so overrides
     # written after the options arrive here as extras; accept them there, and only there.
-    if extra and (args.command != "experiment" or any(e.startswith("-") or "=" not in e for e in extra)):
+    grid = args.command in ("experiment", "compare")
+    if extra and (not grid or any(e.startswith("-") or "=" not in e for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = args.overrides + extra
-    if args.command == "experiment":  # `--seeds 0 1 key=value`: the overrides end the seed list
+    if grid:  # `--seeds 0 1 key=value`: the overrides end the seed list
         args.overrides = [t for t in args.seeds if "=" in t] + args.overrides
         try:
             args.seeds = [int(t) for t in args.seeds if "=" not in t]
         except ValueError:
             parser.error(f"--seeds takes integers; got {args.seeds!r}")
-    if args.command == "demo":
-        from .demo import run_demo
-
-        if args.steps < 1:
-            raise SystemExit("attnres demo: --steps must be >= 1")
-        run_demo(steps=args.steps, seed=args.seed, preset=args.preset)
-    elif args.command == "train":
+    if args.command == "train":
         return run_train(args.config, args.overrides + (["resume=true"] if args.resume else []))
-    elif args.command == "experiment":
-        return run_experiment_cli(args.name, args.preset, args.out, args.seeds, args.overrides, args.report_only)
+    elif grid:
+        name = "compare" if args.command == "compare" else args.name
+        preset = args.preset or DEFAULT_PRESET.get(name, "cpu")
+        return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only)
     elif args.command == "generate":
         return run_generate(args)
     elif args.command == "export":

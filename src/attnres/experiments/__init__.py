@@ -1,4 +1,5 @@
-"""Experiment grids of the report (issue 5): ``attnres experiment {ablation,block-size,scaling,arch-sweep}``.
+"""Experiment grids: the main job ``attnres compare`` (= ``attnres experiment compare``) and
+the report's grids, ``attnres experiment {ablation,block-size,scaling,arch-sweep}``.
 
 >>> from attnres.experiments import get_experiment, run_experiment, write_report
 >>> exp = get_experiment("block-size", "cpu")
@@ -7,12 +8,12 @@
 """
 
 from .flops import PFLOPS_DAY, FlopCount, to_pflops_days, training_flops_per_token
-from .presets import EXPERIMENTS, PRESET_NAMES, Experiment, Variant, arch_shape, get_experiment
+from .presets import EXPERIMENTS, PRESET_NAMES, PRESETS, Experiment, Variant, arch_shape, get_experiment
 from .report import fit_power_law, mean_std, summarize, write_report
 from .runner import load_records, run_experiment
 
 __all__ = [
-    "EXPERIMENTS", "PRESET_NAMES", "Experiment", "Variant", "get_experiment", "arch_shape",
+    "EXPERIMENTS", "PRESET_NAMES", "PRESETS", "Experiment", "Variant", "get_experiment", "arch_shape",
     "run_experiment", "load_records", "write_report", "summarize", "mean_std", "fit_power_law",
     "training_flops_per_token", "FlopCount", "to_pflops_days", "PFLOPS_DAY",
 ]

@@ -1,10 +1,14 @@
 """Named experiment grids: which runs the report's Table 4, Fig. 6, Table 2 and Fig. 7 need.
 
-Every experiment has presets: ``tiny`` (seconds, for tests) and ``cpu`` (a real run on a few
-CPU cores). A preset is a base training config (``TrainConfig`` fields as a mapping, the
-``model`` a mapping of ``ModelConfig`` fields) and a list of :class:`Variant` s, each
-changing only model fields (and, for ``scaling``, the number of steps), so that all
-variants share data, hyper-parameters and seeds.
+Every experiment has presets (:data:`PRESETS` lists which): ``tiny`` (seconds, for tests),
+``small`` (minutes per run on one CPU core: the committed ablation and block-size results),
+``cpu`` (a real run on a few CPU cores), and for ``compare`` (the main job, ``attnres
+compare`` / ``make demo``) ``demo`` (minutes) and ``long`` (the committed comparison: 12
+transformer blocks, at least 30 minutes per run on one core). A preset is a base training
+config (``TrainConfig`` fields as a mapping, the ``model`` a mapping of ``ModelConfig``
+fields) and a list of :class:`Variant` s, each changing only model fields (and, for
+``scaling``, the number of steps), so that all variants share data, hyper-parameters and
+seeds.
 """
 
 from __future__ import annotations
@@ -13,14 +17,35 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-EXPERIMENTS = ("ablation", "block-size", "scaling", "arch-sweep")
-PRESET_NAMES = ("tiny", "cpu")
+EXPERIMENTS = ("compare", "ablation", "block-size", "scaling", "arch-sweep")
+#: The presets of each experiment.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "compare": ("tiny", "demo", "long"),
+    "ablation": ("tiny", "small", "cpu"),
+    "block-size": ("tiny", "small", "cpu"),
+    "scaling": ("tiny", "cpu"),
+    "arch-sweep": ("tiny", "cpu"),
+}
+PRESET_NAMES = tuple(dict.fromkeys(p for names in PRESETS.values() for p in names))
 
 # Shared training settings. `tiny`: a few steps of a toy model; `cpu`: the configs/train-cpu.yaml recipe.
 _TRAIN: dict[str, dict[str, Any]] = {
     "tiny": dict(steps=4, seq_len=16, batch_size=2, warmup_steps=1, eval_every=4, eval_batches=1, log_every=1,
                  diagnostics_every=1000, checkpoint_every=1000, optimizer="adamw", lr=3e-3, schedule="cosine",
                  data={"tokenizer": "byte"}),
+    # One CPU core, about a minute per baseline run: 400 steps of 1024 tokens.
+    "small": dict(steps=400, seq_len=64, batch_size=16, warmup_steps=40, eval_every=100, eval_batches=16,
+                  log_every=10, diagnostics_every=10_000, checkpoint_every=100, optimizer="muon", lr=3e-3,
+                  schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0, data={"tokenizer": "bpe", "vocab_size": 4096}),
+    # The main job's presets (`compare`): diagnostics logged along the way for the Fig. 5 / Fig. 8 plots.
+    # `demo`: `make demo` within 15 minutes on 2 cores, set-up included; `long`: 3600 steps of 2048
+    # tokens, about 30 minutes for the standard model on one quiet core (0.5 s per step).
+    "demo": dict(steps=300, seq_len=128, batch_size=16, warmup_steps=30, eval_every=50, eval_batches=8,
+                 log_every=10, diagnostics_every=100, checkpoint_every=100, optimizer="muon", lr=3e-3,
+                 schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0, data={"tokenizer": "bpe", "vocab_size": 4096}),
+    "long": dict(steps=3600, seq_len=128, batch_size=16, warmup_steps=200, eval_every=200, eval_batches=16,
+                 log_every=20, diagnostics_every=400, checkpoint_every=200, optimizer="muon", lr=3e-3,
+                 schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0, data={"tokenizer": "bpe", "vocab_size": 4096}),
     "cpu": dict(steps=1000, seq_len=128, batch_size=16, warmup_steps=100, eval_every=250, eval_batches=16,
                 log_every=10, diagnostics_every=10_000, checkpoint_every=250, optimizer="muon", lr=3e-3,
                 schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0, data={"tokenizer": "bpe", "vocab_size": 4096}),
@@ -29,7 +54,11 @@ _COMMON = dict(progress=False, tensorboard=False, keep_checkpoints=1)
 # The Table-4 / Fig. 6 model: the report's is 16 layers deep; ours is scaled to the preset.
 _MODEL: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, d_model=32, n_layers=4, n_heads=4, max_seq_len=64),
+    "small": dict(vocab_size=4096, d_model=64, n_layers=8, n_heads=4, max_seq_len=128),
     "cpu": dict(vocab_size=4096, d_model=128, n_layers=8, n_heads=4, max_seq_len=256),
+    # `compare`: depth over width. demo: 8 transformer blocks; long: 12 (24 sublayers, Block S = 3, N = 8).
+    "demo": dict(vocab_size=4096, d_model=64, n_layers=8, n_heads=4, max_seq_len=256),
+    "long": dict(vocab_size=4096, d_model=64, n_layers=12, n_heads=4, max_seq_len=256),
 }
 
 
@@ -63,6 +92,16 @@ class Experiment:
 
 def _naive(**fields: Any) -> dict[str, Any]:
     return {**fields, "attnres_impl": "naive"}
+
+
+def _compare(preset: str) -> list[Variant]:
+    L = 2 * _MODEL[preset]["n_layers"]
+    S = max(2, math.ceil(L / 8))  # N = 8 blocks (the report's choice) where depth allows; S = 1 would be Full
+    return [
+        Variant("standard", dict(residual="standard"), "baseline"),
+        Variant("block", dict(residual="attnres_block", attnres_block_size=S), "block", {"S": S, "N": math.ceil(L / S)}),
+        Variant("full", dict(residual="attnres_full"), "full"),
+    ]
 
 
 def _ablation(preset: str) -> list[Variant]:
@@ -153,14 +192,16 @@ def _arch_sweep(preset: str) -> list[Variant]:
     return out
 
 
-_BUILDERS = {"ablation": _ablation, "block-size": _block_size, "scaling": _scaling, "arch-sweep": _arch_sweep}
+_BUILDERS = {"compare": _compare, "ablation": _ablation, "block-size": _block_size, "scaling": _scaling, "arch-sweep": _arch_sweep}
 
 
 def get_experiment(name: str, preset: str) -> Experiment:
-    """The grid ``name`` (one of :data:`EXPERIMENTS`) at preset ``preset`` (``tiny``/``cpu``)."""
+    """The grid ``name`` (one of :data:`EXPERIMENTS`) at ``preset`` (one of ``PRESETS[name]``)."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}")
-    if preset not in PRESET_NAMES:
-        raise ValueError(f"unknown experiment preset {preset!r}; available: {', '.join(PRESET_NAMES)}")
+    if preset not in PRESETS[name]:
+        raise ValueError(f"unknown preset {preset!r} for experiment {name!r}; available: {', '.join(PRESETS[name])}")
     base = {**_TRAIN[preset], **_COMMON, "model": dict(_MODEL[preset])}
+    if name == "compare" and preset == "tiny":  # the compare report plots diagnostics: log some
+        base["diagnostics_every"] = 2
     return Experiment(name, preset, base, _BUILDERS[name](preset))

@@ -6,6 +6,7 @@ beside the report's numbers (spec §7), and PNG plots (matplotlib, Agg backend).
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -104,7 +105,7 @@ def _overhead(s: Summary, base: Summary | None) -> list[str]:
     return [f"{s.params:,}{dparams}", f"{s.residual_params:,}", time, mem]
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
@@ -125,7 +126,7 @@ def _ablation_md(summ: dict[str, Summary]) -> str:
     for s in summ.values():
         delta = "–" if base is None else f"{s.loss - base.loss:+.4f}"
         rows.append([s.variant, _report_loss_table4(s.variant), _loss(s), delta] + _overhead(s, base))
-    return _table(["variant", "report (Table 4)", "ours: val loss", "Δ vs baseline"] + _OVERHEAD_COLS, rows)
+    return markdown_table(["variant", "report (Table 4)", "ours: val loss", "Δ vs baseline"] + _OVERHEAD_COLS, rows)
 
 
 def _block_size_md(summ: dict[str, Summary], out: Path) -> str:
@@ -148,7 +149,7 @@ def _block_size_md(summ: dict[str, Summary], out: Path) -> str:
     fig.tight_layout()
     fig.savefig(out / "block_size.png", dpi=120)
     plt.close(fig)
-    table = _table(["S", "N blocks", "report (Fig. 6)", "ours: val loss"] + _OVERHEAD_COLS, rows)
+    table = markdown_table(["S", "N blocks", "report (Fig. 6)", "ours: val loss"] + _OVERHEAD_COLS, rows)
     return table + "\n\n![block-size sweep](block_size.png)"
 
 
@@ -182,8 +183,8 @@ def _scaling_md(summ: dict[str, Summary], out: Path) -> str:
     fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=120)
     plt.close(fig)
-    runs = _table(["size", "family", "C (PFLOP/s-days)", "ours: val loss"] + _OVERHEAD_COLS, rows)
-    fit = _table(["family", "report (Table 2)", "ours: L = A·C^−α"], fit_rows)
+    runs = markdown_table(["size", "family", "C (PFLOP/s-days)", "ours: val loss"] + _OVERHEAD_COLS, rows)
+    fit = markdown_table(["family", "report (Table 2)", "ours: L = A·C^−α"], fit_rows)
     return f"{runs}\n\n### Fits\n\n{fit}\n\n![scaling curves](scaling.png)"
 
 
@@ -224,12 +225,28 @@ def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
     fig.savefig(out / "arch_sweep.png", dpi=120)
     plt.close(fig)
     best = {f: min((fam[f].loss, k[0]) for k, fam in cells.items() if f in fam)[1] for f in families}
-    table = _table(["d/L_b", "H/L_b", "L_b", "d", "H", "baseline loss", "AttnRes (Block) loss", "Δ"] + _OVERHEAD_COLS, rows)
+    table = markdown_table(["d/L_b", "H/L_b", "L_b", "d", "H", "baseline loss", "AttnRes (Block) loss", "Δ"] + _OVERHEAD_COLS, rows)
     best_txt = ", ".join(f"{f}: d/L_b = {v:g}" for f, v in best.items())
     return f"Report (Fig. 7): {REPORT_FIG7}.\n\nOurs: best cell {best_txt}.\n\n{table}\n\n![arch sweep](arch_sweep.png)"
 
 
-_TITLES = {"ablation": "Ablations (Table 4)", "block-size": "Block-size sweep (Fig. 6)",
+def _setup(out: Path, records: list[dict[str, Any]]) -> str:
+    """One line with the shared training set-up, read from the first run's ``config.json``."""
+    path = out / records[0]["variant"] / f"seed{records[0]['seed']}" / "config.json"
+    if not path.exists():
+        return ""
+    c = json.loads(path.read_text())
+    m = c["model"]
+    seeds = sorted({r["seed"] for r in records})
+    return (f"Set-up: d_model {m['d_model']}, {m['n_layers']} transformer blocks, {m['n_heads']} heads, vocab "
+            f"{m['vocab_size']} ({c['data']['tokenizer']}); {c['batch_size']} x {c['seq_len']} tokens per step; "
+            f"{c['optimizer']} lr {c['lr']:g}, {c['schedule']} schedule, {c['warmup_steps']} warm-up steps; "
+            f"dtype {c['dtype']}; seeds {seeds}.\n\n")
+
+
+_MEASURES = {"compare": "tokens/s: median over the logging windows of each run, mean over seeds (wall clock: "
+                        "it moves with the load on the machine; FLOPs/token is the load-free cost). "}
+_TITLES = {"compare": "Standard vs Block vs Full AttnRes", "ablation": "Ablations (Table 4)", "block-size": "Block-size sweep (Fig. 6)",
            "scaling": "Scaling laws (Table 2 / Fig. 4)", "arch-sweep": "Architecture sweep (Fig. 7)"}
 
 
@@ -246,13 +263,15 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
         raise ValueError(f"no finished runs to report for experiment {name!r}")
     out = Path(out)
     summ = summarize(records)
-    body = {"ablation": lambda: _ablation_md(summ), "block-size": lambda: _block_size_md(summ, out),
-            "scaling": lambda: _scaling_md(summ, out), "arch-sweep": lambda: _arch_sweep_md(summ, out)}[name]()
+    from .compare import compare_markdown  # compare builds on this module's helpers
+
+    body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ),
+            "block-size": lambda: _block_size_md(summ, out), "scaling": lambda: _scaling_md(summ, out), "arch-sweep": lambda: _arch_sweep_md(summ, out)}[name]()
     steps = sorted({r["steps"] for r in records})
-    head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n"
+    head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records)}"
             f"{len(records)} runs, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
-            "Step time: median ms per optimiser step; peak memory: CUDA only (n/a on CPU). "
-            "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")
+            + _MEASURES.get(name, "Step time: median ms per optimiser step; peak memory: CUDA only (n/a on CPU). ")
+            + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")
     path = out / "report.md"
     path.write_text(head + body + "\n")
     return path

@@ -94,7 +94,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
 
 def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (0,), overrides: list[str] = (),
                    log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run every (variant, seed) of ``experiment`` under ``out`` in order, skipping finished
+    """Run every (seed, variant) of ``experiment`` under ``out``, seed by seed, skipping finished
     runs; returns all records (finished earlier or now).
 
     Raises ``ValueError`` if ``out`` holds a different experiment, preset, or overrides
@@ -113,8 +113,10 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
                              f"{ {k: saved.get(k) for k in differing} }); pick another --out")
     out.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(header, indent=1))
+    # Seed-major: each seed completes a whole comparison before the next seed starts, so an
+    # interrupted grid still holds comparable runs. Every run is validated before the first starts.
     configs = [(v, s, run_config(experiment, v, s, out / v.name / f"seed{s}", overrides))
-               for v in experiment.variants for s in seeds]  # validate every run before the first starts
+               for s in seeds for v in experiment.variants]
     records = []
     for i, (variant, seed, config) in enumerate(configs, 1):
         done = Path(config.out_dir) / RESULT_FILE

@@ -208,7 +208,7 @@ class ModelConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     # Unit tests: a few milliseconds per forward.
     "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128, attnres_block_size=2),
-    # `make demo` before training lands: a small model on generated data.
+    # configs/train-cpu.yaml: a small model for a first training run on CPU.
     "demo": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256, attnres_block_size=2),
     # The core issue's CPU overhead benchmark: d=512, 8 transformer blocks, S=4 (N=4).
     "bench-cpu": dict(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, max_seq_len=256, attnres_block_size=4),
