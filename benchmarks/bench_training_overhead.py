@@ -25,15 +25,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from attnres import AttnResLM, ModelConfig
+from attnres.analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
 
 VARIANTS = {
     "standard": dict(residual="standard"),
@@ -66,44 +65,8 @@ def make_step(model, runner, ids, mode):
     return step
 
 
-def peak_memory_bytes(step) -> int:
-    """Largest rise of live CPU allocations during ``step()`` above the level at its start
-    (profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
-    return max(totals) - min(totals) if totals else 0
-
-
-def time_interleaved(steps: dict, repeats: int) -> dict[str, list[float]]:
-    times = {k: [] for k in steps}
-    for r in range(repeats):
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t0)
-        log(f"    round {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()))
-    return times
-
-
 def summarize(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    base = times["standard"]
-    out = {}
-    for name, ts in times.items():
-        out[name] = {
-            "median_ms": statistics.median(ts) * 1e3,
-            "ratio_of_medians": statistics.median(ts) / statistics.median(base),
-            "median_paired_ratio": statistics.median(t / b for t, b in zip(ts, base)),
-            "samples_ms": [t * 1e3 for t in ts],
-        }
-    return out
+    return paired_summary(times, "standard")
 
 
 def main() -> int:
@@ -159,7 +122,7 @@ def main() -> int:
                 steps[name]()
                 log(f"[{backend}/{mode}] warm-up {name}: {time.perf_counter() - t0:.1f} s")
             repeats = args.repeats_train if mode == "train" else args.repeats_forward
-            results["timing"][f"{backend}/{mode}"] = summarize(time_interleaved(steps, repeats))
+            results["timing"][f"{backend}/{mode}"] = summarize(time_interleaved(steps, repeats, log))
             if backend == "eager" and mode == "train":
                 for name in names:
                     results["peak_memory_bytes"][name] = peak_memory_bytes(steps[name])

@@ -228,3 +228,22 @@ def test_compare_reads_losses_at_equal_compute():
     assert losses[BASELINE][0] == pytest.approx(2.0)  # its own budget: its last step
     assert losses["block"][0] == pytest.approx(2.4)  # step 80: 2.5 - 0.5 * 5 / 25
     assert math.isnan(losses["full"][0])  # step 40: before the first evaluation, not extrapolated
+
+
+def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):
+    out = tmp_path / "bs"
+    over = [f"data.paths=[{corpus}]"]
+    assert cli_main(["experiment", "block-size", "--preset", "tiny", "--out", str(out), "--overhead-repeats", "2",
+                     *over]) == 0
+    m = json.loads((out / "overhead.json").read_text())
+    exp = get_experiment("block-size", "tiny")
+    assert list(m["variants"]) == [v.name for v in exp.variants] and m["baseline"] == "baseline"
+    base = m["variants"]["baseline"]
+    assert base["step_ratio"] == 1.0 and base["peak_ratio"] == 1.0 and base["peak_memory_bytes"] > 0
+    # Full AttnRes (S = 1) keeps every sublayer output and its depth-attention activations
+    assert m["variants"]["s1"]["peak_memory_bytes"] > base["peak_memory_bytes"]
+    text = (out / "report.md").read_text()
+    assert "timed interleaved over 2 rounds" in text
+    assert f"{m['variants']['s1']['step_ratio']:.2f}×" in text
+    with pytest.raises(SystemExit, match="--overhead-repeats must be >= 0"):
+        cli_main(["experiment", "block-size", "--preset", "tiny", "--out", str(out), "--overhead-repeats", "-1"])

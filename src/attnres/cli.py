@@ -85,6 +85,10 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
         parser.add_argument("--out", default=default_out, help=f"results directory (default {default_out})")
     parser.add_argument("--seeds", nargs="+", default=["0"], help="seeds of every variant (default 0)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
+    parser.add_argument("--overhead-repeats", type=int, default=10,
+                        help="ablation / block-size: after training, time one step of every variant side by side "
+                        "over this many interleaved rounds and measure its peak memory, for the report's overhead "
+                        "columns (default 10; 0 = use the step times the runs logged)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
 
 
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     elif grid:
         name = "compare" if args.command == "compare" else args.name
         preset = args.preset or DEFAULT_PRESET.get(name, "cpu")
-        return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only)
+        return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
+                                  args.overhead_repeats)
     elif args.command == "generate":
         return run_generate(args)
     elif args.command == "export":
@@ -119,15 +124,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool) -> int:
-    """``attnres experiment``: bad presets, seeds or overrides end the process with a one-line message."""
-    from .experiments import get_experiment, load_records, run_experiment, write_report
+OVERHEAD_EXPERIMENTS = ("ablation", "block-size")  # grids whose tables compare the variants' cost
+
+
+def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool,
+                       overhead_repeats: int = 0) -> int:
+    """``attnres experiment`` / ``attnres compare``: bad presets, seeds or overrides end the
+    process with a one-line message."""
+    from .experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
     from .train import TrainingDiverged
 
+    if overhead_repeats < 0:
+        raise SystemExit(f"attnres {name}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
     try:
         experiment = get_experiment(name, preset)
         if not report_only:
             run_experiment(experiment, out, seeds, overrides)
+            if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
+                measure_overhead(experiment, out, overrides, overhead_repeats)
         records = load_records(out, experiment)  # every seed finished so far, not only this invocation's
         path = write_report(name, records, out, preset)
     except (ValueError, TrainingDiverged) as e:

@@ -10,10 +10,11 @@ the report's grids, ``attnres experiment {ablation,block-size,scaling,arch-sweep
 from .flops import PFLOPS_DAY, FlopCount, to_pflops_days, training_flops_per_token
 from .presets import EXPERIMENTS, PRESET_NAMES, PRESETS, Experiment, Variant, arch_shape, get_experiment
 from .report import fit_power_law, mean_std, summarize, write_report
+from .overhead import measure_overhead
 from .runner import load_records, run_experiment
 
 __all__ = [
     "EXPERIMENTS", "PRESET_NAMES", "PRESETS", "Experiment", "Variant", "get_experiment", "arch_shape",
-    "run_experiment", "load_records", "write_report", "summarize", "mean_std", "fit_power_law",
+    "run_experiment", "load_records", "measure_overhead", "write_report", "summarize", "mean_std", "fit_power_law",
     "training_flops_per_token", "FlopCount", "to_pflops_days", "PFLOPS_DAY",
 ]

@@ -70,6 +70,7 @@ class Summary:
     pflops_days: float
     step_time_s: float | None
     peak_memory_bytes: float | None
+    step_ratio: float | None = None  # measured side by side (overhead.json): median per-round ratio to the baseline
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Summary]:
@@ -98,11 +99,31 @@ def _overhead(s: Summary, base: Summary | None) -> list[str]:
     def ratio(a, b):
         return f" ({a / b:.2f}×)" if base is not None and a is not None and b else ""
 
-    time = "n/a" if s.step_time_s is None else f"{s.step_time_s * 1e3:.1f}" + ratio(s.step_time_s, base and base.step_time_s)
-    mem = "n/a" if s.peak_memory_bytes is None else f"{s.peak_memory_bytes / 2**20:.0f}" + ratio(
+    time = "n/a" if s.step_time_s is None else f"{s.step_time_s * 1e3:.1f}" + (
+        f" ({s.step_ratio:.2f}×)" if s.step_ratio is not None else ratio(s.step_time_s, base and base.step_time_s))
+    mem = "n/a" if s.peak_memory_bytes is None else f"{s.peak_memory_bytes / 2**20:.1f}" + ratio(
         s.peak_memory_bytes, base and base.peak_memory_bytes)
     dparams = "" if base is None else f" ({s.params - base.params:+,})"
     return [f"{s.params:,}{dparams}", f"{s.residual_params:,}", time, mem]
+
+
+def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
+    """Replace the logged step times and peak memory of ``summ`` with the side-by-side
+    measurements of ``out/overhead.json`` when it exists; returns how they were measured."""
+    from .overhead import OVERHEAD_FILE
+
+    path = out / OVERHEAD_FILE
+    if not path.exists():
+        return None
+    m = json.loads(path.read_text())
+    for name, v in m["variants"].items():
+        if name in summ:
+            summ[name].step_time_s = v["median_ms"] / 1e3
+            summ[name].step_ratio = v["step_ratio"]
+            summ[name].peak_memory_bytes = v["peak_memory_bytes"]
+    return (f"Step time and peak memory: one training step of each variant ({m['batch']} x {m['seq_len']} tokens, "
+            f"{m['threads']} thread(s)), all variants timed interleaved over {m['repeats']} rounds; × baseline = "
+            "median of the per-round ratios. Peak memory: rise of live CPU allocations during the step (profiler). ")
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -263,6 +284,7 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
         raise ValueError(f"no finished runs to report for experiment {name!r}")
     out = Path(out)
     summ = summarize(records)
+    measured = apply_overhead(summ, out)
     from .compare import compare_markdown  # compare builds on this module's helpers
 
     body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ),
@@ -270,7 +292,8 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     steps = sorted({r["steps"] for r in records})
     head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records)}"
             f"{len(records)} runs, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
-            + _MEASURES.get(name, "Step time: median ms per optimiser step; peak memory: CUDA only (n/a on CPU). ")
+            + (measured or _MEASURES.get(name, "Step time: median ms per optimiser step of the training runs; peak "
+                                                "memory: CUDA only (n/a on CPU). "))
             + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")
     path = out / "report.md"
     path.write_text(head + body + "\n")

@@ -14,7 +14,6 @@ no cache (it mixes over depth token by token).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel

@@ -1,0 +1,70 @@
+"""Side-by-side cost measurements on a noisy machine: interleaved step timing and the peak
+memory of one step.
+
+Timings on a shared CPU drift with the load. Timing several models **interleaved** (one step
+of each, round after round) exposes them to the same drift, and the median of the per-round
+ratios against a baseline is robust to drifts that hit a whole round. Report ratios, not
+absolute times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+
+def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int,
+                     log: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Seconds of every call of each ``steps[name]()``, ``repeats`` rounds of one call each, in
+    order. Warm the steps up before (the first call of a model pays one-off costs)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1; got {repeats!r}")
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for r in range(repeats):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+        if log is not None:
+            log(f"    round {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()))
+    return times
+
+
+def paired_summary(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float | list[float]]]:
+    """Per name: ``median_ms``, ``ratio_of_medians`` and ``median_paired_ratio`` against
+    ``baseline`` (the median over rounds of this round's time / the baseline's), and the
+    samples in ms."""
+    if baseline not in times:
+        raise ValueError(f"baseline {baseline!r} is not among the timed steps {sorted(times)}")
+    base = times[baseline]
+    return {
+        name: {
+            "median_ms": statistics.median(ts) * 1e3,
+            "ratio_of_medians": statistics.median(ts) / statistics.median(base),
+            "median_paired_ratio": statistics.median(t / b for t, b in zip(ts, base)),
+            "samples_ms": [t * 1e3 for t in ts],
+        }
+        for name, ts in times.items()
+    }
+
+
+def peak_memory_bytes(step: Callable[[], None]) -> int:
+    """Largest rise of live CPU allocations during ``step()`` above the level at its start
+    (profiler memory events): activations, gradients and temporaries, not what was allocated
+    before the step (parameters, inputs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    return max(totals) - min(totals) if totals else 0
