@@ -34,12 +34,16 @@ import time
 from pathlib import Path
 
 import torch
-from bench_training_overhead import log, peak_memory_bytes, summarize, time_interleaved, write_results
+from bench_training_overhead import log, summarize, write_results
+
+from attnres.analysis.profiling import CLOCKS, peak_memory_bytes, time_interleaved
 
 from attnres import AttnResLM, ModelConfig
 from attnres.inference import KVCache, decode_step, prefill
 
-RESIDUALS = {"standard": "standard", "block": "attnres_block", "full": "attnres_full"}
+# `standard_twin` is a second standard model with the same weights: an A/A control whose ratio
+# to `standard` shows the measurement's noise floor.
+RESIDUALS = {"standard": "standard", "block": "attnres_block", "full": "attnres_full", "standard_twin": "standard"}
 
 
 def with_impl(model: AttnResLM, impl: str, fn):
@@ -90,11 +94,17 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--repeats-prefill", type=int, default=3)
     p.add_argument("--repeats-decode", type=int, default=15)
-    p.add_argument("--no-naive-prefill", action="store_true", help="time the naive schedule in decode only "
-                   "(a naive Full AttnRes prefill of 1024 tokens takes ~9x the standard model on CPU)")
+    p.add_argument("--repeats-naive-prefill", type=int, default=2,
+                   help="rounds of the two-phase vs naive prefill comparison, timed apart from the main one (a naive "
+                   "Full AttnRes prefill of 1024 tokens takes several times the standard model on CPU); 0 = skip")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall time, or CPU time of the process (steadier on a shared machine; use with --threads 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--quick", action="store_true", help="4 blocks, prompt/context 128, 2 rounds: a smoke run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     overrides = {}
     if args.quick:
         overrides = dict(n_layers=4)
@@ -119,17 +129,27 @@ def main() -> int:
             "processor": platform.processor(),
         },
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "clock": args.clock,
         "timing": {},
         "peak_memory_bytes": {},
     }
 
     # -- prefill -------------------------------------------------------------------------
-    steps = variant_steps(models, lambda m: lambda: prefill(m, prompt), naive=not args.no_naive_prefill)
+    steps = variant_steps(models, lambda m: lambda: prefill(m, prompt), naive=False)
     warm(steps, "prefill")
-    results["timing"]["prefill"] = summarize(time_interleaved(steps, args.repeats_prefill))
+    results["timing"]["prefill"] = summarize(time_interleaved(steps, args.repeats_prefill, log, args.clock))
+    if args.repeats_naive_prefill:
+        steps = variant_steps({k: models[k] for k in ("standard", "block", "full")}, lambda m: lambda: prefill(m, prompt))
+        warm({k: v for k, v in steps.items() if k.endswith("_naive")}, "prefill naive")
+        results["timing"]["prefill vs naive"] = summarize(
+            time_interleaved(steps, args.repeats_naive_prefill, log, args.clock))
     for name, m in models.items():  # the two-phase models (the naive path is the test reference)
+        if name == "standard_twin":
+            continue
         results["peak_memory_bytes"][name] = peak_memory_bytes(lambda m=m: prefill(m, prompt))
     for name, m in models.items():
+        if name == "standard_twin":
+            continue
         results["peak_memory_bytes"][f"{name} (chunk {args.chunk})"] = peak_memory_bytes(
             lambda m=m: prefill(m, prompt, chunk_size=args.chunk)
         )
@@ -149,7 +169,7 @@ def main() -> int:
 
         steps = variant_steps(models, make)
         warm(steps, f"decode b={batch}", times=2)
-        results["timing"][f"decode b={batch}"] = summarize(time_interleaved(steps, args.repeats_decode))
+        results["timing"][f"decode b={batch}"] = summarize(time_interleaved(steps, args.repeats_decode, log, args.clock))
         del cache, steps
 
     write_results(out, results, render_markdown)
@@ -167,8 +187,11 @@ def render_markdown(r: dict) -> str:
         f"prompt {c['prompt']}; decode: one token per sequence with {c['context']} cached positions.  ",
         f"Machine: {r['machine']['cpu_count']} CPUs, {r['machine']['threads']} torch threads, torch {r['machine']['torch']}.",
         "",
+        f"Clock: {r.get('clock', 'wall')} ({'CPU time of the process: waiting for a core taken by another process does not count' if r.get('clock') == 'cpu' else 'elapsed wall time'}).",
+        "",
         "Times are medians over interleaved rounds; *ratio* = median / median of the standard model; "
-        "*paired* = median over rounds of (this / standard) in the same round.",
+        "*paired* = median over rounds of (this / standard) in the same round. `standard_twin` is the same "
+        "standard model timed as if it were another variant: its distance from 1 is the noise floor.",
         "",
         "| phase | variant | median ms | ratio | paired ratio |",
         "|---|---|---:|---:|---:|",
@@ -178,6 +201,8 @@ def render_markdown(r: dict) -> str:
             lines.append(f"| {phase} | {name} | {s['median_ms']:.2f} | {s['ratio_of_medians']:.4f} | {s['median_paired_ratio']:.4f} |")
     lines += ["", "Two-phase vs naive: speed-up = naive median / two-phase median", "", "| phase | block | full |", "|---|---:|---:|"]
     for phase, rows in r["timing"].items():
+        if not any(k.endswith("_naive") for k in rows):
+            continue
         cells = [f"{rows[f'{v}_naive']['median_ms'] / rows[v]['median_ms']:.2f}x" if f"{v}_naive" in rows else "not run"
                  for v in ("block", "full")]
         lines.append(f"| {phase} | {' | '.join(cells)} |")

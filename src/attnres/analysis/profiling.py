@@ -17,18 +17,30 @@ import time
 from collections.abc import Callable
 
 
+#: Clocks for :func:`time_interleaved`. ``wall``: elapsed time. ``cpu``: CPU time of this
+#: process (all its threads) - time the process spends waiting for a core taken by another
+#: process does not count, so on a shared machine it is far steadier than wall time; with one
+#: torch thread it is the work of the computation itself (with several, idle OpenMP threads
+#: spinning at barriers count too). Memory-bandwidth contention still shows in both.
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int,
-                     log: Callable[[str], None] | None = None) -> dict[str, list[float]]:
-    """Seconds of every call of each ``steps[name]()``, ``repeats`` rounds of one call each, in
-    order. Warm the steps up before (the first call of a model pays one-off costs)."""
+                     log: Callable[[str], None] | None = None, clock: str = "wall") -> dict[str, list[float]]:
+    """Seconds (of ``clock``, see :data:`CLOCKS`) of every call of each ``steps[name]()``,
+    ``repeats`` rounds of one call each, in order. Warm the steps up before (the first call of
+    a model pays one-off costs)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1; got {repeats!r}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}; got {clock!r}")
+    now = CLOCKS[clock]
     times: dict[str, list[float]] = {k: [] for k in steps}
     for r in range(repeats):
         for name, step in steps.items():
-            t0 = time.perf_counter()
+            t0 = now()
             step()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(now() - t0)
         if log is not None:
             log(f"    round {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()))
     return times

@@ -196,14 +196,18 @@ def merge_with_sources(
         ``h = (e^(m-M) sumexp o_hat + sum_k e^(z_k-M) x_k) / (e^(m-M) sumexp + sum_k e^(z_k-M))``
         with ``M = max(m, z_1, ..., z_k)``.
     """
+    if len(xs) == 1:
+        # Two terms: the weight of x is e^z / (sumexp e^m + e^z) = sigmoid(z - lse) with
+        # lse = m + log(sumexp), the log-sum-exp of Phase 1 - the same value in a few ops
+        # instead of a dozen (what decoding, one token at a time, pays for), and stable for
+        # any z. Then one fused pass: h = o_hat + w_x (x - o_hat).
+        w_x = torch.sigmoid(zs[0] - (m + torch.log(sumexp)))
+        x = xs[0] if xs[0].dtype == o_hat.dtype else xs[0].to(o_hat.dtype)
+        return torch.lerp(o_hat, x, w_x.unsqueeze(-1)), torch.stack([1 - w_x, w_x], dim=-1)
     z = torch.stack(list(zs), dim=-1)  # [..., k]
     m_new = torch.maximum(m, z.amax(dim=-1))
     scores = torch.cat([(sumexp * torch.exp(m - m_new)).unsqueeze(-1), torch.exp(z - m_new.unsqueeze(-1))], dim=-1)
     w = scores / scores.sum(dim=-1, keepdim=True)  # [..., 1 + k]
-    if len(xs) == 1:
-        # One fused pass: h = o_hat + w_x (x - o_hat).
-        x = xs[0] if xs[0].dtype == o_hat.dtype else xs[0].to(o_hat.dtype)
-        return torch.lerp(o_hat, x, w[..., 1:]), w
     wu = w.unsqueeze(-1)
     h = o_hat * wu[..., 0, :]
     for k, x in enumerate(xs, start=1):
