@@ -1,4 +1,4 @@
-"""Inference latency of Block / Full AttnRes against the standard residual (CPU, eager).
+"""Inference latency of Block / Full AttnRes against the standard residual (CPU; eager, or ``--compile``).
 
 Shape (issue 4): preset ``bench-infer`` - d = 1024, 16 transformer blocks (L = 32
 sublayers), Block AttnRes with S = 4 (N = 8 blocks), vocabulary 8192, float32.
@@ -100,6 +100,9 @@ def main() -> int:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time, or CPU time of the process (steadier on a shared machine; use with --threads 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true",
+                   help="time torch.compile'd models (inductor; compiling takes minutes per model and shape). "
+                   "The naive schedule is not timed then (it is the eager reference)")
     p.add_argument("--quick", action="store_true", help="4 blocks, prompt/context 128, 2 rounds: a smoke run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -118,6 +121,7 @@ def main() -> int:
     for name, residual in RESIDUALS.items():
         torch.manual_seed(0)
         models[name] = AttnResLM(base.replace(residual=residual)).eval()
+    runners = {name: torch.compile(m) if args.compile else m for name, m in models.items()}
     prompt = torch.randint(0, base.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     results = {
         "config": {**base.to_dict(), "prompt": args.prompt, "context": args.context, "chunk": args.chunk, "dtype": "float32"},
@@ -130,15 +134,16 @@ def main() -> int:
         },
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "clock": args.clock,
+        "compiled": args.compile,
         "timing": {},
         "peak_memory_bytes": {},
     }
 
     # -- prefill -------------------------------------------------------------------------
-    steps = variant_steps(models, lambda m: lambda: prefill(m, prompt), naive=False)
-    warm(steps, "prefill")
+    steps = variant_steps(runners, lambda m: lambda: prefill(m, prompt), naive=False)
+    warm(steps, "prefill", times=2 if args.compile else 1)
     results["timing"]["prefill"] = summarize(time_interleaved(steps, args.repeats_prefill, log, args.clock))
-    if args.repeats_naive_prefill:
+    if args.repeats_naive_prefill and not args.compile:
         steps = variant_steps({k: models[k] for k in ("standard", "block", "full")}, lambda m: lambda: prefill(m, prompt))
         warm({k: v for k, v in steps.items() if k.endswith("_naive")}, "prefill naive")
         results["timing"]["prefill vs naive"] = summarize(
@@ -167,7 +172,7 @@ def main() -> int:
 
             return step
 
-        steps = variant_steps(models, make)
+        steps = variant_steps(runners, make, naive=not args.compile)
         warm(steps, f"decode b={batch}", times=2)
         results["timing"][f"decode b={batch}"] = summarize(time_interleaved(steps, args.repeats_decode, log, args.clock))
         del cache, steps
@@ -179,7 +184,7 @@ def main() -> int:
 def render_markdown(r: dict) -> str:
     c = r["config"]
     lines = [
-        "# Inference latency of AttnRes over the standard residual (CPU, eager)",
+        f"# Inference latency of AttnRes over the standard residual (CPU, {'torch.compile' if r.get('compiled') else 'eager'})",
         "",
         f"Command: `{r['command']}`  ",
         f"Shape: d={c['d_model']}, {c['n_layers']} transformer blocks (L={2 * c['n_layers']}), Block S={c['attnres_block_size']} "
