@@ -68,6 +68,31 @@ def test_decode_two_phase_matches_naive():
         assert torch.equal(a, b), residual
 
 
+def test_folded_queries_kept_between_steps_follow_parameter_updates():
+    """Without autograd the gain-folded queries are computed once and kept; an in-place
+    update of a query or a gain (an optimiser step, ``load_state_dict``) must be seen."""
+    model = make_model(residual="attnres_block").eval()
+    res = model.residual
+    ids = random_ids(1, 9)
+    fresh = lambda: torch.stack([m.folded_query() for m in res.mixers])  # noqa: E731
+    with torch.inference_mode():
+        first = res._folded_queries(torch.float32)
+        assert res._folded_queries(torch.float32) is first  # kept
+    with torch.no_grad():
+        res.mixers[1].query.add_(0.5)
+        res.mixers[-1].key_norm.weight.mul_(2.0)
+        updated = res._folded_queries(torch.float32)
+    assert not updated.requires_grad and not updated.is_inference()
+    torch.testing.assert_close(updated, fresh(), rtol=0, atol=0)
+    assert not torch.equal(updated, first)
+    with torch.no_grad():
+        logits = model(ids).logits
+    with torch.enable_grad():  # with autograd the queries are rebuilt in the graph, never cached
+        q = res._folded_queries(torch.float32)
+        assert q.requires_grad
+        close(model(ids).logits, logits, "cached vs rebuilt queries")
+
+
 # -- chunked prefill == one-shot prefill ---------------------------------------------------
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 19, 64])
 def test_chunked_prefill_matches_one_shot(model, chunk_size):

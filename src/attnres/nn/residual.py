@@ -316,9 +316,22 @@ class _AttnResBase(ResidualStream):
         return h
 
     def _folded_queries(self, dtype: torch.dtype) -> Tensor:
-        """``[L + 1, d]``: every mixer's query with its key-norm gain folded in."""
+        """``[L + 1, d]``: every mixer's query with its key-norm gain folded in.
+
+        Without autograd (inference, decoding) the result is kept until a query or gain
+        changes (their version counters and storage are the key): decoding runs the residual
+        once per token, and rebuilding this costs ~3 small ops per sublayer each time."""
         compute = compute_dtype(dtype)
-        return torch.stack([m.folded_query(compute) for m in self.mixers])
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return torch.stack([m.folded_query(compute) for m in self.mixers])
+        key = (compute, tuple((p._version, p.data_ptr(), p.device) for m in self.mixers
+                              for p in (m.query, m.key_norm.weight)))
+        cached = self.__dict__.get("_folded_cache")
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
+                cached = (key, torch.stack([m.folded_query(compute) for m in self.mixers]))
+            self.__dict__["_folded_cache"] = cached
+        return cached[1]
 
     def _complete(self, st: dict, x: Tensor, first_query: int) -> None:
         """Register ``x`` as a completed source visible to queries ``first_query .. L``."""
