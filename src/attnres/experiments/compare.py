@@ -259,16 +259,18 @@ def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any]) -> list[str]:
             mean, std = mean_std(d)
             verdict = ("lower" if mean < 0 else "higher") + " validation loss than the standard model"
             spread = f" ± {std:.4f}" if std is not None else ""
-            out.append(f"{_LABELS[name]} at {what}: {verdict} by {abs(mean):.4f}{spread} (paired over {len(d)} seed(s); "
+            out.append(f"{_LABELS.get(name, name)} at {what}: {verdict} by {abs(mean):.4f}{spread} (paired over {len(d)} seed(s); "
                        f"better in {sum(v < 0 for v in d)}/{len(d)}).")
     for name, rs in groups.items():
         outs, grads = _mean_curve(rs, "block_output_rms"), _mean_curve(rs, "block_grad_norm")
+        inputs = _mean_curve(rs, "block_input_rms")
         if outs is None or grads is None or len(outs) < 2:
             continue
         monotone = bool(np.all(np.diff(outs) > 0))
         grad_cv = float(np.std(grads) / np.mean(grads))
-        out.append(f"{_LABELS[name]}: block output magnitude last/first = {outs[-1] / outs[0]:.2f}"
-                   f" ({'grows monotonically with depth' if monotone else 'not monotone in depth'}); gradient "
+        hidden = "" if inputs is None else f"; hidden state entering the blocks, last/first = {inputs[-1] / inputs[0]:.2f}"
+        out.append(f"{_LABELS.get(name, name)}: block output magnitude last/first = {outs[-1] / outs[0]:.2f}"
+                   f" ({'grows monotonically with depth' if monotone else 'not monotone in depth'}){hidden}; gradient "
                    f"magnitude first/last block = {grads[0] / grads[-1]:.2f}, spread over blocks (std/mean) = {grad_cv:.2f}.")
     return out
 
