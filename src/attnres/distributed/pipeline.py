@@ -438,10 +438,20 @@ class PipelineRunner:
 
         cfg = self.config
         if self._torch_schedule is None:
-            stages = [PipelineStage(chunk, c, cfg.n_chunks, self.device, group=self.group) for c, chunk in self.chunks.items()]
-            for c, chunk in self.chunks.items():
-                if not chunk.last:
-                    chunk.register_forward_hook(self._count_hook(c + 1))
+            counter = self.counter
+
+            class CountingStage(PipelineStage):
+                """Counts the outputs that a non-last stage sends on (as they are), per
+                micro-batch; torch's one-off metadata inference is not counted."""
+
+                def forward_one_chunk(self, *args, **kwargs):
+                    out = super().forward_one_chunk(*args, **kwargs)
+                    if not self.is_last:
+                        outs = out if isinstance(out, tuple) else (out,)
+                        counter.record("forward", self.stage_index + 1, len(outs), sum(t.numel() * t.element_size() for t in outs))
+                    return out
+
+            stages = [CountingStage(chunk, c, cfg.n_chunks, self.device, group=self.group) for c, chunk in self.chunks.items()]
             kw = dict(n_microbatches=cfg.n_microbatches, loss_fn=self._loss, scale_grads=False)
             if cfg.schedule == "interleaved_1f1b":
                 self._torch_schedule = ScheduleInterleaved1F1B(stages, **kw)
@@ -457,16 +467,6 @@ class PipelineRunner:
         kwargs = dict(target=labels, losses=losses) if has_last else {}
         self._torch_schedule.step(*args, **kwargs)
         return torch.stack(losses).sum() if has_last else None
-
-    def _count_hook(self, dst: int):
-        """Counts a stage's outputs, which ``PipelineStage`` sends to chunk ``dst`` as they are
-        (shape inference runs on meta tensors and is not counted)."""
-
-        def hook(module, inputs, outputs):
-            if outputs[0].device.type != "meta":
-                self.counter.record("forward", dst, len(outputs), sum(t.numel() * t.element_size() for t in outputs))
-
-        return hook
 
     # -- this module's executor ---------------------------------------------------------
     def _step_attnres(self, input_ids: Tensor, labels: Tensor) -> Tensor | None:
