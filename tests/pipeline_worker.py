@@ -46,6 +46,7 @@ def run_case(case: dict, device: torch.device) -> dict:
         merged.update(g)
         counter.merge(c)
     return {
+        "case": case,
         "loss": loss.item(),
         "ref_loss": out.loss.item(),
         "grads": merged,
