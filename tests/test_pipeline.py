@@ -277,5 +277,4 @@ def test_counted_transfers_equal_the_plan(two_ranks, four_ranks):
             M = pipe["n_microbatches"]
             sent = {c: t for c, (_, t, _) in r["counter"]["forward"].items()}
             assert sent == {t.chunk: M * t.tensors for t in plan}, name
-            if pipe["runtime"] == "attnres":
-                assert {c: t for c, (_, t, _) in r["counter"]["backward"].items()} == sent, name
+            assert {c: t for c, (_, t, _) in r["counter"]["backward"].items()} == sent, name

@@ -441,8 +441,8 @@ class PipelineRunner:
             counter = self.counter
 
             class CountingStage(PipelineStage):
-                """Counts the outputs that a non-last stage sends on (as they are), per
-                micro-batch; torch's one-off metadata inference is not counted."""
+                """Counts per micro-batch what the stage sends: its outputs (as they are) and
+                the gradients of its inputs; torch's one-off metadata inference is not counted."""
 
                 def forward_one_chunk(self, *args, **kwargs):
                     out = super().forward_one_chunk(*args, **kwargs)
@@ -450,6 +450,12 @@ class PipelineRunner:
                         outs = out if isinstance(out, tuple) else (out,)
                         counter.record("forward", self.stage_index + 1, len(outs), sum(t.numel() * t.element_size() for t in outs))
                     return out
+
+                def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+                    super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+                    if not self.is_first:
+                        grads = [g for g in self.bwd_cache[bwd_chunk_id] if g is not None]
+                        counter.record("backward", self.stage_index, len(grads), sum(g.numel() * g.element_size() for g in grads))
 
             stages = [CountingStage(chunk, c, cfg.n_chunks, self.device, group=self.group) for c, chunk in self.chunks.items()]
             kw = dict(n_microbatches=cfg.n_microbatches, loss_fn=self._loss, scale_grads=False)
