@@ -556,3 +556,4 @@ class PipelineRunner:
                 inbox[key] = [t.detach().requires_grad_() for t in buf.unbind(0)]
             else:
                 inbox[key] = list(buf.unbind(0))
+
