@@ -229,6 +229,7 @@ def two_ranks(tmp_path_factory):
         cases[f"{res}/interleaved/torch"] = case(model, 2, "interleaved_1f1b", 2, "torch", False, 2)
         cases[f"{res}/interleaved/naive"] = case(model, 2, "interleaved_1f1b", 2, "attnres", False, 2)
         cases[f"{res}/interleaved/cached"] = case(model, 2, "interleaved_1f1b", 2, "attnres", True, 2)
+        cases[f"{res}/gpipe-v2/torch"] = case(model, 2, "gpipe", 2, "torch", False, 2)
         cases[f"{res}/gpipe-v2/cached"] = case(model, 2, "gpipe", 2, "attnres", True, 2)
     return run_cases(tmp_path_factory.mktemp("pp2"), 2, cases, timeout=300)
 

@@ -16,7 +16,7 @@ from .pipeline import RUNTIMES, SCHEDULES, PipelineConfig, PipelineRunner, defau
 
 def main(argv: list[str] | None = None) -> int:
     """``torchrun --nproc-per-node P -m attnres.distributed.pipeline_cli [options]``: a few
-    pipelined AdamW steps of a preset model on random tokens, printing the loss and the
+    pipelined AdamW steps of a preset model on one random batch, printing the loss and the
     bytes this pipeline sent per step (rank 0). The backend follows the device: NCCL on
     CUDA (one GPU per rank), gloo on CPU."""
     p = argparse.ArgumentParser(prog="attnres.distributed.pipeline_cli", description=main.__doc__)
@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)  # every rank builds the same model and keeps its own chunks
         runner = PipelineRunner(AttnResLM(cfg).to(device), pipe)
         opt = torch.optim.AdamW(runner.parameters(), lr=args.lr)
-        gen = torch.Generator().manual_seed(0)
+        # One fixed random batch: the loss falls as the model memorises it.
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
         for step in range(args.steps):
-            ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
             runner.counter.reset()
             loss = runner.forward_backward(ids, ids)
             opt.step()
