@@ -219,35 +219,41 @@ def check_against_single_process(results: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def launch(tmp_path_factory):
+    """One launch of 4 processes runs every multi-process case (the 2-rank ones on two
+    subgroups side by side): starting processes costs far more than the cases."""
     cases = {}
     for res, model in RESIDUALS.items():
         model = {**model, "n_layers": 4}
-        cases[f"{res}/gpipe/torch"] = case(model, 2, "gpipe", 1, "torch", False, 2)
-        cases[f"{res}/1f1b/torch"] = case(model, 2, "1f1b", 1, "torch", False, 3)
-        cases[f"{res}/1f1b/attnres"] = case(model, 2, "1f1b", 1, "attnres", False, 3)
-        cases[f"{res}/interleaved/torch"] = case(model, 2, "interleaved_1f1b", 2, "torch", False, 2)
-        cases[f"{res}/interleaved/naive"] = case(model, 2, "interleaved_1f1b", 2, "attnres", False, 2)
-        cases[f"{res}/interleaved/cached"] = case(model, 2, "interleaved_1f1b", 2, "attnres", True, 2)
-        cases[f"{res}/gpipe-v2/torch"] = case(model, 2, "gpipe", 2, "torch", False, 2)
-        cases[f"{res}/gpipe-v2/cached"] = case(model, 2, "gpipe", 2, "attnres", True, 2)
-    return run_cases(tmp_path_factory.mktemp("pp2"), 2, cases, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    cases = {}
+        cases[f"P2/{res}/gpipe/torch"] = case(model, 2, "gpipe", 1, "torch", False, 2)
+        cases[f"P2/{res}/1f1b/torch"] = case(model, 2, "1f1b", 1, "torch", False, 3)
+        cases[f"P2/{res}/1f1b/attnres"] = case(model, 2, "1f1b", 1, "attnres", False, 3)
+        cases[f"P2/{res}/interleaved/torch"] = case(model, 2, "interleaved_1f1b", 2, "torch", False, 2)
+        cases[f"P2/{res}/interleaved/naive"] = case(model, 2, "interleaved_1f1b", 2, "attnres", False, 2)
+        cases[f"P2/{res}/interleaved/cached"] = case(model, 2, "interleaved_1f1b", 2, "attnres", True, 2)
+        cases[f"P2/{res}/gpipe-v2/torch"] = case(model, 2, "gpipe", 2, "torch", False, 2)
+        cases[f"P2/{res}/gpipe-v2/cached"] = case(model, 2, "gpipe", 2, "attnres", True, 2)
     for res, model in RESIDUALS.items():
         model = {**model, "n_layers": 8}
-        cases[f"{res}/interleaved/torch"] = case(model, 4, "interleaved_1f1b", 2, "torch", False, 4)
-        cases[f"{res}/interleaved/cached"] = case(model, 4, "interleaved_1f1b", 2, "attnres", True, 4)
+        cases[f"P4/{res}/interleaved/torch"] = case(model, 4, "interleaved_1f1b", 2, "torch", False, 4)
+        cases[f"P4/{res}/interleaved/cached"] = case(model, 4, "interleaved_1f1b", 2, "attnres", True, 4)
     # Spec §5's example: P = 4, V = 2, N_p = 1 -> 28 vs 22 block transfers per micro-batch.
     cfg, split = block_plan(4, 2, 1)
     model = {"residual": "attnres_block", "attnres_block_size": 2, "n_layers": cfg.n_layers}
     for mode, cache in (("naive", False), ("cached", True)):
-        cases[f"spec/interleaved/{mode}"] = case(model, 4, "interleaved_1f1b", 2, "attnres", cache, 4, split=list(split))
-    cases["spec/1f1b/torch"] = case(model, 4, "1f1b", 1, "torch", False, 4, split=[1, 2, 2, 2])
-    return run_cases(tmp_path_factory.mktemp("pp4"), 4, cases, timeout=420)
+        cases[f"P4/spec/interleaved/{mode}"] = case(model, 4, "interleaved_1f1b", 2, "attnres", cache, 4, split=list(split))
+    cases["P4/spec/1f1b/torch"] = case(model, 4, "1f1b", 1, "torch", False, 4, split=[1, 2, 2, 2])
+    return run_cases(tmp_path_factory.mktemp("pp"), 4, cases, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(launch):
+    return {k.removeprefix("P2/"): v for k, v in launch.items() if k.startswith("P2/")}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(launch):
+    return {k.removeprefix("P4/"): v for k, v in launch.items() if k.startswith("P4/")}
 
 
 def test_two_ranks_equal_single_process(two_ranks):
