@@ -40,7 +40,14 @@ import torch.distributed as dist
 from bench_training_overhead import log, write_results
 
 from attnres import AttnResLM, ModelConfig
-from attnres.distributed import CommCounter, PipelineConfig, PipelineRunner, cached_transfers, default_backend, naive_transfers
+from attnres.distributed import (
+    CommCounter,
+    PipelineConfig,
+    PipelineRunner,
+    cached_transfers,
+    default_backend,
+    naive_transfers,
+)
 from attnres.distributed.local_spawn import run_local
 
 MODES = {"naive": dict(runtime="attnres", cache=False), "cached": dict(runtime="attnres", cache=True), "torch": dict(runtime="torch", cache=False)}

@@ -16,12 +16,18 @@ import json
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from attnres import AttnResLM, ModelConfig
-from attnres.distributed import CommCounter, PipelineConfig, PipelineRunner, default_backend
+from attnres.distributed import (
+    CommCounter,
+    PipelineConfig,
+    PipelineRunner,
+    default_backend,
+)
 from attnres.models.lm import IGNORE_INDEX
 
 
@@ -60,7 +66,7 @@ def run_case(case: dict, device: torch.device, group: dist.ProcessGroup | None) 
 
 def main() -> None:
     torch.set_num_threads(1)
-    cases = json.loads(open(sys.argv[1]).read())
+    cases = json.loads(Path(sys.argv[1]).read_text())
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())

@@ -134,10 +134,10 @@ def test_config_errors():
         PipelineConfig(n_ranks=2, layers_per_chunk=(1, 1)).chunk_layers(3)
     model = AttnResLM(ModelConfig(**TINY, n_layers=2, residual="mhc"))
     with pytest.raises(ValueError, match="'standard', 'attnres_full' or 'attnres_block'"):
-        PipelineChunk(model, 0, range(0, 1), 2)
+        PipelineChunk(model, 0, range(1), 2)
     tied = AttnResLM(ModelConfig(**TINY, n_layers=2, tie_embeddings=True))
     with pytest.raises(ValueError, match="tie_embeddings"):
-        PipelineChunk(tied, 0, range(0, 1), 2)
+        PipelineChunk(tied, 0, range(1), 2)
 
 
 # -- the chunks, chained in one process --------------------------------------------------

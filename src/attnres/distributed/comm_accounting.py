@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from ..models.config import ModelConfig
 
 __all__ = [
-    "Transition",
     "CommCounter",
-    "history_layout",
-    "chunk_histories",
-    "plan_transitions",
-    "naive_transfers",
+    "Transition",
     "cached_transfers",
+    "chunk_histories",
+    "history_layout",
+    "naive_transfers",
+    "plan_transitions",
 ]
 
 

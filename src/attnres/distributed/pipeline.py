@@ -40,14 +40,14 @@ from ..ops import compute_dtype, rms_inverse, source_logits
 from .comm_accounting import CommCounter, chunk_histories, history_layout
 
 __all__ = [
-    "SCHEDULES",
     "RUNTIMES",
-    "PipelineConfig",
+    "SCHEDULES",
     "PipelineChunk",
+    "PipelineConfig",
     "PipelineRunner",
+    "default_backend",
     "schedule_orders",
     "timetable",
-    "default_backend",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -277,6 +277,16 @@ class PipelineChunk(nn.Module):
 Action = tuple[str, int, int]  # ("F" | "B", chunk, micro-batch)
 
 
+def _interleaved(k: int, rank: int, n_ranks: int, virtual_stages: int, backward: bool) -> tuple[int, int]:
+    """``(chunk, micro-batch)`` of a rank's ``k``-th forward (or backward) in interleaved 1F1B:
+    rounds of ``P`` micro-batches per chunk, chunks ascending (backward: descending)."""
+    i = k % (n_ranks * virtual_stages)
+    v = i // n_ranks
+    if backward:
+        v = virtual_stages - 1 - v
+    return v * n_ranks + rank, k // (n_ranks * virtual_stages) * n_ranks + i % n_ranks
+
+
 def schedule_orders(schedule: str, n_ranks: int, virtual_stages: int, n_microbatches: int) -> list[list[Action]]:
     """Per rank, the order of its forward/backward actions.
 
@@ -298,13 +308,8 @@ def schedule_orders(schedule: str, n_ranks: int, virtual_stages: int, n_microbat
             bwd = [("B", r, m) for m in range(M)]
             warm = min(P - 1 - r, M)
         else:
-            def chunk_of(k: int, backward: bool) -> tuple[int, int]:
-                i = k % (P * V)
-                v = i // P
-                return (V - 1 - v if backward else v) * P + r, k // (P * V) * P + i % P
-
-            fwd = [("F", *chunk_of(k, False)) for k in range(M * V)]
-            bwd = [("B", *chunk_of(k, True)) for k in range(M * V)]
+            fwd = [("F", *_interleaved(k, r, P, V, backward=False)) for k in range(M * V)]
+            bwd = [("B", *_interleaved(k, r, P, V, backward=True)) for k in range(M * V)]
             warm = min(2 * (P - 1 - r) + (V - 1) * P, M * V)
         order = fwd[:warm]
         for f, b in zip(fwd[warm:], bwd):

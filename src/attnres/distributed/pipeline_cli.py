@@ -11,7 +11,13 @@ import torch.distributed as dist
 
 from ..models.config import ModelConfig
 from ..models.lm import AttnResLM
-from .pipeline import RUNTIMES, SCHEDULES, PipelineConfig, PipelineRunner, default_backend
+from .pipeline import (
+    RUNTIMES,
+    SCHEDULES,
+    PipelineConfig,
+    PipelineRunner,
+    default_backend,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cpu")
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group(default_backend(device), timeout=timedelta(seconds=args.timeout))
     try:
