@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import TOL, assert_rel_close, tensor_errors
 
 from attnres import AttnResLM, ModelConfig
 from attnres.distributed import (
     PipelineChunk,
     PipelineConfig,
+    PipelineRunner,
     cached_transfers,
     chunk_histories,
     history_layout,
@@ -28,7 +30,7 @@ from attnres.distributed import (
     schedule_orders,
     timetable,
 )
-from attnres.distributed.local_spawn import run_local
+from attnres.distributed.local_spawn import free_port, run_local
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 TINY = dict(vocab_size=64, d_model=16, n_heads=2, max_seq_len=16, mlp_hidden=32)
@@ -178,6 +180,40 @@ def test_chained_chunks_equal_the_model(residual, extra, split):
     names = sorted(ref)
     assert sorted({n for ch in chunks for n, _ in ch.named_parameters()}) == names  # every parameter, once
     assert max(tensor_errors([dict(model.named_parameters())[n].grad for n in names], [ref[n] for n in names])) <= TOL[torch.float32]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone (P = 1: every edge stays on the rank)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_pipeline_and_its_errors(one_rank_group):
+    """P = 1, V = 3 with the cache: the executor's rank-local edges (and cached leaves) give
+    the model's loss and gradients; bad batches and sizes are refused with clear errors."""
+    cfg = ModelConfig(**TINY, n_layers=3, residual="attnres_block", attnres_block_size=3)
+    torch.manual_seed(0)
+    ref = AttnResLM(cfg)
+    torch.manual_seed(0)
+    model = AttnResLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (4, 8), generator=torch.Generator().manual_seed(1))
+    out = ref(ids, ids)
+    out.loss.backward()
+    runner = PipelineRunner(model, PipelineConfig(n_ranks=1, virtual_stages=3, n_microbatches=2, cache=True))
+    loss = runner.forward_backward(ids, ids)
+    assert math.isclose(loss.item(), out.loss.item(), rel_tol=TOL[torch.float32])
+    names = sorted(n for n, _ in ref.named_parameters())
+    grads = runner.named_parameters()
+    assert sorted(grads) == names
+    assert max(tensor_errors([grads[n].grad for n in names], [dict(ref.named_parameters())[n].grad for n in names])) <= TOL[torch.float32]
+    with pytest.raises(ValueError, match="not divisible by PipelineConfig.n_microbatches=2"):
+        runner.forward_backward(ids[:3], ids[:3])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        runner.forward_backward(ids + cfg.vocab_size, ids)
+    with pytest.raises(ValueError, match="PipelineConfig.n_ranks"):
+        PipelineRunner(model, PipelineConfig(n_ranks=2))
 
 
 # -- several processes --------------------------------------------------------------------

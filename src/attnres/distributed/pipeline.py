@@ -369,6 +369,7 @@ class PipelineRunner:
             _fail("n_ranks", f"the process group's size {world}", config.n_ranks)
         self.rank = dist.get_rank(group)
         self.model_config = model.config
+        self._check_input_ids = model.check_input_ids
         P, C = config.n_ranks, config.n_chunks
         layers = config.chunk_layers(model.config.n_layers)
         self.chunks = {c: PipelineChunk(model, c, layers[c], C) for c in range(self.rank, C, P)}
@@ -414,6 +415,7 @@ class PipelineRunner:
         M = self.config.n_microbatches
         if input_ids.dim() != 2 or labels.shape != input_ids.shape:
             raise ValueError(f"input_ids and labels must be [batch, seq] of one shape, got {tuple(input_ids.shape)} and {tuple(labels.shape)}")
+        self._check_input_ids(input_ids)
         if input_ids.shape[0] % M:
             raise ValueError(f"batch size {input_ids.shape[0]} is not divisible by PipelineConfig.n_microbatches={M}")
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
