@@ -380,6 +380,8 @@ class PipelineRunner:
         self._n_valid = 1
         self._torch_schedule = None
         self._slots = None
+        # NCCL wants every rank of a group in its first collective before P2P batches.
+        dist.barrier(group=group)
 
     def parameters(self):
         """This rank's parameters (each once), for its optimizer."""
