@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from attnres.distributed import (
 from attnres.distributed.local_spawn import free_port, run_local
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = dict(vocab_size=64, d_model=16, n_heads=2, max_seq_len=16, mlp_hidden=32)
 RESIDUALS = {
     "standard": {"residual": "standard"},
@@ -220,7 +222,8 @@ def test_one_rank_pipeline_and_its_errors(one_rank_group):
 def run_cases(tmp_path: Path, n_ranks: int, cases: dict, timeout: float) -> dict:
     spec, out = tmp_path / "cases.json", tmp_path / "out.pt"
     spec.write_text(json.dumps(cases))
-    run_local([str(WORKER), str(spec), str(out)], n_ranks, timeout)
+    env = {"PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run_local([str(WORKER), str(spec), str(out)], n_ranks, timeout, env=env)
     return torch.load(out)
 
 
