@@ -151,7 +151,9 @@ def _resume(stream, completed: list[Tensor], running: Tensor | None, s0: int, qu
     ``queries`` ``[L + 1, d]``: the gain-folded pseudo-queries (rows of other chunks zero,
     never read), two-phase path only. Every received entry gets its RMS factor and logits
     once; the open block (Block) or group (Full, Appendix B) gets its Phase 1 for the
-    sublayers it has left.
+    sublayers it has left. It fills the residual module's own two-phase state (``_State``,
+    ``_complete``, ``_phase1``) so that the arithmetic is the model's;
+    ``test_chained_chunks_equal_the_model`` pins that layout.
     """
     state = _State(dtype=(running if running is not None else completed[0]).dtype, next_sublayer=s0)
     L = stream.n_sublayers
