@@ -496,7 +496,7 @@ class PipelineRunner:
         inbox: dict[tuple[str, int, int], list[Tensor]] = {}  # ("F", chunk, mb): received leaves; ("B", ...): grads
         outbox: dict[tuple[str, int, int], Tensor] = {}
         saved: dict[tuple[int, int], tuple[list[Tensor], Any]] = {}
-        history: dict[tuple[int, int], list[Tensor]] = {}  # completed entries chunk c received (its cache source)
+        history: dict[tuple[int, int], list[Tensor]] = {}  # chunk c's completed input entries: the cache of chunk c + P
         total = None
         for slot in self._slots:
             action = slot[self.rank]
