@@ -286,3 +286,26 @@ def test_property_shapes_reference_and_two_phase(n, lead, d, split, seed):
         part = merge_partials(part, attend_with_stats(q[None], srcs[k:], gain[None]))
     assert_rel_close(finalize(part)[0], ref, 1e-11)
     assert math.isfinite(out.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 7), (2, 3, 5), (1, 1, 1)])
+def test_weighted_sums_small_and_large_paths_agree(shape, monkeypatch):
+    """The stacked-matmul path (small sources: decoding) and the per-source multiply-add path
+    (large sources) give the same outputs and gradients."""
+    from attnres.ops import two_phase
+
+    g = torch.Generator().manual_seed(0)
+    n, K = 4, 3
+    sources = [torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+    weights = torch.softmax(torch.randn(*shape[:-1], K, n, generator=g, dtype=torch.float64), -1).requires_grad_()
+
+    def run():
+        outs = two_phase.weighted_sums(weights, sources)
+        loss = sum((o * (k + 1)).sum() for k, o in enumerate(outs))
+        return [o.detach() for o in outs], torch.autograd.grad(loss, [weights, *sources])
+
+    small = run()
+    monkeypatch.setattr(two_phase, "SMALL_SOURCE_NUMEL", 0)
+    large = run()
+    for a, b in zip(small[0] + list(small[1]), large[0] + list(large[1])):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -12,6 +12,7 @@ from .two_phase import (
     rms_inverse,
     source_logits,
     weighted_sum,
+    weighted_sums,
 )
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "rms_inverse",
     "source_logits",
     "weighted_sum",
+    "weighted_sums",
     "merge_with_sources",
 ]

@@ -39,6 +39,7 @@ __all__ = [
     "rms_inverse",
     "source_logits",
     "weighted_sum",
+    "weighted_sums",
     "merge_with_sources",
 ]
 
@@ -176,6 +177,27 @@ def weighted_sum(weights: Tensor, sources: Sequence[Tensor]) -> Tensor:
     for j in range(1, len(sources)):
         out.addcmul_(sources[j], w[..., j, :])  # in place: no new buffer per source
     return out
+
+
+#: Below this many elements per source, :func:`weighted_sums` stacks the sources and takes
+#: one batched matmul: decoding (a token or a few per sequence) is bound by the number of
+#: operations, not by memory traffic. Above it, one fused multiply-add pass per source and
+#: query, with no stacked copy (prefill and training, bound by memory traffic).
+SMALL_SOURCE_NUMEL = 1 << 16
+
+
+def weighted_sums(weights: Tensor, sources: Sequence[Tensor]) -> list[Tensor]:
+    """Phase 1's outputs for ``K`` queries at once: ``weights [..., K, n]`` over ``n`` sources
+    ``[..., d]`` -> ``K`` tensors ``[..., d]`` in the compute dtype (see :func:`weighted_sum`;
+    small sources take one stacked matmul instead of ``K n`` passes)."""
+    if sources[0].numel() > SMALL_SOURCE_NUMEL or len(sources) == 1:
+        return [weighted_sum(weights[..., k, :], sources) for k in range(weights.shape[-2])]
+    compute = compute_dtype(sources[0].dtype)
+    stacked = torch.stack(list(sources), dim=-2)  # [..., n, d]
+    if stacked.dtype != compute:
+        stacked = stacked.to(compute)
+    with full_precision(stacked):
+        return list((weights.to(compute) @ stacked).unbind(dim=-2))  # [..., K, d] -> K x [..., d]
 
 
 def merge_with_sources(
