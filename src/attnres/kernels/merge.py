@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import next_power_of_2, nonempty, num_warps, row_ranges, tile_d
-from .norm_tiles import inverse_rms, norm_grad_coef, norm_input_grad
+from .norm_tiles import gain_dy_h, inverse_rms, load_f32, norm_backward_tile, norm_grad_coef, tile_of
 
 __all__ = ["merge_sources"]
 
@@ -38,9 +38,9 @@ __all__ = ["merge_sources"]
 @triton.jit
 def _merged_tile(O, X, Wt, row, cols, mask, k, stride_o, stride_xk, stride_xm, stride_w):
     """``h`` on one tile of one row, from the weights ``Wt [M, 1 + k]``."""
-    h = tl.load(Wt + row * stride_w) * tl.load(O + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(Wt + row * stride_w) * load_f32(O + row * stride_o, cols, mask)
     for j in range(k):
-        x = tl.load(X + j * stride_xk + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        x = load_f32(X + j * stride_xk + row * stride_xm, cols, mask)
         h += tl.load(Wt + row * stride_w + 1 + j) * x
     return h
 
@@ -74,17 +74,16 @@ def _merge_fwd(
     if HAS_NORM:
         sum_hh = tl.zeros([BLOCK_D], dtype=tl.float32)
         for start in range(0, d, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            h = _merged_tile(O, X, Wt, row, cols, cols < d, k, stride_o, stride_xk, stride_xm, stride_w)
+            cols, mask = tile_of(start, d, BLOCK_D)
+            h = _merged_tile(O, X, Wt, row, cols, mask, k, stride_o, stride_xk, stride_xm, stride_w)
             sum_hh += h * h
         rstd = inverse_rms(tl.sum(sum_hh, axis=0), d, norm_eps)
         tl.store(Rstd + row, rstd)
     for start in range(0, d, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        mask = cols < d
+        cols, mask = tile_of(start, d, BLOCK_D)
         h = _merged_tile(O, X, Wt, row, cols, mask, k, stride_o, stride_xk, stride_xm, stride_w)
         if HAS_NORM:
-            h = h * rstd * tl.load(Gain + cols, mask=mask, other=0.0).to(tl.float32)
+            h = h * rstd * load_f32(Gain, cols, mask)
         tl.store(Out + row * stride_out + cols, h.to(Out.dtype.element_ty), mask=mask)
 
 
@@ -108,28 +107,23 @@ def _merge_bwd(
             rstd = tl.load(Rstd + row)
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)
             for start in range(0, d, BLOCK_D):
-                cols = start + tl.arange(0, BLOCK_D)
-                mask = cols < d
+                cols, mask = tile_of(start, d, BLOCK_D)
                 h = _merged_tile(O, X, Wt, row, cols, mask, k, stride_o, stride_xk, stride_xm, stride_w)
-                gy = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
-                acc += tl.load(Gain + cols, mask=mask, other=0.0).to(tl.float32) * gy * h
+                acc += gain_dy_h(Gain, g_row, h, cols, mask)
             coef = norm_grad_coef(tl.sum(acc, axis=0), rstd, d)
         # u_0 = g . o_hat and u_j = g . X[j], with g the gradient reaching h; dX, d o_hat.
         acc_u0 = tl.zeros([BLOCK_D], dtype=tl.float32)
         uk = tl.zeros([K_PAD], dtype=tl.float32)
         for start in range(0, d, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            mask = cols < d
-            g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+            cols, mask = tile_of(start, d, BLOCK_D)
+            g = load_f32(g_row, cols, mask)
             if HAS_NORM:
                 h = _merged_tile(O, X, Wt, row, cols, mask, k, stride_o, stride_xk, stride_xm, stride_w)
-                pg = PGain + pid * d + cols
-                tl.store(pg, tl.load(pg, mask=mask, other=0.0) + g * h * rstd, mask=mask)
-                g = norm_input_grad(g, h, tl.load(Gain + cols, mask=mask, other=0.0).to(tl.float32), rstd, coef)
-            acc_u0 += g * tl.load(O + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+                g = norm_backward_tile(g, h, Gain, PGain + pid * d, cols, mask, rstd, coef)
+            acc_u0 += g * load_f32(O + row * stride_o, cols, mask)
             tl.store(GO + row * stride_go + cols, (w0 * g).to(GO.dtype.element_ty), mask=mask)
             for j in range(k):
-                x = tl.load(X + j * stride_xk + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+                x = load_f32(X + j * stride_xk + row * stride_xm, cols, mask)
                 uk += tl.where(ks == j, tl.sum(g * x, axis=0), 0.0)
                 wj = tl.load(Wt + row * stride_w + 1 + j)
                 tl.store(GX + j * stride_gxk + row * stride_gxm + cols, (wj * g).to(GX.dtype.element_ty), mask=mask)

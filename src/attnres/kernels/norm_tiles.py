@@ -31,3 +31,30 @@ def norm_input_grad(gy, h, gain, rstd, coef):
 def norm_grad_coef(sum_gain_gy_h, rstd, d):
     """``coef`` of :func:`norm_input_grad` from ``sum(gain * dy * h)`` over the row."""
     return sum_gain_gy_h * rstd * rstd * rstd / d
+
+
+@triton.jit
+def tile_of(start, d, BLOCK_D: tl.constexpr):
+    """Columns ``start .. start + BLOCK_D`` of a row of ``d`` and their in-row mask."""
+    cols = start + tl.arange(0, BLOCK_D)
+    return cols, cols < d
+
+
+@triton.jit
+def load_f32(ptr, cols, mask):
+    """One tile of a row (``ptr`` points at the row), in float32, zero outside the row."""
+    return tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def gain_dy_h(Gain, dy_row, h, cols, mask):
+    """One tile of ``gain * dy * h``, whose row sum gives :func:`norm_grad_coef`."""
+    return load_f32(Gain, cols, mask) * load_f32(dy_row, cols, mask) * h
+
+
+@triton.jit
+def norm_backward_tile(dy, h, Gain, partial_row, cols, mask, rstd, coef):
+    """One tile of the norm's backward: adds ``dy * h * rstd`` to this program's partial
+    sums of the gain gradient (``partial_row``) and returns the gradient reaching ``h``."""
+    tl.store(partial_row + cols, tl.load(partial_row + cols, mask=mask, other=0.0) + dy * h * rstd, mask=mask)
+    return norm_input_grad(dy, h, load_f32(Gain, cols, mask), rstd, coef)

@@ -37,9 +37,17 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import nonempty, num_warps, row_ranges, tile_d
-from .norm_tiles import inverse_rms, norm_grad_coef, norm_input_grad
+from .norm_tiles import gain_dy_h, inverse_rms, load_f32, norm_backward_tile, norm_grad_coef, norm_input_grad, tile_of
 
 __all__ = ["phase2_merge"]
+
+
+@triton.jit
+def _merged(o_row, x_row, cols, mask, w):
+    """One tile of ``o_hat``, ``x`` and the merge ``h = o_hat + w (x - o_hat)`` (float32)."""
+    o = load_f32(o_row, cols, mask)
+    x = load_f32(x_row, cols, mask)
+    return o, x, o + w * (x - o)
 
 
 @triton.jit
@@ -53,11 +61,10 @@ def _phase2_fwd(
     sum_xx = tl.zeros([BLOCK_D], dtype=tl.float32)
     sum_xq = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, d, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        mask = cols < d
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        cols, mask = tile_of(start, d, BLOCK_D)
+        x = load_f32(x_row, cols, mask)
         sum_xx += x * x
-        sum_xq += x * tl.load(Q + cols, mask=mask, other=0.0).to(tl.float32)
+        sum_xq += x * load_f32(Q, cols, mask)
     r = inverse_rms(tl.sum(sum_xx, axis=0), d, eps)
     z = r * tl.sum(sum_xq, axis=0)
     m = tl.load(Mx + row).to(tl.float32)
@@ -69,20 +76,16 @@ def _phase2_fwd(
     if HAS_NORM:
         sum_hh = tl.zeros([BLOCK_D], dtype=tl.float32)
         for start in range(0, d, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            mask = cols < d
-            o = tl.load(o_row + cols, mask=mask, other=0.0).to(tl.float32)
-            h = o + w * (tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) - o)
+            cols, mask = tile_of(start, d, BLOCK_D)
+            _, _, h = _merged(o_row, x_row, cols, mask, w)
             sum_hh += h * h
         rstd = inverse_rms(tl.sum(sum_hh, axis=0), d, norm_eps)
         tl.store(Rstd + row, rstd)
     for start in range(0, d, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        mask = cols < d
-        o = tl.load(o_row + cols, mask=mask, other=0.0).to(tl.float32)
-        h = o + w * (tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) - o)
+        cols, mask = tile_of(start, d, BLOCK_D)
+        _, _, h = _merged(o_row, x_row, cols, mask, w)
         if HAS_NORM:
-            h = h * rstd * tl.load(Gain + cols, mask=mask, other=0.0).to(tl.float32)
+            h = h * rstd * load_f32(Gain, cols, mask)
         tl.store(Out + row * stride_out + cols, h.to(Out.dtype.element_ty), mask=mask)
     tl.store(W + row, w)
     tl.store(R + row, r)
@@ -110,39 +113,28 @@ def _phase2_bwd(
             rstd = tl.load(Rstd + row)
             acc = tl.zeros([BLOCK_D], dtype=tl.float32)
             for start in range(0, d, BLOCK_D):
-                cols = start + tl.arange(0, BLOCK_D)
-                mask = cols < d
-                o = tl.load(o_row + cols, mask=mask, other=0.0).to(tl.float32)
-                h = o + w * (tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) - o)
-                gy = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
-                acc += tl.load(Gain + cols, mask=mask, other=0.0).to(tl.float32) * gy * h
+                cols, mask = tile_of(start, d, BLOCK_D)
+                _, _, h = _merged(o_row, x_row, cols, mask, w)
+                acc += gain_dy_h(Gain, g_row, h, cols, mask)
             coef = norm_grad_coef(tl.sum(acc, axis=0), rstd, d)
         # s = sum_d g (x - o_hat), with g the gradient reaching h.
         acc_s = tl.zeros([BLOCK_D], dtype=tl.float32)
         for start in range(0, d, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            mask = cols < d
-            o = tl.load(o_row + cols, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+            cols, mask = tile_of(start, d, BLOCK_D)
+            o, x, h = _merged(o_row, x_row, cols, mask, w)
+            g = load_f32(g_row, cols, mask)
             if HAS_NORM:
-                h = o + w * (x - o)
-                pg = PGain + pid * d + cols
-                tl.store(pg, tl.load(pg, mask=mask, other=0.0) + g * h * rstd, mask=mask)
-                g = norm_input_grad(g, h, tl.load(Gain + cols, mask=mask, other=0.0).to(tl.float32), rstd, coef)
+                g = norm_backward_tile(g, h, Gain, PGain + pid * d, cols, mask, rstd, coef)
             acc_s += g * (x - o)
         gz = tl.sum(acc_s, axis=0) * w * (1.0 - w)
         for start in range(0, d, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            mask = cols < d
-            o = tl.load(o_row + cols, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+            cols, mask = tile_of(start, d, BLOCK_D)
+            _, x, h = _merged(o_row, x_row, cols, mask, w)
+            g = load_f32(g_row, cols, mask)
             if HAS_NORM:
-                g = norm_input_grad(g, o + w * (x - o), tl.load(Gain + cols, mask=mask, other=0.0).to(tl.float32), rstd, coef)
-            q = tl.load(Q + cols, mask=mask, other=0.0).to(tl.float32)
+                g = norm_input_grad(g, h, load_f32(Gain, cols, mask), rstd, coef)
             tl.store(GO + row * stride_go + cols, (g * (1.0 - w)).to(GO.dtype.element_ty), mask=mask)
-            gx = g * w + gz * (r * q - (z * r * r / d) * x)
+            gx = g * w + gz * (r * load_f32(Q, cols, mask) - (z * r * r / d) * x)
             tl.store(GX + row * stride_gx + cols, gx.to(GX.dtype.element_ty), mask=mask)
         tl.store(GZR + row, gz * r)
         tl.store(GM + row, -gz)
