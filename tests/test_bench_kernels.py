@@ -81,3 +81,25 @@ def test_our_block_implementation_matches_its_reference():
     grads_r = torch.autograd.grad(loss(ref), bench.leaves(x))
     for a, b in zip(grads, grads_r):
         assert_rel_close(a.float(), b.float(), 2 * OP_TOL_BF16, "grad")
+
+
+def test_markdown_report_renders_every_row():
+    """The report is rendered at the very end of a GPU run: it must not fail there."""
+    impl = {"fwd_us": 100.0, "fwd+bwd_us": 300.0, "min_bytes_fraction_of_peak": 0.5, "fwd_over_bandwidth_bound": 2.0}
+    result = {
+        "device": "GPU", "command": "bench_kernels_gpu.py", "torch": "x", "triton": "y",
+        "ops": {
+            "peak_GBps": 3350.0, "peak_source": "datasheet (H100)", "skipped_peers": {"fast-attnres": "not installed"},
+            "shapes": [{"shape": {"tokens": 8, "d": 16, "n": 2, "S": 4}, "impls": {"ours (triton)": impl}, "unsupported": {"flash-attn-res": "power-of-two d"}}],
+        },
+        "e2e": {
+            "config": {"d_model": 2048, "n_layers": 32, "block_size": 8, "seq": 2048, "batch": 4},
+            "train": {"standard": 1.0, "block (triton)": 1.02},
+            "decode b=1": {"standard": 0.010, "block (triton)": 0.0103},
+        },
+    }
+    md = bench.render_markdown(result)
+    assert "| M=8 d=16 n=2 S=4 | ours (triton) | 100 | 300 | 0.50 | 2.00 |" in md
+    assert "power-of-two d" in md and "Skipped peer **fast-attnres**" in md
+    assert "| train | block (triton) | 1020.00 | 1.020 | <= 1.03: met |" in md
+    assert "| decode b=1 | block (triton) | 10.30 | 1.030 | <= 1.02: MISSED |" in md
