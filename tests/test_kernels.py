@@ -238,3 +238,10 @@ def test_torch_compile_traces_around_the_kernels():
     assert_rel_close(compiled.logits, eager.logits, 1e-5)
     for a, b in zip(gc, ge):
         assert_rel_close(a, b, 1e-4)
+
+
+def test_float16_storage_through_every_kernel():
+    """float16 sources (float32 accumulation) through each kernel, tiled, with the norm."""
+    test_phase1_attention_kernel_matches_reference(4, 3, 4, 37, 16, torch.float16)
+    test_phase2_kernel_matches_reference_forward_and_every_gradient((7,), 100, 32, 3, torch.float16, True)
+    test_merge_kernel_matches_reference_forward_and_every_gradient((5,), 64, 2, 16, 2, torch.float16, True)
