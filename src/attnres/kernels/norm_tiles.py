@@ -56,5 +56,12 @@ def gain_dy_h(Gain, dy_row, h, cols, mask):
 def norm_backward_tile(dy, h, Gain, partial_row, cols, mask, rstd, coef):
     """One tile of the norm's backward: adds ``dy * h * rstd`` to this program's partial
     sums of the gain gradient (``partial_row``) and returns the gradient reaching ``h``."""
-    tl.store(partial_row + cols, tl.load(partial_row + cols, mask=mask, other=0.0) + dy * h * rstd, mask=mask)
+    add_to_partial(partial_row, cols, mask, dy * h * rstd)
     return norm_input_grad(dy, h, load_f32(Gain, cols, mask), rstd, coef)
+
+
+@triton.jit
+def add_to_partial(partial_row, cols, mask, value):
+    """Add one tile to this program's row of partial sums (a gradient reduced over rows:
+    each program owns its row, so no atomics are needed)."""
+    tl.store(partial_row + cols, tl.load(partial_row + cols, mask=mask, other=0.0) + value, mask=mask)

@@ -26,7 +26,8 @@ Shapes: ``o_hat [..., d]`` (float32), ``m, sumexp [...]``, ``x [..., d]`` (any f
 Tiling: every kernel walks ``d`` in tiles (:mod:`attnres.kernels.launch`), so the row
 reductions (``mean(x^2)``, ``x . qg``, ``mean(h^2)``, ``s``) are separate walks over the
 row; the forward runs one program per row, the backward a bounded number of programs over
-row ranges, each writing its partial sum of the norm-gain gradient.
+row ranges, each writing its partial sums of the gradients reduced over rows (``qg``'s and
+the norm gain's), which are added afterwards.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import nonempty, num_warps, row_ranges, tile_d
-from .norm_tiles import gain_dy_h, inverse_rms, load_f32, norm_backward_tile, norm_grad_coef, norm_input_grad, tile_of
+from .norm_tiles import add_to_partial, gain_dy_h, inverse_rms, load_f32, norm_backward_tile, norm_grad_coef, norm_input_grad, tile_of
 
 __all__ = ["phase2_merge"]
 
@@ -94,7 +95,7 @@ def _phase2_fwd(
 
 @triton.jit
 def _phase2_bwd(
-    G, O, X, Q, Gain, W, R, Z, Rstd, Lx, GO, GX, GZR, GM, GL, PGain,
+    G, O, X, Q, Gain, W, R, Z, Rstd, Lx, GO, GX, GM, GL, PQ, PGain,
     rows, d, rows_per_program, stride_g, stride_o, stride_x, stride_go, stride_gx,
     BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
@@ -136,7 +137,7 @@ def _phase2_bwd(
             tl.store(GO + row * stride_go + cols, (g * (1.0 - w)).to(GO.dtype.element_ty), mask=mask)
             gx = g * w + gz * (r * load_f32(Q, cols, mask) - (z * r * r / d) * x)
             tl.store(GX + row * stride_gx + cols, gx.to(GX.dtype.element_ty), mask=mask)
-        tl.store(GZR + row, gz * r)
+            add_to_partial(PQ + pid * d, cols, mask, gz * r * x)
         tl.store(GM + row, -gz)
         tl.store(GL + row, -gz / tl.load(Lx + row).to(tl.float32))
 
@@ -180,16 +181,19 @@ def _bwd_op(
     rows, d = o_hat.shape
     go = torch.empty_like(o_hat)
     gx = torch.empty_like(x)
-    gzr, gm, gl = (torch.empty(rows, device=o_hat.device, dtype=torch.float32) for _ in range(3))
+    gm, gl = (torch.empty(rows, device=o_hat.device, dtype=torch.float32) for _ in range(2))
     programs, per_program = row_ranges(rows, max_programs or None)
-    # One row of partial sums of the gain gradient per program (none without the norm).
-    partial = torch.zeros(programs if gain is not None else 0, d, device=o_hat.device, dtype=torch.float32)
+    # One row of partial sums per program of the qg gradient and of the gain gradient
+    # (none without the norm).
+    partial_q = torch.zeros(programs, d, device=o_hat.device, dtype=torch.float32)
+    partial_gain = torch.zeros(programs if gain is not None else 0, d, device=o_hat.device, dtype=torch.float32)
     _phase2_bwd[(programs,)](
-        g, o_hat, x, qg, qg if gain is None else gain, w, r, z, rstd, sumexp, go, gx, gzr, gm, gl, nonempty(partial, go),
+        g, o_hat, x, qg, qg if gain is None else gain, w, r, z, rstd, sumexp, go, gx, gm, gl, partial_q,
+        nonempty(partial_gain, partial_q),
         rows, d, per_program, g.stride(0), o_hat.stride(0), x.stride(0), go.stride(0), gx.stride(0),
         BLOCK_D=block_d, HAS_NORM=gain is not None, num_warps=num_warps(block_d),
     )
-    return go, gx, gzr, gm, gl, partial.sum(0)
+    return go, gx, gm, gl, partial_q.sum(0), partial_gain.sum(0)
 
 
 @_bwd_op.register_fake
@@ -197,8 +201,8 @@ def _(g, o_hat, x, qg, gain, w, r, z, rstd, sumexp, block_d, max_programs):
     rows, d = o_hat.shape
     f32 = torch.float32
     return (
-        torch.empty_like(o_hat), torch.empty_like(x), *(o_hat.new_empty(rows, dtype=f32) for _ in range(3)),
-        o_hat.new_empty(d, dtype=f32),
+        torch.empty_like(o_hat), torch.empty_like(x), *(o_hat.new_empty(rows, dtype=f32) for _ in range(2)),
+        o_hat.new_empty(d, dtype=f32), o_hat.new_empty(d, dtype=f32),
     )
 
 
@@ -213,12 +217,9 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out, _gw, _gr, _gz, _grstd):
     o_hat, x, qg, gain, w, r, z, rstd, sumexp = ctx.saved_tensors
     m_dtype, l_dtype, q_dtype, gain_dtype = ctx.dtypes
-    go, gx, gzr, gm, gl, ggain = _bwd_op(
-        grad_out.contiguous(), o_hat, x, qg, gain, w, r, z, rstd, sumexp, *ctx.launch
-    )
-    grad_qg = (gzr @ x.float()).to(q_dtype)  # sum over rows of gz * r * x
+    go, gx, gm, gl, gqg, ggain = _bwd_op(grad_out.contiguous(), o_hat, x, qg, gain, w, r, z, rstd, sumexp, *ctx.launch)
     grad_gain = None if gain is None else ggain.to(gain_dtype)
-    return go, gm.to(m_dtype), gl.to(l_dtype), gx, grad_qg, grad_gain, None, None, None, None, None
+    return go, gm.to(m_dtype), gl.to(l_dtype), gx, gqg.to(q_dtype), grad_gain, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup)
