@@ -243,8 +243,11 @@ def phase2_merge(
         )
     if norm_weight is not None and norm_weight.shape != (d,):
         raise ValueError(f"phase2_merge: norm_weight must be ({d},), got {tuple(norm_weight.shape)}")
+    # qg is passed as a copy ([d], cheap): handing the op a view into the stacked queries made
+    # torch.compile (torch 2.13) drop the gradient the op returns for it, which
+    # tests/test_kernels.py::test_torch_compile_traces_around_the_kernels catches.
     out, w, _, _, _ = _fwd_op(
-        _rows(o_hat), m.reshape(-1).contiguous(), sumexp.reshape(-1).contiguous(), _rows(x), qg.contiguous(),
+        _rows(o_hat), m.reshape(-1).contiguous(), sumexp.reshape(-1).contiguous(), _rows(x), qg.clone(),
         None if norm_weight is None else norm_weight.contiguous(), float(eps), float(norm_eps),
         out_dtype or o_hat.dtype, tile_d(d, block_d=block_d), max_programs or 0,
     )
