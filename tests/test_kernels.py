@@ -245,3 +245,16 @@ def test_float16_storage_through_every_kernel():
     test_phase1_attention_kernel_matches_reference(4, 3, 4, 37, 16, torch.float16)
     test_phase2_kernel_matches_reference_forward_and_every_gradient((7,), 100, 32, 3, torch.float16, True)
     test_merge_kernel_matches_reference_forward_and_every_gradient((5,), 64, 2, 16, 2, torch.float16, True)
+
+
+def test_norm_is_fused_only_where_the_kernels_run():
+    """CPU tensors under "auto", the naive schedule and the standard residual keep the
+    unfused PyTorch path (the sublayers apply their own norm)."""
+    from attnres import AttnResLM, ModelConfig
+
+    x = torch.zeros(1, 2, 64)
+    cfg = ModelConfig.preset("tiny")
+    assert not AttnResLM(cfg).residual.fuses_norm(x)  # "auto" on CPU
+    assert AttnResLM(cfg.replace(attnres_kernels="triton")).residual.fuses_norm(x)
+    assert not AttnResLM(cfg.replace(attnres_kernels="triton", attnres_impl="naive")).residual.fuses_norm(x)
+    assert not AttnResLM(cfg.replace(residual="standard")).residual.fuses_norm(x)
