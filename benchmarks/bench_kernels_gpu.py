@@ -107,7 +107,7 @@ def block_bytes(s: OpShape, esz: int = 2) -> dict[str, int]:
 # ------------------------------------------------------------------------------ inputs
 def make_inputs(s: OpShape, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
-    r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g, device=device) * scale)  # noqa: E731
+    r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g, device=device) * scale)
     return {
         "sources": [r(s.tokens, s.d).to(dtype).requires_grad_() for _ in range(s.n)],
         "partials": [r(s.tokens, s.d).to(dtype).requires_grad_() for _ in range(s.S - 1)],
@@ -209,7 +209,10 @@ def fast_attnres_adapter():
 
 
 def flash_attn_res_adapter():
-    from flash_attn_res import phase_1_batched_attention_triton_op, phase_2_online_softmax_merge_triton_op
+    from flash_attn_res import (
+        phase_1_batched_attention_triton_op,
+        phase_2_online_softmax_merge_triton_op,
+    )
 
     def run(x: dict) -> list[torch.Tensor]:
         qg = x["qg"].to(torch.bfloat16)
@@ -304,11 +307,11 @@ def bench_ops(args, peers: dict, skipped: dict) -> dict:
                 row["unsupported"][name] = reason
                 continue
 
-            def fwd(run=run):
+            def fwd(run=run, x=x):
                 with torch.no_grad():
                     run(x)
 
-            def fwd_bwd(run=run):
+            def fwd_bwd(run=run, x=x):
                 outs = run(x)
                 torch.autograd.backward(outs, x["upstream"])
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_kernels_gpu as bench  # noqa: E402
-
-from conftest import OP_TOL_BF16, assert_rel_close  # noqa: E402
+import bench_kernels_gpu as bench
+from conftest import OP_TOL_BF16, assert_rel_close
 
 
 def test_block_bytes_count_every_tensor_once():
@@ -76,7 +75,7 @@ def test_our_block_implementation_matches_its_reference():
     for a, b in zip(fast, ref):
         assert a.dtype == torch.bfloat16
         assert_rel_close(a.float(), b.float(), OP_TOL_BF16, "output")
-    loss = lambda outs: sum((o.float() * u.float()).sum() for o, u in zip(outs, x["upstream"]))  # noqa: E731
+    loss = lambda outs: sum((o.float() * u.float()).sum() for o, u in zip(outs, x["upstream"]))
     grads = torch.autograd.grad(loss(fast), bench.leaves(x))
     grads_r = torch.autograd.grad(loss(ref), bench.leaves(x))
     for a, b in zip(grads, grads_r):

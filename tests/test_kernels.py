@@ -184,12 +184,16 @@ def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, mo
         monkeypatch.setattr(launch, "MAX_TILE_ELEMENTS", 16)
         monkeypatch.setattr(launch, "MAX_PROGRAMS", 3)
     fused_calls = []
-    for module, name in ((phase2, "phase2_merge"), (merge, "merge_sources")):
-        def spy(*args, _fn=getattr(module, name), **kwargs):
-            fused_calls.append(kwargs.get("norm_weight") is not None)
-            return _fn(*args, **kwargs)
 
-        monkeypatch.setattr(module, name, spy)
+    def spy_on(fn):
+        def spy(*args, **kwargs):
+            fused_calls.append(kwargs.get("norm_weight") is not None)
+            return fn(*args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(phase2, "phase2_merge", spy_on(phase2.phase2_merge))
+    monkeypatch.setattr(merge, "merge_sources", spy_on(merge.merge_sources))
 
     cfg = ModelConfig.preset("tiny", residual=residual, n_layers=2, attnres_block_size=3, d_model=36, n_heads=3, n_kv_heads=3)
     torch.manual_seed(0)

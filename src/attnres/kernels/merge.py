@@ -30,7 +30,14 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import next_power_of_2, nonempty, num_warps, row_ranges, tile_d
-from .norm_tiles import gain_dy_h, inverse_rms, load_f32, norm_backward_tile, norm_grad_coef, tile_of
+from .norm_tiles import (
+    gain_dy_h,
+    inverse_rms,
+    load_f32,
+    norm_backward_tile,
+    norm_grad_coef,
+    tile_of,
+)
 
 __all__ = ["merge_sources"]
 

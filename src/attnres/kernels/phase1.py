@@ -122,7 +122,7 @@ def _attn_fwd_op(z: Tensor, V: Tensor, block_d: int) -> tuple[Tensor, Tensor, Te
 
 @_attn_fwd_op.register_fake
 def _(z, V, block_d):
-    n, M, d = V.shape
+    _, M, d = V.shape
     S = z.shape[1]
     f32 = torch.float32
     return V.new_empty(S, M, d, dtype=f32), V.new_empty(M, S, dtype=f32), V.new_empty(M, S, dtype=f32), torch.empty_like(z)

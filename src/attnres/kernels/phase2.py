@@ -38,7 +38,16 @@ import triton.language as tl
 from torch import Tensor
 
 from .launch import nonempty, num_warps, row_ranges, tile_d
-from .norm_tiles import add_to_partial, gain_dy_h, inverse_rms, load_f32, norm_backward_tile, norm_grad_coef, norm_input_grad, tile_of
+from .norm_tiles import (
+    add_to_partial,
+    gain_dy_h,
+    inverse_rms,
+    load_f32,
+    norm_backward_tile,
+    norm_grad_coef,
+    norm_input_grad,
+    tile_of,
+)
 
 __all__ = ["phase2_merge"]
 
