@@ -225,13 +225,14 @@ def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, mo
 
 
 @pytest.mark.compile
-def test_torch_compile_traces_around_the_kernels():
+@pytest.mark.parametrize("residual", ["attnres_block", pytest.param("attnres_full", marks=pytest.mark.slow)])
+def test_torch_compile_traces_around_the_kernels(residual):
     """The kernels are opaque torch.library custom ops: torch.compile runs a model that uses
-    them and matches eager, gradients included."""
+    them and matches eager, gradients included (Full: a minute of compilation, slow suite)."""
     from attnres import AttnResLM, ModelConfig
 
     torch._dynamo.reset()
-    cfg = ModelConfig.preset("tiny", residual="attnres_block", n_layers=2, attnres_block_size=3, attnres_kernels="triton")
+    cfg = ModelConfig.preset("tiny", residual=residual, n_layers=2, attnres_block_size=3, attnres_kernels="triton")
     torch.manual_seed(0)
     model = AttnResLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
