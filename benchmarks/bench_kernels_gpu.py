@@ -1,180 +1,491 @@
 """GPU benchmark of the fused two-phase kernels (issue 8). Needs CUDA and triton.
 
-Two parts, both interleaved with medians over repeats (CUDA events):
+Two parts; every variant is timed **interleaved** (one call of each per round, CUDA events)
+after a warm-up, and we report medians.
 
-1. **Op level** - one Block AttnRes block: Phase 1 weighted sums of ``S`` queries over ``n``
-   completed sources, and the Phase-2 merge of one sublayer; our Triton kernels against the
-   PyTorch reference path (eager and ``torch.compile``). Achieved memory bandwidth is the
-   bytes the op must move (sources, Phase-1 outputs, partial sum, result) divided by the
-   time, reported against the device's measured copy bandwidth (a large ``copy_``).
-   Peers (fla's ``fused_attnres``, ``fast-attnres``, ``flash-attn-res``) are timed when their
-   package is importable and an adapter below maps their API to these shapes: the adapters
-   are to be written and checked on a GPU machine with the packages installed.
-2. **End to end** - training step (forward + backward) and forward latency of Block AttnRes
-   (``attnres_kernels="triton"``) against the standard residual at a realistic shape
-   (default d = 2048, 32 transformer blocks, S = 8 so N = 8, bf16 autocast).
+1. **Op level: the inputs of one Block AttnRes block.** Given ``n`` completed block sums
+   ``[n, M, d]``, the ``S - 1`` partial sums that the block's later sublayers see, ``S``
+   pseudo-queries (key-norm gain folded in) and the ``S`` sublayers' pre-norm gains, produce
+   the ``S`` normalised sublayer inputs ``RMSNorm(h_l) * gain_l`` - everything the residual
+   does for one block, as a model runs it. Forward, and forward + backward (upstream
+   gradient on every output). Implementations:
 
-    python benchmarks/bench_kernels_gpu.py --out benchmarks/results/kernels_gpu
+   * ``ours (triton)``: logits of each source against the ``S`` queries (one matmul), the
+     Phase-1 kernel, then per sublayer the Phase-2 kernel with the RMSNorm fused in;
+   * ``ours (torch)``, ``ours (torch.compile)``: the PyTorch reference path;
+   * peers, each through an adapter that maps these shapes to its API (skipped, with the
+     reason, when the package is missing or does not support the shape):
+     ``fla`` (``fla.ops.attnres.fused_attnres``, package ``flash-linear-attention``: one call
+     per sublayer over all its sources, output RMSNorm fused), ``fast-attnres``
+     (``attnres(values, query)`` per sublayer, then ``F.rms_norm``) and ``flash-attn-res``
+     (its Phase-1 and Phase-2 ops, then ``F.rms_norm``). ``fast-attnres`` installs a
+     top-level package that is also called ``attnres``: the adapter loads it from its
+     distribution's files under another module name.
 
-No GPU was lent to the session that wrote this script: it has not been run yet.
+   Memory traffic: ``min`` bytes are what any implementation must move (read every source
+   and partial sum once, write the ``S`` outputs); ``ours`` bytes are what our kernels read
+   and write (each tensor counted once per kernel; a kernel's repeated walks over a row hit
+   the cache). Achieved bandwidth = bytes / median forward time, as a fraction of the
+   device's peak (its datasheet figure where known, else a measured device copy); the
+   bandwidth bound is ``min bytes / peak``.
+2. **End to end** - training step (forward + backward, bf16 autocast) and one cached decode
+   step (batch 1 and 8) of Block AttnRes (``attnres_kernels="triton"`` and ``"torch"``)
+   against the standard residual, default d = 2048, 32 transformer blocks, S = 8 sublayers
+   per block (N = 8 blocks). Targets: training step <= 1.03x, decode <= 1.02x.
+
+Run it from the repository root with ``PYTHONPATH=src``: fast-attnres installs a package
+named ``attnres`` into site-packages, which must not shadow this project's.
+
+    PYTHONPATH=src python benchmarks/bench_kernels_gpu.py            # full run
+    PYTHONPATH=src python benchmarks/bench_kernels_gpu.py --quick    # smaller, few repeats
+    PYTHONPATH=src python benchmarks/bench_kernels_gpu.py --dry-run  # no GPU: shapes, bytes, peers
+
+Writes ``benchmarks/results/kernels_gpu.{json,md}`` (``--quick``: ``kernels_gpu_quick``;
+``--dry-run`` writes nothing). No GPU was lent to the session that wrote this script: it
+has been run with ``--dry-run`` only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import importlib.metadata
+import importlib.util
 import statistics
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from bench_training_overhead import log, write_results
 
 from attnres import AttnResLM, ModelConfig
 from attnres.ops import merge_with_sources, rms_inverse, source_logits, weighted_sum
 
-
-def cuda_time(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
+EPS = 1e-6
+#: Datasheet peak memory bandwidth (bytes/s) by device-name substring, most specific first.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12, "A100": 1.555e12}
+TARGETS = {"train": 1.03, "decode": 1.02}
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a large device-to-device copy (read + write)."""
-    x = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    t = statistics.median(cuda_time(lambda: y.copy_(x), 20))
-    return 2 * x.numel() / t
+@dataclass(frozen=True)
+class OpShape:
+    """One block's inputs: ``tokens`` rows, hidden size ``d``, ``n`` completed sources,
+    ``S`` sublayers per block; bf16 storage."""
+
+    tokens: int
+    d: int
+    n: int
+    S: int
+
+    @property
+    def label(self) -> str:
+        return f"M={self.tokens} d={self.d} n={self.n} S={self.S}"
 
 
-def peer_adapters():
-    """Peers by name -> callable(p, V) or None when not importable / no adapter yet."""
-    peers = {}
-    for name, module in (("fla fused_attnres", "fla"), ("fast-attnres", "fast_attnres"), ("flash-attn-res", "flash_attn_res")):
-        try:
-            __import__(module)
-        except ImportError:
-            peers[name] = None
-            continue
-        peers[name] = "installed, adapter not written yet"
-    return peers
+def op_shapes(quick: bool) -> list[OpShape]:
+    """Benchmarked shapes: d = 2048 (the end-to-end width) at the first and a late block,
+    a wide model, and a hidden size that is not a power of two."""
+    if quick:
+        return [OpShape(4096, 1024, 2, 4), OpShape(4096, 1000, 6, 4)]
+    return [OpShape(16384, 2048, 2, 8), OpShape(16384, 2048, 8, 8), OpShape(8192, 8192, 8, 8), OpShape(16384, 3000, 8, 8)]
 
 
-def bench_ops(args) -> dict:
+def block_bytes(s: OpShape, esz: int = 2) -> dict[str, int]:
+    """Bytes moved by one block's forward: ``min`` (any implementation) and ``ours``."""
+    row, row32 = s.tokens * s.d * esz, s.tokens * s.d * 4
+    stats = s.tokens * s.S * 4  # one float32 per row and query
+    minimum = (s.n + (s.S - 1) + s.S) * row  # sources, partial sums in; outputs out
+    logits = s.n * row + s.n * stats  # one read of each source, its logits out
+    phase1 = s.n * stats + s.n * row + s.S * row32 + 2 * stats + s.n * stats  # z, V in; O, m, l, p out
+    first = row32 + 2 * s.tokens * 4 + row  # sublayer 0: O[0] (+ stats) in, normalised input out
+    later = (s.S - 1) * (row32 + row + row + 6 * s.tokens * 4)  # O[s], partial in; output, stats out
+    return {"min": minimum, "ours": logits + phase1 + first + later}
+
+
+# ------------------------------------------------------------------------------ inputs
+def make_inputs(s: OpShape, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g, device=device) * scale)
+    return {
+        "sources": [r(s.tokens, s.d).to(dtype).requires_grad_() for _ in range(s.n)],
+        "partials": [r(s.tokens, s.d).to(dtype).requires_grad_() for _ in range(s.S - 1)],
+        "qg": r(s.S, s.d, scale=0.5).requires_grad_(),  # float32, as the model folds them
+        "gains": (1 + 0.1 * r(s.S, s.d)).to(dtype).requires_grad_(),
+        "upstream": [r(s.tokens, s.d).to(dtype) for _ in range(s.S)],
+    }
+
+
+def leaves(x: dict) -> list[torch.Tensor]:
+    return [*x["sources"], *x["partials"], x["qg"], x["gains"]]
+
+
+# ------------------------------------------------------------------------------ ours
+def ours_triton(x: dict) -> list[torch.Tensor]:
+    from attnres.kernels.merge import merge_sources
     from attnres.kernels.phase1 import phase1_attention
     from attnres.kernels.phase2 import phase2_merge
 
-    dev, dt = "cuda", torch.bfloat16
-    M, d, n, S = args.tokens, args.d_model, args.sources, args.queries
-    V = torch.randn(n, M, d, device=dev, dtype=dt)
-    z = torch.randn(M, S, n, device=dev)
-    x = torch.randn(M, d, device=dev, dtype=dt)
-    o_hat = torch.randn(M, d, device=dev)
-    m, l = torch.randn(M, device=dev), torch.rand(M, device=dev) + 1
-    qg = torch.randn(d, device=dev)
-    sources = list(V.unbind(0))
+    sources, qg, gains = x["sources"], x["qg"], x["gains"]
+    dt = sources[0].dtype
+    z = torch.stack([source_logits(v, rms_inverse(v, EPS), qg) for v in sources], dim=-1)  # [M, S, n]
+    O, m, l, _ = phase1_attention(z, torch.stack(sources))
+    outs = [merge_sources(O[0], m[:, 0], l[:, 0], [], [], norm_weight=gains[0], norm_eps=EPS, out_dtype=dt)[0]]
+    for s, partial in enumerate(x["partials"], start=1):
+        out, _ = phase2_merge(O[s], m[:, s], l[:, s], partial, qg[s], EPS, norm_weight=gains[s], norm_eps=EPS, out_dtype=dt)
+        outs.append(out)
+    return outs
 
-    def ref_phase1():
-        m = z.amax(-1)
-        e = torch.exp(z - m.unsqueeze(-1))
-        return [weighted_sum((e / e.sum(-1, keepdim=True))[:, s, :], sources) for s in range(S)]
 
-    def ref_phase2():
-        z = source_logits(x, rms_inverse(x, 1e-6), qg)
-        return merge_with_sources(o_hat, m, l, [x], [z])
+def ours_torch(x: dict) -> list[torch.Tensor]:
+    """The PyTorch reference path of the same block (what ``attnres_kernels="torch"`` runs)."""
+    sources, qg, gains = x["sources"], x["qg"], x["gains"]
+    dt = sources[0].dtype
+    z = torch.stack([source_logits(v, rms_inverse(v, EPS), qg) for v in sources], dim=-1)
+    m = z.amax(-1)
+    e = torch.exp(z - m.unsqueeze(-1))
+    l = e.sum(-1)
+    p = e / l.unsqueeze(-1)
+    outs = []
+    for s in range(len(qg)):
+        h = weighted_sum(p[:, s], sources)
+        if s:
+            partial = x["partials"][s - 1]
+            zp = source_logits(partial, rms_inverse(partial, EPS), qg[s])
+            h, _ = merge_with_sources(h, m[:, s], l[:, s], [partial], [zp])
+        outs.append(F.rms_norm(h.to(dt).float(), (h.shape[-1],), gains[s].float(), EPS).to(dt))
+    return outs
 
-    cands = {
-        "phase1 triton": lambda: phase1_attention(z, V),
-        "phase1 torch eager": ref_phase1,
-        "phase1 torch.compile": torch.compile(ref_phase1),
-        "phase2 triton": lambda: phase2_merge(o_hat, m, l, x, qg),
-        "phase2 torch eager": ref_phase2,
-        "phase2 torch.compile": torch.compile(ref_phase2),
-    }
-    esz = V.element_size()
-    bytes_moved = {
-        "phase1": n * M * d * esz + S * M * d * 4 + 2 * M * S * n * 4 + 2 * M * S * 4,
-        "phase2": M * d * esz + 2 * M * d * 4 + 3 * M * 4,
-    }
-    for f in cands.values():
-        f()
+
+# ------------------------------------------------------------------------------ peers
+def _rms_norm(h: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """The sublayer pre-norm, for peers that do not fuse it (float32 inside, as ours)."""
+    return F.rms_norm(h.float(), (h.shape[-1],), gain.float(), EPS).to(h.dtype)
+
+
+def _load_fast_attnres():
+    """fast-attnres's package is named ``attnres``, like this project: load it from its
+    distribution's files under the name ``fast_attnres_peer``."""
+    dist = importlib.metadata.distribution("fast-attnres")
+    init = Path(dist.locate_file("attnres/__init__.py"))
+    spec = importlib.util.spec_from_file_location("fast_attnres_peer", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fast_attnres_peer"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def fla_adapter():
+    from fla.ops.attnres import fused_attnres
+
+    def run(x: dict) -> list[torch.Tensor]:
+        ones = torch.ones_like(x["gains"][0])  # key-norm gain: folded into qg here
+        qg = x["qg"].to(x["gains"].dtype)  # the peers take queries in the storage dtype
+        outs = []
+        for s in range(len(qg)):
+            residuals = x["sources"] + ([x["partials"][s - 1]] if s else [])
+            outs.append(fused_attnres(query=qg[s], residuals=residuals, rms_weight=ones, output_rms_weight=x["gains"][s], rms_eps=EPS))
+        return outs
+
+    return run, lambda s: None
+
+
+def fast_attnres_adapter():
+    peer = _load_fast_attnres()
+
+    def run(x: dict) -> list[torch.Tensor]:
+        qg = x["qg"].to(torch.bfloat16)  # fast-attnres takes bf16 queries only
+        outs = []
+        for s in range(len(qg)):
+            values = x["sources"] + ([x["partials"][s - 1]] if s else [])
+            outs.append(_rms_norm(peer.attnres(values, qg[s], eps=EPS), x["gains"][s]))
+        return outs
+
+    def unsupported(s: OpShape) -> str | None:
+        return None if s.d <= 8192 and s.n + 1 <= 129 else "fast-attnres supports d <= 8192 and <= 129 sources"
+
+    return run, unsupported
+
+
+def flash_attn_res_adapter():
+    from flash_attn_res import (
+        phase_1_batched_attention_triton_op,
+        phase_2_online_softmax_merge_triton_op,
+    )
+
+    def run(x: dict) -> list[torch.Tensor]:
+        qg = x["qg"].to(torch.bfloat16)
+        V = torch.stack(x["sources"]).unsqueeze(1)  # [n, B=1, T=M, d]
+        out, lse = phase_1_batched_attention_triton_op(V, qg, EPS)  # [S, 1, M, d], [S, 1, M]
+        outs = [_rms_norm(out[0, 0], x["gains"][0])]
+        for s, partial in enumerate(x["partials"], start=1):
+            h = phase_2_online_softmax_merge_triton_op(partial.unsqueeze(0), qg[s], out[s], lse[s], EPS)
+            outs.append(_rms_norm(h[0], x["gains"][s]))
+        return outs
+
+    def unsupported(s: OpShape) -> str | None:
+        return None if s.d & (s.d - 1) == 0 else "flash-attn-res needs a power-of-two hidden size"
+
+    return run, unsupported
+
+
+#: Peer name -> (pip package, adapter factory returning (run, unsupported(shape) -> reason)).
+PEERS = {
+    "fla fused_attnres": ("flash-linear-attention", fla_adapter),
+    "fast-attnres": ("fast-attnres", fast_attnres_adapter),
+    "flash-attn-res": ("flash-attn-res", flash_attn_res_adapter),
+}
+
+
+def select_peers() -> tuple[dict, dict[str, str]]:
+    """``(available, skipped)``: adapters of the importable peers, and for the others why
+    they are skipped."""
+    available, skipped = {}, {}
+    for name, (package, factory) in PEERS.items():
+        try:
+            available[name] = factory()
+        except (ImportError, importlib.metadata.PackageNotFoundError, FileNotFoundError) as e:
+            skipped[name] = f"not installed (pip install {package}): {type(e).__name__}: {e}"
+    return available, skipped
+
+
+# ------------------------------------------------------------------------------ timing
+def cuda_time(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
     torch.cuda.synchronize()
-    times = {k: [] for k in cands}
-    for _ in range(args.repeats):
-        for k, f in cands.items():
-            times[k] += cuda_time(f, 1)
-    peak = copy_bandwidth()
-    out = {"peak_copy_bandwidth_GBps": peak / 1e9, "ops": {}, "peers": peer_adapters()}
-    for k, ts in times.items():
-        med = statistics.median(ts)
-        bw = bytes_moved[k.split()[0]] / med
-        out["ops"][k] = {"median_us": med * 1e6, "GBps": bw / 1e9, "fraction_of_copy_bw": bw / peak}
-    return out
+    return start.elapsed_time(end) / 1e3
+
+
+def time_interleaved(steps: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per step, one call of each step per round."""
+    for step in steps.values():
+        step()
+        step()
+    torch.cuda.synchronize()
+    times = {k: [] for k in steps}
+    for _ in range(repeats):
+        for k, step in steps.items():
+            times[k].append(cuda_time(step))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def peak_bandwidth() -> tuple[float, str]:
+    """Bytes/s of the device: its datasheet peak where known, else a measured copy."""
+    name = torch.cuda.get_device_name()
+    for key, bw in PEAK_BANDWIDTH.items():
+        if key in name:
+            return bw, f"datasheet ({key})"
+    x = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = statistics.median(cuda_time(lambda: y.copy_(x)) for _ in range(20))
+    return 2 * x.numel() / t, "measured device copy"
+
+
+def bench_ops(args, peers: dict, skipped: dict) -> dict:
+    peak, peak_source = peak_bandwidth()
+    impls = {"ours (triton)": (ours_triton, lambda s: None), "ours (torch)": (ours_torch, lambda s: None)}
+    impls["ours (torch.compile)"] = (torch.compile(ours_torch, dynamic=False), lambda s: None)
+    impls.update(peers)
+    results = {"peak_GBps": peak / 1e9, "peak_source": peak_source, "skipped_peers": skipped, "shapes": []}
+    for shape in op_shapes(args.quick):
+        log(f"[ops] {shape.label}")
+        x = make_inputs(shape)
+        steps, row = {}, {"shape": asdict(shape), "bytes": block_bytes(shape), "impls": {}, "unsupported": {}}
+        for name, (run, unsupported) in impls.items():
+            reason = unsupported(shape)
+            if reason is None and name in peers:
+                try:  # a peer whose API does not match its adapter is reported, not fatal
+                    run(x)
+                except Exception as e:  # noqa: BLE001
+                    reason = f"failed: {type(e).__name__}: {e}"
+            if reason:
+                log(f"  {name}: {reason}")
+                row["unsupported"][name] = reason
+                continue
+
+            def fwd(run=run, x=x):
+                with torch.no_grad():
+                    run(x)
+
+            def fwd_bwd(run=run, x=x):
+                outs = run(x)
+                torch.autograd.backward(outs, x["upstream"])
+
+            steps[f"{name}|fwd"], steps[f"{name}|fwd+bwd"] = fwd, fwd_bwd
+        for key, t in time_interleaved(steps, args.repeats).items():
+            name, mode = key.split("|")
+            row["impls"].setdefault(name, {})[f"{mode}_us"] = t * 1e6
+        bound = row["bytes"]["min"] / peak
+        for name, r in row["impls"].items():
+            t = r["fwd_us"] / 1e6
+            r["min_bytes_fraction_of_peak"] = row["bytes"]["min"] / t / peak
+            r["fwd_over_bandwidth_bound"] = t / bound
+            if name == "ours (triton)":
+                r["own_bytes_fraction_of_peak"] = row["bytes"]["ours"] / t / peak
+        results["shapes"].append(row)
+        del x
+    return results
+
+
+def e2e_config(args) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=32000, d_model=args.e2e_d, n_layers=args.e2e_layers, n_heads=max(1, args.e2e_d // 128),
+        max_seq_len=args.e2e_seq + 1, attnres_block_size=2 * args.e2e_layers // args.e2e_blocks,
+    )
 
 
 def bench_e2e(args) -> dict:
-    base = ModelConfig(
-        vocab_size=32000, d_model=args.e2e_d, n_layers=args.e2e_layers, n_heads=args.e2e_d // 128,
-        max_seq_len=args.e2e_seq, attnres_block_size=args.e2e_layers * 2 // 8,
-    )
-    ids = torch.randint(0, base.vocab_size, (args.e2e_batch, args.e2e_seq), device="cuda")
-    models = {
-        "standard": AttnResLM(base.replace(residual="standard")).cuda(),
-        "block (triton)": AttnResLM(base.replace(residual="attnres_block", attnres_kernels="triton")).cuda(),
-        "block (torch)": AttnResLM(base.replace(residual="attnres_block", attnres_kernels="torch")).cuda(),
-    }
-    res = {}
-    for mode in ("train", "forward"):
-        def step(model, mode=mode):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                if mode == "train":
-                    model(ids, labels=ids).loss.backward()
-                    model.zero_grad(set_to_none=True)
-                else:
-                    with torch.no_grad():
-                        model(ids)
+    from attnres.inference import KVCache, decode_step
 
-        for m in models.values():
-            step(m)
-        torch.cuda.synchronize()
-        times = {k: [] for k in models}
-        for _ in range(args.repeats):
-            for k, m in models.items():
-                times[k] += cuda_time(lambda m=m: step(m), 1)
-        base_t = statistics.median(times["standard"])
-        res[mode] = {k: {"median_ms": statistics.median(v) * 1e3, "ratio": statistics.median(v) / base_t} for k, v in times.items()}
+    base = e2e_config(args)
+    variants = {
+        "standard": base.replace(residual="standard"),
+        "block (triton)": base.replace(residual="attnres_block", attnres_kernels="triton"),
+        "block (torch)": base.replace(residual="attnres_block", attnres_kernels="torch"),
+    }
+    models = {}
+    for name, cfg in variants.items():
+        torch.manual_seed(0)
+        models[name] = AttnResLM(cfg).cuda()
+    ids = torch.randint(0, base.vocab_size, (args.e2e_batch, args.e2e_seq), device="cuda")
+    res = {"config": {"d_model": base.d_model, "n_layers": base.n_layers, "block_size": base.attnres_block_size, "seq": args.e2e_seq, "batch": args.e2e_batch}}
+
+    def train(model):
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return step
+
+    res["train"] = time_interleaved({k: train(m) for k, m in models.items()}, args.repeats)
+    for model in models.values():
+        model.to(torch.bfloat16)
+    for batch in (1, 8):
+        cache = KVCache(base.n_layers, capacity=args.e2e_seq + 1)
+        shape = (batch, base.kv_heads, args.e2e_seq, base.head_dim)
+        for layer in range(base.n_layers):
+            cache.update(layer, torch.randn(shape, device="cuda", dtype=torch.bfloat16), torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+        tokens = torch.randint(0, base.vocab_size, (batch,), device="cuda")
+
+        def decode(model, cache=cache, tokens=tokens):
+            def step():
+                with torch.no_grad():
+                    decode_step(model, cache, tokens)
+                cache.crop(args.e2e_seq)
+
+            return step
+
+        res[f"decode b={batch}"] = time_interleaved({k: decode(m) for k, m in models.items()}, args.repeats)
     return res
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--sources", type=int, default=8)
-    ap.add_argument("--queries", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--e2e-d", type=int, default=2048)
-    ap.add_argument("--e2e-layers", type=int, default=32)
-    ap.add_argument("--e2e-seq", type=int, default=2048)
-    ap.add_argument("--e2e-batch", type=int, default=4)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels_gpu"))
-    args = ap.parse_args()
+# ------------------------------------------------------------------------------ output
+def render_markdown(r: dict) -> str:
+    lines = [f"# Fused kernels on {r['device']}", "", f"Command: `{r['command']}`  ", f"torch {r['torch']}, triton {r['triton']}.", ""]
+    ops = r["ops"]
+    lines += [
+        f"## Op level: the S normalised sublayer inputs of one block (bf16), peak {ops['peak_GBps']:.0f} GB/s ({ops['peak_source']})",
+        "",
+        "*bw* = minimum bytes / forward time as a fraction of the peak; *x bound* = forward time / (minimum bytes / peak).",
+        "",
+        "| shape | implementation | fwd µs | fwd+bwd µs | bw (min bytes) | x bound |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in ops["shapes"]:
+        label = OpShape(**row["shape"]).label
+        for name, t in sorted(row["impls"].items(), key=lambda kv: kv[1]["fwd_us"]):
+            lines.append(f"| {label} | {name} | {t['fwd_us']:.0f} | {t['fwd+bwd_us']:.0f} | {t['min_bytes_fraction_of_peak']:.2f} | {t['fwd_over_bandwidth_bound']:.2f} |")
+        for name, why in row["unsupported"].items():
+            lines.append(f"| {label} | {name} | - | - | - | {why} |")
+    for name, why in ops["skipped_peers"].items():
+        lines.append(f"\nSkipped peer **{name}**: {why}")
+    e = r["e2e"]
+    c = e["config"]
+    lines += [
+        "",
+        f"## End to end: d={c['d_model']}, {c['n_layers']} transformer blocks, S={c['block_size']} (N={2 * c['n_layers'] // c['block_size']}), seq {c['seq']}",
+        "",
+        "| mode | variant | median ms | ratio to standard | target |",
+        "|---|---|---:|---:|---|",
+    ]
+    for mode, times in e.items():
+        if mode == "config":
+            continue
+        target = TARGETS["train" if mode == "train" else "decode"]
+        for name, t in times.items():
+            ratio = t / times["standard"]
+            verdict = "" if name == "standard" else f"<= {target:.2f}: {'met' if ratio <= target else 'MISSED'}"
+            lines.append(f"| {mode} | {name} | {t * 1e3:.2f} | {ratio:.3f} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def dry_run(args) -> dict:
+    """The plan without a GPU: shapes, byte counts, end-to-end config and peer selection."""
+    _, skipped = select_peers()
+    cfg = e2e_config(args)
+    plan = {
+        "ops": [{"shape": asdict(s), "bytes": block_bytes(s)} for s in op_shapes(args.quick)],
+        "e2e": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "block_size": cfg.attnres_block_size, "n_blocks": 2 * cfg.n_layers // cfg.attnres_block_size},
+        "peers": {name: skipped.get(name, "available") for name in PEERS},
+    }
+    for row in plan["ops"]:
+        b = row["bytes"]
+        log(f"[dry-run] {OpShape(**row['shape']).label}: min {b['min'] / 2**20:.0f} MiB, ours {b['ours'] / 2**20:.0f} MiB")
+    log(f"[dry-run] end to end: {plan['e2e']}")
+    for name, status in plan["peers"].items():
+        log(f"[dry-run] peer {name}: {status}")
+    return plan
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller shapes and models, few repeats")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (shapes, bytes, peers); no GPU needed")
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--e2e-d", type=int, default=2048)
+    p.add_argument("--e2e-layers", type=int, default=32, help="transformer blocks (2 sublayers each)")
+    p.add_argument("--e2e-blocks", type=int, default=8, help="N, the number of AttnRes blocks")
+    p.add_argument("--e2e-seq", type=int, default=2048)
+    p.add_argument("--e2e-batch", type=int, default=4)
+    p.add_argument("--out", default=None, help="output path without suffix (default: benchmarks/results/kernels_gpu[_quick])")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats = min(args.repeats, 5)
+        args.e2e_d, args.e2e_layers, args.e2e_seq, args.e2e_batch = 512, 8, 512, 2
+    if (2 * args.e2e_layers) % args.e2e_blocks:
+        p.error(f"--e2e-blocks must divide the {2 * args.e2e_layers} sublayers, got {args.e2e_blocks}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args)
+        return 0
     if not torch.cuda.is_available():
-        print("bench_kernels_gpu: needs a CUDA device (none found)", file=sys.stderr)
+        log("bench_kernels_gpu: needs a CUDA device (none found); --dry-run shows the plan without one")
         return 2
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
-    result["ops"] = bench_ops(args)
-    result["e2e"] = bench_e2e(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    import triton
+
+    peers, skipped = select_peers()
+    for name, why in skipped.items():
+        log(f"skipping peer {name}: {why}")
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / ("kernels_gpu_quick" if args.quick else "kernels_gpu")
+    result = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "args": vars(args),
+        "ops": bench_ops(args, peers, skipped),
+        "e2e": bench_e2e(args),
+    }
+    write_results(out, result, render_markdown)
     return 0
 
 

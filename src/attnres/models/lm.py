@@ -202,11 +202,15 @@ class AttnResLM(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = self.residual
         state = residual.start(x, record_weights=record_weights)
+        # With the fused kernels the residual returns each sublayer's normalised input (its
+        # pre-norm folded into the Phase-2 kernel) and the sublayers skip their own norm.
+        fused = residual.fuses_norm(x)
         for i, layer in enumerate(self.layers):
             a, m = 2 * i, 2 * i + 1
-            h_a = residual.sublayer_input(state, a)
-            residual.add_output(state, a, call(layer.attention_sublayer, h_a, cos, sin, attn_mask, kv_cache, i))
-            residual.add_output(state, m, call(layer.mlp_sublayer, residual.sublayer_input(state, m)))
+            h_a = residual.sublayer_input(state, a, layer.attn_norm if fused else None)
+            residual.add_output(state, a, call(layer.attention_sublayer, h_a, cos, sin, attn_mask, kv_cache, i, fused))
+            h_m = residual.sublayer_input(state, m, layer.mlp_norm if fused else None)
+            residual.add_output(state, m, call(layer.mlp_sublayer, h_m, fused))
         return residual.finish(state), state
 
     # -- conveniences --------------------------------------------------------------------

@@ -193,15 +193,25 @@ class ResidualStream(nn.Module, ABC):
         self._start(state, embedding)
         return state
 
-    def sublayer_input(self, state: _State, l: int) -> Tensor:
-        """The input ``h_l`` of sublayer ``l`` (0-based), ``[..., d]``."""
+    def sublayer_input(self, state: _State, l: int, norm: RMSNorm | None = None) -> Tensor:
+        """The input ``h_l`` of sublayer ``l`` (0-based), ``[..., d]``; with ``norm`` (the
+        sublayer's pre-norm), ``norm(h_l)`` instead, which variants that compute ``h_l`` in a
+        fused kernel fold into that kernel (see :meth:`fuses_norm`)."""
         if l != state.next_sublayer or state.expecting_output:
             raise RuntimeError(
                 f"sublayer_input({l}) called out of order: expected sublayer {state.next_sublayer}"
                 + (" to return its output first" if state.expecting_output else "")
             )
         state.expecting_output = True
-        return self._input(state, l)
+        if norm is None:
+            return self._input(state, l)
+        return self._normed_input(state, l, norm)
+
+    def fuses_norm(self, x: Tensor) -> bool:
+        """Whether ``sublayer_input(..., norm=...)`` fuses the norm into the kernel that
+        computes ``h_l``, for tensors like ``x``; the model then asks for normalised inputs
+        and its sublayers skip their own pre-norm."""
+        return False
 
     def add_output(self, state: _State, l: int, output: Tensor) -> None:
         """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``."""
@@ -227,6 +237,10 @@ class ResidualStream(nn.Module, ABC):
 
     @abstractmethod
     def _input(self, state: _State, l: int) -> Tensor: ...
+
+    def _normed_input(self, state: _State, l: int, norm: RMSNorm) -> Tensor:
+        """``norm(h_l)``; the unfused default."""
+        return norm(self._input(state, l))
 
     @abstractmethod
     def _add(self, state: _State, l: int, output: Tensor) -> None: ...
@@ -303,6 +317,12 @@ class _AttnResBase(ResidualStream):
             return True
         return x.is_cuda and _triton_available()
 
+    def fuses_norm(self, x: Tensor) -> bool:
+        return self.impl == "two_phase" and self._use_kernels(x)
+
+    def _normed_input(self, state: _State, l: int, norm: RMSNorm) -> Tensor:
+        return self._input(state, l, norm)
+
     def _record(self, state: _State, weights: Tensor, sources_last: bool = True) -> None:
         """Store one mixer's weights as ``[n_sources, ...]`` (given ``[..., n]``)."""
         if state.weights is not None:
@@ -372,24 +392,37 @@ class _AttnResBase(ResidualStream):
         o_hat = [weighted_sum(p[..., s, :], sources) for s in range(count)]
         st["p1"] = {"first": first_query, "o_hat": o_hat, "m": m, "sumexp": sumexp, "p": p}
 
-    def _phase2(self, state: _State, st: dict, l: int, intra: list[Tensor], intra_logits: list[Tensor]) -> Tensor:
-        """Input of sublayer ``l``: its Phase-1 result merged with the ``intra`` sources."""
+    def _phase2(
+        self, state: _State, st: dict, l: int, intra: list[Tensor], intra_logits: list[Tensor], norm: RMSNorm | None = None
+    ) -> Tensor:
+        """Input of sublayer ``l``: its Phase-1 result merged with the ``intra`` sources
+        (then ``norm``-ed when given: in the fused kernel, which is also the norm alone when
+        there is nothing to merge)."""
         p1 = st["p1"]
         s = l - p1["first"]
         o_hat = p1["o_hat"][s]
-        if not intra:
-            self._record(state, p1["p"][..., s, :])
-            return o_hat.to(state.dtype)
-        if self._use_kernels(o_hat):
+        if norm is not None and self._use_kernels(o_hat):
             from ..kernels.merge import merge_sources
 
-            h, w = merge_sources(o_hat, p1["m"][..., s], p1["sumexp"][..., s], intra, intra_logits)
+            out, w = merge_sources(
+                o_hat, p1["m"][..., s], p1["sumexp"][..., s], intra, intra_logits,
+                norm_weight=norm.weight, norm_eps=norm.eps, out_dtype=state.dtype,
+            )
+        elif not intra:
+            self._record(state, p1["p"][..., s, :])
+            h = o_hat.to(state.dtype)
+            return h if norm is None else norm(h)
+        elif self._use_kernels(o_hat):
+            from ..kernels.merge import merge_sources
+
+            out, w = merge_sources(o_hat, p1["m"][..., s], p1["sumexp"][..., s], intra, intra_logits, out_dtype=state.dtype)
         else:
             h, w = merge_with_sources(o_hat, p1["m"][..., s], p1["sumexp"][..., s], intra, intra_logits)
+            out = h.to(state.dtype) if norm is None else norm(h.to(state.dtype))
         if state.weights is not None:
             inter = p1["p"][..., s, :] * w[..., :1]
             self._record(state, torch.cat([inter, w[..., 1:]], dim=-1))
-        return h.to(state.dtype)
+        return out
 
     def _aggregate(self, state: _State, st: dict) -> Tensor:
         """Output aggregation: query ``L`` over all completed sources."""
@@ -450,9 +483,10 @@ class FullAttnRes(_AttnResBase):
         st["group"] = []  # (output, logits vs later queries, first query) of the current group
         state.extra["tp"] = st
 
-    def _input(self, state: _State, l: int) -> Tensor:
+    def _input(self, state: _State, l: int, norm: RMSNorm | None = None) -> Tensor:
         if self.impl == "naive":
-            return self._attend_naive(state, l, self._windowed(state.extra["sources"]))
+            h = self._attend_naive(state, l, self._windowed(state.extra["sources"]))
+            return h if norm is None else norm(h)
         st = state.extra["tp"]
         if l % self.group_size == 0:
             for x, z, off in st["group"]:  # the previous group's outputs become completed
@@ -463,7 +497,7 @@ class FullAttnRes(_AttnResBase):
             self._phase1(st, l, min(self.group_size, self.n_sublayers - l))
         intra = [x for x, _, _ in st["group"]]
         intra_logits = [z[..., l - off] for _, z, off in st["group"]]
-        return self._phase2(state, st, l, intra, intra_logits)
+        return self._phase2(state, st, l, intra, intra_logits, norm)
 
     def _add(self, state: _State, l: int, output: Tensor) -> None:
         if self.impl == "naive":
@@ -530,7 +564,7 @@ class BlockAttnRes(_AttnResBase):
             return
         state.extra["tp"] = self._new_two_phase_state(state, embedding)
 
-    def _input(self, state: _State, l: int) -> Tensor:
+    def _input(self, state: _State, l: int, norm: RMSNorm | None = None) -> Tensor:
         at_block_start = l % self.block_size == 0
         if self.impl == "naive":
             if at_block_start and state.extra["partial"] is not None:
@@ -538,31 +572,37 @@ class BlockAttnRes(_AttnResBase):
                 state.extra["partial"] = None
             partial = state.extra["partial"]
             sources = state.extra["blocks"] + ([partial] if partial is not None else [])
-            return self._attend_naive(state, l, sources)
+            h = self._attend_naive(state, l, sources)
+            return h if norm is None else norm(h)
         st = state.extra["tp"]
         if at_block_start:
             if state.extra["partial"] is not None:
                 self._complete(st, state.extra["partial"], l)
                 state.extra["partial"] = None
             self._phase1(st, l, min(self.block_size, self.n_sublayers - l))
-            return self._phase2(state, st, l, [], [])
+            return self._phase2(state, st, l, [], [], norm)
         partial = state.extra["partial"]
         if self._use_kernels(partial):
-            return self._phase2_kernel(state, st, l, partial)
+            return self._phase2_kernel(state, st, l, partial, norm)
         z = source_logits(partial, rms_inverse(partial, self.eps), st["qg"][l])
-        return self._phase2(state, st, l, [partial], [z])
+        return self._phase2(state, st, l, [partial], [z], norm)
 
-    def _phase2_kernel(self, state: _State, st: dict, l: int, partial: Tensor) -> Tensor:
-        """Phase 2 of a block's later sublayer as one fused Triton kernel."""
+    def _phase2_kernel(self, state: _State, st: dict, l: int, partial: Tensor, norm: RMSNorm | None) -> Tensor:
+        """Phase 2 of a block's later sublayer as one fused Triton kernel: the partial
+        sum's logit, the merge and, with ``norm``, the sublayer's pre-norm."""
         from ..kernels.phase2 import phase2_merge
 
         p1 = st["p1"]
         s = l - p1["first"]
-        h, w = phase2_merge(p1["o_hat"][s], p1["m"][..., s], p1["sumexp"][..., s], partial, st["qg"][l], self.eps)
+        fused_norm = {} if norm is None else {"norm_weight": norm.weight, "norm_eps": norm.eps}
+        out, w = phase2_merge(
+            p1["o_hat"][s], p1["m"][..., s], p1["sumexp"][..., s], partial, st["qg"][l], self.eps,
+            out_dtype=state.dtype, **fused_norm,
+        )
         if state.weights is not None:
             inter = p1["p"][..., s, :] * (1 - w).unsqueeze(-1)
             self._record(state, torch.cat([inter, w.unsqueeze(-1)], dim=-1))
-        return h.to(state.dtype)
+        return out
 
     def _add(self, state: _State, l: int, output: Tensor) -> None:
         partial = state.extra["partial"]

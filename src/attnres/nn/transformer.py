@@ -118,7 +118,8 @@ class TransformerBlock(nn.Module):
 
     ``attention_sublayer(h) = attn(attn_norm(h))`` and ``mlp_sublayer(h) = mlp(mlp_norm(h))``
     return the *raw* sublayer outputs ``v_l`` (spec §1); how they are combined across depth
-    is the residual module's job, not the block's.
+    is the residual module's job, not the block's. With ``normed=True`` the input is already
+    ``attn_norm(h)`` / ``mlp_norm(h)`` (the residual's fused kernels apply the norm).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, eps: float) -> None:
@@ -136,8 +137,9 @@ class TransformerBlock(nn.Module):
         attn_mask: Tensor | None = None,
         kv_cache: KVStore | None = None,
         layer: int = 0,
+        normed: bool = False,
     ) -> Tensor:
-        return self.attn(self.attn_norm(h), cos, sin, attn_mask, kv_cache, layer)
+        return self.attn(h if normed else self.attn_norm(h), cos, sin, attn_mask, kv_cache, layer)
 
-    def mlp_sublayer(self, h: Tensor) -> Tensor:
-        return self.mlp(self.mlp_norm(h))
+    def mlp_sublayer(self, h: Tensor, normed: bool = False) -> Tensor:
+        return self.mlp(h if normed else self.mlp_norm(h))

@@ -1,0 +1,104 @@
+"""The CPU-side logic of the GPU kernel benchmark: shapes, byte accounting, peer selection,
+``--dry-run``, and our block implementation (Triton, interpreted) against its PyTorch
+reference on a tiny shape."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_kernels_gpu as bench
+from conftest import OP_TOL_BF16, assert_rel_close
+
+
+def test_block_bytes_count_every_tensor_once():
+    s = bench.OpShape(tokens=10, d=6, n=3, S=4)
+    row, row32, stats = 10 * 6 * 2, 10 * 6 * 4, 10 * 4 * 4
+    b = bench.block_bytes(s)
+    assert b["min"] == (3 + 3 + 4) * row
+    logits = 3 * row + 3 * stats
+    phase1 = 3 * stats + 3 * row + 4 * row32 + 2 * stats + 3 * stats
+    first = row32 + 2 * 10 * 4 + row
+    later = 3 * (row32 + 2 * row + 6 * 10 * 4)
+    assert b["ours"] == logits + phase1 + first + later
+    assert b["ours"] > b["min"]
+
+
+def test_shapes_cover_a_non_power_of_two_width():
+    for quick in (False, True):
+        shapes = bench.op_shapes(quick)
+        assert any(s.d & (s.d - 1) for s in shapes)
+        assert all(s.S >= 2 and s.n >= 1 for s in shapes)
+
+
+def test_peer_selection_skips_missing_packages_with_the_reason(monkeypatch):
+    def missing():
+        raise ImportError("No module named 'nothing'")
+
+    monkeypatch.setattr(bench, "PEERS", {"present": ("pkg-a", lambda: ("run", "check")), "absent": ("pkg-b", missing)})
+    available, skipped = bench.select_peers()
+    assert available == {"present": ("run", "check")}
+    assert list(skipped) == ["absent"] and "pip install pkg-b" in skipped["absent"]
+
+
+def test_peer_adapters_reject_the_shapes_their_packages_cannot_run(monkeypatch):
+    """The shape checks of the adapters, without the packages (their imports are faked)."""
+    fake = type(sys)("flash_attn_res")
+    fake.phase_1_batched_attention_triton_op = fake.phase_2_online_softmax_merge_triton_op = None
+    monkeypatch.setitem(sys.modules, "flash_attn_res", fake)
+    _, unsupported = bench.flash_attn_res_adapter()
+    assert unsupported(bench.OpShape(8, 2048, 2, 4)) is None
+    assert "power-of-two" in unsupported(bench.OpShape(8, 3000, 2, 4))
+
+
+def test_dry_run_plans_without_a_gpu(capsys):
+    assert bench.main(["--dry-run", "--quick"]) == 0
+    err = capsys.readouterr().err
+    assert "[dry-run] M=4096 d=1000" in err and "peer fla fused_attnres" in err
+    args = bench.parse_args([])
+    cfg = bench.e2e_config(args)  # the issue's shape: d = 2048, 32 blocks, N = 8
+    assert (cfg.d_model, cfg.n_layers, 2 * cfg.n_layers // cfg.attnres_block_size) == (2048, 32, 8)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--e2e-blocks", "5"])
+
+
+def test_our_block_implementation_matches_its_reference():
+    """``ours_triton`` (interpreted) against ``ours_torch``: outputs and every gradient."""
+    pytest.importorskip("triton")
+    s = bench.OpShape(tokens=3, d=20, n=2, S=3)
+    x = bench.make_inputs(s, device="cpu")
+    fast, ref = bench.ours_triton(x), bench.ours_torch(x)
+    for a, b in zip(fast, ref):
+        assert a.dtype == torch.bfloat16
+        assert_rel_close(a.float(), b.float(), OP_TOL_BF16, "output")
+    loss = lambda outs: sum((o.float() * u.float()).sum() for o, u in zip(outs, x["upstream"]))
+    grads = torch.autograd.grad(loss(fast), bench.leaves(x))
+    grads_r = torch.autograd.grad(loss(ref), bench.leaves(x))
+    for a, b in zip(grads, grads_r):
+        assert_rel_close(a.float(), b.float(), 2 * OP_TOL_BF16, "grad")
+
+
+def test_markdown_report_renders_every_row():
+    """The report is rendered at the very end of a GPU run: it must not fail there."""
+    impl = {"fwd_us": 100.0, "fwd+bwd_us": 300.0, "min_bytes_fraction_of_peak": 0.5, "fwd_over_bandwidth_bound": 2.0}
+    result = {
+        "device": "GPU", "command": "bench_kernels_gpu.py", "torch": "x", "triton": "y",
+        "ops": {
+            "peak_GBps": 3350.0, "peak_source": "datasheet (H100)", "skipped_peers": {"fast-attnres": "not installed"},
+            "shapes": [{"shape": {"tokens": 8, "d": 16, "n": 2, "S": 4}, "impls": {"ours (triton)": impl}, "unsupported": {"flash-attn-res": "power-of-two d"}}],
+        },
+        "e2e": {
+            "config": {"d_model": 2048, "n_layers": 32, "block_size": 8, "seq": 2048, "batch": 4},
+            "train": {"standard": 1.0, "block (triton)": 1.02},
+            "decode b=1": {"standard": 0.010, "block (triton)": 0.0103},
+        },
+    }
+    md = bench.render_markdown(result)
+    assert "| M=8 d=16 n=2 S=4 | ours (triton) | 100 | 300 | 0.50 | 2.00 |" in md
+    assert "power-of-two d" in md and "Skipped peer **fast-attnres**" in md
+    assert "| train | block (triton) | 1020.00 | 1.020 | <= 1.03: met |" in md
+    assert "| decode b=1 | block (triton) | 10.30 | 1.030 | <= 1.02: MISSED |" in md
