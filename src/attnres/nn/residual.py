@@ -38,7 +38,7 @@ from ..ops import (
     merge_with_sources,
     rms_inverse,
     source_logits,
-    weighted_sum,
+    weighted_sums,
 )
 from ..ops.ablations import depth_attention_variant
 from .norm import RMSNorm
@@ -389,7 +389,7 @@ class _AttnResBase(ResidualStream):
         e = torch.exp(z - m.unsqueeze(-1))
         sumexp = e.sum(dim=-1)
         p = e / sumexp.unsqueeze(-1)
-        o_hat = [weighted_sum(p[..., s, :], sources) for s in range(count)]
+        o_hat = weighted_sums(p, sources)
         st["p1"] = {"first": first_query, "o_hat": o_hat, "m": m, "sumexp": sumexp, "p": p}
 
     def _phase2(

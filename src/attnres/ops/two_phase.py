@@ -179,18 +179,20 @@ def weighted_sum(weights: Tensor, sources: Sequence[Tensor]) -> Tensor:
     return out
 
 
-#: Below this many elements per source, :func:`weighted_sums` stacks the sources and takes
-#: one batched matmul: decoding (a token or a few per sequence) is bound by the number of
-#: operations, not by memory traffic. Above it, one fused multiply-add pass per source and
-#: query, with no stacked copy (prefill and training, bound by memory traffic).
+#: Without autograd and below this many elements per source, :func:`weighted_sums` stacks
+#: the sources and takes one batched matmul: decoding (a token or a few per sequence) is
+#: bound by the number of operations, not by memory traffic. Otherwise one fused multiply-add
+#: pass per source and query, with no stacked copy (prefill and training, bound by memory
+#: traffic; training keeps one summation order whatever the shape).
 SMALL_SOURCE_NUMEL = 1 << 16
 
 
 def weighted_sums(weights: Tensor, sources: Sequence[Tensor]) -> list[Tensor]:
     """Phase 1's outputs for ``K`` queries at once: ``weights [..., K, n]`` over ``n`` sources
     ``[..., d]`` -> ``K`` tensors ``[..., d]`` in the compute dtype (see :func:`weighted_sum`;
-    small sources take one stacked matmul instead of ``K n`` passes)."""
-    if sources[0].numel() > SMALL_SOURCE_NUMEL or len(sources) == 1:
+    small sources without autograd take one stacked matmul instead of ``K n`` passes)."""
+    small = sources[0].numel() <= SMALL_SOURCE_NUMEL and len(sources) > 1 and not torch.is_grad_enabled()
+    if not small:
         return [weighted_sum(weights[..., k, :], sources) for k in range(weights.shape[-2])]
     compute = compute_dtype(sources[0].dtype)
     stacked = torch.stack(list(sources), dim=-2)  # [..., n, d]
