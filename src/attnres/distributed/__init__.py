@@ -1,0 +1,19 @@
+"""Scale-out on ``torch.distributed``: process groups, data parallelism (FSDP2 / DDP) and
+sequence-sharded prefill. See docs/distributed.md."""
+
+from .data_parallel import full_model_state, full_optimizer_state, local_rows, shard_optimizer_state, wrap_model
+from .launch import DistContext, DistributedError, backend_for_device, init_distributed, resolve_mode, shutdown
+
+__all__ = [
+    "DistContext",
+    "DistributedError",
+    "backend_for_device",
+    "init_distributed",
+    "resolve_mode",
+    "shutdown",
+    "wrap_model",
+    "local_rows",
+    "full_model_state",
+    "full_optimizer_state",
+    "shard_optimizer_state",
+]
