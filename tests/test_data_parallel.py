@@ -249,6 +249,22 @@ def test_stalled_rank_makes_the_others_exit_after_the_timeout(root):
     assert DIE_TIMEOUT_S - 5 <= waited < DIE_TIMEOUT_S + 30, f"rank 0 exited {waited:.1f} s after rank 1 stalled"
 
 
+@pytest.mark.slow  # one more 2-process launch, about 15 s
+def test_torchrun_tears_down_the_group_when_a_rank_dies(tmp_path):
+    """Under torchrun the agent notices the dead worker and stops the others (SIGTERM) at
+    once; the launch fails naming rank 1 as the root cause."""
+    from distributed_utils import worker_env
+
+    write_corpus(tmp_path / "corpus.txt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, "die",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=240)
+    waited = time.time() - float((tmp_path / "die.txt").read_text())
+    assert proc.returncode != 0
+    assert "Root Cause" in proc.stderr and "rank      : 1" in proc.stderr.split("Root Cause")[1], proc.stderr[-3000:]
+    assert waited < 30, f"torchrun exited {waited:.1f} s after rank 1 died"
+
+
 # -- backend, modes, config ---------------------------------------------------------------
 
 def test_backend_follows_the_device():
