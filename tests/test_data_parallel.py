@@ -73,10 +73,10 @@ def run_args(corpus: Path, out: Path, **extra) -> list[str]:
 def worker(task: str, root: Path) -> None:
     """``train``: every run of RUNS; ``resume``: continue ``resume-4`` (a copy of fsdp-adamw
     at step 10) to the end; ``die``: train through the CLI, rank 1 exiting abruptly at its
-    3rd batch."""
+    3rd batch (``stall``: stopping to call collectives there)."""
     torch.set_num_threads(1)
     corpus = root / "corpus.txt"
-    if task == "train":
+    if task == "train":  # the first train() creates the process group, the others reuse it
         for name, (extra, _) in RUNS.items():
             train(load_config(None, run_args(corpus, root / name, **extra)))
     elif task == "resume":
@@ -136,7 +136,7 @@ def references(root) -> Path:
 
 def assert_close_runs(got: Path, want: Path, step: int) -> None:
     """Weights and optimiser state of checkpoint ``step``, and the logged loss and gradient
-    norm of every step, within DP_TOL."""
+    norm of every step, within DP_TOL. Prints the largest errors (shown with ``-s``)."""
     for name in ("model.safetensors", "optimizer.safetensors"):
         a, b = load_file(str(checkpoint_path(got, step) / name)), load_file(str(checkpoint_path(want, step) / name))
         assert a.keys() == b.keys(), name
@@ -144,6 +144,7 @@ def assert_close_runs(got: Path, want: Path, step: int) -> None:
         errs = tensor_errors([a[k] for k in keys], [b[k] for k in keys])
         worst = max(zip(errs, keys))
         assert worst[0] <= DP_TOL, f"{got.name} {name}: {worst[1]} relative error {worst[0]:.2e} > {DP_TOL}"
+        print(f"{got.name} step {step} {name}: largest relative error {worst[0]:.1e} ({worst[1]})")
 
     def logged(run: Path) -> list[tuple[int, float, float]]:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -298,7 +299,7 @@ def test_config_validates_distributed_fields():
 def test_distributed_error_names_the_rank():
     from attnres.distributed.launch import DistContext, collective_errors
 
-    ctx = DistContext(rank=3, world_size=4, device=torch.device("cpu"), backend="gloo", timeout_s=7.0, owns_group=False)
+    ctx = DistContext(rank=3, world_size=4, device=torch.device("cpu"), backend="gloo", timeout_s=7.0)
     with pytest.raises(DistributedError, match=r"rank 3 of 4: a collective failed .*timeout is 7 s"):
         with collective_errors(ctx):
             raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")

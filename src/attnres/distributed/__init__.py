@@ -2,7 +2,7 @@
 sequence-sharded prefill. See docs/distributed.md."""
 
 from .data_parallel import full_model_state, full_optimizer_state, local_rows, shard_optimizer_state, wrap_model
-from .launch import DistContext, DistributedError, backend_for_device, init_distributed, resolve_mode, shutdown
+from .launch import DistContext, DistributedError, backend_for_device, init_distributed, resolve_mode
 
 __all__ = [
     "DistContext",
@@ -10,7 +10,6 @@ __all__ = [
     "backend_for_device",
     "init_distributed",
     "resolve_mode",
-    "shutdown",
     "wrap_model",
     "local_rows",
     "full_model_state",

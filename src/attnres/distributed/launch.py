@@ -11,6 +11,7 @@ fails with :class:`DistributedError` instead of waiting forever.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Iterator
@@ -83,7 +84,6 @@ class DistContext:
     device: torch.device
     backend: str
     timeout_s: float
-    owns_group: bool  # created by init_distributed (and so destroyed by shutdown)
 
     @property
     def is_main(self) -> bool:
@@ -102,25 +102,29 @@ def _pick_device(device: str) -> torch.device:
 
 
 def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistContext:
-    """Join (or reuse) the default process group; ``device`` is ``"auto"``, ``"cpu"`` or
-    ``"cuda"``. The backend follows the device (:func:`backend_for_device`); ``timeout_s``
-    bounds how long any collective waits for a missing peer."""
+    """Join the default process group, creating it on first use; ``device`` is ``"auto"``,
+    ``"cpu"`` or ``"cuda"``. The backend follows the device (:func:`backend_for_device`);
+    ``timeout_s`` bounds how long any collective waits for a missing peer (it is fixed when
+    the group is created).
+
+    A group created here lives until the process exits: later calls (another
+    :func:`~attnres.train.train` in the same process) reuse it, because destroying the
+    default group and creating it again through the launcher's store is not reliable."""
     dev = _pick_device(device)
     backend = backend_for_device(dev)
-    owns = not dist.is_initialized()
-    if owns:
+    if not dist.is_initialized():
         if launched_world_size() is None:
             raise ValueError("no process group: launch with `torchrun --nproc-per-node K ...`")
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        atexit.register(_destroy)
     elif dist.get_backend() != backend:
         raise DistributedError(f"the existing process group uses {dist.get_backend()!r}, but device {dev} needs {backend!r}")
-    return DistContext(dist.get_rank(), dist.get_world_size(), dev, backend, timeout_s, owns)
+    return DistContext(dist.get_rank(), dist.get_world_size(), dev, backend, timeout_s)
 
 
-def shutdown(ctx: DistContext) -> None:
-    """Destroy the process group if :func:`init_distributed` created it."""
-    if ctx.owns_group and dist.is_initialized():
+def _destroy() -> None:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -10,6 +10,11 @@ diagnostics; every ``checkpoint_every`` steps, at the end, and on SIGINT/SIGTERM
 Resuming (``resume=True``) restores weights, optimiser, data position and RNG states from the
 newest checkpoint in ``out_dir``, so that N steps plus N resumed steps give bit-for-bit the
 parameters of 2N uninterrupted steps.
+
+Under ``torchrun`` (``TrainConfig.distributed``, docs/distributed.md) every rank runs this loop
+on its slice of each global batch, with FSDP2 or DDP averaging the gradients; rank 0 logs and
+writes consolidated checkpoints (the single-process layout), so a run resumes on any number
+of ranks.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from ..distributed.data_parallel import (
     shard_optimizer_state,
     wrap_model,
 )
-from ..distributed.launch import DistContext, collective_errors, init_distributed, resolve_mode, shutdown
+from ..distributed.launch import DistContext, collective_errors, init_distributed, resolve_mode
 from .checkpoint import (
     checkpoint_path,
     latest_checkpoint,
@@ -169,7 +174,7 @@ def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) the training run described by ``config``; see the module docstring.
 
     Under ``torchrun`` (``config.distributed``) every rank calls this; the process group is
-    created here unless one exists already, and destroyed at the end if it was created here.
+    created on first use (unless one exists) and kept until the process exits.
 
     Raises ``ValueError`` for bad data, configs or checkpoints, :class:`TrainingDiverged`
     on a non-finite loss (the last good checkpoint is left untouched) and
@@ -180,11 +185,8 @@ def train(config: TrainConfig) -> TrainResult:
     if mode == "none":
         return _train(config, None, "none")
     ctx = init_distributed(config.device, config.dist_timeout_s)
-    try:
-        with collective_errors(ctx):
-            return _train(config, ctx, mode)
-    finally:
-        shutdown(ctx)
+    with collective_errors(ctx):
+        return _train(config, ctx, mode)
 
 
 def _train(config: TrainConfig, ctx: DistContext | None, mode: str) -> TrainResult:
