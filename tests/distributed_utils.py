@@ -21,10 +21,10 @@ def worker_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
-def torchrun(script: Path, nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run ``script args`` on ``nproc`` local ranks (gloo on the CPU); raise with the output
-    unless every rank exits 0."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+def torchrun(nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nproc args`` (a script and its arguments, or
+    ``-m module ...``) on the CPU (gloo); raise with the output unless every rank exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

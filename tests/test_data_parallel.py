@@ -71,16 +71,13 @@ def run_args(corpus: Path, out: Path, **extra) -> list[str]:
 # -- the worker ---------------------------------------------------------------------------
 
 def worker(task: str, root: Path) -> None:
-    """``train``: every run of RUNS; ``resume``: continue ``resume-4`` (a copy of fsdp-adamw
-    at step 10) to the end; ``die``: train through the CLI, rank 1 exiting abruptly at its
-    3rd batch (``stall``: stopping to call collectives there)."""
+    """``train``: every run of RUNS; ``die``: train through the CLI, rank 1 exiting abruptly
+    at its 3rd batch (``stall``: stopping to call collectives there)."""
     torch.set_num_threads(1)
     corpus = root / "corpus.txt"
     if task == "train":  # the first train() creates the process group, the others reuse it
         for name, (extra, _) in RUNS.items():
             train(load_config(None, run_args(corpus, root / name, **extra)))
-    elif task == "resume":
-        train(load_config(None, run_args(corpus, root / "resume-4", distributed="fsdp", resume="true")))
     elif task in ("die", "stall"):
         from attnres.cli import main
         from attnres.data import BatchSampler
@@ -117,7 +114,7 @@ def root(tmp_path_factory) -> Path:
 def dp_runs(root) -> Path:
     from distributed_utils import torchrun
 
-    torchrun(Path(__file__), 2, "train", str(root))
+    torchrun(2, __file__, "train", str(root))
     return root
 
 
@@ -185,11 +182,14 @@ def test_resume_on_one_rank(dp_runs, references, one_thread):
 
 
 def test_resume_on_four_ranks(dp_runs, references):
-    """The same checkpoint resumed by 4 FSDP2 ranks (batch 1 each)."""
+    """The same checkpoint resumed by 4 ranks (batch 1 each) through the documented command,
+    ``torchrun --nproc-per-node 4 -m attnres train ... --resume`` (``distributed=auto``: FSDP2)."""
     from distributed_utils import torchrun
 
-    copy_at_step_10(dp_runs / "fsdp-adamw", dp_runs / "resume-4")
-    torchrun(Path(__file__), 4, "resume", str(dp_runs))
+    out = dp_runs / "resume-4"
+    copy_at_step_10(dp_runs / "fsdp-adamw", out)
+    proc = torchrun(4, "-m", "attnres", "train", "--resume", *run_args(dp_runs / "corpus.txt", out))
+    assert "attnres train: finished at step 20" in proc.stdout
     assert_close_runs(dp_runs / "resume-4", references / "ref-adamw", STEPS)
 
 

@@ -79,7 +79,7 @@ def sharded(tmp_path_factory) -> Path:
     from distributed_utils import torchrun
 
     out = tmp_path_factory.mktemp("seqpar")
-    torchrun(Path(__file__), 4, str(out))
+    torchrun(4, __file__, str(out))
     return out
 
 
