@@ -11,9 +11,11 @@ What stays local and what needs a collective:
   block - mixes over depth for each token on its own, so it runs on the shard unchanged, with
   the model's own two-phase code.
 * Self-attention mixes over positions: the queries of shard ``r`` need the keys and values of
-  every earlier position. Each attention layer all-gathers its new K/V over the group
-  (``n_kv_heads * head_dim`` values each per token, less than the ``d`` of the normed input
-  with grouped-query attention) and attends causally over shards ``0 .. r``.
+  every earlier position. Each attention layer all-gathers its new K/V over the group and
+  attends causally over shards ``0 .. r``. Gathering K/V rather than the normed input spares
+  every rank the key/value projections of the other shards, and is no larger
+  (``2 n_kv_heads head_dim <= d`` values per token once grouped-query attention shares each
+  K/V head among two or more query heads).
 
 This rides on the model's KV-cache hook (:class:`~attnres.nn.transformer.KVStore`): a cache
 whose "past" is the ``r T/P`` positions before the shard makes RoPE use the true positions
