@@ -48,7 +48,7 @@ REFERENCES = {"adamw": {}, "muon": dict(optimizer="muon", grad_accum=2, stop_aft
 RUNS = {
     "fsdp-adamw": (dict(distributed="fsdp"), "adamw"),
     "fsdp-muon": (dict(distributed="fsdp", **REFERENCES["muon"]), "muon"),
-    "ddp-adamw": (dict(distributed="ddp", stop_after=10), "adamw"),
+    "ddp-muon": (dict(distributed="ddp", **REFERENCES["muon"]), "muon"),
 }
 
 
@@ -157,8 +157,9 @@ def assert_close_runs(got: Path, want: Path, step: int) -> None:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_data_parallel_matches_single_process(dp_runs, references, name):
-    """2 ranks x batch 2 == 1 process x batch 4: FSDP2 with AdamW for 20 steps, FSDP2 with
-    Muon (Newton-Schulz on gathered matrices) and gradient accumulation, DDP."""
+    """2 ranks x batch 2 == 1 process x batch 4: FSDP2 with AdamW for 20 steps; FSDP2 (Muon's
+    Newton-Schulz on gathered matrices) and DDP, each with Muon and gradient accumulation
+    (gradients reduced once per step)."""
     extra, ref = RUNS[name]
     step = extra.get("stop_after", STEPS)
     assert latest_checkpoint(dp_runs / name) == checkpoint_path(dp_runs / name, step)

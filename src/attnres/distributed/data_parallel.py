@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -45,6 +47,21 @@ def wrap_model(model: nn.Module, mode: str, ctx: DistContext) -> nn.Module:
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     raise ValueError(f"data-parallel mode must be one of {DP_MODES}; got {mode!r}")
+
+
+@contextlib.contextmanager
+def gradient_sync(forward: nn.Module, mode: str, sync: bool) -> Iterator[None]:
+    """Around the forward and backward of one micro-batch: with ``sync=False`` the gradients
+    only accumulate locally (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``);
+    the last micro-batch of a step syncs, reducing the accumulated sum once. ``mode``
+    ``"none"`` does nothing."""
+    if mode == "ddp" and not sync:
+        with forward.no_sync():
+            yield
+        return
+    if mode == "fsdp":
+        forward.set_requires_gradient_sync(sync)
+    yield
 
 
 def local_rows(batch: Tensor, ctx: DistContext) -> Tensor:

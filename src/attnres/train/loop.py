@@ -41,6 +41,7 @@ from ..distributed.data_parallel import (
     full_model_state,
     full_optimizer_state,
     full_tensor,
+    gradient_sync,
     local_rows,
     mean_over_ranks,
     shard_optimizer_state,
@@ -287,12 +288,13 @@ def _train(config: TrainConfig, ctx: DistContext | None, mode: str) -> TrainResu
                     group["lr"] = group["initial_lr"] * factor
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
-                for _ in range(config.grad_accum):
+                for micro in range(config.grad_accum):
                     ids = sampler.next_batch()  # the global batch; each rank trains on its rows
                     ids = (ids if ctx is None else local_rows(ids, ctx)).to(device)
-                    with autocast():
-                        loss = forward(ids, labels=ids).loss
-                    (loss / config.grad_accum).backward()
+                    with gradient_sync(forward, mode, micro == config.grad_accum - 1):
+                        with autocast():
+                            loss = forward(ids, labels=ids).loss
+                        (loss / config.grad_accum).backward()
                     loss_sum += loss.item()
                 train_loss = loss_sum / config.grad_accum
                 if ctx is not None:  # the global batch's loss, the same on every rank (so is the stop decision)
