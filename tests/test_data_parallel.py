@@ -43,7 +43,8 @@ DP_TOL = 1e-4
 STEPS = 20
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex every daft zebra".split()
 # Single-process reference runs (checkpoints every 10 steps) ...
-REFERENCES = {"adamw": {}, "muon": dict(optimizer="muon", grad_accum=2, stop_after=10)}
+# (the Muon runs also tie the embedding and the head: one tensor in the checkpoint, as in one process)
+REFERENCES = {"adamw": {}, "muon": {"optimizer": "muon", "grad_accum": 2, "stop_after": 10, "model.tie_embeddings": "true"}}
 # ... and the 2-rank runs: name -> (overrides, reference).
 RUNS = {
     "fsdp-adamw": (dict(distributed="fsdp"), "adamw"),

@@ -95,12 +95,15 @@ def full_tensor(t: Tensor) -> Tensor:
 def full_model_state(model: nn.Module) -> dict[str, Tensor]:
     """``model.state_dict()`` with every DTensor gathered, on the CPU. Tensors shared between
     keys (tied weights) stay shared, so the checkpoint stores them once. Collective."""
-    gathered: dict[int, Tensor] = {}
+    gathered: dict[tuple[int, int, tuple[int, ...]], Tensor] = {}
     out = {}
     for name, t in model.state_dict().items():
-        if id(t) not in gathered:
-            gathered[id(t)] = full_tensor(t).detach().cpu()
-        out[name] = gathered[id(t)]
+        # Tied keys are distinct DTensor objects over the same local shard.
+        local = t.to_local() if isinstance(t, DTensor) else t
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
+        if key not in gathered:
+            gathered[key] = full_tensor(t).detach().cpu()
+        out[name] = gathered[key]
     return out
 
 
