@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def worker(task: str, root: Path) -> None:
     if task == "train":  # the first train() creates the process group, the others reuse it
         for name, (extra, _) in RUNS.items():
             train(load_config(None, run_args(corpus, root / name, **extra)))
-    elif task in ("die", "stall"):
+    elif task in ("die", "stall", "sigterm"):
         from attnres.cli import main
         from attnres.data import BatchSampler
 
@@ -92,7 +93,10 @@ def worker(task: str, root: Path) -> None:
                     (root / f"{task}.txt").write_text(str(time.time()))
                     if task == "die":
                         os._exit(1)
-                    time.sleep(3600)  # alive, but never joins another collective
+                    if task == "sigterm":  # only this rank is signalled
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    else:
+                        time.sleep(3600)  # alive, but never joins another collective
                 return next_batch(self)
 
             BatchSampler.next_batch = failing_next_batch
@@ -204,8 +208,8 @@ def _free_port() -> int:
 
 
 def launch_failing(task: str, root: Path) -> tuple[int, str, float]:
-    """Start the ``die``/``stall`` worker on 2 hand-launched ranks; return rank 0's exit
-    status and output, and the seconds from rank 1's failure to rank 0's exit."""
+    """Start the ``die``/``stall``/``sigterm`` worker on 2 hand-launched ranks; return rank
+    0's exit status and output, and the seconds from rank 1's failure to rank 0's exit."""
     from distributed_utils import worker_env
 
     port = str(_free_port())
@@ -266,6 +270,16 @@ def test_torchrun_tears_down_the_group_when_a_rank_dies(tmp_path):
     assert proc.returncode != 0
     assert "Root Cause" in proc.stderr and "rank      : 1" in proc.stderr.split("Root Cause")[1], proc.stderr[-3000:]
     assert waited < 30, f"torchrun exited {waited:.1f} s after rank 1 died"
+
+
+@pytest.mark.slow  # one more 2-process launch, about 25 s
+def test_signal_to_one_rank_stops_all_ranks_after_the_same_step(root):
+    """SIGTERM reaches rank 1 only (in step 3): the ranks agree after that step, write one
+    checkpoint together and both exit with 128 + SIGTERM."""
+    status, out, _ = launch_failing("sigterm", root)
+    assert status == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM after step 3" in out, out
+    assert latest_checkpoint(root / "sigterm") == checkpoint_path(root / "sigterm", 3)
 
 
 # -- backend, modes, config ---------------------------------------------------------------
