@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ..data.tokenizer import TOKENIZER_KINDS
+from ..distributed.launch import DIST_MODES
 from ..models.config import ModelConfig
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-DISTRIBUTED = ("auto", "none", "ddp", "fsdp")  # = attnres.distributed.launch.DIST_MODES
 # Fields that may differ between a checkpoint and the run that resumes it: they change how
 # long the run lasts and what it reports, never the trajectory of the parameters.
 RESUMABLE_CHANGES = frozenset({
@@ -174,7 +174,7 @@ class TrainConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
-        _choice("distributed", self.distributed, DISTRIBUTED)
+        _choice("distributed", self.distributed, DIST_MODES)
         _number("dist_timeout_s", self.dist_timeout_s, 0.0, lo_open=True)
         _number("lr", self.lr, 0.0, lo_open=True)
         _number("weight_decay", self.weight_decay, 0.0)
