@@ -44,8 +44,8 @@ from attnres.distributed import (
     CommCounter,
     PipelineConfig,
     PipelineRunner,
+    backend_for_device,
     cached_transfers,
-    default_backend,
     naive_transfers,
 )
 from attnres.distributed.local_spawn import run_local
@@ -64,7 +64,7 @@ def model_config(n_chunks: int, seq: int) -> tuple[ModelConfig, tuple[int, ...]]
 
 def worker(spec: dict) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(default_backend("cpu"), timeout=timedelta(seconds=120))
+    dist.init_process_group(backend_for_device("cpu"), timeout=timedelta(seconds=120))
     P, V, M = dist.get_world_size(), spec["virtual_stages"], spec["microbatches"]
     cfg, split = model_config(P * V, spec["seq"])
     ids = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(0))

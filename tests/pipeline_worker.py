@@ -26,7 +26,7 @@ from attnres.distributed import (
     CommCounter,
     PipelineConfig,
     PipelineRunner,
-    default_backend,
+    backend_for_device,
 )
 from attnres.models.lm import IGNORE_INDEX
 
@@ -71,7 +71,7 @@ def main() -> None:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(default_backend(device), timeout=timedelta(seconds=60))
+    dist.init_process_group(backend_for_device(device), timeout=timedelta(seconds=60))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         assert world == 4, "the cases are laid out for 4 processes"

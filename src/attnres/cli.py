@@ -13,7 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="train an LM from a YAML config plus key=value overrides",
         description="Train (or with resume=true continue) a run. Overrides use dotted keys, e.g. "
         "`attnres train --config run.yaml steps=2000 model.residual=standard data.paths=[my.txt]`. "
-        "SIGINT/SIGTERM write a checkpoint and exit.",
+        "SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K processes: "
+        "`torchrun --nproc-per-node K -m attnres train ...` (FSDP2; distributed=ddp for DDP).",
     )
     tr.add_argument("--config", help="YAML file with TrainConfig fields (default: built-in defaults)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir (= resume=true)")
@@ -256,11 +257,12 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
     one-line message; an interrupted run exits with 128 + the signal number."""
     import signal
 
+    from .distributed.launch import DistributedError
     from .train import TrainingDiverged, load_config, train
 
     try:
         result = train(load_config(config_path, overrides))
-    except (ValueError, TrainingDiverged) as e:
+    except (ValueError, TrainingDiverged, DistributedError) as e:
         raise SystemExit(f"attnres train: error: {e}") from None
     if result.interrupted:
         print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint {result.checkpoint}; "

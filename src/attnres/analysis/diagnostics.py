@@ -24,10 +24,15 @@ def _rms(x: Tensor) -> float:
 
 
 def block_grad_norms(model: nn.Module) -> list[float]:
-    """L2 norm of each transformer block's parameter gradients (0 where none exist)."""
+    """L2 norm of each transformer block's parameter gradients (0 where none exist). With
+    FSDP2 the gradients are sharded DTensors: they are gathered (a collective, so every rank
+    must call this)."""
+    from torch.distributed.tensor import DTensor
+
     norms = []
     for layer in model.layers:
-        grads = [p.grad.detach().float() for p in layer.parameters() if p.grad is not None]
+        grads = [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float()
+                 for p in layer.parameters() if p.grad is not None]
         norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0)
     return norms
 

@@ -1,4 +1,6 @@
-"""Scale-out on ``torch.distributed``: pipeline parallelism with cross-stage caching."""
+"""Scale-out on ``torch.distributed``: process groups, data parallelism (FSDP2 / DDP),
+sequence-sharded prefill (docs/distributed.md) and pipeline parallelism with cross-stage
+caching (docs/distributed-pipeline.md)."""
 
 from .comm_accounting import (
     CommCounter,
@@ -9,31 +11,61 @@ from .comm_accounting import (
     naive_transfers,
     plan_transitions,
 )
+from .data_parallel import (
+    full_model_state,
+    full_optimizer_state,
+    local_rows,
+    shard_optimizer_state,
+    wrap_model,
+)
+from .launch import (
+    DistContext,
+    DistributedError,
+    backend_for_device,
+    init_distributed,
+    resolve_mode,
+)
 from .pipeline import (
     RUNTIMES,
     SCHEDULES,
     PipelineChunk,
     PipelineConfig,
     PipelineRunner,
-    default_backend,
     schedule_orders,
     timetable,
 )
+from .sequence_parallel import ShardedPrefill, gather_sequence, sharded_prefill
 
 __all__ = [
+    # process groups
+    "DistContext",
+    "DistributedError",
+    "backend_for_device",
+    "init_distributed",
+    "resolve_mode",
+    # data parallelism
+    "wrap_model",
+    "local_rows",
+    "full_model_state",
+    "full_optimizer_state",
+    "shard_optimizer_state",
+    # sequence-sharded prefill
+    "ShardedPrefill",
+    "sharded_prefill",
+    "gather_sequence",
+    # pipeline parallelism
     "RUNTIMES",
     "SCHEDULES",
-    "CommCounter",
     "PipelineChunk",
     "PipelineConfig",
     "PipelineRunner",
+    "schedule_orders",
+    "timetable",
+    "CommCounter",
     "Transition",
     "cached_transfers",
     "chunk_histories",
-    "default_backend",
     "history_layout",
     "naive_transfers",
     "plan_transitions",
-    "schedule_orders",
-    "timetable",
 ]

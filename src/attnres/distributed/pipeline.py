@@ -45,18 +45,12 @@ __all__ = [
     "PipelineChunk",
     "PipelineConfig",
     "PipelineRunner",
-    "default_backend",
     "schedule_orders",
     "timetable",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 RUNTIMES = ("auto", "torch", "attnres")
-
-
-def default_backend(device: torch.device | str) -> str:
-    """``"nccl"`` for CUDA devices, ``"gloo"`` otherwise."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def _fail(name: str, allowed: str, value: Any) -> None:

@@ -11,13 +11,8 @@ import torch.distributed as dist
 
 from ..models.config import ModelConfig
 from ..models.lm import AttnResLM
-from .pipeline import (
-    RUNTIMES,
-    SCHEDULES,
-    PipelineConfig,
-    PipelineRunner,
-    default_backend,
-)
+from .launch import backend_for_device
+from .pipeline import RUNTIMES, SCHEDULES, PipelineConfig, PipelineRunner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group(default_backend(device), timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend_for_device(device), timeout=timedelta(seconds=args.timeout))
     try:
         cfg = ModelConfig.preset(args.preset, residual=args.residual, n_layers=args.n_layers)
         pipe = PipelineConfig(

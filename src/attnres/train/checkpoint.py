@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, load_model, save_file
 from torch import nn
 
 FORMAT_VERSION = 1
@@ -45,9 +45,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _split_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _split_optimizer_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors (for safetensors) and everything else (for JSON) of an optimiser state dict."""
-    sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for idx, entry in sd["state"].items():
@@ -102,6 +101,24 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def _unique_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model_state`` without the keys whose tensor shares memory with an earlier one (tied
+    weights): safetensors stores each tensor once, and ``load_model`` restores the tie."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, t in model_state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = t.detach().cpu().contiguous()
+    return out
+
+
+def checkpoint_path(out_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (once written)."""
+    return Path(out_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
+
+
 def save_checkpoint(out_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], keep: int) -> Path:
     """Write the checkpoint of ``step`` atomically, then delete all but the newest ``keep``.
@@ -109,14 +126,22 @@ def save_checkpoint(out_dir: str | Path, step: int, model: nn.Module, optimizer:
     ``state`` is JSON-serialisable run state (data position, config, counters). Returns the
     checkpoint directory.
     """
-    root = Path(out_dir) / "checkpoints"
+    return write_checkpoint(out_dir, step, model.state_dict(), optimizer.state_dict(), state, keep)
+
+
+def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
+                     state: dict[str, Any], keep: int) -> Path:
+    """:func:`save_checkpoint` from state dicts: ``model_state`` as ``model.state_dict()``
+    gives it, ``optimizer_state`` as ``optimizer.state_dict()`` (data-parallel training passes
+    the gathered, consolidated ones, so the files do not depend on the number of ranks)."""
+    final = checkpoint_path(out_dir, step)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    opt_tensors, opt_meta = _split_optimizer_state(optimizer)
+    save_file(_unique_tensors(model_state), str(tmp / "model.safetensors"))
+    opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file(_rng_state(), str(tmp / "rng.safetensors"))
     files = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
@@ -160,6 +185,12 @@ def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def read_optimizer_state(path: str | Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser state dict of a verified checkpoint (``doc`` from
+    :func:`read_checkpoint_state`), in the layout of ``optimizer.state_dict()``."""
+    return _join_optimizer_state(load_file(str(Path(path) / "optimizer.safetensors")), doc["optimizer"])
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     restore_rng: bool = True) -> dict[str, Any]:
     """Verify a checkpoint and load it into ``model`` (and ``optimizer``, and the global RNGs).
@@ -171,8 +202,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
         if optimizer is not None:
-            sd = _join_optimizer_state(load_file(str(path / "optimizer.safetensors")), doc["optimizer"])
-            optimizer.load_state_dict(sd)
+            optimizer.load_state_dict(read_optimizer_state(path, doc))
         if restore_rng:
             rng = load_file(str(path / "rng.safetensors"))
             torch.set_rng_state(rng["torch_cpu"])

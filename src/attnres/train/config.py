@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.tokenizer import TOKENIZER_KINDS
+from ..distributed.launch import DIST_MODES
 from ..models.config import ModelConfig
 
 OPTIMIZERS = ("adamw", "muon")
@@ -20,6 +21,9 @@ DEVICES = ("auto", "cpu", "cuda")
 RESUMABLE_CHANGES = frozenset({
     "steps", "stop_after", "eval_every", "eval_batches", "log_every", "diagnostics_every", "checkpoint_every",
     "keep_checkpoints", "progress", "tensorboard", "resume", "out_dir",
+    # Data parallelism reproduces single-process training up to float rounding (the gradient
+    # sum runs in another order), so a run may resume on another number of ranks, or mode.
+    "distributed", "dist_timeout_s",
 })
 
 
@@ -101,6 +105,12 @@ class TrainConfig:
     consumes ``batch_size * grad_accum`` sequences of ``seq_len`` tokens. ``grad_clip = 0``
     disables clipping. ``stop_after`` ends this invocation (with a checkpoint) after that
     many steps in total, without changing the schedule, which always spans ``steps``.
+
+    Data parallelism (``torchrun --nproc-per-node K -m attnres train ...``, see
+    docs/distributed.md): ``distributed`` is ``"fsdp"`` (FSDP2), ``"ddp"``, ``"none"``, or
+    ``"auto"`` = FSDP2 when launched with several ranks, else none. ``batch_size`` stays the
+    *global* batch, split evenly over the ranks. ``dist_timeout_s`` bounds how long a
+    collective waits for a rank that died or stalled before the others stop with an error.
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("tiny"))
@@ -134,6 +144,8 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     out_dir: str = "runs/attnres"
+    distributed: str = "auto"
+    dist_timeout_s: float = 600.0
     resume: bool = False
     progress: bool = True
     tensorboard: bool = True
@@ -162,6 +174,8 @@ class TrainConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
+        _choice("distributed", self.distributed, DIST_MODES)
+        _number("dist_timeout_s", self.dist_timeout_s, 0.0, lo_open=True)
         _number("lr", self.lr, 0.0, lo_open=True)
         _number("weight_decay", self.weight_decay, 0.0)
         for name in ("beta1", "beta2", "muon_momentum"):

@@ -41,6 +41,19 @@ def newton_schulz(m: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     return x.T if transpose else x
 
 
+def orthogonalise(u: Tensor, steps: int) -> Tensor:
+    """:func:`newton_schulz` of a momentum matrix, also when FSDP2 shards it (a DTensor):
+    Newton-Schulz needs the whole matrix, so the shards are gathered, every rank runs the
+    iteration on the full matrix (the same work everywhere; a round-robin over matrices would
+    spread it) and keeps its own shard of the result."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(u, DTensor):
+        full = newton_schulz(u.full_tensor(), steps)
+        return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+    return newton_schulz(u, steps)
+
+
 def param_groups(model: nn.Module, weight_decay: float, muon: bool) -> list[dict]:
     """Split ``model``'s parameters into optimiser groups (see the module docstring).
 
@@ -108,7 +121,7 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             grad = p.grad.float()
             buf.mul_(mu).add_(grad)
-            update = newton_schulz(grad.add(buf, alpha=mu), group["ns_steps"])
+            update = orthogonalise(grad.add(buf, alpha=mu), group["ns_steps"])
             scale = MUON_RMS_SCALE * math.sqrt(max(p.shape))
             p.mul_(1.0 - lr * wd)
             p.add_(update.to(p.dtype), alpha=-lr * scale)

@@ -1,0 +1,148 @@
+"""Process groups: who we are (rank, world size, device), which backend, how long to wait.
+
+Everything distributed in ``attnres`` starts here. :func:`backend_for_device` is the one place
+that maps a device to a ``torch.distributed`` backend (``nccl`` for CUDA, ``gloo`` for CPU),
+so the same code runs on GPUs and on a laptop. :func:`init_distributed` reads what
+``torchrun`` (or any launcher that sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+``MASTER_PORT``) puts into the environment, picks the device (``cuda:LOCAL_RANK`` or the CPU),
+and creates the default process group with a timeout, so that a collective whose peer died
+fails with :class:`DistributedError` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+#: Values of ``TrainConfig.distributed``: ``auto`` = ``fsdp`` under a multi-process launch,
+#: ``none`` otherwise.
+DIST_MODES = ("auto", "none", "ddp", "fsdp")
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class DistributedError(RuntimeError):
+    """A collective failed or timed out (typically: another rank died), or the process
+    group could not be set up as asked."""
+
+
+def backend_for_device(device: torch.device | str) -> str:
+    """The ``torch.distributed`` backend for tensors on ``device``: ``"nccl"`` for CUDA,
+    ``"gloo"`` for the CPU. Raises ``ValueError`` for other device types."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "nccl"
+    if kind == "cpu":
+        return "gloo"
+    raise ValueError(f"no torch.distributed backend for device type {kind!r}; use 'cuda' (nccl) or 'cpu' (gloo)")
+
+
+def launched_world_size() -> int | None:
+    """``WORLD_SIZE`` when a launcher (``torchrun``) started this process, else ``None``."""
+    if not all(k in os.environ for k in LAUNCH_ENV):
+        return None
+    return int(os.environ["WORLD_SIZE"])
+
+
+def resolve_mode(mode: str) -> str:
+    """``TrainConfig.distributed`` -> ``"none"``, ``"ddp"`` or ``"fsdp"`` for this process.
+
+    ``auto`` is ``fsdp`` when a process group exists or a launcher set up more than one rank,
+    else ``none``. ``ddp``/``fsdp`` without a launcher, and ``none`` with several launched
+    ranks (each would train the whole model into the same ``out_dir``), raise ``ValueError``.
+    """
+    if mode not in DIST_MODES:
+        raise ValueError(f"TrainConfig.distributed must be one of {', '.join(map(repr, DIST_MODES))}; got {mode!r}")
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else launched_world_size()
+    if mode == "auto":
+        return "fsdp" if initialized or (world or 1) > 1 else "none"
+    if mode == "none":
+        if (world or 1) > 1:
+            raise ValueError(f"TrainConfig.distributed='none' but {world} ranks were launched: every rank would train "
+                             "the whole model into the same out_dir; use distributed=fsdp, ddp or auto")
+        return mode
+    if world is None:
+        raise ValueError(f"TrainConfig.distributed={mode!r} needs a process group: launch with "
+                         "`torchrun --nproc-per-node K -m attnres train ...` (RANK, WORLD_SIZE, MASTER_ADDR and "
+                         "MASTER_PORT are not set), or use distributed=none")
+    return mode
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the default process group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _pick_device(device: str) -> torch.device:
+    """``"auto"`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("TrainConfig.device='cuda' but no CUDA device is available")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistContext:
+    """Join the default process group, creating it on first use; ``device`` is ``"auto"``,
+    ``"cpu"`` or ``"cuda"``. The backend follows the device (:func:`backend_for_device`);
+    ``timeout_s`` bounds how long any collective waits for a missing peer (it is fixed when
+    the group is created).
+
+    A group created here lives until the process exits: later calls (another
+    :func:`~attnres.train.train` in the same process) reuse it, because destroying the
+    default group and creating it again through the launcher's store is not reliable."""
+    dev = _pick_device(device)
+    backend = backend_for_device(dev)
+    if not dist.is_initialized():
+        if launched_world_size() is None:
+            raise ValueError("no process group: launch with `torchrun --nproc-per-node K ...`")
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        atexit.register(_destroy)
+    elif dist.get_backend() != backend:
+        raise DistributedError(f"the existing process group uses {dist.get_backend()!r}, but device {dev} needs {backend!r}")
+    return DistContext(dist.get_rank(), dist.get_world_size(), dev, backend, timeout_s)
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def collective_errors(ctx: DistContext) -> Iterator[None]:
+    """Turn a failed collective into a :class:`DistributedError` that says which rank saw it
+    and what the likely cause is. Backends report a dead peer as a closed connection or, at
+    the latest after the process-group timeout, as a timeout; both surface as ``DistError``
+    (or a plain ``RuntimeError`` from the backend)."""
+    try:
+        yield
+    except DistributedError:
+        raise
+    except (dist.DistError, RuntimeError) as e:
+        if not isinstance(e, dist.DistError) and not any(w in str(e) for w in ("gloo", "NCCL", "nccl", "Timed out", "timed out", "Connection")):
+            raise
+        raise DistributedError(
+            f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
+            f"Another rank has probably died or stalled; the process-group timeout is {ctx.timeout_s:g} s "
+            "(TrainConfig.dist_timeout_s)."
+        ) from e

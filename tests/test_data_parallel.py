@@ -1,0 +1,328 @@
+"""Data-parallel training (FSDP2 and DDP on gloo) against single-process training; resume on
+another number of ranks; a rank that dies; backend selection and config errors.
+
+Launches (this file run as a script is the worker): 2 ranks train several runs, 4 ranks
+resume one of them, and 2 hand-launched processes (no torchrun, so only the process-group
+timeout can end the wait) test rank death. The single-process references run in the test
+process. Everything is CPU, gloo, a 2-block d=32 model, sequences of 16 tokens.
+
+Tolerance: data-parallel training is not bitwise single-process training. Each rank
+averages the loss over its B/K rows, and the gradients are averaged over ranks (reduce-scatter
+or all-reduce), so float32 additions happen in another order; Adam divides by
+sqrt(second moment), which amplifies the rounding where gradients are tiny. After 20 steps we
+measure <= 1e-6 relative error per tensor (normwise); the bound is 1e-4. A rank training on
+the wrong rows, or a gradient or loss not averaged over ranks, gives errors of 1e-2 and more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+pytest.importorskip("yaml")
+
+from conftest import tensor_errors  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from attnres.distributed import DistributedError, backend_for_device, resolve_mode  # noqa: E402
+from attnres.train import TrainConfig, latest_checkpoint, load_config, train  # noqa: E402
+from attnres.train.checkpoint import checkpoint_path  # noqa: E402
+
+DP_TOL = 1e-4
+STEPS = 20
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex every daft zebra".split()
+# Single-process reference runs (checkpoints every 10 steps) ...
+# (the Muon runs also tie the embedding and the head: one tensor in the checkpoint, as in one process)
+REFERENCES = {"adamw": {}, "muon": {"optimizer": "muon", "grad_accum": 2, "stop_after": 10, "model.tie_embeddings": "true"}}
+# ... and the 2-rank runs: name -> (overrides, reference).
+RUNS = {
+    "fsdp-adamw": (dict(distributed="fsdp"), "adamw"),
+    "fsdp-muon": (dict(distributed="fsdp", **REFERENCES["muon"]), "muon"),
+    "ddp-muon": (dict(distributed="ddp", **REFERENCES["muon"]), "muon"),
+}
+
+
+def write_corpus(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    lines = [" ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=12)) + "." for _ in range(400)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def run_args(corpus: Path, out: Path, **extra) -> list[str]:
+    base = {"model": "tiny", "model.d_model": 32, "data.paths": f"[{corpus}]", "data.tokenizer": "byte", "seq_len": 16,
+            "batch_size": 4, "steps": STEPS, "warmup_steps": 2, "out_dir": str(out), "progress": "false",
+            "tensorboard": "false", "eval_every": 10, "eval_batches": 2, "log_every": 1, "diagnostics_every": 10,
+            "checkpoint_every": 10}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+# -- the worker ---------------------------------------------------------------------------
+
+def worker(task: str, root: Path) -> None:
+    """``train``: every run of RUNS; ``die``: train through the CLI, rank 1 exiting abruptly
+    at its 3rd batch (``stall``: stopping to call collectives there)."""
+    torch.set_num_threads(1)
+    corpus = root / "corpus.txt"
+    if task == "train":  # the first train() creates the process group, the others reuse it
+        for name, (extra, _) in RUNS.items():
+            train(load_config(None, run_args(corpus, root / name, **extra)))
+    elif task in ("die", "stall", "sigterm"):
+        from attnres.cli import main
+        from attnres.data import BatchSampler
+
+        if os.environ["RANK"] == "1":
+            next_batch, calls = BatchSampler.next_batch, []
+
+            def failing_next_batch(self):
+                calls.append(1)
+                if len(calls) == 3:
+                    (root / f"{task}.txt").write_text(str(time.time()))
+                    if task == "die":
+                        os._exit(1)
+                    if task == "sigterm":  # only this rank is signalled
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    else:
+                        time.sleep(3600)  # alive, but never joins another collective
+                return next_batch(self)
+
+            BatchSampler.next_batch = failing_next_batch
+        sys.exit(main(["train", *run_args(corpus, root / task, distributed="fsdp", dist_timeout_s=DIE_TIMEOUT_S)]))
+
+
+# -- launches -----------------------------------------------------------------------------
+
+DIE_TIMEOUT_S = 15
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dp")
+    write_corpus(root / "corpus.txt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def dp_runs(root) -> Path:
+    from distributed_utils import torchrun
+
+    torchrun(2, __file__, "train", str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def references(root) -> Path:
+    """The single-process runs of REFERENCES (out_dir ``<root>/ref-<name>``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, extra in REFERENCES.items():
+            train(load_config(None, run_args(root / "corpus.txt", root / f"ref-{name}", distributed="none", **extra)))
+    finally:
+        torch.set_num_threads(before)
+    return root
+
+
+def assert_close_runs(got: Path, want: Path, step: int) -> None:
+    """Weights and optimiser state of checkpoint ``step``, and the logged loss and gradient
+    norm of every step, within DP_TOL. Prints the largest errors (shown with ``-s``)."""
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(str(checkpoint_path(got, step) / name)), load_file(str(checkpoint_path(want, step) / name))
+        assert a.keys() == b.keys(), name
+        keys = sorted(a)
+        errs = tensor_errors([a[k] for k in keys], [b[k] for k in keys])
+        worst = max(zip(errs, keys))
+        assert worst[0] <= DP_TOL, f"{got.name} {name}: {worst[1]} relative error {worst[0]:.2e} > {DP_TOL}"
+        print(f"{got.name} step {step} {name}: largest relative error {worst[0]:.1e} ({worst[1]})")
+
+    def logged(run: Path) -> list[tuple[int, float, float]]:
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in records if r["kind"] == "train" and r["step"] <= step]
+
+    a, b = logged(got), logged(want)
+    assert [s for s, _, _ in a] == [s for s, _, _ in b] == list(range(1, step + 1))
+    for (s, la, ga), (_, lb, gb) in zip(a, b):
+        assert abs(la - lb) <= DP_TOL * abs(lb) and abs(ga - gb) <= DP_TOL * abs(gb), f"step {s}: {la, ga} vs {lb, gb}"
+
+
+# -- acceptance: training matches one process, resume on another world size -------------
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_data_parallel_matches_single_process(dp_runs, references, name):
+    """2 ranks x batch 2 == 1 process x batch 4: FSDP2 with AdamW for 20 steps; FSDP2 (Muon's
+    Newton-Schulz on gathered matrices) and DDP, each with Muon and gradient accumulation
+    (gradients reduced once per step)."""
+    extra, ref = RUNS[name]
+    step = extra.get("stop_after", STEPS)
+    assert latest_checkpoint(dp_runs / name) == checkpoint_path(dp_runs / name, step)
+    assert_close_runs(dp_runs / name, references / f"ref-{ref}", step)
+
+
+def copy_at_step_10(run: Path, out: Path) -> None:
+    """``run`` as it was after its step-10 checkpoint (the resume truncates the metrics)."""
+    shutil.copytree(run, out)
+    shutil.rmtree(checkpoint_path(out, STEPS))
+    assert latest_checkpoint(out) == checkpoint_path(out, 10)
+
+
+def test_resume_on_one_rank(dp_runs, references, one_thread):
+    """A checkpoint written by 2 FSDP2 ranks resumes in one process; the end matches the
+    uninterrupted single-process run."""
+    out = dp_runs / "resume-1"
+    copy_at_step_10(dp_runs / "fsdp-adamw", out)
+    train(load_config(None, run_args(dp_runs / "corpus.txt", out, distributed="none", resume="true")))
+    assert_close_runs(out, references / "ref-adamw", STEPS)
+
+
+def test_resume_on_four_ranks(dp_runs, references):
+    """The same checkpoint resumed by 4 ranks (batch 1 each) through the documented command,
+    ``torchrun --nproc-per-node 4 -m attnres train ... --resume`` (``distributed=auto``: FSDP2)."""
+    from distributed_utils import torchrun
+
+    out = dp_runs / "resume-4"
+    copy_at_step_10(dp_runs / "fsdp-adamw", out)
+    proc = torchrun(4, "-m", "attnres", "train", "--resume", *run_args(dp_runs / "corpus.txt", out))
+    assert "attnres train: finished at step 20" in proc.stdout
+    assert_close_runs(dp_runs / "resume-4", references / "ref-adamw", STEPS)
+
+
+# -- acceptance: a rank that dies ---------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_failing(task: str, root: Path) -> tuple[int, str, float]:
+    """Start the ``die``/``stall``/``sigterm`` worker on 2 hand-launched ranks; return rank
+    0's exit status and output, and the seconds from rank 1's failure to rank 0's exit."""
+    from distributed_utils import worker_env
+
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = worker_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, __file__, task, str(root)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        out0, _ = procs[0].communicate(timeout=240)
+        exited = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out1, _ = procs[1].communicate(timeout=60)
+    failed_at = root / f"{task}.txt"
+    assert failed_at.exists(), f"rank 1 never reached its failure point:\n{out0}\n{out1}"
+    return procs[0].returncode, out0, exited - float(failed_at.read_text())
+
+
+def assert_clear_distributed_error(status: int, out: str) -> None:
+    assert status == 1, out
+    assert "attnres train: error: rank 0 of 2: a collective failed" in out, out
+    assert "Another rank has probably died or stalled" in out and "Traceback" not in out, out
+
+
+def test_dead_rank_makes_the_others_exit_with_a_clear_error(root):
+    """Rank 1 calls ``os._exit(1)`` in its third step. Launched by hand (no torchrun agent to
+    tear the group down), rank 0 is left inside a collective. gloo sees the closed connection
+    at once (a few seconds here); the bound asserted is the process-group timeout plus slack."""
+    status, out, waited = launch_failing("die", root)
+    assert_clear_distributed_error(status, out)
+    assert waited < DIE_TIMEOUT_S + 30, f"rank 0 exited {waited:.1f} s after rank 1 died"
+
+
+@pytest.mark.slow  # waits out the timeout: about 40 s
+def test_stalled_rank_makes_the_others_exit_after_the_timeout(root):
+    """Rank 1 stays alive but stops calling collectives: nothing closes a connection, so only
+    the process-group timeout (``dist_timeout_s``) ends rank 0's wait."""
+    status, out, waited = launch_failing("stall", root)
+    assert_clear_distributed_error(status, out)
+    assert "Timed out" in out or "timed out" in out, out
+    assert DIE_TIMEOUT_S - 5 <= waited < DIE_TIMEOUT_S + 30, f"rank 0 exited {waited:.1f} s after rank 1 stalled"
+
+
+@pytest.mark.slow  # one more 2-process launch, about 15 s
+def test_torchrun_tears_down_the_group_when_a_rank_dies(tmp_path):
+    """Under torchrun the agent notices the dead worker and stops the others (SIGTERM) at
+    once; the launch fails naming rank 1 as the root cause."""
+    from distributed_utils import worker_env
+
+    write_corpus(tmp_path / "corpus.txt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, "die",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=240)
+    waited = time.time() - float((tmp_path / "die.txt").read_text())
+    assert proc.returncode != 0
+    assert "Root Cause" in proc.stderr and "rank      : 1" in proc.stderr.split("Root Cause")[1], proc.stderr[-3000:]
+    assert waited < 30, f"torchrun exited {waited:.1f} s after rank 1 died"
+
+
+@pytest.mark.slow  # one more 2-process launch, about 25 s
+def test_signal_to_one_rank_stops_all_ranks_after_the_same_step(root):
+    """SIGTERM reaches rank 1 only (in step 3): the ranks agree after that step, write one
+    checkpoint together and both exit with 128 + SIGTERM."""
+    status, out, _ = launch_failing("sigterm", root)
+    assert status == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM after step 3" in out, out
+    assert latest_checkpoint(root / "sigterm") == checkpoint_path(root / "sigterm", 3)
+
+
+# -- backend, modes, config ---------------------------------------------------------------
+
+def test_backend_follows_the_device():
+    assert backend_for_device("cpu") == "gloo"
+    assert backend_for_device(torch.device("cuda", 1)) == "nccl"
+    with pytest.raises(ValueError, match="no torch.distributed backend for device type 'meta'"):
+        backend_for_device("meta")
+
+
+def test_distributed_mode_resolution(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert resolve_mode("auto") == "none" and resolve_mode("none") == "none"
+    with pytest.raises(ValueError, match=r"distributed='fsdp' needs a process group: launch with `torchrun"):
+        resolve_mode("fsdp")
+    env = dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert resolve_mode("auto") == "fsdp" and resolve_mode("ddp") == "ddp"
+    with pytest.raises(ValueError, match="distributed='none' but 2 ranks were launched"):
+        resolve_mode("none")
+
+
+def test_config_validates_distributed_fields():
+    with pytest.raises(ValueError, match=r"TrainConfig.distributed must be one of 'auto', 'none', 'ddp', 'fsdp'; got 'zero'"):
+        TrainConfig(distributed="zero")
+    with pytest.raises(ValueError, match=r"TrainConfig.dist_timeout_s must be a number in \(0.0"):
+        TrainConfig(dist_timeout_s=0)
+
+
+def test_distributed_error_names_the_rank():
+    from attnres.distributed.launch import DistContext, collective_errors
+
+    ctx = DistContext(rank=3, world_size=4, device=torch.device("cpu"), backend="gloo", timeout_s=7.0)
+    with pytest.raises(DistributedError, match=r"rank 3 of 4: a collective failed .*timeout is 7 s"):
+        with collective_errors(ctx):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    with pytest.raises(KeyError):  # anything else passes through unchanged
+        with collective_errors(ctx):
+            raise KeyError("x")
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], Path(sys.argv[2]))
