@@ -305,3 +305,19 @@ def test_weighted_sums_small_path_equals_per_source_passes(shape, monkeypatch):
     assert len(small) == K
     for a, b in zip(small, expected):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("K", [None, 1, 5])
+def test_rms_logits_small_path_equals_rms_factor_path(K):
+    """Decoding's RMSNorm-then-product logits (small sources, no autograd) equal the logits
+    from the RMS factor (the path of prefill and training)."""
+    from attnres.ops import rms_inverse, rms_logits, source_logits
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, generator=g, dtype=torch.float64) * 3
+    qg = torch.randn(7, generator=g, dtype=torch.float64) if K is None else torch.randn(K, 7, generator=g, dtype=torch.float64)
+    expected = source_logits(x, rms_inverse(x, 1e-6), qg)
+    with torch.no_grad():
+        small = rms_logits(x, qg, 1e-6)
+    assert small.shape == expected.shape
+    torch.testing.assert_close(small, expected, rtol=1e-12, atol=1e-12)

@@ -35,9 +35,9 @@ from torch import Tensor, nn
 from ..ops import (
     compute_dtype,
     depth_attention,
+    merge_with_one_source,
     merge_with_sources,
-    rms_inverse,
-    source_logits,
+    rms_logits,
     weighted_sums,
 )
 from ..ops.ablations import depth_attention_variant
@@ -355,9 +355,8 @@ class _AttnResBase(ResidualStream):
 
     def _complete(self, st: dict, x: Tensor, first_query: int) -> None:
         """Register ``x`` as a completed source visible to queries ``first_query .. L``."""
-        rinv = rms_inverse(x, self.eps)
         st["sources"].append(x)
-        st["logits"].append(source_logits(x, rinv, st["qg"][first_query:]))
+        st["logits"].append(rms_logits(x, st["qg"][first_query:], self.eps))
         st["offsets"].append(first_query)
 
     def _phase1(self, st: dict, first_query: int, count: int) -> None:
@@ -370,7 +369,8 @@ class _AttnResBase(ResidualStream):
         if len(sources) == 1:
             # One source: its weight is exactly 1, so Phase 1 returns it as it is (no pass).
             x = sources[0].to(compute_dtype(sources[0].dtype))
-            st["p1"] = {"first": first_query, "o_hat": [x] * count, "m": z[..., 0], "sumexp": torch.ones_like(z[..., 0]), "p": torch.ones_like(z)}
+            st["p1"] = {"first": first_query, "o_hat": [x] * count, "m": z[..., 0], "sumexp": torch.ones_like(z[..., 0]),
+                        "p": torch.ones_like(z), "lse": z[..., 0]}
             return
         if self._use_kernels(sources[0]):
             from ..kernels.phase1 import phase1_attention
@@ -384,13 +384,15 @@ class _AttnResBase(ResidualStream):
                 "sumexp": sumexp.reshape(*lead, count),
                 "p": p.reshape(*lead, count, n),
             }
+            st["p1"]["lse"] = st["p1"]["m"] + torch.log(st["p1"]["sumexp"])
             return
         m = z.amax(dim=-1)
         e = torch.exp(z - m.unsqueeze(-1))
         sumexp = e.sum(dim=-1)
         p = e / sumexp.unsqueeze(-1)
         o_hat = weighted_sums(p, sources)
-        st["p1"] = {"first": first_query, "o_hat": o_hat, "m": m, "sumexp": sumexp, "p": p}
+        # lse: Phase 2's merge with a single partial sum needs only the log-sum-exp.
+        st["p1"] = {"first": first_query, "o_hat": o_hat, "m": m, "sumexp": sumexp, "p": p, "lse": m + torch.log(sumexp)}
 
     def _phase2(
         self, state: _State, st: dict, l: int, intra: list[Tensor], intra_logits: list[Tensor], norm: RMSNorm | None = None
@@ -410,7 +412,13 @@ class _AttnResBase(ResidualStream):
             )
         elif not intra:
             self._record(state, p1["p"][..., s, :])
-            h = o_hat.to(state.dtype)
+            h = o_hat if o_hat.dtype == state.dtype else o_hat.to(state.dtype)
+            return h if norm is None else norm(h)
+        elif len(intra) == 1 and not self._use_kernels(o_hat):
+            h, w_x = merge_with_one_source(o_hat, p1["lse"][..., s], intra[0], intra_logits[0])
+            h = h if h.dtype == state.dtype else h.to(state.dtype)
+            if state.weights is not None:
+                self._record(state, torch.cat([p1["p"][..., s, :] * (1 - w_x).unsqueeze(-1), w_x.unsqueeze(-1)], dim=-1))
             return h if norm is None else norm(h)
         elif self._use_kernels(o_hat):
             from ..kernels.merge import merge_sources
@@ -504,8 +512,7 @@ class FullAttnRes(_AttnResBase):
             state.extra["sources"].append(output)
             return
         st = state.extra["tp"]
-        rinv = rms_inverse(output, self.eps)
-        st["group"].append((output, source_logits(output, rinv, st["qg"][l + 1 :]), l + 1))
+        st["group"].append((output, rms_logits(output, st["qg"][l + 1 :], self.eps), l + 1))
 
     def _finish(self, state: _State) -> Tensor:
         if self.impl == "naive":
@@ -584,8 +591,7 @@ class BlockAttnRes(_AttnResBase):
         partial = state.extra["partial"]
         if self._use_kernels(partial):
             return self._phase2_kernel(state, st, l, partial, norm)
-        z = source_logits(partial, rms_inverse(partial, self.eps), st["qg"][l])
-        return self._phase2(state, st, l, [partial], [z], norm)
+        return self._phase2(state, st, l, [partial], [rms_logits(partial, st["qg"][l], self.eps)], norm)
 
     def _phase2_kernel(self, state: _State, st: dict, l: int, partial: Tensor, norm: RMSNorm | None) -> Tensor:
         """Phase 2 of a block's later sublayer as one fused Triton kernel: the partial

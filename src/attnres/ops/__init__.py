@@ -8,8 +8,10 @@ from .two_phase import (
     finalize,
     full_precision,
     merge_partials,
+    merge_with_one_source,
     merge_with_sources,
     rms_inverse,
+    rms_logits,
     source_logits,
     weighted_sum,
     weighted_sums,
@@ -29,4 +31,6 @@ __all__ = [
     "weighted_sum",
     "weighted_sums",
     "merge_with_sources",
+    "merge_with_one_source",
+    "rms_logits",
 ]

@@ -41,6 +41,8 @@ __all__ = [
     "weighted_sum",
     "weighted_sums",
     "merge_with_sources",
+    "merge_with_one_source",
+    "rms_logits",
 ]
 
 
@@ -202,6 +204,36 @@ def weighted_sums(weights: Tensor, sources: Sequence[Tensor]) -> list[Tensor]:
         return list((weights.to(compute) @ stacked).unbind(dim=-2))  # [..., K, d] -> K x [..., d]
 
 
+def merge_with_one_source(o_hat: Tensor, lse: Tensor, x: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
+    """Phase 2 with one more source (Block AttnRes: the partial sum): ``(h, w_x)``.
+
+    With two terms the weight of ``x`` is ``e^z / (sumexp e^m + e^z) = sigmoid(z - lse)``,
+    ``lse = m + log(sumexp)`` the log-sum-exp of Phase 1 (``[...]``, computed once per
+    block): the online-softmax merge in a few operations instead of a dozen - what decoding,
+    a token at a time, pays for - and stable for any ``z``. Then one fused pass:
+    ``h = o_hat + w_x (x - o_hat)`` (``[..., d]``, compute dtype); ``w_x`` is ``[...]``.
+    """
+    w_x = torch.sigmoid(z - lse)
+    x = x if x.dtype == o_hat.dtype else x.to(o_hat.dtype)
+    return torch.lerp(o_hat, x, w_x.unsqueeze(-1)), w_x
+
+
+def rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
+    """Logits of a new source ``x [..., d]`` against gain-folded queries ``qg`` ``[K, d]``
+    (-> ``[..., K]``) or ``[d]`` (-> ``[...]``): ``qg . x / rms(x)``, what
+    :func:`source_logits` gives with :func:`rms_inverse`. Without autograd and for small
+    ``x`` (decoding) it is two fused operations, the RMSNorm then the product; otherwise
+    ``x`` is read once for its RMS factor and once for the product, with no normalised copy
+    written."""
+    if x.numel() <= SMALL_SOURCE_NUMEL and not torch.is_grad_enabled():
+        compute = compute_dtype(x.dtype)
+        xc = x if x.dtype == compute else x.to(compute)
+        with full_precision(x):
+            xn = F.rms_norm(xc, (x.shape[-1],), eps=eps)
+            return xn @ qg if qg.dim() == 1 else F.linear(xn, qg)
+    return source_logits(x, rms_inverse(x, eps), qg)
+
+
 def merge_with_sources(
     o_hat: Tensor, m: Tensor, sumexp: Tensor, xs: Sequence[Tensor], zs: Sequence[Tensor]
 ) -> tuple[Tensor, Tensor]:
@@ -221,13 +253,8 @@ def merge_with_sources(
         with ``M = max(m, z_1, ..., z_k)``.
     """
     if len(xs) == 1:
-        # Two terms: the weight of x is e^z / (sumexp e^m + e^z) = sigmoid(z - lse) with
-        # lse = m + log(sumexp), the log-sum-exp of Phase 1 - the same value in a few ops
-        # instead of a dozen (what decoding, one token at a time, pays for), and stable for
-        # any z. Then one fused pass: h = o_hat + w_x (x - o_hat).
-        w_x = torch.sigmoid(zs[0] - (m + torch.log(sumexp)))
-        x = xs[0] if xs[0].dtype == o_hat.dtype else xs[0].to(o_hat.dtype)
-        return torch.lerp(o_hat, x, w_x.unsqueeze(-1)), torch.stack([1 - w_x, w_x], dim=-1)
+        h, w_x = merge_with_one_source(o_hat, m + torch.log(sumexp), xs[0], zs[0])
+        return h, torch.stack([1 - w_x, w_x], dim=-1)
     z = torch.stack(list(zs), dim=-1)  # [..., k]
     m_new = torch.maximum(m, z.amax(dim=-1))
     scores = torch.cat([(sumexp * torch.exp(m - m_new)).unsqueeze(-1), torch.exp(z - m_new.unsqueeze(-1))], dim=-1)
