@@ -204,4 +204,6 @@ def get_experiment(name: str, preset: str) -> Experiment:
     base = {**_TRAIN[preset], **_COMMON, "model": dict(_MODEL[preset])}
     if name == "compare" and preset == "tiny":  # the compare report plots diagnostics: log some
         base["diagnostics_every"] = 2
+    if name == "compare" and preset == "demo":  # `make demo` runs for minutes: show a progress bar per run
+        base["progress"] = True
     return Experiment(name, preset, base, _BUILDERS[name](preset))
