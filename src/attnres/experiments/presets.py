@@ -40,8 +40,8 @@ _TRAIN: dict[str, dict[str, Any]] = {
     # The main job's presets (`compare`): diagnostics logged along the way for the Fig. 5 / Fig. 8 plots.
     # `demo`: `make demo` within 15 minutes on 2 cores, set-up included; `long`: 3600 steps of 2048
     # tokens, about 30 minutes for the standard model on one quiet core (0.5 s per step).
-    "demo": dict(steps=300, seq_len=128, batch_size=16, warmup_steps=30, eval_every=50, eval_batches=8,
-                 log_every=10, diagnostics_every=100, checkpoint_every=100, optimizer="muon", lr=3e-3,
+    "demo": dict(steps=240, seq_len=128, batch_size=16, warmup_steps=30, eval_every=40, eval_batches=8,
+                 log_every=10, diagnostics_every=80, checkpoint_every=100, optimizer="muon", lr=3e-3,
                  schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0, data={"tokenizer": "bpe", "vocab_size": 4096}),
     "long": dict(steps=3600, seq_len=128, batch_size=16, warmup_steps=200, eval_every=200, eval_batches=16,
                  log_every=20, diagnostics_every=400, checkpoint_every=200, optimizer="muon", lr=3e-3,
