@@ -27,14 +27,11 @@ Writes ``benchmarks/results/inference.{json,md}`` (``--quick`` writes ``inferenc
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-from bench_training_overhead import log, summarize, write_results
+from bench_training_overhead import log, run_header, summarize, write_results
 
 from attnres.analysis.profiling import CLOCKS, peak_memory_bytes, time_interleaved
 
@@ -125,14 +122,7 @@ def main() -> int:
     prompt = torch.randint(0, base.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     results = {
         "config": {**base.to_dict(), "prompt": args.prompt, "context": args.context, "chunk": args.chunk, "dtype": "float32"},
-        "machine": {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-        },
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        **run_header(),
         "clock": args.clock,
         "compiled": args.compile,
         "timing": {},

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_training_overhead import log, write_results
+from bench_training_overhead import log, run_header, write_results
 
 from attnres import AttnResLM, ModelConfig
 from attnres.distributed import (
@@ -175,8 +174,7 @@ def main() -> int:
     config = {"virtual_stages": args.virtual_stages, "batch": args.batch, "microbatches": args.microbatches, "seq": args.seq, "repeats": args.repeats}
     results = {
         "config": {**config, "d_model": 128},
-        "machine": {"torch": torch.__version__, "cpu_count": os.cpu_count(), "platform": platform.platform()},
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        **run_header(),
         "runs": [],
     }
     src = str(Path(__file__).resolve().parents[1] / "src")

@@ -44,6 +44,20 @@ VARIANTS = {
 TARGETS = {("train", "block"): 1.05, ("train", "full"): 1.15, ("forward", "block"): 1.02}
 
 
+def run_header() -> dict:
+    """The ``machine`` and ``command`` fields every benchmark result records."""
+    return {
+        "machine": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+        },
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -96,14 +110,7 @@ def main() -> int:
     ids = torch.randint(0, base.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     results = {
         "config": {**base.to_dict(), "batch": args.batch, "seq": args.seq, "dtype": "float32"},
-        "machine": {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-        },
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        **run_header(),
         "params": {k: m.num_parameters() for k, m in models.items()},
         "residual_params": {k: m.residual_parameters() for k, m in models.items()},
         "timing": {},

@@ -69,6 +69,12 @@ class AttnResPreTrainedModel(PreTrainedModel):
         self.rope = RotaryEmbedding(native.head_dim, native.max_seq_len, native.rope_theta)
         self.gradient_checkpointing = False
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
     def _init_weights(self, module: nn.Module) -> None:
         """The native init (``AttnResLM.init_weights``): Normal(0, init_std) for projections
         and embeddings, ones for norm gains, and the residual's own reset - zero
@@ -138,12 +144,6 @@ class AttnResModel(AttnResPreTrainedModel):
         super().__init__(config)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
     def forward(
         self,
         input_ids: Tensor | None = None,
@@ -172,12 +172,6 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head

@@ -384,7 +384,6 @@ class _AttnResBase(ResidualStream):
                 "sumexp": sumexp.reshape(*lead, count),
                 "p": p.reshape(*lead, count, n),
             }
-            st["p1"]["lse"] = st["p1"]["m"] + torch.log(st["p1"]["sumexp"])
             return
         m = z.amax(dim=-1)
         e = torch.exp(z - m.unsqueeze(-1))
