@@ -209,6 +209,30 @@ def test_merge_with_sources_equals_reference(k):
     assert_rel_close(w[..., 1:].movedim(-1, 0), ref_w[3:], 1e-12)
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_merge_with_sources_lse_decoding_path_equals_fused_path(k):
+    """Decoding's merge (no autograd, small: softmax over [lse, z_1..z_k], one stacked matmul)
+    equals the fused multiply-add path of prefill and training, and both equal the
+    max/sum-exp form of :func:`merge_with_sources`."""
+    from attnres.ops import merge_with_sources_lse
+
+    Q, G = _queries(1, 10)
+    srcs = rand_sources(3 + k, (2, 5, 10))
+    done, extra = srcs[:3], srcs[3:]
+    part = attend_with_stats(Q, done, G)
+    o_hat = finalize(part)[0]
+    lse = part.max[0] + torch.log(part.sumexp[0])
+    zs = [source_logits(x, rms_inverse(x, 1e-6), Q[0] * G[0]) for x in extra]
+    fused_h, fused_w = merge_with_sources_lse(o_hat.requires_grad_(), lse, extra, zs)
+    with torch.no_grad():
+        dec_h, dec_w = merge_with_sources_lse(o_hat, lse, extra, zs)
+    ref_h, ref_w = merge_with_sources(o_hat.detach(), part.max[0], part.sumexp[0], extra, zs)
+    assert fused_h.requires_grad and not dec_h.requires_grad  # the two paths did run
+    assert_rel_close(dec_h, fused_h.detach(), 1e-12)
+    assert_rel_close(dec_w, fused_w.detach(), 1e-12)
+    assert_rel_close(ref_h, dec_h, 1e-12)
+
+
 def test_fast_helpers_match_formulas():
     x = torch.randn(3, 4, 12, dtype=torch.float64)
     r = rms_inverse(x, 1e-6)
@@ -321,3 +345,21 @@ def test_rms_logits_small_path_equals_rms_factor_path(K):
         small = rms_logits(x, qg, 1e-6)
     assert small.shape == expected.shape
     torch.testing.assert_close(small, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("lead", [(1,), (3, 2)])
+def test_merge_partial_sum_equals_logit_then_merge(lead):
+    """Block decoding's one-go Phase 2 equals :func:`rms_logits` then
+    :func:`merge_with_one_source`, including for logits far from the Phase-1 log-sum-exp."""
+    from attnres.ops import merge_partial_sum, merge_with_one_source, rms_logits
+
+    g = torch.Generator().manual_seed(3)
+    d = 11
+    o_hat = torch.randn(*lead, d, generator=g, dtype=torch.float64)
+    x = torch.randn(*lead, d, generator=g, dtype=torch.float64) * 5
+    qg = torch.randn(d, generator=g, dtype=torch.float64)
+    for lse in (torch.randn(lead, generator=g, dtype=torch.float64), torch.full(lead, 80.0, dtype=torch.float64)):
+        expected, _ = merge_with_one_source(o_hat, lse, x, rms_logits(x, qg, 1e-6))
+        with torch.no_grad():
+            got = merge_partial_sum(o_hat, lse, x, qg, 1e-6)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

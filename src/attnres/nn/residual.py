@@ -34,9 +34,11 @@ from torch import Tensor, nn
 
 from ..ops import (
     compute_dtype,
+    decoding,
     depth_attention,
+    merge_partial_sum,
     merge_with_one_source,
-    merge_with_sources,
+    merge_with_sources_lse,
     rms_logits,
     weighted_sums,
 )
@@ -344,8 +346,10 @@ class _AttnResBase(ResidualStream):
         compute = compute_dtype(dtype)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return torch.stack([m.folded_query(compute) for m in self.mixers])
-        key = (compute, tuple((p._version, p.data_ptr(), p.device) for m in self.mixers
-                              for p in (m.query, m.key_norm.weight)))
+        key = [compute, self.mixers[0].query.device]
+        for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
+            q, g = m._parameters["query"], m._modules["key_norm"]._parameters["weight"]
+            key += (q._version, q.data_ptr(), g._version, g.data_ptr())
         cached = self.__dict__.get("_folded_cache")
         if cached is None or cached[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
@@ -389,9 +393,8 @@ class _AttnResBase(ResidualStream):
         e = torch.exp(z - m.unsqueeze(-1))
         sumexp = e.sum(dim=-1)
         p = e / sumexp.unsqueeze(-1)
-        o_hat = weighted_sums(p, sources)
-        # lse: Phase 2's merge with a single partial sum needs only the log-sum-exp.
-        st["p1"] = {"first": first_query, "o_hat": o_hat, "m": m, "sumexp": sumexp, "p": p, "lse": m + torch.log(sumexp)}
+        # lse: PyTorch's Phase 2 needs only the log-sum-exp (the kernels' Phase 2 takes m and sumexp).
+        st["p1"] = {"first": first_query, "o_hat": weighted_sums(p, sources), "p": p, "lse": m + torch.log(sumexp)}
 
     def _phase2(
         self, state: _State, st: dict, l: int, intra: list[Tensor], intra_logits: list[Tensor], norm: RMSNorm | None = None
@@ -424,7 +427,7 @@ class _AttnResBase(ResidualStream):
 
             out, w = merge_sources(o_hat, p1["m"][..., s], p1["sumexp"][..., s], intra, intra_logits, out_dtype=state.dtype)
         else:
-            h, w = merge_with_sources(o_hat, p1["m"][..., s], p1["sumexp"][..., s], intra, intra_logits)
+            h, w = merge_with_sources_lse(o_hat, p1["lse"][..., s], intra, intra_logits)
             out = h.to(state.dtype) if norm is None else norm(h.to(state.dtype))
         if state.weights is not None:
             inter = p1["p"][..., s, :] * w[..., :1]
@@ -590,6 +593,12 @@ class BlockAttnRes(_AttnResBase):
         partial = state.extra["partial"]
         if self._use_kernels(partial):
             return self._phase2_kernel(state, st, l, partial, norm)
+        if state.weights is None and decoding(partial):
+            p1 = st["p1"]
+            s = l - p1["first"]
+            h = merge_partial_sum(p1["o_hat"][s], p1["lse"][..., s], partial, st["qg"][l], self.eps)
+            h = h if h.dtype == state.dtype else h.to(state.dtype)
+            return h if norm is None else norm(h)
         return self._phase2(state, st, l, [partial], [rms_logits(partial, st["qg"][l], self.eps)], norm)
 
     def _phase2_kernel(self, state: _State, st: dict, l: int, partial: Tensor, norm: RMSNorm | None) -> Tensor:

@@ -20,6 +20,7 @@ float64 inputs).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,7 +43,10 @@ __all__ = [
     "weighted_sums",
     "merge_with_sources",
     "merge_with_one_source",
+    "merge_with_sources_lse",
     "rms_logits",
+    "merge_partial_sum",
+    "decoding",
 ]
 
 
@@ -218,19 +222,44 @@ def merge_with_one_source(o_hat: Tensor, lse: Tensor, x: Tensor, z: Tensor) -> t
     return torch.lerp(o_hat, x, w_x.unsqueeze(-1)), w_x
 
 
+def decoding(x: Tensor) -> bool:
+    """Whether ``x`` takes the operation-count-bound decoding paths: small, no autograd and
+    no autocast (under autocast the fused paths below would need autocast switched off)."""
+    return x.numel() <= SMALL_SOURCE_NUMEL and not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+
+
+def merge_partial_sum(o_hat: Tensor, lse: Tensor, x: Tensor, qg: Tensor, eps: float) -> Tensor:
+    """Block AttnRes's Phase 2 while decoding: the partial sum ``x [..., d]``'s logit for the
+    gain-folded query ``qg [d]`` and the merge with the Phase-1 result ``o_hat [..., d]``
+    (log-sum-exp ``lse [...]``) in one go -> ``h [..., d]`` in ``o_hat``'s dtype.
+
+    The same as :func:`merge_with_one_source` after :func:`rms_logits`, in eight small
+    operations instead of twelve (decoding pays per operation): the weight of ``o_hat`` is
+    ``sigmoid(lse - z)`` with ``z = qg . x / rms(x) = sqrt(d) qg . x / sqrt(x . x + d eps)``,
+    one ``addcdiv``, and ``h = x + w_o (o_hat - x)``.
+    """
+    d = x.shape[-1]
+    xc = x if x.dtype == o_hat.dtype else x.to(o_hat.dtype)
+    den = torch.linalg.vecdot(xc, xc).add_(d * eps).sqrt_()  # sqrt(d) rms(x), [...]
+    w_o = torch.addcdiv(lse, xc @ qg, den, value=-math.sqrt(d)).sigmoid_()
+    return torch.lerp(xc, o_hat, w_o.unsqueeze(-1))
+
+
 def rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
     """Logits of a new source ``x [..., d]`` against gain-folded queries ``qg`` ``[K, d]``
     (-> ``[..., K]``) or ``[d]`` (-> ``[...]``): ``qg . x / rms(x)``, what
-    :func:`source_logits` gives with :func:`rms_inverse`. Without autograd and for small
-    ``x`` (decoding) it is two fused operations, the RMSNorm then the product; otherwise
+    :func:`source_logits` gives with :func:`rms_inverse`. While decoding (see :func:`decoding`)
+    it takes five small operations - the sum of squares, the product, then the RMS factor
+    in place - instead of an RMSNorm, which costs several times that on CPU; otherwise
     ``x`` is read once for its RMS factor and once for the product, with no normalised copy
     written."""
-    if x.numel() <= SMALL_SOURCE_NUMEL and not torch.is_grad_enabled():
+    if decoding(x):
         compute = compute_dtype(x.dtype)
         xc = x if x.dtype == compute else x.to(compute)
-        with full_precision(x):
-            xn = F.rms_norm(xc, (x.shape[-1],), eps=eps)
-            return xn @ qg if qg.dim() == 1 else F.linear(xn, qg)
+        rinv = torch.linalg.vecdot(xc, xc).mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()  # [...]
+        if qg.dim() == 1:
+            return (xc @ qg).mul_(rinv)
+        return F.linear(xc, qg).mul_(rinv.unsqueeze(-1))
     return source_logits(x, rms_inverse(x, eps), qg)
 
 
@@ -252,13 +281,22 @@ def merge_with_sources(
         ``h = (e^(m-M) sumexp o_hat + sum_k e^(z_k-M) x_k) / (e^(m-M) sumexp + sum_k e^(z_k-M))``
         with ``M = max(m, z_1, ..., z_k)``.
     """
+    return merge_with_sources_lse(o_hat, m + torch.log(sumexp), xs, zs)
+
+
+def merge_with_sources_lse(o_hat: Tensor, lse: Tensor, xs: Sequence[Tensor], zs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`merge_with_sources` with Phase 1's statistics as one log-sum-exp ``lse [...]``
+    (``m + log(sumexp)``): the weights are one softmax over ``[lse, z_1, ..., z_k]``, stable
+    for any logits. Returns ``(h [..., d], w [..., 1 + k])`` as :func:`merge_with_sources`.
+    While decoding the weighted sum is one stacked matmul; otherwise fused multiply-adds
+    with no stacked copy."""
     if len(xs) == 1:
-        h, w_x = merge_with_one_source(o_hat, m + torch.log(sumexp), xs[0], zs[0])
+        h, w_x = merge_with_one_source(o_hat, lse, xs[0], zs[0])
         return h, torch.stack([1 - w_x, w_x], dim=-1)
-    z = torch.stack(list(zs), dim=-1)  # [..., k]
-    m_new = torch.maximum(m, z.amax(dim=-1))
-    scores = torch.cat([(sumexp * torch.exp(m - m_new)).unsqueeze(-1), torch.exp(z - m_new.unsqueeze(-1))], dim=-1)
-    w = scores / scores.sum(dim=-1, keepdim=True)  # [..., 1 + k]
+    w = torch.softmax(torch.stack([lse, *zs], dim=-1), dim=-1)  # [..., 1 + k]
+    if decoding(o_hat):
+        stacked = torch.stack([o_hat, *(x if x.dtype == o_hat.dtype else x.to(o_hat.dtype) for x in xs)], dim=-2)
+        return (w.unsqueeze(-2) @ stacked).squeeze(-2), w  # [..., 1, 1 + k] @ [..., 1 + k, d]
     wu = w.unsqueeze(-1)
     h = o_hat * wu[..., 0, :]
     for k, x in enumerate(xs, start=1):
