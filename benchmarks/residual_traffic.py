@@ -29,6 +29,7 @@ the element size for bytes: 4 in float32, 2 in bfloat16).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections import defaultdict
 
@@ -37,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from attnres.nn.residual import BlockAttnRes, FullAttnRes, StandardResidual
+from attnres.ops import two_phase
 
 PHASE1_FUNCS = {"_complete", "_phase1"}
 
@@ -88,9 +90,27 @@ class TrafficCounter(TorchDispatchMode):
         return out
 
 
-def measure(residual, tokens: int = 200) -> dict:
-    """Drive ``residual`` over all its sublayers; return elements per token per sublayer
-    (in units of d) read and written, per phase."""
+#: The two code paths of the two-phase schedule (``attnres.ops.two_phase.decoding``): prefill
+#: and training take fused multiply-adds with no stacked copies; decoding (small tensors, no
+#: autograd) takes stacked matmuls and the one-go Phase 2. The path is picked by the size of
+#: the tensors, so the count forces it with the size threshold.
+PATHS = {"prefill": 0, "decode": 1 << 62}
+
+
+@contextlib.contextmanager
+def code_path(path: str):
+    """Make the two-phase residual take ``path`` ("prefill" or "decode") whatever the size."""
+    saved = two_phase.SMALL_SOURCE_NUMEL
+    two_phase.SMALL_SOURCE_NUMEL = PATHS[path]
+    try:
+        yield
+    finally:
+        two_phase.SMALL_SOURCE_NUMEL = saved
+
+
+def measure(residual, tokens: int = 200, path: str = "prefill") -> dict:
+    """Drive ``residual`` over all its sublayers on the ``path`` code path; return elements
+    per token per sublayer (in units of d) read and written, per phase."""
     d, L = residual.dim, residual.n_sublayers
     if min(tokens, d) <= L + 1:
         raise ValueError(f"tokens and d must exceed L + 1 = {L + 1} (to tell activations from queries and logits)")
@@ -98,7 +118,7 @@ def measure(residual, tokens: int = 200) -> dict:
     x = torch.randn(tokens, d, generator=g)
     outputs = [torch.randn(tokens, d, generator=g) for _ in range(L)]
     counter = TrafficCounter(residual, tokens, d)
-    with torch.no_grad():
+    with torch.no_grad(), code_path(path):
         with counter:
             state = residual.start(x)
         for l in range(L):
@@ -122,7 +142,7 @@ def report_formula(kind: str, L: int, S: int) -> tuple[str, float]:
     return "(S + N)d", float(S + N)
 
 
-def table(L: int, S: int, d: int, tokens: int) -> list[str]:
+def table(L: int, S: int, d: int, tokens: int, path: str) -> list[str]:
     N = -(-L // S)
     G = S  # Full AttnRes: Appendix-B group size chosen equal to S, as in Table 1
     rows = [
@@ -133,7 +153,8 @@ def table(L: int, S: int, d: int, tokens: int) -> list[str]:
         ("full (naive)", FullAttnRes(d, L, impl="naive")),
     ]
     lines = [
-        f"L={L} sublayers, S={S}, N={N} (Full AttnRes: group size {G}); d={d}, {tokens} tokens; units of d per token per sublayer",
+        f"{path} path; L={L} sublayers, S={S}, N={N} (Full AttnRes: group size {G}); d={d}, {tokens} tokens; "
+        "units of d per token per sublayer",
         "",
         "| residual | phase 1 read / write | phase 2 read / write | aggregation (amortised) | total | report (Table 1) |",
         "|---|---|---|---|---:|---|",
@@ -142,7 +163,7 @@ def table(L: int, S: int, d: int, tokens: int) -> list[str]:
         with torch.no_grad():
             for p in module.parameters():
                 p.normal_()  # non-uniform depth weights (no effect on traffic, but no degenerate case)
-        r = measure(module, tokens)
+        r = measure(module, tokens, path)
         cell = {p: f"{r[p][0]:.2f} / {r[p][1]:.2f}" if p in r else "-" for p in ("phase1", "phase2", "aggregation")}
         total = sum(a + b for a, b in r.values())
         kind = name.split()[0]
@@ -160,8 +181,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=200)
     args = p.parse_args()
     shapes = [(args.L, args.S)] if args.L else [(128, 16), (32, 4)]
-    for L, S in shapes:
-        print("\n".join(table(L, S, args.d, args.tokens)) + "\n")
+    for path in PATHS:
+        for L, S in shapes:
+            print("\n".join(table(L, S, args.d, args.tokens, path)) + "\n")
     return 0
 
 

@@ -240,7 +240,7 @@ def merge_partial_sum(o_hat: Tensor, lse: Tensor, x: Tensor, qg: Tensor, eps: fl
     """
     d = x.shape[-1]
     xc = x if x.dtype == o_hat.dtype else x.to(o_hat.dtype)
-    den = torch.linalg.vecdot(xc, xc).add_(d * eps).sqrt_()  # sqrt(d) rms(x), [...]
+    den = torch.linalg.vector_norm(xc, dim=-1).square_().add_(d * eps).sqrt_()  # sqrt(d) rms(x), [...]
     w_o = torch.addcdiv(lse, xc @ qg, den, value=-math.sqrt(d)).sigmoid_()
     return torch.lerp(xc, o_hat, w_o.unsqueeze(-1))
 
@@ -249,14 +249,14 @@ def rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
     """Logits of a new source ``x [..., d]`` against gain-folded queries ``qg`` ``[K, d]``
     (-> ``[..., K]``) or ``[d]`` (-> ``[...]``): ``qg . x / rms(x)``, what
     :func:`source_logits` gives with :func:`rms_inverse`. While decoding (see :func:`decoding`)
-    it takes five small operations - the sum of squares, the product, then the RMS factor
-    in place - instead of an RMSNorm, which costs several times that on CPU; otherwise
+    it takes a few small operations - the norm, the product, then the RMS factor in
+    place - instead of an RMSNorm, which costs several times that on CPU; otherwise
     ``x`` is read once for its RMS factor and once for the product, with no normalised copy
     written."""
     if decoding(x):
         compute = compute_dtype(x.dtype)
         xc = x if x.dtype == compute else x.to(compute)
-        rinv = torch.linalg.vecdot(xc, xc).mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()  # [...]
+        rinv = torch.linalg.vector_norm(xc, dim=-1).square_().mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()  # [...]
         if qg.dim() == 1:
             return (xc @ qg).mul_(rinv)
         return F.linear(xc, qg).mul_(rinv.unsqueeze(-1))
