@@ -261,15 +261,16 @@ def cuda_time(fn) -> float:
 
 
 def time_interleaved(steps: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per step, one call of each step per round."""
+    """Median seconds per step, one call of each step per round (in a rotating order)."""
     for step in steps.values():
         step()
         step()
     torch.cuda.synchronize()
     times = {k: [] for k in steps}
-    for _ in range(repeats):
-        for k, step in steps.items():
-            times[k].append(cuda_time(step))
+    names = list(steps)
+    for r in range(repeats):  # the order rotates, so that no step always runs first
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            times[k].append(cuda_time(steps[k]))
     return {k: statistics.median(v) for k, v in times.items()}
 
 

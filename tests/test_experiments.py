@@ -247,3 +247,18 @@ def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):
     assert f"{m['variants']['s1']['step_ratio']:.2f}×" in text
     with pytest.raises(SystemExit, match="--overhead-repeats must be >= 0"):
         cli_main(["experiment", "block-size", "--preset", "tiny", "--out", str(out), "--overhead-repeats", "-1"])
+
+
+def test_time_interleaved_rotates_the_order_every_round():
+    """Every step takes every position in the round equally often (position bias cancels),
+    and each step's times stay in round order for the paired ratios."""
+    from attnres.analysis.profiling import time_interleaved
+
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    times = time_interleaved(steps, repeats=6)
+    rounds = [calls[i : i + 3] for i in range(0, len(calls), 3)]
+    assert rounds[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    for name in steps:
+        assert [r.index(name) for r in rounds].count(0) == 2  # first in 2 of 6 rounds
+        assert len(times[name]) == 6
