@@ -262,3 +262,16 @@ def test_time_interleaved_rotates_the_order_every_round():
     for name in steps:
         assert [r.index(name) for r in rounds].count(0) == 2  # first in 2 of 6 rounds
         assert len(times[name]) == 6
+
+
+def test_variants_option_trains_only_the_named_variants(corpus, tmp_path):
+    """`--variants` splits a grid over processes sharing --out: only the named variants train
+    (overrides may follow the names), the report covers what is finished, and an unknown name
+    is a one-line error that lists the grid's names."""
+    out = tmp_path / "compare"
+    over = [f"data.paths=[{corpus}]", "eval_every=2"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over]) == 0
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["standard"]
+    assert (out / "report.md").exists()
+    with pytest.raises(SystemExit, match=r"variants must be names of the 'compare' grid \['standard', 'block', 'full'\]"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "blok", *over])

@@ -86,6 +86,9 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
         parser.add_argument("--out", default=default_out, help=f"results directory (default {default_out})")
     parser.add_argument("--seeds", nargs="+", default=["0"], help="seeds of every variant (default 0)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
+    parser.add_argument("--variants", nargs="+", metavar="NAME",
+                        help="train only these variants of the grid (e.g. to split it over processes sharing --out); "
+                        "the report covers every finished run in --out")
     parser.add_argument("--overhead-repeats", type=int, default=10,
                         help="ablation / block-size: after training, time one step of every variant side by side "
                         "over this many interleaved rounds and measure its peak memory, for the report's overhead "
@@ -105,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = args.overrides + extra
     if grid:  # `--seeds 0 1 key=value`: the overrides end the seed list
         args.overrides = [t for t in args.seeds if "=" in t] + args.overrides
+        if args.variants is not None:  # the same for `--variants a b key=value`
+            args.overrides = [t for t in args.variants if "=" in t] + args.overrides
+            args.variants = [t for t in args.variants if "=" not in t]
         try:
             args.seeds = [int(t) for t in args.seeds if "=" not in t]
         except ValueError:
@@ -115,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         name = "compare" if args.command == "compare" else args.name
         preset = args.preset or DEFAULT_PRESET.get(name, "cpu")
         return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
-                                  args.overhead_repeats)
+                                  args.overhead_repeats, args.variants)
     elif args.command == "generate":
         return run_generate(args)
     elif args.command == "export":
@@ -129,7 +135,7 @@ OVERHEAD_EXPERIMENTS = ("ablation", "block-size")  # grids whose tables compare 
 
 
 def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool,
-                       overhead_repeats: int = 0) -> int:
+                       overhead_repeats: int = 0, variants: list[str] | None = None) -> int:
     """``attnres experiment`` / ``attnres compare``: bad presets, seeds or overrides end the
     process with a one-line message."""
     from .experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
@@ -140,7 +146,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     try:
         experiment = get_experiment(name, preset)
         if not report_only:
-            run_experiment(experiment, out, seeds, overrides)
+            run_experiment(experiment, out, seeds, overrides, variants=variants)
             if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
                 measure_overhead(experiment, out, overrides, overhead_repeats)
         records = load_records(out, experiment)  # every seed finished so far, not only this invocation's

@@ -93,15 +93,23 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
 
 
 def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (0,), overrides: list[str] = (),
-                   log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+                   log: Callable[[str], None] = print, variants: list[str] | None = None) -> list[dict[str, Any]]:
     """Run every (seed, variant) of ``experiment`` under ``out``, seed by seed, skipping finished
-    runs; returns all records (finished earlier or now).
+    runs; returns all records (finished earlier or now). ``variants``: only these (by name),
+    e.g. to split one grid over several processes or machines sharing ``out``.
 
     Raises ``ValueError`` if ``out`` holds a different experiment, preset, or overrides
-    (results of different grids must not mix), or on a bad override."""
+    (results of different grids must not mix), on an unknown variant, or on a bad override."""
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"seeds must be a non-empty list of integers >= 0; got {seeds!r}")
+    chosen = experiment.variants
+    if variants is not None:
+        names = [v.name for v in experiment.variants]
+        unknown = [v for v in variants if v not in names]
+        if unknown or not variants:
+            raise ValueError(f"variants must be names of the {experiment.name!r} grid {names}; got {list(variants)!r}")
+        chosen = [v for v in experiment.variants if v.name in variants]
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
     marker = out / "experiment.json"
@@ -116,7 +124,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     # Seed-major: each seed completes a whole comparison before the next seed starts, so an
     # interrupted grid still holds comparable runs. Every run is validated before the first starts.
     configs = [(v, s, run_config(experiment, v, s, out / v.name / f"seed{s}", overrides))
-               for s in seeds for v in experiment.variants]
+               for s in seeds for v in chosen]
     records = []
     for i, (variant, seed, config) in enumerate(configs, 1):
         done = Path(config.out_dir) / RESULT_FILE
