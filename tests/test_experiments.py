@@ -197,15 +197,22 @@ def test_cli_errors_name_bad_values(tmp_path):
 def test_compare_end_to_end(corpus, tmp_path):
     """`attnres compare`: three models, two seeds, a report with its tables, plots and findings."""
     out = tmp_path / "compare"
-    over = [f"data.paths=[{corpus}]", "eval_every=2"]
+    # evaluations at every step, so the equal-time budget (4 steps / step-time ratio, about 2
+    # for a model this small) falls inside every curve
+    over = [f"data.paths=[{corpus}]", "eval_every=1"]
     assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--seeds", "0", "1", *over]) == 0
     records = _check_runs(out, 6)
     assert {r["variant"] for r in records} == {"standard", "block", "full"}
     text = (out / "report.md").read_text()
     for needle in ("val loss @ equal steps", "val loss @ equal compute", "tokens/s", "Paired by seed",
                    "Fig. 5", "Fig. 8", "Findings (computed)", "Block AttnRes at equal steps", "2 x 16 tokens per step",
-                   "seeds [0, 1]"):
+                   "seeds [0, 1]", "val loss @ equal time", "Δ val loss @ equal time", "Full AttnRes at equal time",
+                   "timed interleaved over 10 rounds", "median over the logging windows"):
         assert needle in text, needle
+    # the side-by-side step-time ratios (overhead.json) are the table's last columns
+    ratios = json.loads((out / "overhead.json").read_text())["variants"]
+    full_row = next(line for line in text.splitlines() if line.startswith("| Full AttnRes |"))
+    assert full_row.endswith(f"| {ratios['full']['step_ratio']:.2f} | {ratios['full']['peak_ratio']:.2f} |")
     for png in ("val_loss.png", "magnitudes.png", "depth_weights.png"):
         assert (out / png).stat().st_size > 0, png
     # the same runs through the generic command: nothing is retrained
@@ -228,6 +235,20 @@ def test_compare_reads_losses_at_equal_compute():
     assert losses[BASELINE][0] == pytest.approx(2.0)  # its own budget: its last step
     assert losses["block"][0] == pytest.approx(2.4)  # step 80: 2.5 - 0.5 * 5 / 25
     assert math.isnan(losses["full"][0])  # step 40: before the first evaluation, not extrapolated
+
+
+def test_compare_reads_losses_at_equal_time():
+    """With step-time ratios measured side by side, a model whose step costs 1.25 baseline
+    steps is read at step 100 / 1.25 = 80 of its curve; models without a ratio are left out."""
+    from attnres.experiments.compare import BASELINE, Run, _equal_time_losses
+
+    def run(variant):
+        rec = {"variant": variant, "seed": 3, "steps": 100, "flops": 100.0, "val_loss": 2.0}
+        return Run(rec, eval_steps=[50, 75, 100], val_loss=[3.0, 2.5, 2.0])
+
+    groups = {BASELINE: [run(BASELINE)], "block": [run("block")], "full": [run("full")]}
+    losses = _equal_time_losses(groups, {BASELINE: 1.0, "block": 1.25})
+    assert losses == {BASELINE: {3: pytest.approx(2.0)}, "block": {3: pytest.approx(2.4)}}
 
 
 def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):

@@ -90,7 +90,7 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
                         help="train only these variants of the grid (e.g. to split it over processes sharing --out); "
                         "the report covers every finished run in --out")
     parser.add_argument("--overhead-repeats", type=int, default=10,
-                        help="ablation / block-size: after training, time one step of every variant side by side "
+                        help="compare / ablation / block-size: after training, time one step of every variant side by side "
                         "over this many interleaved rounds and measure its peak memory, for the report's overhead "
                         "columns (default 10; 0 = use the step times the runs logged)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-OVERHEAD_EXPERIMENTS = ("ablation", "block-size")  # grids whose tables compare the variants' cost
+OVERHEAD_EXPERIMENTS = ("compare", "ablation", "block-size")  # grids whose tables compare the variants' cost
 
 
 def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool,

@@ -13,8 +13,10 @@ the same data, hyper-parameters and seeds, read back from the run directories.
 
 Tables: validation loss at equal steps (the last step) and at equal compute (the standard
 model's total compute; AttnRes costs a little more per token, so it is read off its curve
-at an earlier step by linear interpolation between evaluations), with tokens/s; and the
-same gaps paired by seed (each AttnRes run minus the standard run of the same seed, which
+at an earlier step by linear interpolation between evaluations), with tokens/s; when
+``overhead.json`` exists (the step of every model timed side by side, see
+:mod:`.overhead`), also the step-time ratio and the loss at equal wall-clock time on this
+machine (read off the curve at ``steps / ratio`` the same way); and the same gaps paired by seed (each AttnRes run minus the standard run of the same seed, which
 saw the same batches). A "Findings" section states what the numbers say about the report's
 claims, computed, not written by hand.
 """
@@ -115,24 +117,47 @@ def _equal_compute_losses(groups: dict[str, list[Run]]) -> dict[str, dict[int, f
             for name, rs in groups.items()}
 
 
-def _tables(groups: dict[str, list[Run]]) -> tuple[str, dict[str, Any]]:
+def _equal_time_losses(groups: dict[str, list[Run]], step_ratio: dict[str, float]) -> dict[str, dict[int, float]]:
+    """Per variant and seed: validation loss after the baseline's training time, a step of the
+    variant costing ``step_ratio[variant]`` baseline steps (measured side by side)."""
+    budget = statistics.fmean(r.record["steps"] for r in groups[BASELINE])
+    return {name: {r.record["seed"]: r.loss_at_step(budget / step_ratio[name]) for r in rs}
+            for name, rs in groups.items() if name in step_ratio}
+
+
+def _overheads(out: Path) -> dict[str, dict[str, float]] | None:
+    """``{variant: {"step_ratio", "peak_ratio", ...}}`` against the standard model from
+    ``out/overhead.json``, if it was measured."""
+    from .overhead import OVERHEAD_FILE
+
+    path = out / OVERHEAD_FILE
+    return json.loads(path.read_text())["variants"] if path.exists() else None
+
+
+def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]] | None = None
+            ) -> tuple[str, dict[str, Any]]:
+    step_ratio = {name: v["step_ratio"] for name, v in (overheads or {}).items()}
     base = groups.get(BASELINE)
     final = {name: {r.record["seed"]: r.record["val_loss"] for r in rs} for name, rs in groups.items()}
-    compute = _equal_compute_losses(groups) if base else None
+    losses = {"steps": final}
+    if base:
+        losses["compute"] = _equal_compute_losses(groups)
+        if step_ratio and BASELINE in step_ratio:
+            losses["time"] = _equal_time_losses(groups, step_ratio)
     base_flops = statistics.fmean(r.record["flops_per_token"] for r in base) if base else None
     rows = []
     for name, rs in groups.items():
         rec = rs[0].record
         tok_s = [_tokens_per_s(r) for r in rs]
-        rows.append([
-            _LABELS.get(name, name), f"{rec['params']:,}", f"{rec['residual_params']:,}",
-            _pm(list(final[name].values())),
-            _pm(list(compute[name].values())) if compute else "–",
-            f"{statistics.fmean(tok_s):,.0f}",
-            f"{rec['flops_per_token'] / base_flops:.3f}" if base_flops else "–",
-        ])
-    header = ["model", "params", "residual params", "val loss @ equal steps", "val loss @ equal compute",
-              "tokens/s", "FLOPs/token (× standard)"]
+        row = [_LABELS.get(name, name), f"{rec['params']:,}", f"{rec['residual_params']:,}"]
+        row += [_pm(list(by_seed[name].values())) if name in by_seed else "–" for by_seed in losses.values()]
+        row += [f"{statistics.fmean(tok_s):,.0f}", f"{rec['flops_per_token'] / base_flops:.3f}" if base_flops else "–"]
+        if overheads:
+            row += [f"{overheads[name][key]:.2f}" if name in overheads else "–" for key in ("step_ratio", "peak_ratio")]
+        rows.append(row)
+    header = ["model", "params", "residual params"] + [f"val loss @ equal {key}" for key in losses]
+    header += ["tokens/s", "FLOPs/token (× standard)"]
+    header += ["step time (× standard)", "peak memory (× standard)"] if overheads else []
     md = [markdown_table(header, rows)]
     gaps: dict[str, Any] = {}
     if base:
@@ -141,15 +166,18 @@ def _tables(groups: dict[str, list[Run]]) -> tuple[str, dict[str, Any]]:
             if name == BASELINE:
                 continue
             seeds = sorted(set(final[name]) & set(final[BASELINE]))
-            d_steps = [final[name][s] - final[BASELINE][s] for s in seeds]
-            d_compute = [compute[name][s] - compute[BASELINE][s] for s in seeds]
-            gaps[name] = {"steps": d_steps, "compute": d_compute}
-            paired_rows.append([_LABELS.get(name, name), _pm(d_steps), f"{sum(d < 0 for d in d_steps)}/{len(seeds)}",
-                                _pm(d_compute), f"{sum(d < 0 for d in d_compute if not math.isnan(d))}/{len(seeds)}"])
+            gaps[name] = {key: [by_seed[name][s] - by_seed[BASELINE][s] for s in seeds]
+                          for key, by_seed in losses.items() if name in by_seed}
+            row = [_LABELS.get(name, name)]
+            for d in gaps[name].values():
+                read = [v for v in d if not math.isnan(v)]  # nan: the budget ends before the first evaluation
+                row += [_pm(d), f"{sum(v < 0 for v in read)}/{len(read)}" if read else "–"]
+            paired_rows.append(row)
+        header = ["model"]
+        for key in losses:
+            header += [f"Δ val loss @ equal {key}", "seeds better"]
         md.append("Paired by seed (AttnRes run minus the standard run of the same seed, which saw the same "
-                  "batches; negative = AttnRes better):\n\n" + markdown_table(
-                      ["model", "Δ val loss @ equal steps", "seeds better", "Δ @ equal compute", "seeds better"],
-                      paired_rows))
+                  "batches; negative = AttnRes better):\n\n" + markdown_table(header, paired_rows))
     return "\n\n".join(md), gaps
 
 
@@ -252,8 +280,8 @@ def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any]) -> list[str]:
     """Plain statements of what the measured numbers say about the report's claims."""
     out = []
     for name, g in gaps.items():
-        for key, what in (("steps", "equal steps"), ("compute", "equal compute")):
-            d = [v for v in g[key] if not math.isnan(v)]
+        for key, what in (("steps", "equal steps"), ("compute", "equal compute"), ("time", "equal time")):
+            d = [v for v in g.get(key, []) if not math.isnan(v)]
             if not d:
                 continue
             mean, std = mean_std(d)
@@ -281,7 +309,7 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
     order = [n for n in (BASELINE, "block", "full") if any(r.variant == n for r in runs)]
     groups = {n: [r for r in runs if r.variant == n] for n in order}
     groups.update({n: rs for n, rs in _by_variant(runs).items() if n not in groups})
-    tables, gaps = _tables(groups)
+    tables, gaps = _tables(groups, _overheads(out))
     parts = [tables]
     _plot_val_loss(groups, out / "val_loss.png")
     parts.append("## Validation loss\n\n![validation loss](val_loss.png)")

@@ -267,6 +267,14 @@ def _setup(out: Path, records: list[dict[str, Any]]) -> str:
 
 _MEASURES = {"compare": "tokens/s: median over the logging windows of each run, mean over seeds (wall clock: "
                         "it moves with the load on the machine; FLOPs/token is the load-free cost). "}
+
+
+def _measures(name: str, side_by_side: str | None) -> str:
+    """How the report's costs were measured: side by side (``overhead.json``) or from the runs' logs."""
+    if name == "compare":  # both: tokens/s always comes from the runs
+        return (side_by_side or "") + _MEASURES["compare"]
+    return side_by_side or ("Step time: median ms per optimiser step of the training runs; peak memory: CUDA only "
+                            "(n/a on CPU). ")
 _TITLES = {"compare": "Standard vs Block vs Full AttnRes", "ablation": "Ablations (Table 4)", "block-size": "Block-size sweep (Fig. 6)",
            "scaling": "Scaling laws (Table 2 / Fig. 4)", "arch-sweep": "Architecture sweep (Fig. 7)"}
 
@@ -292,8 +300,7 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     steps = sorted({r["steps"] for r in records})
     head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records)}"
             f"{len(records)} runs, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
-            + (measured or _MEASURES.get(name, "Step time: median ms per optimiser step of the training runs; peak "
-                                                "memory: CUDA only (n/a on CPU). "))
+            + _measures(name, measured)
             + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")
     path = out / "report.md"
     path.write_text(head + body + "\n")
