@@ -251,6 +251,29 @@ def test_compare_reads_losses_at_equal_time():
     assert losses == {BASELINE: {3: pytest.approx(2.0)}, "block": {3: pytest.approx(2.4)}}
 
 
+def test_compare_finds_how_the_gap_moves_during_the_decay(tmp_path):
+    """Report Fig. 5a: the gap to the baseline at the step the WSD decay starts (read off the
+    curves, from the runs' config.json) against the gap at the end, paired by seed."""
+    from attnres.experiments.compare import BASELINE, Run, _decay_gap_findings, decay_start
+
+    def run(variant, seed, losses):
+        rec = {"variant": variant, "seed": seed, "steps": 100, "flops": 100.0, "val_loss": losses[-1]}
+        return Run(rec, eval_steps=[40, 80, 100], val_loss=losses)
+
+    groups = {BASELINE: [run(BASELINE, 0, [3.0, 2.5, 2.0]), run(BASELINE, 1, [3.0, 2.6, 2.1])],
+              "block": [run("block", 0, [2.9, 2.4, 1.85]), run("block", 1, [2.9, 2.5, 2.05])]}
+    (finding,) = _decay_gap_findings(groups, 80)
+    # gaps -0.1 / -0.1 at step 80, -0.15 / -0.05 at the end: the mean holds, one seed gains
+    assert "-0.1000 when the learning-rate decay starts (step 80), -0.1000 at the end" in finding
+    assert "in AttnRes’s favour in 1/2 seed(s)" in finding
+    config = tmp_path / "block" / "seed0" / "config.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"schedule": "wsd", "steps": 3600, "warmup_steps": 200, "decay_fraction": 0.2}))
+    assert decay_start(tmp_path, {"variant": "block", "seed": 0}) == 2880
+    config.write_text(json.dumps({"schedule": "cosine", "steps": 3600, "warmup_steps": 200, "decay_fraction": 0.2}))
+    assert decay_start(tmp_path, {"variant": "block", "seed": 0}) is None
+
+
 def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):
     out = tmp_path / "bs"
     over = [f"data.paths=[{corpus}]"]

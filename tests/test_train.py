@@ -39,6 +39,7 @@ from attnres.train import (  # noqa: E402
     train,
 )
 from attnres.train.checkpoint import read_checkpoint_state  # noqa: E402
+from attnres.train.schedule import wsd_decay_start  # noqa: E402
 from attnres.train.optim import MUON_RMS_SCALE, param_groups  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -280,6 +281,7 @@ def test_schedule_shapes():
     assert wsd[warm:80] == [1.0] * 70
     assert wsd[-1] == 0.0
     assert np.allclose(np.diff(wsd[80:]), -1 / 19)  # linear decay over the last 20 steps
+    assert wsd_decay_start(total, warm, 0.2) == 80 and wsd_decay_start(total, 90, 0.2) == 90  # never in the warm-up
     assert [lr_factor(s, total, "constant", warm, 0.1) for s in range(warm, total)] == [1.0] * (total - warm)
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..train.schedule import wsd_decay_start
 from .flops import to_pflops_days
 from .report import markdown_table, mean_std
 
@@ -87,6 +88,18 @@ def load_runs(out: Path, records: list[dict[str, Any]]) -> list[Run]:
                 run.diagnostics = m
         runs.append(run)
     return runs
+
+
+def decay_start(out: Path, record: dict[str, Any]) -> int | None:
+    """The step where the run's WSD learning-rate decay begins, from its ``config.json``
+    (``None`` for other schedules or without a config)."""
+    path = out / record["variant"] / f"seed{record['seed']}" / "config.json"
+    if not path.exists():
+        return None
+    c = json.loads(path.read_text())
+    if c.get("schedule") != "wsd":
+        return None
+    return wsd_decay_start(c["steps"], c["warmup_steps"], c["decay_fraction"])
 
 
 def _by_variant(runs: list[Run]) -> dict[str, list[Run]]:
@@ -276,8 +289,28 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
     return True
 
 
-def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any]) -> list[str]:
-    """Plain statements of what the measured numbers say about the report's claims."""
+def _decay_gap_findings(groups: dict[str, list[Run]], start: int) -> list[str]:
+    """Report Fig. 5a: the gap to the baseline "widening during the decay phase". Paired gap
+    at the step the decay starts against the gap at the end."""
+    base = {r.record["seed"]: r for r in groups.get(BASELINE, [])}
+    out = []
+    for name, rs in groups.items():
+        pairs = [(r, base[r.record["seed"]]) for r in rs if name != BASELINE and r.record["seed"] in base]
+        before = [r.loss_at_step(start) - b.loss_at_step(start) for r, b in pairs]
+        end = [r.record["val_loss"] - b.record["val_loss"] for r, b in pairs]
+        if not pairs or any(math.isnan(v) for v in before):
+            continue
+        (m0, _), (m1, _) = mean_std(before), mean_std(end)
+        out.append(f"{_LABELS.get(name, name)}: gap to the standard model {m0:+.4f} when the learning-rate decay starts "
+                   f"(step {start}), {m1:+.4f} at the end: it moves {abs(m1 - m0):.4f} "
+                   f"{'in AttnRes’s favour' if m1 < m0 else 'against AttnRes'} during the decay, in AttnRes’s favour "
+                   f"in {sum(e < b for e, b in zip(end, before))}/{len(pairs)} seed(s) (report Fig. 5a: in its favour).")
+    return out
+
+
+def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | None = None) -> list[str]:
+    """Plain statements of what the measured numbers say about the report's claims; ``start``:
+    the step a WSD decay begins."""
     out = []
     for name, g in gaps.items():
         for key, what in (("steps", "equal steps"), ("compute", "equal compute"), ("time", "equal time")):
@@ -300,6 +333,8 @@ def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any]) -> list[str]:
         out.append(f"{_LABELS.get(name, name)}: block output magnitude last/first = {outs[-1] / outs[0]:.2f}"
                    f" ({'grows monotonically with depth' if monotone else 'not monotone in depth'}){hidden}; gradient "
                    f"magnitude first/last block = {grads[0] / grads[-1]:.2f}, spread over blocks (std/mean) = {grad_cv:.2f}.")
+    if start is not None:
+        out += _decay_gap_findings(groups, start)
     return out
 
 
@@ -312,7 +347,12 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
     tables, gaps = _tables(groups, _overheads(out))
     parts = [tables]
     _plot_val_loss(groups, out / "val_loss.png")
-    parts.append("## Validation loss\n\n![validation loss](val_loss.png)")
+    start = decay_start(out, runs[0].record) if runs else None
+    wsd_note = "" if start is None else (
+        f"The learning rate decays from step {start} (WSD). The equal-compute column reads AttnRes mid-decay, before "
+        "its learning rate has reached the end of its schedule, so it understates what AttnRes trained for that "
+        "budget would reach; the same holds for equal time.\n\n")
+    parts.append(f"## Validation loss\n\n{wsd_note}![validation loss](val_loss.png)")
     if _plot_magnitudes(groups, out / "magnitudes.png"):
         parts.append("## Output and gradient magnitude per transformer block (report Fig. 5)\n\n"
                      "From the last diagnostics record of each run (mean over seeds). The report: output magnitude "
@@ -324,7 +364,7 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
                      "(first seed, last diagnostics record). The report: diagonal dominance (each sublayer leans "
                      "on its most recent sources), persistent weight on the embedding, broader pre-attention than "
                      "pre-MLP rows.\n\n![depth weights](depth_weights.png)")
-    findings = _findings(groups, gaps)
+    findings = _findings(groups, gaps, start)
     if findings:
         parts.append("## Findings (computed)\n\n" + "\n".join(f"- {f}" for f in findings))
     return "\n\n".join(parts)

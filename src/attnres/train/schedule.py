@@ -9,6 +9,12 @@ from __future__ import annotations
 import math
 
 
+def wsd_decay_start(total: int, warmup: int, decay_fraction: float) -> int:
+    """The first step of a WSD schedule's decay: the last ``ceil(decay_fraction * total)``
+    steps decay, never before the warm-up ends."""
+    return max(warmup, total - math.ceil(decay_fraction * total))
+
+
 def lr_factor(step: int, total: int, kind: str, warmup: int, min_ratio: float, decay_fraction: float = 0.2) -> float:
     """Multiplier of the peak learning rate for 0-based optimiser step ``step`` of ``total``.
 
@@ -29,7 +35,7 @@ def lr_factor(step: int, total: int, kind: str, warmup: int, min_ratio: float, d
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if kind == "wsd":
         decay_steps = math.ceil(decay_fraction * total)
-        decay_start = max(warmup, total - decay_steps)
+        decay_start = wsd_decay_start(total, warmup, decay_fraction)
         if step < decay_start or decay_steps == 0:
             return 1.0
         span = last - decay_start
