@@ -200,7 +200,8 @@ def _mean_curve(rs: list[Run], key: str) -> np.ndarray | None:
     return np.mean(np.asarray(values, dtype=float), axis=0) if values else None
 
 
-def _plot_val_loss(groups: dict[str, list[Run]], path: Path) -> None:
+def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None = None) -> None:
+    """Mean ± std curves against steps and against compute; ``start``: where a WSD decay begins."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -224,6 +225,8 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path) -> None:
             pad = 0.05 * (tail.max() - tail.min() + 1e-9)
             ax.set_ylim(tail.min() - pad, tail.max() + pad)
         ax.grid(alpha=0.3)
+    if start is not None:
+        axes[0].axvline(start, color="black", lw=0.8, ls=":", label="learning-rate decay starts")
     axes[0].legend()
     axes[0].set_title("equal steps")
     axes[1].set_title("equal compute")
@@ -346,12 +349,12 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
     groups.update({n: rs for n, rs in _by_variant(runs).items() if n not in groups})
     tables, gaps = _tables(groups, _overheads(out))
     parts = [tables]
-    _plot_val_loss(groups, out / "val_loss.png")
     start = decay_start(out, runs[0].record) if runs else None
     wsd_note = "" if start is None else (
         f"The learning rate decays from step {start} (WSD). The equal-compute column reads AttnRes mid-decay, before "
         "its learning rate has reached the end of its schedule, so it understates what AttnRes trained for that "
         "budget would reach; the same holds for equal time.\n\n")
+    _plot_val_loss(groups, out / "val_loss.png", start)
     parts.append(f"## Validation loss\n\n{wsd_note}![validation loss](val_loss.png)")
     if _plot_magnitudes(groups, out / "magnitudes.png"):
         parts.append("## Output and gradient magnitude per transformer block (report Fig. 5)\n\n"
