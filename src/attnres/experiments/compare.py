@@ -16,8 +16,9 @@ model's total compute; AttnRes costs a little more per token, so it is read off 
 at an earlier step by linear interpolation between evaluations), with tokens/s; when
 ``overhead.json`` exists (the step of every model timed side by side, see
 :mod:`.overhead`), also the step-time ratio and the loss at equal wall-clock time on this
-machine (read off the curve at ``steps / ratio`` the same way); and the same gaps paired by seed (each AttnRes run minus the standard run of the same seed, which
-saw the same batches). A "Findings" section states what the numbers say about the report's
+machine (read off the curve at ``steps / ratio`` the same way); and the same gaps paired
+by seed (each AttnRes run minus the standard run of the same seed, which saw the same
+batches). A "Findings" section states what the numbers say about the report's
 claims, computed, not written by hand.
 """
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from ..train.schedule import wsd_decay_start
 from .flops import to_pflops_days
-from .report import markdown_table, mean_std
+from .report import markdown_table, mean_std, read_overhead, run_dir, saved_config
 
 BASELINE = "standard"
 _LABELS = {"standard": "standard (PreNorm)", "block": "Block AttnRes", "full": "Full AttnRes"}
@@ -72,7 +73,7 @@ def load_runs(out: Path, records: list[dict[str, Any]]) -> list[Run]:
     runs = []
     for rec in records:
         run = Run(rec)
-        path = out / rec["variant"] / f"seed{rec['seed']}" / "metrics.jsonl"
+        path = run_dir(out, rec["variant"], rec["seed"]) / "metrics.jsonl"
         for line in path.read_text().splitlines() if path.exists() else []:
             if not line.strip():
                 continue
@@ -93,11 +94,8 @@ def load_runs(out: Path, records: list[dict[str, Any]]) -> list[Run]:
 def decay_start(out: Path, record: dict[str, Any]) -> int | None:
     """The step where the run's WSD learning-rate decay begins, from its ``config.json``
     (``None`` for other schedules or without a config)."""
-    path = out / record["variant"] / f"seed{record['seed']}" / "config.json"
-    if not path.exists():
-        return None
-    c = json.loads(path.read_text())
-    if c.get("schedule") != "wsd":
+    c = saved_config(out, record)
+    if c is None or c.get("schedule") != "wsd":
         return None
     return wsd_decay_start(c["steps"], c["warmup_steps"], c["decay_fraction"])
 
@@ -138,17 +136,9 @@ def _equal_time_losses(groups: dict[str, list[Run]], step_ratio: dict[str, float
             for name, rs in groups.items() if name in step_ratio}
 
 
-def _overheads(out: Path) -> dict[str, dict[str, float]] | None:
-    """``{variant: {"step_ratio", "peak_ratio", ...}}`` against the standard model from
-    ``out/overhead.json``, if it was measured."""
-    from .overhead import OVERHEAD_FILE
-
-    path = out / OVERHEAD_FILE
-    return json.loads(path.read_text())["variants"] if path.exists() else None
-
-
 def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]] | None = None
             ) -> tuple[str, dict[str, Any]]:
+    """The loss and paired-gap tables; ``overheads``: ``overhead.json``'s per-variant ratios."""
     step_ratio = {name: v["step_ratio"] for name, v in (overheads or {}).items()}
     base = groups.get(BASELINE)
     final = {name: {r.record["seed"]: r.record["val_loss"] for r in rs} for name, rs in groups.items()}
@@ -347,7 +337,8 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
     order = [n for n in (BASELINE, "block", "full") if any(r.variant == n for r in runs)]
     groups = {n: [r for r in runs if r.variant == n] for n in order}
     groups.update({n: rs for n, rs in _by_variant(runs).items() if n not in groups})
-    tables, gaps = _tables(groups, _overheads(out))
+    measured = read_overhead(out)
+    tables, gaps = _tables(groups, measured["variants"] if measured else None)
     parts = [tables]
     start = decay_start(out, runs[0].record) if runs else None
     wsd_note = "" if start is None else (

@@ -107,15 +107,31 @@ def _overhead(s: Summary, base: Summary | None) -> list[str]:
     return [f"{s.params:,}{dparams}", f"{s.residual_params:,}", time, mem]
 
 
-def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
-    """Replace the logged step times and peak memory of ``summ`` with the side-by-side
-    measurements of ``out/overhead.json`` when it exists; returns how they were measured."""
+def run_dir(out: str | Path, variant: str, seed: int) -> Path:
+    """The directory of one run in an experiment directory: ``out/<variant>/seed<k>``."""
+    return Path(out) / variant / f"seed{seed}"
+
+
+def saved_config(out: Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``config.json`` the run of ``record`` wrote (``None`` if it is missing)."""
+    path = run_dir(out, record["variant"], record["seed"]) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_overhead(out: Path) -> dict[str, Any] | None:
+    """The side-by-side measurements of ``out/overhead.json`` (``None`` if not measured)."""
     from .overhead import OVERHEAD_FILE
 
     path = out / OVERHEAD_FILE
-    if not path.exists():
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
+    """Replace the logged step times and peak memory of ``summ`` with the side-by-side
+    measurements of ``out/overhead.json`` when it exists; returns how they were measured."""
+    m = read_overhead(out)
+    if m is None:
         return None
-    m = json.loads(path.read_text())
     for name, v in m["variants"].items():
         if name in summ:
             summ[name].step_time_s = v["median_ms"] / 1e3
@@ -253,10 +269,9 @@ def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
 
 def _setup(out: Path, records: list[dict[str, Any]]) -> str:
     """One line with the shared training set-up, read from the first run's ``config.json``."""
-    path = out / records[0]["variant"] / f"seed{records[0]['seed']}" / "config.json"
-    if not path.exists():
+    c = saved_config(out, records[0])
+    if c is None:
         return ""
-    c = json.loads(path.read_text())
     m = c["model"]
     seeds = sorted({r["seed"] for r in records})
     return (f"Set-up: d_model {m['d_model']}, {m['n_layers']} transformer blocks, {m['n_heads']} heads, vocab "
@@ -265,16 +280,18 @@ def _setup(out: Path, records: list[dict[str, Any]]) -> str:
             f"dtype {c['dtype']}; seeds {seeds}.\n\n")
 
 
-_MEASURES = {"compare": "tokens/s: median over the logging windows of each run, mean over seeds (wall clock: "
-                        "it moves with the load on the machine; FLOPs/token is the load-free cost). "}
+_COMPARE_TOKENS_PER_S = ("tokens/s: median over the logging windows of each run, mean over seeds (wall clock: it "
+                         "moves with the load on the machine; FLOPs/token is the load-free cost). ")
+_LOGGED_COSTS = "Step time: median ms per optimiser step of the training runs; peak memory: CUDA only (n/a on CPU). "
 
 
 def _measures(name: str, side_by_side: str | None) -> str:
     """How the report's costs were measured: side by side (``overhead.json``) or from the runs' logs."""
     if name == "compare":  # both: tokens/s always comes from the runs
-        return (side_by_side or "") + _MEASURES["compare"]
-    return side_by_side or ("Step time: median ms per optimiser step of the training runs; peak memory: CUDA only "
-                            "(n/a on CPU). ")
+        return (side_by_side or "") + _COMPARE_TOKENS_PER_S
+    return side_by_side or _LOGGED_COSTS
+
+
 _TITLES = {"compare": "Standard vs Block vs Full AttnRes", "ablation": "Ablations (Table 4)", "block-size": "Block-size sweep (Fig. 6)",
            "scaling": "Scaling laws (Table 2 / Fig. 4)", "arch-sweep": "Architecture sweep (Fig. 7)"}
 

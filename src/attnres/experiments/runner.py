@@ -24,6 +24,7 @@ from ..train import TrainConfig, latest_checkpoint, train
 from ..train.config import apply_overrides
 from .flops import to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
+from .report import run_dir
 
 RESULT_FILE = "result.json"
 
@@ -123,7 +124,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     marker.write_text(json.dumps(header, indent=1))
     # Seed-major: each seed completes a whole comparison before the next seed starts, so an
     # interrupted grid still holds comparable runs. Every run is validated before the first starts.
-    configs = [(v, s, run_config(experiment, v, s, out / v.name / f"seed{s}", overrides))
+    configs = [(v, s, run_config(experiment, v, s, run_dir(out, v.name, s), overrides))
                for s in seeds for v in chosen]
     records = []
     for i, (variant, seed, config) in enumerate(configs, 1):
