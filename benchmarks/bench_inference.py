@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_training_overhead import log, run_header, summarize, write_results
+from bench_training_overhead import block_size_of, log, run_header, summarize, write_results
 
 from attnres.analysis.profiling import CLOCKS, peak_memory_bytes, time_interleaved
 
@@ -183,8 +183,8 @@ def render_markdown(r: dict) -> str:
         f"# Inference latency of AttnRes over the standard residual (CPU, {'torch.compile' if r.get('compiled') else 'eager'})",
         "",
         f"Command: `{r['command']}`  ",
-        f"Shape: d={c['d_model']}, {c['n_layers']} transformer blocks (L={2 * c['n_layers']}), Block S={c['attnres_block_size']} "
-        f"(N={-(-2 * c['n_layers'] // c['attnres_block_size'])}), vocab {c['vocab_size']}, {c['dtype']}; prefill: batch 1, "
+        f"Shape: d={c['d_model']}, {c['n_layers']} transformer blocks (L={2 * c['n_layers']}), Block S={block_size_of(c)} "
+        f"(N={-(-2 * c['n_layers'] // block_size_of(c))}), vocab {c['vocab_size']}, {c['dtype']}; prefill: batch 1, "
         f"prompt {c['prompt']}; decode: one token per sequence with {c['context']} cached positions.  ",
         f"Machine: {r['machine']['cpu_count']} CPUs, {r['machine']['threads']} torch threads, torch {r['machine']['torch']}.",
         "",

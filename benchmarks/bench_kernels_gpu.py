@@ -335,7 +335,7 @@ def bench_ops(args, peers: dict, skipped: dict) -> dict:
 def e2e_config(args) -> ModelConfig:
     return ModelConfig(
         vocab_size=32000, d_model=args.e2e_d, n_layers=args.e2e_layers, n_heads=max(1, args.e2e_d // 128),
-        max_seq_len=args.e2e_seq + 1, attnres_block_size=2 * args.e2e_layers // args.e2e_blocks,
+        max_seq_len=args.e2e_seq + 1, residual={"block_size": 2 * args.e2e_layers // args.e2e_blocks},
     )
 
 
@@ -345,15 +345,15 @@ def bench_e2e(args) -> dict:
     base = e2e_config(args)
     variants = {
         "standard": base.replace(residual="standard"),
-        "block (triton)": base.replace(residual="attnres_block", attnres_kernels="triton"),
-        "block (torch)": base.replace(residual="attnres_block", attnres_kernels="torch"),
+        "block (triton)": base.replace(residual={"kind": "attnres_block", "kernels": "triton"}),
+        "block (torch)": base.replace(residual={"kind": "attnres_block", "kernels": "torch"}),
     }
     models = {}
     for name, cfg in variants.items():
         torch.manual_seed(0)
         models[name] = AttnResLM(cfg).cuda()
     ids = torch.randint(0, base.vocab_size, (args.e2e_batch, args.e2e_seq), device="cuda")
-    res = {"config": {"d_model": base.d_model, "n_layers": base.n_layers, "block_size": base.attnres_block_size, "seq": args.e2e_seq, "batch": args.e2e_batch}}
+    res = {"config": {"d_model": base.d_model, "n_layers": base.n_layers, "block_size": base.residual.block_size, "seq": args.e2e_seq, "batch": args.e2e_batch}}
 
     def train(model):
         def step():
@@ -431,7 +431,7 @@ def dry_run(args) -> dict:
     cfg = e2e_config(args)
     plan = {
         "ops": [{"shape": asdict(s), "bytes": block_bytes(s)} for s in op_shapes(args.quick)],
-        "e2e": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "block_size": cfg.attnres_block_size, "n_blocks": 2 * cfg.n_layers // cfg.attnres_block_size},
+        "e2e": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "block_size": cfg.residual.block_size, "n_blocks": 2 * cfg.n_layers // cfg.residual.block_size},
         "peers": {name: skipped.get(name, "available") for name in PEERS},
     }
     for row in plan["ops"]:

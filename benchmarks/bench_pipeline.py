@@ -56,7 +56,7 @@ PER_CHUNK = 2  # N_p: completed blocks per chunk
 def model_config(n_chunks: int, seq: int) -> tuple[ModelConfig, tuple[int, ...]]:
     split = (PER_CHUNK - 1,) + (PER_CHUNK,) * (n_chunks - 1)
     cfg = ModelConfig(
-        vocab_size=512, d_model=128, n_heads=4, n_layers=sum(split), max_seq_len=seq, residual="attnres_block", attnres_block_size=2
+        vocab_size=512, d_model=128, n_heads=4, n_layers=sum(split), max_seq_len=seq, residual={"kind": "attnres_block", "block_size": 2}
     )
     return cfg, split
 

@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 WORLD_SIZES = (1, 2, 4)
 SEQ, BATCH = 2048, 1
 SHAPES = {
-    "attnres_block": dict(vocab_size=512, d_model=256, n_layers=8, n_heads=4, max_seq_len=SEQ, attnres_block_size=4),
+    "attnres_block": dict(vocab_size=512, d_model=256, n_layers=8, n_heads=4, max_seq_len=SEQ,
+                          residual={"kind": "attnres_block", "block_size": 4}),
     "attnres_full": dict(vocab_size=512, d_model=256, n_layers=8, n_heads=4, max_seq_len=SEQ),
 }
 
@@ -44,7 +45,7 @@ def worker(out: Path) -> None:
     rows = []
     for residual, shape in SHAPES.items():
         torch.manual_seed(0)
-        model = AttnResLM(ModelConfig(residual=residual, **shape)).eval()
+        model = AttnResLM(ModelConfig(**{"residual": residual, **shape})).eval()
         ids = torch.randint(0, shape["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
         dist.barrier()
         t0 = time.perf_counter()

@@ -38,8 +38,8 @@ VARIANTS = {
     "standard": dict(residual="standard"),
     "block": dict(residual="attnres_block"),
     "full": dict(residual="attnres_full"),
-    "block_naive": dict(residual="attnres_block", attnres_impl="naive"),
-    "full_naive": dict(residual="attnres_full", attnres_impl="naive"),
+    "block_naive": dict(residual={"kind": "attnres_block", "impl": "naive"}),
+    "full_naive": dict(residual={"kind": "attnres_full", "impl": "naive"}),
 }
 TARGETS = {("train", "block"): 1.05, ("train", "full"): 1.15, ("forward", "block"): 1.02}
 
@@ -149,6 +149,12 @@ def write_results(out: Path, results: dict, render) -> None:
     print(md)
 
 
+def block_size_of(config: dict) -> int:
+    """Block AttnRes' S from a saved config (nested ``residual``, or the flat key of earlier results)."""
+    residual = config.get("residual")
+    return residual["block_size"] if isinstance(residual, dict) else config["attnres_block_size"]
+
+
 def render_markdown(r: dict) -> str:
     c = r["config"]
     lines = [
@@ -156,7 +162,7 @@ def render_markdown(r: dict) -> str:
         "",
         f"Command: `{r['command']}`  ",
         f"Shape: d={c['d_model']}, {c['n_layers']} transformer blocks (L={2 * c['n_layers']}), "
-        f"Block S={c['attnres_block_size']}, seq {c['seq']}, batch {c['batch']}, {c['dtype']}, vocab {c['vocab_size']}.  ",
+        f"Block S={block_size_of(c)}, seq {c['seq']}, batch {c['batch']}, {c['dtype']}, vocab {c['vocab_size']}.  ",
         f"Machine: {r['machine']['cpu_count']} CPUs, {r['machine']['threads']} torch threads, torch {r['machine']['torch']}.",
         "",
         "Times are medians over interleaved rounds; *ratio* = median / median of the standard model; "

@@ -8,14 +8,15 @@ written). "Per-token" tensors are the ``[..., d]`` activations; the parameters (
 gains) and the per-token scalars (logits, softmax statistics) are counted apart, since
 they are O(1) or O(L) numbers per token, not multiples of ``d``.
 
-Each op is attributed to a phase by the function of the residual module it runs in:
+Each op is attributed to the phase the residual's state names while it runs (the public
+``ResidualState.phase``):
 
-* Phase 1: ``_complete`` (RMS factor and logits of a source that just completed, against
-  every later query at once), ``_phase1`` (the batched softmax and the weighted sums),
-  and Full AttnRes' ``_add`` (its new outputs' RMS factors and logits).
+* Phase 1: the RMS factor and logits of a source that just completed (against every later
+  query at once), the batched softmax and the weighted sums, and Full AttnRes' new outputs'
+  RMS factors and logits;
 * Phase 2: the rest of ``sublayer_input`` (merge with the partial sum / the group's own
-  outputs) and Block AttnRes' ``_add`` (the partial-sum update); the standard residual's
-  ``h + f(h)`` is its merge.
+  outputs) and Block AttnRes' partial-sum update; the standard residual's ``h + f(h)`` is
+  its merge;
 * Output aggregation (``finish``, including the completion of the last block / group):
   once per token, shown amortised over the L sublayers.
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from collections import defaultdict
 
 import torch
@@ -40,31 +40,14 @@ from torch.utils._pytree import tree_leaves
 from attnres.nn.residual import BlockAttnRes, FullAttnRes, StandardResidual
 from attnres.ops import two_phase
 
-PHASE1_FUNCS = {"_complete", "_phase1"}
-
-
-def _phase(residual) -> str:
-    """The phase of the op being dispatched, from the residual methods on the stack."""
-    frame = sys._getframe(2)
-    names = []
-    while frame is not None:
-        names.append(frame.f_code.co_name)
-        frame = frame.f_back
-    if "_finish" in names:
-        return "aggregation"
-    if any(n in PHASE1_FUNCS for n in names):
-        return "phase1"
-    if "_add" in names and isinstance(residual, FullAttnRes):
-        return "phase1"
-    return "phase2"
-
-
 class TrafficCounter(TorchDispatchMode):
-    """Counts elements of per-token ``[tokens, d]`` tensors read and written, by phase."""
+    """Counts elements of per-token ``[tokens, d]`` tensors read and written, by the phase of
+    ``self.state`` (Phase 1 while ``start`` builds the state: it completes the embedding)."""
 
-    def __init__(self, residual, tokens: int, d: int) -> None:
+    def __init__(self, tokens: int, d: int) -> None:
         super().__init__()
-        self.residual, self.tokens, self.d = residual, tokens, d
+        self.tokens, self.d = tokens, d
+        self.state = None
         self.read = defaultdict(int)
         self.written = defaultdict(int)
 
@@ -83,7 +66,7 @@ class TrafficCounter(TorchDispatchMode):
                                    torch.ops.aten.unsqueeze, torch.ops.aten.select, torch.ops.aten.slice,
                                    torch.ops.aten.alias, torch.ops.aten.t, torch.ops.aten.expand):
             return out  # views move no data
-        phase = _phase(self.residual)
+        phase = "phase1" if self.state is None else self.state.phase
         ins = [t for t in tree_leaves((args, kwargs)) if self._per_token(t)]
         self.read[phase] += sum(t.numel() for t in ins)
         self.written[phase] += sum(t.numel() for t in tree_leaves(out) if self._per_token(t))
@@ -117,10 +100,10 @@ def measure(residual, tokens: int = 200, path: str = "prefill") -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, d, generator=g)
     outputs = [torch.randn(tokens, d, generator=g) for _ in range(L)]
-    counter = TrafficCounter(residual, tokens, d)
+    counter = TrafficCounter(tokens, d)
     with torch.no_grad(), code_path(path):
         with counter:
-            state = residual.start(x)
+            state = counter.state = residual.start(x)
         for l in range(L):
             with counter:
                 residual.sublayer_input(state, l)

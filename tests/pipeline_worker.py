@@ -28,7 +28,7 @@ from attnres.distributed import (
     PipelineRunner,
     backend_for_device,
 )
-from attnres.models.lm import IGNORE_INDEX
+from attnres.models import IGNORE_INDEX
 
 
 def run_case(case: dict, device: torch.device, group: dist.ProcessGroup | None) -> dict:

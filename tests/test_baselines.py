@@ -8,13 +8,25 @@ import pytest
 import torch
 
 from attnres import AttnResLM, ModelConfig
-from attnres.models import BASELINES
-from attnres.nn.baselines import MHC, DenseFormer, Highway, HyperConnections, LayerScale, MHCLite, ReZero, layerscale_init, sinkhorn_knopp
+from attnres.nn.residual import (
+    MHC,
+    DenseFormer,
+    Highway,
+    HyperConnections,
+    LayerScale,
+    MHCLite,
+    ReZero,
+    registered_residuals,
+    sinkhorn_knopp,
+)
+from attnres.nn.residual.baselines import layerscale_init
+
+BASELINES = tuple(n for n in registered_residuals() if n not in ("standard", "attnres_full", "attnres_block"))
 
 from conftest import assert_rel_close
 
 
-def model_pair(residual: str, **overrides):
+def model_pair(residual: str | dict, **overrides):
     """(baseline model, standard model with the same shared weights)."""
     cfg = ModelConfig.preset("tiny", residual=residual, **overrides)
     torch.manual_seed(0)
@@ -68,7 +80,7 @@ def test_highway_gate_starts_carry_biased_and_mixes_convexly():
     m = Highway(6, 2)
     assert all(torch.equal(g.bias, torch.full((6,), -1.0)) for g in m.gates)
     h, out = torch.randn(3, 6), torch.randn(3, 6)
-    new = m._update(0, h, out)
+    new = m.update(0, h, out)
     g = torch.sigmoid(m.gates[0](h))
     assert_rel_close(new, (1 - g) * h + g * out, 1e-6)
 
@@ -101,7 +113,7 @@ def test_mhc_mixing_matrices_doubly_stochastic_and_lite_exact():
 
 def test_mhc_lite_enumerates_all_permutations():
     m = MHCLite(4, 2, n_streams=3)
-    P = m.permutations
+    P = m.permutation_matrices(torch.device("cpu"), torch.float32)
     assert P.shape == (6, 3, 3)
     assert torch.equal(P.sum(-1), torch.ones(6, 3)) and torch.equal(P.sum(-2), torch.ones(6, 3))
     assert len({tuple(p.flatten().tolist()) for p in P}) == 6
@@ -125,8 +137,8 @@ def test_baseline_zero_init_survives_model_init():
 
 
 def test_bad_stream_count():
-    with pytest.raises(ValueError, match="ModelConfig.hc_streams"):
-        ModelConfig.preset("tiny", residual="mhc_lite", hc_streams=7)
+    with pytest.raises(ValueError, match="ModelConfig.residual.hc_streams"):
+        ModelConfig.preset("tiny", residual={"kind": "mhc_lite", "hc_streams": 7})
     with pytest.raises(ValueError, match="n_streams must be >= 1"):
         MHC(4, 2, n_streams=0)
     assert isinstance(AttnResLM(ModelConfig.preset("tiny", residual="denseformer")).residual, DenseFormer)
@@ -139,7 +151,7 @@ from attnres.ops.ablations import depth_attention_variant  # noqa: E402
 
 
 def _ablation_model(residual="attnres_full", **ablation):
-    cfg = ModelConfig.preset("tiny", residual=residual, attnres_impl="naive", n_layers=3, **ablation)
+    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "impl": "naive", "ablation": ablation}, n_layers=3)
     torch.manual_seed(0)
     return AttnResLM(cfg)
 
@@ -157,7 +169,7 @@ def test_multihead_with_one_head_equals_single_head():
 
 
 def test_sigmoid_weights_are_not_normalised():
-    model = _ablation_model(attnres_sigmoid_weights=True)
+    model = _ablation_model(sigmoid_weights=True)
     w = model(torch.randint(0, 256, (1, 4)), return_depth_weights=True).depth_weights
     # Zero queries: every weight is sigmoid(0) = 1/2, so n sources sum to n/2, not 1.
     for x in w:
@@ -166,7 +178,7 @@ def test_sigmoid_weights_are_not_normalised():
 
 
 def test_sliding_window_sees_exactly_its_window():
-    model = _ablation_model(attnres_window=2)
+    model = _ablation_model(window=2)
     w = model(torch.randint(0, 256, (1, 4)), return_depth_weights=True).depth_weights
     assert [x.shape[0] for x in w] == [1, 2, 3, 3, 3, 3, 3]
     # The window is the embedding plus the 2 most recent outputs: an older output has no
@@ -175,28 +187,33 @@ def test_sliding_window_sees_exactly_its_window():
     srcs = [torch.randn(1, 2, 64) for _ in range(6)]
     changed = list(srcs)
     changed[2] = changed[2] + 10
-    assert torch.equal(mixer.attend(model.residual._windowed(srcs)), mixer.attend(model.residual._windowed(changed)))
-    assert model.residual._windowed(srcs) == [srcs[0], srcs[4], srcs[5]]
+    assert torch.equal(mixer.attend(model.residual.windowed(srcs)), mixer.attend(model.residual.windowed(changed)))
+    assert model.residual.windowed(srcs) == [srcs[0], srcs[4], srcs[5]]
 
 
 def test_input_independent_mixing_and_input_dependent_query_start_as_attnres():
     ids = torch.randint(0, 256, (2, 5))
     base = _ablation_model()
-    for ablation in (dict(attnres_input_independent_mixing=True), dict(attnres_input_dependent_query=True), dict(attnres_key_norm=False)):
+    for ablation in (dict(input_independent_mixing=True), dict(input_dependent_query=True), dict(key_norm=False)):
         model = _ablation_model(**ablation)
         model.load_state_dict(base.state_dict(), strict=False)
         # Zero queries / zero projections / zero logits: uniform weights, as AttnRes at init.
         assert_rel_close(model(ids).logits, base(ids).logits, 1e-6)
-    model = _ablation_model(attnres_input_independent_mixing=True)
+    model = _ablation_model(input_independent_mixing=True)
     assert [m.mixing_logits.numel() for m in model.residual.mixers] == model.residual.sources_per_mixer()
 
 
 def test_ablation_validation():
-    with pytest.raises(ValueError, match="ModelConfig.attnres_impl must be 'naive'"):
-        ModelConfig.preset("tiny", attnres_sigmoid_weights=True)
-    with pytest.raises(ValueError, match="ModelConfig.attnres_window must be None unless"):
-        ModelConfig.preset("tiny", residual="attnres_block", attnres_impl="naive", attnres_window=2)
-    with pytest.raises(ValueError, match="ModelConfig.attnres_heads must be a divisor"):
-        ModelConfig.preset("tiny", attnres_impl="naive", attnres_heads=5)
+    with pytest.raises(ValueError, match="ModelConfig.residual.impl must be 'naive'"):
+        ModelConfig.preset("tiny", residual={"ablation": {"sigmoid_weights": True}})
+    with pytest.raises(ValueError, match="ModelConfig.residual.ablation.window must be None unless"):
+        ModelConfig.preset("tiny", residual={"kind": "attnres_block", "impl": "naive", "ablation": {"window": 2}})
+    with pytest.raises(ValueError, match="ModelConfig.residual.ablation.heads must be a divisor"):
+        ModelConfig.preset("tiny", residual={"impl": "naive", "ablation": {"heads": 5}})
     with pytest.raises(ValueError, match="exclude each other"):
-        ModelConfig.preset("tiny", attnres_impl="naive", attnres_input_dependent_query=True, attnres_input_independent_mixing=True)
+        ModelConfig.preset("tiny", residual={"impl": "naive", "ablation": {"input_dependent_query": True,
+                                                                             "input_independent_mixing": True}})
+    with pytest.raises(ValueError, match="ablation applies to AttnRes variants"):
+        ModelConfig.preset("tiny", residual={"kind": "rezero", "ablation": {"key_norm": False}})
+    with pytest.raises(ValueError, match="unknown ModelConfig.residual.ablation key"):
+        ModelConfig.preset("tiny", residual={"ablation": {"keynorm": False}})

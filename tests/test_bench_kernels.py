@@ -61,7 +61,7 @@ def test_dry_run_plans_without_a_gpu(capsys):
     assert "[dry-run] M=4096 d=1000" in err and "peer fla fused_attnres" in err
     args = bench.parse_args([])
     cfg = bench.e2e_config(args)  # the shape: d = 2048, 32 blocks, N = 8
-    assert (cfg.d_model, cfg.n_layers, 2 * cfg.n_layers // cfg.attnres_block_size) == (2048, 32, 8)
+    assert (cfg.d_model, cfg.n_layers, 2 * cfg.n_layers // cfg.residual.block_size) == (2048, 32, 8)
     with pytest.raises(SystemExit):
         bench.parse_args(["--e2e-blocks", "5"])
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.compile
 @pytest.mark.parametrize("residual", ["standard", "attnres_full", "attnres_block"])
 def test_compiled_model_matches_eager(residual):
     torch._dynamo.reset()
-    model = make_model(residual=residual, n_layers=2, attnres_block_size=3)
+    model = make_model(residual={"kind": residual, "block_size": 3}, n_layers=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     eager = model(ids, labels=ids)
     eager_grads = torch.autograd.grad(eager.loss, list(model.parameters()))

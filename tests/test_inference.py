@@ -76,19 +76,19 @@ def test_folded_queries_kept_between_steps_follow_parameter_updates():
     ids = random_ids(1, 9)
     fresh = lambda: torch.stack([m.folded_query() for m in res.mixers])  # noqa: E731
     with torch.inference_mode():
-        first = res._folded_queries(torch.float32)
-        assert res._folded_queries(torch.float32) is first  # kept
+        first = res.folded_queries(torch.float32)
+        assert res.folded_queries(torch.float32) is first  # kept
     with torch.no_grad():
         res.mixers[1].query.add_(0.5)
         res.mixers[-1].key_norm.weight.mul_(2.0)
-        updated = res._folded_queries(torch.float32)
+        updated = res.folded_queries(torch.float32)
     assert not updated.requires_grad and not updated.is_inference()
     torch.testing.assert_close(updated, fresh(), rtol=0, atol=0)
     assert not torch.equal(updated, first)
     with torch.no_grad():
         logits = model(ids).logits
     with torch.enable_grad():  # with autograd the queries are rebuilt in the graph, never cached
-        q = res._folded_queries(torch.float32)
+        q = res.folded_queries(torch.float32)
         assert q.requires_grad
         close(model(ids).logits, logits, "cached vs rebuilt queries")
 

@@ -195,15 +195,16 @@ def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, mo
     monkeypatch.setattr(phase2, "phase2_merge", spy_on(phase2.phase2_merge))
     monkeypatch.setattr(merge, "merge_sources", spy_on(merge.merge_sources))
 
-    cfg = ModelConfig.preset("tiny", residual=residual, n_layers=2, attnres_block_size=3, d_model=36, n_heads=3, n_kv_heads=3)
+    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3}, n_layers=2, d_model=36, n_heads=3,
+                             n_kv_heads=3)
     torch.manual_seed(0)
-    fast = AttnResLM(cfg.replace(attnres_kernels="triton"))
+    fast = AttnResLM(cfg.replace(residual={"kernels": "triton"}))
     randomize_residual(fast)
     with torch.no_grad():  # non-trivial norm gains, so that their gradients are tested
         for layer in fast.layers:
             layer.attn_norm.weight.uniform_(0.5, 1.5)
             layer.mlp_norm.weight.uniform_(0.5, 1.5)
-    ref = AttnResLM(cfg.replace(attnres_kernels="torch"))
+    ref = AttnResLM(cfg.replace(residual={"kernels": "torch"}))
     ref.load_state_dict(fast.state_dict())
     fast, ref = fast.to(dtype), ref.to(dtype)
     # The truth runs the parameters as rounded to dtype: what is measured is the rounding of
@@ -232,7 +233,7 @@ def test_torch_compile_traces_around_the_kernels(residual):
     from attnres import AttnResLM, ModelConfig
 
     torch._dynamo.reset()
-    cfg = ModelConfig.preset("tiny", residual=residual, n_layers=2, attnres_block_size=3, attnres_kernels="triton")
+    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3, "kernels": "triton"}, n_layers=2)
     torch.manual_seed(0)
     model = AttnResLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
@@ -253,13 +254,51 @@ def test_float16_storage_through_every_kernel():
 
 
 def test_norm_is_fused_only_where_the_kernels_run():
-    """CPU tensors under "auto", the naive schedule and the standard residual keep the
-    unfused PyTorch path (the sublayers apply their own norm)."""
+    """CPU tensors under "auto", the naive schedule, the standard residual and callers that
+    do not defer the norm get tensors (the sublayers apply their own norm); the kernels
+    with a deferring caller hand the norm a FusableNormInput."""
     from attnres import AttnResLM, ModelConfig
+    from attnres.nn.norm import FusableNormInput
 
     x = torch.zeros(1, 2, 64)
     cfg = ModelConfig.preset("tiny")
-    assert not AttnResLM(cfg).residual.fuses_norm(x)  # "auto" on CPU
-    assert AttnResLM(cfg.replace(attnres_kernels="triton")).residual.fuses_norm(x)
-    assert not AttnResLM(cfg.replace(attnres_kernels="triton", attnres_impl="naive")).residual.fuses_norm(x)
-    assert not AttnResLM(cfg.replace(residual="standard")).residual.fuses_norm(x)
+
+    def first_input(config, defer_norm=True):
+        residual = AttnResLM(config).residual
+        return residual.sublayer_input(residual.start(x, defer_norm=defer_norm), 0)
+
+    assert isinstance(first_input(cfg), torch.Tensor)  # "auto" on CPU
+    assert isinstance(first_input(cfg.replace(residual={"kernels": "triton"})), FusableNormInput)
+    assert isinstance(first_input(cfg.replace(residual={"kernels": "triton"}), defer_norm=False), torch.Tensor)
+    assert isinstance(first_input(cfg.replace(residual={"kernels": "triton", "impl": "naive"})), torch.Tensor)
+    assert isinstance(first_input(cfg.replace(residual="standard")), torch.Tensor)
+    assert AttnResLM(cfg).residual.backend(x).name == "torch"
+    assert AttnResLM(cfg.replace(residual={"kernels": "triton"})).residual.backend(x).name == "triton"
+
+
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_diagnostics_and_norm_hooks_on_the_fused_kernel_path(residual):
+    """Regression: with the fused kernels the blocks' pre-norms were never called, so
+    ``forward_diagnostics`` failed with ``KeyError: 0``. The norm module now runs the fused
+    kernel itself: its hooks fire, and the diagnostics equal the PyTorch path's."""
+    from attnres import AttnResLM, ModelConfig
+    from attnres.analysis import forward_diagnostics
+
+    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3}, n_layers=2)
+    torch.manual_seed(0)
+    fused = AttnResLM(cfg.replace(residual={"kernels": "triton"}))
+    randomize_residual(fused)
+    ref = AttnResLM(cfg.replace(residual={"kernels": "torch"}))
+    ref.load_state_dict(fused.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    calls = []
+    for layer in fused.layers:
+        for norm in (layer.attn_norm, layer.mlp_norm):
+            norm.register_forward_hook(lambda m, args, out: calls.append(out.shape))
+    fused(ids)
+    assert calls == [(2, 6, 64)] * 2 * cfg.n_layers
+    got, want = forward_diagnostics(fused, ids), forward_diagnostics(ref, ids)
+    for key in ("block_output_rms", "block_input_rms"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5)
+    for g, w in zip(got["depth_weights"], want["depth_weights"]):
+        assert g == pytest.approx(w, rel=1e-5, abs=1e-7)

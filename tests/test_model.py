@@ -17,18 +17,19 @@ from conftest import (
 from torch.func import functional_call
 
 import attnres
-from attnres import AttnResLM, ModelConfig
+from attnres import AttnResLM, ModelConfig, registered_residuals
 from attnres.nn import BlockAttnRes, FullAttnRes, StandardResidual
+from attnres.nn.residual import AttnResAblation
 
 # (overrides, batch, seq): S dividing L, S not dividing L, S = 1, S >= L, odd widths, batch 1, seq 1.
 SHAPES = [
-    (dict(residual="attnres_block", n_layers=2, attnres_block_size=2), 2, 5),
-    (dict(residual="attnres_block", n_layers=3, attnres_block_size=4), 2, 7),
-    (dict(residual="attnres_block", n_layers=3, attnres_block_size=1), 1, 5),
-    (dict(residual="attnres_block", n_layers=2, attnres_block_size=9), 2, 1),
-    (dict(residual="attnres_block", n_layers=3, attnres_block_size=5, d_model=36, n_heads=3, n_kv_heads=1, vocab_size=37), 1, 3),
+    (dict(residual={"kind": "attnres_block", "block_size": 2}, n_layers=2), 2, 5),
+    (dict(residual={"kind": "attnres_block", "block_size": 4}, n_layers=3), 2, 7),
+    (dict(residual={"kind": "attnres_block", "block_size": 1}, n_layers=3), 1, 5),
+    (dict(residual={"kind": "attnres_block", "block_size": 9}, n_layers=2), 2, 1),
+    (dict(residual={"kind": "attnres_block", "block_size": 5}, n_layers=3, d_model=36, n_heads=3, n_kv_heads=1, vocab_size=37), 1, 3),
     (dict(residual="attnres_full", n_layers=3), 2, 5),
-    (dict(residual="attnres_full", n_layers=3, attnres_full_group_size=4, d_model=36, n_heads=3, n_kv_heads=3, vocab_size=37), 1, 1),
+    (dict(residual={"kind": "attnres_full", "full_group_size": 4}, n_layers=3, d_model=36, n_heads=3, n_kv_heads=3, vocab_size=37), 1, 1),
 ]
 
 
@@ -65,7 +66,7 @@ def test_two_phase_model_equals_naive_model(overrides, batch, seq, dtype):
 def test_gradcheck_two_layer_model(residual):
     """float64 gradcheck of the loss w.r.t. the residual parameters, the embedding and one
     projection of each sublayer type, on a 2-layer model."""
-    cfg = ModelConfig(vocab_size=11, d_model=8, n_layers=2, n_heads=2, mlp_hidden=12, max_seq_len=8, residual=residual, attnres_block_size=3)
+    cfg = ModelConfig(vocab_size=11, d_model=8, n_layers=2, n_heads=2, mlp_hidden=12, max_seq_len=8, residual={"kind": residual, "block_size": 3})
     torch.manual_seed(0)
     model = AttnResLM(cfg).double()
     with torch.no_grad():
@@ -86,7 +87,7 @@ def test_gradcheck_two_layer_model(residual):
 
 def test_two_phase_is_the_default_and_faithful_defaults():
     cfg = ModelConfig()
-    assert cfg.residual == "attnres_block" and cfg.attnres_impl == "two_phase"
+    assert cfg.residual.kind == "attnres_block" and cfg.residual.impl == "two_phase"
     model = AttnResLM(ModelConfig.preset("tiny"))
     assert isinstance(model.residual, BlockAttnRes) and model.residual.impl == "two_phase"
     for mixer in model.residual.mixers:
@@ -152,7 +153,7 @@ def test_loss_is_shifted_cross_entropy_with_ignore_index():
 
 
 def test_depth_weights_output():
-    model = make_model(residual="attnres_block", n_layers=3, attnres_block_size=4)
+    model = make_model(residual={"kind": "attnres_block", "block_size": 4}, n_layers=3)
     ids = torch.randint(0, 256, (2, 5))
     out = model(ids, return_depth_weights=True)
     w = out.depth_weights
@@ -194,27 +195,69 @@ def test_tied_embeddings():
 @pytest.mark.parametrize(
     "field, value, allowed",
     [
-        ("attnres_block_size", 0, "integer >= 1"),
-        ("attnres_block_size", -2, "integer >= 1"),
-        ("attnres_block_size", 2.5, "integer >= 1"),
+        ("residual.block_size", 0, "integer >= 1"),
+        ("residual.block_size", -2, "integer >= 1"),
+        ("residual.block_size", 2.5, "integer >= 1"),
         ("d_model", 90, "divisible by n_heads"),
         ("d_model", 36, "head dimension d_model / n_heads is even"),
-        ("residual", "attnres_fancy", "'standard', 'attnres_full', 'attnres_block'"),
-        ("attnres_impl", "fast", "'two_phase', 'naive'"),
-        ("attnres_kernels", "cuda", "'auto', 'triton', 'torch'"),
+        ("residual.kind", "attnres_fancy", "'standard', 'attnres_full', 'attnres_block', 'rezero'"),
+        ("residual.impl", "fast", "'two_phase', 'naive'"),
+        ("residual.kernels", "cuda", "'auto', 'triton', 'torch'"),
+        ("residual.eps", 0.0, "> 0"),
+        ("residual.hc_streams", 0, "integer >= 1"),
+        ("residual.ablation.heads", 5, "divisor of d_model"),
         ("n_kv_heads", 3, "divisor of n_heads"),
         ("n_layers", 0, "integer >= 1"),
         ("vocab_size", True, "integer >= 1"),
         ("norm_eps", -1.0, "> 0"),
-        ("attnres_full_group_size", 0, "integer >= 1"),
+        ("residual.full_group_size", 0, "integer >= 1"),
         ("tie_embeddings", "yes", "True or False"),
     ],
 )
 def test_invalid_config_names_field_and_allowed_values(field, value, allowed):
+    change = {field.split(".")[-1]: value}
+    for part in reversed(field.split(".")[:-1]):  # "residual.ablation.heads" -> {"residual": {"ablation": {"heads": 5}}}
+        change = {part: change}
+    if field.startswith("residual.ablation"):
+        change["residual"]["impl"] = "naive"
     with pytest.raises(ValueError) as info:
-        ModelConfig.preset("tiny", **{field: value})
+        ModelConfig.preset("tiny", **change)
     msg = str(info.value)
     assert f"ModelConfig.{field}" in msg and allowed in msg and repr(value) in msg
+
+
+def test_registered_variant_names_are_the_allowed_residuals():
+    with pytest.raises(ValueError) as info:
+        ModelConfig(residual="nope")
+    for name in registered_residuals():
+        assert repr(name) in str(info.value)
+
+
+def test_legacy_flat_keys_load_with_a_deprecation_warning():
+    """Configs saved by earlier versions (flat residual keys) load into the nested form."""
+    old = {"d_model": 64, "n_layers": 2, "n_heads": 4, "residual": "attnres_full", "attnres_impl": "naive",
+           "attnres_full_group_size": 2, "attnres_sigmoid_weights": True, "hc_streams": 3, "mhc_sinkhorn_iters": 5}
+    with pytest.warns(DeprecationWarning, match="attnres_impl"):
+        cfg = ModelConfig.from_dict(old)
+    r = cfg.residual
+    assert (r.kind, r.impl, r.full_group_size, r.ablation.sigmoid_weights, r.hc_streams, r.sinkhorn_iters) == (
+        "attnres_full", "naive", 2, True, 3, 5)
+    with pytest.warns(DeprecationWarning):
+        assert ModelConfig(attnres_block_size=4).residual.block_size == 4
+    with pytest.warns(DeprecationWarning, match="residual.block_size"):
+        assert ModelConfig(residual={"block_size": 3}).attnres_block_size == 3
+    with pytest.raises(AttributeError):
+        ModelConfig().not_a_field  # noqa: B018
+
+
+def test_replace_and_preset_change_only_what_they_name():
+    cfg = ModelConfig.preset("tiny", residual={"block_size": 3, "ablation": {"key_norm": False}, "impl": "naive"})
+    full = cfg.replace(residual="attnres_full")
+    assert (full.residual.kind, full.residual.block_size, full.residual.impl, full.residual.ablation.key_norm) == (
+        "attnres_full", 3, "naive", False)
+    assert cfg.replace(residual={"ablation": {"heads": 4}}).residual.ablation == AttnResAblation(key_norm=False, heads=4)
+    assert cfg.replace(n_layers=3).residual == cfg.residual
+    assert ModelConfig.preset("tiny", residual="attnres_full").residual.block_size == 2  # the preset's S stays
 
 
 def test_unknown_config_key_and_preset():
@@ -227,8 +270,9 @@ def test_unknown_config_key_and_preset():
 def test_config_round_trip_and_derived_values():
     cfg = ModelConfig.preset("bench-cpu")
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
-    assert (cfg.n_sublayers, cfg.block_size, cfg.n_blocks) == (16, 4, 4)
-    auto = ModelConfig(n_layers=16, attnres_block_size=None)
+    block = cfg.build_residual()
+    assert (cfg.n_sublayers, block.block_size, block.n_blocks) == (16, 4, 4)
+    auto = ModelConfig(n_layers=16, residual={"block_size": None}).build_residual()
     assert (auto.block_size, auto.n_blocks) == (4, 8)  # about 8 blocks by default
     assert ModelConfig(d_model=512).hidden_size == 1408
 

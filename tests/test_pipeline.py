@@ -38,8 +38,8 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = dict(vocab_size=64, d_model=16, n_heads=2, max_seq_len=16, mlp_hidden=32)
 RESIDUALS = {
     "standard": {"residual": "standard"},
-    "block": {"residual": "attnres_block", "attnres_block_size": 3},  # boundaries fall inside blocks
-    "full": {"residual": "attnres_full", "attnres_full_group_size": 3},  # ... and inside groups
+    "block": {"residual": {"kind": "attnres_block", "block_size": 3}},  # boundaries fall inside blocks
+    "full": {"residual": {"kind": "attnres_full", "full_group_size": 3}},  # ... and inside groups
 }
 
 
@@ -49,7 +49,7 @@ def block_plan(n_ranks: int, virtual_stages: int, per_chunk: int, block_size: in
     layers_per_block = block_size // 2
     c = n_ranks * virtual_stages
     split = (layers_per_block * (per_chunk - 1),) + (layers_per_block * per_chunk,) * (c - 1)
-    cfg = ModelConfig(**TINY, n_layers=sum(split), residual="attnres_block", attnres_block_size=block_size)
+    cfg = ModelConfig(**TINY, n_layers=sum(split), residual={"kind": "attnres_block", "block_size": block_size})
     return cfg, split
 
 
@@ -84,7 +84,7 @@ def test_transfers_of_other_layouts():
     assert naive == naive_transfers(P, V, 2 * k) + (P * V - 1)  # every history holds v_0 too
     assert cached == cached_transfers(P, V, 2 * k) + P  # v_0 travels until each rank holds it
 
-    block = ModelConfig(**TINY, n_layers=4, residual="attnres_block", attnres_block_size=3)
+    block = ModelConfig(**TINY, n_layers=4, residual={"kind": "attnres_block", "block_size": 3})
     completed, running = chunk_histories(block, (1, 1, 1, 1))
     assert [history_layout(block, s) for s in (2, 4, 6)] == [(1, True), (2, True), (3, False)]
     assert completed == [0, 1, 2, 3] and running == [False, True, True, False]
@@ -137,8 +137,10 @@ def test_config_errors():
     with pytest.raises(ValueError, match="PipelineConfig.layers_per_chunk"):
         PipelineConfig(n_ranks=2, layers_per_chunk=(1, 1)).chunk_layers(3)
     model = AttnResLM(ModelConfig(**TINY, n_layers=2, residual="mhc"))
-    with pytest.raises(ValueError, match="'standard', 'attnres_full' or 'attnres_block'"):
+    with pytest.raises(ValueError, match="'mhc' does not describe its history"):
         PipelineChunk(model, 0, range(1), 2)
+    with pytest.raises(ValueError, match="'rezero' has parameters it cannot split"):
+        PipelineChunk(AttnResLM(ModelConfig(**TINY, n_layers=2, residual="rezero")), 0, range(1), 2)
     tied = AttnResLM(ModelConfig(**TINY, n_layers=2, tie_embeddings=True))
     with pytest.raises(ValueError, match="tie_embeddings"):
         PipelineChunk(tied, 0, range(1), 2)
@@ -149,20 +151,20 @@ def test_config_errors():
     "residual,extra,split",
     [
         ("standard", {}, (2, 1, 2)),
-        ("attnres_block", {"attnres_block_size": 3}, (1, 2, 2)),
-        ("attnres_block", {"attnres_block_size": 4}, (0, 2, 0, 3)),  # empty chunks pass the stream on
-        ("attnres_block", {"attnres_block_size": 1}, (2, 1, 2)),
-        ("attnres_block", {"attnres_block_size": 3, "attnres_impl": "naive"}, (1, 2, 2)),
-        ("attnres_full", {"attnres_full_group_size": 3}, (1, 2, 2)),
-        ("attnres_full", {"attnres_full_group_size": 4}, (2, 2, 1)),
-        ("attnres_full", {"attnres_impl": "naive"}, (1, 3, 1)),
+        ("attnres_block", {"block_size": 3}, (1, 2, 2)),
+        ("attnres_block", {"block_size": 4}, (0, 2, 0, 3)),  # empty chunks pass the stream on
+        ("attnres_block", {"block_size": 1}, (2, 1, 2)),
+        ("attnres_block", {"block_size": 3, "impl": "naive"}, (1, 2, 2)),
+        ("attnres_full", {"full_group_size": 3}, (1, 2, 2)),
+        ("attnres_full", {"full_group_size": 4}, (2, 2, 1)),
+        ("attnres_full", {"impl": "naive"}, (1, 3, 1)),
     ],
 )
 def test_chained_chunks_equal_the_model(residual, extra, split):
     """The serialised stream rebuilds the residual state exactly: chunks called one after
     the other give the model's logits and every gradient, for boundaries inside blocks and
     Appendix-B groups, block boundaries, the naive path and empty chunks."""
-    cfg = ModelConfig(**TINY, n_layers=sum(split), residual=residual, **extra)
+    cfg = ModelConfig(**TINY, n_layers=sum(split), residual={"kind": residual, **extra})
     torch.manual_seed(0)
     model = AttnResLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -195,7 +197,7 @@ def one_rank_group():
 def test_one_rank_pipeline_and_its_errors(one_rank_group):
     """P = 1, V = 3 with the cache: the executor's rank-local edges (and cached leaves) give
     the model's loss and gradients; bad batches and sizes are refused with clear errors."""
-    cfg = ModelConfig(**TINY, n_layers=3, residual="attnres_block", attnres_block_size=3)
+    cfg = ModelConfig(**TINY, n_layers=3, residual={"kind": "attnres_block", "block_size": 3})
     torch.manual_seed(0)
     ref = AttnResLM(cfg)
     torch.manual_seed(0)
@@ -278,7 +280,7 @@ def launch(tmp_path_factory):
         cases[f"P4/{res}/interleaved/cached"] = case(model, 4, "interleaved_1f1b", 2, "attnres", True, 4)
     # Spec §5's example: P = 4, V = 2, N_p = 1 -> 28 vs 22 block transfers per micro-batch.
     cfg, split = block_plan(4, 2, 1)
-    model = {"residual": "attnres_block", "attnres_block_size": 2, "n_layers": cfg.n_layers}
+    model = {"residual": {"kind": "attnres_block", "block_size": 2}, "n_layers": cfg.n_layers}
     for mode, cache in (("naive", False), ("cached", True)):
         cases[f"P4/spec/interleaved/{mode}"] = case(model, 4, "interleaved_1f1b", 2, "attnres", cache, 4, split=list(split))
     cases["P4/spec/1f1b/torch"] = case(model, 4, "1f1b", 1, "torch", False, 4, split=[1, 2, 2, 2])

@@ -27,12 +27,12 @@ RESIDUALS = ("standard", "attnres_block", "attnres_full")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 GROUPS = (4, 2)  # P; ranks 0 .. P-1
 BATCH, SEQ = 2, 16
-SHAPE = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attnres_block_size=2)  # L = 4 sublayers, N = 2 blocks
+SHAPE = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)  # L = 4 sublayers, N = 2 blocks (S = 2)
 
 
 def build(residual: str, dtype: torch.dtype):
     """The same model and prompt in the worker and in the test (non-zero AttnRes queries)."""
-    model = make_model(dtype, seed=3, residual=residual, **SHAPE).eval()
+    model = make_model(dtype, seed=3, residual={"kind": residual, "block_size": 2}, **SHAPE).eval()
     ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
     return model, ids
 
@@ -106,7 +106,7 @@ def test_sharded_prefill_matches_one_process(sharded, residual, dname, p):
 
     from attnres.distributed.sequence_parallel import residual_sources, tensors_nbytes
 
-    sources = residual_sources(state)
+    sources = residual_sources(model.residual, state)
     full_bytes = tensors_nbytes(sources)
     expected_sources = {"standard": 1, "attnres_block": 2 + 1, "attnres_full": 4 + 1}[residual]
     assert len(sources) == expected_sources

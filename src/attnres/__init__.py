@@ -8,7 +8,8 @@ import importlib
 import importlib.util
 import sys
 
-from .models import PRESETS, AttnResLM, LMOutput, ModelConfig
+from .models import PRESETS, AttnResLM, LMOutput, ModelConfig, ResidualConfig
+from .nn.residual import register_residual, registered_residuals
 from .ops import depth_attention
 
 __version__ = "0.1.0"
@@ -48,4 +49,14 @@ def _register_hf() -> None:
 
 _register_hf()
 
-__all__ = ["AttnResLM", "ModelConfig", "LMOutput", "PRESETS", "depth_attention", "__version__"]
+__all__ = [
+    "AttnResLM",
+    "ModelConfig",
+    "ResidualConfig",
+    "LMOutput",
+    "PRESETS",
+    "register_residual",
+    "registered_residuals",
+    "depth_attention",
+    "__version__",
+]

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..nn.norm import norm_input_value
+
 
 def _rms(x: Tensor) -> float:
     return x.detach().float().pow(2).mean().sqrt().item()
@@ -53,8 +55,8 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
         def keep_output(_m, _args, out, b=b):
             outputs.setdefault(b, []).append(out.detach().float())
 
-        def keep_input(_m, args, b=b):
-            inputs[b] = _rms(args[0])
+        def keep_input(_m, args, b=b):  # on the fused-kernel path the norm's input is not a tensor yet
+            inputs[b] = _rms(norm_input_value(args[0]))
 
         handles += [layer.attn.register_forward_hook(keep_output), layer.mlp.register_forward_hook(keep_output),
                     layer.attn_norm.register_forward_pre_hook(keep_input)]

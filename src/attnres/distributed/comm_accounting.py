@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..models.config import ModelConfig
 
 __all__ = [
@@ -42,24 +44,19 @@ __all__ = [
 
 def history_layout(config: ModelConfig, sublayer: int) -> tuple[int, bool]:
     """``(completed entries, running tensor?)`` of the residual stream in front of sublayer
-    ``sublayer`` (0-based; ``L`` = after the last one) once the embedding exists.
-
-    Block (size ``S``): ``1 + s // S`` entries (``b_0`` and the completed blocks) and a partial
-    sum unless ``s`` is a block boundary; Full: ``1 + s`` entries (``v_0 .. v_s``); standard:
-    no entries and the hidden state.
-    """
+    ``sublayer`` (0-based; ``L`` = after the last one) once the embedding exists, as the
+    residual variant describes it (``ResidualStream.history_layout``): Block (size ``S``)
+    ``1 + s // S`` entries and a partial sum unless ``s`` is a block boundary; Full ``1 + s``
+    entries; standard no entries and the hidden state."""
     if not 0 <= sublayer <= config.n_sublayers:
         raise ValueError(f"sublayer must be in [0, {config.n_sublayers}], got {sublayer}")
-    if config.residual == "standard":
-        return 0, True
-    if config.residual == "attnres_full":
-        return 1 + sublayer, False
-    if config.residual == "attnres_block":
-        s = config.block_size
-        return 1 + sublayer // s, sublayer % s != 0
-    raise ValueError(
-        f"pipeline parallelism supports residual 'standard', 'attnres_full' or 'attnres_block'; got {config.residual!r}"
-    )
+    return tuple(_layout_module(config).history_layout(sublayer))
+
+
+def _layout_module(config: ModelConfig):
+    """The config's residual module on the meta device (no memory): it describes its layout."""
+    with torch.device("meta"):
+        return config.build_residual()
 
 
 def chunk_histories(config: ModelConfig, layers_per_chunk: Sequence[int]) -> tuple[list[int], list[bool]]:
@@ -67,10 +64,11 @@ def chunk_histories(config: ModelConfig, layers_per_chunk: Sequence[int]) -> tup
     the embedding itself) and whether a running tensor comes with them."""
     if sum(layers_per_chunk) != config.n_layers:
         raise ValueError(f"layers_per_chunk {list(layers_per_chunk)} must sum to n_layers={config.n_layers}")
+    residual = _layout_module(config)
     completed, running, start = [0], [False], 0
     for n in layers_per_chunk[:-1]:
         start += n
-        h, r = history_layout(config, 2 * start)
+        h, r = residual.history_layout(2 * start)
         completed.append(h)
         running.append(r)
     return completed, running

@@ -7,11 +7,12 @@ travels as tensors (see :mod:`attnres.distributed.comm_accounting`): its complet
 (Block: ``b_0 .. b_{n-1}``; Full: ``v_0 .. v_l``) followed by the running tensor (Block: the
 partial sum inside a block; standard: the hidden state), each ``[micro-batch, T, d]``.
 
-The receiving chunk rebuilds the two-phase state from them: every received entry's RMS factor
-and its logits against *this chunk's* pseudo-queries are recomputed once per chunk (one read
-of the entry; the sender does not own the later queries, so precomputed logits cannot
-travel), then Phase 1 runs for the rest of the open block/group and Phase 2 sublayer by
-sublayer, exactly as in the single-process model.
+The serialised stream is the residual's public :class:`~attnres.nn.residual.DepthHistory`:
+the sending chunk takes ``residual.history(state)``, the receiving one
+``residual.resume(history, at_sublayer)``, which rebuilds the two-phase state (every received
+entry's RMS factor and logits once per chunk - the sender does not own the later queries, so
+precomputed logits cannot travel - then Phase 1 for the rest of the open block/group), and
+runs its blocks with the model's own sublayer loop (:func:`attnres.models.run_sublayers`).
 
 Two runtimes execute a step (:class:`PipelineConfig` ``runtime``):
 
@@ -31,13 +32,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models.lm import IGNORE_INDEX, AttnResLM
-from ..nn.residual import BlockAttnRes, FullAttnRes, StandardResidual, _State
-from ..ops import compute_dtype, rms_inverse, source_logits
-from .comm_accounting import CommCounter, chunk_histories, history_layout
+from ..models import IGNORE_INDEX, AttnResLM, next_token_loss, run_sublayers
+from ..nn.residual import AttnResBase, DepthHistory
+from ..validation import Fields
+from .comm_accounting import CommCounter, chunk_histories
 
 __all__ = [
     "RUNTIMES",
@@ -53,8 +53,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 RUNTIMES = ("auto", "torch", "attnres")
 
 
-def _fail(name: str, allowed: str, value: Any) -> None:
-    raise ValueError(f"PipelineConfig.{name} must be {allowed}; got {value!r}")
+_CHECK = Fields("PipelineConfig")
+_fail = _CHECK.fail
 
 
 @dataclass(frozen=True)
@@ -139,68 +139,6 @@ class PipelineConfig:
 
 
 # -- one chunk of the model -------------------------------------------------------------
-def _resume(stream, completed: list[Tensor], running: Tensor | None, s0: int, queries: Tensor | None) -> _State:
-    """The residual state in front of sublayer ``s0`` rebuilt from the serialised stream.
-
-    ``queries`` ``[L + 1, d]``: the gain-folded pseudo-queries (rows of other chunks zero,
-    never read), two-phase path only. Every received entry gets its RMS factor and logits
-    once; the open block (Block) or group (Full, Appendix B) gets its Phase 1 for the
-    sublayers it has left. It fills the residual module's own two-phase state (``_State``,
-    ``_complete``, ``_phase1``) so that the arithmetic is the model's;
-    ``test_chained_chunks_equal_the_model`` pins that layout.
-    """
-    state = _State(dtype=(running if running is not None else completed[0]).dtype, next_sublayer=s0)
-    L = stream.n_sublayers
-    if isinstance(stream, StandardResidual):
-        state.extra["h"] = running
-        return state
-    if stream.impl == "naive":
-        if isinstance(stream, FullAttnRes):
-            state.extra["sources"] = list(completed)
-        else:
-            state.extra["blocks"], state.extra["partial"] = list(completed), running
-        return state
-    st = {"qg": queries, "sources": [], "logits": [], "offsets": []}
-    if isinstance(stream, FullAttnRes):
-        g = stream.group_size
-        g0 = s0 // g * g  # first sublayer of the open group; v_0 .. v_{g0} are completed sources
-        for x in completed[: g0 + 1]:
-            stream._complete(st, x, s0)
-        st["group"] = [
-            (x, source_logits(x, rms_inverse(x, stream.eps), queries[j:]), j) for j, x in enumerate(completed[g0 + 1 :], g0 + 1)
-        ]
-        if s0 % g and s0 < L:
-            stream._phase1(st, s0, min(g0 + g, L) - s0)
-    else:
-        for x in completed:
-            stream._complete(st, x, s0)
-        state.extra["partial"] = running
-        if running is not None and s0 < L:
-            end = (s0 // stream.block_size + 1) * stream.block_size
-            stream._phase1(st, s0, min(end, L) - s0)
-    state.extra["tp"] = st
-    return state
-
-
-def _export(stream, state: _State, s1: int) -> tuple[list[Tensor], Tensor | None]:
-    """``(completed entries, running tensor or None)`` of the state in front of sublayer
-    ``s1``: the inverse of :func:`_resume`, in :func:`~.comm_accounting.history_layout`'s
-    layout (a block that ends exactly at ``s1`` is completed here)."""
-    if isinstance(stream, StandardResidual):
-        return [], state.extra["h"]
-    if isinstance(stream, FullAttnRes):
-        if stream.impl == "naive":
-            return list(state.extra["sources"]), None
-        st = state.extra["tp"]
-        return list(st["sources"]) + [x for x, _, _ in st["group"]], None
-    blocks = list(state.extra["blocks"] if stream.impl == "naive" else state.extra["tp"]["sources"])
-    partial = state.extra["partial"]
-    if partial is not None and s1 % stream.block_size == 0:
-        blocks.append(partial)
-        partial = None
-    return blocks, partial
-
-
 class PipelineChunk(nn.Module):
     """Chunk ``index`` of ``model``: its transformer blocks, their depth queries, plus the
     embedding (first chunk) or the output aggregation, final norm and LM head (last chunk).
@@ -218,54 +156,44 @@ class PipelineChunk(nn.Module):
         super().__init__()
         cfg = model.config
         stream = model.residual
-        if not isinstance(stream, (StandardResidual, FullAttnRes, BlockAttnRes)):
-            raise ValueError(f"pipeline parallelism supports residual 'standard', 'attnres_full' or 'attnres_block'; got {cfg.residual!r}")
+        stream.history_layout(0)  # raises for a residual that cannot be cut into stages
+        if not isinstance(stream, AttnResBase) and any(True for _ in stream.parameters()):
+            raise ValueError(f"pipeline parallelism splits the depth queries of AttnRes between stages; residual "
+                             f"{cfg.residual.kind!r} has parameters it cannot split")
         if cfg.tie_embeddings and n_chunks > 1:
             raise ValueError("ModelConfig.tie_embeddings must be False for a pipeline (embedding and LM head live on different chunks)")
         self.index, self.first, self.last = index, index == 0, index == n_chunks - 1
         self.s0, self.s1 = 2 * layers.start, 2 * layers.stop
-        self.n_completed_in, self.running_in = history_layout(cfg, self.s0) if not self.first else (0, False)
+        self.n_completed_in, self.running_in = stream.history_layout(self.s0) if not self.first else (0, False)
         if self.first:
             self.embed_tokens = model.embed_tokens
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
         self.residual = nn.Module()
         owned = list(range(self.s0, self.s1)) + ([cfg.n_sublayers] if self.last else [])
-        if isinstance(stream, (FullAttnRes, BlockAttnRes)):
+        if isinstance(stream, AttnResBase):
             self.residual.mixers = nn.ModuleDict({str(l): stream.mixers[l] for l in owned})
         if self.last:
             self.norm, self.lm_head = model.norm, model.lm_head
         self.rope = model.rope  # cos/sin tables only
-        # The model's residual module runs the schedule on the rebuilt state; kept out of the
-        # module tree so that the other chunks' depth queries are not this chunk's parameters.
+        # The model's residual module runs the schedule; kept out of the module tree so that
+        # the other chunks' depth queries are not this chunk's parameters.
         self._stream = (stream,)
-
-    def _queries(self, dtype: torch.dtype, like: Tensor) -> Tensor | None:
-        stream = self._stream[0]
-        if isinstance(stream, StandardResidual) or stream.impl == "naive":
-            return None
-        compute = compute_dtype(dtype)
-        zero = like.new_zeros(stream.dim, dtype=compute)
-        mixers = self.residual.mixers
-        return torch.stack([mixers[str(l)].folded_query(compute) if str(l) in mixers else zero for l in range(stream.n_sublayers + 1)])
 
     def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
         stream = self._stream[0]
         if self.first:
             x = self.embed_tokens(inputs[0])
-            completed, running = ([], x) if isinstance(stream, StandardResidual) else ([x], None)
+            state = stream.start(x, defer_norm=True)
         else:
             n = self.n_completed_in
-            completed, running = list(inputs[:n]), (inputs[n] if self.running_in else None)
-        ref = running if running is not None else completed[0]
-        state = _resume(stream, completed, running, self.s0, self._queries(ref.dtype, ref))
-        cos, sin = self.rope(ref.shape[-2])
-        for key, layer in self.layers.items():
-            a, m = 2 * int(key), 2 * int(key) + 1
-            stream.add_output(state, a, layer.attention_sublayer(stream.sublayer_input(state, a), cos, sin))
-            stream.add_output(state, m, layer.mlp_sublayer(stream.sublayer_input(state, m)))
+            history = DepthHistory(list(inputs[:n]), inputs[n] if self.running_in else None)
+            x = inputs[0]
+            state = stream.resume(history, self.s0, defer_norm=True)
+        cos, sin = self.rope(x.shape[-2])
+        run_sublayers(stream, state, ((int(k), layer) for k, layer in self.layers.items()), cos, sin)
         if self.last:
             return self.lm_head(self.norm(stream.finish(state)))
-        completed, running = _export(stream, state, self.s1)
+        completed, running = stream.history(state)
         return tuple(completed) + ((running,) if running is not None else ())
 
 
@@ -403,11 +331,7 @@ class PipelineRunner:
     def _loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """This micro-batch's share of the batch mean: the summed cross-entropy over the
         batch's number of predicted tokens, so that the micro-batch losses add up to it."""
-        shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
-        if shifted.dtype in (torch.float16, torch.bfloat16):
-            shifted = shifted.float()
-        ce = F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-        return ce / self._n_valid
+        return next_token_loss(logits, labels, reduction="sum") / self._n_valid
 
     def forward_backward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         M = self.config.n_microbatches

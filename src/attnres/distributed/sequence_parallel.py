@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..inference.cache import KVCache
 from ..models import AttnResLM
+from ..nn.kv_cache import KVCache
 
 
 class _ShardKVExchange:
@@ -61,20 +61,12 @@ class _ShardKVExchange:
         return torch.cat(ks[: self.rank + 1], dim=2), torch.cat(vs[: self.rank + 1], dim=2)
 
 
-def residual_sources(state) -> list[Tensor]:
-    """The depth sources a residual state holds after a forward (each ``[B, T, d]``): the
-    embedding and every completed block (Block AttnRes) or sublayer output (Full AttnRes),
-    or the running sum (standard residual)."""
-    extra = state.extra
-    if "tp" in extra:  # the two-phase schedule: every completed source, the last block included
-        return list(extra["tp"]["sources"])
-    if "blocks" in extra:  # Block AttnRes, naive path
-        return extra["blocks"] + ([extra["partial"]] if extra["partial"] is not None else [])
-    if "sources" in extra:  # Full AttnRes, naive path
-        return list(extra["sources"])
-    if "h" in extra:  # standard residual
-        return [extra["h"]]
-    raise ValueError("cannot measure the depth sources of this residual; supported: standard, attnres_full, attnres_block")
+def residual_sources(residual, state) -> list[Tensor]:
+    """The depth sources a residual state holds after a forward (each ``[B, T, d]``), from
+    its public history: the embedding and every completed block (Block AttnRes) or sublayer
+    output (Full AttnRes), or the running sum (standard residual)."""
+    completed, running = residual.history(state)
+    return list(completed) + ([running] if running is not None else [])
 
 
 def tensors_nbytes(tensors: list[Tensor]) -> int:
@@ -119,7 +111,7 @@ def sharded_prefill(model: AttnResLM, input_ids: Tensor, group=None, build_cache
     cache = KVCache(model.config.n_layers, capacity=t) if build_cache else None
     exchange = _ShardKVExchange(rank, world, shard, group, cache)
     h, state = model.decode(input_ids[:, start:start + shard], kv_cache=exchange)
-    sources = residual_sources(state)
+    sources = residual_sources(model.residual, state)
     logits = model.lm_head(model.norm(h))
     return ShardedPrefill(logits=logits, start=start, kv_cache=cache, n_sources=len(sources),
                           source_bytes=tensors_nbytes(sources))

@@ -90,17 +90,23 @@ class Experiment:
     variants: list[Variant]
 
 
-def _naive(**fields: Any) -> dict[str, Any]:
-    return {**fields, "attnres_impl": "naive"}
+def _residual(kind: str, **settings: Any) -> dict[str, Any]:
+    """The model fields of a residual variant: ``{"residual": {"kind": kind, **settings}}``."""
+    return {"residual": {"kind": kind, **settings}}
+
+
+def _ablated(kind: str, settings: dict[str, Any] | None = None, **ablation: Any) -> dict[str, Any]:
+    """An AttnRes Table-4 ablation (they run on the naive path)."""
+    return _residual(kind, **(settings or {}), impl="naive", ablation=ablation)
 
 
 def _compare(preset: str) -> list[Variant]:
     L = 2 * _MODEL[preset]["n_layers"]
     S = max(2, math.ceil(L / 8))  # N = 8 blocks (the report's choice) where depth allows; S = 1 would be Full
     return [
-        Variant("standard", dict(residual="standard"), "baseline"),
-        Variant("block", dict(residual="attnres_block", attnres_block_size=S), "block", {"S": S, "N": math.ceil(L / S)}),
-        Variant("full", dict(residual="attnres_full"), "full"),
+        Variant("standard", _residual("standard"), "baseline"),
+        Variant("block", _residual("attnres_block", block_size=S), "block", {"S": S, "N": math.ceil(L / S)}),
+        Variant("full", _residual("attnres_full"), "full"),
     ]
 
 
@@ -109,30 +115,30 @@ def _ablation(preset: str) -> list[Variant]:
     L = 2 * m["n_layers"]
     window = max(1, L // 4)  # the report's W = 8 on its 32-sublayer model, scaled to depth
     heads = 16 if m["d_model"] % 16 == 0 else 4  # the report's H = 16 where d allows
-    full = dict(residual="attnres_full")
-    block = dict(residual="attnres_block", attnres_block_size=4)
+    full, block = "attnres_full", "attnres_block"
+    s4 = {"block_size": 4}
     return [
-        Variant("baseline", dict(residual="standard"), "baseline"),
-        Variant("denseformer", dict(residual="denseformer"), "other"),
-        Variant("mhc", dict(residual="mhc", hc_streams=4), "other"),
-        Variant("full", full, "full"),
-        Variant("full+input_dependent_query", _naive(**full, attnres_input_dependent_query=True), "full"),
-        Variant("full+input_independent_mixing", _naive(**full, attnres_input_independent_mixing=True), "full"),
-        Variant("full+sigmoid", _naive(**full, attnres_sigmoid_weights=True), "full"),
-        Variant("full-key_norm", _naive(**full, attnres_key_norm=False), "full"),
-        Variant(f"swa_w{window}", _naive(**full, attnres_window=window), "full", {"W": window}),
-        Variant("block_s4", block, "block"),
-        Variant(f"block+multihead_h{heads}", _naive(**block, attnres_heads=heads), "block", {"H": heads}),
-        Variant("block-key_norm", _naive(**block, attnres_key_norm=False), "block"),
+        Variant("baseline", _residual("standard"), "baseline"),
+        Variant("denseformer", _residual("denseformer"), "other"),
+        Variant("mhc", _residual("mhc", hc_streams=4), "other"),
+        Variant("full", _residual(full), "full"),
+        Variant("full+input_dependent_query", _ablated(full, input_dependent_query=True), "full"),
+        Variant("full+input_independent_mixing", _ablated(full, input_independent_mixing=True), "full"),
+        Variant("full+sigmoid", _ablated(full, sigmoid_weights=True), "full"),
+        Variant("full-key_norm", _ablated(full, key_norm=False), "full"),
+        Variant(f"swa_w{window}", _ablated(full, window=window), "full", {"W": window}),
+        Variant("block_s4", _residual(block, **s4), "block"),
+        Variant(f"block+multihead_h{heads}", _ablated(block, s4, heads=heads), "block", {"H": heads}),
+        Variant("block-key_norm", _ablated(block, s4, key_norm=False), "block"),
     ]
 
 
 def _block_size(preset: str) -> list[Variant]:
     L = 2 * _MODEL[preset]["n_layers"]
-    out = [Variant("baseline", dict(residual="standard"), "baseline")]
+    out = [Variant("baseline", _residual("standard"), "baseline")]
     S = 1
     while S <= L:
-        model = dict(residual="attnres_full") if S == 1 else dict(residual="attnres_block", attnres_block_size=S)
+        model = _residual("attnres_full") if S == 1 else _residual("attnres_block", block_size=S)
         out.append(Variant(f"s{S}", model, "full" if S == 1 else "block", {"S": S, "N": math.ceil(L / S)}))
         S *= 2
     return out
@@ -146,8 +152,8 @@ _SIZES = {
 }
 # Block AttnRes with S = 2 everywhere: the default ceil(L / 8) would be S = 1 (= Full) on the
 # shallow models here.
-_FAMILIES = {"baseline": dict(residual="standard"), "block": dict(residual="attnres_block", attnres_block_size=2),
-             "full": dict(residual="attnres_full")}
+_FAMILIES = {"baseline": _residual("standard"), "block": _residual("attnres_block", block_size=2),
+             "full": _residual("attnres_full")}
 
 
 def _scaling(preset: str) -> list[Variant]:

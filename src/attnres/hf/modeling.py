@@ -1,8 +1,8 @@
 """Hugging Face models around the native decoder: ``AttnResModel`` and ``AttnResForCausalLM``.
 
-Both are built from the same modules as :class:`attnres.AttnResLM` and run its decoder pass
-(:meth:`attnres.AttnResLM.decode`), so the parameter names and the function are the native
-ones: ``embed_tokens``, ``layers.{i}.{attn_norm,attn,mlp_norm,mlp}``, ``residual``, ``norm``
+Both are :class:`attnres.models.DecoderTrunk` modules, like :class:`attnres.AttnResLM`: the
+same modules, the same decoder pass and the same loss, so the parameter names and the
+function are the native ones: ``embed_tokens``, ``layers.{i}.{attn_norm,attn,mlp_norm,mlp}``, ``residual``, ``norm``
 and (causal LM) ``lm_head``. ``AttnResForCausalLM.from_native(model)`` and ``.to_native()``
 convert losslessly.
 
@@ -14,17 +14,33 @@ no cache (it mixes over depth token by token).
 
 from __future__ import annotations
 
-import torch.nn.functional as F
+import torch
 from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..models.lm import IGNORE_INDEX, AttnResLM, build_residual
+from ..models import AttnResLM, DecoderTrunk, next_token_loss
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
-from ..nn.transformer import Attention, TransformerBlock
+from ..nn.transformer import Attention
 from .configuration import AttnResConfig
+
+
+def _init_missing_residual_parameters(residual: nn.Module, config) -> None:
+    """Give every parameter and buffer of ``residual`` that was not loaded (transformers
+    flags loaded tensors ``_is_hf_initialized``) the value of a freshly built residual:
+    zero pseudo-queries, unit key-norm gains, each baseline's own init. Variants reset some
+    tensors in place (not through ``torch.nn.init``), so ``reset_parameters`` could
+    overwrite loaded values; copying from a fresh module cannot."""
+    with torch.device("cpu"):
+        fresh = config.build_residual()
+    fresh_tensors = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
+    own = dict(residual.named_parameters()) | dict(residual.named_buffers())
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if not getattr(tensor, "_is_hf_initialized", False):
+                tensor.copy_(fresh_tensors[name].to(tensor.dtype))
 
 
 class HFCacheAdapter:
@@ -40,9 +56,10 @@ class HFCacheAdapter:
         return self.cache.update(k, v, layer)
 
 
-class AttnResPreTrainedModel(PreTrainedModel):
-    """Common base: config class, init that keeps the AttnRes pseudo-queries at zero,
-    attention implementations ("sdpa", "eager") and activation checkpointing."""
+class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
+    """Common base: config class, the decoder trunk, init that gives every parameter the
+    checkpoint lacks its faithful value (zero pseudo-queries, unit gains), attention
+    implementations ("sdpa", "eager") and activation checkpointing."""
 
     config_class = AttnResConfig
     config: AttnResConfig
@@ -55,18 +72,8 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: AttnResConfig) -> None:
         super().__init__(config)
-        native = config.to_model_config()
-        self.native_config = native
-        self.embed_tokens = nn.Embedding(native.vocab_size, native.d_model)
-        self.layers = nn.ModuleList(
-            TransformerBlock(native.d_model, native.n_heads, native.kv_heads, native.hidden_size, native.norm_eps)
-            for _ in range(native.n_layers)
-        )
-        self.residual = build_residual(native)
-        if hasattr(self.residual, "kernels"):
-            self.residual.kernels = native.attnres_kernels
-        self.norm = RMSNorm(native.d_model, native.norm_eps)
-        self.rope = RotaryEmbedding(native.head_dim, native.max_seq_len, native.rope_theta)
+        self.native_config = config.to_model_config()
+        self.build_trunk(self.native_config)
         self.gradient_checkpointing = False
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -77,11 +84,11 @@ class AttnResPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         """The native init (``AttnResLM.init_weights``): Normal(0, init_std) for projections
-        and embeddings, ones for norm gains, and the residual's own reset - zero
+        and embeddings, ones for norm gains, and the residual's own init - zero
         pseudo-queries - last (modules are visited children first, so nothing overwrites
         it). Tensors loaded from a checkpoint are left alone by HF's init guard."""
         if module is self.residual:
-            module.reset_parameters()
+            _init_missing_residual_parameters(module, self.native_config)
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
         elif isinstance(module, RMSNorm):
@@ -112,7 +119,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
             raise ValueError("AttnRes models take input_ids, not inputs_embeds")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        AttnResLM.check_input_ids(self, input_ids)
+        self.check_input_ids(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False  # recomputing a sublayer would append its keys/values twice
@@ -130,10 +137,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
             if bool(attention_mask.all()):
                 attention_mask = None
         self._set_attention()
-        sublayer_call = None
-        if self.gradient_checkpointing and self.training:
-            sublayer_call = self._gradient_checkpointing_func
-        h, _ = AttnResLM.decode(self, input_ids, attention_mask, store, sublayer_call=sublayer_call)
+        checkpointing = self.gradient_checkpointing and self.training
+        h, _ = self.decode(input_ids, attention_mask, store,
+                           **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
         return h, past_key_values if use_cache else None
 
 
@@ -197,10 +203,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(h))
-        loss = None
-        if labels is not None:
-            shifted = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-            loss = F.cross_entropy(shifted, labels[:, 1:].reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX)
+        loss = None if labels is None else next_token_loss(logits, labels.to(logits.device))
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
     # -- conversion ----------------------------------------------------------------------

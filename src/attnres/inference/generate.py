@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..models.lm import AttnResLM
-from .cache import KVCache
+from ..nn.kv_cache import KVCache
 
 __all__ = ["prefill", "decode_step", "sample", "generate", "stream", "check_sampling"]
 

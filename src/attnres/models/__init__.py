@@ -1,6 +1,17 @@
-"""The language model and its configuration."""
+"""The language model, its decoder trunk and its configuration."""
 
-from .config import BASELINES, PRESETS, RESIDUALS, ModelConfig
-from .lm import IGNORE_INDEX, AttnResLM, LMOutput, build_residual
+from .config import PRESETS, ModelConfig, ResidualConfig
+from .lm import AttnResLM, LMOutput
+from .trunk import IGNORE_INDEX, DecoderTrunk, next_token_loss, run_sublayers
 
-__all__ = ["ModelConfig", "PRESETS", "RESIDUALS", "BASELINES", "AttnResLM", "LMOutput", "build_residual", "IGNORE_INDEX"]
+__all__ = [
+    "ModelConfig",
+    "ResidualConfig",
+    "PRESETS",
+    "AttnResLM",
+    "LMOutput",
+    "DecoderTrunk",
+    "run_sublayers",
+    "next_token_loss",
+    "IGNORE_INDEX",
+]

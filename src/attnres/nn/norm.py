@@ -1,17 +1,57 @@
-"""RMSNorm with a learnable gain."""
+"""RMSNorm with a learnable gain, and the hook that lets a kernel fuse it."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+__all__ = ["RMSNorm", "FusableNormInput", "norm_input_value"]
+
+
+class FusableNormInput:
+    """A sublayer input ``h`` that has not been computed yet, because the kernel producing
+    it can also apply the sublayer's RMSNorm in the same pass (report §4.2, fused Phase 2).
+
+    The residual returns one when its caller feeds every sublayer input to an
+    :class:`RMSNorm` (``ResidualStream.start(..., defer_norm=True)``). The norm module then
+    calls :meth:`normalized` with its own gain and epsilon, so the norm's parameters,
+    ``repr`` and forward hooks stay with the block that owns it. ``compute(weight, eps)``
+    returns ``RMSNorm(h)`` (``weight=None``: ``h`` itself); it may be called more than once
+    (activation checkpointing recomputes).
+    """
+
+    __slots__ = ("_compute", "_value")
+
+    def __init__(self, compute: Callable[[Tensor | None, float | None], Tensor]) -> None:
+        self._compute = compute
+        self._value: Tensor | None = None
+
+    def normalized(self, norm: RMSNorm) -> Tensor:
+        """``norm(h)``, fused into the producing kernel (unless :meth:`value` ran first)."""
+        if self._value is not None:
+            return norm(self._value)
+        return self._compute(norm.weight, norm.eps)
+
+    def value(self) -> Tensor:
+        """``h`` itself, computed once without the norm (for hooks and diagnostics)."""
+        if self._value is None:
+            self._value = self._compute(None, None)
+        return self._value
+
+
+def norm_input_value(x: Tensor | FusableNormInput) -> Tensor:
+    """The tensor an :class:`RMSNorm` normalises: ``x``, or a fusable input's value."""
+    return x.value() if isinstance(x, FusableNormInput) else x
 
 
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension; ``weight`` starts at 1.
 
     Shapes: ``[..., d] -> [..., d]``. Low-precision inputs are normalised in float32 and
-    cast back.
+    cast back. A :class:`FusableNormInput` is normalised by the kernel that produces it.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -23,7 +63,9 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | FusableNormInput) -> Tensor:
+        if isinstance(x, FusableNormInput):
+            return x.normalized(self)
         if x.dtype in (torch.float16, torch.bfloat16):
             return F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps).to(x.dtype)
         return F.rms_norm(x, (self.dim,), self.weight.to(x.dtype), self.eps)

@@ -117,9 +117,10 @@ class TransformerBlock(nn.Module):
     """One transformer block = two sublayers, each with its own pre-norm.
 
     ``attention_sublayer(h) = attn(attn_norm(h))`` and ``mlp_sublayer(h) = mlp(mlp_norm(h))``
-    return the *raw* sublayer outputs ``v_l`` (spec §1); how they are combined across depth
-    is the residual module's job, not the block's. With ``normed=True`` the input is already
-    ``attn_norm(h)`` / ``mlp_norm(h)`` (the residual's fused kernels apply the norm).
+    return the *raw* sublayer outputs ``v_l`` (report §3.1); how they are combined across
+    depth is the residual module's job, not the block's. ``h`` may be a
+    :class:`~attnres.nn.norm.FusableNormInput`, which the block's norm turns into
+    ``norm(h)`` inside the residual's fused kernel.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, eps: float) -> None:
@@ -137,9 +138,8 @@ class TransformerBlock(nn.Module):
         attn_mask: Tensor | None = None,
         kv_cache: KVStore | None = None,
         layer: int = 0,
-        normed: bool = False,
     ) -> Tensor:
-        return self.attn(h if normed else self.attn_norm(h), cos, sin, attn_mask, kv_cache, layer)
+        return self.attn(self.attn_norm(h), cos, sin, attn_mask, kv_cache, layer)
 
-    def mlp_sublayer(self, h: Tensor, normed: bool = False) -> Tensor:
-        return self.mlp(h if normed else self.mlp_norm(h))
+    def mlp_sublayer(self, h: Tensor) -> Tensor:
+        return self.mlp(self.mlp_norm(h))

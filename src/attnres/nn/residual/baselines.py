@@ -28,18 +28,28 @@ transformer loop runs them exactly like the AttnRes variants. Each follows its o
 
 Multi-stream variants start from ``m`` copies of the embedding and end with the sum of
 the streams (as in the HC paper); the final RMSNorm removes the factor ``m``.
+
+Every class registers itself under its ``name`` (``ModelConfig.residual.kind``), takes its
+settings from ``ModelConfig.residual`` (``hc_streams``, ``sinkhorn_iters``) and counts its
+FLOPs per token (``residual_flops_per_token``, as ``attnres.experiments.flops`` documents).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .residual import ResidualStream, _State
+from ...ops import compute_dtype
+from .base import ResidualState, ResidualStream
+from .config import ResidualConfig
+from .registry import register_residual
+from .standard import SingleStreamResidual
 
 __all__ = [
     "ReZero",
@@ -51,33 +61,25 @@ __all__ = [
     "MHCLite",
     "sinkhorn_knopp",
     "layerscale_init",
-    "build_baseline",
 ]
 
 
-class _SingleStream(ResidualStream):
-    """A single residual state ``h`` updated by ``_update(l, h, out)``."""
+class _Builtin:
+    """Built-in baselines take their settings from ``ModelConfig.residual``, no ``options``."""
 
-    def _start(self, state: _State, embedding: Tensor) -> None:
-        state.extra["h"] = embedding
+    @classmethod
+    def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+        ResidualStream.check_config.__func__(cls, config, dim, n_sublayers)
+        cls._no_options(config)
 
-    def _input(self, state: _State, l: int) -> Tensor:
-        return state.extra["h"]
-
-    def _add(self, state: _State, l: int, output: Tensor) -> None:
-        state.extra["h"] = self._update(l, state.extra["h"], output)
-
-    def _finish(self, state: _State) -> Tensor:
-        return state.extra["h"]
-
-    def _update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
-        raise NotImplementedError
+    @classmethod
+    def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
+        return cls(dim, n_sublayers)
 
 
-class ReZero(_SingleStream):
+@register_residual("rezero")
+class ReZero(_Builtin, SingleStreamResidual):
     """``h_{l+1} = h_l + alpha_l f_l(h_l)``, ``alpha_l`` a scalar initialised to 0."""
-
-    name = "rezero"
 
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__(dim, n_sublayers)
@@ -86,8 +88,11 @@ class ReZero(_SingleStream):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.alpha)
 
-    def _update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
+    def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
         return h + self.alpha[l].to(out.dtype) * out
+
+    def residual_flops_per_token(self) -> float:
+        return float(self.n_sublayers * (2 * self.dim))
 
 
 def layerscale_init(n_layers: int) -> float:
@@ -99,10 +104,9 @@ def layerscale_init(n_layers: int) -> float:
     return 1e-6
 
 
-class LayerScale(_SingleStream):
+@register_residual("layerscale")
+class LayerScale(_Builtin, SingleStreamResidual):
     """``h_{l+1} = h_l + diag(lambda_l) f_l(h_l)``; one ``[d]`` vector per sublayer."""
-
-    name = "layerscale"
 
     def __init__(self, dim: int, n_sublayers: int, init: float | None = None) -> None:
         super().__init__(dim, n_sublayers)
@@ -113,18 +117,20 @@ class LayerScale(_SingleStream):
         for s in self.scales:
             nn.init.constant_(s, self.init_value)
 
-    def _update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
+    def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
         return h + self.scales[l].to(out.dtype) * out
 
+    def residual_flops_per_token(self) -> float:
+        return float(self.n_sublayers * (2 * self.dim))
 
-class Highway(_SingleStream):
+
+@register_residual("highway")
+class Highway(_Builtin, SingleStreamResidual):
     """``h_{l+1} = (1 - g) * h_l + g * f_l(h_l)`` with ``g = sigmoid(W_l h_l + b_l)``.
 
     The gate is computed from the sublayer's input ``h_l`` (element-wise, ``d x d`` weights
     per sublayer); ``b_l`` starts at ``gate_bias`` (negative: carry first).
     """
-
-    name = "highway"
 
     def __init__(self, dim: int, n_sublayers: int, gate_bias: float = -1.0, init_std: float = 0.02) -> None:
         super().__init__(dim, n_sublayers)
@@ -138,20 +144,30 @@ class Highway(_SingleStream):
             nn.init.normal_(g.weight, std=self.init_std)
             nn.init.constant_(g.bias, self.gate_bias)
 
-    def _update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
+    def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
         g = torch.sigmoid(self.gates[l](h))
         return torch.lerp(h, out.to(h.dtype), g)
 
+    def residual_flops_per_token(self) -> float:
+        return float(self.n_sublayers * (3 * self.dim + 2 * self.dim * self.dim))  # the update and the gate projection
 
-class DenseFormer(ResidualStream):
+
+@dataclass
+class DenseFormerState(ResidualState):
+    """h: the stream; outputs: ``Y_0`` (the embedding) and the block outputs so far."""
+
+    h: Tensor | None = None
+    outputs: list[Tensor] | None = None
+
+
+@register_residual("denseformer")
+class DenseFormer(_Builtin, ResidualStream):
     """Depth-weighted averaging after every transformer block (two sublayers).
 
     Inside a block the residual is standard. After block ``i`` (1-based) the stream becomes
     ``sum_{j=0}^{i} alpha_{i,j} Y_j`` over the embedding ``Y_0`` and the block outputs
     ``Y_1 .. Y_i``; ``alpha_{i,i} = 1`` and all others 0 at init.
     """
-
-    name = "denseformer"
 
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__(dim, n_sublayers)
@@ -165,40 +181,53 @@ class DenseFormer(ResidualStream):
                 w.zero_()
                 w[-1] = 1.0
 
-    def _start(self, state: _State, embedding: Tensor) -> None:
-        state.extra["h"] = embedding
-        state.extra["outputs"] = [embedding]
+    def _start(self, embedding: Tensor, common: dict[str, Any]) -> DenseFormerState:
+        return DenseFormerState(h=embedding, outputs=[embedding], **common)
 
-    def _input(self, state: _State, l: int) -> Tensor:
-        return state.extra["h"]
+    def _input(self, state: DenseFormerState, l: int) -> Tensor:
+        return state.h
 
-    def _add(self, state: _State, l: int, output: Tensor) -> None:
-        h = state.extra["h"] + output
+    def _add(self, state: DenseFormerState, l: int, output: Tensor) -> None:
+        h = state.h + output
         if l % 2 == 1 or l == self.n_sublayers - 1:  # end of a transformer block
-            outputs = state.extra["outputs"]
+            outputs = state.outputs
             outputs.append(h)
             w = self.dwa[len(outputs) - 2].to(h.dtype)
             h = outputs[0] * w[0]
             for j in range(1, len(outputs)):
                 h = h + outputs[j] * w[j]
-        state.extra["h"] = h
+        state.h = h
 
-    def _finish(self, state: _State) -> Tensor:
-        return state.extra["h"]
+    def _finish(self, state: DenseFormerState) -> Tensor:
+        return state.h
+
+    def residual_flops_per_token(self) -> float:
+        L, d = self.n_sublayers, self.dim
+        return float(L * d + sum(2 * (i + 2) * d for i in range(self.n_blocks)))  # the adds, then each average
 
 
 def sinkhorn_knopp(logits: Tensor, iters: int = 20) -> Tensor:
     """Sinkhorn-Knopp projection ``[..., m, m] -> [..., m, m]``: ``exp`` then ``iters``
     alternations of column then row normalisation (mHC eq. 9), computed in log space for
-    stability. Rows sum to 1 exactly (up to rounding); columns converge with ``iters``."""
-    log_m = logits.float()
+    stability, in float32 or float64 (for float64 logits). Rows sum to 1 exactly (up to
+    rounding); columns converge with ``iters``."""
+    log_m = logits.to(compute_dtype(logits.dtype))
     for _ in range(iters):
         log_m = log_m - torch.logsumexp(log_m, dim=-2, keepdim=True)  # columns
         log_m = log_m - torch.logsumexp(log_m, dim=-1, keepdim=True)  # rows
     return log_m.exp()
 
 
-class _MultiStream(ResidualStream):
+@dataclass
+class MultiStreamState(ResidualState):
+    """H: the ``m`` streams ``[..., m, d]``; maps: the current sublayer's write-out weights
+    and stream mixing, computed with its read-in weights."""
+
+    H: Tensor | None = None
+    maps: tuple[Tensor, Tensor] | None = None
+
+
+class _MultiStream(_Builtin, ResidualStream):
     """``m`` residual streams ``H [..., m, d]``; subclasses give the read-in weights
     ``pre [..., m]``, the write-out weights ``post [..., m]`` and the stream mixing
     ``res [..., m, m]`` (``res[i, j]``: weight of old stream ``j`` in new stream ``i``)."""
@@ -209,32 +238,45 @@ class _MultiStream(ResidualStream):
             raise ValueError(f"n_streams must be >= 1, got {n_streams}")
         self.n_streams = n_streams
 
-    def _start(self, state: _State, embedding: Tensor) -> None:
-        state.extra["H"] = embedding.unsqueeze(-2).expand(*embedding.shape[:-1], self.n_streams, self.dim)
+    @classmethod
+    def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> _MultiStream:
+        return cls(dim, n_sublayers, config.hc_streams)
 
-    def _input(self, state: _State, l: int) -> Tensor:
-        H = state.extra["H"]
+    def _start(self, embedding: Tensor, common: dict[str, Any]) -> MultiStreamState:
+        return MultiStreamState(H=embedding.unsqueeze(-2).expand(*embedding.shape[:-1], self.n_streams, self.dim), **common)
+
+    def _input(self, state: MultiStreamState, l: int) -> Tensor:
+        H = state.H
         pre, post, res = self._mappings(l, H)
-        state.extra["maps"] = (post, res)
+        state.maps = (post, res)
         return torch.einsum("...m,...md->...d", pre.to(H.dtype), H)
 
-    def _add(self, state: _State, l: int, output: Tensor) -> None:
-        H = state.extra["H"]
-        post, res = state.extra["maps"]
+    def _add(self, state: MultiStreamState, l: int, output: Tensor) -> None:
+        H = state.H
+        post, res = state.maps
         mixed = torch.einsum("...ij,...jd->...id", res.to(H.dtype), H)
-        state.extra["H"] = mixed + post.to(H.dtype).unsqueeze(-1) * output.unsqueeze(-2)
+        state.H = mixed + post.to(H.dtype).unsqueeze(-1) * output.unsqueeze(-2)
 
-    def _finish(self, state: _State) -> Tensor:
-        return state.extra["H"].sum(dim=-2)
+    def _finish(self, state: MultiStreamState) -> Tensor:
+        return state.H.sum(dim=-2)
 
     def _mappings(self, l: int, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
+    def _mapping_flops(self) -> int:
+        """FLOPs per token of one sublayer's mapping projections."""
+        raise NotImplementedError
 
+    def residual_flops_per_token(self) -> float:
+        """``2 m d`` to read, ``2 m^2 d`` to mix and ``2 m d`` to write the ``m`` streams, plus
+        the mapping projections, per sublayer; the final sum of the streams."""
+        m, d = self.n_streams, self.dim
+        return float(self.n_sublayers * (2 * m * d + 2 * m * m * d + 2 * m * d + self._mapping_flops()) + m * d)
+
+
+@register_residual("hyper_connections")
 class HyperConnections(_MultiStream):
     """Dynamic Hyper-Connections with expansion rate ``m`` (Zhu et al. 2025)."""
-
-    name = "hyper_connections"
 
     def __init__(self, dim: int, n_sublayers: int, n_streams: int = 4, eps: float = 1e-6) -> None:
         super().__init__(dim, n_sublayers, n_streams)
@@ -265,18 +307,22 @@ class HyperConnections(_MultiStream):
             self.beta_scale.fill_(0.01)
 
     def _mappings(self, l: int, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        Hn = F.rms_norm(H.float(), (self.dim,), self.norm_weight[l].float(), self.eps)  # [..., m, d]
-        alpha = self.static_alpha[l] + self.alpha_scale[l] * torch.tanh(Hn @ self.dynamic_alpha[l].float())  # [..., m, m+1]
-        beta = self.static_beta[l] + self.beta_scale[l] * torch.tanh(Hn @ self.dynamic_beta[l].float())  # [..., m]
+        c = compute_dtype(H.dtype)  # float32, or float64 for a float64 model
+        Hn = F.rms_norm(H.to(c), (self.dim,), self.norm_weight[l].to(c), self.eps)  # [..., m, d]
+        alpha = self.static_alpha[l] + self.alpha_scale[l] * torch.tanh(Hn @ self.dynamic_alpha[l].to(c))  # [..., m, m+1]
+        beta = self.static_beta[l] + self.beta_scale[l] * torch.tanh(Hn @ self.dynamic_beta[l].to(c))  # [..., m]
         pre = alpha[..., 0]  # A_m: [..., m]
         res = alpha[..., 1:].transpose(-1, -2)  # new_i = sum_k A_r[k, i] H_k
         return pre, beta, res
 
+    def _mapping_flops(self) -> int:
+        m, d = self.n_streams, self.dim
+        return 2 * m * d * (m + 2)  # dynamic alpha [d, m+1] and beta [d] on each stream
 
+
+@register_residual("mhc")
 class MHC(_MultiStream):
     """Manifold-constrained Hyper-Connections (Xie et al. 2026), ``m`` streams."""
-
-    name = "mhc"
 
     def __init__(self, dim: int, n_sublayers: int, n_streams: int = 4, sinkhorn_iters: int = 20, eps: float = 1e-6, alpha_init: float = 0.01) -> None:
         super().__init__(dim, n_sublayers, n_streams)
@@ -291,8 +337,16 @@ class MHC(_MultiStream):
         self.alpha = nn.Parameter(torch.full((n_sublayers, 3), alpha_init))
         self.reset_parameters()
 
+    @classmethod
+    def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> MHC:
+        return cls(dim, n_sublayers, config.hc_streams, sinkhorn_iters=config.sinkhorn_iters)
+
     def _n_res_logits(self) -> int:
         return self.n_streams**2
+
+    def _mapping_flops(self) -> int:
+        m, d = self.n_streams, self.dim
+        return 2 * m * d * (2 * m + self.n_res) + 3 * m * d  # phi on the normalised flat stream
 
     def reset_parameters(self) -> None:
         m = self.n_streams
@@ -312,49 +366,51 @@ class MHC(_MultiStream):
 
     def _mappings(self, l: int, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         m = self.n_streams
-        flat = H.float().reshape(*H.shape[:-2], m * self.dim)
+        c = compute_dtype(H.dtype)  # float32, or float64 for a float64 model
+        flat = H.to(c).reshape(*H.shape[:-2], m * self.dim)
         x = flat * torch.rsqrt(flat.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        z = x @ self.phi[l].float()
-        a = self.alpha[l].float()
-        b = self.bias[l].float()
+        z = x @ self.phi[l].to(c)
+        a = self.alpha[l].to(c)
+        b = self.bias[l].to(c)
         pre = torch.sigmoid(a[0] * z[..., :m] + b[:m])
         post = 2 * torch.sigmoid(a[1] * z[..., m : 2 * m] + b[m : 2 * m])
         res = self.residual_matrix(a[2] * z[..., 2 * m :] + b[2 * m :])
         return pre, post, res
 
 
+@register_residual("mhc_lite")
 class MHCLite(MHC):
     """mHC-lite (Yang & Gao 2026): ``H_res = sum_k softmax(logits)_k P_k`` over all ``m!``
     permutation matrices ``P_k`` - doubly stochastic by construction, no iterations."""
 
-    name = "mhc_lite"
-
     def __init__(self, dim: int, n_sublayers: int, n_streams: int = 4, eps: float = 1e-6, alpha_init: float = 0.01) -> None:
         if n_streams > 6:
             raise ValueError(f"mHC-lite enumerates m! permutations; n_streams must be <= 6, got {n_streams}")
-        perms = torch.tensor(list(itertools.permutations(range(n_streams))))
-        eye = torch.eye(n_streams)
-        self._perm_count = perms.shape[0]
+        # The permutations are rebuilt from this index list where they are needed, not kept
+        # as a buffer: a loader that materialises modules from the meta device (transformers)
+        # would leave a non-persistent buffer uninitialised.
+        self._perms = tuple(itertools.permutations(range(n_streams)))
         super().__init__(dim, n_sublayers, n_streams, sinkhorn_iters=0, eps=eps, alpha_init=alpha_init)
-        self.register_buffer("permutations", eye[perms], persistent=False)  # [m!, m, m]
+
+    @classmethod
+    def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> MHCLite:
+        return cls(dim, n_sublayers, config.hc_streams)
+
+    @classmethod
+    def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+        super().check_config(config, dim, n_sublayers)
+        if config.hc_streams > 6:
+            raise ValueError("ModelConfig.residual.hc_streams must be <= 6 for mhc_lite (it enumerates all hc_streams! "
+                             f"permutations); got {config.hc_streams}")
 
     def _n_res_logits(self) -> int:
-        return self._perm_count
+        return len(self._perms)
+
+    def permutation_matrices(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """All ``m!`` permutation matrices, ``[m!, m, m]``."""
+        index = torch.tensor(self._perms, device=device)
+        return torch.eye(self.n_streams, device=device, dtype=dtype)[index]
 
     def residual_matrix(self, logits: Tensor) -> Tensor:
-        weights = torch.softmax(logits.float(), dim=-1)  # [..., m!]
-        return torch.einsum("...k,kij->...ij", weights, self.permutations.float())
-
-
-def build_baseline(name: str, dim: int, n_sublayers: int, n_streams: int = 4, sinkhorn_iters: int = 20) -> ResidualStream:
-    """The baseline residual called ``name`` (one of ``attnres.models.config.BASELINES``)."""
-    simple = {"rezero": ReZero, "layerscale": LayerScale, "highway": Highway, "denseformer": DenseFormer}
-    if name in simple:
-        return simple[name](dim, n_sublayers)
-    if name == "hyper_connections":
-        return HyperConnections(dim, n_sublayers, n_streams)
-    if name == "mhc":
-        return MHC(dim, n_sublayers, n_streams, sinkhorn_iters=sinkhorn_iters)
-    if name == "mhc_lite":
-        return MHCLite(dim, n_sublayers, n_streams)
-    raise ValueError(f"unknown baseline {name!r}")
+        weights = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)  # [..., m!]
+        return torch.einsum("...k,kij->...ij", weights, self.permutation_matrices(weights.device, weights.dtype))

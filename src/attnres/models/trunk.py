@@ -1,0 +1,154 @@
+"""The decoder trunk shared by :class:`~attnres.AttnResLM`, the Hugging Face models and the
+pipeline stages: the token embedding, the transformer blocks, the residual stream that mixes
+their outputs over depth, and the final norm - plus the one sublayer loop and the one loss.
+
+Who uses what:
+
+* :class:`DecoderTrunk` (a module mixin) owns ``embed_tokens``, ``layers``, ``residual``,
+  ``norm`` and ``rope`` under these names and runs the whole decoder pass (:meth:`decode`);
+  ``AttnResLM`` and ``attnres.hf.AttnResPreTrainedModel`` inherit it.
+* :func:`run_sublayers` is the loop over some transformer blocks; a pipeline stage runs it
+  over its own blocks between ``residual.resume`` and ``residual.history``.
+* :func:`next_token_loss` is the loss of all three.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn.norm import RMSNorm
+from ..nn.residual import ResidualState, ResidualStream
+from ..nn.rope import RotaryEmbedding
+from ..nn.transformer import KVStore, TransformerBlock, causal_mask
+from .config import ModelConfig
+
+__all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call"]
+
+IGNORE_INDEX = -100
+
+
+def next_token_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
+    """Cross-entropy of ``logits [B, T, vocab]`` at positions ``0 .. T-2`` against ``labels
+    [B, T]`` at ``1 .. T-1`` (the shift is done here), ignoring ``IGNORE_INDEX``, in at least
+    float32. ``reduction``: ``"mean"`` over the predicted tokens, or ``"sum"``."""
+    shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
+    if shifted.dtype in (torch.float16, torch.bfloat16):
+        shifted = shifted.float()  # the loss in at least float32
+    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def plain_call(fn, *args):
+    """``fn(*args)``: how :func:`run_sublayers` calls a sublayer unless told otherwise."""
+    return fn(*args)
+
+
+def run_sublayers(
+    residual: ResidualStream,
+    state: ResidualState,
+    blocks,
+    cos: Tensor,
+    sin: Tensor,
+    attn_mask: Tensor | None = None,
+    kv_cache: KVStore | None = None,
+    sublayer_call=plain_call,
+) -> None:
+    """Run the transformer blocks ``blocks`` (pairs ``(i, TransformerBlock)``, block ``i``
+    holding sublayers ``2i`` and ``2i + 1``) on ``state``: each sublayer gets its input from
+    the residual and hands its raw output back. ``sublayer_call(fn, *args)`` runs each
+    sublayer (activation checkpointing goes here)."""
+    for i, layer in blocks:
+        a, m = 2 * i, 2 * i + 1
+        h_a = residual.sublayer_input(state, a)
+        residual.add_output(state, a, sublayer_call(layer.attention_sublayer, h_a, cos, sin, attn_mask, kv_cache, i))
+        h_m = residual.sublayer_input(state, m)
+        residual.add_output(state, m, sublayer_call(layer.mlp_sublayer, h_m))
+
+
+class DecoderTrunk(nn.Module):
+    """Mixin: the decoder up to (not including) the LM head. Call :meth:`build_trunk` in
+    ``__init__``; the modules keep the names ``embed_tokens``, ``layers.{i}``,
+    ``residual``, ``norm`` (and the buffer-only ``rope``)."""
+
+    model_config: ModelConfig
+
+    def build_trunk(self, config: ModelConfig) -> None:
+        self.model_config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(
+            TransformerBlock(config.d_model, config.n_heads, config.kv_heads, config.hidden_size, config.norm_eps)
+            for _ in range(config.n_layers)
+        )
+        self.residual = config.build_residual()
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+
+    @torch.compiler.disable  # data-dependent checks run eagerly, in front of a compiled graph
+    def check_input_ids(self, input_ids: Tensor) -> None:
+        """Raise ``ValueError`` unless ``input_ids`` is an integer ``[B, T]`` tensor of
+        in-vocabulary ids with ``1 <= T <= max_seq_len``. Runs before any compute."""
+        config = self.model_config
+        if not isinstance(input_ids, Tensor):
+            raise ValueError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape [batch, seq_len], got {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if b == 0 or t == 0:
+            raise ValueError(f"input_ids must be non-empty, got shape {tuple(input_ids.shape)}")
+        if t > config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds ModelConfig.max_seq_len={config.max_seq_len}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {config.vocab_size})")
+
+    def positions(self, input_ids: Tensor, attention_mask: Tensor | None, past: int):
+        """RoPE tables and the attention mask of ``input_ids [B, T]`` after ``past`` cached
+        positions: ``(cos, sin, attn_mask)``; ``attn_mask`` is ``None`` without padding,
+        else ``[B, 1, T, past + T]`` (True = may attend)."""
+        t = input_ids.shape[1]
+        if attention_mask is None:
+            cos, sin = self.rope(t, offset=past)
+            return cos, sin, None
+        if attention_mask.shape != (input_ids.shape[0], past + t):
+            raise ValueError(
+                f"attention_mask must have shape [batch, past + seq_len] = {(input_ids.shape[0], past + t)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        real = attention_mask.bool()
+        # RoPE positions count real tokens; left padding sits at position 0.
+        position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        cos, sin = self.rope.at(position_ids)
+        allowed = causal_mask(t, past + t, input_ids.device)  # [T, past + T]
+        # A padded query attends to itself only, so that no softmax row is empty; no real
+        # token ever attends to a padded key.
+        keys = torch.arange(past + t, device=input_ids.device)
+        self_key = keys == keys[past:, None]
+        return cos, sin, (allowed & (real[:, None, :] | self_key)).unsqueeze(1)  # [B, 1, T, past + T]
+
+    def decode(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        kv_cache: KVStore | None = None,
+        *,
+        record_weights: bool = False,
+        sublayer_call=plain_call,
+    ) -> tuple[Tensor, ResidualState]:
+        """The decoder up to (not including) the final norm: ``input_ids [B, T]`` (already
+        validated) -> the residual's output aggregation ``h [B, T, d]`` and the residual state
+        (its ``weights`` hold the depth weights with ``record_weights``).
+
+        ``kv_cache`` holds the keys/values of the ``past`` positions (its ``seq_len``);
+        ``sublayer_call(fn, *args)`` runs each sublayer (activation checkpointing)."""
+        past = 0 if kv_cache is None else kv_cache.seq_len
+        cos, sin, attn_mask = self.positions(input_ids, attention_mask, past)
+        x = self.embed_tokens(input_ids)
+        # Every sublayer input goes through the block's own RMSNorm first, so the residual may
+        # fold that norm into its Phase-2 kernel (defer_norm).
+        state = self.residual.start(x, record_weights=record_weights, defer_norm=True)
+        run_sublayers(self.residual, state, enumerate(self.layers), cos, sin, attn_mask, kv_cache, sublayer_call)
+        return self.residual.finish(state), state

@@ -1,0 +1,63 @@
+"""The residual stream: every variant behind one public protocol, and the registry.
+
+* :mod:`.base` - :class:`ResidualStream` (``start``, ``sublayer_input``, ``add_output``,
+  ``finish``, ``history``, ``resume``), :class:`ResidualState`, :class:`DepthHistory`.
+* :mod:`.registry` - :func:`register_residual`, :func:`residual_class`,
+  :func:`registered_residuals`; :func:`build_residual` builds the module a config names.
+* :mod:`.config` - :class:`ResidualConfig` (``ModelConfig.residual``), :class:`AttnResAblation`.
+* Variants: :mod:`.standard` (standard, and :class:`SingleStreamResidual` to build on),
+  :mod:`.full` and :mod:`.block` (AttnRes, on :mod:`.attnres_base` with its naive and
+  two-phase schedules and the :mod:`.backends` of the two-phase path), :mod:`.baselines`.
+"""
+
+# Registration order is the order of registered_residuals(): standard, Full, Block, baselines.
+from .standard import SingleStreamResidual, StandardResidual  # noqa: I001
+from .full import FullAttnRes
+from .block import BlockAttnRes
+from .attnres_base import AttnResBase
+from .backends import LsePhase1, Phase1Result, StatsPhase1
+from .base import PHASES, DepthHistory, HistoryLayout, ResidualState, ResidualStream
+from .baselines import MHC, DenseFormer, Highway, HyperConnections, LayerScale, MHCLite, ReZero, sinkhorn_knopp
+from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
+from .query import DepthQuery
+from .registry import register_residual, registered_residuals, residual_class, validate_residual_config
+
+
+def build_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
+    """The module ``config`` names, built by its registered class."""
+    return residual_class(config.kind).from_config(config, dim, n_sublayers)
+
+
+__all__ = [
+    "ResidualStream",
+    "ResidualState",
+    "DepthHistory",
+    "HistoryLayout",
+    "PHASES",
+    "SingleStreamResidual",
+    "StandardResidual",
+    "FullAttnRes",
+    "BlockAttnRes",
+    "AttnResBase",
+    "DepthQuery",
+    "AttnResAblation",
+    "ResidualConfig",
+    "Phase1Result",
+    "LsePhase1",
+    "StatsPhase1",
+    "ReZero",
+    "LayerScale",
+    "Highway",
+    "DenseFormer",
+    "HyperConnections",
+    "MHC",
+    "MHCLite",
+    "sinkhorn_knopp",
+    "register_residual",
+    "residual_class",
+    "registered_residuals",
+    "validate_residual_config",
+    "build_residual",
+    "IMPLEMENTATIONS",
+    "KERNEL_BACKENDS",
+]

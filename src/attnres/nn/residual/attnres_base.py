@@ -1,0 +1,218 @@
+"""What Full and Block AttnRes share: the mixers, the naive reference and the two-phase
+bookkeeping.
+
+Two-phase bookkeeping (report §4.2, Algorithm 1): every *completed* source (the embedding, a
+finished block sum, or - for Full - an output of an earlier group) is read once when it
+completes, for its RMS factor and its logits against **every later query at once** (one
+matmul); the RMS factor is never recomputed. Phase 1 of a group then only gathers those
+logits, takes the softmax statistics of the group's queries together and forms their
+weighted sums (on the forward's :mod:`backend <attnres.nn.residual.backends>`); Phase 2
+merges in what the group produced so far, sublayer by sublayer.
+
+Each variant picks its *schedule* - naive or two-phase - once, when ``impl`` is set: a
+stateless strategy object whose ``start/input/add/finish/history/resume`` the module calls;
+the *backend* is picked once per forward, at ``start``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ...ops import compute_dtype, rms_logits
+from .backends import Backend, Phase1Result, select_backend
+from .base import DepthHistory, ResidualState, ResidualStream
+from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
+from .query import DepthQuery
+
+__all__ = ["AttnResBase", "CompletedSources", "Schedule"]
+
+
+@dataclass
+class CompletedSources:
+    """The two-phase schedule's completed sources.
+
+    qg: ``[L + 1, d]``, every mixer's query with its key-norm gain folded in.
+    sources: the completed sources ``[..., d]``; ``logits[j]`` their logits ``[..., L + 1 -
+        offsets[j]]`` against queries ``offsets[j] .. L`` (computed once, at completion).
+    p1: the Phase-1 result of the current block or group.
+    """
+
+    qg: Tensor
+    sources: list[Tensor]
+    logits: list[Tensor]
+    offsets: list[int]
+    p1: Phase1Result | None = None
+
+
+class Schedule:
+    """How a variant runs: the naive reference or the two-phase schedule. Stateless; every
+    method takes the residual module ``m`` and the forward's state."""
+
+    name = ""
+
+    def start(self, m: AttnResBase, embedding: Tensor, common: dict[str, Any]) -> ResidualState:
+        raise NotImplementedError
+
+    def input(self, m: AttnResBase, state: ResidualState, l: int):
+        raise NotImplementedError
+
+    def add(self, m: AttnResBase, state: ResidualState, l: int, output: Tensor) -> None:
+        raise NotImplementedError
+
+    def finish(self, m: AttnResBase, state: ResidualState) -> Tensor:
+        raise NotImplementedError
+
+    def history(self, m: AttnResBase, state: ResidualState) -> DepthHistory:
+        raise NotImplementedError
+
+    def resume(self, m: AttnResBase, history: DepthHistory, at: int, common: dict[str, Any]) -> ResidualState:
+        raise NotImplementedError
+
+
+class AttnResBase(ResidualStream):
+    """Shared parameters (``mixers[l]`` feeds sublayer ``l``, ``mixers[L]`` is the output
+    aggregation: ``L + 1`` :class:`DepthQuery` in all) and machinery of Full and Block AttnRes."""
+
+    has_depth_attention = True
+    #: The variant's schedules by ``impl``; set by subclasses.
+    SCHEDULES: dict[str, Schedule] = {}
+
+    def __init__(
+        self, dim: int, n_sublayers: int, eps: float = 1e-6, impl: str = "two_phase",
+        ablation: AttnResAblation | None = None, kernels: str = "auto",
+    ) -> None:
+        super().__init__(dim, n_sublayers)
+        if kernels not in KERNEL_BACKENDS:
+            raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {kernels!r}")
+        self.ablation = ablation if ablation is not None and ablation.active else None
+        self.eps = eps
+        self.kernels = kernels
+        self.impl = impl
+        counts = self.sources_per_mixer()
+        self.mixers = nn.ModuleList(DepthQuery(dim, eps, self.ablation, counts[l]) for l in range(n_sublayers + 1))
+
+    # -- configuration -------------------------------------------------------------------
+    @property
+    def impl(self) -> str:
+        """``"two_phase"`` or ``"naive"``; setting it switches the schedule (same function)."""
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value not in IMPLEMENTATIONS:
+            raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {value!r}")
+        if self.ablation is not None and value != "naive":
+            raise ValueError("AttnRes ablations run on the naive path: use impl='naive' (ModelConfig.residual.impl)")
+        self._impl = value
+        self.schedule = self.SCHEDULES[value]
+
+    @classmethod
+    def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+        cls._no_options(config)
+        if config.ablation.active and config.impl != "naive":
+            raise ValueError("ModelConfig.residual.impl must be 'naive' when an AttnRes ablation is set (the two-phase "
+                             f"schedule needs static queries and a softmax); got {config.impl!r}")
+
+    def reset_parameters(self) -> None:
+        for m in self.mixers:
+            m.reset_parameters()
+
+    def backend(self, x: Tensor, record_weights: bool = False) -> Backend | None:
+        """The two-phase backend a forward from the embedding ``x`` runs on (``None`` on
+        the naive path)."""
+        if self.impl != "two_phase":
+            return None
+        return select_backend(self.kernels, x, record_weights)
+
+    # -- the protocol, delegated to the schedule -----------------------------------------
+    def _start(self, embedding: Tensor, common: dict[str, Any]) -> ResidualState:
+        return self.schedule.start(self, embedding, common)
+
+    def _input(self, state: ResidualState, l: int):
+        return self.schedule.input(self, state, l)
+
+    def _add(self, state: ResidualState, l: int, output: Tensor) -> None:
+        self.schedule.add(self, state, l, output)
+
+    def _finish(self, state: ResidualState) -> Tensor:
+        return self.schedule.finish(self, state)
+
+    def _history(self, state: ResidualState) -> DepthHistory:
+        return self.schedule.history(self, state)
+
+    def _resume(self, history: DepthHistory, at_sublayer: int, common: dict[str, Any]) -> ResidualState:
+        return self.schedule.resume(self, history, at_sublayer, common)
+
+    # -- the naive reference -------------------------------------------------------------
+    def attend_naive(self, state: ResidualState, l: int, sources: list[Tensor]) -> Tensor:
+        """Mixer ``l`` over ``sources`` with the reference depth attention (recording)."""
+        if state.weights is None:
+            return self.mixers[l].attend(sources)
+        h, w = self.mixers[l].attend(sources, return_weights=True)
+        state.record(w, sources_last=False)
+        return h
+
+    # -- two-phase bookkeeping -----------------------------------------------------------
+    def folded_queries(self, dtype: torch.dtype) -> Tensor:
+        """``[L + 1, d]``: every mixer's query with its key-norm gain folded in.
+
+        Without autograd (inference, decoding) the result is kept until a query or gain
+        changes (their version counters and storage are the key): decoding runs the residual
+        once per token, and rebuilding this costs ~3 small ops per sublayer each time."""
+        compute = compute_dtype(dtype)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return torch.stack([m.folded_query(compute) for m in self.mixers])
+        key = [compute, self.mixers[0].query.device]
+        for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
+            q, g = m._parameters["query"], m._modules["key_norm"]._parameters["weight"]
+            key += (q._version, q.data_ptr(), g._version, g.data_ptr())
+        cached = self.__dict__.get("_folded_cache")
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
+                cached = (key, torch.stack([m.folded_query(compute) for m in self.mixers]))
+            self.__dict__["_folded_cache"] = cached
+        return cached[1]
+
+    def new_sources(self, dtype: torch.dtype) -> CompletedSources:
+        return CompletedSources(self.folded_queries(dtype), [], [], [])
+
+    def complete(self, tp: CompletedSources, x: Tensor, first_query: int) -> None:
+        """Register ``x`` as a completed source visible to queries ``first_query .. L``."""
+        tp.sources.append(x)
+        tp.logits.append(rms_logits(x, tp.qg[first_query:], self.eps))
+        tp.offsets.append(first_query)
+
+    def phase1(self, backend: Backend, tp: CompletedSources, first_query: int, count: int) -> None:
+        """Phase 1 of queries ``first_query .. first_query + count - 1`` over the completed
+        sources, into ``tp.p1``."""
+        cols = [z[..., first_query - off : first_query - off + count] for z, off in zip(tp.logits, tp.offsets)]
+        tp.p1 = backend.phase1(torch.stack(cols, dim=-1), tp.sources, first_query)  # logits [..., count, n]
+
+    def aggregate(self, state: ResidualState, backend: Backend, tp: CompletedSources) -> Tensor:
+        """The output aggregation: query ``L`` over all completed sources."""
+        self.phase1(backend, tp, self.n_sublayers, 1)
+        return backend.merge(state, tp.p1, 0, [], [], fusable=False)
+
+    # -- description ---------------------------------------------------------------------
+    def residual_flops_per_token(self) -> float:
+        """Per mixer over ``n`` sources: ``2 n d`` for the weighted sum and ``2 n d`` for the
+        logits; ``3 d`` per source for its key RMSNorm (once per source); ``2 d^2`` per
+        input-dependent query projection."""
+        d, L = self.dim, self.n_sublayers
+        ab = self.ablation or AttnResAblation()
+        counts = self.sources_per_mixer()
+        total = 0.0
+        for l in range(L + 1):
+            n = counts[l]
+            total += 2 * n * d  # weighted sum
+            if not ab.input_independent_mixing:
+                total += 2 * n * d  # logits
+            if ab.input_dependent_query and l < L:
+                total += 2 * d * d
+        if not ab.input_independent_mixing and ab.key_norm:
+            total += 3 * d * (L + 1)  # each source's key RMSNorm, once per source (upper bound for Block)
+        return total

@@ -1,0 +1,247 @@
+"""Backends of the two-phase schedule: who computes Phase 1 and the Phase-2 merges.
+
+Each backend implements the same three calls with the same signatures, so one is a drop-in
+for another and the tests compare them:
+
+* ``phase1(z, sources, first)``: the softmax statistics and weighted sums of ``count``
+  queries over the completed sources (report Algorithm 1, Phase 1);
+* ``merge(state, p1, s, xs, zs)``: the input of the ``s``-th of those queries' sublayers,
+  its Phase-1 result merged with ``k >= 0`` more sources (Phase 2; Full AttnRes);
+* ``merge_partial(state, p1, s, partial, qg, eps)``: the same with one more source, Block
+  AttnRes' partial sum, whose logit it computes too.
+
+:class:`TorchBackend` is the PyTorch path (``attnres.ops``) and the reference of the others;
+:class:`DecodingBackend` is PyTorch with fewer, smaller operations for no-grad decoding of a
+token or a few; :class:`TritonBackend` runs the fused kernels of :mod:`attnres.kernels` and,
+when the caller feeds the input to an RMSNorm (``state.defer_norm``), fuses that norm in.
+:func:`select_backend` picks one per forward, from the embedding.
+
+Phase 1's statistics differ by backend, and the type says which: PyTorch keeps one
+log-sum-exp per query (:class:`LsePhase1`), the kernels the max and the sum-exp
+(:class:`StatsPhase1`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ...ops import (
+    compute_dtype,
+    decoding,
+    merge_partial_sum,
+    merge_with_one_source,
+    merge_with_sources_lse,
+    rms_logits,
+    weighted_sums,
+)
+from ..norm import FusableNormInput
+from .base import ResidualState
+
+__all__ = [
+    "Phase1Result",
+    "LsePhase1",
+    "StatsPhase1",
+    "Backend",
+    "TorchBackend",
+    "DecodingBackend",
+    "TritonBackend",
+    "select_backend",
+]
+
+
+@dataclass
+class Phase1Result:
+    """Phase 1 of ``count`` consecutive queries ``first .. first + count - 1``.
+
+    o_hat: ``count`` tensors ``[..., d]``, each query's normalised weighted sum over the
+        completed sources, in the compute dtype (float32, or float64).
+    p: ``[..., count, n]``, the weights over the ``n`` completed sources.
+    """
+
+    first: int
+    o_hat: list[Tensor]
+    p: Tensor
+
+
+@dataclass
+class LsePhase1(Phase1Result):
+    """PyTorch's Phase 1: ``lse [..., count]``, the log-sum-exp of each query's logits."""
+
+    lse: Tensor
+
+
+@dataclass
+class StatsPhase1(Phase1Result):
+    """The kernels' Phase 1: ``m`` and ``sumexp [..., count]``, each query's max logit and
+    the sum of ``exp(z - m)``."""
+
+    m: Tensor
+    sumexp: Tensor
+
+
+def _cast(h: Tensor, dtype: torch.dtype) -> Tensor:
+    return h if h.dtype == dtype else h.to(dtype)
+
+
+class Backend:
+    """The interface; see the module docstring."""
+
+    name: ClassVar[str] = ""
+
+    def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> Phase1Result:
+        """``z [..., count, n]``: the logits of ``count`` queries for ``n`` sources ``[..., d]``."""
+        raise NotImplementedError
+
+    def merge(self, state: ResidualState, p1: Phase1Result, s: int, xs: list[Tensor], zs: list[Tensor],
+              fusable: bool = True):
+        """Query ``p1.first + s``'s input with the sources ``xs`` (logits ``zs``, ``[...]``)
+        merged in: ``[..., d]`` in ``state.dtype``; records its weights into ``state``.
+        ``fusable=False``: a tensor even when the caller defers the norm (the output
+        aggregation, whose final norm the model applies after slicing)."""
+        raise NotImplementedError
+
+    def merge_partial(self, state: ResidualState, p1: Phase1Result, s: int, partial: Tensor, qg: Tensor, eps: float):
+        """:meth:`merge` with one source, ``partial``, whose logit for the gain-folded query
+        ``qg [d]`` is computed here."""
+        raise NotImplementedError
+
+
+class TorchBackend(Backend):
+    """PyTorch (``attnres.ops``): the reference of the other backends."""
+
+    name = "torch"
+
+    def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> LsePhase1:
+        count = z.shape[-2]
+        if len(sources) == 1:
+            # One source: its weight is exactly 1, so Phase 1 returns it as it is (no pass).
+            x = sources[0].to(compute_dtype(sources[0].dtype))
+            return LsePhase1(first, [x] * count, torch.ones_like(z), z[..., 0])
+        m = z.amax(dim=-1)
+        e = torch.exp(z - m.unsqueeze(-1))
+        sumexp = e.sum(dim=-1)
+        p = e / sumexp.unsqueeze(-1)
+        return LsePhase1(first, weighted_sums(p, sources), p, m + torch.log(sumexp))
+
+    def merge(self, state: ResidualState, p1: LsePhase1, s: int, xs: list[Tensor], zs: list[Tensor],
+              fusable: bool = True) -> Tensor:
+        o_hat = p1.o_hat[s]
+        if not xs:
+            state.record(p1.p[..., s, :])
+            return _cast(o_hat, state.dtype)
+        if len(xs) == 1:
+            h, w_x = merge_with_one_source(o_hat, p1.lse[..., s], xs[0], zs[0])
+            if state.weights is not None:
+                state.record(torch.cat([p1.p[..., s, :] * (1 - w_x).unsqueeze(-1), w_x.unsqueeze(-1)], dim=-1))
+            return _cast(h, state.dtype)
+        h, w = merge_with_sources_lse(o_hat, p1.lse[..., s], xs, zs)
+        if state.weights is not None:
+            state.record(torch.cat([p1.p[..., s, :] * w[..., :1], w[..., 1:]], dim=-1))
+        return h.to(state.dtype)
+
+    def merge_partial(self, state: ResidualState, p1: LsePhase1, s: int, partial: Tensor, qg: Tensor, eps: float) -> Tensor:
+        return self.merge(state, p1, s, [partial], [rms_logits(partial, qg, eps)])
+
+
+class DecodingBackend(TorchBackend):
+    """PyTorch for small no-grad inputs (decoding): Block's Phase 2 in one
+    :func:`~attnres.ops.merge_partial_sum` (it records no weights; recording forwards take
+    :class:`TorchBackend`)."""
+
+    name = "decoding"
+
+    def merge_partial(self, state: ResidualState, p1: LsePhase1, s: int, partial: Tensor, qg: Tensor, eps: float) -> Tensor:
+        return _cast(merge_partial_sum(p1.o_hat[s], p1.lse[..., s], partial, qg, eps), state.dtype)
+
+
+class TritonBackend(Backend):
+    """The fused Triton kernels (:mod:`attnres.kernels`); with ``state.defer_norm`` every
+    Phase-2 result is a :class:`~attnres.nn.norm.FusableNormInput`, so the sublayer's
+    RMSNorm runs inside the merge kernel."""
+
+    name = "triton"
+
+    def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> StatsPhase1:
+        count = z.shape[-2]
+        if len(sources) == 1:
+            x = sources[0].to(compute_dtype(sources[0].dtype))
+            return StatsPhase1(first, [x] * count, torch.ones_like(z), z[..., 0], torch.ones_like(z[..., 0]))
+        from ...kernels.phase1 import phase1_attention
+
+        lead, d, n = sources[0].shape[:-1], sources[0].shape[-1], len(sources)
+        O, m, sumexp, p = phase1_attention(z.reshape(-1, count, n), torch.stack(sources).reshape(n, -1, d))
+        return StatsPhase1(
+            first, [O[k].reshape(*lead, d) for k in range(count)], p.reshape(*lead, count, n),
+            m.reshape(*lead, count), sumexp.reshape(*lead, count),
+        )
+
+    @staticmethod
+    def _deferred(state: ResidualState, compute, record, fusable: bool = True):
+        """``compute(norm_weight, norm_eps) -> (out, w)`` as the sublayer input: recorded
+        once (``record(w)``), fused with the norm when the caller defers it."""
+        recorded = []
+
+        def run(norm_weight, norm_eps):
+            out, w = compute(norm_weight, norm_eps)
+            if not recorded:
+                recorded.append(True)
+                if state.weights is not None:
+                    record(w)
+            return out
+
+        return FusableNormInput(run) if state.defer_norm and fusable else run(None, None)
+
+    def merge(self, state: ResidualState, p1: StatsPhase1, s: int, xs: list[Tensor], zs: list[Tensor],
+              fusable: bool = True):
+        from ...kernels.merge import merge_sources
+
+        o_hat, m, sumexp, p = p1.o_hat[s], p1.m[..., s], p1.sumexp[..., s], p1.p[..., s, :]
+
+        def compute(norm_weight, norm_eps):
+            if norm_weight is None and not xs:  # nothing to merge and no norm: Phase 1's result
+                return _cast(o_hat, state.dtype), None
+            fused = {} if norm_weight is None else {"norm_weight": norm_weight, "norm_eps": norm_eps}
+            return merge_sources(o_hat, m, sumexp, xs, zs, out_dtype=state.dtype, **fused)
+
+        def record(w):
+            state.record(p if w is None else torch.cat([p * w[..., :1], w[..., 1:]], dim=-1))
+
+        return self._deferred(state, compute, record, fusable)
+
+    def merge_partial(self, state: ResidualState, p1: StatsPhase1, s: int, partial: Tensor, qg: Tensor, eps: float):
+        from ...kernels.phase2 import phase2_merge
+
+        o_hat, m, sumexp, p = p1.o_hat[s], p1.m[..., s], p1.sumexp[..., s], p1.p[..., s, :]
+
+        def compute(norm_weight, norm_eps):
+            fused = {} if norm_weight is None else {"norm_weight": norm_weight, "norm_eps": norm_eps}
+            return phase2_merge(o_hat, m, sumexp, partial, qg, eps, out_dtype=state.dtype, **fused)
+
+        def record(w):
+            state.record(torch.cat([p * (1 - w).unsqueeze(-1), w.unsqueeze(-1)], dim=-1))
+
+        return self._deferred(state, compute, record)
+
+
+TORCH, DECODING, TRITON = TorchBackend(), DecodingBackend(), TritonBackend()
+
+
+def triton_available() -> bool:
+    from ...kernels import triton_available as available
+
+    return available()
+
+
+def select_backend(kernels: str, x: Tensor, record_weights: bool) -> Backend:
+    """The backend of one forward over tensors like ``x`` (the embedding): ``kernels`` is
+    ``ModelConfig.residual.kernels`` (``"auto"``: the kernels for CUDA tensors when triton
+    is installed); small no-grad inputs that record nothing decode on :class:`DecodingBackend`."""
+    if kernels == "triton" or (kernels == "auto" and x.is_cuda and triton_available()):
+        return TRITON
+    if not record_weights and decoding(x):
+        return DECODING
+    return TORCH

@@ -1,0 +1,249 @@
+"""The residual-stream protocol every variant implements.
+
+The transformer loop talks to a :class:`ResidualStream` through four calls and never learns
+which variant it runs::
+
+    state = residual.start(embedding)
+    for l, sublayer in enumerate(sublayers):          # L = 2 * n_layers sublayers
+        out = sublayer(residual.sublayer_input(state, l))
+        residual.add_output(state, l, out)
+    h = residual.finish(state)                        # then final norm and LM head
+
+Code that cuts the loop somewhere (a pipeline stage, sequence-sharded prefill, a traffic
+count) uses two more public calls instead of the state's fields:
+
+* ``residual.history(state)`` -> :class:`DepthHistory`: the completed depth sources and the
+  running tensor in front of the next sublayer, in the layout ``history_layout`` describes;
+* ``residual.resume(history, at_sublayer)`` -> a state that continues from there.
+
+A variant also describes itself without running: ``sources_per_mixer()``,
+``history_layout(sublayer)`` and ``residual_flops_per_token()``; the config, the FLOP count,
+the pipeline and the communication accounting read them from it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+from torch import Tensor, nn
+
+from .config import ResidualConfig
+
+__all__ = ["ResidualState", "DepthHistory", "HistoryLayout", "ResidualStream", "PHASES"]
+
+#: Values of :attr:`ResidualState.phase`.
+PHASES = ("phase1", "phase2", "aggregation")
+
+
+@dataclass
+class ResidualState:
+    """Per-forward bookkeeping shared by all variants; each variant subclasses it with its
+    own typed fields.
+
+    dtype: the residual stream's dtype (the embedding's); outputs are cast to it.
+    next_sublayer: the sublayer whose input comes next (``L`` once all outputs are in).
+    expecting_output: ``sublayer_input`` was called and ``add_output`` has not been yet.
+    weights: when recording, the depth weights of every mixer so far, ``[n_sources, ...]``.
+    defer_norm: the caller feeds every sublayer input to an :class:`attnres.nn.RMSNorm`, so
+        a fused kernel may return a :class:`~attnres.nn.norm.FusableNormInput` whose norm
+        it computes itself.
+    phase: which part of the schedule runs now - ``"phase1"``, ``"phase2"`` or
+        ``"aggregation"`` (report §4.2); read by the memory-traffic count.
+    """
+
+    dtype: Any
+    next_sublayer: int = 0
+    expecting_output: bool = False
+    weights: list[Tensor] | None = None
+    defer_norm: bool = False
+    phase: str = "phase2"
+
+    def record(self, weights: Tensor, sources_last: bool = True) -> None:
+        """Store one mixer's weights as ``[n_sources, ...]`` (given ``[..., n]``, or
+        ``[n, ...]`` with ``sources_last=False``) when recording."""
+        if self.weights is not None:
+            self.weights.append(weights.movedim(-1, 0) if sources_last else weights)
+
+
+class DepthHistory(NamedTuple):
+    """The residual stream in front of a sublayer, as tensors ``[..., d]``.
+
+    completed: the history depth attention attends over - Block AttnRes the embedding and
+        the completed block sums ``b_0 .. b_{n-1}``, Full AttnRes ``v_0 .. v_l``; empty for
+        single-stream variants.
+    running: the tensor that is still changing - Block AttnRes' partial sum inside a block,
+        the standard residual's hidden state - or ``None``.
+    """
+
+    completed: list[Tensor]
+    running: Tensor | None
+
+
+class HistoryLayout(NamedTuple):
+    """How many completed entries, and whether a running tensor, a :class:`DepthHistory`
+    holds in front of a sublayer."""
+
+    completed: int
+    running: bool
+
+
+class ResidualStream(nn.Module, ABC):
+    """How the outputs of ``n_sublayers`` sublayers are combined into their inputs.
+
+    Call order per forward: ``start`` (or ``resume``), then for each sublayer ``l``
+    ``sublayer_input(state, l)`` followed by ``add_output(state, l, out)``, then ``finish``.
+    Tensors are ``[..., d]`` (``[B, T, d]`` in the model); sublayer outputs are cast to the
+    embedding's dtype, so the residual stream keeps the embedding's precision under autocast.
+
+    Subclasses implement ``_start``, ``_input``, ``_add``, ``_finish`` on their own state
+    type, and optionally ``_history``/``_resume`` (for pipelines), and register with
+    :func:`attnres.register_residual`.
+    """
+
+    name: ClassVar[str] = ""
+    #: Whether the variant computes depth-attention weights (``record_weights`` is ignored otherwise).
+    has_depth_attention: ClassVar[bool] = False
+
+    def __init__(self, dim: int, n_sublayers: int) -> None:
+        super().__init__()
+        if n_sublayers < 1:
+            raise ValueError(f"n_sublayers must be >= 1, got {n_sublayers}")
+        self.dim = dim
+        self.n_sublayers = n_sublayers
+
+    # -- construction from a config ------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
+        """The module described by ``config`` (``ModelConfig.residual``); by default
+        ``cls(dim, n_sublayers, **config.options)``."""
+        return cls(dim, n_sublayers, **config.options)
+
+    @classmethod
+    def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+        """Raise ``ValueError`` naming the field if this variant cannot take ``config``. By
+        default: no Table-4 ablation, and ``options`` must be keyword arguments of ``__init__``."""
+        if config.ablation.active:
+            raise ValueError(f"ModelConfig.residual.ablation applies to AttnRes variants; residual {config.kind!r} "
+                             "takes none")
+        params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # after self, dim, n_sublayers
+        if any(p.kind == p.VAR_KEYWORD for p in params):
+            return
+        accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unknown = sorted(set(config.options) - accepted)
+        if unknown:
+            raise ValueError(f"ModelConfig.residual.options {unknown} are not options of residual {config.kind!r}; "
+                             f"it takes {sorted(accepted) or 'none'}")
+
+    @classmethod
+    def _no_options(cls, config: ResidualConfig) -> None:
+        if config.options:
+            raise ValueError(f"ModelConfig.residual.options must be empty for residual {config.kind!r} (its settings "
+                             f"are fields of ModelConfig.residual); got {config.options!r}")
+
+    # -- the protocol --------------------------------------------------------------------
+    def start(self, embedding: Tensor, record_weights: bool = False, defer_norm: bool = False) -> ResidualState:
+        """Begin a forward pass from the token embedding ``[..., d]``. ``record_weights``:
+        keep every mixer's depth weights in ``state.weights``. ``defer_norm``: the caller
+        passes each sublayer input through an :class:`attnres.nn.RMSNorm` first (see
+        :class:`ResidualState`)."""
+        return self._start(embedding, self._common(embedding.dtype, record_weights, defer_norm))
+
+    def _common(self, dtype, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
+        record = record_weights and self.has_depth_attention
+        return {"dtype": dtype, "weights": [] if record else None, "defer_norm": defer_norm}
+
+    def sublayer_input(self, state: ResidualState, l: int):
+        """The input ``h_l`` of sublayer ``l`` (0-based), ``[..., d]``: a tensor, or with
+        ``state.defer_norm`` possibly a :class:`~attnres.nn.norm.FusableNormInput` that the
+        sublayer's RMSNorm turns into ``norm(h_l)`` in one fused kernel."""
+        if l != state.next_sublayer or state.expecting_output:
+            raise RuntimeError(
+                f"sublayer_input({l}) called out of order: expected sublayer {state.next_sublayer}"
+                + (" to return its output first" if state.expecting_output else "")
+            )
+        state.expecting_output = True
+        return self._input(state, l)
+
+    def add_output(self, state: ResidualState, l: int, output: Tensor) -> None:
+        """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``."""
+        if l != state.next_sublayer or not state.expecting_output:
+            raise RuntimeError(f"add_output({l}) called out of order: expected sublayer {state.next_sublayer}")
+        state.expecting_output = False
+        state.next_sublayer += 1
+        if output.dtype != state.dtype:
+            output = output.to(state.dtype)
+        self._add(state, l, output)
+
+    def finish(self, state: ResidualState) -> Tensor:
+        """The final hidden state (before the final norm), ``[..., d]``."""
+        if state.next_sublayer != self.n_sublayers or state.expecting_output:
+            raise RuntimeError(f"finish() called after {state.next_sublayer} of {self.n_sublayers} sublayers")
+        state.phase = "aggregation"
+        return self._finish(state)
+
+    def history(self, state: ResidualState) -> DepthHistory:
+        """The stream in front of sublayer ``state.next_sublayer`` as tensors, in the layout
+        of :meth:`history_layout` (after ``finish``: every source as completed)."""
+        if state.expecting_output:
+            raise RuntimeError(f"history() called between sublayer_input({state.next_sublayer}) and its add_output")
+        return self._history(state)
+
+    def resume(self, history: DepthHistory, at_sublayer: int, record_weights: bool = False,
+               defer_norm: bool = False) -> ResidualState:
+        """A state in front of sublayer ``at_sublayer`` rebuilt from ``history`` (what
+        :meth:`history` returned there, possibly on another process)."""
+        if not 0 <= at_sublayer <= self.n_sublayers:
+            raise ValueError(f"at_sublayer must be in [0, {self.n_sublayers}], got {at_sublayer}")
+        expected = self.history_layout(at_sublayer)
+        got = HistoryLayout(len(history.completed), history.running is not None)
+        if got != expected:
+            raise ValueError(f"a {self.name!r} history in front of sublayer {at_sublayer} holds {expected.completed} "
+                             f"completed entries{' and a running tensor' if expected.running else ''}; got "
+                             f"{got.completed}{' and a running tensor' if got.running else ''}")
+        ref = history.running if history.running is not None else history.completed[0]
+        state = self._resume(history, at_sublayer, self._common(ref.dtype, record_weights, defer_norm))
+        state.next_sublayer = at_sublayer
+        return state
+
+    # -- what a variant describes --------------------------------------------------------
+    def sources_per_mixer(self) -> list[int]:
+        """Number of depth sources each sublayer (then the output aggregation) attends over;
+        empty for variants without depth attention."""
+        return []
+
+    def history_layout(self, sublayer: int) -> HistoryLayout:
+        """The :class:`HistoryLayout` in front of ``sublayer`` (``L``: after the last one).
+        Variants that cannot be cut (and so not pipelined) raise ``ValueError``."""
+        raise ValueError(f"residual {self.name!r} does not describe its history between sublayers, so it cannot be "
+                         "cut into pipeline stages")
+
+    def residual_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the residual mechanism alone (a multiply-add is 2), as
+        ``attnres.experiments.flops`` counts them. Variants registered without it raise."""
+        raise NotImplementedError(f"residual {self.name!r} does not count its FLOPs: define residual_flops_per_token()")
+
+    def reset_parameters(self) -> None:
+        """Re-initialise this module's own parameters (none for the standard residual)."""
+
+    # -- what each variant implements ----------------------------------------------------
+    @abstractmethod
+    def _start(self, embedding: Tensor, common: dict[str, Any]) -> ResidualState: ...
+
+    @abstractmethod
+    def _input(self, state: ResidualState, l: int): ...
+
+    @abstractmethod
+    def _add(self, state: ResidualState, l: int, output: Tensor) -> None: ...
+
+    @abstractmethod
+    def _finish(self, state: ResidualState) -> Tensor: ...
+
+    def _history(self, state: ResidualState) -> DepthHistory:
+        self.history_layout(state.next_sublayer)  # raises for variants that cannot be cut
+        raise NotImplementedError(f"residual {self.name!r} describes a history layout but does not implement _history")
+
+    def _resume(self, history: DepthHistory, at_sublayer: int, common: dict[str, Any]) -> ResidualState:
+        raise NotImplementedError(f"residual {self.name!r} describes a history layout but does not implement _resume")

@@ -1,0 +1,185 @@
+"""Block AttnRes (report §3.2): depth attention over block sums and the current partial sum."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from .attnres_base import AttnResBase, CompletedSources, Schedule
+from .backends import Backend
+from .base import DepthHistory, HistoryLayout, ResidualState
+from .config import AttnResAblation, ResidualConfig
+from .registry import register_residual
+
+__all__ = ["BlockAttnRes", "BlockNaiveState", "BlockTwoPhaseState"]
+
+
+@dataclass
+class BlockNaiveState(ResidualState):
+    """blocks: ``b_0 .. b_{n-1}`` (the embedding and the completed block sums);
+    partial: the current block's partial sum ``b_n^{i-1}`` (``None`` at a block start)."""
+
+    blocks: list[Tensor] | None = None
+    partial: Tensor | None = None
+
+
+@dataclass
+class BlockTwoPhaseState(ResidualState):
+    """sources: the completed blocks with their logits and the block's Phase-1 result;
+    partial: as in :class:`BlockNaiveState`; backend: this forward's backend."""
+
+    sources: CompletedSources | None = None
+    partial: Tensor | None = None
+    backend: Backend | None = None
+
+
+def _add_to_partial(state, output: Tensor) -> None:
+    state.partial = output if state.partial is None else state.partial + output
+
+
+class _Naive(Schedule):
+    """Every sublayer attends over its sources with the reference depth attention."""
+
+    name = "naive"
+
+    def start(self, m, embedding, common):
+        return BlockNaiveState(blocks=[embedding], **common)
+
+    def input(self, m: BlockAttnRes, state: BlockNaiveState, l: int) -> Tensor:
+        if l % m.block_size == 0 and state.partial is not None:
+            state.blocks.append(state.partial)
+            state.partial = None
+        sources = state.blocks + ([state.partial] if state.partial is not None else [])
+        return m.attend_naive(state, l, sources)
+
+    def add(self, m, state, l, output):
+        _add_to_partial(state, output)
+
+    def finish(self, m, state: BlockNaiveState) -> Tensor:
+        return m.attend_naive(state, m.n_sublayers, state.blocks + [state.partial])
+
+    def history(self, m: BlockAttnRes, state: BlockNaiveState) -> DepthHistory:
+        return m.canonical_history(list(state.blocks), state.partial, state.next_sublayer)
+
+    def resume(self, m, history, at, common):
+        return BlockNaiveState(blocks=list(history.completed), partial=history.running, **common)
+
+
+class _TwoPhase(Schedule):
+    """Phase 1 once per block over the completed blocks, Phase 2 per sublayer with the
+    partial sum (report §4.2)."""
+
+    name = "two_phase"
+
+    def start(self, m: BlockAttnRes, embedding: Tensor, common: dict[str, Any]) -> BlockTwoPhaseState:
+        state = BlockTwoPhaseState(sources=m.new_sources(embedding.dtype), **common)
+        state.backend = m.backend(embedding, state.weights is not None)
+        state.phase = "phase1"
+        m.complete(state.sources, embedding, 0)
+        return state
+
+    def _open_block(self, m: BlockAttnRes, state: BlockTwoPhaseState, l: int) -> None:
+        """Phase 1 of the queries ``l ..`` up to the end of ``l``'s block."""
+        end = (l // m.block_size + 1) * m.block_size
+        m.phase1(state.backend, state.sources, l, min(end, m.n_sublayers) - l)
+
+    def input(self, m: BlockAttnRes, state: BlockTwoPhaseState, l: int):
+        tp, backend = state.sources, state.backend
+        if l % m.block_size == 0:
+            state.phase = "phase1"
+            if state.partial is not None:
+                m.complete(tp, state.partial, l)
+                state.partial = None
+            self._open_block(m, state, l)
+            state.phase = "phase2"
+            return backend.merge(state, tp.p1, 0, [], [])
+        state.phase = "phase2"
+        return backend.merge_partial(state, tp.p1, l - tp.p1.first, state.partial, tp.qg[l], m.eps)
+
+    def add(self, m, state, l, output):
+        state.phase = "phase2"
+        _add_to_partial(state, output)
+
+    def finish(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> Tensor:
+        m.complete(state.sources, state.partial, m.n_sublayers)
+        state.partial = None  # now a completed source
+        return m.aggregate(state, state.backend, state.sources)
+
+    def history(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> DepthHistory:
+        return m.canonical_history(list(state.sources.sources), state.partial, state.next_sublayer)
+
+    def resume(self, m: BlockAttnRes, history: DepthHistory, at: int, common: dict[str, Any]) -> BlockTwoPhaseState:
+        ref = history.running if history.running is not None else history.completed[0]
+        state = BlockTwoPhaseState(sources=m.new_sources(ref.dtype), partial=history.running, **common)
+        state.backend = m.backend(ref, state.weights is not None)
+        state.phase = "phase1"
+        for x in history.completed:  # every received entry: its RMS factor and logits, once
+            m.complete(state.sources, x, at)
+        if history.running is not None and at < m.n_sublayers:
+            self._open_block(m, state, at)  # the rest of the open block
+        return state
+
+
+@register_residual("attnres_block")
+class BlockAttnRes(AttnResBase):
+    """Block AttnRes (report §3.2) with block size ``S`` counted in sublayers.
+
+    Sublayer ``l`` (0-based) is at position ``i = l % S + 1`` of block ``n = l // S + 1``; it
+    attends over ``[b_0, ..., b_{n-1}]`` when ``i = 1`` and over
+    ``[b_0, ..., b_{n-1}, b_n^{i-1}]`` otherwise. The output aggregation attends over
+    ``[b_0, ..., b_N]``; the last block may be shorter. ``S = 1`` is Full AttnRes and
+    ``S >= L`` a single block.
+    """
+
+    SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
+
+    def __init__(
+        self, dim: int, n_sublayers: int, block_size: int, eps: float = 1e-6, impl: str = "two_phase",
+        ablation: AttnResAblation | None = None, kernels: str = "auto",
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if ablation is not None and ablation.window is not None:
+            raise ValueError("the sliding-window ablation applies to Full AttnRes only")
+        self.block_size = block_size
+        super().__init__(dim, n_sublayers, eps, impl, ablation, kernels)
+
+    @classmethod
+    def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> BlockAttnRes:
+        return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers), eps=config.eps, impl=config.impl,
+                   ablation=config.ablation, kernels=config.kernels)
+
+    @classmethod
+    def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+        super().check_config(config, dim, n_sublayers)
+        if config.ablation.window is not None:
+            raise ValueError("ModelConfig.residual.ablation.window must be None unless residual.kind='attnres_full' "
+                             f"(the sliding window ablates Full AttnRes); got {config.ablation.window!r}")
+
+    @property
+    def n_blocks(self) -> int:
+        """``N = ceil(L / S)``, the number of blocks (embedding not counted)."""
+        return -(-self.n_sublayers // self.block_size)
+
+    def sources_per_mixer(self) -> list[int]:
+        counts = []
+        for l in range(self.n_sublayers):
+            n, i = l // self.block_size + 1, l % self.block_size + 1
+            counts.append(n if i == 1 else n + 1)
+        return counts + [self.n_blocks + 1]
+
+    def history_layout(self, sublayer: int) -> HistoryLayout:
+        """``b_0`` and the completed blocks, ``1 + s // S``, and a partial sum unless ``s``
+        is a block boundary."""
+        return HistoryLayout(1 + sublayer // self.block_size, sublayer % self.block_size != 0)
+
+    def canonical_history(self, blocks: list[Tensor], partial: Tensor | None, sublayer: int) -> DepthHistory:
+        """A block that ends exactly at ``sublayer`` counts as completed there."""
+        if partial is not None and sublayer % self.block_size == 0:
+            return DepthHistory(blocks + [partial], None)
+        return DepthHistory(blocks, partial)
+
+    def residual_flops_per_token(self) -> float:
+        return super().residual_flops_per_token() + self.n_sublayers * self.dim  # the partial sums

@@ -1,0 +1,231 @@
+"""``ResidualConfig``: which residual variant a model uses, and its settings.
+
+``ModelConfig.residual`` holds one of these. In YAML and JSON it is a mapping::
+
+    residual:
+      kind: attnres_block      # any registered variant (attnres.registered_residuals())
+      block_size: 4
+
+or just the variant's name (``residual: standard``), which keeps every other setting.
+The flat keys of earlier versions (``attnres_block_size``, ``attnres_impl``, ...,
+``hc_streams``) still load, with a ``DeprecationWarning``: see :data:`LEGACY_KEYS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...validation import Fields
+
+__all__ = [
+    "AttnResAblation",
+    "ResidualConfig",
+    "IMPLEMENTATIONS",
+    "KERNEL_BACKENDS",
+    "LEGACY_KEYS",
+    "migrate_legacy_keys",
+]
+
+IMPLEMENTATIONS = ("two_phase", "naive")
+#: Backends of the two-phase path: "auto" = Triton kernels for CUDA tensors when triton is
+#: installed, else PyTorch; "triton" = always the kernels; "torch" = always PyTorch.
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class AttnResAblation:
+    """The AttnRes ablations of the report's Table 4; all off by default (= AttnRes).
+
+    input_dependent_query: the query is ``w_l + W_l RMSNorm(x)`` with ``x`` the most recent
+        source (Full: the previous sublayer's output; Block: the partial sum, or the last
+        block at a block's first sublayer) and ``W_l`` a ``d x d`` projection, zero at init.
+    input_independent_mixing: query and keys replaced by one learned scalar per source
+        (zero at init: uniform weights).
+    sigmoid_weights: unnormalised sigmoid weights instead of the softmax.
+    key_norm: ``False`` uses raw keys (no RMSNorm).
+    heads: multihead depth attention with ``H`` channel groups (``None``: single head).
+    window: Full AttnRes only: the embedding plus the ``W`` most recent outputs.
+
+    Any ablation runs on the naive path (the two-phase schedule needs input-independent
+    queries and a softmax).
+    """
+
+    input_dependent_query: bool = False
+    input_independent_mixing: bool = False
+    sigmoid_weights: bool = False
+    key_norm: bool = True
+    heads: int | None = None
+    window: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self != AttnResAblation()
+
+    def validate(self, dim: int, prefix: str = "ModelConfig.residual.ablation") -> None:
+        check = Fields(prefix)
+        for name in ("input_dependent_query", "input_independent_mixing", "sigmoid_weights", "key_norm"):
+            check.boolean(name, getattr(self, name))
+        check.integer("heads", self.heads, allow_none="single head")
+        if self.heads is not None and dim % self.heads:
+            check.fail("heads", f"a divisor of d_model={dim}", self.heads)
+        check.integer("window", self.window, allow_none="no window")
+        if self.input_dependent_query and self.input_independent_mixing:
+            check.fail("input_independent_mixing", "False when input_dependent_query is True (they exclude each other)", True)
+
+
+@dataclass
+class ResidualConfig:
+    """The residual mechanism of a model.
+
+    kind: a registered variant: ``"standard"`` (PreNorm baseline), ``"attnres_full"``,
+        ``"attnres_block"`` (default), the baselines (``"rezero"``, ``"layerscale"``,
+        ``"highway"``, ``"denseformer"``, ``"hyper_connections"``, ``"mhc"``, ``"mhc_lite"``)
+        or any variant registered with :func:`attnres.register_residual`.
+    block_size: Block AttnRes ``S`` **in sublayers** (a transformer block is 2 sublayers);
+        ``None`` picks ``ceil(L / 8)``, about 8 blocks as the report recommends.
+    impl: ``"two_phase"`` (the fast schedule, default) or ``"naive"`` (the per-sublayer
+        reference). Same function, same weights.
+    kernels: backend of the two-phase path: ``"auto"`` (fused Triton kernels for CUDA
+        tensors when triton is installed, PyTorch otherwise), ``"triton"`` or ``"torch"``.
+    eps: epsilon of the RMSNorm on the depth-attention keys.
+    full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
+        ``round(sqrt(L))``. Scheduling only, not a model change.
+    ablation: the Table-4 ablations (:class:`AttnResAblation`), off by default.
+    hc_streams: ``m``, the residual streams of Hyper-Connections, mHC and mHC-lite (4).
+    sinkhorn_iters: Sinkhorn-Knopp iterations of mHC (20).
+    options: keyword arguments for a variant registered from user code (its
+        ``from_config`` receives them); built-in variants take none.
+    """
+
+    kind: str = "attnres_block"
+    block_size: int | None = None
+    impl: str = "two_phase"
+    kernels: str = "auto"
+    eps: float = 1e-6
+    full_group_size: int | None = None
+    ablation: AttnResAblation = field(default_factory=AttnResAblation)
+    hc_streams: int = 4
+    sinkhorn_iters: int = 20
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ablation, dict):
+            Fields("ModelConfig.residual.ablation").known_keys(self.ablation, _ABLATION_FIELDS)
+            self.ablation = AttnResAblation(**self.ablation)
+
+    def check_fields(self, dim: int) -> None:
+        """Raise ``ValueError`` naming the field and the allowed values on a bad field value.
+        What only the variant knows (is ``kind`` registered, does it accept these settings)
+        :func:`attnres.nn.residual.validate_residual_config` checks on top."""
+        check = Fields("ModelConfig.residual")
+        if not isinstance(self.kind, str):
+            check.fail("kind", "a registered residual name (a string)", self.kind)
+        check.integer("block_size", self.block_size, allow_none="about 8 blocks")
+        check.choice("impl", self.impl, IMPLEMENTATIONS)
+        check.choice("kernels", self.kernels, KERNEL_BACKENDS)
+        check.number("eps", self.eps)
+        check.integer("full_group_size", self.full_group_size, allow_none="round(sqrt(L))")
+        if not isinstance(self.ablation, AttnResAblation):
+            check.fail("ablation", "a mapping of AttnResAblation fields", self.ablation)
+        self.ablation.validate(dim)
+        check.integer("hc_streams", self.hc_streams)
+        check.integer("sinkhorn_iters", self.sinkhorn_iters)
+        if not isinstance(self.options, dict) or not all(isinstance(k, str) for k in self.options):
+            check.fail("options", "a mapping of option names to values", self.options)
+
+    def resolved_block_size(self, n_sublayers: int) -> int:
+        """Block AttnRes' ``S``: ``block_size``, or ``ceil(L / 8)`` (at least 1)."""
+        if self.block_size is not None:
+            return self.block_size
+        return max(1, -(-n_sublayers // 8))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> ResidualConfig:
+        """A ``ResidualConfig`` from one, from a mapping of its fields, or from a name (the kind)."""
+        if isinstance(value, ResidualConfig):
+            return value
+        if isinstance(value, str):
+            return cls(kind=value)
+        if isinstance(value, dict):
+            Fields("ModelConfig.residual").known_keys(value, _FIELDS)
+            return cls(**value)
+        raise ValueError(f"ModelConfig.residual must be a residual name, a mapping of ResidualConfig fields or a "
+                         f"ResidualConfig; got {value!r}")
+
+
+_FIELDS = {f.name for f in dataclasses.fields(ResidualConfig)}
+_ABLATION_FIELDS = {f.name for f in dataclasses.fields(AttnResAblation)}
+
+#: Flat ``ModelConfig`` keys of earlier versions -> their place in ``ModelConfig.residual``.
+LEGACY_KEYS: dict[str, tuple[str, ...]] = {
+    "attnres_block_size": ("block_size",),
+    "attnres_impl": ("impl",),
+    "attnres_full_group_size": ("full_group_size",),
+    "attnres_eps": ("eps",),
+    "attnres_kernels": ("kernels",),
+    "attnres_input_dependent_query": ("ablation", "input_dependent_query"),
+    "attnres_input_independent_mixing": ("ablation", "input_independent_mixing"),
+    "attnres_sigmoid_weights": ("ablation", "sigmoid_weights"),
+    "attnres_key_norm": ("ablation", "key_norm"),
+    "attnres_heads": ("ablation", "heads"),
+    "attnres_window": ("ablation", "window"),
+    "hc_streams": ("hc_streams",),
+    "mhc_sinkhorn_iters": ("sinkhorn_iters",),
+}
+
+
+def residual_as_dict(value: Any) -> dict[str, Any]:
+    """``value`` (a name, a mapping or a ``ResidualConfig``) as a nested mapping, for merging."""
+    if isinstance(value, ResidualConfig):
+        return value.to_dict()
+    if isinstance(value, str):
+        return {"kind": value}
+    if isinstance(value, dict):
+        out = dict(value)
+        if isinstance(out.get("ablation"), AttnResAblation):
+            out["ablation"] = dataclasses.asdict(out["ablation"])
+        return out
+    return ResidualConfig.from_value(value).to_dict()  # raises the error naming the field
+
+
+def merge_residual(base: Any, change: Any) -> dict[str, Any]:
+    """``change`` applied to ``base``: a name changes the kind only, a mapping the fields it
+    names (its ``ablation`` mapping likewise), a ``ResidualConfig`` replaces everything."""
+    if isinstance(change, ResidualConfig):
+        return change.to_dict()
+    merged = residual_as_dict(base) if base is not None else {}
+    for key, value in residual_as_dict(change).items():
+        if key == "ablation" and isinstance(merged.get("ablation"), dict) and isinstance(value, dict):
+            value = {**merged["ablation"], **value}
+        merged[key] = value
+    return merged
+
+
+def migrate_legacy_keys(data: dict[str, Any], where: str = "ModelConfig") -> dict[str, Any]:
+    """``data`` (a mapping of ``ModelConfig`` fields) with the flat keys of earlier versions
+    moved into ``residual`` (a ``DeprecationWarning`` names them); ``data`` is not changed."""
+    legacy = {k: data[k] for k in data if k in LEGACY_KEYS}
+    if not legacy:
+        return data
+    warnings.warn(
+        f"{where} keys {sorted(legacy)} are deprecated: use the nested residual settings "
+        + ", ".join(f"residual.{'.'.join(LEGACY_KEYS[k])}" for k in sorted(legacy)),
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    out = {k: v for k, v in data.items() if k not in LEGACY_KEYS}
+    nested: dict[str, Any] = {}
+    for key, value in legacy.items():
+        path = LEGACY_KEYS[key]
+        if len(path) == 1:
+            nested[path[0]] = value
+        else:
+            nested.setdefault(path[0], {})[path[1]] = value
+    out["residual"] = merge_residual(data.get("residual"), nested)
+    return out

@@ -1,0 +1,73 @@
+"""The residual registry: every variant a ``ModelConfig`` can name.
+
+Built-in variants register themselves when :mod:`attnres.nn.residual` is imported; user
+code registers its own with the same decorator, and the model, ``attnres train``, the
+Hugging Face wrapper, the FLOP count and the pipeline then accept its name::
+
+    from attnres import register_residual
+    from attnres.nn.residual import SingleStreamResidual
+
+    @register_residual("scaled")
+    class ScaledResidual(SingleStreamResidual):
+        def __init__(self, dim, n_sublayers, init=1.0):
+            super().__init__(dim, n_sublayers)
+            self.scale = nn.Parameter(torch.full((n_sublayers,), init))
+        def update(self, l, h, out):
+            return h + self.scale[l] * out
+
+    ModelConfig(residual={"kind": "scaled", "options": {"init": 0.5}})
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from .base import ResidualStream
+from .config import ResidualConfig
+
+__all__ = ["register_residual", "residual_class", "registered_residuals", "validate_residual_config"]
+
+_REGISTRY: dict[str, type] = {}
+T = TypeVar("T", bound=type)
+
+
+def register_residual(name: str, *, replace: bool = False):
+    """Class decorator: register a :class:`~attnres.nn.residual.ResidualStream` subclass
+    under ``name`` (sets its ``name`` attribute). Registering a taken name raises
+    ``ValueError`` unless ``replace=True``."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a residual name must be a Python identifier such as 'my_residual'; got {name!r}")
+
+    def decorate(cls: T) -> T:
+        if not (isinstance(cls, type) and issubclass(cls, ResidualStream)):
+            raise TypeError(f"register_residual({name!r}) decorates ResidualStream subclasses, not {cls!r}")
+        if name in _REGISTRY and _REGISTRY[name] is not cls and not replace:
+            raise ValueError(f"residual {name!r} is already registered (by {_REGISTRY[name].__qualname__}); "
+                             "pass replace=True to override it")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def residual_class(name: str) -> type[ResidualStream]:
+    """The class registered as ``name``; ``ValueError`` listing the registered names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"ModelConfig.residual.kind must be one of {', '.join(repr(n) for n in _REGISTRY)}; got {name!r}"
+        ) from None
+
+
+def registered_residuals() -> tuple[str, ...]:
+    """Every registered name, built-in variants first, in registration order."""
+    return tuple(_REGISTRY)
+
+
+def validate_residual_config(config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+    """Raise ``ValueError`` naming the field unless ``config`` describes a registered variant
+    with settings it accepts (generic field checks, then the variant's ``check_config``)."""
+    config.check_fields(dim)
+    residual_class(config.kind).check_config(config, dim, n_sublayers)

@@ -1,0 +1,75 @@
+"""Single-stream residuals: one hidden state ``h`` updated after every sublayer.
+
+:class:`SingleStreamResidual` is the easiest base for a new variant: implement
+``update(l, h, out)`` (and ``residual_flops_per_token``), register it, done. Its history
+is the hidden state alone, so such variants can be cut into pipeline stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from .base import DepthHistory, HistoryLayout, ResidualState, ResidualStream
+from .config import ResidualConfig
+from .registry import register_residual
+
+__all__ = ["StreamState", "SingleStreamResidual", "StandardResidual"]
+
+
+@dataclass
+class StreamState(ResidualState):
+    """``h``: the hidden state, the input of the next sublayer ``[..., d]``."""
+
+    h: Tensor | None = None
+
+
+class SingleStreamResidual(ResidualStream):
+    """``h_{l+1} = update(l, h_l, f_l(h_l))``, starting from the embedding."""
+
+    def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
+        """The hidden state after sublayer ``l`` from its input ``h`` and raw output ``out``."""
+        raise NotImplementedError
+
+    def _start(self, embedding: Tensor, common: dict[str, Any]) -> StreamState:
+        return StreamState(h=embedding, **common)
+
+    def _input(self, state: StreamState, l: int) -> Tensor:
+        return state.h
+
+    def _add(self, state: StreamState, l: int, output: Tensor) -> None:
+        state.h = self.update(l, state.h, output)
+
+    def _finish(self, state: StreamState) -> Tensor:
+        return state.h
+
+    def history_layout(self, sublayer: int) -> HistoryLayout:
+        return HistoryLayout(0, True)
+
+    def _history(self, state: StreamState) -> DepthHistory:
+        return DepthHistory([], state.h)
+
+    def _resume(self, history: DepthHistory, at_sublayer: int, common: dict[str, Any]) -> StreamState:
+        return StreamState(h=history.running, **common)
+
+
+@register_residual("standard")
+class StandardResidual(SingleStreamResidual):
+    """PreNorm residual: the input of sublayer ``l`` is ``v_0 + v_1 + ... + v_l``."""
+
+    @classmethod
+    def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+        super().check_config(config, dim, n_sublayers)
+        cls._no_options(config)
+
+    @classmethod
+    def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> StandardResidual:
+        return cls(dim, n_sublayers)
+
+    def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
+        return h + out
+
+    def residual_flops_per_token(self) -> float:
+        return float(self.n_sublayers * self.dim)  # one add per sublayer
