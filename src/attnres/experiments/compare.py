@@ -35,7 +35,8 @@ import numpy as np
 
 from ..train.schedule import wsd_decay_start
 from .flops import to_pflops_days
-from .report import markdown_table, mean_std, read_overhead, run_dir, saved_config
+from .layout import read_overhead, run_dir, saved_config
+from .stats import markdown_table, mean_std
 
 BASELINE = "standard"
 _LABELS = {"standard": "standard (PreNorm)", "block": "Block AttnRes", "full": "Full AttnRes"}

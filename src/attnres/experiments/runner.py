@@ -24,9 +24,7 @@ from ..train import TrainConfig, latest_checkpoint, train
 from ..train.config import apply_overrides
 from .flops import to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
-from .report import run_dir
-
-RESULT_FILE = "result.json"
+from .layout import EXPERIMENT_FILE, RESULT_FILE, run_dir
 
 
 def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,
@@ -113,7 +111,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         chosen = [v for v in experiment.variants if v.name in variants]
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
-    marker = out / "experiment.json"
+    marker = out / EXPERIMENT_FILE
     if marker.exists():
         saved = json.loads(marker.read_text())
         differing = sorted(k for k in header if saved.get(k) != header[k])
