@@ -23,8 +23,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +57,10 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .config import RESUMABLE_CHANGES, TrainConfig
+from .metrics import MetricsLogger
 from .optim import build_optimizer
 from .schedule import lr_factor
+from .signals import StopSignals
 
 
 class TrainingDiverged(RuntimeError):
@@ -78,67 +78,6 @@ class TrainResult:
     checkpoint: Path | None
     out_dir: Path
     interrupted: str | None = None
-
-
-class MetricsLogger:
-    """Appends JSON records to ``metrics.jsonl`` and mirrors scalars to TensorBoard when the
-    ``tensorboard`` package is installed and enabled."""
-
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None) -> None:
-        self.path = out_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            # Drop what an interrupted run logged after its last checkpoint: it is redone.
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
-        elif resume_step is None:
-            self.path.write_text("")
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                pass
-            else:
-                self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
-
-    def log(self, kind: str, step: int, **values: Any) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
-        if self.writer is not None:
-            for name, value in values.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{kind}/{name}", value, step)
-                elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-                    for i, v in enumerate(value):
-                        self.writer.add_scalar(f"{kind}/{name}/{i}", v, step)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-class StopSignals:
-    """While active, SIGINT and SIGTERM only set :attr:`received`; the loop checkpoints and
-    returns at the end of the current step. A second SIGINT interrupts at once."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum, _frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -184,171 +123,253 @@ def train(config: TrainConfig) -> TrainResult:
     config.validate()
     mode = resolve_mode(config.distributed)
     if mode == "none":
-        return _train(config, None, "none")
+        return Trainer(config, None, "none").run()
     ctx = init_distributed(config.device, config.dist_timeout_s)
     with collective_errors(ctx):
-        return _train(config, ctx, mode)
+        return Trainer(config, ctx, mode).run()
 
 
-def _train(config: TrainConfig, ctx: DistContext | None, mode: str) -> TrainResult:
-    """:func:`train` for one process; ``ctx`` is its place in the process group (or None)."""
-    main = ctx is None or ctx.is_main
-    device = resolve_device(config.device) if ctx is None else ctx.device
-    out_dir = Path(config.out_dir)
-    corpus = load_corpus(config.data.paths, config.data.val_fraction)
+class Trainer:
+    """One process's part of a training run; :func:`train` is the public entry point.
 
-    def prepare():
-        return prepare_data(corpus, config.data.tokenizer, config.data.vocab_size, config.data.cache_dir)
+    :meth:`run` calls, in order, :meth:`setup_data`, :meth:`build_model`, :meth:`restore`,
+    :meth:`build_optimizer` and :meth:`open_outputs`, then :meth:`step` until the run ends,
+    with :meth:`log_step`, :meth:`evaluate`, :meth:`diagnostics` and :meth:`checkpoint` at
+    their cadences. ``ctx`` is this process's place in the process group (``None`` alone).
+    """
 
-    if ctx is None:
-        data = prepare()
-    else:  # rank 0 tokenises (and trains the BPE) once; the others then read its cache
-        data = prepare() if main else None
-        dist.barrier()
-        data = data or prepare()
-    if config.model.vocab_size != data.vocab_size:  # the tokenizer decides (the caller's config is left alone)
-        config = dataclasses.replace(config, model=config.model.replace(vocab_size=data.vocab_size))
+    def __init__(self, config: TrainConfig, ctx: DistContext | None, mode: str) -> None:
+        self.config, self.ctx, self.mode = config, ctx, mode
+        self.main = ctx is None or ctx.is_main
+        self.device = resolve_device(config.device) if ctx is None else ctx.device
+        self.out_dir = Path(config.out_dir)
+        self.step_count, self.tokens_seen = 0, 0
+        self.train_loss: float | None = None
+        self.val_loss: float | None = None
+        self.resume_step: int | None = None
+        self.last_ckpt: Path | None = None
+        self.logger: MetricsLogger | None = None
+        self.progress = None
+        self._restored: tuple[Path, dict[str, Any]] | None = None  # (checkpoint, its state) on resume
 
-    torch.manual_seed(config.seed)
-    model = AttnResLM(config.model).to(device)
-    sampler = BatchSampler(data.train, config.seq_len, config.batch_size, config.seed)
-    val_batches = validation_batches(data.val, config.seq_len, config.batch_size, config.eval_batches)
+    # -- set-up ---------------------------------------------------------------------------
+    def setup_data(self) -> None:
+        """Read and tokenise the corpus (rank 0 first under torchrun, the others then read
+        its cache), set the model's vocabulary from the tokenizer, build the sampler and the
+        validation batches."""
+        config, ctx = self.config, self.ctx
+        corpus = load_corpus(config.data.paths, config.data.val_fraction)
 
-    step, tokens_seen, resume_step, train_loss, val_loss = 0, 0, None, None, None
-    if main:
-        remove_partial_checkpoints(out_dir)
-    existing = latest_checkpoint(out_dir)
-    state = None
-    if config.resume:
-        if existing is None:
-            raise ValueError(f"resume=true but {str(out_dir / 'checkpoints')!r} holds no checkpoint")
-        _check_resumable(read_checkpoint_state(existing)["config"], config.to_dict(), existing)
-        # Weights (and RNG) go into the whole model, before data parallelism shards it; the
-        # optimiser state once the optimiser exists (below).
-        state = load_checkpoint(existing, model)
-        sampler.load_state_dict(state["sampler"])
-        step, tokens_seen, resume_step = state["step"], state["tokens_seen"], state["step"]
-        train_loss, val_loss = state["train_loss"], state["val_loss"]
-    elif existing is not None:
-        raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true to continue, or pick another out_dir")
-    if ctx is not None:
-        if config.batch_size % ctx.world_size:
-            raise ValueError(f"TrainConfig.batch_size={config.batch_size} (the global batch) must be divisible by the "
-                             f"number of ranks {ctx.world_size}")
-        dist.barrier()  # every rank has seen the same checkpoints before rank 0 writes anything
-    forward = model if ctx is None else wrap_model(model, mode, ctx)
-    optimizer = build_optimizer(model, config)
-    if state is not None:
-        opt_state = read_optimizer_state(existing, state)
-        optimizer.load_state_dict(shard_optimizer_state(optimizer, opt_state) if mode == "fsdp" else opt_state)
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        def prepare():
+            return prepare_data(corpus, config.data.tokenizer, config.data.vocab_size, config.data.cache_dir)
 
-    if config.compile:
-        forward = torch.compile(forward)
-    use_bf16 = config.dtype == "bfloat16"
-
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-
-    end = min(config.steps, config.stop_after or config.steps)
-    logger = MetricsLogger(out_dir, config.tensorboard, resume_step) if main else None
-    progress = None
-    if config.progress and main:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            pass
-        else:
-            progress = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    last_ckpt, interrupted = (existing if config.resume else None), None
-    window_tokens, window_start = 0, time.perf_counter()
-
-    def checkpoint() -> Path:
-        run_state = {"config": config.to_dict(), "sampler": sampler.state_dict(), "tokens_seen": tokens_seen,
-                     "train_loss": train_loss, "val_loss": val_loss}
         if ctx is None:
-            return save_checkpoint(out_dir, step, model, optimizer, run_state, config.keep_checkpoints)
-        # Every rank takes part in gathering the shards; rank 0 writes the consolidated files.
-        model_state, opt_state = full_model_state(model), full_optimizer_state(optimizer)
-        if main:
-            write_checkpoint(out_dir, step, model_state, opt_state, run_state, config.keep_checkpoints)
-        dist.barrier()
-        return checkpoint_path(out_dir, step)
+            data = prepare()
+        else:  # rank 0 tokenises (and trains the BPE) once; the others then read its cache
+            data = prepare() if self.main else None
+            dist.barrier()
+            data = data or prepare()
+        if config.model.vocab_size != data.vocab_size:  # the tokenizer decides (the caller's config is left alone)
+            self.config = config = dataclasses.replace(config, model=config.model.replace(vocab_size=data.vocab_size))
+        self.data = data
+        self.sampler = BatchSampler(data.train, config.seq_len, config.batch_size, config.seed)
+        self.val_batches = validation_batches(data.val, config.seq_len, config.batch_size, config.eval_batches)
 
-    try:
-        with StopSignals() as signals:
-            model.train()
-            while step < end:
-                factor = lr_factor(step, config.steps, config.schedule, config.warmup_steps, config.min_lr_ratio,
-                                   config.decay_fraction)
-                for group in optimizer.param_groups:
-                    group["lr"] = group["initial_lr"] * factor
-                optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                for micro in range(config.grad_accum):
-                    ids = sampler.next_batch()  # the global batch; each rank trains on its rows
-                    ids = (ids if ctx is None else local_rows(ids, ctx)).to(device)
-                    with gradient_sync(forward, mode, micro == config.grad_accum - 1):
-                        with autocast():
-                            loss = forward(ids, labels=ids).loss
-                        (loss / config.grad_accum).backward()
-                    loss_sum += loss.item()
-                train_loss = loss_sum / config.grad_accum
-                if ctx is not None:  # the global batch's loss, the same on every rank (so is the stop decision)
-                    train_loss = mean_over_ranks(train_loss, ctx)
-                diag_step = (step + 1) % config.diagnostics_every == 0
-                grads = block_grad_norms(model) if diag_step else None  # before clipping
-                clip = config.grad_clip if config.grad_clip > 0 else math.inf
-                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, clip)).item()
-                if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-                    where = f"the last good checkpoint is {str(last_ckpt)!r}" if last_ckpt else "no checkpoint was written yet"
-                    raise TrainingDiverged(
-                        f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step + 1} "
-                        f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {where}. "
-                        "Lower lr, raise warmup_steps or set grad_clip."
-                    )
-                optimizer.step()
-                step += 1
-                tokens_seen += config.tokens_per_step
-                window_tokens += config.tokens_per_step
+    def build_model(self) -> None:
+        """The model, initialised from ``seed``."""
+        torch.manual_seed(self.config.seed)
+        self.model = AttnResLM(self.config.model).to(self.device)
 
-                if (step % config.log_every == 0 or step == end) and main:
-                    now = time.perf_counter()
-                    tok_s = window_tokens / max(now - window_start, 1e-9)
-                    logger.log("train", step, loss=train_loss, lr=config.lr * factor, grad_norm=grad_norm,
-                               tokens=tokens_seen, tokens_per_s=tok_s)
-                    if progress is not None:
-                        progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
-                    window_tokens, window_start = 0, now
-                if step % config.eval_every == 0 or step == config.steps:
-                    # Every rank evaluates the same batches (FSDP2 forwards are collectives).
-                    val_loss = evaluate(model, val_batches, device, autocast)
-                    if main:
-                        logger.log("eval", step, val_loss=val_loss, tokens=tokens_seen)
-                if diag_step:
-                    with autocast():
-                        diag = forward_diagnostics(model, val_batches[0].to(device))
-                    if main:
-                        logger.log("diagnostics", step, block_grad_norm=grads, **diag)
-                if progress is not None:
-                    progress.update(1)
-                received = signals.received
-                # A launcher signals every rank, not necessarily during the same step: stop together.
-                if ctx is not None and any_rank(received is not None, ctx):
-                    received = received or "SIGTERM"
-                if received is not None:
-                    interrupted = received
-                    last_ckpt = checkpoint()
-                    break
-                if step % config.checkpoint_every == 0 or step == end:
-                    last_ckpt = checkpoint()
-    finally:
-        if progress is not None:
-            progress.close()
-        if logger is not None:
-            logger.close()
-    return TrainResult(step=step, train_loss=train_loss, val_loss=val_loss, checkpoint=last_ckpt, out_dir=out_dir,
-                       interrupted=interrupted)
+    def restore(self) -> None:
+        """With ``resume``: weights, RNG states, data position and counters from the newest
+        checkpoint (the optimiser state follows in :meth:`build_optimizer`). Without: refuse
+        an ``out_dir`` that already holds checkpoints."""
+        config, out_dir = self.config, self.out_dir
+        if self.main:
+            remove_partial_checkpoints(out_dir)
+        existing = latest_checkpoint(out_dir)
+        if config.resume:
+            if existing is None:
+                raise ValueError(f"resume=true but {str(out_dir / 'checkpoints')!r} holds no checkpoint")
+            _check_resumable(read_checkpoint_state(existing)["config"], config.to_dict(), existing)
+            # Weights (and RNG) go into the whole model, before data parallelism shards it.
+            state = load_checkpoint(existing, self.model)
+            self.sampler.load_state_dict(state["sampler"])
+            self.step_count, self.tokens_seen, self.resume_step = state["step"], state["tokens_seen"], state["step"]
+            self.train_loss, self.val_loss = state["train_loss"], state["val_loss"]
+            self._restored = (existing, state)
+            self.last_ckpt = existing
+        elif existing is not None:
+            raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true to continue, or pick another out_dir")
+
+    def build_optimizer(self) -> None:
+        """Wrap the model for data parallelism, build the optimiser and, on resume, load its
+        state."""
+        config, ctx = self.config, self.ctx
+        if ctx is not None:
+            if config.batch_size % ctx.world_size:
+                raise ValueError(f"TrainConfig.batch_size={config.batch_size} (the global batch) must be divisible by "
+                                 f"the number of ranks {ctx.world_size}")
+            dist.barrier()  # every rank has seen the same checkpoints before rank 0 writes anything
+        self.forward = self.model if ctx is None else wrap_model(self.model, self.mode, ctx)
+        self.optimizer = build_optimizer(self.model, config)
+        if self._restored is not None:
+            path, state = self._restored
+            opt_state = read_optimizer_state(path, state)
+            self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, opt_state)
+                                           if self.mode == "fsdp" else opt_state)
+        if config.compile:
+            self.forward = torch.compile(self.forward)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def open_outputs(self) -> None:
+        """``config.json``, the metrics log and the progress bar (rank 0)."""
+        config = self.config
+        if not self.main:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        self.logger = MetricsLogger(self.out_dir, config.tensorboard, self.resume_step)
+        if config.progress:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.progress = tqdm(total=config.steps, initial=self.step_count, unit="step", dynamic_ncols=True)
+
+    def autocast(self):
+        if self.config.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- one step and what follows it -----------------------------------------------------
+    def step(self) -> tuple[float, float, list[float] | None]:
+        """One optimiser step: learning rate from the schedule, ``grad_accum`` micro-batches,
+        the divergence guard, clipping, the update. Returns ``(lr factor, gradient norm,
+        per-block gradient norms or None)``; raises :class:`TrainingDiverged`."""
+        config, ctx, step = self.config, self.ctx, self.step_count
+        factor = lr_factor(step, config.steps, config.schedule, config.warmup_steps, config.min_lr_ratio,
+                           config.decay_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for micro in range(config.grad_accum):
+            ids = self.sampler.next_batch()  # the global batch; each rank trains on its rows
+            ids = (ids if ctx is None else local_rows(ids, ctx)).to(self.device)
+            with gradient_sync(self.forward, self.mode, micro == config.grad_accum - 1):
+                with self.autocast():
+                    loss = self.forward(ids, labels=ids).loss
+                (loss / config.grad_accum).backward()
+            loss_sum += loss.item()
+        train_loss = loss_sum / config.grad_accum
+        if ctx is not None:  # the global batch's loss, the same on every rank (so is the stop decision)
+            train_loss = mean_over_ranks(train_loss, ctx)
+        self.train_loss = train_loss
+        grads = block_grad_norms(self.model) if (step + 1) % config.diagnostics_every == 0 else None  # before clipping
+        clip = config.grad_clip if config.grad_clip > 0 else math.inf
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip)).item()
+        if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+            where = (f"the last good checkpoint is {str(self.last_ckpt)!r}" if self.last_ckpt
+                     else "no checkpoint was written yet")
+            raise TrainingDiverged(
+                f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step + 1} "
+                f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {where}. "
+                "Lower lr, raise warmup_steps or set grad_clip."
+            )
+        self.optimizer.step()
+        self.step_count += 1
+        self.tokens_seen += config.tokens_per_step
+        return factor, grad_norm, grads
+
+    def log_step(self, factor: float, grad_norm: float, window: list) -> None:
+        """A ``train`` record (rank 0) with the tokens/s of the window since the last one;
+        ``window`` is ``[tokens, start time]``, reset here."""
+        now = time.perf_counter()
+        tok_s = window[0] / max(now - window[1], 1e-9)
+        self.logger.log("train", self.step_count, loss=self.train_loss, lr=self.config.lr * factor,
+                        grad_norm=grad_norm, tokens=self.tokens_seen, tokens_per_s=tok_s)
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        window[:] = [0, now]
+
+    def evaluate(self) -> None:
+        """The validation loss; every rank evaluates the same batches (FSDP2 forwards are
+        collectives), rank 0 logs it."""
+        self.val_loss = evaluate(self.model, self.val_batches, self.device, self.autocast)
+        if self.main:
+            self.logger.log("eval", self.step_count, val_loss=self.val_loss, tokens=self.tokens_seen)
+
+    def diagnostics(self, grads: list[float] | None) -> None:
+        """The Fig. 5 / Fig. 8 diagnostics on the first validation batch, with the per-block
+        gradient norms ``grads`` of this step."""
+        with self.autocast():
+            diag = forward_diagnostics(self.model, self.val_batches[0].to(self.device))
+        if self.main:
+            self.logger.log("diagnostics", self.step_count, block_grad_norm=grads, **diag)
+
+    def checkpoint(self) -> Path:
+        """Write the checkpoint of the current step (every rank takes part in gathering the
+        shards; rank 0 writes the consolidated files)."""
+        config, step = self.config, self.step_count
+        run_state = {"config": config.to_dict(), "sampler": self.sampler.state_dict(), "tokens_seen": self.tokens_seen,
+                     "train_loss": self.train_loss, "val_loss": self.val_loss}
+        if self.ctx is None:
+            path = save_checkpoint(self.out_dir, step, self.model, self.optimizer, run_state, config.keep_checkpoints)
+        else:
+            model_state, opt_state = full_model_state(self.model), full_optimizer_state(self.optimizer)
+            if self.main:
+                write_checkpoint(self.out_dir, step, model_state, opt_state, run_state, config.keep_checkpoints)
+            dist.barrier()
+            path = checkpoint_path(self.out_dir, step)
+        self.last_ckpt = path
+        return path
+
+    def stop_signal(self, signals: StopSignals) -> str | None:
+        """The signal that asks this run to stop, agreed by every rank (a launcher signals
+        every rank, not necessarily during the same step)."""
+        received = signals.received
+        if self.ctx is not None and any_rank(received is not None, self.ctx):
+            received = received or "SIGTERM"
+        return received
+
+    # -- the run --------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        self.setup_data()
+        self.build_model()
+        self.restore()
+        self.build_optimizer()
+        self.open_outputs()
+        config = self.config
+        end = min(config.steps, config.stop_after or config.steps)
+        interrupted = None
+        window = [0, time.perf_counter()]
+        try:
+            with StopSignals() as signals:
+                self.model.train()
+                while self.step_count < end:
+                    factor, grad_norm, grads = self.step()
+                    step = self.step_count
+                    window[0] += config.tokens_per_step
+                    if (step % config.log_every == 0 or step == end) and self.main:
+                        self.log_step(factor, grad_norm, window)
+                    if step % config.eval_every == 0 or step == config.steps:
+                        self.evaluate()
+                    if grads is not None:
+                        self.diagnostics(grads)
+                    if self.progress is not None:
+                        self.progress.update(1)
+                    interrupted = self.stop_signal(signals)
+                    if interrupted is not None:
+                        self.checkpoint()
+                        break
+                    if step % config.checkpoint_every == 0 or step == end:
+                        self.checkpoint()
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+            if self.logger is not None:
+                self.logger.close()
+        return TrainResult(step=self.step_count, train_loss=self.train_loss, val_loss=self.val_loss,
+                           checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted)
