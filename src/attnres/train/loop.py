@@ -8,8 +8,11 @@ norm, tokens/s) goes to ``<out_dir>/metrics.jsonl`` (and TensorBoard when instal
 diagnostics; every ``checkpoint_every`` steps, at the end, and on SIGINT/SIGTERM a checkpoint.
 
 Resuming (``resume=True``) restores weights, optimiser, data position and RNG states from the
-newest checkpoint in ``out_dir``, so that N steps plus N resumed steps give bit-for-bit the
-parameters of 2N uninterrupted steps.
+newest checkpoint in ``out_dir`` that verifies (``resume_from``: a given one), so that N steps
+plus N resumed steps give bit-for-bit the parameters of 2N uninterrupted steps; ``init_from``
+starts a new run from a checkpoint's weights (see :mod:`attnres.train.resume`). Every
+checkpoint stores the tokenizer and the data's fingerprint; a run holds an exclusive lock on
+its ``out_dir`` (:mod:`attnres.train.lock`) and prints its resolved set-up at start-up.
 
 Under ``torchrun`` (``TrainConfig.distributed``, docs/distributed.md) every rank runs this loop
 on its slice of each global batch, with FSDP2 or DDP averaging the gradients; rank 0 logs and
@@ -24,6 +27,7 @@ import dataclasses
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,21 +50,25 @@ from ..distributed.data_parallel import (
     wrap_model,
 )
 from ..distributed.launch import DistContext, collective_errors, init_distributed, resolve_mode
+from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
 from .checkpoint import (
+    CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
-    read_checkpoint_state,
     read_optimizer_state,
     remove_partial_checkpoints,
     save_checkpoint,
     write_checkpoint,
 )
-from .config import RESUMABLE_CHANGES, TrainConfig
+from .config import TrainConfig, flatten
+from .lock import RunLock
 from .metrics import MetricsLogger
 from .optim import build_optimizer
+from .resume import Source, check_data, check_resumable, find_valid_checkpoint, set_aside_newer
 from .schedule import lr_factor
 from .signals import StopSignals
+from .summary import RunFacts, startup_summary
 
 
 class TrainingDiverged(RuntimeError):
@@ -86,13 +94,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("TrainConfig.device='cuda' but no CUDA device is available")
     return torch.device(name)
-
-
-def _check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    differing = sorted(k for k in set(saved) | set(current) if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k))
-    if differing:
-        raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {differing} "
-                         f"(only {sorted(RESUMABLE_CHANGES)} may change on resume)")
 
 
 @torch.no_grad()
@@ -132,10 +133,12 @@ def train(config: TrainConfig) -> TrainResult:
 class Trainer:
     """One process's part of a training run; :func:`train` is the public entry point.
 
-    :meth:`run` calls, in order, :meth:`setup_data`, :meth:`build_model`, :meth:`restore`,
-    :meth:`build_optimizer` and :meth:`open_outputs`, then :meth:`step` until the run ends,
-    with :meth:`log_step`, :meth:`evaluate`, :meth:`diagnostics` and :meth:`checkpoint` at
-    their cadences. ``ctx`` is this process's place in the process group (``None`` alone).
+    :meth:`run` holds the run directory's lock (:meth:`locked`) and calls, in order,
+    :meth:`locate` (the checkpoint to resume or initialise from), :meth:`setup_data`,
+    :meth:`build_model`, :meth:`restore`, :meth:`build_optimizer`, :meth:`open_outputs` and
+    :meth:`announce`, then :meth:`step` until the run ends, with :meth:`log_step`,
+    :meth:`evaluate`, :meth:`diagnostics` and :meth:`checkpoint` at their cadences. ``ctx``
+    is this process's place in the process group (``None`` alone).
     """
 
     def __init__(self, config: TrainConfig, ctx: DistContext | None, mode: str) -> None:
@@ -150,28 +153,98 @@ class Trainer:
         self.last_ckpt: Path | None = None
         self.logger: MetricsLogger | None = None
         self.progress = None
-        self._restored: tuple[Path, dict[str, Any]] | None = None  # (checkpoint, its state) on resume
+        self.source: Source | None = None  # the checkpoint this run resumes
+        self.init_source: Source | None = None  # the checkpoint whose weights start this run (init_from)
+        self.origin: dict[str, Any] | None = None  # init_from provenance, carried in every checkpoint
+        self.data_changed = False
+
+    # -- coordination ---------------------------------------------------------------------
+    def _main_first(self, fn):
+        """``fn()`` on rank 0 first, then on the others (which may then read what rank 0
+        wrote: a token cache, checkpoints set aside). An error on rank 0 stops every rank."""
+        if self.ctx is None:
+            return fn()
+        result, error = None, None
+        if self.main:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                error = e
+        if any_rank(error is not None, self.ctx):  # a collective: also the barrier
+            raise error or ValueError("rank 0 failed to set up the run (see its error)")
+        return result if self.main else fn()
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the run directory's lock for the whole run. Under torchrun only rank 0 takes
+        it (the ranks are one run, and only rank 0 writes); the others learn whether it
+        succeeded, so that every rank stops with the error instead of waiting for rank 0."""
+        lock = RunLock(self.out_dir) if self.main else None
+        self._main_first(lock.acquire if lock is not None else (lambda: None))
+        try:
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
 
     # -- set-up ---------------------------------------------------------------------------
+    def locate(self) -> None:
+        """The checkpoint to start from: with ``resume`` / ``resume_from`` the newest one that
+        verifies (corrupted ones in this run's directory are set aside, with a warning); with
+        ``init_from`` the weights to start from. A new run refuses an ``out_dir`` that holds
+        checkpoints."""
+        config, out_dir = self.config, self.out_dir
+        if self.main:
+            remove_partial_checkpoints(out_dir)
+        if config.resuming:
+            where = Path(config.resume_from) if config.resume_from is not None else out_dir
+            own = where.resolve() in (out_dir.resolve(), (out_dir / "checkpoints").resolve()) or \
+                where.resolve().parent == (out_dir / "checkpoints").resolve()
+            self.source = self._main_first(lambda: find_valid_checkpoint(where, set_aside=self.main and own))
+            if self.source is None:
+                raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
+            if config.resume_from is not None and self.main:
+                for moved in set_aside_newer(out_dir, self.source.step):
+                    print(f"attnres train: {moved.name}: a later checkpoint than the one resumed from, set aside")
+            return
+        if latest_checkpoint(out_dir) is not None:
+            raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true (--resume) to continue, "
+                             "--resume-from DIR to continue a given checkpoint, or pick another out_dir")
+        if config.init_from is not None:
+            self.init_source = find_valid_checkpoint(config.init_from)
+            if self.init_source is None:
+                raise ValueError(f"init_from={config.init_from!r} is neither a checkpoint nor a run directory with "
+                                 "checkpoints")
+            self.origin = {"checkpoint": str(self.init_source.path), "step": self.init_source.step}
+
+    def stored_tokenizer(self, source: Source) -> Tokenizer | None:
+        """The tokenizer stored with ``source``; ``None`` (with a warning) for checkpoints of
+        earlier versions, which store none: the tokenizer is then made from ``data`` as then."""
+        meta = source.state.get("tokenizer")
+        if meta is None:
+            warnings.warn(f"checkpoint {str(source.path)!r} stores no tokenizer (written by an earlier version): "
+                          "making it from the data settings, as that version did", stacklevel=2)
+            return None
+        return tokenizer_from_state(meta, source.path)
+
     def setup_data(self) -> None:
         """Read and tokenise the corpus (rank 0 first under torchrun, the others then read
         its cache), set the model's vocabulary from the tokenizer, build the sampler and the
-        validation batches."""
-        config, ctx = self.config, self.ctx
+        validation batches. A run that starts from a checkpoint keeps that checkpoint's
+        tokenizer; a resumed one checks that the data is the checkpoint's."""
+        config = self.config
         corpus = load_corpus(config.data.paths, config.data.val_fraction)
-
-        def prepare():
-            return prepare_data(corpus, config.data.tokenizer, config.data.vocab_size, config.data.cache_dir)
-
-        if ctx is None:
-            data = prepare()
-        else:  # rank 0 tokenises (and trains the BPE) once; the others then read its cache
-            data = prepare() if self.main else None
-            dist.barrier()
-            data = data or prepare()
+        start = self.source or self.init_source
+        given = self.stored_tokenizer(start) if start is not None else None
+        if self.source is not None:
+            self.data_changed = check_data(self.source, corpus.digest, config.allow_data_change)
+        data = self._main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
+                                                     config.data.cache_dir, given=given))
         if config.model.vocab_size != data.vocab_size:  # the tokenizer decides (the caller's config is left alone)
             self.config = config = dataclasses.replace(config, model=config.model.replace(vocab_size=data.vocab_size))
-        self.data = data
+        self.data, self.fingerprint = data, corpus.digest
+        self.tokenizer_meta, self.tokenizer_files = tokenizer_state(data.tokenizer)
+        self.tokenizer_origin = "stored in the checkpoint" if given is not None else "made from the data"
         self.sampler = BatchSampler(data.train, config.seq_len, config.batch_size, config.seed)
         self.val_batches = validation_batches(data.val, config.seq_len, config.batch_size, config.eval_batches)
 
@@ -181,26 +254,29 @@ class Trainer:
         self.model = AttnResLM(self.config.model).to(self.device)
 
     def restore(self) -> None:
-        """With ``resume``: weights, RNG states, data position and counters from the newest
-        checkpoint (the optimiser state follows in :meth:`build_optimizer`). Without: refuse
-        an ``out_dir`` that already holds checkpoints."""
-        config, out_dir = self.config, self.out_dir
-        if self.main:
-            remove_partial_checkpoints(out_dir)
-        existing = latest_checkpoint(out_dir)
-        if config.resume:
-            if existing is None:
-                raise ValueError(f"resume=true but {str(out_dir / 'checkpoints')!r} holds no checkpoint")
-            _check_resumable(read_checkpoint_state(existing)["config"], config.to_dict(), existing)
+        """Resume: weights, RNG states, data position and counters of the checkpoint (the
+        optimiser state follows in :meth:`build_optimizer`), after checking that the config
+        may continue it. ``init_from``: the weights only."""
+        if self.source is not None:
+            source = self.source
+            check_resumable(source.state["config"], self.config.to_dict(), source)
             # Weights (and RNG) go into the whole model, before data parallelism shards it.
-            state = load_checkpoint(existing, self.model)
-            self.sampler.load_state_dict(state["sampler"])
+            state = load_checkpoint(source.path, self.model, verified=source.state)
+            if not self.data_changed:
+                self.sampler.load_state_dict(state["sampler"])
             self.step_count, self.tokens_seen, self.resume_step = state["step"], state["tokens_seen"], state["step"]
             self.train_loss, self.val_loss = state["train_loss"], state["val_loss"]
-            self._restored = (existing, state)
-            self.last_ckpt = existing
-        elif existing is not None:
-            raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true to continue, or pick another out_dir")
+            self.origin = state.get("init_from")
+            self.last_ckpt = source.path
+        elif self.init_source is not None:
+            source = self.init_source
+            try:
+                load_checkpoint(source.path, self.model, restore_rng=False, verified=source.state)
+            except CheckpointError as e:
+                saved, ours = flatten(source.state["config"]["model"]), flatten(self.config.model.to_dict())
+                differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
+                raise CheckpointError(f"init_from: {e}; the checkpoint's model differs from this run's in "
+                                      f"{['model.' + k for k in differing]}") from None
 
     def build_optimizer(self) -> None:
         """Wrap the model for data parallelism, build the optimiser and, on resume, load its
@@ -213,9 +289,8 @@ class Trainer:
             dist.barrier()  # every rank has seen the same checkpoints before rank 0 writes anything
         self.forward = self.model if ctx is None else wrap_model(self.model, self.mode, ctx)
         self.optimizer = build_optimizer(self.model, config)
-        if self._restored is not None:
-            path, state = self._restored
-            opt_state = read_optimizer_state(path, state)
+        if self.source is not None:
+            opt_state = read_optimizer_state(self.source.path, self.source.state)
             self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, opt_state)
                                            if self.mode == "fsdp" else opt_state)
         if config.compile:
@@ -237,6 +312,28 @@ class Trainer:
                 pass
             else:
                 self.progress = tqdm(total=config.steps, initial=self.step_count, unit="step", dynamic_ncols=True)
+
+    def announce(self) -> None:
+        """Print the resolved set-up (rank 0): how the run starts, the model, tokens per
+        step, data size in tokens, device and dtype."""
+        if not self.main:
+            return
+        if self.source is not None:
+            start = f"resuming {str(self.source.path)!r} at step {self.source.step}"
+            if self.data_changed:
+                start += " on changed data (allow_data_change)"
+        elif self.init_source is not None:
+            start = (f"new run in {str(self.out_dir)!r} from the weights of {str(self.init_source.path)!r} (init_from; "
+                     "fresh optimiser and schedule)")
+        else:
+            start = f"new run in {str(self.out_dir)!r}"
+        tok = self.data.tokenizer
+        facts = RunFacts(start=start, first_step=self.step_count, parameters=self.model.num_parameters(),
+                         train_tokens=len(self.data.train), val_tokens=len(self.data.val),
+                         tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {self.tokenizer_origin}",
+                         fingerprint=self.fingerprint, device=str(self.device),
+                         world_size=1 if self.ctx is None else self.ctx.world_size)
+        print(startup_summary(self.config, facts), flush=True)
 
     def autocast(self):
         if self.config.dtype == "bfloat16":
@@ -271,17 +368,21 @@ class Trainer:
         clip = config.grad_clip if config.grad_clip > 0 else math.inf
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip)).item()
         if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-            where = (f"the last good checkpoint is {str(self.last_ckpt)!r}" if self.last_ckpt
-                     else "no checkpoint was written yet")
             raise TrainingDiverged(
                 f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step + 1} "
-                f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {where}. "
-                "Lower lr, raise warmup_steps or set grad_clip."
+                f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {self._recovery_hint()}"
             )
         self.optimizer.step()
         self.step_count += 1
         self.tokens_seen += config.tokens_per_step
         return factor, grad_norm, grads
+
+    def _recovery_hint(self) -> str:
+        if self.last_ckpt is None:
+            return "no checkpoint was written yet. Lower lr, raise warmup_steps or set grad_clip."
+        return (f"the last good checkpoint is {str(self.last_ckpt)!r}. Lower lr, raise warmup_steps or set grad_clip, "
+                f"and start again from its weights with init_from={self.last_ckpt} (a fresh optimiser and schedule) "
+                "in a new out_dir")
 
     def log_step(self, factor: float, grad_norm: float, window: list) -> None:
         """A ``train`` record (rank 0) with the tokens/s of the window since the last one;
@@ -310,17 +411,23 @@ class Trainer:
             self.logger.log("diagnostics", self.step_count, block_grad_norm=grads, **diag)
 
     def checkpoint(self) -> Path:
-        """Write the checkpoint of the current step (every rank takes part in gathering the
-        shards; rank 0 writes the consolidated files)."""
+        """Write the checkpoint of the current step, with the tokenizer and the data's
+        fingerprint (every rank takes part in gathering the shards; rank 0 writes the
+        consolidated files)."""
         config, step = self.config, self.step_count
         run_state = {"config": config.to_dict(), "sampler": self.sampler.state_dict(), "tokens_seen": self.tokens_seen,
-                     "train_loss": self.train_loss, "val_loss": self.val_loss}
+                     "train_loss": self.train_loss, "val_loss": self.val_loss, "tokenizer": self.tokenizer_meta,
+                     "data": {"fingerprint": self.fingerprint, "train_tokens": len(self.data.train),
+                              "val_tokens": len(self.data.val)},
+                     "init_from": self.origin}
         if self.ctx is None:
-            path = save_checkpoint(self.out_dir, step, self.model, self.optimizer, run_state, config.keep_checkpoints)
+            path = save_checkpoint(self.out_dir, step, self.model, self.optimizer, run_state, config.keep_checkpoints,
+                                   self.tokenizer_files)
         else:
             model_state, opt_state = full_model_state(self.model), full_optimizer_state(self.optimizer)
             if self.main:
-                write_checkpoint(self.out_dir, step, model_state, opt_state, run_state, config.keep_checkpoints)
+                write_checkpoint(self.out_dir, step, model_state, opt_state, run_state, config.keep_checkpoints,
+                                 self.tokenizer_files)
             dist.barrier()
             path = checkpoint_path(self.out_dir, step)
         self.last_ckpt = path
@@ -336,11 +443,17 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        self.setup_data()
-        self.build_model()
-        self.restore()
-        self.build_optimizer()
-        self.open_outputs()
+        with self.locked():
+            self.locate()
+            self.setup_data()
+            self.build_model()
+            self.restore()
+            self.build_optimizer()
+            self.open_outputs()
+            self.announce()
+            return self.train_loop()
+
+    def train_loop(self) -> TrainResult:
         config = self.config
         end = min(config.steps, config.stop_after or config.steps)
         interrupted = None
