@@ -139,12 +139,16 @@ def test_old_checkpoints_fall_back_with_a_warning(tmp_path, corpus_file):
 
 def test_a_second_run_on_a_locked_out_dir_is_refused(tmp_path, corpus_file):
     run = tmp_path / "run"
-    with RunLock(run):  # as a live run holds it
+    with RunLock(run):  # as a live run holds it, in the middle of writing a checkpoint
+        in_progress = run / "checkpoints" / ".tmp-step-00000002-1"
+        in_progress.mkdir(parents=True)
         with pytest.raises(RunLocked, match=rf"in use by another run: PID {os.getpid()} on host '{socket.gethostname()}'"):
             train(load_config(None, overrides(corpus_file, run, steps=2)))
         with pytest.raises(SystemExit, match="attnres train: error: .* in use by another run"):
-            cli_main(["train", *overrides(corpus_file, run, steps=2)])
-        assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]  # nothing written, nothing deleted
+            cli_main(["train", *overrides(corpus_file, run, steps=2, resume="true")])
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", LOCK_FILE]  # nothing written
+        assert in_progress.is_dir()  # nor the live run's checkpoint in progress deleted
+        in_progress.rmdir()
     assert not (run / LOCK_FILE).exists()
     result = train(load_config(None, overrides(corpus_file, run, steps=2)))
     assert result.step == 2 and not (run / LOCK_FILE).exists()  # released at the end
@@ -193,6 +197,8 @@ def test_resume_from_an_earlier_checkpoint(tmp_path, corpus_file):
     args = overrides(corpus_file, split, checkpoint_every=2)
     assert cli_main(["train", *args[:3], "--resume-from", str(earlier), *args[3:]]) == 0
     assert (split / "checkpoints" / "superseded-step-00000004").is_dir()
+    with pytest.raises(SystemExit, match=r"resume_from='.*nowhere' is neither a checkpoint nor a run directory"):
+        cli_main(["train", *args, "--resume-from", str(tmp_path / "nowhere")])
     assert_same_weights(final_weights(tmp_path / "full"), final_weights(split))
     steps = [r["step"] for r in read_metrics(split / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 7))

@@ -201,6 +201,9 @@ class Trainer:
             own = where.resolve() in (out_dir.resolve(), (out_dir / "checkpoints").resolve()) or \
                 where.resolve().parent == (out_dir / "checkpoints").resolve()
             self.source = self._main_first(lambda: find_valid_checkpoint(where, set_aside=self.main and own))
+            if self.source is None and config.resume_from is not None:
+                raise ValueError(f"resume_from={config.resume_from!r} is neither a checkpoint nor a run directory with "
+                                 "checkpoints")
             if self.source is None:
                 raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
             if config.resume_from is not None and self.main:
