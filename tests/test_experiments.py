@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +172,10 @@ def test_interrupted_run_is_resumed(corpus, tmp_path):
     (done / "result.json").unlink()  # as if the run had stopped after its final checkpoint
     log: list[str] = []
     run_experiment(exp, tmp_path, [0], over, log=log.append)
-    assert sum("training" in line for line in log) == 1 and (done / "result.json").exists()
+    # the log says that the run resumes (at its last checkpoint), not that it trains from scratch
+    first = [line for line in log if "skipped" not in line][0]
+    assert re.search(rf"{exp.variants[0].name} seed 0: resuming at step (\d+) of \1$", first), first
+    assert not any("training" in line for line in log) and (done / "result.json").exists()
 
 
 def test_arch_sweep_end_to_end(corpus, tmp_path):
@@ -260,12 +264,18 @@ def test_compare_finds_how_the_gap_moves_during_the_decay(tmp_path):
         rec = {"variant": variant, "seed": seed, "steps": 100, "flops": 100.0, "val_loss": losses[-1]}
         return Run(rec, eval_steps=[40, 80, 100], val_loss=losses)
 
-    groups = {BASELINE: [run(BASELINE, 0, [3.0, 2.5, 2.0]), run(BASELINE, 1, [3.0, 2.6, 2.1])],
-              "block": [run("block", 0, [2.9, 2.4, 1.85]), run("block", 1, [2.9, 2.5, 2.05])]}
+    groups = {BASELINE: [run(BASELINE, 0, [3.0, 2.5, 2.0]), run(BASELINE, 1, [3.0, 2.6, 2.1]),
+                         run(BASELINE, 2, [3.0, 2.6, 2.1])],
+              "block": [run("block", 0, [2.9, 2.4, 1.85]), run("block", 1, [2.9, 2.5, 2.05]),
+                        run("block", 2, [2.9, 2.5, 2.0])]}
     (finding,) = _decay_gap_findings(groups, 80)
-    # gaps -0.1 / -0.1 at step 80, -0.15 / -0.05 at the end: the mean holds, one seed gains
+    # gaps -0.1 / -0.1 / -0.1 at step 80, -0.15 / -0.05 / -0.1 at the end: the mean holds, one seed gains
     assert "-0.1000 when the learning-rate decay starts (step 80), -0.1000 at the end" in finding
-    assert "in AttnRes’s favour in 1/2 seed(s)" in finding
+    assert "in AttnRes’s favour in 1/3 seed(s)" in finding
+    # with fewer than 3 seeds the gaps are stated, no direction is claimed
+    (two,) = _decay_gap_findings({name: rs[:2] for name, rs in groups.items()}, 80)
+    assert "over 2 seed(s): fewer than 3 seeds, so no claim of an ordering can be made" in two
+    assert "favour" not in two
     config = tmp_path / "block" / "seed0" / "config.json"
     config.parent.mkdir(parents=True)
     config.write_text(json.dumps({"schedule": "wsd", "steps": 3600, "warmup_steps": 200, "decay_fraction": 0.2}))
@@ -319,3 +329,97 @@ def test_variants_option_trains_only_the_named_variants(corpus, tmp_path):
     assert (out / "report.md").exists()
     with pytest.raises(SystemExit, match=r"variants must be names of the 'compare' grid \['standard', 'block', 'full'\]"):
         cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "blok", *over])
+
+
+def _runs_of(losses: dict[str, list[float]], steps: list[int]):
+    """``Run`` s with the given validation losses per seed (one list entry per seed) at ``steps``."""
+    from attnres.experiments.compare import Run
+
+    return {name: [Run({"variant": name, "seed": k, "steps": steps[-1], "flops": 100.0 * steps[-1],
+                        "val_loss": curve[-1]}, eval_steps=list(steps), val_loss=list(curve))
+                   for k, curve in enumerate(curves)]
+            for name, curves in losses.items()}
+
+
+def test_findings_claim_no_ordering_from_fewer_than_three_seeds():
+    from attnres.experiments.compare import _findings
+
+    def gaps(n):
+        return {"block": {"steps": [-0.05] * n}}
+
+    one = _findings({}, gaps(1))
+    assert one == ["Block AttnRes at equal steps: paired gap to the standard model -0.0500 over 1 seed(s): fewer than "
+                   "3 seeds, so no claim of an ordering can be made (run more seeds, e.g. --seeds 0 1 2)."]
+    assert "lower" not in one[0]
+    (three,) = _findings({}, gaps(3))
+    assert three.startswith("Block AttnRes at equal steps: lower validation loss than the standard model by 0.0500")
+
+
+def _saved_figures(monkeypatch):
+    """Every matplotlib figure saved while the returned list is watched."""
+    from matplotlib.figure import Figure
+
+    saved, save = [], Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        saved.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return saved
+
+
+def test_val_loss_plot_draws_curves_of_a_single_evaluation(tmp_path, monkeypatch):
+    """A short run evaluates once: its curve is one point, which a line alone does not
+    draw; every curve has visible markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.compare import _plot_val_loss
+
+    saved = _saved_figures(monkeypatch)
+    _plot_val_loss(_runs_of({"standard": [[2.0]], "block": [[1.9]]}, [4]), tmp_path / "val_loss.png")
+    (fig,) = saved
+    for ax in fig.axes:
+        curves = [line for line in ax.get_lines() if len(line.get_xdata()) == 1]
+        assert len(curves) == 2
+        assert all(line.get_marker() not in (None, "", " ", "None") and line.get_markersize() > 0 for line in curves)
+
+
+def test_depth_weight_heatmaps_have_integer_source_ticks(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.compare import _plot_depth_weights
+
+    groups = _runs_of({"full": [[2.0]]}, [4])
+    n = 3  # 1 transformer block: 2 sublayers and the output, over up to 3 sources (auto ticks: 0, 0.5, 1, ...)
+    groups["full"][0].diagnostics = {"depth_weights": [[1.0 / (l + 1)] * (l + 1) for l in range(n)]}
+    saved = _saved_figures(monkeypatch)
+    assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
+    (fig,) = saved
+    fig.canvas.draw()
+    heatmaps = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    assert len(heatmaps) == 2
+    for ax in heatmaps:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_report_only_takes_the_preset_from_the_experiment(corpus, tmp_path):
+    out = tmp_path / "compare"
+    over = [f"data.paths=[{corpus}]", "--overhead-repeats", "0"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--seeds", "0", *over]) == 0
+    assert cli_main(["compare", "--out", str(out), "--report-only"]) == 0
+    title = (out / "report.md").read_text().splitlines()[0]
+    assert title == "# Standard vs Block vs Full AttnRes — preset tiny"
+
+
+def test_reports_tolerate_a_truncated_metrics_line(corpus, tmp_path):
+    out = tmp_path / "compare"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard",
+                     f"data.paths=[{corpus}]", "--overhead-repeats", "0"]) == 0
+    with (out / "standard" / "seed0" / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "eval", "st')
+    with pytest.warns(UserWarning, match="unreadable line"):
+        assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--report-only"]) == 0

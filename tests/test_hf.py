@@ -126,7 +126,8 @@ def test_tokenizer_export_keeps_ids(tmp_path):
         loaded = AutoTokenizer.from_pretrained(tmp_path / tok.kind)
         assert loaded(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
         assert loaded.decode(tok.encode(text)) == text
-        assert loaded.eos_token_id == tok.encode("\n")[0]
+        # No end-of-sequence token (training has none); the line break pads.
+        assert loaded.eos_token is None and loaded.pad_token_id == tok.encode("\n")[0]
 
 
 def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
@@ -169,20 +170,28 @@ def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch):
     run = tmp_path / "run"
     train(load_config(None, overrides(corpus, run, steps=2, eval_every=100, diagnostics_every=100)))
     out = tmp_path / "eval.json"
-    assert cli_main(["eval", "--checkpoint", str(run), "--limit", "4", "--out", str(out)]) == 0
+    assert cli_main(["eval", "--checkpoint", str(run), "--limit", "4", "--out", str(out), "--device", "cpu"]) == 0
     results = json.loads(out.read_text())
     ppl = results["perplexity"]
     assert ppl["tokens"] > 0 and ppl["perplexity"] > 1 and ppl["bits_per_byte"] > 0
-    assert set(results["lm_eval"]) == {"attnres_ppl", "attnres_cloze"}
-    assert 0 <= results["lm_eval"]["attnres_cloze"]["acc,none"] <= 1
-    assert results["lm_eval"]["attnres_ppl"]["bits_per_byte,none"] > 0
-    # export writes a directory the Auto classes and AutoTokenizer load.
+    assert set(results["lm_eval"]) == {"attnres_ppl", "attnres_cloze"} and results["device"] == "cpu"
+    cloze, rolling = results["lm_eval"]["attnres_cloze"], results["lm_eval"]["attnres_ppl"]
+    assert 0 <= cloze["acc,none"] <= 1
+    assert rolling["bits_per_byte,none"] > 0
+    # Standard errors are numbers, not "N/A": the binomial one for accuracy (4 items),
+    # the ratio estimator's for the rolling metrics.
+    acc = cloze["acc,none"]
+    assert cloze["acc_stderr,none"] == pytest.approx((acc * (1 - acc) * 4 / 3 / 4) ** 0.5)
+    for name in ("bits_per_byte", "byte_perplexity", "word_perplexity"):
+        assert isinstance(rolling[f"{name}_stderr,none"], float) and rolling[f"{name}_stderr,none"] > 0, name
+    # export writes a directory the Auto classes and AutoTokenizer load, with no end-of-text token.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert cli_main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert model.config.eos_token_id == tok.eos_token_id == ord("\n")
+    assert model.config.eos_token_id is None and tok.eos_token_id is None and model.generation_config.eos_token_id is None
+    assert tok.pad_token_id == model.config.pad_token_id == ord("\n")
     assert tok.model_max_length == model.config.max_position_embeddings == model.config.max_seq_len
 
 
@@ -200,6 +209,8 @@ def test_perplexity_windows_predict_every_token_once():
     assert abs(one["bits_per_byte"] - whole / torch.log(torch.tensor(2.0)).item()) < 1e-5
     windows = perplexity(model, ByteTokenizer(), text, seq_len=32)  # shorter contexts: a different loss
     assert windows["tokens"] == one["tokens"] and windows["loss"] != one["loss"]
+    with pytest.raises(ValueError, match=r"--seq-len must be in \[1, 128\] \(the model's context limit, max_seq_len\)"):
+        perplexity(model, ByteTokenizer(), text, seq_len=129)
 
 
 def test_local_cloze_items_have_distinct_choices_and_the_right_label(tmp_path):
@@ -236,3 +247,78 @@ def test_import_attnres_without_transformers(tmp_path):
     env = {"PYTHONPATH": f"{SRC}:{view}", "PATH": "/usr/bin:/bin"}
     run = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_export_and_eval_check_their_outputs_before_any_work(tmp_path, monkeypatch):
+    """``export --out <existing file>`` and ``eval --out <missing folder>`` fail at once
+    with a message naming the path; the file is left alone."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import overrides, write_corpus
+
+    import attnres.hf.evaluate as evaluate_mod
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus, run, steps=1, eval_every=100, diagnostics_every=100)))
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    with pytest.raises(SystemExit, match=r"attnres export: error: --out .*notes.txt' is an existing file"):
+        cli_main(["export", "--checkpoint", str(run), "--out", str(existing)])
+    assert existing.read_text() == "keep me"
+    monkeypatch.setattr(evaluate_mod, "perplexity", lambda *a, **k: pytest.fail("eval did work before checking --out"))
+    with pytest.raises(SystemExit, match=r"attnres eval: error: --out .*: the folder .*missing' does not exist"):
+        cli_main(["eval", "--checkpoint", str(run), "--out", str(tmp_path / "missing" / "eval.json")])
+
+
+def test_exported_model_generates_past_line_breaks(tmp_path):
+    """The export declares no end-of-sequence token, so HF ``generate`` does not stop at a
+    line break: a model that always predicts "\\n" produces every token asked for."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import overrides, write_corpus
+
+    from attnres.hf import export_checkpoint
+    from attnres.inference.loading import load_run
+    from attnres.train import load_config, train
+    from attnres.train.checkpoint import save_checkpoint
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus, run, steps=1, eval_every=100, diagnostics_every=100,
+                                      **{"model.residual": "standard"})))
+    loaded = load_run(run)
+    model = loaded.model
+    with torch.no_grad():  # blocks add nothing; every token embeds alike; the head favours "\n"
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        model.embed_tokens.weight.copy_(torch.ones_like(model.embed_tokens.weight))
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[ord("\n")] = 1.0
+    keep = {k: v for k, v in loaded.state.items() if k not in ("format_version", "step", "files", "optimizer")}
+    save_checkpoint(run, 2, model, torch.optim.AdamW(model.parameters()), keep, keep=5)  # byte tokenizer: no file
+    export_checkpoint(run, tmp_path / "hf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok("the quick", return_tensors="pt")
+    out = hf.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert tok.decode(out[0, ids["input_ids"].shape[1]:]) == "\n" * 5
+
+
+def test_ratio_stderr_matches_a_bootstrap():
+    """The delta-method standard error of sum(a)/sum(b) agrees with a brute-force bootstrap
+    of the same documents (an independent estimate) to about 5 %."""
+    import numpy as np
+
+    from attnres.hf.evaluate import ratio_stderr
+
+    rng = np.random.default_rng(0)
+    b = rng.integers(20, 200, size=200).astype(float)  # bytes per document
+    a = -b * rng.normal(2.0, 0.3, size=200)  # log-likelihoods
+    pick = rng.integers(0, 200, size=(20000, 200))
+    boot = a[pick].sum(axis=1) / b[pick].sum(axis=1)
+    assert ratio_stderr(list(zip(a, b))) == pytest.approx(float(boot.std(ddof=1)), rel=0.05)
+    with pytest.raises(ValueError, match="at least 2"):
+        ratio_stderr([(1.0, 2.0)])

@@ -285,6 +285,7 @@ def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, ca
     corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
     run = tmp_path / "run"
     train(load_config(None, overrides(corpus, run, steps=2, eval_every=100, diagnostics_every=100)))
+    capsys.readouterr()  # the training's start-up summary
     assert cli_main(["generate", "--checkpoint", str(run), "--prompt", "the quick", "--max-new-tokens", "5", "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert "5 tokens in" in err and "tokens/s" in err
@@ -297,3 +298,34 @@ def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, ca
         cli_main(["generate", "--checkpoint", str(run), "--prompt", "the", "--temperature", "-1"])
     with pytest.raises(SystemExit, match="neither a checkpoint nor a run directory"):
         cli_main(["generate", "--checkpoint", str(tmp_path), "--prompt", "the"])
+
+
+def test_generate_cli_device_and_context_limit(tmp_path, capsys):
+    """``--device`` picks where the model runs (a bad name is a one-line error naming the
+    allowed values), and a prompt that does not fit the context is refused up front with
+    the limit and what to change."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus, run, steps=1, eval_every=100, diagnostics_every=100)))
+    capsys.readouterr()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert cli_main(["generate", "--checkpoint", str(run), "--prompt", "the", "--max-new-tokens", "3",
+                     "--temperature", "0", "--device", device]) == 0
+    assert f"prefill included, {device}" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'tpu'"):
+        cli_main(["generate", "--checkpoint", str(run), "--prompt", "the", "--device", "tpu"])
+    # tiny: max_seq_len 128; a 100-byte prompt leaves room for 29 new tokens
+    with pytest.raises(SystemExit, match=r"prompt \(100 tokens\) plus --max-new-tokens 64 .*context limit of 128 "
+                                         r"tokens \(max_seq_len\): use --max-new-tokens 29 or less"):
+        cli_main(["generate", "--checkpoint", str(run), "--prompt", "x" * 100, "--max-new-tokens", "64"])
+    assert cli_main(["generate", "--checkpoint", str(run), "--prompt", "x" * 100, "--max-new-tokens", "29",
+                     "--temperature", "0", "--device", "cpu"]) == 0

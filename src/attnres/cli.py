@@ -3,21 +3,55 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose ``--help`` can end with text made only when asked for
+    (``help_tail``): ``attnres train --help`` lists every config field that way."""
+
+    def __init__(self, *args, help_tail: Callable[[], str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.help_tail = help_tail
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        return text + "\n" + self.help_tail() + "\n" if self.help_tail is not None else text
+
+
+def _config_reference() -> str:
+    from .train.reference import config_reference
+
+    return config_reference()
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"attnres {__version__}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnres", description="Attention Residuals for PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="attnres", description="Attention Residuals for PyTorch")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     tr = sub.add_parser(
         "train",
         help="train an LM from a YAML config plus key=value overrides",
-        description="Train (or with resume=true continue) a run. Overrides use dotted keys, e.g. "
-        "`attnres train --config run.yaml steps=2000 model.residual=standard data.paths=[my.txt]`. "
-        "SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K processes: "
-        "`torchrun --nproc-per-node K -m attnres train ...` (FSDP2; distributed=ddp for DDP).",
+        description="Train (or with --resume continue) a run. Overrides use dotted keys and may come anywhere on the "
+        "line, e.g. `attnres train --config run.yaml steps=2000 model.residual=standard data.paths=[my.txt]`; an "
+        "override changes only the field it names. SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K "
+        "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2; distributed=ddp for DDP).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, help_tail=_config_reference,
     )
     tr.add_argument("--config", help="YAML file with TrainConfig fields (default: built-in defaults)")
-    tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir (= resume=true)")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from the newest valid checkpoint in out_dir (= resume=true)")
+    tr.add_argument("--resume-from", metavar="DIR",
+                    help="continue from this checkpoint (a step-* directory, or a run directory: its newest valid "
+                    "one) into out_dir (= resume_from=DIR)")
+    tr.add_argument("--print-config", action="store_true",
+                    help="print the resolved config (YAML, after --config and the overrides) and exit")
     tr.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, YAML-parsed values")
     cmp = sub.add_parser(
         "compare",
@@ -48,11 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens")
-    gen.add_argument("--tokenizer", help="tokenizer.json to use instead of the one the run's data settings give")
+    gen.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    gen.add_argument("--device", default="auto", help="auto (CUDA when available; default), cpu, cuda or cuda:N")
     xp = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory (model + tokenizer)")
     xp.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
-    xp.add_argument("--out", required=True, help="output directory for save_pretrained")
-    xp.add_argument("--tokenizer", help="tokenizer.json to use instead of the one the run's data settings give")
+    xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing)")
+    xp.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
     ev = sub.add_parser(
         "eval",
         help="perplexity / bits per byte on held-out text and lm-evaluation-harness tasks",
@@ -64,12 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tasks", default="attnres_ppl,attnres_cloze",
                     help="comma-separated lm-eval tasks (default: the local 'attnres_ppl,attnres_cloze'; 'none' to skip)")
     ev.add_argument("--text", help="held-out text file (default: the run's validation split)")
-    ev.add_argument("--tokenizer", help="tokenizer.json to use instead of the one the run's data settings give")
-    ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json)")
+    ev.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len)")
     ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
-    ev.add_argument("--device", default="cpu", help="lm-eval device (default cpu)")
+    ev.add_argument("--device", default="auto",
+                    help="device of the perplexity pass and lm-eval: auto (CUDA when available; default), cpu, cuda "
+                    "or cuda:N")
+    ev.add_argument("--bootstrap-iters", type=int, default=1000,
+                    help="lm-eval bootstrap resamples for the standard errors of metrics that need them (default "
+                    "1000; 0 = lm-eval computes none)")
     return parser
 
 
@@ -99,10 +139,12 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # argparse binds `experiment`'s positional overrides together with NAME, so overrides
-    # written after the options arrive here as extras; accept them there, and only there.
+    # argparse fills a positional list once: overrides written after an option (`--resume
+    # steps=10`, `--seeds 0 key=value`) arrive here as extras. Accept key=value extras for the
+    # commands that take overrides, and nothing else.
     grid = args.command in ("experiment", "compare")
-    if extra and (not grid or any(e.startswith("-") or "=" not in e for e in extra)):
+    if extra and (args.command not in ("train", "experiment", "compare")
+                  or any(e.startswith("-") or "=" not in e for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = args.overrides + extra
@@ -116,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             parser.error(f"--seeds takes integers; got {args.seeds!r}")
     if args.command == "train":
-        return run_train(args.config, args.overrides + (["resume=true"] if args.resume else []))
+        flags = (["resume=true"] if args.resume else []) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
+        return run_train(args.config, args.overrides + flags, args.print_config)
     elif grid:
         name = "compare" if args.command == "compare" else args.name
-        preset = args.preset or DEFAULT_PRESET.get(name, "cpu")
+        preset = args.preset or _saved_preset(args.out, name) or DEFAULT_PRESET.get(name, "cpu")
         return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
                                   args.overhead_repeats, args.variants)
     elif args.command == "generate":
@@ -129,6 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "eval":
         return run_eval(args)
     return 0
+
+
+def _saved_preset(out: str, name: str) -> str | None:
+    """The preset of the ``name`` experiment already in ``out`` (its experiment.json), so that
+    a command without ``--preset`` continues or reports that grid rather than the default's."""
+    from .experiments.layout import read_experiment_header
+
+    header = read_experiment_header(out)
+    if header is None or header.get("experiment") != name or not isinstance(header.get("preset"), str):
+        return None
+    return header["preset"]
 
 
 OVERHEAD_EXPERIMENTS = ("compare", "ablation", "block-size")  # grids whose tables compare the variants' cost
@@ -160,6 +214,18 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     return 0
 
 
+def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+    """Raise ``ValueError`` when a prompt of ``prompt_tokens`` plus ``max_new_tokens`` does not
+    fit the model's context of ``limit`` tokens (the last new token is not fed back)."""
+    need = prompt_tokens + max_new_tokens - 1
+    if need > limit:
+        room = limit - prompt_tokens + 1
+        hint = (f"use --max-new-tokens {room} or less" if room >= 1
+                else f"shorten the prompt to at most {limit} tokens")
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
+                         f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
+
+
 def run_generate(args) -> int:
     """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
     import sys
@@ -168,17 +234,20 @@ def run_generate(args) -> int:
     import torch
 
     from .inference import stream
-    from .inference.loading import load_model, load_tokenizer
+    from .inference.loading import load_run, load_tokenizer
 
     try:
-        model, run_config = load_model(args.checkpoint)
-        tokenizer = load_tokenizer(run_config, args.tokenizer)
+        run = load_run(args.checkpoint, args.device)
+        model = run.model
+        tokenizer = load_tokenizer(run, args.tokenizer)
         ids = tokenizer.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt is empty: there is nothing to continue")
+        check_context(len(ids), args.max_new_tokens, model.config.max_seq_len)
+        device = next(model.parameters()).device
         steps = stream(
-            model, torch.tensor([ids]), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
+            model, torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
             chunk_size=args.chunk_size,
         )
         new: list[int] = []
@@ -194,7 +263,7 @@ def run_generate(args) -> int:
         raise SystemExit(f"attnres generate: error: {e}") from None
     print()
     print(f"attnres generate: {len(new)} tokens in {elapsed:.2f} s ({len(new) / max(elapsed, 1e-9):.1f} tokens/s, "
-          "prefill included)", file=sys.stderr)
+          f"prefill included, {device})", file=sys.stderr)
     return 0
 
 
@@ -218,38 +287,71 @@ def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
     return 0
 
 
+def _eval_output(args):
+    """Where ``attnres eval`` writes its results; checked before any work is done."""
+    from pathlib import Path
+
+    out = Path(args.out) if args.out else Path(args.checkpoint) / "eval.json"
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a directory; give the path of the results JSON file")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist; create it first")
+    return out
+
+
+def _validation_text(run) -> str:
+    """The run's validation split, read again from its data settings; a warning when the
+    data no longer has the fingerprint the checkpoint was trained on."""
+    import warnings
+
+    from .data import load_corpus
+
+    data = run.run_config["data"]
+    corpus = load_corpus(data["paths"], data["val_fraction"])
+    trained_on = (run.state.get("data") or {}).get("fingerprint")
+    if trained_on is not None and trained_on != corpus.digest:
+        warnings.warn(f"the data at {data['paths']} changed since checkpoint {str(run.checkpoint)!r} was trained: its "
+                      "validation split is not the run's (and may overlap the training text); pass --text", stacklevel=2)
+    return corpus.val
+
+
 def run_eval(args) -> int:
-    """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON."""
+    """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
+    Arguments that can be checked (output folder, text file, device) are checked first."""
     import json
     import tempfile
     from pathlib import Path
 
     hf = _hf_imports()
     from .hf.evaluate import perplexity, run_lm_eval
-    from .hf.export import run_tokenizer
+    from .inference.loading import load_run, load_tokenizer, pick_device
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
-        model, run_config = hf.load_native_checkpoint(args.checkpoint)
-        tokenizer = run_tokenizer(run_config, args.tokenizer)
+        out = _eval_output(args)
+        if args.text is not None and not Path(args.text).is_file():
+            raise ValueError(f"--text {args.text!r} is not a file")
+        if args.bootstrap_iters < 0:
+            raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
+        device = pick_device(args.device)
+        run = load_run(args.checkpoint, device)
+        tokenizer = load_tokenizer(run, args.tokenizer)
         if args.text is not None:
             text = Path(args.text).read_text(encoding="utf-8")
         else:
-            from .data import load_corpus
-
-            text = load_corpus(run_config["data"]["paths"], run_config["data"]["val_fraction"]).val
+            text = _validation_text(run)
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
-                   "perplexity": perplexity(model, tokenizer, text, args.seq_len), "lm_eval": {}}
+                   "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len),
+                   "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
         if tasks:
             with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
                 hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
                 results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, limit=args.limit, batch_size=args.batch_size,
-                                                 device=args.device)
+                                                 device=str(device), bootstrap_iters=args.bootstrap_iters)
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None
-    out = Path(args.out) if args.out else Path(args.checkpoint) / "eval.json"
     out.write_text(json.dumps(results, indent=1, default=str))
     for task, metrics in results["lm_eval"].items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
@@ -258,22 +360,30 @@ def run_eval(args) -> int:
     return 0
 
 
-def run_train(config_path: str | None, overrides: list[str]) -> int:
+def run_train(config_path: str | None, overrides: list[str], print_config: bool = False) -> int:
     """``attnres train``: errors in the config, data or checkpoints end the process with a
-    one-line message; an interrupted run exits with 128 + the signal number."""
+    one-line message; an interrupted run exits with 128 + the signal number. With
+    ``print_config``, print the resolved config and exit."""
     import signal
 
     from .distributed.launch import DistributedError
     from .train import TrainingDiverged, load_config, train
 
     try:
-        result = train(load_config(config_path, overrides))
+        config = load_config(config_path, overrides)
+        if print_config:
+            import yaml
+
+            print(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), end="")
+            return 0
+        result = train(config)
     except (ValueError, TrainingDiverged, DistributedError) as e:
         raise SystemExit(f"attnres train: error: {e}") from None
     if result.interrupted:
         print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint {result.checkpoint}; "
               "continue with --resume")
         return 128 + int(getattr(signal, result.interrupted))
+
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 

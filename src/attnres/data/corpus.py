@@ -77,16 +77,17 @@ class Corpus:
 def split_text(text: str, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> tuple[str, str]:
     """Cut ``text`` into (train, val), deterministically and without a seed.
 
-    The text is cut (at line breaks) into ``n`` pieces of similar size - at most
-    ``max_pieces``, at least ``min_piece`` characters each where possible, and at least 2 -
-    and ``max(1, round(val_fraction * n))`` evenly spaced pieces form the validation split,
-    so that it samples the whole corpus rather than only its end.
+    The text is cut into ``n`` pieces of similar size - at most ``max_pieces``, at least
+    ``min_piece`` characters each where possible, and at least 2 - and ``max(1,
+    round(val_fraction * n))`` evenly spaced pieces form the validation split, so that it
+    samples the whole corpus rather than only its end. Each cut falls after the first line
+    break past its target position (:func:`_cut`), so text with line breaks is split
+    between lines; text without them (one long line) is split at a space, or mid-word.
     """
     n = max(2, min(max_pieces, len(text) // min_piece))
     bounds = [0]
     for k in range(1, n):
-        cut = text.find("\n", max(bounds[-1], k * len(text) // n))
-        bounds.append(len(text) if cut < 0 else cut + 1)
+        bounds.append(_cut(text, max(bounds[-1], k * len(text) // n), (k + 1) * len(text) // n))
     bounds.append(len(text))
     n_val = max(1, round(val_fraction * n))
     val_pieces = {int((j + 0.5) * n / n_val) for j in range(n_val)}
@@ -94,6 +95,17 @@ def split_text(text: str, val_fraction: float, max_pieces: int = 200, min_piece:
     train = "".join(p for i, p in enumerate(pieces) if i not in val_pieces)
     val = "".join(p for i, p in enumerate(pieces) if i in val_pieces)
     return train, val
+
+
+def _cut(text: str, target: int, next_target: int) -> int:
+    """Where a piece that should end near ``target`` ends: just after the first line break in
+    ``[target, next_target)``, else just after the first space there, else at ``target``
+    (a text with no break at all is still cut into pieces of about the right size)."""
+    for sep in ("\n", " "):
+        cut = text.find(sep, target, max(next_target, target + 1))
+        if cut >= 0:
+            return cut + 1
+    return min(target, len(text))
 
 
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02) -> Corpus:

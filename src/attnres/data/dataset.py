@@ -9,7 +9,9 @@ Layout of a cache, beside the data by default::
                             a complete cache
 
 The key (corpus digest, tokenizer kind, requested vocabulary size) changes whenever the
-text, the split or the tokenizer request does, so a stale cache is never reused.
+text, the split or the tokenizer request does, so a stale cache is never reused. Data
+tokenised with a given tokenizer (a checkpoint's, on resume or ``init_from``) that differs
+from the cached one goes to ``<digest[:16]>-<kind><vocab>-<tokenizer fingerprint[-12:]>``.
 """
 
 from __future__ import annotations
@@ -85,50 +87,83 @@ def _open_tokens(path: Path, dtype: str, n: int) -> np.ndarray:
     return arr
 
 
-def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None) -> TokenData:
+def _open_cache(cache: Path, tok: Tokenizer | None) -> TokenData | None:
+    """The complete cache ``cache`` (``None`` when absent, or when ``tok`` is given and the
+    cache was made with another tokenizer)."""
+    meta_path = cache / "meta.json"
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    kind = meta["tokenizer"]
+    cached: Tokenizer = BPETokenizer.load(cache / "tokenizer.json") if kind == "bpe" else ByteTokenizer()
+    if tok is not None and cached.fingerprint != tok.fingerprint:
+        return None
+    train = _open_tokens(cache / "train.bin", meta["dtype"], meta["n_train"])
+    val = _open_tokens(cache / "val.bin", meta["dtype"], meta["n_val"])
+    return TokenData(train, val, cached, cache)
+
+
+def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer) -> None:
+    """Tokenise both splits with ``tok`` into ``cache``, atomically (a temporary directory
+    renamed into place; removed again if anything, Ctrl-C included, interrupts it)."""
+    tmp = root / f".{cache.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if isinstance(tok, BPETokenizer):
+            tok.save(tmp / "tokenizer.json")
+        dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+        n_train = _encode_to_file(tok, corpus.train, tmp / "train.bin", dtype)
+        n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype)
+        meta = dict(digest=corpus.digest, tokenizer=tok.kind, vocab_size=tok.vocab_size, dtype=dtype.name,
+                    n_train=n_train, n_val=n_val, sources=list(corpus.sources))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if cache.exists():  # another process finished first; its cache is equivalent
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, cache)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
+                 given: Tokenizer | None = None) -> TokenData:
     """Tokenise ``corpus`` with the requested tokenizer, reusing a complete cache if present.
 
     ``tokenizer="bpe"`` trains a byte-level BPE on the *training* split only; when the
     ``tokenizers`` package is missing it falls back to bytes (with a warning). ``"byte"``
     always uses bytes (vocabulary 256; ``vocab_size`` is then ignored).
+
+    ``given``: use this tokenizer (a checkpoint's) instead of making one; the request is then
+    ignored. Its cache is the usual one when that was made with the same tokenizer, else one
+    keyed by the tokenizer's fingerprint.
     """
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS}; got {tokenizer!r}")
+    root = resolve_cache_root(corpus, cache_dir)
+    if given is not None:
+        key_vocab = given.vocab_size if given.kind == "bpe" else 256
+        usual = root / f"{corpus.digest[:16]}-{given.kind}{vocab_size if given.kind == 'bpe' else 256}"
+        keyed = root / f"{corpus.digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}"
+        for cache in (usual, keyed):
+            found = _open_cache(cache, given)
+            if found is not None:
+                return found
+        _write_cache(corpus, root, keyed, given)
+        return _open_cache(keyed, given)
     if tokenizer == "bpe" and not bpe_available():
         import warnings
 
         warnings.warn("the 'tokenizers' package is not installed: falling back to the byte-level tokenizer", stacklevel=2)
         tokenizer = "byte"
     key_vocab = vocab_size if tokenizer == "bpe" else 256
-    root = resolve_cache_root(corpus, cache_dir)
     cache = root / f"{corpus.digest[:16]}-{tokenizer}{key_vocab}"
-    meta_path = cache / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        tok: Tokenizer = BPETokenizer.load(cache / "tokenizer.json") if tokenizer == "bpe" else ByteTokenizer()
-        train = _open_tokens(cache / "train.bin", meta["dtype"], meta["n_train"])
-        val = _open_tokens(cache / "val.bin", meta["dtype"], meta["n_val"])
-        return TokenData(train, val, tok, cache)
-
-    tmp = root / f".{cache.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if tokenizer == "bpe":
-        tok = train_bpe(corpus.train, vocab_size)
-        tok.save(tmp / "tokenizer.json")
-    else:
-        tok = ByteTokenizer()
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-    n_train = _encode_to_file(tok, corpus.train, tmp / "train.bin", dtype)
-    n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype)
-    meta = dict(digest=corpus.digest, tokenizer=tokenizer, vocab_size=tok.vocab_size, dtype=dtype.name,
-                n_train=n_train, n_val=n_val, sources=list(corpus.sources))
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    if cache.exists():  # another process finished first; its cache is equivalent
-        shutil.rmtree(tmp)
-    else:
-        os.replace(tmp, cache)
-    return prepare_data(corpus, tokenizer, vocab_size, str(root))
+    found = _open_cache(cache, None)
+    if found is not None:
+        return found
+    _write_cache(corpus, root, cache, train_bpe(corpus.train, vocab_size) if tokenizer == "bpe" else ByteTokenizer())
+    return _open_cache(cache, None)
 
 
 class BatchSampler:

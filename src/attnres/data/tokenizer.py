@@ -1,14 +1,18 @@
 """Tokenizers: a byte-level BPE trained locally with ``tokenizers``, and a plain byte fallback.
 
 Both map text to ids and back losslessly (the BPE runs on bytes, so every string survives
-a round trip).
+a round trip). :func:`tokenizer_state` / :func:`tokenizer_from_state` store a tokenizer with a
+checkpoint (``tokenizer.json`` for the BPE, a marker for bytes) and load it back, and
+:attr:`fingerprint` names a tokenizer by its content.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 TOKENIZER_KINDS = ("bpe", "byte")
 
@@ -18,6 +22,7 @@ class Tokenizer(Protocol):
 
     kind: str
     vocab_size: int
+    fingerprint: str
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -29,6 +34,7 @@ class ByteTokenizer:
 
     kind = "byte"
     vocab_size = 256
+    fingerprint = "byte"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -45,6 +51,7 @@ class BPETokenizer:
     def __init__(self, tokenizer) -> None:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+        self.fingerprint = "bpe-" + hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
 
     @property
     def backend(self):
@@ -59,6 +66,19 @@ class BPETokenizer:
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as e:  # the Rust side raises its own exception type
             raise ValueError(f"cannot read tokenizer file {str(path)!r}: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "tokenizer.json") -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            return cls(HFTokenizer.from_str(text))
+        except Exception as e:  # the Rust side raises its own exception type
+            raise ValueError(f"cannot read tokenizer {source!r}: {e}") from None
+
+    def to_json(self) -> str:
+        """The tokenizer as the text of a ``tokenizer.json``."""
+        return self._tok.to_str()
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temporary file, then rename)."""
@@ -100,8 +120,68 @@ def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(text_chunks(text), trainer=trainer, length=None)
+    run_interruptibly(lambda: tok.train_from_iterator(text_chunks(text), trainer=trainer, length=None))
     return BPETokenizer(tok)
+
+
+def run_interruptibly(fn) -> Any:
+    """``fn()`` in a worker thread while this thread waits in short slices, so that Ctrl-C
+    (``KeyboardInterrupt``) reaches the caller at once. ``tokenizers`` swallows SIGINT while
+    its training runs in the calling thread; here the worker is abandoned on an interrupt
+    (a daemon thread: it ends with the process)."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn()  # signals reach only the main thread: nothing to gain
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result["error"] = e
+
+    worker = threading.Thread(target=work, name="attnres-bpe", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+#: The file name of a stored BPE tokenizer.
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def tokenizer_state(tok: Tokenizer) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """How to store ``tok`` with a checkpoint: a JSON-able description (kind, vocabulary
+    size, fingerprint, file) and the files to write beside it (``tokenizer.json`` for the
+    BPE; none for bytes, whose description is the whole of it)."""
+    meta: dict[str, Any] = {"kind": tok.kind, "vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint}
+    if isinstance(tok, BPETokenizer):
+        meta["file"] = TOKENIZER_FILE
+        return meta, {TOKENIZER_FILE: tok.to_json().encode("utf-8")}
+    if isinstance(tok, ByteTokenizer):
+        return meta, {}
+    raise ValueError(f"cannot store a tokenizer of type {type(tok).__name__} (expected BPE or byte)")
+
+
+def tokenizer_from_state(meta: dict[str, Any], directory: str | Path) -> Tokenizer:
+    """The tokenizer that :func:`tokenizer_state` described, read from ``directory``."""
+    kind = meta.get("kind") if isinstance(meta, dict) else None
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        path = Path(directory) / meta.get("file", TOKENIZER_FILE)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read the stored tokenizer {str(path)!r}: {e}") from None
+        tok = BPETokenizer.from_json(text, str(path))
+        if tok.vocab_size != meta.get("vocab_size"):
+            raise ValueError(f"the stored tokenizer {str(path)!r} has {tok.vocab_size} tokens, its description says "
+                             f"{meta.get('vocab_size')}")
+        return tok
+    raise ValueError(f"unknown stored tokenizer {meta!r}: expected kind 'bpe' or 'byte'")
 
 
 def text_chunks(text: str, size: int = 1 << 20):

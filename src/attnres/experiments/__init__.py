@@ -9,7 +9,8 @@ the report's grids, ``attnres experiment {ablation,block-size,scaling,arch-sweep
 
 from .flops import PFLOPS_DAY, FlopCount, to_pflops_days, training_flops_per_token
 from .presets import EXPERIMENTS, PRESET_NAMES, PRESETS, Experiment, Variant, arch_shape, get_experiment
-from .report import fit_power_law, mean_std, summarize, write_report
+from .report import summarize, write_report
+from .stats import fit_power_law, mean_std
 from .overhead import measure_overhead
 from .runner import load_records, run_experiment
 

@@ -24,7 +24,6 @@ claims, computed, not written by hand.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -33,11 +32,18 @@ from typing import Any
 
 import numpy as np
 
+from ..train.metrics import read_metrics
 from ..train.schedule import wsd_decay_start
 from .flops import to_pflops_days
-from .report import markdown_table, mean_std, read_overhead, run_dir, saved_config
+from .layout import read_overhead, run_dir, saved_config
+from .stats import markdown_table, mean_std
 
 BASELINE = "standard"
+#: Fewer seeds than this: the findings state the measured gaps but claim no ordering (with one
+#: or two seeds, seed-to-seed noise cannot be told from a difference between the models).
+MIN_SEEDS_FOR_ORDERING = 3
+NO_ORDERING = (f"fewer than {MIN_SEEDS_FOR_ORDERING} seeds, so no claim of an ordering can be made (run more seeds, "
+               "e.g. --seeds 0 1 2).")
 _LABELS = {"standard": "standard (PreNorm)", "block": "Block AttnRes", "full": "Full AttnRes"}
 _COLORS = {"standard": "tab:gray", "block": "tab:blue", "full": "tab:orange"}
 
@@ -73,11 +79,7 @@ def load_runs(out: Path, records: list[dict[str, Any]]) -> list[Run]:
     runs = []
     for rec in records:
         run = Run(rec)
-        path = run_dir(out, rec["variant"], rec["seed"]) / "metrics.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            if not line.strip():
-                continue
-            m = json.loads(line)
+        for m in read_metrics(run_dir(out, rec["variant"], rec["seed"]) / "metrics.jsonl"):
             if m["kind"] == "eval":
                 if run.eval_steps and m["step"] <= run.eval_steps[-1]:  # a resumed run re-logs nothing earlier
                     continue
@@ -203,7 +205,8 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None =
         mean, std = losses.mean(axis=0), losses.std(axis=0, ddof=1) if len(rs) > 1 else np.zeros(len(steps))
         compute = np.asarray(steps) * statistics.fmean(r.flops_per_step for r in rs)
         for ax, x in zip(axes, (np.asarray(steps), to_pflops_days(1.0) * compute)):
-            ax.plot(x, mean, label=f"{_LABELS.get(name, name)} (n={len(rs)})", color=_COLORS.get(name))
+            # markers: a curve of one evaluation (a short run) is a point, which a line alone does not draw
+            ax.plot(x, mean, label=f"{_LABELS.get(name, name)} (n={len(rs)})", color=_COLORS.get(name), marker="o", ms=3)
             ax.fill_between(x, mean - std, mean + std, alpha=0.2, color=_COLORS.get(name))
     # Zoom on the second half of training, where the curves separate.
     for ax, xlabel in zip(axes, ("optimiser step", "training compute (PFLOP/s-days)")):
@@ -257,6 +260,7 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
     """Fig. 8: one row per sublayer (pre-attention and pre-MLP apart, the output aggregation in
     both), one column per source; the first seed's last diagnostics."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     shown = [(name, rs[0].diagnostics["depth_weights"], rs[0].record) for name, rs in groups.items()
              if rs[0].diagnostics and rs[0].diagnostics.get("depth_weights")]
@@ -273,6 +277,7 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
             im = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
             ax.set_yticks(range(len(rows)), [f"{'attn' if parity == 0 else 'mlp'} {i}" for i in range(len(rows) - 1)]
                           + ["output"], fontsize=7)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sources are counted: no fractional ticks
             ax.set_xlabel("source (0 = embedding, then " + ("blocks" if name == "block" else "sublayer outputs") + ")")
             ax.set_title(f"{_LABELS.get(name, name)}: {kind} (step {rec['steps']})", fontsize=10)
             fig.colorbar(im, ax=ax)
@@ -294,6 +299,10 @@ def _decay_gap_findings(groups: dict[str, list[Run]], start: int) -> list[str]:
         if not pairs or any(math.isnan(v) for v in before):
             continue
         (m0, _), (m1, _) = mean_std(before), mean_std(end)
+        if len(pairs) < MIN_SEEDS_FOR_ORDERING:
+            out.append(f"{_LABELS.get(name, name)}: gap to the standard model {m0:+.4f} when the learning-rate decay "
+                       f"starts (step {start}), {m1:+.4f} at the end, over {len(pairs)} seed(s): {NO_ORDERING}")
+            continue
         out.append(f"{_LABELS.get(name, name)}: gap to the standard model {m0:+.4f} when the learning-rate decay starts "
                    f"(step {start}), {m1:+.4f} at the end: it moves {abs(m1 - m0):.4f} "
                    f"{'in AttnRes’s favour' if m1 < m0 else 'against AttnRes'} during the decay, in AttnRes’s favour "
@@ -311,8 +320,12 @@ def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | N
             if not d:
                 continue
             mean, std = mean_std(d)
-            verdict = ("lower" if mean < 0 else "higher") + " validation loss than the standard model"
             spread = f" ± {std:.4f}" if std is not None else ""
+            if len(d) < MIN_SEEDS_FOR_ORDERING:
+                out.append(f"{_LABELS.get(name, name)} at {what}: paired gap to the standard model {mean:+.4f}{spread} "
+                           f"over {len(d)} seed(s): {NO_ORDERING}")
+                continue
+            verdict = ("lower" if mean < 0 else "higher") + " validation loss than the standard model"
             out.append(f"{_LABELS.get(name, name)} at {what}: {verdict} by {abs(mean):.4f}{spread} (paired over {len(d)} seed(s); "
                        f"better in {sum(v < 0 for v in d)}/{len(d)}).")
     for name, rs in groups.items():

@@ -22,9 +22,8 @@ import torch
 from ..analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
 from ..models import AttnResLM
 from .presets import Experiment
+from .layout import OVERHEAD_FILE
 from .runner import run_config
-
-OVERHEAD_FILE = "overhead.json"
 
 
 def _train_step(model: AttnResLM, ids: torch.Tensor) -> Callable[[], None]:

@@ -7,13 +7,16 @@ beside the report's numbers (spec §7), and PNG plots (matplotlib, Agg backend).
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .compare import compare_markdown
+from .layout import read_overhead, saved_config
+from .stats import fit_power_law, markdown_table, mean_std
 
 #: Table 4 of the report (16-layer model, validation loss), by our variant names.
 REPORT_TABLE4 = {
@@ -28,31 +31,6 @@ REPORT_FIG6 = {"baseline": "1.766", 1: "1.737", 2: "1.746–1.748", 4: "1.746–
 REPORT_TABLE2 = {"baseline": (1.891, 0.057), "block": (1.870, 0.058), "full": (1.865, 0.057)}
 #: Fig. 7's summary: AttnRes wins every cell by 0.019-0.063; optimum d/L_b ~ 45 (AttnRes) vs 60 (baseline).
 REPORT_FIG7 = "AttnRes lower in all 25 cells by 0.019–0.063; best d/L_b ≈ 45 (AttnRes) vs ≈ 60 (baseline)"
-
-
-def mean_std(values: list[float]) -> tuple[float, float | None]:
-    """Mean and sample standard deviation (``ddof = 1``; ``None`` for a single value)."""
-    if not values:
-        raise ValueError("mean_std needs at least one value")
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def fit_power_law(compute: list[float], loss: list[float]) -> tuple[float, float]:
-    """``(A, alpha)`` of ``L = A * C^-alpha``, fitted by least squares in log space
-    (``log L = log A - alpha log C``) with ``scipy.optimize.curve_fit``. Needs at least
-    two distinct positive compute values and positive losses."""
-    import warnings
-
-    from scipy.optimize import OptimizeWarning, curve_fit
-
-    c, l = np.asarray(compute, dtype=float), np.asarray(loss, dtype=float)
-    if c.shape != l.shape or len(np.unique(c)) < 2 or (c <= 0).any() or (l <= 0).any():
-        raise ValueError(f"fit_power_law needs >= 2 distinct positive compute values and as many positive losses; "
-                         f"got compute={list(compute)!r}, loss={list(loss)!r}")
-    with warnings.catch_warnings():  # two points fit exactly: no covariance, which we do not use
-        warnings.simplefilter("ignore", OptimizeWarning)
-        (log_a, alpha), _ = curve_fit(lambda x, log_a, alpha: log_a - alpha * x, np.log(c), np.log(l), p0=(0.0, 0.05))
-    return float(math.exp(log_a)), float(alpha)
 
 
 @dataclass
@@ -107,25 +85,6 @@ def _overhead(s: Summary, base: Summary | None) -> list[str]:
     return [f"{s.params:,}{dparams}", f"{s.residual_params:,}", time, mem]
 
 
-def run_dir(out: str | Path, variant: str, seed: int) -> Path:
-    """The directory of one run in an experiment directory: ``out/<variant>/seed<k>``."""
-    return Path(out) / variant / f"seed{seed}"
-
-
-def saved_config(out: Path, record: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``config.json`` the run of ``record`` wrote (``None`` if it is missing)."""
-    path = run_dir(out, record["variant"], record["seed"]) / "config.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def read_overhead(out: Path) -> dict[str, Any] | None:
-    """The side-by-side measurements of ``out/overhead.json`` (``None`` if not measured)."""
-    from .overhead import OVERHEAD_FILE
-
-    path = out / OVERHEAD_FILE
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
     """Replace the logged step times and peak memory of ``summ`` with the side-by-side
     measurements of ``out/overhead.json`` when it exists; returns how they were measured."""
@@ -140,11 +99,6 @@ def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
     return (f"Step time and peak memory: one training step of each variant ({m['batch']} x {m['seq_len']} tokens, "
             f"{m['threads']} thread(s)), all variants timed interleaved over {m['repeats']} rounds; × baseline = "
             "median of the per-round ratios. Peak memory: rise of live CPU allocations during the step (profiler). ")
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 _OVERHEAD_COLS = ["params (Δ vs baseline)", "residual params", "step ms (× baseline)", "peak MiB (× baseline)"]
@@ -310,8 +264,6 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     out = Path(out)
     summ = summarize(records)
     measured = apply_overhead(summ, out)
-    from .compare import compare_markdown  # compare builds on this module's helpers
-
     body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ),
             "block-size": lambda: _block_size_md(summ, out), "scaling": lambda: _scaling_md(summ, out), "arch-sweep": lambda: _arch_sweep_md(summ, out)}[name]()
     steps = sorted({r["steps"] for r in records})

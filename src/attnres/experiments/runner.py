@@ -22,11 +22,10 @@ import torch
 from ..models import AttnResLM, ModelConfig
 from ..train import TrainConfig, latest_checkpoint, train
 from ..train.config import apply_overrides
+from ..train.metrics import read_metrics
 from .flops import to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
-from .report import run_dir
-
-RESULT_FILE = "result.json"
+from .layout import EXPERIMENT_FILE, RESULT_FILE, run_dir
 
 
 def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,
@@ -47,7 +46,7 @@ def median_step_time(metrics_path: Path, tokens_per_step: int) -> float | None:
     """Median seconds per optimiser step over the ``train`` records of ``metrics.jsonl``
     (each holds the tokens/s of its logging window); the first window (warm-up) is dropped
     when there are others."""
-    records = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    records = read_metrics(metrics_path)
     rates = [r["tokens_per_s"] for r in records if r["kind"] == "train" and r.get("tokens_per_s")]
     if len(rates) > 1:
         rates = rates[1:]
@@ -113,7 +112,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         chosen = [v for v in experiment.variants if v.name in variants]
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
-    marker = out / "experiment.json"
+    marker = out / EXPERIMENT_FILE
     if marker.exists():
         saved = json.loads(marker.read_text())
         differing = sorted(k for k in header if saved.get(k) != header[k])
@@ -133,7 +132,12 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: finished earlier, skipped")
             records.append(json.loads(done.read_text()))
             continue
-        log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} steps")
+        resumed = latest_checkpoint(config.out_dir)
+        if resumed is not None:
+            done_steps = int(resumed.name.split("-", 1)[1])
+            log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: resuming at step {done_steps} of {config.steps}")
+        else:
+            log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} steps")
         record = run_one(config, variant)
         log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: val loss {record['val_loss']:.4f}")
         records.append(record)

@@ -45,7 +45,8 @@ def perplexity(model: AttnResLM, tokenizer: Tokenizer, text: str, seq_len: int |
     """
     seq_len = seq_len or model.config.max_seq_len
     if not 1 <= seq_len <= model.config.max_seq_len:
-        raise ValueError(f"seq_len must be in [1, {model.config.max_seq_len}], got {seq_len}")
+        raise ValueError(f"--seq-len must be in [1, {model.config.max_seq_len}] (the model's context limit, "
+                         f"max_seq_len); got {seq_len}: omit it to use the whole context")
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise ValueError("the held-out text must have at least 2 tokens")
@@ -143,29 +144,80 @@ def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
     return directory
 
 
+def ratio_stderr(pairs: list[tuple[float, float]]) -> float:
+    """Standard error of the ratio estimator ``R = sum(a) / sum(b)`` over ``n >= 2``
+    documents ``(a_i, b_i)`` (delta method: ``sqrt(n / (n - 1) * sum((a_i - R b_i)^2)) /
+    sum(b)``). The harness's rolling log-likelihood metrics are such ratios: total
+    log-likelihood over total words or bytes."""
+    n = len(pairs)
+    if n < 2:
+        raise ValueError("a standard error needs at least 2 documents")
+    total_a, total_b = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+    ratio = total_a / total_b
+    return math.sqrt(n / (n - 1) * sum((a - ratio * b) ** 2 for a, b in pairs)) / total_b
+
+
+#: Rolling log-likelihood metrics: each is ``f(R)`` of the ratio ``R`` (mean log-likelihood
+#: per word or byte); ``|f'(R)|`` turns the ratio's standard error into the metric's.
+_RATIO_METRICS = {
+    "word_perplexity": lambda r: math.exp(-r),
+    "byte_perplexity": lambda r: math.exp(-r),
+    "bits_per_byte": lambda r: 1.0 / math.log(2),
+}
+
+
+def add_ratio_stderrs(results: dict, samples: dict) -> dict:
+    """Fill the standard errors that lm-evaluation-harness leaves as ``"N/A"`` for the rolling
+    log-likelihood metrics (word / byte perplexity, bits per byte: it has neither a closed
+    form nor a bootstrap for their weighted aggregates) from the per-document
+    ``(log-likelihood, words or bytes)`` pairs of ``samples``, by :func:`ratio_stderr`."""
+    for task, metrics in results.items():
+        for key in list(metrics):
+            name, _, filt = key.partition(",")
+            if name not in _RATIO_METRICS or metrics.get(f"{name}_stderr,{filt}") not in (None, "N/A"):
+                continue
+            pairs = [tuple(map(float, doc[name])) for doc in samples.get(task, [])
+                     if isinstance(doc.get(name), (list, tuple)) and len(doc[name]) == 2]
+            if len(pairs) < 2:
+                continue
+            ratio = sum(a for a, _ in pairs) / sum(b for _, b in pairs)
+            metrics[f"{name}_stderr,{filt}"] = _RATIO_METRICS[name](ratio) * ratio_stderr(pairs)
+    return results
+
+
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
-                device: str = "cpu") -> dict:
+                device: str = "cpu", bootstrap_iters: int = 1000) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the exported directory ``hf_dir``.
     Local tasks are generated from ``text``; other names are the harness's own tasks.
-    Returns the harness's ``results`` (per task, metric -> value)."""
+    Returns the harness's ``results`` (per task, metric -> value), with standard errors:
+    the harness's own (closed form for accuracies; ``bootstrap_iters`` resamples where it
+    bootstraps) and, for the rolling log-likelihood metrics, :func:`add_ratio_stderrs`."""
     import lm_eval
     from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from .export import PREFIX_TEXT
 
     local = [t for t in tasks if t in LOCAL_TASKS]
+    # The export declares no end-of-text token; the harness prefixes rolling log-likelihoods
+    # with a line break instead (see attnres.hf.export).
+    prefix = AutoTokenizer.from_pretrained(str(hf_dir))(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
+    if len(prefix) != 1:
+        raise ValueError(f"the exported tokenizer does not encode {PREFIX_TEXT!r} as one token")
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
         manager = TaskManager(include_path=str(include) if include else None, include_defaults=len(local) < len(tasks))
         out = lm_eval.simple_evaluate(
             model="hf",
-            model_args={"pretrained": str(hf_dir), "dtype": "float32"},
+            model_args={"pretrained": str(hf_dir), "dtype": "float32", "prefix_token_id": prefix[0]},
             tasks=tasks,
             task_manager=manager,
             batch_size=batch_size,
             device=device,
             limit=limit,
-            log_samples=False,
-            bootstrap_iters=0,
+            log_samples=True,
+            bootstrap_iters=bootstrap_iters,
         )
     if out is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
-    return out["results"]
+    return add_ratio_stderrs(out["results"], out.get("samples") or {}) if bootstrap_iters > 0 else out["results"]

@@ -1,15 +1,20 @@
 """Training checkpoint -> Hugging Face directory (``attnres export``).
 
-A training checkpoint (``attnres.train.checkpoint``) holds the weights and the run config but
-not the tokenizer; the tokenizer is recovered from the run's data settings (the token cache
-beside the data is reused, or the BPE retrained deterministically on the same split) unless a
-``tokenizer.json`` is given. The HF directory gets ``config.json``, ``model.safetensors``,
-``generation_config.json`` and the tokenizer as a ``PreTrainedTokenizerFast``.
+A training checkpoint (``attnres.train.checkpoint``) holds the weights, the run config and
+the tokenizer (checkpoints of earlier versions lack the tokenizer: it is then recovered from
+the run's data settings, with a warning), unless a ``tokenizer.json`` is given. The HF
+directory gets ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
+tokenizer as a ``PreTrainedTokenizerFast``.
 
-End of text: our tokenizers have no special tokens (training streams plain text), so the
-line break is declared the end-of-sequence (and padding) token. lm-evaluation-harness needs
-one as the prefix of rolling log-likelihoods; a line break is what precedes a document in the
-training stream.
+End of text: none. Training streams plain text with no special tokens (documents are joined
+by a blank line), so the model has no end-of-text token to predict, and declaring an
+ordinary one (the line break, as earlier versions did) makes ``generate`` stop at the first
+line break. The export sets no ``eos_token``: ``generate`` runs for ``max_new_tokens`` (pass
+``stop_strings`` or ``eos_token_id`` to stop earlier). The line break is declared the
+*padding* token only - padded positions are masked, so which id pads does not matter - and
+is what lm-evaluation-harness gets as the prefix of rolling log-likelihoods (``PREFIX_TEXT``,
+passed as its ``prefix_token_id``): a line break is what precedes a document in the training
+stream.
 """
 
 from __future__ import annotations
@@ -19,12 +24,21 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
-from ..inference.loading import load_model as load_native_checkpoint
-from ..inference.loading import load_tokenizer as run_tokenizer
+from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
+from ..inference.loading import load_run, load_tokenizer
 from .modeling import AttnResForCausalLM
 
-#: The text of the token used as end-of-sequence and padding (see the module docstring).
-EOS_TEXT = "\n"
+#: The text of the token used for padding and as lm-eval's log-likelihood prefix (see the
+#: module docstring); it is not an end-of-sequence token.
+PREFIX_TEXT = "\n"
+
+
+def prefix_token_id(tokenizer: Tokenizer) -> int:
+    """The id of :data:`PREFIX_TEXT` (one token in both of our tokenizers)."""
+    ids = tokenizer.encode(PREFIX_TEXT)
+    if len(ids) != 1:
+        raise ValueError(f"the tokenizer does not encode {PREFIX_TEXT!r} as one token; cannot choose a padding token")
+    return ids[0]
 
 
 def _byte_stand_ins() -> dict[int, str]:
@@ -56,8 +70,8 @@ def byte_level_tokenizer():
 
 
 def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
-    """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, the
-    line break as end-of-sequence and padding token (module docstring), and
+    """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, no
+    end-of-sequence token, the line break as padding token (module docstring), and
     ``model_max_length`` (the model's ``max_seq_len``) when given."""
     if isinstance(tokenizer, BPETokenizer):
         rust = tokenizer.backend
@@ -65,26 +79,38 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None)
         rust = byte_level_tokenizer()
     else:
         raise ValueError(f"cannot convert a tokenizer of type {type(tokenizer).__name__} (expected BPE or byte)")
-    eos_ids = tokenizer.encode(EOS_TEXT)
-    if len(eos_ids) != 1:
-        raise ValueError(f"the tokenizer does not encode {EOS_TEXT!r} as one token; cannot choose an end-of-sequence token")
-    eos = rust.id_to_token(eos_ids[0])
+    pad = rust.id_to_token(prefix_token_id(tokenizer))
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=rust, eos_token=eos, pad_token=eos, clean_up_tokenization_spaces=False, **extra
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=pad, clean_up_tokenization_spaces=False, **extra)
+
+
+def check_output_dir(out_dir: str | Path) -> Path:
+    """``out_dir`` as a directory to write into: it may exist (as a directory) or not yet;
+    raises ``ValueError`` when it is an existing file or lies under one."""
+    out = Path(out_dir)
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            what = "is an existing file" if p == out else f"lies under the existing file {str(p)!r}"
+            raise ValueError(f"--out {str(out)!r} {what}; give a directory (it is created if missing)")
+    return out
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
     """Write the checkpoint as a Hugging Face directory loadable with
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained``."""
-    model, run_config = load_native_checkpoint(checkpoint)
-    tokenizer = run_tokenizer(run_config, tokenizer_path)
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained``.
+    Raises ``ValueError`` (before any work) when ``out_dir`` is a file."""
+    out = check_output_dir(out_dir)
+    run = load_run(checkpoint)
+    model = run.model
+    tokenizer = load_tokenizer(run, tokenizer_path)
     if tokenizer.vocab_size != model.config.vocab_size:
         raise ValueError(f"tokenizer vocabulary {tokenizer.vocab_size} != model vocab_size {model.config.vocab_size}")
     hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len)
-    hf = AttnResForCausalLM.from_native(model, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)
-    out = Path(out_dir)
+    hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=hf_tok.pad_token_id)
+    hf.generation_config.eos_token_id = None
+    out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out)
     hf_tok.save_pretrained(out)
+    if not (out / "config.json").is_file():
+        raise ValueError(f"writing the Hugging Face directory {str(out)!r} failed: no config.json was written")
     return out

@@ -1,38 +1,97 @@
-"""Load a trained model and its tokenizer from a training checkpoint (no transformers needed)."""
+"""Load a trained model and its tokenizer from a training checkpoint (no transformers needed).
+
+The tokenizer comes from the checkpoint itself (``tokenizer.json``, or the byte marker in
+``state.json``), so a run can be used from any directory, after its data has moved or
+changed. Checkpoints written before the tokenizer was stored fall back, with a warning, to
+making it from the run's data settings as then (cached beside the data, or retrained).
+"""
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+import torch
+
+from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_state
 from ..models.config import ModelConfig
 from ..models.lm import AttnResLM
-from ..train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_checkpoint_state
+from ..train.checkpoint import CheckpointError, load_checkpoint
+from ..train.resume import find_valid_checkpoint
 
-__all__ = ["load_model", "load_tokenizer"]
+__all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "pick_device"]
 
 
-def load_model(path: str | Path) -> tuple[AttnResLM, dict]:
-    """The model of a training checkpoint - a ``step-*`` directory, or a run directory
-    (its newest checkpoint) - in eval mode, and the run config (``state.json``'s ``config``)."""
-    path = Path(path)
-    if not (path / "state.json").is_file():
-        newest = latest_checkpoint(path)
-        if newest is None:
-            raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a run directory with checkpoints")
-        path = newest
-    run_config = read_checkpoint_state(path)["config"]
+def pick_device(name: str | None) -> torch.device:
+    """``"auto"`` (or ``None``): CUDA when available, else the CPU; otherwise a device name
+    such as ``"cpu"``, ``"cuda"`` or ``"cuda:1"``. Raises ``ValueError`` naming the allowed
+    values for a bad name, and for CUDA where there is none."""
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name!r}: no CUDA device is available here; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise ValueError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}")
+    return device
+
+
+@dataclass
+class LoadedRun:
+    """A verified checkpoint loaded for use: the model (eval mode), the run config (its
+    ``state.json``'s ``config``), the checkpoint directory and its whole ``state.json``."""
+
+    model: AttnResLM
+    run_config: dict
+    checkpoint: Path
+    state: dict
+
+
+def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> LoadedRun:
+    """The model of a training checkpoint - a ``step-*`` directory, or a run directory (its
+    newest checkpoint that verifies) - on ``device`` (see :func:`pick_device`)."""
+    source = find_valid_checkpoint(path)
+    if source is None:
+        raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a run directory with checkpoints")
+    run_config = source.state["config"]
     model = AttnResLM(ModelConfig.from_dict(run_config["model"]))
-    load_checkpoint(path, model, restore_rng=False)
-    return model.eval(), run_config
+    load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
 
 
-def load_tokenizer(run_config: dict, tokenizer_path: str | None = None) -> Tokenizer:
+def load_model(path: str | Path, device: str | torch.device | None = "cpu") -> tuple[AttnResLM, dict]:
+    """``(model, run config)`` of a checkpoint or run directory (see :func:`load_run`)."""
+    run = load_run(path, device)
+    return run.model, run.run_config
+
+
+def load_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None = None) -> Tokenizer:
     """The tokenizer of a run: ``tokenizer_path`` (a ``tokenizer.json``) when given, else the
-    one the run's data settings produce (cached beside the data, or retrained identically)."""
+    one stored in the checkpoint (``source``: a :class:`LoadedRun`, or a checkpoint or run
+    directory). Checkpoints of earlier versions store none: then the one the run's data
+    settings produce (cached beside the data, or retrained identically), with a warning."""
     if tokenizer_path is not None:
         return BPETokenizer.load(tokenizer_path)
-    data = run_config["data"]
+    if isinstance(source, LoadedRun):
+        checkpoint, state = source.checkpoint, source.state
+    else:
+        found = find_valid_checkpoint(source)
+        if found is None:
+            raise CheckpointError(f"{str(source)!r} is neither a checkpoint nor a run directory with checkpoints")
+        checkpoint, state = found.path, found.state
+    if state.get("tokenizer") is not None:
+        return tokenizer_from_state(state["tokenizer"], checkpoint)
+    warnings.warn(f"checkpoint {str(checkpoint)!r} stores no tokenizer (written by an earlier version): making it "
+                  "from the run's data settings; pass --tokenizer to choose one", stacklevel=2)
+    data = state["config"]["data"]
     if data["tokenizer"] == "byte":
         return ByteTokenizer()
     from ..data import load_corpus, prepare_data

@@ -6,6 +6,7 @@
 
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import DataConfig, TrainConfig, load_config
+from .lock import RunLock, RunLocked
 from .loop import TrainingDiverged, TrainResult, train
 from .optim import Muon, build_optimizer, newton_schulz
 from .schedule import lr_factor
@@ -17,6 +18,8 @@ __all__ = [
     "train",
     "TrainResult",
     "TrainingDiverged",
+    "RunLock",
+    "RunLocked",
     "CheckpointError",
     "save_checkpoint",
     "load_checkpoint",

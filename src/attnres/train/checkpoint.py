@@ -5,8 +5,10 @@ Layout of ``<out_dir>/checkpoints/step-00000100/``::
     model.safetensors      the model's weights (tied weights stored once)
     optimizer.safetensors  every tensor of the optimiser state, keyed "<param index>.<name>"
     rng.safetensors        torch CPU (and CUDA) generator states
+    tokenizer.json         the run's BPE tokenizer (none for the byte tokenizer)
     state.json             step, data position, config, optimiser hyper-parameters and
-                           scalar state, and the SHA-256 of every file above; written last
+                           scalar state, the tokenizer's description and the data's
+                           fingerprint, and the SHA-256 of every file above; written last
 
 A checkpoint is written into a hidden temporary directory that is renamed into place only
 when complete, so a crash never leaves a half-written ``step-*`` directory; loading checks
@@ -120,17 +122,18 @@ def checkpoint_path(out_dir: str | Path, step: int) -> Path:
 
 
 def save_checkpoint(out_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], keep: int) -> Path:
+                    state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None) -> Path:
     """Write the checkpoint of ``step`` atomically, then delete all but the newest ``keep``.
 
-    ``state`` is JSON-serialisable run state (data position, config, counters). Returns the
-    checkpoint directory.
+    ``state`` is JSON-serialisable run state (data position, config, counters); ``files``
+    are further files to store (name -> content, e.g. the tokenizer), verified on load like
+    the others. Returns the checkpoint directory.
     """
-    return write_checkpoint(out_dir, step, model.state_dict(), optimizer.state_dict(), state, keep)
+    return write_checkpoint(out_dir, step, model.state_dict(), optimizer.state_dict(), state, keep, files)
 
 
 def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
-                     state: dict[str, Any], keep: int) -> Path:
+                     state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None) -> Path:
     """:func:`save_checkpoint` from state dicts: ``model_state`` as ``model.state_dict()``
     gives it, ``optimizer_state`` as ``optimizer.state_dict()`` (data-parallel training passes
     the gathered, consolidated ones, so the files do not depend on the number of ranks)."""
@@ -144,9 +147,15 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file(_rng_state(), str(tmp / "rng.safetensors"))
-    files = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-             for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors")}
-    doc = {"format_version": FORMAT_VERSION, "step": step, "files": files, "optimizer": opt_meta, **state}
+    extra = dict(files or {})
+    reserved = {"model.safetensors", "optimizer.safetensors", "rng.safetensors", STATE_FILE} & set(extra)
+    if reserved or any(Path(name).name != name for name in extra):
+        raise ValueError(f"checkpoint files must be plain names other than the checkpoint's own; got {sorted(extra)}")
+    for name, content in extra.items():
+        (tmp / name).write_bytes(content)
+    names = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", *extra)
+    listing = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
+    doc = {"format_version": FORMAT_VERSION, "step": step, "files": listing, "optimizer": opt_meta, **state}
     with (tmp / STATE_FILE).open("w") as f:
         json.dump(doc, f, indent=1)
         f.flush()
@@ -192,11 +201,13 @@ def read_optimizer_state(path: str | Path, doc: dict[str, Any]) -> dict[str, Any
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    restore_rng: bool = True) -> dict[str, Any]:
+                    restore_rng: bool = True, verified: dict[str, Any] | None = None) -> dict[str, Any]:
     """Verify a checkpoint and load it into ``model`` (and ``optimizer``, and the global RNGs).
-    Returns the run state from ``state.json``."""
+    Returns the run state from ``state.json``. ``verified``: that state, when the caller has
+    just verified the checkpoint with :func:`read_checkpoint_state` (its files are not hashed
+    again)."""
     path = Path(path)
-    doc = read_checkpoint_state(path)
+    doc = verified if verified is not None else read_checkpoint_state(path)
     try:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
         if missing or unexpected:

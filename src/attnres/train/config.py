@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,53 +10,50 @@ from typing import Any
 from ..data.tokenizer import TOKENIZER_KINDS
 from ..distributed.launch import DIST_MODES
 from ..models.config import ModelConfig
+from .rules import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-# Fields that may differ between a checkpoint and the run that resumes it: they change how
-# long the run lasts and what it reports, never the trajectory of the parameters.
+#: The model a config gets when it names none (and what ``model.X=...`` overrides start from).
+DEFAULT_MODEL_PRESET = "tiny"
+# Fields (dotted for sections) that may differ between a checkpoint and the run that resumes
+# it: they change how long the run lasts, what it reports or where files are, never the
+# trajectory of the parameters. ``steps`` is checked apart: it may change only where the
+# learning-rate schedule of the steps already taken stays the same (see attnres.train.resume).
 RESUMABLE_CHANGES = frozenset({
     "steps", "stop_after", "eval_every", "eval_batches", "log_every", "diagnostics_every", "checkpoint_every",
-    "keep_checkpoints", "progress", "tensorboard", "resume", "out_dir",
+    "keep_checkpoints", "progress", "tensorboard", "resume", "resume_from", "init_from", "allow_data_change",
+    "out_dir",
+    # The data is identified by its fingerprint (checked on resume), not by where it lies.
+    "data.paths", "data.cache_dir",
     # Data parallelism reproduces single-process training up to float rounding (the gradient
     # sum runs in another order), so a run may resume on another number of ranks, or mode.
     "distributed", "dist_timeout_s",
 })
 
 
-def _fail(name: str, allowed: str, value: Any) -> None:
-    raise ValueError(f"TrainConfig.{name} must be {allowed}; got {value!r}")
-
-
-def _int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(name, f"an integer >= {minimum}", value)
-
-
-def _number(name: str, value: Any, lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    ok = ok and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-    if not ok:
-        lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-        _fail(name, f"a number in {lb}{lo}, {hi}{rb}", value)
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        _fail(name, "one of " + ", ".join(repr(a) for a in allowed), value)
-
-
-def _bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        _fail(name, "true or false", value)
-
-
 def _check_keys(section: str, data: dict[str, Any], known: set[str]) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown {section} key(s) {unknown}; known keys: {sorted(known)}")
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings (a config's ``to_dict()``) as one mapping with dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _check_rules(config: Any, rules: dict[str, Rule], prefix: str = "") -> None:
+    for name, rule in rules.items():
+        rule.check("TrainConfig", prefix + name, getattr(config, name))
 
 
 @dataclass
@@ -82,13 +78,16 @@ class DataConfig:
     def validate(self) -> None:
         if isinstance(self.paths, str):
             self.paths = [self.paths]
-        if not isinstance(self.paths, list) or not all(isinstance(p, str) for p in self.paths):
-            _fail("data.paths", "a list of file or directory paths", self.paths)
-        _choice("data.tokenizer", self.tokenizer, TOKENIZER_KINDS)
-        _int("data.vocab_size", self.vocab_size, 256)
-        _number("data.val_fraction", self.val_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
-        if self.cache_dir is not None and not isinstance(self.cache_dir, str):
-            _fail("data.cache_dir", "a directory path or null", self.cache_dir)
+        _check_rules(self, DATA_RULES, "data.")
+
+
+DATA_RULES: dict[str, Rule] = {
+    "paths": TextList("a list of file or directory paths ([] = the default corpus)"),
+    "tokenizer": Choice(TOKENIZER_KINDS),
+    "vocab_size": Int(256),
+    "val_fraction": Number(0.0, 1.0, lo_open=True, hi_open=True),
+    "cache_dir": Nullable(Text("a directory path"), "beside the data"),
+}
 
 
 @dataclass
@@ -106,6 +105,14 @@ class TrainConfig:
     disables clipping. ``stop_after`` ends this invocation (with a checkpoint) after that
     many steps in total, without changing the schedule, which always spans ``steps``.
 
+    Starting and continuing (see :mod:`attnres.train.resume`): ``resume`` continues the
+    newest valid checkpoint in ``out_dir`` bit-exactly; ``resume_from`` continues a given
+    checkpoint (a ``step-*`` directory, or a run directory: its newest valid one);
+    ``allow_data_change`` lets a resumed run continue on data whose fingerprint differs
+    from the checkpoint's; ``init_from`` starts a new run from a checkpoint's weights (and
+    tokenizer) with a fresh optimiser, schedule and data position (fine-tuning, or a restart
+    with other hyper-parameters after a divergence).
+
     Data parallelism (``torchrun --nproc-per-node K -m attnres train ...``, see
     docs/distributed.md): ``distributed`` is ``"fsdp"`` (FSDP2), ``"ddp"``, ``"none"``, or
     ``"auto"`` = FSDP2 when launched with several ranks, else none. ``batch_size`` stays the
@@ -113,7 +120,7 @@ class TrainConfig:
     collective waits for a rank that died or stalled before the others stop with an error.
     """
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("tiny"))
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset(DEFAULT_MODEL_PRESET))
     data: DataConfig = field(default_factory=DataConfig)
     seed: int = 0
     steps: int = 1000
@@ -147,6 +154,9 @@ class TrainConfig:
     distributed: str = "auto"
     dist_timeout_s: float = 600.0
     resume: bool = False
+    resume_from: str | None = None
+    init_from: str | None = None
+    allow_data_change: bool = False
     progress: bool = True
     tensorboard: bool = True
 
@@ -156,42 +166,23 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the allowed values on bad input."""
         if not isinstance(self.model, ModelConfig):
-            _fail("model", "a ModelConfig", self.model)
+            fail("TrainConfig", "model", "a ModelConfig", self.model)
         self.model.validate()
         if not isinstance(self.data, DataConfig):
-            _fail("data", "a DataConfig", self.data)
+            fail("TrainConfig", "data", "a DataConfig", self.data)
         self.data.validate()
-        _int("seed", self.seed, 0)
-        for name in ("steps", "seq_len", "batch_size", "grad_accum", "muon_ns_steps", "eval_every", "eval_batches",
-                     "log_every", "diagnostics_every", "checkpoint_every", "keep_checkpoints"):
-            _int(name, getattr(self, name), 1)
-        _int("warmup_steps", self.warmup_steps, 0)
-        if self.stop_after is not None:
-            _int("stop_after", self.stop_after, 1)
+        _check_rules(self, TRAIN_RULES)
         if self.seq_len > self.model.max_seq_len:
-            _fail("seq_len", f"<= model.max_seq_len={self.model.max_seq_len}", self.seq_len)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("schedule", self.schedule, SCHEDULES)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("device", self.device, DEVICES)
-        _choice("distributed", self.distributed, DIST_MODES)
-        _number("dist_timeout_s", self.dist_timeout_s, 0.0, lo_open=True)
-        _number("lr", self.lr, 0.0, lo_open=True)
-        _number("weight_decay", self.weight_decay, 0.0)
-        for name in ("beta1", "beta2", "muon_momentum"):
-            _number(name, getattr(self, name), 0.0, 1.0, hi_open=True)
-        _number("adam_eps", self.adam_eps, 0.0, lo_open=True)
-        _number("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _number("decay_fraction", self.decay_fraction, 0.0, 1.0)
-        _number("grad_clip", self.grad_clip, 0.0)
-        for name in ("compile", "resume", "progress", "tensorboard"):
-            _bool(name, getattr(self, name))
-        if not isinstance(self.out_dir, str) or not self.out_dir:
-            _fail("out_dir", "a directory path", self.out_dir)
+            fail("TrainConfig", "seq_len", f"<= model.max_seq_len={self.model.max_seq_len}", self.seq_len)
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.seq_len
+
+    @property
+    def resuming(self) -> bool:
+        """Whether this run continues a checkpoint (``resume`` or ``resume_from``)."""
+        return self.resume or self.resume_from is not None
 
     # -- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -210,10 +201,37 @@ class TrainConfig:
         if "data" in data:
             section = data["data"]
             if not isinstance(section, dict):
-                _fail("data", "a mapping", section)
+                fail("TrainConfig", "data", "a mapping", section)
             _check_keys("data", section, {f.name for f in dataclasses.fields(DataConfig)})
             data["data"] = DataConfig(**section)
         return cls(**data)
+
+
+_POSITIVE = ("steps", "seq_len", "batch_size", "grad_accum", "muon_ns_steps", "eval_every", "eval_batches",
+             "log_every", "diagnostics_every", "checkpoint_every", "keep_checkpoints")
+TRAIN_RULES: dict[str, Rule] = {
+    "seed": Int(0),
+    **{name: Int(1) for name in _POSITIVE},
+    "stop_after": Nullable(Int(1), "run to the end of the schedule"),
+    "warmup_steps": Int(0),
+    "optimizer": Choice(OPTIMIZERS),
+    "schedule": Choice(SCHEDULES),
+    "dtype": Choice(DTYPES),
+    "device": Choice(DEVICES),
+    "distributed": Choice(DIST_MODES),
+    "dist_timeout_s": Number(0.0, lo_open=True),
+    "lr": Number(0.0, lo_open=True),
+    "weight_decay": Number(0.0),
+    **{name: Number(0.0, 1.0, hi_open=True) for name in ("beta1", "beta2", "muon_momentum")},
+    "adam_eps": Number(0.0, lo_open=True),
+    "min_lr_ratio": Number(0.0, 1.0),
+    "decay_fraction": Number(0.0, 1.0),
+    "grad_clip": Number(0.0),
+    **{name: Bool() for name in ("compile", "resume", "allow_data_change", "progress", "tensorboard")},
+    "out_dir": Text("a directory path"),
+    "resume_from": Nullable(Text("a checkpoint (step-*) or run directory"), "the newest valid checkpoint in out_dir"),
+    "init_from": Nullable(Text("a checkpoint (step-*) or run directory"), "random initialisation"),
+}
 
 
 def model_from_spec(spec: Any) -> ModelConfig:
@@ -227,7 +245,7 @@ def model_from_spec(spec: Any) -> ModelConfig:
         fields = dict(spec)
         preset = fields.pop("preset", None)
         return ModelConfig.preset(preset, **fields) if preset is not None else ModelConfig.from_dict(fields)
-    _fail("model", "a preset name or a mapping of ModelConfig fields", spec)
+    fail("TrainConfig", "model", "a preset name or a mapping of ModelConfig fields", spec)
     raise AssertionError  # unreachable: _fail raises
 
 
@@ -265,8 +283,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """A copy of ``data`` with ``key=value`` overrides applied. ``model.X=...`` on a config
-    whose ``model`` is a preset name keeps the preset and overrides field ``X``."""
+    """A copy of ``data`` with ``key=value`` overrides applied; an override changes only the
+    field it names. ``model.X=...`` on a config whose ``model`` is a preset name keeps the
+    preset and overrides field ``X``; on a config that names no model, it starts from the
+    default model (preset ``DEFAULT_MODEL_PRESET``), as the config would have had without it."""
     data = {**data}
     for item in overrides:
         keys, value = parse_override(item)
@@ -275,6 +295,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             child = node.get(k)
             if isinstance(child, str) and depth == 0 and k == "model":
                 child = {"preset": child}
+            elif child is None and depth == 0 and k == "model":
+                child = {"preset": DEFAULT_MODEL_PRESET}  # what the config had without the override
             elif child is None:
                 child = {}
             elif not isinstance(child, dict):

@@ -8,8 +8,11 @@ norm, tokens/s) goes to ``<out_dir>/metrics.jsonl`` (and TensorBoard when instal
 diagnostics; every ``checkpoint_every`` steps, at the end, and on SIGINT/SIGTERM a checkpoint.
 
 Resuming (``resume=True``) restores weights, optimiser, data position and RNG states from the
-newest checkpoint in ``out_dir``, so that N steps plus N resumed steps give bit-for-bit the
-parameters of 2N uninterrupted steps.
+newest checkpoint in ``out_dir`` that verifies (``resume_from``: a given one), so that N steps
+plus N resumed steps give bit-for-bit the parameters of 2N uninterrupted steps; ``init_from``
+starts a new run from a checkpoint's weights (see :mod:`attnres.train.resume`). Every
+checkpoint stores the tokenizer and the data's fingerprint; a run holds an exclusive lock on
+its ``out_dir`` (:mod:`attnres.train.lock`) and prints its resolved set-up at start-up.
 
 Under ``torchrun`` (``TrainConfig.distributed``, docs/distributed.md) every rank runs this loop
 on its slice of each global batch, with FSDP2 or DDP averaging the gradients; rank 0 logs and
@@ -23,9 +26,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import signal
-import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,19 +50,25 @@ from ..distributed.data_parallel import (
     wrap_model,
 )
 from ..distributed.launch import DistContext, collective_errors, init_distributed, resolve_mode
+from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
 from .checkpoint import (
+    CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
-    read_checkpoint_state,
     read_optimizer_state,
     remove_partial_checkpoints,
     save_checkpoint,
     write_checkpoint,
 )
-from .config import RESUMABLE_CHANGES, TrainConfig
+from .config import TrainConfig, flatten
+from .lock import RunLock
+from .metrics import MetricsLogger
 from .optim import build_optimizer
+from .resume import Source, check_data, check_resumable, find_valid_checkpoint, set_aside_newer
 from .schedule import lr_factor
+from .signals import StopSignals
+from .summary import RunFacts, startup_summary
 
 
 class TrainingDiverged(RuntimeError):
@@ -80,80 +88,12 @@ class TrainResult:
     interrupted: str | None = None
 
 
-class MetricsLogger:
-    """Appends JSON records to ``metrics.jsonl`` and mirrors scalars to TensorBoard when the
-    ``tensorboard`` package is installed and enabled."""
-
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None) -> None:
-        self.path = out_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            # Drop what an interrupted run logged after its last checkpoint: it is redone.
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
-        elif resume_step is None:
-            self.path.write_text("")
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                pass
-            else:
-                self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
-
-    def log(self, kind: str, step: int, **values: Any) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
-        if self.writer is not None:
-            for name, value in values.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{kind}/{name}", value, step)
-                elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-                    for i, v in enumerate(value):
-                        self.writer.add_scalar(f"{kind}/{name}/{i}", v, step)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-class StopSignals:
-    """While active, SIGINT and SIGTERM only set :attr:`received`; the loop checkpoints and
-    returns at the end of the current step. A second SIGINT interrupts at once."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum, _frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("TrainConfig.device='cuda' but no CUDA device is available")
     return torch.device(name)
-
-
-def _check_resumable(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    differing = sorted(k for k in set(saved) | set(current) if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k))
-    if differing:
-        raise ValueError(f"cannot resume from {str(path)!r}: the config differs in {differing} "
-                         f"(only {sorted(RESUMABLE_CHANGES)} may change on resume)")
 
 
 @torch.no_grad()
@@ -184,171 +124,368 @@ def train(config: TrainConfig) -> TrainResult:
     config.validate()
     mode = resolve_mode(config.distributed)
     if mode == "none":
-        return _train(config, None, "none")
+        return Trainer(config, None, "none").run()
     ctx = init_distributed(config.device, config.dist_timeout_s)
     with collective_errors(ctx):
-        return _train(config, ctx, mode)
+        return Trainer(config, ctx, mode).run()
 
 
-def _train(config: TrainConfig, ctx: DistContext | None, mode: str) -> TrainResult:
-    """:func:`train` for one process; ``ctx`` is its place in the process group (or None)."""
-    main = ctx is None or ctx.is_main
-    device = resolve_device(config.device) if ctx is None else ctx.device
-    out_dir = Path(config.out_dir)
-    corpus = load_corpus(config.data.paths, config.data.val_fraction)
+class Trainer:
+    """One process's part of a training run; :func:`train` is the public entry point.
 
-    def prepare():
-        return prepare_data(corpus, config.data.tokenizer, config.data.vocab_size, config.data.cache_dir)
+    :meth:`run` holds the run directory's lock (:meth:`locked`) and calls, in order,
+    :meth:`locate` (the checkpoint to resume or initialise from), :meth:`setup_data`,
+    :meth:`build_model`, :meth:`restore`, :meth:`build_optimizer`, :meth:`open_outputs` and
+    :meth:`announce`, then :meth:`step` until the run ends, with :meth:`log_step`,
+    :meth:`evaluate`, :meth:`diagnostics` and :meth:`checkpoint` at their cadences. ``ctx``
+    is this process's place in the process group (``None`` alone).
+    """
 
-    if ctx is None:
-        data = prepare()
-    else:  # rank 0 tokenises (and trains the BPE) once; the others then read its cache
-        data = prepare() if main else None
-        dist.barrier()
-        data = data or prepare()
-    if config.model.vocab_size != data.vocab_size:  # the tokenizer decides (the caller's config is left alone)
-        config = dataclasses.replace(config, model=config.model.replace(vocab_size=data.vocab_size))
+    def __init__(self, config: TrainConfig, ctx: DistContext | None, mode: str) -> None:
+        self.config, self.ctx, self.mode = config, ctx, mode
+        self.main = ctx is None or ctx.is_main
+        self.device = resolve_device(config.device) if ctx is None else ctx.device
+        self.out_dir = Path(config.out_dir)
+        self.step_count, self.tokens_seen = 0, 0
+        self.train_loss: float | None = None
+        self.val_loss: float | None = None
+        self.resume_step: int | None = None
+        self.last_ckpt: Path | None = None
+        self.logger: MetricsLogger | None = None
+        self.progress = None
+        self.source: Source | None = None  # the checkpoint this run resumes
+        self.init_source: Source | None = None  # the checkpoint whose weights start this run (init_from)
+        self.origin: dict[str, Any] | None = None  # init_from provenance, carried in every checkpoint
+        self.data_changed = False
 
-    torch.manual_seed(config.seed)
-    model = AttnResLM(config.model).to(device)
-    sampler = BatchSampler(data.train, config.seq_len, config.batch_size, config.seed)
-    val_batches = validation_batches(data.val, config.seq_len, config.batch_size, config.eval_batches)
+    # -- coordination ---------------------------------------------------------------------
+    def _main_first(self, fn):
+        """``fn()`` on rank 0 first, then on the others (which may then read what rank 0
+        wrote: a token cache, checkpoints set aside). An error on rank 0 stops every rank."""
+        if self.ctx is None:
+            return fn()
+        result, error = None, None
+        if self.main:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                error = e
+        if any_rank(error is not None, self.ctx):  # a collective: also the barrier
+            raise error or ValueError("rank 0 failed to set up the run (see its error)")
+        return result if self.main else fn()
 
-    step, tokens_seen, resume_step, train_loss, val_loss = 0, 0, None, None, None
-    if main:
-        remove_partial_checkpoints(out_dir)
-    existing = latest_checkpoint(out_dir)
-    state = None
-    if config.resume:
-        if existing is None:
-            raise ValueError(f"resume=true but {str(out_dir / 'checkpoints')!r} holds no checkpoint")
-        _check_resumable(read_checkpoint_state(existing)["config"], config.to_dict(), existing)
-        # Weights (and RNG) go into the whole model, before data parallelism shards it; the
-        # optimiser state once the optimiser exists (below).
-        state = load_checkpoint(existing, model)
-        sampler.load_state_dict(state["sampler"])
-        step, tokens_seen, resume_step = state["step"], state["tokens_seen"], state["step"]
-        train_loss, val_loss = state["train_loss"], state["val_loss"]
-    elif existing is not None:
-        raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true to continue, or pick another out_dir")
-    if ctx is not None:
-        if config.batch_size % ctx.world_size:
-            raise ValueError(f"TrainConfig.batch_size={config.batch_size} (the global batch) must be divisible by the "
-                             f"number of ranks {ctx.world_size}")
-        dist.barrier()  # every rank has seen the same checkpoints before rank 0 writes anything
-    forward = model if ctx is None else wrap_model(model, mode, ctx)
-    optimizer = build_optimizer(model, config)
-    if state is not None:
-        opt_state = read_optimizer_state(existing, state)
-        optimizer.load_state_dict(shard_optimizer_state(optimizer, opt_state) if mode == "fsdp" else opt_state)
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-
-    if config.compile:
-        forward = torch.compile(forward)
-    use_bf16 = config.dtype == "bfloat16"
-
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-
-    end = min(config.steps, config.stop_after or config.steps)
-    logger = MetricsLogger(out_dir, config.tensorboard, resume_step) if main else None
-    progress = None
-    if config.progress and main:
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the run directory's lock for the whole run. Under torchrun only rank 0 takes
+        it (the ranks are one run, and only rank 0 writes); the others learn whether it
+        succeeded, so that every rank stops with the error instead of waiting for rank 0."""
+        lock = RunLock(self.out_dir) if self.main else None
+        self._main_first(lock.acquire if lock is not None else (lambda: None))
         try:
-            from tqdm import tqdm
-        except ImportError:
-            pass
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
+
+    # -- set-up ---------------------------------------------------------------------------
+    def locate(self) -> None:
+        """The checkpoint to start from: with ``resume`` / ``resume_from`` the newest one that
+        verifies (corrupted ones in this run's directory are set aside, with a warning); with
+        ``init_from`` the weights to start from. A new run refuses an ``out_dir`` that holds
+        checkpoints."""
+        config, out_dir = self.config, self.out_dir
+        if self.main:
+            remove_partial_checkpoints(out_dir)
+        if config.resuming:
+            where = Path(config.resume_from) if config.resume_from is not None else out_dir
+            own = where.resolve() in (out_dir.resolve(), (out_dir / "checkpoints").resolve()) or \
+                where.resolve().parent == (out_dir / "checkpoints").resolve()
+            self.source = self._main_first(lambda: find_valid_checkpoint(where, set_aside=self.main and own))
+            if self.source is None and config.resume_from is not None:
+                raise ValueError(f"resume_from={config.resume_from!r} is neither a checkpoint nor a run directory with "
+                                 "checkpoints")
+            if self.source is None:
+                raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
+            if config.resume_from is not None and self.main:
+                for moved in set_aside_newer(out_dir, self.source.step):
+                    print(f"attnres train: {moved.name}: a later checkpoint than the one resumed from, set aside")
+            return
+        if latest_checkpoint(out_dir) is not None:
+            raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true (--resume) to continue, "
+                             "--resume-from DIR to continue a given checkpoint, or pick another out_dir")
+        if config.init_from is not None:
+            self.init_source = find_valid_checkpoint(config.init_from)
+            if self.init_source is None:
+                raise ValueError(f"init_from={config.init_from!r} is neither a checkpoint nor a run directory with "
+                                 "checkpoints")
+            self.origin = {"checkpoint": str(self.init_source.path), "step": self.init_source.step}
+
+    def stored_tokenizer(self, source: Source) -> Tokenizer | None:
+        """The tokenizer stored with ``source``; ``None`` (with a warning) for checkpoints of
+        earlier versions, which store none: the tokenizer is then made from ``data`` as then."""
+        meta = source.state.get("tokenizer")
+        if meta is None:
+            warnings.warn(f"checkpoint {str(source.path)!r} stores no tokenizer (written by an earlier version): "
+                          "making it from the data settings, as that version did", stacklevel=2)
+            return None
+        return tokenizer_from_state(meta, source.path)
+
+    def setup_data(self) -> None:
+        """Read and tokenise the corpus (rank 0 first under torchrun, the others then read
+        its cache), set the model's vocabulary from the tokenizer, build the sampler and the
+        validation batches. A run that starts from a checkpoint keeps that checkpoint's
+        tokenizer; a resumed one checks that the data is the checkpoint's."""
+        config = self.config
+        corpus = load_corpus(config.data.paths, config.data.val_fraction)
+        start = self.source or self.init_source
+        given = self.stored_tokenizer(start) if start is not None else None
+        if self.source is not None:
+            self.data_changed = check_data(self.source, corpus.digest, config.allow_data_change)
+        data = self._main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
+                                                     config.data.cache_dir, given=given))
+        if config.model.vocab_size != data.vocab_size:  # the tokenizer decides (the caller's config is left alone)
+            self.config = config = dataclasses.replace(config, model=config.model.replace(vocab_size=data.vocab_size))
+        self.data, self.fingerprint = data, corpus.digest
+        self.tokenizer_meta, self.tokenizer_files = tokenizer_state(data.tokenizer)
+        self.tokenizer_origin = "stored in the checkpoint" if given is not None else "made from the data"
+        self.sampler = BatchSampler(data.train, config.seq_len, config.batch_size, config.seed)
+        self.val_batches = validation_batches(data.val, config.seq_len, config.batch_size, config.eval_batches)
+
+    def build_model(self) -> None:
+        """The model, initialised from ``seed``."""
+        torch.manual_seed(self.config.seed)
+        self.model = AttnResLM(self.config.model).to(self.device)
+
+    def restore(self) -> None:
+        """Resume: weights, RNG states, data position and counters of the checkpoint (the
+        optimiser state follows in :meth:`build_optimizer`), after checking that the config
+        may continue it. ``init_from``: the weights only."""
+        if self.source is not None:
+            source = self.source
+            check_resumable(source.state["config"], self.config.to_dict(), source)
+            # Weights (and RNG) go into the whole model, before data parallelism shards it.
+            state = load_checkpoint(source.path, self.model, verified=source.state)
+            if not self.data_changed:
+                self.sampler.load_state_dict(state["sampler"])
+            self.step_count, self.tokens_seen, self.resume_step = state["step"], state["tokens_seen"], state["step"]
+            self.train_loss, self.val_loss = state["train_loss"], state["val_loss"]
+            self.origin = state.get("init_from")
+            self.last_ckpt = source.path
+        elif self.init_source is not None:
+            source = self.init_source
+            try:
+                load_checkpoint(source.path, self.model, restore_rng=False, verified=source.state)
+            except CheckpointError as e:
+                saved, ours = flatten(source.state["config"]["model"]), flatten(self.config.model.to_dict())
+                differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
+                raise CheckpointError(f"init_from: {e}; the checkpoint's model differs from this run's in "
+                                      f"{['model.' + k for k in differing]}") from None
+
+    def build_optimizer(self) -> None:
+        """Wrap the model for data parallelism, build the optimiser and, on resume, load its
+        state."""
+        config, ctx = self.config, self.ctx
+        if ctx is not None:
+            if config.batch_size % ctx.world_size:
+                raise ValueError(f"TrainConfig.batch_size={config.batch_size} (the global batch) must be divisible by "
+                                 f"the number of ranks {ctx.world_size}")
+            dist.barrier()  # every rank has seen the same checkpoints before rank 0 writes anything
+        self.forward = self.model if ctx is None else wrap_model(self.model, self.mode, ctx)
+        self.optimizer = build_optimizer(self.model, config)
+        if self.source is not None:
+            opt_state = read_optimizer_state(self.source.path, self.source.state)
+            self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, opt_state)
+                                           if self.mode == "fsdp" else opt_state)
+        if config.compile:
+            self.forward = torch.compile(self.forward)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def open_outputs(self) -> None:
+        """``config.json``, the metrics log and the progress bar (rank 0)."""
+        config = self.config
+        if not self.main:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        self.logger = MetricsLogger(self.out_dir, config.tensorboard, self.resume_step)
+        if config.progress:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.progress = tqdm(total=config.steps, initial=self.step_count, unit="step", dynamic_ncols=True)
+
+    def announce(self) -> None:
+        """Print the resolved set-up (rank 0): how the run starts, the model, tokens per
+        step, data size in tokens, device and dtype."""
+        if not self.main:
+            return
+        if self.source is not None:
+            start = f"resuming {str(self.source.path)!r} at step {self.source.step}"
+            if self.data_changed:
+                start += " on changed data (allow_data_change)"
+        elif self.init_source is not None:
+            start = (f"new run in {str(self.out_dir)!r} from the weights of {str(self.init_source.path)!r} (init_from; "
+                     "fresh optimiser and schedule)")
         else:
-            progress = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    last_ckpt, interrupted = (existing if config.resume else None), None
-    window_tokens, window_start = 0, time.perf_counter()
+            start = f"new run in {str(self.out_dir)!r}"
+        tok = self.data.tokenizer
+        facts = RunFacts(start=start, first_step=self.step_count, parameters=self.model.num_parameters(),
+                         train_tokens=len(self.data.train), val_tokens=len(self.data.val),
+                         tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {self.tokenizer_origin}",
+                         fingerprint=self.fingerprint, device=str(self.device),
+                         world_size=1 if self.ctx is None else self.ctx.world_size)
+        print(startup_summary(self.config, facts), flush=True)
 
-    def checkpoint() -> Path:
-        run_state = {"config": config.to_dict(), "sampler": sampler.state_dict(), "tokens_seen": tokens_seen,
-                     "train_loss": train_loss, "val_loss": val_loss}
-        if ctx is None:
-            return save_checkpoint(out_dir, step, model, optimizer, run_state, config.keep_checkpoints)
-        # Every rank takes part in gathering the shards; rank 0 writes the consolidated files.
-        model_state, opt_state = full_model_state(model), full_optimizer_state(optimizer)
-        if main:
-            write_checkpoint(out_dir, step, model_state, opt_state, run_state, config.keep_checkpoints)
-        dist.barrier()
-        return checkpoint_path(out_dir, step)
+    def autocast(self):
+        if self.config.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
-    try:
-        with StopSignals() as signals:
-            model.train()
-            while step < end:
-                factor = lr_factor(step, config.steps, config.schedule, config.warmup_steps, config.min_lr_ratio,
-                                   config.decay_fraction)
-                for group in optimizer.param_groups:
-                    group["lr"] = group["initial_lr"] * factor
-                optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                for micro in range(config.grad_accum):
-                    ids = sampler.next_batch()  # the global batch; each rank trains on its rows
-                    ids = (ids if ctx is None else local_rows(ids, ctx)).to(device)
-                    with gradient_sync(forward, mode, micro == config.grad_accum - 1):
-                        with autocast():
-                            loss = forward(ids, labels=ids).loss
-                        (loss / config.grad_accum).backward()
-                    loss_sum += loss.item()
-                train_loss = loss_sum / config.grad_accum
-                if ctx is not None:  # the global batch's loss, the same on every rank (so is the stop decision)
-                    train_loss = mean_over_ranks(train_loss, ctx)
-                diag_step = (step + 1) % config.diagnostics_every == 0
-                grads = block_grad_norms(model) if diag_step else None  # before clipping
-                clip = config.grad_clip if config.grad_clip > 0 else math.inf
-                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, clip)).item()
-                if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-                    where = f"the last good checkpoint is {str(last_ckpt)!r}" if last_ckpt else "no checkpoint was written yet"
-                    raise TrainingDiverged(
-                        f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step + 1} "
-                        f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {where}. "
-                        "Lower lr, raise warmup_steps or set grad_clip."
-                    )
-                optimizer.step()
-                step += 1
-                tokens_seen += config.tokens_per_step
-                window_tokens += config.tokens_per_step
+    # -- one step and what follows it -----------------------------------------------------
+    def step(self) -> tuple[float, float, list[float] | None]:
+        """One optimiser step: learning rate from the schedule, ``grad_accum`` micro-batches,
+        the divergence guard, clipping, the update. Returns ``(lr factor, gradient norm,
+        per-block gradient norms or None)``; raises :class:`TrainingDiverged`."""
+        config, ctx, step = self.config, self.ctx, self.step_count
+        factor = lr_factor(step, config.steps, config.schedule, config.warmup_steps, config.min_lr_ratio,
+                           config.decay_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for micro in range(config.grad_accum):
+            ids = self.sampler.next_batch()  # the global batch; each rank trains on its rows
+            ids = (ids if ctx is None else local_rows(ids, ctx)).to(self.device)
+            with gradient_sync(self.forward, self.mode, micro == config.grad_accum - 1):
+                with self.autocast():
+                    loss = self.forward(ids, labels=ids).loss
+                (loss / config.grad_accum).backward()
+            loss_sum += loss.item()
+        train_loss = loss_sum / config.grad_accum
+        if ctx is not None:  # the global batch's loss, the same on every rank (so is the stop decision)
+            train_loss = mean_over_ranks(train_loss, ctx)
+        self.train_loss = train_loss
+        grads = block_grad_norms(self.model) if (step + 1) % config.diagnostics_every == 0 else None  # before clipping
+        clip = config.grad_clip if config.grad_clip > 0 else math.inf
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip)).item()
+        if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+            raise TrainingDiverged(
+                f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step + 1} "
+                f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {self._recovery_hint()}"
+            )
+        self.optimizer.step()
+        self.step_count += 1
+        self.tokens_seen += config.tokens_per_step
+        return factor, grad_norm, grads
 
-                if (step % config.log_every == 0 or step == end) and main:
-                    now = time.perf_counter()
-                    tok_s = window_tokens / max(now - window_start, 1e-9)
-                    logger.log("train", step, loss=train_loss, lr=config.lr * factor, grad_norm=grad_norm,
-                               tokens=tokens_seen, tokens_per_s=tok_s)
-                    if progress is not None:
-                        progress.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
-                    window_tokens, window_start = 0, now
-                if step % config.eval_every == 0 or step == config.steps:
-                    # Every rank evaluates the same batches (FSDP2 forwards are collectives).
-                    val_loss = evaluate(model, val_batches, device, autocast)
-                    if main:
-                        logger.log("eval", step, val_loss=val_loss, tokens=tokens_seen)
-                if diag_step:
-                    with autocast():
-                        diag = forward_diagnostics(model, val_batches[0].to(device))
-                    if main:
-                        logger.log("diagnostics", step, block_grad_norm=grads, **diag)
-                if progress is not None:
-                    progress.update(1)
-                received = signals.received
-                # A launcher signals every rank, not necessarily during the same step: stop together.
-                if ctx is not None and any_rank(received is not None, ctx):
-                    received = received or "SIGTERM"
-                if received is not None:
-                    interrupted = received
-                    last_ckpt = checkpoint()
-                    break
-                if step % config.checkpoint_every == 0 or step == end:
-                    last_ckpt = checkpoint()
-    finally:
-        if progress is not None:
-            progress.close()
-        if logger is not None:
-            logger.close()
-    return TrainResult(step=step, train_loss=train_loss, val_loss=val_loss, checkpoint=last_ckpt, out_dir=out_dir,
-                       interrupted=interrupted)
+    def _recovery_hint(self) -> str:
+        if self.last_ckpt is None:
+            return "no checkpoint was written yet. Lower lr, raise warmup_steps or set grad_clip."
+        return (f"the last good checkpoint is {str(self.last_ckpt)!r}. Lower lr, raise warmup_steps or set grad_clip, "
+                f"and start again from its weights with init_from={self.last_ckpt} (a fresh optimiser and schedule) "
+                "in a new out_dir")
+
+    def log_step(self, factor: float, grad_norm: float, window: list) -> None:
+        """A ``train`` record (rank 0) with the tokens/s of the window since the last one;
+        ``window`` is ``[tokens, start time]``, reset here."""
+        now = time.perf_counter()
+        tok_s = window[0] / max(now - window[1], 1e-9)
+        self.logger.log("train", self.step_count, loss=self.train_loss, lr=self.config.lr * factor,
+                        grad_norm=grad_norm, tokens=self.tokens_seen, tokens_per_s=tok_s)
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        window[:] = [0, now]
+
+    def evaluate(self) -> None:
+        """The validation loss; every rank evaluates the same batches (FSDP2 forwards are
+        collectives), rank 0 logs it."""
+        self.val_loss = evaluate(self.model, self.val_batches, self.device, self.autocast)
+        if self.main:
+            self.logger.log("eval", self.step_count, val_loss=self.val_loss, tokens=self.tokens_seen)
+
+    def diagnostics(self, grads: list[float] | None) -> None:
+        """The Fig. 5 / Fig. 8 diagnostics on the first validation batch, with the per-block
+        gradient norms ``grads`` of this step."""
+        with self.autocast():
+            diag = forward_diagnostics(self.model, self.val_batches[0].to(self.device))
+        if self.main:
+            self.logger.log("diagnostics", self.step_count, block_grad_norm=grads, **diag)
+
+    def checkpoint(self) -> Path:
+        """Write the checkpoint of the current step, with the tokenizer and the data's
+        fingerprint (every rank takes part in gathering the shards; rank 0 writes the
+        consolidated files)."""
+        config, step = self.config, self.step_count
+        run_state = {"config": config.to_dict(), "sampler": self.sampler.state_dict(), "tokens_seen": self.tokens_seen,
+                     "train_loss": self.train_loss, "val_loss": self.val_loss, "tokenizer": self.tokenizer_meta,
+                     "data": {"fingerprint": self.fingerprint, "train_tokens": len(self.data.train),
+                              "val_tokens": len(self.data.val)},
+                     "init_from": self.origin}
+        if self.ctx is None:
+            path = save_checkpoint(self.out_dir, step, self.model, self.optimizer, run_state, config.keep_checkpoints,
+                                   self.tokenizer_files)
+        else:
+            model_state, opt_state = full_model_state(self.model), full_optimizer_state(self.optimizer)
+            if self.main:
+                write_checkpoint(self.out_dir, step, model_state, opt_state, run_state, config.keep_checkpoints,
+                                 self.tokenizer_files)
+            dist.barrier()
+            path = checkpoint_path(self.out_dir, step)
+        self.last_ckpt = path
+        return path
+
+    def stop_signal(self, signals: StopSignals) -> str | None:
+        """The signal that asks this run to stop, agreed by every rank (a launcher signals
+        every rank, not necessarily during the same step)."""
+        received = signals.received
+        if self.ctx is not None and any_rank(received is not None, self.ctx):
+            received = received or "SIGTERM"
+        return received
+
+    # -- the run --------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        with self.locked():
+            self.locate()
+            self.setup_data()
+            self.build_model()
+            self.restore()
+            self.build_optimizer()
+            self.open_outputs()
+            self.announce()
+            return self.train_loop()
+
+    def train_loop(self) -> TrainResult:
+        config = self.config
+        end = min(config.steps, config.stop_after or config.steps)
+        interrupted = None
+        window = [0, time.perf_counter()]
+        try:
+            with StopSignals() as signals:
+                self.model.train()
+                while self.step_count < end:
+                    factor, grad_norm, grads = self.step()
+                    step = self.step_count
+                    window[0] += config.tokens_per_step
+                    if (step % config.log_every == 0 or step == end) and self.main:
+                        self.log_step(factor, grad_norm, window)
+                    if step % config.eval_every == 0 or step == config.steps:
+                        self.evaluate()
+                    if grads is not None:
+                        self.diagnostics(grads)
+                    if self.progress is not None:
+                        self.progress.update(1)
+                    interrupted = self.stop_signal(signals)
+                    if interrupted is not None:
+                        self.checkpoint()
+                        break
+                    if step % config.checkpoint_every == 0 or step == end:
+                        self.checkpoint()
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+            if self.logger is not None:
+                self.logger.close()
+        return TrainResult(step=self.step_count, train_loss=self.train_loss, val_loss=self.val_loss,
+                           checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted)

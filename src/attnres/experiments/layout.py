@@ -1,0 +1,48 @@
+"""The layout of an experiment directory: where each run lives and the files the runner,
+the overhead measurement and the reports share.
+
+::
+
+    out/experiment.json               name, preset, overrides (EXPERIMENT_FILE)
+    out/overhead.json                 side-by-side step time and memory (OVERHEAD_FILE)
+    out/<variant>/seed<k>/            one attnres.train run directory
+    out/<variant>/seed<k>/result.json the run's record, written last (RESULT_FILE)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+EXPERIMENT_FILE = "experiment.json"
+OVERHEAD_FILE = "overhead.json"
+RESULT_FILE = "result.json"
+
+
+def run_dir(out: str | Path, variant: str, seed: int) -> Path:
+    """The directory of one run in an experiment directory: ``out/<variant>/seed<k>``."""
+    return Path(out) / variant / f"seed{seed}"
+
+
+def saved_config(out: Path, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``config.json`` the run of ``record`` wrote (``None`` if it is missing)."""
+    path = run_dir(out, record["variant"], record["seed"]) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_overhead(out: Path) -> dict[str, Any] | None:
+    """The side-by-side measurements of ``out/overhead.json`` (``None`` if not measured)."""
+    path = Path(out) / OVERHEAD_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_experiment_header(out: str | Path) -> dict[str, Any] | None:
+    """``out/experiment.json`` (experiment name, preset, overrides), or ``None`` when ``out``
+    holds no experiment yet or the file is not a JSON mapping."""
+    path = Path(out) / EXPERIMENT_FILE
+    try:
+        header = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return header if isinstance(header, dict) else None

@@ -1,0 +1,143 @@
+"""An exclusive lock on a run directory, so that two training processes never share an
+``out_dir`` (interleaved metrics, overwritten or deleted checkpoints).
+
+The lock is the file ``<out_dir>/run.lock`` holding the owner's PID, host, process start
+time and command line as JSON. It is created atomically (written under a temporary name,
+then hard-linked into place, which fails if the file exists), removed when the run ends,
+and taken over when it is *stale*: left by a process of this host that no longer runs (a
+killed run). A lock held by another host cannot be checked from here; the error says how
+to remove it by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+LOCK_FILE = "run.lock"
+
+
+class RunLocked(ValueError):
+    """The run directory is locked by another live run."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (Linux: field 22 of /proc/<pid>/stat), to tell a
+    live owner from a new process that reused its PID; ``None`` where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    started = holder.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return f"PID {holder.get('pid')} on host {holder.get('host')!r} (started {when}: {holder.get('command', '?')})"
+
+
+class RunLock:
+    """``with RunLock(out_dir):`` holds the lock of ``out_dir`` (created if missing) for the
+    block; raises :class:`RunLocked` naming the holder when another live run has it."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.path = Path(out_dir) / LOCK_FILE
+        self.held = False
+
+    def _me(self) -> dict[str, Any]:
+        pid = os.getpid()
+        return {"pid": pid, "host": socket.gethostname(), "proc_start": _start_time(pid), "started": time.time(),
+                "command": " ".join(sys.argv)[:500]}
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def _stale(self, holder: dict[str, Any]) -> bool:
+        """A lock of this host whose process is gone (or whose PID now names another process)."""
+        if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+            return False
+        pid = holder["pid"]
+        if not _alive(pid):
+            return True
+        recorded, now = holder.get("proc_start"), _start_time(pid)
+        return recorded is not None and now is not None and recorded != now
+
+    def _create(self, tmp: Path) -> None:
+        """Put the complete lock file in place, or raise ``FileExistsError``."""
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: exclusive create, then write
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(tmp.read_text())
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps(self._me()))
+        try:
+            for _ in range(3):
+                try:
+                    self._create(tmp)
+                    self.held = True
+                    return
+                except FileExistsError:
+                    pass
+                holder = self._read()
+                if holder is None:  # released meanwhile: try again
+                    continue
+                if not holder:
+                    raise RunLocked(f"{str(self.path.parent)!r} is locked by an unreadable lock file {str(self.path)!r}; "
+                                    "if no run uses this directory, delete that file")
+                if not self._stale(holder):
+                    raise RunLocked(
+                        f"{str(self.path.parent)!r} is in use by another run: {_describe(holder)}. Wait for it to "
+                        f"finish, stop it, or pick another out_dir; if that run is no longer alive (another host "
+                        f"cannot be checked from here), delete {str(self.path)!r}")
+                if self._read() != holder:  # another process took it over meanwhile: look again
+                    continue
+                warnings.warn(f"removing the stale lock of a run that no longer runs: {_describe(holder)}", stacklevel=3)
+                self.path.unlink(missing_ok=True)
+            raise RunLocked(f"could not lock {str(self.path.parent)!r}: the lock file {str(self.path)!r} keeps changing")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        holder = self._read()
+        if holder and holder.get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,77 @@
+"""``metrics.jsonl``: the run's log of JSON records, written by :class:`MetricsLogger` and read
+back by :func:`read_metrics`, which tolerates what a killed process leaves behind (a
+truncated last line)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file, in order. Lines that are not JSON objects -
+    typically the last line, cut short when the process was killed mid-write - are skipped,
+    with a warning naming them when ``warn``. A missing file gives no records."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records, bad = [], []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and "kind" in record and "step" in record:
+            records.append(record)
+        else:
+            bad.append(lineno)
+    if bad and warn:
+        warnings.warn(f"{str(path)!r}: skipped {len(bad)} unreadable line(s) {bad[:5]} (a run killed mid-write "
+                      "leaves a truncated last line)", stacklevel=2)
+    return records
+
+
+class MetricsLogger:
+    """Appends JSON records to ``metrics.jsonl`` and mirrors scalars to TensorBoard when the
+    ``tensorboard`` package is installed and enabled.
+
+    ``resume_step``: ``None`` starts a fresh log; otherwise the records up to that step are
+    kept and the rest (logged by an interrupted run after its last checkpoint, and redone
+    now) dropped, as is an unreadable line."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None) -> None:
+        self.path = out_dir / METRICS_FILE
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None:
+            self.path.write_text("")
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                pass
+            else:
+                self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
+
+    def log(self, kind: str, step: int, **values: Any) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        if self.writer is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{kind}/{name}", value, step)
+                elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+                    for i, v in enumerate(value):
+                        self.writer.add_scalar(f"{kind}/{name}/{i}", v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,70 @@
+"""The command line (issue 15): ``key=value`` overrides anywhere on the line, ``attnres
+train --help`` listing every field, ``--print-config`` and ``--version``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("yaml")
+
+import yaml  # noqa: E402
+from test_train import overrides, write_corpus  # noqa: E402
+
+import attnres  # noqa: E402
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.models.config import RESIDUALS  # noqa: E402
+from attnres.train import TrainConfig, load_config  # noqa: E402
+from attnres.train.config import DataConfig  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"attnres {attnres.__version__}"
+
+
+def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    lines = {line.split("=")[0].strip(): line for line in text.splitlines() if " = " in line}
+    defaults = TrainConfig(progress=False)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in ("model", "data"):
+            assert f.name in lines, f.name
+    for f in dataclasses.fields(DataConfig):
+        assert f"data.{f.name}" in lines, f.name
+    for name in defaults.model.to_dict():
+        assert f"model.{name}" in lines, name
+    assert "one of 'adamw', 'muon'" in lines["optimizer"] and "'adamw'" in lines["optimizer"]
+    assert "steps = 1000" in lines["steps"] and "an integer >= 1" in lines["steps"]
+    assert "a number in (0.0, inf]" in lines["lr"]
+    assert all(repr(r) in lines["model.residual"] for r in RESIDUALS)  # asked from ModelConfig's own validation
+    assert "model.d_model = 64" in lines["model.d_model"]  # the default preset's value
+
+
+def test_print_config_shows_the_resolved_config(capsys, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: demo\nlr: 1.0e-3\n")
+    assert cli_main(["train", "--config", str(cfg), "--print-config", "model.residual=standard", "steps=7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == load_config(cfg, ["model.residual=standard", "steps=7"]).to_dict()
+    assert printed["model"]["d_model"] == 128 and printed["lr"] == 1e-3  # the demo preset, the file's lr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_overrides_on_both_sides_of_resume(tmp_path):
+    """``attnres train a=b --resume c=d`` (also what torchrun passes on): argparse fills a
+    positional list once, so the overrides after ``--resume`` used to be rejected."""
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    args = overrides(corpus, tmp_path / "run", stop_after=2)
+    assert cli_main(["train", *args]) == 0
+    args = overrides(corpus, tmp_path / "run")
+    assert cli_main(["train", *args[:4], "--resume", *args[4:]]) == 0
+    with pytest.raises(SystemExit):
+        cli_main(["train", *args[:4], "--resume", "not-an-override"])

@@ -1,0 +1,352 @@
+"""Run management (issue 15): the tokenizer and the data's fingerprint inside every
+checkpoint, the run-directory lock, recovery (a corrupted checkpoint, --resume-from, a
+truncated metrics log, init_from), changing ``steps`` on resume, overrides that change only
+what they name, and the start-up summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+pytest.importorskip("yaml")
+
+from safetensors.torch import load_file  # noqa: E402
+from test_train import assert_same_weights, final_weights, overrides, write_corpus  # noqa: E402
+
+from attnres import AttnResLM, ModelConfig  # noqa: E402
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.data import dataset as dataset_mod  # noqa: E402
+from attnres.data import load_corpus, prepare_data  # noqa: E402
+from attnres.data import tokenizer as tokenizer_mod  # noqa: E402
+from attnres.data.tokenizer import BPETokenizer, run_interruptibly  # noqa: E402
+from attnres.inference.loading import load_tokenizer  # noqa: E402
+from attnres.train import latest_checkpoint, load_config, train  # noqa: E402
+from attnres.train.checkpoint import read_checkpoint_state  # noqa: E402
+from attnres.train.lock import LOCK_FILE, RunLock, RunLocked  # noqa: E402
+from attnres.train.metrics import read_metrics  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def corpus_file(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "corpus.txt")
+
+
+def bpe(corpus: Path, out: Path, **extra) -> list[str]:
+    """Overrides of a tiny run with a small BPE (300 tokens), caches under the run's folder."""
+    return overrides(corpus, out, **{"data.tokenizer": "bpe", "data.vocab_size": 300,
+                                     "data.cache_dir": str(out.parent / "cache"), **extra})
+
+
+def edit_one_word(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("fox", "cat", 1), encoding="utf-8")
+
+
+# -- 2: the tokenizer and the data fingerprint live in the checkpoint -------------------
+
+def test_checkpoint_stores_tokenizer_and_data_fingerprint(tmp_path, corpus_file, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, bpe(Path("corpus.txt"), tmp_path / "run", steps=2)))  # a relative data path
+    ckpt = latest_checkpoint(tmp_path / "run")
+    state = read_checkpoint_state(ckpt)  # verifies tokenizer.json against its SHA-256 too
+    assert state["tokenizer"]["kind"] == "bpe" and "tokenizer.json" in state["files"]
+    assert state["data"]["fingerprint"] == load_corpus(["corpus.txt"]).digest
+    stored = BPETokenizer.load(ckpt / "tokenizer.json")
+    assert stored.vocab_size == state["tokenizer"]["vocab_size"] == state["config"]["model"]["vocab_size"]
+
+    # From another directory, after the data changed: the stored tokenizer, no retraining.
+    edit_one_word(corpus_file)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(dataset_mod, "train_bpe", lambda *a: pytest.fail("the BPE was retrained"))
+    text = "the quick brown fox jumps over the lazy dog"
+    assert load_tokenizer(tmp_path / "run").encode(text) == stored.encode(text)
+    assert cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the quick", "--max-new-tokens",
+                     "3", "--temperature", "0"]) == 0
+
+
+def test_byte_tokenizer_is_stored_as_a_marker(tmp_path, corpus_file):
+    train(load_config(None, overrides(corpus_file, tmp_path / "run", steps=1)))
+    ckpt = latest_checkpoint(tmp_path / "run")
+    state = read_checkpoint_state(ckpt)
+    assert state["tokenizer"] == {"kind": "byte", "vocab_size": 256, "fingerprint": "byte"}
+    assert not (ckpt / "tokenizer.json").exists()
+    assert load_tokenizer(ckpt).encode("é") == list("é".encode())
+
+
+def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
+    run = tmp_path / "run"
+    train(load_config(None, bpe(corpus_file, run, stop_after=3)))
+    stored = (latest_checkpoint(run) / "tokenizer.json").read_text()
+    edit_one_word(corpus_file)
+    with pytest.raises(ValueError, match=r"data differ .*allow_data_change=true"):
+        train(load_config(None, bpe(corpus_file, run, resume="true")))
+    with pytest.warns(UserWarning, match="allow_data_change=true: the data differ"):
+        result = train(load_config(None, bpe(corpus_file, run, resume="true", allow_data_change="true")))
+    assert result.step == 6
+    after = read_checkpoint_state(result.checkpoint)
+    # The checkpoint's tokenizer carried on (same ids); the new data's fingerprint is recorded.
+    assert (result.checkpoint / "tokenizer.json").read_text() == stored
+    assert after["data"]["fingerprint"] == load_corpus([str(corpus_file)]).digest
+
+
+def test_unchanged_data_at_another_path_resumes(tmp_path, corpus_file):
+    """The data is identified by its content: a moved corpus resumes bit-exactly."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "full")))
+    train(load_config(None, overrides(corpus_file, tmp_path / "split", stop_after=3)))
+    moved = tmp_path / "moved" / "corpus.txt"
+    moved.parent.mkdir()
+    corpus_file.rename(moved)
+    train(load_config(None, overrides(moved, tmp_path / "split", resume="true")))
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "split"))
+
+
+def strip_to_old_format(ckpt: Path) -> None:
+    """Make a checkpoint look like one of an earlier version: no tokenizer, no fingerprint."""
+    state = json.loads((ckpt / "state.json").read_text())
+    for key in ("tokenizer", "data", "init_from"):
+        state.pop(key, None)
+    state["files"].pop("tokenizer.json", None)
+    (ckpt / "tokenizer.json").unlink(missing_ok=True)
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
+def test_old_checkpoints_fall_back_with_a_warning(tmp_path, corpus_file):
+    run = tmp_path / "run"
+    train(load_config(None, bpe(corpus_file, run, stop_after=3)))
+    strip_to_old_format(latest_checkpoint(run))
+    with pytest.warns(UserWarning, match="stores no tokenizer"):
+        tok = load_tokenizer(run)
+    assert tok.kind == "bpe"
+    with pytest.warns(UserWarning, match="stores no data fingerprint"):
+        assert train(load_config(None, bpe(corpus_file, run, resume="true"))).step == 6
+
+
+# -- 3: the run-directory lock ------------------------------------------------------------
+
+def test_a_second_run_on_a_locked_out_dir_is_refused(tmp_path, corpus_file):
+    run = tmp_path / "run"
+    with RunLock(run):  # as a live run holds it, in the middle of writing a checkpoint
+        in_progress = run / "checkpoints" / ".tmp-step-00000002-1"
+        in_progress.mkdir(parents=True)
+        with pytest.raises(RunLocked, match=rf"in use by another run: PID {os.getpid()} on host '{socket.gethostname()}'"):
+            train(load_config(None, overrides(corpus_file, run, steps=2)))
+        with pytest.raises(SystemExit, match="attnres train: error: .* in use by another run"):
+            cli_main(["train", *overrides(corpus_file, run, steps=2, resume="true")])
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", LOCK_FILE]  # nothing written
+        assert in_progress.is_dir()  # nor the live run's checkpoint in progress deleted
+        in_progress.rmdir()
+    assert not (run / LOCK_FILE).exists()
+    result = train(load_config(None, overrides(corpus_file, run, steps=2)))
+    assert result.step == 2 and not (run / LOCK_FILE).exists()  # released at the end
+
+
+def test_stale_lock_is_taken_over_and_foreign_host_is_named(tmp_path, corpus_file):
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its PID no longer runs
+    (run / LOCK_FILE).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": 0}))
+    with pytest.warns(UserWarning, match=f"stale lock .*PID {dead.pid}"):
+        assert train(load_config(None, overrides(corpus_file, run, steps=1))).step == 1
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "some-other-host", "started": 0}))
+    with pytest.raises(RunLocked, match=r"PID 1 on host 'some-other-host'.*delete"):
+        train(load_config(None, overrides(corpus_file, other, steps=1)))
+
+
+# -- 4: recovery --------------------------------------------------------------------------
+
+def test_corrupted_newest_checkpoint_falls_back_to_an_intact_one(tmp_path, corpus_file):
+    train(load_config(None, overrides(corpus_file, tmp_path / "full")))
+    split = tmp_path / "split"
+    train(load_config(None, overrides(corpus_file, split, stop_after=3, checkpoint_every=1, keep_checkpoints=2)))
+    newest = latest_checkpoint(split)
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as a crash or a full disk leaves it
+    with pytest.warns(UserWarning) as caught:
+        result = train(load_config(None, overrides(corpus_file, split, resume="true", checkpoint_every=1,
+                                                   keep_checkpoints=2)))
+    messages = " ".join(str(w.message) for w in caught)
+    assert "falling back to the newest valid checkpoint" in messages and "step-00000002" in messages
+    assert (split / "checkpoints" / "corrupt-step-00000003").is_dir()  # kept for inspection, out of the way
+    assert result.step == 6
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(split))
+
+
+def test_resume_from_an_earlier_checkpoint(tmp_path, corpus_file):
+    train(load_config(None, overrides(corpus_file, tmp_path / "full")))
+    split = tmp_path / "split"
+    train(load_config(None, overrides(corpus_file, split, stop_after=4, checkpoint_every=2)))
+    earlier = split / "checkpoints" / "step-00000002"
+    # key=value overrides on both sides of the option
+    args = overrides(corpus_file, split, checkpoint_every=2)
+    assert cli_main(["train", *args[:3], "--resume-from", str(earlier), *args[3:]]) == 0
+    assert (split / "checkpoints" / "superseded-step-00000004").is_dir()
+    with pytest.raises(SystemExit, match=r"resume_from='.*nowhere' is neither a checkpoint nor a run directory"):
+        cli_main(["train", *args, "--resume-from", str(tmp_path / "nowhere")])
+    assert_same_weights(final_weights(tmp_path / "full"), final_weights(split))
+    steps = [r["step"] for r in read_metrics(split / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(1, 7))
+
+
+def test_truncated_last_metrics_line_is_tolerated(tmp_path, corpus_file):
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, stop_after=3)))
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "train", "step": 4, "lo')  # killed mid-write
+    with pytest.warns(UserWarning, match="skipped 1 unreadable line"):
+        assert train(load_config(None, overrides(corpus_file, run, resume="true"))).step == 6
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line) for line in lines)
+    assert [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"] == list(range(1, 7))
+
+
+def test_init_from_restarts_after_divergence_with_a_fresh_optimiser(tmp_path, corpus_file, capsys):
+    diverged = tmp_path / "diverged"
+    args = overrides(corpus_file, diverged, lr="1e30", schedule="constant", warmup_steps=0, grad_clip=0,
+                     checkpoint_every=1)
+    with pytest.raises(SystemExit, match=r"non-finite .*init_from=.*step-00000001"):
+        cli_main(["train", *args])  # the message says how to start again
+    # (lr=1e30 spoils even the first checkpoint's weights; a healthy one to start from:)
+    train(load_config(None, overrides(corpus_file, tmp_path / "healthy", steps=2)))
+    good = latest_checkpoint(tmp_path / "healthy")
+    # A new run from those weights with a (negligible) learning rate: one step leaves them
+    # where the checkpoint had them, and the optimiser and schedule start from zero.
+    restart = tmp_path / "restart"
+    result = train(load_config(None, overrides(corpus_file, restart, steps=1, lr="1e-12", warmup_steps=0,
+                                               schedule="constant", weight_decay=0, init_from=str(good))))
+    assert result.step == 1
+    assert "from the weights of" in capsys.readouterr().out
+    before, after = load_file(str(good / "model.safetensors")), final_weights(restart)
+    for name in before:
+        assert torch.allclose(before[name], after[name], atol=1e-9), name
+    assert float(load_file(str(result.checkpoint / "optimizer.safetensors"))["0.step"]) == 1  # fresh AdamW
+    assert read_checkpoint_state(result.checkpoint)["init_from"] == {"checkpoint": str(good), "step": 2}
+    # A model that does not fit the checkpoint is named field by field.
+    with pytest.raises(ValueError, match=r"differs from this run's in \['model.d_model'"):
+        train(load_config(None, overrides(corpus_file, tmp_path / "wide", steps=1, init_from=str(good),
+                                          **{"model.d_model": 128})))
+
+
+# -- 5: steps on resume -------------------------------------------------------------------
+
+def test_changing_steps_on_resume_is_refused_where_it_moves_the_schedule(tmp_path, corpus_file):
+    run = tmp_path / "cosine"
+    train(load_config(None, overrides(corpus_file, run, stop_after=4)))  # 2 warm-up steps, 2 of the cosine decay
+    with pytest.raises(ValueError, match=r"steps=6.*'cosine'.*at step 4 the learning rate.*stop_after=K.*init_from="):
+        train(load_config(None, overrides(corpus_file, run, resume="true", steps=12)))
+
+
+def test_extending_a_wsd_run_before_its_decay_equals_training_longer(tmp_path, corpus_file):
+    wsd = dict(schedule="wsd", decay_fraction=0.2, warmup_steps=2)
+    train(load_config(None, overrides(corpus_file, tmp_path / "long", steps=12, **wsd)))
+    # steps=6 decays from step 5; the run stops at step 3, still in the stable phase.
+    train(load_config(None, overrides(corpus_file, tmp_path / "extended", steps=6, stop_after=3, **wsd)))
+    train(load_config(None, overrides(corpus_file, tmp_path / "extended", steps=12, resume="true", **wsd)))
+    assert_same_weights(final_weights(tmp_path / "long"), final_weights(tmp_path / "extended"))
+
+
+# -- 6: overrides change only what they name; the start-up summary -------------------------
+
+def test_model_override_without_config_keeps_the_default_preset():
+    config = load_config(None, ["model.residual=standard"])
+    assert config.model == ModelConfig.preset("tiny", residual="standard")
+    assert load_config(None, ["model.d_model=32", "model.n_heads=2"]).model == ModelConfig.preset("tiny", d_model=32,
+                                                                                                  n_heads=2)
+
+
+def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, stop_after=2, **{"model.residual": "standard"})))
+    text = capsys.readouterr().out
+    model = AttnResLM(ModelConfig.preset("tiny", residual="standard"))
+    data = prepare_data(load_corpus([str(corpus_file)]), "byte")
+    assert f"new run in '{run}'; steps 1-2 of 6" in text
+    assert f"{model.num_parameters():,} parameters; residual standard" in text
+    assert "128 per step (batch 4 x seq_len 32 x grad_accum 1)" in text
+    assert f"{len(data.train):,} training + {len(data.val):,} validation tokens" in text
+    assert "device  cpu, float32" in text
+    train(load_config(None, overrides(corpus_file, run, resume="true", **{"model.residual": "standard"})))
+    assert f"resuming '{latest_checkpoint(run).parent / 'step-00000002'}' at step 2; steps 3-6" in capsys.readouterr().out
+
+
+# -- 8: Ctrl-C during first-time BPE training -----------------------------------------------
+
+def test_ctrl_c_interrupts_bpe_training(tmp_path, monkeypatch):
+    """``tokenizers`` holds the calling thread until its training ends and runs no Python
+    signal handler meanwhile: Ctrl-C waited for the whole training (12 s on big.txt). The BPE
+    now trains in a worker thread while the main thread waits in slices, so Ctrl-C stops
+    at once, and no cache is left behind."""
+    (tmp_path / "c.txt").write_text("\n".join(f"line {i} of the quick brown fox {i * 7 % 13}" for i in range(20000)))
+    corpus = load_corpus([str(tmp_path / "c.txt")])
+    real, readers = tokenizer_mod.text_chunks, set()
+
+    def chunks(text, size=1 << 20):
+        for k, piece in enumerate(real(text, size=4096)):
+            readers.add(threading.current_thread() is threading.main_thread())
+            if k == 3:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the trainer reads the text
+            yield piece
+
+    monkeypatch.setattr(tokenizer_mod, "text_chunks", chunks)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(corpus, "bpe", 400, str(tmp_path / "cache"))
+    assert readers == {False}  # the trainer ran off the main thread, which kept handling signals
+    assert not list((tmp_path / "cache").glob("*/meta.json")) and not list((tmp_path / "cache").glob(".*tmp*"))
+
+
+def test_run_interruptibly_returns_the_call_or_stops_at_ctrl_c():
+    assert run_interruptibly(lambda: 41 + 1) == 42
+    with pytest.raises(ZeroDivisionError):
+        run_interruptibly(lambda: 1 / 0)
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def blocked():  # a call that ignores signals, as the Rust trainer does
+        started.set()
+        release.wait(60)
+        finished.set()
+
+    def interrupt():
+        started.wait(60)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    watcher = threading.Thread(target=interrupt)
+    watcher.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_interruptibly(blocked)
+        assert not finished.is_set()  # interrupted while the call still ran
+    finally:
+        release.set()
+        watcher.join()
+
+
+# -- 8: a long text without line breaks --------------------------------------------------
+
+@pytest.mark.parametrize("sep", [" ", ""], ids=["one-line", "no-spaces"])
+def test_text_without_line_breaks_is_split(tmp_path, sep):
+    """One line of 400 KB (the issue: 3.5 MB) was 'too small to split'; it is now cut at
+    spaces, or anywhere when it has none, into pieces of the usual size."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"] * 16_000
+    (tmp_path / "one.txt").write_text(sep.join(words))
+    corpus = load_corpus([str(tmp_path / "one.txt")], val_fraction=0.02)
+    total = len(corpus.train) + len(corpus.val)
+    assert total == len(sep.join(words))
+    assert len(corpus.val) == pytest.approx(0.02 * total, rel=0.05)
+    if sep:  # cut at spaces: every piece starts with a whole word
+        assert corpus.val.split(" ")[0] in {"alpha", "beta", "gamma", "delta", "epsilon"}
