@@ -4,7 +4,7 @@ Shape: Block AttnRes with one block per transformer block (S = 2), d = 128, 4 he
 vocabulary 512, sequence 128, batch 8 in 4 micro-batches, float32. ``P`` ranks (2 and 4
 processes), ``V = 2`` virtual stages, interleaved 1F1B; the blocks are split so that every
 chunk completes ``N_p = 2`` block representations (chunk 0: the embedding and one block), so
-spec §5's formulas apply exactly: naive ``C (C - 1) / 2 N_p``, cached
+report §4.1's formulas apply exactly: naive ``C (C - 1) / 2 N_p``, cached
 ``P (P - 1) / 2 N_p + (V - 1) P^2 N_p`` blocks per micro-batch.
 
 Compared, on the same weights: ``naive`` and ``cached`` on this project's executor

@@ -1,4 +1,4 @@
-"""Sequence-sharded prefill (spec §6): per-rank bytes of depth sources, measured, for P = 1, 2, 4.
+"""Sequence-sharded prefill (report §4.2): per-rank bytes of depth sources, measured, for P = 1, 2, 4.
 
     python benchmarks/bench_seq_prefill.py            # launches torchrun for each P (CPU, gloo)
 

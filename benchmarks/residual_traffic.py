@@ -116,7 +116,7 @@ def measure(residual, tokens: int = 200, path: str = "prefill") -> dict:
 
 
 def report_formula(kind: str, L: int, S: int) -> tuple[str, float]:
-    """The report's Table 1 entry (spec §4): symbolic and value, in units of d."""
+    """The report's Table 1 entry (report §4.2): symbolic and value, in units of d."""
     N = -(-L // S)
     if kind == "standard":
         return "3d", 3.0

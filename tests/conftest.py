@@ -64,24 +64,30 @@ def tensor_errors(values, refs) -> list[float]:
     return errs
 
 
-def assert_fast_matches_naive(fast, naive, truth, dtype, names, tol) -> None:
-    """The acceptance check of two-phase vs naive, per dtype, over matching tensor lists.
+def fast_path_violations(fast, naive, truth, dtype, names, tol) -> list[str]:
+    """What the acceptance check of two-phase vs naive finds wrong (empty: it passes).
 
-    * float64: ``err(fast, naive) <= tol`` (1e-10).
-    * float32: ``err(fast, naive) <= max(tol, 2 * err(naive, truth))`` with ``tol = 1e-5``:
-      where float32 itself cannot deliver 1e-5 (the reference's own error against the
-      float64 ``truth`` exceeds it), the fast path must stay within twice that rounding error.
-    * bfloat16: two bf16 runs drift apart through the whole network, so the fast path is
-      held to the *truth*: ``err(fast, truth) <= max(tol, 2 * err(naive, truth))``.
+    * float64: ``err(fast, naive) <= tol`` (1e-10): both are exact up to float64 rounding.
+    * float32 and bfloat16: each low-precision path is held to the float64 ``truth``:
+      ``err(fast, truth) <= max(tol, 2 * err(naive, truth))``. Comparing the two low-precision
+      paths with each other instead is fragile: their rounding errors point in unrelated
+      directions, so their difference can reach the *sum* of two equally accurate errors -
+      which made the suite fail at 1.10e-5 > 1.08e-5 on an AVX-512 machine where the fast and
+      naive paths were 5.6e-6 and 5.4e-6 from the truth (a different SIMD width, a different
+      summation order). Against the truth, an equally accurate fast path always passes.
     """
     if dtype == torch.float64:
         errs, bounds = tensor_errors(fast, naive), [tol] * len(names)
     else:
-        ref_err = tensor_errors(naive, truth)
-        errs = tensor_errors(fast, naive if dtype == torch.float32 else truth)
-        bounds = [max(tol, 2 * e) for e in ref_err]
-    for name, e, b in zip(names, errs, bounds):
-        assert e <= b, f"{name}: relative error {e:.3e} > {b:.3e} ({dtype})"
+        errs = tensor_errors(fast, truth)
+        bounds = [max(tol, 2 * e) for e in tensor_errors(naive, truth)]
+    return [f"{name}: relative error {e:.3e} > {b:.3e} ({dtype})" for name, e, b in zip(names, errs, bounds) if e > b]
+
+
+def assert_fast_matches_naive(fast, naive, truth, dtype, names, tol) -> None:
+    """Assert :func:`fast_path_violations` finds nothing."""
+    bad = fast_path_violations(fast, naive, truth, dtype, names, tol)
+    assert not bad, "; ".join(bad)
 
 
 def randomize_residual(model: torch.nn.Module, seed: int = 0, scale: float = 0.5) -> None:

@@ -17,11 +17,14 @@ from attnres.nn.residual import (
     MHCLite,
     ReZero,
     registered_residuals,
+    residual_class,
     sinkhorn_knopp,
 )
 from attnres.nn.residual.baselines import layerscale_init
 
-BASELINES = tuple(n for n in registered_residuals() if n not in ("standard", "attnres_full", "attnres_block"))
+# The package's own baselines (other test modules register variants of their own).
+BASELINES = tuple(n for n in registered_residuals()
+                  if residual_class(n).__module__ == "attnres.nn.residual.baselines")
 
 from conftest import assert_rel_close
 
@@ -38,6 +41,7 @@ def model_pair(residual: str | dict, **overrides):
 
 @pytest.mark.parametrize("residual", BASELINES)
 def test_every_baseline_trains_one_step(residual):
+    assert len(BASELINES) == 7
     model, _ = model_pair(residual)
     ids = torch.randint(0, 256, (2, 6))
     out = model(ids, labels=ids)
@@ -217,3 +221,45 @@ def test_ablation_validation():
         ModelConfig.preset("tiny", residual={"kind": "rezero", "ablation": {"key_norm": False}})
     with pytest.raises(ValueError, match="unknown ModelConfig.residual.ablation key"):
         ModelConfig.preset("tiny", residual={"ablation": {"keynorm": False}})
+
+
+def test_multistream_routing_follows_a_float64_model():
+    """Regression: HC / mHC / mHC-lite routing and Sinkhorn ran in float32 in float64 models.
+    Their mappings now match an independent float64 evaluation to 1e-10."""
+    g = torch.Generator().manual_seed(0)
+    H = torch.randn(3, 4, 4, 8, generator=g, dtype=torch.float64)  # [B, T, m, d]
+    mhc = MHC(8, 3, n_streams=4, sinkhorn_iters=7).double()
+    with torch.no_grad():
+        for p in mhc.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    pre, post, res = mhc._mappings(1, H)
+    flat = H.reshape(3, 4, 32)
+    x = flat / torch.sqrt((flat * flat).mean(-1, keepdim=True) + mhc.eps)
+    z = x @ mhc.phi[1].detach()
+    a, b = mhc.alpha[1].detach(), mhc.bias[1].detach()
+    assert_rel_close(pre, torch.sigmoid(a[0] * z[..., :4] + b[:4]), 1e-12)
+    assert_rel_close(post, 2 * torch.sigmoid(a[1] * z[..., 4:8] + b[4:8]), 1e-12)
+    m = torch.exp(a[2] * z[..., 8:] + b[8:]).reshape(3, 4, 4, 4)
+    for _ in range(7):  # plain Sinkhorn-Knopp: columns, then rows
+        m = m / m.sum(-2, keepdim=True)
+        m = m / m.sum(-1, keepdim=True)
+    assert res.dtype == torch.float64
+    assert_rel_close(res, m, 1e-10)
+
+    hc = HyperConnections(8, 3, n_streams=4).double()
+    with torch.no_grad():
+        for p in hc.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    pre, beta, res = hc._mappings(2, H)
+    Hn = H / torch.sqrt((H * H).mean(-1, keepdim=True) + hc.eps) * hc.norm_weight[2].detach()
+    alpha = hc.static_alpha[2].detach() + hc.alpha_scale[2].detach() * torch.tanh(Hn @ hc.dynamic_alpha[2].detach())
+    assert_rel_close(pre, alpha[..., 0], 1e-12)
+    assert_rel_close(res, alpha[..., 1:].transpose(-1, -2), 1e-12)
+
+    lite = MHCLite(8, 3, n_streams=3).double()
+    logits = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    w = torch.exp(logits) / torch.exp(logits).sum(-1, keepdim=True)
+    import itertools
+
+    perms = torch.stack([torch.eye(3, dtype=torch.float64)[list(p)] for p in itertools.permutations(range(3))])
+    assert_rel_close(lite.residual_matrix(logits), torch.einsum("bk,kij->bij", w, perms), 1e-12)

@@ -322,3 +322,62 @@ def test_ratio_stderr_matches_a_bootstrap():
     assert ratio_stderr(list(zip(a, b))) == pytest.approx(float(boot.std(ddof=1)), rel=0.05)
     with pytest.raises(ValueError, match="at least 2"):
         ratio_stderr([(1.0, 2.0)])
+
+
+# -- loading fills what a checkpoint lacks with the faithful init (issue 15, items 10-11) --
+
+@pytest.mark.parametrize("residual", [
+    "attnres_block",
+    "attnres_full",
+    "layerscale",
+    "denseformer",
+    {"kind": "attnres_block", "impl": "naive", "ablation": {"input_dependent_query": True}},
+])
+def test_loading_a_standard_checkpoint_initialises_the_missing_residual(tmp_path, residual):
+    """A standard-residual checkpoint loaded as another residual: every residual parameter is
+    missing from it and must get its faithful init (zero queries and projections, unit gains,
+    each baseline's own), not uninitialised memory; the shared weights load as saved."""
+    std = AttnResForCausalLM.from_native(native_model(residual="standard"))
+    std.save_pretrained(tmp_path / "std")
+    config = AttnResConfig.from_model_config(std.native_config.replace(residual=residual))
+    for trial in range(3):
+        loaded = AttnResForCausalLM.from_pretrained(tmp_path / "std", config=config)
+        fresh = config.to_model_config().build_residual()
+        want = dict(fresh.named_parameters())
+        for name, p in loaded.residual.named_parameters():
+            if name.endswith(".weight") and "gates" not in name and "query_proj" not in name:
+                assert torch.equal(p, torch.ones_like(p)), name  # key-norm gains
+            elif "query" in name or "mixing" in name or "dwa" in name or "scales" in name:
+                assert torch.equal(p, want[name]), name  # zero queries, identity DWA, LayerScale's init
+        assert torch.equal(loaded.embed_tokens.weight, std.embed_tokens.weight)
+        ids = torch.randint(0, 256, (2, 6))
+        assert torch.isfinite(loaded(ids).logits).all()
+
+
+def test_a_partly_missing_residual_keeps_what_was_loaded(tmp_path):
+    """Only the parameters absent from the checkpoint are initialised; loaded ones stay."""
+    from safetensors.torch import load_file, save_file
+
+    model = AttnResForCausalLM.from_native(native_model(residual="attnres_block"))
+    model.save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    weights = load_file(str(path))
+    dropped = "residual.mixers.2.query"
+    del weights[dropped]
+    save_file(weights, str(path), metadata={"format": "pt"})
+    loaded = AttnResForCausalLM.from_pretrained(tmp_path / "m")
+    params = dict(loaded.named_parameters())
+    assert torch.equal(params[dropped], torch.zeros_like(params[dropped]))
+    for name, value in weights.items():
+        assert torch.equal(params[name], value), name
+
+
+def test_mhc_lite_survives_save_and_load(tmp_path):
+    """Regression: mHC-lite's permutation matrices were a non-persistent buffer that
+    ``from_pretrained`` left uninitialised (NaN logits from a complete checkpoint)."""
+    model = AttnResForCausalLM.from_native(native_model(residual={"kind": "mhc_lite", "hc_streams": 3}))
+    model.save_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 256, (2, 6))
+    for _ in range(3):
+        loaded = AttnResForCausalLM.from_pretrained(tmp_path / "m")
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

@@ -11,6 +11,7 @@ from conftest import (
     GRAD_TOL,
     TOL,
     assert_fast_matches_naive,
+    assert_rel_close,
     make_model,
     twin_with_impl,
 )
@@ -211,7 +212,7 @@ def test_tied_embeddings():
         ("vocab_size", True, "integer >= 1"),
         ("norm_eps", -1.0, "> 0"),
         ("residual.full_group_size", 0, "integer >= 1"),
-        ("tie_embeddings", "yes", "True or False"),
+        ("tie_embeddings", "yes", "true or false"),
     ],
 )
 def test_invalid_config_names_field_and_allowed_values(field, value, allowed):
@@ -301,3 +302,79 @@ def test_bad_labels_shape_raises():
     model = make_model()
     with pytest.raises(ValueError, match="labels must have the shape"):
         model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
+
+
+# ------------------------------------------------------------------ float64 end to end
+def reference_logits_float64(model: AttnResLM, ids: torch.Tensor) -> torch.Tensor:
+    """The model's function written out independently in float64 from its parameters: RoPE
+    from the formula, explicit causal softmax attention, SwiGLU, and the depth mixing of
+    report §3 (standard sum, Full AttnRes, Block AttnRes) source by source."""
+    cfg, r = model.config, model.config.residual
+    P = {n: p.detach().double() for n, p in model.named_parameters()}
+    d, H, Hkv = cfg.d_model, cfg.n_heads, cfg.kv_heads
+    hd, T, L = d // H, ids.shape[1], cfg.n_sublayers
+    ang = torch.outer(torch.arange(T, dtype=torch.float64),
+                      1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+
+    def rms(x, w, eps):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+    def rope(t):
+        return t * cos + torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1) * sin
+
+    def attention(i, h):
+        x = rms(h, P[f"layers.{i}.attn_norm.weight"], cfg.norm_eps)
+        q = (x @ P[f"layers.{i}.attn.q_proj.weight"].T).view(*x.shape[:2], H, hd).transpose(1, 2)
+        k = (x @ P[f"layers.{i}.attn.k_proj.weight"].T).view(*x.shape[:2], Hkv, hd).transpose(1, 2)
+        v = (x @ P[f"layers.{i}.attn.v_proj.weight"].T).view(*x.shape[:2], Hkv, hd).transpose(1, 2)
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        s = q @ k.transpose(-1, -2) / hd**0.5
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        o = (s.softmax(-1) @ v).transpose(1, 2).reshape(*x.shape)
+        return o @ P[f"layers.{i}.attn.o_proj.weight"].T
+
+    def mlp(i, h):
+        x = rms(h, P[f"layers.{i}.mlp_norm.weight"], cfg.norm_eps)
+        g, u = x @ P[f"layers.{i}.mlp.gate_proj.weight"].T, x @ P[f"layers.{i}.mlp.up_proj.weight"].T
+        return (g * torch.sigmoid(g) * u) @ P[f"layers.{i}.mlp.down_proj.weight"].T
+
+    def mix(l, sources):  # mixer l over its sources
+        if r.kind == "standard":
+            return sum(sources)
+        q, gain = P[f"residual.mixers.{l}.query"], P[f"residual.mixers.{l}.key_norm.weight"]
+        logits = torch.stack([rms(s, gain, r.eps) @ q for s in sources])
+        return (logits.softmax(0).unsqueeze(-1) * torch.stack(sources)).sum(0)
+
+    def sources_of(l, outputs):  # outputs = [v_0, ..., v_l]
+        if r.kind == "standard":
+            return [sum(outputs)]
+        if r.kind == "attnres_full":
+            return list(outputs)
+        S = r.resolved_block_size(L)
+        blocks = [outputs[0]] + [sum(outputs[1 + j: 1 + j + S]) for j in range(0, l - l % S, S)]
+        return blocks + ([sum(outputs[1 + l - l % S: 1 + l])] if l % S else [])
+
+    outputs = [P["embed_tokens.weight"][ids]]
+    for l in range(L):
+        h = mix(l, sources_of(l, outputs))
+        outputs.append(attention(l // 2, h) if l % 2 == 0 else mlp(l // 2, h))
+    h = mix(L, sources_of(L, outputs))
+    return rms(h, P["norm.weight"], cfg.norm_eps) @ P["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("residual", ["standard", {"kind": "attnres_full"}, {"kind": "attnres_block", "block_size": 3},
+                                      {"kind": "attnres_block", "block_size": 2, "impl": "naive"}])
+def test_float64_model_matches_an_independent_float64_evaluation(residual, attention):
+    """Regression: the RoPE tables and eager attention's scores were float32 in a float64
+    model (about 1e-6 in the logits); every computation now follows the model's dtype."""
+    model = make_model(torch.float64, residual=residual, n_layers=3)
+    for layer in model.layers:
+        layer.attn.implementation = attention
+    ids = torch.randint(0, 256, (2, 9))
+    assert_rel_close(model(ids).logits, reference_logits_float64(model, ids), 1e-10)
+    # A float32 model cast to float64 recomputes its RoPE tables exactly.
+    cast = make_model(torch.float32, residual=residual, n_layers=3).double()
+    assert torch.equal(cast.rope.cos, make_model(torch.float64, residual=residual, n_layers=3).rope.cos)

@@ -24,7 +24,7 @@ from conftest import OP_TOL_BF16, assert_rel_close
 
 
 def formula_float64(query, sources, gain=None, eps=1e-6, scale=1.0):
-    """The spec §2 formula, evaluated independently in float64 with Python loops over the
+    """The report §3.1 formula, evaluated independently in float64 with Python loops over the
     sources and explicit sums over the hidden dimension (no use of the package)."""
     q = query.double()
     g = torch.ones_like(q) if gain is None else gain.double()

@@ -1,5 +1,5 @@
 """Pipeline parallelism (issue 6): the chunks, the schedules, cross-stage caching and the
-communication account, against the single-process model and spec §5's formulas.
+communication account, against the single-process model and report §4.1's formulas.
 
 The multi-process checks run as few process launches as possible (starting a process and
 importing torch costs seconds here): each launch runs a batch of cases, see
@@ -45,7 +45,7 @@ RESIDUALS = {
 
 def block_plan(n_ranks: int, virtual_stages: int, per_chunk: int, block_size: int = 2):
     """A Block AttnRes config and split in which every chunk completes exactly ``per_chunk``
-    entries (chunk 0: the embedding and ``per_chunk - 1`` blocks), so spec §5 applies exactly."""
+    entries (chunk 0: the embedding and ``per_chunk - 1`` blocks), so report §4.1 applies exactly."""
     layers_per_block = block_size // 2
     c = n_ranks * virtual_stages
     split = (layers_per_block * (per_chunk - 1),) + (layers_per_block * per_chunk,) * (c - 1)
@@ -307,7 +307,7 @@ def test_four_ranks_equal_single_process(four_ranks):
 
 def test_counted_transfers_equal_the_plan(two_ranks, four_ranks):
     """What the ranks actually sent, forward and backward, per edge and micro-batch, is the
-    plan's count; for spec §5's example it is 28 (naive) vs 22 (cached) blocks."""
+    plan's count; for report §4.1's example it is 28 (naive) vs 22 (cached) blocks."""
     M = 4
     spec = {mode: four_ranks[f"spec/interleaved/{mode}"]["counter"] for mode in ("naive", "cached")}
     for mode, counter in spec.items():

@@ -1,4 +1,4 @@
-"""Residual modules on their own, driven by toy sublayers: two-phase vs naive, spec §3 facts."""
+"""Residual modules on their own, driven by toy sublayers: two-phase vs naive, report §3.2 facts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from attnres.nn import BlockAttnRes, FullAttnRes, StandardResidual
 
-from conftest import GRAD_TOL, TOL, assert_fast_matches_naive, assert_rel_close
+from conftest import GRAD_TOL, TOL, assert_fast_matches_naive, assert_rel_close, fast_path_violations
 
 
 class ToySublayers(torch.nn.Module):
@@ -213,3 +213,20 @@ def test_bad_block_size_raises(bad):
 def test_bad_impl_raises():
     with pytest.raises(ValueError, match="impl must be one of"):
         FullAttnRes(4, 4, impl="fast")
+
+
+def test_float32_rule_accepts_an_equally_accurate_path_whatever_its_rounding_direction():
+    """Regression (an AVX-512 machine): two float32 paths equally far from the float64 truth
+    but in opposite directions differ by twice that distance. The old rule,
+    ``err(fast, naive) <= max(1e-5, 2 err(naive, truth))``, failed such a pair; the rule held
+    against the truth passes it - and still fails a path that is less accurate."""
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randn(1000, generator=g, dtype=torch.float64)
+    direction = torch.randn(1000, generator=g, dtype=torch.float64)
+    direction *= 5.4e-6 * truth.norm() / direction.norm()
+    naive, fast = truth + direction, truth - 1.04 * direction  # 5.4e-6 and 5.6e-6 from the truth
+    old_rule_err = (fast - naive).norm() / naive.norm()
+    assert old_rule_err > 2 * (naive - truth).norm() / truth.norm() and old_rule_err > 1e-5  # the old rule fails
+    assert fast_path_violations([fast.float()], [naive.float()], [truth], torch.float32, ["x"], 1e-5) == []
+    worse = truth - 3 * 1.04 * direction  # three times less accurate than the reference path
+    assert fast_path_violations([worse.float()], [naive.float()], [truth], torch.float32, ["x"], 1e-5)

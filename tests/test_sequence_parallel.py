@@ -1,4 +1,4 @@
-"""Sequence-sharded prefill (spec §6) against one-process prefill, on 2 and 4 gloo ranks.
+"""Sequence-sharded prefill (report §4.2) against one-process prefill, on 2 and 4 gloo ranks.
 
 One ``torchrun`` launch of 4 processes (this file run as a script) covers every case: the
 whole world (P = 4) and a sub-group of ranks 0 and 1 (P = 2), for the standard residual,

@@ -1,59 +1,155 @@
-"""Validation helpers shared by every config dataclass of the package.
+"""Validation shared by every config dataclass of the package.
 
-A :class:`Fields` checker carries the prefix of the config it checks (``"ModelConfig"``,
-``"ModelConfig.residual"``, ``"TrainConfig"``, ...), so every error names the field the user
-wrote and the values it accepts::
+Declarative rules check a value and describe what they allow, so that a validation error
+and ``attnres train --help`` say the same thing; :class:`Fields` applies them to one config,
+whose name prefixes every error::
 
     check = Fields("ModelConfig.residual")
-    check.integer("block_size", 0, allow_none="about 8 blocks")
-    # ValueError: ModelConfig.residual.block_size must be an integer >= 1 or None (about 8 blocks); got 0
+    check.rule("block_size", Nullable(Int(1), "about 8 blocks"), 0)
+    # ValueError: ModelConfig.residual.block_size must be an integer >= 1, or null (about 8 blocks); got 0
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
-__all__ = ["Fields"]
+
+def fail(section: str, name: str, allowed: str, value: Any) -> NoReturn:
+    """Raise the one error format of config validation: the field, what it allows, the value."""
+    raise ValueError(f"{section}.{name} must be {allowed}; got {value!r}")
+
+
+class Rule:
+    """What a field allows: :meth:`ok` tests a value, :meth:`describe` says it in words."""
+
+    def ok(self, value: Any) -> bool:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def check(self, section: str, name: str, value: Any) -> None:
+        if not self.ok(value):
+            fail(section, name, self.describe(), value)
+
+
+@dataclass(frozen=True)
+class Int(Rule):
+    minimum: int
+
+    def ok(self, value: Any) -> bool:
+        return not isinstance(value, bool) and isinstance(value, int) and value >= self.minimum
+
+    def describe(self) -> str:
+        return f"an integer >= {self.minimum}"
+
+
+@dataclass(frozen=True)
+class Number(Rule):
+    lo: float
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def ok(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+    def describe(self) -> str:
+        if self.lo == 0 and self.lo_open and self.hi == math.inf:
+            return "a finite number > 0"
+        lb, rb = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+        return f"a number in {lb}{self.lo}, {self.hi}{rb}"
+
+
+@dataclass(frozen=True)
+class Choice(Rule):
+    allowed: tuple[str, ...]
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, str) and value in self.allowed
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(repr(a) for a in self.allowed)
+
+
+@dataclass(frozen=True)
+class Bool(Rule):
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, bool)
+
+    def describe(self) -> str:
+        return "true or false"
+
+
+@dataclass(frozen=True)
+class Text(Rule):
+    """A non-empty string (a path)."""
+
+    what: str = "a path"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, str) and bool(value)
+
+    def describe(self) -> str:
+        return self.what
+
+
+@dataclass(frozen=True)
+class TextList(Rule):
+    what: str = "a list of paths"
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(p, str) for p in value)
+
+    def describe(self) -> str:
+        return self.what
+
+
+@dataclass(frozen=True)
+class Nullable(Rule):
+    """``None`` (meaning ``none_means``) or what ``rule`` allows."""
+
+    rule: Rule
+    none_means: str
+
+    def ok(self, value: Any) -> bool:
+        return value is None or self.rule.ok(value)
+
+    def describe(self) -> str:
+        return f"{self.rule.describe()}, or null ({self.none_means})"
 
 
 class Fields:
-    """Raise ``ValueError("<prefix>.<name> must be <allowed>; got <value>")`` on bad values."""
+    """The checks of one config: errors read ``"<prefix>.<name> must be <allowed>; got <value>"``."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
 
     def fail(self, name: str, allowed: str, value: Any) -> NoReturn:
-        raise ValueError(f"{self.prefix}.{name} must be {allowed}; got {value!r}")
+        fail(self.prefix, name, allowed, value)
+
+    def rule(self, name: str, rule: Rule, value: Any) -> None:
+        rule.check(self.prefix, name, value)
 
     def integer(self, name: str, value: Any, minimum: int = 1, allow_none: str | None = None) -> None:
         """An ``int`` (not a ``bool``) ``>= minimum``; ``None`` too when ``allow_none`` says what it means."""
-        if value is None and allow_none is not None:
-            return
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            extra = f" or None ({allow_none})" if allow_none is not None else ""
-            self.fail(name, f"an integer >= {minimum}{extra}", value)
+        self.rule(name, Int(minimum) if allow_none is None else Nullable(Int(minimum), allow_none), value)
 
-    def number(self, name: str, value: Any, lo: float = 0.0, hi: float = math.inf, lo_open: bool = True,
-               hi_open: bool = False) -> None:
-        """A finite ``int`` or ``float`` in the interval; by default ``(0, inf]``, i.e. positive."""
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        ok = ok and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-        if not ok:
-            if lo == 0.0 and lo_open and hi == math.inf:
-                self.fail(name, "a finite number > 0", value)
-            lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-            self.fail(name, f"a number in {lb}{lo}, {hi}{rb}", value)
+    def positive(self, name: str, value: Any) -> None:
+        self.rule(name, Number(0.0, lo_open=True), value)
 
     def boolean(self, name: str, value: Any) -> None:
-        if not isinstance(value, bool):
-            self.fail(name, "True or False", value)
+        self.rule(name, Bool(), value)
 
     def choice(self, name: str, value: Any, allowed: Iterable[str]) -> None:
-        allowed = tuple(allowed)
-        if value not in allowed:
-            self.fail(name, "one of " + ", ".join(repr(a) for a in allowed), value)
+        self.rule(name, Choice(tuple(allowed)), value)
 
     def known_keys(self, data: dict[str, Any], known: Iterable[str]) -> None:
         """Raise for keys of ``data`` that are not in ``known``, listing the known ones."""

@@ -1,4 +1,4 @@
-"""What a pipeline sends between chunks, with and without cross-stage caching (spec §5).
+"""What a pipeline sends between chunks, with and without cross-stage caching (report §4.1).
 
 A pipeline of ``P`` ranks and ``V`` virtual stages per rank cuts the transformer blocks into
 ``C = P * V`` chunks; chunk ``c`` runs on rank ``c % P``. At every chunk boundary the
@@ -18,7 +18,7 @@ also send the running tensor, which changes in every chunk. The backward pass se
 gradient per forward tensor over the same edges.
 
 With ``N_p`` completed entries produced by every chunk (the embedding counts as one of
-chunk 0's) the totals are spec §5's formulas, :func:`naive_transfers` and
+chunk 0's) the totals are report §4.1's formulas, :func:`naive_transfers` and
 :func:`cached_transfers`; :func:`plan_transitions` counts any split exactly.
 """
 

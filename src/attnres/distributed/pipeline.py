@@ -1,4 +1,4 @@
-"""Pipeline parallelism for :class:`attnres.AttnResLM`, with cross-stage caching (spec §5).
+"""Pipeline parallelism for :class:`attnres.AttnResLM`, with cross-stage caching (report §4.1).
 
 The transformer blocks are cut into ``C = P * V`` chunks (``P`` ranks, ``V`` virtual stages
 per rank); chunk ``c`` runs on rank ``c % P``. Chunk 0 also owns the embedding, the last chunk
@@ -67,7 +67,7 @@ class PipelineConfig:
         as ``ScheduleLoopedBFS``), ``"1f1b"`` (``V = 1``) or ``"interleaved_1f1b"`` (``V >= 2``,
         ``n_microbatches`` a multiple of ``P``).
     n_microbatches: micro-batches per step; the batch must divide into them evenly.
-    cache: cross-stage caching (spec §5): a rank keeps the history it received for its
+    cache: cross-stage caching (report §4.1): a rank keeps the history it received for its
         earlier virtual stages and transitions carry only the entries produced since.
     runtime: ``"torch"`` (``torch.distributed.pipelining``), ``"attnres"`` (this module's
         executor) or ``"auto"`` (``"attnres"`` with ``cache``, else ``"torch"``).
@@ -94,7 +94,7 @@ class PipelineConfig:
         if self.runtime not in RUNTIMES:
             _fail("runtime", "one of " + ", ".join(map(repr, RUNTIMES)), self.runtime)
         if not isinstance(self.cache, bool):
-            _fail("cache", "True or False", self.cache)
+            _CHECK.boolean("cache", self.cache)
         if self.schedule == "1f1b" and self.virtual_stages != 1:
             _fail("virtual_stages", "1 for schedule '1f1b' (use 'interleaved_1f1b' for V >= 2)", self.virtual_stages)
         if self.schedule == "interleaved_1f1b":

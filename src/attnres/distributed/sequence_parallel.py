@@ -1,4 +1,4 @@
-"""Sequence-sharded prefill (spec §6): P ranks each hold T/P positions of the prompt.
+"""Sequence-sharded prefill (report §4.2): P ranks each hold T/P positions of the prompt.
 
 Block representations cost ``N T d`` values per sequence in a one-process prefill. Here rank
 ``r`` of ``P`` runs the model on positions ``[r T/P, (r+1) T/P)`` only, so every depth source

@@ -1,12 +1,11 @@
 """Aggregate experiment records: mean ± std over seeds, power-law fits, Markdown tables
-beside the report's numbers (spec §7), and PNG plots (matplotlib, Agg backend).
+beside the report's numbers (report Table 4 and Fig. 6), and PNG plots (matplotlib, Agg backend).
 
 :func:`write_report` writes ``<out>/report.md`` and the plots of one experiment.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path

@@ -27,22 +27,6 @@ from ..nn.transformer import Attention
 from .configuration import AttnResConfig
 
 
-def _init_missing_residual_parameters(residual: nn.Module, config) -> None:
-    """Give every parameter and buffer of ``residual`` that was not loaded (transformers
-    flags loaded tensors ``_is_hf_initialized``) the value of a freshly built residual:
-    zero pseudo-queries, unit key-norm gains, each baseline's own init. Variants reset some
-    tensors in place (not through ``torch.nn.init``), so ``reset_parameters`` could
-    overwrite loaded values; copying from a fresh module cannot."""
-    with torch.device("cpu"):
-        fresh = config.build_residual()
-    fresh_tensors = dict(fresh.named_parameters()) | dict(fresh.named_buffers())
-    own = dict(residual.named_parameters()) | dict(residual.named_buffers())
-    with torch.no_grad():
-        for name, tensor in own.items():
-            if not getattr(tensor, "_is_hf_initialized", False):
-                tensor.copy_(fresh_tensors[name].to(tensor.dtype))
-
-
 class HFCacheAdapter:
     """A ``transformers.Cache`` seen through the native ``KVStore`` interface:
     ``update(layer, k, v)`` appends and returns all keys/values; ``seq_len`` is the number
@@ -86,17 +70,41 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         """The native init (``AttnResLM.init_weights``): Normal(0, init_std) for projections
         and embeddings, ones for norm gains, and the residual's own init - zero
         pseudo-queries - last (modules are visited children first, so nothing overwrites
-        it). Tensors loaded from a checkpoint are left alone by HF's init guard."""
-        if module is self.residual:
-            _init_missing_residual_parameters(module, self.native_config)
+        it). Tensors loaded from a checkpoint are left alone by HF's init guard.
+
+        The residual's tensors are initialised module by module (transformers skips modules
+        without parameters of their own, the residual itself among them): each one the
+        checkpoint lacks gets the value of a freshly built residual - zero pseudo-queries,
+        unit key-norm gains, each baseline's own init - whatever the module type; copying
+        cannot overwrite a loaded tensor, as the variants' in-place resets could."""
+        name = next((n for n, m in self.residual.named_modules() if m is module), None)
+        if name is not None:
+            self._init_residual_tensors(module, name)
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
         elif isinstance(module, RotaryEmbedding):
-            cos, sin = module._tables()
-            module.cos.copy_(cos)
-            module.sin.copy_(sin)
+            module.reset_tables()
+
+    def _init_residual_tensors(self, module: nn.Module, name: str) -> None:
+        fresh = self.__dict__.get("_fresh_residual")
+        if fresh is None:
+            with torch.device("cpu"):
+                fresh = self.__dict__["_fresh_residual"] = self.native_config.build_residual()
+        counterpart = fresh.get_submodule(name) if name else fresh
+        mine = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+        theirs = dict(counterpart.named_parameters(recurse=False)) | dict(counterpart.named_buffers(recurse=False))
+        with torch.no_grad():
+            for key, tensor in mine.items():
+                if not getattr(tensor, "_is_hf_initialized", False) and tensor.device.type != "meta":
+                    tensor.copy_(theirs[key].to(tensor.dtype))
+
+    def initialize_weights(self) -> None:
+        try:
+            super().initialize_weights()
+        finally:
+            self.__dict__.pop("_fresh_residual", None)  # built for one init pass only
 
     def _set_attention(self) -> None:
         """Point every attention layer at ``config._attn_implementation``."""

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..nn.residual import ResidualConfig, build_residual, validate_residual_config
+from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import LEGACY_KEYS, merge_residual, migrate_legacy_keys
 from ..validation import Fields
 
@@ -75,7 +75,7 @@ class ModelConfig:
         _CHECK.integer("n_kv_heads", self.n_kv_heads, allow_none="= n_heads")
         _CHECK.integer("mlp_hidden", self.mlp_hidden, allow_none="8/3 d rounded up to 64")
         for name in ("rope_theta", "norm_eps", "init_std"):
-            _CHECK.number(name, getattr(self, name))
+            _CHECK.positive(name, getattr(self, name))
         _CHECK.boolean("tie_embeddings", self.tie_embeddings)
         if self.d_model % self.n_heads:
             _CHECK.fail("d_model", f"divisible by n_heads={self.n_heads}", self.d_model)
@@ -108,6 +108,10 @@ class ModelConfig:
     def n_sublayers(self) -> int:
         """``L = 2 * n_layers``: every attention and every MLP is one sublayer."""
         return 2 * self.n_layers
+
+    def describe_residual(self) -> str:
+        """The residual in words, as its variant describes it (e.g. ``attnres_block (S=2, N=2)``)."""
+        return residual_class(self.residual.kind).describe(self.residual, self.n_sublayers)
 
     def build_residual(self):
         """The residual module this config describes (``attnres.nn.residual.ResidualStream``);

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from ..nn.norm import RMSNorm
@@ -65,7 +64,7 @@ class AttnResLM(DecoderTrunk):
 
     def init_weights(self) -> None:
         """Normal(0, init_std) for projections and embeddings, ones for norm gains, and -
-        last, so that nothing overwrites them - zero pseudo-queries (spec §2, §8)."""
+        last, so that nothing overwrites them - zero pseudo-queries (report §3.1)."""
         self.apply(self._init_module)
         self.residual.reset_parameters()
 

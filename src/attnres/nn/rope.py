@@ -9,6 +9,10 @@ from torch import Tensor, nn
 class RotaryEmbedding(nn.Module):
     """Precomputed ``cos``/``sin`` tables of shape ``[max_seq_len, head_dim]``.
 
+    The tables are computed in float64 and rounded once to the buffers' dtype (float32 by
+    default); a module cast to float64 recomputes them in float64, so a float64 model
+    carries no float32 rounding in its positions.
+
     ``forward(seq_len, offset=0)`` returns the rows for positions ``offset .. offset+seq_len-1``
     (``[seq_len, head_dim]``); ``at(position_ids [B, T])`` returns per-sequence rows
     ``[B, T, head_dim]`` (left-padded batches, where positions count real tokens only).
@@ -25,12 +29,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self) -> tuple[Tensor, Tensor]:
+    def _tables(self, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)`` computed in float64 on the CPU, then cast once to ``dtype``."""
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
         t = torch.arange(self.max_seq_len, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().float(), emb.sin().float()
+        return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+    def reset_tables(self) -> None:
+        """Recompute the tables in place, in the buffers' dtype and device."""
+        if self.cos.device.type == "meta":
+            return
+        cos, sin = self._tables(self.cos.dtype, self.cos.device)
+        with torch.no_grad():
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
+
+    def _apply(self, fn, recurse: bool = True):
+        # `model.double()` would only upcast float32-rounded tables: recompute them exactly.
+        was = self.cos.dtype
+        out = super()._apply(fn, recurse)
+        if self.cos.dtype == torch.float64 and was != torch.float64:
+            self.reset_tables()
+        return out
 
     def forward(self, seq_len: int, offset: int = 0) -> tuple[Tensor, Tensor]:
         return self.cos[offset : offset + seq_len], self.sin[offset : offset + seq_len]

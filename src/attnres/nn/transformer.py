@@ -31,13 +31,15 @@ def causal_mask(t: int, s: int, device: torch.device | None = None) -> Tensor:
 def eager_attention(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False, enable_gqa: bool = False
 ) -> Tensor:
-    """Explicit ``softmax(q k^T / sqrt(head_dim) + mask) v`` (float32 softmax), with the
+    """Explicit ``softmax(q k^T / sqrt(head_dim) + mask) v`` (softmax in float32, or float64
+    for float64 inputs), with the
     arguments of ``F.scaled_dot_product_attention``: ``q [B, H, T, D]``, ``k``/``v``
     ``[B, H_kv, S, D]``, boolean ``attn_mask`` (True = may attend) or ``is_causal``."""
     if enable_gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = (q @ k.transpose(-1, -2)).to(compute) * q.shape[-1] ** -0.5
     if is_causal:
         attn_mask = causal_mask(q.shape[2], k.shape[2], q.device)
     if attn_mask is not None:

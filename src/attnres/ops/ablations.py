@@ -1,4 +1,4 @@
-"""Depth attention with the ablations of the report's Table 4 (spec §7).
+"""Depth attention with the ablations of the report's Table 4 (report §5.3).
 
 :func:`depth_attention_variant` generalises :func:`attnres.ops.depth_attention`:
 

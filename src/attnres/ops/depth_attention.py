@@ -1,4 +1,4 @@
-"""Reference softmax attention over depth (spec §2).
+"""Reference softmax attention over depth (report §3.1).
 
 This is the readable definition every fast path in the package is tested against:
 stack the sources, RMS-normalise the keys, one dot product with the pseudo-query per

@@ -1,4 +1,4 @@
-"""Building blocks of the two-phase schedule (spec §4, report Algorithm 1 and Appendix B).
+"""Building blocks of the two-phase schedule (report §4.2, Algorithm 1 and Appendix B).
 
 Two layers of functions live here:
 

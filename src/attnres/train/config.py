@@ -10,7 +10,7 @@ from typing import Any
 from ..data.tokenizer import TOKENIZER_KINDS
 from ..distributed.launch import DIST_MODES
 from ..models.config import ModelConfig
-from .rules import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
+from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -41,10 +41,11 @@ def _check_keys(section: str, data: dict[str, Any], known: set[str]) -> None:
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings (a config's ``to_dict()``) as one mapping with dotted keys."""
+    """Nested mappings (a config's ``to_dict()``) as one mapping with dotted keys (an empty
+    mapping, such as ``model.residual.options``, is a value of its own)."""
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value

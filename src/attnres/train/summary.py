@@ -5,17 +5,8 @@ dtype - so that a config that does not say what was meant shows before any step 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .config import TrainConfig
-
-
-def _residual(model_dict: dict[str, Any]) -> str:
-    """The model's residual setting in words, whether it is one value or a section."""
-    value = model_dict.get("residual")
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items() if v is not None)
-    return str(value)
 
 
 @dataclass
@@ -41,7 +32,7 @@ def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     processes = f", {facts.world_size} processes ({config.distributed})" if facts.world_size > 1 else ""
     lines = [
         f"attnres train: {facts.start}; steps {facts.first_step + 1}-{end} of {config.steps} ({to_go} to go{stop})",
-        f"  model   {facts.parameters:,} parameters; residual {_residual(model)}; d_model {model.get('d_model')}, "
+        f"  model   {facts.parameters:,} parameters; residual {config.model.describe_residual()}; d_model {model.get('d_model')}, "
         f"{model.get('n_layers')} transformer blocks, vocabulary {model.get('vocab_size')}",
         f"  tokens  {config.tokens_per_step:,} per step (batch {config.batch_size} x seq_len {config.seq_len} x "
         f"grad_accum {config.grad_accum}); {config.optimizer}, lr {config.lr:g}, {config.schedule} schedule",

@@ -117,6 +117,20 @@ class AttnResBase(ResidualStream):
             raise ValueError("ModelConfig.residual.impl must be 'naive' when an AttnRes ablation is set (the two-phase "
                              f"schedule needs static queries and a softmax); got {config.impl!r}")
 
+    @classmethod
+    def describe(cls, config: ResidualConfig, n_sublayers: int) -> str:
+        words = cls._layout_words(config, n_sublayers)
+        if config.impl != "two_phase":
+            words.append(config.impl)
+        if config.ablation.active:
+            default = AttnResAblation()
+            words += [f"{k}={v}" for k, v in vars(config.ablation).items() if v != getattr(default, k)]
+        return f"{cls.name} ({', '.join(words)})" if words else cls.name
+
+    @classmethod
+    def _layout_words(cls, config: ResidualConfig, n_sublayers: int) -> list[str]:
+        return []
+
     def reset_parameters(self) -> None:
         for m in self.mixers:
             m.reset_parameters()

@@ -138,6 +138,12 @@ class ResidualStream(nn.Module, ABC):
                              f"it takes {sorted(accepted) or 'none'}")
 
     @classmethod
+    def describe(cls, config: ResidualConfig, n_sublayers: int) -> str:
+        """``config`` in a few words for logs: the name, and the options that are set."""
+        options = ", ".join(f"{k}={v!r}" for k, v in config.options.items())
+        return f"{cls.name} ({options})" if options else cls.name
+
+    @classmethod
     def _no_options(cls, config: ResidualConfig) -> None:
         if config.options:
             raise ValueError(f"ModelConfig.residual.options must be empty for residual {config.kind!r} (its settings "

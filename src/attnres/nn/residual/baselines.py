@@ -1,4 +1,4 @@
-"""Residual baselines the report compares against (spec §7, report Tables 2, 4, 5).
+"""Residual baselines the report compares against (report Tables 2, 4, 5).
 
 Every class implements the :class:`~attnres.nn.residual.ResidualStream` interface, so the
 transformer loop runs them exactly like the AttnRes variants. Each follows its own paper:

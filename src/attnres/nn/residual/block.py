@@ -158,6 +158,11 @@ class BlockAttnRes(AttnResBase):
             raise ValueError("ModelConfig.residual.ablation.window must be None unless residual.kind='attnres_full' "
                              f"(the sliding window ablates Full AttnRes); got {config.ablation.window!r}")
 
+    @classmethod
+    def _layout_words(cls, config: ResidualConfig, n_sublayers: int) -> list[str]:
+        S = config.resolved_block_size(n_sublayers)
+        return [f"S={S}", f"N={-(-n_sublayers // S)}"]
+
     @property
     def n_blocks(self) -> int:
         """``N = ceil(L / S)``, the number of blocks (embedding not counted)."""

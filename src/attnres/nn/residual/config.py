@@ -121,12 +121,10 @@ class ResidualConfig:
         What only the variant knows (is ``kind`` registered, does it accept these settings)
         :func:`attnres.nn.residual.validate_residual_config` checks on top."""
         check = Fields("ModelConfig.residual")
-        if not isinstance(self.kind, str):
-            check.fail("kind", "a registered residual name (a string)", self.kind)
         check.integer("block_size", self.block_size, allow_none="about 8 blocks")
         check.choice("impl", self.impl, IMPLEMENTATIONS)
         check.choice("kernels", self.kernels, KERNEL_BACKENDS)
-        check.number("eps", self.eps)
+        check.positive("eps", self.eps)
         check.integer("full_group_size", self.full_group_size, allow_none="round(sqrt(L))")
         if not isinstance(self.ablation, AttnResAblation):
             check.fail("ablation", "a mapping of AttnResAblation fields", self.ablation)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...ops import depth_attention
+from ...ops import compute_dtype, depth_attention
 from ...ops.ablations import depth_attention_variant
 from ..norm import RMSNorm
 from .config import AttnResAblation
@@ -20,7 +20,7 @@ class DepthQuery(nn.Module):
 
     The query is a plain 1-D parameter, not an ``nn.Linear``: global init passes that
     re-initialise ``nn.Linear`` weights, or every parameter with ``dim() >= 2``, leave it at
-    zero (spec §8).
+    zero.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, ablation: AttnResAblation | None = None, n_sources: int = 1) -> None:
@@ -60,8 +60,9 @@ class DepthQuery(nn.Module):
         query = self.query
         if self.query_proj is not None:
             last = sources[-1]
-            x = F.rms_norm(last.float(), (last.shape[-1],), eps=self.key_norm.eps)
-            query = self.query.float() + self.query_proj(x.to(self.query_proj.weight.dtype)).float()
+            compute = compute_dtype(last.dtype)
+            x = F.rms_norm(last.to(compute), (last.shape[-1],), eps=self.key_norm.eps)
+            query = self.query.to(compute) + self.query_proj(x.to(self.query_proj.weight.dtype)).to(compute)
         result = depth_attention_variant(
             query, sources, self.key_norm.weight, self.key_norm.eps,
             normalize_keys=ab.key_norm, weighting="sigmoid" if ab.sigmoid_weights else "softmax",

@@ -69,5 +69,6 @@ def registered_residuals() -> tuple[str, ...]:
 def validate_residual_config(config: ResidualConfig, dim: int, n_sublayers: int) -> None:
     """Raise ``ValueError`` naming the field unless ``config`` describes a registered variant
     with settings it accepts (generic field checks, then the variant's ``check_config``)."""
+    cls = residual_class(config.kind)
     config.check_fields(dim)
-    residual_class(config.kind).check_config(config, dim, n_sublayers)
+    cls.check_config(config, dim, n_sublayers)

@@ -1,0 +1,185 @@
+"""The residual registry and protocol from outside the package: a variant registered here,
+in user code, works in ``AttnResLM``, ``attnres train`` and the Hugging Face wrapper with no
+other change; names are validated against the registry; variants describe their layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import attnres
+from attnres import AttnResLM, ModelConfig, register_residual, registered_residuals
+from attnres.experiments.flops import residual_flops_forward, training_flops_per_token
+from attnres.nn.residual import DepthHistory, HistoryLayout, ResidualStream, SingleStreamResidual
+
+from conftest import assert_rel_close
+
+
+@register_residual("scaled_test", replace=True)
+class ScaledResidual(SingleStreamResidual):
+    """``h + s_l f(h)``: one learned scalar per sublayer (a user's variant)."""
+
+    def __init__(self, dim: int, n_sublayers: int, init: float = 1.0) -> None:
+        super().__init__(dim, n_sublayers)
+        self.init = init
+        self.scale = nn.Parameter(torch.full((n_sublayers,), init))
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.scale, self.init)
+
+    def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
+        return h + self.scale[l].to(out.dtype) * out
+
+    def residual_flops_per_token(self) -> float:
+        return float(2 * self.n_sublayers * self.dim)
+
+
+@register_residual("uncounted_test", replace=True)
+class UncountedResidual(SingleStreamResidual):
+    def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
+        return h + out
+
+
+SCALED = {"kind": "scaled_test", "options": {"init": 0.5}}
+
+
+def test_user_variant_is_registered_and_builds_from_the_config():
+    assert "scaled_test" in registered_residuals() and ScaledResidual.name == "scaled_test"
+    model = AttnResLM(ModelConfig.preset("tiny", residual=SCALED))
+    assert isinstance(model.residual, ScaledResidual)
+    assert torch.equal(model.residual.scale, torch.full((4,), 0.5))  # the options reach __init__, init survives
+    ids = torch.randint(0, 256, (2, 6))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert model.residual.scale.grad is not None and torch.isfinite(model.residual.scale.grad).all()
+    # Scale 1 is the standard residual exactly.
+    one = AttnResLM(ModelConfig.preset("tiny", residual={"kind": "scaled_test", "options": {"init": 1.0}}))
+    std = AttnResLM(ModelConfig.preset("tiny", residual="standard"))
+    std.load_state_dict({k: v for k, v in one.state_dict().items() if not k.startswith("residual.")})
+    assert torch.equal(one(ids).logits, std(ids).logits)
+
+
+def test_user_variant_trains_through_the_train_api(tmp_path):
+    pytest.importorskip("safetensors")
+    from test_train import write_corpus
+
+    from attnres.train import TrainConfig, latest_checkpoint, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    config = TrainConfig.from_dict({
+        "model": {"preset": "tiny", "residual": SCALED}, "data": {"paths": [str(corpus)], "tokenizer": "byte"},
+        "steps": 2, "seq_len": 16, "batch_size": 2, "warmup_steps": 1, "eval_every": 2, "eval_batches": 1,
+        "log_every": 1, "diagnostics_every": 1, "out_dir": str(tmp_path / "run"), "progress": False,
+        "tensorboard": False,
+    })
+    result = train(config)
+    assert result.step == 2 and result.train_loss is not None
+    from safetensors.torch import load_file
+
+    weights = load_file(str(latest_checkpoint(tmp_path / "run") / "model.safetensors"))
+    assert not torch.equal(weights["residual.scale"], torch.full((4,), 0.5))  # trained
+
+
+def test_user_variant_round_trips_through_the_hf_wrapper(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from attnres.hf import AttnResForCausalLM
+
+    torch.manual_seed(0)
+    native = AttnResLM(ModelConfig.preset("tiny", residual=SCALED))
+    with torch.no_grad():
+        native.residual.scale.uniform_(0.2, 1.5)
+    hf = AttnResForCausalLM.from_native(native)
+    ids = torch.randint(0, 256, (2, 7))
+    assert torch.equal(hf(ids).logits, native(ids).logits)
+    hf.save_pretrained(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.config.residual["kind"] == "scaled_test" and loaded.config.residual["options"] == {"init": 0.5}
+    assert torch.equal(loaded(ids).logits, native(ids).logits)
+    assert torch.equal(loaded.to_native().residual.scale, native.residual.scale)
+
+
+def test_unknown_and_duplicate_names_and_bad_options():
+    with pytest.raises(ValueError) as info:
+        ModelConfig(residual="no_such_residual")
+    assert "ModelConfig.residual.kind must be one of" in str(info.value)
+    assert all(repr(name) in str(info.value) for name in registered_residuals())
+    with pytest.raises(ValueError, match="already registered"):
+        register_residual("standard")(ScaledResidual)
+    with pytest.raises(ValueError, match="Python identifier"):
+        register_residual("not a name")
+    with pytest.raises(TypeError, match="ResidualStream subclasses"):
+        register_residual("plain_test")(object)
+    with pytest.raises(ValueError, match=r"options \['inti'\] are not options of residual 'scaled_test'"):
+        ModelConfig(residual={"kind": "scaled_test", "options": {"inti": 2.0}})
+    with pytest.raises(ValueError, match="options must be empty for residual 'attnres_block'"):
+        ModelConfig(residual={"options": {"x": 1}})
+
+
+def test_flops_come_from_the_variant_and_an_uncounted_one_says_so():
+    cfg = ModelConfig.preset("tiny", residual=SCALED)
+    assert residual_flops_forward(cfg) == 2 * cfg.n_sublayers * cfg.d_model
+    assert training_flops_per_token(cfg, 16).residual == 3 * 2 * cfg.n_sublayers * cfg.d_model
+    with pytest.raises(NotImplementedError, match="'uncounted_test' does not count its FLOPs"):
+        residual_flops_forward(ModelConfig.preset("tiny", residual="uncounted_test"))
+
+
+@pytest.mark.parametrize("residual", ["standard", "attnres_block", "attnres_full", "scaled_test"])
+@pytest.mark.parametrize("impl", ["two_phase", "naive"])
+def test_history_and_resume_cut_the_stream_anywhere(residual, impl):
+    """``history`` then ``resume`` at every sublayer gives the uninterrupted forward, and the
+    history has the layout the variant describes."""
+    cfg = ModelConfig.preset("tiny", n_layers=3, residual={"kind": residual, "block_size": 4, "impl": impl})
+    torch.manual_seed(0)
+    module = cfg.build_residual().double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(2, 3, cfg.d_model, generator=g, dtype=torch.float64)
+    outs = [torch.randn(2, 3, cfg.d_model, generator=g, dtype=torch.float64) * (l + 1) for l in range(cfg.n_sublayers)]
+
+    def run(state, start):
+        for l in range(start, cfg.n_sublayers):
+            module.sublayer_input(state, l)
+            module.add_output(state, l, outs[l])
+        return module.finish(state)
+
+    want = run(module.start(emb), 0)
+    for cut in range(cfg.n_sublayers + 1):
+        state = module.start(emb)
+        for l in range(cut):
+            module.sublayer_input(state, l)
+            module.add_output(state, l, outs[l])
+        history = module.history(state)
+        layout = module.history_layout(cut)
+        assert HistoryLayout(len(history.completed), history.running is not None) == layout
+        assert_rel_close(run(module.resume(DepthHistory(*history), cut), cut), want, 1e-12, f"cut at {cut}")
+
+
+def test_layouts_the_variants_describe():
+    def build(**residual):
+        with torch.device("meta"):
+            return ModelConfig.preset("tiny", n_layers=3, residual=residual).build_residual()
+
+    block = build(kind="attnres_block", block_size=4)
+    assert [tuple(block.history_layout(s)) for s in range(7)] == [(1, False), (1, True), (1, True), (1, True),
+                                                                 (2, False), (2, True), (2, True)]
+    assert block.sources_per_mixer() == [1, 2, 2, 2, 2, 3, 3]
+    full = build(kind="attnres_full")
+    assert [tuple(full.history_layout(s)) for s in (0, 3, 6)] == [(1, False), (4, False), (7, False)]
+    assert tuple(build(kind="standard").history_layout(3)) == (0, True)
+    with pytest.raises(ValueError, match="'mhc' does not describe its history"):
+        build(kind="mhc").history_layout(2)
+    with pytest.raises(ValueError, match="holds 2 completed entries and a running tensor; got 1"):
+        block.resume(DepthHistory([torch.zeros(1)], None), 5)
+
+
+def test_the_public_surface():
+    assert attnres.register_residual is register_residual
+    assert issubclass(ScaledResidual, ResidualStream)
+    for name in ("standard", "attnres_full", "attnres_block", "rezero", "layerscale", "highway", "denseformer",
+                 "hyper_connections", "mhc", "mhc_lite"):
+        assert name in registered_residuals()

@@ -1,0 +1,108 @@
+"""The package's structure: no import cycles among its modules (imports inside functions
+counted), and the refactoring guard that the model computes what the reference revision
+computed, bit for bit."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "attnres"
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (anywhere in the file, lazily too), plus
+    the ``__init__`` of every package on the way (importing ``a.b.c`` runs ``a.b`` first)."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module or ""
+                found = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in found:
+                parts = target.split(".")
+                targets.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+        graph[name] = {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles_between_modules_or_subpackages():
+    graph = import_graph(PACKAGE)
+    assert len(graph) > 50 and "attnres.nn.residual.registry" in graph
+    assert cycles(graph) == []
+    top = {}
+    for module, targets in graph.items():
+        sub = ".".join(module.split(".")[:2])
+        top.setdefault(sub, set()).update(".".join(t.split(".")[:2]) for t in targets if not t.startswith(sub + ".") and t != sub)
+    assert cycles({k: {t for t in v if t in top} for k, v in top.items()}) == []
+
+
+def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
+    """The check above can fail: a cycle through an import inside a function is found."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import x\n")
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+@pytest.mark.slow
+def test_bit_identical_to_the_reference_revision():
+    """``benchmarks/bit_identity.py``: logits, depth weights, every gradient, cached decoding
+    and 20-step loss curves of every variant, bit for bit against afb1f9e (needs git)."""
+    revision = "afb1f9e"
+    if subprocess.run(["git", "cat-file", "-e", revision], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip(f"revision {revision} is not in this clone")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bit_identity.py"), "--against", revision],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all bit-identical" in result.stdout
