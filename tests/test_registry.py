@@ -183,3 +183,24 @@ def test_the_public_surface():
     for name in ("standard", "attnres_full", "attnres_block", "rezero", "layerscale", "highway", "denseformer",
                  "hyper_connections", "mhc", "mhc_lite"):
         assert name in registered_residuals()
+
+
+def test_cli_imports_a_module_that_registers_a_residual(tmp_path, monkeypatch, capsys):
+    """``attnres --import MODULE train ...``: the module registers its variant before the
+    config is read, so the command line can name it."""
+    pytest.importorskip("yaml")
+    from attnres.cli import main as cli_main
+
+    (tmp_path / "my_residuals.py").write_text(
+        "from attnres import register_residual\n"
+        "from attnres.nn.residual import SingleStreamResidual\n"
+        "@register_residual('cli_test', replace=True)\n"
+        "class Mine(SingleStreamResidual):\n"
+        "    def update(self, l, h, out):\n"
+        "        return h + 0.5 * out\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli_main(["--import", "my_residuals", "train", "--print-config", "model.residual.kind=cli_test"]) == 0
+    assert "kind: cli_test" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["--import", "no_such_module_here", "train", "--print-config"])

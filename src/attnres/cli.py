@@ -31,9 +31,26 @@ def _version() -> str:
     return f"attnres {__version__}"
 
 
+class _ImportModule(argparse.Action):
+    """``--import MODULE``: imported as soon as it is parsed, so that what it registers is
+    known to everything after it (config validation, ``train --help``)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        import importlib
+
+        try:
+            importlib.import_module(value)
+        except ImportError as e:
+            parser.error(f"--import {value}: {e}")
+        getattr(namespace, self.dest).append(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="attnres", description="Attention Residuals for PyTorch")
     parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--import", dest="imports", action=_ImportModule, metavar="MODULE", default=[],
+                        help="import MODULE first (repeatable), e.g. one that registers its own residual with "
+                        "attnres.register_residual: `attnres --import my_residuals train model.residual.kind=mine`")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     tr = sub.add_parser(
         "train",

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..models.config import ModelConfig
 from ..models.lm import AttnResLM
+from ..nn.residual import registered_residuals
 from .launch import backend_for_device
 from .pipeline import RUNTIMES, SCHEDULES, PipelineConfig, PipelineRunner
 
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     CUDA (one GPU per rank), gloo on CPU."""
     p = argparse.ArgumentParser(prog="attnres.distributed.pipeline_cli", description=main.__doc__)
     p.add_argument("--preset", default="demo")
-    p.add_argument("--residual", default="attnres_block", choices=("standard", "attnres_full", "attnres_block"))
+    p.add_argument("--residual", default="attnres_block", choices=registered_residuals(),
+                   help="a registered residual that can be cut into stages (standard, attnres_full, attnres_block)")
     p.add_argument("--n-layers", type=int, default=8)
     p.add_argument("--virtual-stages", type=int, default=2)
     p.add_argument("--schedule", default="interleaved_1f1b", choices=SCHEDULES)
