@@ -7,6 +7,7 @@ saved directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` and no
 ``trust_remote_code``. Importing this module registers them. ``export`` writes a training checkpoint as such a directory.
 """
 
+from ..upcycle import upcycle  # registers the AttnRes versions of the supported families
 from .configuration import AttnResConfig
 from .export import export_checkpoint, load_native_checkpoint, make_hf_tokenizer
 from .modeling import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel, HFCacheAdapter
@@ -34,4 +35,5 @@ __all__ = [
     "export_checkpoint",
     "load_native_checkpoint",
     "make_hf_tokenizer",
+    "upcycle",
 ]
