@@ -196,16 +196,18 @@ def compute_findings(records: Iterable[dict[str, Any]], min_seeds: int = MIN_SEE
                                 claim_status([x.sign for _, x in struct], -1), _cells_text(struct)))
             if d_hi != d_lo:
                 t = _trend(index, norm, v, d_lo, d_hi, lam0, "test_loss", min_seeds)
-                claims.append(Claim("critique", f"... and by more as depth grows (gap at depth {d_hi} minus gap at "
-                                    f"depth {d_lo}, per seed; λ = {lam0:g}, test loss)", v, norm,
+                claims.append(Claim("critique", f"... and by more as depth grows: the structured-task gap moves in "
+                                    f"AttnRes's favour from depth {d_lo} to {d_hi} (gap at depth {d_hi} minus gap at "
+                                    f"depth {d_lo}, per seed; λ = {lam0:g}, test loss; a trend, whoever leads)", v, norm,
                                     claim_status([t.sign], -1), t.short().replace("lower", "more negative")))
             mem = [(f"depth {d}", cell(norm, v, d, lam1, "train_loss")) for d in depths]
             claims.append(Claim("critique", f"the standard residual wins on memorisation (train loss at λ = {lam1:g})", v,
                                 norm, claim_status([x.sign for _, x in mem], +1), _cells_text(mem)))
             if d_hi != d_lo:
                 t = _trend(index, norm, v, d_lo, d_hi, lam1, "train_loss", min_seeds)
-                claims.append(Claim("critique", f"... the memorisation gap widening with depth (gap at depth {d_hi} minus "
-                                    f"gap at depth {d_lo}, per seed; λ = {lam1:g}, train loss)", v, norm,
+                claims.append(Claim("critique", f"... the memorisation gap moving in the standard residual's favour with "
+                                    f"depth (gap at depth {d_hi} minus gap at depth {d_lo}, per seed; λ = {lam1:g}, "
+                                    f"train loss; a trend, whoever leads)", v, norm,
                                     claim_status([t.sign], +1), t.short().replace("lower", "more negative")))
                 ends = [(f"λ = {lam0:g} test", _widening(index, norm, v, d_lo, d_hi, lam0, "test_loss", min_seeds)),
                         (f"λ = {lam1:g} train", _widening(index, norm, v, d_lo, d_hi, lam1, "train_loss", min_seeds))]
