@@ -193,7 +193,7 @@ def test_interrupted_grid_keeps_finished_runs(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         run_grid(TINY, tmp_path, [0], "tiny", progress=False, train=dies)
-    assert len(load_results(tmp_path)) == 3 and not list((tmp_path / "runs").glob("*.tmp"))
+    assert len(load_results(tmp_path)) == 3 and not list((tmp_path / "records").glob("*.tmp"))
     calls.clear()
     run_grid(TINY, tmp_path, [0], "tiny", progress=False, train=_fake_train(calls))
     assert len(calls) == len(grid_runs(TINY, [0])) - 3
@@ -331,9 +331,9 @@ def test_cli_runs_grid_and_report(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Findings (computed)" in report and "--seeds 0 1 2" in report and "steps=2" in report
     assert (out / "gap_train_loss.png").exists() and (out / "gap_test_loss.png").exists()
-    mtimes = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
+    mtimes = {p: p.stat().st_mtime_ns for p in (out / "records").glob("*.json")}
     assert cli_main(args) == 0  # finished: nothing re-runs
-    assert {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")} == mtimes
+    assert {p: p.stat().st_mtime_ns for p in (out / "records").glob("*.json")} == mtimes
 
 
 def test_cli_errors_name_the_problem(tmp_path, capsys):

@@ -9,7 +9,7 @@ module runs that grid, one small self-contained training loop per run (no LM tra
     lam in {0, 0.25, 0.5, 0.75, 1} x depth in {4, 8, 16, 30} x {prenorm, no_norm}
         x {standard, full, block, full_sigmoid} x seeds
 
-Every run writes ``out/runs/<norm>-<variant>-depth<D>-lam<lam>-seed<k>.json`` when it
+Every run writes ``out/records/<norm>-<variant>-depth<D>-lam<lam>-seed<k>.json`` when it
 finishes; a re-run skips runs that have their file (runs take seconds, so an interrupted
 run simply starts again). ``out/experiment.json`` holds the preset and configuration: a
 re-run with another one is refused, so results of different grids never mix. The report
@@ -47,6 +47,8 @@ __all__ = [
 NAME = "no-free-lunch"
 #: Normalisation settings: PreNorm (RMSNorm before every sublayer and before the head) or none.
 NORMS = ("prenorm", "no_norm")
+#: Where the per-run JSON records live inside ``out`` (not ``runs/``, which .gitignore skips).
+RECORDS_DIR = "records"
 # Seed offsets: the task uses the seed itself; the initial weights and the batch order use
 # their own streams, so the teacher and the first layer are not drawn from one sequence.
 _INIT_SEED, _BATCH_SEED = 10_000, 20_000
@@ -182,7 +184,7 @@ def grid_runs(config: NFLConfig, seeds: Iterable[int], variants: Iterable[str] |
 
 
 def run_path(out: str | Path, run: Run) -> Path:
-    return Path(out) / "runs" / f"{run.name}.json"
+    return Path(out) / RECORDS_DIR / f"{run.name}.json"
 
 
 def _lr_factor(step: int, config: NFLConfig) -> float:
@@ -292,7 +294,7 @@ def run_grid(config: NFLConfig, out: str | Path, seeds: Iterable[int], preset: s
                              f"got {list(variants)!r}")
     out = Path(out)
     _check_header(out, preset, config)
-    (out / "runs").mkdir(exist_ok=True)
+    (out / RECORDS_DIR).mkdir(exist_ok=True)
     runs = grid_runs(config, seeds, variants)
     todo = [r for r in runs if not run_path(out, r).exists()]
     bar = _progress(len(runs), len(runs) - len(todo), progress)
@@ -321,7 +323,7 @@ def _progress(total: int, done: int, enabled: bool):
 
 def load_results(out: str | Path) -> list[dict[str, Any]]:
     """Every finished run's record under ``out`` (sorted by file name)."""
-    return [json.loads(p.read_text()) for p in sorted((Path(out) / "runs").glob("*.json"))]
+    return [json.loads(p.read_text()) for p in sorted((Path(out) / RECORDS_DIR).glob("*.json"))]
 
 
 def run_cli(preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool = False,
