@@ -331,6 +331,9 @@ def test_cli_runs_grid_and_report(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Findings (computed)" in report and "--seeds 0 1 2" in report and "steps=2" in report
     assert (out / "gap_train_loss.png").exists() and (out / "gap_test_loss.png").exists()
+    assert cli_main(["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(out), "steps=2",
+                     "--report-only"]) == 0  # the report's command names every seed in `out`, not only the default 0
+    assert "--seeds 0 1 2" in (out / "report.md").read_text()
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "records").glob("*.json")}
     assert cli_main(args) == 0  # finished: nothing re-runs
     assert {p: p.stat().st_mtime_ns for p in (out / "records").glob("*.json")} == mtimes

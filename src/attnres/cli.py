@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("name", choices=EXPERIMENT_NAMES + SELF_CONTAINED_EXPERIMENTS, help="which grid")
     _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), 'small', 'cpu' (default); compare: 'tiny', "
-                    "'demo' (default), 'long'")
+                    "'demo' (default), 'long'; no-free-lunch: 'tiny', 'cpu' (default)")
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s")
     gen.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
     gen.add_argument("--prompt", required=True, help="the text to continue")

@@ -341,7 +341,9 @@ def run_cli(preset: str, out: str, seeds: list[int], overrides: list[str], repor
         records = load_results(out)
         if not records:
             raise ValueError(f"no finished no-free-lunch runs in {out!r}")
-        path = write_nfl_report(records, out, command=_command(preset, out, seeds, overrides))
+        # The command that reproduces every run in `out` (its seeds, not only this invocation's).
+        all_seeds = sorted({int(r["seed"]) for r in records})
+        path = write_nfl_report(records, out, command=_command(preset, out, all_seeds, overrides))
     except ValueError as e:
         raise SystemExit(f"attnres experiment {NAME}: error: {e}") from None
     except KeyboardInterrupt:
