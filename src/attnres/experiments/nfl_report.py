@@ -78,7 +78,7 @@ def _heatmap(index, metric: str, out: Path) -> str:
             ax.set_xlabel("λ (0 = structured, 1 = lookup)")
             ax.set_ylabel("depth (blocks)")
             ax.set_title(f"{_LABELS.get(v, v)} − standard\n{_LABELS.get(nm, nm)}", fontsize=9)
-    fig.colorbar(im, ax=axes, shrink=0.8, label=f"log10({_LABELS[metric]} ratio); < 0: AttnRes lower")
+    fig.colorbar(im, ax=axes, shrink=0.8, label=f"log10({_LABELS[metric]} ratio), colours clipped at ±{vmax:.2g}; < 0: AttnRes lower")
     fig.suptitle(f"{_LABELS[metric]}: AttnRes − standard, paired by seed (boxed: all ≥ {MIN_SEEDS} seeds agree)",
                  fontsize=10)
     name = f"gap_{metric}.png"
