@@ -87,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "runs are skipped, interrupted ones resumed), then write --out/report.md and plots. Overrides apply to "
         "every run alike, e.g. `attnres experiment block-size --preset cpu --out runs/bs --seeds 0 1 steps=500`.",
     )
-    ex.add_argument("name", choices=EXPERIMENT_NAMES, help="which grid")
+    ex.add_argument("name", choices=EXPERIMENT_NAMES + SELF_CONTAINED_EXPERIMENTS, help="which grid")
     _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), 'small', 'cpu' (default); compare: 'tiny', "
-                    "'demo' (default), 'long'")
+                    "'demo' (default), 'long'; no-free-lunch: 'tiny', 'cpu' (default)")
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s")
     gen.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep")
+#: Grids with their own small training loop instead of the LM runner (presets 'tiny', 'cpu').
+SELF_CONTAINED_EXPERIMENTS = ("no-free-lunch",)
 DEFAULT_PRESET = {"compare": "demo"}  # the others: "cpu"
 
 
@@ -179,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_train(args.config, args.overrides + flags, args.print_config)
     elif grid:
         name = "compare" if args.command == "compare" else args.name
+        if name == "no-free-lunch":
+            from .experiments.no_free_lunch import run_cli
+
+            return run_cli(args.preset or "cpu", args.out, args.seeds, args.overrides, args.report_only, args.variants)
         preset = args.preset or _saved_preset(args.out, name) or DEFAULT_PRESET.get(name, "cpu")
         return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
                                   args.overhead_repeats, args.variants)
