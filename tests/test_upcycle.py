@@ -203,3 +203,63 @@ def test_unsupported_layouts_are_refused_with_the_reason():
         upcycle(base_model("llama").model)
     with pytest.raises(ValueError, match="ModelConfig.residual.kind must be one of"):
         upcycle(base_model("llama"), "no_such_residual")
+
+
+# -- attnres upcycle and attnres train on a family model ----------------------------------
+
+def _pretrained_directory(tmp_path, corpus):
+    """A tiny 'pretrained' Llama with a BPE tokenizer, saved as transformers does."""
+    from attnres.data.tokenizer import train_bpe
+
+    tok = train_bpe(corpus.read_text(), 300)
+    base = base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128)
+    base.save_pretrained(tmp_path / "pretrained")
+    (tmp_path / "pretrained" / "tokenizer.json").write_text(tok.to_json())
+    return tmp_path / "pretrained", base
+
+
+def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, base = _pretrained_directory(tmp_path, corpus)
+    up_dir = tmp_path / "up"
+    with pytest.raises(SystemExit, match="is an existing file"):
+        cli_main(["upcycle", "--model", str(src), "--out", str(corpus)])
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(up_dir), "--block-size", "2"]) == 0
+    up = AutoModelForCausalLM.from_pretrained(up_dir).eval()
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(up(x).logits, base(x).logits) <= 1e-5
+    # Continue training it: the model is the directory's, the weights and tokenizer too.
+    args = overrides(corpus, tmp_path / "run", steps=2, lr="1e-9", warmup_steps=0, diagnostics_every=1,
+                     **{"model.from_hf": str(up_dir), "init_from": str(up_dir), "data.tokenizer": "bpe"})
+    config = load_config(None, [a for a in args if not a.startswith("model=")])
+    assert config.model.hf_architecture == "llama" and config.model.residual.block_size == 2
+    result = train(config)
+    assert result.step == 2
+    cli_main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")])
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():  # two steps at lr 1e-9: still the upcycled function
+        assert max_rel(trained(x).logits, up(x).logits) <= 1e-4
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert '"kind": "diagnostics"' in metrics  # the Fig. 5/8 diagnostics work on family models
+
+
+def test_train_a_family_architecture_from_scratch(tmp_path):
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    args = overrides(corpus, tmp_path / "run", steps=2, diagnostics_every=1,
+                     **{"model.hf_architecture": "qwen3", "model.residual.kind": "attnres_full"})
+    result = train(load_config(None, args))
+    assert result.step == 2 and result.train_loss is not None
+    with pytest.raises(ValueError, match="ModelConfig.hf_architecture must be one of"):
+        load_config(None, overrides(corpus, tmp_path / "x", **{"model.hf_architecture": "olmo2"}))
