@@ -101,24 +101,27 @@ def scatter_source_weights(weights: Sequence[Tensor], columns: Sequence[Sequence
     return M
 
 
-def carry_products(gates: Sequence[Tensor]) -> Tensor:
+def carry_products(gates: Sequence[Tensor], per_channel: bool = False) -> tuple[Tensor, Tensor | None]:
     """Highway ``h_{l+1} = (1 - g_l) h_l + g_l v_{l+1}`` (report §6.2): with the carry product
     ``c_{i -> r} = prod_{k = i .. r - 1} (1 - g_k)`` (0-based sublayers ``k``),
-    ``M[0 -> r] = c_{0 -> r}`` and ``M[i -> r] = g_{i - 1} c_{i -> r}`` for ``i >= 1``.
-    ``gates``: the ``L`` gates ``[..., d]`` (or ``[...]``) -> ``[..., L + 1, L + 1, d]``."""
-    g = torch.stack([x.to(MIXING_DTYPE) for x in gates], dim=-2)  # [..., L, d]
-    L = g.shape[-2]
-    carry = 1 - g
-    # Column i's write-in weight: 1 for the embedding, g_{i-1} for v_i.
-    write = torch.cat([torch.ones_like(g[..., :1, :]), g], dim=-2)  # [..., L + 1, d]
-    M = torch.zeros(*g.shape[:-2], L + 1, L + 1, g.shape[-1], dtype=MIXING_DTYPE, device=g.device)
+    ``M[0 -> r] = c_{0 -> r}`` and ``M[i -> r] = g_{i - 1} c_{i -> r}`` for ``i >= 1``, channel
+    by channel. ``gates``: the ``L`` gates ``[..., d]``. Returns the mean over the ``d``
+    channels ``[..., L + 1, L + 1]`` and, with ``per_channel``, the channel-wise matrices
+    ``[..., L + 1, L + 1, d]`` (else ``None``; they are ``d`` times larger)."""
+    g = [x.to(MIXING_DTYPE) for x in gates]
+    L = len(g)
+    lead, d = g[0].shape[:-1], g[0].shape[-1]
+    mean = torch.zeros(*lead, L + 1, L + 1, dtype=MIXING_DTYPE, device=g[0].device)
+    full = torch.zeros(*lead, L + 1, L + 1, d, dtype=MIXING_DTYPE, device=g[0].device) if per_channel else None
     for i in range(L + 1):
-        w = write[..., i, :]
-        M[..., i, i, :] = w
-        for r in range(i + 1, L + 1):
-            w = w * carry[..., r - 1, :]
-            M[..., r, i, :] = w
-    return M
+        w = torch.ones_like(g[0]) if i == 0 else g[i - 1]  # column i's write-in weight
+        for r in range(i, L + 1):
+            if r > i:
+                w = w * (1 - g[r - 1])
+            mean[..., r, i] = w.mean(-1)
+            if full is not None:
+                full[..., r, i, :] = w
+    return mean, full
 
 
 def stream_products(read: Sequence[Tensor], write: Sequence[Tensor], transitions: Sequence[Tensor]) -> Tensor:
