@@ -6,6 +6,7 @@ independently from each variant's parameters."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -293,3 +294,30 @@ def test_mixing_matrix_needs_a_recorded_finished_forward():
         r.mixing_matrix(st)
     with pytest.raises(TypeError, match="decoder trunk"):
         depth_mixing_matrix(torch.nn.Linear(2, 2), ids())
+
+
+# -- attnres analyze -------------------------------------------------------------------------
+@pytest.mark.slow  # trains two tiny runs (~25 s); the compare report's section runs in test_experiments
+def test_analyze_cli_writes_the_report_and_compares(tmp_path):
+    from attnres.cli import main as cli_main
+
+    corpus = tmp_path / "corpus.txt"
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    g = torch.Generator().manual_seed(0)
+    corpus.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, 8, (12,), generator=g))
+                                for _ in range(200)))
+    out = tmp_path / "runs"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "block",
+                     "--overhead-repeats", "0", f"data.paths=[{corpus}]"]) == 0
+    report = tmp_path / "analysis"
+    assert cli_main(["analyze", "--checkpoint", str(out / "block" / "seed0"), "--compare", str(out / "standard" / "seed0"),
+                     "--out", str(report), "--rows", "2", "--seq-len", "16"]) == 0
+    text = (report / "report.md").read_text()
+    for needle in ("## Semiseparable rank", "## Sink table", "## Comparison", "A: attnres_block L=8 S=", "B: standard L=8",
+                   "averaged over 32 tokens", "![depth mixing matrices](mixing.png)"):
+        assert needle in text, needle
+    assert (report / "mixing.png").stat().st_size > 0
+    data = json.loads((report / "mixing.json").read_text())
+    assert [d["residual"] for d in data] == ["attnres_block", "standard"] and data[1]["rank"] == 1
+    with pytest.raises(SystemExit, match="neither a checkpoint nor a run directory"):
+        cli_main(["analyze", "--checkpoint", str(tmp_path / "nothing")])
