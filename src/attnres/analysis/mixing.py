@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.norm import norm_input_value
-from ..nn.residual.mixing import MIXING_DTYPE, MixingMatrix
+from ..nn.residual.mixing import MIXING_DTYPE, MixingMatrix, scatter_source_weights
 
 __all__ = [
     "RANK_RTOL",
@@ -43,6 +43,7 @@ __all__ = [
     "mixing_forward",
     "semiseparable_rank",
     "source_stats",
+    "depth_mixing_from_logged",
 ]
 
 #: Singular values above ``RANK_RTOL * sigma_max(M)`` count toward the rank.
@@ -272,3 +273,27 @@ def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = F
         sources=source_stats(tokens), n_tokens=B * T,
         per_token=(W if W.dim() > 2 else W.expand(B, T, *W.shape)).clone() if per_token else None,
     )
+
+
+def depth_mixing_from_logged(residual, depth_weights: list[list[float]]) -> DepthMixing:
+    """The token-averaged ``M`` of an AttnRes variant from mean depth weights logged during
+    training (``forward_diagnostics``' ``depth_weights``: per mixer, the mean weight of each
+    source), for runs whose checkpoints are gone. ``M`` is linear in the weights, so this is
+    exactly the mean over the logged batch; what needs single tokens - the rank of each
+    token's ``M``, the spread across tokens, and so the sink flag - is unknown (``rank`` is
+    the averaged ``M``'s, ``std`` NaN, no source flagged). ``residual``: the variant's module,
+    e.g. built from the run's config (only its layout is read)."""
+    if not hasattr(residual, "source_members"):
+        raise ValueError(f"logged depth weights describe AttnRes variants; {residual.name!r} logs none")
+    members = residual.source_members()
+    weights = [torch.tensor(w, dtype=MIXING_DTYPE) for w in depth_weights]
+    M = scatter_source_weights(weights, members)
+    groups = [range(m[0], m[-1] + 1) for m in members[-1]] if any(len(m) > 1 for c in members for m in c) else None
+    stats = source_stats(M.unsqueeze(0))
+    for st in stats:
+        st.std, st.sink = float("nan"), False
+    rank = int(semiseparable_rank(M))
+    return DepthMixing(residual=residual.name, matrix=M, std=torch.full_like(M, float("nan")), rank=rank,
+                       rank_of_mean=rank, rank_tokens=0, rank_over="the logged token-averaged M only (no checkpoint)",
+                       rtol=RANK_RTOL, reduction=None, input_dependent=True, source_groups=groups, sources=stats,
+                       n_tokens=0)

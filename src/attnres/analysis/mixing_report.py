@@ -30,9 +30,9 @@ MIN_SEEDS_FOR_CLAIMS = 3
 
 def method_note(n_tokens: int) -> str:
     """How the numbers were measured, for a report."""
+    over = f"{n_tokens} tokens" if n_tokens else "the tokens analysed"
     return (f"`M[i -> l]` is the weight sublayer `l` (rows 1..L, the last row the output aggregation) gives source "
-            f"`v_i` (columns: `v_0` the embedding, `v_i` the raw output of sublayer `i`), averaged over {n_tokens} "
-            "tokens; a Block AttnRes block's weight is given to each of its members (report §6.2). Semiseparable "
+            f"`v_i` (columns: `v_0` the embedding, `v_i` the raw output of sublayer `i`), averaged over {over}; a Block AttnRes block's weight is given to each of its members (report §6.2). Semiseparable "
             "rank: the largest numerical rank of the blocks `M[k:, :k+1]` (every block on and below the diagonal "
             f"lies in one), counting singular values above {RANK_RTOL:g} × the largest singular value of `M`; for "
             "input-dependent variants the largest over the tokens' own matrices (and channels for channel-wise "
@@ -53,13 +53,13 @@ def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = N
         return f"≤ m = {n_streams} (Eq. 10)", None, n_streams
     if residual == "attnres_full":
         dense = (L + 2) // 2
-        return f"dense: {dense}, the most an {L + 1}-square lower-triangular matrix's blocks allow", dense, dense
+        return f"dense: {dense}, the most the blocks of a {L + 1}×{L + 1} matrix allow", dense, dense
     if residual == "attnres_block" and block_size:
         N = math.ceil(L / block_size)
         if block_size >= N - 1:
             return f"between N = {N} and N + S = {N + block_size} (report §6.2)", N, N + block_size
         return (f"≤ N + S = {N + block_size}; the report's lower bound N = {N} needs S ≥ N - 1 (here S = {block_size}: "
-                f"the blocks of an {L + 1}-square matrix have too few rows)", None, N + block_size)
+                f"the blocks of a {L + 1}×{L + 1} matrix have too few rows)", None, N + block_size)
     return "", None, None
 
 
@@ -109,7 +109,7 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
 
 
 def _over(r: DepthMixing) -> str:
-    return r.rank_over if not r.input_dependent else f"{r.rank_over} ({r.rank_tokens} tokens)"
+    return r.rank_over if not r.input_dependent or not r.rank_tokens else f"{r.rank_over} ({r.rank_tokens} tokens)"
 
 
 def rank_table(rows: Sequence[tuple[str, list[DepthMixing], str]]) -> str:
@@ -136,6 +136,8 @@ def sink_table(label: str, results: list[DepthMixing], top: int = 4) -> str:
              "| source | mean weight | relative | CV across tokens | sink in seeds |", "|---|---|---|---|---|"]
 
     def pm(xs: list[float]) -> str:
+        if any(math.isnan(x) for x in xs):
+            return "n/a"
         m = sum(xs) / len(xs)
         if len(xs) < 2:
             return f"{m:.3f}"
@@ -168,6 +170,18 @@ def mixing_findings(label: str, results: list[DepthMixing], low: int | None, hig
                        + (f"{sum(ok)}/{n} seeds agree, no claim." if n >= MIN_SEEDS_FOR_CLAIMS else
                           f"fewer than {MIN_SEEDS_FOR_CLAIMS} seeds, no claim."))
     size = results[0].matrix.shape[0]
+    if all(r.n_tokens == 0 for r in results):  # logged mean weights only: no spread across tokens, no sink flag
+        heavy = [i for i in range(size) if all(r.sources[i].relative >= SINK_RATIO for r in results)]
+        if n < MIN_SEEDS_FOR_CLAIMS:
+            out.append(f"{label}: fewer than {MIN_SEEDS_FOR_CLAIMS} seeds, no claim about heavy sources.")
+        elif heavy:
+            desc = ", ".join(f"v{i} ({sum(r.sources[i].relative for r in results) / n:.2f}×)" for i in heavy)
+            out.append(f"{label}: in all {n} seeds these sources take at least {SINK_RATIO:g}× the average weight of "
+                       f"the sources beside them, on average over the logged batch: {desc} (sink candidates: their "
+                       "spread across tokens was not logged).")
+        else:
+            out.append(f"{label}: no source takes {SINK_RATIO:g}× the average weight in all {n} seeds.")
+        return out
     everywhere = [i for i in range(size) if all(r.sources[i].sink for r in results)]
     somewhere = sorted({i for r in results for i in r.sinks()} - set(everywhere))
     if n < MIN_SEEDS_FOR_CLAIMS:

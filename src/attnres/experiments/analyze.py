@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..analysis.mixing import DepthMixing, depth_mixing_matrix
+from ..analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
 from ..analysis.mixing_report import (
     method_note,
     mixing_findings,
@@ -141,6 +141,38 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     return path
 
 
+def logged_mixing(run_dir: Path) -> tuple[DepthMixing, dict] | None:
+    """A run without checkpoint: its token-averaged ``M`` from the depth weights its last
+    diagnostics record logged (AttnRes; see
+    :func:`~attnres.analysis.mixing.depth_mixing_from_logged`), the standard residual's from
+    its definition; ``None`` otherwise."""
+    from ..models.config import ModelConfig
+    from ..train.metrics import read_metrics
+
+    config_path = Path(run_dir) / "config.json"
+    metrics_path = Path(run_dir) / "metrics.jsonl"
+    if not config_path.exists() or not metrics_path.exists():
+        return None
+    cfg = json.loads(config_path.read_text())
+    model_config = ModelConfig.from_dict(cfg["model"])
+    residual = model_config.build_residual()
+    info = {"checkpoint": None, "residual": residual.name, "L": residual.n_sublayers,
+            "block_size": getattr(residual, "block_size", None), "n_streams": getattr(residual, "n_streams", None),
+            "step": None, "run": str(run_dir)}
+    if residual.name == "standard":
+        from ..models.lm import AttnResLM
+
+        model = AttnResLM(model_config)  # the standard residual's M has no parameters
+        result = depth_mixing_matrix(model, torch.zeros(1, 2, dtype=torch.long))
+        result.n_tokens = 0
+        return result, info
+    diags = [m for m in read_metrics(metrics_path) if m["kind"] == "diagnostics" and m.get("depth_weights")]
+    if not diags or not hasattr(residual, "source_members"):
+        return None
+    info["step"] = diags[-1]["step"]
+    return depth_mixing_from_logged(residual, diags[-1]["depth_weights"]), info
+
+
 def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, str] | None = None,
                    rows: int = DEFAULT_ROWS) -> str | None:
     """The ``attnres compare`` report's section: for every model (``groups``: variant name ->
@@ -150,13 +182,18 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     from ..train.resume import find_valid_checkpoint
 
     results: dict[str, list[tuple[DepthMixing, dict]]] = {}
-    missing = []
+    missing, logged = [], []
     for name, dirs in groups.items():
         for d in dirs:
-            if find_valid_checkpoint(d) is None:
-                missing.append(str(d))
+            if find_valid_checkpoint(d) is not None:
+                results.setdefault(name, []).append(analyze_checkpoint(d, rows))
                 continue
-            results.setdefault(name, []).append(analyze_checkpoint(d, rows))
+            item = logged_mixing(d)
+            if item is None:
+                missing.append(str(d))
+            else:
+                logged.append(str(d))
+                results.setdefault(name, []).append(item)
     if not results:
         return None
     labels = labels or {}
@@ -166,15 +203,25 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     (out / "mixing.json").write_text(json.dumps({n: [{**i, **r.to_dict()} for r, i in rs] for n, rs in results.items()},
                                                 indent=1))
     first = next(iter(results.values()))[0][0]
+    n_tokens = max(r.n_tokens for rs in results.values() for r, _ in rs)
+    note = " Each seed's last checkpoint; panels: first seed."
+    if logged:
+        note += (f" {len(logged)} run(s) kept no checkpoint: for them `M` is the mean over the first validation "
+                 "batch (16 × 128 tokens in the long preset) of the depth weights their last diagnostics record logged "
+                 "(exact: `M` is linear in the weights), the rank that of this averaged `M`, the spread across tokens "
+                 "unknown and no sink flagged; the standard residual's `M` needs no checkpoint.")
+    if missing:
+        note += f" Not analysed (no checkpoint, nothing logged): {', '.join(missing)}."
     parts = ["## Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)",
-             method_note(first.n_tokens) + " Each seed's last checkpoint; panels: first seed."
-             + (f" No checkpoint in: {', '.join(missing)}." if missing else ""),
+             method_note(n_tokens or first.n_tokens) + note,
              "![depth mixing matrices](mixing.png)",
              rank_table([(labels.get(n, n), [r for r, _ in rs], _expect(rs[0][1])[0]) for n, rs in results.items()]),
              "\n\n".join(sink_table(labels.get(n, n), [r for r, _ in rs]) for n, rs in results.items())]
     findings = []
     for n, rs in results.items():
         _, low, high = _expect(rs[0][1])
+        if all(r.n_tokens == 0 for r, _ in rs):
+            low = high = None  # the §6.2 bounds are about each token's M, not the average
         findings += mixing_findings(labels.get(n, n), [r for r, _ in rs], low, high)
     parts.append("Findings (computed):\n\n" + "\n".join(f"- {f}" for f in findings))
     return "\n\n".join(parts)
