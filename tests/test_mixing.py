@@ -196,6 +196,21 @@ def test_forward_equals_the_mixing_of_its_recorded_sources(kind):
         assert err <= 1e-12, f"{kind}: row {l} differs by {err:.2e}"
 
 
+@pytest.mark.parametrize("kind,ablation", [
+    ("attnres_full", {"window": 2}), ("attnres_full", {"sigmoid_weights": True}),
+    ("attnres_block", {"input_independent_mixing": True}), ("attnres_full", {"input_dependent_query": True}),
+    ("attnres_block", {"key_norm": False}), ("attnres_full", {"heads": 2}),
+])
+def test_table4_ablations_describe_their_mixing(kind, ablation):
+    extra = {"block_size": 2} if kind == "attnres_block" else {}
+    rec = mixing_forward(model(kind, perturb=0.5, impl="naive", ablation=ablation, **extra), ids())
+    err = max(float((a - b).abs().max()) for a, b in zip(rec.reconstruct(), rec.inputs + [rec.output]))
+    if "heads" in ablation:  # each head mixes its own channel group: M holds the mean over heads, and says so
+        assert "mean over the depth-attention heads" in rec.mixing.reduction and err > 1e-6
+    else:
+        assert err <= 1e-12 and rec.mixing.reduction is None
+
+
 # -- the rank estimate -------------------------------------------------------------------
 def test_rank_of_standard_and_highway_is_one():
     assert depth_mixing_matrix(model("standard", n_layers=6), ids()).rank == 1
