@@ -197,7 +197,7 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     if not results:
         return None
     labels = labels or {}
-    panels = [(f"{labels.get(n, n)} ({_label(rs[0][1])})", rs[0][0].matrix, rs[0][0].source_groups)
+    panels = [(f"{labels.get(n, n)}\n{_label(rs[0][1])}", rs[0][0].matrix, rs[0][0].source_groups)
               for n, rs in results.items()]
     plot_mixing_panels(panels, out / "mixing.png")
     (out / "mixing.json").write_text(json.dumps({n: [{**i, **r.to_dict()} for r, i in rs] for n, rs in results.items()},
