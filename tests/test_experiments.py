@@ -217,8 +217,13 @@ def test_compare_end_to_end(corpus, tmp_path):
     ratios = json.loads((out / "overhead.json").read_text())["variants"]
     full_row = next(line for line in text.splitlines() if line.startswith("| Full AttnRes |"))
     assert full_row.endswith(f"| {ratios['full']['step_ratio']:.2f} | {ratios['full']['peak_ratio']:.2f} |")
-    for png in ("val_loss.png", "magnitudes.png", "depth_weights.png"):
+    for png in ("val_loss.png", "magnitudes.png", "depth_weights.png", "mixing.png"):
         assert (out / png).stat().st_size > 0, png
+    # the depth mixing matrices (report §6.2, Fig. 9) of every model, over seeds
+    for needle in ("Depth mixing matrices (report §6.2, Fig. 9)", "| standard (PreNorm) | 1, 1 |",
+                   "**Full AttnRes** (2 seed(s))", "fewer than 3 seeds, no claim"):
+        assert needle in text, needle
+    assert set(json.loads((out / "mixing.json").read_text())) == {"standard", "block", "full"}
     # the same runs through the generic command: nothing is retrained
     log: list[str] = []
     run_experiment(get_experiment("compare", "tiny"), out, [0, 1], over, log=log.append)

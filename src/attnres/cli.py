@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 
 
@@ -105,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
     xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing)")
     xp.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    an = sub.add_parser(
+        "analyze",
+        help="depth mixing matrix, semiseparable rank and depth-wise attention sinks of a checkpoint (report §6.2, §5.4.2)",
+        description="Run the model of --checkpoint on windows of its validation split and write report.md, mixing.png "
+        "(Fig.-9-style panels of the depth mixing matrix M) and mixing.json to --out: M averaged over the tokens, its "
+        "semiseparable rank, the sink table and, with --compare, the second checkpoint beside it and the difference.",
+    )
+    an.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    an.add_argument("--compare", metavar="DIR", help="a second checkpoint or run directory to compare with")
+    an.add_argument("--out", help="output directory (default <checkpoint>/analysis)")
+    an.add_argument("--rows", type=int, default=8, help="windows of the validation split analysed (default 8)")
+    an.add_argument("--seq-len", type=int, help="tokens per window (default min(128, the model's max_seq_len))")
+    an.add_argument("--text", help="a text file to analyse instead of the run's validation split")
+    an.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     up = sub.add_parser(
         "upcycle",
         help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3) into an AttnRes model, "
@@ -211,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_eval(args)
     elif args.command == "upcycle":
         return run_upcycle(args)
+    elif args.command == "analyze":
+        return run_analyze(args)
     return 0
 
 
@@ -274,6 +291,23 @@ def _native_only(run, command: str) -> None:
         raise ValueError(f"attnres {command} runs native models; this checkpoint's model is a transformers {family!r} "
                          f"model (model.hf_architecture): write it out with `attnres export --checkpoint "
                          f"{run.checkpoint} --out DIR` and use DIR with transformers (generate, lm-eval)")
+
+
+def run_analyze(args) -> int:
+    """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
+    from .experiments.analyze import write_analysis
+    from .train.checkpoint import CheckpointError
+
+    try:
+        if args.rows < 1:
+            raise ValueError(f"--rows must be >= 1; got {args.rows}")
+        if args.text is not None and not os.path.isfile(args.text):
+            raise ValueError(f"--text {args.text!r} is not a file")
+        path = write_analysis(args.checkpoint, args.compare, args.out, args.rows, args.seq_len, args.text, args.device)
+    except (ValueError, OSError, CheckpointError, NotImplementedError) as e:
+        raise SystemExit(f"attnres analyze: error: {e}") from None
+    print(f"attnres analyze: report {path}")
+    return 0
 
 
 def run_upcycle(args) -> int:

@@ -9,7 +9,10 @@ the same data, hyper-parameters and seeds, read back from the run directories.
   the magnitude of the hidden state entering each block, and the gradient magnitude per
   block, from the last diagnostics record of every run (mean over seeds);
 * ``depth_weights.png`` - the report's Fig. 8: mean depth-attention weights of every
-  sublayer over its sources, pre-attention and pre-MLP rows apart (first seed).
+  sublayer over its sources, pre-attention and pre-MLP rows apart (first seed);
+* ``mixing.png`` - the report's Fig. 9: each model's depth mixing matrix (first seed's last
+  checkpoint), with the semiseparable ranks and the sink table of every seed
+  (:mod:`.analyze`; also ``mixing.json``).
 
 Tables: validation loss at equal steps (the last step) and at equal compute (the standard
 model's total compute; AttnRes costs a little more per token, so it is read off its curve
@@ -371,6 +374,12 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
                      "(first seed, last diagnostics record). The report: diagonal dominance (each sublayer leans "
                      "on its most recent sources), persistent weight on the embedding, broader pre-attention than "
                      "pre-MLP rows.\n\n![depth weights](depth_weights.png)")
+    from .analyze import mixing_section  # loads checkpoints: only when the report is written
+
+    mixing = mixing_section({n: [run_dir(out, r.variant, r.record["seed"]) for r in rs] for n, rs in groups.items()},
+                            out, _LABELS)
+    if mixing is not None:
+        parts.append(mixing)
     findings = _findings(groups, gaps, start)
     if findings:
         parts.append("## Findings (computed)\n\n" + "\n".join(f"- {f}" for f in findings))

@@ -26,6 +26,7 @@ from ...ops import compute_dtype, rms_logits
 from .backends import Backend, Phase1Result, select_backend
 from .base import DepthHistory, ResidualState, ResidualStream
 from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
+from .mixing import MixingMatrix, scatter_source_weights
 from .query import DepthQuery
 
 __all__ = ["AttnResBase", "CompletedSources", "Schedule"]
@@ -210,6 +211,25 @@ class AttnResBase(ResidualStream):
         """The output aggregation: query ``L`` over all completed sources."""
         self.phase1(backend, tp, self.n_sublayers, 1)
         return backend.merge(state, tp.p1, 0, [], [], fusable=False)
+
+    # -- the depth mixing matrix (report §6.2) --------------------------------------------
+    def source_members(self) -> list[list[list[int]]]:
+        """For every mixer (sublayers, then the output aggregation), its sources in the order
+        it attends over them, each as the indices ``i`` of the ``v_i`` it sums."""
+        raise NotImplementedError
+
+    def _mixing_matrix(self, state: ResidualState, per_channel: bool = False) -> MixingMatrix:
+        """Each mixer's recorded weights placed on the ``v_i`` its sources sum: a source that
+        is a sum (a block, a partial sum) gives its weight to every member (report §6.2)."""
+        members = self.source_members()
+        M = scatter_source_weights(state.weights, members)
+        groups = None
+        if any(len(m) > 1 for cols in members for m in cols):
+            groups = [range(m[0], m[-1] + 1) for m in members[-1]]
+        heads = self.ablation is not None and self.ablation.heads is not None
+        return MixingMatrix(M, input_dependent=True, source_groups=groups,
+                            reduction="mean over the depth-attention heads (the sublayer inputs mix per-head channel "
+                            "groups with their own weights)" if heads else None)
 
     # -- description ---------------------------------------------------------------------
     def residual_flops_per_token(self) -> float:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from torch import Tensor, nn
 
 from .config import ResidualConfig
+from .mixing import MixingMatrix
 
 __all__ = ["ResidualState", "DepthHistory", "HistoryLayout", "ResidualStream", "PHASES"]
 
@@ -52,6 +53,11 @@ class ResidualState:
         it computes itself.
     phase: which part of the schedule runs now - ``"phase1"``, ``"phase2"`` or
         ``"aggregation"`` (report §4.2); read by the memory-traffic count.
+    record_mixing: the forward was started (not resumed) with ``record_weights=True``, so
+        variants keep what :meth:`ResidualStream.mixing_matrix` needs in ``mixing_log``
+        (Highway its gates, the multi-stream variants their maps); nothing is kept otherwise.
+    mixing_log: what a variant kept for its mixing matrix, one entry per sublayer.
+    finished: ``finish`` has run.
     """
 
     dtype: Any
@@ -60,6 +66,9 @@ class ResidualState:
     weights: list[Tensor] | None = None
     defer_norm: bool = False
     phase: str = "phase2"
+    record_mixing: bool = False
+    mixing_log: list[Any] = field(default_factory=list)
+    finished: bool = False
 
     def record(self, weights: Tensor, sources_last: bool = True) -> None:
         """Store one mixer's weights as ``[n_sources, ...]`` (given ``[..., n]``, or
@@ -155,7 +164,8 @@ class ResidualStream(nn.Module, ABC):
         keep every mixer's depth weights in ``state.weights``. ``defer_norm``: the caller
         passes each sublayer input through an :class:`attnres.nn.RMSNorm` first (see
         :class:`ResidualState`)."""
-        return self._start(embedding, self._common(embedding.dtype, record_weights, defer_norm))
+        common = self._common(embedding.dtype, record_weights, defer_norm)
+        return self._start(embedding, dict(common, record_mixing=record_weights))
 
     def _common(self, dtype, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
         record = record_weights and self.has_depth_attention
@@ -188,7 +198,9 @@ class ResidualStream(nn.Module, ABC):
         if state.next_sublayer != self.n_sublayers or state.expecting_output:
             raise RuntimeError(f"finish() called after {state.next_sublayer} of {self.n_sublayers} sublayers")
         state.phase = "aggregation"
-        return self._finish(state)
+        out = self._finish(state)
+        state.finished = True
+        return out
 
     def history(self, state: ResidualState) -> DepthHistory:
         """The stream in front of sublayer ``state.next_sublayer`` as tensors, in the layout
@@ -234,6 +246,26 @@ class ResidualStream(nn.Module, ABC):
     def reset_parameters(self) -> None:
         """Re-initialise this module's own parameters (none for the standard residual)."""
 
+    def mixing_matrix(self, state: ResidualState, per_channel: bool = False) -> MixingMatrix:
+        """The depth mixing matrix ``M`` of the forward ``state`` ran (report §6.2, Fig. 9), a
+        :class:`~attnres.nn.residual.mixing.MixingMatrix`: ``M[..., r, i]`` is the weight of
+        source ``v_i`` (``v_0`` the embedding, ``v_i`` the raw output of sublayer ``i``) in
+        the input of sublayer ``r + 1``, row ``L`` the output aggregation, so that every
+        sublayer input and the final hidden state are ``sum_i M[..., r, i] v_i``, token by
+        token. ``state`` must come from ``start(..., record_weights=True)`` (not ``resume``)
+        and have run every sublayer and ``finish``. ``per_channel``: variants that weight
+        channel by channel (Highway, LayerScale) also fill ``MixingMatrix.per_channel``.
+        Variants registered without ``_mixing_matrix`` raise ``NotImplementedError``."""
+        if type(self)._mixing_matrix is ResidualStream._mixing_matrix:
+            ResidualStream._mixing_matrix(self, state)  # raises, naming the variant and the missing method
+        if not state.record_mixing or not state.finished:
+            raise RuntimeError(f"mixing_matrix() of residual {self.name!r} needs the state of a forward started with "
+                               "start(..., record_weights=True) (not resume) that ran every sublayer and finish(); got "
+                               + ("one that recorded nothing" if not state.record_mixing else
+                                  f"one stopped after {state.next_sublayer} of {self.n_sublayers} sublayers"
+                                  + ("" if state.next_sublayer < self.n_sublayers else " before finish()")))
+        return self._mixing_matrix(state, per_channel)
+
     # -- what each variant implements ----------------------------------------------------
     @abstractmethod
     def _start(self, embedding: Tensor, common: dict[str, Any]) -> ResidualState: ...
@@ -253,3 +285,9 @@ class ResidualStream(nn.Module, ABC):
 
     def _resume(self, history: DepthHistory, at_sublayer: int, common: dict[str, Any]) -> ResidualState:
         raise NotImplementedError(f"residual {self.name!r} describes a history layout but does not implement _resume")
+
+    def _mixing_matrix(self, state: ResidualState, per_channel: bool = False) -> MixingMatrix:
+        raise NotImplementedError(
+            f"residual {self.name!r} ({type(self).__qualname__}) does not describe its depth mixing matrix: define "
+            "_mixing_matrix(state, per_channel=False) returning an attnres.nn.residual.mixing.MixingMatrix from what its forward "
+            "recorded (see the built-in variants)")

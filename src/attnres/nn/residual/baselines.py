@@ -48,8 +48,9 @@ from torch import Tensor, nn
 from ...ops import compute_dtype
 from .base import ResidualState, ResidualStream
 from .config import ResidualConfig
+from .mixing import MIXING_DTYPE, MixingMatrix, carry_products, scaled_columns, stream_products
 from .registry import register_residual
-from .standard import SingleStreamResidual
+from .standard import SingleStreamResidual, StreamState
 
 __all__ = [
     "ReZero",
@@ -94,6 +95,11 @@ class ReZero(_Builtin, SingleStreamResidual):
     def residual_flops_per_token(self) -> float:
         return float(self.n_sublayers * (2 * self.dim))
 
+    def _mixing_matrix(self, state: StreamState, per_channel: bool = False) -> MixingMatrix:
+        """``M[i -> l] = alpha_{i-1}`` for ``i >= 1``, 1 for the embedding."""
+        alpha = self.alpha.detach().to(MIXING_DTYPE)
+        return MixingMatrix(scaled_columns(torch.cat([alpha.new_ones(1), alpha])), input_dependent=False)
+
 
 def layerscale_init(n_layers: int) -> float:
     """CaiT's initial LayerScale value for a network of ``n_layers`` transformer blocks."""
@@ -123,6 +129,14 @@ class LayerScale(_Builtin, SingleStreamResidual):
     def residual_flops_per_token(self) -> float:
         return float(self.n_sublayers * (2 * self.dim))
 
+    def _mixing_matrix(self, state: StreamState, per_channel: bool = False) -> MixingMatrix:
+        """``M[i -> l] = lambda_{i-1}`` channel by channel (1 for the embedding); ``weights``
+        is the mean over the ``d`` channels."""
+        lam = torch.stack([s.detach().to(MIXING_DTYPE) for s in self.scales])  # [L, d]
+        full = scaled_columns(torch.cat([lam.new_ones(1, self.dim), lam]))  # [L + 1, L + 1, d]
+        return MixingMatrix(full.mean(-1), input_dependent=False, per_channel=full if per_channel else None,
+                            reduction="mean over the d channels of diag(lambda_i)")
+
 
 @register_residual("highway")
 class Highway(_Builtin, SingleStreamResidual):
@@ -145,8 +159,24 @@ class Highway(_Builtin, SingleStreamResidual):
             nn.init.constant_(g.bias, self.gate_bias)
 
     def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
-        g = torch.sigmoid(self.gates[l](h))
-        return torch.lerp(h, out.to(h.dtype), g)
+        return torch.lerp(h, out.to(h.dtype), self.gate(l, h))
+
+    def gate(self, l: int, h: Tensor) -> Tensor:
+        """The transform gate ``g_l = sigmoid(W_l h_l + b_l)`` ``[..., d]`` of sublayer ``l``."""
+        return torch.sigmoid(self.gates[l](h))
+
+    def _add(self, state: StreamState, l: int, output: Tensor) -> None:
+        g = self.gate(l, state.h)
+        if state.record_mixing:
+            state.mixing_log.append(g.detach())
+        state.h = torch.lerp(state.h, output.to(state.h.dtype), g)
+
+    def _mixing_matrix(self, state: StreamState, per_channel: bool = False) -> MixingMatrix:
+        """Carry products of the recorded gates (report §6.2), per token; ``weights`` is the
+        mean over the ``d`` channels (each channel's matrix is 1-semiseparable)."""
+        mean, full = carry_products(state.mixing_log, per_channel)
+        return MixingMatrix(mean, input_dependent=True, per_channel=full,
+                            reduction="mean over the d channels of the element-wise gates' carry products")
 
     def residual_flops_per_token(self) -> float:
         return float(self.n_sublayers * (3 * self.dim + 2 * self.dim * self.dim))  # the update and the gate projection
@@ -205,6 +235,25 @@ class DenseFormer(_Builtin, ResidualStream):
         L, d = self.n_sublayers, self.dim
         return float(L * d + sum(2 * (i + 2) * d for i in range(self.n_blocks)))  # the adds, then each average
 
+    def _mixing_matrix(self, state: DenseFormerState, per_channel: bool = False) -> MixingMatrix:
+        """The forward run on coefficient vectors over ``v_0 .. v_L``: the adds inside a block,
+        the learned depth-weighted averages after it."""
+        L = self.n_sublayers
+        M = torch.zeros(L + 1, L + 1, dtype=MIXING_DTYPE, device=self.dwa[0].device)
+        h = torch.zeros(L + 1, dtype=MIXING_DTYPE, device=M.device)
+        h[0] = 1.0
+        outputs = [h.clone()]
+        for l in range(L):
+            M[l] = h
+            h = h.clone()
+            h[l + 1] += 1.0
+            if l % 2 == 1 or l == L - 1:
+                outputs.append(h)
+                w = self.dwa[len(outputs) - 2].detach().to(MIXING_DTYPE)
+                h = sum(w[j] * outputs[j] for j in range(len(outputs)))
+        M[L] = h
+        return MixingMatrix(M, input_dependent=False)
+
 
 def sinkhorn_knopp(logits: Tensor, iters: int = 20) -> Tensor:
     """Sinkhorn-Knopp projection ``[..., m, m] -> [..., m, m]``: ``exp`` then ``iters``
@@ -249,6 +298,8 @@ class _MultiStream(_Builtin, ResidualStream):
         H = state.H
         pre, post, res = self._mappings(l, H)
         state.maps = (post, res)
+        if state.record_mixing:
+            state.mixing_log.append((pre.detach(), post.detach(), res.detach()))
         return torch.einsum("...m,...md->...d", pre.to(H.dtype), H)
 
     def _add(self, state: MultiStreamState, l: int, output: Tensor) -> None:
@@ -259,6 +310,14 @@ class _MultiStream(_Builtin, ResidualStream):
 
     def _finish(self, state: MultiStreamState) -> Tensor:
         return state.H.sum(dim=-2)
+
+    def _mixing_matrix(self, state: MultiStreamState, per_channel: bool = False) -> MixingMatrix:
+        """Eq. 10 of the report from the recorded maps, per token: read-in ``pre_l``
+        (``alpha_l``), write-out ``post_l`` (``beta``), transitions ``res_l``; the embedding is
+        written to every stream and the output aggregation reads their sum."""
+        pre, post, res = zip(*state.mixing_log)
+        ones = torch.ones_like(pre[0])
+        return MixingMatrix(stream_products([*pre, ones], [ones, *post], res), input_dependent=True)
 
     def _mappings(self, l: int, H: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError

@@ -180,6 +180,19 @@ class BlockAttnRes(AttnResBase):
         is a block boundary."""
         return HistoryLayout(1 + sublayer // self.block_size, sublayer % self.block_size != 0)
 
+    def source_members(self) -> list[list[list[int]]]:
+        """Sublayer ``l`` of block ``n``: ``b_0 = [v_0]``, each completed block ``b_k`` =
+        ``v_{(k-1)S+1} .. v_{kS}``, then the partial sum ``v_{(n-1)S+1} .. v_l``; the output
+        aggregation: ``b_0 .. b_N``."""
+        S, L = self.block_size, self.n_sublayers
+        block = lambda k: list(range((k - 1) * S + 1, min(k * S, L) + 1))  # noqa: E731
+        out = []
+        for l in range(L):
+            n, first = l // S + 1, l % S == 0
+            out.append([[0]] + [block(k) for k in range(1, n)] + ([] if first else [list(range((n - 1) * S + 1, l + 1))]))
+        out.append([[0]] + [block(k) for k in range(1, self.n_blocks + 1)])
+        return out
+
     def canonical_history(self, blocks: list[Tensor], partial: Tensor | None, sublayer: int) -> DepthHistory:
         """A block that ends exactly at ``sublayer`` counts as completed there."""
         if partial is not None and sublayer % self.block_size == 0:

@@ -165,6 +165,10 @@ class FullAttnRes(AttnResBase):
         """``v_0 .. v_s``: ``1 + s`` completed entries, nothing running."""
         return HistoryLayout(1 + sublayer, False)
 
+    def source_members(self) -> list[list[list[int]]]:
+        """Mixer ``r`` attends over ``v_0 .. v_r`` (with a window: ``v_0`` and the last ones)."""
+        return [[[i] for i in self.windowed(list(range(r + 1)))] for r in range(self.n_sublayers + 1)]
+
     def windowed(self, sources: list[Tensor]) -> list[Tensor]:
         """The embedding plus the ``window`` most recent outputs (all sources without one)."""
         if self.window is None or len(sources) <= 1 + self.window:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .base import DepthHistory, HistoryLayout, ResidualState, ResidualStream
 from .config import ResidualConfig
+from .mixing import MixingMatrix, unit_lower_triangular
 from .registry import register_residual
 
 __all__ = ["StreamState", "SingleStreamResidual", "StandardResidual"]
@@ -73,3 +74,7 @@ class StandardResidual(SingleStreamResidual):
 
     def residual_flops_per_token(self) -> float:
         return float(self.n_sublayers * self.dim)  # one add per sublayer
+
+    def _mixing_matrix(self, state: StreamState, per_channel: bool = False) -> MixingMatrix:
+        """All ones on and below the diagonal (report §6.2)."""
+        return MixingMatrix(unit_lower_triangular(self.n_sublayers, state.h.device), input_dependent=False)

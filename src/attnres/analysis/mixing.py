@@ -1,0 +1,299 @@
+"""Residuals as depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks
+(report §5.4.2).
+
+Every residual variant writes the input of sublayer ``l`` as ``h_l = sum_i M[i -> l] v_i``
+over the embedding ``v_0`` and the raw sublayer outputs ``v_1 .. v_L``. Each variant describes
+its own ``M`` (:meth:`attnres.nn.residual.ResidualStream.mixing_matrix`); this module runs a
+model on some tokens, collects it and measures it:
+
+* :func:`depth_mixing_matrix` - ``M`` ``[L + 1, L + 1]`` averaged over tokens (rows: sublayers
+  ``1 .. L``, then the output aggregation; columns: ``v_0 .. v_L``), optionally per token,
+  with its semiseparable rank and the per-source statistics of the sink table.
+* :func:`semiseparable_rank` - the largest numerical rank of the blocks ``M[k:, :k + 1]``
+  (every block on and below the diagonal lies in one of them), the rank the report uses.
+* :func:`mixing_forward` - the same forward keeping the sources ``v_i`` and the sublayer
+  inputs, to check ``h_l = sum_i M[i -> l] v_i``.
+
+Rank tolerance: a singular value counts when it exceeds :data:`RANK_RTOL` times the largest
+singular value of the whole matrix (all in float64). Input-dependent variants have one ``M``
+per token; their rank is the largest over the tokens looked at (and, for variants that weight
+channel by channel - Highway, LayerScale - over the channels too), since an average of
+low-rank matrices need not be low-rank. The rank of the token-averaged matrix is reported
+beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.norm import norm_input_value
+from ..nn.residual.mixing import MIXING_DTYPE, MixingMatrix, scatter_source_weights
+
+__all__ = [
+    "RANK_RTOL",
+    "SINK_RATIO",
+    "SINK_MAX_CV",
+    "DepthMixing",
+    "SourceStats",
+    "MixingForward",
+    "depth_mixing_matrix",
+    "mixing_forward",
+    "semiseparable_rank",
+    "source_stats",
+    "depth_mixing_from_logged",
+]
+
+#: Singular values above ``RANK_RTOL * sigma_max(M)`` count toward the rank.
+RANK_RTOL = 1e-9
+#: A sink takes at least this many times the average weight of the sources beside it ...
+SINK_RATIO = 2.0
+#: ... with a coefficient of variation across tokens and inputs of at most this.
+SINK_MAX_CV = 0.5
+
+
+def semiseparable_rank(M: Tensor, rtol: float = RANK_RTOL) -> Tensor:
+    """The semiseparable rank of lower-triangular ``M [..., n, n]``: the largest numerical
+    rank over ``k`` of ``M[..., k:, :k + 1]`` (rows ``k ..``, columns ``.. k``: every block on
+    and below the diagonal lies in one of these). Singular values count above ``rtol`` times
+    ``M``'s largest. Returns an integer tensor ``[...]``."""
+    M = M.to(MIXING_DTYPE)
+    n = M.shape[-1]
+    scale = torch.linalg.matrix_norm(M, ord=2).unsqueeze(-1)  # [..., 1]
+    ranks = [(torch.linalg.svdvals(M[..., k:, : k + 1]) > rtol * scale).sum(-1) for k in range(n)]
+    return torch.stack(ranks, -1).amax(-1)
+
+
+@dataclass
+class SourceStats:
+    """One source ``v_i`` in the sink table (report §5.4.2).
+
+    mean: its weight averaged over the rows that see it (``r >= i``), tokens and inputs.
+    std: the standard deviation across tokens and inputs of that per-token average.
+    relative: ``mean`` over the average weight of all sources in the same rows - 1 for the
+        standard residual, above 1 for a source that draws more than its share.
+    top_rows: in how many rows (of the token-averaged ``M``) it takes the largest weight.
+    sink: ``relative >= SINK_RATIO`` and ``std / mean <= SINK_MAX_CV`` - a high weight
+        whatever the input.
+    """
+
+    source: int
+    mean: float
+    std: float
+    relative: float
+    top_rows: int
+    sink: bool
+
+    @property
+    def cv(self) -> float:
+        return self.std / self.mean if self.mean > 0 else float("inf")
+
+
+@dataclass
+class DepthMixing:
+    """What :func:`depth_mixing_matrix` measured.
+
+    matrix: ``[L + 1, L + 1]`` float64, ``M`` averaged over the tokens (see module doc).
+    std: ``[L + 1, L + 1]``, each entry's standard deviation over the tokens (0 for
+        input-independent variants).
+    per_token: ``[B, T, L + 1, L + 1]`` when asked for, else ``None``.
+    rank: the semiseparable rank (largest over the tokens, and channels, looked at).
+    rank_of_mean: the semiseparable rank of ``matrix``.
+    rank_tokens: how many tokens the rank was taken over (1 for input-independent variants).
+    rank_over: what the rank's maximum runs over, in words.
+    rtol: the rank tolerance.
+    reduction: how a variant that weights vectors was reduced to scalars, or ``None``.
+    input_dependent: whether ``M`` depends on the input.
+    source_groups: sources entering as one sum (Block AttnRes' blocks), or ``None``.
+    sources: the sink table, one :class:`SourceStats` per source ``v_0 .. v_L``.
+    residual: the variant's registered name; n_tokens: tokens averaged over.
+    """
+
+    residual: str
+    matrix: Tensor
+    std: Tensor
+    rank: int
+    rank_of_mean: int
+    rank_tokens: int
+    rank_over: str
+    rtol: float
+    reduction: str | None
+    input_dependent: bool
+    source_groups: list[range] | None
+    sources: list[SourceStats]
+    n_tokens: int
+    per_token: Tensor | None = None
+
+    @property
+    def n_sublayers(self) -> int:
+        return self.matrix.shape[-1] - 1
+
+    def sinks(self) -> list[int]:
+        """The sources flagged as sinks."""
+        return [s.source for s in self.sources if s.sink]
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (the matrix as nested lists)."""
+        return {
+            "residual": self.residual, "matrix": self.matrix.tolist(), "std": self.std.tolist(),
+            "rank": self.rank, "rank_of_mean": self.rank_of_mean, "rank_tokens": self.rank_tokens,
+            "rank_over": self.rank_over, "rtol": self.rtol, "reduction": self.reduction,
+            "input_dependent": self.input_dependent, "n_tokens": self.n_tokens,
+            "source_groups": None if self.source_groups is None else [[g.start, g.stop] for g in self.source_groups],
+            "sources": [{**vars(s), "cv": s.cv} for s in self.sources],
+        }
+
+
+@dataclass
+class MixingForward:
+    """One recorded forward: the variant's :class:`MixingMatrix`, the sources ``v_0 .. v_L``
+    (``[B, T, d]`` each), the sublayer inputs ``h_1 .. h_L`` and the output aggregation
+    (the hidden state before the final norm)."""
+
+    mixing: MixingMatrix
+    sources: list[Tensor]
+    inputs: list[Tensor]
+    output: Tensor
+
+    def reconstruct(self) -> list[Tensor]:
+        """``sum_i M[r, i] v_i`` for every row ``r`` (the ``L`` inputs, then the output), in
+        float64, channel by channel where the variant provides per-channel weights."""
+        v = torch.stack([s.to(MIXING_DTYPE) for s in self.sources], dim=-2)  # [B, T, L + 1, d]
+        pc = self.mixing.per_channel
+        if pc is not None:
+            if pc.dim() == 3:
+                pc = pc.expand(*v.shape[:-2], *pc.shape)
+            rows = (pc * v.unsqueeze(-3)).sum(-2)  # [B, T, L + 1, d]
+        else:
+            W = self.mixing.weights
+            if W.dim() == 2:
+                W = W.expand(*v.shape[:-2], *W.shape)
+            rows = W @ v
+        return list(rows.unbind(-2))
+
+
+def _trunk(model: nn.Module):
+    if not all(hasattr(model, a) for a in ("decode", "residual", "embed_tokens")):
+        raise TypeError(f"depth mixing analysis runs models with the attnres decoder trunk (AttnResLM, the attnres.hf "
+                        f"models); got {type(model).__name__}")
+    return model
+
+
+@torch.no_grad()
+def mixing_forward(model: nn.Module, input_ids: Tensor, per_channel: bool = False) -> MixingForward:
+    """Run ``model`` (eval mode, no grad) on ``input_ids [B, T]`` recording its depth mixing
+    matrix, its sources and its sublayer inputs. ``per_channel``: see
+    :meth:`~attnres.nn.residual.ResidualStream.mixing_matrix`."""
+    model = _trunk(model)
+    model.check_input_ids(input_ids)
+    outputs: list[Tensor] = []
+    inputs: list[Tensor] = []
+
+    def keep(fn, *args):
+        inputs.append(norm_input_value(args[0]))
+        out = fn(*args)
+        outputs.append(out)
+        return out
+
+    was_training = model.training
+    model.eval()
+    try:
+        h, state = model.decode(input_ids, record_weights=True, sublayer_call=keep)
+        embedding = model.embed_tokens(input_ids).to(h.dtype)
+    finally:
+        model.train(was_training)
+    mixing = model.residual.mixing_matrix(state, per_channel=per_channel)
+    return MixingForward(mixing, [embedding] + [o.to(h.dtype) for o in outputs], inputs, h)
+
+
+def source_stats(per_token: Tensor) -> list[SourceStats]:
+    """The sink table of per-token matrices ``[N, n, n]`` (``N`` tokens, or 1)."""
+    N, n, _ = per_token.shape
+    visible = torch.ones(n, n, dtype=torch.bool, device=per_token.device).tril()
+    row_avg = (per_token * visible).sum(-1) / visible.sum(-1)  # [N, n]: average weight of a row's sources
+    mean_M = per_token.mean(0)
+    masked = torch.where(visible, mean_M, torch.full_like(mean_M, float("-inf")))
+    top = masked.argmax(-1)  # [n]: the strongest source of each row
+    stats = []
+    for i in range(n):
+        w = per_token[:, i:, i].mean(-1)  # [N]: the source's mean weight over the rows that see it
+        mean = float(w.mean())
+        std = float(w.std(correction=0)) if N > 1 else 0.0
+        base = float(row_avg[:, i:].mean())
+        relative = mean / base if base != 0 else float("nan")
+        cv = std / mean if mean > 0 else float("inf")
+        stats.append(SourceStats(i, mean, std, relative, int((top == i).sum()),
+                                 bool(relative >= SINK_RATIO and cv <= SINK_MAX_CV)))
+    return stats
+
+
+@torch.no_grad()
+def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = False, rank_tokens: int = 256,
+                        rtol: float = RANK_RTOL) -> DepthMixing:
+    """The depth mixing matrix of ``model`` on ``input_ids [B, T]`` (report §6.2, Fig. 9).
+
+    Works for every registered residual variant that describes its mixing weights
+    (:meth:`~attnres.nn.residual.ResidualStream.mixing_matrix`; a variant without it raises
+    ``NotImplementedError`` naming the missing ``_mixing_matrix``). ``per_token``: keep the
+    ``[B, T, L + 1, L + 1]`` matrices. ``rank_tokens``: the rank of an input-dependent ``M``
+    is the largest over the first ``rank_tokens`` tokens (row-major over ``[B, T]``).
+    """
+    rec = mixing_forward(model, input_ids)
+    mm = rec.mixing
+    B, T = input_ids.shape
+    W = mm.weights
+    if W.dim() == 2:
+        tokens = W.unsqueeze(0)  # [1, n, n]: the same for every token
+    else:
+        tokens = W.reshape(-1, *W.shape[-2:])
+    mean = tokens.mean(0)
+    std = tokens.std(0, correction=0) if tokens.shape[0] > 1 else torch.zeros_like(mean)
+    # The rank: per token (input-dependent), per channel (channel-wise variants, from a second
+    # forward of the first rows only: their per-channel matrices are d times larger).
+    pc = None
+    if mm.reduction is not None:
+        rows = input_ids[: max(1, -(-rank_tokens // T))] if W.dim() > 2 else input_ids[:1, :1]
+        pc = mixing_forward(model, rows, per_channel=True).mixing.per_channel
+    if pc is not None:
+        pc = pc.reshape(-1, *pc.shape[-3:])[:rank_tokens]  # [N', n, n, d]
+        rank_mats = pc.movedim(-1, 1).reshape(-1, *pc.shape[1:3])
+        over = "channel" if W.dim() == 2 else "token and channel"
+    else:
+        rank_mats = tokens[:rank_tokens]
+        over = "token" if W.dim() > 2 else "the matrix (input-independent)"
+    n_rank_tokens = rank_mats.shape[0] if pc is None else pc.shape[0]
+    rank = int(semiseparable_rank(rank_mats, rtol).max())
+    return DepthMixing(
+        residual=model.residual.name, matrix=mean, std=std, rank=rank,
+        rank_of_mean=int(semiseparable_rank(mean, rtol)), rank_tokens=n_rank_tokens if W.dim() > 2 else 1,
+        rank_over=f"largest over every {over}" if over != "the matrix (input-independent)" else over,
+        rtol=rtol, reduction=mm.reduction, input_dependent=mm.input_dependent, source_groups=mm.source_groups,
+        sources=source_stats(tokens), n_tokens=B * T,
+        per_token=(W if W.dim() > 2 else W.expand(B, T, *W.shape)).clone() if per_token else None,
+    )
+
+
+def depth_mixing_from_logged(residual, depth_weights: list[list[float]]) -> DepthMixing:
+    """The token-averaged ``M`` of an AttnRes variant from mean depth weights logged during
+    training (``forward_diagnostics``' ``depth_weights``: per mixer, the mean weight of each
+    source), for runs whose checkpoints are gone. ``M`` is linear in the weights, so this is
+    exactly the mean over the logged batch; what needs single tokens - the rank of each
+    token's ``M``, the spread across tokens, and so the sink flag - is unknown (``rank`` is
+    the averaged ``M``'s, ``std`` NaN, no source flagged). ``residual``: the variant's module,
+    e.g. built from the run's config (only its layout is read)."""
+    if not hasattr(residual, "source_members"):
+        raise ValueError(f"logged depth weights describe AttnRes variants; {residual.name!r} logs none")
+    members = residual.source_members()
+    weights = [torch.tensor(w, dtype=MIXING_DTYPE) for w in depth_weights]
+    M = scatter_source_weights(weights, members)
+    groups = [range(m[0], m[-1] + 1) for m in members[-1]] if any(len(m) > 1 for c in members for m in c) else None
+    stats = source_stats(M.unsqueeze(0))
+    for st in stats:
+        st.std, st.sink = float("nan"), False
+    rank = int(semiseparable_rank(M))
+    return DepthMixing(residual=residual.name, matrix=M, std=torch.full_like(M, float("nan")), rank=rank,
+                       rank_of_mean=rank, rank_tokens=0, rank_over="the logged token-averaged M only (no checkpoint)",
+                       rtol=RANK_RTOL, reduction=None, input_dependent=True, source_groups=groups, sources=stats,
+                       n_tokens=0)

@@ -1,0 +1,199 @@
+"""Depth mixing matrices on paper: Fig.-9-style panels (report §6.2), the rank and sink
+tables (report §5.4.2) and findings computed over seeds, from :class:`DepthMixing` results.
+
+Used by ``attnres analyze`` and by the ``attnres compare`` report; nothing here loads a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .mixing import RANK_RTOL, SINK_MAX_CV, SINK_RATIO, DepthMixing
+
+__all__ = [
+    "MIN_SEEDS_FOR_CLAIMS",
+    "plot_mixing_panels",
+    "rank_expectation",
+    "rank_table",
+    "sink_table",
+    "mixing_findings",
+    "method_note",
+]
+
+#: Claims about a variant (a sink, a rank) are made only where at least this many seeds agree.
+MIN_SEEDS_FOR_CLAIMS = 3
+
+
+def method_note(n_tokens: int) -> str:
+    """How the numbers were measured, for a report."""
+    over = f"{n_tokens} tokens" if n_tokens else "the tokens analysed"
+    return (f"`M[i -> l]` is the weight sublayer `l` (rows 1..L, the last row the output aggregation) gives source "
+            f"`v_i` (columns: `v_0` the embedding, `v_i` the raw output of sublayer `i`), averaged over {over}; a "
+            "Block AttnRes block's weight is given to each of its members (report §6.2). Semiseparable "
+            "rank: the largest numerical rank of the blocks `M[k:, :k+1]` (every block on and below the diagonal "
+            f"lies in one), counting singular values above {RANK_RTOL:g} × the largest singular value of `M`; for "
+            "input-dependent variants the largest over the tokens' own matrices (and channels for channel-wise "
+            "ones), beside the rank of the averaged `M`. Sink table: a source's weight averaged over the rows that "
+            "see it; *relative* = that over the average weight of all sources in those rows (1 for the standard "
+            f"residual); CV = its standard deviation across tokens and inputs over its mean. A sink: relative ≥ "
+            f"{SINK_RATIO:g} with CV ≤ {SINK_MAX_CV:g} (a high weight whatever the input, report §5.4.2).")
+
+
+def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = None,
+                     n_streams: int | None = None) -> tuple[str, int | None, int | None]:
+    """What report §6.2 says of the semiseparable rank: ``(words, low, high)`` (bounds or
+    ``None``)."""
+    L = n_sublayers
+    if residual in ("standard", "highway", "rezero", "layerscale"):
+        return "1 (report §6.2)", 1, 1
+    if residual in ("hyper_connections", "mhc", "mhc_lite") and n_streams:
+        return f"≤ m = {n_streams} (Eq. 10)", None, n_streams
+    if residual == "attnres_full":
+        dense = (L + 2) // 2
+        return f"dense: {dense}, the most the blocks of a {L + 1}×{L + 1} matrix allow", dense, dense
+    if residual == "attnres_block" and block_size:
+        N = math.ceil(L / block_size)
+        if block_size >= N - 1:
+            return f"between N = {N} and N + S = {N + block_size} (report §6.2)", N, N + block_size
+        return (f"≤ N + S = {N + block_size}; the lower bound N = {N} may fail when S < N - 1 (here S = {block_size}; "
+                f"it held in our tests whenever S ≥ N - 1)", None, N + block_size)
+    return "", None, None
+
+
+def _label(i: int, n: int) -> str:
+    return "out" if i == n - 1 else str(i + 1)
+
+
+def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | None]], path: str | Path,
+                       diff: tuple[str, torch.Tensor] | None = None) -> None:
+    """One Fig.-9-style panel per ``(title, M [L+1, L+1], source_groups)``: ``M`` on and below
+    the diagonal, blank above, each panel on its own colour scale; block boundaries drawn
+    for variants with source groups. ``diff``: a last panel ``(title, A - B)`` on a diverging
+    scale centred on 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    items = list(panels) + ([(diff[0], diff[1], None)] if diff is not None else [])
+    fig, axes = plt.subplots(1, len(items), figsize=(4.2 * len(items), 4.0), squeeze=False)
+    for k, (ax, (title, M, groups)) in enumerate(zip(axes[0], items)):
+        A = M.detach().double().cpu().numpy().copy()
+        n = A.shape[0]
+        A[np.triu_indices(n, 1)] = np.nan
+        is_diff = diff is not None and k == len(items) - 1
+        if is_diff:
+            lim = float(np.nanmax(np.abs(A))) or 1.0
+            im = ax.imshow(A, cmap="RdBu_r", vmin=-lim, vmax=lim)
+        else:
+            im = ax.imshow(A, cmap="viridis")
+        for g in groups or []:
+            if g.start > 0:
+                ax.axvline(g.start - 0.5, color="white", lw=0.6)
+        step = max(1, n // 8)
+        ax.set_xticks(range(0, n, step))
+        ax.set_xticklabels([f"v{i}" for i in range(0, n, step)], fontsize=7)
+        ax.set_yticks(range(0, n, step))
+        ax.set_yticklabels([_label(i, n) for i in range(0, n, step)], fontsize=7)
+        ax.set_xlabel("source")
+        ax.set_ylabel("sublayer (last row: output)")
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _over(r: DepthMixing) -> str:
+    return r.rank_over if not r.input_dependent or not r.rank_tokens else f"{r.rank_over} ({r.rank_tokens} tokens)"
+
+
+def rank_table(rows: Sequence[tuple[str, list[DepthMixing], str]]) -> str:
+    """Markdown: per model (``(label, results over seeds, expectation words)``), the rank of
+    each seed and of its averaged ``M``."""
+    lines = ["| model | semiseparable rank (per seed) | rank of the token-averaged M | over | report §6.2 |",
+             "|---|---|---|---|---|"]
+    for label, results, expected in rows:
+        lines.append(f"| {label} | {', '.join(str(r.rank) for r in results)} | "
+                     f"{', '.join(str(r.rank_of_mean) for r in results)} | {_over(results[0])} | {expected} |")
+    return "\n".join(lines)
+
+
+def sink_table(label: str, results: list[DepthMixing], top: int = 4) -> str:
+    """Markdown: the sources of ``results`` (one per seed) worth showing - ``v_0``, the
+    ``top`` of each seed by relative weight and every source flagged in some seed - with
+    mean ± std over seeds of the mean weight, relative weight and CV, and in how many seeds
+    each is a sink."""
+    shown = {0}
+    for r in results:
+        shown |= {s.source for s in sorted(r.sources, key=lambda s: -s.relative)[:top]}
+        shown |= set(r.sinks())
+    lines = [f"**{label}** ({len(results)} seed(s))", "",
+             "| source | mean weight | relative | CV across tokens | sink in seeds |", "|---|---|---|---|---|"]
+
+    def pm(xs: list[float]) -> str:
+        if any(math.isnan(x) for x in xs):
+            return "n/a"
+        m = sum(xs) / len(xs)
+        if len(xs) < 2:
+            return f"{m:.3f}"
+        sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+        return f"{m:.3f} ± {sd:.3f}"
+
+    for i in sorted(shown):
+        st = [r.sources[i] for r in results]
+        lines.append(f"| v{i} | {pm([s.mean for s in st])} | {pm([s.relative for s in st])} | "
+                     f"{pm([s.cv for s in st])} | {sum(s.sink for s in st)}/{len(st)} |")
+    return "\n".join(lines)
+
+
+def mixing_findings(label: str, results: list[DepthMixing], low: int | None, high: int | None) -> list[str]:
+    """Computed findings over seeds: the rank against report §6.2 and the sinks; claims only
+    where at least :data:`MIN_SEEDS_FOR_CLAIMS` seeds agree."""
+    out = []
+    n = len(results)
+    ranks = [r.rank for r in results]
+    if low is not None or high is not None:
+        ok = [(low is None or r >= low) and (high is None or r <= high) for r in ranks]
+        bound = (f"[{low}, {high}]" if low is not None and high is not None and low != high else
+                 f"= {low}" if low == high else f"≤ {high}" if low is None else f"≥ {low}")
+        if n >= MIN_SEEDS_FOR_CLAIMS and all(ok):
+            out.append(f"{label}: semiseparable rank {ranks} in every seed ({n}/{n}), within report §6.2's {bound}.")
+        elif n >= MIN_SEEDS_FOR_CLAIMS and not any(ok):
+            out.append(f"{label}: semiseparable rank {ranks} outside report §6.2's {bound} in every seed ({n}/{n}).")
+        else:
+            out.append(f"{label}: semiseparable rank {ranks} (report §6.2: {bound}); "
+                       + (f"{sum(ok)}/{n} seeds agree, no claim." if n >= MIN_SEEDS_FOR_CLAIMS else
+                          f"fewer than {MIN_SEEDS_FOR_CLAIMS} seeds, no claim."))
+    size = results[0].matrix.shape[0]
+    if all(r.n_tokens == 0 for r in results):  # logged mean weights only: no spread across tokens, no sink flag
+        heavy = [i for i in range(size) if all(r.sources[i].relative >= SINK_RATIO for r in results)]
+        if n < MIN_SEEDS_FOR_CLAIMS:
+            out.append(f"{label}: fewer than {MIN_SEEDS_FOR_CLAIMS} seeds, no claim about heavy sources.")
+        elif heavy:
+            desc = ", ".join(f"v{i} ({sum(r.sources[i].relative for r in results) / n:.2f}×)" for i in heavy)
+            out.append(f"{label}: in all {n} seeds these sources take at least {SINK_RATIO:g}× the average weight of "
+                       f"the sources beside them, on average over the logged batch: {desc} (sink candidates: their "
+                       "spread across tokens was not logged).")
+        else:
+            out.append(f"{label}: no source takes {SINK_RATIO:g}× the average weight in all {n} seeds.")
+        return out
+    everywhere = [i for i in range(size) if all(r.sources[i].sink for r in results)]
+    somewhere = sorted({i for r in results for i in r.sinks()} - set(everywhere))
+    if n < MIN_SEEDS_FOR_CLAIMS:
+        out.append(f"{label}: sinks {[r.sinks() for r in results]} per seed; fewer than {MIN_SEEDS_FOR_CLAIMS} seeds, "
+                   "no claim.")
+    elif everywhere:
+        desc = ", ".join(f"v{i} (relative weight {sum(r.sources[i].relative for r in results) / n:.2f}, CV "
+                         f"{sum(r.sources[i].cv for r in results) / n:.2f})" for i in everywhere)
+        out.append(f"{label}: depth-wise attention sink(s) in all {n} seeds: {desc}"
+                   + (f"; flagged in some seeds only: {', '.join(f'v{i}' for i in somewhere)}." if somewhere else "."))
+    else:
+        out.append(f"{label}: no source is a sink in all {n} seeds"
+                   + (f" (flagged in some: {', '.join(f'v{i}' for i in somewhere)})." if somewhere else "."))
+    return out

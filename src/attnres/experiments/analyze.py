@@ -1,0 +1,227 @@
+"""``attnres analyze``: the depth mixing matrix, its rank and the sink table of trained
+checkpoints (report §6.2, Fig. 9, §5.4.2), and the same section of the ``attnres compare``
+report.
+
+Tokens: ``rows`` windows of ``seq_len`` tokens spread evenly over the run's validation split
+(read again from its data settings, encoded with the checkpoint's tokenizer), or over a text
+file given instead. The windows are fixed by the text, so two checkpoints trained on the same
+data are analysed on the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
+from ..analysis.mixing_report import (
+    method_note,
+    mixing_findings,
+    plot_mixing_panels,
+    rank_expectation,
+    rank_table,
+    sink_table,
+)
+
+__all__ = ["analysis_tokens", "analyze_checkpoint", "write_analysis", "mixing_section", "DEFAULT_ROWS"]
+
+#: Windows analysed per checkpoint by default (of the model's ``seq_len``, at most 128).
+DEFAULT_ROWS = 8
+
+
+def analysis_tokens(run, rows: int = DEFAULT_ROWS, seq_len: int | None = None, text: str | None = None) -> torch.Tensor:
+    """``[rows, seq_len]`` token ids from the run's validation split (or ``text``), windows
+    spread evenly from its start to its end."""
+    from ..data import load_corpus
+    from ..inference.loading import load_tokenizer
+
+    if text is None:
+        data = run.run_config["data"]
+        corpus = load_corpus(data["paths"], data["val_fraction"])
+        trained_on = (run.state.get("data") or {}).get("fingerprint")
+        if trained_on is not None and trained_on != corpus.digest:
+            warnings.warn(f"the data at {data['paths']} changed since {str(run.checkpoint)!r} was trained: analysing a "
+                          "validation split that is not the run's; pass --text", stacklevel=2)
+        text = corpus.val
+    seq_len = seq_len or min(128, run.model.config.max_seq_len)
+    if seq_len > run.model.config.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {run.model.config.max_seq_len}")
+    ids = load_tokenizer(run).encode(text)
+    if len(ids) < seq_len:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
+    span = len(ids) - seq_len
+    starts = [round(k * span / max(rows - 1, 1)) for k in range(rows)]
+    device = next(run.model.parameters()).device
+    return torch.tensor([ids[s : s + seq_len] for s in starts], device=device)
+
+
+def analyze_checkpoint(path: str | Path, rows: int = DEFAULT_ROWS, seq_len: int | None = None,
+                       text: str | None = None, device: str = "cpu") -> tuple[DepthMixing, dict]:
+    """The :class:`DepthMixing` of the checkpoint (or run directory) ``path`` on its
+    validation tokens, and a description of the model (``residual``, ``L``, ``S``, ``m``)."""
+    from ..inference.loading import load_run
+
+    run = load_run(path, device)
+    if run.run_config["model"].get("hf_architecture") is not None:
+        raise ValueError(f"{str(path)!r} holds a transformers family model; the mixing analysis runs native models")
+    model = run.model
+    result = depth_mixing_matrix(model, analysis_tokens(run, rows, seq_len, text))
+    residual = model.residual
+    info = {"checkpoint": str(run.checkpoint), "residual": residual.name, "L": residual.n_sublayers,
+            "block_size": getattr(residual, "block_size", None), "n_streams": getattr(residual, "n_streams", None),
+            "step": run.state.get("step")}
+    return result, info
+
+
+def _expect(info: dict) -> tuple[str, int | None, int | None]:
+    return rank_expectation(info["residual"], info["L"], info["block_size"], info["n_streams"])
+
+
+def _label(info: dict) -> str:
+    words = [info["residual"], f"L={info['L']}"]
+    if info["block_size"]:
+        words.append(f"S={info['block_size']}, N={math.ceil(info['L'] / info['block_size'])}")
+    if info["n_streams"]:
+        words.append(f"m={info['n_streams']}")
+    return " ".join(words)
+
+
+def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, out: str | Path | None = None,
+                   rows: int = DEFAULT_ROWS, seq_len: int | None = None, text_path: str | None = None,
+                   device: str = "cpu") -> Path:
+    """``attnres analyze``: write ``report.md``, ``mixing.png`` (Fig.-9-style panels, and the
+    difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
+    ``<checkpoint>/analysis``); returns the report's path."""
+    text = None if text_path is None else Path(text_path).read_text(encoding="utf-8")
+    out = Path(out) if out is not None else Path(checkpoint) / "analysis"
+    out.mkdir(parents=True, exist_ok=True)
+    items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
+    if compare is not None:
+        items.append(analyze_checkpoint(compare, rows, seq_len, text, device))
+    names = ["A", "B"][: len(items)]
+    panels = [(f"{n}: {_label(info)}", r.matrix, r.source_groups) for n, (r, info) in zip(names, items)]
+    diff = None
+    if len(items) == 2 and items[0][0].matrix.shape == items[1][0].matrix.shape:
+        diff = ("A − B", items[0][0].matrix - items[1][0].matrix)
+    plot_mixing_panels(panels, out / "mixing.png", diff)
+    parts = [f"# Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)\n",
+             method_note(items[0][0].n_tokens) + "\n"]
+    for n, (r, info) in zip(names, items):
+        parts.append(f"- **{n}**: `{info['checkpoint']}` (step {info['step']}): {_label(info)}"
+                     + (f"; vectors reduced by {r.reduction}" if r.reduction else ""))
+    parts.append("\n![depth mixing matrices](mixing.png)\n")
+    parts.append("## Semiseparable rank\n\n" + rank_table([(f"{n}: {_label(i)}", [r], _expect(i)[0])
+                                                            for n, (r, i) in zip(names, items)]) + "\n")
+    parts.append("## Sink table\n\n" + "\n\n".join(sink_table(f"{n}: {_label(i)}", [r]) for n, (r, i) in zip(names, items))
+                 + "\n")
+    if diff is not None:
+        a, b = items[0][0], items[1][0]
+        d = diff[1]
+        k = int(d.abs().argmax())
+        r_, c_ = divmod(k, d.shape[1])
+        parts.append("## Comparison\n\n"
+                     f"- Largest difference A − B: {float(d[r_, c_]):+.4f} at row {r_ + 1 if r_ < d.shape[0] - 1 else 'out'}, "
+                     f"source v{c_}; mean absolute difference on and below the diagonal "
+                     f"{float(d.abs().tril().sum()) / (d.shape[0] * (d.shape[0] + 1) / 2):.4f}.\n"
+                     f"- Rank: A {a.rank} (averaged {a.rank_of_mean}), B {b.rank} (averaged {b.rank_of_mean}).\n"
+                     f"- Sinks: A {['v%d' % i for i in a.sinks()] or 'none'}, B {['v%d' % i for i in b.sinks()] or 'none'}.\n")
+    findings = []
+    for n, (r, info) in zip(names, items):
+        _, low, high = _expect(info)
+        findings += mixing_findings(f"{n} ({info['residual']})", [r], low, high)
+    parts.append("## Findings (computed)\n\nOne checkpoint per model: the report's claims need at least 3 seeds "
+                 "(`attnres compare --seeds 0 1 2` reports them over seeds).\n\n" + "\n".join(f"- {f}" for f in findings))
+    (out / "mixing.json").write_text(json.dumps([{**info, **r.to_dict()} for r, info in items], indent=1))
+    path = out / "report.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
+def logged_mixing(run_dir: Path) -> tuple[DepthMixing, dict] | None:
+    """A run without checkpoint: its token-averaged ``M`` from the depth weights its last
+    diagnostics record logged (AttnRes; see
+    :func:`~attnres.analysis.mixing.depth_mixing_from_logged`), the standard residual's from
+    its definition; ``None`` otherwise."""
+    from ..models.config import ModelConfig
+    from ..train.metrics import read_metrics
+
+    config_path = Path(run_dir) / "config.json"
+    metrics_path = Path(run_dir) / "metrics.jsonl"
+    if not config_path.exists() or not metrics_path.exists():
+        return None
+    cfg = json.loads(config_path.read_text())
+    model_config = ModelConfig.from_dict(cfg["model"])
+    residual = model_config.build_residual()
+    info = {"checkpoint": None, "residual": residual.name, "L": residual.n_sublayers,
+            "block_size": getattr(residual, "block_size", None), "n_streams": getattr(residual, "n_streams", None),
+            "step": None, "run": str(run_dir)}
+    if residual.name == "standard":
+        from ..models.lm import AttnResLM
+
+        model = AttnResLM(model_config)  # the standard residual's M has no parameters
+        result = depth_mixing_matrix(model, torch.zeros(1, 2, dtype=torch.long))
+        result.n_tokens = 0
+        return result, info
+    diags = [m for m in read_metrics(metrics_path) if m["kind"] == "diagnostics" and m.get("depth_weights")]
+    if not diags or not hasattr(residual, "source_members"):
+        return None
+    info["step"] = diags[-1]["step"]
+    return depth_mixing_from_logged(residual, diags[-1]["depth_weights"]), info
+
+
+def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, str] | None = None,
+                   rows: int = DEFAULT_ROWS) -> str | None:
+    """The ``attnres compare`` report's section: for every model (``groups``: variant name ->
+    its run directories, one per seed) the depth mixing matrix of each seed's last
+    checkpoint, panels of the first seed in ``out/mixing.png``, the rank and sink tables and
+    findings over seeds. ``None`` when no run kept a checkpoint."""
+    from ..train.resume import find_valid_checkpoint
+
+    results: dict[str, list[tuple[DepthMixing, dict]]] = {}
+    missing, logged = [], []
+    for name, dirs in groups.items():
+        for d in dirs:
+            if find_valid_checkpoint(d) is not None:
+                results.setdefault(name, []).append(analyze_checkpoint(d, rows))
+                continue
+            item = logged_mixing(d)
+            if item is None:
+                missing.append(str(d))
+            else:
+                logged.append(str(d))
+                results.setdefault(name, []).append(item)
+    if not results:
+        return None
+    labels = labels or {}
+    panels = [(f"{labels.get(n, n)}\n{_label(rs[0][1])}", rs[0][0].matrix, rs[0][0].source_groups)
+              for n, rs in results.items()]
+    plot_mixing_panels(panels, out / "mixing.png")
+    (out / "mixing.json").write_text(json.dumps({n: [{**i, **r.to_dict()} for r, i in rs] for n, rs in results.items()},
+                                                indent=1))
+    first = next(iter(results.values()))[0][0]
+    n_tokens = max(r.n_tokens for rs in results.values() for r, _ in rs)
+    note = " Each seed's last checkpoint; panels: first seed."
+    if logged:
+        note += (f" {len(logged)} run(s) kept no checkpoint: for them `M` is the mean over the first validation "
+                 "batch (16 × 128 tokens in the long preset) of the depth weights their last diagnostics record logged "
+                 "(exact: `M` is linear in the weights), the rank that of this averaged `M`, the spread across tokens "
+                 "unknown and no sink flagged; the standard residual's `M` needs no checkpoint.")
+    if missing:
+        note += f" Not analysed (no checkpoint, nothing logged): {', '.join(missing)}."
+    parts = ["## Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)",
+             method_note(n_tokens or first.n_tokens) + note,
+             "![depth mixing matrices](mixing.png)",
+             rank_table([(labels.get(n, n), [r for r, _ in rs], _expect(rs[0][1])[0]) for n, rs in results.items()]),
+             "\n\n".join(sink_table(labels.get(n, n), [r for r, _ in rs]) for n, rs in results.items())]
+    findings = []
+    for n, rs in results.items():
+        _, low, high = _expect(rs[0][1])
+        if all(r.n_tokens == 0 for r, _ in rs):
+            low = high = None  # the §6.2 bounds are about each token's M, not the average
+        findings += mixing_findings(labels.get(n, n), [r for r, _ in rs], low, high)
+    parts.append("Findings (computed):\n\n" + "\n".join(f"- {f}" for f in findings))
+    return "\n\n".join(parts)

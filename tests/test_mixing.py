@@ -1,0 +1,353 @@
+"""Residuals as depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks
+(report §5.4.2): every registered variant describes its ``M``, the analysis measures it.
+
+The exact tests run float64 models, so that ``M`` is compared with values computed here
+independently from each variant's parameters."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from attnres import AttnResLM, ModelConfig, register_residual, registered_residuals
+from attnres.analysis import depth_mixing_matrix, mixing_forward, semiseparable_rank
+from attnres.nn.residual import BlockAttnRes, SingleStreamResidual, sinkhorn_knopp
+from attnres.nn.residual.registry import _REGISTRY
+
+F64 = torch.float64
+
+
+def model(kind: str, n_layers: int = 3, d: int = 16, perturb: float = 0.0, seed: int = 0, **residual) -> AttnResLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=64, d_model=d, n_layers=n_layers, n_heads=2, max_seq_len=16,
+                      residual={"kind": kind, **residual})
+    m = AttnResLM(cfg).to(F64)
+    if perturb:
+        with torch.no_grad():
+            for p in m.residual.parameters():
+                p.add_(torch.randn_like(p) * perturb)
+    return m
+
+
+def ids(b: int = 2, t: int = 8, seed: int = 1) -> Tensor:
+    return torch.randint(0, 64, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+# -- exact values ------------------------------------------------------------------------
+def test_standard_is_exactly_the_all_ones_lower_triangle():
+    for n_layers in (1, 3):
+        M = depth_mixing_matrix(model("standard", n_layers), ids()).matrix
+        L = 2 * n_layers
+        assert M.dtype == F64 and M.shape == (L + 1, L + 1)
+        assert torch.equal(M, torch.ones(L + 1, L + 1, dtype=F64).tril())
+
+
+@pytest.mark.parametrize("impl", ["naive", "two_phase"])
+def test_full_attnres_with_zero_queries_averages_its_sources(impl):
+    rec = mixing_forward(model("attnres_full", impl=impl), ids())
+    L = 6
+    expected = torch.zeros(L + 1, L + 1, dtype=F64)
+    for r in range(L + 1):
+        expected[r, : r + 1] = 1.0 / (r + 1)  # mixer r sees v_0 .. v_r
+    W = rec.mixing.weights
+    assert W.shape == (2, 8, L + 1, L + 1)
+    if impl == "naive":
+        assert torch.equal(W, expected.expand_as(W))
+    else:  # the two-phase merge rescales partial softmaxes: equal up to float64 rounding
+        assert (W - expected).abs().max() <= 4 * torch.finfo(F64).eps
+
+
+@pytest.mark.parametrize("impl", ["naive", "two_phase"])
+def test_block_attnres_with_zero_queries_gives_each_member_its_blocks_weight(impl):
+    # 4 transformer blocks = 8 sublayers, S = 3: blocks {1,2,3}, {4,5,6}, {7,8} (report §3.2).
+    rec = mixing_forward(model("attnres_block", n_layers=4, block_size=3, impl=impl), ids())
+    L, S = 8, 3
+    blocks = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    expected = torch.zeros(L + 1, L + 1, dtype=F64)
+    for r in range(L + 1):  # row r: the input of sublayer r + 1 (0-based r), row L the output
+        done = [b for b in blocks if b[-1] <= r]  # blocks complete before this mixer
+        partial = [i for i in range(1, r + 1) if not any(i in b for b in done)]
+        sources = [[0]] + done + ([partial] if partial and r < L else [])
+        if r == L:
+            sources = [[0]] + blocks
+        for members in sources:
+            expected[r, members] = 1.0 / len(sources)  # every member takes its source's weight
+    W = rec.mixing.weights
+    if impl == "naive":
+        assert torch.equal(W, expected.expand_as(W))
+    else:
+        assert (W - expected).abs().max() <= 4 * torch.finfo(F64).eps
+    assert rec.mixing.source_groups == [range(0, 1), range(1, 4), range(4, 7), range(7, 9)]
+    # The row sums count a block's members: 1/n_l per *source*, not per v_i.
+    assert torch.equal(expected[3], torch.tensor([0.5, 0.5, 0.5, 0.5, 0, 0, 0, 0, 0], dtype=F64))
+
+
+def test_highway_matches_the_carry_product_formula():
+    m = model("highway", n_layers=3, perturb=0.5)
+    rec = mixing_forward(m, ids(), per_channel=True)
+    L = 6
+    # The gates, recomputed from the recorded sublayer inputs h_l and the gate parameters.
+    g = [torch.sigmoid(rec.inputs[l] @ m.residual.gates[l].weight.T + m.residual.gates[l].bias) for l in range(L)]
+    pc = rec.mixing.per_channel  # [B, T, L + 1, L + 1, d]
+    for r in range(L + 1):
+        for i in range(L + 1):
+            if i > r:
+                assert torch.equal(pc[..., r, i, :], torch.zeros_like(g[0]))
+                continue
+            w = torch.ones_like(g[0]) if i == 0 else g[i - 1]  # M[0 -> r] = carry, M[i -> r] = g_i carry
+            for k in range(i, r):
+                w = w * (1 - g[k])
+            assert (pc[..., r, i, :] - w).abs().max() <= 1e-14
+    # Rows sum to one (stick-breaking, report §6.2), channel by channel.
+    assert (pc.sum(-2) - 1).abs().max() <= 1e-14
+    assert torch.equal(rec.mixing.weights, pc.mean(-1))
+    assert "mean over the d channels" in rec.mixing.reduction
+
+
+def eq10(alphas: list[Tensor], betas: list[Tensor], transitions: list[Tensor]) -> Tensor:
+    """Report Eq. 10 written out: ``M[i -> l] = beta_i^T A_{i+1} ... A_l alpha_l`` (streams as
+    columns, ``H_l = H_{l-1} A_l + f beta^T``), one entry at a time."""
+    n = len(alphas)
+    M = torch.zeros(n, n, dtype=F64)
+    for l in range(n):
+        for i in range(l + 1):
+            A = torch.eye(alphas[0].shape[0], dtype=F64)
+            for k in range(i, l):  # the transitions of the sublayers after v_i was written
+                A = A @ transitions[k]
+            M[l, i] = betas[i] @ A @ alphas[l]
+    return M
+
+
+def test_hyper_connections_match_eq_10():
+    m = model("hyper_connections", n_layers=3, hc_streams=3)
+    r = m.residual
+    torch.manual_seed(3)
+    with torch.no_grad():  # random static maps; no dynamic part, so M is a function of the parameters
+        for l in range(6):
+            r.static_alpha[l].copy_(torch.randn(3, 4, dtype=F64))
+            r.static_beta[l].copy_(torch.randn(3, dtype=F64))
+            r.dynamic_alpha[l].normal_()
+        r.alpha_scale.zero_()
+        r.beta_scale.zero_()
+    ones = torch.ones(3, dtype=F64)
+    alphas = [r.static_alpha[l][:, 0] for l in range(6)] + [ones]  # the output sums the streams
+    betas = [ones] + [r.static_beta[l] for l in range(6)]  # the embedding enters every stream
+    A = [r.static_alpha[l][:, 1:] for l in range(6)]
+    expected = eq10(alphas, betas, A).detach()
+    W = mixing_forward(m, ids()).mixing.weights
+    assert (W - expected).abs().max() <= 1e-13 * expected.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["mhc", "mhc_lite"])
+def test_mhc_matches_eq_10(kind):
+    m = model(kind, n_layers=3, hc_streams=2)
+    r = m.residual
+    torch.manual_seed(4)
+    with torch.no_grad():  # phi = 0: the maps are sigmoid / Sinkhorn of the random biases
+        for l in range(6):
+            r.bias[l].normal_()
+    k = 2
+    alphas, betas, A = [], [torch.ones(k, dtype=F64)], []
+    for l in range(6):
+        b = r.bias[l].detach()
+        alphas.append(torch.sigmoid(b[:k]))
+        betas.append(2 * torch.sigmoid(b[k : 2 * k]))
+        if kind == "mhc":
+            res = sinkhorn_knopp(b[2 * k :].reshape(k, k), r.sinkhorn_iters)
+        else:
+            p = torch.softmax(b[2 * k :], -1)
+            res = p[0] * torch.eye(2, dtype=F64) + p[1] * torch.eye(2, dtype=F64).flip(0)
+        A.append(res.T)  # H (rows = streams) <- res H is H^T A with A = res^T
+    alphas.append(torch.ones(k, dtype=F64))
+    expected = eq10(alphas, betas, A)
+    W = mixing_forward(m, ids()).mixing.weights
+    assert (W - expected).abs().max() <= 1e-13 * expected.abs().max()
+
+
+def test_parameter_only_variants():
+    m = model("rezero", perturb=1.0)
+    a = m.residual.alpha.detach()
+    expected = torch.ones(7, 7, dtype=F64).tril() * torch.cat([torch.ones(1, dtype=F64), a])
+    assert torch.equal(depth_mixing_matrix(m, ids()).matrix, expected)
+    ls = model("layerscale", perturb=1.0)
+    d = depth_mixing_matrix(ls, ids())
+    lam = torch.stack(list(ls.residual.scales)).detach().mean(-1)
+    assert torch.allclose(d.matrix, torch.ones(7, 7, dtype=F64).tril() * torch.cat([torch.ones(1, dtype=F64), lam]),
+                          rtol=0, atol=1e-15)
+    assert d.reduction.startswith("mean over the d channels") and not d.input_dependent
+    # DenseFormer at init is the standard residual.
+    assert torch.equal(depth_mixing_matrix(model("denseformer"), ids()).matrix, torch.ones(7, 7, dtype=F64).tril())
+
+
+@pytest.mark.parametrize("kind", registered_residuals())
+def test_forward_equals_the_mixing_of_its_recorded_sources(kind):
+    if kind not in {"standard", "attnres_full", "attnres_block", "rezero", "layerscale", "highway", "denseformer",
+                    "hyper_connections", "mhc", "mhc_lite"}:
+        pytest.skip(f"{kind!r} is registered by another test module")
+    extra = {"block_size": 2} if kind == "attnres_block" else {}
+    rec = mixing_forward(model(kind, perturb=0.3, **extra), ids(), per_channel=True)
+    rows = rec.reconstruct()
+    for l, (got, h) in enumerate(zip(rows, rec.inputs + [rec.output])):
+        err = (got - h).abs().max() / h.abs().max()
+        assert err <= 1e-12, f"{kind}: row {l} differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("kind,ablation", [
+    ("attnres_full", {"window": 2}), ("attnres_full", {"sigmoid_weights": True}),
+    ("attnres_block", {"input_independent_mixing": True}), ("attnres_full", {"input_dependent_query": True}),
+    ("attnres_block", {"key_norm": False}), ("attnres_full", {"heads": 2}),
+])
+def test_table4_ablations_describe_their_mixing(kind, ablation):
+    extra = {"block_size": 2} if kind == "attnres_block" else {}
+    rec = mixing_forward(model(kind, perturb=0.5, impl="naive", ablation=ablation, **extra), ids())
+    err = max(float((a - b).abs().max()) for a, b in zip(rec.reconstruct(), rec.inputs + [rec.output]))
+    if "heads" in ablation:  # each head mixes its own channel group: M holds the mean over heads, and says so
+        assert "mean over the depth-attention heads" in rec.mixing.reduction and err > 1e-6
+    else:
+        assert err <= 1e-12 and rec.mixing.reduction is None
+
+
+# -- the rank estimate -------------------------------------------------------------------
+def test_rank_of_standard_and_highway_is_one():
+    assert depth_mixing_matrix(model("standard", n_layers=6), ids()).rank == 1
+    hw = depth_mixing_matrix(model("highway", n_layers=6, perturb=0.5), ids())
+    assert hw.rank == 1 and hw.rank_over == "largest over every token and channel"
+    assert hw.rank_of_mean > 1  # an average of rank-one matrices is not rank one
+
+
+@pytest.mark.parametrize("m_streams", [1, 2, 3])
+def test_rank_of_hyper_connections_is_at_most_m(m_streams):
+    for kind in ("hyper_connections", "mhc"):
+        d = depth_mixing_matrix(model(kind, n_layers=4, hc_streams=m_streams, perturb=0.5), ids(1, 8))
+        assert d.rank == m_streams, (kind, d.rank)  # random maps reach the bound
+
+
+def _block_matrix(L: int, S: int, seed: int = 0) -> Tensor:
+    """Block AttnRes with random queries on random sources (the residual alone)."""
+    torch.manual_seed(seed)
+    r = BlockAttnRes(8, L, S, impl="naive").to(F64)
+    with torch.no_grad():
+        for p in r.parameters():
+            p.add_(torch.randn_like(p))
+    st = r.start(torch.randn(3, 8, dtype=F64), record_weights=True)
+    for l in range(L):
+        r.sublayer_input(st, l)
+        r.add_output(st, l, torch.randn(3, 8, dtype=F64))
+    r.finish(st)
+    return r.mixing_matrix(st).weights
+
+
+@pytest.mark.parametrize("L,S", [(16, 4), (24, 6), (30, 10), (12, 12), (40, 5)])
+def test_rank_of_block_attnres_lies_between_n_and_n_plus_s(L, S):
+    N = math.ceil(L / S)
+    ranks = semiseparable_rank(_block_matrix(L, S))
+    assert ((N <= ranks) & (ranks <= N + S)).all(), (N, S, ranks)
+
+
+@pytest.mark.parametrize("L,S", [(16, 2), (24, 3), (16, 1)])
+def test_rank_of_block_attnres_with_short_blocks_stays_below_n_plus_s(L, S):
+    """With ``S < N - 1`` the lower bound N of report §6.2 can fail (here it does, the long
+    preset's S = 3, N = 8 among them): a block ``M[k:, :k + 1]`` has ``L + 1 - k`` rows, too
+    few beside enough distinct columns. The upper bound ``N + S`` holds."""
+    N = math.ceil(L / S)
+    ranks = semiseparable_rank(_block_matrix(L, S))
+    assert (ranks <= N + S).all() and (ranks < N).all(), (N, ranks)
+
+
+def test_full_attnres_is_dense():
+    d = depth_mixing_matrix(model("attnres_full", n_layers=6, perturb=0.5), ids())
+    assert d.rank == 7  # floor((L + 2) / 2) for L = 12: the largest the blocks' shapes allow
+
+
+# -- sinks, errors ---------------------------------------------------------------------------
+def test_sink_table():
+    std = depth_mixing_matrix(model("standard"), ids())
+    assert std.sinks() == [] and all(s.relative == 1.0 and s.std == 0 for s in std.sources)
+    rz = model("rezero")
+    with torch.no_grad():
+        rz.residual.alpha.fill_(0.1)
+    d = depth_mixing_matrix(rz, ids())
+    assert d.sinks() == [0] and d.sources[0].top_rows == 7  # the embedding, weight 1 against 0.1
+    full = depth_mixing_matrix(model("attnres_full", perturb=1.0), ids(), per_token=True)
+    assert full.per_token.shape == (2, 8, 7, 7)
+    assert torch.allclose(full.per_token.reshape(-1, 7, 7).mean(0), full.matrix, rtol=0, atol=1e-15)
+    for s in full.sources:
+        w = full.per_token[..., s.source:, s.source].mean(-1)
+        assert math.isclose(s.mean, float(w.mean()), rel_tol=1e-12)
+        assert math.isclose(s.std, float(w.std(correction=0)), rel_tol=1e-9, abs_tol=1e-15)
+    assert set(full.to_dict()) >= {"matrix", "rank", "sources", "rtol"}
+
+
+def test_logged_mean_weights_give_the_token_averaged_matrix():
+    """Runs without checkpoints: M from the Fig.-8 mean weights ``forward_diagnostics`` logs."""
+    from attnres.analysis import forward_diagnostics
+    from attnres.analysis.mixing import depth_mixing_from_logged
+
+    for kind, extra in (("attnres_block", {"block_size": 3}), ("attnres_full", {})):
+        m = model(kind, n_layers=4, perturb=1.0, **extra)
+        x = ids()
+        logged = depth_mixing_from_logged(m.residual, forward_diagnostics(m, x)["depth_weights"])
+        measured = depth_mixing_matrix(m, x)
+        assert (logged.matrix - measured.matrix).abs().max() <= 1e-6  # the logged means are float32
+        assert logged.rank == measured.rank_of_mean and logged.n_tokens == 0
+        assert logged.sinks() == [] and all(math.isnan(s.std) for s in logged.sources)
+
+
+def test_a_variant_without_its_mixing_matrix_says_what_is_missing():
+    @register_residual("no_mixing_test", replace=True)
+    class NoMixing(SingleStreamResidual):
+        def update(self, l, h, out):
+            return h + out
+
+    try:
+        m = model("no_mixing_test")
+        with pytest.raises(NotImplementedError, match=r"no_mixing_test.*_mixing_matrix\(state, per_channel=False\)"):
+            depth_mixing_matrix(m, ids())
+    finally:
+        _REGISTRY.pop("no_mixing_test", None)
+
+
+def test_mixing_matrix_needs_a_recorded_finished_forward():
+    r = model("standard").residual
+    x = torch.randn(2, 16, dtype=F64)
+    st = r.start(x)
+    with pytest.raises(RuntimeError, match="record_weights=True"):
+        r.mixing_matrix(st)
+    st = r.start(x, record_weights=True)
+    r.sublayer_input(st, 0)
+    r.add_output(st, 0, x)
+    with pytest.raises(RuntimeError, match="stopped after 1 of 6"):
+        r.mixing_matrix(st)
+    with pytest.raises(TypeError, match="decoder trunk"):
+        depth_mixing_matrix(torch.nn.Linear(2, 2), ids())
+
+
+# -- attnres analyze -------------------------------------------------------------------------
+@pytest.mark.slow  # trains two tiny runs (~25 s); the compare report's section runs in test_experiments
+def test_analyze_cli_writes_the_report_and_compares(tmp_path):
+    from attnres.cli import main as cli_main
+
+    corpus = tmp_path / "corpus.txt"
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    g = torch.Generator().manual_seed(0)
+    corpus.write_text("\n".join(" ".join(words[int(i)] for i in torch.randint(0, 8, (12,), generator=g))
+                                for _ in range(200)))
+    out = tmp_path / "runs"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "block",
+                     "--overhead-repeats", "0", f"data.paths=[{corpus}]"]) == 0
+    report = tmp_path / "analysis"
+    assert cli_main(["analyze", "--checkpoint", str(out / "block" / "seed0"), "--compare", str(out / "standard" / "seed0"),
+                     "--out", str(report), "--rows", "2", "--seq-len", "16"]) == 0
+    text = (report / "report.md").read_text()
+    for needle in ("## Semiseparable rank", "## Sink table", "## Comparison", "A: attnres_block L=8 S=", "B: standard L=8",
+                   "averaged over 32 tokens", "![depth mixing matrices](mixing.png)"):
+        assert needle in text, needle
+    assert (report / "mixing.png").stat().st_size > 0
+    data = json.loads((report / "mixing.json").read_text())
+    assert [d["residual"] for d in data] == ["attnres_block", "standard"] and data[1]["rank"] == 1
+    with pytest.raises(SystemExit, match="neither a checkpoint nor a run directory"):
+        cli_main(["analyze", "--checkpoint", str(tmp_path / "nothing")])
