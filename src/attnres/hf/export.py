@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerFast
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
 from ..inference.loading import load_run, load_tokenizer
+from ..models import AttnResLM
 from .modeling import AttnResForCausalLM
 
 #: The text of the token used for padding and as lm-eval's log-likelihood prefix (see the
@@ -105,8 +106,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
     tokenizer = load_tokenizer(run, tokenizer_path)
     if tokenizer.vocab_size != model.config.vocab_size:
         raise ValueError(f"tokenizer vocabulary {tokenizer.vocab_size} != model vocab_size {model.config.vocab_size}")
-    hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len)
-    hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=hf_tok.pad_token_id)
+    if not isinstance(model, AttnResLM):  # model.hf_architecture: already a transformers model
+        hf_tok = make_hf_tokenizer(tokenizer, model.config.max_position_embeddings)
+        hf = model
+    else:
+        hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len)
+        hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=hf_tok.pad_token_id)
     hf.generation_config.eos_token_id = None
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out)

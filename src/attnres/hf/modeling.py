@@ -24,6 +24,7 @@ from ..models import AttnResLM, DecoderTrunk, next_token_loss
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
+from ..upcycle.modeling import init_missing_tensors
 from .configuration import AttnResConfig
 
 
@@ -92,13 +93,7 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         if fresh is None:
             with torch.device("cpu"):
                 fresh = self.__dict__["_fresh_residual"] = self.native_config.build_residual()
-        counterpart = fresh.get_submodule(name) if name else fresh
-        mine = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-        theirs = dict(counterpart.named_parameters(recurse=False)) | dict(counterpart.named_buffers(recurse=False))
-        with torch.no_grad():
-            for key, tensor in mine.items():
-                if not getattr(tensor, "_is_hf_initialized", False) and tensor.device.type != "meta":
-                    tensor.copy_(theirs[key].to(tensor.dtype))
+        init_missing_tensors(module, fresh.get_submodule(name) if name else fresh)
 
     def initialize_weights(self) -> None:
         try:

@@ -45,7 +45,8 @@ def pick_device(name: str | None) -> torch.device:
 
 @dataclass
 class LoadedRun:
-    """A verified checkpoint loaded for use: the model (eval mode), the run config (its
+    """A verified checkpoint loaded for use: the model (eval mode; an ``AttnResLM``, or an
+    ``attnres.upcycle`` family model for ``model.hf_architecture``), the run config (its
     ``state.json``'s ``config``), the checkpoint directory and its whole ``state.json``."""
 
     model: AttnResLM
@@ -61,7 +62,13 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     if source is None:
         raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a run directory with checkpoints")
     run_config = source.state["config"]
-    model = AttnResLM(ModelConfig.from_dict(run_config["model"]))
+    config = ModelConfig.from_dict(run_config["model"])
+    if config.hf_architecture is None:
+        model = AttnResLM(config)
+    else:  # a transformers family's modules around the residual (attnres.upcycle)
+        from ..upcycle.scratch import build_hf_model
+
+        model = build_hf_model(config)
     load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
     device = device if isinstance(device, torch.device) else pick_device(device)
     return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)

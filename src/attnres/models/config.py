@@ -13,7 +13,11 @@ from ..nn.residual import ResidualConfig, build_residual, residual_class, valida
 from ..nn.residual.config import LEGACY_KEYS, merge_residual, migrate_legacy_keys
 from ..validation import Fields
 
-__all__ = ["ModelConfig", "ResidualConfig", "PRESETS"]
+__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
+
+#: ``transformers`` decoder families whose own modules an AttnRes model can be built from
+#: (``ModelConfig.hf_architecture``; ``attnres.upcycle.FAMILIES`` describes their layouts).
+HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 _CHECK = Fields("ModelConfig")
 
@@ -36,6 +40,11 @@ class ModelConfig:
     The flat keys of earlier versions (``attnres_block_size=4``, ``attnres_impl=...``,
     ``hc_streams=...``) are still accepted, by the constructor, ``from_dict`` and as
     attributes, with a ``DeprecationWarning``.
+
+    ``hf_architecture``: build the decoder from a ``transformers`` family's own modules
+    (``"llama"``, ``"qwen3"``, ... see ``HF_ARCHITECTURES``) with this residual, instead of
+    the native one (``attnres.upcycle.build_hf_model``); ``hf_config`` holds that family's
+    config fields beyond the ones above (``head_dim``, biases, sliding windows, ...).
     """
 
     vocab_size: int = 8192
@@ -50,6 +59,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     residual: ResidualConfig = dataclasses.field(default_factory=ResidualConfig)
+    hf_architecture: str | None = None
+    hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.residual = ResidualConfig.from_value(self.residual)
@@ -87,6 +98,10 @@ class ModelConfig:
         if not isinstance(self.residual, ResidualConfig):
             _CHECK.fail("residual", "a ResidualConfig, a mapping of its fields or a residual name", self.residual)
         validate_residual_config(self.residual, self.d_model, self.n_sublayers)
+        if self.hf_architecture is not None:
+            _CHECK.choice("hf_architecture", self.hf_architecture, HF_ARCHITECTURES)
+        if not isinstance(self.hf_config, dict):
+            _CHECK.fail("hf_config", "a mapping of the transformers family's config fields", self.hf_config)
 
     # -- derived quantities --------------------------------------------------------------
     @property

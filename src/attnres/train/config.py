@@ -256,7 +256,8 @@ TRAIN_RULES: dict[str, Rule] = {
 
 def model_from_spec(spec: Any) -> ModelConfig:
     """A ``ModelConfig`` from a preset name, a ``ModelConfig``, or a mapping of fields with
-    an optional ``preset`` key to start from."""
+    an optional ``preset`` key to start from - or ``from_hf``, a saved ``transformers``
+    directory of a supported family (plain or AttnRes), whose model it describes."""
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, str):
@@ -264,6 +265,13 @@ def model_from_spec(spec: Any) -> ModelConfig:
     if isinstance(spec, dict):
         fields = dict(spec)
         preset = fields.pop("preset", None)
+        source = fields.pop("from_hf", None)
+        if source is not None:
+            if preset is not None:
+                fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
+            from ..upcycle.scratch import model_fields_from_directory
+
+            return ModelConfig.from_dict(model_fields_from_directory(source)).replace(**fields)
         return ModelConfig.preset(preset, **fields) if preset is not None else ModelConfig.from_dict(fields)
     fail("TrainConfig", "model", "a preset name or a mapping of ModelConfig fields", spec)
     raise AssertionError  # unreachable: _fail raises
@@ -323,6 +331,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ValueError(f"override {item!r}: {'.'.join(keys[:depth + 1])} is not a section")
             node[k] = child = dict(child)
             node = child
+        if keys == ["model", "from_hf"]:
+            node.pop("preset", None)  # the directory is the model: it replaces a preset
         node[keys[-1]] = value
     return data
 

@@ -62,6 +62,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .config import TrainConfig, flatten
+from .hf_source import hf_source, is_hf_directory, load_hf_weights
 from .lock import RunLock
 from .metrics import MetricsLogger
 from .optim import build_optimizer
@@ -213,6 +214,13 @@ class Trainer:
         if latest_checkpoint(out_dir) is not None:
             raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true (--resume) to continue, "
                              "--resume-from DIR to continue a given checkpoint, or pick another out_dir")
+        if config.init_from is not None and is_hf_directory(config.init_from):
+            if config.model.hf_architecture is None:
+                raise ValueError(f"init_from={config.init_from!r} is a transformers directory: its model must be this run's "
+                                 f"(model.from_hf={config.init_from})")
+            self.init_source = hf_source(config.init_from)
+            self.origin = {"transformers_directory": str(self.init_source.path), "step": 0}
+            return
         if config.init_from is not None:
             self.init_source = find_valid_checkpoint(config.init_from)
             if self.init_source is None:
@@ -225,8 +233,9 @@ class Trainer:
         earlier versions, which store none: the tokenizer is then made from ``data`` as then."""
         meta = source.state.get("tokenizer")
         if meta is None:
-            warnings.warn(f"checkpoint {str(source.path)!r} stores no tokenizer (written by an earlier version): "
-                          "making it from the data settings, as that version did", stacklevel=2)
+            what = ("holds no tokenizer.json" if source.state.get("hf_directory")
+                    else "stores no tokenizer (written by an earlier version)")
+            warnings.warn(f"{str(source.path)!r} {what}: making it from the data settings", stacklevel=2)
             return None
         return tokenizer_from_state(meta, source.path)
 
@@ -254,7 +263,12 @@ class Trainer:
     def build_model(self) -> None:
         """The model, initialised from ``seed``."""
         torch.manual_seed(self.config.seed)
-        self.model = AttnResLM(self.config.model).to(self.device)
+        if self.config.model.hf_architecture is None:
+            self.model = AttnResLM(self.config.model).to(self.device)
+        else:  # a transformers family's own modules around the residual (attnres.upcycle)
+            from ..upcycle.scratch import build_hf_model
+
+            self.model = build_hf_model(self.config.model).to(self.device)
 
     def restore(self) -> None:
         """Resume: weights, RNG states, data position and counters of the checkpoint (the
@@ -271,6 +285,8 @@ class Trainer:
             self.train_loss, self.val_loss = state["train_loss"], state["val_loss"]
             self.origin = state.get("init_from")
             self.last_ckpt = source.path
+        elif self.init_source is not None and self.init_source.state.get("hf_directory"):
+            load_hf_weights(self.model, self.init_source.path)
         elif self.init_source is not None:
             source = self.init_source
             try:

@@ -1,0 +1,49 @@
+"""``init_from`` a saved ``transformers`` directory (``save_pretrained``), not a checkpoint:
+the weights of a pretrained or upcycled model of a supported family, and its tokenizer.
+
+The run's model must be that directory's (``model.from_hf=DIR`` describes it); the weights
+load through ``from_pretrained`` with the run's AttnRes config, so a plain family checkpoint
+fills the residual with its faithful init (zero pseudo-queries, unit gains).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer
+from .resume import Source
+
+__all__ = ["is_hf_directory", "hf_source", "load_hf_weights"]
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    """A ``save_pretrained`` directory: a ``config.json`` and no checkpoint of ours."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / "state.json").exists() and not (path / "checkpoints").is_dir()
+
+
+def hf_source(path: str | Path) -> Source:
+    """``path`` as a start: step 0, and its ``tokenizer.json`` (if any) as the stored tokenizer."""
+    path = Path(path)
+    state: dict[str, Any] = {"step": 0, "hf_directory": True, "tokenizer": None}
+    if (path / TOKENIZER_FILE).is_file():
+        tok = BPETokenizer.load(path / TOKENIZER_FILE)
+        state["tokenizer"] = {"kind": "bpe", "file": TOKENIZER_FILE, "vocab_size": tok.vocab_size,
+                              "fingerprint": tok.fingerprint}
+    return Source(path, state)
+
+
+def load_hf_weights(model, path: str | Path) -> None:
+    """Copy the weights saved in ``path`` into ``model`` (an ``AttnRes<Family>ForCausalLM``
+    built from the run's config); residual tensors the directory lacks get their faithful
+    init. Raises ``ValueError`` when the directory's model is another one."""
+    from transformers import AutoModelForCausalLM
+
+    param = next(model.parameters())
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path, config=model.config, dtype=param.dtype)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"init_from={str(path)!r}: its weights do not fit this run's model ({e}); describe the model "
+                         f"with model.from_hf={path}") from None
+    model.load_state_dict(loaded.state_dict())

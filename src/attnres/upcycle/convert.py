@@ -1,0 +1,56 @@
+"""``upcycle``: a pretrained ``transformers`` causal LM as an AttnRes model, the same function."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from ..nn.residual import ResidualConfig
+from ..nn.residual.config import merge_residual
+from .families import layout_of
+from .modeling import upcycled_classes, upcycled_config
+
+__all__ = ["upcycle"]
+
+
+def upcycle(
+    model: PreTrainedModel,
+    residual: str | dict[str, Any] | ResidualConfig = "attnres_block",
+    block_size: int | None = None,
+    *,
+    exact_eps: bool = True,
+    **settings: Any,
+) -> PreTrainedModel:
+    """The AttnRes version of ``model`` (a causal LM of a supported family: Llama, Mistral,
+    Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text), around its own attention and MLP modules.
+
+    ``residual``: the variant (a registered name, a mapping of ``ResidualConfig`` fields or
+    one); ``block_size`` and ``settings`` set ``ResidualConfig`` fields (``impl``,
+    ``kernels``, ...). The residual starts at its faithful init - zero pseudo-queries, unit
+    key-norm gains - where Full and Block AttnRes average each mixer's sources uniformly;
+    with ``exact_eps`` every pre-norm and the final norm get ``eps / n^2`` for their ``n``
+    sources, which makes the result the pretrained function up to rounding
+    (docs/upcycling.md). ``model`` is left as it is: the result is a copy (same device and
+    dtype), an ``AttnRes<Family>ForCausalLM`` that saves, loads and generates like the
+    original.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"upcycle takes a transformers causal LM, got {type(model).__name__}")
+    model_type = model.config.model_type
+    layout_of(model_type)  # refuses post-norm and unknown layouts with the reason
+    config_cls, model_cls = upcycled_classes(model_type)
+    if type(model) is not model_cls.__mro__[2]:  # (model_cls, UpcycledModelMixin, the family's causal LM, ...)
+        raise ValueError(f"upcycle takes the family's causal LM ({model_cls.__mro__[2].__name__}); got {type(model).__name__}")
+    change = dict(settings)
+    if block_size is not None:
+        change["block_size"] = block_size
+    residual_config = ResidualConfig.from_value(merge_residual(merge_residual(None, residual), change))
+    new = copy.deepcopy(model)
+    new.__class__ = model_cls
+    new.config = upcycled_config(model.config, residual_config, exact_eps)
+    new._attach_residual()
+    param = next(model.parameters())
+    new.residual.to(device=param.device, dtype=param.dtype)
+    return new

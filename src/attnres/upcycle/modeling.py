@@ -1,0 +1,247 @@
+"""AttnRes around a ``transformers`` decoder's own attention and MLP modules.
+
+For a supported family ``X`` (``llama``, ``qwen3``, ...) this generates, once, a config class
+``AttnResXConfig`` (``X``'s config plus ``attnres_residual`` and ``attnres_exact_eps``, with
+``model_type = "attnres_X"``) and a model class ``AttnResXForCausalLM`` (``X``'s causal LM
+plus a ``residual`` module), and registers both with the Auto classes: a saved directory
+loads with ``AutoModelForCausalLM.from_pretrained`` after ``import attnres``, no
+``trust_remote_code``. Parameter names are ``X``'s own plus ``residual.*``, so a pretrained
+``X`` checkpoint loads into the AttnRes model as it is (the residual starts at its faithful
+init: zero pseudo-queries, unit key-norm gains).
+
+The family's model loop runs unchanged (embedding, rotary tables, masks, caches, final
+norm, head, logit soft-capping); each decoder layer's class is swapped for a subclass whose
+``forward`` runs its two sublayers on inputs from the residual stream instead of adding their
+outputs: layer 0 starts the stream from the embedding it receives, the last layer returns
+the output aggregation, which the model's final norm then sees.
+
+``attnres_exact_eps`` (set by :func:`attnres.upcycle.upcycle`): with zero queries every
+mixer averages its ``n_l`` sources uniformly, and since they partition the outputs so far
+(Full and Block alike) the sublayer input is ``h_l / n_l`` with ``h_l`` the standard
+stream. ``RMSNorm_eps(x / n) = RMSNorm_{eps n^2}(x)``, so giving each pre-norm (and the final
+norm) the epsilon ``eps / n_l^2`` makes the converted model the pretrained function exactly,
+up to rounding (docs/upcycling.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from ..nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
+from .families import FAMILIES, Layout, layout_of
+
+__all__ = ["upcycled_classes", "register_families", "init_missing_tensors", "UpcycledModelMixin", "PREFIX"]
+
+#: ``model_type`` of the AttnRes version of family ``X``: ``"attnres_" + X``.
+PREFIX = "attnres_"
+_EPS_NAMES = ("variance_epsilon", "eps")
+
+
+def init_missing_tensors(module: nn.Module, counterpart: nn.Module) -> None:
+    """Copy into ``module``'s own parameters and buffers (not its children's) that
+    transformers did not load (no ``_is_hf_initialized`` flag) the values of
+    ``counterpart``, a freshly built module of the same structure."""
+    mine = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+    theirs = dict(counterpart.named_parameters(recurse=False)) | dict(counterpart.named_buffers(recurse=False))
+    with torch.no_grad():
+        for key, tensor in mine.items():
+            if not getattr(tensor, "_is_hf_initialized", False) and tensor.device.type != "meta":
+                tensor.copy_(theirs[key].to(tensor.dtype))
+
+
+class _Stream:
+    """The per-model link between the decoder layers and the residual: the module, and the
+    state of the forward in flight (started by layer 0, finished by the last layer)."""
+
+    def __init__(self, residual: ResidualStream, n_layers: int) -> None:
+        self.residual, self.n_layers = residual, n_layers
+        self.state = None
+        self.record_weights = False
+        self.weights: list[torch.Tensor] | None = None  # the last recording forward's depth weights
+
+
+def _set_eps(norm: nn.Module, eps: float) -> None:
+    for name in _EPS_NAMES:
+        if hasattr(norm, name):
+            setattr(norm, name, eps)
+            return
+    raise ValueError(f"{type(norm).__name__} has none of the epsilon attributes {_EPS_NAMES}")
+
+
+def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                   position_embeddings=None, **kwargs):
+    """A decoder layer of an upcycled model: its two sublayers on inputs from the residual."""
+    stream, index, layout = self.__dict__["_attnres"]
+    residual = stream.residual
+    if index == 0:
+        stream.state = residual.start(hidden_states, record_weights=stream.record_weights)
+    state = stream.state
+    checkpointing = self.__dict__.get("_attnres_checkpointing", False) and self.training
+
+    def attention(h):
+        out = self.self_attn(hidden_states=getattr(self, layout.attn_norm)(h), attention_mask=attention_mask,
+                             position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                             position_embeddings=position_embeddings, **kwargs)[0]
+        return out if layout.attn_post is None else getattr(self, layout.attn_post)(out)
+
+    def mlp(h):
+        out = self.mlp(getattr(self, layout.mlp_norm)(h))
+        return out if layout.mlp_post is None else getattr(self, layout.mlp_post)(out)
+
+    for l, sublayer in ((2 * index, attention), (2 * index + 1, mlp)):
+        h = residual.sublayer_input(state, l)
+        # Checkpointing per sublayer, never across the residual: a recomputed layer would
+        # replay the residual's calls out of order.
+        out = self._gradient_checkpointing_func(sublayer, h) if checkpointing else sublayer(h)
+        residual.add_output(state, l, out)
+    if index == stream.n_layers - 1:
+        stream.state = None
+        out = residual.finish(state)
+        stream.weights = state.weights
+        return out
+    return hidden_states  # the next layer reads the residual stream, not this
+
+
+def _checkpointing_flag(self):
+    return False  # the layer is never checkpointed whole (see _layer_forward)
+
+
+def _set_checkpointing_flag(self, value: bool) -> None:
+    self.__dict__["_attnres_checkpointing"] = bool(value)
+
+
+@functools.cache
+def _layer_class(base: type) -> type:
+    """``base`` (a decoder layer class) with the AttnRes forward."""
+    return types.new_class(f"AttnRes{base.__name__}", (base,), exec_body=lambda ns: ns.update(
+        forward=_layer_forward,
+        gradient_checkpointing=property(_checkpointing_flag, _set_checkpointing_flag),
+        __module__=__name__,
+    ))
+
+
+class UpcycledConfigMixin:
+    """What the AttnRes version of a family's config adds: ``attnres_residual`` (a
+    :class:`~attnres.nn.residual.ResidualConfig` as a mapping) and ``attnres_exact_eps``."""
+
+    def __post_init__(self, **kwargs) -> None:
+        self.attnres_residual = ResidualConfig.from_value(self.attnres_residual or {}).to_dict()
+        super().__post_init__(**kwargs)
+        validate_residual_config(self.residual_config(), self.hidden_size, 2 * self.num_hidden_layers)
+
+    def residual_config(self) -> ResidualConfig:
+        return ResidualConfig.from_value(self.attnres_residual)
+
+
+class UpcycledModelMixin:
+    """What the AttnRes version of a family's causal LM adds: the ``residual`` module, the
+    swapped decoder layers, the epsilon adjustment and the faithful init of the residual."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._attach_residual()
+
+    def _attach_residual(self) -> None:
+        config = self.config
+        layout = layout_of(config.model_type.removeprefix(PREFIX))
+        layers = self.model.layers
+        L = 2 * config.num_hidden_layers
+        self.residual = build_residual(config.residual_config(), config.hidden_size, L)
+        stream = _Stream(self.residual, config.num_hidden_layers)
+        self.__dict__["_attnres_stream"] = stream
+        for i, layer in enumerate(layers):
+            base = type(layer)
+            if "_attnres" in layer.__dict__:  # already swapped (attached twice)
+                base = base.__bases__[0]
+            layer.__class__ = _layer_class(base)
+            layer.__dict__["_attnres"] = (stream, i, layout)
+        if config.attnres_exact_eps:
+            self._adjust_eps(layout)
+
+    def _adjust_eps(self, layout: Layout) -> None:
+        """Each pre-norm, and the final norm, gets ``eps / n^2`` for its mixer's ``n`` sources."""
+        eps = self.config.rms_norm_eps
+        counts = self.residual.sources_per_mixer()
+        if not counts:
+            return  # a residual without depth mixing: nothing is rescaled
+        for l, n in enumerate(counts[:-1]):
+            layer = self.model.layers[l // 2]
+            _set_eps(getattr(layer, layout.attn_norm if l % 2 == 0 else layout.mlp_norm), eps / n**2)
+        _set_eps(self.model.norm, eps / counts[-1] ** 2)
+
+    def depth_weights(self, *args, **kwargs) -> list[torch.Tensor]:
+        """Run ``self(*args, **kwargs)`` recording the depth-attention weights; one tensor
+        ``[n_sources, B, T]`` per sublayer, then the output aggregation."""
+        stream = self.__dict__["_attnres_stream"]
+        stream.record_weights, stream.weights = True, None
+        try:
+            self(*args, **kwargs)
+        finally:
+            stream.record_weights = False
+        return stream.weights or []
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """The family's init, except for the residual's tensors: those the checkpoint lacks
+        get the values of a freshly built residual (zero queries, unit gains)."""
+        name = next((n for n, m in self.residual.named_modules() if m is module), None) if hasattr(self, "residual") else None
+        if name is None:
+            super()._init_weights(module)
+            return
+        fresh = self.__dict__.get("_fresh_residual")
+        if fresh is None:
+            config = self.config
+            with torch.device("cpu"):
+                fresh = self.__dict__["_fresh_residual"] = build_residual(
+                    config.residual_config(), config.hidden_size, 2 * config.num_hidden_layers)
+        init_missing_tensors(module, fresh.get_submodule(name) if name else fresh)
+
+    def initialize_weights(self) -> None:
+        try:
+            super().initialize_weights()
+        finally:
+            self.__dict__.pop("_fresh_residual", None)
+
+
+@functools.cache
+def upcycled_classes(model_type: str) -> tuple[type, type]:
+    """``(config class, causal-LM class)`` of the AttnRes version of family ``model_type``."""
+    layout_of(model_type)  # refuses unsupported families with the reason
+    base_config = CONFIG_MAPPING[model_type]
+    base_model = MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
+
+    def config_body(ns: dict[str, Any]) -> None:
+        ns.update(
+            __annotations__={"attnres_residual": "dict | None", "attnres_exact_eps": "bool"},
+            attnres_residual=None,
+            attnres_exact_eps=False,
+            model_type=PREFIX + model_type,
+            __module__=__name__,
+        )
+
+    config_cls = types.new_class(f"AttnRes{base_config.__name__}", (UpcycledConfigMixin, base_config), exec_body=config_body)
+    model_cls = types.new_class(f"AttnRes{base_model.__name__}", (UpcycledModelMixin, base_model), exec_body=lambda ns: ns.update(
+        config_class=config_cls, __module__=__name__))
+    return config_cls, model_cls
+
+
+def register_families() -> None:
+    """Register every supported family's AttnRes classes with the Auto classes (idempotent)."""
+    for model_type in FAMILIES:
+        config_cls, model_cls = upcycled_classes(model_type)
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+def upcycled_config(base: PretrainedConfig, residual: ResidualConfig, exact_eps: bool) -> PretrainedConfig:
+    """The AttnRes version of ``base`` (a supported family's config)."""
+    config_cls, _ = upcycled_classes(base.model_type)
+    fields = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version", "architectures")}
+    return config_cls(**fields, attnres_residual=residual.to_dict(), attnres_exact_eps=exact_eps)

@@ -1,0 +1,84 @@
+"""A ``ModelConfig`` with ``hf_architecture`` as a ``transformers`` family's AttnRes model,
+and back: what ``attnres train`` builds for such configs, and how it reads a saved
+directory (``model.from_hf=DIR``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from ..nn.residual import ResidualConfig
+from .modeling import PREFIX, upcycled_classes
+
+__all__ = ["build_hf_model", "hf_config_of", "model_fields_of", "model_fields_from_directory"]
+
+# ModelConfig field -> the family config field it sets (the rest go through hf_config).
+_MAPPED = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "mlp_hidden": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "init_std": "initializer_range",
+}
+# Bookkeeping of a saved config that is not the architecture.
+_SKIPPED = {"model_type", "architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
+            "attnres_residual", "id2label", "label2id", "return_dict", "output_attentions", "output_hidden_states"}
+
+
+def hf_config_of(config) -> PretrainedConfig:
+    """The AttnRes family config that ``config`` (a ``ModelConfig`` with ``hf_architecture``)
+    describes: the family's defaults, then ``config``'s fields, then ``config.hf_config``."""
+    if config.hf_architecture is None:
+        raise ValueError("ModelConfig.hf_architecture is None: this is a native model (attnres.AttnResLM)")
+    config_cls, _ = upcycled_classes(config.hf_architecture)
+    fields: dict[str, Any] = {hf: getattr(config, ours) for ours, hf in _MAPPED.items()}
+    fields["num_key_value_heads"] = config.kv_heads
+    fields["intermediate_size"] = config.hidden_size
+    fields["head_dim"] = config.head_dim
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    fields.update(config.hf_config)
+    fields["attnres_residual"] = config.residual.to_dict()
+    return config_cls(**fields)
+
+
+def build_hf_model(config) -> PreTrainedModel:
+    """A freshly initialised ``AttnRes<Family>ForCausalLM`` for ``config`` (the family's own
+    init; the residual's faithful one: zero queries, unit gains)."""
+    _, model_cls = upcycled_classes(config.hf_architecture)
+    return model_cls(hf_config_of(config))
+
+
+def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """The ``ModelConfig`` fields (a mapping) of a saved family model, plain or AttnRes:
+    ``hf_architecture`` and the mapped fields, everything else of the family's config in
+    ``hf_config``, the residual from an AttnRes config (a plain family model: the standard
+    residual, which is the family's own function)."""
+    data = hf_config.to_dict()
+    family = data["model_type"].removeprefix(PREFIX)
+    upcycled_classes(family)  # refuses unsupported families with the reason
+    out: dict[str, Any] = {ours: data[hf] for ours, hf in _MAPPED.items() if hf in data}
+    out["mlp_hidden"] = data["intermediate_size"]
+    rope = data.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"the saved model's rope_parameters {rope} are not plain RoPE; attnres train keeps only "
+                         "rope_theta")
+    if "rope_theta" in rope:
+        out["rope_theta"] = float(rope["rope_theta"])
+    out["residual"] = ResidualConfig.from_value(data.get("attnres_residual") or "standard").to_dict()
+    out["hf_architecture"] = family
+    extra = {k: v for k, v in data.items() if k not in _SKIPPED and k not in _MAPPED.values() and k != "rope_parameters"}
+    if extra.get("head_dim") == out["d_model"] // out["n_heads"]:
+        extra.pop("head_dim")
+    out["hf_config"] = extra
+    return out
+
+
+def model_fields_from_directory(path: str) -> dict[str, Any]:
+    """:func:`model_fields_of` the ``config.json`` in ``path``."""
+    return model_fields_of(AutoConfig.from_pretrained(path))

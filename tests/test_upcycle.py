@@ -1,0 +1,265 @@
+"""Upcycling: a pretrained transformers decoder of a supported family as an AttnRes model
+around its own attention and MLP modules - the same function at conversion, per family, for
+Full and Block AttnRes (S dividing L, not dividing it, S >= L)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N_LAYERS = 3  # L = 6 sublayers
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=N_LAYERS, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+EXTRA = {  # what each family needs on top (head_dim for the Gemmas, a sliding window that bites)
+    "mistral": dict(sliding_window=4),
+    "qwen2": dict(use_sliding_window=False),
+    "gemma": dict(head_dim=8),
+    "gemma2": dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4),
+    "gemma3_text": dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4),
+}
+RESIDUALS = [
+    pytest.param(("attnres_full", None), id="full"),
+    pytest.param(("attnres_block", 2), id="block-S2"),  # S divides L = 6
+    pytest.param(("attnres_block", 4), id="block-S4"),  # S does not divide L
+    pytest.param(("attnres_block", 8), id="block-S8"),  # S >= L: one block
+]
+
+
+def base_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **changes):
+    config = AutoConfig.for_model(model_type, **{**SMALL, **EXTRA.get(model_type, {}), **changes})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():  # non-trivial norm gains (Gemma's start at 0 = unit gain)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest logit difference relative to the largest logit."""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def ids(batch: int = 2, length: int = 9, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, SMALL["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_upcycled_model_is_the_pretrained_function(model_type, residual):
+    kind, S = residual
+    x = ids()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-6)):
+        base = base_model(model_type, dtype)
+        up = upcycle(base, kind, block_size=S).eval()
+        assert type(up).__name__ == f"AttnRes{type(base).__name__}"
+        with torch.no_grad():
+            want, got = base(x).logits, up(x).logits
+        assert max_rel(got, want) <= tol, (dtype, max_rel(got, want))
+        # the residual starts faithful: zero queries, unit key-norm gains
+        assert all((m.query == 0).all() and (m.key_norm.weight == 1).all() for m in up.residual.mixers)
+        assert next(up.residual.parameters()).dtype == dtype
+
+
+def test_the_epsilon_adjustment_is_what_makes_it_exact():
+    """Without ``eps / n^2`` the pre-norms see ``h / n`` with the original eps: on a model
+    whose hidden states are small, the float32 logits then differ by far more than 1e-5."""
+    base = base_model("llama")
+    with torch.no_grad():
+        base.model.embed_tokens.weight.mul_(1e-3)  # mean(h^2) ~ 1e-7 .. 1e-6, against eps = 1e-6
+    x = ids()
+    with torch.no_grad():
+        want = base(x).logits
+        exact = upcycle(base, "attnres_block", block_size=2)(x).logits
+        plain = upcycle(base, "attnres_block", block_size=2, exact_eps=False)(x).logits
+    assert max_rel(exact, want) <= 1e-5
+    assert max_rel(plain, want) > 1e-5 * 100
+    assert upcycle(base, "attnres_full").model.layers[1].input_layernorm.variance_epsilon == pytest.approx(1e-6 / 9)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+def test_greedy_generation_matches_with_and_without_cache(model_type):
+    base = base_model(model_type)
+    up = upcycle(base, "attnres_block", block_size=4).eval()
+    prompt = ids(1, 5)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = base.generate(prompt, **kw)
+    assert torch.equal(up.generate(prompt, **kw), want)
+    assert torch.equal(up.generate(prompt, use_cache=False, **kw), want)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_save_and_load_round_trip_is_bit_identical(tmp_path, model_type):
+    up = upcycle(base_model(model_type), "attnres_full").eval()
+    with torch.no_grad():  # as after some training: queries away from zero
+        for m in up.residual.mixers:
+            m.query.normal_(std=0.3)
+    up.save_pretrained(tmp_path / "up")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "up").eval()
+    assert type(loaded) is type(up) and loaded.config.attnres_exact_eps
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, up(x).logits)
+
+
+def test_a_pretrained_directory_loads_into_the_attnres_model(tmp_path):
+    """The AttnRes model's parameters are the family's plus ``residual.*``: loading the
+    original checkpoint with the AttnRes config initialises the residual faithfully."""
+    base = base_model("qwen2")
+    base.save_pretrained(tmp_path / "base")
+    up = upcycle(base, "attnres_block", block_size=2)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", config=up.config).eval()
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(loaded(x).logits, base(x).logits) <= 1e-5
+    assert all((m.query == 0).all() for m in loaded.residual.mixers)
+
+
+def test_gradient_reaches_every_query_and_one_step_moves_them():
+    """Every mixer with two or more sources gets a gradient (the first sublayer's has one
+    source, the embedding, whose weight is 1 whatever its query: its gradient is exactly 0,
+    in the native model too)."""
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2).train()
+    x = ids()
+    up(x, labels=x).loss.backward()
+    counts = up.residual.sources_per_mixer()
+    for i, m in enumerate(up.residual.mixers):
+        assert (m.query.grad.abs().sum() > 0) == (counts[i] > 1), i
+    before = [m.query.detach().clone() for m in up.residual.mixers]
+    torch.optim.AdamW(up.parameters(), lr=1e-2).step()
+    moved = [not torch.equal(b, m.query) for b, m in zip(before, up.residual.mixers)]
+    assert moved == [n > 1 for n in counts]
+    assert torch.isfinite(up(x).logits).all()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    up = upcycle(base_model("gemma2"), "attnres_block", block_size=4).train()
+    x = ids()
+
+    def grads():
+        up.zero_grad()
+        up(x, labels=x).loss.backward()
+        return {n: p.grad.clone() for n, p in up.named_parameters() if p.grad is not None}
+
+    want = grads()
+    up.gradient_checkpointing_enable()
+    assert all(layer.__dict__.get("_attnres_checkpointing") for layer in up.model.layers)  # per sublayer
+    got = grads()
+    assert got.keys() == want.keys()
+    assert max(rel_err(got[k], want[k]) for k in want) <= 1e-6
+
+
+@pytest.mark.compile
+def test_torch_compile_matches_eager():
+    up = upcycle(base_model("qwen3"), "attnres_full").eval()
+    x = ids()
+    with torch.no_grad():
+        want = up(x).logits
+        got = torch.compile(up)(x).logits
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_depth_weights_are_recorded_and_uniform_at_conversion():
+    up = upcycle(base_model("llama"), "attnres_block", block_size=4).eval()
+    weights = up.depth_weights(ids())
+    assert [w.shape[0] for w in weights] == up.residual.sources_per_mixer()
+    for w in weights:
+        assert torch.allclose(w, torch.full_like(w, 1 / w.shape[0]))
+
+
+def test_other_registered_variants_wrap_the_same_modules():
+    """The standard residual upcycles to the identical model; the baselines build, run and
+    keep the pretrained weights (they start from their own papers' init, not the pretrained
+    function)."""
+    base = base_model("llama")
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(upcycle(base, "standard")(x).logits, base(x).logits) <= 1e-6
+        for kind in ("rezero", "highway", "mhc"):
+            up = upcycle(base, kind)
+            assert torch.isfinite(up(x).logits).all()
+            assert torch.equal(up.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
+
+
+def test_unsupported_layouts_are_refused_with_the_reason():
+    olmo2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("olmo2", **SMALL))
+    with pytest.raises(ValueError, match="post-norm layout"):
+        upcycle(olmo2)
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=97))
+    with pytest.raises(ValueError, match="'gpt2': its decoder layout is not recognised.*supported: gemma"):
+        upcycle(gpt2)
+    with pytest.raises(ValueError, match="takes the family's causal LM"):
+        upcycle(base_model("llama").model)
+    with pytest.raises(ValueError, match="ModelConfig.residual.kind must be one of"):
+        upcycle(base_model("llama"), "no_such_residual")
+
+
+# -- attnres upcycle and attnres train on a family model ----------------------------------
+
+def _pretrained_directory(tmp_path, corpus):
+    """A tiny 'pretrained' Llama with a BPE tokenizer, saved as transformers does."""
+    from attnres.data.tokenizer import train_bpe
+
+    tok = train_bpe(corpus.read_text(), 300)
+    base = base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128)
+    base.save_pretrained(tmp_path / "pretrained")
+    (tmp_path / "pretrained" / "tokenizer.json").write_text(tok.to_json())
+    return tmp_path / "pretrained", base
+
+
+def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, base = _pretrained_directory(tmp_path, corpus)
+    up_dir = tmp_path / "up"
+    with pytest.raises(SystemExit, match="is an existing file"):
+        cli_main(["upcycle", "--model", str(src), "--out", str(corpus)])
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(up_dir), "--block-size", "2"]) == 0
+    up = AutoModelForCausalLM.from_pretrained(up_dir).eval()
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(up(x).logits, base(x).logits) <= 1e-5
+    # Continue training it: the model is the directory's, the weights and tokenizer too.
+    args = overrides(corpus, tmp_path / "run", steps=2, lr="1e-9", warmup_steps=0, diagnostics_every=1,
+                     **{"model.from_hf": str(up_dir), "init_from": str(up_dir), "data.tokenizer": "bpe"})
+    config = load_config(None, [a for a in args if not a.startswith("model=")])
+    assert config.model.hf_architecture == "llama" and config.model.residual.block_size == 2
+    result = train(config)
+    assert result.step == 2
+    cli_main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")])
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():  # two steps at lr 1e-9: still the upcycled function
+        assert max_rel(trained(x).logits, up(x).logits) <= 1e-4
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert '"kind": "diagnostics"' in metrics  # the Fig. 5/8 diagnostics work on family models
+
+
+def test_train_a_family_architecture_from_scratch(tmp_path):
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    args = overrides(corpus, tmp_path / "run", steps=2, diagnostics_every=1,
+                     **{"model.hf_architecture": "qwen3", "model.residual.kind": "attnres_full"})
+    result = train(load_config(None, args))
+    assert result.step == 2 and result.train_loss is not None
+    with pytest.raises(ValueError, match="ModelConfig.hf_architecture must be one of"):
+        load_config(None, overrides(corpus, tmp_path / "x", **{"model.hf_architecture": "olmo2"}))
