@@ -71,8 +71,12 @@ def _block_plan() -> dict:
 def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) -> None:
     """Shard ``layers`` (transformer blocks) and, where ``root`` holds them, its
     ``embed_tokens``, ``norm`` and ``lm_head`` over the 1-D ``mesh``, in place."""
+    tp = mesh.size()
     for layer in layers:
         parallelize_module(layer, mesh, _block_plan())
+        # Each rank now computes n_heads / tp query heads and n_kv_heads / tp key/value heads.
+        layer.attn.n_heads //= tp
+        layer.attn.n_kv_heads //= tp
     plan = {}
     if getattr(root, "embed_tokens", None) is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
