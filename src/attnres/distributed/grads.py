@@ -1,50 +1,50 @@
 """Global gradient clipping over any layout: data-parallel shards (FSDP2), tensor-parallel
 shards (DTensor), replicated tensors and pipeline stages that each hold other parameters.
 
-:func:`global_grad_norm` is the norm of the whole model's gradient, the same on every rank:
-each DTensor gradient contributes the sum of squares of its local shard, summed over the
-mesh dimensions along which it is sharded (not over those it is replicated on); a plain
-gradient contributes its own; and the stages' sums add up over the pipeline group.
-:func:`clip_grads_` then scales every gradient by ``min(1, max_norm / (norm + 1e-6))``, as
-``torch.nn.utils.clip_grad_norm_`` does.
+:func:`global_grad_norm` is the norm of the whole model's gradient, the same on every rank,
+with one all-reduce over all ranks: each rank adds the sum of squares of its local gradient
+shards, each divided by the number of ranks holding that same shard (a DTensor's: the
+product of its mesh's replicated dimensions, times the stage's ranks outside that mesh; a
+plain tensor's: all the stage's ranks), and the sum over the world is the global sum of
+squares. :func:`clip_grads_` then scales every gradient by
+``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 __all__ = ["global_grad_norm", "clip_grads_"]
 
 
-def global_grad_norm(params: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> Tensor:
-    """The L2 norm (float64 scalar, on every rank alike) of the gradients of ``params`` (this
-    rank's) together with those of the other pipeline stages (``pp_group``)."""
-    sharded: dict[tuple, list] = {}  # (mesh, sharded mesh dims) -> [mesh, local sum of squares]
-    total = None
+def global_grad_norm(params: Iterable[nn.Parameter], stage_ranks: int = 1) -> Tensor:
+    """The L2 norm (float64 scalar, on every rank alike) of the gradients of ``params``
+    (this rank's) together with every other rank's; ``stage_ranks``: the ranks of one
+    pipeline stage (world size / pp), which hold the same parameters."""
+    total = torch.zeros((), dtype=torch.float64)
     for p in params:
         g = p.grad
         if g is None:
             continue
         if isinstance(g, DTensor):
-            dims = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
-            entry = sharded.setdefault((id(g.device_mesh), dims), [g.device_mesh, 0.0])
-            entry[1] = entry[1] + g.to_local().detach().double().pow(2).sum()
+            mesh = g.device_mesh
+            copies = math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+            copies *= stage_ranks // mesh.size()
+            local = g.to_local()
         else:
-            sq = g.detach().double().pow(2).sum()
-            total = sq if total is None else total + sq
-    for (_, dims), (mesh, sq) in sharded.items():
-        for dim in dims:  # sum over each dimension the gradient is sharded along
-            dist.all_reduce(sq, group=mesh.get_group(dim))
-        total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros((), dtype=torch.float64)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
+            copies, local = stage_ranks, g
+        total = total + local.detach().double().pow(2).sum().cpu() / copies
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else total.device
+        total = total.to(device)
+        dist.all_reduce(total)
+        total = total.cpu()
     return total.sqrt()
 
 

@@ -105,11 +105,13 @@ class ParallelModel:
     """
 
     def __init__(self, model: AttnResLM, layout: ParallelLayout, chunks: list[PipelineChunk],
-                 runner: PipelineRunner | None, replicated: list[str], device: torch.device) -> None:
+                 runner: PipelineRunner | None, replicated: list[str], device: torch.device,
+                 dp_manual: list[str] | None = None) -> None:
         self.model, self.layout, self.chunks, self.runner = model, layout, chunks, runner
         self.config = model.config
         self.device = device
         self._replicated = replicated  # names of the parameters tp left replicated
+        self._dp_manual = dp_manual or []  # names of the parameters FSDP2 leaves alone under dp x tp
 
     # -- parameters ---------------------------------------------------------------------
     def named_parameters(self) -> dict[str, nn.Parameter]:
@@ -178,12 +180,25 @@ class ParallelModel:
                 if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
                     p.grad = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
                                                         for pl in g.placements])
+            grads = [params[n].grad for n in self._dp_manual if n in params and params[n].grad is not None]
+            if grads:  # outside FSDP2: the mean over dp by hand
+                import torch.distributed as dist
+
+                local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+                flat = torch.cat([t.reshape(-1) for t in local])
+                dist.all_reduce(flat, group=self.layout.group("dp"))
+                flat /= self.layout.dp
+                offset = 0
+                for t in local:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     def clip_grads(self, max_norm: float) -> float:
         """The global gradient norm (all stages, all shards), before clipping to ``max_norm``
         (``inf``: no clipping)."""
         params = self.parameters()
-        norm = global_grad_norm(params, self.layout.group("pp") if self.layout.pp > 1 else None)
+        layout = self.layout
+        norm = global_grad_norm(params, layout.dp * layout.tp)
         if math.isfinite(max_norm):
             clip_grads_(params, max_norm, norm)
         return norm.item()
@@ -224,6 +239,14 @@ def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: 
         from torch.distributed.tensor import DTensor
 
         replicated = [n for chunk in chunks for n, p in chunk.named_parameters() if not isinstance(p, DTensor)]
+    # The sequence-parallel norms' gains (tp-Replicate DTensors) stay out of FSDP2 under
+    # dp x tp: their gradients come out tp-Partial, which FSDP2's reduce-scatter loses (we
+    # measured zero gradients). They are small (d per norm); finish_grads sums them over tp
+    # and averages them over dp.
+    from torch.distributed.tensor import DTensor as _DT
+
+    dp_manual = [n for chunk in chunks for n, p in chunk.named_parameters()
+                 if layout.dp > 1 and layout.tp > 1 and isinstance(p, _DT) and all(pl.is_replicate() for pl in p.placements)]
     if layout.dp > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -233,5 +256,7 @@ def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: 
             for layer in chunk.layers.values():
                 fully_shard(layer.attn, mesh=layout.submesh("dp"))
                 fully_shard(layer.mlp, mesh=layout.submesh("dp"))
-            fully_shard(chunk, mesh=layout.submesh("dp"), reshard_after_forward=runner is None)
-    return ParallelModel(model, layout, chunks, runner, replicated, device)
+            params = dict(chunk.named_parameters())
+            fully_shard(chunk, mesh=layout.submesh("dp"), reshard_after_forward=runner is None,
+                        ignored_params={params[n] for n in dp_manual if n in params} or None)
+    return ParallelModel(model, layout, chunks, runner, replicated, device, dp_manual)
