@@ -27,42 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
 from ..models import AttnResLM, ModelConfig, next_token_loss
-from ..models.trunk import plain_call
+from ..models.trunk import sublayer_caller
 from .grads import clip_grads_, global_grad_norm
 from .materialize import build_on_meta
 from .parallel import ParallelConfig, ParallelLayout
 from .pipeline import PipelineChunk, PipelineConfig, PipelineRunner, stage_parameter_names
 from .tensor_parallel import apply_tensor_parallel, check_tp_shapes, reduce_replicated_grads
 
-__all__ = ["ParallelModel", "build_parallel_model", "check_parallel_config", "sublayer_caller"]
-
-
-def sublayer_caller(mode: str) -> Callable:
-    """How each sublayer is called for ``activation_checkpoint=mode``: ``"none"`` plainly,
-    ``"block"`` under ``torch.utils.checkpoint`` (its activations recomputed in the backward
-    pass), ``"selective"`` likewise but keeping the outputs of matmuls and attention (a
-    ``SelectiveCheckpointContext`` policy)."""
-    if mode == "none":
-        return plain_call
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-    if mode == "block":
-        return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
-    save = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
-            torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default}
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False,
-                                        context_fn=lambda: create_selective_checkpoint_contexts(policy))
+__all__ = ["ParallelModel", "build_parallel_model", "check_parallel_config"]
 
 
 def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len: int, batch_size: int,

@@ -303,6 +303,13 @@ class Trainer:
             from ..upcycle.scratch import build_hf_model
 
             self.model = build_hf_model(self.config.model).to(self.device)
+        if config.activation_checkpoint != "none":
+            from ..models.trunk import sublayer_caller
+
+            if not isinstance(self.model, AttnResLM):
+                raise ValueError(f"TrainConfig.activation_checkpoint={config.activation_checkpoint!r} needs the native "
+                                 "AttnResLM (model.hf_architecture unset); use activation_checkpoint=none")
+            self.model.sublayer_call = sublayer_caller(config.activation_checkpoint)
 
     def restore(self) -> None:
         """Resume: weights, RNG states, data position and counters of the checkpoint (the
