@@ -91,8 +91,20 @@ class ParallelModel:
 
     # -- parameters ---------------------------------------------------------------------
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's parameters (DTensors where sharded) under the full model's names."""
+        """This rank's parameters (DTensors where sharded) under the full model's names: the
+        sharded ones FSDP2 registers between steps (the objects the optimiser holds)."""
+        self.reshard()
         return {n: p for chunk in self.chunks for n, p in chunk.named_parameters()}
+
+    def reshard(self) -> None:
+        """Free FSDP2's gathered parameters: under pp the chunks keep them from forward to
+        backward (``reshard_after_forward=False``), and a forward-only evaluation leaves
+        them gathered; the module then shows its unsharded tensors, not the parameters."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for chunk in self.chunks:
+            if isinstance(chunk, FSDPModule):
+                chunk.reshard()
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.named_parameters().values())
@@ -139,6 +151,7 @@ class ParallelModel:
                     return self.runner.loss(ids, ids).item()
                 return next_token_loss(self.chunks[0](ids), ids).item()
         finally:
+            self.reshard()
             self.train(True)
 
     def finish_grads(self) -> None:
