@@ -148,8 +148,8 @@ def render_markdown(res: dict) -> str:
     lines += [
         "",
         "Both modes run on `torch.distributed.pipelining`'s `ScheduleInterleaved1F1B`; `cached` through the "
-        "cache adapter (`CachedStage`). Measured forward blocks per micro-batch equal report Eq. 7 (naive) and "
-        "Eq. 8 (cached); losses of both modes agree (see the JSON). Step times are dominated by compute shared "
+        "cache adapter (`CachedStage`). Measured forward blocks per micro-batch equal report §4.1's formulas (naive "
+        "C(C-1)/2 N_p, cached P(P-1)/2 N_p + (V-1) P^2 N_p); losses of both modes agree (see the JSON). Step times are dominated by compute shared "
         "by P processes on 2 cores; the bytes are what caching saves.",
     ]
     return "\n".join(lines) + "\n"
