@@ -95,8 +95,8 @@ def render(res: dict) -> str:
         "Under pp=2 each stage holds its own transformer blocks and depth queries (stage 0 the embedding, stage 1 "
         "the final norm and LM head); the other stage's parameters are never materialised (meta device). Under "
         "tp=2 the attention/MLP projections, the embedding (vocabulary rows) and the LM head are split; the "
-        "norms' gains and the depth queries (2 d per sublayer) are replicated. The RSS includes torch's own "
-        "~300 MiB in every process.",
+        "norms' gains and the depth queries (2 d per sublayer) are replicated. The RSS (peak, whole process) also counts torch itself, "
+        "the activations of the step and, in one process, the full build.",
     ]
     return "\n".join(lines) + "\n"
 
