@@ -60,6 +60,7 @@ LAYOUTS = {
     "tp2": (2, {"parallel.tp": 2}),
     "dp2-pp2": (4, {**PP, "parallel.dp": 2}),
     "dp2-tp2": (4, {"parallel.tp": 2, "parallel.dp": 2}),
+    "tp2-pp2": (4, {**PP, "parallel.tp": 2}),
 }
 
 
