@@ -238,6 +238,8 @@ def test_invalid_layouts_name_the_field(root):
         check_parallel_config(cfg, ParallelConfig(tp=3), 16, 4, 1, 1, "fsdp")
     with pytest.raises(ValueError, match="tie_embeddings"):
         check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(pp=2), 16, 4, 1, 1, "fsdp")
+    with pytest.raises(ValueError, match="tie_embeddings"):
+        check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1, 1, "fsdp")
     with pytest.raises(ValueError, match="pp_microbatches"):
         check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1, 1, "fsdp")
     with pytest.raises(ValueError, match="ddp"):
