@@ -18,6 +18,7 @@ from attnres import registered_residuals  # noqa: E402
 from attnres.train.config import flatten  # noqa: E402
 from attnres.train import TrainConfig, load_config  # noqa: E402
 from attnres.train.config import DataConfig  # noqa: E402
+from attnres.distributed import ParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,10 +37,12 @@ def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
     lines = {line.split("=")[0].strip(): line for line in text.splitlines() if " = " in line}
     defaults = TrainConfig(progress=False)
     for f in dataclasses.fields(TrainConfig):
-        if f.name not in ("model", "data"):
+        if f.name not in ("model", "data", "parallel"):
             assert f.name in lines, f.name
     for f in dataclasses.fields(DataConfig):
         assert f"data.{f.name}" in lines, f.name
+    for f in dataclasses.fields(ParallelConfig):
+        assert f"parallel.{f.name}" in lines, f.name
     for name in flatten(defaults.model.to_dict()):
         assert f"model.{name}" in lines, name
     assert "one of 'adamw', 'muon'" in lines["optimizer"] and "'adamw'" in lines["optimizer"]

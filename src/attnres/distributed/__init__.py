@@ -25,14 +25,15 @@ from .launch import (
     init_distributed,
     resolve_mode,
 )
+from .parallel import PP_SCHEDULES, ParallelConfig, ParallelLayout, build_layout
 from .pipeline import (
-    RUNTIMES,
     SCHEDULES,
+    CachedStage,
     PipelineChunk,
     PipelineConfig,
     PipelineRunner,
-    schedule_orders,
-    timetable,
+    StageCache,
+    stage_parameter_names,
 )
 from .sequence_parallel import ShardedPrefill, gather_sequence, sharded_prefill
 
@@ -53,14 +54,19 @@ __all__ = [
     "ShardedPrefill",
     "sharded_prefill",
     "gather_sequence",
+    # the mesh
+    "PP_SCHEDULES",
+    "ParallelConfig",
+    "ParallelLayout",
+    "build_layout",
     # pipeline parallelism
-    "RUNTIMES",
     "SCHEDULES",
+    "CachedStage",
     "PipelineChunk",
     "PipelineConfig",
     "PipelineRunner",
-    "schedule_orders",
-    "timetable",
+    "StageCache",
+    "stage_parameter_names",
     "CommCounter",
     "Transition",
     "cached_transfers",

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from ..nn.norm import RMSNorm
 from ..nn.transformer import KVStore
 from .config import ModelConfig
-from .trunk import DecoderTrunk, next_token_loss
+from .trunk import DecoderTrunk, next_token_loss, plain_call
 
 
 @dataclass
@@ -43,6 +43,10 @@ class AttnResLM(DecoderTrunk):
     on the new tokens alone is exact. ``attention_mask [B, past + T]`` (1 = real token,
     0 = left padding) masks padded keys and makes RoPE positions count real tokens only.
     """
+
+    #: How each sublayer is called in a forward pass (``sublayer_caller(mode)``: activation
+    #: checkpointing); set on an instance.
+    sublayer_call = staticmethod(plain_call)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -99,7 +103,8 @@ class AttnResLM(DecoderTrunk):
             raise ValueError(
                 f"cached length {past} + {t} new tokens exceeds ModelConfig.max_seq_len={self.config.max_seq_len}"
             )
-        h, state = self.decode(input_ids, attention_mask, kv_cache, record_weights=return_depth_weights)
+        h, state = self.decode(input_ids, attention_mask, kv_cache, record_weights=return_depth_weights,
+                               sublayer_call=self.sublayer_call)
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.norm(h))

@@ -14,6 +14,8 @@ Who uses what:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -42,6 +44,28 @@ def next_token_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> 
 def plain_call(fn, *args):
     """``fn(*args)``: how :func:`run_sublayers` calls a sublayer unless told otherwise."""
     return fn(*args)
+
+
+def sublayer_caller(mode: str) -> Callable:
+    """How each sublayer is called for ``activation_checkpoint=mode``: ``"none"`` plainly,
+    ``"block"`` under ``torch.utils.checkpoint`` (its activations recomputed in the backward
+    pass), ``"selective"`` likewise but keeping the outputs of matmuls and attention (a
+    ``SelectiveCheckpointContext`` policy)."""
+    if mode == "none":
+        return plain_call
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    if mode == "block":
+        return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
+    save = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False,
+                                        context_fn=lambda: create_selective_checkpoint_contexts(policy))
 
 
 def run_sublayers(

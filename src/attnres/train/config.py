@@ -9,6 +9,7 @@ from typing import Any
 
 from ..data.tokenizer import TOKENIZER_KINDS
 from ..distributed.launch import DIST_MODES
+from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
 
@@ -16,6 +17,9 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+#: ``activation_checkpoint``: recompute nothing, every sublayer (``block``), or all but the
+#: matmuls and attention (``selective``) in the backward pass.
+ACTIVATION_CHECKPOINTS = ("none", "block", "selective")
 #: The model a config gets when it names none (and what ``model.X=...`` overrides start from).
 DEFAULT_MODEL_PRESET = "tiny"
 # Fields (dotted for sections) that may differ between a checkpoint and the run that resumes
@@ -31,6 +35,9 @@ RESUMABLE_CHANGES = frozenset({
     # Data parallelism reproduces single-process training up to float rounding (the gradient
     # sum runs in another order), so a run may resume on another number of ranks, or mode.
     "distributed", "dist_timeout_s",
+    # So do tensor and pipeline parallelism (the same sums, split differently), and
+    # recomputing activations in the backward pass (the same function).
+    *(f"parallel.{name}" for name in PARALLEL_RULES), "activation_checkpoint",
 })
 
 
@@ -117,8 +124,12 @@ class TrainConfig:
     Data parallelism (``torchrun --nproc-per-node K -m attnres train ...``, see
     docs/distributed.md): ``distributed`` is ``"fsdp"`` (FSDP2), ``"ddp"``, ``"none"``, or
     ``"auto"`` = FSDP2 when launched with several ranks, else none. ``batch_size`` stays the
-    *global* batch, split evenly over the ranks. ``dist_timeout_s`` bounds how long a
-    collective waits for a rank that died or stalled before the others stop with an error.
+    *global* batch, split evenly over the data-parallel ranks. ``dist_timeout_s`` bounds how
+    long a collective waits for a rank that died or stalled before the others stop with an
+    error. ``parallel`` (a :class:`~attnres.distributed.ParallelConfig`) sets the data-,
+    tensor- and pipeline-parallel degrees and the pipeline schedule over one device mesh;
+    ``activation_checkpoint`` recomputes activations in the backward pass (``"block"``: every
+    sublayer; ``"selective"``: everything but the matmuls and attention).
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.preset(DEFAULT_MODEL_PRESET))
@@ -154,6 +165,8 @@ class TrainConfig:
     out_dir: str = "runs/attnres"
     distributed: str = "auto"
     dist_timeout_s: float = 600.0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    activation_checkpoint: str = "none"
     resume: bool = False
     resume_from: str | None = None
     init_from: str | None = None
@@ -172,6 +185,9 @@ class TrainConfig:
         if not isinstance(self.data, DataConfig):
             fail("TrainConfig", "data", "a DataConfig", self.data)
         self.data.validate()
+        if not isinstance(self.parallel, ParallelConfig):
+            fail("TrainConfig", "parallel", "a ParallelConfig", self.parallel)
+        self.parallel.validate()
         _check_rules(self, TRAIN_RULES)
         if self.seq_len > self.model.max_seq_len:
             fail("TrainConfig", "seq_len", f"<= model.max_seq_len={self.model.max_seq_len}", self.seq_len)
@@ -205,6 +221,8 @@ class TrainConfig:
                 fail("TrainConfig", "data", "a mapping", section)
             _check_keys("data", section, {f.name for f in dataclasses.fields(DataConfig)})
             data["data"] = DataConfig(**section)
+        if "parallel" in data:
+            data["parallel"] = ParallelConfig.from_dict(data["parallel"])
         return cls(**data)
 
 
@@ -220,6 +238,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "dtype": Choice(DTYPES),
     "device": Choice(DEVICES),
     "distributed": Choice(DIST_MODES),
+    "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS),
     "dist_timeout_s": Number(0.0, lo_open=True),
     "lr": Number(0.0, lo_open=True),
     "weight_decay": Number(0.0),

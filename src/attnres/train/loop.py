@@ -17,7 +17,10 @@ its ``out_dir`` (:mod:`attnres.train.lock`) and prints its resolved set-up at st
 Under ``torchrun`` (``TrainConfig.distributed``, docs/distributed.md) every rank runs this loop
 on its slice of each global batch, with FSDP2 or DDP averaging the gradients; rank 0 logs and
 writes consolidated checkpoints (the single-process layout), so a run resumes on any number
-of ranks.
+of ranks. With ``TrainConfig.parallel`` (tensor or pipeline parallelism, or an explicit
+``parallel.dp``) the ranks form one ``(pp, dp, tp)`` device mesh
+(:mod:`attnres.distributed.mesh_model`) and checkpoints are sharded DCP checkpoints
+(:mod:`attnres.train.sharded_checkpoint`) that resume at any layout, one process included.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ..distributed.data_parallel import (
     wrap_model,
 )
 from ..distributed.launch import DistContext, collective_errors, init_distributed, resolve_mode
+from ..distributed.parallel import build_layout
 from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
 from .checkpoint import (
     CheckpointError,
@@ -68,8 +72,19 @@ from .metrics import MetricsLogger
 from .optim import build_optimizer
 from .resume import Source, check_data, check_resumable, find_valid_checkpoint, set_aside_newer
 from .schedule import lr_factor
+from .sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from .signals import StopSignals
 from .summary import RunFacts, startup_summary
+
+
+class _Named:
+    """Parameters by name, for :func:`build_optimizer` (which groups them by name)."""
+
+    def __init__(self, params: dict) -> None:
+        self._params = params
+
+    def named_parameters(self):
+        return iter(self._params.items())
 
 
 class TrainingDiverged(RuntimeError):
@@ -158,6 +173,9 @@ class Trainer:
         self.init_source: Source | None = None  # the checkpoint whose weights start this run (init_from)
         self.origin: dict[str, Any] | None = None  # init_from provenance, carried in every checkpoint
         self.data_changed = False
+        # A run over the (pp, dp, tp) mesh: tensor or pipeline parallelism, or dp given.
+        self.mesh_mode = not config.parallel.is_default or config.parallel.dp is not None
+        self.pm = None  # its ParallelModel
 
     # -- coordination ---------------------------------------------------------------------
     def _main_first(self, fn):
@@ -261,7 +279,23 @@ class Trainer:
         self.val_batches = validation_batches(data.val, config.seq_len, config.batch_size, config.eval_batches)
 
     def build_model(self) -> None:
-        """The model, initialised from ``seed``."""
+        """The model, initialised from ``seed``; over the mesh, this rank's part of it."""
+        config = self.config
+        if self.mesh_mode:
+            from ..distributed.mesh_model import build_parallel_model, check_parallel_config
+
+            self.layout = build_layout(config.parallel, self.device)
+            check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, config.grad_accum,
+                                  self.layout.dp, self.mode)
+            if config.compile:
+                raise ValueError("TrainConfig.compile=true is not supported with parallel.tp/pp/dp yet; set compile=false")
+            if config.dtype != "float32" and self.layout.pp > 1:
+                raise ValueError(f"TrainConfig.dtype={config.dtype!r} is not supported with parallel.pp > 1 yet (the "
+                                 "pipeline's static stage shapes are float32); use dtype=float32")
+            self.pm = build_parallel_model(config.model, config.parallel, self.layout, self.device, config.seed,
+                                           config.activation_checkpoint)
+            self.model = self.pm.model
+            return
         torch.manual_seed(self.config.seed)
         if self.config.model.hf_architecture is None:
             self.model = AttnResLM(self.config.model).to(self.device)
@@ -269,6 +303,13 @@ class Trainer:
             from ..upcycle.scratch import build_hf_model
 
             self.model = build_hf_model(self.config.model).to(self.device)
+        if config.activation_checkpoint != "none":
+            from ..models.trunk import sublayer_caller
+
+            if not isinstance(self.model, AttnResLM):
+                raise ValueError(f"TrainConfig.activation_checkpoint={config.activation_checkpoint!r} needs the native "
+                                 "AttnResLM (model.hf_architecture unset); use activation_checkpoint=none")
+            self.model.sublayer_call = sublayer_caller(config.activation_checkpoint)
 
     def restore(self) -> None:
         """Resume: weights, RNG states, data position and counters of the checkpoint (the
@@ -277,8 +318,15 @@ class Trainer:
         if self.source is not None:
             source = self.source
             check_resumable(source.state["config"], self.config.to_dict(), source)
-            # Weights (and RNG) go into the whole model, before data parallelism shards it.
-            state = load_checkpoint(source.path, self.model, verified=source.state)
+            if is_sharded(source.state):  # weights, optimiser and RNG once the layout is built
+                state = source.state
+            elif self.mesh_mode:
+                raise CheckpointError(f"{str(source.path)!r} is a consolidated checkpoint; runs with parallel.tp/pp/dp "
+                                      "resume sharded (DCP) checkpoints only: resume it with parallel.tp=1, "
+                                      "parallel.pp=1 and no parallel.dp")
+            else:
+                # Weights (and RNG) go into the whole model, before data parallelism shards it.
+                state = load_checkpoint(source.path, self.model, verified=source.state)
             if not self.data_changed:
                 self.sampler.load_state_dict(state["sampler"])
             self.step_count, self.tokens_seen, self.resume_step = state["step"], state["tokens_seen"], state["step"]
@@ -287,6 +335,11 @@ class Trainer:
             self.last_ckpt = source.path
         elif self.init_source is not None and self.init_source.state.get("hf_directory"):
             load_hf_weights(self.model, self.init_source.path)
+        elif self.init_source is not None and is_sharded(self.init_source.state):
+            pass  # loaded in build_optimizer, into this layout's shards
+        elif self.init_source is not None and self.mesh_mode:
+            raise CheckpointError(f"init_from={str(self.init_source.path)!r}: runs with parallel.tp/pp/dp start from "
+                                  "sharded (DCP) checkpoints or HF directories only")
         elif self.init_source is not None:
             source = self.init_source
             try:
@@ -301,6 +354,15 @@ class Trainer:
         """Wrap the model for data parallelism, build the optimiser and, on resume, load its
         state."""
         config, ctx = self.config, self.ctx
+        if self.mesh_mode:
+            if ctx is not None:
+                dist.barrier()
+            params = self.pm.named_parameters()
+            self.optimizer = build_optimizer(_Named(params), config)
+            self._load_sharded(params)
+            self.forward = None
+            self.params = list(params.values())
+            return
         if ctx is not None:
             if config.batch_size % ctx.world_size:
                 raise ValueError(f"TrainConfig.batch_size={config.batch_size} (the global batch) must be divisible by "
@@ -309,12 +371,22 @@ class Trainer:
         self.forward = self.model if ctx is None else wrap_model(self.model, self.mode, ctx)
         self.optimizer = build_optimizer(self.model, config)
         if self.source is not None:
-            opt_state = read_optimizer_state(self.source.path, self.source.state)
-            self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, opt_state)
-                                           if self.mode == "fsdp" else opt_state)
+            if not is_sharded(self.source.state):
+                opt_state = read_optimizer_state(self.source.path, self.source.state)
+                self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, opt_state)
+                                               if self.mode == "fsdp" else opt_state)
+        self._load_sharded(dict(self.model.named_parameters()))
         if config.compile:
             self.forward = torch.compile(self.forward)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def _load_sharded(self, params: dict) -> None:
+        """Resume (weights, optimiser, RNG) or initialise (weights) from a sharded
+        checkpoint, into this rank's ``params`` in this run's layout."""
+        if self.source is not None and is_sharded(self.source.state):
+            load_sharded(self.source.path, params, self.optimizer)
+        elif self.init_source is not None and is_sharded(self.init_source.state):
+            load_sharded(self.init_source.path, params, None, restore_rng=False)
 
     def open_outputs(self) -> None:
         """``config.json``, the metrics log and the progress bar (rank 0)."""
@@ -352,7 +424,14 @@ class Trainer:
                          tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {self.tokenizer_origin}",
                          fingerprint=self.fingerprint, device=str(self.device),
                          world_size=1 if self.ctx is None else self.ctx.world_size)
-        print(startup_summary(self.config, facts), flush=True)
+        summary = startup_summary(self.config, facts)
+        if self.pm is not None:
+            p = self.config.parallel
+            pipe = (f", {p.pp_schedule} schedule, {p.pp_virtual} virtual stage(s), {p.microbatches} micro-batches"
+                    f"{', cross-stage cache' if p.pp_cache else ''}") if self.layout.pp > 1 else ""
+            summary += (f"\n  layout  {self.layout.describe()}{pipe}; this rank holds "
+                        f"{self.pm.local_parameter_bytes():,} bytes of parameters; sharded (DCP) checkpoints")
+        print(summary, flush=True)
 
     def autocast(self):
         if self.config.dtype == "bfloat16":
@@ -370,6 +449,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
         self.optimizer.zero_grad(set_to_none=True)
+        if self.pm is not None:
+            return self._mesh_step(factor)
         loss_sum = 0.0
         for micro in range(config.grad_accum):
             ids = self.sampler.next_batch()  # the global batch; each rank trains on its rows
@@ -396,6 +477,34 @@ class Trainer:
         self.tokens_seen += config.tokens_per_step
         return factor, grad_norm, grads
 
+    def _mesh_step(self, factor: float) -> tuple[float, float, None]:
+        """:meth:`step` over the mesh: this data-parallel rank's rows through this rank's part
+        of the model (the pipeline schedule under pp), tp's replicated gradients summed, the
+        global gradient norm over every stage and shard."""
+        config, pm = self.config, self.pm
+        loss_sum = 0.0
+        sync_dp = pm.runner is None and pm.layout.dp > 1
+        for micro in range(config.grad_accum):
+            ids = pm.rows(self.sampler.next_batch())
+            if sync_dp:
+                pm.chunks[0].set_requires_gradient_sync(micro == config.grad_accum - 1)
+            loss_sum += pm.forward_backward(ids, 1.0 / config.grad_accum, self.autocast)
+        train_loss = loss_sum / config.grad_accum
+        if self.ctx is not None:  # tp and pp peers hold the same value: the world's mean is dp's
+            train_loss = mean_over_ranks(train_loss, self.ctx)
+        self.train_loss = train_loss
+        pm.finish_grads()
+        grad_norm = pm.clip_grads(config.grad_clip if config.grad_clip > 0 else math.inf)
+        if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+            raise TrainingDiverged(
+                f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {self.step_count + 1} "
+                f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {self._recovery_hint()}"
+            )
+        self.optimizer.step()
+        self.step_count += 1
+        self.tokens_seen += config.tokens_per_step
+        return factor, grad_norm, None
+
     def _recovery_hint(self) -> str:
         if self.last_ckpt is None:
             return "no checkpoint was written yet. Lower lr, raise warmup_steps or set grad_clip."
@@ -417,7 +526,11 @@ class Trainer:
     def evaluate(self) -> None:
         """The validation loss; every rank evaluates the same batches (FSDP2 forwards are
         collectives), rank 0 logs it."""
-        self.val_loss = evaluate(self.model, self.val_batches, self.device, self.autocast)
+        if self.pm is not None:
+            total = sum(self.pm.loss(b, self.autocast) * b.shape[0] for b in self.val_batches)
+            self.val_loss = total / sum(b.shape[0] for b in self.val_batches)
+        else:
+            self.val_loss = evaluate(self.model, self.val_batches, self.device, self.autocast)
         if self.main:
             self.logger.log("eval", self.step_count, val_loss=self.val_loss, tokens=self.tokens_seen)
 
@@ -439,7 +552,10 @@ class Trainer:
                      "data": {"fingerprint": self.fingerprint, "train_tokens": len(self.data.train),
                               "val_tokens": len(self.data.val)},
                      "init_from": self.origin}
-        if self.ctx is None:
+        if self.pm is not None:
+            path = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer, run_state,
+                                config.keep_checkpoints, self.tokenizer_files, main=self.main)
+        elif self.ctx is None:
             path = save_checkpoint(self.out_dir, step, self.model, self.optimizer, run_state, config.keep_checkpoints,
                                    self.tokenizer_files)
         else:
@@ -480,6 +596,8 @@ class Trainer:
         try:
             with StopSignals() as signals:
                 self.model.train()
+                if self.pm is not None:
+                    self.pm.train()
                 while self.step_count < end:
                     factor, grad_norm, grads = self.step()
                     step = self.step_count

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from ..models.config import PRESETS, ModelConfig
+from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from .config import DATA_RULES, DEFAULT_MODEL_PRESET, TRAIN_RULES, DataConfig, TrainConfig, flatten
 
 
@@ -54,13 +55,16 @@ def config_reference() -> str:
     defaults = TrainConfig(progress=False)  # the built-in defaults (progress is a display choice)
     rows = []
     for f in dataclasses.fields(TrainConfig):
-        if f.name in ("model", "data"):
+        if f.name in ("model", "data", "parallel"):
             continue
         value = f.default if f.default is not dataclasses.MISSING else getattr(defaults, f.name)
         rows.append((f.name, _fmt(value), TRAIN_RULES[f.name].describe() if f.name in TRAIN_RULES else ""))
     data_defaults = DataConfig()
     for f in dataclasses.fields(DataConfig):
         rows.append((f"data.{f.name}", _fmt(getattr(data_defaults, f.name)), DATA_RULES[f.name].describe()))
+    parallel_defaults = ParallelConfig()
+    for name, rule in PARALLEL_RULES.items():
+        rows.append((f"parallel.{name}", _fmt(getattr(parallel_defaults, name)), rule.describe()))
     model = defaults.model
     rows.append(("model", repr(DEFAULT_MODEL_PRESET), "a preset name (" + ", ".join(sorted(PRESETS)) + ") or model.<field>=..."))
     rows.append(("model.preset", "-", "a preset to start the model section from"))

@@ -1,0 +1,115 @@
+"""Tensor parallelism for the decoder (DTensor ``parallelize_module``), with sequence
+parallelism for the norms, and the AttnRes residual on the sequence-sharded hidden states.
+
+Plan (Megatron-LM's, as torchtitan writes it for Llama), on a 1-D ``tp`` mesh:
+
+* ``embed_tokens``: ``RowwiseParallel`` (vocabulary rows split), output sharded along the
+  sequence: every rank holds ``T / tp`` positions of the hidden state from the start;
+* each block: ``attn_norm`` / ``mlp_norm`` ``SequenceParallel`` (on the sequence shard);
+  ``attn`` / ``mlp`` take their input all-gathered (``PrepareModuleInput``);
+  ``q/k/v_proj`` and ``gate/up_proj`` ``ColwiseParallel`` (heads and hidden units split),
+  ``o_proj`` and ``down_proj`` ``RowwiseParallel`` with a reduce-scatter back to the
+  sequence shard;
+* ``norm`` ``SequenceParallel``, ``lm_head`` ``ColwiseParallel`` gathering the logits.
+
+The residual stream between sublayers is a plain ``[B, T / tp, d]`` tensor on each rank, so
+the AttnRes residual - Phase 1 over the completed blocks, the Phase-2 merges - runs on the
+rank's own positions, unchanged (depth attention mixes over depth, token by token: report
+§4.2). Its parameters (the pseudo-queries and key-norm gains) stay plain, replicated
+tensors; each rank's gradient covers its positions only, so :func:`reduce_replicated_grads`
+sums them over the ``tp`` group after the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+__all__ = ["apply_tensor_parallel", "replicated_parameters", "reduce_replicated_grads", "check_tp_shapes"]
+
+# Attention.forward(x, cos, sin, attn_mask, kv_cache, layer): only x is sharded.
+_ATTN_ARGS = 6
+
+
+def check_tp_shapes(config, tp: int) -> None:
+    """``ValueError`` naming the field unless heads, key/value heads and the MLP's hidden
+    units divide over ``tp`` ranks."""
+    for name, value in (("n_heads", config.n_heads), ("n_kv_heads", config.kv_heads), ("mlp_hidden", config.hidden_size)):
+        if value % tp:
+            raise ValueError(f"ModelConfig.{name}={value} must be divisible by TrainConfig.parallel.tp={tp}")
+
+
+def _block_plan() -> dict:
+    gather = dict(input_layouts=(Shard(1),) + (None,) * (_ATTN_ARGS - 1),
+                  desired_input_layouts=(Replicate(),) + (None,) * (_ATTN_ARGS - 1))
+    return {
+        "attn_norm": SequenceParallel(),
+        "attn": PrepareModuleInput(**gather),
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) -> None:
+    """Shard ``layers`` (transformer blocks) and, where ``root`` holds them, its
+    ``embed_tokens``, ``norm`` and ``lm_head`` over the 1-D ``mesh``, in place."""
+    tp = mesh.size()
+    for layer in layers:
+        parallelize_module(layer, mesh, _block_plan())
+        # Each rank now computes n_heads / tp query heads and n_kv_heads / tp key/value heads.
+        layer.attn.n_heads //= tp
+        layer.attn.n_kv_heads //= tp
+    plan = {}
+    if getattr(root, "embed_tokens", None) is not None:
+        plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if getattr(root, "norm", None) is not None:
+        plan["norm"] = SequenceParallel()
+    if getattr(root, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if plan:
+        parallelize_module(root, mesh, plan)
+
+
+def replicated_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of ``modules`` that tensor parallelism left as plain tensors (the
+    residual's depth queries and key norms): every tp rank holds all of them."""
+    seen, out = set(), []
+    for module in modules:
+        for p in module.parameters():
+            if not isinstance(p, DTensor) and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def reduce_replicated_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Sum the gradients of replicated parameters over the ``tp`` ``group`` (each rank's
+    covers its sequence shard only). Gradients that FSDP sharded are summed shard by shard."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([t.reshape(-1) for t in local])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in local:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
