@@ -49,7 +49,7 @@ def call(fn, z, b, qg, w, sources, eps=1e-6, norm_eps=1e-5):
     return fn(z, sources, b, qg, eps, w, norm_eps)
 
 
-@pytest.mark.parametrize("lead", [(2, 3), (1, 1), (1,), (3, 1)])
+@pytest.mark.parametrize("lead", [(2, 3), (1, 1)])  # (b,), (b, 1), more shapes: the hypothesis test
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("partial", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
@@ -226,12 +226,17 @@ def test_lean_residual_equals_naive_forward_and_every_gradient(kind, d, L, S, dt
     assert_fast_matches_naive(got[1:], ref[1:], truth[1:], dtype, names[1:], GRAD_TOL[dtype])
 
 
-@pytest.mark.parametrize("kind, d, L, S", [("block", 4, 5, 2), ("block", 4, 3, 1), ("block", 4, 3, 5),
-                                           ("full", 4, 5, 2), ("full", 3, 4, None)])
-@pytest.mark.parametrize("lead", [(2, 2), (1, 1)])
-def test_gradcheck_through_the_lean_residual(kind, d, L, S, lead):
+GRADCHECK_CASES = [("block", 4, 5, 2), ("block", 4, 3, 1), ("block", 4, 3, 5), ("full", 4, 5, 2), ("full", 3, 4, None)]
+
+
+@pytest.mark.parametrize("kind, d, L, S", GRADCHECK_CASES)
+@pytest.mark.parametrize("lead, fast", [((1, 1), True), ((2, 2), True),
+                                        pytest.param((2, 2), False, marks=pytest.mark.slow)])
+def test_gradcheck_through_the_lean_residual(kind, d, L, S, lead, fast):
     """float64 gradcheck of the whole residual on the lean path (logits, merges, fused
-    norms) w.r.t. the embedding, every residual parameter and the norm gains."""
+    norms) w.r.t. the embedding, every residual parameter and the norm gains: S not
+    dividing L, S = 1, S >= L, batch 1 and sequence length 1 (``fast``: gradcheck's
+    random-projection mode; the full Jacobian in the slow suite)."""
     module, subs = make(kind, d, L, S or 1)
     both = torch.nn.ModuleDict({"residual": module, "subs": subs})
     names = [n for n, _ in both.named_parameters() if not n.startswith("subs.weights")]
@@ -242,7 +247,7 @@ def test_gradcheck_through_the_lean_residual(kind, d, L, S, lead):
             return run(module, subs, e)
 
     params = dict(both.named_parameters())
-    assert gradcheck(f, (emb, *[params[n].detach().clone().requires_grad_() for n in names]))
+    assert gradcheck(f, (emb, *[params[n].detach().clone().requires_grad_() for n in names]), fast_mode=fast)
 
 
 def test_unfused_and_fused_norm_agree():
@@ -354,7 +359,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     those of the plain step (nothing counted twice)."""
     from torch.utils.checkpoint import checkpoint
 
-    model = make_model(torch.float64, residual={"kind": "attnres_block", "block_size": 3}, n_layers=3)
+    model = make_model(torch.float64, residual={"kind": "attnres_block", "block_size": 3}, n_layers=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 7))
 
     def ckpt(fn, *args):
