@@ -106,6 +106,18 @@ def render(r: dict) -> str:
             f"{row['block_lean'] / unit:.1f} | {row['block_graph'] / unit:.1f} | {row['N']} | {full[0]} | {full[1]} | "
             f"{row['L'] if row['sweep'] == 'L' else ''} |"
         )
+    lines += [
+        "",
+        "Reading it: the graph path keeps about 2 extra [tokens, d] tensors per sublayer (the Phase-1 weighted sum and "
+        "the partial sum beside the norm's input) and grows with L well above the N d line. The lean path keeps the "
+        "sources and per-token statistics only. Block on the lean path comes out *below* the standard model: its "
+        "RMSNorm is fused into the merge and saves only 1/rms, while the standard model's `F.rms_norm` (a composite "
+        "under CPU autograd) also saves its normalised input, one [tokens, d] tensor per sublayer; the extra of the "
+        "residual itself is the N + 1 block sums, hidden behind that saving. Full on the lean path follows the L d line "
+        "(its L outputs) plus a quadratic term: the logits of every source against every later query (L^2 / 2 floats "
+        "per token, alive until the end of the forward) and the saved softmax weights (another L^2 / 2): 2 x 1024 "
+        "floats per token at L = 64, 16 units at d = 128 (4 at d = 512).",
+    ]
     return "\n".join(lines) + "\n"
 
 

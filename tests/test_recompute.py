@@ -373,3 +373,23 @@ def test_activation_checkpointing_gives_the_same_gradients():
     ck = torch.autograd.grad(loss_of(sublayer_call=ckpt), list(model.parameters()))
     for (name, _), a, b in zip(model.named_parameters(), ck, plain):
         assert_rel_close(a, b, 1e-12, f"grad of {name}")
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_keeping_the_norm_input_gives_the_same_gradients(partial):
+    """``keep_input=True`` (Full AttnRes: save the norm's input instead of recomputing it)."""
+    z, b, qg, w, sources = merge_inputs((2, 3), 5, 3, partial, True)
+    inputs = [t for t in (z, b, qg, w, *sources) if t is not None]
+
+    def f(*values):
+        it = iter(values)
+        zz = next(it)
+        bb, qq = (next(it), next(it)) if partial else (None, None)
+        ww = next(it)
+        return lean_depth_merge(zz, list(it), bb, qq, 1e-6, ww, 1e-5, keep_input=True)
+
+    assert gradcheck(f, tuple(inputs))
+    a, r = f(*inputs), call(lean_depth_merge, z, b, qg, w, sources)
+    up = torch.randn_like(r)
+    for x, y in zip(torch.autograd.grad((a * up).sum(), inputs), torch.autograd.grad((r * up).sum(), inputs)):
+        assert_rel_close(x, y, 1e-12)

@@ -117,7 +117,7 @@ class _DepthMerge(torch.autograd.Function):
     norm_weight, *sources`` (``None`` where absent)."""
 
     @staticmethod
-    def forward(ctx, eps, norm_eps, out_dtype, z, partial, qg, norm_weight, *sources):
+    def forward(ctx, eps, norm_eps, out_dtype, keep_input, z, partial, qg, norm_weight, *sources):
         compute = compute_dtype(sources[0].dtype)
         d = sources[0].shape[-1]
         with full_precision(sources[0]):
@@ -133,30 +133,35 @@ class _DepthMerge(torch.autograd.Function):
                 srcs.append(partial)
             alpha = torch.softmax(zc, dim=-1)  # [..., n]
             h = weighted_sum(alpha, srcs)
-            rstd = None
+            rstd = kept = None
             if norm_weight is not None:
                 if out_dtype != compute:  # the norm reads the stream's value, rounded to its dtype
                     h = h.to(out_dtype).to(compute)
+                kept = h if keep_input else None
                 h, rstd = torch.ops.aten._fused_rms_norm(h, [d], norm_weight.to(compute), norm_eps)
         ctx.out_dtype = out_dtype
         ctx.eps, ctx.norm_eps = eps, norm_eps
         ctx.has_partial, ctx.has_norm = partial is not None, norm_weight is not None
-        ctx.save_for_backward(alpha, r_b, zb, rstd, partial, qg, norm_weight, *sources)
+        ctx.save_for_backward(alpha, r_b, zb, rstd, kept, partial, qg, norm_weight, *sources)
         return h if h.dtype == out_dtype else h.to(out_dtype)
 
     @staticmethod
     def backward(ctx, gout: Tensor):
-        alpha, r_b, zb, rstd, partial, qg, norm_weight, *sources = ctx.saved_tensors
+        alpha, r_b, zb, rstd, kept, partial, qg, norm_weight, *sources = ctx.saved_tensors
         compute = alpha.dtype
         d = sources[0].shape[-1]
         srcs = sources + ([partial] if ctx.has_partial else [])
         g = gout if gout.dtype == compute else gout.to(compute)
-        needs = ctx.needs_input_grad  # eps, norm_eps, out_dtype, z, partial, qg, norm_weight, *sources
+        ni = ctx.needs_input_grad
+        needs = ni[:3] + ni[4:]  # eps, norm_eps, out_dtype, z, partial, qg, norm_weight, *sources
         g_norm = None
         if ctx.has_norm:  # recompute h, the norm's input, from the sources and the weights
-            h = weighted_sum(alpha, srcs)
-            if ctx.out_dtype != compute:
-                h = h.to(ctx.out_dtype).to(compute)
+            if kept is not None:
+                h = kept
+            else:
+                h = weighted_sum(alpha, srcs)
+                if ctx.out_dtype != compute:
+                    h = h.to(ctx.out_dtype).to(compute)
             u = g * norm_weight.to(compute)
             # y = h rstd w: dh = rstd (u - (rstd^2 / d) (u . h) h), dw = sum over tokens of g h rstd.
             gh = u.sub_(h * (rstd * rstd * _dot(u, h).unsqueeze(-1) / d)).mul_(rstd)
@@ -193,7 +198,7 @@ class _DepthMerge(torch.autograd.Function):
                     g_qg = g_qg.to(qg.dtype)
             gz_all = gz_all[..., :-1]
         g_z = gz_all if needs[3] else None
-        return None, None, None, g_z, g_partial, g_qg, g_norm, *grads_src
+        return None, None, None, None, g_z, g_partial, g_qg, g_norm, *grads_src
 
 
 def _check_merge_inputs(z: Tensor, sources: Sequence[Tensor], partial: Tensor | None, qg: Tensor | None) -> None:
@@ -214,6 +219,7 @@ def lean_depth_merge(
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
     out_dtype: torch.dtype | None = None,
+    keep_input: bool = False,
 ) -> Tensor:
     """One query's depth attention from known logits, as one autograd node.
 
@@ -226,6 +232,9 @@ def lean_depth_merge(
         norm_weight, norm_eps: the next sublayer's RMSNorm, applied to the result here
             (``None``: no norm).
         out_dtype: the result's dtype (default: the sources').
+        keep_input: with a norm, save its input ``h`` (one ``[..., d]``) instead of
+            recomputing it in the backward (one pass per source): for many sources (Full
+            AttnRes), where the recompute costs more time than the tensor costs memory.
 
     Returns:
         ``RMSNorm(h)`` (or ``h``) ``[..., d]`` with ``h = sum_j softmax(z, z_b)_j x_j``: the
@@ -238,7 +247,7 @@ def lean_depth_merge(
     """
     _check_merge_inputs(z, sources, partial, qg)
     out_dtype = sources[0].dtype if out_dtype is None else out_dtype
-    return _DepthMerge.apply(eps, norm_eps, out_dtype, z, partial, qg, norm_weight, *sources)
+    return _DepthMerge.apply(eps, norm_eps, out_dtype, keep_input, z, partial, qg, norm_weight, *sources)
 
 
 def depth_merge_reference(
@@ -250,6 +259,7 @@ def depth_merge_reference(
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
     out_dtype: torch.dtype | None = None,
+    keep_input: bool = False,
 ) -> Tensor:
     """:func:`lean_depth_merge` written with plain PyTorch operations (autograd records and
     keeps their graph): the readable reference, same signature, same result."""

@@ -199,13 +199,14 @@ class LeanBackend(Backend):
         return lean_rms_logits(x, qg, eps)
 
     @staticmethod
-    def _input(state: ResidualState, z: Tensor, sources: list[Tensor], partial, qg, eps: float, fusable: bool):
+    def _input(state: ResidualState, z: Tensor, sources: list[Tensor], partial, qg, eps: float, fusable: bool,
+               keep_input: bool = False):
         if partial is None and len(sources) == 1:  # one source: weight exactly 1, the source itself
             return _cast(sources[0], state.dtype)
 
         def compute(norm_weight, norm_eps):
             return lean_depth_merge(z, sources, partial, qg, eps, norm_weight, norm_eps if norm_eps is not None else 0.0,
-                                    state.dtype)
+                                    state.dtype, keep_input)
 
         return FusableNormInput(compute) if state.defer_norm and fusable else compute(None, None)
 
@@ -214,7 +215,10 @@ class LeanBackend(Backend):
         z = p1.z[..., s, :]
         if xs:
             z = torch.cat([z, torch.stack(zs, dim=-1)], dim=-1)
-        return self._input(state, z, p1.sources + list(xs), None, None, 0.0, fusable)
+        # Full AttnRes (and Block's first sublayer of a block): many sources, so the norm's
+        # input is kept rather than recomputed from all of them in the backward (L d in all
+        # for Full, N d for Block).
+        return self._input(state, z, p1.sources + list(xs), None, None, 0.0, fusable, keep_input=True)
 
     def merge_partial(self, state: ResidualState, p1: LogitsPhase1, s: int, partial: Tensor, qg: Tensor, eps: float):
         return self._input(state, p1.z[..., s, :], p1.sources, partial, qg, eps, True)
