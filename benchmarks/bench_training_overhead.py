@@ -15,6 +15,12 @@ ratios are the result, not the absolute times.
 
     python benchmarks/bench_training_overhead.py            # full run (~15 min on 2 cores)
     python benchmarks/bench_training_overhead.py --quick    # a smoke run
+    python benchmarks/bench_training_overhead.py --shape main-job --backends eager --modes train
+
+``*_graph`` variants run the two-phase path as a plain autograd graph (``kernels="torch_graph"``,
+the default before issue 17) beside the lean default; ``--shape main-job`` is the main job's
+model (d = 64, 12 blocks, S = 3, 16 x 128 tokens, one thread) and writes
+``training_overhead_main_job.{json,md}``.
 
 Writes ``benchmarks/results/training_overhead.{json,md}``.
 """
