@@ -65,7 +65,8 @@ def test_lean_depth_merge_gradcheck_and_reference(lead, n, partial, norm):
         ww = next(it) if norm else None
         return call(lean_depth_merge, zz, bb, qq, ww, list(it))
 
-    assert gradcheck(f, tuple(inputs))
+    # The full Jacobian for one token; gradcheck's random-projection mode for six (time).
+    assert gradcheck(f, tuple(inputs), fast_mode=lead != (1, 1))
     out = call(lean_depth_merge, z, b, qg, w, sources)
     ref = call(depth_merge_reference, z, b, qg, w, sources)
     assert_rel_close(out, ref, 1e-12, "forward")
@@ -388,7 +389,7 @@ def test_keeping_the_norm_input_gives_the_same_gradients(partial):
         ww = next(it)
         return lean_depth_merge(zz, list(it), bb, qq, 1e-6, ww, 1e-5, keep_input=True)
 
-    assert gradcheck(f, tuple(inputs))
+    assert gradcheck(f, tuple(inputs), fast_mode=True)
     a, r = f(*inputs), call(lean_depth_merge, z, b, qg, w, sources)
     up = torch.randn_like(r)
     for x, y in zip(torch.autograd.grad((a * up).sum(), inputs), torch.autograd.grad((r * up).sum(), inputs)):
