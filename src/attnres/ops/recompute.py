@@ -20,7 +20,8 @@ RMS factor and the softmax. What :func:`lean_depth_merge` keeps: references to i
 the standard residual's norm keeps), the softmax weights over the ``n`` sources (``n``
 floats per token), and three per-token scalars (the partial sum's logit and RMS factor, the
 norm's ``1/rms``). The weighted sum ``h_l``, the norm's input and the Phase-1 results are
-recomputed in the backward from those, in one pass per source.
+recomputed in the backward from those, in one pass per source - or, with ``keep_input``
+(many sources: Full AttnRes), the norm's input is kept, as the standard model keeps its own.
 
 The merge also fuses what follows it: the logit of Block AttnRes' partial sum (its RMS
 factor and its dot product with the query) and the next sublayer's RMSNorm, so a sublayer's
