@@ -14,6 +14,15 @@ once with the revision ``--against`` (default ``afb1f9e``, checked out into a te
 directory with ``git archive``) and once with the working tree, in separate processes, and
 compares every tensor with ``torch.equal``. It exits 1 on any difference.
 
+One exception since issue 17: training without recorded weights runs the two-phase AttnRes
+residual on the lean custom-autograd path (``attnres.ops.recompute``), which sums the same
+terms in another order. The loss curves of the two-phase AttnRes variants
+(``FLOAT_TOLERANT``) are therefore compared within a relative tolerance of ``CURVE_RTOL``
+instead of bit for bit. Everything else stays bit-identical: the standard model and every
+baseline (curves included), the naive schedule, the recorded forward/backward pass (a
+forward that records its depth weights runs the plain-graph path, the pre-issue-17 default),
+and cached decoding (no autograd: the same path as before).
+
     python benchmarks/bit_identity.py                     # against afb1f9e
     python benchmarks/bit_identity.py --against HEAD~3 --variants attnres_block standard
 
@@ -58,6 +67,10 @@ VARIANTS = {
 TRAIN_VARIANTS = ("standard", "attnres_block", "attnres_block_s3", "attnres_full", "attnres_full_naive", "rezero",
                   "layerscale", "highway", "denseformer", "hyper_connections", "mhc", "mhc_lite")
 TRAIN_STEPS = 20
+#: Tensors compared within ``CURVE_RTOL`` rather than bit for bit (see the module docstring).
+FLOAT_TOLERANT = tuple(f"{v}/train_{opt}/loss_curve" for v in ("attnres_block", "attnres_block_s3", "attnres_full")
+                       for opt in ("adamw", "muon"))
+CURVE_RTOL = 1e-4
 
 
 def _text() -> str:
@@ -154,13 +167,25 @@ def compare(revision: str, variants: list[str]) -> list[str]:
         _run_dump(REPO / "src", variants, tmp / "new.safetensors", tmp / "work-new")
         old, new = load_file(str(tmp / "old.safetensors")), load_file(str(tmp / "new.safetensors"))
     bad = sorted(set(old) ^ set(new))
+    tolerant = []
     for key in sorted(set(old) & set(new)):
-        if old[key].dtype != new[key].dtype or not torch.equal(old[key], new[key]):
-            bad.append(key)
+        if old[key].dtype == new[key].dtype and torch.equal(old[key], new[key]):
+            continue
+        if key in FLOAT_TOLERANT and old[key].shape == new[key].shape:
+            err = ((new[key] - old[key]).abs() / old[key].abs().clamp_min(1e-30)).max().item()
+            tolerant.append(f"{key}: max relative difference {err:.2e}")
+            if err <= CURVE_RTOL:
+                continue
+        bad.append(key)
+    exact = len(set(old) & set(new)) - len(tolerant)
+    verdict = "all bit-identical" if not tolerant else f"bit-identical except {len(tolerant)} float-tolerant loss curves"
     print(f"{len(set(old) & set(new))} tensors compared over {len(variants)} variants against {revision}: "
-          f"{'all bit-identical' if not bad else f'{len(bad)} differ'}")
+          f"{verdict if not bad else f'{len(bad)} differ'} ({exact} bit-identical)")
+    for line in tolerant:
+        print(f"  within {CURVE_RTOL:g}: {line}" if line.split(":")[0] not in bad else f"  DIFFERS: {line}")
     for key in bad:
-        print(f"  DIFFERS: {key}")
+        if key not in FLOAT_TOLERANT:
+            print(f"  DIFFERS: {key}")
     return bad
 
 

@@ -98,11 +98,12 @@ def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
 @pytest.mark.slow
 def test_bit_identical_to_the_reference_revision():
     """``benchmarks/bit_identity.py``: logits, depth weights, every gradient, cached decoding
-    and 20-step loss curves of every variant, bit for bit against afb1f9e (needs git)."""
+    and 20-step loss curves of every variant, bit for bit against afb1f9e (needs git); the
+    two-phase AttnRes loss curves, trained on the lean path since issue 17, within 1e-4."""
     revision = "afb1f9e"
     if subprocess.run(["git", "cat-file", "-e", revision], cwd=ROOT, capture_output=True).returncode:
         pytest.skip(f"revision {revision} is not in this clone")
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bit_identity.py"), "--against", revision],
                             cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "all bit-identical" in result.stdout
+    assert "all bit-identical" in result.stdout or "bit-identical except" in result.stdout

@@ -19,6 +19,7 @@ from .two_phase import (
     weighted_sum,
     weighted_sums,
 )
+from .recompute import depth_merge_reference, lean_depth_merge, lean_rms_logits
 
 __all__ = [
     "depth_attention",
@@ -39,4 +40,7 @@ __all__ = [
     "rms_logits",
     "merge_partial_sum",
     "decoding",
+    "lean_rms_logits",
+    "lean_depth_merge",
+    "depth_merge_reference",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...ops import compute_dtype, rms_logits
+from ...ops import compute_dtype
 from .backends import Backend, Phase1Result, select_backend
 from .base import DepthHistory, ResidualState, ResidualStream
 from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
@@ -195,10 +195,10 @@ class AttnResBase(ResidualStream):
     def new_sources(self, dtype: torch.dtype) -> CompletedSources:
         return CompletedSources(self.folded_queries(dtype), [], [], [])
 
-    def complete(self, tp: CompletedSources, x: Tensor, first_query: int) -> None:
+    def complete(self, tp: CompletedSources, x: Tensor, first_query: int, backend: Backend) -> None:
         """Register ``x`` as a completed source visible to queries ``first_query .. L``."""
         tp.sources.append(x)
-        tp.logits.append(rms_logits(x, tp.qg[first_query:], self.eps))
+        tp.logits.append(backend.logits(x, tp.qg[first_query:], self.eps))
         tp.offsets.append(first_query)
 
     def phase1(self, backend: Backend, tp: CompletedSources, first_query: int, count: int) -> None:

@@ -8,17 +8,24 @@ for another and the tests compare them:
 * ``merge(state, p1, s, xs, zs)``: the input of the ``s``-th of those queries' sublayers,
   its Phase-1 result merged with ``k >= 0`` more sources (Phase 2; Full AttnRes);
 * ``merge_partial(state, p1, s, partial, qg, eps)``: the same with one more source, Block
-  AttnRes' partial sum, whose logit it computes too.
+  AttnRes' partial sum, whose logit it computes too;
+* ``logits(x, qg, eps)``: a new source's logits against every later query (its RMS factor
+  and one product), once, when it completes.
 
-:class:`TorchBackend` is the PyTorch path (``attnres.ops``) and the reference of the others;
-:class:`DecodingBackend` is PyTorch with fewer, smaller operations for no-grad decoding of a
-token or a few; :class:`TritonBackend` runs the fused kernels of :mod:`attnres.kernels` and,
-when the caller feeds the input to an RMSNorm (``state.defer_norm``), fuses that norm in.
+:class:`TorchBackend` is the PyTorch path written as a plain autograd graph (``attnres.ops``)
+and the reference of the others; :class:`LeanBackend` is the training path (under autograd):
+one custom autograd node per sublayer that saves only the sources and per-token statistics
+and recomputes the rest in its backward (:mod:`attnres.ops.recompute`), with the next
+sublayer's RMSNorm fused in when the caller defers it; :class:`DecodingBackend` is PyTorch
+with fewer, smaller operations for no-grad decoding of a token or a few;
+:class:`TritonBackend` runs the fused kernels of :mod:`attnres.kernels` and, when the caller
+feeds the input to an RMSNorm (``state.defer_norm``), fuses that norm in.
 :func:`select_backend` picks one per forward, from the embedding.
 
-Phase 1's statistics differ by backend, and the type says which: PyTorch keeps one
-log-sum-exp per query (:class:`LsePhase1`), the kernels the max and the sum-exp
-(:class:`StatsPhase1`).
+Phase 1's results differ by backend, and the type says which: the PyTorch graph keeps the
+weighted sums and one log-sum-exp per query (:class:`LsePhase1`), the kernels the weighted
+sums with the max and the sum-exp (:class:`StatsPhase1`), the lean path only the logits and
+the sources (:class:`LogitsPhase1`: its merge forms the weighted sum itself).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from torch import Tensor
 from ...ops import (
     compute_dtype,
     decoding,
+    lean_depth_merge,
+    lean_rms_logits,
     merge_partial_sum,
     merge_with_one_source,
     merge_with_sources_lse,
@@ -43,10 +52,13 @@ from .base import ResidualState
 
 __all__ = [
     "Phase1Result",
+    "WeightedPhase1",
     "LsePhase1",
     "StatsPhase1",
+    "LogitsPhase1",
     "Backend",
     "TorchBackend",
+    "LeanBackend",
     "DecodingBackend",
     "TritonBackend",
     "select_backend",
@@ -55,27 +67,43 @@ __all__ = [
 
 @dataclass
 class Phase1Result:
-    """Phase 1 of ``count`` consecutive queries ``first .. first + count - 1``.
+    """Phase 1 of ``count`` consecutive queries ``first .. first + count - 1``."""
+
+    first: int
+
+
+@dataclass
+class WeightedPhase1(Phase1Result):
+    """Phase 1 with its weighted sums formed.
 
     o_hat: ``count`` tensors ``[..., d]``, each query's normalised weighted sum over the
         completed sources, in the compute dtype (float32, or float64).
     p: ``[..., count, n]``, the weights over the ``n`` completed sources.
     """
 
-    first: int
     o_hat: list[Tensor]
     p: Tensor
 
 
 @dataclass
-class LsePhase1(Phase1Result):
+class LsePhase1(WeightedPhase1):
     """PyTorch's Phase 1: ``lse [..., count]``, the log-sum-exp of each query's logits."""
 
     lse: Tensor
 
 
 @dataclass
-class StatsPhase1(Phase1Result):
+class LogitsPhase1(Phase1Result):
+    """The lean path's Phase 1: ``z [..., count, n]``, the logits of the ``count`` queries
+    for the ``n`` completed ``sources``; each query's softmax and weighted sum are formed
+    inside its merge (one autograd node), so nothing ``[..., d]``-sized is made here."""
+
+    z: Tensor
+    sources: list[Tensor]
+
+
+@dataclass
+class StatsPhase1(WeightedPhase1):
     """The kernels' Phase 1: ``m`` and ``sumexp [..., count]``, each query's max logit and
     the sum of ``exp(z - m)``."""
 
@@ -109,11 +137,17 @@ class Backend:
         ``qg [d]`` is computed here."""
         raise NotImplementedError
 
+    def logits(self, x: Tensor, qg: Tensor, eps: float) -> Tensor:
+        """The logits ``[..., K]`` of a new source ``x [..., d]`` against the gain-folded
+        queries ``qg [K, d]`` (:func:`~attnres.ops.rms_logits`)."""
+        return rms_logits(x, qg, eps)
+
 
 class TorchBackend(Backend):
-    """PyTorch (``attnres.ops``): the reference of the other backends."""
+    """PyTorch (``attnres.ops``) as a plain autograd graph: the readable reference of the
+    other backends; inference and recording forwards run on it."""
 
-    name = "torch"
+    name = "torch_graph"
 
     def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> LsePhase1:
         count = z.shape[-2]
@@ -145,6 +179,49 @@ class TorchBackend(Backend):
 
     def merge_partial(self, state: ResidualState, p1: LsePhase1, s: int, partial: Tensor, qg: Tensor, eps: float) -> Tensor:
         return self.merge(state, p1, s, [partial], [rms_logits(partial, qg, eps)])
+
+
+class LeanBackend(Backend):
+    """The training path (:mod:`attnres.ops.recompute`): each sublayer's input is one custom
+    autograd node (:func:`~attnres.ops.lean_depth_merge`) that takes the logits of the
+    completed sources, forms the softmax and the weighted sum itself, computes Block's
+    partial-sum logit and applies the next sublayer's RMSNorm when the caller defers it
+    (``state.defer_norm``: a :class:`~attnres.nn.norm.FusableNormInput`). It saves only the
+    sources and per-token statistics; its backward recomputes the rest. Records no weights
+    (recording forwards take :class:`TorchBackend`)."""
+
+    name = "torch"
+
+    def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> LogitsPhase1:
+        return LogitsPhase1(first, z, list(sources))
+
+    def logits(self, x: Tensor, qg: Tensor, eps: float) -> Tensor:
+        return lean_rms_logits(x, qg, eps)
+
+    @staticmethod
+    def _input(state: ResidualState, z: Tensor, sources: list[Tensor], partial, qg, eps: float, fusable: bool,
+               keep_input: bool = False):
+        if partial is None and len(sources) == 1:  # one source: weight exactly 1, the source itself
+            return _cast(sources[0], state.dtype)
+
+        def compute(norm_weight, norm_eps):
+            return lean_depth_merge(z, sources, partial, qg, eps, norm_weight, norm_eps if norm_eps is not None else 0.0,
+                                    state.dtype, keep_input)
+
+        return FusableNormInput(compute) if state.defer_norm and fusable else compute(None, None)
+
+    def merge(self, state: ResidualState, p1: LogitsPhase1, s: int, xs: list[Tensor], zs: list[Tensor],
+              fusable: bool = True):
+        z = p1.z[..., s, :]
+        if xs:
+            z = torch.cat([z, torch.stack(zs, dim=-1)], dim=-1)
+        # Full AttnRes (and Block's first sublayer of a block): many sources, so the norm's
+        # input is kept rather than recomputed from all of them in the backward (L d in all
+        # for Full, N d for Block).
+        return self._input(state, z, p1.sources + list(xs), None, None, 0.0, fusable, keep_input=True)
+
+    def merge_partial(self, state: ResidualState, p1: LogitsPhase1, s: int, partial: Tensor, qg: Tensor, eps: float):
+        return self._input(state, p1.z[..., s, :], p1.sources, partial, qg, eps, True)
 
 
 class DecodingBackend(TorchBackend):
@@ -227,7 +304,7 @@ class TritonBackend(Backend):
         return self._deferred(state, compute, record)
 
 
-TORCH, DECODING, TRITON = TorchBackend(), DecodingBackend(), TritonBackend()
+TORCH, LEAN, DECODING, TRITON = TorchBackend(), LeanBackend(), DecodingBackend(), TritonBackend()
 
 
 def triton_available() -> bool:
@@ -239,9 +316,13 @@ def triton_available() -> bool:
 def select_backend(kernels: str, x: Tensor, record_weights: bool) -> Backend:
     """The backend of one forward over tensors like ``x`` (the embedding): ``kernels`` is
     ``ModelConfig.residual.kernels`` (``"auto"``: the kernels for CUDA tensors when triton
-    is installed); small no-grad inputs that record nothing decode on :class:`DecodingBackend`."""
+    is installed). On PyTorch: under autograd :class:`LeanBackend` (``"torch_graph"``, or a
+    forward that records its weights: :class:`TorchBackend`); without autograd, small inputs
+    that record nothing decode on :class:`DecodingBackend`, the rest take :class:`TorchBackend`."""
     if kernels == "triton" or (kernels == "auto" and x.is_cuda and triton_available()):
         return TRITON
+    if torch.is_grad_enabled():
+        return TORCH if record_weights or kernels == "torch_graph" else LEAN
     if not record_weights and decoding(x):
         return DECODING
     return TORCH

@@ -77,7 +77,7 @@ class _TwoPhase(Schedule):
         state = BlockTwoPhaseState(sources=m.new_sources(embedding.dtype), **common)
         state.backend = m.backend(embedding, state.weights is not None)
         state.phase = "phase1"
-        m.complete(state.sources, embedding, 0)
+        m.complete(state.sources, embedding, 0, state.backend)
         return state
 
     def _open_block(self, m: BlockAttnRes, state: BlockTwoPhaseState, l: int) -> None:
@@ -90,7 +90,7 @@ class _TwoPhase(Schedule):
         if l % m.block_size == 0:
             state.phase = "phase1"
             if state.partial is not None:
-                m.complete(tp, state.partial, l)
+                m.complete(tp, state.partial, l, backend)
                 state.partial = None
             self._open_block(m, state, l)
             state.phase = "phase2"
@@ -103,7 +103,7 @@ class _TwoPhase(Schedule):
         _add_to_partial(state, output)
 
     def finish(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> Tensor:
-        m.complete(state.sources, state.partial, m.n_sublayers)
+        m.complete(state.sources, state.partial, m.n_sublayers, state.backend)
         state.partial = None  # now a completed source
         return m.aggregate(state, state.backend, state.sources)
 
@@ -116,7 +116,7 @@ class _TwoPhase(Schedule):
         state.backend = m.backend(ref, state.weights is not None)
         state.phase = "phase1"
         for x in history.completed:  # every received entry: its RMS factor and logits, once
-            m.complete(state.sources, x, at)
+            m.complete(state.sources, x, at, state.backend)
         if history.running is not None and at < m.n_sublayers:
             self._open_block(m, state, at)  # the rest of the open block
         return state

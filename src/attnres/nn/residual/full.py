@@ -7,7 +7,6 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ...ops import rms_logits
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .backends import Backend
 from .base import DepthHistory, HistoryLayout, ResidualState
@@ -75,7 +74,7 @@ class _TwoPhase(Schedule):
         state = FullTwoPhaseState(sources=m.new_sources(embedding.dtype), **common)
         state.backend = m.backend(embedding, state.weights is not None)
         state.phase = "phase1"
-        m.complete(state.sources, embedding, 0)
+        m.complete(state.sources, embedding, 0, state.backend)
         return state
 
     @staticmethod
@@ -101,7 +100,7 @@ class _TwoPhase(Schedule):
 
     def add(self, m: FullAttnRes, state: FullTwoPhaseState, l: int, output: Tensor) -> None:
         state.phase = "phase1"  # the new output's RMS factor and logits against every later query
-        state.group.append(GroupOutput(output, rms_logits(output, state.sources.qg[l + 1 :], m.eps), l + 1))
+        state.group.append(GroupOutput(output, state.backend.logits(output, state.sources.qg[l + 1 :], m.eps), l + 1))
 
     def finish(self, m: FullAttnRes, state: FullTwoPhaseState) -> Tensor:
         self._close_group(state)
@@ -118,9 +117,10 @@ class _TwoPhase(Schedule):
         g = m.group_size
         g0 = at // g * g  # first sublayer of the open group; v_0 .. v_{g0} are completed sources
         for x in completed[: g0 + 1]:
-            m.complete(state.sources, x, at)
+            m.complete(state.sources, x, at, state.backend)
         qg = state.sources.qg
-        state.group = [GroupOutput(x, rms_logits(x, qg[j:], m.eps), j) for j, x in enumerate(completed[g0 + 1 :], g0 + 1)]
+        state.group = [GroupOutput(x, state.backend.logits(x, qg[j:], m.eps), j)
+                       for j, x in enumerate(completed[g0 + 1 :], g0 + 1)]
         if at % g and at < m.n_sublayers:
             m.phase1(state.backend, state.sources, at, min(g0 + g, m.n_sublayers) - at)
         return state

@@ -1,0 +1,279 @@
+"""The training path of the two-phase schedule: custom autograd functions that save only the
+sources and per-token statistics, and recompute the rest in their backward (report §4.2).
+
+Every function here has a *reference* beside it with the same signature, written with plain
+PyTorch operations (autograd records their graph): the tests compare the two, forward and
+every gradient, and gradcheck the functions in float64.
+
+=====================================  =====================================================
+function (custom backward)             reference (autograd graph)
+=====================================  =====================================================
+:func:`lean_rms_logits`                :func:`~attnres.ops.rms_logits`
+:func:`lean_depth_merge`               :func:`depth_merge_reference`
+=====================================  =====================================================
+
+What the autograd graph of the reference keeps, per sublayer: the Phase-1 weighted sums
+``o_hat`` (one ``[..., d]`` in float32 per query), the merged input ``h_l`` (kept by the
+sublayer's RMSNorm), the partial sum, and a dozen per-token temporaries of the logit, its
+RMS factor and the softmax. What :func:`lean_depth_merge` keeps: references to its sources
+(kept anyway, since later sublayers read them), the partial sum (in place of the ``h_l``
+the standard residual's norm keeps), the softmax weights over the ``n`` sources (``n``
+floats per token), and three per-token scalars (the partial sum's logit and RMS factor, the
+norm's ``1/rms``). The weighted sum ``h_l``, the norm's input and the Phase-1 results are
+recomputed in the backward from those, in one pass per source - or, with ``keep_input``
+(many sources: Full AttnRes), the norm's input is kept, as the standard model keeps its own.
+
+The merge also fuses what follows it: the logit of Block AttnRes' partial sum (its RMS
+factor and its dot product with the query) and the next sublayer's RMSNorm, so a sublayer's
+residual is one node of the autograd graph, with one analytic backward, instead of about
+twenty operations and their saved tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .two_phase import compute_dtype, full_precision, rms_inverse, rms_logits, weighted_sum
+
+__all__ = ["lean_rms_logits", "lean_depth_merge", "depth_merge_reference"]
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """``sum(a * b, -1)`` in ``a``'s dtype (``b`` is cast to it): ``[..., d] -> [...]``."""
+    return torch.linalg.vecdot(a, b if b.dtype == a.dtype else b.to(a.dtype))
+
+
+def _sum_to(x: Tensor, d: int) -> Tensor:
+    """``x [..., d]`` summed over every leading dimension -> ``[d]``."""
+    return x.reshape(-1, d).sum(dim=0)
+
+
+# ----------------------------------------------------------------------------------------
+# Logits of a completed source against every later query.
+# ----------------------------------------------------------------------------------------
+
+
+class _RmsLogits(torch.autograd.Function):
+    """``z = (x . qg_k) / rms(x)``; saves ``x`` (a source: kept anyway), ``qg`` and the
+    per-token RMS factor; the backward is analytic."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, qg: Tensor, eps: float) -> Tensor:
+        compute = compute_dtype(x.dtype)
+        with full_precision(x):
+            xc = x if x.dtype == compute else x.to(compute)
+            q = qg if qg.dtype == compute else qg.to(compute)
+            r = rms_inverse(xc, eps)  # [...]
+            z = (xc @ q) * r if q.dim() == 1 else F.linear(xc, q) * r.unsqueeze(-1)
+        ctx.save_for_backward(x, q, r)
+        return z
+
+    @staticmethod
+    def backward(ctx, gz: Tensor):
+        x, q, r = ctx.saved_tensors
+        d = x.shape[-1]
+        compute = q.dtype
+        gz = gz.to(compute)
+        xc = x if x.dtype == compute else x.to(compute)
+        gx = gq = None
+        if q.dim() == 1:
+            gr = gz * r  # [...]
+            if ctx.needs_input_grad[0]:
+                # d z / d x = r q - (r^3 / d) (q . x) x = r q - (r^2 z / d) x
+                u = gr.unsqueeze(-1) * q
+                gx = u.sub_(xc * (gr * r * r * (xc @ q) / d).unsqueeze(-1))
+            if ctx.needs_input_grad[1]:
+                gq = _sum_to(xc * gr.unsqueeze(-1), d)
+        else:
+            gr = gz * r.unsqueeze(-1)  # [..., K]
+            if ctx.needs_input_grad[0]:
+                u = gr @ q  # [..., d]: r * sum_k gz_k q_k
+                gx = u.sub_(xc * (r * r * _dot(u, xc) / d).unsqueeze(-1))
+            if ctx.needs_input_grad[1]:
+                gq = gr.reshape(-1, gr.shape[-1]).t() @ xc.reshape(-1, d)
+        if gx is not None and gx.dtype != x.dtype:
+            gx = gx.to(x.dtype)
+        return gx, gq, None
+
+
+def lean_rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
+    """:func:`~attnres.ops.rms_logits` (same signature, same result) as one autograd node
+    that saves only ``x``, ``qg`` and one RMS factor per token: ``x [..., d]`` against
+    gain-folded queries ``qg [K, d]`` (-> ``[..., K]``) or ``[d]`` (-> ``[...]``), in the
+    compute dtype."""
+    return _RmsLogits.apply(x, qg, eps)
+
+
+# ----------------------------------------------------------------------------------------
+# One sublayer's input: softmax over depth, weighted sum, optional partial sum and norm.
+# ----------------------------------------------------------------------------------------
+
+
+class _DepthMerge(torch.autograd.Function):
+    """See :func:`lean_depth_merge`. Inputs after the settings: ``z, partial, qg,
+    norm_weight, *sources`` (``None`` where absent)."""
+
+    @staticmethod
+    def forward(ctx, eps, norm_eps, out_dtype, keep_input, z, partial, qg, norm_weight, *sources):
+        compute = compute_dtype(sources[0].dtype)
+        d = sources[0].shape[-1]
+        with full_precision(sources[0]):
+            zc = z if z.dtype == compute else z.to(compute)
+            srcs = list(sources)
+            r_b = zb = None
+            if partial is not None:  # the partial sum's logit for this query, and its RMS factor
+                pc = partial if partial.dtype == compute else partial.to(compute)
+                q = qg if qg.dtype == compute else qg.to(compute)
+                r_b = rms_inverse(pc, eps)
+                zb = (pc @ q) * r_b
+                zc = torch.cat([zc, zb.unsqueeze(-1)], dim=-1)
+                srcs.append(partial)
+            alpha = torch.softmax(zc, dim=-1)  # [..., n]
+            h = weighted_sum(alpha, srcs)
+            rstd = kept = None
+            if norm_weight is not None:
+                if out_dtype != compute:  # the norm reads the stream's value, rounded to its dtype
+                    h = h.to(out_dtype).to(compute)
+                kept = h if keep_input else None
+                h, rstd = torch.ops.aten._fused_rms_norm(h, [d], norm_weight.to(compute), norm_eps)
+        ctx.out_dtype = out_dtype
+        ctx.eps, ctx.norm_eps = eps, norm_eps
+        ctx.has_partial, ctx.has_norm = partial is not None, norm_weight is not None
+        ctx.save_for_backward(alpha, r_b, zb, rstd, kept, partial, qg, norm_weight, *sources)
+        return h if h.dtype == out_dtype else h.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, gout: Tensor):
+        alpha, r_b, zb, rstd, kept, partial, qg, norm_weight, *sources = ctx.saved_tensors
+        compute = alpha.dtype
+        d = sources[0].shape[-1]
+        srcs = sources + ([partial] if ctx.has_partial else [])
+        g = gout if gout.dtype == compute else gout.to(compute)
+        ni = ctx.needs_input_grad
+        needs = ni[:3] + ni[4:]  # eps, norm_eps, out_dtype, z, partial, qg, norm_weight, *sources
+        g_norm = None
+        if ctx.has_norm:  # recompute h, the norm's input, from the sources and the weights
+            if kept is not None:
+                h = kept
+            else:
+                h = weighted_sum(alpha, srcs)
+                if ctx.out_dtype != compute:
+                    h = h.to(ctx.out_dtype).to(compute)
+            u = g * norm_weight.to(compute)
+            # y = h rstd w: dh = rstd (u - (rstd^2 / d) (u . h) h), dw = sum over tokens of g h rstd.
+            gh = u.sub_(h * (rstd * rstd * _dot(u, h).unsqueeze(-1) / d)).mul_(rstd)
+            if needs[6]:
+                g_norm = _sum_to(g * h * rstd, d).to(norm_weight.dtype)
+            if ctx.out_dtype != compute:  # the backward of that rounding
+                gh = gh.to(ctx.out_dtype).to(compute)
+        else:
+            gh = g
+        # Softmax backward: dz_j = alpha_j (gh . x_j - gh . h), gh . h = sum_j alpha_j (gh . x_j).
+        s = torch.stack([_dot(gh, x) for x in srcs], dim=-1)  # [..., n]
+        gz_all = alpha * (s - (alpha * s).sum(dim=-1, keepdim=True))
+        grads_src = []
+        for j, x in enumerate(sources):
+            if needs[7 + j]:
+                gx = gh * alpha[..., j : j + 1]
+                grads_src.append(gx if gx.dtype == x.dtype else gx.to(x.dtype))
+            else:
+                grads_src.append(None)
+        g_partial = g_qg = None
+        if ctx.has_partial:
+            gzb = gz_all[..., -1]
+            pc = partial if partial.dtype == compute else partial.to(compute)
+            q = qg if qg.dtype == compute else qg.to(compute)
+            gr = gzb * r_b  # [...]
+            if needs[4]:
+                # d zb / d b = r q - (r^2 zb / d) b, plus the direct weight alpha_b.
+                g_partial = gh * alpha[..., -1:] + gr.unsqueeze(-1) * q - pc * (gr * r_b * zb / d).unsqueeze(-1)
+                if g_partial.dtype != partial.dtype:
+                    g_partial = g_partial.to(partial.dtype)
+            if needs[5]:
+                g_qg = _sum_to(pc * gr.unsqueeze(-1), d)
+                if g_qg.dtype != qg.dtype:
+                    g_qg = g_qg.to(qg.dtype)
+            gz_all = gz_all[..., :-1]
+        g_z = gz_all if needs[3] else None
+        return None, None, None, None, g_z, g_partial, g_qg, g_norm, *grads_src
+
+
+def _check_merge_inputs(z: Tensor, sources: Sequence[Tensor], partial: Tensor | None, qg: Tensor | None) -> None:
+    if not sources:
+        raise ValueError("depth merge needs at least one source with a known logit")
+    if z.shape[-1] != len(sources):
+        raise ValueError(f"z has {z.shape[-1]} logits for {len(sources)} sources")
+    if (partial is None) != (qg is None):
+        raise ValueError("partial and qg come together (the partial sum's logit needs the query)")
+
+
+def lean_depth_merge(
+    z: Tensor,
+    sources: Sequence[Tensor],
+    partial: Tensor | None = None,
+    qg: Tensor | None = None,
+    eps: float = 1e-6,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
+    keep_input: bool = False,
+) -> Tensor:
+    """One query's depth attention from known logits, as one autograd node.
+
+    Args:
+        z: ``[..., n]``, the query's logits for ``sources`` (computed once per source, when
+            it completed: :func:`lean_rms_logits`).
+        sources: ``n >= 1`` tensors ``[..., d]``, the values.
+        partial: Block AttnRes' partial sum ``[..., d]``, one more source whose logit for the
+            gain-folded query ``qg [d]`` is computed here (RMS factor ``eps``); ``None``: none.
+        norm_weight, norm_eps: the next sublayer's RMSNorm, applied to the result here
+            (``None``: no norm).
+        out_dtype: the result's dtype (default: the sources').
+        keep_input: with a norm, save its input ``h`` (one ``[..., d]``) instead of
+            recomputing it in the backward (one pass per source): for many sources (Full
+            AttnRes), where the recompute costs more time than the tensor costs memory.
+
+    Returns:
+        ``RMSNorm(h)`` (or ``h``) ``[..., d]`` with ``h = sum_j softmax(z, z_b)_j x_j``: the
+        softmax and the sum in float32 (float64 for float64 sources), autocast off.
+
+    Saves only the softmax weights (``n (+1)`` floats per token), the partial sum's logit and
+    RMS factor, the norm's ``1/rms`` and references to the inputs; the backward recomputes
+    ``h`` (one fused multiply-add pass per source) when the norm needs it.
+    :func:`depth_merge_reference` is the same function as a plain autograd graph.
+    """
+    _check_merge_inputs(z, sources, partial, qg)
+    out_dtype = sources[0].dtype if out_dtype is None else out_dtype
+    return _DepthMerge.apply(eps, norm_eps, out_dtype, keep_input, z, partial, qg, norm_weight, *sources)
+
+
+def depth_merge_reference(
+    z: Tensor,
+    sources: Sequence[Tensor],
+    partial: Tensor | None = None,
+    qg: Tensor | None = None,
+    eps: float = 1e-6,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
+    keep_input: bool = False,
+) -> Tensor:
+    """:func:`lean_depth_merge` written with plain PyTorch operations (autograd records and
+    keeps their graph): the readable reference, same signature, same result."""
+    _check_merge_inputs(z, sources, partial, qg)
+    compute = compute_dtype(sources[0].dtype)
+    out_dtype = sources[0].dtype if out_dtype is None else out_dtype
+    srcs = list(sources)
+    with full_precision(sources[0]):
+        logits = z.to(compute)
+        if partial is not None:
+            logits = torch.cat([logits, rms_logits(partial, qg.to(compute), eps).unsqueeze(-1)], dim=-1)
+            srcs.append(partial)
+        h = weighted_sum(torch.softmax(logits, dim=-1), srcs)
+        if norm_weight is not None:
+            h = F.rms_norm(h, (h.shape[-1],), norm_weight.to(compute), norm_eps)
+    return h.to(out_dtype)
