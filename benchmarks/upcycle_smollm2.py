@@ -52,6 +52,7 @@ def main() -> int:
     p.add_argument("--work", default="runs/upcycle-smollm2", help="model directories and training runs")
     p.add_argument("--eval-windows", type=int, default=None, help="at most this many 1024-token windows")
     p.add_argument("--steps", type=int, default=120, help="continued-training steps of each model")
+    p.add_argument("--train-eval-batches", type=int, default=4, help="held-out batches of each evaluation during training")
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--skip-training", action="store_true")
     args = p.parse_args()
@@ -95,7 +96,7 @@ def main() -> int:
             overrides = [f"model.from_hf={d}", f"init_from={d}", f"out_dir={run}", f"steps={args.steps}",
                          f"seq_len={SEQ}", "batch_size=1", "optimizer=adamw", f"lr={args.lr}", "schedule=constant",
                          "warmup_steps=10", "weight_decay=0.0", "grad_clip=1.0", "seed=0", "log_every=1",
-                         f"eval_every={max(1, args.steps // 4)}", "eval_batches=8", "diagnostics_every=100000",
+                         f"eval_every={max(1, args.steps // 4)}", f"eval_batches={args.train_eval_batches}", "diagnostics_every=100000",
                          f"checkpoint_every={args.steps}", "keep_checkpoints=1", "tensorboard=false", "progress=true"]
             t0 = time.perf_counter()
             result = train(load_config(None, overrides))
