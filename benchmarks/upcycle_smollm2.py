@@ -55,7 +55,11 @@ def main() -> int:
     p.add_argument("--train-eval-batches", type=int, default=4, help="held-out batches of each evaluation during training")
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--skip-training", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="rewrite report.md and loss.png from results.json")
     args = p.parse_args()
+    if args.report_only:
+        save(Path(args.out), json.loads((Path(args.out) / "results.json").read_text()), args)
+        return 0
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -141,17 +145,26 @@ def write_report(out: Path, r: dict, args) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
         for name, c in r["training"].items():
             steps, loss = zip(*c["train"])
             ax.plot(steps, loss, label=f"{name} (train)", alpha=0.6)
             if c["eval"]:
                 es, el = zip(*c["eval"])
                 ax.plot(es, el, marker="o", label=f"{name} (held-out)")
-        ax.set_xlabel("step (1024 tokens each)")
         ax.set_ylabel("loss")
-        ax.legend()
+        ax.legend(fontsize=8)
         ax.set_title("Continued training of SmolLM2-135M: original vs Block AttnRes upcycle")
+        if {"original", "block"} <= r["training"].keys():  # the curves overlap: show the gap
+            for kind, style in (("train", dict(alpha=0.7)), ("eval", dict(marker="o"))):
+                a, b = dict(r["training"]["original"][kind]), dict(r["training"]["block"][kind])
+                steps = sorted(a.keys() & b.keys())
+                dx.plot(steps, [b[s] - a[s] for s in steps], label=f"{'held-out' if kind == 'eval' else kind}",
+                        **style)
+            dx.axhline(0, color="grey", lw=0.8)
+            dx.set_ylabel("block - original")
+            dx.legend(fontsize=8)
+        dx.set_xlabel("step (1024 tokens each)")
         fig.tight_layout()
         fig.savefig(out / "loss.png", dpi=120)
         lines += ["## Continued training", "", "![loss](loss.png)", "",
