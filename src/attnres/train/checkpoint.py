@@ -154,10 +154,18 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     for name, content in extra.items():
         (tmp / name).write_bytes(content)
     names = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", *extra)
+    publish_checkpoint(tmp, final, out_dir, names, {"format_version": FORMAT_VERSION, "step": step},
+                       {"optimizer": opt_meta, **state}, keep)
+    return final
+
+
+def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head: dict, tail: dict, keep: int) -> None:
+    """The last steps of every checkpoint writer: hash ``names`` (files under ``tmp``) into
+    the state file ``{**head, "files": ..., **tail}``, fsync it, move ``tmp`` to ``final`` in
+    one rename, and keep only the newest ``keep`` checkpoints of ``out_dir``."""
     listing = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
-    doc = {"format_version": FORMAT_VERSION, "step": step, "files": listing, "optimizer": opt_meta, **state}
     with (tmp / STATE_FILE).open("w") as f:
-        json.dump(doc, f, indent=1)
+        json.dump({**head, "files": listing, **tail}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     if final.exists():
@@ -165,7 +173,6 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
     os.replace(tmp, final)
     for old in checkpoint_dirs(out_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def read_checkpoint_state(path: str | Path) -> dict[str, Any]:

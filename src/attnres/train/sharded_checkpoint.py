@@ -25,8 +25,6 @@ and the transformers integration read.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .checkpoint import FORMAT_VERSION, STATE_FILE, CheckpointError, _rng_state, _sha256, checkpoint_dirs, checkpoint_path
+from .checkpoint import FORMAT_VERSION, CheckpointError, _rng_state, checkpoint_path, publish_checkpoint
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "consolidate"]
 
@@ -95,17 +93,8 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
         for name, content in (files or {}).items():
             (tmp / name).write_bytes(content)
         names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        listing = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
-        doc = {"format_version": FORMAT_VERSION, "layout": DCP_LAYOUT, "step": step, "files": listing, **run_state}
-        with (tmp / STATE_FILE).open("w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in checkpoint_dirs(out_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_checkpoint(tmp, final, out_dir, names,
+                           {"format_version": FORMAT_VERSION, "layout": DCP_LAYOUT, "step": step}, run_state, keep)
     _barrier()
     return final
 
