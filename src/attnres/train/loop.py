@@ -467,14 +467,7 @@ class Trainer:
         grads = block_grad_norms(self.model) if (step + 1) % config.diagnostics_every == 0 else None  # before clipping
         clip = config.grad_clip if config.grad_clip > 0 else math.inf
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, clip)).item()
-        if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-            raise TrainingDiverged(
-                f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step + 1} "
-                f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {self._recovery_hint()}"
-            )
-        self.optimizer.step()
-        self.step_count += 1
-        self.tokens_seen += config.tokens_per_step
+        self._apply_update(train_loss, grad_norm, step + 1)
         return factor, grad_norm, grads
 
     def _mesh_step(self, factor: float) -> tuple[float, float, None]:
@@ -495,15 +488,20 @@ class Trainer:
         self.train_loss = train_loss
         pm.finish_grads()
         grad_norm = pm.clip_grads(config.grad_clip if config.grad_clip > 0 else math.inf)
+        self._apply_update(train_loss, grad_norm, self.step_count + 1)
+        return factor, grad_norm, None
+
+    def _apply_update(self, train_loss: float, grad_norm: float, step_number: int) -> None:
+        """Stop on a non-finite loss or gradient norm (nothing saved), else take the optimiser
+        step and count it."""
         if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
             raise TrainingDiverged(
-                f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {self.step_count + 1} "
+                f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step_number} "
                 f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {self._recovery_hint()}"
             )
         self.optimizer.step()
         self.step_count += 1
-        self.tokens_seen += config.tokens_per_step
-        return factor, grad_norm, None
+        self.tokens_seen += self.config.tokens_per_step
 
     def _recovery_hint(self) -> str:
         if self.last_ckpt is None:
