@@ -42,14 +42,21 @@ from .two_phase import compute_dtype, full_precision, rms_inverse, rms_logits, w
 __all__ = ["lean_rms_logits", "lean_depth_merge", "depth_merge_reference"]
 
 
-def _dot(a: Tensor, b: Tensor) -> Tensor:
-    """``sum(a * b, -1)`` in ``a``'s dtype (``b`` is cast to it): ``[..., d] -> [...]``."""
-    return torch.linalg.vecdot(a, b if b.dtype == a.dtype else b.to(a.dtype))
+def _dot(a: Tensor, b: Tensor, scratch: Tensor, out: Tensor | None = None) -> Tensor:
+    """``sum(a * b, -1)`` in ``a``'s dtype (``b`` is cast to it): ``[..., d] -> [...]``.
+
+    The product goes into ``scratch`` (``[..., d]`` like ``a``), reused by every dot of one
+    backward: on CPU a fresh ``[..., d]`` buffer per dot costs more than the dot (the
+    allocator returns large blocks to the system, and every new one is paged in again)."""
+    torch.mul(a, b if b.dtype == a.dtype else b.to(a.dtype), out=scratch)
+    return torch.sum(scratch, dim=-1) if out is None else torch.sum(scratch, dim=-1, out=out)
 
 
-def _sum_to(x: Tensor, d: int) -> Tensor:
-    """``x [..., d]`` summed over every leading dimension -> ``[d]``."""
-    return x.reshape(-1, d).sum(dim=0)
+def _token_sum(weights: Tensor, x: Tensor) -> Tensor:
+    """``sum over tokens of weights[...] * x[..., d]`` -> ``[d]``: one matrix-vector product,
+    no ``[..., d]`` temporary."""
+    d = x.shape[-1]
+    return weights.reshape(-1) @ x.reshape(-1, d)
 
 
 # ----------------------------------------------------------------------------------------
@@ -84,15 +91,14 @@ class _RmsLogits(torch.autograd.Function):
             gr = gz * r  # [...]
             if ctx.needs_input_grad[0]:
                 # d z / d x = r q - (r^3 / d) (q . x) x = r q - (r^2 z / d) x
-                u = gr.unsqueeze(-1) * q
-                gx = u.sub_(xc * (gr * r * r * (xc @ q) / d).unsqueeze(-1))
+                gx = (gr.unsqueeze(-1) * q).addcmul_(xc, (gr * r * r * (xc @ q) / d).unsqueeze(-1), value=-1)
             if ctx.needs_input_grad[1]:
-                gq = _sum_to(xc * gr.unsqueeze(-1), d)
+                gq = _token_sum(gr, xc)
         else:
             gr = gz * r.unsqueeze(-1)  # [..., K]
             if ctx.needs_input_grad[0]:
                 u = gr @ q  # [..., d]: r * sum_k gz_k q_k
-                gx = u.sub_(xc * (r * r * _dot(u, xc) / d).unsqueeze(-1))
+                gx = u.addcmul_(xc, (r * r * _dot(u, xc, torch.empty_like(u)) / d).unsqueeze(-1), value=-1)
             if ctx.needs_input_grad[1]:
                 gq = gr.reshape(-1, gr.shape[-1]).t() @ xc.reshape(-1, d)
         if gx is not None and gx.dtype != x.dtype:
@@ -156,6 +162,7 @@ class _DepthMerge(torch.autograd.Function):
         ni = ctx.needs_input_grad
         needs = ni[:3] + ni[4:]  # eps, norm_eps, out_dtype, z, partial, qg, norm_weight, *sources
         g_norm = None
+        scratch = torch.empty_like(g)  # every [..., d] product of this backward that is not returned
         if ctx.has_norm:  # recompute h, the norm's input, from the sources and the weights
             if kept is not None:
                 h = kept
@@ -163,17 +170,20 @@ class _DepthMerge(torch.autograd.Function):
                 h = weighted_sum(alpha, srcs)
                 if ctx.out_dtype != compute:
                     h = h.to(ctx.out_dtype).to(compute)
+            if needs[6]:  # dw = sum over tokens of g h rstd
+                g_norm = _token_sum(rstd, torch.mul(g, h, out=scratch)).to(norm_weight.dtype)
+            # y = h rstd w: dh = rstd (u - (rstd^2 / d) (u . h) h) with u = g w.
             u = g * norm_weight.to(compute)
-            # y = h rstd w: dh = rstd (u - (rstd^2 / d) (u . h) h), dw = sum over tokens of g h rstd.
-            gh = u.sub_(h * (rstd * rstd * _dot(u, h).unsqueeze(-1) / d)).mul_(rstd)
-            if needs[6]:
-                g_norm = _sum_to(g * h * rstd, d).to(norm_weight.dtype)
+            gh = u.addcmul_(h, rstd * rstd * _dot(u, h, scratch).unsqueeze(-1) / d, value=-1).mul_(rstd)  # rstd [..., 1]
             if ctx.out_dtype != compute:  # the backward of that rounding
                 gh = gh.to(ctx.out_dtype).to(compute)
         else:
             gh = g
         # Softmax backward: dz_j = alpha_j (gh . x_j - gh . h), gh . h = sum_j alpha_j (gh . x_j).
-        s = torch.stack([_dot(gh, x) for x in srcs], dim=-1)  # [..., n]
+        s = alpha.new_empty((len(srcs), *alpha.shape[:-1]))  # [n, ...]: one row per source, no stack
+        for j, x in enumerate(srcs):
+            _dot(gh, x, scratch, out=s[j])
+        s = s.movedim(0, -1)  # [..., n]
         gz_all = alpha * (s - (alpha * s).sum(dim=-1, keepdim=True))
         grads_src = []
         for j, x in enumerate(sources):
@@ -190,11 +200,12 @@ class _DepthMerge(torch.autograd.Function):
             gr = gzb * r_b  # [...]
             if needs[4]:
                 # d zb / d b = r q - (r^2 zb / d) b, plus the direct weight alpha_b.
-                g_partial = gh * alpha[..., -1:] + gr.unsqueeze(-1) * q - pc * (gr * r_b * zb / d).unsqueeze(-1)
+                g_partial = (gh * alpha[..., -1:]).addcmul_(gr.unsqueeze(-1), q)
+                g_partial.addcmul_(pc, (gr * r_b * zb / d).unsqueeze(-1), value=-1)
                 if g_partial.dtype != partial.dtype:
                     g_partial = g_partial.to(partial.dtype)
             if needs[5]:
-                g_qg = _sum_to(pc * gr.unsqueeze(-1), d)
+                g_qg = _token_sum(gr, pc)
                 if g_qg.dtype != qg.dtype:
                     g_qg = g_qg.to(qg.dtype)
             gz_all = gz_all[..., :-1]
