@@ -130,7 +130,7 @@ def ours_triton(x: dict) -> list[torch.Tensor]:
     sources, qg, gains = x["sources"], x["qg"], x["gains"]
     dt = sources[0].dtype
     z = torch.stack([source_logits(v, rms_inverse(v, EPS), qg) for v in sources], dim=-1)  # [M, S, n]
-    O, m, l, _ = phase1_attention(z, torch.stack(sources))
+    O, m, l, _ = phase1_attention(z, sources)
     outs = [merge_sources(O[0], m[:, 0], l[:, 0], [], [], norm_weight=gains[0], norm_eps=EPS, out_dtype=dt)[0]]
     for s, partial in enumerate(x["partials"], start=1):
         out, _ = phase2_merge(O[s], m[:, s], l[:, s], partial, qg[s], EPS, norm_weight=gains[s], norm_eps=EPS, out_dtype=dt)
@@ -260,6 +260,18 @@ def cuda_time(fn) -> float:
     return start.elapsed_time(end) / 1e3
 
 
+def cuda_peak_step_memory(step) -> int:
+    """Peak memory of one step above what was allocated before it (parameters and anything
+    else alive between steps not counted): what the step saves for its backward, plus
+    transients (issue 17: the kernels save the sources by reference, not a stacked copy)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def time_interleaved(steps: dict, repeats: int) -> dict[str, float]:
     """Median seconds per step, one call of each step per round (in a rotating order)."""
     for step in steps.values():
@@ -364,6 +376,7 @@ def bench_e2e(args) -> dict:
         return step
 
     res["train"] = time_interleaved({k: train(m) for k, m in models.items()}, args.repeats)
+    res["train_peak_memory_bytes"] = {k: cuda_peak_step_memory(train(m)) for k, m in models.items()}
     for model in models.values():
         model.to(torch.bfloat16)
     for batch in (1, 8):
@@ -415,13 +428,19 @@ def render_markdown(r: dict) -> str:
         "|---|---|---:|---:|---|",
     ]
     for mode, times in e.items():
-        if mode == "config":
+        if mode in ("config", "train_peak_memory_bytes"):
             continue
         target = TARGETS["train" if mode == "train" else "decode"]
         for name, t in times.items():
             ratio = t / times["standard"]
             verdict = "" if name == "standard" else f"<= {target:.2f}: {'met' if ratio <= target else 'MISSED'}"
             lines.append(f"| {mode} | {name} | {t * 1e3:.2f} | {ratio:.3f} | {verdict} |")
+    mem = e.get("train_peak_memory_bytes")
+    if mem:
+        lines += ["", "Peak memory of one training step above the memory allocated before it (bf16 autocast):", "",
+                  "| variant | MiB | ratio to standard |", "|---|---:|---:|"]
+        for name, b in mem.items():
+            lines.append(f"| {name} | {b / 2**20:.0f} | {b / mem['standard']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -149,6 +149,51 @@ def test_phase1_attention_kernel_matches_reference(M, S, n, d, block_d, dtype):
         assert_rel_close(a, b, op_tol(dtype), f"grad {name}")
 
 
+def _saved_tensors(fn) -> list[torch.Tensor]:
+    """Every tensor autograd saves while ``fn()`` runs."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+def test_kernels_save_sources_by_reference_not_a_stacked_copy():
+    """Issue 17's saving policy on the kernel path: Phase 1 and the Phase-2 merge save
+    references to their sources (kept anyway) and per-row statistics; the stacked copy the
+    kernels read lives only during the forward (the backward rebuilds it)."""
+    M, S, n, d = 6, 3, 4, 16
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(M, d, generator=g).requires_grad_() for _ in range(n)]
+    z = torch.randn(M, S, n, generator=g).requires_grad_()
+    out = {}
+    saved = _saved_tensors(lambda: out.update(zip("Omlp", phase1_attention(z, sources))))
+    ptrs = {x.data_ptr() for x in sources}
+    big = [t for t in saved if t.shape[-1] == d]
+    assert len(big) == n and {t.data_ptr() for t in big} == ptrs, [tuple(t.shape) for t in saved]
+    assert sum(t.numel() for t in saved if t.data_ptr() not in ptrs) <= 3 * M * S * n  # z, p and the statistics
+    # ... and the gradients are those of the stacked call (test_phase1_attention_kernel_matches_reference).
+    up = torch.randn(S, M, d, generator=g)
+    grads = torch.autograd.grad((out["O"] * up).sum() + out["l"].sum(), [z, *sources])
+    V = torch.stack([x.detach() for x in sources]).requires_grad_()
+    z2 = z.detach().requires_grad_()
+    O2, _, l2, _ = phase1_attention(z2, V)
+    grads2 = torch.autograd.grad((O2 * up).sum() + l2.sum(), [z2, V])
+    assert torch.equal(grads[0], grads2[0]) and torch.equal(torch.stack(grads[1:]), grads2[1])
+
+    o_hat = torch.randn(M, d, generator=g).requires_grad_()
+    m, sumexp = torch.randn(M, generator=g), torch.rand(M, generator=g) + 1
+    xs = sources[:2]
+    zs = [torch.randn(M, generator=g) for _ in xs]
+    saved = _saved_tensors(lambda: merge_sources(o_hat, m, sumexp, xs, zs, norm_weight=torch.ones(d)))
+    big = [t for t in saved if t.dim() == 2 and t.shape[-1] == d]
+    assert {t.data_ptr() for t in big} <= {o_hat.data_ptr()} | {x.data_ptr() for x in xs}, [tuple(t.shape) for t in saved]
+
+
 def test_launch_geometry():
     assert launch.tile_d(37) == 64 and launch.tile_d(1) == 1
     assert launch.tile_d(10**6) == launch.MAX_TILE_ELEMENTS  # wide models are tiled

@@ -199,23 +199,30 @@ def _(g, o_hat, X, w, gain, rstd, sumexp, block_d, max_programs):
     )
 
 
-def _setup(ctx, inputs, output):
-    o_hat, m, sumexp, X, z, gain, _norm_eps, _out_dtype, block_d, max_programs = inputs
-    _out, w, rstd = output
-    ctx.save_for_backward(o_hat, X, w, gain, rstd, sumexp)
-    ctx.dtypes = (o_hat.dtype, m.dtype, sumexp.dtype, z.dtype, None if gain is None else gain.dtype)
-    ctx.launch = (block_d, max_programs)
+class _MergeSources(torch.autograd.Function):
+    """The kernels' autograd: saves ``o_hat``, the weights and statistics, and references to
+    the merged sources - not their stacked copy, which the backward rebuilds."""
 
+    @staticmethod
+    def forward(ctx, o_hat, m, sumexp, z, gain, norm_eps, out_dtype, block_d, max_programs, *xs):
+        rows, d = o_hat.shape
+        X = torch.stack(xs) if xs else o_hat.new_empty(0, rows, d)
+        out, w, rstd = _fwd_op(o_hat, m, sumexp, X, z, gain, norm_eps, out_dtype, block_d, max_programs)
+        ctx.save_for_backward(o_hat, w, gain, rstd, sumexp, *xs)
+        ctx.dtypes = (o_hat.dtype, m.dtype, sumexp.dtype, z.dtype, None if gain is None else gain.dtype)
+        ctx.launch = (block_d, max_programs)
+        ctx.mark_non_differentiable(w, rstd)
+        return out, w, rstd
 
-def _backward(ctx, grad_out, _grad_w, _grad_rstd):
-    o_hat, X, w, gain, rstd, sumexp = ctx.saved_tensors
-    o_dtype, m_dtype, l_dtype, z_dtype, gain_dtype = ctx.dtypes
-    go, gx, gz, gm, gl, ggain = _bwd_op(grad_out.contiguous(), o_hat, X, w, gain, rstd, sumexp, *ctx.launch)
-    grad_gain = None if gain is None else ggain.to(gain_dtype)
-    return go.to(o_dtype), gm.to(m_dtype), gl.to(l_dtype), gx, gz.to(z_dtype), grad_gain, None, None, None, None
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup)
+    @staticmethod
+    def backward(ctx, grad_out, _grad_w, _grad_rstd):
+        o_hat, w, gain, rstd, sumexp, *xs = ctx.saved_tensors
+        o_dtype, m_dtype, l_dtype, z_dtype, gain_dtype = ctx.dtypes
+        X = torch.stack(xs) if xs else o_hat.new_empty(0, *o_hat.shape)
+        go, gx, gz, gm, gl, ggain = _bwd_op(grad_out.contiguous(), o_hat, X, w, gain, rstd, sumexp, *ctx.launch)
+        grad_gain = None if gain is None else ggain.to(gain_dtype)
+        return (go.to(o_dtype), gm.to(m_dtype), gl.to(l_dtype), gz.to(z_dtype), grad_gain, None, None, None, None,
+                *gx.unbind(0))
 
 
 def merge_sources(
@@ -234,11 +241,10 @@ def merge_sources(
     if norm_weight is not None and norm_weight.shape != (d,):
         raise ValueError(f"merge_sources: norm_weight must be ({d},), got {tuple(norm_weight.shape)}")
     rows = o_hat[..., 0].numel()
-    X = torch.stack([x.reshape(-1, d) for x in xs]) if xs else o_hat.new_empty(0, rows, d)
     z = torch.stack([t.reshape(-1) for t in zs], dim=-1).float() if zs else o_hat.new_empty(rows, 0, dtype=torch.float32)
-    out, w, _ = _fwd_op(
-        o_hat.reshape(-1, d).contiguous(), m.reshape(-1).contiguous(), sumexp.reshape(-1).contiguous(), X, z,
+    out, w, _ = _MergeSources.apply(
+        o_hat.reshape(-1, d).contiguous(), m.reshape(-1).contiguous(), sumexp.reshape(-1).contiguous(), z,
         None if norm_weight is None else norm_weight.contiguous(), float(norm_eps), out_dtype or o_hat.dtype,
-        tile_d(d, block_d=block_d), max_programs or 0,
+        tile_d(d, block_d=block_d), max_programs or 0, *(x.reshape(-1, d) for x in xs),
     )
     return out.view(*lead, d), w.detach().view(*lead, len(xs) + 1)

@@ -20,6 +20,8 @@ at the end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -149,32 +151,46 @@ def _(z, V, p, m, l, G, gm, gl, block_d):
     return torch.empty_like(z), torch.empty_like(V)
 
 
-def _attn_setup(ctx, inputs, output):
-    z, V, block_d = inputs
-    _O, m, l, p = output
-    ctx.save_for_backward(z, V, p, m, l)
-    ctx.block_d = block_d
+class _Phase1Attention(torch.autograd.Function):
+    """The kernels' autograd: saves the logits, the weights and statistics, and references to
+    the sources - not their stacked copy, which the backward rebuilds (the sources are kept
+    anyway; the copy would add ``n [M, d]`` per block until the backward)."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, block_d: int, *sources: Tensor):
+        O, m, l, p = _attn_fwd_op(z, torch.stack(sources), block_d)
+        ctx.save_for_backward(z, p, m, l, *sources)
+        ctx.block_d = block_d
+        ctx.mark_non_differentiable(p)
+        return O, m, l, p
+
+    @staticmethod
+    def backward(ctx, gO, gm, gl, _gp):
+        z, p, m, l, *sources = ctx.saved_tensors
+        zeros = torch.zeros_like(m)
+        gO = torch.zeros(z.shape[1], m.shape[0], sources[0].shape[-1], device=z.device) if gO is None else gO.contiguous()
+        gm = zeros if gm is None else gm.contiguous()
+        gl = zeros if gl is None else gl.contiguous()
+        GZ, GV = _attn_bwd_op(z, torch.stack(sources), p, m, l, gO, gm, gl, ctx.block_d)
+        return GZ, None, *GV.unbind(0)
 
 
-def _attn_backward(ctx, gO, gm, gl, _gp):
-    z, V, p, m, l = ctx.saved_tensors
-    zeros = torch.zeros_like(m)
-    gO = torch.zeros(z.shape[1], V.shape[1], V.shape[2], device=V.device) if gO is None else gO.contiguous()
-    gm = zeros if gm is None else gm.contiguous()
-    gl = zeros if gl is None else gl.contiguous()
-    return *_attn_bwd_op(z, V, p, m, l, gO, gm, gl, ctx.block_d), None
-
-
-_attn_fwd_op.register_autograd(_attn_backward, setup_context=_attn_setup)
-
-
-def phase1_attention(z: Tensor, V: Tensor, *, block_d: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``z [M, S, n]`` logits, ``V [n, M, d]`` stacked sources -> ``O [S, M, d]`` normalised
-    outputs, ``m [M, S]`` max, ``l [M, S]`` sum-exp, and the weights ``p [M, S, n]``
-    (detached, for analysis); all float32. ``block_d`` forces the tile of ``d`` (a power of
-    two; default: see :func:`attnres.kernels.launch.tile_d`)."""
-    if z.dim() != 3 or V.dim() != 3 or z.shape[0] != V.shape[1] or z.shape[2] != V.shape[0]:
-        raise ValueError(f"phase1_attention: z must be [M, S, n] and V [n, M, d]; got z {tuple(z.shape)}, V {tuple(V.shape)}")
-    block = tile_d(V.shape[2], rows=z.shape[1], block_d=block_d)
-    O, m, l, p = _attn_fwd_op(z.float().contiguous(), V if V.stride(-1) == 1 else V.contiguous(), block)
+def phase1_attention(
+    z: Tensor, sources: Tensor | Sequence[Tensor], *, block_d: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``z [M, S, n]`` logits, ``sources``: ``n`` tensors ``[M, d]`` (or one stacked
+    ``[n, M, d]``) -> ``O [S, M, d]`` normalised outputs, ``m [M, S]`` max, ``l [M, S]``
+    sum-exp, and the weights ``p [M, S, n]`` (detached, for analysis); all float32.
+    ``block_d`` forces the tile of ``d`` (a power of two; default: see
+    :func:`attnres.kernels.launch.tile_d`). The kernel reads the sources stacked; the stacked
+    copy lives only during the forward and again during the backward (issue 17's saving
+    policy: the backward keeps references to the sources, not a copy)."""
+    srcs = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
+    if z.dim() != 3 or not srcs or any(x.dim() != 2 or x.shape != srcs[0].shape for x in srcs) \
+            or z.shape[0] != srcs[0].shape[0] or z.shape[2] != len(srcs):
+        shapes = [tuple(x.shape) for x in srcs]
+        raise ValueError(f"phase1_attention: z must be [M, S, n] and the n sources [M, d]; got z {tuple(z.shape)}, "
+                         f"sources {shapes}")
+    block = tile_d(srcs[0].shape[1], rows=z.shape[1], block_d=block_d)
+    O, m, l, p = _Phase1Attention.apply(z.float().contiguous(), block, *srcs)
     return O, m, l, p.detach()

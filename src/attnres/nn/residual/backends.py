@@ -252,7 +252,7 @@ class TritonBackend(Backend):
         from ...kernels.phase1 import phase1_attention
 
         lead, d, n = sources[0].shape[:-1], sources[0].shape[-1], len(sources)
-        O, m, sumexp, p = phase1_attention(z.reshape(-1, count, n), torch.stack(sources).reshape(n, -1, d))
+        O, m, sumexp, p = phase1_attention(z.reshape(-1, count, n), [x.reshape(-1, d) for x in sources])
         return StatsPhase1(
             first, [O[k].reshape(*lead, d) for k in range(count)], p.reshape(*lead, count, n),
             m.reshape(*lead, count), sumexp.reshape(*lead, count),
