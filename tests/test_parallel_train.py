@@ -189,6 +189,33 @@ def test_pipeline_cached_matches_and_resumes_in_one_process(root):
     assert_matches(out, ref)
 
 
+def test_fsdp_data_parallel_writes_sharded_checkpoints(root):
+    """Plain FSDP2 data parallelism (``distributed=fsdp``, no ``parallel.*``) writes DCP
+    checkpoints (each rank its shards, no consolidated files), matches one process, and its
+    step-5 checkpoint resumes in one process; a consolidated single-process checkpoint
+    resumes on 2 FSDP2 ranks; generation's loader reads the DCP checkpoint directly."""
+    block = RESIDUALS["block"]
+    ref = reference(root, "ref-block", **block)
+    fsdp = {**block, "distributed": "fsdp"}
+    _resume_copy(root, "ref-block", "cons-to-fsdp")
+    launch(root, 2, [["fsdp", fsdp, 0], ["cons-to-fsdp", {**fsdp, "resume": "true"}, 0]])
+    for step in (5, STEPS):
+        state = read_checkpoint_state(checkpoint_path(root / "fsdp", step))
+        assert state["layout"] == "dcp" and "model.safetensors" not in state["files"]
+        assert {f for f in state["files"] if f.endswith(".distcp")} == {"dcp/__0_0.distcp", "dcp/__1_0.distcp"}
+    assert_matches(root / "fsdp", ref)
+    assert read_checkpoint_state(checkpoint_path(root / "cons-to-fsdp", STEPS))["layout"] == "dcp"
+    assert_matches(root / "cons-to-fsdp", ref)
+    out = _resume_copy(root, "fsdp", "fsdp-to-1")
+    train(load_config(None, run_args(root / "corpus.txt", out, distributed="none", resume="true", **block)))
+    assert_matches(out, ref)
+    from attnres.inference.loading import load_run
+
+    loaded = load_run(root / "fsdp").model.state_dict()
+    for name, value in weights(root / "fsdp", STEPS).items():
+        assert torch.equal(loaded[name], value), name
+
+
 @pytest.mark.slow
 def test_sigkilled_rank_ends_pipeline_job(root):
     """Under ``pp=2`` (two processes, no torchrun agent to tear them down), rank 1 SIGKILLs
