@@ -173,15 +173,19 @@ class PipelineChunk(nn.Module):
 
     def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
         stream, rope = self._shared
+        # Under tensor parallelism the norms are sequence-parallel modules whose input hook
+        # takes a tensor: the residual hands them its merged input rather than fusing the
+        # norm into the merge (the same values up to rounding).
+        defer = self.sequence_shards == 1
         if self.first:
             x = self.embed_tokens(inputs[0])
-            state = stream.start(x, defer_norm=True)
+            state = stream.start(x, defer_norm=defer)
         else:
             entries = list(inputs) if self.cache is None else self.cache.assemble(self.index, inputs)
             n = self.n_completed_in
             history = DepthHistory(entries[:n], entries[n] if self.running_in else None)
             x = entries[0]
-            state = stream.resume(history, self.s0, defer_norm=True)
+            state = stream.resume(history, self.s0, defer_norm=defer)
         cos, sin = rope(x.shape[-2] * self.sequence_shards)
         blocks = ((int(k), layer) for k, layer in self.layers.items())
         run_sublayers(stream, state, blocks, cos, sin, sublayer_call=self.sublayer_call)
