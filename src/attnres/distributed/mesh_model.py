@@ -198,9 +198,15 @@ class ParallelModel:
 
 
 def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: ParallelLayout, device: torch.device,
-                         seed: int, activation_checkpoint: str = "none") -> ParallelModel:
+                         seed: int, activation_checkpoint: str = "none",
+                         param_dtype: torch.dtype | None = None) -> ParallelModel:
     """The model of ``config``, initialised from ``seed`` exactly as a single process
-    initialises it, laid out over ``layout`` (see the module docstring)."""
+    initialises it, laid out over ``layout`` (see the module docstring).
+
+    ``param_dtype`` (``dp > 1``): FSDP2's ``MixedPrecisionPolicy`` - the gathered parameters
+    the forward and backward use, and so the gradients, in that dtype; the gradients are
+    reduce-scattered in float32 and the sharded parameters the optimiser updates (the
+    master weights) stay float32."""
     torch.manual_seed(seed)
     runner = None
     if layout.pp > 1:
@@ -241,15 +247,16 @@ def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: 
     dp_manual = [n for chunk in chunks for n, p in chunk.named_parameters()
                  if layout.dp > 1 and layout.tp > 1 and isinstance(p, _DT) and all(pl.is_replicate() for pl in p.placements)]
     if layout.dp > 1:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         # With tp, the parameters are already DTensors on the tp dimension: FSDP2 shards them
         # further over dp (2-D, as torchtitan composes FSDP x TP).
         for chunk in chunks:
             for layer in chunk.layers.values():
-                fully_shard(layer.attn, mesh=layout.submesh("dp"))
-                fully_shard(layer.mlp, mesh=layout.submesh("dp"))
+                fully_shard(layer.attn, mesh=layout.submesh("dp"), mp_policy=mp)
+                fully_shard(layer.mlp, mesh=layout.submesh("dp"), mp_policy=mp)
             params = dict(chunk.named_parameters())
-            fully_shard(chunk, mesh=layout.submesh("dp"), reshard_after_forward=runner is None,
+            fully_shard(chunk, mesh=layout.submesh("dp"), reshard_after_forward=runner is None, mp_policy=mp,
                         ignored_params={params[n] for n in dp_manual if n in params} or None)
     return ParallelModel(model, layout, chunks, runner, replicated, device, dp_manual)

@@ -294,8 +294,12 @@ class Trainer:
             if config.dtype != "float32" and self.layout.pp > 1:
                 raise ValueError(f"TrainConfig.dtype={config.dtype!r} is not supported with parallel.pp > 1 yet (the "
                                  "pipeline's static stage shapes are float32); use dtype=float32")
+            # bf16 over dp: FSDP2's mixed precision (bf16 parameters and gradients, float32
+            # reductions and master weights); autocast stays on for what FSDP2 does not cast
+            # (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).
+            param_dtype = torch.bfloat16 if config.dtype == "bfloat16" and self.layout.dp > 1 else None
             self.pm = build_parallel_model(config.model, config.parallel, self.layout, self.device, config.seed,
-                                           config.activation_checkpoint)
+                                           config.activation_checkpoint, param_dtype)
             self.model = self.pm.model
             return
         torch.manual_seed(self.config.seed)
