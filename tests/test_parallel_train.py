@@ -275,6 +275,30 @@ def test_bf16_mixed_precision_over_dp(root):
     assert mixed <= 2 * autocast
 
 
+def _step_seconds(run: Path) -> list[float]:
+    """Each logged step's wall time (from its tokens/s; every step is logged here)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["tokens"] / r["step"] / r["tokens_per_s"] for r in records if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_the_mesh(root):
+    """``compile=true`` under ``parallel.dp=2`` and ``parallel.tp=2``: each block's attention
+    and MLP compiled (regional ``torch.compile``, FSDP2's and tp's hooks eager around them)
+    train as the eager single-process run does (1e-5). Slow: inductor compiles on the first
+    step (about 25 s here) and again for the first evaluation (no autograd)."""
+    block = RESIDUALS["block"]
+    ref = reference(root, "ref-block", **block)
+    runs = [["compile-dp2", {**block, "parallel.dp": 2, "compile": "true"}, 0],
+            ["compile-tp2", {**block, "parallel.tp": 2, "compile": "true"}, 0]]
+    launch(root, 2, runs)
+    for name, _, _ in runs:
+        assert_matches(root / name, ref)
+        steps = _step_seconds(root / name)
+        print(f"{name}: first step (compiling) {steps[0]:.1f} s, step 6 (after the first evaluation) {steps[5]:.1f} s, "
+              f"median step {sorted(steps)[len(steps) // 2]:.2f} s")
+
+
 @pytest.mark.slow
 def test_sigkilled_rank_ends_pipeline_job(root):
     """Under ``pp=2`` (two processes, no torchrun agent to tear them down), rank 1 SIGKILLs

@@ -289,8 +289,9 @@ class Trainer:
             self.layout = build_layout(config.parallel, self.device)
             check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, config.grad_accum,
                                   self.layout.dp, self.mode)
-            if config.compile:
-                raise ValueError("TrainConfig.compile=true is not supported with parallel.tp/pp/dp yet; set compile=false")
+            if config.compile and self.layout.pp > 1:
+                raise ValueError("TrainConfig.compile=true is not supported with parallel.pp > 1 yet (compiled blocks "
+                                 "run under dp and tp); set compile=false")
             if config.dtype != "float32" and self.layout.pp > 1:
                 raise ValueError(f"TrainConfig.dtype={config.dtype!r} is not supported with parallel.pp > 1 yet (the "
                                  "pipeline's static stage shapes are float32); use dtype=float32")
@@ -299,7 +300,7 @@ class Trainer:
             # (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).
             param_dtype = torch.bfloat16 if config.dtype == "bfloat16" and self.layout.dp > 1 else None
             self.pm = build_parallel_model(config.model, config.parallel, self.layout, self.device, config.seed,
-                                           config.activation_checkpoint, param_dtype)
+                                           config.activation_checkpoint, param_dtype, config.compile)
             self.model = self.pm.model
             return
         torch.manual_seed(self.config.seed)
