@@ -300,6 +300,17 @@ def test_compiled_blocks_under_the_mesh(root):
 
 
 @pytest.mark.slow
+def test_dp_tp_pp_on_eight_ranks(root):
+    """``parallel.dp=2 x tp=2 x pp=2`` (8 gloo processes, 1F1B), Block AttnRes, stopped at
+    step 5 and resumed in the same layout, matches single-process training (1e-5). About a
+    minute on 2 cores."""
+    block = RESIDUALS["block"]
+    ref = reference(root, "ref-block", **block)
+    launch(root, 8, [["dp2-tp2-pp2", {**block, **PP, "parallel.tp": 2, "parallel.dp": 2}, 5]], timeout=1200)
+    assert_matches(root / "dp2-tp2-pp2", ref)
+
+
+@pytest.mark.slow
 def test_sigkilled_rank_ends_pipeline_job(root):
     """Under ``pp=2`` (two processes, no torchrun agent to tear them down), rank 1 SIGKILLs
     itself at step 8: rank 0 stops with an error within 60 s, and the step-5 checkpoint
