@@ -310,6 +310,18 @@ def test_dp_tp_pp_on_eight_ranks(root):
     assert_matches(root / "dp2-tp2-pp2", ref)
 
 
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("dp2-tp2", marks=pytest.mark.slow)])
+def test_tied_embeddings_under_tp(root, layout):
+    """``model.tie_embeddings=true`` under ``tp=2`` (and, slow, ``dp=2 x tp=2``): the
+    embedding and the LM head stay one parameter, split by vocabulary rows, and training
+    matches the tied single-process run (1e-5)."""
+    tied = {**RESIDUALS["block"], "model.tie_embeddings": "true"}
+    ref = reference(root, "ref-block-tied", **tied)
+    ranks, extra = LAYOUTS[layout]
+    launch(root, ranks, [[f"tied-{layout}", {**tied, **extra}, 0]])
+    assert_matches(root / f"tied-{layout}", ref)
+
+
 @pytest.mark.slow
 def test_sigkilled_rank_ends_pipeline_job(root):
     """Under ``pp=2`` (two processes, no torchrun agent to tear them down), rank 1 SIGKILLs
@@ -359,8 +371,7 @@ def test_invalid_layouts_name_the_field(root):
         check_parallel_config(cfg, ParallelConfig(tp=3), 16, 4, 1, 1, "fsdp")
     with pytest.raises(ValueError, match="tie_embeddings"):
         check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(pp=2), 16, 4, 1, 1, "fsdp")
-    with pytest.raises(ValueError, match="tie_embeddings"):
-        check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1, 1, "fsdp")
+    check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1, 1, "fsdp")  # allowed
     with pytest.raises(ValueError, match="pp_microbatches"):
         check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1, 1, "fsdp")
     with pytest.raises(ValueError, match="ddp"):

@@ -52,10 +52,6 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
                          "the mesh is FSDP2 (distributed=fsdp or auto)")
     if parallel.tp > 1:
         check_tp_shapes(model, parallel.tp)
-        if model.tie_embeddings:
-            raise ValueError("model.tie_embeddings must be false with parallel.tp > 1 (the embedding is split by "
-                             "vocabulary rows for the lookup and the LM head by output rows: one tensor cannot be both "
-                             "DTensor parameters; not supported yet)")
         if seq_len % parallel.tp:
             raise ValueError(f"TrainConfig.seq_len={seq_len} must be divisible by parallel.tp={parallel.tp} (the "
                              "norms and the residual run on the sequence shard)")
