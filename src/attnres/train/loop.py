@@ -292,9 +292,6 @@ class Trainer:
             if config.compile and self.layout.pp > 1:
                 raise ValueError("TrainConfig.compile=true is not supported with parallel.pp > 1 yet (compiled blocks "
                                  "run under dp and tp); set compile=false")
-            if config.dtype != "float32" and self.layout.pp > 1:
-                raise ValueError(f"TrainConfig.dtype={config.dtype!r} is not supported with parallel.pp > 1 yet (the "
-                                 "pipeline's static stage shapes are float32); use dtype=float32")
             # bf16 over dp: FSDP2's mixed precision (bf16 parameters and gradients, float32
             # reductions and master weights); autocast stays on for what FSDP2 does not cast
             # (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).
