@@ -289,14 +289,16 @@ def _step_seconds(run: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_compiled_blocks_under_the_mesh(root):
-    """``compile=true`` under ``parallel.dp=2`` and ``parallel.tp=2``: each block's attention
-    and MLP compiled (regional ``torch.compile``, FSDP2's and tp's hooks eager around them)
-    train as the eager single-process run does (1e-5). Slow: inductor compiles on the first
-    step (about 25 s here) and again for the first evaluation (no autograd)."""
+    """``compile=true`` under ``parallel.dp=2``, ``parallel.tp=2`` and ``parallel.pp=2``
+    (interleaved 1F1B with the cross-stage cache): each block's attention and MLP compiled
+    (regional ``torch.compile``, FSDP2's and tp's hooks eager around them) train as the eager
+    single-process run does (1e-5). Slow: inductor compiles on the first step (about 25 s
+    here) and again for the first evaluation (no autograd)."""
     block = RESIDUALS["block"]
     ref = reference(root, "ref-block", **block)
     runs = [["compile-dp2", {**block, "parallel.dp": 2, "compile": "true"}, 0],
-            ["compile-tp2", {**block, "parallel.tp": 2, "compile": "true"}, 0]]
+            ["compile-tp2", {**block, "parallel.tp": 2, "compile": "true"}, 0],
+            ["compile-pp2", {**block, **LAYOUTS["pp2-interleaved-cache"][1], "compile": "true"}, 0]]
     launch(root, 2, runs)
     for name, _, _ in runs:
         assert_matches(root / name, ref)

@@ -289,9 +289,6 @@ class Trainer:
             self.layout = build_layout(config.parallel, self.device)
             check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, config.grad_accum,
                                   self.layout.dp, self.mode)
-            if config.compile and self.layout.pp > 1:
-                raise ValueError("TrainConfig.compile=true is not supported with parallel.pp > 1 yet (compiled blocks "
-                                 "run under dp and tp); set compile=false")
             # bf16 over dp: FSDP2's mixed precision (bf16 parameters and gradients, float32
             # reductions and master weights); autocast stays on for what FSDP2 does not cast
             # (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).
