@@ -235,8 +235,9 @@ def test_activation_checkpointing_under_the_mesh(root, cases):
 
 
 def test_bf16_over_the_mesh(root):
-    """``dtype=bfloat16`` with ``parallel.dp=2``: FSDP2's ``MixedPrecisionPolicy`` (bf16
-    parameters and gradients, float32 reductions); with ``parallel.pp=2``: autocast on each
+    """``dtype=bfloat16`` with ``parallel.dp=2`` and with plain ``distributed=fsdp``: FSDP2's
+    ``MixedPrecisionPolicy`` (bf16 parameters and gradients, float32 reductions); with
+    ``parallel.pp=2``: autocast on each
     stage, what crosses stages cast to the pipeline's float32 wire dtype. Both train, stay
     close to the single-process bf16 autocast run, and the master weights and optimiser
     state stay float32.
@@ -255,6 +256,7 @@ def test_bf16_over_the_mesh(root):
     ref = reference(root, "ref-block-bf16", **block, dtype="bfloat16")
     ref32 = reference(root, "ref-block", **block)
     runs = [["bf16-dp2", {**block, "parallel.dp": 2, "dtype": "bfloat16"}, 0],
+            ["bf16-fsdp", {**block, "distributed": "fsdp", "dtype": "bfloat16"}, 0],
             ["bf16-pp2", {**block, **PP, "dtype": "bfloat16"}, 0]]
     launch(root, 2, runs)
     from attnres.train.sharded_checkpoint import read_sharded_tensors

@@ -32,18 +32,21 @@ from .launch import DistContext
 DP_MODES = ("ddp", "fsdp")
 
 
-def wrap_model(model: nn.Module, mode: str, ctx: DistContext) -> nn.Module:
+def wrap_model(model: nn.Module, mode: str, ctx: DistContext, param_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard ``model`` in place (``fsdp``) or wrap it (``ddp``). Returns what to call for
     training forwards (the model itself for FSDP2, the DDP wrapper for DDP); ``model`` stays
     usable for evaluation. Build the optimiser *after* this call: FSDP2 replaces parameters
-    by sharded DTensors."""
+    by sharded DTensors. ``param_dtype`` (FSDP2): its ``MixedPrecisionPolicy``, parameters
+    gathered and gradients computed in that dtype, reduced in float32; the sharded master
+    weights stay float32."""
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         for layer in model.layers:
-            fully_shard(layer.attn)
-            fully_shard(layer.mlp)
-        fully_shard(model)
+            fully_shard(layer.attn, mp_policy=mp)
+            fully_shard(layer.mlp, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
         return model
     if mode == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None

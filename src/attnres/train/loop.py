@@ -369,7 +369,9 @@ class Trainer:
                 raise ValueError(f"TrainConfig.batch_size={config.batch_size} (the global batch) must be divisible by "
                                  f"the number of ranks {ctx.world_size}")
             dist.barrier()  # every rank has seen the same checkpoints before rank 0 writes anything
-        self.forward = self.model if ctx is None else wrap_model(self.model, self.mode, ctx)
+        # bf16 under FSDP2: its mixed precision (as over the mesh), autocast around it.
+        param_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
+        self.forward = self.model if ctx is None else wrap_model(self.model, self.mode, ctx, param_dtype)
         self.optimizer = build_optimizer(self.model, config)
         if self.source is not None:
             if not is_sharded(self.source.state):
