@@ -136,11 +136,34 @@ def references(root) -> Path:
     return root
 
 
+def checkpoint_tensors(path: Path, part: str) -> dict[str, torch.Tensor]:
+    """The ``model`` weights or the ``optimizer`` state of a checkpoint, consolidated (one
+    process, DDP) or sharded (FSDP2, DCP), keyed by parameter name (``<name>.<state>`` for the
+    optimiser: a consolidated optimiser state is keyed by position in the optimiser's groups,
+    mapped here to names through the optimiser the run's config builds)."""
+    from attnres import AttnResLM, ModelConfig
+    from attnres.train import build_optimizer
+    from attnres.train.checkpoint import read_checkpoint_state
+    from attnres.train.sharded_checkpoint import is_sharded, read_sharded_tensors
+
+    state = read_checkpoint_state(path)
+    if is_sharded(state):
+        return read_sharded_tensors(path, "model." if part == "model" else "optim.")
+    tensors = load_file(str(path / f"{part}.safetensors"))
+    if part == "model":
+        return tensors
+    config = TrainConfig.from_dict(state["config"])
+    model = AttnResLM(ModelConfig.from_dict(state["config"]["model"]))
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in build_optimizer(model, config).param_groups for p in g["params"]]
+    return {f"{order[int(k.split('.', 1)[0])]}.{k.split('.', 1)[1]}": v for k, v in tensors.items()}
+
+
 def assert_close_runs(got: Path, want: Path, step: int) -> None:
     """Weights and optimiser state of checkpoint ``step``, and the logged loss and gradient
     norm of every step, within DP_TOL. Prints the largest errors (shown with ``-s``)."""
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        a, b = load_file(str(checkpoint_path(got, step) / name)), load_file(str(checkpoint_path(want, step) / name))
+    for name in ("model", "optimizer"):
+        a, b = checkpoint_tensors(checkpoint_path(got, step), name), checkpoint_tensors(checkpoint_path(want, step), name)
         assert a.keys() == b.keys(), name
         keys = sorted(a)
         errs = tensor_errors([a[k] for k in keys], [b[k] for k in keys])

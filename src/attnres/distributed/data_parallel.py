@@ -8,10 +8,12 @@
 * :func:`local_rows` gives each rank its disjoint slice of the global batch, so ``K`` ranks
   with ``batch_size / K`` rows each take the same optimiser step as one process with the whole
   batch (the per-rank mean losses have equal weight, and DDP/FSDP average gradients).
-* :func:`full_model_state` / :func:`full_optimizer_state` gather sharded (DTensor) state into
-  whole tensors, keyed exactly like a single-process ``state_dict()``, so rank 0 can write the
-  same consolidated safetensors checkpoint a single process writes; :func:`shard_optimizer_state`
-  does the reverse on load. A checkpoint therefore does not depend on the number of ranks.
+* FSDP2 runs write sharded (DCP) checkpoints of :func:`sharded_parameters` (each rank its
+  shards; :mod:`attnres.train.sharded_checkpoint`). DDP runs write consolidated ones:
+  :func:`full_model_state` / :func:`full_optimizer_state` give whole tensors keyed exactly like
+  a single-process ``state_dict()``; :func:`shard_optimizer_state` cuts a consolidated
+  optimiser state (an older FSDP2 checkpoint, or one process's) to this rank's shards on
+  load. Either way a checkpoint does not depend on the number of ranks.
 """
 
 from __future__ import annotations
@@ -30,18 +32,21 @@ from .launch import DistContext
 DP_MODES = ("ddp", "fsdp")
 
 
-def wrap_model(model: nn.Module, mode: str, ctx: DistContext) -> nn.Module:
+def wrap_model(model: nn.Module, mode: str, ctx: DistContext, param_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard ``model`` in place (``fsdp``) or wrap it (``ddp``). Returns what to call for
     training forwards (the model itself for FSDP2, the DDP wrapper for DDP); ``model`` stays
     usable for evaluation. Build the optimiser *after* this call: FSDP2 replaces parameters
-    by sharded DTensors."""
+    by sharded DTensors. ``param_dtype`` (FSDP2): its ``MixedPrecisionPolicy``, parameters
+    gathered and gradients computed in that dtype, reduced in float32; the sharded master
+    weights stay float32."""
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         for layer in model.layers:
-            fully_shard(layer.attn)
-            fully_shard(layer.mlp)
-        fully_shard(model)
+            fully_shard(layer.attn, mp_policy=mp)
+            fully_shard(layer.mlp, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
         return model
     if mode == "ddp":
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -85,6 +90,19 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     t = torch.tensor([int(flag)], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def sharded_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``model``'s parameters by name, as FSDP2 registers them between steps: this rank's
+    shards (DTensors), the objects the optimiser holds. FSDP2 keeps the root's parameters
+    gathered after a forward (and a forward-only evaluation leaves them so), so every FSDP2
+    module is resharded first. Tied parameters appear once."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return dict(model.named_parameters())
 
 
 def full_tensor(t: Tensor) -> Tensor:

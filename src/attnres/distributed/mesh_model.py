@@ -38,7 +38,7 @@ from .parallel import ParallelConfig, ParallelLayout
 from .pipeline import PipelineChunk, PipelineConfig, PipelineRunner, stage_parameter_names
 from .tensor_parallel import apply_tensor_parallel, check_tp_shapes, reduce_replicated_grads
 
-__all__ = ["ParallelModel", "build_parallel_model", "check_parallel_config"]
+__all__ = ["ParallelModel", "build_parallel_model", "check_parallel_config", "compile_blocks"]
 
 
 def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len: int, batch_size: int,
@@ -52,10 +52,6 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
                          "the mesh is FSDP2 (distributed=fsdp or auto)")
     if parallel.tp > 1:
         check_tp_shapes(model, parallel.tp)
-        if model.tie_embeddings:
-            raise ValueError("model.tie_embeddings must be false with parallel.tp > 1 (the embedding is split by "
-                             "vocabulary rows for the lookup and the LM head by output rows: one tensor cannot be both "
-                             "DTensor parameters; not supported yet)")
         if seq_len % parallel.tp:
             raise ValueError(f"TrainConfig.seq_len={seq_len} must be divisible by parallel.tp={parallel.tp} (the "
                              "norms and the residual run on the sequence shard)")
@@ -197,10 +193,33 @@ class ParallelModel:
         return norm.item()
 
 
+def compile_blocks(chunks: list[PipelineChunk]) -> None:
+    """Regional compilation: ``torch.compile`` each transformer block's ``attn`` and ``mlp``
+    ``forward``, in place. Only the forward is compiled, not the module call: the hooks
+    FSDP2 (the all-gather before, the reshard after) and tensor parallelism register on these
+    modules stay eager around the compiled region. The residual between the sublayers, the
+    embedding and the head stay eager. All blocks share one compiled code (the parameters
+    are graph inputs), recompiled at most for a new shape."""
+    for chunk in chunks:
+        for layer in chunk.layers.values():
+            for module in (layer.attn, layer.mlp):
+                module.forward = torch.compile(module.forward)
+
+
 def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: ParallelLayout, device: torch.device,
-                         seed: int, activation_checkpoint: str = "none") -> ParallelModel:
+                         seed: int, activation_checkpoint: str = "none",
+                         param_dtype: torch.dtype | None = None, compile: bool = False) -> ParallelModel:
     """The model of ``config``, initialised from ``seed`` exactly as a single process
-    initialises it, laid out over ``layout`` (see the module docstring)."""
+    initialises it, laid out over ``layout`` (see the module docstring).
+
+    ``param_dtype`` (``dp > 1``): FSDP2's ``MixedPrecisionPolicy`` - the gathered parameters
+    the forward and backward use, and so the gradients, in that dtype; the gradients are
+    reduce-scattered in float32 and the sharded parameters the optimiser updates (the
+    master weights) stay float32.
+
+    ``compile``: regional ``torch.compile`` of each transformer block's attention and MLP
+    (:func:`compile_blocks`), after tensor parallelism and before FSDP2, as torchtitan orders
+    them."""
     torch.manual_seed(seed)
     runner = None
     if layout.pp > 1:
@@ -232,6 +251,8 @@ def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: 
         from torch.distributed.tensor import DTensor
 
         replicated = [n for chunk in chunks for n, p in chunk.named_parameters() if not isinstance(p, DTensor)]
+    if compile:
+        compile_blocks(chunks)
     # The sequence-parallel norms' gains (tp-Replicate DTensors) stay out of FSDP2 under
     # dp x tp: their gradients come out tp-Partial, which FSDP2's reduce-scatter loses (we
     # measured zero gradients). They are small (d per norm); finish_grads sums them over tp
@@ -241,15 +262,16 @@ def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: 
     dp_manual = [n for chunk in chunks for n, p in chunk.named_parameters()
                  if layout.dp > 1 and layout.tp > 1 and isinstance(p, _DT) and all(pl.is_replicate() for pl in p.placements)]
     if layout.dp > 1:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         # With tp, the parameters are already DTensors on the tp dimension: FSDP2 shards them
         # further over dp (2-D, as torchtitan composes FSDP x TP).
         for chunk in chunks:
             for layer in chunk.layers.values():
-                fully_shard(layer.attn, mesh=layout.submesh("dp"))
-                fully_shard(layer.mlp, mesh=layout.submesh("dp"))
+                fully_shard(layer.attn, mesh=layout.submesh("dp"), mp_policy=mp)
+                fully_shard(layer.mlp, mesh=layout.submesh("dp"), mp_policy=mp)
             params = dict(chunk.named_parameters())
-            fully_shard(chunk, mesh=layout.submesh("dp"), reshard_after_forward=runner is None,
+            fully_shard(chunk, mesh=layout.submesh("dp"), reshard_after_forward=runner is None, mp_policy=mp,
                         ignored_params={params[n] for n in dp_manual if n in params} or None)
     return ParallelModel(model, layout, chunks, runner, replicated, device, dp_manual)

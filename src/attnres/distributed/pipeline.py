@@ -170,26 +170,35 @@ class PipelineChunk(nn.Module):
         self.cache: StageCache | None = None
         self.sublayer_call = plain_call
         self.sequence_shards = 1
+        self.wire_dtype = torch.float32
 
     def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
         stream, rope = self._shared
+        # Under tensor parallelism the norms are sequence-parallel modules whose input hook
+        # takes a tensor: the residual hands them its merged input rather than fusing the
+        # norm into the merge (the same values up to rounding).
+        defer = self.sequence_shards == 1
         if self.first:
             x = self.embed_tokens(inputs[0])
-            state = stream.start(x, defer_norm=True)
+            state = stream.start(x, defer_norm=defer)
         else:
             entries = list(inputs) if self.cache is None else self.cache.assemble(self.index, inputs)
             n = self.n_completed_in
             history = DepthHistory(entries[:n], entries[n] if self.running_in else None)
             x = entries[0]
-            state = stream.resume(history, self.s0, defer_norm=True)
+            state = stream.resume(history, self.s0, defer_norm=defer)
         cos, sin = rope(x.shape[-2] * self.sequence_shards)
         blocks = ((int(k), layer) for k, layer in self.layers.items())
         run_sublayers(stream, state, blocks, cos, sin, sublayer_call=self.sublayer_call)
+        # What leaves a chunk travels in the runner's static dtype (``wire_dtype``): under
+        # bf16 the sublayer outputs in the history are bf16 and the rest float32, and torch's
+        # stages check every tensor against their static shapes. Casting bf16 up is exact.
         if self.last:
-            return self.lm_head(self.norm(stream.finish(state)))
+            return self.lm_head(self.norm(stream.finish(state))).to(self.wire_dtype)
         completed, running = stream.history(state)
         held = 0 if self.cache is None else self.cache.held(self.index + 1)
-        return tuple(completed[held:]) + ((running,) if running is not None else ())
+        return tuple(t.to(self.wire_dtype) for t in completed[held:]) + \
+            ((running.to(self.wire_dtype),) if running is not None else ())
 
 
 def stage_parameter_names(model: AttnResLM, config: PipelineConfig, rank: int) -> list[str]:
@@ -350,6 +359,8 @@ class PipelineRunner:
         self.sequence_shards = sequence_shards
         self.device = device or torch.device("cpu")
         self.dtype = dtype or torch.float32
+        for chunk in self.chunks.values():
+            chunk.wire_dtype = self.dtype
         self.counter = CommCounter()
         self._n_valid, self._scale = 1, 1.0
         self._schedules: dict[tuple, Any] = {}

@@ -10,7 +10,8 @@ Plan (Megatron-LM's, as torchtitan writes it for Llama), on a 1-D ``tp`` mesh:
   ``q/k/v_proj`` and ``gate/up_proj`` ``ColwiseParallel`` (heads and hidden units split),
   ``o_proj`` and ``down_proj`` ``RowwiseParallel`` with a reduce-scatter back to the
   sequence shard;
-* ``norm`` ``SequenceParallel``, ``lm_head`` ``ColwiseParallel`` gathering the logits.
+* ``norm`` ``SequenceParallel``, ``lm_head`` ``ColwiseParallel`` gathering the logits. With
+  tied embeddings both are the same ``[vocab, d]`` parameter, split by vocabulary rows.
 
 The residual stream between sublayers is a plain ``[B, T / tp, d]`` tensor on each rank, so
 the AttnRes residual - Phase 1 over the completed blocks, the Phase-2 merges - runs on the
@@ -77,6 +78,8 @@ def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) ->
         # Each rank now computes n_heads / tp query heads and n_kv_heads / tp key/value heads.
         layer.attn.n_heads //= tp
         layer.attn.n_kv_heads //= tp
+    embed, head = getattr(root, "embed_tokens", None), getattr(root, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
     plan = {}
     if getattr(root, "embed_tokens", None) is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -86,6 +89,14 @@ def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) ->
         plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if plan:
         parallelize_module(root, mesh, plan)
+    if tied:
+        # Each style distributes the weight into a parameter of its own: tie them again. Both
+        # split the [vocab, d] matrix by vocabulary rows (Shard(0)), the embedding's lookup and
+        # the head's output features alike, so one DTensor serves both.
+        if head.weight.placements != embed.weight.placements:
+            raise ValueError("model.tie_embeddings with parallel.tp > 1: the embedding and LM head shards differ "
+                             f"({embed.weight.placements} vs {head.weight.placements}); set model.tie_embeddings=false")
+        head.weight = embed.weight
 
 
 def replicated_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:

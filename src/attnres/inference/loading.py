@@ -19,6 +19,7 @@ from ..models.config import ModelConfig
 from ..models.lm import AttnResLM
 from ..train.checkpoint import CheckpointError, load_checkpoint
 from ..train.resume import find_valid_checkpoint
+from ..train.sharded_checkpoint import is_sharded, load_sharded_weights
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "pick_device"]
 
@@ -69,7 +70,10 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
         from ..upcycle.scratch import build_hf_model
 
         model = build_hf_model(config)
-    load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
+    if is_sharded(source.state):  # DCP (data- or model-parallel runs): read in this process
+        load_sharded_weights(source.path, model)
+    else:
+        load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
     device = device if isinstance(device, torch.device) else pick_device(device)
     return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
 

@@ -15,12 +15,13 @@ checkpoint stores the tokenizer and the data's fingerprint; a run holds an exclu
 its ``out_dir`` (:mod:`attnres.train.lock`) and prints its resolved set-up at start-up.
 
 Under ``torchrun`` (``TrainConfig.distributed``, docs/distributed.md) every rank runs this loop
-on its slice of each global batch, with FSDP2 or DDP averaging the gradients; rank 0 logs and
-writes consolidated checkpoints (the single-process layout), so a run resumes on any number
-of ranks. With ``TrainConfig.parallel`` (tensor or pipeline parallelism, or an explicit
-``parallel.dp``) the ranks form one ``(pp, dp, tp)`` device mesh
-(:mod:`attnres.distributed.mesh_model`) and checkpoints are sharded DCP checkpoints
-(:mod:`attnres.train.sharded_checkpoint`) that resume at any layout, one process included.
+on its slice of each global batch, with FSDP2 or DDP averaging the gradients; rank 0 logs.
+FSDP2 runs write sharded DCP checkpoints (:mod:`attnres.train.sharded_checkpoint`: every rank
+its shards, nothing gathered), DDP runs consolidated ones (the single-process layout); either
+resumes on any number of ranks, and an FSDP2 run resumes consolidated checkpoints too.
+With ``TrainConfig.parallel`` (tensor or pipeline parallelism, or an explicit ``parallel.dp``)
+the ranks form one ``(pp, dp, tp)`` device mesh (:mod:`attnres.distributed.mesh_model`),
+whose sharded checkpoints resume at any layout, one process included.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..distributed.data_parallel import (
     local_rows,
     mean_over_ranks,
     shard_optimizer_state,
+    sharded_parameters,
     wrap_model,
 )
 from ..distributed.launch import DistContext, collective_errors, init_distributed, resolve_mode
@@ -287,13 +289,12 @@ class Trainer:
             self.layout = build_layout(config.parallel, self.device)
             check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, config.grad_accum,
                                   self.layout.dp, self.mode)
-            if config.compile:
-                raise ValueError("TrainConfig.compile=true is not supported with parallel.tp/pp/dp yet; set compile=false")
-            if config.dtype != "float32" and self.layout.pp > 1:
-                raise ValueError(f"TrainConfig.dtype={config.dtype!r} is not supported with parallel.pp > 1 yet (the "
-                                 "pipeline's static stage shapes are float32); use dtype=float32")
+            # bf16 over dp: FSDP2's mixed precision (bf16 parameters and gradients, float32
+            # reductions and master weights); autocast stays on for what FSDP2 does not cast
+            # (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).
+            param_dtype = torch.bfloat16 if config.dtype == "bfloat16" and self.layout.dp > 1 else None
             self.pm = build_parallel_model(config.model, config.parallel, self.layout, self.device, config.seed,
-                                           config.activation_checkpoint)
+                                           config.activation_checkpoint, param_dtype, config.compile)
             self.model = self.pm.model
             return
         torch.manual_seed(self.config.seed)
@@ -368,7 +369,9 @@ class Trainer:
                 raise ValueError(f"TrainConfig.batch_size={config.batch_size} (the global batch) must be divisible by "
                                  f"the number of ranks {ctx.world_size}")
             dist.barrier()  # every rank has seen the same checkpoints before rank 0 writes anything
-        self.forward = self.model if ctx is None else wrap_model(self.model, self.mode, ctx)
+        # bf16 under FSDP2: its mixed precision (as over the mesh), autocast around it.
+        param_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
+        self.forward = self.model if ctx is None else wrap_model(self.model, self.mode, ctx, param_dtype)
         self.optimizer = build_optimizer(self.model, config)
         if self.source is not None:
             if not is_sharded(self.source.state):
@@ -542,8 +545,8 @@ class Trainer:
 
     def checkpoint(self) -> Path:
         """Write the checkpoint of the current step, with the tokenizer and the data's
-        fingerprint (every rank takes part in gathering the shards; rank 0 writes the
-        consolidated files)."""
+        fingerprint: sharded (DCP, every rank its shards) over the mesh and under FSDP2,
+        consolidated in one process and under DDP (rank 0 writes)."""
         config, step = self.config, self.step_count
         run_state = {"config": config.to_dict(), "sampler": self.sampler.state_dict(), "tokens_seen": self.tokens_seen,
                      "train_loss": self.train_loss, "val_loss": self.val_loss, "tokenizer": self.tokenizer_meta,
@@ -552,6 +555,9 @@ class Trainer:
                      "init_from": self.origin}
         if self.pm is not None:
             path = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer, run_state,
+                                config.keep_checkpoints, self.tokenizer_files, main=self.main)
+        elif self.mode == "fsdp":  # each rank writes its own shards; nothing is gathered
+            path = save_sharded(self.out_dir, step, sharded_parameters(self.model), self.optimizer, run_state,
                                 config.keep_checkpoints, self.tokenizer_files, main=self.main)
         elif self.ctx is None:
             path = save_checkpoint(self.out_dir, step, self.model, self.optimizer, run_state, config.keep_checkpoints,

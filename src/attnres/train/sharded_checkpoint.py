@@ -1,5 +1,6 @@
 """Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), for runs laid out over a
-``(pp, dp, tp)`` mesh (``TrainConfig.parallel``).
+``(pp, dp, tp)`` mesh (``TrainConfig.parallel``) and FSDP2 data-parallel runs
+(``distributed=fsdp``).
 
 Layout of ``<out_dir>/checkpoints/step-00000100/``::
 
@@ -19,8 +20,9 @@ those. No rank ever gathers the whole model.
 
 As with consolidated checkpoints, the files are written into a hidden directory renamed into
 place when complete (every rank must see the same file system: a shared one across nodes).
-:func:`consolidate` writes the consolidated ``model.safetensors`` that export, generation
-and the transformers integration read.
+:func:`load_sharded_weights` loads one into a whole model in one process (generation,
+export and evaluation do so through :func:`attnres.inference.load_run`); :func:`consolidate`
+writes the consolidated ``model.safetensors`` that other tools read.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from torch import Tensor, nn
 
 from .checkpoint import FORMAT_VERSION, CheckpointError, _rng_state, checkpoint_path, publish_checkpoint
 
-__all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "consolidate"]
+__all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
+           "consolidate"]
 
 DCP_LAYOUT = "dcp"
 DCP_DIR = "dcp"
@@ -136,19 +139,40 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
         torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
 
 
+def read_sharded_tensors(path: str | Path, prefix: str = "model.") -> dict[str, Tensor]:
+    """The whole tensors of the sharded checkpoint ``path`` whose keys start with ``prefix``
+    (``"model."``: the weights; ``"optim."``: the optimiser state), keys without the prefix,
+    read in one process (no process group, no gather across ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(path) / DCP_DIR))
+    meta = reader.read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+          if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return {k[len(prefix):]: v for k, v in sd.items()}
+
+
+def load_sharded_weights(path: str | Path, model: nn.Module) -> None:
+    """Load the weights of the sharded checkpoint ``path`` into the whole ``model`` (one
+    process: generation, export, evaluation). A tied weight is stored once, under the name
+    ``named_parameters`` gives it; its other names are filled by the tie.
+    :class:`CheckpointError` when the checkpoint does not fit the model."""
+    weights = read_sharded_tensors(path)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    state = model.state_dict()
+    loaded = {state[k].data_ptr() for k in weights if k in state}
+    missing = [k for k in missing if state[k].data_ptr() not in loaded]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)}, "
+                              f"unexpected {sorted(unexpected)}")
+
+
 def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
     """Write the consolidated ``model.safetensors`` (the single-process layout that export,
     generation and the transformers integration read) of the sharded checkpoint ``path``,
     in one process, into ``out`` (default: ``path``). Returns the file written."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    reader = dcp.FileSystemReader(str(path / DCP_DIR))
-    meta = reader.read_metadata()
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-          if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, storage_reader=reader, no_dist=True)
     target = Path(out or path) / "model.safetensors"
-    save_file({k[len("model."):]: v.contiguous() for k, v in sd.items()}, str(target))
+    save_file({k: v.contiguous() for k, v in read_sharded_tensors(path).items()}, str(target))
     return target
