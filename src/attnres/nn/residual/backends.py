@@ -191,8 +191,6 @@ class LeanBackend(Backend):
     (recording forwards take :class:`TorchBackend`)."""
 
     name = "torch"
-    #: Block AttnRes' Phase-2 merges keep the norm's input too (see :meth:`merge_partial`).
-    keep_partial_input: ClassVar[bool] = True
 
     def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> LogitsPhase1:
         return LogitsPhase1(first, z, list(sources))
@@ -223,7 +221,9 @@ class LeanBackend(Backend):
         return self._input(state, z, p1.sources + list(xs), None, None, 0.0, fusable, keep_input=True)
 
     def merge_partial(self, state: ResidualState, p1: LogitsPhase1, s: int, partial: Tensor, qg: Tensor, eps: float):
-        return self._input(state, p1.z[..., s, :], p1.sources, partial, qg, eps, True, keep_input=self.keep_partial_input)
+        # Block's Phase-2 sublayers: the norm's input is recomputed from the n + 1 sources in
+        # the backward, not kept (keeping it, L d in all, measured no faster: docs/training-overhead.md).
+        return self._input(state, p1.z[..., s, :], p1.sources, partial, qg, eps, True)
 
 
 class DecodingBackend(TorchBackend):
