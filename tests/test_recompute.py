@@ -291,6 +291,17 @@ def test_backend_selection():
         ModelConfig.preset("tiny", residual={"kind": "attnres_block", "kernels": "bogus"})
 
 
+def test_backend_under_torch_compile(monkeypatch):
+    """Traced by torch.compile, Full AttnRes trains on the plain graph (inductor fuses it and
+    picks what to save: measured faster than the lean nodes), Block stays on the lean path."""
+    x = torch.randn(2, 3, 8)
+    full, block = FullAttnRes(8, 4), BlockAttnRes(8, 4, 2)
+    assert full.backend(x).name == block.backend(x).name == "torch"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert full.backend(x).name == "torch_graph"
+    assert block.backend(x).name == "torch"
+
+
 # ----------------------------------------------------------------------------------------
 # What the training path keeps for the backward
 # ----------------------------------------------------------------------------------------

@@ -81,6 +81,9 @@ class AttnResBase(ResidualStream):
     has_depth_attention = True
     #: The variant's schedules by ``impl``; set by subclasses.
     SCHEDULES: dict[str, Schedule] = {}
+    #: Whether a forward traced by ``torch.compile`` trains on the plain-graph two-phase path
+    #: rather than the lean custom-autograd one (see :func:`~attnres.nn.residual.backends.select_backend`).
+    GRAPH_WHEN_COMPILING: bool = False
 
     def __init__(
         self, dim: int, n_sublayers: int, eps: float = 1e-6, impl: str = "two_phase",
@@ -141,7 +144,7 @@ class AttnResBase(ResidualStream):
         the naive path)."""
         if self.impl != "two_phase":
             return None
-        return select_backend(self.kernels, x, record_weights)
+        return select_backend(self.kernels, x, record_weights, self.GRAPH_WHEN_COMPILING)
 
     # -- the protocol, delegated to the schedule -----------------------------------------
     def _start(self, embedding: Tensor, common: dict[str, Any]) -> ResidualState:

@@ -315,16 +315,19 @@ def triton_available() -> bool:
     return available()
 
 
-def select_backend(kernels: str, x: Tensor, record_weights: bool) -> Backend:
+def select_backend(kernels: str, x: Tensor, record_weights: bool, graph_when_compiling: bool = False) -> Backend:
     """The backend of one forward over tensors like ``x`` (the embedding): ``kernels`` is
     ``ModelConfig.residual.kernels`` (``"auto"``: the kernels for CUDA tensors when triton
     is installed). On PyTorch: under autograd :class:`LeanBackend` (``"torch_graph"``, or a
-    forward that records its weights: :class:`TorchBackend`); without autograd, small inputs
-    that record nothing decode on :class:`DecodingBackend`, the rest take :class:`TorchBackend`."""
+    forward that records its weights: :class:`TorchBackend`; with ``graph_when_compiling``,
+    also a forward traced by ``torch.compile``, whose partitioner then chooses what to save);
+    without autograd, small inputs that record nothing decode on :class:`DecodingBackend`,
+    the rest take :class:`TorchBackend`."""
     if kernels == "triton" or (kernels == "auto" and x.is_cuda and triton_available()):
         return TRITON
     if torch.is_grad_enabled():
-        return TORCH if record_weights or kernels == "torch_graph" else LEAN
+        graph = record_weights or kernels == "torch_graph" or (graph_when_compiling and torch.compiler.is_compiling())
+        return TORCH if graph else LEAN
     if not record_weights and decoding(x):
         return DECODING
     return TORCH
