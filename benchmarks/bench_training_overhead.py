@@ -152,7 +152,7 @@ def main() -> int:
     }
     for backend in args.backends.split(","):
         for mode in args.modes.split(","):
-            names = [n for n in variants if backend == "eager" or not n.endswith(("_naive", "_graph"))]
+            names = [n for n in variants if backend == "eager" or not n.endswith("_naive")]
             steps = {}
             for name in names:
                 model = models[name]
