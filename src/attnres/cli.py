@@ -397,22 +397,6 @@ def _eval_output(args):
     return out
 
 
-def _validation_text(run) -> str:
-    """The run's validation split, read again from its data settings; a warning when the
-    data no longer has the fingerprint the checkpoint was trained on."""
-    import warnings
-
-    from .data import load_corpus
-
-    data = run.run_config["data"]
-    corpus = load_corpus(data["paths"], data["val_fraction"])
-    trained_on = (run.state.get("data") or {}).get("fingerprint")
-    if trained_on is not None and trained_on != corpus.digest:
-        warnings.warn(f"the data at {data['paths']} changed since checkpoint {str(run.checkpoint)!r} was trained: its "
-                      "validation split is not the run's (and may overlap the training text); pass --text", stacklevel=2)
-    return corpus.val
-
-
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
@@ -438,7 +422,7 @@ def run_eval(args) -> int:
         if args.text is not None:
             text = Path(args.text).read_text(encoding="utf-8")
         else:
-            text = _validation_text(run)
+            text = run.validation_text()
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
                    "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len),
                    "lm_eval": {}}

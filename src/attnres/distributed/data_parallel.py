@@ -40,9 +40,9 @@ def wrap_model(model: nn.Module, mode: str, ctx: DistContext, param_dtype: torch
     gathered and gradients computed in that dtype, reduced in float32; the sharded master
     weights stay float32."""
     if mode == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        mp = mixed_precision_policy(param_dtype)
         for layer in model.layers:
             fully_shard(layer.attn, mp_policy=mp)
             fully_shard(layer.mlp, mp_policy=mp)
@@ -90,6 +90,15 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
     t = torch.tensor([int(flag)], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None):
+    """FSDP2's ``MixedPrecisionPolicy`` for ``param_dtype`` (``None``: none): parameters
+    gathered and gradients computed in that dtype, gradients reduced in float32; the sharded
+    master weights stay float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
 
 
 def sharded_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

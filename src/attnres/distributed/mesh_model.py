@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..models import AttnResLM, ModelConfig, next_token_loss
 from ..models.trunk import sublayer_caller
+from .data_parallel import mixed_precision_policy
 from .grads import clip_grads_, global_grad_norm
 from .materialize import build_on_meta
 from .parallel import ParallelConfig, ParallelLayout
@@ -262,9 +263,9 @@ def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: 
     dp_manual = [n for chunk in chunks for n, p in chunk.named_parameters()
                  if layout.dp > 1 and layout.tp > 1 and isinstance(p, _DT) and all(pl.is_replicate() for pl in p.placements)]
     if layout.dp > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        mp = mixed_precision_policy(param_dtype)
         # With tp, the parameters are already DTensors on the tp dimension: FSDP2 shards them
         # further over dp (2-D, as torchtitan composes FSDP x TP).
         for chunk in chunks:

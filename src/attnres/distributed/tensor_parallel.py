@@ -81,11 +81,11 @@ def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) ->
     embed, head = getattr(root, "embed_tokens", None), getattr(root, "lm_head", None)
     tied = embed is not None and head is not None and head.weight is embed.weight
     plan = {}
-    if getattr(root, "embed_tokens", None) is not None:
+    if embed is not None:
         plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if getattr(root, "norm", None) is not None:
         plan["norm"] = SequenceParallel()
-    if getattr(root, "lm_head", None) is not None:
+    if head is not None:
         plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if plan:
         parallelize_module(root, mesh, plan)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from pathlib import Path
 
 import torch
@@ -36,17 +35,10 @@ DEFAULT_ROWS = 8
 def analysis_tokens(run, rows: int = DEFAULT_ROWS, seq_len: int | None = None, text: str | None = None) -> torch.Tensor:
     """``[rows, seq_len]`` token ids from the run's validation split (or ``text``), windows
     spread evenly from its start to its end."""
-    from ..data import load_corpus
     from ..inference.loading import load_tokenizer
 
     if text is None:
-        data = run.run_config["data"]
-        corpus = load_corpus(data["paths"], data["val_fraction"])
-        trained_on = (run.state.get("data") or {}).get("fingerprint")
-        if trained_on is not None and trained_on != corpus.digest:
-            warnings.warn(f"the data at {data['paths']} changed since {str(run.checkpoint)!r} was trained: analysing a "
-                          "validation split that is not the run's; pass --text", stacklevel=2)
-        text = corpus.val
+        text = run.validation_text()
     seq_len = seq_len or min(128, run.model.config.max_seq_len)
     if seq_len > run.model.config.max_seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {run.model.config.max_seq_len}")

@@ -55,6 +55,20 @@ class LoadedRun:
     checkpoint: Path
     state: dict
 
+    def validation_text(self) -> str:
+        """The run's validation split, read again from its data settings; a warning when the
+        data no longer has the fingerprint the checkpoint was trained on."""
+        from ..data import load_corpus
+
+        data = self.run_config["data"]
+        corpus = load_corpus(data["paths"], data["val_fraction"])
+        trained_on = (self.state.get("data") or {}).get("fingerprint")
+        if trained_on is not None and trained_on != corpus.digest:
+            warnings.warn(f"the data at {data['paths']} changed since checkpoint {str(self.checkpoint)!r} was trained: "
+                          "its validation split is not the run's (and may overlap the training text); pass --text",
+                          stacklevel=2)
+        return corpus.val
+
 
 def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> LoadedRun:
     """The model of a training checkpoint - a ``step-*`` directory, or a run directory (its

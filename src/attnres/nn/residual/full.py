@@ -139,7 +139,7 @@ class FullAttnRes(AttnResBase):
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
     # Under torch.compile the plain graph, fused by inductor, trained faster than the lean
     # nodes in every comparison (d = 512: 1.046 vs 1.094 and 1.034 vs 1.059 against the
-    # standard model; docs/training-overhead.md); for Block the lean path was as fast or faster.
+    # standard model; docs/training-overhead.md); for Block the two paths split within the noise.
     GRAPH_WHEN_COMPILING = True
 
     def __init__(
