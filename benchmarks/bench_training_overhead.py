@@ -18,7 +18,8 @@ ratios are the result, not the absolute times.
     python benchmarks/bench_training_overhead.py --shape main-job --backends eager --modes train
 
 ``*_graph`` variants run the two-phase path as a plain autograd graph (``kernels="torch_graph"``,
-the default before issue 17) beside the lean default; ``--shape main-job`` is the main job's
+the default before issue 17) beside the lean default, ``*_torch`` the lean path's PyTorch
+code without the fused CPU merge kernel (``kernels="torch"``); ``--shape main-job`` is the main job's
 model (d = 64, 12 blocks, S = 3, 16 x 128 tokens, one thread) and writes
 ``training_overhead_main_job.{json,md}``.
 
@@ -44,6 +45,9 @@ VARIANTS = {
     "standard": dict(residual="standard"),
     "block": dict(residual="attnres_block"),
     "full": dict(residual="attnres_full"),
+    # The lean path in PyTorch only, without the fused CPU merge kernel (kernels="torch").
+    "block_torch": dict(residual={"kind": "attnres_block", "kernels": "torch"}),
+    "full_torch": dict(residual={"kind": "attnres_full", "kernels": "torch"}),
     # The two-phase path as a plain autograd graph (the default before the lean path).
     "block_graph": dict(residual={"kind": "attnres_block", "kernels": "torch_graph"}),
     "full_graph": dict(residual={"kind": "attnres_full", "kernels": "torch_graph"}),

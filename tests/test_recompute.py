@@ -13,6 +13,7 @@ autograd functions that save only the sources and per-token statistics.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -22,7 +23,16 @@ from torch.autograd import gradcheck
 
 from attnres import AttnResLM, ModelConfig
 from attnres.nn import BlockAttnRes, FullAttnRes, RMSNorm
-from attnres.ops import depth_merge_reference, lean_depth_merge, lean_rms_logits, rms_logits
+from attnres.kernels.cpu import cpu_kernel
+from attnres.ops import (
+    depth_merge_reference,
+    lean_depth_merge,
+    lean_phase1,
+    lean_rms_logits,
+    phase1_reference,
+    rms_logits,
+    tap_source,
+)
 
 from conftest import GRAD_TOL, OP_TOL_BF16, TOL, assert_fast_matches_naive, assert_rel_close, make_model
 
@@ -45,15 +55,37 @@ def merge_inputs(lead, d, n, partial, norm, dtype=torch.float64, seed=0):
     return z, b, qg, w, sources
 
 
-def call(fn, z, b, qg, w, sources, eps=1e-6, norm_eps=1e-5):
-    return fn(z, sources, b, qg, eps, w, norm_eps)
+def call(fn, z, b, qg, w, sources, eps=1e-6, norm_eps=1e-5, **kw):
+    return fn(z, sources, b, qg, eps, w, norm_eps, **kw)
+
+
+@pytest.fixture
+def kernel():
+    """The CPU kernel, built: a machine with a C compiler must build it (a failed build
+    would otherwise pass silently on the PyTorch code); ``ATTNRES_CPU_KERNEL=0`` skips."""
+    if os.environ.get("ATTNRES_CPU_KERNEL") == "0":
+        pytest.skip("CPU kernel switched off")
+    assert cpu_kernel() is not None, "the CPU kernel did not build (see the warning)"
+    return cpu_kernel()
+
+
+def lean_merge_kernel(*args, **kw):
+    """:func:`lean_depth_merge` on the CPU kernel (the tests' inputs all qualify for it)."""
+    return lean_depth_merge(*args, **kw, cpu_kernel=True)
+
+
+MERGES = {"torch": lean_depth_merge, "kernel": lean_merge_kernel}
 
 
 @pytest.mark.parametrize("lead", [(2, 3), (1, 1)])  # (b,), (b, 1), more shapes: the hypothesis test
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("partial", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
-def test_lean_depth_merge_gradcheck_and_reference(lead, n, partial, norm):
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_lean_depth_merge_gradcheck_and_reference(lead, n, partial, norm, path, request):
+    if path == "kernel":
+        request.getfixturevalue("kernel")
+    merge = MERGES[path]
     z, b, qg, w, sources = merge_inputs(lead, 5, n, partial, norm)
     inputs = [t for t in (z, b, qg, w, *sources) if t is not None]
 
@@ -63,11 +95,11 @@ def test_lean_depth_merge_gradcheck_and_reference(lead, n, partial, norm):
         bb = next(it) if partial else None
         qq = next(it) if partial else None
         ww = next(it) if norm else None
-        return call(lean_depth_merge, zz, bb, qq, ww, list(it))
+        return call(merge, zz, bb, qq, ww, list(it))
 
     # The full Jacobian for one token; gradcheck's random-projection mode for six (time).
     assert gradcheck(f, tuple(inputs), fast_mode=lead != (1, 1))
-    out = call(lean_depth_merge, z, b, qg, w, sources)
+    out = call(merge, z, b, qg, w, sources)
     ref = call(depth_merge_reference, z, b, qg, w, sources)
     assert_rel_close(out, ref, 1e-12, "forward")
     up = torch.randn_like(ref)
@@ -87,7 +119,8 @@ def test_lean_rms_logits_gradcheck_and_reference(shape, lead):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("partial", [False, True])
-def test_lean_merge_low_precision_against_the_float64_truth(dtype, partial):
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_lean_merge_low_precision_against_the_float64_truth(dtype, partial, path):
     """Each low-precision path against the float64 truth, the lean one within the
     per-dtype rule of the reference's own error."""
     z, b, qg, w, sources = merge_inputs((2, 7), 24, 4, partial, True)
@@ -106,7 +139,7 @@ def test_lean_merge_low_precision_against_the_float64_truth(dtype, partial):
 
     names = ["output"] + [f"grad {i}" for i in range(len(inputs))]
     tol = TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
-    assert_fast_matches_naive(low(lean_depth_merge), low(depth_merge_reference), truth, dtype, names, tol)
+    assert_fast_matches_naive(low(MERGES[path]), low(depth_merge_reference), truth, dtype, names, tol)
 
 
 @settings(max_examples=25, deadline=None)
@@ -117,12 +150,14 @@ def test_lean_merge_low_precision_against_the_float64_truth(dtype, partial):
 def test_lean_merge_matches_the_reference_over_shapes(n, d, b, t, partial, norm, seed):
     z, pb, qg, w, sources = merge_inputs((b, t), d, n, partial, norm, seed=seed)
     inputs = [x for x in (z, pb, qg, w, *sources) if x is not None]
-    out = call(lean_depth_merge, z, pb, qg, w, sources)
     ref = call(depth_merge_reference, z, pb, qg, w, sources)
-    assert_rel_close(out, ref, 1e-12, "forward")
     up = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    for a, r in zip(torch.autograd.grad((out * up).sum(), inputs), torch.autograd.grad((ref * up).sum(), inputs)):
-        assert torch.linalg.vector_norm(a - r) <= 1e-10 * max(torch.linalg.vector_norm(r), 1.0)
+    expected = torch.autograd.grad((ref * up).sum(), inputs)
+    for merge in MERGES.values():
+        out = call(merge, z, pb, qg, w, sources)
+        assert_rel_close(out, ref, 1e-12, "forward")
+        for a, r in zip(torch.autograd.grad((out * up).sum(), inputs), expected):
+            assert torch.linalg.vector_norm(a - r) <= 1e-10 * max(torch.linalg.vector_norm(r), 1.0)
 
 
 def test_merge_input_errors():
@@ -133,6 +168,156 @@ def test_merge_input_errors():
         lean_depth_merge(z, sources, b, None)
     with pytest.raises(ValueError, match="at least one source"):
         lean_depth_merge(z, [])
+
+
+# ----------------------------------------------------------------------------------------
+# The CPU kernel: Phase 1, gradient slots, fallbacks
+# ----------------------------------------------------------------------------------------
+
+
+def phase1_inputs(lead, d, S, n, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sources = [(torch.randn(*lead, d, generator=g, dtype=torch.float64) * (1 + j)).to(dtype).requires_grad_()
+               for j in range(n)]
+    z = (torch.randn(*lead, S, n, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_()
+    return z, sources
+
+
+def phase1_loss(fn, z, sources, seed=1):
+    """A scalar that reads every output of Phase 1: the weighted sums and the log-sum-exp."""
+    outs, lse = fn(z, sources)
+    g = torch.Generator().manual_seed(seed)
+    total = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
+    return total + (lse * torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.dtype)).sum()
+
+
+@pytest.mark.parametrize("lead, d, S, n", [((2, 3), 5, 3, 4), ((1, 1), 4, 2, 3), ((2, 1), 3, 1, 2), ((1, 2), 6, 4, 1)])
+def test_lean_phase1_gradcheck_and_reference(kernel, lead, d, S, n):
+    """Phase 1 of S queries over n sources in the kernel: forward and every gradient against
+    the PyTorch reference, and gradcheck in float64 (S = 1, n = 1, batch 1, one token)."""
+    z, sources = phase1_inputs(lead, d, S, n)
+    outs, lse = lean_phase1(z, sources)
+    ref_outs, ref_lse = phase1_reference(z, sources)
+    for a, r in zip([*outs, lse], [*ref_outs, ref_lse]):
+        assert_rel_close(a, r, 1e-12, "forward")
+    inputs = [z, *sources]
+    got = torch.autograd.grad(phase1_loss(lean_phase1, z, sources), inputs)
+    ref = torch.autograd.grad(phase1_loss(phase1_reference, z, sources), inputs)
+    for a, r in zip(got, ref):
+        assert_rel_close(a, r, 1e-12, "gradient")
+    assert gradcheck(lambda zz, *xs: phase1_loss(lean_phase1, zz, list(xs)), tuple(inputs))
+
+
+def test_lean_phase1_in_float32_against_the_float64_truth(kernel):
+    z, sources = phase1_inputs((4, 16), 32, 3, 5)
+    truth = [phase1_loss(phase1_reference, z, sources).reshape(1),
+             *torch.autograd.grad(phase1_loss(phase1_reference, z, sources), [z, *sources])]
+
+    def low(fn):
+        cast = [t.detach().float().requires_grad_() for t in (z, *sources)]
+        loss = phase1_loss(fn, cast[0], cast[1:])
+        return [loss.reshape(1), *torch.autograd.grad(loss, cast)]
+
+    names = ["loss", "grad z"] + [f"grad x{i}" for i in range(len(sources))]
+    assert_fast_matches_naive(low(lean_phase1), low(phase1_reference), truth, torch.float32, names, TOL[torch.float32])
+
+
+def test_double_backward_is_refused_clearly(kernel):
+    """The lean nodes are differentiable once (their backwards write into scratch buffers
+    and run the C kernel); a double backward says so instead of failing inside."""
+    z, b, qg, w, sources = merge_inputs((2, 3), 4, 3, True, True)
+    for merge in MERGES.values():
+        (gz,) = torch.autograd.grad(call(merge, z, b, qg, w, sources).square().sum(), [z], create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            gz.sum().backward()
+    pz, psources = phase1_inputs((2, 2), 3, 2, 3)
+    (gz,) = torch.autograd.grad(phase1_loss(lean_phase1, pz, psources).square(), [pz], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gz.sum().backward()
+
+
+def test_gradient_slots_sum_every_merge_of_a_source(kernel):
+    """Tapped sources read by several merges and by Phase 1 get their gradient summed in place
+    (one slot each); the result equals the untapped computation's, also over a retained
+    graph run twice and when only some inputs' gradients are asked for."""
+    z, b, qg, w, sources = merge_inputs((2, 3), 6, 3, True, True)
+
+    def loss(tap):
+        xs = [tap_source(x) if tap else x for x in sources]
+        outs, lse = lean_phase1(torch.stack([z, z * 0.5], dim=-2), xs)
+        total = 0
+        for s in range(2):  # Phase 2 of two queries, as Block does
+            total = total + call(lean_merge_kernel, lse[..., s : s + 1], b, qg, w, [outs[s]]).sum()
+        return total + call(lean_merge_kernel, z, None, None, w, xs).square().sum()  # and a direct merge
+
+    inputs = [z, b, qg, w, *sources]
+    expected = torch.autograd.grad(loss(False), inputs)
+    tapped = loss(True)
+    for _ in range(2):  # the second pass over the retained graph must not add to the first's sums
+        for a, r in zip(torch.autograd.grad(tapped, inputs, retain_graph=True), expected):
+            assert_rel_close(a, r, 1e-13)
+    for a, r in zip(torch.autograd.grad(loss(True), sources[1:]), expected[5:]):
+        assert_rel_close(a, r, 1e-13)
+
+
+class SubclassedTensor(torch.Tensor):
+    pass
+
+
+def test_kernel_falls_back_to_the_pytorch_code_where_it_does_not_apply(kernel):
+    """bf16 sources, a non-contiguous source, a result dtype other than the sources' or a
+    tensor subclass run the PyTorch code (same results); the node says which ran."""
+    z, b, qg, w, sources = merge_inputs((2, 4), 6, 2, True, True)
+    ran = []
+
+    def merged(zz, xs, out_dtype=None):
+        out = lean_merge_kernel(zz, xs, b, qg, 1e-6, w, 1e-5, out_dtype=out_dtype)
+        ran.append(out.grad_fn.kernel)
+        return out
+
+    base = merged(z, sources)
+    strided = torch.randn(2, 4, 12, dtype=torch.float64)[..., ::2]
+    merged(z, [sources[0], strided])
+    merged(z, sources, out_dtype=torch.float32)
+    merged(z.float(), [x.bfloat16() for x in sources])
+    merged(z, [sources[0].as_subclass(SubclassedTensor), sources[1]])  # (a DTensor has no memory of its own)
+    assert ran == [True, False, False, False, False]
+    assert_rel_close(merged(z, [x.detach().clone() for x in sources]), base, 0)
+
+
+def test_kernel_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
+    """No working compiler: one warning and ``None`` (the PyTorch code runs);
+    ``ATTNRES_CPU_KERNEL=0``: ``None`` without building."""
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    cpu_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not be built"):
+            assert cpu_kernel() is None
+        z, b, qg, w, sources = merge_inputs((2, 3), 4, 2, True, True)
+        assert_rel_close(call(lean_merge_kernel, z, b, qg, w, sources), call(lean_depth_merge, z, b, qg, w, sources), 0)
+        monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")
+        monkeypatch.delenv("CC")
+        cpu_kernel.cache_clear()
+        assert cpu_kernel() is None
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        cpu_kernel.cache_clear()
+
+
+def test_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
+    cpu_kernel.cache_clear()
+    try:
+        if cpu_kernel() is None:
+            pytest.skip("no C compiler here")
+        built = list(tmp_path.rglob("*.so"))
+        assert len(built) == 1 and not [p for p in tmp_path.rglob("*") if p.is_file() and p not in built]
+        stamp = built[0].stat().st_mtime_ns
+        cpu_kernel.cache_clear()
+        assert cpu_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        cpu_kernel.cache_clear()
 
 
 # ----------------------------------------------------------------------------------------
@@ -260,16 +445,22 @@ def test_unfused_and_fused_norm_agree():
         assert_rel_close(a, b, 1e-12)
 
 
-def test_lean_and_graph_paths_agree_at_model_level():
-    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=3)
-    graph = copy.deepcopy(model)
-    graph.residual.kernels = "torch_graph"
+def assert_backends_agree(model, kernels: str, logits_tol: float, grad_tol: float) -> None:
+    """``model`` (default backend) and a copy with ``residual.kernels = kernels``: the same
+    logits and every gradient of the loss."""
+    other = copy.deepcopy(model)
+    other.residual.kernels = kernels
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
-    a, b = model(ids, labels=ids), graph(ids, labels=ids)
-    assert_rel_close(a.logits, b.logits, 1e-5, "logits")
-    for (name, p), ga, gb in zip(model.named_parameters(), torch.autograd.grad(a.loss, list(model.parameters())),
-                                 torch.autograd.grad(b.loss, list(graph.parameters()))):
-        assert_rel_close(ga, gb, 1e-4, f"grad of {name}")
+    a, b = model(ids, labels=ids), other(ids, labels=ids)
+    assert_rel_close(a.logits, b.logits, logits_tol, "logits")
+    for (name, _), ga, gb in zip(model.named_parameters(), torch.autograd.grad(a.loss, list(model.parameters())),
+                                 torch.autograd.grad(b.loss, list(other.parameters()))):
+        assert_rel_close(ga, gb, grad_tol, f"grad of {name}")
+
+
+def test_lean_and_graph_paths_agree_at_model_level():
+    assert_backends_agree(make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=3),
+                          "torch_graph", 1e-5, 1e-4)
 
 
 # ----------------------------------------------------------------------------------------
@@ -285,6 +476,9 @@ def test_backend_selection():
     with torch.no_grad():
         assert m.backend(x).name == "decoding"
         assert m.backend(torch.randn(2, 4096, 32)).name == "torch_graph"
+    assert m.backend(x).cpu_kernel  # "auto" on CPU: its merges and Phase 1 in the C kernel
+    m.kernels = "torch"
+    assert m.backend(x).name == "torch" and not m.backend(x).cpu_kernel
     m.kernels = "torch_graph"
     assert m.backend(x).name == "torch_graph"
     with pytest.raises(ValueError, match="torch_graph"):
@@ -299,7 +493,7 @@ def test_backend_under_torch_compile(monkeypatch):
     assert full.backend(x).name == block.backend(x).name == "torch"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert full.backend(x).name == "torch_graph"
-    assert block.backend(x).name == "torch"
+    assert block.backend(x).name == "torch" and not block.backend(x).cpu_kernel  # ctypes calls do not trace
 
 
 # ----------------------------------------------------------------------------------------
@@ -366,12 +560,20 @@ def test_lean_path_under_bf16_autocast_matches_the_graph_path():
         assert_rel_close(ga, gb, 5e-2, f"grad of {name}")
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("residual", [{"kind": "attnres_block", "block_size": 3}, {"kind": "attnres_full", "full_group_size": 2}])
+def test_cpu_kernel_and_pytorch_code_agree_at_model_level(kernel, residual):
+    """The whole model in float64 on the kernel (Phase 1 batched, gradient slots) and on the
+    lean path's PyTorch code: the same loss and every gradient to rounding."""
+    assert_backends_agree(make_model(torch.float64, residual=residual, n_layers=3), "torch", 1e-13, 1e-12)
+
+
+@pytest.mark.parametrize("kind", ["attnres_block", "attnres_full"])
+def test_activation_checkpointing_gives_the_same_gradients(kind):
     """Checkpointed sublayers recompute the fused merge-and-norm inside them; gradients are
-    those of the plain step (nothing counted twice)."""
+    those of the plain step (nothing counted twice, no gradient slot filled twice)."""
     from torch.utils.checkpoint import checkpoint
 
-    model = make_model(torch.float64, residual={"kind": "attnres_block", "block_size": 3}, n_layers=2)
+    model = make_model(torch.float64, residual={"kind": kind, "block_size": 3}, n_layers=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 7))
 
     def ckpt(fn, *args):
@@ -385,6 +587,18 @@ def test_activation_checkpointing_gives_the_same_gradients():
     ck = torch.autograd.grad(loss_of(sublayer_call=ckpt), list(model.parameters()))
     for (name, _), a, b in zip(model.named_parameters(), ck, plain):
         assert_rel_close(a, b, 1e-12, f"grad of {name}")
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+def test_reentrant_checkpointing_is_refused_clearly():
+    """A reentrant checkpoint runs the sublayer without autograd and would cut its deferred
+    (fused-norm) input off the graph: an error, not silently lost gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        model.decode(ids, sublayer_call=lambda fn, *args: checkpoint(fn, *args, use_reentrant=True))
 
 
 @pytest.mark.parametrize("partial", [False, True])

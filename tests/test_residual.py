@@ -230,3 +230,20 @@ def test_float32_rule_accepts_an_equally_accurate_path_whatever_its_rounding_dir
     assert fast_path_violations([fast.float()], [naive.float()], [truth], torch.float32, ["x"], 1e-5) == []
     worse = truth - 3 * 1.04 * direction  # three times less accurate than the reference path
     assert fast_path_violations([worse.float()], [naive.float()], [truth], torch.float32, ["x"], 1e-5)
+
+
+def test_float32_rule_measures_small_tensors_at_the_scale_of_the_largest():
+    """A small gradient (a depth query at 1e-2 of the largest) may be several times less
+    accurate than the naive path's relative to its own norm, as long as its error is within
+    the tolerance at the largest tensor's scale; a wrong small gradient still fails."""
+    g = torch.Generator().manual_seed(1)
+    big, small = torch.randn(1000, generator=g, dtype=torch.float64), torch.randn(10, generator=g, dtype=torch.float64)
+    small *= 1e-2 * big.norm() / small.norm()
+    noise = torch.randn(10, generator=g, dtype=torch.float64)
+    noise *= 1e-6 * small.norm() / noise.norm()  # naive: 1e-6 of its own norm
+    truth = [big, small]
+    naive = [big.float(), (small + noise).float()]
+    loose = [big.float(), (small - 7 * noise).float()]  # 7x the naive error: 7e-8 of the largest tensor
+    assert fast_path_violations(loose, naive, truth, torch.float32, ["big", "small"], 1e-5) == []
+    wrong = [big.float(), (small * 1.01).float()]  # 1 % off: 1e-4 of the largest tensor's norm
+    assert fast_path_violations(wrong, naive, truth, torch.float32, ["big", "small"], 1e-5)

@@ -23,16 +23,25 @@ class FusableNormInput:
     (activation checkpointing recomputes).
     """
 
-    __slots__ = ("_compute", "_value")
+    __slots__ = ("_compute", "_value", "_with_grad")
 
     def __init__(self, compute: Callable[[Tensor | None, float | None], Tensor]) -> None:
         self._compute = compute
         self._value: Tensor | None = None
+        self._with_grad = torch.is_grad_enabled()
 
     def normalized(self, norm: RMSNorm) -> Tensor:
         """``norm(h)``, fused into the producing kernel (unless :meth:`value` ran first)."""
         if self._value is not None:
             return norm(self._value)
+        if self._with_grad and not torch.is_grad_enabled():
+            # A reentrant torch.utils.checkpoint runs the sublayer without autograd and then
+            # recomputes it from its tensor arguments only: this input (not a tensor) would
+            # be cut off from the graph, and its gradients silently lost.
+            raise RuntimeError(
+                "a deferred sublayer input was evaluated with gradients disabled inside a forward pass that "
+                "records them - a reentrant activation checkpoint (torch.utils.checkpoint(..., use_reentrant=True)) "
+                "around the sublayer? Use use_reentrant=False (as activation_checkpoint='block' does).")
         return self._compute(norm.weight, norm.eps)
 
     def value(self) -> Tensor:

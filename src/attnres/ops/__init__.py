@@ -19,7 +19,7 @@ from .two_phase import (
     weighted_sum,
     weighted_sums,
 )
-from .recompute import depth_merge_reference, lean_depth_merge, lean_rms_logits
+from .recompute import depth_merge_reference, lean_depth_merge, lean_phase1, lean_rms_logits, phase1_reference, tap_source
 
 __all__ = [
     "depth_attention",
@@ -42,5 +42,8 @@ __all__ = [
     "decoding",
     "lean_rms_logits",
     "lean_depth_merge",
+    "lean_phase1",
+    "phase1_reference",
+    "tap_source",
     "depth_merge_reference",
 ]

@@ -200,6 +200,7 @@ class AttnResBase(ResidualStream):
 
     def complete(self, tp: CompletedSources, x: Tensor, first_query: int, backend: Backend) -> None:
         """Register ``x`` as a completed source visible to queries ``first_query .. L``."""
+        x = backend.source(x)
         tp.sources.append(x)
         tp.logits.append(backend.logits(x, tp.qg[first_query:], self.eps))
         tp.offsets.append(first_query)

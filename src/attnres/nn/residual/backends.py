@@ -40,13 +40,16 @@ from ...ops import (
     compute_dtype,
     decoding,
     lean_depth_merge,
+    lean_phase1,
     lean_rms_logits,
     merge_partial_sum,
     merge_with_one_source,
     merge_with_sources_lse,
     rms_logits,
+    tap_source,
     weighted_sums,
 )
+from ...kernels.cpu import cpu_kernel_supports
 from ..norm import FusableNormInput
 from .base import ResidualState
 
@@ -56,6 +59,7 @@ __all__ = [
     "LsePhase1",
     "StatsPhase1",
     "LogitsPhase1",
+    "KernelPhase1",
     "Backend",
     "TorchBackend",
     "LeanBackend",
@@ -103,6 +107,17 @@ class LogitsPhase1(Phase1Result):
 
 
 @dataclass
+class KernelPhase1(Phase1Result):
+    """The lean path's Phase 1 in the CPU kernel (:func:`~attnres.ops.lean_phase1`): each
+    query's weighted sum ``o_hat`` (``count`` tensors ``[..., d]``) and the log-sum-exp of
+    its logits ``lse [..., count]``; Phase 2 merges ``o_hat`` as one source with logit
+    ``lse``."""
+
+    o_hat: list[Tensor]
+    lse: Tensor
+
+
+@dataclass
 class StatsPhase1(WeightedPhase1):
     """The kernels' Phase 1: ``m`` and ``sumexp [..., count]``, each query's max logit and
     the sum of ``exp(z - m)``."""
@@ -141,6 +156,11 @@ class Backend:
         """The logits ``[..., K]`` of a new source ``x [..., d]`` against the gain-folded
         queries ``qg [K, d]`` (:func:`~attnres.ops.rms_logits`)."""
         return rms_logits(x, qg, eps)
+
+    def source(self, x: Tensor) -> Tensor:
+        """``x [..., d]`` as it is kept as a source of later merges (the same tensor, or an
+        alias whose gradient the merges sum in place)."""
+        return x
 
 
 class TorchBackend(Backend):
@@ -192,26 +212,39 @@ class LeanBackend(Backend):
 
     name = "torch"
 
-    def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> LogitsPhase1:
+    def __init__(self, cpu_kernel: bool = False) -> None:
+        self.cpu_kernel = cpu_kernel  # merges on CPU in the fused C kernel where it applies
+
+    def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> LogitsPhase1 | KernelPhase1:
+        # With the kernel, several queries over several sources share one pass over them;
+        # one query (the output aggregation) or one source gains nothing from it.
+        if self.cpu_kernel and z.shape[-2] > 1 and len(sources) > 1 and cpu_kernel_supports([*sources, z], z.dtype):
+            o_hat, lse = lean_phase1(z, sources)
+            return KernelPhase1(first, o_hat, lse)
         return LogitsPhase1(first, z, list(sources))
 
     def logits(self, x: Tensor, qg: Tensor, eps: float) -> Tensor:
         return lean_rms_logits(x, qg, eps)
 
-    @staticmethod
-    def _input(state: ResidualState, z: Tensor, sources: list[Tensor], partial, qg, eps: float, fusable: bool,
+    def source(self, x: Tensor) -> Tensor:
+        return tap_source(x) if self.cpu_kernel else x
+
+    def _input(self, state: ResidualState, z: Tensor, sources: list[Tensor], partial, qg, eps: float, fusable: bool,
                keep_input: bool = False):
         if partial is None and len(sources) == 1:  # one source: weight exactly 1, the source itself
             return _cast(sources[0], state.dtype)
 
         def compute(norm_weight, norm_eps):
             return lean_depth_merge(z, sources, partial, qg, eps, norm_weight, norm_eps if norm_eps is not None else 0.0,
-                                    state.dtype, keep_input)
+                                    state.dtype, keep_input, self.cpu_kernel)
 
         return FusableNormInput(compute) if state.defer_norm and fusable else compute(None, None)
 
-    def merge(self, state: ResidualState, p1: LogitsPhase1, s: int, xs: list[Tensor], zs: list[Tensor],
-              fusable: bool = True):
+    def merge(self, state: ResidualState, p1: LogitsPhase1 | KernelPhase1, s: int, xs: list[Tensor],
+              zs: list[Tensor], fusable: bool = True):
+        if isinstance(p1, KernelPhase1):  # Phase 1's result is one source; few others: h is recomputed
+            z = torch.stack([p1.lse[..., s], *zs], dim=-1)
+            return self._input(state, z, [p1.o_hat[s], *xs], None, None, 0.0, fusable)
         z = p1.z[..., s, :]
         if xs:
             z = torch.cat([z, torch.stack(zs, dim=-1)], dim=-1)
@@ -220,7 +253,10 @@ class LeanBackend(Backend):
         # for Full, N d for Block).
         return self._input(state, z, p1.sources + list(xs), None, None, 0.0, fusable, keep_input=True)
 
-    def merge_partial(self, state: ResidualState, p1: LogitsPhase1, s: int, partial: Tensor, qg: Tensor, eps: float):
+    def merge_partial(self, state: ResidualState, p1: LogitsPhase1 | KernelPhase1, s: int, partial: Tensor,
+                      qg: Tensor, eps: float):
+        if isinstance(p1, KernelPhase1):
+            return self._input(state, p1.lse[..., s : s + 1], [p1.o_hat[s]], partial, qg, eps, True)
         # Block's Phase-2 sublayers: the norm's input is recomputed from the n + 1 sources in
         # the backward, not kept (keeping it, L d in all, measured no faster: docs/training-overhead.md).
         return self._input(state, p1.z[..., s, :], p1.sources, partial, qg, eps, True)
@@ -306,7 +342,8 @@ class TritonBackend(Backend):
         return self._deferred(state, compute, record)
 
 
-TORCH, LEAN, DECODING, TRITON = TorchBackend(), LeanBackend(), DecodingBackend(), TritonBackend()
+TORCH, LEAN, LEAN_CPU_KERNEL = TorchBackend(), LeanBackend(), LeanBackend(cpu_kernel=True)
+DECODING, TRITON = DecodingBackend(), TritonBackend()
 
 
 def triton_available() -> bool:
@@ -318,7 +355,8 @@ def triton_available() -> bool:
 def select_backend(kernels: str, x: Tensor, record_weights: bool, graph_when_compiling: bool = False) -> Backend:
     """The backend of one forward over tensors like ``x`` (the embedding): ``kernels`` is
     ``ModelConfig.residual.kernels`` (``"auto"``: the kernels for CUDA tensors when triton
-    is installed). On PyTorch: under autograd :class:`LeanBackend` (``"torch_graph"``, or a
+    is installed). On PyTorch: under autograd :class:`LeanBackend` (with ``"auto"`` on CPU,
+    its merges in the fused C kernel of :mod:`attnres.kernels.cpu`; ``"torch_graph"``, or a
     forward that records its weights: :class:`TorchBackend`; with ``graph_when_compiling``,
     also a forward traced by ``torch.compile``, whose partitioner then chooses what to save);
     without autograd, small inputs that record nothing decode on :class:`DecodingBackend`,
@@ -327,7 +365,11 @@ def select_backend(kernels: str, x: Tensor, record_weights: bool, graph_when_com
         return TRITON
     if torch.is_grad_enabled():
         graph = record_weights or kernels == "torch_graph" or (graph_when_compiling and torch.compiler.is_compiling())
-        return TORCH if graph else LEAN
+        if graph:
+            return TORCH
+        # (ctypes calls do not trace: a compiled forward keeps the kernel out)
+        kernel = kernels == "auto" and x.device.type == "cpu" and not torch.compiler.is_compiling()
+        return LEAN_CPU_KERNEL if kernel else LEAN
     if not record_weights and decoding(x):
         return DECODING
     return TORCH

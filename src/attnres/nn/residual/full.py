@@ -100,6 +100,7 @@ class _TwoPhase(Schedule):
 
     def add(self, m: FullAttnRes, state: FullTwoPhaseState, l: int, output: Tensor) -> None:
         state.phase = "phase1"  # the new output's RMS factor and logits against every later query
+        output = state.backend.source(output)
         state.group.append(GroupOutput(output, state.backend.logits(output, state.sources.qg[l + 1 :], m.eps), l + 1))
 
     def finish(self, m: FullAttnRes, state: FullTwoPhaseState) -> Tensor:
@@ -119,8 +120,8 @@ class _TwoPhase(Schedule):
         for x in completed[: g0 + 1]:
             m.complete(state.sources, x, at, state.backend)
         qg = state.sources.qg
-        state.group = [GroupOutput(x, state.backend.logits(x, qg[j:], m.eps), j)
-                       for j, x in enumerate(completed[g0 + 1 :], g0 + 1)]
+        group = [(j, state.backend.source(x)) for j, x in enumerate(completed[g0 + 1 :], g0 + 1)]
+        state.group = [GroupOutput(x, state.backend.logits(x, qg[j:], m.eps), j) for j, x in group]
         if at % g and at < m.n_sublayers:
             m.phase1(state.backend, state.sources, at, min(g0 + g, m.n_sublayers) - at)
         return state
