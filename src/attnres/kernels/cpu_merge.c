@@ -23,6 +23,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* a . b over d values: LANES partial sums, so that the multiply-adds of one dot product do
+ * not wait on one another (rows are short: d = 64 in the main job), added up as a tree. */
+#define LANES 16
+#define DEFINE_DOT(T, SUFFIX)                                                                      \
+static inline T dot_##SUFFIX(const T *a, const T *b, int64_t d)                                \
+{                                                                                              \
+    T acc[LANES] = {0};                                                                        \
+    int64_t k = 0;                                                                             \
+    for (; k + LANES <= d; k += LANES)                                                         \
+        for (int l = 0; l < LANES; ++l) acc[l] += a[k + l] * b[k + l];                         \
+    for (int half = LANES / 2; half > 0; half /= 2)                                            \
+        for (int l = 0; l < half; ++l) acc[l] += acc[l + half];                                \
+    T sum = acc[0];                                                                            \
+    for (; k < d; ++k) sum += a[k] * b[k];                                                     \
+    return sum;                                                                                \
+}
+
 #define DEFINE_MERGE(T, SUFFIX, EXP, SQRT)                                                          \
 /* Row t of h = sum_j a_j x_j over the n sources and the partial sum (when not NULL). */      \
 static void weighted_row_##SUFFIX(T *o, const T *a, int64_t t, int64_t d, int64_t n,           \
@@ -132,9 +149,7 @@ void attnres_merge_backward_##SUFFIX(                                           
             T mean = 0;                                                                        \
             for (int64_t j = 0; j < m; ++j) {                                                  \
                 const T *x = (j < n ? src[j] : partial) + t * d;                               \
-                T dot = 0;                                                                     \
-                _Pragma("omp simd reduction(+:dot)")                                           \
-                for (int64_t k = 0; k < d; ++k) dot += gh[k] * x[k];                           \
+                const T dot = dot_##SUFFIX(gh, x, d);                                          \
                 s[j] = dot;                                                                    \
                 mean += a[j] * dot;                                                            \
             }                                                                                  \
@@ -220,13 +235,7 @@ void attnres_phase1_backward_##SUFFIX(                                          
                 for (int64_t i = 0; i < n; ++i) {                                              \
                     const T *x = src[i] + t * d;                                               \
                     for (int64_t s = 0; s < S; ++s) {                                          \
-                        T dot = 0;                                                             \
-                        if (gout[s] != NULL) {                                                 \
-                            const T *g = gout[s] + t * d;                                      \
-                            _Pragma("omp simd reduction(+:dot)")                               \
-                            for (int64_t k = 0; k < d; ++k) dot += g[k] * x[k];                \
-                        }                                                                      \
-                        dots[s * n + i] = dot;                                                 \
+                        dots[s * n + i] = gout[s] != NULL ? dot_##SUFFIX(gout[s] + t * d, x, d) : (T)0; \
                     }                                                                          \
                 }                                                                              \
                 for (int64_t s = 0; s < S; ++s) {                                              \
@@ -261,6 +270,8 @@ void attnres_phase1_backward_##SUFFIX(                                          
 #define ATTNRES_THREAD_ID(tid) (void)(tid)
 #endif
 
+DEFINE_DOT(float, f32)
+DEFINE_DOT(double, f64)
 DEFINE_MERGE(float, f32, expf, sqrtf)
 DEFINE_MERGE(double, f64, exp, sqrt)
 DEFINE_PHASE1(float, f32, expf, logf)
