@@ -561,10 +561,15 @@ def test_lean_path_under_bf16_autocast_matches_the_graph_path():
 
 
 @pytest.mark.parametrize("residual", [{"kind": "attnres_block", "block_size": 3}, {"kind": "attnres_full", "full_group_size": 2}])
-def test_cpu_kernel_and_pytorch_code_agree_at_model_level(kernel, residual):
-    """The whole model in float64 on the kernel (Phase 1 batched, gradient slots) and on the
-    lean path's PyTorch code: the same loss and every gradient to rounding."""
-    assert_backends_agree(make_model(torch.float64, residual=residual, n_layers=3), "torch", 1e-13, 1e-12)
+@pytest.mark.parametrize("batch_phase1", [False, True])
+def test_cpu_kernel_and_pytorch_code_agree_at_model_level(kernel, residual, batch_phase1):
+    """The whole model in float64 on the kernel (gradient slots; Phase 1 batched or per
+    merge - Full's and Block's defaults, and the other way round) and on the lean path's
+    PyTorch code: the same loss and every gradient to rounding."""
+    model = make_model(torch.float64, residual=residual, n_layers=3)
+    model.residual.BATCH_PHASE1_ON_CPU = batch_phase1
+    assert model.residual.backend(torch.randn(2, 3, 8, dtype=torch.float64)).batch_phase1 == batch_phase1
+    assert_backends_agree(model, "torch", 1e-13, 1e-12)
 
 
 @pytest.mark.parametrize("kind", ["attnres_block", "attnres_full"])

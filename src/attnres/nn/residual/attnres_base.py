@@ -84,6 +84,10 @@ class AttnResBase(ResidualStream):
     #: Whether a forward traced by ``torch.compile`` trains on the plain-graph two-phase path
     #: rather than the lean custom-autograd one (see :func:`~attnres.nn.residual.backends.select_backend`).
     GRAPH_WHEN_COMPILING: bool = False
+    #: Whether the CPU kernel runs Phase 1 of a block's or group's queries in one pass over
+    #: their sources (``KernelPhase1``), which keeps each query's weighted sum for its merge's
+    #: backward; otherwise every merge reads the sources itself.
+    BATCH_PHASE1_ON_CPU: bool = False
 
     def __init__(
         self, dim: int, n_sublayers: int, eps: float = 1e-6, impl: str = "two_phase",
@@ -144,7 +148,7 @@ class AttnResBase(ResidualStream):
         the naive path)."""
         if self.impl != "two_phase":
             return None
-        return select_backend(self.kernels, x, record_weights, self.GRAPH_WHEN_COMPILING)
+        return select_backend(self.kernels, x, record_weights, self.GRAPH_WHEN_COMPILING, self.BATCH_PHASE1_ON_CPU)
 
     # -- the protocol, delegated to the schedule -----------------------------------------
     def _start(self, embedding: Tensor, common: dict[str, Any]) -> ResidualState:

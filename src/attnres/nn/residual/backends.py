@@ -212,13 +212,14 @@ class LeanBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, cpu_kernel: bool = False) -> None:
+    def __init__(self, cpu_kernel: bool = False, batch_phase1: bool = False) -> None:
         self.cpu_kernel = cpu_kernel  # merges on CPU in the fused C kernel where it applies
+        self.batch_phase1 = cpu_kernel and batch_phase1  # Phase 1 of several queries in one kernel pass
 
     def phase1(self, z: Tensor, sources: list[Tensor], first: int) -> LogitsPhase1 | KernelPhase1:
         # With the kernel, several queries over several sources share one pass over them;
         # one query (the output aggregation) or one source gains nothing from it.
-        if self.cpu_kernel and z.shape[-2] > 1 and len(sources) > 1 and cpu_kernel_supports([*sources, z], z.dtype):
+        if self.batch_phase1 and z.shape[-2] > 1 and len(sources) > 1 and cpu_kernel_supports([*sources, z], z.dtype):
             o_hat, lse = lean_phase1(z, sources)
             return KernelPhase1(first, o_hat, lse)
         return LogitsPhase1(first, z, list(sources))
@@ -342,7 +343,8 @@ class TritonBackend(Backend):
         return self._deferred(state, compute, record)
 
 
-TORCH, LEAN, LEAN_CPU_KERNEL = TorchBackend(), LeanBackend(), LeanBackend(cpu_kernel=True)
+TORCH, LEAN = TorchBackend(), LeanBackend()
+LEAN_CPU_KERNEL, LEAN_CPU_KERNEL_PHASE1 = LeanBackend(cpu_kernel=True), LeanBackend(cpu_kernel=True, batch_phase1=True)
 DECODING, TRITON = DecodingBackend(), TritonBackend()
 
 
@@ -352,13 +354,15 @@ def triton_available() -> bool:
     return available()
 
 
-def select_backend(kernels: str, x: Tensor, record_weights: bool, graph_when_compiling: bool = False) -> Backend:
+def select_backend(kernels: str, x: Tensor, record_weights: bool, graph_when_compiling: bool = False,
+                   batch_phase1: bool = False) -> Backend:
     """The backend of one forward over tensors like ``x`` (the embedding): ``kernels`` is
     ``ModelConfig.residual.kernels`` (``"auto"``: the kernels for CUDA tensors when triton
     is installed). On PyTorch: under autograd :class:`LeanBackend` (with ``"auto"`` on CPU,
     its merges in the fused C kernel of :mod:`attnres.kernels.cpu`; ``"torch_graph"``, or a
     forward that records its weights: :class:`TorchBackend`; with ``graph_when_compiling``,
-    also a forward traced by ``torch.compile``, whose partitioner then chooses what to save);
+    also a forward traced by ``torch.compile``, whose partitioner then chooses what to save;
+    with ``batch_phase1``, the kernel's Phase 1 of several queries in one pass);
     without autograd, small inputs that record nothing decode on :class:`DecodingBackend`,
     the rest take :class:`TorchBackend`."""
     if kernels == "triton" or (kernels == "auto" and x.is_cuda and triton_available()):
@@ -369,7 +373,9 @@ def select_backend(kernels: str, x: Tensor, record_weights: bool, graph_when_com
             return TORCH
         # (ctypes calls do not trace: a compiled forward keeps the kernel out)
         kernel = kernels == "auto" and x.device.type == "cpu" and not torch.compiler.is_compiling()
-        return LEAN_CPU_KERNEL if kernel else LEAN
+        if not kernel:
+            return LEAN
+        return LEAN_CPU_KERNEL_PHASE1 if batch_phase1 else LEAN_CPU_KERNEL
     if not record_weights and decoding(x):
         return DECODING
     return TORCH

@@ -142,6 +142,12 @@ class FullAttnRes(AttnResBase):
     # nodes in every comparison (d = 512: 1.046 vs 1.094 and 1.034 vs 1.059 against the
     # standard model; docs/training-overhead.md); for Block the two paths split within the noise.
     GRAPH_WHEN_COMPILING = True
+    # On the CPU kernel, Phase 1 of a group's queries in one pass over the earlier outputs:
+    # main job 1.135 against 1.25 for per-sublayer merges over every source, and no more
+    # memory (its weighted sums take the place of the norm inputs the merges keep otherwise).
+    # Block keeps per-sublayer merges over its few block sums: batching them measured no
+    # faster at the main job and would keep one weighted sum per sublayer (L d).
+    BATCH_PHASE1_ON_CPU = True
 
     def __init__(
         self, dim: int, n_sublayers: int, eps: float = 1e-6, impl: str = "two_phase", group_size: int | None = None,
