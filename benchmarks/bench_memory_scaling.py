@@ -109,18 +109,21 @@ def render(r: dict) -> str:
     lines += [
         "",
         "Reading it: the graph path keeps about 2 extra [tokens, d] tensors per sublayer (the Phase-1 weighted sum and "
-        "the partial sum beside the norm's input) and grows with L well above the N d line. The lean path keeps the "
-        "sources, per-token statistics and - where a sublayer merges many sources (every Full sublayer, the first "
-        "sublayer of each Block block) - the norm's input. Block on the lean path comes out *below* the standard model: "
+        "the partial sum beside the norm's input) and grows with L well above the N d line. The lean path (on CPU: its "
+        "fused kernel, the default) keeps the sources, per-token statistics and, where a sublayer merges many sources, "
+        "one [tokens, d] tensor for its backward: the norm's input of the first sublayer of each Block block, and for "
+        "every Full sublayer its query's Phase-1 weighted sum (Phase 1 runs once per group of queries; the PyTorch "
+        "code keeps the norm's input instead, as much). Block on the lean path comes out *below* the standard model: "
         "on its Phase-2 sublayers the RMSNorm is fused into the merge and saves only 1/rms, while the standard model's "
         "`F.rms_norm` (a composite under CPU autograd) also saves its normalised input, one [tokens, d] tensor per "
-        "sublayer; the extra of the residual itself, the N + 1 block sums and the N kept norm inputs, is hidden behind "
-        "that saving until N approaches L. Full on the lean path is above the L d line (its L outputs): it also keeps "
-        "each sublayer's norm input (another L d, bought for step time: recomputing it would take a pass over every "
-        "source) and a quadratic term, the logits of every source against every later query (L^2 / 2 floats per "
-        "token, alive until the end of the forward) and the saved softmax weights (another L^2 / 2): 2 x 1024 floats "
-        "per token at L = 64, 16 units at d = 128 (4 at d = 512). At the benchmark shape of issue 17 (d = 512, L = 16) "
-        "this is within the 1.06 target (benchmarks/results/training_overhead.md).",
+        "sublayer, and the kernel sums each source's gradient in place instead of holding one per reader in the "
+        "backward; the extra of the residual itself, the N + 1 block sums and the N kept norm inputs, is hidden behind "
+        "that until N approaches L. Full on the lean path is above the L d line (its L outputs): it also keeps the "
+        "weighted sums above (another L d, bought for step time: without them every sublayer would read every source "
+        "in the backward) and a quadratic term, the logits of every source against every later query (L^2 / 2 floats "
+        "per token, alive until the end of the forward) and the saved softmax weights: up to 2 x 1024 floats per token "
+        "at L = 64, 16 units at d = 128 (4 at d = 512). At the benchmark shape of issue 17 (d = 512, L = 16) this is "
+        "within the 1.06 target (benchmarks/results/training_overhead.md).",
     ]
     return "\n".join(lines) + "\n"
 
