@@ -1,8 +1,11 @@
-"""Fused Triton kernels for the two-phase schedule (optional: needs ``triton``).
+"""Fused kernels for the two-phase schedule.
 
-``triton`` is not a dependency of the package: import the kernels only where it is
-installed. On CPU they run under Triton's interpreter (``TRITON_INTERPRET=1``), which is how
-the tests check them without a GPU.
+* ``phase1``, ``phase2``, ``merge`` (with ``launch``, ``norm_tiles``): Triton kernels for
+  GPUs (optional: needs ``triton``, not a dependency of the package; import them only where
+  it is installed). On CPU they run under Triton's interpreter (``TRITON_INTERPRET=1``),
+  which is how the tests check them without a GPU.
+* ``cpu`` (``cpu_merge.c``): the training path's merge and Phase 1 on CPU, a C kernel
+  compiled on first use and called through ``ctypes`` (no dependency beyond a C compiler).
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ __all__ = [
 
 IMPLEMENTATIONS = ("two_phase", "naive")
 #: Backends of the two-phase path: "auto" = Triton kernels for CUDA tensors when triton is
-#: installed, else PyTorch; "triton" = always the kernels; "torch" = always PyTorch (under
-#: autograd the lean custom-autograd path); "torch_graph" = PyTorch as a plain autograd graph
-#: (the readable reference of the lean path).
+#: installed, else PyTorch (training on CPU: the lean path's fused C kernel, built on first
+#: use); "triton" = always the kernels; "torch" = always PyTorch (under autograd the lean
+#: custom-autograd path); "torch_graph" = PyTorch as a plain autograd graph (the readable
+#: reference of the lean path).
 KERNEL_BACKENDS = ("auto", "triton", "torch", "torch_graph")
 
 
@@ -91,9 +92,10 @@ class ResidualConfig:
     impl: ``"two_phase"`` (the fast schedule, default) or ``"naive"`` (the per-sublayer
         reference). Same function, same weights.
     kernels: backend of the two-phase path: ``"auto"`` (fused Triton kernels for CUDA
-        tensors when triton is installed, PyTorch otherwise), ``"triton"``, ``"torch"`` (under
-        autograd the lean custom-autograd path) or ``"torch_graph"`` (PyTorch as a plain
-        autograd graph: the reference of the lean path).
+        tensors when triton is installed, PyTorch otherwise; under autograd on CPU the lean
+        path in its fused C kernel, :mod:`attnres.kernels.cpu`), ``"triton"``, ``"torch"``
+        (under autograd the lean custom-autograd path in PyTorch) or ``"torch_graph"``
+        (PyTorch as a plain autograd graph: the reference of the lean path).
     eps: epsilon of the RMSNorm on the depth-attention keys.
     full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
         ``round(sqrt(L))``. Scheduling only, not a model change.
