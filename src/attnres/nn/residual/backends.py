@@ -15,8 +15,9 @@ for another and the tests compare them:
 :class:`TorchBackend` is the PyTorch path written as a plain autograd graph (``attnres.ops``)
 and the reference of the others; :class:`LeanBackend` is the training path (under autograd):
 one custom autograd node per sublayer that saves only the sources and per-token statistics
-and recomputes the rest in its backward (:mod:`attnres.ops.recompute`), with the next
-sublayer's RMSNorm fused in when the caller defers it; :class:`DecodingBackend` is PyTorch
+and recomputes the rest in its backward (:mod:`attnres.ops.recompute`; on CPU in the fused C
+kernel of :mod:`attnres.kernels.cpu`), with the next sublayer's RMSNorm fused in when the
+caller defers it; :class:`DecodingBackend` is PyTorch
 with fewer, smaller operations for no-grad decoding of a token or a few;
 :class:`TritonBackend` runs the fused kernels of :mod:`attnres.kernels` and, when the caller
 feeds the input to an RMSNorm (``state.defer_norm``), fuses that norm in.
@@ -25,7 +26,9 @@ feeds the input to an RMSNorm (``state.defer_norm``), fuses that norm in.
 Phase 1's results differ by backend, and the type says which: the PyTorch graph keeps the
 weighted sums and one log-sum-exp per query (:class:`LsePhase1`), the kernels the weighted
 sums with the max and the sum-exp (:class:`StatsPhase1`), the lean path only the logits and
-the sources (:class:`LogitsPhase1`: its merge forms the weighted sum itself).
+the sources (:class:`LogitsPhase1`: its merge forms the weighted sum itself) or, where its
+CPU kernel batches Phase 1 (Full AttnRes), the weighted sums with their log-sum-exp
+(:class:`KernelPhase1`).
 """
 
 from __future__ import annotations
