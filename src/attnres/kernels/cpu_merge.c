@@ -23,19 +23,25 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* a . b over d values: LANES partial sums, so that the multiply-adds of one dot product do
- * not wait on one another (rows are short: d = 64 in the main job), added up as a tree. */
-#define LANES 16
+/* a . b over d values, in two vector accumulators (GCC/Clang vector extensions, 32 bytes:
+ * AVX) so that the multiply-adds of one dot product do not wait on one another and the
+ * final sum stays in registers (rows are short: d = 64 in the main job). */
 #define DEFINE_DOT(T, SUFFIX)                                                                      \
 static inline T dot_##SUFFIX(const T *a, const T *b, int64_t d)                                \
 {                                                                                              \
-    T acc[LANES] = {0};                                                                        \
+    typedef T V __attribute__((vector_size(32)));                                              \
+    enum { W = 32 / sizeof(T) };                                                               \
+    V acc0 = {0}, acc1 = {0}, a0, b0, a1, b1;                                                  \
     int64_t k = 0;                                                                             \
-    for (; k + LANES <= d; k += LANES)                                                         \
-        for (int l = 0; l < LANES; ++l) acc[l] += a[k + l] * b[k + l];                         \
-    for (int half = LANES / 2; half > 0; half /= 2)                                            \
-        for (int l = 0; l < half; ++l) acc[l] += acc[l + half];                                \
-    T sum = acc[0];                                                                            \
+    for (; k + 2 * W <= d; k += 2 * W) {                                                       \
+        memcpy(&a0, a + k, sizeof(V)); memcpy(&b0, b + k, sizeof(V));                          \
+        memcpy(&a1, a + k + W, sizeof(V)); memcpy(&b1, b + k + W, sizeof(V));                  \
+        acc0 += a0 * b0;                                                                       \
+        acc1 += a1 * b1;                                                                       \
+    }                                                                                          \
+    acc0 += acc1;                                                                              \
+    T sum = 0;                                                                                 \
+    for (int l = 0; l < W; ++l) sum += acc0[l];                                                \
     for (; k < d; ++k) sum += a[k] * b[k];                                                     \
     return sum;                                                                                \
 }
@@ -70,12 +76,9 @@ void attnres_merge_forward_##SUFFIX(                                            
         const T *zt = z + t * n;                                                               \
         if (partial != NULL) { /* the partial sum's logit: (p . qg) / rms(p) */               \
             const T *p = partial + t * d;                                                      \
-            T ss = 0, dot = 0;                                                                 \
-            _Pragma("omp simd reduction(+:ss, dot)")                                           \
-            for (int64_t k = 0; k < d; ++k) { ss += p[k] * p[k]; dot += p[k] * qg[k]; }        \
-            T r = (T)1 / SQRT(ss / (T)d + (T)eps);                                             \
+            const T r = (T)1 / SQRT(dot_##SUFFIX(p, p, d) / (T)d + (T)eps);                    \
             rb[t] = r;                                                                         \
-            zb[t] = dot * r;                                                                   \
+            zb[t] = dot_##SUFFIX(p, qg, d) * r;                                                \
             a[n] = zb[t];                                                                      \
         }                                                                                      \
         T mx = -INFINITY;                                                                      \
@@ -89,10 +92,7 @@ void attnres_merge_forward_##SUFFIX(                                            
         weighted_row_##SUFFIX(o, a, t, d, n, src, partial);                                    \
         if (kept != NULL) memcpy(kept + t * d, o, (size_t)d * sizeof(T));                      \
         if (norm_w != NULL) {                                                                  \
-            T ss = 0;                                                                          \
-            _Pragma("omp simd reduction(+:ss)")                                                \
-            for (int64_t k = 0; k < d; ++k) ss += o[k] * o[k];                                 \
-            const T r = (T)1 / SQRT(ss / (T)d + (T)norm_eps);                                  \
+            const T r = (T)1 / SQRT(dot_##SUFFIX(o, o, d) / (T)d + (T)norm_eps);               \
             rstd[t] = r;                                                                       \
             for (int64_t k = 0; k < d; ++k) o[k] = o[k] * r * norm_w[k];                       \
         }                                                                                      \
@@ -133,12 +133,8 @@ void attnres_merge_backward_##SUFFIX(                                           
                     weighted_row_##SUFFIX(hb, a, t, d, n, src, partial);                       \
                 }                                                                              \
                 const T r = rstd[t];                                                           \
-                T uh = 0;                                                                      \
-                _Pragma("omp simd reduction(+:uh)")                                            \
-                for (int64_t k = 0; k < d; ++k) {                                              \
-                    gh[k] = gt[k] * norm_w[k];                                                 \
-                    uh += gh[k] * h[k];                                                        \
-                }                                                                              \
+                for (int64_t k = 0; k < d; ++k) gh[k] = gt[k] * norm_w[k];                    \
+                const T uh = dot_##SUFFIX(gh, h, d);                                           \
                 if (gw != NULL) for (int64_t k = 0; k < d; ++k) gw[k] += gt[k] * h[k] * r;     \
                 const T c = r * r * uh / (T)d;                                                 \
                 for (int64_t k = 0; k < d; ++k) gh[k] = r * (gh[k] - c * h[k]);                \
