@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TOL, assert_rel_close, tensor_errors
+from conftest import TOL, assert_rel_close, scale_errors, tensor_errors
 
 from attnres import AttnResLM, ModelConfig
 from attnres.distributed import (
@@ -219,11 +219,13 @@ def check_against_single_process(results: dict) -> None:
     for name, r in results.items():
         if name.endswith("/cached"):
             # The same schedule without the cache runs the same forward: the loss is equal bit
-            # for bit; a cached entry's gradient adds up its uses in another order (rounding).
+            # for bit; a cached entry's gradient adds up its uses in another order (rounding,
+            # measured at the scale of the largest gradient: a small one - a depth query's -
+            # carries the rounding of the large ones it is computed from).
             base = results[name.removesuffix("/cached") + "/naive"]
             assert r["loss"] == base["loss"], name
             names = sorted(r["grads"])
-            errs = tensor_errors([r["grads"][n] for n in names], [base["grads"][n] for n in names])
+            errs = scale_errors([r["grads"][n] for n in names], [base["grads"][n] for n in names])
             assert max(errs) <= 1e-6, f"{name}: cached vs uncached gradients differ by {max(errs):.2e}"
 
 
