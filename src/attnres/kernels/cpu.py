@@ -133,6 +133,11 @@ def _plain(x: Tensor) -> bool:
     return type(x) is Tensor or (type(x) is torch.nn.Parameter and type(x.data) is Tensor)
 
 
+def _function(name: str, dtype: torch.dtype):
+    """The kernel's entry point ``name`` for ``dtype`` (float32 or float64)."""
+    return getattr(cpu_kernel(), f"attnres_{name}_{_SUFFIX[dtype]}")
+
+
 def _ptr(x: Tensor | None) -> int | None:
     return None if x is None else x.data_ptr()
 
@@ -165,9 +170,9 @@ def merge_forward(z: Tensor, sources: Sequence[Tensor], partial: Tensor | None, 
     rstd = new((*x0.shape[:-1], 1)) if norm_weight is not None else None
     kept = new(x0.shape) if keep_input and norm_weight is not None else None
     z = z.contiguous()  # a local: the kernel reads its memory
-    fn = getattr(cpu_kernel(), f"attnres_merge_forward_{_SUFFIX[x0.dtype]}")
-    fn(tokens, d, n, _ptrs(sources), _ptr(z), _ptr(partial), _ptr(qg), eps, _ptr(norm_weight), norm_eps,
-       _ptr(out), _ptr(alpha), _ptr(r_b), _ptr(zb), _ptr(rstd), _ptr(kept), torch.get_num_threads())
+    _function("merge_forward", x0.dtype)(
+        tokens, d, n, _ptrs(sources), _ptr(z), _ptr(partial), _ptr(qg), eps, _ptr(norm_weight), norm_eps,
+        _ptr(out), _ptr(alpha), _ptr(r_b), _ptr(zb), _ptr(rstd), _ptr(kept), torch.get_num_threads())
     return out, alpha, r_b, zb, rstd, kept
 
 
@@ -189,10 +194,10 @@ def merge_backward(g: Tensor, alpha: Tensor, r_b, zb, rstd, kept, partial, qg, n
     gqg_part = new((threads, d)) if needs_qg and partial is not None else None
     gw_part = new((threads, d)) if needs_norm and norm_weight is not None else None
     g = g.contiguous()  # a local: the kernel reads its memory
-    fn = getattr(cpu_kernel(), f"attnres_merge_backward_{_SUFFIX[x0.dtype]}")
-    fn(tokens, d, n, _ptrs(sources), _ptr(partial), _ptr(qg), _ptr(norm_weight), _ptr(alpha), _ptr(r_b), _ptr(zb),
-       _ptr(rstd), _ptr(kept), _ptr(g), dests, accumulate, _ptr(g_z), _ptr(g_partial), _ptr(gqg_part),
-       _ptr(gw_part), threads)
+    _function("merge_backward", x0.dtype)(
+        tokens, d, n, _ptrs(sources), _ptr(partial), _ptr(qg), _ptr(norm_weight), _ptr(alpha), _ptr(r_b), _ptr(zb),
+        _ptr(rstd), _ptr(kept), _ptr(g), dests, accumulate, _ptr(g_z), _ptr(g_partial), _ptr(gqg_part),
+        _ptr(gw_part), threads)
     g_qg = gqg_part.sum(0) if gqg_part is not None else None
     g_norm = gw_part.sum(0) if gw_part is not None else None
     return g_z, g_partial, g_qg, g_norm, g_src
@@ -207,7 +212,7 @@ def phase1_forward(z: Tensor, sources: Sequence[Tensor]) -> tuple[list[Tensor], 
     z = z.contiguous()  # a local: the kernel reads its memory
     outs = [torch.empty_like(x0) for _ in range(S)]
     lse = torch.empty(z.shape[:-1], dtype=x0.dtype)
-    getattr(cpu_kernel(), f"attnres_phase1_forward_{_SUFFIX[x0.dtype]}")(
+    _function("phase1_forward", x0.dtype)(
         tokens, d, n, S, _ptrs(sources), _ptr(z), _ptrs(outs), _ptr(lse), torch.get_num_threads())
     return outs, lse
 
@@ -224,7 +229,7 @@ def phase1_backward(z: Tensor, lse: Tensor, sources: Sequence[Tensor], g_outs: S
     g_lse = g_lse.contiguous() if g_lse is not None else None
     g_src, dests, accumulate = _source_gradients(x0, needs_sources, into)
     g_z = torch.empty_like(z) if needs_z else None
-    getattr(cpu_kernel(), f"attnres_phase1_backward_{_SUFFIX[x0.dtype]}")(
+    _function("phase1_backward", x0.dtype)(
         tokens, d, n, S, _ptrs(sources), _ptr(z), _ptr(lse), _ptrs(g_outs), _ptr(g_lse), _ptr(g_z), dests,
         accumulate, torch.get_num_threads())
     return g_z, g_src

@@ -158,8 +158,20 @@ class GradSlot:
         return self.grad, True
 
     def take(self) -> Tensor | None:
-        grad, self.grad = (self.grad, None) if self.task == torch._C._current_graph_task_id() else (None, None)
-        return grad
+        """The sum of this backward pass (``None`` if no merge wrote one), emptying the slot."""
+        grad, self.grad = self.grad, None
+        return grad if self.task == torch._C._current_graph_task_id() else None
+
+    @staticmethod
+    def of(sources: Sequence[Tensor]) -> list[GradSlot | None]:
+        """The slot of each source (``None``: not a :func:`tap_source` output)."""
+        return [getattr(x.grad_fn, "attnres_grad_slot", None) for x in sources]
+
+    @staticmethod
+    def destinations(slots, sources, needs) -> list[tuple[Tensor, bool] | None]:
+        """Each needed source's :meth:`destination` (``None``: no slot, or not needed)."""
+        return [slot.destination(x) if slot is not None and need else None
+                for slot, x, need in zip(slots, sources, needs)]
 
 
 class _SourceTap(torch.autograd.Function):
@@ -203,7 +215,7 @@ class _DepthMerge(torch.autograd.Function):
             [*sources, partial, qg, norm_weight], out_dtype)
         if ctx.kernel:  # the same computation in one pass over the tokens (attnres/kernels/cpu_merge.c)
             h, alpha, r_b, zb, rstd, kept = merge_forward(z, sources, partial, qg, eps, norm_weight, norm_eps, keep_input)
-            ctx.slots = [getattr(x.grad_fn, "attnres_grad_slot", None) for x in sources]
+            ctx.slots = GradSlot.of(sources)
         else:
             h, alpha, r_b, zb, rstd, kept = _merge_forward(z, sources, partial, qg, eps, norm_weight, norm_eps,
                                                            out_dtype, keep_input)
@@ -220,8 +232,7 @@ class _DepthMerge(torch.autograd.Function):
         ni = ctx.needs_input_grad
         needs = ni[:3] + ni[5:]  # eps, norm_eps, out_dtype, z, partial, qg, norm_weight, *sources
         if ctx.kernel:
-            into = [slot.destination(x) if slot is not None and need else None
-                    for slot, x, need in zip(ctx.slots, sources, needs[7:])]
+            into = GradSlot.destinations(ctx.slots, sources, needs[7:])
             g_z, g_partial, g_qg, g_norm, grads_src = merge_backward(
                 gout, alpha, r_b, zb, rstd, kept, partial, qg, norm_weight, sources, needs[7:], needs[3],
                 needs[4], needs[5], needs[6], into)
@@ -330,7 +341,7 @@ class _Phase1(torch.autograd.Function):
     def forward(ctx, z: Tensor, *sources: Tensor):
         ctx.set_materialize_grads(False)
         outs, lse = phase1_forward(z, sources)
-        ctx.slots = [getattr(x.grad_fn, "attnres_grad_slot", None) for x in sources]
+        ctx.slots = GradSlot.of(sources)
         ctx.save_for_backward(z, lse, *sources)
         return (*outs, lse)
 
@@ -340,8 +351,7 @@ class _Phase1(torch.autograd.Function):
         z, lse, *sources = ctx.saved_tensors
         g_outs, g_lse = grads[:-1], grads[-1]
         needs = ctx.needs_input_grad
-        into = [slot.destination(x) if slot is not None and need else None
-                for slot, x, need in zip(ctx.slots, sources, needs[1:])]
+        into = GradSlot.destinations(ctx.slots, sources, needs[1:])
         g_z, g_src = phase1_backward(z, lse, sources, g_outs, g_lse, needs[0], needs[1:], into)
         return g_z, *g_src
 
