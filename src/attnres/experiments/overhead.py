@@ -21,6 +21,7 @@ import torch
 
 from ..analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
 from ..models import AttnResLM
+from ..train.cpu_memory import set_cpu_allocator
 from .presets import Experiment
 from .layout import OVERHEAD_FILE
 from .runner import run_config
@@ -38,16 +39,19 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
                      log: Callable[[str], None] = print) -> dict[str, Any]:
     """Time one training step of every variant of ``experiment`` interleaved (``repeats``
     rounds after two warm-up steps each) and take each step's peak memory; write and return
-    ``{"repeats", "threads", "batch", "seq_len", "baseline", "variants": {name: {median_ms,
-    step_ratio, peak_memory_bytes, peak_ratio}}}``. Ratios are against the grid's first
-    ``baseline``-family variant."""
+    ``{"repeats", "threads", "batch", "seq_len", "baseline", "freed_memory_retained",
+    "variants": {name: {median_ms, step_ratio, peak_memory_bytes, peak_ratio}}}``. Ratios are
+    against the grid's first ``baseline``-family variant. The steps run under the runs'
+    ``cpu_allocator`` (:mod:`attnres.train.cpu_memory`), as their training did."""
     baseline = next((v.name for v in experiment.variants if v.family == "baseline"), None)
     if baseline is None:
         raise ValueError(f"experiment {experiment.name!r} has no baseline variant to measure overheads against")
-    steps, batch = {}, None
+    steps, batch, retained = {}, None, False
     with tempfile.TemporaryDirectory() as tmp:
         for v in experiment.variants:
             config = run_config(experiment, v, 0, Path(tmp) / v.name, overrides)
+            # timed with the allocator the runs train with (attnres.train.cpu_memory)
+            retained = set_cpu_allocator(config.cpu_allocator)
             torch.manual_seed(0)
             model = AttnResLM(config.model)
             if batch is None:  # the same tokens for every variant
@@ -61,7 +65,7 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
     memory = {name: peak_memory_bytes(step) for name, step in steps.items()}
     result = {
         "repeats": repeats, "threads": torch.get_num_threads(), "batch": batch.shape[0], "seq_len": batch.shape[1],
-        "baseline": baseline,
+        "baseline": baseline, "freed_memory_retained": retained,
         "variants": {name: {"median_ms": timing[name]["median_ms"], "step_ratio": timing[name]["median_paired_ratio"],
                             "peak_memory_bytes": memory[name], "peak_ratio": memory[name] / max(memory[baseline], 1)}
                      for name in steps},

@@ -12,6 +12,7 @@ from ..distributed.launch import DIST_MODES
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
+from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -30,6 +31,8 @@ RESUMABLE_CHANGES = frozenset({
     "steps", "stop_after", "eval_every", "eval_batches", "log_every", "diagnostics_every", "checkpoint_every",
     "keep_checkpoints", "progress", "tensorboard", "resume", "resume_from", "init_from", "allow_data_change",
     "out_dir",
+    # Where freed CPU memory goes (kept by the process or handed back) changes no value.
+    "cpu_allocator",
     # The data is identified by its fingerprint (checked on resume), not by where it lies.
     "data.paths", "data.cache_dir",
     # Data parallelism reproduces single-process training up to float rounding (the gradient
@@ -130,6 +133,11 @@ class TrainConfig:
     tensor- and pipeline-parallel degrees and the pipeline schedule over one device mesh;
     ``activation_checkpoint`` recomputes activations in the backward pass (``"block"``: every
     sublayer; ``"selective"``: everything but the matmuls and attention).
+
+    ``cpu_allocator`` (CPU runs): ``"retain"`` keeps the memory a step frees for the next
+    step instead of handing it back to the system and paging it in again (glibc; ~3 % of a
+    step at the benchmark shape), ``"system"`` leaves malloc as it is; see
+    :mod:`attnres.train.cpu_memory`.
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.preset(DEFAULT_MODEL_PRESET))
@@ -156,6 +164,7 @@ class TrainConfig:
     dtype: str = "float32"
     compile: bool = False
     device: str = "auto"
+    cpu_allocator: str = "retain"
     eval_every: int = 100
     eval_batches: int = 10
     log_every: int = 10
@@ -237,6 +246,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "schedule": Choice(SCHEDULES),
     "dtype": Choice(DTYPES),
     "device": Choice(DEVICES),
+    "cpu_allocator": Choice(CPU_ALLOCATORS),
     "distributed": Choice(DIST_MODES),
     "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS),
     "dist_timeout_s": Number(0.0, lo_open=True),

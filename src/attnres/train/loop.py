@@ -68,6 +68,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .config import TrainConfig, flatten
+from .cpu_memory import set_cpu_allocator
 from .hf_source import hf_source, is_hf_directory, load_hf_weights
 from .lock import RunLock
 from .metrics import MetricsLogger
@@ -163,6 +164,8 @@ class Trainer:
         self.config, self.ctx, self.mode = config, ctx, mode
         self.main = ctx is None or ctx.is_main
         self.device = resolve_device(config.device) if ctx is None else ctx.device
+        # Freed activations stay in the process for the next step (attnres.train.cpu_memory).
+        self.retains_memory = self.device.type == "cpu" and set_cpu_allocator(config.cpu_allocator)
         self.out_dir = Path(config.out_dir)
         self.step_count, self.tokens_seen = 0, 0
         self.train_loss: float | None = None
@@ -425,7 +428,8 @@ class Trainer:
         facts = RunFacts(start=start, first_step=self.step_count, parameters=self.model.num_parameters(),
                          train_tokens=len(self.data.train), val_tokens=len(self.data.val),
                          tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {self.tokenizer_origin}",
-                         fingerprint=self.fingerprint, device=str(self.device),
+                         fingerprint=self.fingerprint,
+                         device=str(self.device) + (" (freed memory retained)" if self.retains_memory else ""),
                          world_size=1 if self.ctx is None else self.ctx.world_size)
         summary = startup_summary(self.config, facts)
         if self.pm is not None:
