@@ -13,6 +13,11 @@ training step (profiler memory events): activations, gradients and temporaries; 
 parameters and inputs, allocated before the step, are not counted. Timings on a shared 2-core machine are noisy; the
 ratios are the result, not the absolute times.
 
+The process keeps the memory a step frees for the next step (``--cpu-allocator retain``, as
+``attnres train`` does; ``system``: glibc's defaults, which hand large freed blocks back and
+page them in again every step, unevenly between the models), and the minor page faults of
+one step are reported beside the times (attnres.train.cpu_memory).
+
     python benchmarks/bench_training_overhead.py            # full run (~15 min on 2 cores)
     python benchmarks/bench_training_overhead.py --quick    # a smoke run
     python benchmarks/bench_training_overhead.py --shape main-job --backends eager --modes train
@@ -40,6 +45,7 @@ import torch
 
 from attnres import AttnResLM, ModelConfig
 from attnres.analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
+from attnres.train.cpu_memory import CPU_ALLOCATORS, minor_page_faults, set_cpu_allocator
 
 VARIANTS = {
     "standard": dict(residual="standard"),
@@ -103,6 +109,13 @@ def make_step(model, runner, ids, mode):
     return step
 
 
+def page_faults(step) -> int:
+    """Minor page faults of one call of ``step`` (fresh pages the kernel zero-fills)."""
+    before = minor_page_faults()
+    step()
+    return minor_page_faults() - before
+
+
 def summarize(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return paired_summary(times, "standard")
 
@@ -120,6 +133,9 @@ def main() -> int:
                    help="bench-cpu: d=512, 8 blocks, S=4 (default); main-job: d=64, 12 blocks, S=3, batch 16 x 128, "
                         "one thread")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; main-job: 1)")
+    p.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS, default="retain",
+                   help="retain: freed memory stays in the process for the next step, as in `attnres train` "
+                        "(default); system: glibc's defaults (attnres.train.cpu_memory)")
     p.add_argument("--quick", action="store_true", help="tiny repeats, no compile: a smoke run")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "training_overhead"))
     args = p.parse_args()
@@ -134,6 +150,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    retained = set_cpu_allocator(args.cpu_allocator)
     torch.manual_seed(0)
     base = ModelConfig.preset("bench-cpu", max_seq_len=max(256, args.seq))
     if args.shape == "main-job":
@@ -149,9 +166,11 @@ def main() -> int:
     results = {
         "config": {**base.to_dict(), "batch": args.batch, "seq": args.seq, "dtype": "float32", "shape": args.shape},
         **run_header(),
+        "cpu_allocator": args.cpu_allocator, "freed_memory_retained": retained,
         "params": {k: m.num_parameters() for k, m in models.items()},
         "residual_params": {k: m.residual_parameters() for k, m in models.items()},
         "timing": {},
+        "page_faults_per_step": {},
         "peak_memory_bytes": {},
     }
     for backend in args.backends.split(","):
@@ -168,6 +187,7 @@ def main() -> int:
                 log(f"[{backend}/{mode}] warm-up {name}: {time.perf_counter() - t0:.1f} s")
             repeats = args.repeats_train if mode == "train" else args.repeats_forward
             results["timing"][f"{backend}/{mode}"] = summarize(time_interleaved(steps, repeats, log))
+            results["page_faults_per_step"][f"{backend}/{mode}"] = {name: page_faults(steps[name]) for name in names}
             if backend == "eager" and mode == "train":
                 for name in names:
                     results["peak_memory_bytes"][name] = peak_memory_bytes(steps[name])
@@ -193,6 +213,14 @@ def block_size_of(config: dict) -> int:
     return residual["block_size"] if isinstance(residual, dict) else config["attnres_block_size"]
 
 
+def allocator_line(r: dict) -> str:
+    kind = r.get("cpu_allocator", "system")  # results before the setting: glibc's defaults
+    if kind == "retain" and r.get("freed_memory_retained"):
+        return ("CPU allocator: `retain` (freed memory stays in the process for the next step, as in "
+                "`attnres train`; `--cpu-allocator system` for glibc's defaults).")
+    return "CPU allocator: the system's (glibc's defaults: large freed blocks go back to the system)."
+
+
 def render_markdown(r: dict) -> str:
     c = r["config"]
     lines = [
@@ -201,7 +229,8 @@ def render_markdown(r: dict) -> str:
         f"Command: `{r['command']}`  ",
         f"Shape: d={c['d_model']}, {c['n_layers']} transformer blocks (L={2 * c['n_layers']}), "
         f"Block S={block_size_of(c)}, seq {c['seq']}, batch {c['batch']}, {c['dtype']}, vocab {c['vocab_size']}.  ",
-        f"Machine: {r['machine']['cpu_count']} CPUs, {r['machine']['threads']} torch threads, torch {r['machine']['torch']}.",
+        f"Machine: {r['machine']['cpu_count']} CPUs, {r['machine']['threads']} torch threads, torch {r['machine']['torch']}.  ",
+        allocator_line(r),
         "",
         "Times are medians over interleaved rounds; *ratio* = median / median of the standard model; "
         "*paired* = median over rounds of (this model / standard) in the same round.",
@@ -221,6 +250,12 @@ def render_markdown(r: dict) -> str:
             lines.append(
                 f"| {key} | {name} | {s['median_ms']:.1f} | {s['ratio_of_medians']:.4f} | {s['median_paired_ratio']:.4f} | {verdict} |"
             )
+    faults = r.get("page_faults_per_step", {})
+    if faults:
+        names = list(next(iter(faults.values())))
+        lines += ["", "Minor page faults of one step (fresh 4 KiB pages the kernel zero-fills):", "",
+                  "| backend / mode | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        lines += [f"| {key} | " + " | ".join(str(row.get(n, "")) for n in names) + " |" for key, row in faults.items()]
     if r["peak_memory_bytes"]:
         base = r["peak_memory_bytes"]["standard"]
         mem_targets = {} if c.get("shape") == "main-job" else MEMORY_TARGETS
