@@ -135,9 +135,9 @@ class TrainConfig:
     sublayer; ``"selective"``: everything but the matmuls and attention).
 
     ``cpu_allocator`` (CPU runs): ``"retain"`` keeps the memory a step frees for the next
-    step instead of handing it back to the system and paging it in again (glibc; ~3 % of a
-    step at the benchmark shape), ``"system"`` leaves malloc as it is; see
-    :mod:`attnres.train.cpu_memory`.
+    step instead of handing it back to the system and paging it in again (glibc; 5 % of an
+    eager step at d = 512, 24 % at d = 64 in our benchmarks), ``"system"`` leaves malloc as
+    it is; see :mod:`attnres.train.cpu_memory`.
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.preset(DEFAULT_MODEL_PRESET))

@@ -4,13 +4,15 @@ A training step allocates and frees the same activations every step (hundreds of
 benchmark shape). glibc's ``malloc`` serves large blocks with ``mmap`` above a dynamic
 threshold (128 KiB rising to at most 32 MiB) and returns the top of its heap to the system
 above twice that, so every step pages those blocks in again: the kernel zero-fills each
-fresh 4 KiB page on first touch. At the benchmark shape (``bench-cpu``, d = 512, 8 x 256
-tokens) that is ~49 000 minor page faults per compiled training step of the standard model
-and ~56 000 of Block AttnRes, ~3 % of the step (docs/training-overhead.md).
+fresh 4 KiB page on first touch. In the committed benchmark runs
+(``benchmarks/results/training_overhead*_system_allocator.md``) that is 112 693 minor page
+faults per eager training step of the standard model at d = 512 and 48 866 at the main
+job's shape (d = 64), where retaining the memory cut the standard model's step from 2623 to
+2501 ms and from 406 to 309 ms (docs/training-overhead.md).
 
 ``"retain"`` raises both thresholds (``mallopt``) to the largest value glibc takes, so
-freed blocks stay in the process and the next step reuses them: zero page faults per step
-after the first. This is what tcmalloc and jemalloc (PyTorch's CPU tuning guide recommends
+freed blocks stay in the process and the next step reuses them: 0 to 5 page faults per
+step after the first in those benchmarks. This is what tcmalloc and jemalloc (PyTorch's CPU tuning guide recommends
 either for training) and PyTorch's own CUDA caching allocator do. The resident memory stays
 at the step's peak instead of falling between steps. ``"system"`` leaves the allocator as
 it is.
