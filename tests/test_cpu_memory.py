@@ -13,7 +13,7 @@ import pytest
 from attnres.train import TrainConfig
 from attnres.train.config import RESUMABLE_CHANGES
 from attnres.train import cpu_memory
-from attnres.train.cpu_memory import CPU_ALLOCATORS, minor_page_faults, set_cpu_allocator
+from attnres.train.cpu_memory import CPU_ALLOCATORS, set_cpu_allocator
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                            reason="the setting acts on glibc's malloc only")
@@ -67,6 +67,3 @@ def test_unknown_allocator_is_refused_with_the_choices():
 def test_allocator_changes_no_value_so_a_run_may_resume_with_another():
     assert "cpu_allocator" in RESUMABLE_CHANGES
 
-
-def test_minor_page_faults_counts_up():
-    assert minor_page_faults() >= 0

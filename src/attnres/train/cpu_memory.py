@@ -12,8 +12,8 @@ job's shape (d = 64), where retaining the memory cut the standard model's step f
 
 ``"retain"`` raises both thresholds (``mallopt``) to the largest value glibc takes, so
 freed blocks stay in the process and the next step reuses them: 0 to 5 page faults per
-step after the first in those benchmarks. This is what tcmalloc and jemalloc (PyTorch's CPU tuning guide recommends
-either for training) and PyTorch's own CUDA caching allocator do. The resident memory stays
+step after the first in those benchmarks. This is what tcmalloc and jemalloc (PyTorch's CPU
+tuning guide recommends either for training) and PyTorch's own CUDA caching allocator do. The resident memory stays
 at the step's peak instead of falling between steps. ``"system"`` leaves the allocator as
 it is.
 
