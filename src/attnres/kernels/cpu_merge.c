@@ -46,19 +46,111 @@ static inline T dot_##SUFFIX(const T *a, const T *b, int64_t d)                 
     return sum;                                                                                \
 }
 
-#define DEFINE_MERGE(T, SUFFIX, EXP, SQRT)                                                          \
-/* Row t of h = sum_j a_j x_j over the n sources and the partial sum (when not NULL). */      \
-static void weighted_row_##SUFFIX(T *o, const T *a, int64_t t, int64_t d, int64_t n,           \
-                                  const T *const *src, const T *partial)                       \
+/* exp of n floats in place, vectorized (libm's expf is one call per value: a third of
+ * Phase 1's time before). exp(v) = 2^k exp(r), k = round(v / ln2), r = v - k ln2 in
+ * [-ln2/2, ln2/2], exp(r) by its degree-7 Taylor polynomial (truncation below 3e-9
+ * relative: the result is within float's rounding, 6e-8 relative against exp in double).
+ * Meant for softmax arguments (v <= 0): below -87.3 the result is 0 (exp is under float's
+ * smallest normal there); above 88.3 it stays at exp(88.3). GCC/Clang vector extensions:
+ * 8 lanes, one AVX register where the CPU has AVX. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f select_v8(v8i mask, v8f a, v8f b) /* mask ? a : b, lane by lane */
+{
+    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+static inline v8f exp_v8(v8f v)
+{
+    const v8f lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    const v8f hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
+    const v8i under = v < lo;
+    v = select_v8(under, lo, v);
+    v = select_v8(v > hi, hi, v);
+    const v8f k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(v / ln2) */
+    const v8f r = (v - k * 0.693145751953125f) - k * 1.428606765330187e-06f; /* ln2 in two parts */
+    v8f p = r * (1.0f / 5040.0f) + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v8i two_k = (__builtin_convertvector(k, v8i) + 127) << 23; /* the bits of 2^k */
+    return (v8f)((v8i)(p * (v8f)two_k) & ~under);
+}
+
+static inline void exp_inplace_f32(float *x, int64_t n)
+{
+    int64_t i = 0;
+    v8f v;
+    for (; i + 8 <= n; i += 8) {
+        memcpy(&v, x + i, sizeof v);
+        v = exp_v8(v);
+        memcpy(x + i, &v, sizeof v);
+    }
+    if (i < n) {
+        memset(&v, 0, sizeof v);
+        memcpy(&v, x + i, (size_t)(n - i) * sizeof(float));
+        v = exp_v8(v);
+        memcpy(x + i, &v, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+/* double: libm (the precision gradcheck's reference arithmetic needs). */
+static inline void exp_inplace_f64(double *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) x[i] = exp(x[i]);
+}
+
+/* o = sum_j c[j] rows[j][off ..] (plus o itself where add), over d values: the sum is kept
+ * in registers across the m rows and o is written once (a row-by-row o += c x loads and
+ * stores o once per row). Summed in the order j = 0 .. m - 1. */
+#define DEFINE_COMBINE(T, SUFFIX)                                                                  \
+static inline void combine_##SUFFIX(T *o, int add, const T *const *rows, int64_t off, const T *c, \
+                                    int64_t m, int64_t d)                                      \
 {                                                                                              \
-    const int64_t m = n + (partial != NULL);                                                   \
-    const T *x0 = src[0] + t * d;                                                              \
-    for (int64_t k = 0; k < d; ++k) o[k] = a[0] * x0[k];                                       \
-    for (int64_t j = 1; j < m; ++j) {                                                          \
-        const T *x = (j < n ? src[j] : partial) + t * d;                                       \
-        const T aj = a[j];                                                                     \
-        for (int64_t k = 0; k < d; ++k) o[k] += aj * x[k];                                     \
+    typedef T V __attribute__((vector_size(32)));                                              \
+    enum { W = 32 / sizeof(T) };                                                               \
+    int64_t k = 0;                                                                             \
+    for (; k + 4 * W <= d; k += 4 * W) {                                                       \
+        V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, x;                                           \
+        if (add) {                                                                             \
+            memcpy(&a0, o + k, sizeof(V)); memcpy(&a1, o + k + W, sizeof(V));                  \
+            memcpy(&a2, o + k + 2 * W, sizeof(V)); memcpy(&a3, o + k + 3 * W, sizeof(V));      \
+        }                                                                                      \
+        for (int64_t j = 0; j < m; ++j) {                                                      \
+            const T *r = rows[j] + off + k, cj = c[j];                                         \
+            memcpy(&x, r, sizeof(V)); a0 += cj * x;                                            \
+            memcpy(&x, r + W, sizeof(V)); a1 += cj * x;                                        \
+            memcpy(&x, r + 2 * W, sizeof(V)); a2 += cj * x;                                    \
+            memcpy(&x, r + 3 * W, sizeof(V)); a3 += cj * x;                                    \
+        }                                                                                      \
+        memcpy(o + k, &a0, sizeof(V)); memcpy(o + k + W, &a1, sizeof(V));                      \
+        memcpy(o + k + 2 * W, &a2, sizeof(V)); memcpy(o + k + 3 * W, &a3, sizeof(V));          \
     }                                                                                          \
+    for (; k + W <= d; k += W) {                                                               \
+        V a = {0}, x;                                                                          \
+        if (add) memcpy(&a, o + k, sizeof(V));                                                 \
+        for (int64_t j = 0; j < m; ++j) { memcpy(&x, rows[j] + off + k, sizeof(V)); a += c[j] * x; } \
+        memcpy(o + k, &a, sizeof(V));                                                          \
+    }                                                                                          \
+    for (; k < d; ++k) {                                                                       \
+        T a = add ? o[k] : (T)0;                                                               \
+        for (int64_t j = 0; j < m; ++j) a += c[j] * rows[j][off + k];                          \
+        o[k] = a;                                                                              \
+    }                                                                                          \
+}
+
+#define DEFINE_MERGE(T, SUFFIX, SQRT)                                                          \
+/* The sources and the partial sum (when not NULL) as one table of m rows' bases. */         \
+static const T **row_table_##SUFFIX(int64_t n, const T *const *src, const T *partial)          \
+{                                                                                              \
+    const T **rows = (const T **)malloc((size_t)(n + 1) * sizeof(T *));                        \
+    for (int64_t j = 0; j < n; ++j) rows[j] = src[j];                                          \
+    rows[n] = partial;                                                                         \
+    return rows;                                                                               \
 }                                                                                              \
                                                                                                \
 /* Forward. out = RMSNorm(h) (or h), h = sum_j alpha_j x_j, alpha = softmax(z, zb). Writes    \
@@ -70,6 +162,7 @@ void attnres_merge_forward_##SUFFIX(                                            
     T *zb, T *rstd, T *kept, int threads)                                                      \
 {                                                                                              \
     const int64_t m = n + (partial != NULL);                                                   \
+    const T **rows = row_table_##SUFFIX(n, src, partial);                                      \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                         \
     for (int64_t t = 0; t < tokens; ++t) {                                                     \
         T *a = alpha + t * m;                                                                  \
@@ -85,11 +178,13 @@ void attnres_merge_forward_##SUFFIX(                                            
         for (int64_t j = 0; j < n; ++j) { a[j] = zt[j]; if (a[j] > mx) mx = a[j]; }            \
         if (partial != NULL && a[n] > mx) mx = a[n];                                           \
         T se = 0;                                                                              \
-        for (int64_t j = 0; j < m; ++j) { a[j] = EXP(a[j] - mx); se += a[j]; }                 \
+        for (int64_t j = 0; j < m; ++j) a[j] -= mx;                                            \
+        exp_inplace_##SUFFIX(a, m);                                                            \
+        for (int64_t j = 0; j < m; ++j) se += a[j];                                            \
         const T inv = (T)1 / se;                                                               \
         for (int64_t j = 0; j < m; ++j) a[j] *= inv;                                           \
         T *o = out + t * d;                                                                    \
-        weighted_row_##SUFFIX(o, a, t, d, n, src, partial);                                    \
+        combine_##SUFFIX(o, 0, rows, t * d, a, m, d);                                          \
         if (kept != NULL) memcpy(kept + t * d, o, (size_t)d * sizeof(T));                      \
         if (norm_w != NULL) {                                                                  \
             const T r = (T)1 / SQRT(dot_##SUFFIX(o, o, d) / (T)d + (T)norm_eps);               \
@@ -97,6 +192,7 @@ void attnres_merge_forward_##SUFFIX(                                            
             for (int64_t k = 0; k < d; ++k) o[k] = o[k] * r * norm_w[k];                       \
         }                                                                                      \
     }                                                                                          \
+    free(rows);                                                                                \
 }                                                                                              \
                                                                                                \
 /* Backward from g = d loss / d out [tokens, d]. Writes, where not NULL: gsrc[j] (d / d x_j; \
@@ -113,6 +209,7 @@ void attnres_merge_backward_##SUFFIX(                                           
     const int64_t m = n + (partial != NULL);                                                   \
     if (gqg_part != NULL) memset(gqg_part, 0, (size_t)(threads * d) * sizeof(T));              \
     if (gw_part != NULL) memset(gw_part, 0, (size_t)(threads * d) * sizeof(T));                \
+    const T **rows = row_table_##SUFFIX(n, src, partial);                                      \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
         int tid = 0;                                                                           \
@@ -130,7 +227,7 @@ void attnres_merge_backward_##SUFFIX(                                           
                 if (kept != NULL) {                                                            \
                     h = kept + t * d;                                                          \
                 } else { /* recompute h from the sources */                                   \
-                    weighted_row_##SUFFIX(hb, a, t, d, n, src, partial);                       \
+                    combine_##SUFFIX(hb, 0, rows, t * d, a, m, d);                             \
                 }                                                                              \
                 const T r = rstd[t];                                                           \
                 for (int64_t k = 0; k < d; ++k) gh[k] = gt[k] * norm_w[k];                    \
@@ -170,42 +267,50 @@ void attnres_merge_backward_##SUFFIX(                                           
         }                                                                                      \
         free(buf);                                                                             \
     }                                                                                          \
+    free(rows);                                                                                \
 }
+
+/* Phase 1 works on tiles of this many tokens: their softmax weights are formed together
+ * (one vectorized exp over the tile), then each token's rows are combined. */
+#define TILE 16
 
 /* Phase 1 of S queries over the same n completed sources, in one pass over each source
  * (report §4.2, Algorithm 1): out[s] = sum_i alpha_si x_i, lse[t, s] = log sum_i exp(z_tsi),
  * alpha_s = softmax(z_ts), z [tokens, S, n]. The backward recomputes alpha from z and lse,
  * reads each source once for the S queries and writes (or adds to, where accumulate[i] is
  * set) its gradient once: sum_s alpha_si g_s. */
-#define DEFINE_PHASE1(T, SUFFIX, EXP, LOG)                                                         \
+#define DEFINE_PHASE1(T, SUFFIX, LOG)                                                              \
 void attnres_phase1_forward_##SUFFIX(                                                          \
     int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *z,          \
     T *const *out, T *lse, int threads)                                                        \
 {                                                                                              \
+    const int64_t tiles = (tokens + TILE - 1) / TILE;                                          \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
-        T *w = (T *)malloc((size_t)(S * n) * sizeof(T));                                      \
+        T *w = (T *)malloc((size_t)(TILE * S * n) * sizeof(T)); /* the tile's alpha */         \
         _Pragma("omp for schedule(static)")                                                    \
-        for (int64_t t = 0; t < tokens; ++t) {                                                 \
-            for (int64_t s = 0; s < S; ++s) {                                                  \
-                const T *zs = z + (t * S + s) * n;                                             \
-                T *ws = w + s * n;                                                             \
-                T mx = -INFINITY, se = 0;                                                      \
-                for (int64_t i = 0; i < n; ++i) if (zs[i] > mx) mx = zs[i];                    \
-                for (int64_t i = 0; i < n; ++i) { ws[i] = EXP(zs[i] - mx); se += ws[i]; }      \
+        for (int64_t b = 0; b < tiles; ++b) {                                                  \
+            const int64_t t0 = b * TILE, tt = tokens - t0 < TILE ? tokens - t0 : TILE;         \
+            const int64_t rows = tt * S; /* one softmax per (token, query) */                  \
+            memcpy(w, z + t0 * S * n, (size_t)(rows * n) * sizeof(T));                        \
+            for (int64_t r = 0; r < rows; ++r) {                                               \
+                T *wr = w + r * n, mx = -INFINITY;                                             \
+                for (int64_t i = 0; i < n; ++i) if (wr[i] > mx) mx = wr[i];                    \
+                for (int64_t i = 0; i < n; ++i) wr[i] -= mx;                                   \
+                lse[t0 * S + r] = mx;                                                          \
+            }                                                                                  \
+            exp_inplace_##SUFFIX(w, rows * n);                                                 \
+            for (int64_t r = 0; r < rows; ++r) {                                               \
+                T *wr = w + r * n, se = 0;                                                     \
+                for (int64_t i = 0; i < n; ++i) se += wr[i];                                   \
                 const T inv = (T)1 / se;                                                       \
-                for (int64_t i = 0; i < n; ++i) ws[i] *= inv;                                  \
-                lse[t * S + s] = mx + LOG(se);                                                 \
+                for (int64_t i = 0; i < n; ++i) wr[i] *= inv;                                  \
+                lse[t0 * S + r] += LOG(se);                                                    \
             }                                                                                  \
-            for (int64_t i = 0; i < n; ++i) {                                                  \
-                const T *x = src[i] + t * d;                                                   \
-                for (int64_t s = 0; s < S; ++s) {                                              \
-                    T *o = out[s] + t * d;                                                     \
-                    const T a = w[s * n + i];                                                  \
-                    if (i == 0) for (int64_t k = 0; k < d; ++k) o[k] = a * x[k];               \
-                    else for (int64_t k = 0; k < d; ++k) o[k] += a * x[k];                     \
-                }                                                                              \
-            }                                                                                  \
+            for (int64_t t = 0; t < tt; ++t)                                                   \
+                for (int64_t s = 0; s < S; ++s)                                                \
+                    combine_##SUFFIX(out[s] + (t0 + t) * d, 0, src, (t0 + t) * d,              \
+                                     w + (t * S + s) * n, n, d);                               \
         }                                                                                      \
         free(w);                                                                               \
     }                                                                                          \
@@ -218,45 +323,51 @@ void attnres_phase1_backward_##SUFFIX(                                          
     const T *lse, const T *const *gout, const T *glse, T *gz, T *const *gsrc,                  \
     const unsigned char *accumulate, int threads)                                              \
 {                                                                                              \
+    const int64_t tiles = (tokens + TILE - 1) / TILE;                                          \
+    /* the output gradients that are there, and the query of each */                          \
+    const T **g = (const T **)malloc((size_t)S * sizeof(T *));                                 \
+    int64_t *q = (int64_t *)malloc((size_t)S * sizeof(int64_t)), ng = 0;                      \
+    for (int64_t s = 0; s < S; ++s) if (gout[s] != NULL) { g[ng] = gout[s]; q[ng++] = s; }     \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
-        T *w = (T *)malloc((size_t)(2 * S * n) * sizeof(T)); /* alpha, then the dots */        \
-        T *dots = w + S * n;                                                                   \
+        /* alpha and the dots g_s . x_i of the tile, and one source's weights per query */     \
+        T *w = (T *)malloc((size_t)(2 * TILE * S * n + S) * sizeof(T));                       \
+        T *dots = w + TILE * S * n, *c = dots + TILE * S * n;                                  \
         _Pragma("omp for schedule(static)")                                                    \
-        for (int64_t t = 0; t < tokens; ++t) {                                                 \
-            for (int64_t s = 0; s < S; ++s)                                                    \
+        for (int64_t b = 0; b < tiles; ++b) {                                                  \
+            const int64_t t0 = b * TILE, tt = tokens - t0 < TILE ? tokens - t0 : TILE;         \
+            const int64_t rows = tt * S;                                                       \
+            for (int64_t r = 0; r < rows; ++r)                                                 \
                 for (int64_t i = 0; i < n; ++i)                                                \
-                    w[s * n + i] = EXP(z[(t * S + s) * n + i] - lse[t * S + s]);               \
-            if (gz != NULL) { /* dz_si = alpha_si (g_s . x_i - g_s . out_s + glse_s) */       \
-                for (int64_t i = 0; i < n; ++i) {                                              \
-                    const T *x = src[i] + t * d;                                               \
-                    for (int64_t s = 0; s < S; ++s) {                                          \
-                        dots[s * n + i] = gout[s] != NULL ? dot_##SUFFIX(gout[s] + t * d, x, d) : (T)0; \
-                    }                                                                          \
+                    w[r * n + i] = z[(t0 * S + r) * n + i] - lse[t0 * S + r];                  \
+            exp_inplace_##SUFFIX(w, rows * n);                                                 \
+            for (int64_t i = 0; i < n; ++i) { /* each source's rows of the tile in one run */    \
+                for (int64_t t = 0; t < tt; ++t) {                                             \
+                    const int64_t off = (t0 + t) * d;                                          \
+                    const T *x = src[i] + off, *wt = w + t * S * n;                            \
+                    if (gz != NULL)                                                            \
+                        for (int64_t s = 0; s < S; ++s)                                        \
+                            dots[(t * S + s) * n + i] =                                        \
+                                gout[s] != NULL ? dot_##SUFFIX(gout[s] + off, x, d) : (T)0;    \
+                    if (gsrc[i] == NULL) continue; /* d x_i = sum_s alpha_si g_s */            \
+                    for (int64_t j = 0; j < ng; ++j) c[j] = wt[q[j] * n + i];                  \
+                    combine_##SUFFIX(gsrc[i] + off, accumulate[i], g, off, c, ng, d);          \
                 }                                                                              \
-                for (int64_t s = 0; s < S; ++s) {                                              \
-                    const T *ws = w + s * n, *ds = dots + s * n;                               \
+            }                                                                                  \
+            if (gz != NULL) /* dz_si = alpha_si (g_s . x_i - g_s . out_s + glse_s) */         \
+                for (int64_t r = 0; r < rows; ++r) {                                           \
+                    const T *wr = w + r * n, *dr = dots + r * n;                               \
                     T mean = 0;                                                                \
-                    for (int64_t i = 0; i < n; ++i) mean += ws[i] * ds[i];                     \
-                    const T gl = glse != NULL ? glse[t * S + s] : (T)0;                        \
-                    T *gzs = gz + (t * S + s) * n;                                             \
-                    for (int64_t i = 0; i < n; ++i) gzs[i] = ws[i] * (ds[i] - mean + gl);      \
+                    for (int64_t i = 0; i < n; ++i) mean += wr[i] * dr[i];                     \
+                    const T gl = glse != NULL ? glse[t0 * S + r] : (T)0;                       \
+                    T *gzr = gz + (t0 * S + r) * n;                                            \
+                    for (int64_t i = 0; i < n; ++i) gzr[i] = wr[i] * (dr[i] - mean + gl);      \
                 }                                                                              \
-            }                                                                                  \
-            for (int64_t i = 0; i < n; ++i) {                                                  \
-                if (gsrc[i] == NULL) continue;                                                 \
-                T *gx = gsrc[i] + t * d;                                                       \
-                if (!accumulate[i]) memset(gx, 0, (size_t)d * sizeof(T));                      \
-                for (int64_t s = 0; s < S; ++s) {                                              \
-                    if (gout[s] == NULL) continue;                                             \
-                    const T *g = gout[s] + t * d;                                              \
-                    const T a = w[s * n + i];                                                  \
-                    for (int64_t k = 0; k < d; ++k) gx[k] += a * g[k];                         \
-                }                                                                              \
-            }                                                                                  \
         }                                                                                      \
         free(w);                                                                               \
     }                                                                                          \
+    free(g);                                                                                   \
+    free(q);                                                                                   \
 }
 
 #ifdef _OPENMP
@@ -268,7 +379,9 @@ void attnres_phase1_backward_##SUFFIX(                                          
 
 DEFINE_DOT(float, f32)
 DEFINE_DOT(double, f64)
-DEFINE_MERGE(float, f32, expf, sqrtf)
-DEFINE_MERGE(double, f64, exp, sqrt)
-DEFINE_PHASE1(float, f32, expf, logf)
-DEFINE_PHASE1(double, f64, exp, log)
+DEFINE_COMBINE(float, f32)
+DEFINE_COMBINE(double, f64)
+DEFINE_MERGE(float, f32, sqrtf)
+DEFINE_MERGE(double, f64, sqrt)
+DEFINE_PHASE1(float, f32, logf)
+DEFINE_PHASE1(double, f64, log)
