@@ -110,14 +110,49 @@ def test_lean_depth_merge_gradcheck_and_reference(lead, n, partial, norm, path, 
         assert_rel_close(a, r, 1e-10, "gradient")
 
 
-@pytest.mark.parametrize("shape", [(), (4,), (1,)])
+@pytest.mark.parametrize("shape", [(), (4,), (1,), (19,)])
 @pytest.mark.parametrize("lead", [(2, 3), (1, 1)])
-def test_lean_rms_logits_gradcheck_and_reference(shape, lead):
+@pytest.mark.parametrize("d", [6, 37])
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_lean_rms_logits_gradcheck_and_reference(shape, lead, d, path, request):
+    """Both paths against the reference and gradcheck: ``K`` = 1 (a ``[d]`` query) to 19 (past
+    one block of the kernel's queries), ``d`` below and past its vector blocks, token counts
+    that leave a partial block of tokens."""
+    if path == "kernel":
+        request.getfixturevalue("kernel")
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(*lead, 6, generator=g, dtype=torch.float64) * 3).requires_grad_()
-    q = torch.randn(*shape, 6, generator=g, dtype=torch.float64).requires_grad_()
-    assert gradcheck(lambda a, b: lean_rms_logits(a, b, 1e-6), (x, q))
-    assert_rel_close(lean_rms_logits(x, q, 1e-6), rms_logits(x, q, 1e-6), 1e-13, "logits")
+    x = (torch.randn(*lead, d, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    q = torch.randn(*shape, d, generator=g, dtype=torch.float64).requires_grad_()
+    fn = lambda a, b: lean_rms_logits(a, b, 1e-6, cpu_kernel=path == "kernel")  # noqa: E731
+    out = fn(x, q)
+    if path == "kernel":
+        assert out.grad_fn.kernel
+    assert gradcheck(fn, (x, q), fast_mode=lead != (1, 1) or d > 6)
+    ref = rms_logits(x, q, 1e-6)
+    assert_rel_close(out, ref, 1e-13, "logits")
+    up = torch.randn_like(ref)
+    for a, r in zip(torch.autograd.grad((out * up).sum(), (x, q)), torch.autograd.grad((ref * up).sum(), (x, q))):
+        assert_rel_close(a, r, 1e-12, "gradient")
+
+
+def test_lean_rms_logits_kernel_in_float32_against_the_float64_truth(kernel):
+    """The kernel's float32 logits and gradients within the per-dtype rule of the
+    reference's own float32 error."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 41, 64, generator=g, dtype=torch.float64).requires_grad_()
+    q = torch.randn(23, 64, generator=g, dtype=torch.float64).requires_grad_()
+    up = torch.randn(3, 41, 23, generator=g, dtype=torch.float64)
+
+    def run(fn, dtype):
+        a, b = (t.detach().to(dtype).requires_grad_() for t in (x, q))
+        out = fn(a, b)
+        return [out, *torch.autograd.grad((out * up.to(dtype)).sum(), (a, b))]
+
+    kernel_logits = lambda a, b: lean_rms_logits(a, b, 1e-6, cpu_kernel=True)  # noqa: E731
+    reference = lambda a, b: rms_logits(a, b, 1e-6)  # noqa: E731
+    assert_fast_matches_naive(run(kernel_logits, torch.float32), run(reference, torch.float32),
+                              run(reference, torch.float64), torch.float32, ["logits", "grad x", "grad q"],
+                              TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,7 +275,7 @@ def test_double_backward_is_refused_clearly(kernel):
 
 
 def test_gradient_slots_sum_every_merge_of_a_source(kernel):
-    """Tapped sources read by several merges and by Phase 1 get their gradient summed in place
+    """Tapped sources read by several merges, by Phase 1 and by a logits node get their gradient summed in place
     (one slot each); the result equals the untapped computation's, also over a retained
     graph run twice and when only some inputs' gradients are asked for."""
     z, b, qg, w, sources = merge_inputs((2, 3), 6, 3, True, True)
@@ -251,6 +286,7 @@ def test_gradient_slots_sum_every_merge_of_a_source(kernel):
         total = 0
         for s in range(2):  # Phase 2 of two queries, as Block does
             total = total + call(lean_merge_kernel, lse[..., s : s + 1], b, qg, w, [outs[s]]).sum()
+        total = total + lean_rms_logits(xs[1], qg.unsqueeze(0) * 0.5, 1e-6, cpu_kernel=True).square().sum()
         return total + call(lean_merge_kernel, z, None, None, w, xs).square().sum()  # and a direct merge
 
     inputs = [z, b, qg, w, *sources]

@@ -30,7 +30,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["cpu_kernel", "cpu_kernel_supports", "merge_forward", "merge_backward", "phase1_forward", "phase1_backward"]
+__all__ = [
+    "cpu_kernel",
+    "cpu_kernel_supports",
+    "merge_forward",
+    "merge_backward",
+    "phase1_forward",
+    "phase1_backward",
+    "logits_forward",
+    "logits_backward",
+]
 
 SOURCE = Path(__file__).with_name("cpu_merge.c")
 # -ffp-contract=fast: fused multiply-adds (ISO C mode turns contraction off).
@@ -91,6 +100,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         p1b = getattr(lib, f"attnres_phase1_backward_{suffix}")
         p1b.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, cint]
         p1b.restype = None
+        lf = getattr(lib, f"attnres_logits_forward_{suffix}")
+        lf.argtypes = [i64, i64, i64, ptr, ptr, dbl, ptr, ptr, cint]
+        lf.restype = None
+        lb = getattr(lib, f"attnres_logits_backward_{suffix}")
+        lb.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, cint, ptr, cint]
+        lb.restype = None
 
 
 @functools.cache
@@ -233,3 +248,33 @@ def phase1_backward(z: Tensor, lse: Tensor, sources: Sequence[Tensor], g_outs: S
         tokens, d, n, S, _ptrs(sources), _ptr(z), _ptr(lse), _ptrs(g_outs), _ptr(g_lse), _ptr(g_z), dests,
         accumulate, torch.get_num_threads())
     return g_z, g_src
+
+
+def logits_forward(x: Tensor, qg: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A source's logits against ``K`` gain-folded queries: ``x [..., d]``, ``qg [K, d]``
+    (contiguous, one dtype, float32 or float64) -> ``z = (x . qg_k) / rms(x)`` ``[..., K]``
+    and the RMS factor ``1 / rms(x)`` ``[...]``."""
+    d, K = x.shape[-1], qg.shape[0]
+    tokens = x.numel() // d
+    z = torch.empty((*x.shape[:-1], K), dtype=x.dtype)
+    r = torch.empty(x.shape[:-1], dtype=x.dtype)
+    _function("logits_forward", x.dtype)(tokens, d, K, _ptr(x), _ptr(qg), eps, _ptr(z), _ptr(r), torch.get_num_threads())
+    return z, r
+
+
+def logits_backward(gz: Tensor, x: Tensor, qg: Tensor, z: Tensor, r: Tensor, needs_x: bool, needs_qg: bool,
+                    into: tuple[Tensor, bool] | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """The backward of :func:`logits_forward` from ``gz [..., K]``: ``(d x, d qg)``, ``None``
+    where not needed; ``into = (buffer, accumulate)`` writes ``d x`` there instead (its entry
+    of the result is then ``None``), as in :func:`merge_backward`."""
+    d, K = x.shape[-1], qg.shape[0]
+    tokens = x.numel() // d
+    threads = torch.get_num_threads()
+    g_x = torch.empty_like(x) if needs_x and into is None else None
+    dest, accumulate = (into if needs_x and into is not None else (g_x, False))
+    gq_part = torch.empty((threads, K, d), dtype=x.dtype) if needs_qg else None
+    gz = gz.contiguous()  # a local: the kernel reads its memory
+    _function("logits_backward", x.dtype)(
+        tokens, d, K, _ptr(x), _ptr(qg), _ptr(z), _ptr(r), _ptr(gz), _ptr(dest), int(accumulate), _ptr(gq_part),
+        threads)
+    return g_x, (gq_part.sum(0) if gq_part is not None else None)

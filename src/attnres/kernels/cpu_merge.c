@@ -370,6 +370,172 @@ void attnres_phase1_backward_##SUFFIX(                                          
     free(q);                                                                                   \
 }
 
+/* The logits of one completed source against K later queries (report §3.1: phi(q, k) with
+ * the key RMSNorm's gain folded into the queries): z[t, k] = r_t (x_t . q_k), r_t =
+ * 1 / rms(x_t). A [tokens, d] x [d, K] product with K small (1 to L), where a BLAS call
+ * spends most of its time on the skinny shape: here blocks of 4 tokens against 2 vectors of
+ * queries at a time, every product in registers. q [K, d]; writes z [tokens, K], r [tokens]. */
+#define LOGIT_TOKENS 4
+#define LOGIT_CHUNK 64
+#define DEFINE_LOGITS(T, SUFFIX, SQRT)                                                             \
+void attnres_logits_forward_##SUFFIX(                                                          \
+    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, double eps, T *z, T *r,      \
+    int threads)                                                                               \
+{                                                                                              \
+    typedef T V __attribute__((vector_size(32)));                                              \
+    enum { W = 32 / sizeof(T) };                                                               \
+    const int64_t Kp = (K + 2 * W - 1) / (2 * W) * (2 * W);                                    \
+    T *qt = (T *)calloc((size_t)(d * Kp), sizeof(T)); /* q transposed, zero-padded to Kp */    \
+    for (int64_t k = 0; k < K; ++k)                                                            \
+        for (int64_t j = 0; j < d; ++j) qt[j * Kp + k] = q[k * d + j];                         \
+    const int64_t blocks = (tokens + LOGIT_TOKENS - 1) / LOGIT_TOKENS;                        \
+    _Pragma("omp parallel num_threads(threads)")                                               \
+    {                                                                                          \
+        T *zero = (T *)calloc((size_t)d, sizeof(T)); /* the rows past the last token */       \
+        _Pragma("omp for schedule(static)")                                                    \
+        for (int64_t b = 0; b < blocks; ++b) {                                                 \
+            const int64_t t0 = b * LOGIT_TOKENS;                                               \
+            const int64_t tt = tokens - t0 < LOGIT_TOKENS ? tokens - t0 : LOGIT_TOKENS;        \
+            const T *xr[LOGIT_TOKENS];                                                         \
+            T rt[LOGIT_TOKENS];                                                                \
+            for (int t = 0; t < LOGIT_TOKENS; ++t) {                                           \
+                xr[t] = t < tt ? x + (t0 + t) * d : zero;                                      \
+                rt[t] = t < tt ? (T)1 / SQRT(dot_##SUFFIX(xr[t], xr[t], d) / (T)d + (T)eps) : (T)0; \
+                if (t < tt) r[t0 + t] = rt[t];                                                 \
+            }                                                                                  \
+            for (int64_t kb = 0; kb < Kp; kb += 2 * W) {                                       \
+                V a[LOGIT_TOKENS][2];                                                          \
+                memset(a, 0, sizeof a);                                                        \
+                for (int64_t j = 0; j < d; ++j) {                                              \
+                    V q0, q1;                                                                  \
+                    memcpy(&q0, qt + j * Kp + kb, sizeof(V));                                  \
+                    memcpy(&q1, qt + j * Kp + kb + W, sizeof(V));                              \
+                    for (int t = 0; t < LOGIT_TOKENS; ++t) {                                   \
+                        a[t][0] += xr[t][j] * q0;                                              \
+                        a[t][1] += xr[t][j] * q1;                                              \
+                    }                                                                          \
+                }                                                                              \
+                const int64_t kn = K - kb < 2 * W ? K - kb : 2 * W;                            \
+                for (int64_t t = 0; t < tt; ++t) {                                             \
+                    T out[2 * W];                                                              \
+                    memcpy(out, a[t], sizeof a[t]);                                            \
+                    for (int64_t k = 0; k < kn; ++k) z[(t0 + t) * K + kb + k] = out[k] * rt[t]; \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        free(zero);                                                                            \
+    }                                                                                          \
+    free(qt);                                                                                  \
+}                                                                                              \
+                                                                                               \
+/* Backward from gz [tokens, K]: with u = sum_k gz_k q_k and c = (r^2 / d) sum_k gz_k z_k,    \
+ * d x = r u - c x (written to gx, or added to it with accumulate; NULL: not needed) and     \
+ * d q_k = sum_t gz_tk r_t x_t, in per-thread partial sums gq_part [threads, K, d] (NULL:     \
+ * not needed) that the caller adds up. Runs over chunks of LOGIT_CHUNK tokens (their rows  \
+ * of x stay in L1 for d q), d x in blocks of LOGIT_TOKENS tokens. */                         \
+void attnres_logits_backward_##SUFFIX(                                                         \
+    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, const T *z, const T *r,      \
+    const T *gz, T *gx, int accumulate, T *gq_part, int threads)                               \
+{                                                                                              \
+    typedef T V __attribute__((vector_size(32)));                                              \
+    enum { W = 32 / sizeof(T) };                                                               \
+    if (gq_part != NULL) memset(gq_part, 0, (size_t)(threads * K * d) * sizeof(T));            \
+    const int64_t chunks = (tokens + LOGIT_CHUNK - 1) / LOGIT_CHUNK;                          \
+    _Pragma("omp parallel num_threads(threads)")                                               \
+    {                                                                                          \
+        int tid = 0;                                                                           \
+        ATTNRES_THREAD_ID(tid);                                                                \
+        T *gq = gq_part != NULL ? gq_part + (int64_t)tid * K * d : NULL;                       \
+        T *wk = (T *)malloc((size_t)(K * LOGIT_CHUNK) * sizeof(T)); /* gz_tk r_t, by query */  \
+        _Pragma("omp for schedule(static)")                                                    \
+        for (int64_t ch = 0; ch < chunks; ++ch) {                                              \
+            const int64_t c0 = ch * LOGIT_CHUNK;                                               \
+            const int64_t cn = tokens - c0 < LOGIT_CHUNK ? tokens - c0 : LOGIT_CHUNK;          \
+            for (int64_t b0 = c0; gx != NULL && b0 < c0 + cn; b0 += LOGIT_TOKENS) {            \
+                const int64_t tt = c0 + cn - b0 < LOGIT_TOKENS ? c0 + cn - b0 : LOGIT_TOKENS; \
+                const T *xb = x + b0 * d, *gzb = gz + b0 * K;                                  \
+                T c[LOGIT_TOKENS];                                                             \
+                for (int64_t t = 0; t < tt; ++t) {                                             \
+                    T s = 0;                                                                   \
+                    for (int64_t k = 0; k < K; ++k) s += gzb[t * K + k] * z[(b0 + t) * K + k]; \
+                    c[t] = r[b0 + t] * r[b0 + t] * s / (T)d;                                   \
+                }                                                                              \
+                int64_t j = 0;                                                                 \
+                if (tt == LOGIT_TOKENS) /* u in registers, 2 vectors of d at a time */         \
+                    for (; j + 2 * W <= d; j += 2 * W) {                                       \
+                        V a[LOGIT_TOKENS][2];                                                  \
+                        memset(a, 0, sizeof a);                                                \
+                        for (int64_t k = 0; k < K; ++k) {                                      \
+                            V q0, q1;                                                          \
+                            memcpy(&q0, q + k * d + j, sizeof(V));                             \
+                            memcpy(&q1, q + k * d + j + W, sizeof(V));                         \
+                            for (int t = 0; t < LOGIT_TOKENS; ++t) {                           \
+                                a[t][0] += gzb[t * K + k] * q0;                                \
+                                a[t][1] += gzb[t * K + k] * q1;                                \
+                            }                                                                  \
+                        }                                                                      \
+                        for (int t = 0; t < LOGIT_TOKENS; ++t) {                               \
+                            T u[2 * W];                                                        \
+                            memcpy(u, a[t], sizeof a[t]);                                      \
+                            T *g = gx + (b0 + t) * d + j;                                      \
+                            const T *xt = xb + t * d + j, rr = r[b0 + t];                      \
+                            for (int l = 0; l < 2 * W; ++l) {                                  \
+                                const T v = rr * u[l] - c[t] * xt[l];                          \
+                                g[l] = accumulate ? g[l] + v : v;                              \
+                            }                                                                  \
+                        }                                                                      \
+                    }                                                                          \
+                for (int64_t t = 0; t < tt; ++t) /* the rest of d, and a last partial block */ \
+                    for (int64_t l = j; l < d; ++l) {                                          \
+                        T u = 0;                                                               \
+                        for (int64_t k = 0; k < K; ++k) u += gzb[t * K + k] * q[k * d + l];   \
+                        const T v = r[b0 + t] * u - c[t] * xb[t * d + l];                      \
+                        T *g = gx + (b0 + t) * d + l;                                          \
+                        *g = accumulate ? *g + v : v;                                          \
+                    }                                                                          \
+            }                                                                                  \
+            if (gq == NULL) continue;                                                          \
+            for (int64_t t = 0; t < cn; ++t)                                                   \
+                for (int64_t k = 0; k < K; ++k) wk[k * cn + t] = gz[(c0 + t) * K + k] * r[c0 + t]; \
+            const T *xc = x + c0 * d;                                                          \
+            for (int64_t k = 0; k < K; ++k) { /* gq_k += sum_t wk_t x_t, a vector at a time */ \
+                const T *wq = wk + k * cn;                                                     \
+                T *gk = gq + k * d;                                                            \
+                int64_t j = 0;                                                                 \
+                for (; j + 4 * W <= d; j += 4 * W) { /* four independent sums */              \
+                    V a0, a1, a2, a3, xv;                                                      \
+                    memcpy(&a0, gk + j, sizeof(V)); memcpy(&a1, gk + j + W, sizeof(V));        \
+                    memcpy(&a2, gk + j + 2 * W, sizeof(V)); memcpy(&a3, gk + j + 3 * W, sizeof(V)); \
+                    for (int64_t t = 0; t < cn; ++t) {                                         \
+                        const T *xt = xc + t * d + j, w = wq[t];                               \
+                        memcpy(&xv, xt, sizeof(V)); a0 += w * xv;                              \
+                        memcpy(&xv, xt + W, sizeof(V)); a1 += w * xv;                          \
+                        memcpy(&xv, xt + 2 * W, sizeof(V)); a2 += w * xv;                      \
+                        memcpy(&xv, xt + 3 * W, sizeof(V)); a3 += w * xv;                      \
+                    }                                                                          \
+                    memcpy(gk + j, &a0, sizeof(V)); memcpy(gk + j + W, &a1, sizeof(V));        \
+                    memcpy(gk + j + 2 * W, &a2, sizeof(V)); memcpy(gk + j + 3 * W, &a3, sizeof(V)); \
+                }                                                                              \
+                for (; j + W <= d; j += W) {                                                   \
+                    V acc, xv;                                                                 \
+                    memcpy(&acc, gk + j, sizeof(V));                                           \
+                    for (int64_t t = 0; t < cn; ++t) {                                         \
+                        memcpy(&xv, xc + t * d + j, sizeof(V));                                \
+                        acc += wq[t] * xv;                                                     \
+                    }                                                                          \
+                    memcpy(gk + j, &acc, sizeof(V));                                           \
+                }                                                                              \
+                for (; j < d; ++j) {                                                           \
+                    T acc = gk[j];                                                             \
+                    for (int64_t t = 0; t < cn; ++t) acc += wq[t] * xc[t * d + j];             \
+                    gk[j] = acc;                                                               \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        free(wk);                                                                              \
+    }                                                                                          \
+}
+
 #ifdef _OPENMP
 #include <omp.h>
 #define ATTNRES_THREAD_ID(tid) (tid) = omp_get_thread_num()
@@ -385,3 +551,5 @@ DEFINE_MERGE(float, f32, sqrtf)
 DEFINE_MERGE(double, f64, sqrt)
 DEFINE_PHASE1(float, f32, logf)
 DEFINE_PHASE1(double, f64, log)
+DEFINE_LOGITS(float, f32, sqrtf)
+DEFINE_LOGITS(double, f64, sqrt)

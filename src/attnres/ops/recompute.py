@@ -45,7 +45,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..kernels.cpu import cpu_kernel_supports, merge_backward, merge_forward, phase1_backward, phase1_forward
+from ..kernels.cpu import (
+    cpu_kernel_supports,
+    logits_backward,
+    logits_forward,
+    merge_backward,
+    merge_forward,
+    phase1_backward,
+    phase1_forward,
+)
 from .two_phase import compute_dtype, full_precision, rms_inverse, rms_logits, weighted_sum, weighted_sums
 
 __all__ = [
@@ -83,10 +91,17 @@ def _token_sum(weights: Tensor, x: Tensor) -> Tensor:
 
 class _RmsLogits(torch.autograd.Function):
     """``z = (x . qg_k) / rms(x)``; saves ``x`` (a source: kept anyway), ``qg`` and the
-    per-token RMS factor; the backward is analytic."""
+    per-token RMS factor (and, on the CPU kernel, ``z``); the backward is analytic."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, qg: Tensor, eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, qg: Tensor, eps: float, use_kernel: bool) -> Tensor:
+        ctx.kernel = use_kernel and qg.dtype == x.dtype and cpu_kernel_supports([x, qg], x.dtype)
+        if ctx.kernel:  # attnres/kernels/cpu_merge.c: one pass, the products in registers
+            z, r = logits_forward(x, qg if qg.dim() == 2 else qg.unsqueeze(0), eps)
+            z = z if qg.dim() == 2 else z.squeeze(-1)
+            ctx.slots = GradSlot.of([x])
+            ctx.save_for_backward(x, qg, r, z)
+            return z
         compute = compute_dtype(x.dtype)
         with full_precision(x):
             xc = x if x.dtype == compute else x.to(compute)
@@ -97,7 +112,10 @@ class _RmsLogits(torch.autograd.Function):
         return z
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gz: Tensor):
+        if ctx.kernel:
+            return (*_rms_logits_kernel_backward(ctx, gz), None, None)
         x, q, r = ctx.saved_tensors
         d = x.shape[-1]
         compute = q.dtype
@@ -120,15 +138,31 @@ class _RmsLogits(torch.autograd.Function):
                 gq = gr.reshape(-1, gr.shape[-1]).t() @ xc.reshape(-1, d)
         if gx is not None and gx.dtype != x.dtype:
             gx = gx.to(x.dtype)
-        return gx, gq, None
+        return gx, gq, None, None
 
 
-def lean_rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
+def _rms_logits_kernel_backward(ctx, gz: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """:class:`_RmsLogits`' backward on the CPU kernel: ``(d x, d qg)``; ``d x`` goes into
+    the source's gradient slot where it has one."""
+    x, qg, r, z = ctx.saved_tensors
+    if qg.dim() == 1:
+        qg, z, gz = qg.unsqueeze(0), z.unsqueeze(-1), gz.unsqueeze(-1)
+    needs_x, needs_qg = ctx.needs_input_grad[:2]
+    into = GradSlot.destinations(ctx.slots, [x], [needs_x])[0]
+    gx, gq = logits_backward(gz, x, qg, z, r, needs_x, needs_qg, into)
+    if gq is not None and ctx.saved_tensors[1].dim() == 1:
+        gq = gq.squeeze(0)
+    return gx, gq
+
+
+def lean_rms_logits(x: Tensor, qg: Tensor, eps: float, cpu_kernel: bool = False) -> Tensor:
     """:func:`~attnres.ops.rms_logits` (same signature, same result) as one autograd node
     that saves only ``x``, ``qg`` and one RMS factor per token: ``x [..., d]`` against
     gain-folded queries ``qg [K, d]`` (-> ``[..., K]``) or ``[d]`` (-> ``[...]``), in the
-    compute dtype."""
-    return _RmsLogits.apply(x, qg, eps)
+    compute dtype. ``cpu_kernel``: in the fused CPU kernel where it applies (as
+    :func:`lean_depth_merge`; it then also keeps ``z``, ``K`` floats per token, and sums the
+    gradient of a :func:`tap_source` output in place)."""
+    return _RmsLogits.apply(x, qg, eps, cpu_kernel)
 
 
 # ----------------------------------------------------------------------------------------

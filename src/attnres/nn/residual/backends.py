@@ -228,7 +228,7 @@ class LeanBackend(Backend):
         return LogitsPhase1(first, z, list(sources))
 
     def logits(self, x: Tensor, qg: Tensor, eps: float) -> Tensor:
-        return lean_rms_logits(x, qg, eps)
+        return lean_rms_logits(x, qg, eps, self.cpu_kernel)
 
     def source(self, x: Tensor) -> Tensor:
         return tap_source(x) if self.cpu_kernel else x
