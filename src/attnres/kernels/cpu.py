@@ -104,7 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         lf.argtypes = [i64, i64, i64, ptr, ptr, dbl, ptr, ptr, cint]
         lf.restype = None
         lb = getattr(lib, f"attnres_logits_backward_{suffix}")
-        lb.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, cint, ptr, cint]
+        lb.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ptr, cint, ptr, cint]
         lb.restype = None
 
 
@@ -262,7 +262,7 @@ def logits_forward(x: Tensor, qg: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return z, r
 
 
-def logits_backward(gz: Tensor, x: Tensor, qg: Tensor, z: Tensor, r: Tensor, needs_x: bool, needs_qg: bool,
+def logits_backward(gz: Tensor, x: Tensor, qg: Tensor, r: Tensor, needs_x: bool, needs_qg: bool,
                     into: tuple[Tensor, bool] | None = None) -> tuple[Tensor | None, Tensor | None]:
     """The backward of :func:`logits_forward` from ``gz [..., K]``: ``(d x, d qg)``, ``None``
     where not needed; ``into = (buffer, accumulate)`` writes ``d x`` there instead (its entry
@@ -275,6 +275,6 @@ def logits_backward(gz: Tensor, x: Tensor, qg: Tensor, z: Tensor, r: Tensor, nee
     gq_part = torch.empty((threads, K, d), dtype=x.dtype) if needs_qg else None
     gz = gz.contiguous()  # a local: the kernel reads its memory
     _function("logits_backward", x.dtype)(
-        tokens, d, K, _ptr(x), _ptr(qg), _ptr(z), _ptr(r), _ptr(gz), _ptr(dest), int(accumulate), _ptr(gq_part),
+        tokens, d, K, _ptr(x), _ptr(qg), _ptr(r), _ptr(gz), _ptr(dest), int(accumulate), _ptr(gq_part),
         threads)
     return g_x, (gq_part.sum(0) if gq_part is not None else None)

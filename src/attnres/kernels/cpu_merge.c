@@ -428,14 +428,15 @@ void attnres_logits_forward_##SUFFIX(                                           
     free(qt);                                                                                  \
 }                                                                                              \
                                                                                                \
-/* Backward from gz [tokens, K]: with u = sum_k gz_k q_k and c = (r^2 / d) sum_k gz_k z_k,    \
- * d x = r u - c x (written to gx, or added to it with accumulate; NULL: not needed) and     \
- * d q_k = sum_t gz_tk r_t x_t, in per-thread partial sums gq_part [threads, K, d] (NULL:     \
- * not needed) that the caller adds up. Runs over chunks of LOGIT_CHUNK tokens (their rows  \
- * of x stay in L1 for d q), d x in blocks of LOGIT_TOKENS tokens. */                         \
+/* Backward from gz [tokens, K]. With u = sum_k gz_k q_k and c = (r^2 / d) sum_k gz_k z_k      \
+ * = r^3 (x . u) / d (so z need not be kept): d x = r u - c x, written to gx or added to it    \
+ * with accumulate (NULL: not needed); d q_k = sum_t gz_tk r_t x_t, in per-thread partial      \
+ * sums gq_part [threads, K, d] (NULL: not needed) that the caller adds up. Runs over          \
+ * chunks of LOGIT_CHUNK tokens (their rows of x stay in L1 for d q), d x in blocks of         \
+ * LOGIT_TOKENS tokens. */                                                                     \
 void attnres_logits_backward_##SUFFIX(                                                         \
-    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, const T *z, const T *r,      \
-    const T *gz, T *gx, int accumulate, T *gq_part, int threads)                               \
+    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, const T *r, const T *gz,     \
+    T *gx, int accumulate, T *gq_part, int threads)                                            \
 {                                                                                              \
     typedef T V __attribute__((vector_size(32)));                                              \
     enum { W = 32 / sizeof(T) };                                                               \
@@ -447,6 +448,7 @@ void attnres_logits_backward_##SUFFIX(                                          
         ATTNRES_THREAD_ID(tid);                                                                \
         T *gq = gq_part != NULL ? gq_part + (int64_t)tid * K * d : NULL;                       \
         T *wk = (T *)malloc((size_t)(K * LOGIT_CHUNK) * sizeof(T)); /* gz_tk r_t, by query */  \
+        T *u = (T *)malloc((size_t)(LOGIT_TOKENS * d) * sizeof(T)); /* sum_k gz_k q_k */        \
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t ch = 0; ch < chunks; ++ch) {                                              \
             const int64_t c0 = ch * LOGIT_CHUNK;                                               \
@@ -454,12 +456,6 @@ void attnres_logits_backward_##SUFFIX(                                          
             for (int64_t b0 = c0; gx != NULL && b0 < c0 + cn; b0 += LOGIT_TOKENS) {            \
                 const int64_t tt = c0 + cn - b0 < LOGIT_TOKENS ? c0 + cn - b0 : LOGIT_TOKENS; \
                 const T *xb = x + b0 * d, *gzb = gz + b0 * K;                                  \
-                T c[LOGIT_TOKENS];                                                             \
-                for (int64_t t = 0; t < tt; ++t) {                                             \
-                    T s = 0;                                                                   \
-                    for (int64_t k = 0; k < K; ++k) s += gzb[t * K + k] * z[(b0 + t) * K + k]; \
-                    c[t] = r[b0 + t] * r[b0 + t] * s / (T)d;                                   \
-                }                                                                              \
                 int64_t j = 0;                                                                 \
                 if (tt == LOGIT_TOKENS) /* u in registers, 2 vectors of d at a time */         \
                     for (; j + 2 * W <= d; j += 2 * W) {                                       \
@@ -474,25 +470,22 @@ void attnres_logits_backward_##SUFFIX(                                          
                                 a[t][1] += gzb[t * K + k] * q1;                                \
                             }                                                                  \
                         }                                                                      \
-                        for (int t = 0; t < LOGIT_TOKENS; ++t) {                               \
-                            T u[2 * W];                                                        \
-                            memcpy(u, a[t], sizeof a[t]);                                      \
-                            T *g = gx + (b0 + t) * d + j;                                      \
-                            const T *xt = xb + t * d + j, rr = r[b0 + t];                      \
-                            for (int l = 0; l < 2 * W; ++l) {                                  \
-                                const T v = rr * u[l] - c[t] * xt[l];                          \
-                                g[l] = accumulate ? g[l] + v : v;                              \
-                            }                                                                  \
-                        }                                                                      \
+                        for (int t = 0; t < LOGIT_TOKENS; ++t) memcpy(u + t * d + j, a[t], sizeof a[t]); \
                     }                                                                          \
                 for (int64_t t = 0; t < tt; ++t) /* the rest of d, and a last partial block */ \
                     for (int64_t l = j; l < d; ++l) {                                          \
-                        T u = 0;                                                               \
-                        for (int64_t k = 0; k < K; ++k) u += gzb[t * K + k] * q[k * d + l];   \
-                        const T v = r[b0 + t] * u - c[t] * xb[t * d + l];                      \
-                        T *g = gx + (b0 + t) * d + l;                                          \
-                        *g = accumulate ? *g + v : v;                                          \
+                        T v = 0;                                                               \
+                        for (int64_t k = 0; k < K; ++k) v += gzb[t * K + k] * q[k * d + l];   \
+                        u[t * d + l] = v;                                                      \
                     }                                                                          \
+                for (int64_t t = 0; t < tt; ++t) {                                             \
+                    const T *ut = u + t * d, *xt = xb + t * d, rr = r[b0 + t];                 \
+                    /* sum_k gz_k z_k = r (x . u): c = r^3 (x . u) / d */                      \
+                    const T c = rr * rr * rr * dot_##SUFFIX(xt, ut, d) / (T)d;                 \
+                    T *g = gx + (b0 + t) * d;                                                  \
+                    if (accumulate) for (int64_t l = 0; l < d; ++l) g[l] += rr * ut[l] - c * xt[l]; \
+                    else for (int64_t l = 0; l < d; ++l) g[l] = rr * ut[l] - c * xt[l];        \
+                }                                                                              \
             }                                                                                  \
             if (gq == NULL) continue;                                                          \
             for (int64_t t = 0; t < cn; ++t)                                                   \
@@ -533,6 +526,7 @@ void attnres_logits_backward_##SUFFIX(                                          
             }                                                                                  \
         }                                                                                      \
         free(wk);                                                                              \
+        free(u);                                                                               \
     }                                                                                          \
 }
 

@@ -91,17 +91,16 @@ def _token_sum(weights: Tensor, x: Tensor) -> Tensor:
 
 class _RmsLogits(torch.autograd.Function):
     """``z = (x . qg_k) / rms(x)``; saves ``x`` (a source: kept anyway), ``qg`` and the
-    per-token RMS factor (and, on the CPU kernel, ``z``); the backward is analytic."""
+    per-token RMS factor; the backward is analytic."""
 
     @staticmethod
     def forward(ctx, x: Tensor, qg: Tensor, eps: float, use_kernel: bool) -> Tensor:
         ctx.kernel = use_kernel and qg.dtype == x.dtype and cpu_kernel_supports([x, qg], x.dtype)
         if ctx.kernel:  # attnres/kernels/cpu_merge.c: one pass, the products in registers
             z, r = logits_forward(x, qg if qg.dim() == 2 else qg.unsqueeze(0), eps)
-            z = z if qg.dim() == 2 else z.squeeze(-1)
             ctx.slots = GradSlot.of([x])
-            ctx.save_for_backward(x, qg, r, z)
-            return z
+            ctx.save_for_backward(x, qg, r)
+            return z if qg.dim() == 2 else z.squeeze(-1)
         compute = compute_dtype(x.dtype)
         with full_precision(x):
             xc = x if x.dtype == compute else x.to(compute)
@@ -144,15 +143,14 @@ class _RmsLogits(torch.autograd.Function):
 def _rms_logits_kernel_backward(ctx, gz: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """:class:`_RmsLogits`' backward on the CPU kernel: ``(d x, d qg)``; ``d x`` goes into
     the source's gradient slot where it has one."""
-    x, qg, r, z = ctx.saved_tensors
-    if qg.dim() == 1:
-        qg, z, gz = qg.unsqueeze(0), z.unsqueeze(-1), gz.unsqueeze(-1)
+    x, qg, r = ctx.saved_tensors
+    vector = qg.dim() == 1  # one query [d]: the logits are [...]
+    if vector:
+        qg, gz = qg.unsqueeze(0), gz.unsqueeze(-1)
     needs_x, needs_qg = ctx.needs_input_grad[:2]
     into = GradSlot.destinations(ctx.slots, [x], [needs_x])[0]
-    gx, gq = logits_backward(gz, x, qg, z, r, needs_x, needs_qg, into)
-    if gq is not None and ctx.saved_tensors[1].dim() == 1:
-        gq = gq.squeeze(0)
-    return gx, gq
+    gx, gq = logits_backward(gz, x, qg, r, needs_x, needs_qg, into)
+    return gx, (gq.squeeze(0) if gq is not None and vector else gq)
 
 
 def lean_rms_logits(x: Tensor, qg: Tensor, eps: float, cpu_kernel: bool = False) -> Tensor:
@@ -160,8 +158,8 @@ def lean_rms_logits(x: Tensor, qg: Tensor, eps: float, cpu_kernel: bool = False)
     that saves only ``x``, ``qg`` and one RMS factor per token: ``x [..., d]`` against
     gain-folded queries ``qg [K, d]`` (-> ``[..., K]``) or ``[d]`` (-> ``[...]``), in the
     compute dtype. ``cpu_kernel``: in the fused CPU kernel where it applies (as
-    :func:`lean_depth_merge`; it then also keeps ``z``, ``K`` floats per token, and sums the
-    gradient of a :func:`tap_source` output in place)."""
+    :func:`lean_depth_merge`; it then sums the gradient of a :func:`tap_source` output in
+    place)."""
     return _RmsLogits.apply(x, qg, eps, cpu_kernel)
 
 
