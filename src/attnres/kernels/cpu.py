@@ -1,4 +1,5 @@
-"""The fused CPU kernel of the lean path's depth merge (``cpu_merge.c``), built on first use.
+"""The fused CPU kernel of the lean path (``cpu_merge.c``: the depth merge, Phase 1 and a
+source's logits), built on first use.
 
 The C source is compiled once per machine with the system's C compiler (``$CC``, else
 ``cc``; ``-O3 -march=native -fopenmp``, about a second) into a cache directory

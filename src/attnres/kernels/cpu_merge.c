@@ -1,10 +1,13 @@
-/* The lean path's depth merge as one pass over the tokens, for CPUs (report §4.2).
+/* The lean path's nodes as passes over the tokens, for CPUs (report §4.2).
  *
- * One sublayer's input from known logits: softmax over depth, the weighted sum of the
- * sources, Block AttnRes' partial-sum logit, the next sublayer's RMSNorm - and the analytic
- * backward of all of it. It is the same function as attnres.ops.recompute._DepthMerge
- * (the PyTorch code there is its readable reference; tests compare the two, forward and
- * every gradient, and gradcheck this kernel in double precision).
+ * - the depth merge: one sublayer's input from known logits: softmax over depth, the
+ *   weighted sum of the sources, Block AttnRes' partial-sum logit, the next sublayer's
+ *   RMSNorm - and the analytic backward of all of it (attnres.ops.recompute._DepthMerge);
+ * - Phase 1 of a group's queries over their shared sources (_Phase1);
+ * - a completed source's logits against its later queries (_RmsLogits).
+ * Each is the same function as the PyTorch code of its node there (the readable reference;
+ * tests compare the two, forward and every gradient, and gradcheck this kernel in double
+ * precision).
  *
  * Why a kernel: on the eager PyTorch path every (sublayer, source) pair costs about twelve
  * passes over a [tokens, d] tensor (a multiply-add in the forward; a product, a sum, a
@@ -378,6 +381,27 @@ void attnres_phase1_backward_##SUFFIX(                                          
 #define LOGIT_TOKENS 4
 #define LOGIT_CHUNK 64
 #define DEFINE_LOGITS(T, SUFFIX, SQRT)                                                             \
+typedef T logit_vec_##SUFFIX __attribute__((vector_size(32)));                                 \
+                                                                                               \
+/* out[t] = sum_{i < n} a[t][i] b[i * bs ..] over two vectors of b's row, for the              \
+ * LOGIT_TOKENS rows a[t]: a block of a product, its sums in registers. */                     \
+static inline void product_block_##SUFFIX(logit_vec_##SUFFIX out[LOGIT_TOKENS][2],             \
+                                          const T *const *a, const T *b, int64_t bs, int64_t n)\
+{                                                                                              \
+    enum { W = 32 / sizeof(T) };                                                               \
+    logit_vec_##SUFFIX acc[LOGIT_TOKENS][2], b0, b1;                                           \
+    memset(acc, 0, sizeof acc);                                                                \
+    for (int64_t i = 0; i < n; ++i) {                                                          \
+        memcpy(&b0, b + i * bs, sizeof b0);                                                    \
+        memcpy(&b1, b + i * bs + W, sizeof b1);                                                \
+        for (int t = 0; t < LOGIT_TOKENS; ++t) {                                               \
+            acc[t][0] += a[t][i] * b0;                                                         \
+            acc[t][1] += a[t][i] * b1;                                                         \
+        }                                                                                      \
+    }                                                                                          \
+    memcpy(out, acc, sizeof acc);                                                              \
+}                                                                                              \
+                                                                                               \
 void attnres_logits_forward_##SUFFIX(                                                          \
     int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, double eps, T *z, T *r,      \
     int threads)                                                                               \
@@ -405,16 +429,7 @@ void attnres_logits_forward_##SUFFIX(                                           
             }                                                                                  \
             for (int64_t kb = 0; kb < Kp; kb += 2 * W) {                                       \
                 V a[LOGIT_TOKENS][2];                                                          \
-                memset(a, 0, sizeof a);                                                        \
-                for (int64_t j = 0; j < d; ++j) {                                              \
-                    V q0, q1;                                                                  \
-                    memcpy(&q0, qt + j * Kp + kb, sizeof(V));                                  \
-                    memcpy(&q1, qt + j * Kp + kb + W, sizeof(V));                              \
-                    for (int t = 0; t < LOGIT_TOKENS; ++t) {                                   \
-                        a[t][0] += xr[t][j] * q0;                                              \
-                        a[t][1] += xr[t][j] * q1;                                              \
-                    }                                                                          \
-                }                                                                              \
+                product_block_##SUFFIX(a, xr, qt + kb, Kp, d);                                 \
                 const int64_t kn = K - kb < 2 * W ? K - kb : 2 * W;                            \
                 for (int64_t t = 0; t < tt; ++t) {                                             \
                     T out[2 * W];                                                              \
@@ -449,6 +464,7 @@ void attnres_logits_backward_##SUFFIX(                                          
         T *gq = gq_part != NULL ? gq_part + (int64_t)tid * K * d : NULL;                       \
         T *wk = (T *)malloc((size_t)(K * LOGIT_CHUNK) * sizeof(T)); /* gz_tk r_t, by query */  \
         T *u = (T *)malloc((size_t)(LOGIT_TOKENS * d) * sizeof(T)); /* sum_k gz_k q_k */        \
+        const T *xrows[LOGIT_CHUNK]; /* the chunk's rows of x */                               \
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t ch = 0; ch < chunks; ++ch) {                                              \
             const int64_t c0 = ch * LOGIT_CHUNK;                                               \
@@ -456,20 +472,13 @@ void attnres_logits_backward_##SUFFIX(                                          
             for (int64_t b0 = c0; gx != NULL && b0 < c0 + cn; b0 += LOGIT_TOKENS) {            \
                 const int64_t tt = c0 + cn - b0 < LOGIT_TOKENS ? c0 + cn - b0 : LOGIT_TOKENS; \
                 const T *xb = x + b0 * d, *gzb = gz + b0 * K;                                  \
+                const T *gzr[LOGIT_TOKENS]; /* the block's rows of gz */                       \
+                for (int t = 0; t < LOGIT_TOKENS; ++t) gzr[t] = gzb + (t < tt ? t : 0) * K;    \
                 int64_t j = 0;                                                                 \
                 if (tt == LOGIT_TOKENS) /* u in registers, 2 vectors of d at a time */         \
                     for (; j + 2 * W <= d; j += 2 * W) {                                       \
                         V a[LOGIT_TOKENS][2];                                                  \
-                        memset(a, 0, sizeof a);                                                \
-                        for (int64_t k = 0; k < K; ++k) {                                      \
-                            V q0, q1;                                                          \
-                            memcpy(&q0, q + k * d + j, sizeof(V));                             \
-                            memcpy(&q1, q + k * d + j + W, sizeof(V));                         \
-                            for (int t = 0; t < LOGIT_TOKENS; ++t) {                           \
-                                a[t][0] += gzb[t * K + k] * q0;                                \
-                                a[t][1] += gzb[t * K + k] * q1;                                \
-                            }                                                                  \
-                        }                                                                      \
+                        product_block_##SUFFIX(a, gzr, q + j, d, K);                           \
                         for (int t = 0; t < LOGIT_TOKENS; ++t) memcpy(u + t * d + j, a[t], sizeof a[t]); \
                     }                                                                          \
                 for (int64_t t = 0; t < tt; ++t) /* the rest of d, and a last partial block */ \
@@ -490,40 +499,9 @@ void attnres_logits_backward_##SUFFIX(                                          
             if (gq == NULL) continue;                                                          \
             for (int64_t t = 0; t < cn; ++t)                                                   \
                 for (int64_t k = 0; k < K; ++k) wk[k * cn + t] = gz[(c0 + t) * K + k] * r[c0 + t]; \
-            const T *xc = x + c0 * d;                                                          \
-            for (int64_t k = 0; k < K; ++k) { /* gq_k += sum_t wk_t x_t, a vector at a time */ \
-                const T *wq = wk + k * cn;                                                     \
-                T *gk = gq + k * d;                                                            \
-                int64_t j = 0;                                                                 \
-                for (; j + 4 * W <= d; j += 4 * W) { /* four independent sums */              \
-                    V a0, a1, a2, a3, xv;                                                      \
-                    memcpy(&a0, gk + j, sizeof(V)); memcpy(&a1, gk + j + W, sizeof(V));        \
-                    memcpy(&a2, gk + j + 2 * W, sizeof(V)); memcpy(&a3, gk + j + 3 * W, sizeof(V)); \
-                    for (int64_t t = 0; t < cn; ++t) {                                         \
-                        const T *xt = xc + t * d + j, w = wq[t];                               \
-                        memcpy(&xv, xt, sizeof(V)); a0 += w * xv;                              \
-                        memcpy(&xv, xt + W, sizeof(V)); a1 += w * xv;                          \
-                        memcpy(&xv, xt + 2 * W, sizeof(V)); a2 += w * xv;                      \
-                        memcpy(&xv, xt + 3 * W, sizeof(V)); a3 += w * xv;                      \
-                    }                                                                          \
-                    memcpy(gk + j, &a0, sizeof(V)); memcpy(gk + j + W, &a1, sizeof(V));        \
-                    memcpy(gk + j + 2 * W, &a2, sizeof(V)); memcpy(gk + j + 3 * W, &a3, sizeof(V)); \
-                }                                                                              \
-                for (; j + W <= d; j += W) {                                                   \
-                    V acc, xv;                                                                 \
-                    memcpy(&acc, gk + j, sizeof(V));                                           \
-                    for (int64_t t = 0; t < cn; ++t) {                                         \
-                        memcpy(&xv, xc + t * d + j, sizeof(V));                                \
-                        acc += wq[t] * xv;                                                     \
-                    }                                                                          \
-                    memcpy(gk + j, &acc, sizeof(V));                                           \
-                }                                                                              \
-                for (; j < d; ++j) {                                                           \
-                    T acc = gk[j];                                                             \
-                    for (int64_t t = 0; t < cn; ++t) acc += wq[t] * xc[t * d + j];             \
-                    gk[j] = acc;                                                               \
-                }                                                                              \
-            }                                                                                  \
+            for (int64_t t = 0; t < cn; ++t) xrows[t] = x + (c0 + t) * d;                      \
+            for (int64_t k = 0; k < K; ++k) /* gq_k += sum_t wk_t x_t */                       \
+                combine_##SUFFIX(gq + k * d, 1, xrows, 0, wk + k * cn, cn, d);                 \
         }                                                                                      \
         free(wk);                                                                              \
         free(u);                                                                               \

@@ -13,9 +13,9 @@ function (custom backward)             reference (autograd graph)
 :func:`lean_phase1` (CPU kernel)        :func:`phase1_reference`
 =====================================  =====================================================
 
-On CPU, with ``cpu_kernel=True`` (the ``"auto"`` backend's choice) the merge runs in the
-fused C kernel of :mod:`attnres.kernels.cpu`, whose PyTorch counterpart is the code in
-:class:`_DepthMerge` (same saved tensors: either backward can follow either forward);
+On CPU, with ``cpu_kernel=True`` (the ``"auto"`` backend's choice) the merge and the logits
+run in the fused C kernel of :mod:`attnres.kernels.cpu`, whose PyTorch counterparts are the
+code in :class:`_DepthMerge` and :class:`_RmsLogits` (same saved tensors);
 :func:`lean_phase1` batches a block's queries over their shared sources there, and
 :func:`tap_source` lets the nodes that read a source sum its gradient in place.
 
