@@ -4,7 +4,7 @@
   GPUs (optional: needs ``triton``, not a dependency of the package; import them only where
   it is installed). On CPU they run under Triton's interpreter (``TRITON_INTERPRET=1``),
   which is how the tests check them without a GPU.
-* ``cpu`` (``cpu_merge.c``): the training path's merge and Phase 1 on CPU, a C kernel
+* ``cpu`` (``cpu_merge.c``): the training path's merge, Phase 1 and logits on CPU, a C kernel
   compiled on first use and called through ``ctypes`` (no dependency beyond a C compiler).
 """
 

@@ -9,9 +9,9 @@ or PyTorch headers, no build step at install time. Without a compiler, or with
 ``ATTNRES_CPU_KERNEL=0``, :func:`cpu_kernel` returns ``None`` (with one warning when the
 build failed) and the lean path runs its PyTorch code instead - the same function.
 
-:func:`merge_forward` and :func:`merge_backward` take and return tensors; the autograd
-node that calls them is :class:`attnres.ops.recompute._DepthMerge`, whose PyTorch code is
-the kernel's reference.
+The ``*_forward`` / ``*_backward`` pairs take and return tensors; the autograd nodes that
+call them are :class:`attnres.ops.recompute._DepthMerge` (merge), ``_Phase1`` and
+``_RmsLogits`` (logits), whose PyTorch code is the kernel's reference.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def logits_backward(gz: Tensor, x: Tensor, qg: Tensor, r: Tensor, needs_x: bool,
     tokens = x.numel() // d
     threads = torch.get_num_threads()
     g_x = torch.empty_like(x) if needs_x and into is None else None
-    dest, accumulate = (into if needs_x and into is not None else (g_x, False))
+    dest, accumulate = into if into is not None else (g_x, False)
     gq_part = torch.empty((threads, K, d), dtype=x.dtype) if needs_qg else None
     gz = gz.contiguous()  # a local: the kernel reads its memory
     _function("logits_backward", x.dtype)(

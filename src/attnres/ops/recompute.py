@@ -95,7 +95,7 @@ class _RmsLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, qg: Tensor, eps: float, use_kernel: bool) -> Tensor:
-        ctx.kernel = use_kernel and qg.dtype == x.dtype and cpu_kernel_supports([x, qg], x.dtype)
+        ctx.kernel = use_kernel and cpu_kernel_supports([x, qg], x.dtype)  # (it checks qg's dtype too)
         if ctx.kernel:  # attnres/kernels/cpu_merge.c: one pass, the products in registers
             z, r = logits_forward(x, qg if qg.dim() == 2 else qg.unsqueeze(0), eps)
             ctx.slots = GradSlot.of([x])
