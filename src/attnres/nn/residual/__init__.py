@@ -7,7 +7,7 @@
 * :mod:`.config` - :class:`ResidualConfig` (``ModelConfig.residual``), :class:`AttnResAblation`.
 * Variants: :mod:`.standard` (standard, and :class:`SingleStreamResidual` to build on),
   :mod:`.full` and :mod:`.block` (AttnRes, on :mod:`.attnres_base` with its naive and
-  two-phase schedules and the :mod:`.backends` of the two-phase path), :mod:`.baselines`.
+  two-phase schedules over :mod:`attnres.ops.depth_attention`), :mod:`.baselines`.
 """
 
 # Registration order is the order of registered_residuals(): standard, Full, Block, baselines.
@@ -15,7 +15,6 @@ from .standard import SingleStreamResidual, StandardResidual  # noqa: I001
 from .full import FullAttnRes
 from .block import BlockAttnRes
 from .attnres_base import AttnResBase
-from .backends import LsePhase1, Phase1Result, StatsPhase1
 from .base import PHASES, DepthHistory, HistoryLayout, ResidualState, ResidualStream
 from .baselines import MHC, DenseFormer, Highway, HyperConnections, LayerScale, MHCLite, ReZero, sinkhorn_knopp
 from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
@@ -42,9 +41,6 @@ __all__ = [
     "DepthQuery",
     "AttnResAblation",
     "ResidualConfig",
-    "Phase1Result",
-    "LsePhase1",
-    "StatsPhase1",
     "ReZero",
     "LayerScale",
     "Highway",

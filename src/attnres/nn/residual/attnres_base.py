@@ -3,15 +3,17 @@ bookkeeping.
 
 Two-phase bookkeeping (report §4.2, Algorithm 1): every *completed* source (the embedding, a
 finished block sum, or - for Full - an output of an earlier group) is read once when it
-completes, for its RMS factor and its logits against **every later query at once** (one
-matmul); the RMS factor is never recomputed. Phase 1 of a group then only gathers those
-logits, takes the softmax statistics of the group's queries together and forms their
-weighted sums (on the forward's :mod:`backend <attnres.nn.residual.backends>`); Phase 2
-merges in what the group produced so far, sublayer by sublayer.
+completes, for its RMS factor and its logits against **every later query at once**
+(``rms_logits``); the RMS factor is never recomputed. A sublayer's input is then one
+``merge`` of its sources from those logits (with Block's partial sum, whose logit the merge
+computes), the next sublayer's RMSNorm fused in; Full AttnRes first runs ``phase1`` for a
+group's queries over the earlier groups' outputs (Appendix B).
 
-Each variant picks its *schedule* - naive or two-phase - once, when ``impl`` is set: a
-stateless strategy object whose ``start/input/add/finish/history/resume`` the module calls;
-the *backend* is picked once per forward, at ``start``.
+The three operations come from :mod:`attnres.ops.depth_attention`, picked once per forward
+from ``kernels`` (``"torch_graph"``: the plain-graph reference; otherwise the custom
+operators, which pick their implementation by device). Each variant picks its *schedule* -
+naive or two-phase - when ``impl`` is set: a stateless strategy object whose
+``start/input/add/finish/history/resume`` the module calls.
 """
 
 from __future__ import annotations
@@ -22,14 +24,29 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...ops import compute_dtype
-from .backends import Backend, Phase1Result, select_backend
+from ...ops import Operations, compute_dtype, operations
+from ..norm import FusableNormInput
 from .base import DepthHistory, ResidualState, ResidualStream
 from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
 from .mixing import MixingMatrix, scatter_source_weights
 from .query import DepthQuery
 
-__all__ = ["AttnResBase", "CompletedSources", "Schedule"]
+__all__ = ["AttnResBase", "CompletedSources", "Schedule", "Phase1", "OPERATIONS_BY_KERNELS"]
+
+#: ``ResidualConfig.kernels`` -> the family of :data:`attnres.ops.OPERATIONS` it runs.
+OPERATIONS_BY_KERNELS = {"auto": "auto", "triton": "triton", "torch": "torch", "torch_graph": "reference"}
+
+
+@dataclass
+class Phase1:
+    """Phase 1 of queries ``first .. first + count - 1`` over the completed sources: their
+    logits ``z [..., count, n]``, weighted sums ``outs`` (``count`` tensors ``[..., d]``) and
+    log-sum-exp ``lse [..., count]``."""
+
+    first: int
+    z: Tensor
+    outs: list[Tensor]
+    lse: Tensor
 
 
 @dataclass
@@ -39,14 +56,14 @@ class CompletedSources:
     qg: ``[L + 1, d]``, every mixer's query with its key-norm gain folded in.
     sources: the completed sources ``[..., d]``; ``logits[j]`` their logits ``[..., L + 1 -
         offsets[j]]`` against queries ``offsets[j] .. L`` (computed once, at completion).
-    p1: the Phase-1 result of the current block or group.
+    p1: Full AttnRes' Phase 1 of the current group.
     """
 
     qg: Tensor
     sources: list[Tensor]
     logits: list[Tensor]
     offsets: list[int]
-    p1: Phase1Result | None = None
+    p1: Phase1 | None = None
 
 
 class Schedule:
@@ -81,13 +98,6 @@ class AttnResBase(ResidualStream):
     has_depth_attention = True
     #: The variant's schedules by ``impl``; set by subclasses.
     SCHEDULES: dict[str, Schedule] = {}
-    #: Whether a forward traced by ``torch.compile`` trains on the plain-graph two-phase path
-    #: rather than the lean custom-autograd one (see :func:`~attnres.nn.residual.backends.select_backend`).
-    GRAPH_WHEN_COMPILING: bool = False
-    #: Whether the CPU kernel runs Phase 1 of a block's or group's queries in one pass over
-    #: their sources (``KernelPhase1``), which keeps each query's weighted sum for its merge's
-    #: backward; otherwise every merge reads the sources itself.
-    BATCH_PHASE1_ON_CPU: bool = False
 
     def __init__(
         self, dim: int, n_sublayers: int, eps: float = 1e-6, impl: str = "two_phase",
@@ -143,12 +153,9 @@ class AttnResBase(ResidualStream):
         for m in self.mixers:
             m.reset_parameters()
 
-    def backend(self, x: Tensor, record_weights: bool = False) -> Backend | None:
-        """The two-phase backend a forward from the embedding ``x`` runs on (``None`` on
-        the naive path)."""
-        if self.impl != "two_phase":
-            return None
-        return select_backend(self.kernels, x, record_weights, self.GRAPH_WHEN_COMPILING, self.BATCH_PHASE1_ON_CPU)
+    def operations(self) -> Operations:
+        """The depth-attention operations of the two-phase schedule that ``kernels`` names."""
+        return operations(OPERATIONS_BY_KERNELS[self.kernels])
 
     # -- the protocol, delegated to the schedule -----------------------------------------
     def _start(self, embedding: Tensor, common: dict[str, Any]) -> ResidualState:
@@ -202,23 +209,59 @@ class AttnResBase(ResidualStream):
     def new_sources(self, dtype: torch.dtype) -> CompletedSources:
         return CompletedSources(self.folded_queries(dtype), [], [], [])
 
-    def complete(self, tp: CompletedSources, x: Tensor, first_query: int, backend: Backend) -> None:
-        """Register ``x`` as a completed source visible to queries ``first_query .. L``."""
-        x = backend.source(x)
+    def complete(self, state: ResidualState, x: Tensor, first_query: int) -> None:
+        """Register ``x`` as a completed source visible to queries ``first_query .. L``: its
+        logits against all of them, once."""
+        tp = state.sources
         tp.sources.append(x)
-        tp.logits.append(backend.logits(x, tp.qg[first_query:], self.eps))
+        tp.logits.append(state.ops.rms_logits(x, tp.qg[first_query:], self.eps))
         tp.offsets.append(first_query)
 
-    def phase1(self, backend: Backend, tp: CompletedSources, first_query: int, count: int) -> None:
-        """Phase 1 of queries ``first_query .. first_query + count - 1`` over the completed
-        sources, into ``tp.p1``."""
+    @staticmethod
+    def gathered_logits(tp: CompletedSources, first_query: int, count: int) -> Tensor:
+        """``[..., count, n]``: the logits of queries ``first_query ..`` for the ``n`` completed
+        sources, from those computed at each source's completion."""
         cols = [z[..., first_query - off : first_query - off + count] for z, off in zip(tp.logits, tp.offsets)]
-        tp.p1 = backend.phase1(torch.stack(cols, dim=-1), tp.sources, first_query)  # logits [..., count, n]
+        return torch.stack(cols, dim=-1)
 
-    def aggregate(self, state: ResidualState, backend: Backend, tp: CompletedSources) -> Tensor:
+    def phase1(self, state: ResidualState, first_query: int, count: int) -> None:
+        """Phase 1 of queries ``first_query .. first_query + count - 1`` over the completed
+        sources, into ``state.sources.p1`` (one source: its weight is exactly 1)."""
+        tp = state.sources
+        z = self.gathered_logits(tp, first_query, count)  # [..., count, n]
+        if len(tp.sources) == 1:
+            outs, lse = [tp.sources[0]] * count, z[..., 0]
+        else:
+            outs, lse = state.ops.phase1(z, tp.sources)
+        tp.p1 = Phase1(first_query, z, outs, lse)
+
+    def merged_input(self, state: ResidualState, z: Tensor, sources: list[Tensor], partial: Tensor | None = None,
+                     qg: Tensor | None = None, keep_input: bool = False, fusable: bool = True, record=None):
+        """A sublayer's input: the merge of ``sources`` (logits ``z [..., n]``) and ``partial``
+        (logit from ``qg``), a tensor - or, when the caller defers the norm and ``fusable``, a
+        :class:`~attnres.nn.norm.FusableNormInput` whose norm the merge applies. Records the
+        weights once (``record(alpha)`` maps the merge's weights to the mixer's sources)."""
+        if partial is None and len(sources) == 1:  # one source: weight exactly 1, the source itself
+            if state.weights is not None:
+                state.record(torch.ones_like(z) if record is None else record(torch.ones_like(z)))
+            return sources[0]
+        recorded = []
+
+        def compute(norm_weight, norm_eps):
+            out, alpha = state.ops.merge(z, sources, partial, qg, self.eps, norm_weight,
+                                         0.0 if norm_eps is None else norm_eps, keep_input)
+            if not recorded and state.weights is not None:
+                recorded.append(True)
+                state.record(alpha if record is None else record(alpha))
+            return out
+
+        return FusableNormInput(compute) if state.defer_norm and fusable else compute(None, None)
+
+    def aggregate(self, state: ResidualState) -> Tensor:
         """The output aggregation: query ``L`` over all completed sources."""
-        self.phase1(backend, tp, self.n_sublayers, 1)
-        return backend.merge(state, tp.p1, 0, [], [], fusable=False)
+        tp = state.sources
+        z = self.gathered_logits(tp, self.n_sublayers, 1)[..., 0, :]
+        return self.merged_input(state, z, tp.sources, fusable=False)
 
     # -- the depth mixing matrix (report §6.2) --------------------------------------------
     def source_members(self) -> list[list[list[int]]]:

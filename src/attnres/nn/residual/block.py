@@ -7,8 +7,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ...ops import Operations
 from .attnres_base import AttnResBase, CompletedSources, Schedule
-from .backends import Backend
 from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig
 from .registry import register_residual
@@ -27,12 +27,12 @@ class BlockNaiveState(ResidualState):
 
 @dataclass
 class BlockTwoPhaseState(ResidualState):
-    """sources: the completed blocks with their logits and the block's Phase-1 result;
-    partial: as in :class:`BlockNaiveState`; backend: this forward's backend."""
+    """sources: the completed blocks with their logits; partial: as in
+    :class:`BlockNaiveState`; ops: this forward's depth-attention operations."""
 
     sources: CompletedSources | None = None
     partial: Tensor | None = None
-    backend: Backend | None = None
+    ops: Operations | None = None
 
 
 def _add_to_partial(state, output: Tensor) -> None:
@@ -68,57 +68,53 @@ class _Naive(Schedule):
 
 
 class _TwoPhase(Schedule):
-    """Phase 1 once per block over the completed blocks, Phase 2 per sublayer with the
-    partial sum (report §4.2)."""
+    """Each completed block's logits against every later query once, when it completes;
+    each sublayer's input one merge over the completed blocks and the partial sum, whose
+    logit the merge computes (report §4.2)."""
 
     name = "two_phase"
 
     def start(self, m: BlockAttnRes, embedding: Tensor, common: dict[str, Any]) -> BlockTwoPhaseState:
-        state = BlockTwoPhaseState(sources=m.new_sources(embedding.dtype), **common)
-        state.backend = m.backend(embedding, state.weights is not None)
+        state = BlockTwoPhaseState(sources=m.new_sources(embedding.dtype), ops=m.operations(), **common)
         state.phase = "phase1"
-        m.complete(state.sources, embedding, 0, state.backend)
+        m.complete(state, embedding, 0)
         return state
 
-    def _open_block(self, m: BlockAttnRes, state: BlockTwoPhaseState, l: int) -> None:
-        """Phase 1 of the queries ``l ..`` up to the end of ``l``'s block."""
-        end = (l // m.block_size + 1) * m.block_size
-        m.phase1(state.backend, state.sources, l, min(end, m.n_sublayers) - l)
-
     def input(self, m: BlockAttnRes, state: BlockTwoPhaseState, l: int):
-        tp, backend = state.sources, state.backend
-        if l % m.block_size == 0:
+        tp = state.sources
+        if l % m.block_size == 0 and state.partial is not None:
             state.phase = "phase1"
-            if state.partial is not None:
-                m.complete(tp, state.partial, l, backend)
-                state.partial = None
-            self._open_block(m, state, l)
-            state.phase = "phase2"
-            return backend.merge(state, tp.p1, 0, [], [])
+            m.complete(state, state.partial, l)
+            state.partial = None
         state.phase = "phase2"
-        return backend.merge_partial(state, tp.p1, l - tp.p1.first, state.partial, tp.qg[l], m.eps)
+        z = m.gathered_logits(tp, l, 1)[..., 0, :]
+        if state.partial is None:
+            # A block's first sublayer merges the completed blocks only: the norm's input is
+            # kept rather than recomputed from all of them in the backward (N d in all).
+            return m.merged_input(state, z, tp.sources, keep_input=True)
+        # The later sublayers: the norm's input is recomputed from the n + 1 sources in the
+        # backward, not kept (keeping it, L d in all, measured no faster: docs/training-overhead.md).
+        return m.merged_input(state, z, tp.sources, state.partial, tp.qg[l])
 
     def add(self, m, state, l, output):
         state.phase = "phase2"
         _add_to_partial(state, output)
 
     def finish(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> Tensor:
-        m.complete(state.sources, state.partial, m.n_sublayers, state.backend)
+        m.complete(state, state.partial, m.n_sublayers)
         state.partial = None  # now a completed source
-        return m.aggregate(state, state.backend, state.sources)
+        return m.aggregate(state)
 
     def history(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> DepthHistory:
         return m.canonical_history(list(state.sources.sources), state.partial, state.next_sublayer)
 
     def resume(self, m: BlockAttnRes, history: DepthHistory, at: int, common: dict[str, Any]) -> BlockTwoPhaseState:
         ref = history.running if history.running is not None else history.completed[0]
-        state = BlockTwoPhaseState(sources=m.new_sources(ref.dtype), partial=history.running, **common)
-        state.backend = m.backend(ref, state.weights is not None)
+        state = BlockTwoPhaseState(sources=m.new_sources(ref.dtype), partial=history.running, ops=m.operations(),
+                                   **common)
         state.phase = "phase1"
         for x in history.completed:  # every received entry: its RMS factor and logits, once
-            m.complete(state.sources, x, at, state.backend)
-        if history.running is not None and at < m.n_sublayers:
-            self._open_block(m, state, at)  # the rest of the open block
+            m.complete(state, x, at)
         return state
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
+from ...ops import Operations
 from .attnres_base import AttnResBase, CompletedSources, Schedule
-from .backends import Backend
 from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig
 from .registry import register_residual
@@ -35,11 +36,12 @@ class GroupOutput(NamedTuple):
 @dataclass
 class FullTwoPhaseState(ResidualState):
     """sources: the outputs of earlier groups (completed); group: the current group's own
-    outputs so far, which its later sublayers merge in Phase 2; backend: this forward's."""
+    outputs so far, which its later sublayers merge in Phase 2; ops: this forward's
+    depth-attention operations."""
 
     sources: CompletedSources | None = None
     group: list[GroupOutput] = field(default_factory=list)
-    backend: Backend | None = None
+    ops: Operations | None = None
 
 
 class _Naive(Schedule):
@@ -66,15 +68,15 @@ class _Naive(Schedule):
 
 class _TwoPhase(Schedule):
     """Appendix B: the ``L`` outputs scheduled in groups of ``group_size``; Phase 1 over the
-    outputs of earlier groups, Phase 2 over the group's own earlier outputs."""
+    outputs of earlier groups (one pass over them for the group's queries), Phase 2 over
+    the group's own earlier outputs."""
 
     name = "two_phase"
 
     def start(self, m: FullAttnRes, embedding: Tensor, common: dict[str, Any]) -> FullTwoPhaseState:
-        state = FullTwoPhaseState(sources=m.new_sources(embedding.dtype), **common)
-        state.backend = m.backend(embedding, state.weights is not None)
+        state = FullTwoPhaseState(sources=m.new_sources(embedding.dtype), ops=m.operations(), **common)
         state.phase = "phase1"
-        m.complete(state.sources, embedding, 0, state.backend)
+        m.complete(state, embedding, 0)
         return state
 
     @staticmethod
@@ -92,38 +94,40 @@ class _TwoPhase(Schedule):
         if l % m.group_size == 0:
             state.phase = "phase1"
             self._close_group(state)
-            m.phase1(state.backend, tp, l, min(m.group_size, m.n_sublayers - l))
+            m.phase1(state, l, min(m.group_size, m.n_sublayers - l))
         state.phase = "phase2"
-        intra = [g.x for g in state.group]
-        intra_logits = [g.logits[..., l - g.first_query] for g in state.group]
-        return state.backend.merge(state, tp.p1, l - tp.p1.first, intra, intra_logits)
+        p1, s = tp.p1, l - tp.p1.first
+        # Phase 1's weighted sum is one source, its log-sum-exp the logit; the weights it
+        # stands for are recorded as its own, scaled by its weight in the merge.
+        p = torch.softmax(p1.z[..., s, :], dim=-1) if state.weights is not None else None
+        z = torch.stack([p1.lse[..., s], *(g.logits[..., l - g.first_query] for g in state.group)], dim=-1)
+        return m.merged_input(state, z, [p1.outs[s], *(g.x for g in state.group)],
+                              record=lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1))
 
     def add(self, m: FullAttnRes, state: FullTwoPhaseState, l: int, output: Tensor) -> None:
         state.phase = "phase1"  # the new output's RMS factor and logits against every later query
-        output = state.backend.source(output)
-        state.group.append(GroupOutput(output, state.backend.logits(output, state.sources.qg[l + 1 :], m.eps), l + 1))
+        state.group.append(GroupOutput(output, state.ops.rms_logits(output, state.sources.qg[l + 1 :], m.eps), l + 1))
 
     def finish(self, m: FullAttnRes, state: FullTwoPhaseState) -> Tensor:
         self._close_group(state)
-        return m.aggregate(state, state.backend, state.sources)
+        return m.aggregate(state)
 
     def history(self, m, state: FullTwoPhaseState) -> DepthHistory:
         return DepthHistory(list(state.sources.sources) + [g.x for g in state.group], None)
 
     def resume(self, m: FullAttnRes, history: DepthHistory, at: int, common: dict[str, Any]) -> FullTwoPhaseState:
         completed = history.completed
-        state = FullTwoPhaseState(sources=m.new_sources(completed[0].dtype), **common)
-        state.backend = m.backend(completed[0], state.weights is not None)
+        state = FullTwoPhaseState(sources=m.new_sources(completed[0].dtype), ops=m.operations(), **common)
         state.phase = "phase1"
         g = m.group_size
         g0 = at // g * g  # first sublayer of the open group; v_0 .. v_{g0} are completed sources
         for x in completed[: g0 + 1]:
-            m.complete(state.sources, x, at, state.backend)
+            m.complete(state, x, at)
         qg = state.sources.qg
-        group = [(j, state.backend.source(x)) for j, x in enumerate(completed[g0 + 1 :], g0 + 1)]
-        state.group = [GroupOutput(x, state.backend.logits(x, qg[j:], m.eps), j) for j, x in group]
+        state.group = [GroupOutput(x, state.ops.rms_logits(x, qg[j:], m.eps), j)
+                       for j, x in enumerate(completed[g0 + 1 :], g0 + 1)]
         if at % g and at < m.n_sublayers:
-            m.phase1(state.backend, state.sources, at, min(g0 + g, m.n_sublayers) - at)
+            m.phase1(state, at, min(g0 + g, m.n_sublayers) - at)
         return state
 
 
@@ -138,16 +142,6 @@ class FullAttnRes(AttnResBase):
     """
 
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
-    # Under torch.compile the plain graph, fused by inductor, trained faster than the lean
-    # nodes in every comparison (d = 512: 1.046 vs 1.094 and 1.034 vs 1.059 against the
-    # standard model; docs/training-overhead.md); for Block the two paths split within the noise.
-    GRAPH_WHEN_COMPILING = True
-    # On the CPU kernel, Phase 1 of a group's queries in one pass over the earlier outputs:
-    # main job 1.135 against 1.25 for per-sublayer merges over every source, and no more
-    # memory (its weighted sums take the place of the norm inputs the merges keep otherwise).
-    # Block keeps per-sublayer merges over its few block sums: batching them measured no
-    # faster at the main job and would keep one weighted sum per sublayer (L d).
-    BATCH_PHASE1_ON_CPU = True
 
     def __init__(
         self, dim: int, n_sublayers: int, eps: float = 1e-6, impl: str = "two_phase", group_size: int | None = None,

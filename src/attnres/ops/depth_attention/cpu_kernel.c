@@ -1,30 +1,65 @@
-/* The lean path's nodes as passes over the tokens, for CPUs (report §4.2).
+/* The CPU implementation of the depth-attention operations (report §4.2), as passes over
+ * the tokens: attnres/ops/depth_attention/cpu_kernel.py binds it to the custom operators.
  *
- * - the depth merge: one sublayer's input from known logits: softmax over depth, the
- *   weighted sum of the sources, Block AttnRes' partial-sum logit, the next sublayer's
- *   RMSNorm - and the analytic backward of all of it (attnres.ops.recompute._DepthMerge);
- * - Phase 1 of a group's queries over their shared sources (_Phase1);
- * - a completed source's logits against its later queries (_RmsLogits).
- * Each is the same function as the PyTorch code of its node there (the readable reference;
- * tests compare the two, forward and every gradient, and gradcheck this kernel in double
- * precision).
+ * - merge: one sublayer's input from known logits - softmax over depth, the weighted sum of
+ *   the sources, Block AttnRes' partial-sum logit, the next sublayer's RMSNorm - and the
+ *   backward of all of it;
+ * - phase1: Phase 1 of a group's queries over their shared sources (weighted sums and
+ *   log-sum-exp);
+ * - logits: a completed source's logits against its later queries.
+ * Each computes what torch_impl.py computes, with the same saved statistics and the same
+ * backward decomposition (tests compare the two, forward and every gradient, and gradcheck
+ * this kernel in double precision).
  *
- * Why a kernel: on the eager PyTorch path every (sublayer, source) pair costs about twelve
- * passes over a [tokens, d] tensor (a multiply-add in the forward; a product, a sum, a
- * scaled copy in the backward), each a separate operation. Here the loop runs over tokens
- * and, per token, over the sources: a token's rows of all sources stay in the L1 cache, so
- * each source is read once in the forward and once in the backward, and its gradient
- * written once.
+ * Why a kernel: in eager PyTorch every (sublayer, source) pair costs about twelve passes
+ * over a [tokens, d] tensor (a multiply-add in the forward; a product, a sum, a scaled copy
+ * in the backward), each a separate operation. Here the loop runs over tokens and, per
+ * token, over the sources: a token's rows of all sources stay in the L1 cache, so each
+ * source is read once in the forward and once in the backward, and its gradient written
+ * once.
  *
  * Layout: every [tokens, d] tensor is contiguous (row t at t * d); the logits z and the
- * weights alpha are [tokens, n] and [tokens, m] with m = n + has_partial. Pointers that
- * may be absent are NULL. Built by attnres/kernels/cpu.py (gcc -O3 -fopenmp), once per
- * machine, and called through ctypes: plain C, no Python or PyTorch headers.
+ * weights alpha are [tokens, n] and [tokens, m] with m = n + has_partial.
+ *
+ * Binding: every exported function's parameters are declared once, in the *_PARAMS macros
+ * below. The definitions expand them with the element type, and attnres_signatures()
+ * returns them as text (element type "scalar_t", pointers that may be NULL marked
+ * "nullable"), from which the Python side builds its ctypes declarations and checks every
+ * call by parameter name; attnres_abi_version() guards against a stale library. Plain C:
+ * no Python or PyTorch headers.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* ---- the exported functions' parameters, declared once (see the header) ---- */
+#define ATTNRES_ABI_VERSION 2
+#define PLAIN(x) x
+#define MERGE_FORWARD_PARAMS(T, OPT)                                                           \
+    int64_t tokens, int64_t d, int64_t n, const T *const *src, const T *z,                     \
+    OPT(const T *) partial, OPT(const T *) qg, double eps, OPT(const T *) norm_w,               \
+    double norm_eps, T *out, T *alpha, OPT(T *) rb, OPT(T *) zb, OPT(T *) rstd,                  \
+    OPT(T *) kept, int threads
+#define MERGE_BACKWARD_PARAMS(T, OPT)                                                          \
+    int64_t tokens, int64_t d, int64_t n, const T *const *src, OPT(const T *) partial,          \
+    OPT(const T *) qg, OPT(const T *) norm_w, const T *alpha, OPT(const T *) rb,                \
+    OPT(const T *) zb, OPT(const T *) rstd, OPT(const T *) kept, const T *g,                    \
+    OPT(T *) const *gsrc, OPT(T *) gz, OPT(T *) gpartial, OPT(T *) gqg_part,                    \
+    OPT(T *) gw_part, int threads
+#define PHASE1_FORWARD_PARAMS(T, OPT)                                                          \
+    int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *z,          \
+    T *const *out, T *lse, int threads
+#define PHASE1_BACKWARD_PARAMS(T, OPT)                                                         \
+    int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *z,          \
+    const T *lse, OPT(const T *) const *gout, OPT(const T *) glse, OPT(T *) gz,                 \
+    OPT(T *) const *gsrc, int threads
+#define LOGITS_FORWARD_PARAMS(T, OPT)                                                          \
+    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, double eps, T *z, T *r,      \
+    int threads
+#define LOGITS_BACKWARD_PARAMS(T, OPT)                                                         \
+    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, const T *r, const T *gz,     \
+    OPT(T *) gx, OPT(T *) gq_part, int threads
 
 /* a . b over d values, in two vector accumulators (GCC/Clang vector extensions, 32 bytes:
  * AVX) so that the multiply-adds of one dot product do not wait on one another and the
@@ -159,10 +194,7 @@ static const T **row_table_##SUFFIX(int64_t n, const T *const *src, const T *par
 /* Forward. out = RMSNorm(h) (or h), h = sum_j alpha_j x_j, alpha = softmax(z, zb). Writes    \
  * alpha [tokens, m]; with a partial sum zb and rb (its logit and RMS factor) [tokens]; with  \
  * a norm rstd [tokens]; kept (the norm's input h) when not NULL. */                           \
-void attnres_merge_forward_##SUFFIX(                                                           \
-    int64_t tokens, int64_t d, int64_t n, const T *const *src, const T *z, const T *partial,  \
-    const T *qg, double eps, const T *norm_w, double norm_eps, T *out, T *alpha, T *rb,         \
-    T *zb, T *rstd, T *kept, int threads)                                                      \
+void attnres_merge_forward_##SUFFIX(MERGE_FORWARD_PARAMS(T, PLAIN))                           \
 {                                                                                              \
     const int64_t m = n + (partial != NULL);                                                   \
     const T **rows = row_table_##SUFFIX(n, src, partial);                                      \
@@ -198,16 +230,11 @@ void attnres_merge_forward_##SUFFIX(                                            
     free(rows);                                                                                \
 }                                                                                              \
                                                                                                \
-/* Backward from g = d loss / d out [tokens, d]. Writes, where not NULL: gsrc[j] (d / d x_j; \
- * added to what it holds where accumulate[j] is set: a source's gradient slot),             \
+/* Backward from g = d loss / d out [tokens, d]. Writes, where not NULL: gsrc[j] (d / d x_j),  \
  * gz [tokens, n] (d / d z), gpartial [tokens, d]; and per-thread partial sums over tokens    \
  * gqg_part and gw_part [threads, d] (d / d qg, d / d norm_w), which the caller adds up.      \
  * With a norm, h is kept (kept) or recomputed from the sources. */                           \
-void attnres_merge_backward_##SUFFIX(                                                          \
-    int64_t tokens, int64_t d, int64_t n, const T *const *src, const T *partial, const T *qg,  \
-    const T *norm_w, const T *alpha, const T *rb, const T *zb, const T *rstd, const T *kept,   \
-    const T *g, T *const *gsrc, const unsigned char *accumulate, T *gz, T *gpartial,           \
-    T *gqg_part, T *gw_part, int threads)                                                      \
+void attnres_merge_backward_##SUFFIX(MERGE_BACKWARD_PARAMS(T, PLAIN))                          \
 {                                                                                              \
     const int64_t m = n + (partial != NULL);                                                   \
     if (gqg_part != NULL) memset(gqg_part, 0, (size_t)(threads * d) * sizeof(T));              \
@@ -254,8 +281,7 @@ void attnres_merge_backward_##SUFFIX(                                           
                 if (gsrc[j] == NULL) continue;                                                 \
                 T *gx = gsrc[j] + t * d;                                                       \
                 const T aj = a[j];                                                             \
-                if (accumulate[j]) for (int64_t k = 0; k < d; ++k) gx[k] += aj * gh[k];        \
-                else for (int64_t k = 0; k < d; ++k) gx[k] = aj * gh[k];                       \
+                for (int64_t k = 0; k < d; ++k) gx[k] = aj * gh[k];                            \
             }                                                                                  \
             if (partial != NULL) { /* d zb / d p = rb qg - (rb^2 zb / d) p, plus alpha_b */   \
                 const T *p = partial + t * d;                                                  \
@@ -280,12 +306,9 @@ void attnres_merge_backward_##SUFFIX(                                           
 /* Phase 1 of S queries over the same n completed sources, in one pass over each source
  * (report §4.2, Algorithm 1): out[s] = sum_i alpha_si x_i, lse[t, s] = log sum_i exp(z_tsi),
  * alpha_s = softmax(z_ts), z [tokens, S, n]. The backward recomputes alpha from z and lse,
- * reads each source once for the S queries and writes (or adds to, where accumulate[i] is
- * set) its gradient once: sum_s alpha_si g_s. */
+ * reads each source once for the S queries and writes its gradient once: sum_s alpha_si g_s. */
 #define DEFINE_PHASE1(T, SUFFIX, LOG)                                                              \
-void attnres_phase1_forward_##SUFFIX(                                                          \
-    int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *z,          \
-    T *const *out, T *lse, int threads)                                                        \
+void attnres_phase1_forward_##SUFFIX(PHASE1_FORWARD_PARAMS(T, PLAIN))                         \
 {                                                                                              \
     const int64_t tiles = (tokens + TILE - 1) / TILE;                                          \
     _Pragma("omp parallel num_threads(threads)")                                               \
@@ -321,10 +344,7 @@ void attnres_phase1_forward_##SUFFIX(                                           
                                                                                                \
 /* Backward from gout[s] (d / d out[s], NULL: zero) and glse [tokens, S] (NULL: zero).        \
  * Writes gz [tokens, S, n] (NULL: not needed) and gsrc[i] (NULL: not needed). */             \
-void attnres_phase1_backward_##SUFFIX(                                                         \
-    int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *z,          \
-    const T *lse, const T *const *gout, const T *glse, T *gz, T *const *gsrc,                  \
-    const unsigned char *accumulate, int threads)                                              \
+void attnres_phase1_backward_##SUFFIX(PHASE1_BACKWARD_PARAMS(T, PLAIN))                        \
 {                                                                                              \
     const int64_t tiles = (tokens + TILE - 1) / TILE;                                          \
     /* the output gradients that are there, and the query of each */                          \
@@ -354,7 +374,7 @@ void attnres_phase1_backward_##SUFFIX(                                          
                                 gout[s] != NULL ? dot_##SUFFIX(gout[s] + off, x, d) : (T)0;    \
                     if (gsrc[i] == NULL) continue; /* d x_i = sum_s alpha_si g_s */            \
                     for (int64_t j = 0; j < ng; ++j) c[j] = wt[q[j] * n + i];                  \
-                    combine_##SUFFIX(gsrc[i] + off, accumulate[i], g, off, c, ng, d);          \
+                    combine_##SUFFIX(gsrc[i] + off, 0, g, off, c, ng, d);               \
                 }                                                                              \
             }                                                                                  \
             if (gz != NULL) /* dz_si = alpha_si (g_s . x_i - g_s . out_s + glse_s) */         \
@@ -402,9 +422,7 @@ static inline void product_block_##SUFFIX(logit_vec_##SUFFIX out[LOGIT_TOKENS][2
     memcpy(out, acc, sizeof acc);                                                              \
 }                                                                                              \
                                                                                                \
-void attnres_logits_forward_##SUFFIX(                                                          \
-    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, double eps, T *z, T *r,      \
-    int threads)                                                                               \
+void attnres_logits_forward_##SUFFIX(LOGITS_FORWARD_PARAMS(T, PLAIN))                         \
 {                                                                                              \
     typedef T V __attribute__((vector_size(32)));                                              \
     enum { W = 32 / sizeof(T) };                                                               \
@@ -444,14 +462,12 @@ void attnres_logits_forward_##SUFFIX(                                           
 }                                                                                              \
                                                                                                \
 /* Backward from gz [tokens, K]. With u = sum_k gz_k q_k and c = (r^2 / d) sum_k gz_k z_k      \
- * = r^3 (x . u) / d (so z need not be kept): d x = r u - c x, written to gx or added to it    \
- * with accumulate (NULL: not needed); d q_k = sum_t gz_tk r_t x_t, in per-thread partial      \
+ * = r^3 (x . u) / d (so z need not be kept): d x = r u - c x, written to gx (NULL: not     \
+ * needed); d q_k = sum_t gz_tk r_t x_t, in per-thread partial      \
  * sums gq_part [threads, K, d] (NULL: not needed) that the caller adds up. Runs over          \
  * chunks of LOGIT_CHUNK tokens (their rows of x stay in L1 for d q), d x in blocks of         \
  * LOGIT_TOKENS tokens. */                                                                     \
-void attnres_logits_backward_##SUFFIX(                                                         \
-    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, const T *r, const T *gz,     \
-    T *gx, int accumulate, T *gq_part, int threads)                                            \
+void attnres_logits_backward_##SUFFIX(LOGITS_BACKWARD_PARAMS(T, PLAIN))                        \
 {                                                                                              \
     typedef T V __attribute__((vector_size(32)));                                              \
     enum { W = 32 / sizeof(T) };                                                               \
@@ -492,8 +508,7 @@ void attnres_logits_backward_##SUFFIX(                                          
                     /* sum_k gz_k z_k = r (x . u): c = r^3 (x . u) / d */                      \
                     const T c = rr * rr * rr * dot_##SUFFIX(xt, ut, d) / (T)d;                 \
                     T *g = gx + (b0 + t) * d;                                                  \
-                    if (accumulate) for (int64_t l = 0; l < d; ++l) g[l] += rr * ut[l] - c * xt[l]; \
-                    else for (int64_t l = 0; l < d; ++l) g[l] = rr * ut[l] - c * xt[l];        \
+                    for (int64_t l = 0; l < d; ++l) g[l] = rr * ut[l] - c * xt[l];             \
                 }                                                                              \
             }                                                                                  \
             if (gq == NULL) continue;                                                          \
@@ -525,3 +540,20 @@ DEFINE_PHASE1(float, f32, logf)
 DEFINE_PHASE1(double, f64, log)
 DEFINE_LOGITS(float, f32, sqrtf)
 DEFINE_LOGITS(double, f64, sqrt)
+
+/* ---- what the binding checks: the ABI version and every function's parameters ---- */
+#define ATTNRES_STR(...) #__VA_ARGS__
+#define ATTNRES_XSTR(...) ATTNRES_STR(__VA_ARGS__)
+#define NULLABLE(x) nullable x
+
+int attnres_abi_version(void) { return ATTNRES_ABI_VERSION; }
+
+const char *attnres_signatures(void)
+{
+    return "merge_forward(" ATTNRES_XSTR(MERGE_FORWARD_PARAMS(scalar_t, NULLABLE)) ");"
+           "merge_backward(" ATTNRES_XSTR(MERGE_BACKWARD_PARAMS(scalar_t, NULLABLE)) ");"
+           "phase1_forward(" ATTNRES_XSTR(PHASE1_FORWARD_PARAMS(scalar_t, NULLABLE)) ");"
+           "phase1_backward(" ATTNRES_XSTR(PHASE1_BACKWARD_PARAMS(scalar_t, NULLABLE)) ");"
+           "logits_forward(" ATTNRES_XSTR(LOGITS_FORWARD_PARAMS(scalar_t, NULLABLE)) ");"
+           "logits_backward(" ATTNRES_XSTR(LOGITS_BACKWARD_PARAMS(scalar_t, NULLABLE)) ")";
+}

@@ -1,0 +1,300 @@
+"""The CPU implementation of the depth-attention operations: ``cpu_kernel.c``, compiled on
+first use and bound through a checked ``ctypes`` binding.
+
+Build: the C source is compiled once per machine with the system's C compiler (``$CC``,
+else ``cc``; ``-O3 -march=native -fopenmp``, about a second) into a cache directory
+(``$ATTNRES_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnres`` or ``~/.cache/attnres``), keyed by
+the source, the flags, the compiler and the CPU. Each process compiles into a file of its
+own and renames it into place, so concurrent builds are safe. A compiler that refuses
+``-march=native`` or ``-fopenmp`` gets the build again without them (one warning). Without
+a compiler, or with ``ATTNRES_CPU_KERNEL=0``, :func:`cpu_kernel` returns ``None`` (one
+warning when a build failed) and the operations run their PyTorch implementation.
+
+Why ``ctypes`` and not a ``torch.utils.cpp_extension``: the kernel needs raw pointers only;
+compiling against PyTorch's headers takes several times longer than the kernel itself on
+every fresh clone (measured in docs/kernels.md) and ties the cached library to one torch
+build. The binding is checked instead: the library exports every function's parameters as
+text (declared once, in the C source) and an ABI version; :class:`KernelLibrary` builds its
+``ctypes`` declarations from that text and takes every argument by name, checking tensors'
+dtype, device and layout, so a mismatch raises instead of corrupting memory.
+
+The six functions at the bottom have the signatures of their counterparts in
+:mod:`.torch_impl` (the reference arithmetic; same saved statistics).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "cpu_kernel",
+    "supports",
+    "KernelLibrary",
+    "rms_logits_forward",
+    "rms_logits_backward",
+    "phase1_forward",
+    "phase1_backward",
+    "merge_forward",
+    "merge_backward",
+]
+
+SOURCE = Path(__file__).with_name("cpu_kernel.c")
+#: The ABI version the binding expects (``ATTNRES_ABI_VERSION`` in the C source).
+ABI_VERSION = 2
+# -ffp-contract=fast: fused multiply-adds (ISO C mode turns contraction off).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+#: Flags dropped, in turn, when the compiler refuses the full set.
+OPTIONAL_FLAGS = ("-march=native", "-fopenmp")
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ATTNRES_CACHE_DIR"):
+        return Path(os.environ["ATTNRES_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "attnres"
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU's model and instruction-set flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in info if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compile(compiler: str, flags: Sequence[str], target: Path) -> None:
+    """Compile into a file of this process's own, then rename it into place (atomic)."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library (from the cache, or built now): with every flag, else without
+    the flags the compiler refuses (a warning names them)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_id().encode()]))
+    target = _cache_dir() / "cpu-kernels" / f"attnres_depth_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    dropped: list[str] = []
+    while True:
+        try:
+            _compile(compiler, [f for f in FLAGS if f not in dropped], target)
+            break
+        except subprocess.CalledProcessError:
+            if len(dropped) == len(OPTIONAL_FLAGS):
+                raise
+            dropped.append(OPTIONAL_FLAGS[len(dropped)])
+    if dropped:
+        warnings.warn(f"attnres: the CPU kernel was built without {' '.join(dropped)} (the compiler refused it); "
+                      "it runs slower" + (", on one thread" if "-fopenmp" in dropped else ""), stacklevel=3)
+    return target
+
+
+class KernelLibrary:
+    """The compiled kernel with a checked binding.
+
+    The library's ``attnres_signatures()`` text names every parameter of every function
+    with its C type (``int64_t``, ``int``, ``double``, ``[const] scalar_t *`` a tensor,
+    ``... *const *`` a list of tensors, ``nullable`` where ``NULL`` is allowed);
+    :meth:`call` takes the arguments by these names, in any order, and checks them."""
+
+    _SCALARS = {"int64_t": (ctypes.c_int64, int), "int": (ctypes.c_int, int), "double": (ctypes.c_double, float)}
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.attnres_abi_version.restype = ctypes.c_int
+        self.lib.attnres_signatures.restype = ctypes.c_char_p
+        version = self.lib.attnres_abi_version()
+        if version != ABI_VERSION:
+            raise OSError(f"{path} has ABI version {version}, the binding expects {ABI_VERSION}")
+        self.params: dict[str, list[tuple[str, str, bool]]] = {}
+        for entry in self.lib.attnres_signatures().decode().split(";"):
+            name, _, rest = entry.strip().partition("(")
+            self.params[name] = [self._parse(p) for p in rest.rstrip(")").split(",")]
+            for suffix in _SUFFIX.values():
+                fn = getattr(self.lib, f"attnres_{name}_{suffix}")
+                fn.argtypes = [self._ctype(kind) for _, kind, _ in self.params[name]]
+                fn.restype = None
+
+    @staticmethod
+    def _parse(param: str) -> tuple[str, str, bool]:
+        """``"nullable const scalar_t * partial"`` -> ``("partial", "tensor", True)``."""
+        words = param.replace("*", " * ").split()
+        name, nullable, stars = words[-1], "nullable" in words, words.count("*")
+        kind = {0: " ".join(w for w in words[:-1] if w != "const"), 1: "tensor", 2: "tensors"}[stars]
+        return name, kind, nullable
+
+    def _ctype(self, kind: str):
+        return self._SCALARS[kind][0] if kind in self._SCALARS else ctypes.c_void_p
+
+    def call(self, name: str, dtype: torch.dtype, **args) -> None:
+        """Run ``attnres_<name>`` for ``dtype`` (float32 or float64) with ``args`` by name.
+
+        Raises ``TypeError`` for a missing or unknown argument, a scalar of the wrong type,
+        ``None`` where the C code does not allow ``NULL``, or a tensor that is not a
+        contiguous CPU tensor of ``dtype``."""
+        params = self.params[name]
+        missing = [p for p, _, _ in params if p not in args]
+        unknown = sorted(set(args) - {p for p, _, _ in params})
+        if missing or unknown:
+            raise TypeError(f"attnres_{name}: missing arguments {missing}, unknown arguments {unknown}")
+        values = [self._value(name, p, kind, nullable, args[p], dtype) for p, kind, nullable in params]
+        getattr(self.lib, f"attnres_{name}_{_SUFFIX[dtype]}")(*values)
+
+    def _value(self, fn: str, param: str, kind: str, nullable: bool, value, dtype: torch.dtype):
+        if kind in self._SCALARS:
+            if isinstance(value, bool) or not isinstance(value, self._SCALARS[kind][1] | int):
+                raise TypeError(f"attnres_{fn}: {param} must be {kind}, got {type(value).__name__}")
+            return value
+        if kind == "tensors":
+            return (ctypes.c_void_p * len(value))(*[self._pointer(fn, param, nullable, x, dtype) for x in value])
+        return self._pointer(fn, param, nullable, value, dtype)
+
+    @staticmethod
+    def _pointer(fn: str, param: str, nullable: bool, x: Tensor | None, dtype: torch.dtype) -> int | None:
+        if x is None:
+            if not nullable:
+                raise TypeError(f"attnres_{fn}: {param} must not be None")
+            return None
+        if not (isinstance(x, Tensor) and x.dtype == dtype and x.device.type == "cpu" and x.is_contiguous()):
+            got = f"{x.dtype} {x.device} contiguous={x.is_contiguous()}" if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(f"attnres_{fn}: {param} must be a contiguous CPU tensor of {dtype}, got {got}")
+        return x.data_ptr()
+
+
+@functools.cache
+def cpu_kernel() -> KernelLibrary | None:
+    """The kernel library, built on the first call; ``None`` when it is switched off
+    (``ATTNRES_CPU_KERNEL=0``) or cannot be built here (a warning says why, once)."""
+    if os.environ.get("ATTNRES_CPU_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("attnres: no C compiler found (set $CC); depth attention runs its PyTorch implementation on CPU",
+                      stacklevel=2)
+        return None
+    try:
+        return KernelLibrary(_build(compiler))
+    except (OSError, subprocess.CalledProcessError, AttributeError) as err:
+        detail = getattr(err, "stderr", "") or str(err)
+        warnings.warn(f"attnres: the CPU kernel could not be built ({detail.strip()[:500]}); "
+                      "depth attention runs its PyTorch implementation instead", stacklevel=2)
+        return None
+
+
+def supports(tensors: Sequence[Tensor | None]) -> bool:
+    """Whether the kernel can take these tensors (``None`` entries skipped): CPU tensors
+    with memory of their own, all float32 or all float64, contiguous - and the kernel built."""
+    present = [x for x in tensors if x is not None]
+    dtype = present[0].dtype
+    if dtype not in _SUFFIX:
+        return False
+    for x in present:
+        plain = type(x) is Tensor or (type(x) is torch.nn.Parameter and type(x.data) is Tensor)
+        if not (plain and x.device.type == "cpu" and x.dtype == dtype and x.is_contiguous()):
+            return False
+    return cpu_kernel() is not None
+
+
+def _geometry(x: Tensor) -> dict:
+    d = x.shape[-1]
+    return {"tokens": x.numel() // d if d else 0, "d": d, "threads": torch.get_num_threads()}
+
+
+def _new(needed: bool, like: Tensor, shape=None) -> Tensor | None:
+    if not needed:
+        return None
+    return torch.empty_like(like) if shape is None else torch.empty(shape, dtype=like.dtype)
+
+
+def rms_logits_forward(x: Tensor, qg: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    z = torch.empty((*x.shape[:-1], qg.shape[0]), dtype=x.dtype)
+    r = torch.empty(x.shape[:-1], dtype=x.dtype)
+    cpu_kernel().call("logits_forward", x.dtype, **_geometry(x), K=qg.shape[0], x=x, q=qg, eps=float(eps), z=z, r=r)
+    return z, r
+
+
+def rms_logits_backward(gz, x, qg, r, needs_x: bool, needs_qg: bool):
+    geometry = _geometry(x)
+    gx = _new(needs_x, x)
+    gq_part = _new(needs_qg, x, (geometry["threads"], *qg.shape))
+    cpu_kernel().call("logits_backward", x.dtype, **geometry, K=qg.shape[0], x=x, q=qg, r=r, gz=gz.contiguous(),
+                      gx=gx, gq_part=gq_part)
+    return gx, (gq_part.sum(0) if gq_part is not None else None)
+
+
+def phase1_forward(z: Tensor, sources: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
+    x0 = sources[0]
+    outs = [torch.empty_like(x0) for _ in range(z.shape[-2])]
+    lse = torch.empty(z.shape[:-1], dtype=x0.dtype)
+    cpu_kernel().call("phase1_forward", x0.dtype, **_geometry(x0), n=len(sources), S=z.shape[-2], src=sources,
+                      z=z.contiguous(), out=outs, lse=lse)
+    return outs, lse
+
+
+def phase1_backward(z, lse, sources, g_outs, g_lse, needs_z: bool, needs_sources: Sequence[bool]):
+    x0 = sources[0]
+    g_src = [_new(need, x0) for need in needs_sources]
+    g_z = _new(needs_z, z)
+    cpu_kernel().call("phase1_backward", x0.dtype, **_geometry(x0), n=len(sources), S=z.shape[-2], src=sources,
+                      z=z.contiguous(), lse=lse, gout=[g if g is None else g.contiguous() for g in g_outs],
+                      glse=None if g_lse is None else g_lse.contiguous(), gz=g_z, gsrc=g_src)
+    return g_z, g_src
+
+
+def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: float, keep_input: bool):
+    x0 = sources[0]
+    lead, m = x0.shape[:-1], len(sources) + (partial is not None)
+    has_partial, has_norm = partial is not None, norm_weight is not None
+    out, alpha = torch.empty_like(x0), torch.empty((*lead, m), dtype=x0.dtype)
+    r_b, zb = _new(has_partial, x0, lead), _new(has_partial, x0, lead)
+    rstd, kept = _new(has_norm, x0, (*lead, 1)), _new(has_norm and keep_input, x0)
+    cpu_kernel().call("merge_forward", x0.dtype, **_geometry(x0), n=len(sources), src=sources, z=z.contiguous(),
+                      partial=partial, qg=qg if has_partial else None, eps=float(eps), norm_w=norm_weight,
+                      norm_eps=float(norm_eps), out=out, alpha=alpha, rb=r_b, zb=zb, rstd=rstd, kept=kept)
+    return out, alpha, r_b, zb, rstd, kept
+
+
+def merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_weight, needs):
+    """``needs``: ``(z, sources..., partial, qg, norm_weight)`` as :func:`.torch_impl.merge_backward`."""
+    x0 = sources[0]
+    n, geometry = len(sources), _geometry(x0)
+    needs_z, needs_src, needs_partial, needs_qg, needs_norm = needs[0], needs[1 : n + 1], *needs[n + 1 :]
+    has_partial = partial is not None
+    g_src = [_new(need, x0) for need in needs_src]
+    g_z = _new(needs_z, x0, (*x0.shape[:-1], n))
+    g_partial = _new(needs_partial and has_partial, x0)
+    gqg_part = _new(needs_qg and has_partial, x0, (geometry["threads"], geometry["d"]))
+    gw_part = _new(needs_norm and norm_weight is not None, x0, (geometry["threads"], geometry["d"]))
+    cpu_kernel().call("merge_backward", x0.dtype, **geometry, n=n, src=sources, partial=partial,
+                      qg=qg if has_partial else None, norm_w=norm_weight, alpha=alpha, rb=r_b, zb=zb, rstd=rstd,
+                      kept=kept, g=g.contiguous(), gsrc=g_src, gz=g_z, gpartial=g_partial, gqg_part=gqg_part,
+                      gw_part=gw_part)
+    g_qg = gqg_part.sum(0) if gqg_part is not None else None
+    g_norm = gw_part.sum(0) if gw_part is not None else None
+    return g_z, g_src, g_partial, g_qg, g_norm

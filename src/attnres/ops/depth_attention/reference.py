@@ -1,0 +1,242 @@
+"""The readable reference of depth attention (report §3.1) and of the three operations of
+the two-phase schedule (report §4.2), as plain PyTorch: autograd records their graph.
+
+:func:`depth_attention` is the definition every path is tested against: stack the sources,
+RMS-normalise the keys, one dot product with the pseudo-query per source, a softmax over
+the sources, and the weighted sum of the *raw* sources.
+
+:func:`rms_logits`, :func:`phase1` and :func:`merge` split it the way the two-phase
+schedule runs it, with the signatures of the custom operators (:mod:`.library`); the
+operators' implementations (:mod:`.torch_impl`, :mod:`.cpu_kernel`, :mod:`.triton_impl`)
+are compared with these, forward and every gradient.
+
+Conventions: ``d`` is the hidden size, ``K`` or ``S`` a number of queries, ``n`` a number of
+sources, ``...`` the token dimensions. Logits, weights and statistics are in the *compute
+dtype* - float32, or float64 for float64 sources; results are in the sources' dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "depth_attention",
+    "check_sources",
+    "compute_dtype",
+    "full_precision",
+    "rms_inverse",
+    "weighted_sum",
+    "rms_logits",
+    "phase1",
+    "merge",
+]
+
+
+def check_sources(sources: Sequence[Tensor], what: str = "sources") -> None:
+    """Raise ``ValueError`` unless ``sources`` is a non-empty sequence of tensors that share
+    one shape ``[..., d]``, one dtype and one device."""
+    if isinstance(sources, Tensor) or not isinstance(sources, Sequence):
+        raise ValueError(f"{what} must be a non-empty list or tuple of tensors, got {type(sources).__name__}")
+    if len(sources) == 0:
+        raise ValueError(f"{what} must be non-empty: depth attention needs at least one source")
+    first = sources[0]
+    if not isinstance(first, Tensor) or first.dim() < 1:
+        raise ValueError(f"{what}[0] must be a tensor of shape [..., d]")
+    for i, s in enumerate(sources[1:], start=1):
+        if not isinstance(s, Tensor):
+            raise ValueError(f"{what}[{i}] is a {type(s).__name__}, expected a tensor")
+        if s.shape != first.shape:
+            raise ValueError(
+                f"{what}[{i}] has shape {tuple(s.shape)} but {what}[0] has {tuple(first.shape)}; "
+                "all sources must have the same shape"
+            )
+        if s.dtype != first.dtype:
+            raise ValueError(
+                f"{what}[{i}] has dtype {s.dtype} but {what}[0] has {first.dtype}; "
+                "all sources must have the same dtype"
+            )
+        if s.device != first.device:
+            raise ValueError(f"{what}[{i}] is on {s.device} but {what}[0] is on {first.device}")
+
+
+def _check_vector(name: str, v: Tensor | None, d: int) -> None:
+    if v is None:
+        return
+    if not isinstance(v, Tensor) or v.shape != (d,):
+        shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+        raise ValueError(f"{name} must have shape ({d},) to match the sources' last dimension, got {shape}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Depth attention runs in float32, or float64 when the inputs are float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def full_precision(x: Tensor) -> contextlib.AbstractContextManager:
+    """A context that switches autocast off for ``x``'s device when it is on (a no-op
+    otherwise), so that depth-attention products are not silently run in bf16."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def depth_attention(
+    query: Tensor,
+    sources: Sequence[Tensor],
+    key_norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Softmax attention of one pseudo-query over a list of depth sources.
+
+    ``h = sum_i alpha_i * v_i`` with ``alpha = softmax_i(scale * query . RMSNorm(v_i))`` and
+    ``RMSNorm(x) = x / sqrt(mean(x^2) + eps) * key_norm_weight``.
+
+    Args:
+        query: ``[d]`` pseudo-query ``w_l`` (zero at init, which gives uniform weights).
+        sources: ``n >= 1`` tensors of one shape ``[..., d]``, one dtype and device: the
+            values, which are also the keys before normalisation.
+        key_norm_weight: ``[d]`` learnable gain of the RMSNorm on the keys; ``None`` means 1.
+        eps: RMSNorm epsilon.
+        scale: logit scale; the report uses 1 (no ``1/sqrt(d)``).
+        return_weights: also return the attention weights.
+
+    Returns:
+        ``h`` of shape ``[..., d]`` in the sources' dtype, and with ``return_weights`` the
+        weights ``[n, ...]`` in float32 (float64 for float64 sources).
+
+    All arithmetic runs in float32 (or float64 for float64 inputs); the result is cast back
+    to the sources' dtype once, at the end.
+    """
+    check_sources(sources)
+    d = sources[0].shape[-1]
+    _check_vector("query", query, d)
+    _check_vector("key_norm_weight", key_norm_weight, d)
+    compute = compute_dtype(sources[0].dtype)
+
+    # Autocast off: the matmul below must not silently drop to bf16.
+    device_type = sources[0].device.type
+    with torch.autocast(device_type=device_type, enabled=False):
+        values = torch.stack([s.to(compute) for s in sources])  # [n, ..., d]
+        keys = values * torch.rsqrt(values.pow(2).mean(dim=-1, keepdim=True) + eps)
+        if key_norm_weight is not None:
+            keys = keys * key_norm_weight.to(compute)
+        logits = (keys @ query.to(compute)) * scale  # [n, ...]
+        weights = torch.softmax(logits, dim=0)
+        out = (weights.unsqueeze(-1) * values).sum(dim=0).to(sources[0].dtype)
+    if return_weights:
+        return out, weights
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers shared with the PyTorch implementation.
+# ----------------------------------------------------------------------------------------
+
+
+def rms_inverse(x: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension, in the compute dtype:
+    ``[..., d] -> [...]``. Computed once per source and reused by every query that sees it."""
+    compute = compute_dtype(x.dtype)
+    sq = torch.linalg.vector_norm(x, dim=-1, dtype=compute).square()
+    return torch.rsqrt(sq / x.shape[-1] + eps)
+
+
+def weighted_sum(weights: Tensor, sources: Sequence[Tensor]) -> Tensor:
+    """``sum_j weights[..., j] * sources[j]`` in the compute dtype: ``[..., n] -> [..., d]``.
+
+    A chain of fused multiply-adds: each source is read once and no stacked copy of the
+    sources is made (that copy and a batched tiny matmul cost more on CPU)."""
+    compute = compute_dtype(sources[0].dtype)
+    w = weights.unsqueeze(-1)
+    out = sources[0].to(compute) * w[..., 0, :]
+    for j in range(1, len(sources)):
+        out.addcmul_(sources[j], w[..., j, :])  # in place: no new buffer per source
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# The three operations, as plain autograd graphs.
+# ----------------------------------------------------------------------------------------
+
+
+def rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
+    """Logits of a completed source ``x [..., d]`` against ``K`` gain-folded queries
+    ``qg [K, d]`` (query times key-norm gain, report §3.1: ``w . (g * x_hat) =
+    (w * g) . x_hat``): ``z [..., K] = (x . qg_k) / rms(x)`` in the compute dtype."""
+    compute = compute_dtype(x.dtype)
+    with full_precision(x):
+        xc = x.to(compute)
+        return F.linear(xc, qg.to(compute)) * rms_inverse(xc, eps).unsqueeze(-1)
+
+
+def phase1(z: Tensor, sources: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """Phase 1 (report Algorithm 1) of ``S`` queries over ``n`` shared sources: their
+    logits ``z [..., S, n]`` -> the ``S`` weighted sums ``sum_i softmax(z_s)_i x_i``
+    (``[..., d]``, in the sources' dtype) and the log-sum-exp of each query's logits
+    ``lse [..., S]``: the one statistic with which Phase 2 merges a weighted sum as a source
+    whose logit is ``lse``."""
+    with full_precision(z):
+        p = torch.softmax(z, dim=-1)
+        outs = [weighted_sum(p[..., s, :], sources).to(sources[0].dtype) for s in range(z.shape[-2])]
+        return outs, torch.logsumexp(z, dim=-1)
+
+
+def merge(
+    z: Tensor,
+    sources: Sequence[Tensor],
+    partial: Tensor | None = None,
+    qg: Tensor | None = None,
+    eps: float = 1e-6,
+    norm_weight: Tensor | None = None,
+    norm_eps: float = 1e-6,
+    keep_input: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """One query's depth attention from known logits (Phase 2, report §4.2), and the next
+    sublayer's RMSNorm.
+
+    Args:
+        z: ``[..., n]``, the query's logits for ``sources`` (compute dtype).
+        sources: ``n >= 1`` tensors ``[..., d]``, the values (a Phase-1 weighted sum among
+            them, with its log-sum-exp as its logit).
+        partial, qg: Block AttnRes' partial sum ``[..., d]``, one more source whose logit
+            for the gain-folded query ``qg [d]`` is computed here (RMS epsilon ``eps``).
+        norm_weight, norm_eps: the next sublayer's RMSNorm, applied to the result (``None``:
+            none). It reads ``h`` rounded to the sources' dtype, as an unfused norm would.
+        keep_input: a hint for the implementations (keep the norm's input for the
+            backward instead of recomputing it); no effect on the result.
+
+    Returns:
+        ``(out, alpha)``: ``out [..., d]`` in the sources' dtype, ``RMSNorm(h)`` (or ``h``)
+        with ``h = sum_j alpha_j x_j``; ``alpha [..., n (+ 1)] = softmax(z, z_partial)``.
+    """
+    _check_merge(z, sources, partial, qg)
+    compute = compute_dtype(sources[0].dtype)
+    srcs = list(sources)
+    with full_precision(sources[0]):
+        logits = z.to(compute)
+        if partial is not None:
+            logits = torch.cat([logits, rms_logits(partial, qg.unsqueeze(0), eps)], dim=-1)
+            srcs.append(partial)
+        alpha = torch.softmax(logits, dim=-1)
+        h = weighted_sum(alpha, srcs)
+        if norm_weight is not None:
+            h = F.rms_norm(h.to(sources[0].dtype).to(compute), (h.shape[-1],), norm_weight.to(compute), norm_eps)
+    return h.to(sources[0].dtype), alpha
+
+
+def _check_merge(z: Tensor, sources: Sequence[Tensor], partial: Tensor | None, qg: Tensor | None) -> None:
+    """The merge's arguments, checked at the boundary (every implementation)."""
+    if not sources:
+        raise ValueError("depth merge needs at least one source with a known logit")
+    if z.shape[-1] != len(sources):
+        raise ValueError(f"z has {z.shape[-1]} logits for {len(sources)} sources")
+    if (partial is None) != (qg is None):
+        raise ValueError("partial and qg come together (the partial sum's logit needs the query)")
