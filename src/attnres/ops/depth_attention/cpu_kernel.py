@@ -126,6 +126,7 @@ class KernelLibrary:
     _SCALARS = {"int64_t": (ctypes.c_int64, int), "int": (ctypes.c_int, int), "double": (ctypes.c_double, float)}
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.lib.attnres_abi_version.restype = ctypes.c_int
         self.lib.attnres_signatures.restype = ctypes.c_char_p

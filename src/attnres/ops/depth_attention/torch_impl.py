@@ -96,15 +96,16 @@ def rms_logits_backward(gz: Tensor, x: Tensor, qg: Tensor, r: Tensor, needs_x: b
 def phase1_forward(z: Tensor, sources: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
     """``z [..., S, n]`` -> ``S`` weighted sums ``[..., d]`` (sources' dtype) and ``lse [..., S]``."""
     with full_precision(z):
+        z = _as(z, compute_dtype(sources[0].dtype))
         lse = torch.logsumexp(z, dim=-1)
         p = torch.exp(z - lse.unsqueeze(-1))
         return [_as(weighted_sum(p[..., s, :], sources), sources[0].dtype) for s in range(z.shape[-2])], lse
 
 
 def phase1_backward(z, lse, sources, g_outs, g_lse, needs_z: bool, needs_sources: Sequence[bool]):
-    compute, n = z.dtype, len(sources)
+    compute, z_dtype, n = compute_dtype(sources[0].dtype), z.dtype, len(sources)
     with full_precision(z):
-        p = torch.exp(z - lse.unsqueeze(-1))  # [..., S, n]
+        p = torch.exp(_as(z, compute) - _as(lse, compute).unsqueeze(-1))  # [..., S, n]
         present = [(s, _as(g, compute)) for s, g in enumerate(g_outs) if g is not None]
         g_src = []
         for i, x in enumerate(sources):
@@ -126,6 +127,7 @@ def phase1_backward(z, lse, sources, g_outs, g_lse, needs_z: bool, needs_sources
             g_z = p * (dots - (p * dots).sum(dim=-1, keepdim=True))
             if g_lse is not None:
                 g_z.addcmul_(p, _as(g_lse, compute).unsqueeze(-1))
+            g_z = _as(g_z, z_dtype)
     return g_z, g_src
 
 
@@ -201,5 +203,5 @@ def merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_wei
                                 partial.dtype)
             if needs_qg:
                 g_qg = _as(_token_sum(gr, pc), qg.dtype)
-            gz_all = gz_all[..., :-1]
+            gz_all = gz_all[..., :-1].contiguous()
     return (gz_all if needs_z else None), g_src, g_partial, g_qg, g_norm

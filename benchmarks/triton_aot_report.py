@@ -1,0 +1,147 @@
+"""Compile every Triton kernel variant ahead of time for sm_80 and sm_90 - no GPU needed -
+and report registers, spills and shared memory per kernel.
+
+Triton compiles a kernel for a given GPU target with its bundled ``ptxas``:
+``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))``.
+The variants are those the launch code can choose (``attnres.ops.depth_attention.
+triton_launch.variants``: every storage dtype, tile and Phase-1 query padding). Registers,
+spills and shared memory come from ``ptxas -v`` on the compiled PTX (the same ``ptxas``
+that produced the cubin); Triton's own shared-memory allocation from the compiled metadata.
+
+    python benchmarks/triton_aot_report.py                 # prints the table
+    python benchmarks/triton_aot_report.py --write-docs    # and replaces it in docs/kernels.md
+
+``tests/test_triton_aot.py`` runs the same compile in the default suite: a compile failure,
+a spill, or shared memory over the target's limit fails it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real (set before triton is imported)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "kernels.md"
+ARCHS = (80, 90)
+#: Shared memory one block may use, per target (bytes): A100 (sm_80) and H100 (sm_90).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+BEGIN, END = "<!-- triton-aot-report: begin -->", "<!-- triton-aot-report: end -->"
+
+
+def ptxas_path(arch: int) -> str:
+    """The ``ptxas`` Triton compiles ``sm_<arch>`` with (it bundles two)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(arch).path
+
+
+def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
+    """Registers, spill stores/loads and shared memory of the one kernel in ``ptx``, from
+    ``ptxas -v``."""
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([ptxas_path(arch), "-v", f"--gpu-name={target}", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    text = out.stdout + out.stderr
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "smem": number(r"(\d+) bytes smem")}
+
+
+def compile_variant(kernel: str, signature: dict, constexprs: dict, num_warps: int, arch: int) -> dict:
+    """Compile one variant for ``sm_<arch>``; its resource usage (raises if it does not
+    compile)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from attnres.ops.depth_attention import triton_kernels
+
+    source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    return {"kernel": kernel, "arch": arch, "dtype": signature["X0"].lstrip("*"), **constexprs, "num_warps": num_warps,
+            "triton_shared": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"], arch)}
+
+
+def _compile_job(job: tuple) -> dict:
+    return compile_variant(*job)
+
+
+def all_variants(archs=ARCHS) -> list[tuple]:
+    from attnres.ops.depth_attention.triton_launch import variants
+
+    return [(k, sig, cx, warps, arch) for arch in archs for k, sig, cx, warps in variants()]
+
+
+def compile_all(archs=ARCHS, workers: int | None = None) -> list[dict]:
+    """Every variant for every target (in ``workers`` processes)."""
+    jobs = all_variants(archs)
+    with ProcessPoolExecutor(max_workers=workers or min(2, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_compile_job, jobs))
+
+
+def problems(row: dict) -> list[str]:
+    """What fails a variant: a spill, or shared memory over its target's limit."""
+    bad = []
+    if row["spill_stores"] or row["spill_loads"]:
+        bad.append(f"spills {row['spill_stores']} B stored / {row['spill_loads']} B loaded")
+    shared = max(row["smem"], row["triton_shared"])
+    if shared > SHARED_LIMIT[row["arch"]]:
+        bad.append(f"shared memory {shared} B over the sm_{row['arch']} limit {SHARED_LIMIT[row['arch']]} B")
+    return bad
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| kernel | target | dtype | BLOCK_D | S_PAD | warps | registers | spills (B) | shared (B) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["kernel"], r["arch"], r["dtype"], r.get("S_PAD", 0), r["BLOCK_D"])):
+        lines.append(f"| {r['kernel']} | sm_{r['arch']} | {r['dtype']} | {r['BLOCK_D']} | {r.get('S_PAD', '')} | "
+                     f"{r['num_warps']} | {r['registers']} | {r['spill_stores'] + r['spill_loads']} | "
+                     f"{max(r['smem'], r['triton_shared'])} |")
+    return "\n".join(lines)
+
+
+def write_docs(text: str) -> None:
+    doc = DOCS.read_text()
+    if BEGIN not in doc:
+        raise SystemExit(f"{DOCS} has no {BEGIN} ... {END} section to replace")
+    head, rest = doc.split(BEGIN, 1)
+    DOCS.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--write-docs", action="store_true", help=f"replace the table in {DOCS.relative_to(REPO)}")
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--json", help="also write every variant's numbers to this file")
+    args = p.parse_args(argv)
+    rows = compile_all(workers=args.workers)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    import triton
+
+    text = (f"Generated by `python benchmarks/triton_aot_report.py --write-docs` (triton {triton.__version__}, "
+            f"{len(rows)} variants; `ptxas -v`).\n\n" + table(rows))
+    print(text)
+    bad = [f"{r['kernel']} sm_{r['arch']} {r['dtype']}: {p}" for r in rows for p in problems(r)]
+    for line in bad:
+        print("FAIL:", line, file=sys.stderr)
+    if args.write_docs:
+        write_docs(text)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
