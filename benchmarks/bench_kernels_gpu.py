@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from bench_training_overhead import log, write_results
 
 from attnres import AttnResLM, ModelConfig
-from attnres.ops import merge_with_sources, rms_inverse, source_logits, weighted_sum
+from attnres.ops.depth_attention import library, reference
 
 EPS = 1e-6
 #: Datasheet peak memory bandwidth (bytes/s) by device-name substring, most specific first.
@@ -93,14 +93,16 @@ def op_shapes(quick: bool) -> list[OpShape]:
 
 
 def block_bytes(s: OpShape, esz: int = 2) -> dict[str, int]:
-    """Bytes moved by one block's forward: ``min`` (any implementation) and ``ours``."""
-    row, row32 = s.tokens * s.d * esz, s.tokens * s.d * 4
-    stats = s.tokens * s.S * 4  # one float32 per row and query
+    """Bytes moved by one block's forward: ``min`` (any implementation) and ``ours`` (the
+    model's schedule: each source's logits once; Phase 1 of the block's queries in one pass
+    over the sources; the first sublayer's norm; then per sublayer one merge of Phase 1's
+    result with the partial sum, the norm fused)."""
+    row, f32 = s.tokens * s.d * esz, s.tokens * 4  # a [tokens, d] tensor; one float32 per row
     minimum = (s.n + (s.S - 1) + s.S) * row  # sources, partial sums in; outputs out
-    logits = s.n * row + s.n * stats  # one read of each source, its logits out
-    phase1 = s.n * stats + s.n * row + s.S * row32 + 2 * stats + s.n * stats  # z, V in; O, m, l, p out
-    first = row32 + 2 * s.tokens * 4 + row  # sublayer 0: O[0] (+ stats) in, normalised input out
-    later = (s.S - 1) * (row32 + row + row + 6 * s.tokens * 4)  # O[s], partial in; output, stats out
+    logits = s.n * row + s.n * s.S * f32  # one read of each source, its logits out
+    phase1 = s.n * row + s.n * s.S * f32 + s.S * (row + f32)  # sources, logits in; weighted sums, lse out
+    first = 2 * row  # the first sublayer: its weighted sum normalised
+    later = (s.S - 1) * (2 * row + f32 + row + 2 * f32 + 3 * f32)  # o_hat, partial, lse in; out, alpha, stats out
     return {"min": minimum, "ours": logits + phase1 + first + later}
 
 
@@ -122,40 +124,28 @@ def leaves(x: dict) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ ours
-def ours_triton(x: dict) -> list[torch.Tensor]:
-    from attnres.kernels.merge import merge_sources
-    from attnres.kernels.phase1 import phase1_attention
-    from attnres.kernels.phase2 import phase2_merge
-
+def _ours(x: dict, impl: str) -> list[torch.Tensor]:
+    """One block's ``S`` normalised sublayer inputs as the model's schedule runs them: each
+    source's logits against the block's queries, Phase 1 of the block's queries, then per
+    sublayer the merge of its Phase-1 result with the partial sum and the sublayer's norm."""
+    ops = reference if impl == "reference" else library
+    kw = {} if impl == "reference" else {"impl": impl}
     sources, qg, gains = x["sources"], x["qg"], x["gains"]
-    dt = sources[0].dtype
-    z = torch.stack([source_logits(v, rms_inverse(v, EPS), qg) for v in sources], dim=-1)  # [M, S, n]
-    O, m, l, _ = phase1_attention(z, sources)
-    outs = [merge_sources(O[0], m[:, 0], l[:, 0], [], [], norm_weight=gains[0], norm_eps=EPS, out_dtype=dt)[0]]
-    for s, partial in enumerate(x["partials"], start=1):
-        out, _ = phase2_merge(O[s], m[:, s], l[:, s], partial, qg[s], EPS, norm_weight=gains[s], norm_eps=EPS, out_dtype=dt)
-        outs.append(out)
-    return outs
+    z = torch.stack([ops.rms_logits(v, qg, EPS, **kw) for v in sources], dim=-1)  # [M, S, n]
+    outs, lse = ops.phase1(z, sources, **kw)
+    first = F.rms_norm(outs[0].float(), (outs[0].shape[-1],), gains[0].float(), EPS).to(outs[0].dtype)
+    return [first] + [ops.merge(lse[:, s : s + 1].contiguous(), [outs[s]], x["partials"][s - 1], qg[s], EPS, gains[s],
+                                EPS, **kw)[0] for s in range(1, len(qg))]
+
+
+def ours_triton(x: dict) -> list[torch.Tensor]:
+    """Our block on the Triton kernels (``kernels="triton"``)."""
+    return _ours(x, "triton")
 
 
 def ours_torch(x: dict) -> list[torch.Tensor]:
-    """The PyTorch reference path of the same block (what ``attnres_kernels="torch"`` runs)."""
-    sources, qg, gains = x["sources"], x["qg"], x["gains"]
-    dt = sources[0].dtype
-    z = torch.stack([source_logits(v, rms_inverse(v, EPS), qg) for v in sources], dim=-1)
-    m = z.amax(-1)
-    e = torch.exp(z - m.unsqueeze(-1))
-    l = e.sum(-1)
-    p = e / l.unsqueeze(-1)
-    outs = []
-    for s in range(len(qg)):
-        h = weighted_sum(p[:, s], sources)
-        if s:
-            partial = x["partials"][s - 1]
-            zp = source_logits(partial, rms_inverse(partial, EPS), qg[s])
-            h, _ = merge_with_sources(h, m[:, s], l[:, s], [partial], [zp])
-        outs.append(F.rms_norm(h.to(dt).float(), (h.shape[-1],), gains[s].float(), EPS).to(dt))
-    return outs
+    """The same block on the readable reference (``kernels="torch_graph"``)."""
+    return _ours(x, "reference")
 
 
 # ------------------------------------------------------------------------------ peers

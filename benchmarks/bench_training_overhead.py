@@ -22,13 +22,24 @@ one step are reported beside the times (attnres.train.cpu_memory).
     python benchmarks/bench_training_overhead.py --quick    # a smoke run
     python benchmarks/bench_training_overhead.py --shape main-job --backends eager --modes train
 
-``*_graph`` variants run the two-phase path as a plain autograd graph (``kernels="torch_graph"``,
-the default before issue 17) beside the lean default, ``*_torch`` the lean path's PyTorch
-code without the fused CPU merge kernel (``kernels="torch"``); ``--shape main-job`` is the main job's
-model (d = 64, 12 blocks, S = 3, 16 x 128 tokens, one thread) and writes
+``*_graph`` variants run the two-phase path on the plain-graph reference (``kernels="torch_graph"``)
+beside the default (the depth-attention operators: the CPU kernel on CPU), ``*_torch`` the
+operators' PyTorch implementation (``kernels="torch"``); ``--shape main-job`` is the main
+job's model (d = 64, 12 blocks, S = 3, 16 x 128 tokens, one thread) and writes
 ``training_overhead_main_job.{json,md}``.
 
-Writes ``benchmarks/results/training_overhead.{json,md}``.
+**Side by side with another version of the package** (no regression): ``--baseline REV``
+(a git revision, checked out with ``git archive``) or ``--baseline DIR`` (a directory holding
+an ``attnres`` package) runs every model twice, once with this working tree's package and
+once with the baseline's, each in a worker process of its own (``--worker``: same seeds,
+same shapes, the CPU allocator setting applied in each), and the coordinator interleaves
+the steps of both across rounds. The report gives each version's ratios against its own
+standard model and the paired ratio ``this / baseline`` of every variant::
+
+    python benchmarks/bench_training_overhead.py --baseline 331a2fd --variants standard,block,full --modes train
+    python benchmarks/bench_training_overhead.py --baseline 331a2fd --shape main-job --variants standard,block,full --modes train
+
+Writes ``benchmarks/results/training_overhead.{json,md}`` (``_versus_baseline`` with ``--baseline``).
 """
 
 from __future__ import annotations
@@ -37,7 +48,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -136,33 +150,34 @@ def main() -> int:
     p.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS, default="retain",
                    help="retain: freed memory stays in the process for the next step, as in `attnres train` "
                         "(default); system: glibc's defaults (attnres.train.cpu_memory)")
-    p.add_argument("--quick", action="store_true", help="tiny repeats, no compile: a smoke run")
+    p.add_argument("--quick", action="store_true", help="tiny repeats: a smoke run (eager only unless --backends is given)")
+    p.add_argument("--baseline", default=None, metavar="REV_OR_DIR",
+                   help="also run the package of this git revision or directory, side by side (see above)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: elapsed time (default); cpu: the process's CPU time (steadier on a shared machine, "
+                        "with one thread)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "training_overhead"))
     args = p.parse_args()
     if args.quick:
-        args.repeats_train, args.repeats_forward, args.backends = 2, 2, "eager"
+        args.repeats_train, args.repeats_forward = 2, 2
+        if args.backends == p.get_default("backends"):
+            args.backends = "eager"
     if args.shape == "main-job":
         args.threads = args.threads or 1
         if args.batch == 8 and args.seq == 256:  # the defaults: the main job's batch instead
             args.batch, args.seq = 16, 128
         if args.out == p.get_default("out"):
             args.out = p.get_default("out") + "_main_job"
+    if args.worker:
+        return serve(args)
+    if args.baseline:
+        return side_by_side(args)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     retained = set_cpu_allocator(args.cpu_allocator)
-    torch.manual_seed(0)
-    base = ModelConfig.preset("bench-cpu", max_seq_len=max(256, args.seq))
-    if args.shape == "main-job":
-        base = base.replace(**MAIN_JOB)
-    variants = [v for v in args.variants.split(",") if v]
-    if "standard" not in variants:
-        variants.insert(0, "standard")
-    models = {}
-    for name in variants:
-        torch.manual_seed(0)
-        models[name] = AttnResLM(base.replace(**VARIANTS[name]))
-    ids = torch.randint(0, base.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    base, variants, models, ids = build_models(args)
     results = {
         "config": {**base.to_dict(), "batch": args.batch, "seq": args.seq, "dtype": "float32", "shape": args.shape},
         **run_header(),
@@ -196,6 +211,187 @@ def main() -> int:
 
     write_results(Path(args.out), results, render_markdown)
     return 0
+
+
+def build_models(args):
+    """The shape's config, the variants (the standard model first), one model each (same
+    seed) and the batch of token ids."""
+    torch.manual_seed(0)
+    base = ModelConfig.preset("bench-cpu", max_seq_len=max(256, args.seq))
+    if args.shape == "main-job":
+        base = base.replace(**MAIN_JOB)
+    variants = [v for v in args.variants.split(",") if v]
+    if "standard" not in variants:
+        variants.insert(0, "standard")
+    models = {}
+    for name in variants:
+        torch.manual_seed(0)
+        models[name] = AttnResLM(base.replace(**VARIANTS[name]))
+    ids = torch.randint(0, base.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    return base, variants, models, ids
+
+
+# ----------------------------------------------------------------------------------------
+# Side by side with a baseline version of the package: one worker process per version
+# ----------------------------------------------------------------------------------------
+
+
+def serve(args) -> int:
+    """Worker: build the models with the ``attnres`` on ``PYTHONPATH`` and run what the
+    coordinator asks, one JSON line in, one out (``setup``, ``step``, ``memory``, ``quit``)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    retained = set_cpu_allocator(args.cpu_allocator)
+    base, variants, models, ids = build_models(args)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    steps = {}
+    print(json.dumps({"config": base.to_dict(), "variants": variants, "retained": retained, **run_header()}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["cmd"] == "quit":
+            return 0
+        if request["cmd"] == "setup":  # (re)build the steps for a backend and mode, warmed up
+            torch._dynamo.reset()
+            backend, mode = request["backend"], request["mode"]
+            steps = {n: make_step(m, m if backend == "eager" else torch.compile(m), ids, mode) for n, m in models.items()}
+            for step in steps.values():
+                step()
+                step()
+            reply = {"ok": True}
+        elif request["cmd"] == "step":
+            t0 = clock()
+            steps[request["name"]]()
+            reply = {"seconds": clock() - t0}
+        else:  # memory
+            reply = {"bytes": peak_memory_bytes(steps[request["name"]])}
+        print(json.dumps(reply), flush=True)
+    return 0
+
+
+class Worker:
+    """A worker process running this script with ``src`` first on ``PYTHONPATH``."""
+
+    def __init__(self, src: Path, argv: list[str]) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--worker"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent)
+        self.header = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def ask(self, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def baseline_source(spec: str, tmp: Path) -> Path:
+    """The ``src`` directory of the baseline: ``spec`` itself when it holds ``attnres``, else a
+    git revision of this repository, unpacked into ``tmp``."""
+    for candidate in (Path(spec), Path(spec) / "src"):
+        if (candidate / "attnres" / "__init__.py").exists():
+            return candidate.resolve()
+    repo = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "archive", spec, "src"], cwd=repo, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    return tmp / "src"
+
+
+def worker_argv(args) -> list[str]:
+    """The options a worker needs to build the same models as every other worker."""
+    argv = ["--variants", args.variants, "--batch", str(args.batch), "--seq", str(args.seq), "--shape", args.shape,
+            "--cpu-allocator", args.cpu_allocator, "--clock", args.clock]
+    return argv + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def interleave(workers: dict[str, Worker], names: list[str], repeats: int) -> dict[str, list[float]]:
+    """Seconds of every step ``"<version>/<variant>"``, one call each per round, the order
+    rotating by one per round (as :func:`~attnres.analysis.profiling.time_interleaved`)."""
+    keys = [f"{v}/{n}" for v in workers for n in names]
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(repeats):
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            version, name = key.split("/", 1)
+            times[key].append(workers[version].ask(cmd="step", name=name)["seconds"])
+        log(f"    round {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()))
+    return times
+
+
+def side_by_side(args) -> int:
+    """Coordinator of ``--baseline``: both versions' models, interleaved; see the module docstring."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = {"this": Path(__file__).resolve().parents[1] / "src", "baseline": baseline_source(args.baseline, Path(tmp))}
+        workers = {version: Worker(src, worker_argv(args)) for version, src in sources.items()}
+        try:
+            results = {"config": {**workers["this"].header["config"], "batch": args.batch, "seq": args.seq,
+                                  "dtype": "float32", "shape": args.shape},
+                       **run_header(), "baseline": args.baseline, "clock": args.clock,
+                       "cpu_allocator": args.cpu_allocator, "timing": {}, "versus_baseline": {}, "peak_memory_bytes": {}}
+            names = workers["this"].header["variants"]
+            for backend in args.backends.split(","):
+                for mode in args.modes.split(","):
+                    measure_side_by_side(args, workers, names, backend, mode, results)
+        finally:
+            for w in workers.values():
+                w.close()
+    out = Path(args.out)
+    write_results(out.with_name(out.name + "_versus_baseline"), results, render_side_by_side)
+    return 0
+
+
+def measure_side_by_side(args, workers, names, backend: str, mode: str, results: dict) -> None:
+    key = f"{backend}/{mode}"
+    for version, w in workers.items():
+        t0 = time.perf_counter()
+        w.ask(cmd="setup", backend=backend, mode=mode)
+        log(f"[{key}] warm-up {version}: {time.perf_counter() - t0:.1f} s")
+    repeats = args.repeats_train if mode == "train" else args.repeats_forward
+    times = interleave(workers, names, repeats)
+    results["timing"][key] = {v: paired_summary({n: times[f"{v}/{n}"] for n in names}, "standard") for v in workers}
+    results["versus_baseline"][key] = {
+        n: statistics.median(a / b for a, b in zip(times[f"this/{n}"], times[f"baseline/{n}"])) for n in names}
+    if backend == "eager" and mode == "train":
+        results["peak_memory_bytes"] = {v: {n: w.ask(cmd="memory", name=n)["bytes"] for n in names}
+                                        for v, w in workers.items()}
+
+
+def render_side_by_side(r: dict) -> str:
+    c = r["config"]
+    targets = MAIN_JOB_TARGETS if c.get("shape") == "main-job" else TARGETS
+    lines = ["# Training overhead side by side with a baseline version (CPU)", "",
+             f"Command: `{r['command']}`  ", f"Baseline: `{r['baseline']}`; clock: {r['clock']}.  ",
+             f"Shape: d={c['d_model']}, {c['n_layers']} transformer blocks, Block S={block_size_of(c)}, seq {c['seq']}, "
+             f"batch {c['batch']}.  ", "",
+             "*paired* = median over rounds of (model / standard model of the same version) in the same round; "
+             "*this / baseline* = median over rounds of (this version's step / the baseline's step).", "",
+             "| backend / mode | variant | this: paired | baseline: paired | this / baseline | target |",
+             "|---|---|---:|---:|---:|---|"]
+    for key, versions in r["timing"].items():
+        backend, mode = key.split("/")
+        for name in versions["this"]:
+            tgt = targets.get((backend, mode, name))
+            this, base = versions["this"][name]["median_paired_ratio"], versions["baseline"][name]["median_paired_ratio"]
+            verdict = f"<= {tgt:.2f}: {'met' if this <= tgt else 'missed'}" if tgt else ""
+            lines.append(f"| {key} | {name} | {this:.4f} | {base:.4f} | {r['versus_baseline'][key][name]:.4f} | {verdict} |")
+    if r["peak_memory_bytes"]:
+        mem_targets = {} if c.get("shape") == "main-job" else MEMORY_TARGETS
+        lines += ["", "Peak memory of one eager training step, ratio to the standard model of the same version:", "",
+                  "| variant | this | baseline | target |", "|---|---:|---:|---|"]
+        this, base = r["peak_memory_bytes"]["this"], r["peak_memory_bytes"]["baseline"]
+        for name in this:
+            ratio, tgt = this[name] / this["standard"], mem_targets.get(name)
+            verdict = f"<= {tgt:.2f}: {'met' if ratio <= tgt else 'missed'}" if tgt else ""
+            lines.append(f"| {name} | {ratio:.3f} | {base[name] / base['standard']:.3f} | {verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 def write_results(out: Path, results: dict, render) -> None:

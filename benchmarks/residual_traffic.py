@@ -1,10 +1,12 @@
 """Memory traffic of the residual per token per sublayer, counted from the ops it runs.
 
 The residual module (standard, Block or Full AttnRes, two-phase or naive) is driven alone
-with random sublayer outputs, under a ``TorchDispatchMode`` that sees every aten op the
-implementation runs (eager). For each op we add up the per-token tensors it reads (tensor
+with random sublayer outputs, under a ``TorchDispatchMode`` that sees every operator the
+residual calls (eager). For each we add up the per-token tensors it reads (tensor
 arguments) and writes (results; for in-place ops the updated tensor counts as read and
-written). "Per-token" tensors are the ``[..., d]`` activations; the parameters (queries,
+written). The depth-attention operators (``attnres::rms_logits``, ``phase1``, ``merge``)
+count as what they are in the fused kernels: one read of each input and one write of each
+result. "Per-token" tensors are the ``[..., d]`` activations; the parameters (queries,
 gains) and the per-token scalars (logits, softmax statistics) are counted apart, since
 they are O(1) or O(L) numbers per token, not multiples of ``d``.
 
@@ -30,7 +32,6 @@ the element size for bytes: 4 in float32, 2 in bfloat16).
 from __future__ import annotations
 
 import argparse
-import contextlib
 from collections import defaultdict
 
 import torch
@@ -38,7 +39,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from attnres.nn.residual import BlockAttnRes, FullAttnRes, StandardResidual
-from attnres.ops import two_phase
 
 class TrafficCounter(TorchDispatchMode):
     """Counts elements of per-token ``[tokens, d]`` tensors read and written, by the phase of
@@ -73,27 +73,9 @@ class TrafficCounter(TorchDispatchMode):
         return out
 
 
-#: The two code paths of the two-phase schedule (``attnres.ops.two_phase.decoding``): prefill
-#: and training take fused multiply-adds with no stacked copies; decoding (small tensors, no
-#: autograd) takes stacked matmuls and the one-go Phase 2. The path is picked by the size of
-#: the tensors, so the count forces it with the size threshold.
-PATHS = {"prefill": 0, "decode": 1 << 62}
-
-
-@contextlib.contextmanager
-def code_path(path: str):
-    """Make the two-phase residual take ``path`` ("prefill" or "decode") whatever the size."""
-    saved = two_phase.SMALL_SOURCE_NUMEL
-    two_phase.SMALL_SOURCE_NUMEL = PATHS[path]
-    try:
-        yield
-    finally:
-        two_phase.SMALL_SOURCE_NUMEL = saved
-
-
-def measure(residual, tokens: int = 200, path: str = "prefill") -> dict:
-    """Drive ``residual`` over all its sublayers on the ``path`` code path; return elements
-    per token per sublayer (in units of d) read and written, per phase."""
+def measure(residual, tokens: int = 200) -> dict:
+    """Drive ``residual`` over all its sublayers; return elements per token per sublayer (in
+    units of d) read and written, per phase."""
     d, L = residual.dim, residual.n_sublayers
     if min(tokens, d) <= L + 1:
         raise ValueError(f"tokens and d must exceed L + 1 = {L + 1} (to tell activations from queries and logits)")
@@ -101,7 +83,7 @@ def measure(residual, tokens: int = 200, path: str = "prefill") -> dict:
     x = torch.randn(tokens, d, generator=g)
     outputs = [torch.randn(tokens, d, generator=g) for _ in range(L)]
     counter = TrafficCounter(tokens, d)
-    with torch.no_grad(), code_path(path):
+    with torch.no_grad():
         with counter:
             state = counter.state = residual.start(x)
         for l in range(L):
@@ -125,7 +107,7 @@ def report_formula(kind: str, L: int, S: int) -> tuple[str, float]:
     return "(S + N)d", float(S + N)
 
 
-def table(L: int, S: int, d: int, tokens: int, path: str) -> list[str]:
+def table(L: int, S: int, d: int, tokens: int) -> list[str]:
     N = -(-L // S)
     G = S  # Full AttnRes: Appendix-B group size chosen equal to S, as in Table 1
     rows = [
@@ -136,7 +118,7 @@ def table(L: int, S: int, d: int, tokens: int, path: str) -> list[str]:
         ("full (naive)", FullAttnRes(d, L, impl="naive")),
     ]
     lines = [
-        f"{path} path; L={L} sublayers, S={S}, N={N} (Full AttnRes: group size {G}); d={d}, {tokens} tokens; "
+        f"L={L} sublayers, S={S}, N={N} (Full AttnRes: group size {G}); d={d}, {tokens} tokens; "
         "units of d per token per sublayer",
         "",
         "| residual | phase 1 read / write | phase 2 read / write | aggregation (amortised) | total | report (Table 1) |",
@@ -146,7 +128,7 @@ def table(L: int, S: int, d: int, tokens: int, path: str) -> list[str]:
         with torch.no_grad():
             for p in module.parameters():
                 p.normal_()  # non-uniform depth weights (no effect on traffic, but no degenerate case)
-        r = measure(module, tokens, path)
+        r = measure(module, tokens)
         cell = {p: f"{r[p][0]:.2f} / {r[p][1]:.2f}" if p in r else "-" for p in ("phase1", "phase2", "aggregation")}
         total = sum(a + b for a, b in r.values())
         kind = name.split()[0]
@@ -164,9 +146,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=200)
     args = p.parse_args()
     shapes = [(args.L, args.S)] if args.L else [(128, 16), (32, 4)]
-    for path in PATHS:
-        for L, S in shapes:
-            print("\n".join(table(L, S, args.d, args.tokens, path)) + "\n")
+    for L, S in shapes:
+        print("\n".join(table(L, S, args.d, args.tokens)) + "\n")
     return 0
 
 

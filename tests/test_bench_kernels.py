@@ -17,14 +17,13 @@ from conftest import OP_TOL_BF16, assert_rel_close
 
 def test_block_bytes_count_every_tensor_once():
     s = bench.OpShape(tokens=10, d=6, n=3, S=4)
-    row, row32, stats = 10 * 6 * 2, 10 * 6 * 4, 10 * 4 * 4
+    row, f32 = 10 * 6 * 2, 10 * 4
     b = bench.block_bytes(s)
     assert b["min"] == (3 + 3 + 4) * row
-    logits = 3 * row + 3 * stats
-    phase1 = 3 * stats + 3 * row + 4 * row32 + 2 * stats + 3 * stats
-    first = row32 + 2 * 10 * 4 + row
-    later = 3 * (row32 + 2 * row + 6 * 10 * 4)
-    assert b["ours"] == logits + phase1 + first + later
+    logits = 3 * row + 3 * 4 * f32
+    phase1 = 3 * row + 3 * 4 * f32 + 4 * (row + f32)
+    later = 3 * (3 * row + 6 * f32)
+    assert b["ours"] == logits + phase1 + 2 * row + later
     assert b["ours"] > b["min"]
 
 

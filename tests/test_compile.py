@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -27,3 +29,44 @@ def test_compiled_model_matches_eager(residual):
     # Input validation still runs in front of the compiled graph.
     with pytest.raises(ValueError, match="outside the vocabulary"):
         compiled(torch.full((1, 3), model.config.vocab_size))
+
+
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_compiled_training_runs_the_depth_attention_operators(residual, monkeypatch):
+    """``torch.compile`` traces the depth-attention operators as nodes of one graph (no graph
+    break), so the compiled step runs the same kernels as eager - the CPU kernel here - and
+    its loss and gradients equal eager's within the float32 rule (against the float64
+    truth)."""
+    from attnres.ops.depth_attention import cpu_kernel
+
+    from conftest import GRAD_TOL, TOL, assert_fast_matches_naive
+
+    torch._dynamo.reset()
+    model = make_model(residual={"kind": residual, "block_size": 3}, n_layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    explained = torch._dynamo.explain(model)(ids, labels=ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    targets = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+    expected = {"attnres.rms_logits", "attnres.merge"} | ({"attnres.phase1"} if residual == "attnres_full" else set())
+    assert expected <= targets
+
+    torch._dynamo.reset()
+    ran = []
+    if cpu_kernel.cpu_kernel() is not None:
+        for name in ("rms_logits_forward", "merge_forward", "merge_backward"):
+            fn = getattr(cpu_kernel, name)
+            monkeypatch.setattr(cpu_kernel, name, lambda *a, _fn=fn, _name=name, **k: (ran.append(_name), _fn(*a, **k))[1])
+
+    def step(m, runner):
+        out = runner(ids, labels=ids)
+        return [out.loss.reshape(1), *torch.autograd.grad(out.loss, list(m.parameters()))]
+
+    compiled = step(model, torch.compile(model))
+    if cpu_kernel.cpu_kernel() is not None:
+        assert {"rms_logits_forward", "merge_forward", "merge_backward"} <= set(ran)
+    eager = step(model, model)
+    truth_model = copy.deepcopy(model).double()
+    truth = step(truth_model, truth_model)
+    names = ["loss"] + [f"grad of {n}" for n, _ in model.named_parameters()]
+    assert_fast_matches_naive(compiled[:1], eager[:1], truth[:1], torch.float32, names[:1], TOL[torch.float32])
+    assert_fast_matches_naive(compiled[1:], eager[1:], truth[1:], torch.float32, names[1:], GRAD_TOL[torch.float32])

@@ -69,10 +69,10 @@ def merge_inputs(lead=(2, 3), d=5, n=3, partial=True, norm=True, dtype=torch.flo
     return z, sources, b, qg, w
 
 
-def run_merge(impl, z, sources, b, qg, w, keep_input=False):
+def run_merge(impl, z, sources, b, qg, w):
     if impl == "reference":
-        return reference.merge(z, sources, b, qg, 1e-6, w, 1e-5, keep_input)
-    return library.merge(z, sources, b, qg, 1e-6, w, 1e-5, keep_input, impl)
+        return reference.merge(z, sources, b, qg, 1e-6, w, 1e-5)
+    return library.merge(z, sources, b, qg, 1e-6, w, 1e-5, impl)
 
 
 def phase1_inputs(lead=(2, 3), d=5, S=3, n=4, dtype=torch.float64, seed=0):
@@ -99,13 +99,13 @@ def outputs_and_grads(fn, inputs, seed=1):
     return [*flat, *torch.autograd.grad(loss, inputs, allow_unused=True)]
 
 
-def merge_fn(impl, partial, norm, keep_input=False):
+def merge_fn(impl, partial, norm):
     def f(z, *rest):
         rest = list(rest)
         w = rest.pop() if norm else None
         qg = rest.pop() if partial else None
         b = rest.pop() if partial else None
-        return run_merge(impl, z, rest, b, qg, w, keep_input)[0]
+        return run_merge(impl, z, rest, b, qg, w)[0]
 
     return f
 
@@ -128,9 +128,9 @@ def op_cases(dtype):
     return {
         "rms_logits": (torch.ops.attnres.rms_logits.default, (x, q, 1e-6)),
         "phase1": (torch.ops.attnres.phase1.default, (pz, psrc)),
-        "merge": (torch.ops.attnres.merge.default, (z, sources, b, qg, w, 1e-6, 1e-5, False)),
-        "merge_keep": (torch.ops.attnres.merge.default, (z, sources, None, None, w, 1e-6, 1e-5, True)),
-        "merge_plain": (torch.ops.attnres.merge.default, (z, sources, None, None, None, 1e-6, 1e-5, False)),
+        "merge": (torch.ops.attnres.merge.default, (z, sources, b, qg, w, 1e-6, 1e-5)),
+        "merge_norm": (torch.ops.attnres.merge.default, (z, sources, None, None, w, 1e-6, 1e-5)),
+        "merge_plain": (torch.ops.attnres.merge.default, (z, sources, None, None, None, 1e-6, 1e-5)),
     }
 
 
@@ -147,10 +147,9 @@ def backward_args(op, args, impl):
             g_outs = [torch.randn_like(outs[0]), None]
             return torch.ops.attnres.phase1_backward.default, (z, lse, sources, g_outs, torch.randn_like(lse),
                                                                 [True] * (1 + len(sources)))
-        z, sources, b, qg, w, eps, norm_eps, keep = args
-        out, alpha, r_b, zb, rstd, kept = op(*args, impl)
-        stats = [r_b if b is not None else None, zb if b is not None else None, rstd if w is not None else None,
-                 kept if keep and w is not None else None]
+        z, sources, b, qg, w, eps, norm_eps = args
+        out, alpha, r_b, zb, rstd = op(*args, impl)
+        stats = [r_b if b is not None else None, zb if b is not None else None, rstd if w is not None else None]
         needs = [True] * (1 + len(sources)) + [b is not None, qg is not None, w is not None]
         return torch.ops.attnres.merge_backward.default, (torch.randn_like(out), alpha, *stats, sources, b, qg, w,
                                                           needs)
@@ -158,7 +157,7 @@ def backward_args(op, args, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", ["rms_logits", "phase1", "merge", "merge_keep", "merge_plain"])
+@pytest.mark.parametrize("case", ["rms_logits", "phase1", "merge", "merge_norm", "merge_plain"])
 def test_opcheck_every_operator_forward_and_backward(case, dtype, impl, kernel):
     triton_or_skip(impl)
     op, args = op_cases(dtype)[case]
@@ -171,25 +170,25 @@ def test_opcheck_every_operator_forward_and_backward(case, dtype, impl, kernel):
 # Every implementation against the reference
 # ----------------------------------------------------------------------------------------
 
-MERGE_CASES = [  # (lead, d, n, partial, norm, keep_input): one token, one source, k = 0 and more
-    ((2, 3), 5, 3, True, True, False),
-    ((1, 1), 4, 1, True, True, False),
-    ((2, 3), 5, 3, False, True, True),
-    ((2, 1), 6, 2, False, False, False),
-    ((3,), 7, 1, False, True, False),
+MERGE_CASES = [  # (lead, d, n, partial, norm): one token, one source, k = 0 and more
+    ((2, 3), 5, 3, True, True),
+    ((1, 1), 4, 1, True, True),
+    ((2, 3), 5, 3, False, True),
+    ((2, 1), 6, 2, False, False),
+    ((3,), 7, 1, False, True),
 ]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("lead, d, n, partial, norm, keep", MERGE_CASES)
-def test_merge_float64_equals_the_reference_and_gradchecks(lead, d, n, partial, norm, keep, impl, kernel):
+@pytest.mark.parametrize("lead, d, n, partial, norm", MERGE_CASES)
+def test_merge_float64_equals_the_reference_and_gradchecks(lead, d, n, partial, norm, impl, kernel):
     triton_or_skip(impl)
     inputs = merge_flat(*merge_inputs(lead, d, n, partial, norm))
-    got = outputs_and_grads(merge_fn(impl, partial, norm, keep), inputs)
+    got = outputs_and_grads(merge_fn(impl, partial, norm), inputs)
     want = outputs_and_grads(merge_fn("reference", partial, norm), inputs)
     for a, b in zip(got, want):
         assert_rel_close(a, b, 1e-12)
-    assert gradcheck(merge_fn(impl, partial, norm, keep), tuple(inputs), fast_mode=lead != (1, 1))
+    assert gradcheck(merge_fn(impl, partial, norm), tuple(inputs), fast_mode=lead != (1, 1))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -352,7 +351,7 @@ def test_operators_save_sources_by_reference_and_per_token_statistics(impl, kern
     z, sources, b, qg, w = merge_inputs((4, 5), 16, 3, True, True, torch.float32)
     d, tokens = 16, 20
     ptrs = {x.data_ptr() for x in (*sources, b)}
-    saved = saved_tensors(lambda: library.merge(z, sources, b, qg, 1e-6, w, 1e-5, False, impl))
+    saved = saved_tensors(lambda: library.merge(z, sources, b, qg, 1e-6, w, 1e-5, impl))
     big = [t for t in saved if t.shape[-1] == d and t.numel() >= tokens * d]
     assert {t.data_ptr() for t in big} == ptrs, [tuple(t.shape) for t in saved]
     assert sum(t.numel() for t in saved if t.data_ptr() not in ptrs) <= tokens * 8 + 2 * d  # alpha, r_b, zb, rstd

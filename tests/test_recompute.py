@@ -1,366 +1,30 @@
-"""The lean training path of the two-phase schedule (``attnres.ops.recompute``): custom
-autograd functions that save only the sources and per-token statistics.
+"""The two-phase residual on the depth-attention operations (``attnres.ops.depth_attention``),
+as the training path runs it: the sublayers' norms fused into the merges.
 
-* the functions against their plain-autograd references (same signature) and gradcheck in
-  float64, including one source, batch 1 and sequence length 1;
-* the residual module on the lean path (norm fused, as the trunk runs it) against the naive
-  path and the float64 truth, forward and every gradient, under the per-dtype rules of
-  ``conftest.fast_path_violations``, and gradcheck through the module;
-* what the path saves for the backward (counted with saved-tensor hooks, no timing);
-* backend selection, bf16 autocast and activation checkpointing.
+* the residual module against the naive path and the float64 truth, forward and every
+  gradient, under the per-dtype rules of ``conftest.fast_path_violations``, and gradcheck
+  through the module (the operators themselves: ``test_depth_attention_ops.py``);
+* the operations a residual runs on, by ``kernels``; the implementations agreeing at model
+  level; what the path saves for the backward (counted with saved-tensor hooks, no timing);
+* bf16 autocast and activation checkpointing.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 from attnres import AttnResLM, ModelConfig
 from attnres.nn import BlockAttnRes, FullAttnRes, RMSNorm
-from attnres.kernels.cpu import cpu_kernel
-from attnres.ops import (
-    depth_merge_reference,
-    lean_depth_merge,
-    lean_phase1,
-    lean_rms_logits,
-    phase1_reference,
-    rms_logits,
-    tap_source,
-)
+from attnres.ops.depth_attention import cpu_kernel
 
-from conftest import GRAD_TOL, OP_TOL_BF16, TOL, assert_fast_matches_naive, assert_rel_close, make_model
+from conftest import GRAD_TOL, TOL, assert_fast_matches_naive, assert_rel_close, make_model
 
 # ----------------------------------------------------------------------------------------
-# The functions
-# ----------------------------------------------------------------------------------------
-
-
-def merge_inputs(lead, d, n, partial, norm, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_()
-
-    sources = [rnd(*lead, d, scale=1 + 2 * j) for j in range(n)]
-    z = rnd(*lead, n, scale=2.0)
-    b = rnd(*lead, d, scale=3.0) if partial else None
-    qg = rnd(d) if partial else None
-    w = (1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64)).to(dtype).requires_grad_() if norm else None
-    return z, b, qg, w, sources
-
-
-def call(fn, z, b, qg, w, sources, eps=1e-6, norm_eps=1e-5, **kw):
-    return fn(z, sources, b, qg, eps, w, norm_eps, **kw)
-
-
-@pytest.fixture
-def kernel():
-    """The CPU kernel, built: a machine with a C compiler must build it (a failed build
-    would otherwise pass silently on the PyTorch code); ``ATTNRES_CPU_KERNEL=0`` skips."""
-    if os.environ.get("ATTNRES_CPU_KERNEL") == "0":
-        pytest.skip("CPU kernel switched off")
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler on this machine (the PyTorch code runs instead)")
-    assert cpu_kernel() is not None, "the CPU kernel did not build (see the warning)"
-    return cpu_kernel()
-
-
-def lean_merge_kernel(*args, **kw):
-    """:func:`lean_depth_merge` on the CPU kernel (the tests' inputs all qualify for it)."""
-    return lean_depth_merge(*args, **kw, cpu_kernel=True)
-
-
-MERGES = {"torch": lean_depth_merge, "kernel": lean_merge_kernel}
-
-
-@pytest.mark.parametrize("lead", [(2, 3), (1, 1)])  # (b,), (b, 1), more shapes: the hypothesis test
-@pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("partial", [False, True])
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("path", ["torch", "kernel"])
-def test_lean_depth_merge_gradcheck_and_reference(lead, n, partial, norm, path, request):
-    if path == "kernel":
-        request.getfixturevalue("kernel")
-    merge = MERGES[path]
-    z, b, qg, w, sources = merge_inputs(lead, 5, n, partial, norm)
-    inputs = [t for t in (z, b, qg, w, *sources) if t is not None]
-
-    def f(*values):
-        it = iter(values)
-        zz = next(it)
-        bb = next(it) if partial else None
-        qq = next(it) if partial else None
-        ww = next(it) if norm else None
-        return call(merge, zz, bb, qq, ww, list(it))
-
-    # The full Jacobian for one token; gradcheck's random-projection mode for six (time).
-    assert gradcheck(f, tuple(inputs), fast_mode=lead != (1, 1))
-    out = call(merge, z, b, qg, w, sources)
-    ref = call(depth_merge_reference, z, b, qg, w, sources)
-    assert_rel_close(out, ref, 1e-12, "forward")
-    up = torch.randn_like(ref)
-    for a, r in zip(torch.autograd.grad((out * up).sum(), inputs), torch.autograd.grad((ref * up).sum(), inputs)):
-        assert_rel_close(a, r, 1e-10, "gradient")
-
-
-@pytest.mark.parametrize("shape", [(), (4,), (1,), (19,)])
-@pytest.mark.parametrize("lead", [(2, 3), (1, 1)])
-@pytest.mark.parametrize("d", [6, 37])
-@pytest.mark.parametrize("path", ["torch", "kernel"])
-def test_lean_rms_logits_gradcheck_and_reference(shape, lead, d, path, request):
-    """Both paths against the reference and gradcheck: ``K`` = 1 (a ``[d]`` query) to 19 (past
-    one block of the kernel's queries), ``d`` below and past its vector blocks, token counts
-    that leave a partial block of tokens."""
-    if path == "kernel":
-        request.getfixturevalue("kernel")
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(*lead, d, generator=g, dtype=torch.float64) * 3).requires_grad_()
-    q = torch.randn(*shape, d, generator=g, dtype=torch.float64).requires_grad_()
-    fn = lambda a, b: lean_rms_logits(a, b, 1e-6, cpu_kernel=path == "kernel")  # noqa: E731
-    out = fn(x, q)
-    if path == "kernel":
-        assert out.grad_fn.kernel
-    assert gradcheck(fn, (x, q), fast_mode=lead != (1, 1) or d > 6)
-    ref = rms_logits(x, q, 1e-6)
-    assert_rel_close(out, ref, 1e-13, "logits")
-    up = torch.randn_like(ref)
-    for a, r in zip(torch.autograd.grad((out * up).sum(), (x, q)), torch.autograd.grad((ref * up).sum(), (x, q))):
-        assert_rel_close(a, r, 1e-12, "gradient")
-
-
-def test_lean_rms_logits_kernel_in_float32_against_the_float64_truth(kernel):
-    """The kernel's float32 logits and gradients within the per-dtype rule of the
-    reference's own float32 error."""
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 41, 64, generator=g, dtype=torch.float64).requires_grad_()
-    q = torch.randn(23, 64, generator=g, dtype=torch.float64).requires_grad_()
-    up = torch.randn(3, 41, 23, generator=g, dtype=torch.float64)
-
-    def run(fn, dtype):
-        a, b = (t.detach().to(dtype).requires_grad_() for t in (x, q))
-        out = fn(a, b)
-        return [out, *torch.autograd.grad((out * up.to(dtype)).sum(), (a, b))]
-
-    kernel_logits = lambda a, b: lean_rms_logits(a, b, 1e-6, cpu_kernel=True)  # noqa: E731
-    reference = lambda a, b: rms_logits(a, b, 1e-6)  # noqa: E731
-    assert_fast_matches_naive(run(kernel_logits, torch.float32), run(reference, torch.float32),
-                              run(reference, torch.float64), torch.float32, ["logits", "grad x", "grad q"],
-                              TOL[torch.float32])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("partial", [False, True])
-@pytest.mark.parametrize("path", ["torch", "kernel"])
-def test_lean_merge_low_precision_against_the_float64_truth(dtype, partial, path):
-    """Each low-precision path against the float64 truth, the lean one within the
-    per-dtype rule of the reference's own error."""
-    z, b, qg, w, sources = merge_inputs((2, 7), 24, 4, partial, True)
-    inputs = [t for t in (z, b, qg, w, *sources) if t is not None]
-    truth_out = call(depth_merge_reference, z, b, qg, w, sources)
-    up = torch.randn_like(truth_out)
-    truth = [truth_out, *torch.autograd.grad((truth_out * up).sum(), inputs)]
-
-    def low(fn):
-        cast = [t.detach().to(dtype if t.dim() > 1 else torch.float32).requires_grad_() for t in inputs]
-        it = iter(cast)
-        zz, bb = next(it), (next(it) if partial else None)
-        qq, ww = (next(it) if partial else None), next(it)
-        out = call(fn, zz, bb, qq, ww, list(it))
-        return [out, *torch.autograd.grad((out * up.to(out.dtype)).sum(), cast)]
-
-    names = ["output"] + [f"grad {i}" for i in range(len(inputs))]
-    tol = TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
-    assert_fast_matches_naive(low(MERGES[path]), low(depth_merge_reference), truth, dtype, names, tol)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    n=st.integers(1, 5), d=st.integers(1, 9), b=st.integers(1, 3), t=st.integers(1, 4),
-    partial=st.booleans(), norm=st.booleans(), seed=st.integers(0, 2**16),
-)
-def test_lean_merge_matches_the_reference_over_shapes(n, d, b, t, partial, norm, seed):
-    z, pb, qg, w, sources = merge_inputs((b, t), d, n, partial, norm, seed=seed)
-    inputs = [x for x in (z, pb, qg, w, *sources) if x is not None]
-    ref = call(depth_merge_reference, z, pb, qg, w, sources)
-    up = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    expected = torch.autograd.grad((ref * up).sum(), inputs)
-    for merge in MERGES.values():
-        out = call(merge, z, pb, qg, w, sources)
-        assert_rel_close(out, ref, 1e-12, "forward")
-        for a, r in zip(torch.autograd.grad((out * up).sum(), inputs), expected):
-            assert torch.linalg.vector_norm(a - r) <= 1e-10 * max(torch.linalg.vector_norm(r), 1.0)
-
-
-def test_merge_input_errors():
-    z, b, qg, w, sources = merge_inputs((2,), 4, 2, True, False)
-    with pytest.raises(ValueError, match="2 sources"):
-        lean_depth_merge(z[..., :1], sources)
-    with pytest.raises(ValueError, match="come together"):
-        lean_depth_merge(z, sources, b, None)
-    with pytest.raises(ValueError, match="at least one source"):
-        lean_depth_merge(z, [])
-
-
-# ----------------------------------------------------------------------------------------
-# The CPU kernel: Phase 1, gradient slots, fallbacks
-# ----------------------------------------------------------------------------------------
-
-
-def phase1_inputs(lead, d, S, n, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    sources = [(torch.randn(*lead, d, generator=g, dtype=torch.float64) * (1 + j)).to(dtype).requires_grad_()
-               for j in range(n)]
-    z = (torch.randn(*lead, S, n, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_()
-    return z, sources
-
-
-def phase1_loss(fn, z, sources, seed=1):
-    """A scalar that reads every output of Phase 1: the weighted sums and the log-sum-exp."""
-    outs, lse = fn(z, sources)
-    g = torch.Generator().manual_seed(seed)
-    total = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
-    return total + (lse * torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.dtype)).sum()
-
-
-@pytest.mark.parametrize("lead, d, S, n", [((2, 3), 5, 3, 4), ((1, 1), 4, 2, 3), ((2, 1), 3, 1, 2), ((1, 2), 6, 4, 1)])
-def test_lean_phase1_gradcheck_and_reference(kernel, lead, d, S, n):
-    """Phase 1 of S queries over n sources in the kernel: forward and every gradient against
-    the PyTorch reference, and gradcheck in float64 (S = 1, n = 1, batch 1, one token)."""
-    z, sources = phase1_inputs(lead, d, S, n)
-    outs, lse = lean_phase1(z, sources)
-    ref_outs, ref_lse = phase1_reference(z, sources)
-    for a, r in zip([*outs, lse], [*ref_outs, ref_lse]):
-        assert_rel_close(a, r, 1e-12, "forward")
-    inputs = [z, *sources]
-    got = torch.autograd.grad(phase1_loss(lean_phase1, z, sources), inputs)
-    ref = torch.autograd.grad(phase1_loss(phase1_reference, z, sources), inputs)
-    for a, r in zip(got, ref):
-        assert_rel_close(a, r, 1e-12, "gradient")
-    assert gradcheck(lambda zz, *xs: phase1_loss(lean_phase1, zz, list(xs)), tuple(inputs))
-
-
-def test_lean_phase1_in_float32_against_the_float64_truth(kernel):
-    z, sources = phase1_inputs((4, 16), 32, 3, 5)
-    truth = [phase1_loss(phase1_reference, z, sources).reshape(1),
-             *torch.autograd.grad(phase1_loss(phase1_reference, z, sources), [z, *sources])]
-
-    def low(fn):
-        cast = [t.detach().float().requires_grad_() for t in (z, *sources)]
-        loss = phase1_loss(fn, cast[0], cast[1:])
-        return [loss.reshape(1), *torch.autograd.grad(loss, cast)]
-
-    names = ["loss", "grad z"] + [f"grad x{i}" for i in range(len(sources))]
-    assert_fast_matches_naive(low(lean_phase1), low(phase1_reference), truth, torch.float32, names, TOL[torch.float32])
-
-
-def test_double_backward_is_refused_clearly(kernel):
-    """The lean nodes are differentiable once (their backwards write into scratch buffers
-    and run the C kernel); a double backward says so instead of failing inside."""
-    z, b, qg, w, sources = merge_inputs((2, 3), 4, 3, True, True)
-    for merge in MERGES.values():
-        (gz,) = torch.autograd.grad(call(merge, z, b, qg, w, sources).square().sum(), [z], create_graph=True)
-        with pytest.raises(RuntimeError, match="once_differentiable"):
-            gz.sum().backward()
-    pz, psources = phase1_inputs((2, 2), 3, 2, 3)
-    (gz,) = torch.autograd.grad(phase1_loss(lean_phase1, pz, psources).square(), [pz], create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        gz.sum().backward()
-
-
-def test_gradient_slots_sum_every_merge_of_a_source(kernel):
-    """Tapped sources read by several merges, by Phase 1 and by a logits node get their gradient summed in place
-    (one slot each); the result equals the untapped computation's, also over a retained
-    graph run twice and when only some inputs' gradients are asked for."""
-    z, b, qg, w, sources = merge_inputs((2, 3), 6, 3, True, True)
-
-    def loss(tap):
-        xs = [tap_source(x) if tap else x for x in sources]
-        outs, lse = lean_phase1(torch.stack([z, z * 0.5], dim=-2), xs)
-        total = 0
-        for s in range(2):  # Phase 2 of two queries, as Block does
-            total = total + call(lean_merge_kernel, lse[..., s : s + 1], b, qg, w, [outs[s]]).sum()
-        total = total + lean_rms_logits(xs[1], qg.unsqueeze(0) * 0.5, 1e-6, cpu_kernel=True).square().sum()
-        return total + call(lean_merge_kernel, z, None, None, w, xs).square().sum()  # and a direct merge
-
-    inputs = [z, b, qg, w, *sources]
-    expected = torch.autograd.grad(loss(False), inputs)
-    tapped = loss(True)
-    for _ in range(2):  # the second pass over the retained graph must not add to the first's sums
-        for a, r in zip(torch.autograd.grad(tapped, inputs, retain_graph=True), expected):
-            assert_rel_close(a, r, 1e-13)
-    for a, r in zip(torch.autograd.grad(loss(True), sources[1:]), expected[5:]):
-        assert_rel_close(a, r, 1e-13)
-
-
-class SubclassedTensor(torch.Tensor):
-    pass
-
-
-def test_kernel_falls_back_to_the_pytorch_code_where_it_does_not_apply(kernel):
-    """bf16 sources, a non-contiguous source, a result dtype other than the sources' or a
-    tensor subclass run the PyTorch code (same results); the node says which ran."""
-    z, b, qg, w, sources = merge_inputs((2, 4), 6, 2, True, True)
-    ran = []
-
-    def merged(zz, xs, out_dtype=None):
-        out = lean_merge_kernel(zz, xs, b, qg, 1e-6, w, 1e-5, out_dtype=out_dtype)
-        ran.append(out.grad_fn.kernel)
-        return out
-
-    base = merged(z, sources)
-    strided = torch.randn(2, 4, 12, dtype=torch.float64)[..., ::2]
-    merged(z, [sources[0], strided])
-    merged(z, sources, out_dtype=torch.float32)
-    merged(z.float(), [x.bfloat16() for x in sources])
-    merged(z, [sources[0].as_subclass(SubclassedTensor), sources[1]])  # (a DTensor has no memory of its own)
-    assert ran == [True, False, False, False, False]
-    assert_rel_close(merged(z, [x.detach().clone() for x in sources]), base, 0)
-
-
-def test_kernel_build_failure_warns_and_falls_back(monkeypatch, tmp_path):
-    """No working compiler: one warning and ``None`` (the PyTorch code runs);
-    ``ATTNRES_CPU_KERNEL=0``: ``None`` without building."""
-    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "/bin/false")
-    cpu_kernel.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="could not be built"):
-            assert cpu_kernel() is None
-        z, b, qg, w, sources = merge_inputs((2, 3), 4, 2, True, True)
-        assert_rel_close(call(lean_merge_kernel, z, b, qg, w, sources), call(lean_depth_merge, z, b, qg, w, sources), 0)
-        monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")
-        monkeypatch.delenv("CC")
-        cpu_kernel.cache_clear()
-        assert cpu_kernel() is None
-        assert not list(tmp_path.rglob("*.so"))
-    finally:
-        cpu_kernel.cache_clear()
-
-
-def test_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("ATTNRES_CACHE_DIR", str(tmp_path))
-    cpu_kernel.cache_clear()
-    try:
-        if cpu_kernel() is None:
-            pytest.skip("no C compiler here")
-        built = list(tmp_path.rglob("*.so"))
-        assert len(built) == 1 and not [p for p in tmp_path.rglob("*") if p.is_file() and p not in built]
-        stamp = built[0].stat().st_mtime_ns
-        cpu_kernel.cache_clear()
-        assert cpu_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
-    finally:
-        cpu_kernel.cache_clear()
-
-
-# ----------------------------------------------------------------------------------------
-# The residual module on the lean path, norm fused as in the trunk
+# The residual module on the training path, norm fused as in the trunk
 # ----------------------------------------------------------------------------------------
 
 
@@ -442,7 +106,6 @@ def test_lean_residual_equals_naive_forward_and_every_gradient(kind, d, L, S, dt
     emb = torch.randn(*lead, d, dtype=torch.float64) * 2
     truth = grads(naive64, subs64, emb)
     lean, naive, subs = (copy.deepcopy(m).to(dtype) for m in (lean64, naive64, subs64))
-    assert lean.backend(emb.to(dtype)).name == "torch"
     got = grads(lean, subs, emb.to(dtype))
     ref = grads(naive, subs, emb.to(dtype))
     names = ["output", "grad of embedding"] + [f"grad of residual.{n}" for n, _ in lean.named_parameters()]
@@ -503,36 +166,21 @@ def test_lean_and_graph_paths_agree_at_model_level():
 
 
 # ----------------------------------------------------------------------------------------
-# Backend selection
+# The operations a residual runs on
 # ----------------------------------------------------------------------------------------
 
 
-def test_backend_selection():
+def test_kernels_name_the_operations():
+    """``kernels`` picks the family once per forward: the custom operators (``"auto"``: by
+    device; ``"torch"``; ``"triton"``) or the plain-graph reference (``"torch_graph"``) -
+    whatever the grad mode, recording or ``torch.compile``."""
     m = BlockAttnRes(8, 4, 2)
-    x = torch.randn(2, 3, 8)
-    assert m.backend(x).name == "torch"  # under autograd: the lean path
-    assert m.backend(x, record_weights=True).name == "torch_graph"  # recording: the graph path
-    with torch.no_grad():
-        assert m.backend(x).name == "decoding"
-        assert m.backend(torch.randn(2, 4096, 32)).name == "torch_graph"
-    assert m.backend(x).cpu_kernel  # "auto" on CPU: its merges and Phase 1 in the C kernel
-    m.kernels = "torch"
-    assert m.backend(x).name == "torch" and not m.backend(x).cpu_kernel
-    m.kernels = "torch_graph"
-    assert m.backend(x).name == "torch_graph"
+    assert m.operations().name == "auto"
+    for kernels, name in [("torch", "torch"), ("triton", "triton"), ("torch_graph", "reference")]:
+        m.kernels = kernels
+        assert m.operations().name == name
     with pytest.raises(ValueError, match="torch_graph"):
         ModelConfig.preset("tiny", residual={"kind": "attnres_block", "kernels": "bogus"})
-
-
-def test_backend_under_torch_compile(monkeypatch):
-    """Traced by torch.compile, Full AttnRes trains on the plain graph (inductor fuses it and
-    picks what to save: measured faster than the lean nodes), Block stays on the lean path."""
-    x = torch.randn(2, 3, 8)
-    full, block = FullAttnRes(8, 4), BlockAttnRes(8, 4, 2)
-    assert full.backend(x).name == block.backend(x).name == "torch"
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert full.backend(x).name == "torch_graph"
-    assert block.backend(x).name == "torch" and not block.backend(x).cpu_kernel  # ctypes calls do not trace
 
 
 # ----------------------------------------------------------------------------------------
@@ -600,14 +248,12 @@ def test_lean_path_under_bf16_autocast_matches_the_graph_path():
 
 
 @pytest.mark.parametrize("residual", [{"kind": "attnres_block", "block_size": 3}, {"kind": "attnres_full", "full_group_size": 2}])
-@pytest.mark.parametrize("batch_phase1", [False, True])
-def test_cpu_kernel_and_pytorch_code_agree_at_model_level(kernel, residual, batch_phase1):
-    """The whole model in float64 on the kernel (gradient slots; Phase 1 batched or per
-    merge - Full's and Block's defaults, and the other way round) and on the lean path's
-    PyTorch code: the same loss and every gradient to rounding."""
+def test_cpu_kernel_and_pytorch_implementation_agree_at_model_level(residual):
+    """The whole model in float64 on the CPU kernel (``"auto"``) and on the operators'
+    PyTorch implementation: the same loss and every gradient to rounding."""
+    if cpu_kernel.cpu_kernel() is None:
+        pytest.skip("no CPU kernel on this machine")
     model = make_model(torch.float64, residual=residual, n_layers=3)
-    model.residual.BATCH_PHASE1_ON_CPU = batch_phase1
-    assert model.residual.backend(torch.randn(2, 3, 8, dtype=torch.float64)).batch_phase1 == batch_phase1
     assert_backends_agree(model, "torch", 1e-13, 1e-12)
 
 
@@ -643,23 +289,3 @@ def test_reentrant_checkpointing_is_refused_clearly():
     ids = torch.randint(0, model.config.vocab_size, (2, 7))
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         model.decode(ids, sublayer_call=lambda fn, *args: checkpoint(fn, *args, use_reentrant=True))
-
-
-@pytest.mark.parametrize("partial", [False, True])
-def test_keeping_the_norm_input_gives_the_same_gradients(partial):
-    """``keep_input=True`` (Full AttnRes: save the norm's input instead of recomputing it)."""
-    z, b, qg, w, sources = merge_inputs((2, 3), 5, 3, partial, True)
-    inputs = [t for t in (z, b, qg, w, *sources) if t is not None]
-
-    def f(*values):
-        it = iter(values)
-        zz = next(it)
-        bb, qq = (next(it), next(it)) if partial else (None, None)
-        ww = next(it)
-        return lean_depth_merge(zz, list(it), bb, qq, 1e-6, ww, 1e-5, keep_input=True)
-
-    assert gradcheck(f, tuple(inputs), fast_mode=True)
-    a, r = f(*inputs), call(lean_depth_merge, z, b, qg, w, sources)
-    up = torch.randn_like(r)
-    for x, y in zip(torch.autograd.grad((a * up).sum(), inputs), torch.autograd.grad((r * up).sum(), inputs)):
-        assert_rel_close(x, y, 1e-12)

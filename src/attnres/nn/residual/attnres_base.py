@@ -224,10 +224,12 @@ class AttnResBase(ResidualStream):
         cols = [z[..., first_query - off : first_query - off + count] for z, off in zip(tp.logits, tp.offsets)]
         return torch.stack(cols, dim=-1)
 
-    def phase1(self, state: ResidualState, first_query: int, count: int) -> None:
-        """Phase 1 of queries ``first_query .. first_query + count - 1`` over the completed
-        sources, into ``state.sources.p1`` (one source: its weight is exactly 1)."""
+    def phase1(self, state: ResidualState, first_query: int, end: int) -> None:
+        """Phase 1 of queries ``first_query .. end - 1`` over the completed sources - and of the
+        output aggregation's query ``L`` when ``end`` is ``L``: the same pass - into
+        ``state.sources.p1`` (one source: its weight is exactly 1)."""
         tp = state.sources
+        count = end - first_query + (end == self.n_sublayers)
         z = self.gathered_logits(tp, first_query, count)  # [..., count, n]
         if len(tp.sources) == 1:
             outs, lse = [tp.sources[0]] * count, z[..., 0]
@@ -235,8 +237,28 @@ class AttnResBase(ResidualStream):
             outs, lse = state.ops.phase1(z, tp.sources)
         tp.p1 = Phase1(first_query, z, outs, lse)
 
+    def covers_aggregation(self, state: ResidualState) -> bool:
+        """Whether the last Phase 1 ran the output aggregation's query too."""
+        p1 = state.sources.p1
+        return p1 is not None and p1.first + len(p1.outs) > self.n_sublayers
+
+    def phase2_input(self, state: ResidualState, l: int, xs: list[Tensor], zs: list[Tensor],
+                     partial: Tensor | None = None, fusable: bool = True):
+        """Query ``l``'s input (Phase 2, report §4.2): its Phase-1 weighted sum - one source
+        whose logit is its log-sum-exp - merged with the sources ``xs`` (logits ``zs``, Full
+        AttnRes' outputs of the current group) or Block AttnRes' ``partial`` sum. The
+        recorded weights give the Phase-1 sources their softmax weights scaled by the weight
+        of the weighted sum in the merge."""
+        p1 = state.sources.p1
+        s = l - p1.first
+        p = torch.softmax(p1.z[..., s, :], dim=-1) if state.weights is not None else None
+        z = torch.stack([p1.lse[..., s], *zs], dim=-1)  # [..., 1 + len(xs)]
+        qg = state.sources.qg[l] if partial is not None else None
+        return self.merged_input(state, z, [p1.outs[s], *xs], partial, qg, fusable=fusable,
+                                 record=lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1))
+
     def merged_input(self, state: ResidualState, z: Tensor, sources: list[Tensor], partial: Tensor | None = None,
-                     qg: Tensor | None = None, keep_input: bool = False, fusable: bool = True, record=None):
+                     qg: Tensor | None = None, fusable: bool = True, record=None):
         """A sublayer's input: the merge of ``sources`` (logits ``z [..., n]``) and ``partial``
         (logit from ``qg``), a tensor - or, when the caller defers the norm and ``fusable``, a
         :class:`~attnres.nn.norm.FusableNormInput` whose norm the merge applies. Records the
@@ -245,23 +267,17 @@ class AttnResBase(ResidualStream):
             if state.weights is not None:
                 state.record(torch.ones_like(z) if record is None else record(torch.ones_like(z)))
             return sources[0]
-        recorded = []
+        sources, recorded = list(sources), []  # (a snapshot: activation checkpointing may recompute it later)
 
         def compute(norm_weight, norm_eps):
             out, alpha = state.ops.merge(z, sources, partial, qg, self.eps, norm_weight,
-                                         0.0 if norm_eps is None else norm_eps, keep_input)
+                                         0.0 if norm_eps is None else norm_eps)
             if not recorded and state.weights is not None:
                 recorded.append(True)
                 state.record(alpha if record is None else record(alpha))
             return out
 
         return FusableNormInput(compute) if state.defer_norm and fusable else compute(None, None)
-
-    def aggregate(self, state: ResidualState) -> Tensor:
-        """The output aggregation: query ``L`` over all completed sources."""
-        tp = state.sources
-        z = self.gathered_logits(tp, self.n_sublayers, 1)[..., 0, :]
-        return self.merged_input(state, z, tp.sources, fusable=False)
 
     # -- the depth mixing matrix (report §6.2) --------------------------------------------
     def source_members(self) -> list[list[list[int]]]:

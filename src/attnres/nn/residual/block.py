@@ -68,9 +68,10 @@ class _Naive(Schedule):
 
 
 class _TwoPhase(Schedule):
-    """Each completed block's logits against every later query once, when it completes;
-    each sublayer's input one merge over the completed blocks and the partial sum, whose
-    logit the merge computes (report §4.2)."""
+    """Report §4.2, Algorithm 1: each completed block's logits against every later query
+    once, when it completes; Phase 1 once per block, batched over its queries (and the output
+    aggregation's, with the last block); Phase 2 per sublayer, the merge with the partial sum
+    whose logit it computes."""
 
     name = "two_phase"
 
@@ -81,29 +82,25 @@ class _TwoPhase(Schedule):
         return state
 
     def input(self, m: BlockAttnRes, state: BlockTwoPhaseState, l: int):
-        tp = state.sources
-        if l % m.block_size == 0 and state.partial is not None:
+        if l % m.block_size == 0:
             state.phase = "phase1"
-            m.complete(state, state.partial, l)
-            state.partial = None
+            if state.partial is not None:
+                m.complete(state, state.partial, l)
+                state.partial = None
+            m.phase1(state, l, m.block_end(l))
         state.phase = "phase2"
-        z = m.gathered_logits(tp, l, 1)[..., 0, :]
-        if state.partial is None:
-            # A block's first sublayer merges the completed blocks only: the norm's input is
-            # kept rather than recomputed from all of them in the backward (N d in all).
-            return m.merged_input(state, z, tp.sources, keep_input=True)
-        # The later sublayers: the norm's input is recomputed from the n + 1 sources in the
-        # backward, not kept (keeping it, L d in all, measured no faster: docs/training-overhead.md).
-        return m.merged_input(state, z, tp.sources, state.partial, tp.qg[l])
+        return m.phase2_input(state, l, [], [], state.partial)
 
     def add(self, m, state, l, output):
         state.phase = "phase2"
         _add_to_partial(state, output)
 
     def finish(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> Tensor:
-        m.complete(state, state.partial, m.n_sublayers)
-        state.partial = None  # now a completed source
-        return m.aggregate(state)
+        if not m.covers_aggregation(state):  # (resumed at L) Phase 1 of the aggregation alone
+            m.complete(state, state.partial, m.n_sublayers)
+            state.partial = None
+            m.phase1(state, m.n_sublayers, m.n_sublayers)
+        return m.phase2_input(state, m.n_sublayers, [], [], state.partial, fusable=False)
 
     def history(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> DepthHistory:
         return m.canonical_history(list(state.sources.sources), state.partial, state.next_sublayer)
@@ -115,6 +112,8 @@ class _TwoPhase(Schedule):
         state.phase = "phase1"
         for x in history.completed:  # every received entry: its RMS factor and logits, once
             m.complete(state, x, at)
+        if history.running is not None and at < m.n_sublayers:
+            m.phase1(state, at, m.block_end(at))  # the rest of the open block
         return state
 
 
@@ -158,6 +157,10 @@ class BlockAttnRes(AttnResBase):
     def _layout_words(cls, config: ResidualConfig, n_sublayers: int) -> list[str]:
         S = config.resolved_block_size(n_sublayers)
         return [f"S={S}", f"N={-(-n_sublayers // S)}"]
+
+    def block_end(self, l: int) -> int:
+        """The sublayer after the block of sublayer ``l`` (``L`` for the last block)."""
+        return min((l // self.block_size + 1) * self.block_size, self.n_sublayers)
 
     @property
     def n_blocks(self) -> int:

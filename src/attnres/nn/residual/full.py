@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
 from ...ops import Operations
@@ -90,27 +89,28 @@ class _TwoPhase(Schedule):
         state.group = []
 
     def input(self, m: FullAttnRes, state: FullTwoPhaseState, l: int):
-        tp = state.sources
         if l % m.group_size == 0:
             state.phase = "phase1"
             self._close_group(state)
-            m.phase1(state, l, min(m.group_size, m.n_sublayers - l))
+            m.phase1(state, l, m.group_end(l))
         state.phase = "phase2"
-        p1, s = tp.p1, l - tp.p1.first
-        # Phase 1's weighted sum is one source, its log-sum-exp the logit; the weights it
-        # stands for are recorded as its own, scaled by its weight in the merge.
-        p = torch.softmax(p1.z[..., s, :], dim=-1) if state.weights is not None else None
-        z = torch.stack([p1.lse[..., s], *(g.logits[..., l - g.first_query] for g in state.group)], dim=-1)
-        return m.merged_input(state, z, [p1.outs[s], *(g.x for g in state.group)],
-                              record=lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1))
+        return self._merge(m, state, l)
+
+    @staticmethod
+    def _merge(m: FullAttnRes, state: FullTwoPhaseState, l: int, fusable: bool = True):
+        """Query ``l``'s Phase-1 result merged with the group's outputs so far."""
+        zs = [g.logits[..., l - g.first_query] for g in state.group]
+        return m.phase2_input(state, l, [g.x for g in state.group], zs, fusable=fusable)
 
     def add(self, m: FullAttnRes, state: FullTwoPhaseState, l: int, output: Tensor) -> None:
         state.phase = "phase1"  # the new output's RMS factor and logits against every later query
         state.group.append(GroupOutput(output, state.ops.rms_logits(output, state.sources.qg[l + 1 :], m.eps), l + 1))
 
     def finish(self, m: FullAttnRes, state: FullTwoPhaseState) -> Tensor:
-        self._close_group(state)
-        return m.aggregate(state)
+        if not m.covers_aggregation(state):  # (resumed at L) Phase 1 of the aggregation alone
+            self._close_group(state)
+            m.phase1(state, m.n_sublayers, m.n_sublayers)
+        return self._merge(m, state, m.n_sublayers, fusable=False)
 
     def history(self, m, state: FullTwoPhaseState) -> DepthHistory:
         return DepthHistory(list(state.sources.sources) + [g.x for g in state.group], None)
@@ -127,7 +127,7 @@ class _TwoPhase(Schedule):
         state.group = [GroupOutput(x, state.ops.rms_logits(x, qg[j:], m.eps), j)
                        for j, x in enumerate(completed[g0 + 1 :], g0 + 1)]
         if at % g and at < m.n_sublayers:
-            m.phase1(state, at, min(g0 + g, m.n_sublayers) - at)
+            m.phase1(state, at, m.group_end(at))
         return state
 
 
@@ -161,6 +161,10 @@ class FullAttnRes(AttnResBase):
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> FullAttnRes:
         return cls(dim, n_sublayers, eps=config.eps, impl=config.impl, group_size=config.full_group_size,
                    ablation=config.ablation, kernels=config.kernels)
+
+    def group_end(self, l: int) -> int:
+        """The sublayer after the Appendix-B group of sublayer ``l`` (``L`` for the last)."""
+        return min((l // self.group_size + 1) * self.group_size, self.n_sublayers)
 
     def sources_per_mixer(self) -> list[int]:
         counts = [l + 1 for l in range(self.n_sublayers + 1)]

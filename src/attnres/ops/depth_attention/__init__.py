@@ -41,8 +41,8 @@ def _custom_ops(impl: str) -> Operations:
     def phase1(z, sources):
         return library.phase1(z, sources, impl)
 
-    def merge(z, sources, partial=None, qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6, keep_input=False):
-        return library.merge(z, sources, partial, qg, eps, norm_weight, norm_eps, keep_input, impl)
+    def merge(z, sources, partial=None, qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6):
+        return library.merge(z, sources, partial, qg, eps, norm_weight, norm_eps, impl)
 
     return Operations(impl, rms_logits, phase1, merge)
 

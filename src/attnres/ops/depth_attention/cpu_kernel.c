@@ -34,17 +34,16 @@
 #include <string.h>
 
 /* ---- the exported functions' parameters, declared once (see the header) ---- */
-#define ATTNRES_ABI_VERSION 2
+#define ATTNRES_ABI_VERSION 3
 #define PLAIN(x) x
 #define MERGE_FORWARD_PARAMS(T, OPT)                                                           \
     int64_t tokens, int64_t d, int64_t n, const T *const *src, const T *z,                     \
     OPT(const T *) partial, OPT(const T *) qg, double eps, OPT(const T *) norm_w,               \
-    double norm_eps, T *out, T *alpha, OPT(T *) rb, OPT(T *) zb, OPT(T *) rstd,                  \
-    OPT(T *) kept, int threads
+    double norm_eps, T *out, T *alpha, OPT(T *) rb, OPT(T *) zb, OPT(T *) rstd, int threads
 #define MERGE_BACKWARD_PARAMS(T, OPT)                                                          \
     int64_t tokens, int64_t d, int64_t n, const T *const *src, OPT(const T *) partial,          \
     OPT(const T *) qg, OPT(const T *) norm_w, const T *alpha, OPT(const T *) rb,                \
-    OPT(const T *) zb, OPT(const T *) rstd, OPT(const T *) kept, const T *g,                    \
+    OPT(const T *) zb, OPT(const T *) rstd, const T *g,                                        \
     OPT(T *) const *gsrc, OPT(T *) gz, OPT(T *) gpartial, OPT(T *) gqg_part,                    \
     OPT(T *) gw_part, int threads
 #define PHASE1_FORWARD_PARAMS(T, OPT)                                                          \
@@ -193,7 +192,7 @@ static const T **row_table_##SUFFIX(int64_t n, const T *const *src, const T *par
                                                                                                \
 /* Forward. out = RMSNorm(h) (or h), h = sum_j alpha_j x_j, alpha = softmax(z, zb). Writes    \
  * alpha [tokens, m]; with a partial sum zb and rb (its logit and RMS factor) [tokens]; with  \
- * a norm rstd [tokens]; kept (the norm's input h) when not NULL. */                           \
+ * a norm rstd [tokens]. */                                                                   \
 void attnres_merge_forward_##SUFFIX(MERGE_FORWARD_PARAMS(T, PLAIN))                           \
 {                                                                                              \
     const int64_t m = n + (partial != NULL);                                                   \
@@ -220,7 +219,6 @@ void attnres_merge_forward_##SUFFIX(MERGE_FORWARD_PARAMS(T, PLAIN))             
         for (int64_t j = 0; j < m; ++j) a[j] *= inv;                                           \
         T *o = out + t * d;                                                                    \
         combine_##SUFFIX(o, 0, rows, t * d, a, m, d);                                          \
-        if (kept != NULL) memcpy(kept + t * d, o, (size_t)d * sizeof(T));                      \
         if (norm_w != NULL) {                                                                  \
             const T r = (T)1 / SQRT(dot_##SUFFIX(o, o, d) / (T)d + (T)norm_eps);               \
             rstd[t] = r;                                                                       \
@@ -233,7 +231,7 @@ void attnres_merge_forward_##SUFFIX(MERGE_FORWARD_PARAMS(T, PLAIN))             
 /* Backward from g = d loss / d out [tokens, d]. Writes, where not NULL: gsrc[j] (d / d x_j),  \
  * gz [tokens, n] (d / d z), gpartial [tokens, d]; and per-thread partial sums over tokens    \
  * gqg_part and gw_part [threads, d] (d / d qg, d / d norm_w), which the caller adds up.      \
- * With a norm, h is kept (kept) or recomputed from the sources. */                           \
+ * With a norm, h is recomputed from the sources. */                                          \
 void attnres_merge_backward_##SUFFIX(MERGE_BACKWARD_PARAMS(T, PLAIN))                          \
 {                                                                                              \
     const int64_t m = n + (partial != NULL);                                                   \
@@ -253,12 +251,8 @@ void attnres_merge_backward_##SUFFIX(MERGE_BACKWARD_PARAMS(T, PLAIN))           
             const T *a = alpha + t * m;                                                        \
             const T *gt = g + t * d;                                                           \
             if (norm_w != NULL) { /* y = h rstd w: dh = rstd (u - rstd^2 (u . h) h / d) */     \
-                const T *h = hb;                                                               \
-                if (kept != NULL) {                                                            \
-                    h = kept + t * d;                                                          \
-                } else { /* recompute h from the sources */                                   \
-                    combine_##SUFFIX(hb, 0, rows, t * d, a, m, d);                             \
-                }                                                                              \
+                const T *h = hb; /* recomputed from the sources */                             \
+                combine_##SUFFIX(hb, 0, rows, t * d, a, m, d);                                 \
                 const T r = rstd[t];                                                           \
                 for (int64_t k = 0; k < d; ++k) gh[k] = gt[k] * norm_w[k];                    \
                 const T uh = dot_##SUFFIX(gh, h, d);                                           \

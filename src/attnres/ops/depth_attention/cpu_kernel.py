@@ -39,21 +39,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = [
-    "cpu_kernel",
-    "supports",
-    "KernelLibrary",
-    "rms_logits_forward",
-    "rms_logits_backward",
-    "phase1_forward",
-    "phase1_backward",
-    "merge_forward",
-    "merge_backward",
-]
+__all__ = ["cpu_kernel", "supports", "KernelLibrary", "rms_logits_forward", "rms_logits_backward", "phase1_forward",
+           "phase1_backward", "merge_forward", "merge_backward"]
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 #: The ABI version the binding expects (``ATTNRES_ABI_VERSION`` in the C source).
-ABI_VERSION = 2
+ABI_VERSION = 3
 # -ffp-contract=fast: fused multiply-adds (ISO C mode turns contraction off).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 #: Flags dropped, in turn, when the compiler refuses the full set.
@@ -134,11 +125,12 @@ class KernelLibrary:
         if version != ABI_VERSION:
             raise OSError(f"{path} has ABI version {version}, the binding expects {ABI_VERSION}")
         self.params: dict[str, list[tuple[str, str, bool]]] = {}
+        self.functions: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for entry in self.lib.attnres_signatures().decode().split(";"):
             name, _, rest = entry.strip().partition("(")
             self.params[name] = [self._parse(p) for p in rest.rstrip(")").split(",")]
-            for suffix in _SUFFIX.values():
-                fn = getattr(self.lib, f"attnres_{name}_{suffix}")
+            for dtype, suffix in _SUFFIX.items():
+                fn = self.functions[name, dtype] = getattr(self.lib, f"attnres_{name}_{suffix}")
                 fn.argtypes = [self._ctype(kind) for _, kind, _ in self.params[name]]
                 fn.restype = None
 
@@ -160,32 +152,34 @@ class KernelLibrary:
         ``None`` where the C code does not allow ``NULL``, or a tensor that is not a
         contiguous CPU tensor of ``dtype``."""
         params = self.params[name]
-        missing = [p for p, _, _ in params if p not in args]
-        unknown = sorted(set(args) - {p for p, _, _ in params})
-        if missing or unknown:
+        if len(args) != len(params) or any(p not in args for p, _, _ in params):
+            missing = [p for p, _, _ in params if p not in args]
+            unknown = sorted(set(args) - {p for p, _, _ in params})
             raise TypeError(f"attnres_{name}: missing arguments {missing}, unknown arguments {unknown}")
         values = [self._value(name, p, kind, nullable, args[p], dtype) for p, kind, nullable in params]
-        getattr(self.lib, f"attnres_{name}_{_SUFFIX[dtype]}")(*values)
+        self.functions[name, dtype](*values)
 
     def _value(self, fn: str, param: str, kind: str, nullable: bool, value, dtype: torch.dtype):
-        if kind in self._SCALARS:
-            if isinstance(value, bool) or not isinstance(value, self._SCALARS[kind][1] | int):
-                raise TypeError(f"attnres_{fn}: {param} must be {kind}, got {type(value).__name__}")
-            return value
+        if kind == "tensor":
+            return _pointer(fn, param, nullable, value, dtype)
         if kind == "tensors":
-            return (ctypes.c_void_p * len(value))(*[self._pointer(fn, param, nullable, x, dtype) for x in value])
-        return self._pointer(fn, param, nullable, value, dtype)
+            return (ctypes.c_void_p * len(value))(*[_pointer(fn, param, nullable, x, dtype) for x in value])
+        python_type = self._SCALARS[kind][1]
+        if type(value) is not python_type and not (python_type is float and type(value) is int):
+            raise TypeError(f"attnres_{fn}: {param} must be {kind}, got {type(value).__name__}")
+        return value
 
-    @staticmethod
-    def _pointer(fn: str, param: str, nullable: bool, x: Tensor | None, dtype: torch.dtype) -> int | None:
-        if x is None:
-            if not nullable:
-                raise TypeError(f"attnres_{fn}: {param} must not be None")
-            return None
-        if not (isinstance(x, Tensor) and x.dtype == dtype and x.device.type == "cpu" and x.is_contiguous()):
-            got = f"{x.dtype} {x.device} contiguous={x.is_contiguous()}" if isinstance(x, Tensor) else type(x).__name__
-            raise TypeError(f"attnres_{fn}: {param} must be a contiguous CPU tensor of {dtype}, got {got}")
+
+def _pointer(fn: str, param: str, nullable: bool, x: Tensor | None, dtype: torch.dtype) -> int | None:
+    """``x``'s data pointer, once it is checked to be what the C parameter takes."""
+    if x is None:
+        if not nullable:
+            raise TypeError(f"attnres_{fn}: {param} must not be None")
+        return None
+    if isinstance(x, Tensor) and x.dtype is dtype and x.is_cpu and x.is_contiguous():
         return x.data_ptr()
+    got = f"{x.dtype} {x.device} contiguous={x.is_contiguous()}" if isinstance(x, Tensor) else type(x).__name__
+    raise TypeError(f"attnres_{fn}: {param} must be a contiguous CPU tensor of {dtype}, got {got}")
 
 
 @functools.cache
@@ -268,20 +262,20 @@ def phase1_backward(z, lse, sources, g_outs, g_lse, needs_z: bool, needs_sources
     return g_z, g_src
 
 
-def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: float, keep_input: bool):
+def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: float):
     x0 = sources[0]
     lead, m = x0.shape[:-1], len(sources) + (partial is not None)
     has_partial, has_norm = partial is not None, norm_weight is not None
     out, alpha = torch.empty_like(x0), torch.empty((*lead, m), dtype=x0.dtype)
     r_b, zb = _new(has_partial, x0, lead), _new(has_partial, x0, lead)
-    rstd, kept = _new(has_norm, x0, (*lead, 1)), _new(has_norm and keep_input, x0)
+    rstd = _new(has_norm, x0, (*lead, 1))
     cpu_kernel().call("merge_forward", x0.dtype, **_geometry(x0), n=len(sources), src=sources, z=z.contiguous(),
                       partial=partial, qg=qg if has_partial else None, eps=float(eps), norm_w=norm_weight,
-                      norm_eps=float(norm_eps), out=out, alpha=alpha, rb=r_b, zb=zb, rstd=rstd, kept=kept)
-    return out, alpha, r_b, zb, rstd, kept
+                      norm_eps=float(norm_eps), out=out, alpha=alpha, rb=r_b, zb=zb, rstd=rstd)
+    return out, alpha, r_b, zb, rstd
 
 
-def merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_weight, needs):
+def merge_backward(g, alpha, r_b, zb, rstd, sources, partial, qg, norm_weight, needs):
     """``needs``: ``(z, sources..., partial, qg, norm_weight)`` as :func:`.torch_impl.merge_backward`."""
     x0 = sources[0]
     n, geometry = len(sources), _geometry(x0)
@@ -294,7 +288,7 @@ def merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_wei
     gw_part = _new(needs_norm and norm_weight is not None, x0, (geometry["threads"], geometry["d"]))
     cpu_kernel().call("merge_backward", x0.dtype, **geometry, n=n, src=sources, partial=partial,
                       qg=qg if has_partial else None, norm_w=norm_weight, alpha=alpha, rb=r_b, zb=zb, rstd=rstd,
-                      kept=kept, g=g.contiguous(), gsrc=g_src, gz=g_z, gpartial=g_partial, gqg_part=gqg_part,
+                      g=g.contiguous(), gsrc=g_src, gz=g_z, gpartial=g_partial, gqg_part=gqg_part,
                       gw_part=gw_part)
     g_qg = gqg_part.sum(0) if gqg_part is not None else None
     g_norm = gw_part.sum(0) if gw_part is not None else None

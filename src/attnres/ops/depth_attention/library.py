@@ -80,6 +80,7 @@ def _fill(results: Sequence[Tensor | None], likes: Sequence[Tensor]) -> tuple[Te
 
 @torch.library.custom_op("attnres::rms_logits", mutates_args=())
 def _rms_logits(x: Tensor, qg: Tensor, eps: float, impl: str) -> tuple[Tensor, Tensor]:
+    qg = qg.contiguous()
     return pick(impl, [x, qg]).rms_logits_forward(x, qg, eps)
 
 
@@ -92,7 +93,8 @@ def _(x, qg, eps, impl):
 @torch.library.custom_op("attnres::rms_logits_backward", mutates_args=())
 def _rms_logits_backward(gz: Tensor, x: Tensor, qg: Tensor, r: Tensor, needs: list[bool], impl: str
                          ) -> tuple[Tensor, Tensor]:
-    gx, gq = pick(impl, [x, qg, r]).rms_logits_backward(gz, x, qg, r, *needs)
+    qg, gz = qg.contiguous(), gz.contiguous()
+    gx, gq = pick(impl, [x, qg, r, gz]).rms_logits_backward(gz, x, qg, r, *needs)
     return _fill([gx, gq], [x, qg])
 
 
@@ -108,13 +110,17 @@ def _rms_logits_setup(ctx, inputs, output):
     ctx.save_for_backward(x, qg, output[1])
 
 
-def _rms_logits_grad(ctx, gz, _gr):
-    x, qg, r = ctx.saved_tensors
-    needs = list(ctx.needs_input_grad[:2])
+def _rms_logits_grads(ctx, gz, needs: list[bool]) -> tuple[Tensor | None, Tensor | None]:
+    """``(d x, d qg)`` through the backward operator, ``None`` where not needed."""
     if gz is None or not any(needs):
-        return None, None, None, None
+        return None, None
+    x, qg, r = ctx.saved_tensors
     gx, gq = torch.ops.attnres.rms_logits_backward(gz, x, qg, r, needs, ctx.impl)
-    return (gx if needs[0] else None), (gq if needs[1] else None), None, None
+    return (gx if needs[0] else None), (gq if needs[1] else None)
+
+
+def _rms_logits_grad(ctx, gz, _gr):
+    return *_rms_logits_grads(ctx, gz, list(ctx.needs_input_grad[:2])), None, None
 
 
 _rms_logits.register_autograd(_rms_logits_grad, setup_context=_rms_logits_setup)
@@ -127,6 +133,7 @@ _rms_logits.register_autograd(_rms_logits_grad, setup_context=_rms_logits_setup)
 
 @torch.library.custom_op("attnres::phase1", mutates_args=())
 def _phase1(z: Tensor, sources: list[Tensor], impl: str) -> tuple[list[Tensor], Tensor]:
+    z = z.contiguous()  # (small: [..., S, n])
     outs, lse = pick(impl, [*sources, z]).phase1_forward(z, sources)
     return list(outs), lse
 
@@ -139,7 +146,10 @@ def _(z, sources, impl):
 @torch.library.custom_op("attnres::phase1_backward", mutates_args=())
 def _phase1_backward(z: Tensor, lse: Tensor, sources: list[Tensor], g_outs: list[Optional[Tensor]],
                      g_lse: Optional[Tensor], needs: list[bool], impl: str) -> tuple[Tensor, list[Tensor]]:
-    g_z, g_src = pick(impl, [*sources, z, lse]).phase1_backward(z, lse, sources, g_outs, g_lse, needs[0], needs[1:])
+    z, g_outs = z.contiguous(), [g if g is None else g.contiguous() for g in g_outs]
+    g_lse = None if g_lse is None else g_lse.contiguous()
+    module = pick(impl, [*sources, z, lse, *g_outs, g_lse])
+    g_z, g_src = module.phase1_backward(z, lse, sources, g_outs, g_lse, needs[0], needs[1:])
     return _fill([g_z], [z])[0], list(_fill(g_src, sources))
 
 
@@ -156,15 +166,20 @@ def _phase1_setup(ctx, inputs, output):
     ctx.save_for_backward(z, output[1], *sources)
 
 
-def _phase1_grad(ctx, g_outs, g_lse):
+def _phase1_grads(ctx, g_outs, g_lse, needs: list[bool]) -> tuple[Tensor | None, list[Tensor | None]]:
+    """``(d z, [d source...])`` through the backward operator, ``None`` where not needed."""
     z, lse, *sources = ctx.saved_tensors
-    needs = [ctx.needs_input_grad[0], *([ctx.needs_input_grad[1]] * ctx.n if isinstance(ctx.needs_input_grad[1], bool)
-                                        else ctx.needs_input_grad[1])]
     g_outs = list(g_outs) if g_outs is not None else [None] * z.shape[-2]
-    if all(g is None for g in g_outs) and g_lse is None:
-        return None, [None] * ctx.n, None
+    if (all(g is None for g in g_outs) and g_lse is None) or not any(needs):
+        return None, [None] * len(sources)
     g_z, g_src = torch.ops.attnres.phase1_backward(z, lse, sources, g_outs, g_lse, needs, ctx.impl)
-    return (g_z if needs[0] else None), [g if need else None for g, need in zip(g_src, needs[1:])], None
+    return (g_z if needs[0] else None), [g if need else None for g, need in zip(g_src, needs[1:])]
+
+
+def _phase1_grad(ctx, g_outs, g_lse):
+    ni = ctx.needs_input_grad
+    g_z, g_src = _phase1_grads(ctx, g_outs, g_lse, [ni[0], *ni[1]])
+    return g_z, g_src, None
 
 
 _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
@@ -177,38 +192,39 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
 
 @torch.library.custom_op("attnres::merge", mutates_args=())
 def _merge(z: Tensor, sources: list[Tensor], partial: Optional[Tensor], qg: Optional[Tensor],
-           norm_weight: Optional[Tensor], eps: float, norm_eps: float, keep_input: bool, impl: str
-           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+           norm_weight: Optional[Tensor], eps: float, norm_eps: float, impl: str
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    z, qg = z.contiguous(), None if qg is None else qg.contiguous()  # (small: [..., n] and [d])
     module = pick(impl, [*sources, z, partial, qg, norm_weight])
-    out, alpha, r_b, zb, rstd, kept = module.merge_forward(z, sources, partial, qg, norm_weight, eps, norm_eps, keep_input)
-    return (out, alpha, *_fill([r_b, zb, rstd, kept], [alpha] * 4))
+    out, alpha, r_b, zb, rstd = module.merge_forward(z, sources, partial, qg, norm_weight, eps, norm_eps)
+    return (out, alpha, *_fill([r_b, zb, rstd], [alpha] * 3))
 
 
 @_merge.register_fake
-def _(z, sources, partial, qg, norm_weight, eps, norm_eps, keep_input, impl):
+def _(z, sources, partial, qg, norm_weight, eps, norm_eps, impl):
     x0, compute = sources[0], compute_dtype(sources[0].dtype)
     lead = x0.shape[:-1]
     alpha = x0.new_empty((*lead, len(sources) + (partial is not None)), dtype=compute)
     stat = x0.new_empty(lead, dtype=compute) if partial is not None else _placeholder(alpha)
     rstd = x0.new_empty((*lead, 1), dtype=compute) if norm_weight is not None else _placeholder(alpha)
-    kept = x0.new_empty(x0.shape, dtype=compute) if norm_weight is not None and keep_input else _placeholder(alpha)
-    return torch.empty_like(x0), alpha, stat, stat.clone(), rstd, kept
+    return torch.empty_like(x0), alpha, stat, stat.clone(), rstd
 
 
 @torch.library.custom_op("attnres::merge_backward", mutates_args=())
 def _merge_backward(g: Tensor, alpha: Tensor, r_b: Optional[Tensor], zb: Optional[Tensor], rstd: Optional[Tensor],
-                    kept: Optional[Tensor], sources: list[Tensor], partial: Optional[Tensor], qg: Optional[Tensor],
+                    sources: list[Tensor], partial: Optional[Tensor], qg: Optional[Tensor],
                     norm_weight: Optional[Tensor], needs: list[bool], impl: str
                     ) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor]:
-    module = pick(impl, [*sources, alpha, r_b, zb, rstd, kept, partial, qg, norm_weight])
-    g_z, g_src, g_partial, g_qg, g_norm = module.merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg,
+    g, qg = g.contiguous(), None if qg is None else qg.contiguous()
+    module = pick(impl, [*sources, g, alpha, r_b, zb, rstd, partial, qg, norm_weight])
+    g_z, g_src, g_partial, g_qg, g_norm = module.merge_backward(g, alpha, r_b, zb, rstd, sources, partial, qg,
                                                                 norm_weight, needs)
     g_partial, g_qg, g_norm = _fill([g_partial, g_qg, g_norm], [alpha] * 3)
     return _fill([g_z], [alpha])[0], list(_fill(g_src, sources)), g_partial, g_qg, g_norm
 
 
 @_merge_backward.register_fake
-def _(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_weight, needs, impl):
+def _(g, alpha, r_b, zb, rstd, sources, partial, qg, norm_weight, needs, impl):
     n = len(sources)
 
     def grad(need, like):
@@ -220,28 +236,31 @@ def _(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_weight, needs, i
 
 
 def _merge_setup(ctx, inputs, output):
-    z, sources, partial, qg, norm_weight, _eps, _norm_eps, keep_input, impl = inputs
-    _out, alpha, r_b, zb, rstd, kept = output
+    z, sources, partial, qg, norm_weight, _eps, _norm_eps, impl = inputs
+    _out, alpha, r_b, zb, rstd = output
     ctx.set_materialize_grads(False)
     ctx.impl, ctx.n = impl, len(sources)
     has_partial, has_norm = partial is not None, norm_weight is not None
-    stats = [r_b if has_partial else None, zb if has_partial else None, rstd if has_norm else None,
-             kept if has_norm and keep_input else None]
+    stats = [r_b if has_partial else None, zb if has_partial else None, rstd if has_norm else None]
     ctx.save_for_backward(alpha, *stats, partial, qg, norm_weight, *sources)
 
 
-def _merge_grad(ctx, g, *_aux):
-    alpha, r_b, zb, rstd, kept, partial, qg, norm_weight, *sources = ctx.saved_tensors
-    ni = ctx.needs_input_grad
-    src_needs = [ni[1]] * ctx.n if isinstance(ni[1], bool) else list(ni[1])
-    needs = [ni[0], *src_needs, ni[2], ni[3], ni[4]]
+def _merge_grads(ctx, g, needs: list[bool]):
+    """``(d z, [d source...], d partial, d qg, d norm_weight)`` through the backward
+    operator, ``None`` where not needed; ``needs`` in that order."""
+    alpha, r_b, zb, rstd, partial, qg, norm_weight, *sources = ctx.saved_tensors
     if g is None or not any(needs):
-        return None, [None] * ctx.n, *(None,) * 7
-    g_z, g_src, g_partial, g_qg, g_norm = torch.ops.attnres.merge_backward(
-        g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_weight, needs, ctx.impl)
-    keep = lambda t, need: t if need else None  # noqa: E731
-    return (keep(g_z, needs[0]), [keep(t, need) for t, need in zip(g_src, src_needs)], keep(g_partial, ni[2]),
-            keep(g_qg, ni[3]), keep(g_norm, ni[4]), None, None, None, None)
+        return None, [None] * len(sources), None, None, None
+    grads = torch.ops.attnres.merge_backward(g, alpha, r_b, zb, rstd, sources, partial, qg, norm_weight, needs, ctx.impl)
+    n = len(sources)
+    g_src = [t if need else None for t, need in zip(grads[1], needs[1 : n + 1])]
+    return (grads[0] if needs[0] else None), g_src, *(t if need else None for t, need in zip(grads[2:], needs[n + 1 :]))
+
+
+def _merge_grad(ctx, g, *_aux):
+    ni = ctx.needs_input_grad
+    g_z, g_src, g_partial, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[1], ni[2], ni[3], ni[4]])
+    return g_z, g_src, g_partial, g_qg, g_norm, None, None, None
 
 
 _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
@@ -250,6 +269,56 @@ _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
 # ----------------------------------------------------------------------------------------
 # The public wrappers
 # ----------------------------------------------------------------------------------------
+#
+# They reach the operators through thin autograd Functions whose forward and backward call
+# the same forward and backward operators, with the same saved tensors and the same gradient
+# functions as the registered autograd above: in eager mode the registered path costs
+# about a hundred microseconds more per call (its tensor-list handling), which the schedule
+# pays a few dozen times per step. torch.compile traces the Functions, and the operators
+# inside them are the nodes of its graphs.
+
+
+class _RmsLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, qg, eps, impl):
+        z, r = torch.ops.attnres.rms_logits(x, qg, eps, impl)
+        _rms_logits_setup(ctx, (x, qg, eps, impl), (z, r))
+        ctx.mark_non_differentiable(r)
+        return z, r
+
+    @staticmethod
+    def backward(ctx, gz, _gr):
+        return *_rms_logits_grads(ctx, gz, list(ctx.needs_input_grad[:2])), None, None
+
+
+class _Phase1(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, impl, *sources):
+        outs, lse = torch.ops.attnres.phase1(z, list(sources), impl)
+        _phase1_setup(ctx, (z, sources, impl), (outs, lse))
+        return (*outs, lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ni = ctx.needs_input_grad
+        g_z, g_src = _phase1_grads(ctx, grads[:-1], grads[-1], [ni[0], *ni[2:]])
+        return g_z, None, *g_src
+
+
+class _Merge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, partial, qg, norm_weight, eps, norm_eps, impl, *sources):
+        args = (z, list(sources), partial, qg, norm_weight, eps, norm_eps, impl)
+        outputs = torch.ops.attnres.merge(*args)
+        _merge_setup(ctx, args, outputs)
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, g, *_aux):
+        ni = ctx.needs_input_grad
+        g_z, g_src, g_partial, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[7:], ni[1], ni[2], ni[3]])
+        return g_z, g_partial, g_qg, g_norm, None, None, None, *g_src
 
 
 def _check_impl(impl: str) -> None:
@@ -264,7 +333,7 @@ def rms_logits(x: Tensor, qg: Tensor, eps: float, impl: str = "auto") -> Tensor:
     _check_impl(impl)
     if qg.dim() != 2 or qg.shape[-1] != x.shape[-1]:
         raise ValueError(f"qg must have shape [K, {x.shape[-1]}], got {tuple(qg.shape)}")
-    return torch.ops.attnres.rms_logits(x, qg, float(eps), impl)[0]
+    return _RmsLogits.apply(x, qg, float(eps), impl)[0]
 
 
 def phase1(z: Tensor, sources: Sequence[Tensor], impl: str = "auto") -> tuple[list[Tensor], Tensor]:
@@ -274,28 +343,17 @@ def phase1(z: Tensor, sources: Sequence[Tensor], impl: str = "auto") -> tuple[li
     _check_impl(impl)
     if z.shape[-1] != len(sources):
         raise ValueError(f"z has {z.shape[-1]} logits per query for {len(sources)} sources")
-    outs, lse = torch.ops.attnres.phase1(z, list(sources), impl)
-    return list(outs), lse
+    *outs, lse = _Phase1.apply(z, impl, *sources)
+    return outs, lse
 
 
-def merge(
-    z: Tensor,
-    sources: Sequence[Tensor],
-    partial: Tensor | None = None,
-    qg: Tensor | None = None,
-    eps: float = 1e-6,
-    norm_weight: Tensor | None = None,
-    norm_eps: float = 1e-6,
-    keep_input: bool = False,
-    impl: str = "auto",
-) -> tuple[Tensor, Tensor]:
+def merge(z: Tensor, sources: Sequence[Tensor], partial: Tensor | None = None, qg: Tensor | None = None,
+          eps: float = 1e-6, norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
+          impl: str = "auto") -> tuple[Tensor, Tensor]:
     """:func:`.reference.merge` (same arguments and results) as the operator
-    ``attnres::merge``: ``(out [..., d], alpha [..., n (+1)])``. ``keep_input``: with a
-    norm, save its input ``h`` (one ``[..., d]``) for the backward instead of recomputing it
-    from the sources - for many sources, where the recompute costs more time than the
-    tensor costs memory."""
+    ``attnres::merge``: ``(out [..., d], alpha [..., n (+1)])``; saves the weights, the
+    partial sum's logit and RMS factor, the norm's ``1/rms`` and references to its inputs."""
     _check_impl(impl)
     _check_merge(z, sources, partial, qg)
-    out, alpha, *_ = torch.ops.attnres.merge(z, list(sources), partial, qg, norm_weight, float(eps), float(norm_eps),
-                                             bool(keep_input), impl)
+    out, alpha, *_ = _Merge.apply(z, partial, qg, norm_weight, float(eps), float(norm_eps), impl, *sources)
     return out, alpha

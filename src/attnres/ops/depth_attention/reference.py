@@ -197,7 +197,6 @@ def merge(
     eps: float = 1e-6,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
-    keep_input: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """One query's depth attention from known logits (Phase 2, report §4.2), and the next
     sublayer's RMSNorm.
@@ -210,8 +209,6 @@ def merge(
             for the gain-folded query ``qg [d]`` is computed here (RMS epsilon ``eps``).
         norm_weight, norm_eps: the next sublayer's RMSNorm, applied to the result (``None``:
             none). It reads ``h`` rounded to the sources' dtype, as an unfused norm would.
-        keep_input: a hint for the implementations (keep the norm's input for the
-            backward instead of recomputing it); no effect on the result.
 
     Returns:
         ``(out, alpha)``: ``out [..., d]`` in the sources' dtype, ``RMSNorm(h)`` (or ``h``)

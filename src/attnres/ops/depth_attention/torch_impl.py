@@ -12,7 +12,7 @@ Saved, per operation (report §4.2; docs/design.md "What is saved for the backwa
   ``d z_si = p_si (g_s . x_i - sum_j p_sj g_s . x_j + g_lse_s)``.
 * ``merge``: the softmax weights ``alpha`` over the ``n (+1)`` sources, the partial sum's
   logit and RMS factor, the norm's ``1/rms`` and references to the inputs; the norm's input
-  ``h`` is recomputed from the sources (one pass per source) unless ``keep_input`` kept it.
+  ``h`` is recomputed from the sources (one pass per source).
   With ``g_h`` the gradient reaching ``h`` through the norm: ``d z_j = alpha_j (g_h . x_j -
   g_h . h)``, ``d x_j = alpha_j g_h``; the partial sum's logit adds
   ``d zb (r_b qg - (r_b^2 zb / d) b)`` to its gradient and ``d zb r_b b`` to ``qg``'s.
@@ -136,13 +136,13 @@ def phase1_backward(z, lse, sources, g_outs, g_lse, needs_z: bool, needs_sources
 # ----------------------------------------------------------------------------------------
 
 
-def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: float, keep_input: bool):
-    """``(out, alpha, r_b, zb, rstd, kept)``, ``None`` where absent (see the module docstring
-    and :func:`.reference.merge`)."""
+def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: float):
+    """``(out, alpha, r_b, zb, rstd)``, ``None`` where absent (see the module docstring and
+    :func:`.reference.merge`)."""
     compute, dtype = compute_dtype(sources[0].dtype), sources[0].dtype
     with full_precision(sources[0]):
         zc, srcs = _as(z, compute), list(sources)
-        r_b = zb = rstd = kept = None
+        r_b = zb = rstd = None
         if partial is not None:  # the partial sum's logit for this query, and its RMS factor
             pc = _as(partial, compute)
             r_b = rms_inverse(pc, eps)
@@ -154,10 +154,9 @@ def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: fl
         if norm_weight is not None:
             if dtype != compute:  # the norm reads the stream's value, rounded to its dtype
                 h = h.to(dtype).to(compute)
-            kept = h if keep_input else None
             rstd = torch.rsqrt(torch.linalg.vector_norm(h, dim=-1, keepdim=True).square_().div_(h.shape[-1]).add_(norm_eps))
             h = h * rstd * _as(norm_weight, compute)
-    return _as(h, dtype), alpha, r_b, zb, rstd, kept
+    return _as(h, dtype), alpha, r_b, zb, rstd
 
 
 def _norm_backward(g, h, rstd, norm_weight, need_weight: bool, scratch):
@@ -169,7 +168,7 @@ def _norm_backward(g, h, rstd, norm_weight, need_weight: bool, scratch):
     return gh, g_norm
 
 
-def merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_weight, needs: Sequence[bool]):
+def merge_backward(g, alpha, r_b, zb, rstd, sources, partial, qg, norm_weight, needs: Sequence[bool]):
     """``needs``: whether ``(z, *sources, partial, qg, norm_weight)`` need their gradient.
     Returns ``(g_z, [g_source...], g_partial, g_qg, g_norm)``, ``None`` where not needed."""
     compute, dtype, n = alpha.dtype, sources[0].dtype, len(sources)
@@ -179,9 +178,9 @@ def merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_wei
         gh = _as(g, compute)
         scratch = torch.empty_like(gh)
         g_norm = None
-        if norm_weight is not None:  # recompute h, the norm's input, unless it was kept
-            h = kept if kept is not None else weighted_sum(alpha, srcs)
-            if kept is None and dtype != compute:
+        if norm_weight is not None:  # recompute h, the norm's input
+            h = weighted_sum(alpha, srcs)
+            if dtype != compute:
                 h = h.to(dtype).to(compute)
             gh, g_norm = _norm_backward(gh, h, rstd, norm_weight, needs_norm, scratch)
             if dtype != compute:  # the backward of that rounding

@@ -113,30 +113,27 @@ def phase1_backward(z, lse, sources, g_outs, g_lse, needs_z: bool, needs_sources
     return (gz.view(z.shape).to(z.dtype) if needs_z else None), g_src
 
 
-def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: float, keep_input: bool):
+def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: float):
     x0 = sources[0]
     d, n = x0.shape[-1], len(sources)
     srcs = [_rows(x) for x in sources]
     rows, dev = srcs[0].shape[0], x0.device
     has_partial, has_norm = partial is not None, norm_weight is not None
-    keep = has_norm and keep_input
     f32 = compute_dtype(x0.dtype)
     out = torch.empty_like(srcs[0])
     alpha = torch.empty(rows, n + has_partial, device=dev, dtype=f32)
     r_b, zb, rstd = (torch.empty(rows, device=dev, dtype=f32) for _ in range(3))
-    kept = torch.empty(rows, d, device=dev, dtype=f32) if keep else alpha
     block = FORCED["block_d"] or tile_d(d)
     triton_kernels.merge_fwd[(rows,)](
         z.reshape(rows, n).to(f32).contiguous(), _table(srcs), srcs[0], _rows(partial) if has_partial else srcs[0],
-        _vector(qg, alpha), _vector(norm_weight, alpha), out, alpha, r_b, zb, rstd, kept, d, n, float(eps), float(norm_eps),
-        int(has_partial), int(has_norm), int(keep), BLOCK_D=block, num_warps=num_warps(block))
+        _vector(qg, alpha), _vector(norm_weight, alpha), out, alpha, r_b, zb, rstd, d, n, float(eps), float(norm_eps),
+        int(has_partial), int(has_norm), BLOCK_D=block, num_warps=num_warps(block))
     lead = x0.shape[:-1]
     return (out.view(x0.shape), alpha.view(*lead, -1), r_b.view(lead) if has_partial else None,
-            zb.view(lead) if has_partial else None, rstd.view(*lead, 1) if has_norm else None,
-            kept.view(*lead, d) if keep else None)
+            zb.view(lead) if has_partial else None, rstd.view(*lead, 1) if has_norm else None)
 
 
-def merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_weight, needs):
+def merge_backward(g, alpha, r_b, zb, rstd, sources, partial, qg, norm_weight, needs):
     x0 = sources[0]
     d, n = x0.shape[-1], len(sources)
     srcs = [_rows(x) for x in sources]
@@ -155,9 +152,9 @@ def merge_backward(g, alpha, r_b, zb, rstd, kept, sources, partial, qg, norm_wei
     pw = torch.zeros(programs, d, device=dev, dtype=f32)
     block = FORCED["block_d"] or tile_d(d)
     triton_kernels.merge_bwd[(programs,)](
-        gr, gh, al, stat(r_b), stat(zb), stat(rstd), _rows(kept).to(f32) if kept is not None else al, _table(srcs),
+        gr, gh, al, stat(r_b), stat(zb), stat(rstd), _table(srcs),
         srcs[0], _rows(partial) if has_partial else srcs[0], _vector(qg, al), _vector(norm_weight, al), _table(gsrc), gz,
-        g_partial, pq, pw, rows, d, n, per, int(has_partial), int(has_norm), int(kept is not None),
+        g_partial, pq, pw, rows, d, n, per, int(has_partial), int(has_norm),
         BLOCK_D=block, num_warps=num_warps(block))
     needs_z, needs_src, (needs_partial, needs_qg, needs_norm) = needs[0], needs[1 : n + 1], needs[n + 1 :]
     lead = x0.shape[:-1]

@@ -147,19 +147,17 @@ def _merged_tile(Alpha, row, m, SrcTable, X0, Partial, n, has_partial, cols, cma
 
 
 @triton.jit
-def _norm_input_tile(Kept, Alpha, row, m, SrcTable, X0, Partial, n, has_partial, keep, cols, cmask, d):
-    """The norm's input on one tile: kept, or the merge recomputed and rounded to the
-    storage dtype (as the norm of the stream reads it)."""
+def _norm_input_tile(Alpha, row, m, SrcTable, X0, Partial, n, has_partial, cols, cmask, d):
+    """The norm's input on one tile: the merge recomputed and rounded to the storage dtype
+    (as the norm of the stream reads it)."""
     dt = Alpha.dtype.element_ty
-    if keep:
-        return _load(Kept + row * d, cols, cmask, dt)
     h = _merged_tile(Alpha, row, m, SrcTable, X0, Partial, n, has_partial, cols, cmask, d)
     return h.to(X0.dtype.element_ty).to(dt)
 
 
 @triton.jit
-def merge_fwd(Z, SrcTable, X0, Partial, Qg, NormW, Out, Alpha, Rb, Zb, Rstd, Kept, d, n, eps, norm_eps,
-              has_partial, has_norm, keep, BLOCK_D: tl.constexpr):
+def merge_fwd(Z, SrcTable, X0, Partial, Qg, NormW, Out, Alpha, Rb, Zb, Rstd, d, n, eps, norm_eps,
+              has_partial, has_norm, BLOCK_D: tl.constexpr):
     dt = Z.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     m = n + has_partial
@@ -190,8 +188,6 @@ def merge_fwd(Z, SrcTable, X0, Partial, Qg, NormW, Out, Alpha, Rb, Zb, Rstd, Kep
             h = _merged_tile(Alpha, row, m, SrcTable, X0, Partial, n, has_partial, cols, cmask, d)
             h = h.to(X0.dtype.element_ty).to(dt)
             shh += h * h
-            if keep:
-                tl.store(Kept + row * d + cols, h, mask=cmask)
         rstd = 1.0 / tl.sqrt(tl.sum(shh, axis=0) / d + norm_eps)
         tl.store(Rstd + row, rstd)
     for start in range(0, d, BLOCK_D):
@@ -203,8 +199,8 @@ def merge_fwd(Z, SrcTable, X0, Partial, Qg, NormW, Out, Alpha, Rb, Zb, Rstd, Kep
 
 
 @triton.jit
-def _merge_bwd_norm(G, GH, Alpha, Rstd, Kept, SrcTable, X0, Partial, NormW, PW, pid, row, m, n, d, has_partial,
-                    keep, BLOCK_D: tl.constexpr):
+def _merge_bwd_norm(G, GH, Alpha, Rstd, SrcTable, X0, Partial, NormW, PW, pid, row, m, n, d, has_partial,
+                    BLOCK_D: tl.constexpr):
     """Through the norm: ``g_h = rstd w g - (rstd^3 / d) (w g . h) h``, rounded to the
     storage dtype, into ``GH``; this program's row of the gain's gradient gets ``g h rstd``."""
     dt = Alpha.dtype.element_ty
@@ -212,14 +208,14 @@ def _merge_bwd_norm(G, GH, Alpha, Rstd, Kept, SrcTable, X0, Partial, NormW, PW, 
     acc = tl.zeros([BLOCK_D], dt)
     for start in range(0, d, BLOCK_D):
         cols, cmask = _tile(start, d, BLOCK_D)
-        h = _norm_input_tile(Kept, Alpha, row, m, SrcTable, X0, Partial, n, has_partial, keep, cols, cmask, d)
+        h = _norm_input_tile(Alpha, row, m, SrcTable, X0, Partial, n, has_partial, cols, cmask, d)
         g = _load(G + row * d, cols, cmask, dt)
         acc += _load(NormW, cols, cmask, dt) * g * h
         tl.store(PW + pid * d + cols, _load(PW + pid * d, cols, cmask, dt) + g * h * rstd, mask=cmask)
     coef = tl.sum(acc, axis=0) * rstd * rstd * rstd / d
     for start in range(0, d, BLOCK_D):
         cols, cmask = _tile(start, d, BLOCK_D)
-        h = _norm_input_tile(Kept, Alpha, row, m, SrcTable, X0, Partial, n, has_partial, keep, cols, cmask, d)
+        h = _norm_input_tile(Alpha, row, m, SrcTable, X0, Partial, n, has_partial, cols, cmask, d)
         gh = rstd * _load(NormW, cols, cmask, dt) * _load(G + row * d, cols, cmask, dt) - coef * h
         tl.store(GH + row * d + cols, gh.to(X0.dtype.element_ty), mask=cmask)
 
@@ -234,8 +230,8 @@ def _dot_row(A, B, row, d, dt, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def merge_bwd(G, GH, Alpha, Rb, Zb, Rstd, Kept, SrcTable, X0, Partial, Qg, NormW, GSrcTable, GZ, GPartial, PQ, PW,
-              rows, d, n, rows_per_program, has_partial, has_norm, keep, BLOCK_D: tl.constexpr):
+def merge_bwd(G, GH, Alpha, Rb, Zb, Rstd, SrcTable, X0, Partial, Qg, NormW, GSrcTable, GZ, GPartial, PQ, PW,
+              rows, d, n, rows_per_program, has_partial, has_norm, BLOCK_D: tl.constexpr):
     """With g_h the gradient reaching h (GH; G itself without a norm): dz_j = alpha_j (s_j -
     sum_i alpha_i s_i), s_j = g_h . x_j; dx_j = alpha_j g_h; the partial sum's logit adds
     gr (q - (r_b zb / d) b) to its gradient (gr = dzb r_b) and gr b to the query's."""
@@ -246,8 +242,8 @@ def merge_bwd(G, GH, Alpha, Rb, Zb, Rstd, Kept, SrcTable, X0, Partial, Qg, NormW
     for r in range(first, tl.minimum(first + rows_per_program, rows)):
         row = tl.cast(r, tl.int64)
         if has_norm:
-            _merge_bwd_norm(G, GH, Alpha, Rstd, Kept, SrcTable, X0, Partial, NormW, PW, pid, row, m, n, d,
-                            has_partial, keep, BLOCK_D)
+            _merge_bwd_norm(G, GH, Alpha, Rstd, SrcTable, X0, Partial, NormW, PW, pid, row, m, n, d, has_partial,
+                            BLOCK_D)
             tl.debug_barrier()  # the walks below read GH back
         mean = tl.zeros([], dt)
         for j in range(n):  # s_j into GZ for now, and their mean under alpha

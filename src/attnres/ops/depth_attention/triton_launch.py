@@ -82,12 +82,12 @@ SIGNATURES = {
                    "GZ:*C", "X0:*T", "d:i32", "n:i32", "S:i32", "stride_zr:i32", "stride_zs:i32",
                    "stride_lr:i32", "BLOCK_D:constexpr", "S_PAD:constexpr"],
     "merge_fwd": ["Z:*C", "SrcTable:*i64", "X0:*T", "Partial:*T", "Qg:*C", "NormW:*C", "Out:*T",
-                  "Alpha:*C", "Rb:*C", "Zb:*C", "Rstd:*C", "Kept:*C", "d:i32", "n:i32", "eps:fp32",
-                  "norm_eps:fp32", "has_partial:i32", "has_norm:i32", "keep:i32", "BLOCK_D:constexpr"],
-    "merge_bwd": ["G:*T", "GH:*T", "Alpha:*C", "Rb:*C", "Zb:*C", "Rstd:*C", "Kept:*C",
+                  "Alpha:*C", "Rb:*C", "Zb:*C", "Rstd:*C", "d:i32", "n:i32", "eps:fp32", "norm_eps:fp32",
+                  "has_partial:i32", "has_norm:i32", "BLOCK_D:constexpr"],
+    "merge_bwd": ["G:*T", "GH:*T", "Alpha:*C", "Rb:*C", "Zb:*C", "Rstd:*C",
                   "SrcTable:*i64", "X0:*T", "Partial:*T", "Qg:*C", "NormW:*C", "GSrcTable:*i64", "GZ:*C",
                   "GPartial:*T", "PQ:*C", "PW:*C", "rows:i32", "d:i32", "n:i32", "rows_per_program:i32",
-                  "has_partial:i32", "has_norm:i32", "keep:i32", "BLOCK_D:constexpr"],
+                  "has_partial:i32", "has_norm:i32", "BLOCK_D:constexpr"],
 }
 
 
