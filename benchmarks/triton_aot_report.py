@@ -52,17 +52,19 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        out = subprocess.run([ptxas_path(arch), "-v", f"--gpu-name={target}", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True, check=True)
+        # (the options Triton's own compile gives ptxas: triton/backends/nvidia/compiler.py)
+        cmd = [ptxas_path(arch), "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={target}", str(src),
+               "-o", str(Path(tmp) / "k.cubin")]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     text = out.stdout + out.stderr
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
     return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
             "spill_loads": number(r"(\d+) bytes spill loads"), "smem": number(r"(\d+) bytes smem")}
 
 
-def compile_variant(kernel: str, signature: dict, constexprs: dict, num_warps: int, arch: int) -> dict:
-    """Compile one variant for ``sm_<arch>``; its resource usage (raises if it does not
-    compile)."""
+def compile_variant(kernel: str, signature: dict, constexprs: dict, options: dict, arch: int) -> dict:
+    """Compile one variant for ``sm_<arch>`` with its launch ``options`` (``num_warps``,
+    ``maxnreg``); its resource usage (raises if it does not compile)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -70,8 +72,8 @@ def compile_variant(kernel: str, signature: dict, constexprs: dict, num_warps: i
     from attnres.ops.depth_attention import triton_kernels
 
     source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    return {"kernel": kernel, "arch": arch, "dtype": signature["X0"].lstrip("*"), **constexprs, "num_warps": num_warps,
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return {"kernel": kernel, "arch": arch, "dtype": signature["X0"].lstrip("*"), **constexprs, **options,
             "triton_shared": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"], arch)}
 
 
@@ -82,7 +84,7 @@ def _compile_job(job: tuple) -> dict:
 def all_variants(archs=ARCHS) -> list[tuple]:
     from attnres.ops.depth_attention.triton_launch import variants
 
-    return [(k, sig, cx, warps, arch) for arch in archs for k, sig, cx, warps in variants()]
+    return [(k, sig, cx, options, arch) for arch in archs for k, sig, cx, options in variants()]
 
 
 def compile_all(archs=ARCHS, workers: int | None = None) -> list[dict]:

@@ -57,36 +57,35 @@ def rnd(g, *shape, scale=1.0, dtype=torch.float64):
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_()
 
 
-def merge_inputs(lead=(2, 3), d=5, n=3, partial=True, norm=True, dtype=torch.float64, seed=0):
-    """``(z, sources, partial, qg, norm_weight)``; logits and queries in the compute dtype."""
+def merge_inputs(lead=(2, 3), d=5, k=1, c=1, norm=True, dtype=torch.float64, seed=0):
+    """``(z, sources, computed, qg, norm_weight)``: ``k`` sources of known logit, ``c`` whose
+    logits the merge computes; logits and queries in the compute dtype."""
     g = torch.Generator().manual_seed(seed)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    sources = [rnd(g, *lead, d, scale=1 + 2 * j, dtype=dtype) for j in range(n)]
-    z = rnd(g, *lead, n, scale=2.0, dtype=compute)
-    b = rnd(g, *lead, d, scale=3.0, dtype=dtype) if partial else None
-    qg = rnd(g, d, dtype=compute) if partial else None
+    sources = [rnd(g, *lead, d, scale=1 + 2 * j, dtype=dtype) for j in range(k)]
+    computed = [rnd(g, *lead, d, scale=3.0 + j, dtype=dtype) for j in range(c)]
+    z = rnd(g, *lead, k, scale=2.0, dtype=compute)
+    qg = rnd(g, d, dtype=compute) if c else None
     w = (1 + 0.3 * torch.randn(d, generator=g, dtype=torch.float64)).to(compute).requires_grad_() if norm else None
-    return z, sources, b, qg, w
+    return z, sources, computed, qg, w
 
 
-def run_merge(impl, z, sources, b, qg, w):
+def run_merge(impl, z, sources, computed, qg, w):
     if impl == "reference":
-        return reference.merge(z, sources, b, qg, 1e-6, w, 1e-5)
-    return library.merge(z, sources, b, qg, 1e-6, w, 1e-5, impl)
+        return reference.merge(z, sources, computed, qg, 1e-6, w, 1e-5)
+    return library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, impl)
 
 
 def phase1_inputs(lead=(2, 3), d=5, S=3, n=4, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    return rnd(g, *lead, S, n, scale=2.0, dtype=compute), [rnd(g, *lead, d, scale=1 + j, dtype=dtype) for j in range(n)]
+    return rnd(g, S, d, dtype=compute), [rnd(g, *lead, d, scale=1 + j, dtype=dtype) for j in range(n)]
 
 
-def run_phase1(impl, z, sources):
-    return reference.phase1(z, sources) if impl == "reference" else library.phase1(z, sources, impl)
-
-
-def run_logits(impl, x, qg):
-    return reference.rms_logits(x, qg, 1e-6) if impl == "reference" else library.rms_logits(x, qg, 1e-6, impl)
+def run_phase1(impl, qg, sources):
+    if impl == "reference":
+        return reference.phase1(qg, sources, 1e-6)
+    return library.phase1(qg, sources, 1e-6, impl)
 
 
 def outputs_and_grads(fn, inputs, seed=1):
@@ -99,19 +98,23 @@ def outputs_and_grads(fn, inputs, seed=1):
     return [*flat, *torch.autograd.grad(loss, inputs, allow_unused=True)]
 
 
-def merge_fn(impl, partial, norm):
+def merge_flat(z, sources, computed, qg, w):
+    return [z, *sources, *computed, *([qg] if qg is not None else []), *([w] if w is not None else [])]
+
+
+def merge_fn(impl, k, c, norm):
+    """``run_merge`` over the flat inputs of :func:`merge_flat`."""
     def f(z, *rest):
         rest = list(rest)
         w = rest.pop() if norm else None
-        qg = rest.pop() if partial else None
-        b = rest.pop() if partial else None
-        return run_merge(impl, z, rest, b, qg, w)[0]
+        qg = rest.pop() if c else None
+        return run_merge(impl, z, rest[:k], rest[k:], qg, w)[0]
 
     return f
 
 
-def merge_flat(z, sources, b, qg, w):
-    return [z, *sources, *([b, qg] if b is not None else []), *([w] if w is not None else [])]
+def phase1_fn(impl):
+    return lambda qg, *xs: run_phase1(impl, qg, list(xs))
 
 
 # ----------------------------------------------------------------------------------------
@@ -120,44 +123,36 @@ def merge_flat(z, sources, b, qg, w):
 
 
 def op_cases(dtype):
-    z, sources, b, qg, w = merge_inputs((2, 3), 6, 2, True, True, dtype)
-    pz, psrc = phase1_inputs((2, 2), 6, 2, 3, dtype)
-    g = torch.Generator().manual_seed(3)
-    x = rnd(g, 2, 3, 6, dtype=dtype)
-    q = rnd(g, 4, 6, dtype=z.dtype)
+    z, sources, computed, qg, w = merge_inputs((2, 3), 6, 1, 2, True, dtype)
+    pq, psrc = phase1_inputs((2, 2), 6, 2, 3, dtype)
     return {
-        "rms_logits": (torch.ops.attnres.rms_logits.default, (x, q, 1e-6)),
-        "phase1": (torch.ops.attnres.phase1.default, (pz, psrc)),
-        "merge": (torch.ops.attnres.merge.default, (z, sources, b, qg, w, 1e-6, 1e-5)),
-        "merge_norm": (torch.ops.attnres.merge.default, (z, sources, None, None, w, 1e-6, 1e-5)),
-        "merge_plain": (torch.ops.attnres.merge.default, (z, sources, None, None, None, 1e-6, 1e-5)),
+        "phase1": (torch.ops.attnres.phase1.default, (pq, psrc, 1e-6)),
+        "merge": (torch.ops.attnres.merge.default, (z, sources, computed, qg, w, 1e-6, 1e-5)),
+        "merge_computed_only": (torch.ops.attnres.merge.default, (z[..., :0], [], computed, qg, None, 1e-6, 1e-5)),
+        "merge_known_only": (torch.ops.attnres.merge.default, (z, sources, [], None, w, 1e-6, 1e-5)),
     }
 
 
 def backward_args(op, args, impl):
     """The backward operator of ``op`` and its arguments, from a forward run."""
     with torch.no_grad():
-        if op is torch.ops.attnres.rms_logits.default:
-            x, q, eps = args
-            z, r = op(x, q, eps, impl)
-            return torch.ops.attnres.rms_logits_backward.default, (torch.randn_like(z), x, q, r, [True, True])
         if op is torch.ops.attnres.phase1.default:
-            z, sources = args
-            outs, lse = op(z, sources, impl)
+            qg, sources, eps = args
+            outs, lse = op(qg, sources, eps, impl)
             g_outs = [torch.randn_like(outs[0]), None]
-            return torch.ops.attnres.phase1_backward.default, (z, lse, sources, g_outs, torch.randn_like(lse),
+            return torch.ops.attnres.phase1_backward.default, (qg, lse, sources, g_outs, torch.randn_like(lse), eps,
                                                                 [True] * (1 + len(sources)))
-        z, sources, b, qg, w, eps, norm_eps = args
-        out, alpha, r_b, zb, rstd = op(*args, impl)
-        stats = [r_b if b is not None else None, zb if b is not None else None, rstd if w is not None else None]
-        needs = [True] * (1 + len(sources)) + [b is not None, qg is not None, w is not None]
-        return torch.ops.attnres.merge_backward.default, (torch.randn_like(out), alpha, *stats, sources, b, qg, w,
-                                                          needs)
+        z, sources, computed, qg, w, eps, norm_eps = args
+        out, alpha, rc, zc, rstd = op(*args, impl)
+        stats = [rc if computed else None, zc if computed else None, rstd if w is not None else None]
+        needs = [True] * (1 + len(sources) + len(computed)) + [qg is not None, w is not None]
+        return torch.ops.attnres.merge_backward.default, (torch.randn_like(out), alpha, *stats, sources, computed, qg,
+                                                          w, needs)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", ["rms_logits", "phase1", "merge", "merge_norm", "merge_plain"])
+@pytest.mark.parametrize("case", ["phase1", "merge", "merge_computed_only", "merge_known_only"])
 def test_opcheck_every_operator_forward_and_backward(case, dtype, impl, kernel):
     triton_or_skip(impl)
     op, args = op_cases(dtype)[case]
@@ -170,54 +165,42 @@ def test_opcheck_every_operator_forward_and_backward(case, dtype, impl, kernel):
 # Every implementation against the reference
 # ----------------------------------------------------------------------------------------
 
-MERGE_CASES = [  # (lead, d, n, partial, norm): one token, one source, k = 0 and more
-    ((2, 3), 5, 3, True, True),
-    ((1, 1), 4, 1, True, True),
-    ((2, 3), 5, 3, False, True),
-    ((2, 1), 6, 2, False, False),
-    ((3,), 7, 1, False, True),
+MERGE_CASES = [  # (lead, d, k, c, norm): one token, one source, known / computed sources only
+    ((2, 3), 5, 1, 1, True),
+    ((1, 1), 4, 1, 1, True),
+    ((2, 3), 5, 1, 3, True),
+    ((2, 1), 6, 2, 0, False),
+    ((3,), 7, 0, 2, True),
+    ((3,), 7, 0, 1, True),
 ]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("lead, d, n, partial, norm", MERGE_CASES)
-def test_merge_float64_equals_the_reference_and_gradchecks(lead, d, n, partial, norm, impl, kernel):
+@pytest.mark.parametrize("lead, d, k, c, norm", MERGE_CASES)
+def test_merge_float64_equals_the_reference_and_gradchecks(lead, d, k, c, norm, impl, kernel):
     triton_or_skip(impl)
-    inputs = merge_flat(*merge_inputs(lead, d, n, partial, norm))
-    got = outputs_and_grads(merge_fn(impl, partial, norm), inputs)
-    want = outputs_and_grads(merge_fn("reference", partial, norm), inputs)
+    inputs = merge_flat(*merge_inputs(lead, d, k, c, norm))
+    got = outputs_and_grads(merge_fn(impl, k, c, norm), inputs)
+    want = outputs_and_grads(merge_fn("reference", k, c, norm), inputs)
     for a, b in zip(got, want):
         assert_rel_close(a, b, 1e-12)
-    assert gradcheck(merge_fn(impl, partial, norm), tuple(inputs), fast_mode=lead != (1, 1))
+    assert gradcheck(merge_fn(impl, k, c, norm), tuple(inputs), fast_mode=lead != (1, 1))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("lead, d, S, n", [((2, 3), 5, 3, 4), ((1, 1), 4, 2, 3), ((2, 1), 3, 1, 2), ((1, 2), 6, 5, 1)])
+@pytest.mark.parametrize("lead, d, S, n", [((2, 3), 5, 3, 4), ((1, 1), 4, 2, 3), ((2, 1), 3, 1, 2), ((1, 2), 6, 5, 1),
+                                           ((3,), 37, 19, 2)])
 def test_phase1_float64_equals_the_reference_and_gradchecks(lead, d, S, n, impl, kernel):
+    """``S`` = 1 to 19 queries (past two Triton chunks of 8), ``d`` below and past the CPU
+    kernel's vector blocks, one source, batch 1 and one token."""
     triton_or_skip(impl)
-    z, sources = phase1_inputs(lead, d, S, n)
-    fn = lambda zz, *xs: run_phase1(impl, zz, list(xs))  # noqa: E731
-    got = outputs_and_grads(fn, [z, *sources])
-    want = outputs_and_grads(lambda zz, *xs: run_phase1("reference", zz, list(xs)), [z, *sources])
+    qg, sources = phase1_inputs(lead, d, S, n)
+    got = outputs_and_grads(phase1_fn(impl), [qg, *sources])
+    want = outputs_and_grads(phase1_fn("reference"), [qg, *sources])
     for a, b in zip(got, want):
         assert_rel_close(a, b, 1e-12)
-    assert gradcheck(lambda zz, *xs: tuple(t for o in fn(zz, *xs) for t in (o if isinstance(o, list) else [o])),
-                     (z, *sources), fast_mode=True)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("K, lead, d", [(1, (1, 1), 6), (4, (2, 3), 37), (19, (3,), 70)])
-def test_rms_logits_float64_equals_the_reference_and_gradchecks(K, lead, d, impl, kernel):
-    """``K`` = 1 to 19 (past one block of the CPU kernel's queries), ``d`` below and past its
-    vector blocks, token counts that leave a partial block of tokens."""
-    triton_or_skip(impl)
-    g = torch.Generator().manual_seed(1)
-    x, q = rnd(g, *lead, d, scale=3.0), rnd(g, K, d)
-    got = outputs_and_grads(lambda a, b: run_logits(impl, a, b), [x, q])
-    want = outputs_and_grads(lambda a, b: run_logits("reference", a, b), [x, q])
-    for a, b in zip(got, want):
-        assert_rel_close(a, b, 1e-12)
-    assert gradcheck(lambda a, b: run_logits(impl, a, b), (x, q), fast_mode=lead != (1, 1))
+    flat = lambda *xs: tuple(t for o in phase1_fn(impl)(*xs) for t in (o if isinstance(o, list) else [o]))  # noqa: E731
+    assert gradcheck(flat, (qg, *sources), fast_mode=True)
 
 
 def low_precision_check(run, inputs, storage, dtype, tol):
@@ -245,62 +228,53 @@ def _has_triton() -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("partial", [False, True])
-def test_merge_low_precision_against_the_float64_truth(dtype, partial, kernel):
-    z, sources, b, qg, w = merge_inputs((2, 7), 24, 4, partial, True)
-
-    def run(impl, zz, *rest):
-        rest = list(rest)
-        ww = rest.pop()
-        qq = rest.pop() if partial else None
-        bb = rest.pop() if partial else None
-        return run_merge(impl, zz, rest, bb, qq, ww)[0]
-
+@pytest.mark.parametrize("k, c", [(1, 1), (1, 3), (0, 2)])
+def test_merge_low_precision_against_the_float64_truth(dtype, k, c, kernel):
+    z, sources, computed, qg, w = merge_inputs((2, 7), 24, k, c, True)
     tol = TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
-    storage = set(range(1, len(sources) + 1)) | ({len(sources) + 1} if partial else set())
-    low_precision_check(run, merge_flat(z, sources, b, qg, w), storage, dtype, tol)
+    low_precision_check(lambda impl, *xs: merge_fn(impl, k, c, True)(*xs), merge_flat(z, sources, computed, qg, w),
+                        set(range(1, 1 + k + c)), dtype, tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_phase1_and_logits_low_precision_against_the_float64_truth(dtype, kernel):
-    z, sources = phase1_inputs((4, 16), 32, 3, 5)
+def test_phase1_low_precision_against_the_float64_truth(dtype, kernel):
+    qg, sources = phase1_inputs((4, 16), 32, 3, 5)
     tol = TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
-    low_precision_check(lambda impl, zz, *xs: run_phase1(impl, zz, list(xs)), [z, *sources],
-                        set(range(1, len(sources) + 1)), dtype, tol)
-    g = torch.Generator().manual_seed(2)
-    x, q = rnd(g, 3, 41, 64), rnd(g, 23, 64)
-    low_precision_check(run_logits, [x, q], {0}, dtype, tol)
+    low_precision_check(lambda impl, *xs: phase1_fn(impl)(*xs), [qg, *sources], set(range(1, len(sources) + 1)), dtype,
+                        tol)
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 5), d=st.integers(1, 9), b=st.integers(1, 3), t=st.integers(1, 4),
-       partial=st.booleans(), norm=st.booleans(), seed=st.integers(0, 2**16))
-def test_merge_matches_the_reference_over_shapes(n, d, b, t, partial, norm, seed):
-    inputs = merge_flat(*merge_inputs((b, t), d, n, partial, norm, seed=seed))
-    want = outputs_and_grads(merge_fn("reference", partial, norm), inputs, seed)
+@given(k=st.integers(0, 3), c=st.integers(0, 3), d=st.integers(1, 9), b=st.integers(1, 3), t=st.integers(1, 4),
+       norm=st.booleans(), seed=st.integers(0, 2**16))
+def test_merge_matches_the_reference_over_shapes(k, c, d, b, t, norm, seed):
+    if k + c == 0:
+        c = 1
+    inputs = merge_flat(*merge_inputs((b, t), d, k, c, norm, seed=seed))
+    want = outputs_and_grads(merge_fn("reference", k, c, norm), inputs, seed)
     for impl in ("auto", "torch"):
-        for a, r in zip(outputs_and_grads(merge_fn(impl, partial, norm), inputs, seed), want):
+        for a, r in zip(outputs_and_grads(merge_fn(impl, k, c, norm), inputs, seed), want):
             assert torch.linalg.vector_norm(a - r) <= 1e-10 * max(torch.linalg.vector_norm(r), 1.0)
 
 
 def test_merge_input_errors():
-    z, sources, b, qg, _ = merge_inputs((2,), 4, 2, True, False)
+    z, sources, computed, qg, _ = merge_inputs((2,), 4, 2, 1, False)
     for merge in (library.merge, reference.merge):
         with pytest.raises(ValueError, match="2 sources"):
             merge(z[..., :1], sources)
-        with pytest.raises(ValueError, match="come together"):
-            merge(z, sources, b, None)
+        with pytest.raises(ValueError, match="need the query"):
+            merge(z, sources, computed, None)
         with pytest.raises(ValueError, match="at least one source"):
-            merge(z, [])
+            merge(z[..., :0], [])
     with pytest.raises(ValueError, match="impl must be one of"):
         library.merge(z, sources, impl="cuda")
-    with pytest.raises(ValueError, match=r"qg must have shape \[K, 4\]"):
-        library.rms_logits(sources[0], qg, 1e-6)
+    with pytest.raises(ValueError, match=r"qg must have shape \[S, 4\]"):
+        library.phase1(qg, sources)
 
 
 def test_double_backward_is_refused_clearly():
-    z, sources, b, qg, w = merge_inputs((2, 3), 4, 3, True, True)
-    out, _ = library.merge(z, sources, b, qg, 1e-6, w)
+    z, sources, computed, qg, w = merge_inputs((2, 3), 4, 1, 1, True)
+    out, _ = library.merge(z, sources, computed, qg, 1e-6, w)
     (gz,) = torch.autograd.grad(out.square().sum(), [z], create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd"):
         gz.sum().backward()
@@ -346,47 +320,48 @@ def saved_tensors(fn) -> list[torch.Tensor]:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_operators_save_sources_by_reference_and_per_token_statistics(impl, kernel):
     """The saving policy of report §4.2 (docs/design.md): references to the sources (kept
-    anyway), per-token statistics, no copy of the sources or of ``h`` unless kept."""
+    anyway) and per-token statistics; no copy of the sources, of ``h`` or of the logits."""
     triton_or_skip(impl)
-    z, sources, b, qg, w = merge_inputs((4, 5), 16, 3, True, True, torch.float32)
+    z, sources, computed, qg, w = merge_inputs((4, 5), 16, 1, 2, True, torch.float32)
     d, tokens = 16, 20
-    ptrs = {x.data_ptr() for x in (*sources, b)}
-    saved = saved_tensors(lambda: library.merge(z, sources, b, qg, 1e-6, w, 1e-5, impl))
+    ptrs = {x.data_ptr() for x in (*sources, *computed)}
+    saved = saved_tensors(lambda: library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, impl))
     big = [t for t in saved if t.shape[-1] == d and t.numel() >= tokens * d]
     assert {t.data_ptr() for t in big} == ptrs, [tuple(t.shape) for t in saved]
-    assert sum(t.numel() for t in saved if t.data_ptr() not in ptrs) <= tokens * 8 + 2 * d  # alpha, r_b, zb, rstd
-    pz, psrc = phase1_inputs((4, 5), 16, 3, 4, torch.float32)
-    saved = saved_tensors(lambda: library.phase1(pz, psrc, impl))
-    assert {t.data_ptr() for t in saved if t.shape[-1] == d} == {x.data_ptr() for x in psrc}
+    assert sum(t.numel() for t in saved if t.data_ptr() not in ptrs) <= tokens * 8 + 2 * d  # alpha, rc, zc, rstd
+    pq, psrc = phase1_inputs((4, 5), 16, 3, 4, torch.float32)
+    saved = saved_tensors(lambda: library.phase1(pq, psrc, 1e-6, impl))
+    assert {t.data_ptr() for t in saved if t.shape[-1] == d and t.numel() >= tokens * d} == {x.data_ptr() for x in psrc}
+    assert sum(t.numel() for t in saved if t.data_ptr() not in {x.data_ptr() for x in psrc}) <= tokens * 3 + 3 * d
 
 
 @pytest.mark.triton
 def test_triton_kernels_tile_d_and_split_rows_over_programs(monkeypatch):
     """``d`` walked in tiles that do not divide it, backward programs over several rows,
-    and Phase 1's queries in chunks (S = 17 > 16): against the PyTorch implementation."""
+    and Phase 1's queries in chunks (S = 17 > 8): against the PyTorch implementation."""
     pytest.importorskip("triton")
     from attnres.ops.depth_attention import triton_impl
 
     monkeypatch.setitem(triton_impl.FORCED, "block_d", 16)
     monkeypatch.setitem(triton_impl.FORCED, "max_programs", 3)
-    inputs = merge_flat(*merge_inputs((7,), 37, 3, True, True, torch.float64))
-    for a, b in zip(outputs_and_grads(merge_fn("triton", True, True), inputs),
-                    outputs_and_grads(merge_fn("torch", True, True), inputs)):
+    inputs = merge_flat(*merge_inputs((7,), 37, 1, 2, True, torch.float64))
+    for a, b in zip(outputs_and_grads(merge_fn("triton", 1, 2, True), inputs),
+                    outputs_and_grads(merge_fn("torch", 1, 2, True), inputs)):
         assert_rel_close(a, b, 1e-12)
-    z, sources = phase1_inputs((3,), 37, 17, 3)
-    fn = lambda impl: lambda zz, *xs: run_phase1(impl, zz, list(xs))  # noqa: E731
-    for a, b in zip(outputs_and_grads(fn("triton"), [z, *sources]), outputs_and_grads(fn("torch"), [z, *sources])):
+    qg, sources = phase1_inputs((7,), 37, 17, 3)
+    for a, b in zip(outputs_and_grads(phase1_fn("triton"), [qg, *sources]),
+                    outputs_and_grads(phase1_fn("torch"), [qg, *sources])):
         assert_rel_close(a, b, 1e-12)
 
 
 @pytest.mark.triton
 def test_triton_float16_storage(kernel):
     pytest.importorskip("triton")
-    inputs = merge_flat(*merge_inputs((2, 5), 40, 2, True, True))
+    inputs = merge_flat(*merge_inputs((2, 5), 40, 1, 1, True))
     cast = [t.detach().to(torch.float16 if t.dim() > 1 else torch.float32).requires_grad_() for t in inputs]
     cast[0] = inputs[0].detach().float().requires_grad_()
-    for a, b in zip(outputs_and_grads(merge_fn("triton", True, True), cast),
-                    outputs_and_grads(merge_fn("torch", True, True), cast)):
+    for a, b in zip(outputs_and_grads(merge_fn("triton", 1, 1, True), cast),
+                    outputs_and_grads(merge_fn("torch", 1, 1, True), cast)):
         assert_rel_close(a, b, OP_TOL_BF16)
 
 
@@ -396,26 +371,27 @@ def test_triton_float16_storage(kernel):
 
 
 def test_binding_checks_names_types_and_tensors(kernel):
-    x = torch.randn(3, 8)
+    xs = [torch.randn(3, 8), torch.randn(3, 8)]
     q = torch.randn(2, 8)
-    z, r = torch.empty(3, 2), torch.empty(3)
-    args = dict(tokens=3, d=8, K=2, x=x, q=q, eps=1e-6, z=z, r=r, threads=1)
-    kernel.call("logits_forward", torch.float32, **args)
-    assert_rel_close(z, reference.rms_logits(x, q, 1e-6), 1e-6)
+    outs, lse = [torch.empty(3, 8), torch.empty(3, 8)], torch.empty(3, 2)
+    args = dict(tokens=3, d=8, n=2, S=2, src=xs, q=q, eps=1e-6, out=outs, lse=lse, threads=1)
+    kernel.call("phase1_forward", torch.float32, **args)
+    want_outs, want_lse = reference.phase1(q, xs, 1e-6)
+    assert_rel_close(lse, want_lse, 1e-6)
+    assert_rel_close(outs[1], want_outs[1], 1e-6)
     with pytest.raises(TypeError, match=r"missing arguments \['threads'\]"):
-        kernel.call("logits_forward", torch.float32, **{k: v for k, v in args.items() if k != "threads"})
+        kernel.call("phase1_forward", torch.float32, **{k: v for k, v in args.items() if k != "threads"})
     with pytest.raises(TypeError, match=r"unknown arguments \['bogus'\]"):
-        kernel.call("logits_forward", torch.float32, **args, bogus=1)
-    with pytest.raises(TypeError, match="x must be a contiguous CPU tensor of torch.float32"):
-        kernel.call("logits_forward", torch.float32, **{**args, "x": x.double()})
-    with pytest.raises(TypeError, match="x must be a contiguous CPU tensor"):
-        kernel.call("logits_forward", torch.float32, **{**args, "x": torch.randn(3, 16)[:, ::2]})
-    with pytest.raises(TypeError, match="z must not be None"):
-        kernel.call("logits_forward", torch.float32, **{**args, "z": None})
+        kernel.call("phase1_forward", torch.float32, **args, bogus=1)
+    with pytest.raises(TypeError, match="q must be a contiguous CPU tensor of torch.float32"):
+        kernel.call("phase1_forward", torch.float32, **{**args, "q": q.double()})
+    with pytest.raises(TypeError, match="src must be a contiguous CPU tensor"):
+        kernel.call("phase1_forward", torch.float32, **{**args, "src": [xs[0], torch.randn(3, 16)[:, ::2]]})
+    with pytest.raises(TypeError, match="lse must not be None"):
+        kernel.call("phase1_forward", torch.float32, **{**args, "lse": None})
     with pytest.raises(TypeError, match="tokens must be int64_t"):
-        kernel.call("logits_forward", torch.float32, **{**args, "tokens": 3.0})
-    params = {name: [p for p, _, _ in ps] for name, ps in kernel.params.items()}
-    assert set(params) == {f"{op}_{way}" for op in ("merge", "phase1", "logits") for way in ("forward", "backward")}
+        kernel.call("phase1_forward", torch.float32, **{**args, "tokens": 3.0})
+    assert set(kernel.params) == {f"{op}_{way}" for op in ("merge", "phase1") for way in ("forward", "backward")}
 
 
 def test_binding_refuses_a_library_of_another_abi_version(kernel, monkeypatch):
@@ -438,9 +414,10 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch, fresh_build):
     monkeypatch.setenv("CC", "/bin/false")
     with pytest.warns(UserWarning, match="could not be built"):
         assert cpu_kernel.cpu_kernel() is None
-    z, sources, b, qg, w = merge_inputs((2, 3), 4, 2, True, True)
+    z, sources, computed, qg, w = merge_inputs((2, 3), 4, 1, 1, True)
     assert library.pick("auto", [*sources, z]) is torch_impl
-    assert_rel_close(library.merge(z, sources, b, qg, 1e-6, w)[0], reference.merge(z, sources, b, qg, 1e-6, w)[0], 1e-13)
+    assert_rel_close(library.merge(z, sources, computed, qg, 1e-6, w)[0],
+                     reference.merge(z, sources, computed, qg, 1e-6, w)[0], 1e-13)
     monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")
     monkeypatch.delenv("CC")
     cpu_kernel.cpu_kernel.cache_clear()
@@ -469,5 +446,6 @@ def test_build_retries_without_the_flags_a_compiler_refuses(kernel, fresh_build,
     with pytest.warns(UserWarning, match="built without -march=native -fopenmp"):
         lib = cpu_kernel.cpu_kernel()
     assert lib is not None
-    z, sources, b, qg, w = merge_inputs((2, 3), 8, 2, True, True)
-    assert_rel_close(library.merge(z, sources, b, qg, 1e-6, w)[0], reference.merge(z, sources, b, qg, 1e-6, w)[0], 1e-13)
+    z, sources, computed, qg, w = merge_inputs((2, 3), 8, 1, 2, True)
+    assert_rel_close(library.merge(z, sources, computed, qg, 1e-6, w)[0],
+                     reference.merge(z, sources, computed, qg, 1e-6, w)[0], 1e-13)

@@ -141,15 +141,10 @@ def _queries(S, d, seed=2):
 def two_phase(ops, Q, G, srcs, split):
     """Every query of ``Q`` (gains ``G``) over ``srcs`` the two-phase way: Phase 1 over the
     first ``split`` sources, then each query's merge of Phase 1's weighted sum (logit: its
-    log-sum-exp) with the other sources (logits computed once per source)."""
+    log-sum-exp) with the other sources, whose logits the merge computes."""
     qg = Q * G
-    z = torch.stack([ops.rms_logits(x, qg, 1e-6) for x in srcs], dim=-1)  # [..., S, n]
-    outs, lse = ops.phase1(z[..., :split].contiguous(), srcs[:split])
-    results = []
-    for s in range(Q.shape[0]):
-        logits = torch.cat([lse[..., s : s + 1], z[..., s, split:]], dim=-1)
-        results.append(ops.merge(logits, [outs[s], *srcs[split:]])[0])
-    return results
+    outs, lse = ops.phase1(qg, srcs[:split])
+    return [ops.merge(lse[..., s : s + 1], [outs[s]], srcs[split:], qg[s])[0] for s in range(Q.shape[0])]
 
 
 @pytest.mark.parametrize("ops", ["reference", "auto", "torch"])

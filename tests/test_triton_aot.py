@@ -54,7 +54,7 @@ def test_launch_geometry():
     assert triton_launch.tile_d(37, block_d=16) == 16
     with pytest.raises(ValueError, match="block_d must be a power of two"):
         triton_launch.tile_d(37, block_d=12)
-    assert [triton_launch.s_pad(s) for s in (1, 4, 5, 16, 40)] == [4, 4, 16, 16, 16]
+    assert [triton_launch.s_pad(s) for s in (1, 4, 5, 8, 40)] == [4, 4, 8, 8, 8]
     for rows, cap in [(1, 4), (7, 3), (1000, 1024), (5000, 1024)]:
         programs, per = triton_launch.row_ranges(rows, cap)
         assert programs <= cap and programs * per >= rows and (programs - 1) * per < rows

@@ -1,18 +1,21 @@
 """What Full and Block AttnRes share: the mixers, the naive reference and the two-phase
 bookkeeping.
 
-Two-phase bookkeeping (report §4.2, Algorithm 1): every *completed* source (the embedding, a
-finished block sum, or - for Full - an output of an earlier group) is read once when it
-completes, for its RMS factor and its logits against **every later query at once**
-(``rms_logits``); the RMS factor is never recomputed. A sublayer's input is then one
-``merge`` of its sources from those logits (with Block's partial sum, whose logit the merge
-computes), the next sublayer's RMSNorm fused in; Full AttnRes first runs ``phase1`` for a
-group's queries over the earlier groups' outputs (Appendix B).
+Two-phase bookkeeping (report §4.2, Algorithm 1): at the first sublayer of a block (Block)
+or of an Appendix-B group (Full), ``phase1`` takes the block's queries - and the output
+aggregation's, with the last block - over the completed sources (the embedding, the
+finished block sums, the outputs of earlier groups) in one pass: each source's RMS factor
+and logits once for all those queries, their weighted sums and log-sum-exps. Each
+sublayer's input is then one ``merge`` (Phase 2): its Phase-1 weighted sum, whose logit is
+its log-sum-exp, with the sources whose logits the merge computes itself - Block's partial
+sum, Full's outputs of the current group - and the next sublayer's RMSNorm fused in. With
+a single completed source (the first block or group) there is no Phase 1: the source joins
+the merge's computed sources.
 
-The three operations come from :mod:`attnres.ops.depth_attention`, picked once per forward
-from ``kernels`` (``"torch_graph"``: the plain-graph reference; otherwise the custom
-operators, which pick their implementation by device). Each variant picks its *schedule* -
-naive or two-phase - when ``impl`` is set: a stateless strategy object whose
+The operations come from :mod:`attnres.ops.depth_attention`, picked once per forward from
+``kernels`` (``"torch_graph"``: the plain-graph reference; otherwise the custom operators,
+which pick their implementation by device). Each variant picks its *schedule* - naive or
+two-phase - when ``impl`` is set: a stateless strategy object whose
 ``start/input/add/finish/history/resume`` the module calls.
 """
 
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ...ops import Operations, compute_dtype, operations
+from ...ops.depth_attention import reference
 from ..norm import FusableNormInput
 from .base import DepthHistory, ResidualState, ResidualStream
 from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
@@ -40,13 +44,13 @@ OPERATIONS_BY_KERNELS = {"auto": "auto", "triton": "triton", "torch": "torch", "
 @dataclass
 class Phase1:
     """Phase 1 of queries ``first .. first + count - 1`` over the completed sources: their
-    logits ``z [..., count, n]``, weighted sums ``outs`` (``count`` tensors ``[..., d]``) and
-    log-sum-exp ``lse [..., count]``."""
+    weighted sums ``outs`` (``count`` tensors ``[..., d]``) and log-sum-exps ``lse [...,
+    count]``; ``None`` over a single source, which the merges then take themselves."""
 
     first: int
-    z: Tensor
-    outs: list[Tensor]
-    lse: Tensor
+    count: int
+    outs: list[Tensor] | None = None
+    lse: Tensor | None = None
 
 
 @dataclass
@@ -54,15 +58,12 @@ class CompletedSources:
     """The two-phase schedule's completed sources.
 
     qg: ``[L + 1, d]``, every mixer's query with its key-norm gain folded in.
-    sources: the completed sources ``[..., d]``; ``logits[j]`` their logits ``[..., L + 1 -
-        offsets[j]]`` against queries ``offsets[j] .. L`` (computed once, at completion).
-    p1: Full AttnRes' Phase 1 of the current group.
+    sources: the completed sources ``[..., d]``.
+    p1: Phase 1 of the current block or group.
     """
 
     qg: Tensor
     sources: list[Tensor]
-    logits: list[Tensor]
-    offsets: list[int]
     p1: Phase1 | None = None
 
 
@@ -207,77 +208,68 @@ class AttnResBase(ResidualStream):
         return cached[1]
 
     def new_sources(self, dtype: torch.dtype) -> CompletedSources:
-        return CompletedSources(self.folded_queries(dtype), [], [], [])
-
-    def complete(self, state: ResidualState, x: Tensor, first_query: int) -> None:
-        """Register ``x`` as a completed source visible to queries ``first_query .. L``: its
-        logits against all of them, once."""
-        tp = state.sources
-        tp.sources.append(x)
-        tp.logits.append(state.ops.rms_logits(x, tp.qg[first_query:], self.eps))
-        tp.offsets.append(first_query)
-
-    @staticmethod
-    def gathered_logits(tp: CompletedSources, first_query: int, count: int) -> Tensor:
-        """``[..., count, n]``: the logits of queries ``first_query ..`` for the ``n`` completed
-        sources, from those computed at each source's completion."""
-        cols = [z[..., first_query - off : first_query - off + count] for z, off in zip(tp.logits, tp.offsets)]
-        return torch.stack(cols, dim=-1)
+        return CompletedSources(self.folded_queries(dtype), [])
 
     def phase1(self, state: ResidualState, first_query: int, end: int) -> None:
         """Phase 1 of queries ``first_query .. end - 1`` over the completed sources - and of the
         output aggregation's query ``L`` when ``end`` is ``L``: the same pass - into
-        ``state.sources.p1`` (one source: its weight is exactly 1)."""
+        ``state.sources.p1``."""
         tp = state.sources
         count = end - first_query + (end == self.n_sublayers)
-        z = self.gathered_logits(tp, first_query, count)  # [..., count, n]
-        if len(tp.sources) == 1:
-            outs, lse = [tp.sources[0]] * count, z[..., 0]
-        else:
-            outs, lse = state.ops.phase1(z, tp.sources)
-        tp.p1 = Phase1(first_query, z, outs, lse)
+        tp.p1 = Phase1(first_query, count)
+        if len(tp.sources) > 1:
+            tp.p1.outs, tp.p1.lse = state.ops.phase1(tp.qg[first_query : first_query + count], tp.sources, self.eps)
 
     def covers_aggregation(self, state: ResidualState) -> bool:
         """Whether the last Phase 1 ran the output aggregation's query too."""
         p1 = state.sources.p1
-        return p1 is not None and p1.first + len(p1.outs) > self.n_sublayers
+        return p1 is not None and p1.first + p1.count > self.n_sublayers
 
-    def phase2_input(self, state: ResidualState, l: int, xs: list[Tensor], zs: list[Tensor],
-                     partial: Tensor | None = None, fusable: bool = True):
-        """Query ``l``'s input (Phase 2, report §4.2): its Phase-1 weighted sum - one source
-        whose logit is its log-sum-exp - merged with the sources ``xs`` (logits ``zs``, Full
-        AttnRes' outputs of the current group) or Block AttnRes' ``partial`` sum. The
-        recorded weights give the Phase-1 sources their softmax weights scaled by the weight
-        of the weighted sum in the merge."""
-        p1 = state.sources.p1
-        s = l - p1.first
-        p = torch.softmax(p1.z[..., s, :], dim=-1) if state.weights is not None else None
-        z = torch.stack([p1.lse[..., s], *zs], dim=-1)  # [..., 1 + len(xs)]
-        qg = state.sources.qg[l] if partial is not None else None
-        return self.merged_input(state, z, [p1.outs[s], *xs], partial, qg, fusable=fusable,
-                                 record=lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1))
+    def phase2_input(self, state: ResidualState, l: int, computed: list[Tensor], fusable: bool = True):
+        """Query ``l``'s input (Phase 2, report §4.2): its Phase-1 weighted sum - a source
+        whose logit is its log-sum-exp - merged with ``computed`` (Block AttnRes' partial
+        sum, Full AttnRes' outputs of the current group), whose logits the merge computes.
+        Recording, the weighted sum's weight in the merge is spread over the Phase-1
+        sources by their softmax weights."""
+        tp = state.sources
+        p1, s = tp.p1, l - tp.p1.first
+        if p1.outs is None:  # a single completed source: one more computed source
+            x = tp.sources[0]
+            z = torch.empty((*x.shape[:-1], 0), dtype=compute_dtype(x.dtype), device=x.device)
+            return self.merged_input(state, z, [], [x, *computed], tp.qg[l], fusable)
+        record = None
+        if state.weights is not None:
+            p = torch.softmax(torch.cat([reference.rms_logits(x, tp.qg[l : l + 1], self.eps) for x in tp.sources], -1), -1)
+            record = lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1)  # noqa: E731
+        return self.merged_input(state, p1.lse[..., s : s + 1], [p1.outs[s]], computed, tp.qg[l] if computed else None,
+                                 fusable, record)
 
-    def merged_input(self, state: ResidualState, z: Tensor, sources: list[Tensor], partial: Tensor | None = None,
-                     qg: Tensor | None = None, fusable: bool = True, record=None):
-        """A sublayer's input: the merge of ``sources`` (logits ``z [..., n]``) and ``partial``
-        (logit from ``qg``), a tensor - or, when the caller defers the norm and ``fusable``, a
-        :class:`~attnres.nn.norm.FusableNormInput` whose norm the merge applies. Records the
+    def merged_input(self, state: ResidualState, z: Tensor, sources: list[Tensor], computed: list[Tensor],
+                     qg: Tensor | None, fusable: bool = True, record=None):
+        """A sublayer's input: the merge of ``sources`` (logits ``z [..., k]``) and ``computed``
+        (logits from ``qg``), a tensor - or, when the caller defers the norm and ``fusable``, a
+        :class:`~attnres.nn.norm.FusableNormInput` whose norm the merge applies (one source
+        too: its weight is exactly 1, and the merge is then the norm in one pass). Records the
         weights once (``record(alpha)`` maps the merge's weights to the mixer's sources)."""
-        if partial is None and len(sources) == 1:  # one source: weight exactly 1, the source itself
+        fuse = state.defer_norm and fusable
+        if len(sources) + len(computed) == 1 and not fuse:  # one source: weight exactly 1, the source itself
+            x = (sources or computed)[0]
             if state.weights is not None:
-                state.record(torch.ones_like(z) if record is None else record(torch.ones_like(z)))
-            return sources[0]
-        sources, recorded = list(sources), []  # (a snapshot: activation checkpointing may recompute it later)
+                ones = torch.ones((*x.shape[:-1], 1), dtype=compute_dtype(x.dtype), device=x.device)
+                state.record(ones if record is None else record(ones))
+            return x
+        # (snapshots: activation checkpointing may recompute the input later)
+        sources, computed, recorded = list(sources), list(computed), []
 
         def compute(norm_weight, norm_eps):
-            out, alpha = state.ops.merge(z, sources, partial, qg, self.eps, norm_weight,
+            out, alpha = state.ops.merge(z, sources, computed, qg, self.eps, norm_weight,
                                          0.0 if norm_eps is None else norm_eps)
             if not recorded and state.weights is not None:
                 recorded.append(True)
                 state.record(alpha if record is None else record(alpha))
             return out
 
-        return FusableNormInput(compute) if state.defer_norm and fusable else compute(None, None)
+        return FusableNormInput(compute) if fuse else compute(None, None)
 
     # -- the depth mixing matrix (report §6.2) --------------------------------------------
     def source_members(self) -> list[list[list[int]]]:

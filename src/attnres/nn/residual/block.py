@@ -68,28 +68,26 @@ class _Naive(Schedule):
 
 
 class _TwoPhase(Schedule):
-    """Report §4.2, Algorithm 1: each completed block's logits against every later query
-    once, when it completes; Phase 1 once per block, batched over its queries (and the output
-    aggregation's, with the last block); Phase 2 per sublayer, the merge with the partial sum
-    whose logit it computes."""
+    """Report §4.2, Algorithm 1: Phase 1 once per block over the completed blocks, batched
+    over the block's queries (and the output aggregation's, with the last block); Phase 2
+    per sublayer, the merge with the partial sum, whose logit it computes."""
 
     name = "two_phase"
 
     def start(self, m: BlockAttnRes, embedding: Tensor, common: dict[str, Any]) -> BlockTwoPhaseState:
         state = BlockTwoPhaseState(sources=m.new_sources(embedding.dtype), ops=m.operations(), **common)
-        state.phase = "phase1"
-        m.complete(state, embedding, 0)
+        state.sources.sources.append(embedding)
         return state
 
     def input(self, m: BlockAttnRes, state: BlockTwoPhaseState, l: int):
         if l % m.block_size == 0:
             state.phase = "phase1"
             if state.partial is not None:
-                m.complete(state, state.partial, l)
+                state.sources.sources.append(state.partial)
                 state.partial = None
             m.phase1(state, l, m.block_end(l))
         state.phase = "phase2"
-        return m.phase2_input(state, l, [], [], state.partial)
+        return m.phase2_input(state, l, _partial(state))
 
     def add(self, m, state, l, output):
         state.phase = "phase2"
@@ -97,10 +95,8 @@ class _TwoPhase(Schedule):
 
     def finish(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> Tensor:
         if not m.covers_aggregation(state):  # (resumed at L) Phase 1 of the aggregation alone
-            m.complete(state, state.partial, m.n_sublayers)
-            state.partial = None
             m.phase1(state, m.n_sublayers, m.n_sublayers)
-        return m.phase2_input(state, m.n_sublayers, [], [], state.partial, fusable=False)
+        return m.phase2_input(state, m.n_sublayers, _partial(state), fusable=False)
 
     def history(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> DepthHistory:
         return m.canonical_history(list(state.sources.sources), state.partial, state.next_sublayer)
@@ -109,12 +105,15 @@ class _TwoPhase(Schedule):
         ref = history.running if history.running is not None else history.completed[0]
         state = BlockTwoPhaseState(sources=m.new_sources(ref.dtype), partial=history.running, ops=m.operations(),
                                    **common)
-        state.phase = "phase1"
-        for x in history.completed:  # every received entry: its RMS factor and logits, once
-            m.complete(state, x, at)
+        state.sources.sources.extend(history.completed)
         if history.running is not None and at < m.n_sublayers:
+            state.phase = "phase1"
             m.phase1(state, at, m.block_end(at))  # the rest of the open block
         return state
+
+
+def _partial(state: BlockTwoPhaseState) -> list[Tensor]:
+    return [] if state.partial is None else [state.partial]
 
 
 @register_residual("attnres_block")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from torch import Tensor
 
@@ -13,7 +13,7 @@ from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig
 from .registry import register_residual
 
-__all__ = ["FullAttnRes", "FullNaiveState", "FullTwoPhaseState", "GroupOutput"]
+__all__ = ["FullAttnRes", "FullNaiveState", "FullTwoPhaseState"]
 
 
 @dataclass
@@ -23,15 +23,6 @@ class FullNaiveState(ResidualState):
     sources: list[Tensor] | None = None
 
 
-class GroupOutput(NamedTuple):
-    """An output of the current Appendix-B group: ``x [..., d]``, its logits against
-    queries ``first_query .. L`` (``[..., L + 1 - first_query]``)."""
-
-    x: Tensor
-    logits: Tensor
-    first_query: int
-
-
 @dataclass
 class FullTwoPhaseState(ResidualState):
     """sources: the outputs of earlier groups (completed); group: the current group's own
@@ -39,7 +30,7 @@ class FullTwoPhaseState(ResidualState):
     depth-attention operations."""
 
     sources: CompletedSources | None = None
-    group: list[GroupOutput] = field(default_factory=list)
+    group: list[Tensor] = field(default_factory=list)
     ops: Operations | None = None
 
 
@@ -67,25 +58,20 @@ class _Naive(Schedule):
 
 class _TwoPhase(Schedule):
     """Appendix B: the ``L`` outputs scheduled in groups of ``group_size``; Phase 1 over the
-    outputs of earlier groups (one pass over them for the group's queries), Phase 2 over
-    the group's own earlier outputs."""
+    outputs of earlier groups (one pass over them for the group's queries, and the output
+    aggregation's with the last group), Phase 2 over the group's own earlier outputs."""
 
     name = "two_phase"
 
     def start(self, m: FullAttnRes, embedding: Tensor, common: dict[str, Any]) -> FullTwoPhaseState:
         state = FullTwoPhaseState(sources=m.new_sources(embedding.dtype), ops=m.operations(), **common)
-        state.phase = "phase1"
-        m.complete(state, embedding, 0)
+        state.sources.sources.append(embedding)
         return state
 
     @staticmethod
     def _close_group(state: FullTwoPhaseState) -> None:
-        """The group's outputs become completed sources (their logits are already known)."""
-        tp = state.sources
-        for x, z, off in state.group:
-            tp.sources.append(x)
-            tp.logits.append(z)
-            tp.offsets.append(off)
+        """The group's outputs become completed sources."""
+        state.sources.sources.extend(state.group)
         state.group = []
 
     def input(self, m: FullAttnRes, state: FullTwoPhaseState, l: int):
@@ -94,39 +80,29 @@ class _TwoPhase(Schedule):
             self._close_group(state)
             m.phase1(state, l, m.group_end(l))
         state.phase = "phase2"
-        return self._merge(m, state, l)
-
-    @staticmethod
-    def _merge(m: FullAttnRes, state: FullTwoPhaseState, l: int, fusable: bool = True):
-        """Query ``l``'s Phase-1 result merged with the group's outputs so far."""
-        zs = [g.logits[..., l - g.first_query] for g in state.group]
-        return m.phase2_input(state, l, [g.x for g in state.group], zs, fusable=fusable)
+        return m.phase2_input(state, l, list(state.group))
 
     def add(self, m: FullAttnRes, state: FullTwoPhaseState, l: int, output: Tensor) -> None:
-        state.phase = "phase1"  # the new output's RMS factor and logits against every later query
-        state.group.append(GroupOutput(output, state.ops.rms_logits(output, state.sources.qg[l + 1 :], m.eps), l + 1))
+        state.phase = "phase2"
+        state.group.append(output)
 
     def finish(self, m: FullAttnRes, state: FullTwoPhaseState) -> Tensor:
         if not m.covers_aggregation(state):  # (resumed at L) Phase 1 of the aggregation alone
             self._close_group(state)
             m.phase1(state, m.n_sublayers, m.n_sublayers)
-        return self._merge(m, state, m.n_sublayers, fusable=False)
+        return m.phase2_input(state, m.n_sublayers, list(state.group), fusable=False)
 
     def history(self, m, state: FullTwoPhaseState) -> DepthHistory:
-        return DepthHistory(list(state.sources.sources) + [g.x for g in state.group], None)
+        return DepthHistory(list(state.sources.sources) + list(state.group), None)
 
     def resume(self, m: FullAttnRes, history: DepthHistory, at: int, common: dict[str, Any]) -> FullTwoPhaseState:
         completed = history.completed
         state = FullTwoPhaseState(sources=m.new_sources(completed[0].dtype), ops=m.operations(), **common)
-        state.phase = "phase1"
-        g = m.group_size
-        g0 = at // g * g  # first sublayer of the open group; v_0 .. v_{g0} are completed sources
-        for x in completed[: g0 + 1]:
-            m.complete(state, x, at)
-        qg = state.sources.qg
-        state.group = [GroupOutput(x, state.ops.rms_logits(x, qg[j:], m.eps), j)
-                       for j, x in enumerate(completed[g0 + 1 :], g0 + 1)]
-        if at % g and at < m.n_sublayers:
+        g0 = at // m.group_size * m.group_size  # first sublayer of the open group; v_0 .. v_{g0} are completed
+        state.sources.sources.extend(completed[: g0 + 1])
+        state.group = list(completed[g0 + 1 :])
+        if at % m.group_size and at < m.n_sublayers:
+            state.phase = "phase1"
             m.phase1(state, at, m.group_end(at))
         return state
 

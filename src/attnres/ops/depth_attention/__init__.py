@@ -1,12 +1,12 @@
 """Depth attention (report §3.1) and the operations of its two-phase schedule (report §4.2).
 
 * :mod:`.reference`: the readable reference - :func:`depth_attention` (one query over its
-  sources), and :func:`~.reference.rms_logits`, :func:`~.reference.phase1`,
-  :func:`~.reference.merge` as plain autograd graphs;
-* :mod:`.library`: the same three operations as ``torch.library`` custom operators
-  (``attnres::rms_logits``, ``attnres::phase1``, ``attnres::merge`` and their backward
-  operators), with fake implementations and registered autograd, dispatched by device to
-  one of the implementations:
+  sources), and the two operations of the two-phase schedule, :func:`~.reference.phase1`
+  and :func:`~.reference.merge`, as plain autograd graphs;
+* :mod:`.library`: the same operations as ``torch.library`` custom operators
+  (``attnres::phase1``, ``attnres::merge`` and their backward operators), with fake
+  implementations and registered autograd, dispatched by device to one of the
+  implementations:
 * :mod:`.torch_impl` (PyTorch, any device), :mod:`.cpu_kernel` (a C kernel, CPU float32 /
   float64), :mod:`.triton_impl` (Triton kernels, GPUs; optional).
 
@@ -26,31 +26,27 @@ __all__ = ["depth_attention", "check_sources", "compute_dtype", "Operations", "o
 
 
 class Operations(NamedTuple):
-    """One family of the three operations, with the signatures of :mod:`.reference`."""
+    """One family of the operations, with the signatures of :mod:`.reference`."""
 
     name: str
-    rms_logits: Callable
     phase1: Callable
     merge: Callable
 
 
 def _custom_ops(impl: str) -> Operations:
-    def rms_logits(x, qg, eps):
-        return library.rms_logits(x, qg, eps, impl)
+    def phase1(qg, sources, eps=1e-6):
+        return library.phase1(qg, sources, eps, impl)
 
-    def phase1(z, sources):
-        return library.phase1(z, sources, impl)
+    def merge(z, sources, computed=(), qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6):
+        return library.merge(z, sources, computed, qg, eps, norm_weight, norm_eps, impl)
 
-    def merge(z, sources, partial=None, qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6):
-        return library.merge(z, sources, partial, qg, eps, norm_weight, norm_eps, impl)
-
-    return Operations(impl, rms_logits, phase1, merge)
+    return Operations(impl, phase1, merge)
 
 
 #: The families by name: the custom operators with ``impl`` ``"auto"``, ``"torch"`` or
 #: ``"triton"``, and ``"reference"`` (the plain autograd graphs of :mod:`.reference`).
 OPERATIONS = {**{impl: _custom_ops(impl) for impl in IMPLS},
-              "reference": Operations("reference", reference.rms_logits, reference.phase1, reference.merge)}
+              "reference": Operations("reference", reference.phase1, reference.merge)}
 
 
 def operations(name: str) -> Operations:

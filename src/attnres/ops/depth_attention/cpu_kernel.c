@@ -1,25 +1,26 @@
 /* The CPU implementation of the depth-attention operations (report §4.2), as passes over
  * the tokens: attnres/ops/depth_attention/cpu_kernel.py binds it to the custom operators.
  *
- * - merge: one sublayer's input from known logits - softmax over depth, the weighted sum of
- *   the sources, Block AttnRes' partial-sum logit, the next sublayer's RMSNorm - and the
- *   backward of all of it;
- * - phase1: Phase 1 of a group's queries over their shared sources (weighted sums and
- *   log-sum-exp);
- * - logits: a completed source's logits against its later queries.
- * Each computes what torch_impl.py computes, with the same saved statistics and the same
- * backward decomposition (tests compare the two, forward and every gradient, and gradcheck
- * this kernel in double precision).
+ * - phase1: Phase 1 of a block's (or group's) S queries over their n shared sources: each
+ *   source's RMS factor and logits (computed once per call, shared by the S queries), the
+ *   softmax, the S weighted sums and each query's log-sum-exp;
+ * - merge: one sublayer's input (Phase 2): softmax over k sources of known logit (Phase 1's
+ *   weighted sum, whose logit is its log-sum-exp) and c sources whose logits it computes
+ *   (Block AttnRes' partial sum, Full AttnRes' outputs of the current group), the weighted
+ *   sum, the next sublayer's RMSNorm;
+ * and the backward of both. Each computes what torch_impl.py computes, with the same saved
+ * statistics and the same backward decomposition (tests compare the two, forward and every
+ * gradient, and gradcheck this kernel in double precision).
  *
  * Why a kernel: in eager PyTorch every (sublayer, source) pair costs about twelve passes
  * over a [tokens, d] tensor (a multiply-add in the forward; a product, a sum, a scaled copy
  * in the backward), each a separate operation. Here the loop runs over tokens and, per
  * token, over the sources: a token's rows of all sources stay in the L1 cache, so each
- * source is read once in the forward and once in the backward, and its gradient written
- * once.
+ * source is read once in the forward and once in the backward - its logits included - and
+ * its gradient written once.
  *
- * Layout: every [tokens, d] tensor is contiguous (row t at t * d); the logits z and the
- * weights alpha are [tokens, n] and [tokens, m] with m = n + has_partial.
+ * Layout: every [tokens, d] tensor is contiguous (row t at t * d); logits and weights are
+ * [tokens, S, n] or [tokens, m] with m = k + c.
  *
  * Binding: every exported function's parameters are declared once, in the *_PARAMS macros
  * below. The definitions expand them with the element type, and attnres_signatures()
@@ -34,31 +35,25 @@
 #include <string.h>
 
 /* ---- the exported functions' parameters, declared once (see the header) ---- */
-#define ATTNRES_ABI_VERSION 3
+#define ATTNRES_ABI_VERSION 4
 #define PLAIN(x) x
 #define MERGE_FORWARD_PARAMS(T, OPT)                                                           \
-    int64_t tokens, int64_t d, int64_t n, const T *const *src, const T *z,                     \
-    OPT(const T *) partial, OPT(const T *) qg, double eps, OPT(const T *) norm_w,               \
-    double norm_eps, T *out, T *alpha, OPT(T *) rb, OPT(T *) zb, OPT(T *) rstd, int threads
+    int64_t tokens, int64_t d, int64_t k, int64_t c, const T *const *src, const T *z,          \
+    OPT(const T *) const *comp, OPT(const T *) qg, double eps, OPT(const T *) norm_w,           \
+    double norm_eps, T *out, T *alpha, OPT(T *) rc, OPT(T *) zc, OPT(T *) rstd, int threads
 #define MERGE_BACKWARD_PARAMS(T, OPT)                                                          \
-    int64_t tokens, int64_t d, int64_t n, const T *const *src, OPT(const T *) partial,          \
-    OPT(const T *) qg, OPT(const T *) norm_w, const T *alpha, OPT(const T *) rb,                \
-    OPT(const T *) zb, OPT(const T *) rstd, const T *g,                                        \
-    OPT(T *) const *gsrc, OPT(T *) gz, OPT(T *) gpartial, OPT(T *) gqg_part,                    \
+    int64_t tokens, int64_t d, int64_t k, int64_t c, const T *const *src,                      \
+    OPT(const T *) const *comp, OPT(const T *) qg, OPT(const T *) norm_w, const T *alpha,       \
+    OPT(const T *) rc, OPT(const T *) zc, OPT(const T *) rstd, const T *g,                      \
+    OPT(T *) const *gsrc, OPT(T *) const *gcomp, OPT(T *) gz, OPT(T *) gqg_part,               \
     OPT(T *) gw_part, int threads
 #define PHASE1_FORWARD_PARAMS(T, OPT)                                                          \
-    int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *z,          \
-    T *const *out, T *lse, int threads
+    int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *q,          \
+    double eps, T *const *out, T *lse, int threads
 #define PHASE1_BACKWARD_PARAMS(T, OPT)                                                         \
-    int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *z,          \
-    const T *lse, OPT(const T *) const *gout, OPT(const T *) glse, OPT(T *) gz,                 \
-    OPT(T *) const *gsrc, int threads
-#define LOGITS_FORWARD_PARAMS(T, OPT)                                                          \
-    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, double eps, T *z, T *r,      \
-    int threads
-#define LOGITS_BACKWARD_PARAMS(T, OPT)                                                         \
-    int64_t tokens, int64_t d, int64_t K, const T *x, const T *q, const T *r, const T *gz,     \
-    OPT(T *) gx, OPT(T *) gq_part, int threads
+    int64_t tokens, int64_t d, int64_t n, int64_t S, const T *const *src, const T *q,          \
+    double eps, const T *lse, OPT(const T *) const *gout, OPT(const T *) glse,                 \
+    OPT(T *) const *gsrc, OPT(T *) gq_part, int threads
 
 /* a . b over d values, in two vector accumulators (GCC/Clang vector extensions, 32 bytes:
  * AVX) so that the multiply-adds of one dot product do not wait on one another and the
@@ -180,38 +175,44 @@ static inline void combine_##SUFFIX(T *o, int add, const T *const *rows, int64_t
     }                                                                                          \
 }
 
+
+#ifdef _OPENMP
+#include <omp.h>
+#define ATTNRES_THREAD_ID(tid) (tid) = omp_get_thread_num()
+#else
+#define ATTNRES_THREAD_ID(tid) (void)(tid)
+#endif
+
 #define DEFINE_MERGE(T, SUFFIX, SQRT)                                                          \
-/* The sources and the partial sum (when not NULL) as one table of m rows' bases. */         \
-static const T **row_table_##SUFFIX(int64_t n, const T *const *src, const T *partial)          \
+/* The k sources, then the c computed-logit ones, as one table of m rows' bases. */          \
+static const T **row_table_##SUFFIX(int64_t k, const T *const *src, int64_t c,                \
+                                    const T *const *comp)                                      \
 {                                                                                              \
-    const T **rows = (const T **)malloc((size_t)(n + 1) * sizeof(T *));                        \
-    for (int64_t j = 0; j < n; ++j) rows[j] = src[j];                                          \
-    rows[n] = partial;                                                                         \
+    const T **rows = (const T **)malloc((size_t)(k + c + 1) * sizeof(T *));                   \
+    for (int64_t j = 0; j < k; ++j) rows[j] = src[j];                                          \
+    for (int64_t j = 0; j < c; ++j) rows[k + j] = comp[j];                                     \
     return rows;                                                                               \
 }                                                                                              \
                                                                                                \
-/* Forward. out = RMSNorm(h) (or h), h = sum_j alpha_j x_j, alpha = softmax(z, zb). Writes    \
- * alpha [tokens, m]; with a partial sum zb and rb (its logit and RMS factor) [tokens]; with  \
- * a norm rstd [tokens]. */                                                                   \
+/* Forward. The logit of each computed source x_j: zc_j = rc_j (x_j . qg), rc_j = 1/rms(x_j)  \
+ * (both written, [tokens, c]); alpha = softmax(z, zc) [tokens, m]; h = sum_j alpha_j x_j;    \
+ * out = RMSNorm(h) with rstd [tokens] written, or h without a norm. */                       \
 void attnres_merge_forward_##SUFFIX(MERGE_FORWARD_PARAMS(T, PLAIN))                           \
 {                                                                                              \
-    const int64_t m = n + (partial != NULL);                                                   \
-    const T **rows = row_table_##SUFFIX(n, src, partial);                                      \
+    const int64_t m = k + c;                                                                   \
+    const T **rows = row_table_##SUFFIX(k, src, c, comp);                                      \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                         \
     for (int64_t t = 0; t < tokens; ++t) {                                                     \
         T *a = alpha + t * m;                                                                  \
-        const T *zt = z + t * n;                                                               \
-        if (partial != NULL) { /* the partial sum's logit: (p . qg) / rms(p) */               \
-            const T *p = partial + t * d;                                                      \
-            const T r = (T)1 / SQRT(dot_##SUFFIX(p, p, d) / (T)d + (T)eps);                    \
-            rb[t] = r;                                                                         \
-            zb[t] = dot_##SUFFIX(p, qg, d) * r;                                                \
-            a[n] = zb[t];                                                                      \
+        for (int64_t j = 0; j < k; ++j) a[j] = z[t * k + j];                                   \
+        for (int64_t j = 0; j < c; ++j) { /* (x . qg) / rms(x) */                              \
+            const T *x = comp[j] + t * d;                                                      \
+            const T r = (T)1 / SQRT(dot_##SUFFIX(x, x, d) / (T)d + (T)eps);                    \
+            rc[t * c + j] = r;                                                                 \
+            a[k + j] = zc[t * c + j] = dot_##SUFFIX(x, qg, d) * r;                             \
         }                                                                                      \
-        T mx = -INFINITY;                                                                      \
-        for (int64_t j = 0; j < n; ++j) { a[j] = zt[j]; if (a[j] > mx) mx = a[j]; }            \
-        if (partial != NULL && a[n] > mx) mx = a[n];                                           \
-        T se = 0;                                                                              \
+        T mx = -INFINITY, se = 0;                                                              \
+        for (int64_t j = 0; j < m; ++j) if (a[j] > mx) mx = a[j];                              \
         for (int64_t j = 0; j < m; ++j) a[j] -= mx;                                            \
         exp_inplace_##SUFFIX(a, m);                                                            \
         for (int64_t j = 0; j < m; ++j) se += a[j];                                            \
@@ -222,70 +223,65 @@ void attnres_merge_forward_##SUFFIX(MERGE_FORWARD_PARAMS(T, PLAIN))             
         if (norm_w != NULL) {                                                                  \
             const T r = (T)1 / SQRT(dot_##SUFFIX(o, o, d) / (T)d + (T)norm_eps);               \
             rstd[t] = r;                                                                       \
-            for (int64_t k = 0; k < d; ++k) o[k] = o[k] * r * norm_w[k];                       \
+            for (int64_t l = 0; l < d; ++l) o[l] = o[l] * r * norm_w[l];                       \
         }                                                                                      \
     }                                                                                          \
     free(rows);                                                                                \
 }                                                                                              \
                                                                                                \
-/* Backward from g = d loss / d out [tokens, d]. Writes, where not NULL: gsrc[j] (d / d x_j),  \
- * gz [tokens, n] (d / d z), gpartial [tokens, d]; and per-thread partial sums over tokens    \
- * gqg_part and gw_part [threads, d] (d / d qg, d / d norm_w), which the caller adds up.      \
- * With a norm, h is recomputed from the sources. */                                          \
+/* Backward from g = d loss / d out [tokens, d]. With a norm, h is recomputed from the        \
+ * sources and gh = rstd (u - rstd^2 (u . h) h / d), u = g norm_w (else gh = g). Softmax:     \
+ * dz_j = alpha_j (gh . x_j - sum_i alpha_i gh . x_i). Writes, where not NULL: gsrc[j] =      \
+ * alpha_j gh; gz [tokens, k]; gcomp[j] = alpha_j gh + gr_j (qg - (rc_j zc_j / d) x_j) with    \
+ * gr_j = dzc_j rc_j; per-thread partial sums over tokens gqg_part (sum gr_j x_j) and gw_part  \
+ * (sum g h rstd), [threads, d], which the caller adds up. */                                 \
 void attnres_merge_backward_##SUFFIX(MERGE_BACKWARD_PARAMS(T, PLAIN))                          \
 {                                                                                              \
-    const int64_t m = n + (partial != NULL);                                                   \
+    const int64_t m = k + c;                                                                   \
     if (gqg_part != NULL) memset(gqg_part, 0, (size_t)(threads * d) * sizeof(T));              \
     if (gw_part != NULL) memset(gw_part, 0, (size_t)(threads * d) * sizeof(T));                \
-    const T **rows = row_table_##SUFFIX(n, src, partial);                                      \
+    const T **rows = row_table_##SUFFIX(k, src, c, comp);                                      \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
         int tid = 0;                                                                           \
         ATTNRES_THREAD_ID(tid);                                                                \
         T *buf = (T *)malloc((size_t)(2 * d + m) * sizeof(T)); /* h, gh, s */                  \
-        T *hb = buf, *gh = buf + d, *s = buf + 2 * d;                                          \
+        T *h = buf, *gh = buf + d, *s = buf + 2 * d;                                           \
         T *gqg = gqg_part != NULL ? gqg_part + tid * d : NULL;                                 \
         T *gw = gw_part != NULL ? gw_part + tid * d : NULL;                                    \
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t t = 0; t < tokens; ++t) {                                                 \
-            const T *a = alpha + t * m;                                                        \
-            const T *gt = g + t * d;                                                           \
-            if (norm_w != NULL) { /* y = h rstd w: dh = rstd (u - rstd^2 (u . h) h / d) */     \
-                const T *h = hb; /* recomputed from the sources */                             \
-                combine_##SUFFIX(hb, 0, rows, t * d, a, m, d);                                 \
+            const T *a = alpha + t * m, *gt = g + t * d;                                       \
+            if (norm_w != NULL) {                                                              \
+                combine_##SUFFIX(h, 0, rows, t * d, a, m, d);                                  \
                 const T r = rstd[t];                                                           \
-                for (int64_t k = 0; k < d; ++k) gh[k] = gt[k] * norm_w[k];                    \
+                for (int64_t l = 0; l < d; ++l) gh[l] = gt[l] * norm_w[l];                    \
                 const T uh = dot_##SUFFIX(gh, h, d);                                           \
-                if (gw != NULL) for (int64_t k = 0; k < d; ++k) gw[k] += gt[k] * h[k] * r;     \
-                const T c = r * r * uh / (T)d;                                                 \
-                for (int64_t k = 0; k < d; ++k) gh[k] = r * (gh[k] - c * h[k]);                \
+                if (gw != NULL) for (int64_t l = 0; l < d; ++l) gw[l] += gt[l] * h[l] * r;     \
+                const T cf = r * r * uh / (T)d;                                                \
+                for (int64_t l = 0; l < d; ++l) gh[l] = r * (gh[l] - cf * h[l]);               \
             } else {                                                                           \
                 memcpy(gh, gt, (size_t)d * sizeof(T));                                         \
             }                                                                                  \
-            /* softmax: dz_j = alpha_j (gh . x_j - sum_i alpha_i gh . x_i) */                  \
             T mean = 0;                                                                        \
             for (int64_t j = 0; j < m; ++j) {                                                  \
-                const T *x = (j < n ? src[j] : partial) + t * d;                               \
-                const T dot = dot_##SUFFIX(gh, x, d);                                          \
-                s[j] = dot;                                                                    \
-                mean += a[j] * dot;                                                            \
+                s[j] = dot_##SUFFIX(gh, rows[j] + t * d, d);                                   \
+                mean += a[j] * s[j];                                                           \
             }                                                                                  \
-            if (gz != NULL) for (int64_t j = 0; j < n; ++j) gz[t * n + j] = a[j] * (s[j] - mean); \
-            for (int64_t j = 0; j < n; ++j) {                                                  \
+            if (gz != NULL) for (int64_t j = 0; j < k; ++j) gz[t * k + j] = a[j] * (s[j] - mean); \
+            for (int64_t j = 0; j < k; ++j) {                                                  \
                 if (gsrc[j] == NULL) continue;                                                 \
                 T *gx = gsrc[j] + t * d;                                                       \
-                const T aj = a[j];                                                             \
-                for (int64_t k = 0; k < d; ++k) gx[k] = aj * gh[k];                            \
+                for (int64_t l = 0; l < d; ++l) gx[l] = a[j] * gh[l];                          \
             }                                                                                  \
-            if (partial != NULL) { /* d zb / d p = rb qg - (rb^2 zb / d) p, plus alpha_b */   \
-                const T *p = partial + t * d;                                                  \
-                const T gr = a[n] * (s[n] - mean) * rb[t];                                     \
-                if (gpartial != NULL) {                                                        \
-                    T *gp = gpartial + t * d;                                                  \
-                    const T ab = a[n], c = gr * rb[t] * zb[t] / (T)d;                          \
-                    for (int64_t k = 0; k < d; ++k) gp[k] = ab * gh[k] + gr * qg[k] - c * p[k]; \
+            for (int64_t j = 0; j < c; ++j) { /* d zc / d x = rc qg - (rc^2 zc / d) x */        \
+                const T *x = comp[j] + t * d, aj = a[k + j], r = rc[t * c + j];                \
+                const T gr = aj * (s[k + j] - mean) * r, cf = gr * r * zc[t * c + j] / (T)d;   \
+                if (gcomp[j] != NULL) {                                                        \
+                    T *gx = gcomp[j] + t * d;                                                  \
+                    for (int64_t l = 0; l < d; ++l) gx[l] = aj * gh[l] + gr * qg[l] - cf * x[l]; \
                 }                                                                              \
-                if (gqg != NULL) for (int64_t k = 0; k < d; ++k) gqg[k] += gr * p[k];          \
+                if (gqg != NULL) for (int64_t l = 0; l < d; ++l) gqg[l] += gr * x[l];          \
             }                                                                                  \
         }                                                                                      \
         free(buf);                                                                             \
@@ -297,35 +293,50 @@ void attnres_merge_backward_##SUFFIX(MERGE_BACKWARD_PARAMS(T, PLAIN))           
  * (one vectorized exp over the tile), then each token's rows are combined. */
 #define TILE 16
 
-/* Phase 1 of S queries over the same n completed sources, in one pass over each source
- * (report §4.2, Algorithm 1): out[s] = sum_i alpha_si x_i, lse[t, s] = log sum_i exp(z_tsi),
- * alpha_s = softmax(z_ts), z [tokens, S, n]. The backward recomputes alpha from z and lse,
- * reads each source once for the S queries and writes its gradient once: sum_s alpha_si g_s. */
-#define DEFINE_PHASE1(T, SUFFIX, LOG)                                                              \
+/* Phase 1 of S queries q [S, d] (gain-folded) over the same n completed sources, in one
+ * pass over each source (report §4.2, Algorithm 1): per token, each source's RMS factor
+ * r_i = 1/rms(x_i) once for the S queries and its logits z_si = r_i (x_i . q_s); then
+ * out[s] = sum_i alpha_si x_i with alpha_s = softmax(z_s), and lse[t, s] = log sum_i
+ * exp(z_si). The backward recomputes the logits and weights from the sources, q and lse. */
+#define DEFINE_PHASE1(T, SUFFIX, LOG, SQRT)                                                        \
+/* The tile's logits w [tt, S, n] and the sources' RMS factors r [tt, n]. */                  \
+static void phase1_logits_##SUFFIX(int64_t t0, int64_t tt, int64_t d, int64_t n, int64_t S,    \
+                                   const T *const *src, const T *q, double eps, T *w, T *r)    \
+{                                                                                              \
+    for (int64_t t = 0; t < tt; ++t)                                                           \
+        for (int64_t i = 0; i < n; ++i) {                                                      \
+            const T *x = src[i] + (t0 + t) * d;                                                \
+            const T ri = (T)1 / SQRT(dot_##SUFFIX(x, x, d) / (T)d + (T)eps);                   \
+            r[t * n + i] = ri;                                                                 \
+            for (int64_t s = 0; s < S; ++s) w[(t * S + s) * n + i] = ri * dot_##SUFFIX(x, q + s * d, d); \
+        }                                                                                      \
+}                                                                                              \
+                                                                                               \
 void attnres_phase1_forward_##SUFFIX(PHASE1_FORWARD_PARAMS(T, PLAIN))                         \
 {                                                                                              \
     const int64_t tiles = (tokens + TILE - 1) / TILE;                                          \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
-        T *w = (T *)malloc((size_t)(TILE * S * n) * sizeof(T)); /* the tile's alpha */         \
+        T *w = (T *)malloc((size_t)(TILE * S * n + TILE * n) * sizeof(T)); /* alpha, r */      \
+        T *r = w + TILE * S * n;                                                               \
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t b = 0; b < tiles; ++b) {                                                  \
             const int64_t t0 = b * TILE, tt = tokens - t0 < TILE ? tokens - t0 : TILE;         \
             const int64_t rows = tt * S; /* one softmax per (token, query) */                  \
-            memcpy(w, z + t0 * S * n, (size_t)(rows * n) * sizeof(T));                        \
-            for (int64_t r = 0; r < rows; ++r) {                                               \
-                T *wr = w + r * n, mx = -INFINITY;                                             \
+            phase1_logits_##SUFFIX(t0, tt, d, n, S, src, q, eps, w, r);                        \
+            for (int64_t j = 0; j < rows; ++j) {                                               \
+                T *wr = w + j * n, mx = -INFINITY;                                             \
                 for (int64_t i = 0; i < n; ++i) if (wr[i] > mx) mx = wr[i];                    \
                 for (int64_t i = 0; i < n; ++i) wr[i] -= mx;                                   \
-                lse[t0 * S + r] = mx;                                                          \
+                lse[t0 * S + j] = mx;                                                          \
             }                                                                                  \
             exp_inplace_##SUFFIX(w, rows * n);                                                 \
-            for (int64_t r = 0; r < rows; ++r) {                                               \
-                T *wr = w + r * n, se = 0;                                                     \
+            for (int64_t j = 0; j < rows; ++j) {                                               \
+                T *wr = w + j * n, se = 0;                                                     \
                 for (int64_t i = 0; i < n; ++i) se += wr[i];                                   \
                 const T inv = (T)1 / se;                                                       \
                 for (int64_t i = 0; i < n; ++i) wr[i] *= inv;                                  \
-                lse[t0 * S + r] += LOG(se);                                                    \
+                lse[t0 * S + j] += LOG(se);                                                    \
             }                                                                                  \
             for (int64_t t = 0; t < tt; ++t)                                                   \
                 for (int64_t s = 0; s < S; ++s)                                                \
@@ -336,193 +347,80 @@ void attnres_phase1_forward_##SUFFIX(PHASE1_FORWARD_PARAMS(T, PLAIN))           
     }                                                                                          \
 }                                                                                              \
                                                                                                \
-/* Backward from gout[s] (d / d out[s], NULL: zero) and glse [tokens, S] (NULL: zero).        \
- * Writes gz [tokens, S, n] (NULL: not needed) and gsrc[i] (NULL: not needed). */             \
+/* Backward from gout[s] (NULL: zero) and glse [tokens, S] (NULL: zero). With g_s . x_i the  \
+ * dots: dz_si = alpha_si (g_s . x_i - sum_j alpha_sj g_s . x_j + glse_s); then d x_i =       \
+ * sum_s alpha_si g_s + r_i u_i - (r_i^2 / d) (sum_s dz_si z_si) x_i with u_i = sum_s dz_si   \
+ * q_s (through the logits), into gsrc[i] (NULL: not needed); d q_s = sum_t,i dz_si r_i x_i   \
+ * in per-thread partial sums gq_part [threads, S, d] (NULL: not needed). */                  \
 void attnres_phase1_backward_##SUFFIX(PHASE1_BACKWARD_PARAMS(T, PLAIN))                        \
 {                                                                                              \
     const int64_t tiles = (tokens + TILE - 1) / TILE;                                          \
-    /* the output gradients that are there, and the query of each */                          \
-    const T **g = (const T **)malloc((size_t)S * sizeof(T *));                                 \
-    int64_t *q = (int64_t *)malloc((size_t)S * sizeof(int64_t)), ng = 0;                      \
-    for (int64_t s = 0; s < S; ++s) if (gout[s] != NULL) { g[ng] = gout[s]; q[ng++] = s; }     \
-    _Pragma("omp parallel num_threads(threads)")                                               \
-    {                                                                                          \
-        /* alpha and the dots g_s . x_i of the tile, and one source's weights per query */     \
-        T *w = (T *)malloc((size_t)(2 * TILE * S * n + S) * sizeof(T));                       \
-        T *dots = w + TILE * S * n, *c = dots + TILE * S * n;                                  \
-        _Pragma("omp for schedule(static)")                                                    \
-        for (int64_t b = 0; b < tiles; ++b) {                                                  \
-            const int64_t t0 = b * TILE, tt = tokens - t0 < TILE ? tokens - t0 : TILE;         \
-            const int64_t rows = tt * S;                                                       \
-            for (int64_t r = 0; r < rows; ++r)                                                 \
-                for (int64_t i = 0; i < n; ++i)                                                \
-                    w[r * n + i] = z[(t0 * S + r) * n + i] - lse[t0 * S + r];                  \
-            exp_inplace_##SUFFIX(w, rows * n);                                                 \
-            for (int64_t i = 0; i < n; ++i) { /* each source's rows of the tile in one run */    \
-                for (int64_t t = 0; t < tt; ++t) {                                             \
-                    const int64_t off = (t0 + t) * d;                                          \
-                    const T *x = src[i] + off, *wt = w + t * S * n;                            \
-                    if (gz != NULL)                                                            \
-                        for (int64_t s = 0; s < S; ++s)                                        \
-                            dots[(t * S + s) * n + i] =                                        \
-                                gout[s] != NULL ? dot_##SUFFIX(gout[s] + off, x, d) : (T)0;    \
-                    if (gsrc[i] == NULL) continue; /* d x_i = sum_s alpha_si g_s */            \
-                    for (int64_t j = 0; j < ng; ++j) c[j] = wt[q[j] * n + i];                  \
-                    combine_##SUFFIX(gsrc[i] + off, 0, g, off, c, ng, d);               \
-                }                                                                              \
-            }                                                                                  \
-            if (gz != NULL) /* dz_si = alpha_si (g_s . x_i - g_s . out_s + glse_s) */         \
-                for (int64_t r = 0; r < rows; ++r) {                                           \
-                    const T *wr = w + r * n, *dr = dots + r * n;                               \
-                    T mean = 0;                                                                \
-                    for (int64_t i = 0; i < n; ++i) mean += wr[i] * dr[i];                     \
-                    const T gl = glse != NULL ? glse[t0 * S + r] : (T)0;                       \
-                    T *gzr = gz + (t0 * S + r) * n;                                            \
-                    for (int64_t i = 0; i < n; ++i) gzr[i] = wr[i] * (dr[i] - mean + gl);      \
-                }                                                                              \
-        }                                                                                      \
-        free(w);                                                                               \
-    }                                                                                          \
-    free(g);                                                                                   \
-    free(q);                                                                                   \
-}
-
-/* The logits of one completed source against K later queries (report §3.1: phi(q, k) with
- * the key RMSNorm's gain folded into the queries): z[t, k] = r_t (x_t . q_k), r_t =
- * 1 / rms(x_t). A [tokens, d] x [d, K] product with K small (1 to L), where a BLAS call
- * spends most of its time on the skinny shape: here blocks of 4 tokens against 2 vectors of
- * queries at a time, every product in registers. q [K, d]; writes z [tokens, K], r [tokens]. */
-#define LOGIT_TOKENS 4
-#define LOGIT_CHUNK 64
-#define DEFINE_LOGITS(T, SUFFIX, SQRT)                                                             \
-typedef T logit_vec_##SUFFIX __attribute__((vector_size(32)));                                 \
-                                                                                               \
-/* out[t] = sum_{i < n} a[t][i] b[i * bs ..] over two vectors of b's row, for the              \
- * LOGIT_TOKENS rows a[t]: a block of a product, its sums in registers. */                     \
-static inline void product_block_##SUFFIX(logit_vec_##SUFFIX out[LOGIT_TOKENS][2],             \
-                                          const T *const *a, const T *b, int64_t bs, int64_t n)\
-{                                                                                              \
-    enum { W = 32 / sizeof(T) };                                                               \
-    logit_vec_##SUFFIX acc[LOGIT_TOKENS][2], b0, b1;                                           \
-    memset(acc, 0, sizeof acc);                                                                \
-    for (int64_t i = 0; i < n; ++i) {                                                          \
-        memcpy(&b0, b + i * bs, sizeof b0);                                                    \
-        memcpy(&b1, b + i * bs + W, sizeof b1);                                                \
-        for (int t = 0; t < LOGIT_TOKENS; ++t) {                                               \
-            acc[t][0] += a[t][i] * b0;                                                         \
-            acc[t][1] += a[t][i] * b1;                                                         \
-        }                                                                                      \
-    }                                                                                          \
-    memcpy(out, acc, sizeof acc);                                                              \
-}                                                                                              \
-                                                                                               \
-void attnres_logits_forward_##SUFFIX(LOGITS_FORWARD_PARAMS(T, PLAIN))                         \
-{                                                                                              \
-    typedef T V __attribute__((vector_size(32)));                                              \
-    enum { W = 32 / sizeof(T) };                                                               \
-    const int64_t Kp = (K + 2 * W - 1) / (2 * W) * (2 * W);                                    \
-    T *qt = (T *)calloc((size_t)(d * Kp), sizeof(T)); /* q transposed, zero-padded to Kp */    \
-    for (int64_t k = 0; k < K; ++k)                                                            \
-        for (int64_t j = 0; j < d; ++j) qt[j * Kp + k] = q[k * d + j];                         \
-    const int64_t blocks = (tokens + LOGIT_TOKENS - 1) / LOGIT_TOKENS;                        \
-    _Pragma("omp parallel num_threads(threads)")                                               \
-    {                                                                                          \
-        T *zero = (T *)calloc((size_t)d, sizeof(T)); /* the rows past the last token */       \
-        _Pragma("omp for schedule(static)")                                                    \
-        for (int64_t b = 0; b < blocks; ++b) {                                                 \
-            const int64_t t0 = b * LOGIT_TOKENS;                                               \
-            const int64_t tt = tokens - t0 < LOGIT_TOKENS ? tokens - t0 : LOGIT_TOKENS;        \
-            const T *xr[LOGIT_TOKENS];                                                         \
-            T rt[LOGIT_TOKENS];                                                                \
-            for (int t = 0; t < LOGIT_TOKENS; ++t) {                                           \
-                xr[t] = t < tt ? x + (t0 + t) * d : zero;                                      \
-                rt[t] = t < tt ? (T)1 / SQRT(dot_##SUFFIX(xr[t], xr[t], d) / (T)d + (T)eps) : (T)0; \
-                if (t < tt) r[t0 + t] = rt[t];                                                 \
-            }                                                                                  \
-            for (int64_t kb = 0; kb < Kp; kb += 2 * W) {                                       \
-                V a[LOGIT_TOKENS][2];                                                          \
-                product_block_##SUFFIX(a, xr, qt + kb, Kp, d);                                 \
-                const int64_t kn = K - kb < 2 * W ? K - kb : 2 * W;                            \
-                for (int64_t t = 0; t < tt; ++t) {                                             \
-                    T out[2 * W];                                                              \
-                    memcpy(out, a[t], sizeof a[t]);                                            \
-                    for (int64_t k = 0; k < kn; ++k) z[(t0 + t) * K + kb + k] = out[k] * rt[t]; \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        free(zero);                                                                            \
-    }                                                                                          \
-    free(qt);                                                                                  \
-}                                                                                              \
-                                                                                               \
-/* Backward from gz [tokens, K]. With u = sum_k gz_k q_k and c = (r^2 / d) sum_k gz_k z_k      \
- * = r^3 (x . u) / d (so z need not be kept): d x = r u - c x, written to gx (NULL: not     \
- * needed); d q_k = sum_t gz_tk r_t x_t, in per-thread partial      \
- * sums gq_part [threads, K, d] (NULL: not needed) that the caller adds up. Runs over          \
- * chunks of LOGIT_CHUNK tokens (their rows of x stay in L1 for d q), d x in blocks of         \
- * LOGIT_TOKENS tokens. */                                                                     \
-void attnres_logits_backward_##SUFFIX(LOGITS_BACKWARD_PARAMS(T, PLAIN))                        \
-{                                                                                              \
-    typedef T V __attribute__((vector_size(32)));                                              \
-    enum { W = 32 / sizeof(T) };                                                               \
-    if (gq_part != NULL) memset(gq_part, 0, (size_t)(threads * K * d) * sizeof(T));            \
-    const int64_t chunks = (tokens + LOGIT_CHUNK - 1) / LOGIT_CHUNK;                          \
+    if (gq_part != NULL) memset(gq_part, 0, (size_t)(threads * S * d) * sizeof(T));            \
+    /* the output gradients that are there, and the query of each; the query rows */          \
+    const T **g = (const T **)malloc((size_t)(2 * S) * sizeof(T *)), **qrows = g + S;          \
+    int64_t *qi = (int64_t *)malloc((size_t)S * sizeof(int64_t)), ng = 0;                     \
+    for (int64_t s = 0; s < S; ++s) { qrows[s] = q + s * d; if (gout[s] != NULL) { g[ng] = gout[s]; qi[ng++] = s; } } \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
         int tid = 0;                                                                           \
         ATTNRES_THREAD_ID(tid);                                                                \
-        T *gq = gq_part != NULL ? gq_part + (int64_t)tid * K * d : NULL;                       \
-        T *wk = (T *)malloc((size_t)(K * LOGIT_CHUNK) * sizeof(T)); /* gz_tk r_t, by query */  \
-        T *u = (T *)malloc((size_t)(LOGIT_TOKENS * d) * sizeof(T)); /* sum_k gz_k q_k */        \
-        const T *xrows[LOGIT_CHUNK]; /* the chunk's rows of x */                               \
+        /* the tile's alpha, logits, dots / dz, r, and one source's coefficients per query */  \
+        const int64_t sz = TILE * S * n;                                                       \
+        T *w = (T *)malloc((size_t)(3 * sz + TILE * n + 2 * S + TILE * n) * sizeof(T));        \
+        T *zt = w + sz, *dz = zt + sz, *r = dz + sz, *cf = r + TILE * n, *ci = cf + 2 * S;       \
+        const T **xr = (const T **)malloc((size_t)(TILE * n) * sizeof(T *));                  \
+        T *gq = gq_part != NULL ? gq_part + (int64_t)tid * S * d : NULL;                       \
         _Pragma("omp for schedule(static)")                                                    \
-        for (int64_t ch = 0; ch < chunks; ++ch) {                                              \
-            const int64_t c0 = ch * LOGIT_CHUNK;                                               \
-            const int64_t cn = tokens - c0 < LOGIT_CHUNK ? tokens - c0 : LOGIT_CHUNK;          \
-            for (int64_t b0 = c0; gx != NULL && b0 < c0 + cn; b0 += LOGIT_TOKENS) {            \
-                const int64_t tt = c0 + cn - b0 < LOGIT_TOKENS ? c0 + cn - b0 : LOGIT_TOKENS; \
-                const T *xb = x + b0 * d, *gzb = gz + b0 * K;                                  \
-                const T *gzr[LOGIT_TOKENS]; /* the block's rows of gz */                       \
-                for (int t = 0; t < LOGIT_TOKENS; ++t) gzr[t] = gzb + (t < tt ? t : 0) * K;    \
-                int64_t j = 0;                                                                 \
-                if (tt == LOGIT_TOKENS) /* u in registers, 2 vectors of d at a time */         \
-                    for (; j + 2 * W <= d; j += 2 * W) {                                       \
-                        V a[LOGIT_TOKENS][2];                                                  \
-                        product_block_##SUFFIX(a, gzr, q + j, d, K);                           \
-                        for (int t = 0; t < LOGIT_TOKENS; ++t) memcpy(u + t * d + j, a[t], sizeof a[t]); \
+        for (int64_t b = 0; b < tiles; ++b) {                                                  \
+            const int64_t t0 = b * TILE, tt = tokens - t0 < TILE ? tokens - t0 : TILE;         \
+            phase1_logits_##SUFFIX(t0, tt, d, n, S, src, q, eps, zt, r);                       \
+            for (int64_t j = 0; j < tt * S * n; ++j) w[j] = zt[j] - lse[t0 * S + j / n];       \
+            exp_inplace_##SUFFIX(w, tt * S * n);                                               \
+            for (int64_t t = 0; t < tt; ++t) /* dz = alpha (dots - alpha . dots + glse) */     \
+                for (int64_t s = 0; s < S; ++s) {                                              \
+                    const int64_t row = (t * S + s) * n;                                       \
+                    const T *gs = gout[s] != NULL ? gout[s] + (t0 + t) * d : NULL;             \
+                    T mean = 0;                                                                \
+                    for (int64_t i = 0; i < n; ++i) {                                          \
+                        dz[row + i] = gs != NULL ? dot_##SUFFIX(gs, src[i] + (t0 + t) * d, d) : (T)0; \
+                        mean += w[row + i] * dz[row + i];                                      \
                     }                                                                          \
-                for (int64_t t = 0; t < tt; ++t) /* the rest of d, and a last partial block */ \
-                    for (int64_t l = j; l < d; ++l) {                                          \
-                        T v = 0;                                                               \
-                        for (int64_t k = 0; k < K; ++k) v += gzb[t * K + k] * q[k * d + l];   \
-                        u[t * d + l] = v;                                                      \
-                    }                                                                          \
-                for (int64_t t = 0; t < tt; ++t) {                                             \
-                    const T *ut = u + t * d, *xt = xb + t * d, rr = r[b0 + t];                 \
-                    /* sum_k gz_k z_k = r (x . u): c = r^3 (x . u) / d */                      \
-                    const T c = rr * rr * rr * dot_##SUFFIX(xt, ut, d) / (T)d;                 \
-                    T *g = gx + (b0 + t) * d;                                                  \
-                    for (int64_t l = 0; l < d; ++l) g[l] = rr * ut[l] - c * xt[l];             \
+                    const T gl = glse != NULL ? glse[t0 * S + t * S + s] : (T)0;               \
+                    for (int64_t i = 0; i < n; ++i) dz[row + i] = w[row + i] * (dz[row + i] - mean + gl); \
                 }                                                                              \
-            }                                                                                  \
+            for (int64_t i = 0; i < n; ++i)                                                    \
+                for (int64_t t = 0; t < tt; ++t) {                                             \
+                    const int64_t off = (t0 + t) * d;                                          \
+                    const T *x = src[i] + off, ri = r[t * n + i];                              \
+                    T zsum = 0;                                                                \
+                    for (int64_t s = 0; s < S; ++s) {                                          \
+                        const int64_t at = (t * S + s) * n + i;                                \
+                        cf[s] = dz[at] * ri;       /* u_i's coefficient of q_s, times r_i */  \
+                        zsum += dz[at] * zt[at];                                               \
+                    }                                                                          \
+                    xr[t * n + i] = x;                                                         \
+                    ci[t * n + i] = 0;                                                         \
+                    if (gsrc[i] == NULL) continue;                                             \
+                    T *gx = gsrc[i] + off;                                                     \
+                    for (int64_t j = 0; j < ng; ++j) cf[S + j] = w[(t * S + qi[j]) * n + i];  \
+                    combine_##SUFFIX(gx, 0, g, off, cf + S, ng, d); /* sum_s alpha_si g_s */  \
+                    combine_##SUFFIX(gx, 1, qrows, 0, cf, S, d);    /* + r_i u_i */            \
+                    const T c0 = ri * ri * zsum / (T)d;                                        \
+                    for (int64_t l = 0; l < d; ++l) gx[l] -= c0 * x[l];                        \
+                }                                                                              \
             if (gq == NULL) continue;                                                          \
-            for (int64_t t = 0; t < cn; ++t)                                                   \
-                for (int64_t k = 0; k < K; ++k) wk[k * cn + t] = gz[(c0 + t) * K + k] * r[c0 + t]; \
-            for (int64_t t = 0; t < cn; ++t) xrows[t] = x + (c0 + t) * d;                      \
-            for (int64_t k = 0; k < K; ++k) /* gq_k += sum_t wk_t x_t */                       \
-                combine_##SUFFIX(gq + k * d, 1, xrows, 0, wk + k * cn, cn, d);                 \
+            for (int64_t s = 0; s < S; ++s) { /* d q_s += sum_t,i dz_si r_i x_i */             \
+                for (int64_t t = 0; t < tt; ++t)                                               \
+                    for (int64_t i = 0; i < n; ++i) ci[t * n + i] = dz[(t * S + s) * n + i] * r[t * n + i]; \
+                combine_##SUFFIX(gq + s * d, 1, xr, 0, ci, tt * n, d);                         \
+            }                                                                                  \
         }                                                                                      \
-        free(wk);                                                                              \
-        free(u);                                                                               \
+        free(w);                                                                               \
+        free(xr);                                                                              \
     }                                                                                          \
+    free(g);                                                                                   \
+    free(qi);                                                                                  \
 }
-
-#ifdef _OPENMP
-#include <omp.h>
-#define ATTNRES_THREAD_ID(tid) (tid) = omp_get_thread_num()
-#else
-#define ATTNRES_THREAD_ID(tid) (void)(tid)
-#endif
 
 DEFINE_DOT(float, f32)
 DEFINE_DOT(double, f64)
@@ -530,10 +428,8 @@ DEFINE_COMBINE(float, f32)
 DEFINE_COMBINE(double, f64)
 DEFINE_MERGE(float, f32, sqrtf)
 DEFINE_MERGE(double, f64, sqrt)
-DEFINE_PHASE1(float, f32, logf)
-DEFINE_PHASE1(double, f64, log)
-DEFINE_LOGITS(float, f32, sqrtf)
-DEFINE_LOGITS(double, f64, sqrt)
+DEFINE_PHASE1(float, f32, logf, sqrtf)
+DEFINE_PHASE1(double, f64, log, sqrt)
 
 /* ---- what the binding checks: the ABI version and every function's parameters ---- */
 #define ATTNRES_STR(...) #__VA_ARGS__
@@ -547,7 +443,5 @@ const char *attnres_signatures(void)
     return "merge_forward(" ATTNRES_XSTR(MERGE_FORWARD_PARAMS(scalar_t, NULLABLE)) ");"
            "merge_backward(" ATTNRES_XSTR(MERGE_BACKWARD_PARAMS(scalar_t, NULLABLE)) ");"
            "phase1_forward(" ATTNRES_XSTR(PHASE1_FORWARD_PARAMS(scalar_t, NULLABLE)) ");"
-           "phase1_backward(" ATTNRES_XSTR(PHASE1_BACKWARD_PARAMS(scalar_t, NULLABLE)) ");"
-           "logits_forward(" ATTNRES_XSTR(LOGITS_FORWARD_PARAMS(scalar_t, NULLABLE)) ");"
-           "logits_backward(" ATTNRES_XSTR(LOGITS_BACKWARD_PARAMS(scalar_t, NULLABLE)) ")";
+           "phase1_backward(" ATTNRES_XSTR(PHASE1_BACKWARD_PARAMS(scalar_t, NULLABLE)) ")";
 }

@@ -18,7 +18,7 @@ text (declared once, in the C source) and an ABI version; :class:`KernelLibrary`
 ``ctypes`` declarations from that text and takes every argument by name, checking tensors'
 dtype, device and layout, so a mismatch raises instead of corrupting memory.
 
-The six functions at the bottom have the signatures of their counterparts in
+The four functions at the bottom have the signatures of their counterparts in
 :mod:`.torch_impl` (the reference arithmetic; same saved statistics).
 """
 
@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["cpu_kernel", "supports", "KernelLibrary", "rms_logits_forward", "rms_logits_backward", "phase1_forward",
-           "phase1_backward", "merge_forward", "merge_backward"]
+__all__ = ["cpu_kernel", "supports", "KernelLibrary", "phase1_forward", "phase1_backward", "merge_forward",
+           "merge_backward"]
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 #: The ABI version the binding expects (``ATTNRES_ABI_VERSION`` in the C source).
-ABI_VERSION = 3
+ABI_VERSION = 4
 # -ffp-contract=fast: fused multiply-adds (ISO C mode turns contraction off).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 #: Flags dropped, in turn, when the compiler refuses the full set.
@@ -227,69 +227,50 @@ def _new(needed: bool, like: Tensor, shape=None) -> Tensor | None:
     return torch.empty_like(like) if shape is None else torch.empty(shape, dtype=like.dtype)
 
 
-def rms_logits_forward(x: Tensor, qg: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    z = torch.empty((*x.shape[:-1], qg.shape[0]), dtype=x.dtype)
-    r = torch.empty(x.shape[:-1], dtype=x.dtype)
-    cpu_kernel().call("logits_forward", x.dtype, **_geometry(x), K=qg.shape[0], x=x, q=qg, eps=float(eps), z=z, r=r)
-    return z, r
-
-
-def rms_logits_backward(gz, x, qg, r, needs_x: bool, needs_qg: bool):
-    geometry = _geometry(x)
-    gx = _new(needs_x, x)
-    gq_part = _new(needs_qg, x, (geometry["threads"], *qg.shape))
-    cpu_kernel().call("logits_backward", x.dtype, **geometry, K=qg.shape[0], x=x, q=qg, r=r, gz=gz.contiguous(),
-                      gx=gx, gq_part=gq_part)
-    return gx, (gq_part.sum(0) if gq_part is not None else None)
-
-
-def phase1_forward(z: Tensor, sources: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
+def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[list[Tensor], Tensor]:
     x0 = sources[0]
-    outs = [torch.empty_like(x0) for _ in range(z.shape[-2])]
-    lse = torch.empty(z.shape[:-1], dtype=x0.dtype)
-    cpu_kernel().call("phase1_forward", x0.dtype, **_geometry(x0), n=len(sources), S=z.shape[-2], src=sources,
-                      z=z.contiguous(), out=outs, lse=lse)
+    outs = [torch.empty_like(x0) for _ in range(qg.shape[0])]
+    lse = torch.empty((*x0.shape[:-1], qg.shape[0]), dtype=x0.dtype)
+    cpu_kernel().call("phase1_forward", x0.dtype, **_geometry(x0), n=len(sources), S=qg.shape[0], src=sources, q=qg,
+                      eps=float(eps), out=outs, lse=lse)
     return outs, lse
 
 
-def phase1_backward(z, lse, sources, g_outs, g_lse, needs_z: bool, needs_sources: Sequence[bool]):
+def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool, needs_sources: Sequence[bool]):
     x0 = sources[0]
+    geometry = _geometry(x0)
     g_src = [_new(need, x0) for need in needs_sources]
-    g_z = _new(needs_z, z)
-    cpu_kernel().call("phase1_backward", x0.dtype, **_geometry(x0), n=len(sources), S=z.shape[-2], src=sources,
-                      z=z.contiguous(), lse=lse, gout=[g if g is None else g.contiguous() for g in g_outs],
-                      glse=None if g_lse is None else g_lse.contiguous(), gz=g_z, gsrc=g_src)
-    return g_z, g_src
+    gq_part = _new(needs_qg, x0, (geometry["threads"], *qg.shape))
+    cpu_kernel().call("phase1_backward", x0.dtype, **geometry, n=len(sources), S=qg.shape[0], src=sources, q=qg,
+                      eps=float(eps), lse=lse.contiguous(), gout=[g if g is None else g.contiguous() for g in g_outs],
+                      glse=None if g_lse is None else g_lse.contiguous(), gsrc=g_src, gq_part=gq_part)
+    return (gq_part.sum(0) if gq_part is not None else None), g_src
 
 
-def merge_forward(z, sources, partial, qg, norm_weight, eps: float, norm_eps: float):
-    x0 = sources[0]
-    lead, m = x0.shape[:-1], len(sources) + (partial is not None)
-    has_partial, has_norm = partial is not None, norm_weight is not None
-    out, alpha = torch.empty_like(x0), torch.empty((*lead, m), dtype=x0.dtype)
-    r_b, zb = _new(has_partial, x0, lead), _new(has_partial, x0, lead)
-    rstd = _new(has_norm, x0, (*lead, 1))
-    cpu_kernel().call("merge_forward", x0.dtype, **_geometry(x0), n=len(sources), src=sources, z=z.contiguous(),
-                      partial=partial, qg=qg if has_partial else None, eps=float(eps), norm_w=norm_weight,
-                      norm_eps=float(norm_eps), out=out, alpha=alpha, rb=r_b, zb=zb, rstd=rstd)
-    return out, alpha, r_b, zb, rstd
+def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float):
+    x0 = (list(sources) + list(computed))[0]
+    lead, k, c = x0.shape[:-1], len(sources), len(computed)
+    out, alpha = torch.empty_like(x0), torch.empty((*lead, k + c), dtype=x0.dtype)
+    rc, zc = _new(c > 0, x0, (*lead, c)), _new(c > 0, x0, (*lead, c))
+    rstd = _new(norm_weight is not None, x0, (*lead, 1))
+    cpu_kernel().call("merge_forward", x0.dtype, **_geometry(x0), k=k, c=c, src=sources, z=z.contiguous(),
+                      comp=computed, qg=qg if c else None, eps=float(eps), norm_w=norm_weight,
+                      norm_eps=float(norm_eps), out=out, alpha=alpha, rc=rc, zc=zc, rstd=rstd)
+    return out, alpha, rc, zc, rstd
 
 
-def merge_backward(g, alpha, r_b, zb, rstd, sources, partial, qg, norm_weight, needs):
-    """``needs``: ``(z, sources..., partial, qg, norm_weight)`` as :func:`.torch_impl.merge_backward`."""
-    x0 = sources[0]
-    n, geometry = len(sources), _geometry(x0)
-    needs_z, needs_src, needs_partial, needs_qg, needs_norm = needs[0], needs[1 : n + 1], *needs[n + 1 :]
-    has_partial = partial is not None
-    g_src = [_new(need, x0) for need in needs_src]
-    g_z = _new(needs_z, x0, (*x0.shape[:-1], n))
-    g_partial = _new(needs_partial and has_partial, x0)
-    gqg_part = _new(needs_qg and has_partial, x0, (geometry["threads"], geometry["d"]))
+def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs):
+    """``needs``: ``(z, *sources, *computed, qg, norm_weight)`` as :func:`.torch_impl.merge_backward`."""
+    x0 = (list(sources) + list(computed))[0]
+    k, c, geometry = len(sources), len(computed), _geometry(x0)
+    needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
+    grads = [_new(need, x0) for need in needs_x]
+    g_z = _new(needs_z, x0, (*x0.shape[:-1], k))
+    gqg_part = _new(needs_qg and c > 0, x0, (geometry["threads"], geometry["d"]))
     gw_part = _new(needs_norm and norm_weight is not None, x0, (geometry["threads"], geometry["d"]))
-    cpu_kernel().call("merge_backward", x0.dtype, **geometry, n=n, src=sources, partial=partial,
-                      qg=qg if has_partial else None, norm_w=norm_weight, alpha=alpha, rb=r_b, zb=zb, rstd=rstd,
-                      g=g.contiguous(), gsrc=g_src, gz=g_z, gpartial=g_partial, gqg_part=gqg_part,
-                      gw_part=gw_part)
+    cpu_kernel().call("merge_backward", x0.dtype, **geometry, k=k, c=c, src=sources, comp=computed,
+                      qg=qg if c else None, norm_w=norm_weight, alpha=alpha, rc=rc, zc=zc, rstd=rstd,
+                      g=g.contiguous(), gsrc=grads[:k], gcomp=grads[k:], gz=g_z, gqg_part=gqg_part, gw_part=gw_part)
     g_qg = gqg_part.sum(0) if gqg_part is not None else None
     g_norm = gw_part.sum(0) if gw_part is not None else None
-    return g_z, g_src, g_partial, g_qg, g_norm
+    return g_z, grads[:k], grads[k:], g_qg, g_norm

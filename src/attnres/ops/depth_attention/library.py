@@ -1,18 +1,14 @@
 """The depth-attention operations as ``torch.library`` custom operators.
 
-Three operators cover the two-phase schedule (report §4.2), each with a backward operator:
+Two operators cover the two-phase schedule (report §4.2), each with a backward operator:
 
-=================================  ================================================  =========================
-operator                           computes                                          backward operator
-=================================  ================================================  =========================
-``attnres::rms_logits``            a completed source's logits against ``K``         ``rms_logits_backward``
-                                   later queries, and its RMS factor
-``attnres::phase1``                Phase 1 of ``S`` queries over ``n`` shared        ``phase1_backward``
-                                   sources: weighted sums and log-sum-exp
-``attnres::merge``                 one sublayer's input: softmax over known logits   ``merge_backward``
-                                   (and Block's partial sum), weighted sum, the
-                                   next sublayer's RMSNorm
-=================================  ================================================  =========================
+* ``attnres::phase1`` (backward: ``phase1_backward``): Phase 1 of ``S`` queries over ``n``
+  shared sources - each source's RMS factor and logits once for the ``S`` queries, the
+  weighted sums and each query's log-sum-exp;
+* ``attnres::merge`` (backward: ``merge_backward``): one sublayer's input - softmax over
+  sources of known logit (Phase 1's weighted sum) and sources whose logits it computes
+  (Block AttnRes' partial sum, Full AttnRes' outputs of the current group), the weighted
+  sum, the next sublayer's RMSNorm.
 
 Every operator has a fake implementation (``torch.compile`` traces it as one node, so
 compiled and eager training run the same kernels) and its autograd registered with
@@ -23,9 +19,8 @@ The last argument, ``impl``, picks the implementation: ``"auto"`` (by device: th
 of :mod:`.cpu_kernel` for CPU tensors it supports, else :mod:`.torch_impl`; the Triton
 kernels of :mod:`.triton_impl` for CUDA tensors when triton is installed, else PyTorch),
 ``"torch"`` (:mod:`.torch_impl` on any device) or ``"triton"`` (the Triton kernels; on CPU
-only under ``TRITON_INTERPRET=1``). The public wrappers are :func:`rms_logits`,
-:func:`phase1` and :func:`merge`; :mod:`.reference` has the same three functions as plain
-autograd graphs.
+only under ``TRITON_INTERPRET=1``). The public wrappers are :func:`phase1` and
+:func:`merge`; :mod:`.reference` has the same functions as plain autograd graphs.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ from torch import Tensor
 from . import cpu_kernel, torch_impl
 from .reference import _check_merge, compute_dtype
 
-__all__ = ["IMPLS", "rms_logits", "phase1", "merge", "pick"]
+__all__ = ["IMPLS", "phase1", "merge", "pick"]
 
 #: Values of the operators' ``impl`` argument.
 IMPLS = ("auto", "torch", "triton")
@@ -64,66 +59,17 @@ def pick(impl: str, tensors: Sequence[Tensor | None]) -> ModuleType:
     return torch_impl
 
 
-def _placeholder(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+def _placeholder(like: Tensor) -> Tensor:
     """A stand-in for an absent result (operators cannot return ``None``)."""
-    return torch.empty(0, dtype=dtype or like.dtype, device=like.device)
+    return torch.empty(0, dtype=like.dtype, device=like.device)
 
 
-def _fill(results: Sequence[Tensor | None], likes: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    return tuple(_placeholder(like) if r is None else r for r, like in zip(results, likes))
+def _fill(results: Sequence[Tensor | None], like: Tensor) -> list[Tensor]:
+    return [_placeholder(like) if r is None else r for r in results]
 
 
-# ----------------------------------------------------------------------------------------
-# rms_logits
-# ----------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("attnres::rms_logits", mutates_args=())
-def _rms_logits(x: Tensor, qg: Tensor, eps: float, impl: str) -> tuple[Tensor, Tensor]:
-    qg = qg.contiguous()
-    return pick(impl, [x, qg]).rms_logits_forward(x, qg, eps)
-
-
-@_rms_logits.register_fake
-def _(x, qg, eps, impl):
-    compute = compute_dtype(x.dtype)
-    return x.new_empty((*x.shape[:-1], qg.shape[0]), dtype=compute), x.new_empty(x.shape[:-1], dtype=compute)
-
-
-@torch.library.custom_op("attnres::rms_logits_backward", mutates_args=())
-def _rms_logits_backward(gz: Tensor, x: Tensor, qg: Tensor, r: Tensor, needs: list[bool], impl: str
-                         ) -> tuple[Tensor, Tensor]:
-    qg, gz = qg.contiguous(), gz.contiguous()
-    gx, gq = pick(impl, [x, qg, r, gz]).rms_logits_backward(gz, x, qg, r, *needs)
-    return _fill([gx, gq], [x, qg])
-
-
-@_rms_logits_backward.register_fake
-def _(gz, x, qg, r, needs, impl):
-    return (torch.empty_like(x) if needs[0] else _placeholder(x)), (torch.empty_like(qg) if needs[1] else _placeholder(qg))
-
-
-def _rms_logits_setup(ctx, inputs, output):
-    x, qg, _eps, impl = inputs
-    ctx.set_materialize_grads(False)
-    ctx.impl = impl
-    ctx.save_for_backward(x, qg, output[1])
-
-
-def _rms_logits_grads(ctx, gz, needs: list[bool]) -> tuple[Tensor | None, Tensor | None]:
-    """``(d x, d qg)`` through the backward operator, ``None`` where not needed."""
-    if gz is None or not any(needs):
-        return None, None
-    x, qg, r = ctx.saved_tensors
-    gx, gq = torch.ops.attnres.rms_logits_backward(gz, x, qg, r, needs, ctx.impl)
-    return (gx if needs[0] else None), (gq if needs[1] else None)
-
-
-def _rms_logits_grad(ctx, gz, _gr):
-    return *_rms_logits_grads(ctx, gz, list(ctx.needs_input_grad[:2])), None, None
-
-
-_rms_logits.register_autograd(_rms_logits_grad, setup_context=_rms_logits_setup)
+def _contiguous(xs: Sequence[Tensor | None]) -> list[Tensor | None]:
+    return [x if x is None else x.contiguous() for x in xs]
 
 
 # ----------------------------------------------------------------------------------------
@@ -132,54 +78,56 @@ _rms_logits.register_autograd(_rms_logits_grad, setup_context=_rms_logits_setup)
 
 
 @torch.library.custom_op("attnres::phase1", mutates_args=())
-def _phase1(z: Tensor, sources: list[Tensor], impl: str) -> tuple[list[Tensor], Tensor]:
-    z = z.contiguous()  # (small: [..., S, n])
-    outs, lse = pick(impl, [*sources, z]).phase1_forward(z, sources)
+def _phase1(qg: Tensor, sources: list[Tensor], eps: float, impl: str) -> tuple[list[Tensor], Tensor]:
+    qg = qg.contiguous()  # (small: [S, d])
+    outs, lse = pick(impl, [*sources, qg]).phase1_forward(qg, sources, eps)
     return list(outs), lse
 
 
 @_phase1.register_fake
-def _(z, sources, impl):
-    return [torch.empty_like(sources[0]) for _ in range(z.shape[-2])], z.new_empty(z.shape[:-1])
+def _(qg, sources, eps, impl):
+    x0 = sources[0]
+    lse = x0.new_empty((*x0.shape[:-1], qg.shape[0]), dtype=compute_dtype(x0.dtype))
+    return [torch.empty_like(x0) for _ in range(qg.shape[0])], lse
 
 
 @torch.library.custom_op("attnres::phase1_backward", mutates_args=())
-def _phase1_backward(z: Tensor, lse: Tensor, sources: list[Tensor], g_outs: list[Optional[Tensor]],
-                     g_lse: Optional[Tensor], needs: list[bool], impl: str) -> tuple[Tensor, list[Tensor]]:
-    z, g_outs = z.contiguous(), [g if g is None else g.contiguous() for g in g_outs]
-    g_lse = None if g_lse is None else g_lse.contiguous()
-    module = pick(impl, [*sources, z, lse, *g_outs, g_lse])
-    g_z, g_src = module.phase1_backward(z, lse, sources, g_outs, g_lse, needs[0], needs[1:])
-    return _fill([g_z], [z])[0], list(_fill(g_src, sources))
+def _phase1_backward(qg: Tensor, lse: Tensor, sources: list[Tensor], g_outs: list[Optional[Tensor]],
+                     g_lse: Optional[Tensor], eps: float, needs: list[bool], impl: str) -> tuple[Tensor, list[Tensor]]:
+    qg, lse, g_lse = _contiguous([qg, lse, g_lse])
+    g_outs = _contiguous(g_outs)
+    module = pick(impl, [*sources, qg, lse, *g_outs, g_lse])
+    g_qg, g_src = module.phase1_backward(qg, lse, sources, g_outs, g_lse, eps, needs[0], needs[1:])
+    return _fill([g_qg], qg)[0], _fill(g_src, sources[0])
 
 
 @_phase1_backward.register_fake
-def _(z, lse, sources, g_outs, g_lse, needs, impl):
-    g_z = torch.empty_like(z) if needs[0] else _placeholder(z)
-    return g_z, [torch.empty_like(x) if need else _placeholder(x) for x, need in zip(sources, needs[1:])]
+def _(qg, lse, sources, g_outs, g_lse, eps, needs, impl):
+    g_qg = torch.empty_like(qg) if needs[0] else _placeholder(qg)
+    return g_qg, [torch.empty_like(x) if need else _placeholder(x) for x, need in zip(sources, needs[1:])]
 
 
 def _phase1_setup(ctx, inputs, output):
-    z, sources, impl = inputs
+    qg, sources, eps, impl = inputs
     ctx.set_materialize_grads(False)
-    ctx.impl, ctx.n = impl, len(sources)
-    ctx.save_for_backward(z, output[1], *sources)
+    ctx.impl, ctx.eps, ctx.n = impl, eps, len(sources)
+    ctx.save_for_backward(qg, output[1], *sources)
 
 
 def _phase1_grads(ctx, g_outs, g_lse, needs: list[bool]) -> tuple[Tensor | None, list[Tensor | None]]:
-    """``(d z, [d source...])`` through the backward operator, ``None`` where not needed."""
-    z, lse, *sources = ctx.saved_tensors
-    g_outs = list(g_outs) if g_outs is not None else [None] * z.shape[-2]
+    """``(d qg, [d source...])`` through the backward operator, ``None`` where not needed."""
+    qg, lse, *sources = ctx.saved_tensors
+    g_outs = list(g_outs) if g_outs is not None else [None] * qg.shape[0]
     if (all(g is None for g in g_outs) and g_lse is None) or not any(needs):
         return None, [None] * len(sources)
-    g_z, g_src = torch.ops.attnres.phase1_backward(z, lse, sources, g_outs, g_lse, needs, ctx.impl)
-    return (g_z if needs[0] else None), [g if need else None for g, need in zip(g_src, needs[1:])]
+    g_qg, g_src = torch.ops.attnres.phase1_backward(qg, lse, sources, g_outs, g_lse, ctx.eps, needs, ctx.impl)
+    return (g_qg if needs[0] else None), [g if need else None for g, need in zip(g_src, needs[1:])]
 
 
 def _phase1_grad(ctx, g_outs, g_lse):
     ni = ctx.needs_input_grad
-    g_z, g_src = _phase1_grads(ctx, g_outs, g_lse, [ni[0], *ni[1]])
-    return g_z, g_src, None
+    g_qg, g_src = _phase1_grads(ctx, g_outs, g_lse, [ni[0], *ni[1]])
+    return g_qg, g_src, None, None
 
 
 _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
@@ -191,76 +139,78 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
 
 
 @torch.library.custom_op("attnres::merge", mutates_args=())
-def _merge(z: Tensor, sources: list[Tensor], partial: Optional[Tensor], qg: Optional[Tensor],
+def _merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
            norm_weight: Optional[Tensor], eps: float, norm_eps: float, impl: str
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    z, qg = z.contiguous(), None if qg is None else qg.contiguous()  # (small: [..., n] and [d])
-    module = pick(impl, [*sources, z, partial, qg, norm_weight])
-    out, alpha, r_b, zb, rstd = module.merge_forward(z, sources, partial, qg, norm_weight, eps, norm_eps)
-    return (out, alpha, *_fill([r_b, zb, rstd], [alpha] * 3))
+    z, qg = _contiguous([z, qg])  # (small: [..., k] and [d])
+    module = pick(impl, [*sources, *computed, z, qg, norm_weight])
+    out, alpha, rc, zc, rstd = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps)
+    return out, alpha, *_fill([rc, zc, rstd], alpha)
 
 
 @_merge.register_fake
-def _(z, sources, partial, qg, norm_weight, eps, norm_eps, impl):
-    x0, compute = sources[0], compute_dtype(sources[0].dtype)
-    lead = x0.shape[:-1]
-    alpha = x0.new_empty((*lead, len(sources) + (partial is not None)), dtype=compute)
-    stat = x0.new_empty(lead, dtype=compute) if partial is not None else _placeholder(alpha)
+def _(z, sources, computed, qg, norm_weight, eps, norm_eps, impl):
+    x0 = [*sources, *computed][0]
+    lead, compute = x0.shape[:-1], compute_dtype(x0.dtype)
+    alpha = x0.new_empty((*lead, len(sources) + len(computed)), dtype=compute)
+    stat = x0.new_empty((*lead, len(computed)), dtype=compute) if computed else _placeholder(alpha)
     rstd = x0.new_empty((*lead, 1), dtype=compute) if norm_weight is not None else _placeholder(alpha)
     return torch.empty_like(x0), alpha, stat, stat.clone(), rstd
 
 
 @torch.library.custom_op("attnres::merge_backward", mutates_args=())
-def _merge_backward(g: Tensor, alpha: Tensor, r_b: Optional[Tensor], zb: Optional[Tensor], rstd: Optional[Tensor],
-                    sources: list[Tensor], partial: Optional[Tensor], qg: Optional[Tensor],
+def _merge_backward(g: Tensor, alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor], rstd: Optional[Tensor],
+                    sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
                     norm_weight: Optional[Tensor], needs: list[bool], impl: str
-                    ) -> tuple[Tensor, list[Tensor], Tensor, Tensor, Tensor]:
-    g, qg = g.contiguous(), None if qg is None else qg.contiguous()
-    module = pick(impl, [*sources, g, alpha, r_b, zb, rstd, partial, qg, norm_weight])
-    g_z, g_src, g_partial, g_qg, g_norm = module.merge_backward(g, alpha, r_b, zb, rstd, sources, partial, qg,
-                                                                norm_weight, needs)
-    g_partial, g_qg, g_norm = _fill([g_partial, g_qg, g_norm], [alpha] * 3)
-    return _fill([g_z], [alpha])[0], list(_fill(g_src, sources)), g_partial, g_qg, g_norm
+                    ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor]:
+    g, qg = _contiguous([g, qg])
+    module = pick(impl, [*sources, *computed, g, alpha, rc, zc, rstd, qg, norm_weight])
+    g_z, g_src, g_comp, g_qg, g_norm = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
+                                                             norm_weight, needs)
+    g_qg, g_norm = _fill([g_qg, g_norm], alpha)
+    return _fill([g_z], alpha)[0], _fill(g_src, alpha), _fill(g_comp, alpha), g_qg, g_norm
 
 
 @_merge_backward.register_fake
-def _(g, alpha, r_b, zb, rstd, sources, partial, qg, norm_weight, needs, impl):
-    n = len(sources)
+def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, impl):
+    k, c = len(sources), len(computed)
 
     def grad(need, like):
         return torch.empty_like(like) if need and like is not None else _placeholder(alpha)
 
-    g_z = alpha.new_empty((*alpha.shape[:-1], n)) if needs[0] else _placeholder(alpha)
-    g_src = [torch.empty_like(x) if need else _placeholder(x) for x, need in zip(sources, needs[1 : n + 1])]
-    return g_z, g_src, grad(needs[n + 1], partial), grad(needs[n + 2], qg), grad(needs[n + 3], norm_weight)
+    g_z = alpha.new_empty((*alpha.shape[:-1], k)) if needs[0] else _placeholder(alpha)
+    xs = [*sources, *computed]
+    grads = [grad(need, x) for x, need in zip(xs, needs[1 : 1 + k + c])]
+    return g_z, grads[:k], grads[k:], grad(needs[1 + k + c], qg), grad(needs[2 + k + c], norm_weight)
 
 
 def _merge_setup(ctx, inputs, output):
-    z, sources, partial, qg, norm_weight, _eps, _norm_eps, impl = inputs
-    _out, alpha, r_b, zb, rstd = output
+    z, sources, computed, qg, norm_weight, _eps, _norm_eps, impl = inputs
+    _out, alpha, rc, zc, rstd = output
     ctx.set_materialize_grads(False)
-    ctx.impl, ctx.n = impl, len(sources)
-    has_partial, has_norm = partial is not None, norm_weight is not None
-    stats = [r_b if has_partial else None, zb if has_partial else None, rstd if has_norm else None]
-    ctx.save_for_backward(alpha, *stats, partial, qg, norm_weight, *sources)
+    ctx.impl, ctx.k, ctx.c = impl, len(sources), len(computed)
+    stats = [rc if computed else None, zc if computed else None, rstd if norm_weight is not None else None]
+    ctx.save_for_backward(alpha, *stats, qg, norm_weight, *sources, *computed)
 
 
 def _merge_grads(ctx, g, needs: list[bool]):
-    """``(d z, [d source...], d partial, d qg, d norm_weight)`` through the backward
+    """``(d z, [d source...], [d computed...], d qg, d norm_weight)`` through the backward
     operator, ``None`` where not needed; ``needs`` in that order."""
-    alpha, r_b, zb, rstd, partial, qg, norm_weight, *sources = ctx.saved_tensors
+    alpha, rc, zc, rstd, qg, norm_weight, *xs = ctx.saved_tensors
+    k, c = ctx.k, ctx.c
     if g is None or not any(needs):
-        return None, [None] * len(sources), None, None, None
-    grads = torch.ops.attnres.merge_backward(g, alpha, r_b, zb, rstd, sources, partial, qg, norm_weight, needs, ctx.impl)
-    n = len(sources)
-    g_src = [t if need else None for t, need in zip(grads[1], needs[1 : n + 1])]
-    return (grads[0] if needs[0] else None), g_src, *(t if need else None for t, need in zip(grads[2:], needs[n + 1 :]))
+        return None, [None] * k, [None] * c, None, None
+    g_z, g_src, g_comp, g_qg, g_norm = torch.ops.attnres.merge_backward(
+        g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.impl)
+    keep = lambda t, need: t if need else None  # noqa: E731
+    grads = [keep(t, need) for t, need in zip([*g_src, *g_comp], needs[1 : 1 + k + c])]
+    return keep(g_z, needs[0]), grads[:k], grads[k:], keep(g_qg, needs[1 + k + c]), keep(g_norm, needs[2 + k + c])
 
 
 def _merge_grad(ctx, g, *_aux):
     ni = ctx.needs_input_grad
-    g_z, g_src, g_partial, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[1], ni[2], ni[3], ni[4]])
-    return g_z, g_src, g_partial, g_qg, g_norm, None, None, None
+    g_z, g_src, g_comp, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[1], *ni[2], ni[3], ni[4]])
+    return g_z, g_src, g_comp, g_qg, g_norm, None, None, None
 
 
 _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
@@ -278,37 +228,24 @@ _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
 # inside them are the nodes of its graphs.
 
 
-class _RmsLogits(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, qg, eps, impl):
-        z, r = torch.ops.attnres.rms_logits(x, qg, eps, impl)
-        _rms_logits_setup(ctx, (x, qg, eps, impl), (z, r))
-        ctx.mark_non_differentiable(r)
-        return z, r
-
-    @staticmethod
-    def backward(ctx, gz, _gr):
-        return *_rms_logits_grads(ctx, gz, list(ctx.needs_input_grad[:2])), None, None
-
-
 class _Phase1(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, impl, *sources):
-        outs, lse = torch.ops.attnres.phase1(z, list(sources), impl)
-        _phase1_setup(ctx, (z, sources, impl), (outs, lse))
+    def forward(ctx, qg, eps, impl, *sources):
+        outs, lse = torch.ops.attnres.phase1(qg, list(sources), eps, impl)
+        _phase1_setup(ctx, (qg, sources, eps, impl), (outs, lse))
         return (*outs, lse)
 
     @staticmethod
     def backward(ctx, *grads):
         ni = ctx.needs_input_grad
-        g_z, g_src = _phase1_grads(ctx, grads[:-1], grads[-1], [ni[0], *ni[2:]])
-        return g_z, None, *g_src
+        g_qg, g_src = _phase1_grads(ctx, grads[:-1], grads[-1], [ni[0], *ni[3:]])
+        return g_qg, None, None, *g_src
 
 
 class _Merge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, partial, qg, norm_weight, eps, norm_eps, impl, *sources):
-        args = (z, list(sources), partial, qg, norm_weight, eps, norm_eps, impl)
+    def forward(ctx, z, qg, norm_weight, eps, norm_eps, impl, k, *xs):
+        args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, impl)
         outputs = torch.ops.attnres.merge(*args)
         _merge_setup(ctx, args, outputs)
         ctx.mark_non_differentiable(*outputs[1:])
@@ -317,8 +254,8 @@ class _Merge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, *_aux):
         ni = ctx.needs_input_grad
-        g_z, g_src, g_partial, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[7:], ni[1], ni[2], ni[3]])
-        return g_z, g_partial, g_qg, g_norm, None, None, None, *g_src
+        g_z, g_src, g_comp, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[7:], ni[1], ni[2]])
+        return g_z, g_qg, g_norm, None, None, None, None, *g_src, *g_comp
 
 
 def _check_impl(impl: str) -> None:
@@ -326,34 +263,26 @@ def _check_impl(impl: str) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def rms_logits(x: Tensor, qg: Tensor, eps: float, impl: str = "auto") -> Tensor:
-    """:func:`.reference.rms_logits` as the operator ``attnres::rms_logits``: ``x [..., d]``,
-    ``qg [K, d]`` -> ``z [..., K]`` (compute dtype); saves ``x``, ``qg`` and one RMS factor
-    per token."""
+def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, impl: str = "auto") -> tuple[list[Tensor], Tensor]:
+    """:func:`.reference.phase1` as the operator ``attnres::phase1``: ``qg [S, d]`` over ``n``
+    sources -> ``S`` weighted sums ``[..., d]`` and ``lse [..., S]``; one pass over each
+    source for all ``S`` queries, forward and backward."""
     _check_impl(impl)
-    if qg.dim() != 2 or qg.shape[-1] != x.shape[-1]:
-        raise ValueError(f"qg must have shape [K, {x.shape[-1]}], got {tuple(qg.shape)}")
-    return _RmsLogits.apply(x, qg, float(eps), impl)[0]
-
-
-def phase1(z: Tensor, sources: Sequence[Tensor], impl: str = "auto") -> tuple[list[Tensor], Tensor]:
-    """:func:`.reference.phase1` as the operator ``attnres::phase1``: ``z [..., S, n]`` ->
-    ``S`` weighted sums ``[..., d]`` and ``lse [..., S]``; one pass over each source for all
-    ``S`` queries, forward and backward."""
-    _check_impl(impl)
-    if z.shape[-1] != len(sources):
-        raise ValueError(f"z has {z.shape[-1]} logits per query for {len(sources)} sources")
-    *outs, lse = _Phase1.apply(z, impl, *sources)
+    if qg.dim() != 2 or qg.shape[-1] != sources[0].shape[-1]:
+        raise ValueError(f"qg must have shape [S, {sources[0].shape[-1]}], got {tuple(qg.shape)}")
+    *outs, lse = _Phase1.apply(qg, float(eps), impl, *sources)
     return outs, lse
 
 
-def merge(z: Tensor, sources: Sequence[Tensor], partial: Tensor | None = None, qg: Tensor | None = None,
+def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (), qg: Tensor | None = None,
           eps: float = 1e-6, norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
           impl: str = "auto") -> tuple[Tensor, Tensor]:
     """:func:`.reference.merge` (same arguments and results) as the operator
-    ``attnres::merge``: ``(out [..., d], alpha [..., n (+1)])``; saves the weights, the
-    partial sum's logit and RMS factor, the norm's ``1/rms`` and references to its inputs."""
+    ``attnres::merge``: ``(out [..., d], alpha [..., k + c])``; saves the weights, the
+    computed sources' logits and RMS factors, the norm's ``1/rms`` and references to its
+    inputs."""
     _check_impl(impl)
-    _check_merge(z, sources, partial, qg)
-    out, alpha, *_ = _Merge.apply(z, partial, qg, norm_weight, float(eps), float(norm_eps), impl, *sources)
+    _check_merge(z, sources, computed, qg)
+    out, alpha, *_ = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), impl, len(sources), *sources,
+                                  *computed)
     return out, alpha

@@ -5,10 +5,10 @@ the two-phase schedule (report §4.2), as plain PyTorch: autograd records their 
 RMS-normalise the keys, one dot product with the pseudo-query per source, a softmax over
 the sources, and the weighted sum of the *raw* sources.
 
-:func:`rms_logits`, :func:`phase1` and :func:`merge` split it the way the two-phase
-schedule runs it, with the signatures of the custom operators (:mod:`.library`); the
-operators' implementations (:mod:`.torch_impl`, :mod:`.cpu_kernel`, :mod:`.triton_impl`)
-are compared with these, forward and every gradient.
+:func:`phase1` and :func:`merge` split it the way the two-phase schedule runs it, with the
+signatures of the custom operators (:mod:`.library`); the operators' implementations
+(:mod:`.torch_impl`, :mod:`.cpu_kernel`, :mod:`.triton_impl`) are compared with these,
+forward and every gradient. :func:`rms_logits` is the logit both compute.
 
 Conventions: ``d`` is the hidden size, ``K`` or ``S`` a number of queries, ``n`` a number of
 sources, ``...`` the token dimensions. Logits, weights and statistics are in the *compute
@@ -163,27 +163,28 @@ def weighted_sum(weights: Tensor, sources: Sequence[Tensor]) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------
-# The three operations, as plain autograd graphs.
+# The operations, as plain autograd graphs.
 # ----------------------------------------------------------------------------------------
 
 
 def rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
-    """Logits of a completed source ``x [..., d]`` against ``K`` gain-folded queries
-    ``qg [K, d]`` (query times key-norm gain, report §3.1: ``w . (g * x_hat) =
-    (w * g) . x_hat``): ``z [..., K] = (x . qg_k) / rms(x)`` in the compute dtype."""
+    """Logits of a source ``x [..., d]`` against ``K`` gain-folded queries ``qg [K, d]``
+    (query times key-norm gain, report §3.1: ``w . (g * x_hat) = (w * g) . x_hat``):
+    ``z [..., K] = (x . qg_k) / rms(x)`` in the compute dtype."""
     compute = compute_dtype(x.dtype)
     with full_precision(x):
         xc = x.to(compute)
         return F.linear(xc, qg.to(compute)) * rms_inverse(xc, eps).unsqueeze(-1)
 
 
-def phase1(z: Tensor, sources: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
-    """Phase 1 (report Algorithm 1) of ``S`` queries over ``n`` shared sources: their
-    logits ``z [..., S, n]`` -> the ``S`` weighted sums ``sum_i softmax(z_s)_i x_i``
-    (``[..., d]``, in the sources' dtype) and the log-sum-exp of each query's logits
-    ``lse [..., S]``: the one statistic with which Phase 2 merges a weighted sum as a source
-    whose logit is ``lse``."""
-    with full_precision(z):
+def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6) -> tuple[list[Tensor], Tensor]:
+    """Phase 1 (report Algorithm 1) of ``S`` gain-folded queries ``qg [S, d]`` over ``n``
+    shared sources ``[..., d]``: each source's RMS factor once for the ``S`` queries, the
+    logits, and the ``S`` weighted sums ``sum_i softmax(z_s)_i x_i`` (``[..., d]``, in the
+    sources' dtype) with the log-sum-exp of each query's logits ``lse [..., S]`` - the one
+    statistic with which Phase 2 merges a weighted sum as a source whose logit is ``lse``."""
+    with full_precision(sources[0]):
+        z = torch.stack([rms_logits(x, qg, eps) for x in sources], dim=-1)  # [..., S, n]
         p = torch.softmax(z, dim=-1)
         outs = [weighted_sum(p[..., s, :], sources).to(sources[0].dtype) for s in range(z.shape[-2])]
         return outs, torch.logsumexp(z, dim=-1)
@@ -192,48 +193,45 @@ def phase1(z: Tensor, sources: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
 def merge(
     z: Tensor,
     sources: Sequence[Tensor],
-    partial: Tensor | None = None,
+    computed: Sequence[Tensor] = (),
     qg: Tensor | None = None,
     eps: float = 1e-6,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
-    """One query's depth attention from known logits (Phase 2, report §4.2), and the next
-    sublayer's RMSNorm.
+    """One query's depth attention (Phase 2, report §4.2), and the next sublayer's RMSNorm.
 
     Args:
-        z: ``[..., n]``, the query's logits for ``sources`` (compute dtype).
-        sources: ``n >= 1`` tensors ``[..., d]``, the values (a Phase-1 weighted sum among
-            them, with its log-sum-exp as its logit).
-        partial, qg: Block AttnRes' partial sum ``[..., d]``, one more source whose logit
-            for the gain-folded query ``qg [d]`` is computed here (RMS epsilon ``eps``).
+        z: ``[..., k]``, the query's logits for ``sources`` (compute dtype).
+        sources: ``k >= 0`` tensors ``[..., d]`` of known logit (a Phase-1 weighted sum,
+            whose logit is its log-sum-exp).
+        computed: ``c >= 0`` tensors ``[..., d]`` whose logits for the gain-folded query
+            ``qg [d]`` are computed here (RMS epsilon ``eps``): Block AttnRes' partial sum,
+            Full AttnRes' outputs of the current group. ``k + c >= 1``.
         norm_weight, norm_eps: the next sublayer's RMSNorm, applied to the result (``None``:
             none). It reads ``h`` rounded to the sources' dtype, as an unfused norm would.
 
     Returns:
         ``(out, alpha)``: ``out [..., d]`` in the sources' dtype, ``RMSNorm(h)`` (or ``h``)
-        with ``h = sum_j alpha_j x_j``; ``alpha [..., n (+ 1)] = softmax(z, z_partial)``.
+        with ``h = sum_j alpha_j x_j``; ``alpha [..., k + c] = softmax(z, z_computed)``.
     """
-    _check_merge(z, sources, partial, qg)
-    compute = compute_dtype(sources[0].dtype)
-    srcs = list(sources)
-    with full_precision(sources[0]):
-        logits = z.to(compute)
-        if partial is not None:
-            logits = torch.cat([logits, rms_logits(partial, qg.unsqueeze(0), eps)], dim=-1)
-            srcs.append(partial)
+    _check_merge(z, sources, computed, qg)
+    srcs = [*sources, *computed]
+    compute = compute_dtype(srcs[0].dtype)
+    with full_precision(srcs[0]):
+        logits = torch.cat([z.to(compute), *(rms_logits(x, qg.unsqueeze(0), eps) for x in computed)], dim=-1)
         alpha = torch.softmax(logits, dim=-1)
         h = weighted_sum(alpha, srcs)
         if norm_weight is not None:
-            h = F.rms_norm(h.to(sources[0].dtype).to(compute), (h.shape[-1],), norm_weight.to(compute), norm_eps)
-    return h.to(sources[0].dtype), alpha
+            h = F.rms_norm(h.to(srcs[0].dtype).to(compute), (h.shape[-1],), norm_weight.to(compute), norm_eps)
+    return h.to(srcs[0].dtype), alpha
 
 
-def _check_merge(z: Tensor, sources: Sequence[Tensor], partial: Tensor | None, qg: Tensor | None) -> None:
+def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor], qg: Tensor | None) -> None:
     """The merge's arguments, checked at the boundary (every implementation)."""
-    if not sources:
-        raise ValueError("depth merge needs at least one source with a known logit")
+    if not sources and not computed:
+        raise ValueError("depth merge needs at least one source")
     if z.shape[-1] != len(sources):
         raise ValueError(f"z has {z.shape[-1]} logits for {len(sources)} sources")
-    if (partial is None) != (qg is None):
-        raise ValueError("partial and qg come together (the partial sum's logit needs the query)")
+    if computed and qg is None:
+        raise ValueError("computed sources need the query qg (their logits are computed here)")

@@ -10,10 +10,10 @@ test (``tests/test_triton_aot.py``) and ``benchmarks/triton_aot_report.py`` comp
   :data:`MAX_TILE_ELEMENTS`. Three tile sizes keep the compiled variants few.
 * **Queries of Phase 1.** A Phase-1 program holds the rows of ``S_PAD`` queries
   (:data:`S_PADS`); more queries run in chunks of the largest.
-* **Programs.** The merge's backward reduces the gradients of the query and of the norm's
-  gain over token rows: it runs at most :data:`MAX_PROGRAMS` programs, each over a
-  contiguous range of rows, each writing one row of partial sums that are added afterwards
-  (deterministic; no atomics).
+* **Programs.** The forward kernels run one program per token row; the backward kernels
+  reduce the gradients of the queries and of the norm's gain over token rows: they run at
+  most :data:`MAX_PROGRAMS` programs, each over a contiguous range of rows, each writing one
+  row of partial sums that are added afterwards (deterministic; no atomics).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MAX_TILE_ELEMENTS = 2048
 #: The tile sizes the launch code chooses from.
 TILES = (64, 256, 1024)
 #: Query rows of a Phase-1 program.
-S_PADS = (4, 16)
+S_PADS = (4, 8)
 #: Upper bound on the programs of the merge's backward.
 MAX_PROGRAMS = 1024
 #: Storage dtypes of the sources (and results) the kernels take, each with its compute
@@ -62,6 +62,19 @@ def num_warps(elements: int) -> int:
     return min(8, max(1, elements // 256))
 
 
+#: Registers a Phase-1 program may use: it holds several ``[S_PAD, BLOCK_D]`` blocks at once
+#: (weights, gradients, queries), and ``ptxas``'s default budget spills some of them (the
+#: ahead-of-time compile checks that none spill).
+PHASE1_MAXNREG = 255
+
+
+def launch_options(kernel: str, block_d: int, pad: int = 1) -> dict[str, int]:
+    """The launch options of ``kernel`` (``"phase1_fwd"``, ...) for its tile and padding."""
+    if kernel.startswith("phase1"):
+        return {"num_warps": num_warps(block_d * pad), "maxnreg": PHASE1_MAXNREG}
+    return {"num_warps": num_warps(block_d)}
+
+
 def row_ranges(rows: int, max_programs: int | None = None) -> tuple[int, int]:
     """``(programs, rows_per_program)`` covering ``rows`` token rows with at most
     ``max_programs`` (default :data:`MAX_PROGRAMS`) programs."""
@@ -76,23 +89,22 @@ def row_ranges(rows: int, max_programs: int | None = None) -> tuple[int, int]:
 # "*C" to the compute dtype, "C" a scalar of it, "constexpr": chosen at launch). Kept beside
 # the kernels' definitions by a test.
 SIGNATURES = {
-    "phase1_fwd": ["Z:*C", "LSE:*C", "SrcTable:*i64", "OutTable:*i64", "X0:*T", "d:i32", "n:i32", "S:i32",
-                   "stride_zr:i32", "stride_zs:i32", "stride_lr:i32", "BLOCK_D:constexpr", "S_PAD:constexpr"],
-    "phase1_bwd": ["Z:*C", "LSE:*C", "GLse:*C", "SrcTable:*i64", "GOutTable:*i64", "GSrcTable:*i64",
-                   "GZ:*C", "X0:*T", "d:i32", "n:i32", "S:i32", "stride_zr:i32", "stride_zs:i32",
-                   "stride_lr:i32", "BLOCK_D:constexpr", "S_PAD:constexpr"],
-    "merge_fwd": ["Z:*C", "SrcTable:*i64", "X0:*T", "Partial:*T", "Qg:*C", "NormW:*C", "Out:*T",
-                  "Alpha:*C", "Rb:*C", "Zb:*C", "Rstd:*C", "d:i32", "n:i32", "eps:fp32", "norm_eps:fp32",
-                  "has_partial:i32", "has_norm:i32", "BLOCK_D:constexpr"],
-    "merge_bwd": ["G:*T", "GH:*T", "Alpha:*C", "Rb:*C", "Zb:*C", "Rstd:*C",
-                  "SrcTable:*i64", "X0:*T", "Partial:*T", "Qg:*C", "NormW:*C", "GSrcTable:*i64", "GZ:*C",
-                  "GPartial:*T", "PQ:*C", "PW:*C", "rows:i32", "d:i32", "n:i32", "rows_per_program:i32",
-                  "has_partial:i32", "has_norm:i32", "BLOCK_D:constexpr"],
+    "phase1_fwd": ["Q:*C", "LSE:*C", "SrcTable:*i64", "OutTable:*i64", "X0:*T", "Zs:*C", "Rs:*C", "d:i32", "n:i32",
+                   "S:i32", "stride_lr:i32", "eps:fp32", "BLOCK_D:constexpr", "S_PAD:constexpr"],
+    "phase1_bwd": ["Q:*C", "LSE:*C", "GLse:*C", "SrcTable:*i64", "GOutTable:*i64", "GSrcTable:*i64", "X0:*T", "Zs:*C",
+                   "Rs:*C", "PQ:*C", "rows:i32", "d:i32", "n:i32", "S:i32", "stride_lr:i32", "eps:fp32",
+                   "rows_per_program:i32", "BLOCK_D:constexpr", "S_PAD:constexpr"],
+    "merge_fwd": ["Z:*C", "SrcTable:*i64", "CompTable:*i64", "X0:*T", "Qg:*C", "NormW:*C", "Out:*T", "Alpha:*C",
+                  "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "k:i32", "c:i32", "eps:fp32", "norm_eps:fp32", "has_norm:i32",
+                  "BLOCK_D:constexpr"],
+    "merge_bwd": ["G:*T", "GH:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "SrcTable:*i64", "CompTable:*i64", "X0:*T",
+                  "Qg:*C", "NormW:*C", "GSrcTable:*i64", "GCompTable:*i64", "GZ:*C", "PQ:*C", "PW:*C", "rows:i32",
+                  "d:i32", "k:i32", "c:i32", "rows_per_program:i32", "has_norm:i32", "BLOCK_D:constexpr"],
 }
 
 
-def variants() -> Iterator[tuple[str, dict[str, str], dict[str, int], int]]:
-    """Every ``(kernel, signature, constexprs, num_warps)`` the launch code can choose:
+def variants() -> Iterator[tuple[str, dict[str, str], dict[str, int], dict[str, int]]]:
+    """Every ``(kernel, signature, constexprs, launch options)`` the launch code can choose:
     each storage dtype, each tile, and for Phase 1 each query padding with the tiles that
     fit it."""
     for dtype, compute in DTYPES.items():
@@ -104,4 +116,4 @@ def variants() -> Iterator[tuple[str, dict[str, str], dict[str, int], int]]:
             for pad in pads:
                 for tile in sorted({tile_d(d, pad) for d in TILES}):
                     constexprs = {"BLOCK_D": tile, **({"S_PAD": pad} if "S_PAD" in signature else {})}
-                    yield kernel, signature, constexprs, num_warps(tile * pad)
+                    yield kernel, signature, constexprs, launch_options(kernel, tile, pad)
