@@ -78,6 +78,35 @@ static inline T dot_##SUFFIX(const T *a, const T *b, int64_t d)                 
     return sum;                                                                                \
 }
 
+/* out[j] = a . b[j] for the m rows b[j], four rows at a time against one load of a (rows
+ * are short: one row of a stays in registers for the four products). */
+#define DEFINE_MULTIDOT(T, SUFFIX)                                                                 \
+static inline void multidot_##SUFFIX(const T *a, const T *const *b, int64_t m, int64_t d, T *out) \
+{                                                                                              \
+    typedef T V __attribute__((vector_size(32)));                                              \
+    enum { W = 32 / sizeof(T) };                                                               \
+    int64_t j = 0;                                                                             \
+    for (; j + 4 <= m; j += 4) {                                                               \
+        V c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, x, y;                                        \
+        int64_t k = 0;                                                                         \
+        for (; k + W <= d; k += W) {                                                           \
+            memcpy(&x, a + k, sizeof(V));                                                      \
+            memcpy(&y, b[j] + k, sizeof(V)); c0 += x * y;                                      \
+            memcpy(&y, b[j + 1] + k, sizeof(V)); c1 += x * y;                                  \
+            memcpy(&y, b[j + 2] + k, sizeof(V)); c2 += x * y;                                  \
+            memcpy(&y, b[j + 3] + k, sizeof(V)); c3 += x * y;                                  \
+        }                                                                                      \
+        T s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                      \
+        for (int l = 0; l < W; ++l) { s0 += c0[l]; s1 += c1[l]; s2 += c2[l]; s3 += c3[l]; }    \
+        for (; k < d; ++k) {                                                                   \
+            s0 += a[k] * b[j][k]; s1 += a[k] * b[j + 1][k];                                    \
+            s2 += a[k] * b[j + 2][k]; s3 += a[k] * b[j + 3][k];                                \
+        }                                                                                      \
+        out[j] = s0; out[j + 1] = s1; out[j + 2] = s2; out[j + 3] = s3;                        \
+    }                                                                                          \
+    for (; j < m; ++j) out[j] = dot_##SUFFIX(a, b[j], d);                                      \
+}
+
 /* exp of n floats in place, vectorized (libm's expf is one call per value: a third of
  * Phase 1's time before). exp(v) = 2^k exp(r), k = round(v / ln2), r = v - k ln2 in
  * [-ln2/2, ln2/2], exp(r) by its degree-7 Taylor polynomial (truncation below 3e-9
@@ -299,17 +328,30 @@ void attnres_merge_backward_##SUFFIX(MERGE_BACKWARD_PARAMS(T, PLAIN))           
  * out[s] = sum_i alpha_si x_i with alpha_s = softmax(z_s), and lse[t, s] = log sum_i
  * exp(z_si). The backward recomputes the logits and weights from the sources, q and lse. */
 #define DEFINE_PHASE1(T, SUFFIX, LOG, SQRT)                                                        \
-/* The tile's logits w [tt, S, n] and the sources' RMS factors r [tt, n]. */                  \
+/* The tile's logits w [tt, S, n] and the sources' RMS factors r [tt, n]; with g (the S      \
+ * output gradients' rows, NULL: none) also the dots gx [tt, S, n] = g_s . x_i, in the same    \
+ * pass over each source row. rows: scratch of 2 S + 1 row pointers, dots of 2 S + 1 values. */ \
 static void phase1_logits_##SUFFIX(int64_t t0, int64_t tt, int64_t d, int64_t n, int64_t S,    \
-                                   const T *const *src, const T *q, double eps, T *w, T *r)    \
+                                   const T *const *src, const T *q, double eps, T *w, T *r,    \
+                                   const T *const *g, T *gx, const T **rows, T *dots)          \
 {                                                                                              \
-    for (int64_t t = 0; t < tt; ++t)                                                           \
+    for (int64_t t = 0; t < tt; ++t) {                                                         \
+        int64_t m = S + 1;                                                                     \
+        for (int64_t s = 0; s < S; ++s) rows[1 + s] = q + s * d;                               \
+        if (g != NULL)                                                                         \
+            for (int64_t s = 0; s < S; ++s) if (g[s] != NULL) rows[m++] = g[s] + (t0 + t) * d; \
         for (int64_t i = 0; i < n; ++i) {                                                      \
             const T *x = src[i] + (t0 + t) * d;                                                \
-            const T ri = (T)1 / SQRT(dot_##SUFFIX(x, x, d) / (T)d + (T)eps);                   \
+            rows[0] = x;                                                                       \
+            multidot_##SUFFIX(x, rows, m, d, dots);                                            \
+            const T ri = (T)1 / SQRT(dots[0] / (T)d + (T)eps);                                 \
             r[t * n + i] = ri;                                                                 \
-            for (int64_t s = 0; s < S; ++s) w[(t * S + s) * n + i] = ri * dot_##SUFFIX(x, q + s * d, d); \
+            for (int64_t s = 0; s < S; ++s) w[(t * S + s) * n + i] = ri * dots[1 + s];         \
+            if (g == NULL) continue;                                                           \
+            for (int64_t s = 0, j = S + 1; s < S; ++s)                                         \
+                gx[(t * S + s) * n + i] = g[s] != NULL ? dots[j++] : (T)0;                     \
         }                                                                                      \
+    }                                                                                          \
 }                                                                                              \
                                                                                                \
 void attnres_phase1_forward_##SUFFIX(PHASE1_FORWARD_PARAMS(T, PLAIN))                         \
@@ -317,13 +359,14 @@ void attnres_phase1_forward_##SUFFIX(PHASE1_FORWARD_PARAMS(T, PLAIN))           
     const int64_t tiles = (tokens + TILE - 1) / TILE;                                          \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
-        T *w = (T *)malloc((size_t)(TILE * S * n + TILE * n) * sizeof(T)); /* alpha, r */      \
-        T *r = w + TILE * S * n;                                                               \
+        T *w = (T *)malloc((size_t)(TILE * S * n + TILE * n + 2 * S + 1) * sizeof(T));        \
+        T *r = w + TILE * S * n, *dots = r + TILE * n; /* alpha, r, one row's dots */          \
+        const T **rowp = (const T **)malloc((size_t)(2 * S + 1) * sizeof(T *));                \
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t b = 0; b < tiles; ++b) {                                                  \
             const int64_t t0 = b * TILE, tt = tokens - t0 < TILE ? tokens - t0 : TILE;         \
             const int64_t rows = tt * S; /* one softmax per (token, query) */                  \
-            phase1_logits_##SUFFIX(t0, tt, d, n, S, src, q, eps, w, r);                        \
+            phase1_logits_##SUFFIX(t0, tt, d, n, S, src, q, eps, w, r, NULL, NULL, rowp, dots); \
             for (int64_t j = 0; j < rows; ++j) {                                               \
                 T *wr = w + j * n, mx = -INFINITY;                                             \
                 for (int64_t i = 0; i < n; ++i) if (wr[i] > mx) mx = wr[i];                    \
@@ -344,6 +387,7 @@ void attnres_phase1_forward_##SUFFIX(PHASE1_FORWARD_PARAMS(T, PLAIN))           
                                      w + (t * S + s) * n, n, d);                               \
         }                                                                                      \
         free(w);                                                                               \
+        free(rowp);                                                                            \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
@@ -356,58 +400,53 @@ void attnres_phase1_backward_##SUFFIX(PHASE1_BACKWARD_PARAMS(T, PLAIN))         
 {                                                                                              \
     const int64_t tiles = (tokens + TILE - 1) / TILE;                                          \
     if (gq_part != NULL) memset(gq_part, 0, (size_t)(threads * S * d) * sizeof(T));            \
-    /* the output gradients that are there, and the query of each; the query rows */          \
-    const T **g = (const T **)malloc((size_t)(2 * S) * sizeof(T *)), **qrows = g + S;          \
-    int64_t *qi = (int64_t *)malloc((size_t)S * sizeof(int64_t)), ng = 0;                     \
-    for (int64_t s = 0; s < S; ++s) { qrows[s] = q + s * d; if (gout[s] != NULL) { g[ng] = gout[s]; qi[ng++] = s; } } \
     _Pragma("omp parallel num_threads(threads)")                                               \
     {                                                                                          \
         int tid = 0;                                                                           \
         ATTNRES_THREAD_ID(tid);                                                                \
-        /* the tile's alpha, logits, dots / dz, r, and one source's coefficients per query */  \
+        /* the tile's alpha, logits, dots then dz, r; one row's dots and coefficients */       \
         const int64_t sz = TILE * S * n;                                                       \
-        T *w = (T *)malloc((size_t)(3 * sz + TILE * n + 2 * S + TILE * n) * sizeof(T));        \
-        T *zt = w + sz, *dz = zt + sz, *r = dz + sz, *cf = r + TILE * n, *ci = cf + 2 * S;       \
-        const T **xr = (const T **)malloc((size_t)(TILE * n) * sizeof(T *));                  \
+        T *w = (T *)malloc((size_t)(3 * sz + 2 * TILE * n + 4 * S + 2) * sizeof(T));          \
+        T *zt = w + sz, *dz = zt + sz, *r = dz + sz, *dots = r + TILE * n, *cf = dots + 2 * S + 1; \
+        T *ci = cf + 2 * S + 1; /* the tile's coefficients of d q_s */                         \
+        const T **rowp = (const T **)malloc((size_t)(2 * S + 1 + TILE * n) * sizeof(T *));     \
+        const T **xr = rowp + 2 * S + 1; /* the tile's source rows */                          \
         T *gq = gq_part != NULL ? gq_part + (int64_t)tid * S * d : NULL;                       \
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t b = 0; b < tiles; ++b) {                                                  \
             const int64_t t0 = b * TILE, tt = tokens - t0 < TILE ? tokens - t0 : TILE;         \
-            phase1_logits_##SUFFIX(t0, tt, d, n, S, src, q, eps, zt, r);                       \
+            phase1_logits_##SUFFIX(t0, tt, d, n, S, src, q, eps, zt, r, gout, dz, rowp, dots); \
             for (int64_t j = 0; j < tt * S * n; ++j) w[j] = zt[j] - lse[t0 * S + j / n];       \
             exp_inplace_##SUFFIX(w, tt * S * n);                                               \
-            for (int64_t t = 0; t < tt; ++t) /* dz = alpha (dots - alpha . dots + glse) */     \
-                for (int64_t s = 0; s < S; ++s) {                                              \
-                    const int64_t row = (t * S + s) * n;                                       \
-                    const T *gs = gout[s] != NULL ? gout[s] + (t0 + t) * d : NULL;             \
-                    T mean = 0;                                                                \
-                    for (int64_t i = 0; i < n; ++i) {                                          \
-                        dz[row + i] = gs != NULL ? dot_##SUFFIX(gs, src[i] + (t0 + t) * d, d) : (T)0; \
-                        mean += w[row + i] * dz[row + i];                                      \
-                    }                                                                          \
-                    const T gl = glse != NULL ? glse[t0 * S + t * S + s] : (T)0;               \
-                    for (int64_t i = 0; i < n; ++i) dz[row + i] = w[row + i] * (dz[row + i] - mean + gl); \
-                }                                                                              \
-            for (int64_t i = 0; i < n; ++i)                                                    \
-                for (int64_t t = 0; t < tt; ++t) {                                             \
-                    const int64_t off = (t0 + t) * d;                                          \
+            for (int64_t j = 0; j < tt * S; ++j) { /* dz = alpha (dots - alpha . dots + glse) */ \
+                T *dr = dz + j * n;                                                            \
+                const T *wr = w + j * n;                                                       \
+                T mean = 0;                                                                    \
+                for (int64_t i = 0; i < n; ++i) mean += wr[i] * dr[i];                         \
+                const T gl = glse != NULL ? glse[t0 * S + j] : (T)0;                           \
+                for (int64_t i = 0; i < n; ++i) dr[i] = wr[i] * (dr[i] - mean + gl);           \
+            }                                                                                  \
+            for (int64_t t = 0; t < tt; ++t) {                                                 \
+                const int64_t off = (t0 + t) * d;                                              \
+                int64_t m = 0; /* d x_i = sum_s alpha_si g_s + sum_s dz_si r_i q_s - c0 x_i */  \
+                for (int64_t s = 0; s < S; ++s) if (gout[s] != NULL) rowp[m++] = gout[s] + off; \
+                for (int64_t s = 0; s < S; ++s) rowp[m + s] = q + s * d;                       \
+                for (int64_t i = 0; i < n; ++i) {                                              \
                     const T *x = src[i] + off, ri = r[t * n + i];                              \
                     T zsum = 0;                                                                \
-                    for (int64_t s = 0; s < S; ++s) {                                          \
+                    for (int64_t s = 0, j = 0; s < S; ++s) {                                   \
                         const int64_t at = (t * S + s) * n + i;                                \
-                        cf[s] = dz[at] * ri;       /* u_i's coefficient of q_s, times r_i */  \
+                        if (gout[s] != NULL) cf[j++] = w[at];                                  \
+                        cf[m + s] = dz[at] * ri;                                               \
                         zsum += dz[at] * zt[at];                                               \
                     }                                                                          \
                     xr[t * n + i] = x;                                                         \
-                    ci[t * n + i] = 0;                                                         \
                     if (gsrc[i] == NULL) continue;                                             \
-                    T *gx = gsrc[i] + off;                                                     \
-                    for (int64_t j = 0; j < ng; ++j) cf[S + j] = w[(t * S + qi[j]) * n + i];  \
-                    combine_##SUFFIX(gx, 0, g, off, cf + S, ng, d); /* sum_s alpha_si g_s */  \
-                    combine_##SUFFIX(gx, 1, qrows, 0, cf, S, d);    /* + r_i u_i */            \
-                    const T c0 = ri * ri * zsum / (T)d;                                        \
-                    for (int64_t l = 0; l < d; ++l) gx[l] -= c0 * x[l];                        \
+                    rowp[m + S] = x;                                                           \
+                    cf[m + S] = -ri * ri * zsum / (T)d;                                        \
+                    combine_##SUFFIX(gsrc[i] + off, 0, rowp, 0, cf, m + S + 1, d);             \
                 }                                                                              \
+            }                                                                                  \
             if (gq == NULL) continue;                                                          \
             for (int64_t s = 0; s < S; ++s) { /* d q_s += sum_t,i dz_si r_i x_i */             \
                 for (int64_t t = 0; t < tt; ++t)                                               \
@@ -416,14 +455,14 @@ void attnres_phase1_backward_##SUFFIX(PHASE1_BACKWARD_PARAMS(T, PLAIN))         
             }                                                                                  \
         }                                                                                      \
         free(w);                                                                               \
-        free(xr);                                                                              \
+        free(rowp);                                                                            \
     }                                                                                          \
-    free(g);                                                                                   \
-    free(qi);                                                                                  \
 }
 
 DEFINE_DOT(float, f32)
 DEFINE_DOT(double, f64)
+DEFINE_MULTIDOT(float, f32)
+DEFINE_MULTIDOT(double, f64)
 DEFINE_COMBINE(float, f32)
 DEFINE_COMBINE(double, f64)
 DEFINE_MERGE(float, f32, sqrtf)
