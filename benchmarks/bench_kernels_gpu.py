@@ -1,4 +1,4 @@
-"""GPU benchmark of the fused two-phase kernels (issue 8). Needs CUDA and triton.
+"""GPU benchmark of the depth-attention Triton kernels. Needs CUDA and triton.
 
 Two parts; every variant is timed **interleaved** (one call of each per round, CUDA events)
 after a warm-up, and we report medians.
@@ -253,7 +253,7 @@ def cuda_time(fn) -> float:
 def cuda_peak_step_memory(step) -> int:
     """Peak memory of one step above what was allocated before it (parameters and anything
     else alive between steps not counted): what the step saves for its backward, plus
-    transients (issue 17: the kernels save the sources by reference, not a stacked copy)."""
+    transients (the kernels save the sources by reference, not a stacked copy)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
