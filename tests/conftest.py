@@ -5,17 +5,50 @@ from __future__ import annotations
 import copy
 import os
 
-# Triton kernels run under Triton's interpreter on CPU. The variable must be set before
-# triton is first imported (importing attnres imports torch._dynamo, which imports triton
-# when it is installed). On a GPU machine, run with ATTNRES_GPU_TESTS=1 to test the kernels
-# compiled for the device instead.
-if not os.environ.get("ATTNRES_GPU_TESTS"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-import torch
+import torch  # (importing torch does not import triton; importing torch._dynamo does)
 
-from attnres import AttnResLM, ModelConfig
+
+def _triton_device() -> str | None:
+    """Where the Triton implementation is tested: ``"cuda"`` (the kernels compiled for the
+    GPU) where CUDA is available, else ``"cpu"`` (Triton's interpreter). ``ATTNRES_GPU_TESTS=0``
+    or ``TRITON_INTERPRET=1`` force the interpreter; ``ATTNRES_GPU_TESTS=1`` asks for the GPU
+    (``None`` without one: the Triton tests skip)."""
+    gpu = os.environ.get("ATTNRES_GPU_TESTS", "")
+    if gpu == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return None if gpu else "cpu"
+
+
+#: The device the Triton tests put their tensors on (``None``: skip them).
+TRITON_DEVICE = _triton_device()
+# The interpreter must be switched on before triton is first imported (importing attnres
+# imports torch._dynamo, which imports triton when it is installed).
+if TRITON_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def triton_device() -> str:
+    """:data:`TRITON_DEVICE`, skipping the calling test where there is none (or no triton)."""
+    pytest.importorskip("triton")
+    if TRITON_DEVICE is None:
+        pytest.skip("ATTNRES_GPU_TESTS=1, but no CUDA device")
+    return TRITON_DEVICE
+
+
+def to_triton_device(x):
+    """Tensors (in lists, tuples) moved to :data:`TRITON_DEVICE` - differentiably, so that
+    gradients come back to the CPU leaves."""
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(TRITON_DEVICE), x)
+
+
+def to_cpu(x):
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), x)
+
+
+from attnres import AttnResLM, ModelConfig  # noqa: E402
 
 # Normwise relative tolerances, ||a - b|| <= tol * ||b|| (Frobenius norms), per dtype. The float64 and float32
 # bounds are the core issue's acceptance bounds; bfloat16 has 8 mantissa bits (eps = 2^-8),

@@ -1,6 +1,7 @@
 """The depth-attention operations (``attnres.ops.depth_attention``): every implementation -
-PyTorch, the CPU kernel (``impl="auto"`` on CPU float32 / float64) and Triton (under
-Triton's interpreter) - as ``torch.library`` custom operators.
+PyTorch, the CPU kernel (``impl="auto"`` on CPU float32 / float64) and Triton (compiled on
+a CUDA device where there is one, else under Triton's interpreter: ``conftest.TRITON_DEVICE``;
+inputs are made on the CPU and moved there) - as ``torch.library`` custom operators.
 
 * ``torch.library.opcheck`` of every operator, forward and backward operators, float32 and
   float64, for each implementation;
@@ -26,14 +27,15 @@ from torch.utils._pytree import tree_map_only
 
 from attnres.ops.depth_attention import cpu_kernel, library, reference, torch_impl
 
-from conftest import OP_TOL_BF16, TOL, assert_fast_matches_naive, assert_rel_close
+from conftest import (OP_TOL_BF16, TOL, TRITON_DEVICE, assert_fast_matches_naive, assert_rel_close, to_cpu, to_triton_device,
+                      triton_device)
 
 IMPLS = ["auto", "torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
 def triton_or_skip(impl: str) -> None:
     if impl == "triton":
-        pytest.importorskip("triton")
+        triton_device()
 
 
 @pytest.fixture
@@ -73,6 +75,9 @@ def merge_inputs(lead=(2, 3), d=5, k=1, c=1, norm=True, dtype=torch.float64, see
 def run_merge(impl, z, sources, computed, qg, w):
     if impl == "reference":
         return reference.merge(z, sources, computed, qg, 1e-6, w, 1e-5)
+    if impl == "triton":
+        return to_cpu(library.merge(*to_triton_device((z, sources, computed, qg)), 1e-6, to_triton_device(w), 1e-5,
+                                    impl))
     return library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, impl)
 
 
@@ -85,6 +90,8 @@ def phase1_inputs(lead=(2, 3), d=5, S=3, n=4, dtype=torch.float64, seed=0):
 def run_phase1(impl, qg, sources):
     if impl == "reference":
         return reference.phase1(qg, sources, 1e-6)
+    if impl == "triton":
+        return to_cpu(library.phase1(*to_triton_device((qg, sources)), 1e-6, impl))
     return library.phase1(qg, sources, 1e-6, impl)
 
 
@@ -156,6 +163,8 @@ def backward_args(op, args, impl):
 def test_opcheck_every_operator_forward_and_backward(case, dtype, impl, kernel):
     triton_or_skip(impl)
     op, args = op_cases(dtype)[case]
+    if impl == "triton":
+        args = tree_map_only(torch.Tensor, lambda t: to_triton_device(t.detach()).requires_grad_(t.requires_grad), args)
     torch.library.opcheck(op, (*args, impl))
     bop, bargs = backward_args(op, args, impl)
     torch.library.opcheck(bop, (*tree_map_only(torch.Tensor, torch.Tensor.detach, bargs), impl))
@@ -215,7 +224,7 @@ def low_precision_check(run, inputs, storage, dtype, tol):
 
     ref = low("reference")
     names = [f"tensor {i}" for i in range(len(truth))]
-    for impl in ["auto", "torch"] + (["triton"] if _has_triton() else []):
+    for impl in ["auto", "torch"] + (["triton"] if _has_triton() and TRITON_DEVICE else []):
         assert_fast_matches_naive(low(impl), ref, truth, dtype, names, tol)
 
 
@@ -323,6 +332,8 @@ def test_operators_save_sources_by_reference_and_per_token_statistics(impl, kern
     anyway) and per-token statistics; no copy of the sources, of ``h`` or of the logits."""
     triton_or_skip(impl)
     z, sources, computed, qg, w = merge_inputs((4, 5), 16, 1, 2, True, torch.float32)
+    if impl == "triton":
+        z, sources, computed, qg, w = to_triton_device((z, sources, computed, qg, w))
     d, tokens = 16, 20
     ptrs = {x.data_ptr() for x in (*sources, *computed)}
     saved = saved_tensors(lambda: library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, impl))
@@ -330,6 +341,8 @@ def test_operators_save_sources_by_reference_and_per_token_statistics(impl, kern
     assert {t.data_ptr() for t in big} == ptrs, [tuple(t.shape) for t in saved]
     assert sum(t.numel() for t in saved if t.data_ptr() not in ptrs) <= tokens * 8 + 2 * d  # alpha, rc, zc, rstd
     pq, psrc = phase1_inputs((4, 5), 16, 3, 4, torch.float32)
+    if impl == "triton":
+        pq, psrc = to_triton_device((pq, psrc))
     saved = saved_tensors(lambda: library.phase1(pq, psrc, 1e-6, impl))
     assert {t.data_ptr() for t in saved if t.shape[-1] == d and t.numel() >= tokens * d} == {x.data_ptr() for x in psrc}
     assert sum(t.numel() for t in saved if t.data_ptr() not in {x.data_ptr() for x in psrc}) <= tokens * 3 + 3 * d
@@ -339,7 +352,7 @@ def test_operators_save_sources_by_reference_and_per_token_statistics(impl, kern
 def test_triton_kernels_tile_d_and_split_rows_over_programs(monkeypatch):
     """``d`` walked in tiles that do not divide it, backward programs over several rows,
     and Phase 1's queries in chunks (S = 17 > 8): against the PyTorch implementation."""
-    pytest.importorskip("triton")
+    triton_device()
     from attnres.ops.depth_attention import triton_impl
 
     monkeypatch.setitem(triton_impl.FORCED, "block_d", 16)
@@ -356,7 +369,7 @@ def test_triton_kernels_tile_d_and_split_rows_over_programs(monkeypatch):
 
 @pytest.mark.triton
 def test_triton_float16_storage(kernel):
-    pytest.importorskip("triton")
+    triton_device()
     inputs = merge_flat(*merge_inputs((2, 5), 40, 1, 1, True))
     cast = [t.detach().to(torch.float16 if t.dim() > 1 else torch.float32).requires_grad_() for t in inputs]
     cast[0] = inputs[0].detach().float().requires_grad_()

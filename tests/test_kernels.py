@@ -1,5 +1,6 @@
-"""The whole model on the Triton kernels (``kernels="triton"``, run by Triton's interpreter
-on CPU) against the PyTorch implementation: logits, depth weights and every gradient, the
+"""The whole model on the Triton kernels (``kernels="triton"``; compiled on a CUDA device
+where there is one, else run by Triton's interpreter on CPU: ``conftest.TRITON_DEVICE``)
+against the PyTorch implementation: logits, depth weights and every gradient, the
 fused RMSNorm, ``torch.compile`` and the norm modules' hooks. The operators themselves are
 tested in ``test_depth_attention_ops.py``.
 """
@@ -9,13 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")  # conftest.py sets TRITON_INTERPRET=1 unless ATTNRES_GPU_TESTS is set
+pytest.importorskip("triton")  # conftest.py sets TRITON_INTERPRET=1 where the tests run on the CPU
 
 from attnres.ops.depth_attention import triton_impl  # noqa: E402
 
-from conftest import GRAD_TOL, TOL, assert_fast_matches_naive, assert_rel_close, randomize_residual  # noqa: E402
+from conftest import (GRAD_TOL, TOL, assert_fast_matches_naive, assert_rel_close, randomize_residual,  # noqa: E402
+                      triton_device)
 
 pytestmark = pytest.mark.triton
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the Triton kernels run (the reference models stay on the CPU)."""
+    return triton_device()
 
 
 @pytest.mark.parametrize(
@@ -27,7 +35,7 @@ pytestmark = pytest.mark.triton
         ("attnres_full", torch.bfloat16, False),
     ],
 )
-def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, monkeypatch):
+def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, monkeypatch, device):
     """The whole model with attnres_kernels='triton' (interpreted on CPU) against 'torch':
     logits, depth weights and the gradient of every parameter (the sublayers' norm gains
     included, which the kernels' fused RMSNorm computes), held to the core issue's per-dtype
@@ -64,16 +72,17 @@ def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, mo
     # the two computations, not that of the parameters they share.
     truth = copy.deepcopy(ref).double()
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
-    out_k = fast(ids, labels=ids, return_depth_weights=True)
+    out_k = fast.to(device)(ids.to(device), labels=ids.to(device), return_depth_weights=True)
     out_r = ref(ids, labels=ids, return_depth_weights=True)
     # Every sublayer input came from a fused merge + norm kernel, then the output aggregation
     # (its norm is the model's final one).
     assert fused_calls == [True] * 2 * cfg.n_layers + [False]
     out_t = truth(ids, labels=ids, return_depth_weights=True)
-    outputs = [out_k.logits, *out_k.depth_weights], [out_r.logits, *out_r.depth_weights], [out_t.logits, *out_t.depth_weights]
+    outputs = [[t.cpu() for t in (out.logits, *out.depth_weights)] for out in (out_k, out_r, out_t)]
     names = ["logits"] + [f"depth weights {i}" for i in range(len(out_k.depth_weights))]
     assert_fast_matches_naive(*outputs, dtype, names, TOL[dtype])
-    grads = [torch.autograd.grad(out.loss, list(model.parameters())) for out, model in ((out_k, fast), (out_r, ref), (out_t, truth))]
+    grads = [[g.cpu() for g in torch.autograd.grad(out.loss, list(model.parameters()))]
+             for out, model in ((out_k, fast), (out_r, ref), (out_t, truth))]
     names = [f"grad of {name}" for name, _ in fast.named_parameters()]
     assert any("norm.weight" in name for name in names)
     assert_fast_matches_naive(*grads, dtype, names, GRAD_TOL[dtype])
@@ -81,7 +90,7 @@ def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, mo
 
 @pytest.mark.compile
 @pytest.mark.parametrize("residual", ["attnres_block", pytest.param("attnres_full", marks=pytest.mark.slow)])
-def test_torch_compile_traces_around_the_kernels(residual):
+def test_torch_compile_traces_around_the_kernels(residual, device):
     """The kernels are opaque torch.library custom ops: torch.compile runs a model that uses
     them and matches eager, gradients included (Full: a minute of compilation, slow suite)."""
     from attnres import AttnResLM, ModelConfig
@@ -89,8 +98,8 @@ def test_torch_compile_traces_around_the_kernels(residual):
     torch._dynamo.reset()
     cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3, "kernels": "triton"}, n_layers=2)
     torch.manual_seed(0)
-    model = AttnResLM(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (2, 5))
+    model = AttnResLM(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (2, 5)).to(device)
     eager = model(ids, labels=ids)
     ge = torch.autograd.grad(eager.loss, list(model.parameters()))
     compiled = torch.compile(model)(ids, labels=ids)
@@ -100,19 +109,19 @@ def test_torch_compile_traces_around_the_kernels(residual):
         assert_rel_close(a, b, 1e-4)
 
 
-def test_norm_is_fused_where_the_two_phase_merge_runs():
+def test_norm_is_fused_where_the_two_phase_merge_runs(device):
     """A caller that defers the norm gets a FusableNormInput from every two-phase merge,
     whatever the operations; the naive schedule, the standard residual and callers that do
     not defer the norm get tensors (the sublayers apply their own norm)."""
     from attnres import AttnResLM, ModelConfig
     from attnres.nn.norm import FusableNormInput, norm_input_value
 
-    x = torch.zeros(1, 2, 64)
     cfg = ModelConfig.preset("tiny")
 
     def second_input(config, defer_norm=True):  # (the first has one source: no merge)
-        residual = AttnResLM(config).residual
-        state = residual.start(x, defer_norm=defer_norm)
+        on = device if config.residual.kernels == "triton" else "cpu"
+        residual = AttnResLM(config).residual.to(on)
+        state = residual.start(torch.zeros(1, 2, 64, device=on), defer_norm=defer_norm)
         residual.add_output(state, 0, norm_input_value(residual.sublayer_input(state, 0)))
         return residual.sublayer_input(state, 1)
 
@@ -124,7 +133,7 @@ def test_norm_is_fused_where_the_two_phase_merge_runs():
 
 
 @pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
-def test_diagnostics_and_norm_hooks_on_the_fused_kernel_path(residual):
+def test_diagnostics_and_norm_hooks_on_the_fused_kernel_path(residual, device):
     """Regression: with the fused kernels the blocks' pre-norms were never called, so
     ``forward_diagnostics`` failed with ``KeyError: 0``. The norm module now runs the fused
     kernel itself: its hooks fire, and the diagnostics equal the PyTorch path's."""
@@ -137,14 +146,15 @@ def test_diagnostics_and_norm_hooks_on_the_fused_kernel_path(residual):
     randomize_residual(fused)
     ref = AttnResLM(cfg.replace(residual={"kernels": "torch"}))
     ref.load_state_dict(fused.state_dict())
+    fused = fused.to(device)
     ids = torch.randint(0, cfg.vocab_size, (2, 6))
     calls = []
     for layer in fused.layers:
         for norm in (layer.attn_norm, layer.mlp_norm):
             norm.register_forward_hook(lambda m, args, out: calls.append(out.shape))
-    fused(ids)
+    fused(ids.to(device))
     assert calls == [(2, 6, 64)] * 2 * cfg.n_layers
-    got, want = forward_diagnostics(fused, ids), forward_diagnostics(ref, ids)
+    got, want = forward_diagnostics(fused, ids.to(device)), forward_diagnostics(ref, ids)
     for key in ("block_output_rms", "block_input_rms"):
         assert got[key] == pytest.approx(want[key], rel=1e-5)
     for g, w in zip(got["depth_weights"], want["depth_weights"]):
