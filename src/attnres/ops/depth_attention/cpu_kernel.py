@@ -156,14 +156,18 @@ class KernelLibrary:
             missing = [p for p, _, _ in params if p not in args]
             unknown = sorted(set(args) - {p for p, _, _ in params})
             raise TypeError(f"attnres_{name}: missing arguments {missing}, unknown arguments {unknown}")
-        values = [self._value(name, p, kind, nullable, args[p], dtype) for p, kind, nullable in params]
+        values = []
+        for param, kind, nullable in params:
+            value = args[param]
+            if kind == "tensor":
+                values.append(_pointer(name, param, nullable, value, dtype))
+            elif kind == "tensors":
+                values.append((ctypes.c_void_p * len(value))(*[_pointer(name, param, nullable, x, dtype) for x in value]))
+            else:
+                values.append(self._scalar(name, param, kind, value))
         self.functions[name, dtype](*values)
 
-    def _value(self, fn: str, param: str, kind: str, nullable: bool, value, dtype: torch.dtype):
-        if kind == "tensor":
-            return _pointer(fn, param, nullable, value, dtype)
-        if kind == "tensors":
-            return (ctypes.c_void_p * len(value))(*[_pointer(fn, param, nullable, x, dtype) for x in value])
+    def _scalar(self, fn: str, param: str, kind: str, value):
         python_type = self._SCALARS[kind][1]
         if type(value) is not python_type and not (python_type is float and type(value) is int):
             raise TypeError(f"attnres_{fn}: {param} must be {kind}, got {type(value).__name__}")
@@ -205,15 +209,18 @@ def cpu_kernel() -> KernelLibrary | None:
 def supports(tensors: Sequence[Tensor | None]) -> bool:
     """Whether the kernel can take these tensors (``None`` entries skipped): CPU tensors
     with memory of their own, all float32 or all float64, contiguous - and the kernel built."""
-    present = [x for x in tensors if x is not None]
-    dtype = present[0].dtype
+    dtype = next(x for x in tensors if x is not None).dtype
     if dtype not in _SUFFIX:
         return False
-    for x in present:
-        plain = type(x) is Tensor or (type(x) is torch.nn.Parameter and type(x.data) is Tensor)
-        if not (plain and x.device.type == "cpu" and x.dtype == dtype and x.is_contiguous()):
+    for x in tensors:
+        if x is not None and not (x.dtype is dtype and x.is_cpu and x.is_contiguous() and _plain(x)):
             return False
     return cpu_kernel() is not None
+
+
+def _plain(x: Tensor) -> bool:
+    """A tensor with its own memory: not a subclass (a ``DTensor``, a fake tensor)."""
+    return type(x) is Tensor or (type(x) is torch.nn.Parameter and type(x.data) is Tensor)
 
 
 def _geometry(x: Tensor) -> dict:
