@@ -181,16 +181,19 @@ class Jobs:
         for core in (cores * jobs)[:jobs]:
             self.free.put(core)
         self.pool = ThreadPoolExecutor(max_workers=jobs)
+        self.width = jobs
 
-    def submit(self, fn, *args) -> Future:
-        """``fn(*args, core)`` in the background, on a free core."""
-        def on_a_free_core():
-            core = self.free.get()
+    def submit(self, fn, *args, cores: int = 1) -> Future:
+        """``fn(*args, core)`` in the background on a free core - or, with ``cores=2``, on two
+        (``core`` is then vLLM's per-rank binding ``"a|b"``)."""
+        def on_free_cores():
+            taken = [self.free.get() for _ in range(cores)]
             try:
-                return fn(*args, core)
+                return fn(*args, taken[0] if cores == 1 else "|".join(map(str, taken)))
             finally:
-                self.free.put(core)
-        return self.pool.submit(on_a_free_core)
+                for core in taken:
+                    self.free.put(core)
+        return self.pool.submit(on_free_cores)
 
 
 @pytest.fixture(scope="session")
@@ -218,6 +221,20 @@ def served(session_root, model_dirs, jobs, load_failures, server_run) -> dict[st
     for model in sorted(models.values(), key=lambda m: m.name not in COMPILED):
         model.future = jobs.submit(run_worker, model.spec(), session_root / "engines" / model.name)
     return models
+
+
+#: Tensor parallelism: the model, and the number of ranks (one core each).
+TP_MODEL, TP_SIZE = "block2", 2
+
+
+@pytest.fixture(scope="session")
+def tensor_parallel(session_root, served, jobs) -> Future | None:
+    """The worker's result for the Block AttnRes model served with ``tensor_parallel_size=2``
+    (one core per rank; ``None`` where fewer than two cores are free to bind)."""
+    if jobs.width < TP_SIZE:
+        return None
+    spec = dict(served[TP_MODEL].spec(), engine=dict(ENGINE, enforce_eager=True, tensor_parallel_size=TP_SIZE))
+    return jobs.submit(run_worker, spec, session_root / "engines" / "tensor-parallel", cores=TP_SIZE)
 
 
 #: The server test's model, and the chat it sends.
