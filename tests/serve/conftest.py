@@ -19,6 +19,7 @@ import queue
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models import NATIVE, UPCYCLED, build_all  # noqa: E402
+from models import NATIVE, OTHER_FAMILIES, UPCYCLED, build_all, save_upcycled  # noqa: E402
 
 MAX_TOKENS = 16
 #: Eight prompts of different lengths (1 to 70 bytes), submitted together.
@@ -67,21 +68,47 @@ def vllm_env(tmp: Path, core: int | None = None) -> dict[str, str]:
     return env
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether any process of process group ``pgid`` is still running."""
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    return True
+    return state != "Z"
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """Kill ``proc``'s whole process group (vLLM's engine core and workers included)."""
+def descendants(pid: int) -> set[int]:
+    """The processes ``pid`` started, and theirs (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Kill ``proc``'s whole process group (vLLM's engine core and workers included) and
+    wait until none of it runs."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(Exception):
-        proc.wait(timeout=30)
+        proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -273,3 +300,14 @@ def load_failures(session_root, jobs) -> dict[str, Future]:
 
 
 MODEL_NAMES = [*NATIVE, *UPCYCLED]
+
+
+@pytest.fixture(scope="session")
+def other_families(session_root, jobs) -> dict[str, Served]:
+    """The served families beyond Llama and Gemma 3, upcycled likewise, each with its worker
+    (eager) in the background (slow suite)."""
+    models = {}
+    for name, (family, extra) in OTHER_FAMILIES.items():
+        models[name] = Served(name, save_upcycled(session_root / "models" / name, family, extra))
+        models[name].future = jobs.submit(run_worker, models[name].spec(), session_root / "engines" / name)
+    return models

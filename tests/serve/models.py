@@ -25,6 +25,14 @@ UPCYCLED = {
     "gemma3": ("gemma3_text", {"sliding_window": 16,
                                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
 }
+#: The other served families, in the slow suite (an engine start each): name -> (family, extra config).
+OTHER_FAMILIES = {
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {"sliding_window": 16}),
+}
 SHAPE = dict(vocab_size=256, d_model=64, n_layers=3, n_heads=2, n_kv_heads=1, max_seq_len=256)
 
 

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from conftest import group_alive, process_group, vllm_env
+from conftest import descendants, process_group, running, vllm_env
 
 
 def serve_command(directory: Path) -> list[str]:
@@ -58,7 +58,8 @@ def wait_until_up(url: str, proc, log: Path, timeout: float = 600) -> None:
 def ask_server(directory: Path, prompt: str, chat: list[dict], max_tokens: int, work: Path,
                core: int | None = None) -> dict:
     """The greedy answers of ``vllm serve`` (eager mode) to a completion and a chat request,
-    with their token ids, and whether any process of the server's group outlived it."""
+    with their token ids; the processes the server ran (itself, its engine core and workers)
+    and those of them still running once it was stopped."""
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -70,4 +71,6 @@ def ask_server(directory: Path, prompt: str, chat: list[dict], max_tokens: int, 
         wait_until_up(url, proc, log)
         completion = post(url + "/v1/completions", {**common, "prompt": prompt})
         answer = post(url + "/v1/chat/completions", {**common, "messages": chat})
-    return {"completion": completion, "chat": answer, "left_behind": group_alive(proc.pid)}
+        started = descendants(proc.pid) | {proc.pid}
+    return {"completion": completion, "chat": answer, "started": sorted(started),
+            "left_behind": sorted(pid for pid in started if running(pid))}

@@ -29,4 +29,4 @@ def test_completions_and_chat_match_attnres(server_run, model_dirs):
     reply = out["chat"]["choices"][0]
     assert reply["token_ids"] == chat_ref
     assert reply["message"]["content"] == text_of(tok, chat_ref)
-    assert not out["left_behind"]
+    assert len(out["started"]) >= 2 and out["left_behind"] == []  # the server, its engine core, ...: all gone
