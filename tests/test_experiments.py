@@ -179,7 +179,7 @@ def test_scaling_end_to_end_and_resume(corpus, tmp_path):
     residual = {r["variant"]: r["residual_params"] for r in records}
     assert residual["baseline_s1"] == 0 and residual["block_s1"] > 0
     report = (out / "report.md").read_text()
-    assert "1.891·C^−0.057" in report and "baseline" in report and (out / "scaling.png").stat().st_size > 0
+    assert "1.891·C^−0.057" in report and "Block AttnRes" in report and (out / "scaling.png").stat().st_size > 0
     # a second invocation skips every finished run and leaves their results alone
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/result.json")}
     log: list[str] = []
