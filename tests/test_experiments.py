@@ -103,7 +103,7 @@ def test_scaling_preset_follows_the_report_recipe():
         if v.family == "block":
             assert m.residual.block_size == v.coords["S"] >= 2 and v.coords["N"] == math.ceil(2 * m.n_layers / v.coords["S"])
     assert max(n.values()) / min(n.values()) >= 4
-    assert [block_size_for(b) for b in (2, 4, 8, 12, 16)] == [2, 2, 2, 3, 4]  # N = 8 where depth allows
+    assert [block_size_for(2 * b) for b in (2, 4, 8, 12, 16)] == [2, 2, 2, 3, 4]  # N = 8 where depth allows
 
 
 def test_arch_shape_hits_ratios_and_budget():

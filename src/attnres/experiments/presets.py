@@ -102,7 +102,7 @@ def _ablated(kind: str, settings: dict[str, Any] | None = None, **ablation: Any)
 
 def _compare(preset: str) -> list[Variant]:
     L = 2 * _MODEL[preset]["n_layers"]
-    S = block_size_for(_MODEL[preset]["n_layers"])
+    S = block_size_for(L)
     return [
         Variant("standard", _residual("standard"), "baseline"),
         Variant("block", _residual("attnres_block", block_size=S), "block", {"S": S, "N": math.ceil(L / S)}),
@@ -174,10 +174,10 @@ _SCALING = {
 _FAMILIES = {"baseline": _residual("standard"), "block": _residual("attnres_block"), "full": _residual("attnres_full")}
 
 
-def block_size_for(n_layers: int) -> int:
-    """Block AttnRes's S for ``n_layers`` transformer blocks: N ≈ 8 blocks (the report's choice)
-    where depth allows, and S >= 2 (S = 1 would be Full AttnRes)."""
-    return max(2, math.ceil(2 * n_layers / 8))
+def block_size_for(n_sublayers: int) -> int:
+    """Block AttnRes's S (in sublayers) for a stack of ``n_sublayers``: N ≈ 8 blocks (the
+    report's choice) where depth allows, and S >= 2 (S = 1 would be Full AttnRes)."""
+    return max(2, math.ceil(n_sublayers / 8))
 
 
 def scaling_steps(model: dict[str, Any], grid: ScalingGrid, tokens_per_step: int) -> int:
@@ -201,7 +201,7 @@ def _scaling(preset: str) -> list[Variant]:
         steps = scaling_steps({**_MODEL[preset], **size}, grid, base["seq_len"] * base["batch_size"])
         # warm-up and WSD decay are fixed fractions of each run's own schedule
         train = {"steps": steps, "warmup_steps": max(1, steps // 20)}
-        S = block_size_for(n_layers)
+        S = block_size_for(2 * n_layers)
         for family, residual in _FAMILIES.items():
             model = {**size, **residual}
             coords = {"size": f"s{i}", "L_b": n_layers, "d": d, "H": n_layers}
