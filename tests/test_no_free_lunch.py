@@ -331,6 +331,7 @@ def test_cli_runs_grid_and_report(tmp_path):
     assert json.loads((out / "experiment.json").read_text())["config"]["steps"] == 2
     report = (out / "report.md").read_text()
     assert "## Findings (computed)" in report and "--seeds 0 1 2" in report and "steps=2" in report
+    assert "## Effect sizes with intervals" in report and "= 25%" in report and "p=" in report
     assert (out / "gap_train_loss.png").exists() and (out / "gap_test_loss.png").exists()
     assert cli_main(["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(out), "steps=2",
                      "--report-only"]) == 0  # the report's command names every seed in `out`, not only the default 0

@@ -142,3 +142,19 @@ def test_report_on_a_partial_grid_marks_missing_runs(tmp_path):
     text = write_report("scaling", full, tmp_path, "tiny").read_text()
     assert "Partial grid" not in text and "1.891·C^−0.057" in text and "1.25× at 5.6" in text
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_grid_planner_measures_every_variant_and_balances_the_split():
+    """benchmarks/plan_scaling_grid.py: the per-step CPU time of every variant of a preset, and a
+    split of the grid over processes with nearly equal cost."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_scaling_grid.py"
+    spec = importlib.util.spec_from_file_location("plan_scaling_grid", path)
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    parts = plan.split({"a": 5.0, "b": 4.0, "c": 3.0, "d": 3.0, "e": 1.0}, 2)
+    assert sorted(sum({"a": 5, "b": 4, "c": 3, "d": 3, "e": 1}[n] for n in p) for p in parts) == [8, 8]
+    measured = plan.step_cpu_seconds("tiny", rounds=1)
+    assert len(measured) == 9 and all(t >= 0 and steps >= 2 for t, steps in measured.values())

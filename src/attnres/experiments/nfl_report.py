@@ -153,53 +153,51 @@ def _effects_summary(index, norms: list[str], attnres: list[str], level: float) 
     return "\n".join(lines)
 
 
-def _effects_section(index, level: float = 0.95) -> str:
-    """Per-cell effect sizes with intervals (:mod:`.nfl_effects`), one table per setting and loss."""
-    norms, variants, depths, lams = _axes(index)
-    others = [v for v in variants if v != "standard"]
-    attnres = [v for v in ("full", "block") if v in variants]
-    parts = [_effects_summary(index, norms, attnres, level)] if attnres else []
-    for nm in norms:
-        for metric in METRICS:
-            rows = []
-            for v in others:
-                for d in depths:
-                    row = [_LABELS.get(v, v), str(d)]
-                    for lam in lams:
-                        gaps = paired_deltas(index, nm, v, d, lam, metric).values()
-                        e = paired_effect(gaps, level)
-                        mark = "**" if verdict(gaps, MIN_SEEDS).sign else ""
-                        row.append("–" if e is None else f"{mark}{e.text()}{mark}")
-                    rows.append(row)
-            parts.append(f"#### {_LABELS[metric]}, {_LABELS[nm]}: AttnRes / standard − 1\n\n"
-                         + markdown_table(["model", "depth", *[f"λ = {x:g}" for x in lams]], rows))
-    return "\n\n".join(parts)
-
-
-def _loss_tables(index) -> str:
-    norms, variants, depths, lams = _axes(index)
+def _lam_tables(index, variants: list[str], cell, title) -> list[str]:
+    """One table per (norm setting, loss): rows (model, depth), columns lam, each entry
+    ``cell(norm, variant, depth, lam, metric)``; headed ``title(norm, metric)``."""
+    norms, _, depths, lams = _axes(index)
     parts = []
     for nm in norms:
         for metric in METRICS:
-            rows = []
-            for v in variants:
-                for d in depths:
-                    row = [_LABELS.get(v, v), str(d)]
-                    for lam in lams:
-                        runs = index.get((nm, v, d, lam), {}).values()
-                        vals = [r[metric] for r in runs if not r.get("diverged") and r.get(metric) is not None]
-                        div = sum(1 for r in runs if r.get("diverged"))
-                        if not vals:
-                            row.append("–" if not div else f"{div} diverged")
-                            continue
-                        cell = f"{statistics.fmean(vals):.4g}"
-                        if len(vals) > 1:
-                            cell += f" ± {statistics.stdev(vals):.2g}"
-                        row.append(cell + (f" ({div} div.)" if div else ""))
-                    rows.append(row)
-            parts.append(f"#### {_LABELS[metric]}, {_LABELS[nm]}\n\n"
+            rows = [[_LABELS.get(v, v), str(d)] + [cell(nm, v, d, lam, metric) for lam in lams]
+                    for v in variants for d in depths]
+            parts.append(f"#### {title(nm, metric)}\n\n"
                          + markdown_table(["model", "depth", *[f"λ = {x:g}" for x in lams]], rows))
-    return "\n\n".join(parts)
+    return parts
+
+
+def _effects_section(index, level: float = 0.95) -> str:
+    """Per-cell effect sizes with intervals (:mod:`.nfl_effects`), one table per setting and loss."""
+    norms, variants, _, _ = _axes(index)
+    attnres = [v for v in ("full", "block") if v in variants]
+
+    def cell(nm, v, d, lam, metric) -> str:
+        gaps = paired_deltas(index, nm, v, d, lam, metric).values()
+        e = paired_effect(gaps, level)
+        mark = "**" if verdict(gaps, MIN_SEEDS).sign else ""
+        return "–" if e is None else f"{mark}{e.text()}{mark}"
+
+    tables = _lam_tables(index, [v for v in variants if v != "standard"], cell,
+                         lambda nm, metric: f"{_LABELS[metric]}, {_LABELS[nm]}: AttnRes / standard − 1")
+    return "\n\n".join(([_effects_summary(index, norms, attnres, level)] if attnres else []) + tables)
+
+
+def _loss_cell(runs, metric: str) -> str:
+    """Mean ± sample std of ``metric`` over the finished ``runs`` of a cell, diverged ones counted."""
+    vals = [r[metric] for r in runs if not r.get("diverged") and r.get(metric) is not None]
+    div = sum(1 for r in runs if r.get("diverged"))
+    if not vals:
+        return "–" if not div else f"{div} diverged"
+    cell = f"{statistics.fmean(vals):.4g}" + (f" ± {statistics.stdev(vals):.2g}" if len(vals) > 1 else "")
+    return cell + (f" ({div} div.)" if div else "")
+
+
+def _loss_tables(index) -> str:
+    _, variants, _, _ = _axes(index)
+    return "\n\n".join(_lam_tables(index, variants,
+                                     lambda nm, v, d, lam, metric: _loss_cell(index.get((nm, v, d, lam), {}).values(), metric),
+                                     lambda nm, metric: f"{_LABELS[metric]}, {_LABELS[nm]}"))
 
 
 def _rms_summary(index) -> str:
