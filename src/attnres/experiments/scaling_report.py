@@ -100,8 +100,9 @@ def _multiplier_tables(fit: ScalingFit) -> str:
         rep = report_multiplier(f)
         cells = [f"{e.text('.2f', '×')} at {c:.2e}" for c, e in cmp.multiplier_common] or ["ranges do not overlap"]
         common_rows.append([_name(f), f"{rep:.2f}× at {REPORT_MULTIPLIER_AT:g}" if rep else "–", "; ".join(cells)])
-    return ("**Compute multiplier at each size**: the compute the standard model's fit needs to reach the model's mean "
-            "loss, over the model's own compute (> 1: the model is worth that much more standard compute).\n\n"
+    return ("**Compute multiplier at each size**: the compute at which the standard model reaches the model's mean loss "
+            "(from its own mean loss and compute at that size, along its fitted slope), over the model's own compute "
+            "(> 1: the model is worth that much more standard compute).\n\n"
             + markdown_table(head, mult_rows)
             + "\n\n**Over the fits' common compute range** (its low end, geometric middle and high end), from both fits:\n\n"
             + markdown_table(["model", "report (Table 2 fits)", "ours"], common_rows)
@@ -120,6 +121,7 @@ def _report_sizes_table(fit: ScalingFit) -> str:
 # -- plot --------------------------------------------------------------------------------------
 def _plot(fit: ScalingFit, out: Path) -> str:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     data = fit.data
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -138,6 +140,8 @@ def _plot(fit: ScalingFit, out: Path) -> str:
                         label=_name(family))
     ax.set(xscale="log", yscale="log", xlabel="training compute C (PFLOP/s-days)", ylabel="validation loss",
            title="loss vs compute: seeds (points), fits (lines)")
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # plain numbers on a narrow log axis
+        axis(FormatStrFormatter("%.2f"))
     ax.legend(fontsize=7)
     bx.axhline(1.0, color="gray", lw=0.8)
     rep = report_multiplier("block")
