@@ -70,6 +70,26 @@ def test_config_rejects_bad_fields_and_mirrors_model_config():
     assert AttnResConfig.from_model_config(cfg).to_model_config() == cfg
 
 
+def test_cache_is_accepted_under_both_names():
+    """transformers 5.24 renamed the cache argument ``past_key_values`` to ``cache``: a decode
+    step continues the same cache under either name, and both at once is refused."""
+    from transformers.cache_utils import DynamicCache
+
+    from attnres.hf.modeling import CACHE_FIELD
+
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 7))
+    full = hf(ids, use_cache=False).logits[:, -1]
+    for name in ("cache", "past_key_values"):
+        prefix = hf(ids[:, :6], use_cache=True, **{name: DynamicCache(config=hf.config)})
+        cache = getattr(prefix, CACHE_FIELD)
+        assert cache.get_seq_length() == 6
+        step = hf(ids[:, 6:], use_cache=True, **{name: cache}).logits[:, -1]
+        torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        hf(ids, use_cache=True, cache=DynamicCache(config=hf.config), past_key_values=DynamicCache(config=hf.config))
+
+
 def test_generate_with_cache_equals_native_greedy():
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native).eval()
