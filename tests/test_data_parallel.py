@@ -38,7 +38,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from attnres.distributed import DistributedError, backend_for_device, resolve_mode  # noqa: E402
 from attnres.train import TrainConfig, latest_checkpoint, load_config, train  # noqa: E402
-from attnres.train.checkpoint import checkpoint_path  # noqa: E402
+from attnres.checkpoint import checkpoint_path  # noqa: E402
 
 DP_TOL = 1e-4
 STEPS = 20
@@ -143,8 +143,8 @@ def checkpoint_tensors(path: Path, part: str) -> dict[str, torch.Tensor]:
     mapped here to names through the optimiser the run's config builds)."""
     from attnres import AttnResLM, ModelConfig
     from attnres.train import build_optimizer
-    from attnres.train.checkpoint import read_checkpoint_state
-    from attnres.train.sharded_checkpoint import is_sharded, read_sharded_tensors
+    from attnres.checkpoint import read_checkpoint_state
+    from attnres.checkpoint import is_sharded, read_sharded_tensors
 
     state = read_checkpoint_state(path)
     if is_sharded(state):

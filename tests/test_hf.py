@@ -280,7 +280,7 @@ def test_exported_model_generates_past_line_breaks(tmp_path):
     from attnres.hf import export_checkpoint
     from attnres.inference.loading import load_run
     from attnres.train import load_config, train
-    from attnres.train.checkpoint import save_checkpoint
+    from attnres.checkpoint import save_checkpoint
 
     corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
     run = tmp_path / "run"

@@ -36,8 +36,8 @@ from conftest import tensor_errors  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from attnres.train import load_config, train  # noqa: E402
-from attnres.train.checkpoint import checkpoint_path, latest_checkpoint, read_checkpoint_state  # noqa: E402
-from attnres.train.sharded_checkpoint import consolidate  # noqa: E402
+from attnres.checkpoint import checkpoint_path, latest_checkpoint, read_checkpoint_state  # noqa: E402
+from attnres.checkpoint import consolidate  # noqa: E402
 
 TOL = 1e-5
 STEPS = 10
@@ -259,7 +259,7 @@ def test_bf16_over_the_mesh(root):
             ["bf16-fsdp", {**block, "distributed": "fsdp", "dtype": "bfloat16"}, 0],
             ["bf16-pp2", {**block, **PP, "dtype": "bfloat16"}, 0]]
     launch(root, 2, runs)
-    from attnres.train.sharded_checkpoint import read_sharded_tensors
+    from attnres.checkpoint import read_sharded_tensors
 
     def losses(run: Path) -> list[float]:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

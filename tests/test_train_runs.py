@@ -32,7 +32,7 @@ from attnres.data import tokenizer as tokenizer_mod  # noqa: E402
 from attnres.data.tokenizer import BPETokenizer, run_interruptibly  # noqa: E402
 from attnres.inference.loading import load_tokenizer  # noqa: E402
 from attnres.train import latest_checkpoint, load_config, train  # noqa: E402
-from attnres.train.checkpoint import read_checkpoint_state  # noqa: E402
+from attnres.checkpoint import read_checkpoint_state  # noqa: E402
 from attnres.train.lock import LOCK_FILE, RunLock, RunLocked  # noqa: E402
 from attnres.train.metrics import read_metrics  # noqa: E402
 

@@ -296,7 +296,7 @@ def _native_only(run, command: str) -> None:
 def run_analyze(args) -> int:
     """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
     from .experiments.analyze import write_analysis
-    from .train.checkpoint import CheckpointError
+    from .checkpoint import CheckpointError
 
     try:
         if args.rows < 1:

@@ -17,9 +17,7 @@ import torch
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_state
 from ..models.config import ModelConfig
 from ..models.lm import AttnResLM
-from ..train.checkpoint import CheckpointError, load_checkpoint
-from ..train.resume import find_valid_checkpoint
-from ..train.sharded_checkpoint import is_sharded, load_sharded_weights
+from ..checkpoint import CheckpointError, find_valid_checkpoint, load_weights
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "pick_device"]
 
@@ -84,10 +82,7 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
         from ..upcycle.scratch import build_hf_model
 
         model = build_hf_model(config)
-    if is_sharded(source.state):  # DCP (data- or model-parallel runs): read in this process
-        load_sharded_weights(source.path, model)
-    else:
-        load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
+    load_weights(source.path, source.state, model)  # a sharded (DCP) one is read in this process
     device = device if isinstance(device, torch.device) else pick_device(device)
     return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
 

@@ -4,7 +4,7 @@
 >>> result = train(load_config("run.yaml", ["steps=200", "model.d_model=128"]))
 """
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import DataConfig, TrainConfig, load_config
 from .lock import RunLock, RunLocked
 from .loop import TrainingDiverged, TrainResult, train

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer
-from .resume import Source
+from ..checkpoint import Source
 
 __all__ = ["is_hf_directory", "hf_source", "load_hf_weights"]
 

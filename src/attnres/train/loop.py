@@ -57,14 +57,20 @@ from ..distributed.data_parallel import (
 from ..distributed.launch import DistContext, collective_errors, init_distributed, resolve_mode
 from ..distributed.parallel import build_layout
 from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
-from .checkpoint import (
+from ..checkpoint import (
     CheckpointError,
+    Source,
     checkpoint_path,
+    find_valid_checkpoint,
+    is_sharded,
     latest_checkpoint,
     load_checkpoint,
+    load_sharded,
     read_optimizer_state,
     remove_partial_checkpoints,
     save_checkpoint,
+    save_sharded,
+    set_aside_newer,
     write_checkpoint,
 )
 from .config import TrainConfig, flatten
@@ -73,9 +79,8 @@ from .hf_source import hf_source, is_hf_directory, load_hf_weights
 from .lock import RunLock
 from .metrics import MetricsLogger
 from .optim import build_optimizer
-from .resume import Source, check_data, check_resumable, find_valid_checkpoint, set_aside_newer
+from .resume import check_data, check_resumable
 from .schedule import lr_factor
-from .sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from .signals import StopSignals
 from .summary import RunFacts, startup_summary
 
