@@ -381,7 +381,7 @@ def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
         path = hf.export_checkpoint(checkpoint, out, tokenizer)
     except ValueError as e:
         raise SystemExit(f"attnres export: error: {e}") from None
-    print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres`)")
+    print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres.hf`)")
     return 0
 
 

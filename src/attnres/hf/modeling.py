@@ -24,7 +24,7 @@ from ..models import AttnResLM, DecoderTrunk, next_token_loss
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
-from ..upcycle.modeling import init_missing_tensors
+from ..models.families import init_missing_tensors
 from .configuration import AttnResConfig
 
 

@@ -16,7 +16,7 @@ from ..validation import Fields
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
-#: (``ModelConfig.hf_architecture``; ``attnres.upcycle.FAMILIES`` describes their layouts).
+#: (``ModelConfig.hf_architecture``; ``attnres.models.families.FAMILIES`` describes their layouts).
 HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 _CHECK = Fields("ModelConfig")
@@ -43,7 +43,7 @@ class ModelConfig:
 
     ``hf_architecture``: build the decoder from a ``transformers`` family's own modules
     (``"llama"``, ``"qwen3"``, ... see ``HF_ARCHITECTURES``) with this residual, instead of
-    the native one (``attnres.upcycle.build_hf_model``); ``hf_config`` holds that family's
+    the native one (:func:`attnres.models.build_model`); ``hf_config`` holds that family's
     config fields beyond the ones above (``head_dim``, biases, sliding windows, ...).
     """
 

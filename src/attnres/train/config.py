@@ -279,7 +279,7 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
-            from ..upcycle.scratch import model_fields_from_directory
+            from ..models.families import model_fields_from_directory
 
             return ModelConfig.from_dict(model_fields_from_directory(source)).replace(**fields)
         return ModelConfig.preset(preset, **fields) if preset is not None else ModelConfig.from_dict(fields)

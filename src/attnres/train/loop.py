@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..analysis.diagnostics import block_grad_norms, forward_diagnostics
 from ..data import BatchSampler, load_corpus, prepare_data, validation_batches
-from ..models import AttnResLM
+from ..models import AttnResLM, build_model
 from ..distributed.data_parallel import (
     any_rank,
     full_model_state,
@@ -306,12 +306,7 @@ class Trainer:
             self.model = self.pm.model
             return
         torch.manual_seed(self.config.seed)
-        if self.config.model.hf_architecture is None:
-            self.model = AttnResLM(self.config.model).to(self.device)
-        else:  # a transformers family's own modules around the residual (attnres.upcycle)
-            from ..upcycle.scratch import build_hf_model
-
-            self.model = build_hf_model(self.config.model).to(self.device)
+        self.model = build_model(self.config.model).to(self.device)
         if config.activation_checkpoint != "none":
             from ..models.trunk import sublayer_caller
 
