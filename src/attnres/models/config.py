@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from typing import Any
 
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import LEGACY_KEYS, merge_residual, migrate_legacy_keys
-from ..validation import Fields
+from ..validation import Fields, accept_legacy_keys
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
@@ -158,16 +157,7 @@ class ModelConfig:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-_dataclass_init = ModelConfig.__init__
-
-
-def _init_accepting_legacy_keys(self, *args, **kwargs) -> None:
-    _dataclass_init(self, *args, **migrate_legacy_keys(kwargs))
-
-
-_init_accepting_legacy_keys.__doc__ = _dataclass_init.__doc__
-_init_accepting_legacy_keys.__signature__ = inspect.signature(_dataclass_init)
-ModelConfig.__init__ = _init_accepting_legacy_keys
+accept_legacy_keys(ModelConfig, migrate_legacy_keys)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

@@ -20,9 +20,13 @@ from .schedule import lr_factor
 
 def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved config as this version writes it (older checkpoints may lack newer fields or
-    use older spellings); the saved mapping itself when it no longer validates."""
+    use older spellings, such as the deprecated ``distributed``: no warning about the user's
+    config for what an old checkpoint stores); the saved mapping itself when it no longer
+    validates."""
     try:
-        return TrainConfig.from_dict(saved).to_dict()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return TrainConfig.from_dict(saved).to_dict()
     except (ValueError, TypeError):
         return saved
 
