@@ -271,6 +271,31 @@ def test_model_override_without_config_keeps_the_default_preset():
                                                                                                   n_heads=2)
 
 
+def test_a_trainer_is_whole_when_built(tmp_path, corpus_file, monkeypatch):
+    """Building a ``Trainer`` sets every attribute it will ever have (training adds none, so
+    no call order is load-bearing), holds the run's lock from then on, and ``close()``
+    releases it without training."""
+    from attnres.distributed import process_context
+    from attnres.train.loop import Trainer
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    config = load_config(None, overrides(corpus_file, tmp_path / "run", steps=4))
+    trainer = Trainer(config, process_context("cpu"))
+    built = set(vars(trainer))
+    assert (tmp_path / "run" / LOCK_FILE).exists() and trainer.step_count == 0 and trainer.layout.size == 1
+    with pytest.raises(RunLocked):
+        Trainer(config, process_context("cpu"))
+    result = trainer.run()
+    assert result.step == 4 and set(vars(trainer)) == built
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+    resumed = Trainer(load_config(None, overrides(corpus_file, tmp_path / "run", steps=4, resume="true")),
+                      process_context("cpu"))
+    assert resumed.step_count == 4 and resumed.last_ckpt == result.checkpoint
+    resumed.close()
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+
+
 def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
     run = tmp_path / "run"
     train(load_config(None, overrides(corpus_file, run, stop_after=2, **{"model.residual": "standard"})))
