@@ -44,7 +44,7 @@ from .data_parallel import apply_fsdp, full_tensor, reshard
 from .grads import clip_grads_, global_grad_norm
 from .materialize import build_on_meta
 from .parallel import ParallelConfig, ParallelLayout
-from .pipeline import PipelineChunk, PipelineConfig, PipelineRunner, stage_parameter_names
+from .pipeline import PipelineConfig, PipelineRunner, stage_parameter_names
 from .tensor_parallel import apply_tensor_parallel, check_tp_shapes, reduce_grads, reduce_replicated_grads
 
 __all__ = ["ParallelModel", "build_parallel_model", "check_parallel_config", "compile_blocks"]
@@ -277,10 +277,11 @@ def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: 
     """The model of ``config``, initialised from ``seed`` exactly as a single process
     initialises it, laid out over ``layout`` (see the module docstring).
 
-    ``param_dtype`` (``dp > 1``): FSDP2's ``MixedPrecisionPolicy`` - the gathered parameters
-    the forward and backward use, and so the gradients, in that dtype; the gradients are
-    reduce-scattered in float32 and the sharded parameters the optimiser updates (the
-    master weights) stay float32.
+    ``param_dtype``: where ``dp > 1``, FSDP2's ``MixedPrecisionPolicy`` - the gathered
+    parameters the forward and backward use, and so the gradients, in that dtype; the
+    gradients are reduce-scattered in float32 and the sharded parameters the optimiser
+    updates (the master weights) stay float32. Without dp nothing is cast here (the caller's
+    autocast does it).
 
     ``compile``: ``torch.compile`` of the whole model in one process, else of each
     transformer block's attention and MLP (:func:`compile_blocks`), after tensor parallelism

@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -158,8 +157,6 @@ class Trainer:
     def _main_first(self, fn):
         """``fn()`` on rank 0 first, then on the others (which may then read what rank 0
         wrote: a token cache, checkpoints set aside). An error on rank 0 stops every rank."""
-        if self.ctx.world_size == 1:
-            return fn()
         result, error = None, None
         if self.main:
             try:
@@ -210,10 +207,10 @@ class Trainer:
         config = self.config
         check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, self.layout.dp,
                               config.activation_checkpoint)
-        # bf16 over dp: FSDP2's mixed precision (bf16 parameters and gradients, float32
-        # reductions and master weights); autocast stays on for what FSDP2 does not cast
-        # (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).
-        param_dtype = torch.bfloat16 if config.dtype == "bfloat16" and self.layout.dp > 1 else None
+        # bf16: FSDP2's mixed precision where dp shards (bf16 parameters and gradients, float32
+        # reductions and master weights); autocast stays on around every step, for what FSDP2
+        # does not cast (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).
+        param_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
         return build_parallel_model(config.model, config.parallel, self.layout, self.device, config.seed,
                                     config.activation_checkpoint, param_dtype, config.compile,
                                     prepare=self._whole_model_weights())
