@@ -1,4 +1,4 @@
-"""``attnres train`` over the ``(pp, dp, tp)`` mesh (issue 16): pipeline (torch's schedules,
+"""``attnres train`` over the ``(pp, dp, tp)`` mesh: pipeline (torch's schedules,
 with and without the cross-stage cache), tensor parallel, FSDP2 over dp and their
 combinations, against single-process training; sharded (DCP) checkpoints that resume at
 another layout; a rank killed with SIGKILL under pp=2; config errors.

@@ -115,8 +115,9 @@ class Trainer:
     the model over the mesh (:class:`~attnres.distributed.mesh_model.ParallelModel`) and the optimiser,
     loads the checkpoint's state and opens the metrics log. :meth:`run` trains to the end
     (or a signal) and releases everything; :meth:`close` releases it without training. It
-    changes nothing process-wide (the CPU allocator is the ``attnres`` command's setting).
-    ``ctx``: this process's place in the process group (world size 1 alone).
+    leaves the C allocator alone (``cpu_allocator`` is the ``attnres`` command's to apply).
+    ``ctx``: this process's place in the process group (world size 1 alone,
+    :func:`attnres.distributed.process_context`).
     """
 
     def __init__(self, config: TrainConfig, ctx: DistContext) -> None:
