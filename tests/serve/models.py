@@ -59,7 +59,7 @@ def export_native(out: Path, residual: dict, seed: int = 0) -> Path:
     from attnres.cli import main as cli_main
     from attnres.inference.loading import load_run
     from attnres.train import load_config, train
-    from attnres.train.checkpoint import save_checkpoint
+    from attnres.checkpoint import save_checkpoint
 
     work = out.parent / f"{out.name}-run"
     work.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Training checkpoint -> Hugging Face directory (``attnres export``).
 
-A training checkpoint (``attnres.train.checkpoint``) holds the weights, the run config and
+A training checkpoint (``attnres.checkpoint``) holds the weights, the run config and
 the tokenizer (checkpoints of earlier versions lack the tokenizer: it is then recovered from
 the run's data settings, with a warning), unless a ``tokenizer.json`` is given. The HF
 directory gets ``config.json``, ``model.safetensors``, ``generation_config.json`` and the

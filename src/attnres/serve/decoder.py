@@ -19,7 +19,7 @@ from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
 
 from ..nn.residual import ResidualConfig, ResidualStream, build_residual
-from ..upcycle.families import Layout
+from ..models.families.layout import Layout
 
 __all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "run_decoder", "check_servable"]
 

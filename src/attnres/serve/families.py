@@ -2,7 +2,7 @@
 
 ``attnres export`` writes the native ``AttnResForCausalLM``; ``attnres.upcycle`` writes
 ``AttnRes<Family>ForCausalLM`` for the transformers families of
-:data:`attnres.upcycle.FAMILIES`. vLLM finds a model class by the ``architectures`` entry of
+:data:`attnres.models.families.FAMILIES`. vLLM finds a model class by the ``architectures`` entry of
 ``config.json``, so the plugin registers one class per name (:func:`architectures`).
 
 For an upcycled family the served model is built from **vLLM's own implementation of that
@@ -10,7 +10,7 @@ family**: its decorated model body (embedding, decoder layers with their attenti
 modules, final norm) is subclassed, and only the loop over the decoder layers is replaced by
 the AttnRes residual (:mod:`attnres.serve.upcycled`), as :mod:`attnres.upcycle` does with the
 transformers modules. A :class:`ServedFamily` names that body and the attributes of its decoder
-layer; the norms around the two sublayers are the family's :class:`attnres.upcycle.Layout`
+layer; the norms around the two sublayers are the family's :class:`attnres.models.families.Layout`
 (vLLM keeps the transformers attribute names). Adding a family - an MoE one, say, whose
 decoder layer calls its MLP ``block_sparse_moe`` - is one entry here once
 :mod:`attnres.upcycle` knows its layout.
@@ -64,7 +64,7 @@ def architectures() -> dict[str, str]:
     """``architectures`` name -> the plugin's vLLM class as a lazy ``"module:Class"`` string
     (``vllm.ModelRegistry.register_model`` imports it when a model of that name loads).
     The upcycled names are the class names :mod:`attnres.upcycle` saves (needs transformers)."""
-    from ..upcycle import upcycled_classes
+    from ..models.families import upcycled_classes
 
     names = {NATIVE_ARCHITECTURE: f"{__package__}.native:{NATIVE_ARCHITECTURE}"}
     for model_type in SERVED_FAMILIES:

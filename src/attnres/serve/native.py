@@ -36,7 +36,7 @@ from vllm.sequence import IntermediateTensors
 
 from ..models import AttnResLM, ModelConfig
 from ..nn.rope import RotaryEmbedding
-from ..upcycle.families import Layout
+from ..models.families.layout import Layout
 from .checkpoint import checked_weights, expected_shapes
 from .decoder import DYNAMIC_ARG_DIMS, SublayerNames, check_servable, run_decoder, serving_residual
 

@@ -38,8 +38,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from ..upcycle import PREFIX, layout_of, upcycled_classes
-from ..upcycle.modeling import adjust_eps
+from ..models.families import PREFIX, layout_of, upcycled_classes
+from ..models.families.modeling import adjust_eps
 from .checkpoint import checked_weights, expected_shapes
 from .decoder import DYNAMIC_ARG_DIMS, SublayerNames, check_servable, run_decoder, serving_residual
 from .families import SERVED_FAMILIES, ServedFamily

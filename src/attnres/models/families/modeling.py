@@ -3,9 +3,9 @@
 For a supported family ``X`` (``llama``, ``qwen3``, ...) this generates, once, a config class
 ``AttnResXConfig`` (``X``'s config plus ``attnres_residual`` and ``attnres_exact_eps``, with
 ``model_type = "attnres_X"``) and a model class ``AttnResXForCausalLM`` (``X``'s causal LM
-plus a ``residual`` module), and registers both with the Auto classes: a saved directory
-loads with ``AutoModelForCausalLM.from_pretrained`` after ``import attnres``, no
-``trust_remote_code``. Parameter names are ``X``'s own plus ``residual.*``, so a pretrained
+plus a ``residual`` module); :func:`register_families` registers both with the Auto classes
+(``import attnres.hf`` or ``attnres.upcycle`` calls it), so that a saved directory loads with
+``AutoModelForCausalLM.from_pretrained``, no ``trust_remote_code``. Parameter names are ``X``'s own plus ``residual.*``, so a pretrained
 ``X`` checkpoint loads into the AttnRes model as it is (the residual starts at its faithful
 init: zero pseudo-queries, unit key-norm gains).
 
@@ -35,8 +35,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ..nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
-from .families import FAMILIES, Layout, layout_of
+from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
+from .layout import FAMILIES, Layout, layout_of
 
 __all__ = ["upcycled_classes", "register_families", "init_missing_tensors", "adjust_eps", "UpcycledModelMixin", "PREFIX"]
 
