@@ -141,14 +141,16 @@ def run_worker(spec: dict, work: Path, core: int | None = None) -> dict:
 
 def _generate(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and their log-probabilities: ``attnres generate`` on the native model of
-    an export, HF ``generate`` on an upcycled model."""
+    an export, HF ``generate`` (eager attention) on an upcycled model."""
     import attnres  # noqa: F401 - registers the configs
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from attnres.inference import generate
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Eager attention: transformers' SDPA path drops Gemma 2's attention-logit soft-capping,
+    # which vLLM (and the model) applies.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     native = hf.to_native().eval() if hasattr(hf, "to_native") else None
     ids_out, logprobs_out = [], []
     with torch.inference_mode():
