@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 
 import pytest
@@ -49,6 +50,9 @@ def to_cpu(x):
 
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
+
+# The serving tests (tests/serve) need vLLM, which lives in its own environment: `make test-serve`.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["serve"]
 
 # Normwise relative tolerances, ||a - b|| <= tol * ||b|| (Frobenius norms), per dtype. The float64 and float32
 # bounds are the core issue's acceptance bounds; bfloat16 has 8 mantissa bits (eps = 2^-8),

@@ -33,7 +33,7 @@ from attnres.experiments import (  # noqa: E402
     training_flops_per_token,
     write_report,
 )
-from attnres.experiments.flops import matmul_parameters  # noqa: E402
+from attnres.experiments.flops import matmul_parameters, non_embedding_parameters  # noqa: E402
 from attnres.models import AttnResLM  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex every daft zebra".split()
@@ -80,6 +80,32 @@ def test_preset_contents():
     assert compare.variants[1].coords == {"S": 3, "N": 8}  # the report's N = 8 blocks
 
 
+def test_scaling_preset_follows_the_report_recipe():
+    """Sizes grow depth and width together (H = L_b, fixed d / L_b, report Table 2), span at
+    least 4x in non-embedding parameters, train a fixed number of tokens per parameter each,
+    and Block AttnRes keeps S >= 2 with N = ceil(L / S) blocks."""
+    from attnres.experiments.flops import non_embedding_parameters
+    from attnres.experiments.presets import _SCALING, block_size_for
+    from attnres.experiments.runner import run_config
+
+    exp = get_experiment("scaling", "cpu")
+    sizes = sorted({v.coords["size"] for v in exp.variants})
+    assert len(sizes) >= 4 and {v.family for v in exp.variants} == {"baseline", "block", "full"}
+    n = {}
+    for v in exp.variants:
+        config = run_config(exp, v, 0, Path("unused"))
+        m = config.model
+        assert m.n_heads == m.n_layers and m.d_model == 16 * m.n_layers
+        n[v.coords["size"]] = non_embedding_parameters(m)
+        tokens = config.steps * config.tokens_per_step
+        assert tokens / n[v.coords["size"]] == pytest.approx(_SCALING["cpu"].tokens_per_param, rel=0.02)
+        assert config.warmup_steps == config.steps // 20 and config.schedule == "wsd"
+        if v.family == "block":
+            assert m.residual.block_size == v.coords["S"] >= 2 and v.coords["N"] == math.ceil(2 * m.n_layers / v.coords["S"])
+    assert max(n.values()) / min(n.values()) >= 4
+    assert [block_size_for(2 * b) for b in (2, 4, 8, 12, 16)] == [2, 2, 2, 3, 4]  # N = 8 where depth allows
+
+
 def test_arch_shape_hits_ratios_and_budget():
     budget = 12 * 8 * 128**2
     for rd, rh in [(15, 0.5), (45, 1), (60, 2)]:
@@ -101,6 +127,7 @@ def test_flops_scale_with_params_and_tokens():
     assert matmul_parameters(small) == linear and f_small.matmul == 6 * linear
     assert f_big.total > 3 * f_small.total  # ~ d^2
     assert f_small.matmul / f_small.total > 0.9  # dominated by 6N at this context
+    assert non_embedding_parameters(small) == matmul_parameters(small) - small.d_model * small.vocab_size
     longer = training_flops_per_token(small, 64)
     assert longer.attention == pytest.approx(f_small.attention * 65 / 33) and longer.matmul == f_small.matmul
     # the residual mechanism: standard < block < full, and far below the matmuls
@@ -152,7 +179,7 @@ def test_scaling_end_to_end_and_resume(corpus, tmp_path):
     residual = {r["variant"]: r["residual_params"] for r in records}
     assert residual["baseline_s1"] == 0 and residual["block_s1"] > 0
     report = (out / "report.md").read_text()
-    assert "1.891·C^−0.057" in report and "baseline" in report and (out / "scaling.png").stat().st_size > 0
+    assert "1.891·C^−0.057" in report and "Block AttnRes" in report and (out / "scaling.png").stat().st_size > 0
     # a second invocation skips every finished run and leaves their results alone
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/result.json")}
     log: list[str] = []

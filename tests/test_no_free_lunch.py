@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -330,6 +331,7 @@ def test_cli_runs_grid_and_report(tmp_path):
     assert json.loads((out / "experiment.json").read_text())["config"]["steps"] == 2
     report = (out / "report.md").read_text()
     assert "## Findings (computed)" in report and "--seeds 0 1 2" in report and "steps=2" in report
+    assert "## Effect sizes with intervals" in report and "= 25%" in report and "p=" in report
     assert (out / "gap_train_loss.png").exists() and (out / "gap_test_loss.png").exists()
     assert cli_main(["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(out), "steps=2",
                      "--report-only"]) == 0  # the report's command names every seed in `out`, not only the default 0
@@ -346,3 +348,34 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
         cli_main(["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(tmp_path), "stepz=3"])
     with pytest.raises(SystemExit, match="no finished no-free-lunch runs"):
         cli_main(["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(tmp_path / "empty"), "--report-only"])
+
+
+# -- effect sizes and the decided-cell rule's false-call rate ----------------------------------
+def test_decided_cell_rule_passes_a_no_effect_cell_a_quarter_of_the_time():
+    """With 3 seeds and no effect, all three paired gaps share a sign with probability 2 * (1/2)^3:
+    checked exactly and by simulation through the rule itself (`verdict`), for normal and
+    heavy-tailed symmetric seed noise."""
+    from attnres.experiments.nfl_effects import sign_rule_pass_rate
+
+    assert [sign_rule_pass_rate(n) for n in (1, 2, 3, 4)] == [1.0, 0.5, 0.25, 0.125]
+    with pytest.raises(ValueError, match="n_seeds"):
+        sign_rule_pass_rate(0)
+    rng = np.random.default_rng(0)
+    for noise in (rng.normal(size=(20_000, 3)), rng.standard_t(2, size=(20_000, 3))):
+        passed = sum(verdict(row).sign != 0 for row in noise.tolist()) / len(noise)
+        assert passed == pytest.approx(0.25, abs=0.012)  # 4 binomial standard errors
+
+
+def test_paired_effect_is_the_paired_t_test():
+    from scipy import stats
+
+    from attnres.experiments.nfl_effects import paired_effect
+
+    gaps = [0.1, 0.2, 0.3]
+    e = paired_effect(gaps)
+    half = stats.t.ppf(0.975, 2) * 0.1 / math.sqrt(3)
+    assert e.mean == pytest.approx(0.2) and (e.low, e.high) == pytest.approx((0.2 - half, 0.2 + half))
+    assert e.p_value == pytest.approx(stats.ttest_1samp(gaps, 0.0).pvalue)
+    assert e.text() == "+58 % [-11, +181] p=0.074" and e.excludes_zero() == 0
+    assert paired_effect([-0.3, -0.31, -0.29]).excludes_zero() == -1
+    assert paired_effect([math.inf, math.nan]) is None and paired_effect([0.1]).low is None

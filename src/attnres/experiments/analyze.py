@@ -171,7 +171,7 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     its run directories, one per seed) the depth mixing matrix of each seed's last
     checkpoint, panels of the first seed in ``out/mixing.png``, the rank and sink tables and
     findings over seeds. ``None`` when no run kept a checkpoint."""
-    from ..train.resume import find_valid_checkpoint
+    from ..checkpoint import find_valid_checkpoint
 
     results: dict[str, list[tuple[DepthMixing, dict]]] = {}
     missing, logged = [], []

@@ -54,6 +54,13 @@ def matmul_parameters(config: ModelConfig) -> int:
     return config.n_layers * (attn + mlp) + d * config.vocab_size
 
 
+def non_embedding_parameters(config: ModelConfig) -> int:
+    """Weights of the transformer blocks' projections: the model size of a scaling law
+    (Kaplan et al.'s N; the report's Table 2 counts activated parameters without embeddings).
+    Norm gains and the residual mechanism's few parameters are left out, like the LM head."""
+    return matmul_parameters(config) - config.d_model * config.vocab_size
+
+
 def residual_flops_forward(config: ModelConfig) -> float:
     """Forward FLOPs per token of the residual mechanism alone (see the module docstring)."""
     with torch.device("meta"):  # the module describes itself; meta tensors cost nothing

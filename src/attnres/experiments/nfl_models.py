@@ -32,25 +32,19 @@ same function, see the tests of :mod:`attnres.nn.residual`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn import BlockAttnRes, FullAttnRes, RMSNorm, StandardResidual
 from ..nn.residual import AttnResAblation, ResidualStream
+from .presets import block_size_for
 
 __all__ = ["VARIANTS", "ATTNRES_VARIANTS", "block_size_for", "build_residual", "ResidualMLP"]
 
 VARIANTS = ("standard", "full", "block", "full_sigmoid")
 #: The variants compared against ``standard``.
 ATTNRES_VARIANTS = VARIANTS[1:]
-
-
-def block_size_for(depth: int) -> int:
-    """Block AttnRes's block size S (in sublayers) for a stack of ``depth`` sublayers."""
-    return max(2, math.ceil(depth / 8))
 
 
 def build_residual(variant: str, width: int, depth: int, impl: str = "two_phase") -> ResidualStream:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .nfl_effects import paired_effect, sign_rule_pass_rate
 from .nfl_findings import MIN_SEEDS, METRICS, compute_findings, index_records, paired_deltas, verdict
 from .nfl_models import VARIANTS
 from .report import markdown_table
@@ -116,30 +117,87 @@ def _hidden_rms_plot(index, out: Path) -> str | None:
     return "hidden_rms.png"
 
 
-def _loss_tables(index) -> str:
-    norms, variants, depths, lams = _axes(index)
+def _claim_cells(index, norm: str, variants: list[str]):
+    """The cells the findings' revision claim reads: (variant, depth, lam, metric) for train
+    loss at every lam and test loss where the target has structure (lam < 1)."""
+    _, _, depths, lams = _axes(index)
+    return [(v, d, lam, m) for v in variants for d in depths for lam in lams for m in METRICS
+            if m == "train_loss" or lam < 1.0]
+
+
+def _effects_summary(index, norms: list[str], attnres: list[str], level: float) -> str:
+    """How often the decided-cell rule calls a cell by chance, and what the intervals say."""
+    seeds = [len(s) for s in index.values()]
+    n = min(seeds)
+    lines = [f"With {n} paired seeds a cell with no effect at all passes the decided-cell rule with probability "
+             f"2·(1/2)^{n} = {sign_rule_pass_rate(n):.0%} (all seeds agree in sign, either sign), so decided-cell "
+             f"counts overstate the evidence. Each cell here: the mean paired gap as a loss ratio (AttnRes / standard − 1) "
+             f"with its {level:.0%} Student-t interval over seeds and the paired t-test's p-value (not corrected for "
+             "the number of cells); bold: the cells the decided-cell rule calls."]
+    for nm in norms:
+        cells = _claim_cells(index, nm, attnres)
+        decided = {+1: 0, -1: 0}
+        excl = {+1: 0, -1: 0}
+        for v, d, lam, m in cells:
+            gaps = paired_deltas(index, nm, v, d, lam, m).values()
+            sign = verdict(gaps, MIN_SEEDS).sign
+            effect = paired_effect(gaps, level)
+            if sign:
+                decided[sign] += 1
+            if effect is not None and effect.excludes_zero():
+                excl[effect.excludes_zero()] += 1
+        lines.append(f"- {_LABELS[nm]}, {' and '.join(_LABELS[v] for v in attnres)} ({len(cells)} cells: train loss at "
+                     f"every λ, test loss at λ < 1): decided for AttnRes {decided[-1]}, for the standard residual "
+                     f"{decided[+1]} (by chance alone about {sign_rule_pass_rate(n) * len(cells):.0f} would be decided); "
+                     f"interval below 0 (AttnRes lower) {excl[-1]}, above 0 {excl[+1]}.")
+    return "\n".join(lines)
+
+
+def _lam_tables(index, variants: list[str], cell, title) -> list[str]:
+    """One table per (norm setting, loss): rows (model, depth), columns lam, each entry
+    ``cell(norm, variant, depth, lam, metric)``; headed ``title(norm, metric)``."""
+    norms, _, depths, lams = _axes(index)
     parts = []
     for nm in norms:
         for metric in METRICS:
-            rows = []
-            for v in variants:
-                for d in depths:
-                    row = [_LABELS.get(v, v), str(d)]
-                    for lam in lams:
-                        runs = index.get((nm, v, d, lam), {}).values()
-                        vals = [r[metric] for r in runs if not r.get("diverged") and r.get(metric) is not None]
-                        div = sum(1 for r in runs if r.get("diverged"))
-                        if not vals:
-                            row.append("–" if not div else f"{div} diverged")
-                            continue
-                        cell = f"{statistics.fmean(vals):.4g}"
-                        if len(vals) > 1:
-                            cell += f" ± {statistics.stdev(vals):.2g}"
-                        row.append(cell + (f" ({div} div.)" if div else ""))
-                    rows.append(row)
-            parts.append(f"#### {_LABELS[metric]}, {_LABELS[nm]}\n\n"
+            rows = [[_LABELS.get(v, v), str(d)] + [cell(nm, v, d, lam, metric) for lam in lams]
+                    for v in variants for d in depths]
+            parts.append(f"#### {title(nm, metric)}\n\n"
                          + markdown_table(["model", "depth", *[f"λ = {x:g}" for x in lams]], rows))
-    return "\n\n".join(parts)
+    return parts
+
+
+def _effects_section(index, level: float = 0.95) -> str:
+    """Per-cell effect sizes with intervals (:mod:`.nfl_effects`), one table per setting and loss."""
+    norms, variants, _, _ = _axes(index)
+    attnres = [v for v in ("full", "block") if v in variants]
+
+    def cell(nm, v, d, lam, metric) -> str:
+        gaps = paired_deltas(index, nm, v, d, lam, metric).values()
+        e = paired_effect(gaps, level)
+        mark = "**" if verdict(gaps, MIN_SEEDS).sign else ""
+        return "–" if e is None else f"{mark}{e.text()}{mark}"
+
+    tables = _lam_tables(index, [v for v in variants if v != "standard"], cell,
+                         lambda nm, metric: f"{_LABELS[metric]}, {_LABELS[nm]}: AttnRes / standard − 1")
+    return "\n\n".join(([_effects_summary(index, norms, attnres, level)] if attnres else []) + tables)
+
+
+def _loss_cell(runs, metric: str) -> str:
+    """Mean ± sample std of ``metric`` over the finished ``runs`` of a cell, diverged ones counted."""
+    vals = [r[metric] for r in runs if not r.get("diverged") and r.get(metric) is not None]
+    div = sum(1 for r in runs if r.get("diverged"))
+    if not vals:
+        return "–" if not div else f"{div} diverged"
+    cell = f"{statistics.fmean(vals):.4g}" + (f" ± {statistics.stdev(vals):.2g}" if len(vals) > 1 else "")
+    return cell + (f" ({div} div.)" if div else "")
+
+
+def _loss_tables(index) -> str:
+    _, variants, _, _ = _axes(index)
+    return "\n\n".join(_lam_tables(index, variants,
+                                     lambda nm, v, d, lam, metric: _loss_cell(index.get((nm, v, d, lam), {}).values(), metric),
+                                     lambda nm, metric: f"{_LABELS[metric]}, {_LABELS[nm]}"))
 
 
 def _rms_summary(index) -> str:
@@ -215,6 +273,8 @@ def write_nfl_report(records: list[dict[str, Any]], out: str | Path, command: st
         "is 0): it only measures how far predictions on unseen inputs stray, and is left out of the claims.",
         "## Findings (computed)",
         findings,
+        "## Effect sizes with intervals",
+        _effects_section(index),
         "## Gaps over (λ, depth)",
         "\n\n".join(f"![{h}]({h})" for h in heatmaps),
         "## Size of the hidden state",

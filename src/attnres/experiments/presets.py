@@ -7,7 +7,7 @@ compare`` / ``make demo``) ``demo`` (minutes) and ``long`` (the committed compar
 transformer blocks, at least 30 minutes per run on one core). A preset is a base training
 config (``TrainConfig`` fields as a mapping, the ``model`` a mapping of ``ModelConfig``
 fields) and a list of :class:`Variant` s, each changing only model fields (and, for
-``scaling``, the number of steps), so that all variants share data, hyper-parameters and
+``scaling``, the number of steps and warm-up steps), so that all variants share data, hyper-parameters and
 seeds.
 """
 
@@ -68,7 +68,7 @@ class Variant:
 
     name: directory-safe label, unique in the experiment.
     model: ``ModelConfig`` fields changed from the experiment's base model.
-    train: ``TrainConfig`` fields changed from the base (``scaling`` only: the steps).
+    train: ``TrainConfig`` fields changed from the base (``scaling`` only: the steps and warm-up).
     family: ``"baseline"``, ``"block"``, ``"full"`` or another label the tables group by.
     coords: the grid coordinates (e.g. ``{"S": 4}`` or ``{"size": "s1"}``).
     """
@@ -102,7 +102,7 @@ def _ablated(kind: str, settings: dict[str, Any] | None = None, **ablation: Any)
 
 def _compare(preset: str) -> list[Variant]:
     L = 2 * _MODEL[preset]["n_layers"]
-    S = max(2, math.ceil(L / 8))  # N = 8 blocks (the report's choice) where depth allows; S = 1 would be Full
+    S = block_size_for(L)
     return [
         Variant("standard", _residual("standard"), "baseline"),
         Variant("block", _residual("attnres_block", block_size=S), "block", {"S": S, "N": math.ceil(L / S)}),
@@ -144,24 +144,71 @@ def _block_size(preset: str) -> list[Variant]:
     return out
 
 
-# Scaling: (label, d_model, n_layers, n_heads, steps); tokens grow with the model, as in a
-# compute-optimal sweep, so that compute spans about an order of magnitude.
-_SIZES = {
-    "tiny": [("s1", 16, 2, 2, 3), ("s2", 32, 2, 4, 5)],
-    "cpu": [("s1", 64, 4, 4, 400), ("s2", 96, 6, 4, 600), ("s3", 128, 8, 4, 800), ("s4", 192, 8, 6, 1200)],
+# Scaling laws (report §5.1, Table 2). The report grows depth and width together, with as many
+# heads as transformer blocks (H = L_b) and d / L_b ≈ 75, i.e. a fixed head dimension, and trains
+# about 200 tokens per activated non-embedding parameter at every size (188-225 over its five
+# sizes). Ours keeps that shape rule at CPU scale: d = width_per_block * L_b, H = L_b (head
+# dimension = width_per_block), and a fixed number of tokens per non-embedding parameter, so the
+# steps grow with the model; learning rate and batch stay fixed across sizes (the report retunes
+# them per size under the baseline; we have no budget to tune). How `cpu` was sized:
+# docs/experiments.md ("Scaling laws").
+@dataclass(frozen=True)
+class ScalingGrid:
+    """blocks: the sizes' numbers of transformer blocks L_b; width_per_block: d / L_b;
+    tokens_per_param: training tokens per non-embedding parameter; step_multiple: steps are
+    rounded to a multiple of this; min_steps: the fewest steps of a size."""
+
+    blocks: tuple[int, ...]
+    width_per_block: int
+    tokens_per_param: float
+    step_multiple: int = 10
+    min_steps: int = 2
+
+
+_SCALING = {
+    "tiny": ScalingGrid(blocks=(1, 2, 3), width_per_block=8, tokens_per_param=0.01, step_multiple=1),
+    # 5 sizes, 83K-1.10M non-embedding parameters (13x), 410-5390 steps of 2048 tokens; about
+    # 6.3 CPU core-hours for 3 families x 2 seeds at one thread (measured per step, see the docs).
+    "cpu": ScalingGrid(blocks=(3, 4, 5, 6, 7), width_per_block=16, tokens_per_param=10.0),
 }
-# Block AttnRes with S = 2 everywhere: the default ceil(L / 8) would be S = 1 (= Full) on the
-# shallow models here.
-_FAMILIES = {"baseline": _residual("standard"), "block": _residual("attnres_block", block_size=2),
-             "full": _residual("attnres_full")}
+_FAMILIES = {"baseline": _residual("standard"), "block": _residual("attnres_block"), "full": _residual("attnres_full")}
+
+
+def block_size_for(n_sublayers: int) -> int:
+    """Block AttnRes's S (in sublayers) for a stack of ``n_sublayers``: N ≈ 8 blocks (the
+    report's choice) where depth allows, and S >= 2 (S = 1 would be Full AttnRes)."""
+    return max(2, math.ceil(n_sublayers / 8))
+
+
+def scaling_steps(model: dict[str, Any], grid: ScalingGrid, tokens_per_step: int) -> int:
+    """Steps of a scaling-grid size: ``grid.tokens_per_param`` tokens per non-embedding parameter
+    of ``model`` (``ModelConfig`` fields), rounded to ``grid.step_multiple``, at least
+    ``grid.min_steps``."""
+    from ..models.config import ModelConfig
+    from .flops import non_embedding_parameters
+
+    tokens = grid.tokens_per_param * non_embedding_parameters(ModelConfig.from_dict(model))
+    steps = round(tokens / tokens_per_step / grid.step_multiple) * grid.step_multiple
+    return max(grid.min_steps, steps)
 
 
 def _scaling(preset: str) -> list[Variant]:
+    grid, base = _SCALING[preset], _TRAIN[preset]
     out = []
-    for label, d, n_layers, heads, steps in _SIZES[preset]:
-        size = dict(d_model=d, n_layers=n_layers, n_heads=heads)
+    for i, n_layers in enumerate(grid.blocks, 1):
+        d = grid.width_per_block * n_layers
+        size = dict(d_model=d, n_layers=n_layers, n_heads=n_layers)
+        steps = scaling_steps({**_MODEL[preset], **size}, grid, base["seq_len"] * base["batch_size"])
+        # warm-up and WSD decay are fixed fractions of each run's own schedule
+        train = {"steps": steps, "warmup_steps": max(1, steps // 20)}
+        S = block_size_for(2 * n_layers)
         for family, residual in _FAMILIES.items():
-            out.append(Variant(f"{family}_{label}", {**size, **residual}, family, {"size": label}, {"steps": steps}))
+            model = {**size, **residual}
+            coords = {"size": f"s{i}", "L_b": n_layers, "d": d, "H": n_layers}
+            if family == "block":
+                model["residual"] = {**residual["residual"], "block_size": S}
+                coords.update(S=S, N=math.ceil(2 * n_layers / S))
+            out.append(Variant(f"{family}_s{i}", model, family, coords, train))
     return out
 
 
@@ -185,6 +232,11 @@ def arch_shape(d_over_lb: float, h_over_lb: float, budget: int) -> tuple[int, in
     return n_layers, d, heads
 
 
+# Block AttnRes with S = 2 in every cell: the default ceil(L / 8) would be S = 1 (= Full) on the
+# shallow models here.
+_ARCH_BLOCK = _residual("attnres_block", block_size=2)
+
+
 def _arch_sweep(preset: str) -> list[Variant]:
     ratios_d, ratios_h, budget = _SWEEP[preset]
     out = []
@@ -193,8 +245,8 @@ def _arch_sweep(preset: str) -> list[Variant]:
             n_layers, d, heads = arch_shape(rd, rh, budget)
             shape = dict(d_model=d, n_layers=n_layers, n_heads=heads)
             coords = {"d/L_b": rd, "H/L_b": rh, "L_b": n_layers, "d": d, "H": heads}
-            for family in ("baseline", "block"):
-                out.append(Variant(f"{family}_d{rd:g}_h{rh:g}", {**shape, **_FAMILIES[family]}, family, coords))
+            for family, residual in (("baseline", _residual("standard")), ("block", _ARCH_BLOCK)):
+                out.append(Variant(f"{family}_d{rd:g}_h{rh:g}", {**shape, **residual}, family, coords))
     return out
 
 

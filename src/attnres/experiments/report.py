@@ -1,5 +1,6 @@
-"""Aggregate experiment records: mean ± std over seeds, power-law fits, Markdown tables
-beside the report's numbers (report Table 4 and Fig. 6), and PNG plots (matplotlib, Agg backend).
+"""Aggregate experiment records: mean ± std over seeds, Markdown tables beside the report's
+numbers (report Table 4, Fig. 6; the scaling fits of Table 2 in :mod:`.scaling_report`), and
+PNG plots (matplotlib, Agg backend).
 
 :func:`write_report` writes ``<out>/report.md`` and the plots of one experiment.
 """
@@ -15,7 +16,9 @@ import numpy as np
 
 from .compare import compare_markdown
 from .layout import read_overhead, saved_config
-from .stats import fit_power_law, markdown_table, mean_std
+from .presets import PRESETS, get_experiment
+from .scaling_report import scaling_section
+from .stats import markdown_table, mean_std
 
 #: Table 4 of the report (16-layer model, validation loss), by our variant names.
 REPORT_TABLE4 = {
@@ -26,8 +29,6 @@ REPORT_TABLE4 = {
 #: Fig. 6 (same model): validation loss by block size S (S = 2, 4, 8 read as "1.746-1.748").
 REPORT_FIG6 = {"baseline": "1.766", 1: "1.737", 2: "1.746–1.748", 4: "1.746–1.748", 8: "1.746–1.748", 16: "1.753",
                32: "1.757"}
-#: Table 2: L = A * C^-alpha, C in PFLOP/s-days, by family.
-REPORT_TABLE2 = {"baseline": (1.891, 0.057), "block": (1.870, 0.058), "full": (1.865, 0.057)}
 #: Fig. 7's summary: AttnRes wins every cell by 0.019-0.063; optimum d/L_b ~ 45 (AttnRes) vs 60 (baseline).
 REPORT_FIG7 = "AttnRes lower in all 25 cells by 0.019–0.063; best d/L_b ≈ 45 (AttnRes) vs ≈ 60 (baseline)"
 
@@ -143,39 +144,13 @@ def _block_size_md(summ: dict[str, Summary], out: Path) -> str:
     return table + "\n\n![block-size sweep](block_size.png)"
 
 
-def _scaling_md(summ: dict[str, Summary], out: Path) -> str:
-    import matplotlib.pyplot as plt
-
-    bases = {s.coords.get("size"): s for s in summ.values() if s.family == "baseline"}
-    rows = [[s.coords.get("size", "–"), s.family, f"{s.pflops_days:.3e}", _loss(s)] + _overhead(s, bases.get(s.coords.get("size")))
-            for s in summ.values()]
-    fits, fit_rows = {}, []
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for family in dict.fromkeys(s.family for s in summ.values()):
-        pts = sorted((s.pflops_days, s.loss) for s in summ.values() if s.family == family)
-        ax.plot(*zip(*pts), "o", label=family)
-        rep = REPORT_TABLE2.get(family)
-        rep_txt = f"{rep[0]:.3f}·C^−{rep[1]:.3f}" if rep else "–"
-        try:
-            fits[family] = fit_power_law([p[0] for p in pts], [p[1] for p in pts])
-        except ValueError as e:
-            fit_rows.append([family, rep_txt, f"no fit: {e}"])
-            continue
-        A, alpha = fits[family]
-        grid = np.geomspace(pts[0][0], pts[-1][0], 50)
-        ax.plot(grid, A * grid ** -alpha, "-", color=ax.lines[-1].get_color())
-        fit_rows.append([family, rep_txt, f"{A:.3f}·C^−{alpha:.3f}"])
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("training compute C (PFLOP/s-days)")
-    ax.set_ylabel("validation loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "scaling.png", dpi=120)
-    plt.close(fig)
-    runs = markdown_table(["size", "family", "C (PFLOP/s-days)", "ours: val loss"] + _OVERHEAD_COLS, rows)
-    fit = markdown_table(["family", "report (Table 2)", "ours: L = A·C^−α"], fit_rows)
-    return f"{runs}\n\n### Fits\n\n{fit}\n\n![scaling curves](scaling.png)"
+def _scaling_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
+    """The scaling section (:mod:`.scaling_report`); with a known ``preset`` the runs of its
+    grid that have not finished are marked."""
+    expected = None
+    if preset in PRESETS["scaling"]:
+        expected = [(v.family, v.coords["size"]) for v in get_experiment("scaling", preset).variants]
+    return scaling_section(records, out, expected)
 
 
 def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
@@ -220,16 +195,19 @@ def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
     return f"Report (Fig. 7): {REPORT_FIG7}.\n\nOurs: best cell {best_txt}.\n\n{table}\n\n![arch sweep](arch_sweep.png)"
 
 
-def _setup(out: Path, records: list[dict[str, Any]]) -> str:
-    """One line with the shared training set-up, read from the first run's ``config.json``."""
+def _setup(out: Path, records: list[dict[str, Any]], per_size: bool = False) -> str:
+    """One line with the shared training set-up, read from the first run's ``config.json``
+    (``per_size``: the model and the steps differ by size, so the line leaves them out)."""
     c = saved_config(out, records[0])
     if c is None:
         return ""
     m = c["model"]
     seeds = sorted({r["seed"] for r in records})
-    return (f"Set-up: d_model {m['d_model']}, {m['n_layers']} transformer blocks, {m['n_heads']} heads, vocab "
-            f"{m['vocab_size']} ({c['data']['tokenizer']}); {c['batch_size']} x {c['seq_len']} tokens per step; "
-            f"{c['optimizer']} lr {c['lr']:g}, {c['schedule']} schedule, {c['warmup_steps']} warm-up steps; "
+    model = ("model shape, steps and warm-up: by size (the runs table); " if per_size else
+             f"d_model {m['d_model']}, {m['n_layers']} transformer blocks, {m['n_heads']} heads, ")
+    warmup = "" if per_size else f", {c['warmup_steps']} warm-up steps"
+    return (f"Set-up: {model}vocab {m['vocab_size']} ({c['data']['tokenizer']}); {c['batch_size']} x {c['seq_len']} "
+            f"tokens per step; {c['optimizer']} lr {c['lr']:g}, {c['schedule']} schedule{warmup}; "
             f"dtype {c['dtype']}; seeds {seeds}.\n\n")
 
 
@@ -242,6 +220,8 @@ def _measures(name: str, side_by_side: str | None) -> str:
     """How the report's costs were measured: side by side (``overhead.json``) or from the runs' logs."""
     if name == "compare":  # both: tokens/s always comes from the runs
         return (side_by_side or "") + _COMPARE_TOKENS_PER_S
+    if name == "scaling":  # its tables show compute (FLOPs), not time
+        return ""
     return side_by_side or _LOGGED_COSTS
 
 
@@ -261,12 +241,13 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     if not records:
         raise ValueError(f"no finished runs to report for experiment {name!r}")
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     summ = summarize(records)
     measured = apply_overhead(summ, out)
     body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ),
-            "block-size": lambda: _block_size_md(summ, out), "scaling": lambda: _scaling_md(summ, out), "arch-sweep": lambda: _arch_sweep_md(summ, out)}[name]()
+            "block-size": lambda: _block_size_md(summ, out), "scaling": lambda: _scaling_md(records, out, preset), "arch-sweep": lambda: _arch_sweep_md(summ, out)}[name]()
     steps = sorted({r["steps"] for r in records})
-    head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records)}"
+    head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records, per_size=name == 'scaling')}"
             f"{len(records)} runs, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
             + _measures(name, measured)
             + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")

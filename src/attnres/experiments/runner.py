@@ -23,7 +23,7 @@ from ..models import AttnResLM, ModelConfig
 from ..train import TrainConfig, latest_checkpoint, train
 from ..train.config import apply_overrides
 from ..train.metrics import read_metrics
-from .flops import to_pflops_days, training_flops_per_token
+from .flops import non_embedding_parameters, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
 from .layout import EXPERIMENT_FILE, RESULT_FILE, run_dir
 
@@ -64,7 +64,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     """Train (or resume) one run and write its ``result.json``; returns that record.
 
     Record fields: variant, family, coords, seed, steps, tokens, val_loss, params,
-    residual_params, flops_per_token (training, per token), flops (total training FLOPs),
+    residual_params, non_embedding_params (the scaling-law model size), flops_per_token (training, per token), flops (total training FLOPs),
     pflops_days, step_time_s (median seconds per step), peak_memory_bytes (CUDA only, else
     None).
     """
@@ -83,7 +83,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     record = {
         "variant": variant.name, "family": variant.family, "coords": variant.coords, "seed": config.seed,
         "steps": config.steps, "tokens": tokens, "val_loss": result.val_loss,
-        "params": params, "residual_params": residual_params,
+        "params": params, "residual_params": residual_params, "non_embedding_params": non_embedding_parameters(model),
         "flops_per_token": flops.total, "flops": flops.total * tokens, "pflops_days": to_pflops_days(flops.total * tokens),
         "step_time_s": median_step_time(out / "metrics.jsonl", config.tokens_per_step),
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,

@@ -2,14 +2,23 @@
 
 ``upcycle(model, residual="attnres_block", block_size=None)`` turns a pretrained causal LM of
 a supported family into an AttnRes model that computes the same function at conversion
-(docs/upcycling.md); the generated ``AttnRes<Family>`` classes also serve training those
-architectures from scratch with AttnRes. Importing this module registers them with the
-``transformers`` Auto classes.
+(docs/upcycling.md). The generated ``AttnRes<Family>`` classes are models
+(:mod:`attnres.models.families`, which also serve training those architectures from scratch
+with AttnRes); importing this module registers them with the ``transformers`` Auto classes.
 """
 
+from ..models.families import (
+    FAMILIES,
+    PREFIX,
+    REFUSED,
+    Layout,
+    init_missing_tensors,
+    layout_of,
+    register_families,
+    upcycled_classes,
+    upcycled_config,
+)
 from .convert import upcycle
-from .families import FAMILIES, REFUSED, Layout, layout_of
-from .modeling import PREFIX, init_missing_tensors, register_families, upcycled_classes, upcycled_config
 
 register_families()
 

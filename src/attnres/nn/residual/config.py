@@ -91,11 +91,12 @@ class ResidualConfig:
         ``None`` picks ``ceil(L / 8)``, about 8 blocks as the report recommends.
     impl: ``"two_phase"`` (the fast schedule, default) or ``"naive"`` (the per-sublayer
         reference). Same function, same weights.
-    kernels: backend of the two-phase path: ``"auto"`` (fused Triton kernels for CUDA
-        tensors when triton is installed, PyTorch otherwise; under autograd on CPU the lean
-        path in its fused C kernel, :mod:`attnres.kernels.cpu`), ``"triton"``, ``"torch"``
-        (under autograd the lean custom-autograd path in PyTorch) or ``"torch_graph"``
-        (PyTorch as a plain autograd graph: the reference of the lean path).
+    kernels: the implementation of the two-phase schedule's operators
+        (:mod:`attnres.ops.depth_attention`): ``"auto"`` (by device: the C kernel for CPU
+        float32 / float64 tensors, the Triton kernels for CUDA tensors when triton is
+        installed, the PyTorch implementation otherwise), ``"triton"``, ``"torch"`` (the
+        PyTorch implementation of the same custom operators) or ``"torch_graph"`` (their
+        readable reference as a plain autograd graph, no custom operators).
     eps: epsilon of the RMSNorm on the depth-attention keys.
     full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
         ``round(sqrt(L))``. Scheduling only, not a model change.

@@ -1,0 +1,35 @@
+"""AttnRes models built from a ``transformers`` decoder family's own modules (needs
+``transformers``): what a ``ModelConfig`` with ``hf_architecture`` describes.
+
+* :mod:`~attnres.models.families.layout` - the supported families and where their pre-norms are;
+* :mod:`~attnres.models.families.modeling` - the generated ``AttnRes<Family>`` config and
+  causal-LM classes (:func:`upcycled_classes`), and :func:`register_families`, which
+  registers them with the ``transformers`` Auto classes (``attnres.hf`` and
+  ``attnres.upcycle`` call it when imported; nothing here does at import);
+* :mod:`~attnres.models.families.build` - ``ModelConfig`` <-> family config:
+  :func:`build_hf_model` (a fresh model) and :func:`model_fields_from_directory`
+  (``model.from_hf=DIR``).
+
+Converting a pretrained family checkpoint is :mod:`attnres.upcycle`'s, on top of these.
+"""
+
+from .build import build_hf_model, hf_config_of, model_fields_from_directory, model_fields_of
+from .layout import FAMILIES, REFUSED, Layout, layout_of
+from .modeling import PREFIX, UpcycledModelMixin, init_missing_tensors, register_families, upcycled_classes, upcycled_config
+
+__all__ = [
+    "FAMILIES",
+    "PREFIX",
+    "REFUSED",
+    "Layout",
+    "UpcycledModelMixin",
+    "build_hf_model",
+    "hf_config_of",
+    "init_missing_tensors",
+    "layout_of",
+    "model_fields_from_directory",
+    "model_fields_of",
+    "register_families",
+    "upcycled_classes",
+    "upcycled_config",
+]
