@@ -32,6 +32,20 @@ def test_compiled_model_matches_eager(residual):
 
 
 @pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_compiled_inference_matches_eager(residual):
+    """Compiled forwards without autograd (``no_grad``, ``inference_mode``) run the operators
+    directly and match eager (regression: Dynamo inlined the autograd Functions' ``forward``
+    under ``no_grad`` with shifted arguments, and the C kernel crashed)."""
+    torch._dynamo.reset()
+    model = make_model(residual={"kind": residual, "block_size": 3}, n_layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    compiled = torch.compile(model)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert_rel_close(compiled(ids).logits, model(ids).logits, 1e-5, f"logits under {mode.__name__}")
+
+
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
 def test_compiled_training_runs_the_depth_attention_operators(residual, monkeypatch):
     """``torch.compile`` traces the depth-attention operators as nodes of one graph (no graph
     break), so the compiled step runs the same kernels as eager - the CPU kernel here - and

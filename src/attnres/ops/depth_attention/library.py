@@ -258,6 +258,12 @@ class _Merge(torch.autograd.Function):
         return g_z, g_qg, g_norm, None, None, None, None, *g_src, *g_comp
 
 
+# Without autograd, phase1 and merge call the operators directly. Besides saving
+# the Functions' bookkeeping, this keeps torch.compile off a Dynamo path that is wrong for
+# them: under no_grad it inlines a Function's ``forward`` with the arguments shifted by one
+# (``ctx`` dropped), which handed the operators wrong arguments in compiled inference.
+
+
 def _check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -270,6 +276,9 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, impl: str =
     _check_impl(impl)
     if qg.dim() != 2 or qg.shape[-1] != sources[0].shape[-1]:
         raise ValueError(f"qg must have shape [S, {sources[0].shape[-1]}], got {tuple(qg.shape)}")
+    if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
+        outs, lse = torch.ops.attnres.phase1(qg, list(sources), float(eps), impl)
+        return list(outs), lse
     *outs, lse = _Phase1.apply(qg, float(eps), impl, *sources)
     return outs, lse
 
@@ -283,6 +292,10 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     inputs."""
     _check_impl(impl)
     _check_merge(z, sources, computed, qg)
+    if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
+        out, alpha, *_ = torch.ops.attnres.merge(z, list(sources), list(computed), qg, norm_weight, float(eps),
+                                                 float(norm_eps), impl)
+        return out, alpha
     out, alpha, *_ = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), impl, len(sources), *sources,
                                   *computed)
     return out, alpha
