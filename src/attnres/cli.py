@@ -34,11 +34,16 @@ def _version() -> str:
 
 class _ImportModule(argparse.Action):
     """``--import MODULE``: imported as soon as it is parsed, so that what it registers is
-    known to everything after it (config validation, ``train --help``)."""
+    known to everything after it (config validation, ``train --help``). The current directory
+    is searched first, as ``python -m attnres`` does: the ``attnres`` console script alone
+    would not find a ``my_residuals.py`` beside the user."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         import importlib
+        import sys
 
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             importlib.import_module(value)
         except ImportError as e:

@@ -1,0 +1,63 @@
+"""What a new user meets first: the console script, and one-line errors at the command
+line's boundary (bad files, tokenizers, task names, checkpoints), each naming what to do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml")
+pytest.importorskip("safetensors")
+
+from test_train import overrides, write_corpus  # noqa: E402
+
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.train import load_config, train  # noqa: E402
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("attnres")
+MY_RESIDUALS = (
+    "from attnres import register_residual\n"
+    "from attnres.nn.residual import SingleStreamResidual\n"
+    "@register_residual('halved', replace=True)\n"
+    "class Halved(SingleStreamResidual):\n"
+    "    def update(self, l, h, out):\n"
+    "        return h + 0.5 * out\n"
+)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A finished 4-step run of the tiny model on the byte tokenizer."""
+    tmp = tmp_path_factory.mktemp("run")
+    corpus = write_corpus(tmp / "corpus.txt")
+    train(load_config(None, overrides(corpus, tmp / "run", steps=4)))
+    return tmp / "run"
+
+
+@pytest.mark.skipif(not CONSOLE_SCRIPT.is_file(), reason="the attnres console script is not installed")
+def test_console_script_imports_a_module_from_the_current_directory(tmp_path):
+    """The README's `attnres --import my_residuals train ...`, through the installed script."""
+    (tmp_path / "my_residuals.py").write_text(MY_RESIDUALS)
+    done = subprocess.run([str(CONSOLE_SCRIPT), "--import", "my_residuals", "train", "--print-config",
+                           "model.residual.kind=halved"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "kind: halved" in done.stdout
+
+
+def test_a_checkpoint_with_an_unregistered_residual_names_import(tmp_path, monkeypatch, capsys):
+    from attnres.nn.residual import registry
+
+    (tmp_path / "my_residuals.py").write_text(MY_RESIDUALS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registration is undone afterwards
+    __import__("my_residuals")
+    monkeypatch.delitem(sys.modules, "my_residuals")
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    train(load_config(None, overrides(corpus, tmp_path / "run", steps=2, **{"model.residual.kind": "halved"})))
+    del registry._REGISTRY["halved"]  # a new process that has not imported the module
+    with pytest.raises(SystemExit) as info:
+        cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the", "--max-new-tokens", "2"])
+    assert "'halved'" in str(info.value) and "attnres --import MODULE" in str(info.value)
