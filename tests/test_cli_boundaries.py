@@ -30,10 +30,10 @@ MY_RESIDUALS = (
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """A finished 4-step run of the tiny model on the byte tokenizer."""
+    """A finished 4-step run of the tiny model with a BPE of 320 tokens."""
     tmp = tmp_path_factory.mktemp("run")
     corpus = write_corpus(tmp / "corpus.txt")
-    train(load_config(None, overrides(corpus, tmp / "run", steps=4)))
+    train(load_config(None, overrides(corpus, tmp / "run", steps=4, **{"data.tokenizer": "bpe", "data.vocab_size": 320})))
     return tmp / "run"
 
 
@@ -61,3 +61,19 @@ def test_a_checkpoint_with_an_unregistered_residual_names_import(tmp_path, monke
     with pytest.raises(SystemExit) as info:
         cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the", "--max-new-tokens", "2"])
     assert "'halved'" in str(info.value) and "attnres --import MODULE" in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "export"])
+def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command):
+    from attnres.data.tokenizer import train_bpe
+
+    other = tmp_path / "other.json"
+    train_bpe(write_corpus(tmp_path / "other.txt", n_lines=100, seed=1).read_text(), 290).save(other)
+    args = {"generate": ["--prompt", "the", "--max-new-tokens", "2"], "eval": ["--tasks", "none"],
+            "export": ["--out", str(tmp_path / "hf")]}[command]
+    if command != "generate":
+        pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, "--checkpoint", str(run_dir), "--tokenizer", str(other), *args])
+    message = str(info.value)
+    assert f"--tokenizer {str(other)!r} has 290 tokens" in message and "vocab_size) 320" in message
