@@ -77,3 +77,15 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command
         cli_main([command, "--checkpoint", str(run_dir), "--tokenizer", str(other), *args])
     message = str(info.value)
     assert f"--tokenizer {str(other)!r} has 290 tokens" in message and "vocab_size) 320" in message
+
+
+def test_eval_refuses_unknown_task_names_before_any_work(run_dir, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", "--checkpoint", str(run_dir), "--tasks", "attnres_ppl,bogus_task", "--out", str(out)])
+    message = str(info.value)
+    assert "unknown task(s) 'bogus_task'" in message and "lm-eval ls tasks" in message and "attnres_ppl" not in \
+        message.split("unknown task(s)")[1].split(":")[0]
+    assert "held-out loss" not in capsys.readouterr().out  # refused before the perplexity pass
+    assert not out.exists()

@@ -410,12 +410,13 @@ def run_eval(args) -> int:
     from pathlib import Path
 
     hf = _hf_imports()
-    from .hf.evaluate import perplexity, run_lm_eval
+    from .hf.evaluate import check_tasks, perplexity, run_lm_eval
     from .inference.loading import load_run, load_tokenizer, pick_device
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
         out = _eval_output(args)
+        check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file")
         if args.bootstrap_iters < 0:

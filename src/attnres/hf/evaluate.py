@@ -185,6 +185,23 @@ def add_ratio_stderrs(results: dict, samples: dict) -> dict:
     return results
 
 
+def check_tasks(tasks: list[str]) -> None:
+    """Raise ``ValueError`` naming every entry of ``tasks`` that is neither a local task nor
+    a task, group or tag lm-evaluation-harness knows, before any evaluation runs (the
+    harness itself fails only after the perplexity pass, with a ``KeyError``). Looking the
+    harness's names up indexes its task files: a few seconds, paid only for non-local names."""
+    others = [t for t in tasks if t not in LOCAL_TASKS]
+    if not others:
+        return
+    from lm_eval.tasks import TaskManager
+
+    unknown = [t for t in others if t not in TaskManager().all_tasks]
+    if unknown:
+        raise ValueError(f"--tasks: unknown task(s) {', '.join(map(repr, unknown))}: the local tasks are "
+                         f"{', '.join(LOCAL_TASKS)}, and `lm-eval ls tasks` lists the harness's own (comma-separated, "
+                         "e.g. --tasks attnres_ppl,hellaswag; 'none' skips lm-eval)")
+
+
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
                 device: str = "cpu", bootstrap_iters: int = 1000) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the exported directory ``hf_dir``.
