@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -74,17 +75,39 @@ class Corpus:
     sources: tuple[str, ...]
 
 
+#: How far (relative) the share of validation pieces may fall from ``val_fraction``.
+FRACTION_TOLERANCE = 0.1
+#: The shortest piece a small text is cut into to keep ``val_fraction`` (characters).
+MIN_SMALL_PIECE = 16
+
+
+def piece_count(length: int, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> int:
+    """How many pieces :func:`split_text` cuts a text of ``length`` characters into: at most
+    ``max_pieces`` of at least ``min_piece`` characters where possible (and at least 2) -
+    more, and shorter, where that many cannot hold out ``val_fraction``: a 2 KB text in 2
+    pieces would give half of it to validation. The count is the first from there whose
+    ``max(1, round(val_fraction * n))`` pieces are within :data:`FRACTION_TOLERANCE` of
+    ``val_fraction``. ``ValueError`` when no count with pieces of :data:`MIN_SMALL_PIECE`
+    characters or more is."""
+    n = max(2, min(max_pieces, length // min_piece))
+    upper = max(n, min(length // MIN_SMALL_PIECE, max(max_pieces, math.ceil(2 / val_fraction))))
+    for k in range(n, upper + 1):
+        if abs(max(1, round(val_fraction * k)) / k - val_fraction) <= FRACTION_TOLERANCE * val_fraction:
+            return k
+    raise ValueError(f"the corpus ({length} characters) is too small to hold out data.val_fraction={val_fraction} "
+                     f"as validation text (to within {FRACTION_TOLERANCE:.0%}): use more text or a larger val_fraction")
+
+
 def split_text(text: str, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> tuple[str, str]:
     """Cut ``text`` into (train, val), deterministically and without a seed.
 
-    The text is cut into ``n`` pieces of similar size - at most ``max_pieces``, at least
-    ``min_piece`` characters each where possible, and at least 2 - and ``max(1,
+    The text is cut into ``n`` pieces of similar size (:func:`piece_count`) and ``max(1,
     round(val_fraction * n))`` evenly spaced pieces form the validation split, so that it
     samples the whole corpus rather than only its end. Each cut falls after the first line
     break past its target position (:func:`_cut`), so text with line breaks is split
     between lines; text without them (one long line) is split at a space, or mid-word.
     """
-    n = max(2, min(max_pieces, len(text) // min_piece))
+    n = piece_count(len(text), val_fraction, max_pieces, min_piece)
     bounds = [0]
     for k in range(1, n):
         bounds.append(_cut(text, max(bounds[-1], k * len(text) // n), (k + 1) * len(text) // n))
