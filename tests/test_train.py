@@ -415,3 +415,17 @@ def test_a_small_corpus_keeps_its_validation_fraction(tmp_path, val_fraction):
     (tmp_path / "tiny.txt").write_text("a few words\n")
     with pytest.raises(ValueError, match=r"too small to hold out data.val_fraction=0.1 .*use more text or a larger"):
         load_corpus([str(tmp_path / "tiny.txt")], val_fraction=0.1)
+
+
+def test_data_preparation_shows_progress(tmp_path, capsys):
+    """Tokenising a corpus (a minute for 67 MB) shows a bar per split, and BPE training says what
+    runs; nothing without ``progress`` or on a cache hit."""
+    corpus = load_corpus([str(write_corpus(tmp_path / "c.txt"))])
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "quiet"))
+    assert capsys.readouterr().err == ""
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), progress=True)
+    err = capsys.readouterr().err
+    assert "training a byte-level BPE of 300 tokens" in err
+    assert "tokenizing train" in err and "tokenizing val" in err and "char" in err
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), progress=True)
+    assert capsys.readouterr().err == ""

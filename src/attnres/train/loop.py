@@ -274,7 +274,7 @@ class Trainer:
         if self.source is not None:
             self.data_changed = check_data(self.source, corpus.digest, config.allow_data_change)
         data = self._main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
-                                                     config.data.cache_dir, given=given))
+                                                     config.data.cache_dir, given=given, progress=config.progress))
         if config.model.vocab_size != data.vocab_size:  # the tokenizer decides (the caller's config is left alone)
             self.config = config = dataclasses.replace(config, model=config.model.replace(vocab_size=data.vocab_size))
         self.data, self.fingerprint = data, corpus.digest
