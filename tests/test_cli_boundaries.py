@@ -89,3 +89,32 @@ def test_eval_refuses_unknown_task_names_before_any_work(run_dir, tmp_path, caps
         message.split("unknown task(s)")[1].split(":")[0]
     assert "held-out loss" not in capsys.readouterr().out  # refused before the perplexity pass
     assert not out.exists()
+
+
+def _fake_distribution(root: Path, name: str, version: str) -> Path:
+    """An installed distribution's metadata (no code) whose files include a top-level ``attnres``."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"attnres/__init__.py,,\n{info.name}/METADATA,,\n")
+    (info / "top_level.txt").write_text("attnres\n")
+    return root
+
+
+def test_a_distribution_that_also_installs_attnres_is_named(tmp_path):
+    """fast-attnres installs a package named `attnres` too: `import attnres` warns (found by
+    name), and the command finds any other such distribution from every file list."""
+    import os
+
+    _fake_distribution(tmp_path, "fast-attnres", "2.1.0")
+    _fake_distribution(tmp_path, "attnres-fork", "0.3")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-c", "import attnres"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "'fast-attnres' (2.1.0) also installs a top-level package named 'attnres'" in done.stderr
+    assert "pip uninstall fast-attnres attnres" in done.stderr and "attnres-fork" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "attnres", "train", "--print-config"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("also installs a top-level package named 'attnres'") == 2  # each once
+    assert "'attnres-fork' (0.3)" in done.stderr

@@ -49,6 +49,15 @@ def _register_hf() -> None:
 
 _register_hf()
 
+
+def _check_name_clash() -> None:
+    from .name_clash import warn_about_clashes
+
+    warn_about_clashes()
+
+
+_check_name_clash()
+
 __all__ = [
     "AttnResLM",
     "ModelConfig",

@@ -191,6 +191,9 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .name_clash import warn_about_clashes
+
+    warn_about_clashes(thorough=True)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse fills a positional list once: overrides written after an option (`--resume
