@@ -190,10 +190,40 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
 
 
+#: The extra each command needs beyond torch (pyproject.toml's optional dependencies).
+COMMAND_EXTRAS = {"train": "train", "generate": "train", "compare": "experiments", "experiment": "experiments",
+                  "analyze": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
+
+
+def missing_extra(argv: list[str], error: ImportError) -> str | None:
+    """The one-line error for a command of ``argv`` that failed to import a third-party
+    module: which extra to install. ``None`` when ``error`` is not about such a module."""
+    missing = (error.name or "").partition(".")[0]
+    if not missing or missing == "attnres":
+        return None
+    command = next((a for a in argv if a in COMMAND_EXTRAS), None)
+    extra = "upcycle" if missing == "gguf" else COMMAND_EXTRAS.get(command, "train")
+    return (f"attnres{f' {command}' if command else ''}: error: this needs the '{extra}' extra: "
+            f"pip install \"attnres[{extra}]\" (the module {missing!r} is not installed)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``attnres``: a command that needs an extra that is not installed says which."""
+    import sys
+
     from .name_clash import warn_about_clashes
 
     warn_about_clashes(thorough=True)
+    try:
+        return _main(argv)
+    except ImportError as e:
+        message = missing_extra(sys.argv[1:] if argv is None else argv, e)
+        if message is None:
+            raise
+        raise SystemExit(message) from None
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse fills a positional list once: overrides written after an option (`--resume
@@ -320,11 +350,11 @@ def run_analyze(args) -> int:
 
 def run_upcycle(args) -> int:
     """``attnres upcycle``: write the AttnRes version of a pretrained model."""
-    try:
-        from .upcycle.io import upcycle_directory
+    from .upcycle.io import upcycle_directory
 
+    try:
         out = upcycle_directory(args.model, args.out, args.residual, args.block_size, not args.no_exact_eps)
-    except (ImportError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:
         raise SystemExit(f"attnres upcycle: error: {e}") from None
     print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
           f"`attnres train model.from_hf={out} init_from={out} ...`")
@@ -373,18 +403,10 @@ def run_generate(args) -> int:
     return 0
 
 
-def _hf_imports():
-    """``attnres.hf`` (and lm_eval for eval), or a one-line error naming the extra."""
-    try:
-        from . import hf
-    except ImportError as e:
-        raise SystemExit(f"attnres: this command needs the 'hf' extra (pip install 'attnres[hf]'): {e}") from None
-    return hf
-
-
 def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
     """``attnres export``: checkpoint -> Hugging Face directory."""
-    hf = _hf_imports()
+    from . import hf
+
     try:
         path = hf.export_checkpoint(checkpoint, out, tokenizer)
     except ValueError as e:
@@ -412,7 +434,7 @@ def run_eval(args) -> int:
     import tempfile
     from pathlib import Path
 
-    hf = _hf_imports()
+    from . import hf
     from .hf.evaluate import check_tasks, perplexity, run_lm_eval
     from .inference.loading import load_run, load_tokenizer, pick_device
 

@@ -45,6 +45,9 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file or "
                          f"{SMOLLM2!r})")
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
+        raise ModuleNotFoundError("reading a .gguf file needs the gguf package (pip install 'attnres[upcycle]')",
+                                  name="gguf")
     check_layout(source, kw)  # a refused family is said before anything else can fail
     if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"--model {str(source)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): the "
