@@ -271,6 +271,19 @@ def test_model_override_without_config_keeps_the_default_preset():
                                                                                                   n_heads=2)
 
 
+def test_the_order_of_residual_overrides_does_not_matter():
+    """A residual name sets its kind only; its fields may be named before or after it."""
+    want = ModelConfig.preset("tiny", residual={"kind": "attnres_block", "block_size": 3})
+    for items in (["model.residual=attnres_block", "model.residual.block_size=3"],
+                  ["model.residual.block_size=3", "model.residual=attnres_block"]):
+        assert load_config(None, items).model == want, items
+    yaml_model = {"model": {"preset": "tiny", "residual": "attnres_block"}}
+    from attnres.train.config import apply_overrides
+
+    assert apply_overrides(yaml_model, ["model.residual.block_size=3"])["model"]["residual"] == {
+        "kind": "attnres_block", "block_size": 3}
+
+
 def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
     run = tmp_path / "run"
     train(load_config(None, overrides(corpus_file, run, stop_after=2, **{"model.residual": "standard"})))
