@@ -3,6 +3,7 @@ line's boundary (bad files, tokenizers, task names, checkpoints), each naming wh
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,21 @@ def test_a_distribution_that_also_installs_attnres_is_named(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("also installs a top-level package named 'attnres'") == 2  # each once
     assert "'attnres-fork' (0.3)" in done.stderr
+
+
+def test_a_checkpoint_without_its_optimizer_state_generates_and_exports(run_dir, tmp_path, capsys):
+    """Using a model needs no optimiser state; resuming does, and still refuses."""
+    import shutil
+
+    from attnres.train.checkpoint import latest_checkpoint
+
+    ckpt = tmp_path / "step-00000004"
+    shutil.copytree(latest_checkpoint(run_dir), ckpt)
+    (ckpt / "optimizer.safetensors").unlink()
+    assert cli_main(["generate", "--checkpoint", str(ckpt), "--prompt", "the", "--max-new-tokens", "3"]) == 0
+    if importlib.util.find_spec("transformers") is not None:
+        assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    with pytest.raises(SystemExit, match="optimizer.safetensors is missing"):
+        cli_main(["train", *overrides(corpus, tmp_path / "resumed", steps=6, **{"data.tokenizer": "bpe",
+                  "data.vocab_size": 320}), f"resume_from={ckpt}"])

@@ -44,6 +44,10 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
+#: Files of a training checkpoint that using the model does not need.
+INFERENCE_OPTIONAL = ("optimizer.safetensors",)
+
+
 @dataclass
 class LoadedRun:
     """A verified checkpoint loaded for use: the model (eval mode; an ``AttnResLM``, or an
@@ -72,8 +76,9 @@ class LoadedRun:
 
 def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> LoadedRun:
     """The model of a training checkpoint - a ``step-*`` directory, or a run directory (its
-    newest checkpoint that verifies) - on ``device`` (see :func:`pick_device`)."""
-    source = find_valid_checkpoint(path)
+    newest checkpoint that verifies) - on ``device`` (see :func:`pick_device`). The
+    optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads."""
+    source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
     if source is None:
         raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a run directory with checkpoints")
     run_config = source.state["config"]
@@ -129,7 +134,7 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
     if isinstance(source, LoadedRun):
         checkpoint, state = source.checkpoint, source.state
     else:
-        found = find_valid_checkpoint(source)
+        found = find_valid_checkpoint(source, optional=INFERENCE_OPTIONAL)
         if found is None:
             raise CheckpointError(f"{str(source)!r} is neither a checkpoint nor a run directory with checkpoints")
         checkpoint, state = found.path, found.state
