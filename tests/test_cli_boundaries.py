@@ -137,3 +137,16 @@ def test_a_checkpoint_without_its_optimizer_state_generates_and_exports(run_dir,
     with pytest.raises(SystemExit, match="optimizer.safetensors is missing"):
         cli_main(["train", *overrides(corpus, tmp_path / "resumed", steps=6, **{"data.tokenizer": "bpe",
                   "data.vocab_size": 320}), f"resume_from={ckpt}"])
+
+
+def test_the_long_prompt_hint_counts_the_new_tokens():
+    """A context of 128: 64 new tokens leave room for a prompt of 65, not 128."""
+    from attnres.cli import check_context
+
+    check_context(65, 64, 128)
+    with pytest.raises(ValueError, match=r"use --max-new-tokens 29 or less or shorten the prompt to at most 65 tokens"):
+        check_context(100, 64, 128)
+    with pytest.raises(ValueError, match=r"needs a context of 263 tokens.*: shorten the prompt to at most 65 tokens$"):
+        check_context(200, 64, 128)
+    with pytest.raises(ValueError, match=r"--max-new-tokens may be at most 128$"):
+        check_context(200, 300, 128)

@@ -314,9 +314,11 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
     fit the model's context of ``limit`` tokens (the last new token is not fed back)."""
     need = prompt_tokens + max_new_tokens - 1
     if need > limit:
-        room = limit - prompt_tokens + 1
-        hint = (f"use --max-new-tokens {room} or less" if room >= 1
-                else f"shorten the prompt to at most {limit} tokens")
+        room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
+        hints = [f"use --max-new-tokens {room} or less"] if room >= 1 else []
+        hints.append(f"shorten the prompt to at most {keep} tokens" if keep >= 1
+                     else f"--max-new-tokens may be at most {limit}")
+        hint = " or ".join(hints)
         raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
