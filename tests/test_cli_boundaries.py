@@ -150,3 +150,15 @@ def test_the_long_prompt_hint_counts_the_new_tokens():
         check_context(200, 64, 128)
     with pytest.raises(ValueError, match=r"--max-new-tokens may be at most 128$"):
         check_context(200, 300, 128)
+
+
+@pytest.mark.parametrize("command", ["eval", "analyze"])
+def test_a_binary_text_file_is_named(run_dir, tmp_path, command):
+    if command == "eval":
+        pytest.importorskip("transformers")
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, "--checkpoint", str(run_dir), "--text", str(binary), "--out", str(tmp_path / "o")]
+                 + (["--tasks", "none"] if command == "eval" else []))
+    assert f"--text {str(binary)!r} is not UTF-8 text (byte 128); give a text file" in str(info.value)

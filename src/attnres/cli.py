@@ -437,6 +437,7 @@ def run_eval(args) -> int:
     from pathlib import Path
 
     from . import hf
+    from .data.corpus import read_text_file
     from .hf.evaluate import check_tasks, perplexity, run_lm_eval
     from .inference.loading import load_run, load_tokenizer, pick_device
 
@@ -446,15 +447,14 @@ def run_eval(args) -> int:
         check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file")
+        text = read_text_file(args.text, "--text") if args.text is not None else None
         if args.bootstrap_iters < 0:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
         run = load_run(args.checkpoint, device)
         _native_only(run, "eval")
         tokenizer = load_tokenizer(run, args.tokenizer)
-        if args.text is not None:
-            text = Path(args.text).read_text(encoding="utf-8")
-        else:
+        if text is None:
             text = run.validation_text()
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
                    "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len),

@@ -30,6 +30,17 @@ def default_corpus_path() -> Path:
     return path
 
 
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of ``path``; ``ValueError`` naming it as ``what`` (e.g. ``--text``) when
+    it is not UTF-8 text (a binary file) or cannot be read."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start}); give a text file") from None
+    except OSError as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+
+
 def _read_jsonl(path: Path) -> list[str]:
     docs = []
     with path.open(encoding="utf-8") as f:
@@ -146,8 +157,8 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             if file.stat().st_size == 0:
                 raise ValueError(f"data file {str(file)!r} is empty")
             try:
-                file_docs = _read_jsonl(file) if file.suffix == ".jsonl" else [file.read_text(encoding="utf-8")]
-            except UnicodeDecodeError as e:
+                file_docs = _read_jsonl(file) if file.suffix == ".jsonl" else [read_text_file(file, "data file")]
+            except UnicodeDecodeError as e:  # a .jsonl file's lines
                 raise ValueError(f"data file {str(file)!r} is not UTF-8 text (byte {e.start})") from None
             if not any(d.strip() for d in file_docs):
                 raise ValueError(f"data file {str(file)!r} holds no text")
