@@ -158,7 +158,7 @@ def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
-def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch):
+def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch, capfd, caplog):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import overrides, write_corpus
 
@@ -170,7 +170,13 @@ def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch):
     run = tmp_path / "run"
     train(load_config(None, overrides(corpus, run, steps=2, eval_every=100, diagnostics_every=100)))
     out = tmp_path / "eval.json"
+    capfd.readouterr()
+    monkeypatch.chdir(tmp_path)  # outside a git repository
     assert cli_main(["eval", "--checkpoint", str(run), "--limit", "4", "--out", str(out), "--device", "cpu"]) == 0
+    # no harness warnings: metric defaults, the model type, transformers' cache name (logged), git (printed)
+    err, logged = capfd.readouterr().err, "\n".join(r.getMessage() for r in caplog.records if r.levelno >= 30)
+    for noise in ("is defined, but", "neither marked as CausalLM", "are deprecated", "fatal:", "Traceback"):
+        assert noise not in err and noise not in logged, noise
     results = json.loads(out.read_text())
     ppl = results["perplexity"]
     assert ppl["tokens"] > 0 and ppl["perplexity"] > 1 and ppl["bits_per_byte"] > 0

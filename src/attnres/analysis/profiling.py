@@ -9,10 +9,12 @@ absolute times.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -93,14 +95,36 @@ def paired_summary(times: dict[str, list[float]], baseline: str) -> dict[str, di
     return out
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 pointed at ``/dev/null`` for the block: what native code prints
+    there (not Python's ``sys.stderr`` object alone) is dropped. Keep the block to the call
+    that prints."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_memory_bytes(step: Callable[[], None]) -> int:
     """Largest rise of live CPU allocations during ``step()`` above the level at its start
     (profiler memory events): activations, gradients and temporaries, not what was allocated
     before the step (parameters, inputs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():  # the profiler's C++ side prints "USDT ... profiler_start" here
+        prof.__enter__()
+    try:
         step()
+    finally:
+        with _native_stderr_silenced():  # ... and "profiler_stop" here
+            prof.__exit__(None, None, None)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)

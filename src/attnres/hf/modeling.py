@@ -28,6 +28,11 @@ from ..upcycle.modeling import init_missing_tensors
 from .configuration import AttnResConfig
 
 
+#: The outputs' cache field: ``cache`` in newer transformers 5.x, which warn about the older
+#: ``past_key_values`` on every forward that sets it.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 class HFCacheAdapter:
     """A ``transformers.Cache`` seen through the native ``KVStore`` interface:
     ``update(layer, k, v)`` appends and returns all keys/values; ``seq_len`` is the number
@@ -162,8 +167,9 @@ class AttnResModel(AttnResPreTrainedModel):
         inputs_embeds: Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        past_key_values = kwargs.pop("cache", past_key_values)  # CACHE_FIELD's name in newer transformers
         h, cache = self._hidden(input_ids, attention_mask, past_key_values, use_cache, inputs_embeds)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), **{CACHE_FIELD: cache})
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
@@ -202,12 +208,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
         positions when > 0) and, with ``labels``, the mean next-token cross-entropy
         (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it."""
+        past_key_values = kwargs.pop("cache", past_key_values)  # CACHE_FIELD's name in newer transformers
         h, cache = self._hidden(input_ids, attention_mask, past_key_values, use_cache, inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(h))
         loss = None if labels is None else next_token_loss(logits, labels.to(logits.device))
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
     # -- conversion ----------------------------------------------------------------------
     @classmethod
