@@ -387,3 +387,16 @@ def test_mhc_lite_survives_save_and_load(tmp_path):
     for _ in range(3):
         loaded = AttnResForCausalLM.from_pretrained(tmp_path / "m")
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_from_pretrained_accepts_the_flat_keys_of_earlier_versions(tmp_path):
+    """`from_pretrained(dir, attnres_block_size=1)`: the flat key sets residual.block_size with a
+    DeprecationWarning (it reached the model's __init__ as an unknown argument: TypeError)."""
+    from transformers import AutoModelForCausalLM
+
+    AttnResForCausalLM.from_native(native_model(residual={"kind": "attnres_block", "block_size": 2})).save_pretrained(tmp_path)
+    for cls in (AttnResForCausalLM, AutoModelForCausalLM):
+        with pytest.warns(DeprecationWarning, match=r"\['attnres_block_size'\] are deprecated.*residual.block_size"):
+            model = cls.from_pretrained(tmp_path, attnres_block_size=1)
+        assert model.config.to_model_config().residual.block_size == 1
+    assert AttnResForCausalLM.from_pretrained(tmp_path).config.to_model_config().residual.block_size == 2
