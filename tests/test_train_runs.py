@@ -271,6 +271,17 @@ def test_model_override_without_config_keeps_the_default_preset():
                                                                                                   n_heads=2)
 
 
+def test_the_model_preset_demo_is_now_train_cpu():
+    """`demo` named both the main job's grid and this model: the model's is `train-cpu` now,
+    and the old name still works, with a DeprecationWarning."""
+    from attnres.models import PRESETS
+
+    assert "demo" not in PRESETS
+    with pytest.warns(DeprecationWarning, match="model preset 'demo' is now called 'train-cpu'"):
+        assert load_config(None, ["model=demo"]).model == ModelConfig.preset("train-cpu")
+    assert load_config(Path(__file__).parents[1] / "configs" / "train-cpu.yaml").model.d_model == 128
+
+
 def test_the_order_of_residual_overrides_does_not_matter():
     """A residual name sets its kind only; its fields may be named before or after it."""
     want = ModelConfig.preset("tiny", residual={"kind": "attnres_block", "block_size": 3})
