@@ -376,3 +376,20 @@ def test_text_without_line_breaks_is_split(tmp_path, sep):
     assert len(corpus.val) == pytest.approx(0.02 * total, rel=0.05)
     if sep:  # cut at spaces: every piece starts with a whole word
         assert corpus.val.split(" ")[0] in {"alpha", "beta", "gamma", "delta", "epsilon"}
+
+
+def test_the_readme_start_up_sample_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
+    """The README's sample start-up output, from the command it gives, on the test corpus."""
+    import re
+
+    from attnres.cli import main as cli_main
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    sample = re.search(r"```\n(attnres train: new run in 'runs/x'.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "corpus.txt")
+    assert cli_main(["train", "data.paths=[corpus.txt]", "data.tokenizer=byte", "seq_len=32", "batch_size=4", "steps=6",
+                     "stop_after=2", "out_dir=runs/x", "progress=false", "tensorboard=false"]) == 0
+    printed = capsys.readouterr().out
+    retained = " (freed memory retained)" if platform.libc_ver()[0] == "glibc" else ""
+    assert printed.startswith(sample.replace(" (freed memory retained)", retained))
