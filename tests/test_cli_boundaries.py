@@ -51,11 +51,12 @@ def test_console_script_imports_a_module_from_the_current_directory(tmp_path):
 def test_a_checkpoint_with_an_unregistered_residual_names_import(tmp_path, monkeypatch, capsys):
     from attnres.nn.residual import registry
 
-    (tmp_path / "my_residuals.py").write_text(MY_RESIDUALS)
+    (tmp_path / "halved_residuals.py").write_text(MY_RESIDUALS)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registration is undone afterwards
-    __import__("my_residuals")
-    monkeypatch.delitem(sys.modules, "my_residuals")
+    monkeypatch.setitem(sys.modules, "halved_residuals", None)  # ... and the import: the key is removed
+    del sys.modules["halved_residuals"]
+    __import__("halved_residuals")
     corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
     train(load_config(None, overrides(corpus, tmp_path / "run", steps=2, **{"model.residual.kind": "halved"})))
     del registry._REGISTRY["halved"]  # a new process that has not imported the module
