@@ -185,8 +185,9 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
                         "the report covers every finished run in --out")
     parser.add_argument("--overhead-repeats", type=int, default=10,
                         help="compare / ablation / block-size: after training, time one step of every variant side by side "
-                        "over this many interleaved rounds and measure its peak memory, for the report's overhead "
-                        "columns (default 10; 0 = use the step times the runs logged)")
+                        "over this many interleaved rounds (CPU time of the process at one thread, with its noise) and "
+                        "measure its peak memory, for the report's overhead columns (default 10; 0 = use the step times "
+                        "the runs logged)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
 
 
