@@ -54,11 +54,11 @@ def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
 
 def test_print_config_shows_the_resolved_config(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("model: demo\nlr: 1.0e-3\n")
+    cfg.write_text("model: train-cpu\nlr: 1.0e-3\n")
     assert cli_main(["train", "--config", str(cfg), "--print-config", "model.residual=standard", "steps=7"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == load_config(cfg, ["model.residual=standard", "steps=7"]).to_dict()
-    assert printed["model"]["d_model"] == 128 and printed["lr"] == 1e-3  # the demo preset, the file's lr
+    assert printed["model"]["d_model"] == 128 and printed["lr"] == 1e-3  # the train-cpu preset, the file's lr
     assert not (tmp_path / "runs").exists()
 
 

@@ -404,3 +404,28 @@ def test_default_corpus_resolves_from_installed_package():
 def test_compiled_training_runs(tmp_path, corpus_file):
     result = train(load_config(None, overrides(corpus_file, tmp_path, steps=2, compile="true")))
     assert result.step == 2 and math.isfinite(result.train_loss)
+
+
+@pytest.mark.parametrize("val_fraction", [0.05, 0.1, 0.3])
+def test_a_small_corpus_keeps_its_validation_fraction(tmp_path, val_fraction):
+    """2 KB used to be cut into two pieces, one of them validation: half of the text."""
+    corpus = load_corpus([str(write_corpus(tmp_path / "small.txt", n_lines=30))], val_fraction=val_fraction)
+    share = len(corpus.val) / (len(corpus.train) + len(corpus.val))
+    assert share == pytest.approx(val_fraction, rel=0.35)  # pieces end at line breaks: about a line of slack
+    (tmp_path / "tiny.txt").write_text("a few words\n")
+    with pytest.raises(ValueError, match=r"too small to hold out data.val_fraction=0.1 .*use more text or a larger"):
+        load_corpus([str(tmp_path / "tiny.txt")], val_fraction=0.1)
+
+
+def test_data_preparation_shows_progress(tmp_path, capsys):
+    """Tokenising a corpus (a minute for 67 MB) shows a bar per split, and BPE training says what
+    runs; nothing without ``progress`` or on a cache hit."""
+    corpus = load_corpus([str(write_corpus(tmp_path / "c.txt"))])
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "quiet"))
+    assert capsys.readouterr().err == ""
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), progress=True)
+    err = capsys.readouterr().err
+    assert "training a byte-level BPE of 300 tokens" in err
+    assert "tokenizing train" in err and "tokenizing val" in err and "char" in err
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), progress=True)
+    assert capsys.readouterr().err == ""

@@ -284,3 +284,21 @@ def test_real_smollm2_is_the_same_function_after_conversion():
         for residual, block_size in (("attnres_block", None), ("attnres_full", None)):
             got = upcycle(base, residual, block_size)(x).logits
             assert max_rel(got, want) < 1e-5, residual
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "qwen3", "llama"])
+def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(tmp_path, model_type):
+    """No tokenizer files: OLMo 2's post-norm refusal comes first; a supported family is refused
+    with the files it needs instead of a sentencepiece error (Llama) or an empty tokenizer
+    written silently (Qwen3)."""
+    from attnres.cli import main as cli_main
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL)).save_pretrained(tmp_path / "src")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["upcycle", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "up")])
+    message = str(info.value)
+    if model_type == "olmo2":
+        assert "post-norm layout" in message
+    else:
+        assert "holds no tokenizer (none of tokenizer.json" in message and "copy the tokenizer files" in message
+    assert not (tmp_path / "up").exists()

@@ -35,11 +35,16 @@ def _version() -> str:
 
 class _ImportModule(argparse.Action):
     """``--import MODULE``: imported as soon as it is parsed, so that what it registers is
-    known to everything after it (config validation, ``train --help``)."""
+    known to everything after it (config validation, ``train --help``). The current directory
+    is searched first, as ``python -m attnres`` does: the ``attnres`` console script alone
+    would not find a ``my_residuals.py`` beside the user."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         import importlib
+        import sys
 
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             importlib.import_module(value)
         except ImportError as e:
@@ -197,8 +202,9 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
                         "the report covers every finished run in --out")
     parser.add_argument("--overhead-repeats", type=int, default=10,
                         help="compare / ablation / block-size: after training, time one step of every variant side by side "
-                        "over this many interleaved rounds and measure its peak memory, for the report's overhead "
-                        "columns (default 10; 0 = use the step times the runs logged)")
+                        "over this many interleaved rounds (CPU time of the process at one thread, with its noise) and "
+                        "measure its peak memory, for the report's overhead columns (default 10; 0 = use the step times "
+                        "the runs logged)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
 
 
@@ -216,10 +222,43 @@ def apply_cpu_allocator(settings: dict) -> None:
         set_cpu_allocator(settings.get("cpu_allocator", TrainConfig.cpu_allocator))
 
 
+#: The extra each command needs beyond torch (pyproject.toml's optional dependencies).
+COMMAND_EXTRAS = {"train": "train", "generate": "train", "compare": "experiments", "experiment": "experiments",
+                  "analyze": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
+
+
+def missing_extra(argv: list[str], error: ImportError) -> str | None:
+    """The one-line error for a command of ``argv`` that failed to import a third-party
+    module: which extra to install. ``None`` when ``error`` is not about such a module."""
+    missing = (error.name or "").partition(".")[0]
+    if not missing or missing == "attnres":
+        return None
+    command = next((a for a in argv if a in COMMAND_EXTRAS), None)
+    extra = "upcycle" if missing == "gguf" else COMMAND_EXTRAS.get(command, "train")
+    return (f"attnres{f' {command}' if command else ''}: error: this needs the '{extra}' extra: "
+            f"pip install \"attnres[{extra}]\" (the module {missing!r} is not installed)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``attnres``: a command that needs an extra that is not installed says which."""
+    import sys
+
+    from .name_clash import warn_about_clashes
+
     # Show the package's own deprecations (Python hides DeprecationWarning outside __main__):
     # an old config key should say what replaces it.
     warnings.filterwarnings("default", category=DeprecationWarning, module=r"attnres(\.|$)")
+    warn_about_clashes(thorough=True)
+    try:
+        return _main(argv)
+    except ImportError as e:
+        message = missing_extra(sys.argv[1:] if argv is None else argv, e)
+        if message is None:
+            raise
+        raise SystemExit(message) from None
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse fills a positional list once: overrides written after an option (`--resume
@@ -312,9 +351,11 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
     fit the model's context of ``limit`` tokens (the last new token is not fed back)."""
     need = prompt_tokens + max_new_tokens - 1
     if need > limit:
-        room = limit - prompt_tokens + 1
-        hint = (f"use --max-new-tokens {room} or less" if room >= 1
-                else f"shorten the prompt to at most {limit} tokens")
+        room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
+        hints = [f"use --max-new-tokens {room} or less"] if room >= 1 else []
+        hints.append(f"shorten the prompt to at most {keep} tokens" if keep >= 1
+                     else f"--max-new-tokens may be at most {limit}")
+        hint = " or ".join(hints)
         raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
@@ -348,11 +389,11 @@ def run_analyze(args) -> int:
 
 def run_upcycle(args) -> int:
     """``attnres upcycle``: write the AttnRes version of a pretrained model."""
-    try:
-        from .upcycle.io import upcycle_directory
+    from .upcycle.io import upcycle_directory
 
+    try:
         out = upcycle_directory(args.model, args.out, args.residual, args.block_size, not args.no_exact_eps)
-    except (ImportError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:
         raise SystemExit(f"attnres upcycle: error: {e}") from None
     print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
           f"`attnres train model.from_hf={out} init_from={out} ...`")
@@ -401,18 +442,10 @@ def run_generate(args) -> int:
     return 0
 
 
-def _hf_imports():
-    """``attnres.hf`` (and lm_eval for eval), or a one-line error naming the extra."""
-    try:
-        from . import hf
-    except ImportError as e:
-        raise SystemExit(f"attnres: this command needs the 'hf' extra (pip install 'attnres[hf]'): {e}") from None
-    return hf
-
-
 def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
     """``attnres export``: checkpoint -> Hugging Face directory."""
-    hf = _hf_imports()
+    from . import hf
+
     try:
         path = hf.export_checkpoint(checkpoint, out, tokenizer)
     except ValueError as e:
@@ -440,24 +473,25 @@ def run_eval(args) -> int:
     import tempfile
     from pathlib import Path
 
-    hf = _hf_imports()
-    from .hf.evaluate import perplexity, run_lm_eval
+    from . import hf
+    from .data.corpus import read_text_file
+    from .hf.evaluate import check_tasks, perplexity, run_lm_eval
     from .inference.loading import load_run, load_tokenizer, pick_device
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
         out = _eval_output(args)
+        check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file")
+        text = read_text_file(args.text, "--text") if args.text is not None else None
         if args.bootstrap_iters < 0:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
         run = load_run(args.checkpoint, device)
         _native_only(run, "eval")
         tokenizer = load_tokenizer(run, args.tokenizer)
-        if args.text is not None:
-            text = Path(args.text).read_text(encoding="utf-8")
-        else:
+        if text is None:
             text = run.validation_text()
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
                    "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len),

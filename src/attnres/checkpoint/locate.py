@@ -41,21 +41,22 @@ def _set_aside(path: Path, prefix: str) -> Path:
     return target
 
 
-def find_valid_checkpoint(location: str | Path, set_aside: bool = False) -> Source | None:
+def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = ()) -> Source | None:
     """The newest checkpoint at ``location`` that verifies: ``location`` is a ``step-*``
     directory (it must verify) or a run directory (its checkpoints, newest first). Each one
     that fails verification, when an older one verifies, is reported with a warning and, with
     ``set_aside`` (the run's own directory, under its lock), renamed to ``corrupt-step-*``.
     ``None`` when the run directory holds no checkpoint; :class:`CheckpointError` naming
-    every problem when none verifies (nothing is renamed then)."""
+    every problem when none verifies (nothing is renamed then). ``optional``: files that may
+    be absent (see :func:`read_checkpoint_state`)."""
     location = Path(location)
     if (location / STATE_FILE).is_file() or location.name.startswith("step-"):
-        return Source(location, read_checkpoint_state(location))
+        return Source(location, read_checkpoint_state(location, optional))
     candidates = checkpoint_dirs(location)
     bad: list[tuple[Path, str]] = []
     for path in reversed(candidates):
         try:
-            state = read_checkpoint_state(path)
+            state = read_checkpoint_state(path, optional)
         except CheckpointError as e:
             bad.append((path, str(e)))
             continue

@@ -85,8 +85,9 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
-    """``state.json`` of a checkpoint after verifying every file it lists (size and SHA-256).
+def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``state.json`` of a checkpoint after verifying every file it lists (size and SHA-256)
+    but those of ``optional`` that are absent (inference needs no ``optimizer.safetensors``).
     Raises :class:`CheckpointError` naming the problem."""
     path = Path(path)
     if not path.is_dir():
@@ -101,6 +102,8 @@ def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not an attnres checkpoint of format {FORMAT_VERSION}")
     for name, info in doc["files"].items():
         f = path / name
+        if name in optional and not f.exists():
+            continue
         if not f.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
         size = f.stat().st_size

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
+from ..data.corpus import read_text_file
 from ..analysis.mixing_report import (
     method_note,
     mixing_findings,
@@ -88,7 +89,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     """``attnres analyze``: write ``report.md``, ``mixing.png`` (Fig.-9-style panels, and the
     difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
     ``<checkpoint>/analysis``); returns the report's path."""
-    text = None if text_path is None else Path(text_path).read_text(encoding="utf-8")
+    text = None if text_path is None else read_text_file(text_path, "--text")
     out = Path(out) if out is not None else Path(checkpoint) / "analysis"
     out.mkdir(parents=True, exist_ok=True)
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]

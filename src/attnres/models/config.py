@@ -150,7 +150,13 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``)."""
+        """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``).
+        A name of :data:`RENAMED_PRESETS` gives its new preset, with a ``DeprecationWarning``."""
+        if name in RENAMED_PRESETS:
+            warnings.warn(f"model preset {name!r} is now called {RENAMED_PRESETS[name]!r} ({name!r} names the "
+                          "`attnres compare` / `make demo` grid); the old name will be removed", DeprecationWarning,
+                          stacklevel=2)
+            name = RENAMED_PRESETS[name]
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
         return cls.from_dict(_merge(PRESETS[name], migrate_legacy_keys(overrides)))
@@ -173,10 +179,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128,
                  residual={"block_size": 2}),
     # configs/train-cpu.yaml: a small model for a first training run on CPU.
-    "demo": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256, residual={"block_size": 2}),
+    "train-cpu": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256, residual={"block_size": 2}),
     # The core issue's CPU overhead benchmark: d=512, 8 transformer blocks, S=4 (N=4).
     "bench-cpu": dict(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, max_seq_len=256, residual={"block_size": 4}),
     # The inference benchmark shape: d=1024, 16 transformer blocks, S=4 (N=8).
     "bench-infer": dict(vocab_size=8192, d_model=1024, n_layers=16, n_heads=16, max_seq_len=2048,
                         residual={"block_size": 4}),
 }
+
+#: Presets renamed, old name -> new: ``demo`` was both this model and the main job's grid.
+RENAMED_PRESETS: dict[str, str] = {"demo": "train-cpu"}

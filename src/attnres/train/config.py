@@ -376,6 +376,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             child = node.get(k)
             if isinstance(child, str) and depth == 0 and k == "model":
                 child = {"preset": child}
+            elif isinstance(child, str) and keys[:depth + 1] == ["model", "residual"]:
+                child = {"kind": child}  # a residual given by its name: the name is its kind
             elif child is None and depth == 0 and k == "model":
                 child = {"preset": DEFAULT_MODEL_PRESET}  # what the config had without the override
             elif child is None:
@@ -386,6 +388,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         if keys == ["model", "from_hf"]:
             node.pop("preset", None)  # the directory is the model: it replaces a preset
+        if keys == ["model", "residual"] and isinstance(value, str) and isinstance(node.get("residual"), dict):
+            value = {**node["residual"], "kind": value}  # a name changes the kind only, in any order
         node[keys[-1]] = value
     return data
 
