@@ -546,3 +546,24 @@ def test_peak_memory_prints_nothing(capfd):
     err = capfd.readouterr().err
     assert "profiler_start" not in err and "profiler_stop" not in err and "USDT" not in err
     assert "step ran" in err
+
+
+def test_measuring_overheads_leaves_malloc_alone(tmp_path, monkeypatch):
+    """Only the ``attnres`` command applies ``cpu_allocator`` (attnres.train.cpu_memory): the
+    library's ``measure_overhead`` times the steps under the process's allocator as it is, and
+    reports whether that retains freed memory."""
+    from attnres.experiments import measure_overhead
+    from attnres.train import cpu_memory
+
+    calls = []
+
+    class RecordingLibc:
+        def mallopt(self, parameter, value):
+            calls.append((parameter, value))
+            return 1
+
+    monkeypatch.setattr(cpu_memory, "_glibc", lambda: RecordingLibc())
+    monkeypatch.setattr(cpu_memory, "_retained", False)
+    result = measure_overhead(get_experiment("compare", "tiny"), tmp_path, repeats=3, log=lambda line: None)
+    assert calls == [] and result["freed_memory_retained"] is False
+    assert cpu_memory.set_cpu_allocator("retain") and calls  # what applying the setting would have recorded

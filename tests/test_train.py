@@ -429,3 +429,12 @@ def test_data_preparation_shows_progress(tmp_path, capsys):
     assert "tokenizing train" in err and "tokenizing val" in err and "char" in err
     prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), progress=True)
     assert capsys.readouterr().err == ""
+
+
+def test_training_prepares_its_data_with_its_progress_setting(tmp_path, corpus_file, capsys):
+    """``train`` passes ``progress`` on to data preparation: a bar per split with it, none without."""
+    for progress in ("false", "true"):
+        train(load_config(None, overrides(corpus_file, tmp_path / progress, steps=2, progress=progress,
+                                          **{"data.cache_dir": str(tmp_path / f"cache-{progress}")})))
+        err = capsys.readouterr().err
+        assert ("tokenizing train" in err and "tokenizing val" in err) == (progress == "true"), progress
