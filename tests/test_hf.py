@@ -446,3 +446,19 @@ def test_from_pretrained_accepts_the_flat_keys_of_earlier_versions(tmp_path):
             model = cls.from_pretrained(tmp_path, attnres_block_size=1)
         assert model.config.to_model_config().residual.block_size == 1
     assert AttnResForCausalLM.from_pretrained(tmp_path).config.to_model_config().residual.block_size == 2
+
+
+def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):
+    """The exported tokenizer carries a chat template (vLLM's /v1/chat/completions needs one):
+    one ``role: content`` line per message, then ``assistant: `` to continue; it survives
+    save and load."""
+    from transformers import AutoTokenizer
+
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == "system: be brief\nuser: hi\nassistant: "
+    assert tok.apply_chat_template(chat, tokenize=False) == "system: be brief\nuser: hi\n"
