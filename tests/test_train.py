@@ -267,6 +267,16 @@ def test_yaml_config_and_overrides(tmp_path):
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_seq_len_below_two_is_refused_up_front():
+    """A window of one token has no next token to predict: the loss would be a mean over no
+    targets (NaN) at the first step, blamed on the learning rate. Refused by validation."""
+    with pytest.raises(ValueError, match=r"TrainConfig.seq_len must be an integer in \[2, model.max_seq_len=128\]"):
+        TrainConfig(seq_len=1)
+    with pytest.raises(ValueError, match=r"TrainConfig.seq_len must be an integer in \[2, model.max_seq_len=128\]"):
+        load_config(None, ["model=tiny", "seq_len=129"])
+    assert load_config(None, ["seq_len=2"]).seq_len == 2
+
+
 # -- schedules and optimisers -------------------------------------------------------------
 
 def test_schedule_shapes():

@@ -200,9 +200,12 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelConfig):
             fail("TrainConfig", "parallel", "a ParallelConfig", self.parallel)
         self.parallel.validate()
+        # A window of seq_len tokens holds seq_len - 1 next-token targets: one token has none
+        # (the loss would be a mean over nothing, NaN at the first step).
+        if not (Int(2).ok(self.seq_len) and self.seq_len <= self.model.max_seq_len):
+            fail("TrainConfig", "seq_len", f"an integer in [2, model.max_seq_len={self.model.max_seq_len}] (a window "
+                 "needs a next token to predict)", self.seq_len)
         _check_rules(self, TRAIN_RULES)
-        if self.seq_len > self.model.max_seq_len:
-            fail("TrainConfig", "seq_len", f"<= model.max_seq_len={self.model.max_seq_len}", self.seq_len)
 
     @property
     def tokens_per_step(self) -> int:
@@ -239,11 +242,20 @@ class TrainConfig:
         return cls(**data)
 
 
-_POSITIVE = ("steps", "seq_len", "batch_size", "grad_accum", "muon_ns_steps", "eval_every", "eval_batches",
+@dataclass(frozen=True)
+class _WindowLength(Int):
+    """``seq_len``: at least 2 tokens, at most the model's context (checked in ``validate``)."""
+
+    def describe(self) -> str:
+        return f"an integer in [{self.minimum}, model.max_seq_len]"
+
+
+_POSITIVE = ("steps", "batch_size", "grad_accum", "muon_ns_steps", "eval_every", "eval_batches",
              "log_every", "diagnostics_every", "checkpoint_every", "keep_checkpoints")
 TRAIN_RULES: dict[str, Rule] = {
     "seed": Int(0),
     **{name: Int(1) for name in _POSITIVE},
+    "seq_len": _WindowLength(2),
     "stop_after": Nullable(Int(1), "run to the end of the schedule"),
     "warmup_steps": Int(0),
     "optimizer": Choice(OPTIMIZERS),
