@@ -107,7 +107,8 @@ class TrainConfig:
     """Configuration of :func:`attnres.train.train`.
 
     ``model`` is a :class:`ModelConfig`; in YAML it is a preset name, or a mapping of
-    ``ModelConfig`` fields with an optional ``preset`` key to start from. Optimiser:
+    ``ModelConfig`` fields over the preset its ``preset`` key names (default
+    :data:`DEFAULT_MODEL_PRESET`, the same base as ``model.X=...`` overrides). Optimiser:
     ``"adamw"``, or ``"muon"`` (Newton-Schulz orthogonalised momentum for the 2-D matrices
     inside transformer blocks, AdamW for everything else; see :mod:`attnres.train.optim`).
     ``lr`` is the peak learning rate of both parts. Schedules: ``"cosine"`` (linear warmup,
@@ -320,9 +321,11 @@ accept_legacy_keys(TrainConfig, migrate_distributed)
 
 
 def model_from_spec(spec: Any) -> ModelConfig:
-    """A ``ModelConfig`` from a preset name, a ``ModelConfig``, or a mapping of fields with
-    an optional ``preset`` key to start from - or ``from_hf``, a saved ``transformers``
-    directory of a supported family (plain or AttnRes), whose model it describes."""
+    """A ``ModelConfig`` from a preset name, a ``ModelConfig``, or a mapping of fields over
+    the preset named by its ``preset`` key (default: :data:`DEFAULT_MODEL_PRESET`, as for
+    ``model.X=...`` overrides) - or ``from_hf``, a saved ``transformers`` directory of a
+    supported family (plain or AttnRes), whose model it describes. (``ModelConfig.from_dict``
+    starts from the class defaults instead.)"""
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, str):
@@ -337,7 +340,9 @@ def model_from_spec(spec: Any) -> ModelConfig:
             from ..models.families import model_fields_from_directory
 
             return ModelConfig.from_dict(model_fields_from_directory(source)).replace(**fields)
-        return ModelConfig.preset(preset, **fields) if preset is not None else ModelConfig.from_dict(fields)
+        # One rule for YAML and overrides: a model section starts from the default preset
+        # unless it names another (``model.X=...`` on a config without a model does the same).
+        return ModelConfig.preset(preset if preset is not None else DEFAULT_MODEL_PRESET, **fields)
     fail("TrainConfig", "model", "a preset name or a mapping of ModelConfig fields", spec)
     raise AssertionError  # unreachable: _fail raises
 
