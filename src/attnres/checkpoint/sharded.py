@@ -26,7 +26,10 @@ writes the consolidated ``model.safetensors`` that other tools read.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from .manifest import FORMAT_VERSION, RNG_FILE, CheckpointError, checkpoint_path
 from .manifest import restore_rng as _restore_rng
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
-           "consolidate"]
+           "consolidate", "verify_dcp_files"]
 
 DCP_LAYOUT = "dcp"
 DCP_DIR = "dcp"
@@ -119,6 +122,40 @@ def init_optimizer_state(params: dict[str, nn.Parameter], optimizer: torch.optim
         p.grad = grads[n]
 
 
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns on every load without a process group that it assumes one process: that is
+    what loading in one process means here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
+
+
+def _reader(path: Path):
+    """DCP's reader of checkpoint ``path``, with its metadata read safely
+    (:mod:`attnres.checkpoint.dcp_metadata`: DCP's own reader unpickles it)."""
+    from .dcp_metadata import VerifiedReader
+
+    return VerifiedReader(path / DCP_DIR)
+
+
+def verify_dcp_files(path: str | Path, state: dict[str, Any]) -> None:
+    """Check that every data file the DCP metadata of the sharded checkpoint ``path`` names
+    is in its manifest (``state``: its verified ``state.json``), at least as large as the
+    index needs: a checkpoint whose writer could not see every rank's shard (an ``out_dir``
+    the nodes do not share) fails here, not later with a missing file."""
+    from .dcp_metadata import dcp_file_sizes, read_dcp_metadata
+
+    listed = state.get("files", {})
+    for name, size in sorted(dcp_file_sizes(read_dcp_metadata(Path(path) / DCP_DIR)).items()):
+        entry = listed.get(f"{DCP_DIR}/{name}")
+        if entry is None or entry.get("bytes", 0) < size:
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {DCP_DIR}/{name}, which its DCP metadata "
+                                  "names, is missing (written by a rank whose out_dir was another directory: out_dir "
+                                  "must be on a file system every node shares)")
+
+
 def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer | None = None,
                  restore_rng: bool = True) -> None:
     """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout) and
@@ -129,9 +166,10 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
     sd = _state_dict(params, optimizer)
+    reader = _reader(path)
     try:
-        with torch.no_grad():
-            dcp.load(sd, checkpoint_id=str(path / DCP_DIR))
+        with torch.no_grad(), _one_process_quietly():
+            dcp.load(sd, storage_reader=reader)
     except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException and others
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model/optimiser: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
@@ -144,13 +182,13 @@ def read_sharded_tensors(path: str | Path, prefix: str = "model.") -> dict[str, 
     (``"model."``: the weights; ``"optim."``: the optimiser state), keys without the prefix,
     read in one process (no process group, no gather across ranks)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(Path(path) / DCP_DIR))
-    meta = reader.read_metadata()
+    reader = _reader(Path(path))
+    meta = reader.read_metadata()  # tensors only (checked)
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-          if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, storage_reader=reader, no_dist=True)
+          if k.startswith(prefix)}
+    with _one_process_quietly():
+        dcp.load(sd, storage_reader=reader, no_dist=True)
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 
