@@ -24,6 +24,7 @@ from .consolidated import load_checkpoint, read_optimizer_state, save_checkpoint
 from .locate import Source, find_valid_checkpoint, set_aside_newer
 from .manifest import (
     CheckpointError,
+    CheckpointWriteError,
     checkpoint_dirs,
     checkpoint_path,
     latest_checkpoint,
@@ -45,6 +46,7 @@ def load_weights(path: str | Path, state: dict[str, Any], model: nn.Module) -> N
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "Source",
     "checkpoint_dirs",
     "checkpoint_path",
