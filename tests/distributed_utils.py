@@ -67,3 +67,11 @@ def torchrun_agents(args: list[str], nnodes: int = 2, nproc: int = 1, cwd: Path 
             if p.poll() is None:
                 p.kill()
     return done
+
+
+def mount_namespaces_work() -> bool:
+    """Whether ``unshare -m`` (a private mount namespace: root) works here."""
+    try:
+        return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False

@@ -20,6 +20,37 @@ class _Parser(argparse.ArgumentParser):
         text = super().format_help()
         return text + "\n" + self.help_tail() + "\n" if self.help_tail is not None else text
 
+    def error(self, message: str):
+        if not _first_on_node():  # every rank of a launch parses the same line: one message per node
+            self.exit(2)
+        super().error(message)
+
+
+def _first_on_node() -> bool:
+    """Whether this process prints what every process of a launch would print alike: one
+    process, or the first rank of its node (torchrun's ``LOCAL_RANK`` 0)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _rank_zero() -> bool:
+    """One process, or rank 0 of a launch: the one that reports how a run ended."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _train_error(error: BaseException) -> SystemExit:
+    """The exit of ``attnres train`` on ``error``: its one line, printed once per node when
+    every rank has it alike (an error before the ranks have joined comes from the same config
+    on every rank; after, :func:`~attnres.distributed.launch.raised_on_every_rank` says so);
+    a rank's own error is printed where it happened."""
+    import torch.distributed as dist
+
+    from .distributed.launch import raised_on_every_rank
+
+    alike = raised_on_every_rank(error) or not (dist.is_available() and dist.is_initialized())
+    if alike and not _first_on_node():
+        return SystemExit(1)
+    return SystemExit(f"attnres train: error: {error}")
+
 
 def _config_reference() -> str:
     from .train.reference import config_reference
@@ -516,11 +547,14 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
         apply_cpu_allocator(config.to_dict())
         result = train(config)
     except (ValueError, TrainingDiverged, DistributedError) as e:
-        raise SystemExit(f"attnres train: error: {e}") from None
+        raise _train_error(e) from None
     if result.interrupted:
-        print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint {result.checkpoint}; "
-              "continue with --resume")
+        if _rank_zero():
+            print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint "
+                  f"{result.checkpoint}; continue with --resume")
         return 128 + int(getattr(signal, result.interrupted))
+    if not _rank_zero():
+        return 0
 
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"
