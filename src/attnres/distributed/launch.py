@@ -227,5 +227,6 @@ def collective_errors(ctx: DistContext) -> Iterator[None]:
         raise DistributedError(
             f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
             f"Another rank has probably died or stalled; the process-group timeout is {ctx.timeout_s:g} s "
-            "(TrainConfig.dist_timeout_s)."
+            "(TrainConfig.dist_timeout_s). Under torchrun the job ends once its agent has stopped every rank: a rank "
+            "that does not exit on SIGTERM is killed after torchrun's 30 s grace period."
         ) from e
