@@ -115,7 +115,7 @@ def test_out_dir_unshared_in_a_mount_namespace_is_refused(tmp_path):
                              wrap=wrap)
     text = combined_output(agents)
     assert all(a.returncode != 0 for a in agents), text[-4000:]
-    assert text.count("is not the same directory on every rank: rank 1 (host ") == 2, text[-4000:]  # once per node
+    assert text.count("is not the same directory on every rank: rank 1 on host ") == 2, text[-4000:]  # once per node
     assert "finished" not in text
     assert not any("attnres" in line for line in text.splitlines() if line.strip().startswith("File ")), text  # no traceback of ours (torchrun prints its own)
     assert [p.name for p in shared.rglob("*")] == ["run"] and list(other.iterdir()) == []
@@ -214,7 +214,7 @@ def test_unshared_out_dir_is_refused_at_start_up(scenarios):
     """Rank 1 sees another directory under out_dir's name: every rank stops before any work
     with one error (printed by rank 0) naming rank 1 and the cause; nothing is written."""
     rank0, rank1 = ended(scenarios, "unshared")
-    assert "is not the same directory on every rank: rank 1 (host " in rank0["exit"], rank0
+    assert "is not the same directory on every rank: rank 1 on host " in rank0["exit"], rank0
     assert "does not see the file rank 0" in rank0["exit"] and "file system every node shares" in rank0["exit"]
     assert rank1["exit"] == 1
     assert [p.name for p in (scenarios / "unshared" / "run").iterdir()] == []
@@ -243,6 +243,21 @@ def test_stale_lock_of_a_crashed_run_on_another_node_is_taken_over(scenarios):
     assert rank0["exit"] == 0 and rank1["exit"] == 0, (rank0, rank1)
     assert any("removing the stale lock" in w and "on host 'node-b'" in w for w in rank0["warnings"]), rank0
     assert not (scenarios / "locked" / LOCK_FILE).exists()
+
+
+def test_out_dir_error_names_ranks_by_host():
+    """What every rank reported, in one line: the ranks that do not see rank 0's file and
+    those that cannot write, by host (ranges for a node's ranks)."""
+    from attnres.train.out_dir import _describe
+
+    reports = [(0, "a", None), (1, "a", None), *((r, "b", "unseen") for r in range(2, 10)),
+               (10, "c", "cannot write there (read-only file system)")]
+    assert _describe(Path("/runs/x"), reports) == (
+        "out_dir '/runs/x' is not the same directory on every rank: ranks 2-9 on host 'b' do not see the file rank 0 "
+        "(on host 'a') wrote there. Every rank writes its shards of each checkpoint into out_dir: put it on a file "
+        "system every node shares (docs/scale-out.md, multi-node launch); out_dir '/runs/x' is not writable "
+        "everywhere: rank 10 on host 'c' cannot write there (read-only file system)")
+    assert _describe(Path("/runs/x"), reports[:2]) is None
 
 
 def test_lock_of_a_host_outside_the_job_says_what_to_do(tmp_path):

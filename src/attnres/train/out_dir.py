@@ -91,16 +91,35 @@ def _see_and_write(out_dir: Path, value: str, rank: int) -> str | None:
     return None
 
 
+def _ranks(ranks: list[int]) -> str:
+    """``[1]`` -> "rank 1"; ``[8, 9, 10, 12]`` -> "ranks 8-10, 12"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _by_host(reports: list[tuple[int, str, str | None]]) -> str:
+    hosts: dict[str, list[int]] = {}
+    for rank, host, _ in reports:
+        hosts.setdefault(host, []).append(rank)
+    return "; ".join(f"{_ranks(ranks)} on host {host!r}" for host, ranks in hosts.items())
+
+
 def _describe(out_dir: Path, reports: list[tuple[int, str, str | None]]) -> str | None:
     """One message for every rank's report ``(rank, host, problem)``, or ``None``."""
-    unseen = [f"{rank} (host {host!r})" for rank, host, problem in reports if problem == "unseen"]
-    who = f"rank {unseen[0]} does" if len(unseen) == 1 else f"ranks {', '.join(unseen)} do"
-    unwritable = [f"rank {rank} (host {host!r}) {problem}" for rank, host, problem in reports
+    unseen = [r for r in reports if r[2] == "unseen"]
+    unwritable = [f"rank {rank} on host {host!r} {problem}" for rank, host, problem in reports
                   if problem not in (None, "unseen")]
     parts = []
     if unseen:
-        parts.append(f"out_dir {str(out_dir)!r} is not the same directory on every rank: {who} not see the file "
-                     f"rank 0 (host {reports[0][1]!r}) wrote there. Every rank writes its shards "
+        verb = "does" if len(unseen) == 1 else "do"
+        parts.append(f"out_dir {str(out_dir)!r} is not the same directory on every rank: {_by_host(unseen)} {verb} "
+                     f"not see the file rank 0 (on host {reports[0][1]!r}) wrote there. Every rank writes its shards "
                      "of each checkpoint into out_dir: put it on a file system every node shares (docs/scale-out.md, "
                      "multi-node launch)")
     if unwritable:
