@@ -30,7 +30,7 @@ pytest.importorskip("yaml")
 
 from distributed_utils import mount_namespaces_work, torchrun, torchrun_agents  # noqa: E402
 
-from attnres.checkpoint import checkpoint_dirs, find_valid_checkpoint, is_sharded  # noqa: E402
+from attnres.checkpoint import find_valid_checkpoint, is_sharded  # noqa: E402
 from attnres.train import load_config, train  # noqa: E402
 from attnres.train.lock import LOCK_FILE, RunLock, RunLocked  # noqa: E402
 

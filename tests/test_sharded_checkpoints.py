@@ -105,7 +105,8 @@ def test_metadata_that_would_run_code_is_refused(tmp_path, capsys):
 
 def test_metadata_with_other_than_tensors_is_refused(tmp_path):
     """Real DCP classes, but an entry DCP would read with ``torch.load(weights_only=False)``
-    (a non-tensor), or a storage index pointing outside the checkpoint directory."""
+    (a non-tensor), a tensor entry whose size is not a size, or a storage index pointing
+    outside the checkpoint directory."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from attnres.checkpoint.dcp_metadata import read_dcp_metadata
@@ -118,6 +119,11 @@ def test_metadata_with_other_than_tensors_is_refused(tmp_path):
     plant(path, with_bytes)
     with pytest.raises(CheckpointError, match="refers to torch.distributed.checkpoint.metadata.BytesStorageMetadata"):
         load_run(path)
+    odd_size = pickle.loads(pickle.dumps(meta))
+    odd_size.state_dict_metadata[first].size = Path("not-a-size")
+    plant(path, odd_size)
+    with pytest.raises(CheckpointError, match="it describes entries other than tensors"):
+        read_sharded_tensors(path)
     outside = pickle.loads(pickle.dumps(meta))
     next(iter(outside.storage_data.values())).relative_path = "../../state.json"
     plant(path, outside)

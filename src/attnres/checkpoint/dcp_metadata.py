@@ -65,20 +65,36 @@ def _refuse(path: Path, why: str) -> CheckpointError:
                            "safetensors exports (attnres export, attnres.checkpoint.consolidate)")
 
 
+def _is_tensor_entry(m) -> bool:
+    """A tensor's description: its size, dtype and chunks of the types DCP writes."""
+    return (isinstance(m, _metadata.TensorStorageMetadata) and isinstance(m.size, torch.Size)
+            and isinstance(m.properties, _metadata.TensorProperties) and isinstance(m.properties.dtype, torch.dtype)
+            and isinstance(m.chunks, list)
+            and all(isinstance(c, _metadata.ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                    and isinstance(c.sizes, torch.Size) for c in m.chunks))
+
+
+def _is_plain_file(info) -> bool:
+    """A storage index entry: an item of a plain file of the checkpoint directory, untransformed."""
+    name = getattr(info, "relative_path", None)
+    return (isinstance(info, _filesystem._StorageInfo) and isinstance(name, str) and Path(name).name == name
+            and name not in ("", ".", "..") and not info.transform_descriptors
+            and all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length)))
+
+
 def _check_structure(meta, path: Path) -> None:
     """Tensors only, stored in plain files of the checkpoint directory."""
     if not isinstance(meta, _metadata.Metadata):
         raise _refuse(path, f"it holds a {type(meta).__name__}, not DCP Metadata")
     entries = meta.state_dict_metadata
-    if not isinstance(entries, dict) or not all(isinstance(m, _metadata.TensorStorageMetadata) for m in entries.values()):
+    if not isinstance(entries, dict) or not all(isinstance(k, str) and _is_tensor_entry(m) for k, m in entries.items()):
         raise _refuse(path, "it describes entries other than tensors (DCP would unpickle those from the data files)")
     storage = meta.storage_data
-    if not isinstance(storage, dict):
+    if not isinstance(storage, dict) or not all(isinstance(k, _metadata.MetadataIndex) for k in storage):
         raise _refuse(path, "it has no storage index")
     for info in storage.values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(info, _filesystem._StorageInfo) or not isinstance(name, str) or Path(name).name != name \
-                or name in ("", ".", "..") or info.transform_descriptors:
+        if not _is_plain_file(info):
+            name = getattr(info, "relative_path", None)
             raise _refuse(path, f"its storage index names {name!r}, not a plain file of the checkpoint directory")
 
 

@@ -67,7 +67,7 @@ from .hf_source import load_hf_weights
 from .lock import RunLock, lock_run_dir
 from .metrics import MetricsLogger
 from .optim import build_optimizer
-from .out_dir import OutDirError, check_out_dir
+from .out_dir import OutDirError, check_out_dir, os_cause
 from .resume import check_resumable
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
@@ -161,7 +161,7 @@ class Trainer:
             self.train_loss: float | None = state.get("train_loss")
             self.val_loss: float | None = state.get("val_loss")
             self.last_ckpt: Path | None = self.start.resume.path if self.start.resume is not None else None
-            self._open_outputs()
+            self._main_first(self._open_outputs)
         except BaseException:
             self.close()
             raise
@@ -243,9 +243,11 @@ class Trainer:
         """``config.json``, the metrics log and the progress bar (rank 0)."""
         if not self.main:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
-        self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step)
+        try:
+            (self.out_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
+            self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step)
+        except OSError as e:  # a disk that filled up since the start-up check
+            raise OutDirError(f"could not write to out_dir {str(self.out_dir)!r}: {os_cause(e)}") from None
         if self.config.progress:
             try:
                 from tqdm import tqdm
