@@ -7,6 +7,8 @@ finding and verifying a checkpoint.
   safetensors (one process);
 * :mod:`~attnres.checkpoint.sharded` - ``torch.distributed.checkpoint`` (DCP), every rank its
   shards, resumable at any layout; :func:`consolidate` turns one into ``model.safetensors``;
+  :mod:`~attnres.checkpoint.dcp_metadata` reads DCP's pickled index without running what
+  it holds;
 * :mod:`~attnres.checkpoint.locate` - the newest checkpoint that verifies.
 
 Nothing here knows a training config, a model class or a process group's layout: a model
