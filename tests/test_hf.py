@@ -427,3 +427,19 @@ def test_mhc_lite_survives_save_and_load(tmp_path):
     for _ in range(3):
         loaded = AttnResForCausalLM.from_pretrained(tmp_path / "m")
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):
+    """The exported tokenizer carries a chat template (vLLM's /v1/chat/completions needs one):
+    one ``role: content`` line per message, then ``assistant: `` to continue; it survives
+    save and load."""
+    from transformers import AutoTokenizer
+
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == "system: be brief\nuser: hi\nassistant: "
+    assert tok.apply_chat_template(chat, tokenize=False) == "system: be brief\nuser: hi\n"
