@@ -169,7 +169,8 @@ def worker(root: Path) -> None:
         record("unshared-checkpoint", [f"out_dir={root / 'unshared-checkpoint' / view}"])
     with patched(lock, "_host", (lambda: "node-b") if rank == 1 else lock.socket.gethostname):
         record("stale-lock", [f"out_dir={root / 'locked'}", "steps=2"])  # rank 1 runs on the crashed rank 0's host
-    for name, extra in (("consolidated-dp2", ["parallel.dp=2"]), ("consolidated-plain", [])):
+    for name, extra in (("consolidated-dp2", ["parallel.dp=2"]), ("consolidated-plain", []),
+                        ("consolidated-pp2", ["parallel.pp=2"])):
         record(name, [f"out_dir={root / name}", "--resume", "stop_after=3", *extra])
     record("sharded-resume", [f"out_dir={root / 'consolidated-dp2'}", "--resume"])
 
@@ -187,7 +188,7 @@ def scenarios(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("multinode")
     config = write_run_files(root)
     train(load_config(config, [f"out_dir={root / 'reference'}"]))
-    for name in ("consolidated-dp2", "consolidated-plain"):
+    for name in ("consolidated-dp2", "consolidated-plain", "consolidated-pp2"):
         shutil.copytree(root / "reference", root / name)
         shutil.rmtree(root / name / "checkpoints" / "step-00000004")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -282,6 +283,17 @@ def test_consolidated_checkpoint_resumes_under_parallel_dp_and_plain(scenarios, 
     assert is_sharded(source.state)
     reference, resumed = losses(scenarios / "reference"), losses(scenarios / name)
     assert resumed[3] == pytest.approx(reference[3], rel=1e-5)
+
+
+def test_consolidated_checkpoint_under_a_pipeline_is_refused_with_the_workaround(scenarios):
+    """A pipeline (``parallel.pp=2``) cannot load a consolidated checkpoint: every rank stops
+    before any step with one error that says how to go on (resume it without a pipeline
+    first); nothing is written."""
+    rank0, rank1 = ended(scenarios, "consolidated-pp2")
+    assert "is a consolidated checkpoint; pipeline-parallel runs (parallel.pp > 1) start from sharded" in rank0["exit"], rank0
+    assert "continue it with parallel.pp=1 first" in rank0["exit"]
+    assert rank1["exit"] == 1
+    assert sorted(p.name for p in (scenarios / "consolidated-pp2" / "checkpoints").iterdir()) == ["step-00000002"]
 
 
 def test_sharded_checkpoint_resumes_on_two_ranks(scenarios):

@@ -206,10 +206,11 @@ class Trainer:
             load = lambda model: _load_init_weights(source, model, config)  # noqa: E731
         else:
             return None
-        if config.parallel.pp > 1:
-            raise CheckpointError(f"{str(source.path)!r} is a consolidated checkpoint; pipeline-parallel runs "
-                                  "(parallel.pp > 1) start from sharded (DCP) checkpoints only: continue it with "
-                                  "parallel.pp=1 first (a run on several ranks then writes sharded checkpoints)")
+        if config.parallel.pp > 1:  # the config and the checkpoint are the same on every rank: so is the error
+            raise on_every_rank(CheckpointError(
+                f"{str(source.path)!r} is a consolidated checkpoint; pipeline-parallel runs (parallel.pp > 1) start "
+                "from sharded (DCP) checkpoints only: continue it with parallel.pp=1 first (a run on several ranks "
+                "then writes sharded checkpoints)"))
         return load
 
     def _build_model(self) -> ParallelModel:
