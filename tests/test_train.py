@@ -267,6 +267,45 @@ def test_yaml_config_and_overrides(tmp_path):
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_model_fields_start_from_one_base_in_yaml_and_overrides(tmp_path):
+    """The same model numbers give the same model whether they come from a YAML ``model:``
+    mapping or from ``model.X=...`` overrides: both start from the default preset unless the
+    config names another (``model.preset``), and ``attnres train --help`` says so."""
+    from attnres.train.config import DEFAULT_MODEL_PRESET
+
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("model:\n  d_model: 32\n  n_heads: 2\n")
+    from_yaml = load_config(cfg_file).model
+    from_overrides = load_config(None, ["model.d_model=32", "model.n_heads=2"]).model
+    assert from_yaml == from_overrides == ModelConfig.preset(DEFAULT_MODEL_PRESET, d_model=32, n_heads=2)
+    assert TrainConfig.from_dict({"model": {"d_model": 32, "n_heads": 2}}).model == from_yaml
+    cfg_file.write_text("model:\n  preset: demo\n  d_model: 32\n")
+    assert load_config(cfg_file).model == load_config(None, ["model.preset=demo", "model.d_model=32"]).model
+    assert load_config(cfg_file).model == ModelConfig.preset("demo", d_model=32)
+    help_text = " ".join(cli_help(["train", "--help"]).split())
+    assert f"start from preset {DEFAULT_MODEL_PRESET!r} unless model.preset names another" in help_text
+
+
+def cli_help(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        cli_main(argv)
+    return out.getvalue()
+
+
+def test_seq_len_below_two_is_refused_up_front():
+    """A window of one token has no next token to predict: the loss would be a mean over no
+    targets (NaN) at the first step, blamed on the learning rate. Refused by validation."""
+    with pytest.raises(ValueError, match=r"TrainConfig.seq_len must be an integer in \[2, model.max_seq_len=128\]"):
+        TrainConfig(seq_len=1)
+    with pytest.raises(ValueError, match=r"TrainConfig.seq_len must be an integer in \[2, model.max_seq_len=128\]"):
+        load_config(None, ["model=tiny", "seq_len=129"])
+    assert load_config(None, ["seq_len=2"]).seq_len == 2
+
+
 # -- schedules and optimisers -------------------------------------------------------------
 
 def test_schedule_shapes():

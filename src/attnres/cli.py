@@ -20,6 +20,37 @@ class _Parser(argparse.ArgumentParser):
         text = super().format_help()
         return text + "\n" + self.help_tail() + "\n" if self.help_tail is not None else text
 
+    def error(self, message: str):
+        if not _first_on_node():  # every rank of a launch parses the same line: one message per node
+            self.exit(2)
+        super().error(message)
+
+
+def _first_on_node() -> bool:
+    """Whether this process prints what every process of a launch would print alike: one
+    process, or the first rank of its node (torchrun's ``LOCAL_RANK`` 0)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _rank_zero() -> bool:
+    """One process, or rank 0 of a launch: the one that reports how a run ended."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _train_error(error: BaseException) -> SystemExit:
+    """The exit of ``attnres train`` on ``error``: its one line, printed once per node when
+    every rank has it alike (an error before the ranks have joined comes from the same config
+    on every rank; after, :func:`~attnres.distributed.launch.raised_on_every_rank` says so);
+    a rank's own error is printed where it happened."""
+    import torch.distributed as dist
+
+    from .distributed.launch import raised_on_every_rank
+
+    alike = raised_on_every_rank(error) or not (dist.is_available() and dist.is_initialized())
+    if alike and not _first_on_node():
+        return SystemExit(1)
+    return SystemExit(f"attnres train: error: {error}")
+
 
 def _config_reference() -> str:
     from .train.reference import config_reference
@@ -70,14 +101,18 @@ def _add_training_commands(sub) -> None:
     tr = sub.add_parser(
         "train",
         help="train an LM from a YAML config plus key=value overrides",
-        description="Train (or with --resume continue) a run. Overrides use dotted keys and may come anywhere on the "
-        "line, e.g. `attnres train --config run.yaml steps=2000 model.residual=standard data.paths=[my.txt]`; an "
-        "override changes only the field it names. SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K "
+        usage="attnres train [-h] [CONFIG.yaml] [--config CONFIG.yaml] [--resume] [--resume-from DIR] [--print-config] "
+        "[key=value ...]",
+        description="Train (or with --resume continue) a run. The YAML config file (with or without --config) and "
+        "the overrides, with dotted keys, may come anywhere on the line, e.g. `attnres train run.yaml steps=2000 "
+        "model.residual=standard data.paths=[my.txt]`; an override changes only the field it names. SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K "
         "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2 data parallel; parallel.tp / parallel.pp for "
         "tensor / pipeline parallelism, docs/scale-out.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter, help_tail=_config_reference,
     )
-    tr.add_argument("--config", help="YAML file with TrainConfig fields (default: built-in defaults)")
+    tr.add_argument("--config", metavar="CONFIG.yaml",
+                    help="YAML file with TrainConfig fields (default: built-in defaults); may also be given "
+                    "without --config")
     tr.add_argument("--resume", action="store_true",
                     help="continue from the newest valid checkpoint in out_dir (= resume=true)")
     tr.add_argument("--resume-from", metavar="DIR",
@@ -85,7 +120,8 @@ def _add_training_commands(sub) -> None:
                     "one) into out_dir (= resume_from=DIR)")
     tr.add_argument("--print-config", action="store_true",
                     help="print the resolved config (YAML, after --config and the overrides) and exit")
-    tr.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, YAML-parsed values")
+    tr.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="config overrides, YAML-parsed values (an argument without '=' is the config file)")
     cmp = sub.add_parser(
         "compare",
         help="the main job: train standard, Block and Full AttnRes alike and write report.md with plots",
@@ -266,7 +302,7 @@ def _main(argv: list[str] | None) -> int:
     # commands that take overrides, and nothing else.
     grid = args.command in ("experiment", "compare")
     if extra and (args.command not in ("train", "experiment", "compare")
-                  or any(e.startswith("-") or "=" not in e for e in extra)):
+                  or any(e.startswith("-") or ("=" not in e and args.command != "train") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = args.overrides + extra
@@ -280,8 +316,9 @@ def _main(argv: list[str] | None) -> int:
         except ValueError:
             parser.error(f"--seeds takes integers; got {args.seeds!r}")
     if args.command == "train":
+        config, overrides = _config_file_and_overrides(parser, args.config, args.overrides)
         flags = (["resume=true"] if args.resume else []) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
-        return run_train(args.config, args.overrides + flags, args.print_config)
+        return run_train(config, overrides + flags, args.print_config)
     elif grid:
         name = "compare" if args.command == "compare" else args.name
         if name == "no-free-lunch":
@@ -302,6 +339,18 @@ def _main(argv: list[str] | None) -> int:
     elif args.command == "analyze":
         return run_analyze(args)
     return 0
+
+
+def _config_file_and_overrides(parser, config: str | None, arguments: list[str]) -> tuple[str | None, list[str]]:
+    """``attnres train [CONFIG.yaml] [key=value ...]``: an argument without ``=`` is the config
+    file (what users type, and what multi-node recipes pass), the same as ``--config``."""
+    files = [a for a in arguments if "=" not in a]
+    given = [f for f in (config, *files) if f is not None]
+    if len(given) > 1:
+        parser.error(f"one config file at most (as the first argument or with --config); got {given}")
+    if files and not os.path.isfile(files[0]):
+        parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
+    return (given[0] if given else None), [a for a in arguments if "=" in a]
 
 
 def _saved_preset(out: str, name: str) -> str | None:
@@ -532,11 +581,14 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
         apply_cpu_allocator(config.to_dict())
         result = train(config)
     except (ValueError, TrainingDiverged, DistributedError) as e:
-        raise SystemExit(f"attnres train: error: {e}") from None
+        raise _train_error(e) from None
     if result.interrupted:
-        print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint {result.checkpoint}; "
-              "continue with --resume")
+        if _rank_zero():
+            print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint "
+                  f"{result.checkpoint}; continue with --resume")
         return 128 + int(getattr(signal, result.interrupted))
+    if not _rank_zero():
+        return 0
 
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"

@@ -32,6 +32,32 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted or does not fit the model/config."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a read-only file system, a rank's
+    shard out of rank 0's sight). Nothing of it was published; the checkpoints written
+    before it are untouched (:func:`write_failure` words it)."""
+
+
+def write_failure(final: Path, cause: BaseException) -> CheckpointWriteError:
+    """The :class:`CheckpointWriteError` of checkpoint directory ``final`` failed by ``cause``."""
+    return CheckpointWriteError(f"could not write checkpoint {final.name} in {str(final.parent)!r}: "
+                                f"{describe_failure(cause)}; nothing of it was kept, and the checkpoints written "
+                                "before it are untouched")
+
+
+def describe_failure(e: BaseException) -> str:
+    """The cause of a failed read or write in one line: an ``OSError``'s reason and file,
+    the first failing rank's for DCP's ``CheckpointException``, else the message's first line."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _) = min(failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {describe_failure(inner)}"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f" ({e.filename})" if e.filename else "")
+    text = str(e).strip()
+    return text.splitlines()[0].removeprefix("Error while serializing: ") if text else type(e).__name__
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
