@@ -169,6 +169,8 @@ class Trainer:
         self.out_dir = Path(config.out_dir)
         self.step_count, self.tokens_seen = 0, 0
         self.train_loss: float | None = None
+        self.aux_loss: float | None = None  # a mixture of experts' load-balancing loss (its family's)
+        self.forward_kwargs: dict[str, Any] = {}  # what a training forward passes besides labels
         self.val_loss: float | None = None
         self.resume_step: int | None = None
         self.last_ckpt: Path | None = None
@@ -307,6 +309,8 @@ class Trainer:
             from ..upcycle.scratch import build_hf_model
 
             self.model = build_hf_model(self.config.model).to(self.device)
+        # A mixture-of-experts family trains with its router's load-balancing loss, as it does.
+        self.forward_kwargs = getattr(self.model, "training_forward_kwargs", dict)()
         if config.activation_checkpoint != "none":
             from ..models.trunk import sublayer_caller
 
@@ -458,18 +462,24 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.pm is not None:
             return self._mesh_step(factor)
-        loss_sum = 0.0
+        loss_sum, aux_sum = 0.0, None
         for micro in range(config.grad_accum):
             ids = self.sampler.next_batch()  # the global batch; each rank trains on its rows
             ids = (ids if ctx is None else local_rows(ids, ctx)).to(self.device)
             with gradient_sync(self.forward, self.mode, micro == config.grad_accum - 1):
                 with self.autocast():
-                    loss = self.forward(ids, labels=ids).loss
-                (loss / config.grad_accum).backward()
-            loss_sum += loss.item()
+                    out = self.forward(ids, labels=ids, **self.forward_kwargs)
+                (out.loss / config.grad_accum).backward()
+            loss_sum += out.loss.item()
+            if getattr(out, "aux_loss", None) is not None:  # logged apart: loss is the language-modelling loss
+                aux = out.aux_loss.item()
+                aux_sum = (aux_sum or 0.0) + aux
+                loss_sum -= self.model.router_aux_loss_coef * aux
         train_loss = loss_sum / config.grad_accum
+        self.aux_loss = None if aux_sum is None else aux_sum / config.grad_accum
         if ctx is not None:  # the global batch's loss, the same on every rank (so is the stop decision)
             train_loss = mean_over_ranks(train_loss, ctx)
+            self.aux_loss = None if aux_sum is None else mean_over_ranks(self.aux_loss, ctx)
         self.train_loss = train_loss
         grads = block_grad_norms(self.model) if (step + 1) % config.diagnostics_every == 0 else None  # before clipping
         clip = config.grad_clip if config.grad_clip > 0 else math.inf
@@ -522,10 +532,12 @@ class Trainer:
         ``window`` is ``[tokens, start time]``, reset here."""
         now = time.perf_counter()
         tok_s = window[0] / max(now - window[1], 1e-9)
-        self.logger.log("train", self.step_count, loss=self.train_loss, lr=self.config.lr * factor,
+        aux = {} if self.aux_loss is None else {"aux_loss": self.aux_loss}
+        self.logger.log("train", self.step_count, loss=self.train_loss, **aux, lr=self.config.lr * factor,
                         grad_norm=grad_norm, tokens=self.tokens_seen, tokens_per_s=tok_s)
         if self.progress is not None:
-            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", **{k: f"{v:.4f}" for k, v in aux.items()},
+                                      tok_s=f"{tok_s:,.0f}")
         window[:] = [0, now]
 
     def evaluate(self) -> None:
