@@ -327,3 +327,21 @@ def test_continued_training_adds_the_family_aux_loss_and_starts_at_the_original(
     assert first["up"]["aux_loss"] >= 1.0 - 1e-6  # top-2 of 4 experts: at least the balanced value 1
     assert routers["up"].keys() == routers["up0"].keys() and routers["up"]
     assert any(not torch.equal(routers["up"][k], routers["up0"][k]) for k in routers["up"])
+
+
+@pytest.mark.slow
+def test_the_upcycle_moe_benchmark_runs_in_quick_mode(tmp_path):
+    """``benchmarks/upcycle_moe.py --quick``: pretraining, the upcycle, continued training of
+    both, the routing measurements and the report, at toy size."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "upcycle_moe.py"
+    subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                   check=True, capture_output=True)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    routing = results["seeds"]["0"]["routing"]
+    assert routing[0]["query_norm"] == 0 and all(x["agreement"] == 1.0 for x in routing[0]["layers"])
+    assert routing[-1]["query_norm"] > 0
+    assert {"report.md", "loss.png", "experts.png", "config.json"} <= {p.name for p in (tmp_path / "out").iterdir()}

@@ -1,6 +1,7 @@
-"""AttnRes around a ``transformers`` decoder's own attention and MLP modules.
+"""AttnRes around a ``transformers`` decoder's own attention and MLP (or mixture-of-experts)
+modules.
 
-For a supported family ``X`` (``llama``, ``qwen3``, ...) this generates, once, a config class
+For a supported family ``X`` (``llama``, ``qwen3``, ``qwen3_moe``, ...) this generates, once, a config class
 ``AttnResXConfig`` (``X``'s config plus ``attnres_residual`` and ``attnres_exact_eps``, with
 ``model_type = "attnres_X"``) and a model class ``AttnResXForCausalLM`` (``X``'s causal LM
 plus a ``residual`` module), and registers both with the Auto classes: a saved directory
@@ -197,7 +198,9 @@ class UpcycledModelMixin:
     def depth_weights(self, *args, **kwargs) -> list[torch.Tensor]:
         """Run ``self(*args, **kwargs)`` recording the depth-attention weights; one tensor
         ``[n_sources, B, T]`` per sublayer, then the output aggregation."""
-        return self._recorded_forward(*args, **kwargs).weights or []
+        stream = self._recorded_forward(*args, **kwargs)
+        stream.recorded = None  # the finished state holds every source: not kept
+        return stream.weights or []
 
     def depth_mixing(self, input_ids: torch.Tensor, per_channel: bool = False):
         """The depth mixing matrix (report §6.2) of a forward on ``input_ids [B, T]``: the

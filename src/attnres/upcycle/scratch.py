@@ -49,9 +49,14 @@ def hf_config_of(config) -> PretrainedConfig:
 
 def build_hf_model(config) -> PreTrainedModel:
     """A freshly initialised ``AttnRes<Family>ForCausalLM`` for ``config`` (the family's own
-    init; the residual's faithful one: zero queries, unit gains)."""
+    init; the residual's faithful one: zero queries, unit gains). A mixture of experts'
+    ``output_router_logits`` is off by default: training forwards ask for the router logits
+    (``training_forward_kwargs``), so that evaluation losses are the cross-entropy alone."""
     _, model_cls = upcycled_classes(config.hf_architecture)
-    return model_cls(hf_config_of(config))
+    hf_config = hf_config_of(config)
+    if getattr(hf_config, "output_router_logits", False):
+        hf_config.output_router_logits = False
+    return model_cls(hf_config)
 
 
 def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
