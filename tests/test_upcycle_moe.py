@@ -228,6 +228,39 @@ def test_every_family_is_a_training_architecture():
     assert set(HF_ARCHITECTURES) == set(FAMILIES)
 
 
+@pytest.mark.parametrize("model_type", ["gpt_oss", "glm4_moe", "deepseek_v3"])
+def test_a_saved_moe_directory_describes_the_training_model(tmp_path, model_type):
+    """``model.from_hf=DIR``: the run's model is the directory's, scaled RoPE (GPT-OSS's YaRN),
+    partial rotation (GLM-4.5) and latent attention (DeepSeek-V3) included, and
+    ``init_from=DIR`` fills it with the same function."""
+    from attnres.models import ModelConfig
+    from attnres.train.hf_source import load_hf_weights
+    from attnres.upcycle.scratch import build_hf_model, model_fields_from_directory
+
+    base = tiny_model(model_type)
+    if model_type == "glm4_moe":
+        base = tiny_model(model_type, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5})
+    upcycle(base, "attnres_block", block_size=2).save_pretrained(tmp_path / "up")
+    config = ModelConfig.from_dict(model_fields_from_directory(tmp_path / "up"))
+    assert config.hf_architecture == model_type and config.residual.block_size == 2
+    model = build_hf_model(config)
+    load_hf_weights(model, tmp_path / "up")
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(model.eval()(x).logits, base(x).logits) <= 1e-5
+    assert not model.config.output_router_logits  # evaluation losses are the cross-entropy alone
+
+
+def test_a_family_model_may_set_its_own_head_dim():
+    from attnres.models import ModelConfig
+
+    fields = dict(d_model=2880, n_heads=64, n_kv_heads=8)  # GPT-OSS: 2880 / 64 = 45, head_dim 64
+    ModelConfig(**fields, hf_architecture="gpt_oss", hf_config={"head_dim": 64})
+    with pytest.raises(ValueError, match="head dimension"):
+        ModelConfig(**fields)
+
+
 # -- expert load -------------------------------------------------------------------------
 
 def test_expert_load_is_the_originals_at_conversion_and_well_formed():

@@ -57,7 +57,9 @@ class Layout:
     attn_post / mlp_post: a norm applied to the sublayer's output (part of the sublayer), or None.
     attn / mlp: the sublayer modules (the MLP may be a mixture of experts).
     mlp_output: where the MLP returns a tuple, the index of its output in it (GPT-OSS:
-        ``(hidden states, router scores)``); None where it returns a tensor.
+        ``(hidden states, router scores)``); None where it returns a tensor (a tuple, as
+        some releases' sparse blocks return ``(hidden states, router logits)``, is then read
+        at index 0).
     output_scale: a decoder-layer attribute every sublayer output is multiplied by (Granite's
         ``residual_multiplier``: ``h + m * f(norm(h))``), or None.
     router: the mixture-of-experts router, None for dense families.

@@ -100,7 +100,9 @@ def _layer_forward(self, hidden_states, **kwargs):
 
     def mlp(h):
         out = getattr(self, layout.mlp)(getattr(self, layout.mlp_norm)(h))
-        return finish(out if layout.mlp_output is None else out[layout.mlp_output], layout.mlp_post)
+        if isinstance(out, tuple):  # GPT-OSS: (hidden, router scores); sparse blocks of some releases: (hidden, logits)
+            out = out[layout.mlp_output or 0]
+        return finish(out, layout.mlp_post)
 
     for l, sublayer in ((2 * index, attention), (2 * index + 1, mlp)):
         h = residual.sublayer_input(state, l)
