@@ -14,7 +14,8 @@
    pseudo-queries (zero at conversion).
 
 Writes ``--out/report.md``, ``results.json``, ``config.json`` (the two training set-ups),
-``loss.png`` and ``experts.png``. About 10 core-minutes at one thread with the defaults.
+``loss.png``, ``experts.png`` and ``analysis/`` (``attnres analyze`` of the first seed's
+final upcycle against the original: depth mixing matrices and the expert-load table). About 10 core-minutes at one thread with the defaults.
 
     nice -n 10 python benchmarks/upcycle_moe.py --out results/upcycle-moe --seeds 0 1
     python benchmarks/upcycle_moe.py --quick --out /tmp/upcycle-moe   # a smoke run
@@ -150,8 +151,12 @@ def _tv(p: list[float], q: list[float]) -> float:
 
 def _curves(run: Path) -> dict:
     records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    diags = [r for r in records if r["kind"] == "diagnostics" and r.get("depth_weights")]
     return {"train": [(r["step"], r["loss"], r.get("aux_loss")) for r in records if r["kind"] == "train"],
-            "eval": [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]}
+            "eval": [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"],
+            # the largest departure of a mean depth weight from uniform (1/n over a mixer's n sources)
+            "depth_departure": [(r["step"], max(abs(w - 1 / len(ws)) for ws in r["depth_weights"] for w in ws))
+                                for r in diags]}
 
 
 def main() -> int:
@@ -182,7 +187,7 @@ def main() -> int:
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    results = run_all(args, work)
+    results = run_all(args, work, out)
     (out / "config.json").write_text(json.dumps(results.pop("configs"), indent=1))
     (out / "results.json").write_text(json.dumps(results, indent=1))
     from upcycle_moe_report import write_report
@@ -192,7 +197,7 @@ def main() -> int:
     return 0
 
 
-def run_all(args, work: Path) -> dict:
+def run_all(args, work: Path, out: Path) -> dict:
     from attnres.experiments.analyze import analysis_tokens
     from attnres.inference.loading import load_run
 
@@ -213,6 +218,10 @@ def run_all(args, work: Path) -> dict:
         print(f"seed {seed}: routing over training", flush=True)
         results["seeds"][str(seed)] = {"curves": {n: _curves(r) for n, r in runs.items()},
                                        "routing": routing_over_training(runs, dirs, steps, tokens)}
+        if seed == args.seeds[0]:  # attnres analyze on the final checkpoints: depth mixing, expert load
+            from attnres.experiments.analyze import write_analysis
+
+            write_analysis(runs["block"], runs["original"], out / "analysis", rows=args.rows, seq_len=args.seq_len)
     results["cpu_seconds"] = round(time.process_time() - t0)
     return results
 

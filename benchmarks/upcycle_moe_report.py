@@ -33,19 +33,19 @@ def plot_loss(out: Path, r: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, dx, xx) = plt.subplots(3, 1, figsize=(7.5, 8.5), sharex=True, height_ratios=(3, 2, 2))
-    for seed, data in r["seeds"].items():
-        c = data["curves"]
+    for i, (seed, data) in enumerate(r["seeds"].items()):
+        c, color = data["curves"], f"C{i}"
         for name, style in zip(MODELS, ("-", "--")):
             steps, loss, aux = zip(*c[name]["train"])
-            ax.plot(steps, _rolling(list(loss)), style, lw=1, label=f"{name}, seed {seed} (train, mean of 10)")
+            ax.plot(steps, _rolling(list(loss)), style, color=color, lw=1, label=f"{name}, seed {seed} (train, mean of 10)")
             if aux[0] is not None:
-                xx.plot(steps, _rolling(list(aux)), style, lw=1, label=f"{name}, seed {seed}")
+                xx.plot(steps, _rolling(list(aux)), style, color=color, lw=1, label=f"{name}, seed {seed} (mean of 10)")
             if c[name]["eval"]:
                 es, el = zip(*c[name]["eval"])
-                ax.plot(es, el, "o" + style, ms=4, label=f"{name}, seed {seed} (held-out)")
+                ax.plot(es, el, "o" + style, color=color, ms=4, label=f"{name}, seed {seed} (held-out)")
         steps, d = zip(*_diff(c))
-        dx.plot(steps, d, lw=0.6, alpha=0.5, label=f"seed {seed}, per step")
-        dx.plot(steps, _rolling(list(d)), lw=1.2, label=f"seed {seed}, mean of 10")
+        dx.plot(steps, d, color=color, lw=0.6, alpha=0.35, label=f"seed {seed}, per step")
+        dx.plot(steps, _rolling(list(d)), color=color, lw=1.4, label=f"seed {seed}, mean of 10")
     dx.axhline(0, color="grey", lw=0.8)
     ax.set_ylabel("loss (cross-entropy)")
     dx.set_ylabel("block − original")
@@ -67,17 +67,18 @@ def plot_experts(out: Path, r: dict) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(9, 6.5), sharex=True)
     (qa, aa), (ta, ea) = axes
-    for seed, data in r["seeds"].items():
-        rows = data["routing"]
+    for i, (seed, data) in enumerate(r["seeds"].items()):
+        rows, color = data["routing"], f"C{i}"
         steps = [x["step"] for x in rows]
-        qa.plot(steps, [x["query_norm"] for x in rows], "o-", label=f"seed {seed}")
-        aa.plot(steps, [_mean(y["agreement"] for y in x["layers"]) for x in rows], "o-", label=f"seed {seed}")
-        ta.plot(steps, [_mean(y["tv_between"] for y in x["layers"]) for x in rows], "o-", label=f"block vs original, seed {seed}")
-        for name, style in zip(MODELS, ("-", "--")):
+        qa.plot(steps, [x["query_norm"] for x in rows], "o-", color=color, label=f"seed {seed}")
+        aa.plot(steps, [_mean(y["agreement"] for y in x["layers"]) for x in rows], "o-", color=color, label=f"seed {seed}")
+        ta.plot(steps, [_mean(y["tv_between"] for y in x["layers"]) for x in rows], "o-", color=color, lw=2,
+                label=f"block vs original, seed {seed}")
+        for name, style in zip(MODELS, (":", "--")):
             ta.plot(steps, [_mean(y[f"tv_from_start_{name}"] for y in x["layers"]) for x in rows], "s" + style, ms=3,
-                    label=f"{name} vs its conversion, seed {seed}")
+                    color=color, label=f"{name} vs its own conversion, seed {seed}")
             ea.plot(steps, [_mean(ExpertLoad(**_load(y[f"load_{name}"])).entropy for y in x["layers"]) for x in rows],
-                    "o" + style, label=f"{name}, seed {seed}")
+                    "o" + ("-" if name == "original" else "--"), color=color, label=f"{name}, seed {seed}")
     qa.set_ylabel("mean ||pseudo-query||")
     aa.set_ylabel("routing agreement (shared top-k)")
     ta.set_ylabel("expert-load distance (TV)")
@@ -143,6 +144,11 @@ def write_report(out: Path, r: dict) -> None:
         "![loss](loss.png)", "", "## Loss", "", *loss_table(r), "",
         "![experts](experts.png)", "", "## Routing at conversion and at the end", "",
         "Agreement: the share of each token's top-k experts the two models have in common. TV: total variation "
-        "distance between expert-load vectors (0: the same load, 1: disjoint).", "", *routing_table(r), "",
-        "## Expert load at the end (first seed)", "", expert_load_table(final), ""]
+        "distance between expert-load vectors (0: the same load, 1: disjoint). How far the upcycle's depth weights "
+        "moved: the largest departure of a mean depth-attention weight from uniform (first validation batch) at the "
+        "end, " + ", ".join(f"seed {seed}: {d['curves']['block']['depth_departure'][-1][1]:.3f}"
+                            for seed, d in r["seeds"].items()) + ".", "", *routing_table(r), "",
+        "## Expert load at the end (first seed)", "", expert_load_table(final), "",
+        "`analysis/report.md`: `attnres analyze` of the first seed's final upcycle (A) against the original (B): "
+        "depth mixing matrices, and per MoE layer the expert load beside the depth weights into its MLP.", ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
