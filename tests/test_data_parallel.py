@@ -1,5 +1,6 @@
-"""Data-parallel training (FSDP2 and DDP on gloo) against single-process training; resume on
-another number of ranks; a rank that dies; backend selection and config errors.
+"""Data-parallel training (FSDP2 on gloo, every launched rank data parallel by default)
+against single-process training; the deprecated ``distributed`` key; resume on another number
+of ranks; a rank that dies; backend selection and config errors.
 
 Launches (this file run as a script is the worker): 2 ranks train several runs, 4 ranks
 resume one of them, and 2 hand-launched processes (no torchrun, so only the process-group
@@ -36,9 +37,9 @@ pytest.importorskip("yaml")
 from conftest import tensor_errors  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from attnres.distributed import DistributedError, backend_for_device, resolve_mode  # noqa: E402
+from attnres.distributed import DistributedError, ParallelConfig, backend_for_device  # noqa: E402
 from attnres.train import TrainConfig, latest_checkpoint, load_config, train  # noqa: E402
-from attnres.train.checkpoint import checkpoint_path  # noqa: E402
+from attnres.checkpoint import checkpoint_path  # noqa: E402
 
 DP_TOL = 1e-4
 STEPS = 20
@@ -46,11 +47,13 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly h
 # Single-process reference runs (checkpoints every 10 steps) ...
 # (the Muon runs also tie the embedding and the head: one tensor in the checkpoint, as in one process)
 REFERENCES = {"adamw": {}, "muon": {"optimizer": "muon", "grad_accum": 2, "stop_after": 10, "model.tie_embeddings": "true"}}
-# ... and the 2-rank runs: name -> (overrides, reference).
+# ... and the 2-rank runs: name -> (overrides, reference). A plain launch is data parallel
+# (FSDP2); "legacy-ddp-muon" is a config of earlier versions (distributed=ddp), which still
+# trains, with a DeprecationWarning, as FSDP2 data parallelism.
 RUNS = {
-    "fsdp-adamw": (dict(distributed="fsdp"), "adamw"),
-    "fsdp-muon": (dict(distributed="fsdp", **REFERENCES["muon"]), "muon"),
-    "ddp-muon": (dict(distributed="ddp", **REFERENCES["muon"]), "muon"),
+    "fsdp-adamw": ({}, "adamw"),
+    "fsdp-muon": (dict(REFERENCES["muon"]), "muon"),
+    "legacy-ddp-muon": (dict(distributed="ddp", **REFERENCES["muon"]), "muon"),
 }
 
 
@@ -100,7 +103,7 @@ def worker(task: str, root: Path) -> None:
                 return next_batch(self)
 
             BatchSampler.next_batch = failing_next_batch
-        sys.exit(main(["train", *run_args(corpus, root / task, distributed="fsdp", dist_timeout_s=DIE_TIMEOUT_S)]))
+        sys.exit(main(["train", *run_args(corpus, root / task, dist_timeout_s=DIE_TIMEOUT_S)]))
 
 
 # -- launches -----------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def references(root) -> Path:
     torch.set_num_threads(1)
     try:
         for name, extra in REFERENCES.items():
-            train(load_config(None, run_args(root / "corpus.txt", root / f"ref-{name}", distributed="none", **extra)))
+            train(load_config(None, run_args(root / "corpus.txt", root / f"ref-{name}", **extra)))
     finally:
         torch.set_num_threads(before)
     return root
@@ -138,13 +141,13 @@ def references(root) -> Path:
 
 def checkpoint_tensors(path: Path, part: str) -> dict[str, torch.Tensor]:
     """The ``model`` weights or the ``optimizer`` state of a checkpoint, consolidated (one
-    process, DDP) or sharded (FSDP2, DCP), keyed by parameter name (``<name>.<state>`` for the
+    process) or sharded (several ranks, DCP), keyed by parameter name (``<name>.<state>`` for the
     optimiser: a consolidated optimiser state is keyed by position in the optimiser's groups,
     mapped here to names through the optimiser the run's config builds)."""
     from attnres import AttnResLM, ModelConfig
     from attnres.train import build_optimizer
-    from attnres.train.checkpoint import read_checkpoint_state
-    from attnres.train.sharded_checkpoint import is_sharded, read_sharded_tensors
+    from attnres.checkpoint import read_checkpoint_state
+    from attnres.checkpoint import is_sharded, read_sharded_tensors
 
     state = read_checkpoint_state(path)
     if is_sharded(state):
@@ -185,9 +188,9 @@ def assert_close_runs(got: Path, want: Path, step: int) -> None:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_data_parallel_matches_single_process(dp_runs, references, name):
-    """2 ranks x batch 2 == 1 process x batch 4: FSDP2 with AdamW for 20 steps; FSDP2 (Muon's
-    Newton-Schulz on gathered matrices) and DDP, each with Muon and gradient accumulation
-    (gradients reduced once per step)."""
+    """2 ranks x batch 2 == 1 process x batch 4: FSDP2 with AdamW for 20 steps; FSDP2 with
+    Muon (Newton-Schulz on gathered matrices) and gradient accumulation (gradients reduced
+    once per step), given as today's config and as a deprecated ``distributed=ddp`` one."""
     extra, ref = RUNS[name]
     step = extra.get("stop_after", STEPS)
     assert latest_checkpoint(dp_runs / name) == checkpoint_path(dp_runs / name, step)
@@ -206,13 +209,13 @@ def test_resume_on_one_rank(dp_runs, references, one_thread):
     uninterrupted single-process run."""
     out = dp_runs / "resume-1"
     copy_at_step_10(dp_runs / "fsdp-adamw", out)
-    train(load_config(None, run_args(dp_runs / "corpus.txt", out, distributed="none", resume="true")))
+    train(load_config(None, run_args(dp_runs / "corpus.txt", out, resume="true")))
     assert_close_runs(out, references / "ref-adamw", STEPS)
 
 
 def test_resume_on_four_ranks(dp_runs, references):
     """The same checkpoint resumed by 4 ranks (batch 1 each) through the documented command,
-    ``torchrun --nproc-per-node 4 -m attnres train ... --resume`` (``distributed=auto``: FSDP2)."""
+    ``torchrun --nproc-per-node 4 -m attnres train ... --resume`` (every rank data parallel)."""
     from distributed_utils import torchrun
 
     out = dp_runs / "resume-4"
@@ -314,25 +317,45 @@ def test_backend_follows_the_device():
         backend_for_device("meta")
 
 
-def test_distributed_mode_resolution(monkeypatch):
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    assert resolve_mode("auto") == "none" and resolve_mode("none") == "none"
-    with pytest.raises(ValueError, match=r"distributed='fsdp' needs a process group: launch with `torchrun"):
-        resolve_mode("fsdp")
-    env = dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    assert resolve_mode("auto") == "fsdp" and resolve_mode("ddp") == "ddp"
-    with pytest.raises(ValueError, match="distributed='none' but 2 ranks were launched"):
-        resolve_mode("none")
+def test_deprecated_distributed_key_keeps_working_with_a_warning():
+    """``distributed`` of earlier versions: every value still loads (constructor, mapping,
+    ``key=value`` override) with a DeprecationWarning saying what it now is; ``fsdp``,
+    ``ddp`` and ``auto`` are the default layout (all ranks data parallel, FSDP2), ``none``
+    is ``parallel.dp=1``; the key is gone from the config itself."""
+    for value in ("fsdp", "ddp", "auto"):
+        with pytest.warns(DeprecationWarning, match=f"distributed={value!r} is"):
+            config = TrainConfig(distributed=value)
+        assert config.parallel == ParallelConfig() and "distributed" not in config.to_dict()
+    with pytest.warns(DeprecationWarning, match="DDP was removed"):
+        load_config(None, ["distributed=ddp"])
+    with pytest.warns(DeprecationWarning, match=r"distributed='none' is parallel.dp=1"):
+        assert TrainConfig.from_dict({"distributed": "none"}).parallel.dp == 1
+    with pytest.warns(DeprecationWarning):  # a given parallel.dp wins
+        assert TrainConfig.from_dict({"distributed": "none", "parallel": {"dp": 2}}).parallel.dp == 2
+    with pytest.raises(ValueError, match=r"TrainConfig.distributed must be one of 'auto', 'fsdp', 'ddp', 'none'"):
+        TrainConfig(distributed="zero")
 
 
 def test_config_validates_distributed_fields():
-    with pytest.raises(ValueError, match=r"TrainConfig.distributed must be one of 'auto', 'none', 'ddp', 'fsdp'; got 'zero'"):
-        TrainConfig(distributed="zero")
     with pytest.raises(ValueError, match=r"TrainConfig.dist_timeout_s must be a finite number > 0"):
         TrainConfig(dist_timeout_s=0)
+
+
+def test_one_process_is_the_mesh_of_size_one(monkeypatch):
+    """Without a launcher, a run is one process: world size 1, no process group, a layout
+    of 1 x 1 x 1 whose collectives are no-ops; degrees > 1 ask for torchrun."""
+    from attnres.distributed import build_layout, process_context
+    from attnres.distributed.launch import any_rank, mean_over_ranks
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    ctx = process_context("cpu")
+    assert (ctx.rank, ctx.world_size, ctx.backend) == (0, 1, None) and not torch.distributed.is_initialized()
+    assert mean_over_ranks(0.1, ctx) == 0.1 and any_rank(True, ctx) and not any_rank(False, ctx)
+    layout = build_layout(ParallelConfig())
+    assert (layout.dp, layout.tp, layout.pp, layout.size, layout.mesh) == (1, 1, 1, 1, None)
+    with pytest.raises(ValueError, match="torchrun"):
+        build_layout(ParallelConfig(dp=2))
 
 
 def test_distributed_error_names_the_rank():

@@ -1,5 +1,6 @@
 """Hugging Face integration (attnres.hf): lossless conversion, cached generation, Auto
-classes after a plain ``import attnres``, eager vs sdpa attention, activation checkpointing,
+classes after ``import attnres.hf`` (and no import hook from ``import attnres``), eager vs
+sdpa attention, activation checkpointing,
 tokenizer export, and ``attnres eval`` with lm-evaluation-harness on local tasks."""
 
 from __future__ import annotations
@@ -75,14 +76,14 @@ def test_cache_is_accepted_under_both_names():
     step continues the same cache under either name, and both at once is refused."""
     from transformers.cache_utils import DynamicCache
 
-    from attnres.hf.modeling import CACHE_FIELD
+    from attnres.hf.modeling import _cache_field
 
     hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).eval()
     ids = torch.randint(0, hf.config.vocab_size, (1, 7))
     full = hf(ids, use_cache=False).logits[:, -1]
     for name in ("cache", "past_key_values"):
         prefix = hf(ids[:, :6], use_cache=True, **{name: DynamicCache(config=hf.config)})
-        cache = getattr(prefix, CACHE_FIELD)
+        cache = getattr(prefix, next(iter(_cache_field(type(prefix), None))))
         assert cache.get_seq_length() == 6
         step = hf(ids[:, 6:], use_cache=True, **{name: cache}).logits[:, -1]
         torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-5)
@@ -151,6 +152,8 @@ def test_tokenizer_export_keeps_ids(tmp_path):
 
 
 def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
+    """In a fresh process, ``import attnres.hf`` is all ``AutoModelForCausalLM`` /
+    ``AutoModel.from_pretrained`` need for a saved directory (no ``trust_remote_code``)."""
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native)
     hf.save_pretrained(tmp_path)
@@ -159,7 +162,7 @@ def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
     with torch.no_grad():
         torch.save({"ids": ids, "logits": native(ids).logits}, tmp_path / "ref.pt")
     script = (
-        "import sys, torch, attnres\n"
+        "import sys, torch, attnres.hf\n"
         "from transformers import AutoModel, AutoModelForCausalLM\n"
         "d = sys.argv[1]; ref = torch.load(d + '/ref.pt')\n"
         "m = AutoModelForCausalLM.from_pretrained(d).eval()\n"
@@ -246,6 +249,29 @@ def test_local_cloze_items_have_distinct_choices_and_the_right_label(tmp_path):
         assert any(d.startswith(item["context"] + item["choices"][item["label"]]) for d in docs)
 
 
+def test_importing_attnres_installs_no_import_hook_and_registers_nothing():
+    """``import attnres`` leaves ``sys.meta_path`` as it was and does not touch transformers:
+    importing transformers afterwards knows no AttnRes model type until ``attnres.hf`` is
+    imported (or ``attnres.hf.register()`` is called), which registers them all."""
+    script = (
+        "import sys\n"
+        "before = list(sys.meta_path)\n"
+        "import attnres\n"
+        "assert sys.meta_path == before, (before, sys.meta_path)\n"
+        "assert 'transformers' not in sys.modules\n"
+        "from transformers import AutoConfig\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+        "assert 'attnres' not in CONFIG_MAPPING and 'attnres_llama' not in CONFIG_MAPPING\n"
+        "import attnres.hf\n"
+        "assert not [f for f in sys.meta_path if type(f).__module__.startswith('attnres')]  # transformers adds its own\n"
+        "assert 'attnres' in CONFIG_MAPPING and 'attnres_llama' in CONFIG_MAPPING\n"
+        "print('ok')\n"
+    )
+    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
 def test_import_attnres_without_transformers(tmp_path):
     """``import attnres`` and the native model work where transformers is not installed:
     a site directory holding everything of this environment except transformers."""
@@ -300,7 +326,7 @@ def test_exported_model_generates_past_line_breaks(tmp_path):
     from attnres.hf import export_checkpoint
     from attnres.inference.loading import load_run
     from attnres.train import load_config, train
-    from attnres.train.checkpoint import save_checkpoint
+    from attnres.checkpoint import save_checkpoint
 
     corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
     run = tmp_path / "run"
@@ -401,3 +427,19 @@ def test_mhc_lite_survives_save_and_load(tmp_path):
     for _ in range(3):
         loaded = AttnResForCausalLM.from_pretrained(tmp_path / "m")
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):
+    """The exported tokenizer carries a chat template (vLLM's /v1/chat/completions needs one):
+    one ``role: content`` line per message, then ``assistant: `` to continue; it survives
+    save and load."""
+    from transformers import AutoTokenizer
+
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == "system: be brief\nuser: hi\nassistant: "
+    assert tok.apply_chat_template(chat, tokenize=False) == "system: be brief\nuser: hi\n"

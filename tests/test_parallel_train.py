@@ -1,4 +1,4 @@
-"""``attnres train`` over the ``(pp, dp, tp)`` mesh (issue 16): pipeline (torch's schedules,
+"""``attnres train`` over the ``(pp, dp, tp)`` mesh: pipeline (torch's schedules,
 with and without the cross-stage cache), tensor parallel, FSDP2 over dp and their
 combinations, against single-process training; sharded (DCP) checkpoints that resume at
 another layout; a rank killed with SIGKILL under pp=2; config errors.
@@ -36,8 +36,8 @@ from conftest import tensor_errors  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from attnres.train import load_config, train  # noqa: E402
-from attnres.train.checkpoint import checkpoint_path, latest_checkpoint, read_checkpoint_state  # noqa: E402
-from attnres.train.sharded_checkpoint import consolidate  # noqa: E402
+from attnres.checkpoint import checkpoint_path, latest_checkpoint, read_checkpoint_state  # noqa: E402
+from attnres.checkpoint import consolidate  # noqa: E402
 
 TOL = 1e-5
 STEPS = 10
@@ -118,13 +118,13 @@ def launch(root: Path, n: int, runs: list[list], timeout: float = 600) -> None:
 
 
 def reference(root: Path, name: str, **extra) -> Path:
-    """A single-process run (``distributed=none``), once per root."""
+    """A single-process run, once per root."""
     out = root / name
     if latest_checkpoint(out) is None:
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            train(load_config(None, run_args(root / "corpus.txt", out, distributed="none", **extra)))
+            train(load_config(None, run_args(root / "corpus.txt", out, **extra)))
         finally:
             torch.set_num_threads(before)
     return out
@@ -185,18 +185,18 @@ def test_pipeline_cached_matches_and_resumes_in_one_process(root):
     out = root / "pp2-to-1"
     shutil.copytree(root / "pp2", out)
     shutil.rmtree(checkpoint_path(out, STEPS))
-    train(load_config(None, run_args(root / "corpus.txt", out, distributed="none", resume="true", **RESIDUALS["block"])))
+    train(load_config(None, run_args(root / "corpus.txt", out, resume="true", **RESIDUALS["block"])))
     assert_matches(out, ref)
 
 
 def test_fsdp_data_parallel_writes_sharded_checkpoints(root):
-    """Plain FSDP2 data parallelism (``distributed=fsdp``, no ``parallel.*``) writes DCP
+    """A plain 2-rank launch (no ``parallel.*``: every rank data parallel, FSDP2) writes DCP
     checkpoints (each rank its shards, no consolidated files), matches one process, and its
     step-5 checkpoint resumes in one process; a consolidated single-process checkpoint
     resumes on 2 FSDP2 ranks; generation's loader reads the DCP checkpoint directly."""
     block = RESIDUALS["block"]
     ref = reference(root, "ref-block", **block)
-    fsdp = {**block, "distributed": "fsdp"}
+    fsdp = dict(block)
     _resume_copy(root, "ref-block", "cons-to-fsdp")
     launch(root, 2, [["fsdp", fsdp, 0], ["cons-to-fsdp", {**fsdp, "resume": "true"}, 0]])
     for step in (5, STEPS):
@@ -207,7 +207,7 @@ def test_fsdp_data_parallel_writes_sharded_checkpoints(root):
     assert read_checkpoint_state(checkpoint_path(root / "cons-to-fsdp", STEPS))["layout"] == "dcp"
     assert_matches(root / "cons-to-fsdp", ref)
     out = _resume_copy(root, "fsdp", "fsdp-to-1")
-    train(load_config(None, run_args(root / "corpus.txt", out, distributed="none", resume="true", **block)))
+    train(load_config(None, run_args(root / "corpus.txt", out, resume="true", **block)))
     assert_matches(out, ref)
     from attnres.inference.loading import load_run
 
@@ -235,7 +235,7 @@ def test_activation_checkpointing_under_the_mesh(root, cases):
 
 
 def test_bf16_over_the_mesh(root):
-    """``dtype=bfloat16`` with ``parallel.dp=2`` and with plain ``distributed=fsdp``: FSDP2's
+    """``dtype=bfloat16`` with ``parallel.dp=2``: FSDP2's
     ``MixedPrecisionPolicy`` (bf16 parameters and gradients, float32 reductions); with
     ``parallel.pp=2``: autocast on each
     stage, what crosses stages cast to the pipeline's float32 wire dtype. Both train, stay
@@ -256,10 +256,9 @@ def test_bf16_over_the_mesh(root):
     ref = reference(root, "ref-block-bf16", **block, dtype="bfloat16")
     ref32 = reference(root, "ref-block", **block)
     runs = [["bf16-dp2", {**block, "parallel.dp": 2, "dtype": "bfloat16"}, 0],
-            ["bf16-fsdp", {**block, "distributed": "fsdp", "dtype": "bfloat16"}, 0],
             ["bf16-pp2", {**block, **PP, "dtype": "bfloat16"}, 0]]
     launch(root, 2, runs)
-    from attnres.train.sharded_checkpoint import read_sharded_tensors
+    from attnres.checkpoint import read_sharded_tensors
 
     def losses(run: Path) -> list[float]:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -378,14 +377,19 @@ def test_invalid_layouts_name_the_field(root):
 
     cfg = ModelConfig.preset("tiny", n_layers=4, tie_embeddings=False)
     with pytest.raises(ValueError, match="n_heads"):
-        check_parallel_config(cfg, ParallelConfig(tp=3), 16, 4, 1, 1, "fsdp")
+        check_parallel_config(cfg, ParallelConfig(tp=3), 16, 4, 1)
     with pytest.raises(ValueError, match="tie_embeddings"):
-        check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(pp=2), 16, 4, 1, 1, "fsdp")
-    check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1, 1, "fsdp")  # allowed
+        check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(pp=2), 16, 4, 1)
+    check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1)  # allowed
     with pytest.raises(ValueError, match="pp_microbatches"):
-        check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1, 1, "fsdp")
-    with pytest.raises(ValueError, match="ddp"):
-        check_parallel_config(cfg, ParallelConfig(tp=2), 16, 4, 1, 2, "ddp")
+        check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1)
+    with pytest.raises(ValueError, match="batch_size=4 .* divisible by parallel.dp=3"):
+        check_parallel_config(cfg, ParallelConfig(), 16, 4, 3)
+    family = cfg.replace(hf_architecture="llama")
+    with pytest.raises(ValueError, match="data parallelism only"):
+        check_parallel_config(family, ParallelConfig(tp=2), 16, 4, 1)
+    with pytest.raises(ValueError, match="activation_checkpoint='block' needs the native AttnResLM"):
+        check_parallel_config(family, ParallelConfig(), 16, 4, 1, "block")
 
 
 @pytest.mark.parametrize("mode", ["block", "selective"])
@@ -448,21 +452,25 @@ def _resume_copy(root: Path, run: str, name: str) -> Path:
 def test_checkpoints_reshard(root):
     """Sharded checkpoints written at one layout resume at another: ``pp=2 -> pp=1`` (one
     process), ``tp=2 -> dp=2``, ``dp=2 -> dp=4``, ``dp=2 x pp=2 -> dp=4`` and
-    ``dp=2 x pp=2 -> dp=1, pp=1``; each ends where single-process training ends."""
+    ``dp=2 x pp=2 -> dp=1, pp=1``; a consolidated (one-process) checkpoint resumes at
+    ``tp=2``; each ends where single-process training ends."""
     block = RESIDUALS["block"]
     ref = reference(root, "ref-block", **block)
     launch(root, 2, [["rs-pp2", {**block, **PP}, 0], ["rs-tp2", {**block, "parallel.tp": 2}, 0],
                      ["rs-dp2", {**block, "parallel.dp": 2}, 0]])
     launch(root, 4, [["rs-dp2pp2", {**block, **PP, "parallel.dp": 2}, 0]])
     out = _resume_copy(root, "rs-pp2", "rs-pp2-to-1")
-    train(load_config(None, run_args(root / "corpus.txt", out, distributed="none", resume="true", **block)))
+    train(load_config(None, run_args(root / "corpus.txt", out, resume="true", **block)))
     assert_matches(out, ref)
     out = _resume_copy(root, "rs-dp2pp2", "rs-dp2pp2-to-1")
-    train(load_config(None, run_args(root / "corpus.txt", out, distributed="none", resume="true", **block)))
+    train(load_config(None, run_args(root / "corpus.txt", out, resume="true", **block)))
     assert_matches(out, ref)
     _resume_copy(root, "rs-tp2", "rs-tp2-to-dp2")
-    launch(root, 2, [["rs-tp2-to-dp2", {**block, "parallel.dp": 2, "resume": "true"}, 0]])
+    _resume_copy(root, "ref-block", "rs-cons-to-tp2")  # a consolidated checkpoint: into the whole model, then split
+    launch(root, 2, [["rs-tp2-to-dp2", {**block, "parallel.dp": 2, "resume": "true"}, 0],
+                     ["rs-cons-to-tp2", {**block, "parallel.tp": 2, "resume": "true"}, 0]])
     assert_matches(root / "rs-tp2-to-dp2", ref)
+    assert_matches(root / "rs-cons-to-tp2", ref)
     _resume_copy(root, "rs-dp2", "rs-dp2-to-dp4")
     _resume_copy(root, "rs-dp2pp2", "rs-dp2pp2-to-dp4")
     launch(root, 4, [["rs-dp2-to-dp4", {**block, "parallel.dp": 4, "resume": "true"}, 0],

@@ -1,6 +1,7 @@
 """The package's structure: no import cycles among its modules (imports inside functions
-counted), and the refactoring guard that the model computes what the reference revision
-computed, bit for bit."""
+counted), every import pointing down the layer table of docs/design.md, and the
+refactoring guard that the model computes what the reference revision computed, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -93,6 +94,81 @@ def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
     (pkg / "a.py").write_text("from . import b\n")
     (pkg / "b.py").write_text("def f():\n    from .a import x\n")
     assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+#: The package's layers, bottom first (docs/design.md, "Layers of the code"). A module may
+#: import its own package and the packages of lower rows; packages in one row are peers and
+#: import none of each other (so training, inference and upcycling stay independent). The
+#: root package (``attnres/__init__.py``) re-exports the model API. ``serve`` is listed for
+#: when it exists.
+LAYERS: list[tuple[str, ...]] = [
+    ("validation",),
+    ("ops",),
+    ("nn",),
+    ("models",),
+    ("attnres",),
+    ("checkpoint", "data"),
+    ("analysis", "distributed"),
+    ("train", "inference", "upcycle"),
+    ("hf",),
+    ("experiments",),
+    ("serve",),
+    ("cli",),
+    ("__main__",),
+]
+#: Packages that belong to another's layer: the fused kernels are part of the ops layer.
+SAME_LAYER = {"kernels": "ops"}
+
+
+def layer_of(module: str) -> str:
+    """The layer unit of a module: its top-level package under the root (``attnres.train.loop``
+    -> ``train``), the root itself for ``attnres``."""
+    parts = module.split(".")
+    unit = parts[1] if len(parts) > 1 else parts[0]
+    return SAME_LAYER.get(unit, unit)
+
+
+def layer_violations(graph: dict[str, set[str]], layers: list[tuple[str, ...]]) -> list[str]:
+    """Every import (lazy ones included) from a module to one of a peer's or a higher
+    layer's, as ``"a -> b"``; a package missing from ``layers`` is reported too."""
+    rank = {unit: i for i, row in enumerate(layers) for unit in row}
+    bad = []
+    for module in sorted(graph):
+        a = layer_of(module)
+        if a not in rank:
+            bad.append(f"{module}: its package {a!r} is in no layer")
+            continue
+        wrong: dict[str, str] = {}  # per package imported against the table, its shortest name imported
+        for target in sorted(graph[module], key=len):
+            b = layer_of(target)
+            if a != b and rank.get(b, len(layers)) >= rank[a]:
+                wrong.setdefault(b, target)
+        bad += [f"{module} -> {target}" for target in sorted(wrong.values())]
+    return bad
+
+
+def test_imports_point_down_the_layer_table():
+    """No module imports a module of a peer or higher layer (docs/design.md's table), not
+    even lazily inside a function: ``inference`` does not import ``train``, ``train`` does
+    not import ``upcycle``, ``nn`` does not import ``models``, ..."""
+    graph = import_graph(PACKAGE)
+    assert {"train", "inference", "checkpoint", "models", "nn", "ops", "cli"} <= {layer_of(m) for m in graph}
+    assert layer_violations(graph, LAYERS) == []
+
+
+def test_the_direction_check_finds_an_upward_or_sideways_import(tmp_path):
+    """The check above can fail: a lazy import of a higher layer, and one of a peer."""
+    pkg = tmp_path / "pkg"
+    for sub in ("low", "mid", "peer", "high"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from ..high import b\n")
+    (pkg / "mid" / "c.py").write_text("from ..peer import d\nfrom ..low import a\n")
+    (pkg / "peer" / "d.py").write_text("")
+    (pkg / "high" / "b.py").write_text("from ..mid import c\n")
+    layers = [("pkg",), ("low",), ("mid", "peer"), ("high",)]
+    assert layer_violations(import_graph(pkg), layers) == ["pkg.low.a -> pkg.high", "pkg.mid.c -> pkg.peer"]
 
 
 @pytest.mark.slow

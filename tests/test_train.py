@@ -38,7 +38,7 @@ from attnres.train import (  # noqa: E402
     newton_schulz,
     train,
 )
-from attnres.train.checkpoint import read_checkpoint_state  # noqa: E402
+from attnres.checkpoint import read_checkpoint_state  # noqa: E402
 from attnres.train.schedule import wsd_decay_start  # noqa: E402
 from attnres.train.optim import MUON_RMS_SCALE, param_groups  # noqa: E402
 

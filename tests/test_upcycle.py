@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
-from attnres.upcycle.tiny import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
+from attnres.models.families.tiny import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 

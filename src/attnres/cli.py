@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from collections.abc import Callable
 
 
@@ -53,13 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="import MODULE first (repeatable), e.g. one that registers its own residual with "
                         "attnres.register_residual: `attnres --import my_residuals train model.residual.kind=mine`")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_training_commands(sub)
+    _add_checkpoint_commands(sub)
+    _add_transformers_commands(sub)
+    return parser
+
+
+def _add_training_commands(sub) -> None:
+    """``train``, ``compare`` and ``experiment``."""
     tr = sub.add_parser(
         "train",
         help="train an LM from a YAML config plus key=value overrides",
         description="Train (or with --resume continue) a run. Overrides use dotted keys and may come anywhere on the "
         "line, e.g. `attnres train --config run.yaml steps=2000 model.residual=standard data.paths=[my.txt]`; an "
         "override changes only the field it names. SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K "
-        "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2; distributed=ddp for DDP).",
+        "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2 data parallel; parallel.tp / parallel.pp for "
+        "tensor / pipeline parallelism, docs/scale-out.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter, help_tail=_config_reference,
     )
     tr.add_argument("--config", help="YAML file with TrainConfig fields (default: built-in defaults)")
@@ -91,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("name", choices=EXPERIMENT_NAMES + SELF_CONTAINED_EXPERIMENTS, help="which grid")
     _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), 'small', 'cpu' (default); compare: 'tiny', "
                     "'demo' (default), 'long'; no-free-lunch: 'tiny', 'cpu' (default)")
+
+
+def _add_checkpoint_commands(sub) -> None:
+    """``generate``, ``export`` and ``analyze``: what reads a training checkpoint."""
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s")
     gen.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -120,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--seq-len", type=int, help="tokens per window (default min(128, the model's max_seq_len))")
     an.add_argument("--text", help="a text file to analyse instead of the run's validation split")
     an.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+
+
+def _add_transformers_commands(sub) -> None:
+    """``upcycle`` and ``eval``: what goes through transformers."""
     up = sub.add_parser(
         "upcycle",
         help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3, or a mixture of experts: "
@@ -157,7 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--bootstrap-iters", type=int, default=1000,
                     help="lm-eval bootstrap resamples for the standard errors of metrics that need them (default "
                     "1000; 0 = lm-eval computes none)")
-    return parser
 
 
 EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep")
@@ -185,7 +202,24 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
 
 
+def apply_cpu_allocator(settings: dict) -> None:
+    """``cpu_allocator`` of a training config (``settings``: its fields; default
+    ``"retain"``), applied to this process when it trains on the CPU. The command sets it for
+    its own process only; the library never changes malloc (attnres.train.cpu_memory)."""
+    import torch
+
+    from .train import TrainConfig
+    from .train.cpu_memory import set_cpu_allocator
+
+    device = settings.get("device", "auto")
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        set_cpu_allocator(settings.get("cpu_allocator", TrainConfig.cpu_allocator))
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Show the package's own deprecations (Python hides DeprecationWarning outside __main__):
+    # an old config key should say what replaces it.
+    warnings.filterwarnings("default", category=DeprecationWarning, module=r"attnres(\.|$)")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse fills a positional list once: overrides written after an option (`--resume
@@ -251,12 +285,14 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     process with a one-line message."""
     from .experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
     from .train import TrainingDiverged
+    from .train.config import apply_overrides
 
     if overhead_repeats < 0:
         raise SystemExit(f"attnres {name}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
     try:
         experiment = get_experiment(name, preset)
         if not report_only:
+            apply_cpu_allocator(apply_overrides({}, overrides))
             run_experiment(experiment, out, seeds, overrides, variants=variants)
             if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
                 measure_overhead(experiment, out, overrides, overhead_repeats)
@@ -296,7 +332,7 @@ def _native_only(run, command: str) -> None:
 def run_analyze(args) -> int:
     """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
     from .experiments.analyze import write_analysis
-    from .train.checkpoint import CheckpointError
+    from .checkpoint import CheckpointError
 
     try:
         if args.rows < 1:
@@ -381,7 +417,7 @@ def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
         path = hf.export_checkpoint(checkpoint, out, tokenizer)
     except ValueError as e:
         raise SystemExit(f"attnres export: error: {e}") from None
-    print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres`)")
+    print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres.hf`)")
     return 0
 
 
@@ -459,6 +495,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
 
             print(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), end="")
             return 0
+        apply_cpu_allocator(config.to_dict())
         result = train(config)
     except (ValueError, TrainingDiverged, DistributedError) as e:
         raise SystemExit(f"attnres train: error: {e}") from None

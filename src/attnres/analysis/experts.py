@@ -10,7 +10,7 @@ an even router gives each ``1 / E``). Two summaries:
 * ``max_load``: ``E max_e f_e``, the busiest expert's load relative to an even one (1 when
   even; what capacity-limited expert parallelism must provision for).
 
-The routers are the family's own (``attnres.upcycle.families``); their selections are
+The routers are the family's own (``attnres.models.families.layout``); their selections are
 recorded with forward hooks, so the numbers are the model's actual routing decisions,
 group limits and bias corrections (DeepSeek-V3) included.
 """
@@ -73,7 +73,7 @@ def load_of_selections(layer: int, selected: list[Tensor], n_experts: int) -> Ex
 
 def recorded_expert_load(recorder) -> list[ExpertLoad]:
     """The expert load of every MoE layer over the forwards a
-    :class:`~attnres.upcycle.moe.RouterRecorder` recorded."""
+    :class:`~attnres.models.families.moe.RouterRecorder` recorded."""
     return [load_of_selections(layer, recorder.selected[layer], recorder.logits[layer][0].shape[-1])
             for layer, _ in recorder.routers if layer in recorder.selected]
 
@@ -83,7 +83,7 @@ def expert_load(model: nn.Module, input_ids: Tensor, batch_size: int = 8) -> lis
     """The expert load of every MoE layer of ``model`` (a mixture-of-experts causal LM of a
     supported family, plain or AttnRes) over ``input_ids [B, T]``, in eval mode (routers
     without jitter), ``batch_size`` rows per forward. ``[]`` for a dense model."""
-    from ..upcycle.moe import RouterRecorder
+    from ..models.families.moe import RouterRecorder
 
     was_training = model.training
     model.eval()

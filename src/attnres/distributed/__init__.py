@@ -1,6 +1,7 @@
-"""Scale-out on ``torch.distributed``: process groups, data parallelism (FSDP2 / DDP),
-sequence-sharded prefill (docs/distributed.md) and pipeline parallelism with cross-stage
-caching (docs/distributed-pipeline.md)."""
+"""Scale-out on ``torch.distributed``: process groups, the ``(pp, dp, tp)`` mesh and this
+rank's part of a model over it (docs/scale-out.md), data parallelism (FSDP2), sequence-sharded
+prefill (docs/distributed.md) and pipeline parallelism with cross-stage caching
+(docs/distributed-pipeline.md)."""
 
 from .comm_accounting import (
     CommCounter,
@@ -11,19 +12,13 @@ from .comm_accounting import (
     naive_transfers,
     plan_transitions,
 )
-from .data_parallel import (
-    full_model_state,
-    full_optimizer_state,
-    local_rows,
-    shard_optimizer_state,
-    wrap_model,
-)
+from .data_parallel import apply_fsdp, shard_optimizer_state
 from .launch import (
     DistContext,
     DistributedError,
     backend_for_device,
     init_distributed,
-    resolve_mode,
+    process_context,
 )
 from .parallel import PP_SCHEDULES, ParallelConfig, ParallelLayout, build_layout
 from .pipeline import (
@@ -43,12 +38,9 @@ __all__ = [
     "DistributedError",
     "backend_for_device",
     "init_distributed",
-    "resolve_mode",
+    "process_context",
     # data parallelism
-    "wrap_model",
-    "local_rows",
-    "full_model_state",
-    "full_optimizer_state",
+    "apply_fsdp",
     "shard_optimizer_state",
     # sequence-sharded prefill
     "ShardedPrefill",

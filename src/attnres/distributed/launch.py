@@ -6,7 +6,10 @@ so the same code runs on GPUs and on a laptop. :func:`init_distributed` reads wh
 ``torchrun`` (or any launcher that sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
 ``MASTER_PORT``) puts into the environment, picks the device (``cuda:LOCAL_RANK`` or the CPU),
 and creates the default process group with a timeout, so that a collective whose peer died
-fails with :class:`DistributedError` instead of waiting forever.
+fails with :class:`DistributedError` instead of waiting forever. :func:`process_context` is
+what a training run calls: the group when several ranks were launched, else this one
+process alone (a :class:`DistContext` of world size 1, no group); the collectives here
+(:func:`mean_over_ranks`, :func:`any_rank`, :func:`barrier`) are no-ops for it.
 """
 
 from __future__ import annotations
@@ -21,9 +24,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-#: Values of ``TrainConfig.distributed``: ``auto`` = ``fsdp`` under a multi-process launch,
-#: ``none`` otherwise.
-DIST_MODES = ("auto", "none", "ddp", "fsdp")
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -50,39 +50,15 @@ def launched_world_size() -> int | None:
     return int(os.environ["WORLD_SIZE"])
 
 
-def resolve_mode(mode: str) -> str:
-    """``TrainConfig.distributed`` -> ``"none"``, ``"ddp"`` or ``"fsdp"`` for this process.
-
-    ``auto`` is ``fsdp`` when a process group exists or a launcher set up more than one rank,
-    else ``none``. ``ddp``/``fsdp`` without a launcher, and ``none`` with several launched
-    ranks (each would train the whole model into the same ``out_dir``), raise ``ValueError``.
-    """
-    if mode not in DIST_MODES:
-        raise ValueError(f"TrainConfig.distributed must be one of {', '.join(map(repr, DIST_MODES))}; got {mode!r}")
-    initialized = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if initialized else launched_world_size()
-    if mode == "auto":
-        return "fsdp" if initialized or (world or 1) > 1 else "none"
-    if mode == "none":
-        if (world or 1) > 1:
-            raise ValueError(f"TrainConfig.distributed='none' but {world} ranks were launched: every rank would train "
-                             "the whole model into the same out_dir; use distributed=fsdp, ddp or auto")
-        return mode
-    if world is None:
-        raise ValueError(f"TrainConfig.distributed={mode!r} needs a process group: launch with "
-                         "`torchrun --nproc-per-node K -m attnres train ...` (RANK, WORLD_SIZE, MASTER_ADDR and "
-                         "MASTER_PORT are not set), or use distributed=none")
-    return mode
-
-
 @dataclass(frozen=True)
 class DistContext:
-    """This process's place in the default process group."""
+    """This process's place in the default process group (``world_size`` 1 and ``backend``
+    ``None``: one process, no group)."""
 
     rank: int
     world_size: int
     device: torch.device
-    backend: str
+    backend: str | None
     timeout_s: float
 
     @property
@@ -123,6 +99,40 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
     return DistContext(dist.get_rank(), dist.get_world_size(), dev, backend, timeout_s)
 
 
+def process_context(device: str = "auto", timeout_s: float = 600.0) -> DistContext:
+    """This process's :class:`DistContext`: :func:`init_distributed` when a process group
+    exists or a launcher started more than one rank, else the single process on ``device``
+    (``"auto"``: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU)."""
+    if (dist.is_available() and dist.is_initialized()) or (launched_world_size() or 1) > 1:
+        return init_distributed(device, timeout_s)
+    return DistContext(0, 1, _pick_device(device), None, timeout_s)
+
+
+def mean_over_ranks(value: float, ctx: DistContext) -> float:
+    """The mean of a Python float over all ranks (every rank gets the result; ``value``
+    itself in one process)."""
+    if ctx.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t)
+    return t.item() / ctx.world_size
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank if ``flag`` is true on any rank."""
+    if ctx.world_size == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier(ctx: DistContext) -> None:
+    """Wait for every rank (nothing to wait for in one process)."""
+    if ctx.world_size > 1:
+        dist.barrier()
+
+
 def _destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -133,7 +143,11 @@ def collective_errors(ctx: DistContext) -> Iterator[None]:
     """Turn a failed collective into a :class:`DistributedError` that says which rank saw it
     and what the likely cause is. Backends report a dead peer as a closed connection or, at
     the latest after the process-group timeout, as a timeout; both surface as ``DistError``
-    (or a plain ``RuntimeError`` from the backend)."""
+    (or a plain ``RuntimeError`` from the backend). In one process there is no collective
+    to fail, and nothing is translated."""
+    if ctx.world_size == 1:
+        yield
+        return
     try:
         yield
     except DistributedError:

@@ -41,8 +41,9 @@ _CHECK = Fields("TrainConfig.parallel")
 class ParallelConfig:
     """How a run is spread over the processes ``torchrun`` starts.
 
-    dp: data-parallel degree (FSDP2 or DDP, ``TrainConfig.distributed``); ``None`` takes the
-        ranks left over by ``tp`` and ``pp``.
+    dp: data-parallel degree (FSDP2); ``None`` takes the ranks left over by ``tp`` and
+        ``pp`` (so a plain multi-rank launch is data parallel, and one process is the mesh of
+        size 1).
     tp: tensor-parallel degree: attention and MLP projections split over ``tp`` ranks
         (DTensor), norms and the residual on the sequence-sharded hidden states.
     pp: pipeline stages (physical); ``pp_virtual`` chunks per stage, ``C = pp * pp_virtual``.
@@ -123,6 +124,11 @@ class ParallelLayout:
 
     def submesh(self, dim: str):
         return None if self.mesh is None else self.mesh[dim]
+
+    @property
+    def size(self) -> int:
+        """The ranks of the mesh (1: one process)."""
+        return self.dp * self.tp * self.pp
 
     def describe(self) -> str:
         return f"dp {self.dp} x tp {self.tp} x pp {self.pp}"

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["apply_tensor_parallel", "replicated_parameters", "reduce_replicated_grads", "check_tp_shapes"]
+__all__ = ["apply_tensor_parallel", "replicated_parameters", "reduce_replicated_grads", "reduce_grads", "check_tp_shapes"]
 
 # Attention.forward(x, cos, sin, attn_mask, kv_cache, layer): only x is sharded.
 _ATTN_ARGS = 6
@@ -73,6 +73,8 @@ def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) ->
     """Shard ``layers`` (transformer blocks) and, where ``root`` holds them, its
     ``embed_tokens``, ``norm`` and ``lm_head`` over the 1-D ``mesh``, in place."""
     tp = mesh.size()
+    if hasattr(root, "defer_norm"):  # a whole model: its norms become sequence-parallel modules, which take tensors
+        root.defer_norm = False
     for layer in layers:
         parallelize_module(layer, mesh, _block_plan())
         # Each rank now computes n_heads / tp query heads and n_kv_heads / tp key/value heads.
@@ -114,12 +116,19 @@ def replicated_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
 def reduce_replicated_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Sum the gradients of replicated parameters over the ``tp`` ``group`` (each rank's
     covers its sequence shard only). Gradients that FSDP sharded are summed shard by shard."""
-    grads = [p.grad for p in params if p.grad is not None]
+    reduce_grads([p.grad for p in params if p.grad is not None], group)
+
+
+def reduce_grads(grads: list[torch.Tensor], group: dist.ProcessGroup, divisor: int = 1) -> None:
+    """Sum ``grads`` over ``group`` in one all-reduce, in place (a DTensor by its local
+    shard), then divide by ``divisor`` (``> 1``: the mean over a group of that size)."""
     if not grads:
         return
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     flat = torch.cat([t.reshape(-1) for t in local])
     dist.all_reduce(flat, group=group)
+    if divisor > 1:
+        flat /= divisor
     offset = 0
     for t in local:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -79,7 +79,7 @@ def moe_layers(model, tokens: torch.Tensor) -> list[dict]:
     mapping) and ``depth_weights``, the mean depth-attention weight of each source of its
     MLP sublayer's input (``None`` for a residual without depth attention)."""
     from ..analysis.experts import recorded_expert_load
-    from ..upcycle.moe import RouterRecorder
+    from ..models.families.moe import RouterRecorder
 
     with RouterRecorder(model) as rec:
         weights = model.depth_weights(tokens, use_cache=False)
@@ -206,7 +206,7 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     its run directories, one per seed) the depth mixing matrix of each seed's last
     checkpoint, panels of the first seed in ``out/mixing.png``, the rank and sink tables and
     findings over seeds. ``None`` when no run kept a checkpoint."""
-    from ..train.resume import find_valid_checkpoint
+    from ..checkpoint import find_valid_checkpoint
 
     results: dict[str, list[tuple[DepthMixing, dict]]] = {}
     missing, logged = [], []

@@ -21,7 +21,7 @@ import torch
 
 from ..analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
 from ..models import AttnResLM
-from ..train.cpu_memory import set_cpu_allocator
+from ..train.cpu_memory import retains_freed_memory
 from .presets import Experiment
 from .layout import OVERHEAD_FILE
 from .runner import run_config
@@ -41,8 +41,9 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
     rounds after two warm-up steps each) and take each step's peak memory; write and return
     ``{"repeats", "threads", "batch", "seq_len", "baseline", "freed_memory_retained",
     "variants": {name: {median_ms, step_ratio, peak_memory_bytes, peak_ratio}}}``. Ratios are
-    against the grid's first ``baseline``-family variant. The steps run under the runs'
-    ``cpu_allocator`` (:mod:`attnres.train.cpu_memory`), as their training did."""
+    against the grid's first ``baseline``-family variant. The steps run under this
+    process's allocator, which the ``attnres`` command set from the runs' ``cpu_allocator``
+    before they trained (:mod:`attnres.train.cpu_memory`)."""
     baseline = next((v.name for v in experiment.variants if v.family == "baseline"), None)
     if baseline is None:
         raise ValueError(f"experiment {experiment.name!r} has no baseline variant to measure overheads against")
@@ -50,8 +51,7 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
     with tempfile.TemporaryDirectory() as tmp:
         for v in experiment.variants:
             config = run_config(experiment, v, 0, Path(tmp) / v.name, overrides)
-            # timed with the allocator the runs train with (attnres.train.cpu_memory)
-            retained = set_cpu_allocator(config.cpu_allocator)
+            retained = retains_freed_memory()
             torch.manual_seed(0)
             model = AttnResLM(config.model)
             if batch is None:  # the same tokens for every variant

@@ -2,12 +2,15 @@
 
 ``AttnResConfig`` (model_type ``"attnres"``), ``AttnResModel`` and ``AttnResForCausalLM``,
 registered with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM`` by
-:func:`register` - which ``import attnres`` calls when transformers is installed - so a
-saved directory loads with ``AutoModelForCausalLM.from_pretrained(path)`` and no
-``trust_remote_code``. Importing this module registers them. ``export`` writes a training checkpoint as such a directory.
+:func:`register` - which importing this module calls (``import attnres.hf``), together with
+the AttnRes versions of the supported transformers families - so a saved directory loads
+with ``AutoModelForCausalLM.from_pretrained(path)`` and no ``trust_remote_code``.
+``export_checkpoint`` writes a training checkpoint as such a directory; ``upcycle`` is
+:func:`attnres.upcycle.upcycle`.
 """
 
-from ..upcycle.modeling import register_families
+from ..models.families import register_families
+from ..upcycle import upcycle
 from .configuration import AttnResConfig
 from .export import export_checkpoint, load_native_checkpoint, make_hf_tokenizer
 from .modeling import AttnResForCausalLM, AttnResModel, AttnResPreTrainedModel, HFCacheAdapter
@@ -20,17 +23,7 @@ def register() -> None:
     AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
     AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
     AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
-    register_families()  # the AttnRes versions of the supported transformers families (attnres.upcycle)
-
-
-def __getattr__(name: str):
-    # attnres.hf.upcycle, without importing attnres.upcycle's package while it may be
-    # importing transformers (which imports this module through attnres's import hook)
-    if name == "upcycle":
-        from ..upcycle.convert import upcycle
-
-        return upcycle
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    register_families()  # the AttnRes versions of the supported transformers families
 
 
 register()

@@ -1,6 +1,6 @@
 """Training checkpoint -> Hugging Face directory (``attnres export``).
 
-A training checkpoint (``attnres.train.checkpoint``) holds the weights, the run config and
+A training checkpoint (``attnres.checkpoint``) holds the weights, the run config and
 the tokenizer (checkpoints of earlier versions lack the tokenizer: it is then recovered from
 the run's data settings, with a warning), unless a ``tokenizer.json`` is given. The HF
 directory gets ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
@@ -28,6 +28,14 @@ from ..inference.loading import load_model as load_native_checkpoint  # noqa: F4
 from ..inference.loading import load_run, load_tokenizer
 from ..models import AttnResLM
 from .modeling import AttnResForCausalLM
+
+#: The exported tokenizer's chat template: our models learn plain text, so a conversation is
+#: rendered as plain text too - one ``role: content`` line per message, then ``assistant: ``
+#: to be continued (what ``apply_chat_template`` and vLLM's ``/v1/chat/completions`` use).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ 'assistant: ' }}{%- endif %}"
+)
 
 #: The text of the token used for padding and as lm-eval's log-likelihood prefix (see the
 #: module docstring); it is not an end-of-sequence token.
@@ -72,8 +80,8 @@ def byte_level_tokenizer():
 
 def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, no
-    end-of-sequence token, the line break as padding token (module docstring), and
-    ``model_max_length`` (the model's ``max_seq_len``) when given."""
+    end-of-sequence token, the line break as padding token (module docstring), the plain-text
+    :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's ``max_seq_len``) when given."""
     if isinstance(tokenizer, BPETokenizer):
         rust = tokenizer.backend
     elif isinstance(tokenizer, ByteTokenizer):
@@ -82,7 +90,8 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None)
         raise ValueError(f"cannot convert a tokenizer of type {type(tokenizer).__name__} (expected BPE or byte)")
     pad = rust.id_to_token(prefix_token_id(tokenizer))
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
-    return PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=pad, clean_up_tokenization_spaces=False, **extra)
+    return PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=pad, clean_up_tokenization_spaces=False,
+                                   chat_template=CHAT_TEMPLATE, **extra)
 
 
 def check_output_dir(out_dir: str | Path) -> Path:

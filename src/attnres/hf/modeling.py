@@ -6,13 +6,15 @@ function are the native ones: ``embed_tokens``, ``layers.{i}.{attn_norm,attn,mlp
 and (causal LM) ``lm_head``. ``AttnResForCausalLM.from_native(model)`` and ``.to_native()``
 convert losslessly.
 
-HF caches: ``cache`` (``past_key_values`` before transformers 5.24; both names are
-accepted) is any ``transformers.Cache`` (a ``DynamicCache`` by default); :class:`HFCacheAdapter` presents it to the attention layers as the native
+HF caches: ``past_key_values`` is any ``transformers.Cache`` (a ``DynamicCache`` by
+default); :class:`HFCacheAdapter` presents it to the attention layers as the native
 per-layer key/value store (``[B, n_kv_heads, T, head_dim]`` per layer). The residual needs
 no cache (it mixes over depth token by token).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor, nn
@@ -24,20 +26,8 @@ from ..models import AttnResLM, DecoderTrunk, next_token_loss
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
-from ..upcycle.modeling import init_missing_tensors
+from ..models.families import init_missing_tensors
 from .configuration import AttnResConfig
-
-#: The name of the cache in model outputs: transformers 5.24 renamed ``past_key_values`` to
-#: ``cache`` (the old name still works there, with a deprecation warning); earlier 5.x
-#: releases know only ``past_key_values``. The forwards accept both as arguments.
-CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _one_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
-    """The cache passed under either name (``ValueError`` if both are given)."""
-    if cache is not None and past_key_values is not None:
-        raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
-    return cache if cache is not None else past_key_values
 
 
 class HFCacheAdapter:
@@ -158,6 +148,21 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         return h, past_key_values if use_cache else None
 
 
+def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    """The cache a caller passed: transformers 5.24 renamed ``past_key_values`` to ``cache``
+    (``generate`` passes the new name), earlier 5.x versions use the old one."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
+    return past_key_values if past_key_values is not None else cache
+
+
+def _cache_field(output_cls: type, cache: Cache | None) -> dict[str, Cache | None]:
+    """``{name: cache}`` under the name ``output_cls`` has for it (``cache`` from
+    transformers 5.24 on, ``past_key_values`` before)."""
+    names = {f.name for f in dataclasses.fields(output_cls)}
+    return {"cache" if "cache" in names else "past_key_values": cache}
+
+
 class AttnResModel(AttnResPreTrainedModel):
     """The decoder without LM head; ``last_hidden_state`` is after the final norm."""
 
@@ -175,8 +180,8 @@ class AttnResModel(AttnResPreTrainedModel):
         cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        h, cache = self._hidden(input_ids, attention_mask, _one_cache(cache, past_key_values), use_cache, inputs_embeds)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), **{CACHE_FIELD: cache})
+        h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h), **_cache_field(BaseModelOutputWithPast, cache))
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
@@ -216,12 +221,12 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
         positions when > 0) and, with ``labels``, the mean next-token cross-entropy
         (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it."""
-        h, cache = self._hidden(input_ids, attention_mask, _one_cache(cache, past_key_values), use_cache, inputs_embeds)
+        h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(h))
         loss = None if labels is None else next_token_loss(logits, labels.to(logits.device))
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **_cache_field(CausalLMOutputWithPast, cache))
 
     # -- conversion ----------------------------------------------------------------------
     @classmethod

@@ -16,10 +16,9 @@ import torch
 
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_state
 from ..models.config import ModelConfig
+from ..models.factory import build_model
 from ..models.lm import AttnResLM
-from ..train.checkpoint import CheckpointError, load_checkpoint
-from ..train.resume import find_valid_checkpoint
-from ..train.sharded_checkpoint import is_sharded, load_sharded_weights
+from ..checkpoint import CheckpointError, find_valid_checkpoint, load_weights
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "pick_device"]
 
@@ -47,7 +46,7 @@ def pick_device(name: str | None) -> torch.device:
 @dataclass
 class LoadedRun:
     """A verified checkpoint loaded for use: the model (eval mode; an ``AttnResLM``, or an
-    ``attnres.upcycle`` family model for ``model.hf_architecture``), the run config (its
+    ``attnres.models.families`` model for ``model.hf_architecture``), the run config (its
     ``state.json``'s ``config``), the checkpoint directory and its whole ``state.json``."""
 
     model: AttnResLM
@@ -78,16 +77,8 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
         raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a run directory with checkpoints")
     run_config = source.state["config"]
     config = ModelConfig.from_dict(run_config["model"])
-    if config.hf_architecture is None:
-        model = AttnResLM(config)
-    else:  # a transformers family's modules around the residual (attnres.upcycle)
-        from ..upcycle.scratch import build_hf_model
-
-        model = build_hf_model(config)
-    if is_sharded(source.state):  # DCP (data- or model-parallel runs): read in this process
-        load_sharded_weights(source.path, model)
-    else:
-        load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
+    model = build_model(config)  # AttnResLM, or a transformers family's modules around the residual
+    load_weights(source.path, source.state, model)  # a sharded (DCP) one is read in this process
     device = device if isinstance(device, torch.device) else pick_device(device)
     return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
 

@@ -1,6 +1,8 @@
-"""The language model, its decoder trunk and its configuration."""
+"""The language model, its decoder trunk and its configuration; :func:`build_model` for any
+``ModelConfig`` (the native model, or a ``transformers`` family's: :mod:`.families`)."""
 
 from .config import PRESETS, ModelConfig, ResidualConfig
+from .factory import build_model
 from .lm import AttnResLM, LMOutput
 from .trunk import IGNORE_INDEX, DecoderTrunk, next_token_loss, run_sublayers
 
@@ -9,6 +11,7 @@ __all__ = [
     "ResidualConfig",
     "PRESETS",
     "AttnResLM",
+    "build_model",
     "LMOutput",
     "DecoderTrunk",
     "run_sublayers",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -11,12 +10,12 @@ from typing import Any
 
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import LEGACY_KEYS, merge_residual, migrate_legacy_keys
-from ..validation import Fields
+from ..validation import Fields, accept_legacy_keys
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
-#: (``ModelConfig.hf_architecture``; ``attnres.upcycle.FAMILIES`` describes their layouts).
+#: (``ModelConfig.hf_architecture``; ``attnres.models.families.FAMILIES`` describes their layouts).
 HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
                     # mixtures of experts
                     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
@@ -46,7 +45,7 @@ class ModelConfig:
 
     ``hf_architecture``: build the decoder from a ``transformers`` family's own modules
     (``"llama"``, ``"qwen3"``, ... see ``HF_ARCHITECTURES``) with this residual, instead of
-    the native one (``attnres.upcycle.build_hf_model``); ``hf_config`` holds that family's
+    the native one (:func:`attnres.models.build_model`); ``hf_config`` holds that family's
     config fields beyond the ones above (``head_dim``, biases, sliding windows, ...).
     """
 
@@ -162,16 +161,7 @@ class ModelConfig:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-_dataclass_init = ModelConfig.__init__
-
-
-def _init_accepting_legacy_keys(self, *args, **kwargs) -> None:
-    _dataclass_init(self, *args, **migrate_legacy_keys(kwargs))
-
-
-_init_accepting_legacy_keys.__doc__ = _dataclass_init.__doc__
-_init_accepting_legacy_keys.__signature__ = inspect.signature(_dataclass_init)
-ModelConfig.__init__ = _init_accepting_legacy_keys
+accept_legacy_keys(ModelConfig, migrate_legacy_keys)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

@@ -53,7 +53,7 @@ class AttnResLM(DecoderTrunk):
         config.validate()
         if config.hf_architecture is not None:
             raise ValueError(f"ModelConfig.hf_architecture={config.hf_architecture!r} builds a transformers model: use "
-                             "attnres.upcycle.build_hf_model(config)")
+                             "attnres.models.build_model(config)")
         self.config = config
         self.build_trunk(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)

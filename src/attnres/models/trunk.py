@@ -96,6 +96,10 @@ class DecoderTrunk(nn.Module):
     ``residual``, ``norm`` (and the buffer-only ``rope``)."""
 
     model_config: ModelConfig
+    #: Whether the residual may hand each block's norm a deferred input that the norm folds
+    #: into the residual's merge (``FusableNormInput``). Tensor parallelism turns it off: its
+    #: sequence-parallel norms take tensors only.
+    defer_norm: bool = True
 
     def build_trunk(self, config: ModelConfig) -> None:
         self.model_config = config
@@ -173,6 +177,6 @@ class DecoderTrunk(nn.Module):
         x = self.embed_tokens(input_ids)
         # Every sublayer input goes through the block's own RMSNorm first, so the residual may
         # fold that norm into its Phase-2 kernel (defer_norm).
-        state = self.residual.start(x, record_weights=record_weights, defer_norm=True)
+        state = self.residual.start(x, record_weights=record_weights, defer_norm=self.defer_norm)
         run_sublayers(self.residual, state, enumerate(self.layers), cos, sin, attn_mask, kv_cache, sublayer_call)
         return self.residual.finish(state), state

@@ -4,10 +4,10 @@
 >>> result = train(load_config("run.yaml", ["steps=200", "model.d_model=128"]))
 """
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import DataConfig, TrainConfig, load_config
 from .lock import RunLock, RunLocked
-from .loop import TrainingDiverged, TrainResult, train
+from .loop import Trainer, TrainingDiverged, TrainResult, train
 from .optim import Muon, build_optimizer, newton_schulz
 from .schedule import lr_factor
 
@@ -16,6 +16,7 @@ __all__ = [
     "DataConfig",
     "load_config",
     "train",
+    "Trainer",
     "TrainResult",
     "TrainingDiverged",
     "RunLock",

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..data.tokenizer import TOKENIZER_KINDS
-from ..distributed.launch import DIST_MODES
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
-from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
+from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, accept_legacy_keys, fail
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -36,7 +36,8 @@ RESUMABLE_CHANGES = frozenset({
     # The data is identified by its fingerprint (checked on resume), not by where it lies.
     "data.paths", "data.cache_dir",
     # Data parallelism reproduces single-process training up to float rounding (the gradient
-    # sum runs in another order), so a run may resume on another number of ranks, or mode.
+    # sum runs in another order), so a run may resume on another number of ranks. (The
+    # deprecated ``distributed`` stays listed for the saved configs of earlier versions.)
     "distributed", "dist_timeout_s",
     # So do tensor and pipeline parallelism (the same sums, split differently), and
     # recomputing activations in the backward pass (the same function).
@@ -124,20 +125,23 @@ class TrainConfig:
     tokenizer) with a fresh optimiser, schedule and data position (fine-tuning, or a restart
     with other hyper-parameters after a divergence).
 
-    Data parallelism (``torchrun --nproc-per-node K -m attnres train ...``, see
-    docs/distributed.md): ``distributed`` is ``"fsdp"`` (FSDP2), ``"ddp"``, ``"none"``, or
-    ``"auto"`` = FSDP2 when launched with several ranks, else none. ``batch_size`` stays the
-    *global* batch, split evenly over the data-parallel ranks. ``dist_timeout_s`` bounds how
-    long a collective waits for a rank that died or stalled before the others stop with an
-    error. ``parallel`` (a :class:`~attnres.distributed.ParallelConfig`) sets the data-,
-    tensor- and pipeline-parallel degrees and the pipeline schedule over one device mesh;
-    ``activation_checkpoint`` recomputes activations in the backward pass (``"block"``: every
-    sublayer; ``"selective"``: everything but the matmuls and attention).
+    Parallelism (``torchrun --nproc-per-node K -m attnres train ...``, docs/distributed.md,
+    docs/scale-out.md): ``parallel`` (a :class:`~attnres.distributed.ParallelConfig`) sets the
+    data- (FSDP2), tensor- and pipeline-parallel degrees and the pipeline schedule of one
+    device mesh; by default every launched rank is data parallel, and one process is the
+    mesh of size 1. ``batch_size`` stays the *global* batch, split evenly over the
+    data-parallel ranks. ``dist_timeout_s`` bounds how long a collective waits for a rank
+    that died or stalled before the others stop with an error. ``activation_checkpoint``
+    recomputes activations in the backward pass (``"block"``: every sublayer;
+    ``"selective"``: everything but the matmuls and attention). The ``distributed`` key of
+    earlier versions is still accepted, with a ``DeprecationWarning`` (:data:`LEGACY_DISTRIBUTED`).
 
-    ``cpu_allocator`` (CPU runs): ``"retain"`` keeps the memory a step frees for the next
-    step instead of handing it back to the system and paging it in again (glibc; 5 % of an
-    eager step at d = 512, 24 % at d = 64 in our benchmarks), ``"system"`` leaves malloc as
-    it is; see :mod:`attnres.train.cpu_memory`.
+    ``cpu_allocator`` (CPU runs of the ``attnres`` command): ``"retain"`` keeps the memory a
+    step frees for the next step instead of handing it back to the system and paging it in
+    again (glibc), ``"system"`` leaves malloc as it is. The command applies it to its own
+    process before training; :func:`attnres.train.train` and :class:`~attnres.train.loop.Trainer`
+    leave the allocator alone (call :func:`attnres.train.cpu_memory.set_cpu_allocator`
+    yourself); see :mod:`attnres.train.cpu_memory`.
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.preset(DEFAULT_MODEL_PRESET))
@@ -172,7 +176,6 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     out_dir: str = "runs/attnres"
-    distributed: str = "auto"
     dist_timeout_s: float = 600.0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     activation_checkpoint: str = "none"
@@ -220,6 +223,7 @@ class TrainConfig:
         naming them and the known keys, in every section."""
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping; got {type(data).__name__}")
+        data = migrate_distributed(data)
         _check_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
         data = dict(data)
         if "model" in data:
@@ -247,7 +251,6 @@ TRAIN_RULES: dict[str, Rule] = {
     "dtype": Choice(DTYPES),
     "device": Choice(DEVICES),
     "cpu_allocator": Choice(CPU_ALLOCATORS),
-    "distributed": Choice(DIST_MODES),
     "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS),
     "dist_timeout_s": Number(0.0, lo_open=True),
     "lr": Number(0.0, lo_open=True),
@@ -262,6 +265,46 @@ TRAIN_RULES: dict[str, Rule] = {
     "resume_from": Nullable(Text("a checkpoint (step-*) or run directory"), "the newest valid checkpoint in out_dir"),
     "init_from": Nullable(Text("a checkpoint (step-*) or run directory"), "random initialisation"),
 }
+
+
+#: The values of the deprecated ``TrainConfig.distributed`` and what each now means: data
+#: parallelism is the mesh's ``dp`` dimension (FSDP2), and one process is the mesh of size 1.
+LEGACY_DISTRIBUTED = {
+    "auto": "the default: every launched rank is data parallel (parallel.dp = the ranks left over by tp and pp)",
+    "fsdp": "the default: every launched rank is data parallel with FSDP2 (parallel.dp = the ranks left over)",
+    "ddp": "DDP was removed: data parallelism is FSDP2 over parallel.dp, which takes the same steps within float "
+           "rounding and writes sharded (DCP) checkpoints",
+    "none": "parallel.dp=1 (one process; under a multi-rank launch the layout is refused)",
+}
+
+
+def migrate_distributed(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (``TrainConfig`` fields) without the deprecated ``distributed`` key, with a
+    ``DeprecationWarning`` saying what it now means (:data:`LEGACY_DISTRIBUTED`);
+    ``distributed="none"`` becomes ``parallel.dp=1`` where ``parallel.dp`` is not given.
+    ``data`` itself is not changed."""
+    if "distributed" not in data:
+        return data
+    out = {k: v for k, v in data.items() if k != "distributed"}
+    value = data["distributed"]
+    if value not in LEGACY_DISTRIBUTED:
+        fail("TrainConfig", "distributed", f"one of {', '.join(map(repr, LEGACY_DISTRIBUTED))} (deprecated: use "
+             "parallel.dp)", value)
+    warnings.warn(f"TrainConfig.distributed is deprecated; distributed={value!r} is {LEGACY_DISTRIBUTED[value]}. "
+                  "Remove it (docs/scale-out.md)", DeprecationWarning, stacklevel=3)
+    parallel = out.get("parallel")
+    if value != "none":
+        pass
+    elif parallel is None:
+        out["parallel"] = ParallelConfig(dp=1)
+    elif isinstance(parallel, ParallelConfig) and parallel.dp is None:
+        out["parallel"] = dataclasses.replace(parallel, dp=1)
+    elif isinstance(parallel, dict) and parallel.get("dp") is None:
+        out["parallel"] = {**parallel, "dp": 1}
+    return out
+
+
+accept_legacy_keys(TrainConfig, migrate_distributed)
 
 
 def model_from_spec(spec: Any) -> ModelConfig:
@@ -279,7 +322,7 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
-            from ..upcycle.scratch import model_fields_from_directory
+            from ..models.families import model_fields_from_directory
 
             return ModelConfig.from_dict(model_fields_from_directory(source)).replace(**fields)
         return ModelConfig.preset(preset, **fields) if preset is not None else ModelConfig.from_dict(fields)

@@ -1,25 +1,24 @@
 """How the process's C allocator hands CPU memory back between training steps.
 
-A training step allocates and frees the same activations every step (hundreds of MB at the
-benchmark shape). glibc's ``malloc`` serves large blocks with ``mmap`` above a dynamic
-threshold (128 KiB rising to at most 32 MiB) and returns the top of its heap to the system
-above twice that, so every step pages those blocks in again: the kernel zero-fills each
-fresh 4 KiB page on first touch. In the committed benchmark runs
-(``benchmarks/results/training_overhead*_system_allocator.md``) that is 112 693 minor page
-faults per eager training step of the standard model at d = 512 and 48 866 at the main
-job's shape (d = 64), where retaining the memory cut the standard model's step from 2623 to
-2501 ms and from 406 to 309 ms (docs/training-overhead.md).
+A training step allocates and frees the same activations every step. glibc's ``malloc``
+serves large blocks with ``mmap`` above a dynamic threshold (128 KiB rising to at most
+32 MiB) and returns the top of its heap to the system above twice that, so every step pages
+those blocks in again: the kernel zero-fills each fresh 4 KiB page on first touch, a cost
+that grows with the activations (docs/training-overhead.md measures it).
 
 ``"retain"`` raises both thresholds (``mallopt``) to the largest value glibc takes, so
-freed blocks stay in the process and the next step reuses them: 0 to 5 page faults per
-step after the first in those benchmarks. This is what tcmalloc and jemalloc (PyTorch's CPU
-tuning guide recommends either for training) and PyTorch's own CUDA caching allocator do. The resident memory stays
-at the step's peak instead of falling between steps. ``"system"`` leaves the allocator as
-it is.
+freed blocks stay in the process and the next step reuses them without faulting. This is
+what tcmalloc and jemalloc (PyTorch's CPU tuning guide recommends either for training) and
+PyTorch's own CUDA caching allocator do. The resident memory stays at the step's peak
+instead of falling between steps. ``"system"`` leaves the allocator as it is.
 
 The setting is process-wide and cannot be undone: glibc has no call that restores its
-dynamic threshold. On other C libraries (musl, macOS) there is nothing to set and
-:func:`set_cpu_allocator` returns ``False``.
+dynamic threshold. So only the ``attnres`` command applies it (``TrainConfig.cpu_allocator``,
+to its own process, before it trains); the library never does - building a
+:class:`~attnres.train.loop.Trainer` or calling :func:`attnres.train.train` leaves malloc as
+it is, and a program that wants the setting calls :func:`set_cpu_allocator` itself. On
+other C libraries (musl, macOS) there is nothing to set and :func:`set_cpu_allocator`
+returns ``False``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import ctypes.util
 import functools
 import platform
 
-__all__ = ["CPU_ALLOCATORS", "set_cpu_allocator", "minor_page_faults"]
+__all__ = ["CPU_ALLOCATORS", "set_cpu_allocator", "retains_freed_memory", "minor_page_faults"]
 
 #: ``TrainConfig.cpu_allocator``: keep freed memory for reuse, or leave malloc as it is.
 CPU_ALLOCATORS = ("retain", "system")
@@ -70,6 +69,11 @@ def set_cpu_allocator(kind: str) -> bool:
         mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, _LARGEST)
         trim_set = libc.mallopt(_M_TRIM_THRESHOLD, _LARGEST)
         _retained = bool(mmap_set and trim_set)
+    return _retained
+
+
+def retains_freed_memory() -> bool:
+    """Whether :func:`set_cpu_allocator` made this process's allocator retain freed memory."""
     return _retained
 
 

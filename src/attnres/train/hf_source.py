@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer
-from .resume import Source
+from ..checkpoint import Source
 
 __all__ = ["is_hf_directory", "hf_source", "load_hf_weights"]
 
@@ -38,11 +38,9 @@ def load_hf_weights(model, path: str | Path) -> None:
     """Copy the weights saved in ``path`` into ``model`` (an ``AttnRes<Family>ForCausalLM``
     built from the run's config); residual tensors the directory lacks get their faithful
     init. Raises ``ValueError`` when the directory's model is another one."""
-    from transformers import AutoModelForCausalLM
-
     param = next(model.parameters())
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(path, config=model.config, dtype=param.dtype)
+    try:  # the run's own class: a plain family directory loads into its AttnRes version
+        loaded = type(model).from_pretrained(path, config=model.config, dtype=param.dtype)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"init_from={str(path)!r}: its weights do not fit this run's model ({e}); describe the model "
                          f"with model.from_hf={path}") from None

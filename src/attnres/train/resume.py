@@ -1,9 +1,6 @@
-"""Where a run starts from, and whether it may: resume (``resume`` / ``resume_from``) and
-fine-tuning starts (``init_from``).
+"""Whether a run may start from a checkpoint: resume (``resume`` / ``resume_from``) and
+fine-tuning starts (``init_from``). Finding the checkpoint is :mod:`attnres.checkpoint.locate`'s.
 
-* :func:`find_valid_checkpoint` - the newest checkpoint that verifies, falling back past
-  corrupted or incomplete ones (and, in the run's own directory, setting them aside as
-  ``checkpoints/corrupt-step-*`` so nothing is lost and later tools skip them).
 * :func:`check_resumable` - the config may differ only in fields that do not change the
   trajectory; ``steps`` only where the learning rate of every step already taken stays the
   same (:func:`schedule_change`).
@@ -14,87 +11,22 @@ fine-tuning starts (``init_from``).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from .checkpoint import STATE_FILE, CheckpointError, checkpoint_dirs, read_checkpoint_state
+from ..checkpoint import Source
 from .config import RESUMABLE_CHANGES, TrainConfig, flatten
 from .schedule import lr_factor
-
-CORRUPT_PREFIX = "corrupt-"
-SUPERSEDED_PREFIX = "superseded-"
-
-
-@dataclass
-class Source:
-    """A verified checkpoint to start from: its directory and its ``state.json``."""
-
-    path: Path
-    state: dict[str, Any]
-
-    @property
-    def step(self) -> int:
-        return self.state["step"]
-
-
-def _set_aside(path: Path, prefix: str) -> Path:
-    """Rename checkpoint ``path`` to ``<prefix><name>`` beside it (a free name), keeping it."""
-    target = path.with_name(prefix + path.name)
-    k = 1
-    while target.exists():
-        target = path.with_name(f"{prefix}{path.name}.{k}")
-        k += 1
-    path.rename(target)
-    return target
-
-
-def find_valid_checkpoint(location: str | Path, set_aside: bool = False) -> Source | None:
-    """The newest checkpoint at ``location`` that verifies: ``location`` is a ``step-*``
-    directory (it must verify) or a run directory (its checkpoints, newest first). Each one
-    that fails verification, when an older one verifies, is reported with a warning and, with
-    ``set_aside`` (the run's own directory, under its lock), renamed to ``corrupt-step-*``.
-    ``None`` when the run directory holds no checkpoint; :class:`CheckpointError` naming
-    every problem when none verifies (nothing is renamed then)."""
-    location = Path(location)
-    if (location / STATE_FILE).is_file() or location.name.startswith("step-"):
-        return Source(location, read_checkpoint_state(location))
-    candidates = checkpoint_dirs(location)
-    bad: list[tuple[Path, str]] = []
-    for path in reversed(candidates):
-        try:
-            state = read_checkpoint_state(path)
-        except CheckpointError as e:
-            bad.append((path, str(e)))
-            continue
-        for broken, problem in bad:  # set aside only with a valid one to fall back to
-            moved = f"; set aside as {_set_aside(broken, CORRUPT_PREFIX).name!r}" if set_aside else ""
-            warnings.warn(f"skipping a checkpoint that does not verify: {problem}{moved}", stacklevel=3)
-        if bad:
-            warnings.warn(f"falling back to the newest valid checkpoint {str(path)!r} (step {state['step']})",
-                          stacklevel=3)
-        return Source(path, state)
-    if bad:
-        raise CheckpointError(f"no checkpoint in {str(location)!r} verifies: " + "; ".join(p for _, p in bad))
-    return None
-
-
-def set_aside_newer(out_dir: str | Path, step: int) -> list[Path]:
-    """Rename the checkpoints of ``out_dir`` newer than ``step`` to ``superseded-step-*``: a
-    run resumed from an earlier checkpoint makes them part of an abandoned trajectory (they
-    are kept, but no resume or tool picks them up)."""
-    moved = []
-    for path in checkpoint_dirs(out_dir):
-        if int(path.name.split("-", 1)[1]) > step:
-            moved.append(_set_aside(path, SUPERSEDED_PREFIX))
-    return moved
 
 
 def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved config as this version writes it (older checkpoints may lack newer fields or
-    use older spellings); the saved mapping itself when it no longer validates."""
+    use older spellings, such as the deprecated ``distributed``: no warning about the user's
+    config for what an old checkpoint stores); the saved mapping itself when it no longer
+    validates."""
     try:
-        return TrainConfig.from_dict(saved).to_dict()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return TrainConfig.from_dict(saved).to_dict()
     except (ValueError, TypeError):
         return saved
 

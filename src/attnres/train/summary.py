@@ -22,6 +22,7 @@ class RunFacts:
     fingerprint: str
     device: str
     world_size: int
+    layout: str = ""  # the mesh, over several ranks
 
 
 def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
@@ -29,7 +30,7 @@ def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     end = min(config.steps, config.stop_after or config.steps)
     to_go = max(end - facts.first_step, 0)
     stop = f"; stop_after ends this invocation at step {end}" if end < config.steps else ""
-    processes = f", {facts.world_size} processes ({config.distributed})" if facts.world_size > 1 else ""
+    processes = f", {facts.world_size} processes" if facts.world_size > 1 else ""
     lines = [
         f"attnres train: {facts.start}; steps {facts.first_step + 1}-{end} of {config.steps} ({to_go} to go{stop})",
         f"  model   {facts.parameters:,} parameters; residual {config.model.describe_residual()}; d_model {model.get('d_model')}, "
@@ -40,4 +41,6 @@ def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
         f"{facts.tokenizer}; fingerprint {facts.fingerprint[:12]}",
         f"  device  {facts.device}, {config.dtype}{processes}; out_dir {config.out_dir}",
     ]
+    if facts.layout:
+        lines.append(f"  layout  {facts.layout}")
     return "\n".join(lines)

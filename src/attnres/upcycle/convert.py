@@ -9,8 +9,7 @@ from transformers import PreTrainedModel
 
 from ..nn.residual import ResidualConfig
 from ..nn.residual.config import merge_residual
-from .families import layout_of
-from .modeling import upcycled_classes, upcycled_config
+from ..models.families import layout_of, upcycled_classes, upcycled_config
 
 __all__ = ["upcycle"]
 

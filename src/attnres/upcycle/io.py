@@ -70,7 +70,7 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
                       exact_eps: bool = True, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """``attnres upcycle``: load ``source``, upcycle it, and write the AttnRes model with the
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
-    ``import attnres``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on)."""
+    ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is an existing file; give a directory")

@@ -1,6 +1,6 @@
 """A ``ModelConfig`` with ``hf_architecture`` as a ``transformers`` family's AttnRes model,
-and back: what ``attnres train`` builds for such configs, and how it reads a saved
-directory (``model.from_hf=DIR``)."""
+and back: what training and loading build for such configs, and how a saved directory
+becomes one (``model.from_hf=DIR``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from ..nn.residual import ResidualConfig
-from .modeling import PREFIX, upcycled_classes
+from ...nn.residual import ResidualConfig
+from .modeling import PREFIX, register_families, upcycled_classes
 
 __all__ = ["build_hf_model", "hf_config_of", "model_fields_of", "model_fields_from_directory"]
 
@@ -84,5 +84,7 @@ def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
 
 
 def model_fields_from_directory(path: str) -> dict[str, Any]:
-    """:func:`model_fields_of` the ``config.json`` in ``path``."""
+    """:func:`model_fields_of` the ``config.json`` in ``path`` (a plain family's, or an
+    AttnRes one's: the families are registered first)."""
+    register_families()
     return model_fields_of(AutoConfig.from_pretrained(path))

@@ -1,6 +1,5 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), for runs laid out over a
-``(pp, dp, tp)`` mesh (``TrainConfig.parallel``) and FSDP2 data-parallel runs
-(``distributed=fsdp``).
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): what runs on several
+ranks write (every layout of the ``(pp, dp, tp)`` mesh, ``TrainConfig.parallel``).
 
 Layout of ``<out_dir>/checkpoints/step-00000100/``::
 
@@ -33,10 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from .checkpoint import FORMAT_VERSION, CheckpointError, _rng_state, checkpoint_path, publish_checkpoint
+from .manifest import FORMAT_VERSION, RNG_FILE, CheckpointError, checkpoint_path, publish_checkpoint, rng_state
+from .manifest import restore_rng as _restore_rng
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
            "consolidate"]
@@ -92,7 +92,7 @@ def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter]
     _barrier()
     dcp.save(_state_dict(params, optimizer), checkpoint_id=str(tmp / DCP_DIR))
     if main:
-        save_file(_rng_state(), str(tmp / "rng.safetensors"))
+        save_file(rng_state(), str(tmp / RNG_FILE))
         for name, content in (files or {}).items():
             (tmp / name).write_bytes(content)
         names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
@@ -136,7 +136,7 @@ def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: t
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model/optimiser: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
     if restore_rng:
-        torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
+        _restore_rng(path, cuda=False)
 
 
 def read_sharded_tensors(path: str | Path, prefix: str = "model.") -> dict[str, Tensor]:

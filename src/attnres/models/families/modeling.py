@@ -4,9 +4,9 @@ modules.
 For a supported family ``X`` (``llama``, ``qwen3``, ``qwen3_moe``, ...) this generates, once, a config class
 ``AttnResXConfig`` (``X``'s config plus ``attnres_residual`` and ``attnres_exact_eps``, with
 ``model_type = "attnres_X"``) and a model class ``AttnResXForCausalLM`` (``X``'s causal LM
-plus a ``residual`` module), and registers both with the Auto classes: a saved directory
-loads with ``AutoModelForCausalLM.from_pretrained`` after ``import attnres``, no
-``trust_remote_code``. Parameter names are ``X``'s own plus ``residual.*``, so a pretrained
+plus a ``residual`` module); :func:`register_families` registers both with the Auto classes
+(``import attnres.hf`` or ``attnres.upcycle`` calls it), so that a saved directory loads with
+``AutoModelForCausalLM.from_pretrained``, no ``trust_remote_code``. Parameter names are ``X``'s own plus ``residual.*``, so a pretrained
 ``X`` checkpoint loads into the AttnRes model as it is (the residual starts at its faithful
 init: zero pseudo-queries, unit key-norm gains).
 
@@ -36,10 +36,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from ..nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
-from .families import FAMILIES, PREFIX, Layout, family_of, layout_of
+from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
+from .layout import FAMILIES, PREFIX, Layout, family_of, layout_of
 
-__all__ = ["upcycled_classes", "register_families", "init_missing_tensors", "UpcycledModelMixin", "PREFIX"]
+__all__ = ["upcycled_classes", "register_families", "init_missing_tensors", "adjust_eps", "UpcycledModelMixin", "PREFIX"]
 
 _EPS_NAMES = ("variance_epsilon", "eps")
 
@@ -74,6 +74,19 @@ def _set_eps(norm: nn.Module, eps: float) -> None:
             setattr(norm, name, eps)
             return
     raise ValueError(f"{type(norm).__name__} has none of the epsilon attributes {_EPS_NAMES}")
+
+
+def adjust_eps(residual: ResidualStream, layers, final_norm: nn.Module, layout: Layout, eps: float) -> None:
+    """``attnres_exact_eps``: each pre-norm of ``layers`` (decoder layers with the norms
+    ``layout`` names), and ``final_norm``, gets ``eps / n^2`` for its mixer's ``n`` sources
+    (module docstring). The norms may be transformers' or vLLM's (``variance_epsilon``)."""
+    counts = residual.sources_per_mixer()
+    if not counts:
+        return  # a residual without depth mixing: nothing is rescaled
+    for l, n in enumerate(counts[:-1]):
+        layer = layers[l // 2]
+        _set_eps(getattr(layer, layout.attn_norm if l % 2 == 0 else layout.mlp_norm), eps / n**2)
+    _set_eps(final_norm, eps / counts[-1] ** 2)
 
 
 def _layer_forward(self, hidden_states, **kwargs):
@@ -176,15 +189,7 @@ class UpcycledModelMixin:
             self._adjust_eps(layout)
 
     def _adjust_eps(self, layout: Layout) -> None:
-        """Each pre-norm, and the final norm, gets ``eps / n^2`` for its mixer's ``n`` sources."""
-        eps = self.config.rms_norm_eps
-        counts = self.residual.sources_per_mixer()
-        if not counts:
-            return  # a residual without depth mixing: nothing is rescaled
-        for l, n in enumerate(counts[:-1]):
-            layer = self.model.layers[l // 2]
-            _set_eps(getattr(layer, layout.attn_norm if l % 2 == 0 else layout.mlp_norm), eps / n**2)
-        _set_eps(self.model.norm, eps / counts[-1] ** 2)
+        adjust_eps(self.residual, self.model.layers, self.model.norm, layout, self.config.rms_norm_eps)
 
     def _recorded_forward(self, *args, **kwargs):
         """``self(*args, **kwargs)`` recording the depth-attention weights; the stream keeps
@@ -293,3 +298,14 @@ def upcycled_config(base: PretrainedConfig, residual: ResidualConfig, exact_eps:
     config_cls, _ = upcycled_classes(base.model_type)
     fields = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version", "architectures")}
     return config_cls(**fields, attnres_residual=residual.to_dict(), attnres_exact_eps=exact_eps)
+
+
+def __getattr__(name: str) -> type:
+    # The generated classes by name, so that they pickle (vLLM sends the config to its engine
+    # processes): ``AttnResLlamaConfig``, ``AttnResLlamaForCausalLM``, ...
+    for model_type in FAMILIES:
+        classes = upcycled_classes(model_type)
+        for cls in classes:
+            if cls.__name__ == name:
+                return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The routers of a mixture-of-experts family model, plain or AttnRes, and what they decide.
 
-:func:`moe_routers` finds them from the family's :class:`~attnres.upcycle.families.Router`
+:func:`moe_routers` finds them from the family's :class:`~attnres.models.families.layout.Router`
 description; :class:`RouterRecorder` records, during forwards, each router's logits and the
 experts it selected (every supported router returns ``(logits, weights, selected)``).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .families import FAMILIES, family_of
+from .layout import FAMILIES, family_of
 
 __all__ = ["moe_routers", "RouterRecorder"]
 

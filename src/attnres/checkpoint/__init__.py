@@ -1,0 +1,67 @@
+"""Checkpoint I/O, below training and inference: both formats, the manifest they share,
+finding and verifying a checkpoint.
+
+* :mod:`~attnres.checkpoint.manifest` - the ``step-*`` directories, atomic publishing, the
+  ``state.json`` manifest and its verification (every file's size and SHA-256);
+* :mod:`~attnres.checkpoint.consolidated` - the whole model and optimiser state as
+  safetensors (one process);
+* :mod:`~attnres.checkpoint.sharded` - ``torch.distributed.checkpoint`` (DCP), every rank its
+  shards, resumable at any layout; :func:`consolidate` turns one into ``model.safetensors``;
+* :mod:`~attnres.checkpoint.locate` - the newest checkpoint that verifies.
+
+Nothing here knows a training config, a model class or a process group's layout: a model
+is any ``nn.Module``, run state a JSON-serialisable mapping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .consolidated import load_checkpoint, read_optimizer_state, save_checkpoint, write_checkpoint
+from .locate import Source, find_valid_checkpoint, set_aside_newer
+from .manifest import (
+    CheckpointError,
+    checkpoint_dirs,
+    checkpoint_path,
+    latest_checkpoint,
+    read_checkpoint_state,
+    remove_partial_checkpoints,
+)
+from .sharded import consolidate, is_sharded, load_sharded, load_sharded_weights, read_sharded_tensors, save_sharded
+
+
+def load_weights(path: str | Path, state: dict[str, Any], model: nn.Module) -> None:
+    """Load the weights of the verified checkpoint ``path`` (its ``state.json``: ``state``)
+    into the whole ``model``, in one process, whichever format it has. Raises
+    :class:`CheckpointError` when they do not fit."""
+    if is_sharded(state):
+        load_sharded_weights(path, model)
+    else:
+        load_checkpoint(path, model, restore_rng=False, verified=state)
+
+
+__all__ = [
+    "CheckpointError",
+    "Source",
+    "checkpoint_dirs",
+    "checkpoint_path",
+    "consolidate",
+    "find_valid_checkpoint",
+    "is_sharded",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_sharded",
+    "load_sharded_weights",
+    "load_weights",
+    "read_checkpoint_state",
+    "read_optimizer_state",
+    "read_sharded_tensors",
+    "remove_partial_checkpoints",
+    "save_checkpoint",
+    "save_sharded",
+    "set_aside_newer",
+    "write_checkpoint",
+]

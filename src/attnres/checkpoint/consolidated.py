@@ -1,0 +1,146 @@
+"""Consolidated checkpoints: the whole model and optimiser state as safetensors files,
+written by one process and loaded without unpickling.
+
+Layout of ``<out_dir>/checkpoints/step-00000100/``::
+
+    model.safetensors      the model's weights (tied weights stored once)
+    optimizer.safetensors  every tensor of the optimiser state, keyed "<param index>.<name>"
+    rng.safetensors        torch CPU (and CUDA) generator states
+    tokenizer.json         the run's BPE tokenizer (none for the byte tokenizer)
+    state.json             step, data position, config, optimiser hyper-parameters and
+                           scalar state, the tokenizer's description and the data's
+                           fingerprint, and the SHA-256 of every file above; written last
+
+Publishing and verification are :mod:`attnres.checkpoint.manifest`'s. Only safetensors and
+JSON are read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file
+from torch import nn
+
+from .manifest import (
+    FORMAT_VERSION,
+    RNG_FILE,
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_path,
+    publish_checkpoint,
+    read_checkpoint_state,
+    rng_state,
+)
+from .manifest import restore_rng as _restore_rng
+
+__all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def _split_optimizer_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (for safetensors) and everything else (for JSON) of an optimiser state dict."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, entry in sd["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(idx), {})[name] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    for idx, entry in meta["scalars"].items():
+        state.setdefault(int(idx), {}).update(entry)
+    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _unique_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model_state`` without the keys whose tensor shares memory with an earlier one (tied
+    weights): safetensors stores each tensor once, and ``load_model`` restores the tie."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, t in model_state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = t.detach().cpu().contiguous()
+    return out
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None) -> Path:
+    """Write the checkpoint of ``step`` atomically, then delete all but the newest ``keep``.
+
+    ``state`` is JSON-serialisable run state (data position, config, counters); ``files``
+    are further files to store (name -> content, e.g. the tokenizer), verified on load like
+    the others. Returns the checkpoint directory.
+    """
+    return write_checkpoint(out_dir, step, model.state_dict(), optimizer.state_dict(), state, keep, files)
+
+
+def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
+                     state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None) -> Path:
+    """:func:`save_checkpoint` from state dicts: ``model_state`` as ``model.state_dict()``
+    gives it, ``optimizer_state`` as ``optimizer.state_dict()``."""
+    final = checkpoint_path(out_dir, step)
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(_unique_tensors(model_state), str(tmp / MODEL_FILE))
+    opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
+    save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
+    save_file(rng_state(), str(tmp / RNG_FILE))
+    extra = dict(files or {})
+    reserved = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE} & set(extra)
+    if reserved or any(Path(name).name != name for name in extra):
+        raise ValueError(f"checkpoint files must be plain names other than the checkpoint's own; got {sorted(extra)}")
+    for name, content in extra.items():
+        (tmp / name).write_bytes(content)
+    names = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *extra)
+    publish_checkpoint(tmp, final, out_dir, names, {"format_version": FORMAT_VERSION, "step": step},
+                       {"optimizer": opt_meta, **state}, keep)
+    return final
+
+
+def read_optimizer_state(path: str | Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser state dict of a verified checkpoint (``doc`` from
+    :func:`read_checkpoint_state`), in the layout of ``optimizer.state_dict()``."""
+    return _join_optimizer_state(load_file(str(Path(path) / OPTIMIZER_FILE)), doc["optimizer"])
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    restore_rng: bool = True, verified: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Verify a checkpoint and load it into ``model`` (and ``optimizer``, and the global RNGs).
+    Returns the run state from ``state.json``. ``verified``: that state, when the caller has
+    just verified the checkpoint with :func:`read_checkpoint_state` (its files are not hashed
+    again)."""
+    path = Path(path)
+    doc = verified if verified is not None else read_checkpoint_state(path)
+    try:
+        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        if optimizer is not None:
+            optimizer.load_state_dict(read_optimizer_state(path, doc))
+        if restore_rng:
+            _restore_rng(path)
+    except (SafetensorError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model/optimiser: {e}") from None
+    return doc

@@ -1,0 +1,131 @@
+"""What every checkpoint shares, whatever its format: where it lives, how it is published,
+and how it is verified.
+
+A run's checkpoints are ``<out_dir>/checkpoints/step-<8 digits>/`` directories. Each holds
+``state.json`` (the manifest), written last: the format version, the step, the SHA-256 and
+size of every other file, and the run state the writer adds. A checkpoint is written into a
+hidden temporary directory and renamed into place only when complete
+(:func:`publish_checkpoint`), so a crash never leaves a half-written ``step-*`` directory;
+:func:`read_checkpoint_state` checks every listed file's size and hash, so a truncated or
+corrupted checkpoint is reported clearly instead of being resumed from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.json"
+PREFIX = "step-"
+RNG_FILE = "rng.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupted or does not fit the model/config."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_path(out_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (once written)."""
+    return Path(out_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
+
+
+def checkpoint_dirs(out_dir: str | Path) -> list[Path]:
+    """Complete checkpoint directories under ``<out_dir>/checkpoints``, oldest first."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    dirs = checkpoint_dirs(out_dir)
+    return dirs[-1] if dirs else None
+
+
+def remove_partial_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Delete temporary checkpoint directories that a crash left half-written (they were
+    never renamed into place, so no run can depend on them). Returns what was removed."""
+    root = Path(out_dir) / "checkpoints"
+    stale = sorted(p for p in root.glob(".tmp-*") if p.is_dir()) if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head: dict, tail: dict, keep: int) -> None:
+    """The last steps of every checkpoint writer: hash ``names`` (files under ``tmp``) into
+    the state file ``{**head, "files": ..., **tail}``, fsync it, move ``tmp`` to ``final`` in
+    one rename, and keep only the newest ``keep`` checkpoints of ``out_dir``."""
+    listing = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
+    with (tmp / STATE_FILE).open("w") as f:
+        json.dump({**head, "files": listing, **tail}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoint_dirs(out_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
+    """``state.json`` of a checkpoint after verifying every file it lists (size and SHA-256).
+    Raises :class:`CheckpointError` naming the problem."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        doc = json.loads((path / STATE_FILE).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {STATE_FILE} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {STATE_FILE} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION or not isinstance(doc.get("files"), dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not an attnres checkpoint of format {FORMAT_VERSION}")
+    for name, info in doc["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted: {name} has {size} bytes, expected {info['bytes']}")
+        if _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {name} does not match its SHA-256 in {STATE_FILE}")
+    return doc
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """The torch generator states to store (``rng.safetensors``): the CPU's and each CUDA
+    device's."""
+    states = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            states[f"torch_cuda_{i}"] = s
+    return states
+
+
+def restore_rng(path: str | Path, cuda: bool = True) -> None:
+    """Set the torch generators from checkpoint ``path``'s ``rng.safetensors``: the CPU's,
+    and with ``cuda`` the CUDA devices' where their number matches."""
+    rng = load_file(str(Path(path) / RNG_FILE))
+    torch.set_rng_state(rng["torch_cpu"])
+    states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
+    if cuda and states and torch.cuda.is_available() and len(states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states)

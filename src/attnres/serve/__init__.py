@@ -1,0 +1,43 @@
+"""Serve AttnRes models with vLLM: an out-of-tree model plugin (``pip install "attnres[serve]"``).
+
+vLLM loads the plugin through the ``vllm.general_plugins`` entry point ``attnres`` - in every
+process it starts (the API server, the engine core, each worker) - which calls
+:func:`register`. After that ``vllm serve <dir>`` and ``vllm.LLM(<dir>)`` run any directory
+attnres writes, with no flags beyond vLLM's own:
+
+* ``attnres export`` directories (``AttnResForCausalLM``: the native decoder with the
+  standard, Full or Block AttnRes residual), :mod:`attnres.serve.native`;
+* ``attnres upcycle`` directories and models trained with ``model.hf_architecture``
+  (``AttnRes<Family>ForCausalLM`` for Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3 text),
+  :mod:`attnres.serve.upcycled`, around vLLM's own modules of each family.
+
+Both are built from vLLM's blocks (its ``Attention`` layer over the paged KV cache, parallel
+linear, embedding and LM-head layers, rotary embedding and RMSNorm, its weight loading) and run
+the attnres residual through its public protocol (``start`` / ``sublayer_input`` /
+``add_output`` / ``finish``) on vLLM's flat batch of tokens ``[num_tokens, d]``: the residual
+mixes over depth token by token, so continuous batching, chunked prefill and prefix caching
+need nothing from it. See docs/serving.md.
+
+Importing this package does not import vLLM (only :func:`register`'s lazy class strings
+point at the modules that do).
+"""
+
+from __future__ import annotations
+
+from .families import NATIVE_ARCHITECTURE, SERVED_FAMILIES, ServedFamily, architectures
+
+__all__ = ["register", "architectures", "ServedFamily", "SERVED_FAMILIES", "NATIVE_ARCHITECTURE"]
+
+
+def register(registry=None) -> None:
+    """Register the AttnRes architectures with vLLM (the ``vllm.general_plugins`` entry
+    point; idempotent). ``registry``: vLLM's ``ModelRegistry`` unless given.
+
+    Also registers attnres's transformers configs (``model_type`` ``attnres`` and
+    ``attnres_<family>``) with ``AutoConfig``, which vLLM uses to read ``config.json``."""
+    import attnres.hf  # noqa: F401 - registers the configs with transformers' Auto classes
+
+    if registry is None:
+        from vllm import ModelRegistry as registry
+    for name, target in architectures().items():
+        registry.register_model(name, target)

@@ -1,0 +1,147 @@
+"""What a training run starts from, before any model exists: the checkpoint it resumes or
+whose weights start it (:func:`locate_start`), and its data - tokenizer, sampler, validation
+batches (:func:`prepare_run_data`).
+
+Both take ``main_first(fn)``: run ``fn`` on rank 0 first and then on the other ranks (which
+may then read what rank 0 wrote: a token cache, checkpoints set aside); in one process it
+is ``fn()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from ..checkpoint import Source, find_valid_checkpoint, latest_checkpoint, remove_partial_checkpoints, set_aside_newer
+from ..data import BatchSampler, TokenData, load_corpus, prepare_data, validation_batches
+from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
+from .config import TrainConfig
+from .hf_source import hf_source, is_hf_directory
+from .resume import check_data
+
+__all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]
+
+MainFirst = Callable[[Callable[[], Any]], Any]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts: the checkpoint it continues (``resume``), or the checkpoint or
+    ``transformers`` directory whose weights start it (``init``, ``init_from``); neither for
+    a new run. ``origin``: the ``init_from`` provenance every checkpoint of the run carries."""
+
+    resume: Source | None = None
+    init: Source | None = None
+    origin: dict[str, Any] | None = None
+
+
+def _owns(out_dir: Path, where: Path) -> bool:
+    """Whether ``where`` (a run or checkpoint directory) is ``out_dir``'s own."""
+    ckpts = (out_dir / "checkpoints").resolve()
+    return where.resolve() in (out_dir.resolve(), ckpts) or where.resolve().parent == ckpts
+
+
+def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: MainFirst) -> Source:
+    """The newest checkpoint that verifies at ``resume_from`` (or in ``out_dir``); corrupted
+    ones in this run's own directory are set aside, with a warning."""
+    where = Path(config.resume_from) if config.resume_from is not None else out_dir
+    set_aside = main and _owns(out_dir, where)
+    source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside))
+    if source is None and config.resume_from is not None:
+        raise ValueError(f"resume_from={config.resume_from!r} is neither a checkpoint nor a run directory with "
+                         "checkpoints")
+    if source is None:
+        raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
+    if config.resume_from is not None and main:
+        for moved in set_aside_newer(out_dir, source.step):
+            print(f"attnres train: {moved.name}: a later checkpoint than the one resumed from, set aside")
+    return source
+
+
+def _init_source(config: TrainConfig) -> Start:
+    """``init_from``: a transformers directory (its model must be this run's) or a checkpoint."""
+    if is_hf_directory(config.init_from):
+        if config.model.hf_architecture is None:
+            raise ValueError(f"init_from={config.init_from!r} is a transformers directory: its model must be this run's "
+                             f"(model.from_hf={config.init_from})")
+        source = hf_source(config.init_from)
+        return Start(init=source, origin={"transformers_directory": str(source.path), "step": 0})
+    source = find_valid_checkpoint(config.init_from)
+    if source is None:
+        raise ValueError(f"init_from={config.init_from!r} is neither a checkpoint nor a run directory with checkpoints")
+    return Start(init=source, origin={"checkpoint": str(source.path), "step": source.step})
+
+
+def locate_start(config: TrainConfig, main: bool, main_first: MainFirst) -> Start:
+    """The checkpoint to start from: with ``resume`` / ``resume_from`` the newest one that
+    verifies; with ``init_from`` the weights to start from. A new run refuses an ``out_dir``
+    that holds checkpoints. Rank 0 (``main``) first removes what a crash left half-written."""
+    out_dir = Path(config.out_dir)
+    if main:
+        remove_partial_checkpoints(out_dir)
+    if config.resuming:
+        source = _resume_source(config, out_dir, main, main_first)
+        return Start(resume=source, origin=source.state.get("init_from"))
+    if latest_checkpoint(out_dir) is not None:
+        raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true (--resume) to continue, "
+                         "--resume-from DIR to continue a given checkpoint, or pick another out_dir")
+    return Start() if config.init_from is None else _init_source(config)
+
+
+@dataclass
+class RunData:
+    """A run's data: the tokenised splits and tokenizer (``tokens``), the corpus fingerprint,
+    the tokenizer as a checkpoint stores it (``tokenizer_meta``, ``tokenizer_files``) and
+    where it came from, whether a resumed run continues on changed data
+    (``allow_data_change``), the training sampler (at the resumed position) and the
+    validation batches."""
+
+    tokens: TokenData
+    fingerprint: str
+    tokenizer_meta: dict[str, Any]
+    tokenizer_files: dict[str, bytes]
+    tokenizer_origin: str
+    changed: bool
+    sampler: BatchSampler
+    val_batches: list[Tensor]
+
+
+def stored_tokenizer(source: Source) -> Tokenizer | None:
+    """The tokenizer stored with ``source``; ``None`` (with a warning) for checkpoints of
+    earlier versions, which store none: the tokenizer is then made from ``data`` as then."""
+    meta = source.state.get("tokenizer")
+    if meta is None:
+        what = ("holds no tokenizer.json" if source.state.get("hf_directory")
+                else "stores no tokenizer (written by an earlier version)")
+        warnings.warn(f"{str(source.path)!r} {what}: making it from the data settings", stacklevel=3)
+        return None
+    return tokenizer_from_state(meta, source.path)
+
+
+def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -> tuple[TrainConfig, RunData]:
+    """Read and tokenise the corpus (rank 0 first, the others then read its cache) and
+    build the sampler and the validation batches. A run that starts from a checkpoint keeps
+    that checkpoint's tokenizer; a resumed one checks that the data is the checkpoint's and
+    continues at its data position. Returns ``config`` with the model's vocabulary set from
+    the tokenizer (the caller's config is left alone), and the data."""
+    corpus = load_corpus(config.data.paths, config.data.val_fraction)
+    source = start.resume or start.init
+    given = stored_tokenizer(source) if source is not None else None
+    changed = start.resume is not None and check_data(start.resume, corpus.digest, config.allow_data_change)
+    tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
+                                             config.data.cache_dir, given=given))
+    if config.model.vocab_size != tokens.vocab_size:  # the tokenizer decides
+        config = dataclasses.replace(config, model=config.model.replace(vocab_size=tokens.vocab_size))
+    meta, files = tokenizer_state(tokens.tokenizer)
+    sampler = BatchSampler(tokens.train, config.seq_len, config.batch_size, config.seed)
+    if start.resume is not None and not changed:
+        sampler.load_state_dict(start.resume.state["sampler"])
+    data = RunData(tokens, corpus.digest, meta, files, "stored in the checkpoint" if given is not None else "made from the data",
+                   changed, sampler, validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches))
+    return config, data

