@@ -111,7 +111,7 @@ def _models_at(runs: dict[str, Path], dirs: dict[str, Path], step: int):
     from transformers import AutoModelForCausalLM
 
     from attnres.inference.loading import load_run
-    from attnres.train.checkpoint import checkpoint_path
+    from attnres.checkpoint import checkpoint_path
 
     if step == 0:
         return {name: AutoModelForCausalLM.from_pretrained(d) for name, d in dirs.items()}
