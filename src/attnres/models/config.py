@@ -16,7 +16,10 @@ __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.models.families.FAMILIES`` describes their layouts).
-HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                    # mixtures of experts
+                    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
+                    "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "phimoe", "granitemoe")
 
 _CHECK = Fields("ModelConfig")
 
@@ -87,9 +90,10 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             _CHECK.positive(name, getattr(self, name))
         _CHECK.boolean("tie_embeddings", self.tie_embeddings)
-        if self.d_model % self.n_heads:
+        own_head_dim = self.hf_architecture is not None and "head_dim" in (self.hf_config or {})
+        if self.d_model % self.n_heads and not own_head_dim:  # a family model may set its head_dim (GPT-OSS)
             _CHECK.fail("d_model", f"divisible by n_heads={self.n_heads}", self.d_model)
-        if (self.d_model // self.n_heads) % 2:
+        if (self.d_model // self.n_heads) % 2 and not own_head_dim:
             _CHECK.fail("d_model", f"such that the head dimension d_model / n_heads is even (RoPE); n_heads={self.n_heads} "
                         f"gives {self.d_model // self.n_heads}", self.d_model)
         if self.n_heads % self.kv_heads:

@@ -160,6 +160,7 @@ class Trainer:
             self.tokens_seen: int = state.get("tokens_seen", 0)
             self.train_loss: float | None = state.get("train_loss")
             self.val_loss: float | None = state.get("val_loss")
+            self.aux_loss: float | None = None  # a mixture of experts' load-balancing loss (its family's)
             self.last_ckpt: Path | None = self.start.resume.path if self.start.resume is not None else None
             self._main_first(self._open_outputs)
         except BaseException:
@@ -303,14 +304,18 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        loss_sum, aux_sum = 0.0, None
         for micro in range(config.grad_accum):
             ids = pm.rows(self.data.sampler.next_batch())  # the global batch; this dp rank trains on its rows
             pm.sync_gradients(micro == config.grad_accum - 1)
-            loss_sum += pm.forward_backward(ids, config.grad_accum, self.autocast)
+            loss, aux = pm.forward_backward(ids, config.grad_accum, self.autocast)
+            loss_sum += loss
+            if aux is not None:  # logged apart: loss is the language-modelling loss
+                aux_sum = (aux_sum or 0.0) + aux
         # The global batch's loss, the same on every rank (so is the stop decision); tp and
         # pp peers hold the same value, so the world's mean is dp's.
         self.train_loss = train_loss = mean_over_ranks(loss_sum / config.grad_accum, self.ctx)
+        self.aux_loss = None if aux_sum is None else mean_over_ranks(aux_sum / config.grad_accum, self.ctx)
         pm.finish_grads()
         diagnose = (step + 1) % config.diagnostics_every == 0 and pm.holds_whole_model
         grads = block_grad_norms(self.model) if diagnose else None  # before clipping
@@ -336,10 +341,12 @@ class Trainer:
         ``window`` is ``[tokens, start time]``, reset here."""
         now = time.perf_counter()
         tok_s = window[0] / max(now - window[1], 1e-9)
-        self.logger.log("train", self.step_count, loss=self.train_loss, lr=self.config.lr * factor,
+        aux = {} if self.aux_loss is None else {"aux_loss": self.aux_loss}
+        self.logger.log("train", self.step_count, loss=self.train_loss, **aux, lr=self.config.lr * factor,
                         grad_norm=grad_norm, tokens=self.tokens_seen, tokens_per_s=tok_s)
         if self.progress is not None:
-            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", **{k: f"{v:.4f}" for k, v in aux.items()},
+                                      tok_s=f"{tok_s:,.0f}")
         window[:] = [0, now]
 
     def evaluate(self) -> None:
