@@ -29,3 +29,49 @@ def torchrun(nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> subpr
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a rendezvous endpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_agents(args: list[str], nnodes: int = 2, nproc: int = 1, cwd: Path | None = None,
+                    wrap: dict[int, list[str]] | None = None, timeout: float = LAUNCH_TIMEOUT_S,
+                    env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """``nnodes`` torchrun agents on this host, joined by a c10d rendezvous on 127.0.0.1, as
+    the nodes of a multi-node job are: every agent runs ``torchrun --nnodes N --nproc-per-node
+    nproc --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID args``. ``wrap[i]``
+    is put in front of agent ``i``'s command (e.g. ``unshare -m sh -c '... exec "$@"' agent``:
+    in a mount namespace of its own). Returns every agent's completed process (output merged,
+    under ``stdout``); the caller checks the exit statuses."""
+    port = free_port()
+    base = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}", *args]
+    procs = []
+    for i in range(nnodes):
+        cmd = [*wrap[i], *base] if wrap and i in wrap else base
+        procs.append(subprocess.Popen(cmd, env={**worker_env(), **(env or {})}, cwd=cwd, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    done = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return done
+
+
+def mount_namespaces_work() -> bool:
+    """Whether ``unshare -m`` (a private mount namespace: root) works here."""
+    try:
+        return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False

@@ -54,11 +54,11 @@ def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
 
 def test_print_config_shows_the_resolved_config(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("model: demo\nlr: 1.0e-3\n")
+    cfg.write_text("model: train-cpu\nlr: 1.0e-3\n")
     assert cli_main(["train", "--config", str(cfg), "--print-config", "model.residual=standard", "steps=7"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == load_config(cfg, ["model.residual=standard", "steps=7"]).to_dict()
-    assert printed["model"]["d_model"] == 128 and printed["lr"] == 1e-3  # the demo preset, the file's lr
+    assert printed["model"]["d_model"] == 128 and printed["lr"] == 1e-3  # the train-cpu preset, the file's lr
     assert not (tmp_path / "runs").exists()
 
 
@@ -72,3 +72,21 @@ def test_overrides_on_both_sides_of_resume(tmp_path):
     assert cli_main(["train", *args[:4], "--resume", *args[4:]]) == 0
     with pytest.raises(SystemExit):
         cli_main(["train", *args[:4], "--resume", "not-an-override"])
+
+
+def test_config_file_as_a_positional_argument(capsys, tmp_path):
+    """``attnres train run.yaml key=value`` (what users type, and what the multi-node recipe
+    passes) is ``--config run.yaml``; one config file at most, and an argument that is neither
+    a file nor ``key=value`` is refused naming it."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: demo\nlr: 1.0e-3\n")
+    assert cli_main(["train", str(cfg), "--print-config", "steps=7"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == load_config(cfg, ["steps=7"]).to_dict()
+    assert cli_main(["train", "steps=7", "--print-config", str(cfg)]) == 0  # anywhere on the line
+    assert yaml.safe_load(capsys.readouterr().out) == load_config(cfg, ["steps=7"]).to_dict()
+    with pytest.raises(SystemExit):
+        cli_main(["train", str(cfg), "--config", str(cfg), "--print-config"])
+    assert "one config file at most" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["train", str(tmp_path / "missing.yaml"), "--print-config"])
+    assert "'" + str(tmp_path / "missing.yaml") + "' is neither a key=value override nor a config file" in capsys.readouterr().err

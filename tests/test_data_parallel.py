@@ -298,6 +298,25 @@ def test_torchrun_tears_down_the_group_when_a_rank_dies(tmp_path):
     assert waited < 30, f"torchrun exited {waited:.1f} s after rank 1 died"
 
 
+@pytest.mark.slow  # waits out the timeout and torchrun's grace period: about 70 s
+def test_torchrun_ends_a_job_with_a_stalled_rank_after_its_grace_period(tmp_path):
+    """Under torchrun, a stalled rank 1 (alive, outside any collective) makes rank 0 stop after
+    ``dist_timeout_s``; the agent then sends rank 1 SIGTERM, which only asks for a checkpoint
+    after the current step (it never ends), and kills it after its 30 s grace period. So the
+    job ends about ``dist_timeout_s`` + 30 s after the stall, as the error message says."""
+    from distributed_utils import worker_env
+
+    write_corpus(tmp_path / "corpus.txt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, "stall",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    waited = time.time() - float((tmp_path / "stall.txt").read_text())
+    print(f"torchrun ended the job {waited:.1f} s after rank 1 stalled (dist_timeout_s={DIE_TIMEOUT_S})")
+    assert proc.returncode != 0
+    assert "torchrun's 30 s grace period" in proc.stdout + proc.stderr
+    assert DIE_TIMEOUT_S + 25 <= waited < DIE_TIMEOUT_S + 30 + 30, f"the job ended {waited:.1f} s after the stall"
+
+
 @pytest.mark.slow  # one more 2-process launch, about 25 s
 def test_signal_to_one_rank_stops_all_ranks_after_the_same_step(root):
     """SIGTERM reaches rank 1 only (in step 3): the ranks agree after that step, write one
@@ -362,7 +381,9 @@ def test_distributed_error_names_the_rank():
     from attnres.distributed.launch import DistContext, collective_errors
 
     ctx = DistContext(rank=3, world_size=4, device=torch.device("cpu"), backend="gloo", timeout_s=7.0)
-    with pytest.raises(DistributedError, match=r"rank 3 of 4: a collective failed .*timeout is 7 s"):
+    with pytest.raises(DistributedError, match=r"rank 3 of 4: a collective failed .*timeout is 7 s \(TrainConfig\."
+                       r"dist_timeout_s\)\. Under torchrun the job ends once its agent has stopped every rank: a rank "
+                       r"that does not exit on SIGTERM is killed after torchrun's 30 s grace period\."):
         with collective_errors(ctx):
             raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
     with pytest.raises(KeyError):  # anything else passes through unchanged

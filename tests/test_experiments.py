@@ -243,7 +243,9 @@ def test_compare_end_to_end(corpus, tmp_path):
     # the side-by-side step-time ratios (overhead.json) are the table's last columns
     ratios = json.loads((out / "overhead.json").read_text())["variants"]
     full_row = next(line for line in text.splitlines() if line.startswith("| Full AttnRes |"))
-    assert full_row.endswith(f"| {ratios['full']['step_ratio']:.2f} | {ratios['full']['peak_ratio']:.2f} |")
+    full = ratios["full"]
+    assert full_row.endswith(f"| {full['step_ratio']:.2f} ± {full['step_ratio_noise']:.2f} | {full['peak_ratio']:.2f} |")
+    assert "on the process's CPU time" in text and "A/A twin" in text
     for png in ("val_loss.png", "magnitudes.png", "depth_weights.png", "mixing.png"):
         assert (out / png).stat().st_size > 0, png
     # the depth mixing matrices (report §6.2, Fig. 9) of every model, over seeds
@@ -285,6 +287,46 @@ def test_compare_reads_losses_at_equal_time():
     groups = {BASELINE: [run(BASELINE)], "block": [run("block")], "full": [run("full")]}
     losses = _equal_time_losses(groups, {BASELINE: 1.0, "block": 1.25})
     assert losses == {BASELINE: {3: pytest.approx(2.0)}, "block": {3: pytest.approx(2.4)}}
+
+
+def test_the_noise_of_a_step_time_ratio():
+    """The median's 95 % interval by order statistics, widened to the A/A twin's distance from 1;
+    an effect within the spread is too noisy (a nan is too)."""
+    from attnres.analysis.profiling import median_interval
+    from attnres.experiments.compare import too_noisy
+    from attnres.experiments.overhead import timing_noise
+
+    assert median_interval([float(v) for v in range(10, 0, -1)]) == (2.0, 9.0)  # n = 10: 2nd and 9th, 97.9 %
+    assert median_interval(list(range(12))) == (2, 9) and median_interval([3, 1, 2]) == (1, 3)
+    assert timing_noise((1.05, 1.09), 1.06, (0.99, 1.01)) == pytest.approx(0.03)  # its own interval
+    assert timing_noise((1.05, 1.07), 1.06, (0.95, 1.02)) == pytest.approx(0.05)  # the twin's floor
+    assert not too_noisy(-0.02, 0.01) and too_noisy(-0.02, 0.03) and too_noisy(0.0, 0.0) is False
+    assert too_noisy(math.nan, 0.01) and too_noisy(0.1, math.nan)
+
+
+def test_equal_time_is_too_noisy_when_the_ratio_noise_moves_the_gap_more_than_the_gap():
+    """The equal-time gap read at the ratio and at ratio ± noise: a loaded machine's wide noise
+    makes the finding say "too noisy" instead of drawing the conclusion."""
+    from attnres.experiments.compare import BASELINE, Run, _findings, equal_time_noise, too_noisy
+
+    def run(variant, losses):
+        rec = {"variant": variant, "seed": 0, "steps": 100, "flops": 100.0, "val_loss": losses[-1]}
+        return Run(rec, eval_steps=[50, 75, 100], val_loss=losses)
+
+    groups = {BASELINE: [run(BASELINE, [3.0, 2.5, 2.0])], "block": [run("block", [2.9, 2.4, 1.9])]}
+    ratio = {BASELINE: 1.0, "block": 1.25}  # block read at step 80: 2.4 - 0.5 * 5 / 25 = 2.3, the baseline at 100: 2.0
+    (effect, spread), = equal_time_noise(groups, ratio, {"block": 0.01}).values()
+    assert effect == pytest.approx(2.3 - 2.0) and spread == pytest.approx(abs(100 / 1.24 - 80) / 25 * 0.5, rel=1e-6)
+    assert not too_noisy(effect, spread)
+    quiet = {"block": {"time": [effect]}}
+    assert "at equal time: paired gap to the standard model +0.3000" in _findings(groups, quiet, None,
+                                                                                {"block": (effect, spread)})[0]
+    # the gap at equal time is small, the noise large: no conclusion
+    groups["block"] = [run("block", [2.6, 2.1, 1.9])]
+    (effect, spread), = equal_time_noise(groups, ratio, {"block": 0.2}).values()
+    assert too_noisy(effect, spread)
+    (finding,) = _findings(groups, {"block": {"time": [effect]}}, None, {"block": (effect, spread)})
+    assert "Block AttnRes at equal time: too noisy to draw a conclusion" in finding
 
 
 def test_compare_finds_how_the_gap_moves_during_the_decay(tmp_path):
@@ -455,3 +497,73 @@ def test_reports_tolerate_a_truncated_metrics_line(corpus, tmp_path):
         f.write('{"kind": "eval", "st')
     with pytest.warns(UserWarning, match="unreadable line"):
         assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--report-only"]) == 0
+
+
+@pytest.mark.slow
+def test_demo_step_time_ratios_hold_under_a_busy_loop_load(tmp_path):
+    """The timing part of `make demo` (the demo grid's steps, CPU time at one thread, interleaved)
+    without and then with a busy loop on every core: each AttnRes ratio moves by at most 0.05,
+    or by no more than the noise the loaded measurement reports. The whole `make demo` check on
+    a quiet machine: benchmarks/demo_under_load.py."""
+    import multiprocessing
+    import os
+
+    from attnres.experiments import measure_overhead
+
+    def spin():
+        while True:
+            pass
+
+    grid = get_experiment("compare", "demo")
+    quiet = measure_overhead(grid, tmp_path / "quiet", repeats=10)["variants"]
+    loops = [multiprocessing.Process(target=spin, daemon=True) for _ in range(os.cpu_count() or 2)]
+    for p in loops:
+        p.start()
+    try:
+        loaded = measure_overhead(grid, tmp_path / "loaded", repeats=10)["variants"]
+    finally:
+        for p in loops:
+            p.terminate()
+    for name in ("block", "full"):
+        delta = abs(loaded[name]["step_ratio"] - quiet[name]["step_ratio"])
+        assert delta <= max(0.05, loaded[name]["step_ratio_noise"]), (name, quiet[name], loaded[name])
+
+
+def test_peak_memory_prints_nothing(capfd):
+    """The profiler's native "USDT ... profiler_start / profiler_stop" lines stay out of the
+    terminal (a `compare` printed them for every model); what the step prints stays in."""
+    import sys
+
+    from attnres.analysis.profiling import peak_memory_bytes
+
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def step():
+        print("step ran", file=sys.stderr)
+        (x @ x).sum().backward()
+
+    assert peak_memory_bytes(step) > 0
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err and "USDT" not in err
+    assert "step ran" in err
+
+
+def test_measuring_overheads_leaves_malloc_alone(tmp_path, monkeypatch):
+    """Only the ``attnres`` command applies ``cpu_allocator`` (attnres.train.cpu_memory): the
+    library's ``measure_overhead`` times the steps under the process's allocator as it is, and
+    reports whether that retains freed memory."""
+    from attnres.experiments import measure_overhead
+    from attnres.train import cpu_memory
+
+    calls = []
+
+    class RecordingLibc:
+        def mallopt(self, parameter, value):
+            calls.append((parameter, value))
+            return 1
+
+    monkeypatch.setattr(cpu_memory, "_glibc", lambda: RecordingLibc())
+    monkeypatch.setattr(cpu_memory, "_retained", False)
+    result = measure_overhead(get_experiment("compare", "tiny"), tmp_path, repeats=3, log=lambda line: None)
+    assert calls == [] and result["freed_memory_retained"] is False
+    assert cpu_memory.set_cpu_allocator("retain") and calls  # what applying the setting would have recorded

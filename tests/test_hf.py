@@ -181,7 +181,7 @@ def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
-def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch):
+def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch, capfd, caplog):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import overrides, write_corpus
 
@@ -193,7 +193,13 @@ def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch):
     run = tmp_path / "run"
     train(load_config(None, overrides(corpus, run, steps=2, eval_every=100, diagnostics_every=100)))
     out = tmp_path / "eval.json"
+    capfd.readouterr()
+    monkeypatch.chdir(tmp_path)  # outside a git repository
     assert cli_main(["eval", "--checkpoint", str(run), "--limit", "4", "--out", str(out), "--device", "cpu"]) == 0
+    # no harness warnings: metric defaults, the model type, transformers' cache name (logged), git (printed)
+    err, logged = capfd.readouterr().err, "\n".join(r.getMessage() for r in caplog.records if r.levelno >= 30)
+    for noise in ("is defined, but", "neither marked as CausalLM", "are deprecated", "fatal:", "Traceback"):
+        assert noise not in err and noise not in logged, noise
     results = json.loads(out.read_text())
     ppl = results["perplexity"]
     assert ppl["tokens"] > 0 and ppl["perplexity"] > 1 and ppl["bits_per_byte"] > 0
@@ -427,6 +433,19 @@ def test_mhc_lite_survives_save_and_load(tmp_path):
     for _ in range(3):
         loaded = AttnResForCausalLM.from_pretrained(tmp_path / "m")
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_from_pretrained_accepts_the_flat_keys_of_earlier_versions(tmp_path):
+    """`from_pretrained(dir, attnres_block_size=1)`: the flat key sets residual.block_size with a
+    DeprecationWarning (it reached the model's __init__ as an unknown argument: TypeError)."""
+    from transformers import AutoModelForCausalLM
+
+    AttnResForCausalLM.from_native(native_model(residual={"kind": "attnres_block", "block_size": 2})).save_pretrained(tmp_path)
+    for cls in (AttnResForCausalLM, AutoModelForCausalLM):
+        with pytest.warns(DeprecationWarning, match=r"\['attnres_block_size'\] are deprecated.*residual.block_size"):
+            model = cls.from_pretrained(tmp_path, attnres_block_size=1)
+        assert model.config.to_model_config().residual.block_size == 1
+    assert AttnResForCausalLM.from_pretrained(tmp_path).config.to_model_config().residual.block_size == 2
 
 
 def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):

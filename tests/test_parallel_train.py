@@ -73,7 +73,9 @@ def write_corpus(path: Path) -> Path:
 
 def run_args(corpus: Path, out: Path, **extra) -> list[str]:
     base = {"model": "tiny", "model.d_model": 32, "model.n_layers": 4, "model.tie_embeddings": "false",
-            "data.paths": f"[{corpus}]", "data.tokenizer": "byte", "seq_len": 16, "batch_size": 4, "steps": STEPS,
+            # val_fraction 1/12: the split (and so the batches) these runs were first measured on
+            "data.paths": f"[{corpus}]", "data.tokenizer": "byte", "data.val_fraction": 0.0833, "seq_len": 16,
+            "batch_size": 4, "steps": STEPS,
             "warmup_steps": 2, "out_dir": str(out), "progress": "false", "tensorboard": "false", "eval_every": 5,
             "eval_batches": 2, "log_every": 1, "diagnostics_every": 100, "checkpoint_every": 5}
     base.update(extra)

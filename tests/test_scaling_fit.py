@@ -13,7 +13,7 @@ pytest.importorskip("matplotlib")
 from attnres.experiments import write_report  # noqa: E402
 from attnres.experiments.scaling_fit import PowerLaw, compute_multiplier, fit_scaling  # noqa: E402
 from attnres.experiments.scaling_grid import ScalingData, ScalingGridError, missing_runs, scaling_data  # noqa: E402
-from attnres.experiments.scaling_report import REPORT_TABLE2, report_multiplier  # noqa: E402
+from attnres.experiments.scaling_report import REPORT_TABLE2, report_multiplier, scaling_section  # noqa: E402
 
 COMPUTE = np.geomspace(1e-7, 1e-4, 5)
 
@@ -141,6 +141,24 @@ def test_report_on_a_partial_grid_marks_missing_runs(tmp_path):
     assert "No fit: 2 complete size(s)" in text and not (tmp_path / "none" / "scaling.png").exists()
     text = write_report("scaling", full, tmp_path, "tiny").read_text()
     assert "Partial grid" not in text and "1.891·C^−0.057" in text and "1.25× at 5.6" in text
+    assert "not run" not in text
+
+
+def test_report_leaves_out_a_size_that_no_run_finished(tmp_path):
+    """A grid run on fewer sizes than its preset lists: the size without any finished run is
+    named and left out, and the sizes that ran are fitted as a complete grid; a size that is
+    only partly done still makes the grid partial."""
+    base = PowerLaw(4.0, 0.06)
+    laws = {"baseline": base, "block": _shifted(base, 1.2), "full": _shifted(base, 1.3)}
+    full = _records(laws, compute=COMPUTE[:4])
+    three = [r for r in full if r["coords"]["size"] != "s4"]
+    expected = [(f, s) for f in laws for s in ("s1", "s2", "s3", "s4")]
+    text = scaling_section(three, tmp_path, expected)
+    assert "Sizes of the grid not run (no finished run): s4. The grid below is the 3 sizes that ran." in text
+    assert "Partial grid" not in text and "| s4 |" not in text and "95% paired bootstrap" in text
+    one_run = three + [r for r in full if r["variant"] == "block_s4" and r["seed"] == 0]
+    text = scaling_section(one_run, tmp_path, expected)
+    assert "not run" not in text and "**Partial grid**: 5 run(s) missing" in text
     assert (tmp_path / "scaling.png").stat().st_size > 0
 
 

@@ -14,12 +14,13 @@ import torch
 from safetensors import safe_open
 
 from attnres import AttnResLM, ModelConfig
-from attnres.serve import NATIVE_ARCHITECTURE, SERVED_FAMILIES, architectures, register
+from attnres.models.families import upcycled_classes
+from attnres.serve import NATIVE_ARCHITECTURE, SERVED_FAMILIES, architectures, register, unserved_families
 from attnres.serve.checkpoint import CheckpointMismatch, checked_weights, expected_shapes
 
 
 def test_importing_the_plugin_imports_no_vllm():
-    code = "import sys, attnres, attnres.serve, attnres.serve.families, attnres.serve.checkpoint; " \
+    code = "import sys, attnres, attnres.serve, attnres.serve.families, attnres.serve.checkpoint, attnres.serve.refused; " \
            "print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -31,10 +32,34 @@ def test_entry_point_is_the_register_function():
     assert plugins["attnres"].load() is register
 
 
-def test_every_upcycled_family_is_served():
+def test_every_upcycled_family_is_served_or_refused_with_a_reason():
+    """The dense families are served; the mixtures of experts are refused, each with a reason."""
     from attnres.upcycle import FAMILIES
 
-    assert set(SERVED_FAMILIES) == set(FAMILIES)
+    unserved = unserved_families()
+    assert set(SERVED_FAMILIES) | set(unserved) == set(FAMILIES) and not set(SERVED_FAMILIES) & set(unserved)
+    assert {"qwen3_moe", "mixtral", "deepseek_v3", "olmoe", "gpt_oss"} <= set(unserved)
+    assert all(FAMILIES[name].router is not None and reason for name, reason in unserved.items())
+
+
+def test_an_unserved_family_is_refused_when_vllm_looks_its_class_up():
+    """vLLM resolves a registered ``"module:Class"`` by importing the module and getting the
+    class: for a mixture of experts that raises, naming the architecture and the family."""
+    import importlib
+
+    from attnres.serve.refused import UnservedFamily
+
+    registry = FakeRegistry()
+    register(registry)
+    for model_type in ("qwen3_moe", "deepseek_v3"):
+        name = upcycled_classes(model_type)[1].__name__
+        module, _, cls = registry.models[name].partition(":")
+        assert module == "attnres.serve.refused"
+        with pytest.raises(UnservedFamily, match=rf"{name} \(the upcycled '{model_type}' family, a mixture of experts\) "
+                                                 r"is not served on vLLM yet: vLLM runs a mixture of experts"):
+            getattr(importlib.import_module(module), cls)
+    with pytest.raises(AttributeError):  # a dense family's name is not this module's
+        getattr(importlib.import_module("attnres.serve.refused"), upcycled_classes("llama")[1].__name__)
 
 
 class FakeRegistry:

@@ -267,6 +267,45 @@ def test_yaml_config_and_overrides(tmp_path):
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_model_fields_start_from_one_base_in_yaml_and_overrides(tmp_path):
+    """The same model numbers give the same model whether they come from a YAML ``model:``
+    mapping or from ``model.X=...`` overrides: both start from the default preset unless the
+    config names another (``model.preset``), and ``attnres train --help`` says so."""
+    from attnres.train.config import DEFAULT_MODEL_PRESET
+
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("model:\n  d_model: 32\n  n_heads: 2\n")
+    from_yaml = load_config(cfg_file).model
+    from_overrides = load_config(None, ["model.d_model=32", "model.n_heads=2"]).model
+    assert from_yaml == from_overrides == ModelConfig.preset(DEFAULT_MODEL_PRESET, d_model=32, n_heads=2)
+    assert TrainConfig.from_dict({"model": {"d_model": 32, "n_heads": 2}}).model == from_yaml
+    cfg_file.write_text("model:\n  preset: demo\n  d_model: 32\n")
+    assert load_config(cfg_file).model == load_config(None, ["model.preset=demo", "model.d_model=32"]).model
+    assert load_config(cfg_file).model == ModelConfig.preset("demo", d_model=32)
+    help_text = " ".join(cli_help(["train", "--help"]).split())
+    assert f"start from preset {DEFAULT_MODEL_PRESET!r} unless model.preset names another" in help_text
+
+
+def cli_help(argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        cli_main(argv)
+    return out.getvalue()
+
+
+def test_seq_len_below_two_is_refused_up_front():
+    """A window of one token has no next token to predict: the loss would be a mean over no
+    targets (NaN) at the first step, blamed on the learning rate. Refused by validation."""
+    with pytest.raises(ValueError, match=r"TrainConfig.seq_len must be an integer in \[2, model.max_seq_len=128\]"):
+        TrainConfig(seq_len=1)
+    with pytest.raises(ValueError, match=r"TrainConfig.seq_len must be an integer in \[2, model.max_seq_len=128\]"):
+        load_config(None, ["model=tiny", "seq_len=129"])
+    assert load_config(None, ["seq_len=2"]).seq_len == 2
+
+
 # -- schedules and optimisers -------------------------------------------------------------
 
 def test_schedule_shapes():
@@ -404,3 +443,37 @@ def test_default_corpus_resolves_from_installed_package():
 def test_compiled_training_runs(tmp_path, corpus_file):
     result = train(load_config(None, overrides(corpus_file, tmp_path, steps=2, compile="true")))
     assert result.step == 2 and math.isfinite(result.train_loss)
+
+
+@pytest.mark.parametrize("val_fraction", [0.05, 0.1, 0.3])
+def test_a_small_corpus_keeps_its_validation_fraction(tmp_path, val_fraction):
+    """2 KB used to be cut into two pieces, one of them validation: half of the text."""
+    corpus = load_corpus([str(write_corpus(tmp_path / "small.txt", n_lines=30))], val_fraction=val_fraction)
+    share = len(corpus.val) / (len(corpus.train) + len(corpus.val))
+    assert share == pytest.approx(val_fraction, rel=0.35)  # pieces end at line breaks: about a line of slack
+    (tmp_path / "tiny.txt").write_text("a few words\n")
+    with pytest.raises(ValueError, match=r"too small to hold out data.val_fraction=0.1 .*use more text or a larger"):
+        load_corpus([str(tmp_path / "tiny.txt")], val_fraction=0.1)
+
+
+def test_data_preparation_shows_progress(tmp_path, capsys):
+    """Tokenising a corpus (a minute for 67 MB) shows a bar per split, and BPE training says what
+    runs; nothing without ``progress`` or on a cache hit."""
+    corpus = load_corpus([str(write_corpus(tmp_path / "c.txt"))])
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "quiet"))
+    assert capsys.readouterr().err == ""
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), progress=True)
+    err = capsys.readouterr().err
+    assert "training a byte-level BPE of 300 tokens" in err
+    assert "tokenizing train" in err and "tokenizing val" in err and "char" in err
+    prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), progress=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_training_prepares_its_data_with_its_progress_setting(tmp_path, corpus_file, capsys):
+    """``train`` passes ``progress`` on to data preparation: a bar per split with it, none without."""
+    for progress in ("false", "true"):
+        train(load_config(None, overrides(corpus_file, tmp_path / progress, steps=2, progress=progress,
+                                          **{"data.cache_dir": str(tmp_path / f"cache-{progress}")})))
+        err = capsys.readouterr().err
+        assert ("tokenizing train" in err and "tokenizing val" in err) == (progress == "true"), progress

@@ -296,6 +296,30 @@ def test_a_trainer_is_whole_when_built(tmp_path, corpus_file, monkeypatch):
     assert not (tmp_path / "run" / LOCK_FILE).exists()
 
 
+def test_the_model_preset_demo_is_now_train_cpu():
+    """`demo` named both the main job's grid and this model: the model's is `train-cpu` now,
+    and the old name still works, with a DeprecationWarning."""
+    from attnres.models import PRESETS
+
+    assert "demo" not in PRESETS
+    with pytest.warns(DeprecationWarning, match="model preset 'demo' is now called 'train-cpu'"):
+        assert load_config(None, ["model=demo"]).model == ModelConfig.preset("train-cpu")
+    assert load_config(Path(__file__).parents[1] / "configs" / "train-cpu.yaml").model.d_model == 128
+
+
+def test_the_order_of_residual_overrides_does_not_matter():
+    """A residual name sets its kind only; its fields may be named before or after it."""
+    want = ModelConfig.preset("tiny", residual={"kind": "attnres_block", "block_size": 3})
+    for items in (["model.residual=attnres_block", "model.residual.block_size=3"],
+                  ["model.residual.block_size=3", "model.residual=attnres_block"]):
+        assert load_config(None, items).model == want, items
+    yaml_model = {"model": {"preset": "tiny", "residual": "attnres_block"}}
+    from attnres.train.config import apply_overrides
+
+    assert apply_overrides(yaml_model, ["model.residual.block_size=3"])["model"]["residual"] == {
+        "kind": "attnres_block", "block_size": 3}
+
+
 def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
     run = tmp_path / "run"
     train(load_config(None, overrides(corpus_file, run, stop_after=2, **{"model.residual": "standard"})))
@@ -378,3 +402,18 @@ def test_text_without_line_breaks_is_split(tmp_path, sep):
     assert len(corpus.val) == pytest.approx(0.02 * total, rel=0.05)
     if sep:  # cut at spaces: every piece starts with a whole word
         assert corpus.val.split(" ")[0] in {"alpha", "beta", "gamma", "delta", "epsilon"}
+
+
+def test_the_readme_start_up_sample_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
+    """The README's sample start-up output, from the command it gives, on the test corpus."""
+    import re
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    sample = re.search(r"```\n(attnres train: new run in 'runs/x'.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "corpus.txt")
+    assert cli_main(["train", "data.paths=[corpus.txt]", "data.tokenizer=byte", "seq_len=32", "batch_size=4", "steps=6",
+                     "stop_after=2", "out_dir=runs/x", "progress=false", "tensorboard=false"]) == 0
+    printed = capsys.readouterr().out
+    retained = " (freed memory retained)" if retains_freed_memory() else ""
+    assert printed.startswith(sample.replace(" (freed memory retained)", retained))

@@ -12,21 +12,13 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
+from attnres.models.families.tiny import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-N_LAYERS = 3  # L = 6 sublayers
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
-EXTRA = {  # what each family needs on top (head_dim for the Gemmas, a sliding window that bites)
-    "mistral": dict(sliding_window=4),
-    "qwen2": dict(use_sliding_window=False),
-    "gemma": dict(head_dim=8),
-    "gemma2": dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4),
-    "gemma3_text": dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4),
-}
+DENSE = [name for name, layout in FAMILIES.items() if layout.router is None]  # MoE: test_upcycle_moe.py
 RESIDUALS = [
     pytest.param(("attnres_full", None), id="full"),
     pytest.param(("attnres_block", 2), id="block-S2"),  # S divides L = 6
@@ -35,15 +27,7 @@ RESIDUALS = [
 ]
 
 
-def base_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **changes):
-    config = AutoConfig.for_model(model_type, **{**SMALL, **EXTRA.get(model_type, {}), **changes})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    with torch.no_grad():  # non-trivial norm gains (Gemma's start at 0 = unit gain)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+base_model = tiny_model  # 3 decoder layers (L = 6), d = 32, norm gains away from their init
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,11 +36,11 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def ids(batch: int = 2, length: int = 9, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, SMALL["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("residual", RESIDUALS)
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", DENSE)
 def test_upcycled_model_is_the_pretrained_function(model_type, residual):
     kind, S = residual
     x = ids()
@@ -113,10 +97,13 @@ def test_save_and_load_round_trip_is_bit_identical(tmp_path, model_type):
         assert torch.equal(loaded(x).logits, up(x).logits)
 
 
-def test_a_pretrained_directory_loads_into_the_attnres_model(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen2"] + [f for f in FAMILIES if FAMILIES[f].router is not None])
+def test_a_pretrained_directory_loads_into_the_attnres_model(tmp_path, model_type):
     """The AttnRes model's parameters are the family's plus ``residual.*``: loading the
-    original checkpoint with the AttnRes config initialises the residual faithfully."""
-    base = base_model("qwen2")
+    original checkpoint with the AttnRes config initialises the residual faithfully. A
+    mixture of experts' checkpoint stores its experts one by one (transformers fuses them in
+    memory): the AttnRes model shares the family's conversion, so they load."""
+    base = base_model(model_type)
     base.save_pretrained(tmp_path / "base")
     up = upcycle(base, "attnres_block", block_size=2)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", config=up.config).eval()
@@ -193,11 +180,11 @@ def test_other_registered_variants_wrap_the_same_modules():
 
 
 def test_unsupported_layouts_are_refused_with_the_reason():
-    olmo2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("olmo2", **SMALL))
+    olmo2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("olmo2", **TINY_COMMON))
     with pytest.raises(ValueError, match="post-norm layout"):
         upcycle(olmo2)
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=97))
-    with pytest.raises(ValueError, match="'gpt2': its decoder layout is not recognised.*supported: gemma"):
+    with pytest.raises(ValueError, match="'gpt2': its decoder layout is not recognised.*supported: deepseek_v2, deepseek_v3, dots1"):
         upcycle(gpt2)
     with pytest.raises(ValueError, match="takes the family's causal LM"):
         upcycle(base_model("llama").model)
@@ -284,3 +271,21 @@ def test_real_smollm2_is_the_same_function_after_conversion():
         for residual, block_size in (("attnres_block", None), ("attnres_full", None)):
             got = upcycle(base, residual, block_size)(x).logits
             assert max_rel(got, want) < 1e-5, residual
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "qwen3", "llama"])
+def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(tmp_path, model_type):
+    """No tokenizer files: OLMo 2's post-norm refusal comes first; a supported family is refused
+    with the files it needs instead of a sentencepiece error (Llama) or an empty tokenizer
+    written silently (Qwen3)."""
+    from attnres.cli import main as cli_main
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL)).save_pretrained(tmp_path / "src")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["upcycle", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "up")])
+    message = str(info.value)
+    if model_type == "olmo2":
+        assert "post-norm layout" in message
+    else:
+        assert "holds no tokenizer (none of tokenizer.json" in message and "copy the tokenizer files" in message
+    assert not (tmp_path / "up").exists()

@@ -13,6 +13,15 @@ __version__ = "0.1.0"
 # Importing attnres changes nothing outside it (no import hooks, no allocator settings): the
 # transformers classes are registered when ``attnres.hf`` is imported (docs/hf.md).
 
+
+def _check_name_clash() -> None:
+    from .name_clash import warn_about_clashes
+
+    warn_about_clashes()
+
+
+_check_name_clash()
+
 __all__ = [
     "AttnResLM",
     "ModelConfig",

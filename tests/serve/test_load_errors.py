@@ -16,3 +16,10 @@ def test_head_size_the_cpu_attention_does_not_take(load_failures):
     assert code != 0
     assert "config.json: head size 16" in log and "not supported by vLLM's CPU_ATTN attention backend" in log, log[-3000:]
     assert "[32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]" in log
+
+
+def test_a_mixture_of_experts_the_plugin_does_not_serve_yet(load_failures):
+    code, log = load_failures["moe"].result()
+    assert code != 0
+    assert "AttnResQwen3MoeForCausalLM (the upcycled 'qwen3_moe' family, a mixture of experts) is not served on vLLM " \
+           "yet" in log, log[-3000:]

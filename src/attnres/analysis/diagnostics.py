@@ -9,6 +9,8 @@
   the block's parameters together (attention, MLP and both pre-norm gains), before clipping.
 * **Depth-attention weights** (Fig. 8): for every sublayer and the output aggregation, the
   mean over batch and positions of its softmax weights over the sources.
+* **Expert load** (mixture-of-experts family models only): per MoE layer, the share of the
+  routing assignments each expert received (:mod:`attnres.analysis.experts`).
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ def _rms(x: Tensor) -> float:
 
 def _blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, nn.Module]]:
     """Per transformer block ``(block, attention, mlp, attention pre-norm)``: the native
-    decoder's names, or a ``transformers`` family's (``attnres.upcycle``: ``model.layers``,
-    ``self_attn``, ``mlp``, ``input_layernorm``)."""
+    decoder's names, or a ``transformers`` family's (``attnres.upcycle``: ``model.layers``
+    and the names of the family's layout)."""
     if hasattr(model, "layers"):
         return [(layer, layer.attn, layer.mlp, layer.attn_norm) for layer in model.layers]
-    return [(layer, layer.self_attn, layer.mlp, layer.input_layernorm) for layer in model.model.layers]
+    from ..models.families.layout import family_of, layout_of
+
+    x = layout_of(family_of(model.config.model_type))
+    return [(layer, getattr(layer, x.attn), getattr(layer, x.mlp), getattr(layer, x.attn_norm)) for layer in model.model.layers]
 
 
 def _first(out):
@@ -61,7 +66,9 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
 
     Returns ``block_output_rms`` and ``block_input_rms`` (one float per transformer block)
     and ``depth_weights`` (one list of per-source means per sublayer, then the output
-    aggregation; ``None`` for the standard residual). Touches no random state.
+    aggregation; ``None`` for the standard residual); for a mixture-of-experts family model
+    also ``expert_load``, per MoE layer ``{"layer", "fraction"}`` (see
+    :mod:`attnres.analysis.experts`). Touches no random state.
     """
     outputs: dict[int, list[Tensor]] = {}
     inputs: dict[int, float] = {}
@@ -78,9 +85,13 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
                     attn_norm.register_forward_pre_hook(keep_input)]
     was_training = model.training
     model.eval()
+    routers = None  # a family model's RouterRecorder
     try:
         if hasattr(model, "depth_weights"):  # a family model: it records through its own call
-            recorded = model.depth_weights(input_ids)
+            from ..models.families.moe import RouterRecorder
+
+            with RouterRecorder(model) as routers:
+                recorded = model.depth_weights(input_ids, use_cache=False)
         else:
             recorded = model(input_ids, return_depth_weights=True).depth_weights
     finally:
@@ -89,8 +100,13 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
             h.remove()
     n = len(blocks)
     weights = [w.float().mean(dim=(1, 2)).tolist() for w in recorded] if recorded else None
-    return {
+    out = {
         "block_output_rms": [_rms(outputs[b][0] + outputs[b][1]) for b in range(n)],
         "block_input_rms": [inputs[b] for b in range(n)],
         "depth_weights": weights,
     }
+    if routers is not None and routers.routers:
+        from .experts import recorded_expert_load
+
+        out["expert_load"] = [{"layer": x.layer, "fraction": x.fraction} for x in recorded_expert_load(routers)]
+    return out

@@ -208,6 +208,20 @@ def mixing_forward(model: nn.Module, input_ids: Tensor, per_channel: bool = Fals
     return MixingForward(mixing, [embedding] + [o.to(h.dtype) for o in outputs], inputs, h)
 
 
+def _recorded_mixing(model: nn.Module, input_ids: Tensor, per_channel: bool = False) -> MixingMatrix:
+    """The :class:`MixingMatrix` of an eval-mode forward of ``model`` on ``input_ids``: an
+    attnres decoder (:func:`mixing_forward`) or a ``transformers`` family model of
+    ``attnres.upcycle`` (its ``depth_mixing``)."""
+    if not hasattr(model, "depth_mixing"):
+        return mixing_forward(model, input_ids, per_channel).mixing
+    was_training = model.training
+    model.eval()
+    try:
+        return model.depth_mixing(input_ids, per_channel)
+    finally:
+        model.train(was_training)
+
+
 def source_stats(per_token: Tensor) -> list[SourceStats]:
     """The sink table of per-token matrices ``[N, n, n]`` (``N`` tokens, or 1)."""
     N, n, _ = per_token.shape
@@ -232,7 +246,8 @@ def source_stats(per_token: Tensor) -> list[SourceStats]:
 @torch.no_grad()
 def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = False, rank_tokens: int = 256,
                         rtol: float = RANK_RTOL) -> DepthMixing:
-    """The depth mixing matrix of ``model`` on ``input_ids [B, T]`` (report §6.2, Fig. 9).
+    """The depth mixing matrix of ``model`` (an attnres decoder, or a ``transformers`` family
+    model of ``attnres.upcycle``) on ``input_ids [B, T]`` (report §6.2, Fig. 9).
 
     Works for every registered residual variant that describes its mixing weights
     (:meth:`~attnres.nn.residual.ResidualStream.mixing_matrix`; a variant without it raises
@@ -240,8 +255,7 @@ def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = F
     ``[B, T, L + 1, L + 1]`` matrices. ``rank_tokens``: the rank of an input-dependent ``M``
     is the largest over the first ``rank_tokens`` tokens (row-major over ``[B, T]``).
     """
-    rec = mixing_forward(model, input_ids)
-    mm = rec.mixing
+    mm = _recorded_mixing(model, input_ids)
     B, T = input_ids.shape
     W = mm.weights
     if W.dim() == 2:
@@ -255,7 +269,7 @@ def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = F
     pc = None
     if mm.reduction is not None:
         rows = input_ids[: max(1, -(-rank_tokens // T))] if W.dim() > 2 else input_ids[:1, :1]
-        pc = mixing_forward(model, rows, per_channel=True).mixing.per_channel
+        pc = _recorded_mixing(model, rows, per_channel=True).per_channel
     if pc is not None:
         pc = pc.reshape(-1, *pc.shape[-3:])[:rank_tokens]  # [N', n, n, d]
         rank_mats = pc.movedim(-1, 1).reshape(-1, *pc.shape[1:3])

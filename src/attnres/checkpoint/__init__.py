@@ -7,6 +7,8 @@ finding and verifying a checkpoint.
   safetensors (one process);
 * :mod:`~attnres.checkpoint.sharded` - ``torch.distributed.checkpoint`` (DCP), every rank its
   shards, resumable at any layout; :func:`consolidate` turns one into ``model.safetensors``;
+  :mod:`~attnres.checkpoint.dcp_metadata` reads DCP's pickled index without running what
+  it holds;
 * :mod:`~attnres.checkpoint.locate` - the newest checkpoint that verifies.
 
 Nothing here knows a training config, a model class or a process group's layout: a model
@@ -24,6 +26,7 @@ from .consolidated import load_checkpoint, read_optimizer_state, save_checkpoint
 from .locate import Source, find_valid_checkpoint, set_aside_newer
 from .manifest import (
     CheckpointError,
+    CheckpointWriteError,
     checkpoint_dirs,
     checkpoint_path,
     latest_checkpoint,
@@ -45,6 +48,7 @@ def load_weights(path: str | Path, state: dict[str, Any], model: nn.Module) -> N
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "Source",
     "checkpoint_dirs",
     "checkpoint_path",

@@ -36,6 +36,7 @@ from .manifest import (
     publish_checkpoint,
     read_checkpoint_state,
     rng_state,
+    write_failure,
 )
 from .manifest import restore_rng as _restore_rng
 
@@ -97,25 +98,28 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
                      state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None) -> Path:
     """:func:`save_checkpoint` from state dicts: ``model_state`` as ``model.state_dict()``
     gives it, ``optimizer_state`` as ``optimizer.state_dict()``."""
-    final = checkpoint_path(out_dir, step)
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(_unique_tensors(model_state), str(tmp / MODEL_FILE))
-    opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
-    save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
-    save_file(rng_state(), str(tmp / RNG_FILE))
     extra = dict(files or {})
     reserved = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE} & set(extra)
     if reserved or any(Path(name).name != name for name in extra):
         raise ValueError(f"checkpoint files must be plain names other than the checkpoint's own; got {sorted(extra)}")
-    for name, content in extra.items():
-        (tmp / name).write_bytes(content)
-    names = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *extra)
-    publish_checkpoint(tmp, final, out_dir, names, {"format_version": FORMAT_VERSION, "step": step},
-                       {"optimizer": opt_meta, **state}, keep)
+    final = checkpoint_path(out_dir, step)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(_unique_tensors(model_state), str(tmp / MODEL_FILE))
+        opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
+        save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
+        save_file(rng_state(), str(tmp / RNG_FILE))
+        for name, content in extra.items():
+            (tmp / name).write_bytes(content)
+        names = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *extra)
+        publish_checkpoint(tmp, final, out_dir, names, {"format_version": FORMAT_VERSION, "step": step},
+                           {"optimizer": opt_meta, **state}, keep)
+    except (OSError, SafetensorError) as e:  # a full disk, a read-only file system: keep what was there
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failure(final, e) from None
     return final
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, read_checkpoint_state
+from .sharded import is_sharded, verify_dcp_files
 
-__all__ = ["Source", "find_valid_checkpoint", "set_aside_newer"]
+__all__ = ["Source", "find_valid_checkpoint", "set_aside_newer", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -41,21 +42,33 @@ def _set_aside(path: Path, prefix: str) -> Path:
     return target
 
 
-def find_valid_checkpoint(location: str | Path, set_aside: bool = False) -> Source | None:
+def verify_checkpoint(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``state.json`` of checkpoint ``path`` once every file it lists verifies and, for a
+    sharded one, every file its DCP metadata names is among them (the metadata read
+    safely). Raises :class:`CheckpointError` naming the problem. ``optional``: files that
+    may be absent (see :func:`read_checkpoint_state`)."""
+    state = read_checkpoint_state(path, optional)
+    if is_sharded(state):
+        verify_dcp_files(path, state)
+    return state
+
+
+def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = ()) -> Source | None:
     """The newest checkpoint at ``location`` that verifies: ``location`` is a ``step-*``
     directory (it must verify) or a run directory (its checkpoints, newest first). Each one
     that fails verification, when an older one verifies, is reported with a warning and, with
     ``set_aside`` (the run's own directory, under its lock), renamed to ``corrupt-step-*``.
     ``None`` when the run directory holds no checkpoint; :class:`CheckpointError` naming
-    every problem when none verifies (nothing is renamed then)."""
+    every problem when none verifies (nothing is renamed then). ``optional``: files that may
+    be absent (see :func:`read_checkpoint_state`)."""
     location = Path(location)
     if (location / STATE_FILE).is_file() or location.name.startswith("step-"):
-        return Source(location, read_checkpoint_state(location))
+        return Source(location, verify_checkpoint(location, optional))
     candidates = checkpoint_dirs(location)
     bad: list[tuple[Path, str]] = []
     for path in reversed(candidates):
         try:
-            state = read_checkpoint_state(path)
+            state = verify_checkpoint(path, optional)
         except CheckpointError as e:
             bad.append((path, str(e)))
             continue

@@ -32,6 +32,32 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupted or does not fit the model/config."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a read-only file system, a rank's
+    shard out of rank 0's sight). Nothing of it was published; the checkpoints written
+    before it are untouched (:func:`write_failure` words it)."""
+
+
+def write_failure(final: Path, cause: BaseException) -> CheckpointWriteError:
+    """The :class:`CheckpointWriteError` of checkpoint directory ``final`` failed by ``cause``."""
+    return CheckpointWriteError(f"could not write checkpoint {final.name} in {str(final.parent)!r}: "
+                                f"{describe_failure(cause)}; nothing of it was kept, and the checkpoints written "
+                                "before it are untouched")
+
+
+def describe_failure(e: BaseException) -> str:
+    """The cause of a failed read or write in one line: an ``OSError``'s reason and file,
+    the first failing rank's for DCP's ``CheckpointException``, else the message's first line."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _) = min(failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {describe_failure(inner)}"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f" ({e.filename})" if e.filename else "")
+    text = str(e).strip()
+    return text.splitlines()[0].removeprefix("Error while serializing: ") if text else type(e).__name__
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -85,8 +111,9 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
-    """``state.json`` of a checkpoint after verifying every file it lists (size and SHA-256).
+def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``state.json`` of a checkpoint after verifying every file it lists (size and SHA-256)
+    but those of ``optional`` that are absent (inference needs no ``optimizer.safetensors``).
     Raises :class:`CheckpointError` naming the problem."""
     path = Path(path)
     if not path.is_dir():
@@ -101,6 +128,8 @@ def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not an attnres checkpoint of format {FORMAT_VERSION}")
     for name, info in doc["files"].items():
         f = path / name
+        if name in optional and not f.exists():
+            continue
         if not f.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
         size = f.stat().st_size

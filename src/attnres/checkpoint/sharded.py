@@ -26,20 +26,34 @@ writes the consolidated ``model.safetensors`` that other tools read.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from .manifest import FORMAT_VERSION, RNG_FILE, CheckpointError, checkpoint_path, publish_checkpoint, rng_state
+from .manifest import (
+    FORMAT_VERSION,
+    RNG_FILE,
+    CheckpointError,
+    CheckpointWriteError,
+    checkpoint_path,
+    describe_failure,
+    publish_checkpoint,
+    rng_state,
+    write_failure,
+)
 from .manifest import restore_rng as _restore_rng
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
-           "consolidate"]
+           "consolidate", "verify_dcp_files"]
 
 DCP_LAYOUT = "dcp"
 DCP_DIR = "dcp"
@@ -66,39 +80,85 @@ def _state_dict(params: dict[str, nn.Parameter], optimizer: torch.optim.Optimize
     return sd
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _distributed():
+def _alone(error: Exception | None) -> None:
+    """The default ``agree`` of :func:`save_sharded`: raise this rank's error, else wait for
+    the others (if any)."""
+    if error is not None:
+        raise error
+    if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
+def _attempt(fn: Callable[[], None], final: Path) -> CheckpointWriteError | None:
+    """``fn()``'s failure to write checkpoint ``final``, if any."""
+    try:
+        fn()
+    except (OSError, SafetensorError, CheckpointError) as e:
+        return write_failure(final, e)
+    return None
+
+
+def _check_shards_in_sight(tmp: Path) -> None:
+    """Every data file the freshly written DCP metadata names is here, complete: rank 0
+    lists and hashes only what it sees, so a shard written into another directory under
+    the same name (an ``out_dir`` the nodes do not share) must stop the checkpoint here."""
+    from .dcp_metadata import dcp_file_sizes, read_dcp_metadata
+
+    sizes = dcp_file_sizes(read_dcp_metadata(tmp / DCP_DIR))
+    missing = sorted(f"{DCP_DIR}/{name}" for name, size in sizes.items()
+                     if not (tmp / DCP_DIR / name).is_file() or (tmp / DCP_DIR / name).stat().st_size < size)
+    if missing:
+        raise CheckpointError(f"rank 0 cannot see {missing}, which the other ranks wrote into {str(tmp)!r}: their "
+                              "out_dir is another directory under the same name (out_dir must be on a file system "
+                              "every node shares)")
+
+
 def save_sharded(out_dir: str | Path, step: int, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
-                 run_state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None, main: bool = True) -> Path:
+                 run_state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None, main: bool = True,
+                 agree: Callable[[Exception | None], None] = _alone) -> Path:
     """Write the sharded checkpoint of ``step`` (every rank calls this, with its own
     ``params``: full-model names to this rank's parameters, DTensors where sharded); returns
-    its directory. ``main``: this rank writes the run state (rank 0)."""
+    its directory. ``main``: this rank writes the run state (rank 0), after checking that
+    it sees every file the DCP metadata names. ``agree(error)``: a collective that raises on
+    every rank when any rank passes an error (the trainer's: every rank stops together).
+
+    Raises :class:`CheckpointWriteError` when it cannot be written or completed (nothing is
+    published, the earlier checkpoints stay, the temporary files are removed on every rank)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     final = checkpoint_path(out_dir, step)
-    root = final.parent
-    tmp = root / f".tmp-{final.name}-dcp"
-    if main:
-        root.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-dcp"
+
+    def prepare() -> None:
+        final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / DCP_DIR).mkdir(parents=True)
-    _barrier()
-    dcp.save(_state_dict(params, optimizer), checkpoint_id=str(tmp / DCP_DIR))
-    if main:
+
+    def complete() -> None:
+        _check_shards_in_sight(tmp)
         save_file(rng_state(), str(tmp / RNG_FILE))
         for name, content in (files or {}).items():
             (tmp / name).write_bytes(content)
         names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         publish_checkpoint(tmp, final, out_dir, names,
                            {"format_version": FORMAT_VERSION, "layout": DCP_LAYOUT, "step": step}, run_state, keep)
-    _barrier()
+
+    failure: CheckpointWriteError | None = None
+    try:
+        agree(_attempt(prepare, final) if main else None)
+        try:
+            dcp.save(_state_dict(params, optimizer), checkpoint_id=str(tmp / DCP_DIR))  # raises on every rank alike
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk, a read-only file system, ...
+            raise write_failure(final, e) from None
+        agree(_attempt(complete, final) if main else None)
+    except CheckpointWriteError as e:
+        failure = e
+    # Failed: this rank's view of the temporary directory goes. Published: rank 0 renamed it,
+    # so only a rank with another directory under out_dir's name can still see one.
+    shutil.rmtree(tmp, ignore_errors=True)
+    if failure is not None:
+        raise failure
     return final
 
 
@@ -119,22 +179,58 @@ def init_optimizer_state(params: dict[str, nn.Parameter], optimizer: torch.optim
         p.grad = grads[n]
 
 
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns on every load without a process group that it assumes one process: that is
+    what loading in one process means here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
+
+
+def _reader(path: Path):
+    """DCP's reader of checkpoint ``path``, with its metadata read safely
+    (:mod:`attnres.checkpoint.dcp_metadata`: DCP's own reader unpickles it)."""
+    from .dcp_metadata import VerifiedReader
+
+    return VerifiedReader(path / DCP_DIR)
+
+
+def verify_dcp_files(path: str | Path, state: dict[str, Any]) -> None:
+    """Check that every data file the DCP metadata of the sharded checkpoint ``path`` names
+    is in its manifest (``state``: its verified ``state.json``), at least as large as the
+    index needs: a checkpoint whose writer could not see every rank's shard (an ``out_dir``
+    the nodes do not share) fails here, not later with a missing file."""
+    from .dcp_metadata import dcp_file_sizes, read_dcp_metadata
+
+    listed = state.get("files", {})
+    for name, size in sorted(dcp_file_sizes(read_dcp_metadata(Path(path) / DCP_DIR)).items()):
+        entry = listed.get(f"{DCP_DIR}/{name}")
+        if entry is None or entry.get("bytes", 0) < size:
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {DCP_DIR}/{name}, which its DCP metadata "
+                                  "names, is missing (written by a rank whose out_dir was another directory: out_dir "
+                                  "must be on a file system every node shares)")
+
+
 def load_sharded(path: str | Path, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer | None = None,
                  restore_rng: bool = True) -> None:
     """Load a sharded checkpoint into ``params`` (this rank's, in this run's layout) and
     ``optimizer`` in place: each rank reads its own shards. Every rank calls this."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     if optimizer is not None:
         init_optimizer_state(params, optimizer)
     sd = _state_dict(params, optimizer)
+    reader = _reader(path)
     try:
-        with torch.no_grad():
-            dcp.load(sd, checkpoint_id=str(path / DCP_DIR))
-    except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException and others
+        with torch.no_grad(), _one_process_quietly():
+            dcp.load(sd, storage_reader=reader)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded into this model/optimiser: "
-                              f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+                              f"{describe_failure(e)}") from None
     if restore_rng:
         _restore_rng(path, cuda=False)
 
@@ -144,13 +240,13 @@ def read_sharded_tensors(path: str | Path, prefix: str = "model.") -> dict[str, 
     (``"model."``: the weights; ``"optim."``: the optimiser state), keys without the prefix,
     read in one process (no process group, no gather across ranks)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(Path(path) / DCP_DIR))
-    meta = reader.read_metadata()
+    reader = _reader(Path(path))
+    meta = reader.read_metadata()  # tensors only (checked)
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-          if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, storage_reader=reader, no_dist=True)
+          if k.startswith(prefix)}
+    with _one_process_quietly():
+        dcp.load(sd, storage_reader=reader, no_dist=True)
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 

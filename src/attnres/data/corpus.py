@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -27,6 +28,17 @@ def default_corpus_path() -> Path:
             "or point data.paths at your own .txt/.jsonl files or directories"
         )
     return path
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The UTF-8 text of ``path``; ``ValueError`` naming it as ``what`` (e.g. ``--text``) when
+    it is not UTF-8 text (a binary file) or cannot be read."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start}); give a text file") from None
+    except OSError as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
 
 
 def _read_jsonl(path: Path) -> list[str]:
@@ -74,17 +86,39 @@ class Corpus:
     sources: tuple[str, ...]
 
 
+#: How far (relative) the share of validation pieces may fall from ``val_fraction``.
+FRACTION_TOLERANCE = 0.1
+#: The shortest piece a small text is cut into to keep ``val_fraction`` (characters).
+MIN_SMALL_PIECE = 16
+
+
+def piece_count(length: int, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> int:
+    """How many pieces :func:`split_text` cuts a text of ``length`` characters into: at most
+    ``max_pieces`` of at least ``min_piece`` characters where possible (and at least 2) -
+    more, and shorter, where that many cannot hold out ``val_fraction``: a 2 KB text in 2
+    pieces would give half of it to validation. The count is the first from there whose
+    ``max(1, round(val_fraction * n))`` pieces are within :data:`FRACTION_TOLERANCE` of
+    ``val_fraction``. ``ValueError`` when no count with pieces of :data:`MIN_SMALL_PIECE`
+    characters or more is."""
+    n = max(2, min(max_pieces, length // min_piece))
+    upper = max(n, min(length // MIN_SMALL_PIECE, max(max_pieces, math.ceil(2 / val_fraction))))
+    for k in range(n, upper + 1):
+        if abs(max(1, round(val_fraction * k)) / k - val_fraction) <= FRACTION_TOLERANCE * val_fraction:
+            return k
+    raise ValueError(f"the corpus ({length} characters) is too small to hold out data.val_fraction={val_fraction} "
+                     f"as validation text (to within {FRACTION_TOLERANCE:.0%}): use more text or a larger val_fraction")
+
+
 def split_text(text: str, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> tuple[str, str]:
     """Cut ``text`` into (train, val), deterministically and without a seed.
 
-    The text is cut into ``n`` pieces of similar size - at most ``max_pieces``, at least
-    ``min_piece`` characters each where possible, and at least 2 - and ``max(1,
+    The text is cut into ``n`` pieces of similar size (:func:`piece_count`) and ``max(1,
     round(val_fraction * n))`` evenly spaced pieces form the validation split, so that it
     samples the whole corpus rather than only its end. Each cut falls after the first line
     break past its target position (:func:`_cut`), so text with line breaks is split
     between lines; text without them (one long line) is split at a space, or mid-word.
     """
-    n = max(2, min(max_pieces, len(text) // min_piece))
+    n = piece_count(len(text), val_fraction, max_pieces, min_piece)
     bounds = [0]
     for k in range(1, n):
         bounds.append(_cut(text, max(bounds[-1], k * len(text) // n), (k + 1) * len(text) // n))
@@ -123,8 +157,8 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             if file.stat().st_size == 0:
                 raise ValueError(f"data file {str(file)!r} is empty")
             try:
-                file_docs = _read_jsonl(file) if file.suffix == ".jsonl" else [file.read_text(encoding="utf-8")]
-            except UnicodeDecodeError as e:
+                file_docs = _read_jsonl(file) if file.suffix == ".jsonl" else [read_text_file(file, "data file")]
+            except UnicodeDecodeError as e:  # a .jsonl file's lines
                 raise ValueError(f"data file {str(file)!r} is not UTF-8 text (byte {e.start})") from None
             if not any(d.strip() for d in file_docs):
                 raise ValueError(f"data file {str(file)!r} holds no text")

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..progress import progress_bar
 from .corpus import Corpus
 from .tokenizer import TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, text_chunks, train_bpe
 
@@ -65,17 +66,24 @@ def resolve_cache_root(corpus: Corpus, cache_dir: str | None) -> Path:
     return FALLBACK_CACHE
 
 
-def _encode_to_file(tok: Tokenizer, text: str, path: Path, dtype: np.dtype) -> int:
+def _encode_to_file(tok: Tokenizer, text: str, path: Path, dtype: np.dtype, progress: bool = False) -> int:
     """Encode ``text`` piece by piece (pieces of about 1 MB, cut after a line break, so memory
-    stays bounded for large corpora) and write the ids to ``path`` atomically. Returns the
-    number of tokens."""
+    stays bounded for large corpora) and write the ids to ``path`` atomically, with a
+    progress bar over the characters when ``progress``. Returns the number of tokens."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     n = 0
-    with tmp.open("wb") as f:
-        for piece in text_chunks(text):
-            ids = np.asarray(tok.encode(piece), dtype=dtype)
-            ids.tofile(f)
-            n += ids.shape[0]
+    bar = progress_bar(progress, total=len(text), unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
+    try:
+        with tmp.open("wb") as f:
+            for piece in text_chunks(text):
+                ids = np.asarray(tok.encode(piece), dtype=dtype)
+                ids.tofile(f)
+                n += ids.shape[0]
+                if bar is not None:
+                    bar.update(len(piece))
+    finally:
+        if bar is not None:
+            bar.close()
     os.replace(tmp, path)
     return n
 
@@ -103,7 +111,7 @@ def _open_cache(cache: Path, tok: Tokenizer | None) -> TokenData | None:
     return TokenData(train, val, cached, cache)
 
 
-def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer) -> None:
+def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progress: bool = False) -> None:
     """Tokenise both splits with ``tok`` into ``cache``, atomically (a temporary directory
     renamed into place; removed again if anything, Ctrl-C included, interrupts it)."""
     tmp = root / f".{cache.name}.tmp-{os.getpid()}"
@@ -113,8 +121,8 @@ def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer) -> Non
         if isinstance(tok, BPETokenizer):
             tok.save(tmp / "tokenizer.json")
         dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-        n_train = _encode_to_file(tok, corpus.train, tmp / "train.bin", dtype)
-        n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype)
+        n_train = _encode_to_file(tok, corpus.train, tmp / "train.bin", dtype, progress)
+        n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype, progress)
         meta = dict(digest=corpus.digest, tokenizer=tok.kind, vocab_size=tok.vocab_size, dtype=dtype.name,
                     n_train=n_train, n_val=n_val, sources=list(corpus.sources))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -128,7 +136,7 @@ def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer) -> Non
 
 
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
-                 given: Tokenizer | None = None) -> TokenData:
+                 given: Tokenizer | None = None, progress: bool = False) -> TokenData:
     """Tokenise ``corpus`` with the requested tokenizer, reusing a complete cache if present.
 
     ``tokenizer="bpe"`` trains a byte-level BPE on the *training* split only; when the
@@ -138,6 +146,9 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     ``given``: use this tokenizer (a checkpoint's) instead of making one; the request is then
     ignored. Its cache is the usual one when that was made with the same tokenizer, else one
     keyed by the tokenizer's fingerprint.
+
+    ``progress``: show progress bars (stderr) for the work a cache hit skips: training the
+    BPE (``tokenizers``' own bars) and tokenising each split.
     """
     if tokenizer not in TOKENIZER_KINDS:
         raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS}; got {tokenizer!r}")
@@ -150,7 +161,7 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
             found = _open_cache(cache, given)
             if found is not None:
                 return found
-        _write_cache(corpus, root, keyed, given)
+        _write_cache(corpus, root, keyed, given, progress)
         return _open_cache(keyed, given)
     if tokenizer == "bpe" and not bpe_available():
         import warnings
@@ -162,7 +173,8 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     found = _open_cache(cache, None)
     if found is not None:
         return found
-    _write_cache(corpus, root, cache, train_bpe(corpus.train, vocab_size) if tokenizer == "bpe" else ByteTokenizer())
+    made = train_bpe(corpus.train, vocab_size, progress) if tokenizer == "bpe" else ByteTokenizer()
+    _write_cache(corpus, root, cache, made, progress)
     return _open_cache(cache, None)
 
 

@@ -101,11 +101,13 @@ def bpe_available() -> bool:
     return True
 
 
-def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
+def train_bpe(text: str, vocab_size: int, progress: bool = False) -> BPETokenizer:
     """Train a byte-level BPE with (at most) ``vocab_size`` tokens on ``text``, locally.
 
     The 256 byte symbols are always in the vocabulary, so ``vocab_size`` must be >= 256; a
     small text may stop short of ``vocab_size`` merges (read ``.vocab_size`` afterwards).
+    ``progress``: a line saying what runs, then ``tokenizers``' own progress bars (drawn
+    on a terminal only).
     """
     if vocab_size < 256:
         raise ValueError(f"data.vocab_size must be >= 256 for the byte-level BPE; got {vocab_size}")
@@ -118,8 +120,12 @@ def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress,
     )
+    if progress:
+        import sys
+
+        print(f"training a byte-level BPE of {vocab_size} tokens on {len(text):,} characters", file=sys.stderr)
     run_interruptibly(lambda: tok.train_from_iterator(text_chunks(text), trainer=trainer, length=None))
     return BPETokenizer(tok)
 

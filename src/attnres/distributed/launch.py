@@ -9,7 +9,8 @@ and creates the default process group with a timeout, so that a collective whose
 fails with :class:`DistributedError` instead of waiting forever. :func:`process_context` is
 what a training run calls: the group when several ranks were launched, else this one
 process alone (a :class:`DistContext` of world size 1, no group); the collectives here
-(:func:`mean_over_ranks`, :func:`any_rank`, :func:`barrier`) are no-ops for it.
+(:func:`mean_over_ranks`, :func:`any_rank`, :func:`barrier`, :func:`gather_objects`,
+:func:`raise_on_every_rank`) are no-ops for it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,6 +135,73 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
+def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank (``[obj]`` in one process)."""
+    if ctx.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's picklable ``obj`` on every rank (``obj`` in one process)."""
+    if ctx.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+#: The attribute that marks an error every rank raised alike (:func:`raise_on_every_rank`).
+ON_EVERY_RANK = "attnres_on_every_rank"
+
+
+def raised_on_every_rank(error: BaseException) -> bool:
+    """Whether every rank raised ``error`` alike (then a command prints it once per node)."""
+    return bool(getattr(error, ON_EVERY_RANK, False))
+
+
+def on_every_rank(error: BaseException) -> BaseException:
+    """``error``, marked as raised alike on every rank (:func:`raised_on_every_rank`)."""
+    setattr(error, ON_EVERY_RANK, True)
+    return error
+
+
+def raise_on_every_rank(error: Exception | None, ctx: DistContext) -> None:
+    """Stop every rank together when any rank has an ``error`` (a collective: every rank
+    calls it, ``None`` where all went well). The error of the lowest failing rank is raised on
+    every rank: that rank raises its own, the others one of the same type and message (a
+    ``ValueError`` where the type takes more than a message); all are marked
+    (:func:`raised_on_every_rank`). In one process: ``error`` itself, if any."""
+    if ctx.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    reports = gather_objects(None if error is None else (_portable_type(error), str(error)), ctx)
+    first = next((r for r in reports if r is not None), None)
+    if first is None:
+        return
+    if error is None or reports.index(first) != ctx.rank:
+        kind, message = first
+        try:
+            error = kind(message)
+        except Exception:  # noqa: BLE001 - a type that needs other arguments
+            error = ValueError(message)
+    raise on_every_rank(error)
+
+
+def _portable_type(error: BaseException) -> type:
+    """``type(error)`` where the other ranks can unpickle it (a class defined at module level), else ``ValueError``."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(type(error)))
+    except Exception:  # noqa: BLE001 - a local class, a class of __main__ elsewhere, ...
+        return ValueError
+    return type(error)
+
+
 def _destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -158,5 +227,6 @@ def collective_errors(ctx: DistContext) -> Iterator[None]:
         raise DistributedError(
             f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
             f"Another rank has probably died or stalled; the process-group timeout is {ctx.timeout_s:g} s "
-            "(TrainConfig.dist_timeout_s)."
+            "(TrainConfig.dist_timeout_s). Under torchrun the job ends once its agent has stopped every rank: a rank "
+            "that does not exit on SIGTERM is killed after torchrun's 30 s grace period."
         ) from e

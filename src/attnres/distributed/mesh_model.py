@@ -108,6 +108,9 @@ class ParallelModel:
         self.forward = forward if forward is not None else chunks[0]
         self._replicated = replicated or []  # names of the parameters tp left replicated
         self._dp_manual = dp_manual or []  # names of the parameters FSDP2 leaves alone under dp x tp
+        # What a training forward passes besides the labels: a mixture-of-experts family asks
+        # for its router logits, so that its causal LM adds the load-balancing loss.
+        self._training_kwargs = getattr(model, "training_forward_kwargs", dict)()
 
     @property
     def holds_whole_model(self) -> bool:
@@ -152,18 +155,27 @@ class ParallelModel:
         if self.runner is None and self.layout.dp > 1:
             self.chunks[0].set_requires_gradient_sync(sync)
 
-    def forward_backward(self, ids: Tensor, grad_accum: int, autocast=contextlib.nullcontext) -> float:
+    def forward_backward(self, ids: Tensor, grad_accum: int,
+                         autocast=contextlib.nullcontext) -> tuple[float, float | None]:
         """Forward and backward of the mean next-token loss over ``ids`` (this dp rank's
-        rows), gradients divided by ``grad_accum`` (the step's micro-batches); returns the
-        loss (the same on every pp/tp rank of this dp rank)."""
+        rows), gradients divided by ``grad_accum`` (the step's micro-batches). Returns the
+        language-modelling loss (the same on every pp/tp rank of this dp rank) and the
+        auxiliary loss, or ``None``: a mixture-of-experts family that trains with its
+        router's load-balancing loss (``training_forward_kwargs``) adds
+        ``router_aux_loss_coef`` times it to the objective, as the family does; it is
+        reported apart, not in the first value."""
         ids = ids.to(self.device)
         if self.runner is not None:
             with autocast():
-                return self.runner.forward_backward(ids, ids, scale=1.0 / grad_accum).item()
+                return self.runner.forward_backward(ids, ids, scale=1.0 / grad_accum).item(), None
         with autocast():
-            loss = self.forward(ids, labels=ids).loss
-        (loss / grad_accum).backward()
-        return loss.item()
+            out = self.forward(ids, labels=ids, **self._training_kwargs)
+        (out.loss / grad_accum).backward()
+        aux = getattr(out, "aux_loss", None)
+        if aux is None:
+            return out.loss.item(), None
+        aux = aux.item()
+        return out.loss.item() - self.model.config.router_aux_loss_coef * aux, aux
 
     @torch.no_grad()
     def loss(self, ids: Tensor, autocast=contextlib.nullcontext) -> float:

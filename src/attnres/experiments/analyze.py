@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
+from ..data.corpus import read_text_file
 from ..analysis.mixing_report import (
     method_note,
     mixing_findings,
@@ -26,7 +27,8 @@ from ..analysis.mixing_report import (
     sink_table,
 )
 
-__all__ = ["analysis_tokens", "analyze_checkpoint", "write_analysis", "mixing_section", "DEFAULT_ROWS"]
+__all__ = ["analysis_tokens", "analyze_checkpoint", "write_analysis", "mixing_section", "moe_layers",
+           "expert_load_section", "DEFAULT_ROWS"]
 
 #: Windows analysed per checkpoint by default (of the model's ``seq_len``, at most 128).
 DEFAULT_ROWS = 8
@@ -39,9 +41,10 @@ def analysis_tokens(run, rows: int = DEFAULT_ROWS, seq_len: int | None = None, t
 
     if text is None:
         text = run.validation_text()
-    seq_len = seq_len or min(128, run.model.config.max_seq_len)
-    if seq_len > run.model.config.max_seq_len:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {run.model.config.max_seq_len}")
+    limit = run.run_config["model"]["max_seq_len"]
+    seq_len = seq_len or min(128, limit)
+    if seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {limit}")
     ids = load_tokenizer(run).encode(text)
     if len(ids) < seq_len:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
@@ -58,15 +61,45 @@ def analyze_checkpoint(path: str | Path, rows: int = DEFAULT_ROWS, seq_len: int 
     from ..inference.loading import load_run
 
     run = load_run(path, device)
-    if run.run_config["model"].get("hf_architecture") is not None:
-        raise ValueError(f"{str(path)!r} holds a transformers family model; the mixing analysis runs native models")
     model = run.model
-    result = depth_mixing_matrix(model, analysis_tokens(run, rows, seq_len, text))
+    tokens = analysis_tokens(run, rows, seq_len, text)
+    result = depth_mixing_matrix(model, tokens)
     residual = model.residual
     info = {"checkpoint": str(run.checkpoint), "residual": residual.name, "L": residual.n_sublayers,
             "block_size": getattr(residual, "block_size", None), "n_streams": getattr(residual, "n_streams", None),
             "step": run.state.get("step")}
+    if run.run_config["model"].get("hf_architecture") is not None:
+        info["expert_load"] = moe_layers(model, tokens)
     return result, info
+
+
+@torch.no_grad()
+def moe_layers(model, tokens: torch.Tensor) -> list[dict]:
+    """Per MoE layer of a ``transformers`` family model (``attnres.upcycle``; ``[]`` for dense
+    ones), on ``tokens``: its expert load (:class:`~attnres.analysis.experts.ExpertLoad` as a
+    mapping) and ``depth_weights``, the mean depth-attention weight of each source of its
+    MLP sublayer's input (``None`` for a residual without depth attention)."""
+    from ..analysis.experts import recorded_expert_load
+    from ..models.families.moe import RouterRecorder
+
+    with RouterRecorder(model) as rec:
+        weights = model.depth_weights(tokens, use_cache=False)
+    return [{**x.to_dict(), "depth_weights": weights[2 * x.layer + 1].float().mean(dim=(1, 2)).tolist() if weights else None}
+            for x in recorded_expert_load(rec)]
+
+
+def expert_load_section(models: list[tuple[str, list[dict]]]) -> str:
+    """The report's expert-load section: per model and MoE layer, the load summaries, the
+    depth weights into the layer's MLP and the load of every expert."""
+    from ..analysis.experts import ExpertLoad, expert_load_table
+
+    loads = [(name, [ExpertLoad(d["layer"], d["fraction"], d["tokens"], d["top_k"]) for d in layers]) for name, layers in models]
+    weights = {name: {d["layer"]: d["depth_weights"] for d in layers} for name, layers in models}
+    return ("## Expert load (mixture of experts)\n\nPer MoE layer, over the analysed tokens: the share of the top-k "
+            "routing assignments each expert received, its normalised entropy (1: even), the busiest expert's load "
+            "relative to an even one, the experts that got no token, and the mean depth-attention weight of each "
+            "source of the layer's MLP input (the embedding first, then earlier outputs or blocks, then the current "
+            "block's partial sum).\n\n" + expert_load_table(loads, weights) + "\n")
 
 
 def _expect(info: dict) -> tuple[str, int | None, int | None]:
@@ -88,7 +121,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     """``attnres analyze``: write ``report.md``, ``mixing.png`` (Fig.-9-style panels, and the
     difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
     ``<checkpoint>/analysis``); returns the report's path."""
-    text = None if text_path is None else Path(text_path).read_text(encoding="utf-8")
+    text = None if text_path is None else read_text_file(text_path, "--text")
     out = Path(out) if out is not None else Path(checkpoint) / "analysis"
     out.mkdir(parents=True, exist_ok=True)
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
@@ -110,6 +143,9 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
                                                             for n, (r, i) in zip(names, items)]) + "\n")
     parts.append("## Sink table\n\n" + "\n\n".join(sink_table(f"{n}: {_label(i)}", [r]) for n, (r, i) in zip(names, items))
                  + "\n")
+    if any(info.get("expert_load") for _, info in items):
+        parts.append(expert_load_section([(n, info["expert_load"]) for n, (_, info) in zip(names, items)
+                                          if info.get("expert_load")]))
     if diff is not None:
         a, b = items[0][0], items[1][0]
         d = diff[1]

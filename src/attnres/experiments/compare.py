@@ -141,27 +141,65 @@ def _equal_time_losses(groups: dict[str, list[Run]], step_ratio: dict[str, float
             for name, rs in groups.items() if name in step_ratio}
 
 
+def too_noisy(effect: float, spread: float) -> bool:
+    """Whether a measured ``effect`` cannot be told apart from noise of size ``spread``: the
+    spread exceeds the effect, or either is not a number."""
+    return not abs(effect) >= spread
+
+
+def _mean_gap(losses: dict[str, dict[int, float]], name: str) -> float:
+    gaps = [losses[name][s] - losses[BASELINE][s] for s in sorted(set(losses[name]) & set(losses[BASELINE]))]
+    return statistics.fmean(gaps) if gaps else math.nan
+
+
+def equal_time_noise(groups: dict[str, list[Run]], step_ratio: dict[str, float], noise: dict[str, float]
+                     ) -> dict[str, tuple[float, float]]:
+    """Per variant with a measured step-time ratio and noise: ``(effect, spread)`` of its
+    equal-time reading. ``effect``: the mean paired gap to the baseline at equal time;
+    ``spread``: the most that gap moves when the ratio moves by its noise (a bound below 1 is
+    read at the last step). The equal-time conclusion is drawn only where the effect
+    exceeds the spread (:func:`too_noisy`)."""
+    out = {}
+    for name, rs in groups.items():
+        if name == BASELINE or BASELINE not in groups or name not in step_ratio or noise.get(name) is None:
+            continue
+        pair = {BASELINE: groups[BASELINE], name: rs}
+        ratio, width = step_ratio[name], noise[name]
+        effect, *bounds = (_mean_gap(_equal_time_losses(pair, {BASELINE: 1.0, name: r}), name)
+                           for r in (ratio, max(1.0, ratio - width), ratio + width))
+        out[name] = (effect, max(abs(b - effect) for b in bounds))
+    return out
+
+
 def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]] | None = None
-            ) -> tuple[str, dict[str, Any]]:
-    """The loss and paired-gap tables; ``overheads``: ``overhead.json``'s per-variant ratios."""
+            ) -> tuple[str, dict[str, Any], dict[str, tuple[float, float]]]:
+    """The loss and paired-gap tables; ``overheads``: ``overhead.json``'s per-variant ratios.
+    Also returns the paired gaps and :func:`equal_time_noise`."""
     step_ratio = {name: v["step_ratio"] for name, v in (overheads or {}).items()}
     base = groups.get(BASELINE)
     final = {name: {r.record["seed"]: r.record["val_loss"] for r in rs} for name, rs in groups.items()}
     losses = {"steps": final}
+    noisy: dict[str, tuple[float, float]] = {}
     if base:
         losses["compute"] = _equal_compute_losses(groups)
         if step_ratio and BASELINE in step_ratio:
             losses["time"] = _equal_time_losses(groups, step_ratio)
+            noisy = equal_time_noise(groups, step_ratio, {n: v.get("step_ratio_noise") for n, v in overheads.items()})
+
+    def cell(values: list[float], key: str, name: str) -> str:
+        flag = key == "time" and name in noisy and too_noisy(*noisy[name])
+        return _pm(values) + (" (too noisy)" if flag else "")
     base_flops = statistics.fmean(r.record["flops_per_token"] for r in base) if base else None
     rows = []
     for name, rs in groups.items():
         rec = rs[0].record
         tok_s = [_tokens_per_s(r) for r in rs]
         row = [_LABELS.get(name, name), f"{rec['params']:,}", f"{rec['residual_params']:,}"]
-        row += [_pm(list(by_seed[name].values())) if name in by_seed else "–" for by_seed in losses.values()]
+        row += [cell(list(by_seed[name].values()), key, name) if name in by_seed else "–"
+                for key, by_seed in losses.items()]
         row += [f"{statistics.fmean(tok_s):,.0f}", f"{rec['flops_per_token'] / base_flops:.3f}" if base_flops else "–"]
         if overheads:
-            row += [f"{overheads[name][key]:.2f}" if name in overheads else "–" for key in ("step_ratio", "peak_ratio")]
+            row += [_ratio_cell(overheads.get(name)), f"{overheads[name]['peak_ratio']:.2f}" if name in overheads else "–"]
         rows.append(row)
     header = ["model", "params", "residual params"] + [f"val loss @ equal {key}" for key in losses]
     header += ["tokens/s", "FLOPs/token (× standard)"]
@@ -177,16 +215,33 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
             gaps[name] = {key: [by_seed[name][s] - by_seed[BASELINE][s] for s in seeds]
                           for key, by_seed in losses.items() if name in by_seed}
             row = [_LABELS.get(name, name)]
-            for d in gaps[name].values():
+            for key, d in gaps[name].items():
                 read = [v for v in d if not math.isnan(v)]  # nan: the budget ends before the first evaluation
-                row += [_pm(d), f"{sum(v < 0 for v in read)}/{len(read)}" if read else "–"]
+                row += [cell(d, key, name), f"{sum(v < 0 for v in read)}/{len(read)}" if read else "–"]
             paired_rows.append(row)
         header = ["model"]
         for key in losses:
             header += [f"Δ val loss @ equal {key}", "seeds better"]
         md.append("Paired by seed (AttnRes run minus the standard run of the same seed, which saw the same "
                   "batches; negative = AttnRes better):\n\n" + markdown_table(header, paired_rows))
-    return "\n\n".join(md), gaps
+    if noisy:
+        md.append(_TIME_NOTE)
+    return "\n\n".join(md), gaps, noisy
+
+
+_TIME_NOTE = ("Step time: CPU time of one training step at one thread, interleaved, × standard = median of the "
+              "per-round ratios ± its noise (the larger of its 95 % interval and how far an identical copy of the "
+              "standard model lands from 1). Equal time reads each curve at the standard model's steps / that ratio; "
+              "where moving the ratio by its noise moves the paired gap by more than the gap itself, the reading is "
+              "marked \"too noisy\" and no equal-time conclusion is drawn.")
+
+
+def _ratio_cell(measured: dict[str, Any] | None) -> str:
+    """A step-time ratio with its noise (``overhead.json`` of earlier versions has none)."""
+    if measured is None:
+        return "–"
+    noise = measured.get("step_ratio_noise")
+    return f"{measured['step_ratio']:.2f}" + (f" ± {noise:.2f}" if noise is not None else "")
 
 
 def _mean_curve(rs: list[Run], key: str) -> np.ndarray | None:
@@ -313,14 +368,21 @@ def _decay_gap_findings(groups: dict[str, list[Run]], start: int) -> list[str]:
     return out
 
 
-def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | None = None) -> list[str]:
+def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | None = None,
+              noisy: dict[str, tuple[float, float]] | None = None) -> list[str]:
     """Plain statements of what the measured numbers say about the report's claims; ``start``:
-    the step a WSD decay begins."""
+    the step a WSD decay begins; ``noisy``: :func:`equal_time_noise`."""
     out = []
     for name, g in gaps.items():
         for key, what in (("steps", "equal steps"), ("compute", "equal compute"), ("time", "equal time")):
             d = [v for v in g.get(key, []) if not math.isnan(v)]
             if not d:
+                continue
+            if key == "time" and name in (noisy or {}) and too_noisy(*noisy[name]):
+                effect, spread = noisy[name]
+                out.append(f"{_LABELS.get(name, name)} at equal time: too noisy to draw a conclusion: the step-time "
+                           f"ratio's noise moves the paired gap ({effect:+.4f}) by up to {spread:.4f}. Re-time it on a "
+                           "quieter machine with the same command (finished runs are skipped).")
                 continue
             mean, std = mean_std(d)
             spread = f" ± {std:.4f}" if std is not None else ""
@@ -354,7 +416,7 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
     groups = {n: [r for r in runs if r.variant == n] for n in order}
     groups.update({n: rs for n, rs in _by_variant(runs).items() if n not in groups})
     measured = read_overhead(out)
-    tables, gaps = _tables(groups, measured["variants"] if measured else None)
+    tables, gaps, noisy = _tables(groups, measured["variants"] if measured else None)
     parts = [tables]
     start = decay_start(out, runs[0].record) if runs else None
     wsd_note = "" if start is None else (
@@ -380,7 +442,7 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
                             out, _LABELS)
     if mixing is not None:
         parts.append(mixing)
-    findings = _findings(groups, gaps, start)
+    findings = _findings(groups, gaps, start, noisy)
     if findings:
         parts.append("## Findings (computed)\n\n" + "\n".join(f"- {f}" for f in findings))
     return "\n\n".join(parts)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..nn.residual import IMPLEMENTATIONS
+from ..progress import progress_bar
 from .nfl_models import VARIANTS, ResidualMLP, block_size_for
 from .nfl_tasks import TaskSpec, make_task
 
@@ -312,13 +313,7 @@ def run_grid(config: NFLConfig, out: str | Path, seeds: Iterable[int], preset: s
 
 
 def _progress(total: int, done: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the bar is a convenience: without tqdm the grid runs silently
-        return None
-    return tqdm(total=total, initial=done, unit="run", dynamic_ncols=True, desc=NAME)
+    return progress_bar(enabled, total=total, initial=done, unit="run", desc=NAME)
 
 
 def load_results(out: str | Path) -> list[dict[str, Any]]:

@@ -5,8 +5,13 @@ The step times that the training runs log come from runs minutes or hours apart 
 machine, so their ratios mix the variants' cost with the load of the moment. Here every
 variant is built at the grid's shape and timed **interleaved** with the others (one
 training step of each per round, median of the per-round ratios to the baseline; see
-:mod:`attnres.analysis.profiling`), and the peak memory of one step is taken from the
-profiler. Written to ``<out>/overhead.json``; the report's tables read it.
+:mod:`attnres.analysis.profiling`) on the **CPU time of this process at one thread**: time
+spent waiting for a core that another process holds does not count, so other load on the
+machine cannot bias the ratio the way it biases wall-clock time. Each ratio comes with its
+noise (:func:`timing_noise`): the 95 % interval of the median, widened to how far an
+identical copy of the baseline (an A/A twin, timed alike) lands from 1. The peak memory of
+one step is taken from the profiler. Written to ``<out>/overhead.json``; the report's
+tables read it.
 """
 
 from __future__ import annotations
@@ -35,40 +40,82 @@ def _train_step(model: AttnResLM, ids: torch.Tensor) -> Callable[[], None]:
     return step
 
 
+#: The A/A twin's name in the timing: a second copy of the baseline, timed like the others.
+TWIN = "twin"
+
+
+def timing_noise(interval: tuple[float, float], ratio: float, twin_interval: tuple[float, float]) -> float:
+    """How far a measured step-time ``ratio`` may be from the truth: the larger of the half
+    width of its own interval (around the ratio) and the largest distance of the twin's
+    interval from 1 (an identical model measured as faster or slower: what the machine's
+    state adds that the variant's own spread does not show)."""
+    own = max(ratio - interval[0], interval[1] - ratio)
+    floor = max(abs(twin_interval[0] - 1.0), abs(twin_interval[1] - 1.0))
+    return max(own, floor)
+
+
+def _one_thread(fn: Callable[[], Any]) -> Any:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(previous)
+
+
 def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[str] = (), repeats: int = 10,
                      log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Time one training step of every variant of ``experiment`` interleaved (``repeats``
-    rounds after two warm-up steps each) and take each step's peak memory; write and return
-    ``{"repeats", "threads", "batch", "seq_len", "baseline", "freed_memory_retained",
-    "variants": {name: {median_ms, step_ratio, peak_memory_bytes, peak_ratio}}}``. Ratios are
+    """Time one training step of every variant of ``experiment`` and of an A/A twin of the
+    baseline interleaved, on the process's CPU time at one thread (``repeats`` rounds after
+    two warm-up steps each), and take each step's peak memory; write and return ``{"repeats",
+    "threads", "clock", "batch", "seq_len", "baseline", "freed_memory_retained", "twin":
+    {step_ratio, step_ratio_interval}, "variants": {name: {median_ms, step_ratio,
+    step_ratio_interval, step_ratio_noise, peak_memory_bytes, peak_ratio}}}``. Ratios are
     against the grid's first ``baseline``-family variant. The steps run under this
     process's allocator, which the ``attnres`` command set from the runs' ``cpu_allocator``
-    before they trained (:mod:`attnres.train.cpu_memory`)."""
-    baseline = next((v.name for v in experiment.variants if v.family == "baseline"), None)
+    before they trained (:mod:`attnres.train.cpu_memory`); this function leaves it alone."""
+    baseline = next((v for v in experiment.variants if v.family == "baseline"), None)
     if baseline is None:
         raise ValueError(f"experiment {experiment.name!r} has no baseline variant to measure overheads against")
     steps, batch, retained = {}, None, False
     with tempfile.TemporaryDirectory() as tmp:
-        for v in experiment.variants:
-            config = run_config(experiment, v, 0, Path(tmp) / v.name, overrides)
+        for name, v in [(v.name, v) for v in experiment.variants] + [(TWIN, baseline)]:
+            config = run_config(experiment, v, 0, Path(tmp) / name, overrides)
             retained = retains_freed_memory()
             torch.manual_seed(0)
             model = AttnResLM(config.model)
             if batch is None:  # the same tokens for every variant
                 batch = torch.randint(0, config.model.vocab_size, (config.batch_size, config.seq_len))
-            steps[v.name] = _train_step(model, batch)
-    log(f"overhead: {len(steps)} variants, batch {tuple(batch.shape)}, {repeats} interleaved rounds")
-    for step in steps.values():
-        for _ in range(2):
-            step()
-    timing = paired_summary(time_interleaved(steps, repeats), baseline)
+            steps[name] = _train_step(model, batch)
+    log(f"overhead: {len(steps) - 1} variants and an A/A twin of {baseline.name!r}, batch {tuple(batch.shape)}, "
+        f"{repeats} interleaved rounds, CPU time at one thread")
+
+    def timed():
+        for step in steps.values():
+            for _ in range(2):
+                step()
+        return paired_summary(time_interleaved(steps, repeats, clock="cpu"), baseline.name)
+
+    timing = _one_thread(timed)
+    twin = timing.pop(TWIN)
+    steps.pop(TWIN)
     memory = {name: peak_memory_bytes(step) for name, step in steps.items()}
+    variants = {}
+    for name in steps:
+        ratio, interval = timing[name]["median_paired_ratio"], timing[name]["paired_ratio_interval"]
+        variants[name] = {"median_ms": timing[name]["median_ms"], "step_ratio": ratio, "step_ratio_interval": interval,
+                          "step_ratio_noise": timing_noise(interval, ratio, twin["paired_ratio_interval"]),
+                          "peak_memory_bytes": memory[name], "peak_ratio": memory[name] / max(memory[baseline.name], 1)}
+        if name != baseline.name:
+            log(f"overhead: {name} step time {ratio:.3f} x {baseline.name} ± {variants[name]['step_ratio_noise']:.3f} "
+                f"(95 % interval {interval[0]:.3f}-{interval[1]:.3f})")
+    log(f"overhead: A/A twin {twin['median_paired_ratio']:.3f} (95 % interval {twin['paired_ratio_interval'][0]:.3f}-"
+        f"{twin['paired_ratio_interval'][1]:.3f}; an identical model: 1 is exact)")
     result = {
-        "repeats": repeats, "threads": torch.get_num_threads(), "batch": batch.shape[0], "seq_len": batch.shape[1],
-        "baseline": baseline, "freed_memory_retained": retained,
-        "variants": {name: {"median_ms": timing[name]["median_ms"], "step_ratio": timing[name]["median_paired_ratio"],
-                            "peak_memory_bytes": memory[name], "peak_ratio": memory[name] / max(memory[baseline], 1)}
-                     for name in steps},
+        "repeats": repeats, "threads": 1, "clock": "cpu", "batch": batch.shape[0], "seq_len": batch.shape[1],
+        "baseline": baseline.name, "freed_memory_retained": retained,
+        "twin": {"step_ratio": twin["median_paired_ratio"], "step_ratio_interval": twin["paired_ratio_interval"]},
+        "variants": variants,
     }
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / OVERHEAD_FILE).write_text(json.dumps(result, indent=1))

@@ -49,6 +49,7 @@ class Summary:
     step_time_s: float | None
     peak_memory_bytes: float | None
     step_ratio: float | None = None  # measured side by side (overhead.json): median per-round ratio to the baseline
+    step_noise: float | None = None  # its noise (overhead.json; absent from files of earlier versions)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Summary]:
@@ -78,7 +79,8 @@ def _overhead(s: Summary, base: Summary | None) -> list[str]:
         return f" ({a / b:.2f}×)" if base is not None and a is not None and b else ""
 
     time = "n/a" if s.step_time_s is None else f"{s.step_time_s * 1e3:.1f}" + (
-        f" ({s.step_ratio:.2f}×)" if s.step_ratio is not None else ratio(s.step_time_s, base and base.step_time_s))
+        f" ({s.step_ratio:.2f}×{f' ± {s.step_noise:.2f}' if s.step_noise is not None else ''})"
+        if s.step_ratio is not None else ratio(s.step_time_s, base and base.step_time_s))
     mem = "n/a" if s.peak_memory_bytes is None else f"{s.peak_memory_bytes / 2**20:.1f}" + ratio(
         s.peak_memory_bytes, base and base.peak_memory_bytes)
     dparams = "" if base is None else f" ({s.params - base.params:+,})"
@@ -95,10 +97,16 @@ def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
         if name in summ:
             summ[name].step_time_s = v["median_ms"] / 1e3
             summ[name].step_ratio = v["step_ratio"]
+            summ[name].step_noise = v.get("step_ratio_noise")
             summ[name].peak_memory_bytes = v["peak_memory_bytes"]
+    clock = ("the process's CPU time (other load on the machine does not count)" if m.get("clock") == "cpu"
+             else "wall-clock time")
+    noise = ("; ± its noise: the larger of the 95 % interval of that median and how far an identical copy of the "
+             "baseline (A/A twin) lands from 1" if "twin" in m else "")
     return (f"Step time and peak memory: one training step of each variant ({m['batch']} x {m['seq_len']} tokens, "
-            f"{m['threads']} thread(s)), all variants timed interleaved over {m['repeats']} rounds; × baseline = "
-            "median of the per-round ratios. Peak memory: rise of live CPU allocations during the step (profiler). ")
+            f"{m['threads']} thread(s)), all variants timed interleaved over {m['repeats']} rounds on {clock}; "
+            f"× baseline = median of the per-round ratios{noise}. Peak memory: rise of live CPU allocations during "
+            "the step (profiler). ")
 
 
 _OVERHEAD_COLS = ["params (Δ vs baseline)", "residual params", "step ms (× baseline)", "peak MiB (× baseline)"]

@@ -36,6 +36,8 @@ def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Pat
     base["model"] = {**base["model"], **variant.model}
     data = apply_overrides(base, list(overrides))
     data.update(seed=seed, out_dir=str(out_dir))
+    if not {"preset", "from_hf"} & set(data["model"]):  # the grids give sizes over ModelConfig's own defaults
+        data["model"] = ModelConfig.from_dict(data["model"])
     try:
         return TrainConfig.from_dict(data)
     except ValueError as e:

@@ -60,6 +60,11 @@ def missing_runs(records: list[dict[str, Any]], expected: list[tuple[str, str]] 
     return [(f, s, k) for f, s in pairs for k in seeds if (f, s, k) not in index or not _finished(index[(f, s, k)])]
 
 
+def finished_sizes(records: list[dict[str, Any]]) -> set[str]:
+    """The sizes at which at least one run (any family, any seed) finished."""
+    return {size_key(r) for r in records if _finished(r)}
+
+
 def complete_sizes(records: list[dict[str, Any]], expected: list[tuple[str, str]] | None = None,
                    seeds: list[int] | None = None) -> list[str]:
     """The sizes at which no run is missing (see :func:`missing_runs`), in first-seen order."""

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from .scaling_fit import PowerLaw, ScalingFit, compute_multiplier, fit_scaling
-from .scaling_grid import MIN_SIZES, ScalingGridError, fittable_part, missing_runs, scaling_data, size_key
+from .scaling_grid import (MIN_SIZES, ScalingGridError, finished_sizes, fittable_part, missing_runs, scaling_data,
+                           size_key)
 from .stats import markdown_table
 
 __all__ = ["REPORT_TABLE2", "REPORT_TABLE2_SIZES", "REPORT_MULTIPLIER_AT", "scaling_section"]
@@ -172,7 +173,8 @@ def _fit_text(records: list[dict[str, Any]], sizes: list[str], seeds: list[int],
 def scaling_section(records: list[dict[str, Any]], out: str | Path, expected: list[tuple[str, str]] | None = None,
                     level: float = 0.95, n_boot: int = 2000) -> str:
     """The report section for the scaling ``records`` (``expected``: the grid's (family,
-    size) pairs, to mark the runs not finished yet). Fits need every family at every seed
+    size) pairs, to mark the runs not finished yet; its sizes with no finished run at all are
+    named and left out). Fits need every family at every seed
     at ``MIN_SIZES`` sizes or more; a partial grid is fitted, marked provisional, on its
     largest complete part (:func:`~.scaling_grid.fittable_part`)."""
     out = Path(out)
@@ -180,8 +182,17 @@ def scaling_section(records: list[dict[str, Any]], out: str | Path, expected: li
     families = list(dict.fromkeys([f for f, _ in expected or []] + [r["family"] for r in records]))
     sizes = list(dict.fromkeys([s for _, s in expected or []] + [size_key(r) for r in records]))
     expected = expected or [(f, s) for f in families for s in sizes]
-    missing = missing_runs(records, expected, seeds)
     text = "### Runs\n\n"
+    # A size of the grid that no run has finished is left out rather than marked missing: the
+    # grid was run on fewer sizes (said here); sizes that are partly done stay a partial grid.
+    ran = finished_sizes(records)
+    not_run = [s for s in sizes if s not in ran]
+    if not_run and len(not_run) < len(sizes):
+        text += (f"Sizes of the grid not run (no finished run): {', '.join(not_run)}. The grid below is the "
+                 f"{len(sizes) - len(not_run)} sizes that ran.\n\n")
+        sizes = [s for s in sizes if s in ran]
+        expected = [(f, s) for f, s in expected if s in ran]
+    missing = missing_runs(records, expected, seeds)
     fit_sizes, fit_seeds = sizes, seeds
     if missing:
         fit_sizes, fit_seeds = fittable_part(records, expected)

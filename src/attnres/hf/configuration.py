@@ -44,6 +44,15 @@ class _AttnResConfigMethods:
         super().__post_init__(**kwargs)
         self.to_model_config()  # validates every field, naming the bad one
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """As ``PretrainedConfig.from_dict``; flat residual keys of earlier versions among the
+        ``kwargs`` (``from_pretrained(dir, attnres_block_size=2)``) join the stored fields,
+        which migrate them with a ``DeprecationWarning``, instead of reaching the model's
+        ``__init__``."""
+        legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in LEGACY_KEYS}
+        return super().from_dict({**config_dict, **legacy} if legacy else config_dict, **kwargs)
+
     def to_model_config(self) -> ModelConfig:
         """The native :class:`attnres.ModelConfig` (raises ``ValueError`` on a bad field)."""
         fields = {name: getattr(self, name) for name in _MODEL_FIELDS}

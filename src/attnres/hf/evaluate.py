@@ -17,9 +17,12 @@ network to fetch their data sets (see ``docs/hf.md``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import random
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -125,7 +128,10 @@ def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
         "output_type: loglikelihood_rolling\n"
         'doc_to_text: ""\n'
         'doc_to_target: "{{text}}"\n'
-        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+        "metric_list:\n"  # aggregation and direction given: the harness warns about each metric without them
+        "  - {metric: word_perplexity, aggregation: weighted_perplexity, higher_is_better: false}\n"
+        "  - {metric: byte_perplexity, aggregation: weighted_perplexity, higher_is_better: false}\n"
+        "  - {metric: bits_per_byte, aggregation: bits_per_byte, higher_is_better: false}\n"
         "metadata:\n  version: 1.0\n"
     )
     (directory / "attnres_cloze.yaml").write_text(
@@ -138,7 +144,9 @@ def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
         'doc_to_choice: "{{choices}}"\n'
         "doc_to_target: label\n"
         'target_delimiter: ""\n'
-        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+        "metric_list:\n"
+        "  - {metric: acc, aggregation: mean, higher_is_better: true}\n"
+        "  - {metric: acc_norm, aggregation: mean, higher_is_better: true}\n"
         "metadata:\n  version: 1.0\n"
     )
     return directory
@@ -185,6 +193,49 @@ def add_ratio_stderrs(results: dict, samples: dict) -> dict:
     return results
 
 
+def check_tasks(tasks: list[str]) -> None:
+    """Raise ``ValueError`` naming every entry of ``tasks`` that is neither a local task nor
+    a task, group or tag lm-evaluation-harness knows, before any evaluation runs (the
+    harness itself fails only after the perplexity pass, with a ``KeyError``). Looking the
+    harness's names up indexes its task files: a few seconds, paid only for non-local names."""
+    others = [t for t in tasks if t not in LOCAL_TASKS]
+    if not others:
+        return
+    from lm_eval.tasks import TaskManager
+
+    unknown = [t for t in others if t not in TaskManager().all_tasks]
+    if unknown:
+        raise ValueError(f"--tasks: unknown task(s) {', '.join(map(repr, unknown))}: the local tasks are "
+                         f"{', '.join(LOCAL_TASKS)}, and `lm-eval ls tasks` lists the harness's own (comma-separated, "
+                         "e.g. --tasks attnres_ppl,hellaswag; 'none' skips lm-eval)")
+
+
+@contextlib.contextmanager
+def _quiet_git_describe():
+    """The harness records the git commit of the working directory with ``git describe``,
+    whose "fatal: not a git repository" reaches the terminal outside a repository: run it
+    with its stderr dropped while the harness runs (the recorded value is unchanged)."""
+    from lm_eval import evaluator
+    from lm_eval.loggers import utils as harness_utils
+
+    def describe() -> str | None:
+        try:
+            done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return harness_utils.get_commit_from_path(os.getcwd())
+        return done.stdout.strip()
+
+    users = [m for m in (harness_utils, evaluator) if hasattr(m, "get_git_commit_hash")]  # it imports the name
+    originals = [m.get_git_commit_hash for m in users]
+    for m in users:
+        m.get_git_commit_hash = describe
+    try:
+        yield
+    finally:
+        for m, original in zip(users, originals):
+            m.get_git_commit_hash = original
+
+
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
                 device: str = "cpu", bootstrap_iters: int = 1000) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the exported directory ``hf_dir``.
@@ -207,17 +258,20 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
         manager = TaskManager(include_path=str(include) if include else None, include_defaults=len(local) < len(tasks))
-        out = lm_eval.simple_evaluate(
-            model="hf",
-            model_args={"pretrained": str(hf_dir), "dtype": "float32", "prefix_token_id": prefix[0]},
-            tasks=tasks,
-            task_manager=manager,
-            batch_size=batch_size,
-            device=device,
-            limit=limit,
-            log_samples=True,
-            bootstrap_iters=bootstrap_iters,
-        )
+        with _quiet_git_describe():
+            out = lm_eval.simple_evaluate(
+                model="hf",
+                # backend: an attnres model is a causal LM the harness cannot tell from its model_type
+                model_args={"pretrained": str(hf_dir), "dtype": "float32", "prefix_token_id": prefix[0],
+                            "backend": "causal"},
+                tasks=tasks,
+                task_manager=manager,
+                batch_size=batch_size,
+                device=device,
+                limit=limit,
+                log_samples=True,
+                bootstrap_iters=bootstrap_iters,
+            )
     if out is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
     return add_ratio_stderrs(out["results"], out.get("samples") or {}) if bootstrap_iters > 0 else out["results"]

@@ -112,9 +112,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
     out = check_output_dir(out_dir)
     run = load_run(checkpoint)
     model = run.model
-    tokenizer = load_tokenizer(run, tokenizer_path)
-    if tokenizer.vocab_size != model.config.vocab_size:
-        raise ValueError(f"tokenizer vocabulary {tokenizer.vocab_size} != model vocab_size {model.config.vocab_size}")
+    tokenizer = load_tokenizer(run, tokenizer_path)  # refuses a vocabulary that is not the model's
     if not isinstance(model, AttnResLM):  # model.hf_architecture: already a transformers model
         hf_tok = make_hf_tokenizer(tokenizer, model.config.max_position_embeddings)
         hf = model

@@ -20,7 +20,7 @@ from ..models.factory import build_model
 from ..models.lm import AttnResLM
 from ..checkpoint import CheckpointError, find_valid_checkpoint, load_weights
 
-__all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "pick_device"]
+__all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -41,6 +41,10 @@ def pick_device(name: str | None) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}")
     return device
+
+
+#: Files of a training checkpoint that using the model does not need.
+INFERENCE_OPTIONAL = ("optimizer.safetensors",)
 
 
 @dataclass
@@ -71,8 +75,9 @@ class LoadedRun:
 
 def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> LoadedRun:
     """The model of a training checkpoint - a ``step-*`` directory, or a run directory (its
-    newest checkpoint that verifies) - on ``device`` (see :func:`pick_device`)."""
-    source = find_valid_checkpoint(path)
+    newest checkpoint that verifies) - on ``device`` (see :func:`pick_device`). The
+    optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads."""
+    source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
     if source is None:
         raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a run directory with checkpoints")
     run_config = source.state["config"]
@@ -93,13 +98,34 @@ def load_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None = 
     """The tokenizer of a run: ``tokenizer_path`` (a ``tokenizer.json``) when given, else the
     one stored in the checkpoint (``source``: a :class:`LoadedRun`, or a checkpoint or run
     directory). Checkpoints of earlier versions store none: then the one the run's data
-    settings produce (cached beside the data, or retrained identically), with a warning."""
+    settings produce (cached beside the data, or retrained identically), with a warning.
+    With a :class:`LoadedRun`, a tokenizer whose vocabulary is not the model's is refused
+    (``ValueError``): its ids would index other embeddings, and the text would be garbage."""
+    tokenizer = _find_tokenizer(source, tokenizer_path)
+    if isinstance(source, LoadedRun):
+        check_vocabulary(tokenizer, source.model.config.vocab_size, tokenizer_path)
+    return tokenizer
+
+
+def check_vocabulary(tokenizer: Tokenizer, vocab_size: int, tokenizer_path: str | None = None) -> None:
+    """Raise ``ValueError`` unless ``tokenizer`` has the model's ``vocab_size`` tokens."""
+    if tokenizer.vocab_size == vocab_size:
+        return
+    what = f"--tokenizer {tokenizer_path!r}" if tokenizer_path is not None else "the checkpoint's tokenizer"
+    fix = ("pass the tokenizer.json the model was trained with, or omit --tokenizer to use the one stored in the "
+           "checkpoint" if tokenizer_path is not None else "pass the tokenizer.json it was trained with (--tokenizer)")
+    raise ValueError(f"{what} has {tokenizer.vocab_size} tokens, the model's vocabulary (vocab_size) {vocab_size}: "
+                     f"its ids would index other embeddings; {fix}")
+
+
+def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) -> Tokenizer:
+    """:func:`load_tokenizer` without the vocabulary check."""
     if tokenizer_path is not None:
         return BPETokenizer.load(tokenizer_path)
     if isinstance(source, LoadedRun):
         checkpoint, state = source.checkpoint, source.state
     else:
-        found = find_valid_checkpoint(source)
+        found = find_valid_checkpoint(source, optional=INFERENCE_OPTIONAL)
         if found is None:
             raise CheckpointError(f"{str(source)!r} is neither a checkpoint nor a run directory with checkpoints")
         checkpoint, state = found.path, found.state

@@ -16,7 +16,10 @@ __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.models.families.FAMILIES`` describes their layouts).
-HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                    # mixtures of experts
+                    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
+                    "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "phimoe", "granitemoe")
 
 _CHECK = Fields("ModelConfig")
 
@@ -87,9 +90,10 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             _CHECK.positive(name, getattr(self, name))
         _CHECK.boolean("tie_embeddings", self.tie_embeddings)
-        if self.d_model % self.n_heads:
+        own_head_dim = self.hf_architecture is not None and "head_dim" in (self.hf_config or {})
+        if self.d_model % self.n_heads and not own_head_dim:  # a family model may set its head_dim (GPT-OSS)
             _CHECK.fail("d_model", f"divisible by n_heads={self.n_heads}", self.d_model)
-        if (self.d_model // self.n_heads) % 2:
+        if (self.d_model // self.n_heads) % 2 and not own_head_dim:
             _CHECK.fail("d_model", f"such that the head dimension d_model / n_heads is even (RoPE); n_heads={self.n_heads} "
                         f"gives {self.d_model // self.n_heads}", self.d_model)
         if self.n_heads % self.kv_heads:
@@ -150,7 +154,13 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``)."""
+        """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``).
+        A name of :data:`RENAMED_PRESETS` gives its new preset, with a ``DeprecationWarning``."""
+        if name in RENAMED_PRESETS:
+            warnings.warn(f"model preset {name!r} is now called {RENAMED_PRESETS[name]!r} ({name!r} names the "
+                          "`attnres compare` / `make demo` grid); the old name will be removed", DeprecationWarning,
+                          stacklevel=2)
+            name = RENAMED_PRESETS[name]
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
         return cls.from_dict(_merge(PRESETS[name], migrate_legacy_keys(overrides)))
@@ -173,10 +183,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128,
                  residual={"block_size": 2}),
     # configs/train-cpu.yaml: a small model for a first training run on CPU.
-    "demo": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256, residual={"block_size": 2}),
+    "train-cpu": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=256, residual={"block_size": 2}),
     # The core issue's CPU overhead benchmark: d=512, 8 transformer blocks, S=4 (N=4).
     "bench-cpu": dict(vocab_size=8192, d_model=512, n_layers=8, n_heads=8, max_seq_len=256, residual={"block_size": 4}),
     # The inference benchmark shape: d=1024, 16 transformer blocks, S=4 (N=8).
     "bench-infer": dict(vocab_size=8192, d_model=1024, n_layers=16, n_heads=16, max_seq_len=2048,
                         residual={"block_size": 4}),
 }
+
+#: Presets renamed, old name -> new: ``demo`` was both this model and the main job's grid.
+RENAMED_PRESETS: dict[str, str] = {"demo": "train-cpu"}

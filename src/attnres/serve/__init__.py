@@ -9,7 +9,9 @@ attnres writes, with no flags beyond vLLM's own:
   standard, Full or Block AttnRes residual), :mod:`attnres.serve.native`;
 * ``attnres upcycle`` directories and models trained with ``model.hf_architecture``
   (``AttnRes<Family>ForCausalLM`` for Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3 text),
-  :mod:`attnres.serve.upcycled`, around vLLM's own modules of each family.
+  :mod:`attnres.serve.upcycled`, around vLLM's own modules of each family. The upcycled
+  mixtures of experts are not served yet: loading one stops with the reason
+  (:mod:`attnres.serve.refused`).
 
 Both are built from vLLM's blocks (its ``Attention`` layer over the paged KV cache, parallel
 linear, embedding and LM-head layers, rotary embedding and RMSNorm, its weight loading) and run
@@ -24,9 +26,9 @@ point at the modules that do).
 
 from __future__ import annotations
 
-from .families import NATIVE_ARCHITECTURE, SERVED_FAMILIES, ServedFamily, architectures
+from .families import NATIVE_ARCHITECTURE, SERVED_FAMILIES, ServedFamily, architectures, unserved_families
 
-__all__ = ["register", "architectures", "ServedFamily", "SERVED_FAMILIES", "NATIVE_ARCHITECTURE"]
+__all__ = ["register", "architectures", "ServedFamily", "SERVED_FAMILIES", "unserved_families", "NATIVE_ARCHITECTURE"]
 
 
 def register(registry=None) -> None:

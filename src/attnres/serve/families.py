@@ -11,16 +11,20 @@ modules, final norm) is subclassed, and only the loop over the decoder layers is
 the AttnRes residual (:mod:`attnres.serve.upcycled`), as :mod:`attnres.upcycle` does with the
 transformers modules. A :class:`ServedFamily` names that body and the attributes of its decoder
 layer; the norms around the two sublayers are the family's :class:`attnres.models.families.Layout`
-(vLLM keeps the transformers attribute names). Adding a family - an MoE one, say, whose
-decoder layer calls its MLP ``block_sparse_moe`` - is one entry here once
-:mod:`attnres.upcycle` knows its layout.
+(vLLM keeps the transformers attribute names).
+
+The mixtures of experts that :mod:`attnres.upcycle` converts are not served yet
+(:func:`unserved_families`, with the reason): their architectures are registered all the
+same, with :mod:`attnres.serve.refused`, so that loading one fails at once with a message
+that names the family, rather than vLLM's "architecture not supported" or a fallback to its
+Transformers backend.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ServedFamily", "SERVED_FAMILIES", "NATIVE_ARCHITECTURE", "architectures"]
+__all__ = ["ServedFamily", "SERVED_FAMILIES", "unserved_families", "NATIVE_ARCHITECTURE", "architectures"]
 
 #: The ``architectures`` entry of an ``attnres export`` directory.
 NATIVE_ARCHITECTURE = "AttnResForCausalLM"
@@ -60,14 +64,35 @@ SERVED_FAMILIES: dict[str, ServedFamily] = {
 }
 
 
+_MOE_REASON = (
+    "vLLM runs a mixture of experts through its own fused-experts layer (FusedMoE), whose weight loading "
+    "gathers per-expert tensors into fused ones; the plugin does not yet check an upcycled checkpoint's "
+    "experts against that layer, and no mixture-of-experts family has been verified token for token "
+    "against transformers under vLLM")
+
+
+def unserved_families() -> dict[str, str]:
+    """Upcycled families (transformers ``model_type``) that the plugin refuses at load time,
+    with the reason: the mixtures of experts of :data:`attnres.models.families.FAMILIES`
+    (needs transformers)."""
+    from ..models.families import FAMILIES
+
+    return {name: _MOE_REASON for name, layout in FAMILIES.items() if layout.router is not None}
+
+
 def architectures() -> dict[str, str]:
     """``architectures`` name -> the plugin's vLLM class as a lazy ``"module:Class"`` string
     (``vllm.ModelRegistry.register_model`` imports it when a model of that name loads).
-    The upcycled names are the class names :mod:`attnres.upcycle` saves (needs transformers)."""
+    The upcycled names are the class names :mod:`attnres.upcycle` saves (needs transformers);
+    those of :func:`unserved_families` point at :mod:`attnres.serve.refused`, which refuses
+    them with the reason."""
     from ..models.families import upcycled_classes
 
     names = {NATIVE_ARCHITECTURE: f"{__package__}.native:{NATIVE_ARCHITECTURE}"}
     for model_type in SERVED_FAMILIES:
         name = upcycled_classes(model_type)[1].__name__
         names[name] = f"{__package__}.upcycled:{name}"
+    for model_type in unserved_families():
+        name = upcycled_classes(model_type)[1].__name__
+        names[name] = f"{__package__}.refused:{name}"
     return names

@@ -107,7 +107,8 @@ class TrainConfig:
     """Configuration of :func:`attnres.train.train`.
 
     ``model`` is a :class:`ModelConfig`; in YAML it is a preset name, or a mapping of
-    ``ModelConfig`` fields with an optional ``preset`` key to start from. Optimiser:
+    ``ModelConfig`` fields over the preset its ``preset`` key names (default
+    :data:`DEFAULT_MODEL_PRESET`, the same base as ``model.X=...`` overrides). Optimiser:
     ``"adamw"``, or ``"muon"`` (Newton-Schulz orthogonalised momentum for the 2-D matrices
     inside transformer blocks, AdamW for everything else; see :mod:`attnres.train.optim`).
     ``lr`` is the peak learning rate of both parts. Schedules: ``"cosine"`` (linear warmup,
@@ -200,9 +201,12 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelConfig):
             fail("TrainConfig", "parallel", "a ParallelConfig", self.parallel)
         self.parallel.validate()
+        # A window of seq_len tokens holds seq_len - 1 next-token targets: one token has none
+        # (the loss would be a mean over nothing, NaN at the first step).
+        if not (Int(2).ok(self.seq_len) and self.seq_len <= self.model.max_seq_len):
+            fail("TrainConfig", "seq_len", f"an integer in [2, model.max_seq_len={self.model.max_seq_len}] (a window "
+                 "needs a next token to predict)", self.seq_len)
         _check_rules(self, TRAIN_RULES)
-        if self.seq_len > self.model.max_seq_len:
-            fail("TrainConfig", "seq_len", f"<= model.max_seq_len={self.model.max_seq_len}", self.seq_len)
 
     @property
     def tokens_per_step(self) -> int:
@@ -239,11 +243,20 @@ class TrainConfig:
         return cls(**data)
 
 
-_POSITIVE = ("steps", "seq_len", "batch_size", "grad_accum", "muon_ns_steps", "eval_every", "eval_batches",
+@dataclass(frozen=True)
+class _WindowLength(Int):
+    """``seq_len``: at least 2 tokens, at most the model's context (checked in ``validate``)."""
+
+    def describe(self) -> str:
+        return f"an integer in [{self.minimum}, model.max_seq_len]"
+
+
+_POSITIVE = ("steps", "batch_size", "grad_accum", "muon_ns_steps", "eval_every", "eval_batches",
              "log_every", "diagnostics_every", "checkpoint_every", "keep_checkpoints")
 TRAIN_RULES: dict[str, Rule] = {
     "seed": Int(0),
     **{name: Int(1) for name in _POSITIVE},
+    "seq_len": _WindowLength(2),
     "stop_after": Nullable(Int(1), "run to the end of the schedule"),
     "warmup_steps": Int(0),
     "optimizer": Choice(OPTIMIZERS),
@@ -308,9 +321,11 @@ accept_legacy_keys(TrainConfig, migrate_distributed)
 
 
 def model_from_spec(spec: Any) -> ModelConfig:
-    """A ``ModelConfig`` from a preset name, a ``ModelConfig``, or a mapping of fields with
-    an optional ``preset`` key to start from - or ``from_hf``, a saved ``transformers``
-    directory of a supported family (plain or AttnRes), whose model it describes."""
+    """A ``ModelConfig`` from a preset name, a ``ModelConfig``, or a mapping of fields over
+    the preset named by its ``preset`` key (default: :data:`DEFAULT_MODEL_PRESET`, as for
+    ``model.X=...`` overrides) - or ``from_hf``, a saved ``transformers`` directory of a
+    supported family (plain or AttnRes), whose model it describes. (``ModelConfig.from_dict``
+    starts from the class defaults instead.)"""
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, str):
@@ -325,7 +340,9 @@ def model_from_spec(spec: Any) -> ModelConfig:
             from ..models.families import model_fields_from_directory
 
             return ModelConfig.from_dict(model_fields_from_directory(source)).replace(**fields)
-        return ModelConfig.preset(preset, **fields) if preset is not None else ModelConfig.from_dict(fields)
+        # One rule for YAML and overrides: a model section starts from the default preset
+        # unless it names another (``model.X=...`` on a config without a model does the same).
+        return ModelConfig.preset(preset if preset is not None else DEFAULT_MODEL_PRESET, **fields)
     fail("TrainConfig", "model", "a preset name or a mapping of ModelConfig fields", spec)
     raise AssertionError  # unreachable: _fail raises
 
@@ -376,6 +393,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             child = node.get(k)
             if isinstance(child, str) and depth == 0 and k == "model":
                 child = {"preset": child}
+            elif isinstance(child, str) and keys[:depth + 1] == ["model", "residual"]:
+                child = {"kind": child}  # a residual given by its name: the name is its kind
             elif child is None and depth == 0 and k == "model":
                 child = {"preset": DEFAULT_MODEL_PRESET}  # what the config had without the override
             elif child is None:
@@ -386,6 +405,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         if keys == ["model", "from_hf"]:
             node.pop("preset", None)  # the directory is the model: it replaces a preset
+        if keys == ["model", "residual"] and isinstance(value, str) and isinstance(node.get("residual"), dict):
+            value = {**node["residual"], "kind": value}  # a name changes the kind only, in any order
         node[keys[-1]] = value
     return data
 

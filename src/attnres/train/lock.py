@@ -4,9 +4,11 @@
 The lock is the file ``<out_dir>/run.lock`` holding the owner's PID, host, process start
 time and command line as JSON. It is created atomically (written under a temporary name,
 then hard-linked into place, which fails if the file exists), removed when the run ends,
-and taken over when it is *stale*: left by a process of this host that no longer runs (a
-killed run). A lock held by another host cannot be checked from here; the error says how
-to remove it by hand.
+and taken over when it is *stale*: left by a process that no longer runs (a killed run).
+Only the host that ran the process can tell, so a job on several nodes
+(:func:`lock_run_dir`) has the holder checked by its ranks on the holder's host: a crashed
+run launched again takes its lock back wherever the rendezvous puts rank 0. A lock of a host
+that runs no rank of the job cannot be checked; the error says when and how to remove it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ..distributed.launch import DistContext, broadcast_object, gather_objects
 
 LOCK_FILE = "run.lock"
 
@@ -47,6 +52,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _host() -> str:
+    return socket.gethostname()
+
+
+def stale_here(holder: dict[str, Any]) -> bool:
+    """Whether ``holder`` (a lock file's content) was left by a process of this host that no
+    longer runs (or whose PID now names another process)."""
+    if holder.get("host") != _host() or not isinstance(holder.get("pid"), int):
+        return False
+    pid = holder["pid"]
+    if not _alive(pid):
+        return True
+    recorded, now = holder.get("proc_start"), _start_time(pid)
+    return recorded is not None and now is not None and recorded != now
+
+
 def _describe(holder: dict[str, Any]) -> str:
     started = holder.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
@@ -63,8 +84,12 @@ class RunLock:
 
     def _me(self) -> dict[str, Any]:
         pid = os.getpid()
-        return {"pid": pid, "host": socket.gethostname(), "proc_start": _start_time(pid), "started": time.time(),
+        return {"pid": pid, "host": _host(), "proc_start": _start_time(pid), "started": time.time(),
                 "command": " ".join(sys.argv)[:500]}
+
+    def holder(self) -> dict[str, Any] | None:
+        """The lock file's content (``{}`` when unreadable), ``None`` when there is none."""
+        return self._read()
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -74,16 +99,6 @@ class RunLock:
         except (OSError, ValueError):
             return {}
         return holder if isinstance(holder, dict) else {}
-
-    def _stale(self, holder: dict[str, Any]) -> bool:
-        """A lock of this host whose process is gone (or whose PID now names another process)."""
-        if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-            return False
-        pid = holder["pid"]
-        if not _alive(pid):
-            return True
-        recorded, now = holder.get("proc_start"), _start_time(pid)
-        return recorded is not None and now is not None and recorded != now
 
     def _create(self, tmp: Path) -> None:
         """Put the complete lock file in place, or raise ``FileExistsError``."""
@@ -96,7 +111,20 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 f.write(tmp.read_text())
 
-    def acquire(self) -> None:
+    def _refusal(self, holder: dict[str, Any], job_hosts: frozenset[str]) -> RunLocked:
+        if holder.get("host") in job_hosts | {_host()}:
+            return RunLocked(f"{str(self.path.parent)!r} is in use by another run: {_describe(holder)}. Wait for it to "
+                             "finish, stop it, or pick another out_dir")
+        return RunLocked(
+            f"{str(self.path.parent)!r} is locked by {_describe(holder)}, a host that runs no rank of this job, so "
+            "whether that run is still alive cannot be checked from here. If it is not (it crashed or was killed, and "
+            f"this is a new launch of the same run), delete {str(self.path)!r} and launch again; if it is, wait for "
+            "it, stop it, or pick another out_dir")
+
+    def acquire(self, proven_stale: dict[str, Any] | None = None, job_hosts: frozenset[str] = frozenset()) -> None:
+        """Take the lock, taking over a stale one (:func:`stale_here`, or ``proven_stale``: a
+        holder a rank on its host found stale); :class:`RunLocked` otherwise. ``job_hosts``:
+        the hosts of this job's ranks (for the error's advice)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}")
         tmp.write_text(json.dumps(self._me()))
@@ -114,11 +142,8 @@ class RunLock:
                 if not holder:
                     raise RunLocked(f"{str(self.path.parent)!r} is locked by an unreadable lock file {str(self.path)!r}; "
                                     "if no run uses this directory, delete that file")
-                if not self._stale(holder):
-                    raise RunLocked(
-                        f"{str(self.path.parent)!r} is in use by another run: {_describe(holder)}. Wait for it to "
-                        f"finish, stop it, or pick another out_dir; if that run is no longer alive (another host "
-                        f"cannot be checked from here), delete {str(self.path)!r}")
+                if not (stale_here(holder) or holder == proven_stale):
+                    raise self._refusal(holder, job_hosts)
                 if self._read() != holder:  # another process took it over meanwhile: look again
                     continue
                 warnings.warn(f"removing the stale lock of a run that no longer runs: {_describe(holder)}", stacklevel=3)
@@ -141,3 +166,18 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def lock_run_dir(out_dir: str | Path, ctx: DistContext, main_first: Callable[[Callable[[], Any]], Any]) -> RunLock | None:
+    """Take ``out_dir``'s lock for this job: rank 0 holds it (the returned lock; ``None`` on
+    the other ranks). A lock file already there is checked by every rank on the host that
+    wrote it (a collective), so a crashed run launched again takes it over even when the
+    rendezvous put its rank 0 on another node. ``main_first``: runs the acquisition on rank 0
+    and stops every rank when it fails."""
+    lock = RunLock(out_dir) if ctx.is_main else None
+    holder = broadcast_object(lock.holder() if lock is not None else None, ctx)
+    verdicts = gather_objects((_host(), bool(holder) and stale_here(holder)), ctx)
+    proven = holder if any(stale for _, stale in verdicts) else None
+    hosts = frozenset(host for host, _ in verdicts)
+    main_first(lambda: lock.acquire(proven, hosts) if lock is not None else None)
+    return lock

@@ -40,6 +40,7 @@ from torch import nn
 from ..analysis.diagnostics import block_grad_norms, forward_diagnostics
 from ..checkpoint import (
     CheckpointError,
+    CheckpointWriteError,
     is_sharded,
     load_checkpoint,
     load_sharded,
@@ -48,15 +49,25 @@ from ..checkpoint import (
     write_checkpoint,
 )
 from ..distributed.data_parallel import shard_optimizer_state
-from ..distributed.launch import DistContext, any_rank, barrier, collective_errors, mean_over_ranks, process_context
+from ..distributed.launch import (
+    DistContext,
+    any_rank,
+    barrier,
+    collective_errors,
+    mean_over_ranks,
+    on_every_rank,
+    process_context,
+    raise_on_every_rank,
+)
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
 from .hf_source import load_hf_weights
-from .lock import RunLock
+from .lock import RunLock, lock_run_dir
 from .metrics import MetricsLogger
 from .optim import build_optimizer
+from .out_dir import OutDirError, check_out_dir, os_cause
 from .resume import check_resumable
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
@@ -124,12 +135,13 @@ class Trainer:
         config.validate()
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
         self.out_dir = Path(config.out_dir)
-        self.lock = RunLock(self.out_dir) if self.main else None
+        self.lock: RunLock | None = None
         self.logger: MetricsLogger | None = None
         self.progress = None
+        check_out_dir(self.out_dir, ctx)  # writable, and the same directory on every rank
         # Under torchrun only rank 0 takes the lock (the ranks are one run, and only rank 0
-        # writes); the others learn whether it succeeded, so every rank stops on an error.
-        self._main_first(self.lock.acquire if self.lock is not None else (lambda: None))
+        # writes); the others check a lock left on their host, and stop with rank 0 on an error.
+        self.lock = lock_run_dir(self.out_dir, ctx, self._main_first)
         try:
             self.start = locate_start(config, self.main, self._main_first)
             self.config, self.data = prepare_run_data(config, self.start, self._main_first)
@@ -148,8 +160,9 @@ class Trainer:
             self.tokens_seen: int = state.get("tokens_seen", 0)
             self.train_loss: float | None = state.get("train_loss")
             self.val_loss: float | None = state.get("val_loss")
+            self.aux_loss: float | None = None  # a mixture of experts' load-balancing loss (its family's)
             self.last_ckpt: Path | None = self.start.resume.path if self.start.resume is not None else None
-            self._open_outputs()
+            self._main_first(self._open_outputs)
         except BaseException:
             self.close()
             raise
@@ -157,16 +170,14 @@ class Trainer:
     # -- coordination ---------------------------------------------------------------------
     def _main_first(self, fn):
         """``fn()`` on rank 0 first, then on the others (which may then read what rank 0
-        wrote: a token cache, checkpoints set aside). An error on rank 0 stops every rank."""
-        result, error = None, None
-        if self.main:
-            try:
-                result = fn()
-            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
-                error = e
-        if any_rank(error is not None, self.ctx):  # a collective: also the barrier
-            raise error or ValueError("rank 0 failed to set up the run (see its error)")
-        return result if self.main else fn()
+        wrote: a token cache, checkpoints set aside). An error on any rank stops every rank
+        with that error (:func:`~attnres.distributed.launch.raise_on_every_rank`)."""
+        result, error = _attempt(fn) if self.main else (None, None)
+        raise_on_every_rank(error, self.ctx)  # a collective: also the barrier
+        if not self.main:
+            result, error = _attempt(fn)
+        raise_on_every_rank(error, self.ctx)
+        return result
 
     def close(self) -> None:
         """Close the progress bar and the metrics log and release the lock (idempotent)."""
@@ -196,10 +207,11 @@ class Trainer:
             load = lambda model: _load_init_weights(source, model, config)  # noqa: E731
         else:
             return None
-        if config.parallel.pp > 1:
-            raise CheckpointError(f"{str(source.path)!r} is a consolidated checkpoint; pipeline-parallel runs "
-                                  "(parallel.pp > 1) start from sharded (DCP) checkpoints only: continue it with "
-                                  "parallel.pp=1 first (a run on several ranks then writes sharded checkpoints)")
+        if config.parallel.pp > 1:  # the config and the checkpoint are the same on every rank: so is the error
+            raise on_every_rank(CheckpointError(
+                f"{str(source.path)!r} is a consolidated checkpoint; pipeline-parallel runs (parallel.pp > 1) start "
+                "from sharded (DCP) checkpoints only: continue it with parallel.pp=1 first (a run on several ranks "
+                "then writes sharded checkpoints)"))
         return load
 
     def _build_model(self) -> ParallelModel:
@@ -233,9 +245,11 @@ class Trainer:
         """``config.json``, the metrics log and the progress bar (rank 0)."""
         if not self.main:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
-        self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step)
+        try:
+            (self.out_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
+            self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step)
+        except OSError as e:  # a disk that filled up since the start-up check
+            raise OutDirError(f"could not write to out_dir {str(self.out_dir)!r}: {os_cause(e)}") from None
         if self.config.progress:
             try:
                 from tqdm import tqdm
@@ -290,22 +304,26 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        loss_sum, aux_sum = 0.0, None
         for micro in range(config.grad_accum):
             ids = pm.rows(self.data.sampler.next_batch())  # the global batch; this dp rank trains on its rows
             pm.sync_gradients(micro == config.grad_accum - 1)
-            loss_sum += pm.forward_backward(ids, config.grad_accum, self.autocast)
+            loss, aux = pm.forward_backward(ids, config.grad_accum, self.autocast)
+            loss_sum += loss
+            if aux is not None:  # logged apart: loss is the language-modelling loss
+                aux_sum = (aux_sum or 0.0) + aux
         # The global batch's loss, the same on every rank (so is the stop decision); tp and
         # pp peers hold the same value, so the world's mean is dp's.
         self.train_loss = train_loss = mean_over_ranks(loss_sum / config.grad_accum, self.ctx)
+        self.aux_loss = None if aux_sum is None else mean_over_ranks(aux_sum / config.grad_accum, self.ctx)
         pm.finish_grads()
         diagnose = (step + 1) % config.diagnostics_every == 0 and pm.holds_whole_model
         grads = block_grad_norms(self.model) if diagnose else None  # before clipping
         grad_norm = pm.clip_grads(config.grad_clip if config.grad_clip > 0 else math.inf)
         if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-            raise TrainingDiverged(
+            raise on_every_rank(TrainingDiverged(  # the loss and the norm are global: every rank sees them
                 f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step + 1} "
-                f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {self._recovery_hint()}")
+                f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {self._recovery_hint()}"))
         self.optimizer.step()
         self.step_count += 1
         self.tokens_seen += config.tokens_per_step
@@ -323,10 +341,12 @@ class Trainer:
         ``window`` is ``[tokens, start time]``, reset here."""
         now = time.perf_counter()
         tok_s = window[0] / max(now - window[1], 1e-9)
-        self.logger.log("train", self.step_count, loss=self.train_loss, lr=self.config.lr * factor,
+        aux = {} if self.aux_loss is None else {"aux_loss": self.aux_loss}
+        self.logger.log("train", self.step_count, loss=self.train_loss, **aux, lr=self.config.lr * factor,
                         grad_norm=grad_norm, tokens=self.tokens_seen, tokens_per_s=tok_s)
         if self.progress is not None:
-            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", **{k: f"{v:.4f}" for k, v in aux.items()},
+                                      tok_s=f"{tok_s:,.0f}")
         window[:] = [0, now]
 
     def evaluate(self) -> None:
@@ -356,13 +376,28 @@ class Trainer:
                      "data": {"fingerprint": data.fingerprint, "train_tokens": len(data.tokens.train),
                               "val_tokens": len(data.tokens.val)},
                      "init_from": self.start.origin}
-        if self.sharded:
-            self.last_ckpt = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer, run_state,
-                                          config.keep_checkpoints, data.tokenizer_files, main=self.main)
-        else:
-            self.last_ckpt = write_checkpoint(self.out_dir, step, self.model.state_dict(), self.optimizer.state_dict(),
-                                              run_state, config.keep_checkpoints, data.tokenizer_files)
+        try:
+            if self.sharded:
+                self.last_ckpt = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer,
+                                              run_state, config.keep_checkpoints, data.tokenizer_files, main=self.main,
+                                              agree=lambda error: raise_on_every_rank(error, self.ctx))
+            else:
+                self.last_ckpt = write_checkpoint(self.out_dir, step, self.model.state_dict(),
+                                                  self.optimizer.state_dict(), run_state, config.keep_checkpoints,
+                                                  data.tokenizer_files)
+        except CheckpointWriteError as e:  # sharded: every rank raises it alike (save_sharded agrees on it)
+            raise on_every_rank(CheckpointWriteError(f"{e}. {self._continue_hint()}")) from None
         return self.last_ckpt
+
+    def _continue_hint(self) -> str:
+        """How to go on after an output write failed (a full disk): from the last good checkpoint."""
+        last = self.last_ckpt
+        if last is None:
+            return "No checkpoint of this run was written yet: once the cause is removed, start it again"
+        how = ("--resume (resume=true)" if last.resolve().parent == (self.out_dir / "checkpoints").resolve()
+               else f"--resume-from {last}")
+        return (f"The last good checkpoint is {str(last)!r}: once the cause is removed (a full disk: free space, or "
+                f"move out_dir to a larger one), continue from it with {how}")
 
     def stop_signal(self, signals: StopSignals) -> str | None:
         """The signal that asks this run to stop, agreed by every rank (a launcher signals
@@ -379,6 +414,8 @@ class Trainer:
         try:
             self.announce()
             return self._train_loop()
+        except OutDirError as e:  # the metrics log could not be written (a full disk)
+            raise OutDirError(f"{e}. {self._continue_hint()}") from None
         finally:
             self.close()
 
@@ -412,6 +449,14 @@ class Trainer:
                     break
         return TrainResult(step=self.step_count, train_loss=self.train_loss, val_loss=self.val_loss,
                            checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted)
+
+
+def _attempt(fn):
+    """``(fn(), None)``, or ``(None, the error)``."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - handed to raise_on_every_rank
+        return None, e
 
 
 def _load_init_weights(source, model: nn.Module, config: TrainConfig) -> None:

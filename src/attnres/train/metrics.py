@@ -9,6 +9,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .out_dir import OutDirError, os_cause
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -62,8 +64,13 @@ class MetricsLogger:
                 self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
 
     def log(self, kind: str, step: int, **values: Any) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        """Append one record; :class:`~attnres.train.out_dir.OutDirError` naming the file
+        when it cannot be written (a full disk)."""
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+        except OSError as e:
+            raise OutDirError(f"could not append to {str(self.path)!r}: {os_cause(e)}") from None
         if self.writer is not None:
             for name, value in values.items():
                 if isinstance(value, (int, float)):

@@ -67,11 +67,12 @@ def config_reference() -> str:
         rows.append((f"parallel.{name}", _fmt(getattr(parallel_defaults, name)), rule.describe()))
     model = defaults.model
     rows.append(("model", repr(DEFAULT_MODEL_PRESET), "a preset name (" + ", ".join(sorted(PRESETS)) + ") or model.<field>=..."))
-    rows.append(("model.preset", "-", "a preset to start the model section from"))
+    rows.append(("model.preset", repr(DEFAULT_MODEL_PRESET), "the preset the model.<field> settings change"))
     for key, value in flatten(model.to_dict()).items():
         rows.append((f"model.{key}", _fmt(value), model_field_allowed(model, key)))
     width = max(len(k) + len(v) for k, v, _ in rows) + 5
     lines = [f"  {k} = {v}".ljust(width) + f"  {allowed}" for k, v, allowed in rows]
-    return ("every field, as key=value (default, then allowed values; model defaults are those of preset "
-            f"{DEFAULT_MODEL_PRESET!r}):\n" + "\n".join(lines))
+    return ("every field, as key=value (default, then allowed values). The model: model.<field> settings, in a "
+            f"YAML `model:` mapping or as overrides alike, start from preset {DEFAULT_MODEL_PRESET!r} unless "
+            "model.preset names another; the model defaults below are that preset's:\n" + "\n".join(lines))
 

@@ -135,7 +135,7 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     given = stored_tokenizer(source) if source is not None else None
     changed = start.resume is not None and check_data(start.resume, corpus.digest, config.allow_data_change)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
-                                             config.data.cache_dir, given=given))
+                                             config.data.cache_dir, given=given, progress=config.progress))
     if config.model.vocab_size != tokens.vocab_size:  # the tokenizer decides
         config = dataclasses.replace(config, model=config.model.replace(vocab_size=tokens.vocab_size))
     meta, files = tokenizer_state(tokens.tokenizer)

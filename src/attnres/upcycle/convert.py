@@ -22,8 +22,9 @@ def upcycle(
     exact_eps: bool = True,
     **settings: Any,
 ) -> PreTrainedModel:
-    """The AttnRes version of ``model`` (a causal LM of a supported family: Llama, Mistral,
-    Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text), around its own attention and MLP modules.
+    """The AttnRes version of ``model`` (a causal LM of a supported family, dense or mixture
+    of experts: ``attnres.upcycle.FAMILIES``), around its own attention and MLP (or router
+    and experts) modules.
 
     ``residual``: the variant (a registered name, a mapping of ``ResidualConfig`` fields or
     one); ``block_size`` and ``settings`` set ``ResidualConfig`` fields (``impl``,

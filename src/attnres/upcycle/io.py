@@ -45,11 +45,41 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file or "
                          f"{SMOLLM2!r})")
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(source, **kw)
+    if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
+        raise ModuleNotFoundError("reading a .gguf file needs the gguf package (pip install 'attnres[upcycle]')",
+                                  name="gguf")
+    check_layout(source, kw)  # a refused family is said before anything else can fail
+    if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"--model {str(source)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): the "
+                         "upcycled model is written with its tokenizer, so copy the tokenizer files of the pretrained "
+                         "model (tokenizer.json, tokenizer_config.json, ...) into the directory first")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kw)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(f"--model {str(source)!r}: its tokenizer cannot be loaded: {e}") from None
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
     if gguf_file:
         _forget_gguf_quantizer(model)
     return model, tokenizer
+
+
+#: Files of which a pretrained directory must hold one for its tokenizer to load: the fast
+#: tokenizer, a SentencePiece model, a BPE or WordPiece vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def check_layout(source: Path, kw: dict[str, Any]) -> None:
+    """Raise ``ValueError`` when the model of ``source`` is of a family that cannot be
+    upcycled (read from its config alone; see :func:`attnres.models.families.layout_of`)."""
+    from transformers import AutoConfig
+
+    from ..models.families import layout_of
+
+    try:
+        config = AutoConfig.from_pretrained(source, **kw)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {str(source)!r}: cannot read its config: {e}") from None
+    layout_of(config.model_type)
 
 
 def _forget_gguf_quantizer(model) -> None:

@@ -1,7 +1,12 @@
 """AttnRes models built from a ``transformers`` decoder family's own modules (needs
 ``transformers``): what a ``ModelConfig`` with ``hf_architecture`` describes.
 
-* :mod:`~attnres.models.families.layout` - the supported families and where their pre-norms are;
+* :mod:`~attnres.models.families.layout` - the supported families and where their pre-norms
+  (and a mixture of experts' router) are;
+* :mod:`~attnres.models.families.moe` - a mixture of experts' routers and what they chose in a
+  forward (:class:`RouterRecorder`, for the expert-load analysis);
+* :mod:`~attnres.models.families.tiny` - tiny random models of every family (tests,
+  exactness measurements);
 * :mod:`~attnres.models.families.modeling` - the generated ``AttnRes<Family>`` config and
   causal-LM classes (:func:`upcycled_classes`), and :func:`register_families`, which
   registers them with the ``transformers`` Auto classes (``attnres.hf`` and
@@ -14,21 +19,27 @@ Converting a pretrained family checkpoint is :mod:`attnres.upcycle`'s, on top of
 """
 
 from .build import build_hf_model, hf_config_of, model_fields_from_directory, model_fields_of
-from .layout import FAMILIES, REFUSED, Layout, layout_of
+from .layout import CHECKED_WITH, FAMILIES, REFUSED, Layout, Router, family_of, layout_of
+from .moe import RouterRecorder, moe_routers
 from .modeling import PREFIX, UpcycledModelMixin, init_missing_tensors, register_families, upcycled_classes, upcycled_config
 
 __all__ = [
+    "CHECKED_WITH",
     "FAMILIES",
     "PREFIX",
     "REFUSED",
     "Layout",
+    "Router",
+    "RouterRecorder",
     "UpcycledModelMixin",
     "build_hf_model",
+    "family_of",
     "hf_config_of",
     "init_missing_tensors",
     "layout_of",
     "model_fields_from_directory",
     "model_fields_of",
+    "moe_routers",
     "register_families",
     "upcycled_classes",
     "upcycled_config",

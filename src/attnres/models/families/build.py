@@ -49,9 +49,14 @@ def hf_config_of(config) -> PretrainedConfig:
 
 def build_hf_model(config) -> PreTrainedModel:
     """A freshly initialised ``AttnRes<Family>ForCausalLM`` for ``config`` (the family's own
-    init; the residual's faithful one: zero queries, unit gains)."""
+    init; the residual's faithful one: zero queries, unit gains). A mixture of experts'
+    ``output_router_logits`` is off by default: training forwards ask for the router logits
+    (``training_forward_kwargs``), so that evaluation losses are the cross-entropy alone."""
     _, model_cls = upcycled_classes(config.hf_architecture)
-    return model_cls(hf_config_of(config))
+    hf_config = hf_config_of(config)
+    if getattr(hf_config, "output_router_logits", False):
+        hf_config.output_router_logits = False
+    return model_cls(hf_config)
 
 
 def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
@@ -65,14 +70,13 @@ def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
     out: dict[str, Any] = {ours: data[hf] for ours, hf in _MAPPED.items() if hf in data}
     out["mlp_hidden"] = data["intermediate_size"]
     rope = data.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"the saved model's rope_parameters {rope} are not plain RoPE; attnres train keeps only "
-                         "rope_theta")
     if "rope_theta" in rope:
         out["rope_theta"] = float(rope["rope_theta"])
     out["residual"] = ResidualConfig.from_value(data.get("attnres_residual") or "standard").to_dict()
     out["hf_architecture"] = family
     extra = {k: v for k, v in data.items() if k not in _SKIPPED and k not in _MAPPED.values() and k != "rope_parameters"}
+    if set(rope) - {"rope_type", "rope_theta"} or rope.get("rope_type", "default") != "default":
+        extra["rope_parameters"] = rope  # scaled RoPE (YaRN: GPT-OSS, Kimi K2) or partial rotation (GLM-4.5), kept whole
     if extra.get("head_dim") == out["d_model"] // out["n_heads"]:
         extra.pop("head_dim")
     out["hf_config"] = extra

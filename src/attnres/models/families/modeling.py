@@ -1,6 +1,7 @@
-"""AttnRes around a ``transformers`` decoder's own attention and MLP modules.
+"""AttnRes around a ``transformers`` decoder's own attention and MLP (or mixture-of-experts)
+modules.
 
-For a supported family ``X`` (``llama``, ``qwen3``, ...) this generates, once, a config class
+For a supported family ``X`` (``llama``, ``qwen3``, ``qwen3_moe``, ...) this generates, once, a config class
 ``AttnResXConfig`` (``X``'s config plus ``attnres_residual`` and ``attnres_exact_eps``, with
 ``model_type = "attnres_X"``) and a model class ``AttnResXForCausalLM`` (``X``'s causal LM
 plus a ``residual`` module); :func:`register_families` registers both with the Auto classes
@@ -36,12 +37,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
-from .layout import FAMILIES, Layout, layout_of
+from .layout import FAMILIES, PREFIX, Layout, family_of, layout_of
 
 __all__ = ["upcycled_classes", "register_families", "init_missing_tensors", "adjust_eps", "UpcycledModelMixin", "PREFIX"]
 
-#: ``model_type`` of the AttnRes version of family ``X``: ``"attnres_" + X``.
-PREFIX = "attnres_"
 _EPS_NAMES = ("variance_epsilon", "eps")
 
 
@@ -66,6 +65,7 @@ class _Stream:
         self.state = None
         self.record_weights = False
         self.weights: list[torch.Tensor] | None = None  # the last recording forward's depth weights
+        self.recorded = None  # ... and its finished residual state (for the depth mixing matrix)
 
 
 def _set_eps(norm: nn.Module, eps: float) -> None:
@@ -89,25 +89,33 @@ def adjust_eps(residual: ResidualStream, layers, final_norm: nn.Module, layout: 
     _set_eps(final_norm, eps / counts[-1] ** 2)
 
 
-def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                   position_embeddings=None, **kwargs):
-    """A decoder layer of an upcycled model: its two sublayers on inputs from the residual."""
+def _layer_forward(self, hidden_states, **kwargs):
+    """A decoder layer of an upcycled model: its two sublayers on inputs from the residual.
+
+    ``kwargs`` (mask, positions, rotary tables, the cache under the name the model loop
+    uses: ``cache`` in transformers 5.24, ``past_key_values`` before) go to the attention
+    as the family's own layer passes them."""
     stream, index, layout = self.__dict__["_attnres"]
     residual = stream.residual
     if index == 0:
         stream.state = residual.start(hidden_states, record_weights=stream.record_weights)
     state = stream.state
     checkpointing = self.__dict__.get("_attnres_checkpointing", False) and self.training
+    scale = None if layout.output_scale is None else getattr(self, layout.output_scale)
+
+    def finish(out, post):
+        out = out if post is None else getattr(self, post)(out)
+        return out if scale is None else out * scale
 
     def attention(h):
-        out = self.self_attn(hidden_states=getattr(self, layout.attn_norm)(h), attention_mask=attention_mask,
-                             position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                             position_embeddings=position_embeddings, **kwargs)[0]
-        return out if layout.attn_post is None else getattr(self, layout.attn_post)(out)
+        out = getattr(self, layout.attn)(hidden_states=getattr(self, layout.attn_norm)(h), **kwargs)[0]
+        return finish(out, layout.attn_post)
 
     def mlp(h):
-        out = self.mlp(getattr(self, layout.mlp_norm)(h))
-        return out if layout.mlp_post is None else getattr(self, layout.mlp_post)(out)
+        out = getattr(self, layout.mlp)(getattr(self, layout.mlp_norm)(h))
+        if isinstance(out, tuple):  # GPT-OSS: (hidden, router scores); sparse blocks of some releases: (hidden, logits)
+            out = out[layout.mlp_output or 0]
+        return finish(out, layout.mlp_post)
 
     for l, sublayer in ((2 * index, attention), (2 * index + 1, mlp)):
         h = residual.sublayer_input(state, l)
@@ -118,7 +126,8 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
     if index == stream.n_layers - 1:
         stream.state = None
         out = residual.finish(state)
-        stream.weights = state.weights
+        if stream.record_weights:
+            stream.weights, stream.recorded = state.weights, state
         return out
     return hidden_states  # the next layer reads the residual stream, not this
 
@@ -164,7 +173,7 @@ class UpcycledModelMixin:
 
     def _attach_residual(self) -> None:
         config = self.config
-        layout = layout_of(config.model_type.removeprefix(PREFIX))
+        layout = layout_of(family_of(config.model_type))
         layers = self.model.layers
         L = 2 * config.num_hidden_layers
         self.residual = build_residual(config.residual_config(), config.hidden_size, L)
@@ -182,16 +191,38 @@ class UpcycledModelMixin:
     def _adjust_eps(self, layout: Layout) -> None:
         adjust_eps(self.residual, self.model.layers, self.model.norm, layout, self.config.rms_norm_eps)
 
-    def depth_weights(self, *args, **kwargs) -> list[torch.Tensor]:
-        """Run ``self(*args, **kwargs)`` recording the depth-attention weights; one tensor
-        ``[n_sources, B, T]`` per sublayer, then the output aggregation."""
+    def _recorded_forward(self, *args, **kwargs):
+        """``self(*args, **kwargs)`` recording the depth-attention weights; the stream keeps
+        them and the finished residual state."""
         stream = self.__dict__["_attnres_stream"]
-        stream.record_weights, stream.weights = True, None
+        stream.record_weights, stream.weights, stream.recorded = True, None, None
         try:
             self(*args, **kwargs)
         finally:
             stream.record_weights = False
+        return stream
+
+    def depth_weights(self, *args, **kwargs) -> list[torch.Tensor]:
+        """Run ``self(*args, **kwargs)`` recording the depth-attention weights; one tensor
+        ``[n_sources, B, T]`` per sublayer, then the output aggregation."""
+        stream = self._recorded_forward(*args, **kwargs)
+        stream.recorded = None  # the finished state holds every source: not kept
         return stream.weights or []
+
+    def depth_mixing(self, input_ids: torch.Tensor, per_channel: bool = False):
+        """The depth mixing matrix (report §6.2) of a forward on ``input_ids [B, T]``: the
+        residual's :class:`~attnres.nn.residual.mixing.MixingMatrix` (see
+        :meth:`~attnres.nn.residual.ResidualStream.mixing_matrix`)."""
+        stream = self._recorded_forward(input_ids, use_cache=False)
+        state, stream.recorded = stream.recorded, None
+        return self.residual.mixing_matrix(state, per_channel=per_channel)
+
+    def training_forward_kwargs(self) -> dict[str, Any]:
+        """What a training forward passes besides ``labels``: ``output_router_logits=True``
+        for a mixture-of-experts family whose causal LM then adds its load-balancing loss
+        (``router_aux_loss_coef`` times ``aux_loss``) to the loss, as the family trains."""
+        router = layout_of(family_of(self.config.model_type)).router
+        return {"output_router_logits": True} if router is not None and router.aux_loss_coef else {}
 
     def _init_weights(self, module: nn.Module) -> None:
         """The family's init, except for the residual's tensors: those the checkpoint lacks
@@ -238,11 +269,28 @@ def upcycled_classes(model_type: str) -> tuple[type, type]:
 
 
 def register_families() -> None:
-    """Register every supported family's AttnRes classes with the Auto classes (idempotent)."""
+    """Register every supported family's AttnRes classes with the Auto classes, and the
+    family's checkpoint conversion (idempotent)."""
     for model_type in FAMILIES:
         config_cls, model_cls = upcycled_classes(model_type)
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+        _share_weight_conversion(model_type)
+
+
+def _share_weight_conversion(model_type: str) -> None:
+    """Give ``attnres_X`` the weight conversion of family ``X``. transformers 5 keeps the
+    experts of a mixture of experts fused in memory (one ``[n_experts, ...]`` tensor) and
+    converts them from and to the per-expert tensors of the family's checkpoints by
+    ``model_type``; without this, an original checkpoint would not fill the AttnRes model's
+    experts, and an AttnRes model would save experts it cannot load back."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+    except ImportError:  # releases before checkpoint conversions convert nothing
+        return
+    mapping = get_checkpoint_conversion_mapping(model_type)
+    if mapping:
+        register_checkpoint_conversion_mapping(PREFIX + model_type, mapping, overwrite=True)
 
 
 def upcycled_config(base: PretrainedConfig, residual: ResidualConfig, exact_eps: bool) -> PretrainedConfig:

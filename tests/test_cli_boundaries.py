@@ -1,0 +1,165 @@
+"""What a new user meets first: the console script, and one-line errors at the command
+line's boundary (bad files, tokenizers, task names, checkpoints), each naming what to do."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml")
+pytest.importorskip("safetensors")
+
+from test_train import overrides, write_corpus  # noqa: E402
+
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.train import load_config, train  # noqa: E402
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("attnres")
+MY_RESIDUALS = (
+    "from attnres import register_residual\n"
+    "from attnres.nn.residual import SingleStreamResidual\n"
+    "@register_residual('halved', replace=True)\n"
+    "class Halved(SingleStreamResidual):\n"
+    "    def update(self, l, h, out):\n"
+    "        return h + 0.5 * out\n"
+)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A finished 4-step run of the tiny model with a BPE of 320 tokens."""
+    tmp = tmp_path_factory.mktemp("run")
+    corpus = write_corpus(tmp / "corpus.txt")
+    train(load_config(None, overrides(corpus, tmp / "run", steps=4, **{"data.tokenizer": "bpe", "data.vocab_size": 320})))
+    return tmp / "run"
+
+
+@pytest.mark.skipif(not CONSOLE_SCRIPT.is_file(), reason="the attnres console script is not installed")
+def test_console_script_imports_a_module_from_the_current_directory(tmp_path):
+    """The README's `attnres --import my_residuals train ...`, through the installed script."""
+    (tmp_path / "my_residuals.py").write_text(MY_RESIDUALS)
+    done = subprocess.run([str(CONSOLE_SCRIPT), "--import", "my_residuals", "train", "--print-config",
+                           "model.residual.kind=halved"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "kind: halved" in done.stdout
+
+
+def test_a_checkpoint_with_an_unregistered_residual_names_import(tmp_path, monkeypatch, capsys):
+    from attnres.nn.residual import registry
+
+    (tmp_path / "halved_residuals.py").write_text(MY_RESIDUALS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registration is undone afterwards
+    monkeypatch.setitem(sys.modules, "halved_residuals", None)  # ... and the import: the key is removed
+    del sys.modules["halved_residuals"]
+    __import__("halved_residuals")
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    train(load_config(None, overrides(corpus, tmp_path / "run", steps=2, **{"model.residual.kind": "halved"})))
+    del registry._REGISTRY["halved"]  # a new process that has not imported the module
+    with pytest.raises(SystemExit) as info:
+        cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the", "--max-new-tokens", "2"])
+    assert "'halved'" in str(info.value) and "attnres --import MODULE" in str(info.value)
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "export"])
+def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command):
+    from attnres.data.tokenizer import train_bpe
+
+    other = tmp_path / "other.json"
+    train_bpe(write_corpus(tmp_path / "other.txt", n_lines=100, seed=1).read_text(), 290).save(other)
+    args = {"generate": ["--prompt", "the", "--max-new-tokens", "2"], "eval": ["--tasks", "none"],
+            "export": ["--out", str(tmp_path / "hf")]}[command]
+    if command != "generate":
+        pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, "--checkpoint", str(run_dir), "--tokenizer", str(other), *args])
+    message = str(info.value)
+    assert f"--tokenizer {str(other)!r} has 290 tokens" in message and "vocab_size) 320" in message
+
+
+def test_eval_refuses_unknown_task_names_before_any_work(run_dir, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", "--checkpoint", str(run_dir), "--tasks", "attnres_ppl,bogus_task", "--out", str(out)])
+    message = str(info.value)
+    assert "unknown task(s) 'bogus_task'" in message and "lm-eval ls tasks" in message and "attnres_ppl" not in \
+        message.split("unknown task(s)")[1].split(":")[0]
+    assert "held-out loss" not in capsys.readouterr().out  # refused before the perplexity pass
+    assert not out.exists()
+
+
+def _fake_distribution(root: Path, name: str, version: str) -> Path:
+    """An installed distribution's metadata (no code) whose files include a top-level ``attnres``."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"attnres/__init__.py,,\n{info.name}/METADATA,,\n")
+    (info / "top_level.txt").write_text("attnres\n")
+    return root
+
+
+def test_a_distribution_that_also_installs_attnres_is_named(tmp_path):
+    """fast-attnres installs a package named `attnres` too: `import attnres` warns (found by
+    name), and the command finds any other such distribution from every file list."""
+    import os
+
+    _fake_distribution(tmp_path, "fast-attnres", "2.1.0")
+    _fake_distribution(tmp_path, "attnres-fork", "0.3")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-c", "import attnres"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "'fast-attnres' (2.1.0) also installs a top-level package named 'attnres'" in done.stderr
+    assert "pip uninstall fast-attnres attnres" in done.stderr and "attnres-fork" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "attnres", "train", "--print-config"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("also installs a top-level package named 'attnres'") == 2  # each once
+    assert "'attnres-fork' (0.3)" in done.stderr
+
+
+def test_a_checkpoint_without_its_optimizer_state_generates_and_exports(run_dir, tmp_path, capsys):
+    """Using a model needs no optimiser state; resuming does, and still refuses."""
+    import shutil
+
+    from attnres.checkpoint import latest_checkpoint
+
+    ckpt = tmp_path / "step-00000004"
+    shutil.copytree(latest_checkpoint(run_dir), ckpt)
+    (ckpt / "optimizer.safetensors").unlink()
+    assert cli_main(["generate", "--checkpoint", str(ckpt), "--prompt", "the", "--max-new-tokens", "3"]) == 0
+    if importlib.util.find_spec("transformers") is not None:
+        assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    with pytest.raises(SystemExit, match="optimizer.safetensors is missing"):
+        cli_main(["train", *overrides(corpus, tmp_path / "resumed", steps=6, **{"data.tokenizer": "bpe",
+                  "data.vocab_size": 320}), f"resume_from={ckpt}"])
+
+
+def test_the_long_prompt_hint_counts_the_new_tokens():
+    """A context of 128: 64 new tokens leave room for a prompt of 65, not 128."""
+    from attnres.cli import check_context
+
+    check_context(65, 64, 128)
+    with pytest.raises(ValueError, match=r"use --max-new-tokens 29 or less or shorten the prompt to at most 65 tokens"):
+        check_context(100, 64, 128)
+    with pytest.raises(ValueError, match=r"needs a context of 263 tokens.*: shorten the prompt to at most 65 tokens$"):
+        check_context(200, 64, 128)
+    with pytest.raises(ValueError, match=r"--max-new-tokens may be at most 128$"):
+        check_context(200, 300, 128)
+
+
+@pytest.mark.parametrize("command", ["eval", "analyze"])
+def test_a_binary_text_file_is_named(run_dir, tmp_path, command):
+    if command == "eval":
+        pytest.importorskip("transformers")
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, "--checkpoint", str(run_dir), "--text", str(binary), "--out", str(tmp_path / "o")]
+                 + (["--tasks", "none"] if command == "eval" else []))
+    assert f"--text {str(binary)!r} is not UTF-8 text (byte 128); give a text file" in str(info.value)

@@ -1,0 +1,151 @@
+"""Bad output paths end a run with one line naming the path and the cause: an ``out_dir`` that
+is a file (or under one), a read-only one, a full disk while a checkpoint is written (the
+last good checkpoint stays, and the error says how to continue).
+
+The default tests inject the failures at the write calls (a read-only file system at every
+write under ``out_dir``, a full disk in the checkpoint writer). The same cases on real mounts
+(a tmpfs of 900 KiB, a read-only bind mount) need root for ``unshare -m``: opt-in,
+``-m mount_namespace``.
+"""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("yaml")
+
+from safetensors import SafetensorError  # noqa: E402
+from test_train import overrides, write_corpus  # noqa: E402
+
+from attnres.checkpoint import CheckpointError, checkpoint_dirs, find_valid_checkpoint  # noqa: E402
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.train import load_config, train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "corpus.txt", n_lines=200)
+
+
+def test_out_dir_that_is_a_file(tmp_path, corpus):
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("not a directory")
+    with pytest.raises(ValueError, match=rf"out_dir '{a_file}' cannot be used: it is a file, not a directory; pick "
+                       "another out_dir"):
+        train(load_config(None, overrides(corpus, a_file, steps=1)))
+    with pytest.raises(SystemExit, match=rf"^attnres train: error: out_dir '{a_file}/run' cannot be used: "
+                       rf"'{a_file}' is a file, not a directory"):
+        cli_main(["train", *overrides(corpus, a_file / "run", steps=1)])
+    assert a_file.read_text() == "not a directory"
+
+
+def test_read_only_out_dir(tmp_path, corpus, monkeypatch):
+    """Every write under ``out_dir`` fails as on a read-only mount (the directory exists)."""
+    out = tmp_path / "mounted"
+    out.mkdir()
+    real_open = Path.open
+
+    def read_only(self, mode="r", *args, **kwargs):
+        if out in self.parents and any(c in mode for c in "wax+"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", read_only)
+    with pytest.raises(SystemExit, match=rf"^attnres train: error: out_dir '{out}' is not writable: read-only file "
+                       "system$"):
+        cli_main(["train", *overrides(corpus, out, steps=1)])
+    assert list(out.iterdir()) == []
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_last_good_one(tmp_path, corpus, monkeypatch):
+    """The checkpoint of step 4 hits a full disk in its second file: the run stops with one
+    line naming the checkpoint, the cause, the last good checkpoint and how to continue;
+    that checkpoint verifies, nothing half-written is left, and ``--resume`` once there is
+    room ends where an uninterrupted run ends."""
+    import attnres.checkpoint.consolidated as consolidated
+
+    run, args = tmp_path / "run", dict(steps=6, checkpoint_every=2)
+    calls, real_save = [], consolidated.save_file
+
+    def disk_fills_up(tensors, path, *a, **k):
+        calls.append(path)
+        if len(calls) == 5:  # step 2's three files, then step 4's model and its optimizer state
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save(tensors, path, *a, **k)
+
+    monkeypatch.setattr(consolidated, "save_file", disk_fills_up)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", *overrides(corpus, run, **args)])
+    message = str(exit_.value.code)
+    assert message.startswith(f"attnres train: error: could not write checkpoint step-00000004 in "
+                              f"'{run / 'checkpoints'}': I/O error: No space left on device (os error 28); nothing of "
+                              "it was kept, and the checkpoints written before it are untouched. The last good "
+                              f"checkpoint is '{run / 'checkpoints' / 'step-00000002'}'"), message
+    assert message.endswith("continue from it with --resume (resume=true)") and "\n" not in message
+    assert [p.name for p in checkpoint_dirs(run)] == ["step-00000002"]
+    assert find_valid_checkpoint(run).step == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]  # no temporary directory
+    monkeypatch.setattr(consolidated, "save_file", real_save)  # room again
+    assert cli_main(["train", "--resume", *overrides(corpus, run, **args)]) == 0
+    assert train(load_config(None, overrides(corpus, tmp_path / "whole", **args))).step == 6
+    from test_train import final_weights, assert_same_weights
+
+    assert_same_weights(final_weights(run), final_weights(tmp_path / "whole"))
+
+
+def test_write_failure_messages_name_the_cause():
+    from attnres.checkpoint.manifest import describe_failure, write_failure
+
+    cause = OSError(errno.ENOSPC, "No space left on device", "/runs/x/model.safetensors")
+    assert describe_failure(cause) == "No space left on device (/runs/x/model.safetensors)"
+    error = write_failure(Path("/runs/x/checkpoints/step-00000007"), cause)
+    assert isinstance(error, CheckpointError)
+    assert str(error).startswith("could not write checkpoint step-00000007 in '/runs/x/checkpoints': No space left")
+
+
+# -- the same on real mounts (root) -------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.mount_namespace
+def test_full_tmpfs_and_read_only_mount(tmp_path, corpus):
+    """In a mount namespace of its own: a run on a 900 KiB tmpfs fills it at its second
+    checkpoint (each is about 580 KB) and stops with one line; after the tmpfs is grown, the
+    printed advice (``--resume``) finishes it. A read-only bind mount is refused at start-up."""
+    from distributed_utils import mount_namespaces_work, worker_env
+
+    if not mount_namespaces_work():
+        pytest.skip("unshare -m (a mount namespace) needs root")
+
+    disk, frozen = tmp_path / "disk", tmp_path / "frozen"
+    disk.mkdir()
+    frozen.mkdir()
+    args = overrides(corpus, disk / "run", model="tiny", **{"model.d_model": 32}, steps=4, checkpoint_every=2,
+                     keep_checkpoints=1)
+    train_cmd = " ".join([sys.executable, "-m", "attnres", "train", *args])
+    script = f"""
+mount -t tmpfs -o size=900k tmpfs {disk} || exit 90
+{train_cmd}; echo "first: $?"
+mount -o remount,size=8m {disk}
+{train_cmd} --resume; echo "resumed: $?"
+mount --bind {frozen} {frozen} && mount -o remount,bind,ro {frozen} || exit 91
+{" ".join([sys.executable, "-m", "attnres", "train", *overrides(corpus, frozen / "run", steps=1)])}; echo "read-only: $?"
+"""
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], env=worker_env(), capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "first: 1" in out and "resumed: 0" in out and "read-only: 1" in out, out
+    errors = [line for line in out.splitlines() if line.startswith("attnres train: error:")]
+    assert len(errors) == 2 and "Traceback" not in out, out
+    assert "could not write checkpoint step-00000004" in errors[0] and "No space left on device" in errors[0]
+    assert f"The last good checkpoint is '{disk / 'run' / 'checkpoints' / 'step-00000002'}'" in errors[0]
+    assert errors[1] == f"attnres train: error: out_dir '{frozen / 'run'}' cannot be created: read-only file system"
+    assert "attnres train: finished at step 4" in out

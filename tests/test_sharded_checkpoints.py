@@ -1,0 +1,149 @@
+"""Sharded (DCP) checkpoints read in one process: their ``.metadata`` pickle is read by a
+restricted unpickler (a file that would run code is refused, and nothing runs), every file the
+metadata names must be in the manifest, and a normal checkpoint loads without warnings.
+
+The checkpoints here are written by ``save_sharded`` in one process (the 2-rank cases are in
+``tests/test_multinode.py``); a tiny model, no training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+pytest.importorskip("yaml")
+
+from attnres import AttnResLM  # noqa: E402
+from attnres.checkpoint import CheckpointError, find_valid_checkpoint, read_sharded_tensors, save_sharded  # noqa: E402
+from attnres.checkpoint.manifest import STATE_FILE, _sha256  # noqa: E402
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.data import ByteTokenizer  # noqa: E402
+from attnres.data.tokenizer import tokenizer_state  # noqa: E402
+from attnres.inference.loading import load_run  # noqa: E402
+from attnres.train import build_optimizer, load_config, train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def sharded_checkpoint(out_dir: Path, corpus: Path | None = None) -> Path:
+    """A sharded checkpoint (step 1) of a tiny model, as a run's checkpoint, written in one process."""
+    paths = f"[{corpus}]" if corpus is not None else "[]"
+    config = load_config(None, ["model.d_model=32", "data.tokenizer=byte", f"data.paths={paths}", "seq_len=16",
+                                "batch_size=2", "steps=4", f"out_dir={out_dir}", "progress=false", "tensorboard=false"])
+    torch.manual_seed(0)
+    model = AttnResLM(config.model)
+    optimizer = build_optimizer(model, config)
+    meta, files = tokenizer_state(ByteTokenizer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's save without a process group
+        return save_sharded(out_dir, 1, dict(model.named_parameters()), optimizer,
+                            {"config": config.to_dict(), "tokenizer": meta}, keep=3, files=files)
+
+
+def rewrite_manifest(path: Path) -> None:
+    """Recompute the size and SHA-256 of every file ``state.json`` lists, as the author of a
+    tampered checkpoint would."""
+    doc = json.loads((path / STATE_FILE).read_text())
+    doc["files"] = {name: {"sha256": _sha256(path / name), "bytes": (path / name).stat().st_size}
+                    for name in doc["files"]}
+    (path / STATE_FILE).write_text(json.dumps(doc))
+
+
+class RunsCode:
+    """Unpickling this calls ``os.system``: it writes the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant(path: Path, payload) -> None:
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(payload))
+    rewrite_manifest(path)
+
+
+def test_normal_sharded_checkpoint_loads_quietly(tmp_path):
+    """Written in one process and read back (generation's path) with no DCP warning."""
+    path = sharded_checkpoint(tmp_path / "run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run = load_run(path)
+        weights = read_sharded_tensors(path)
+    assert set(weights) == {n for n, _ in run.model.named_parameters()}
+    for name, p in run.model.named_parameters():
+        assert torch.equal(p.detach(), weights[name]), name
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path, capsys):
+    """A ``.metadata`` whose pickle calls ``os.system`` (with a manifest that matches it):
+    generate, load_run, consolidation and resume all refuse it naming the file, and the
+    marker the payload would write does not exist."""
+    path = sharded_checkpoint(tmp_path / "run")
+    marker = tmp_path / "marker"
+    plant(path, RunsCode(marker))
+    with pytest.raises(CheckpointError, match=r"not a DCP metadata file this package can read safely: it refers to "
+                       r"posix\.system, which DCP metadata never holds\. Nothing from it was run"):
+        load_run(path)
+    with pytest.raises(CheckpointError, match="refers to posix.system"):
+        read_sharded_tensors(path)
+    with pytest.raises(SystemExit, match="attnres generate: error: .*refers to posix.system"):
+        cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the"])
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies: .*refers to posix\.system"):
+        train(load_config(None, ["model.d_model=32", "data.tokenizer=byte", "resume=true",
+                                 f"out_dir={tmp_path / 'run'}", "progress=false", "tensorboard=false"]))
+    assert not marker.exists()
+
+
+def test_metadata_with_other_than_tensors_is_refused(tmp_path):
+    """Real DCP classes, but an entry DCP would read with ``torch.load(weights_only=False)``
+    (a non-tensor), a tensor entry whose size is not a size, or a storage index pointing
+    outside the checkpoint directory."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from attnres.checkpoint.dcp_metadata import read_dcp_metadata
+
+    path = sharded_checkpoint(tmp_path / "run")
+    meta = read_dcp_metadata(path / "dcp")
+    first = next(iter(meta.state_dict_metadata))
+    with_bytes = pickle.loads(pickle.dumps(meta))
+    with_bytes.state_dict_metadata[first] = BytesStorageMetadata()
+    plant(path, with_bytes)
+    with pytest.raises(CheckpointError, match="refers to torch.distributed.checkpoint.metadata.BytesStorageMetadata"):
+        load_run(path)
+    odd_size = pickle.loads(pickle.dumps(meta))
+    odd_size.state_dict_metadata[first].size = Path("not-a-size")
+    plant(path, odd_size)
+    with pytest.raises(CheckpointError, match="it describes entries other than tensors"):
+        read_sharded_tensors(path)
+    outside = pickle.loads(pickle.dumps(meta))
+    next(iter(outside.storage_data.values())).relative_path = "../../state.json"
+    plant(path, outside)
+    with pytest.raises(CheckpointError, match=r"its storage index names '\.\./\.\./state\.json', not a plain file"):
+        load_run(path)
+
+
+def test_checkpoint_missing_a_file_its_metadata_names_does_not_verify(tmp_path):
+    """What an ``out_dir`` the nodes do not share produced before: rank 0 listed (and hashed)
+    only the DCP files it could see. Verification now reads the metadata and names the
+    missing file instead of a later FileNotFoundError."""
+    path = sharded_checkpoint(tmp_path / "run")
+    shard = path / "dcp" / "__0_0.distcp"
+    shard.rename(path / "elsewhere.distcp")
+    doc = json.loads((path / STATE_FILE).read_text())
+    del doc["files"]["dcp/__0_0.distcp"]
+    doc["files"].pop("elsewhere.distcp", None)
+    (path / STATE_FILE).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"is incomplete: dcp/__0_0\.distcp, which its DCP metadata names, is "
+                       r"missing .*out_dir must be on a file system every node shares"):
+        find_valid_checkpoint(path)
+    with pytest.raises(SystemExit, match="attnres generate: error: .*dcp/__0_0.distcp, which its DCP metadata names"):
+        cli_main(["generate", "--checkpoint", str(path), "--prompt", "the"])
