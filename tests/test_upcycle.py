@@ -280,7 +280,7 @@ def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(
     written silently (Qwen3)."""
     from attnres.cli import main as cli_main
 
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL)).save_pretrained(tmp_path / "src")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY_COMMON)).save_pretrained(tmp_path / "src")
     with pytest.raises(SystemExit) as info:
         cli_main(["upcycle", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "up")])
     message = str(info.value)
