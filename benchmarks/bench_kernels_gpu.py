@@ -42,8 +42,8 @@ named ``attnres`` into site-packages, which must not shadow this project's.
     PYTHONPATH=src python benchmarks/bench_kernels_gpu.py --dry-run  # no GPU: shapes, bytes, peers
 
 Writes ``benchmarks/results/kernels_gpu.{json,md}`` (``--quick``: ``kernels_gpu_quick``;
-``--dry-run`` writes nothing). No GPU was lent to the session that wrote this script: it
-has been run with ``--dry-run`` only.
+``--dry-run`` writes nothing). On its one GPU run so far (an H100,
+benchmarks/results/gpu-h100/) neither the full run nor ``--quick`` finished within 320 s.
 """
 
 from __future__ import annotations
