@@ -249,11 +249,11 @@ def test_bf16_over_the_mesh(root):
     themselves are bf16 (the embedding, the norm gains and the depth queries too, so the
     residual stream is bf16), under autocast only the matmuls' inputs are; across pipeline
     stages the history's bf16 sublayer outputs arrive as float32. Measured over 10 steps:
-    every step's loss within 1.2e-4 (dp=2) and 3e-5 (pp=2) of autocast's (bound 2e-3, one
+    every step's loss within 1.5e-4 (dp=2) and 4e-5 (pp=2) of autocast's (bound 2e-3, one
     bf16 rounding). The weights differ at bf16's noise level, largest on the small,
     zero-initialised depth queries; so the bound is relative to float32: each run ends no
-    further from the float32 run than autocast does, within a factor 2 (measured 2.3e-2 and
-    3.9e-2 against autocast's 3.0e-2)."""
+    further from the float32 run than autocast does, within a factor 2 (measured 3.9e-2 (dp=2,
+    largest on mixers.1's query) and 2.5e-2 (pp=2) against autocast's 3.0e-2)."""
     block = RESIDUALS["block"]
     ref = reference(root, "ref-block-bf16", **block, dtype="bfloat16")
     ref32 = reference(root, "ref-block", **block)

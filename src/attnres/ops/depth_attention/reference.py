@@ -209,7 +209,8 @@ def merge(
             ``qg [d]`` are computed here (RMS epsilon ``eps``): Block AttnRes' partial sum,
             Full AttnRes' outputs of the current group. ``k + c >= 1``.
         norm_weight, norm_eps: the next sublayer's RMSNorm, applied to the result (``None``:
-            none). It reads ``h`` rounded to the sources' dtype, as an unfused norm would.
+            none). It reads ``h`` rounded to the sources' dtype, as an unfused norm would;
+            the gradient reaching ``h`` stays in the compute dtype.
 
     Returns:
         ``(out, alpha)``: ``out [..., d]`` in the sources' dtype, ``RMSNorm(h)`` (or ``h``)
@@ -223,7 +224,11 @@ def merge(
         alpha = torch.softmax(logits, dim=-1)
         h = weighted_sum(alpha, srcs)
         if norm_weight is not None:
-            h = F.rms_norm(h.to(srcs[0].dtype).to(compute), (h.shape[-1],), norm_weight.to(compute), norm_eps)
+            # The norm reads h rounded to the stream's dtype, the gradient passes that rounding
+            # straight through in the compute dtype (not rounded to the stream's dtype: that
+            # would put its noise into every logit's and query's gradient).
+            rounded = h.to(srcs[0].dtype).to(compute)
+            h = F.rms_norm(h + (rounded - h).detach(), (h.shape[-1],), norm_weight.to(compute), norm_eps)
     return h.to(srcs[0].dtype), alpha
 
 

@@ -166,9 +166,9 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
             h = weighted_sum(alpha, srcs)
             if srcs[0].dtype != compute:
                 h = h.to(srcs[0].dtype).to(compute)
+            # (the rounding of h passes the gradient straight through, in the compute dtype:
+            # rounding g_h too would put bf16 noise into every logit's and query's gradient)
             gh, g_norm = _norm_backward(gh, h, rstd, norm_weight, needs_norm, scratch)
-            if srcs[0].dtype != compute:  # the backward of that rounding
-                gh = gh.to(srcs[0].dtype).to(compute)
         # softmax: dz_j = alpha_j (gh . x_j - gh . h), gh . h = sum_j alpha_j (gh . x_j)
         s = alpha.new_empty((len(srcs), *alpha.shape[:-1]))  # [m, ...]: one row per source, no stack
         for j, x in enumerate(srcs):

@@ -137,7 +137,8 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     rows, d, dev, compute = x0.shape[0], x0.shape[1], x0.device, compute_dtype(x0.dtype)
     has_norm = norm_weight is not None
     gr = _rows(g.to(x0.dtype))
-    gh = torch.empty_like(gr) if has_norm else gr
+    # g_h, the gradient reaching h, in the compute dtype (the norm's result is not rounded)
+    gh = torch.empty(rows, d, device=dev, dtype=compute) if has_norm else gr.to(compute)
     al = alpha.reshape(rows, -1).to(compute).contiguous()
     stat = lambda t: t.reshape(rows, -1).to(compute).contiguous() if t is not None else al  # noqa: E731
     grads = [torch.empty_like(x0) for _ in range(k + c)]

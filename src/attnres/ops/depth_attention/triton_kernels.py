@@ -232,8 +232,8 @@ def merge_fwd(Z, SrcTable, CompTable, X0, Qg, NormW, Out, Alpha, Rc, Zc, Rstd, d
 
 @triton.jit
 def _merge_bwd_norm(G, GH, Alpha, Rstd, SrcTable, CompTable, X0, NormW, PW, pid, row, k, c, d, BLOCK_D: tl.constexpr):
-    """Through the norm: ``g_h = rstd w g - (rstd^3 / d) (w g . h) h``, rounded to the
-    storage dtype, into ``GH``; this program's row of the gain's gradient gets ``g h rstd``."""
+    """Through the norm: ``g_h = rstd w g - (rstd^3 / d) (w g . h) h`` into ``GH`` (compute
+    dtype: not rounded to the storage dtype); this program's row of the gain's gradient gets ``g h rstd``."""
     dt = Alpha.dtype.element_ty
     rstd = tl.load(Rstd + row)
     acc = tl.zeros([BLOCK_D], dt)
@@ -248,7 +248,7 @@ def _merge_bwd_norm(G, GH, Alpha, Rstd, SrcTable, CompTable, X0, NormW, PW, pid,
         cols, cmask = _tile(start, d, BLOCK_D)
         h = _merged_tile(Alpha, row, k, c, SrcTable, CompTable, X0, cols, cmask, d).to(X0.dtype.element_ty).to(dt)
         gh = rstd * _load(NormW, cols, cmask, dt) * _load(G + row * d, cols, cmask, dt) - coef * h
-        tl.store(GH + row * d + cols, gh.to(X0.dtype.element_ty), mask=cmask)
+        tl.store(GH + row * d + cols, gh, mask=cmask)
 
 
 @triton.jit

@@ -97,7 +97,7 @@ SIGNATURES = {
     "merge_fwd": ["Z:*C", "SrcTable:*i64", "CompTable:*i64", "X0:*T", "Qg:*C", "NormW:*C", "Out:*T", "Alpha:*C",
                   "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "k:i32", "c:i32", "eps:fp32", "norm_eps:fp32", "has_norm:i32",
                   "BLOCK_D:constexpr"],
-    "merge_bwd": ["G:*T", "GH:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "SrcTable:*i64", "CompTable:*i64", "X0:*T",
+    "merge_bwd": ["G:*T", "GH:*C", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "SrcTable:*i64", "CompTable:*i64", "X0:*T",
                   "Qg:*C", "NormW:*C", "GSrcTable:*i64", "GCompTable:*i64", "GZ:*C", "PQ:*C", "PW:*C", "rows:i32",
                   "d:i32", "k:i32", "c:i32", "rows_per_program:i32", "has_norm:i32", "BLOCK_D:constexpr"],
 }
