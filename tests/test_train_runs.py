@@ -339,7 +339,17 @@ def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
 
 # -- 8: Ctrl-C during first-time BPE training -----------------------------------------------
 
-def test_ctrl_c_interrupts_bpe_training(tmp_path, monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raising KeyboardInterrupt, as in a terminal: a process that a shell starts in the
+    background (a CI runner, ``nohup ... &``) inherits SIGINT ignored, and Python then installs
+    no handler, so a Ctrl-C test would wait for nothing."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_interrupts_bpe_training(tmp_path, monkeypatch, ctrl_c_raises):
     """``tokenizers`` holds the calling thread until its training ends and runs no Python
     signal handler meanwhile: Ctrl-C waited for the whole training (12 s on big.txt). The BPE
     now trains in a worker thread while the main thread waits in slices, so Ctrl-C stops
@@ -362,7 +372,7 @@ def test_ctrl_c_interrupts_bpe_training(tmp_path, monkeypatch):
     assert not list((tmp_path / "cache").glob("*/meta.json")) and not list((tmp_path / "cache").glob(".*tmp*"))
 
 
-def test_run_interruptibly_returns_the_call_or_stops_at_ctrl_c():
+def test_run_interruptibly_returns_the_call_or_stops_at_ctrl_c(ctrl_c_raises):
     assert run_interruptibly(lambda: 41 + 1) == 42
     with pytest.raises(ZeroDivisionError):
         run_interruptibly(lambda: 1 / 0)
