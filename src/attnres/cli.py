@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -50,6 +51,18 @@ def _train_error(error: BaseException) -> SystemExit:
     if alike and not _first_on_node():
         return SystemExit(1)
     return SystemExit(f"attnres train: error: {error}")
+
+
+def _exit_after_collective_failure(exit_: SystemExit) -> None:
+    """End a rank whose process group broke: its message, then ``os._exit(1)``. A normal
+    interpreter exit would destroy the backend's threads still waiting on the dead peer, and
+    gloo's then abort the process ("terminate called without an active exception", exit
+    status -6) after the clear message, now and then."""
+    if isinstance(exit_.code, str):
+        print(exit_.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _config_reference() -> str:
@@ -580,7 +593,9 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
             return 0
         apply_cpu_allocator(config.to_dict())
         result = train(config)
-    except (ValueError, TrainingDiverged, DistributedError) as e:
+    except DistributedError as e:
+        _exit_after_collective_failure(_train_error(e))
+    except (ValueError, TrainingDiverged) as e:
         raise _train_error(e) from None
     if result.interrupted:
         if _rank_zero():
