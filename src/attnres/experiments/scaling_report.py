@@ -122,7 +122,7 @@ def _report_sizes_table(fit: ScalingFit) -> str:
 # -- plot --------------------------------------------------------------------------------------
 def _plot(fit: ScalingFit, out: Path) -> str:
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FormatStrFormatter
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
     data = fit.data
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -150,6 +150,8 @@ def _plot(fit: ScalingFit, out: Path) -> str:
     bx.set(xscale="log", xlabel="training compute C (PFLOP/s-days)", ylabel="compute multiplier vs standard",
            title=f"multiplier per size ({fit.level:.0%} interval)" if fit.n_boot else "multiplier per size")
     bx.legend(fontsize=7)
+    for axes in (ax, bx):  # a narrow log x range labels every minor tick: they overlap
+        axes.xaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=120)
     plt.close(fig)
