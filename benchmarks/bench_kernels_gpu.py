@@ -53,7 +53,9 @@ import importlib
 import importlib.metadata
 import importlib.util
 import statistics
+import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -287,11 +289,65 @@ def peak_bandwidth() -> tuple[float, str]:
     return 2 * x.numel() / t, "measured device copy"
 
 
-def bench_ops(args, peers: dict, skipped: dict) -> dict:
-    peak, peak_source = peak_bandwidth()
+def implementations(peers: dict) -> dict:
+    """Name -> (run, unsupported(shape) -> reason): ours, then the importable peers."""
     impls = {"ours (triton)": (ours_triton, lambda s: None), "ours (torch)": (ours_torch, lambda s: None)}
     impls["ours (torch.compile)"] = (torch.compile(ours_torch, dynamic=False), lambda s: None)
     impls.update(peers)
+    return impls
+
+
+def block_steps(name: str, run, x: dict) -> dict:
+    """The two timed steps of one implementation: forward, and forward + backward."""
+
+    def fwd():
+        with torch.no_grad():
+            run(x)
+
+    def fwd_bwd():
+        outs = run(x)
+        torch.autograd.backward(outs, x["upstream"])
+
+    return {f"{name}|fwd": fwd, f"{name}|fwd+bwd": fwd_bwd}
+
+
+def compile_only(args, name: str) -> int:
+    """Run one implementation's steps once per shape and exit: its Triton kernels (and the
+    peers' autotuning candidates) and inductor's graphs land in the on-disk caches, where
+    the timed run finds them (``--warm-up``)."""
+    peers, _ = select_peers()
+    run, unsupported = implementations(peers)[name]
+    for shape in op_shapes(args.quick):
+        if unsupported(shape) is None:
+            start = time.perf_counter()
+            for step in block_steps(name, run, make_inputs(shape)).values():
+                step()
+            torch.cuda.synchronize()
+            log(f"  [warm-up] {name} {shape.label}: {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def warm_up(args, names: list[str]) -> None:
+    """Compile every implementation in parallel, one process each. Cold, the peers'
+    autotuners compile every candidate configuration of their backward kernels with
+    ``ptxas`` one after another - minutes per shape on an H100 host - and doing that for
+    each implementation in turn inside the timed run did not finish in 320 s."""
+    log(f"[warm-up] compiling {len(names)} implementations in parallel")
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, "--compile-only", name, *(["--quick"] if args.quick else [])])
+             for name in names]
+    codes = [p.wait() for p in procs]
+    for name, code in zip(names, codes):
+        if code:
+            log(f"[warm-up] {name}: exit {code} (the timed run compiles it itself)")
+    log(f"[warm-up] done in {time.perf_counter() - start:.0f} s")
+
+
+def bench_ops(args, peers: dict, skipped: dict, checkpoint=lambda ops: None) -> dict:
+    """Time every implementation on every shape; ``checkpoint(results)`` after each shape,
+    so that a run cut short keeps what it measured."""
+    peak, peak_source = peak_bandwidth()
+    impls = implementations(peers)
     results = {"peak_GBps": peak / 1e9, "peak_source": peak_source, "skipped_peers": skipped, "shapes": []}
     for shape in op_shapes(args.quick):
         log(f"[ops] {shape.label}")
@@ -308,16 +364,7 @@ def bench_ops(args, peers: dict, skipped: dict) -> dict:
                 log(f"  {name}: {reason}")
                 row["unsupported"][name] = reason
                 continue
-
-            def fwd(run=run, x=x):
-                with torch.no_grad():
-                    run(x)
-
-            def fwd_bwd(run=run, x=x):
-                outs = run(x)
-                torch.autograd.backward(outs, x["upstream"])
-
-            steps[f"{name}|fwd"], steps[f"{name}|fwd+bwd"] = fwd, fwd_bwd
+            steps.update(block_steps(name, run, x))
         for key, t in time_interleaved(steps, args.repeats).items():
             name, mode = key.split("|")
             row["impls"].setdefault(name, {})[f"{mode}_us"] = t * 1e6
@@ -329,6 +376,7 @@ def bench_ops(args, peers: dict, skipped: dict) -> dict:
             if name == "ours (triton)":
                 r["own_bytes_fraction_of_peak"] = row["bytes"]["ours"] / t / peak
         results["shapes"].append(row)
+        checkpoint(results)
         del x
     return results
 
@@ -390,8 +438,13 @@ def bench_e2e(args) -> dict:
 # ------------------------------------------------------------------------------ output
 def render_markdown(r: dict) -> str:
     lines = [f"# Fused kernels on {r['device']}", "", f"Command: `{r['command']}`  ", f"torch {r['torch']}, triton {r['triton']}.", ""]
-    ops = r["ops"]
-    lines += [
+    lines += render_ops(r["ops"]) if "ops" in r else ["Op level: not measured in this run."]
+    lines += render_e2e(r["e2e"]) if "e2e" in r else ["", "End to end: not measured in this run."]
+    return "\n".join(lines) + "\n"
+
+
+def render_ops(ops: dict) -> list[str]:
+    lines = [
         f"## Op level: the S normalised sublayer inputs of one block (bf16), peak {ops['peak_GBps']:.0f} GB/s ({ops['peak_source']})",
         "",
         "*bw* = minimum bytes / forward time as a fraction of the peak; *x bound* = forward time / (minimum bytes / peak).",
@@ -407,9 +460,12 @@ def render_markdown(r: dict) -> str:
             lines.append(f"| {label} | {name} | - | - | - | {why} |")
     for name, why in ops["skipped_peers"].items():
         lines.append(f"\nSkipped peer **{name}**: {why}")
-    e = r["e2e"]
+    return lines
+
+
+def render_e2e(e: dict) -> list[str]:
     c = e["config"]
-    lines += [
+    lines = [
         "",
         f"## End to end: d={c['d_model']}, {c['n_layers']} transformer blocks, S={c['block_size']} (N={2 * c['n_layers'] // c['block_size']}), seq {c['seq']}",
         "",
@@ -430,7 +486,7 @@ def render_markdown(r: dict) -> str:
                   "| variant | MiB | ratio to standard |", "|---|---:|---:|"]
         for name, b in mem.items():
             lines.append(f"| {name} | {b / 2**20:.0f} | {b / mem['standard']:.3f} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def dry_run(args) -> dict:
@@ -461,6 +517,10 @@ def parse_args(argv=None):
     p.add_argument("--e2e-blocks", type=int, default=8, help="N, the number of AttnRes blocks")
     p.add_argument("--e2e-seq", type=int, default=2048)
     p.add_argument("--e2e-batch", type=int, default=4)
+    p.add_argument("--part", choices=("all", "ops", "e2e"), default="all", help="which part to run")
+    p.add_argument("--warm-up", action="store_true",
+                   help="first compile every implementation in parallel processes (fills the Triton and inductor caches)")
+    p.add_argument("--compile-only", metavar="IMPL", help=argparse.SUPPRESS)  # one --warm-up worker
     p.add_argument("--out", default=None, help="output path without suffix (default: benchmarks/results/kernels_gpu[_quick])")
     args = p.parse_args(argv)
     if args.quick:
@@ -484,6 +544,10 @@ def main(argv=None) -> int:
     peers, skipped = select_peers()
     for name, why in skipped.items():
         log(f"skipping peer {name}: {why}")
+    if args.compile_only:
+        return compile_only(args, args.compile_only)
+    if args.warm_up and args.part != "e2e":
+        warm_up(args, [n for n in implementations(peers) if n != "ours (torch)"])
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / ("kernels_gpu_quick" if args.quick else "kernels_gpu")
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -491,12 +555,17 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "args": vars(args),
-        "ops": bench_ops(args, peers, skipped),
-        "e2e": bench_e2e(args),
     }
+
+    def checkpoint(ops: dict) -> None:  # the shapes measured so far, written as we go
+        write_results(out, {**result, "ops": ops}, render_markdown)
+
+    if args.part != "e2e":
+        result["ops"] = bench_ops(args, peers, skipped, checkpoint)
+    if args.part != "ops":
+        result["e2e"] = bench_e2e(args)
     write_results(out, result, render_markdown)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

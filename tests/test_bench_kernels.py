@@ -100,3 +100,14 @@ def test_markdown_report_renders_every_row():
     assert "power-of-two d" in md and "Skipped peer **fast-attnres**" in md
     assert "| train | block (triton) | 1020.00 | 1.020 | <= 1.03: met |" in md
     assert "| decode b=1 | block (triton) | 10.30 | 1.030 | <= 1.02: MISSED |" in md
+
+
+def test_markdown_report_of_a_run_cut_short_says_what_is_missing():
+    """The op-level rows are written after every shape, before the end-to-end part runs, so
+    that a run stopped by a time limit keeps what it measured."""
+    base = {"device": "GPU", "command": "bench_kernels_gpu.py", "torch": "x", "triton": "y"}
+    ops = {"peak_GBps": 3350.0, "peak_source": "datasheet (H100)", "skipped_peers": {}, "shapes": []}
+    assert "End to end: not measured in this run." in bench.render_markdown({**base, "ops": ops})
+    e2e = {"config": {"d_model": 64, "n_layers": 2, "block_size": 2, "seq": 8, "batch": 1}, "train": {"standard": 1.0}}
+    md = bench.render_markdown({**base, "e2e": e2e})
+    assert "Op level: not measured in this run." in md and "| train | standard | 1000.00 | 1.000 |  |" in md
