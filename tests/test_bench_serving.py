@@ -1,0 +1,46 @@
+"""The vLLM serving benchmark's bookkeeping (no vLLM needed): paired ratios per round, their
+quartiles, and the verdict on the paired ratio."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_serving as bench
+
+
+def rounds_with_drift() -> dict[str, list[dict]]:
+    """Three rounds; the machine runs 2x slower in the last one. Block is 1.04x the standard
+    model in every round, Full 1.20x."""
+    speed = [1.0, 1.0, 2.0]
+    run = lambda t, s: {"wall_s": t * s, "tokens": 100, "itl_s": 0.01 * t * s, "prefill_s": 0.5 * t * s}  # noqa: E731
+    return {name: [run(t, s) for s in speed] for name, t in (("standard", 1.0), ("block", 1.04), ("full", 1.2))}
+
+
+def test_paired_ratios_cancel_the_machines_drift():
+    out = bench.summarize(rounds_with_drift())
+    assert out["block"]["paired_ratio"] == pytest.approx(1.04)
+    assert out["block"]["paired_ratio_quartiles"] == pytest.approx([1.04, 1.04])
+    assert out["full"]["paired_prefill_ratio"] == pytest.approx(1.2)
+    assert out["standard"]["paired_ratio"] == 1.0
+
+
+def test_paired_ratio_quartiles_show_the_spread():
+    rounds = rounds_with_drift()
+    for r, factor in zip(rounds["block"], (1.0, 1.1, 1.2)):
+        r["wall_s"] *= factor
+    q1, q3 = bench.summarize(rounds)["block"]["paired_ratio_quartiles"]
+    assert q1 == pytest.approx(1.04 * 1.05) and q3 == pytest.approx(1.04 * 1.15)
+
+
+def test_markdown_judges_the_target_on_the_paired_ratio():
+    args = bench.parse_args(["--quick"])
+    results = {"vllm": "0.0", "machine": "x86_64, 2 cores", "vllm_runs": bench.summarize(rounds_with_drift())}
+    md = bench.markdown(args, results, {"standard": 1.0, "block": 1.0, "full": 1.0}, bench.model_config(args, {"kind": "standard"}))
+    block = next(line for line in md.splitlines() if line.startswith("| block |"))
+    full = next(line for line in md.splitlines() if line.startswith("| full |"))
+    assert "1.040 [1.040, 1.040]" in block and block.endswith("<= 1.05: met |")
+    assert full.endswith("<= 1.10: missed by 0.100 |")
