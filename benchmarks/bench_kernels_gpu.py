@@ -42,8 +42,11 @@ named ``attnres`` into site-packages, which must not shadow this project's.
     PYTHONPATH=src python benchmarks/bench_kernels_gpu.py --dry-run  # no GPU: shapes, bytes, peers
 
 Writes ``benchmarks/results/kernels_gpu.{json,md}`` (``--quick``: ``kernels_gpu_quick``;
-``--dry-run`` writes nothing). On its one GPU run so far (an H100,
-benchmarks/results/gpu-h100/) neither the full run nor ``--quick`` finished within 320 s.
+``--dry-run`` writes nothing), after every op-level shape too, so that a run stopped by a
+time limit keeps what it measured. Cold, the peers' autotuners compile every candidate
+configuration one after another (minutes per shape): ``--warm-up`` compiles every
+implementation first, in parallel processes, into the on-disk Triton and inductor caches.
+``--part ops|e2e`` runs one part. Measured on an H100: benchmarks/results/gpu-h100/.
 """
 
 from __future__ import annotations
