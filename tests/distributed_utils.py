@@ -1,5 +1,6 @@
 """Launching multi-process workers from tests: ``torchrun`` in a subprocess, always with a
-timeout, so that a distributed bug fails the test instead of hanging CI."""
+timeout, so that a distributed bug fails the test instead of hanging CI; a launch that runs
+past it is stopped with its workers (:func:`stop_agent`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
 # Generous: a launch imports torch in every process, 10-40 s on a loaded 2-core machine.
 LAUNCH_TIMEOUT_S = 300
+# How long a torchrun agent gets to stop its workers after SIGTERM (it gives them 30 s itself).
+AGENT_STOP_S = 45
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -25,7 +28,12 @@ def torchrun(nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> subpr
     """``torchrun --standalone --nproc-per-node nproc args`` (a script and its arguments, or
     ``-m module ...``) on the CPU (gloo); raise with the output unless every rank exits 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    agent = subprocess.Popen(cmd, env=worker_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = agent.communicate(timeout=timeout)
+    finally:
+        stop_agent(agent)
+    proc = subprocess.CompletedProcess(cmd, agent.returncode, out, err)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
@@ -64,9 +72,22 @@ def torchrun_agents(args: list[str], nnodes: int = 2, nproc: int = 1, cwd: Path 
             done.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            stop_agent(p)
     return done
+
+
+def stop_agent(agent: subprocess.Popen) -> None:
+    """Stop a torchrun agent that still runs, and its workers: SIGTERM, which the agent passes
+    on to them, then SIGKILL if it has not ended in :data:`AGENT_STOP_S`. (SIGKILL alone would
+    leave the workers running: each is the leader of a session of its own.)"""
+    if agent.poll() is not None:
+        return
+    agent.terminate()
+    try:
+        agent.communicate(timeout=AGENT_STOP_S)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.communicate()
 
 
 def mount_namespaces_work() -> bool:

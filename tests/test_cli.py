@@ -90,3 +90,38 @@ def test_config_file_as_a_positional_argument(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli_main(["train", str(tmp_path / "missing.yaml"), "--print-config"])
     assert "'" + str(tmp_path / "missing.yaml") + "' is neither a key=value override nor a config file" in capsys.readouterr().err
+
+
+class _Ended(Exception):
+    """What ``os._exit`` raises here instead of ending the test process."""
+
+
+@pytest.mark.parametrize(("returned", "status", "stderr"),
+                         [(0, 0, ""), (3, 3, ""), (None, 0, ""), ("attnres train: error: bad", 1, "attnres train: error: bad\n")])
+def test_command_of_a_rank_ends_without_the_interpreter_finalization(monkeypatch, capsys, returned, status, stderr):
+    """``attnres`` (:func:`attnres.cli.run`) in a process that joined a process group: the group
+    destroyed, the output flushed, then ``os._exit`` with main's status (a message printed,
+    status 1), not the interpreter's finalization, in which gloo's threads abort the process
+    now and then. Without a group it exits as ``SystemExit`` would."""
+    import attnres.cli as cli
+    import attnres.distributed.launch as launch
+
+    def main():
+        if isinstance(returned, str):
+            raise SystemExit(returned)
+        return returned
+
+    def end(code):
+        raise _Ended(code)
+
+    destroyed = []
+    monkeypatch.setattr(cli, "main", main)
+    monkeypatch.setattr(launch, "destroy_process_group", lambda: destroyed.append(True))
+    monkeypatch.setattr(cli.os, "_exit", end)
+    with pytest.raises(SystemExit) as alone:
+        cli.run()
+    assert alone.value.code == returned and not destroyed
+    monkeypatch.setattr(cli, "_in_process_group", lambda: True)
+    with pytest.raises(_Ended) as ended:
+        cli.run()
+    assert ended.value.args == (status,) and destroyed == [True] and capsys.readouterr().err == stderr

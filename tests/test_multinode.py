@@ -1,8 +1,11 @@
 """Multi-node runs, reproduced on one host: two torchrun agents joined by a c10d rendezvous on
 127.0.0.1 are two "nodes" of one job. The documented recipe (docs/scale-out.md) as written;
 an ``out_dir`` that the nodes do not share (refused at start-up; a checkpoint missing a rank's
-shard is never published); the run lock of a crashed job whose rank 0 was on another node;
-errors and the final line printed once.
+shard is never published); a crashed run launched again: the run lock its rank 0 left on the
+other node taken over, a consolidated checkpoint resumed across the nodes (refused, naming
+the way on, under a pipeline); errors and the final line printed once. Where the nodes' host
+names matter (the run lock), each agent's ranks see a host name of their own
+(``tests/node_host.py``).
 
 The runs are tiny (a 2-block d=32 model, byte tokenizer, sequences of 16, 4 steps) on CPU
 (gloo); every launch has a timeout (``distributed_utils``). A true mount namespace (one agent
@@ -28,7 +31,13 @@ import pytest
 pytest.importorskip("safetensors")
 pytest.importorskip("yaml")
 
-from distributed_utils import mount_namespaces_work, torchrun, torchrun_agents  # noqa: E402
+from distributed_utils import (  # noqa: E402
+    LAUNCH_TIMEOUT_S,
+    mount_namespaces_work,
+    torchrun,
+    torchrun_agents,
+    worker_env,
+)
 
 from attnres.checkpoint import find_valid_checkpoint, is_sharded  # noqa: E402
 from attnres.train import load_config, train  # noqa: E402
@@ -121,6 +130,140 @@ def test_out_dir_unshared_in_a_mount_namespace_is_refused(tmp_path):
     assert [p.name for p in shared.rglob("*")] == ["run"] and list(other.iterdir()) == []
 
 
+# -- a crashed run launched again on two agents ---------------------------------------------
+
+NODE_HOST = Path(__file__).resolve().parent / "node_host.py"
+CRASH_HOLDING_THE_LOCK = """\
+import os, signal, socket, sys
+socket.gethostname = lambda: sys.argv[2]
+from attnres.train.lock import RunLock
+RunLock(sys.argv[1]).acquire()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def crash_holding_the_lock(out_dir: Path, host: str) -> dict:
+    """A process of host ``host`` takes ``out_dir``'s run lock (the code's own lock file), then
+    is killed (SIGKILL: nothing released), as rank 0 of a crashed launch leaves it; returns the
+    lock file's content."""
+    crashed = subprocess.run([sys.executable, "-c", CRASH_HOLDING_THE_LOCK, str(out_dir), host], env=worker_env(),
+                             capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert crashed.returncode == -9, crashed.stderr
+    return json.loads((out_dir / LOCK_FILE).read_text())
+
+
+def no_traceback_of_ours(text: str) -> bool:
+    """Whether no traceback line names an attnres file (torchrun prints its own on a failure)."""
+    return not any("attnres" in line for line in text.splitlines() if line.strip().startswith("File "))
+
+
+def losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> Path:
+    """A one-process reference run (4 steps, consolidated checkpoints at 2 and 4) and a copy
+    of it, ``crashed``, as a run that crashed after step 2 (its step-4 checkpoint removed)."""
+    root = tmp_path_factory.mktemp("crashed")
+    train(load_config(write_run_files(root), [f"out_dir={root / 'reference'}"]))
+    shutil.copytree(root / "reference", root / "crashed")
+    shutil.rmtree(root / "crashed" / "checkpoints" / "step-00000004")
+    return root
+
+
+def launch_again(crashed: Path, name: str, args: list[str]) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """The copy ``<name>`` of the crashed run launched again on two agents: ``args`` (the
+    script or ``-m attnres``, then its arguments), then ``out_dir=<the copy> --resume
+    stop_after=3``. The caller checks how the agents ended."""
+    run = crashed / name
+    return run, torchrun_agents([*args, f"out_dir={run}", "--resume", "stop_after=3"], cwd=crashed)
+
+
+@pytest.fixture(scope="module")
+def relaunched_after_a_crash_on_node_1(crashed) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """The crashed run, whose rank 0 left its lock on host "node-1", launched again in
+    torchrun's plain layout (FSDP2 over both ranks) on two agents, the nodes "node-0" (where
+    the rendezvous puts rank 0 now) and "node-1"."""
+    shutil.copytree(crashed / "crashed", crashed / "plain-after-a-crash-on-node-1")
+    crash_holding_the_lock(crashed / "plain-after-a-crash-on-node-1", "node-1")
+    return launch_again(crashed, "plain-after-a-crash-on-node-1",
+                        [str(NODE_HOST), "node-0,node-1", "train", "config.yaml"])
+
+
+@pytest.fixture(scope="module")
+def relaunched_under_dp2(crashed) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """The crashed run launched again under ``parallel.dp=2`` on two agents."""
+    shutil.copytree(crashed / "crashed", crashed / "dp2")
+    return launch_again(crashed, "dp2", ["-m", "attnres", "train", "config.yaml", "parallel.dp=2"])
+
+
+def test_two_agents_take_over_the_lock_of_a_crash_whose_rank_0_was_on_the_other_node(relaunched_after_a_crash_on_node_1):
+    """Rank 0 now runs on node-0, the lock names a dead process of node-1: rank 1 (on node-1)
+    finds it stale, rank 0 takes it over with one warning naming it, the run goes on and
+    releases the lock when it stops."""
+    run, agents = relaunched_after_a_crash_on_node_1
+    text = combined_output(agents)
+    assert all(a.returncode == 0 for a in agents), text[-6000:]
+    taken_over = [line for line in text.splitlines() if "removing the stale lock of a run that no longer runs" in line]
+    assert len(taken_over) == 1 and "on host 'node-1'" in taken_over[0], text[-4000:]
+    assert text.count("attnres train: finished at step 3") == 1, text[-3000:]
+    assert not (run / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("launch", ["relaunched_after_a_crash_on_node_1", "relaunched_under_dp2"])
+def test_two_agents_resume_a_consolidated_checkpoint(crashed, launch, request):
+    """The consolidated step-2 checkpoint resumes across the two nodes, in torchrun's plain
+    layout and under ``parallel.dp=2``: step 3 continues the one-process run (float rounding
+    apart; the log's later steps, from before the crash, dropped), and its checkpoint is
+    sharded, with both ranks' shards."""
+    run, agents = request.getfixturevalue(launch)
+    text = combined_output(agents)
+    assert all(a.returncode == 0 for a in agents), text[-6000:]
+    assert f"resuming {str(run / 'checkpoints' / 'step-00000002')!r} at step 2" in text, text[-4000:]
+    source = find_valid_checkpoint(run / "checkpoints" / "step-00000003")
+    assert is_sharded(source.state) and {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(source.state["files"])
+    resumed, reference = losses(run), losses(crashed / "reference")
+    assert sorted(resumed) == [1, 2, 3] and resumed[3] == pytest.approx(reference[3], rel=1e-5)
+
+
+def test_two_agents_refuse_a_consolidated_checkpoint_under_a_pipeline_with_the_workaround(crashed, tmp_path):
+    """``parallel.pp=2`` across the two nodes cannot load the consolidated checkpoint: both
+    nodes stop before any step, each printing the error (with the way on) once, and no
+    traceback of ours; nothing is written."""
+    run = tmp_path / "run"
+    shutil.copytree(crashed / "crashed", run)
+    agents = torchrun_agents(["-m", "attnres", "train", "config.yaml", f"out_dir={run}", "--resume", "parallel.pp=2"],
+                             cwd=crashed)
+    text = combined_output(agents)
+    assert all(a.returncode != 0 for a in agents), text[-4000:]
+    refusal = (f"attnres train: error: {str(run / 'checkpoints' / 'step-00000002')!r} is a consolidated checkpoint; "
+               "pipeline-parallel runs (parallel.pp > 1) start from sharded (DCP) checkpoints only: continue it with "
+               "parallel.pp=1 first")
+    assert text.count(refusal) == 2, text[-4000:]  # once per node
+    assert no_traceback_of_ours(text), text[-4000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]
+    assert (run / "metrics.jsonl").read_text() == (crashed / "crashed" / "metrics.jsonl").read_text()
+
+
+def test_two_agents_refuse_a_lock_of_a_host_outside_the_job_saying_what_to_do(crashed, tmp_path):
+    """The lock names a host where neither node runs: whether its process is alive cannot be
+    checked, so both nodes stop with the documented instruction (delete run.lock if that run
+    is gone, and launch again), once per node; the lock stays."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = crash_holding_the_lock(run, "node-c")
+    agents = torchrun_agents([str(NODE_HOST), "node-0,node-1", "train", "config.yaml", f"out_dir={run}"], cwd=crashed)
+    text = combined_output(agents)
+    assert all(a.returncode != 0 for a in agents), text[-4000:]
+    assert text.count(f"attnres train: error: {str(run)!r} is locked by PID {holder['pid']} on host 'node-c'") == 2, text[-4000:]
+    assert text.count(f"If it is not (it crashed or was killed, and this is a new launch of the same run), delete "
+                      f"{str(run / LOCK_FILE)!r} and launch again") == 2
+    assert no_traceback_of_ours(text) and "finished" not in text
+    assert json.loads((run / LOCK_FILE).read_text()) == holder
+
+
 # -- one 2-rank launch, several scenarios -------------------------------------------------
 
 def cli_exit(argv: list[str]) -> int | str:
@@ -173,11 +316,6 @@ def worker(root: Path) -> None:
                         ("consolidated-pp2", ["parallel.pp=2"])):
         record(name, [f"out_dir={root / name}", "--resume", "stop_after=3", *extra])
     record("sharded-resume", [f"out_dir={root / 'consolidated-dp2'}", "--resume"])
-
-
-def losses(run: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")

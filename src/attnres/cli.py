@@ -58,11 +58,46 @@ def _exit_after_collective_failure(exit_: SystemExit) -> None:
     interpreter exit would destroy the backend's threads still waiting on the dead peer, and
     gloo's then abort the process ("terminate called without an active exception", exit
     status -6) after the clear message, now and then."""
-    if isinstance(exit_.code, str):
-        print(exit_.code, file=sys.stderr)
+    _end_process(exit_.code if isinstance(exit_.code, str) else 1)
+
+
+def _end_process(status: int | str | None) -> None:
+    """End this process now with ``status`` (an exit status, or a message for stderr and
+    status 1, as ``SystemExit`` takes them), its output flushed, skipping the interpreter's
+    finalization (``os._exit``)."""
+    if isinstance(status, str):
+        print(status, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(status if isinstance(status, int) else 0 if status is None else 1)
+
+
+def _in_process_group() -> bool:
+    """Whether this process joined a process group (a rank of a launch that got that far)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def run() -> None:
+    """The ``attnres`` command (the console script, ``python -m attnres``): :func:`main`, then
+    the process ends with its status. A rank of a launch ends once the process group is
+    destroyed and its output flushed, without the interpreter's finalization. The gloo
+    backend's worker threads outlive the destroyed group (torch's DTensor caches keep the device
+    mesh, which refers to it) and may still be releasing the last collective's tensors, which
+    takes the interpreter lock; during finalization that aborts the process ("terminate called
+    without an active exception", SIGABRT or SIGSEGV) after a run that succeeded, now and then:
+    torchrun then reports the job failed, and in a multi-node job the other agents wait out
+    torchrun's exit barrier (300 s)."""
+    try:
+        status = main()
+    except SystemExit as e:
+        status = e.code
+    if not _in_process_group():
+        raise SystemExit(status)
+    from .distributed.launch import destroy_process_group
+
+    destroy_process_group()
+    _end_process(status)
 
 
 def _config_reference() -> str:

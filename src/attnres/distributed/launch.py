@@ -95,7 +95,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
             raise ValueError("no process group: launch with `torchrun --nproc-per-node K ...`")
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-        atexit.register(_destroy)
+        atexit.register(destroy_process_group)
     elif dist.get_backend() != backend:
         raise DistributedError(f"the existing process group uses {dist.get_backend()!r}, but device {dev} needs {backend!r}")
     return DistContext(dist.get_rank(), dist.get_world_size(), dev, backend, timeout_s)
@@ -202,7 +202,9 @@ def _portable_type(error: BaseException) -> type:
     return type(error)
 
 
-def _destroy() -> None:
+def destroy_process_group() -> None:
+    """Destroy the default process group (and every other), if there is one; also run at
+    exit once :func:`init_distributed` has created it."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
