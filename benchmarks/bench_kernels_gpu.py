@@ -314,11 +314,10 @@ def block_steps(name: str, run, x: dict) -> dict:
     return {f"{name}|fwd": fwd, f"{name}|fwd+bwd": fwd_bwd}
 
 
-def compile_only(args, name: str) -> int:
+def compile_only(args, peers: dict, name: str) -> int:
     """Run one implementation's steps once per shape and exit: its Triton kernels (and the
     peers' autotuning candidates) and inductor's graphs land in the on-disk caches, where
     the timed run finds them (``--warm-up``)."""
-    peers, _ = select_peers()
     run, unsupported = implementations(peers)[name]
     for shape in op_shapes(args.quick):
         if unsupported(shape) is None:
@@ -548,7 +547,7 @@ def main(argv=None) -> int:
     for name, why in skipped.items():
         log(f"skipping peer {name}: {why}")
     if args.compile_only:
-        return compile_only(args, args.compile_only)
+        return compile_only(args, peers, args.compile_only)
     if args.warm_up and args.part != "e2e":
         warm_up(args, [n for n in implementations(peers) if n != "ours (torch)"])
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / ("kernels_gpu_quick" if args.quick else "kernels_gpu")
@@ -569,6 +568,7 @@ def main(argv=None) -> int:
         result["e2e"] = bench_e2e(args)
     write_results(out, result, render_markdown)
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())
