@@ -2,9 +2,9 @@
 
 The residual module (standard, Block or Full AttnRes, two-phase or naive) is driven alone
 with random sublayer outputs, under a ``TorchDispatchMode`` that sees every operator the
-residual calls (eager). For each we add up the per-token tensors it reads (tensor
-arguments) and writes (results; for in-place ops the updated tensor counts as read and
-written). The depth-attention operators (``attnres::rms_logits``, ``phase1``, ``merge``)
+residual calls (eager, ``through_dispatcher``). For each we add up the per-token tensors it
+reads (tensor arguments) and writes (results; for in-place ops the updated tensor counts as
+read and written). The depth-attention operators (``attnres::rms_logits``, ``phase1``, ``merge``)
 count as what they are in the fused kernels: one read of each input and one write of each
 result. "Per-token" tensors are the ``[..., d]`` activations; the parameters (queries,
 gains) and the per-token scalars (logits, softmax statistics) are counted apart, since
@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from attnres.nn.residual import BlockAttnRes, FullAttnRes, StandardResidual
+from attnres.ops.depth_attention.library import through_dispatcher
 
 class TrafficCounter(TorchDispatchMode):
     """Counts elements of per-token ``[tokens, d]`` tensors read and written, by the phase of
@@ -83,7 +84,7 @@ def measure(residual, tokens: int = 200) -> dict:
     x = torch.randn(tokens, d, generator=g)
     outputs = [torch.randn(tokens, d, generator=g) for _ in range(L)]
     counter = TrafficCounter(tokens, d)
-    with torch.no_grad():
+    with torch.no_grad(), through_dispatcher():  # (the counter sees the operators, not their insides)
         with counter:
             state = counter.state = residual.start(x)
         for l in range(L):

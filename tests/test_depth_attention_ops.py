@@ -14,6 +14,7 @@ inputs are made on the CPU and moved there) - as ``torch.library`` custom operat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -23,6 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.autograd import gradcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from attnres.ops.depth_attention import cpu_kernel, library, reference, torch_impl
@@ -357,6 +359,40 @@ def test_dispatch_by_device_dtype_and_layout(kernel):
         assert library.pick("triton", [x]) is triton_impl
         with pytest.raises(ValueError, match="impl='triton' takes sources"):
             library.pick("triton", [torch.zeros(2, 3, dtype=torch.int32)])
+
+class OperatorLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_eager_calls_skip_the_dispatcher_unless_asked_with_the_same_results(grad, kernel):
+    """Eager calls run the operators' implementations directly; ``through_dispatcher`` puts
+    them through the dispatcher (a dispatch mode then sees ``attnres::*``); same numbers."""
+    z, sources, computed, qg, w = merge_inputs((2, 3), 8, 1, 1, True, dtype=torch.float32)
+    results = {}
+    for dispatched in (False, True):
+        log = OperatorLog()
+        with torch.set_grad_enabled(grad), (library.through_dispatcher() if dispatched else contextlib.nullcontext()):
+            with log:
+                out, alpha = library.merge(z, sources, computed, qg, 1e-6, w)
+                outs, lse = library.phase1(torch.stack([qg, -qg]), [*sources, *computed])
+                if grad:
+                    torch.autograd.backward([out, outs[0]], [torch.ones_like(out), torch.ones_like(out)])
+        attnres_ops = {n for n in log.names if n.startswith("attnres.")}
+        want = {"attnres.merge", "attnres.phase1"} | ({"attnres.merge_backward", "attnres.phase1_backward"} if grad else set())
+        assert attnres_ops == (want if dispatched else set())
+        results[dispatched] = [out, alpha, *outs, lse] + ([w.grad.clone(), qg.grad.clone()] if grad else [])
+        for t in (w, qg):
+            t.grad = None
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+
 
 
 def saved_tensors(fn) -> list[torch.Tensor]:

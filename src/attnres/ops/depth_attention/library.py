@@ -25,7 +25,9 @@ only under ``TRITON_INTERPRET=1``). The public wrappers are :func:`phase1` and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Optional
 
@@ -35,7 +37,7 @@ from torch import Tensor
 from . import cpu_kernel, torch_impl
 from .reference import _check_merge, compute_dtype
 
-__all__ = ["IMPLS", "phase1", "merge", "pick"]
+__all__ = ["IMPLS", "phase1", "merge", "pick", "through_dispatcher"]
 
 #: Values of the operators' ``impl`` argument.
 IMPLS = ("auto", "torch", "triton")
@@ -77,11 +79,13 @@ def _contiguous(xs: Sequence[Tensor | None]) -> list[Tensor | None]:
 # ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("attnres::phase1", mutates_args=())
-def _phase1(qg: Tensor, sources: list[Tensor], eps: float, impl: str) -> tuple[list[Tensor], Tensor]:
+def _run_phase1(qg: Tensor, sources: list[Tensor], eps: float, impl: str) -> tuple[list[Tensor], Tensor]:
     qg = qg.contiguous()  # (small: [S, d])
     outs, lse = pick(impl, [*sources, qg]).phase1_forward(qg, sources, eps)
     return list(outs), lse
+
+
+_phase1 = torch.library.custom_op("attnres::phase1", _run_phase1, mutates_args=())
 
 
 @_phase1.register_fake
@@ -91,14 +95,17 @@ def _(qg, sources, eps, impl):
     return [torch.empty_like(x0) for _ in range(qg.shape[0])], lse
 
 
-@torch.library.custom_op("attnres::phase1_backward", mutates_args=())
-def _phase1_backward(qg: Tensor, lse: Tensor, sources: list[Tensor], g_outs: list[Optional[Tensor]],
-                     g_lse: Optional[Tensor], eps: float, needs: list[bool], impl: str) -> tuple[Tensor, list[Tensor]]:
+def _run_phase1_backward(qg: Tensor, lse: Tensor, sources: list[Tensor], g_outs: list[Optional[Tensor]],
+                         g_lse: Optional[Tensor], eps: float, needs: list[bool], impl: str
+                         ) -> tuple[Tensor, list[Tensor]]:
     qg, lse, g_lse = _contiguous([qg, lse, g_lse])
     g_outs = _contiguous(g_outs)
     module = pick(impl, [*sources, qg, lse, *g_outs, g_lse])
     g_qg, g_src = module.phase1_backward(qg, lse, sources, g_outs, g_lse, eps, needs[0], needs[1:])
     return _fill([g_qg], qg)[0], _fill(g_src, sources[0])
+
+
+_phase1_backward = torch.library.custom_op("attnres::phase1_backward", _run_phase1_backward, mutates_args=())
 
 
 @_phase1_backward.register_fake
@@ -114,13 +121,16 @@ def _phase1_setup(ctx, inputs, output):
     ctx.save_for_backward(qg, output[1], *sources)
 
 
-def _phase1_grads(ctx, g_outs, g_lse, needs: list[bool]) -> tuple[Tensor | None, list[Tensor | None]]:
-    """``(d qg, [d source...])`` through the backward operator, ``None`` where not needed."""
+def _phase1_grads(ctx, g_outs, g_lse, needs: list[bool], direct: bool = False
+                  ) -> tuple[Tensor | None, list[Tensor | None]]:
+    """``(d qg, [d source...])`` through the backward operator (``direct``: its
+    implementation, see :func:`_direct`), ``None`` where not needed."""
     qg, lse, *sources = ctx.saved_tensors
     g_outs = list(g_outs) if g_outs is not None else [None] * qg.shape[0]
     if (all(g is None for g in g_outs) and g_lse is None) or not any(needs):
         return None, [None] * len(sources)
-    g_qg, g_src = torch.ops.attnres.phase1_backward(qg, lse, sources, g_outs, g_lse, ctx.eps, needs, ctx.impl)
+    backward = _run_phase1_backward if direct else torch.ops.attnres.phase1_backward
+    g_qg, g_src = backward(qg, lse, sources, g_outs, g_lse, ctx.eps, needs, ctx.impl)
     return (g_qg if needs[0] else None), [g if need else None for g, need in zip(g_src, needs[1:])]
 
 
@@ -138,14 +148,16 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
 # ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("attnres::merge", mutates_args=())
-def _merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
-           norm_weight: Optional[Tensor], eps: float, norm_eps: float, impl: str
-           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _run_merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
+               norm_weight: Optional[Tensor], eps: float, norm_eps: float, impl: str
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     z, qg = _contiguous([z, qg])  # (small: [..., k] and [d])
     module = pick(impl, [*sources, *computed, z, qg, norm_weight])
     out, alpha, rc, zc, rstd = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps)
     return out, alpha, *_fill([rc, zc, rstd], alpha)
+
+
+_merge = torch.library.custom_op("attnres::merge", _run_merge, mutates_args=())
 
 
 @_merge.register_fake
@@ -158,17 +170,19 @@ def _(z, sources, computed, qg, norm_weight, eps, norm_eps, impl):
     return torch.empty_like(x0), alpha, stat, stat.clone(), rstd
 
 
-@torch.library.custom_op("attnres::merge_backward", mutates_args=())
-def _merge_backward(g: Tensor, alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor], rstd: Optional[Tensor],
-                    sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
-                    norm_weight: Optional[Tensor], needs: list[bool], impl: str
-                    ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor]:
+def _run_merge_backward(g: Tensor, alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor], rstd: Optional[Tensor],
+                        sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
+                        norm_weight: Optional[Tensor], needs: list[bool], impl: str
+                        ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor]:
     g, qg = _contiguous([g, qg])
     module = pick(impl, [*sources, *computed, g, alpha, rc, zc, rstd, qg, norm_weight])
     g_z, g_src, g_comp, g_qg, g_norm = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
                                                              norm_weight, needs)
     g_qg, g_norm = _fill([g_qg, g_norm], alpha)
     return _fill([g_z], alpha)[0], _fill(g_src, alpha), _fill(g_comp, alpha), g_qg, g_norm
+
+
+_merge_backward = torch.library.custom_op("attnres::merge_backward", _run_merge_backward, mutates_args=())
 
 
 @_merge_backward.register_fake
@@ -193,14 +207,16 @@ def _merge_setup(ctx, inputs, output):
     ctx.save_for_backward(alpha, *stats, qg, norm_weight, *sources, *computed)
 
 
-def _merge_grads(ctx, g, needs: list[bool]):
+def _merge_grads(ctx, g, needs: list[bool], direct: bool = False):
     """``(d z, [d source...], [d computed...], d qg, d norm_weight)`` through the backward
-    operator, ``None`` where not needed; ``needs`` in that order."""
+    operator (``direct``: its implementation, see :func:`_direct`), ``None`` where not
+    needed; ``needs`` in that order."""
     alpha, rc, zc, rstd, qg, norm_weight, *xs = ctx.saved_tensors
     k, c = ctx.k, ctx.c
     if g is None or not any(needs):
         return None, [None] * k, [None] * c, None, None
-    g_z, g_src, g_comp, g_qg, g_norm = torch.ops.attnres.merge_backward(
+    backward = _run_merge_backward if direct else torch.ops.attnres.merge_backward
+    g_z, g_src, g_comp, g_qg, g_norm = backward(
         g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.impl)
     keep = lambda t, need: t if need else None  # noqa: E731
     grads = [keep(t, need) for t, need in zip([*g_src, *g_comp], needs[1 : 1 + k + c])]
@@ -220,25 +236,57 @@ _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
 # The public wrappers
 # ----------------------------------------------------------------------------------------
 #
-# They reach the operators through thin autograd Functions whose forward and backward call
+# They reach the operators through thin autograd Functions whose forward and backward run
 # the same forward and backward operators, with the same saved tensors and the same gradient
-# functions as the registered autograd above: in eager mode the registered path costs
-# about a hundred microseconds more per call (its tensor-list handling), which the schedule
+# functions as the registered autograd above: the registered path costs about a hundred
+# microseconds more per call in eager mode (its tensor-list handling), which the schedule
 # pays a few dozen times per step. torch.compile traces the Functions, and the operators
 # inside them are the nodes of its graphs.
+
+
+_dispatched = threading.local()
+
+
+@contextlib.contextmanager
+def through_dispatcher() -> Iterator[None]:
+    """Within this context (this thread), eager calls go through PyTorch's dispatcher as the
+    operators ``attnres::*`` (see :func:`_direct`): for tools that watch the dispatcher - a
+    ``TorchDispatchMode`` that counts operators, torch.profiler's operator table."""
+    before = getattr(_dispatched, "on", False)
+    _dispatched.on = True
+    try:
+        yield
+    finally:
+        _dispatched.on = before
+
+
+def _direct() -> bool:
+    """Whether the wrappers run the operators' Python implementations (``_run_*``) without
+    the dispatcher: in eager mode, where a custom operator's dispatch (its autograd layer,
+    dynamo guard and wrapper) costs tens of microseconds a call - more than a small shape's
+    kernel, with a few dozen calls a step. Never while torch.compile traces (its graphs
+    carry the operators) or within :func:`through_dispatcher`. Same implementations, same
+    results."""
+    return not (torch.compiler.is_compiling() or getattr(_dispatched, "on", False))
+
+
+def _direct_backward() -> bool:
+    """:func:`_direct` for a backward: not under ``create_graph`` (grad mode on in a
+    backward), where the backward operator's dispatch refuses a double backward clearly."""
+    return _direct() and not torch.is_grad_enabled()
 
 
 class _Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qg, eps, impl, *sources):
-        outs, lse = torch.ops.attnres.phase1(qg, list(sources), eps, impl)
+        outs, lse = (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, list(sources), eps, impl)
         _phase1_setup(ctx, (qg, sources, eps, impl), (outs, lse))
         return (*outs, lse)
 
     @staticmethod
     def backward(ctx, *grads):
         ni = ctx.needs_input_grad
-        g_qg, g_src = _phase1_grads(ctx, grads[:-1], grads[-1], [ni[0], *ni[3:]])
+        g_qg, g_src = _phase1_grads(ctx, grads[:-1], grads[-1], [ni[0], *ni[3:]], _direct_backward())
         return g_qg, None, None, *g_src
 
 
@@ -246,7 +294,7 @@ class _Merge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, qg, norm_weight, eps, norm_eps, impl, k, *xs):
         args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, impl)
-        outputs = torch.ops.attnres.merge(*args)
+        outputs = (_run_merge if _direct() else torch.ops.attnres.merge)(*args)
         _merge_setup(ctx, args, outputs)
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
@@ -254,11 +302,13 @@ class _Merge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, *_aux):
         ni = ctx.needs_input_grad
-        g_z, g_src, g_comp, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[7:], ni[1], ni[2]])
+        g_z, g_src, g_comp, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[7:], ni[1], ni[2]],
+                                                        _direct_backward())
         return g_z, g_qg, g_norm, None, None, None, None, *g_src, *g_comp
 
 
-# Without autograd, phase1 and merge call the operators directly. Besides saving
+# Without autograd, phase1 and merge call the operators directly (in eager mode their
+# implementations, see _direct). Besides saving
 # the Functions' bookkeeping, this keeps torch.compile off a Dynamo path that is wrong for
 # them: under no_grad it inlines a Function's ``forward`` with the arguments shifted by one
 # (``ctx`` dropped), which handed the operators wrong arguments in compiled inference.
@@ -277,7 +327,7 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, impl: str =
     if qg.dim() != 2 or qg.shape[-1] != sources[0].shape[-1]:
         raise ValueError(f"qg must have shape [S, {sources[0].shape[-1]}], got {tuple(qg.shape)}")
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
-        outs, lse = torch.ops.attnres.phase1(qg, list(sources), float(eps), impl)
+        outs, lse = (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, list(sources), float(eps), impl)
         return list(outs), lse
     *outs, lse = _Phase1.apply(qg, float(eps), impl, *sources)
     return outs, lse
@@ -293,8 +343,8 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     _check_impl(impl)
     _check_merge(z, sources, computed, qg)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
-        out, alpha, *_ = torch.ops.attnres.merge(z, list(sources), list(computed), qg, norm_weight, float(eps),
-                                                 float(norm_eps), impl)
+        run = _run_merge if _direct() else torch.ops.attnres.merge
+        out, alpha, *_ = run(z, list(sources), list(computed), qg, norm_weight, float(eps), float(norm_eps), impl)
         return out, alpha
     out, alpha, *_ = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), impl, len(sources), *sources,
                                   *computed)
