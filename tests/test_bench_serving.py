@@ -44,3 +44,19 @@ def test_markdown_judges_the_target_on_the_paired_ratio():
     full = next(line for line in md.splitlines() if line.startswith("| full |"))
     assert "1.040 [1.040, 1.040]" in block and block.endswith("<= 1.05: met |")
     assert full.endswith("<= 1.10: missed by 0.100 |")
+
+
+def test_profile_table_lists_the_top_operators_of_any_model_side_by_side():
+    import profile_serving as prof
+
+    args = prof.parse_args(["--variants", "standard,block", "--top", "2"])
+    tables = {("standard", part): {"mm": (100.0, 66), "graph": (10.0, 2)} for part in prof.PARTS}
+    tables.update({("block", part): {"mm": (101.0, 66), "graph": (12.0, 2), "aten::mm": (15.0, 25)}
+                   for part in prof.PARTS})
+    text = prof.markdown(args, tables)
+    assert "| `mm` | 100.0 | 66 | 101.0 | 66 |" in text
+    assert "| `aten::mm` | 0.0 | 0 | 15.0 | 25 |" in text  # block's own operator, absent in standard
+    assert "`graph`" not in text  # the third largest, beyond --top 2
+    assert "| total self CPU | 110.0 |  | 128.0 |  |" in text
+    with pytest.raises(SystemExit):
+        prof.parse_args(["--variants", "standard,hyper"])

@@ -174,14 +174,7 @@ def rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
     compute = compute_dtype(x.dtype)
     with full_precision(x):
         xc = x.to(compute)
-        if qg.shape[0] == 1:
-            # One query (a merge's computed source): a product summed over d. A compiled graph
-            # (vLLM's) fuses it into the RMS reduction's pass over x; as a [..., d] x [d, 1]
-            # matrix product it would be a separate GEMV call per merge.
-            z = (xc * qg[0].to(compute)).sum(-1, keepdim=True)
-        else:
-            z = F.linear(xc, qg.to(compute))
-        return z * rms_inverse(xc, eps).unsqueeze(-1)
+        return F.linear(xc, qg.to(compute)) * rms_inverse(xc, eps).unsqueeze(-1)
 
 
 def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6) -> tuple[list[Tensor], Tensor]:
