@@ -19,10 +19,11 @@ Exceptions, where the computation order changed: the two-phase AttnRes variants
 ``attnres.ops.depth_attention`` - in training, inference and recording forwards alike -
 which sum the same terms in another order than the plain graph of the older revisions. Their
 tensors are compared within the float32 rule instead (normwise relative error at most
-``FLOAT32_RTOL``, a gradient measured against a thousandth of the largest gradient of its
-variant when it is smaller), and their 20-step loss curves within a relative ``CURVE_RTOL``
-per step. Everything else stays bit-identical: the standard model and every baseline
-(curves included), the naive schedule and the ablations.
+``FLOAT32_RTOL``, 2e-5: two float32 results, each within the project's 1e-5 of the exact
+one; a gradient measured against a thousandth of the largest gradient of its variant when
+it is smaller), and their 20-step loss curves within a relative ``CURVE_RTOL`` per step.
+Everything else stays bit-identical: the standard model and every baseline (curves
+included), the naive schedule and the ablations.
 
     python benchmarks/bit_identity.py                     # against afb1f9e
     python benchmarks/bit_identity.py --against HEAD~3 --variants attnres_block standard
@@ -70,7 +71,11 @@ TRAIN_VARIANTS = ("standard", "attnres_block", "attnres_block_s3", "attnres_full
 TRAIN_STEPS = 20
 #: Variants whose tensors are compared within the float32 rule (see the module docstring).
 TWO_PHASE = ("attnres_block", "attnres_block_s3", "attnres_full", "attnres_block_triton", "attnres_full_triton")
-FLOAT32_RTOL = 1e-5
+#: Two float32 computations, each within the project's 1e-5 of the exact result, differ by up
+#: to the sum of their errors (their roundings point in unrelated directions; tests/conftest.py
+#: explains why the tests hold each to a float64 truth instead): 2e-5 between them. Seen: a
+#: gradient of the Triton path (interpreter) 1.16e-5 from the plain graph of afb1f9e.
+FLOAT32_RTOL = 2e-5
 GRAD_FLOOR = 1e-3
 CURVE_RTOL = 1e-4
 
