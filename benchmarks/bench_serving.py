@@ -101,6 +101,14 @@ def write_models(args, root: Path) -> dict:
     return out
 
 
+def engine(args, directory: Path, **options):
+    """A ``vllm.LLM`` serving the model in ``directory`` for this workload (float32, token ids)."""
+    from vllm import LLM
+
+    return LLM(str(directory), dtype="float32", skip_tokenizer_init=True,
+               max_model_len=args.prompt_len + args.max_tokens + 8, **options)
+
+
 def workload(args, vocab: int):
     import random
 
@@ -211,14 +219,13 @@ def markdown(args, results: dict, generate_ms: dict, config) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     import vllm
 
     root = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     models = write_models(args, root)
     config = model_config(args, VARIANTS["standard"])
-    engines = {name: LLM(str(d), dtype="float32", skip_tokenizer_init=True, max_model_len=args.prompt_len + args.max_tokens + 8,
-                         enforce_eager=args.enforce_eager, disable_log_stats=False, seed=0)
+    engines = {name: engine(args, d, enforce_eager=args.enforce_eager, disable_log_stats=False, seed=0)
                for name, (d, _) in models.items()}
     prompts = workload(args, config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)

@@ -86,15 +86,12 @@ def markdown(args, tables: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from vllm import LLM
-
     bench_args = bench_serving.parse_args(["--quick"] if args.quick else [])
     models = bench_serving.write_models(bench_args, Path(tempfile.mkdtemp(prefix="attnres-profile-")))
     prompts = bench_serving.workload(bench_args, models["standard"][1].config.vocab_size)
     tables = {}
     for name in args.variants:
-        llm = LLM(str(models[name][0]), dtype="float32", skip_tokenizer_init=True,
-                  max_model_len=bench_args.prompt_len + bench_args.max_tokens + 8)
+        llm = bench_serving.engine(bench_args, models[name][0])
         for part, max_tokens in PARTS.items():
             tables[name, part] = profile(args, llm, prompts, max_tokens or bench_args.max_tokens)
         del llm

@@ -276,10 +276,20 @@ def _direct_backward() -> bool:
     return _direct() and not torch.is_grad_enabled()
 
 
+def _phase1_forward(qg: Tensor, sources: list[Tensor], eps: float, impl: str) -> tuple[list[Tensor], Tensor]:
+    """The operator ``attnres::phase1`` - or, where :func:`_direct`, its implementation."""
+    return (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, sources, eps, impl)
+
+
+def _merge_forward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The operator ``attnres::merge`` - or, where :func:`_direct`, its implementation."""
+    return (_run_merge if _direct() else torch.ops.attnres.merge)(*args)
+
+
 class _Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qg, eps, impl, *sources):
-        outs, lse = (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, list(sources), eps, impl)
+        outs, lse = _phase1_forward(qg, list(sources), eps, impl)
         _phase1_setup(ctx, (qg, sources, eps, impl), (outs, lse))
         return (*outs, lse)
 
@@ -294,7 +304,7 @@ class _Merge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, qg, norm_weight, eps, norm_eps, impl, k, *xs):
         args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, impl)
-        outputs = (_run_merge if _direct() else torch.ops.attnres.merge)(*args)
+        outputs = _merge_forward(*args)
         _merge_setup(ctx, args, outputs)
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
@@ -308,10 +318,10 @@ class _Merge(torch.autograd.Function):
 
 
 # Without autograd, phase1 and merge call the operators directly (in eager mode their
-# implementations, see _direct). Besides saving
-# the Functions' bookkeeping, this keeps torch.compile off a Dynamo path that is wrong for
-# them: under no_grad it inlines a Function's ``forward`` with the arguments shifted by one
-# (``ctx`` dropped), which handed the operators wrong arguments in compiled inference.
+# implementations, see _direct). Besides saving the Functions' bookkeeping, this keeps
+# torch.compile off a Dynamo path that is wrong for them: under no_grad it inlines a
+# Function's ``forward`` with the arguments shifted by one (``ctx`` dropped), which handed
+# the operators wrong arguments in compiled inference.
 
 
 def _check_impl(impl: str) -> None:
@@ -327,7 +337,7 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, impl: str =
     if qg.dim() != 2 or qg.shape[-1] != sources[0].shape[-1]:
         raise ValueError(f"qg must have shape [S, {sources[0].shape[-1]}], got {tuple(qg.shape)}")
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
-        outs, lse = (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, list(sources), float(eps), impl)
+        outs, lse = _phase1_forward(qg, list(sources), float(eps), impl)
         return list(outs), lse
     *outs, lse = _Phase1.apply(qg, float(eps), impl, *sources)
     return outs, lse
@@ -343,8 +353,8 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     _check_impl(impl)
     _check_merge(z, sources, computed, qg)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
-        run = _run_merge if _direct() else torch.ops.attnres.merge
-        out, alpha, *_ = run(z, list(sources), list(computed), qg, norm_weight, float(eps), float(norm_eps), impl)
+        out, alpha, *_ = _merge_forward(z, list(sources), list(computed), qg, norm_weight, float(eps), float(norm_eps),
+                                        impl)
         return out, alpha
     out, alpha, *_ = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), impl, len(sources), *sources,
                                   *computed)
