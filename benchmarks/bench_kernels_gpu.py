@@ -138,8 +138,10 @@ def _ours(x: dict, impl: str) -> list[torch.Tensor]:
     kw = {} if impl == "reference" else {"impl": impl}
     sources, qg, gains, partials = x["sources"], x["qg"], x["gains"], x["partials"]
     outs, lse = ops.phase1(qg, sources, EPS, **kw)
-    return [ops.merge(lse[:, s : s + 1], [outs[s]], partials[s - 1 : s] if s else [], qg[s] if s else None, EPS,
-                      gains[s], EPS, **kw)[0] for s in range(len(qg))]
+    lse = lse.unbind(-1)  # (as the model: each merge reads its column, no slice copy)
+    queries = qg.unbind(0)
+    return [ops.merge(lse[s].unsqueeze(-1), [outs[s]], partials[s - 1 : s] if s else [], queries[s] if s else None,
+                      EPS, gains[s], EPS, **kw)[0] for s in range(len(qg))]
 
 
 def ours_triton(x: dict) -> list[torch.Tensor]:

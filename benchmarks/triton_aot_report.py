@@ -62,19 +62,25 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
             "spill_loads": number(r"(\d+) bytes spill loads"), "smem": number(r"(\d+) bytes smem")}
 
 
-def compile_variant(kernel: str, signature: dict, constexprs: dict, options: dict, arch: int) -> dict:
-    """Compile one variant for ``sm_<arch>`` with its launch ``options`` (``num_warps``,
-    ``maxnreg``); its resource usage (raises if it does not compile)."""
+def compile_variant(kernel: str, dtype: str, counts: dict, signature: dict, constexprs: dict, options: dict,
+                    arch: int) -> dict:
+    """Compile one variant for ``sm_<arch>`` with its launch ``options`` (``num_warps``);
+    its resource usage and the warps it leaves resident per multiprocessor (raises if it
+    does not compile)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from attnres.ops.depth_attention import triton_kernels
+    from attnres.ops.depth_attention.triton_launch import resident_warps
 
     source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    return {"kernel": kernel, "arch": arch, "dtype": signature["X0"].lstrip("*"), **constexprs, **options,
-            "triton_shared": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"], arch)}
+    row = {"kernel": kernel, "arch": arch, "dtype": dtype, "counts": counts, **constexprs, **options,
+           "triton_shared": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"], arch)}
+    row["resident_warps"] = resident_warps(arch, row["registers"], options["num_warps"],
+                                           max(row["smem"], row["triton_shared"]))
+    return row
 
 
 def _compile_job(job: tuple) -> dict:
@@ -84,7 +90,7 @@ def _compile_job(job: tuple) -> dict:
 def all_variants(archs=ARCHS) -> list[tuple]:
     from attnres.ops.depth_attention.triton_launch import variants
 
-    return [(k, sig, cx, options, arch) for arch in archs for k, sig, cx, options in variants()]
+    return [(*variant, arch) for arch in archs for variant in variants()]
 
 
 def compile_all(archs=ARCHS, workers: int | None = None) -> list[dict]:
@@ -94,9 +100,17 @@ def compile_all(archs=ARCHS, workers: int | None = None) -> list[dict]:
         return list(pool.map(_compile_job, jobs))
 
 
+#: The backward kernels must leave at least this many warps resident per multiprocessor
+#: (they are latency-bound below it).
+MIN_BACKWARD_WARPS = 16
+
+
 def problems(row: dict) -> list[str]:
-    """What fails a variant: a spill, or shared memory over its target's limit."""
+    """What fails a variant: a spill, shared memory over its target's limit, or a backward
+    kernel leaving fewer than :data:`MIN_BACKWARD_WARPS` warps resident."""
     bad = []
+    if row["kernel"] in ("phase1_bwd", "phase1_dq", "merge_bwd") and row["resident_warps"] < MIN_BACKWARD_WARPS:
+        bad.append(f"{row['resident_warps']} resident warps per multiprocessor (< {MIN_BACKWARD_WARPS})")
     if row["spill_stores"] or row["spill_loads"]:
         bad.append(f"spills {row['spill_stores']} B stored / {row['spill_loads']} B loaded")
     shared = max(row["smem"], row["triton_shared"])
@@ -105,13 +119,22 @@ def problems(row: dict) -> list[str]:
     return bad
 
 
+def _shape(r: dict) -> str:
+    """The variant's tuple counts and block: ``S=8 n=9, 8x256`` / ``k=1 c=1, row 2048``."""
+    counts = " ".join(f"{k}={v}" for k, v in r["counts"].items())
+    block = f"{r['S_PAD']}x{r['BLOCK_D']}" if "BLOCK_D" in r else f"row {r['D_PAD']}"
+    return f"{counts}, {block}"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| kernel | target | dtype | BLOCK_D | S_PAD | warps | registers | spills (B) | shared (B) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["kernel"], r["arch"], r["dtype"], r.get("S_PAD", 0), r["BLOCK_D"])):
-        lines.append(f"| {r['kernel']} | sm_{r['arch']} | {r['dtype']} | {r['BLOCK_D']} | {r.get('S_PAD', '')} | "
-                     f"{r['num_warps']} | {r['registers']} | {r['spill_stores'] + r['spill_loads']} | "
-                     f"{max(r['smem'], r['triton_shared'])} |")
+    lines = ["| kernel | target | dtype | shape, block | warps | registers | spills (B) | shared (B) | warps/SM |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    order = lambda r: (r["kernel"], r["arch"], r["dtype"], r.get("S_PAD", 0), r.get("D_PAD", 0),  # noqa: E731
+                       sorted(r["counts"].items()))
+    for r in sorted(rows, key=order):
+        lines.append(f"| {r['kernel']} | sm_{r['arch']} | {r['dtype']} | {_shape(r)} | {r['num_warps']} | "
+                     f"{r['registers']} | {r['spill_stores'] + r['spill_loads']} | "
+                     f"{max(r['smem'], r['triton_shared'])} | {r['resident_warps']} |")
     return "\n".join(lines)
 
 

@@ -395,6 +395,72 @@ def test_eager_calls_skip_the_dispatcher_unless_asked_with_the_same_results(grad
 
 
 
+class _StubKernel:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` records the launch, runs nothing."""
+
+    def __init__(self, name: str, launches: list[str]):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(self.name)
+
+
+#: Operators that move no data on the device: allocations, views, metadata.
+FREE_OPERATORS = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.view",
+                  "aten._unsafe_view", "aten.as_strided", "aten.select", "aten.slice", "aten.unsqueeze", "aten.squeeze",
+                  "aten.unbind", "aten.t", "aten.permute", "aten.expand", "aten.detach", "aten.alias"}
+#: Operators that copy between devices (or from host data): none may run in a call.
+COPIES = {"aten._to_copy", "aten.copy_", "aten.lift_fresh", "aten.lift_fresh_copy", "aten._pin_memory"}
+
+
+def _device_operations(run, launches: list[str]) -> list[str]:
+    """The device operations ``run()`` dispatches (launches stubbed): the aten operators
+    that are not in :data:`FREE_OPERATORS`, then the kernels launched."""
+    log, before = OperatorLog(), len(launches)
+    with log:
+        run()
+    return [n for n in log.names if n not in FREE_OPERATORS] + [f"triton.{k}" for k in launches[before:]]
+
+
+def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
+    """The host side of a Triton call, with the kernels stubbed: a forward allocates its
+    results and launches one kernel; a merge backward dispatches at most 3 device operations
+    (its kernel and the sums of the query's and the norm gain's per-program partials), a
+    Phase-1 backward 3 (two kernels, one sum); no call copies anything to the device (no
+    pointer table: tuple arguments), zero-fills a buffer, or copies a slice of Phase 1's
+    log-sum-exps (the merge takes a strided column)."""
+    pytest.importorskip("triton")
+    from attnres.ops.depth_attention import triton_kernels
+
+    launches: list[str] = []
+    for name in ("phase1_fwd", "phase1_bwd", "phase1_dq", "merge_fwd", "merge_bwd"):
+        monkeypatch.setattr(triton_kernels, name, _StubKernel(name, launches))
+    g = torch.Generator().manual_seed(0)
+    d, S = 64, 8
+    # Block AttnRes' merge: a Phase-1 weighted sum (its logit a column of lse) and the partial
+    # sum, the norm fused
+    lse = rnd(g, 4, 5, S, dtype=torch.float32)
+    z = lse.unbind(-1)[3].unsqueeze(-1)
+    x, partial = rnd(g, 4, 5, d, dtype=torch.float32), rnd(g, 4, 5, d, dtype=torch.float32)
+    qg, w = rnd(g, d, dtype=torch.float32), rnd(g, d, dtype=torch.float32)
+    result = {}
+    forward = _device_operations(
+        lambda: result.update(out=library.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, "triton")[0]), launches)
+    assert forward == ["triton.merge_fwd"], forward
+    grad = torch.randn(4, 5, d, generator=g)
+    backward = _device_operations(lambda: torch.autograd.grad(result["out"], [z, x, partial, qg, w], grad), launches)
+    assert len(backward) <= 3 and not set(backward) & COPIES, backward
+    assert set(backward) <= {"triton.merge_bwd", "aten.sum"}, backward
+    # Phase 1 of S queries over 3 sources
+    qs, sources = phase1_inputs((4, 5), d, S, 3, torch.float32)
+    forward = _device_operations(lambda: result.update(p1=library.phase1(qs, sources, 1e-6, "triton")), launches)
+    assert forward == ["triton.phase1_fwd"], forward
+    outs, lse1 = result["p1"]
+    grads = [torch.randn(o.shape, generator=g) for o in outs] + [torch.randn(lse1.shape, generator=g)]
+    backward = _device_operations(lambda: torch.autograd.grad([*outs, lse1], [qs, *sources], grads), launches)
+    assert len(backward) <= 3 and set(backward) <= {"triton.phase1_bwd", "triton.phase1_dq", "aten.sum"}, backward
+
+
 def saved_tensors(fn) -> list[torch.Tensor]:
     saved = []
 
@@ -431,13 +497,14 @@ def test_operators_save_sources_by_reference_and_per_token_statistics(impl, kern
 
 @pytest.mark.triton
 def test_triton_kernels_tile_d_and_split_rows_over_programs(monkeypatch):
-    """``d`` walked in tiles that do not divide it, backward programs over several rows,
-    and Phase 1's queries in chunks (S = 17 > 8): against the PyTorch implementation."""
+    """``d`` walked in tiles that do not divide it, backward programs over several rows
+    (the merge's persistent programs, the queries' gradient's row ranges), and Phase 1's
+    queries padded (S = 17 in a block of 32): against the PyTorch implementation."""
     triton_device()
     from attnres.ops.depth_attention import triton_impl
 
     monkeypatch.setitem(triton_impl.FORCED, "block_d", 16)
-    monkeypatch.setitem(triton_impl.FORCED, "max_programs", 3)
+    monkeypatch.setitem(triton_impl.FORCED, "programs", 3)
     inputs = merge_flat(*merge_inputs((7,), 37, 1, 2, True, torch.float64))
     for a, b in zip(outputs_and_grads(merge_fn("triton", 1, 2, True), inputs),
                     outputs_and_grads(merge_fn("torch", 1, 2, True), inputs)):

@@ -46,7 +46,7 @@ def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, mo
 
     if small_tiles:  # tile d = 36 in 16-wide tiles, backward programs over several rows
         monkeypatch.setitem(triton_impl.FORCED, "block_d", 16)
-        monkeypatch.setitem(triton_impl.FORCED, "max_programs", 3)
+        monkeypatch.setitem(triton_impl.FORCED, "programs", 3)
     fused_calls = []
     merge_forward = triton_impl.merge_forward
 

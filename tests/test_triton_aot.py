@@ -1,7 +1,9 @@
-"""GPU readiness without a GPU: every Triton kernel variant the launch code can choose
-compiles ahead of time for sm_80 and sm_90 with Triton's bundled ``ptxas``, with no spill
-and shared memory within the target's limit (``benchmarks/triton_aot_report.py``, run in a
-process of its own: the suite runs Triton's interpreter)."""
+"""GPU readiness without a GPU: every Triton kernel variant the launch code can choose (each
+kernel, storage dtype, tile, query padding and class of source counts) compiles ahead of
+time for sm_80 and sm_90 with Triton's bundled ``ptxas``, with no spill, shared memory
+within the target's limit and - for the backward kernels - at least 16 warps resident per
+multiprocessor (``benchmarks/triton_aot_report.py``, run in a process of its own: the suite
+runs Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path
     assert {r["dtype"] for r in rows} == set(triton_launch.DTYPES)
     for r in rows:
         assert r["registers"] > 0 and r["spill_stores"] == r["spill_loads"] == 0, r
+        if r["kernel"] in ("phase1_bwd", "phase1_dq", "merge_bwd"):  # latency-bound below 16 warps per SM
+            assert r["resident_warps"] >= 16, r
 
 
 def test_the_listed_signatures_are_the_kernels_parameters():
@@ -48,13 +52,33 @@ def test_the_listed_signatures_are_the_kernels_parameters():
 
 
 def test_launch_geometry():
-    assert triton_launch.tile_d(37) == 64 and triton_launch.tile_d(1) == 64 and triton_launch.tile_d(300) == 1024
-    assert triton_launch.tile_d(10**6) == 1024  # wide rows are tiled
-    assert triton_launch.tile_d(300, rows=4) == 256 and triton_launch.tile_d(300, rows=16) == 64
-    assert triton_launch.tile_d(37, block_d=16) == 16
+    L = triton_launch
+    # Phase 1: S_PAD x BLOCK_D within the tile budget, no wider than d needs, at least 16
+    assert L.phase1_tile(37, 3) == 64 and L.phase1_tile(1, 1) == 16 and L.phase1_tile(4096, 8) == 128
+    assert L.phase1_tile(4096, 2) == 256 and L.phase1_tile(4096, 9) == 32 and L.phase1_tile(4096, 64) == 16 and L.phase1_tile(4096, 32) == 16
+    assert [L.phase1_warps(S) for S in (2, 9, 32, 33)] == [4, 4, 4, 8]
+    assert L.phase1_tile(4096, 8, wide=True) == 64 and L.phase1_tile(37, 3, block_d=16) == 16
     with pytest.raises(ValueError, match="block_d must be a power of two"):
-        triton_launch.tile_d(37, block_d=12)
-    assert [triton_launch.s_pad(s) for s in (1, 4, 5, 8, 40)] == [4, 4, 8, 8, 8]
+        L.phase1_tile(37, 3, block_d=12)
+    assert [L.pad(s) for s in (1, 2, 4, 5, 9, 33)] == [2, 2, 4, 8, 16, 64]
+    # the shapes the kernels take (the PyTorch implementation runs the others)
+    assert L.phase1_fits(9, 57) and not L.phase1_fits(65, 2) and not L.phase1_fits(64, 64)
+    assert L.merge_fits(4096, 9) and not L.merge_fits(4097, 2)
+    # the merge: the whole row, one warp per 256 elements (1 to 16)
+    assert [L.row_pad(d) for d in (1, 37, 2048, 3000)] == [16, 64, 2048, 4096]
+    assert [L.merge_warps(L.row_pad(d)) for d in (64, 2048, 4096)] == [1, 8, 16]
+    # the merge backward fills BACKWARD_WARPS_PER_SM warps per multiprocessor, one wave
+    assert L.backward_programs(8192, 2048, 132) == 132 * 16 // 8 and L.backward_programs(5, 2048, 132) == 5
     for rows, cap in [(1, 4), (7, 3), (1000, 1024), (5000, 1024)]:
-        programs, per = triton_launch.row_ranges(rows, cap)
+        programs, per = L.row_ranges(rows, cap)
         assert programs <= cap and programs * per >= rows and (programs - 1) * per < rows
+    tiles, programs, per = L.dq_grid(8192, 2048, 128, 132)
+    assert tiles == 16 and tiles * programs >= 132 * L.PROGRAMS_PER_SM and programs * per >= 8192
+
+
+def test_resident_warps_follow_the_occupancy_rules():
+    """Registers per warp in units of 256, the warp and program limits, shared memory."""
+    assert triton_launch.resident_warps(90, 80, 4, 0) == 24  # 80 regs: 2560/warp -> 6 programs of 4 warps
+    assert triton_launch.resident_warps(90, 32, 8, 0) == 64  # the warp limit
+    assert triton_launch.resident_warps(90, 255, 8, 0) == 8
+    assert triton_launch.resident_warps(80, 32, 1, 100 * 1024) == 1  # shared memory: one program

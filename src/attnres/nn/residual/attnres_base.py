@@ -44,27 +44,40 @@ OPERATIONS_BY_KERNELS = {"auto": "auto", "triton": "triton", "torch": "torch", "
 @dataclass
 class Phase1:
     """Phase 1 of queries ``first .. first + count - 1`` over the completed sources: their
-    weighted sums ``outs`` (``count`` tensors ``[..., d]``) and log-sum-exps ``lse [...,
-    count]``; ``None`` over a single source, which the merges then take themselves."""
+    weighted sums ``outs`` (``count`` tensors ``[..., d]``) and log-sum-exps ``lse`` (``count``
+    views ``[..., 1]`` of one tensor: a merge's backward then hands back a gradient of its
+    own column, and the columns are stacked once - no per-merge slice backward); ``None``
+    over a single source, which the merges then take themselves."""
 
     first: int
     count: int
     outs: list[Tensor] | None = None
-    lse: Tensor | None = None
+    lse: list[Tensor] | None = None
 
 
 @dataclass
 class CompletedSources:
     """The two-phase schedule's completed sources.
 
-    qg: ``[L + 1, d]``, every mixer's query with its key-norm gain folded in.
+    queries: every mixer's query with its key-norm gain folded in, ``L + 1`` tensors
+    ``[d]`` (:meth:`AttnResBase.folded_queries`): a merge takes its own, so that its
+    gradient needs no select backward.
+    stacked: the same as one ``[L + 1, d]`` tensor where it is kept (no autograd), else
+    ``None``.
     sources: the completed sources ``[..., d]``.
     p1: Phase 1 of the current block or group.
     """
 
-    qg: Tensor
+    queries: list[Tensor]
+    stacked: Tensor | None
     sources: list[Tensor]
     p1: Phase1 | None = None
+
+    def block(self, first: int, count: int) -> Tensor:
+        """Queries ``first .. first + count - 1`` as one ``[count, d]`` tensor."""
+        if self.stacked is not None:
+            return self.stacked[first : first + count]
+        return torch.stack(self.queries[first : first + count])
 
 
 class Schedule:
@@ -193,9 +206,17 @@ class AttnResBase(ResidualStream):
         Without autograd (inference, decoding) the result is kept until a query or gain
         changes (their version counters and storage are the key): decoding runs the residual
         once per token, and rebuilding this costs ~3 small ops per sublayer each time."""
-        compute = compute_dtype(dtype)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return torch.stack([m.folded_query(compute) for m in self.mixers])
+            return torch.stack(self._fold(dtype))
+        return self._kept_queries(dtype)[0]
+
+    def _fold(self, dtype: torch.dtype) -> list[Tensor]:
+        compute = compute_dtype(dtype)
+        return [m.folded_query(compute) for m in self.mixers]
+
+    def _kept_queries(self, dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
+        """The kept ``[L + 1, d]`` folded queries and their rows (see :meth:`folded_queries`)."""
+        compute = compute_dtype(dtype)
         key = [compute, self.mixers[0].query.device]
         for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
             q, g = m._parameters["query"], m._modules["key_norm"]._parameters["weight"]
@@ -203,12 +224,20 @@ class AttnResBase(ResidualStream):
         cached = self.__dict__.get("_folded_cache")
         if cached is None or cached[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
-                cached = (key, torch.stack([m.folded_query(compute) for m in self.mixers]))
+                stacked = torch.stack([m.folded_query(compute) for m in self.mixers])
+                cached = (key, stacked, list(stacked.unbind(0)))
             self.__dict__["_folded_cache"] = cached
-        return cached[1]
+        return cached[1], cached[2]
 
     def new_sources(self, dtype: torch.dtype) -> CompletedSources:
-        return CompletedSources(self.folded_queries(dtype), [])
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # (rows of one stacked tensor: every query stays in the graph - a query that no
+            # merge reads, such as the first sublayer's over the embedding alone, gets a zero
+            # gradient rather than none, as data parallelism expects - and the backward
+            # gathers the rows' gradients in one stack instead of a select per merge)
+            return CompletedSources(list(torch.stack(self._fold(dtype)).unbind(0)), None, [])
+        stacked, rows = self._kept_queries(dtype)
+        return CompletedSources(rows, stacked, [])
 
     def phase1(self, state: ResidualState, first_query: int, end: int) -> None:
         """Phase 1 of queries ``first_query .. end - 1`` over the completed sources - and of the
@@ -218,7 +247,8 @@ class AttnResBase(ResidualStream):
         count = end - first_query + (end == self.n_sublayers)
         tp.p1 = Phase1(first_query, count)
         if len(tp.sources) > 1:
-            tp.p1.outs, tp.p1.lse = state.ops.phase1(tp.qg[first_query : first_query + count], tp.sources, self.eps)
+            tp.p1.outs, lse = state.ops.phase1(tp.block(first_query, count), tp.sources, self.eps)
+            tp.p1.lse = [column.unsqueeze(-1) for column in lse.unbind(-1)]
 
     def covers_aggregation(self, state: ResidualState) -> bool:
         """Whether the last Phase 1 ran the output aggregation's query too."""
@@ -236,12 +266,13 @@ class AttnResBase(ResidualStream):
         if p1.outs is None:  # a single completed source: one more computed source
             x = tp.sources[0]
             z = torch.empty((*x.shape[:-1], 0), dtype=compute_dtype(x.dtype), device=x.device)
-            return self.merged_input(state, z, [], [x, *computed], tp.qg[l], fusable)
+            return self.merged_input(state, z, [], [x, *computed], tp.queries[l], fusable)
         record = None
         if state.weights is not None:
-            p = torch.softmax(torch.cat([reference.rms_logits(x, tp.qg[l : l + 1], self.eps) for x in tp.sources], -1), -1)
+            qg = tp.queries[l].unsqueeze(0)
+            p = torch.softmax(torch.cat([reference.rms_logits(x, qg, self.eps) for x in tp.sources], -1), -1)
             record = lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1)  # noqa: E731
-        return self.merged_input(state, p1.lse[..., s : s + 1], [p1.outs[s]], computed, tp.qg[l] if computed else None,
+        return self.merged_input(state, p1.lse[s], [p1.outs[s]], computed, tp.queries[l] if computed else None,
                                  fusable, record)
 
     def merged_input(self, state: ResidualState, z: Tensor, sources: list[Tensor], computed: list[Tensor],

@@ -26,6 +26,7 @@ only under ``TRITON_INTERPRET=1``). The public wrappers are :func:`phase1` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from types import ModuleType
@@ -43,6 +44,15 @@ __all__ = ["IMPLS", "phase1", "merge", "pick", "through_dispatcher"]
 IMPLS = ("auto", "torch", "triton")
 
 
+@functools.cache
+def _triton_impl() -> ModuleType:
+    """:mod:`.triton_impl`, imported on first use (triton is optional: imported where it can
+    run), then kept - no import statement per call."""
+    from . import triton_impl
+
+    return triton_impl
+
+
 def pick(impl: str, tensors: Sequence[Tensor | None]) -> ModuleType:
     """The implementation module that runs an operator over ``tensors`` (see the module
     docstring): by ``impl`` and the first tensor's device."""
@@ -50,8 +60,7 @@ def pick(impl: str, tensors: Sequence[Tensor | None]) -> ModuleType:
         return torch_impl
     device = next(t for t in tensors if t is not None).device.type
     if impl == "triton" or device == "cuda":
-        from . import triton_impl  # (triton is optional: imported where it can run)
-
+        triton_impl = _triton_impl()
         if impl == "triton":
             triton_impl.check(tensors)
             return triton_impl
@@ -151,8 +160,8 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
 def _run_merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
                norm_weight: Optional[Tensor], eps: float, norm_eps: float, impl: str
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    z, qg = _contiguous([z, qg])  # (small: [..., k] and [d])
-    module = pick(impl, [*sources, *computed, z, qg, norm_weight])
+    qg = _contiguous([qg])[0]  # (small: [d]; z [..., k] may be a strided view of Phase 1's lse)
+    module = pick(impl, [*sources, *computed, qg, norm_weight])
     out, alpha, rc, zc, rstd = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps)
     return out, alpha, *_fill([rc, zc, rstd], alpha)
 

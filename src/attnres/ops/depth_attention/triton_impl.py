@@ -1,29 +1,36 @@
 """The Triton implementation of the depth-attention operations (GPUs; on CPU only under
 Triton's interpreter, ``TRITON_INTERPRET=1``, which is how the tests run it).
 
-The launchers of :mod:`.triton_kernels`, with the signatures of :mod:`.torch_impl`. Sources
-and results are passed to the kernels as tables of data pointers.
+The launchers of :mod:`.triton_kernels`, with the signatures of :mod:`.torch_impl`. A call
+allocates its results and launches its kernels - nothing else reaches the device: sources
+travel as tuples of tensors (no pointer table, no host-to-device copy), Phase 1's
+log-sum-exps may arrive as strided views (the merge takes a row stride), and every device
+operation of a call is counted by a test (``tests/test_depth_attention_ops.py``): one kernel
+per forward, a kernel and one sum per merge backward, two kernels and one sum per Phase-1
+backward. Shapes past :mod:`.triton_launch`'s limits run :mod:`.torch_impl` instead.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
-import triton
 from torch import Tensor
 
-from . import triton_kernels
+from . import torch_impl, triton_kernels
 from .reference import compute_dtype
-from .triton_launch import launch_options, row_ranges, s_pad, tile_d
+from .triton_launch import (backward_programs, dq_grid, merge_fits, merge_warps, pad, phase1_fits, phase1_tile,
+                            phase1_warps, row_pad)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
 #: Storage dtypes of the sources the kernels take (computing in float32; float64 in float64).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-#: Launch geometry forced by the tests (``block_d``: the tile; ``max_programs``: the
-#: backward kernels' programs); ``None``: :mod:`.triton_launch` chooses.
-FORCED = {"block_d": None, "max_programs": None}
+#: Launch geometry forced by the tests (``block_d``: Phase 1's tile; ``programs``: the
+#: programs over rows of the merge's backward and of the queries' gradient); ``None``:
+#: :mod:`.triton_launch` chooses.
+FORCED = {"block_d": None, "programs": None}
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:
@@ -41,120 +48,146 @@ def check(tensors: Sequence[Tensor | None]) -> None:
                          f"{next(t for t in tensors if t is not None).dtype}")
 
 
-def _table(tensors: Sequence[Tensor], like: Tensor) -> Tensor:
-    """The data pointers of ``tensors`` as an int64 tensor on ``like``'s device (through
-    pinned memory on a GPU: a copy that does not wait for the device); a null entry for
-    none."""
-    cuda = like.device.type == "cuda"
-    table = torch.tensor([t.data_ptr() for t in tensors] or [0], dtype=torch.int64, pin_memory=cuda)
-    return table.to(like.device, non_blocking=True)
+@functools.cache
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # (the interpreter: a few programs, so that the tests cover programs over several rows)
 
 
-def _rows(x: Tensor) -> Tensor:
-    """``x [..., d]`` as contiguous rows ``[tokens, d]``."""
-    return x.reshape(-1, x.shape[-1]).contiguous()
+def _sms(device: torch.device) -> int:
+    """Multiprocessors to size the grids for: as many as forced programs, if forced."""
+    return FORCED["programs"] or _device_sms(device)
 
 
-def _vector(x: Tensor | None, like: Tensor) -> Tensor:
-    """A parameter in ``like``'s (the compute) dtype, contiguous; a dummy for ``None``."""
-    return (x if x is not None else like.new_zeros(1)).to(like.dtype).contiguous()
+def _c(x: Tensor) -> Tensor:
+    return x if x.is_contiguous() else x.contiguous()
 
 
-def _chunks(S: int, d: int):
-    """The Phase-1 query chunks ``(start, count)``, their padding and tile."""
-    pad = s_pad(S)
-    return [(s0, min(pad, S - s0)) for s0 in range(0, S, pad)], pad, FORCED["block_d"] or tile_d(d, pad)
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _geometry(x0: Tensor) -> tuple[int, int, torch.dtype]:
+    """``(rows, d, compute dtype)`` of sources shaped like ``x0``."""
+    d = x0.shape[-1]
+    return (x0.numel() // d if d else 0), d, compute_dtype(x0.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# phase1
+# ----------------------------------------------------------------------------------------
 
 
 def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[list[Tensor], Tensor]:
     x0 = sources[0]
-    d, S, n = x0.shape[-1], qg.shape[0], len(sources)
-    srcs = [_rows(x) for x in sources]
-    rows, compute = srcs[0].shape[0], compute_dtype(x0.dtype)
-    q = qg.to(compute).contiguous()
-    lse = torch.empty(rows, S, device=x0.device, dtype=compute)
-    outs = [torch.empty_like(srcs[0]) for _ in range(S)]
-    chunks, pad, block = _chunks(S, d)
-    zs, rs = torch.empty(rows, pad, n, device=x0.device, dtype=compute), torch.empty(rows, n, device=x0.device, dtype=compute)
-    for s0, count in chunks:
+    rows, d, compute = _geometry(x0)
+    S = qg.shape[0]
+    if not phase1_fits(S, len(sources)):
+        return torch_impl.phase1_forward(qg, sources, eps)
+    outs = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=x0.device) for _ in range(S))
+    lse = torch.empty((*x0.shape[:-1], S), dtype=compute, device=x0.device)
+    if rows:
+        block = phase1_tile(d, S, FORCED["block_d"], compute == torch.float64)
         triton_kernels.phase1_fwd[(rows,)](
-            q[s0:], lse[:, s0:], _table(srcs, x0), _table(outs[s0 : s0 + count], x0), srcs[0], zs, rs, d, n, count,
-            lse.stride(0), float(eps), BLOCK_D=block, S_PAD=pad, **launch_options("phase1_fwd", block, pad))
-    lead = x0.shape[:-1]
-    return [o.view(*lead, d) for o in outs], lse.view(*lead, S)
+            _as(qg, compute), tuple(_c(x) for x in sources), outs, lse, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
+            N_PAD=pad(len(sources)), num_warps=phase1_warps(S))
+    return list(outs), lse
 
 
 def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool, needs_sources: Sequence[bool]):
     x0 = sources[0]
-    d, S, n = x0.shape[-1], qg.shape[0], len(sources)
-    srcs = [_rows(x) for x in sources]
-    rows, compute = srcs[0].shape[0], compute_dtype(x0.dtype)
-    q, lr = qg.to(compute).contiguous(), lse.reshape(rows, S).to(compute).contiguous()
-    zero = torch.zeros_like(srcs[0]) if any(g is None for g in g_outs) else None
-    gouts = [zero if g is None else _rows(g.to(x0.dtype)) for g in g_outs]
-    glse = torch.zeros_like(lr) if g_lse is None else g_lse.reshape(rows, S).to(compute).contiguous()
-    gsrc = [torch.zeros_like(srcs[0]) for _ in range(n)]
-    chunks, pad, block = _chunks(S, d)
-    programs, per = row_ranges(rows, FORCED["max_programs"])
-    zs, rs = torch.empty(rows, pad, n, device=x0.device, dtype=compute), torch.empty(rows, n, device=x0.device, dtype=compute)
-    g_qg = torch.zeros(S, d, device=x0.device, dtype=compute)
-    for s0, count in chunks:
-        part = [torch.empty_like(srcs[0]) for _ in range(n)]  # every chunk of queries adds to the sources' gradients
-        pq = torch.zeros(programs, pad, d, device=x0.device, dtype=compute)
-        triton_kernels.phase1_bwd[(programs,)](
-            q[s0:], lr[:, s0:], glse[:, s0:], _table(srcs, x0), _table(gouts[s0 : s0 + count], x0), _table(part, x0),
-            srcs[0], zs, rs, pq, rows, d, n, count, lr.stride(0), float(eps), per, BLOCK_D=block, S_PAD=pad,
-            **launch_options("phase1_bwd", block, pad))
-        for g, p in zip(gsrc, part):
-            g.add_(p)
-        g_qg[s0 : s0 + count] = pq.sum(0)[:count]
-    lead = x0.shape[:-1]
-    g_src = [g.view(*lead, d) if need else None for g, need in zip(gsrc, needs_sources)]
-    return (g_qg.to(qg.dtype) if needs_qg else None), g_src
+    rows, d, compute = _geometry(x0)
+    S, n = qg.shape[0], len(sources)
+    if not phase1_fits(S, n):
+        return torch_impl.phase1_backward(qg, lse, sources, g_outs, g_lse, eps, needs_qg, needs_sources)
+    srcs = tuple(_c(x) for x in sources)
+    q = _as(qg, compute)
+    present = sum(1 << s for s, g in enumerate(g_outs) if g is not None)
+    gouts = tuple(x0 if g is None else _c(_as(g, x0.dtype)) for g in g_outs)  # (absent: never read)
+    g_src = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=x0.device) for _ in range(n))
+    w = torch.empty((rows, n, S), dtype=compute, device=x0.device) if needs_qg else lse
+    g_qg = None
+    if rows:
+        block = phase1_tile(d, S, FORCED["block_d"], compute == torch.float64)
+        glse = lse if g_lse is None else _c(_as(g_lse, compute))
+        triton_kernels.phase1_bwd[(rows,)](
+            q, _c(lse), glse, srcs, gouts, g_src, w, d, float(eps), present, HAS_GLSE=g_lse is not None,
+            NEED_W=needs_qg, BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=phase1_warps(S))
+        if needs_qg:
+            tiles, programs, per = dq_grid(rows, d, block, _sms(x0.device), FORCED["programs"])
+            pq = torch.empty((programs, S, d), dtype=compute, device=x0.device)
+            triton_kernels.phase1_dq[(tiles, programs)](w, srcs, pq, rows, d, per, S=S, BLOCK_D=block, S_PAD=pad(S),
+                                                         N_PAD=pad(n), num_warps=phase1_warps(S))
+            g_qg = pq.sum(0) if programs > 1 else pq[0]
+    elif needs_qg:
+        g_qg = torch.zeros_like(q)
+    if g_qg is not None:
+        g_qg = _as(g_qg, qg.dtype)
+    return g_qg, [g if need else None for g, need in zip(g_src, needs_sources)]
+
+
+# ----------------------------------------------------------------------------------------
+# merge
+# ----------------------------------------------------------------------------------------
 
 
 def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float):
-    xs = [_rows(x) for x in (*sources, *computed)]
-    x0, k, c = xs[0], len(sources), len(computed)
-    rows, d, dev, compute = x0.shape[0], x0.shape[1], x0.device, compute_dtype(x0.dtype)
-    out = torch.empty_like(x0)
-    alpha = torch.empty(rows, k + c, device=dev, dtype=compute)
-    rc, zc = (torch.empty(rows, max(c, 1), device=dev, dtype=compute) for _ in range(2))
-    rstd = torch.empty(rows, device=dev, dtype=compute)
-    block = FORCED["block_d"] or tile_d(d)
-    triton_kernels.merge_fwd[(rows,)](
-        z.reshape(rows, k).to(compute).contiguous() if k else alpha, _table(xs[:k], x0), _table(xs[k:], x0), x0,
-        _vector(qg, alpha), _vector(norm_weight, alpha), out, alpha, rc, zc, rstd, d, k, c, float(eps),
-        float(norm_eps), int(norm_weight is not None), BLOCK_D=block, **launch_options("merge_fwd", block))
-    lead = (list(sources) + list(computed))[0].shape[:-1]
-    return (out.view(*lead, d), alpha.view(*lead, -1), rc.view(*lead, -1) if c else None,
-            zc.view(*lead, -1) if c else None, rstd.view(*lead, 1) if norm_weight is not None else None)
+    x0 = (list(sources) + list(computed))[0]
+    rows, d, compute = _geometry(x0)
+    k, c = len(sources), len(computed)
+    if not merge_fits(d, k + c):
+        return torch_impl.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps)
+    lead, dev = x0.shape[:-1], x0.device
+    out = torch.empty(x0.shape, dtype=x0.dtype, device=dev)
+    alpha = torch.empty((*lead, k + c), dtype=compute, device=dev)
+    rc = torch.empty((*lead, c), dtype=compute, device=dev) if c else None
+    zc = torch.empty((*lead, c), dtype=compute, device=dev) if c else None
+    rstd = torch.empty((*lead, 1), dtype=compute, device=dev) if norm_weight is not None else None
+    if rows:
+        zr = _as(z, compute).reshape(rows, k) if k else alpha
+        if k > 1 and zr.stride(1) != 1:
+            zr = zr.contiguous()
+        d_pad = row_pad(d)
+        triton_kernels.merge_fwd[(rows,)](
+            zr, zr.stride(0) if k else 0, tuple(_c(x) for x in sources), tuple(_c(x) for x in computed),
+            alpha if qg is None else _as(qg, compute), alpha if norm_weight is None else _as(norm_weight, compute),
+            out, alpha, alpha if rc is None else rc, alpha if zc is None else zc, alpha if rstd is None else rstd,
+            d, float(eps), float(norm_eps), HAS_NORM=norm_weight is not None, D_PAD=d_pad, M_PAD=pad(k + c),
+            num_warps=merge_warps(d_pad))
+    return out, alpha, rc, zc, rstd
 
 
 def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs):
-    xs = [_rows(x) for x in (*sources, *computed)]
-    x0, k, c = xs[0], len(sources), len(computed)
-    rows, d, dev, compute = x0.shape[0], x0.shape[1], x0.device, compute_dtype(x0.dtype)
+    xs = [*sources, *computed]
+    x0 = xs[0]
+    rows, d, compute = _geometry(x0)
+    k, c = len(sources), len(computed)
+    if not merge_fits(d, k + c):
+        return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs)
+    lead, dev = x0.shape[:-1], x0.device
     has_norm = norm_weight is not None
-    gr = _rows(g.to(x0.dtype))
-    # g_h, the gradient reaching h, in the compute dtype (the norm's result is not rounded)
-    gh = torch.empty(rows, d, device=dev, dtype=compute) if has_norm else gr.to(compute)
-    al = alpha.reshape(rows, -1).to(compute).contiguous()
-    stat = lambda t: t.reshape(rows, -1).to(compute).contiguous() if t is not None else al  # noqa: E731
-    grads = [torch.empty_like(x0) for _ in range(k + c)]
-    gz = torch.empty(rows, max(k, 1), device=dev, dtype=compute)
-    programs, per = row_ranges(rows, FORCED["max_programs"])
-    pq = torch.zeros(programs, d, device=dev, dtype=compute)
-    pw = torch.zeros(programs, d, device=dev, dtype=compute)
-    block = FORCED["block_d"] or tile_d(d)
-    triton_kernels.merge_bwd[(programs,)](
-        gr, gh, al, stat(rc), stat(zc), stat(rstd), _table(xs[:k], x0), _table(xs[k:], x0), x0, _vector(qg, al),
-        _vector(norm_weight, al), _table(grads[:k], x0), _table(grads[k:], x0), gz, pq, pw, rows, d, k, c, per,
-        int(has_norm), BLOCK_D=block, **launch_options("merge_bwd", block))
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
-    shapes = [x.shape for x in (*sources, *computed)]
-    grads = [gx.view(shape) if need else None for gx, shape, need in zip(grads, shapes, needs_x)]
-    lead = shapes[0][:-1]
-    return ((gz[:, :k].reshape(*lead, k).to(alpha.dtype) if needs_z else None), grads[:k], grads[k:],
-            pq.sum(0).to(qg.dtype) if c and needs_qg else None,
-            pw.sum(0).to(norm_weight.dtype) if has_norm and needs_norm else None)
+    grads = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=dev) for _ in xs)
+    g_z = torch.empty((*lead, k), dtype=compute, device=dev)
+    want_qg, want_norm = bool(c and needs_qg), bool(has_norm and needs_norm)
+    g_qg = g_norm = None
+    if rows:
+        d_pad = row_pad(d)
+        programs = min(rows, FORCED["programs"]) if FORCED["programs"] else backward_programs(rows, d_pad, _sms(dev))
+        part = torch.empty((programs, 2, d), dtype=compute, device=dev)
+        stat = lambda t: alpha if t is None else _c(t)  # noqa: E731
+        triton_kernels.merge_bwd[(programs,)](
+            _c(_as(g, x0.dtype)), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
+            tuple(_c(x) for x in computed), alpha if qg is None else _as(qg, compute),
+            alpha if norm_weight is None else _as(norm_weight, compute), g_z if k else alpha,
+            grads[:k], grads[k:], part, rows, d, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c),
+            num_warps=merge_warps(d_pad))
+        # (one sum each: an operator's results may not share memory)
+        g_qg = _as(part[:, 0].sum(0), qg.dtype) if want_qg else None
+        g_norm = _as(part[:, 1].sum(0), norm_weight.dtype) if want_norm else None
+    else:
+        g_qg = torch.zeros_like(qg) if want_qg else None
+        g_norm = torch.zeros_like(norm_weight) if want_norm else None
+    grads = [gx if need else None for gx, need in zip(grads, needs_x)]
+    return (g_z if needs_z else None), grads[:k], grads[k:], g_qg, g_norm

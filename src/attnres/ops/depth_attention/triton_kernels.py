@@ -3,12 +3,33 @@
 They compute what :mod:`.torch_impl` computes, with the same saved statistics and the same
 backward decomposition (see its docstring), in the compute dtype - that of the queries
 ``Q`` / ``Qg`` or the weights ``Alpha``: float32, or float64 for float64 sources - whatever
-the storage dtype. Sources and per-query results are passed as tables of data pointers
-(int64 tensors), so no stacked copy of the sources is made; ``X0`` (the first source) gives
-the kernels their storage dtype. Every kernel runs one program per token row (the backward
-ones over ranges of rows, each writing its own row of the partial sums of the gradients
-reduced over rows) and walks ``d`` in tiles of ``BLOCK_D`` (:mod:`.triton_launch`); row
-reductions are extra walks over the row, whose re-reads come from the cache on a GPU.
+the storage dtype of the sources.
+
+**Arguments.** Sources, per-query results and their gradients are passed as *tuples of
+tensors* (``Srcs``, ``Outs``, ...): Triton passes each tuple element's data pointer as a
+kernel parameter, so there is no pointer table to build and copy to the device per call,
+and a CUDA graph captures the call as it is. A tuple's length is a compile-time constant
+(one compiled variant per number of sources). Where a program needs the rows of several
+tuple entries as one block (the ``S`` queries' gradients or outputs), it builds a vector of
+their base pointers in registers (:func:`_bases`). Every ``[rows, d]`` tensor is contiguous.
+
+**Parallelisation** (:mod:`.triton_launch` chooses the geometry):
+
+* ``phase1_fwd`` / ``phase1_bwd``: one program per token row, walking ``d`` in tiles of
+  ``BLOCK_D``; a first pass over the row gathers each source's statistics (RMS factor,
+  logits against the ``S`` queries, dot products with the ``S`` gradients) into small
+  ``[S_PAD, N_PAD]`` register blocks, the second writes each result once. The two passes
+  read the row's sources twice; the second read comes from the cache. The loops over the
+  sources run at run time (their pointers picked from a vector of the tuple's addresses),
+  so that a Phase 1 over many sources (Full AttnRes) compiles to code of the same size.
+* ``phase1_dq``: the queries' gradient ``dQ = sum_rows W^T X`` over a grid of (tile of
+  ``d``, range of rows), each program summing its rows in registers and writing its own
+  row of partial sums once (added afterwards: deterministic, no atomics).
+* ``merge_fwd``: one program per row holding the whole row (``D_PAD``) in registers: an
+  online softmax over the sources reads each of them once.
+* ``merge_bwd``: persistent programs, each walking rows ``pid, pid + P, ...`` with the
+  whole row in registers and the query's and the norm gain's gradients summed in registers
+  over its rows, written once per program into ``Part [P, 2, d]``.
 
 Parameters are listed in :data:`.triton_launch.SIGNATURES` (a test keeps the two equal).
 """
@@ -20,43 +41,48 @@ import triton.language as tl
 
 
 @triton.jit
-def _source(Table, j, X0):
-    """The base pointer of source ``j`` of a pointer table (the storage dtype of ``X0``)."""
-    return tl.load(Table + j).to(tl.pointer_type(X0.dtype.element_ty))
+def _bases(Table, idx):
+    """The base pointers of the tuple ``Table``'s entries as a vector indexed by ``idx``
+    (entries past the tuple's end repeat its first; callers mask them)."""
+    base = Table[0] + idx * 0
+    for s in tl.static_range(1, len(Table)):
+        base = tl.where(idx == s, Table[s], base)
+    return base
 
 
 @triton.jit
-def _tile(start, d, BLOCK_D: tl.constexpr):
-    cols = start + tl.arange(0, BLOCK_D)
-    return cols, cols < d
+def _addresses(Table, idx):
+    """The tuple ``Table``'s data pointers as an int64 vector indexed by ``idx`` (0 past its
+    end), for :func:`_pointer`: the kernels loop over their sources at run time, so that
+    their code does not grow with the number of sources."""
+    addresses = tl.zeros(idx.shape, tl.int64)
+    for s in tl.static_range(len(Table)):
+        addresses = tl.where(idx == s, Table[s].to(tl.int64), addresses)
+    return addresses
 
 
 @triton.jit
-def _load(ptr, cols, mask, dt):
-    """One tile of a row in the compute dtype ``dt``, zero outside the row."""
-    return tl.load(ptr + cols, mask=mask, other=0.0).to(dt)
+def _pointer(addresses, idx, j, Like):
+    """Entry ``j`` of :func:`_addresses` as a pointer to ``Like``'s element type."""
+    return tl.sum(tl.where(idx == j, addresses, 0), axis=0).to(tl.pointer_type(Like.dtype.element_ty))
 
 
 @triton.jit
-def _rows_of(Table, qs, qmask, X0):
-    """Base pointers ``[S_PAD]`` of the table's first entries (masked rows: null)."""
-    return tl.load(Table + qs, mask=qmask, other=0).to(tl.pointer_type(X0.dtype.element_ty))
+def _column(block, idx, j):
+    """Column ``j`` of ``block [R, C]`` (``idx``: ``arange(C)``) as a vector ``[R]``."""
+    return tl.sum(tl.where(idx[None, :] == j, block, 0.0), axis=1)
 
 
 @triton.jit
-def _logits_row(x_row, Q, qs, qmask, d, eps, dt, BLOCK_D: tl.constexpr):
-    """One source row's RMS factor ``r`` and its logits ``r (x . q_s)`` against the
-    ``[S_PAD]`` queries of ``Q`` (rows of ``d``)."""
-    xx = tl.zeros([BLOCK_D], dt)
-    xq = tl.zeros([qs.shape[0]], dt)
-    for start in range(0, d, BLOCK_D):
-        cols, cmask = _tile(start, d, BLOCK_D)
-        x = _load(x_row, cols, cmask, dt)
-        xx += x * x
-        q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
-        xq += tl.sum(q * x[None, :], axis=1)
-    r = 1.0 / tl.sqrt(tl.sum(xx, axis=0) / d + eps)
-    return r, r * xq
+def _entry(vector, idx, j):
+    """Entry ``j`` of ``vector`` (``idx``: its ``arange``) as a scalar."""
+    return tl.sum(tl.where(idx == j, vector, 0.0), axis=0)
+
+
+@triton.jit
+def _add_to_column(block, idx, j, values):
+    """``block`` with ``values [R]`` added to column ``j``."""
+    return tl.where(idx[None, :] == j, block + values[:, None], block)
 
 
 # ----------------------------------------------------------------------------------------
@@ -65,96 +91,132 @@ def _logits_row(x_row, Q, qs, qmask, d, eps, dt, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _phase1_logits(Q, SrcTable, X0, Zs, Rs, row, qs, qmask, d, n, S_PAD: tl.constexpr, eps, BLOCK_D: tl.constexpr):
-    """Every source's logits into the row's scratch ``Zs [S_PAD, n]`` (and its RMS factor
-    into ``Rs [n]``); returns the log-sum-exp of each query's logits."""
+def _phase1_stats(Q, Srcs, G, gmask, row, d, qs, qmask, js, HAS_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                  S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """One pass over the row: each source's sum of squares ``[N_PAD]``, its dot products
+    with the queries ``[S_PAD, N_PAD]`` and (``HAS_G``) with the gradients ``G`` (base
+    pointers ``[S_PAD]``, rows ``gmask``); the ``S`` query (and gradient) rows of a tile are
+    read once for all sources."""
     dt = Q.dtype.element_ty
-    m = tl.full([S_PAD], float("-inf"), dt)
-    for j in range(n):
-        r, z = _logits_row(_source(SrcTable, j, X0) + row * d, Q, qs, qmask, d, eps, dt, BLOCK_D)
-        tl.store(Zs + (row * S_PAD + qs) * n + j, z)
-        tl.store(Rs + row * n + j, r)
-        m = tl.maximum(m, z)
-    tl.debug_barrier()  # the sums below read the logits back
-    s = tl.zeros([S_PAD], dt)
-    for j in range(n):
-        s += tl.exp(tl.load(Zs + (row * S_PAD + qs) * n + j) - m)
-    return m + tl.log(s)
+    srcs = _addresses(Srcs, js)
+    xx = tl.zeros([N_PAD], dt)
+    xq = tl.zeros([S_PAD, N_PAD], dt)
+    xg = tl.zeros([S_PAD, N_PAD], dt)
+    for start in range(0, d, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        cmask = cols < d
+        q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
+        if HAS_G:
+            g = tl.load(G[:, None] + row * d + cols[None, :], mask=gmask[:, None] & cmask[None, :], other=0.0).to(dt)
+        for j in range(len(Srcs)):
+            x = tl.load(_pointer(srcs, js, j, Srcs[0]) + row * d + cols, mask=cmask, other=0.0).to(dt)
+            xx = tl.where(js == j, xx + tl.sum(x * x, axis=0), xx)
+            xq = _add_to_column(xq, js, j, tl.sum(q * x[None, :], axis=1))
+            if HAS_G:
+                xg = _add_to_column(xg, js, j, tl.sum(g * x[None, :], axis=1))
+    return xx, xq, xg
 
 
 @triton.jit
-def phase1_fwd(Q, LSE, SrcTable, OutTable, X0, Zs, Rs, d, n, S, stride_lr, eps,
-               BLOCK_D: tl.constexpr, S_PAD: tl.constexpr):
+def phase1_fwd(Q, Srcs, Outs, LSE, d, eps, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """``Q [S, d]``, ``Srcs``: ``n`` sources ``[rows, d]``; writes ``Outs`` (``S`` tensors
+    ``[rows, d]``) and ``LSE [rows, S]``."""
     dt = Q.dtype.element_ty
+    S: tl.constexpr = len(Outs)
+    n: tl.constexpr = len(Srcs)
     row = tl.program_id(0).to(tl.int64)
     qs = tl.arange(0, S_PAD)
     qmask = qs < S
-    lse = _phase1_logits(Q, SrcTable, X0, Zs, Rs, row, qs, qmask, d, n, S_PAD, eps, BLOCK_D)
-    tl.store(LSE + row * stride_lr + qs, lse, mask=qmask)
-    outs = _rows_of(OutTable, qs, qmask, X0)[:, None] + row * d
+    js = tl.arange(0, N_PAD)
+    valid = qmask[:, None] & (js[None, :] < n)
+    xx, xq, _ = _phase1_stats(Q, Srcs, Q, qmask, row, d, qs, qmask, js, False, BLOCK_D, S_PAD, N_PAD)
+    r = 1.0 / tl.sqrt(xx / d + eps)
+    z = tl.where(valid, xq * r[None, :], float("-inf"))
+    mx = tl.where(qmask, tl.max(z, axis=1), 0.0)  # (padded queries: no logits, weights 0)
+    p = tl.where(valid, tl.exp(z - mx[:, None]), 0.0)
+    total = tl.where(qmask, tl.sum(p, axis=1), 1.0)
+    tl.store(LSE + row * S + qs, mx + tl.log(total), mask=qmask)
+    p = p / total[:, None]
+    srcs = _addresses(Srcs, js)
+    outs = _bases(Outs, qs)
     for start in range(0, d, BLOCK_D):
-        cols, cmask = _tile(start, d, BLOCK_D)
+        cols = start + tl.arange(0, BLOCK_D)
+        cmask = cols < d
         acc = tl.zeros([S_PAD, BLOCK_D], dt)
         for j in range(n):
-            p = tl.exp(tl.load(Zs + (row * S_PAD + qs) * n + j) - lse)
-            acc += p[:, None] * _load(_source(SrcTable, j, X0) + row * d, cols, cmask, dt)[None, :]
-        tl.store(outs + cols[None, :], acc.to(X0.dtype.element_ty), mask=qmask[:, None] & cmask[None, :])
+            x = tl.load(_pointer(srcs, js, j, Srcs[0]) + row * d + cols, mask=cmask, other=0.0).to(dt)
+            acc += _column(p, js, j)[:, None] * x[None, :]
+        tl.store(outs[:, None] + row * d + cols[None, :], acc.to(Outs[0].dtype.element_ty),
+                 mask=qmask[:, None] & cmask[None, :])
 
 
 @triton.jit
-def _phase1_bwd_row(Q, LSE, GLse, SrcTable, GOutTable, GSrcTable, X0, Zs, Rs, PQ, pid, row, d, n, S, stride_lr, eps,
-                    BLOCK_D: tl.constexpr, S_PAD: tl.constexpr):
+def phase1_bwd(Q, LSE, GLse, Srcs, GOuts, GSrcs, W, d, eps, g_present, HAS_GLSE: tl.constexpr,
+               NEED_W: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """dz_sj = p_sj (g_s . x_j - g_s . out_s + glse_s), with g_s . out_s = sum_j p_sj g_s . x_j;
+    d x_j = sum_s p_sj g_s + r_j sum_s dz_sj q_s - (r_j^2 / d) (sum_s dz_sj z_sj) x_j into
+    ``GSrcs``; ``W [rows, n, S] = dz r`` for :func:`phase1_dq` (``NEED_W``). ``GOuts``: the
+    ``S`` gradients (bit ``s`` of ``g_present`` unset: absent, read as zero)."""
     dt = Q.dtype.element_ty
+    S: tl.constexpr = len(GOuts)
+    n: tl.constexpr = len(Srcs)
+    row = tl.program_id(0).to(tl.int64)
     qs = tl.arange(0, S_PAD)
     qmask = qs < S
-    gmask = qmask[:, None]
-    _phase1_logits(Q, SrcTable, X0, Zs, Rs, row, qs, qmask, d, n, S_PAD, eps, BLOCK_D)
-    lse = tl.load(LSE + row * stride_lr + qs, mask=qmask, other=0.0)
-    glse = tl.load(GLse + row * stride_lr + qs, mask=qmask, other=0.0)
-    grows = _rows_of(GOutTable, qs, qmask, X0)[:, None] + row * d
-    c = tl.zeros([S_PAD], dt)  # g_s . out_s, out_s recomputed tile by tile
+    js = tl.arange(0, N_PAD)
+    valid = qmask[:, None] & (js[None, :] < n)
+    gmask = qmask & (((g_present >> qs) & 1) == 1)
+    grows = _bases(GOuts, qs)
+    xx, xq, xg = _phase1_stats(Q, Srcs, grows, gmask, row, d, qs, qmask, js, True, BLOCK_D, S_PAD, N_PAD)
+    r = 1.0 / tl.sqrt(xx / d + eps)
+    z = xq * r[None, :]
+    lse = tl.load(LSE + row * S + qs, mask=qmask, other=0.0)
+    p = tl.where(valid, tl.exp(z - lse[:, None]), 0.0)
+    shift = tl.sum(p * xg, axis=1)  # g_s . out_s
+    if HAS_GLSE:
+        shift -= tl.load(GLse + row * S + qs, mask=qmask, other=0.0)
+    dz = p * (xg - shift[:, None])
+    wr = dz * r[None, :]
+    coef = r * r * tl.sum(dz * z, axis=0) / d  # [N_PAD]
+    if NEED_W:
+        tl.store(W + (row * n + js[None, :]) * S + qs[:, None], wr, mask=valid)
+    srcs = _addresses(Srcs, js)
+    gsrcs = _addresses(GSrcs, js)
     for start in range(0, d, BLOCK_D):
-        cols, cmask = _tile(start, d, BLOCK_D)
-        g = tl.load(grows + cols[None, :], mask=gmask & cmask[None, :], other=0.0).to(dt)
-        o = tl.zeros([S_PAD, BLOCK_D], dt)
+        cols = start + tl.arange(0, BLOCK_D)
+        cmask = cols < d
+        q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
+        g = tl.load(grows[:, None] + row * d + cols[None, :], mask=gmask[:, None] & cmask[None, :], other=0.0).to(dt)
         for j in range(n):
-            p = tl.exp(tl.load(Zs + (row * S_PAD + qs) * n + j) - lse)
-            o += p[:, None] * _load(_source(SrcTable, j, X0) + row * d, cols, cmask, dt)[None, :]
-        c += tl.sum(g * o, axis=1)
-    for j in range(n):
-        z = tl.load(Zs + (row * S_PAD + qs) * n + j)
-        p = tl.exp(z - lse)
-        r = tl.load(Rs + row * n + j)
-        x_row = _source(SrcTable, j, X0) + row * d
-        dot = tl.zeros([S_PAD], dt)
-        for start in range(0, d, BLOCK_D):
-            cols, cmask = _tile(start, d, BLOCK_D)
-            g = tl.load(grows + cols[None, :], mask=gmask & cmask[None, :], other=0.0).to(dt)
-            dot += tl.sum(g * _load(x_row, cols, cmask, dt)[None, :], axis=1)
-        dz = tl.where(qmask, p * (dot - c + glse), 0.0)
-        coef = r * r * tl.sum(dz * z, axis=0) / d
-        gx_row = _source(GSrcTable, j, X0) + row * d
-        for start in range(0, d, BLOCK_D):  # d x_j = sum_s p_sj g_s + r (dz . q) - coef x_j; d q += dz r x_j
-            cols, cmask = _tile(start, d, BLOCK_D)
-            g = tl.load(grows + cols[None, :], mask=gmask & cmask[None, :], other=0.0).to(dt)
-            q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=gmask & cmask[None, :], other=0.0).to(dt)
-            x = _load(x_row, cols, cmask, dt)
-            gx = tl.sum(p[:, None] * g + (dz * r)[:, None] * q, axis=0) - coef * x
-            tl.store(gx_row + cols, gx.to(X0.dtype.element_ty), mask=cmask)
-            pq, pmask = PQ + (pid * S_PAD + qs[:, None]) * d + cols[None, :], gmask & cmask[None, :]
-            tl.store(pq, tl.load(pq, mask=pmask, other=0.0) + (dz * r)[:, None] * x[None, :], mask=pmask)
+            x = tl.load(_pointer(srcs, js, j, Srcs[0]) + row * d + cols, mask=cmask, other=0.0).to(dt)
+            gx = tl.sum(_column(p, js, j)[:, None] * g + _column(wr, js, j)[:, None] * q, axis=0)
+            gx -= _entry(coef, js, j) * x
+            tl.store(_pointer(gsrcs, js, j, GSrcs[0]) + row * d + cols, gx.to(GSrcs[0].dtype.element_ty), mask=cmask)
 
 
 @triton.jit
-def phase1_bwd(Q, LSE, GLse, SrcTable, GOutTable, GSrcTable, X0, Zs, Rs, PQ, rows, d, n, S, stride_lr, eps,
-               rows_per_program, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr):
-    """dz_sj = p_sj (g_s . x_j - g_s . out_s + glse_s); d x_j = sum_s p_sj g_s plus the
-    logits' term; this program's row of d q's partial sums (``PQ [programs, S_PAD, d]``)."""
-    pid = tl.program_id(0)
+def phase1_dq(W, Srcs, PQ, rows, d, rows_per_program, S: tl.constexpr, BLOCK_D: tl.constexpr,
+              S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """``PQ [programs, S, d]``: program ``(t, p)``'s sum of ``W[r, j, :]^T x_j[r, tile t]``
+    over its rows ``r`` and the sources ``j`` (the queries' gradient is ``PQ.sum(0)``)."""
+    dt = W.dtype.element_ty
+    n: tl.constexpr = len(Srcs)
+    pid = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    qs = tl.arange(0, S_PAD)
+    qmask = qs < S
+    srcs = _addresses(Srcs, tl.arange(0, N_PAD))
+    acc = tl.zeros([S_PAD, BLOCK_D], dt)
     first = pid * rows_per_program
     for r in range(first, tl.minimum(first + rows_per_program, rows)):
-        _phase1_bwd_row(Q, LSE, GLse, SrcTable, GOutTable, GSrcTable, X0, Zs, Rs, PQ, pid, tl.cast(r, tl.int64),
-                        d, n, S, stride_lr, eps, BLOCK_D, S_PAD)
+        row = tl.cast(r, tl.int64)
+        for j in range(n):
+            w = tl.load(W + (row * n + j) * S + qs, mask=qmask, other=0.0)
+            x = tl.load(_pointer(srcs, tl.arange(0, N_PAD), j, Srcs[0]) + row * d + cols, mask=cmask,
+                        other=0.0).to(dt)
+            acc += w[:, None] * x[None, :]
+    tl.store(PQ + (pid * S + qs[:, None]) * d + cols[None, :], acc, mask=qmask[:, None] & cmask[None, :])
 
 
 # ----------------------------------------------------------------------------------------
@@ -163,150 +225,117 @@ def phase1_bwd(Q, LSE, GLse, SrcTable, GOutTable, GSrcTable, X0, Zs, Rs, PQ, row
 
 
 @triton.jit
-def _merged_tile(Alpha, row, k, c, SrcTable, CompTable, X0, cols, cmask, d):
-    """One tile of ``h = sum_j alpha_j x_j`` over the known then the computed sources, in the
-    compute dtype."""
+def _merge_addresses(Known, Comp, ms):
+    """The data pointers of the ``k`` known then the ``c`` computed sources (or of their
+    gradients) as one int64 vector indexed by ``ms``."""
+    k: tl.constexpr = len(Known)
+    addresses = tl.zeros(ms.shape, tl.int64)
+    for j in tl.static_range(k):
+        addresses = tl.where(ms == j, Known[j].to(tl.int64), addresses)
+    for j in tl.static_range(len(Comp)):
+        addresses = tl.where(ms == k + j, Comp[j].to(tl.int64), addresses)
+    return addresses
+
+
+@triton.jit
+def merge_fwd(Z, stride_z, Known, Comp, Qg, NormW, Out, Alpha, Rc, Zc, Rstd, d, eps, norm_eps,
+              HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr):
+    """``Known``: ``k`` sources of known logit ``Z [rows, k]`` (row stride ``stride_z``);
+    ``Comp``: ``c`` sources whose logits ``r (x . qg)`` it computes (into ``Zc``, their RMS
+    factors into ``Rc``). Writes the weights ``Alpha [rows, k + c]``, ``h`` or its RMSNorm
+    into ``Out`` and the norm's ``1/rms`` into ``Rstd``: an online softmax over the sources,
+    each read once, the row in registers."""
     dt = Alpha.dtype.element_ty
-    m = k + c
-    h = tl.zeros(cols.shape, dt)
-    for j in range(k):
-        h += tl.load(Alpha + row * m + j) * _load(_source(SrcTable, j, X0) + row * d, cols, cmask, dt)
-    for j in range(c):
-        h += tl.load(Alpha + row * m + k + j) * _load(_source(CompTable, j, X0) + row * d, cols, cmask, dt)
-    return h
-
-
-@triton.jit
-def _merge_logits(Z, CompTable, X0, Qg, Rc, Zc, row, k, c, d, eps, BLOCK_D: tl.constexpr):
-    """The computed sources' RMS factors and logits (written to ``Rc``, ``Zc``); returns the
-    softmax's max and denominator over all ``k + c`` logits."""
-    dt = Z.dtype.element_ty
-    mx = tl.full([], float("-inf"), dt)
-    for j in range(k):
-        mx = tl.maximum(mx, tl.load(Z + row * k + j))
-    qs = tl.arange(0, 2)  # (one query: row 0 of a 2-row block, the other masked off)
-    for j in range(c):
-        r, z = _logits_row(_source(CompTable, j, X0) + row * d, Qg, qs, qs < 1, d, eps, dt, BLOCK_D)
-        zj = tl.sum(tl.where(qs < 1, z, 0.0), axis=0)
-        tl.store(Rc + row * c + j, r)
-        tl.store(Zc + row * c + j, zj)
-        mx = tl.maximum(mx, zj)
-    den = tl.zeros([], dt)
-    for j in range(k):
-        den += tl.exp(tl.load(Z + row * k + j) - mx)
-    for j in range(c):
-        den += tl.exp(tl.load(Zc + row * c + j) - mx)
-    return mx, den
-
-
-@triton.jit
-def merge_fwd(Z, SrcTable, CompTable, X0, Qg, NormW, Out, Alpha, Rc, Zc, Rstd, d, k, c, eps, norm_eps, has_norm,
-              BLOCK_D: tl.constexpr):
-    dt = Z.dtype.element_ty
+    k: tl.constexpr = len(Known)
+    c: tl.constexpr = len(Comp)
     row = tl.program_id(0).to(tl.int64)
-    m = k + c
-    mx, den = _merge_logits(Z, CompTable, X0, Qg, Rc, Zc, row, k, c, d, eps, BLOCK_D)
-    tl.debug_barrier()
-    for j in range(k):
-        tl.store(Alpha + row * m + j, tl.exp(tl.load(Z + row * k + j) - mx) / den)
-    for j in range(c):
-        tl.store(Alpha + row * m + k + j, tl.exp(tl.load(Zc + row * c + j) - mx) / den)
-    tl.debug_barrier()  # the tiles below read the weights back
-    rstd = tl.full([], 1.0, dt)
-    if has_norm:
-        shh = tl.zeros([BLOCK_D], dt)
-        for start in range(0, d, BLOCK_D):
-            cols, cmask = _tile(start, d, BLOCK_D)
-            h = _merged_tile(Alpha, row, k, c, SrcTable, CompTable, X0, cols, cmask, d)
-            h = h.to(X0.dtype.element_ty).to(dt)
-            shh += h * h
-        rstd = 1.0 / tl.sqrt(tl.sum(shh, axis=0) / d + norm_eps)
+    cols = tl.arange(0, D_PAD)
+    cmask = cols < d
+    ms = tl.arange(0, M_PAD)
+    sources = _merge_addresses(Known, Comp, ms)
+    known = tl.load(Z + row * stride_z + ms, mask=ms < k, other=float("-inf")).to(dt)
+    logits = tl.full([M_PAD], float("-inf"), dt)
+    mx = tl.full([], float("-inf"), dt)
+    den = tl.zeros([], dt)
+    h = tl.zeros([D_PAD], dt)
+    for j in range(k + c):
+        x = tl.load(_pointer(sources, ms, j, Out) + row * d + cols, mask=cmask, other=0.0).to(dt)
+        if j >= k:  # a computed source: its logit and RMS factor
+            rj = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+            zj = rj * tl.sum(x * tl.load(Qg + cols, mask=cmask, other=0.0).to(dt), axis=0)
+            tl.store(Rc + row * c + j - k, rj)
+            tl.store(Zc + row * c + j - k, zj)
+        else:
+            zj = _entry(known, ms, j)
+        logits = tl.where(ms == j, zj, logits)
+        new = tl.maximum(mx, zj)
+        scale = tl.exp(mx - new)
+        e = tl.exp(zj - new)
+        h = h * scale + e * x
+        den = den * scale + e
+        mx = new
+    tl.store(Alpha + row * (k + c) + ms, tl.exp(logits - mx) / den, mask=ms < k + c)
+    h = h / den
+    if HAS_NORM:
+        h = h.to(Out.dtype.element_ty).to(dt)  # the norm reads the stream's value, rounded to its dtype
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / d + norm_eps)
         tl.store(Rstd + row, rstd)
-    for start in range(0, d, BLOCK_D):
-        cols, cmask = _tile(start, d, BLOCK_D)
-        h = _merged_tile(Alpha, row, k, c, SrcTable, CompTable, X0, cols, cmask, d)
-        if has_norm:
-            h = h.to(X0.dtype.element_ty).to(dt) * rstd * _load(NormW, cols, cmask, dt)
-        tl.store(Out + row * d + cols, h.to(X0.dtype.element_ty), mask=cmask)
+        h = h * rstd * tl.load(NormW + cols, mask=cmask, other=0.0).to(dt)
+    tl.store(Out + row * d + cols, h.to(Out.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
-def _merge_bwd_norm(G, GH, Alpha, Rstd, SrcTable, CompTable, X0, NormW, PW, pid, row, k, c, d, BLOCK_D: tl.constexpr):
-    """Through the norm: ``g_h = rstd w g - (rstd^3 / d) (w g . h) h`` into ``GH`` (compute
-    dtype: not rounded to the storage dtype); this program's row of the gain's gradient gets ``g h rstd``."""
+def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GZ, GKnown, GComp, Part, rows, d,
+              HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr):
+    """With g_h the gradient reaching h (through the norm; ``G`` itself without one):
+    dz_j = alpha_j (s_j - sum_i alpha_i s_i), s_j = g_h . x_j; dx_j = alpha_j g_h; a computed
+    source's logit adds gr (qg - (r zc / d) x) to its gradient (gr = dzc r) and gr x to the
+    query's. ``Part [P, 2, d]``: each program's sums over its rows of the query's gradient
+    (row 0) and the norm gain's (row 1)."""
     dt = Alpha.dtype.element_ty
-    rstd = tl.load(Rstd + row)
-    acc = tl.zeros([BLOCK_D], dt)
-    for start in range(0, d, BLOCK_D):
-        cols, cmask = _tile(start, d, BLOCK_D)
-        h = _merged_tile(Alpha, row, k, c, SrcTable, CompTable, X0, cols, cmask, d).to(X0.dtype.element_ty).to(dt)
-        g = _load(G + row * d, cols, cmask, dt)
-        acc += _load(NormW, cols, cmask, dt) * g * h
-        tl.store(PW + pid * d + cols, _load(PW + pid * d, cols, cmask, dt) + g * h * rstd, mask=cmask)
-    coef = tl.sum(acc, axis=0) * rstd * rstd * rstd / d
-    for start in range(0, d, BLOCK_D):
-        cols, cmask = _tile(start, d, BLOCK_D)
-        h = _merged_tile(Alpha, row, k, c, SrcTable, CompTable, X0, cols, cmask, d).to(X0.dtype.element_ty).to(dt)
-        gh = rstd * _load(NormW, cols, cmask, dt) * _load(G + row * d, cols, cmask, dt) - coef * h
-        tl.store(GH + row * d + cols, gh, mask=cmask)
-
-
-@triton.jit
-def _dot_row(A, B, row, d, dt, BLOCK_D: tl.constexpr):
-    acc = tl.zeros([BLOCK_D], dt)
-    for start in range(0, d, BLOCK_D):
-        cols, cmask = _tile(start, d, BLOCK_D)
-        acc += _load(A + row * d, cols, cmask, dt) * _load(B + row * d, cols, cmask, dt)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _merge_bwd_row(G, GH, Alpha, Rc, Zc, Rstd, SrcTable, CompTable, X0, Qg, NormW, GSrcTable, GCompTable, GZ, PQ, PW,
-                   pid, row, d, k, c, has_norm, BLOCK_D: tl.constexpr):
-    dt = Alpha.dtype.element_ty
-    m = k + c
-    if has_norm:
-        _merge_bwd_norm(G, GH, Alpha, Rstd, SrcTable, CompTable, X0, NormW, PW, pid, row, k, c, d, BLOCK_D)
-        tl.debug_barrier()  # the walks below read GH back
-    mean = tl.zeros([], dt)
-    for j in range(k):  # s_j (into GZ for now) and their mean under alpha
-        s = _dot_row(GH, _source(SrcTable, j, X0), row, d, dt, BLOCK_D)
-        mean += tl.load(Alpha + row * m + j) * s
-        tl.store(GZ + row * k + j, s)
-    for j in range(c):  # (the computed sources' s_j are recomputed below)
-        s = _dot_row(GH, _source(CompTable, j, X0), row, d, dt, BLOCK_D)
-        mean += tl.load(Alpha + row * m + k + j) * s
-    tl.debug_barrier()
-    for j in range(k):
-        aj = tl.load(Alpha + row * m + j)
-        tl.store(GZ + row * k + j, aj * (tl.load(GZ + row * k + j) - mean))
-        gx_row = _source(GSrcTable, j, X0) + row * d
-        for start in range(0, d, BLOCK_D):
-            cols, cmask = _tile(start, d, BLOCK_D)
-            tl.store(gx_row + cols, (aj * _load(GH + row * d, cols, cmask, dt)).to(X0.dtype.element_ty), mask=cmask)
-    for j in range(c):  # d zc / d x = r qg - (r^2 zc / d) x, plus the direct weight
-        x_row = _source(CompTable, j, X0) + row * d
-        aj = tl.load(Alpha + row * m + k + j)
-        r = tl.load(Rc + row * c + j)
-        gr = aj * (_dot_row(GH, _source(CompTable, j, X0), row, d, dt, BLOCK_D) - mean) * r
-        coef = gr * r * tl.load(Zc + row * c + j) / d
-        gx_row = _source(GCompTable, j, X0) + row * d
-        for start in range(0, d, BLOCK_D):
-            cols, cmask = _tile(start, d, BLOCK_D)
-            x = _load(x_row, cols, cmask, dt)
-            gx = aj * _load(GH + row * d, cols, cmask, dt) + gr * _load(Qg, cols, cmask, dt) - coef * x
-            tl.store(gx_row + cols, gx.to(X0.dtype.element_ty), mask=cmask)
-            tl.store(PQ + pid * d + cols, _load(PQ + pid * d, cols, cmask, dt) + gr * x, mask=cmask)
-
-
-@triton.jit
-def merge_bwd(G, GH, Alpha, Rc, Zc, Rstd, SrcTable, CompTable, X0, Qg, NormW, GSrcTable, GCompTable, GZ, PQ, PW,
-              rows, d, k, c, rows_per_program, has_norm, BLOCK_D: tl.constexpr):
-    """With g_h the gradient reaching h (GH; G itself without a norm): dz_j = alpha_j (s_j -
-    sum_i alpha_i s_i), s_j = g_h . x_j; dx_j = alpha_j g_h; a computed source's logit adds
-    gr (qg - (r zc / d) x) to its gradient (gr = dzc r) and gr x to the query's."""
+    st = G.dtype.element_ty
+    k: tl.constexpr = len(Known)
+    c: tl.constexpr = len(Comp)
+    m: tl.constexpr = k + c
     pid = tl.program_id(0)
-    first = pid * rows_per_program
-    for r in range(first, tl.minimum(first + rows_per_program, rows)):
-        _merge_bwd_row(G, GH, Alpha, Rc, Zc, Rstd, SrcTable, CompTable, X0, Qg, NormW, GSrcTable, GCompTable, GZ,
-                       PQ, PW, pid, tl.cast(r, tl.int64), d, k, c, has_norm, BLOCK_D)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, D_PAD)
+    cmask = cols < d
+    ms = tl.arange(0, M_PAD)
+    sources = _merge_addresses(Known, Comp, ms)
+    grads = _merge_addresses(GKnown, GComp, ms)
+    g_qg = tl.zeros([D_PAD], dt)
+    g_w = tl.zeros([D_PAD], dt)
+    for r in range(pid, rows, programs):
+        row = tl.cast(r, tl.int64)
+        alpha = tl.load(Alpha + row * m + ms, mask=ms < m, other=0.0)
+        gh = tl.load(G + row * d + cols, mask=cmask, other=0.0).to(dt)
+        if HAS_NORM:  # h recomputed, rounded as the forward rounded it; then through the norm
+            h = tl.zeros([D_PAD], dt)
+            for j in range(m):
+                h += _entry(alpha, ms, j) * tl.load(_pointer(sources, ms, j, G) + row * d + cols, mask=cmask,
+                                                    other=0.0).to(dt)
+            h = h.to(st).to(dt)
+            rstd = tl.load(Rstd + row)
+            g_w += gh * h * rstd
+            gh = gh * tl.load(NormW + cols, mask=cmask, other=0.0).to(dt)
+            gh = rstd * gh - (rstd * rstd * rstd * tl.sum(gh * h, axis=0) / d) * h
+        s = tl.zeros([M_PAD], dt)  # s_j = g_h . x_j
+        for j in range(m):
+            x = tl.load(_pointer(sources, ms, j, G) + row * d + cols, mask=cmask, other=0.0).to(dt)
+            s = tl.where(ms == j, tl.sum(gh * x, axis=0), s)
+        dz = alpha * (s - tl.sum(alpha * s, axis=0))
+        if k > 0:
+            tl.store(GZ + row * k + ms, dz, mask=ms < k)
+        for j in range(m):
+            gx = _entry(alpha, ms, j) * gh
+            if j >= k:  # d zc / d x = r qg - (r^2 zc / d) x, plus the direct weight
+                x = tl.load(_pointer(sources, ms, j, G) + row * d + cols, mask=cmask, other=0.0).to(dt)
+                rj = tl.load(Rc + row * c + j - k)
+                gr = _entry(dz, ms, j) * rj
+                gx += gr * tl.load(Qg + cols, mask=cmask, other=0.0).to(dt)
+                gx -= (gr * rj * tl.load(Zc + row * c + j - k) / d) * x
+                g_qg += gr * x
+            tl.store(_pointer(grads, ms, j, G) + row * d + cols, gx.to(st), mask=cmask)
+    tl.store(Part + pid * 2 * d + cols, g_qg, mask=cmask)
+    tl.store(Part + (pid * 2 + 1) * d + cols, g_w, mask=cmask)

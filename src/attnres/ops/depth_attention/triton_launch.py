@@ -4,30 +4,47 @@ No triton import here: the geometry can be checked (and the GPU benchmark plan i
 where triton is not installed, and :func:`variants` lists what the ahead-of-time compile
 test (``tests/test_triton_aot.py``) and ``benchmarks/triton_aot_report.py`` compile.
 
-* **Tiles of d.** A program never holds a whole row: it walks ``d`` in tiles of ``BLOCK_D``
-  elements, so any hidden size works. The tile is the smallest of :data:`TILES` that covers
-  ``d``, capped so that a program's ``rows x BLOCK_D`` float32 block stays within
-  :data:`MAX_TILE_ELEMENTS`. Three tile sizes keep the compiled variants few.
-* **Queries of Phase 1.** A Phase-1 program holds the rows of ``S_PAD`` queries
-  (:data:`S_PADS`); more queries run in chunks of the largest.
-* **Programs.** The forward kernels run one program per token row; the backward kernels
-  reduce the gradients of the queries and of the norm's gain over token rows: they run at
-  most :data:`MAX_PROGRAMS` programs, each over a contiguous range of rows, each writing one
-  row of partial sums that are added afterwards (deterministic; no atomics).
+* **Phase 1** (``phase1_fwd``, ``phase1_bwd``): one program per token row, holding the rows
+  of ``S_PAD`` queries (the next power of two of ``S``, at most :data:`MAX_QUERIES`) and
+  walking ``d`` in tiles of ``BLOCK_D``, the largest power of two that keeps a program's
+  ``S_PAD x BLOCK_D`` block within :data:`MAX_TILE_ELEMENTS` (and not wider than ``d``
+  needs); :func:`phase1_warps` warps a program.
+* **The queries' gradient** (``phase1_dq``): a grid of (tile of ``d``, range of rows) with
+  about :data:`PROGRAMS_PER_SM` programs per multiprocessor in all, each summing its rows.
+* **The merge** (``merge_fwd``, ``merge_bwd``): the whole row in registers (``D_PAD``, the
+  next power of two of ``d``, at most :data:`MAX_ROW`), one warp per 256 elements of it (1
+  to 16). The forward runs one program per row; the backward runs persistent programs,
+  enough for :data:`BACKWARD_WARPS_PER_SM` warps on every multiprocessor, each summing the
+  query's and the norm gain's gradients over its rows in registers.
+
+Shapes past these limits (more than :data:`MAX_QUERIES` queries in one Phase 1 or more
+than :data:`MAX_STATS` query-source pairs, ``d`` above :data:`MAX_ROW` in a merge, more
+than :data:`MAX_SOURCES` sources) run the PyTorch implementation on the GPU
+(:func:`phase1_fits`, :func:`merge_fits`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-#: Largest float32 block ``rows x BLOCK_D`` one program works on at a time (registers).
-MAX_TILE_ELEMENTS = 2048
-#: The tile sizes the launch code chooses from.
-TILES = (64, 256, 1024)
-#: Query rows of a Phase-1 program.
-S_PADS = (4, 8)
-#: Upper bound on the programs of the merge's backward.
-MAX_PROGRAMS = 1024
+#: Largest ``S_PAD x BLOCK_D`` block of a Phase-1 program (float32 compute; half of it in
+#: float64), and its widest tile: larger blocks cost registers (each element of a block
+#: of pointers takes two) and left fewer programs resident.
+MAX_TILE_ELEMENTS = 1024
+MAX_TILE = 256
+#: Most queries one Phase-1 launch takes (``S_PAD``).
+MAX_QUERIES = 64
+#: Widest row the merge holds in registers (``D_PAD``): at 8192 its backward spills.
+MAX_ROW = 4096
+#: Most sources (tuple entries) one launch takes.
+MAX_SOURCES = 128
+#: Largest ``S_PAD x N_PAD`` block of a Phase-1 program's per-source statistics.
+MAX_STATS = 2048
+
+#: Programs per multiprocessor the queries' gradient aims at.
+PROGRAMS_PER_SM = 4
+#: Warps per multiprocessor the merge's backward programs fill (one wave of them).
+BACKWARD_WARPS_PER_SM = 16
 #: Storage dtypes of the sources (and results) the kernels take, each with its compute
 #: dtype (that of the logits, weights and statistics).
 DTYPES = {"fp32": "fp32", "bf16": "fp32", "fp16": "fp32", "fp64": "fp64"}
@@ -38,82 +55,171 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def tile_d(d: int, rows: int = 1, block_d: int | None = None) -> int:
-    """``BLOCK_D`` for hidden size ``d`` when a program holds ``rows`` rows of a tile.
+def _check_power_of_2(name: str, value: int) -> None:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 1, got {value}")
 
-    ``block_d`` (a power of two) forces the tile, e.g. to test tiling at small ``d``."""
+
+def pad(n: int) -> int:
+    """The padded size of an axis of ``n`` entries in a program's block: a power of two, at
+    least 2."""
+    return max(2, next_power_of_2(n))
+
+
+def phase1_fits(S: int, n: int) -> bool:
+    """Whether the Phase-1 kernels take ``S`` queries over ``n`` sources."""
+    return S <= MAX_QUERIES and n <= MAX_SOURCES and pad(S) * pad(n) <= MAX_STATS
+
+
+def merge_fits(d: int, m: int) -> bool:
+    """Whether the merge kernels take ``m`` sources at hidden size ``d``."""
+    return d <= MAX_ROW and m <= MAX_SOURCES
+
+
+def phase1_tile(d: int, S: int, block_d: int | None = None, wide: bool = False) -> int:
+    """``BLOCK_D`` of a Phase-1 program over ``S`` queries at hidden size ``d`` (``wide``:
+    computing in float64); ``block_d`` (a power of two) forces it, e.g. to test tiling at
+    small ``d``."""
     if d < 1:
         raise ValueError(f"hidden size d must be >= 1, got {d}")
     if block_d is not None:
-        if block_d < 1 or block_d & (block_d - 1):
-            raise ValueError(f"block_d must be a power of two >= 1, got {block_d}")
+        _check_power_of_2("block_d", block_d)
         return block_d
-    fits = [t for t in TILES if t * rows <= MAX_TILE_ELEMENTS] or [TILES[0]]
-    return next((t for t in fits if t >= d), fits[-1])
+    # (half the block in float64, and from 16 queries on: Triton 3.6 left 12 warps resident
+    # with 16 x 64 backward blocks and spilled at 64 x 16 with 4 warps, see phase1_warps)
+    budget = MAX_TILE_ELEMENTS // (2 if wide or pad(S) >= 16 else 1)
+    return max(16, min(next_power_of_2(d), MAX_TILE, budget // pad(S)))
 
 
-def s_pad(S: int) -> int:
-    """The query rows of the Phase-1 program for ``S`` queries (chunks of ``S_PADS[-1]``)."""
-    return next((p for p in S_PADS if p >= S), S_PADS[-1])
+def phase1_warps(S: int) -> int:
+    """Warps of a Phase-1 program over ``S`` queries: 4, and 8 from 64 queries on."""
+    return 8 if pad(S) >= 64 else 4
 
 
-def num_warps(elements: int) -> int:
-    """Warps per program: one per 256 elements of its block, 1 to 8."""
-    return min(8, max(1, elements // 256))
+def row_pad(d: int) -> int:
+    """``D_PAD``, the merge's register row for hidden size ``d`` (at least 16)."""
+    if d < 1:
+        raise ValueError(f"hidden size d must be >= 1, got {d}")
+    return max(16, next_power_of_2(d))
 
 
-#: Registers a Phase-1 program may use: it holds several ``[S_PAD, BLOCK_D]`` blocks at once
-#: (weights, gradients, queries), and ``ptxas``'s default budget spills some of them (the
-#: ahead-of-time compile checks that none spill).
-PHASE1_MAXNREG = 255
+def merge_warps(d_pad: int) -> int:
+    """Warps of a merge program: one per 256 elements of its row, 1 to 16."""
+    return min(16, max(1, d_pad // 256))
 
 
-def launch_options(kernel: str, block_d: int, pad: int = 1) -> dict[str, int]:
-    """The launch options of ``kernel`` (``"phase1_fwd"``, ...) for its tile and padding."""
-    if kernel.startswith("phase1"):
-        return {"num_warps": num_warps(block_d * pad), "maxnreg": PHASE1_MAXNREG}
-    return {"num_warps": num_warps(block_d)}
+def backward_programs(rows: int, d_pad: int, sms: int) -> int:
+    """The merge backward's persistent programs on ``sms`` multiprocessors."""
+    return max(1, min(rows, sms * max(1, BACKWARD_WARPS_PER_SM // merge_warps(d_pad))))
 
 
-def row_ranges(rows: int, max_programs: int | None = None) -> tuple[int, int]:
+def row_ranges(rows: int, programs: int) -> tuple[int, int]:
     """``(programs, rows_per_program)`` covering ``rows`` token rows with at most
-    ``max_programs`` (default :data:`MAX_PROGRAMS`) programs."""
-    cap = MAX_PROGRAMS if max_programs is None else max_programs
-    if cap < 1:
-        raise ValueError(f"max_programs must be >= 1, got {cap}")
-    per = -(-max(rows, 1) // cap)
+    ``programs`` contiguous ranges."""
+    if programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
+    per = -(-max(rows, 1) // programs)
     return -(-max(rows, 1) // per), per
 
 
+def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = None) -> tuple[int, int, int]:
+    """``(tiles of d, programs over rows, rows per program)`` of ``phase1_dq``
+    (``programs``: force the programs over rows)."""
+    tiles = -(-d // block_d)
+    programs, per = row_ranges(rows, programs or max(1, -(-sms * PROGRAMS_PER_SM // tiles)))
+    return tiles, programs, per
+
+
 # The kernels' parameters in order, with their types ("*T": a pointer to the storage dtype,
-# "*C" to the compute dtype, "C" a scalar of it, "constexpr": chosen at launch). Kept beside
-# the kernels' definitions by a test.
+# "*C" to the compute dtype, "C" a scalar of it, "[n]" a tuple of n of them, "constexpr":
+# chosen at launch). Kept beside the kernels' definitions by a test.
 SIGNATURES = {
-    "phase1_fwd": ["Q:*C", "LSE:*C", "SrcTable:*i64", "OutTable:*i64", "X0:*T", "Zs:*C", "Rs:*C", "d:i32", "n:i32",
-                   "S:i32", "stride_lr:i32", "eps:fp32", "BLOCK_D:constexpr", "S_PAD:constexpr"],
-    "phase1_bwd": ["Q:*C", "LSE:*C", "GLse:*C", "SrcTable:*i64", "GOutTable:*i64", "GSrcTable:*i64", "X0:*T", "Zs:*C",
-                   "Rs:*C", "PQ:*C", "rows:i32", "d:i32", "n:i32", "S:i32", "stride_lr:i32", "eps:fp32",
-                   "rows_per_program:i32", "BLOCK_D:constexpr", "S_PAD:constexpr"],
-    "merge_fwd": ["Z:*C", "SrcTable:*i64", "CompTable:*i64", "X0:*T", "Qg:*C", "NormW:*C", "Out:*T", "Alpha:*C",
-                  "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "k:i32", "c:i32", "eps:fp32", "norm_eps:fp32", "has_norm:i32",
-                  "BLOCK_D:constexpr"],
-    "merge_bwd": ["G:*T", "GH:*C", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "SrcTable:*i64", "CompTable:*i64", "X0:*T",
-                  "Qg:*C", "NormW:*C", "GSrcTable:*i64", "GCompTable:*i64", "GZ:*C", "PQ:*C", "PW:*C", "rows:i32",
-                  "d:i32", "k:i32", "c:i32", "rows_per_program:i32", "has_norm:i32", "BLOCK_D:constexpr"],
+    "phase1_fwd": ["Q:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
+                   "S_PAD:constexpr", "N_PAD:constexpr"],
+    "phase1_bwd": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*T[S]", "GSrcs:*T[n]", "W:*C", "d:i32",
+                   "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "NEED_W:constexpr", "BLOCK_D:constexpr",
+                   "S_PAD:constexpr", "N_PAD:constexpr"],
+    "phase1_dq": ["W:*C", "Srcs:*T[n]", "PQ:*C", "rows:i32", "d:i32", "rows_per_program:i32", "S:constexpr",
+                  "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
+    "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C", "Out:*T", "Alpha:*C",
+                  "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "eps:fp32", "norm_eps:fp32", "HAS_NORM:constexpr",
+                  "D_PAD:constexpr", "M_PAD:constexpr"],
+    "merge_bwd": ["G:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
+                  "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32", "HAS_NORM:constexpr",
+                  "D_PAD:constexpr", "M_PAD:constexpr"],
 }
 
+#: The shapes the ahead-of-time compile covers: Phase 1's ``(S, n)`` (every query padding,
+#: from two to many sources) and the merge's ``(d, k, c)`` (every row width class; Block's
+#: merges, one known and one computed source, and Full's, up to eight computed).
+PHASE1_SHAPES = ((2, 2), (4, 5), (8, 9), (16, 9), (16, 57), (32, 33), (64, 9))
+MERGE_SHAPES = ((64, 1, 1), (512, 1, 1), (2048, 1, 1), (2048, 0, 2), (2048, 1, 8), (4096, 1, 1))
+#: Storage dtypes compiled at every shape; the others at one shape per kernel.
+FULL_DTYPES = ("fp32", "bf16")
 
-def variants() -> Iterator[tuple[str, dict[str, str], dict[str, int], dict[str, int]]]:
-    """Every ``(kernel, signature, constexprs, launch options)`` the launch code can choose:
-    each storage dtype, each tile, and for Phase 1 each query padding with the tiles that
-    fit it."""
+
+def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int]) -> dict:
+    """A kernel's signature for Triton's ahead-of-time compile: tuples of ``counts``."""
+    signature = {}
+    for param in params:
+        name, kind = param.split(":")
+        if kind == "constexpr":
+            signature[name] = kind
+            continue
+        count = None
+        if kind.endswith("]"):
+            kind, count = kind[:-1].split("[")
+        kind = kind.replace("*T", f"*{dtype}").replace("C", compute) if kind.startswith("*") else kind.replace(
+            "C", compute)
+        signature[name] = kind if count is None else (kind,) * counts[count]
+    return signature
+
+
+def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
+    """``(tuple counts, constexprs, num_warps)`` of each compiled shape of ``kernel``
+    (``wide``: computing in float64)."""
+    if kernel.startswith("phase1"):
+        for S, n in PHASE1_SHAPES:
+            block, s_pad = phase1_tile(4096, S, wide=wide), pad(S)
+            constexprs = {"BLOCK_D": block, "S_PAD": s_pad, "N_PAD": pad(n)}
+            if kernel == "phase1_dq":
+                constexprs["S"] = S
+            if kernel == "phase1_bwd":
+                constexprs.update(HAS_GLSE=1, NEED_W=1)
+            yield {"S": S, "n": n}, constexprs, phase1_warps(S)
+    else:
+        for d, k, c in MERGE_SHAPES:
+            d_pad = row_pad(d)
+            yield {"k": k, "c": c}, {"HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}, merge_warps(d_pad)
+
+
+def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int], dict[str, int]]]:
+    """The ``(kernel, storage dtype, tuple counts, signature, constexprs, launch options)``
+    the ahead-of-time compile covers: every kernel at every shape class of
+    :func:`launch_shapes` in the storage dtypes of :data:`FULL_DTYPES`, and at its first shape
+    in the others."""
     for dtype, compute in DTYPES.items():
         for kernel, params in SIGNATURES.items():
-            signature = dict(p.split(":") for p in params)
-            signature = {k: v.replace("*T", f"*{dtype}").replace("C", compute) if v != "constexpr" else v
-                         for k, v in signature.items()}
-            pads = S_PADS if kernel.startswith("phase1") else (1,)
-            for pad in pads:
-                for tile in sorted({tile_d(d, pad) for d in TILES}):
-                    constexprs = {"BLOCK_D": tile, **({"S_PAD": pad} if "S_PAD" in signature else {})}
-                    yield kernel, signature, constexprs, launch_options(kernel, tile, pad)
+            for i, (counts, constexprs, warps) in enumerate(launch_shapes(kernel, compute == "fp64")):
+                if i and dtype not in FULL_DTYPES:
+                    break
+                yield kernel, dtype, counts, _expand(params, dtype, compute, counts), constexprs, {"num_warps": warps}
+
+
+#: Per multiprocessor, by target: registers, resident warps and programs, shared memory
+#: (bytes, the most one program may use) - NVIDIA's occupancy tables for sm_80 and sm_90.
+SM_LIMITS = {80: {"registers": 65536, "warps": 64, "programs": 32, "shared": 164 * 1024},
+             90: {"registers": 65536, "warps": 64, "programs": 32, "shared": 228 * 1024}}
+
+
+def resident_warps(arch: int, registers: int, warps: int, shared: int) -> int:
+    """Warps resident on one multiprocessor of ``sm_<arch>`` for programs of ``warps`` warps
+    using ``registers`` per thread and ``shared`` bytes: registers are allocated per warp in
+    units of 256 (8 a thread); each program's shared memory comes with 1 KiB the runtime
+    reserves for it."""
+    limits = SM_LIMITS[arch]
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    programs = min(limits["registers"] // (per_warp * warps), limits["warps"] // warps, limits["programs"])
+    if shared:
+        programs = min(programs, limits["shared"] // (shared + 1024))
+    return programs * warps

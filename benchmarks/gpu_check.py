@@ -1,0 +1,514 @@
+"""The prepared GPU check of the depth-attention path: one command, at most about 8 minutes
+on an H100, that measures what the GPU targets are judged on and writes it as it goes.
+
+    PYTHONPATH=src python benchmarks/gpu_check.py --out benchmarks/results/gpu-h100
+    PYTHONPATH=src python benchmarks/gpu_check.py --cpu-smoke --out /tmp/gpu-check   # every part, toy sizes, CPU
+
+Run it from the repository root with ``PYTHONPATH=src`` on a machine that has only PyTorch
+and Triton (the peers are optional: ``pip install *.whl`` of flash-linear-attention,
+fast-attnres, flash-attn-res brought along; see bench_kernels_gpu.py for why
+``PYTHONPATH=src`` matters with fast-attnres). The parts, in order; each prints its table
+when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
+``OUT/summary.json``, so a run stopped by a time limit keeps what it measured:
+
+0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
+   the models run (a few rows each, the real ``d`` and dtypes) and the peers' autotuners,
+   into the on-disk caches, while the main process builds the models.
+1. **ops**: each of our operations alone (Phase 1 and the merge, forward and backward) at
+   ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
+   byte bound (every input read once, every output written once, at the datasheet
+   bandwidth); the host time of a merge call (forward + backward) against the standard
+   model's add + RMSNorm at one token; one Block AttnRes block against the peers that run
+   the shape (bench_kernels_gpu.py's adapters).
+2. **train, eager**: a training step (bf16 autocast) of the standard model, Block and Full
+   AttnRes at d = 2048, 32 transformer blocks, N = 8 blocks (S = 8), sequence 2048, batch
+   4, interleaved; the peak memory of a step.
+3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
+   and CUDA-graphed, bf16.
+4. **train, compiled**: the same steps under ``torch.compile``.
+
+``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
+``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
+``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
+op-level ``x bound`` ratios under ``ops``, and the targets with ``met`` for each. Parts that
+do not fit the ``--budget`` are skipped and named. ``--cpu-smoke`` runs every part at toy
+sizes on the CPU (the Triton kernels under the interpreter): the default test suite runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if "--cpu-smoke" in sys.argv:  # the interpreter must be on before triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import bench_kernels_gpu as kernels_bench  # noqa: E402
+
+from attnres import AttnResLM, ModelConfig  # noqa: E402
+from attnres.inference import KVCache, decode_step  # noqa: E402
+from attnres.ops.depth_attention import library  # noqa: E402
+
+#: The targets (ratios to the standard model, Block AttnRes) and the op-level bound.
+TARGETS = {"train_eager": 1.04, "train_compiled": 1.04, "decode_b1": 1.02, "decode_b8": 1.02, "memory": 1.05}
+OP_BOUND_TARGET = 2.0
+#: Host time of a merge call (forward + backward) over the standard's add + RMSNorm.
+HOST_TARGET = 2.0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What is measured: the op-level shape, the end-to-end model and its inputs."""
+
+    tokens: int = 8192
+    d: int = 2048
+    n: int = 8  # completed sources of the op-level Phase 1 (the last block of N = 8)
+    S: int = 8
+    layers: int = 32  # transformer blocks (2 sublayers each)
+    blocks: int = 8  # N, Block AttnRes' blocks
+    seq: int = 2048
+    batch: int = 4
+    vocab: int = 32000
+    repeats: int = 10
+    op_repeats: int = 50
+
+
+SMOKE = Sizes(tokens=8, d=16, n=2, S=2, layers=2, blocks=2, seq=8, batch=2, vocab=64, repeats=1, op_repeats=1)
+
+
+# ----------------------------------------------------------------------------------------- timing
+class Clock:
+    """Wall time of a step on the device: CUDA events on a GPU, ``perf_counter`` on CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        return kernels_bench.cuda_time(fn)
+
+    def interleaved(self, steps: dict, repeats: int) -> dict[str, float]:
+        """Median seconds per step, one call of each per round in a rotating order."""
+        for step in steps.values():
+            step()
+        self.sync()
+        times = {k: [] for k in steps}
+        names = list(steps)
+        for r in range(repeats):
+            for k in names[r % len(names):] + names[: r % len(names)]:
+                times[k].append(self.time(steps[k]))
+        return {k: statistics.median(v) for k, v in times.items()}
+
+    def replayed(self, fn, repeats: int) -> float:
+        """Median device seconds of ``fn`` replayed from a CUDA graph (no host time); on CPU,
+        its wall time."""
+        if not self.cuda:
+            return statistics.median(self.time(fn) for _ in range(max(1, repeats)))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside the capture
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return statistics.median(self.time(graph.replay) for _ in range(repeats))
+
+
+# -------------------------------------------------------------------------------------- the ops
+def op_bytes(z: Sizes, esz: int = 2) -> dict[str, int]:
+    """Each operation's minimum bytes: its inputs read once, its outputs written once
+    (``[M, d]`` tensors in the storage dtype; statistics in float32)."""
+    row, f32 = z.tokens * z.d * esz, z.tokens * 4
+    return {
+        "phase1_fwd": z.n * row + z.S * (row + f32),  # sources in; weighted sums and lse out
+        "phase1_bwd": (z.n + z.S) * row + z.S * 2 * f32 + z.n * row,  # sources, gradients, lse in; sources' grads out
+        "merge_fwd": 2 * row + f32 + row + 5 * f32,  # o_hat, partial, its logit in; out, alpha, rc, zc, rstd out
+        "merge_bwd": 3 * row + 5 * f32 + 2 * row + f32,  # g, o_hat, partial, stats in; both gradients, g_z out
+    }
+
+
+def op_calls(z: Sizes, device: str) -> dict:
+    """Each operation's implementation on the model's layout (bf16 storage on a GPU, float32
+    under the interpreter): callables that run it once, forward and backward apart."""
+    from attnres.ops.depth_attention import triton_impl
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
+    sources = [r(z.tokens, z.d).to(dtype) for _ in range(z.n)]
+    qg = r(z.S, z.d) * 0.5
+    outs, lse = triton_impl.phase1_forward(qg, sources, 1e-6)
+    g_outs = [r(z.tokens, z.d).to(dtype) for _ in range(z.S)]
+    g_lse = r(z.tokens, z.S)
+    partial, w, q1 = r(z.tokens, z.d).to(dtype), 1 + 0.1 * r(z.d), r(z.d) * 0.5
+    zcol = lse.unbind(-1)[1].unsqueeze(-1)
+    merged = triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6)
+    g_out = r(z.tokens, z.d).to(dtype)
+    needs = [True] * 5
+    return {
+        "phase1_fwd": lambda: triton_impl.phase1_forward(qg, sources, 1e-6),
+        "phase1_bwd": lambda: triton_impl.phase1_backward(qg, lse, sources, g_outs, g_lse, 1e-6, True,
+                                                          [True] * z.n),
+        "merge_fwd": lambda: triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6),
+        "merge_bwd": lambda: triton_impl.merge_backward(g_out, merged[1], merged[2], merged[3], merged[4], [outs[1]],
+                                                        [partial], q1, w, needs),
+    }
+
+
+def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
+    """Host microseconds per call at one token (the device idle): our merge (forward +
+    backward, with autograd, as the model calls it) against the standard model's add +
+    RMSNorm (forward + backward)."""
+    d = 2048 if device == "cuda" else 32
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
+    x, partial, v = (r(1, d).requires_grad_() for _ in range(3))
+    lse = r(1, 8).requires_grad_()
+    q, w = r(d).requires_grad_(), r(d).requires_grad_()
+
+    def ours():
+        out, _ = library.merge(lse.unbind(-1)[2].unsqueeze(-1), [x], [partial], q, 1e-6, w, 1e-6)
+        out.backward(torch.ones_like(out))
+
+    def standard():
+        h = partial + v
+        out = F.rms_norm(h, (d,), w, 1e-6)
+        out.backward(torch.ones_like(out))
+
+    result = {}
+    for name, fn in (("ours", ours), ("standard", standard)):
+        for _ in range(3):
+            fn()
+        clock.sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        result[name] = (time.perf_counter() - start) / repeats * 1e6
+        clock.sync()
+    return result
+
+
+def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) -> dict:
+    peak = kernels_bench.peak_bandwidth()[0] if device == "cuda" else 1e11
+    calls, bytes_ = op_calls(z, device), op_bytes(z, 2 if device == "cuda" else 4)
+    rows = {}
+    for name, fn in calls.items():
+        t = clock.replayed(fn, z.op_repeats)
+        rows[name] = {"us": t * 1e6, "bound_us": bytes_[name] / peak * 1e6, "x_bound": t / (bytes_[name] / peak)}
+    host = host_overhead(clock, device, 200 if device == "cuda" else 5)
+    shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
+    x = kernels_bench.make_inputs(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    impls = {"ours (triton)": (kernels_bench.ours_triton, lambda s: None), **peers}
+    steps, unsupported = {}, dict(skipped)
+    for name, (run, check) in impls.items():
+        reason = check(shape)
+        if reason is None and name in peers:
+            try:
+                run(x)
+            except Exception as e:  # noqa: BLE001 - a peer whose API changed is reported, not fatal
+                reason = f"failed: {type(e).__name__}: {e}"
+        if reason:
+            unsupported[name] = reason
+            continue
+        steps.update(kernels_bench.block_steps(name, run, x))
+    block = {}
+    for key, t in clock.interleaved(steps, z.repeats).items():
+        impl, mode = key.split("|")
+        block.setdefault(impl, {})[f"{mode}_us"] = t * 1e6
+    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "host_us": host, "block": block,
+            "unsupported": unsupported}
+
+
+# ------------------------------------------------------------------------------ end to end
+def model_config(z: Sizes, residual) -> ModelConfig:
+    return ModelConfig(vocab_size=z.vocab, d_model=z.d, n_layers=z.layers, n_heads=max(1, z.d // 128),
+                       max_seq_len=z.seq + 8, residual=residual)
+
+
+VARIANTS = {"standard": "standard", "block": None, "full": {"kind": "attnres_full"}}
+
+
+def build_models(z: Sizes, device: str) -> dict[str, AttnResLM]:
+    models = {}
+    for name, residual in VARIANTS.items():
+        if residual is None:
+            residual = {"kind": "attnres_block", "block_size": 2 * z.layers // z.blocks}
+        torch.manual_seed(0)
+        models[name] = AttnResLM(model_config(z, residual)).to(device)
+    return models
+
+
+def train_steps(models: dict, ids: torch.Tensor, device: str, compiled: bool = False) -> dict:
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else nullcontext()
+    backend = "inductor" if device == "cuda" else "eager"  # (the smoke: the path, not the compiler)
+
+    def step_of(model):
+        run = torch.compile(model, backend=backend, dynamic=False) if compiled else model
+
+        def step():
+            with autocast:
+                run(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return step
+
+    return {name: step_of(m) for name, m in models.items()}
+
+
+def peak_memory(step, device: str) -> int:
+    if device != "cuda":
+        return 1
+    return kernels_bench.cuda_peak_step_memory(step)
+
+
+def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool) -> dict:
+    ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=device)
+    steps = train_steps(models, ids, device, compiled)
+    start = time.perf_counter()
+    for step in steps.values():  # (compiled: this compiles)
+        step()
+    clock.sync()
+    result = {"warm_up_s": time.perf_counter() - start, "ms": {k: t * 1e3 for k, t in
+                                                              clock.interleaved(steps, z.repeats).items()}}
+    if not compiled:
+        result["peak_memory_MiB"] = {k: peak_memory(s, device) / 2**20 for k, s in steps.items()}
+    return result
+
+
+def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
+    """One decode step after a ``z.seq``-token context (random keys and values), eager and
+    graphed, at batch 1 and 8."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    result = {}
+    for batch in (1, 8):
+        tokens = torch.randint(0, z.vocab, (batch,), device=device)
+        steps = {}
+        for name, model in models.items():
+            model.to(dtype)
+            cfg = model.config
+            cache = KVCache(cfg.n_layers, capacity=z.seq + 1)
+            shape = (batch, cfg.kv_heads, z.seq, cfg.head_dim)
+            for layer in range(cfg.n_layers):
+                cache.update(layer, torch.randn(shape, device=device, dtype=dtype),
+                             torch.randn(shape, device=device, dtype=dtype))
+
+            def eager(model=model, cache=cache):
+                decode_step(model, cache, tokens)
+                cache.crop(z.seq)
+
+            steps[f"{name}|eager"] = eager
+            graphed = graphed_decode_step(model, z, batch, tokens, device, dtype)
+            if graphed is not None:
+                steps[f"{name}|graphed"] = graphed
+        for key, t in clock.interleaved(steps, z.repeats).items():
+            name, mode = key.split("|")
+            result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
+    for model in models.values():  # (back to float32 weights for the training parts)
+        model.float()
+    return result
+
+
+def graphed_decode_step(model, z: Sizes, batch: int, tokens, device: str, dtype):
+    """A decode step of ``model`` captured in a CUDA graph (on CPU: the same static step,
+    run eagerly), after a ``z.seq``-token context; ``None`` where the installed attnres has
+    no graphed decoding."""
+    try:
+        from attnres.inference import GraphedDecoder
+    except ImportError:
+        return None
+    decoder = GraphedDecoder(model, batch_size=batch, capacity=z.seq + 1)
+    decoder.fill_random_context(z.seq, dtype=dtype)
+    return lambda: decoder.step(tokens, rewind=True)
+
+
+# ---------------------------------------------------------------------------------- summary
+def ratios(times: dict, name: str) -> float | None:
+    return times[name] / times["standard"] if name in times and "standard" in times else None
+
+
+def summarize(result: dict) -> dict:
+    """The ratios to the standard model by name (Block; Full under ``full``), with targets."""
+    def by_variant(name: str) -> dict:
+        out = {}
+        if "train_eager" in result:
+            out["train_eager"] = ratios(result["train_eager"]["ms"], name)
+            out["memory"] = ratios(result["train_eager"]["peak_memory_MiB"], name)
+        if "train_compiled" in result:
+            out["train_compiled"] = ratios(result["train_compiled"]["ms"], name)
+        for batch in (1, 8):
+            modes = result.get("decode", {}).get(f"b{batch}", {})
+            if "graphed" in modes:
+                out[f"decode_b{batch}"] = ratios(modes["graphed"], name)
+            if "eager" in modes:
+                out[f"decode_eager_b{batch}"] = ratios(modes["eager"], name)
+        return out
+
+    summary = {"device": result["device"], **by_variant("block"), "full": by_variant("full"), "targets": TARGETS}
+    summary["met"] = {k: summary[k] is not None and summary[k] <= v for k, v in TARGETS.items() if k in summary}
+    if "ops" in result:
+        ops = result["ops"]
+        summary["ops"] = {k: v["x_bound"] for k, v in ops["ops"].items()}
+        summary["met"]["ops_within_2x_bound"] = all(v <= OP_BOUND_TARGET for v in summary["ops"].values())
+        host = ops["host_us"]
+        summary["host_ratio"] = host["ours"] / host["standard"]
+        summary["met"]["host"] = summary["host_ratio"] <= HOST_TARGET
+        ours = ops["block"].get("ours (triton)")
+        others = {k: v for k, v in ops["block"].items() if k != "ours (triton)"}
+        if ours and others:
+            summary["met"]["faster_than_peers"] = all(ours["fwd+bwd_us"] < v["fwd+bwd_us"] for v in others.values())
+    summary["skipped"] = result.get("skipped", {})
+    return summary
+
+
+def render(result: dict) -> str:
+    lines = [f"# GPU check on {result['device']}", "", f"Command: `{result['command']}`  ",
+             f"torch {result['torch']}, triton {result['triton']}; {result.get('elapsed_s', 0):.0f} s.", ""]
+    if "ops" in result:
+        ops = result["ops"]
+        lines += [f"## Ops at M={ops['shape']['tokens']} d={ops['shape']['d']} n={ops['shape']['n']} "
+                  f"S={ops['shape']['S']} (graph replay; bound at {ops['peak_GBps']:.0f} GB/s)", "",
+                  "| op | µs | bound µs | x bound |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |" for k, v in ops["ops"].items()]
+        h = ops["host_us"]
+        lines += ["", f"Host time per call at one token: merge fwd+bwd {h['ours']:.1f} µs, standard add + RMSNorm "
+                  f"fwd+bwd {h['standard']:.1f} µs ({h['ours'] / h['standard']:.2f}x).", "",
+                  "One Block AttnRes block (the S normalised sublayer inputs), events, host included:", "",
+                  "| implementation | fwd µs | fwd+bwd µs |", "|---|---:|---:|"]
+        lines += [f"| {k} | {v['fwd_us']:.0f} | {v['fwd+bwd_us']:.0f} |" for k, v in ops["block"].items()]
+        lines += [f"| {k} | - | {why} |" for k, why in ops["unsupported"].items()]
+    for part in ("train_eager", "train_compiled"):
+        if part in result:
+            ms = result[part]["ms"]
+            lines += ["", f"## {part} (warm-up {result[part]['warm_up_s']:.0f} s)", "", "| model | ms | ratio |",
+                      "|---|---:|---:|"]
+            lines += [f"| {k} | {v:.2f} | {v / ms['standard']:.3f} |" for k, v in ms.items()]
+            if "peak_memory_MiB" in result[part]:
+                mem = result[part]["peak_memory_MiB"]
+                lines += ["", "| model | peak step memory MiB | ratio |", "|---|---:|---:|"]
+                lines += [f"| {k} | {v:.0f} | {v / mem['standard']:.3f} |" for k, v in mem.items()]
+    if "decode" in result:
+        lines += ["", "## decode step (ms)", "", "| batch | mode | model | ms | ratio |", "|---|---|---|---:|---:|"]
+        for batch, modes in result["decode"].items():
+            for mode, times in modes.items():
+                lines += [f"| {batch} | {mode} | {k} | {v:.3f} | {v / times['standard']:.3f} |" for k, v in times.items()]
+    for part, why in result.get("skipped", {}).items():
+        lines.append(f"\nSkipped **{part}**: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    (out / "summary.json").write_text(json.dumps(summarize(result), indent=1))
+    (out / "gpu_check.md").write_text(render(result))
+
+
+# ---------------------------------------------------------------------------------- warm-up
+def warm_up_worker(what: str, z: Sizes) -> int:
+    """Compile into the on-disk caches: ``models`` runs every model's residual at a few rows
+    (the same kernel variants as the full shape), a peer name its block at the op shape."""
+    if what == "models":
+        small = Sizes(**{**asdict(z), "seq": 16, "batch": 1})
+        models = build_models(small, "cuda")
+        for step in train_steps(models, torch.randint(0, small.vocab, (1, 16), device="cuda"), "cuda").values():
+            step()
+        return 0
+    peers, _ = kernels_bench.select_peers()
+    shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
+    for step in kernels_bench.block_steps(what, peers[what][0], kernels_bench.make_inputs(shape)).values():
+        step()
+    torch.cuda.synchronize()
+    return 0
+
+
+def start_warm_up(peers: dict) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, __file__, "--warm-up-worker", what], stdout=subprocess.DEVNULL)
+            for what in ["models", *peers]]
+
+
+# --------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
+    p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
+    p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
+    p.add_argument("--parts", default="ops,train_eager,decode,train_compiled", help="comma-separated parts to run")
+    p.add_argument("--no-peers", action="store_true", help="skip the peers")
+    p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+#: The least time each part needs (s, on an H100): a part is skipped when less remains.
+MIN_SECONDS = {"ops": 20, "train_eager": 40, "decode": 20, "train_compiled": 150}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = "cpu" if args.cpu_smoke else "cuda"
+    z = SMOKE if args.cpu_smoke else Sizes()
+    if args.warm_up_worker:
+        return warm_up_worker(args.warm_up_worker, z)
+    if device == "cuda" and not torch.cuda.is_available():
+        log("gpu_check: needs a CUDA device (none found); --cpu-smoke runs every part on the CPU")
+        return 2
+    import triton
+
+    start = time.perf_counter()
+    peers, skipped = ({}, {}) if args.no_peers or args.cpu_smoke else kernels_bench.select_peers()
+    workers = start_warm_up(peers) if device == "cuda" else []
+    result = {"command": " ".join(["gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+              "device": torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)",
+              "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(z), "skipped": {}}
+    clock = Clock(device)
+    out = Path(args.out)
+    models = build_models(z, device)
+    for worker in workers:  # the kernels compiled; the timed parts find them in the caches
+        worker.wait()
+    for part in args.parts.split(","):
+        left = args.budget - (time.perf_counter() - start)
+        if device == "cuda" and left < MIN_SECONDS[part]:
+            result["skipped"][part] = f"{left:.0f} s of the {args.budget:.0f} s budget left"
+            log(f"[gpu_check] skipping {part}: {result['skipped'][part]}")
+            continue
+        log(f"[gpu_check] {part} ({time.perf_counter() - start:.0f} s)")
+        if part == "ops":
+            result["ops"] = part_ops(z, clock, device, peers, skipped)
+        elif part in ("train_eager", "train_compiled"):
+            result[part] = part_train(z, clock, models, device, compiled=part == "train_compiled")
+        elif part == "decode":
+            result["decode"] = part_decode(z, clock, models, device)
+        result["elapsed_s"] = time.perf_counter() - start
+        write(out, result)
+        print(render(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

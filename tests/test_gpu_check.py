@@ -1,0 +1,58 @@
+"""``benchmarks/gpu_check.py``: the prepared GPU check runs every part on the CPU at toy sizes
+(``--cpu-smoke``: the Triton kernels under the interpreter) and writes its tables and the
+summary the GPU targets are judged on; its byte bounds and summary logic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--out",
+                             str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("train_eager", "train_compiled", "decode_eager_b1", "decode_eager_b8", "memory"):
+        assert isinstance(summary[key], float) and isinstance(summary["full"][key], float), key
+    assert set(summary["ops"]) == {"phase1_fwd", "phase1_bwd", "merge_fwd", "merge_bwd"}
+    assert summary["targets"]["train_eager"] == 1.04 and summary["targets"]["decode_b1"] == 1.02
+    assert set(summary["met"]) >= {"train_eager", "train_compiled", "memory", "ops_within_2x_bound", "host"}
+    md = (tmp_path / "gpu_check.md").read_text()
+    for heading in ("## Ops at", "## train_eager", "## train_compiled", "## decode step"):
+        assert heading in md
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["sizes"]["d"] == 16
+
+
+def test_op_bytes_count_each_input_and_output_once():
+    import gpu_check
+
+    z = gpu_check.Sizes(tokens=10, d=4, n=3, S=2)
+    row, f32 = 10 * 4 * 2, 10 * 4
+    b = gpu_check.op_bytes(z)
+    assert b["phase1_fwd"] == 3 * row + 2 * (row + f32)
+    assert b["phase1_bwd"] == (3 + 2) * row + 2 * 2 * f32 + 3 * row
+    assert b["merge_fwd"] == 3 * row + 6 * f32 and b["merge_bwd"] == 5 * row + 6 * f32
+
+
+def test_summary_judges_each_target_and_skipped_parts():
+    import gpu_check
+
+    result = {"device": "GPU", "train_eager": {"ms": {"standard": 100.0, "block": 103.0, "full": 110.0},
+                                               "peak_memory_MiB": {"standard": 10.0, "block": 10.6, "full": 11.0}},
+              "decode": {"b1": {"graphed": {"standard": 1.0, "block": 1.01, "full": 1.2}}},
+              "skipped": {"train_compiled": "10 s of the 450 s budget left"}}
+    s = gpu_check.summarize(result)
+    assert s["train_eager"] == pytest.approx(1.03) and s["full"]["train_eager"] == pytest.approx(1.1)
+    assert s["met"] == {"train_eager": True, "decode_b1": True, "memory": False}
+    assert "train_compiled" not in s and s["skipped"] == result["skipped"]
