@@ -250,3 +250,89 @@ def test_graphed_decode_equals_dynamic_decode_on_cuda(residual):
     assert_fast_matches_naive(list(graphed.unbind(1)), list(dynamic.unbind(1)), list(truth.unbind(1)), torch.float32,
                               names, TOL[torch.float32])
 
+
+# -- the Hugging Face model over transformers' StaticCache ------------------------------------
+def hf_twin(native):
+    pytest.importorskip("transformers")
+    from attnres.hf import AttnResForCausalLM
+
+    return AttnResForCausalLM.from_native(native).eval()
+
+
+def test_hf_static_cache_generates_the_dynamic_tokens(model):
+    """``generate(cache_implementation="static")`` (transformers' ``StaticCache``, the default
+    on CUDA) gives the native tokens for a ragged batch, and logits as close to the float64
+    truth as the dynamic cache's."""
+    hf = hf_twin(model)
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=8)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    static = hf.generate(ids, cache_implementation="static", **kwargs)
+    dynamic = hf.generate(ids, **kwargs)  # on CPU: the dynamic cache
+    assert torch.equal(static.sequences[:, 7:], want) and torch.equal(dynamic.sequences[:, 7:], want)
+    truth = dynamic_logits(copy.deepcopy(model).double(), ids, mask, want[:, :7])
+    names = [f"logits after step {i}" for i in range(8)]
+    assert_fast_matches_naive(list(static.logits), list(dynamic.logits), list(truth.unbind(1)), torch.float32, names,
+                              TOL[torch.float32])
+
+
+def test_hf_static_cache_takes_a_two_dimensional_mask():
+    """A ``StaticCache`` with the 2-D padding mask (a direct forward call) or none gives the
+    dynamic cache's logits."""
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    hf = hf_twin(make_model(residual="attnres_block").eval())
+    ids, mask = ragged_prompts()
+    for m in (mask, None):
+        static, dynamic = StaticCache(config=hf.config, max_cache_len=12), DynamicCache(config=hf.config)
+        with torch.no_grad():
+            for s, e in ((0, 5), (5, 7)):
+                part = None if m is None else m[:, :e]
+                got = hf(ids[:, s:e], attention_mask=part, cache=static, use_cache=True).logits
+                want = hf(ids[:, s:e], attention_mask=part, cache=dynamic, use_cache=True).logits
+                assert_rel_close(got, want, TOL[torch.float32], f"mask {m is not None}, tokens {s}..{e}")
+
+
+def test_hf_decode_step_over_a_static_cache_compiles_with_fullgraph():
+    """The forward over a ``StaticCache`` with the 4-D mask ``generate`` passes (what
+    transformers compiles on CUDA): one graph for every decode step, no graph break, and the
+    dynamic cache's logits."""
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    torch._dynamo.reset()
+    hf = hf_twin(make_model(residual="attnres_block", n_layers=2).eval())
+    ids, mask = ragged_prompts()
+    capacity = 12
+    static, dynamic = StaticCache(config=hf.config, max_cache_len=capacity), DynamicCache(config=hf.config)
+    recorder = GraphRecorder()
+    step = torch.compile(hf, fullgraph=True, dynamic=False, backend=recorder)
+    with torch.no_grad():
+        hf(ids, attention_mask=mask, cache=static, use_cache=True)
+        tokens = hf(ids, attention_mask=mask, cache=dynamic, use_cache=True).logits[:, -1].argmax(-1)
+        real = torch.cat([mask, torch.ones(3, capacity - 7, dtype=mask.dtype)], dim=1).bool()
+        for slot in range(7, 10):
+            four_d = (real & (torch.arange(capacity) <= slot))[:, None, None, :]
+            got = step(tokens[:, None], attention_mask=four_d, cache=static, use_cache=True).logits[:, -1]
+            want = hf(tokens[:, None], attention_mask=real[:, : slot + 1].long(), cache=dynamic, use_cache=True).logits[:, -1]
+            assert_rel_close(got, want, TOL[torch.float32], f"slot {slot}")
+            tokens = want.argmax(-1)
+    assert recorder.graphs == 1
+
+
+def test_hf_generate_defaults_to_the_static_cache_on_cuda(monkeypatch):
+    """On CUDA ``generate`` asks transformers for a static cache unless the call names a
+    cache, a cache implementation or ``use_cache=False``; on CPU it changes nothing."""
+    from transformers import GenerationMixin
+
+    from attnres.hf import AttnResForCausalLM
+
+    hf = hf_twin(make_model(residual="attnres_block").eval())
+    seen = []
+    monkeypatch.setattr(GenerationMixin, "generate", lambda self, *a, **k: seen.append(k.get("cache_implementation")))
+    hf.generate(torch.zeros(1, 2, dtype=torch.long))
+    monkeypatch.setattr(AttnResForCausalLM, "device", property(lambda self: torch.device("cuda")))
+    hf.generate(torch.zeros(1, 2, dtype=torch.long))
+    hf.generate(torch.zeros(1, 2, dtype=torch.long), cache_implementation="dynamic")
+    hf.generate(torch.zeros(1, 2, dtype=torch.long), use_cache=False)
+    assert seen == [None, "static", "dynamic", None]
