@@ -31,9 +31,8 @@ STATIC_MODES = ("eager", "compiled", "graph")
 
 
 def static_decode_step(model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
-    """One token per sequence, ``tokens [B]`` (int64), through ``model`` (an ``AttnResLM``
-    or ``attnres.hf.AttnResForCausalLM``) over ``cache``: the next-token logits ``[B, vocab]``
-    in float32. Validates nothing and reads nothing back to the host, so that it can be
+    """One token per sequence, ``tokens [B]`` (int64), through ``model`` (an ``AttnResLM``)
+    over ``cache``: the next-token logits ``[B, vocab]`` in float32. Validates nothing and reads nothing back to the host, so that it can be
     compiled with ``fullgraph=True`` or captured in a CUDA graph; ``cache`` advances by one."""
     h, _ = model.decode(tokens[:, None], None, cache)
     return model.lm_head(model.norm(h[:, -1])).float()
@@ -53,16 +52,19 @@ def _compiled_step(mode: str | None):
 class StaticDecoder:
     """Decoding at a fixed batch size and capacity over a :class:`StaticKVCache`.
 
-    ``model``: an ``AttnResLM`` or ``attnres.hf.AttnResForCausalLM`` (in eval mode; decoding
-    in the dtype of its parameters). ``capacity``: the most positions the cache holds, prompt
-    included (default: the model's ``max_seq_len``); every step attends over all of them
-    (masked), so a tight capacity is faster. ``mode``:
+    ``model``: an ``AttnResLM`` in eval mode, decoding in the dtype of its parameters (the
+    Hugging Face model decodes through transformers' ``StaticCache`` instead).
+    ``capacity``: the most positions the cache holds, prompt included (default: the model's
+    ``max_seq_len``); every step attends over all of them (masked), so a tight capacity is
+    faster. ``mode``:
 
     * ``"eager"``: the step runs operator by operator (any device);
     * ``"compiled"``: the step under ``torch.compile(fullgraph=True, dynamic=False)``, with
       ``mode="reduce-overhead"`` (Inductor's own CUDA graphs) on CUDA;
     * ``"graph"`` (CUDA only): the eager step captured in a ``torch.cuda.CUDAGraph`` at
-      construction (after ``warmup`` eager steps on a side stream) and replayed.
+      construction (after ``warmup`` eager steps on a side stream) and replayed. Capture
+      costs about ``warmup + 1`` steps, where compiling costs seconds to minutes, and it
+      replays the very kernels the eager step runs; ``"compiled"`` may also fuse them.
 
     Use: ``load(cache, attention_mask)`` copies a prefilled :class:`KVCache` in, then
     ``step(tokens)`` returns the next logits (in ``"graph"`` mode a buffer that the next step
@@ -84,8 +86,6 @@ class StaticDecoder:
         self.device = self.cache.end.device
         if mode == "graph" and self.device.type != "cuda":
             raise ValueError(f"mode='graph' captures a CUDA graph: the model is on {self.device}; use 'compiled' or 'eager'")
-        if hasattr(model, "_set_attention"):  # a Hugging Face model: its config's attention implementation
-            model._set_attention()
         self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
         self._tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self._graph = self._logits = self._captured_with = None
