@@ -68,6 +68,7 @@ def test_static_decode_equals_dynamic_decode_token_for_token(model):
     dynamic = generate(model, ids, mask, max_new_tokens=12, decode="dynamic")
     static = generate(model, ids, mask, max_new_tokens=12, decode="static")
     assert torch.equal(static, dynamic)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=1, decode="static"), dynamic[:, :1])
     # ... and each sequence as it would decode alone (no padding, the dynamic cache).
     for row in range(ids.shape[0]):
         alone = ids[row : row + 1, mask[row].bool()]
@@ -230,8 +231,13 @@ def test_static_decoding_refuses_bad_input():
     with pytest.raises(ValueError, match="more than the capacity 8"):
         static.load_(cache)
     _, cache = prefill(model, ids[:1])
-    with pytest.raises(ValueError, match="batch size 1, this one 3"):
+    with pytest.raises(ValueError, match="at batch size 1, this one 2 at 3"):
         static.load_(cache)
+    _, cache = prefill(model, ids)
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(3, 7\)"):
+        static.load_(cache, mask[:, 1:])
+    with pytest.raises(ValueError, match=r"seq_len must be in \[0, 8\]"):
+        static.crop_(9)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

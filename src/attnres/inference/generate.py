@@ -207,7 +207,7 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
     capacity = t + max_new_tokens - 1
     logits, cache = prefill(model, input_ids, mask, chunk_size, capacity=capacity if decode == "dynamic" else t)
     static = None
-    if decode != "dynamic":
+    if decode != "dynamic" and max_new_tokens > 1:  # (one token needs no decode step)
         if decode == "compiled":  # shapes shared by many prompt lengths: fewer graphs to compile
             capacity = min(-(-capacity // _COMPILED_CAPACITY_STEP) * _COMPILED_CAPACITY_STEP, model.config.max_seq_len)
         static = StaticDecoder(model, b, capacity, mode=_STATIC_MODE[decode])

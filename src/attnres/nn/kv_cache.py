@@ -159,10 +159,13 @@ class StaticKVCache:
         t = cache.seq_len
         if t > self.capacity:
             raise ValueError(f"the cache holds {t} positions, more than the capacity {self.capacity}")
+        if cache.n_layers != self.n_layers or cache.keys(0).shape[0] != self.batch_size:
+            raise ValueError(f"the cache holds {cache.n_layers} layers at batch size {cache.keys(0).shape[0]}, this one "
+                             f"{self.n_layers} at {self.batch_size}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (self.batch_size, t):
+            raise ValueError(f"attention_mask must have shape {(self.batch_size, t)}, got {tuple(attention_mask.shape)}")
         for layer in range(self.n_layers):
             for dst, src in ((self.k[layer], cache.keys(layer)), (self.v[layer], cache.values(layer))):
-                if src.shape[0] != self.batch_size:
-                    raise ValueError(f"the cache holds batch size {src.shape[0]}, this one {self.batch_size}")
                 dst[:, :, :t].copy_(src)
                 dst[:, :, t:].zero_()
         self.end.fill_(t)
@@ -175,8 +178,10 @@ class StaticKVCache:
         """Forget every slot from ``seq_len`` on (sets ``end``; no host sync for a tensor)."""
         if isinstance(seq_len, Tensor):
             self.end.copy_(seq_len)
-        else:
-            self.end.fill_(seq_len)
+            return
+        if not 0 <= seq_len <= self.capacity:
+            raise ValueError(f"seq_len must be in [0, {self.capacity}], got {seq_len}")
+        self.end.fill_(seq_len)
 
     def nbytes(self) -> int:
         """Bytes of the key and value buffers."""
