@@ -163,3 +163,19 @@ def test_a_binary_text_file_is_named(run_dir, tmp_path, command):
         cli_main([command, "--checkpoint", str(run_dir), "--text", str(binary), "--out", str(tmp_path / "o")]
                  + (["--tasks", "none"] if command == "eval" else []))
     assert f"--text {str(binary)!r} is not UTF-8 text (byte 128); give a text file" in str(info.value)
+
+
+def test_generate_decodes_the_same_text_over_a_static_cache(run_dir, capsys):
+    """`attnres generate --decode static` (the static cache, eager) prints the dynamic
+    cache's greedy continuation and names the decode it ran; `--decode graph` on the CPU is
+    a one-line error."""
+    args = ["generate", "--checkpoint", str(run_dir), "--prompt", "the", "--max-new-tokens", "6", "--temperature", "0"]
+    text = {}
+    for decode in ("dynamic", "static"):
+        assert cli_main([*args, "--decode", decode]) == 0
+        out = capsys.readouterr()
+        text[decode] = out.out
+        assert f"cpu, {decode} decode)" in out.err
+    assert text["static"] == text["dynamic"] and text["dynamic"].strip()
+    with pytest.raises(SystemExit, match="decode='graph' captures a CUDA graph: the model is on cpu"):
+        cli_main([*args, "--decode", "graph", "--device", "cpu"])

@@ -205,6 +205,9 @@ def _add_checkpoint_commands(sub) -> None:
     gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens")
     gen.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
     gen.add_argument("--device", default="auto", help="auto (CUDA when available; default), cpu, cuda or cuda:N")
+    gen.add_argument("--decode", default="auto", choices=("auto", "dynamic", "static", "compiled", "graph"),
+                     help="how decode steps run: auto (graph on CUDA, dynamic elsewhere; default), dynamic (growing "
+                     "cache, eager), or over a static cache: static (eager), compiled (torch.compile), graph (CUDA graph)")
     xp = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory (model + tokenizer)")
     xp.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
     xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing)")
@@ -504,7 +507,7 @@ def run_generate(args) -> int:
 
     import torch
 
-    from .inference import stream
+    from .inference import resolve_decode, stream
     from .inference.loading import load_run, load_tokenizer
 
     try:
@@ -517,10 +520,11 @@ def run_generate(args) -> int:
             raise ValueError("--prompt is empty: there is nothing to continue")
         check_context(len(ids), args.max_new_tokens, model.config.max_seq_len)
         device = next(model.parameters()).device
+        decode = resolve_decode(model, args.decode)
         steps = stream(
             model, torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
-            chunk_size=args.chunk_size,
+            chunk_size=args.chunk_size, decode=decode,
         )
         new: list[int] = []
         shown = ""
@@ -535,7 +539,7 @@ def run_generate(args) -> int:
         raise SystemExit(f"attnres generate: error: {e}") from None
     print()
     print(f"attnres generate: {len(new)} tokens in {elapsed:.2f} s ({len(new) / max(elapsed, 1e-9):.1f} tokens/s, "
-          f"prefill included, {device})", file=sys.stderr)
+          f"prefill included, {device}, {decode} decode)", file=sys.stderr)
     return 0
 
 

@@ -8,8 +8,11 @@ convert losslessly.
 
 HF caches: ``past_key_values`` is any ``transformers.Cache`` (a ``DynamicCache`` by
 default); :class:`HFCacheAdapter` presents it to the attention layers as the native
-per-layer key/value store (``[B, n_kv_heads, T, head_dim]`` per layer). The residual needs
-no cache (it mixes over depth token by token).
+per-layer key/value store (``[B, n_kv_heads, T, head_dim]`` per layer). A compileable cache
+(``StaticCache``: ``generate(..., cache_implementation="static")``, the default on CUDA)
+goes through :class:`HFStaticCacheAdapter` instead: its fill level stays on the device, so
+the decode step has static shapes and no host sync, and transformers compiles it with CUDA
+graphs. The residual needs no cache (it mixes over depth token by token).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
@@ -41,6 +45,42 @@ class HFCacheAdapter:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self.cache.update(k, v, layer)
+
+
+class HFStaticCacheAdapter(HFCacheAdapter):
+    """A compileable ``transformers.Cache`` (``StaticCache``: buffers of ``C`` positions, the
+    fill level a device tensor) seen as the native static store: like
+    ``attnres.inference.StaticKVCache`` it gives the trunk the RoPE tables and the mask of the
+    next ``T`` tokens over all ``C`` slots (``attention_inputs``), reading nothing back to
+    the host.
+
+    ``attention_mask``: what ``generate`` passes for such a cache, ``[B, 1, T, C]`` (boolean,
+    True = may attend, or additive float: 0 = may attend), or ``[B, past + T]`` of 0/1 (left
+    padding), or ``None``. A padded query (a row with no key allowed) attends to itself, so
+    that no softmax row is empty; RoPE positions count the real keys a query sees (its own
+    included), as with the native mask.
+    """
+
+    def __init__(self, cache: Cache, attention_mask: Tensor | None) -> None:
+        self.cache = cache
+        self.seq_len = cache.get_seq_length()  # a device tensor once the cache holds keys (0 before)
+        self.mask = attention_mask
+
+    def attention_inputs(self, rope: RotaryEmbedding, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        capacity = self.cache.get_mask_sizes(t, 0)[0]
+        slots = torch.arange(capacity, device=rope.cos.device)
+        query = self.seq_len + slots[:t]
+        allowed = slots <= query[:, None]  # [T, C]: causal
+        mask = self.mask
+        if mask is not None and mask.dim() == 4:
+            allowed = (mask if mask.dtype == torch.bool else mask == 0)[:, 0]
+        elif mask is not None:
+            real = F.pad(mask.bool(), (0, capacity - mask.shape[1]))
+            allowed = allowed & real[:, None, :]
+        allowed = allowed | (slots == query[:, None])
+        positions = allowed.sum(-1) - 1  # [B, T] (or [T] without a mask)
+        cos, sin = rope.at(positions if positions.dim() == 2 else positions[None])
+        return cos, sin, (allowed if allowed.dim() == 3 else allowed[None]).unsqueeze(1)
 
 
 class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
@@ -124,12 +164,14 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
             raise ValueError("AttnRes models take input_ids, not inputs_embeds")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        self.check_input_ids(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False  # recomputing a sublayer would append its keys/values twice
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if use_cache and past_key_values.is_compileable:
+            return self._hidden_static(input_ids, attention_mask, past_key_values), past_key_values
+        self.check_input_ids(input_ids)
         store = HFCacheAdapter(past_key_values) if use_cache else None
         past = 0 if store is None else store.seq_len
         if past + input_ids.shape[1] > self.native_config.max_seq_len:
@@ -147,6 +189,24 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
         return h, past_key_values if use_cache else None
 
+    def _hidden_static(self, input_ids: Tensor, attention_mask: Tensor | None, cache: Cache) -> Tensor:
+        """The decoder pass over a compileable cache (``StaticCache``) with no host sync:
+        under ``torch.compile`` (transformers compiles the decode step of such a cache) the
+        token ids are not checked - the compiled steps only see sampled tokens, the prompt
+        goes through an eager prefill that checks it."""
+        if not torch.compiler.is_compiling():
+            self.check_input_ids(input_ids)
+        capacity, offset = cache.get_mask_sizes(input_ids.shape[1], 0)
+        if offset != 0 or capacity > self.native_config.max_seq_len:
+            raise ValueError(f"a static cache must hold at most max_seq_len={self.native_config.max_seq_len} positions "
+                             f"from position 0; this one holds {capacity} from {offset} (lower max_new_tokens)")
+        if attention_mask is not None and attention_mask.dim() not in (2, 4):
+            raise ValueError(f"attention_mask must be [batch, past + seq_len] or [batch, 1, seq_len, {capacity}], "
+                             f"got {attention_mask.dim()}-D")
+        self._set_attention()
+        h, _ = self.decode(input_ids, None, HFStaticCacheAdapter(cache, attention_mask))
+        return h
+
 
 def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
     """The cache a caller passed: transformers 5.24 renamed ``past_key_values`` to ``cache``
@@ -156,11 +216,15 @@ def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | 
     return past_key_values if past_key_values is not None else cache
 
 
+#: The name of the cache field of each output class (``cache`` from transformers 5.24 on,
+#: ``past_key_values`` before); looked up once, since Dynamo cannot trace ``dataclasses.fields``.
+_CACHE_FIELDS = {cls: "cache" if "cache" in {f.name for f in dataclasses.fields(cls)} else "past_key_values"
+                 for cls in (BaseModelOutputWithPast, CausalLMOutputWithPast)}
+
+
 def _cache_field(output_cls: type, cache: Cache | None) -> dict[str, Cache | None]:
-    """``{name: cache}`` under the name ``output_cls`` has for it (``cache`` from
-    transformers 5.24 on, ``past_key_values`` before)."""
-    names = {f.name for f in dataclasses.fields(output_cls)}
-    return {"cache" if "cache" in names else "past_key_values": cache}
+    """``{name: cache}`` under the name ``output_cls`` has for it."""
+    return {_CACHE_FIELDS[output_cls]: cache}
 
 
 class AttnResModel(AttnResPreTrainedModel):
@@ -202,6 +266,19 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
+
+    def generate(self, *args, **kwargs):
+        """transformers' ``generate``. On CUDA, unless the call names a cache, a
+        ``cache_implementation`` or ``use_cache=False``, it decodes over a static cache
+        (``cache_implementation="static"``), whose decode step transformers compiles with
+        ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); elsewhere the default
+        dynamic cache. Pass ``cache_implementation="dynamic"`` to keep the dynamic one."""
+        config = kwargs.get("generation_config") or self.generation_config
+        named = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cache_implementation"))
+        if (self.device.type == "cuda" and not named and config.cache_implementation is None
+                and kwargs.get("use_cache", config.use_cache) is not False):
+            kwargs["cache_implementation"] = "static"
+        return super().generate(*args, **kwargs)
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value

@@ -1,10 +1,13 @@
-"""Inference: KV cache, one-shot and chunked prefill, cached decoding, sampling, streaming.
+"""Inference: KV caches, one-shot and chunked prefill, cached decoding (eager, compiled or
+in a CUDA graph), sampling, streaming.
 
 >>> from attnres.inference import generate
 >>> new_tokens = generate(model, input_ids, max_new_tokens=32, temperature=0.8, top_p=0.9)
 """
 
-from ..nn.kv_cache import KVCache
-from .generate import check_sampling, decode_step, generate, prefill, sample, stream
+from ..nn.kv_cache import KVCache, StaticKVCache
+from .generate import DECODE_MODES, check_sampling, decode_step, generate, prefill, resolve_decode, sample, stream
+from .static import STATIC_MODES, StaticDecoder, static_decode_step
 
-__all__ = ["KVCache", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling"]
+__all__ = ["KVCache", "StaticKVCache", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
+           "DECODE_MODES", "resolve_decode", "StaticDecoder", "STATIC_MODES", "static_decode_step"]

@@ -19,8 +19,20 @@ from torch import Tensor
 
 from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache
+from .static import StaticDecoder
 
-__all__ = ["prefill", "decode_step", "sample", "generate", "stream", "check_sampling"]
+__all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling"]
+
+#: How :func:`stream` runs its decode steps: ``"dynamic"`` (the growing :class:`KVCache`,
+#: eager), or over a static-capacity cache ``"static"`` (eager), ``"compiled"``
+#: (``torch.compile``) or ``"graph"`` (a CUDA graph) - see :class:`StaticDecoder`;
+#: ``"auto"`` is ``"graph"`` on CUDA and ``"dynamic"`` elsewhere.
+DECODE_MODES = ("auto", "dynamic", "static", "compiled", "graph")
+_STATIC_MODE = {"static": "eager", "compiled": "compiled", "graph": "graph"}
+#: ``decode="compiled"`` rounds the static cache's capacity up to a multiple of this (at most
+#: ``max_seq_len``): the compiled step's shapes include the capacity, so generations whose
+#: prompt and ``max_new_tokens`` differ a little share one compiled graph.
+_COMPILED_CAPACITY_STEP = 256
 
 
 def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
@@ -142,6 +154,7 @@ def stream(
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    decode: str = "auto",
 ) -> Iterator[Tensor]:
     """Yield the generated tokens step by step, one ``[B]`` tensor per step.
 
@@ -151,9 +164,13 @@ def stream(
     (``temperature=0``: greedy); ``generator`` makes sampling reproducible. The prompt is
     validated (non-empty, in-vocabulary, ``T + max_new_tokens - 1 <= max_seq_len``) before
     anything runs.
+
+    ``decode`` (one of :data:`DECODE_MODES`) picks how the decode steps run; the static modes
+    give the same tokens as ``"dynamic"`` (up to floating-point rounding of the logits).
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     _check_chunk_size(chunk_size)
+    decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask)
     vocab, limit = model.config.vocab_size, model.config.max_seq_len
     stops = list(stop_tokens)
@@ -166,13 +183,36 @@ def stream(
         raise ValueError(
             f"prompt length {t} + max_new_tokens {max_new_tokens} - 1 exceeds ModelConfig.max_seq_len={limit}"
         )
-    return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator, chunk_size)
+    return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
+                   chunk_size, decode)
 
 
-def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator, chunk_size):
+def resolve_decode(model, decode: str) -> str:
+    """``decode`` checked against :data:`DECODE_MODES` for ``model``'s device, with ``"auto"``
+    resolved (``"graph"`` on CUDA, ``"dynamic"`` elsewhere)."""
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {DECODE_MODES}; got {decode!r}")
+    device = next(model.parameters()).device
+    if decode == "auto":
+        return "graph" if device.type == "cuda" else "dynamic"
+    if decode == "graph" and device.type != "cuda":
+        raise ValueError(f"decode='graph' captures a CUDA graph: the model is on {device}; use 'compiled' or 'static'")
+    return decode
+
+
+def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator, chunk_size,
+            decode):
     """The generation loop behind :func:`stream`, on validated arguments (``mask``: bool or ``None``)."""
     b, t = input_ids.shape
-    logits, cache = prefill(model, input_ids, mask, chunk_size, capacity=t + max_new_tokens - 1)
+    capacity = t + max_new_tokens - 1
+    logits, cache = prefill(model, input_ids, mask, chunk_size, capacity=capacity if decode == "dynamic" else t)
+    static = None
+    if decode != "dynamic" and max_new_tokens > 1:  # (one token needs no decode step)
+        if decode == "compiled":  # shapes shared by many prompt lengths: fewer graphs to compile
+            capacity = min(-(-capacity // _COMPILED_CAPACITY_STEP) * _COMPILED_CAPACITY_STEP, model.config.max_seq_len)
+        static = StaticDecoder(model, b, capacity, mode=_STATIC_MODE[decode])
+        static.load(cache, mask)
+        cache = None  # (its keys and values are in the static cache now)
     stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
@@ -182,6 +222,9 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
         finished |= torch.isin(tokens, stop_ids)
         if step == max_new_tokens - 1 or bool(finished.all()):
             return
+        if static is not None:
+            logits = static.step(tokens)
+            continue
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
         logits = decode_step(model, cache, tokens, mask)

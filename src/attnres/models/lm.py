@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from ..nn.kv_cache import StaticKVCache
 from ..nn.norm import RMSNorm
 from ..nn.transformer import KVStore
 from .config import ModelConfig
@@ -90,7 +91,8 @@ class AttnResLM(DecoderTrunk):
         (``[B, 1, vocab]``, the last position only, with ``last_logits_only``).
 
         ``kv_cache``: an ``attnres.inference.KVCache`` (its ``seq_len`` is ``past``), updated
-        in place. ``attention_mask``: ``[B, past + T]`` of 0/1, left padding only.
+        in place. ``attention_mask``: ``[B, past + T]`` of 0/1, left padding only. A
+        ``StaticKVCache`` holds the padding itself (``attention_mask`` must be ``None``).
         """
         self.check_input_ids(input_ids)
         if labels is not None and labels.shape != input_ids.shape:
@@ -103,6 +105,8 @@ class AttnResLM(DecoderTrunk):
             raise ValueError(
                 f"cached length {past} + {t} new tokens exceeds ModelConfig.max_seq_len={self.config.max_seq_len}"
             )
+        if isinstance(kv_cache, StaticKVCache) and past + t > kv_cache.capacity:
+            raise ValueError(f"cached length {past} + {t} new tokens exceeds the StaticKVCache capacity {kv_cache.capacity}")
         h, state = self.decode(input_ids, attention_mask, kv_cache, record_weights=return_depth_weights,
                                sublayer_call=self.sublayer_call)
         if last_logits_only:

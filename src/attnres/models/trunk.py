@@ -170,10 +170,18 @@ class DecoderTrunk(nn.Module):
         validated) -> the residual's output aggregation ``h [B, T, d]`` and the residual state
         (its ``weights`` hold the depth weights with ``record_weights``).
 
-        ``kv_cache`` holds the keys/values of the ``past`` positions (its ``seq_len``);
+        ``kv_cache`` holds the keys/values of the ``past`` positions (its ``seq_len``); a
+        cache with ``attention_inputs(rope, T)`` (``StaticKVCache``) keeps its fill level and
+        padding on the device and gives the RoPE tables and mask itself (``attention_mask``
+        must then be ``None``), so the pass reads nothing back to the host.
         ``sublayer_call(fn, *args)`` runs each sublayer (activation checkpointing)."""
-        past = 0 if kv_cache is None else kv_cache.seq_len
-        cos, sin, attn_mask = self.positions(input_ids, attention_mask, past)
+        if hasattr(kv_cache, "attention_inputs"):
+            if attention_mask is not None:
+                raise ValueError("a static KV cache holds the padding itself (StaticKVCache.start): pass attention_mask=None")
+            cos, sin, attn_mask = kv_cache.attention_inputs(self.rope, input_ids.shape[1])
+        else:
+            past = 0 if kv_cache is None else kv_cache.seq_len
+            cos, sin, attn_mask = self.positions(input_ids, attention_mask, past)
         x = self.embed_tokens(input_ids)
         # Every sublayer input goes through the block's own RMSNorm first, so the residual may
         # fold that norm into its Phase-2 kernel (defer_norm).

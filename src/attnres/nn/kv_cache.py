@@ -1,7 +1,8 @@
-"""Per-layer key/value cache for incremental decoding."""
+"""Key/value caches for incremental decoding: a growing one and one of static capacity."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -69,3 +70,119 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes allocated for keys and values (capacity, not only the used part)."""
         return sum(t.numel() * t.element_size() for t in self._k + self._v if t is not None)
+
+
+class StaticKVCache:
+    """Keys and values of every layer in buffers of a fixed ``capacity``, with the fill level
+    and the padding on the device: a decode step over it has static shapes and reads no
+    number back to the host, so it can be compiled with ``fullgraph=True`` or captured in a
+    CUDA graph.
+
+    Buffers: ``k[l]`` / ``v[l]`` ``[B, n_kv_heads, capacity, head_dim]``, zero at
+    first (a slot nobody wrote must hold finite numbers: a masked key still enters the
+    attention's weighted sum, with weight 0). Device state:
+
+    * ``end`` (``[]``, int64): the slots filled so far, the same for every row; the next
+      ``T`` tokens go to slots ``end .. end + T - 1``;
+    * ``start`` (``[B]``, int64): each row's first real slot (its left padding).
+
+    Row ``b``'s real keys are slots ``start[b] .. end - 1``; its next token's RoPE position
+    is ``end - start[b]`` (positions count real tokens, as with ``attention_mask``).
+    ``update(layer, k, v)`` writes the new keys at ``end`` and returns the whole buffers;
+    the last layer's update advances ``end``. ``attention_inputs(rope, T)`` gives the
+    trunk the RoPE tables and the mask ``[B, 1, T, capacity]`` of the next ``T`` tokens.
+    """
+
+    def __init__(
+        self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, capacity: int, *,
+        dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+    ) -> None:
+        for name, value in (("n_layers", n_layers), ("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
+                            ("head_dim", head_dim), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.n_layers, self.batch_size, self.capacity = n_layers, batch_size, capacity
+        shape = (batch_size, n_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        device = self.k[0].device
+        self.end = torch.zeros((), dtype=torch.long, device=device)
+        self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.slots = torch.arange(capacity, device=device)  # constant: slot numbers, for masks and writes
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, capacity: int | None = None) -> StaticKVCache:
+        """A cache for ``model`` (an ``AttnResLM`` or a Hugging Face AttnRes model), in its
+        parameters' dtype and device; ``capacity`` defaults to the model's ``max_seq_len``."""
+        config = model.model_config
+        capacity = config.max_seq_len if capacity is None else capacity
+        if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > config.max_seq_len:
+            raise ValueError(f"capacity must be <= ModelConfig.max_seq_len={config.max_seq_len}, got {capacity}")
+        param = model.embed_tokens.weight
+        return cls(config.n_layers, batch_size, config.kv_heads, config.head_dim, capacity,
+                   dtype=param.dtype, device=param.device)
+
+    @property
+    def seq_len(self) -> int:
+        """The filled slots as a Python int: reads ``end`` back from the device (a host sync),
+        which the decode step itself never does."""
+        return int(self.end)
+
+    def attention_inputs(self, rope, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(cos, sin, attn_mask)`` of the next ``t`` tokens (slots ``end .. end + t - 1``):
+        RoPE tables ``[B, t, head_dim]`` at each row's positions, and the boolean mask
+        ``[B, 1, t, capacity]`` - causal, real keys only, and a padded query (a prompt slot
+        before ``start``) attends to itself so that no softmax row is empty."""
+        query = self.end + self.slots[:t]  # [t]
+        cos, sin = rope.at((query[None, :] - self.start[:, None]).clamp(min=0))
+        keys = self.slots
+        allowed = (keys <= query[:, None]) & ((keys >= self.start[:, None, None]) | (keys == query[:, None]))
+        return cos, sin, allowed.unsqueeze(1)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k``/``v`` ``[B, H, T, D]`` into slots ``end .. end + T - 1`` of ``layer``;
+        return the whole buffers ``[B, H, capacity, D]`` (``attention_inputs``' mask hides
+        the slots not filled). The last layer's update advances ``end`` by ``T``."""
+        t = k.shape[2]
+        index = self.end + self.slots[:t]
+        self.k[layer].index_copy_(2, index, k)
+        self.v[layer].index_copy_(2, index, v)
+        if layer == self.n_layers - 1:
+            self.end.add_(t)
+        return self.k[layer], self.v[layer]
+
+    def load_(self, cache: KVCache, attention_mask: Tensor | None = None) -> None:
+        """Copy a filled :class:`KVCache` (a prefill's) into slots ``0 .. cache.seq_len - 1``
+        and set ``end`` and ``start`` in place (the buffers keep their addresses, so a
+        captured graph keeps reading them); the other slots are zeroed.
+        ``attention_mask [B, cache.seq_len]``: the prompt's left padding (``None``: none)."""
+        t = cache.seq_len
+        if t > self.capacity:
+            raise ValueError(f"the cache holds {t} positions, more than the capacity {self.capacity}")
+        if cache.n_layers != self.n_layers or cache.keys(0).shape[0] != self.batch_size:
+            raise ValueError(f"the cache holds {cache.n_layers} layers at batch size {cache.keys(0).shape[0]}, this one "
+                             f"{self.n_layers} at {self.batch_size}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (self.batch_size, t):
+            raise ValueError(f"attention_mask must have shape {(self.batch_size, t)}, got {tuple(attention_mask.shape)}")
+        for layer in range(self.n_layers):
+            for dst, src in ((self.k[layer], cache.keys(layer)), (self.v[layer], cache.values(layer))):
+                dst[:, :, :t].copy_(src)
+                dst[:, :, t:].zero_()
+        self.end.fill_(t)
+        if attention_mask is None:
+            self.start.zero_()
+        else:
+            self.start.copy_((attention_mask == 0).sum(-1))
+
+    def crop_(self, seq_len: int | Tensor) -> None:
+        """Forget every slot from ``seq_len`` on (sets ``end``; no host sync for a tensor)."""
+        if isinstance(seq_len, Tensor):
+            self.end.copy_(seq_len)
+            return
+        if not 0 <= seq_len <= self.capacity:
+            raise ValueError(f"seq_len must be in [0, {self.capacity}], got {seq_len}")
+        self.end.fill_(seq_len)
+
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -1,0 +1,184 @@
+"""Decoding over a :class:`StaticKVCache`: a step with static shapes and no host sync, run
+eagerly, compiled (``torch.compile(fullgraph=True)``) or replayed as a CUDA graph.
+
+A decode step of one token does little arithmetic, so on a GPU its time goes to launching
+kernels from Python (the host), not to the kernels. A CUDA graph records the step's kernel
+launches once and replays them with one call; that needs a step whose shapes and memory
+addresses never change and that never waits for the GPU: the cache has a fixed capacity,
+its fill level and each row's padding are tensors on the device, and the step validates
+nothing (the prompt is validated once, before prefill).
+
+>>> logits, cache = prefill(model, input_ids, attention_mask)   # eager, any prompt length
+>>> decoder = StaticDecoder(model, batch_size=input_ids.shape[0], capacity=512, mode="graph")
+>>> decoder.load(cache, attention_mask)
+>>> new_tokens = decoder.decode(logits.argmax(-1), 32)         # [B, 32], greedy
+
+The residual needs no cache (it mixes over depth, token by token), so the step is the
+model's ordinary decoder pass on the new token; only self-attention reads the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..nn.kv_cache import KVCache, StaticKVCache
+
+__all__ = ["STATIC_MODES", "StaticDecoder", "static_decode_step"]
+
+#: How :class:`StaticDecoder` runs its step.
+STATIC_MODES = ("eager", "compiled", "graph")
+
+
+def static_decode_step(model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
+    """One token per sequence, ``tokens [B]`` (int64), through ``model`` (an ``AttnResLM``)
+    over ``cache``: the next-token logits ``[B, vocab]`` in float32. Validates nothing and reads nothing back to the host, so that it can be
+    compiled with ``fullgraph=True`` or captured in a CUDA graph; ``cache`` advances by one."""
+    h, _ = model.decode(tokens[:, None], None, cache)
+    return model.lm_head(model.norm(h[:, -1])).float()
+
+
+#: One compiled step per ``torch.compile`` mode, shared by every decoder: Dynamo guards on
+#: the model and the cache's shapes, so decoders of the same model and shapes reuse a graph.
+_COMPILED: dict[str | None, object] = {}
+
+
+def _compiled_step(mode: str | None):
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(static_decode_step, fullgraph=True, dynamic=False, mode=mode)
+    return _COMPILED[mode]
+
+
+class StaticDecoder:
+    """Decoding at a fixed batch size and capacity over a :class:`StaticKVCache`.
+
+    ``model``: an ``AttnResLM`` in eval mode, decoding in the dtype of its parameters (the
+    Hugging Face model decodes through transformers' ``StaticCache`` instead).
+    ``capacity``: the most positions the cache holds, prompt included (default: the model's
+    ``max_seq_len``); every step attends over all of them (masked), so a tight capacity is
+    faster. ``mode``:
+
+    * ``"eager"``: the step runs operator by operator (any device);
+    * ``"compiled"``: the step under ``torch.compile(fullgraph=True, dynamic=False)``, with
+      ``mode="reduce-overhead"`` (Inductor's own CUDA graphs) on CUDA;
+    * ``"graph"`` (CUDA only): the eager step captured in a ``torch.cuda.CUDAGraph`` at
+      construction (after ``warmup`` eager steps on a side stream) and replayed. Capture
+      costs about ``warmup + 1`` steps, where compiling costs seconds to minutes, and it
+      replays the very kernels the eager step runs; ``"compiled"`` may also fuse them.
+
+    Use: ``load(cache, attention_mask)`` copies a prefilled :class:`KVCache` in, then
+    ``step(tokens)`` returns the next logits (in ``"graph"`` mode a buffer that the next step
+    overwrites), or ``decode(tokens, n)`` runs ``n`` greedy steps with no host sync.
+    ``rewind(seq_len)`` forgets positions (benchmarks decode at a fixed context this way).
+
+    A captured graph reads the parameters at the addresses they had at capture: ``load``
+    captures again when a parameter or buffer was replaced (``model.to(...)``) or the
+    AttnRes folded queries were recomputed after an in-place update; in-place updates of
+    other weights (``load_state_dict``) are seen as they are.
+    """
+
+    def __init__(self, model, batch_size: int, capacity: int | None = None, mode: str = "graph", warmup: int = 2) -> None:
+        if mode not in STATIC_MODES:
+            raise ValueError(f"mode must be one of {STATIC_MODES}, got {mode!r}")
+        self.model, self.mode, self.warmup = model, mode, warmup
+        with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not
+            self.cache = StaticKVCache.for_model(model, batch_size, capacity)
+        self.device = self.cache.end.device
+        if mode == "graph" and self.device.type != "cuda":
+            raise ValueError(f"mode='graph' captures a CUDA graph: the model is on {self.device}; use 'compiled' or 'eager'")
+        self.length = 0  # filled positions, counted on the host (the device's cache.end is not read)
+        self._tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self._graph = self._logits = self._captured_with = None
+        if mode == "compiled":
+            for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
+                torch._dynamo.mark_static_address(t)  # buffers updated in place: CUDA graphs must keep them
+            self._run = _compiled_step("reduce-overhead" if self.device.type == "cuda" else None)
+        else:
+            self._run = static_decode_step
+        if mode == "graph":
+            self._capture()
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache.batch_size
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    # -- filling and rewinding the cache ---------------------------------------------------
+    def load(self, cache: KVCache, attention_mask: Tensor | None = None) -> None:
+        """Take over a prefilled cache (``prefill(model, input_ids, attention_mask)``'s) and
+        the prompt's left padding, ``attention_mask [B, T]`` (``None``: none)."""
+        if self.mode == "graph" and self._stale():
+            self._capture()
+        self.cache.load_(cache, attention_mask)
+        self.length = cache.seq_len
+
+    def rewind(self, seq_len: int) -> None:
+        """Forget the positions from ``seq_len`` on (``0 <= seq_len <=`` the filled length)."""
+        if not 0 <= seq_len <= self.length:
+            raise ValueError(f"seq_len must be in [0, {self.length}], got {seq_len}")
+        self.cache.crop_(seq_len)
+        self.length = seq_len
+
+    # -- decoding -------------------------------------------------------------------------
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed ``tokens [B]``; return the next-token logits ``[B, vocab]`` (float32)."""
+        if self.length >= self.capacity:
+            raise ValueError(f"the static cache is full ({self.capacity} positions): build the decoder with a larger "
+                             "capacity")
+        self.length += 1
+        if self._graph is not None:
+            self._tokens.copy_(tokens)
+            self._graph.replay()
+            return self._logits
+        with torch.no_grad():
+            if self.mode == "compiled" and self.device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
+            return self._run(self.model, self.cache, tokens)
+
+    def decode(self, tokens: Tensor, n: int) -> Tensor:
+        """``n`` greedy steps from ``tokens [B]`` (fed first); returns the ``n`` tokens chosen,
+        ``[B, n]``. Nothing is read back to the host."""
+        out = []
+        for _ in range(n):
+            tokens = self.step(tokens).argmax(dim=-1)
+            out.append(tokens)
+        return torch.stack(out, dim=1)
+
+    # -- CUDA graph capture -----------------------------------------------------------------
+    def _weights(self) -> tuple:
+        """What a captured graph reads beyond the cache: the model's parameters and buffers
+        (their addresses) and the AttnRes folded queries that the eager step reuses (the
+        tensor itself, held so that its memory stays the graph's)."""
+        addresses = tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+        folded = getattr(self.model.residual, "folded_queries", None)
+        if folded is None:
+            return addresses, None
+        with torch.no_grad():
+            return addresses, folded(self.model.embed_tokens.weight.dtype)
+
+    def _stale(self) -> bool:
+        """Whether the captured graph reads parameters that are no longer the model's."""
+        addresses, folded = self._weights()
+        return self._captured_with is None or addresses != self._captured_with[0] or folded is not self._captured_with[1]
+
+    def _capture(self) -> None:
+        """Warm up (kernels compiled, workspaces allocated) on a side stream, then record
+        one step into a CUDA graph; the cache is left empty."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                static_decode_step(self.model, self.cache, self._tokens)
+        current.wait_stream(side)
+        self.cache.crop_(0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            logits = static_decode_step(self.model, self.cache, self._tokens)
+        self._graph, self._logits = graph, logits
+        # (capture records the kernels without running them: the cache is still empty)
+        self._captured_with = self._weights()
+        self.length = 0

@@ -1,0 +1,344 @@
+"""Decoding over a static-capacity KV cache (``StaticKVCache``, ``StaticDecoder``): it equals
+the dynamic-cache decode token for token and in its logits (against the float64 truth), and
+its step compiles with ``fullgraph=True`` into one graph that every step reuses (nothing
+data-dependent reaches Python). The CUDA-graph capture itself runs only where there is a GPU.
+
+Prompts are a ragged, left-padded batch; AttnRes models get random pseudo-queries.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TOL, assert_fast_matches_naive, assert_rel_close, make_model
+
+from attnres.inference import (
+    StaticDecoder,
+    StaticKVCache,
+    decode_step,
+    generate,
+    prefill,
+    static_decode_step,
+    stream,
+)
+
+RESIDUALS = ["standard", "attnres_full", "attnres_block"]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def ragged_prompts(b: int = 3, t: int = 7, seed: int = 1):
+    """``[b, t]`` ids and a left-padding mask: row 0 has 3 pads, row 2 one, row 1 none."""
+    ids = torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    return ids, mask
+
+
+def dynamic_logits(model, ids, mask, tokens):
+    """Prefill, then feed ``tokens [B, n]`` one column at a time over the growing cache:
+    the logits after the prompt and after each token, ``[B, n + 1, vocab]``."""
+    logits, cache = prefill(model, ids, mask)
+    out, mask = [logits], mask.bool()
+    for i in range(tokens.shape[1]):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out.append(decode_step(model, cache, tokens[:, i], mask))
+    return torch.stack(out, dim=1)
+
+
+def static_logits(model, ids, mask, tokens, mode="eager"):
+    """The same through a :class:`StaticDecoder` whose capacity leaves slots unfilled."""
+    logits, cache = prefill(model, ids, mask)
+    decoder = StaticDecoder(model, ids.shape[0], capacity=ids.shape[1] + tokens.shape[1] + 5, mode=mode)
+    decoder.load(cache, mask)
+    out = [logits] + [decoder.step(tokens[:, i]).clone() for i in range(tokens.shape[1])]
+    return torch.stack(out, dim=1)
+
+
+@pytest.fixture(scope="module", params=RESIDUALS)
+def model(request):
+    return make_model(residual=request.param).eval()
+
+
+# -- the static cache decodes what the dynamic one decodes ------------------------------------
+def test_static_decode_equals_dynamic_decode_token_for_token(model):
+    ids, mask = ragged_prompts()
+    dynamic = generate(model, ids, mask, max_new_tokens=12, decode="dynamic")
+    static = generate(model, ids, mask, max_new_tokens=12, decode="static")
+    assert torch.equal(static, dynamic)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=1, decode="static"), dynamic[:, :1])
+    # ... and each sequence as it would decode alone (no padding, the dynamic cache).
+    for row in range(ids.shape[0]):
+        alone = ids[row : row + 1, mask[row].bool()]
+        assert torch.equal(generate(model, alone, max_new_tokens=12, decode="static"), dynamic[row : row + 1])
+
+
+def test_static_decode_logits_match_the_float64_truth(model):
+    """The static step's logits are as close to the float64 truth as the dynamic step's
+    (tests/conftest.py's rule for two float32 paths), at every step of a ragged batch."""
+    ids, mask = ragged_prompts()
+    tokens = generate(model, ids, mask, max_new_tokens=9)[:, :8]
+    dynamic = dynamic_logits(model, ids, mask, tokens)
+    static = static_logits(model, ids, mask, tokens)
+    truth_model = copy.deepcopy(model).double()
+    truth = dynamic_logits(truth_model, ids, mask, tokens)
+    names = [f"logits after step {i}" for i in range(tokens.shape[1] + 1)]
+    assert_fast_matches_naive(list(static.unbind(1)), list(dynamic.unbind(1)), list(truth.unbind(1)), torch.float32,
+                              names, TOL[torch.float32])
+
+
+def test_static_cache_gives_the_positions_and_mask_of_the_padding_mask(model):
+    """After a padded prefill, the static cache's RoPE tables and mask for the next token are
+    the dynamic path's (``DecoderTrunk.positions`` of the extended mask), padded with
+    masked slots up to the capacity."""
+    ids, mask = ragged_prompts()
+    _, cache = prefill(model, ids, mask)
+    static = StaticKVCache.for_model(model, ids.shape[0], capacity=12)
+    static.load_(cache, mask)
+    cos, sin, allowed = static.attention_inputs(model.rope, 1)
+    extended = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+    ref_cos, ref_sin, ref_allowed = model.positions(ids[:, :1], extended, past=7)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert torch.equal(allowed[..., :8], ref_allowed) and not allowed[..., 8:].any()
+    for layer in range(model.config.n_layers):
+        assert torch.equal(static.k[layer][:, :, :7], cache.keys(layer)) and not static.k[layer][:, :, 7:].any()
+
+
+def test_static_prefill_through_the_model_forward_equals_the_dynamic_one(model):
+    """``AttnResLM.forward`` takes a ``StaticKVCache`` too: a prompt written into it in two
+    chunks gives the dynamic cache's logits (padding set through ``start``)."""
+    ids, mask = ragged_prompts()
+    ref, _ = prefill(model, ids, mask)
+    static = StaticKVCache.for_model(model, 3, capacity=10)
+    static.start.copy_((mask == 0).sum(-1))
+    with torch.no_grad():
+        model(ids[:, :4], kv_cache=static)
+        logits = model(ids[:, 4:], kv_cache=static).logits[:, -1]
+    assert static.seq_len == 7
+    assert_rel_close(logits, ref, TOL[torch.float32], "static-cache prefill vs dynamic")
+
+
+# -- the step compiles into one graph ------------------------------------------------------------
+class GraphRecorder:
+    """A ``torch.compile`` backend that counts the graphs Dynamo hands it, keeps the operators
+    they call and runs them as traced (no Inductor: quick)."""
+
+    def __init__(self):
+        self.graphs, self.targets = 0, set()
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.targets |= {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        return gm.forward
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_decode_step_compiles_with_fullgraph_into_one_graph(residual):
+    """``fullgraph=True`` fails on any graph break (a host sync, ``.item()``, a data-dependent
+    branch); a Python int read from the device would also be baked into the graph and force a
+    new one at the next step. Six steps compile one graph, and its logits are the eager
+    step's."""
+    torch._dynamo.reset()
+    model = make_model(residual=residual, n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    _, cache = prefill(model, ids, mask)
+    tokens = torch.randint(0, 256, (3, 6), generator=torch.Generator().manual_seed(2))
+    eager, compiled = (StaticKVCache.for_model(model, 3, capacity=16) for _ in range(2))
+    recorder = GraphRecorder()
+    step = torch.compile(static_decode_step, fullgraph=True, dynamic=False, backend=recorder)
+    with torch.no_grad():
+        for c in (eager, compiled):
+            c.load_(cache, mask)
+        for i in range(tokens.shape[1]):
+            want = static_decode_step(model, eager, tokens[:, i])
+            assert_rel_close(step(model, compiled, tokens[:, i]), want, TOL[torch.float32], f"step {i}")
+    assert recorder.graphs == 1
+    assert torch.equal(compiled.end, eager.end) and int(compiled.end) == 13
+    if residual != "standard":  # the depth-attention operators are nodes of that graph
+        assert {"attnres.phase1", "attnres.merge"} <= recorder.targets, sorted(recorder.targets)
+
+
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_compiled_decoder_generates_the_dynamic_tokens(residual):
+    """``decode="compiled"``: the step through Inductor (``fullgraph=True``) generates the
+    dynamic path's tokens."""
+    torch._dynamo.reset()
+    model = make_model(residual=residual, n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=8, decode="dynamic")
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=8, decode="compiled"), want)
+
+
+# -- the decoder's API ---------------------------------------------------------------------
+def test_decoder_decodes_greedily_and_rewinds():
+    """``decode(tokens, n)`` is ``n`` greedy steps; ``rewind`` returns to a context length
+    (how a benchmark decodes at a fixed context) and decodes the same again."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=7, decode="dynamic")
+    logits, cache = prefill(model, ids, mask)
+    decoder = StaticDecoder(model, 3, capacity=16, mode="eager")
+    decoder.load(cache, mask)
+    first = logits.argmax(-1)
+    assert torch.equal(decoder.decode(first, 6), want[:, 1:])
+    assert decoder.length == 13
+    decoder.rewind(7)
+    assert torch.equal(decoder.decode(first, 6), want[:, 1:])
+    with pytest.raises(ValueError, match="static cache is full"):
+        decoder.decode(first, 4)
+    with pytest.raises(ValueError, match=r"seq_len must be in \[0, 16\]"):
+        decoder.rewind(17)
+
+
+def test_captured_graph_is_refreshed_when_the_weights_it_reads_change():
+    """What ``load`` checks before it reuses a captured graph: the parameters' addresses and
+    the AttnRes folded queries (recomputed after an in-place update of a query)."""
+    model = make_model(residual="attnres_block").eval()
+    decoder = StaticDecoder(model, 1, capacity=8, mode="eager")
+    decoder._captured_with = decoder._weights()  # what _capture records
+    assert not decoder._stale()
+    with torch.no_grad():
+        model.residual.mixers[1].query.add_(0.1)  # an optimiser step: same address, new value
+    assert decoder._stale()
+    decoder._captured_with = decoder._weights()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # a replaced tensor
+    assert decoder._stale()
+
+
+def test_static_decoding_refuses_bad_input():
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    with pytest.raises(ValueError, match="decode must be one of"):
+        generate(model, ids, mask, max_new_tokens=2, decode="cuda_graph")
+    with pytest.raises(ValueError, match="decode='graph' captures a CUDA graph: the model is on cpu"):
+        stream(model, ids, mask, max_new_tokens=2, decode="graph")
+    with pytest.raises(ValueError, match="mode='graph' captures a CUDA graph"):
+        StaticDecoder(model, 1, mode="graph")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        StaticDecoder(model, 1, mode="static")
+    with pytest.raises(ValueError, match="capacity must be <= ModelConfig.max_seq_len"):
+        StaticKVCache.for_model(model, 1, capacity=model.config.max_seq_len + 1)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        StaticKVCache.for_model(model, 0)
+    static = StaticKVCache.for_model(model, 3, capacity=8)
+    with pytest.raises(ValueError, match="holds the padding itself"):
+        model(ids, kv_cache=static, attention_mask=mask)
+    with pytest.raises(ValueError, match="exceeds the StaticKVCache capacity 8"):
+        model(torch.cat([ids, ids], dim=1), kv_cache=static)
+    _, cache = prefill(model, torch.cat([ids, ids], dim=1))
+    with pytest.raises(ValueError, match="more than the capacity 8"):
+        static.load_(cache)
+    _, cache = prefill(model, ids[:1])
+    with pytest.raises(ValueError, match="at batch size 1, this one 2 at 3"):
+        static.load_(cache)
+    _, cache = prefill(model, ids)
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(3, 7\)"):
+        static.load_(cache, mask[:, 1:])
+    with pytest.raises(ValueError, match=r"seq_len must be in \[0, 8\]"):
+        static.crop_(9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_graphed_decode_equals_dynamic_decode_on_cuda(residual):
+    """The captured CUDA graph replays the static step: the dynamic path's tokens, and its
+    logits as close to the truth."""
+    model = make_model(residual=residual).eval().cuda()
+    ids, mask = (t.cuda() for t in ragged_prompts())
+    want = generate(model, ids, mask, max_new_tokens=12, decode="dynamic")
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=12, decode="graph"), want)
+    tokens = want[:, :8]
+    dynamic, graphed = dynamic_logits(model, ids, mask, tokens), static_logits(model, ids, mask, tokens, mode="graph")
+    truth = dynamic_logits(copy.deepcopy(model).double(), ids, mask, tokens)
+    names = [f"logits after step {i}" for i in range(tokens.shape[1] + 1)]
+    assert_fast_matches_naive(list(graphed.unbind(1)), list(dynamic.unbind(1)), list(truth.unbind(1)), torch.float32,
+                              names, TOL[torch.float32])
+
+
+# -- the Hugging Face model over transformers' StaticCache ------------------------------------
+def hf_twin(native):
+    pytest.importorskip("transformers")
+    from attnres.hf import AttnResForCausalLM
+
+    return AttnResForCausalLM.from_native(native).eval()
+
+
+def test_hf_static_cache_generates_the_dynamic_tokens(model):
+    """``generate(cache_implementation="static")`` (transformers' ``StaticCache``, the default
+    on CUDA) gives the native tokens for a ragged batch, and logits as close to the float64
+    truth as the dynamic cache's."""
+    hf = hf_twin(model)
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=8)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    static = hf.generate(ids, cache_implementation="static", **kwargs)
+    dynamic = hf.generate(ids, **kwargs)  # on CPU: the dynamic cache
+    assert torch.equal(static.sequences[:, 7:], want) and torch.equal(dynamic.sequences[:, 7:], want)
+    truth = dynamic_logits(copy.deepcopy(model).double(), ids, mask, want[:, :7])
+    names = [f"logits after step {i}" for i in range(8)]
+    assert_fast_matches_naive(list(static.logits), list(dynamic.logits), list(truth.unbind(1)), torch.float32, names,
+                              TOL[torch.float32])
+
+
+def test_hf_static_cache_takes_a_two_dimensional_mask():
+    """A ``StaticCache`` with the 2-D padding mask (a direct forward call) or none gives the
+    dynamic cache's logits."""
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    hf = hf_twin(make_model(residual="attnres_block").eval())
+    ids, mask = ragged_prompts()
+    for m in (mask, None):
+        static, dynamic = StaticCache(config=hf.config, max_cache_len=12), DynamicCache(config=hf.config)
+        with torch.no_grad():
+            for s, e in ((0, 5), (5, 7)):
+                part = None if m is None else m[:, :e]
+                got = hf(ids[:, s:e], attention_mask=part, cache=static, use_cache=True).logits
+                want = hf(ids[:, s:e], attention_mask=part, cache=dynamic, use_cache=True).logits
+                assert_rel_close(got, want, TOL[torch.float32], f"mask {m is not None}, tokens {s}..{e}")
+
+
+def test_hf_decode_step_over_a_static_cache_compiles_with_fullgraph():
+    """The forward over a ``StaticCache`` with the 4-D mask ``generate`` passes (what
+    transformers compiles on CUDA): one graph for every decode step, no graph break, and the
+    dynamic cache's logits."""
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    torch._dynamo.reset()
+    hf = hf_twin(make_model(residual="attnres_block", n_layers=2).eval())
+    ids, mask = ragged_prompts()
+    capacity = 12
+    static, dynamic = StaticCache(config=hf.config, max_cache_len=capacity), DynamicCache(config=hf.config)
+    recorder = GraphRecorder()
+    step = torch.compile(hf, fullgraph=True, dynamic=False, backend=recorder)
+    with torch.no_grad():
+        hf(ids, attention_mask=mask, cache=static, use_cache=True)
+        tokens = hf(ids, attention_mask=mask, cache=dynamic, use_cache=True).logits[:, -1].argmax(-1)
+        real = torch.cat([mask, torch.ones(3, capacity - 7, dtype=mask.dtype)], dim=1).bool()
+        for slot in range(7, 10):
+            four_d = (real & (torch.arange(capacity) <= slot))[:, None, None, :]
+            got = step(tokens[:, None], attention_mask=four_d, cache=static, use_cache=True).logits[:, -1]
+            want = hf(tokens[:, None], attention_mask=real[:, : slot + 1].long(), cache=dynamic, use_cache=True).logits[:, -1]
+            assert_rel_close(got, want, TOL[torch.float32], f"slot {slot}")
+            tokens = want.argmax(-1)
+    assert recorder.graphs == 1
+
+
+def test_hf_generate_defaults_to_the_static_cache_on_cuda(monkeypatch):
+    """On CUDA ``generate`` asks transformers for a static cache unless the call names a
+    cache, a cache implementation or ``use_cache=False``; on CPU it changes nothing."""
+    from transformers import GenerationMixin
+
+    from attnres.hf import AttnResForCausalLM
+
+    hf = hf_twin(make_model(residual="attnres_block").eval())
+    seen = []
+    monkeypatch.setattr(GenerationMixin, "generate", lambda self, *a, **k: seen.append(k.get("cache_implementation")))
+    hf.generate(torch.zeros(1, 2, dtype=torch.long))
+    monkeypatch.setattr(AttnResForCausalLM, "device", property(lambda self: torch.device("cuda")))
+    hf.generate(torch.zeros(1, 2, dtype=torch.long))
+    hf.generate(torch.zeros(1, 2, dtype=torch.long), cache_implementation="dynamic")
+    hf.generate(torch.zeros(1, 2, dtype=torch.long), use_cache=False)
+    assert seen == [None, "static", "dynamic", None]
