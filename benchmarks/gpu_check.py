@@ -59,7 +59,7 @@ sys.path.insert(0, str(HERE))
 import bench_kernels_gpu as kernels_bench  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
-from attnres.inference import KVCache, decode_step  # noqa: E402
+from attnres.inference import KVCache, StaticDecoder, decode_step  # noqa: E402
 from attnres.ops.depth_attention import library  # noqa: E402
 
 #: The targets (ratios to the standard model, Block AttnRes) and the op-level bound.
@@ -303,49 +303,43 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
 
 
 def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
-    """One decode step after a ``z.seq``-token context (random keys and values), eager and
-    graphed, at batch 1 and 8."""
+    """One decode step after a ``z.seq``-token context (random keys and values) at batch 1
+    and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
+    ``graphed`` (``StaticDecoder``: the static cache's step captured in a CUDA graph; on
+    CPU the same static step, eagerly)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     result = {}
+    for model in models.values():
+        model.to(dtype)
     for batch in (1, 8):
         tokens = torch.randint(0, z.vocab, (batch,), device=device)
         steps = {}
         for name, model in models.items():
-            model.to(dtype)
             cfg = model.config
             cache = KVCache(cfg.n_layers, capacity=z.seq + 1)
             shape = (batch, cfg.kv_heads, z.seq, cfg.head_dim)
             for layer in range(cfg.n_layers):
                 cache.update(layer, torch.randn(shape, device=device, dtype=dtype),
                              torch.randn(shape, device=device, dtype=dtype))
+            decoder = StaticDecoder(model, batch, capacity=z.seq + 1, mode="graph" if device == "cuda" else "eager")
+            decoder.load(cache)
 
             def eager(model=model, cache=cache):
                 decode_step(model, cache, tokens)
                 cache.crop(z.seq)
 
-            steps[f"{name}|eager"] = eager
-            graphed = graphed_decode_step(model, z, batch, tokens, device, dtype)
-            if graphed is not None:
-                steps[f"{name}|graphed"] = graphed
+            def graphed(decoder=decoder):
+                decoder.step(tokens)
+                decoder.rewind(z.seq)
+
+            steps[f"{name}|eager"], steps[f"{name}|graphed"] = eager, graphed
         for key, t in clock.interleaved(steps, z.repeats).items():
             name, mode = key.split("|")
             result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
+        del steps, cache, decoder
     for model in models.values():  # (back to float32 weights for the training parts)
         model.float()
     return result
-
-
-def graphed_decode_step(model, z: Sizes, batch: int, tokens, device: str, dtype):
-    """A decode step of ``model`` captured in a CUDA graph (on CPU: the same static step,
-    run eagerly), after a ``z.seq``-token context; ``None`` where the installed attnres has
-    no graphed decoding."""
-    try:
-        from attnres.inference import GraphedDecoder
-    except ImportError:
-        return None
-    decoder = GraphedDecoder(model, batch_size=batch, capacity=z.seq + 1)
-    decoder.fill_random_context(z.seq, dtype=dtype)
-    return lambda: decoder.step(tokens, rewind=True)
 
 
 # ---------------------------------------------------------------------------------- summary

@@ -23,7 +23,8 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
                              str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("train_eager", "train_compiled", "decode_eager_b1", "decode_eager_b8", "memory"):
+    for key in ("train_eager", "train_compiled", "decode_b1", "decode_b8", "decode_eager_b1", "decode_eager_b8",
+                "memory"):
         assert isinstance(summary[key], float) and isinstance(summary["full"][key], float), key
     assert set(summary["ops"]) == {"phase1_fwd", "phase1_bwd", "merge_fwd", "merge_bwd"}
     assert summary["targets"]["train_eager"] == 1.04 and summary["targets"]["decode_b1"] == 1.02
