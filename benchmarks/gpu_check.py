@@ -14,7 +14,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
    the models run (a few rows each, the real ``d`` and dtypes) and the peers' autotuners,
    into the on-disk caches, while the main process builds the models.
-1. **ops**: each of our operations alone (Phase 1 and the merge, forward and backward) at
+1. **ops**: each of our operations alone (Phase 1 and the merge - also the merge that forms
+   Block's partial sum itself - forward and backward) at
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
    byte bound (every input read once, every output written once, at the datasheet
    bandwidth); the host time of a merge call (forward + backward) against the standard
@@ -59,7 +60,7 @@ sys.path.insert(0, str(HERE))
 import bench_kernels_gpu as kernels_bench  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
-from attnres.inference import KVCache, StaticDecoder, decode_step  # noqa: E402
+from attnres.inference import KVCache, StaticDecoder, decode_step, prefill  # noqa: E402
 from attnres.ops.depth_attention import library  # noqa: E402
 
 #: The targets (ratios to the standard model, Block AttnRes) and the op-level bound.
@@ -151,6 +152,9 @@ def op_bytes(z: Sizes, esz: int = 2) -> dict[str, int]:
         "phase1_bwd": (z.n + z.S) * row + z.S * 2 * f32 + z.n * row,  # sources, gradients, lse in; sources' grads out
         "merge_fwd": 2 * row + f32 + row + 5 * f32,  # o_hat, partial, its logit in; out, alpha, rc, zc, rstd out
         "merge_bwd": 3 * row + 5 * f32 + 2 * row + f32,  # g, o_hat, partial, stats in; both gradients, g_z out
+        # Block's usual merge: the partial sum formed from the last output inside (+1 read, +1 write)
+        "merge_add_fwd": 3 * row + f32 + 2 * row + 5 * f32,  # o_hat, partial, output in; the sum, out, stats
+        "merge_add_bwd": 4 * row + 5 * f32 + 2 * row + f32,  # g, o_hat, the sum, its gradient in; two gradients
     }
 
 
@@ -172,6 +176,8 @@ def op_calls(z: Sizes, device: str) -> dict:
     merged = triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6)
     g_out = r(z.tokens, z.d).to(dtype)
     needs = [True] * 5
+    addend = r(z.tokens, z.d).to(dtype)
+    fused = triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6, addend)
     return {
         "phase1_fwd": lambda: triton_impl.phase1_forward(qg, sources, 1e-6),
         "phase1_bwd": lambda: triton_impl.phase1_backward(qg, lse, sources, g_outs, g_lse, 1e-6, True,
@@ -179,6 +185,9 @@ def op_calls(z: Sizes, device: str) -> dict:
         "merge_fwd": lambda: triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6),
         "merge_bwd": lambda: triton_impl.merge_backward(g_out, merged[1], merged[2], merged[3], merged[4], [outs[1]],
                                                         [partial], q1, w, needs),
+        "merge_add_fwd": lambda: triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6, addend),
+        "merge_add_bwd": lambda: triton_impl.merge_backward(g_out, fused[1], fused[2], fused[3], fused[4], [outs[1]],
+                                                            [fused[5]], q1, w, needs, g_out),
     }
 
 
@@ -190,17 +199,17 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     g = torch.Generator(device=device).manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
     x, partial, v = (r(1, d).requires_grad_() for _ in range(3))
-    lse = r(1, 8).requires_grad_()
+    z = r(1, 1).requires_grad_()
     q, w = r(d).requires_grad_(), r(d).requires_grad_()
 
-    def ours():
-        out, _ = library.merge(lse.unbind(-1)[2].unsqueeze(-1), [x], [partial], q, 1e-6, w, 1e-6)
-        out.backward(torch.ones_like(out))
+    def ours():  # (Block's usual merge: the partial sum formed inside)
+        out, _, total = library.merge(z, [x], [partial], q, 1e-6, w, 1e-6, addend=v)
+        torch.autograd.backward([out, total], [torch.ones_like(out), torch.ones_like(total)])
 
     def standard():
         h = partial + v
         out = F.rms_norm(h, (d,), w, 1e-6)
-        out.backward(torch.ones_like(out))
+        torch.autograd.backward([out, h], [torch.ones_like(out), torch.ones_like(h)])
 
     result = {}
     for name, fn in (("ours", ours), ("standard", standard)):
@@ -428,11 +437,17 @@ def write(out: Path, result: dict) -> None:
 def warm_up_worker(what: str, z: Sizes) -> int:
     """Compile into the on-disk caches: ``models`` runs every model's residual at a few rows
     (the same kernel variants as the full shape), a peer name its block at the op shape."""
-    if what == "models":
+    if what == "models":  # the training step's (float32 stream) and the decode step's (bf16) variants
         small = Sizes(**{**asdict(z), "seq": 16, "batch": 1})
         models = build_models(small, "cuda")
-        for step in train_steps(models, torch.randint(0, small.vocab, (1, 16), device="cuda"), "cuda").values():
+        ids = torch.randint(0, small.vocab, (1, 16), device="cuda")
+        for step in train_steps(models, ids, "cuda").values():
             step()
+        for model in models.values():
+            model.to(torch.bfloat16)
+            _, cache = prefill(model, ids)
+            decode_step(model, cache, ids[:, -1])
+        torch.cuda.synchronize()
         return 0
     peers, _ = kernels_bench.select_peers()
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)

@@ -17,8 +17,8 @@ Each op is attributed to the phase the residual's state names while it runs (the
   query at once), the batched softmax and the weighted sums, and Full AttnRes' new outputs'
   RMS factors and logits;
 * Phase 2: the rest of ``sublayer_input`` (merge with the partial sum / the group's own
-  outputs) and Block AttnRes' partial-sum update; the standard residual's ``h + f(h)`` is
-  its merge;
+  outputs; Block AttnRes' merge forms the partial sum itself from the last output) and the
+  add that closes a block; the standard residual's ``h + f(h)`` is its merge;
 * Output aggregation (``finish``, including the completion of the last block / group):
   once per token, shown amortised over the L sublayers.
 

@@ -152,7 +152,7 @@ def backward_args(op, args, impl):
             return torch.ops.attnres.phase1_backward.default, (qg, lse, sources, g_outs, torch.randn_like(lse), eps,
                                                                 [True] * (1 + len(sources)))
         z, sources, computed, qg, w, eps, norm_eps = args
-        out, alpha, rc, zc, rstd = op(*args, impl)
+        out, alpha, rc, zc, rstd, _total = op(*args, impl)
         stats = [rc if computed else None, zc if computed else None, rstd if w is not None else None]
         needs = [True] * (1 + len(sources) + len(computed)) + [qg is not None, w is not None]
         return torch.ops.attnres.merge_backward.default, (torch.randn_like(out), alpha, *stats, sources, computed, qg,
@@ -212,6 +212,80 @@ def test_phase1_float64_equals_the_reference_and_gradchecks(lead, d, S, n, impl,
         assert_rel_close(a, b, 1e-12)
     flat = lambda *xs: tuple(t for o in phase1_fn(impl)(*xs) for t in (o if isinstance(o, list) else [o]))  # noqa: E731
     assert gradcheck(flat, (qg, *sources), fast_mode=True)
+
+
+def addend_fn(impl):
+    """The merge with an addend (the sum formed inside: Block AttnRes' partial sum plus the
+    last output) over flat inputs ``(z, x, partial, addend, qg, w)`` -> ``(out, sum)``; for
+    ``"unfused"``, the reference's add and merge."""
+    def f(z, x, partial, addend, qg, w):
+        if impl == "unfused":
+            total = partial + addend
+            return reference.merge(z, [x], [total], qg, 1e-6, w, 1e-5)[0], total
+        if impl == "reference":
+            out, _, total = reference.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, addend=addend)
+            return out, total
+        args = (z, [x], [partial], qg, 1e-6, w, 1e-5, impl)
+        if impl == "triton":
+            z, x, partial, addend, qg, w = to_triton_device((z, x, partial, addend, qg, w))
+            args = (z, [x], [partial], qg, 1e-6, w, 1e-5, impl)
+            out, _, total = library.merge(*args, addend=addend)
+            return to_cpu(out), to_cpu(total)
+        out, _, total = library.merge(*args, addend=addend)
+        return out, total
+
+    return f
+
+
+def addend_inputs(dtype=torch.float64, addend_dtype=None, lead=(2, 3), d=6):
+    z, sources, computed, qg, w = merge_inputs(lead, d, 1, 1, True, dtype)
+    g = torch.Generator().manual_seed(7)
+    addend = rnd(g, *lead, d, scale=2.0, dtype=addend_dtype or dtype)
+    return [z, sources[0], computed[0], addend, qg, w]
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+def test_merge_with_an_addend_equals_the_add_then_the_merge_and_gradchecks(impl, kernel):
+    """The sum formed inside the merge: the output, the sum and every gradient (the sum's
+    own gradient from downstream reaching both terms) equal an add followed by the merge,
+    in float64 to rounding with ``gradcheck``; in float32 with a bfloat16 addend (a
+    sublayer's output under autocast), the sum exactly and the rest to float32 rounding."""
+    triton_or_skip(impl)
+    inputs = addend_inputs()
+    for a, b in zip(outputs_and_grads(addend_fn(impl), inputs), outputs_and_grads(addend_fn("unfused"), inputs)):
+        assert_rel_close(a, b, 1e-12)
+    assert gradcheck(addend_fn(impl), tuple(inputs), fast_mode=True)
+    mixed = addend_inputs(torch.float32, torch.bfloat16)
+    got, want = outputs_and_grads(addend_fn(impl), mixed), outputs_and_grads(addend_fn("unfused"), mixed)
+    assert torch.equal(got[1], want[1]) and got[1].dtype == torch.float32  # the sum, as the add forms it
+    assert got[5].dtype == torch.bfloat16  # the addend's gradient in its dtype
+    for a, b in zip(got, want):
+        assert_rel_close(a, b, TOL[torch.float32])
+
+
+def test_merge_addend_errors():
+    z, x, partial, addend, qg, w = addend_inputs()
+    with pytest.raises(ValueError, match="computed must not be empty"):
+        library.merge(z, [x], [], None, addend=addend)
+    with pytest.raises(ValueError, match="promotes to its torch.float32"):
+        library.merge(z, [x.float()], [partial.float()], qg.float(), addend=addend)
+    with pytest.raises(ValueError, match="shape"):
+        library.merge(z, [x], [partial], qg, addend=addend[..., :3])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_opcheck_merge_with_an_addend(impl, kernel):
+    triton_or_skip(impl)
+    z, x, partial, addend, qg, w = addend_inputs(torch.float32)
+    args = (z, [x], [partial], qg, w, 1e-6, 1e-5)
+    if impl == "triton":
+        args, addend = tree_map_only(torch.Tensor, lambda t: to_triton_device(t.detach()).requires_grad_(), (args, addend))
+    torch.library.opcheck(torch.ops.attnres.merge.default, (*args, impl, addend))
+    with torch.no_grad():
+        out, alpha, rc, zc, rstd, total = torch.ops.attnres.merge(*args, impl, addend)
+    bargs = (torch.randn_like(out), alpha, rc, zc, rstd, args[1], [total], args[3], args[4], [True] * 5, impl,
+             torch.randn_like(total))
+    torch.library.opcheck(torch.ops.attnres.merge_backward.default, tree_map_only(torch.Tensor, torch.Tensor.detach, bargs))
 
 
 def low_precision_check(run, inputs, storage, dtype, tol):
@@ -408,7 +482,8 @@ class _StubKernel:
 #: Operators that move no data on the device: allocations, views, metadata.
 FREE_OPERATORS = {"aten.empty", "aten.empty_strided", "aten.empty_like", "aten.new_empty", "aten.view",
                   "aten._unsafe_view", "aten.as_strided", "aten.select", "aten.slice", "aten.unsqueeze", "aten.squeeze",
-                  "aten.unbind", "aten.t", "aten.permute", "aten.expand", "aten.detach", "aten.alias"}
+                  "aten.unbind", "aten.t", "aten.permute", "aten.expand", "aten.detach", "aten.alias",
+                  "aten.promote_types"}
 #: Operators that copy between devices (or from host data): none may run in a call.
 COPIES = {"aten._to_copy", "aten.copy_", "aten.lift_fresh", "aten.lift_fresh_copy", "aten._pin_memory"}
 
@@ -451,6 +526,16 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     backward = _device_operations(lambda: torch.autograd.grad(result["out"], [z, x, partial, qg, w], grad), launches)
     assert len(backward) <= 3 and not set(backward) & COPIES, backward
     assert set(backward) <= {"triton.merge_bwd", "aten.sum"}, backward
+    # the same merge forming the partial sum from its addend (the last output); the sum's
+    # gradient from downstream added inside the kernel
+    addend = rnd(g, 4, 5, d, dtype=torch.float32)
+    forward = _device_operations(lambda: result.update(
+        fused=library.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, "triton", addend=addend)), launches)
+    assert forward == ["triton.merge_fwd"], forward
+    out, _, total = result["fused"]
+    backward = _device_operations(lambda: torch.autograd.grad([out, total], [z, x, partial, addend, qg, w],
+                                                              [grad, grad]), launches)
+    assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd", "aten.sum"}, backward
     # Phase 1 of S queries over 3 sources
     qs, sources = phase1_inputs((4, 5), d, S, 3, torch.float32)
     forward = _device_operations(lambda: result.update(p1=library.phase1(qs, sources, 1e-6, "triton")), launches)

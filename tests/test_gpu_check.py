@@ -26,7 +26,7 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     for key in ("train_eager", "train_compiled", "decode_b1", "decode_b8", "decode_eager_b1", "decode_eager_b8",
                 "memory"):
         assert isinstance(summary[key], float) and isinstance(summary["full"][key], float), key
-    assert set(summary["ops"]) == {"phase1_fwd", "phase1_bwd", "merge_fwd", "merge_bwd"}
+    assert set(summary["ops"]) == {"phase1_fwd", "phase1_bwd", "merge_fwd", "merge_bwd", "merge_add_fwd", "merge_add_bwd"}
     assert summary["targets"]["train_eager"] == 1.04 and summary["targets"]["decode_b1"] == 1.02
     assert set(summary["met"]) >= {"train_eager", "train_compiled", "memory", "ops_within_2x_bound", "host"}
     md = (tmp_path / "gpu_check.md").read_text()
@@ -44,6 +44,7 @@ def test_op_bytes_count_each_input_and_output_once():
     assert b["phase1_fwd"] == 3 * row + 2 * (row + f32)
     assert b["phase1_bwd"] == (3 + 2) * row + 2 * 2 * f32 + 3 * row
     assert b["merge_fwd"] == 3 * row + 6 * f32 and b["merge_bwd"] == 5 * row + 6 * f32
+    assert b["merge_add_fwd"] == 5 * row + 6 * f32 and b["merge_add_bwd"] == 6 * row + 6 * f32
 
 
 def test_summary_judges_each_target_and_skipped_parts():

@@ -255,49 +255,58 @@ class AttnResBase(ResidualStream):
         p1 = state.sources.p1
         return p1 is not None and p1.first + p1.count > self.n_sublayers
 
-    def phase2_input(self, state: ResidualState, l: int, computed: list[Tensor], fusable: bool = True):
+    def phase2_input(self, state: ResidualState, l: int, computed: list[Tensor], fusable: bool = True,
+                     addend: Tensor | None = None, on_total=None):
         """Query ``l``'s input (Phase 2, report §4.2): its Phase-1 weighted sum - a source
         whose logit is its log-sum-exp - merged with ``computed`` (Block AttnRes' partial
         sum, Full AttnRes' outputs of the current group), whose logits the merge computes.
         Recording, the weighted sum's weight in the merge is spread over the Phase-1
-        sources by their softmax weights."""
+        sources by their softmax weights. ``addend``, ``on_total``: see
+        :meth:`merged_input`."""
         tp = state.sources
         p1, s = tp.p1, l - tp.p1.first
         if p1.outs is None:  # a single completed source: one more computed source
             x = tp.sources[0]
             z = torch.empty((*x.shape[:-1], 0), dtype=compute_dtype(x.dtype), device=x.device)
-            return self.merged_input(state, z, [], [x, *computed], tp.queries[l], fusable)
+            return self.merged_input(state, z, [], [x, *computed], tp.queries[l], fusable, None, addend, on_total)
         record = None
         if state.weights is not None:
             qg = tp.queries[l].unsqueeze(0)
             p = torch.softmax(torch.cat([reference.rms_logits(x, qg, self.eps) for x in tp.sources], -1), -1)
             record = lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1)  # noqa: E731
         return self.merged_input(state, p1.lse[s], [p1.outs[s]], computed, tp.queries[l] if computed else None,
-                                 fusable, record)
+                                 fusable, record, addend, on_total)
 
     def merged_input(self, state: ResidualState, z: Tensor, sources: list[Tensor], computed: list[Tensor],
-                     qg: Tensor | None, fusable: bool = True, record=None):
+                     qg: Tensor | None, fusable: bool = True, record=None, addend: Tensor | None = None,
+                     on_total=None):
         """A sublayer's input: the merge of ``sources`` (logits ``z [..., k]``) and ``computed``
         (logits from ``qg``), a tensor - or, when the caller defers the norm and ``fusable``, a
         :class:`~attnres.nn.norm.FusableNormInput` whose norm the merge applies (one source
         too: its weight is exactly 1, and the merge is then the norm in one pass). Records the
-        weights once (``record(alpha)`` maps the merge's weights to the mixer's sources)."""
+        weights once (``record(alpha)`` maps the merge's weights to the mixer's sources).
+        ``addend``: added to the last computed source by the merge itself (Block AttnRes'
+        partial sum and the last output, one pass instead of an add and a merge);
+        ``on_total(sum)`` receives the sum the first time the merge runs."""
         fuse = state.defer_norm and fusable
-        if len(sources) + len(computed) == 1 and not fuse:  # one source: weight exactly 1, the source itself
+        if len(sources) + len(computed) == 1 and not fuse and addend is None:  # one source: weight exactly 1
             x = (sources or computed)[0]
             if state.weights is not None:
                 ones = torch.ones((*x.shape[:-1], 1), dtype=compute_dtype(x.dtype), device=x.device)
                 state.record(ones if record is None else record(ones))
             return x
         # (snapshots: activation checkpointing may recompute the input later)
-        sources, computed, recorded = list(sources), list(computed), []
+        sources, computed, recorded, formed = list(sources), list(computed), [], []
 
         def compute(norm_weight, norm_eps):
-            out, alpha = state.ops.merge(z, sources, computed, qg, self.eps, norm_weight,
-                                         0.0 if norm_eps is None else norm_eps)
+            out, alpha, *total = state.ops.merge(z, sources, computed, qg, self.eps, norm_weight,
+                                                 0.0 if norm_eps is None else norm_eps, addend)
             if not recorded and state.weights is not None:
                 recorded.append(True)
                 state.record(alpha if record is None else record(alpha))
+            if total and not formed:
+                formed.append(True)
+                on_total(total[0])
             return out
 
         return FusableNormInput(compute) if fuse else compute(None, None)

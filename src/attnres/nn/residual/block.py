@@ -28,11 +28,26 @@ class BlockNaiveState(ResidualState):
 @dataclass
 class BlockTwoPhaseState(ResidualState):
     """sources: the completed blocks with their logits; partial: as in
-    :class:`BlockNaiveState`; ops: this forward's depth-attention operations."""
+    :class:`BlockNaiveState`, except that ``pending``, the last sublayer's output, may not
+    be added to it yet: the next sublayer's merge forms the sum in the pass that reads both
+    (an add and a merge would read them, write the sum and read it again); ops: this
+    forward's depth-attention operations."""
 
     sources: CompletedSources | None = None
     partial: Tensor | None = None
+    pending: Tensor | None = None
     ops: Operations | None = None
+
+
+def _settle(state: BlockTwoPhaseState) -> None:
+    """Add the pending output to the partial sum where no merge formed the sum."""
+    if state.pending is not None:
+        state.partial, state.pending = state.partial + state.pending, None
+
+
+def _formed(state: BlockTwoPhaseState, total: Tensor) -> None:
+    """A merge formed the partial sum with the pending output."""
+    state.partial, state.pending = total, None
 
 
 def _add_to_partial(state, output: Tensor) -> None:
@@ -81,24 +96,39 @@ class _TwoPhase(Schedule):
 
     def input(self, m: BlockAttnRes, state: BlockTwoPhaseState, l: int):
         if l % m.block_size == 0:
+            _settle(state)  # (the block's last output: no merge reads the sum before Phase 1)
             state.phase = "phase1"
             if state.partial is not None:
                 state.sources.sources.append(state.partial)
                 state.partial = None
             m.phase1(state, l, m.block_end(l))
         state.phase = "phase2"
-        return m.phase2_input(state, l, _partial(state))
+        return self._merge(m, state, l)
+
+    @staticmethod
+    def _merge(m: BlockAttnRes, state: BlockTwoPhaseState, l: int, fusable: bool = True):
+        """Mixer ``l``'s merge with the partial sum - formed from the pending output by the
+        merge itself."""
+        if state.pending is None:
+            return m.phase2_input(state, l, _partial(state), fusable)
+        return m.phase2_input(state, l, [state.partial], fusable, addend=state.pending,
+                              on_total=lambda total: _formed(state, total))
 
     def add(self, m, state, l, output):
         state.phase = "phase2"
-        _add_to_partial(state, output)
+        _settle(state)  # (a sublayer that never read its input: no merge formed the sum)
+        if state.partial is None:
+            state.partial = output
+        else:
+            state.pending = output
 
     def finish(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> Tensor:
         if not m.covers_aggregation(state):  # (resumed at L) Phase 1 of the aggregation alone
             m.phase1(state, m.n_sublayers, m.n_sublayers)
-        return m.phase2_input(state, m.n_sublayers, _partial(state), fusable=False)
+        return self._merge(m, state, m.n_sublayers, fusable=False)
 
     def history(self, m: BlockAttnRes, state: BlockTwoPhaseState) -> DepthHistory:
+        _settle(state)
         return m.canonical_history(list(state.sources.sources), state.partial, state.next_sublayer)
 
     def resume(self, m: BlockAttnRes, history: DepthHistory, at: int, common: dict[str, Any]) -> BlockTwoPhaseState:

@@ -37,8 +37,8 @@ def _custom_ops(impl: str) -> Operations:
     def phase1(qg, sources, eps=1e-6):
         return library.phase1(qg, sources, eps, impl)
 
-    def merge(z, sources, computed=(), qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6):
-        return library.merge(z, sources, computed, qg, eps, norm_weight, norm_eps, impl)
+    def merge(z, sources, computed=(), qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6, addend=None):
+        return library.merge(z, sources, computed, qg, eps, norm_weight, norm_eps, impl, addend)
 
     return Operations(impl, phase1, merge)
 

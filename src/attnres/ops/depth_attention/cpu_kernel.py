@@ -254,7 +254,11 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
     return (gq_part.sum(0) if gq_part is not None else None), g_src
 
 
-def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float):
+def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None):
+    total = None
+    if addend is not None:  # (the kernel reads the sum: on CPU the add stays a separate pass)
+        total = computed[-1] + addend
+        computed = [*computed[:-1], total]
     x0 = (list(sources) + list(computed))[0]
     lead, k, c = x0.shape[:-1], len(sources), len(computed)
     out, alpha = torch.empty_like(x0), torch.empty((*lead, k + c), dtype=x0.dtype)
@@ -263,11 +267,11 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
     cpu_kernel().call("merge_forward", x0.dtype, **_geometry(x0), k=k, c=c, src=sources, z=z.contiguous(),
                       comp=computed, qg=qg if c else None, eps=float(eps), norm_w=norm_weight,
                       norm_eps=float(norm_eps), out=out, alpha=alpha, rc=rc, zc=zc, rstd=rstd)
-    return out, alpha, rc, zc, rstd
+    return out, alpha, rc, zc, rstd, total
 
 
-def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs):
-    """``needs``: ``(z, *sources, *computed, qg, norm_weight)`` as :func:`.torch_impl.merge_backward`."""
+def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None):
+    """``needs``, ``g_total``: as :func:`.torch_impl.merge_backward`."""
     x0 = (list(sources) + list(computed))[0]
     k, c, geometry = len(sources), len(computed), _geometry(x0)
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
@@ -280,4 +284,6 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
                       g=g.contiguous(), gsrc=grads[:k], gcomp=grads[k:], gz=g_z, gqg_part=gqg_part, gw_part=gw_part)
     g_qg = gqg_part.sum(0) if gqg_part is not None else None
     g_norm = gw_part.sum(0) if gw_part is not None else None
+    if g_total is not None and grads[-1] is not None:
+        grads[-1].add_(g_total)
     return g_z, grads[:k], grads[k:], g_qg, g_norm

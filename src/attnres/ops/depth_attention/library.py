@@ -158,35 +158,37 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
 
 
 def _run_merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
-               norm_weight: Optional[Tensor], eps: float, norm_eps: float, impl: str
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               norm_weight: Optional[Tensor], eps: float, norm_eps: float, impl: str, addend: Optional[Tensor] = None
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     qg = _contiguous([qg])[0]  # (small: [d]; z [..., k] may be a strided view of Phase 1's lse)
     module = pick(impl, [*sources, *computed, qg, norm_weight])
-    out, alpha, rc, zc, rstd = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps)
-    return out, alpha, *_fill([rc, zc, rstd], alpha)
+    out, alpha, rc, zc, rstd, total = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps,
+                                                           addend)
+    return out, alpha, *_fill([rc, zc, rstd, total], alpha)
 
 
 _merge = torch.library.custom_op("attnres::merge", _run_merge, mutates_args=())
 
 
 @_merge.register_fake
-def _(z, sources, computed, qg, norm_weight, eps, norm_eps, impl):
+def _(z, sources, computed, qg, norm_weight, eps, norm_eps, impl, addend=None):
     x0 = [*sources, *computed][0]
     lead, compute = x0.shape[:-1], compute_dtype(x0.dtype)
     alpha = x0.new_empty((*lead, len(sources) + len(computed)), dtype=compute)
     stat = x0.new_empty((*lead, len(computed)), dtype=compute) if computed else _placeholder(alpha)
     rstd = x0.new_empty((*lead, 1), dtype=compute) if norm_weight is not None else _placeholder(alpha)
-    return torch.empty_like(x0), alpha, stat, stat.clone(), rstd
+    total = torch.empty_like(x0) if addend is not None else _placeholder(alpha)
+    return torch.empty_like(x0), alpha, stat, stat.clone(), rstd, total
 
 
 def _run_merge_backward(g: Tensor, alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor], rstd: Optional[Tensor],
                         sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
-                        norm_weight: Optional[Tensor], needs: list[bool], impl: str
-                        ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor]:
-    g, qg = _contiguous([g, qg])
+                        norm_weight: Optional[Tensor], needs: list[bool], impl: str,
+                        g_total: Optional[Tensor] = None) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor]:
+    g, qg, g_total = _contiguous([g, qg, g_total])
     module = pick(impl, [*sources, *computed, g, alpha, rc, zc, rstd, qg, norm_weight])
     g_z, g_src, g_comp, g_qg, g_norm = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
-                                                             norm_weight, needs)
+                                                             norm_weight, needs, g_total)
     g_qg, g_norm = _fill([g_qg, g_norm], alpha)
     return _fill([g_z], alpha)[0], _fill(g_src, alpha), _fill(g_comp, alpha), g_qg, g_norm
 
@@ -195,7 +197,7 @@ _merge_backward = torch.library.custom_op("attnres::merge_backward", _run_merge_
 
 
 @_merge_backward.register_fake
-def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, impl):
+def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, impl, g_total=None):
     k, c = len(sources), len(computed)
 
     def grad(need, like):
@@ -208,34 +210,62 @@ def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, impl):
 
 
 def _merge_setup(ctx, inputs, output):
-    z, sources, computed, qg, norm_weight, _eps, _norm_eps, impl = inputs
-    _out, alpha, rc, zc, rstd = output
+    z, sources, computed, qg, norm_weight, _eps, _norm_eps, impl, *rest = inputs
+    addend = rest[0] if rest else None
+    _out, alpha, rc, zc, rstd, total = output
     ctx.set_materialize_grads(False)
     ctx.impl, ctx.k, ctx.c = impl, len(sources), len(computed)
+    ctx.addend_dtype = None if addend is None else addend.dtype
+    if addend is not None:  # the merge read the sum it formed, not the last computed source
+        computed = [*computed[:-1], total]
     stats = [rc if computed else None, zc if computed else None, rstd if norm_weight is not None else None]
     ctx.save_for_backward(alpha, *stats, qg, norm_weight, *sources, *computed)
 
 
-def _merge_grads(ctx, g, needs: list[bool], direct: bool = False):
-    """``(d z, [d source...], [d computed...], d qg, d norm_weight)`` through the backward
-    operator (``direct``: its implementation, see :func:`_direct`), ``None`` where not
-    needed; ``needs`` in that order."""
+def _merge_grads(ctx, g, g_total, needs: list[bool], direct: bool = False):
+    """``(d z, [d source...], [d computed...], d qg, d norm_weight, d addend)`` through the
+    backward operator (``direct``: its implementation, see :func:`_direct`), ``None`` where
+    not needed; ``needs`` in the order ``(z, *sources, *computed, qg, norm_weight)``, with an
+    addend's need in its last computed source's. ``g_total``: the gradient of the sum formed
+    with an addend, which reaches both of its terms."""
     alpha, rc, zc, rstd, qg, norm_weight, *xs = ctx.saved_tensors
     k, c = ctx.k, ctx.c
-    if g is None or not any(needs):
-        return None, [None] * k, [None] * c, None, None
-    backward = _run_merge_backward if direct else torch.ops.attnres.merge_backward
-    g_z, g_src, g_comp, g_qg, g_norm = backward(
-        g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.impl)
+    if ctx.addend_dtype is None:  # (no sum formed: its placeholder's gradient, if any, is not one)
+        g_total = None
+    if (g is None and g_total is None) or not any(needs):
+        return None, [None] * k, [None] * c, None, None, None
+    if g is None:  # only the sum is used downstream: its gradient passes to both terms
+        g_z, g_src, g_comp, g_qg, g_norm = None, [None] * k, [None] * (c - 1) + [g_total], None, None
+    else:
+        backward = _run_merge_backward if direct else torch.ops.attnres.merge_backward
+        g_z, g_src, g_comp, g_qg, g_norm = backward(
+            g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.impl, g_total)
     keep = lambda t, need: t if need else None  # noqa: E731
     grads = [keep(t, need) for t, need in zip([*g_src, *g_comp], needs[1 : 1 + k + c])]
-    return keep(g_z, needs[0]), grads[:k], grads[k:], keep(g_qg, needs[1 + k + c]), keep(g_norm, needs[2 + k + c])
+    g_addend = None
+    if ctx.addend_dtype is not None and grads[-1] is not None:
+        g_addend = grads[-1] if grads[-1].dtype == ctx.addend_dtype else grads[-1].to(ctx.addend_dtype)
+    return (keep(g_z, needs[0]), grads[:k], grads[k:], keep(g_qg, needs[1 + k + c]), keep(g_norm, needs[2 + k + c]),
+            g_addend)
 
 
-def _merge_grad(ctx, g, *_aux):
-    ni = ctx.needs_input_grad
-    g_z, g_src, g_comp, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[1], *ni[2], ni[3], ni[4]])
-    return g_z, g_src, g_comp, g_qg, g_norm, None, None, None
+def _merge_needs(ni, k: int, c: int, addend_index: int | None) -> list[bool]:
+    """The backward operator's ``needs`` from ``ctx.needs_input_grad`` as flat entries for
+    ``(z, qg, norm_weight, *sources, *computed)`` (``addend_index``: the addend's entry)."""
+    z, qg, norm_weight, xs = ni[0], ni[1], ni[2], list(ni[3:3 + k + c])
+    if addend_index is not None and ni[addend_index]:
+        xs[-1] = True
+    return [z, *xs, qg, norm_weight]
+
+
+def _merge_grad(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
+    ni = ctx.needs_input_grad  # (z, sources, computed, qg, norm_weight, eps, norm_eps, impl, addend)
+    flat = [ni[0], ni[3], ni[4], *ni[1], *ni[2], ni[8] if len(ni) > 8 else False]
+    needs = _merge_needs(flat, ctx.k, ctx.c, 3 + ctx.k + ctx.c)
+    g_z, g_src, g_comp, g_qg, g_norm, g_addend = _merge_grads(ctx, g, g_total, needs)
+    if ctx.addend_dtype is not None and not ni[2][-1]:
+        g_comp = [*g_comp[:-1], None]
+    return (g_z, g_src, g_comp, g_qg, g_norm, None, None, None) + ((g_addend,) if len(ni) > 8 else ())
 
 
 _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
@@ -311,19 +341,25 @@ class _Phase1(torch.autograd.Function):
 
 class _Merge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, qg, norm_weight, eps, norm_eps, impl, k, *xs):
-        args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, impl)
+    def forward(ctx, z, qg, norm_weight, eps, norm_eps, impl, k, addend, *xs):
+        args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, impl, addend)
         outputs = _merge_forward(*args)
         _merge_setup(ctx, args, outputs)
-        ctx.mark_non_differentiable(*outputs[1:])
+        ctx.mark_non_differentiable(*outputs[1:5])
+        if addend is None:
+            ctx.mark_non_differentiable(outputs[5])
         return outputs
 
     @staticmethod
-    def backward(ctx, g, *_aux):
-        ni = ctx.needs_input_grad
-        g_z, g_src, g_comp, g_qg, g_norm = _merge_grads(ctx, g, [ni[0], *ni[7:], ni[1], ni[2]],
-                                                        _direct_backward())
-        return g_z, g_qg, g_norm, None, None, None, None, *g_src, *g_comp
+    def backward(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
+        ni = ctx.needs_input_grad  # (z, qg, norm_weight, eps, norm_eps, impl, k, addend, *xs)
+        needs = _merge_needs([ni[0], ni[1], ni[2], *ni[8:]], ctx.k, ctx.c, None)
+        if ni[7]:
+            needs[ctx.k + ctx.c] = True  # (the addend's gradient is the last computed source's)
+        g_z, g_src, g_comp, g_qg, g_norm, g_addend = _merge_grads(ctx, g, g_total, needs, _direct_backward())
+        if ctx.addend_dtype is not None and not ni[-1]:
+            g_comp = [*g_comp[:-1], None]
+        return g_z, g_qg, g_norm, None, None, None, None, g_addend, *g_src, *g_comp
 
 
 # Without autograd, phase1 and merge call the operators directly (in eager mode their
@@ -354,17 +390,17 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, impl: str =
 
 def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (), qg: Tensor | None = None,
           eps: float = 1e-6, norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
-          impl: str = "auto") -> tuple[Tensor, Tensor]:
+          impl: str = "auto", addend: Tensor | None = None) -> tuple[Tensor, ...]:
     """:func:`.reference.merge` (same arguments and results) as the operator
-    ``attnres::merge``: ``(out [..., d], alpha [..., k + c])``; saves the weights, the
-    computed sources' logits and RMS factors, the norm's ``1/rms`` and references to its
-    inputs."""
+    ``attnres::merge``: ``(out [..., d], alpha [..., k + c])``, with ``addend`` also the sum
+    it formed; saves the weights, the computed sources' logits and RMS factors, the norm's
+    ``1/rms`` and references to its inputs (to the sum, not to its terms)."""
     _check_impl(impl)
-    _check_merge(z, sources, computed, qg)
+    _check_merge(z, sources, computed, qg, addend)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
-        out, alpha, *_ = _merge_forward(z, list(sources), list(computed), qg, norm_weight, float(eps), float(norm_eps),
-                                        impl)
-        return out, alpha
-    out, alpha, *_ = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), impl, len(sources), *sources,
-                                  *computed)
-    return out, alpha
+        out, alpha, _rc, _zc, _rstd, total = _merge_forward(z, list(sources), list(computed), qg, norm_weight,
+                                                            float(eps), float(norm_eps), impl, addend)
+    else:
+        out, alpha, _rc, _zc, _rstd, total = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), impl,
+                                                          len(sources), addend, *sources, *computed)
+    return (out, alpha) if addend is None else (out, alpha, total)

@@ -198,7 +198,8 @@ def merge(
     eps: float = 1e-6,
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+    addend: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """One query's depth attention (Phase 2, report §4.2), and the next sublayer's RMSNorm.
 
     Args:
@@ -211,12 +212,20 @@ def merge(
         norm_weight, norm_eps: the next sublayer's RMSNorm, applied to the result (``None``:
             none). It reads ``h`` rounded to the sources' dtype, as an unfused norm would;
             the gradient reaching ``h`` stays in the compute dtype.
+        addend: ``[..., d]`` added to the last computed source first - Block AttnRes'
+            partial sum and the last sublayer's output, whose sum the merge forms in the
+            pass that reads them (the sum keeps that source's dtype).
 
     Returns:
         ``(out, alpha)``: ``out [..., d]`` in the sources' dtype, ``RMSNorm(h)`` (or ``h``)
-        with ``h = sum_j alpha_j x_j``; ``alpha [..., k + c] = softmax(z, z_computed)``.
+        with ``h = sum_j alpha_j x_j``; ``alpha [..., k + c] = softmax(z, z_computed)``;
+        with ``addend``, ``(out, alpha, total)``, ``total`` the sum it formed.
     """
-    _check_merge(z, sources, computed, qg)
+    _check_merge(z, sources, computed, qg, addend)
+    total = None
+    if addend is not None:
+        total = computed[-1] + addend
+        computed = [*computed[:-1], total]
     srcs = [*sources, *computed]
     compute = compute_dtype(srcs[0].dtype)
     with full_precision(srcs[0]):
@@ -229,13 +238,21 @@ def merge(
             # would put its noise into every logit's and query's gradient).
             rounded = h.to(srcs[0].dtype).to(compute)
             h = F.rms_norm(h + (rounded - h).detach(), (h.shape[-1],), norm_weight.to(compute), norm_eps)
-    return h.to(srcs[0].dtype), alpha
+    return (h.to(srcs[0].dtype), alpha) if total is None else (h.to(srcs[0].dtype), alpha, total)
 
 
-def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor], qg: Tensor | None) -> None:
+def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor], qg: Tensor | None,
+                 addend: Tensor | None = None) -> None:
     """The merge's arguments, checked at the boundary (every implementation)."""
     if not sources and not computed:
         raise ValueError("depth merge needs at least one source")
+    if addend is not None:
+        if not computed:
+            raise ValueError("addend is added to the last computed source: computed must not be empty")
+        last = computed[-1]
+        if addend.shape != last.shape or torch.promote_types(last.dtype, addend.dtype) != last.dtype:
+            raise ValueError(f"addend must have the last computed source's shape {tuple(last.shape)} and a dtype "
+                             f"that promotes to its {last.dtype}; got {tuple(addend.shape)}, {addend.dtype}")
     if z.shape[-1] != len(sources):
         raise ValueError(f"z has {z.shape[-1]} logits for {len(sources)} sources")
     if computed and qg is None:

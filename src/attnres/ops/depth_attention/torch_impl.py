@@ -119,9 +119,14 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
 # ----------------------------------------------------------------------------------------
 
 
-def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float):
-    """``(out, alpha, rc, zc, rstd)``, ``None`` where absent (see the module docstring and
-    :func:`.reference.merge`)."""
+def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None):
+    """``(out, alpha, rc, zc, rstd, total)``, ``None`` where absent (see the module docstring
+    and :func:`.reference.merge`; ``total``: the last computed source plus ``addend``, which
+    replaces it)."""
+    total = None
+    if addend is not None:
+        total = computed[-1] + addend
+        computed = [*computed[:-1], total]
     x0 = (list(sources) + list(computed))[0]
     compute, dtype = compute_dtype(x0.dtype), x0.dtype
     with full_precision(x0):
@@ -139,7 +144,7 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
             rstd = torch.rsqrt(torch.linalg.vector_norm(h, dim=-1, keepdim=True).square_().div_(h.shape[-1]).add_(norm_eps))
             h = h * rstd * _as(norm_weight, compute)
     zc = torch.cat(logits[1:], dim=-1) if computed else None
-    return _as(h, dtype), alpha, (torch.stack(rc, dim=-1) if computed else None), zc, rstd
+    return _as(h, dtype), alpha, (torch.stack(rc, dim=-1) if computed else None), zc, rstd, total
 
 
 def _norm_backward(g, h, rstd, norm_weight, need_weight: bool, scratch):
@@ -151,10 +156,12 @@ def _norm_backward(g, h, rstd, norm_weight, need_weight: bool, scratch):
     return gh, g_norm
 
 
-def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs: Sequence[bool]):
+def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs: Sequence[bool],
+                   g_total=None):
     """``needs``: whether ``(z, *sources, *computed, qg, norm_weight)`` need their gradient.
     Returns ``(g_z, [g_source...], [g_computed...], g_qg, g_norm)``, ``None`` where not
-    needed."""
+    needed. ``g_total``: the gradient reaching the last computed source from elsewhere (the
+    sum the forward formed with an addend), added to its gradient."""
     compute, k, c = alpha.dtype, len(sources), len(computed)
     srcs = [*sources, *computed]
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
@@ -186,5 +193,7 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
             if needs_qg:
                 g_qg = _token_sum(gr, _as(x, compute)) + (0 if g_qg is None else g_qg)
     grads = [None if gx is None else _as(gx, x.dtype) for gx, x in zip(grads, srcs)]
+    if g_total is not None and grads[-1] is not None:
+        grads[-1] = grads[-1] + g_total
     g_z = gz_all[..., :k].contiguous() if needs_z else None
     return g_z, grads[:k], grads[k:], (None if g_qg is None else _as(g_qg, qg.dtype)), g_norm

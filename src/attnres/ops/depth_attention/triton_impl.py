@@ -132,14 +132,15 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
 # ----------------------------------------------------------------------------------------
 
 
-def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float):
+def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None):
     x0 = (list(sources) + list(computed))[0]
     rows, d, compute = _geometry(x0)
     k, c = len(sources), len(computed)
     if not merge_fits(d, k + c):
-        return torch_impl.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps)
+        return torch_impl.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps, addend)
     lead, dev = x0.shape[:-1], x0.device
     out = torch.empty(x0.shape, dtype=x0.dtype, device=dev)
+    total = torch.empty(x0.shape, dtype=x0.dtype, device=dev) if addend is not None else None
     alpha = torch.empty((*lead, k + c), dtype=compute, device=dev)
     rc = torch.empty((*lead, c), dtype=compute, device=dev) if c else None
     zc = torch.empty((*lead, c), dtype=compute, device=dev) if c else None
@@ -151,20 +152,21 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
         d_pad = row_pad(d)
         triton_kernels.merge_fwd[(rows,)](
             zr, zr.stride(0) if k else 0, tuple(_c(x) for x in sources), tuple(_c(x) for x in computed),
+            out if addend is None else _c(addend), out if total is None else total,
             alpha if qg is None else _as(qg, compute), alpha if norm_weight is None else _as(norm_weight, compute),
             out, alpha, alpha if rc is None else rc, alpha if zc is None else zc, alpha if rstd is None else rstd,
-            d, float(eps), float(norm_eps), HAS_NORM=norm_weight is not None, D_PAD=d_pad, M_PAD=pad(k + c),
-            num_warps=merge_warps(d_pad))
-    return out, alpha, rc, zc, rstd
+            d, float(eps), float(norm_eps), HAS_ADDEND=addend is not None, HAS_NORM=norm_weight is not None,
+            D_PAD=d_pad, M_PAD=pad(k + c), num_warps=merge_warps(d_pad))
+    return out, alpha, rc, zc, rstd, total
 
 
-def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs):
+def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None):
     xs = [*sources, *computed]
     x0 = xs[0]
     rows, d, compute = _geometry(x0)
     k, c = len(sources), len(computed)
     if not merge_fits(d, k + c):
-        return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs)
+        return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total)
     lead, dev = x0.shape[:-1], x0.device
     has_norm = norm_weight is not None
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
@@ -180,8 +182,9 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
         triton_kernels.merge_bwd[(programs,)](
             _c(_as(g, x0.dtype)), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
             tuple(_c(x) for x in computed), alpha if qg is None else _as(qg, compute),
-            alpha if norm_weight is None else _as(norm_weight, compute), g_z if k else alpha,
-            grads[:k], grads[k:], part, rows, d, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c),
+            alpha if norm_weight is None else _as(norm_weight, compute),
+            grads[0] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k], grads[k:],
+            part, rows, d, HAS_TOTAL=g_total is not None, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c),
             num_warps=merge_warps(d_pad))
         # (one sum each: an operator's results may not share memory)
         g_qg = _as(part[:, 0].sum(0), qg.dtype) if want_qg else None

@@ -238,13 +238,14 @@ def _merge_addresses(Known, Comp, ms):
 
 
 @triton.jit
-def merge_fwd(Z, stride_z, Known, Comp, Qg, NormW, Out, Alpha, Rc, Zc, Rstd, d, eps, norm_eps,
-              HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr):
+def merge_fwd(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc, Zc, Rstd, d, eps, norm_eps,
+              HAS_ADDEND: tl.constexpr, HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr):
     """``Known``: ``k`` sources of known logit ``Z [rows, k]`` (row stride ``stride_z``);
     ``Comp``: ``c`` sources whose logits ``r (x . qg)`` it computes (into ``Zc``, their RMS
-    factors into ``Rc``). Writes the weights ``Alpha [rows, k + c]``, ``h`` or its RMSNorm
-    into ``Out`` and the norm's ``1/rms`` into ``Rstd``: an online softmax over the sources,
-    each read once, the row in registers."""
+    factors into ``Rc``); ``HAS_ADDEND``: the last of them is ``Comp[-1] + Addend``, written
+    to ``Total`` (in the sources' dtype) and read back from registers. Writes the weights
+    ``Alpha [rows, k + c]``, ``h`` or its RMSNorm into ``Out`` and the norm's ``1/rms`` into
+    ``Rstd``: an online softmax over the sources, each read once, the row in registers."""
     dt = Alpha.dtype.element_ty
     k: tl.constexpr = len(Known)
     c: tl.constexpr = len(Comp)
@@ -260,6 +261,11 @@ def merge_fwd(Z, stride_z, Known, Comp, Qg, NormW, Out, Alpha, Rc, Zc, Rstd, d, 
     h = tl.zeros([D_PAD], dt)
     for j in range(k + c):
         x = tl.load(_pointer(sources, ms, j, Out) + row * d + cols, mask=cmask, other=0.0).to(dt)
+        if HAS_ADDEND:
+            if j == k + c - 1:  # Block AttnRes' partial sum, formed here: the sum as stored
+                x = (x + tl.load(Addend + row * d + cols, mask=cmask, other=0.0).to(dt)).to(Out.dtype.element_ty)
+                tl.store(Total + row * d + cols, x, mask=cmask)
+                x = x.to(dt)
         if j >= k:  # a computed source: its logit and RMS factor
             rj = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
             zj = rj * tl.sum(x * tl.load(Qg + cols, mask=cmask, other=0.0).to(dt), axis=0)
@@ -285,12 +291,13 @@ def merge_fwd(Z, stride_z, Known, Comp, Qg, NormW, Out, Alpha, Rc, Zc, Rstd, d, 
 
 
 @triton.jit
-def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GZ, GKnown, GComp, Part, rows, d,
-              HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr):
+def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, Part, rows, d,
+              HAS_TOTAL: tl.constexpr, HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr):
     """With g_h the gradient reaching h (through the norm; ``G`` itself without one):
     dz_j = alpha_j (s_j - sum_i alpha_i s_i), s_j = g_h . x_j; dx_j = alpha_j g_h; a computed
     source's logit adds gr (qg - (r zc / d) x) to its gradient (gr = dzc r) and gr x to the
-    query's. ``Part [P, 2, d]``: each program's sums over its rows of the query's gradient
+    query's; ``HAS_TOTAL``: the last source's gradient from elsewhere, ``GTotal``, is added
+    to its own. ``Part [P, 2, d]``: each program's sums over its rows of the query's gradient
     (row 0) and the norm gain's (row 1)."""
     dt = Alpha.dtype.element_ty
     st = G.dtype.element_ty
@@ -336,6 +343,9 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GZ, GKnown, GComp,
                 gx += gr * tl.load(Qg + cols, mask=cmask, other=0.0).to(dt)
                 gx -= (gr * rj * tl.load(Zc + row * c + j - k) / d) * x
                 g_qg += gr * x
+            if HAS_TOTAL:
+                if j == m - 1:
+                    gx += tl.load(GTotal + row * d + cols, mask=cmask, other=0.0).to(dt)
             tl.store(_pointer(grads, ms, j, G) + row * d + cols, gx.to(st), mask=cmask)
     tl.store(Part + pid * 2 * d + cols, g_qg, mask=cmask)
     tl.store(Part + (pid * 2 + 1) * d + cols, g_w, mask=cmask)

@@ -131,8 +131,9 @@ def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = No
 
 
 # The kernels' parameters in order, with their types ("*T": a pointer to the storage dtype,
-# "*C" to the compute dtype, "C" a scalar of it, "[n]" a tuple of n of them, "constexpr":
-# chosen at launch). Kept beside the kernels' definitions by a test.
+# "*C" to the compute dtype, "C" a scalar of it, "*A" to the addend's dtype (bf16: a bf16
+# sublayer output added to a float32 stream under autocast), "[n]" a tuple of n of them,
+# "constexpr": chosen at launch). Kept beside the kernels' definitions by a test.
 SIGNATURES = {
     "phase1_fwd": ["Q:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
@@ -141,12 +142,12 @@ SIGNATURES = {
                    "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_dq": ["W:*C", "Srcs:*T[n]", "PQ:*C", "rows:i32", "d:i32", "rows_per_program:i32", "S:constexpr",
                   "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
-    "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C", "Out:*T", "Alpha:*C",
-                  "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "eps:fp32", "norm_eps:fp32", "HAS_NORM:constexpr",
-                  "D_PAD:constexpr", "M_PAD:constexpr"],
+    "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C", "NormW:*C",
+                  "Out:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "eps:fp32", "norm_eps:fp32",
+                  "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
     "merge_bwd": ["G:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
-                  "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32", "HAS_NORM:constexpr",
-                  "D_PAD:constexpr", "M_PAD:constexpr"],
+                  "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32",
+                  "HAS_TOTAL:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
 }
 
 #: The shapes the ahead-of-time compile covers: Phase 1's ``(S, n)`` (every query padding,
@@ -169,8 +170,8 @@ def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int])
         count = None
         if kind.endswith("]"):
             kind, count = kind[:-1].split("[")
-        kind = kind.replace("*T", f"*{dtype}").replace("C", compute) if kind.startswith("*") else kind.replace(
-            "C", compute)
+        addend = "bf16" if dtype == "fp32" else dtype
+        kind = kind.replace("*T", f"*{dtype}").replace("*A", f"*{addend}").replace("C", compute)
         signature[name] = kind if count is None else (kind,) * counts[count]
     return signature
 
@@ -190,7 +191,8 @@ def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, i
     else:
         for d, k, c in MERGE_SHAPES:
             d_pad = row_pad(d)
-            yield {"k": k, "c": c}, {"HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}, merge_warps(d_pad)
+            extra = {"HAS_ADDEND": 1} if kernel == "merge_fwd" else {"HAS_TOTAL": 1}
+            yield {"k": k, "c": c}, {**extra, "HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}, merge_warps(d_pad)
 
 
 def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int], dict[str, int]]]:
