@@ -118,7 +118,7 @@ def test_unchanged_data_at_another_path_resumes(tmp_path, corpus_file):
 def strip_to_old_format(ckpt: Path) -> None:
     """Make a checkpoint look like one of an earlier version: no tokenizer, no fingerprint."""
     state = json.loads((ckpt / "state.json").read_text())
-    for key in ("tokenizer", "data", "init_from"):
+    for key in ("tokenizer", "data", "init_from", "state_sha256"):
         state.pop(key, None)
     state["files"].pop("tokenizer.json", None)
     (ckpt / "tokenizer.json").unlink(missing_ok=True)

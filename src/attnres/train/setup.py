@@ -23,7 +23,7 @@ from ..data import BatchSampler, TokenData, load_corpus, prepare_data, validatio
 from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
 from .config import TrainConfig
 from .hf_source import hf_source, is_hf_directory
-from .resume import check_data
+from .resume import check_data, check_progress
 
 __all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]
 
@@ -58,6 +58,7 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
                          "checkpoints")
     if source is None:
         raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
+    check_progress(source)
     if config.resume_from is not None and main:
         for moved in set_aside_newer(out_dir, source.step):
             print(f"attnres train: {moved.name}: a later checkpoint than the one resumed from, set aside")

@@ -1,0 +1,104 @@
+"""What a new user hits: bad or unusual input from the command line ends with one line (no
+traceback, a non-zero status) before any work and with nothing written or overwritten, and
+what used to go silently wrong is refused or said."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("yaml")
+
+from test_train import overrides, write_corpus  # noqa: E402
+
+from attnres.checkpoint import checkpoint_dirs  # noqa: E402
+from attnres.checkpoint.manifest import STATE_FILE, seal_state  # noqa: E402
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.train import load_config, train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", n_lines=300)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus) -> Path:
+    """A finished 4-step run of the tiny model (byte tokenizer) with checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train(load_config(None, overrides(corpus, out, steps=4, checkpoint_every=2)))
+    return out
+
+
+def copy_run(run: Path, where: Path) -> Path:
+    shutil.copytree(run, where)
+    return where
+
+
+def fails_with(capsys, argv: list[str], *fragments: str) -> str:
+    """Run ``attnres argv``: it must end with one line ``attnres ...: error: ...`` holding every
+    fragment, and a non-zero status; returns that line."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(argv)
+    code = exit_.value.code
+    message = code if isinstance(code, str) else capsys.readouterr().err.strip()
+    assert code not in (0, None), message
+    assert "\n" not in message.strip() and "Traceback" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` with its content: what must stay as it was."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# -- a resume that trusts an edited state.json ---------------------------------------------
+
+def edit_state(ckpt: Path, reseal: bool, **changes) -> None:
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    doc.update(changes)
+    (ckpt / STATE_FILE).write_text(json.dumps(seal_state(doc) if reseal else doc))
+
+
+def test_an_edited_step_is_refused_by_name(tmp_path, finished_run, corpus, capsys):
+    """`"step": 4` -> 3 in step-00000004/state.json: refused (state.json no longer matches its
+    hash), by --resume-from; --resume sets it aside and goes on from step 2, as for any
+    corrupted checkpoint. Re-sealed, the step still disagrees with the directory's name."""
+    run = copy_run(finished_run, tmp_path / "run")
+    last = run / "checkpoints" / "step-00000004"
+    edit_state(last, reseal=False, step=3)
+    before = tree(run)
+    args = ["train", *overrides(corpus, run, steps=4, checkpoint_every=2)]
+    fails_with(capsys, [*args, f"--resume-from={last}"], "step-00000004", "state.json does not match its own SHA-256")
+    edit_state(last, reseal=True, step=3)
+    fails_with(capsys, [*args, f"--resume-from={last}"], "step-00000004",
+               "state.json says step 3 but the directory's name says step 4")
+    assert tree(run) == {**before, "checkpoints/step-00000004/state.json": (last / STATE_FILE).read_bytes()}
+    with pytest.warns(UserWarning, match="step-00000004.*set aside as 'corrupt-step-00000004'"):
+        assert cli_main([*args, "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert [p.name for p in checkpoint_dirs(run)] == ["step-00000002", "step-00000004"]
+    assert json.loads((run / "checkpoints" / "step-00000004" / STATE_FILE).read_text())["tokens_seen"] == 4 * 128
+
+
+def test_an_edited_state_with_a_matching_step_is_refused_by_name(tmp_path, finished_run, corpus, capsys):
+    """Another field edited (tokens_seen), the step left alone: the hash refuses it; with the
+    hash recomputed, tokens_seen disagrees with the step and the tokens per step."""
+    run = copy_run(finished_run, tmp_path / "run")
+    last = run / "checkpoints" / "step-00000004"
+    args = ["train", *overrides(corpus, run, steps=4, checkpoint_every=2), f"--resume-from={last}"]
+    edit_state(last, reseal=False, tokens_seen=3 * 128)
+    fails_with(capsys, args, "step-00000004", "state.json does not match its own SHA-256")
+    edit_state(last, reseal=True)
+    before = tree(run)
+    fails_with(capsys, args, "step-00000004", "step 4 at 128 tokens per step is 512 tokens",
+               "tokens_seen=384")
+    assert tree(run) == before
