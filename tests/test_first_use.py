@@ -102,3 +102,23 @@ def test_an_edited_state_with_a_matching_step_is_refused_by_name(tmp_path, finis
     fails_with(capsys, args, "step-00000004", "step 4 at 128 tokens per step is 512 tokens",
                "tokens_seen=384")
     assert tree(run) == before
+
+
+# -- --report-only over another experiment's directory -------------------------------------
+
+def test_report_only_refuses_the_directory_of_another_experiment(tmp_path, capsys):
+    """`attnres experiment ablation --report-only` on an `attnres compare` directory (whose
+    'full' run the ablation grid also names) used to overwrite the compare report."""
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "full",
+                     "--overhead-repeats", "0"]) == 0
+    before = tree(out)
+    fails_with(capsys, ["experiment", "ablation", "--preset", "tiny", "--out", str(out), "--report-only"],
+               "holds a different experiment", "'compare'", "'ablation'")
+    fails_with(capsys, ["compare", "--preset", "demo", "--out", str(out), "--report-only"],
+               "holds a different experiment", "'preset'")
+    assert tree(out) == before
+    assert cli_main(["compare", "--out", str(out), "--report-only"]) == 0  # its own preset, from experiment.json
+    (out / "experiment.json").write_text("{not json")
+    fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out), "--report-only"], "experiment.json",
+               "is not an experiment header")

@@ -420,6 +420,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     """``attnres experiment`` / ``attnres compare``: bad presets, seeds or overrides end the
     process with a one-line message."""
     from .experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
+    from .experiments.runner import check_same_experiment
     from .train import TrainingDiverged
     from .train.config import apply_overrides
 
@@ -427,7 +428,9 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
         raise SystemExit(f"attnres {name}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
     try:
         experiment = get_experiment(name, preset)
-        if not report_only:
+        if report_only:  # the report of another grid in `out` must not be overwritten
+            check_same_experiment(out, {"experiment": name, "preset": preset})
+        else:
             apply_cpu_allocator(apply_overrides({}, overrides))
             run_experiment(experiment, out, seeds, overrides, variants=variants)
             if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
