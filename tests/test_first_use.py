@@ -122,3 +122,50 @@ def test_report_only_refuses_the_directory_of_another_experiment(tmp_path, capsy
     (out / "experiment.json").write_text("{not json")
     fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out), "--report-only"], "experiment.json",
                "is not an experiment header")
+
+
+# -- bad places to write ------------------------------------------------------------------
+
+@pytest.fixture
+def read_only(tmp_path) -> Path:
+    """A directory where nothing can be created: a 0o555 one, or for root (whom permissions
+    do not stop) ``/sys``, read-only in containers and to users."""
+    import os
+
+    if os.geteuid() != 0:
+        ro = tmp_path / "read-only"
+        ro.mkdir()
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    try:
+        os.mkdir("/sys/attnres-write-check")
+    except OSError:
+        yield Path("/sys")
+        return
+    os.rmdir("/sys/attnres-write-check")
+    pytest.skip("no read-only directory to test with")
+
+
+def test_bad_output_places_end_with_one_line_before_any_work(tmp_path, finished_run, corpus, read_only, capsys,
+                                                             monkeypatch):
+    pytest.importorskip("transformers")
+    import attnres.hf.evaluate as evaluate_mod
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me")
+    monkeypatch.setattr(evaluate_mod, "perplexity", lambda *a, **k: pytest.fail("eval did work before checking --out"))
+    fails_with(capsys, ["eval", "--checkpoint", str(finished_run), "--tasks", "none", "--out",
+                        str(read_only / "eval.json")], "attnres eval: error: --out", "cannot be written")
+    for out in (read_only / "hf", "/proc/attnres-export"):
+        fails_with(capsys, ["export", "--checkpoint", str(finished_run), "--out", str(out)],
+                   f"attnres export: error: --out '{out}' cannot be created")
+    fails_with(capsys, ["export", "--checkpoint", str(finished_run), "--out", str(a_file / "hf")],
+               f"'{a_file}' is a file, not a directory")
+    for out in (a_file, read_only / "cmp"):
+        fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out)], f"attnres compare: error: --out '{out}'")
+    for cache in (a_file, read_only / "cache"):
+        fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run"), f"data.cache_dir={cache}"],
+                   f"attnres train: error: data.cache_dir '{cache}'")
+    assert a_file.read_text() == "keep me" and not (tmp_path / "run").exists()

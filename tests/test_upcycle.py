@@ -215,7 +215,7 @@ def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")
     src, base = _pretrained_directory(tmp_path, corpus)
     up_dir = tmp_path / "up"
-    with pytest.raises(SystemExit, match="is an existing file"):
+    with pytest.raises(SystemExit, match="cannot be used: it is a file"):
         cli_main(["upcycle", "--model", str(src), "--out", str(corpus)])
     assert cli_main(["upcycle", "--model", str(src), "--out", str(up_dir), "--block-size", "2"]) == 0
     up = AutoModelForCausalLM.from_pretrained(up_dir).eval()

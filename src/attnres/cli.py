@@ -369,6 +369,8 @@ def _main(argv: list[str] | None) -> int:
         return run_train(config, overrides + flags, args.print_config)
     elif grid:
         name = "compare" if args.command == "compare" else args.name
+        if not args.report_only:
+            _check_output_dir(f"attnres {args.command}", args.out)
         if name == "no-free-lunch":
             from .experiments.no_free_lunch import run_cli
 
@@ -399,6 +401,16 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
     if files and not os.path.isfile(files[0]):
         parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
     return (given[0] if given else None), [a for a in arguments if "=" in a]
+
+
+def _check_output_dir(command: str, out: str) -> None:
+    """``--out`` of ``command``, a directory to write into, checked before any work."""
+    from .output_paths import OutputPathError, check_output_dir
+
+    try:
+        check_output_dir(out, "--out")
+    except OutputPathError as e:
+        raise SystemExit(f"{command}: error: {e}") from None
 
 
 def _saved_preset(out: str, name: str) -> str | None:
@@ -558,12 +570,9 @@ def _eval_output(args):
     """Where ``attnres eval`` writes its results; checked before any work is done."""
     from pathlib import Path
 
-    out = Path(args.out) if args.out else Path(args.checkpoint) / "eval.json"
-    if out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a directory; give the path of the results JSON file")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist; create it first")
-    return out
+    from .output_paths import check_output_file
+
+    return check_output_file(Path(args.out) if args.out else Path(args.checkpoint) / "eval.json", "--out")
 
 
 def run_eval(args) -> int:
@@ -577,6 +586,7 @@ def run_eval(args) -> int:
     from .data.corpus import read_text_file
     from .hf.evaluate import check_tasks, perplexity, run_lm_eval
     from .inference.loading import load_run, load_tokenizer, pick_device
+    from .output_paths import write_text_atomically
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
@@ -603,9 +613,9 @@ def run_eval(args) -> int:
                 hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
                 results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, limit=args.limit, batch_size=args.batch_size,
                                                  device=str(device), bootstrap_iters=args.bootstrap_iters)
+        write_text_atomically(out, json.dumps(results, indent=1, default=str))
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None
-    out.write_text(json.dumps(results, indent=1, default=str))
     for task, metrics in results["lm_eval"].items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
         print(f"attnres eval: {task}: {shown}")

@@ -61,6 +61,7 @@ from ..distributed.launch import (
 )
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout
+from ..output_paths import check_output_dir
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
 from .hf_source import load_hf_weights
@@ -138,6 +139,8 @@ class Trainer:
         self.lock: RunLock | None = None
         self.logger: MetricsLogger | None = None
         self.progress = None
+        if config.data.cache_dir is not None:  # before out_dir is created: a bad one leaves nothing behind
+            check_output_dir(config.data.cache_dir, "data.cache_dir")
         check_out_dir(self.out_dir, ctx)  # writable, and the same directory on every rank
         # Under torchrun only rank 0 takes the lock (the ranks are one run, and only rank 0
         # writes); the others check a lock left on their host, and stop with rank 0 on an error.

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..output_paths import check_output_dir
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -101,9 +102,7 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
     """``attnres upcycle``: load ``source``, upcycle it, and write the AttnRes model with the
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
     ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is an existing file; give a directory")
+    out = check_output_dir(out, "--out")
     model, tokenizer = load_pretrained(source, gguf_file, dtype)
     upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)
     out.mkdir(parents=True, exist_ok=True)
