@@ -275,10 +275,12 @@ class Trainer:
         else:
             start = f"new run in {str(self.out_dir)!r}"
         tok = data.tokens.tokenizer
+        padded = self.config.model.vocab_size - tok.vocab_size
+        padding = f", the embedding padded by {padded} rows beyond it" if padded > 0 else ""
         device = str(self.device) + (" (freed memory retained)" if self.device.type == "cpu" and retains_freed_memory() else "")
         facts = RunFacts(start=start, first_step=self.step_count, parameters=self.model.num_parameters(),
                          train_tokens=len(data.tokens.train), val_tokens=len(data.tokens.val),
-                         tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {data.tokenizer_origin}",
+                         tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {data.tokenizer_origin}{padding}",
                          fingerprint=data.fingerprint, device=device, world_size=self.ctx.world_size,
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
