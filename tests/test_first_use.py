@@ -169,3 +169,14 @@ def test_bad_output_places_end_with_one_line_before_any_work(tmp_path, finished_
         fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run"), f"data.cache_dir={cache}"],
                    f"attnres train: error: data.cache_dir '{cache}'")
     assert a_file.read_text() == "keep me" and not (tmp_path / "run").exists()
+
+
+# -- Triton kernels without a GPU ----------------------------------------------------------
+
+def test_triton_kernels_on_the_cpu_are_refused_before_any_work(tmp_path, corpus, capsys, monkeypatch):
+    """(A Triton driver traceback came after the start-up summary.) Triton's interpreter,
+    which the test suite may switch on, is the one way to run them on the CPU."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", device="cpu"), "model.residual.kernels=triton"],
+               "model.residual.kernels='triton' needs a CUDA GPU", "device is cpu")
+    assert capsys.readouterr().out == "" and not (tmp_path / "run").exists()

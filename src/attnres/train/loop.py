@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, ctx: DistContext) -> None:
         config.validate()
+        check_kernels(config, ctx.device)
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
@@ -454,6 +456,17 @@ class Trainer:
                     break
         return TrainResult(step=self.step_count, train_loss=self.train_loss, val_loss=self.val_loss,
                            checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted)
+
+
+def check_kernels(config: TrainConfig, device: torch.device) -> None:
+    """Refuse ``model.residual.kernels="triton"`` off a GPU before any work: Triton kernels
+    run on CUDA devices (on the CPU only under Triton's interpreter, ``TRITON_INTERPRET=1``,
+    for tests), and the driver's error would come after the start-up summary, as a traceback."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if config.model.residual.kernels == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(f"model.residual.kernels='triton' needs a CUDA GPU (Triton kernels run on GPUs), and this run's "
+                         f"device is {device.type}: use kernels='auto' (the C kernel on the CPU, Triton on CUDA) or "
+                         "'torch'")
 
 
 def _attempt(fn):
