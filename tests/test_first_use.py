@@ -180,3 +180,32 @@ def test_triton_kernels_on_the_cpu_are_refused_before_any_work(tmp_path, corpus,
     fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", device="cpu"), "model.residual.kernels=triton"],
                "model.residual.kernels='triton' needs a CUDA GPU", "device is cpu")
     assert capsys.readouterr().out == "" and not (tmp_path / "run").exists()
+
+
+# -- out of memory --------------------------------------------------------------------------
+
+def attnres_command(*args: str, limit_bytes: int | None = None, timeout: float = 120):
+    """``python -m attnres args`` in a subprocess (with an address-space limit): its exit
+    status and what it printed."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    proc = subprocess.run([sys.executable, "-m", "attnres", *args], capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limit if limit_bytes else None, env={**__import__("os").environ,
+                                                                          "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_batch_that_does_not_fit_in_memory_ends_with_one_line(tmp_path, corpus):
+    """Under a 3 GB address-space limit, 200,000 windows of 32 tokens: the first activation
+    (1.6 GB) does not fit (a traceback from the allocator before)."""
+    code, out = attnres_command("train", *overrides(corpus, tmp_path / "run", batch_size=200000, steps=2,
+                                                    eval_batches=1), limit_bytes=3_000_000_000)
+    assert code == 1 and "Traceback" not in out, out
+    assert "attnres train: error: out of memory on cpu: one micro-batch of batch_size 200000 x seq_len 32" in out, out
+    assert "MiB failed" in out and "lower batch_size" in out, out
+    assert not (tmp_path / "run" / "checkpoints").exists()

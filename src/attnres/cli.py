@@ -433,7 +433,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     process with a one-line message."""
     from .experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
     from .experiments.runner import check_same_experiment
-    from .train import TrainingDiverged
+    from .train import TrainingDiverged, TrainingOutOfMemory
     from .train.config import apply_overrides
 
     if overhead_repeats < 0:
@@ -449,7 +449,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
                 measure_overhead(experiment, out, overrides, overhead_repeats)
         records = load_records(out, experiment)  # every seed finished so far, not only this invocation's
         path = write_report(name, records, out, preset)
-    except (ValueError, TrainingDiverged) as e:
+    except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
         raise SystemExit(f"attnres experiment: error: {e}") from None
     except KeyboardInterrupt as e:  # a run checkpointed on SIGINT/SIGTERM: re-running resumes it
         print(f"attnres experiment: interrupted ({e or 'SIGINT'}); run the same command again to resume")
@@ -630,7 +630,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     import signal
 
     from .distributed.launch import DistributedError
-    from .train import TrainingDiverged, load_config, train
+    from .train import TrainingDiverged, TrainingOutOfMemory, load_config, train
 
     try:
         config = load_config(config_path, overrides)
@@ -643,7 +643,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
         result = train(config)
     except DistributedError as e:
         _exit_after_collective_failure(_train_error(e))
-    except (ValueError, TrainingDiverged) as e:
+    except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
         raise _train_error(e) from None
     if result.interrupted:
         if _rank_zero():

@@ -30,6 +30,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,6 +92,31 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became NaN or infinite; nothing was saved for that step."""
 
 
+class TrainingOutOfMemory(RuntimeError):
+    """An allocation failed (the CPU's or a CUDA device's memory): the message names the
+    batch, the allocation that failed and what to lower."""
+
+
+def out_of_memory(error: BaseException, config: TrainConfig, device: torch.device) -> TrainingOutOfMemory | None:
+    """:class:`TrainingOutOfMemory` in words when ``error`` is an allocation failure (torch's
+    CPU allocator or CUDA's, or Python's ``MemoryError``), else ``None``."""
+    text = str(error)
+    if not (isinstance(error, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
+            or "not enough memory" in text):
+        return None
+    asked = re.search(r"(?:you tried to allocate|Tried to allocate) ([0-9.]+) ?(bytes|[KMGT]iB)", text)
+    if asked is None:
+        failed = "an allocation failed"
+    else:
+        size = float(asked.group(1)) * 1024 ** ("bytes KiB MiB GiB TiB".split().index(asked.group(2)))
+        failed = f"an allocation of {size / 2**20:,.0f} MiB failed"
+    micro = f"batch_size {config.batch_size} x seq_len {config.seq_len}"
+    return TrainingOutOfMemory(
+        f"out of memory on {device}: one micro-batch of {micro} tokens needs more memory than is available ({failed}); "
+        f"lower batch_size, and raise grad_accum to keep the {config.tokens_per_step:,} tokens per step (batch_size "
+        "x grad_accum x seq_len)")
+
+
 @dataclass
 class TrainResult:
     """What :func:`train` returns. ``interrupted`` names the signal that stopped the run
@@ -111,13 +137,20 @@ def train(config: TrainConfig) -> TrainResult:
     (unless one exists) and kept until the process exits.
 
     Raises ``ValueError`` for bad data, configs or checkpoints, :class:`TrainingDiverged`
-    on a non-finite loss (the last good checkpoint is left untouched) and
+    on a non-finite loss (the last good checkpoint is left untouched),
+    :class:`TrainingOutOfMemory` when a step does not fit in memory, and
     :class:`~attnres.distributed.DistributedError` when another rank died or stalled.
     """
     config.validate()
     ctx = process_context(config.device, config.dist_timeout_s)
     with collective_errors(ctx):
-        return Trainer(config, ctx).run()
+        try:
+            return Trainer(config, ctx).run()
+        except (RuntimeError, MemoryError) as e:
+            oom = out_of_memory(e, config, ctx.device)
+            if oom is None:
+                raise
+        raise oom  # outside the handler: the failed step's tensors are freed with its traceback
 
 
 class Trainer:
