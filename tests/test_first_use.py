@@ -209,3 +209,23 @@ def test_a_batch_that_does_not_fit_in_memory_ends_with_one_line(tmp_path, corpus
     assert "attnres train: error: out of memory on cpu: one micro-batch of batch_size 200000 x seq_len 32" in out, out
     assert "MiB failed" in out and "lower batch_size" in out, out
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# -- unknown keys under model.hf_config ------------------------------------------------------
+
+def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
+    """A misspelt family field was kept as an unused attribute; a field a ModelConfig field
+    sets is named with that field. Every family's own saved config still passes."""
+    pytest.importorskip("transformers")
+    args = ["train", *overrides(corpus, tmp_path / "run"), "model.hf_architecture=llama"]
+    fails_with(capsys, [*args, "model.hf_config.num_hiden_layers=2"],
+               "unknown ModelConfig.hf_config key(s) ['num_hiden_layers'] for hf_architecture='llama'", "'head_dim'")
+    fails_with(capsys, [*args, "model.hf_config.num_hidden_layers=2"],
+               "ModelConfig.hf_config.num_hidden_layers is set by ModelConfig.n_layers")
+    assert not (tmp_path / "run").exists()
+    from attnres.models import ModelConfig
+    from attnres.models.families import FAMILIES, check_hf_config, model_fields_of
+    from attnres.models.families.tiny import tiny_model
+
+    for family in FAMILIES:  # what model.from_hf reads from a saved directory
+        check_hf_config(ModelConfig.from_dict(model_fields_of(tiny_model(family).config)))

@@ -195,6 +195,10 @@ class TrainConfig:
         if not isinstance(self.model, ModelConfig):
             fail("TrainConfig", "model", "a ModelConfig", self.model)
         self.model.validate()
+        if self.model.hf_architecture is not None and self.model.hf_config:
+            from ..models.families import check_hf_config  # needs transformers, as such a model does
+
+            check_hf_config(self.model)
         if not isinstance(self.data, DataConfig):
             fail("TrainConfig", "data", "a DataConfig", self.data)
         self.data.validate()
