@@ -229,3 +229,19 @@ def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
 
     for family in FAMILIES:  # what model.from_hf reads from a saved directory
         check_hf_config(ModelConfig.from_dict(model_fields_of(tiny_model(family).config)))
+
+
+# -- a warm-up longer than the run --------------------------------------------------------
+
+def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):
+    """The default warmup_steps=100 with steps=6: the summary said "lr 0.003", but the rate
+    never passed 1.8e-4."""
+    with pytest.warns(UserWarning, match=r"warmup_steps=100 >= steps=6: the learning rate rises for the whole run, "
+                      r"to 0.00018 at the last step \(0.06 x lr\)"):
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run", warmup_steps=100, stop_after=1)]) == 0
+    assert "adamw, lr 0.003 (peak 0.00018: warmup_steps 100 >= steps 6), cosine" in capsys.readouterr().out
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="warmup_steps")  # a warm-up shorter than the run: nothing to say
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run2", warmup_steps=5, stop_after=1)]) == 0

@@ -32,6 +32,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,7 @@ from .resume import check_resumable
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
 from .signals import StopSignals
-from .summary import RunFacts, startup_summary
+from .summary import RunFacts, startup_summary, warmup_overrun
 
 
 class _Named:
@@ -319,6 +320,9 @@ class Trainer:
                          fingerprint=data.fingerprint, device=device, world_size=self.ctx.world_size,
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
+        overrun = warmup_overrun(self.config)
+        if overrun is not None:
+            warnings.warn(overrun, stacklevel=2)
 
     def _describe_layout(self) -> str:
         p = self.config.parallel
