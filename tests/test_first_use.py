@@ -245,3 +245,37 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="warmup_steps")  # a warm-up shorter than the run: nothing to say
         assert cli_main(["train", *overrides(corpus, tmp_path / "run2", warmup_steps=5, stop_after=1)]) == 0
+
+
+# -- non-finite weights ----------------------------------------------------------------------
+
+def poison_weights(ckpt: Path) -> None:
+    """Put a NaN into the checkpoint's weights and re-list the file in its manifest, as a run
+    that diverged between two checks might have."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(ckpt / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(ckpt / "model.safetensors"))
+    data = (ckpt / "model.safetensors").read_bytes()
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    doc["files"]["model.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (ckpt / STATE_FILE).write_text(json.dumps(seal_state(doc)))
+
+
+def test_generate_warns_about_non_finite_weights(tmp_path, finished_run, capsys):
+    """Sampling from NaN logits printed NUL bytes without a word."""
+    run = copy_run(finished_run, tmp_path / "run")
+    args = ["generate", "--checkpoint", str(run), "--prompt", "the", "--max-new-tokens", "3", "--temperature", "0"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*NaN or infinite")
+        assert cli_main(args) == 0  # finite weights: nothing to say
+    poison_weights(run / "checkpoints" / "step-00000004")
+    with pytest.warns(UserWarning, match=r"step-00000004' hold NaN or infinite values \(1 tensor\(s\)"):
+        assert cli_main(args) == 0

@@ -512,6 +512,18 @@ def run_upcycle(args) -> int:
     return 0
 
 
+def _warn_non_finite(model, checkpoint) -> None:
+    """Warn when ``model``'s weights hold NaN or infinite values: every logit is then
+    non-finite and sampling picks token 0 (a NUL byte with the byte tokenizer) without a word."""
+    import torch
+
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        warnings.warn(f"the weights of {str(checkpoint)!r} hold NaN or infinite values ({len(bad)} tensor(s), e.g. "
+                      f"{bad[0]!r}): the logits are not finite and the text generated is meaningless; generate from "
+                      "an earlier checkpoint", stacklevel=2)
+
+
 def run_generate(args) -> int:
     """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
     import sys
@@ -526,6 +538,7 @@ def run_generate(args) -> int:
         run = load_run(args.checkpoint, args.device)
         _native_only(run, "generate")
         model = run.model
+        _warn_non_finite(model, run.checkpoint)
         tokenizer = load_tokenizer(run, args.tokenizer)
         ids = tokenizer.encode(args.prompt)
         if not ids:
