@@ -279,3 +279,25 @@ def test_generate_warns_about_non_finite_weights(tmp_path, finished_run, capsys)
     poison_weights(run / "checkpoints" / "step-00000004")
     with pytest.warns(UserWarning, match=r"step-00000004' hold NaN or infinite values \(1 tensor\(s\)"):
         assert cli_main(args) == 0
+
+
+# -- counts that must be at least 1 ----------------------------------------------------------
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["eval", "--tasks", "none", "--seq-len", "0"], "--seq-len must be >= 1 (omit it for the model's max_seq_len); got 0"),
+    (["eval", "--limit", "0"], "--limit must be >= 1 (omit it for every document of each task); got 0"),
+    (["analyze", "--seq-len", "0"], "--seq-len must be >= 1"),
+    (["analyze", "--seq-len", "-3"], "got -3"),
+])
+def test_zero_counts_are_refused_before_any_work(tmp_path, finished_run, capsys, monkeypatch, argv, fragment):
+    """`--seq-len 0` meant "the default" without a word; `eval --limit 0` failed in lm-eval
+    after the perplexity pass."""
+    pytest.importorskip("transformers")
+    import attnres.hf.evaluate as evaluate_mod
+
+    monkeypatch.setattr(evaluate_mod, "perplexity", lambda *a, **k: pytest.fail("eval did work before its checks"))
+    out = tmp_path / "out"
+    where = ["--out", str(out / "eval.json")] if argv[0] == "eval" else ["--out", str(out)]
+    out.mkdir()
+    fails_with(capsys, [argv[0], "--checkpoint", str(finished_run), *argv[1:], *where], fragment)
+    assert list(out.iterdir()) == []

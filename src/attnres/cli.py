@@ -482,6 +482,13 @@ def _native_only(run, command: str) -> None:
                          f"{run.checkpoint} --out DIR` and use DIR with transformers (generate, lm-eval)")
 
 
+def _check_optional_count(option: str, value: int | None, default: str) -> None:
+    """An option that is omitted for its ``default`` or given as a count >= 1 (0 used to mean
+    the default without a word)."""
+    if value is not None and value < 1:
+        raise ValueError(f"{option} must be >= 1 (omit it for {default}); got {value}")
+
+
 def run_analyze(args) -> int:
     """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
     from .experiments.analyze import write_analysis
@@ -490,6 +497,7 @@ def run_analyze(args) -> int:
     try:
         if args.rows < 1:
             raise ValueError(f"--rows must be >= 1; got {args.rows}")
+        _check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
         if args.text is not None and not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text!r} is not a file")
         path = write_analysis(args.checkpoint, args.compare, args.out, args.rows, args.seq_len, args.text, args.device)
@@ -603,6 +611,8 @@ def run_eval(args) -> int:
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
+        _check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
+        _check_optional_count("--limit", args.limit, "every document of each task")
         out = _eval_output(args)
         check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
