@@ -301,3 +301,25 @@ def test_zero_counts_are_refused_before_any_work(tmp_path, finished_run, capsys,
     out.mkdir()
     fails_with(capsys, [argv[0], "--checkpoint", str(finished_run), *argv[1:], *where], fragment)
     assert list(out.iterdir()) == []
+
+
+# -- a layout that does not fit the launched ranks -----------------------------------------
+
+def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus):
+    """`torchrun --nproc-per-node 2 ... parallel.tp=3`: every rank printed the same line (after
+    the data was prepared); now one line per node, before any work, and the ranks exit 1
+    (torchrun then reports the failed workers itself)."""
+    import subprocess
+    import sys
+
+    from distributed_utils import LAUNCH_TIMEOUT_S, worker_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "attnres",
+           "train", *overrides(corpus, tmp_path / "run"), "parallel.tp=3"]
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("attnres train: error:")]
+    assert errors == ["attnres train: error: TrainConfig.parallel.tp must be a divisor of the 2 launched ranks "
+                      "together with parallel.pp=1 (tp * pp = 3); got 3"], out
+    assert proc.returncode != 0 and "exitcode  : 1" in out, out
+    assert not (tmp_path / "run").exists()

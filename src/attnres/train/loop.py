@@ -63,7 +63,7 @@ from ..distributed.launch import (
     raise_on_every_rank,
 )
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
-from ..distributed.parallel import build_layout
+from ..distributed.parallel import build_layout, resolve_degrees
 from ..output_paths import check_output_dir
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
@@ -170,6 +170,11 @@ class Trainer:
     def __init__(self, config: TrainConfig, ctx: DistContext) -> None:
         config.validate()
         check_kernels(config, ctx.device)
+        if ctx.world_size > 1:  # the layout fits the launched ranks: the same answer on every rank
+            try:
+                resolve_degrees(config.parallel, ctx.world_size)
+            except ValueError as e:
+                raise on_every_rank(e) from None
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
