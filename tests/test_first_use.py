@@ -43,13 +43,17 @@ def copy_run(run: Path, where: Path) -> Path:
 
 def fails_with(capsys, argv: list[str], *fragments: str) -> str:
     """Run ``attnres argv``: it must end with one line ``attnres ...: error: ...`` holding every
-    fragment, and a non-zero status; returns that line."""
+    fragment (after argparse's usage lines, for a usage error), and a non-zero status; returns
+    that line."""
     with pytest.raises(SystemExit) as exit_:
         cli_main(argv)
     code = exit_.value.code
-    message = code if isinstance(code, str) else capsys.readouterr().err.strip()
-    assert code not in (0, None), message
-    assert "\n" not in message.strip() and "Traceback" not in message, message
+    printed = code if isinstance(code, str) else capsys.readouterr().err.strip()
+    assert code not in (0, None), printed
+    assert "Traceback" not in printed, printed
+    errors = [line for line in printed.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and printed.endswith(errors[0]), printed
+    message = errors[0]
     for fragment in fragments:
         assert fragment in message, message
     return message
@@ -323,3 +327,15 @@ def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus):
                       "together with parallel.pp=1 (tp * pp = 3); got 3"], out
     assert proc.returncode != 0 and "exitcode  : 1" in out, out
     assert not (tmp_path / "run").exists()
+
+
+# -- messages that said something else ----------------------------------------------------
+
+def test_messages_name_the_one_limit_and_the_directory(tmp_path, finished_run, capsys):
+    """`generate --max-new-tokens 100000` named two limits (126 and 128); `train --config DIR`
+    said the directory did not exist."""
+    line = fails_with(capsys, ["generate", "--checkpoint", str(finished_run), "--prompt", "the", "--max-new-tokens",
+                               "100000"], "context limit of 128 tokens")
+    assert line.endswith("(max_seq_len): use --max-new-tokens 126 or less"), line
+    fails_with(capsys, ["train", "--config", str(tmp_path)], f"config file '{tmp_path}' is a directory; give a YAML file")
+    fails_with(capsys, ["train", str(tmp_path)], f"'{tmp_path}' is a directory, not a config file")

@@ -398,6 +398,8 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
     given = [f for f in (config, *files) if f is not None]
     if len(given) > 1:
         parser.error(f"one config file at most (as the first argument or with --config); got {given}")
+    if files and os.path.isdir(files[0]):
+        parser.error(f"{files[0]!r} is a directory, not a config file (a YAML file) or a key=value override")
     if files and not os.path.isfile(files[0]):
         parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
     return (given[0] if given else None), [a for a in arguments if "=" in a]
@@ -465,9 +467,10 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
     if need > limit:
         room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
         hints = [f"use --max-new-tokens {room} or less"] if room >= 1 else []
-        hints.append(f"shorten the prompt to at most {keep} tokens" if keep >= 1
-                     else f"--max-new-tokens may be at most {limit}")
-        hint = " or ".join(hints)
+        hints += [f"shorten the prompt to at most {keep} tokens"] if keep >= 1 else []
+        # One limit, the context: the prompt and the new tokens but the last fill it together.
+        hint = " or ".join(hints) or (f"shorten the prompt and lower --max-new-tokens: together they may be at most "
+                                      f"{limit + 1} tokens")
         raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 

@@ -422,6 +422,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")
         try:
