@@ -339,3 +339,20 @@ def test_messages_name_the_one_limit_and_the_directory(tmp_path, finished_run, c
     assert line.endswith("(max_seq_len): use --max-new-tokens 126 or less"), line
     fails_with(capsys, ["train", "--config", str(tmp_path)], f"config file '{tmp_path}' is a directory; give a YAML file")
     fails_with(capsys, ["train", str(tmp_path)], f"'{tmp_path}' is a directory, not a config file")
+
+
+# -- the same corpus twice ------------------------------------------------------------------
+
+def test_a_file_reached_twice_is_refused(tmp_path, corpus, capsys):
+    """`data.paths=[a.txt,a.txt]` doubled the data (and the validation split) without a word;
+    so did a directory and a file in it. The run leaves no out_dir behind."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    shutil.copy(corpus, texts / "a.txt")
+    run = tmp_path / "run"
+    base = [a for a in overrides(corpus, run) if not a.startswith("data.paths=")]
+    fails_with(capsys, ["train", *base, f"data.paths=[{texts / 'a.txt'},{texts / 'a.txt'}]"],
+               f"data.paths reads the file '{texts / 'a.txt'}' twice (listed twice)")
+    fails_with(capsys, ["train", *base, f"data.paths=[{texts},{texts / 'a.txt'}]"],
+               f"twice (through '{texts}' and '{texts / 'a.txt'}')")
+    assert not run.exists()

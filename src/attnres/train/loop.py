@@ -182,6 +182,7 @@ class Trainer:
         self.progress = None
         if config.data.cache_dir is not None:  # before out_dir is created: a bad one leaves nothing behind
             check_output_dir(config.data.cache_dir, "data.cache_dir")
+        created = self.main and not self.out_dir.exists()  # removed again if the set-up fails (left empty)
         check_out_dir(self.out_dir, ctx)  # writable, and the same directory on every rank
         # Under torchrun only rank 0 takes the lock (the ranks are one run, and only rank 0
         # writes); the others check a lock left on their host, and stop with rank 0 on an error.
@@ -209,6 +210,9 @@ class Trainer:
             self._main_first(self._open_outputs)
         except BaseException:
             self.close()
+            if created:
+                with contextlib.suppress(OSError):  # not empty: something of the run is worth keeping
+                    self.out_dir.rmdir()
             raise
 
     # -- coordination ---------------------------------------------------------------------
