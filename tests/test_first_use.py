@@ -356,3 +356,37 @@ def test_a_file_reached_twice_is_refused(tmp_path, corpus, capsys):
     fails_with(capsys, ["train", *base, f"data.paths=[{texts},{texts / 'a.txt'}]"],
                f"twice (through '{texts}' and '{texts / 'a.txt'}')")
     assert not run.exists()
+
+
+# -- an install without the clone ------------------------------------------------------------
+
+def test_the_readme_config_works_outside_the_clone(tmp_path, monkeypatch, capsys):
+    """`attnres train --config configs/train-cpu.yaml` from a wheel: there is no configs/ beside
+    the user; the config of that name ships in the package (a clone's configs/ links to it)."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    expected = load_config(root / "configs" / "train-cpu.yaml").to_dict()
+    for argv in (["--config", "configs/train-cpu.yaml"], ["configs/train-cpu.yaml"]):
+        assert cli_main(["train", *argv, "--print-config"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out) == expected
+    fails_with(capsys, ["train", "--config", "configs/no-such.yaml"], "config file 'configs/no-such.yaml' does not exist")
+
+
+def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monkeypatch):
+    """`pip install "attnres[train]"` named a distribution no index serves: the command names
+    the clone (or the wheel) attnres was installed from."""
+    from attnres import extras
+    from attnres.cli import missing_extra
+
+    clone = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(extras, "_installed_from", lambda: ("clone", clone))
+    monkeypatch.chdir(clone)
+    assert extras.install_command("hf") == 'pip install -e ".[hf]"'
+    monkeypatch.chdir(tmp_path)
+    message = missing_extra(["train"], ModuleNotFoundError("No module named 'yaml'", name="yaml"))
+    assert message == (f"attnres train: error: this needs the 'train' extra: pip install -e \"{clone}[train]\" (the module "
+                       "'yaml' is not installed)")
+    monkeypatch.setattr(extras, "_installed_from", lambda: None)
+    assert 'pip install -e ".[hf]" in a clone of attnres' in missing_extra(["eval"], ModuleNotFoundError(name="lm_eval"))

@@ -4,6 +4,12 @@
 >>> model = AttnResLM(ModelConfig.preset("tiny", residual="attnres_block"))
 """
 
+import warnings
+
+with warnings.catch_warnings():  # torch's warning without NumPy, which attnres's core does not need
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
 from .models import PRESETS, AttnResLM, LMOutput, ModelConfig, ResidualConfig
 from .nn.residual import register_residual, registered_residuals
 from .ops import depth_attention

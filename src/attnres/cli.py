@@ -101,8 +101,14 @@ def run() -> None:
 
 
 def _config_reference() -> str:
-    from .train.reference import config_reference
+    """Every config field (``train --help``); without the 'train' extra, how to get it."""
+    try:
+        from .train.reference import config_reference
+    except ImportError as e:  # a base install: the options above still help
+        from .extras import install_command
 
+        return (f"The list of every config field (and training itself) needs the 'train' extra: "
+                f"{install_command('train')} (the module {(e.name or '?').partition('.')[0]!r} is not installed).")
     return config_reference()
 
 
@@ -317,10 +323,12 @@ def missing_extra(argv: list[str], error: ImportError) -> str | None:
     missing = (error.name or "").partition(".")[0]
     if not missing or missing == "attnres":
         return None
+    from .extras import install_command
+
     command = next((a for a in argv if a in COMMAND_EXTRAS), None)
     extra = "upcycle" if missing == "gguf" else COMMAND_EXTRAS.get(command, "train")
     return (f"attnres{f' {command}' if command else ''}: error: this needs the '{extra}' extra: "
-            f"pip install \"attnres[{extra}]\" (the module {missing!r} is not installed)")
+            f"{install_command(extra)} (the module {missing!r} is not installed)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,8 +408,11 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
         parser.error(f"one config file at most (as the first argument or with --config); got {given}")
     if files and os.path.isdir(files[0]):
         parser.error(f"{files[0]!r} is a directory, not a config file (a YAML file) or a key=value override")
-    if files and not os.path.isfile(files[0]):
-        parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
+    if files:
+        from .train.config import config_path  # configs/NAME.yaml: also the shipped one
+
+        if not config_path(files[0]).is_file():
+            parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
     return (given[0] if given else None), [a for a in arguments if "=" in a]
 
 

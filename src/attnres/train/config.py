@@ -415,13 +415,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+#: The example configs shipped in the package (``configs/`` of a clone links to them).
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def config_path(path: str | Path) -> Path:
+    """``path``, or for ``configs/NAME.yaml`` (or ``NAME.yaml``) that is not there, the
+    config of that name shipped with attnres: the README's and the Makefile's commands work
+    from an installed wheel too, which has no clone's ``configs/`` beside it."""
+    p = Path(path)
+    shipped = SHIPPED_CONFIGS / p.name
+    if not p.exists() and str(p.parent) in ("configs", ".") and shipped.is_file():
+        return shipped
+    return p
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
+    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
+    ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
+    (:func:`config_path`)."""
     import yaml
 
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = config_path(path)
         if p.is_dir():
             raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():

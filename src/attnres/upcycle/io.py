@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..extras import install_command
 from ..output_paths import check_output_dir
 from .convert import upcycle
 
@@ -47,7 +48,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
                          f"{SMOLLM2!r})")
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
-        raise ModuleNotFoundError("reading a .gguf file needs the gguf package (pip install 'attnres[upcycle]')",
+        raise ModuleNotFoundError(f"reading a .gguf file needs the gguf package ({install_command('upcycle')})",
                                   name="gguf")
     check_layout(source, kw)  # a refused family is said before anything else can fail
     if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
