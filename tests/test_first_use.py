@@ -390,3 +390,26 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
                        "'yaml' is not installed)")
     monkeypatch.setattr(extras, "_installed_from", lambda: None)
     assert 'pip install -e ".[hf]" in a clone of attnres' in missing_extra(["eval"], ModuleNotFoundError(name="lm_eval"))
+
+
+# -- the docs --------------------------------------------------------------------------------
+
+def test_the_readme_summary_of_the_committed_comparison_has_every_paired_gap():
+    """The README summarised results/compare-long at equal steps and compute and left out
+    equal time, where both AttnRes variants are worse in every seed."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    report = (root / "results" / "compare-long" / "report.md").read_text()
+    readme = (root / "README.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| model | Δ val loss @ equal steps"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    for model in ("Block AttnRes", "Full AttnRes"):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {model} | ") and "seeds" not in line
+                   and re.search(r"\| \d/\d \|", line))
+        cells = dict(zip(columns, [c.strip() for c in row.strip("|").split("|")]))
+        for budget in ("equal steps", "equal compute", "equal time"):
+            mean = float(cells[f"Δ val loss @ {budget}"].split()[0])
+            shown = f"{'−' if mean < 0 else '+'}{abs(mean):.3f}"
+            readme_row = next((line for line in readme.splitlines() if line.startswith(f"| Δ @ {budget} |")), "")
+            assert shown in readme_row, (model, budget, shown, readme_row)
