@@ -413,3 +413,24 @@ def test_the_readme_summary_of_the_committed_comparison_has_every_paired_gap():
             shown = f"{'−' if mean < 0 else '+'}{abs(mean):.3f}"
             readme_row = next((line for line in readme.splitlines() if line.startswith(f"| Δ @ {budget} |")), "")
             assert shown in readme_row, (model, budget, shown, readme_row)
+
+
+# -- small things --------------------------------------------------------------------------
+
+def test_resume_and_resume_from_together_are_refused(tmp_path, finished_run, corpus, capsys):
+    """Which checkpoint would it be? (--resume with --resume-from was accepted silently.)"""
+    fails_with(capsys, ["train", *overrides(corpus, finished_run, steps=4), "--resume", "--resume-from",
+                        str(finished_run / "checkpoints" / "step-00000002")],
+               "TrainConfig.resume and resume_from are exclusive")
+
+
+def test_a_half_written_checkpoint_is_removed_and_said_at_the_next_start(tmp_path, finished_run, corpus, capsys):
+    """What a run killed with SIGKILL while writing a checkpoint leaves: removed when the next
+    run on that out_dir starts, and said."""
+    run = copy_run(finished_run, tmp_path / "run")
+    partial = run / "checkpoints" / ".tmp-step-00000006-4242"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    assert cli_main(["train", *overrides(corpus, run, steps=4), "--resume"]) == 0
+    assert "removed .tmp-step-00000006-4242, a checkpoint an interrupted run" in capsys.readouterr().out
+    assert not partial.exists()

@@ -211,6 +211,10 @@ class TrainConfig:
             fail("TrainConfig", "seq_len", f"an integer in [2, model.max_seq_len={self.model.max_seq_len}] (a window "
                  "needs a next token to predict)", self.seq_len)
         _check_rules(self, TRAIN_RULES)
+        if self.resume and self.resume_from is not None:  # which checkpoint would it be?
+            raise ValueError(f"TrainConfig.resume and resume_from are exclusive: resume=true continues the newest "
+                             f"checkpoint in out_dir, resume_from={self.resume_from!r} the given one; set one of them "
+                             "(--resume or --resume-from)")
 
     @property
     def tokens_per_step(self) -> int:

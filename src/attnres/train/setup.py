@@ -85,7 +85,9 @@ def locate_start(config: TrainConfig, main: bool, main_first: MainFirst) -> Star
     that holds checkpoints. Rank 0 (``main``) first removes what a crash left half-written."""
     out_dir = Path(config.out_dir)
     if main:
-        remove_partial_checkpoints(out_dir)
+        for partial in remove_partial_checkpoints(out_dir):
+            print(f"attnres train: removed {partial.name}, a checkpoint an interrupted run (killed while writing it) "
+                  "left half-written")
     if config.resuming:
         source = _resume_source(config, out_dir, main, main_first)
         return Start(resume=source, origin=source.state.get("init_from"))
