@@ -434,3 +434,21 @@ def test_a_half_written_checkpoint_is_removed_and_said_at_the_next_start(tmp_pat
     assert cli_main(["train", *overrides(corpus, run, steps=4), "--resume"]) == 0
     assert "removed .tmp-step-00000006-4242, a checkpoint an interrupted run" in capsys.readouterr().out
     assert not partial.exists()
+
+
+def test_version_loads_no_model_code():
+    """`attnres --version` took about 1.8x `import torch`: importing attnres imported the model
+    stack, which imports torch._dynamo (as long again as torch), and the command scanned every
+    installed distribution's file list first. Now it loads neither."""
+    import subprocess
+    import sys
+
+    import attnres
+
+    script = ("import sys\nfrom attnres.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+              "print(sorted(m for m in ('torch._dynamo', 'attnres.models') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"attnres {attnres.__version__}", "[]"], done.stdout + done.stderr
+    # the public names still load on first use
+    assert attnres.AttnResLM.__name__ == "AttnResLM" and "ModelConfig" in dir(attnres)

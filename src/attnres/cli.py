@@ -335,12 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     """``attnres``: a command that needs an extra that is not installed says which."""
     import sys
 
-    from .name_clash import warn_about_clashes
-
     # Show the package's own deprecations (Python hides DeprecationWarning outside __main__):
     # an old config key should say what replaces it.
     warnings.filterwarnings("default", category=DeprecationWarning, module=r"attnres(\.|$)")
-    warn_about_clashes(thorough=True)
     try:
         return _main(argv)
     except ImportError as e:
@@ -351,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    from .name_clash import warn_about_clashes
+
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(argv)  # --version and --help end here, at once
+    warn_about_clashes(thorough=True)  # every distribution's file list: a fraction of a second
     # argparse fills a positional list once: overrides written after an option (`--resume
     # steps=10`, `--seeds 0 key=value`) arrive here as extras. Accept key=value extras for the
     # commands that take overrides, and nothing else.
