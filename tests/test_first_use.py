@@ -452,3 +452,51 @@ def test_version_loads_no_model_code():
     assert done.stdout.splitlines() == [f"attnres {attnres.__version__}", "[]"], done.stdout + done.stderr
     # the public names still load on first use
     assert attnres.AttnResLM.__name__ == "AttnResLM" and "ModelConfig" in dir(attnres)
+
+
+def test_the_transformer_block_axis_has_whole_ticks(tmp_path, monkeypatch):
+    """The tiny preset's 4 blocks got ticks at 1.5, 2.5, ... on the magnitudes plot."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnres.experiments.compare import Run, _plot_magnitudes
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    diag = {key: [1.0, 2.0, 3.0, 4.0] for key in ("block_output_rms", "block_input_rms", "block_grad_norm")}
+    assert _plot_magnitudes({"standard": [Run({"variant": "standard", "seed": 0}, diagnostics=diag)]},
+                            tmp_path / "magnitudes.png")
+    (fig,) = figures
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    fig.clf()
+
+
+def test_perplexity_of_short_windows_is_batched_and_shows_progress(finished_run, capsys):
+    """`eval --seq-len 1` ran one forward pass per token (400 s on big.txt's split) with no
+    progress shown: short windows now go through the model in batches, with a bar; the value
+    is the window-by-window one."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from attnres.hf.evaluate import perplexity
+    from attnres.inference.loading import load_run, load_tokenizer
+
+    run = load_run(finished_run)
+    tok = load_tokenizer(run)
+    text = run.validation_text()[:400]
+    for seq_len in (1, 7):
+        ids = tok.encode(text)
+        total = 0.0
+        with torch.no_grad():
+            for s in range(0, len(ids) - 1, seq_len):  # one window at a time, as before
+                x = torch.tensor([ids[s : s + seq_len + 1]])
+                total += float(torch.nn.functional.cross_entropy(run.model(x[:, :-1]).logits[0].float(), x[0, 1:],
+                                                                 reduction="sum"))
+        got = perplexity(run.model, tok, text, seq_len, progress=True)
+        assert got["tokens"] == len(ids) - 1 and got["loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-5)
+        assert f"{len(ids) - 1}/{len(ids) - 1}" in capsys.readouterr().err  # the bar reached the end

@@ -641,7 +641,8 @@ def run_eval(args) -> int:
         if text is None:
             text = run.validation_text()
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
-                   "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len),
+                   "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len,
+                                                                       progress=True),
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))

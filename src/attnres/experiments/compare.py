@@ -289,6 +289,7 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None =
 
 def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [("block_output_rms", "output magnitude per block (Fig. 5b)", "RMS of the block's output"),
               ("block_input_rms", "hidden state entering each block", "RMS of the sublayer input"),
@@ -304,6 +305,7 @@ def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
                 drew = True
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("transformer block")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # blocks are counted: no fractional ticks (a few blocks)
         ax.set_ylabel(ylabel)
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
