@@ -45,6 +45,8 @@ def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
         assert f"parallel.{f.name}" in lines, f.name
     for name in flatten(defaults.model.to_dict()):
         assert f"model.{name}" in lines, name
+    for name in ("model", "model.preset", "model.from_hf"):  # the model section's keys that are not fields
+        assert name in lines, name
     assert "one of 'adamw', 'muon'" in lines["optimizer"] and "'adamw'" in lines["optimizer"]
     assert "steps = 1000" in lines["steps"] and "an integer >= 1" in lines["steps"]
     assert "a finite number > 0" in lines["lr"]

@@ -149,8 +149,10 @@ def test_the_long_prompt_hint_counts_the_new_tokens():
         check_context(100, 64, 128)
     with pytest.raises(ValueError, match=r"needs a context of 263 tokens.*: shorten the prompt to at most 65 tokens$"):
         check_context(200, 64, 128)
-    with pytest.raises(ValueError, match=r"--max-new-tokens may be at most 128$"):
+    with pytest.raises(ValueError, match=r"lower --max-new-tokens: together they may be at most 129 tokens$"):
         check_context(200, 300, 128)
+    with pytest.raises(ValueError, match=r"\(max_seq_len\): use --max-new-tokens 126 or less$"):  # one limit, not two
+        check_context(3, 100000, 128)
 
 
 @pytest.mark.parametrize("command", ["eval", "analyze"])

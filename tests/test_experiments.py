@@ -238,13 +238,15 @@ def test_compare_end_to_end(corpus, tmp_path):
     for needle in ("val loss @ equal steps", "val loss @ equal compute", "tokens/s", "Paired by seed",
                    "Fig. 5", "Fig. 8", "Findings (computed)", "Block AttnRes at equal steps", "2 x 16 tokens per step",
                    "seeds [0, 1]", "val loss @ equal time", "Δ val loss @ equal time", "Full AttnRes at equal time",
-                   "timed interleaved over 10 rounds", "median over the logging windows"):
+                   "timed interleaved over 10 rounds", "tokens/s (side by side): the tokens of one step"):
         assert needle in text, needle
     # the side-by-side step-time ratios (overhead.json) are the table's last columns
     ratios = json.loads((out / "overhead.json").read_text())["variants"]
     full_row = next(line for line in text.splitlines() if line.startswith("| Full AttnRes |"))
     full = ratios["full"]
     assert full_row.endswith(f"| {full['step_ratio']:.2f} ± {full['step_ratio_noise']:.2f} | {full['peak_ratio']:.2f} |")
+    # tokens/s of the step timed side by side, not of the runs' wall clock under changing load
+    assert f"| {2 * 16 / (full['median_ms'] / 1e3):,.0f} |" in full_row, full_row
     assert "on the process's CPU time" in text and "A/A twin" in text
     for png in ("val_loss.png", "magnitudes.png", "depth_weights.png", "mixing.png"):
         assert (out / png).stat().st_size > 0, png

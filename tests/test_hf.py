@@ -315,7 +315,7 @@ def test_export_and_eval_check_their_outputs_before_any_work(tmp_path, monkeypat
     train(load_config(None, overrides(corpus, run, steps=1, eval_every=100, diagnostics_every=100)))
     existing = tmp_path / "notes.txt"
     existing.write_text("keep me")
-    with pytest.raises(SystemExit, match=r"attnres export: error: --out .*notes.txt' is an existing file"):
+    with pytest.raises(SystemExit, match=r"attnres export: error: --out .*notes.txt' cannot be used: it is a file"):
         cli_main(["export", "--checkpoint", str(run), "--out", str(existing)])
     assert existing.read_text() == "keep me"
     monkeypatch.setattr(evaluate_mod, "perplexity", lambda *a, **k: pytest.fail("eval did work before checking --out"))

@@ -1,5 +1,7 @@
-"""A base install (``pip install attnres``: torch and nothing else): every command either
-works or says in one line which extra to install - no tracebacks.
+"""A base install (the wheel with torch and nothing else): every command either works or
+says in one line which extra to install and how (from that wheel: no package index serves
+attnres) - no tracebacks, no warning from torch about NumPy; ``train --help`` works; the
+wheel holds the licence and the example configs.
 
 The wheel is built from this checkout and installed with ``--no-deps`` into a virtual
 environment holding only ``torch==2.13.0`` (the CPU build this project's machines install
@@ -27,7 +29,8 @@ def _run(*cmd, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def base_venv(tmp_path_factory) -> Path:
+def base_install(tmp_path_factory) -> tuple[Path, Path]:
+    """The virtual environment and the wheel installed in it."""
     venv = Path(os.environ.get("ATTNRES_BASE_VENV", Path.home() / ".cache" / "attnres" / f"base-venv-{TORCH.replace('=', '')}"))
     python = venv / "bin" / "python"
     if not (venv / ".torch-installed").is_file():
@@ -43,12 +46,11 @@ def base_venv(tmp_path_factory) -> Path:
     assert done.returncode == 0, done.stderr
     listed = _run(python, "-m", "pip", "list", "--format=freeze").stdout
     assert not any(line.lower().startswith(("numpy==", "safetensors==", "transformers==")) for line in listed.splitlines())
-    return venv
+    return venv, wheel
 
 
 COMMANDS = {  # command line -> the extra it must name
     "train --print-config": "train",
-    "train --help": "train",
     "train steps=1": "train",
     "generate --checkpoint {run} --prompt hi": "train",
     "compare --preset tiny --out {tmp}/cmp": "experiments",
@@ -61,16 +63,29 @@ COMMANDS = {  # command line -> the extra it must name
 }
 
 
-def test_every_command_of_a_base_install_names_its_extra(base_venv, tmp_path):
-    script = base_venv / "bin" / "attnres"
+def test_every_command_of_a_base_install_names_its_extra(base_install, tmp_path):
+    venv, wheel = base_install
+    script = venv / "bin" / "attnres"
     done = _run(script, "--version", cwd=tmp_path)
-    assert done.returncode == 0 and done.stdout.strip().startswith("attnres "), done.stderr
+    assert done.returncode == 0 and done.stdout.strip().startswith("attnres ") and not done.stderr, done.stderr
     for line, extra in COMMANDS.items():
         done = _run(script, *line.format(run=tmp_path / "run", tmp=tmp_path).split(), cwd=tmp_path)
         assert done.returncode != 0, line
-        assert "Traceback" not in done.stderr, (line, done.stderr)
-        last = done.stderr.strip().splitlines()[-1]
-        assert f'pip install "attnres[{extra}]"' in last, (line, last)
-    python = base_venv / "bin" / "python"  # the library itself needs nothing beyond torch
+        assert "Traceback" not in done.stderr and "NumPy" not in done.stderr, (line, done.stderr)
+        (last,) = done.stderr.strip().splitlines()
+        assert f'this needs the {extra!r} extra: pip install "{wheel}[{extra}]"' in last, (line, last)
+    done = _run(script, "train", "--help", cwd=tmp_path)  # the options, and how to get the config fields
+    assert done.returncode == 0 and "--resume-from DIR" in done.stdout and not done.stderr, done.stderr
+    assert f'needs the \'train\' extra: pip install "{wheel}[train]"' in done.stdout, done.stdout
+    python = venv / "bin" / "python"  # the library itself needs nothing beyond torch
     done = _run(python, "-c", "import attnres; m = attnres.AttnResLM(attnres.ModelConfig.preset('tiny')); print('ok')")
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok") and not done.stderr, done.stderr
+
+
+def test_the_wheel_holds_the_licence_and_the_example_configs(base_install):
+    import zipfile
+
+    names = zipfile.ZipFile(base_install[1]).namelist()
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    shipped = sorted(n for n in names if n.startswith("attnres/configs/"))
+    assert shipped == sorted(f"attnres/configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")), shipped

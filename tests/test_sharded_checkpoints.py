@@ -22,7 +22,7 @@ pytest.importorskip("yaml")
 
 from attnres import AttnResLM  # noqa: E402
 from attnres.checkpoint import CheckpointError, find_valid_checkpoint, read_sharded_tensors, save_sharded  # noqa: E402
-from attnres.checkpoint.manifest import STATE_FILE, _sha256  # noqa: E402
+from attnres.checkpoint.manifest import STATE_FILE, _sha256, seal_state  # noqa: E402
 from attnres.cli import main as cli_main  # noqa: E402
 from attnres.data import ByteTokenizer  # noqa: E402
 from attnres.data.tokenizer import tokenizer_state  # noqa: E402
@@ -48,12 +48,12 @@ def sharded_checkpoint(out_dir: Path, corpus: Path | None = None) -> Path:
 
 
 def rewrite_manifest(path: Path) -> None:
-    """Recompute the size and SHA-256 of every file ``state.json`` lists, as the author of a
-    tampered checkpoint would."""
+    """Recompute the size and SHA-256 of every file ``state.json`` lists, and its own, as the
+    author of a tampered checkpoint would."""
     doc = json.loads((path / STATE_FILE).read_text())
     doc["files"] = {name: {"sha256": _sha256(path / name), "bytes": (path / name).stat().st_size}
                     for name in doc["files"]}
-    (path / STATE_FILE).write_text(json.dumps(doc))
+    (path / STATE_FILE).write_text(json.dumps(seal_state(doc)))
 
 
 class RunsCode:
@@ -141,7 +141,7 @@ def test_checkpoint_missing_a_file_its_metadata_names_does_not_verify(tmp_path):
     doc = json.loads((path / STATE_FILE).read_text())
     del doc["files"]["dcp/__0_0.distcp"]
     doc["files"].pop("elsewhere.distcp", None)
-    (path / STATE_FILE).write_text(json.dumps(doc))
+    (path / STATE_FILE).write_text(json.dumps(seal_state(doc)))
     with pytest.raises(CheckpointError, match=r"is incomplete: dcp/__0_0\.distcp, which its DCP metadata names, is "
                        r"missing .*out_dir must be on a file system every node shares"):
         find_valid_checkpoint(path)

@@ -215,7 +215,7 @@ def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")
     src, base = _pretrained_directory(tmp_path, corpus)
     up_dir = tmp_path / "up"
-    with pytest.raises(SystemExit, match="is an existing file"):
+    with pytest.raises(SystemExit, match="cannot be used: it is a file"):
         cli_main(["upcycle", "--model", str(src), "--out", str(corpus)])
     assert cli_main(["upcycle", "--model", str(src), "--out", str(up_dir), "--block-size", "2"]) == 0
     up = AutoModelForCausalLM.from_pretrained(up_dir).eval()
@@ -289,3 +289,40 @@ def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(
     else:
         assert "holds no tokenizer (none of tokenizer.json" in message and "copy the tokenizer files" in message
     assert not (tmp_path / "up").exists()
+
+
+def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):
+    """An embedding with more rows than the tokenizer has tokens (as Qwen2.5 / Qwen3 pad
+    theirs): `attnres train model.from_hf=U init_from=U` keeps the checkpoint's embedding (it
+    took vocab_size from the tokenizer and failed to load the weights); at step 0 the run's
+    model is the upcycle's function, and after 3 steps its export generates."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import train_bpe
+    from attnres.distributed import process_context
+    from attnres.train import load_config
+    from attnres.train.loop import Trainer
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    tok = train_bpe(corpus.read_text(), 300)
+    padded = tok.vocab_size + 171
+    base_model("llama", vocab_size=padded, max_position_embeddings=128).save_pretrained(tmp_path / "pretrained")
+    (tmp_path / "pretrained" / "tokenizer.json").write_text(tok.to_json())
+    up_dir = tmp_path / "up"
+    assert cli_main(["upcycle", "--model", str(tmp_path / "pretrained"), "--out", str(up_dir), "--block-size", "2"]) == 0
+    up = AutoModelForCausalLM.from_pretrained(up_dir).eval()
+    config = load_config(None, [a for a in overrides(corpus, tmp_path / "run", steps=3, **{
+        "model.from_hf": str(up_dir), "init_from": str(up_dir), "data.tokenizer": "bpe"}) if not a.startswith("model=")])
+    trainer = Trainer(config, process_context(config.device, config.dist_timeout_s))
+    assert trainer.config.model.vocab_size == padded
+    x = torch.randint(0, tok.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # step 0: the same weights and modules as the upcycle
+        assert torch.equal(trainer.model.eval()(x).logits, up(x).logits)
+    assert trainer.run().step == 3
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert trained.get_input_embeddings().weight.shape[0] == padded
+    out = trained.generate(x[:1], max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 13)

@@ -4,11 +4,42 @@
 >>> model = AttnResLM(ModelConfig.preset("tiny", residual="attnres_block"))
 """
 
-from .models import PRESETS, AttnResLM, LMOutput, ModelConfig, ResidualConfig
-from .nn.residual import register_residual, registered_residuals
-from .ops import depth_attention
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+with warnings.catch_warnings():  # torch's warning without NumPy, which attnres's core does not need
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
+if TYPE_CHECKING:
+    from .models import PRESETS, AttnResLM, LMOutput, ModelConfig, ResidualConfig
+    from .nn.residual import register_residual, registered_residuals
+    from .ops import depth_attention
 
 __version__ = "0.1.0"
+
+# The public names, imported on first use (PEP 562): the model modules import
+# torch._dynamo, about as long again as torch itself, which `attnres --version` and a
+# command's argument errors need not wait for.
+_EXPORTS = {
+    "AttnResLM": ".models", "ModelConfig": ".models", "ResidualConfig": ".models", "LMOutput": ".models",
+    "PRESETS": ".models", "register_residual": ".nn.residual", "registered_residuals": ".nn.residual",
+    "depth_attention": ".ops",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'attnres' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 # Importing attnres changes nothing outside it (no import hooks, no allocator settings): the
 # transformers classes are registered when ``attnres.hf`` is imported (docs/hf.md).

@@ -101,8 +101,14 @@ def run() -> None:
 
 
 def _config_reference() -> str:
-    from .train.reference import config_reference
+    """Every config field (``train --help``); without the 'train' extra, how to get it."""
+    try:
+        from .train.reference import config_reference
+    except ImportError as e:  # a base install: the options above still help
+        from .extras import install_command
 
+        return (f"The list of every config field (and training itself) needs the 'train' extra: "
+                f"{install_command('train')} (the module {(e.name or '?').partition('.')[0]!r} is not installed).")
     return config_reference()
 
 
@@ -320,22 +326,21 @@ def missing_extra(argv: list[str], error: ImportError) -> str | None:
     missing = (error.name or "").partition(".")[0]
     if not missing or missing == "attnres":
         return None
+    from .extras import install_command
+
     command = next((a for a in argv if a in COMMAND_EXTRAS), None)
     extra = "upcycle" if missing == "gguf" else COMMAND_EXTRAS.get(command, "train")
     return (f"attnres{f' {command}' if command else ''}: error: this needs the '{extra}' extra: "
-            f"pip install \"attnres[{extra}]\" (the module {missing!r} is not installed)")
+            f"{install_command(extra)} (the module {missing!r} is not installed)")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``attnres``: a command that needs an extra that is not installed says which."""
     import sys
 
-    from .name_clash import warn_about_clashes
-
     # Show the package's own deprecations (Python hides DeprecationWarning outside __main__):
     # an old config key should say what replaces it.
     warnings.filterwarnings("default", category=DeprecationWarning, module=r"attnres(\.|$)")
-    warn_about_clashes(thorough=True)
     try:
         return _main(argv)
     except ImportError as e:
@@ -346,8 +351,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    from .name_clash import warn_about_clashes
+
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(argv)  # --version and --help end here, at once
+    warn_about_clashes(thorough=True)  # every distribution's file list: a fraction of a second
     # argparse fills a positional list once: overrides written after an option (`--resume
     # steps=10`, `--seeds 0 key=value`) arrive here as extras. Accept key=value extras for the
     # commands that take overrides, and nothing else.
@@ -372,6 +380,8 @@ def _main(argv: list[str] | None) -> int:
         return run_train(config, overrides + flags, args.print_config)
     elif grid:
         name = "compare" if args.command == "compare" else args.name
+        if not args.report_only:
+            _check_output_dir(f"attnres {args.command}", args.out)
         if name == "no-free-lunch":
             from .experiments.no_free_lunch import run_cli
 
@@ -399,9 +409,24 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
     given = [f for f in (config, *files) if f is not None]
     if len(given) > 1:
         parser.error(f"one config file at most (as the first argument or with --config); got {given}")
-    if files and not os.path.isfile(files[0]):
-        parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
+    if files and os.path.isdir(files[0]):
+        parser.error(f"{files[0]!r} is a directory, not a config file (a YAML file) or a key=value override")
+    if files:
+        from .train.config import config_path  # configs/NAME.yaml: also the shipped one
+
+        if not config_path(files[0]).is_file():
+            parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
     return (given[0] if given else None), [a for a in arguments if "=" in a]
+
+
+def _check_output_dir(command: str, out: str) -> None:
+    """``--out`` of ``command``, a directory to write into, checked before any work."""
+    from .output_paths import OutputPathError, check_output_dir
+
+    try:
+        check_output_dir(out, "--out")
+    except OutputPathError as e:
+        raise SystemExit(f"{command}: error: {e}") from None
 
 
 def _saved_preset(out: str, name: str) -> str | None:
@@ -423,21 +448,24 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     """``attnres experiment`` / ``attnres compare``: bad presets, seeds or overrides end the
     process with a one-line message."""
     from .experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
-    from .train import TrainingDiverged
+    from .experiments.runner import check_same_experiment
+    from .train import TrainingDiverged, TrainingOutOfMemory
     from .train.config import apply_overrides
 
     if overhead_repeats < 0:
         raise SystemExit(f"attnres {name}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
     try:
         experiment = get_experiment(name, preset)
-        if not report_only:
+        if report_only:  # the report of another grid in `out` must not be overwritten
+            check_same_experiment(out, {"experiment": name, "preset": preset})
+        else:
             apply_cpu_allocator(apply_overrides({}, overrides))
             run_experiment(experiment, out, seeds, overrides, variants=variants)
             if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
                 measure_overhead(experiment, out, overrides, overhead_repeats)
         records = load_records(out, experiment)  # every seed finished so far, not only this invocation's
         path = write_report(name, records, out, preset)
-    except (ValueError, TrainingDiverged) as e:
+    except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
         raise SystemExit(f"attnres experiment: error: {e}") from None
     except KeyboardInterrupt as e:  # a run checkpointed on SIGINT/SIGTERM: re-running resumes it
         print(f"attnres experiment: interrupted ({e or 'SIGINT'}); run the same command again to resume")
@@ -453,9 +481,10 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
     if need > limit:
         room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
         hints = [f"use --max-new-tokens {room} or less"] if room >= 1 else []
-        hints.append(f"shorten the prompt to at most {keep} tokens" if keep >= 1
-                     else f"--max-new-tokens may be at most {limit}")
-        hint = " or ".join(hints)
+        hints += [f"shorten the prompt to at most {keep} tokens"] if keep >= 1 else []
+        # One limit, the context: the prompt and the new tokens but the last fill it together.
+        hint = " or ".join(hints) or (f"shorten the prompt and lower --max-new-tokens: together they may be at most "
+                                      f"{limit + 1} tokens")
         raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
@@ -470,6 +499,13 @@ def _native_only(run, command: str) -> None:
                          f"{run.checkpoint} --out DIR` and use DIR with transformers (generate, lm-eval)")
 
 
+def _check_optional_count(option: str, value: int | None, default: str) -> None:
+    """An option that is omitted for its ``default`` or given as a count >= 1 (0 used to mean
+    the default without a word)."""
+    if value is not None and value < 1:
+        raise ValueError(f"{option} must be >= 1 (omit it for {default}); got {value}")
+
+
 def run_analyze(args) -> int:
     """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
     from .experiments.analyze import write_analysis
@@ -478,6 +514,7 @@ def run_analyze(args) -> int:
     try:
         if args.rows < 1:
             raise ValueError(f"--rows must be >= 1; got {args.rows}")
+        _check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
         if args.text is not None and not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text!r} is not a file")
         path = write_analysis(args.checkpoint, args.compare, args.out, args.rows, args.seq_len, args.text, args.device)
@@ -500,6 +537,18 @@ def run_upcycle(args) -> int:
     return 0
 
 
+def _warn_non_finite(model, checkpoint) -> None:
+    """Warn when ``model``'s weights hold NaN or infinite values: every logit is then
+    non-finite and sampling picks token 0 (a NUL byte with the byte tokenizer) without a word."""
+    import torch
+
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        warnings.warn(f"the weights of {str(checkpoint)!r} hold NaN or infinite values ({len(bad)} tensor(s), e.g. "
+                      f"{bad[0]!r}): the logits are not finite and the text generated is meaningless; generate from "
+                      "an earlier checkpoint", stacklevel=2)
+
+
 def run_generate(args) -> int:
     """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
     import sys
@@ -514,6 +563,7 @@ def run_generate(args) -> int:
         run = load_run(args.checkpoint, args.device)
         _native_only(run, "generate")
         model = run.model
+        _warn_non_finite(model, run.checkpoint)
         tokenizer = load_tokenizer(run, args.tokenizer)
         ids = tokenizer.encode(args.prompt)
         if not ids:
@@ -559,12 +609,9 @@ def _eval_output(args):
     """Where ``attnres eval`` writes its results; checked before any work is done."""
     from pathlib import Path
 
-    out = Path(args.out) if args.out else Path(args.checkpoint) / "eval.json"
-    if out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a directory; give the path of the results JSON file")
-    if not out.parent.is_dir():
-        raise ValueError(f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist; create it first")
-    return out
+    from .output_paths import check_output_file
+
+    return check_output_file(Path(args.out) if args.out else Path(args.checkpoint) / "eval.json", "--out")
 
 
 def run_eval(args) -> int:
@@ -578,9 +625,12 @@ def run_eval(args) -> int:
     from .data.corpus import read_text_file
     from .hf.evaluate import check_tasks, perplexity, run_lm_eval
     from .inference.loading import load_run, load_tokenizer, pick_device
+    from .output_paths import write_text_atomically
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
+        _check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
+        _check_optional_count("--limit", args.limit, "every document of each task")
         out = _eval_output(args)
         check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
@@ -595,7 +645,8 @@ def run_eval(args) -> int:
         if text is None:
             text = run.validation_text()
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
-                   "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len),
+                   "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len,
+                                                                       progress=True),
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
@@ -604,9 +655,9 @@ def run_eval(args) -> int:
                 hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
                 results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, limit=args.limit, batch_size=args.batch_size,
                                                  device=str(device), bootstrap_iters=args.bootstrap_iters)
+        write_text_atomically(out, json.dumps(results, indent=1, default=str))
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None
-    out.write_text(json.dumps(results, indent=1, default=str))
     for task, metrics in results["lm_eval"].items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
         print(f"attnres eval: {task}: {shown}")
@@ -621,7 +672,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     import signal
 
     from .distributed.launch import DistributedError
-    from .train import TrainingDiverged, load_config, train
+    from .train import TrainingDiverged, TrainingOutOfMemory, load_config, train
 
     try:
         config = load_config(config_path, overrides)
@@ -634,7 +685,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
         result = train(config)
     except DistributedError as e:
         _exit_after_collective_failure(_train_error(e))
-    except (ValueError, TrainingDiverged) as e:
+    except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
         raise _train_error(e) from None
     if result.interrupted:
         if _rank_zero():

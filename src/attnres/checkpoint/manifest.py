@@ -3,11 +3,13 @@ and how it is verified.
 
 A run's checkpoints are ``<out_dir>/checkpoints/step-<8 digits>/`` directories. Each holds
 ``state.json`` (the manifest), written last: the format version, the step, the SHA-256 and
-size of every other file, and the run state the writer adds. A checkpoint is written into a
-hidden temporary directory and renamed into place only when complete
-(:func:`publish_checkpoint`), so a crash never leaves a half-written ``step-*`` directory;
-:func:`read_checkpoint_state` checks every listed file's size and hash, so a truncated or
-corrupted checkpoint is reported clearly instead of being resumed from.
+size of every other file, the run state the writer adds, and the SHA-256 of all of that
+(``state_sha256``, :func:`seal_state`). A checkpoint is written into a hidden temporary
+directory and renamed into place only when complete (:func:`publish_checkpoint`), so a crash
+never leaves a half-written ``step-*`` directory; :func:`read_checkpoint_state` checks
+``state.json`` against its own hash, its step against the directory's name, and every listed
+file's size and hash, so a truncated, corrupted or edited checkpoint is reported clearly
+instead of being resumed from.
 """
 
 from __future__ import annotations
@@ -66,6 +68,42 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+STATE_HASH = "state_sha256"
+
+
+def _state_digest(doc: dict[str, Any]) -> str:
+    """The SHA-256 of a manifest's content without its own hash: its canonical JSON (sorted
+    keys), which a JSON round trip leaves unchanged."""
+    body = {k: v for k, v in doc.items() if k != STATE_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal_state(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` (a manifest) with ``state_sha256``, the hash of the rest of it: ``state.json``
+    cannot list its own file hash, so it carries the hash of its content."""
+    return {**doc, STATE_HASH: _state_digest(doc)}
+
+
+def _directory_step(path: Path) -> int | None:
+    """The step a ``step-<digits>`` directory's name gives (``None`` for any other name)."""
+    digits = path.name[len(PREFIX):]
+    return int(digits) if path.name.startswith(PREFIX) and digits.isdigit() else None
+
+
+def _check_manifest(path: Path, doc: dict[str, Any]) -> None:
+    """``state.json`` matches its own hash (a manifest of an earlier version has none) and its
+    step is the one the directory's name says. Raises :class:`CheckpointError`."""
+    if STATE_HASH in doc and doc[STATE_HASH] != _state_digest(doc):
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupted or was edited: {STATE_FILE} does not match "
+                              f"its own SHA-256 ({STATE_HASH})")
+    step, named = doc.get("step"), _directory_step(path)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} holds no valid step ({step!r})")
+    if named is not None and step != named:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} says step {step} but the directory's name says "
+                              f"step {named}; the checkpoint was edited or moved")
+
+
 def checkpoint_path(out_dir: str | Path, step: int) -> Path:
     """Where the checkpoint of ``step`` lives (once written)."""
     return Path(out_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
@@ -101,7 +139,7 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
     one rename, and keep only the newest ``keep`` checkpoints of ``out_dir``."""
     listing = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
     with (tmp / STATE_FILE).open("w") as f:
-        json.dump({**head, "files": listing, **tail}, f, indent=1)
+        json.dump(seal_state({**head, "files": listing, **tail}), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     if final.exists():
@@ -112,8 +150,9 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
 
 
 def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``state.json`` of a checkpoint after verifying every file it lists (size and SHA-256)
-    but those of ``optional`` that are absent (inference needs no ``optimizer.safetensors``).
+    """``state.json`` of a checkpoint after verifying it (its own hash, its step against the
+    directory's name) and every file it lists (size and SHA-256) but those of ``optional`` that
+    are absent (inference needs no ``optimizer.safetensors``).
     Raises :class:`CheckpointError` naming the problem."""
     path = Path(path)
     if not path.is_dir():
@@ -126,6 +165,7 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {STATE_FILE} is not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION or not isinstance(doc.get("files"), dict):
         raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not an attnres checkpoint of format {FORMAT_VERSION}")
+    _check_manifest(path, doc)
     for name, info in doc["files"].items():
         f = path / name
         if name in optional and not f.exists():

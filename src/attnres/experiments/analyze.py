@@ -18,6 +18,7 @@ import torch
 
 from ..analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
 from ..data.corpus import read_text_file
+from ..output_paths import check_output_dir
 from ..analysis.mixing_report import (
     method_note,
     mixing_findings,
@@ -122,8 +123,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
     ``<checkpoint>/analysis``); returns the report's path."""
     text = None if text_path is None else read_text_file(text_path, "--text")
-    out = Path(out) if out is not None else Path(checkpoint) / "analysis"
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_output_dir(out if out is not None else Path(checkpoint) / "analysis", "--out")
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
     if compare is not None:
         items.append(analyze_checkpoint(compare, rows, seq_len, text, device))
@@ -132,6 +132,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     diff = None
     if len(items) == 2 and items[0][0].matrix.shape == items[1][0].matrix.shape:
         diff = ("A − B", items[0][0].matrix - items[1][0].matrix)
+    out.mkdir(parents=True, exist_ok=True)
     plot_mixing_panels(panels, out / "mixing.png", diff)
     parts = [f"# Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)\n",
              method_note(items[0][0].n_tokens) + "\n"]

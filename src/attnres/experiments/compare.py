@@ -16,9 +16,9 @@ the same data, hyper-parameters and seeds, read back from the run directories.
 
 Tables: validation loss at equal steps (the last step) and at equal compute (the standard
 model's total compute; AttnRes costs a little more per token, so it is read off its curve
-at an earlier step by linear interpolation between evaluations), with tokens/s; when
-``overhead.json`` exists (the step of every model timed side by side, see
-:mod:`.overhead`), also the step-time ratio and the loss at equal wall-clock time on this
+at an earlier step by linear interpolation between evaluations); when ``overhead.json``
+exists (the step of every model timed side by side, see :mod:`.overhead`), also tokens/s of
+that timed step, the step-time ratio and the loss at equal wall-clock time on this
 machine (read off the curve at ``steps / ratio`` the same way); and the same gaps paired
 by seed (each AttnRes run minus the standard run of the same seed, which saw the same
 batches). A "Findings" section states what the numbers say about the report's
@@ -58,7 +58,6 @@ class Run:
     record: dict[str, Any]
     eval_steps: list[int] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)
     diagnostics: dict[str, Any] | None = None  # the last diagnostics record
 
     @property
@@ -88,8 +87,6 @@ def load_runs(out: Path, records: list[dict[str, Any]]) -> list[Run]:
                     continue
                 run.eval_steps.append(m["step"])
                 run.val_loss.append(m["val_loss"])
-            elif m["kind"] == "train" and m.get("tokens_per_s"):
-                run.tokens_per_s.append(m["tokens_per_s"])
             elif m["kind"] == "diagnostics":
                 run.diagnostics = m
         runs.append(run)
@@ -118,12 +115,6 @@ def _pm(values: list[float], digits: int = 4) -> str:
         return "–"
     mean, std = mean_std(values)
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "") + f" (n={len(values)})"
-
-
-def _tokens_per_s(run: Run) -> float:
-    """Median tokens/s over the logging windows, the first (warm-up) dropped when there are others."""
-    rates = run.tokens_per_s[1:] if len(run.tokens_per_s) > 1 else run.tokens_per_s
-    return statistics.median(rates) if rates else math.nan
 
 
 def _equal_compute_losses(groups: dict[str, list[Run]]) -> dict[str, dict[int, float]]:
@@ -193,16 +184,16 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
     rows = []
     for name, rs in groups.items():
         rec = rs[0].record
-        tok_s = [_tokens_per_s(r) for r in rs]
         row = [_LABELS.get(name, name), f"{rec['params']:,}", f"{rec['residual_params']:,}"]
         row += [cell(list(by_seed[name].values()), key, name) if name in by_seed else "–"
                 for key, by_seed in losses.items()]
-        row += [f"{statistics.fmean(tok_s):,.0f}", f"{rec['flops_per_token'] / base_flops:.3f}" if base_flops else "–"]
+        row += [_tokens_per_s_cell(rec, (overheads or {}).get(name)),
+                f"{rec['flops_per_token'] / base_flops:.3f}" if base_flops else "–"]
         if overheads:
             row += [_ratio_cell(overheads.get(name)), f"{overheads[name]['peak_ratio']:.2f}" if name in overheads else "–"]
         rows.append(row)
     header = ["model", "params", "residual params"] + [f"val loss @ equal {key}" for key in losses]
-    header += ["tokens/s", "FLOPs/token (× standard)"]
+    header += ["tokens/s (side by side)", "FLOPs/token (× standard)"]
     header += ["step time (× standard)", "peak memory (× standard)"] if overheads else []
     md = [markdown_table(header, rows)]
     gaps: dict[str, Any] = {}
@@ -234,6 +225,16 @@ _TIME_NOTE = ("Step time: CPU time of one training step at one thread, interleav
               "standard model lands from 1). Equal time reads each curve at the standard model's steps / that ratio; "
               "where moving the ratio by its noise moves the paired gap by more than the gap itself, the reading is "
               "marked \"too noisy\" and no equal-time conclusion is drawn.")
+
+
+def _tokens_per_s_cell(record: dict[str, Any], measured: dict[str, Any] | None) -> str:
+    """Tokens per second of one training step timed side by side (``overhead.json``: CPU time
+    at one thread, interleaved, as the step-time ratios), so that it moves with the ratios and
+    not with the load on the machine; "–" where nothing was timed side by side (the runs'
+    wall-clock rates were that load's)."""
+    if not measured or not measured.get("median_ms"):
+        return "–"
+    return f"{record['tokens'] / record['steps'] / (measured['median_ms'] / 1e3):,.0f}"
 
 
 def _ratio_cell(measured: dict[str, Any] | None) -> str:
@@ -288,6 +289,7 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None =
 
 def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [("block_output_rms", "output magnitude per block (Fig. 5b)", "RMS of the block's output"),
               ("block_input_rms", "hidden state entering each block", "RMS of the sublayer input"),
@@ -303,6 +305,7 @@ def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
                 drew = True
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("transformer block")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # blocks are counted: no fractional ticks (a few blocks)
         ax.set_ylabel(ylabel)
         ax.set_yscale("log")
         ax.grid(alpha=0.3)

@@ -219,14 +219,15 @@ def _setup(out: Path, records: list[dict[str, Any]], per_size: bool = False) -> 
             f"dtype {c['dtype']}; seeds {seeds}.\n\n")
 
 
-_COMPARE_TOKENS_PER_S = ("tokens/s: median over the logging windows of each run, mean over seeds (wall clock: it "
-                         "moves with the load on the machine; FLOPs/token is the load-free cost). ")
+_COMPARE_TOKENS_PER_S = ("tokens/s (side by side): the tokens of one step over its step time measured side by side, "
+                         "as the step-time ratios (the runs' wall-clock rates moved with the load on the machine; "
+                         "without that measurement, --overhead-repeats 0, none is shown). ")
 _LOGGED_COSTS = "Step time: median ms per optimiser step of the training runs; peak memory: CUDA only (n/a on CPU). "
 
 
 def _measures(name: str, side_by_side: str | None) -> str:
     """How the report's costs were measured: side by side (``overhead.json``) or from the runs' logs."""
-    if name == "compare":  # both: tokens/s always comes from the runs
+    if name == "compare":  # tokens/s: of the step timed side by side
         return (side_by_side or "") + _COMPARE_TOKENS_PER_S
     if name == "scaling":  # its tables show compute (FLOPs), not time
         return ""

@@ -25,7 +25,7 @@ from ..train.config import apply_overrides
 from ..train.metrics import read_metrics
 from .flops import non_embedding_parameters, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
-from .layout import EXPERIMENT_FILE, RESULT_FILE, run_dir
+from .layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
 
 
 def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,
@@ -94,6 +94,24 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     return record
 
 
+def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
+    """Raise ``ValueError`` when ``out`` holds an experiment whose ``experiment.json`` differs
+    from ``header`` in a key ``header`` gives: results (and reports) of different grids must
+    not mix. ``--report-only`` passes the experiment and preset alone (it takes no overrides)."""
+    out = Path(out)
+    saved = read_experiment_header(out)
+    if saved is None and (out / EXPERIMENT_FILE).exists():
+        raise ValueError(f"{str(out / EXPERIMENT_FILE)!r} is not an experiment header (a JSON mapping); pick another "
+                         "--out")
+    if saved is None:
+        return
+    differing = sorted(k for k in header if saved.get(k) != header[k])
+    if differing:
+        raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
+                         f"{ {k: saved.get(k) for k in differing} }, not { {k: header[k] for k in differing} }); "
+                         "pick another --out")
+
+
 def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (0,), overrides: list[str] = (),
                    log: Callable[[str], None] = print, variants: list[str] | None = None) -> list[dict[str, Any]]:
     """Run every (seed, variant) of ``experiment`` under ``out``, seed by seed, skipping finished
@@ -114,15 +132,9 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         chosen = [v for v in experiment.variants if v.name in variants]
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
-    marker = out / EXPERIMENT_FILE
-    if marker.exists():
-        saved = json.loads(marker.read_text())
-        differing = sorted(k for k in header if saved.get(k) != header[k])
-        if differing:
-            raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
-                             f"{ {k: saved.get(k) for k in differing} }); pick another --out")
+    check_same_experiment(out, header)
     out.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(header, indent=1))
+    (out / EXPERIMENT_FILE).write_text(json.dumps(header, indent=1))
     # Seed-major: each seed completes a whole comparison before the next seed starts, so an
     # interrupted grid still holds comparable runs. Every run is validated before the first starts.
     configs = [(v, s, run_config(experiment, v, s, run_dir(out, v.name, s), overrides))

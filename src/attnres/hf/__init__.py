@@ -1,4 +1,4 @@
-"""Hugging Face integration (needs ``transformers``; ``pip install attnres[hf]``).
+"""Hugging Face integration (needs ``transformers``: the ``hf`` extra, ``pip install -e ".[hf]"``).
 
 ``AttnResConfig`` (model_type ``"attnres"``), ``AttnResModel`` and ``AttnResForCausalLM``,
 registered with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM`` by

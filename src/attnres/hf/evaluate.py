@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..data.tokenizer import Tokenizer
+from ..progress import progress_bar
 from ..models.lm import AttnResLM
 
 LOCAL_TASKS = ("attnres_ppl", "attnres_cloze")
@@ -36,11 +37,18 @@ CLOZE_CHOICES = 4
 CLOZE_WORDS = 8
 
 
+#: Tokens per forward pass of :func:`perplexity`: short windows go through the model together.
+PERPLEXITY_BATCH_TOKENS = 4096
+
+
 @torch.inference_mode()
-def perplexity(model: AttnResLM, tokenizer: Tokenizer, text: str, seq_len: int | None = None) -> dict:
+def perplexity(model: AttnResLM, tokenizer: Tokenizer, text: str, seq_len: int | None = None,
+               progress: bool = False) -> dict:
     """Next-token loss of ``model`` on ``text`` in windows of ``seq_len + 1`` tokens that
     overlap by one, so every token but the first is predicted exactly once (from at most
-    ``seq_len`` tokens of context).
+    ``seq_len`` tokens of context). Windows of the same length run in batches of about
+    :data:`PERPLEXITY_BATCH_TOKENS` tokens (one token of context per window would otherwise
+    be one forward pass per token); ``progress``: a bar over the tokens.
 
     Returns ``tokens`` (predicted), ``bytes`` (UTF-8 bytes of the predicted text),
     ``loss`` (nats per token), ``perplexity`` and ``bits_per_byte``
@@ -55,11 +63,20 @@ def perplexity(model: AttnResLM, tokenizer: Tokenizer, text: str, seq_len: int |
         raise ValueError("the held-out text must have at least 2 tokens")
     device = next(model.parameters()).device
     windows = [ids[s : s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len)]
+    full = [w for w in windows if len(w) == seq_len + 1]
+    per_batch = max(1, PERPLEXITY_BATCH_TOKENS // seq_len)
+    batches = [full[i : i + per_batch] for i in range(0, len(full), per_batch)]
+    batches += [[w] for w in windows if len(w) != seq_len + 1]  # the last window, when shorter
     total = 0.0
-    for w in windows:
-        x = torch.tensor([w], device=device)
+    bar = progress_bar(progress, total=len(ids) - 1, unit="token", unit_scale=True, desc="perplexity")
+    for batch in batches:
+        x = torch.tensor(batch, device=device)
         logits = model(x[:, :-1]).logits.float()
-        total += float(torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum"))
+        total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))
+        if bar is not None:
+            bar.update(x[:, 1:].numel())
+    if bar is not None:
+        bar.close()
     n_tokens = len(ids) - 1
     n_bytes = len(text.encode("utf-8")) - len(tokenizer.decode(ids[:1]).encode("utf-8"))
     return {

@@ -27,6 +27,7 @@ from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
 from ..inference.loading import load_run, load_tokenizer
 from ..models import AttnResLM
+from ..output_paths import OutputPathError, check_output_dir, os_cause
 from .modeling import AttnResForCausalLM
 
 #: The exported tokenizer's chat template: our models learn plain text, so a conversation is
@@ -94,21 +95,11 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None)
                                    chat_template=CHAT_TEMPLATE, **extra)
 
 
-def check_output_dir(out_dir: str | Path) -> Path:
-    """``out_dir`` as a directory to write into: it may exist (as a directory) or not yet;
-    raises ``ValueError`` when it is an existing file or lies under one."""
-    out = Path(out_dir)
-    for p in (out, *out.parents):
-        if p.exists() and not p.is_dir():
-            what = "is an existing file" if p == out else f"lies under the existing file {str(p)!r}"
-            raise ValueError(f"--out {str(out)!r} {what}; give a directory (it is created if missing)")
-    return out
-
-
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
     """Write the checkpoint as a Hugging Face directory loadable with
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained``.
-    Raises ``ValueError`` (before any work) when ``out_dir`` is a file."""
+    Raises ``ValueError`` (before any work) when ``out_dir`` cannot be written (a file in the
+    way, a read-only file system), and when writing it fails."""
     out = check_output_dir(out_dir)
     run = load_run(checkpoint)
     model = run.model
@@ -120,9 +111,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
         hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len)
         hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=hf_tok.pad_token_id)
     hf.generation_config.eos_token_id = None
-    out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(out)
-    hf_tok.save_pretrained(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        hf.save_pretrained(out)
+        hf_tok.save_pretrained(out)
+    except OSError as e:  # a disk that filled up since the check
+        raise OutputPathError(f"--out {str(out)!r}: writing the Hugging Face directory failed: {os_cause(e)}") from None
     if not (out / "config.json").is_file():
         raise ValueError(f"writing the Hugging Face directory {str(out)!r} failed: no config.json was written")
     return out

@@ -103,13 +103,17 @@ def load_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None = 
     (``ValueError``): its ids would index other embeddings, and the text would be garbage."""
     tokenizer = _find_tokenizer(source, tokenizer_path)
     if isinstance(source, LoadedRun):
-        check_vocabulary(tokenizer, source.model.config.vocab_size, tokenizer_path)
+        # The run's own tokenizer may have fewer tokens than a padded embedding (attnres.train.setup).
+        own = tokenizer_path is None and source.state.get("tokenizer") is not None
+        check_vocabulary(tokenizer, source.model.config.vocab_size, tokenizer_path, padded=own)
     return tokenizer
 
 
-def check_vocabulary(tokenizer: Tokenizer, vocab_size: int, tokenizer_path: str | None = None) -> None:
-    """Raise ``ValueError`` unless ``tokenizer`` has the model's ``vocab_size`` tokens."""
-    if tokenizer.vocab_size == vocab_size:
+def check_vocabulary(tokenizer: Tokenizer, vocab_size: int, tokenizer_path: str | None = None,
+                     padded: bool = False) -> None:
+    """Raise ``ValueError`` unless ``tokenizer`` has the model's ``vocab_size`` tokens (or,
+    with ``padded``, at most that many: an embedding padded beyond the tokenizer)."""
+    if tokenizer.vocab_size == vocab_size or (padded and tokenizer.vocab_size < vocab_size):
         return
     what = f"--tokenizer {tokenizer_path!r}" if tokenizer_path is not None else "the checkpoint's tokenizer"
     fix = ("pass the tokenizer.json the model was trained with, or omit --tokenizer to use the one stored in the "

@@ -7,7 +7,7 @@
 from ..checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import DataConfig, TrainConfig, load_config
 from .lock import RunLock, RunLocked
-from .loop import Trainer, TrainingDiverged, TrainResult, train
+from .loop import Trainer, TrainingDiverged, TrainingOutOfMemory, TrainResult, train
 from .optim import Muon, build_optimizer, newton_schulz
 from .schedule import lr_factor
 
@@ -19,6 +19,7 @@ __all__ = [
     "Trainer",
     "TrainResult",
     "TrainingDiverged",
+    "TrainingOutOfMemory",
     "RunLock",
     "RunLocked",
     "CheckpointError",

@@ -195,6 +195,10 @@ class TrainConfig:
         if not isinstance(self.model, ModelConfig):
             fail("TrainConfig", "model", "a ModelConfig", self.model)
         self.model.validate()
+        if self.model.hf_architecture is not None and self.model.hf_config:
+            from ..models.families import check_hf_config  # needs transformers, as such a model does
+
+            check_hf_config(self.model)
         if not isinstance(self.data, DataConfig):
             fail("TrainConfig", "data", "a DataConfig", self.data)
         self.data.validate()
@@ -207,6 +211,10 @@ class TrainConfig:
             fail("TrainConfig", "seq_len", f"an integer in [2, model.max_seq_len={self.model.max_seq_len}] (a window "
                  "needs a next token to predict)", self.seq_len)
         _check_rules(self, TRAIN_RULES)
+        if self.resume and self.resume_from is not None:  # which checkpoint would it be?
+            raise ValueError(f"TrainConfig.resume and resume_from are exclusive: resume=true continues the newest "
+                             f"checkpoint in out_dir, resume_from={self.resume_from!r} the given one; set one of them "
+                             "(--resume or --resume-from)")
 
     @property
     def tokens_per_step(self) -> int:
@@ -411,13 +419,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+#: The example configs shipped in the package (``configs/`` of a clone links to them).
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def config_path(path: str | Path) -> Path:
+    """``path``, or for ``configs/NAME.yaml`` (or ``NAME.yaml``) that is not there, the
+    config of that name shipped with attnres: the README's and the Makefile's commands work
+    from an installed wheel too, which has no clone's ``configs/`` beside it."""
+    p = Path(path)
+    shipped = SHIPPED_CONFIGS / p.name
+    if not p.exists() and str(p.parent) in ("configs", ".") and shipped.is_file():
+        return shipped
+    return p
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
+    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
+    ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
+    (:func:`config_path`)."""
     import yaml
 
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = config_path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")
         try:

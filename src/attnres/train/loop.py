@@ -29,7 +29,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import re
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +63,8 @@ from ..distributed.launch import (
     raise_on_every_rank,
 )
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
-from ..distributed.parallel import build_layout
+from ..distributed.parallel import build_layout, resolve_degrees
+from ..output_paths import check_output_dir
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
 from .hf_source import load_hf_weights
@@ -72,7 +76,7 @@ from .resume import check_resumable
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
 from .signals import StopSignals
-from .summary import RunFacts, startup_summary
+from .summary import RunFacts, startup_summary, warmup_overrun
 
 
 class _Named:
@@ -87,6 +91,31 @@ class _Named:
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became NaN or infinite; nothing was saved for that step."""
+
+
+class TrainingOutOfMemory(RuntimeError):
+    """An allocation failed (the CPU's or a CUDA device's memory): the message names the
+    batch, the allocation that failed and what to lower."""
+
+
+def out_of_memory(error: BaseException, config: TrainConfig, device: torch.device) -> TrainingOutOfMemory | None:
+    """:class:`TrainingOutOfMemory` in words when ``error`` is an allocation failure (torch's
+    CPU allocator or CUDA's, or Python's ``MemoryError``), else ``None``."""
+    text = str(error)
+    if not (isinstance(error, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
+            or "not enough memory" in text):
+        return None
+    asked = re.search(r"(?:you tried to allocate|Tried to allocate) ([0-9.]+) ?(bytes|[KMGT]iB)", text)
+    if asked is None:
+        failed = "an allocation failed"
+    else:
+        size = float(asked.group(1)) * 1024 ** ("bytes KiB MiB GiB TiB".split().index(asked.group(2)))
+        failed = f"an allocation of {size / 2**20:,.0f} MiB failed"
+    micro = f"batch_size {config.batch_size} x seq_len {config.seq_len}"
+    return TrainingOutOfMemory(
+        f"out of memory on {device}: one micro-batch of {micro} tokens needs more memory than is available ({failed}); "
+        f"lower batch_size, and raise grad_accum to keep the {config.tokens_per_step:,} tokens per step (batch_size "
+        "x grad_accum x seq_len)")
 
 
 @dataclass
@@ -109,13 +138,20 @@ def train(config: TrainConfig) -> TrainResult:
     (unless one exists) and kept until the process exits.
 
     Raises ``ValueError`` for bad data, configs or checkpoints, :class:`TrainingDiverged`
-    on a non-finite loss (the last good checkpoint is left untouched) and
+    on a non-finite loss (the last good checkpoint is left untouched),
+    :class:`TrainingOutOfMemory` when a step does not fit in memory, and
     :class:`~attnres.distributed.DistributedError` when another rank died or stalled.
     """
     config.validate()
     ctx = process_context(config.device, config.dist_timeout_s)
     with collective_errors(ctx):
-        return Trainer(config, ctx).run()
+        try:
+            return Trainer(config, ctx).run()
+        except (RuntimeError, MemoryError) as e:
+            oom = out_of_memory(e, config, ctx.device)
+            if oom is None:
+                raise
+        raise oom  # outside the handler: the failed step's tensors are freed with its traceback
 
 
 class Trainer:
@@ -133,11 +169,20 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, ctx: DistContext) -> None:
         config.validate()
+        check_kernels(config, ctx.device)
+        if ctx.world_size > 1:  # the layout fits the launched ranks: the same answer on every rank
+            try:
+                resolve_degrees(config.parallel, ctx.world_size)
+            except ValueError as e:
+                raise on_every_rank(e) from None
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
         self.logger: MetricsLogger | None = None
         self.progress = None
+        if config.data.cache_dir is not None:  # before out_dir is created: a bad one leaves nothing behind
+            check_output_dir(config.data.cache_dir, "data.cache_dir")
+        created = self.main and not self.out_dir.exists()  # removed again if the set-up fails (left empty)
         check_out_dir(self.out_dir, ctx)  # writable, and the same directory on every rank
         # Under torchrun only rank 0 takes the lock (the ranks are one run, and only rank 0
         # writes); the others check a lock left on their host, and stop with rank 0 on an error.
@@ -165,6 +210,9 @@ class Trainer:
             self._main_first(self._open_outputs)
         except BaseException:
             self.close()
+            if created:
+                with contextlib.suppress(OSError):  # not empty: something of the run is worth keeping
+                    self.out_dir.rmdir()
             raise
 
     # -- coordination ---------------------------------------------------------------------
@@ -272,13 +320,18 @@ class Trainer:
         else:
             start = f"new run in {str(self.out_dir)!r}"
         tok = data.tokens.tokenizer
+        padded = self.config.model.vocab_size - tok.vocab_size
+        padding = f", the embedding padded by {padded} rows beyond it" if padded > 0 else ""
         device = str(self.device) + (" (freed memory retained)" if self.device.type == "cpu" and retains_freed_memory() else "")
         facts = RunFacts(start=start, first_step=self.step_count, parameters=self.model.num_parameters(),
                          train_tokens=len(data.tokens.train), val_tokens=len(data.tokens.val),
-                         tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {data.tokenizer_origin}",
+                         tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {data.tokenizer_origin}{padding}",
                          fingerprint=data.fingerprint, device=device, world_size=self.ctx.world_size,
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
+        overrun = warmup_overrun(self.config)
+        if overrun is not None:
+            warnings.warn(overrun, stacklevel=2)
 
     def _describe_layout(self) -> str:
         p = self.config.parallel
@@ -449,6 +502,17 @@ class Trainer:
                     break
         return TrainResult(step=self.step_count, train_loss=self.train_loss, val_loss=self.val_loss,
                            checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted)
+
+
+def check_kernels(config: TrainConfig, device: torch.device) -> None:
+    """Refuse ``model.residual.kernels="triton"`` off a GPU before any work: Triton kernels
+    run on CUDA devices (on the CPU only under Triton's interpreter, ``TRITON_INTERPRET=1``,
+    for tests), and the driver's error would come after the start-up summary, as a traceback."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if config.model.residual.kernels == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(f"model.residual.kernels='triton' needs a CUDA GPU (Triton kernels run on GPUs), and this run's "
+                         f"device is {device.type}: use kernels='auto' (the C kernel on the CPU, Triton on CUDA) or "
+                         "'torch'")
 
 
 def _attempt(fn):

@@ -18,6 +18,7 @@ import socket
 from pathlib import Path
 
 from ..distributed.launch import DistContext, broadcast_object, gather_objects, raise_on_every_rank
+from ..output_paths import file_in_the_way, not_a_directory, os_cause
 
 __all__ = ["OutDirError", "check_out_dir", "os_cause"]
 
@@ -28,28 +29,12 @@ class OutDirError(ValueError):
     """``out_dir`` cannot be used: not a directory, not writable, or not the same directory on every rank."""
 
 
-def os_cause(e: OSError) -> str:
-    """An ``OSError``'s reason in words ("read-only file system", "no space left on device")."""
-    return (e.strerror or str(e)).lower()
-
-
-def _file_in_the_way(path: Path) -> Path | None:
-    """The first existing component of ``path`` (itself included) that is not a directory."""
-    for part in (*reversed(path.parents), path):
-        if part.exists() and not part.is_dir():
-            return part
-    return None
-
-
 def create_out_dir(out_dir: Path) -> None:
     """Create ``out_dir`` (and its parents); :class:`OutDirError` naming the path and the cause."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        blocker = _file_in_the_way(out_dir)
-        what = "it is a file" if blocker == out_dir else f"{str(blocker)!r} is a file"
-        raise OutDirError(f"out_dir {str(out_dir)!r} cannot be used: {what}, not a directory; pick another "
-                          "out_dir") from None
+        raise OutDirError(str(not_a_directory("out_dir", out_dir, file_in_the_way(out_dir)))) from None
     except OSError as e:
         raise OutDirError(f"out_dir {str(out_dir)!r} cannot be created: {os_cause(e)}") from None
 

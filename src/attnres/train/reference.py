@@ -68,6 +68,8 @@ def config_reference() -> str:
     model = defaults.model
     rows.append(("model", repr(DEFAULT_MODEL_PRESET), "a preset name (" + ", ".join(sorted(PRESETS)) + ") or model.<field>=..."))
     rows.append(("model.preset", repr(DEFAULT_MODEL_PRESET), "the preset the model.<field> settings change"))
+    rows.append(("model.from_hf", "null", "a saved transformers directory (e.g. of `attnres upcycle`) whose model this "
+                 "is, instead of a preset; with init_from=DIR, its weights too"))
     for key, value in flatten(model.to_dict()).items():
         rows.append((f"model.{key}", _fmt(value), model_field_allowed(model, key)))
     width = max(len(k) + len(v) for k, v, _ in rows) + 5

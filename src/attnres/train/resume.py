@@ -4,6 +4,8 @@ fine-tuning starts (``init_from``). Finding the checkpoint is :mod:`attnres.chec
 * :func:`check_resumable` - the config may differ only in fields that do not change the
   trajectory; ``steps`` only where the learning rate of every step already taken stays the
   same (:func:`schedule_change`).
+* :func:`check_progress` - the checkpoint's step and ``tokens_seen`` agree (every step
+  consumed ``tokens_per_step`` tokens).
 * :func:`check_data` - the data's fingerprint must match the checkpoint's, unless
   ``allow_data_change`` says otherwise.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..checkpoint import Source
+from ..checkpoint import CheckpointError, Source
 from .config import RESUMABLE_CHANGES, TrainConfig, flatten
 from .schedule import lr_factor
 
@@ -72,6 +74,22 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
             f"weights with init_from={str(source.path)} (fresh optimiser and schedule), or, for a schedule you mean to "
             "extend, use schedule=wsd or constant: their steps may change on resume while the learning rate of the "
             "steps already taken stays the same (WSD: before the decay starts).")
+
+
+def check_progress(source: Source) -> None:
+    """Raise :class:`CheckpointError` when ``source``'s ``tokens_seen`` is not its step times
+    the tokens per step of its config: its state was edited (a run consumes the same number of
+    tokens every step, and no field that changes it may change on resume)."""
+    state = source.state
+    tokens, config = state.get("tokens_seen"), _normalised(state.get("config") or {})
+    try:
+        per_step = config["batch_size"] * config["grad_accum"] * config["seq_len"]
+    except (KeyError, TypeError):
+        return  # a config this version cannot read: check_resumable names what differs
+    if tokens is not None and tokens != source.step * per_step:
+        raise CheckpointError(f"checkpoint {str(source.path)!r} is inconsistent: step {source.step} at "
+                              f"{per_step} tokens per step is {source.step * per_step} tokens, but its state.json "
+                              f"says tokens_seen={tokens}; the checkpoint was edited")
 
 
 def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:

@@ -23,7 +23,7 @@ from ..data import BatchSampler, TokenData, load_corpus, prepare_data, validatio
 from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
 from .config import TrainConfig
 from .hf_source import hf_source, is_hf_directory
-from .resume import check_data
+from .resume import check_data, check_progress
 
 __all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]
 
@@ -58,6 +58,7 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
                          "checkpoints")
     if source is None:
         raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
+    check_progress(source)
     if config.resume_from is not None and main:
         for moved in set_aside_newer(out_dir, source.step):
             print(f"attnres train: {moved.name}: a later checkpoint than the one resumed from, set aside")
@@ -84,7 +85,9 @@ def locate_start(config: TrainConfig, main: bool, main_first: MainFirst) -> Star
     that holds checkpoints. Rank 0 (``main``) first removes what a crash left half-written."""
     out_dir = Path(config.out_dir)
     if main:
-        remove_partial_checkpoints(out_dir)
+        for partial in remove_partial_checkpoints(out_dir):
+            print(f"attnres train: removed {partial.name}, a checkpoint an interrupted run (killed while writing it) "
+                  "left half-written")
     if config.resuming:
         source = _resume_source(config, out_dir, main, main_first)
         return Start(resume=source, origin=source.state.get("init_from"))
@@ -124,20 +127,43 @@ def stored_tokenizer(source: Source) -> Tokenizer | None:
     return tokenizer_from_state(meta, source.path)
 
 
+def _source_vocab_size(config: TrainConfig, start: Start) -> int | None:
+    """The embedding size of the model a run starts from (``None`` for a new run): a
+    checkpoint's, from its config; a transformers directory's, which ``model.from_hf``
+    describes (``init_from`` such a directory requires it)."""
+    source = start.resume or start.init
+    if source is None:
+        return None
+    if source.state.get("hf_directory"):
+        return config.model.vocab_size
+    return ((source.state.get("config") or {}).get("model") or {}).get("vocab_size")
+
+
+def model_vocab_size(config: TrainConfig, start: Start, tokenizer_size: int) -> int:
+    """The run's ``model.vocab_size``: the tokenizer's, except that a model started from
+    (or resumed with) an embedding padded beyond its tokenizer keeps it. Pretrained models
+    often pad it (Qwen2.5 / Qwen3: 151,936 rows, 151,665 tokens); the token ids still come
+    from the tokenizer, and the extra rows are never a target."""
+    padded = _source_vocab_size(config, start)
+    return padded if padded is not None and padded > tokenizer_size else tokenizer_size
+
+
 def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -> tuple[TrainConfig, RunData]:
     """Read and tokenise the corpus (rank 0 first, the others then read its cache) and
     build the sampler and the validation batches. A run that starts from a checkpoint keeps
     that checkpoint's tokenizer; a resumed one checks that the data is the checkpoint's and
     continues at its data position. Returns ``config`` with the model's vocabulary set from
-    the tokenizer (the caller's config is left alone), and the data."""
+    the tokenizer (or kept where a start's embedding is padded beyond it,
+    :func:`model_vocab_size`; the caller's config is left alone), and the data."""
     corpus = load_corpus(config.data.paths, config.data.val_fraction)
     source = start.resume or start.init
     given = stored_tokenizer(source) if source is not None else None
     changed = start.resume is not None and check_data(start.resume, corpus.digest, config.allow_data_change)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
                                              config.data.cache_dir, given=given, progress=config.progress))
-    if config.model.vocab_size != tokens.vocab_size:  # the tokenizer decides
-        config = dataclasses.replace(config, model=config.model.replace(vocab_size=tokens.vocab_size))
+    vocab_size = model_vocab_size(config, start, tokens.vocab_size)
+    if config.model.vocab_size != vocab_size:
+        config = dataclasses.replace(config, model=config.model.replace(vocab_size=vocab_size))
     meta, files = tokenizer_state(tokens.tokenizer)
     sampler = BatchSampler(tokens.train, config.seq_len, config.batch_size, config.seed)
     if start.resume is not None and not changed:

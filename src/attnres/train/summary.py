@@ -25,18 +25,35 @@ class RunFacts:
     layout: str = ""  # the mesh, over several ranks
 
 
+def warmup_overrun(config: TrainConfig) -> str | None:
+    """In words, what a warm-up as long as the run or longer (``warmup_steps >= steps``) does
+    to the learning rate (it peaks below ``lr``, or only at the last step, and never decays);
+    ``None`` for a warm-up shorter than the run."""
+    if config.warmup_steps < config.steps:
+        return None
+    peak = config.lr * config.steps / config.warmup_steps
+    return (f"warmup_steps={config.warmup_steps} >= steps={config.steps}: the learning rate rises for the whole run, "
+            f"to {peak:.3g} at the last step ({config.steps / config.warmup_steps:.3g} x lr), and the "
+            f"{config.schedule!r} schedule after the warm-up never starts; set warmup_steps below steps (e.g. "
+            f"warmup_steps={max(config.steps // 10, 1) if config.steps > 1 else 0})")
+
+
 def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     model = config.model.to_dict()
     end = min(config.steps, config.stop_after or config.steps)
     to_go = max(end - facts.first_step, 0)
     stop = f"; stop_after ends this invocation at step {end}" if end < config.steps else ""
     processes = f", {facts.world_size} processes" if facts.world_size > 1 else ""
+    lr = f"lr {config.lr:g}"
+    if config.warmup_steps >= config.steps:
+        lr += (f" (peak {config.lr * config.steps / config.warmup_steps:.3g}: warmup_steps {config.warmup_steps} >= steps "
+               f"{config.steps})")
     lines = [
         f"attnres train: {facts.start}; steps {facts.first_step + 1}-{end} of {config.steps} ({to_go} to go{stop})",
         f"  model   {facts.parameters:,} parameters; residual {config.model.describe_residual()}; d_model {model.get('d_model')}, "
         f"{model.get('n_layers')} transformer blocks, vocabulary {model.get('vocab_size')}",
         f"  tokens  {config.tokens_per_step:,} per step (batch {config.batch_size} x seq_len {config.seq_len} x "
-        f"grad_accum {config.grad_accum}); {config.optimizer}, lr {config.lr:g}, {config.schedule} schedule",
+        f"grad_accum {config.grad_accum}); {config.optimizer}, {lr}, {config.schedule} schedule",
         f"  data    {facts.train_tokens:,} training + {facts.val_tokens:,} validation tokens; tokenizer "
         f"{facts.tokenizer}; fingerprint {facts.fingerprint[:12]}",
         f"  device  {facts.device}, {config.dtype}{processes}; out_dir {config.out_dir}",

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..extras import install_command
+from ..output_paths import check_output_dir
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -46,7 +48,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
                          f"{SMOLLM2!r})")
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
-        raise ModuleNotFoundError("reading a .gguf file needs the gguf package (pip install 'attnres[upcycle]')",
+        raise ModuleNotFoundError(f"reading a .gguf file needs the gguf package ({install_command('upcycle')})",
                                   name="gguf")
     check_layout(source, kw)  # a refused family is said before anything else can fail
     if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
@@ -101,9 +103,7 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
     """``attnres upcycle``: load ``source``, upcycle it, and write the AttnRes model with the
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
     ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is an existing file; give a directory")
+    out = check_output_dir(out, "--out")
     model, tokenizer = load_pretrained(source, gguf_file, dtype)
     upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)
     out.mkdir(parents=True, exist_ok=True)

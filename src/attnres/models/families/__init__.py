@@ -18,7 +18,7 @@
 Converting a pretrained family checkpoint is :mod:`attnres.upcycle`'s, on top of these.
 """
 
-from .build import build_hf_model, hf_config_of, model_fields_from_directory, model_fields_of
+from .build import build_hf_model, check_hf_config, hf_config_of, model_fields_from_directory, model_fields_of
 from .layout import CHECKED_WITH, FAMILIES, REFUSED, Layout, Router, family_of, layout_of
 from .moe import RouterRecorder, moe_routers
 from .modeling import PREFIX, UpcycledModelMixin, init_missing_tensors, register_families, upcycled_classes, upcycled_config
@@ -33,6 +33,7 @@ __all__ = [
     "RouterRecorder",
     "UpcycledModelMixin",
     "build_hf_model",
+    "check_hf_config",
     "family_of",
     "hf_config_of",
     "init_missing_tensors",

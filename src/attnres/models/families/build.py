@@ -4,6 +4,7 @@ becomes one (``model.from_hf=DIR``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
@@ -11,7 +12,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from ...nn.residual import ResidualConfig
 from .modeling import PREFIX, register_families, upcycled_classes
 
-__all__ = ["build_hf_model", "hf_config_of", "model_fields_of", "model_fields_from_directory"]
+__all__ = ["build_hf_model", "check_hf_config", "hf_config_of", "model_fields_of", "model_fields_from_directory"]
 
 # ModelConfig field -> the family config field it sets (the rest go through hf_config).
 _MAPPED = {
@@ -31,11 +32,38 @@ _SKIPPED = {"model_type", "architectures", "transformers_version", "_name_or_pat
             "attnres_residual", "id2label", "label2id", "return_dict", "output_attentions", "output_hidden_states"}
 
 
+@functools.cache
+def _family_fields(family: str) -> tuple[frozenset[str], dict[str, str]]:
+    """The config fields of ``family`` (its config class's defaults, as saved) and the
+    aliases its config class maps to them (``num_experts`` -> ``num_local_experts``)."""
+    config_cls, _ = upcycled_classes(family)
+    return frozenset(config_cls().to_dict()), dict(config_cls.attribute_map)
+
+
+def check_hf_config(config) -> None:
+    """Raise ``ValueError`` when ``config.hf_config`` (a ``ModelConfig`` with
+    ``hf_architecture``) holds a key its family's config does not know (a misspelt field
+    would be kept as an unused attribute), or one a ``ModelConfig`` field sets."""
+    fields, aliases = _family_fields(config.hf_architecture)
+    ours = {hf: ours for ours, hf in _MAPPED.items()}
+    for key in config.hf_config:
+        field = ours.get(aliases.get(key, key), "residual" if key == "attnres_residual" else None)
+        if field is not None:
+            raise ValueError(f"ModelConfig.hf_config.{key} is set by ModelConfig.{field}: use model.{field} instead")
+    known = (fields | set(aliases)) - set(ours) - _SKIPPED
+    unknown = sorted(set(config.hf_config) - known)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig.hf_config key(s) {unknown} for hf_architecture="
+                         f"{config.hf_architecture!r}; known keys: {sorted(known)}")
+
+
 def hf_config_of(config) -> PretrainedConfig:
     """The AttnRes family config that ``config`` (a ``ModelConfig`` with ``hf_architecture``)
-    describes: the family's defaults, then ``config``'s fields, then ``config.hf_config``."""
+    describes: the family's defaults, then ``config``'s fields, then ``config.hf_config``
+    (its keys checked, :func:`check_hf_config`)."""
     if config.hf_architecture is None:
         raise ValueError("ModelConfig.hf_architecture is None: this is a native model (attnres.AttnResLM)")
+    check_hf_config(config)
     config_cls, _ = upcycled_classes(config.hf_architecture)
     fields: dict[str, Any] = {hf: getattr(config, ours) for ours, hf in _MAPPED.items()}
     fields["num_key_value_heads"] = config.kv_heads

@@ -1,0 +1,49 @@
+"""How to install one of attnres's extras (``pyproject.toml``'s optional dependencies) into
+this environment, in the words of how attnres itself was installed.
+
+attnres is installed from a clone (``pip install -e .``) or from a wheel; no package index
+serves it, so ``pip install "attnres[train]"`` would fail (or install another project of that
+name). The command names the clone or the wheel this installation came from, as pip recorded
+it (``direct_url.json``, PEP 610).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+__all__ = ["install_command"]
+
+
+def _installed_from() -> tuple[str, Path] | None:
+    """``("clone", directory)`` or ``("wheel", file)`` this installation came from, where
+    pip recorded it and it is still there; ``None`` otherwise."""
+    from importlib import metadata
+
+    try:
+        record = metadata.distribution("attnres").read_text("direct_url.json")
+        origin = json.loads(record) if record else None
+    except (metadata.PackageNotFoundError, json.JSONDecodeError):
+        return None
+    if not isinstance(origin, dict) or not str(origin.get("url", "")).startswith("file:"):
+        return None
+    path = Path(unquote(urlparse(origin["url"]).path))
+    if "dir_info" in origin and path.is_dir():
+        return "clone", path
+    if path.suffix == ".whl" and path.is_file():
+        return "wheel", path
+    return None
+
+
+def install_command(extra: str) -> str:
+    """The command that installs ``extra`` (``"train"``, ``"hf"``, ...) for this
+    installation: ``pip install -e "<clone>[extra]"`` or ``pip install "<wheel>[extra]"``;
+    where the origin is unknown, both forms, to run in a clone or beside the wheel."""
+    origin = _installed_from()
+    if origin is None:
+        return (f'pip install -e ".[{extra}]" in a clone of attnres (or pip install "attnres-<version>-py3-none-any.whl'
+                f'[{extra}]" beside its wheel)')
+    kind, path = origin
+    shown = "." if path == Path.cwd() else str(path)
+    return f'pip install -e "{shown}[{extra}]"' if kind == "clone" else f'pip install "{shown}[{extra}]"'

@@ -1,0 +1,97 @@
+"""Where a command writes: checked before any work, with one line naming the setting, the
+path and the cause (a file in the way, a read-only file system, no permission), and written
+so that a failure loses nothing that was there.
+
+:func:`check_output_dir` and :func:`check_output_file` create nothing: a directory that does
+not exist yet is checked by creating (and removing) a temporary one where it would go, so a
+command that stops later for another reason leaves no empty directory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way", "not_a_directory",
+           "os_cause", "write_text_atomically"]
+
+
+class OutputPathError(ValueError):
+    """A place to write cannot be used: a file in the way, not writable, cannot be created."""
+
+
+def os_cause(e: OSError) -> str:
+    """An ``OSError``'s reason in words ("read-only file system", "no space left on device")."""
+    return (e.strerror or str(e)).lower()
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The first existing component of ``path`` (itself included) that is not a directory."""
+    for part in (*reversed(path.parents), path):
+        if part.exists() and not part.is_dir():
+            return part
+    return None
+
+
+def not_a_directory(what: str, path: Path, blocker: Path) -> OutputPathError:
+    """The error for ``path`` (of setting ``what``) where ``blocker``, a file, is in the way."""
+    where = "it is a file" if blocker == path else f"{str(blocker)!r} is a file"
+    return OutputPathError(f"{what} {str(path)!r} cannot be used: {where}, not a directory; pick another {what}")
+
+
+def _probe(directory: Path) -> None:
+    """Create and remove a temporary directory in ``directory``: raises ``OSError`` where
+    nothing can be created there (a file, a subdirectory)."""
+    shutil.rmtree(tempfile.mkdtemp(prefix=".attnres-write-check-", dir=directory), ignore_errors=True)
+
+
+def check_output_dir(path: str | Path, what: str = "--out") -> Path:
+    """``path`` as a directory to write into: an existing directory where files can be
+    created, or a missing one that can be created (its nearest existing parent a directory
+    that takes a new entry). Creates nothing; raises :class:`OutputPathError` naming
+    ``what`` (the option or field: ``"--out"``, ``"data.cache_dir"``), the path and the cause."""
+    path = Path(path).expanduser()
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise not_a_directory(what, path, blocker)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # "/" or "." at the latest
+    try:
+        _probe(existing)
+    except OSError as e:
+        verb = "is not writable" if existing == path else "cannot be created"
+        raise OutputPathError(f"{what} {str(path)!r} {verb}: {os_cause(e)}") from None
+    return path
+
+
+def check_output_file(path: str | Path, what: str = "--out") -> Path:
+    """``path`` as a file to (over)write: not a directory, in an existing directory where
+    files can be created. Creates nothing; raises :class:`OutputPathError` naming ``what``,
+    the path and the cause."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise OutputPathError(f"{what} {str(path)!r} is a directory; give the path of a file")
+    if not path.parent.is_dir():
+        blocker = file_in_the_way(path.parent)
+        if blocker is not None:
+            raise not_a_directory(what, path.parent, blocker)
+        raise OutputPathError(f"{what} {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first")
+    try:
+        _probe(path.parent)
+    except OSError as e:
+        raise OutputPathError(f"{what} {str(path)!r} cannot be written: {os_cause(e)}") from None
+    return path
+
+
+def write_text_atomically(path: Path, text: str, what: str = "--out") -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed into place: a failure (a
+    disk that filled up since the check) leaves what was at ``path`` and raises
+    :class:`OutputPathError` naming ``what`` and the cause."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputPathError(f"{what} {str(path)!r} could not be written: {os_cause(e)}") from None

@@ -1,0 +1,502 @@
+"""What a new user hits: bad or unusual input from the command line ends with one line (no
+traceback, a non-zero status) before any work and with nothing written or overwritten, and
+what used to go silently wrong is refused or said."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("yaml")
+
+from test_train import overrides, write_corpus  # noqa: E402
+
+from attnres.checkpoint import checkpoint_dirs  # noqa: E402
+from attnres.checkpoint.manifest import STATE_FILE, seal_state  # noqa: E402
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.train import load_config, train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", n_lines=300)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus) -> Path:
+    """A finished 4-step run of the tiny model (byte tokenizer) with checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train(load_config(None, overrides(corpus, out, steps=4, checkpoint_every=2)))
+    return out
+
+
+def copy_run(run: Path, where: Path) -> Path:
+    shutil.copytree(run, where)
+    return where
+
+
+def fails_with(capsys, argv: list[str], *fragments: str) -> str:
+    """Run ``attnres argv``: it must end with one line ``attnres ...: error: ...`` holding every
+    fragment (after argparse's usage lines, for a usage error), and a non-zero status; returns
+    that line."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(argv)
+    code = exit_.value.code
+    printed = code if isinstance(code, str) else capsys.readouterr().err.strip()
+    assert code not in (0, None), printed
+    assert "Traceback" not in printed, printed
+    errors = [line for line in printed.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and printed.endswith(errors[0]), printed
+    message = errors[0]
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` with its content: what must stay as it was."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# -- a resume that trusts an edited state.json ---------------------------------------------
+
+def edit_state(ckpt: Path, reseal: bool, **changes) -> None:
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    doc.update(changes)
+    (ckpt / STATE_FILE).write_text(json.dumps(seal_state(doc) if reseal else doc))
+
+
+def test_an_edited_step_is_refused_by_name(tmp_path, finished_run, corpus, capsys):
+    """`"step": 4` -> 3 in step-00000004/state.json: refused (state.json no longer matches its
+    hash), by --resume-from; --resume sets it aside and goes on from step 2, as for any
+    corrupted checkpoint. Re-sealed, the step still disagrees with the directory's name."""
+    run = copy_run(finished_run, tmp_path / "run")
+    last = run / "checkpoints" / "step-00000004"
+    edit_state(last, reseal=False, step=3)
+    before = tree(run)
+    args = ["train", *overrides(corpus, run, steps=4, checkpoint_every=2)]
+    fails_with(capsys, [*args, f"--resume-from={last}"], "step-00000004", "state.json does not match its own SHA-256")
+    edit_state(last, reseal=True, step=3)
+    fails_with(capsys, [*args, f"--resume-from={last}"], "step-00000004",
+               "state.json says step 3 but the directory's name says step 4")
+    assert tree(run) == {**before, "checkpoints/step-00000004/state.json": (last / STATE_FILE).read_bytes()}
+    with pytest.warns(UserWarning, match="step-00000004.*set aside as 'corrupt-step-00000004'"):
+        assert cli_main([*args, "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert [p.name for p in checkpoint_dirs(run)] == ["step-00000002", "step-00000004"]
+    assert json.loads((run / "checkpoints" / "step-00000004" / STATE_FILE).read_text())["tokens_seen"] == 4 * 128
+
+
+def test_an_edited_state_with_a_matching_step_is_refused_by_name(tmp_path, finished_run, corpus, capsys):
+    """Another field edited (tokens_seen), the step left alone: the hash refuses it; with the
+    hash recomputed, tokens_seen disagrees with the step and the tokens per step."""
+    run = copy_run(finished_run, tmp_path / "run")
+    last = run / "checkpoints" / "step-00000004"
+    args = ["train", *overrides(corpus, run, steps=4, checkpoint_every=2), f"--resume-from={last}"]
+    edit_state(last, reseal=False, tokens_seen=3 * 128)
+    fails_with(capsys, args, "step-00000004", "state.json does not match its own SHA-256")
+    edit_state(last, reseal=True)
+    before = tree(run)
+    fails_with(capsys, args, "step-00000004", "step 4 at 128 tokens per step is 512 tokens",
+               "tokens_seen=384")
+    assert tree(run) == before
+
+
+# -- --report-only over another experiment's directory -------------------------------------
+
+def test_report_only_refuses_the_directory_of_another_experiment(tmp_path, capsys):
+    """`attnres experiment ablation --report-only` on an `attnres compare` directory (whose
+    'full' run the ablation grid also names) used to overwrite the compare report."""
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "full",
+                     "--overhead-repeats", "0"]) == 0
+    before = tree(out)
+    fails_with(capsys, ["experiment", "ablation", "--preset", "tiny", "--out", str(out), "--report-only"],
+               "holds a different experiment", "'compare'", "'ablation'")
+    fails_with(capsys, ["compare", "--preset", "demo", "--out", str(out), "--report-only"],
+               "holds a different experiment", "'preset'")
+    assert tree(out) == before
+    assert cli_main(["compare", "--out", str(out), "--report-only"]) == 0  # its own preset, from experiment.json
+    (out / "experiment.json").write_text("{not json")
+    fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out), "--report-only"], "experiment.json",
+               "is not an experiment header")
+
+
+# -- bad places to write ------------------------------------------------------------------
+
+@pytest.fixture
+def read_only(tmp_path) -> Path:
+    """A directory where nothing can be created: a 0o555 one, or for root (whom permissions
+    do not stop) ``/sys``, read-only in containers and to users."""
+    import os
+
+    if os.geteuid() != 0:
+        ro = tmp_path / "read-only"
+        ro.mkdir()
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    try:
+        os.mkdir("/sys/attnres-write-check")
+    except OSError:
+        yield Path("/sys")
+        return
+    os.rmdir("/sys/attnres-write-check")
+    pytest.skip("no read-only directory to test with")
+
+
+def test_bad_output_places_end_with_one_line_before_any_work(tmp_path, finished_run, corpus, read_only, capsys,
+                                                             monkeypatch):
+    pytest.importorskip("transformers")
+    import attnres.hf.evaluate as evaluate_mod
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me")
+    monkeypatch.setattr(evaluate_mod, "perplexity", lambda *a, **k: pytest.fail("eval did work before checking --out"))
+    fails_with(capsys, ["eval", "--checkpoint", str(finished_run), "--tasks", "none", "--out",
+                        str(read_only / "eval.json")], "attnres eval: error: --out", "cannot be written")
+    for out in (read_only / "hf", "/proc/attnres-export"):
+        fails_with(capsys, ["export", "--checkpoint", str(finished_run), "--out", str(out)],
+                   f"attnres export: error: --out '{out}' cannot be created")
+    fails_with(capsys, ["export", "--checkpoint", str(finished_run), "--out", str(a_file / "hf")],
+               f"'{a_file}' is a file, not a directory")
+    for out in (a_file, read_only / "cmp"):
+        fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out)], f"attnres compare: error: --out '{out}'")
+    for cache in (a_file, read_only / "cache"):
+        fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run"), f"data.cache_dir={cache}"],
+                   f"attnres train: error: data.cache_dir '{cache}'")
+    assert a_file.read_text() == "keep me" and not (tmp_path / "run").exists()
+
+
+# -- Triton kernels without a GPU ----------------------------------------------------------
+
+def test_triton_kernels_on_the_cpu_are_refused_before_any_work(tmp_path, corpus, capsys, monkeypatch):
+    """(A Triton driver traceback came after the start-up summary.) Triton's interpreter,
+    which the test suite may switch on, is the one way to run them on the CPU."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", device="cpu"), "model.residual.kernels=triton"],
+               "model.residual.kernels='triton' needs a CUDA GPU", "device is cpu")
+    assert capsys.readouterr().out == "" and not (tmp_path / "run").exists()
+
+
+# -- out of memory --------------------------------------------------------------------------
+
+def attnres_command(*args: str, limit_bytes: int | None = None, timeout: float = 120):
+    """``python -m attnres args`` in a subprocess (with an address-space limit): its exit
+    status and what it printed."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    proc = subprocess.run([sys.executable, "-m", "attnres", *args], capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limit if limit_bytes else None, env={**__import__("os").environ,
+                                                                          "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_batch_that_does_not_fit_in_memory_ends_with_one_line(tmp_path, corpus):
+    """Under a 3 GB address-space limit, 200,000 windows of 32 tokens: the first activation
+    (1.6 GB) does not fit (a traceback from the allocator before)."""
+    code, out = attnres_command("train", *overrides(corpus, tmp_path / "run", batch_size=200000, steps=2,
+                                                    eval_batches=1), limit_bytes=3_000_000_000)
+    assert code == 1 and "Traceback" not in out, out
+    assert "attnres train: error: out of memory on cpu: one micro-batch of batch_size 200000 x seq_len 32" in out, out
+    assert "MiB failed" in out and "lower batch_size" in out, out
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# -- unknown keys under model.hf_config ------------------------------------------------------
+
+def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
+    """A misspelt family field was kept as an unused attribute; a field a ModelConfig field
+    sets is named with that field. Every family's own saved config still passes."""
+    pytest.importorskip("transformers")
+    args = ["train", *overrides(corpus, tmp_path / "run"), "model.hf_architecture=llama"]
+    fails_with(capsys, [*args, "model.hf_config.num_hiden_layers=2"],
+               "unknown ModelConfig.hf_config key(s) ['num_hiden_layers'] for hf_architecture='llama'", "'head_dim'")
+    fails_with(capsys, [*args, "model.hf_config.num_hidden_layers=2"],
+               "ModelConfig.hf_config.num_hidden_layers is set by ModelConfig.n_layers")
+    assert not (tmp_path / "run").exists()
+    from attnres.models import ModelConfig
+    from attnres.models.families import FAMILIES, check_hf_config, model_fields_of
+    from attnres.models.families.tiny import tiny_model
+
+    for family in FAMILIES:  # what model.from_hf reads from a saved directory
+        check_hf_config(ModelConfig.from_dict(model_fields_of(tiny_model(family).config)))
+
+
+# -- a warm-up longer than the run --------------------------------------------------------
+
+def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):
+    """The default warmup_steps=100 with steps=6: the summary said "lr 0.003", but the rate
+    never passed 1.8e-4."""
+    with pytest.warns(UserWarning, match=r"warmup_steps=100 >= steps=6: the learning rate rises for the whole run, "
+                      r"to 0.00018 at the last step \(0.06 x lr\)"):
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run", warmup_steps=100, stop_after=1)]) == 0
+    assert "adamw, lr 0.003 (peak 0.00018: warmup_steps 100 >= steps 6), cosine" in capsys.readouterr().out
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="warmup_steps")  # a warm-up shorter than the run: nothing to say
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run2", warmup_steps=5, stop_after=1)]) == 0
+
+
+# -- non-finite weights ----------------------------------------------------------------------
+
+def poison_weights(ckpt: Path) -> None:
+    """Put a NaN into the checkpoint's weights and re-list the file in its manifest, as a run
+    that diverged between two checks might have."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(ckpt / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(ckpt / "model.safetensors"))
+    data = (ckpt / "model.safetensors").read_bytes()
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    doc["files"]["model.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (ckpt / STATE_FILE).write_text(json.dumps(seal_state(doc)))
+
+
+def test_generate_warns_about_non_finite_weights(tmp_path, finished_run, capsys):
+    """Sampling from NaN logits printed NUL bytes without a word."""
+    run = copy_run(finished_run, tmp_path / "run")
+    args = ["generate", "--checkpoint", str(run), "--prompt", "the", "--max-new-tokens", "3", "--temperature", "0"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*NaN or infinite")
+        assert cli_main(args) == 0  # finite weights: nothing to say
+    poison_weights(run / "checkpoints" / "step-00000004")
+    with pytest.warns(UserWarning, match=r"step-00000004' hold NaN or infinite values \(1 tensor\(s\)"):
+        assert cli_main(args) == 0
+
+
+# -- counts that must be at least 1 ----------------------------------------------------------
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["eval", "--tasks", "none", "--seq-len", "0"], "--seq-len must be >= 1 (omit it for the model's max_seq_len); got 0"),
+    (["eval", "--limit", "0"], "--limit must be >= 1 (omit it for every document of each task); got 0"),
+    (["analyze", "--seq-len", "0"], "--seq-len must be >= 1"),
+    (["analyze", "--seq-len", "-3"], "got -3"),
+])
+def test_zero_counts_are_refused_before_any_work(tmp_path, finished_run, capsys, monkeypatch, argv, fragment):
+    """`--seq-len 0` meant "the default" without a word; `eval --limit 0` failed in lm-eval
+    after the perplexity pass."""
+    pytest.importorskip("transformers")
+    import attnres.hf.evaluate as evaluate_mod
+
+    monkeypatch.setattr(evaluate_mod, "perplexity", lambda *a, **k: pytest.fail("eval did work before its checks"))
+    out = tmp_path / "out"
+    where = ["--out", str(out / "eval.json")] if argv[0] == "eval" else ["--out", str(out)]
+    out.mkdir()
+    fails_with(capsys, [argv[0], "--checkpoint", str(finished_run), *argv[1:], *where], fragment)
+    assert list(out.iterdir()) == []
+
+
+# -- a layout that does not fit the launched ranks -----------------------------------------
+
+def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus):
+    """`torchrun --nproc-per-node 2 ... parallel.tp=3`: every rank printed the same line (after
+    the data was prepared); now one line per node, before any work, and the ranks exit 1
+    (torchrun then reports the failed workers itself)."""
+    import subprocess
+    import sys
+
+    from distributed_utils import LAUNCH_TIMEOUT_S, worker_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "attnres",
+           "train", *overrides(corpus, tmp_path / "run"), "parallel.tp=3"]
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("attnres train: error:")]
+    assert errors == ["attnres train: error: TrainConfig.parallel.tp must be a divisor of the 2 launched ranks "
+                      "together with parallel.pp=1 (tp * pp = 3); got 3"], out
+    assert proc.returncode != 0 and "exitcode  : 1" in out, out
+    assert not (tmp_path / "run").exists()
+
+
+# -- messages that said something else ----------------------------------------------------
+
+def test_messages_name_the_one_limit_and_the_directory(tmp_path, finished_run, capsys):
+    """`generate --max-new-tokens 100000` named two limits (126 and 128); `train --config DIR`
+    said the directory did not exist."""
+    line = fails_with(capsys, ["generate", "--checkpoint", str(finished_run), "--prompt", "the", "--max-new-tokens",
+                               "100000"], "context limit of 128 tokens")
+    assert line.endswith("(max_seq_len): use --max-new-tokens 126 or less"), line
+    fails_with(capsys, ["train", "--config", str(tmp_path)], f"config file '{tmp_path}' is a directory; give a YAML file")
+    fails_with(capsys, ["train", str(tmp_path)], f"'{tmp_path}' is a directory, not a config file")
+
+
+# -- the same corpus twice ------------------------------------------------------------------
+
+def test_a_file_reached_twice_is_refused(tmp_path, corpus, capsys):
+    """`data.paths=[a.txt,a.txt]` doubled the data (and the validation split) without a word;
+    so did a directory and a file in it. The run leaves no out_dir behind."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    shutil.copy(corpus, texts / "a.txt")
+    run = tmp_path / "run"
+    base = [a for a in overrides(corpus, run) if not a.startswith("data.paths=")]
+    fails_with(capsys, ["train", *base, f"data.paths=[{texts / 'a.txt'},{texts / 'a.txt'}]"],
+               f"data.paths reads the file '{texts / 'a.txt'}' twice (listed twice)")
+    fails_with(capsys, ["train", *base, f"data.paths=[{texts},{texts / 'a.txt'}]"],
+               f"twice (through '{texts}' and '{texts / 'a.txt'}')")
+    assert not run.exists()
+
+
+# -- an install without the clone ------------------------------------------------------------
+
+def test_the_readme_config_works_outside_the_clone(tmp_path, monkeypatch, capsys):
+    """`attnres train --config configs/train-cpu.yaml` from a wheel: there is no configs/ beside
+    the user; the config of that name ships in the package (a clone's configs/ links to it)."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    expected = load_config(root / "configs" / "train-cpu.yaml").to_dict()
+    for argv in (["--config", "configs/train-cpu.yaml"], ["configs/train-cpu.yaml"]):
+        assert cli_main(["train", *argv, "--print-config"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out) == expected
+    fails_with(capsys, ["train", "--config", "configs/no-such.yaml"], "config file 'configs/no-such.yaml' does not exist")
+
+
+def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monkeypatch):
+    """`pip install "attnres[train]"` named a distribution no index serves: the command names
+    the clone (or the wheel) attnres was installed from."""
+    from attnres import extras
+    from attnres.cli import missing_extra
+
+    clone = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(extras, "_installed_from", lambda: ("clone", clone))
+    monkeypatch.chdir(clone)
+    assert extras.install_command("hf") == 'pip install -e ".[hf]"'
+    monkeypatch.chdir(tmp_path)
+    message = missing_extra(["train"], ModuleNotFoundError("No module named 'yaml'", name="yaml"))
+    assert message == (f"attnres train: error: this needs the 'train' extra: pip install -e \"{clone}[train]\" (the module "
+                       "'yaml' is not installed)")
+    monkeypatch.setattr(extras, "_installed_from", lambda: None)
+    assert 'pip install -e ".[hf]" in a clone of attnres' in missing_extra(["eval"], ModuleNotFoundError(name="lm_eval"))
+
+
+# -- the docs --------------------------------------------------------------------------------
+
+def test_the_readme_summary_of_the_committed_comparison_has_every_paired_gap():
+    """The README summarised results/compare-long at equal steps and compute and left out
+    equal time, where both AttnRes variants are worse in every seed."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    report = (root / "results" / "compare-long" / "report.md").read_text()
+    readme = (root / "README.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| model | Δ val loss @ equal steps"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    for model in ("Block AttnRes", "Full AttnRes"):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {model} | ") and "seeds" not in line
+                   and re.search(r"\| \d/\d \|", line))
+        cells = dict(zip(columns, [c.strip() for c in row.strip("|").split("|")]))
+        for budget in ("equal steps", "equal compute", "equal time"):
+            mean = float(cells[f"Δ val loss @ {budget}"].split()[0])
+            shown = f"{'−' if mean < 0 else '+'}{abs(mean):.3f}"
+            readme_row = next((line for line in readme.splitlines() if line.startswith(f"| Δ @ {budget} |")), "")
+            assert shown in readme_row, (model, budget, shown, readme_row)
+
+
+# -- small things --------------------------------------------------------------------------
+
+def test_resume_and_resume_from_together_are_refused(tmp_path, finished_run, corpus, capsys):
+    """Which checkpoint would it be? (--resume with --resume-from was accepted silently.)"""
+    fails_with(capsys, ["train", *overrides(corpus, finished_run, steps=4), "--resume", "--resume-from",
+                        str(finished_run / "checkpoints" / "step-00000002")],
+               "TrainConfig.resume and resume_from are exclusive")
+
+
+def test_a_half_written_checkpoint_is_removed_and_said_at_the_next_start(tmp_path, finished_run, corpus, capsys):
+    """What a run killed with SIGKILL while writing a checkpoint leaves: removed when the next
+    run on that out_dir starts, and said."""
+    run = copy_run(finished_run, tmp_path / "run")
+    partial = run / "checkpoints" / ".tmp-step-00000006-4242"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    assert cli_main(["train", *overrides(corpus, run, steps=4), "--resume"]) == 0
+    assert "removed .tmp-step-00000006-4242, a checkpoint an interrupted run" in capsys.readouterr().out
+    assert not partial.exists()
+
+
+def test_version_loads_no_model_code():
+    """`attnres --version` took about 1.8x `import torch`: importing attnres imported the model
+    stack, which imports torch._dynamo (as long again as torch), and the command scanned every
+    installed distribution's file list first. Now it loads neither."""
+    import subprocess
+    import sys
+
+    import attnres
+
+    script = ("import sys\nfrom attnres.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+              "print(sorted(m for m in ('torch._dynamo', 'attnres.models') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"attnres {attnres.__version__}", "[]"], done.stdout + done.stderr
+    # the public names still load on first use
+    assert attnres.AttnResLM.__name__ == "AttnResLM" and "ModelConfig" in dir(attnres)
+
+
+def test_the_transformer_block_axis_has_whole_ticks(tmp_path, monkeypatch):
+    """The tiny preset's 4 blocks got ticks at 1.5, 2.5, ... on the magnitudes plot."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnres.experiments.compare import Run, _plot_magnitudes
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    diag = {key: [1.0, 2.0, 3.0, 4.0] for key in ("block_output_rms", "block_input_rms", "block_grad_norm")}
+    assert _plot_magnitudes({"standard": [Run({"variant": "standard", "seed": 0}, diagnostics=diag)]},
+                            tmp_path / "magnitudes.png")
+    (fig,) = figures
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    fig.clf()
+
+
+def test_perplexity_of_short_windows_is_batched_and_shows_progress(finished_run, capsys):
+    """`eval --seq-len 1` ran one forward pass per token (400 s on big.txt's split) with no
+    progress shown: short windows now go through the model in batches, with a bar; the value
+    is the window-by-window one."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from attnres.hf.evaluate import perplexity
+    from attnres.inference.loading import load_run, load_tokenizer
+
+    run = load_run(finished_run)
+    tok = load_tokenizer(run)
+    text = run.validation_text()[:400]
+    for seq_len in (1, 7):
+        ids = tok.encode(text)
+        total = 0.0
+        with torch.no_grad():
+            for s in range(0, len(ids) - 1, seq_len):  # one window at a time, as before
+                x = torch.tensor([ids[s : s + seq_len + 1]])
+                total += float(torch.nn.functional.cross_entropy(run.model(x[:, :-1]).logits[0].float(), x[0, 1:],
+                                                                 reduction="sum"))
+        got = perplexity(run.model, tok, text, seq_len, progress=True)
+        assert got["tokens"] == len(ids) - 1 and got["loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-5)
+        assert f"{len(ids) - 1}/{len(ids) - 1}" in capsys.readouterr().err  # the bar reached the end

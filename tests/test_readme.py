@@ -1,0 +1,85 @@
+"""The README's shell examples as written: every ``attnres`` line of its ``bash`` blocks.
+
+What takes seconds runs: ``attnres upcycle`` (on a tiny Qwen3 saved where the example looks,
+``path/to/qwen3``), ``train --help`` and every ``attnres train`` line (also under
+``torchrun``) up to its resolved config (``--print-config``: the config, its files and its
+overrides are read and validated, nothing is trained). Lines that train for minutes
+(``attnres compare``) or read runs the README made earlier (``attnres analyze``) are parsed
+by the command's own parser and their grid looked up. ``make`` targets, ``pip`` lines and
+lines with a ``...`` placeholder are not commands to copy as they are.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml")
+
+from attnres.cli import build_parser  # noqa: E402
+from attnres.cli import main as cli_main  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_commands() -> list[list[str]]:
+    """The arguments of every ``attnres`` command line in the README's ``bash`` blocks (after
+    ``attnres`` or ``-m attnres``), comments and line continuations removed."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = re.split(r"(?:^|\s)#\s", line)[0].strip()
+            if not re.search(r"(^|\s)attnres(\s|$)", line):
+                continue
+            words = shlex.split(line)
+            if "..." in words or words[0] in ("pip", "make"):
+                continue
+            commands.append(words[words.index("attnres") + 1:])
+    return commands
+
+
+def test_the_readme_has_the_commands_this_test_expects():
+    commands = readme_commands()
+    assert sum(c[0] == "train" for c in commands) >= 10 and ["train", "--help"] in commands
+    assert any(c[0] == "upcycle" for c in commands) and any(c[0] == "compare" for c in commands)
+
+
+def test_every_readme_command_runs_or_parses_as_written(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from attnres.data.tokenizer import train_bpe
+    from attnres.experiments import get_experiment
+    from attnres.models.families.tiny import tiny_model
+
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import write_corpus
+
+    monkeypatch.chdir(tmp_path)  # what the README's relative paths mean: the user's directory
+    pretrained = tmp_path / "path" / "to" / "qwen3"
+    tiny_model("qwen3", max_position_embeddings=2048).save_pretrained(pretrained)
+    train_bpe(write_corpus(tmp_path / "corpus.txt").read_text(), 300).save(pretrained / "tokenizer.json")
+    for argv in readme_commands():
+        command = " ".join(argv)
+        if argv[0] == "upcycle":
+            assert cli_main(argv) == 0, command
+        elif argv == ["train", "--help"]:
+            with pytest.raises(SystemExit) as done:
+                cli_main(argv)
+            assert done.value.code == 0, command
+        elif argv[0] == "train":
+            extra = [] if "--print-config" in argv else ["--print-config"]
+            assert cli_main([*argv, *extra]) == 0, command
+        else:  # minutes of training, or the runs of earlier examples: the command line itself
+            args, rest = build_parser().parse_known_args(argv)
+            assert all("=" in r for r in rest), command
+            if args.command == "compare":
+                get_experiment("compare", args.preset or "demo")
+        printed = capsys.readouterr()
+        assert "Traceback" not in printed.err, (command, printed.err)
+    assert not (tmp_path / "runs").exists()  # nothing trained
