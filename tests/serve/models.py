@@ -249,7 +249,8 @@ def refusals(root: Path) -> dict[str, dict]:
     dirs["llama_model_type"] = _edit_config(root / "llama_model_type", dirs["llama"],
                                             lambda c: c.update(model_type="llama"))
     dirs["moe"] = root / "moe"
-    upcycle(tiny_model(UNSERVED_MOE, vocab_size=256), "attnres_block", block_size=2).save_pretrained(dirs["moe"])
+    upcycle(tiny_model(UNSERVED_MOE, vocab_size=256, max_position_embeddings=256), "attnres_block",
+            block_size=2).save_pretrained(dirs["moe"])
     make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(dirs["moe"])
     out = {name: {"model": dirs[name]} for name in ("mismatch", "head_size", "moe", "old_tokenizer", "no_residual",
                                                     "upcycled_no_residual", "llama_model_type", "quantized")}
