@@ -55,7 +55,8 @@ bench: $(VENV)/.installed
 bench-inference: $(VENV)/.installed
 	$(PY) benchmarks/bench_inference.py
 
-# vLLM on CPU: Block and Full AttnRes against the standard model (docs/serving.md).
+# vLLM on CPU: Block and Full AttnRes against the standard model, and an upcycled mixture of
+# experts (Block) against its standard source (docs/serving.md).
 bench-serving: $(VENV_SERVE)/.installed
 	$(PY_SERVE) benchmarks/bench_serving.py
 

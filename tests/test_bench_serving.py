@@ -60,3 +60,22 @@ def test_profile_table_lists_the_top_operators_of_any_model_side_by_side():
     assert "| total self CPU | 110.0 |  | 128.0 |  |" in text
     with pytest.raises(SystemExit):
         prof.parse_args(["--variants", "standard,hyper"])
+
+
+def test_moe_models_are_judged_against_their_own_standard_model():
+    """The upcycled mixture of experts' ratios are against the mixture of experts, not the
+    native standard model; --models takes a subset and adds each model's baseline."""
+    rounds = rounds_with_drift()
+    rounds["moe-standard"] = [dict(r, wall_s=2 * r["wall_s"], prefill_s=2 * r["prefill_s"]) for r in rounds["standard"]]
+    rounds["moe-block"] = [dict(r, wall_s=1.03 * r["wall_s"], prefill_s=1.03 * r["prefill_s"])
+                           for r in rounds["moe-standard"]]
+    out = bench.summarize(rounds)
+    assert out["moe-block"]["paired_ratio"] == pytest.approx(1.03)
+    assert out["moe-standard"]["paired_ratio"] == pytest.approx(1.0)
+    args = bench.parse_args(["--quick", "--models", "moe-block"])
+    assert args.models == ["moe-standard", "moe-block"]
+    md = bench.markdown(args, {"vllm": "0.0", "machine": "x86_64, 2 cores", "vllm_runs": out}, {},
+                        bench.model_config(args, {"kind": "standard"}))
+    assert "| moe-block |" in md and "1.030 [1.030, 1.030]" in md
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models", "moe-full"])

@@ -141,14 +141,18 @@ def test_tokenizer_export_keeps_ids(tmp_path):
     from transformers import AutoTokenizer
 
     text = "the quick brown fox jumps over río café naïve\nsecond line"
+    # The stand-ins of byte-level BPE for the line break and the tab, and text that looks special.
+    special_looking = "a\nĊ\tĉ <|endoftext|> <s></s> <pad>\r\n"
     for tok in (ByteTokenizer(), train_bpe(text * 20, 300)):
         hf_tok = make_hf_tokenizer(tok)
         hf_tok.save_pretrained(tmp_path / tok.kind)
         loaded = AutoTokenizer.from_pretrained(tmp_path / tok.kind)
-        assert loaded(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
-        assert loaded.decode(tok.encode(text)) == text
-        # No end-of-sequence token (training has none); the line break pads.
-        assert loaded.eos_token is None and loaded.pad_token_id == tok.encode("\n")[0]
+        for t in (text, special_looking):
+            assert loaded(t, add_special_tokens=False)["input_ids"] == tok.encode(t)
+            # skip_special_tokens=True is what vLLM decodes with: nothing is special, nothing is dropped.
+            assert loaded.decode(tok.encode(t), skip_special_tokens=True) == t
+        # No special tokens at all: no end-of-sequence token (training has none), no padding token.
+        assert loaded.eos_token is None and loaded.pad_token is None and loaded.all_special_ids == []
 
 
 def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
@@ -220,7 +224,7 @@ def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch, capfd, 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert model.config.eos_token_id is None and tok.eos_token_id is None and model.generation_config.eos_token_id is None
-    assert tok.pad_token_id == model.config.pad_token_id == ord("\n")
+    assert tok.pad_token_id is None and model.config.pad_token_id is None and model.generation_config.pad_token_id is None
     assert tok.model_max_length == model.config.max_position_embeddings == model.config.max_seq_len
 
 

@@ -33,33 +33,40 @@ def test_entry_point_is_the_register_function():
 
 
 def test_every_upcycled_family_is_served_or_refused_with_a_reason():
-    """The dense families are served; the mixtures of experts are refused, each with a reason."""
+    """The dense families and the mixtures of experts vLLM has a class of are served; the
+    others are refused, each with a reason."""
     from attnres.upcycle import FAMILIES
 
     unserved = unserved_families()
     assert set(SERVED_FAMILIES) | set(unserved) == set(FAMILIES) and not set(SERVED_FAMILIES) & set(unserved)
-    assert {"qwen3_moe", "mixtral", "deepseek_v3", "olmoe", "gpt_oss"} <= set(unserved)
-    assert all(FAMILIES[name].router is not None and reason for name, reason in unserved.items())
+    assert {"qwen3_moe", "mixtral", "deepseek_v3", "olmoe", "gpt_oss"} <= set(SERVED_FAMILIES)
+    assert all(reason for reason in unserved.values())
 
 
-def test_an_unserved_family_is_refused_when_vllm_looks_its_class_up():
+def test_an_unserved_family_is_refused_when_vllm_builds_it():
     """vLLM resolves a registered ``"module:Class"`` by importing the module and getting the
-    class: for a mixture of experts that raises, naming the architecture and the family."""
+    class: for a family the plugin does not serve that is a class vLLM's inspection accepts
+    (a text-generation model's methods) whose constructor raises, naming the architecture,
+    the family and the reason - the first thing vLLM's engine does with it."""
     import importlib
+    import inspect
 
     from attnres.serve.refused import UnservedFamily
 
     registry = FakeRegistry()
     register(registry)
-    for model_type in ("qwen3_moe", "deepseek_v3"):
+    for model_type, reason in unserved_families().items():
         name = upcycled_classes(model_type)[1].__name__
-        module, _, cls = registry.models[name].partition(":")
+        module, _, cls_name = registry.models[name].partition(":")
         assert module == "attnres.serve.refused"
-        with pytest.raises(UnservedFamily, match=rf"{name} \(the upcycled '{model_type}' family, a mixture of experts\) "
-                                                 r"is not served on vLLM yet: vLLM runs a mixture of experts"):
-            getattr(importlib.import_module(module), cls)
-    with pytest.raises(AttributeError):  # a dense family's name is not this module's
-        getattr(importlib.import_module("attnres.serve.refused"), upcycled_classes("llama")[1].__name__)
+        cls = getattr(importlib.import_module(module), cls_name)
+        assert cls.__name__ == name and isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+        assert {"input_ids", "positions"} <= set(inspect.signature(cls.forward).parameters)
+        with pytest.raises(UnservedFamily) as refused:
+            cls(vllm_config=None, prefix="")
+        assert f"{name} (the upcycled {model_type!r} family) is not served on vLLM: {reason}" in str(refused.value)
+    with pytest.raises(AttributeError):  # a served family's name is not this module's
+        getattr(importlib.import_module("attnres.serve.refused"), upcycled_classes("qwen3_moe")[1].__name__)
 
 
 class FakeRegistry:
@@ -147,3 +154,20 @@ def test_expected_shapes_are_the_checkpoint_names_built_on_the_meta_device():
     assert shapes["embed_tokens.weight"] == (8192, 1024)
     assert shapes["residual.mixers.0.query"] == (1024,) and shapes["layers.15.attn.q_proj.weight"] == (1024, 1024)
     assert torch.get_default_device().type == "cpu"  # the meta device was only a context
+
+
+def test_a_truncated_checkpoint_is_named(tmp_path):
+    """vLLM reads safetensors files through the safetensors library, whose error on a cut-off
+    file names none: the checked weights name it, with its size and the size it should have."""
+    config = _export(tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+
+    def vllms_iterator():  # as vLLM's safetensors_weights_iterator reads a file
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+    with pytest.raises(CheckpointMismatch, match=r"model\.safetensors \(\d+ bytes; its header describes \d+\): cannot "
+                                                 r"be read \(.*\); the file is truncated or damaged"):
+        list(checked_weights(vllms_iterator(), expected_shapes(lambda: AttnResLM(config)), tmp_path))

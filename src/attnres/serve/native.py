@@ -34,15 +34,23 @@ from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
+from ..hf.configuration import AttnResConfig
 from ..models import AttnResLM, ModelConfig
 from ..nn.rope import RotaryEmbedding
 from ..models.families.layout import Layout
 from .checkpoint import checked_weights, expected_shapes
-from .decoder import DYNAMIC_ARG_DIMS, SublayerNames, check_servable, run_decoder, serving_residual
+from .decoder import DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, run_decoder, serving_residual
+from .families import NATIVE_ARCHITECTURE
 
 __all__ = ["AttnResForCausalLM", "AttnResModel", "NativeDecoderLayer"]
 
 NAMES = SublayerNames(attention="attn", mlp="mlp", layout=Layout("attn_norm", "mlp_norm"))
+#: What an export refuses, with the reason (decoder.check_servable).
+REFUSED = {
+    "lora": "an attnres export (AttnResForCausalLM) does not declare LoRA support; upcycled dense families do",
+    "eagle3": "an attnres export (AttnResForCausalLM) does not hand EAGLE-3 drafters its hidden states; upcycled "
+              "Llama, Mistral, Qwen2 and Qwen3 do",
+}
 
 
 def _exact_rope(rotary: nn.Module, config: ModelConfig) -> None:
@@ -96,7 +104,8 @@ class AttnResModel(nn.Module):
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        return self.norm(run_decoder(self.residual, self.layers, NAMES, positions, x))
+        out, _ = run_decoder(self.residual, self.layers, NAMES, positions, x)
+        return self.norm(out)
 
 
 class AttnResForCausalLM(nn.Module):
@@ -116,6 +125,7 @@ class AttnResForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
+        check_config_class(vllm_config, AttnResConfig, NATIVE_ARCHITECTURE)
         self.config = vllm_config.model_config.hf_config
         self.native_config: ModelConfig = self.config.to_model_config()
         self.checkpoint_dir = Path(vllm_config.model_config.model)
@@ -126,7 +136,7 @@ class AttnResForCausalLM(nn.Module):
         if native.tie_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(native.vocab_size)
-        check_servable(self, str(self.checkpoint_dir / "config.json"))
+        check_servable(self, vllm_config, REFUSED)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)

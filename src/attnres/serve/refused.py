@@ -1,23 +1,29 @@
-"""The architectures of upcycled families the plugin does not serve yet
-(:func:`attnres.serve.families.unserved_families`), refused when vLLM looks their class up.
+"""The architectures of upcycled families the plugin does not serve
+(:func:`attnres.serve.families.unserved_families`), refused when vLLM builds the model.
 
-:func:`attnres.serve.register` points each such ``AttnRes<Family>ForCausalLM`` here; vLLM
-imports the class by name when it inspects the model (before any engine or weight is set
-up), and this module's ``__getattr__`` raises :class:`UnservedFamily` naming the family and
-the reason. vLLM logs it and stops with "Model architectures [...] failed to be inspected".
-No vLLM is imported here.
+:func:`attnres.serve.register` points each such ``AttnRes<Family>ForCausalLM`` here; this
+module's ``__getattr__`` gives vLLM a class that passes its inspection (it has the methods
+and signatures of a text-generation model) and whose constructor raises
+:class:`UnservedFamily`, naming the family and the reason - the first thing the engine does
+with it, before any weight is read. The refusal is so the last error vLLM reports before its
+own "Engine core initialization failed" (raising while vLLM inspects the class would bury it
+under the inspection's generic "failed to be inspected"), and vLLM neither says
+"architecture not supported" nor falls back to its Transformers backend. Only torch is
+imported here, no vLLM.
 """
 
 from __future__ import annotations
 
+import functools
+
 from ..models.families import upcycled_classes
 from .families import unserved_families
 
-__all__ = ["UnservedFamily", "refusal"]
+__all__ = ["UnservedFamily", "refusal", "refusing_class"]
 
 
 class UnservedFamily(NotImplementedError):
-    """An ``attnres upcycle`` directory of a family the vLLM plugin does not serve yet."""
+    """An ``attnres upcycle`` directory of a family the vLLM plugin does not serve."""
 
 
 def refusal(architecture: str) -> str | None:
@@ -25,14 +31,42 @@ def refusal(architecture: str) -> str | None:
     ``None`` if it is not an unserved family's."""
     for model_type, reason in unserved_families().items():
         if upcycled_classes(model_type)[1].__name__ == architecture:
-            return (f"attnres.serve: {architecture} (the upcycled {model_type!r} family, a mixture of experts) is not "
-                    f"served on vLLM yet: {reason}. Run it with transformers (AutoModelForCausalLM.from_pretrained "
-                    "after `import attnres.hf`); docs/serving.md lists the served families")
+            return (f"attnres.serve: {architecture} (the upcycled {model_type!r} family) is not served on vLLM: "
+                    f"{reason}. Run it with transformers (AutoModelForCausalLM.from_pretrained after "
+                    "`import attnres.hf`); docs/serving.md lists the served families")
     return None
 
 
-def __getattr__(name: str):
-    message = refusal(name)
+@functools.cache
+def refusing_class(architecture: str) -> type:
+    """A vLLM text-generation model class named ``architecture`` whose constructor raises
+    :class:`UnservedFamily` with :func:`refusal`'s message."""
+    from torch import nn
+
+    message = refusal(architecture)
     if message is None:
+        raise ValueError(f"{architecture} is not the architecture of an unserved family")
+
+    class Refused(nn.Module):
+        def __init__(self, *, vllm_config=None, prefix: str = "") -> None:
+            raise UnservedFamily(message)
+
+        # What vLLM's inspection looks for in a text-generation model (never called).
+        def embed_input_ids(self, input_ids):
+            raise UnservedFamily(message)
+
+        def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+            raise UnservedFamily(message)
+
+        def compute_logits(self, hidden_states):
+            raise UnservedFamily(message)
+
+    Refused.__name__ = Refused.__qualname__ = architecture
+    Refused.__module__, Refused.__doc__ = __name__, message
+    return Refused
+
+
+def __getattr__(name: str) -> type:
+    if refusal(name) is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    raise UnservedFamily(message)
+    return refusing_class(name)

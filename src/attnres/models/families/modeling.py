@@ -37,6 +37,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
+from ..saved_config import check_saved_config, config_source
 from .layout import FAMILIES, PREFIX, Layout, family_of, layout_of
 
 __all__ = ["upcycled_classes", "register_families", "init_missing_tensors", "adjust_eps", "UpcycledModelMixin", "PREFIX"]
@@ -150,9 +151,31 @@ def _layer_class(base: type) -> type:
     ))
 
 
+#: The fields an upcycled family's saved config must hold, and what they are.
+SAVED_FIELDS = {
+    "attnres_residual": "the AttnRes residual settings: kind, block_size, ...",
+    "attnres_exact_eps": "whether the pre-norms' epsilons are rescaled to keep the converted function exact",
+}
+
+
 class UpcycledConfigMixin:
     """What the AttnRes version of a family's config adds: ``attnres_residual`` (a
-    :class:`~attnres.nn.residual.ResidualConfig` as a mapping) and ``attnres_exact_eps``."""
+    :class:`~attnres.nn.residual.ResidualConfig` as a mapping) and ``attnres_exact_eps``.
+    A saved config must hold both, and name this family's model_type and architecture."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        kwargs.setdefault("name_or_path", str(pretrained_model_name_or_path))
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """As the family's ``from_dict`` (what every loader calls with a ``config.json``'s
+        contents), refusing a config that lacks the AttnRes fields or names another model
+        (:func:`attnres.models.saved_config.check_saved_config`)."""
+        check_saved_config(config_dict, model_type=cls.model_type, architectures=(cls.architecture,),
+                           required=SAVED_FIELDS, source=config_source(kwargs), given=kwargs)
+        return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs) -> None:
         self.attnres_residual = ResidualConfig.from_value(self.attnres_residual or {}).to_dict()
@@ -259,6 +282,7 @@ def upcycled_classes(model_type: str) -> tuple[type, type]:
             attnres_residual=None,
             attnres_exact_eps=False,
             model_type=PREFIX + model_type,
+            architecture=f"AttnRes{base_model.__name__}",  # the model class below
             __module__=__name__,
         )
 

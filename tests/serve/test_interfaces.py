@@ -1,0 +1,61 @@
+"""The vLLM interfaces the upcycled classes declare, working: a LoRA adapter on the upcycled
+Llama (its engine serves it beside the base model; the tokens are HF ``generate``'s with the
+adapter merged into the weights), and EAGLE-3 speculative decoding with a random drafter, whose
+auxiliary hidden states are the AttnRes depth mixtures each decoder layer reads (not a
+running residual sum), and under which the greedy tokens stay the model's. What the served
+classes refuse instead (quantization, LoRA on an export, ...) is in test_load_errors.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EAGLE3_PROMPT, LORA_MODEL
+
+
+def test_lora_adapter_gives_the_merged_models_tokens(served, lora_adapter):
+    _, reference = lora_adapter
+    model = served[LORA_MODEL]
+    out = model.result()
+    assert out["lora"] == reference
+    assert out["lora"] != model.ref  # the adapter changes the tokens ...
+    assert out["batch"] == model.ref  # ... of its requests only
+
+
+def test_eagle3_keeps_the_models_greedy_tokens(served, eagle3):
+    future, _ = eagle3
+    out = future.result()
+    model = served[LORA_MODEL]
+    assert out["batch"] == model.ref
+    assert out["prefix"] == model.ref_prefix
+    assert out["spec_decode"]["num_drafts"] > 0 and out["spec_decode"]["num_draft_tokens"] > 0, out["spec_decode"]
+
+
+def test_eagle3_drafter_reads_the_depth_mixtures(eagle3, model_dirs):
+    """vLLM's default layers for three decoder layers (0, 1, 2): what each reads - the input of
+    its attention's pre-norm in the HF model - over the prompt's prefill."""
+    import attnres.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    future, _ = eagle3
+    captured = future.result()["aux"]
+    hf = AutoModelForCausalLM.from_pretrained(model_dirs[LORA_MODEL], dtype=torch.float32).eval()
+    inputs, outputs = {}, []
+
+    def record_input(i):
+        def hook(module, args):
+            inputs.setdefault(i, args[0][0])  # (returning it would replace the input)
+        return hook
+
+    for i, layer in enumerate(hf.model.layers):
+        layer.input_layernorm.register_forward_pre_hook(record_input(i))
+        layer.self_attn.register_forward_hook(lambda module, args, out: outputs.append(out[0][0]))
+        layer.mlp.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
+    with torch.inference_mode():
+        hf(torch.tensor([list(EAGLE3_PROMPT.encode())]))
+    assert captured is not None and len(captured) == len(hf.model.layers) == 3
+    for i, ours in enumerate(captured):
+        torch.testing.assert_close(torch.tensor(ours), inputs[i], atol=1e-4, rtol=1e-4)
+        # What vLLM's Llama would hand the drafter: the running sum of the embedding and the
+        # sublayer outputs so far - another tensor from layer 1 on.
+        running_sum = inputs[0] + sum(outputs[: 2 * i], torch.zeros_like(inputs[0]))
+        assert i == 0 or not torch.allclose(torch.tensor(ours), running_sum, atol=1e-2)

@@ -1,0 +1,105 @@
+"""A saved ``config.json`` that lacks the AttnRes residual settings, or whose ``model_type``
+and ``architectures`` name different models, is refused by transformers' loaders (the Auto
+classes and the AttnRes classes' ``from_pretrained``) with a message naming the file and the
+field, instead of loading another model with the default residual. (vLLM reads configs
+through the same classes: tests/serve/test_load_errors.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from attnres import AttnResLM, ModelConfig  # noqa: E402
+from attnres.hf import AttnResForCausalLM  # noqa: E402
+from attnres.models.families.tiny import tiny_model  # noqa: E402
+from attnres.models.saved_config import IncompleteConfig  # noqa: E402
+from attnres.upcycle import upcycle  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """An exported native model and an upcycled Llama (Block AttnRes, S = 2), saved."""
+    root = tmp_path_factory.mktemp("saved")
+    native = AttnResLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
+                                   residual={"kind": "attnres_block", "block_size": 2}))
+    AttnResForCausalLM.from_native(native).save_pretrained(root / "native")
+    upcycle(tiny_model("llama"), "attnres_block", block_size=2).save_pretrained(root / "upcycled")
+    return root
+
+
+def edited(saved, source: str, name: str, change) -> str:
+    """A copy of ``saved/source`` whose config.json ``change`` edited."""
+    target = saved / name
+    if not target.exists():
+        shutil.copytree(saved / source, target)
+        config = json.loads((target / "config.json").read_text())
+        change(config)
+        (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+def upcycled_class():
+    from attnres.models.families import upcycled_classes
+
+    return upcycled_classes("llama")[1]
+
+
+#: name -> (source directory, the edit, the class whose from_pretrained loads it, what the
+#: messages of the Auto classes and of that class say).
+BAD = {
+    "native without residual": ("native", lambda c: c.pop("residual"), lambda: AttnResForCausalLM,
+                                ["has no field 'residual' (the AttnRes residual settings"] * 2),
+    "upcycled without attnres_residual": ("upcycled", lambda c: c.pop("attnres_residual"), upcycled_class,
+                                          ["has no field 'attnres_residual' (the AttnRes residual settings"] * 2),
+    "upcycled without attnres_exact_eps": ("upcycled", lambda c: c.pop("attnres_exact_eps"), upcycled_class,
+                                           ["has no field 'attnres_exact_eps'"] * 2),
+    # The Auto classes read it with AttnResConfig, whose architecture it is not; the class refuses the model_type.
+    "upcycled as model_type attnres": ("upcycled", lambda c: c.update(model_type="attnres"), upcycled_class,
+                                       ["architectures ['AttnResLlamaForCausalLM'] do not match model_type 'attnres'",
+                                        "model_type 'attnres' is not 'attnres_llama'"]),
+    "native with a Llama architecture": ("native", lambda c: c.update(architectures=["LlamaForCausalLM"]),
+                                         lambda: AttnResForCausalLM,
+                                         ["architectures ['LlamaForCausalLM'] do not match model_type 'attnres'"] * 2),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_incomplete_or_mismatched_config_is_refused_naming_file_and_field(saved, name):
+    source, change, cls, (auto_says, class_says) = BAD[name]
+    directory = edited(saved, source, name.replace(" ", "_"), change)
+    for loader, says in ((AutoConfig.from_pretrained, auto_says), (AutoModelForCausalLM.from_pretrained, auto_says),
+                         (cls().from_pretrained, class_says)):
+        with pytest.raises(IncompleteConfig) as refused:
+            loader(directory)
+        assert f"{directory}/config.json" in str(refused.value) and says in str(refused.value), str(refused.value)
+
+
+def test_attnres_class_refuses_a_family_model_type(saved):
+    """``"llama"`` over an AttnRes Llama: the AttnRes class refuses it. (transformers' Auto
+    classes pick plain Llama by the model_type, and report the residual's tensors as
+    unexpected keys: that path never reaches attnres.)"""
+    directory = edited(saved, "upcycled", "llama_model_type", lambda c: c.update(model_type="llama"))
+    with pytest.raises(IncompleteConfig, match="config.json: model_type 'llama' is not 'attnres_llama'"):
+        upcycled_class().from_pretrained(directory)
+
+
+def test_complete_configs_still_load(saved):
+    """The saved directories themselves load (and with flat residual keys of earlier versions,
+    which count as residual settings)."""
+    assert type(AutoModelForCausalLM.from_pretrained(saved / "native")).__name__ == "AttnResForCausalLM"
+    assert type(AutoModelForCausalLM.from_pretrained(saved / "upcycled")).__name__ == "AttnResLlamaForCausalLM"
+
+    def flat(config):
+        block_size = config.pop("residual")["block_size"]
+        config["attnres_block_size"] = block_size
+
+    directory = edited(saved, "native", "legacy_keys", flat)
+    with pytest.warns(DeprecationWarning):
+        config = AutoConfig.from_pretrained(directory)
+    assert config.residual["block_size"] == 2
