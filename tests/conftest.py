@@ -7,7 +7,19 @@ import importlib.util
 import os
 
 import pytest
-import torch  # (importing torch does not import triton; importing torch._dynamo does)
+
+# Inductor's on-disk cache does not key its C++ code on ATEN_CPU_CAPABILITY: code generated
+# for one vector width (AVX-512: 16 floats) and reused under another (AVX2: 8), or the other
+# way round, reads and writes past its buffers - NaN logits, a corrupted heap. Runs that set
+# the variable get a cache of their own.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
+
+import torch  # noqa: E402 (importing torch does not import triton; importing torch._dynamo does)
 
 
 def _triton_device() -> str | None:
