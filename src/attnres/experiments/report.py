@@ -161,6 +161,12 @@ def _scaling_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
     return scaling_section(records, out, expected)
 
 
+def _multiplier_md(records: list[dict[str, Any]], out: Path) -> str:
+    from .multiplier_report import multiplier_section  # imported when needed: it reads the runs' curves
+
+    return multiplier_section(records, out)
+
+
 def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
     import matplotlib.pyplot as plt
 
@@ -228,13 +234,14 @@ def _measures(name: str, side_by_side: str | None) -> str:
     """How the report's costs were measured: side by side (``overhead.json``) or from the runs' logs."""
     if name == "compare":  # both: tokens/s always comes from the runs
         return (side_by_side or "") + _COMPARE_TOKENS_PER_S
-    if name == "scaling":  # its tables show compute (FLOPs), not time
+    if name in ("scaling", "multiplier"):  # their tables show compute (FLOPs), not time
         return ""
     return side_by_side or _LOGGED_COSTS
 
 
 _TITLES = {"compare": "Standard vs Block vs Full AttnRes", "ablation": "Ablations (Table 4)", "block-size": "Block-size sweep (Fig. 6)",
-           "scaling": "Scaling laws (Table 2 / Fig. 4)", "arch-sweep": "Architecture sweep (Fig. 7)"}
+           "scaling": "Scaling laws (Table 2 / Fig. 4)", "arch-sweep": "Architecture sweep (Fig. 7)",
+           "multiplier": "The compute multiplier (Table 2 / Fig. 4), measured directly"}
 
 
 def write_report(name: str, records: list[dict[str, Any]], out: str | Path, preset: str = "") -> Path:
@@ -253,9 +260,10 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     summ = summarize(records)
     measured = apply_overhead(summ, out)
     body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ),
-            "block-size": lambda: _block_size_md(summ, out), "scaling": lambda: _scaling_md(records, out, preset), "arch-sweep": lambda: _arch_sweep_md(summ, out)}[name]()
+            "block-size": lambda: _block_size_md(summ, out), "scaling": lambda: _scaling_md(records, out, preset), "arch-sweep": lambda: _arch_sweep_md(summ, out),
+            "multiplier": lambda: _multiplier_md(records, out)}[name]()
     steps = sorted({r["steps"] for r in records})
-    head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records, per_size=name == 'scaling')}"
+    head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records, per_size=name in ('scaling', 'multiplier'))}"
             f"{len(records)} runs, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
             + _measures(name, measured)
             + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")
