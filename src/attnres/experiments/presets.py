@@ -274,12 +274,14 @@ class Shape:
 class MultiplierGrid:
     """shapes: the model shapes (each with the standard ladder and both AttnRes arms);
     budget: AttnRes's steps T; ladder: the standard model's budgets as multiples of T (each
-    rounded to a whole step); warmup_steps: the same for every run."""
+    rounded to a whole step); warmup_steps: the same for every run; seeds: how many seeds
+    the plan calls for (the report marks results on fewer as partial)."""
 
     shapes: tuple[Shape, ...]
     budget: int
     ladder: tuple[float, ...]
     warmup_steps: int
+    seeds: int
 
     def ladder_steps(self) -> list[int]:
         return [round(self.budget * f) for f in self.ladder]
@@ -287,16 +289,23 @@ class MultiplierGrid:
 
 _MULTIPLIER = {
     "tiny": MultiplierGrid((Shape("deep", 4, 32, 4), Shape("shallow", 2, 48, 4)), budget=4, ladder=(1.0, 1.5, 2.0),
-                           warmup_steps=1),
+                           warmup_steps=1, seeds=2),
     # 12 x 64 (24 sublayers, Block S = 3: N = 8 blocks, the report's structure) and 6 x 96 (about the
     # same non-embedding parameters, S = 2: N = 6); the longest run (1.6 T) stays within one pass
     # over big.txt's training split at 16 x 128 tokens a step.
     "cpu": MultiplierGrid((Shape("deep", 12, 64, 4), Shape("shallow", 6, 96, 6)), budget=560,
-                          ladder=(0.8, 1.0, 1.25, 1.6), warmup_steps=50),
+                          ladder=(0.8, 1.0, 1.25, 1.6), warmup_steps=50, seeds=6),
 }
 #: The multiplier grid's training settings beyond the `cpu` recipe: evaluation on 18 fixed
 #: batches at the end (and along the way, for the curves), checkpoints for resuming.
 _MULTIPLIER_TRAIN = {"tiny": {}, "cpu": dict(eval_every=112, eval_batches=18, log_every=20, checkpoint_every=100)}
+
+
+def multiplier_grid(preset: str) -> MultiplierGrid:
+    """The multiplier grid's plan at ``preset`` (one of ``PRESETS["multiplier"]``)."""
+    if preset not in _MULTIPLIER:
+        raise ValueError(f"unknown preset {preset!r} for experiment 'multiplier'; available: {', '.join(_MULTIPLIER)}")
+    return _MULTIPLIER[preset]
 
 
 def _multiplier(preset: str) -> list[Variant]:

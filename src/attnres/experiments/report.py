@@ -161,10 +161,11 @@ def _scaling_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
     return scaling_section(records, out, expected)
 
 
-def _multiplier_md(records: list[dict[str, Any]], out: Path) -> str:
-    from .multiplier_report import multiplier_section  # imported when needed: it reads the runs' curves
+def _multiplier_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
+    from .multiplier_report import multiplier_section  # imported when the report is written (scipy)
+    from .presets import multiplier_grid
 
-    return multiplier_section(records, out)
+    return multiplier_section(records, out, multiplier_grid(preset).seeds if preset in PRESETS["multiplier"] else None)
 
 
 def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
@@ -261,7 +262,7 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     measured = apply_overhead(summ, out)
     body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ),
             "block-size": lambda: _block_size_md(summ, out), "scaling": lambda: _scaling_md(records, out, preset), "arch-sweep": lambda: _arch_sweep_md(summ, out),
-            "multiplier": lambda: _multiplier_md(records, out)}[name]()
+            "multiplier": lambda: _multiplier_md(records, out, preset)}[name]()
     steps = sorted({r["steps"] for r in records})
     head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records, per_size=name in ('scaling', 'multiplier'))}"
             f"{len(records)} runs, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
