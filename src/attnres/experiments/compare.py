@@ -39,7 +39,7 @@ from ..train.metrics import read_metrics
 from ..train.schedule import wsd_decay_start
 from .flops import to_pflops_days
 from .layout import read_overhead, run_dir, saved_config
-from .stats import markdown_table, mean_std
+from .stats import markdown_table, mean_std, t_interval
 
 BASELINE = "standard"
 #: Fewer seeds than this: the findings state the measured gaps but claim no ordering (with one
@@ -217,13 +217,15 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
             row = [_LABELS.get(name, name)]
             for key, d in gaps[name].items():
                 read = [v for v in d if not math.isnan(v)]  # nan: the budget ends before the first evaluation
-                row += [cell(d, key, name), f"{sum(v < 0 for v in read)}/{len(read)}" if read else "–"]
+                flag = " (too noisy)" if key == "time" and name in noisy and too_noisy(*noisy[name]) else ""
+                row += [_gap_cell(read) + flag, f"{sum(v < 0 for v in read)}/{len(read)}" if read else "–"]
             paired_rows.append(row)
         header = ["model"]
         for key in losses:
             header += [f"Δ val loss @ equal {key}", "seeds better"]
         md.append("Paired by seed (AttnRes run minus the standard run of the same seed, which saw the same "
-                  "batches; negative = AttnRes better):\n\n" + markdown_table(header, paired_rows))
+                  "batches; negative = AttnRes better): mean [95 % Student-t interval over the seeds] and the paired "
+                  "t-test's p:\n\n" + markdown_table(header, paired_rows))
     if noisy:
         md.append(_TIME_NOTE)
     return "\n\n".join(md), gaps, noisy
@@ -234,6 +236,14 @@ _TIME_NOTE = ("Step time: CPU time of one training step at one thread, interleav
               "standard model lands from 1). Equal time reads each curve at the standard model's steps / that ratio; "
               "where moving the ratio by its noise moves the paired gap by more than the gap itself, the reading is "
               "marked \"too noisy\" and no equal-time conclusion is drawn.")
+
+
+def _gap_cell(values: list[float]) -> str:
+    """A paired gap over seeds: mean [95 % t-interval] (n, p), or the mean alone without a spread."""
+    if not values:
+        return "–"
+    t = t_interval(values)
+    return t.text("+.4f") + f" (n={t.n}" + (f", p={t.p_value:.2g})" if t.p_value is not None else ")")
 
 
 def _ratio_cell(measured: dict[str, Any] | None) -> str:
@@ -384,15 +394,20 @@ def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | N
                            f"ratio's noise moves the paired gap ({effect:+.4f}) by up to {spread:.4f}. Re-time it on a "
                            "quieter machine with the same command (finished runs are skipped).")
                 continue
-            mean, std = mean_std(d)
-            spread = f" ± {std:.4f}" if std is not None else ""
+            t = t_interval(d)
             if len(d) < MIN_SEEDS_FOR_ORDERING:
-                out.append(f"{_LABELS.get(name, name)} at {what}: paired gap to the standard model {mean:+.4f}{spread} "
+                out.append(f"{_LABELS.get(name, name)} at {what}: paired gap to the standard model {t.text('+.4f')} "
                            f"over {len(d)} seed(s): {NO_ORDERING}")
                 continue
-            verdict = ("lower" if mean < 0 else "higher") + " validation loss than the standard model"
-            out.append(f"{_LABELS.get(name, name)} at {what}: {verdict} by {abs(mean):.4f}{spread} (paired over {len(d)} seed(s); "
-                       f"better in {sum(v < 0 for v in d)}/{len(d)}).")
+            better = f"better in {sum(v < 0 for v in d)}/{len(d)}"
+            interval = "" if t.low is None else f"95 % t-interval [{t.low:+.4f}, {t.high:+.4f}], p = {t.p_value:.2g}, "
+            if t.low is not None and not t.excludes(0.0):
+                out.append(f"{_LABELS.get(name, name)} at {what}: no difference from the standard model resolved: paired "
+                           f"gap {t.mean:+.4f} ({interval}over {len(d)} seeds; {better}).")
+                continue
+            verdict = ("lower" if t.mean < 0 else "higher") + " validation loss than the standard model"
+            out.append(f"{_LABELS.get(name, name)} at {what}: {verdict} by {abs(t.mean):.4f} ({interval}paired over "
+                       f"{len(d)} seed(s); {better}).")
     for name, rs in groups.items():
         outs, grads = _mean_curve(rs, "block_output_rms"), _mean_curve(rs, "block_grad_norm")
         inputs = _mean_curve(rs, "block_input_rms")

@@ -4,6 +4,7 @@ multiple-comparison adjustment."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -104,6 +105,19 @@ def t_interval(values, level: float = 0.95, null: float = 0.0, sd: float | None 
     half = float(stats.t.ppf((1 + level) / 2, df)) * se
     p = float(2 * stats.t.sf(abs(mean - null) / se, df))
     return TInterval(n, mean, se, df, mean - half, mean + half, p, level, null)
+
+
+def mean_difference(a, b, sd: float, df: int, level: float = 0.95) -> TInterval:
+    """``mean(a) - mean(b)`` of two independent groups of values with its Student-t interval
+    and p-value against 0, from a standard deviation ``sd`` of one value on ``df`` degrees of
+    freedom (pooled over a design's cells, :func:`pooled_sd`)."""
+    a, b = [float(v) for v in a], [float(v) for v in b]
+    if not a or not b:
+        raise ValueError("mean_difference needs at least one value in each group")
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    # t_interval of one value whose sd is the difference's standard error
+    return dataclasses.replace(t_interval([diff], level, sd=sd * math.sqrt(1 / len(a) + 1 / len(b)), df=df),
+                               n=len(a) + len(b))
 
 
 def pooled_sd(groups) -> tuple[float, int]:
