@@ -155,3 +155,30 @@ def test_a_finished_run_records_its_passes_over_the_data(tmp_path):
 
     n_train = len(prepare_data(load_corpus(), "byte").train)
     assert records[0]["data_passes"] == pytest.approx(config["steps"] * config["batch_size"] / (n_train // config["seq_len"]))
+
+
+def test_the_stable_phase_reading_recovers_a_known_multiplier_along_one_curve():
+    """compare's reading along the constant-learning-rate phase: a standard run on a power law
+    in steps and an AttnRes run that is worth 1.2x its compute (at 1.02x the FLOPs per token);
+    beyond the standard curve's end the reading is a bound, not a number."""
+    from attnres.experiments.compare import BASELINE, Run, stable_phase_multipliers
+    from attnres.experiments.multiplier import curve_crossing
+
+    steps = list(range(100, 1100, 100))
+
+    def run(variant, seed, factor, flops):
+        losses = [5.0 * (s * factor) ** -0.1 for s in steps]
+        return Run({"variant": variant, "seed": seed, "flops_per_token": flops, "val_loss": losses[-1],
+                    "steps": steps[-1], "flops": flops * steps[-1]}, eval_steps=steps, val_loss=losses)
+
+    assert curve_crossing(steps, [5.0 * s**-0.1 for s in steps], 5.0 * 450**-0.1) == pytest.approx(450)
+    assert curve_crossing(steps, [5.0 * s**-0.1 for s in steps], 1.0) is None
+    groups = {BASELINE: [run(BASELINE, k, 1.0, 1.0) for k in range(3)],
+              "block": [run("block", k, 1.2 * 1.02, 1.02) for k in range(3)]}
+    found = stable_phase_multipliers(groups, start=1000, points=4)["block"]
+    assert sorted(found) == [100, 400, 700, 1000]
+    for s in (100, 400, 700):
+        interval, bounds = found[s]
+        assert math.exp(interval.mean) == pytest.approx(1.2, rel=1e-3) and not bounds
+    interval, bounds = found[1000]  # 1.2 x 1000 steps is past the curve's end
+    assert interval is None and bounds == [(">", pytest.approx(1 / 1.02))] * 3

@@ -28,7 +28,7 @@ import numpy as np
 
 from .stats import log_linear_fit
 
-__all__ = ["Crossing", "ladder_crossing", "ladder_loss", "seed_multipliers"]
+__all__ = ["Crossing", "ladder_crossing", "ladder_loss", "curve_crossing", "seed_multipliers"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,21 @@ def ladder_loss(ladder: Sequence[tuple[float, float]], compute: float) -> tuple[
     i = int(np.clip(np.searchsorted(x, at), 1, len(x) - 1))
     slope = (y[i] - y[i - 1]) / (x[i] - x[i - 1])
     return float(math.exp(y[i - 1] + slope * (at - x[i - 1]))), not x[0] <= at <= x[-1]
+
+
+def curve_crossing(steps: Sequence[float], losses: Sequence[float], loss: float) -> float | None:
+    """The first step at which one run's validation curve (``losses`` at ``steps``, increasing)
+    reaches ``loss``: linear in ``(ln step, ln loss)`` between that evaluation and the one before;
+    ``None`` if the curve never reaches it or already starts below it. Reading a run of the
+    reference along its own curve (one schedule, not a ladder of runs) gives the multiplier
+    at intermediate budgets; within a constant learning-rate phase the reading is fair to both
+    models, across a decay it is not."""
+    for i in range(1, len(steps)):
+        if losses[i] <= loss < losses[i - 1]:
+            x0, x1 = math.log(steps[i - 1]), math.log(steps[i])
+            y0, y1 = math.log(losses[i - 1]), math.log(losses[i])
+            return float(math.exp(x0 + (math.log(loss) - y0) * (x1 - x0) / (y1 - y0)))
+    return None
 
 
 def seed_multipliers(ladder: Sequence[dict[str, Any]], arm: Sequence[dict[str, Any]],

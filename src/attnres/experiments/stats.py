@@ -90,8 +90,8 @@ def t_interval(values, level: float = 0.95, null: float = 0.0, sd: float | None 
     from scipy import stats
 
     vals = [float(v) for v in values]
-    if not vals:
-        raise ValueError("t_interval needs at least one value")
+    if not vals or not all(math.isfinite(v) for v in vals):
+        raise ValueError(f"t_interval needs at least one value, all finite; got {vals!r}")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1); got {level!r}")
     n, mean = len(vals), statistics.fmean(vals)
