@@ -156,20 +156,22 @@ def _multiplier_table(comparisons: list[Comparison]) -> str:
                            "loss − ladder's at equal compute [95 %]"], rows)
 
 
-def complete_seeds(records: list[dict[str, Any]]) -> list[int]:
-    """The seeds that have every run of the grid (every variant seen in ``records``)."""
-    variants = {r["variant"] for r in records}
+def complete_seeds(records: list[dict[str, Any]], variants: list[str] | None = None) -> list[int]:
+    """The seeds that have every run of the grid: every one of ``variants`` (default: every
+    variant seen in ``records``)."""
+    variants = set(variants) if variants is not None else {r["variant"] for r in records}
     by_seed: dict[int, set[str]] = {}
     for r in records:
         by_seed.setdefault(int(r["seed"]), set()).add(r["variant"])
-    return sorted(k for k, v in by_seed.items() if v == variants)
+    return sorted(k for k, v in by_seed.items() if v >= variants)
 
 
 def _verdict(comparisons: list[Comparison], complete: list[int], planned: int | None) -> str:
     own = [c for c in comparisons if c.own_shape and c.log_mean is not None]
-    if not own:
-        return "No comparison is complete yet: no seed has an AttnRes run and its whole standard ladder."
     n = len(complete)
+    if not own:
+        return ((f"**Partial: {n} of {planned} planned seeds complete.** " if planned else "")
+                + "No comparison yet: no seed has an AttnRes run and its whole standard ladder.")
     status = (f"**Partial: {n} of {planned} planned seeds complete** (seeds {complete}; each comparison uses "
               "every seed whose runs it needs, n below)." if planned and n < planned else f"{n} seeds.")
     lines = [f"{status} Multiplier = standard compute reaching AttnRes's loss / AttnRes's compute (report: "
@@ -231,21 +233,24 @@ def _plot(records: list[dict[str, Any]], out: Path) -> str:
     return "multiplier.png"
 
 
-def multiplier_section(records: list[dict[str, Any]], out: str | Path, planned_seeds: int | None = None) -> str:
+def multiplier_section(records: list[dict[str, Any]], out: str | Path, planned_seeds: int | None = None,
+                       variants: list[str] | None = None) -> str:
     """The report section for the multiplier ``records`` (``planned_seeds``: how many seeds
-    the plan calls for, to mark fewer as partial)."""
+    the plan calls for, to mark fewer as partial; ``variants``: the grid's runs per seed, to
+    tell a complete seed)."""
     out = Path(out)
     comparisons = compare_arms(records)
     repeats = sorted({r["variant"] for r in records if (r.get("data_passes") or 0) > 1})
     warn = (f"**Runs that saw data twice** (more than one pass over the training split): {', '.join(repeats)}.\n\n"
             if repeats else "")
     png = _plot(records, out)
-    return (f"### Verdict\n\n{_verdict(comparisons, complete_seeds(records), planned_seeds)}\n\n{warn}### Runs\n\n{_runs_table(records)}\n\n"
+    return (f"### Verdict\n\n{_verdict(comparisons, complete_seeds(records, variants), planned_seeds)}\n\n{warn}### Runs\n\n{_runs_table(records)}\n\n"
             "### Multipliers\n\nPer seed, the standard ladder's compute at AttnRes's final loss (linear in ln C, ln L "
             "between its rungs; * = read outside the ladder or from its power-law fit) over AttnRes's compute (each "
-            "model's own FLOPs). Mean over seeds with its 95 % Student-t interval (seeds are the replicates: each fixes "
-            f"the data order and initialisation of all its runs) and p against 1. Power: of the two-sided t-test to "
-            f"tell {POWER_PAIR[0]:g}× from {POWER_PAIR[1]:g}× at these seeds' spread; detectable Δm: the smallest "
-            "difference of multipliers found with 80 % power. Last column: loss minus the ladder's loss interpolated "
-            "at the model's compute (< 0: better than the standard model at equal compute).\n\n"
+            "model's own FLOPs). Geometric mean over seeds with the 95 % Student-t interval of ln m (seeds are the "
+            "replicates: each fixes the data order and initialisation of all its runs) and p against 1. Power: of the "
+            f"two-sided t-test to tell {POWER_PAIR[0]:g}× from {POWER_PAIR[1]:g}× at these seeds' spread; detectable "
+            "ratio: the smallest ratio of two multipliers found with 80 % power. Last column: loss minus the ladder's "
+            "loss interpolated at the model's compute (< 0: better than the standard model at equal compute), with "
+            "its t-interval over seeds.\n\n"
             f"{_multiplier_table(comparisons)}\n\n![loss against compute]({png})")

@@ -191,7 +191,10 @@ def _multiplier_md(records: list[dict[str, Any]], out: Path, preset: str) -> str
     from .multiplier_report import multiplier_section  # imported when the report is written (scipy)
     from .presets import multiplier_grid
 
-    return multiplier_section(records, out, multiplier_grid(preset).seeds if preset in PRESETS["multiplier"] else None)
+    if preset not in PRESETS["multiplier"]:
+        return multiplier_section(records, out)
+    variants = [v.name for v in get_experiment("multiplier", preset).variants]
+    return multiplier_section(records, out, multiplier_grid(preset).seeds, variants)
 
 
 def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
