@@ -72,6 +72,9 @@ def test_a_ladder_that_does_not_fall_is_read_from_its_fit_or_refused():
         ladder_crossing([(1.0, 3.9), (2.0, 4.0)], 3.95)
     with pytest.raises(ValueError, match=">= 2 distinct positive computes"):
         ladder_crossing([(1.0, 3.9)], 3.95)
+    flat = [{"seed": 4, "val_loss": loss, "flops": c} for c, loss in [(1.0, 3.9), (2.0, 4.0)]]
+    with pytest.raises(ValueError, match="seed 4, run 'deep_block': the ladder's loss does not fall"):
+        seed_multipliers(flat, [{"seed": 4, "variant": "deep_block", "val_loss": 3.95, "flops": 1.0}])
 
 
 def _records(multipliers: dict[str, float], seeds, noise: float = 0.0, rng=None, shapes=("deep",)) -> list[dict]:

@@ -107,6 +107,9 @@ def seed_multipliers(ladder: Sequence[dict[str, Any]], arm: Sequence[dict[str, A
     for r in arm:
         seed = int(r["seed"])
         if len(rungs.get(seed, [])) >= 2:
-            crossing = ladder_crossing(rungs[seed], r["val_loss"])
+            try:
+                crossing = ladder_crossing(rungs[seed], r["val_loss"])
+            except ValueError as e:
+                raise ValueError(f"seed {seed}, run {r.get('variant', '?')!r}: {e}") from None
             out[seed] = (crossing.compute / r[compute_field], crossing)
     return dict(sorted(out.items()))

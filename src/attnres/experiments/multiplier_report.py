@@ -41,11 +41,11 @@ class Comparison:
     are ratios, so they are averaged geometrically and the interval, mapped back by exp, stays
     positive), ``gap`` (seed → arm's loss minus the ladder's at the arm's compute; its
     t-interval ``gap_mean``), ``flagged`` (seeds read outside the ladder or from its fit),
-    ``incomplete`` (seeds left out)."""
+    ``incomplete`` (seeds left out); ``arm_shape`` and ``ladder``: the two shapes."""
 
-    def __init__(self, arm: str, ladder: str, runs: list[dict[str, Any]], rungs: list[dict[str, Any]],
-                 expected_rungs: int) -> None:
-        self.arm, self.ladder = arm, ladder
+    def __init__(self, arm: str, arm_shape: str, ladder: str, runs: list[dict[str, Any]],
+                 rungs: list[dict[str, Any]], expected_rungs: int) -> None:
+        self.arm, self.arm_shape, self.ladder = arm, arm_shape, ladder
         by_seed: dict[int, list[dict[str, Any]]] = {}
         for r in rungs:
             by_seed.setdefault(int(r["seed"]), []).append(r)
@@ -66,7 +66,7 @@ class Comparison:
     @property
     def own_shape(self) -> bool:
         """Whether the arm is of the ladder's shape (else: a comparison across shapes)."""
-        return self.arm.split(" ")[0] == self.ladder
+        return self.arm_shape == self.ladder
 
     def text(self) -> str:
         """``1.123× [1.051, 1.200]``: the geometric mean and its interval."""
@@ -99,14 +99,14 @@ def compare_arms(records: list[dict[str, Any]]) -> list[Comparison]:
     for r in records:
         if r["family"] != "baseline":
             arms.setdefault(r["variant"], []).append(r)
-    out = [Comparison(_label(rs[0]), s, rs, ladders[s], expected[s])
+    out = [Comparison(_label(rs[0]), s, s, rs, ladders[s], expected[s])
            for s in shapes for rs in arms.values() if _shape(rs[0]) == s and ladders[s]]
     for s in shapes:  # the other shapes at equal compute
         at_budget = [r for r in ladders[s] if (r.get("coords") or {}).get("budget") == 1.0]
         mine = [rs for rs in arms.values() if _shape(rs[0]) == s] + ([at_budget] if at_budget else [])
         for other in shapes:
             if other != s and ladders[other]:
-                out += [Comparison(_label(rs[0]), other, rs, ladders[other], expected[other]) for rs in mine]
+                out += [Comparison(_label(rs[0]), s, other, rs, ladders[other], expected[other]) for rs in mine]
     return out
 
 
@@ -185,10 +185,10 @@ def _verdict(comparisons: list[Comparison], complete: list[int], planned: int | 
                      f"{REPORT_MULTIPLIER:g}×" + ("" if power is None else f" (power to tell {POWER_PAIR[0]:g}× from "
                                                  f"{POWER_PAIR[1]:g}×: {power:.2f})")
                      + (f"; {len(c.flagged)} seed(s) read outside the ladder" if c.flagged else ""))
-    first = own[0].arm.split(" ")[0]
+    first = own[0].arm_shape
     for c in comparisons:  # the first shape's models against the other shapes' ladders
         g = c.gap_mean
-        if c.own_shape or g is None or not c.arm.startswith(first + " "):
+        if c.own_shape or g is None or c.arm_shape != first:
             continue
         sign = "lower" if g.excludes(0.0) and g.high < 0 else "higher" if g.excludes(0.0) else "no difference resolved"
         lines.append(f"- {c.arm} against the {c.ladder} standard model at equal compute: loss {g.text('+.4f')} "
