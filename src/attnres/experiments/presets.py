@@ -331,7 +331,6 @@ _BUILDERS = {"compare": _compare, "ablation": _ablation, "block-size": _block_si
              "multiplier": _multiplier}
 
 
-
 def get_experiment(name: str, preset: str) -> Experiment:
     """The grid ``name`` (one of :data:`EXPERIMENTS`) at ``preset`` (one of ``PRESETS[name]``)."""
     if name not in _BUILDERS:
