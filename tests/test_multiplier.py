@@ -185,3 +185,9 @@ def test_the_stable_phase_reading_recovers_a_known_multiplier_along_one_curve():
         assert math.exp(interval.mean) == pytest.approx(1.2, rel=1e-3) and not bounds
     interval, bounds = found[1000]  # 1.2 x 1000 steps is past the curve's end
     assert interval is None and bounds == [(">", pytest.approx(1 / 1.02))] * 3
+
+
+def test_a_single_seed_gives_a_multiplier_without_an_interval(tmp_path):
+    text = multiplier_section(_records({"block": 1.2}, [0], shapes=("deep", "shallow")), tmp_path, planned_seeds=6)
+    assert "- deep Block AttnRes: 1.200× over 1 seed(s): no interval yet" in text
+    assert "includes the report's" not in text and "(no interval yet; n = 1)" in text

@@ -178,19 +178,23 @@ def _verdict(comparisons: list[Comparison], complete: list[int], planned: int | 
              f"{REPORT_MULTIPLIER:g}× for Block, Table 2 fits)."]
     for c in own:
         m = c.log_mean
+        flagged = f"; {len(c.flagged)} seed(s) read outside the ladder" if c.flagged else ""
+        if m.low is None:
+            lines.append(f"- {c.arm}: {c.text()} over {m.n} seed(s): no interval yet{flagged}")
+            continue
         where = ("above 1" if m.excludes(0.0) and m.low > 0 else "below 1" if m.excludes(0.0) else "including 1")
         report = "excludes" if m.excludes(math.log(REPORT_MULTIPLIER)) else "includes"
         power = c.power()
         lines.append(f"- {c.arm}: {c.text()} over {m.n} seeds, interval {where}, {report} the report's "
                      f"{REPORT_MULTIPLIER:g}×" + ("" if power is None else f" (power to tell {POWER_PAIR[0]:g}× from "
-                                                 f"{POWER_PAIR[1]:g}×: {power:.2f})")
-                     + (f"; {len(c.flagged)} seed(s) read outside the ladder" if c.flagged else ""))
+                                                 f"{POWER_PAIR[1]:g}×: {power:.2f})") + flagged)
     first = own[0].arm_shape
     for c in comparisons:  # the first shape's models against the other shapes' ladders
         g = c.gap_mean
         if c.own_shape or g is None or c.arm_shape != first:
             continue
-        sign = "lower" if g.excludes(0.0) and g.high < 0 else "higher" if g.excludes(0.0) else "no difference resolved"
+        sign = ("no interval yet" if g.low is None else "lower" if g.excludes(0.0) and g.high < 0
+                else "higher" if g.excludes(0.0) else "no difference resolved")
         lines.append(f"- {c.arm} against the {c.ladder} standard model at equal compute: loss {g.text('+.4f')} "
                      f"({sign}; n = {g.n}); multiplier {c.text()}")
     return "\n".join(lines)
