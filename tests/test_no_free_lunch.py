@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -379,3 +380,28 @@ def test_paired_effect_is_the_paired_t_test():
     assert e.text() == "+58 % [-11, +181] p=0.074" and e.excludes_zero() == 0
     assert paired_effect([-0.3, -0.31, -0.29]).excludes_zero() == -1
     assert paired_effect([math.inf, math.nan]) is None and paired_effect([0.1]).low is None
+
+
+def test_effects_summary_adjusts_for_the_cells_and_tests_patterns_at_the_seed_level():
+    """Many cells read at once: each cell's small, noisy effect rarely survives Holm's
+    adjustment, but the pattern - averaged per seed over its cells, one test over the seeds -
+    does when every seed shows it."""
+    from attnres.experiments.nfl_findings import index_records
+    from attnres.experiments.nfl_report import _effects_summary
+
+    rng = np.random.default_rng(0)
+    seed_shift = {0: 0.03, 1: 0.05, 2: 0.04}  # AttnRes's test loss 7-12 % higher in every seed
+    records = []
+    for depth in (4, 8, 16):
+        for lam in (0.0, 0.25, 0.5, 0.75):
+            for seed in range(3):
+                records.append(dict(norm="prenorm", variant="standard", depth=depth, lam=lam, seed=seed,
+                                    train_loss=1.0, test_loss=1.0))
+                gap = seed_shift[seed] + rng.normal(0, 0.03)
+                records.append(dict(norm="prenorm", variant="full", depth=depth, lam=lam, seed=seed,
+                                    train_loss=1.0, test_loss=10**gap))
+    text = _effects_summary(index_records(records), ["prenorm"], ["full"], 0.95)
+    kept = re.search(r"after Holm's adjustment over the 24 cells: (\d+) and (\d+)", text)
+    assert kept and int(kept.group(2)) < 3
+    line = next(x for x in text.splitlines() if "test loss at 0 < λ < 1" in x)
+    assert "(9 cells, 3 seeds)" in line and float(line.rsplit("p=", 1)[1]) < 0.05

@@ -275,7 +275,7 @@ def _add_transformers_commands(sub) -> None:
                     "1000; 0 = lm-eval computes none)")
 
 
-EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep")
+EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep", "multiplier")
 #: Grids with their own small training loop instead of the LM runner (presets 'tiny', 'cpu').
 SELF_CONTAINED_EXPERIMENTS = ("no-free-lunch",)
 DEFAULT_PRESET = {"compare": "demo"}  # the others: "cpu"

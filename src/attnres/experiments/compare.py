@@ -39,7 +39,8 @@ from ..train.metrics import read_metrics
 from ..train.schedule import wsd_decay_start
 from .flops import to_pflops_days
 from .layout import read_overhead, run_dir, saved_config
-from .stats import markdown_table, mean_std
+from .multiplier import curve_crossing
+from .stats import markdown_table, mean_std, t_interval
 
 BASELINE = "standard"
 #: Fewer seeds than this: the findings state the measured gaps but claim no ordering (with one
@@ -208,13 +209,15 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
             row = [_LABELS.get(name, name)]
             for key, d in gaps[name].items():
                 read = [v for v in d if not math.isnan(v)]  # nan: the budget ends before the first evaluation
-                row += [cell(d, key, name), f"{sum(v < 0 for v in read)}/{len(read)}" if read else "–"]
+                flag = " (too noisy)" if key == "time" and name in noisy and too_noisy(*noisy[name]) else ""
+                row += [_gap_cell(read) + flag, f"{sum(v < 0 for v in read)}/{len(read)}" if read else "–"]
             paired_rows.append(row)
         header = ["model"]
         for key in losses:
             header += [f"Δ val loss @ equal {key}", "seeds better"]
         md.append("Paired by seed (AttnRes run minus the standard run of the same seed, which saw the same "
-                  "batches; negative = AttnRes better):\n\n" + markdown_table(header, paired_rows))
+                  "batches; negative = AttnRes better): mean [95 % Student-t interval over the seeds] and the paired "
+                  "t-test's p:\n\n" + markdown_table(header, paired_rows))
     if noisy:
         md.append(_TIME_NOTE)
     return "\n\n".join(md), gaps, noisy
@@ -235,6 +238,14 @@ def _tokens_per_s_cell(record: dict[str, Any], measured: dict[str, Any] | None) 
     if not measured or not measured.get("median_ms"):
         return "–"
     return f"{record['tokens'] / record['steps'] / (measured['median_ms'] / 1e3):,.0f}"
+
+
+def _gap_cell(values: list[float]) -> str:
+    """A paired gap over seeds: mean [95 % t-interval] (n, p), or the mean alone without a spread."""
+    if not values:
+        return "–"
+    t = t_interval(values)
+    return t.text("+.4f") + f" (n={t.n}" + (f", p={t.p_value:.2g})" if t.p_value is not None else ")")
 
 
 def _ratio_cell(measured: dict[str, Any] | None) -> str:
@@ -371,6 +382,72 @@ def _decay_gap_findings(groups: dict[str, list[Run]], start: int) -> list[str]:
     return out
 
 
+def stable_phase_multipliers(groups: dict[str, list[Run]], start: int, points: int = 5) -> dict[str, dict[int, Any]]:
+    """Per AttnRes variant and evaluation step s before the decay (``points`` of them, evenly
+    spread): the t-interval over seeds of ln m, m = the standard run's step at which its own
+    curve reaches the variant's loss at s (same seed, stable phase only) over s, times the
+    FLOPs-per-token ratio. A seed whose standard curve does not reach the loss before the
+    decay gives a lower bound instead (">", start / s over the ratio), one whose loss at s is
+    above the standard run's first evaluation an upper bound ("<"); those are counted apart:
+    ``{name: {s: (interval or None, [(side, bound), ...])}}``."""
+    base = {r.record["seed"]: r for r in groups.get(BASELINE, [])}
+    if not base:
+        return {}
+    steps = [s for s in next(iter(base.values())).eval_steps if 0 < s <= start]
+    picks = sorted({steps[round(i * (len(steps) - 1) / max(1, points - 1))] for i in range(points)}) if steps else []
+    out: dict[str, dict[int, Any]] = {}
+    for name, rs in groups.items():
+        if name == BASELINE:
+            continue
+        for s in picks:
+            logs, bounds = [], []
+            for r in rs:
+                b = base.get(r.record["seed"])
+                if b is None:
+                    continue
+                stable = [(x, y) for x, y in zip(b.eval_steps, b.val_loss) if x <= start]
+                loss = r.loss_at_step(s)
+                reached = curve_crossing([x for x, _ in stable], [y for _, y in stable], loss)
+                ratio = r.record["flops_per_token"] / b.record["flops_per_token"]
+                if reached is not None:
+                    logs.append(math.log(reached / s / ratio))
+                elif stable and loss < min(y for _, y in stable):
+                    bounds.append((">", stable[-1][0] / s / ratio))
+                elif stable and loss >= stable[0][1]:
+                    bounds.append(("<", stable[0][0] / s / ratio))
+            if logs or bounds:
+                out.setdefault(name, {})[s] = (t_interval(logs) if logs else None, bounds)
+    return out
+
+
+def _stable_phase_md(groups: dict[str, list[Run]], start: int) -> str:
+    found = stable_phase_multipliers(groups, start)
+    if not found:
+        return ""
+    steps = sorted({s for by in found.values() for s in by})
+    rows = []
+    for name, by in found.items():
+        cells = []
+        for s in steps:
+            t, bounds = by.get(s, (None, []))
+            cell = "" if t is None else f"{math.exp(t.mean):.2f}×" + (
+                f" [{math.exp(t.low):.2f}, {math.exp(t.high):.2f}]" if t.low is not None else "") + f" (n={t.n})"
+            for side, what in ((">", "not reached before the decay"), ("<", "above the first evaluation")):
+                these = [v for d, v in bounds if d == side]
+                if these:
+                    edge = min(these) if side == ">" else max(these)
+                    cell += ("; " if cell else "") + f"{len(these)} seed(s) {side} {edge:.2f}× ({what})"
+            cells.append(cell or "–")
+        rows.append([_LABELS.get(name, name)] + cells)
+    return ("## Compute multiplier along the stable phase\n\nAt each step s before the decay (step "
+            f"{start}): the step at which the standard run of the same seed reaches AttnRes's loss at s, along its "
+            "own curve (stable phase only, linear in ln step and ln loss between evaluations), over s, times the FLOPs-per-token "
+            "ratio; geometric mean over seeds with its 95 % Student-t interval. Both models are read at the same "
+            "constant learning rate, so the decay does not favour either; it is a reading of one run per model, "
+            "not of runs trained to each budget (`attnres experiment multiplier` trains those).\n\n"
+            + markdown_table(["model"] + [f"s = {s}" for s in steps], rows))
+
+
 def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | None = None,
               noisy: dict[str, tuple[float, float]] | None = None) -> list[str]:
     """Plain statements of what the measured numbers say about the report's claims; ``start``:
@@ -387,15 +464,20 @@ def _findings(groups: dict[str, list[Run]], gaps: dict[str, Any], start: int | N
                            f"ratio's noise moves the paired gap ({effect:+.4f}) by up to {spread:.4f}. Re-time it on a "
                            "quieter machine with the same command (finished runs are skipped).")
                 continue
-            mean, std = mean_std(d)
-            spread = f" ± {std:.4f}" if std is not None else ""
+            t = t_interval(d)
             if len(d) < MIN_SEEDS_FOR_ORDERING:
-                out.append(f"{_LABELS.get(name, name)} at {what}: paired gap to the standard model {mean:+.4f}{spread} "
+                out.append(f"{_LABELS.get(name, name)} at {what}: paired gap to the standard model {t.text('+.4f')} "
                            f"over {len(d)} seed(s): {NO_ORDERING}")
                 continue
-            verdict = ("lower" if mean < 0 else "higher") + " validation loss than the standard model"
-            out.append(f"{_LABELS.get(name, name)} at {what}: {verdict} by {abs(mean):.4f}{spread} (paired over {len(d)} seed(s); "
-                       f"better in {sum(v < 0 for v in d)}/{len(d)}).")
+            better = f"better in {sum(v < 0 for v in d)}/{len(d)}"
+            interval = "" if t.low is None else f"95 % t-interval [{t.low:+.4f}, {t.high:+.4f}], p = {t.p_value:.2g}, "
+            if t.low is not None and not t.excludes(0.0):
+                out.append(f"{_LABELS.get(name, name)} at {what}: no difference from the standard model resolved: paired "
+                           f"gap {t.mean:+.4f} ({interval}over {len(d)} seeds; {better}).")
+                continue
+            verdict = ("lower" if t.mean < 0 else "higher") + " validation loss than the standard model"
+            out.append(f"{_LABELS.get(name, name)} at {what}: {verdict} by {abs(t.mean):.4f} ({interval}paired over "
+                       f"{len(d)} seed(s); {better}).")
     for name, rs in groups.items():
         outs, grads = _mean_curve(rs, "block_output_rms"), _mean_curve(rs, "block_grad_norm")
         inputs = _mean_curve(rs, "block_input_rms")
@@ -428,6 +510,9 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
         "budget would reach; the same holds for equal time.\n\n")
     _plot_val_loss(groups, out / "val_loss.png", start)
     parts.append(f"## Validation loss\n\n{wsd_note}![validation loss](val_loss.png)")
+    stable = _stable_phase_md(groups, start) if start is not None else ""
+    if stable:
+        parts.append(stable)
     if _plot_magnitudes(groups, out / "magnitudes.png"):
         parts.append("## Output and gradient magnitude per transformer block (report Fig. 5)\n\n"
                      "From the last diagnostics record of each run (mean over seeds). The report: output magnitude "

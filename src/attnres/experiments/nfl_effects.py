@@ -13,9 +13,10 @@ is 1.35x the standard residual's).
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from .stats import t_interval
 
 __all__ = ["sign_rule_pass_rate", "PairedEffect", "paired_effect"]
 
@@ -60,15 +61,8 @@ class PairedEffect:
 def paired_effect(gaps: Iterable[float], level: float = 0.95) -> PairedEffect | None:
     """The :class:`PairedEffect` of per-seed ``gaps`` (``None`` when no gap is finite, e.g.
     diverged runs)."""
-    from scipy import stats
-
     d = [g for g in gaps if math.isfinite(g)]
     if not d:
         return None
-    mean = statistics.fmean(d)
-    if len(d) < 2 or statistics.stdev(d) == 0:
-        return PairedEffect(len(d), mean, None, None, None)
-    se = statistics.stdev(d) / math.sqrt(len(d))
-    t = stats.t.ppf((1 + level) / 2, len(d) - 1)
-    p = 2 * stats.t.sf(abs(mean / se), len(d) - 1)
-    return PairedEffect(len(d), mean, mean - t * se, mean + t * se, float(p))
+    t = t_interval(d, level)
+    return PairedEffect(t.n, t.mean, t.low, t.high, t.p_value)

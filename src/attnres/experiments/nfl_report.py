@@ -5,6 +5,7 @@ heatmaps over (lam, depth) per normalisation setting (``gap_train_loss.png``,
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from .nfl_effects import paired_effect, sign_rule_pass_rate
 from .nfl_findings import MIN_SEEDS, METRICS, compute_findings, index_records, paired_deltas, verdict
 from .nfl_models import VARIANTS
 from .report import markdown_table
+from .stats import holm
 
 __all__ = ["write_nfl_report", "gap_grid"]
 
@@ -132,12 +134,15 @@ def _effects_summary(index, norms: list[str], attnres: list[str], level: float) 
     lines = [f"With {n} paired seeds a cell with no effect at all passes the decided-cell rule with probability "
              f"2·(1/2)^{n} = {sign_rule_pass_rate(n):.0%} (all seeds agree in sign, either sign), so decided-cell "
              f"counts overstate the evidence. Each cell here: the mean paired gap as a loss ratio (AttnRes / standard − 1) "
-             f"with its {level:.0%} Student-t interval over seeds and the paired t-test's p-value (not corrected for "
-             "the number of cells); bold: the cells the decided-cell rule calls."]
+             f"with its {level:.0%} Student-t interval over seeds and the paired t-test's p-value, per cell and not "
+             "corrected for the number of cells; the counts below also say how many cells remain after Holm's "
+             "adjustment over all the claim cells of a setting (read at once, they are many tests). Bold: the cells "
+             "the decided-cell rule calls."]
     for nm in norms:
         cells = _claim_cells(index, nm, attnres)
         decided = {+1: 0, -1: 0}
         excl = {+1: 0, -1: 0}
+        effects = []
         for v, d, lam, m in cells:
             gaps = paired_deltas(index, nm, v, d, lam, m).values()
             sign = verdict(gaps, MIN_SEEDS).sign
@@ -146,10 +151,47 @@ def _effects_summary(index, norms: list[str], attnres: list[str], level: float) 
                 decided[sign] += 1
             if effect is not None and effect.excludes_zero():
                 excl[effect.excludes_zero()] += 1
+            effects.append(effect)
+        kept = {+1: 0, -1: 0}
+        for e, p in zip(effects, holm([e.p_value if e is not None else None for e in effects])):
+            if p is not None and p < 1 - level:
+                kept[1 if e.mean > 0 else -1] += 1
         lines.append(f"- {_LABELS[nm]}, {' and '.join(_LABELS[v] for v in attnres)} ({len(cells)} cells: train loss at "
                      f"every λ, test loss at λ < 1): decided for AttnRes {decided[-1]}, for the standard residual "
                      f"{decided[+1]} (by chance alone about {sign_rule_pass_rate(n) * len(cells):.0f} would be decided); "
-                     f"interval below 0 (AttnRes lower) {excl[-1]}, above 0 {excl[+1]}.")
+                     f"interval below 0 (AttnRes lower) {excl[-1]}, above 0 {excl[+1]}; after Holm's adjustment over "
+                     f"the {len(cells)} cells: {kept[-1]} and {kept[+1]}.")
+    lines.append(_seed_level_tests(index, norms, attnres, level))
+    return "\n".join(lines)
+
+
+#: The patterns the findings read over many cells at once: (name, which (lam, metric) cells).
+_PATTERNS = (
+    ("test loss at 0 < λ < 1 (noisy structure)", lambda lam, m: m == "test_loss" and 0 < lam < 1),
+    ("train loss at λ > 0", lambda lam, m: m == "train_loss" and lam > 0),
+    ("test loss at λ = 0 (clean teacher)", lambda lam, m: m == "test_loss" and lam == 0),
+)
+
+
+def _seed_level_tests(index, norms: list[str], attnres: list[str], level: float) -> str:
+    """One test per pattern instead of one per cell: per seed, the mean gap over the pattern's
+    cells (every AttnRes variant, depth and λ of it), then the paired t-test over the seeds.
+    Cells are not independent replicates (a seed's task and batches are shared by its cells);
+    seeds are."""
+    _, _, depths, lams = _axes(index)
+    lines = [f"- Seed-level tests (per seed, the mean gap over a pattern's cells; {level:.0%} Student-t interval "
+             "and p over the seeds, one test per pattern):"]
+    for nm in norms:
+        for name, member in _PATTERNS:
+            per_seed: dict[int, list[float]] = {}
+            cells = [(v, d, lam, m) for v in attnres for d in depths for lam in lams for m in METRICS if member(lam, m)]
+            for v, d, lam, m in cells:
+                for seed, gap in paired_deltas(index, nm, v, d, lam, m).items():
+                    per_seed.setdefault(seed, []).append(gap)
+            means = [statistics.fmean(g) for g in per_seed.values() if all(math.isfinite(x) for x in g)]
+            effect = paired_effect(means, level) if means else None
+            if effect is not None:
+                lines.append(f"  - {_LABELS[nm]}, {name} ({len(cells)} cells, {effect.n} seeds): {effect.text()}")
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-EXPERIMENTS = ("compare", "ablation", "block-size", "scaling", "arch-sweep")
+EXPERIMENTS = ("compare", "ablation", "block-size", "scaling", "arch-sweep", "multiplier")
 #: The presets of each experiment.
 PRESETS: dict[str, tuple[str, ...]] = {
     "compare": ("tiny", "demo", "long"),
@@ -25,6 +25,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "block-size": ("tiny", "small", "cpu"),
     "scaling": ("tiny", "cpu"),
     "arch-sweep": ("tiny", "cpu"),
+    "multiplier": ("tiny", "cpu"),
 }
 PRESET_NAMES = tuple(dict.fromkeys(p for names in PRESETS.values() for p in names))
 
@@ -88,6 +89,9 @@ class Experiment:
     preset: str
     base: dict[str, Any]
     variants: list[Variant]
+    #: the most passes over the training split a run may make (``None``: no limit); the
+    #: runner refuses a grid with a run beyond it before the first run starts
+    max_data_passes: float | None = None
 
 
 def _residual(kind: str, **settings: Any) -> dict[str, Any]:
@@ -250,7 +254,81 @@ def _arch_sweep(preset: str) -> list[Variant]:
     return out
 
 
-_BUILDERS = {"compare": _compare, "ablation": _ablation, "block-size": _block_size, "scaling": _scaling, "arch-sweep": _arch_sweep}
+# The compute multiplier measured directly (report §5.1, Table 2 / Fig. 4: "Block AttnRes matches
+# the baseline trained with 1.25x the compute"). Per shape, Block and Full AttnRes train to a
+# budget of T steps and the standard model to a ladder of budgets around it, each run with its own
+# WSD schedule (warm-up fixed in steps, decay over the last decay_fraction of its own steps) and
+# the same seed-fixed data order; the runs of a seed therefore agree up to the first decay. How
+# `cpu` was sized: docs/experiments.md ("The compute multiplier").
+@dataclass(frozen=True)
+class Shape:
+    """A model shape of the multiplier grid: ``name`` labels its variants."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+
+
+@dataclass(frozen=True)
+class MultiplierGrid:
+    """shapes: the model shapes (each with the standard ladder and both AttnRes arms);
+    budget: AttnRes's steps T; ladder: the standard model's budgets as multiples of T (each
+    rounded to a whole step); warmup_steps: the same for every run; seeds: how many seeds
+    the plan calls for (the report marks results on fewer as partial)."""
+
+    shapes: tuple[Shape, ...]
+    budget: int
+    ladder: tuple[float, ...]
+    warmup_steps: int
+    seeds: int
+
+    def ladder_steps(self) -> list[int]:
+        return [round(self.budget * f) for f in self.ladder]
+
+
+_MULTIPLIER = {
+    "tiny": MultiplierGrid((Shape("deep", 4, 32, 4), Shape("shallow", 2, 48, 4)), budget=4, ladder=(1.0, 1.5, 2.0),
+                           warmup_steps=1, seeds=2),
+    # 12 x 64 (24 sublayers, Block S = 3: N = 8 blocks, the report's structure) and 6 x 96 (about the
+    # same non-embedding parameters, S = 2: N = 6); the longest run (1.6 T) stays within one pass
+    # over big.txt's training split at 16 x 128 tokens a step.
+    "cpu": MultiplierGrid((Shape("deep", 12, 64, 4), Shape("shallow", 6, 96, 6)), budget=560,
+                          ladder=(0.8, 1.0, 1.25, 1.6), warmup_steps=50, seeds=6),
+}
+#: The multiplier grid's training settings beyond the `cpu` recipe: evaluation on 18 fixed
+#: batches at the end (and along the way, for the curves), checkpoints for resuming.
+_MULTIPLIER_TRAIN = {"tiny": {}, "cpu": dict(eval_every=112, eval_batches=18, log_every=20, checkpoint_every=100)}
+
+
+def multiplier_grid(preset: str) -> MultiplierGrid:
+    """The multiplier grid's plan at ``preset`` (one of ``PRESETS["multiplier"]``)."""
+    if preset not in _MULTIPLIER:
+        raise ValueError(f"unknown preset {preset!r} for experiment 'multiplier'; available: {', '.join(_MULTIPLIER)}")
+    return _MULTIPLIER[preset]
+
+
+def _multiplier(preset: str) -> list[Variant]:
+    grid = _MULTIPLIER[preset]
+    out = []
+    for shape in grid.shapes:
+        size = dict(d_model=shape.d_model, n_layers=shape.n_layers, n_heads=shape.n_heads)
+        coords = {"shape": shape.name, "L_b": shape.n_layers, "d": shape.d_model, "H": shape.n_heads}
+        for factor, steps in zip(grid.ladder, grid.ladder_steps()):
+            train = {"steps": steps, "warmup_steps": grid.warmup_steps}
+            out.append(Variant(f"{shape.name}_standard_x{factor:g}", {**size, **_residual("standard")}, "baseline",
+                               {**coords, "budget": factor}, train))
+        attnres_train = {"steps": grid.budget, "warmup_steps": grid.warmup_steps}
+        S = block_size_for(2 * shape.n_layers)
+        out.append(Variant(f"{shape.name}_block", {**size, **_residual("attnres_block", block_size=S)}, "block",
+                           {**coords, "budget": 1.0, "S": S, "N": math.ceil(2 * shape.n_layers / S)}, attnres_train))
+        out.append(Variant(f"{shape.name}_full", {**size, **_residual("attnres_full")}, "full",
+                           {**coords, "budget": 1.0}, attnres_train))
+    return out
+
+
+_BUILDERS = {"compare": _compare, "ablation": _ablation, "block-size": _block_size, "scaling": _scaling, "arch-sweep": _arch_sweep,
+             "multiplier": _multiplier}
 
 
 def get_experiment(name: str, preset: str) -> Experiment:
@@ -264,4 +342,7 @@ def get_experiment(name: str, preset: str) -> Experiment:
         base["diagnostics_every"] = 2
     if name == "compare" and preset == "demo":  # `make demo` runs for minutes: show a progress bar per run
         base["progress"] = True
+    if name == "multiplier":
+        base.update(_MULTIPLIER_TRAIN[preset])
+        return Experiment(name, preset, base, _multiplier(preset), max_data_passes=1.0)
     return Experiment(name, preset, base, _BUILDERS[name](preset))

@@ -18,7 +18,7 @@ from .compare import compare_markdown
 from .layout import read_overhead, saved_config
 from .presets import PRESETS, get_experiment
 from .scaling_report import scaling_section
-from .stats import markdown_table, mean_std
+from .stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
 
 #: Table 4 of the report (16-layer model, validation loss), by our variant names.
 REPORT_TABLE4 = {
@@ -99,12 +99,12 @@ def apply_overhead(summ: dict[str, Summary], out: Path) -> str | None:
             summ[name].step_ratio = v["step_ratio"]
             summ[name].step_noise = v.get("step_ratio_noise")
             summ[name].peak_memory_bytes = v["peak_memory_bytes"]
-    clock = ("the process's CPU time (other load on the machine does not count)" if m.get("clock") == "cpu"
-             else "wall-clock time")
+    clock = {"cpu": " on the process's CPU time (other load on the machine does not count)",
+             "wall": " on wall-clock time"}.get(m.get("clock"), "")  # files of earlier versions do not say
     noise = ("; ± its noise: the larger of the 95 % interval of that median and how far an identical copy of the "
              "baseline (A/A twin) lands from 1" if "twin" in m else "")
     return (f"Step time and peak memory: one training step of each variant ({m['batch']} x {m['seq_len']} tokens, "
-            f"{m['threads']} thread(s)), all variants timed interleaved over {m['repeats']} rounds on {clock}; "
+            f"{m['threads']} thread(s)), all variants timed interleaved over {m['repeats']} rounds{clock}; "
             f"× baseline = median of the per-round ratios{noise}. Peak memory: rise of live CPU allocations during "
             "the step (profiler). ")
 
@@ -119,21 +119,47 @@ def _report_loss_table4(name: str) -> str:
     return "–"
 
 
-def _ablation_md(summ: dict[str, Summary]) -> str:
+def baseline_differences(records: list[dict[str, Any]], baseline: str = "baseline") -> tuple[dict[str, str], str]:
+    """Per variant, its mean loss minus the baseline's with a 95 % Student-t interval from the
+    seed variance pooled over every variant (each variant's seeds share a mean), the p-value
+    and Holm's adjustment over all the variants compared (a grid reads them all at once);
+    and a sentence saying so. Empty without a baseline or a seed spread."""
+    groups: dict[str, list[float]] = {}
+    for r in records:
+        groups.setdefault(r["variant"], []).append(r["val_loss"])
+    if baseline not in groups or all(len(v) < 2 for v in groups.values()):
+        return {}, ""
+    sd, df = pooled_sd(groups.values())
+    if sd == 0:
+        return {}, ""
+    diffs = {name: mean_difference(v, groups[baseline], sd, df) for name, v in groups.items() if name != baseline}
+    adjusted = dict(zip(diffs, holm([d.p_value for d in diffs.values()])))
+    cells = {name: f"{d.text('+.4f')} (p = {d.p_value:.2g}; Holm {adjusted[name]:.2g})" for name, d in diffs.items()}
+    note = (f"Δ vs baseline: difference of the mean losses, 95 % Student-t interval from the seed sd pooled over every "
+            f"variant ({sd:.4f} on {df} degrees of freedom), p of the t-test, and Holm's adjustment over the "
+            f"{len(diffs)} variants compared (read a variant as different from the baseline where the adjusted p < 0.05).")
+    return cells, note
+
+
+def _ablation_md(summ: dict[str, Summary], records: list[dict[str, Any]]) -> str:
     base = summ.get("baseline")
+    deltas, note = baseline_differences(records)
     rows = []
     for s in summ.values():
-        delta = "–" if base is None else f"{s.loss - base.loss:+.4f}"
+        delta = "–" if base is None else deltas.get(s.variant, f"{s.loss - base.loss:+.4f}")
         rows.append([s.variant, _report_loss_table4(s.variant), _loss(s), delta] + _overhead(s, base))
-    return markdown_table(["variant", "report (Table 4)", "ours: val loss", "Δ vs baseline"] + _OVERHEAD_COLS, rows)
+    table = markdown_table(["variant", "report (Table 4)", "ours: val loss", "Δ vs baseline"] + _OVERHEAD_COLS, rows)
+    return table + (f"\n\n{note}" if note else "")
 
 
-def _block_size_md(summ: dict[str, Summary], out: Path) -> str:
+def _block_size_md(summ: dict[str, Summary], out: Path, records: list[dict[str, Any]]) -> str:
     base = summ.get("baseline")
+    deltas, note = baseline_differences(records)
     rows = []
     for s in summ.values():
         S = s.coords.get("S", "baseline")
-        rows.append([str(S), str(s.coords.get("N", "–")), REPORT_FIG6.get(S, "–"), _loss(s)] + _overhead(s, base))
+        delta = "–" if base is None or s is base else deltas.get(s.variant, f"{s.loss - base.loss:+.4f}")
+        rows.append([str(S), str(s.coords.get("N", "–")), REPORT_FIG6.get(S, "–"), _loss(s), delta] + _overhead(s, base))
     import matplotlib.pyplot as plt
 
     pts = sorted((s.coords["S"], s.loss, s.loss_std or 0.0) for s in summ.values() if "S" in s.coords)
@@ -148,8 +174,8 @@ def _block_size_md(summ: dict[str, Summary], out: Path) -> str:
     fig.tight_layout()
     fig.savefig(out / "block_size.png", dpi=120)
     plt.close(fig)
-    table = markdown_table(["S", "N blocks", "report (Fig. 6)", "ours: val loss"] + _OVERHEAD_COLS, rows)
-    return table + "\n\n![block-size sweep](block_size.png)"
+    table = markdown_table(["S", "N blocks", "report (Fig. 6)", "ours: val loss", "Δ vs baseline"] + _OVERHEAD_COLS, rows)
+    return table + (f"\n\n{note}" if note else "") + "\n\n![block-size sweep](block_size.png)"
 
 
 def _scaling_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
@@ -159,6 +185,16 @@ def _scaling_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
     if preset in PRESETS["scaling"]:
         expected = [(v.family, v.coords["size"]) for v in get_experiment("scaling", preset).variants]
     return scaling_section(records, out, expected)
+
+
+def _multiplier_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
+    from .multiplier_report import multiplier_section  # imported when the report is written (scipy)
+    from .presets import multiplier_grid
+
+    if preset not in PRESETS["multiplier"]:
+        return multiplier_section(records, out)
+    variants = [v.name for v in get_experiment("multiplier", preset).variants]
+    return multiplier_section(records, out, multiplier_grid(preset).seeds, variants)
 
 
 def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
@@ -229,13 +265,14 @@ def _measures(name: str, side_by_side: str | None) -> str:
     """How the report's costs were measured: side by side (``overhead.json``) or from the runs' logs."""
     if name == "compare":  # tokens/s: of the step timed side by side
         return (side_by_side or "") + _COMPARE_TOKENS_PER_S
-    if name == "scaling":  # its tables show compute (FLOPs), not time
+    if name in ("scaling", "multiplier"):  # their tables show compute (FLOPs), not time
         return ""
     return side_by_side or _LOGGED_COSTS
 
 
 _TITLES = {"compare": "Standard vs Block vs Full AttnRes", "ablation": "Ablations (Table 4)", "block-size": "Block-size sweep (Fig. 6)",
-           "scaling": "Scaling laws (Table 2 / Fig. 4)", "arch-sweep": "Architecture sweep (Fig. 7)"}
+           "scaling": "Scaling laws (Table 2 / Fig. 4)", "arch-sweep": "Architecture sweep (Fig. 7)",
+           "multiplier": "The compute multiplier (Table 2 / Fig. 4), measured directly"}
 
 
 def write_report(name: str, records: list[dict[str, Any]], out: str | Path, preset: str = "") -> Path:
@@ -253,10 +290,11 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     out.mkdir(parents=True, exist_ok=True)
     summ = summarize(records)
     measured = apply_overhead(summ, out)
-    body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ),
-            "block-size": lambda: _block_size_md(summ, out), "scaling": lambda: _scaling_md(records, out, preset), "arch-sweep": lambda: _arch_sweep_md(summ, out)}[name]()
+    body = {"compare": lambda: compare_markdown(records, out), "ablation": lambda: _ablation_md(summ, records),
+            "block-size": lambda: _block_size_md(summ, out, records), "scaling": lambda: _scaling_md(records, out, preset), "arch-sweep": lambda: _arch_sweep_md(summ, out),
+            "multiplier": lambda: _multiplier_md(records, out, preset)}[name]()
     steps = sorted({r["steps"] for r in records})
-    head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records, per_size=name == 'scaling')}"
+    head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records, per_size=name in ('scaling', 'multiplier'))}"
             f"{len(records)} runs, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
             + _measures(name, measured)
             + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")

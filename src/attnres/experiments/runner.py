@@ -11,6 +11,7 @@ A run directory holding checkpoints but no ``result.json`` (an interrupted run) 
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..data import load_corpus, prepare_data
 from ..models import AttnResLM, ModelConfig
 from ..train import TrainConfig, latest_checkpoint, train
 from ..train.config import apply_overrides
@@ -62,10 +64,48 @@ def model_counts(config: ModelConfig) -> tuple[int, int]:
     return model.num_parameters(), model.residual_parameters()
 
 
+@functools.lru_cache(maxsize=8)
+def _training_tokens(paths: tuple[str, ...], val_fraction: float, tokenizer: str, vocab_size: int,
+                     cache_dir: str | None) -> int:
+    corpus = load_corpus(list(paths), val_fraction)
+    return len(prepare_data(corpus, tokenizer, vocab_size, cache_dir).train)
+
+
+def data_passes(config: TrainConfig) -> float:
+    """How many times a run of ``config`` goes over its training split: the windows it draws
+    (``steps`` × batch × accumulation) over the split's ``seq_len`` windows (the sampler's
+    epoch; above 1 some windows are seen twice). Tokenises the data on first use (cached)."""
+    d = config.data
+    n_tokens = _training_tokens(tuple(d.paths), d.val_fraction, d.tokenizer, d.vocab_size, d.cache_dir)
+    return config.steps * (config.tokens_per_step // config.seq_len) / (n_tokens // config.seq_len)
+
+
+def check_data_passes(configs: list[tuple[Variant, int, TrainConfig]], limit: float | None) -> None:
+    """Raise ``ValueError`` naming every run of ``configs`` that would go over its training
+    split more than ``limit`` times (nothing to check when ``limit`` is ``None``)."""
+    if limit is None:
+        return
+    over = [(v.name, s, passes) for v, s, c in configs if (passes := data_passes(c)) > limit]
+    if over:
+        runs = ", ".join(f"{name} seed {seed}: {passes:.3f}" for name, seed, passes in over)
+        raise ValueError(f"this grid allows at most {limit:g} pass(es) over the training data; runs beyond it "
+                         f"({runs}) would see tokens twice: give more data (data.paths) or fewer steps")
+
+
+def passes_drawn(checkpoint: Path | None) -> float | None:
+    """The passes over its training split a run made, from the sampler position its final
+    ``checkpoint`` stores (``None`` without one)."""
+    if checkpoint is None:
+        return None
+    sampler = json.loads((Path(checkpoint) / "state.json").read_text())["sampler"]
+    return sampler["samples_drawn"] / sampler["n_windows"]
+
+
 def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     """Train (or resume) one run and write its ``result.json``; returns that record.
 
-    Record fields: variant, family, coords, seed, steps, tokens, val_loss, params,
+    Record fields: variant, family, coords, seed, steps, tokens, data_passes (passes over the
+    training split: above 1, tokens were seen twice), val_loss, params,
     residual_params, non_embedding_params (the scaling-law model size), flops_per_token (training, per token), flops (total training FLOPs),
     pflops_days, step_time_s (median seconds per step), peak_memory_bytes (CUDA only, else
     None).
@@ -84,7 +124,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     tokens = config.steps * config.tokens_per_step
     record = {
         "variant": variant.name, "family": variant.family, "coords": variant.coords, "seed": config.seed,
-        "steps": config.steps, "tokens": tokens, "val_loss": result.val_loss,
+        "steps": config.steps, "tokens": tokens, "data_passes": passes_drawn(result.checkpoint), "val_loss": result.val_loss,
         "params": params, "residual_params": residual_params, "non_embedding_params": non_embedding_parameters(model),
         "flops_per_token": flops.total, "flops": flops.total * tokens, "pflops_days": to_pflops_days(flops.total * tokens),
         "step_time_s": median_step_time(out / "metrics.jsonl", config.tokens_per_step),
@@ -119,7 +159,9 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     e.g. to split one grid over several processes or machines sharing ``out``.
 
     Raises ``ValueError`` if ``out`` holds a different experiment, preset, or overrides
-    (results of different grids must not mix), on an unknown variant, or on a bad override."""
+    (results of different grids must not mix), on an unknown variant, on a bad override, or
+    when a run would go over its training data more than ``experiment.max_data_passes``
+    times (checked before the first run starts)."""
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"seeds must be a non-empty list of integers >= 0; got {seeds!r}")
@@ -133,12 +175,14 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
     check_same_experiment(out, header)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / EXPERIMENT_FILE).write_text(json.dumps(header, indent=1))
+    marker = out / EXPERIMENT_FILE
     # Seed-major: each seed completes a whole comparison before the next seed starts, so an
     # interrupted grid still holds comparable runs. Every run is validated before the first starts.
     configs = [(v, s, run_config(experiment, v, s, run_dir(out, v.name, s), overrides))
                for s in seeds for v in chosen]
+    check_data_passes(configs, experiment.max_data_passes)
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(header, indent=1))
     records = []
     for i, (variant, seed, config) in enumerate(configs, 1):
         done = Path(config.out_dir) / RESULT_FILE

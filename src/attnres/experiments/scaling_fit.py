@@ -16,14 +16,17 @@ from the reference's fit. It is read two ways:
   the report's "Block AttnRes matches the baseline trained with 1.25x more compute" is this,
   read at 5.6 PFLOP/s-days.
 
-Intervals: a paired bootstrap over seeds. Each draw resamples, at every size, the seeds with
-replacement, the same seeds for every family (a seed fixes the data order for all of them, so
-their losses co-vary), rescales each resampled mean's deviation by ``sqrt(n / (n-1))`` (the
-plain bootstrap's variance of a mean is ``(n-1)/n`` of the usual unbiased estimate, half of it
-with 2 seeds), refits every family and recomputes every quantity; the interval is the draws'
-central ``level`` quantiles. It covers seed-to-seed noise only, not the choice of the power
-law's form or of the sizes; with 2 seeds per size the seed spread is itself poorly known,
-so read the intervals as indicative.
+Intervals: Student t over seeds, with the seed variance pooled over every (family, size)
+cell of the grid (``F·S·(n−1)`` degrees of freedom: 12 for 3 families x 4 sizes x 2 seeds),
+so that two seeds per cell still give usable intervals (a bootstrap over 2 seeds reduces to
+mean ± 0.71·|d₀ − d₁| and covers about 61 % of the time, not 95 %). The families' seed noises
+are treated as independent: where a seed's noise is in part shared by the families (a seed
+fixes the data order of all of them) the intervals of their differences are conservative.
+Each mean has variance ``σ²/n``; a fit's coefficients and predictions take theirs from the
+least-squares weights. The multiplier's intervals carry the loss difference's noise through
+the reference's fitted slope, held at its point value. Seed noise only: not the choice of
+the power law's form or of the sizes. :func:`detectable_difference` is the smallest loss
+difference at one size the grid finds with 80 % power.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .scaling_grid import ScalingData
-from .stats import log_linear_fit
+from .stats import detectable_effect, log_linear_fit, pooled_sd
 
-__all__ = ["PowerLaw", "Estimate", "FamilyFit", "Comparison", "ScalingFit", "compute_multiplier", "bootstrap_means",
+__all__ = ["PowerLaw", "Estimate", "FamilyFit", "Comparison", "ScalingFit", "compute_multiplier", "seed_noise",
            "fit_scaling"]
+
 
 
 @dataclass(frozen=True)
@@ -73,11 +77,13 @@ def compute_multiplier(reference: PowerLaw, loss: float | np.ndarray, compute: f
 
 @dataclass(frozen=True)
 class Estimate:
-    """A point estimate and its bootstrap interval (``None`` without one, e.g. a single seed)."""
+    """A point estimate with its t-interval and, for a difference, the two-sided p-value
+    against no difference (``None`` without them, e.g. a single seed)."""
 
     value: float
     low: float | None = None
     high: float | None = None
+    p_value: float | None = None
 
     def text(self, fmt: str = ".3f", suffix: str = "") -> str:
         v = f"{self.value:{fmt}}{suffix}"
@@ -113,39 +119,56 @@ class Comparison:
 
 @dataclass(frozen=True)
 class ScalingFit:
-    """Everything :func:`fit_scaling` computes, keyed by family."""
+    """Everything :func:`fit_scaling` computes, keyed by family. ``sd_log`` / ``sd_loss``:
+    the pooled seed standard deviation of one run's log loss / loss, on ``df`` degrees of
+    freedom (``None`` with one seed)."""
 
     data: ScalingData
     level: float
-    n_boot: int
+    sd_log: float | None
+    sd_loss: float | None
+    df: int | None
     fits: dict[str, FamilyFit]
     comparisons: dict[str, Comparison]
 
-
-def bootstrap_means(data: ScalingData, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """``[f, b, s]``: mean loss per family and size in ``n_boot`` paired, rescaled seed
-    resamples (see the module docstring). Needs at least 2 seeds."""
-    n = len(data.seeds)
-    if n < 2:
-        raise ValueError("a bootstrap over seeds needs at least 2 seeds per size")
-    picks = rng.integers(0, n, size=(n_boot, len(data.sizes), n))
-    sizes = np.arange(len(data.sizes))[None, :, None]
-    means = data.loss[:, sizes, picks].mean(axis=-1)  # [f, b, s]
-    center = data.mean_loss[:, None, :]
-    return center + math.sqrt(n / (n - 1)) * (means - center)
+    def detectable_difference(self, power: float = 0.8) -> float | None:
+        """The smallest loss difference between two families at one size that the two-sided
+        t-test at ``1 - level`` finds with probability ``power`` (``None`` with one seed or no
+        seed spread)."""
+        if not self.sd_loss:
+            return None
+        return detectable_effect(self.sd_loss * math.sqrt(2 / len(self.data.seeds)), self.df, self.level, power)
 
 
-def _estimate(values: np.ndarray, boot: bool, level: float) -> Estimate:
-    """``values[0]``: the point estimate; ``values[1:]``: its bootstrap draws (when ``boot``)."""
-    point = float(values[0])
-    if not boot:
-        return Estimate(point)
-    draws = values[1:]
-    finite = draws[np.isfinite(draws)]
-    if finite.size < 0.9 * draws.size:  # too many draws without an answer (e.g. a flat reference fit)
-        return Estimate(point, math.nan, math.nan)
-    lo, hi = np.quantile(finite, [(1 - level) / 2, (1 + level) / 2])
-    return Estimate(point, float(lo), float(hi))
+def seed_noise(values: np.ndarray) -> tuple[float, int]:
+    """``(sd, df)``: the seed standard deviation of ``values[..., k]`` pooled over every cell of
+    the leading axes (each cell's seeds share one mean)."""
+    return pooled_sd(values.reshape(-1, values.shape[-1]).tolist())
+
+
+def _t(level: float, df: int | None) -> float | None:
+    from scipy import stats
+
+    return None if df is None else float(stats.t.ppf((1 + level) / 2, df))
+
+
+def _estimate(value: float, se: float | None, t: float | None, df: int | None, p_test: bool = False,
+              transform=lambda v: v) -> Estimate:
+    """``transform(value ± t·se)`` (an increasing map), with the p-value of ``value`` against 0."""
+    if se is None or not math.isfinite(value) or not math.isfinite(se):
+        return Estimate(float(transform(value)))
+    p = None
+    if p_test:
+        from scipy import stats
+
+        p = float(2 * stats.t.sf(abs(value) / se, df)) if se > 0 else None
+    return Estimate(float(transform(value)), float(transform(value - t * se)), float(transform(value + t * se)), p)
+
+
+def _weights(log_c: np.ndarray, at: float) -> np.ndarray:
+    """Least-squares weights ``w`` with ``ŷ(at) = w · y`` for a line fitted to ``(log_c, y)``."""
+    dx = log_c - log_c.mean()
+    return 1 / len(log_c) + dx * (at - log_c.mean()) / (dx**2).sum()
 
 
 def _common_points(c_ref: np.ndarray, c_fam: np.ndarray) -> list[float]:
@@ -153,44 +176,59 @@ def _common_points(c_ref: np.ndarray, c_fam: np.ndarray) -> list[float]:
     return [] if lo > hi else [float(lo), float(math.sqrt(lo * hi)), float(hi)]
 
 
-def _comparison(data: ScalingData, f: int, log_a: np.ndarray, alpha: np.ndarray, means: np.ndarray,
-                level: float, boot: bool) -> Comparison:
-    """``log_a``, ``alpha``: ``[f, 1 + B]`` (the point fit first, then the draws); ``means``:
-    ``[f, 1 + B, s]`` likewise."""
-    log_c = np.log(data.compute)
+def _family_fit(data: ScalingData, f: int, se_mean: float | None, t: float | None, df: int | None) -> FamilyFit:
+    log_c, log_l = np.log(data.compute[f]), np.log(data.mean_loss[f])
+    log_a, alpha = log_linear_fit(log_c, log_l)
+    dx = log_c - log_c.mean()
+    se_alpha = None if se_mean is None else se_mean / math.sqrt(float((dx**2).sum()))
+    se_log_a = None if se_mean is None else se_mean * math.sqrt(float((_weights(log_c, 0.0) ** 2).sum()))
+    return FamilyFit(data.families[f], PowerLaw(float(math.exp(log_a)), float(alpha)),
+                     _estimate(float(log_a), se_log_a, t, df, transform=math.exp),
+                     _estimate(float(alpha), se_alpha, t, df))
 
-    def est(values: np.ndarray) -> Estimate:
-        return _estimate(values, boot, level)
 
-    delta = means[f] - means[0]
-    # anchored at the reference's own point at each size, moved along its fitted slope: the
-    # reference's misfit at that size does not enter, only the paired loss ratio and the slope
-    ratio = _log_compute_for(np.log(means[0]), alpha[0][:, None], np.log(means[f]))
-    mult = np.exp(ratio + log_c[0] - log_c[f])
+def _comparison(data: ScalingData, f: int, fits: dict[str, FamilyFit], sd_log: float | None, sd_loss: float | None,
+                t: float | None, df: int | None) -> Comparison:
+    n = len(data.seeds)
+    se_log_mean = None if sd_log is None else sd_log / math.sqrt(n)
+    se_diff = None if sd_log is None else se_log_mean * math.sqrt(2)
+    ref = fits[data.reference].law
+    mean = data.mean_loss
+    deltas, mults = [], []
+    for s in range(len(data.sizes)):
+        deltas.append(_estimate(float(mean[f, s] - mean[0, s]), None if sd_loss is None else sd_loss * math.sqrt(2 / n),
+                                t, df, p_test=True))
+        # anchored at the reference's own point at this size, moved along its fitted slope: the
+        # reference's misfit at that size does not enter, only the loss ratio and the slope
+        gain = float(np.log(mean[0, s]) - np.log(mean[f, s]))  # > 0: the family's loss is lower
+        shift = math.log(data.compute[0, s]) - math.log(data.compute[f, s])
+        mults.append(_estimate(gain, se_diff, t, df, transform=lambda g, shift=shift: math.exp(g / ref.alpha + shift)))
     common = []
+    log_c_ref, log_c_fam = np.log(data.compute[0]), np.log(data.compute[f])
+    fam = fits[data.families[f]].law
     for c in _common_points(data.compute[0], data.compute[f]):
-        log_loss = log_a[f] - alpha[f] * math.log(c)
-        common.append((c, est(np.exp(_log_compute_for(log_a[0], alpha[0], log_loss) - math.log(c)))))
-    return Comparison(data.families[f], [est(delta[:, s]) for s in range(len(data.sizes))],
-                      [est(mult[:, s]) for s in range(len(data.sizes))], common)
+        at = math.log(c)
+        gain = float(math.log(ref.loss(c)) - math.log(fam.loss(c)))
+        se = None if se_log_mean is None else se_log_mean * math.sqrt(
+            float((_weights(log_c_ref, at) ** 2).sum() + (_weights(log_c_fam, at) ** 2).sum()))
+        common.append((c, _estimate(gain, se, t, df, transform=lambda g: math.exp(g / ref.alpha))))
+    return Comparison(data.families[f], deltas, mults, common)
 
 
-def fit_scaling(data: ScalingData, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> ScalingFit:
+def fit_scaling(data: ScalingData, level: float = 0.95) -> ScalingFit:
     """Fit every family of ``data`` and compare each with the reference (see the module
-    docstring); ``n_boot`` paired bootstrap draws over seeds give intervals at ``level``
-    (none with a single seed). Deterministic for a given ``seed``."""
+    docstring); Student-t intervals at ``level`` from the seed variance pooled over the grid
+    (none with a single seed)."""
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1); got {level!r}")
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
-        raise ValueError(f"n_boot must be an integer >= 1; got {n_boot!r}")
-    boot = len(data.seeds) >= 2
-    means = data.mean_loss[:, None, :]
-    if boot:
-        means = np.concatenate([means, bootstrap_means(data, n_boot, np.random.default_rng(seed))], axis=1)
-    log_a, alpha = log_linear_fit(np.log(data.compute)[:, None, :], np.log(means))  # [f, 1 + B]
-    fits = {family: FamilyFit(family, PowerLaw(float(np.exp(log_a[f, 0])), float(alpha[f, 0])),
-                              _estimate(np.exp(log_a[f]), boot, level), _estimate(alpha[f], boot, level))
-            for f, family in enumerate(data.families)}
-    comparisons = {data.families[f]: _comparison(data, f, log_a, alpha, means, level, boot)
+    if len(data.seeds) >= 2:
+        sd_log, df = seed_noise(np.log(data.loss))
+        sd_loss, _ = seed_noise(data.loss)
+    else:
+        sd_log = sd_loss = df = None
+    t = _t(level, df)
+    se_mean = None if sd_log is None else sd_log / math.sqrt(len(data.seeds))
+    fits = {family: _family_fit(data, f, se_mean, t, df) for f, family in enumerate(data.families)}
+    comparisons = {data.families[f]: _comparison(data, f, fits, sd_log, sd_loss, t, df)
                    for f in range(1, len(data.families))}
-    return ScalingFit(data, level, n_boot if boot else 0, fits, comparisons)
+    return ScalingFit(data, level, sd_log, sd_loss, df, fits, comparisons)

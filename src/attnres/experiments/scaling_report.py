@@ -8,6 +8,7 @@ renders them, on a complete grid or, provisionally, on the complete sizes of a p
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 from .scaling_fit import PowerLaw, ScalingFit, compute_multiplier, fit_scaling
 from .scaling_grid import (MIN_SIZES, ScalingGridError, finished_sizes, fittable_part, missing_runs, scaling_data,
                            size_key)
-from .stats import markdown_table
+from .stats import holm, markdown_table
 
 __all__ = ["REPORT_TABLE2", "REPORT_TABLE2_SIZES", "REPORT_MULTIPLIER_AT", "scaling_section"]
 
@@ -93,9 +94,10 @@ def _multiplier_tables(fit: ScalingFit) -> str:
     data = fit.data
     head = ["model"] + [f"{s} (C {c:.2e})" for s, c in zip(data.sizes, data.compute[0])]
     mult_rows, delta_rows = [], []
+    adjusted = iter(holm([e.p_value for cmp in fit.comparisons.values() for e in cmp.delta_at_size]))
     for f, cmp in fit.comparisons.items():
         mult_rows.append([_name(f)] + [e.text(".2f", "×") for e in cmp.multiplier_at_size])
-        delta_rows.append([_name(f)] + [e.text("+.4f") for e in cmp.delta_at_size])
+        delta_rows.append([_name(f)] + [e.text("+.4f") + _p_text(e.p_value, next(adjusted)) for e in cmp.delta_at_size])
     common_rows = []
     for f, cmp in fit.comparisons.items():
         rep = report_multiplier(f)
@@ -107,8 +109,25 @@ def _multiplier_tables(fit: ScalingFit) -> str:
             + markdown_table(head, mult_rows)
             + "\n\n**Over the fits' common compute range** (its low end, geometric middle and high end), from both fits:\n\n"
             + markdown_table(["model", "report (Table 2 fits)", "ours"], common_rows)
-            + "\n\n**Loss difference at equal size** (model − standard, paired by seed; < 0: lower loss):\n\n"
-            + markdown_table(head, delta_rows))
+            + "\n\n**Loss difference at equal size** (model − standard; < 0: lower loss; p: two-sided t-test, "
+            "then Holm-adjusted over all the cells of this table):\n\n"
+            + markdown_table(head, delta_rows) + _detectable_text(fit))
+
+
+def _p_text(p: float | None, adjusted: float | None) -> str:
+    return "" if p is None else f" (p = {p:.2g}; Holm {adjusted:.2g})"
+
+
+def _detectable_text(fit: ScalingFit) -> str:
+    """The smallest loss difference at one size the grid finds with 80 % power, in nats and
+    as a multiplier at the reference's slope."""
+    d = fit.detectable_difference()
+    if d is None:
+        return ""
+    alpha, loss = fit.fits[fit.data.reference].law.alpha, float(fit.data.mean_loss[0, -1])
+    return (f"\n\nSmallest loss difference at one size this grid finds with 80 % power (two-sided, 5 %): "
+            f"{d:.4f} nats, at the largest size a multiplier of {math.exp(d / loss / alpha):.2f}× (or "
+            f"{math.exp(-d / loss / alpha):.2f}×) along the standard model's slope.")
 
 
 def _report_sizes_table(fit: ScalingFit) -> str:
@@ -148,7 +167,7 @@ def _plot(fit: ScalingFit, out: Path) -> str:
     rep = report_multiplier("block")
     bx.axhline(rep, color="gray", ls="--", lw=0.8, label=f"report: Block {rep:.2f}×")
     bx.set(xscale="log", xlabel="training compute C (PFLOP/s-days)", ylabel="compute multiplier vs standard",
-           title=f"multiplier per size ({fit.level:.0%} interval)" if fit.n_boot else "multiplier per size")
+           title=f"multiplier per size ({fit.level:.0%} interval)" if fit.df else "multiplier per size")
     bx.legend(fontsize=7)
     for axes in (ax, bx):  # a narrow log x range labels every minor tick: they overlap
         axes.xaxis.set_minor_formatter(NullFormatter())
@@ -159,13 +178,14 @@ def _plot(fit: ScalingFit, out: Path) -> str:
 
 
 # -- the section -------------------------------------------------------------------------------
-def _fit_text(records: list[dict[str, Any]], sizes: list[str], seeds: list[int], out: Path, level: float,
-              n_boot: int) -> str:
+def _fit_text(records: list[dict[str, Any]], sizes: list[str], seeds: list[int], out: Path, level: float) -> str:
     """Fits, multipliers and the plot on the runs of ``records`` at ``sizes`` x ``seeds``."""
     data = scaling_data([r for r in records if size_key(r) in sizes and int(r["seed"]) in seeds])
-    fit = fit_scaling(data, level=level, n_boot=n_boot)
-    how = (f"Intervals: {fit.level:.0%} paired bootstrap over the {len(data.seeds)} seeds ({fit.n_boot} draws; "
-           "seed noise only, see `attnres.experiments.scaling_fit`)." if fit.n_boot else "One seed: no intervals.")
+    fit = fit_scaling(data, level=level)
+    how = (f"Intervals: {fit.level:.0%} Student t over the {len(data.seeds)} seeds, the seed variance pooled over "
+           f"every (model, size) cell: seed sd {fit.sd_loss:.4f} nats ({fit.sd_log:.2e} in log loss) on {fit.df} "
+           "degrees of freedom; the families' seed noise treated as independent; seed noise only (see "
+           "`attnres.experiments.scaling_fit`)." if fit.df else "One seed: no intervals.")
     png = _plot(fit, out)
     return (f"### Fits (report Table 2)\n\n{how}\n\n{_fits_table(fit)}\n\n### Compute multiplier\n\n"
             f"{_multiplier_tables(fit)}\n\n### The report's Table 2 (its sizes; in brackets: − standard)\n\n"
@@ -173,7 +193,7 @@ def _fit_text(records: list[dict[str, Any]], sizes: list[str], seeds: list[int],
 
 
 def scaling_section(records: list[dict[str, Any]], out: str | Path, expected: list[tuple[str, str]] | None = None,
-                    level: float = 0.95, n_boot: int = 2000) -> str:
+                    level: float = 0.95) -> str:
     """The report section for the scaling ``records`` (``expected``: the grid's (family,
     size) pairs, to mark the runs not finished yet; its sizes with no finished run at all are
     named and left out). Fits need every family at every seed
@@ -206,6 +226,6 @@ def scaling_section(records: list[dict[str, Any]], out: str | Path, expected: li
     if len(fit_sizes) < MIN_SIZES and missing:
         return text
     try:
-        return f"{text}\n\n{_fit_text(records, fit_sizes, fit_seeds, out, level, n_boot)}"
+        return f"{text}\n\n{_fit_text(records, fit_sizes, fit_seeds, out, level)}"
     except ScalingGridError as e:
         return f"{text}\n\nNo fit: {e}."
