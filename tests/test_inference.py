@@ -7,6 +7,7 @@ the depth weights are far from uniform.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -329,3 +330,19 @@ def test_generate_cli_device_and_context_limit(tmp_path, capsys):
         cli_main(["generate", "--checkpoint", str(run), "--prompt", "x" * 100, "--max-new-tokens", "64"])
     assert cli_main(["generate", "--checkpoint", str(run), "--prompt", "x" * 100, "--max-new-tokens", "29",
                      "--temperature", "0", "--device", "cpu"]) == 0
+
+
+def test_stream_warns_once_about_non_finite_logits():
+    """Finite weights whose logits overflow (an output head scaled to 1e38) printed NUL bytes
+    without a word; one warning names the step, and finite logits give none."""
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model, ids, max_new_tokens=3)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(1e38)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    with pytest.warns(RuntimeWarning, match=r"logits of generation step 0 are not finite") as caught:
+        generate(model, ids, max_new_tokens=3)
+    assert len([w for w in caught if "not finite" in str(w.message)]) == 1

@@ -11,6 +11,7 @@ padding (1 = real token), logits ``[B, vocab]`` (float32), sampled tokens ``[B]`
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Iterator
 from numbers import Integral, Real
 
@@ -215,12 +216,23 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
         cache = None  # (its keys and values are in the static cache now)
     stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+    warned = False
     for step in range(max_new_tokens):
+        finite = torch.isfinite(logits).all()
         tokens = sample(logits, temperature, top_k, top_p, generator)
         tokens = tokens.masked_fill(finished, pad_token_id)
         yield tokens
         finished |= torch.isin(tokens, stop_ids)
-        if step == max_new_tokens - 1 or bool(finished.all()):
+        # One host sync a step, as before: whether every sequence is done, and whether the
+        # logits the token came from were finite (NaN or infinite logits sample token 0, or
+        # argmax's pick, without a word: a NUL byte with the byte tokenizer).
+        done, finite = torch.stack((finished.all(), finite)).tolist()
+        if not finite and not warned:
+            warnings.warn(f"the logits of generation step {step} are not finite (NaN or infinite): the tokens "
+                          "generated from them are meaningless (weights that overflow, or a diverged checkpoint)",
+                          RuntimeWarning, stacklevel=2)
+            warned = True
+        if step == max_new_tokens - 1 or done:
             return
         if static is not None:
             logits = static.step(tokens)
