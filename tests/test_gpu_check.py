@@ -58,3 +58,23 @@ def test_summary_judges_each_target_and_skipped_parts():
     assert s["train_eager"] == pytest.approx(1.03) and s["full"]["train_eager"] == pytest.approx(1.1)
     assert s["met"] == {"train_eager": True, "decode_b1": True, "memory": False}
     assert "train_compiled" not in s and s["skipped"] == result["skipped"]
+
+
+def test_memory_forecast_block_and_full_save_no_more_than_the_standard_model(tmp_path):
+    """``benchmarks/memory_forecast.py`` at a toy shape: what autograd saves for the backward of
+    a bf16-autocast step (the bulk of the GPU check's peak memory, backend-independent) is
+    within the 5 % memory target for Block and Full AttnRes; and the count sees a saved output,
+    so a depth-attention operator that saved one would fail this."""
+    import torch
+
+    import memory_forecast
+
+    z = memory_forecast.FORECAST.__class__(d=128, layers=2, blocks=2, seq=32, batch=2, vocab=256)
+    result = memory_forecast.measure(z)
+    saved = result["saved"]
+    assert saved["block"] <= 1.05 * saved["standard"] and saved["full"] <= 1.05 * saved["standard"], saved
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    assert memory_forecast.saved_bytes(layer, lambda: layer(x).exp().sum().backward()) == 2 * 4 * 8 * 4  # x, exp's output
+    memory_forecast.main(["--d", "64", "--layers", "1", "--seq", "16", "--vocab", "128", "--out", str(tmp_path / "f")])
+    assert "| block |" in (tmp_path / "f.md").read_text() and json.loads((tmp_path / "f.json").read_text())["saved"]
