@@ -9,7 +9,7 @@ sublayers), Block AttnRes with S = 4 (N = 8 blocks), vocabulary 8192, float32.
   ``--context`` (1024) cached positions. The cache holds random keys/values (decode cost does
   not depend on their values) and is cropped back after every step, so every step sees the
   same context.
-* **Two-phase vs naive**: the same models with ``residual.impl = "naive"`` (same weights).
+* **Two-phase vs naive**: the same models with ``residual.schedule = "naive"`` (same weights).
 * **Peak memory**: largest rise of live CPU allocations during one prefill of the two-phase
   models (profiler memory events; parameters not counted, the KV cache is), one-shot and
   chunked (``--chunk``).
@@ -43,15 +43,15 @@ from attnres.inference import KVCache, decode_step, prefill
 RESIDUALS = {"standard": "standard", "block": "attnres_block", "full": "attnres_full", "standard_twin": "standard"}
 
 
-def with_impl(model: AttnResLM, impl: str, fn):
-    """``fn`` run with the model's AttnRes module switched to ``impl`` (same weights)."""
+def with_schedule(model: AttnResLM, schedule: str, fn):
+    """``fn`` run with the model's AttnRes module switched to ``schedule`` (same weights)."""
 
     def step():
-        model.residual.impl = impl
+        model.residual.schedule = schedule
         try:
             fn()
         finally:
-            model.residual.impl = "two_phase"
+            model.residual.schedule = "two_phase"
 
     return step
 
@@ -62,7 +62,7 @@ def variant_steps(models: dict[str, AttnResLM], make, naive: bool = True) -> dic
     steps = {name: make(m) for name, m in models.items()}
     for name in ("block", "full"):
         if naive and name in models:
-            steps[f"{name}_naive"] = with_impl(models[name], "naive", make(models[name]))
+            steps[f"{name}_naive"] = with_schedule(models[name], "naive", make(models[name]))
     return steps
 
 

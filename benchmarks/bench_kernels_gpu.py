@@ -30,7 +30,7 @@ after a warm-up, and we report medians.
    device's peak (its datasheet figure where known, else a measured device copy); the
    bandwidth bound is ``min bytes / peak``.
 2. **End to end** - training step (forward + backward, bf16 autocast) and one cached decode
-   step (batch 1 and 8) of Block AttnRes (``attnres_kernels="triton"`` and ``"torch"``)
+   step (batch 1 and 8) of Block AttnRes (``backend="triton"`` and ``"torch"``)
    against the standard residual, default d = 2048, 32 transformer blocks, S = 8 sublayers
    per block (N = 8 blocks). Targets: training step <= 1.03x, decode <= 1.02x.
 
@@ -129,13 +129,13 @@ def leaves(x: dict) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ ours
-def _ours(x: dict, impl: str) -> list[torch.Tensor]:
+def _ours(x: dict, backend: str) -> list[torch.Tensor]:
     """One block's ``S`` normalised sublayer inputs as the model's schedule runs them: Phase 1
     of the block's queries, then per sublayer the merge of its Phase-1 result (a source of
     known logit, its log-sum-exp) with the partial sum (none for the first) and the
     sublayer's norm."""
-    ops = reference if impl == "reference" else library
-    kw = {} if impl == "reference" else {"impl": impl}
+    ops = reference if backend == "reference" else library
+    kw = {} if backend == "reference" else {"backend": backend}
     sources, qg, gains, partials = x["sources"], x["qg"], x["gains"], x["partials"]
     outs, lse = ops.phase1(qg, sources, EPS, **kw)
     lse = lse.unbind(-1)  # (as the model: each merge reads its column, no slice copy)
@@ -145,12 +145,12 @@ def _ours(x: dict, impl: str) -> list[torch.Tensor]:
 
 
 def ours_triton(x: dict) -> list[torch.Tensor]:
-    """Our block on the Triton kernels (``kernels="triton"``)."""
+    """Our block on the Triton kernels (``backend="triton"``)."""
     return _ours(x, "triton")
 
 
 def ours_torch(x: dict) -> list[torch.Tensor]:
-    """The same block on the readable reference (``kernels="torch_graph"``)."""
+    """The same block on the readable reference (``backend="reference"``)."""
     return _ours(x, "reference")
 
 
@@ -398,8 +398,8 @@ def bench_e2e(args) -> dict:
     base = e2e_config(args)
     variants = {
         "standard": base.replace(residual="standard"),
-        "block (triton)": base.replace(residual={"kind": "attnres_block", "kernels": "triton"}),
-        "block (torch)": base.replace(residual={"kind": "attnres_block", "kernels": "torch"}),
+        "block (triton)": base.replace(residual={"kind": "attnres_block", "backend": "triton"}),
+        "block (torch)": base.replace(residual={"kind": "attnres_block", "backend": "torch"}),
     }
     models = {}
     for name, cfg in variants.items():

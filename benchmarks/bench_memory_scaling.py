@@ -4,7 +4,7 @@ For a small decoder (d = 128, vocab 256, batch 4 x 64 tokens, float32, CPU) we t
 memory of one eager training step (``attnres.analysis.profiling.peak_memory_bytes``: the rise
 of live allocations during forward + backward; parameters not counted) of the standard
 model and of Block and Full AttnRes, on the lean training path (the default) and on the
-plain-graph path (``kernels="torch_graph"``, the default before issue 17), and plot the
+plain-graph path (``backend="reference"``, the default before issue 17), and plot the
 difference to the standard model
 
 * against L = 8 .. 64 sublayers (Block with S = 4, so N = L / 4 blocks), and
@@ -58,7 +58,7 @@ def main() -> int:
     tokens = BATCH * SEQ
     unit = tokens * D * 4  # one [tokens, d] float32 tensor
     rows = []
-    paths = {"lean": {}, "graph": {"kernels": "torch_graph"}}
+    paths = {"lean": {}, "graph": {"backend": "reference"}}
 
     def measure(sweep, L, S):
         n_layers = L // 2

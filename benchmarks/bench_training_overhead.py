@@ -22,9 +22,9 @@ one step are reported beside the times (attnres.train.cpu_memory).
     python benchmarks/bench_training_overhead.py --quick    # a smoke run
     python benchmarks/bench_training_overhead.py --shape main-job --backends eager --modes train
 
-``*_graph`` variants run the two-phase path on the plain-graph reference (``kernels="torch_graph"``)
+``*_graph`` variants run the two-phase path on the plain-graph reference (``backend="reference"``)
 beside the default (the depth-attention operators: the CPU kernel on CPU), ``*_torch`` the
-operators' PyTorch implementation (``kernels="torch"``); ``--shape main-job`` is the main
+operators' PyTorch implementation (``backend="torch"``); ``--shape main-job`` is the main
 job's model (d = 64, 12 blocks, S = 3, 16 x 128 tokens, one thread) and writes
 ``training_overhead_main_job.{json,md}``.
 
@@ -65,14 +65,14 @@ VARIANTS = {
     "standard": dict(residual="standard"),
     "block": dict(residual="attnres_block"),
     "full": dict(residual="attnres_full"),
-    # The lean path in PyTorch only, without the fused CPU merge kernel (kernels="torch").
-    "block_torch": dict(residual={"kind": "attnres_block", "kernels": "torch"}),
-    "full_torch": dict(residual={"kind": "attnres_full", "kernels": "torch"}),
+    # The lean path in PyTorch only, without the fused CPU merge kernel (backend="torch").
+    "block_torch": dict(residual={"kind": "attnres_block", "backend": "torch"}),
+    "full_torch": dict(residual={"kind": "attnres_full", "backend": "torch"}),
     # The two-phase path as a plain autograd graph (the default before the lean path).
-    "block_graph": dict(residual={"kind": "attnres_block", "kernels": "torch_graph"}),
-    "full_graph": dict(residual={"kind": "attnres_full", "kernels": "torch_graph"}),
-    "block_naive": dict(residual={"kind": "attnres_block", "impl": "naive"}),
-    "full_naive": dict(residual={"kind": "attnres_full", "impl": "naive"}),
+    "block_graph": dict(residual={"kind": "attnres_block", "backend": "reference"}),
+    "full_graph": dict(residual={"kind": "attnres_full", "backend": "reference"}),
+    "block_naive": dict(residual={"kind": "attnres_block", "schedule": "naive"}),
+    "full_naive": dict(residual={"kind": "attnres_full", "schedule": "naive"}),
 }
 #: Targets of the paired step-time ratio against the standard model (train: the training-overhead
 #: targets of docs/training-overhead.md; forward: the inference target).

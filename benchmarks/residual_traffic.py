@@ -115,8 +115,8 @@ def table(L: int, S: int, d: int, tokens: int) -> list[str]:
         ("standard", StandardResidual(d, L)),
         ("block", BlockAttnRes(d, L, S)),
         ("full", FullAttnRes(d, L, group_size=G)),
-        ("block (naive)", BlockAttnRes(d, L, S, impl="naive")),
-        ("full (naive)", FullAttnRes(d, L, impl="naive")),
+        ("block (naive)", BlockAttnRes(d, L, S, schedule="naive")),
+        ("full (naive)", FullAttnRes(d, L, schedule="naive")),
     ]
     lines = [
         f"L={L} sublayers, S={S}, N={N} (Full AttnRes: group size {G}); d={d}, {tokens} tokens; "

@@ -178,10 +178,10 @@ def make_model(dtype: torch.dtype = torch.float32, seed: int = 0, randomize: boo
     return model
 
 
-def twin_with_impl(model: AttnResLM, impl: str) -> AttnResLM:
-    """A deep copy of ``model`` (same weights) whose AttnRes module runs ``impl``."""
+def twin_with_schedule(model: AttnResLM, schedule: str) -> AttnResLM:
+    """A deep copy of ``model`` (same weights) whose AttnRes module runs ``schedule``."""
     twin = copy.deepcopy(model)
-    twin.residual.impl = impl
+    twin.residual.schedule = schedule
     return twin
 
 

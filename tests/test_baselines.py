@@ -155,7 +155,7 @@ from attnres.ops.ablations import depth_attention_variant  # noqa: E402
 
 
 def _ablation_model(residual="attnres_full", **ablation):
-    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "impl": "naive", "ablation": ablation}, n_layers=3)
+    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "schedule": "naive", "ablation": ablation}, n_layers=3)
     torch.manual_seed(0)
     return AttnResLM(cfg)
 
@@ -208,14 +208,14 @@ def test_input_independent_mixing_and_input_dependent_query_start_as_attnres():
 
 
 def test_ablation_validation():
-    with pytest.raises(ValueError, match="ModelConfig.residual.impl must be 'naive'"):
+    with pytest.raises(ValueError, match="ModelConfig.residual.schedule must be 'naive'"):
         ModelConfig.preset("tiny", residual={"ablation": {"sigmoid_weights": True}})
     with pytest.raises(ValueError, match="ModelConfig.residual.ablation.window must be None unless"):
-        ModelConfig.preset("tiny", residual={"kind": "attnres_block", "impl": "naive", "ablation": {"window": 2}})
+        ModelConfig.preset("tiny", residual={"kind": "attnres_block", "schedule": "naive", "ablation": {"window": 2}})
     with pytest.raises(ValueError, match="ModelConfig.residual.ablation.heads must be a divisor"):
-        ModelConfig.preset("tiny", residual={"impl": "naive", "ablation": {"heads": 5}})
+        ModelConfig.preset("tiny", residual={"schedule": "naive", "ablation": {"heads": 5}})
     with pytest.raises(ValueError, match="exclude each other"):
-        ModelConfig.preset("tiny", residual={"impl": "naive", "ablation": {"input_dependent_query": True,
+        ModelConfig.preset("tiny", residual={"schedule": "naive", "ablation": {"input_dependent_query": True,
                                                                              "input_independent_mixing": True}})
     with pytest.raises(ValueError, match="ablation applies to AttnRes variants"):
         ModelConfig.preset("tiny", residual={"kind": "rezero", "ablation": {"key_norm": False}})

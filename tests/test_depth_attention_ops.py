@@ -1,5 +1,5 @@
 """The depth-attention operations (``attnres.ops.depth_attention``): every implementation -
-PyTorch, the CPU kernel (``impl="auto"`` on CPU float32 / float64) and Triton (compiled on
+PyTorch, the CPU kernel (``backend="auto"`` on CPU float32 / float64) and Triton (compiled on
 a CUDA device where there is one, else under Triton's interpreter: ``conftest.TRITON_DEVICE``;
 inputs are made on the CPU and moved there) - as ``torch.library`` custom operators.
 
@@ -32,11 +32,11 @@ from attnres.ops.depth_attention import cpu_kernel, library, reference, torch_im
 from conftest import (OP_TOL_BF16, TOL, TRITON_DEVICE, assert_fast_matches_naive, assert_rel_close, to_cpu, to_triton_device,
                       triton_device)
 
-IMPLS = ["auto", "torch", pytest.param("triton", marks=pytest.mark.triton)]
+BACKENDS = ["auto", "torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
-def triton_or_skip(impl: str) -> None:
-    if impl == "triton":
+def triton_or_skip(backend: str) -> None:
+    if backend == "triton":
         triton_device()
 
 
@@ -74,13 +74,13 @@ def merge_inputs(lead=(2, 3), d=5, k=1, c=1, norm=True, dtype=torch.float64, see
     return z, sources, computed, qg, w
 
 
-def run_merge(impl, z, sources, computed, qg, w):
-    if impl == "reference":
+def run_merge(backend, z, sources, computed, qg, w):
+    if backend == "reference":
         return reference.merge(z, sources, computed, qg, 1e-6, w, 1e-5)
-    if impl == "triton":
+    if backend == "triton":
         return to_cpu(library.merge(*to_triton_device((z, sources, computed, qg)), 1e-6, to_triton_device(w), 1e-5,
-                                    impl))
-    return library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, impl)
+                                    backend))
+    return library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, backend)
 
 
 def phase1_inputs(lead=(2, 3), d=5, S=3, n=4, dtype=torch.float64, seed=0):
@@ -89,12 +89,12 @@ def phase1_inputs(lead=(2, 3), d=5, S=3, n=4, dtype=torch.float64, seed=0):
     return rnd(g, S, d, dtype=compute), [rnd(g, *lead, d, scale=1 + j, dtype=dtype) for j in range(n)]
 
 
-def run_phase1(impl, qg, sources):
-    if impl == "reference":
+def run_phase1(backend, qg, sources):
+    if backend == "reference":
         return reference.phase1(qg, sources, 1e-6)
-    if impl == "triton":
-        return to_cpu(library.phase1(*to_triton_device((qg, sources)), 1e-6, impl))
-    return library.phase1(qg, sources, 1e-6, impl)
+    if backend == "triton":
+        return to_cpu(library.phase1(*to_triton_device((qg, sources)), 1e-6, backend))
+    return library.phase1(qg, sources, 1e-6, backend)
 
 
 def outputs_and_grads(fn, inputs, seed=1):
@@ -111,19 +111,19 @@ def merge_flat(z, sources, computed, qg, w):
     return [z, *sources, *computed, *([qg] if qg is not None else []), *([w] if w is not None else [])]
 
 
-def merge_fn(impl, k, c, norm):
+def merge_fn(backend, k, c, norm):
     """``run_merge`` over the flat inputs of :func:`merge_flat`."""
     def f(z, *rest):
         rest = list(rest)
         w = rest.pop() if norm else None
         qg = rest.pop() if c else None
-        return run_merge(impl, z, rest[:k], rest[k:], qg, w)[0]
+        return run_merge(backend, z, rest[:k], rest[k:], qg, w)[0]
 
     return f
 
 
-def phase1_fn(impl):
-    return lambda qg, *xs: run_phase1(impl, qg, list(xs))
+def phase1_fn(backend):
+    return lambda qg, *xs: run_phase1(backend, qg, list(xs))
 
 
 # ----------------------------------------------------------------------------------------
@@ -142,34 +142,34 @@ def op_cases(dtype):
     }
 
 
-def backward_args(op, args, impl):
+def backward_args(op, args, backend):
     """The backward operator of ``op`` and its arguments, from a forward run."""
     with torch.no_grad():
         if op is torch.ops.attnres.phase1.default:
             qg, sources, eps = args
-            outs, lse = op(qg, sources, eps, impl)
+            outs, lse = op(qg, sources, eps, backend)
             g_outs = [torch.randn_like(outs[0]), None]
             return torch.ops.attnres.phase1_backward.default, (qg, lse, sources, g_outs, torch.randn_like(lse), eps,
                                                                 [True] * (1 + len(sources)))
         z, sources, computed, qg, w, eps, norm_eps = args
-        out, alpha, rc, zc, rstd, _total = op(*args, impl)
+        out, alpha, rc, zc, rstd, _total = op(*args, backend)
         stats = [rc if computed else None, zc if computed else None, rstd if w is not None else None]
         needs = [True] * (1 + len(sources) + len(computed)) + [qg is not None, w is not None]
         return torch.ops.attnres.merge_backward.default, (torch.randn_like(out), alpha, *stats, sources, computed, qg,
                                                           w, needs)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", ["phase1", "merge", "merge_computed_only", "merge_known_only"])
-def test_opcheck_every_operator_forward_and_backward(case, dtype, impl, kernel):
-    triton_or_skip(impl)
+def test_opcheck_every_operator_forward_and_backward(case, dtype, backend, kernel):
+    triton_or_skip(backend)
     op, args = op_cases(dtype)[case]
-    if impl == "triton":
+    if backend == "triton":
         args = tree_map_only(torch.Tensor, lambda t: to_triton_device(t.detach()).requires_grad_(t.requires_grad), args)
-    torch.library.opcheck(op, (*args, impl))
-    bop, bargs = backward_args(op, args, impl)
-    torch.library.opcheck(bop, (*tree_map_only(torch.Tensor, torch.Tensor.detach, bargs), impl))
+    torch.library.opcheck(op, (*args, backend))
+    bop, bargs = backward_args(op, args, backend)
+    torch.library.opcheck(bop, (*tree_map_only(torch.Tensor, torch.Tensor.detach, bargs), backend))
 
 
 # ----------------------------------------------------------------------------------------
@@ -186,49 +186,49 @@ MERGE_CASES = [  # (lead, d, k, c, norm): one token, one source, known / compute
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lead, d, k, c, norm", MERGE_CASES)
-def test_merge_float64_equals_the_reference_and_gradchecks(lead, d, k, c, norm, impl, kernel):
-    triton_or_skip(impl)
+def test_merge_float64_equals_the_reference_and_gradchecks(lead, d, k, c, norm, backend, kernel):
+    triton_or_skip(backend)
     inputs = merge_flat(*merge_inputs(lead, d, k, c, norm))
-    got = outputs_and_grads(merge_fn(impl, k, c, norm), inputs)
+    got = outputs_and_grads(merge_fn(backend, k, c, norm), inputs)
     want = outputs_and_grads(merge_fn("reference", k, c, norm), inputs)
     for a, b in zip(got, want):
         assert_rel_close(a, b, 1e-12)
-    assert gradcheck(merge_fn(impl, k, c, norm), tuple(inputs), fast_mode=lead != (1, 1))
+    assert gradcheck(merge_fn(backend, k, c, norm), tuple(inputs), fast_mode=lead != (1, 1))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lead, d, S, n", [((2, 3), 5, 3, 4), ((1, 1), 4, 2, 3), ((2, 1), 3, 1, 2), ((1, 2), 6, 5, 1),
                                            ((3,), 37, 19, 2)])
-def test_phase1_float64_equals_the_reference_and_gradchecks(lead, d, S, n, impl, kernel):
+def test_phase1_float64_equals_the_reference_and_gradchecks(lead, d, S, n, backend, kernel):
     """``S`` = 1 to 19 queries (past two Triton chunks of 8), ``d`` below and past the CPU
     kernel's vector blocks, one source, batch 1 and one token."""
-    triton_or_skip(impl)
+    triton_or_skip(backend)
     qg, sources = phase1_inputs(lead, d, S, n)
-    got = outputs_and_grads(phase1_fn(impl), [qg, *sources])
+    got = outputs_and_grads(phase1_fn(backend), [qg, *sources])
     want = outputs_and_grads(phase1_fn("reference"), [qg, *sources])
     for a, b in zip(got, want):
         assert_rel_close(a, b, 1e-12)
-    flat = lambda *xs: tuple(t for o in phase1_fn(impl)(*xs) for t in (o if isinstance(o, list) else [o]))  # noqa: E731
+    flat = lambda *xs: tuple(t for o in phase1_fn(backend)(*xs) for t in (o if isinstance(o, list) else [o]))  # noqa: E731
     assert gradcheck(flat, (qg, *sources), fast_mode=True)
 
 
-def addend_fn(impl):
+def addend_fn(backend):
     """The merge with an addend (the sum formed inside: Block AttnRes' partial sum plus the
     last output) over flat inputs ``(z, x, partial, addend, qg, w)`` -> ``(out, sum)``; for
     ``"unfused"``, the reference's add and merge."""
     def f(z, x, partial, addend, qg, w):
-        if impl == "unfused":
+        if backend == "unfused":
             total = partial + addend
             return reference.merge(z, [x], [total], qg, 1e-6, w, 1e-5)[0], total
-        if impl == "reference":
+        if backend == "reference":
             out, _, total = reference.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, addend=addend)
             return out, total
-        args = (z, [x], [partial], qg, 1e-6, w, 1e-5, impl)
-        if impl == "triton":
+        args = (z, [x], [partial], qg, 1e-6, w, 1e-5, backend)
+        if backend == "triton":
             z, x, partial, addend, qg, w = to_triton_device((z, x, partial, addend, qg, w))
-            args = (z, [x], [partial], qg, 1e-6, w, 1e-5, impl)
+            args = (z, [x], [partial], qg, 1e-6, w, 1e-5, backend)
             out, _, total = library.merge(*args, addend=addend)
             return to_cpu(out), to_cpu(total)
         out, _, total = library.merge(*args, addend=addend)
@@ -244,19 +244,19 @@ def addend_inputs(dtype=torch.float64, addend_dtype=None, lead=(2, 3), d=6):
     return [z, sources[0], computed[0], addend, qg, w]
 
 
-@pytest.mark.parametrize("impl", ["reference", *IMPLS])
-def test_merge_with_an_addend_equals_the_add_then_the_merge_and_gradchecks(impl, kernel):
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+def test_merge_with_an_addend_equals_the_add_then_the_merge_and_gradchecks(backend, kernel):
     """The sum formed inside the merge: the output, the sum and every gradient (the sum's
     own gradient from downstream reaching both terms) equal an add followed by the merge,
     in float64 to rounding with ``gradcheck``; in float32 with a bfloat16 addend (a
     sublayer's output under autocast), the sum exactly and the rest to float32 rounding."""
-    triton_or_skip(impl)
+    triton_or_skip(backend)
     inputs = addend_inputs()
-    for a, b in zip(outputs_and_grads(addend_fn(impl), inputs), outputs_and_grads(addend_fn("unfused"), inputs)):
+    for a, b in zip(outputs_and_grads(addend_fn(backend), inputs), outputs_and_grads(addend_fn("unfused"), inputs)):
         assert_rel_close(a, b, 1e-12)
-    assert gradcheck(addend_fn(impl), tuple(inputs), fast_mode=True)
+    assert gradcheck(addend_fn(backend), tuple(inputs), fast_mode=True)
     mixed = addend_inputs(torch.float32, torch.bfloat16)
-    got, want = outputs_and_grads(addend_fn(impl), mixed), outputs_and_grads(addend_fn("unfused"), mixed)
+    got, want = outputs_and_grads(addend_fn(backend), mixed), outputs_and_grads(addend_fn("unfused"), mixed)
     assert torch.equal(got[1], want[1]) and got[1].dtype == torch.float32  # the sum, as the add forms it
     assert got[5].dtype == torch.bfloat16  # the addend's gradient in its dtype
     for a, b in zip(got, want):
@@ -273,35 +273,35 @@ def test_merge_addend_errors():
         library.merge(z, [x], [partial], qg, addend=addend[..., :3])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_opcheck_merge_with_an_addend(impl, kernel):
-    triton_or_skip(impl)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_merge_with_an_addend(backend, kernel):
+    triton_or_skip(backend)
     z, x, partial, addend, qg, w = addend_inputs(torch.float32)
     args = (z, [x], [partial], qg, w, 1e-6, 1e-5)
-    if impl == "triton":
+    if backend == "triton":
         args, addend = tree_map_only(torch.Tensor, lambda t: to_triton_device(t.detach()).requires_grad_(), (args, addend))
-    torch.library.opcheck(torch.ops.attnres.merge.default, (*args, impl, addend))
+    torch.library.opcheck(torch.ops.attnres.merge.default, (*args, backend, addend))
     with torch.no_grad():
-        out, alpha, rc, zc, rstd, total = torch.ops.attnres.merge(*args, impl, addend)
-    bargs = (torch.randn_like(out), alpha, rc, zc, rstd, args[1], [total], args[3], args[4], [True] * 5, impl,
+        out, alpha, rc, zc, rstd, total = torch.ops.attnres.merge(*args, backend, addend)
+    bargs = (torch.randn_like(out), alpha, rc, zc, rstd, args[1], [total], args[3], args[4], [True] * 5, backend,
              torch.randn_like(total))
     torch.library.opcheck(torch.ops.attnres.merge_backward.default, tree_map_only(torch.Tensor, torch.Tensor.detach, bargs))
 
 
 def low_precision_check(run, inputs, storage, dtype, tol):
-    """``run(impl, *inputs)`` with the ``storage`` inputs (sources) in ``dtype`` and the rest
+    """``run(backend, *inputs)`` with the ``storage`` inputs (sources) in ``dtype`` and the rest
     (logits, queries, gains) in float32, on each implementation against the float64 truth,
     under the per-dtype rule relative to the reference's own low-precision error."""
     truth = outputs_and_grads(lambda *xs: run("reference", *xs), inputs)
 
-    def low(impl):
+    def low(backend):
         cast = [t.detach().to(dtype if i in storage else torch.float32).requires_grad_() for i, t in enumerate(inputs)]
-        return outputs_and_grads(lambda *xs: run(impl, *xs), cast)
+        return outputs_and_grads(lambda *xs: run(backend, *xs), cast)
 
     ref = low("reference")
     names = [f"tensor {i}" for i in range(len(truth))]
-    for impl in ["auto", "torch"] + (["triton"] if _has_triton() and TRITON_DEVICE else []):
-        assert_fast_matches_naive(low(impl), ref, truth, dtype, names, tol)
+    for backend in ["auto", "torch"] + (["triton"] if _has_triton() and TRITON_DEVICE else []):
+        assert_fast_matches_naive(low(backend), ref, truth, dtype, names, tol)
 
 
 def _has_triton() -> bool:
@@ -317,7 +317,7 @@ def _has_triton() -> bool:
 def test_merge_low_precision_against_the_float64_truth(dtype, k, c, kernel):
     z, sources, computed, qg, w = merge_inputs((2, 7), 24, k, c, True)
     tol = TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
-    low_precision_check(lambda impl, *xs: merge_fn(impl, k, c, True)(*xs), merge_flat(z, sources, computed, qg, w),
+    low_precision_check(lambda backend, *xs: merge_fn(backend, k, c, True)(*xs), merge_flat(z, sources, computed, qg, w),
                         set(range(1, 1 + k + c)), dtype, tol)
 
 
@@ -325,7 +325,7 @@ def test_merge_low_precision_against_the_float64_truth(dtype, k, c, kernel):
 def test_phase1_low_precision_against_the_float64_truth(dtype, kernel):
     qg, sources = phase1_inputs((4, 16), 32, 3, 5)
     tol = TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
-    low_precision_check(lambda impl, *xs: phase1_fn(impl)(*xs), [qg, *sources], set(range(1, len(sources) + 1)), dtype,
+    low_precision_check(lambda backend, *xs: phase1_fn(backend)(*xs), [qg, *sources], set(range(1, len(sources) + 1)), dtype,
                         tol)
 
 
@@ -340,16 +340,16 @@ def _merge_rounding_h_truth(computed, qg, w, eps=1e-6, norm_eps=1e-5):
     return torch.nn.functional.rms_norm(h, (h.shape[-1],), w, norm_eps)
 
 
-@pytest.mark.parametrize("impl", ["reference", *IMPLS])
-def test_merge_bf16_keeps_the_gradient_through_the_norm_in_float32(impl, kernel):
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+def test_merge_bf16_keeps_the_gradient_through_the_norm_in_float32(backend, kernel):
     """bf16 sources, a fused norm: the gradient reaching ``h`` through the norm stays in
     float32. Rounding it to bf16 (as an unfused bf16 graph would) put noise of bf16's
     2^-9 along ``h`` into it, which the softmax's gradient ``alpha_j g_h . (x_j - h)`` turns
     into a large error where the sources are nearly parallel (zero along ``h`` in the true
     gradient): the query's gradient was 1.1e-2 from the truth here, now 5e-6. In a bf16 FSDP
     run it showed as a 10x larger drift of one depth query over 10 steps."""
-    triton_or_skip(impl)
-    if impl == "triton" and TRITON_DEVICE == "cpu":
+    triton_or_skip(backend)
+    if backend == "triton" and TRITON_DEVICE == "cpu":
         pytest.skip("Triton's interpreter rounds float32 to bf16 toward zero (a GPU to nearest): a shrink of h "
                     "along itself, the one direction this case is sensitive to")
     g = torch.Generator().manual_seed(0)
@@ -368,7 +368,7 @@ def test_merge_bf16_keeps_the_gradient_through_the_norm_in_float32(impl, kernel)
 
     truth = query_grad(lambda xs, q, w: _merge_rounding_h_truth(xs, q, w), torch.float64, torch.float64)
     empty = torch.zeros(4, 16, 0)
-    got = query_grad(lambda xs, q, w: run_merge(impl, empty, [], xs, q, w)[0], torch.bfloat16, torch.float32)
+    got = query_grad(lambda xs, q, w: run_merge(backend, empty, [], xs, q, w)[0], torch.bfloat16, torch.float32)
     assert_rel_close(got[0], truth[0], 1e-4, "d qg")
     for j, (a, b) in enumerate(zip(got[1], truth[1])):
         assert_rel_close(a, b, 1e-2, f"d computed[{j}]")  # (bf16 results: 2^-9 relative)
@@ -382,8 +382,8 @@ def test_merge_matches_the_reference_over_shapes(k, c, d, b, t, norm, seed):
         c = 1
     inputs = merge_flat(*merge_inputs((b, t), d, k, c, norm, seed=seed))
     want = outputs_and_grads(merge_fn("reference", k, c, norm), inputs, seed)
-    for impl in ("auto", "torch"):
-        for a, r in zip(outputs_and_grads(merge_fn(impl, k, c, norm), inputs, seed), want):
+    for backend in ("auto", "torch"):
+        for a, r in zip(outputs_and_grads(merge_fn(backend, k, c, norm), inputs, seed), want):
             assert torch.linalg.vector_norm(a - r) <= 1e-10 * max(torch.linalg.vector_norm(r), 1.0)
 
 
@@ -396,8 +396,8 @@ def test_merge_input_errors():
             merge(z, sources, computed, None)
         with pytest.raises(ValueError, match="at least one source"):
             merge(z[..., :0], [])
-    with pytest.raises(ValueError, match="impl must be one of"):
-        library.merge(z, sources, impl="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        library.merge(z, sources, backend="cuda")
     with pytest.raises(ValueError, match=r"qg must have shape \[S, 4\]"):
         library.phase1(qg, sources)
 
@@ -431,7 +431,7 @@ def test_dispatch_by_device_dtype_and_layout(kernel):
         from attnres.ops.depth_attention import triton_impl
 
         assert library.pick("triton", [x]) is triton_impl
-        with pytest.raises(ValueError, match="impl='triton' takes sources"):
+        with pytest.raises(ValueError, match="backend='triton' takes sources"):
             library.pick("triton", [torch.zeros(2, 3, dtype=torch.int32)])
 
 class OperatorLog(TorchDispatchMode):
@@ -558,24 +558,24 @@ def saved_tensors(fn) -> list[torch.Tensor]:
     return saved
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_operators_save_sources_by_reference_and_per_token_statistics(impl, kernel):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_operators_save_sources_by_reference_and_per_token_statistics(backend, kernel):
     """The saving policy of report §4.2 (docs/design.md): references to the sources (kept
     anyway) and per-token statistics; no copy of the sources, of ``h`` or of the logits."""
-    triton_or_skip(impl)
+    triton_or_skip(backend)
     z, sources, computed, qg, w = merge_inputs((4, 5), 16, 1, 2, True, torch.float32)
-    if impl == "triton":
+    if backend == "triton":
         z, sources, computed, qg, w = to_triton_device((z, sources, computed, qg, w))
     d, tokens = 16, 20
     ptrs = {x.data_ptr() for x in (*sources, *computed)}
-    saved = saved_tensors(lambda: library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, impl))
+    saved = saved_tensors(lambda: library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, backend))
     big = [t for t in saved if t.shape[-1] == d and t.numel() >= tokens * d]
     assert {t.data_ptr() for t in big} == ptrs, [tuple(t.shape) for t in saved]
     assert sum(t.numel() for t in saved if t.data_ptr() not in ptrs) <= tokens * 8 + 2 * d  # alpha, rc, zc, rstd
     pq, psrc = phase1_inputs((4, 5), 16, 3, 4, torch.float32)
-    if impl == "triton":
+    if backend == "triton":
         pq, psrc = to_triton_device((pq, psrc))
-    saved = saved_tensors(lambda: library.phase1(pq, psrc, 1e-6, impl))
+    saved = saved_tensors(lambda: library.phase1(pq, psrc, 1e-6, backend))
     assert {t.data_ptr() for t in saved if t.shape[-1] == d and t.numel() >= tokens * d} == {x.data_ptr() for x in psrc}
     assert sum(t.numel() for t in saved if t.data_ptr() not in {x.data_ptr() for x in psrc}) <= tokens * 3 + 3 * d
 

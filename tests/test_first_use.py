@@ -181,8 +181,8 @@ def test_triton_kernels_on_the_cpu_are_refused_before_any_work(tmp_path, corpus,
     """(A Triton driver traceback came after the start-up summary.) Triton's interpreter,
     which the test suite may switch on, is the one way to run them on the CPU."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", device="cpu"), "model.residual.kernels=triton"],
-               "model.residual.kernels='triton' needs a CUDA GPU", "device is cpu")
+    fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", device="cpu"), "model.residual.backend=triton"],
+               "model.residual.backend='triton' needs a CUDA GPU", "device is cpu")
     assert capsys.readouterr().out == "" and not (tmp_path / "run").exists()
 
 

@@ -387,7 +387,7 @@ def test_ratio_stderr_matches_a_bootstrap():
     "attnres_full",
     "layerscale",
     "denseformer",
-    {"kind": "attnres_block", "impl": "naive", "ablation": {"input_dependent_query": True}},
+    {"kind": "attnres_block", "schedule": "naive", "ablation": {"input_dependent_query": True}},
 ])
 def test_loading_a_standard_checkpoint_initialises_the_missing_residual(tmp_path, residual):
     """A standard-residual checkpoint loaded as another residual: every residual parameter is
@@ -446,7 +446,7 @@ def test_from_pretrained_accepts_the_flat_keys_of_earlier_versions(tmp_path):
 
     AttnResForCausalLM.from_native(native_model(residual={"kind": "attnres_block", "block_size": 2})).save_pretrained(tmp_path)
     for cls in (AttnResForCausalLM, AutoModelForCausalLM):
-        with pytest.warns(DeprecationWarning, match=r"\['attnres_block_size'\] are deprecated.*residual.block_size"):
+        with pytest.warns(DeprecationWarning, match=r"attnres_block_size is deprecated: use .*residual.block_size"):
             model = cls.from_pretrained(tmp_path, attnres_block_size=1)
         assert model.config.to_model_config().residual.block_size == 1
     assert AttnResForCausalLM.from_pretrained(tmp_path).config.to_model_config().residual.block_size == 2

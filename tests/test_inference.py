@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_model, twin_with_impl
+from conftest import make_model, twin_with_schedule
 
 from attnres.inference import KVCache, decode_step, generate, prefill, sample, stream
 
@@ -63,7 +63,7 @@ def test_multi_token_steps_with_cache_match_full_forward(model):
 def test_decode_two_phase_matches_naive():
     for residual in ("attnres_full", "attnres_block"):
         fast = make_model(residual=residual).eval()
-        naive = twin_with_impl(fast, "naive")
+        naive = twin_with_schedule(fast, "naive")
         ids = random_ids(2, 12)
         a, b = generate(fast, ids, max_new_tokens=6), generate(naive, ids, max_new_tokens=6)
         assert torch.equal(a, b), residual

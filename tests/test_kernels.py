@@ -1,4 +1,4 @@
-"""The whole model on the Triton kernels (``kernels="triton"``; compiled on a CUDA device
+"""The whole model on the Triton kernels (``backend="triton"``; compiled on a CUDA device
 where there is one, else run by Triton's interpreter on CPU: ``conftest.TRITON_DEVICE``)
 against the PyTorch implementation: logits, depth weights and every gradient, the
 fused RMSNorm, ``torch.compile`` and the norm modules' hooks. The operators themselves are
@@ -36,7 +36,7 @@ def device() -> str:
     ],
 )
 def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, monkeypatch, device):
-    """The whole model with attnres_kernels='triton' (interpreted on CPU) against 'torch':
+    """The whole model with backend='triton' (interpreted on CPU) against 'torch':
     logits, depth weights and the gradient of every parameter (the sublayers' norm gains
     included, which the kernels' fused RMSNorm computes), held to the core issue's per-dtype
     acceptance against a float64 run of the PyTorch path (``assert_fast_matches_naive``)."""
@@ -59,13 +59,13 @@ def test_model_with_kernels_equals_pytorch_path(residual, dtype, small_tiles, mo
     cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3}, n_layers=2, d_model=36, n_heads=3,
                              n_kv_heads=3)
     torch.manual_seed(0)
-    fast = AttnResLM(cfg.replace(residual={"kernels": "triton"}))
+    fast = AttnResLM(cfg.replace(residual={"backend": "triton"}))
     randomize_residual(fast)
     with torch.no_grad():  # non-trivial norm gains, so that their gradients are tested
         for layer in fast.layers:
             layer.attn_norm.weight.uniform_(0.5, 1.5)
             layer.mlp_norm.weight.uniform_(0.5, 1.5)
-    ref = AttnResLM(cfg.replace(residual={"kernels": "torch"}))
+    ref = AttnResLM(cfg.replace(residual={"backend": "torch"}))
     ref.load_state_dict(fast.state_dict())
     fast, ref = fast.to(dtype), ref.to(dtype)
     # The truth runs the parameters as rounded to dtype: what is measured is the rounding of
@@ -96,7 +96,7 @@ def test_torch_compile_traces_around_the_kernels(residual, device):
     from attnres import AttnResLM, ModelConfig
 
     torch._dynamo.reset()
-    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3, "kernels": "triton"}, n_layers=2)
+    cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3, "backend": "triton"}, n_layers=2)
     torch.manual_seed(0)
     model = AttnResLM(cfg).to(device)
     ids = torch.randint(0, cfg.vocab_size, (2, 5)).to(device)
@@ -119,16 +119,16 @@ def test_norm_is_fused_where_the_two_phase_merge_runs(device):
     cfg = ModelConfig.preset("tiny")
 
     def second_input(config, defer_norm=True):  # (the first has one source: no merge)
-        on = device if config.residual.kernels == "triton" else "cpu"
+        on = device if config.residual.backend == "triton" else "cpu"
         residual = AttnResLM(config).residual.to(on)
         state = residual.start(torch.zeros(1, 2, 64, device=on), defer_norm=defer_norm)
         residual.add_output(state, 0, norm_input_value(residual.sublayer_input(state, 0)))
         return residual.sublayer_input(state, 1)
 
-    for kernels in ("auto", "torch", "triton", "torch_graph"):
-        assert isinstance(second_input(cfg.replace(residual={"kernels": kernels})), FusableNormInput)
-    assert isinstance(second_input(cfg.replace(residual={"kernels": "triton"}), defer_norm=False), torch.Tensor)
-    assert isinstance(second_input(cfg.replace(residual={"kernels": "triton", "impl": "naive"})), torch.Tensor)
+    for backend in ("auto", "torch", "triton", "reference"):
+        assert isinstance(second_input(cfg.replace(residual={"backend": backend})), FusableNormInput)
+    assert isinstance(second_input(cfg.replace(residual={"backend": "triton"}), defer_norm=False), torch.Tensor)
+    assert isinstance(second_input(cfg.replace(residual={"backend": "triton", "schedule": "naive"})), torch.Tensor)
     assert isinstance(second_input(cfg.replace(residual="standard")), torch.Tensor)
 
 
@@ -142,9 +142,9 @@ def test_diagnostics_and_norm_hooks_on_the_fused_kernel_path(residual, device):
 
     cfg = ModelConfig.preset("tiny", residual={"kind": residual, "block_size": 3}, n_layers=2)
     torch.manual_seed(0)
-    fused = AttnResLM(cfg.replace(residual={"kernels": "triton"}))
+    fused = AttnResLM(cfg.replace(residual={"backend": "triton"}))
     randomize_residual(fused)
-    ref = AttnResLM(cfg.replace(residual={"kernels": "torch"}))
+    ref = AttnResLM(cfg.replace(residual={"backend": "torch"}))
     ref.load_state_dict(fused.state_dict())
     fused = fused.to(device)
     ids = torch.randint(0, cfg.vocab_size, (2, 6))

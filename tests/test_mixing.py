@@ -46,25 +46,25 @@ def test_standard_is_exactly_the_all_ones_lower_triangle():
         assert torch.equal(M, torch.ones(L + 1, L + 1, dtype=F64).tril())
 
 
-@pytest.mark.parametrize("impl", ["naive", "two_phase"])
-def test_full_attnres_with_zero_queries_averages_its_sources(impl):
-    rec = mixing_forward(model("attnres_full", impl=impl), ids())
+@pytest.mark.parametrize("schedule", ["naive", "two_phase"])
+def test_full_attnres_with_zero_queries_averages_its_sources(schedule):
+    rec = mixing_forward(model("attnres_full", schedule=schedule), ids())
     L = 6
     expected = torch.zeros(L + 1, L + 1, dtype=F64)
     for r in range(L + 1):
         expected[r, : r + 1] = 1.0 / (r + 1)  # mixer r sees v_0 .. v_r
     W = rec.mixing.weights
     assert W.shape == (2, 8, L + 1, L + 1)
-    if impl == "naive":
+    if schedule == "naive":
         assert torch.equal(W, expected.expand_as(W))
     else:  # the two-phase merge rescales partial softmaxes: equal up to float64 rounding
         assert (W - expected).abs().max() <= 4 * torch.finfo(F64).eps
 
 
-@pytest.mark.parametrize("impl", ["naive", "two_phase"])
-def test_block_attnres_with_zero_queries_gives_each_member_its_blocks_weight(impl):
+@pytest.mark.parametrize("schedule", ["naive", "two_phase"])
+def test_block_attnres_with_zero_queries_gives_each_member_its_blocks_weight(schedule):
     # 4 transformer blocks = 8 sublayers, S = 3: blocks {1,2,3}, {4,5,6}, {7,8} (report §3.2).
-    rec = mixing_forward(model("attnres_block", n_layers=4, block_size=3, impl=impl), ids())
+    rec = mixing_forward(model("attnres_block", n_layers=4, block_size=3, schedule=schedule), ids())
     L, S = 8, 3
     blocks = [[1, 2, 3], [4, 5, 6], [7, 8]]
     expected = torch.zeros(L + 1, L + 1, dtype=F64)
@@ -77,7 +77,7 @@ def test_block_attnres_with_zero_queries_gives_each_member_its_blocks_weight(imp
         for members in sources:
             expected[r, members] = 1.0 / len(sources)  # every member takes its source's weight
     W = rec.mixing.weights
-    if impl == "naive":
+    if schedule == "naive":
         assert torch.equal(W, expected.expand_as(W))
     else:
         assert (W - expected).abs().max() <= 4 * torch.finfo(F64).eps
@@ -203,7 +203,7 @@ def test_forward_equals_the_mixing_of_its_recorded_sources(kind):
 ])
 def test_table4_ablations_describe_their_mixing(kind, ablation):
     extra = {"block_size": 2} if kind == "attnres_block" else {}
-    rec = mixing_forward(model(kind, perturb=0.5, impl="naive", ablation=ablation, **extra), ids())
+    rec = mixing_forward(model(kind, perturb=0.5, schedule="naive", ablation=ablation, **extra), ids())
     err = max(float((a - b).abs().max()) for a, b in zip(rec.reconstruct(), rec.inputs + [rec.output]))
     if "heads" in ablation:  # each head mixes its own channel group: M holds the mean over heads, and says so
         assert "mean over the depth-attention heads" in rec.mixing.reduction and err > 1e-6
@@ -229,7 +229,7 @@ def test_rank_of_hyper_connections_is_at_most_m(m_streams):
 def _block_matrix(L: int, S: int, seed: int = 0) -> Tensor:
     """Block AttnRes with random queries on random sources (the residual alone)."""
     torch.manual_seed(seed)
-    r = BlockAttnRes(8, L, S, impl="naive").to(F64)
+    r = BlockAttnRes(8, L, S, schedule="naive").to(F64)
     with torch.no_grad():
         for p in r.parameters():
             p.add_(torch.randn_like(p))

@@ -13,7 +13,7 @@ from conftest import (
     assert_fast_matches_naive,
     assert_rel_close,
     make_model,
-    twin_with_impl,
+    twin_with_schedule,
 )
 from torch.func import functional_call
 
@@ -53,9 +53,9 @@ def loss_and_grads(model, ids):
 def test_two_phase_model_equals_naive_model(overrides, batch, seq, dtype):
     fast64 = make_model(torch.float64, **overrides)
     ids = torch.randint(0, fast64.config.vocab_size, (batch, seq))
-    truth = loss_and_grads(twin_with_impl(fast64, "naive"), ids)
+    truth = loss_and_grads(twin_with_schedule(fast64, "naive"), ids)
     fast = copy.deepcopy(fast64).to(dtype)
-    naive = twin_with_impl(fast, "naive")
+    naive = twin_with_schedule(fast, "naive")
     lf, loss_f, gf = loss_and_grads(fast, ids)
     ln, loss_n, gn = loss_and_grads(naive, ids)
     assert_fast_matches_naive([lf, loss_f.reshape(1)], [ln, loss_n.reshape(1)], [truth[0], truth[1].reshape(1)], dtype, ["logits", "loss"], TOL[dtype])
@@ -88,9 +88,9 @@ def test_gradcheck_two_layer_model(residual):
 
 def test_two_phase_is_the_default_and_faithful_defaults():
     cfg = ModelConfig()
-    assert cfg.residual.kind == "attnres_block" and cfg.residual.impl == "two_phase"
+    assert cfg.residual.kind == "attnres_block" and cfg.residual.schedule == "two_phase"
     model = AttnResLM(ModelConfig.preset("tiny"))
-    assert isinstance(model.residual, BlockAttnRes) and model.residual.impl == "two_phase"
+    assert isinstance(model.residual, BlockAttnRes) and model.residual.schedule == "two_phase"
     for mixer in model.residual.mixers:
         assert torch.equal(mixer.query, torch.zeros_like(mixer.query))
         assert torch.equal(mixer.key_norm.weight, torch.ones_like(mixer.key_norm.weight))
@@ -202,8 +202,8 @@ def test_tied_embeddings():
         ("d_model", 90, "divisible by n_heads"),
         ("d_model", 36, "head dimension d_model / n_heads is even"),
         ("residual.kind", "attnres_fancy", "'standard', 'attnres_full', 'attnres_block', 'rezero'"),
-        ("residual.impl", "fast", "'two_phase', 'naive'"),
-        ("residual.kernels", "cuda", "'auto', 'triton', 'torch'"),
+        ("residual.schedule", "fast", "'two_phase', 'naive'"),
+        ("residual.backend", "cuda", "'auto', 'torch', 'triton', 'reference'"),
         ("residual.eps", 0.0, "> 0"),
         ("residual.hc_streams", 0, "integer >= 1"),
         ("residual.ablation.heads", 5, "divisor of d_model"),
@@ -220,7 +220,7 @@ def test_invalid_config_names_field_and_allowed_values(field, value, allowed):
     for part in reversed(field.split(".")[:-1]):  # "residual.ablation.heads" -> {"residual": {"ablation": {"heads": 5}}}
         change = {part: change}
     if field.startswith("residual.ablation"):
-        change["residual"]["impl"] = "naive"
+        change["residual"]["schedule"] = "naive"
     with pytest.raises(ValueError) as info:
         ModelConfig.preset("tiny", **change)
     msg = str(info.value)
@@ -241,7 +241,7 @@ def test_legacy_flat_keys_load_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match="attnres_impl"):
         cfg = ModelConfig.from_dict(old)
     r = cfg.residual
-    assert (r.kind, r.impl, r.full_group_size, r.ablation.sigmoid_weights, r.hc_streams, r.sinkhorn_iters) == (
+    assert (r.kind, r.schedule, r.full_group_size, r.ablation.sigmoid_weights, r.hc_streams, r.sinkhorn_iters) == (
         "attnres_full", "naive", 2, True, 3, 5)
     with pytest.warns(DeprecationWarning):
         assert ModelConfig(attnres_block_size=4).residual.block_size == 4
@@ -252,9 +252,9 @@ def test_legacy_flat_keys_load_with_a_deprecation_warning():
 
 
 def test_replace_and_preset_change_only_what_they_name():
-    cfg = ModelConfig.preset("tiny", residual={"block_size": 3, "ablation": {"key_norm": False}, "impl": "naive"})
+    cfg = ModelConfig.preset("tiny", residual={"block_size": 3, "ablation": {"key_norm": False}, "schedule": "naive"})
     full = cfg.replace(residual="attnres_full")
-    assert (full.residual.kind, full.residual.block_size, full.residual.impl, full.residual.ablation.key_norm) == (
+    assert (full.residual.kind, full.residual.block_size, full.residual.schedule, full.residual.ablation.key_norm) == (
         "attnres_full", 3, "naive", False)
     assert cfg.replace(residual={"ablation": {"heads": 4}}).residual.ablation == AttnResAblation(key_norm=False, heads=4)
     assert cfg.replace(n_layers=3).residual == cfg.residual
@@ -366,7 +366,7 @@ def reference_logits_float64(model: AttnResLM, ids: torch.Tensor) -> torch.Tenso
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("residual", ["standard", {"kind": "attnres_full"}, {"kind": "attnres_block", "block_size": 3},
-                                      {"kind": "attnres_block", "block_size": 2, "impl": "naive"}])
+                                      {"kind": "attnres_block", "block_size": 2, "schedule": "naive"}])
 def test_float64_model_matches_an_independent_float64_evaluation(residual, attention):
     """Regression: the RoPE tables and eager attention's scores were float32 in a float64
     model (about 1e-6 in the logits); every computation now follows the model's dtype."""

@@ -120,10 +120,10 @@ def test_config_errors():
         ("attnres_block", {"block_size": 3}, (1, 2, 2)),
         ("attnres_block", {"block_size": 4}, (0, 2, 0, 3)),  # empty chunks pass the stream on
         ("attnres_block", {"block_size": 1}, (2, 1, 2)),
-        ("attnres_block", {"block_size": 3, "impl": "naive"}, (1, 2, 2)),
+        ("attnres_block", {"block_size": 3, "schedule": "naive"}, (1, 2, 2)),
         ("attnres_full", {"full_group_size": 3}, (1, 2, 2)),
         ("attnres_full", {"full_group_size": 4}, (2, 2, 1)),
-        ("attnres_full", {"impl": "naive"}, (1, 3, 1)),
+        ("attnres_full", {"schedule": "naive"}, (1, 3, 1)),
     ],
 )
 def test_chained_chunks_equal_the_model(residual, extra, split):

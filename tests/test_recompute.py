@@ -4,7 +4,7 @@ as the training path runs it: the sublayers' norms fused into the merges.
 * the residual module against the naive path and the float64 truth, forward and every
   gradient, under the per-dtype rules of ``conftest.fast_path_violations``, and gradcheck
   through the module (the operators themselves: ``test_depth_attention_ops.py``);
-* the operations a residual runs on, by ``kernels``; the implementations agreeing at model
+* the operations a residual runs on, by ``backend``; the implementations agreeing at model
   level; what the path saves for the backward (counted with saved-tensor hooks, no timing);
 * bf16 autocast and activation checkpointing.
 """
@@ -56,12 +56,12 @@ def run(residual, subs, emb, defer_norm=True):
     return residual.finish(state)
 
 
-def make(kind, d, L, S, dtype=torch.float64, impl="two_phase", kernels="auto"):
+def make(kind, d, L, S, dtype=torch.float64, schedule="two_phase", backend="auto"):
     torch.manual_seed(0)
     if kind == "block":
-        m = BlockAttnRes(d, L, S, impl=impl, kernels=kernels)
+        m = BlockAttnRes(d, L, S, schedule=schedule, backend=backend)
     else:
-        m = FullAttnRes(d, L, impl=impl, group_size=S, kernels=kernels)
+        m = FullAttnRes(d, L, schedule=schedule, group_size=S, backend=backend)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in m.parameters():
@@ -102,7 +102,7 @@ def test_lean_residual_equals_naive_forward_and_every_gradient(kind, d, L, S, dt
         pytest.skip("ill-conditioned in bf16 for every path")
     lean64, subs64 = make(kind, d, L, S or 1)
     naive64 = copy.deepcopy(lean64)
-    naive64.impl = "naive"
+    naive64.schedule = "naive"
     emb = torch.randn(*lead, d, dtype=torch.float64) * 2
     truth = grads(naive64, subs64, emb)
     lean, naive, subs = (copy.deepcopy(m).to(dtype) for m in (lean64, naive64, subs64))
@@ -147,11 +147,11 @@ def test_unfused_and_fused_norm_agree():
         assert_rel_close(a, b, 1e-12)
 
 
-def assert_backends_agree(model, kernels: str, logits_tol: float, grad_tol: float) -> None:
-    """``model`` (default backend) and a copy with ``residual.kernels = kernels``: the same
+def assert_backends_agree(model, backend: str, logits_tol: float, grad_tol: float) -> None:
+    """``model`` (default backend) and a copy with ``residual.backend = backend``: the same
     logits and every gradient of the loss."""
     other = copy.deepcopy(model)
-    other.residual.kernels = kernels
+    other.residual.backend = backend
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     a, b = model(ids, labels=ids), other(ids, labels=ids)
     assert_rel_close(a.logits, b.logits, logits_tol, "logits")
@@ -162,7 +162,7 @@ def assert_backends_agree(model, kernels: str, logits_tol: float, grad_tol: floa
 
 def test_lean_and_graph_paths_agree_at_model_level():
     assert_backends_agree(make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=3),
-                          "torch_graph", 1e-5, 1e-4)
+                          "reference", 1e-5, 1e-4)
 
 
 # ----------------------------------------------------------------------------------------
@@ -170,17 +170,17 @@ def test_lean_and_graph_paths_agree_at_model_level():
 # ----------------------------------------------------------------------------------------
 
 
-def test_kernels_name_the_operations():
-    """``kernels`` picks the family once per forward: the custom operators (``"auto"``: by
-    device; ``"torch"``; ``"triton"``) or the plain-graph reference (``"torch_graph"``) -
+def test_backend_names_the_operations():
+    """``backend`` picks the family once per forward: the custom operators (``"auto"``: by
+    device; ``"torch"``; ``"triton"``) or the plain-graph reference (``"reference"``) -
     whatever the grad mode, recording or ``torch.compile``."""
     m = BlockAttnRes(8, 4, 2)
     assert m.operations().name == "auto"
-    for kernels, name in [("torch", "torch"), ("triton", "triton"), ("torch_graph", "reference")]:
-        m.kernels = kernels
+    for backend, name in [("torch", "torch"), ("triton", "triton"), ("reference", "reference")]:
+        m.backend = backend
         assert m.operations().name == name
-    with pytest.raises(ValueError, match="torch_graph"):
-        ModelConfig.preset("tiny", residual={"kind": "attnres_block", "kernels": "bogus"})
+    with pytest.raises(ValueError, match="reference"):
+        ModelConfig.preset("tiny", residual={"kind": "attnres_block", "backend": "bogus"})
 
 
 # ----------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_lean_path_saves_what_the_math_needs(kind, S):
     ids = torch.randint(0, 64, (4, 32))
     res = {"kind": kind, "block_size": S} if S else {"kind": kind}
     sizes = {}
-    for name, r in [("standard", "standard"), ("lean", res), ("graph", {**res, "kernels": "torch_graph"})]:
+    for name, r in [("standard", "standard"), ("lean", res), ("graph", {**res, "backend": "reference"})]:
         torch.manual_seed(0)
         model = AttnResLM(cfg.replace(residual=r))
         sizes[name] = saved_bytes(lambda: model(ids, labels=ids).loss)
@@ -233,7 +233,7 @@ def test_lean_path_saves_what_the_math_needs(kind, S):
 def test_lean_path_under_bf16_autocast_matches_the_graph_path():
     model = make_model(residual={"kind": "attnres_full"}, n_layers=2)
     graph = copy.deepcopy(model)
-    graph.residual.kernels = "torch_graph"
+    graph.residual.backend = "reference"
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     outs = []
     for m in (model, graph):

@@ -127,11 +127,11 @@ def test_flops_come_from_the_variant_and_an_uncounted_one_says_so():
 
 
 @pytest.mark.parametrize("residual", ["standard", "attnres_block", "attnres_full", "scaled_test"])
-@pytest.mark.parametrize("impl", ["two_phase", "naive"])
-def test_history_and_resume_cut_the_stream_anywhere(residual, impl):
+@pytest.mark.parametrize("schedule", ["two_phase", "naive"])
+def test_history_and_resume_cut_the_stream_anywhere(residual, schedule):
     """``history`` then ``resume`` at every sublayer gives the uninterrupted forward, and the
     history has the layout the variant describes."""
-    cfg = ModelConfig.preset("tiny", n_layers=3, residual={"kind": residual, "block_size": 4, "impl": impl})
+    cfg = ModelConfig.preset("tiny", n_layers=3, residual={"kind": residual, "block_size": 4, "schedule": schedule})
     torch.manual_seed(0)
     module = cfg.build_residual().double()
     with torch.no_grad():

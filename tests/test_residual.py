@@ -47,7 +47,7 @@ def make_pair(kind: str, d: int, L: int, S: int = 2, group: int | None = None, d
             p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype))
     fast = fast.to(dtype)
     naive = copy.deepcopy(fast)
-    naive.impl = "naive"
+    naive.schedule = "naive"
     return fast, naive, ToySublayers(d, L, seed).to(dtype)
 
 
@@ -101,11 +101,11 @@ def test_block_sources_per_sublayer_follow_spec(kind, d, L, S):
         expected.append(n if i == 1 else n + 1)
     N = -(-L // S)
     expected.append(N + 1)
-    for impl in ("two_phase", "naive"):
+    for schedule in ("two_phase", "naive"):
         fast, naive, subs = make_pair(kind, d, L, S=S)
-        module = fast if impl == "two_phase" else naive
+        module = fast if schedule == "two_phase" else naive
         _, weights = run(module, subs, torch.randn(2, 3, d, dtype=torch.float64), record=True)
-        assert [w.shape[0] for w in weights] == expected, impl
+        assert [w.shape[0] for w in weights] == expected, schedule
         assert module.sources_per_mixer() == expected
         for w in weights:
             assert w.shape[1:] == (2, 3)
@@ -121,11 +121,11 @@ def test_full_sources_per_sublayer():
 
 def test_block_size_one_is_exactly_full_attnres():
     d, L = 8, 6
-    full = FullAttnRes(d, L, impl="naive")
+    full = FullAttnRes(d, L, schedule="naive")
     with torch.no_grad():
         for p in full.parameters():
             p.add_(torch.randn_like(p))
-    block = BlockAttnRes(d, L, 1, impl="naive")
+    block = BlockAttnRes(d, L, 1, schedule="naive")
     block.load_state_dict(full.state_dict())
     subs = ToySublayers(d, L).float()
     emb = torch.randn(3, 4, d)
@@ -134,33 +134,33 @@ def test_block_size_one_is_exactly_full_attnres():
     assert torch.equal(out_full, out_block)
     assert all(torch.equal(a, b) for a, b in zip(w_full, w_block))
     # The two-phase schedules of both agree with it too.
-    full.impl = block.impl = "two_phase"
+    full.schedule = block.schedule = "two_phase"
     assert_rel_close(run(full, subs, emb)[0], out_full, 1e-5)
     assert_rel_close(run(block, subs, emb)[0], out_full, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["naive", "two_phase"])
+@pytest.mark.parametrize("schedule", ["naive", "two_phase"])
 @pytest.mark.parametrize("module", [lambda: BlockAttnRes(8, 7, 3), lambda: FullAttnRes(8, 7)])
-def test_zero_queries_give_uniform_weights(impl, module):
+def test_zero_queries_give_uniform_weights(schedule, module):
     m = module()
-    m.impl = impl
+    m.schedule = schedule
     with torch.no_grad():  # gains other than 1 must not matter when the query is zero
         for mixer in m.mixers:
             mixer.key_norm.weight.uniform_(0.5, 2.0)
     _, weights = run(m, ToySublayers(8, 7).float(), torch.randn(2, 5, 8), record=True)
     for w in weights:
         uniform = torch.full_like(w, 1.0 / w.shape[0])
-        if impl == "naive":
+        if schedule == "naive":
             assert torch.equal(w, uniform)
         else:
             assert_rel_close(w, uniform, 1e-6)
 
 
-@pytest.mark.parametrize("impl", ["naive", "two_phase"])
+@pytest.mark.parametrize("schedule", ["naive", "two_phase"])
 @pytest.mark.parametrize("module", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4)])
-def test_first_sublayer_input_is_exactly_the_embedding(impl, module):
+def test_first_sublayer_input_is_exactly_the_embedding(schedule, module):
     m = module()
-    m.impl = impl
+    m.schedule = schedule
     with torch.no_grad():
         for p in m.parameters():
             p.add_(torch.randn_like(p))
@@ -211,8 +211,8 @@ def test_bad_block_size_raises(bad):
 
 
 def test_bad_impl_raises():
-    with pytest.raises(ValueError, match="impl must be one of"):
-        FullAttnRes(4, 4, impl="fast")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        FullAttnRes(4, 4, schedule="fast")
 
 
 def test_float32_rule_accepts_an_equally_accurate_path_whatever_its_rounding_direction():

@@ -11,25 +11,10 @@ whose name prefixes every error::
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
-
-
-def accept_legacy_keys(cls: type, migrate: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-    """Make the constructor of the dataclass ``cls`` pass its keyword arguments through
-    ``migrate`` first (which turns the keys of earlier versions into today's fields, with a
-    ``DeprecationWarning``), keeping the constructor's signature and docstring."""
-    init = cls.__init__
-
-    def __init__(self, *args, **kwargs) -> None:
-        init(self, *args, **migrate(kwargs))
-
-    __init__.__doc__ = init.__doc__
-    __init__.__signature__ = inspect.signature(init)
-    cls.__init__ = __init__
 
 
 def fail(section: str, name: str, allowed: str, value: Any) -> NoReturn:

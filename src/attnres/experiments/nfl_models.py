@@ -53,11 +53,11 @@ def build_residual(variant: str, width: int, depth: int, impl: str = "two_phase"
     if variant == "standard":
         return StandardResidual(width, depth)
     if variant == "full":
-        return FullAttnRes(width, depth, impl=impl)
+        return FullAttnRes(width, depth, schedule=impl)
     if variant == "block":
-        return BlockAttnRes(width, depth, block_size_for(depth), impl=impl)
+        return BlockAttnRes(width, depth, block_size_for(depth), schedule=impl)
     if variant == "full_sigmoid":
-        return FullAttnRes(width, depth, impl="naive", ablation=AttnResAblation(sigmoid_weights=True))
+        return FullAttnRes(width, depth, schedule="naive", ablation=AttnResAblation(sigmoid_weights=True))
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 

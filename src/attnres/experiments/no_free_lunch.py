@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..nn.residual import IMPLEMENTATIONS
+from ..nn.residual import SCHEDULES
 from ..progress import progress_bar
 from .nfl_models import VARIANTS, ResidualMLP, block_size_for
 from .nfl_tasks import TaskSpec, make_task
@@ -115,8 +115,8 @@ class NFLConfig:
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError(f"no-free-lunch: grad_clip and weight_decay must be >= 0, got "
                              f"{self.grad_clip!r} and {self.weight_decay!r}")
-        if self.impl not in IMPLEMENTATIONS:
-            raise ValueError(f"no-free-lunch: impl must be one of {IMPLEMENTATIONS}, got {self.impl!r}")
+        if self.impl not in SCHEDULES:
+            raise ValueError(f"no-free-lunch: impl must be one of {SCHEDULES}, got {self.impl!r}")
 
     @property
     def task_spec(self) -> TaskSpec:

@@ -101,7 +101,7 @@ def _residual(kind: str, **settings: Any) -> dict[str, Any]:
 
 def _ablated(kind: str, settings: dict[str, Any] | None = None, **ablation: Any) -> dict[str, Any]:
     """An AttnRes Table-4 ablation (they run on the naive path)."""
-    return _residual(kind, **(settings or {}), impl="naive", ablation=ablation)
+    return _residual(kind, **(settings or {}), schedule="naive", ablation=ablation)
 
 
 def _compare(preset: str) -> list[Variant]:

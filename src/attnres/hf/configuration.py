@@ -20,7 +20,8 @@ from transformers import PretrainedConfig
 
 from ..models.config import ModelConfig
 from ..models.saved_config import check_saved_config, config_source
-from ..nn.residual.config import LEGACY_KEYS, ResidualConfig, merge_residual, migrate_legacy_keys
+from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys
+from ..nn.residual.config import ResidualConfig, merge_residual
 
 __all__ = ["AttnResConfig"]
 
@@ -35,9 +36,9 @@ class _AttnResConfigMethods:
     """The behaviour of :class:`AttnResConfig` (its fields are generated below)."""
 
     def __post_init__(self, **kwargs) -> None:
-        legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in LEGACY_KEYS}
+        legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
         if legacy:
-            self.residual = migrate_legacy_keys({"residual": self.residual, **legacy}, "AttnResConfig")["residual"]
+            self.residual = migrate_model_keys({"residual": self.residual, **legacy}, "AttnResConfig")["residual"]
         self.residual = ResidualConfig.from_value(merge_residual(None, self.residual or {})).to_dict()
         if self.tie_word_embeddings is None:
             self.tie_word_embeddings = self.tie_embeddings
@@ -64,8 +65,8 @@ class _AttnResConfigMethods:
         (``from_pretrained(dir, attnres_block_size=2)``) join the stored fields, which
         migrate them with a ``DeprecationWarning``, instead of reaching the model's
         ``__init__``."""
-        legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in LEGACY_KEYS}
-        flat = legacy or any(k in LEGACY_KEYS for k in config_dict)  # residual settings of earlier versions
+        legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
+        flat = legacy or any(k in FLAT_RESIDUAL_KEYS for k in config_dict)  # residual settings of earlier versions
         check_saved_config(config_dict, model_type=cls.model_type, architectures=ARCHITECTURES,
                            required={"residual": "the AttnRes residual settings: kind, block_size, ..."},
                            source=config_source(kwargs), given=[*kwargs, *(["residual"] if flat else [])])

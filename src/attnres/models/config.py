@@ -8,9 +8,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
-from ..nn.residual.config import LEGACY_KEYS, merge_residual, migrate_legacy_keys
-from ..validation import Fields, accept_legacy_keys
+from ..nn.residual.config import merge_residual
+from ..validation import Fields
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
@@ -33,15 +34,15 @@ class ModelConfig:
     holds two sublayers, so the residual mechanism sees ``L = 2 * n_layers`` sublayers.
 
     ``residual`` is a :class:`ResidualConfig`: the variant (``residual.kind``, any name in
-    ``attnres.registered_residuals()``) and its settings (``block_size``, ``impl``,
-    ``kernels``, the Table-4 ``ablation``, ...). It may be given as a ``ResidualConfig``, a
+    ``attnres.registered_residuals()``) and its settings (``block_size``, ``schedule``,
+    ``backend``, the Table-4 ``ablation``, ...). It may be given as a ``ResidualConfig``, a
     mapping of its fields, or a variant name alone. ``replace`` and ``preset`` change only
     what they name: ``replace(residual="attnres_full")`` keeps the block size and the other
     settings, ``replace(residual={"block_size": 4})`` changes the block size only.
 
-    The flat keys of earlier versions (``attnres_block_size=4``, ``attnres_impl=...``,
-    ``hc_streams=...``) are still accepted, by the constructor, ``from_dict`` and as
-    attributes, with a ``DeprecationWarning``.
+    The keys of earlier versions (the flat ``attnres_block_size=4``, ``hc_streams=...``;
+    ``residual.impl`` / ``residual.kernels``) are still accepted, by the constructor,
+    ``from_dict`` and as attributes, with a ``DeprecationWarning`` (:mod:`attnres.migrations`).
 
     ``hf_architecture``: build the decoder from a ``transformers`` family's own modules
     (``"llama"``, ``"qwen3"``, ... see ``HF_ARCHITECTURES``) with this residual, instead of
@@ -70,15 +71,7 @@ class ModelConfig:
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes that do not exist: the deprecated flat residual keys.
-        if name in LEGACY_KEYS:
-            path = LEGACY_KEYS[name]
-            warnings.warn(f"ModelConfig.{name} is deprecated: use ModelConfig.residual.{'.'.join(path)}",
-                          DeprecationWarning, stacklevel=2)
-            value = self.residual
-            for part in path:
-                value = getattr(value, part)
-            return value
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return renamed_attribute(self, name, _FLAT_ATTRIBUTES, "ModelConfig")
 
     # -- validation ----------------------------------------------------------------------
     def validate(self) -> None:
@@ -144,13 +137,13 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from a mapping (``residual`` nested, or the deprecated flat keys); an
         unknown key raises ``ValueError`` listing the known ones."""
-        data = migrate_legacy_keys(data)
+        data = migrate_model_keys(data)
         _CHECK.known_keys(data, _FIELDS)
         return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated); ``residual`` changes only what it names."""
-        return self.from_dict(_merge(self.to_dict(), migrate_legacy_keys(changes)))
+        return self.from_dict(_merge(self.to_dict(), migrate_model_keys(changes)))
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
@@ -163,11 +156,12 @@ class ModelConfig:
             name = RENAMED_PRESETS[name]
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
-        return cls.from_dict(_merge(PRESETS[name], migrate_legacy_keys(overrides)))
+        return cls.from_dict(_merge(PRESETS[name], migrate_model_keys(overrides)))
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
-accept_legacy_keys(ModelConfig, migrate_legacy_keys)
+_FLAT_ATTRIBUTES = {key: ("residual", *path) for key, path in FLAT_RESIDUAL_KEYS.items()}
+accept_old_keys(ModelConfig, migrate_model_keys)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from .norm import FusableNormInput, RMSNorm
 from .residual import (
-    IMPLEMENTATIONS,
+    SCHEDULES,
     BlockAttnRes,
     DepthHistory,
     DepthQuery,
@@ -37,5 +37,5 @@ __all__ = [
     "DepthQuery",
     "register_residual",
     "registered_residuals",
-    "IMPLEMENTATIONS",
+    "SCHEDULES",
 ]

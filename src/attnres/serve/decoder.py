@@ -50,11 +50,11 @@ class SublayerNames:
 
 def serving_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
     """The residual module ``config`` describes, its depth attention as plain PyTorch
-    operations (``kernels="torch_graph"``): vLLM compiles the model body, and its inductor
+    operations (``backend="reference"``): vLLM compiles the model body, and its inductor
     fuses the residual's elementwise work like any other (the custom operators of
     :mod:`attnres.ops.depth_attention` would be opaque calls there; they serve training).
     Same function, same parameters."""
-    return build_residual(ResidualConfig.from_value({**config.to_dict(), "kernels": "torch_graph"}), dim,
+    return build_residual(ResidualConfig.from_value({**config.to_dict(), "backend": "reference"}), dim,
                           n_sublayers)
 
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..data.tokenizer import TOKENIZER_KINDS
+from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
-from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, accept_legacy_keys, fail
+from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -135,7 +135,7 @@ class TrainConfig:
     that died or stalled before the others stop with an error. ``activation_checkpoint``
     recomputes activations in the backward pass (``"block"``: every sublayer;
     ``"selective"``: everything but the matmuls and attention). The ``distributed`` key of
-    earlier versions is still accepted, with a ``DeprecationWarning`` (:data:`LEGACY_DISTRIBUTED`).
+    earlier versions is still accepted, with a ``DeprecationWarning`` (:data:`attnres.migrations.LEGACY_DISTRIBUTED`).
 
     ``cpu_allocator`` (CPU runs of the ``attnres`` command): ``"retain"`` keeps the memory a
     step frees for the next step instead of handing it back to the system and paging it in
@@ -188,6 +188,8 @@ class TrainConfig:
     tensorboard: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.parallel, dict):  # TrainConfig(distributed="none"): parallel.dp=1
+            self.parallel = ParallelConfig.from_dict(self.parallel)
         self.validate()
 
     def validate(self) -> None:
@@ -235,7 +237,7 @@ class TrainConfig:
         naming them and the known keys, in every section."""
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping; got {type(data).__name__}")
-        data = migrate_distributed(data)
+        data = migrate_train_keys(data)
         _check_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
         data = dict(data)
         if "model" in data:
@@ -288,44 +290,7 @@ TRAIN_RULES: dict[str, Rule] = {
 }
 
 
-#: The values of the deprecated ``TrainConfig.distributed`` and what each now means: data
-#: parallelism is the mesh's ``dp`` dimension (FSDP2), and one process is the mesh of size 1.
-LEGACY_DISTRIBUTED = {
-    "auto": "the default: every launched rank is data parallel (parallel.dp = the ranks left over by tp and pp)",
-    "fsdp": "the default: every launched rank is data parallel with FSDP2 (parallel.dp = the ranks left over)",
-    "ddp": "DDP was removed: data parallelism is FSDP2 over parallel.dp, which takes the same steps within float "
-           "rounding and writes sharded (DCP) checkpoints",
-    "none": "parallel.dp=1 (one process; under a multi-rank launch the layout is refused)",
-}
-
-
-def migrate_distributed(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` (``TrainConfig`` fields) without the deprecated ``distributed`` key, with a
-    ``DeprecationWarning`` saying what it now means (:data:`LEGACY_DISTRIBUTED`);
-    ``distributed="none"`` becomes ``parallel.dp=1`` where ``parallel.dp`` is not given.
-    ``data`` itself is not changed."""
-    if "distributed" not in data:
-        return data
-    out = {k: v for k, v in data.items() if k != "distributed"}
-    value = data["distributed"]
-    if value not in LEGACY_DISTRIBUTED:
-        fail("TrainConfig", "distributed", f"one of {', '.join(map(repr, LEGACY_DISTRIBUTED))} (deprecated: use "
-             "parallel.dp)", value)
-    warnings.warn(f"TrainConfig.distributed is deprecated; distributed={value!r} is {LEGACY_DISTRIBUTED[value]}. "
-                  "Remove it (docs/scale-out.md)", DeprecationWarning, stacklevel=3)
-    parallel = out.get("parallel")
-    if value != "none":
-        pass
-    elif parallel is None:
-        out["parallel"] = ParallelConfig(dp=1)
-    elif isinstance(parallel, ParallelConfig) and parallel.dp is None:
-        out["parallel"] = dataclasses.replace(parallel, dp=1)
-    elif isinstance(parallel, dict) and parallel.get("dp") is None:
-        out["parallel"] = {**parallel, "dp": 1}
-    return out
-
-
-accept_legacy_keys(TrainConfig, migrate_distributed)
+accept_old_keys(TrainConfig, migrate_train_keys)
 
 
 def model_from_spec(spec: Any) -> ModelConfig:

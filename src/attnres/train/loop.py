@@ -169,7 +169,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, ctx: DistContext) -> None:
         config.validate()
-        check_kernels(config, ctx.device)
+        check_backend(config, ctx.device)
         if ctx.world_size > 1:  # the layout fits the launched ranks: the same answer on every rank
             try:
                 resolve_degrees(config.parallel, ctx.world_size)
@@ -504,14 +504,14 @@ class Trainer:
                            checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted)
 
 
-def check_kernels(config: TrainConfig, device: torch.device) -> None:
-    """Refuse ``model.residual.kernels="triton"`` off a GPU before any work: Triton kernels
+def check_backend(config: TrainConfig, device: torch.device) -> None:
+    """Refuse ``model.residual.backend="triton"`` off a GPU before any work: Triton kernels
     run on CUDA devices (on the CPU only under Triton's interpreter, ``TRITON_INTERPRET=1``,
     for tests), and the driver's error would come after the start-up summary, as a traceback."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if config.model.residual.kernels == "triton" and device.type != "cuda" and not interpreted:
-        raise ValueError(f"model.residual.kernels='triton' needs a CUDA GPU (Triton kernels run on GPUs), and this run's "
-                         f"device is {device.type}: use kernels='auto' (the C kernel on the CPU, Triton on CUDA) or "
+    if config.model.residual.backend == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(f"model.residual.backend='triton' needs a CUDA GPU (Triton kernels run on GPUs), and this run's "
+                         f"device is {device.type}: use backend='auto' (the C kernel on the CPU, Triton on CUDA) or "
                          "'torch'")
 
 

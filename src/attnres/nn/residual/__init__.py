@@ -17,7 +17,7 @@ from .block import BlockAttnRes
 from .attnres_base import AttnResBase
 from .base import PHASES, DepthHistory, HistoryLayout, ResidualState, ResidualStream
 from .baselines import MHC, DenseFormer, Highway, HyperConnections, LayerScale, MHCLite, ReZero, sinkhorn_knopp
-from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
+from .config import BACKENDS, SCHEDULES, AttnResAblation, ResidualConfig
 from .query import DepthQuery
 from .registry import register_residual, registered_residuals, residual_class, validate_residual_config
 
@@ -54,6 +54,6 @@ __all__ = [
     "registered_residuals",
     "validate_residual_config",
     "build_residual",
-    "IMPLEMENTATIONS",
-    "KERNEL_BACKENDS",
+    "SCHEDULES",
+    "BACKENDS",
 ]

@@ -12,10 +12,10 @@ sum, Full's outputs of the current group - and the next sublayer's RMSNorm fused
 a single completed source (the first block or group) there is no Phase 1: the source joins
 the merge's computed sources.
 
-The operations come from :mod:`attnres.ops.depth_attention`, picked once per forward from
-``kernels`` (``"torch_graph"``: the plain-graph reference; otherwise the custom operators,
+The operations come from :mod:`attnres.ops.depth_attention`, picked once per forward by
+``backend`` (``"reference"``: the plain-graph reference; otherwise the custom operators,
 which pick their implementation by device). Each variant picks its *schedule* - naive or
-two-phase - when ``impl`` is set: a stateless strategy object whose
+two-phase - when ``schedule`` is set: a stateless strategy object whose
 ``start/input/add/finish/history/resume`` the module calls.
 """
 
@@ -28,17 +28,14 @@ import torch
 from torch import Tensor, nn
 
 from ...ops import Operations, compute_dtype, operations
-from ...ops.depth_attention import reference
+from ...ops.depth_attention import BACKENDS, reference
 from ..norm import FusableNormInput
 from .base import DepthHistory, ResidualState, ResidualStream
-from .config import IMPLEMENTATIONS, KERNEL_BACKENDS, AttnResAblation, ResidualConfig
+from .config import SCHEDULES, AttnResAblation, ResidualConfig
 from .mixing import MixingMatrix, scatter_source_weights
 from .query import DepthQuery
 
-__all__ = ["AttnResBase", "CompletedSources", "Schedule", "Phase1", "OPERATIONS_BY_KERNELS"]
-
-#: ``ResidualConfig.kernels`` -> the family of :data:`attnres.ops.OPERATIONS` it runs.
-OPERATIONS_BY_KERNELS = {"auto": "auto", "triton": "triton", "torch": "torch", "torch_graph": "reference"}
+__all__ = ["AttnResBase", "CompletedSources", "Schedule", "Phase1"]
 
 
 @dataclass
@@ -110,50 +107,51 @@ class AttnResBase(ResidualStream):
     aggregation: ``L + 1`` :class:`DepthQuery` in all) and machinery of Full and Block AttnRes."""
 
     has_depth_attention = True
-    #: The variant's schedules by ``impl``; set by subclasses.
+    #: The variant's schedules by name (``ResidualConfig.schedule``); set by subclasses.
     SCHEDULES: dict[str, Schedule] = {}
 
     def __init__(
-        self, dim: int, n_sublayers: int, eps: float = 1e-6, impl: str = "two_phase",
-        ablation: AttnResAblation | None = None, kernels: str = "auto",
+        self, dim: int, n_sublayers: int, eps: float = 1e-6, schedule: str = "two_phase",
+        ablation: AttnResAblation | None = None, backend: str = "auto",
     ) -> None:
         super().__init__(dim, n_sublayers)
-        if kernels not in KERNEL_BACKENDS:
-            raise ValueError(f"kernels must be one of {KERNEL_BACKENDS}, got {kernels!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.ablation = ablation if ablation is not None and ablation.active else None
         self.eps = eps
-        self.kernels = kernels
-        self.impl = impl
+        self.backend = backend
+        self.schedule = schedule
         counts = self.sources_per_mixer()
         self.mixers = nn.ModuleList(DepthQuery(dim, eps, self.ablation, counts[l]) for l in range(n_sublayers + 1))
 
     # -- configuration -------------------------------------------------------------------
     @property
-    def impl(self) -> str:
+    def schedule(self) -> str:
         """``"two_phase"`` or ``"naive"``; setting it switches the schedule (same function)."""
-        return self._impl
+        return self._schedule
 
-    @impl.setter
-    def impl(self, value: str) -> None:
-        if value not in IMPLEMENTATIONS:
-            raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {value!r}")
+    @schedule.setter
+    def schedule(self, value: str) -> None:
+        if value not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {value!r}")
         if self.ablation is not None and value != "naive":
-            raise ValueError("AttnRes ablations run on the naive path: use impl='naive' (ModelConfig.residual.impl)")
-        self._impl = value
-        self.schedule = self.SCHEDULES[value]
+            raise ValueError("AttnRes ablations run on the naive path: use schedule='naive' "
+                             "(ModelConfig.residual.schedule)")
+        self._schedule = value
+        self._strategy = self.SCHEDULES[value]
 
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
         cls._no_options(config)
-        if config.ablation.active and config.impl != "naive":
-            raise ValueError("ModelConfig.residual.impl must be 'naive' when an AttnRes ablation is set (the two-phase "
-                             f"schedule needs static queries and a softmax); got {config.impl!r}")
+        if config.ablation.active and config.schedule != "naive":
+            raise ValueError("ModelConfig.residual.schedule must be 'naive' when an AttnRes ablation is set (the "
+                             f"two-phase schedule needs static queries and a softmax); got {config.schedule!r}")
 
     @classmethod
     def describe(cls, config: ResidualConfig, n_sublayers: int) -> str:
         words = cls._layout_words(config, n_sublayers)
-        if config.impl != "two_phase":
-            words.append(config.impl)
+        if config.schedule != "two_phase":
+            words.append(config.schedule)
         if config.ablation.active:
             default = AttnResAblation()
             words += [f"{k}={v}" for k, v in vars(config.ablation).items() if v != getattr(default, k)]
@@ -168,27 +166,27 @@ class AttnResBase(ResidualStream):
             m.reset_parameters()
 
     def operations(self) -> Operations:
-        """The depth-attention operations of the two-phase schedule that ``kernels`` names."""
-        return operations(OPERATIONS_BY_KERNELS[self.kernels])
+        """The depth-attention operations of the two-phase schedule that ``backend`` names."""
+        return operations(self.backend)
 
     # -- the protocol, delegated to the schedule -----------------------------------------
     def _start(self, embedding: Tensor, common: dict[str, Any]) -> ResidualState:
-        return self.schedule.start(self, embedding, common)
+        return self._strategy.start(self, embedding, common)
 
     def _input(self, state: ResidualState, l: int):
-        return self.schedule.input(self, state, l)
+        return self._strategy.input(self, state, l)
 
     def _add(self, state: ResidualState, l: int, output: Tensor) -> None:
-        self.schedule.add(self, state, l, output)
+        self._strategy.add(self, state, l, output)
 
     def _finish(self, state: ResidualState) -> Tensor:
-        return self.schedule.finish(self, state)
+        return self._strategy.finish(self, state)
 
     def _history(self, state: ResidualState) -> DepthHistory:
-        return self.schedule.history(self, state)
+        return self._strategy.history(self, state)
 
     def _resume(self, history: DepthHistory, at_sublayer: int, common: dict[str, Any]) -> ResidualState:
-        return self.schedule.resume(self, history, at_sublayer, common)
+        return self._strategy.resume(self, history, at_sublayer, common)
 
     # -- the naive reference -------------------------------------------------------------
     def attend_naive(self, state: ResidualState, l: int, sources: list[Tensor]) -> Tensor:

@@ -160,20 +160,20 @@ class BlockAttnRes(AttnResBase):
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
 
     def __init__(
-        self, dim: int, n_sublayers: int, block_size: int, eps: float = 1e-6, impl: str = "two_phase",
-        ablation: AttnResAblation | None = None, kernels: str = "auto",
+        self, dim: int, n_sublayers: int, block_size: int, eps: float = 1e-6, schedule: str = "two_phase",
+        ablation: AttnResAblation | None = None, backend: str = "auto",
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         if ablation is not None and ablation.window is not None:
             raise ValueError("the sliding-window ablation applies to Full AttnRes only")
         self.block_size = block_size
-        super().__init__(dim, n_sublayers, eps, impl, ablation, kernels)
+        super().__init__(dim, n_sublayers, eps, schedule, ablation, backend)
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> BlockAttnRes:
-        return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers), eps=config.eps, impl=config.impl,
-                   ablation=config.ablation, kernels=config.kernels)
+        return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers), eps=config.eps, schedule=config.schedule,
+                   ablation=config.ablation, backend=config.backend)
 
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:

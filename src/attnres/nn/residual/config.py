@@ -7,35 +7,29 @@
       block_size: 4
 
 or just the variant's name (``residual: standard``), which keeps every other setting.
-The flat keys of earlier versions (``attnres_block_size``, ``attnres_impl``, ...,
-``hc_streams``) still load, with a ``DeprecationWarning``: see :data:`LEGACY_KEYS`.
+The keys of earlier versions (``impl``, ``kernels``, the flat ``attnres_*`` keys) still load,
+with a ``DeprecationWarning``: :mod:`attnres.migrations` migrates them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...migrations import RESIDUAL_RENAMES, accept_old_keys, migrate_residual_keys, renamed_attribute
+from ...ops.depth_attention import BACKENDS
 from ...validation import Fields
 
 __all__ = [
     "AttnResAblation",
     "ResidualConfig",
-    "IMPLEMENTATIONS",
-    "KERNEL_BACKENDS",
-    "LEGACY_KEYS",
-    "migrate_legacy_keys",
+    "SCHEDULES",
+    "BACKENDS",
 ]
 
-IMPLEMENTATIONS = ("two_phase", "naive")
-#: Backends of the two-phase path: "auto" = Triton kernels for CUDA tensors when triton is
-#: installed, else PyTorch (training on CPU: the lean path's fused C kernel, built on first
-#: use); "triton" = always the kernels; "torch" = always PyTorch (under autograd the lean
-#: custom-autograd path); "torch_graph" = PyTorch as a plain autograd graph (the readable
-#: reference of the lean path).
-KERNEL_BACKENDS = ("auto", "triton", "torch", "torch_graph")
+#: The schedules of Full and Block AttnRes: the fast two-phase one and the per-sublayer reference.
+SCHEDULES = ("two_phase", "naive")
 
 
 @dataclass(frozen=True)
@@ -89,13 +83,13 @@ class ResidualConfig:
         or any variant registered with :func:`attnres.register_residual`.
     block_size: Block AttnRes ``S`` **in sublayers** (a transformer block is 2 sublayers);
         ``None`` picks ``ceil(L / 8)``, about 8 blocks as the report recommends.
-    impl: ``"two_phase"`` (the fast schedule, default) or ``"naive"`` (the per-sublayer
+    schedule: ``"two_phase"`` (the fast schedule, default) or ``"naive"`` (the per-sublayer
         reference). Same function, same weights.
-    kernels: the implementation of the two-phase schedule's operators
+    backend: the implementation of the two-phase schedule's operators
         (:mod:`attnres.ops.depth_attention`): ``"auto"`` (by device: the C kernel for CPU
         float32 / float64 tensors, the Triton kernels for CUDA tensors when triton is
         installed, the PyTorch implementation otherwise), ``"triton"``, ``"torch"`` (the
-        PyTorch implementation of the same custom operators) or ``"torch_graph"`` (their
+        PyTorch implementation of the same custom operators) or ``"reference"`` (their
         readable reference as a plain autograd graph, no custom operators).
     eps: epsilon of the RMSNorm on the depth-attention keys.
     full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
@@ -109,8 +103,8 @@ class ResidualConfig:
 
     kind: str = "attnres_block"
     block_size: int | None = None
-    impl: str = "two_phase"
-    kernels: str = "auto"
+    schedule: str = "two_phase"
+    backend: str = "auto"
     eps: float = 1e-6
     full_group_size: int | None = None
     ablation: AttnResAblation = field(default_factory=AttnResAblation)
@@ -123,14 +117,18 @@ class ResidualConfig:
             Fields("ModelConfig.residual.ablation").known_keys(self.ablation, _ABLATION_FIELDS)
             self.ablation = AttnResAblation(**self.ablation)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes that do not exist: the renamed ``impl`` and ``kernels``.
+        return renamed_attribute(self, name, _RENAMED_ATTRIBUTES, "ResidualConfig")
+
     def check_fields(self, dim: int) -> None:
         """Raise ``ValueError`` naming the field and the allowed values on a bad field value.
         What only the variant knows (is ``kind`` registered, does it accept these settings)
         :func:`attnres.nn.residual.validate_residual_config` checks on top."""
         check = Fields("ModelConfig.residual")
         check.integer("block_size", self.block_size, allow_none="about 8 blocks")
-        check.choice("impl", self.impl, IMPLEMENTATIONS)
-        check.choice("kernels", self.kernels, KERNEL_BACKENDS)
+        check.choice("schedule", self.schedule, SCHEDULES)
+        check.choice("backend", self.backend, BACKENDS)
         check.positive("eps", self.eps)
         check.integer("full_group_size", self.full_group_size, allow_none="round(sqrt(L))")
         if not isinstance(self.ablation, AttnResAblation):
@@ -158,6 +156,7 @@ class ResidualConfig:
         if isinstance(value, str):
             return cls(kind=value)
         if isinstance(value, dict):
+            value = migrate_residual_keys(value)
             Fields("ModelConfig.residual").known_keys(value, _FIELDS)
             return cls(**value)
         raise ValueError(f"ModelConfig.residual must be a residual name, a mapping of ResidualConfig fields or a "
@@ -167,22 +166,8 @@ class ResidualConfig:
 _FIELDS = {f.name for f in dataclasses.fields(ResidualConfig)}
 _ABLATION_FIELDS = {f.name for f in dataclasses.fields(AttnResAblation)}
 
-#: Flat ``ModelConfig`` keys of earlier versions -> their place in ``ModelConfig.residual``.
-LEGACY_KEYS: dict[str, tuple[str, ...]] = {
-    "attnres_block_size": ("block_size",),
-    "attnres_impl": ("impl",),
-    "attnres_full_group_size": ("full_group_size",),
-    "attnres_eps": ("eps",),
-    "attnres_kernels": ("kernels",),
-    "attnres_input_dependent_query": ("ablation", "input_dependent_query"),
-    "attnres_input_independent_mixing": ("ablation", "input_independent_mixing"),
-    "attnres_sigmoid_weights": ("ablation", "sigmoid_weights"),
-    "attnres_key_norm": ("ablation", "key_norm"),
-    "attnres_heads": ("ablation", "heads"),
-    "attnres_window": ("ablation", "window"),
-    "hc_streams": ("hc_streams",),
-    "mhc_sinkhorn_iters": ("sinkhorn_iters",),
-}
+_RENAMED_ATTRIBUTES = {old: (new,) for old, new in RESIDUAL_RENAMES.items()}
+accept_old_keys(ResidualConfig, migrate_residual_keys)
 
 
 def residual_as_dict(value: Any) -> dict[str, Any]:
@@ -210,27 +195,3 @@ def merge_residual(base: Any, change: Any) -> dict[str, Any]:
             value = {**merged["ablation"], **value}
         merged[key] = value
     return merged
-
-
-def migrate_legacy_keys(data: dict[str, Any], where: str = "ModelConfig") -> dict[str, Any]:
-    """``data`` (a mapping of ``ModelConfig`` fields) with the flat keys of earlier versions
-    moved into ``residual`` (a ``DeprecationWarning`` names them); ``data`` is not changed."""
-    legacy = {k: data[k] for k in data if k in LEGACY_KEYS}
-    if not legacy:
-        return data
-    warnings.warn(
-        f"{where} keys {sorted(legacy)} are deprecated: use the nested residual settings "
-        + ", ".join(f"residual.{'.'.join(LEGACY_KEYS[k])}" for k in sorted(legacy)),
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    out = {k: v for k, v in data.items() if k not in LEGACY_KEYS}
-    nested: dict[str, Any] = {}
-    for key, value in legacy.items():
-        path = LEGACY_KEYS[key]
-        if len(path) == 1:
-            nested[path[0]] = value
-        else:
-            nested.setdefault(path[0], {})[path[1]] = value
-    out["residual"] = merge_residual(data.get("residual"), nested)
-    return out

@@ -120,13 +120,13 @@ class FullAttnRes(AttnResBase):
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
 
     def __init__(
-        self, dim: int, n_sublayers: int, eps: float = 1e-6, impl: str = "two_phase", group_size: int | None = None,
-        ablation: AttnResAblation | None = None, kernels: str = "auto",
+        self, dim: int, n_sublayers: int, eps: float = 1e-6, schedule: str = "two_phase", group_size: int | None = None,
+        ablation: AttnResAblation | None = None, backend: str = "auto",
     ) -> None:
         self.window = ablation.window if ablation is not None else None
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 (or None), got {self.window}")
-        super().__init__(dim, n_sublayers, eps, impl, ablation, kernels)
+        super().__init__(dim, n_sublayers, eps, schedule, ablation, backend)
         if group_size is None:
             group_size = max(1, round(n_sublayers**0.5))
         if group_size < 1:
@@ -135,8 +135,8 @@ class FullAttnRes(AttnResBase):
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> FullAttnRes:
-        return cls(dim, n_sublayers, eps=config.eps, impl=config.impl, group_size=config.full_group_size,
-                   ablation=config.ablation, kernels=config.kernels)
+        return cls(dim, n_sublayers, eps=config.eps, schedule=config.schedule, group_size=config.full_group_size,
+                   ablation=config.ablation, backend=config.backend)
 
     def group_end(self, l: int) -> int:
         """The sublayer after the Appendix-B group of sublayer ``l`` (``L`` for the last)."""

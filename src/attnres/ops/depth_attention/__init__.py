@@ -10,8 +10,9 @@
 * :mod:`.torch_impl` (PyTorch, any device), :mod:`.cpu_kernel` (a C kernel, CPU float32 /
   float64), :mod:`.triton_impl` (Triton kernels, GPUs; optional).
 
-:func:`operations` hands a residual module one of these families by name: the schedules of
-Full and Block AttnRes call nothing else.
+:func:`operations` hands a residual module one of these families by its backend (one of
+:data:`BACKENDS`, ``ResidualConfig.backend``): the schedules of Full and Block AttnRes call
+nothing else.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from . import library, reference
-from .library import IMPLS
 from .reference import check_sources, compute_dtype, depth_attention
 
-__all__ = ["depth_attention", "check_sources", "compute_dtype", "Operations", "operations", "OPERATIONS", "IMPLS"]
+__all__ = ["depth_attention", "check_sources", "compute_dtype", "Operations", "operations", "OPERATIONS", "BACKENDS"]
 
 
 class Operations(NamedTuple):
@@ -33,24 +33,26 @@ class Operations(NamedTuple):
     merge: Callable
 
 
-def _custom_ops(impl: str) -> Operations:
+def _custom_ops(backend: str) -> Operations:
     def phase1(qg, sources, eps=1e-6):
-        return library.phase1(qg, sources, eps, impl)
+        return library.phase1(qg, sources, eps, backend)
 
     def merge(z, sources, computed=(), qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6, addend=None):
-        return library.merge(z, sources, computed, qg, eps, norm_weight, norm_eps, impl, addend)
+        return library.merge(z, sources, computed, qg, eps, norm_weight, norm_eps, backend, addend)
 
-    return Operations(impl, phase1, merge)
+    return Operations(backend, phase1, merge)
 
 
-#: The families by name: the custom operators with ``impl`` ``"auto"``, ``"torch"`` or
-#: ``"triton"``, and ``"reference"`` (the plain autograd graphs of :mod:`.reference`).
-OPERATIONS = {**{impl: _custom_ops(impl) for impl in IMPLS},
+#: The backends of the operations: the custom operators' (``"auto"``: by device, ``"torch"``,
+#: ``"triton"``) and ``"reference"`` (the plain autograd graphs of :mod:`.reference`).
+BACKENDS = (*library.BACKENDS, "reference")
+#: The families by backend.
+OPERATIONS = {**{backend: _custom_ops(backend) for backend in library.BACKENDS},
               "reference": Operations("reference", reference.phase1, reference.merge)}
 
 
-def operations(name: str) -> Operations:
-    """The family ``name`` (a key of :data:`OPERATIONS`)."""
-    if name not in OPERATIONS:
-        raise ValueError(f"depth-attention operations must be one of {sorted(OPERATIONS)}, got {name!r}")
-    return OPERATIONS[name]
+def operations(backend: str) -> Operations:
+    """The family of ``backend`` (one of :data:`BACKENDS`)."""
+    if backend not in OPERATIONS:
+        raise ValueError(f"depth-attention backend must be one of {BACKENDS}, got {backend!r}")
+    return OPERATIONS[backend]

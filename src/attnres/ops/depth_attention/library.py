@@ -15,7 +15,7 @@ compiled and eager training run the same kernels) and its autograd registered wi
 ``torch.library.register_autograd``: the forward saves what :mod:`.torch_impl` describes
 and the backward calls the backward operator - one decomposition for all implementations.
 
-The last argument, ``impl``, picks the implementation: ``"auto"`` (by device: the C kernel
+The last argument, ``backend``, picks the implementation: ``"auto"`` (by device: the C kernel
 of :mod:`.cpu_kernel` for CPU tensors it supports, else :mod:`.torch_impl`; the Triton
 kernels of :mod:`.triton_impl` for CUDA tensors when triton is installed, else PyTorch),
 ``"torch"`` (:mod:`.torch_impl` on any device) or ``"triton"`` (the Triton kernels; on CPU
@@ -38,10 +38,10 @@ from torch import Tensor
 from . import cpu_kernel, torch_impl
 from .reference import _check_merge, compute_dtype
 
-__all__ = ["IMPLS", "phase1", "merge", "pick", "through_dispatcher"]
+__all__ = ["BACKENDS", "phase1", "merge", "pick", "through_dispatcher"]
 
-#: Values of the operators' ``impl`` argument.
-IMPLS = ("auto", "torch", "triton")
+#: Values of the operators' ``backend`` argument.
+BACKENDS = ("auto", "torch", "triton")
 
 
 @functools.cache
@@ -53,15 +53,15 @@ def _triton_impl() -> ModuleType:
     return triton_impl
 
 
-def pick(impl: str, tensors: Sequence[Tensor | None]) -> ModuleType:
+def pick(backend: str, tensors: Sequence[Tensor | None]) -> ModuleType:
     """The implementation module that runs an operator over ``tensors`` (see the module
-    docstring): by ``impl`` and the first tensor's device."""
-    if impl == "torch":
+    docstring): by ``backend`` and the first tensor's device."""
+    if backend == "torch":
         return torch_impl
     device = next(t for t in tensors if t is not None).device.type
-    if impl == "triton" or device == "cuda":
+    if backend == "triton" or device == "cuda":
         triton_impl = _triton_impl()
-        if impl == "triton":
+        if backend == "triton":
             triton_impl.check(tensors)
             return triton_impl
         return triton_impl if triton_impl.supports(tensors) else torch_impl
@@ -88,9 +88,9 @@ def _contiguous(xs: Sequence[Tensor | None]) -> list[Tensor | None]:
 # ----------------------------------------------------------------------------------------
 
 
-def _run_phase1(qg: Tensor, sources: list[Tensor], eps: float, impl: str) -> tuple[list[Tensor], Tensor]:
+def _run_phase1(qg: Tensor, sources: list[Tensor], eps: float, backend: str) -> tuple[list[Tensor], Tensor]:
     qg = qg.contiguous()  # (small: [S, d])
-    outs, lse = pick(impl, [*sources, qg]).phase1_forward(qg, sources, eps)
+    outs, lse = pick(backend, [*sources, qg]).phase1_forward(qg, sources, eps)
     return list(outs), lse
 
 
@@ -98,18 +98,18 @@ _phase1 = torch.library.custom_op("attnres::phase1", _run_phase1, mutates_args=(
 
 
 @_phase1.register_fake
-def _(qg, sources, eps, impl):
+def _(qg, sources, eps, backend):
     x0 = sources[0]
     lse = x0.new_empty((*x0.shape[:-1], qg.shape[0]), dtype=compute_dtype(x0.dtype))
     return [torch.empty_like(x0) for _ in range(qg.shape[0])], lse
 
 
 def _run_phase1_backward(qg: Tensor, lse: Tensor, sources: list[Tensor], g_outs: list[Optional[Tensor]],
-                         g_lse: Optional[Tensor], eps: float, needs: list[bool], impl: str
+                         g_lse: Optional[Tensor], eps: float, needs: list[bool], backend: str
                          ) -> tuple[Tensor, list[Tensor]]:
     qg, lse, g_lse = _contiguous([qg, lse, g_lse])
     g_outs = _contiguous(g_outs)
-    module = pick(impl, [*sources, qg, lse, *g_outs, g_lse])
+    module = pick(backend, [*sources, qg, lse, *g_outs, g_lse])
     g_qg, g_src = module.phase1_backward(qg, lse, sources, g_outs, g_lse, eps, needs[0], needs[1:])
     return _fill([g_qg], qg)[0], _fill(g_src, sources[0])
 
@@ -118,15 +118,15 @@ _phase1_backward = torch.library.custom_op("attnres::phase1_backward", _run_phas
 
 
 @_phase1_backward.register_fake
-def _(qg, lse, sources, g_outs, g_lse, eps, needs, impl):
+def _(qg, lse, sources, g_outs, g_lse, eps, needs, backend):
     g_qg = torch.empty_like(qg) if needs[0] else _placeholder(qg)
     return g_qg, [torch.empty_like(x) if need else _placeholder(x) for x, need in zip(sources, needs[1:])]
 
 
 def _phase1_setup(ctx, inputs, output):
-    qg, sources, eps, impl = inputs
+    qg, sources, eps, backend = inputs
     ctx.set_materialize_grads(False)
-    ctx.impl, ctx.eps, ctx.n = impl, eps, len(sources)
+    ctx.backend, ctx.eps, ctx.n = backend, eps, len(sources)
     ctx.save_for_backward(qg, output[1], *sources)
 
 
@@ -139,7 +139,7 @@ def _phase1_grads(ctx, g_outs, g_lse, needs: list[bool], direct: bool = False
     if (all(g is None for g in g_outs) and g_lse is None) or not any(needs):
         return None, [None] * len(sources)
     backward = _run_phase1_backward if direct else torch.ops.attnres.phase1_backward
-    g_qg, g_src = backward(qg, lse, sources, g_outs, g_lse, ctx.eps, needs, ctx.impl)
+    g_qg, g_src = backward(qg, lse, sources, g_outs, g_lse, ctx.eps, needs, ctx.backend)
     return (g_qg if needs[0] else None), [g if need else None for g, need in zip(g_src, needs[1:])]
 
 
@@ -158,10 +158,10 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
 
 
 def _run_merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
-               norm_weight: Optional[Tensor], eps: float, norm_eps: float, impl: str, addend: Optional[Tensor] = None
+               norm_weight: Optional[Tensor], eps: float, norm_eps: float, backend: str, addend: Optional[Tensor] = None
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     qg = _contiguous([qg])[0]  # (small: [d]; z [..., k] may be a strided view of Phase 1's lse)
-    module = pick(impl, [*sources, *computed, qg, norm_weight])
+    module = pick(backend, [*sources, *computed, qg, norm_weight])
     out, alpha, rc, zc, rstd, total = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps,
                                                            addend)
     return out, alpha, *_fill([rc, zc, rstd, total], alpha)
@@ -171,7 +171,7 @@ _merge = torch.library.custom_op("attnres::merge", _run_merge, mutates_args=())
 
 
 @_merge.register_fake
-def _(z, sources, computed, qg, norm_weight, eps, norm_eps, impl, addend=None):
+def _(z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend=None):
     x0 = [*sources, *computed][0]
     lead, compute = x0.shape[:-1], compute_dtype(x0.dtype)
     alpha = x0.new_empty((*lead, len(sources) + len(computed)), dtype=compute)
@@ -183,10 +183,10 @@ def _(z, sources, computed, qg, norm_weight, eps, norm_eps, impl, addend=None):
 
 def _run_merge_backward(g: Tensor, alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor], rstd: Optional[Tensor],
                         sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
-                        norm_weight: Optional[Tensor], needs: list[bool], impl: str,
+                        norm_weight: Optional[Tensor], needs: list[bool], backend: str,
                         g_total: Optional[Tensor] = None) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor]:
     g, qg, g_total = _contiguous([g, qg, g_total])
-    module = pick(impl, [*sources, *computed, g, alpha, rc, zc, rstd, qg, norm_weight])
+    module = pick(backend, [*sources, *computed, g, alpha, rc, zc, rstd, qg, norm_weight])
     g_z, g_src, g_comp, g_qg, g_norm = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
                                                              norm_weight, needs, g_total)
     g_qg, g_norm = _fill([g_qg, g_norm], alpha)
@@ -197,7 +197,7 @@ _merge_backward = torch.library.custom_op("attnres::merge_backward", _run_merge_
 
 
 @_merge_backward.register_fake
-def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, impl, g_total=None):
+def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, backend, g_total=None):
     k, c = len(sources), len(computed)
 
     def grad(need, like):
@@ -210,11 +210,11 @@ def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, impl, g
 
 
 def _merge_setup(ctx, inputs, output):
-    z, sources, computed, qg, norm_weight, _eps, _norm_eps, impl, *rest = inputs
+    z, sources, computed, qg, norm_weight, _eps, _norm_eps, backend, *rest = inputs
     addend = rest[0] if rest else None
     _out, alpha, rc, zc, rstd, total = output
     ctx.set_materialize_grads(False)
-    ctx.impl, ctx.k, ctx.c = impl, len(sources), len(computed)
+    ctx.backend, ctx.k, ctx.c = backend, len(sources), len(computed)
     ctx.addend_dtype = None if addend is None else addend.dtype
     if addend is not None:  # the merge read the sum it formed, not the last computed source
         computed = [*computed[:-1], total]
@@ -239,7 +239,7 @@ def _merge_grads(ctx, g, g_total, needs: list[bool], direct: bool = False):
     else:
         backward = _run_merge_backward if direct else torch.ops.attnres.merge_backward
         g_z, g_src, g_comp, g_qg, g_norm = backward(
-            g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.impl, g_total)
+            g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.backend, g_total)
     keep = lambda t, need: t if need else None  # noqa: E731
     grads = [keep(t, need) for t, need in zip([*g_src, *g_comp], needs[1 : 1 + k + c])]
     g_addend = None
@@ -259,7 +259,7 @@ def _merge_needs(ni, k: int, c: int, addend_index: int | None) -> list[bool]:
 
 
 def _merge_grad(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
-    ni = ctx.needs_input_grad  # (z, sources, computed, qg, norm_weight, eps, norm_eps, impl, addend)
+    ni = ctx.needs_input_grad  # (z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend)
     flat = [ni[0], ni[3], ni[4], *ni[1], *ni[2], ni[8] if len(ni) > 8 else False]
     needs = _merge_needs(flat, ctx.k, ctx.c, 3 + ctx.k + ctx.c)
     g_z, g_src, g_comp, g_qg, g_norm, g_addend = _merge_grads(ctx, g, g_total, needs)
@@ -315,9 +315,9 @@ def _direct_backward() -> bool:
     return _direct() and not torch.is_grad_enabled()
 
 
-def _phase1_forward(qg: Tensor, sources: list[Tensor], eps: float, impl: str) -> tuple[list[Tensor], Tensor]:
+def _phase1_forward(qg: Tensor, sources: list[Tensor], eps: float, backend: str) -> tuple[list[Tensor], Tensor]:
     """The operator ``attnres::phase1`` - or, where :func:`_direct`, its implementation."""
-    return (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, sources, eps, impl)
+    return (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, sources, eps, backend)
 
 
 def _merge_forward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -327,9 +327,9 @@ def _merge_forward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
 
 class _Phase1(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qg, eps, impl, *sources):
-        outs, lse = _phase1_forward(qg, list(sources), eps, impl)
-        _phase1_setup(ctx, (qg, sources, eps, impl), (outs, lse))
+    def forward(ctx, qg, eps, backend, *sources):
+        outs, lse = _phase1_forward(qg, list(sources), eps, backend)
+        _phase1_setup(ctx, (qg, sources, eps, backend), (outs, lse))
         return (*outs, lse)
 
     @staticmethod
@@ -341,8 +341,8 @@ class _Phase1(torch.autograd.Function):
 
 class _Merge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, qg, norm_weight, eps, norm_eps, impl, k, addend, *xs):
-        args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, impl, addend)
+    def forward(ctx, z, qg, norm_weight, eps, norm_eps, backend, k, addend, *xs):
+        args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, backend, addend)
         outputs = _merge_forward(*args)
         _merge_setup(ctx, args, outputs)
         ctx.mark_non_differentiable(*outputs[1:5])
@@ -352,7 +352,7 @@ class _Merge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
-        ni = ctx.needs_input_grad  # (z, qg, norm_weight, eps, norm_eps, impl, k, addend, *xs)
+        ni = ctx.needs_input_grad  # (z, qg, norm_weight, eps, norm_eps, backend, k, addend, *xs)
         needs = _merge_needs([ni[0], ni[1], ni[2], *ni[8:]], ctx.k, ctx.c, None)
         if ni[7]:
             needs[ctx.k + ctx.c] = True  # (the addend's gradient is the last computed source's)
@@ -369,38 +369,38 @@ class _Merge(torch.autograd.Function):
 # the operators wrong arguments in compiled inference.
 
 
-def _check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, impl: str = "auto") -> tuple[list[Tensor], Tensor]:
+def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: str = "auto") -> tuple[list[Tensor], Tensor]:
     """:func:`.reference.phase1` as the operator ``attnres::phase1``: ``qg [S, d]`` over ``n``
     sources -> ``S`` weighted sums ``[..., d]`` and ``lse [..., S]``; one pass over each
     source for all ``S`` queries, forward and backward."""
-    _check_impl(impl)
+    _check_backend(backend)
     if qg.dim() != 2 or qg.shape[-1] != sources[0].shape[-1]:
         raise ValueError(f"qg must have shape [S, {sources[0].shape[-1]}], got {tuple(qg.shape)}")
-    if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
-        outs, lse = _phase1_forward(qg, list(sources), float(eps), impl)
+    if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
+        outs, lse = _phase1_forward(qg, list(sources), float(eps), backend)
         return list(outs), lse
-    *outs, lse = _Phase1.apply(qg, float(eps), impl, *sources)
+    *outs, lse = _Phase1.apply(qg, float(eps), backend, *sources)
     return outs, lse
 
 
 def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (), qg: Tensor | None = None,
           eps: float = 1e-6, norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
-          impl: str = "auto", addend: Tensor | None = None) -> tuple[Tensor, ...]:
+          backend: str = "auto", addend: Tensor | None = None) -> tuple[Tensor, ...]:
     """:func:`.reference.merge` (same arguments and results) as the operator
     ``attnres::merge``: ``(out [..., d], alpha [..., k + c])``, with ``addend`` also the sum
     it formed; saves the weights, the computed sources' logits and RMS factors, the norm's
     ``1/rms`` and references to its inputs (to the sum, not to its terms)."""
-    _check_impl(impl)
+    _check_backend(backend)
     _check_merge(z, sources, computed, qg, addend)
-    if not torch.is_grad_enabled():  # the operator itself (see the note above _check_impl)
+    if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
         out, alpha, _rc, _zc, _rstd, total = _merge_forward(z, list(sources), list(computed), qg, norm_weight,
-                                                            float(eps), float(norm_eps), impl, addend)
+                                                            float(eps), float(norm_eps), backend, addend)
     else:
-        out, alpha, _rc, _zc, _rstd, total = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), impl,
+        out, alpha, _rc, _zc, _rstd, total = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), backend,
                                                           len(sources), addend, *sources, *computed)
     return (out, alpha) if addend is None else (out, alpha, total)

@@ -44,7 +44,7 @@ def check(tensors: Sequence[Tensor | None]) -> None:
     """Raise ``ValueError`` unless :func:`supports` (the ``"triton"`` implementation was
     asked for explicitly)."""
     if not supports(tensors):
-        raise ValueError(f"impl='triton' takes sources in {[str(d) for d in DTYPES]} on one device; got "
+        raise ValueError(f"backend='triton' takes sources in {[str(d) for d in DTYPES]} on one device; got "
                          f"{next(t for t in tensors if t is not None).dtype}")
 
 

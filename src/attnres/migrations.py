@@ -1,0 +1,194 @@
+"""Config keys of earlier versions, migrated in one place.
+
+Every key a config of an earlier version may hold (a ``config.json`` of a checkpoint, a
+run's saved config, a YAML file, a CLI override, keyword arguments) is turned into today's
+spelling here, with one ``DeprecationWarning`` per old key naming the old and the new key.
+The configs call these functions when they are built (``ModelConfig``, ``ResidualConfig``,
+``TrainConfig`` and the Hugging Face ``AttnResConfig``); nothing else knows an old key.
+
+Kept because committed configs and checkpoints (``results/``) still hold them:
+
+* :data:`RESIDUAL_RENAMES`: ``residual.impl`` -> ``residual.schedule`` and
+  ``residual.kernels`` -> ``residual.backend`` (whose value ``"torch_graph"`` is now
+  ``"reference"``), the two axes of the depth-attention op;
+* :data:`FLAT_RESIDUAL_KEYS`: the flat ``ModelConfig`` keys of the residual settings
+  (``attnres_block_size``, ``attnres_impl``, ..., ``hc_streams``) -> ``residual.*``;
+* :data:`LEGACY_DISTRIBUTED`: ``TrainConfig.distributed``, replaced by the ``parallel`` mesh.
+
+Where an old key and its new key are both given (a saved config with a CLI override of the
+old spelling), the old key is the one the user just wrote, and it wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from typing import Any, Callable
+
+__all__ = [
+    "RESIDUAL_RENAMES",
+    "RENAMED_BACKENDS",
+    "FLAT_RESIDUAL_KEYS",
+    "LEGACY_DISTRIBUTED",
+    "migrate_residual_keys",
+    "migrate_model_keys",
+    "migrate_train_keys",
+    "renamed_attribute",
+    "accept_old_keys",
+]
+
+#: ``ResidualConfig`` keys renamed: one name per axis of the depth-attention op.
+RESIDUAL_RENAMES = {"impl": "schedule", "kernels": "backend"}
+#: Values of ``ResidualConfig.backend`` renamed (``kernels="torch_graph"`` of earlier versions).
+RENAMED_BACKENDS = {"torch_graph": "reference"}
+
+#: Flat ``ModelConfig`` keys of earlier versions -> their place in ``ModelConfig.residual``.
+FLAT_RESIDUAL_KEYS: dict[str, tuple[str, ...]] = {
+    "attnres_block_size": ("block_size",),
+    "attnres_impl": ("schedule",),
+    "attnres_full_group_size": ("full_group_size",),
+    "attnres_eps": ("eps",),
+    "attnres_kernels": ("backend",),
+    "attnres_input_dependent_query": ("ablation", "input_dependent_query"),
+    "attnres_input_independent_mixing": ("ablation", "input_independent_mixing"),
+    "attnres_sigmoid_weights": ("ablation", "sigmoid_weights"),
+    "attnres_key_norm": ("ablation", "key_norm"),
+    "attnres_heads": ("ablation", "heads"),
+    "attnres_window": ("ablation", "window"),
+    "hc_streams": ("hc_streams",),
+    "mhc_sinkhorn_iters": ("sinkhorn_iters",),
+}
+
+#: The values of the deprecated ``TrainConfig.distributed`` and what each now means: data
+#: parallelism is the mesh's ``dp`` dimension (FSDP2), and one process is the mesh of size 1.
+LEGACY_DISTRIBUTED = {
+    "auto": "the default: every launched rank is data parallel (parallel.dp = the ranks left over by tp and pp)",
+    "fsdp": "the default: every launched rank is data parallel with FSDP2 (parallel.dp = the ranks left over)",
+    "ddp": "DDP was removed: data parallelism is FSDP2 over parallel.dp, which takes the same steps within float "
+           "rounding and writes sharded (DCP) checkpoints",
+    "none": "parallel.dp=1 (one process; under a multi-rank launch the layout is refused)",
+}
+
+
+def _warn(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=4)
+
+
+def _renamed_backend(value: Any) -> bool:
+    return isinstance(value, str) and value in RENAMED_BACKENDS
+
+
+def migrate_residual_keys(data: dict[str, Any], where: str = "ModelConfig.residual") -> dict[str, Any]:
+    """``data`` (``ResidualConfig`` fields) with ``impl`` / ``kernels`` renamed ``schedule`` /
+    ``backend`` and the backend ``"torch_graph"`` renamed ``"reference"``; ``data`` is not changed."""
+    if not any(k in data for k in RESIDUAL_RENAMES) and not _renamed_backend(data.get("backend")):
+        return data
+    out = dict(data)
+    for old, new in RESIDUAL_RENAMES.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if old == "kernels" and _renamed_backend(value):
+            _warn(f"{where}.kernels={value!r}", f"{where}.backend={RENAMED_BACKENDS[value]!r}")
+            value = RENAMED_BACKENDS[value]
+        else:
+            _warn(f"{where}.{old}", f"{where}.{new}")
+        out[new] = value
+    if _renamed_backend(out.get("backend")):
+        value = out["backend"]
+        _warn(f"{where}.backend={value!r}", f"{where}.backend={RENAMED_BACKENDS[value]!r}")
+        out["backend"] = RENAMED_BACKENDS[value]
+    return out
+
+
+def _as_mapping(residual: Any) -> dict[str, Any]:
+    """A residual value (``None``, a name, a mapping or a ``ResidualConfig``) as a mapping."""
+    if residual is None:
+        return {}
+    if isinstance(residual, str):
+        return {"kind": residual}
+    if dataclasses.is_dataclass(residual) and not isinstance(residual, type):
+        return dataclasses.asdict(residual)
+    return dict(residual)
+
+
+def migrate_model_keys(data: dict[str, Any], where: str = "ModelConfig") -> dict[str, Any]:
+    """``data`` (``ModelConfig`` fields) with the flat residual keys of earlier versions moved
+    into ``residual`` and the renamed residual keys renamed; ``data`` is not changed."""
+    residual = data.get("residual")
+    if isinstance(residual, dict):
+        migrated = migrate_residual_keys(residual, f"{where}.residual")
+        if migrated is not residual:
+            data = {**data, "residual": migrated}
+    flat = [k for k in data if k in FLAT_RESIDUAL_KEYS]
+    if not flat:
+        return data
+    out = {k: v for k, v in data.items() if k not in FLAT_RESIDUAL_KEYS}
+    nested = _as_mapping(data.get("residual"))
+    for key in flat:
+        path, value = FLAT_RESIDUAL_KEYS[key], data[key]
+        if path == ("backend",) and _renamed_backend(value):
+            _warn(f"{where}.{key}={value!r}", f"{where}.residual.backend={RENAMED_BACKENDS[value]!r}")
+            value = RENAMED_BACKENDS[value]
+        else:
+            _warn(f"{where}.{key}", f"{where}.residual.{'.'.join(path)}")
+        if len(path) == 1:
+            nested[path[0]] = value
+        else:
+            ablation = nested.get(path[0])
+            nested[path[0]] = {**(_as_mapping(ablation) if ablation is not None else {}), path[1]: value}
+    out["residual"] = nested
+    return out
+
+
+def migrate_train_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (``TrainConfig`` fields) without the deprecated ``distributed`` key, with a
+    ``DeprecationWarning`` saying what it now means (:data:`LEGACY_DISTRIBUTED`);
+    ``distributed="none"`` becomes ``parallel.dp=1`` where ``parallel.dp`` is not given.
+    ``data`` itself is not changed."""
+    if "distributed" not in data:
+        return data
+    out = {k: v for k, v in data.items() if k != "distributed"}
+    value = data["distributed"]
+    if value not in LEGACY_DISTRIBUTED:
+        raise ValueError(f"TrainConfig.distributed must be one of {', '.join(map(repr, LEGACY_DISTRIBUTED))} "
+                         f"(deprecated: use parallel.dp); got {value!r}")
+    warnings.warn(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is "
+                  f"{LEGACY_DISTRIBUTED[value]}. Remove it (docs/scale-out.md)", DeprecationWarning, stacklevel=3)
+    parallel = out.get("parallel")
+    if value != "none":
+        pass
+    elif parallel is None:
+        out["parallel"] = {"dp": 1}
+    elif dataclasses.is_dataclass(parallel) and parallel.dp is None:
+        out["parallel"] = dataclasses.replace(parallel, dp=1)
+    elif isinstance(parallel, dict) and parallel.get("dp") is None:
+        out["parallel"] = {**parallel, "dp": 1}
+    return out
+
+
+def renamed_attribute(obj: Any, name: str, renames: dict[str, tuple[str, ...]], where: str) -> Any:
+    """For a ``__getattr__``: the attribute an old ``name`` now is (``renames[name]``, a path
+    of attributes from ``obj``), with the warning; ``AttributeError`` for any other name."""
+    if name not in renames:
+        raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
+    path = renames[name]
+    warnings.warn(f"{where}.{name} is deprecated: use {where}.{'.'.join(path)}", DeprecationWarning, stacklevel=3)
+    value = obj
+    for part in path:
+        value = getattr(value, part)
+    return value
+
+
+def accept_old_keys(cls: type, migrate: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Make the constructor of the dataclass ``cls`` pass its keyword arguments through
+    ``migrate`` first (one of the functions above), keeping its signature and docstring."""
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs) -> None:
+        init(self, *args, **migrate(kwargs))
+
+    __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)
+    cls.__init__ = __init__

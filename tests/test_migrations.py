@@ -1,0 +1,139 @@
+"""Config keys of earlier versions (:mod:`attnres.migrations`): each old spelling loads to
+the config its new spelling gives, with exactly one ``DeprecationWarning`` naming the old
+and the new key; the committed configs of earlier runs still load."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from attnres import ModelConfig, ResidualConfig
+from attnres.train.config import TrainConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def loaded(build):
+    """``build()`` and the messages of the deprecation warnings it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = build()
+    return value, [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+
+
+NEW = {"kind": "attnres_full", "schedule": "naive", "backend": "reference"}
+
+
+@pytest.mark.parametrize(
+    ("old", "old_key", "new_key"),
+    [
+        ({"kind": "attnres_full", "impl": "naive", "backend": "reference"}, "residual.impl", "residual.schedule"),
+        ({"kind": "attnres_full", "schedule": "naive", "kernels": "reference"}, "residual.kernels", "residual.backend"),
+        ({"kind": "attnres_full", "schedule": "naive", "kernels": "torch_graph"}, "residual.kernels='torch_graph'",
+         "residual.backend='reference'"),
+        ({"kind": "attnres_full", "schedule": "naive", "backend": "torch_graph"}, "residual.backend='torch_graph'",
+         "residual.backend='reference'"),
+    ],
+)
+def test_each_old_residual_key_loads_to_the_same_config_with_one_warning(old, old_key, new_key):
+    fields = ModelConfig.preset("tiny").to_dict()
+    for build in (lambda residual: ModelConfig.preset("tiny", residual=residual),
+                  lambda residual: ModelConfig.from_dict({**fields, "residual": residual}),
+                  lambda residual: ModelConfig(**{**fields, "residual": residual})):
+        cfg, messages = loaded(lambda: build(old))
+        assert cfg == build(NEW)
+        assert messages == [f"ModelConfig.{old_key} is deprecated: use ModelConfig.{new_key}"]
+    cfg, messages = loaded(lambda: ResidualConfig(**old))
+    assert cfg == ResidualConfig(**NEW) and len(messages) == 1
+
+
+@pytest.mark.parametrize(
+    ("flat", "new_key", "value"),
+    [("attnres_impl", "residual.schedule", "naive"), ("attnres_kernels", "residual.backend", "torch"),
+     ("attnres_kernels='torch_graph'", "residual.backend='reference'", "torch_graph")],
+)
+def test_each_old_flat_key_loads_to_the_same_config_with_one_warning(flat, new_key, value):
+    key = flat.split("=")[0]
+    new = {"schedule": value} if key == "attnres_impl" else {"backend": "reference" if value == "torch_graph" else value}
+    want = ModelConfig.preset("tiny", residual=new)
+    cfg, messages = loaded(lambda: ModelConfig.preset("tiny", **{key: value}))
+    assert cfg == want and messages == [f"ModelConfig.{flat} is deprecated: use ModelConfig.{new_key}"]
+
+
+def test_old_attributes_read_the_new_fields_with_a_warning():
+    cfg = ModelConfig.preset("tiny", residual={"schedule": "naive", "backend": "torch"})
+    for read, value in [(lambda: cfg.residual.impl, "naive"), (lambda: cfg.residual.kernels, "torch"),
+                        (lambda: cfg.attnres_impl, "naive"), (lambda: cfg.attnres_kernels, "torch")]:
+        got, messages = loaded(read)
+        assert got == value and len(messages) == 1
+    with pytest.raises(AttributeError):
+        cfg.residual.nonsense  # noqa: B018
+
+
+def test_cli_overrides_with_the_old_keys_keep_working(tmp_path):
+    want = load_config(None, ["model.residual.backend=triton", "model.residual.schedule=naive"])
+    for overrides in (["model.residual.kernels=triton", "model.residual.impl=naive"],
+                      ["model.residual.kernels=triton", "model.residual.schedule=naive"]):
+        cfg, messages = loaded(lambda: load_config(None, overrides))
+        assert cfg.model == want.model and len(messages) == sum("kernels" in o or "impl" in o for o in overrides)
+    # A saved config with the new keys, overridden with an old one: the override wins.
+    saved = tmp_path / "run.yaml"
+    saved.write_text(json.dumps(want.to_dict()))
+    cfg, messages = loaded(lambda: load_config(saved, ["model.residual.kernels=torch"]))
+    assert cfg.model.residual.backend == "torch" and len(messages) == 1
+
+
+def test_an_unknown_old_value_is_still_refused_naming_the_new_field():
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.backend must be one of 'auto', 'torch', 'triton', "
+                                         r"'reference'; got 'cuda'"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            ModelConfig.preset("tiny", residual={"kernels": "cuda"})
+
+
+def model_sections(data):
+    """Every mapping inside ``data`` that describes a model (it has a ``residual``)."""
+    if isinstance(data, dict):
+        if "residual" in data:
+            yield data
+        for value in data.values():
+            yield from model_sections(value)
+    elif isinstance(data, list):
+        for value in data:
+            yield from model_sections(value)
+
+
+#: Committed configs of earlier runs, one per spelling they hold: flat ``attnres_*`` keys with
+#: ``distributed`` (a run's config), nested ``impl`` / ``kernels`` (an upcycling's pretraining).
+COMMITTED = ["results/ablation-small/full+input_independent_mixing/seed0/config.json",
+             "results/block-size-small/s4/seed0/config.json",
+             "results/upcycle-moe/config.json"]
+
+
+@pytest.mark.parametrize("path", COMMITTED)
+def test_committed_configs_with_old_keys_load_with_one_warning_per_old_key(path):
+    data = json.loads((ROOT / path).read_text())
+    if "model" in data:
+        config, messages = loaded(lambda: TrainConfig.from_dict(data))
+        models = [config.model]
+    else:
+        section = next(model_sections(data))
+        model, messages = loaded(lambda: ModelConfig.from_dict(section))
+        models = [model]
+    assert messages and len(messages) == len(set(messages))  # one warning per old key
+    assert all("is deprecated: use" in m for m in messages)
+    assert all(m.residual.schedule in ("two_phase", "naive") and m.residual.backend == "auto" for m in models)
+
+
+def test_every_committed_model_config_loads():
+    """Every model described by a committed config.json under results/ loads, old keys and all."""
+    paths = sorted((ROOT / "results").rglob("config.json"))
+    sections = [s for p in paths for s in model_sections(json.loads(p.read_text()))]
+    assert len(sections) > 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for section in sections:
+            ModelConfig.from_dict(section)
