@@ -151,7 +151,7 @@ def test_bad_stream_count():
 
 # ------------------------------------------------------------------ Table-4 ablations
 from attnres.ops import depth_attention  # noqa: E402
-from attnres.ops.ablations import depth_attention_variant  # noqa: E402
+from attnres.ops.depth_attention.ablations import depth_attention_variant  # noqa: E402
 
 
 def _ablation_model(residual="attnres_full", **ablation):

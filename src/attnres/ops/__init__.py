@@ -1,5 +1,5 @@
-"""Pure functions: depth attention and its operations (:mod:`.depth_attention`), and the
-report's Table-4 ablations of it (:mod:`.ablations`)."""
+"""Pure functions: depth attention, its operations and the report's Table-4 ablations of it
+(:mod:`.depth_attention`)."""
 
 from .depth_attention import OPERATIONS, Operations, check_sources, compute_dtype, depth_attention, operations
 

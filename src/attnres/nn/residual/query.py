@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...ops import compute_dtype, depth_attention
-from ...ops.ablations import depth_attention_variant
+from ...ops.depth_attention.ablations import depth_attention_variant
 from ..norm import RMSNorm
 from .config import AttnResAblation
 

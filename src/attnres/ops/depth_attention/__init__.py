@@ -8,7 +8,8 @@
   implementations and registered autograd, dispatched by device to one of the
   implementations:
 * :mod:`.torch_impl` (PyTorch, any device), :mod:`.cpu_kernel` (a C kernel, CPU float32 /
-  float64), :mod:`.triton_impl` (Triton kernels, GPUs; optional).
+  float64), :mod:`.triton_impl` (Triton kernels, GPUs; optional);
+* :mod:`.ablations`: the report's Table-4 ablations of depth attention (the naive path only).
 
 :func:`operations` hands a residual module one of these families by its backend (one of
 :data:`BACKENDS`, ``ResidualConfig.backend``): the schedules of Full and Block AttnRes call

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .depth_attention import check_sources
+from .reference import check_sources
 
 __all__ = ["depth_attention_variant", "WEIGHTINGS"]
 
