@@ -326,3 +326,23 @@ def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):
     assert trained.get_input_embeddings().weight.shape[0] == padded
     out = trained.generate(x[:1], max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 13)
+
+
+def test_the_torch_only_core_finds_the_families_through_its_registry():
+    """``build_model`` of a family config works without ``import attnres.hf`` first: the core's
+    registry imports the transformers wing on first need (``models/`` imports no transformers);
+    an unknown hook is refused by name."""
+    import subprocess
+    import sys
+
+    from attnres.models.hf_registry import hf_hook
+
+    code = ("import sys; from attnres import ModelConfig; from attnres.models import build_model; "
+            "before = 'attnres.hf' in sys.modules or 'transformers' in sys.modules; "
+            "m = build_model(ModelConfig.preset('tiny', hf_architecture='llama')); "
+            "print(before, type(m).__name__, 'attnres.hf' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "AttnResLlamaForCausalLM", "True"]
+    with pytest.raises(ValueError, match="unknown transformers hook 'nope'"):
+        hf_hook("nope")
