@@ -1,7 +1,7 @@
 """Exactness of the upcycling conversion, per supported family (docs/upcycling.md).
 
 For every family of ``attnres.upcycle.FAMILIES``, its tiny random model
-(``attnres.models.families.tiny``: 3 decoder layers, L = 6) is converted to Full AttnRes and to Block
+(``tests/fixtures/tiny_families.py``: 3 decoder layers, L = 6) is converted to Full AttnRes and to Block
 AttnRes with S = 2 (dividing L) and S = 4 (ragged: blocks of 4 and 2 sublayers), in float32
 and float64, once as built and once with the embedding shrunk by 1e-3 (``mean(h^2)`` far below
 the norms' epsilon, where the epsilon adjustment matters). Measured: the largest logit
@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from attnres.upcycle import CHECKED_WITH, FAMILIES, upcycle
-from attnres.models.families.tiny import VOCAB, tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny models are test fixtures
+from fixtures.tiny_families import VOCAB, tiny_model  # noqa: E402
 
 RESIDUALS = {"Full": ("attnres_full", None), "Block S=2": ("attnres_block", 2), "Block S=4": ("attnres_block", 4)}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -102,7 +105,7 @@ def main() -> int:
         "# Upcycling exactness per family\n\n"
         "Command: `python benchmarks/upcycle_exactness.py --out results/upcycle-exactness`; "
         f"transformers {results['transformers']}, torch {results['torch']}, one thread.\n\n"
-        "Tiny random model of each family (`attnres.models.families.tiny`: 3 decoder layers, L = 6, d = 32), converted to "
+        "Tiny random model of each family (`tests/fixtures/tiny_families.py`: 3 decoder layers, L = 6, d = 32), converted to "
         "Full AttnRes, Block S = 2 and Block S = 4 (ragged), each as built and with the embedding shrunk by 1e-3 "
         "(small h). Entries: the worst over those six of the largest difference relative to the largest value, of "
         "the logits and of the router logits (worst MoE layer). Bounds: float32 1e-5, float64 1e-6. Last column: "

@@ -28,7 +28,7 @@ import torch
 from attnres.data import load_corpus
 from attnres.train import load_config, train
 from attnres.upcycle import upcycle
-from attnres.upcycle.io import load_pretrained
+from attnres.hf.upcycle.io import load_pretrained
 
 SEQ = 1024
 

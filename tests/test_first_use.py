@@ -228,8 +228,8 @@ def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
                "ModelConfig.hf_config.num_hidden_layers is set by ModelConfig.n_layers")
     assert not (tmp_path / "run").exists()
     from attnres.models import ModelConfig
-    from attnres.models.families import FAMILIES, check_hf_config, model_fields_of
-    from attnres.models.families.tiny import tiny_model
+    from attnres.hf.families import FAMILIES, check_hf_config, model_fields_of
+    from fixtures.tiny_families import tiny_model
 
     for family in FAMILIES:  # what model.from_hf reads from a saved directory
         check_hf_config(ModelConfig.from_dict(model_fields_of(tiny_model(family).config)))

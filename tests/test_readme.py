@@ -53,7 +53,7 @@ def test_every_readme_command_runs_or_parses_as_written(tmp_path, monkeypatch, c
     pytest.importorskip("transformers")
     from attnres.data.tokenizer import train_bpe
     from attnres.experiments import get_experiment
-    from attnres.models.families.tiny import tiny_model
+    from fixtures.tiny_families import tiny_model
 
     import sys
 

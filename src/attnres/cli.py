@@ -526,7 +526,7 @@ def run_analyze(args) -> int:
 
 def run_upcycle(args) -> int:
     """``attnres upcycle``: write the AttnRes version of a pretrained model."""
-    from .upcycle.io import upcycle_directory
+    from .hf.upcycle.io import upcycle_directory
 
     try:
         out = upcycle_directory(args.model, args.out, args.residual, args.block_size, not args.no_exact_eps)

@@ -73,7 +73,7 @@ def save_upcycled_moe(out: Path, family: str, residual: dict, seed: int = 0) -> 
     random weights and saved with the byte tokenizer, as ``attnres upcycle`` writes it."""
     from attnres.data.tokenizer import ByteTokenizer
     from attnres.hf import make_hf_tokenizer
-    from attnres.models.families.tiny import tiny_model
+    from fixtures.tiny_families import tiny_model
     from attnres.upcycle import upcycle
 
     up = upcycle(tiny_model(family, seed=seed, **{**_MOE_SHAPE, **_MOE_CHANGES[family]}), dict(residual))
@@ -226,7 +226,7 @@ def refusals(root: Path) -> dict[str, dict]:
     from attnres.data.tokenizer import ByteTokenizer
     from attnres.hf import AttnResForCausalLM, make_hf_tokenizer
     from attnres.hf.export import CHAT_TEMPLATE, byte_level_tokenizer
-    from attnres.models.families.tiny import tiny_model
+    from fixtures.tiny_families import tiny_model
     from attnres.upcycle import upcycle
 
     dirs = {}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..models.hf_registry import hf_hook
 from ..nn.norm import norm_input_value
 
 
@@ -33,9 +34,7 @@ def _blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, nn.
     and the names of the family's layout)."""
     if hasattr(model, "layers"):
         return [(layer, layer.attn, layer.mlp, layer.attn_norm) for layer in model.layers]
-    from ..models.families.layout import family_of, layout_of
-
-    x = layout_of(family_of(model.config.model_type))
+    x = hf_hook("layout_of")(hf_hook("family_of")(model.config.model_type))
     return [(layer, getattr(layer, x.attn), getattr(layer, x.mlp), getattr(layer, x.attn_norm)) for layer in model.model.layers]
 
 
@@ -88,9 +87,7 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
     routers = None  # a family model's RouterRecorder
     try:
         if hasattr(model, "depth_weights"):  # a family model: it records through its own call
-            from ..models.families.moe import RouterRecorder
-
-            with RouterRecorder(model) as routers:
+            with hf_hook("router_recorder")(model) as routers:
                 recorded = model.depth_weights(input_ids, use_cache=False)
         else:
             recorded = model(input_ids, return_depth_weights=True).depth_weights

@@ -10,7 +10,7 @@ an even router gives each ``1 / E``). Two summaries:
 * ``max_load``: ``E max_e f_e``, the busiest expert's load relative to an even one (1 when
   even; what capacity-limited expert parallelism must provision for).
 
-The routers are the family's own (``attnres.models.families.layout``); their selections are
+The routers are the family's own (``attnres.hf.families.layout``); their selections are
 recorded with forward hooks, so the numbers are the model's actual routing decisions,
 group limits and bias corrections (DeepSeek-V3) included.
 """
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from ..models.hf_registry import hf_hook
 
 __all__ = ["ExpertLoad", "expert_load", "load_of_selections", "expert_load_table", "recorded_expert_load"]
 
@@ -73,7 +75,7 @@ def load_of_selections(layer: int, selected: list[Tensor], n_experts: int) -> Ex
 
 def recorded_expert_load(recorder) -> list[ExpertLoad]:
     """The expert load of every MoE layer over the forwards a
-    :class:`~attnres.models.families.moe.RouterRecorder` recorded."""
+    :class:`~attnres.hf.families.moe.RouterRecorder` recorded."""
     return [load_of_selections(layer, recorder.selected[layer], recorder.logits[layer][0].shape[-1])
             for layer, _ in recorder.routers if layer in recorder.selected]
 
@@ -83,12 +85,10 @@ def expert_load(model: nn.Module, input_ids: Tensor, batch_size: int = 8) -> lis
     """The expert load of every MoE layer of ``model`` (a mixture-of-experts causal LM of a
     supported family, plain or AttnRes) over ``input_ids [B, T]``, in eval mode (routers
     without jitter), ``batch_size`` rows per forward. ``[]`` for a dense model."""
-    from ..models.families.moe import RouterRecorder
-
     was_training = model.training
     model.eval()
     try:
-        with RouterRecorder(model) as rec:
+        with hf_hook("router_recorder")(model) as rec:
             for rows in input_ids.split(batch_size):
                 model(rows, use_cache=False)
     finally:

@@ -81,7 +81,7 @@ def moe_layers(model, tokens: torch.Tensor) -> list[dict]:
     mapping) and ``depth_weights``, the mean depth-attention weight of each source of its
     MLP sublayer's input (``None`` for a residual without depth attention)."""
     from ..analysis.experts import recorded_expert_load
-    from ..models.families.moe import RouterRecorder
+    from ..hf.families.moe import RouterRecorder
 
     with RouterRecorder(model) as rec:
         weights = model.depth_weights(tokens, use_cache=False)

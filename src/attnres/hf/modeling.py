@@ -30,7 +30,7 @@ from ..models import AttnResLM, DecoderTrunk, next_token_loss
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
-from ..models.families import init_missing_tensors
+from .families import init_missing_tensors
 from .configuration import AttnResConfig
 
 

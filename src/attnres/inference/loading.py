@@ -50,7 +50,7 @@ INFERENCE_OPTIONAL = ("optimizer.safetensors",)
 @dataclass
 class LoadedRun:
     """A verified checkpoint loaded for use: the model (eval mode; an ``AttnResLM``, or an
-    ``attnres.models.families`` model for ``model.hf_architecture``), the run config (its
+    ``attnres.hf.families`` model for ``model.hf_architecture``), the run config (its
     ``state.json``'s ``config``), the checkpoint directory and its whole ``state.json``."""
 
     model: AttnResLM

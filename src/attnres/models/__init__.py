@@ -1,5 +1,6 @@
 """The language model, its decoder trunk and its configuration; :func:`build_model` for any
-``ModelConfig`` (the native model, or a ``transformers`` family's: :mod:`.families`)."""
+``ModelConfig`` (the native model, or a ``transformers`` family's: :mod:`attnres.hf.families`,
+found through :mod:`.hf_registry`)."""
 
 from .config import PRESETS, ModelConfig, ResidualConfig
 from .factory import build_model

@@ -16,7 +16,7 @@ from ..validation import Fields
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
-#: (``ModelConfig.hf_architecture``; ``attnres.models.families.FAMILIES`` describes their layouts).
+#: (``ModelConfig.hf_architecture``; ``attnres.hf.families.FAMILIES`` describes their layouts).
 HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
                     # mixtures of experts
                     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",

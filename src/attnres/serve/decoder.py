@@ -23,7 +23,7 @@ from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
 
 from ..nn.residual import ResidualConfig, ResidualStream, build_residual
-from ..models.families.layout import Layout
+from ..hf.families.layout import Layout
 from .checkpoint import check_tokenizer
 
 __all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "run_decoder", "FlatRotary", "config_file",

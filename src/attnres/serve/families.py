@@ -2,7 +2,7 @@
 
 ``attnres export`` writes the native ``AttnResForCausalLM``; ``attnres.upcycle`` writes
 ``AttnRes<Family>ForCausalLM`` for the transformers families of
-:data:`attnres.models.families.FAMILIES`. vLLM finds a model class by the ``architectures`` entry of
+:data:`attnres.hf.families.FAMILIES`. vLLM finds a model class by the ``architectures`` entry of
 ``config.json``, so the plugin registers one class per name (:func:`architectures`).
 
 For an upcycled family the served model is built from **vLLM's own implementation of that
@@ -10,7 +10,7 @@ family**: its decorated model body (embedding, decoder layers with their attenti
 modules, final norm) is subclassed, and only the loop over the decoder layers is replaced by
 the AttnRes residual (:mod:`attnres.serve.upcycled`), as :mod:`attnres.upcycle` does with the
 transformers modules. A :class:`ServedFamily` names that body and the attributes of its decoder
-layer; the norms around the two sublayers are the family's :class:`attnres.models.families.Layout`
+layer; the norms around the two sublayers are the family's :class:`attnres.hf.families.Layout`
 (vLLM keeps the transformers attribute names).
 
 The mixtures of experts are served the same way, on vLLM's own mixture-of-experts blocks
@@ -125,8 +125,8 @@ UNSERVED: dict[str, str] = {
 def unserved_families() -> dict[str, str]:
     """Upcycled families (transformers ``model_type``) that the plugin refuses at load time,
     with the reason (:data:`UNSERVED`; needs transformers, to check that the table covers
-    every family of :data:`attnres.models.families.FAMILIES`)."""
-    from ..models.families import FAMILIES
+    every family of :data:`attnres.hf.families.FAMILIES`)."""
+    from ..hf.families import FAMILIES
 
     missing = set(FAMILIES) - set(SERVED_FAMILIES) - set(UNSERVED)
     if missing:
@@ -140,7 +140,7 @@ def architectures() -> dict[str, str]:
     The upcycled names are the class names :mod:`attnres.upcycle` saves (needs transformers);
     those of :func:`unserved_families` point at :mod:`attnres.serve.refused`, which refuses
     them with the reason."""
-    from ..models.families import upcycled_classes
+    from ..hf.families import upcycled_classes
 
     names = {NATIVE_ARCHITECTURE: f"{__package__}.native:{NATIVE_ARCHITECTURE}"}
     for model_type in SERVED_FAMILIES:

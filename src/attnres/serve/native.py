@@ -37,7 +37,7 @@ from vllm.sequence import IntermediateTensors
 from ..hf.configuration import AttnResConfig
 from ..models import AttnResLM, ModelConfig
 from ..nn.rope import RotaryEmbedding
-from ..models.families.layout import Layout
+from ..hf.families.layout import Layout
 from .checkpoint import checked_weights, expected_shapes
 from .decoder import DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, run_decoder, serving_residual
 from .families import NATIVE_ARCHITECTURE

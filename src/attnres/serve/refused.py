@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from ..models.families import upcycled_classes
+from ..hf.families import upcycled_classes
 from .families import unserved_families
 
 __all__ = ["UnservedFamily", "refusal", "refusing_class"]

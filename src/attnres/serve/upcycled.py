@@ -15,17 +15,16 @@ their ``n`` depth sources (docs/upcycling.md).
 The causal LM subclasses vLLM's causal LM of the family for its weight loading (stacked
 ``qkv_proj`` / ``gate_up_proj``, tied embeddings) and replaces ``__init__`` only to build the
 AttnRes body: ``ParallelLMHead`` (tied when the config says so), ``LogitsProcessor`` with the
-family's logit scale and final soft-capping (Gemma 2/3). The classes are made on first use,
-one per family (``AttnResLlamaForCausalLM``, ...), by the module's ``__getattr__``, which is
-what vLLM's lazy ``"module:Class"`` registration imports.
+family's logit scale and final soft-capping (Gemma 2/3). The classes are written out below,
+one body and one causal LM per family (``AttnResLlamaModel``, ``AttnResLlamaForCausalLM``, ...;
+DeepSeek-V2 and V3 share vLLM's body, and so share ours): vLLM's lazy ``"module:Class"``
+registration imports them by the names :mod:`attnres.upcycle` saves
+(:func:`attnres.serve.families.architectures`).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import importlib
-import types
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,32 +34,47 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2Model, DeepseekV3ForCausalLM
+from vllm.model_executor.models.gemma import GemmaForCausalLM, GemmaModel
+from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM, Gemma2Model
+from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
+from vllm.model_executor.models.glm4_moe import Glm4MoeForCausalLM, Glm4MoeModel
+from vllm.model_executor.models.gpt_oss import GptOssForCausalLM, GptOssModel
+from vllm.model_executor.models.granitemoe import GraniteMoeForCausalLM, GraniteMoeModel
 from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
+from vllm.model_executor.models.mistral import MistralForCausalLM, MistralModel
+from vllm.model_executor.models.mixtral import MixtralForCausalLM, MixtralModel
+from vllm.model_executor.models.olmoe import OlmoeForCausalLM, OlmoeModel
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
+from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from ..models.families import layout_of, upcycled_classes
-from ..models.families.modeling import adjust_eps
+from ..hf.families import layout_of, upcycled_classes
+from ..hf.families.modeling import adjust_eps
 from .checkpoint import CheckpointMismatch, checked_weights, expected_shapes
 from .decoder import (DYNAMIC_ARG_DIMS, FlatRotary, SublayerNames, check_config_class, check_servable, run_decoder,
                       serving_residual)
-from .families import SERVED_FAMILIES, ServedFamily
+from .families import SERVED_FAMILIES
 
-__all__ = ["served_classes"]
-
-
-def _body_name(model_type: str) -> str:
-    return "AttnRes" + SERVED_FAMILIES[model_type].body
+__all__ = ["served_classes", "UpcycledBody", "UpcycledCausalLM"]
 
 
-def _body_class(model_type: str, family: ServedFamily) -> type:
-    """vLLM's body of the family with the residual and the AttnRes forward, compiled by vLLM."""
-    base = getattr(importlib.import_module(f"vllm.model_executor.models.{family.vllm_module}"), family.body)
-    layout = layout_of(model_type)
-    names = SublayerNames(family.attention, family.mlp, layout, family.attention_kwargs)
+class UpcycledBody(nn.Module):
+    """What every served upcycled family's body adds to vLLM's body of that family (mixin):
+    the residual and the AttnRes forward; each body below is compiled by vLLM
+    (``support_torch_compile``) as the family's own is."""
+
+    family: str  # the transformers model_type of the family
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)  # vLLM's body of the family builds everything
+        family, layout = SERVED_FAMILIES[self.family], layout_of(self.family)
+        self._names = SublayerNames(family.attention, family.mlp, layout, family.attention_kwargs)
+        self._embedding_scale = family.embedding_scale
         if family.flat_rotary:
             for layer in self.layers:
                 attention = getattr(layer, family.attention)
@@ -74,26 +88,40 @@ def _body_class(model_type: str, family: ServedFamily) -> type:
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        if family.embedding_scale is not None:
-            x = x * getattr(self, family.embedding_scale)
+        if self._embedding_scale is not None:
+            x = x * getattr(self, self._embedding_scale)
         # EAGLE-3: vLLM sets aux_hidden_state_layers (EagleModelMixin) on the bodies of the
         # families that declare it; the drafter then gets the depth mixtures there.
-        out, aux = run_decoder(self.residual, self.layers, names, positions, x,
+        out, aux = run_decoder(self.residual, self.layers, self._names, positions, x,
                                getattr(self, "aux_hidden_state_layers", ()))
         return (self.norm(out), aux) if aux else self.norm(out)
 
-    body = types.new_class(_body_name(model_type), (base,), exec_body=lambda ns: ns.update(
-        __init__=__init__, forward=forward, __module__=__name__, __doc__=_body_class.__doc__))
-    return support_torch_compile(dynamic_arg_dims=DYNAMIC_ARG_DIMS)(body)
+
+_compiled = support_torch_compile(dynamic_arg_dims=DYNAMIC_ARG_DIMS)
 
 
 class UpcycledCausalLM(nn.Module):
     """What every served upcycled family adds to vLLM's causal LM of that family (mixin)."""
 
-    body_class: type
+    body_class: type  # the family's UpcycledBody
     family: str  # the transformers model_type of the family
-    vllm_class: type  # vLLM's causal LM of the family (a base class)
+    vllm_class: type  # vLLM's causal LM of the family (the base class after this one)
     refused: dict[str, str]  # decoder.check_servable: what the family refuses, with the reason
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "family" not in cls.__dict__:
+            return
+        causal = cls.vllm_class = cls.__bases__[cls.__bases__.index(UpcycledCausalLM) + 1]
+        cls.refused = {}
+        if not supports_eagle3(causal):
+            cls.refused["eagle3"] = f"vLLM's {causal.__name__} does not run EAGLE-3 drafters"
+        if layout_of(cls.family).router is not None:
+            cls.refused["lora"] = "LoRA adapters on an upcycled mixture of experts are not tested"
+        if SERVED_FAMILIES[cls.family].no_float16:
+            cls.refused["float16"] = SERVED_FAMILIES[cls.family].no_float16
+        if cls.__doc__ is None:
+            cls.__doc__ = f"vLLM model for the {cls.__name__} architecture of attnres.upcycle."
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)  # the family's __init__ would build its own body
@@ -147,34 +175,167 @@ class UpcycledCausalLM(nn.Module):
         return loaded
 
 
-@functools.cache
+# The bodies: vLLM's body of each family with the residual and the AttnRes forward.
+@_compiled
+class AttnResLlamaModel(UpcycledBody, LlamaModel):
+    family = "llama"
+
+
+@_compiled
+class AttnResMistralModel(UpcycledBody, MistralModel):
+    family = "mistral"
+
+
+@_compiled
+class AttnResQwen2Model(UpcycledBody, Qwen2Model):
+    family = "qwen2"
+
+
+@_compiled
+class AttnResQwen3Model(UpcycledBody, Qwen3Model):
+    family = "qwen3"
+
+
+@_compiled
+class AttnResGemmaModel(UpcycledBody, GemmaModel):
+    family = "gemma"
+
+
+@_compiled
+class AttnResGemma2Model(UpcycledBody, Gemma2Model):
+    family = "gemma2"
+
+
+@_compiled
+class AttnResGemma3Model(UpcycledBody, Gemma3Model):
+    family = "gemma3_text"
+
+
+@_compiled
+class AttnResMixtralModel(UpcycledBody, MixtralModel):
+    family = "mixtral"
+
+
+@_compiled
+class AttnResQwen2MoeModel(UpcycledBody, Qwen2MoeModel):
+    family = "qwen2_moe"
+
+
+@_compiled
+class AttnResQwen3MoeModel(UpcycledBody, Qwen3MoeModel):
+    family = "qwen3_moe"
+
+
+@_compiled
+class AttnResOlmoeModel(UpcycledBody, OlmoeModel):
+    family = "olmoe"
+
+
+@_compiled
+class AttnResGptOssModel(UpcycledBody, GptOssModel):
+    family = "gpt_oss"
+
+
+@_compiled
+class AttnResDeepseekV2Model(UpcycledBody, DeepseekV2Model):
+    family = "deepseek_v2"  # DeepSeek-V3's too: its layout and vLLM's body are V2's
+
+
+@_compiled
+class AttnResGlm4MoeModel(UpcycledBody, Glm4MoeModel):
+    family = "glm4_moe"
+
+
+@_compiled
+class AttnResGraniteMoeModel(UpcycledBody, GraniteMoeModel):
+    family = "granitemoe"
+
+
+# The causal LMs, by the names attnres.upcycle saves in config.json's architectures.
+class AttnResLlamaForCausalLM(UpcycledCausalLM, LlamaForCausalLM):
+    family, body_class = "llama", AttnResLlamaModel
+
+
+class AttnResMistralForCausalLM(UpcycledCausalLM, MistralForCausalLM):
+    family, body_class = "mistral", AttnResMistralModel
+
+
+class AttnResQwen2ForCausalLM(UpcycledCausalLM, Qwen2ForCausalLM):
+    family, body_class = "qwen2", AttnResQwen2Model
+
+
+class AttnResQwen3ForCausalLM(UpcycledCausalLM, Qwen3ForCausalLM):
+    family, body_class = "qwen3", AttnResQwen3Model
+
+
+class AttnResGemmaForCausalLM(UpcycledCausalLM, GemmaForCausalLM):
+    family, body_class = "gemma", AttnResGemmaModel
+
+
+class AttnResGemma2ForCausalLM(UpcycledCausalLM, Gemma2ForCausalLM):
+    family, body_class = "gemma2", AttnResGemma2Model
+
+
+class AttnResGemma3ForCausalLM(UpcycledCausalLM, Gemma3ForCausalLM):
+    family, body_class = "gemma3_text", AttnResGemma3Model
+
+
+class AttnResMixtralForCausalLM(UpcycledCausalLM, MixtralForCausalLM):
+    family, body_class = "mixtral", AttnResMixtralModel
+
+
+class AttnResQwen2MoeForCausalLM(UpcycledCausalLM, Qwen2MoeForCausalLM):
+    family, body_class = "qwen2_moe", AttnResQwen2MoeModel
+
+
+class AttnResQwen3MoeForCausalLM(UpcycledCausalLM, Qwen3MoeForCausalLM):
+    family, body_class = "qwen3_moe", AttnResQwen3MoeModel
+
+
+class AttnResOlmoeForCausalLM(UpcycledCausalLM, OlmoeForCausalLM):
+    family, body_class = "olmoe", AttnResOlmoeModel
+
+
+class AttnResGptOssForCausalLM(UpcycledCausalLM, GptOssForCausalLM):
+    family, body_class = "gpt_oss", AttnResGptOssModel
+
+
+class AttnResDeepseekV2ForCausalLM(UpcycledCausalLM, DeepseekV2ForCausalLM):
+    family, body_class = "deepseek_v2", AttnResDeepseekV2Model
+
+
+class AttnResDeepseekV3ForCausalLM(UpcycledCausalLM, DeepseekV3ForCausalLM):
+    family, body_class = "deepseek_v3", AttnResDeepseekV2Model
+
+
+class AttnResGlm4MoeForCausalLM(UpcycledCausalLM, Glm4MoeForCausalLM):
+    family, body_class = "glm4_moe", AttnResGlm4MoeModel
+
+
+class AttnResGraniteMoeForCausalLM(UpcycledCausalLM, GraniteMoeForCausalLM):
+    family, body_class = "granitemoe", AttnResGraniteMoeModel
+
+
+_SERVED: dict[str, type] = {cls.family: cls for cls in UpcycledCausalLM.__subclasses__()}
+
+
+def _check_classes() -> None:
+    """The classes above are those :data:`SERVED_FAMILIES` names: every family, on vLLM's classes
+    of its row, under the names ``attnres.upcycle`` saves."""
+    if set(_SERVED) != set(SERVED_FAMILIES):
+        raise RuntimeError(f"attnres.serve.upcycled: classes for {sorted(_SERVED)}, table {sorted(SERVED_FAMILIES)}")
+    for model_type, family in SERVED_FAMILIES.items():
+        causal = _SERVED[model_type]
+        bases = {c.__name__ for c in causal.body_class.__mro__}
+        if causal.vllm_class.__name__ != family.causal_lm or family.body not in bases or \
+                causal.__name__ != upcycled_classes(model_type)[1].__name__:
+            raise RuntimeError(f"attnres.serve.upcycled: {causal.__name__} does not match SERVED_FAMILIES[{model_type!r}]")
+
+
+_check_classes()
+
+
 def served_classes(model_type: str) -> tuple[type, type]:
     """``(body, causal LM)``: the vLLM classes serving the upcycled ``model_type`` family."""
-    family = SERVED_FAMILIES[model_type]
-    module = importlib.import_module(f"vllm.model_executor.models.{family.vllm_module}")
-    causal = getattr(module, family.causal_lm)
-    body = _body_class(model_type, family)
-    name = upcycled_classes(model_type)[1].__name__
-    refused = {}
-    if not supports_eagle3(causal):
-        refused["eagle3"] = f"vLLM's {causal.__name__} does not run EAGLE-3 drafters"
-    if layout_of(model_type).router is not None:
-        refused["lora"] = "LoRA adapters on an upcycled mixture of experts are not tested"
-    if family.no_float16:
-        refused["float16"] = family.no_float16
-    model = types.new_class(name, (UpcycledCausalLM, causal), exec_body=lambda ns: ns.update(
-        body_class=body, family=model_type, vllm_class=causal, refused=refused, __module__=__name__,
-        __doc__=f"vLLM model for the {name} architecture of attnres.upcycle."))
-    return body, model
-
-
-def __getattr__(name: str) -> type:
-    # The generated classes by name: vLLM's lazy registration imports
-    # "attnres.serve.upcycled:AttnRes<Family>ForCausalLM", and pickling finds them so.
-    for model_type in SERVED_FAMILIES:
-        if upcycled_classes(model_type)[1].__name__ == name:
-            return served_classes(model_type)[1]
-        body = _body_name(model_type)
-        if body == name:
-            return served_classes(model_type)[0]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    causal = _SERVED[model_type]
+    return causal.body_class, causal

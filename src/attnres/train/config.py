@@ -11,6 +11,7 @@ from ..data.tokenizer import TOKENIZER_KINDS
 from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
+from ..models.hf_registry import hf_hook
 from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
 from .cpu_memory import CPU_ALLOCATORS
 
@@ -198,9 +199,7 @@ class TrainConfig:
             fail("TrainConfig", "model", "a ModelConfig", self.model)
         self.model.validate()
         if self.model.hf_architecture is not None and self.model.hf_config:
-            from ..models.families import check_hf_config  # needs transformers, as such a model does
-
-            check_hf_config(self.model)
+            hf_hook("check_config")(self.model)  # needs transformers, as such a model does
         if not isinstance(self.data, DataConfig):
             fail("TrainConfig", "data", "a DataConfig", self.data)
         self.data.validate()
@@ -310,9 +309,7 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
-            from ..models.families import model_fields_from_directory
-
-            return ModelConfig.from_dict(model_fields_from_directory(source)).replace(**fields)
+            return ModelConfig.from_dict(hf_hook("fields_from_directory")(source)).replace(**fields)
         # One rule for YAML and overrides: a model section starts from the default preset
         # unless it names another (``model.X=...`` on a config without a model does the same).
         return ModelConfig.preset(preset if preset is not None else DEFAULT_MODEL_PRESET, **fields)

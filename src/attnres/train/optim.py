@@ -68,7 +68,7 @@ def param_groups(model: nn.Module, weight_decay: float, muon: bool) -> list[dict
         seen.add(id(p))
         if p.dim() < 2:
             undecayed.append(p)
-        elif name.startswith(("layers.", "model.layers.")):  # native; a transformers family (attnres.models.families)
+        elif name.startswith(("layers.", "model.layers.")):  # native; a transformers family (attnres.hf.families)
             block_matrices.append(p)
         else:
             decayed.append(p)

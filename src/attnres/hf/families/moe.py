@@ -1,6 +1,6 @@
 """The routers of a mixture-of-experts family model, plain or AttnRes, and what they decide.
 
-:func:`moe_routers` finds them from the family's :class:`~attnres.models.families.layout.Router`
+:func:`moe_routers` finds them from the family's :class:`~attnres.hf.families.layout.Router`
 description; :class:`RouterRecorder` records, during forwards, each router's logits and the
 experts it selected (every supported router returns ``(logits, weights, selected)``).
 """

@@ -1,11 +1,12 @@
 """AttnRes around a ``transformers`` decoder's own attention and MLP (or mixture-of-experts)
 modules.
 
-For a supported family ``X`` (``llama``, ``qwen3``, ``qwen3_moe``, ...) this generates, once, a config class
-``AttnResXConfig`` (``X``'s config plus ``attnres_residual`` and ``attnres_exact_eps``, with
-``model_type = "attnres_X"``) and a model class ``AttnResXForCausalLM`` (``X``'s causal LM
-plus a ``residual`` module); :func:`register_families` registers both with the Auto classes
-(``import attnres.hf`` or ``attnres.upcycle`` calls it), so that a saved directory loads with
+For a supported family ``X`` (``llama``, ``qwen3``, ``qwen3_moe``, ...) :mod:`.classes` writes out
+a config class ``AttnResXConfig`` (``X``'s config plus ``attnres_residual`` and
+``attnres_exact_eps``, with ``model_type = "attnres_X"``) and a model class
+``AttnResXForCausalLM`` (``X``'s causal LM plus a ``residual`` module) over the mixins here
+(:class:`UpcycledConfigMixin`, :class:`UpcycledModelMixin`); its :func:`register_families`
+registers both with the Auto classes (``import attnres.hf`` calls it), so that a saved directory loads with
 ``AutoModelForCausalLM.from_pretrained``, no ``trust_remote_code``. Parameter names are ``X``'s own plus ``residual.*``, so a pretrained
 ``X`` checkpoint loads into the AttnRes model as it is (the residual starts at its faithful
 init: zero pseudo-queries, unit key-norm gains).
@@ -32,15 +33,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
-from ..saved_config import check_saved_config, config_source
-from .layout import FAMILIES, PREFIX, Layout, family_of, layout_of
+from ...models.saved_config import check_saved_config, config_source
+from .layout import PREFIX, Layout, family_of, layout_of
 
-__all__ = ["upcycled_classes", "register_families", "init_missing_tensors", "adjust_eps", "UpcycledModelMixin", "PREFIX"]
+__all__ = ["init_missing_tensors", "adjust_eps", "UpcycledConfigMixin", "UpcycledModelMixin", "SAVED_FIELDS", "PREFIX"]
 
 _EPS_NAMES = ("variance_epsilon", "eps")
 
@@ -267,69 +265,3 @@ class UpcycledModelMixin:
             super().initialize_weights()
         finally:
             self.__dict__.pop("_fresh_residual", None)
-
-
-@functools.cache
-def upcycled_classes(model_type: str) -> tuple[type, type]:
-    """``(config class, causal-LM class)`` of the AttnRes version of family ``model_type``."""
-    layout_of(model_type)  # refuses unsupported families with the reason
-    base_config = CONFIG_MAPPING[model_type]
-    base_model = MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
-
-    def config_body(ns: dict[str, Any]) -> None:
-        ns.update(
-            __annotations__={"attnres_residual": "dict | None", "attnres_exact_eps": "bool"},
-            attnres_residual=None,
-            attnres_exact_eps=False,
-            model_type=PREFIX + model_type,
-            architecture=f"AttnRes{base_model.__name__}",  # the model class below
-            __module__=__name__,
-        )
-
-    config_cls = types.new_class(f"AttnRes{base_config.__name__}", (UpcycledConfigMixin, base_config), exec_body=config_body)
-    model_cls = types.new_class(f"AttnRes{base_model.__name__}", (UpcycledModelMixin, base_model), exec_body=lambda ns: ns.update(
-        config_class=config_cls, __module__=__name__))
-    return config_cls, model_cls
-
-
-def register_families() -> None:
-    """Register every supported family's AttnRes classes with the Auto classes, and the
-    family's checkpoint conversion (idempotent)."""
-    for model_type in FAMILIES:
-        config_cls, model_cls = upcycled_classes(model_type)
-        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
-        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
-        _share_weight_conversion(model_type)
-
-
-def _share_weight_conversion(model_type: str) -> None:
-    """Give ``attnres_X`` the weight conversion of family ``X``. transformers 5 keeps the
-    experts of a mixture of experts fused in memory (one ``[n_experts, ...]`` tensor) and
-    converts them from and to the per-expert tensors of the family's checkpoints by
-    ``model_type``; without this, an original checkpoint would not fill the AttnRes model's
-    experts, and an AttnRes model would save experts it cannot load back."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
-    except ImportError:  # releases before checkpoint conversions convert nothing
-        return
-    mapping = get_checkpoint_conversion_mapping(model_type)
-    if mapping:
-        register_checkpoint_conversion_mapping(PREFIX + model_type, mapping, overwrite=True)
-
-
-def upcycled_config(base: PretrainedConfig, residual: ResidualConfig, exact_eps: bool) -> PretrainedConfig:
-    """The AttnRes version of ``base`` (a supported family's config)."""
-    config_cls, _ = upcycled_classes(base.model_type)
-    fields = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version", "architectures")}
-    return config_cls(**fields, attnres_residual=residual.to_dict(), attnres_exact_eps=exact_eps)
-
-
-def __getattr__(name: str) -> type:
-    # The generated classes by name, so that they pickle (vLLM sends the config to its engine
-    # processes): ``AttnResLlamaConfig``, ``AttnResLlamaForCausalLM``, ...
-    for model_type in FAMILIES:
-        classes = upcycled_classes(model_type)
-        for cls in classes:
-            if cls.__name__ == name:
-                return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,30 +1,33 @@
 """AttnRes models built from a ``transformers`` decoder family's own modules (needs
 ``transformers``): what a ``ModelConfig`` with ``hf_architecture`` describes.
 
-* :mod:`~attnres.models.families.layout` - the supported families and where their pre-norms
+* :mod:`~attnres.hf.families.layout` - the supported families and where their pre-norms
   (and a mixture of experts' router) are;
-* :mod:`~attnres.models.families.moe` - a mixture of experts' routers and what they chose in a
+* :mod:`~attnres.hf.families.moe` - a mixture of experts' routers and what they chose in a
   forward (:class:`RouterRecorder`, for the expert-load analysis);
-* :mod:`~attnres.models.families.tiny` - tiny random models of every family (tests,
-  exactness measurements);
-* :mod:`~attnres.models.families.modeling` - the generated ``AttnRes<Family>`` config and
-  causal-LM classes (:func:`upcycled_classes`), and :func:`register_families`, which
-  registers them with the ``transformers`` Auto classes (``attnres.hf`` and
-  ``attnres.upcycle`` call it when imported; nothing here does at import);
-* :mod:`~attnres.models.families.build` - ``ModelConfig`` <-> family config:
+* :mod:`~attnres.hf.families.modeling` - what the AttnRes version of a family's config and
+  causal LM add (the mixins), and the decoder layers' AttnRes forward;
+* :mod:`~attnres.hf.families.classes` - the ``AttnRes<Family>`` config and causal-LM classes,
+  written out (:func:`upcycled_classes`), and :func:`register_families`, which
+  registers them with the ``transformers`` Auto classes (``attnres.hf`` calls it when
+  imported; nothing here does at import);
+* :mod:`~attnres.hf.families.build` - ``ModelConfig`` <-> family config:
   :func:`build_hf_model` (a fresh model) and :func:`model_fields_from_directory`
   (``model.from_hf=DIR``).
 
-Converting a pretrained family checkpoint is :mod:`attnres.upcycle`'s, on top of these.
+Converting a pretrained family checkpoint is :mod:`attnres.hf.upcycle`'s, on top of these; the
+torch-only core reaches these through :mod:`attnres.models.hf_registry`.
 """
 
 from .build import build_hf_model, check_hf_config, hf_config_of, model_fields_from_directory, model_fields_of
 from .layout import CHECKED_WITH, FAMILIES, REFUSED, Layout, Router, family_of, layout_of
 from .moe import RouterRecorder, moe_routers
-from .modeling import PREFIX, UpcycledModelMixin, init_missing_tensors, register_families, upcycled_classes, upcycled_config
+from .classes import CLASSES, register_families, upcycled_classes, upcycled_config
+from .modeling import PREFIX, UpcycledModelMixin, init_missing_tensors
 
 __all__ = [
     "CHECKED_WITH",
+    "CLASSES",
     "FAMILIES",
     "PREFIX",
     "REFUSED",

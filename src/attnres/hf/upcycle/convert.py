@@ -7,9 +7,9 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from ..nn.residual import ResidualConfig
-from ..nn.residual.config import merge_residual
-from ..models.families import layout_of, upcycled_classes, upcycled_config
+from ...nn.residual import ResidualConfig
+from ...nn.residual.config import merge_residual
+from ..families import layout_of, upcycled_classes, upcycled_config
 
 __all__ = ["upcycle"]
 

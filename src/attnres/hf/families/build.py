@@ -10,7 +10,8 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from ...nn.residual import ResidualConfig
-from .modeling import PREFIX, register_families, upcycled_classes
+from .classes import register_families, upcycled_classes
+from .modeling import PREFIX
 
 __all__ = ["build_hf_model", "check_hf_config", "hf_config_of", "model_fields_of", "model_fields_from_directory"]
 

@@ -3,12 +3,12 @@
 ``upcycle(model, residual="attnres_block", block_size=None)`` turns a pretrained causal LM of
 a supported family - dense or mixture of experts - into an AttnRes model that computes the
 same function at conversion (docs/upcycling.md). The generated ``AttnRes<Family>`` classes are
-models (:mod:`attnres.models.families`, which also serve training those architectures from
+models (:mod:`attnres.hf.families`, which also serve training those architectures from
 scratch with AttnRes); importing this module registers them with the ``transformers`` Auto
 classes.
 """
 
-from ..models.families import (
+from ..families import (
     CHECKED_WITH,
     FAMILIES,
     PREFIX,

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..extras import install_command
-from ..output_paths import check_output_dir
+from ...extras import install_command
+from ...output_paths import check_output_dir
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -72,10 +72,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.j
 
 def check_layout(source: Path, kw: dict[str, Any]) -> None:
     """Raise ``ValueError`` when the model of ``source`` is of a family that cannot be
-    upcycled (read from its config alone; see :func:`attnres.models.families.layout_of`)."""
+    upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`)."""
     from transformers import AutoConfig
 
-    from ..models.families import layout_of
+    from ..families import layout_of
 
     try:
         config = AutoConfig.from_pretrained(source, **kw)
