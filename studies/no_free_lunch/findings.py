@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .nfl_models import VARIANTS
+from .models import VARIANTS
 
 __all__ = [
     "MIN_SEEDS", "METRICS", "STATUSES", "Verdict", "Claim", "index_records", "paired_deltas", "verdict",
