@@ -162,18 +162,39 @@ def _cells_text(items: list[tuple[str, Verdict]]) -> str:
     return "; ".join(f"{label}: {v.short()}" for label, v in items)
 
 
-def _trend(index, norm, variant, lo: int, hi: int, lam: float, metric: str, min_seeds: int) -> Verdict:
-    """Per seed, the gap at depth ``hi`` minus the gap at depth ``lo``."""
-    a = paired_deltas(index, norm, variant, hi, lam, metric)
-    b = paired_deltas(index, norm, variant, lo, lam, metric)
-    return verdict([a[s] - b[s] for s in sorted(set(a) & set(b))], min_seeds)
+@dataclass(frozen=True)
+class _Grid:
+    """The indexed records and the axes they span, with the comparisons the claims read."""
 
+    index: dict[Key, dict[int, dict[str, Any]]]
+    norms: list[str]
+    variants: list[str]
+    depths: list[int]
+    lams: list[float]
+    min_seeds: int
 
-def _widening(index, norm, variant, lo: int, hi: int, lam: float, metric: str, min_seeds: int) -> Verdict:
-    """Per seed, ``|gap at depth hi| - |gap at depth lo|`` (positive: the gap widens)."""
-    a = paired_deltas(index, norm, variant, hi, lam, metric)
-    b = paired_deltas(index, norm, variant, lo, lam, metric)
-    return verdict([abs(a[s]) - abs(b[s]) for s in sorted(set(a) & set(b))], min_seeds)
+    @property
+    def attnres(self) -> list[str]:
+        return [v for v in ("full", "block") if v in self.variants]
+
+    def cell(self, norm: str, variant: str, depth: int, lam: float, metric: str, reference: str = "standard") -> Verdict:
+        """One cell: ``variant`` against ``reference`` over the paired seeds."""
+        deltas = paired_deltas(self.index, norm, variant, depth, lam, metric, reference)
+        return verdict(deltas.values(), self.min_seeds)
+
+    def _depth_pairs(self, norm: str, variant: str, lam: float, metric: str) -> list[tuple[float, float]]:
+        """Per seed, (gap at the shallowest depth, gap at the deepest)."""
+        lo = paired_deltas(self.index, norm, variant, self.depths[0], lam, metric)
+        hi = paired_deltas(self.index, norm, variant, self.depths[-1], lam, metric)
+        return [(lo[s], hi[s]) for s in sorted(set(lo) & set(hi))]
+
+    def trend(self, norm: str, variant: str, lam: float, metric: str) -> Verdict:
+        """Per seed, the gap at the deepest depth minus the gap at the shallowest."""
+        return verdict([hi - lo for lo, hi in self._depth_pairs(norm, variant, lam, metric)], self.min_seeds)
+
+    def widening(self, norm: str, variant: str, lam: float, metric: str) -> Verdict:
+        """Per seed, ``|gap at the deepest| - |gap at the shallowest|`` (positive: the gap widens)."""
+        return verdict([abs(hi) - abs(lo) for lo, hi in self._depth_pairs(norm, variant, lam, metric)], self.min_seeds)
 
 
 def compute_findings(records: Iterable[dict[str, Any]], min_seeds: int = MIN_SEEDS) -> list[Claim]:
@@ -182,92 +203,131 @@ def compute_findings(records: Iterable[dict[str, Any]], min_seeds: int = MIN_SEE
     norms, variants, depths, lams = _axes(index)
     if "standard" not in variants or not depths or not lams:
         return []
-    lam0, lam1, d_lo, d_hi = lams[0], lams[-1], depths[0], depths[-1]
-    attnres = [v for v in ("full", "block") if v in variants]
-    claims: list[Claim] = []
+    grid = _Grid(index, norms, variants, depths, lams, min_seeds)
+    return [*_critique_claims(grid), *_revision_claims(grid), *_mechanism_claims(grid)]
 
-    def cell(norm, variant, depth, lam, metric, reference="standard") -> Verdict:
-        return verdict(paired_deltas(index, norm, variant, depth, lam, metric, reference).values(), min_seeds)
 
-    for norm in norms:
-        for v in attnres:
-            struct = [(f"depth {d}", cell(norm, v, d, lam0, "test_loss")) for d in depths]
-            claims.append(Claim("critique", f"AttnRes wins on the structured task (test loss at λ = {lam0:g})", v, norm,
-                                claim_status([x.sign for _, x in struct], -1), _cells_text(struct)))
-            if d_hi != d_lo:
-                t = _trend(index, norm, v, d_lo, d_hi, lam0, "test_loss", min_seeds)
-                claims.append(Claim("critique", f"... and by more as depth grows: the structured-task gap moves in "
-                                    f"AttnRes's favour from depth {d_lo} to {d_hi} (gap at depth {d_hi} minus gap at "
-                                    f"depth {d_lo}, per seed; λ = {lam0:g}, test loss; a trend, whoever leads)", v, norm,
-                                    claim_status([t.sign], -1), t.short().replace("lower", "more negative")))
-            mem = [(f"depth {d}", cell(norm, v, d, lam1, "train_loss")) for d in depths]
-            claims.append(Claim("critique", f"the standard residual wins on memorisation (train loss at λ = {lam1:g})", v,
-                                norm, claim_status([x.sign for _, x in mem], +1), _cells_text(mem)))
-            if d_hi != d_lo:
-                t = _trend(index, norm, v, d_lo, d_hi, lam1, "train_loss", min_seeds)
-                claims.append(Claim("critique", f"... the memorisation gap moving in the standard residual's favour with "
-                                    f"depth (gap at depth {d_hi} minus gap at depth {d_lo}, per seed; λ = {lam1:g}, "
-                                    f"train loss; a trend, whoever leads)", v, norm,
-                                    claim_status([t.sign], +1), t.short().replace("lower", "more negative")))
-                ends = [(f"λ = {lam0:g} test", _widening(index, norm, v, d_lo, d_hi, lam0, "test_loss", min_seeds)),
-                        (f"λ = {lam1:g} train", _widening(index, norm, v, d_lo, d_hi, lam1, "train_loss", min_seeds))]
-                claims.append(Claim("critique", f"about equal at depth {d_lo}, the gaps wider at depth {d_hi} (per seed "
-                                    f"|gap at {d_hi}| − |gap at {d_lo}|, at both ends)", v, norm,
-                                    claim_status([x.sign for _, x in ends], +1),
-                                    _cells_text(ends).replace("lower", "narrower at the deeper stack")))
+def _critique_claims(g: _Grid) -> list[Claim]:
+    """The critique's claims, per norm setting and AttnRes variant."""
+    claims = []
+    for norm in g.norms:
+        for v in g.attnres:
+            claims += _structured_task_claims(g, norm, v) + _memorisation_claims(g, norm, v)
+    return claims
 
-    cells_of = {}
-    for norm in norms:
-        items = []
-        for v in attnres:
-            for d in depths:
-                for lam in lams:
-                    items.append((f"{v} d{d} λ{lam:g} train", cell(norm, v, d, lam, "train_loss")))
-                    if lam < 1.0:
-                        items.append((f"{v} d{d} λ{lam:g} test", cell(norm, v, d, lam, "test_loss")))
-        cells_of[norm] = items
 
-    def tally(items) -> str:
-        won = [k for k, x in items if x.sign < 0]
-        lost = [k for k, x in items if x.sign > 0]
-        text = f"{len(won)} of {len(items)} cells decided for AttnRes, {len(lost)} for the standard residual"
-        return text + (f" ({', '.join(lost)})" if lost else "")
+def _structured_task_claims(g: _Grid, norm: str, v: str) -> list[Claim]:
+    lam0, d_lo, d_hi = g.lams[0], g.depths[0], g.depths[-1]
+    struct = [(f"depth {d}", g.cell(norm, v, d, lam0, "test_loss")) for d in g.depths]
+    claims = [Claim("critique", f"AttnRes wins on the structured task (test loss at λ = {lam0:g})", v, norm,
+                    claim_status([x.sign for _, x in struct], -1), _cells_text(struct))]
+    if d_hi != d_lo:
+        t = g.trend(norm, v, lam0, "test_loss")
+        claims.append(Claim("critique", f"... and by more as depth grows: the structured-task gap moves in "
+                            f"AttnRes's favour from depth {d_lo} to {d_hi} (gap at depth {d_hi} minus gap at "
+                            f"depth {d_lo}, per seed; λ = {lam0:g}, test loss; a trend, whoever leads)", v, norm,
+                            claim_status([t.sign], -1), t.short().replace("lower", "more negative")))
+    return claims
 
-    if "prenorm" in cells_of and attnres:
+
+def _memorisation_claims(g: _Grid, norm: str, v: str) -> list[Claim]:
+    lam0, lam1, d_lo, d_hi = g.lams[0], g.lams[-1], g.depths[0], g.depths[-1]
+    mem = [(f"depth {d}", g.cell(norm, v, d, lam1, "train_loss")) for d in g.depths]
+    claims = [Claim("critique", f"the standard residual wins on memorisation (train loss at λ = {lam1:g})", v,
+                    norm, claim_status([x.sign for _, x in mem], +1), _cells_text(mem))]
+    if d_hi == d_lo:
+        return claims
+    t = g.trend(norm, v, lam1, "train_loss")
+    claims.append(Claim("critique", f"... the memorisation gap moving in the standard residual's favour with "
+                        f"depth (gap at depth {d_hi} minus gap at depth {d_lo}, per seed; λ = {lam1:g}, "
+                        f"train loss; a trend, whoever leads)", v, norm,
+                        claim_status([t.sign], +1), t.short().replace("lower", "more negative")))
+    ends = [(f"λ = {lam0:g} test", g.widening(norm, v, lam0, "test_loss")),
+            (f"λ = {lam1:g} train", g.widening(norm, v, lam1, "train_loss"))]
+    claims.append(Claim("critique", f"about equal at depth {d_lo}, the gaps wider at depth {d_hi} (per seed "
+                        f"|gap at {d_hi}| − |gap at {d_lo}|, at both ends)", v, norm,
+                        claim_status([x.sign for _, x in ends], +1),
+                        _cells_text(ends).replace("lower", "narrower at the deeper stack")))
+    return claims
+
+
+def _revision_cells(g: _Grid, norm: str) -> list[tuple[str, Verdict]]:
+    """Every AttnRes cell of ``norm``: train loss at every λ, test loss where there is structure."""
+    items = []
+    for v in g.attnres:
+        for d in g.depths:
+            for lam in g.lams:
+                items.append((f"{v} d{d} λ{lam:g} train", g.cell(norm, v, d, lam, "train_loss")))
+                if lam < 1.0:
+                    items.append((f"{v} d{d} λ{lam:g} test", g.cell(norm, v, d, lam, "test_loss")))
+    return items
+
+
+def _tally(items: list[tuple[str, Verdict]]) -> str:
+    won = [k for k, x in items if x.sign < 0]
+    lost = [k for k, x in items if x.sign > 0]
+    text = f"{len(won)} of {len(items)} cells decided for AttnRes, {len(lost)} for the standard residual"
+    return text + (f" ({', '.join(lost)})" if lost else "")
+
+
+def _revision_claims(g: _Grid) -> list[Claim]:
+    """The revision's claims: PreNorm AttnRes wins everywhere; its losses come from no norm."""
+    if not g.attnres:
+        return []
+    cells_of = {norm: _revision_cells(g, norm) for norm in g.norms}
+    variants = "+".join(g.attnres)
+    claims = []
+    if "prenorm" in cells_of:
         items = cells_of["prenorm"]
         claims.append(Claim("revision", "with PreNorm AttnRes wins on every task (train loss at every λ, test loss "
-                            "where there is structure, λ < 1)", "+".join(attnres), "prenorm",
-                            claim_status([x.sign for _, x in items], -1), tally(items)))
-    if "prenorm" in cells_of and "no_norm" in cells_of and attnres:
+                            "where there is structure, λ < 1)", variants, "prenorm",
+                            claim_status([x.sign for _, x in items], -1), _tally(items)))
+    if "prenorm" in cells_of and "no_norm" in cells_of:
         lost = {n: sum(1 for _, x in cells_of[n] if x.sign > 0) for n in ("prenorm", "no_norm")}
-        if lost["prenorm"] == 0 and lost["no_norm"] == 0:
-            status, ev = "no claim", "AttnRes loses no decided cell in either setting: there are no losses to attribute"
-        elif lost["prenorm"] == 0:
-            status, ev = "holds", f"cells decided for the standard residual: {lost['no_norm']} without norm, 0 with PreNorm"
-        elif lost["no_norm"] == 0:
-            status, ev = "contradicted", f"cells decided for the standard residual: 0 without norm, {lost['prenorm']} with PreNorm"
-        else:
-            status = "contradicted in part"
-            ev = f"cells decided for the standard residual: {lost['no_norm']} without norm, {lost['prenorm']} with PreNorm"
+        status, ev = _attribution(lost["prenorm"], lost["no_norm"])
         claims.append(Claim("revision", "AttnRes's losses come from the setting without normalisation",
-                            "+".join(attnres), "", status, ev))
-
-    if "full_sigmoid" in variants and "full" in variants:
-        for norm in norms:
-            vs_full = [(f"depth {d}", cell(norm, "full_sigmoid", d, lam1, "train_loss", reference="full")) for d in depths]
-            claims.append(Claim("mechanism", f"removing the sum-to-one constraint (sigmoid weights) helps memorisation: "
-                                f"train loss at λ = {lam1:g}, sigmoid vs softmax Full AttnRes", "full_sigmoid", norm,
-                                claim_status([x.sign for _, x in vs_full], -1), _cells_text(vs_full)))
-            full_lost = [(d, lam) for d in depths for lam in lams if cell(norm, "full", d, lam, "train_loss").sign > 0]
-            if not full_lost:
-                claims.append(Claim("mechanism", "where softmax Full AttnRes loses to the standard residual on train "
-                                    "loss, sigmoid weights close the gap", "full_sigmoid", norm, "no claim",
-                                    "softmax Full AttnRes loses no decided train-loss cell here: there is no loss for "
-                                    "the mechanism to explain"))
-            else:
-                rec = [(f"d{d} λ{lam:g}", cell(norm, "full_sigmoid", d, lam, "train_loss", reference="full"))
-                       for d, lam in full_lost]
-                claims.append(Claim("mechanism", "where softmax Full AttnRes loses to the standard residual on train "
-                                    "loss, sigmoid weights close the gap (sigmoid vs softmax Full)", "full_sigmoid",
-                                    norm, claim_status([x.sign for _, x in rec], -1), _cells_text(rec)))
+                            variants, "", status, ev))
     return claims
+
+
+def _attribution(prenorm: int, no_norm: int) -> tuple[str, str]:
+    """Status and evidence of "the losses come from no norm", from the cells lost in each setting."""
+    if prenorm == 0 and no_norm == 0:
+        return "no claim", "AttnRes loses no decided cell in either setting: there are no losses to attribute"
+    counts = f"cells decided for the standard residual: {no_norm} without norm, {prenorm} with PreNorm"
+    if prenorm == 0:
+        return "holds", counts
+    if no_norm == 0:
+        return "contradicted", counts
+    return "contradicted in part", counts
+
+
+def _mechanism_claims(g: _Grid) -> list[Claim]:
+    """The stated mechanism (the sum-to-one cap), read off the sigmoid variant against softmax Full."""
+    if "full_sigmoid" not in g.variants or "full" not in g.variants:
+        return []
+    lam1 = g.lams[-1]
+    claims = []
+    for norm in g.norms:
+        vs_full = [(f"depth {d}", g.cell(norm, "full_sigmoid", d, lam1, "train_loss", reference="full"))
+                   for d in g.depths]
+        claims.append(Claim("mechanism", f"removing the sum-to-one constraint (sigmoid weights) helps memorisation: "
+                            f"train loss at λ = {lam1:g}, sigmoid vs softmax Full AttnRes", "full_sigmoid", norm,
+                            claim_status([x.sign for _, x in vs_full], -1), _cells_text(vs_full)))
+        full_lost = [(d, lam) for d in g.depths for lam in g.lams if g.cell(norm, "full", d, lam, "train_loss").sign > 0]
+        claims.append(_gap_closing_claim(g, norm, full_lost))
+    return claims
+
+
+def _gap_closing_claim(g: _Grid, norm: str, full_lost: list[tuple[int, float]]) -> Claim:
+    """Where softmax Full AttnRes loses to the standard residual on train loss (``full_lost``),
+    does the sigmoid variant do better than softmax Full?"""
+    statement = "where softmax Full AttnRes loses to the standard residual on train loss, sigmoid weights close the gap"
+    if not full_lost:
+        return Claim("mechanism", statement, "full_sigmoid", norm, "no claim",
+                     "softmax Full AttnRes loses no decided train-loss cell here: there is no loss for "
+                     "the mechanism to explain")
+    rec = [(f"d{d} λ{lam:g}", g.cell(norm, "full_sigmoid", d, lam, "train_loss", reference="full"))
+           for d, lam in full_lost]
+    return Claim("mechanism", statement + " (sigmoid vs softmax Full)", "full_sigmoid", norm,
+                 claim_status([x.sign for _, x in rec], -1), _cells_text(rec))
