@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from attnres.experiments import get_experiment
-from attnres.experiments.runner import run_config
+from attnres.experiments.job.runner import run_config
 from attnres.models import AttnResLM
 from attnres.train.optim import build_optimizer
 

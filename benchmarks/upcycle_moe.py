@@ -198,7 +198,7 @@ def main() -> int:
 
 
 def run_all(args, work: Path, out: Path) -> dict:
-    from attnres.experiments.analyze import analysis_tokens
+    from attnres.experiments.job.analyze import analysis_tokens
     from attnres.inference.loading import load_run
 
     t0 = time.process_time()
@@ -219,7 +219,7 @@ def run_all(args, work: Path, out: Path) -> dict:
         results["seeds"][str(seed)] = {"curves": {n: _curves(r) for n, r in runs.items()},
                                        "routing": routing_over_training(runs, dirs, steps, tokens)}
         if seed == args.seeds[0]:  # attnres analyze on the final checkpoints: depth mixing, expert load
-            from attnres.experiments.analyze import write_analysis
+            from attnres.experiments.job.analyze import write_analysis
 
             write_analysis(runs["block"], runs["original"], out / "analysis", rows=args.rows, seq_len=args.seq_len)
     results["cpu_seconds"] = round(time.process_time() - t0)

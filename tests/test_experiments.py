@@ -56,7 +56,7 @@ def test_cli_lists_every_experiment():
 
 @pytest.mark.parametrize(("name", "preset"), [(n, p) for n in EXPERIMENTS for p in PRESETS[n]])
 def test_presets_build_valid_configs(name, preset, tmp_path):
-    from attnres.experiments.runner import run_config
+    from attnres.experiments.job.runner import run_config
 
     exp = get_experiment(name, preset)
     names = [v.name for v in exp.variants]
@@ -85,8 +85,8 @@ def test_scaling_preset_follows_the_report_recipe():
     least 4x in non-embedding parameters, train a fixed number of tokens per parameter each,
     and Block AttnRes keeps S >= 2 with N = ceil(L / S) blocks."""
     from attnres.experiments.flops import non_embedding_parameters
-    from attnres.experiments.presets import _SCALING, block_size_for
-    from attnres.experiments.runner import run_config
+    from attnres.experiments.job.presets import _SCALING, block_size_for
+    from attnres.experiments.job.runner import run_config
 
     exp = get_experiment("scaling", "cpu")
     sizes = sorted({v.coords["size"] for v in exp.variants})
@@ -264,7 +264,7 @@ def test_compare_end_to_end(corpus, tmp_path):
 def test_compare_reads_losses_at_equal_compute():
     """AttnRes costs more FLOPs per step: at the baseline's total compute its loss is read off
     its curve at an earlier step, linearly interpolated between evaluations."""
-    from attnres.experiments.compare import BASELINE, Run, _equal_compute_losses
+    from attnres.experiments.job.compare import BASELINE, Run, _equal_compute_losses
 
     def run(variant, flops_per_step, seed=0):
         rec = {"variant": variant, "seed": seed, "steps": 100, "flops": 100 * flops_per_step, "val_loss": 2.0}
@@ -280,7 +280,7 @@ def test_compare_reads_losses_at_equal_compute():
 def test_compare_reads_losses_at_equal_time():
     """With step-time ratios measured side by side, a model whose step costs 1.25 baseline
     steps is read at step 100 / 1.25 = 80 of its curve; models without a ratio are left out."""
-    from attnres.experiments.compare import BASELINE, Run, _equal_time_losses
+    from attnres.experiments.job.compare import BASELINE, Run, _equal_time_losses
 
     def run(variant):
         rec = {"variant": variant, "seed": 3, "steps": 100, "flops": 100.0, "val_loss": 2.0}
@@ -295,8 +295,8 @@ def test_the_noise_of_a_step_time_ratio():
     """The median's 95 % interval by order statistics, widened to the A/A twin's distance from 1;
     an effect within the spread is too noisy (a nan is too)."""
     from attnres.analysis.profiling import median_interval
-    from attnres.experiments.compare import too_noisy
-    from attnres.experiments.overhead import timing_noise
+    from attnres.experiments.job.compare import too_noisy
+    from attnres.experiments.job.overhead import timing_noise
 
     assert median_interval([float(v) for v in range(10, 0, -1)]) == (2.0, 9.0)  # n = 10: 2nd and 9th, 97.9 %
     assert median_interval(list(range(12))) == (2, 9) and median_interval([3, 1, 2]) == (1, 3)
@@ -309,7 +309,7 @@ def test_the_noise_of_a_step_time_ratio():
 def test_equal_time_is_too_noisy_when_the_ratio_noise_moves_the_gap_more_than_the_gap():
     """The equal-time gap read at the ratio and at ratio ± noise: a loaded machine's wide noise
     makes the finding say "too noisy" instead of drawing the conclusion."""
-    from attnres.experiments.compare import BASELINE, Run, _findings, equal_time_noise, too_noisy
+    from attnres.experiments.job.compare import BASELINE, Run, _findings, equal_time_noise, too_noisy
 
     def run(variant, losses):
         rec = {"variant": variant, "seed": 0, "steps": 100, "flops": 100.0, "val_loss": losses[-1]}
@@ -334,7 +334,7 @@ def test_equal_time_is_too_noisy_when_the_ratio_noise_moves_the_gap_more_than_th
 def test_compare_finds_how_the_gap_moves_during_the_decay(tmp_path):
     """Report Fig. 5a: the gap to the baseline at the step the WSD decay starts (read off the
     curves, from the runs' config.json) against the gap at the end, paired by seed."""
-    from attnres.experiments.compare import BASELINE, Run, _decay_gap_findings, decay_start
+    from attnres.experiments.job.compare import BASELINE, Run, _decay_gap_findings, decay_start
 
     def run(variant, seed, losses):
         rec = {"variant": variant, "seed": seed, "steps": 100, "flops": 100.0, "val_loss": losses[-1]}
@@ -409,7 +409,7 @@ def test_variants_option_trains_only_the_named_variants(corpus, tmp_path):
 
 def _runs_of(losses: dict[str, list[float]], steps: list[int]):
     """``Run`` s with the given validation losses per seed (one list entry per seed) at ``steps``."""
-    from attnres.experiments.compare import Run
+    from attnres.experiments.job.compare import Run
 
     return {name: [Run({"variant": name, "seed": k, "steps": steps[-1], "flops": 100.0 * steps[-1],
                         "val_loss": curve[-1]}, eval_steps=list(steps), val_loss=list(curve))
@@ -418,7 +418,7 @@ def _runs_of(losses: dict[str, list[float]], steps: list[int]):
 
 
 def test_findings_claim_no_ordering_from_fewer_than_three_seeds():
-    from attnres.experiments.compare import _findings
+    from attnres.experiments.job.compare import _findings
 
     def gaps(n):
         return {"block": {"steps": [-0.05] * n}}
@@ -451,7 +451,7 @@ def test_val_loss_plot_draws_curves_of_a_single_evaluation(tmp_path, monkeypatch
     import matplotlib
 
     matplotlib.use("Agg")
-    from attnres.experiments.compare import _plot_val_loss
+    from attnres.experiments.job.compare import _plot_val_loss
 
     saved = _saved_figures(monkeypatch)
     _plot_val_loss(_runs_of({"standard": [[2.0]], "block": [[1.9]]}, [4]), tmp_path / "val_loss.png")
@@ -466,7 +466,7 @@ def test_depth_weight_heatmaps_have_integer_source_ticks(tmp_path, monkeypatch):
     import matplotlib
 
     matplotlib.use("Agg")
-    from attnres.experiments.compare import _plot_depth_weights
+    from attnres.experiments.job.compare import _plot_depth_weights
 
     groups = _runs_of({"full": [[2.0]]}, [4])
     n = 3  # 1 transformer block: 2 sublayers and the output, over up to 3 sources (auto ticks: 0, 0.5, 1, ...)

@@ -462,7 +462,7 @@ def test_the_transformer_block_axis_has_whole_ticks(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from attnres.experiments.compare import Run, _plot_magnitudes
+    from attnres.experiments.job.compare import Run, _plot_magnitudes
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)

@@ -55,7 +55,6 @@ COMMANDS = {  # command line -> the extra it must name
     "generate --checkpoint {run} --prompt hi": "train",
     "compare --preset tiny --out {tmp}/cmp": "experiments",
     "experiment ablation --preset tiny --out {tmp}/ab": "experiments",
-    "experiment no-free-lunch --preset tiny --out {tmp}/nfl": "experiments",
     "analyze --checkpoint {run}": "experiments",
     "export --checkpoint {run} --out {tmp}/hf": "hf",
     "eval --checkpoint {run}": "hf",

@@ -16,10 +16,10 @@ pytest.importorskip("scipy")
 pytest.importorskip("matplotlib")
 
 from attnres.experiments import get_experiment, run_experiment  # noqa: E402
-from attnres.experiments.multiplier import ladder_crossing, ladder_loss, seed_multipliers  # noqa: E402
-from attnres.experiments.multiplier_report import compare_arms, multiplier_section  # noqa: E402
-from attnres.experiments.presets import multiplier_grid  # noqa: E402
-from attnres.experiments.runner import run_config  # noqa: E402
+from attnres.experiments.grids.multiplier import ladder_crossing, ladder_loss, seed_multipliers  # noqa: E402
+from attnres.experiments.grids.multiplier_report import compare_arms, multiplier_section  # noqa: E402
+from attnres.experiments.job.presets import multiplier_grid  # noqa: E402
+from attnres.experiments.job.runner import run_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,8 +164,8 @@ def test_the_stable_phase_reading_recovers_a_known_multiplier_along_one_curve():
     """compare's reading along the constant-learning-rate phase: a standard run on a power law
     in steps and an AttnRes run that is worth 1.2x its compute (at 1.02x the FLOPs per token);
     beyond the standard curve's end the reading is a bound, not a number."""
-    from attnres.experiments.compare import BASELINE, Run, stable_phase_multipliers
-    from attnres.experiments.multiplier import curve_crossing
+    from attnres.experiments.job.compare import BASELINE, Run, stable_phase_multipliers
+    from attnres.experiments.grids.multiplier import curve_crossing
 
     steps = list(range(100, 1100, 100))
 

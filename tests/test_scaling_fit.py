@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from attnres.experiments import write_report  # noqa: E402
-from attnres.experiments.scaling_fit import PowerLaw, compute_multiplier, fit_scaling  # noqa: E402
-from attnres.experiments.scaling_grid import ScalingData, ScalingGridError, missing_runs, scaling_data  # noqa: E402
-from attnres.experiments.scaling_report import REPORT_TABLE2, report_multiplier, scaling_section  # noqa: E402
+from attnres.experiments.grids.scaling_fit import PowerLaw, compute_multiplier, fit_scaling  # noqa: E402
+from attnres.experiments.grids.scaling_grid import ScalingData, ScalingGridError, missing_runs, scaling_data  # noqa: E402
+from attnres.experiments.grids.scaling_report import REPORT_TABLE2, report_multiplier, scaling_section  # noqa: E402
 
 COMPUTE = np.geomspace(1e-7, 1e-4, 5)
 

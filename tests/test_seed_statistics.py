@@ -73,7 +73,7 @@ def test_holm_adjusts_step_down_and_keeps_missing_values():
 
 
 def test_ablation_differences_pool_the_seed_variance_and_adjust_for_every_variant():
-    from attnres.experiments.report import baseline_differences
+    from attnres.experiments.job.report import baseline_differences
 
     losses = {"baseline": [5.0, 5.02], "a": [4.9, 4.92], "b": [5.01, 4.99], "c": [5.3, 5.32]}
     records = [{"variant": v, "val_loss": x} for v, xs in losses.items() for x in xs]
@@ -87,7 +87,7 @@ def test_ablation_differences_pool_the_seed_variance_and_adjust_for_every_varian
 
 
 def test_compare_findings_say_when_the_interval_includes_zero():
-    from attnres.experiments.compare import _findings
+    from attnres.experiments.job.compare import _findings
 
     (resolved,) = _findings({}, {"block": {"steps": [-0.05, -0.04, -0.06]}})
     assert resolved.startswith("Block AttnRes at equal steps: lower validation loss than the standard model by 0.0500 "

@@ -193,9 +193,9 @@ def _add_training_commands(sub) -> None:
         "runs are skipped, interrupted ones resumed), then write --out/report.md and plots. Overrides apply to "
         "every run alike, e.g. `attnres experiment block-size --preset cpu --out runs/bs --seeds 0 1 steps=500`.",
     )
-    ex.add_argument("name", choices=EXPERIMENT_NAMES + SELF_CONTAINED_EXPERIMENTS, help="which grid")
+    ex.add_argument("name", choices=EXPERIMENT_NAMES, help="which grid")
     _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), 'small', 'cpu' (default); compare: 'tiny', "
-                    "'demo' (default), 'long'; no-free-lunch: 'tiny', 'cpu' (default)")
+                    "'demo' (default), 'long'")
 
 
 def _add_checkpoint_commands(sub) -> None:
@@ -276,8 +276,6 @@ def _add_transformers_commands(sub) -> None:
 
 
 EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep", "multiplier")
-#: Grids with their own small training loop instead of the LM runner (presets 'tiny', 'cpu').
-SELF_CONTAINED_EXPERIMENTS = ("no-free-lunch",)
 DEFAULT_PRESET = {"compare": "demo"}  # the others: "cpu"
 
 
@@ -382,10 +380,6 @@ def _main(argv: list[str] | None) -> int:
         name = "compare" if args.command == "compare" else args.name
         if not args.report_only:
             _check_output_dir(f"attnres {args.command}", args.out)
-        if name == "no-free-lunch":
-            from .experiments.no_free_lunch import run_cli
-
-            return run_cli(args.preset or "cpu", args.out, args.seeds, args.overrides, args.report_only, args.variants)
         preset = args.preset or _saved_preset(args.out, name) or DEFAULT_PRESET.get(name, "cpu")
         return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
                                   args.overhead_repeats, args.variants)
@@ -448,7 +442,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     """``attnres experiment`` / ``attnres compare``: bad presets, seeds or overrides end the
     process with a one-line message."""
     from .experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
-    from .experiments.runner import check_same_experiment
+    from .experiments.job.runner import check_same_experiment
     from .train import TrainingDiverged, TrainingOutOfMemory
     from .train.config import apply_overrides
 
@@ -508,7 +502,7 @@ def _check_optional_count(option: str, value: int | None, default: str) -> None:
 
 def run_analyze(args) -> int:
     """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
-    from .experiments.analyze import write_analysis
+    from .experiments.job.analyze import write_analysis
     from .checkpoint import CheckpointError
 
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .multiplier import ladder_loss, seed_multipliers
-from .stats import TInterval, detectable_effect, markdown_table, t_interval, t_test_power
+from ..stats import TInterval, detectable_effect, markdown_table, t_interval, t_test_power
 
 __all__ = ["REPORT_MULTIPLIER", "Comparison", "compare_arms", "complete_seeds", "multiplier_section"]
 

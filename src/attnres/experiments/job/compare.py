@@ -35,12 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from ..train.metrics import read_metrics
-from ..train.schedule import wsd_decay_start
-from .flops import to_pflops_days
-from .layout import read_overhead, run_dir, saved_config
-from .multiplier import curve_crossing
-from .stats import markdown_table, mean_std, t_interval
+from ...train.metrics import read_metrics
+from ...train.schedule import wsd_decay_start
+from ..flops import to_pflops_days
+from ..layout import read_overhead, run_dir, saved_config
+from ..grids.multiplier import curve_crossing
+from ..stats import markdown_table, mean_std, t_interval
 
 BASELINE = "standard"
 #: Fewer seeds than this: the findings state the measured gaps but claim no ordering (with one

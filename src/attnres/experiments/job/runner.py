@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from ..data import load_corpus, prepare_data
-from ..models import AttnResLM, ModelConfig
-from ..train import TrainConfig, latest_checkpoint, train
-from ..train.config import apply_overrides
-from ..train.metrics import read_metrics
-from .flops import non_embedding_parameters, to_pflops_days, training_flops_per_token
+from ...data import load_corpus, prepare_data
+from ...models import AttnResLM, ModelConfig
+from ...train import TrainConfig, latest_checkpoint, train
+from ...train.config import apply_overrides
+from ...train.metrics import read_metrics
+from ..flops import non_embedding_parameters, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
-from .layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
+from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
 
 
 def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,

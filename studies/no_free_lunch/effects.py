@@ -1,5 +1,5 @@
 """Effect sizes with their uncertainty for the no-free-lunch grid, beside the decided-cell
-rule of :mod:`.nfl_findings`.
+rule of :mod:`.findings`.
 
 The rule calls a cell when all of its ``n`` paired seeds agree in sign. With no effect at
 all (per-seed gaps independent and symmetric about 0, e.g. seed noise alone) that happens
@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .stats import t_interval
+from attnres.experiments.stats import t_interval
 
 __all__ = ["sign_rule_pass_rate", "PairedEffect", "paired_effect"]
 

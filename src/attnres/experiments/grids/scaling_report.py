@@ -18,7 +18,7 @@ import numpy as np
 from .scaling_fit import PowerLaw, ScalingFit, compute_multiplier, fit_scaling
 from .scaling_grid import (MIN_SIZES, ScalingGridError, finished_sizes, fittable_part, missing_runs, scaling_data,
                            size_key)
-from .stats import holm, markdown_table
+from ..stats import holm, markdown_table
 
 __all__ = ["REPORT_TABLE2", "REPORT_TABLE2_SIZES", "REPORT_MULTIPLIER_AT", "scaling_section"]
 

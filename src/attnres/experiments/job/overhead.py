@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ..analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
-from ..models import AttnResLM
-from ..train.cpu_memory import retains_freed_memory
+from ...analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
+from ...models import AttnResLM
+from ...train.cpu_memory import retains_freed_memory
 from .presets import Experiment
-from .layout import OVERHEAD_FILE
+from ..layout import OVERHEAD_FILE
 from .runner import run_config
 
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from .nfl_effects import paired_effect, sign_rule_pass_rate
-from .nfl_findings import MIN_SEEDS, METRICS, compute_findings, index_records, paired_deltas, verdict
-from .nfl_models import VARIANTS
-from .report import markdown_table
-from .stats import holm
+from attnres.experiments.stats import holm, markdown_table
+
+from .effects import paired_effect, sign_rule_pass_rate
+from .findings import MIN_SEEDS, METRICS, compute_findings, index_records, paired_deltas, verdict
+from .models import VARIANTS
 
 __all__ = ["write_nfl_report", "gap_grid"]
 
@@ -36,7 +36,7 @@ def _axes(index):
 def gap_grid(index, norm: str, variant: str, depths: list[int], lams: list[float], metric: str):
     """``[depth, lam]`` arrays of the mean and std of the paired log10 gap against the
     standard residual, the number of seeds with ``variant`` lower, the paired seeds, and
-    the decided sign (see :func:`~.nfl_findings.verdict`)."""
+    the decided sign (see :func:`~.findings.verdict`)."""
     shape = (len(depths), len(lams))
     mean, std = np.full(shape, np.nan), np.full(shape, np.nan)
     lower, n, sign = np.zeros(shape, int), np.zeros(shape, int), np.zeros(shape, int)
@@ -210,7 +210,7 @@ def _lam_tables(index, variants: list[str], cell, title) -> list[str]:
 
 
 def _effects_section(index, level: float = 0.95) -> str:
-    """Per-cell effect sizes with intervals (:mod:`.nfl_effects`), one table per setting and loss."""
+    """Per-cell effect sizes with intervals (:mod:`.effects`), one table per setting and loss."""
     norms, variants, _, _ = _axes(index)
     attnres = [v for v in ("full", "block") if v in variants]
 

@@ -1,9 +1,9 @@
-"""``attnres experiment no-free-lunch``: does AttnRes trade memorisation for structure?
+"""The no-free-lunch study (``python -m studies.no_free_lunch``): does AttnRes trade memorisation for structure?
 
 A critique of AttnRes argues that a win on language modelling must be paid for somewhere.
 Its toy experiment mixes a structured task (a linear teacher) with a memorisation task (a
-random lookup table) by ``lam`` (:mod:`.nfl_tasks`) and trains standard and AttnRes
-residual MLP stacks (:mod:`.nfl_models`) at several depths, with and without PreNorm. This
+random lookup table) by ``lam`` (:mod:`.tasks`) and trains standard and AttnRes
+residual MLP stacks (:mod:`.models`) at several depths, with and without PreNorm. This
 module runs that grid, one small self-contained training loop per run (no LM trainer):
 
     lam in {0, 0.25, 0.5, 0.75, 1} x depth in {4, 8, 16, 30} x {prenorm, no_norm}
@@ -13,7 +13,7 @@ Every run writes ``out/records/<norm>-<variant>-depth<D>-lam<lam>-seed<k>.json``
 finishes; a re-run skips runs that have their file (runs take seconds, so an interrupted
 run simply starts again). ``out/experiment.json`` holds the preset and configuration: a
 re-run with another one is refused, so results of different grids never mix. The report
-(:mod:`.nfl_report`) is written from every finished run in ``out``.
+(:mod:`.report`) is written from every finished run in ``out``.
 
 Pairing: for one seed, every model sees the same task (inputs, teacher, table), the same
 mini-batches, and the same initial MLP weights (the AttnRes parameters are deterministic:
@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..nn.residual import SCHEDULES
-from ..progress import progress_bar
-from .nfl_models import VARIANTS, ResidualMLP, block_size_for
-from .nfl_tasks import TaskSpec, make_task
+from attnres.nn.residual import SCHEDULES
+from attnres.progress import progress_bar
+
+from .models import VARIANTS, ResidualMLP, block_size_for
+from .tasks import TaskSpec, make_task
 
 __all__ = [
     "NAME", "NORMS", "NFL_PRESETS", "NFLConfig", "get_config", "apply_config_overrides", "Run", "grid_runs",
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 NAME = "no-free-lunch"
+#: How the study is run (from the repository root): its messages and the report's command.
+PROG = "python -m studies.no_free_lunch"
 #: Normalisation settings: PreNorm (RMSNorm before every sublayer and before the head) or none.
 NORMS = ("prenorm", "no_norm")
 #: Where the per-run JSON records live inside ``out`` (not ``runs/``, which .gitignore skips).
@@ -61,7 +64,7 @@ class NFLConfig:
 
     lams, depths, variants, norms: the grid. depths count blocks of one sublayer each.
     width: the residual stream's width d; hidden_mult: each sublayer is d -> hidden_mult*d -> d.
-    d_in, d_out, n_train, n_test: the task (:class:`~.nfl_tasks.TaskSpec`).
+    d_in, d_out, n_train, n_test: the task (:class:`~.tasks.TaskSpec`).
     steps, batch_size, lr, warmup_steps, grad_clip, weight_decay: AdamW with linear warmup
     then cosine decay to zero, mini-batches drawn with replacement from the training set,
     gradient-norm clipping (0 = off).
@@ -323,16 +326,16 @@ def load_results(out: str | Path) -> list[dict[str, Any]]:
 
 def run_cli(preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool = False,
             variants: list[str] | None = None, progress: bool = True) -> int:
-    """``attnres experiment no-free-lunch``: run the grid (resumable) and write the report.
+    """``python -m studies.no_free_lunch``: run the grid (resumable) and write the report.
     Bad presets, overrides, seeds or variants end the process with a one-line message."""
-    from .nfl_report import write_nfl_report
+    from .report import write_nfl_report
 
     try:
         config = apply_config_overrides(get_config(preset), overrides)
         if not report_only:
             t0 = time.perf_counter()
             run_grid(config, out, seeds, preset, variants, progress)
-            print(f"attnres experiment {NAME}: grid done in {time.perf_counter() - t0:.0f} s")
+            print(f"{PROG}: grid done in {time.perf_counter() - t0:.0f} s")
         records = load_results(out)
         if not records:
             raise ValueError(f"no finished no-free-lunch runs in {out!r}")
@@ -340,14 +343,14 @@ def run_cli(preset: str, out: str, seeds: list[int], overrides: list[str], repor
         all_seeds = sorted({int(r["seed"]) for r in records})
         path = write_nfl_report(records, out, command=_command(preset, out, all_seeds, overrides))
     except ValueError as e:
-        raise SystemExit(f"attnres experiment {NAME}: error: {e}") from None
+        raise SystemExit(f"{PROG}: error: {e}") from None
     except KeyboardInterrupt:
-        print(f"attnres experiment {NAME}: interrupted; run the same command again to resume (finished runs are kept)")
+        print(f"{PROG}: interrupted; run the same command again to resume (finished runs are kept)")
         return 130
-    print(f"attnres experiment {NAME}: {len(records)} runs; report {path}")
+    print(f"{PROG}: {len(records)} runs; report {path}")
     return 0
 
 
 def _command(preset: str, out: str, seeds: list[int], overrides: list[str]) -> str:
-    parts = ["attnres experiment", NAME, "--preset", preset, "--out", str(out), "--seeds", *map(str, seeds), *overrides]
+    parts = [PROG, "--preset", preset, "--out", str(out), "--seeds", *map(str, seeds), *overrides]
     return " ".join(parts)

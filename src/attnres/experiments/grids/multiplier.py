@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .stats import log_linear_fit
+from ..stats import log_linear_fit
 
 __all__ = ["Crossing", "ladder_crossing", "ladder_loss", "curve_crossing", "seed_multipliers"]
 

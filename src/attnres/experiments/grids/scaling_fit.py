@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .scaling_grid import ScalingData
-from .stats import detectable_effect, log_linear_fit, pooled_sd
+from ..stats import detectable_effect, log_linear_fit, pooled_sd
 
 __all__ = ["PowerLaw", "Estimate", "FamilyFit", "Comparison", "ScalingFit", "compute_multiplier", "seed_noise",
            "fit_scaling"]

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ..analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
-from ..data.corpus import read_text_file
-from ..output_paths import check_output_dir
-from ..analysis.mixing_report import (
+from ...analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
+from ...data.corpus import read_text_file
+from ...output_paths import check_output_dir
+from ...analysis.mixing_report import (
     method_note,
     mixing_findings,
     plot_mixing_panels,
@@ -38,7 +38,7 @@ DEFAULT_ROWS = 8
 def analysis_tokens(run, rows: int = DEFAULT_ROWS, seq_len: int | None = None, text: str | None = None) -> torch.Tensor:
     """``[rows, seq_len]`` token ids from the run's validation split (or ``text``), windows
     spread evenly from its start to its end."""
-    from ..inference.loading import load_tokenizer
+    from ...inference.loading import load_tokenizer
 
     if text is None:
         text = run.validation_text()
@@ -59,7 +59,7 @@ def analyze_checkpoint(path: str | Path, rows: int = DEFAULT_ROWS, seq_len: int 
                        text: str | None = None, device: str = "cpu") -> tuple[DepthMixing, dict]:
     """The :class:`DepthMixing` of the checkpoint (or run directory) ``path`` on its
     validation tokens, and a description of the model (``residual``, ``L``, ``S``, ``m``)."""
-    from ..inference.loading import load_run
+    from ...inference.loading import load_run
 
     run = load_run(path, device)
     model = run.model
@@ -80,8 +80,8 @@ def moe_layers(model, tokens: torch.Tensor) -> list[dict]:
     ones), on ``tokens``: its expert load (:class:`~attnres.analysis.experts.ExpertLoad` as a
     mapping) and ``depth_weights``, the mean depth-attention weight of each source of its
     MLP sublayer's input (``None`` for a residual without depth attention)."""
-    from ..analysis.experts import recorded_expert_load
-    from ..hf.families.moe import RouterRecorder
+    from ...analysis.experts import recorded_expert_load
+    from ...hf.families.moe import RouterRecorder
 
     with RouterRecorder(model) as rec:
         weights = model.depth_weights(tokens, use_cache=False)
@@ -92,7 +92,7 @@ def moe_layers(model, tokens: torch.Tensor) -> list[dict]:
 def expert_load_section(models: list[tuple[str, list[dict]]]) -> str:
     """The report's expert-load section: per model and MoE layer, the load summaries, the
     depth weights into the layer's MLP and the load of every expert."""
-    from ..analysis.experts import ExpertLoad, expert_load_table
+    from ...analysis.experts import ExpertLoad, expert_load_table
 
     loads = [(name, [ExpertLoad(d["layer"], d["fraction"], d["tokens"], d["top_k"]) for d in layers]) for name, layers in models]
     weights = {name: {d["layer"]: d["depth_weights"] for d in layers} for name, layers in models}
@@ -175,8 +175,8 @@ def logged_mixing(run_dir: Path) -> tuple[DepthMixing, dict] | None:
     diagnostics record logged (AttnRes; see
     :func:`~attnres.analysis.mixing.depth_mixing_from_logged`), the standard residual's from
     its definition; ``None`` otherwise."""
-    from ..models.config import ModelConfig
-    from ..train.metrics import read_metrics
+    from ...models.config import ModelConfig
+    from ...train.metrics import read_metrics
 
     config_path = Path(run_dir) / "config.json"
     metrics_path = Path(run_dir) / "metrics.jsonl"
@@ -189,7 +189,7 @@ def logged_mixing(run_dir: Path) -> tuple[DepthMixing, dict] | None:
             "block_size": getattr(residual, "block_size", None), "n_streams": getattr(residual, "n_streams", None),
             "step": None, "run": str(run_dir)}
     if residual.name == "standard":
-        from ..models.lm import AttnResLM
+        from ...models.lm import AttnResLM
 
         model = AttnResLM(model_config)  # the standard residual's M has no parameters
         result = depth_mixing_matrix(model, torch.zeros(1, 2, dtype=torch.long))
@@ -208,7 +208,7 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     its run directories, one per seed) the depth mixing matrix of each seed's last
     checkpoint, panels of the first seed in ``out/mixing.png``, the rank and sink tables and
     findings over seeds. ``None`` when no run kept a checkpoint."""
-    from ..checkpoint import find_valid_checkpoint
+    from ...checkpoint import find_valid_checkpoint
 
     results: dict[str, list[tuple[DepthMixing, dict]]] = {}
     missing, logged = [], []

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn import BlockAttnRes, FullAttnRes, RMSNorm, StandardResidual
-from ..nn.residual import AttnResAblation, ResidualStream
-from .presets import block_size_for
+from attnres.experiments.job.presets import block_size_for
+from attnres.nn import BlockAttnRes, FullAttnRes, RMSNorm, StandardResidual
+from attnres.nn.residual import AttnResAblation, ResidualStream
 
 __all__ = ["VARIANTS", "ATTNRES_VARIANTS", "block_size_for", "build_residual", "ResidualMLP"]
 

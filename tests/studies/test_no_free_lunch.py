@@ -1,5 +1,5 @@
-"""The no-free-lunch experiment: tasks, models, the resumable grid, the computed findings
-and the CLI wiring (`attnres experiment no-free-lunch`)."""
+"""The no-free-lunch study: tasks, models, the resumable grid, the computed findings
+and its command line (`python -m studies.no_free_lunch`)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnres.cli import main as cli_main
-from attnres.experiments.nfl_findings import claim_status, compute_findings, paired_deltas, index_records, verdict
-from attnres.experiments.nfl_models import VARIANTS, ResidualMLP, block_size_for, build_residual
-from attnres.experiments.nfl_tasks import TaskSpec, make_task
-from attnres.experiments.no_free_lunch import (
+from attnres.nn import BlockAttnRes, FullAttnRes, StandardResidual
+from studies.no_free_lunch.__main__ import main as study_main
+from studies.no_free_lunch.findings import claim_status, compute_findings, paired_deltas, index_records, verdict
+from studies.no_free_lunch.models import VARIANTS, ResidualMLP, block_size_for, build_residual
+from studies.no_free_lunch.study import (
     NFL_PRESETS, Run, apply_config_overrides, build_model, get_config, grid_runs, load_results, run_grid, run_path,
     train_run,
 )
-from attnres.nn import BlockAttnRes, FullAttnRes, StandardResidual
+from studies.no_free_lunch.tasks import TaskSpec, make_task
 
 TINY = NFL_PRESETS["tiny"]
 
@@ -150,7 +150,7 @@ def test_every_variant_trains(variant, norm, monkeypatch):
         captured["m"] = real(cfg, r)
         return captured["m"]
 
-    monkeypatch.setattr("attnres.experiments.no_free_lunch.build_model", keep)
+    monkeypatch.setattr("studies.no_free_lunch.study.build_model", keep)
     again = train_run(config, run)
     assert again["train_loss"] == record["train_loss"]  # deterministic
     after = captured["m"].state_dict()
@@ -323,9 +323,9 @@ def test_diverged_run_counts_as_infinite_loss():
 # -- CLI -----------------------------------------------------------------------------------
 def test_cli_runs_grid_and_report(tmp_path):
     out = tmp_path / "nfl"
-    args = ["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(out), "--seeds", "0", "1", "2",
+    args = ["--preset", "tiny", "--out", str(out), "--seeds", "0", "1", "2",
             "steps=2", "--variants", "standard", "full"]
-    assert cli_main(args) == 0
+    assert study_main(args) == 0
     recs = load_results(out)
     assert {r["variant"] for r in recs} == {"standard", "full"} and {r["seed"] for r in recs} == {0, 1, 2}
     assert all(r["steps"] == 2 for r in recs)
@@ -334,21 +334,21 @@ def test_cli_runs_grid_and_report(tmp_path):
     assert "## Findings (computed)" in report and "--seeds 0 1 2" in report and "steps=2" in report
     assert "## Effect sizes with intervals" in report and "= 25%" in report and "p=" in report
     assert (out / "gap_train_loss.png").exists() and (out / "gap_test_loss.png").exists()
-    assert cli_main(["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(out), "steps=2",
+    assert study_main(["--preset", "tiny", "--out", str(out), "steps=2",
                      "--report-only"]) == 0  # the report's command names every seed in `out`, not only the default 0
     assert "--seeds 0 1 2" in (out / "report.md").read_text()
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "records").glob("*.json")}
-    assert cli_main(args) == 0  # finished: nothing re-runs
+    assert study_main(args) == 0  # finished: nothing re-runs
     assert {p: p.stat().st_mtime_ns for p in (out / "records").glob("*.json")} == mtimes
 
 
 def test_cli_errors_name_the_problem(tmp_path, capsys):
     with pytest.raises(SystemExit, match="preset must be one of"):
-        cli_main(["experiment", "no-free-lunch", "--preset", "small", "--out", str(tmp_path)])
+        study_main(["--preset", "small", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="key one of"):
-        cli_main(["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(tmp_path), "stepz=3"])
+        study_main(["--preset", "tiny", "--out", str(tmp_path), "stepz=3"])
     with pytest.raises(SystemExit, match="no finished no-free-lunch runs"):
-        cli_main(["experiment", "no-free-lunch", "--preset", "tiny", "--out", str(tmp_path / "empty"), "--report-only"])
+        study_main(["--preset", "tiny", "--out", str(tmp_path / "empty"), "--report-only"])
 
 
 # -- effect sizes and the decided-cell rule's false-call rate ----------------------------------
@@ -356,7 +356,7 @@ def test_decided_cell_rule_passes_a_no_effect_cell_a_quarter_of_the_time():
     """With 3 seeds and no effect, all three paired gaps share a sign with probability 2 * (1/2)^3:
     checked exactly and by simulation through the rule itself (`verdict`), for normal and
     heavy-tailed symmetric seed noise."""
-    from attnres.experiments.nfl_effects import sign_rule_pass_rate
+    from studies.no_free_lunch.effects import sign_rule_pass_rate
 
     assert [sign_rule_pass_rate(n) for n in (1, 2, 3, 4)] == [1.0, 0.5, 0.25, 0.125]
     with pytest.raises(ValueError, match="n_seeds"):
@@ -370,7 +370,7 @@ def test_decided_cell_rule_passes_a_no_effect_cell_a_quarter_of_the_time():
 def test_paired_effect_is_the_paired_t_test():
     from scipy import stats
 
-    from attnres.experiments.nfl_effects import paired_effect
+    from studies.no_free_lunch.effects import paired_effect
 
     gaps = [0.1, 0.2, 0.3]
     e = paired_effect(gaps)
@@ -386,8 +386,8 @@ def test_effects_summary_adjusts_for_the_cells_and_tests_patterns_at_the_seed_le
     """Many cells read at once: each cell's small, noisy effect rarely survives Holm's
     adjustment, but the pattern - averaged per seed over its cells, one test over the seeds -
     does when every seed shows it."""
-    from attnres.experiments.nfl_findings import index_records
-    from attnres.experiments.nfl_report import _effects_summary
+    from studies.no_free_lunch.findings import index_records
+    from studies.no_free_lunch.report import _effects_summary
 
     rng = np.random.default_rng(0)
     seed_shift = {0: 0.03, 1: 0.05, 2: 0.04}  # AttnRes's test loss 7-12 % higher in every seed

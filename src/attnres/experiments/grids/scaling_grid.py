@@ -1,7 +1,7 @@
 """A scaling grid's runs as arrays: validation loss per (family, size, seed) and compute per
 (family, size), checked complete before anything is fitted (report §5.1, Table 2).
 
-A run record (``result.json`` of :mod:`attnres.experiments.runner`, or any mapping with the
+A run record (``result.json`` of :mod:`attnres.experiments.job.runner`, or any mapping with the
 same fields) needs ``family``, ``seed``, ``val_loss``, ``pflops_days`` and a size: its
 ``coords["size"]`` label, else its ``non_embedding_params``, else its ``params``. Records of
 any grid work, a GPU user's 100M-1B runs as much as the CPU preset's.

@@ -188,8 +188,8 @@ def scaling_steps(model: dict[str, Any], grid: ScalingGrid, tokens_per_step: int
     """Steps of a scaling-grid size: ``grid.tokens_per_param`` tokens per non-embedding parameter
     of ``model`` (``ModelConfig`` fields), rounded to ``grid.step_multiple``, at least
     ``grid.min_steps``."""
-    from ..models.config import ModelConfig
-    from .flops import non_embedding_parameters
+    from ...models.config import ModelConfig
+    from ..flops import non_embedding_parameters
 
     tokens = grid.tokens_per_param * non_embedding_parameters(ModelConfig.from_dict(model))
     steps = round(tokens / tokens_per_step / grid.step_multiple) * grid.step_multiple

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from .compare import compare_markdown
-from .layout import read_overhead, saved_config
+from ..layout import read_overhead, saved_config
 from .presets import PRESETS, get_experiment
-from .scaling_report import scaling_section
-from .stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
+from ..grids.scaling_report import scaling_section
+from ..stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
 
 #: Table 4 of the report (16-layer model, validation loss), by our variant names.
 REPORT_TABLE4 = {
@@ -188,7 +188,7 @@ def _scaling_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
 
 
 def _multiplier_md(records: list[dict[str, Any]], out: Path, preset: str) -> str:
-    from .multiplier_report import multiplier_section  # imported when the report is written (scipy)
+    from ..grids.multiplier_report import multiplier_section  # imported when the report is written (scipy)
     from .presets import multiplier_grid
 
     if preset not in PRESETS["multiplier"]:
