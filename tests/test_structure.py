@@ -186,7 +186,7 @@ def test_bit_identical_to_the_reference_revision():
 
 #: Functions longer than the limit that predate the check, with their length when it was
 #: added: each may only shrink (split them when touching them).
-LONG_FUNCTIONS = {"cli.py::build_parser": 112, "experiments/nfl_findings.py::compute_findings": 95}
+LONG_FUNCTIONS = {"experiments/nfl_findings.py::compute_findings": 95}
 MAX_FUNCTION_LINES = 80
 
 
