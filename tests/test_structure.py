@@ -198,7 +198,7 @@ def test_bit_identical_to_the_reference_revision():
 
 #: Functions longer than the limit that predate the check, with their length when it was
 #: added: each may only shrink (split them when touching them).
-LONG_FUNCTIONS = {"cli.py::build_parser": 112}
+LONG_FUNCTIONS: dict[str, int] = {}
 MAX_FUNCTION_LINES = 80
 
 

@@ -41,17 +41,10 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
 
-# Importing attnres changes nothing outside it (no import hooks, no allocator settings): the
-# transformers classes are registered when ``attnres.hf`` is imported (docs/hf.md).
-
-
-def _check_name_clash() -> None:
-    from .name_clash import warn_about_clashes
-
-    warn_about_clashes()
-
-
-_check_name_clash()
+# Importing attnres changes nothing outside it (no import hooks, no allocator settings) and
+# reads no installed distributions (the ``attnres`` command warns about a name clash,
+# attnres.name_clash): the transformers classes are registered when ``attnres.hf`` is
+# imported (docs/hf.md).
 
 __all__ = [
     "AttnResLM",

@@ -2,10 +2,10 @@
 
 PyPI's ``fast-attnres`` (CUDA operators for Attention Residuals) installs its code as the
 import package ``attnres``: installed into one environment with this package, one overwrites
-the other's files and either may break in ways that do not name the cause. Both are found
-from the installed distributions' metadata: at ``import attnres``, the known ones by name
-(about a millisecond); in the ``attnres`` command, every distribution's file list
-(``importlib.metadata.packages_distributions``, a fraction of a second).
+the other's files and either may break in ways that do not name the cause. The ``attnres``
+command finds them from the installed distributions' metadata, every distribution's file list
+(``importlib.metadata.packages_distributions``, a fraction of a second), when a command runs;
+``import attnres`` reads no distributions.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Who uses what:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,23 @@ from ..nn.transformer import KVStore, TransformerBlock, causal_mask
 from .config import ModelConfig
 
 __all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call"]
+
+
+def _eager_when_compiled(fn: Callable) -> Callable:
+    """``fn`` under ``torch.compiler.disable`` without importing ``torch._dynamo`` (and
+    Triton with it, longer than torch's own import) before anything compiles: eager calls run
+    ``fn`` itself; under tracing (``torch.compiler.is_compiling()``, a constant there) the
+    call goes to torch's lazily disabled ``fn`` (``torch._disable_dynamo``, which dynamo
+    skips: a graph break, ``fn`` run eagerly, as with the decorator applied at import)."""
+    disabled = torch._disable_dynamo(fn)  # imports torch._dynamo on its first call only
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 IGNORE_INDEX = -100
 
@@ -112,7 +130,7 @@ class DecoderTrunk(nn.Module):
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
 
-    @torch.compiler.disable  # data-dependent checks run eagerly, in front of a compiled graph
+    @_eager_when_compiled  # data-dependent checks run eagerly, in front of a compiled graph
     def check_input_ids(self, input_ids: Tensor) -> None:
         """Raise ``ValueError`` unless ``input_ids`` is an integer ``[B, T]`` tensor of
         in-vocabulary ids with ``1 <= T <= max_seq_len``. Runs before any compute."""

@@ -1,0 +1,113 @@
+"""Command-line entry point: ``attnres <command>`` (or ``python -m attnres``).
+
+One module per command, each with its parser (``add_parser``) and what it runs (``run``);
+:data:`COMMANDS` lists them, :func:`build_parser` builds the parser from that table and
+:func:`main` dispatches by lookup. What the commands share is in :mod:`.common`.
+"""
+
+from __future__ import annotations
+
+import os  # noqa: F401  (the tests replace os._exit through attnres.cli.os)
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import analyze, experiment, export, generate, train, upcycle
+from . import eval as eval_command
+from .common import ImportModule, Parser, end_process, missing_extra, version_line
+from .experiment import EXPERIMENT_NAMES
+from .generate import check_context
+
+__all__ = ["COMMANDS", "EXPERIMENT_NAMES", "build_parser", "check_context", "main", "missing_extra", "run"]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``attnres`` command: ``add_parser(subparsers)`` adds its parser, ``run(args,
+    parser)`` runs it and returns the exit status; ``accepts_extra`` says which arguments
+    argparse left over it takes as overrides (argparse fills a positional list once, so
+    overrides written after an option, ``--resume steps=10``, arrive as extras; ``None``:
+    none)."""
+
+    add_parser: Callable
+    run: Callable
+    accepts_extra: Callable[[str], bool] | None = None
+
+
+#: Every command, in the order ``attnres --help`` lists them.
+COMMANDS: dict[str, Command] = {
+    "train": Command(train.add_parser, train.run, train.accepts_extra),
+    "compare": Command(experiment.add_compare_parser, experiment.run, experiment.accepts_extra),
+    "experiment": Command(experiment.add_experiment_parser, experiment.run, experiment.accepts_extra),
+    "generate": Command(generate.add_parser, generate.run),
+    "export": Command(export.add_parser, export.run),
+    "analyze": Command(analyze.add_parser, analyze.run),
+    "upcycle": Command(upcycle.add_parser, upcycle.run),
+    "eval": Command(eval_command.add_parser, eval_command.run),
+}
+
+
+def _in_process_group() -> bool:
+    """Whether this process joined a process group (a rank of a launch that got that far)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def run() -> None:
+    """The ``attnres`` command (the console script, ``python -m attnres``): :func:`main`, then
+    the process ends with its status. A rank of a launch ends once the process group is
+    destroyed and its output flushed, without the interpreter's finalization. The gloo
+    backend's worker threads outlive the destroyed group (torch's DTensor caches keep the device
+    mesh, which refers to it) and may still be releasing the last collective's tensors, which
+    takes the interpreter lock; during finalization that aborts the process ("terminate called
+    without an active exception", SIGABRT or SIGSEGV) after a run that succeeded, now and then:
+    torchrun then reports the job failed, and in a multi-node job the other agents wait out
+    torchrun's exit barrier (300 s)."""
+    try:
+        status = main()
+    except SystemExit as e:
+        status = e.code
+    if not _in_process_group():
+        raise SystemExit(status)
+    from ..distributed.launch import destroy_process_group
+
+    destroy_process_group()
+    end_process(status)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="attnres", description="Attention Residuals for PyTorch")
+    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--import", dest="imports", action=ImportModule, metavar="MODULE", default=[],
+                        help="import MODULE first (repeatable), e.g. one that registers its own residual with "
+                        "attnres.register_residual: `attnres --import my_residuals train model.residual.kind=mine`")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for command in COMMANDS.values():
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``attnres``: parse the command line, warn about a name clash, run the command; a
+    command that needs an extra that is not installed says which."""
+    from ..name_clash import warn_about_clashes
+
+    # Show the package's own deprecations (Python hides DeprecationWarning outside __main__):
+    # an old config key should say what replaces it.
+    warnings.filterwarnings("default", category=DeprecationWarning, module=r"attnres(\.|$)")
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)  # --version and --help end here, at once
+    warn_about_clashes(thorough=True)  # every distribution's file list: a fraction of a second
+    command = COMMANDS[args.command]
+    if extra and (command.accepts_extra is None or not all(command.accepts_extra(e) for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = args.overrides + extra
+    try:
+        return command.run(args, parser)
+    except ImportError as e:
+        message = missing_extra([args.command], e)
+        if message is None:
+            raise
+        raise SystemExit(message) from None

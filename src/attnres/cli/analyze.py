@@ -1,0 +1,47 @@
+"""``attnres analyze``: the depth mixing matrix, its semiseparable rank and the depth-wise
+attention sinks of a checkpoint (report §6.2, §5.4.2)."""
+
+from __future__ import annotations
+
+import os
+
+from .common import check_optional_count
+
+
+def add_parser(sub) -> None:
+    an = sub.add_parser(
+        "analyze",
+        help="depth mixing matrix, semiseparable rank and depth-wise attention sinks of a checkpoint (report §6.2, §5.4.2)",
+        description="Run the model of --checkpoint on windows of its validation split and write report.md, mixing.png "
+        "(Fig.-9-style panels of the depth mixing matrix M) and mixing.json to --out: M averaged over the tokens, its "
+        "semiseparable rank, the sink table and, with --compare, the second checkpoint beside it and the difference.",
+    )
+    an.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    an.add_argument("--compare", metavar="DIR", help="a second checkpoint or run directory to compare with")
+    an.add_argument("--out", help="output directory (default <checkpoint>/analysis)")
+    an.add_argument("--rows", type=int, default=8, help="windows of the validation split analysed (default 8)")
+    an.add_argument("--seq-len", type=int, help="tokens per window (default min(128, the model's max_seq_len))")
+    an.add_argument("--text", help="a text file to analyse instead of the run's validation split")
+    an.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+
+
+def run(args, parser) -> int:
+    return run_analyze(args)
+
+
+def run_analyze(args) -> int:
+    """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
+    from ..experiments.job.analyze import write_analysis
+    from ..checkpoint import CheckpointError
+
+    try:
+        if args.rows < 1:
+            raise ValueError(f"--rows must be >= 1; got {args.rows}")
+        check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
+        if args.text is not None and not os.path.isfile(args.text):
+            raise ValueError(f"--text {args.text!r} is not a file")
+        path = write_analysis(args.checkpoint, args.compare, args.out, args.rows, args.seq_len, args.text, args.device)
+    except (ValueError, OSError, CheckpointError, NotImplementedError) as e:
+        raise SystemExit(f"attnres analyze: error: {e}") from None
+    print(f"attnres analyze: report {path}")
+    return 0

@@ -1,0 +1,136 @@
+"""What every ``attnres`` command shares: the parser class, the process's rank under
+torchrun (one message per node), the output-place and count checks, the native-model check,
+the one-line message for a missing extra, and the CPU allocator setting."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose ``--help`` can end with text made only when asked for
+    (``help_tail``): ``attnres train --help`` lists every config field that way."""
+
+    def __init__(self, *args, help_tail: Callable[[], str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.help_tail = help_tail
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        return text + "\n" + self.help_tail() + "\n" if self.help_tail is not None else text
+
+    def error(self, message: str):
+        if not first_on_node():  # every rank of a launch parses the same line: one message per node
+            self.exit(2)
+        super().error(message)
+
+
+def first_on_node() -> bool:
+    """Whether this process prints what every process of a launch would print alike: one
+    process, or the first rank of its node (torchrun's ``LOCAL_RANK`` 0)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def rank_zero() -> bool:
+    """One process, or rank 0 of a launch: the one that reports how a run ended."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def end_process(status: int | str | None) -> None:
+    """End this process now with ``status`` (an exit status, or a message for stderr and
+    status 1, as ``SystemExit`` takes them), its output flushed, skipping the interpreter's
+    finalization (``os._exit``)."""
+    if isinstance(status, str):
+        print(status, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status if isinstance(status, int) else 0 if status is None else 1)
+
+
+def version_line() -> str:
+    from .. import __version__
+
+    return f"attnres {__version__}"
+
+
+class ImportModule(argparse.Action):
+    """``--import MODULE``: imported as soon as it is parsed, so that what it registers is
+    known to everything after it (config validation, ``train --help``). The current directory
+    is searched first, as ``python -m attnres`` does: the ``attnres`` console script alone
+    would not find a ``my_residuals.py`` beside the user."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        import importlib
+        import sys
+
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            importlib.import_module(value)
+        except ImportError as e:
+            parser.error(f"--import {value}: {e}")
+        getattr(namespace, self.dest).append(value)
+
+
+def apply_cpu_allocator(settings: dict) -> None:
+    """``cpu_allocator`` of a training config (``settings``: its fields; default
+    ``"retain"``), applied to this process when it trains on the CPU. The command sets it for
+    its own process only; the library never changes malloc (attnres.train.cpu_memory)."""
+    import torch
+
+    from ..train import TrainConfig
+    from ..train.cpu_memory import set_cpu_allocator
+
+    device = settings.get("device", "auto")
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        set_cpu_allocator(settings.get("cpu_allocator", TrainConfig.cpu_allocator))
+
+
+#: The extra each command needs beyond torch (pyproject.toml's optional dependencies).
+COMMAND_EXTRAS = {"train": "train", "generate": "train", "compare": "experiments", "experiment": "experiments",
+                  "analyze": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
+
+
+def missing_extra(argv: list[str], error: ImportError) -> str | None:
+    """The one-line error for a command of ``argv`` that failed to import a third-party
+    module: which extra to install. ``None`` when ``error`` is not about such a module."""
+    missing = (error.name or "").partition(".")[0]
+    if not missing or missing == "attnres":
+        return None
+    from ..extras import install_command
+
+    command = next((a for a in argv if a in COMMAND_EXTRAS), None)
+    extra = "upcycle" if missing == "gguf" else COMMAND_EXTRAS.get(command, "train")
+    return (f"attnres{f' {command}' if command else ''}: error: this needs the '{extra}' extra: "
+            f"{install_command(extra)} (the module {missing!r} is not installed)")
+
+
+def check_output_dir(command: str, out: str) -> None:
+    """``--out`` of ``command``, a directory to write into, checked before any work."""
+    from ..output_paths import OutputPathError
+    from ..output_paths import check_output_dir as check
+
+    try:
+        check(out, "--out")
+    except OutputPathError as e:
+        raise SystemExit(f"{command}: error: {e}") from None
+
+
+def native_only(run, command: str) -> None:
+    """``attnres generate`` / ``eval`` run the native decoder; a checkpoint of a transformers
+    family model (``model.hf_architecture``) goes through ``attnres export`` first."""
+    family = run.run_config["model"].get("hf_architecture")
+    if family is not None:
+        raise ValueError(f"attnres {command} runs native models; this checkpoint's model is a transformers {family!r} "
+                         f"model (model.hf_architecture): write it out with `attnres export --checkpoint "
+                         f"{run.checkpoint} --out DIR` and use DIR with transformers (generate, lm-eval)")
+
+
+def check_optional_count(option: str, value: int | None, default: str) -> None:
+    """An option that is omitted for its ``default`` or given as a count >= 1 (0 used to mean
+    the default without a word)."""
+    if value is not None and value < 1:
+        raise ValueError(f"{option} must be >= 1 (omit it for {default}); got {value}")

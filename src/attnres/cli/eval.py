@@ -1,0 +1,94 @@
+"""``attnres eval``: perplexity / bits per byte on held-out text, then lm-evaluation-harness tasks."""
+
+from __future__ import annotations
+
+from .common import check_optional_count, native_only
+
+
+def add_parser(sub) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="perplexity / bits per byte on held-out text and lm-evaluation-harness tasks",
+        description="Evaluates a training checkpoint: perplexity and bits per byte on held-out text (default: the "
+        "run's validation split), then lm-evaluation-harness (model='hf') on the local tasks attnres_ppl and "
+        "attnres_cloze built from that text, or on any harness task names given (those need the network).",
+    )
+    ev.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    ev.add_argument("--tasks", default="attnres_ppl,attnres_cloze",
+                    help="comma-separated lm-eval tasks (default: the local 'attnres_ppl,attnres_cloze'; 'none' to skip)")
+    ev.add_argument("--text", help="held-out text file (default: the run's validation split)")
+    ev.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
+    ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task")
+    ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len)")
+    ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    ev.add_argument("--device", default="auto",
+                    help="device of the perplexity pass and lm-eval: auto (CUDA when available; default), cpu, cuda "
+                    "or cuda:N")
+    ev.add_argument("--bootstrap-iters", type=int, default=1000,
+                    help="lm-eval bootstrap resamples for the standard errors of metrics that need them (default "
+                    "1000; 0 = lm-eval computes none)")
+
+
+def run(args, parser) -> int:
+    return run_eval(args)
+
+
+def _eval_output(args):
+    """Where ``attnres eval`` writes its results; checked before any work is done."""
+    from pathlib import Path
+
+    from ..output_paths import check_output_file
+
+    return check_output_file(Path(args.out) if args.out else Path(args.checkpoint) / "eval.json", "--out")
+
+
+def run_eval(args) -> int:
+    """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
+    Arguments that can be checked (output folder, text file, device) are checked first."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from .. import hf
+    from ..data.corpus import read_text_file
+    from ..hf.evaluate import check_tasks, perplexity, run_lm_eval
+    from ..inference.loading import load_run, load_tokenizer, pick_device
+    from ..output_paths import write_text_atomically
+
+    tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    try:
+        check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
+        check_optional_count("--limit", args.limit, "every document of each task")
+        out = _eval_output(args)
+        check_tasks(tasks)
+        if args.text is not None and not Path(args.text).is_file():
+            raise ValueError(f"--text {args.text!r} is not a file")
+        text = read_text_file(args.text, "--text") if args.text is not None else None
+        if args.bootstrap_iters < 0:
+            raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
+        device = pick_device(args.device)
+        run = load_run(args.checkpoint, device)
+        native_only(run, "eval")
+        tokenizer = load_tokenizer(run, args.tokenizer)
+        if text is None:
+            text = run.validation_text()
+        results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
+                   "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len,
+                                                                       progress=True),
+                   "lm_eval": {}}
+        print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
+              "over {tokens} tokens".format(**results["perplexity"]))
+        if tasks:
+            with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
+                hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
+                results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, limit=args.limit, batch_size=args.batch_size,
+                                                 device=str(device), bootstrap_iters=args.bootstrap_iters)
+        write_text_atomically(out, json.dumps(results, indent=1, default=str))
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"attnres eval: error: {e}") from None
+    for task, metrics in results["lm_eval"].items():
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+        print(f"attnres eval: {task}: {shown}")
+    print(f"attnres eval: results written to {out}")
+    return 0

@@ -1,0 +1,128 @@
+"""``attnres compare`` (the main job) and ``attnres experiment NAME`` (one of the report's
+grids): train every (variant, seed) of a grid under ``--out``, then write its report."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import apply_cpu_allocator, check_output_dir
+
+EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep", "multiplier")
+DEFAULT_PRESET = {"compare": "demo"}  # the others: "cpu"
+OVERHEAD_EXPERIMENTS = ("compare", "ablation", "block-size")  # grids whose tables compare the variants' cost
+
+
+def add_compare_parser(sub) -> None:
+    cmp = sub.add_parser(
+        "compare",
+        help="the main job: train standard, Block and Full AttnRes alike and write report.md with plots",
+        description="Train the standard, Block AttnRes and Full AttnRes models with identical data, hyper-parameters "
+        "and seeds on the default corpus (resumable: finished runs are skipped), then write --out/report.md with "
+        "validation-loss curves, a loss table at equal steps and equal compute with tokens/s, output and gradient "
+        "magnitude per block (Fig. 5) and depth-weight heatmaps (Fig. 8). Same as `attnres experiment compare`.",
+    )
+    _grid_arguments(cmp, default_out="runs/compare", presets="'tiny' (seconds), 'demo' (minutes; default) or "
+                    "'long' (the committed 12-block comparison, 30+ minutes per run)")
+
+
+def add_experiment_parser(sub) -> None:
+    ex = sub.add_parser(
+        "experiment",
+        help="run one of the report's experiment grids and write its tables and plots",
+        description="Run every (variant, seed) of an experiment grid under --out (one run directory each; finished "
+        "runs are skipped, interrupted ones resumed), then write --out/report.md and plots. Overrides apply to "
+        "every run alike, e.g. `attnres experiment block-size --preset cpu --out runs/bs --seeds 0 1 steps=500`.",
+    )
+    ex.add_argument("name", choices=EXPERIMENT_NAMES, help="which grid")
+    _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), 'small', 'cpu' (default); compare: 'tiny', "
+                    "'demo' (default), 'long'")
+
+
+def accepts_extra(argument: str) -> bool:
+    """An argument after an option (``--seeds 0 key=value``): an override."""
+    return "=" in argument and not argument.startswith("-")
+
+
+def run(args, parser) -> int:
+    _split_overrides(args, parser)
+    name = "compare" if args.command == "compare" else args.name
+    if not args.report_only:
+        check_output_dir(f"attnres {args.command}", args.out)
+    preset = args.preset or _saved_preset(args.out, name) or DEFAULT_PRESET.get(name, "cpu")
+    return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
+                              args.overhead_repeats, args.variants)
+
+
+def _split_overrides(args, parser) -> None:
+    """``--seeds 0 1 key=value``: argparse fills the seed list (and ``--variants``) with the
+    overrides after it; they end the list."""
+    args.overrides = [t for t in args.seeds if "=" in t] + args.overrides
+    if args.variants is not None:  # the same for `--variants a b key=value`
+        args.overrides = [t for t in args.variants if "=" in t] + args.overrides
+        args.variants = [t for t in args.variants if "=" not in t]
+    try:
+        args.seeds = [int(t) for t in args.seeds if "=" not in t]
+    except ValueError:
+        parser.error(f"--seeds takes integers; got {args.seeds!r}")
+
+
+def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, presets: str) -> None:
+    """The options `compare` and `experiment` share."""
+    parser.add_argument("--preset", help=f"grid size: {presets}")
+    if default_out is None:
+        parser.add_argument("--out", required=True, help="results directory")
+    else:
+        parser.add_argument("--out", default=default_out, help=f"results directory (default {default_out})")
+    parser.add_argument("--seeds", nargs="+", default=["0"], help="seeds of every variant (default 0)")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
+    parser.add_argument("--variants", nargs="+", metavar="NAME",
+                        help="train only these variants of the grid (e.g. to split it over processes sharing --out); "
+                        "the report covers every finished run in --out")
+    parser.add_argument("--overhead-repeats", type=int, default=10,
+                        help="compare / ablation / block-size: after training, time one step of every variant side by side "
+                        "over this many interleaved rounds (CPU time of the process at one thread, with its noise) and "
+                        "measure its peak memory, for the report's overhead columns (default 10; 0 = use the step times "
+                        "the runs logged)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
+
+
+def _saved_preset(out: str, name: str) -> str | None:
+    """The preset of the ``name`` experiment already in ``out`` (its experiment.json), so that
+    a command without ``--preset`` continues or reports that grid rather than the default's."""
+    from ..experiments.layout import read_experiment_header
+
+    header = read_experiment_header(out)
+    if header is None or header.get("experiment") != name or not isinstance(header.get("preset"), str):
+        return None
+    return header["preset"]
+
+
+def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool,
+                       overhead_repeats: int = 0, variants: list[str] | None = None) -> int:
+    """``attnres experiment`` / ``attnres compare``: bad presets, seeds or overrides end the
+    process with a one-line message."""
+    from ..experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
+    from ..experiments.job.runner import check_same_experiment
+    from ..train import TrainingDiverged, TrainingOutOfMemory
+    from ..train.config import apply_overrides
+
+    if overhead_repeats < 0:
+        raise SystemExit(f"attnres {name}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
+    try:
+        experiment = get_experiment(name, preset)
+        if report_only:  # the report of another grid in `out` must not be overwritten
+            check_same_experiment(out, {"experiment": name, "preset": preset})
+        else:
+            apply_cpu_allocator(apply_overrides({}, overrides))
+            run_experiment(experiment, out, seeds, overrides, variants=variants)
+            if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
+                measure_overhead(experiment, out, overrides, overhead_repeats)
+        records = load_records(out, experiment)  # every seed finished so far, not only this invocation's
+        path = write_report(name, records, out, preset)
+    except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
+        raise SystemExit(f"attnres experiment: error: {e}") from None
+    except KeyboardInterrupt as e:  # a run checkpointed on SIGINT/SIGTERM: re-running resumes it
+        print(f"attnres experiment: interrupted ({e or 'SIGINT'}); run the same command again to resume")
+        return 130
+    print(f"attnres experiment: {len(records)} runs; report {path}")
+    return 0

@@ -1,0 +1,28 @@
+"""``attnres export``: a training checkpoint as a Hugging Face directory (model + tokenizer)."""
+
+from __future__ import annotations
+
+
+
+
+def add_parser(sub) -> None:
+    xp = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory (model + tokenizer)")
+    xp.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing)")
+    xp.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+
+
+def run(args, parser) -> int:
+    return run_export(args.checkpoint, args.out, args.tokenizer)
+
+
+def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
+    """``attnres export``: checkpoint -> Hugging Face directory."""
+    from .. import hf
+
+    try:
+        path = hf.export_checkpoint(checkpoint, out, tokenizer)
+    except ValueError as e:
+        raise SystemExit(f"attnres export: error: {e}") from None
+    print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres.hf`)")
+    return 0

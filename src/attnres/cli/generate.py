@@ -1,0 +1,99 @@
+"""``attnres generate``: continue a prompt with a trained checkpoint, streamed, with tokens/s."""
+
+from __future__ import annotations
+
+import warnings
+
+from .common import native_only
+
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s")
+    gen.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens")
+    gen.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    gen.add_argument("--device", default="auto", help="auto (CUDA when available; default), cpu, cuda or cuda:N")
+    gen.add_argument("--decode", default="auto", choices=("auto", "dynamic", "static", "compiled", "graph"),
+                     help="how decode steps run: auto (graph on CUDA, dynamic elsewhere; default), dynamic (growing "
+                     "cache, eager), or over a static cache: static (eager), compiled (torch.compile), graph (CUDA graph)")
+
+
+def run(args, parser) -> int:
+    return run_generate(args)
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+    """Raise ``ValueError`` when a prompt of ``prompt_tokens`` plus ``max_new_tokens`` does not
+    fit the model's context of ``limit`` tokens (the last new token is not fed back)."""
+    need = prompt_tokens + max_new_tokens - 1
+    if need > limit:
+        room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
+        hints = [f"use --max-new-tokens {room} or less"] if room >= 1 else []
+        hints += [f"shorten the prompt to at most {keep} tokens"] if keep >= 1 else []
+        # One limit, the context: the prompt and the new tokens but the last fill it together.
+        hint = " or ".join(hints) or (f"shorten the prompt and lower --max-new-tokens: together they may be at most "
+                                      f"{limit + 1} tokens")
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
+                         f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
+
+
+def _warn_non_finite(model, checkpoint) -> None:
+    """Warn when ``model``'s weights hold NaN or infinite values: every logit is then
+    non-finite and sampling picks token 0 (a NUL byte with the byte tokenizer) without a word."""
+    import torch
+
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        warnings.warn(f"the weights of {str(checkpoint)!r} hold NaN or infinite values ({len(bad)} tensor(s), e.g. "
+                      f"{bad[0]!r}): the logits are not finite and the text generated is meaningless; generate from "
+                      "an earlier checkpoint", stacklevel=2)
+
+
+def run_generate(args) -> int:
+    """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
+    import sys
+    import time
+
+    import torch
+
+    from ..inference import resolve_decode, stream
+    from ..inference.loading import load_run, load_tokenizer
+
+    try:
+        run = load_run(args.checkpoint, args.device)
+        native_only(run, "generate")
+        model = run.model
+        _warn_non_finite(model, run.checkpoint)
+        tokenizer = load_tokenizer(run, args.tokenizer)
+        ids = tokenizer.encode(args.prompt)
+        if not ids:
+            raise ValueError("--prompt is empty: there is nothing to continue")
+        check_context(len(ids), args.max_new_tokens, model.config.max_seq_len)
+        device = next(model.parameters()).device
+        decode = resolve_decode(model, args.decode)
+        steps = stream(
+            model, torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
+            chunk_size=args.chunk_size, decode=decode,
+        )
+        new: list[int] = []
+        shown = ""
+        t0 = time.perf_counter()
+        for tokens in steps:  # print as we go; decode the whole tail so multi-byte text stays intact
+            new.append(int(tokens[0]))
+            text = tokenizer.decode(new)
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+        elapsed = time.perf_counter() - t0
+    except ValueError as e:
+        raise SystemExit(f"attnres generate: error: {e}") from None
+    print()
+    print(f"attnres generate: {len(new)} tokens in {elapsed:.2f} s ({len(new) / max(elapsed, 1e-9):.1f} tokens/s, "
+          f"prefill included, {device}, {decode} decode)", file=sys.stderr)
+    return 0

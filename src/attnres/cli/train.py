@@ -1,0 +1,136 @@
+"""``attnres train``: train (or continue) a run from a YAML config plus key=value overrides."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .common import Parser, apply_cpu_allocator, end_process, first_on_node, rank_zero
+
+
+def add_parser(sub) -> None:
+    tr = sub.add_parser(
+        "train",
+        help="train an LM from a YAML config plus key=value overrides",
+        usage="attnres train [-h] [CONFIG.yaml] [--config CONFIG.yaml] [--resume] [--resume-from DIR] [--print-config] "
+        "[key=value ...]",
+        description="Train (or with --resume continue) a run. The YAML config file (with or without --config) and "
+        "the overrides, with dotted keys, may come anywhere on the line, e.g. `attnres train run.yaml steps=2000 "
+        "model.residual=standard data.paths=[my.txt]`; an override changes only the field it names. SIGINT/SIGTERM write a checkpoint and exit. Data parallel on K "
+        "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2 data parallel; parallel.tp / parallel.pp for "
+        "tensor / pipeline parallelism, docs/scale-out.md).",
+        formatter_class=argparse.RawDescriptionHelpFormatter, help_tail=_config_reference,
+    )
+    tr.add_argument("--config", metavar="CONFIG.yaml",
+                    help="YAML file with TrainConfig fields (default: built-in defaults); may also be given "
+                    "without --config")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from the newest valid checkpoint in out_dir (= resume=true)")
+    tr.add_argument("--resume-from", metavar="DIR",
+                    help="continue from this checkpoint (a step-* directory, or a run directory: its newest valid "
+                    "one) into out_dir (= resume_from=DIR)")
+    tr.add_argument("--print-config", action="store_true",
+                    help="print the resolved config (YAML, after --config and the overrides) and exit")
+    tr.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="config overrides, YAML-parsed values (an argument without '=' is the config file)")
+
+
+def accepts_extra(argument: str) -> bool:
+    """An argument after an option (``--resume steps=10``): an override or the config file."""
+    return not argument.startswith("-")
+
+
+def run(args, parser) -> int:
+    config, overrides = _config_file_and_overrides(parser, args.config, args.overrides)
+    flags = (["resume=true"] if args.resume else []) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
+    return run_train(config, overrides + flags, args.print_config)
+
+
+def _config_reference() -> str:
+    """Every config field (``train --help``); without the 'train' extra, how to get it."""
+    try:
+        from ..train.reference import config_reference
+    except ImportError as e:  # a base install: the options above still help
+        from ..extras import install_command
+
+        return (f"The list of every config field (and training itself) needs the 'train' extra: "
+                f"{install_command('train')} (the module {(e.name or '?').partition('.')[0]!r} is not installed).")
+    return config_reference()
+
+
+def _config_file_and_overrides(parser, config: str | None, arguments: list[str]) -> tuple[str | None, list[str]]:
+    """``attnres train [CONFIG.yaml] [key=value ...]``: an argument without ``=`` is the config
+    file (what users type, and what multi-node recipes pass), the same as ``--config``."""
+    files = [a for a in arguments if "=" not in a]
+    given = [f for f in (config, *files) if f is not None]
+    if len(given) > 1:
+        parser.error(f"one config file at most (as the first argument or with --config); got {given}")
+    if files and os.path.isdir(files[0]):
+        parser.error(f"{files[0]!r} is a directory, not a config file (a YAML file) or a key=value override")
+    if files:
+        from ..train.config import config_path  # configs/NAME.yaml: also the shipped one
+
+        if not config_path(files[0]).is_file():
+            parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
+    return (given[0] if given else None), [a for a in arguments if "=" in a]
+
+
+def _train_error(error: BaseException) -> SystemExit:
+    """The exit of ``attnres train`` on ``error``: its one line, printed once per node when
+    every rank has it alike (an error before the ranks have joined comes from the same config
+    on every rank; after, :func:`~attnres.distributed.launch.raised_on_every_rank` says so);
+    a rank's own error is printed where it happened."""
+    import torch.distributed as dist
+
+    from ..distributed.launch import raised_on_every_rank
+
+    alike = raised_on_every_rank(error) or not (dist.is_available() and dist.is_initialized())
+    if alike and not first_on_node():
+        return SystemExit(1)
+    return SystemExit(f"attnres train: error: {error}")
+
+
+def _exit_after_collective_failure(exit_: SystemExit) -> None:
+    """End a rank whose process group broke: its message, then ``os._exit(1)``. A normal
+    interpreter exit would destroy the backend's threads still waiting on the dead peer, and
+    gloo's then abort the process ("terminate called without an active exception", exit
+    status -6) after the clear message, now and then."""
+    end_process(exit_.code if isinstance(exit_.code, str) else 1)
+
+
+def run_train(config_path: str | None, overrides: list[str], print_config: bool = False) -> int:
+    """``attnres train``: errors in the config, data or checkpoints end the process with a
+    one-line message; an interrupted run exits with 128 + the signal number. With
+    ``print_config``, print the resolved config and exit."""
+    import signal
+
+    from ..distributed.launch import DistributedError
+    from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
+
+    try:
+        config = load_config(config_path, overrides)
+        if print_config:
+            import yaml
+
+            print(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), end="")
+            return 0
+        apply_cpu_allocator(config.to_dict())
+        result = train(config)
+    except DistributedError as e:
+        _exit_after_collective_failure(_train_error(e))
+    except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
+        raise _train_error(e) from None
+    if result.interrupted:
+        if rank_zero():
+            print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint "
+                  f"{result.checkpoint}; continue with --resume")
+        return 128 + int(getattr(signal, result.interrupted))
+    if not rank_zero():
+        return 0
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.4f}"
+
+    print(f"attnres train: finished at step {result.step}, train loss {fmt(result.train_loss)}, "
+          f"val loss {fmt(result.val_loss)}; checkpoint {result.checkpoint}")
+    return 0

