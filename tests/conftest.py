@@ -5,8 +5,17 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# The studies beside the package (``studies/``) are imported from the repository root, as
+# ``python -m studies.NAME`` runs them from a clone (tests/studies/). A conftest of their own
+# would shadow this one: the tests import its helpers as ``conftest``.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 # Inductor's on-disk cache does not key its C++ code on ATEN_CPU_CAPABILITY: code generated
 # for one vector width (AVX-512: 16 floats) and reused under another (AVX2: 8), or the other
