@@ -153,8 +153,12 @@ def crash_holding_the_lock(out_dir: Path, host: str) -> dict:
 
 
 def no_traceback_of_ours(text: str) -> bool:
-    """Whether no traceback line names an attnres file (torchrun prints its own on a failure)."""
-    return not any("attnres" in line for line in text.splitlines() if line.strip().startswith("File "))
+    """Whether no traceback line names a file of the attnres package (torchrun prints its own
+    on a failure; its files may sit under a clone whose folder is called attnres too)."""
+    import attnres
+
+    package = str(Path(attnres.__file__).resolve().parent)
+    return not any(package in line for line in text.splitlines() if line.strip().startswith("File "))
 
 
 def losses(run: Path) -> dict[int, float]:
