@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -255,6 +256,59 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
             "unsupported": unsupported}
 
 
+# --------------------------------------------------------------------------------- parity
+PARITY_TOLERANCE = 1e-3  # float32 on both sides: the kernels' reductions differ only in order
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def part_parity(z: Sizes, device: str) -> dict:
+    """Our Triton kernels against the torch backend on this device, float32: logits and
+    every parameter's gradient of a small Block and Full AttnRes model at the real ``d``
+    (the interpreter's parity, again on the hardware: a race or a wrong mask shows here)."""
+    small = Sizes(**{**asdict(z), "layers": min(z.layers, 8), "blocks": min(z.blocks, 4),
+                     "seq": min(z.seq, 256), "batch": 2})
+    ids = torch.randint(0, small.vocab, (small.batch, small.seq), device=device)
+    result = {}
+    for name in ("block", "full"):
+        runs = {}
+        for backend in ("triton", "torch"):
+            residual = ({"kind": "attnres_block", "block_size": 2 * small.layers // small.blocks}
+                        if name == "block" else {"kind": "attnres_full"})
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = AttnResLM(model_config(small, {**residual, "backend": backend}))
+            for p in model.parameters():  # (zero queries would hide the depth weights)
+                if p.dim() == 1:
+                    p.data.add_(0.1 * torch.randn_like(p))
+            out = model(ids, labels=ids)
+            out.loss.backward()
+            runs[backend] = (out.logits.detach(), {k: p.grad for k, p in model.named_parameters()})
+        (logits, grads), (ref_logits, ref_grads) = runs["triton"], runs["torch"]
+        errors = {k: relative_error(grads[k], ref_grads[k]) for k in ref_grads}
+        worst = max(errors, key=errors.get)
+        result[name] = {"logits": relative_error(logits, ref_logits), "worst_grad": errors[worst],
+                        "worst_grad_param": worst, "finite": bool(torch.isfinite(logits).all())}
+        result[name]["ok"] = (result[name]["finite"] and result[name]["logits"] <= PARITY_TOLERANCE
+                              and result[name]["worst_grad"] <= PARITY_TOLERANCE)
+        log(f"[gpu_check] parity {name}: {result[name]}")
+    return result
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Measured device-to-device copy, bytes read + written per second (the achievable
+    ceiling beside the datasheet's)."""
+    if device != "cuda":
+        return None
+    src = torch.randn(2**28, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    t = statistics.median(Clock(device).time(lambda: dst.copy_(src)) for _ in range(10))
+    return 2 * src.numel() * 4 / t
+
+
 # ------------------------------------------------------------------------------ end to end
 def model_config(z: Sizes, residual) -> ModelConfig:
     return ModelConfig(vocab_size=z.vocab, d_model=z.d, n_layers=z.layers, n_heads=max(1, z.d // 128),
@@ -270,7 +324,8 @@ def build_models(z: Sizes, device: str) -> dict[str, AttnResLM]:
         if residual is None:
             residual = {"kind": "attnres_block", "block_size": 2 * z.layers // z.blocks}
         torch.manual_seed(0)
-        models[name] = AttnResLM(model_config(z, residual)).to(device)
+        with torch.device(device):  # (initialised there: minutes less at 1.6B parameters)
+            models[name] = AttnResLM(model_config(z, residual))
     return models
 
 
@@ -386,13 +441,24 @@ def summarize(result: dict) -> dict:
         others = {k: v for k, v in ops["block"].items() if k != "ours (triton)"}
         if ours and others:
             summary["met"]["faster_than_peers"] = all(ours["fwd+bwd_us"] < v["fwd+bwd_us"] for v in others.values())
+    if "parity" in result:
+        summary["parity"] = {k: max(v["logits"], v["worst_grad"]) for k, v in result["parity"].items()}
+        summary["met"]["parity"] = all(v["ok"] for v in result["parity"].values())
     summary["skipped"] = result.get("skipped", {})
+    summary["errors"] = sorted(result.get("errors", {}))
     return summary
 
 
 def render(result: dict) -> str:
     lines = [f"# GPU check on {result['device']}", "", f"Command: `{result['command']}`  ",
-             f"torch {result['torch']}, triton {result['triton']}; {result.get('elapsed_s', 0):.0f} s.", ""]
+             f"torch {result['torch']}, triton {result['triton']}; {result.get('elapsed_s', 0):.0f} s; "
+             f"device-to-device copy {result.get('copy_GBps', 0):.0f} GB/s (read + written).", ""]
+    if "parity" in result:
+        lines += [f"## Parity: Triton kernels vs the torch backend, float32 (tolerance {PARITY_TOLERANCE:g})", "",
+                  "| model | logits rel. err. | worst gradient rel. err. (parameter) | ok |", "|---|---:|---|---|"]
+        lines += [f"| {k} | {v['logits']:.2e} | {v['worst_grad']:.2e} ({v['worst_grad_param']}) | {v['ok']} |"
+                  for k, v in result["parity"].items()]
+        lines.append("")
     if "ops" in result:
         ops = result["ops"]
         lines += [f"## Ops at M={ops['shape']['tokens']} d={ops['shape']['d']} n={ops['shape']['n']} "
@@ -423,6 +489,8 @@ def render(result: dict) -> str:
                 lines += [f"| {batch} | {mode} | {k} | {v:.3f} | {v / times['standard']:.3f} |" for k, v in times.items()]
     for part, why in result.get("skipped", {}).items():
         lines.append(f"\nSkipped **{part}**: {why}")
+    for part, trace in result.get("errors", {}).items():
+        lines += ["", f"**{part} failed**:", "", "```", trace.rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -463,23 +531,37 @@ def start_warm_up(peers: dict) -> list[subprocess.Popen]:
 
 
 # --------------------------------------------------------------------------------------- main
+def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers: dict, skipped: dict):
+    if part == "parity":
+        return part_parity(z, device)
+    if part == "ops":
+        return part_ops(z, clock, device, peers, skipped)
+    if part == "decode":
+        return part_decode(z, clock, models, device)
+    return part_train(z, clock, models, device, compiled=part == "train_compiled")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
-    p.add_argument("--parts", default="ops,train_eager,decode,train_compiled", help="comma-separated parts to run")
+    p.add_argument("--parts", default="parity,ops,train_eager,decode,train_compiled", help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 #: The least time each part needs (s, on an H100): a part is skipped when less remains.
-MIN_SECONDS = {"ops": 20, "train_eager": 40, "decode": 20, "train_compiled": 150}
+MIN_SECONDS = {"parity": 5, "ops": 20, "train_eager": 40, "decode": 20, "train_compiled": 150}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    unknown = sorted(set(args.parts.split(",")) - set(MIN_SECONDS))
+    if unknown:
+        log(f"gpu_check: unknown --parts {unknown}; choose from {sorted(MIN_SECONDS)}")
+        return 2
     device = "cpu" if args.cpu_smoke else "cuda"
     z = SMOKE if args.cpu_smoke else Sizes()
     if args.warm_up_worker:
@@ -494,7 +576,8 @@ def main(argv=None) -> int:
     workers = start_warm_up(peers) if device == "cuda" else []
     result = {"command": " ".join(["gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)",
-              "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(z), "skipped": {}}
+              "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(z), "skipped": {}, "errors": {},
+              "copy_GBps": (copy_bandwidth(device) or 0) / 1e9}
     clock = Clock(device)
     out = Path(args.out)
     models = build_models(z, device)
@@ -507,12 +590,16 @@ def main(argv=None) -> int:
             log(f"[gpu_check] skipping {part}: {result['skipped'][part]}")
             continue
         log(f"[gpu_check] {part} ({time.perf_counter() - start:.0f} s)")
-        if part == "ops":
-            result["ops"] = part_ops(z, clock, device, peers, skipped)
-        elif part in ("train_eager", "train_compiled"):
-            result[part] = part_train(z, clock, models, device, compiled=part == "train_compiled")
-        elif part == "decode":
-            result["decode"] = part_decode(z, clock, models, device)
+        try:
+            result[part] = run_part(part, z, clock, models, device, peers, skipped)
+        except Exception as e:  # noqa: BLE001 - one part's failure is reported; the others still run
+            if args.cpu_smoke:
+                raise
+            result["errors"][part] = "".join(traceback.format_exception(e))[-4000:]
+            log(f"[gpu_check] {part} FAILED:\n{result['errors'][part]}")
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
         result["elapsed_s"] = time.perf_counter() - start
         write(out, result)
         print(render(result), flush=True)
