@@ -14,20 +14,25 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
    the models run (a few rows each, the real ``d`` and dtypes) and the peers' autotuners,
    into the on-disk caches, while the main process builds the models.
-1. **ops**: each of our operations alone (Phase 1 and the merge - also the merge that forms
-   Block's partial sum itself - forward and backward) at
-   ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
-   byte bound (every input read once, every output written once, at the datasheet
-   bandwidth); the host time of a merge call (forward + backward) against the standard
-   model's add + RMSNorm at one token; one Block AttnRes block against the peers that run
-   the shape (bench_kernels_gpu.py's adapters).
+1. **parity**: a small Block and Full AttnRes model at the real ``d``, float32, our kernels
+   against the torch backend (logits, every gradient); each operation alone against the
+   PyTorch implementation in float64.
 2. **train, eager**: a training step (bf16 autocast) of the standard model, Block and Full
    AttnRes at d = 2048, 32 transformer blocks, N = 8 blocks (S = 8), sequence 2048, batch
    4, interleaved; the peak memory of a step.
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
    and CUDA-graphed, bf16.
-4. **train, compiled**: the same steps under ``torch.compile``.
+4. **ops**: each of our operations alone (Phase 1 and the merge - also the merge that forms
+   Block's partial sum itself - forward and backward) at
+   ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
+   byte bound (every input read once, every output written once, at the datasheet
+   bandwidth), Phase 1 also at the tile widths of ``SWEEP_BLOCK_D``; the host time of a
+   merge call (forward + backward) against the standard model's add + RMSNorm at one
+   token; one Block AttnRes block against the peers that run the shape
+   (bench_kernels_gpu.py's adapters).
+5. **train, compiled**: the same steps under ``torch.compile``.
 
+A part that raises is recorded (``errors``, with its traceback) and the next one runs.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
 ``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
 ``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
@@ -159,37 +164,63 @@ def op_bytes(z: Sizes, esz: int = 2) -> dict[str, int]:
     }
 
 
-def op_calls(z: Sizes, device: str) -> dict:
-    """Each operation's implementation on the model's layout (bf16 storage on a GPU, float32
-    under the interpreter): callables that run it once, forward and backward apart."""
+def op_calls(z: Sizes, device: str, dtype: torch.dtype | None = None, impl=None) -> dict:
+    """Each operation's implementation (``impl``: our Triton kernels unless given) on the
+    model's layout (``dtype``: bf16 storage on a GPU, float32 under the interpreter, unless
+    given; the same values whatever the dtype): callables that run it once, forward and
+    backward apart."""
     from attnres.ops.depth_attention import triton_impl
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    impl = impl or triton_impl
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     g = torch.Generator(device=device).manual_seed(0)
-    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device).to(  # noqa: E731
+        torch.float64 if dtype == torch.float64 else torch.float32)
     sources = [r(z.tokens, z.d).to(dtype) for _ in range(z.n)]
     qg = r(z.S, z.d) * 0.5
-    outs, lse = triton_impl.phase1_forward(qg, sources, 1e-6)
+    outs, lse = impl.phase1_forward(qg, sources, 1e-6)
     g_outs = [r(z.tokens, z.d).to(dtype) for _ in range(z.S)]
     g_lse = r(z.tokens, z.S)
     partial, w, q1 = r(z.tokens, z.d).to(dtype), 1 + 0.1 * r(z.d), r(z.d) * 0.5
     zcol = lse.unbind(-1)[1].unsqueeze(-1)
-    merged = triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6)
+    merged = impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6)
     g_out = r(z.tokens, z.d).to(dtype)
     needs = [True] * 5
     addend = r(z.tokens, z.d).to(dtype)
-    fused = triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6, addend)
+    fused = impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6, addend)
     return {
-        "phase1_fwd": lambda: triton_impl.phase1_forward(qg, sources, 1e-6),
-        "phase1_bwd": lambda: triton_impl.phase1_backward(qg, lse, sources, g_outs, g_lse, 1e-6, True,
+        "phase1_fwd": lambda: impl.phase1_forward(qg, sources, 1e-6),
+        "phase1_bwd": lambda: impl.phase1_backward(qg, lse, sources, g_outs, g_lse, 1e-6, True,
                                                           [True] * z.n),
-        "merge_fwd": lambda: triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6),
-        "merge_bwd": lambda: triton_impl.merge_backward(g_out, merged[1], merged[2], merged[3], merged[4], [outs[1]],
+        "merge_fwd": lambda: impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6),
+        "merge_bwd": lambda: impl.merge_backward(g_out, merged[1], merged[2], merged[3], merged[4], [outs[1]],
                                                         [partial], q1, w, needs),
-        "merge_add_fwd": lambda: triton_impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6, addend),
-        "merge_add_bwd": lambda: triton_impl.merge_backward(g_out, fused[1], fused[2], fused[3], fused[4], [outs[1]],
+        "merge_add_fwd": lambda: impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6, addend),
+        "merge_add_bwd": lambda: impl.merge_backward(g_out, fused[1], fused[2], fused[3], fused[4], [outs[1]],
                                                             [fused[5]], q1, w, needs, g_out),
     }
+
+
+#: Phase 1's tile widths timed beside the default (``triton_impl.FORCED``): the next change
+#: of the default is read off these.
+SWEEP_BLOCK_D = (64, 256)
+
+
+def phase1_sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict, peak: float) -> dict:
+    """Phase 1 forward and backward at the other tile widths: ``{name@block_d: x bound}``."""
+    from attnres.ops.depth_attention import triton_impl
+
+    sweep = {}
+    for block_d in SWEEP_BLOCK_D if device == "cuda" else SWEEP_BLOCK_D[:1]:
+        triton_impl.FORCED["block_d"] = block_d
+        try:
+            for name in ("phase1_fwd", "phase1_bwd"):
+                t = clock.replayed(calls[name], z.op_repeats)
+                sweep[f"{name}@block_d={block_d}"] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
+                log(f"[gpu_check]   {name} at block_d={block_d}: {t * 1e6:.1f} us")
+        finally:
+            triton_impl.FORCED["block_d"] = None
+    return sweep
 
 
 def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
@@ -233,6 +264,7 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
         t = clock.replayed(fn, z.op_repeats)
         rows[name] = {"us": t * 1e6, "bound_us": bytes_[name] / peak * 1e6, "x_bound": t / (bytes_[name] / peak)}
         log(f"[gpu_check]   {name}: {rows[name]['us']:.1f} us, {rows[name]['x_bound']:.2f}x bound")
+    sweep = phase1_sweep(z, clock, device, calls, bytes_, peak)
     host = host_overhead(clock, device, 200 if device == "cuda" else 5)
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
     x = kernels_bench.make_inputs(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
@@ -254,8 +286,8 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
     for key, t in clock.interleaved(steps, z.repeats).items():
         impl, mode = key.split("|")
         block.setdefault(impl, {})[f"{mode}_us"] = t * 1e6
-    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "host_us": host, "block": block,
-            "unsupported": unsupported}
+    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "sweep": sweep, "host_us": host,
+            "block": block, "unsupported": unsupported}
 
 
 # --------------------------------------------------------------------------------- parity
@@ -304,7 +336,29 @@ def part_parity(z: Sizes, device: str) -> dict:
         result[name]["ok"] = (result[name]["finite"] and result[name]["logits"] <= PARITY_TOLERANCE
                               and result[name]["worst_grad"] <= PARITY_TOLERANCE)
         log(f"[gpu_check] parity {name}: {result[name]}")
+    result["ops"] = op_parity(z, device)
+    log(f"[gpu_check] parity of the ops against float64: {result['ops']}")
     return result
+
+
+def flat(value) -> list[torch.Tensor]:
+    """The tensors of an operation's result (nested tuples and lists), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in (value or ()) if v is not None for t in flat(v)]
+
+
+def op_parity(z: Sizes, device: str) -> dict[str, float]:
+    """Each operation alone on the device (float32 storage, our kernels) against the PyTorch
+    implementation in float64 on the same values: the worst relative error over its outputs
+    (METHOD: float32 lands far under 1e-3, tf32 near 3e-4)."""
+    from attnres.ops.depth_attention import torch_impl
+
+    small = Sizes(**{**asdict(z), "tokens": min(z.tokens, 512)})
+    ours = op_calls(small, device, torch.float32)
+    reference = op_calls(small, device, torch.float64, torch_impl)
+    return {name: max(relative_error(a, b) for a, b in zip(flat(ours[name]()), flat(reference[name]())))
+            for name in ours}
 
 
 def copy_bandwidth(device: str) -> float | None:
@@ -451,8 +505,10 @@ def summarize(result: dict) -> dict:
         if ours and others:
             summary["met"]["faster_than_peers"] = all(ours["fwd+bwd_us"] < v["fwd+bwd_us"] for v in others.values())
     if "parity" in result:
-        summary["parity"] = {k: max(v["logits"], v["worst_grad"]) for k, v in result["parity"].items()}
-        summary["met"]["parity"] = all(v["ok"] for v in result["parity"].values())
+        models = {k: v for k, v in result["parity"].items() if k != "ops"}
+        summary["parity"] = {k: max(v["logits"], v["worst_grad"]) for k, v in models.items()}
+        summary["parity"]["ops"] = result["parity"].get("ops")
+        summary["met"]["parity"] = all(v["ok"] for v in models.values())
     summary["skipped"] = result.get("skipped", {})
     summary["errors"] = sorted(result.get("errors", {}))
     return summary
@@ -468,14 +524,17 @@ def render(result: dict) -> str:
                   "|---|---:|---:|---|---|"]
         lines += [f"| {k} | {v['logits']:.2e} | {v['grads']:.2e} | {v['worst_grad']:.2e} ({v['worst_grad_param']}) "
                   f"| {v['ok']} |"
-                  for k, v in result["parity"].items()]
-        lines.append("")
+                  for k, v in result["parity"].items() if k != "ops"]
+        ops = result["parity"].get("ops", {})
+        lines += ["", "Each operation alone, float32 storage, against the PyTorch implementation in float64 "
+                  "(worst relative error of its outputs): " + ", ".join(f"{k} {v:.1e}" for k, v in ops.items()), ""]
     if "ops" in result:
         ops = result["ops"]
         lines += [f"## Ops at M={ops['shape']['tokens']} d={ops['shape']['d']} n={ops['shape']['n']} "
                   f"S={ops['shape']['S']} (graph replay; bound at {ops['peak_GBps']:.0f} GB/s)", "",
                   "| op | µs | bound µs | x bound |", "|---|---:|---:|---:|"]
         lines += [f"| {k} | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |" for k, v in ops["ops"].items()]
+        lines += [f"| {k} | {v['us']:.1f} | | {v['x_bound']:.2f} |" for k, v in ops.get("sweep", {}).items()]
         h = ops["host_us"]
         lines += ["", f"Host time per call at one token: merge fwd+bwd {h['ours']:.1f} µs, standard add + RMSNorm "
                   f"fwd+bwd {h['standard']:.1f} µs ({h['ours'] / h['standard']:.2f}x).", "",

@@ -56,7 +56,7 @@ def test_launch_geometry():
     # Phase 1: S_PAD x BLOCK_D within the tile budget, no wider than d needs, at least 16
     assert L.phase1_tile(37, 3) == 64 and L.phase1_tile(1, 1) == 16 and L.phase1_tile(4096, 8) == 128
     assert L.phase1_tile(4096, 2) == 256 and L.phase1_tile(4096, 9) == 32 and L.phase1_tile(4096, 64) == 16 and L.phase1_tile(4096, 32) == 16
-    assert [L.phase1_warps(S) for S in (2, 9, 32, 33)] == [4, 4, 4, 8]
+    assert [L.phase1_warps(S) for S in (2, 9, 32, 33)] == [4, 4, 4, 4]
     assert L.phase1_tile(4096, 8, wide=True) == 64 and L.phase1_tile(37, 3, block_d=16) == 16
     with pytest.raises(ValueError, match="block_d must be a power of two"):
         L.phase1_tile(37, 3, block_d=12)

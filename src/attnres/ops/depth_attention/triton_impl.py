@@ -20,8 +20,8 @@ from torch import Tensor
 
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
-from .triton_launch import (backward_programs, dq_grid, merge_fits, merge_warps, pad, phase1_fits, phase1_tile,
-                            phase1_warps, row_pad)
+from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, merge_fits, merge_warps, pad, phase1_fits,
+                            phase1_tile, phase1_warps, row_pad)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -117,8 +117,8 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
         if needs_qg:
             tiles, programs, per = dq_grid(rows, d, block, _sms(x0.device), FORCED["programs"])
             pq = torch.empty((programs, S, d), dtype=compute, device=x0.device)
-            triton_kernels.phase1_dq[(tiles, programs)](w, srcs, pq, rows, d, per, S=S, BLOCK_D=block, S_PAD=pad(S),
-                                                         N_PAD=pad(n), num_warps=phase1_warps(S))
+            triton_kernels.phase1_dq[(tiles, programs)](w, srcs, pq, rows, d, per, S=S, ROWS=DQ_ROWS, BLOCK_D=block,
+                                                         S_PAD=pad(S), N_PAD=pad(n), num_warps=phase1_warps(S))
             g_qg = pq.sum(0) if programs > 1 else pq[0]
     elif needs_qg:
         g_qg = torch.zeros_like(q)

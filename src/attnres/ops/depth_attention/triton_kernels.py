@@ -18,8 +18,10 @@ their base pointers in registers (:func:`_bases`). Every ``[rows, d]`` tensor is
 * ``phase1_fwd`` / ``phase1_bwd``: one program per token row, walking ``d`` in tiles of
   ``BLOCK_D``; a first pass over the row gathers each source's statistics (RMS factor,
   logits against the ``S`` queries, dot products with the ``S`` gradients) into small
-  ``[S_PAD, N_PAD]`` register blocks, the second writes each result once. The two passes
-  read the row's sources twice; the second read comes from the cache. The loops over the
+  ``[S_PAD, N_PAD]`` register blocks - source by source, products summed elementwise over
+  the tiles and reduced once per source (:func:`_phase1_stats`) - the second writes each
+  result once. The two passes read the row's sources twice; the second read comes from
+  the cache. The loops over the
   sources run at run time (their pointers picked from a vector of the tuple's addresses),
   so that a Phase 1 over many sources (Full AttnRes) compiles to code of the same size.
 * ``phase1_dq``: the queries' gradient ``dQ = sum_rows W^T X`` over a grid of (tile of
@@ -95,25 +97,39 @@ def _phase1_stats(Q, Srcs, G, gmask, row, d, qs, qmask, js, HAS_G: tl.constexpr,
                   S_PAD: tl.constexpr, N_PAD: tl.constexpr):
     """One pass over the row: each source's sum of squares ``[N_PAD]``, its dot products
     with the queries ``[S_PAD, N_PAD]`` and (``HAS_G``) with the gradients ``G`` (base
-    pointers ``[S_PAD]``, rows ``gmask``); the ``S`` query (and gradient) rows of a tile are
-    read once for all sources."""
+    pointers ``[S_PAD]``, rows ``gmask``).
+
+    Source by source, the products are summed elementwise over the tiles of ``d`` and
+    reduced across the program's threads once per source: a reduction inside the tile loop
+    (one per source and tile, each with its barriers) left the loop latency-bound, one
+    2-byte load per thread between barriers (42x the byte bound on an H200,
+    benchmarks/results/gpu-h200). The query (and gradient) tiles are read again for each
+    source: from the cache, the row's ``S`` rows being a few KiB."""
     dt = Q.dtype.element_ty
     srcs = _addresses(Srcs, js)
     xx = tl.zeros([N_PAD], dt)
     xq = tl.zeros([S_PAD, N_PAD], dt)
     xg = tl.zeros([S_PAD, N_PAD], dt)
-    for start in range(0, d, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        cmask = cols < d
-        q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
-        if HAS_G:
-            g = tl.load(G[:, None] + row * d + cols[None, :], mask=gmask[:, None] & cmask[None, :], other=0.0).to(dt)
-        for j in range(len(Srcs)):
-            x = tl.load(_pointer(srcs, js, j, Srcs[0]) + row * d + cols, mask=cmask, other=0.0).to(dt)
-            xx = tl.where(js == j, xx + tl.sum(x * x, axis=0), xx)
-            xq = _add_to_column(xq, js, j, tl.sum(q * x[None, :], axis=1))
+    for j in range(len(Srcs)):
+        src = _pointer(srcs, js, j, Srcs[0]) + row * d
+        sq = tl.zeros([BLOCK_D], dt)
+        aq = tl.zeros([S_PAD, BLOCK_D], dt)
+        ag = tl.zeros([S_PAD, BLOCK_D], dt)
+        for start in range(0, d, BLOCK_D):
+            cols = start + tl.arange(0, BLOCK_D)
+            cmask = cols < d
+            x = tl.load(src + cols, mask=cmask, other=0.0).to(dt)
+            q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
+            sq += x * x
+            aq += q * x[None, :]
             if HAS_G:
-                xg = _add_to_column(xg, js, j, tl.sum(g * x[None, :], axis=1))
+                g = tl.load(G[:, None] + row * d + cols[None, :], mask=gmask[:, None] & cmask[None, :],
+                            other=0.0).to(dt)
+                ag += g * x[None, :]
+        xx = tl.where(js == j, xx + tl.sum(sq, axis=0), xx)
+        xq = _add_to_column(xq, js, j, tl.sum(aq, axis=1))
+        if HAS_G:
+            xg = _add_to_column(xg, js, j, tl.sum(ag, axis=1))
     return xx, xq, xg
 
 
@@ -182,23 +198,28 @@ def phase1_bwd(Q, LSE, GLse, Srcs, GOuts, GSrcs, W, d, eps, g_present, HAS_GLSE:
         tl.store(W + (row * n + js[None, :]) * S + qs[:, None], wr, mask=valid)
     srcs = _addresses(Srcs, js)
     gsrcs = _addresses(GSrcs, js)
-    for start in range(0, d, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        cmask = cols < d
-        q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
-        g = tl.load(grows[:, None] + row * d + cols[None, :], mask=gmask[:, None] & cmask[None, :], other=0.0).to(dt)
-        for j in range(n):
-            x = tl.load(_pointer(srcs, js, j, Srcs[0]) + row * d + cols, mask=cmask, other=0.0).to(dt)
-            gx = tl.sum(_column(p, js, j)[:, None] * g + _column(wr, js, j)[:, None] * q, axis=0)
-            gx -= _entry(coef, js, j) * x
-            tl.store(_pointer(gsrcs, js, j, GSrcs[0]) + row * d + cols, gx.to(GSrcs[0].dtype.element_ty), mask=cmask)
+    for j in range(n):  # source by source (as in _phase1_stats): its weights picked out once
+        pj, wj, cj = _column(p, js, j)[:, None], _column(wr, js, j)[:, None], _entry(coef, js, j)
+        src = _pointer(srcs, js, j, Srcs[0]) + row * d
+        gsrc = _pointer(gsrcs, js, j, GSrcs[0]) + row * d
+        for start in range(0, d, BLOCK_D):
+            cols = start + tl.arange(0, BLOCK_D)
+            cmask = cols < d
+            x = tl.load(src + cols, mask=cmask, other=0.0).to(dt)
+            q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
+            g = tl.load(grows[:, None] + row * d + cols[None, :], mask=gmask[:, None] & cmask[None, :],
+                        other=0.0).to(dt)
+            gx = tl.sum(pj * g + wj * q, axis=0) - cj * x
+            tl.store(gsrc + cols, gx.to(GSrcs[0].dtype.element_ty), mask=cmask)
 
 
 @triton.jit
-def phase1_dq(W, Srcs, PQ, rows, d, rows_per_program, S: tl.constexpr, BLOCK_D: tl.constexpr,
+def phase1_dq(W, Srcs, PQ, rows, d, rows_per_program, S: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
               S_PAD: tl.constexpr, N_PAD: tl.constexpr):
     """``PQ [programs, S, d]``: program ``(t, p)``'s sum of ``W[r, j, :]^T x_j[r, tile t]``
-    over its rows ``r`` and the sources ``j`` (the queries' gradient is ``PQ.sum(0)``)."""
+    over its rows ``r`` and the sources ``j`` (the queries' gradient is ``PQ.sum(0)``).
+    Source by source (its pointer picked out once), ``ROWS`` rows an iteration, unrolled:
+    their loads are independent, so they are in flight together."""
     dt = W.dtype.element_ty
     n: tl.constexpr = len(Srcs)
     pid = tl.program_id(1)
@@ -206,16 +227,19 @@ def phase1_dq(W, Srcs, PQ, rows, d, rows_per_program, S: tl.constexpr, BLOCK_D: 
     cmask = cols < d
     qs = tl.arange(0, S_PAD)
     qmask = qs < S
-    srcs = _addresses(Srcs, tl.arange(0, N_PAD))
+    js = tl.arange(0, N_PAD)
+    srcs = _addresses(Srcs, js)
     acc = tl.zeros([S_PAD, BLOCK_D], dt)
     first = pid * rows_per_program
-    for r in range(first, tl.minimum(first + rows_per_program, rows)):
-        row = tl.cast(r, tl.int64)
-        for j in range(n):
-            w = tl.load(W + (row * n + j) * S + qs, mask=qmask, other=0.0)
-            x = tl.load(_pointer(srcs, tl.arange(0, N_PAD), j, Srcs[0]) + row * d + cols, mask=cmask,
-                        other=0.0).to(dt)
-            acc += w[:, None] * x[None, :]
+    last = tl.minimum(first + rows_per_program, rows)
+    for j in range(n):
+        src = _pointer(srcs, js, j, Srcs[0])
+        for r0 in range(first, last, ROWS):
+            for u in tl.static_range(ROWS):
+                row = tl.cast(r0 + u, tl.int64)
+                w = tl.load(W + (row * n + j) * S + qs, mask=qmask & (qs * 0 + row < last), other=0.0)
+                x = tl.load(src + row * d + cols, mask=cmask & (cols * 0 + row < last), other=0.0).to(dt)
+                acc += w[:, None] * x[None, :]
     tl.store(PQ + (pid * S + qs[:, None]) * d + cols[None, :], acc, mask=qmask[:, None] & cmask[None, :])
 
 

@@ -41,8 +41,10 @@ MAX_SOURCES = 128
 #: Largest ``S_PAD x N_PAD`` block of a Phase-1 program's per-source statistics.
 MAX_STATS = 2048
 
-#: Programs per multiprocessor the queries' gradient aims at.
-PROGRAMS_PER_SM = 4
+#: Programs per multiprocessor the queries' gradient aims at (its compiled variants leave
+#: 9 to 16 resident), and the rows each of its iterations takes (unrolled).
+PROGRAMS_PER_SM = 8
+DQ_ROWS = 4
 #: Warps per multiprocessor the merge's backward programs fill (one wave of them).
 BACKWARD_WARPS_PER_SM = 16
 #: Storage dtypes of the sources (and results) the kernels take, each with its compute
@@ -92,8 +94,9 @@ def phase1_tile(d: int, S: int, block_d: int | None = None, wide: bool = False) 
 
 
 def phase1_warps(S: int) -> int:
-    """Warps of a Phase-1 program over ``S`` queries: 4, and 8 from 64 queries on."""
-    return 8 if pad(S) >= 64 else 4
+    """Warps of a Phase-1 program over ``S`` queries: 4 (at 64 queries, 8 warps made ptxas
+    cap the backward at 64 registers and spill on sm_80)."""
+    return 4
 
 
 def row_pad(d: int) -> int:
@@ -141,7 +144,7 @@ SIGNATURES = {
                    "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "NEED_W:constexpr", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_dq": ["W:*C", "Srcs:*T[n]", "PQ:*C", "rows:i32", "d:i32", "rows_per_program:i32", "S:constexpr",
-                  "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
+                  "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
     "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C", "NormW:*C",
                   "Out:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "eps:fp32", "norm_eps:fp32",
                   "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
@@ -184,7 +187,7 @@ def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, i
             block, s_pad = phase1_tile(4096, S, wide=wide), pad(S)
             constexprs = {"BLOCK_D": block, "S_PAD": s_pad, "N_PAD": pad(n)}
             if kernel == "phase1_dq":
-                constexprs["S"] = S
+                constexprs.update(S=S, ROWS=DQ_ROWS)
             if kernel == "phase1_bwd":
                 constexprs.update(HAS_GLSE=1, NEED_W=1)
             yield {"S": S, "n": n}, constexprs, phase1_warps(S)
