@@ -57,6 +57,10 @@ def test_launch_geometry():
     assert L.phase1_tile(37, 3) == 64 and L.phase1_tile(1, 1) == 16 and L.phase1_tile(4096, 8) == 128
     assert L.phase1_tile(4096, 2) == 256 and L.phase1_tile(4096, 9) == 32 and L.phase1_tile(4096, 64) == 16 and L.phase1_tile(4096, 32) == 16
     assert [L.phase1_warps(S) for S in (2, 9, 32, 33)] == [4, 4, 4, 4]
+    # decoding (at most FEW_ROWS rows): the forward takes a row in one wide tile, 16 warps
+    assert L.phase1_forward_geometry(1, 2048, 8) == (2048, 16) and L.phase1_forward_geometry(1, 37, 3) == (64, 4)
+    assert L.phase1_forward_geometry(L.FEW_ROWS + 1, 2048, 8) == (L.phase1_tile(2048, 8), 4)
+    assert L.phase1_forward_geometry(1, 2048, 8, block_d=16) == (16, 4)
     assert L.phase1_tile(4096, 8, wide=True) == 64 and L.phase1_tile(37, 3, block_d=16) == 16
     with pytest.raises(ValueError, match="block_d must be a power of two"):
         L.phase1_tile(37, 3, block_d=12)

@@ -21,7 +21,7 @@ from torch import Tensor
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
 from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, merge_fits, merge_warps, pad, phase1_fits,
-                            phase1_tile, phase1_warps, row_pad)
+                            phase1_forward_geometry, phase1_tile, phase1_warps, row_pad)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -88,10 +88,10 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[l
     outs = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=x0.device) for _ in range(S))
     lse = torch.empty((*x0.shape[:-1], S), dtype=compute, device=x0.device)
     if rows:
-        block = phase1_tile(d, S, FORCED["block_d"], compute == torch.float64)
+        block, warps = phase1_forward_geometry(rows, d, S, FORCED["block_d"], compute == torch.float64)
         triton_kernels.phase1_fwd[(rows,)](
             _as(qg, compute), tuple(_c(x) for x in sources), outs, lse, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
-            N_PAD=pad(len(sources)), num_warps=phase1_warps(S))
+            N_PAD=pad(len(sources)), num_warps=warps)
     return list(outs), lse
 
 

@@ -32,6 +32,11 @@ from collections.abc import Iterator
 #: of pointers takes two) and left fewer programs resident.
 MAX_TILE_ELEMENTS = 1024
 MAX_TILE = 256
+#: Up to this many rows, the Phase-1 forward walks a row in wide tiles with up to 16 warps
+#: (:func:`phase1_forward_geometry`), within this many elements of an ``S_PAD x BLOCK_D``
+#: block (half in float64).
+FEW_ROWS = 128
+FEW_ROWS_TILE_ELEMENTS = 16384
 #: Most queries one Phase-1 launch takes (``S_PAD``).
 MAX_QUERIES = 64
 #: Widest row the merge holds in registers (``D_PAD``): at 8192 its backward spills.
@@ -91,6 +96,23 @@ def phase1_tile(d: int, S: int, block_d: int | None = None, wide: bool = False) 
     # with 16 x 64 backward blocks and spilled at 64 x 16 with 4 warps, see phase1_warps)
     budget = MAX_TILE_ELEMENTS // (2 if wide or pad(S) >= 16 else 1)
     return max(16, min(next_power_of_2(d), MAX_TILE, budget // pad(S)))
+
+
+def phase1_forward_geometry(rows: int, d: int, S: int, block_d: int | None = None,
+                            wide: bool = False) -> tuple[int, int]:
+    """``(BLOCK_D, num_warps)`` of the Phase-1 forward over ``rows`` token rows. At most
+    :data:`FEW_ROWS` rows (decoding: one program per sequence, the machine otherwise idle)
+    a program takes the row in tiles of up to :data:`FEW_ROWS_TILE_ELEMENTS` / ``S_PAD``
+    with up to 16 warps, so that a source costs one iteration of each pass rather than
+    ``d / 128`` dependent ones (the latency of one program is the step's); otherwise
+    :func:`phase1_tile` and :func:`phase1_warps`. ``block_d`` forces the tile."""
+    if block_d is not None or rows > FEW_ROWS:
+        return phase1_tile(d, S, block_d, wide), phase1_warps(S)
+    # (from 32 queries on, a quarter: the statistics blocks take the registers, and 16 warps
+    # leave 128 a thread - Triton 3.9 spilled at 32 x 512)
+    budget = FEW_ROWS_TILE_ELEMENTS // (2 if wide else 1) // (4 if pad(S) >= 32 else 1)
+    tile = max(16, min(next_power_of_2(d), budget // pad(S)))
+    return tile, min(16, max(4, pad(S) * tile // 1024))
 
 
 def phase1_warps(S: int) -> int:
@@ -191,6 +213,9 @@ def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, i
             if kernel == "phase1_bwd":
                 constexprs.update(HAS_GLSE=1, NEED_W=1)
             yield {"S": S, "n": n}, constexprs, phase1_warps(S)
+            if kernel == "phase1_fwd":  # (the few-rows geometry: decoding)
+                block, warps = phase1_forward_geometry(1, 4096, S, wide=wide)
+                yield {"S": S, "n": n}, {**constexprs, "BLOCK_D": block}, warps
     else:
         for d, k, c in MERGE_SHAPES:
             d_pad = row_pad(d)
