@@ -415,6 +415,26 @@ def peak_memory(step, device: str) -> int:
     return kernels_bench.cuda_peak_step_memory(step)
 
 
+def saved_bytes(model, step) -> int:
+    """Bytes of the distinct storages autograd saves during ``step()``, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key and key not in params and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total
+
+
 def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool) -> dict:
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=device)
     steps = train_steps(models, ids, device, compiled)
@@ -426,6 +446,9 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
                                                               clock.interleaved(steps, z.repeats).items()}}
     if not compiled:
         result["peak_memory_MiB"] = {k: peak_memory(s, device) / 2**20 for k, s in steps.items()}
+        # (what autograd keeps from the forward, apart from the backward's transients: the
+        # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
+        result["saved_MiB"] = {k: saved_bytes(models[k], s) / 2**20 for k, s in steps.items()}
     return result
 
 
@@ -552,6 +575,10 @@ def render(result: dict) -> str:
                 mem = result[part]["peak_memory_MiB"]
                 lines += ["", "| model | peak step memory MiB | ratio |", "|---|---:|---:|"]
                 lines += [f"| {k} | {v:.0f} | {v / mem['standard']:.3f} |" for k, v in mem.items()]
+            if "saved_MiB" in result[part]:
+                saved = result[part]["saved_MiB"]
+                lines += ["", "Saved for the backward (MiB, ratio): " + ", ".join(
+                    f"{k} {v:.0f} ({v / saved['standard']:.3f})" for k, v in saved.items())]
     if "decode" in result:
         lines += ["", "## decode step (ms)", "", "| batch | mode | model | ms | ratio |", "|---|---|---|---:|---:|"]
         for batch, modes in result["decode"].items():

@@ -9,7 +9,11 @@ Two numbers per model:
   parameters not counted) - what stays alive from the forward to the backward, the bulk of a
   step's peak. They depend only on what each operator's autograd saves, the same whichever
   backend runs it (the depth-attention operators save their inputs and softmax statistics,
-  not their outputs: `ops/depth_attention/library.py`), so the CPU's figure is the GPU's.
+  not their outputs: `ops/depth_attention/library.py`), so the CPU's figure should be the
+  GPU's. **It did not predict the GPU's peak**: on an H200 the Block step's peak was 1.121x
+  the standard's (benchmarks/results/gpu-h200) where this forecasts 0.967x; `gpu_check.py`
+  now records the saved bytes on the GPU too, to tell whether the gap is in what is saved
+  or in the backward's transients.
 * **peak**: the largest rise of live CPU allocations during the step (profiler memory
   events), transients of the CPU kernels included; on the GPU the Triton kernels' transients
   differ (a few `[tokens, d]` buffers at most), so this is the rougher of the two.
@@ -42,26 +46,6 @@ from attnres.analysis.profiling import peak_memory_bytes  # noqa: E402
 FORECAST = replace(gpu_check.Sizes(), d=1024, layers=8, blocks=2, seq=512, batch=2, vocab=4096)
 
 
-def saved_bytes(model, step) -> int:
-    """Bytes of the distinct storages autograd saves during ``step()``, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in params and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return total
-
-
 def measure(z) -> dict:
     """``{"saved": {model: bytes}, "peak": {model: bytes}}`` for the GPU check's models."""
     torch.manual_seed(0)
@@ -75,7 +59,7 @@ def measure(z) -> dict:
             model.zero_grad(set_to_none=True)
 
         step()  # warm-up (first-call allocations)
-        out["saved"][name] = saved_bytes(model, step)
+        out["saved"][name] = gpu_check.saved_bytes(model, step)
         out["peak"][name] = peak_memory_bytes(step)
     return out
 
