@@ -83,6 +83,37 @@ def compile_variant(kernel: str, dtype: str, counts: dict, signature: dict, cons
     return row
 
 
+def aligned_attrs(signature: dict) -> dict:
+    """The specialisation Triton's launcher gives a launch at an aligned ``d`` (``d % 16 ==
+    0``, every pointer - tuple entries too - 16-byte aligned): what the model's shapes run."""
+    attrs = {}
+    for i, (name, kind) in enumerate(signature.items()):
+        if isinstance(kind, tuple):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(kind))})
+        elif kind.startswith("*") or name == "d":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def narrow_row_accesses(kernel: str, counts: dict, arch: int = 90) -> int:
+    """Global loads and stores of single bf16 elements in ``kernel``'s bf16 variant at
+    ``counts`` and the widest row class, compiled as launched on aligned data: each is one
+    where a 16-byte access would do (a pointer whose alignment the compiler cannot see)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from attnres.ops.depth_attention import triton_kernels, triton_launch
+
+    matches = [v for v in triton_launch.variants() if v[0] == kernel and v[1] == "bf16" and v[2] == counts]
+    if not matches:
+        raise ValueError(f"no bf16 variant of {kernel} at {counts}")
+    _, _, _, signature, constexprs, options = max(matches, key=lambda v: v[4].get("D_PAD", v[4].get("BLOCK_D", 0)))
+    source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs, attrs=aligned_attrs(signature))
+    ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+    return len(re.findall(r"(ld|st)\.global\.b16", ptx))
+
+
 def _compile_job(job: tuple) -> dict:
     return compile_variant(*job)
 

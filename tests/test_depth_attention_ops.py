@@ -581,6 +581,29 @@ def test_operators_save_sources_by_reference_and_per_token_statistics(backend, k
 
 
 @pytest.mark.triton
+def test_triton_inputs_are_handed_over_aligned():
+    """The kernels tell the compiler every tuple entry is 16-byte aligned (``_pointer``), so
+    the launch code copies a view at an odd offset and passes aligned contiguous tensors as
+    they are; a merge over such a view equals the PyTorch implementation's."""
+    triton_device()
+    from attnres.ops.depth_attention import triton_impl
+
+    flat = torch.randn(5 * 40 + 1, dtype=torch.float64)
+    odd = flat[1:].view(5, 40)  # 8 bytes past an aligned allocation
+    assert odd.data_ptr() % triton_impl.ALIGNMENT
+    copy = triton_impl._c(odd)
+    assert copy.data_ptr() % triton_impl.ALIGNMENT == 0 and torch.equal(copy, odd)
+    aligned = torch.randn(5, 40)
+    assert triton_impl._c(aligned) is aligned
+    inputs = merge_flat(*merge_inputs((5,), 40, 1, 1, True, torch.float64))
+    shifted = torch.empty(5 * 40 + 1, dtype=torch.float64)[1:].view(5, 40).copy_(inputs[1].detach())  # a source
+    inputs_odd = [*inputs[:1], shifted.requires_grad_(), *inputs[2:]]
+    for a, b in zip(outputs_and_grads(merge_fn("triton", 1, 1, True), inputs_odd),
+                    outputs_and_grads(merge_fn("torch", 1, 1, True), inputs)):
+        assert_rel_close(a, b, 1e-12)
+
+
+@pytest.mark.triton
 def test_triton_kernels_tile_d_and_split_rows_over_programs(monkeypatch):
     """``d`` walked in tiles that do not divide it, backward programs over several rows
     (the merge's persistent programs, the queries' gradient's row ranges), and Phase 1's

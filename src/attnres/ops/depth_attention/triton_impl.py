@@ -60,8 +60,18 @@ def _sms(device: torch.device) -> int:
     return FORCED["programs"] or _device_sms(device)
 
 
+#: Bytes every tensor handed to a kernel is aligned to: the kernels tell the compiler so of
+#: the pointers they pick from a tuple (``triton_kernels._pointer``), which makes their
+#: accesses 16 bytes wide.
+ALIGNMENT = 16
+
+
 def _c(x: Tensor) -> Tensor:
-    return x if x.is_contiguous() else x.contiguous()
+    """``x`` contiguous and :data:`ALIGNMENT`-aligned (a fresh allocation is; a view at an odd
+    offset is copied)."""
+    if not x.is_contiguous():
+        return x.contiguous()
+    return x if x.data_ptr() % ALIGNMENT == 0 else x.clone()
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
