@@ -30,7 +30,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    merge call (forward + backward) against the standard model's add + RMSNorm at one
    token; one Block AttnRes block against the peers that run the shape
    (bench_kernels_gpu.py's adapters).
-5. **train, compiled**: the same steps under ``torch.compile``.
+5. **profile**: where one eager training step's device time goes, standard and Block (the
+   operations with the most self time under ``torch.profiler``).
+6. **train, compiled**: the same steps under ``torch.compile``.
 
 A part that raises is recorded (``errors``, with its traceback) and the next one runs.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
@@ -452,6 +454,32 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
     return result
 
 
+def part_profile(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
+    """Where a training step's device time goes: one eager step of the standard model and of
+    Block AttnRes under ``torch.profiler`` (after a warm-up step), the operations with the
+    most self device time (self CPU time on the CPU), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=device)
+    steps = train_steps({k: models[k] for k in ("standard", "block")}, ids, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    attribute = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    result = {}
+    for name, step in steps.items():
+        step()
+        with profile(activities=activities) as prof:
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute, 0), reverse=True)
+        total = sum(getattr(e, attribute, 0) for e in events)
+        result[name] = {"total_ms": total / 1e3,
+                        "top": [{"op": e.key[:80], "ms": getattr(e, attribute, 0) / 1e3, "calls": e.count}
+                                for e in events[:top]]}
+        log(f"[gpu_check]   profile {name}: {total / 1e3:.1f} ms self time")
+    return result
+
+
 def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     """One decode step after a ``z.seq``-token context (random keys and values) at batch 1
     and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
@@ -584,6 +612,12 @@ def render(result: dict) -> str:
         for batch, modes in result["decode"].items():
             for mode, times in modes.items():
                 lines += [f"| {batch} | {mode} | {k} | {v:.3f} | {v / times['standard']:.3f} |" for k, v in times.items()]
+    if "profile" in result:
+        lines += ["", "## Where a training step's time goes (one eager step, self time, ms)", ""]
+        for name, prof in result["profile"].items():
+            lines += [f"**{name}**: {prof['total_ms']:.1f} ms in all", "", "| op | ms | calls |", "|---|---:|---:|"]
+            lines += [f"| `{e['op']}` | {e['ms']:.2f} | {e['calls']} |" for e in prof["top"]]
+            lines.append("")
     for part, why in result.get("skipped", {}).items():
         lines.append(f"\nSkipped **{part}**: {why}")
     for part, trace in result.get("errors", {}).items():
@@ -635,6 +669,8 @@ def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers
         return part_ops(z, clock, device, peers, skipped)
     if part == "decode":
         return part_decode(z, clock, models, device)
+    if part == "profile":
+        return part_profile(z, models, device)
     return part_train(z, clock, models, device, compiled=part == "train_compiled")
 
 
@@ -643,14 +679,14 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
-    p.add_argument("--parts", default="parity,train_eager,decode,ops,train_compiled", help="comma-separated parts to run")
+    p.add_argument("--parts", default="parity,train_eager,decode,ops,profile,train_compiled", help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 #: The least time each part needs (s, on an H100): a part is skipped when less remains.
-MIN_SECONDS = {"parity": 5, "ops": 20, "train_eager": 40, "decode": 20, "train_compiled": 150}
+MIN_SECONDS = {"parity": 5, "profile": 15, "ops": 20, "train_eager": 40, "decode": 20, "train_compiled": 150}
 
 
 def main(argv=None) -> int:

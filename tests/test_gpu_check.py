@@ -30,9 +30,15 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert summary["targets"]["train_eager"] == 1.04 and summary["targets"]["decode_b1"] == 1.02
     assert set(summary["met"]) >= {"train_eager", "train_compiled", "memory", "ops_within_2x_bound", "host"}
     md = (tmp_path / "gpu_check.md").read_text()
-    for heading in ("## Ops at", "## train_eager", "## train_compiled", "## decode step"):
+    for heading in ("## Parity", "## Ops at", "## train_eager", "## train_compiled", "## decode step",
+                    "## Where a training step's time goes"):
         assert heading in md
-    assert json.loads((tmp_path / "gpu_check.json").read_text())["sizes"]["d"] == 16
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["sizes"]["d"] == 16 and result["errors"] == {}
+    # parity: the interpreter's kernels equal the torch backend, and each op float64's
+    assert summary["met"]["parity"] and max(summary["parity"]["ops"].values()) < 1e-5
+    assert set(result["train_eager"]["saved_MiB"]) == {"standard", "block", "full"}
+    assert {e["op"] for e in result["profile"]["block"]["top"]} & {"_Merge", "_MergeBackward", "_Phase1", "_Phase1Backward"}
 
 
 def test_op_bytes_count_each_input_and_output_once():
