@@ -679,7 +679,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
-    p.add_argument("--parts", default="parity,train_eager,decode,ops,profile,train_compiled", help="comma-separated parts to run")
+    p.add_argument("--parts", default="parity,train_eager,decode,ops,profile,train_compiled",
+                   help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)

@@ -109,7 +109,8 @@ def narrow_row_accesses(kernel: str, counts: dict, arch: int = 90) -> int:
     if not matches:
         raise ValueError(f"no bf16 variant of {kernel} at {counts}")
     _, _, _, signature, constexprs, options = max(matches, key=lambda v: v[4].get("D_PAD", v[4].get("BLOCK_D", 0)))
-    source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs, attrs=aligned_attrs(signature))
+    source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs,
+                       attrs=aligned_attrs(signature))
     ptx = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
     return len(re.findall(r"(ld|st)\.global\.b16", ptx))
 
