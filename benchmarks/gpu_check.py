@@ -293,7 +293,11 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
 
 
 # --------------------------------------------------------------------------------- parity
-PARITY_TOLERANCE = 1e-3  # float32 on both sides: the kernels' reductions differ only in order
+#: The kernels' parity passes within this many times the torch-vs-reference difference of
+#: the same model on the same device (float32 rounding, amplified by depth); each operation
+#: alone passes within OP_PARITY_TOLERANCE of float64.
+PARITY_NOISE_FACTOR = 10
+OP_PARITY_TOLERANCE = 1e-5
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -301,42 +305,60 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def parity_model(z: Sizes, name: str, backend: str, ids: torch.Tensor, device: str):
+    """A small ``name`` ("block" or "full") model on ``backend``, float32, its 1-D parameters
+    (queries, gains) perturbed so that the depth weights are not uniform: its logits and
+    ``{parameter: gradient}`` for ``ids``."""
+    residual = ({"kind": "attnres_block", "block_size": 2 * z.layers // z.blocks} if name == "block"
+                else {"kind": "attnres_full"})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AttnResLM(model_config(z, {**residual, "backend": backend}))
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.data.add_(0.1 * torch.randn_like(p))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+
+def parity_errors(run, reference) -> dict:
+    """Logits' and all gradients' relative errors of ``run`` against ``reference``, and the
+    worst parameter's - relative to its own gradient, floored at a millionth of the largest
+    (mixer 0's query has one source: its true gradient is exactly zero and both sides hold
+    rounding whose ratio means nothing)."""
+    (logits, grads), (ref_logits, ref_grads) = run, reference
+    floor = 1e-6 * max(g.double().norm().item() for g in ref_grads.values())
+    errors = {k: (grads[k] - ref_grads[k]).double().norm().item() / max(ref_grads[k].double().norm().item(), floor)
+              for k in ref_grads}
+    worst = max(errors, key=errors.get)
+    return {"logits": relative_error(logits, ref_logits),
+            "grads": relative_error(torch.cat([grads[k].flatten() for k in ref_grads]),
+                                    torch.cat([g.flatten() for g in ref_grads.values()])),
+            "worst_grad": errors[worst], "worst_grad_param": worst, "finite": bool(torch.isfinite(logits).all())}
+
+
 def part_parity(z: Sizes, device: str) -> dict:
     """Our Triton kernels against the torch backend on this device, float32: logits and
     every parameter's gradient of a small Block and Full AttnRes model at the real ``d``
-    (the interpreter's parity, again on the hardware: a race or a wrong mask shows here)."""
+    (the interpreter's parity, again on the hardware: a race or a wrong mask shows here).
+
+    Eight layers amplify float32 rounding: two correct implementations differ by ~2e-5 in
+    the logits and ~3e-4 in the gradients (the torch against the reference backend, on the
+    CPU). So the yardstick is that same pair on this device (``noise``): the kernels pass
+    within :data:`PARITY_NOISE_FACTOR` times it. Each operation alone is held against
+    float64 (``ops``), where no amplification hides anything."""
     small = Sizes(**{**asdict(z), "layers": min(z.layers, 8), "blocks": min(z.blocks, 4),
                      "seq": min(z.seq, 256), "batch": 2})
     ids = torch.randint(0, small.vocab, (small.batch, small.seq), device=device)
     result = {}
     for name in ("block", "full"):
-        runs = {}
-        for backend in ("triton", "torch"):
-            residual = ({"kind": "attnres_block", "block_size": 2 * small.layers // small.blocks}
-                        if name == "block" else {"kind": "attnres_full"})
-            torch.manual_seed(0)
-            with torch.device(device):
-                model = AttnResLM(model_config(small, {**residual, "backend": backend}))
-            for p in model.parameters():  # (zero queries would hide the depth weights)
-                if p.dim() == 1:
-                    p.data.add_(0.1 * torch.randn_like(p))
-            out = model(ids, labels=ids)
-            out.loss.backward()
-            runs[backend] = (out.logits.detach(), {k: p.grad for k, p in model.named_parameters()})
-        (logits, grads), (ref_logits, ref_grads) = runs["triton"], runs["torch"]
-        # Per parameter, relative to its own gradient but floored at a millionth of the
-        # largest: mixer 0's query has one source, so its true gradient is exactly zero and
-        # both sides hold rounding (~1e-8) whose ratio means nothing.
-        floor = 1e-6 * max(g.double().norm().item() for g in ref_grads.values())
-        errors = {k: (grads[k] - ref_grads[k]).double().norm().item() / max(ref_grads[k].double().norm().item(), floor)
-                  for k in ref_grads}
-        worst = max(errors, key=errors.get)
-        everything = relative_error(torch.cat([grads[k].flatten() for k in ref_grads]),
-                                    torch.cat([g.flatten() for g in ref_grads.values()]))
-        result[name] = {"logits": relative_error(logits, ref_logits), "grads": everything, "worst_grad": errors[worst],
-                        "worst_grad_param": worst, "finite": bool(torch.isfinite(logits).all())}
-        result[name]["ok"] = (result[name]["finite"] and result[name]["logits"] <= PARITY_TOLERANCE
-                              and result[name]["worst_grad"] <= PARITY_TOLERANCE)
+        runs = {b: parity_model(small, name, b, ids, device) for b in ("triton", "torch", "reference")}
+        result[name] = parity_errors(runs["triton"], runs["torch"])
+        noise = parity_errors(runs["reference"], runs["torch"])
+        result[name]["noise"] = {k: noise[k] for k in ("logits", "grads")}
+        result[name]["ok"] = result[name]["finite"] and all(
+            result[name][k] <= PARITY_NOISE_FACTOR * noise[k] + 1e-6 for k in ("logits", "grads"))
         log(f"[gpu_check] parity {name}: {result[name]}")
     result["ops"] = op_parity(z, device)
     log(f"[gpu_check] parity of the ops against float64: {result['ops']}")
@@ -559,7 +581,8 @@ def summarize(result: dict) -> dict:
         models = {k: v for k, v in result["parity"].items() if k != "ops"}
         summary["parity"] = {k: max(v["logits"], v["worst_grad"]) for k, v in models.items()}
         summary["parity"]["ops"] = result["parity"].get("ops")
-        summary["met"]["parity"] = all(v["ok"] for v in models.values())
+        summary["met"]["parity"] = all(v["ok"] for v in models.values()) and all(
+            v <= OP_PARITY_TOLERANCE for v in (result["parity"].get("ops") or {}).values())
     summary["skipped"] = result.get("skipped", {})
     summary["errors"] = sorted(result.get("errors", {}))
     return summary
@@ -570,15 +593,17 @@ def render(result: dict) -> str:
              f"torch {result['torch']}, triton {result['triton']}; {result.get('elapsed_s', 0):.0f} s; "
              f"device-to-device copy {result.get('copy_GBps', 0):.0f} GB/s (read + written).", ""]
     if "parity" in result:
-        lines += [f"## Parity: Triton kernels vs the torch backend, float32 (tolerance {PARITY_TOLERANCE:g})", "",
-                  "| model | logits rel. err. | all gradients rel. err. | worst parameter's (floored) | ok |",
-                  "|---|---:|---:|---|---|"]
-        lines += [f"| {k} | {v['logits']:.2e} | {v['grads']:.2e} | {v['worst_grad']:.2e} ({v['worst_grad_param']}) "
-                  f"| {v['ok']} |"
+        lines += ["## Parity: Triton kernels vs the torch backend, float32 (ok: within "
+                  f"{PARITY_NOISE_FACTOR}x the reference backend's difference from it, the noise)", "",
+                  "| model | logits rel. err. (noise) | all gradients rel. err. (noise) | worst parameter's (floored) "
+                  "| ok |", "|---|---:|---:|---|---|"]
+        lines += [f"| {k} | {v['logits']:.2e} ({v.get('noise', {}).get('logits', float('nan')):.1e}) | {v['grads']:.2e} "
+                  f"({v.get('noise', {}).get('grads', float('nan')):.1e}) | {v['worst_grad']:.2e} "
+                  f"({v['worst_grad_param']}) | {v['ok']} |"
                   for k, v in result["parity"].items() if k != "ops"]
         ops = result["parity"].get("ops", {})
         lines += ["", "Each operation alone, float32 storage, against the PyTorch implementation in float64 "
-                  "(worst relative error of its outputs): " + ", ".join(f"{k} {v:.1e}" for k, v in ops.items()), ""]
+                  f"(worst relative error of its outputs; ok at most {OP_PARITY_TOLERANCE:g}): " + ", ".join(f"{k} {v:.1e}" for k, v in ops.items()), ""]
     if "ops" in result:
         ops = result["ops"]
         lines += [f"## Ops at M={ops['shape']['tokens']} d={ops['shape']['d']} n={ops['shape']['n']} "
