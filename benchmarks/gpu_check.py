@@ -317,8 +317,7 @@ def parity_model(z: Sizes, name: str, backend: str, ids: torch.Tensor, device: s
     """A small ``name`` ("block" or "full") model on ``backend``, float32, its 1-D parameters
     (queries, gains) perturbed so that the depth weights are not uniform: its logits and
     ``{parameter: gradient}`` for ``ids``."""
-    residual = ({"kind": "attnres_block", "block_size": 2 * z.layers // z.blocks} if name == "block"
-                else {"kind": "attnres_full"})
+    residual = residual_of(name, z)
     torch.manual_seed(0)
     with torch.device(device):
         model = AttnResLM(model_config(z, {**residual, "backend": backend}))
@@ -415,11 +414,16 @@ def model_config(z: Sizes, residual) -> ModelConfig:
 VARIANTS = {"standard": "standard", "block": None, "full": {"kind": "attnres_full"}}
 
 
+def residual_of(name: str, z: Sizes):
+    """The residual config of variant ``name`` (Block: ``z.blocks`` blocks of sublayers)."""
+    residual = VARIANTS[name]
+    return {"kind": "attnres_block", "block_size": 2 * z.layers // z.blocks} if residual is None else residual
+
+
 def build_models(z: Sizes, device: str) -> dict[str, AttnResLM]:
     models = {}
-    for name, residual in VARIANTS.items():
-        if residual is None:
-            residual = {"kind": "attnres_block", "block_size": 2 * z.layers // z.blocks}
+    for name in VARIANTS:
+        residual = residual_of(name, z)
         torch.manual_seed(0)
         with torch.device(device):  # (initialised there: minutes less at 1.6B parameters)
             models[name] = AttnResLM(model_config(z, residual))
