@@ -370,8 +370,11 @@ def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):
     assert list(m["variants"]) == [v.name for v in exp.variants] and m["baseline"] == "baseline"
     base = m["variants"]["baseline"]
     assert base["step_ratio"] == 1.0 and base["peak_ratio"] == 1.0 and base["peak_memory_bytes"] > 0
-    # Full AttnRes (S = 1) keeps every sublayer output and its depth-attention activations
-    assert m["variants"]["s1"]["peak_memory_bytes"] > base["peak_memory_bytes"]
+    # (each variant's own peak: with Phase 1's sums recomputed, S = 1 no longer peaks above the
+    # CPU's standard model, whose composite RMSNorm keeps its normalised input)
+    for v in m["variants"].values():
+        assert v["peak_memory_bytes"] > 0 and v["peak_ratio"] == pytest.approx(v["peak_memory_bytes"] / base["peak_memory_bytes"])
+    assert len({v["peak_memory_bytes"] for v in m["variants"].values()}) > 1
     text = (out / "report.md").read_text()
     assert "timed interleaved over 2 rounds" in text
     assert f"{m['variants']['s1']['step_ratio']:.2f}×" in text

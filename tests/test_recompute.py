@@ -289,3 +289,128 @@ def test_reentrant_checkpointing_is_refused_clearly():
     ids = torch.randint(0, model.config.vocab_size, (2, 7))
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
         model.decode(ids, sublayer_call=lambda fn, *args: checkpoint(fn, *args, use_reentrant=True))
+
+
+# ----------------------------------------------------------------------------------------
+# Phase 1's sums recomputed for the backward (ResidualConfig.recompute_phase1)
+# ----------------------------------------------------------------------------------------
+
+
+def _phase1_calls(monkeypatch) -> list[bool]:
+    """Every ``library.phase1`` call from now on, as whether autograd was on."""
+    from attnres.ops.depth_attention import library
+
+    calls, phase1 = [], library.phase1
+
+    def spy(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return phase1(*args, **kwargs)
+
+    monkeypatch.setattr(library, "phase1", spy)
+    return calls
+
+
+def _recompute_twins(kind: str, backend: str, dtype=torch.float32, **overrides):
+    """A model recomputing Phase 1's sums and its twin keeping them (same weights)."""
+    residual = {"kind": kind, "backend": backend, **({"block_size": 4} if kind == "attnres_block" else {})}
+    model = make_model(dtype, residual=residual, n_layers=3, d_model=36, n_heads=3, n_kv_heads=3, **overrides)
+    keeping = copy.deepcopy(model)
+    keeping.residual.recompute_phase1 = False
+    return model, keeping
+
+
+@pytest.mark.parametrize("kind, backend, dtype", [
+    ("attnres_block", "auto", torch.float32),  # (the C kernel)
+    ("attnres_block", "torch", torch.float64),
+    ("attnres_full", "auto", torch.float32),
+    pytest.param("attnres_block", "triton", torch.float32, marks=pytest.mark.triton),
+    pytest.param("attnres_full", "triton", torch.float32, marks=pytest.mark.triton),
+])
+def test_recomputed_phase1_sums_give_the_same_loss_and_gradients_bit_for_bit(kind, backend, dtype, monkeypatch):
+    """The backward runs each Phase 1 once more (without autograd) and then equals, bit for
+    bit, the backward of the twin that kept the sums: the same call on the same tensors.
+    Ragged blocks (6 sublayers in blocks of 4), an odd width, the output aggregation's sum."""
+    from conftest import triton_device
+
+    device = triton_device() if backend == "triton" else "cpu"
+    model, keeping = (m.to(device) for m in _recompute_twins(kind, backend, dtype))
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), device=device)
+    results = {}
+    for name, m in (("recomputing", model), ("keeping", keeping)):
+        calls = _phase1_calls(monkeypatch)
+        loss = m(ids, labels=ids).loss
+        forward_calls = len(calls)
+        loss.backward()
+        results[name] = (loss.detach(), [p.grad for p in m.parameters()], forward_calls, calls[forward_calls:])
+        monkeypatch.undo()
+    loss, grads, forward_calls, backward_calls = results["recomputing"]
+    assert forward_calls >= 1 and backward_calls == [False] * forward_calls  # (one per block or group, no autograd)
+    assert results["keeping"][3] == []
+    assert torch.equal(loss, results["keeping"][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads, results["keeping"][1]))
+
+
+@pytest.mark.parametrize("kind", ["attnres_block", "attnres_full"])
+def test_recomputing_phase1_keeps_one_tensor_less_per_merge_of_a_phase1_sum(kind):
+    """What a training forward leaves allocated for its backward (allocations, not saved-tensor
+    hooks, which turn the recipe off): one ``[tokens, d]`` float32 tensor less for every merge
+    of a Phase-1 sum (the sublayers past the first block or group, and the output
+    aggregation's), to the byte."""
+    from attnres.analysis.profiling import kept_bytes
+
+    model, keeping = _recompute_twins(kind, "auto")
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    kept = {}
+    for name, m in (("recomputing", model), ("keeping", keeping)):
+        m(ids, labels=ids).loss.backward()  # (warm-up: first-call allocations)
+        kept[name] = kept_bytes(lambda m=m: m(ids, labels=ids).loss)
+    residual = model.residual
+    first_group = residual.block_size if kind == "attnres_block" else residual.group_size
+    merges = residual.n_sublayers - first_group + 1
+    assert kept["keeping"] - kept["recomputing"] == merges * ids.numel() * model.config.d_model * 4, kept
+
+
+def test_recomputing_refuses_sources_modified_in_place():
+    """A Phase-1 source changed in place after the forward cannot give its sums back: the
+    backward says so, naming the setting that keeps them."""
+    model, _ = _recompute_twins("attnres_block", "auto")
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    state = {}
+    embed = model.embed_tokens.forward
+
+    def keep_embedding(x):
+        state["h"] = embed(x)
+        return state["h"]
+
+    model.embed_tokens.forward = keep_embedding
+    loss = model(ids, labels=ids).loss
+    with torch.no_grad():
+        state["h"].mul_(2)
+    with pytest.raises(RuntimeError, match="recompute_phase1=False"):
+        loss.backward()
+
+
+def test_recomputed_sums_serve_a_second_backward_and_step_aside_for_checkpointing(monkeypatch):
+    """``retain_graph``: a second backward recomputes again and gives the same gradients;
+    under an activation checkpoint (its saved-tensor hooks in force) the merges keep their
+    sums (the checkpoint recomputes them) and no Phase 1 runs in the backward for the recipe."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, keeping = _recompute_twins("attnres_block", "auto")
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    loss = model(ids, labels=ids).loss
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    calls = _phase1_calls(monkeypatch)
+    loss = checkpoint(lambda i: model(i, labels=i).loss, ids, use_reentrant=False)
+    forward_calls = len(calls)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert calls[forward_calls:] == [True] * forward_calls  # (the checkpoint's recompute, with autograd)
+    reference = torch.autograd.grad(keeping(ids, labels=ids).loss, list(keeping.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference))
+
+
+def test_recompute_phase1_is_validated():
+    with pytest.raises(ValueError, match="recompute_phase1"):
+        ModelConfig.preset("tiny", residual={"kind": "attnres_block", "recompute_phase1": "yes"}).validate()

@@ -1,5 +1,5 @@
-"""Side-by-side cost measurements on a noisy machine: interleaved step timing and the peak
-memory of one step.
+"""Side-by-side cost measurements on a noisy machine: interleaved step timing, the peak
+memory of one step and what a forward keeps for its backward.
 
 Timings on a shared CPU drift with the load. Timing several models **interleaved** (one step
 of each, round after round) exposes them to the same drift, and the median of the per-round
@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 #: Clocks for :func:`time_interleaved`. ``wall``: elapsed time. ``cpu``: CPU time of this
@@ -111,17 +112,16 @@ def _native_stderr_silenced():
         os.close(saved)
 
 
-def peak_memory_bytes(step: Callable[[], None]) -> int:
-    """Largest rise of live CPU allocations during ``step()`` above the level at its start
-    (profiler memory events): activations, gradients and temporaries, not what was allocated
-    before the step (parameters, inputs)."""
+def _allocation_totals(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
+    """``fn()``'s result and the live CPU allocation level after each allocation or free
+    during it (profiler memory events), preceded by the level at its start."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _native_stderr_silenced():  # the profiler's C++ side prints "USDT ... profiler_start" here
         prof.__enter__()
     try:
-        step()
+        result = fn()
     finally:
         with _native_stderr_silenced():  # ... and "profiler_stop" here
             prof.__exit__(None, None, None)
@@ -129,7 +129,26 @@ def peak_memory_bytes(step: Callable[[], None]) -> int:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events
-              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+            events = [e["args"] for e in json.load(f)["traceEvents"]
+                      if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    if not events:
+        return result, []
+    return result, [events[0]["Total Allocated"] - events[0]["Bytes"]] + [e["Total Allocated"] for e in events]
+
+
+def peak_memory_bytes(step: Callable[[], None]) -> int:
+    """Largest rise of live CPU allocations during ``step()`` above the level at its start
+    (profiler memory events): activations, gradients and temporaries, not what was allocated
+    before the step (parameters, inputs)."""
+    totals = _allocation_totals(step)[1][1:]
     return max(totals) - min(totals) if totals else 0
+
+
+def kept_bytes(forward: Callable[[], Any]) -> int:
+    """Bytes of CPU allocations ``forward()`` leaves alive while its result is held: for a
+    training forward, what autograd keeps for the backward (plus the loss). Counted as
+    allocations, not by saved-tensor hooks, which would change what is saved (a residual
+    that recomputes instead of saving steps aside for other hooks)."""
+    result, totals = _allocation_totals(forward)
+    del result
+    return totals[-1] - totals[0] if totals else 0

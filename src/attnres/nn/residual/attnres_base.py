@@ -21,6 +21,7 @@ two-phase - when ``schedule`` is set: a stateless strategy object whose
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from ...ops import Operations, compute_dtype, operations
 from ...ops.depth_attention import BACKENDS, reference
+from ...ops.depth_attention.recompute import Phase1Recompute, other_hooks_active
 from ..norm import FusableNormInput
 from .base import DepthHistory, ResidualState, ResidualStream
 from .config import SCHEDULES, AttnResAblation, ResidualConfig
@@ -44,12 +46,14 @@ class Phase1:
     weighted sums ``outs`` (``count`` tensors ``[..., d]``) and log-sum-exps ``lse`` (``count``
     views ``[..., 1]`` of one tensor: a merge's backward then hands back a gradient of its
     own column, and the columns are stacked once - no per-merge slice backward); ``None``
-    over a single source, which the merges then take themselves."""
+    over a single source, which the merges then take themselves. ``recompute``: the sums'
+    recipe, which the merges save instead of the sums (``recompute_phase1``), else ``None``."""
 
     first: int
     count: int
     outs: list[Tensor] | None = None
     lse: list[Tensor] | None = None
+    recompute: Phase1Recompute | None = None
 
 
 @dataclass
@@ -112,7 +116,7 @@ class AttnResBase(ResidualStream):
 
     def __init__(
         self, dim: int, n_sublayers: int, eps: float = 1e-6, schedule: str = "two_phase",
-        ablation: AttnResAblation | None = None, backend: str = "auto",
+        ablation: AttnResAblation | None = None, backend: str = "auto", recompute_phase1: bool = True,
     ) -> None:
         super().__init__(dim, n_sublayers)
         if backend not in BACKENDS:
@@ -120,6 +124,7 @@ class AttnResBase(ResidualStream):
         self.ablation = ablation if ablation is not None and ablation.active else None
         self.eps = eps
         self.backend = backend
+        self.recompute_phase1 = recompute_phase1
         self.schedule = schedule
         counts = self.sources_per_mixer()
         self.mixers = nn.ModuleList(DepthQuery(dim, eps, self.ablation, counts[l]) for l in range(n_sublayers + 1))
@@ -245,8 +250,18 @@ class AttnResBase(ResidualStream):
         count = end - first_query + (end == self.n_sublayers)
         tp.p1 = Phase1(first_query, count)
         if len(tp.sources) > 1:
-            tp.p1.outs, lse = state.ops.phase1(tp.block(first_query, count), tp.sources, self.eps)
+            qg = tp.block(first_query, count)
+            tp.p1.outs, lse = state.ops.phase1(qg, tp.sources, self.eps)
             tp.p1.lse = [column.unsqueeze(-1) for column in lse.unbind(-1)]
+            if self._recomputes(state, tp.p1.outs):
+                tp.p1.recompute = Phase1Recompute(state.ops.phase1, qg, tp.sources, self.eps, tp.p1.outs)
+
+    def _recomputes(self, state: ResidualState, outs: list[Tensor]) -> bool:
+        """Whether the merges save Phase 1's sums as their recipe (:mod:`~attnres.ops.depth_attention.recompute`):
+        with ``recompute_phase1``, in eager autograd (torch.compile's partitioner decides what
+        its graphs save), on the custom operators (the reference stays a plain graph)."""
+        return (self.recompute_phase1 and state.ops.name != "reference" and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and outs[0].requires_grad)
 
     def covers_aggregation(self, state: ResidualState) -> bool:
         """Whether the last Phase 1 ran the output aggregation's query too."""
@@ -273,11 +288,11 @@ class AttnResBase(ResidualStream):
             p = torch.softmax(torch.cat([reference.rms_logits(x, qg, self.eps) for x in tp.sources], -1), -1)
             record = lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1)  # noqa: E731
         return self.merged_input(state, p1.lse[s], [p1.outs[s]], computed, tp.queries[l] if computed else None,
-                                 fusable, record, addend, on_total)
+                                 fusable, record, addend, on_total, p1.recompute)
 
     def merged_input(self, state: ResidualState, z: Tensor, sources: list[Tensor], computed: list[Tensor],
                      qg: Tensor | None, fusable: bool = True, record=None, addend: Tensor | None = None,
-                     on_total=None):
+                     on_total=None, recompute: Phase1Recompute | None = None):
         """A sublayer's input: the merge of ``sources`` (logits ``z [..., k]``) and ``computed``
         (logits from ``qg``), a tensor - or, when the caller defers the norm and ``fusable``, a
         :class:`~attnres.nn.norm.FusableNormInput` whose norm the merge applies (one source
@@ -285,7 +300,9 @@ class AttnResBase(ResidualStream):
         weights once (``record(alpha)`` maps the merge's weights to the mixer's sources).
         ``addend``: added to the last computed source by the merge itself (Block AttnRes'
         partial sum and the last output, one pass instead of an add and a merge);
-        ``on_total(sum)`` receives the sum the first time the merge runs."""
+        ``on_total(sum)`` receives the sum the first time the merge runs. ``recompute``: the
+        recipe of ``sources`` (Phase-1 sums), saved instead of them unless other saved-tensor
+        hooks are in force (an activation checkpoint's: it recomputes the merge itself)."""
         fuse = state.defer_norm and fusable
         if len(sources) + len(computed) == 1 and not fuse and addend is None:  # one source: weight exactly 1
             x = (sources or computed)[0]
@@ -297,8 +314,10 @@ class AttnResBase(ResidualStream):
         sources, computed, recorded, formed = list(sources), list(computed), [], []
 
         def compute(norm_weight, norm_eps):
-            out, alpha, *total = state.ops.merge(z, sources, computed, qg, self.eps, norm_weight,
-                                                 0.0 if norm_eps is None else norm_eps, addend)
+            saving = recompute.saving() if recompute is not None and not other_hooks_active() else nullcontext()
+            with saving:
+                out, alpha, *total = state.ops.merge(z, sources, computed, qg, self.eps, norm_weight,
+                                                     0.0 if norm_eps is None else norm_eps, addend)
             if not recorded and state.weights is not None:
                 recorded.append(True)
                 state.record(alpha if record is None else record(alpha))

@@ -162,18 +162,20 @@ class BlockAttnRes(AttnResBase):
     def __init__(
         self, dim: int, n_sublayers: int, block_size: int, eps: float = 1e-6, schedule: str = "two_phase",
         ablation: AttnResAblation | None = None, backend: str = "auto",
+        recompute_phase1: bool = True,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         if ablation is not None and ablation.window is not None:
             raise ValueError("the sliding-window ablation applies to Full AttnRes only")
         self.block_size = block_size
-        super().__init__(dim, n_sublayers, eps, schedule, ablation, backend)
+        super().__init__(dim, n_sublayers, eps, schedule, ablation, backend, recompute_phase1)
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> BlockAttnRes:
         return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers), eps=config.eps, schedule=config.schedule,
-                   ablation=config.ablation, backend=config.backend)
+                   ablation=config.ablation, backend=config.backend,
+                   recompute_phase1=config.recompute_phase1)
 
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:

@@ -92,6 +92,11 @@ class ResidualConfig:
         PyTorch implementation of the same custom operators) or ``"reference"`` (their
         readable reference as a plain autograd graph, no custom operators).
     eps: epsilon of the RMSNorm on the depth-attention keys.
+    recompute_phase1: Full and Block AttnRes' two-phase schedule in eager training: each
+        merge saves the recipe of its Phase-1 weighted sum instead of the sum, and the
+        backward runs each Phase 1 again, once per block (or group) - one ``[tokens, d]``
+        tensor per sublayer less to keep, about a standard model's memory (``True``,
+        default; same values). ``False`` keeps the sums. Memory only, not a model change.
     full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
         ``round(sqrt(L))``. Scheduling only, not a model change.
     ablation: the Table-4 ablations (:class:`AttnResAblation`), off by default.
@@ -106,6 +111,7 @@ class ResidualConfig:
     schedule: str = "two_phase"
     backend: str = "auto"
     eps: float = 1e-6
+    recompute_phase1: bool = True
     full_group_size: int | None = None
     ablation: AttnResAblation = field(default_factory=AttnResAblation)
     hc_streams: int = 4
@@ -130,6 +136,7 @@ class ResidualConfig:
         check.choice("schedule", self.schedule, SCHEDULES)
         check.choice("backend", self.backend, BACKENDS)
         check.positive("eps", self.eps)
+        check.boolean("recompute_phase1", self.recompute_phase1)
         check.integer("full_group_size", self.full_group_size, allow_none="round(sqrt(L))")
         if not isinstance(self.ablation, AttnResAblation):
             check.fail("ablation", "a mapping of AttnResAblation fields", self.ablation)

@@ -122,11 +122,12 @@ class FullAttnRes(AttnResBase):
     def __init__(
         self, dim: int, n_sublayers: int, eps: float = 1e-6, schedule: str = "two_phase", group_size: int | None = None,
         ablation: AttnResAblation | None = None, backend: str = "auto",
+        recompute_phase1: bool = True,
     ) -> None:
         self.window = ablation.window if ablation is not None else None
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 (or None), got {self.window}")
-        super().__init__(dim, n_sublayers, eps, schedule, ablation, backend)
+        super().__init__(dim, n_sublayers, eps, schedule, ablation, backend, recompute_phase1)
         if group_size is None:
             group_size = max(1, round(n_sublayers**0.5))
         if group_size < 1:
@@ -136,7 +137,8 @@ class FullAttnRes(AttnResBase):
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> FullAttnRes:
         return cls(dim, n_sublayers, eps=config.eps, schedule=config.schedule, group_size=config.full_group_size,
-                   ablation=config.ablation, backend=config.backend)
+                   ablation=config.ablation, backend=config.backend,
+                   recompute_phase1=config.recompute_phase1)
 
     def group_end(self, l: int) -> int:
         """The sublayer after the Appendix-B group of sublayer ``l`` (``L`` for the last)."""

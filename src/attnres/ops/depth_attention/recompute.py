@@ -1,0 +1,107 @@
+"""Phase 1's weighted sums recomputed for the backward instead of kept from the forward.
+
+Each sublayer's merge (report §4.2, Phase 2) needs its Phase-1 weighted sum ``o_l`` again in
+the backward: the gradient of its logit takes ``<g, o_l>``, and the fused RMSNorm re-forms
+the merged input from it. Saved as they are, these are one more ``[tokens, d]`` tensor per
+sublayer than a standard PreNorm model keeps - on a GPU, where PyTorch's fused RMSNorm saves
+its input and ``1/rms`` only, about 12 % more peak step memory at 32 transformer blocks
+(benchmarks/results/gpu-h200). Their recipe is kept anyway: Phase 1 saves its queries and
+sources for its own backward. So the merges save a reference to the recipe instead
+(saved-tensor hooks), and the first merge of the block to need its sum in the backward runs
+Phase 1 forward again - once per block, the same call on the same tensors, so the same
+values - and hands each merge its sum.
+
+Cost: one more Phase-1 forward per block in the backward (a read of the completed sources
+and a write of the block's sums); gain: the sums of a block live during its backward only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["Phase1Recompute", "other_hooks_active"]
+
+
+def other_hooks_active() -> bool:
+    """Whether saved-tensor hooks are already in force (``torch.utils.checkpoint``'s, a
+    user's offloading): theirs then decide what is saved, and the recipe stays out of
+    their way. If PyTorch cannot tell, assume they are."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    return top(False) is not None
+
+
+class _Recipe:
+    """What a merge saves in place of Phase-1 sum ``index``."""
+
+    __slots__ = ("owner", "index")
+
+    def __init__(self, owner: Phase1Recompute, index: int) -> None:
+        self.owner, self.index = owner, index
+
+
+class Phase1Recompute:
+    """The recipe of one Phase-1 call's weighted sums ``outs``: ``phase1(qg, sources, eps)``.
+
+    Use :meth:`saving` around each merge that takes one of the sums: within it, a tensor
+    autograd saves that is one of ``outs`` is stored as its index. Keeps references to
+    ``qg`` and ``sources`` (which Phase 1 saves for its own backward anyway), never to
+    ``outs``.
+    """
+
+    def __init__(self, phase1: Callable[..., tuple[list[Tensor], Tensor]], qg: Tensor, sources: Sequence[Tensor],
+                 eps: float, outs: Sequence[Tensor]) -> None:
+        self._phase1, self._qg, self._sources, self._eps = phase1, qg, list(sources), eps
+        self._versions = self._current_versions()
+        # (identified by address, shape and dtype: the sums are alive while their block's merges run)
+        self._keys = {_key(o): s for s, o in enumerate(outs)}
+        self._sums: list[Tensor | None] | None = None
+        self._pending = [0] * len(outs)  # (recipes of each sum not yet unpacked)
+
+    def _current_versions(self) -> list[int]:
+        return [t._version for t in (self._qg, *self._sources)]
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Saved-tensor hooks that store the sums as recipes (see the class docstring)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield
+
+    def _pack(self, t: Tensor):
+        index = self._keys.get(_key(t))
+        if index is None:
+            return t
+        self._pending[index] += 1
+        return _Recipe(self, index)
+
+    def _take(self, index: int) -> Tensor:
+        sums = self._sums
+        if sums is None or sums[index] is None:
+            if self._current_versions() != self._versions:
+                raise RuntimeError(
+                    "one of the tensors Phase 1's weighted sums are recomputed from (its queries or sources) was "
+                    "modified in place after the forward; the backward cannot recompute them. Modify a copy instead, "
+                    "or set ModelConfig.residual.recompute_phase1=False to keep the sums.")
+            with torch.no_grad():
+                fresh = self._phase1(self._qg, self._sources, self._eps)[0]
+            # (kept: the sums whose merges have yet to ask)
+            sums = [o if s == index or self._pending[s] > 0 else None for s, o in enumerate(fresh)]
+        out = sums[index]
+        self._pending[index] -= 1
+        if self._pending[index] <= 0:  # (every merge that saved this sum has it)
+            sums[index] = None
+        self._sums = None if all(o is None for o in sums) else sums
+        return out
+
+
+def _key(t: Tensor) -> tuple:
+    return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
+
+
+def _unpack(saved):
+    return saved.owner._take(saved.index) if isinstance(saved, _Recipe) else saved
