@@ -11,7 +11,11 @@ difference to the standard model
 * against N = 2 .. 32 blocks at L = 32 (S = L / N; N = L is Full AttnRes),
 
 beside the lines ``N d`` (Block: the block sums the standard residual does not keep) and
-``L d`` (Full: the sublayer outputs), in bytes per step (x tokens x 4 bytes).
+``L d`` (Full: the sublayer outputs), in bytes per step (x tokens x 4 bytes). Every norm
+saves for the backward what PyTorch's fused RMSNorm saves on CUDA, its input and ``1/rms``
+(``memory_forecast.gpu_like_rms_norm``; the CPU's composite ``F.rms_norm`` also keeps its
+normalised output, which flattered the AttnRes residuals, whose norms are fused into the
+merges).
 
     python benchmarks/bench_memory_scaling.py        # ~5 min on 2 cores
 
@@ -29,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_training_overhead import log, run_header  # noqa: E402
+from memory_forecast import gpu_like_rms_norm  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 from attnres.analysis.profiling import peak_memory_bytes  # noqa: E402
@@ -71,10 +76,11 @@ def main() -> int:
         log(f"{row}")
         rows.append(row)
 
-    for L in (8, 16, 32, 48, 64):
-        measure("L", L, 4)
-    for N in (2, 4, 8, 16, 32):
-        measure("N", 32, 32 // N)
+    with gpu_like_rms_norm():
+        for L in (8, 16, 32, 48, 64):
+            measure("L", L, 4)
+        for N in (2, 4, 8, 16, 32):
+            measure("N", 32, 32 // N)
 
     results = {**run_header(), "d": D, "tokens": tokens, "unit_bytes": unit, "rows": rows}
     out = Path(args.out)
@@ -93,8 +99,8 @@ def render(r: dict) -> str:
         "",
         f"Command: `{r['command']}`  ",
         f"d = {r['d']}, {r['tokens']} tokens, float32; one eager training step; in units of one "
-        f"[tokens, d] float32 tensor ({unit / 2**10:.0f} KiB). *lean*: the default training path; *graph*: "
-        "the two-phase path as a plain autograd graph (the default before issue 17).",
+        f"[tokens, d] float32 tensor ({unit / 2**10:.0f} KiB); norms saving as on CUDA (their input and 1/rms). "
+        "*lean*: the default training path; *graph*: the two-phase path as a plain autograd graph.",
         "",
         "| sweep | L | S | N | standard MiB | Block lean | Block graph | N (= N d line) | Full lean | Full graph | L (= L d line) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -109,21 +115,14 @@ def render(r: dict) -> str:
     lines += [
         "",
         "Reading it: the graph path keeps about 2 extra [tokens, d] tensors per sublayer (the Phase-1 weighted sum and "
-        "the partial sum beside the norm's input) and grows with L well above the N d line. The lean path (on CPU: its "
-        "fused kernel, the default) keeps the sources, per-token statistics and, where a sublayer merges many sources, "
-        "one [tokens, d] tensor for its backward: the norm's input of the first sublayer of each Block block, and for "
-        "every Full sublayer its query's Phase-1 weighted sum (Phase 1 runs once per group of queries; the PyTorch "
-        "code keeps the norm's input instead, as much). Block on the lean path comes out *below* the standard model: "
-        "on its Phase-2 sublayers the RMSNorm is fused into the merge and saves only 1/rms, while the standard model's "
-        "`F.rms_norm` (a composite under CPU autograd) also saves its normalised input, one [tokens, d] tensor per "
-        "sublayer, and the kernel sums each source's gradient in place instead of holding one per reader in the "
-        "backward; the extra of the residual itself, the N + 1 block sums and the N kept norm inputs, is hidden behind "
-        "that until N approaches L. Full on the lean path is above the L d line (its L outputs): it also keeps the "
-        "weighted sums above (another L d, bought for step time: without them every sublayer would read every source "
-        "in the backward) and a quadratic term, the logits of every source against every later query (L^2 / 2 floats "
-        "per token, alive until the end of the forward) and the saved softmax weights: up to 2 x 1024 floats per token "
-        "at L = 64, 16 units at d = 128 (4 at d = 512). At the benchmark shape of issue 17 (d = 512, L = 16) this is "
-        "within the 1.06 target (benchmarks/results/training_overhead.md).",
+        "the partial sum beside the norm's input) and grows with L well above the N d line. The lean path (the "
+        "default) keeps one [tokens, d] tensor per sublayer, as the standard model keeps its norm's input: Block its "
+        "partial sums (the block sums among them), Full its outputs; the merge's fused norm saves only 1/rms, and "
+        "Phase 1's weighted sums are recomputed in the backward, once per block or group (recompute_phase1). What "
+        "remains is per-token statistics and the backward's transients, chiefly the S weighted sums of the block "
+        "being differentiated: Block's extra is about S + 2 units whatever L (S = 4: 5.4 to 7.7 units from L = 8 to "
+        "64, below the N d line from L = 32 on; at L = 32, S = 16 to 2: 18.5 to 4.2). At S = 1 (N = L, every "
+        "sublayer a block) it is about the N d line.",
     ]
     return "\n".join(lines) + "\n"
 
