@@ -350,6 +350,20 @@ def test_recomputed_phase1_sums_give_the_same_loss_and_gradients_bit_for_bit(kin
     assert all(torch.equal(a, b) for a, b in zip(grads, results["keeping"][1]))
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_recomputed_sums_under_bf16_autocast_equal_the_kept_ones(backend):
+    """The forward under bf16 autocast, the backward (and so the recompute) outside it: the
+    operators switch autocast off inside, so the recomputed sums are the forward's."""
+    model, keeping = _recompute_twins("attnres_block", backend)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    grads = []
+    for m in (model, keeping):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(ids, labels=ids).loss
+        grads.append(torch.autograd.grad(loss, list(m.parameters())))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("kind", ["attnres_block", "attnres_full"])
 def test_recomputing_phase1_keeps_one_tensor_less_per_merge_of_a_phase1_sum(kind):
     """What a training forward leaves allocated for its backward (allocations, not saved-tensor
