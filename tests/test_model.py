@@ -378,3 +378,32 @@ def test_float64_model_matches_an_independent_float64_evaluation(residual, atten
     # A float32 model cast to float64 recomputes its RoPE tables exactly.
     cast = make_model(torch.float32, residual=residual, n_layers=3).double()
     assert torch.equal(cast.rope.cos, make_model(torch.float64, residual=residual, n_layers=3).rope.cos)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_rms_norm_on_half_inputs_computes_in_float32_and_rounds_once(half, monkeypatch):
+    """``attnres.nn.RMSNorm`` on a half input: the float32 computation rounded once (forward
+    and both gradients, bit for bit), whether its gain is of the input's dtype - then one
+    ``F.rms_norm`` call on the half tensors (one fused kernel on CUDA) - or float32."""
+    from attnres.nn import RMSNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 40).to(half)
+    g = torch.randn(3, 5, 40).to(half)
+    for gain_dtype in (half, torch.float32):
+        norm = RMSNorm(40, eps=1e-5).to(gain_dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        xs = x.clone().requires_grad_()
+        calls = []
+        rms_norm = F.rms_norm
+        monkeypatch.setattr(F, "rms_norm", lambda t, *a: calls.append(t.dtype) or rms_norm(t, *a))
+        y = norm(xs)
+        monkeypatch.undo()
+        assert calls == [half if gain_dtype == half else torch.float32]
+        xf, wf = x.float().requires_grad_(), norm.weight.detach().float().requires_grad_()
+        expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * wf).to(half)
+        assert y.dtype == half and torch.equal(y, expected)
+        got = torch.autograd.grad(y, (xs, norm.weight), g)
+        want = torch.autograd.grad(F.rms_norm(xf, (40,), wf, 1e-5).to(half), (xf, wf), g)
+        assert torch.equal(got[0], want[0].to(half)) and torch.equal(got[1], want[1].to(gain_dtype))

@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension; ``weight`` starts at 1.
 
     Shapes: ``[..., d] -> [..., d]``. Low-precision inputs are normalised in float32 and
-    cast back. A :class:`FusableNormInput` is normalised by the kernel that produces it.
+    cast back once. A :class:`FusableNormInput` is normalised by the kernel that produces it.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -75,8 +75,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor | FusableNormInput) -> Tensor:
         if isinstance(x, FusableNormInput):
             return x.normalized(self)
-        if x.dtype in (torch.float16, torch.bfloat16):
+        if x.dtype in (torch.float16, torch.bfloat16) and self.weight.dtype != x.dtype:
+            # (a float32 gain on a half input: normalised and scaled in float32, rounded once)
             return F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps).to(x.dtype)
+        # (a half input with a gain of its dtype: F.rms_norm computes in float32 and rounds once
+        # already - one fused kernel on CUDA, where the line above would be four)
         return F.rms_norm(x, (self.dim,), self.weight.to(x.dtype), self.eps)
 
     def extra_repr(self) -> str:
