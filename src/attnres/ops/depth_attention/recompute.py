@@ -28,12 +28,16 @@ __all__ = ["Phase1Recompute", "other_hooks_active"]
 
 def other_hooks_active() -> bool:
     """Whether saved-tensor hooks are already in force (``torch.utils.checkpoint``'s, a
-    user's offloading): theirs then decide what is saved, and the recipe stays out of
-    their way. If PyTorch cannot tell, assume they are."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
+    user's offloading) - theirs then decide what is saved, and the recipe stays out of
+    their way - or switched off (``torch.func`` transforms refuse them). If PyTorch cannot
+    tell, assume they are."""
+    autograd = torch._C._autograd
+    try:
+        if not autograd._saved_tensors_hooks_is_enabled():
+            return True
+        return autograd._top_saved_tensors_default_hooks(False) is not None
+    except Exception:  # noqa: BLE001 - private API: another PyTorch may lack it or refuse the call
         return True
-    return top(False) is not None
 
 
 class _Recipe:
