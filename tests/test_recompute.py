@@ -334,7 +334,8 @@ def test_recomputed_phase1_sums_give_the_same_loss_and_gradients_bit_for_bit(kin
 
     device = triton_device() if backend == "triton" else "cpu"
     model, keeping = (m.to(device) for m in _recompute_twins(kind, backend, dtype))
-    ids = torch.randint(0, model.config.vocab_size, (2, 7), device=device)
+    shape = (1, 3) if backend == "triton" else (2, 7)  # (the interpreter runs a program per token)
+    ids = torch.randint(0, model.config.vocab_size, shape, device=device)
     results = {}
     for name, m in (("recomputing", model), ("keeping", keeping)):
         calls = _phase1_calls(monkeypatch)
