@@ -19,7 +19,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    PyTorch implementation in float64.
 2. **train, eager**: a training step (bf16 autocast) of the standard model, Block and Full
    AttnRes at d = 2048, 32 transformer blocks, N = 8 blocks (S = 8), sequence 2048, batch
-   4, interleaved; the peak memory of a step.
+   4, interleaved; the peak memory of a step and the bytes its forward keeps; Block also
+   with its Phase-1 sums kept (``recompute_phase1=False``).
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
    and CUDA-graphed, bf16.
 4. **ops**: each of our operations alone (Phase 1 and the merge - also the merge that forms
@@ -33,6 +34,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 5. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``).
 6. **train, compiled**: the same steps under ``torch.compile``.
+7. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
+   stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` gives):
+   half the bytes Block adds with a float32 stream (``bf16_stream`` in the summary).
 
 A part that raises is recorded (``errors``, with its traceback) and the next one runs.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
@@ -516,6 +520,22 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
     return result
 
 
+def part_train_bf16(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
+    """The eager step with a bf16 residual stream: every model's parameters in bf16 (what
+    FSDP2's ``param_dtype=torch.bfloat16`` computes with, its float32 master weights aside),
+    so that the stream, the sources of depth attention and their gradients are stored in
+    bf16 - half the bytes Block AttnRes adds with a float32 stream. On the CPU (the smoke)
+    float32 stays."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for model in models.values():
+        model.to(dtype)
+    try:
+        return part_train(z, clock, models, device, compiled=False)
+    finally:
+        for model in models.values():  # (back to float32 weights for the other parts)
+            model.float()
+
+
 def part_profile(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
     """Where a training step's device time goes: one eager step of the standard model and of
     Block AttnRes under ``torch.profiler`` (after a warm-up step), the operations with the
@@ -605,6 +625,11 @@ def summarize(result: dict) -> dict:
         return out
 
     summary = {"device": result["device"], **by_variant("block"), "full": by_variant("full"), "targets": TARGETS}
+    if "train_bf16" in result:
+        bf16 = result["train_bf16"]
+        summary["bf16_stream"] = {name: {"train_eager": ratios(bf16["ms"], name),
+                                         "memory": ratios(bf16["peak_memory_MiB"], name)}
+                                  for name in bf16["ms"] if name != "standard"}
     if SUMS_KEPT in result.get("train_eager", {}).get("ms", {}):
         summary["block_sums_kept"] = {k: v for k, v in by_variant(SUMS_KEPT).items() if v is not None}
     summary["met"] = {k: summary[k] is not None and summary[k] <= v for k, v in TARGETS.items() if k in summary}
@@ -667,7 +692,7 @@ def render(result: dict) -> str:
                   "| implementation | fwd µs | fwd+bwd µs |", "|---|---:|---:|"]
         lines += [f"| {k} | {v['fwd_us']:.0f} | {v['fwd+bwd_us']:.0f} |" for k, v in ops["block"].items()]
         lines += [f"| {k} | - | {why} |" for k, why in ops["unsupported"].items()]
-    for part in ("train_eager", "train_compiled"):
+    for part in ("train_eager", "train_compiled", "train_bf16"):
         if part in result:
             ms = result[part]["ms"]
             lines += ["", f"## {part} (warm-up {result[part]['warm_up_s']:.0f} s)", "", "| model | ms | ratio |",
@@ -710,7 +735,7 @@ def write(out: Path, result: dict) -> None:
 def warm_up_worker(what: str, z: Sizes) -> int:
     """Compile into the on-disk caches: ``models`` runs every model's residual at a few rows
     (the same kernel variants as the full shape), a peer name its block at the op shape."""
-    if what == "models":  # the training step's (float32 stream) and the decode step's (bf16) variants
+    if what == "models":  # the training steps' (float32 and bf16 stream) and the decode step's variants
         small = Sizes(**{**asdict(z), "seq": 16, "batch": 1})
         models = build_models(small, "cuda")
         ids = torch.randint(0, small.vocab, (1, 16), device="cuda")
@@ -720,6 +745,8 @@ def warm_up_worker(what: str, z: Sizes) -> int:
             model.to(torch.bfloat16)
             _, cache = prefill(model, ids)
             decode_step(model, cache, ids[:, -1])
+        for step in train_steps(models, ids, "cuda").values():  # (train_bf16's variants)
+            step()
         torch.cuda.synchronize()
         return 0
     peers, _ = kernels_bench.select_peers()
@@ -745,6 +772,8 @@ def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers
         return part_decode(z, clock, models, device)
     if part == "profile":
         return part_profile(z, models, device)
+    if part == "train_bf16":
+        return part_train_bf16(z, clock, models, device)
     return part_train(z, clock, models, device, compiled=part == "train_compiled")
 
 
@@ -753,7 +782,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
-    p.add_argument("--parts", default="parity,train_eager,decode,ops,profile,train_compiled",
+    p.add_argument("--parts", default="parity,train_eager,decode,ops,profile,train_compiled,train_bf16",
                    help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
@@ -761,7 +790,8 @@ def parse_args(argv=None):
 
 
 #: The least time each part needs (s, on an H100): a part is skipped when less remains.
-MIN_SECONDS = {"parity": 5, "profile": 15, "ops": 20, "train_eager": 40, "decode": 20, "train_compiled": 150}
+MIN_SECONDS = {"parity": 5, "profile": 15, "ops": 20, "train_eager": 40, "decode": 20, "train_compiled": 150,
+               "train_bf16": 30}
 
 
 def main(argv=None) -> int:

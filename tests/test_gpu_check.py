@@ -31,7 +31,8 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert summary["targets"]["train_eager"] == 1.04 and summary["targets"]["decode_b1"] == 1.02
     assert set(summary["met"]) >= {"train_eager", "train_compiled", "memory", "ops_within_2x_bound", "host"}
     md = (tmp_path / "gpu_check.md").read_text()
-    for heading in ("## Parity", "## Ops at", "## train_eager", "## train_compiled", "## decode step",
+    assert set(summary["bf16_stream"]) == {"block", "full", gpu_check.SUMS_KEPT}
+    for heading in ("## Parity", "## Ops at", "## train_eager", "## train_compiled", "## train_bf16", "## decode step",
                     "## Where a training step's time goes"):
         assert heading in md
     result = json.loads((tmp_path / "gpu_check.json").read_text())
