@@ -57,7 +57,8 @@ import subprocess
 import sys
 import time
 import traceback
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -477,9 +478,7 @@ def kept_bytes(forward, device: str) -> int:
     before = torch.cuda.memory_allocated()
     loss = forward()
     torch.cuda.synchronize()
-    kept = torch.cuda.memory_allocated() - before
-    del loss
-    return kept
+    return torch.cuda.memory_allocated() - before  # (the loss, and its graph, still held)
 
 
 #: The eager step's extra variant: Block AttnRes keeping its Phase-1 sums for the backward
@@ -526,14 +525,8 @@ def part_train_bf16(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     so that the stream, the sources of depth attention and their gradients are stored in
     bf16 - half the bytes Block AttnRes adds with a float32 stream. On the CPU (the smoke)
     float32 stays."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    for model in models.values():
-        model.to(dtype)
-    try:
+    with weights_in(models, torch.bfloat16 if device == "cuda" else torch.float32):
         return part_train(z, clock, models, device, compiled=False)
-    finally:
-        for model in models.values():  # (back to float32 weights for the other parts)
-            model.float()
 
 
 def part_profile(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
@@ -562,6 +555,19 @@ def part_profile(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
     return result
 
 
+@contextmanager
+def weights_in(models: dict, dtype: torch.dtype) -> Iterator[None]:
+    """The models' weights in ``dtype`` for the block, then back in float32 for the other
+    parts."""
+    for model in models.values():
+        model.to(dtype)
+    try:
+        yield
+    finally:
+        for model in models.values():
+            model.float()
+
+
 def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     """One decode step after a ``z.seq``-token context (random keys and values) at batch 1
     and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
@@ -569,36 +575,33 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     CPU the same static step, eagerly)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     result = {}
-    for model in models.values():
-        model.to(dtype)
-    for batch in (1, 8):
-        tokens = torch.randint(0, z.vocab, (batch,), device=device)
-        steps = {}
-        for name, model in models.items():
-            cfg = model.config
-            cache = KVCache(cfg.n_layers, capacity=z.seq + 1)
-            shape = (batch, cfg.kv_heads, z.seq, cfg.head_dim)
-            for layer in range(cfg.n_layers):
-                cache.update(layer, torch.randn(shape, device=device, dtype=dtype),
-                             torch.randn(shape, device=device, dtype=dtype))
-            decoder = StaticDecoder(model, batch, capacity=z.seq + 1, mode="graph" if device == "cuda" else "eager")
-            decoder.load(cache)
+    with weights_in(models, dtype):
+        for batch in (1, 8):
+            tokens = torch.randint(0, z.vocab, (batch,), device=device)
+            steps = {}
+            for name, model in models.items():
+                cfg = model.config
+                cache = KVCache(cfg.n_layers, capacity=z.seq + 1)
+                shape = (batch, cfg.kv_heads, z.seq, cfg.head_dim)
+                for layer in range(cfg.n_layers):
+                    cache.update(layer, torch.randn(shape, device=device, dtype=dtype),
+                                 torch.randn(shape, device=device, dtype=dtype))
+                decoder = StaticDecoder(model, batch, capacity=z.seq + 1, mode="graph" if device == "cuda" else "eager")
+                decoder.load(cache)
 
-            def eager(model=model, cache=cache):
-                decode_step(model, cache, tokens)
-                cache.crop(z.seq)
+                def eager(model=model, cache=cache):
+                    decode_step(model, cache, tokens)
+                    cache.crop(z.seq)
 
-            def graphed(decoder=decoder):
-                decoder.step(tokens)
-                decoder.rewind(z.seq)
+                def graphed(decoder=decoder):
+                    decoder.step(tokens)
+                    decoder.rewind(z.seq)
 
-            steps[f"{name}|eager"], steps[f"{name}|graphed"] = eager, graphed
-        for key, t in clock.interleaved(steps, z.repeats).items():
-            name, mode = key.split("|")
-            result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
-        del steps, cache, decoder
-    for model in models.values():  # (back to float32 weights for the training parts)
-        model.float()
+                steps[f"{name}|eager"], steps[f"{name}|graphed"] = eager, graphed
+            for key, t in clock.interleaved(steps, z.repeats).items():
+                name, mode = key.split("|")
+                result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
+            del steps, cache, decoder
     return result
 
 

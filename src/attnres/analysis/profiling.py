@@ -149,6 +149,5 @@ def kept_bytes(forward: Callable[[], Any]) -> int:
     training forward, what autograd keeps for the backward (plus the loss). Counted as
     allocations, not by saved-tensor hooks, which would change what is saved (a residual
     that recomputes instead of saving steps aside for other hooks)."""
-    result, totals = _allocation_totals(forward)
-    del result
+    totals = _allocation_totals(forward)[1]  # (measured while the result was still held)
     return totals[-1] - totals[0] if totals else 0

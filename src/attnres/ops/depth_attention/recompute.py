@@ -17,8 +17,7 @@ and a write of the block's sums); gain: the sums of a block live during its back
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -62,24 +61,24 @@ class Phase1Recompute:
                  eps: float, outs: Sequence[Tensor]) -> None:
         self._phase1, self._qg, self._sources, self._eps = phase1, qg, list(sources), eps
         self._versions = self._current_versions()
-        # (identified by address, shape and dtype: the sums are alive while their block's merges run)
-        self._keys = {_key(o): s for s, o in enumerate(outs)}
+        # (found by address - one cheap call per tensor a merge saves - then checked by shape,
+        # strides and dtype: the sums are alive while their block's merges run)
+        self._keys = {o.data_ptr(): (s, _layout(o)) for s, o in enumerate(outs)}
         self._sums: list[Tensor | None] | None = None
         self._pending = [0] * len(outs)  # (recipes of each sum not yet unpacked)
 
     def _current_versions(self) -> list[int]:
         return [t._version for t in (self._qg, *self._sources)]
 
-    @contextlib.contextmanager
-    def saving(self) -> Iterator[None]:
+    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Saved-tensor hooks that store the sums as recipes (see the class docstring)."""
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
-            yield
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: Tensor):
-        index = self._keys.get(_key(t))
-        if index is None:
+        found = self._keys.get(t.data_ptr())
+        if found is None or found[1] != _layout(t):
             return t
+        index = found[0]
         self._pending[index] += 1
         return _Recipe(self, index)
 
@@ -103,8 +102,8 @@ class Phase1Recompute:
         return out
 
 
-def _key(t: Tensor) -> tuple:
-    return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
+def _layout(t: Tensor) -> tuple:
+    return t.dtype, t.device, t.shape, t.stride()
 
 
 def _unpack(saved):
