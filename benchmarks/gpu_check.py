@@ -32,7 +32,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    token; one Block AttnRes block against the peers that run the shape
    (bench_kernels_gpu.py's adapters).
 5. **profile**: where one eager training step's device time goes, standard and Block (the
-   operations with the most self time under ``torch.profiler``).
+   operations with the most self time under ``torch.profiler``), and that time's share of
+   the step's (``device_busy`` in the summary: below 1, the device waited for the host).
 6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` gives):
    half the bytes Block adds with a float32 stream (``bf16_stream`` in the summary). Before
@@ -658,9 +659,21 @@ def summarize(result: dict) -> dict:
             all(v["ok"] for v in models.values())
             and all(v <= OP_PARITY_TOLERANCE for v in (result["parity"].get("ops") or {}).values())
             and all(v <= OP_PARITY_TOLERANCE_BF16 for v in (result["parity"].get("ops_bf16") or {}).values()))
+    if device_busy(result):
+        summary["device_busy"] = device_busy(result)
     summary["skipped"] = result.get("skipped", {})
     summary["errors"] = sorted(result.get("errors", {}))
     return summary
+
+
+def device_busy(result: dict) -> dict:
+    """Per profiled model, its device self time over its eager step's time: near 1 the step
+    is bound by the device; below it the device waited for the host (launch overhead) that
+    long. Empty without both parts, or on the CPU."""
+    eager = result.get("train_eager", {}).get("ms", {})
+    if result.get("device", "").startswith("CPU"):
+        return {}
+    return {name: prof["total_ms"] / eager[name] for name, prof in result.get("profile", {}).items() if name in eager}
 
 
 def render(result: dict) -> str:
@@ -718,8 +731,11 @@ def render(result: dict) -> str:
                 lines += [f"| {batch} | {mode} | {k} | {v:.3f} | {v / times['standard']:.3f} |" for k, v in times.items()]
     if "profile" in result:
         lines += ["", "## Where a training step's time goes (one eager step, self time, ms)", ""]
+        busy = device_busy(result)
         for name, prof in result["profile"].items():
-            lines += [f"**{name}**: {prof['total_ms']:.1f} ms in all", "", "| op | ms | calls |", "|---|---:|---:|"]
+            share = (f" - {busy[name]:.0%} of its eager step's {result['train_eager']['ms'][name]:.1f} ms (the rest: "
+                     "the device waiting for the host)" if name in busy else "")
+            lines += [f"**{name}**: {prof['total_ms']:.1f} ms in all{share}", "", "| op | ms | calls |", "|---|---:|---:|"]
             lines += [f"| `{e['op']}` | {e['ms']:.2f} | {e['calls']} |" for e in prof["top"]]
             lines.append("")
     for part, why in result.get("skipped", {}).items():

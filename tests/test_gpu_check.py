@@ -71,6 +71,18 @@ def test_summary_judges_each_target_and_skipped_parts():
     assert s["train_eager"] == pytest.approx(1.03) and s["full"]["train_eager"] == pytest.approx(1.1)
     assert s["met"] == {"train_eager": True, "decode_b1": True, "memory": False}
     assert "train_compiled" not in s and s["skipped"] == result["skipped"]
+    assert "device_busy" not in s  # (no profile)
+
+
+def test_device_busy_is_the_profiled_device_time_over_the_eager_step():
+    import gpu_check
+
+    result = {"device": "GPU", "command": "gpu_check.py", "torch": "2.11", "triton": "3.6",
+              "train_eager": {"ms": {"standard": 100.0, "block": 104.0}, "warm_up_s": 1.0},
+              "profile": {"standard": {"total_ms": 97.0, "top": []}, "block": {"total_ms": 78.0, "top": []}}}
+    assert gpu_check.device_busy(result) == pytest.approx({"standard": 0.97, "block": 0.75})
+    assert "75% of its eager step's 104.0 ms" in gpu_check.render(result)
+    assert gpu_check.device_busy({**result, "device": "CPU (smoke)"}) == {}
 
 
 def test_memory_forecast_block_and_full_keep_no_more_than_the_standard_model(tmp_path):
