@@ -407,3 +407,18 @@ def test_rms_norm_on_half_inputs_computes_in_float32_and_rounds_once(half, monke
         got = torch.autograd.grad(y, (xs, norm.weight), g)
         want = torch.autograd.grad(F.rms_norm(xf, (40,), wf, 1e-5).to(half), (xf, wf), g)
         assert torch.equal(got[0], want[0].to(half)) and torch.equal(got[1], want[1].to(gain_dtype))
+
+
+def test_lm_output_flattens_to_its_tensors():
+    """``LMOutput`` is a pytree node: FSDP2 flattens a module's output to find the tensors
+    whose backward needs its parameters gathered again (torch 2.11 does not look inside a
+    plain dataclass: under data parallelism the head's backward then read freed storage)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    model = AttnResLM(ModelConfig.preset("tiny", residual="attnres_block"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    out = model(ids, labels=ids, return_depth_weights=True)
+    leaves, spec = tree_flatten(out)
+    assert any(t is out.logits for t in leaves) and any(t is out.loss for t in leaves)
+    assert all(any(t is w for t in leaves) for w in out.depth_weights)
+    assert tree_unflatten(leaves, spec).loss is out.loss

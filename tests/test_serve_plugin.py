@@ -79,6 +79,7 @@ class FakeRegistry:
 
 def test_register_names_what_export_and_upcycle_write(tmp_path):
     """The registered names are the ``architectures`` that the saved directories carry."""
+    pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from attnres.hf import AttnResForCausalLM

@@ -286,6 +286,7 @@ def test_hf_static_cache_generates_the_dynamic_tokens(model):
 def test_hf_static_cache_takes_a_two_dimensional_mask():
     """A ``StaticCache`` with the 2-D padding mask (a direct forward call) or none gives the
     dynamic cache's logits."""
+    pytest.importorskip("transformers")
     from transformers.cache_utils import DynamicCache, StaticCache
 
     hf = hf_twin(make_model(residual="attnres_block").eval())
@@ -304,6 +305,7 @@ def test_hf_decode_step_over_a_static_cache_compiles_with_fullgraph():
     """The forward over a ``StaticCache`` with the 4-D mask ``generate`` passes (what
     transformers compiles on CUDA): one graph for every decode step, no graph break, and the
     dynamic cache's logits."""
+    pytest.importorskip("transformers")
     from transformers.cache_utils import DynamicCache, StaticCache
 
     torch._dynamo.reset()
@@ -329,6 +331,7 @@ def test_hf_decode_step_over_a_static_cache_compiles_with_fullgraph():
 def test_hf_generate_defaults_to_the_static_cache_on_cuda(monkeypatch):
     """On CUDA ``generate`` asks transformers for a static cache unless the call names a
     cache, a cache implementation or ``use_cache=False``; on CPU it changes nothing."""
+    pytest.importorskip("transformers")
     from transformers import GenerationMixin
 
     from attnres.hf import AttnResForCausalLM

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from ..nn.kv_cache import StaticKVCache
 from ..nn.norm import RMSNorm
@@ -27,6 +28,13 @@ class LMOutput:
     logits: Tensor
     loss: Tensor | None = None
     depth_weights: list[Tensor] | None = None
+
+
+# A pytree node: FSDP2 finds the tensors a module returns by flattening its output, to gather
+# the module's parameters again before their backward; torch 2.11 does not look inside a plain
+# dataclass, so under data parallelism the backward of the head read freed storage
+# ("setStorage: ... out of bounds for storage of size 0").
+pytree.register_dataclass(LMOutput)
 
 
 class AttnResLM(DecoderTrunk):
