@@ -107,23 +107,32 @@ def report(out: Path, losses: dict, steps: int, seeds: list[int]) -> str:
 
 
 def plot(out: Path, results: Path, models: list[str], seeds: list[int]) -> None:
+    """Validation-loss curves (top) and, per seed, bf16 stream minus float32 stream (bottom)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.5), sharey=True, squeeze=False)
-    for ax, model in zip(axes[0], models):
-        for setting, style in zip(SETTINGS, ("-", "--")):
-            for seed in seeds:
-                steps, loss = zip(*curve(out / model / setting.replace(" ", "-") / f"seed{seed}"))
-                ax.plot(steps, loss, style, color=f"C{seed}", label=f"{setting}, seed {seed}")
-        ax.set_title(model)
-        ax.set_xlabel("step")
-        ax.set_ylim(top=min(ax.get_ylim()[1], 6.5))
+    fig, axes = plt.subplots(2, len(models), figsize=(4.5 * len(models), 6), sharex=True, sharey="row", squeeze=False)
+    for col, model in enumerate(models):
+        top, bottom = axes[0][col], axes[1][col]
+        for seed in seeds:
+            curves = {s: dict(curve(out / model / s.replace(" ", "-") / f"seed{seed}")) for s in SETTINGS}
+            for setting, style in zip(SETTINGS, ("-", "--")):
+                steps = sorted(curves[setting])
+                top.plot(steps, [curves[setting][k] for k in steps], style, color=f"C{seed}",
+                         label=f"{setting}, seed {seed}")
+            steps = sorted(set(curves[SETTINGS[0]]) & set(curves[SETTINGS[1]]))
+            bottom.plot(steps, [curves[SETTINGS[1]][k] - curves[SETTINGS[0]][k] for k in steps], color=f"C{seed}",
+                        label=f"seed {seed}")
+        top.set_title(model)
+        bottom.axhline(0, color="grey", lw=0.5)
+        bottom.set_xlabel("step")
     axes[0][0].set_ylabel("validation loss")
+    axes[1][0].set_ylabel("bf16 - float32 stream")
     axes[0][-1].legend(fontsize=7)
+    axes[1][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(results / "bf16_stream_loss.png", dpi=120)
 
