@@ -659,8 +659,9 @@ def summarize(result: dict) -> dict:
             all(v["ok"] for v in models.values())
             and all(v <= OP_PARITY_TOLERANCE for v in (result["parity"].get("ops") or {}).values())
             and all(v <= OP_PARITY_TOLERANCE_BF16 for v in (result["parity"].get("ops_bf16") or {}).values()))
-    if device_busy(result):
-        summary["device_busy"] = device_busy(result)
+    busy = device_busy(result)
+    if busy:
+        summary["device_busy"] = busy
     summary["skipped"] = result.get("skipped", {})
     summary["errors"] = sorted(result.get("errors", {}))
     return summary
