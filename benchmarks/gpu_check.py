@@ -37,8 +37,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` gives):
    half the bytes Block adds with a float32 stream (``bf16_stream`` in the summary). Before
-   the compiled part: it takes about 30 s, that part about 4 minutes (inductor compiling
-   three models), so a short budget skips the costlier one.
+   the compiled part, so that a short budget skips the costlier one: on the H200 the eager
+   part took 20 s and the compiled one 221 s, 208 of them inductor compiling three models
+   (benchmarks/results/gpu-h200/log.txt).
 7. **train, compiled**: the same steps as 2. under ``torch.compile``.
 
 A part that raises is recorded (``errors``, with its traceback) and the next one runs.
