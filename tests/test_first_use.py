@@ -251,6 +251,23 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):
         assert cli_main(["train", *overrides(corpus, tmp_path / "run2", warmup_steps=5, stop_after=1)]) == 0
 
 
+# -- the bf16 residual stream asked for without autocast -----------------------------------
+
+def test_autocast_stream_without_autocast_is_said(tmp_path, corpus, capsys):
+    """``model.residual.autocast_stream=true`` with the default dtype=float32 would change
+    nothing, silently; with dtype=bfloat16 the summary says the stream is bf16."""
+    with pytest.warns(UserWarning, match=r"model.residual.autocast_stream=true has no effect with dtype=float32"):
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run", warmup_steps=1, stop_after=1),
+                         "model.residual.autocast_stream=true"]) == 0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="model.residual.autocast_stream")
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run2", warmup_steps=1, stop_after=1),
+                         "model.residual.autocast_stream=true", "dtype=bfloat16"]) == 0
+    assert "bfloat16 (the residual stream in bf16: autocast_stream)" in capsys.readouterr().out
+
+
 # -- non-finite weights ----------------------------------------------------------------------
 
 def poison_weights(ckpt: Path) -> None:

@@ -20,7 +20,8 @@ from torch.func import functional_call
 import attnres
 from attnres import AttnResLM, ModelConfig, registered_residuals
 from attnres.nn import BlockAttnRes, FullAttnRes, StandardResidual
-from attnres.nn.residual import AttnResAblation
+from attnres.models.trunk import run_sublayers
+from attnres.nn.residual import AttnResAblation, DepthHistory, ResidualStream, residual_class
 
 # (overrides, batch, seq): S dividing L, S not dividing L, S = 1, S >= L, odd widths, batch 1, seq 1.
 SHAPES = [
@@ -186,6 +187,67 @@ def test_bf16_autocast_keeps_depth_attention_in_fp32():
     assert abs(out.loss.item() - ref.loss.item()) < 0.05
 
 
+@pytest.mark.parametrize("residual", list(registered_residuals()))
+def test_autocast_stream_stores_the_stream_in_the_autocast_dtype(residual):
+    """``residual.autocast_stream``: under bf16 autocast every tensor of the stream (the
+    history depth attention reads, the running sum, the final hidden state) is bf16, where
+    by default it keeps the embedding's float32; the loss moves by rounding only, and every
+    depth query still gets a gradient. Outside autocast the option changes nothing, bit for bit."""
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def run(autocast_stream: bool, autocast: bool):
+        model = make_model(residual={"kind": residual, "autocast_stream": autocast_stream})
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            h, state = model.decode(ids)
+            stream = [h]
+            if residual_class(residual).history_layout is not ResidualStream.history_layout:  # (can be cut)
+                history = model.residual.history(state)
+                stream += [*history.completed, *([history.running] if history.running is not None else [])]
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        return {t.dtype for t in stream}, loss, model
+
+    dtypes, loss, model = run(True, autocast=True)
+    assert dtypes == {torch.bfloat16}
+    default_dtypes, default_loss, _ = run(False, autocast=True)
+    assert default_dtypes == {torch.float32}
+    assert abs(loss.item() - default_loss.item()) < 0.02
+    queries = [p for n, p in model.named_parameters() if n.startswith("residual.")]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in queries)
+    if model.residual.has_depth_attention:
+        assert any(p.grad.abs().sum() > 0 for p in queries)
+    _, plain, _ = run(True, autocast=False)
+    _, plain_default, _ = run(False, autocast=False)
+    assert plain.dtype == torch.float32 and torch.equal(plain, plain_default)
+
+
+def test_autocast_stream_applies_to_a_resumed_stream():
+    """A pipeline stage resumes from a history sent as float32 (its wire dtype): with
+    ``autocast_stream`` the resumed stream is bf16 again and continues exactly as the
+    unsent one (the bf16 -> float32 -> bf16 round trip is exact)."""
+    model = make_model(residual={"kind": "attnres_block", "block_size": 4, "autocast_stream": True}, n_layers=4)
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    residual, blocks = model.residual, list(enumerate(model.layers))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        x = model.embed_tokens(ids)
+        cos, sin, mask = model.positions(ids, None, 0)
+        outs = []
+        for sent in (False, True):
+            state = residual.start(x)
+            run_sublayers(residual, state, blocks[:3], cos, sin, mask)  # (sublayer 6: inside a block)
+            if sent:
+                history = residual.history(state)
+                wire = DepthHistory([t.float() for t in history.completed],
+                                    None if history.running is None else history.running.float())
+                state = residual.resume(wire, state.next_sublayer)
+                assert wire.running is not None
+                assert {t.dtype for t in [*residual.history(state).completed, residual.history(state).running]} == \
+                    {torch.bfloat16}
+            run_sublayers(residual, state, blocks[3:], cos, sin, mask)
+            outs.append(residual.finish(state))
+    assert outs[1].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
+
+
 def test_tied_embeddings():
     model = make_model(tie_embeddings=True)
     assert model.lm_head.weight is model.embed_tokens.weight
@@ -213,6 +275,7 @@ def test_tied_embeddings():
         ("norm_eps", -1.0, "> 0"),
         ("residual.full_group_size", 0, "integer >= 1"),
         ("tie_embeddings", "yes", "true or false"),
+        ("residual.autocast_stream", "yes", "true or false"),
     ],
 )
 def test_invalid_config_names_field_and_allowed_values(field, value, allowed):

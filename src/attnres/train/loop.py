@@ -76,7 +76,7 @@ from .resume import check_resumable
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
 from .signals import StopSignals
-from .summary import RunFacts, startup_summary, warmup_overrun
+from .summary import RunFacts, startup_summary, unused_stream_option, warmup_overrun
 
 
 class _Named:
@@ -329,9 +329,9 @@ class Trainer:
                          fingerprint=data.fingerprint, device=device, world_size=self.ctx.world_size,
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
-        overrun = warmup_overrun(self.config)
-        if overrun is not None:
-            warnings.warn(overrun, stacklevel=2)
+        for message in (warmup_overrun(self.config), unused_stream_option(self.config)):
+            if message is not None:
+                warnings.warn(message, stacklevel=2)
 
     def _describe_layout(self) -> str:
         p = self.config.parallel

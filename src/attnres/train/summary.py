@@ -38,12 +38,25 @@ def warmup_overrun(config: TrainConfig) -> str | None:
             f"warmup_steps={max(config.steps // 10, 1) if config.steps > 1 else 0})")
 
 
+def unused_stream_option(config: TrainConfig) -> str | None:
+    """In words, that ``model.residual.autocast_stream`` does nothing in this run (no
+    autocast: ``dtype`` is not ``bfloat16``); ``None`` otherwise."""
+    if not config.model.residual.autocast_stream or config.dtype == "bfloat16":
+        return None
+    return (f"model.residual.autocast_stream=true has no effect with dtype={config.dtype}: it stores the residual "
+            "stream in the autocast dtype, and without autocast the stream keeps the parameters' dtype; set "
+            "dtype=bfloat16 for a bf16 stream")
+
+
 def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     model = config.model.to_dict()
     end = min(config.steps, config.stop_after or config.steps)
     to_go = max(end - facts.first_step, 0)
     stop = f"; stop_after ends this invocation at step {end}" if end < config.steps else ""
     processes = f", {facts.world_size} processes" if facts.world_size > 1 else ""
+    dtype = config.dtype
+    if dtype == "bfloat16" and config.model.residual.autocast_stream:
+        dtype += " (the residual stream in bf16: autocast_stream)"
     lr = f"lr {config.lr:g}"
     if config.warmup_steps >= config.steps:
         lr += (f" (peak {config.lr * config.steps / config.warmup_steps:.3g}: warmup_steps {config.warmup_steps} >= steps "
@@ -56,7 +69,7 @@ def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
         f"grad_accum {config.grad_accum}); {config.optimizer}, {lr}, {config.schedule} schedule",
         f"  data    {facts.train_tokens:,} training + {facts.val_tokens:,} validation tokens; tokenizer "
         f"{facts.tokenizer}; fingerprint {facts.fingerprint[:12]}",
-        f"  device  {facts.device}, {config.dtype}{processes}; out_dir {config.out_dir}",
+        f"  device  {facts.device}, {dtype}{processes}; out_dir {config.out_dir}",
     ]
     if facts.layout:
         lines.append(f"  layout  {facts.layout}")

@@ -23,8 +23,11 @@ from .registry import register_residual, registered_residuals, residual_class, v
 
 
 def build_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
-    """The module ``config`` names, built by its registered class."""
-    return residual_class(config.kind).from_config(config, dim, n_sublayers)
+    """The module ``config`` names, built by its registered class (with the stream storage
+    ``config.autocast_stream`` asks for, which every variant's ``start`` and ``resume`` apply)."""
+    module = residual_class(config.kind).from_config(config, dim, n_sublayers)
+    module.autocast_stream = config.autocast_stream
+    return module
 
 
 __all__ = [

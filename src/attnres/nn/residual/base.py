@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from .config import ResidualConfig
@@ -115,6 +116,9 @@ class ResidualStream(nn.Module, ABC):
     name: ClassVar[str] = ""
     #: Whether the variant computes depth-attention weights (``record_weights`` is ignored otherwise).
     has_depth_attention: ClassVar[bool] = False
+    #: ``ResidualConfig.autocast_stream`` (set by :func:`attnres.nn.residual.build_residual`):
+    #: under autocast, ``start`` and ``resume`` store the stream in the autocast dtype.
+    autocast_stream: bool = False
 
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__()
@@ -164,8 +168,18 @@ class ResidualStream(nn.Module, ABC):
         keep every mixer's depth weights in ``state.weights``. ``defer_norm``: the caller
         passes each sublayer input through an :class:`attnres.nn.RMSNorm` first (see
         :class:`ResidualState`)."""
+        embedding = self._stored(embedding)
         common = self._common(embedding.dtype, record_weights, defer_norm)
         return self._start(embedding, dict(common, record_mixing=record_weights))
+
+    def _stored(self, x: Tensor) -> Tensor:
+        """``x`` in the stream's storage dtype: the autocast dtype where ``autocast_stream``
+        is set and autocast is on for ``x``'s device (half a float32 stream's bytes), else
+        ``x`` as it is (under autocast, the embedding's float32)."""
+        if not self.autocast_stream or not torch.is_autocast_enabled(x.device.type):
+            return x
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
 
     def _common(self, dtype, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
         record = record_weights and self.has_depth_attention
@@ -221,6 +235,9 @@ class ResidualStream(nn.Module, ABC):
             raise ValueError(f"a {self.name!r} history in front of sublayer {at_sublayer} holds {expected.completed} "
                              f"completed entries{' and a running tensor' if expected.running else ''}; got "
                              f"{got.completed}{' and a running tensor' if got.running else ''}")
+        if self.autocast_stream:  # (a pipeline sends the stream up-cast: float32 on the wire)
+            history = DepthHistory([self._stored(t) for t in history.completed],
+                                   None if history.running is None else self._stored(history.running))
         ref = history.running if history.running is not None else history.completed[0]
         state = self._resume(history, at_sublayer, self._common(ref.dtype, record_weights, defer_norm))
         state.next_sublayer = at_sublayer

@@ -159,7 +159,7 @@ class Highway(_Builtin, SingleStreamResidual):
             nn.init.constant_(g.bias, self.gate_bias)
 
     def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
-        return torch.lerp(h, out.to(h.dtype), self.gate(l, h))
+        return torch.lerp(h, out.to(h.dtype), self.gate(l, h).to(h.dtype))
 
     def gate(self, l: int, h: Tensor) -> Tensor:
         """The transform gate ``g_l = sigmoid(W_l h_l + b_l)`` ``[..., d]`` of sublayer ``l``."""
@@ -169,7 +169,8 @@ class Highway(_Builtin, SingleStreamResidual):
         g = self.gate(l, state.h)
         if state.record_mixing:
             state.mixing_log.append(g.detach())
-        state.h = torch.lerp(state.h, output.to(state.h.dtype), g)
+        # (autocast runs the sigmoid in float32: a bf16 stream takes the gate rounded to it)
+        state.h = torch.lerp(state.h, output.to(state.h.dtype), g.to(state.h.dtype))
 
     def _mixing_matrix(self, state: StreamState, per_channel: bool = False) -> MixingMatrix:
         """Carry products of the recorded gates (report §6.2), per token; ``weights`` is the

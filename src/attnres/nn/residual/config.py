@@ -97,6 +97,16 @@ class ResidualConfig:
         backward runs each Phase 1 again, once per block (or group) - one ``[tokens, d]``
         tensor per sublayer less to keep, about a standard model's memory (``True``,
         default; same values). ``False`` keeps the sums. Memory only, not a model change.
+    autocast_stream: under autocast (``TrainConfig.dtype="bfloat16"``), store the residual
+        stream in the autocast dtype: the embedding, the running sums, AttnRes' block sums and
+        every sublayer input, and their gradients. By default (``False``) the stream keeps
+        the embedding's float32 and each bf16 sublayer output is added in float32; ``True``
+        halves the bytes of the stream, which Block AttnRes reads at every sublayer on a
+        GPU - about 1.5 % of a standard step at d = 2048 rather than 3 %. Its effect on the
+        loss is measured in docs/kernels.md ("A bf16 stream"). Nothing changes outside
+        autocast; FSDP2's bf16 parameters (``dtype="bfloat16"`` on several data-parallel
+        ranks) give a bf16 stream either way. A rounding choice, not a model change: the
+        parameters and checkpoints are the same.
     full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
         ``round(sqrt(L))``. Scheduling only, not a model change.
     ablation: the Table-4 ablations (:class:`AttnResAblation`), off by default.
@@ -112,6 +122,7 @@ class ResidualConfig:
     backend: str = "auto"
     eps: float = 1e-6
     recompute_phase1: bool = True
+    autocast_stream: bool = False
     full_group_size: int | None = None
     ablation: AttnResAblation = field(default_factory=AttnResAblation)
     hc_streams: int = 4
@@ -137,6 +148,7 @@ class ResidualConfig:
         check.choice("backend", self.backend, BACKENDS)
         check.positive("eps", self.eps)
         check.boolean("recompute_phase1", self.recompute_phase1)
+        check.boolean("autocast_stream", self.autocast_stream)
         check.integer("full_group_size", self.full_group_size, allow_none="round(sqrt(L))")
         if not isinstance(self.ablation, AttnResAblation):
             check.fail("ablation", "a mapping of AttnResAblation fields", self.ablation)
