@@ -248,17 +248,23 @@ def test_bf16_over_the_mesh(root):
     2^-9 = 2e-3 relative rounding) but not the same ops: under FSDP2's policy the parameters
     themselves are bf16 (the embedding, the norm gains and the depth queries too, so the
     residual stream is bf16), under autocast only the matmuls' inputs are; across pipeline
-    stages the history's bf16 sublayer outputs arrive as float32. Measured over 10 steps:
+    stages the history's bf16 sublayer outputs arrive as float32 (with
+    ``model.residual.autocast_stream``, each stage stores them in bf16 again, and the run is
+    compared with the single-process run that sets it). Measured over 10 steps:
     every step's loss within 1.5e-4 (dp=2) and 4e-5 (pp=2) of autocast's (bound 2e-3, one
     bf16 rounding). The weights differ at bf16's noise level, largest on the small,
     zero-initialised depth queries; so the bound is relative to float32: each run ends no
     further from the float32 run than autocast does, within a factor 2 (measured 3.9e-2 (dp=2,
     largest on mixers.1's query) and 2.5e-2 (pp=2) against autocast's 3.0e-2)."""
     block = RESIDUALS["block"]
+    stream = {"model.residual.autocast_stream": "true"}  # (a bf16 stream in every stage: resumed from float32)
     ref = reference(root, "ref-block-bf16", **block, dtype="bfloat16")
+    refs = {"bf16-dp2": ref, "bf16-pp2": ref,
+            "bf16-stream-pp2": reference(root, "ref-block-bf16-stream", **block, **stream, dtype="bfloat16")}
     ref32 = reference(root, "ref-block", **block)
     runs = [["bf16-dp2", {**block, "parallel.dp": 2, "dtype": "bfloat16"}, 0],
-            ["bf16-pp2", {**block, **PP, "dtype": "bfloat16"}, 0]]
+            ["bf16-pp2", {**block, **PP, "dtype": "bfloat16"}, 0],
+            ["bf16-stream-pp2", {**block, **PP, **stream, "dtype": "bfloat16"}, 0]]
     launch(root, 2, runs)
     from attnres.checkpoint import read_sharded_tensors
 
@@ -273,7 +279,7 @@ def test_bf16_over_the_mesh(root):
         path = checkpoint_path(root / name, STEPS)
         state = {**read_sharded_tensors(path), **read_sharded_tensors(path, "optim.")}
         assert {v.dtype for v in state.values()} == {torch.float32}  # the master weights and Adam's moments
-        la, lb = losses(root / name), losses(ref)
+        la, lb = losses(root / name), losses(refs[name])
         assert len(la) == len(lb) == STEPS
         loss_err = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
         got = weights(root / name, STEPS)
