@@ -169,17 +169,30 @@ def test_a_binary_text_file_is_named(run_dir, tmp_path, command):
     assert f"--text {str(binary)!r} is not UTF-8 text (byte 128); give a text file" in str(info.value)
 
 
-def test_generate_decodes_the_same_text_over_a_static_cache(run_dir, capsys):
+GREEDY = ["--prompt", "the", "--max-new-tokens", "6", "--temperature", "0"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_decodes_the_same_text_over_a_static_cache(run_dir, capsys, monkeypatch, dtype):
     """`attnres generate --decode static` (the static cache, eager) prints the dynamic
-    cache's greedy continuation and names the decode it ran; `--decode graph` on the CPU is
-    a one-line error."""
-    args = ["generate", "--checkpoint", str(run_dir), "--prompt", "the", "--max-new-tokens", "6", "--temperature", "0"]
+    cache's greedy continuation and names the decode it ran, in the stored float32 and with
+    `--dtype bfloat16` (the weights cast before decoding; the cache and the stream follow
+    them); `--decode graph` on the CPU is a one-line error."""
+    import torch
+
+    from attnres.inference import loading
+
+    seen = []
+    load = loading.load_run
+    monkeypatch.setattr(loading, "load_run", lambda *a, **k: seen.append(load(*a, **k)) or seen[-1])
+    args = ["generate", "--checkpoint", str(run_dir), *GREEDY, "--dtype", dtype]
     text = {}
     for decode in ("dynamic", "static"):
         assert cli_main([*args, "--decode", decode]) == 0
         out = capsys.readouterr()
         text[decode] = out.out
-        assert f"cpu, {decode} decode)" in out.err
+        assert f"cpu, {dtype}, {decode} decode)" in out.err
     assert text["static"] == text["dynamic"] and text["dynamic"].strip()
+    assert {p.dtype for run in seen for p in run.model.parameters()} == {getattr(torch, dtype)}
     with pytest.raises(SystemExit, match="decode='graph' captures a CUDA graph: the model is on cpu"):
         cli_main([*args, "--decode", "graph", "--device", "cpu"])
