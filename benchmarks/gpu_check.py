@@ -28,8 +28,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
    byte bound (every input read once, every output written once, at the datasheet
    bandwidth), Phase 1 also at the tile widths of ``SWEEP_BLOCK_D``; the host time of a
-   merge call (forward + backward) against the standard model's add + RMSNorm at one
-   token; one Block AttnRes block against the peers that run the shape
+   merge call (forward + backward, and forward alone) against the standard model's add +
+   RMSNorm at one token, with the part of it inside Triton's launcher; one Block AttnRes block against the peers that run the shape
    (bench_kernels_gpu.py's adapters).
 5. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
@@ -238,10 +238,48 @@ def phase1_sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict,
     return sweep
 
 
+class _TimedLaunches:
+    """Stands in for a Triton kernel and times, on the host, each ``kernel[grid](...)``
+    launch it forwards (Triton's launcher: argument binding, specialisation, the driver call)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.seconds = kernel, 0.0
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return run
+
+
+@contextmanager
+def timed_launches(names: tuple[str, ...]) -> Iterator[list[_TimedLaunches]]:
+    """The Triton kernels ``names`` replaced by :class:`_TimedLaunches` for the block."""
+    from attnres.ops.depth_attention import triton_kernels
+
+    originals = {n: getattr(triton_kernels, n) for n in names}
+    timed = [_TimedLaunches(k) for k in originals.values()]
+    for n, t in zip(names, timed):
+        setattr(triton_kernels, n, t)
+    try:
+        yield timed
+    finally:
+        for n, k in originals.items():
+            setattr(triton_kernels, n, k)
+
+
 def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     """Host microseconds per call at one token (the device idle): our merge (forward +
     backward, with autograd, as the model calls it) against the standard model's add +
-    RMSNorm (forward + backward)."""
+    RMSNorm (forward + backward), each also forward only (no autograd); on a GPU also the
+    part of ours spent inside Triton's launcher (``triton_launch``: what launching from
+    compiled code instead would save), to tell it from our own Python."""
     d = 2048 if device == "cuda" else 32
     g = torch.Generator(device=device).manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
@@ -249,25 +287,39 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     z = r(1, 1).requires_grad_()
     q, w = r(d).requires_grad_(), r(d).requires_grad_()
 
-    def ours():  # (Block's usual merge: the partial sum formed inside)
-        out, _, total = library.merge(z, [x], [partial], q, 1e-6, w, 1e-6, addend=v)
+    def ours_forward():  # (Block's usual merge: the partial sum formed inside)
+        return library.merge(z, [x], [partial], q, 1e-6, w, 1e-6, addend=v)
+
+    def ours():
+        out, _, total = ours_forward()
         torch.autograd.backward([out, total], [torch.ones_like(out), torch.ones_like(total)])
 
-    def standard():
+    def standard_forward():
         h = partial + v
-        out = F.rms_norm(h, (d,), w, 1e-6)
+        return F.rms_norm(h, (d,), w, 1e-6), h
+
+    def standard():
+        out, h = standard_forward()
         torch.autograd.backward([out, h], [torch.ones_like(out), torch.ones_like(h)])
 
-    result = {}
-    for name, fn in (("ours", ours), ("standard", standard)):
+    def per_call(fn) -> float:
         for _ in range(3):
             fn()
         clock.sync()
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
-        result[name] = (time.perf_counter() - start) / repeats * 1e6
+        seconds = (time.perf_counter() - start) / repeats
         clock.sync()
+        return seconds * 1e6
+
+    result = {"ours": per_call(ours), "standard": per_call(standard)}
+    with torch.no_grad():
+        result.update(ours_forward=per_call(ours_forward), standard_forward=per_call(standard_forward))
+    if device == "cuda" and library.pick("auto", [x]).__name__.endswith("triton_impl"):
+        with timed_launches(("merge_fwd", "merge_bwd")) as timed:
+            per_call(ours)
+        result["triton_launch"] = sum(t.seconds for t in timed) / (repeats + 3) * 1e6
     return result
 
 
@@ -707,7 +759,11 @@ def render(result: dict) -> str:
         lines += [f"| {k} | {v['us']:.1f} | | {v['x_bound']:.2f} |" for k, v in ops.get("sweep", {}).items()]
         h = ops["host_us"]
         lines += ["", f"Host time per call at one token: merge fwd+bwd {h['ours']:.1f} µs, standard add + RMSNorm "
-                  f"fwd+bwd {h['standard']:.1f} µs ({h['ours'] / h['standard']:.2f}x).", "",
+                  f"fwd+bwd {h['standard']:.1f} µs ({h['ours'] / h['standard']:.2f}x)"
+                  + (f"; forward only {h['ours_forward']:.1f} against {h['standard_forward']:.1f} µs"
+                     if "ours_forward" in h else "")
+                  + (f"; of ours, {h['triton_launch']:.1f} µs inside Triton's launcher" if "triton_launch" in h else "")
+                  + ".", "",
                   "One Block AttnRes block (the S normalised sublayer inputs), events, host included:", "",
                   "| implementation | fwd µs | fwd+bwd µs |", "|---|---:|---:|"]
         lines += [f"| {k} | {v['fwd_us']:.0f} | {v['fwd+bwd_us']:.0f} |" for k, v in ops["block"].items()]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -116,3 +117,32 @@ def test_memory_forecast_block_and_full_keep_no_more_than_the_standard_model(tmp
     memory_forecast.main(["--d", "64", "--layers", "1", "--blocks", "2", "--seq", "16", "--vocab", "128",
                           "--out", str(tmp_path / "f")])
     assert "| block |" in (tmp_path / "f.md").read_text() and json.loads((tmp_path / "f.json").read_text())["kept"]
+
+
+@pytest.mark.triton
+def test_timed_launches_forward_each_launch_and_time_it():
+    """The host-overhead part's split: with the merge's kernels wrapped, a merge (forward and
+    backward) gives the same values as without, and each kernel's launches took host time;
+    the kernels are restored afterwards."""
+    from conftest import triton_device
+
+    import gpu_check
+    from attnres.ops.depth_attention import library, triton_kernels
+
+    device = triton_device()
+    g = torch.Generator().manual_seed(0)
+    x, partial, v = (torch.randn(3, 16, generator=g).to(device).requires_grad_() for _ in range(3))
+    z = torch.randn(3, 1, generator=g).to(device).requires_grad_()
+    q, w = (torch.randn(16, generator=g).to(device).requires_grad_() for _ in range(2))
+
+    def merge():
+        out, _, total = library.merge(z, [x], [partial], q, 1e-6, w, 1e-6, "triton", addend=v)
+        return [out, total, *torch.autograd.grad(out.sum() + total.sum(), [z, x, partial, v, q, w])]
+
+    plain = merge()
+    before = (triton_kernels.merge_fwd, triton_kernels.merge_bwd)
+    with gpu_check.timed_launches(("merge_fwd", "merge_bwd")) as timed:
+        wrapped = merge()
+    assert all(t.seconds > 0 for t in timed)
+    assert all(torch.equal(a, b) for a, b in zip(plain, wrapped))
+    assert (triton_kernels.merge_fwd, triton_kernels.merge_bwd) == before
