@@ -102,8 +102,9 @@ class ResidualConfig:
         every sublayer input, and their gradients. By default (``False``) the stream keeps
         the embedding's float32 and each bf16 sublayer output is added in float32; ``True``
         halves the bytes of the stream, which Block AttnRes reads at every sublayer on a
-        GPU - about 1.5 % of a standard step at d = 2048 rather than 3 %. Its effect on the
-        loss is measured in docs/kernels.md ("A bf16 stream"). Nothing changes outside
+        GPU (by a byte count, its traffic at the bandwidth bound falls from about 3 % of a
+        standard step to 1.5 %). Its effect on the loss is measured in docs/kernels.md ("A
+        bf16 stream"). Nothing changes outside
         autocast; FSDP2's bf16 parameters (``dtype="bfloat16"`` on several data-parallel
         ranks) give a bf16 stream either way. A rounding choice, not a model change: the
         parameters and checkpoints are the same.
