@@ -35,8 +35,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).
 6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
-   stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` gives):
-   half the bytes Block adds with a float32 stream (``bf16_stream`` in the summary). Before
+   stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
+   in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
+   casts): half the bytes Block adds with a float32 stream (``bf16_stream`` in the summary). Before
    the compiled part, so that a short budget skips the costlier one: on the H200 the eager
    part took 20 s and the compiled one 221 s, 208 of them inductor compiling three models
    (benchmarks/results/gpu-h200/log.txt).
