@@ -107,7 +107,8 @@ class ResidualConfig:
         bf16 stream"). Nothing changes outside
         autocast; FSDP2's bf16 parameters (``dtype="bfloat16"`` on several data-parallel
         ranks) give a bf16 stream either way. A rounding choice, not a model change: the
-        parameters and checkpoints are the same.
+        parameters and checkpoints are the same. For GPUs: on the CPU, the C kernel takes
+        float32 and float64 sources, and a bf16 stream runs the slower PyTorch implementation.
     full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
         ``round(sqrt(L))``. Scheduling only, not a model change.
     ablation: the Table-4 ablations (:class:`AttnResAblation`), off by default.
