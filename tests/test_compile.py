@@ -86,3 +86,30 @@ def test_compiled_training_runs_the_depth_attention_operators(residual, monkeypa
     names = ["loss"] + [f"grad of {n}" for n, _ in model.named_parameters()]
     assert_fast_matches_naive(compiled[:1], eager[:1], truth[:1], torch.float32, names[:1], TOL[torch.float32])
     assert_fast_matches_naive(compiled[1:], eager[1:], truth[1:], torch.float32, names[1:], GRAD_TOL[torch.float32])
+
+
+def test_compiled_autocast_stream_has_no_graph_break_and_matches_eager():
+    """``autocast_stream`` under bf16 autocast: the autocast state it reads is traced (no graph
+    break), and the compiled step is as close to the float64 truth as eager's (the bf16 rule
+    of ``assert_fast_matches_naive``)."""
+    from conftest import GRAD_TOL, TOL, assert_fast_matches_naive
+
+    torch._dynamo.reset()
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3, "autocast_stream": True}, n_layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(model)(ids, labels=ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+    def step(m, runner, autocast=True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = runner(ids, labels=ids).loss
+        return [loss.reshape(1), *torch.autograd.grad(loss, list(m.parameters()))]
+
+    compiled, eager = step(model, torch.compile(model)), step(model, model)
+    truth_model = copy.deepcopy(model).double()
+    truth = step(truth_model, truth_model, autocast=False)
+    names = ["loss"] + [f"grad of {n}" for n, _ in model.named_parameters()]
+    bf16 = torch.bfloat16
+    assert_fast_matches_naive(compiled[:1], eager[:1], truth[:1], bf16, names[:1], TOL[bf16])
+    assert_fast_matches_naive(compiled[1:], eager[1:], truth[1:], bf16, names[1:], GRAD_TOL[bf16])
