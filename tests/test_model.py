@@ -219,6 +219,9 @@ def test_autocast_stream_stores_the_stream_in_the_autocast_dtype(residual):
     _, plain, _ = run(True, autocast=False)
     _, plain_default, _ = run(False, autocast=False)
     assert plain.dtype == torch.float32 and torch.equal(plain, plain_default)
+    meta = torch.empty(2, 6, model.config.d_model, device="meta")  # (shape queries: no autocast state to ask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.residual.start(meta).dtype == torch.float32
 
 
 def test_autocast_stream_applies_to_a_resumed_stream():

@@ -176,7 +176,8 @@ class ResidualStream(nn.Module, ABC):
         """``x`` in the stream's storage dtype: the autocast dtype where ``autocast_stream``
         is set and autocast is on for ``x``'s device (half a float32 stream's bytes), else
         ``x`` as it is (under autocast, the embedding's float32)."""
-        if not self.autocast_stream or not torch.is_autocast_enabled(x.device.type):
+        # (meta tensors - shape and FLOP counts - have no autocast state to ask)
+        if not self.autocast_stream or x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
             return x
         dtype = torch.get_autocast_dtype(x.device.type)
         return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
