@@ -6,8 +6,8 @@ import warnings
 
 from .common import native_only
 
-#: ``--dtype`` choices: the name and its ``torch`` attribute.
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+#: ``--dtype`` choices (``torch`` dtype names).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(sub) -> None:
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--decode", default="auto", choices=("auto", "dynamic", "static", "compiled", "graph"),
                      help="how decode steps run: auto (graph on CUDA, dynamic elsewhere; default), dynamic (growing "
                      "cache, eager), or over a static cache: static (eager), compiled (torch.compile), graph (CUDA graph)")
-    gen.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+    gen.add_argument("--dtype", default="float32", choices=DTYPES,
                      help="the weights' dtype while generating: float32 (as trained and stored; default), bfloat16 or "
                      "float16 (half the bytes a decode step reads: on a GPU, about twice the tokens/s)")
 
@@ -76,7 +76,7 @@ def run_generate(args) -> int:
         native_only(run, "generate")
         model = run.model
         _warn_non_finite(model, run.checkpoint)
-        model.to(getattr(torch, DTYPES[args.dtype]))
+        model.to(getattr(torch, args.dtype))
         tokenizer = load_tokenizer(run, args.tokenizer)
         ids = tokenizer.encode(args.prompt)
         if not ids:

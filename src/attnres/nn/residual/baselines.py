@@ -169,7 +169,7 @@ class Highway(_Builtin, SingleStreamResidual):
         g = self.gate(l, state.h)
         if state.record_mixing:
             state.mixing_log.append(g.detach())
-        # (autocast runs the sigmoid in float32: a bf16 stream takes the gate rounded to it)
+        # (under autocast the gate leaves its linear layer in bf16, whatever the stream's dtype)
         state.h = torch.lerp(state.h, output.to(state.h.dtype), g.to(state.h.dtype))
 
     def _mixing_matrix(self, state: StreamState, per_channel: bool = False) -> MixingMatrix:
