@@ -29,18 +29,18 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    byte bound (every input read once, every output written once, at the datasheet
    bandwidth), Phase 1 also at the tile widths of ``SWEEP_BLOCK_D``; the host time of a
    merge call (forward + backward, and forward alone) against the standard model's add +
-   RMSNorm at one token, with the part of it inside Triton's launcher; one Block AttnRes block against the peers that run the shape
-   (bench_kernels_gpu.py's adapters).
+   RMSNorm at one token, with the part of it inside Triton's launcher; one Block AttnRes
+   block against the peers that run the shape (bench_kernels_gpu.py's adapters).
 5. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).
 6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
    in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
-   casts): half the bytes Block adds with a float32 stream (``bf16_stream`` in the summary). Before
-   the compiled part, so that a short budget skips the costlier one: on the H200 the eager
-   part took 20 s and the compiled one 221 s, 208 of them inductor compiling three models
-   (benchmarks/results/gpu-h200/log.txt).
+   casts): half the bytes Block adds with a float32 stream (``bf16_stream`` in the
+   summary). Before the compiled part, so that a short budget skips the costlier one: on
+   the H200 the eager part took 20 s and the compiled one 221 s, 208 of them inductor
+   compiling three models (benchmarks/results/gpu-h200/log.txt).
 7. **train, compiled**: the same steps as 2. under ``torch.compile``.
 
 A part that raises is recorded (``errors``, with its traceback) and the next one runs.
