@@ -211,6 +211,9 @@ def test_phase1_float64_equals_the_reference_and_gradchecks(lead, d, S, n, backe
     for a, b in zip(got, want):
         assert_rel_close(a, b, 1e-12)
     flat = lambda *xs: tuple(t for o in phase1_fn(backend)(*xs) for t in (o if isinstance(o, list) else [o]))  # noqa: E731
+    if S > 8:  # (one output: the cotangents of single outputs, and absent ones, are checked at the smaller S -
+        # gradcheck runs a backward per output, 30 s under Triton's interpreter at S = 19)
+        flat = lambda *xs, _f=flat: torch.cat([t.reshape(-1) for t in _f(*xs)])  # noqa: E731
     assert gradcheck(flat, (qg, *sources), fast_mode=True)
 
 
