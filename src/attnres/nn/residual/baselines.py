@@ -159,7 +159,13 @@ class Highway(_Builtin, SingleStreamResidual):
             nn.init.constant_(g.bias, self.gate_bias)
 
     def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
-        return torch.lerp(h, out.to(h.dtype), self.gate(l, h).to(h.dtype))
+        return self._carry(h, out, self.gate(l, h))
+
+    @staticmethod
+    def _carry(h: Tensor, out: Tensor, g: Tensor) -> Tensor:
+        """``h + g * (out - h)`` in the stream's dtype (under autocast the gate leaves its
+        linear layer in bf16, whatever the stream's dtype)."""
+        return torch.lerp(h, out.to(h.dtype), g.to(h.dtype))
 
     def gate(self, l: int, h: Tensor) -> Tensor:
         """The transform gate ``g_l = sigmoid(W_l h_l + b_l)`` ``[..., d]`` of sublayer ``l``."""
@@ -169,8 +175,7 @@ class Highway(_Builtin, SingleStreamResidual):
         g = self.gate(l, state.h)
         if state.record_mixing:
             state.mixing_log.append(g.detach())
-        # (under autocast the gate leaves its linear layer in bf16, whatever the stream's dtype)
-        state.h = torch.lerp(state.h, output.to(state.h.dtype), g.to(state.h.dtype))
+        state.h = self._carry(state.h, output, g)
 
     def _mixing_matrix(self, state: StreamState, per_channel: bool = False) -> MixingMatrix:
         """Carry products of the recorded gates (report §6.2), per token; ``weights`` is the
