@@ -31,6 +31,7 @@ from attnres.train import (  # noqa: E402
     Muon,
     TrainConfig,
     TrainingDiverged,
+    build_optimizer,
     latest_checkpoint,
     load_checkpoint,
     load_config,
@@ -357,6 +358,76 @@ def test_muon_step_and_param_groups():
     sv = torch.linalg.svdvals(update)
     assert sv.min() > 0.5 and sv.max() < 1.3, sv
     assert torch.allclose(q.detach(), -0.01 * torch.sign(q.grad), atol=1e-6)  # Adam's first step
+
+
+def test_adamw_takes_torchs_default_foreach():
+    """AdamW is built with torch's default implementation choice: the per-parameter loop on
+    the CPU (what the exact-resume tests pin) and one ``_foreach`` kernel per operation over
+    all parameters on CUDA, rather than ~10 launches per parameter and step."""
+    model = AttnResLM(ModelConfig.preset("tiny"))
+    opt = build_optimizer(model, TrainConfig(optimizer="adamw"))
+    assert all(g["foreach"] is None for g in opt.param_groups)
+
+
+def test_restored_cuda_generators_go_to_their_own_devices(tmp_path, monkeypatch):
+    """``rng.safetensors`` holds one generator state per CUDA device; on resume each goes back
+    to its device by number - device 10 after device 9, not after device 1 as the state
+    names sort."""
+    from safetensors.torch import save_file
+
+    from attnres.checkpoint.manifest import RNG_FILE, restore_rng, rng_state
+
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(12)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(states))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    save_file(rng_state(), str(tmp_path / RNG_FILE))
+    restore_rng(tmp_path)
+    assert [int(s[0]) for s in restored] == list(range(12))
+
+
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """Counts calls of ``torch.Tensor.<name>`` (forwarded)."""
+    calls, method = [0], getattr(torch.Tensor, name)
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return method(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+def test_global_grad_norm_and_clipping_move_one_number_per_device(monkeypatch):
+    """The pipeline and tensor-parallel layouts' gradient norm equals the float64 norm of all
+    gradients and reaches the host once per device - not once per parameter, each a wait
+    for a GPU; clipping copies its factor to a device once per gradient dtype."""
+    from attnres.distributed.grads import clip_grads_, global_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.float64 if n == 11 else torch.float32))
+              for n in (3, 5, 7, 11)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    want = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]))
+    to_host = _count_calls(monkeypatch, "cpu")
+    norm = global_grad_norm(params)
+    assert to_host[0] == 1
+    assert norm.dtype == torch.float64 and torch.allclose(norm, want, rtol=1e-12, atol=0)
+    # a replicated copy on two ranks of a stage counts once
+    assert torch.allclose(global_grad_norm(params[:2], stage_ranks=2) ** 2,
+                          (params[0].grad.double().square().sum() + params[1].grad.double().square().sum()) / 2)
+    moved = _count_calls(monkeypatch, "to")
+    before = [p.grad.clone() for p in params]
+    clip_grads_(params, 1.0, norm)
+    assert moved[0] == 2  # float32 and float64 gradients on the CPU
+    for p, b in zip(params, before):
+        assert torch.allclose(p.grad.double(), b.double() / (float(norm) + 1e-6), rtol=1e-6)
+    clip_grads_(params, 1e9, norm)  # already within: unchanged
+    for p, b in zip(params, before):
+        assert torch.allclose(p.grad.double(), b.double() / (float(norm) + 1e-6), rtol=1e-6)
 
 
 # -- data ---------------------------------------------------------------------------------

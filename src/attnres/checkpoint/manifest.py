@@ -180,13 +180,17 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
     return doc
 
 
+#: The key prefix of a CUDA device's generator state in ``rng.safetensors`` (then its number).
+_CUDA_RNG = "torch_cuda_"
+
+
 def rng_state() -> dict[str, torch.Tensor]:
     """The torch generator states to store (``rng.safetensors``): the CPU's and each CUDA
     device's."""
     states = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            states[f"torch_cuda_{i}"] = s
+            states[f"{_CUDA_RNG}{i}"] = s
     return states
 
 
@@ -195,6 +199,7 @@ def restore_rng(path: str | Path, cuda: bool = True) -> None:
     and with ``cuda`` the CUDA devices' where their number matches."""
     rng = load_file(str(Path(path) / RNG_FILE))
     torch.set_rng_state(rng["torch_cpu"])
-    states = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
+    # (by device number: sorted as strings, device 10 would come before device 2)
+    states = [rng[k] for k in sorted((k for k in rng if k.startswith(_CUDA_RNG)), key=lambda k: int(k[len(_CUDA_RNG):]))]
     if cuda and states and torch.cuda.is_available() and len(states) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(states)

@@ -24,10 +24,14 @@ __all__ = ["global_grad_norm", "clip_grads_"]
 
 
 def global_grad_norm(params: Iterable[nn.Parameter], stage_ranks: int = 1) -> Tensor:
-    """The L2 norm (float64 scalar, on every rank alike) of the gradients of ``params``
-    (this rank's) together with every other rank's; ``stage_ranks``: the ranks of one
-    pipeline stage (world size / pp), which hold the same parameters."""
-    total = torch.zeros((), dtype=torch.float64)
+    """The L2 norm (float64 scalar on the CPU, on every rank alike) of the gradients of
+    ``params`` (this rank's) together with every other rank's; ``stage_ranks``: the ranks of
+    one pipeline stage (world size / pp), which hold the same parameters.
+
+    The sums of squares stay on their gradients' device until all are summed: one transfer
+    to the host per device, not a host sync per parameter (on a GPU each would wait for the
+    device, hundreds of times a step)."""
+    squares: dict[torch.device, list[Tensor]] = {}
     for p in params:
         g = p.grad
         if g is None:
@@ -39,7 +43,10 @@ def global_grad_norm(params: Iterable[nn.Parameter], stage_ranks: int = 1) -> Te
             local = g.to_local()
         else:
             copies, local = stage_ranks, g
-        total = total + local.detach().double().pow(2).sum().cpu() / copies
+        squares.setdefault(local.device, []).append(local.detach().double().pow(2).sum() / copies)
+    total = torch.zeros((), dtype=torch.float64)
+    for parts in squares.values():
+        total = total + torch.stack(parts).sum().cpu()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else total.device
         total = total.to(device)
@@ -51,9 +58,14 @@ def global_grad_norm(params: Iterable[nn.Parameter], stage_ranks: int = 1) -> Te
 @torch.no_grad()
 def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: Tensor) -> None:
     """Scale the gradients of ``params`` so that their global norm ``total_norm`` is at
-    most ``max_norm`` (no-op when it already is)."""
+    most ``max_norm`` (no-op when it already is). The factor is copied to each device and
+    dtype once, not once per gradient."""
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    factors: dict[tuple[torch.device, torch.dtype], Tensor] = {}
     for p in params:
         if p.grad is not None:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            g.mul_(coef.to(g.dtype).to(g.device))
+            key = (g.device, g.dtype)
+            if key not in factors:
+                factors[key] = coef.to(device=g.device, dtype=g.dtype)
+            g.mul_(factors[key])

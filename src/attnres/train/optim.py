@@ -157,7 +157,7 @@ def build_optimizer(model: nn.Module, config) -> torch.optim.Optimizer:
                                           ns_steps=config.muon_ns_steps, betas=betas, eps=config.adam_eps)
     else:
         groups = [{k: v for k, v in g.items() if k != "use_muon"} for g in param_groups(model, config.weight_decay, muon=False)]
-        opt = torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps, foreach=False)
+        opt = torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps)
     for g in opt.param_groups:
         g["initial_lr"] = config.lr
     return opt
