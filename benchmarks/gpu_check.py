@@ -34,14 +34,17 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 5. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).
-6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
+6. **decode profile**: what a graphed decode step replays, per model at batch 1: the
+   kernels of one eager static step (the launches its CUDA graph records) - their number
+   (``decode_kernels`` in the summary), device time and the operations with the most.
+7. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
    in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
    casts): half the bytes Block adds with a float32 stream (``bf16_stream`` in the
    summary). Before the compiled part, so that a short budget skips the costlier one: on
    the H200 the eager part took 20 s and the compiled one 221 s, 208 of them inductor
    compiling three models (benchmarks/results/gpu-h200/log.txt).
-7. **train, compiled**: the same steps as 2. under ``torch.compile``.
+8. **train, compiled**: the same steps as 2. under ``torch.compile``.
 
 A part that raises is recorded (``errors``, with its traceback) and the next one runs.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
@@ -73,6 +76,7 @@ if "--cpu-smoke" in sys.argv:  # the interpreter must be on before triton is fir
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import bench_kernels_gpu as kernels_bench  # noqa: E402
@@ -592,26 +596,31 @@ def part_profile(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
     """Where a training step's device time goes: one eager step of the standard model and of
     Block AttnRes under ``torch.profiler`` (after a warm-up step), the operations with the
     most self device time (self CPU time on the CPU), in ms."""
-    from torch.profiler import ProfilerActivity, profile
-
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=device)
     steps = train_steps({k: models[k] for k in ("standard", "block")}, ids, device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    attribute = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     result = {}
     for name, step in steps.items():
         step()
-        with profile(activities=activities) as prof:
-            step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-        events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute, 0), reverse=True)
-        total = sum(getattr(e, attribute, 0) for e in events)
-        result[name] = {"total_ms": total / 1e3,
-                        "top": [{"op": e.key[:80], "ms": getattr(e, attribute, 0) / 1e3, "calls": e.count}
-                                for e in events[:top]]}
-        log(f"[gpu_check]   profile {name}: {total / 1e3:.1f} ms self time")
+        result[name] = profiled(step, device, top)
+        log(f"[gpu_check]   profile {name}: {result[name]['total_ms']:.1f} ms self time")
     return result
+
+
+def profiled(fn, device: str, top: int) -> dict:
+    """``fn()`` once under ``torch.profiler``: the self device time of all it ran (self CPU
+    time on the CPU) in ms, the ``top`` operations by it, and the device kernels (and copies)
+    it launched (``None`` on the CPU)."""
+    cuda = device == "cuda"
+    attribute = "self_device_time_total" if cuda else "self_cpu_time_total"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute, 0), reverse=True)
+    total = sum(getattr(e, attribute, 0) for e in events)
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
+    return {"total_ms": total / 1e3, "kernels": kernels,
+            "top": [{"op": e.key[:80], "ms": getattr(e, attribute, 0) / 1e3, "calls": e.count} for e in events[:top]]}
 
 
 @contextmanager
@@ -627,6 +636,19 @@ def weights_in(models: dict, dtype: torch.dtype) -> Iterator[None]:
             model.float()
 
 
+def loaded_caches(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, mode: str) -> tuple[KVCache, StaticDecoder]:
+    """A dynamic cache holding a ``z.seq``-token context (random keys and values) for
+    ``model`` at ``batch``, and a :class:`StaticDecoder` in ``mode`` loaded with it."""
+    cfg = model.config
+    cache = KVCache(cfg.n_layers, capacity=z.seq + 1)
+    shape = (batch, cfg.kv_heads, z.seq, cfg.head_dim)
+    for layer in range(cfg.n_layers):
+        cache.update(layer, torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype))
+    decoder = StaticDecoder(model, batch, capacity=z.seq + 1, mode=mode)
+    decoder.load(cache)
+    return cache, decoder
+
+
 def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     """One decode step after a ``z.seq``-token context (random keys and values) at batch 1
     and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
@@ -639,14 +661,7 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
             tokens = torch.randint(0, z.vocab, (batch,), device=device)
             steps = {}
             for name, model in models.items():
-                cfg = model.config
-                cache = KVCache(cfg.n_layers, capacity=z.seq + 1)
-                shape = (batch, cfg.kv_heads, z.seq, cfg.head_dim)
-                for layer in range(cfg.n_layers):
-                    cache.update(layer, torch.randn(shape, device=device, dtype=dtype),
-                                 torch.randn(shape, device=device, dtype=dtype))
-                decoder = StaticDecoder(model, batch, capacity=z.seq + 1, mode="graph" if device == "cuda" else "eager")
-                decoder.load(cache)
+                cache, decoder = loaded_caches(model, batch, z, device, dtype, "graph" if device == "cuda" else "eager")
 
                 def eager(model=model, cache=cache):
                     decode_step(model, cache, tokens)
@@ -661,6 +676,26 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
                 name, mode = key.split("|")
                 result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
             del steps, cache, decoder
+    return result
+
+
+def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
+    """What a graphed decode step replays, per model at batch 1: the kernels of one eager
+    static step (the very launches its CUDA graph records) under ``torch.profiler`` - how
+    many, their device time, the operations with the most. At one token a step is a chain of
+    small kernels, so the count is most of a graphed step's time; the residual's share is
+    the difference between the models. On the CPU (the smoke) the kernels are not counted."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    result = {}
+    with weights_in(models, dtype):
+        tokens = torch.randint(0, z.vocab, (1,), device=device)
+        for name, model in models.items():
+            _, decoder = loaded_caches(model, 1, z, device, dtype, "eager")
+            decoder.step(tokens)  # (warm)
+            decoder.rewind(z.seq)
+            result[name] = profiled(lambda decoder=decoder: decoder.step(tokens), device, top)
+            log(f"[gpu_check]   decode profile {name}: {result[name]['kernels']} kernels, "
+                f"{result[name]['total_ms']:.2f} ms self time")
     return result
 
 
@@ -718,6 +753,9 @@ def summarize(result: dict) -> dict:
     busy = device_busy(result)
     if busy:
         summary["device_busy"] = busy
+    kernels = {k: v["kernels"] for k, v in result.get("profile_decode", {}).items() if v["kernels"] is not None}
+    if kernels:
+        summary["decode_kernels"] = kernels
     summary["skipped"] = result.get("skipped", {})
     summary["errors"] = sorted(result.get("errors", {}))
     return summary
@@ -799,6 +837,16 @@ def render(result: dict) -> str:
             lines += [f"**{name}**: {prof['total_ms']:.1f} ms in all{share}", "", "| op | ms | calls |", "|---|---:|---:|"]
             lines += [f"| `{e['op']}` | {e['ms']:.2f} | {e['calls']} |" for e in prof["top"]]
             lines.append("")
+    if "profile_decode" in result:
+        prof = result["profile_decode"]
+        lines += ["", "## What a graphed decode step replays (batch 1: the kernels of one eager static step, self time, ms)",
+                  "", "| model | kernels | ms | ratio |", "|---|---:|---:|---:|"]
+        lines += [f"| {k} | {'-' if v['kernels'] is None else v['kernels']} | {v['total_ms']:.3f} | "
+                  f"{v['total_ms'] / prof['standard']['total_ms']:.3f} |" for k, v in prof.items()]
+        for name, v in prof.items():
+            lines += ["", f"**{name}**:", "", "| op | ms | calls |", "|---|---:|---:|"]
+            lines += [f"| `{e['op']}` | {e['ms']:.3f} | {e['calls']} |" for e in v["top"]]
+        lines.append("")
     for part, why in result.get("skipped", {}).items():
         lines.append(f"\nSkipped **{part}**: {why}")
     for part, trace in result.get("errors", {}).items():
@@ -854,6 +902,8 @@ def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers
         return part_decode(z, clock, models, device)
     if part == "profile":
         return part_profile(z, models, device)
+    if part == "profile_decode":
+        return part_profile_decode(z, models, device)
     if part == "train_bf16":
         return part_train_bf16(z, clock, models, device)
     return part_train(z, clock, models, device, compiled=part == "train_compiled")
@@ -864,7 +914,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
-    p.add_argument("--parts", default="parity,train_eager,decode,ops,profile,train_bf16,train_compiled",
+    p.add_argument("--parts", default="parity,train_eager,decode,ops,profile,profile_decode,train_bf16,train_compiled",
                    help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
@@ -872,8 +922,8 @@ def parse_args(argv=None):
 
 
 #: The least time each part needs (s, on an H100): a part is skipped when less remains.
-MIN_SECONDS = {"parity": 5, "profile": 15, "ops": 20, "train_eager": 40, "decode": 20, "train_compiled": 150,
-               "train_bf16": 30}
+MIN_SECONDS = {"parity": 5, "profile": 15, "profile_decode": 10, "ops": 20, "train_eager": 40, "decode": 20,
+               "train_compiled": 150, "train_bf16": 30}
 
 
 def main(argv=None) -> int:

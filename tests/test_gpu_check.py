@@ -34,7 +34,7 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     md = (tmp_path / "gpu_check.md").read_text()
     assert set(summary["bf16_stream"]) == {"block", "full", gpu_check.SUMS_KEPT}
     for heading in ("## Parity", "## Ops at", "## train_eager", "## train_compiled", "## train_bf16", "## decode step",
-                    "## Where a training step's time goes"):
+                    "## Where a training step's time goes", "## What a graphed decode step replays"):
         assert heading in md
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["sizes"]["d"] == 16 and result["errors"] == {}
@@ -47,6 +47,10 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert set(summary["block_sums_kept"]) == {"train_eager", "memory"}
     depth_attention = {"_Merge", "_MergeBackward", "_Phase1", "_Phase1Backward"}
     assert {e["op"] for e in result["profile"]["block"]["top"]} & depth_attention
+    decode = result["profile_decode"]
+    assert set(decode) == {"standard", "block", "full"} and all(v["kernels"] is None for v in decode.values())
+    assert all(v["total_ms"] > 0 and v["top"] for v in decode.values())
+    assert "decode_kernels" not in summary  # (not counted on the CPU)
 
 
 def test_op_bytes_count_each_input_and_output_once():
@@ -84,6 +88,18 @@ def test_device_busy_is_the_profiled_device_time_over_the_eager_step():
     assert gpu_check.device_busy(result) == pytest.approx({"standard": 0.97, "block": 0.75})
     assert "75% of its eager step's 104.0 ms" in gpu_check.render(result)
     assert gpu_check.device_busy({**result, "device": "CPU (smoke)"}) == {}
+
+
+def test_decode_kernels_are_summarised_and_rendered():
+    import gpu_check
+
+    top = [{"op": "attnres::merge", "ms": 0.1, "calls": 17}]
+    result = {"device": "GPU", "command": "gpu_check.py", "torch": "2.11", "triton": "3.6",
+              "profile_decode": {"standard": {"total_ms": 2.0, "kernels": 600, "top": []},
+                                 "block": {"total_ms": 2.05, "kernels": 560, "top": top}}}
+    assert gpu_check.summarize(result)["decode_kernels"] == {"standard": 600, "block": 560}
+    md = gpu_check.render(result)
+    assert "| block | 560 | 2.050 | 1.025 |" in md and "| `attnres::merge` | 0.100 | 17 |" in md
 
 
 def test_memory_forecast_block_and_full_keep_no_more_than_the_standard_model(tmp_path):
