@@ -196,3 +196,33 @@ def test_generate_decodes_the_same_text_over_a_static_cache(run_dir, capsys, mon
     assert {p.dtype for run in seen for p in run.model.parameters()} == {getattr(torch, dtype)}
     with pytest.raises(SystemExit, match="decode='graph' captures a CUDA graph: the model is on cpu"):
         cli_main([*args, "--decode", "graph", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("command", ["generate", "export", "analyze", "eval"])
+def test_the_checkpoint_is_the_first_argument_or_checkpoint(run_dir, tmp_path, capsys, monkeypatch, command):
+    """Each command that reads a checkpoint takes it as its first argument
+    (`attnres generate runs/x ...`) as well as `--checkpoint runs/x`; neither, or two that
+    differ, is a one-line error."""
+    from attnres import cli
+
+    seen = []
+    monkeypatch.setitem(cli.COMMANDS, command, cli.Command(cli.COMMANDS[command].add_parser,
+                                                           lambda args, parser: seen.append(args) or 0))
+    rest = {"generate": ["--prompt", "the"], "export": ["--out", str(tmp_path / "hf")]}.get(command, [])
+    assert cli_main([command, str(run_dir), *rest]) == 0
+    assert cli_main([command, *rest, "--checkpoint", str(run_dir)]) == 0
+    assert cli_main([command, str(run_dir), "--checkpoint", str(run_dir), *rest]) == 0
+    assert [a.checkpoint for a in seen] == [str(run_dir)] * 3
+    assert not any(hasattr(a, "checkpoint_path") or hasattr(a, "checkpoint_parser") for a in seen)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli_main([command, *rest])
+    assert f"attnres {command}: error: the following arguments are required: CHECKPOINT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main([command, str(run_dir), "--checkpoint", str(tmp_path), *rest])
+    assert "two checkpoints given" in capsys.readouterr().err
+
+
+def test_generate_runs_from_a_positional_checkpoint(run_dir, capsys):
+    assert cli_main(["generate", str(run_dir), *GREEDY]) == 0
+    assert capsys.readouterr().out.strip()

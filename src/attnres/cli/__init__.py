@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import analyze, experiment, export, generate, train, upcycle
 from . import eval as eval_command
-from .common import ImportModule, Parser, end_process, missing_extra, version_line
+from .common import ImportModule, Parser, end_process, missing_extra, resolve_checkpoint, version_line
 from .experiment import EXPERIMENT_NAMES
 from .generate import check_context
 
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = args.overrides + extra
+    resolve_checkpoint(args)
     try:
         return command.run(args, parser)
     except ImportError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .common import check_optional_count
+from .common import add_checkpoint_argument, check_optional_count
 
 
 def add_parser(sub) -> None:
@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
         "(Fig.-9-style panels of the depth mixing matrix M) and mixing.json to --out: M averaged over the tokens, its "
         "semiseparable rank, the sink table and, with --compare, the second checkpoint beside it and the difference.",
     )
-    an.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    add_checkpoint_argument(an)
     an.add_argument("--compare", metavar="DIR", help="a second checkpoint or run directory to compare with")
     an.add_argument("--out", help="output directory (default <checkpoint>/analysis)")
     an.add_argument("--rows", type=int, default=8, help="windows of the validation split analysed (default 8)")

@@ -28,6 +28,36 @@ class Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+#: What the reading commands take as their checkpoint.
+CHECKPOINT_HELP = "a checkpoint directory (step-*) or a run directory (its newest)"
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """The checkpoint a command reads, given either way: ``attnres generate runs/x ...`` or
+    ``attnres generate --checkpoint runs/x ...`` (:func:`resolve_checkpoint` makes
+    ``args.checkpoint`` of it after parsing)."""
+    parser.add_argument("checkpoint_path", nargs="?", metavar="CHECKPOINT", help=f"{CHECKPOINT_HELP} (or --checkpoint)")
+    parser.add_argument("--checkpoint", help=f"{CHECKPOINT_HELP} (or as the first argument)")
+    parser.set_defaults(checkpoint_parser=parser)
+
+
+def resolve_checkpoint(args: argparse.Namespace) -> None:
+    """``args.checkpoint`` from the positional ``CHECKPOINT`` or ``--checkpoint`` of a
+    command that :func:`add_checkpoint_argument` set up (else nothing): one is required, and
+    both only when they agree."""
+    parser = getattr(args, "checkpoint_parser", None)
+    if parser is None:
+        return
+    given = [p for p in (args.checkpoint_path, args.checkpoint) if p is not None]
+    if not given:
+        parser.error("the following arguments are required: CHECKPOINT (a run or checkpoint directory, or "
+                     "--checkpoint DIR)")
+    if len(set(given)) > 1:
+        parser.error(f"two checkpoints given: {given[0]!r} and --checkpoint {given[1]!r}; give one")
+    args.checkpoint = given[0]
+    del args.checkpoint_path, args.checkpoint_parser
+
+
 def first_on_node() -> bool:
     """Whether this process prints what every process of a launch would print alike: one
     process, or the first rank of its node (torchrun's ``LOCAL_RANK`` 0)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import check_optional_count, native_only
+from .common import add_checkpoint_argument, check_optional_count, native_only
 
 
 def add_parser(sub) -> None:
@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
         "run's validation split), then lm-evaluation-harness (model='hf') on the local tasks attnres_ppl and "
         "attnres_cloze built from that text, or on any harness task names given (those need the network).",
     )
-    ev.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    add_checkpoint_argument(ev)
     ev.add_argument("--tasks", default="attnres_ppl,attnres_cloze",
                     help="comma-separated lm-eval tasks (default: the local 'attnres_ppl,attnres_cloze'; 'none' to skip)")
     ev.add_argument("--text", help="held-out text file (default: the run's validation split)")

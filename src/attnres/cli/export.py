@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-
+from .common import add_checkpoint_argument
 
 
 def add_parser(sub) -> None:
     xp = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory (model + tokenizer)")
-    xp.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    add_checkpoint_argument(xp)
     xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing)")
     xp.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from .common import native_only
+from .common import add_checkpoint_argument, native_only
 
 #: ``--dtype`` choices (``torch`` dtype names).
 DTYPES = ("float32", "bfloat16", "float16")
@@ -12,7 +12,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def add_parser(sub) -> None:
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s")
-    gen.add_argument("--checkpoint", required=True, help="a checkpoint directory (step-*) or a run directory (its newest)")
+    add_checkpoint_argument(gen)
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
