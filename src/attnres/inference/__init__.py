@@ -1,13 +1,16 @@
 """Inference: KV caches, one-shot and chunked prefill, cached decoding (eager, compiled or
 in a CUDA graph), sampling, streaming.
 
->>> from attnres.inference import generate
+>>> from attnres.inference import generate, load_run
+>>> model = load_run("runs/my-run").model            # a trained run's newest checkpoint
 >>> new_tokens = generate(model, input_ids, max_new_tokens=32, temperature=0.8, top_p=0.9)
 """
 
 from ..nn.kv_cache import KVCache, StaticKVCache
 from .generate import DECODE_MODES, check_sampling, decode_step, generate, prefill, resolve_decode, sample, stream
+from .loading import LoadedRun, load_run, load_tokenizer
 from .static import STATIC_MODES, StaticDecoder, static_decode_step
 
 __all__ = ["KVCache", "StaticKVCache", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
-           "DECODE_MODES", "resolve_decode", "StaticDecoder", "STATIC_MODES", "static_decode_step"]
+           "DECODE_MODES", "resolve_decode", "StaticDecoder", "STATIC_MODES", "static_decode_step", "LoadedRun",
+           "load_run", "load_tokenizer"]
