@@ -27,10 +27,11 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    Block's partial sum itself - forward and backward) at
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
    byte bound (every input read once, every output written once, at the datasheet
-   bandwidth), Phase 1 also at the tile widths of ``SWEEP_BLOCK_D``; the host time of a
-   merge call (forward + backward, and forward alone) against the standard model's add +
-   RMSNorm at one token, with the part of it inside Triton's launcher; one Block AttnRes
-   block against the peers that run the shape (bench_kernels_gpu.py's adapters).
+   bandwidth), also at the other launch settings of ``SWEEPS`` (Phase 1's tiles, the
+   merge's warps); the host time of a merge call (forward + backward, and forward alone)
+   against the standard model's add + RMSNorm at one token, with the part of it inside
+   Triton's launcher; one Block AttnRes block against the peers that run the shape
+   (bench_kernels_gpu.py's adapters).
 5. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).
@@ -221,26 +222,44 @@ def op_calls(z: Sizes, device: str, dtype: torch.dtype | None = None, impl=None,
     }
 
 
-#: Phase 1's tile widths timed beside the default (``triton_impl.FORCED``): the next change
-#: of the default is read off these.
-SWEEP_BLOCK_D = (64, 256)
+#: Launch settings timed beside the defaults (``triton_impl.FORCED``), by the operations they
+#: change: Phase 1's tile widths, and the merge programs' warps (8 at d = 2048; on sm_80
+#: Triton 3.6 spills 32 bytes in one fp32 variant at 8 and none at 16). The next change of a
+#: default is read off these.
+SWEEPS = {"block_d": ((64, 256), ("phase1_fwd", "phase1_bwd")),
+          "merge_warps": ((4, 16), ("merge_fwd", "merge_bwd", "merge_add_fwd", "merge_add_bwd"))}
 
 
-def phase1_sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict, peak: float) -> dict:
-    """Phase 1 forward and backward at the other tile widths: ``{name@block_d: x bound}``."""
+def sweep_settings(device: str) -> Iterator[tuple[str, int, tuple[str, ...]]]:
+    """``(setting, value, operations)`` the sweep times (on the CPU one value each)."""
+    for setting, (values, names) in SWEEPS.items():
+        for value in values if device == "cuda" else values[:1]:
+            yield setting, value, names
+
+
+@contextmanager
+def forced(setting: str, value: int) -> Iterator[None]:
+    """``triton_impl.FORCED[setting] = value`` for the block."""
     from attnres.ops.depth_attention import triton_impl
 
-    sweep = {}
-    for block_d in SWEEP_BLOCK_D if device == "cuda" else SWEEP_BLOCK_D[:1]:
-        triton_impl.FORCED["block_d"] = block_d
-        try:
-            for name in ("phase1_fwd", "phase1_bwd"):
+    triton_impl.FORCED[setting] = value
+    try:
+        yield
+    finally:
+        triton_impl.FORCED[setting] = None
+
+
+def sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict, peak: float) -> dict:
+    """The operations at the launch settings of :data:`SWEEPS`: ``{name@setting=value: {us,
+    x bound}}``."""
+    result = {}
+    for setting, value, names in sweep_settings(device):
+        with forced(setting, value):
+            for name in names:
                 t = clock.replayed(calls[name], z.op_repeats)
-                sweep[f"{name}@block_d={block_d}"] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
-                log(f"[gpu_check]   {name} at block_d={block_d}: {t * 1e6:.1f} us")
-        finally:
-            triton_impl.FORCED["block_d"] = None
-    return sweep
+                result[f"{name}@{setting}={value}"] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
+                log(f"[gpu_check]   {name} at {setting}={value}: {t * 1e6:.1f} us")
+    return result
 
 
 class _TimedLaunches:
@@ -338,7 +357,7 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
         t = clock.replayed(fn, z.op_repeats)
         rows[name] = {"us": t * 1e6, "bound_us": bytes_[name] / peak * 1e6, "x_bound": t / (bytes_[name] / peak)}
         log(f"[gpu_check]   {name}: {rows[name]['us']:.1f} us, {rows[name]['x_bound']:.2f}x bound")
-    sweep = phase1_sweep(z, clock, device, calls, bytes_, peak)
+    swept = sweep(z, clock, device, calls, bytes_, peak)
     host = host_overhead(clock, device, 200 if device == "cuda" else 5)
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
     x = kernels_bench.make_inputs(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
@@ -360,7 +379,7 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
     for key, t in clock.interleaved(steps, z.repeats).items():
         impl, mode = key.split("|")
         block.setdefault(impl, {})[f"{mode}_us"] = t * 1e6
-    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "sweep": sweep, "host_us": host,
+    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "sweep": swept, "host_us": host,
             "block": block, "unsupported": unsupported}
 
 
@@ -879,6 +898,14 @@ def warm_up_worker(what: str, z: Sizes) -> int:
             step()
         torch.cuda.synchronize()
         return 0
+    if what == "sweeps":  # the ops part's other launch settings, at a few rows
+        calls = op_calls(Sizes(**{**asdict(z), "tokens": 64}), "cuda")
+        for setting, value, names in sweep_settings("cuda"):
+            with forced(setting, value):
+                for name in names:
+                    calls[name]()
+        torch.cuda.synchronize()
+        return 0
     peers, _ = kernels_bench.select_peers()
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
     for step in kernels_bench.block_steps(what, peers[what][0], kernels_bench.make_inputs(shape)).values():
@@ -889,7 +916,7 @@ def warm_up_worker(what: str, z: Sizes) -> int:
 
 def start_warm_up(peers: dict) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--warm-up-worker", what],
-                             stdout=subprocess.DEVNULL) for what in ["models", *peers]]
+                             stdout=subprocess.DEVNULL) for what in ["models", "sweeps", *peers]]
 
 
 # --------------------------------------------------------------------------------------- main

@@ -162,3 +162,51 @@ def test_timed_launches_forward_each_launch_and_time_it():
     assert all(t.seconds > 0 for t in timed)
     assert all(torch.equal(a, b) for a, b in zip(plain, wrapped))
     assert (triton_kernels.merge_fwd, triton_kernels.merge_bwd) == before
+
+
+def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatch):
+    """The ops part's sweep runs each operation it names with the launch setting forced (the
+    merges see the warps the sweep asks for) and leaves ``FORCED`` as it found it."""
+    pytest.importorskip("triton")
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    seen = []
+    calls = {name: (lambda name=name: seen.append((name, dict(triton_impl.FORCED))))
+             for _, names in gpu_check.SWEEPS.values() for name in names}
+
+    class Clock:
+        def replayed(self, fn, repeats):
+            fn()
+            return 1e-6
+
+    bytes_ = dict.fromkeys(calls, 1e5)
+    result = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, bytes_, 1e11)
+    assert set(result) == {f"{n}@{s}={v}" for s, (values, names) in gpu_check.SWEEPS.items() for v in values
+                           for n in names}
+    assert ("merge_bwd", {"block_d": None, "programs": None, "merge_warps": 16}) in seen
+    assert ("phase1_fwd", {"block_d": 64, "programs": None, "merge_warps": None}) in seen
+    assert triton_impl.FORCED == {"block_d": None, "programs": None, "merge_warps": None}
+    assert result["merge_fwd@merge_warps=4"]["x_bound"] == pytest.approx(1.0)
+
+
+@pytest.mark.triton
+def test_merges_at_forced_warps_equal_the_default(monkeypatch):
+    """A merge forward and backward at the sweep's warps (and the programs the backward
+    sizes for them) give what they give at the default."""
+    from conftest import triton_device
+
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    device = triton_device()
+    z = gpu_check.Sizes(**{**gpu_check.asdict(gpu_check.SMOKE), "tokens": 12})
+    results = {}
+    for warps in (None, 4):
+        monkeypatch.setitem(triton_impl.FORCED, "merge_warps", warps)
+        calls = gpu_check.op_calls(z, device)
+        leaves = torch.utils._pytree.tree_leaves([calls[name]() for name in gpu_check.SWEEPS["merge_warps"][1]])
+        results[warps] = [t for t in leaves if isinstance(t, torch.Tensor)]
+    assert len(results[None]) == len(results[4]) > 20
+    for a, b in zip(results[None], results[4]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)

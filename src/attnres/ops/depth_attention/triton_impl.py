@@ -27,10 +27,11 @@ __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forw
 
 #: Storage dtypes of the sources the kernels take (computing in float32; float64 in float64).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-#: Launch geometry forced by the tests (``block_d``: Phase 1's tile; ``programs``: the
-#: programs over rows of the merge's backward and of the queries' gradient); ``None``:
-#: :mod:`.triton_launch` chooses.
-FORCED = {"block_d": None, "programs": None}
+#: Launch geometry forced by the tests and the GPU check's sweeps (``block_d``: Phase 1's
+#: tile; ``programs``: the programs over rows of the merge's backward and of the queries'
+#: gradient; ``merge_warps``: the merge programs' warps); ``None``: :mod:`.triton_launch`
+#: chooses.
+FORCED = {"block_d": None, "programs": None, "merge_warps": None}
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:
@@ -166,7 +167,7 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
             alpha if qg is None else _as(qg, compute), alpha if norm_weight is None else _as(norm_weight, compute),
             out, alpha, alpha if rc is None else rc, alpha if zc is None else zc, alpha if rstd is None else rstd,
             d, float(eps), float(norm_eps), HAS_ADDEND=addend is not None, HAS_NORM=norm_weight is not None,
-            D_PAD=d_pad, M_PAD=pad(k + c), num_warps=merge_warps(d_pad))
+            D_PAD=d_pad, M_PAD=pad(k + c), num_warps=FORCED["merge_warps"] or merge_warps(d_pad))
     return out, alpha, rc, zc, rstd, total
 
 
@@ -186,7 +187,9 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     g_qg = g_norm = None
     if rows:
         d_pad = row_pad(d)
-        programs = min(rows, FORCED["programs"]) if FORCED["programs"] else backward_programs(rows, d_pad, _sms(dev))
+        warps = FORCED["merge_warps"] or merge_warps(d_pad)
+        programs = min(rows, FORCED["programs"]) if FORCED["programs"] else backward_programs(rows, d_pad, _sms(dev),
+                                                                                             warps)
         part = torch.empty((programs, 2, d), dtype=compute, device=dev)
         stat = lambda t: alpha if t is None else _c(t)  # noqa: E731
         triton_kernels.merge_bwd[(programs,)](
@@ -195,7 +198,7 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
             alpha if norm_weight is None else _as(norm_weight, compute),
             grads[0] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k], grads[k:],
             part, rows, d, HAS_TOTAL=g_total is not None, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c),
-            num_warps=merge_warps(d_pad))
+            num_warps=warps)
         # (one sum each: an operator's results may not share memory)
         g_qg = _as(part[:, 0].sum(0), qg.dtype) if want_qg else None
         g_norm = _as(part[:, 1].sum(0), norm_weight.dtype) if want_norm else None

@@ -133,9 +133,10 @@ def merge_warps(d_pad: int) -> int:
     return min(16, max(1, d_pad // 256))
 
 
-def backward_programs(rows: int, d_pad: int, sms: int) -> int:
-    """The merge backward's persistent programs on ``sms`` multiprocessors."""
-    return max(1, min(rows, sms * max(1, BACKWARD_WARPS_PER_SM // merge_warps(d_pad))))
+def backward_programs(rows: int, d_pad: int, sms: int, warps: int | None = None) -> int:
+    """The merge backward's persistent programs on ``sms`` multiprocessors, of ``warps``
+    warps each (default :func:`merge_warps`)."""
+    return max(1, min(rows, sms * max(1, BACKWARD_WARPS_PER_SM // (warps or merge_warps(d_pad)))))
 
 
 def row_ranges(rows: int, programs: int) -> tuple[int, int]:
