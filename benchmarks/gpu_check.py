@@ -881,9 +881,11 @@ def write(out: Path, result: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------- warm-up
-def warm_up_worker(what: str, z: Sizes) -> int:
+def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
     """Compile into the on-disk caches: ``models`` runs every model's residual at a few rows
-    (the same kernel variants as the full shape), a peer name its block at the op shape."""
+    (the same kernel variants as the full shape), ``sweeps`` the ops part's other launch
+    settings, a peer name its block at the op shape. (``device``: the tests run ``sweeps``
+    under the interpreter.)"""
     if what == "models":  # the training steps' (float32 and bf16 stream) and the decode step's variants
         small = Sizes(**{**asdict(z), "seq": 16, "batch": 1})
         models = build_models(small, "cuda")
@@ -899,12 +901,12 @@ def warm_up_worker(what: str, z: Sizes) -> int:
         torch.cuda.synchronize()
         return 0
     if what == "sweeps":  # the ops part's other launch settings, at a few rows
-        calls = op_calls(Sizes(**{**asdict(z), "tokens": 64}), "cuda")
-        for setting, value, names in sweep_settings("cuda"):
+        calls = op_calls(Sizes(**{**asdict(z), "tokens": 64}), device)
+        for setting, value, names in sweep_settings(device):
             with forced(setting, value):
                 for name in names:
                     calls[name]()
-        torch.cuda.synchronize()
+        Clock(device).sync()
         return 0
     peers, _ = kernels_bench.select_peers()
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)

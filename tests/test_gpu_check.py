@@ -210,3 +210,7 @@ def test_merges_at_forced_warps_equal_the_default(monkeypatch):
     assert len(results[None]) == len(results[4]) > 20
     for a, b in zip(results[None], results[4]):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    # the warm-up worker that compiles the sweep's variants runs them all
+    monkeypatch.setitem(triton_impl.FORCED, "merge_warps", None)
+    assert gpu_check.warm_up_worker("sweeps", z, device) == 0
+    assert triton_impl.FORCED["merge_warps"] is None and triton_impl.FORCED["block_d"] is None
