@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 import stat
+import warnings
 
 import pytest
 import torch
@@ -436,6 +437,36 @@ def test_dispatch_by_device_dtype_and_layout(kernel):
         assert library.pick("triton", [x]) is triton_impl
         with pytest.raises(ValueError, match="backend='triton' takes sources"):
             library.pick("triton", [torch.zeros(2, 3, dtype=torch.int32)])
+
+def test_without_triton_cuda_runs_pytorch_after_one_warning_and_triton_is_refused(monkeypatch, kernel):
+    """Where triton cannot be imported (a CUDA build without it), ``backend="auto"`` on CUDA
+    tensors runs the PyTorch implementation after one warning saying why; asking for
+    ``backend="triton"`` is a ``ValueError`` naming the package; the CPU keeps its C kernel."""
+    import sys
+    from types import SimpleNamespace
+
+    from attnres.ops.depth_attention import library as lib
+
+    package = sys.modules["attnres.ops.depth_attention"]
+    for name in ("triton_impl", "triton_kernels"):
+        monkeypatch.delitem(sys.modules, f"attnres.ops.depth_attention.{name}", raising=False)
+        monkeypatch.delattr(package, name, raising=False)
+    monkeypatch.setitem(sys.modules, "triton", None)  # (import triton: ImportError)
+    monkeypatch.setattr(lib, "_warned_without_triton", [])
+    lib._triton_impl.cache_clear()
+    try:
+        on_cuda = [SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)]
+        with pytest.warns(RuntimeWarning, match="triton cannot be imported .* runs in PyTorch on CUDA"):
+            assert lib.pick("auto", on_cuda) is torch_impl
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert lib.pick("auto", on_cuda) is torch_impl  # (once)
+        with pytest.raises(ValueError, match="backend='triton' needs the triton package"):
+            lib.pick("triton", [torch.randn(2, 8)])
+        assert lib.pick("auto", [torch.randn(2, 8)]) is cpu_kernel
+    finally:
+        lib._triton_impl.cache_clear()
+
 
 class OperatorLog(TorchDispatchMode):
     def __init__(self):

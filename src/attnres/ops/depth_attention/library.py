@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Optional
@@ -45,12 +46,32 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 @functools.cache
-def _triton_impl() -> ModuleType:
+def _triton_impl() -> ModuleType | ImportError:
     """:mod:`.triton_impl`, imported on first use (triton is optional: imported where it can
-    run), then kept - no import statement per call."""
-    from . import triton_impl
-
+    run), then kept - no import statement per call; the ``ImportError`` where triton cannot
+    be imported (on CUDA the operations then run in PyTorch, after one warning)."""
+    try:
+        from . import triton_impl
+    except ImportError as e:
+        return e
     return triton_impl
+
+
+#: Whether the warning that the operations run in PyTorch for want of triton was given.
+_warned_without_triton: list[bool] = []
+
+
+def _without_triton(backend: str, error: ImportError) -> ModuleType:
+    """What runs where the Triton kernels were wanted but triton cannot be imported:
+    ``backend="triton"`` asked for them (a ``ValueError``); ``"auto"`` on CUDA gets PyTorch."""
+    if backend == "triton":
+        raise ValueError(f"backend='triton' needs the triton package, which cannot be imported here ({error}); "
+                         "pip install triton, or use backend='auto' (PyTorch where triton is missing)") from error
+    if not _warned_without_triton:
+        _warned_without_triton.append(True)
+        warnings.warn(f"triton cannot be imported ({error}): AttnRes' depth attention runs in PyTorch on CUDA, "
+                      "slower than its Triton kernels (pip install triton)", RuntimeWarning, stacklevel=4)
+    return torch_impl
 
 
 def pick(backend: str, tensors: Sequence[Tensor | None]) -> ModuleType:
@@ -61,6 +82,8 @@ def pick(backend: str, tensors: Sequence[Tensor | None]) -> ModuleType:
     device = next(t for t in tensors if t is not None).device.type
     if backend == "triton" or device == "cuda":
         triton_impl = _triton_impl()
+        if isinstance(triton_impl, ImportError):
+            return _without_triton(backend, triton_impl)
         if backend == "triton":
             triton_impl.check(tensors)
             return triton_impl
