@@ -217,6 +217,36 @@ def test_stream_yields_what_generate_returns(model):
     assert torch.equal(torch.stack(steps, 1), generate(model, ids, max_new_tokens=4))
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_the_next_step_is_launched_before_the_tokens_are_handed_out(monkeypatch, decode):
+    """`stream` launches decode step k + 1 before it yields step k's tokens and before it
+    waits for them (on a GPU the step runs while the host reads the tokens); its tokens are
+    those of `generate`; when every sequence has stopped, no step follows the one already
+    launched."""
+    import sys
+
+    from attnres.inference import static as static_module
+
+    generate_module = sys.modules["attnres.inference.generate"]  # (the package's `generate` is the function)
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 5)
+    launched = []
+    if decode == "dynamic":
+        step = generate_module.decode_step
+        monkeypatch.setattr(generate_module, "decode_step", lambda *a, **k: launched.append(1) or step(*a, **k))
+    else:
+        step = static_module.StaticDecoder.step
+        monkeypatch.setattr(static_module.StaticDecoder, "step", lambda self, t: launched.append(1) or step(self, t))
+    seen = [len(launched) for _ in stream(model, ids, max_new_tokens=5, decode=decode)]
+    assert seen == [1, 2, 3, 4, 4]  # (no step after the last token)
+    free = generate(model, ids, max_new_tokens=5, decode=decode)
+    stop = int(free[0, 1])
+    both = generate(model, ids, max_new_tokens=5, decode=decode, stop_tokens=[stop, *free[1, :2].tolist()])
+    launched.clear()
+    steps = list(stream(model, ids, max_new_tokens=5, decode=decode, stop_tokens=[stop, *free[1, :2].tolist()]))
+    assert torch.equal(torch.stack(steps, 1), both) and len(launched) == len(steps)
+
+
 # -- bad input -------------------------------------------------------------------------------
 BAD = [
     (dict(temperature=-1.0), "temperature"),

@@ -221,25 +221,33 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
         finite = torch.isfinite(logits).all()
         tokens = sample(logits, temperature, top_k, top_p, generator)
         tokens = tokens.masked_fill(finished, pad_token_id)
-        yield tokens
         finished |= torch.isin(tokens, stop_ids)
-        # One host sync a step, as before: whether every sequence is done, and whether the
-        # logits the token came from were finite (NaN or infinite logits sample token 0, or
-        # argmax's pick, without a word: a NUL byte with the byte tokenizer).
+        last = step == max_new_tokens - 1
+        if not last:
+            # The next step is launched before anything here waits for this one: on a GPU it
+            # runs while the host reads this step's tokens (below, and in the caller, which
+            # prints them); when every sequence has just stopped, its logits go unused.
+            # (Stream order: the sampling above reads the logits before the step overwrites
+            # them - the CUDA graph's output buffer.)
+            if static is not None:
+                upcoming = static.step(tokens)
+            else:
+                if mask is not None:
+                    mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+                upcoming = decode_step(model, cache, tokens, mask)
+        yield tokens
+        # One host sync a step: whether every sequence is done, and whether the logits the
+        # tokens came from were finite (NaN or infinite logits sample token 0, or argmax's
+        # pick, without a word: a NUL byte with the byte tokenizer).
         done, finite = torch.stack((finished.all(), finite)).tolist()
         if not finite and not warned:
             warnings.warn(f"the logits of generation step {step} are not finite (NaN or infinite): the tokens "
                           "generated from them are meaningless (weights that overflow, or a diverged checkpoint)",
                           RuntimeWarning, stacklevel=2)
             warned = True
-        if step == max_new_tokens - 1 or done:
+        if last or done:
             return
-        if static is not None:
-            logits = static.step(tokens)
-            continue
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
-        logits = decode_step(model, cache, tokens, mask)
+        logits = upcoming
 
 
 def generate(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
