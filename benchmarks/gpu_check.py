@@ -22,7 +22,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    4, interleaved; the peak memory of a step and the bytes its forward keeps; Block also
    with its Phase-1 sums kept (``recompute_phase1=False``).
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
-   and CUDA-graphed, bf16.
+   and CUDA-graphed, bf16; Block's graphed step also with Phase 1's forward in one kernel
+   (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains).
 4. **ops**: each of our operations alone (Phase 1 and the merge - also the merge that forms
    Block's partial sum itself - forward and backward) at
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
@@ -238,7 +239,7 @@ def sweep_settings(device: str) -> Iterator[tuple[str, int, tuple[str, ...]]]:
 
 
 @contextmanager
-def forced(setting: str, value: int) -> Iterator[None]:
+def forced(setting: str, value: int | bool) -> Iterator[None]:
     """``triton_impl.FORCED[setting] = value`` for the block."""
     from attnres.ops.depth_attention import triton_impl
 
@@ -668,11 +669,17 @@ def loaded_caches(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, 
     return cache, decoder
 
 
+#: The graphed decode step's extra variant: Block AttnRes with Phase 1's forward in one
+#: kernel, as before it ran split over the sources at a few rows (``phase1_split=False``).
+ONE_KERNEL = "block (phase 1 in one kernel)"
+
+
 def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     """One decode step after a ``z.seq``-token context (random keys and values) at batch 1
     and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
     ``graphed`` (``StaticDecoder``: the static cache's step captured in a CUDA graph; on
-    CPU the same static step, eagerly)."""
+    CPU the same static step, eagerly); Block's graphed step also with Phase 1 in one
+    kernel (:data:`ONE_KERNEL`)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     result = {}
     with weights_in(models, dtype):
@@ -691,6 +698,17 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
                     decoder.rewind(z.seq)
 
                 steps[f"{name}|eager"], steps[f"{name}|graphed"] = eager, graphed
+            if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
+                mode = "graph" if device == "cuda" else "eager"
+                with forced("phase1_split", False):  # (captured so; eager, each step so)
+                    _, one_kernel_decoder = loaded_caches(models["block"], batch, z, device, dtype, mode)
+
+                def one_kernel(decoder=one_kernel_decoder):
+                    with forced("phase1_split", False):
+                        decoder.step(tokens)
+                    decoder.rewind(z.seq)
+
+                steps[f"{ONE_KERNEL}|graphed"] = one_kernel
             for key, t in clock.interleaved(steps, z.repeats).items():
                 name, mode = key.split("|")
                 result.setdefault(f"b{batch}", {}).setdefault(mode, {})[name] = t * 1e3
@@ -746,6 +764,10 @@ def summarize(result: dict) -> dict:
         summary["bf16_stream"] = {name: {"train_eager": ratios(bf16["ms"], name),
                                          "memory": ratios(bf16["peak_memory_MiB"], name)}
                                   for name in bf16["ms"] if name != "standard"}
+    one_kernel = {f"decode_b{b}": ratios(result["decode"][f"b{b}"]["graphed"], ONE_KERNEL) for b in (1, 8)
+                  if ONE_KERNEL in result.get("decode", {}).get(f"b{b}", {}).get("graphed", {})}
+    if one_kernel:
+        summary["block_phase1_one_kernel"] = one_kernel
     if SUMS_KEPT in result.get("train_eager", {}).get("ms", {}):
         summary["block_sums_kept"] = {k: v for k, v in by_variant(SUMS_KEPT).items() if v is not None}
     summary["met"] = {k: summary[k] is not None and summary[k] <= v for k, v in TARGETS.items() if k in summary}
@@ -896,6 +918,8 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
             model.to(torch.bfloat16)
             _, cache = prefill(model, ids)
             decode_step(model, cache, ids[:, -1])
+            with forced("phase1_split", False):  # (the decode part's one-kernel variant)
+                decode_step(model, cache, ids[:, -1])
         for step in train_steps(models, ids, "cuda").values():  # (train_bf16's variants)
             step()
         torch.cuda.synchronize()

@@ -533,16 +533,17 @@ def _device_operations(run, launches: list[str]) -> list[str]:
 
 def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     """The host side of a Triton call, with the kernels stubbed: a forward allocates its
-    results and launches one kernel; a merge backward dispatches at most 3 device operations
+    results and launches one kernel (Phase 1 over a few rows two, split over the sources); a
+    merge backward dispatches at most 3 device operations
     (its kernel and the sums of the query's and the norm gain's per-program partials), a
     Phase-1 backward 3 (two kernels, one sum); no call copies anything to the device (no
     pointer table: tuple arguments), zero-fills a buffer, or copies a slice of Phase 1's
     log-sum-exps (the merge takes a strided column)."""
     pytest.importorskip("triton")
-    from attnres.ops.depth_attention import triton_kernels
+    from attnres.ops.depth_attention import triton_impl, triton_kernels
 
     launches: list[str] = []
-    for name in ("phase1_fwd", "phase1_bwd", "phase1_dq", "merge_fwd", "merge_bwd"):
+    for name in ("phase1_fwd", "phase1_logits", "phase1_combine", "phase1_bwd", "phase1_dq", "merge_fwd", "merge_bwd"):
         monkeypatch.setattr(triton_kernels, name, _StubKernel(name, launches))
     g = torch.Generator().manual_seed(0)
     d, S = 64, 8
@@ -570,8 +571,12 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     backward = _device_operations(lambda: torch.autograd.grad([out, total], [z, x, partial, addend, qg, w],
                                                               [grad, grad]), launches)
     assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd", "aten.sum"}, backward
-    # Phase 1 of S queries over 3 sources
+    # Phase 1 of S queries over 3 sources: 20 rows (decoding's few) split over the sources,
+    # two kernels; one kernel otherwise
     qs, sources = phase1_inputs((4, 5), d, S, 3, torch.float32)
+    forward = _device_operations(lambda: result.update(p1=library.phase1(qs, sources, 1e-6, "triton")), launches)
+    assert forward == ["triton.phase1_logits", "triton.phase1_combine"], forward
+    monkeypatch.setitem(triton_impl.FORCED, "phase1_split", False)
     forward = _device_operations(lambda: result.update(p1=library.phase1(qs, sources, 1e-6, "triton")), launches)
     assert forward == ["triton.phase1_fwd"], forward
     outs, lse1 = result["p1"]
@@ -655,6 +660,37 @@ def test_triton_kernels_tile_d_and_split_rows_over_programs(monkeypatch):
     for a, b in zip(outputs_and_grads(phase1_fn("triton"), [qg, *sources]),
                     outputs_and_grads(phase1_fn("torch"), [qg, *sources])):
         assert_rel_close(a, b, 1e-12)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("rows, d, S, n, dtype", [(1, 37, 3, 4, torch.float32), (5, 64, 9, 8, torch.float64),
+                                                  (3, 40, 17, 2, torch.bfloat16), (2, 20, 1, 1, torch.float32),
+                                                  (7, 33, 2, 16, torch.float32)])
+def test_phase1_split_over_sources_equals_one_kernel_and_the_truth(rows, d, S, n, dtype, monkeypatch):
+    """Phase 1's forward over a few rows (decoding) runs split over the sources
+    (``phase1_logits`` + ``phase1_combine``): the same numbers as the one-kernel forward, bit
+    for bit (the same sums in the same order), and the float64 truth within the dtype's
+    tolerance: one and many rows, odd ``d``, padded queries, one source to the most it
+    unrolls."""
+    device = triton_device()
+    from attnres.ops.depth_attention import triton_impl, triton_launch
+
+    assert triton_launch.phase1_splits(rows, n)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(0)
+    qg = torch.randn(S, d, generator=g, dtype=compute).to(device)
+    sources = [torch.randn(rows, d, generator=g, dtype=compute).to(dtype).to(device) for _ in range(n)]
+    results = {}
+    for split in (True, False):
+        monkeypatch.setitem(triton_impl.FORCED, "phase1_split", split)
+        outs, lse = triton_impl.phase1_forward(qg, sources, 1e-6)
+        results[split] = [*outs, lse]
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a, b)
+    want_outs, want_lse = reference.phase1(qg.cpu().double(), [x.cpu().double() for x in sources], 1e-6)
+    tol = 1e-12 if dtype == torch.float64 else TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
+    for a, b in zip(results[True], [*want_outs, want_lse]):
+        assert_rel_close(a.cpu().double(), b, tol)
 
 
 @pytest.mark.triton

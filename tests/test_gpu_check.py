@@ -45,6 +45,8 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT}
     assert kept[gpu_check.SUMS_KEPT] > kept["block"]  # (the recipe measured: the sums not kept)
     assert set(summary["block_sums_kept"]) == {"train_eager", "memory"}
+    assert set(summary["block_phase1_one_kernel"]) == {"decode_b1", "decode_b8"}
+    assert gpu_check.ONE_KERNEL in result["decode"]["b1"]["graphed"]
     depth_attention = {"_Merge", "_MergeBackward", "_Phase1", "_Phase1Backward"}
     assert {e["op"] for e in result["profile"]["block"]["top"]} & depth_attention
     decode = result["profile_decode"]
@@ -184,9 +186,10 @@ def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatc
     result = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, bytes_, 1e11)
     assert set(result) == {f"{n}@{s}={v}" for s, (values, names) in gpu_check.SWEEPS.items() for v in values
                            for n in names}
-    assert ("merge_bwd", {"block_d": None, "programs": None, "merge_warps": 16}) in seen
-    assert ("phase1_fwd", {"block_d": 64, "programs": None, "merge_warps": None}) in seen
-    assert triton_impl.FORCED == {"block_d": None, "programs": None, "merge_warps": None}
+    unforced = dict.fromkeys(triton_impl.FORCED)
+    assert ("merge_bwd", {**unforced, "merge_warps": 16}) in seen
+    assert ("phase1_fwd", {**unforced, "block_d": 64}) in seen
+    assert triton_impl.FORCED == unforced
     assert result["merge_fwd@merge_warps=4"]["x_bound"] == pytest.approx(1.0)
 
 

@@ -6,8 +6,8 @@ allocates its results and launches its kernels - nothing else reaches the device
 travel as tuples of tensors (no pointer table, no host-to-device copy), Phase 1's
 log-sum-exps may arrive as strided views (the merge takes a row stride), and every device
 operation of a call is counted by a test (``tests/test_depth_attention_ops.py``): one kernel
-per forward, a kernel and one sum per merge backward, two kernels and one sum per Phase-1
-backward. Shapes past :mod:`.triton_launch`'s limits run :mod:`.torch_impl` instead.
+per forward (two for Phase 1 over a few rows, split over sources), a kernel and one sum per
+merge backward, two kernels and one sum per Phase-1 backward. Shapes past :mod:`.triton_launch`'s limits run :mod:`.torch_impl` instead.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from torch import Tensor
 
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
-from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, merge_fits, merge_warps, pad, phase1_fits,
-                            phase1_forward_geometry, phase1_tile, phase1_warps, row_pad)
+from .triton_launch import (DQ_ROWS, SPLIT_SOURCES, backward_programs, dq_grid, merge_fits, merge_warps, pad,
+                            phase1_combine_tile, phase1_fits, phase1_forward_geometry, phase1_splits, phase1_tile,
+                            phase1_warps, row_pad)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -29,9 +30,9 @@ __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forw
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: Launch geometry forced by the tests and the GPU check's sweeps (``block_d``: Phase 1's
 #: tile; ``programs``: the programs over rows of the merge's backward and of the queries'
-#: gradient; ``merge_warps``: the merge programs' warps); ``None``: :mod:`.triton_launch`
-#: chooses.
-FORCED = {"block_d": None, "programs": None, "merge_warps": None}
+#: gradient; ``merge_warps``: the merge programs' warps; ``phase1_split``: whether Phase 1's
+#: forward runs split over sources, where it can); ``None``: :mod:`.triton_launch` chooses.
+FORCED = {"block_d": None, "programs": None, "merge_warps": None, "phase1_split": None}
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:
@@ -99,10 +100,21 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[l
     outs = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=x0.device) for _ in range(S))
     lse = torch.empty((*x0.shape[:-1], S), dtype=compute, device=x0.device)
     if rows:
-        block, warps = phase1_forward_geometry(rows, d, S, FORCED["block_d"], compute == torch.float64)
-        triton_kernels.phase1_fwd[(rows,)](
-            _as(qg, compute), tuple(_c(x) for x in sources), outs, lse, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
-            N_PAD=pad(len(sources)), num_warps=warps)
+        wide, n = compute == torch.float64, len(sources)
+        block, warps = phase1_forward_geometry(rows, d, S, FORCED["block_d"], wide)
+        q, srcs = _as(qg, compute), tuple(_c(x) for x in sources)
+        forced = FORCED["phase1_split"]
+        split = phase1_splits(rows, n) if forced is None else forced and n <= SPLIT_SOURCES
+        if split:
+            z = torch.empty((rows, S, n), dtype=compute, device=x0.device)
+            triton_kernels.phase1_logits[(rows, n)](q, srcs, z, S, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
+                                                    N_PAD=pad(n), num_warps=warps)
+            tile = phase1_combine_tile(d, S, wide)
+            triton_kernels.phase1_combine[(rows, -(-d // tile))](z, srcs, outs, lse, S, d, BLOCK_D=tile, S_PAD=pad(S),
+                                                                 N_PAD=pad(n), num_warps=4)
+        else:
+            triton_kernels.phase1_fwd[(rows,)](q, srcs, outs, lse, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
+                                               N_PAD=pad(n), num_warps=warps)
     return list(outs), lse
 
 

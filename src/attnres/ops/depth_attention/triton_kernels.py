@@ -24,6 +24,10 @@ their base pointers in registers (:func:`_bases`). Every ``[rows, d]`` tensor is
   the cache. The loops over the
   sources run at run time (their pointers picked from a vector of the tuple's addresses),
   so that a Phase 1 over many sources (Full AttnRes) compiles to code of the same size.
+* ``phase1_logits`` / ``phase1_combine``: Phase 1's forward over a few rows (decoding),
+  split in two so that the machine is not left to one program per row: one program per
+  (row, source) for the logits, then one per (row, tile of ``d``) for the softmax and the
+  weighted sums, its sources unrolled.
 * ``phase1_dq``: the queries' gradient ``dQ = sum_rows W^T X`` over a grid of (tile of
   ``d``, range of rows), each program summing its rows in registers and writing its own
   row of partial sums once (added afterwards: deterministic, no atomics).
@@ -116,25 +120,50 @@ def _phase1_stats(Q, Srcs, G, gmask, row, d, qs, qmask, js, HAS_G: tl.constexpr,
     xg = tl.zeros([S_PAD, N_PAD], dt)
     for j in range(len(Srcs)):
         src = _pointer(srcs, js, j, Srcs[0]) + row * d
-        sq = tl.zeros([BLOCK_D], dt)
-        aq = tl.zeros([S_PAD, BLOCK_D], dt)
-        ag = tl.zeros([S_PAD, BLOCK_D], dt)
-        for start in range(0, d, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            cmask = cols < d
-            x = tl.load(src + cols, mask=cmask, other=0.0).to(dt)
-            q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
-            sq += x * x
-            aq += q * x[None, :]
-            if HAS_G:
-                g = tl.load(G[:, None] + row * d + cols[None, :], mask=gmask[:, None] & cmask[None, :],
-                            other=0.0).to(dt)
-                ag += g * x[None, :]
-        xx = tl.where(js == j, xx + tl.sum(sq, axis=0), xx)
-        xq = _add_to_column(xq, js, j, tl.sum(aq, axis=1))
+        sq, aq, ag = _source_stats(Q, src, G, gmask, row, d, qs, qmask, HAS_G, BLOCK_D, S_PAD)
+        xx = tl.where(js == j, xx + sq, xx)
+        xq = _add_to_column(xq, js, j, aq)
         if HAS_G:
-            xg = _add_to_column(xg, js, j, tl.sum(ag, axis=1))
+            xg = _add_to_column(xg, js, j, ag)
     return xx, xq, xg
+
+
+@triton.jit
+def _source_stats(Q, src, G, gmask, row, d, qs, qmask, HAS_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                  S_PAD: tl.constexpr):
+    """One source's row (at ``src``) in tiles of ``BLOCK_D``: its sum of squares, its dot
+    products with the queries ``[S_PAD]`` and (``HAS_G``) with the gradients ``G`` (base
+    pointers ``[S_PAD]``, rows ``gmask``; else zeros) - summed elementwise over the tiles,
+    reduced once."""
+    dt = Q.dtype.element_ty
+    sq = tl.zeros([BLOCK_D], dt)
+    aq = tl.zeros([S_PAD, BLOCK_D], dt)
+    ag = tl.zeros([S_PAD, BLOCK_D], dt)
+    for start in range(0, d, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        cmask = cols < d
+        x = tl.load(src + cols, mask=cmask, other=0.0).to(dt)
+        q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
+        sq += x * x
+        aq += q * x[None, :]
+        if HAS_G:
+            g = tl.load(G[:, None] + row * d + cols[None, :], mask=gmask[:, None] & cmask[None, :],
+                        other=0.0).to(dt)
+            ag += g * x[None, :]
+    return tl.sum(sq, axis=0), tl.sum(aq, axis=1), tl.sum(ag, axis=1)
+
+
+@triton.jit
+def _softmax_over_sources(z, valid, qmask, LSE, row, S, qs, write_lse):
+    """The weights ``softmax(z)`` over the sources of each query row of ``z [S_PAD, N_PAD]``
+    (``valid``: the real entries; padded queries get weights 0), with the queries'
+    log-sum-exps written to ``LSE [rows, S]`` where ``write_lse``."""
+    z = tl.where(valid, z, float("-inf"))
+    mx = tl.where(qmask, tl.max(z, axis=1), 0.0)
+    p = tl.where(valid, tl.exp(z - mx[:, None]), 0.0)
+    total = tl.where(qmask, tl.sum(p, axis=1), 1.0)
+    tl.store(LSE + row * S + qs, mx + tl.log(total), mask=qmask & write_lse)
+    return p / total[:, None]
 
 
 @triton.jit
@@ -151,12 +180,7 @@ def phase1_fwd(Q, Srcs, Outs, LSE, d, eps, BLOCK_D: tl.constexpr, S_PAD: tl.cons
     valid = qmask[:, None] & (js[None, :] < n)
     xx, xq, _ = _phase1_stats(Q, Srcs, Q, qmask, row, d, qs, qmask, js, False, BLOCK_D, S_PAD, N_PAD)
     r = 1.0 / tl.sqrt(xx / d + eps)
-    z = tl.where(valid, xq * r[None, :], float("-inf"))
-    mx = tl.where(qmask, tl.max(z, axis=1), 0.0)  # (padded queries: no logits, weights 0)
-    p = tl.where(valid, tl.exp(z - mx[:, None]), 0.0)
-    total = tl.where(qmask, tl.sum(p, axis=1), 1.0)
-    tl.store(LSE + row * S + qs, mx + tl.log(total), mask=qmask)
-    p = p / total[:, None]
+    p = _softmax_over_sources(xq * r[None, :], valid, qmask, LSE, row, S, qs, qmask)
     srcs = _addresses(Srcs, js)
     outs = _bases(Outs, qs)
     for start in range(0, d, BLOCK_D):
@@ -168,6 +192,51 @@ def phase1_fwd(Q, Srcs, Outs, LSE, d, eps, BLOCK_D: tl.constexpr, S_PAD: tl.cons
             acc += _column(p, js, j)[:, None] * x[None, :]
         tl.store(outs[:, None] + row * d + cols[None, :], acc.to(Outs[0].dtype.element_ty),
                  mask=qmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def phase1_logits(Q, Srcs, Z, S, d, eps, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """The split forward's first half (a few rows: decoding): program ``(row, j)`` walks
+    source ``j``'s row once and writes its logits against the ``S`` queries,
+    ``Z[row, s, j] = r_j (x_j . q_s)`` (``Z [rows, S, n]``): the sources' statistics in
+    parallel, where one program per row gathers them one after the other."""
+    n: tl.constexpr = len(Srcs)
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    qs = tl.arange(0, S_PAD)
+    qmask = qs < S
+    js = tl.arange(0, N_PAD)
+    src = _pointer(_addresses(Srcs, js), js, j, Srcs[0]) + row * d
+    sq, aq, _ = _source_stats(Q, src, Q, qmask, row, d, qs, qmask, False, BLOCK_D, S_PAD)
+    r = 1.0 / tl.sqrt(sq / d + eps)
+    tl.store(Z + (row * S + qs) * n + j, aq * r, mask=qmask)
+
+
+@triton.jit
+def phase1_combine(Z, Srcs, Outs, LSE, S, d, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """The split forward's second half: program ``(row, t)`` takes the softmax of
+    ``Z[row]`` over the sources and writes tile ``t`` of the ``S`` weighted sums (and, tile
+    0, the log-sum-exps ``LSE [rows, S]``). The sources are unrolled (``Srcs[j]`` directly):
+    their loads are independent, in flight together."""
+    dt = Z.dtype.element_ty
+    n: tl.constexpr = len(Srcs)
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    qs = tl.arange(0, S_PAD)
+    qmask = qs < S
+    js = tl.arange(0, N_PAD)
+    valid = qmask[:, None] & (js[None, :] < n)
+    z = tl.load(Z + (row * S + qs[:, None]) * n + js[None, :], mask=valid, other=float("-inf"))
+    p = _softmax_over_sources(z, valid, qmask, LSE, row, S, qs, qs * 0 + tile == 0)
+    cols = tile * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    acc = tl.zeros([S_PAD, BLOCK_D], dt)
+    for j in tl.static_range(n):
+        x = tl.load(Srcs[j] + row * d + cols, mask=cmask, other=0.0).to(dt)
+        acc += _column(p, js, j)[:, None] * x[None, :]
+    outs = _bases(Outs, qs)
+    tl.store(outs[:, None] + row * d + cols[None, :], acc.to(Outs[0].dtype.element_ty),
+             mask=qmask[:, None] & cmask[None, :])
 
 
 @triton.jit

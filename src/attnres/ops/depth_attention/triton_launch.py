@@ -9,6 +9,10 @@ test (``tests/test_triton_aot.py``) and ``benchmarks/triton_aot_report.py`` comp
   walking ``d`` in tiles of ``BLOCK_D``, the largest power of two that keeps a program's
   ``S_PAD x BLOCK_D`` block within :data:`MAX_TILE_ELEMENTS` (and not wider than ``d``
   needs); :func:`phase1_warps` warps a program.
+* **Phase 1 over a few rows** (decoding; :func:`phase1_splits`): the forward in two
+  launches, ``phase1_logits`` over (row, source) and ``phase1_combine`` over (row, tile of
+  ``d``, :func:`phase1_combine_tile`), so that a step's latency is not one program walking
+  every source in turn.
 * **The queries' gradient** (``phase1_dq``): a grid of (tile of ``d``, range of rows) with
   about :data:`PROGRAMS_PER_SM` programs per multiprocessor in all, each summing its rows.
 * **The merge** (``merge_fwd``, ``merge_bwd``): the whole row in registers (``D_PAD``, the
@@ -37,6 +41,12 @@ MAX_TILE = 256
 #: block (half in float64).
 FEW_ROWS = 128
 FEW_ROWS_TILE_ELEMENTS = 16384
+#: Up to this many rows, and this many sources (``phase1_combine`` unrolls them), the
+#: Phase-1 forward runs split over sources (:func:`phase1_splits`).
+SPLIT_ROWS = 32
+SPLIT_SOURCES = 16
+#: Largest ``S_PAD x BLOCK_D`` block of a ``phase1_combine`` program (4 warps).
+COMBINE_TILE_ELEMENTS = 4096
 #: Most queries one Phase-1 launch takes (``S_PAD``).
 MAX_QUERIES = 64
 #: Widest row the merge holds in registers (``D_PAD``): at 8192 its backward spills.
@@ -115,6 +125,21 @@ def phase1_forward_geometry(rows: int, d: int, S: int, block_d: int | None = Non
     return tile, min(16, max(4, pad(S) * tile // 1024))
 
 
+def phase1_splits(rows: int, n: int) -> bool:
+    """Whether the Phase-1 forward over ``rows`` token rows and ``n`` sources runs split
+    (``phase1_logits`` + ``phase1_combine``): a few rows - decoding, where one program per
+    row leaves the machine idle and the step waits on its latency - and few enough sources
+    to unroll."""
+    return 0 < rows <= SPLIT_ROWS and n <= SPLIT_SOURCES
+
+
+def phase1_combine_tile(d: int, S: int, wide: bool = False) -> int:
+    """``BLOCK_D`` of a ``phase1_combine`` program (4 warps): ``S_PAD x BLOCK_D`` within
+    :data:`COMBINE_TILE_ELEMENTS` (half in float64), at least 16, no wider than ``d`` needs."""
+    budget = COMBINE_TILE_ELEMENTS // (2 if wide else 1)
+    return max(16, min(next_power_of_2(d), budget // pad(S)))
+
+
 def phase1_warps(S: int) -> int:
     """Warps of a Phase-1 program over ``S`` queries: 4 (at 64 queries, 8 warps made ptxas
     cap the backward at 64 registers and spill on sm_80)."""
@@ -163,6 +188,10 @@ def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = No
 SIGNATURES = {
     "phase1_fwd": ["Q:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
+    "phase1_logits": ["Q:*C", "Srcs:*T[n]", "Z:*C", "S:i32", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
+                      "S_PAD:constexpr", "N_PAD:constexpr"],
+    "phase1_combine": ["Z:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "S:i32", "d:i32", "BLOCK_D:constexpr",
+                       "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_bwd": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*T[S]", "GSrcs:*T[n]", "W:*C", "d:i32",
                    "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "NEED_W:constexpr", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
@@ -205,7 +234,16 @@ def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int])
 def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
     """``(tuple counts, constexprs, num_warps)`` of each compiled shape of ``kernel``
     (``wide``: computing in float64)."""
-    if kernel.startswith("phase1"):
+    if kernel in ("phase1_logits", "phase1_combine"):  # (decoding: the split forward)
+        for S, n in PHASE1_SHAPES:
+            if n > SPLIT_SOURCES:
+                continue
+            if kernel == "phase1_logits":
+                block, warps = phase1_forward_geometry(1, 4096, S, wide=wide)
+            else:
+                block, warps = phase1_combine_tile(4096, S, wide), 4
+            yield {"S": S, "n": n}, {"BLOCK_D": block, "S_PAD": pad(S), "N_PAD": pad(n)}, warps
+    elif kernel.startswith("phase1"):
         for S, n in PHASE1_SHAPES:
             block, s_pad = phase1_tile(4096, S, wide=wide), pad(S)
             constexprs = {"BLOCK_D": block, "S_PAD": s_pad, "N_PAD": pad(n)}
