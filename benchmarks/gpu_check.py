@@ -925,7 +925,7 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
         torch.cuda.synchronize()
         return 0
     if what == "sweeps":  # the ops part's other launch settings, at a few rows
-        calls = op_calls(Sizes(**{**asdict(z), "tokens": 64}), device)
+        calls = op_calls(Sizes(**{**asdict(z), "tokens": min(z.tokens, 64)}), device)
         for setting, value, names in sweep_settings(device):
             with forced(setting, value):
                 for name in names:
