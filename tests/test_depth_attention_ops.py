@@ -665,17 +665,17 @@ def test_triton_kernels_tile_d_and_split_rows_over_programs(monkeypatch):
 @pytest.mark.triton
 @pytest.mark.parametrize("rows, d, S, n, dtype", [(1, 37, 3, 4, torch.float32), (5, 64, 9, 8, torch.float64),
                                                   (3, 40, 17, 2, torch.bfloat16), (2, 20, 1, 1, torch.float32),
-                                                  (7, 33, 2, 16, torch.float32)])
+                                                  (7, 33, 2, 16, torch.float32), (2, 24, 5, 19, torch.float32)])
 def test_phase1_split_over_sources_equals_one_kernel_and_the_truth(rows, d, S, n, dtype, monkeypatch):
     """Phase 1's forward over a few rows (decoding) runs split over the sources
     (``phase1_logits`` + ``phase1_combine``): the same numbers as the one-kernel forward, bit
     for bit (the same sums in the same order), and the float64 truth within the dtype's
     tolerance: one and many rows, odd ``d``, padded queries, one source to the most it
-    unrolls."""
+    unrolls, and more (Full AttnRes: a loop over them)."""
     device = triton_device()
     from attnres.ops.depth_attention import triton_impl, triton_launch
 
-    assert triton_launch.phase1_splits(rows, n)
+    assert triton_launch.phase1_splits(rows) and triton_launch.phase1_unrolls(n) == (n <= 16)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     g = torch.Generator().manual_seed(0)
     qg = torch.randn(S, d, generator=g, dtype=compute).to(device)

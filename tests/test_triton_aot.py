@@ -76,10 +76,10 @@ def test_launch_geometry():
     assert L.phase1_forward_geometry(L.FEW_ROWS + 1, 2048, 8) == (L.phase1_tile(2048, 8), 4)
     assert L.phase1_forward_geometry(1, 2048, 8, block_d=16) == (16, 4)
     assert L.phase1_tile(4096, 8, wide=True) == 64 and L.phase1_tile(37, 3, block_d=16) == 16
-    # decoding's few rows: the forward split over the sources where it can unroll them
-    assert L.phase1_splits(1, 9) and L.phase1_splits(L.SPLIT_ROWS, L.SPLIT_SOURCES)
-    assert not L.phase1_splits(L.SPLIT_ROWS + 1, 2) and not L.phase1_splits(1, L.SPLIT_SOURCES + 1)
-    assert not L.phase1_splits(0, 2)
+    # decoding's few rows: the forward split over the sources, unrolled where they are few
+    assert L.phase1_splits(1) and L.phase1_splits(L.SPLIT_ROWS) and not L.phase1_splits(L.SPLIT_ROWS + 1)
+    assert not L.phase1_splits(0)
+    assert L.phase1_unrolls(L.UNROLL_SOURCES) and not L.phase1_unrolls(L.UNROLL_SOURCES + 1)
     assert L.phase1_combine_tile(2048, 9) == 256 and L.phase1_combine_tile(37, 3) == 64
     assert L.phase1_combine_tile(2048, 9, wide=True) == 128 and L.phase1_combine_tile(4096, 64) == 64
     with pytest.raises(ValueError, match="block_d must be a power of two"):

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
-from .triton_launch import (DQ_ROWS, SPLIT_SOURCES, backward_programs, dq_grid, merge_fits, merge_warps, pad,
-                            phase1_combine_tile, phase1_fits, phase1_forward_geometry, phase1_splits, phase1_tile,
+from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, merge_fits, merge_warps, pad, phase1_combine_tile,
+                            phase1_fits, phase1_forward_geometry, phase1_splits, phase1_tile, phase1_unrolls,
                             phase1_warps, row_pad)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
@@ -103,15 +103,13 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[l
         wide, n = compute == torch.float64, len(sources)
         block, warps = phase1_forward_geometry(rows, d, S, FORCED["block_d"], wide)
         q, srcs = _as(qg, compute), tuple(_c(x) for x in sources)
-        forced = FORCED["phase1_split"]
-        split = phase1_splits(rows, n) if forced is None else forced and n <= SPLIT_SOURCES
-        if split:
+        if phase1_splits(rows) if FORCED["phase1_split"] is None else FORCED["phase1_split"]:
             z = torch.empty((rows, S, n), dtype=compute, device=x0.device)
             triton_kernels.phase1_logits[(rows, n)](q, srcs, z, S, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
                                                     N_PAD=pad(n), num_warps=warps)
             tile = phase1_combine_tile(d, S, wide)
             triton_kernels.phase1_combine[(rows, -(-d // tile))](z, srcs, outs, lse, S, d, BLOCK_D=tile, S_PAD=pad(S),
-                                                                 N_PAD=pad(n), num_warps=4)
+                                                                 N_PAD=pad(n), UNROLL=phase1_unrolls(n), num_warps=4)
         else:
             triton_kernels.phase1_fwd[(rows,)](q, srcs, outs, lse, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
                                                N_PAD=pad(n), num_warps=warps)

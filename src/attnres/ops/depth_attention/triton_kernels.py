@@ -27,7 +27,7 @@ their base pointers in registers (:func:`_bases`). Every ``[rows, d]`` tensor is
 * ``phase1_logits`` / ``phase1_combine``: Phase 1's forward over a few rows (decoding),
   split in two so that the machine is not left to one program per row: one program per
   (row, source) for the logits, then one per (row, tile of ``d``) for the softmax and the
-  weighted sums, its sources unrolled.
+  weighted sums, its sources unrolled where they are few.
 * ``phase1_dq``: the queries' gradient ``dQ = sum_rows W^T X`` over a grid of (tile of
   ``d``, range of rows), each program summing its rows in registers and writing its own
   row of partial sums once (added afterwards: deterministic, no atomics).
@@ -213,11 +213,13 @@ def phase1_logits(Q, Srcs, Z, S, d, eps, BLOCK_D: tl.constexpr, S_PAD: tl.conste
 
 
 @triton.jit
-def phase1_combine(Z, Srcs, Outs, LSE, S, d, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+def phase1_combine(Z, Srcs, Outs, LSE, S, d, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr,
+                   UNROLL: tl.constexpr):
     """The split forward's second half: program ``(row, t)`` takes the softmax of
     ``Z[row]`` over the sources and writes tile ``t`` of the ``S`` weighted sums (and, tile
-    0, the log-sum-exps ``LSE [rows, S]``). The sources are unrolled (``Srcs[j]`` directly):
-    their loads are independent, in flight together."""
+    0, the log-sum-exps ``LSE [rows, S]``). ``UNROLL`` (a few sources: Block AttnRes): the
+    sources unrolled (``Srcs[j]`` directly), their loads independent, in flight together;
+    else a loop over them at run time (Full AttnRes' many: code that does not grow)."""
     dt = Z.dtype.element_ty
     n: tl.constexpr = len(Srcs)
     row = tl.program_id(0).to(tl.int64)
@@ -231,9 +233,15 @@ def phase1_combine(Z, Srcs, Outs, LSE, S, d, BLOCK_D: tl.constexpr, S_PAD: tl.co
     cols = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < d
     acc = tl.zeros([S_PAD, BLOCK_D], dt)
-    for j in tl.static_range(n):
-        x = tl.load(Srcs[j] + row * d + cols, mask=cmask, other=0.0).to(dt)
-        acc += _column(p, js, j)[:, None] * x[None, :]
+    if UNROLL:
+        for j in tl.static_range(n):
+            x = tl.load(Srcs[j] + row * d + cols, mask=cmask, other=0.0).to(dt)
+            acc += _column(p, js, j)[:, None] * x[None, :]
+    else:
+        srcs = _addresses(Srcs, js)
+        for j in range(n):
+            x = tl.load(_pointer(srcs, js, j, Srcs[0]) + row * d + cols, mask=cmask, other=0.0).to(dt)
+            acc += _column(p, js, j)[:, None] * x[None, :]
     outs = _bases(Outs, qs)
     tl.store(outs[:, None] + row * d + cols[None, :], acc.to(Outs[0].dtype.element_ty),
              mask=qmask[:, None] & cmask[None, :])

@@ -10,7 +10,7 @@ test (``tests/test_triton_aot.py``) and ``benchmarks/triton_aot_report.py`` comp
   ``S_PAD x BLOCK_D`` block within :data:`MAX_TILE_ELEMENTS` (and not wider than ``d``
   needs); :func:`phase1_warps` warps a program.
 * **Phase 1 over a few rows** (decoding; :func:`phase1_splits`): the forward in two
-  launches, ``phase1_logits`` over (row, source) and ``phase1_combine`` over (row, tile of
+  launches (the second unrolling a few sources, :func:`phase1_unrolls`), ``phase1_logits`` over (row, source) and ``phase1_combine`` over (row, tile of
   ``d``, :func:`phase1_combine_tile`), so that a step's latency is not one program walking
   every source in turn.
 * **The queries' gradient** (``phase1_dq``): a grid of (tile of ``d``, range of rows) with
@@ -41,10 +41,10 @@ MAX_TILE = 256
 #: block (half in float64).
 FEW_ROWS = 128
 FEW_ROWS_TILE_ELEMENTS = 16384
-#: Up to this many rows, and this many sources (``phase1_combine`` unrolls them), the
-#: Phase-1 forward runs split over sources (:func:`phase1_splits`).
+#: Up to this many rows the Phase-1 forward runs split over sources (:func:`phase1_splits`);
+#: ``phase1_combine`` unrolls up to this many sources (:func:`phase1_unrolls`).
 SPLIT_ROWS = 32
-SPLIT_SOURCES = 16
+UNROLL_SOURCES = 16
 #: Largest ``S_PAD x BLOCK_D`` block of a ``phase1_combine`` program (4 warps).
 COMBINE_TILE_ELEMENTS = 4096
 #: Most queries one Phase-1 launch takes (``S_PAD``).
@@ -125,12 +125,17 @@ def phase1_forward_geometry(rows: int, d: int, S: int, block_d: int | None = Non
     return tile, min(16, max(4, pad(S) * tile // 1024))
 
 
-def phase1_splits(rows: int, n: int) -> bool:
-    """Whether the Phase-1 forward over ``rows`` token rows and ``n`` sources runs split
-    (``phase1_logits`` + ``phase1_combine``): a few rows - decoding, where one program per
-    row leaves the machine idle and the step waits on its latency - and few enough sources
-    to unroll."""
-    return 0 < rows <= SPLIT_ROWS and n <= SPLIT_SOURCES
+def phase1_splits(rows: int) -> bool:
+    """Whether the Phase-1 forward over ``rows`` token rows runs split (``phase1_logits`` +
+    ``phase1_combine``): a few rows - decoding, where one program per row leaves the machine
+    idle and the step waits on its latency."""
+    return 0 < rows <= SPLIT_ROWS
+
+
+def phase1_unrolls(n: int) -> bool:
+    """Whether ``phase1_combine`` unrolls its ``n`` sources (their loads in flight together)
+    rather than loop over them (code that does not grow with Full AttnRes' many)."""
+    return n <= UNROLL_SOURCES
 
 
 def phase1_combine_tile(d: int, S: int, wide: bool = False) -> int:
@@ -191,7 +196,7 @@ SIGNATURES = {
     "phase1_logits": ["Q:*C", "Srcs:*T[n]", "Z:*C", "S:i32", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
                       "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_combine": ["Z:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "S:i32", "d:i32", "BLOCK_D:constexpr",
-                       "S_PAD:constexpr", "N_PAD:constexpr"],
+                       "S_PAD:constexpr", "N_PAD:constexpr", "UNROLL:constexpr"],
     "phase1_bwd": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*T[S]", "GSrcs:*T[n]", "W:*C", "d:i32",
                    "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "NEED_W:constexpr", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
@@ -236,13 +241,13 @@ def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, i
     (``wide``: computing in float64)."""
     if kernel in ("phase1_logits", "phase1_combine"):  # (decoding: the split forward)
         for S, n in PHASE1_SHAPES:
-            if n > SPLIT_SOURCES:
-                continue
+            constexprs = {"S_PAD": pad(S), "N_PAD": pad(n)}
             if kernel == "phase1_logits":
                 block, warps = phase1_forward_geometry(1, 4096, S, wide=wide)
             else:
                 block, warps = phase1_combine_tile(4096, S, wide), 4
-            yield {"S": S, "n": n}, {"BLOCK_D": block, "S_PAD": pad(S), "N_PAD": pad(n)}, warps
+                constexprs["UNROLL"] = phase1_unrolls(n)
+            yield {"S": S, "n": n}, {"BLOCK_D": block, **constexprs}, warps
     elif kernel.startswith("phase1"):
         for S, n in PHASE1_SHAPES:
             block, s_pad = phase1_tile(4096, S, wide=wide), pad(S)
