@@ -681,13 +681,14 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     CPU the same static step, eagerly); Block's graphed step also with Phase 1 in one
     kernel (:data:`ONE_KERNEL`)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    static_mode = "graph" if device == "cuda" else "eager"
     result = {}
     with weights_in(models, dtype):
         for batch in (1, 8):
             tokens = torch.randint(0, z.vocab, (batch,), device=device)
             steps = {}
             for name, model in models.items():
-                cache, decoder = loaded_caches(model, batch, z, device, dtype, "graph" if device == "cuda" else "eager")
+                cache, decoder = loaded_caches(model, batch, z, device, dtype, static_mode)
 
                 def eager(model=model, cache=cache):
                     decode_step(model, cache, tokens)
@@ -699,9 +700,8 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
 
                 steps[f"{name}|eager"], steps[f"{name}|graphed"] = eager, graphed
             if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
-                mode = "graph" if device == "cuda" else "eager"
                 with forced("phase1_split", False):  # (captured so; eager, each step so)
-                    _, one_kernel_decoder = loaded_caches(models["block"], batch, z, device, dtype, mode)
+                    _, one_kernel_decoder = loaded_caches(models["block"], batch, z, device, dtype, static_mode)
 
                 def one_kernel(decoder=one_kernel_decoder):
                     with forced("phase1_split", False):

@@ -7,7 +7,8 @@ travel as tuples of tensors (no pointer table, no host-to-device copy), Phase 1'
 log-sum-exps may arrive as strided views (the merge takes a row stride), and every device
 operation of a call is counted by a test (``tests/test_depth_attention_ops.py``): one kernel
 per forward (two for Phase 1 over a few rows, split over sources), a kernel and one sum per
-merge backward, two kernels and one sum per Phase-1 backward. Shapes past :mod:`.triton_launch`'s limits run :mod:`.torch_impl` instead.
+merge backward, two kernels and one sum per Phase-1 backward. Shapes past
+:mod:`.triton_launch`'s limits run :mod:`.torch_impl` instead.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[l
         wide, n = compute == torch.float64, len(sources)
         block, warps = phase1_forward_geometry(rows, d, S, FORCED["block_d"], wide)
         q, srcs = _as(qg, compute), tuple(_c(x) for x in sources)
-        if phase1_splits(rows) if FORCED["phase1_split"] is None else FORCED["phase1_split"]:
+        split = phase1_splits(rows) if FORCED["phase1_split"] is None else FORCED["phase1_split"]
+        if split:
             z = torch.empty((rows, S, n), dtype=compute, device=x0.device)
             triton_kernels.phase1_logits[(rows, n)](q, srcs, z, S, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
                                                     N_PAD=pad(n), num_warps=warps)

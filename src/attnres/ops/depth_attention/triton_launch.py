@@ -10,9 +10,9 @@ test (``tests/test_triton_aot.py``) and ``benchmarks/triton_aot_report.py`` comp
   ``S_PAD x BLOCK_D`` block within :data:`MAX_TILE_ELEMENTS` (and not wider than ``d``
   needs); :func:`phase1_warps` warps a program.
 * **Phase 1 over a few rows** (decoding; :func:`phase1_splits`): the forward in two
-  launches (the second unrolling a few sources, :func:`phase1_unrolls`), ``phase1_logits`` over (row, source) and ``phase1_combine`` over (row, tile of
-  ``d``, :func:`phase1_combine_tile`), so that a step's latency is not one program walking
-  every source in turn.
+  launches, ``phase1_logits`` over (row, source) and ``phase1_combine`` over (row, tile of
+  ``d``, :func:`phase1_combine_tile`; a few sources unrolled, :func:`phase1_unrolls`), so
+  that a step's latency is not one program walking every source in turn.
 * **The queries' gradient** (``phase1_dq``): a grid of (tile of ``d``, range of rows) with
   about :data:`PROGRAMS_PER_SM` programs per multiprocessor in all, each summing its rows.
 * **The merge** (``merge_fwd``, ``merge_bwd``): the whole row in registers (``D_PAD``, the
