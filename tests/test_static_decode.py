@@ -160,6 +160,47 @@ def test_decode_step_compiles_with_fullgraph_into_one_graph(residual):
         assert {"attnres.phase1", "attnres.merge"} <= recorder.targets, sorted(recorder.targets)
 
 
+def test_block_decode_step_dispatches_fewer_operations_than_the_standard_one(monkeypatch):
+    """What a graphed decode step replays, counted on the CPU with the Triton kernels stubbed
+    (the GPU check's shape in depth: 32 transformer blocks, Block AttnRes with N = 8 blocks of
+    8 sublayers): Block's merges fuse the block's partial sum and the next sublayer's norm,
+    so its 65 merges, 7 Phase 1s (two launches each, split over the sources at one row) and 7
+    block-closing adds replace the standard model's 64 adds and 65 norms - fewer operations
+    in all."""
+    pytest.importorskip("triton")
+    from test_depth_attention_ops import FREE_OPERATORS, OperatorLog, _StubKernel
+
+    from attnres.nn.kv_cache import KVCache
+    from attnres.ops.depth_attention import triton_kernels
+
+    launches: list[str] = []
+    for name in ("phase1_fwd", "phase1_logits", "phase1_combine", "merge_fwd"):
+        monkeypatch.setattr(triton_kernels, name, _StubKernel(name, launches))
+    counts = {}
+    for residual in ("standard", {"kind": "attnres_block", "block_size": 8, "backend": "triton"}):
+        model = make_model(residual=residual, n_layers=32, d_model=32, n_heads=2, n_kv_heads=2, randomize=False).eval()
+        cache = KVCache(32, capacity=9)
+        shape = (1, model.config.kv_heads, 8, model.config.head_dim)
+        for layer in range(32):
+            cache.update(layer, torch.randn(shape), torch.randn(shape))
+        decoder = StaticDecoder(model, 1, capacity=9, mode="eager")
+        decoder.load(cache)
+        token = torch.zeros(1, dtype=torch.long)
+        with torch.inference_mode():
+            decoder.step(token)  # (the first step folds the key-norm gains into the queries, kept after)
+            decoder.rewind(8)
+        log, before = OperatorLog(), len(launches)
+        with torch.inference_mode(), log:
+            decoder.step(token)
+        ops = [n for n in log.names if n not in FREE_OPERATORS] + launches[before:]
+        counts[model.config.residual.kind] = ops
+    standard, block = counts["standard"], counts["attnres_block"]
+    assert block.count("merge_fwd") == 65 and block.count("phase1_logits") == block.count("phase1_combine") == 7
+    assert standard.count("aten.rms_norm") == 65 and block.count("aten.rms_norm") == 1
+    assert standard.count("aten.add") - block.count("aten.add") == 64 - 7
+    assert len(block) < len(standard), (len(block), len(standard))
+
+
 @pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
 def test_compiled_decoder_generates_the_dynamic_tokens(residual):
     """``decode="compiled"``: the step through Inductor (``fullgraph=True``) generates the
