@@ -337,6 +337,49 @@ def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
     assert f"resuming '{latest_checkpoint(run).parent / 'step-00000002'}' at step 2; steps 3-6" in capsys.readouterr().out
 
 
+def test_the_command_prints_its_set_up_then_its_warnings_then_the_bar(tmp_path, corpus_file, monkeypatch, capsys):
+    """The console script: the set-up first, the package's own warnings as one line each
+    (not Python's ``file:line: UserWarning`` and a line of our source), and only then the
+    progress bar - one drawn earlier left the set-up's first line on the bar's line."""
+    import tqdm
+
+    from attnres.cli import run as console_script
+
+    class Bar:  # the training bar draws "BAR" on stdout when created, where the set-up is printed
+        def __init__(self, *args, unit="it", **kwargs):
+            if unit == "step":
+                print("BAR")
+
+        update = set_postfix = close = lambda self, *args, **kwargs: None
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    monkeypatch.setattr(sys, "argv", ["attnres", "train", *overrides(corpus_file, tmp_path / "run", steps=2,
+                                                                      warmup_steps=5, progress="true")])
+    with pytest.raises(SystemExit) as exit_:
+        console_script()
+    assert exit_.value.code == 0
+    captured = capsys.readouterr()
+    assert captured.out.index("attnres train: new run in") < captured.out.index("BAR")
+    assert "attnres: warning: warmup_steps=5 >= steps=2: the learning rate rises" in captured.err
+    assert "UserWarning" not in captured.err and "self.announce()" not in captured.err
+
+
+def test_plain_warnings_shorten_only_the_packages_own(capsys):
+    import warnings
+
+    import attnres.cli.common as common
+
+    with warnings.catch_warnings(record=True) as shown:  # what Python's own display receives
+        warnings.simplefilter("always")
+        before = warnings.showwarning
+        with common.plain_warnings():
+            warnings.warn_explicit("ours", UserWarning, str(common._PACKAGE_DIR / "train" / "loop.py"), 7)
+            warnings.warn_explicit("theirs", UserWarning, "/elsewhere/module.py", 3)
+        assert warnings.showwarning is before
+    assert capsys.readouterr().err == "attnres: warning: ours\n"
+    assert [(str(w.message), w.filename, w.lineno) for w in shown] == [("theirs", "/elsewhere/module.py", 3)]
+
+
 # -- 8: Ctrl-C during first-time BPE training -----------------------------------------------
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from . import analyze, experiment, export, generate, train, upcycle
 from . import eval as eval_command
-from .common import ImportModule, Parser, end_process, missing_extra, resolve_checkpoint, version_line
+from .common import ImportModule, Parser, end_process, missing_extra, plain_warnings, resolve_checkpoint, version_line
 from .experiment import EXPERIMENT_NAMES
 from .generate import check_context
 
@@ -65,7 +65,8 @@ def run() -> None:
     torchrun then reports the job failed, and in a multi-node job the other agents wait out
     torchrun's exit barrier (300 s)."""
     try:
-        status = main()
+        with plain_warnings():
+            status = main()
     except SystemExit as e:
         status = e.code
     if not _in_process_group():

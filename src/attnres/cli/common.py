@@ -5,9 +5,12 @@ the one-line message for a missing extra, and the CPU allocator setting."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
@@ -164,3 +167,30 @@ def check_optional_count(option: str, value: int | None, default: str) -> None:
     the default without a word)."""
     if value is not None and value < 1:
         raise ValueError(f"{option} must be >= 1 (omit it for {default}); got {value}")
+
+
+#: The package's directory: a warning raised from a file under it is the package's own.
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def plain_warnings(program: str = "attnres") -> Iterator[None]:
+    """Within: the package's own warnings printed as one line, ``attnres: warning: ...``, as a
+    command's other messages are, instead of Python's ``file:line: UserWarning: ...`` and a
+    line of our source; other packages' warnings as Python prints them."""
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        try:
+            ours = Path(filename).resolve().is_relative_to(_PACKAGE_DIR)
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            return original(message, category, filename, lineno, file, line)
+        stream = sys.stderr if file is None else file
+        if stream is not None:
+            stream.write(f"{program}: warning: {message}\n")
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield

@@ -290,7 +290,7 @@ class Trainer:
             load_sharded(init.path, self.pm.named_parameters(), None, restore_rng=False)
 
     def _open_outputs(self) -> None:
-        """``config.json``, the metrics log and the progress bar (rank 0)."""
+        """``config.json`` and the metrics log (rank 0)."""
         if not self.main:
             return
         try:
@@ -298,12 +298,17 @@ class Trainer:
             self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step)
         except OSError as e:  # a disk that filled up since the start-up check
             raise OutDirError(f"could not write to out_dir {str(self.out_dir)!r}: {os_cause(e)}") from None
-        if self.config.progress:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self.progress = tqdm(total=self.config.steps, initial=self.step_count, unit="step", dynamic_ncols=True)
+
+    def _open_progress(self) -> None:
+        """The progress bar (rank 0), once the set-up has been printed: a bar drawn before it
+        would leave the first line of the set-up on the bar's line."""
+        if not (self.main and self.config.progress):
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.progress = tqdm(total=self.config.steps, initial=self.step_count, unit="step", dynamic_ncols=True)
 
     def announce(self) -> None:
         """Print the resolved set-up (rank 0): how the run starts, the model, tokens per
@@ -466,6 +471,7 @@ class Trainer:
         release the lock and close the logs."""
         try:
             self.announce()
+            self._open_progress()
             return self._train_loop()
         except OutDirError as e:  # the metrics log could not be written (a full disk)
             raise OutDirError(f"{e}. {self._continue_hint()}") from None
