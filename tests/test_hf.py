@@ -363,6 +363,28 @@ def test_exported_model_generates_past_line_breaks(tmp_path):
     assert tok.decode(out[0, ids["input_ids"].shape[1]:]) == "\n" * 5
 
 
+def test_exported_tokenizer_pads_a_batch_of_prompts_for_generate(tmp_path):
+    """The exported tokenizer pads on the left: a batch of ragged prompts, padded with an id
+    set in memory as the docs say, generates what each prompt generates alone (padded on the
+    right, the short prompt was continued after its padding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    native = native_model(residual="attnres_block")
+    assert native.config.vocab_size >= 256  # the byte tokenizer's ids
+    AttnResForCausalLM.from_native(native).save_pretrained(tmp_path / "hf")
+    make_hf_tokenizer(ByteTokenizer(), native.config.max_seq_len).save_pretrained(tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok.padding_side == "left"
+    tok.pad_token_id = 0
+    prompts = ["the quick brown fox", "a"]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    out = hf.generate(**batch, max_new_tokens=6, do_sample=False)[:, batch["input_ids"].shape[1]:]
+    for prompt, row in zip(prompts, out):
+        alone = tok(prompt, return_tensors="pt")
+        assert torch.equal(row, hf.generate(**alone, max_new_tokens=6, do_sample=False)[0, alone["input_ids"].shape[1]:])
+
+
 def test_ratio_stderr_matches_a_bootstrap():
     """The delta-method standard error of sum(a)/sum(b) agrees with a brute-force bootstrap
     of the same documents (an independent estimate) to about 5 %."""

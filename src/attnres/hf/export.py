@@ -89,8 +89,8 @@ def byte_level_tokenizer():
 
 def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, no
-    special tokens (no end-of-sequence and no padding token: module docstring), the
-    plain-text :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's ``max_seq_len``)
+    special tokens (no end-of-sequence and no padding token: module docstring), padding on
+    the left, the plain-text :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's ``max_seq_len``)
     when given: every text encodes to our tokenizer's ids, and every id decodes to its text."""
     if isinstance(tokenizer, BPETokenizer):
         rust = tokenizer.backend
@@ -99,8 +99,10 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None)
     else:
         raise ValueError(f"cannot convert a tokenizer of type {type(tokenizer).__name__} (expected BPE or byte)")
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
+    # Left padding: a batch of prompts padded on the right would have ``generate`` continue
+    # each short prompt after its padding.
     return PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False,
-                                   chat_template=CHAT_TEMPLATE, **extra)
+                                   chat_template=CHAT_TEMPLATE, padding_side="left", **extra)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
