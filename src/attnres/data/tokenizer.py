@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Protocol
@@ -117,14 +118,14 @@ def train_bpe(text: str, vocab_size: int, progress: bool = False) -> BPETokenize
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # tokenizers' bars are drawn on a terminal only, but it writes blank lines to stdout
+    # anywhere else (a log file, a pipe): ask for them on a terminal only.
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=progress,
+        show_progress=progress and sys.stdout.isatty() and sys.stderr.isatty(),
     )
     if progress:
-        import sys
-
         print(f"training a byte-level BPE of {vocab_size} tokens on {len(text):,} characters", file=sys.stderr)
     run_interruptibly(lambda: tok.train_from_iterator(text_chunks(text), trainer=trainer, length=None))
     return BPETokenizer(tok)
