@@ -127,3 +127,19 @@ def test_command_of_a_rank_ends_without_the_interpreter_finalization(monkeypatch
     with pytest.raises(_Ended) as ended:
         cli.run()
     assert ended.value.args == (status,) and destroyed == [True] and capsys.readouterr().err == stderr
+
+
+def test_unrecognized_arguments_are_refused_by_the_commands_own_parser(capsys):
+    """An argument a command does not take is named with that command's usage (not the
+    top-level one), and a second path given to ``analyze`` says how to compare two."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["analyze", "runs/a", "runs/b"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: attnres analyze")
+    assert err.rstrip().endswith("attnres analyze: error: unrecognized arguments: runs/b (one checkpoint at a time; "
+                                 "to compare two: attnres analyze A --compare B)")
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "runs/a", "--prompt", "x", "--bogus"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: attnres generate")
+    assert err.rstrip().endswith("attnres generate: error: unrecognized arguments: --bogus")

@@ -327,7 +327,8 @@ def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, ca
         cli_main(["generate", "--checkpoint", str(run), "--prompt", ""])
     with pytest.raises(SystemExit, match="temperature"):
         cli_main(["generate", "--checkpoint", str(run), "--prompt", "the", "--temperature", "-1"])
-    with pytest.raises(SystemExit, match="neither a checkpoint nor a run directory"):
+    with pytest.raises(SystemExit, match=r"neither a checkpoint nor a run directory with checkpoints: it holds 1 run\(s\); "
+                       "name one, e.g. '.*run'"):
         cli_main(["generate", "--checkpoint", str(tmp_path), "--prompt", "the"])
 
 

@@ -23,7 +23,7 @@ pytest.importorskip("yaml")
 from safetensors import SafetensorError  # noqa: E402
 from test_train import overrides, write_corpus  # noqa: E402
 
-from attnres.checkpoint import CheckpointError, checkpoint_dirs, find_valid_checkpoint  # noqa: E402
+from attnres.checkpoint import CheckpointError, checkpoint_dirs, find_valid_checkpoint, no_checkpoint_at  # noqa: E402
 from attnres.cli import main as cli_main  # noqa: E402
 from attnres.train import load_config, train  # noqa: E402
 
@@ -149,3 +149,27 @@ mount --bind {frozen} {frozen} && mount -o remount,bind,ro {frozen} || exit 91
     assert f"The last good checkpoint is '{disk / 'run' / 'checkpoints' / 'step-00000002'}'" in errors[0]
     assert errors[1] == f"attnres train: error: out_dir '{frozen / 'run'}' cannot be created: read-only file system"
     assert "attnres train: finished at step 4" in out
+
+
+def test_a_path_without_a_checkpoint_is_named_with_what_it_is(tmp_path):
+    """What ``generate`` / ``eval`` / ``analyze`` / ``resume_from`` / ``init_from`` say when a
+    path holds no checkpoint: what the path is, and what to name instead."""
+    assert no_checkpoint_at(tmp_path / "nowhere") == f"{str(tmp_path / 'nowhere')!r} does not exist"
+    (tmp_path / "notes.txt").write_text("x")
+    assert no_checkpoint_at(tmp_path / "notes.txt").endswith(": it is a file; name a run directory or one of its "
+                                                          "checkpoints/step-* directories")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert "makes it a Hugging Face directory" in no_checkpoint_at(hf) and "import attnres.hf" in no_checkpoint_at(hf)
+    (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
+    assert no_checkpoint_at(tmp_path / "fresh").endswith(f": {str(tmp_path / 'fresh' / 'checkpoints')!r} holds none yet")
+    grid = tmp_path / "compare"
+    for run in ("standard/seed0", "block/seed0"):
+        (grid / run / "checkpoints").mkdir(parents=True)
+    assert no_checkpoint_at(grid).endswith(f": it holds 2 run(s); name one, e.g. {str(grid / 'block' / 'seed0')!r}")
+    (tmp_path / "empty").mkdir()
+    assert no_checkpoint_at(tmp_path / "empty") == (f"{str(tmp_path / 'empty')!r} is neither a checkpoint nor a run "
+                                                    "directory with checkpoints")
+    for where in ("nowhere", "notes.txt", "hf", "fresh", "compare", "empty"):
+        assert find_valid_checkpoint(tmp_path / where) is None, where  # what the message explains

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from .consolidated import load_checkpoint, read_optimizer_state, save_checkpoint, write_checkpoint
-from .locate import Source, find_valid_checkpoint, set_aside_newer
+from .locate import Source, find_valid_checkpoint, no_checkpoint_at, set_aside_newer
 from .manifest import (
     CheckpointError,
     CheckpointWriteError,
@@ -60,6 +60,7 @@ __all__ = [
     "load_sharded",
     "load_sharded_weights",
     "load_weights",
+    "no_checkpoint_at",
     "read_checkpoint_state",
     "read_optimizer_state",
     "read_sharded_tensors",

@@ -13,7 +13,7 @@ from typing import Any
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
-__all__ = ["Source", "find_valid_checkpoint", "set_aside_newer", "verify_checkpoint"]
+__all__ = ["Source", "find_valid_checkpoint", "no_checkpoint_at", "set_aside_newer", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -51,6 +51,27 @@ def verify_checkpoint(path: str | Path, optional: tuple[str, ...] = ()) -> dict[
     if is_sharded(state):
         verify_dcp_files(path, state)
     return state
+
+
+def no_checkpoint_at(location: str | Path) -> str:
+    """Why :func:`find_valid_checkpoint` found nothing at ``location``, and what to name
+    instead: a path that does not exist, a file, a Hugging Face directory, a run that has not
+    written a checkpoint yet, or a directory of runs (``attnres compare``'s ``--out``)."""
+    location = Path(location)
+    if not location.exists():
+        return f"{str(location)!r} does not exist"
+    what = f"{str(location)!r} is neither a checkpoint nor a run directory with checkpoints"
+    if not location.is_dir():
+        return f"{what}: it is a file; name a run directory or one of its checkpoints/step-* directories"
+    if (location / "config.json").is_file() and not (location / "checkpoints").is_dir():
+        return (f"{what}: its config.json makes it a Hugging Face directory (attnres export's or attnres "
+                "upcycle's output?), which transformers loads after `import attnres.hf` (docs/hf.md)")
+    if (location / "checkpoints").is_dir():
+        return f"{what}: {str(location / 'checkpoints')!r} holds none yet"
+    runs = sorted(p.parent for pattern in ("*/checkpoints", "*/*/checkpoints") for p in location.glob(pattern))
+    if runs:
+        return f"{what}: it holds {len(runs)} run(s); name one, e.g. {str(runs[0])!r}"
+    return what
 
 
 def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = ()) -> Source | None:

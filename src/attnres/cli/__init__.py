@@ -33,6 +33,8 @@ class Command:
     add_parser: Callable
     run: Callable
     accepts_extra: Callable[[str], bool] | None = None
+    #: Said after "unrecognized arguments" when one of them is not an option (a second path).
+    extra_path_hint: str = ""
 
 
 #: Every command, in the order ``attnres --help`` lists them.
@@ -42,7 +44,8 @@ COMMANDS: dict[str, Command] = {
     "experiment": Command(experiment.add_experiment_parser, experiment.run, experiment.accepts_extra),
     "generate": Command(generate.add_parser, generate.run),
     "export": Command(export.add_parser, export.run),
-    "analyze": Command(analyze.add_parser, analyze.run),
+    "analyze": Command(analyze.add_parser, analyze.run,
+                       extra_path_hint="one checkpoint at a time; to compare two: attnres analyze A --compare B"),
     "upcycle": Command(upcycle.add_parser, upcycle.run),
     "eval": Command(eval_command.add_parser, eval_command.run),
 }
@@ -86,6 +89,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS.values():
         command.add_parser(sub)
+    parser.commands = sub.choices  # name -> the command's parser
     return parser
 
 
@@ -102,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     warn_about_clashes(thorough=True)  # every distribution's file list: a fraction of a second
     command = COMMANDS[args.command]
     if extra and (command.accepts_extra is None or not all(command.accepts_extra(e) for e in extra)):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        hint = f" ({command.extra_path_hint})" if command.extra_path_hint and any(
+            not e.startswith("-") for e in extra) else ""
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:
         args.overrides = args.overrides + extra
     resolve_checkpoint(args)

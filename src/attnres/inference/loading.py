@@ -18,7 +18,7 @@ from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_f
 from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
-from ..checkpoint import CheckpointError, find_valid_checkpoint, load_weights
+from ..checkpoint import CheckpointError, find_valid_checkpoint, load_weights, no_checkpoint_at
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
 
@@ -79,7 +79,7 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads."""
     source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
     if source is None:
-        raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a run directory with checkpoints")
+        raise CheckpointError(no_checkpoint_at(path))
     run_config = source.state["config"]
     config = ModelConfig.from_dict(run_config["model"])
     model = build_model(config)  # AttnResLM, or a transformers family's modules around the residual
@@ -131,7 +131,7 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
     else:
         found = find_valid_checkpoint(source, optional=INFERENCE_OPTIONAL)
         if found is None:
-            raise CheckpointError(f"{str(source)!r} is neither a checkpoint nor a run directory with checkpoints")
+            raise CheckpointError(no_checkpoint_at(source))
         checkpoint, state = found.path, found.state
     if state.get("tokenizer") is not None:
         return tokenizer_from_state(state["tokenizer"], checkpoint)

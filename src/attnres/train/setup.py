@@ -18,7 +18,8 @@ from typing import Any
 
 from torch import Tensor
 
-from ..checkpoint import Source, find_valid_checkpoint, latest_checkpoint, remove_partial_checkpoints, set_aside_newer
+from ..checkpoint import (Source, find_valid_checkpoint, latest_checkpoint, no_checkpoint_at, remove_partial_checkpoints,
+                          set_aside_newer)
 from ..data import BatchSampler, TokenData, load_corpus, prepare_data, validation_batches
 from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
 from .config import TrainConfig
@@ -54,8 +55,7 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
     set_aside = main and _owns(out_dir, where)
     source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside))
     if source is None and config.resume_from is not None:
-        raise ValueError(f"resume_from={config.resume_from!r} is neither a checkpoint nor a run directory with "
-                         "checkpoints")
+        raise ValueError(f"resume_from: {no_checkpoint_at(config.resume_from)}")
     if source is None:
         raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
     check_progress(source)
@@ -75,7 +75,7 @@ def _init_source(config: TrainConfig) -> Start:
         return Start(init=source, origin={"transformers_directory": str(source.path), "step": 0})
     source = find_valid_checkpoint(config.init_from)
     if source is None:
-        raise ValueError(f"init_from={config.init_from!r} is neither a checkpoint nor a run directory with checkpoints")
+        raise ValueError(f"init_from: {no_checkpoint_at(config.init_from)}")
     return Start(init=source, origin={"checkpoint": str(source.path), "step": source.step})
 
 
