@@ -143,3 +143,12 @@ def test_unrecognized_arguments_are_refused_by_the_commands_own_parser(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: attnres generate")
     assert err.rstrip().endswith("attnres generate: error: unrecognized arguments: --bogus")
+
+
+def test_missing_arguments_name_only_what_is_required(capsys):
+    """The overrides are optional: a command missing its required arguments does not list
+    ``key=value`` among them."""
+    for argv, required in ((["experiment"], "name, --out"), (["experiment", "compare"], "--out")):
+        with pytest.raises(SystemExit):
+            cli_main(argv)
+        assert capsys.readouterr().err.rstrip().endswith(f"error: the following arguments are required: {required}")

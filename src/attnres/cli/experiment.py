@@ -83,7 +83,8 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
                         "over this many interleaved rounds (CPU time of the process at one thread, with its noise) and "
                         "measure its peak memory, for the report's overhead columns (default 10; 0 = use the step times "
                         "the runs logged)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig overrides for every run")
+    parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",  # default: not listed as required
+                        help="TrainConfig overrides for every run")
 
 
 def _saved_preset(out: str, name: str) -> str | None:

@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
                     "one) into out_dir (= resume_from=DIR)")
     tr.add_argument("--print-config", action="store_true",
                     help="print the resolved config (YAML, after --config and the overrides) and exit")
-    tr.add_argument("overrides", nargs="*", metavar="key=value",
+    tr.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                     help="config overrides, YAML-parsed values (an argument without '=' is the config file)")
 
 
