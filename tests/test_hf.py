@@ -106,6 +106,23 @@ def test_generate_with_cache_equals_native_greedy():
     assert torch.equal(out[:, 9:], ref)
 
 
+def test_stream_transformers_equals_the_native_stream():
+    """``stream_transformers`` (what ``attnres generate`` runs for a transformers family's
+    model) on the HF form of a native model: the native model's greedy tokens, and a
+    seeded sampling that repeats itself."""
+    from attnres.inference import stream_transformers
+
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native).eval()
+    ids = torch.randint(0, native.config.vocab_size, (2, 9))
+    got = torch.stack(list(stream_transformers(hf, ids, max_new_tokens=8)), dim=1)
+    assert torch.equal(got, generate(native, ids, max_new_tokens=8))
+    draws = [torch.stack(list(stream_transformers(hf, ids, max_new_tokens=8, temperature=0.9, top_p=0.9,
+                                                  generator=torch.Generator().manual_seed(3))), dim=1)
+             for _ in range(2)]
+    assert torch.equal(draws[0], draws[1]) and draws[0].shape == (2, 8)
+
+
 def test_eager_attention_matches_sdpa():
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native).eval()

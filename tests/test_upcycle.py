@@ -4,6 +4,9 @@ Full and Block AttnRes (S dividing L, not dividing it, S >= L)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 
@@ -235,6 +238,37 @@ def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):
         assert max_rel(trained(x).logits, up(x).logits) <= 1e-4
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert '"kind": "diagnostics"' in metrics  # the Fig. 5/8 diagnostics work on family models
+    _generate_and_eval_run_the_family_model(tmp_path / "run", tmp_path / "export", cli_main)
+
+
+def _generate_and_eval_run_the_family_model(run, exported, cli_main):
+    """``attnres generate`` and ``eval`` take the run itself (they refused family models and
+    sent the user through ``attnres export``): greedy text and held-out loss equal the exported
+    directory's through transformers."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnres.hf.evaluate import perplexity
+    from attnres.inference import load_run, load_tokenizer
+
+    capsys_out = io.StringIO()
+    with contextlib.redirect_stdout(capsys_out):
+        assert cli_main(["generate", str(run), "--prompt", "the quick", "--max-new-tokens", "6",
+                         "--temperature", "0"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    tok = AutoTokenizer.from_pretrained(exported)
+    prompt = tok("the quick", return_tensors="pt")
+    want = model.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert len(want) == 6 and capsys_out.getvalue() == tok.decode(want) + "\n"
+    with pytest.raises(SystemExit, match="decodes over its own cache: --chunk-size and --decode static"):
+        cli_main(["generate", str(run), "--prompt", "the", "--decode", "static"])
+    assert cli_main(["eval", str(run), "--tasks", "none", "--out", str(run / "eval.json")]) == 0
+    got = json.loads((run / "eval.json").read_text())["perplexity"]
+    loaded = load_run(run)
+    text = loaded.validation_text()
+    want = perplexity(model, load_tokenizer(loaded), text)
+    assert got["tokens"] == want["tokens"] and got["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
 
 def test_train_a_family_architecture_from_scratch(tmp_path):

@@ -1,5 +1,5 @@
 """What every ``attnres`` command shares: the parser class, the process's rank under
-torchrun (one message per node), the output-place and count checks, the native-model check,
+torchrun (one message per node), the output-place and count checks,
 the one-line message for a missing extra, and the CPU allocator setting."""
 
 from __future__ import annotations
@@ -150,16 +150,6 @@ def check_output_dir(command: str, out: str) -> None:
         check(out, "--out")
     except OutputPathError as e:
         raise SystemExit(f"{command}: error: {e}") from None
-
-
-def native_only(run, command: str) -> None:
-    """``attnres generate`` / ``eval`` run the native decoder; a checkpoint of a transformers
-    family model (``model.hf_architecture``) goes through ``attnres export`` first."""
-    family = run.run_config["model"].get("hf_architecture")
-    if family is not None:
-        raise ValueError(f"attnres {command} runs native models; this checkpoint's model is a transformers {family!r} "
-                         f"model (model.hf_architecture): write it out with `attnres export --checkpoint "
-                         f"{run.checkpoint} --out DIR` and use DIR with transformers (generate, lm-eval)")
 
 
 def check_optional_count(option: str, value: int | None, default: str) -> None:

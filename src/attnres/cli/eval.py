@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_checkpoint_argument, check_optional_count, native_only
+from .common import add_checkpoint_argument, check_optional_count
 
 
 def add_parser(sub) -> None:
@@ -69,7 +69,6 @@ def run_eval(args) -> int:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
         run = load_run(args.checkpoint, device)
-        native_only(run, "eval")
         tokenizer = load_tokenizer(run, args.tokenizer)
         if text is None:
             text = run.validation_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from .common import add_checkpoint_argument, native_only
+from .common import add_checkpoint_argument
 
 #: ``--dtype`` choices (``torch`` dtype names).
 DTYPES = ("float32", "bfloat16", "float16")
@@ -61,6 +61,14 @@ def _warn_non_finite(model, checkpoint) -> None:
                       "an earlier checkpoint", stacklevel=2)
 
 
+def _transformers_decode_only(args, family: str) -> None:
+    """Refuse the options that only attnres's own decoder has, for a transformers model."""
+    if args.chunk_size is not None or args.decode not in ("auto", "dynamic"):
+        raise ValueError(f"this checkpoint's model is a transformers {family!r} model (model.hf_architecture), which "
+                         "decodes over its own cache: --chunk-size and --decode static/compiled/graph are for attnres's "
+                         "own models; omit them")
+
+
 def run_generate(args) -> int:
     """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
     import sys
@@ -68,12 +76,13 @@ def run_generate(args) -> int:
 
     import torch
 
-    from ..inference import resolve_decode, stream
+    from ..inference import resolve_decode, stream, stream_transformers
     from ..inference.loading import load_run, load_tokenizer
+    from ..models import AttnResLM
+    from ..models.factory import context_limit
 
     try:
         run = load_run(args.checkpoint, args.device)
-        native_only(run, "generate")
         model = run.model
         _warn_non_finite(model, run.checkpoint)
         model.to(getattr(torch, args.dtype))
@@ -81,14 +90,18 @@ def run_generate(args) -> int:
         ids = tokenizer.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt is empty: there is nothing to continue")
-        check_context(len(ids), args.max_new_tokens, model.config.max_seq_len)
+        check_context(len(ids), args.max_new_tokens, context_limit(model))
         device = next(model.parameters()).device
-        decode = resolve_decode(model, args.decode)
-        steps = stream(
-            model, torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
-            chunk_size=args.chunk_size, decode=decode,
-        )
+        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed))
+        if isinstance(model, AttnResLM):
+            decode = resolve_decode(model, args.decode)
+            steps = stream(model, torch.tensor([ids], device=device), chunk_size=args.chunk_size, decode=decode,
+                           **sampling)
+        else:  # a transformers family's model (model.hf_architecture): over its own cache
+            _transformers_decode_only(args, run.run_config["model"]["hf_architecture"])
+            decode = "transformers"
+            steps = stream_transformers(model, torch.tensor([ids], device=device), **sampling)
         new: list[int] = []
         shown = ""
         t0 = time.perf_counter()

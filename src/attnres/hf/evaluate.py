@@ -27,9 +27,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..data.tokenizer import Tokenizer
 from ..progress import progress_bar
+from ..models.factory import context_limit
 from ..models.lm import AttnResLM
 
 LOCAL_TASKS = ("attnres_ppl", "attnres_cloze")
@@ -42,9 +44,9 @@ PERPLEXITY_BATCH_TOKENS = 4096
 
 
 @torch.inference_mode()
-def perplexity(model: AttnResLM, tokenizer: Tokenizer, text: str, seq_len: int | None = None,
+def perplexity(model: AttnResLM | nn.Module, tokenizer: Tokenizer, text: str, seq_len: int | None = None,
                progress: bool = False) -> dict:
-    """Next-token loss of ``model`` on ``text`` in windows of ``seq_len + 1`` tokens that
+    """Next-token loss of ``model`` (an :class:`AttnResLM` or a transformers causal LM) on ``text`` in windows of ``seq_len + 1`` tokens that
     overlap by one, so every token but the first is predicted exactly once (from at most
     ``seq_len`` tokens of context). Windows of the same length run in batches of about
     :data:`PERPLEXITY_BATCH_TOKENS` tokens (one token of context per window would otherwise
@@ -54,9 +56,10 @@ def perplexity(model: AttnResLM, tokenizer: Tokenizer, text: str, seq_len: int |
     ``loss`` (nats per token), ``perplexity`` and ``bits_per_byte``
     (total nats / ln 2 / bytes).
     """
-    seq_len = seq_len or model.config.max_seq_len
-    if not 1 <= seq_len <= model.config.max_seq_len:
-        raise ValueError(f"--seq-len must be in [1, {model.config.max_seq_len}] (the model's context limit, "
+    limit = context_limit(model)
+    seq_len = seq_len or limit
+    if not 1 <= seq_len <= limit:
+        raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, "
                          f"max_seq_len); got {seq_len}: omit it to use the whole context")
     ids = tokenizer.encode(text)
     if len(ids) < 2:

@@ -7,10 +7,11 @@ in a CUDA graph), sampling, streaming.
 """
 
 from ..nn.kv_cache import KVCache, StaticKVCache
-from .generate import DECODE_MODES, check_sampling, decode_step, generate, prefill, resolve_decode, sample, stream
+from .generate import (DECODE_MODES, check_sampling, decode_step, generate, prefill, resolve_decode, sample, stream,
+                       stream_transformers)
 from .loading import LoadedRun, load_run, load_tokenizer
 from .static import STATIC_MODES, StaticDecoder, static_decode_step
 
-__all__ = ["KVCache", "StaticKVCache", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
-           "DECODE_MODES", "resolve_decode", "StaticDecoder", "STATIC_MODES", "static_decode_step", "LoadedRun",
-           "load_run", "load_tokenizer"]
+__all__ = ["KVCache", "StaticKVCache", "prefill", "decode_step", "sample", "generate", "stream", "stream_transformers",
+           "check_sampling", "DECODE_MODES", "resolve_decode", "StaticDecoder", "STATIC_MODES", "static_decode_step",
+           "LoadedRun", "load_run", "load_tokenizer"]

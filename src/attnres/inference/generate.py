@@ -10,6 +10,7 @@ padding (1 = real token), logits ``[B, vocab]`` (float32), sampled tokens ``[B]`
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Iterable, Iterator
@@ -22,7 +23,8 @@ from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache
 from .static import StaticDecoder
 
-__all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling"]
+__all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
+           "stream_transformers"]
 
 #: How :func:`stream` runs its decode steps: ``"dynamic"`` (the growing :class:`KVCache`,
 #: eager), or over a static-capacity cache ``"static"`` (eager), ``"compiled"``
@@ -248,6 +250,25 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
         if last or done:
             return
         logits = upcoming
+
+
+def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                        top_p: float = 1.0, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+    """:func:`stream` for a transformers causal LM - a family's model with an AttnRes residual
+    (``model.hf_architecture``, ``attnres upcycle``) or any other: the prompt ``input_ids
+    [B, T]`` (no padding) through the model once, then one token a step over its own cache
+    (``past_key_values``), sampled as :func:`sample` samples; yields ``[B]`` per step, all
+    ``max_new_tokens`` of them (no stop tokens)."""
+    check_sampling(temperature, top_k, top_p, max_new_tokens)
+    # transformers 5.24 renamed the cache, argument and output field, from past_key_values
+    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(input_ids=input_ids, use_cache=True)
+        for step in range(max_new_tokens):
+            tokens = sample(out.logits[:, -1].float(), temperature, top_k, top_p, generator)
+            if step < max_new_tokens - 1:  # launched before the caller reads this step's tokens
+                out = model(input_ids=tokens[:, None], use_cache=True, **{cache: getattr(out, cache)})
+            yield tokens
 
 
 def generate(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:

@@ -8,7 +8,7 @@ from .config import ModelConfig
 from .hf_registry import hf_hook
 from .lm import AttnResLM
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "context_limit"]
 
 
 def build_model(config: ModelConfig) -> nn.Module:
@@ -19,3 +19,10 @@ def build_model(config: ModelConfig) -> nn.Module:
     if config.hf_architecture is None:
         return AttnResLM(config)
     return hf_hook("build_model")(config)
+
+
+def context_limit(model: nn.Module) -> int:
+    """The most positions ``model`` (what :func:`build_model` gives) attends over: an
+    :class:`AttnResLM`'s ``max_seq_len``, a transformers model's ``max_position_embeddings``."""
+    config = model.config
+    return config.max_seq_len if isinstance(model, AttnResLM) else config.max_position_embeddings
