@@ -240,6 +240,31 @@ def test_missing_and_empty_data(tmp_path):
         cli_main(["train", f"data.paths=[{tmp_path / 'nope.txt'}]", f"out_dir={tmp_path / 'run'}", "progress=false"])
 
 
+def test_data_paths_take_glob_patterns(tmp_path, monkeypatch):
+    """``data.paths`` patterns: each one's matches in sorted order (``**`` across directories),
+    the same corpus as the files listed; a pattern that matches nothing, or the unquoted
+    YAML list ``[*.txt]``, is refused saying so; a file that a pattern and a path both reach
+    is refused as any file reached twice."""
+    for name, text in (("b.txt", "bravo text\n"), ("a.txt", "alpha text\n"), ("sub/c.txt", "charlie text\n"),
+                       ("sub/d.jsonl", '{"text": "delta text"}\n'), ("notes.md", "not data\n")):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text * 50)
+    listed = load_corpus([str(tmp_path / n) for n in ("a.txt", "b.txt", "sub/c.txt", "sub/d.jsonl")], 0.1)
+    matched = load_corpus([str(tmp_path / "*.txt"), str(tmp_path / "sub" / "**" / "*.*")], 0.1)
+    assert matched.sources == listed.sources and matched.digest == listed.digest
+    monkeypatch.chdir(tmp_path)
+    assert load_corpus(["**/*.txt"], 0.1).sources == ("a.txt", "b.txt", "sub/c.txt")
+    with pytest.raises(ValueError, match=r"data path '\*\.rst' does not exist and, as a pattern, matches no file$"):
+        load_corpus(["*.rst"])
+    with pytest.raises(ValueError, match=r"matches no file \(in a YAML list an item that starts with \* must be quoted"):
+        load_corpus(["[*.txt]"])
+    with pytest.raises(ValueError, match="reads the file 'a.txt' twice"):
+        load_corpus(["a.txt", "*.txt"])
+    config = load_config(None, ["data.paths=[*.txt]"])  # what the shell passes for data.paths=[*.txt]
+    with pytest.raises(ValueError, match="must be quoted"):
+        load_corpus(config.data.paths)
+
+
 def test_unknown_config_keys(tmp_path):
     with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) \['stepz'\]; known keys: .*'steps'"):
         TrainConfig.from_dict({"stepz": 3})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -60,6 +61,9 @@ def _read_jsonl(path: Path) -> list[str]:
 
 
 def _files_of(path: Path) -> list[Path]:
+    """The files ``path`` names: itself, a directory's text files, or a pattern's matches."""
+    if not path.exists() and any(c in str(path) for c in "*?["):
+        return _matches_of(str(path))
     if not path.exists():
         raise ValueError(f"data path {str(path)!r} does not exist")
     if path.is_file():
@@ -69,6 +73,18 @@ def _files_of(path: Path) -> list[Path]:
     if not files:
         raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
     return files
+
+
+def _matches_of(pattern: str) -> list[Path]:
+    """The files a glob ``pattern`` matches (``**`` across directories), in sorted order; a
+    directory it matches contributes its text files."""
+    matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
+    if not matches:
+        # `data.paths=[*.txt]` is not a YAML list (an item may not start with *): the string.
+        quote = (" (in a YAML list an item that starts with * must be quoted: data.paths='[\"*.txt\"]')"
+                 if pattern.startswith("[") else "")
+        raise ValueError(f"data path {pattern!r} does not exist and, as a pattern, matches no file{quote}")
+    return [file for match in matches for file in _files_of(match)]
 
 
 @dataclass(frozen=True)
@@ -145,8 +161,9 @@ def _cut(text: str, target: int, next_target: int) -> int:
 
 
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02) -> Corpus:
-    """Read ``paths`` (files, or directories searched recursively for ``.txt`` and ``.jsonl``
-    files in sorted order; ``.jsonl`` lines need a ``"text"`` field) - or the default corpus
+    """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
+    files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
+    ``.jsonl`` lines need a ``"text"`` field) - or the default corpus
     when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing path, an
     empty file, a file that two paths reach (it would count twice) or a split that leaves
     either part empty."""

