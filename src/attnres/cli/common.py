@@ -1,6 +1,6 @@
 """What every ``attnres`` command shares: the parser class, the process's rank under
-torchrun (one message per node), the output-place and count checks,
-the one-line message for a missing extra, and the CPU allocator setting."""
+torchrun (one message per node), the output-place and count checks, the one-line message
+for a missing extra, the package's warnings as one line, and the CPU allocator setting."""
 
 from __future__ import annotations
 
