@@ -123,6 +123,35 @@ def test_stream_transformers_equals_the_native_stream():
     assert torch.equal(draws[0], draws[1]) and draws[0].shape == (2, 8)
 
 
+def test_generate_takes_a_transformers_directory(tmp_path, capsys):
+    """``attnres generate DIR`` for a saved transformers directory (an export, an upcycle):
+    the native model's greedy tokens through the directory's own model and tokenizer, and
+    an end-of-sequence id in its generation config ends the text there."""
+    from transformers import AutoTokenizer
+
+    native = native_model(residual="attnres_block")
+    prompt = "the quick"
+    want = generate(native, torch.tensor([list(prompt.encode())]), max_new_tokens=6)[0].tolist()
+    stop_at = next(k for k in range(1, 6) if want[k] not in want[:k])  # the first step that makes this id
+    for name, eos, n in (("plain", None, 6), ("with-eos", want[stop_at], stop_at + 1)):
+        hf = AttnResForCausalLM.from_native(native)
+        hf.generation_config.eos_token_id = eos
+        hf.save_pretrained(tmp_path / name)
+        make_hf_tokenizer(ByteTokenizer(), native.config.max_seq_len).save_pretrained(tmp_path / name)
+        assert cli_main(["generate", str(tmp_path / name), "--prompt", prompt, "--max-new-tokens", "6",
+                         "--temperature", "0", "--device", "cpu"]) == 0
+        tok, shown, printed = AutoTokenizer.from_pretrained(tmp_path / name), "", ""
+        for k in range(n):  # the command prints the text as it grows
+            text = tok.decode(want[: k + 1], skip_special_tokens=True)
+            printed, shown = printed + text[len(shown):], text
+        out, err = capsys.readouterr()
+        assert out == printed + "\n" and f"{n} tokens in" in err and "transformers decode" in err, name
+    with pytest.raises(SystemExit, match="is a transformers directory, which decodes over its own cache"):
+        cli_main(["generate", str(tmp_path / "plain"), "--prompt", prompt, "--decode", "static"])
+    with pytest.raises(SystemExit, match="--tokenizer: a transformers directory generates with its own tokenizer"):
+        cli_main(["generate", str(tmp_path / "plain"), "--prompt", prompt, "--tokenizer", "t.json"])
+
+
 def test_eager_attention_matches_sdpa():
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native).eval()

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from .consolidated import load_checkpoint, read_optimizer_state, save_checkpoint, write_checkpoint
-from .locate import Source, find_valid_checkpoint, no_checkpoint_at, set_aside_newer
+from .locate import Source, find_valid_checkpoint, is_hf_directory, no_checkpoint_at, set_aside_newer
 from .manifest import (
     CheckpointError,
     CheckpointWriteError,
@@ -54,6 +54,7 @@ __all__ = [
     "checkpoint_path",
     "consolidate",
     "find_valid_checkpoint",
+    "is_hf_directory",
     "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",

@@ -13,7 +13,7 @@ from typing import Any
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
-__all__ = ["Source", "find_valid_checkpoint", "no_checkpoint_at", "set_aside_newer", "verify_checkpoint"]
+__all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "set_aside_newer", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -53,6 +53,12 @@ def verify_checkpoint(path: str | Path, optional: tuple[str, ...] = ()) -> dict[
     return state
 
 
+def is_hf_directory(path: str | Path) -> bool:
+    """A ``save_pretrained`` directory: a ``config.json`` and no checkpoint of ours."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / STATE_FILE).exists() and not (path / "checkpoints").is_dir()
+
+
 def no_checkpoint_at(location: str | Path) -> str:
     """Why :func:`find_valid_checkpoint` found nothing at ``location``, and what to name
     instead: a path that does not exist, a file, a Hugging Face directory, a run that has not
@@ -63,7 +69,7 @@ def no_checkpoint_at(location: str | Path) -> str:
     what = f"{str(location)!r} is neither a checkpoint nor a run directory with checkpoints"
     if not location.is_dir():
         return f"{what}: it is a file; name a run directory or one of its checkpoints/step-* directories"
-    if (location / "config.json").is_file() and not (location / "checkpoints").is_dir():
+    if is_hf_directory(location):
         return (f"{what}: its config.json makes it a Hugging Face directory (attnres export's or attnres "
                 "upcycle's output?), which transformers loads after `import attnres.hf` (docs/hf.md)")
     if (location / "checkpoints").is_dir():

@@ -1,4 +1,5 @@
-"""``attnres generate``: continue a prompt with a trained checkpoint, streamed, with tokens/s."""
+"""``attnres generate``: continue a prompt with a trained checkpoint (or a transformers
+directory), streamed, with tokens/s."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(sub) -> None:
-    gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s")
+    gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s",
+                         description="Continue --prompt with the model of a training checkpoint or run directory "
+                         "(its stored tokenizer), or of a transformers directory (attnres export's or attnres "
+                         "upcycle's output: its own tokenizer, stopping at its end-of-sequence token), streaming "
+                         "the text; tokens/s on stderr.")
     add_checkpoint_argument(gen)
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
@@ -61,12 +66,39 @@ def _warn_non_finite(model, checkpoint) -> None:
                       "an earlier checkpoint", stacklevel=2)
 
 
-def _transformers_decode_only(args, family: str) -> None:
+def _transformers_decode_only(args, what: str) -> None:
     """Refuse the options that only attnres's own decoder has, for a transformers model."""
     if args.chunk_size is not None or args.decode not in ("auto", "dynamic"):
-        raise ValueError(f"this checkpoint's model is a transformers {family!r} model (model.hf_architecture), which "
-                         "decodes over its own cache: --chunk-size and --decode static/compiled/graph are for attnres's "
-                         "own models; omit them")
+        raise ValueError(f"{what}, which decodes over its own cache: --chunk-size and --decode static/compiled/graph "
+                         "are for attnres's own models; omit them")
+
+
+def _load(args):
+    """``(model, tokenizer, stop ids)`` of ``--checkpoint``: a training checkpoint or run
+    directory (its stored tokenizer), or a transformers directory (its own tokenizer and
+    end-of-sequence ids)."""
+    import torch
+
+    from ..checkpoint import is_hf_directory
+    from ..inference.loading import load_run, load_tokenizer, pick_device
+
+    if is_hf_directory(args.checkpoint):
+        if args.tokenizer is not None:
+            raise ValueError("--tokenizer: a transformers directory generates with its own tokenizer; omit it")
+        from ..hf.directory import load_directory
+
+        _transformers_decode_only(args, f"{args.checkpoint!r} is a transformers directory")
+        model, text = load_directory(args.checkpoint, pick_device(args.device))
+        stops, source = text.stop_ids, args.checkpoint
+    else:
+        run = load_run(args.checkpoint, args.device)
+        model, text, stops, source = run.model, load_tokenizer(run, args.tokenizer), (), run.checkpoint
+        family = run.run_config["model"].get("hf_architecture")
+        if family is not None:
+            _transformers_decode_only(args, f"this checkpoint's model is a transformers {family!r} model "
+                                            "(model.hf_architecture)")
+    _warn_non_finite(model, source)
+    return model.to(getattr(torch, args.dtype)), text, stops
 
 
 def run_generate(args) -> int:
@@ -77,16 +109,11 @@ def run_generate(args) -> int:
     import torch
 
     from ..inference import resolve_decode, stream, stream_transformers
-    from ..inference.loading import load_run, load_tokenizer
     from ..models import AttnResLM
     from ..models.factory import context_limit
 
     try:
-        run = load_run(args.checkpoint, args.device)
-        model = run.model
-        _warn_non_finite(model, run.checkpoint)
-        model.to(getattr(torch, args.dtype))
-        tokenizer = load_tokenizer(run, args.tokenizer)
+        model, tokenizer, stops = _load(args)
         ids = tokenizer.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt is empty: there is nothing to continue")
@@ -98,10 +125,9 @@ def run_generate(args) -> int:
             decode = resolve_decode(model, args.decode)
             steps = stream(model, torch.tensor([ids], device=device), chunk_size=args.chunk_size, decode=decode,
                            **sampling)
-        else:  # a transformers family's model (model.hf_architecture): over its own cache
-            _transformers_decode_only(args, run.run_config["model"]["hf_architecture"])
+        else:  # a transformers model (model.hf_architecture, or a directory): over its own cache
             decode = "transformers"
-            steps = stream_transformers(model, torch.tensor([ids], device=device), **sampling)
+            steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
         new: list[int] = []
         shown = ""
         t0 = time.perf_counter()

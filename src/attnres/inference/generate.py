@@ -253,22 +253,30 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
 
 
 def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                        top_p: float = 1.0, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+                        top_p: float = 1.0, stop_tokens: Iterable[int] = (), pad_token_id: int = 0,
+                        generator: torch.Generator | None = None) -> Iterator[Tensor]:
     """:func:`stream` for a transformers causal LM - a family's model with an AttnRes residual
-    (``model.hf_architecture``, ``attnres upcycle``) or any other: the prompt ``input_ids
-    [B, T]`` (no padding) through the model once, then one token a step over its own cache
-    (``past_key_values``), sampled as :func:`sample` samples; yields ``[B]`` per step, all
-    ``max_new_tokens`` of them (no stop tokens)."""
+    (``model.hf_architecture``, ``attnres upcycle``), an export, or any other: the prompt
+    ``input_ids [B, T]`` (no padding) through the model once, then one token a step over its
+    own cache (``past_key_values``), sampled as :func:`sample` samples; yields ``[B]`` per
+    step. Stop tokens end a sequence as in :func:`stream` (later steps give it
+    ``pad_token_id``; the stream ends when every sequence has ended)."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     # transformers 5.24 renamed the cache, argument and output field, from past_key_values
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    stop_ids = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
         out = model(input_ids=input_ids, use_cache=True)
         for step in range(max_new_tokens):
             tokens = sample(out.logits[:, -1].float(), temperature, top_k, top_p, generator)
+            tokens = tokens.masked_fill(finished, pad_token_id)
+            finished |= torch.isin(tokens, stop_ids)
             if step < max_new_tokens - 1:  # launched before the caller reads this step's tokens
                 out = model(input_ids=tokens[:, None], use_cache=True, **{cache: getattr(out, cache)})
             yield tokens
+            if stop_ids.numel() and bool(finished.all()):
+                return
 
 
 def generate(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:

@@ -14,13 +14,7 @@ from typing import Any
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer
 from ..checkpoint import Source
 
-__all__ = ["is_hf_directory", "hf_source", "load_hf_weights"]
-
-
-def is_hf_directory(path: str | Path) -> bool:
-    """A ``save_pretrained`` directory: a ``config.json`` and no checkpoint of ours."""
-    path = Path(path)
-    return (path / "config.json").is_file() and not (path / "state.json").exists() and not (path / "checkpoints").is_dir()
+__all__ = ["hf_source", "load_hf_weights"]
 
 
 def hf_source(path: str | Path) -> Source:

@@ -18,12 +18,12 @@ from typing import Any
 
 from torch import Tensor
 
-from ..checkpoint import (Source, find_valid_checkpoint, latest_checkpoint, no_checkpoint_at, remove_partial_checkpoints,
-                          set_aside_newer)
+from ..checkpoint import (Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint, no_checkpoint_at,
+                          remove_partial_checkpoints, set_aside_newer)
 from ..data import BatchSampler, TokenData, load_corpus, prepare_data, validation_batches
 from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
 from .config import TrainConfig
-from .hf_source import hf_source, is_hf_directory
+from .hf_source import hf_source
 from .resume import check_data, check_progress
 
 __all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]

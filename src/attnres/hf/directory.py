@@ -1,0 +1,44 @@
+"""A saved transformers directory (``save_pretrained``) for ``attnres generate``: the output of
+``attnres export`` or ``attnres upcycle``, or any causal LM that ``AutoModelForCausalLM``
+loads once :mod:`attnres.hf` is imported, with the directory's own tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+__all__ = ["DirectoryText", "load_directory"]
+
+
+class DirectoryText:
+    """The directory's tokenizer as :func:`attnres.inference.stream_transformers`' caller
+    uses one: ``encode`` adds what the tokenizer adds to a text (a Llama's beginning of
+    sequence), ``decode`` leaves special tokens out; ``stop_ids``, the model's end-of-sequence
+    ids (none for attnres's exports: their models learnt no end of text)."""
+
+    def __init__(self, tokenizer, stop_ids: tuple[int, ...]) -> None:
+        self.tokenizer, self.stop_ids = tokenizer, stop_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Module, DirectoryText]:
+    """``(model, text)`` of the transformers directory ``path``: the model in eval mode on
+    ``device``, and its tokenizer. Raises ``ValueError`` when either does not load."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path).eval().to(device)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(path)!r}: transformers cannot load its model: {e}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{str(path)!r}: transformers cannot load its tokenizer: {e}") from None
+    eos = model.generation_config.eos_token_id
+    stop_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    return model, DirectoryText(tokenizer, stop_ids)
