@@ -252,20 +252,20 @@ def _generate_and_eval_run_the_family_model(run, exported, cli_main):
     from attnres.hf.evaluate import perplexity
     from attnres.inference import load_run, load_tokenizer
 
-    capsys_out = io.StringIO()
-    with contextlib.redirect_stdout(capsys_out):
+    from_run = io.StringIO()
+    with contextlib.redirect_stdout(from_run):
         assert cli_main(["generate", str(run), "--prompt", "the quick", "--max-new-tokens", "6",
                          "--temperature", "0"]) == 0
     model = AutoModelForCausalLM.from_pretrained(exported).eval()
     tok = AutoTokenizer.from_pretrained(exported)
     prompt = tok("the quick", return_tensors="pt")
     want = model.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1]:]
-    assert len(want) == 6 and capsys_out.getvalue() == tok.decode(want) + "\n"
+    assert len(want) == 6 and from_run.getvalue() == tok.decode(want) + "\n"
     from_directory = io.StringIO()  # the exported directory itself: the same text
     with contextlib.redirect_stdout(from_directory):
         assert cli_main(["generate", str(exported), "--prompt", "the quick", "--max-new-tokens", "6",
                          "--temperature", "0"]) == 0
-    assert from_directory.getvalue() == capsys_out.getvalue()
+    assert from_directory.getvalue() == from_run.getvalue()
     with pytest.raises(SystemExit, match="decodes over its own cache: --chunk-size and --decode static"):
         cli_main(["generate", str(run), "--prompt", "the", "--decode", "static"])
     assert cli_main(["eval", str(run), "--tasks", "none", "--out", str(run / "eval.json")]) == 0

@@ -13,7 +13,8 @@ from typing import Any
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
-__all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "set_aside_newer", "verify_checkpoint"]
+__all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "set_aside_newer",
+           "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"

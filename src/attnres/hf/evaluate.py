@@ -32,7 +32,6 @@ from torch import nn
 from ..data.tokenizer import Tokenizer
 from ..progress import progress_bar
 from ..models.factory import context_limit
-from ..models.lm import AttnResLM
 
 LOCAL_TASKS = ("attnres_ppl", "attnres_cloze")
 CLOZE_CHOICES = 4
@@ -44,13 +43,14 @@ PERPLEXITY_BATCH_TOKENS = 4096
 
 
 @torch.inference_mode()
-def perplexity(model: AttnResLM | nn.Module, tokenizer: Tokenizer, text: str, seq_len: int | None = None,
+def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int | None = None,
                progress: bool = False) -> dict:
-    """Next-token loss of ``model`` (an :class:`AttnResLM` or a transformers causal LM) on ``text`` in windows of ``seq_len + 1`` tokens that
-    overlap by one, so every token but the first is predicted exactly once (from at most
-    ``seq_len`` tokens of context). Windows of the same length run in batches of about
-    :data:`PERPLEXITY_BATCH_TOKENS` tokens (one token of context per window would otherwise
-    be one forward pass per token); ``progress``: a bar over the tokens.
+    """Next-token loss of ``model`` (an ``AttnResLM`` or a transformers causal LM) on ``text``
+    in windows of ``seq_len + 1`` tokens that overlap by one, so every token but the first is
+    predicted exactly once (from at most ``seq_len`` tokens of context). Windows of the same
+    length run in batches of about :data:`PERPLEXITY_BATCH_TOKENS` tokens (one token of
+    context per window would otherwise be one forward pass per token); ``progress``: a bar
+    over the tokens.
 
     Returns ``tokens`` (predicted), ``bytes`` (UTF-8 bytes of the predicted text),
     ``loss`` (nats per token), ``perplexity`` and ``bits_per_byte``

@@ -90,8 +90,9 @@ def byte_level_tokenizer():
 def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, no
     special tokens (no end-of-sequence and no padding token: module docstring), padding on
-    the left, the plain-text :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's ``max_seq_len``)
-    when given: every text encodes to our tokenizer's ids, and every id decodes to its text."""
+    the left, the plain-text :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's
+    ``max_seq_len``) when given: every text encodes to our tokenizer's ids, and every id
+    decodes to its text."""
     if isinstance(tokenizer, BPETokenizer):
         rust = tokenizer.backend
     elif isinstance(tokenizer, ByteTokenizer):
