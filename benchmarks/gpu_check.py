@@ -28,8 +28,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    Block's partial sum itself - forward and backward) at
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
    byte bound (every input read once, every output written once, at the datasheet
-   bandwidth), also at the other launch settings of ``SWEEPS`` (Phase 1's tiles, the
-   merge's warps); the host time of a merge call (forward + backward, and forward alone)
+   bandwidth), also at the other launch settings of ``SWEEPS`` (Phase 1's tiles, Phase 1
+   as one program per row, the merge's warps); the host time of a merge call (forward + backward, and forward alone)
    against the standard model's add + RMSNorm at one token, with the part of it inside
    Triton's launcher; one Block AttnRes block against the peers that run the shape
    (bench_kernels_gpu.py's adapters).
@@ -224,10 +224,12 @@ def op_calls(z: Sizes, device: str, dtype: torch.dtype | None = None, impl=None,
 
 
 #: Launch settings timed beside the defaults (``triton_impl.FORCED``), by the operations they
-#: change: Phase 1's tile widths, and the merge programs' warps (8 at d = 2048; on sm_80
-#: Triton 3.6 spills 32 bytes in one fp32 variant at 8 and none at 16). The next change of a
-#: default is read off these.
+#: change: Phase 1's tile widths, Phase 1 as one program per row (the kernels the H200 run
+#: measured, before those over blocks of rows), and the merge programs' warps (8 at
+#: d = 2048; on sm_80 Triton 3.6 spills 32 bytes in one fp32 variant at 8 and none at 16).
+#: The next change of a default is read off these.
 SWEEPS = {"block_d": ((64, 256), ("phase1_fwd", "phase1_bwd")),
+          "phase1_rows": ((False,), ("phase1_fwd", "phase1_bwd")),
           "merge_warps": ((4, 16), ("merge_fwd", "merge_bwd", "merge_add_fwd", "merge_add_bwd"))}
 
 
@@ -248,6 +250,14 @@ def forced(setting: str, value: int | bool) -> Iterator[None]:
         yield
     finally:
         triton_impl.FORCED[setting] = None
+
+
+@contextmanager
+def phase1_in_one_kernel() -> Iterator[None]:
+    """Phase 1's forward as one program per row (``phase1_fwd``) at any number of rows: not
+    split over the sources (decoding) nor over blocks of rows."""
+    with forced("phase1_split", False), forced("phase1_rows", False):
+        yield
 
 
 def sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict, peak: float) -> dict:
@@ -700,11 +710,11 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
 
                 steps[f"{name}|eager"], steps[f"{name}|graphed"] = eager, graphed
             if "block" in models:  # (the split Phase-1 forward's effect: Block's step without it)
-                with forced("phase1_split", False):  # (captured so; eager, each step so)
+                with phase1_in_one_kernel():  # (captured so; eager, each step so)
                     _, one_kernel_decoder = loaded_caches(models["block"], batch, z, device, dtype, static_mode)
 
                 def one_kernel(decoder=one_kernel_decoder):
-                    with forced("phase1_split", False):
+                    with phase1_in_one_kernel():
                         decoder.step(tokens)
                     decoder.rewind(z.seq)
 
@@ -909,16 +919,17 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
     settings, a peer name its block at the op shape. (``device``: the tests run ``sweeps``
     under the interpreter.)"""
     if what == "models":  # the training steps' (float32 and bf16 stream) and the decode step's variants
-        small = Sizes(**{**asdict(z), "seq": 16, "batch": 1})
+        # (48 rows: over a decoding step's few, Phase 1 runs the training step's kernels)
+        small = Sizes(**{**asdict(z), "seq": 48, "batch": 1})
         models = build_models(small, "cuda")
-        ids = torch.randint(0, small.vocab, (1, 16), device="cuda")
+        ids = torch.randint(0, small.vocab, (1, small.seq), device="cuda")
         for step in train_steps(models, ids, "cuda").values():
             step()
         for model in models.values():
             model.to(torch.bfloat16)
             _, cache = prefill(model, ids)
             decode_step(model, cache, ids[:, -1])
-            with forced("phase1_split", False):  # (the decode part's one-kernel variant)
+            with phase1_in_one_kernel():  # (the decode part's one-kernel variant)
                 decode_step(model, cache, ids[:, -1])
         for step in train_steps(models, ids, "cuda").values():  # (train_bf16's variants)
             step()

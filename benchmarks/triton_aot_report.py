@@ -141,7 +141,9 @@ def problems(row: dict) -> list[str]:
     """What fails a variant: a spill, shared memory over its target's limit, or a backward
     kernel leaving fewer than :data:`MIN_BACKWARD_WARPS` warps resident."""
     bad = []
-    if row["kernel"] in ("phase1_bwd", "phase1_dq", "merge_bwd") and row["resident_warps"] < MIN_BACKWARD_WARPS:
+    from attnres.ops.depth_attention.triton_launch import BACKWARD_KERNELS
+
+    if row["kernel"] in BACKWARD_KERNELS and row["resident_warps"] < MIN_BACKWARD_WARPS:
         bad.append(f"{row['resident_warps']} resident warps per multiprocessor (< {MIN_BACKWARD_WARPS})")
     if row["spill_stores"] or row["spill_loads"]:
         bad.append(f"spills {row['spill_stores']} B stored / {row['spill_loads']} B loaded")
@@ -152,9 +154,11 @@ def problems(row: dict) -> list[str]:
 
 
 def _shape(r: dict) -> str:
-    """The variant's tuple counts and block: ``S=8 n=9, 8x256`` / ``k=1 c=1, row 2048``."""
+    """The variant's tuple counts and block: ``S=8 n=9, 8x256`` / ``S=2 n=2, 4x2x128`` (rows x
+    queries x tile) / ``k=1 c=1, row 2048``."""
     counts = " ".join(f"{k}={v}" for k, v in r["counts"].items())
-    block = f"{r['S_PAD']}x{r['BLOCK_D']}" if "BLOCK_D" in r else f"row {r['D_PAD']}"
+    rows = f"{r['ROWS']}x" if "ROWS" in r and "S" not in r else ""  # (phase1_dq's ROWS: rows an iteration)
+    block = f"{rows}{r['S_PAD']}x{r['BLOCK_D']}" if "BLOCK_D" in r else f"row {r['D_PAD']}"
     return f"{counts}, {block}"
 
 

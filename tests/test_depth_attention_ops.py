@@ -543,7 +543,8 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     from attnres.ops.depth_attention import triton_impl, triton_kernels
 
     launches: list[str] = []
-    for name in ("phase1_fwd", "phase1_logits", "phase1_combine", "phase1_bwd", "phase1_dq", "merge_fwd", "merge_bwd"):
+    for name in ("phase1_fwd", "phase1_logits", "phase1_combine", "phase1_bwd", "phase1_dq", "phase1_logits_rows",
+                 "phase1_bwd_rows", "phase1_grads", "merge_fwd", "merge_bwd"):
         monkeypatch.setattr(triton_kernels, name, _StubKernel(name, launches))
     g = torch.Generator().manual_seed(0)
     d, S = 64, 8
@@ -572,15 +573,22 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
                                                               [grad, grad]), launches)
     assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd", "aten.sum"}, backward
     # Phase 1 of S queries over 3 sources: 20 rows (decoding's few) split over the sources,
-    # two kernels; one kernel otherwise
+    # two kernels; over blocks of rows otherwise (many rows), two kernels; or one program per
+    # row, one kernel. Its backward: two kernels and one sum either way.
     qs, sources = phase1_inputs((4, 5), d, S, 3, torch.float32)
     forward = _device_operations(lambda: result.update(p1=library.phase1(qs, sources, 1e-6, "triton")), launches)
     assert forward == ["triton.phase1_logits", "triton.phase1_combine"], forward
     monkeypatch.setitem(triton_impl.FORCED, "phase1_split", False)
     forward = _device_operations(lambda: result.update(p1=library.phase1(qs, sources, 1e-6, "triton")), launches)
-    assert forward == ["triton.phase1_fwd"], forward
+    assert forward == ["triton.phase1_logits_rows", "triton.phase1_combine"], forward
     outs, lse1 = result["p1"]
     grads = [torch.randn(o.shape, generator=g) for o in outs] + [torch.randn(lse1.shape, generator=g)]
+    backward = _device_operations(lambda: torch.autograd.grad([*outs, lse1], [qs, *sources], grads), launches)
+    assert sorted(backward) == ["aten.sum", "triton.phase1_bwd_rows", "triton.phase1_grads"], backward
+    monkeypatch.setitem(triton_impl.FORCED, "phase1_rows", False)
+    forward = _device_operations(lambda: result.update(p1=library.phase1(qs, sources, 1e-6, "triton")), launches)
+    assert forward == ["triton.phase1_fwd"], forward
+    outs, lse1 = result["p1"]
     backward = _device_operations(lambda: torch.autograd.grad([*outs, lse1], [qs, *sources], grads), launches)
     assert len(backward) <= 3 and set(backward) <= {"triton.phase1_bwd", "triton.phase1_dq", "aten.sum"}, backward
 
@@ -676,6 +684,7 @@ def test_phase1_split_over_sources_equals_one_kernel_and_the_truth(rows, d, S, n
     from attnres.ops.depth_attention import triton_impl, triton_launch
 
     assert triton_launch.phase1_splits(rows) and triton_launch.phase1_unrolls(n) == (n <= 16)
+    monkeypatch.setitem(triton_impl.FORCED, "phase1_rows", False)  # (unsplit: the one kernel)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     g = torch.Generator().manual_seed(0)
     qg = torch.randn(S, d, generator=g, dtype=compute).to(device)
@@ -691,6 +700,45 @@ def test_phase1_split_over_sources_equals_one_kernel_and_the_truth(rows, d, S, n
     tol = 1e-12 if dtype == torch.float64 else TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
     for a, b in zip(results[True], [*want_outs, want_lse]):
         assert_rel_close(a.cpu().double(), b, tol)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("rows, d, S, n, dtype", [(37, 40, 3, 4, torch.float32), (50, 64, 8, 9, torch.bfloat16),
+                                                  (33, 33, 17, 2, torch.float64), (35, 24, 5, 19, torch.float32),
+                                                  (40, 20, 1, 1, torch.float32), (34, 48, 2, 16, torch.bfloat16)])
+def test_phase1_over_blocks_of_rows_equals_one_program_per_row_and_the_truth(rows, d, S, n, dtype, monkeypatch):
+    """Phase 1 over many rows runs over blocks of rows (``phase1_logits_rows`` +
+    ``phase1_combine``; backward ``phase1_bwd_rows`` + ``phase1_grads``): its outputs and every
+    gradient (the queries', each source's; one query's gradient absent, the log-sum-exps'
+    present) against the float64 truth within the dtype's tolerance, as one program per row
+    (``phase1_fwd``, ``phase1_bwd`` + ``phase1_dq``) is: rows that do not fill the last block,
+    odd ``d``, padded queries, one source to the most unrolled, and more (a loop over them)."""
+    device = triton_device()
+    from attnres.ops.depth_attention import triton_impl, triton_launch
+
+    assert not triton_launch.phase1_splits(rows)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(0)
+    qg = torch.randn(S, d, generator=g, dtype=compute)
+    sources = [torch.randn(rows, d, generator=g, dtype=compute).to(dtype) for _ in range(n)]
+    g_outs = [None if s == 0 and S > 1 else torch.randn(rows, d, generator=g, dtype=compute).to(dtype)
+              for s in range(S)]
+    g_lse = torch.randn(rows, S, generator=g, dtype=compute)
+    want_outs, want_lse = torch_impl.phase1_forward(qg.double(), [x.double() for x in sources], 1e-6)
+    want_gq, want_gx = torch_impl.phase1_backward(
+        qg.double(), want_lse, [x.double() for x in sources], [None if t is None else t.double() for t in g_outs],
+        g_lse.double(), 1e-6, True, [True] * n)
+    tol = OP_TOL_BF16 if dtype == torch.bfloat16 else TOL[dtype]
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    for over_rows in (True, False):
+        monkeypatch.setitem(triton_impl.FORCED, "phase1_rows", over_rows)
+        outs, lse = triton_impl.phase1_forward(qg.to(device), [on(x) for x in sources], 1e-6)
+        g_q, g_x = triton_impl.phase1_backward(qg.to(device), lse, [on(x) for x in sources], [on(t) for t in g_outs],
+                                               on(g_lse), 1e-6, True, [True] * n)
+        for what, a, b in [("lse", lse, want_lse), ("queries' gradient", g_q, want_gq),
+                           *((f"output {s}", o, w) for s, (o, w) in enumerate(zip(outs, want_outs))),
+                           *((f"source {j}'s gradient", x, w) for j, (x, w) in enumerate(zip(g_x, want_gx)))]:
+            assert_rel_close(a.cpu().double(), b, tol, f"{what} (over rows: {over_rows})")
 
 
 @pytest.mark.triton

@@ -36,7 +36,7 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path
     assert {r["dtype"] for r in rows} == set(triton_launch.DTYPES)
     for r in rows:
         assert r["registers"] > 0 and r["spill_stores"] == r["spill_loads"] == 0, r
-        if r["kernel"] in ("phase1_bwd", "phase1_dq", "merge_bwd"):  # latency-bound below 16 warps per SM
+        if r["kernel"] in triton_launch.BACKWARD_KERNELS:  # latency-bound below 16 warps per SM
             assert r["resident_warps"] >= 16, r
 
 
@@ -98,6 +98,18 @@ def test_launch_geometry():
         assert programs <= cap and programs * per >= rows and (programs - 1) * per < rows
     tiles, programs, per = L.dq_grid(8192, 2048, 128, 132)
     assert tiles == 16 and tiles * programs >= 132 * L.PROGRAMS_PER_SM and programs * per >= 8192
+    # ... and of phase1_grads: each program's rows a whole number of its blocks of rows
+    for rows, multiple in [(8192, 2), (37, 4), (5, 8), (1, 1)]:
+        tiles, programs, per = L.dq_grid(rows, 2048, 128, 132, multiple=multiple)
+        assert per % multiple == 0 and programs * per >= rows and (programs - 1) * per < rows
+    # Phase 1 over blocks of rows: ROWS x S_PAD x BLOCK_D within the budget, tiles up to 128
+    assert L.phase1_rows_geometry(2048, 8) == (1, 128) and L.phase1_rows_geometry(2048, 2) == (4, 128)
+    assert L.phase1_rows_geometry(2048, 64) == (1, 16) and L.phase1_rows_geometry(20, 3) == (8, 32)
+    assert L.phase1_rows_geometry(2048, 2, wide=True) == (2, 128)
+    assert L.phase1_rows_geometry(37, 3, block_d=16) == (16, 16)
+    for d, S in [(1, 1), (37, 17), (4096, 33), (2048, 64)]:
+        rows, tile = L.phase1_rows_geometry(d, S)
+        assert rows * L.pad(S) * tile <= L.ROWS_TILE_ELEMENTS and 1 <= rows <= L.MAX_ROWS and tile <= L.ROWS_TILE
 
 
 def test_resident_warps_follow_the_occupancy_rules():

@@ -21,9 +21,9 @@ from torch import Tensor
 
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
-from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, merge_fits, merge_warps, pad, phase1_combine_tile,
-                            phase1_fits, phase1_forward_geometry, phase1_splits, phase1_tile, phase1_unrolls,
-                            phase1_warps, row_pad)
+from .triton_launch import (DQ_ROWS, ROWS_WARPS, backward_programs, dq_grid, merge_fits, merge_warps, pad,
+                            phase1_combine_tile, phase1_fits, phase1_forward_geometry, phase1_rows_geometry,
+                            phase1_splits, phase1_tile, phase1_unrolls, phase1_warps, row_pad)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -32,8 +32,15 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: Launch geometry forced by the tests and the GPU check's sweeps (``block_d``: Phase 1's
 #: tile; ``programs``: the programs over rows of the merge's backward and of the queries'
 #: gradient; ``merge_warps``: the merge programs' warps; ``phase1_split``: whether Phase 1's
-#: forward runs split over sources, where it can); ``None``: :mod:`.triton_launch` chooses.
-FORCED = {"block_d": None, "programs": None, "merge_warps": None, "phase1_split": None}
+#: forward runs split over sources, where it can; ``phase1_rows``: whether Phase 1 over many
+#: rows runs over blocks of rows, else one program per row); ``None``: :mod:`.triton_launch`
+#: chooses.
+FORCED = {"block_d": None, "programs": None, "merge_warps": None, "phase1_split": None, "phase1_rows": None}
+
+
+def _over_rows() -> bool:
+    """Whether Phase 1 over more rows than a decoding step's runs over blocks of rows."""
+    return FORCED["phase1_rows"] is None or FORCED["phase1_rows"]
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:
@@ -105,10 +112,16 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[l
         block, warps = phase1_forward_geometry(rows, d, S, FORCED["block_d"], wide)
         q, srcs = _as(qg, compute), tuple(_c(x) for x in sources)
         split = phase1_splits(rows) if FORCED["phase1_split"] is None else FORCED["phase1_split"]
-        if split:
+        if split or _over_rows():
             z = torch.empty((rows, S, n), dtype=compute, device=x0.device)
-            triton_kernels.phase1_logits[(rows, n)](q, srcs, z, S, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
-                                                    N_PAD=pad(n), num_warps=warps)
+            if split:
+                triton_kernels.phase1_logits[(rows, n)](q, srcs, z, S, d, float(eps), BLOCK_D=block, S_PAD=pad(S),
+                                                        N_PAD=pad(n), num_warps=warps)
+            else:
+                block_rows, block = phase1_rows_geometry(d, S, wide, FORCED["block_d"])
+                triton_kernels.phase1_logits_rows[(-(-rows // block_rows),)](
+                    q, srcs, z, rows, S, d, float(eps), UNROLL=phase1_unrolls(n), ROWS=block_rows, BLOCK_D=block,
+                    S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
             tile = phase1_combine_tile(d, S, wide)
             triton_kernels.phase1_combine[(rows, -(-d // tile))](z, srcs, outs, lse, S, d, BLOCK_D=tile, S_PAD=pad(S),
                                                                  N_PAD=pad(n), UNROLL=phase1_unrolls(n), num_warps=4)
@@ -129,9 +142,11 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
     present = sum(1 << s for s, g in enumerate(g_outs) if g is not None)
     gouts = tuple(x0 if g is None else _c(_as(g, x0.dtype)) for g in g_outs)  # (absent: never read)
     g_src = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=x0.device) for _ in range(n))
-    w = torch.empty((rows, n, S), dtype=compute, device=x0.device) if needs_qg else lse
     g_qg = None
-    if rows:
+    if rows and _over_rows():
+        g_qg = _phase1_backward_rows(q, lse, g_lse, srcs, gouts, g_src, present, eps, rows, d, needs_qg)
+    elif rows:
+        w = torch.empty((rows, n, S), dtype=compute, device=x0.device) if needs_qg else lse
         block = phase1_tile(d, S, FORCED["block_d"], compute == torch.float64)
         glse = lse if g_lse is None else _c(_as(g_lse, compute))
         triton_kernels.phase1_bwd[(rows,)](
@@ -148,6 +163,29 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
     if g_qg is not None:
         g_qg = _as(g_qg, qg.dtype)
     return g_qg, [g if need else None for g, need in zip(g_src, needs_sources)]
+
+
+def _phase1_backward_rows(q, lse, g_lse, srcs, gouts, g_src, present: int, eps: float, rows: int, d: int,
+                          needs_qg: bool) -> Tensor | None:
+    """Phase 1's backward over blocks of rows (``phase1_bwd_rows``, then ``phase1_grads``):
+    fills ``g_src`` and returns the queries' gradient (in the compute dtype) if needed."""
+    S, n, compute, dev = q.shape[0], len(srcs), q.dtype, q.device
+    wide, unroll = compute == torch.float64, phase1_unrolls(n)
+    block_rows, block = phase1_rows_geometry(d, S, wide, FORCED["block_d"])
+    p, w = (torch.empty((rows, n, S), dtype=compute, device=dev) for _ in range(2))
+    c = torch.empty((rows, n), dtype=compute, device=dev)
+    glse = lse if g_lse is None else _c(_as(g_lse, compute))
+    triton_kernels.phase1_bwd_rows[(-(-rows // block_rows),)](
+        q, _c(lse), glse, srcs, gouts, p, w, c, rows, d, float(eps), present, HAS_GLSE=g_lse is not None,
+        UNROLL=unroll, ROWS=block_rows, BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
+    tiles, programs, per = dq_grid(rows, d, block, _sms(dev), FORCED["programs"], block_rows)
+    pq = torch.empty((programs, S, d), dtype=compute, device=dev)
+    triton_kernels.phase1_grads[(tiles, programs)](
+        q, p, w, c, srcs, gouts, g_src, pq, rows, d, per, present, UNROLL=unroll, ROWS=block_rows, BLOCK_D=block,
+        S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
+    if not needs_qg:
+        return None
+    return pq.sum(0) if programs > 1 else pq[0]
 
 
 # ----------------------------------------------------------------------------------------

@@ -325,6 +325,184 @@ def phase1_dq(W, Srcs, PQ, rows, d, rows_per_program, S: tl.constexpr, ROWS: tl.
 
 
 # ----------------------------------------------------------------------------------------
+# Phase 1 over blocks of rows (many rows: training, prefill)
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _add_to_source(block, js, j, values):
+    """``block [..., N_PAD]`` with ``values [...]`` added to its source ``j``."""
+    return tl.where(js == j, block + tl.expand_dims(values, len(values.shape)), block)
+
+
+@triton.jit
+def _rows_source(src, rows_at, rmask, cols, cmask, q, g, HAS_G: tl.constexpr):
+    """One source's tile ``[ROWS, BLOCK_D]`` (``src``: its data pointer; ``rows_at``: the
+    rows' offsets ``row * d``): its sums of squares ``[ROWS]``, its products with the query
+    tile ``q [S_PAD, BLOCK_D]`` and (``HAS_G``) with the gradients' tile ``g [ROWS, S_PAD,
+    BLOCK_D]``, each ``[ROWS, S_PAD]``."""
+    dt = q.dtype
+    x = tl.load(src + rows_at[:, None] + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(dt)
+    xq = tl.sum(x[:, None, :] * q[None, :, :], axis=2)
+    xg = tl.sum(x[:, None, :] * g, axis=2) if HAS_G else xq
+    return tl.sum(x * x, axis=1), xq, xg
+
+
+@triton.jit
+def _rows_stats(Q, Srcs, Gs, gmask, rows_at, rmask, d, qs, qmask, js, HAS_G: tl.constexpr, UNROLL: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """One pass over a block of ``ROWS`` rows (offsets ``rows_at``): each source's sums of
+    squares ``[ROWS, N_PAD]``, its dot products with the ``S`` queries and (``HAS_G``) with
+    the rows' ``S`` gradients (base pointers ``Gs [S_PAD]``, present where ``gmask``), each
+    ``[ROWS, S_PAD, N_PAD]``. ``d`` in tiles, the sources inside a tile: a tile of the
+    queries (and of the gradients) is read once for all the block's rows and sources, each
+    source's tile once (``UNROLL``: the sources unrolled, their loads independent)."""
+    dt = Q.dtype.element_ty
+    xx = tl.zeros([ROWS, N_PAD], dt)
+    xq = tl.zeros([ROWS, S_PAD, N_PAD], dt)
+    xg = tl.zeros([ROWS, S_PAD, N_PAD], dt)
+    srcs = _addresses(Srcs, js)
+    for start in range(0, d, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        cmask = cols < d
+        q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
+        g = q[None, :, :]
+        if HAS_G:
+            g = tl.load(Gs[None, :, None] + rows_at[:, None, None] + cols[None, None, :],
+                        mask=rmask[:, None, None] & gmask[None, :, None] & cmask[None, None, :], other=0.0).to(dt)
+        if UNROLL:
+            for j in tl.static_range(len(Srcs)):
+                sq, aq, ag = _rows_source(Srcs[j], rows_at, rmask, cols, cmask, q, g, HAS_G)
+                xx, xq = _add_to_source(xx, js, j, sq), _add_to_source(xq, js, j, aq)
+                if HAS_G:
+                    xg = _add_to_source(xg, js, j, ag)
+        else:
+            for j in range(len(Srcs)):
+                src = _pointer(srcs, js, j, Srcs[0])
+                sq, aq, ag = _rows_source(src, rows_at, rmask, cols, cmask, q, g, HAS_G)
+                xx, xq = _add_to_source(xx, js, j, sq), _add_to_source(xq, js, j, aq)
+                if HAS_G:
+                    xg = _add_to_source(xg, js, j, ag)
+    return xx, xq, xg
+
+
+@triton.jit
+def phase1_logits_rows(Q, Srcs, Z, rows, S, d, eps, UNROLL: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """The forward's first half over many rows: program ``b`` reads rows ``b * ROWS ...`` of
+    every source once and writes their logits ``Z[row, s, j] = r_j (x_j . q_s)``
+    (``Z [rows, S, n]``), which ``phase1_combine`` turns into the weighted sums."""
+    n: tl.constexpr = len(Srcs)
+    ridx = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = ridx < rows
+    qs = tl.arange(0, S_PAD)
+    qmask = qs < S
+    js = tl.arange(0, N_PAD)
+    xx, xq, _ = _rows_stats(Q, Srcs, qs, qmask, ridx * d, rmask, d, qs, qmask, js, False, UNROLL, ROWS, BLOCK_D,
+                            S_PAD, N_PAD)
+    r = 1.0 / tl.sqrt(xx / d + eps)
+    valid = rmask[:, None, None] & qmask[None, :, None] & (js[None, None, :] < n)
+    tl.store(Z + (ridx[:, None, None] * S + qs[None, :, None]) * n + js[None, None, :], xq * r[:, None, :],
+             mask=valid)
+
+
+@triton.jit
+def phase1_bwd_rows(Q, LSE, GLse, Srcs, GOuts, P, W, C, rows, d, eps, g_present, HAS_GLSE: tl.constexpr,
+                    UNROLL: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
+                    N_PAD: tl.constexpr):
+    """The backward's first half over many rows: program ``b`` reads its ``ROWS`` rows of the
+    sources and of the ``S`` gradients ``GOuts`` once (bit ``s`` of ``g_present`` unset:
+    absent, read as zero) and writes each row's weights ``P [rows, n, S] = p``, logit
+    gradients ``W [rows, n, S] = dz r`` and ``C [rows, n] = r^2 sum_s dz z / d`` (the
+    formulas of ``phase1_bwd``), from which ``phase1_grads`` forms every gradient."""
+    dt = Q.dtype.element_ty
+    S: tl.constexpr = len(GOuts)
+    n: tl.constexpr = len(Srcs)
+    ridx = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = ridx < rows
+    qs = tl.arange(0, S_PAD)
+    qmask = qs < S
+    js = tl.arange(0, N_PAD)
+    gmask = qmask & (((g_present >> qs) & 1) == 1)
+    xx, xq, xg = _rows_stats(Q, Srcs, _bases(GOuts, qs), gmask, ridx * d, rmask, d, qs, qmask, js, True, UNROLL,
+                             ROWS, BLOCK_D, S_PAD, N_PAD)
+    r = 1.0 / tl.sqrt(xx / d + eps)  # [ROWS, N_PAD]
+    z = xq * r[:, None, :]
+    at = ridx[:, None] * S + qs[None, :]
+    lse = tl.load(LSE + at, mask=rmask[:, None] & qmask[None, :], other=0.0)
+    valid = rmask[:, None, None] & qmask[None, :, None] & (js[None, None, :] < n)
+    p = tl.where(valid, tl.exp(z - lse[:, :, None]), 0.0)
+    shift = tl.sum(p * xg, axis=2)  # g_s . out_s
+    if HAS_GLSE:
+        shift -= tl.load(GLse + at, mask=rmask[:, None] & qmask[None, :], other=0.0)
+    dz = p * (xg - shift[:, :, None])
+    coef = r * r * tl.sum(dz * z, axis=1) / d
+    by_source = (ridx[:, None, None] * n + js[None, None, :]) * S + qs[None, :, None]
+    tl.store(P + by_source, p.to(dt), mask=valid)
+    tl.store(W + by_source, dz * r[:, None, :], mask=valid)
+    tl.store(C + ridx[:, None] * n + js[None, :], coef, mask=rmask[:, None] & (js[None, :] < n))
+
+
+@triton.jit
+def _grads_source(src, gsrc, j, rows_at, rmask, cols, cmask, at, S, q, g, P, W, C, qs, qmask, acc):
+    """Source ``j``'s gradient on a block of rows and tile of ``d``, written once, and the
+    block's contribution ``sum_rows W[row, j]^T x_j`` added to the queries' gradient ``acc``."""
+    dt = q.dtype
+    rs = rmask[:, None] & qmask[None, :]
+    p = tl.load(P + (at[:, None] + j) * S + qs[None, :], mask=rs, other=0.0)  # [ROWS, S_PAD]
+    w = tl.load(W + (at[:, None] + j) * S + qs[None, :], mask=rs, other=0.0)
+    c = tl.load(C + at + j, mask=rmask, other=0.0)
+    xmask = rmask[:, None] & cmask[None, :]
+    x = tl.load(src + rows_at[:, None] + cols[None, :], mask=xmask, other=0.0).to(dt)
+    acc += tl.sum(w[:, :, None] * x[:, None, :], axis=0)
+    gx = tl.sum(p[:, :, None] * g + w[:, :, None] * q[None, :, :], axis=1) - c[:, None] * x
+    tl.store(gsrc + rows_at[:, None] + cols[None, :], gx.to(gsrc.dtype.element_ty), mask=xmask)
+    return acc
+
+
+@triton.jit
+def phase1_grads(Q, P, W, C, Srcs, GOuts, GSrcs, PQ, rows, d, rows_per_program, g_present, UNROLL: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
+    """The backward's second half: program ``(t, b)`` walks its range of rows in blocks of
+    ``ROWS`` at tile ``t`` of ``d``, reading the sources' and the gradients' tiles once:
+    each source's gradient ``d x_j = sum_s p_sj g_s + sum_s w_sj q_s - c_j x_j`` written once,
+    and the queries' gradient ``sum_rows sum_j W[row, j]^T x_j`` summed in registers, written
+    as the program's row of ``PQ [programs, S, d]`` (added afterwards: no atomics)."""
+    dt = Q.dtype.element_ty
+    S: tl.constexpr = len(GOuts)
+    n: tl.constexpr = len(Srcs)
+    pid = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    qs = tl.arange(0, S_PAD)
+    qmask = qs < S
+    js = tl.arange(0, N_PAD)
+    gmask = qmask & (((g_present >> qs) & 1) == 1)
+    gbases = _bases(GOuts, qs)
+    q = tl.load(Q + qs[:, None] * d + cols[None, :], mask=qmask[:, None] & cmask[None, :], other=0.0).to(dt)
+    srcs = _addresses(Srcs, js)
+    gsrcs = _addresses(GSrcs, js)
+    acc = tl.zeros([S_PAD, BLOCK_D], dt)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, rows)
+    for r0 in range(first, last, ROWS):
+        ridx = tl.cast(r0, tl.int64) + tl.arange(0, ROWS)
+        rmask = ridx < last
+        rows_at = ridx * d
+        g = tl.load(gbases[None, :, None] + rows_at[:, None, None] + cols[None, None, :],
+                    mask=rmask[:, None, None] & gmask[None, :, None] & cmask[None, None, :], other=0.0).to(dt)
+        if UNROLL:
+            for j in tl.static_range(n):
+                acc = _grads_source(Srcs[j], GSrcs[j], j, rows_at, rmask, cols, cmask, ridx * n, S, q, g, P, W, C,
+                                    qs, qmask, acc)
+        else:
+            for j in tl.range(n, num_stages=1):
+                acc = _grads_source(_pointer(srcs, js, j, Srcs[0]), _pointer(gsrcs, js, j, GSrcs[0]), j, rows_at,
+                                    rmask, cols, cmask, ridx * n, S, q, g, P, W, C, qs, qmask, acc)
+    tl.store(PQ + (pid * S + qs[:, None]) * d + cols[None, :], acc, mask=qmask[:, None] & cmask[None, :])
+
+
+# ----------------------------------------------------------------------------------------
 # The merge: alpha = softmax(z, zc), h = sum_j alpha_j x_j, RMSNorm(h)
 # ----------------------------------------------------------------------------------------
 

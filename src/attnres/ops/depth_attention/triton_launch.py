@@ -13,8 +13,14 @@ test (``tests/test_triton_aot.py``) and ``benchmarks/triton_aot_report.py`` comp
   launches, ``phase1_logits`` over (row, source) and ``phase1_combine`` over (row, tile of
   ``d``, :func:`phase1_combine_tile`; a few sources unrolled, :func:`phase1_unrolls`), so
   that a step's latency is not one program walking every source in turn.
-* **The queries' gradient** (``phase1_dq``): a grid of (tile of ``d``, range of rows) with
-  about :data:`PROGRAMS_PER_SM` programs per multiprocessor in all, each summing its rows.
+* **Phase 1 over blocks of rows** (many rows: training, prefill; :func:`phase1_rows_geometry`):
+  ``phase1_logits_rows`` (then ``phase1_combine``) and, backward, ``phase1_bwd_rows`` over
+  blocks of ``ROWS`` rows, then ``phase1_grads`` over (tile of ``d``, range of rows, about
+  :data:`PROGRAMS_PER_SM` programs per multiprocessor in all): a tile of the queries and of
+  the gradients is read once per block of rows, not once per row and source.
+* **The queries' gradient** (``phase1_dq``, beside ``phase1_bwd``): a grid of (tile of ``d``,
+  range of rows) with about :data:`PROGRAMS_PER_SM` programs per multiprocessor in all, each
+  summing its rows.
 * **The merge** (``merge_fwd``, ``merge_bwd``): the whole row in registers (``D_PAD``, the
   next power of two of ``d``, at most :data:`MAX_ROW`), one warp per 256 elements of it (1
   to 16). The forward runs one program per row; the backward runs persistent programs,
@@ -47,6 +53,15 @@ SPLIT_ROWS = 32
 UNROLL_SOURCES = 16
 #: Largest ``S_PAD x BLOCK_D`` block of a ``phase1_combine`` program (4 warps).
 COMBINE_TILE_ELEMENTS = 4096
+#: Largest ``ROWS x S_PAD x BLOCK_D`` block of the kernels over blocks of rows (half in
+#: float64), their widest tile of ``d``, most rows, and their warps. (Triton 3.9: with 4
+#: warps, blocks of 4096 spilled in the backward's statistics and left 8 warps resident,
+#: of 1024 the gradients' kernel spilled over a loop of sources on sm_80; with 8 warps,
+#: blocks of 2048 spilled and left 8 warps resident.)
+ROWS_TILE_ELEMENTS = 1024
+ROWS_TILE = 128
+MAX_ROWS = 16
+ROWS_WARPS = 8
 #: Most queries one Phase-1 launch takes (``S_PAD``).
 MAX_QUERIES = 64
 #: Widest row the merge holds in registers (``D_PAD``): at 8192 its backward spills.
@@ -62,6 +77,9 @@ PROGRAMS_PER_SM = 8
 DQ_ROWS = 4
 #: Warps per multiprocessor the merge's backward programs fill (one wave of them).
 BACKWARD_WARPS_PER_SM = 16
+#: The backward kernels, latency-bound with fewer than 16 warps resident per multiprocessor
+#: (the ahead-of-time compile test holds them to it).
+BACKWARD_KERNELS = ("phase1_bwd", "phase1_dq", "phase1_bwd_rows", "phase1_grads", "merge_bwd")
 #: Storage dtypes of the sources (and results) the kernels take, each with its compute
 #: dtype (that of the logits, weights and statistics).
 DTYPES = {"fp32": "fp32", "bf16": "fp32", "fp16": "fp32", "fp64": "fp64"}
@@ -145,6 +163,23 @@ def phase1_combine_tile(d: int, S: int, wide: bool = False) -> int:
     return max(16, min(next_power_of_2(d), budget // pad(S)))
 
 
+def phase1_rows_geometry(d: int, S: int, wide: bool = False, block_d: int | None = None) -> tuple[int, int]:
+    """``(ROWS, BLOCK_D)`` of the Phase-1 kernels over blocks of rows: tiles of ``d`` up to
+    :data:`ROWS_TILE` wide (no wider than ``d`` needs; ``block_d`` forces it), as many rows
+    (a power of two, at most :data:`MAX_ROWS`) as keep ``ROWS x S_PAD x BLOCK_D`` within
+    :data:`ROWS_TILE_ELEMENTS` (half in float64); where one row's block is larger, a
+    narrower tile and one row."""
+    if d < 1:
+        raise ValueError(f"hidden size d must be >= 1, got {d}")
+    budget = ROWS_TILE_ELEMENTS // (2 if wide else 1)
+    if block_d is not None:
+        _check_power_of_2("block_d", block_d)
+        tile = block_d
+    else:
+        tile = max(16, min(next_power_of_2(d), ROWS_TILE, budget // pad(S)))
+    return max(1, min(MAX_ROWS, budget // (pad(S) * tile))), tile
+
+
 def phase1_warps(S: int) -> int:
     """Warps of a Phase-1 program over ``S`` queries: 4 (at 64 queries, 8 warps made ptxas
     cap the backward at 64 registers and spill on sm_80)."""
@@ -178,11 +213,16 @@ def row_ranges(rows: int, programs: int) -> tuple[int, int]:
     return -(-max(rows, 1) // per), per
 
 
-def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = None) -> tuple[int, int, int]:
-    """``(tiles of d, programs over rows, rows per program)`` of ``phase1_dq``
-    (``programs``: force the programs over rows)."""
+def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = None,
+            multiple: int = 1) -> tuple[int, int, int]:
+    """``(tiles of d, programs over rows, rows per program)`` of ``phase1_dq`` and
+    ``phase1_grads`` (``programs``: force the programs over rows; ``multiple``: each program's
+    rows a multiple of it, the blocks of rows it walks)."""
     tiles = -(-d // block_d)
     programs, per = row_ranges(rows, programs or max(1, -(-sms * PROGRAMS_PER_SM // tiles)))
+    if per % multiple:
+        per += multiple - per % multiple
+        programs = -(-max(rows, 1) // per)
     return tiles, programs, per
 
 
@@ -200,6 +240,15 @@ SIGNATURES = {
     "phase1_bwd": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*T[S]", "GSrcs:*T[n]", "W:*C", "d:i32",
                    "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "NEED_W:constexpr", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
+    "phase1_logits_rows": ["Q:*C", "Srcs:*T[n]", "Z:*C", "rows:i32", "S:i32", "d:i32", "eps:fp32",
+                           "UNROLL:constexpr", "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr",
+                           "N_PAD:constexpr"],
+    "phase1_bwd_rows": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*T[S]", "P:*C", "W:*C", "C:*C", "rows:i32",
+                        "d:i32", "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "UNROLL:constexpr",
+                        "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
+    "phase1_grads": ["Q:*C", "P:*C", "W:*C", "C:*C", "Srcs:*T[n]", "GOuts:*T[S]", "GSrcs:*T[n]", "PQ:*C", "rows:i32",
+                     "d:i32", "rows_per_program:i32", "g_present:i32", "UNROLL:constexpr", "ROWS:constexpr",
+                     "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_dq": ["W:*C", "Srcs:*T[n]", "PQ:*C", "rows:i32", "d:i32", "rows_per_program:i32", "S:constexpr",
                   "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
     "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C", "NormW:*C",
@@ -248,6 +297,14 @@ def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, i
                 block, warps = phase1_combine_tile(4096, S, wide), 4
                 constexprs["UNROLL"] = phase1_unrolls(n)
             yield {"S": S, "n": n}, {"BLOCK_D": block, **constexprs}, warps
+    elif kernel in ("phase1_logits_rows", "phase1_bwd_rows", "phase1_grads"):  # (many rows)
+        for S, n in PHASE1_SHAPES:
+            rows, block = phase1_rows_geometry(4096, S, wide)
+            constexprs = {"UNROLL": phase1_unrolls(n), "ROWS": rows, "BLOCK_D": block, "S_PAD": pad(S),
+                          "N_PAD": pad(n)}
+            if kernel == "phase1_bwd_rows":
+                constexprs = {"HAS_GLSE": 1, **constexprs}
+            yield {"S": S, "n": n}, constexprs, ROWS_WARPS
     elif kernel.startswith("phase1"):
         for S, n in PHASE1_SHAPES:
             block, s_pad = phase1_tile(4096, S, wide=wide), pad(S)
