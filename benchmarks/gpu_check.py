@@ -3,6 +3,8 @@ on an H100, that measures what the GPU targets are judged on and writes it as it
 
     PYTHONPATH=src python benchmarks/gpu_check.py --out benchmarks/results/gpu-h100
     PYTHONPATH=src python benchmarks/gpu_check.py --cpu-smoke --out /tmp/gpu-check   # every part, toy sizes, CPU
+    PYTHONPATH=src python benchmarks/gpu_check.py --out OUT --parts train_eager --force phase1_rows=false
+                                                      # a part with a launch setting forced (triton_impl.FORCED)
 
 Run it from the repository root with ``PYTHONPATH=src`` on a machine that has only PyTorch
 and Triton (the peers are optional: ``pip install *.whl`` of flash-linear-attention,
@@ -224,11 +226,13 @@ def op_calls(z: Sizes, device: str, dtype: torch.dtype | None = None, impl=None,
 
 
 #: Launch settings timed beside the defaults (``triton_impl.FORCED``), by the operations they
-#: change: Phase 1's tile widths, Phase 1 as one program per row (the kernels the H200 run
-#: measured, before those over blocks of rows), and the merge programs' warps (8 at
+#: change: Phase 1's tile widths, the sources its kernels over blocks of rows load together
+#: (4 by default: one, or all of Block's 8), Phase 1 as one program per row (the kernels the
+#: H200 run measured, before those over blocks of rows), and the merge programs' warps (8 at
 #: d = 2048; on sm_80 Triton 3.6 spills 32 bytes in one fp32 variant at 8 and none at 16).
 #: The next change of a default is read off these.
 SWEEPS = {"block_d": ((64, 256), ("phase1_fwd", "phase1_bwd")),
+          "phase1_group": ((1, 8), ("phase1_fwd", "phase1_bwd")),
           "phase1_rows": ((False,), ("phase1_fwd", "phase1_bwd")),
           "merge_warps": ((4, 16), ("merge_fwd", "merge_bwd", "merge_add_fwd", "merge_add_bwd"))}
 
@@ -242,14 +246,15 @@ def sweep_settings(device: str) -> Iterator[tuple[str, int, tuple[str, ...]]]:
 
 @contextmanager
 def forced(setting: str, value: int | bool) -> Iterator[None]:
-    """``triton_impl.FORCED[setting] = value`` for the block."""
+    """``triton_impl.FORCED[setting] = value`` for the block (then what it was)."""
     from attnres.ops.depth_attention import triton_impl
 
+    before = triton_impl.FORCED[setting]
     triton_impl.FORCED[setting] = value
     try:
         yield
     finally:
-        triton_impl.FORCED[setting] = None
+        triton_impl.FORCED[setting] = before
 
 
 @contextmanager
@@ -769,6 +774,8 @@ def summarize(result: dict) -> dict:
         return out
 
     summary = {"device": result["device"], **by_variant("block"), "full": by_variant("full"), "targets": TARGETS}
+    if result.get("forced"):  # (a run with --force: every part ran with these launch settings)
+        summary["forced"] = result["forced"]
     if "train_bf16" in result:
         bf16 = result["train_bf16"]
         summary["bf16_stream"] = {name: {"train_eager": ratios(bf16["ms"], name),
@@ -951,9 +958,33 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
     return 0
 
 
-def start_warm_up(peers: dict) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--warm-up-worker", what],
+def start_warm_up(peers: dict, force: list[str]) -> list[subprocess.Popen]:
+    extra = [arg for setting in force for arg in ("--force", setting)]
+    return [subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--warm-up-worker", what, *extra],
                              stdout=subprocess.DEVNULL) for what in ["models", "sweeps", *peers]]
+
+
+def apply_force(settings: list[str]) -> dict:
+    """``--force SETTING=VALUE``: ``triton_impl.FORCED`` for the whole run (what the parts
+    run by default, e.g. ``phase1_rows=false`` for Phase 1 as one program per row); raises
+    ``ValueError`` naming the setting or value it cannot take."""
+    from attnres.ops.depth_attention import triton_impl
+
+    applied = {}
+    for text in settings:
+        name, _, raw = text.partition("=")
+        if name not in triton_impl.FORCED or not raw:
+            raise ValueError(f"--force takes SETTING=VALUE with SETTING one of {sorted(triton_impl.FORCED)}; "
+                             f"got {text!r}")
+        words = {"true": True, "false": False, "none": None}
+        if raw.lower() in words:
+            value = words[raw.lower()]
+        elif raw.isdigit():
+            value = int(raw)
+        else:
+            raise ValueError(f"--force {name}: the value must be an integer, true, false or none; got {raw!r}")
+        triton_impl.FORCED[name] = applied[name] = value
+    return applied
 
 
 # --------------------------------------------------------------------------------------- main
@@ -981,6 +1012,8 @@ def parse_args(argv=None):
     p.add_argument("--parts", default="parity,train_eager,decode,ops,profile,profile_decode,train_bf16,train_compiled",
                    help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
+    p.add_argument("--force", action="append", default=[], metavar="SETTING=VALUE",
+                   help="a launch setting for the whole run (triton_impl.FORCED), e.g. phase1_rows=false; repeatable")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -1000,6 +1033,11 @@ def main(argv=None) -> int:
         return 2
     device = "cpu" if args.cpu_smoke else "cuda"
     z = SMOKE if args.cpu_smoke else Sizes()
+    try:
+        forced_settings = apply_force(args.force)
+    except ValueError as e:
+        log(f"gpu_check: {e}")
+        return 2
     if args.warm_up_worker:
         return warm_up_worker(args.warm_up_worker, z)
     if device == "cuda" and not torch.cuda.is_available():
@@ -1009,11 +1047,11 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     peers, skipped = ({}, {}) if args.no_peers or args.cpu_smoke else kernels_bench.select_peers()
-    workers = start_warm_up(peers) if device == "cuda" else []
+    workers = start_warm_up(peers, args.force) if device == "cuda" else []
     result = {"command": " ".join(["gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)",
               "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(z), "skipped": {}, "errors": {},
-              "copy_GBps": (copy_bandwidth(device) or 0) / 1e9}
+              "copy_GBps": (copy_bandwidth(device) or 0) / 1e9, "forced": forced_settings}
     clock = Clock(device)
     out = Path(args.out)
     models = build_models(z, device)

@@ -712,7 +712,8 @@ def test_phase1_over_blocks_of_rows_equals_one_program_per_row_and_the_truth(row
     gradient (the queries', each source's; one query's gradient absent, the log-sum-exps'
     present) against the float64 truth within the dtype's tolerance, as one program per row
     (``phase1_fwd``, ``phase1_bwd`` + ``phase1_dq``) is: rows that do not fill the last block,
-    odd ``d``, padded queries, one source to the most unrolled, and more (a loop over them)."""
+    odd ``d``, padded queries, 1 to 19 sources in groups that do not divide them (the
+    default group, and 8 sources at once)."""
     device = triton_device()
     from attnres.ops.depth_attention import triton_impl, triton_launch
 
@@ -730,15 +731,16 @@ def test_phase1_over_blocks_of_rows_equals_one_program_per_row_and_the_truth(row
         g_lse.double(), 1e-6, True, [True] * n)
     tol = OP_TOL_BF16 if dtype == torch.bfloat16 else TOL[dtype]
     on = lambda t: None if t is None else t.to(device)  # noqa: E731
-    for over_rows in (True, False):
+    for over_rows, group in [(True, None), (True, 8), (False, None)]:  # (8: all of Block's sources together)
         monkeypatch.setitem(triton_impl.FORCED, "phase1_rows", over_rows)
+        monkeypatch.setitem(triton_impl.FORCED, "phase1_group", group)
         outs, lse = triton_impl.phase1_forward(qg.to(device), [on(x) for x in sources], 1e-6)
         g_q, g_x = triton_impl.phase1_backward(qg.to(device), lse, [on(x) for x in sources], [on(t) for t in g_outs],
                                                on(g_lse), 1e-6, True, [True] * n)
         for what, a, b in [("lse", lse, want_lse), ("queries' gradient", g_q, want_gq),
                            *((f"output {s}", o, w) for s, (o, w) in enumerate(zip(outs, want_outs))),
                            *((f"source {j}'s gradient", x, w) for j, (x, w) in enumerate(zip(g_x, want_gx)))]:
-            assert_rel_close(a.cpu().double(), b, tol, f"{what} (over rows: {over_rows})")
+            assert_rel_close(a.cpu().double(), b, tol, f"{what} (over rows: {over_rows}, group {group})")
 
 
 @pytest.mark.triton

@@ -193,6 +193,29 @@ def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatc
     assert result["merge_fwd@merge_warps=4"]["x_bound"] == pytest.approx(1.0)
 
 
+def test_force_sets_a_launch_setting_for_the_run_and_refuses_what_it_cannot_take(monkeypatch, tmp_path):
+    """``--force SETTING=VALUE`` sets ``triton_impl.FORCED`` for the whole run (so that the
+    next run can time the training step with another default), a sweep inside it restores
+    the forced value rather than the default, and a bad setting or value is refused, naming
+    it."""
+    pytest.importorskip("triton")
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    monkeypatch.setattr(triton_impl, "FORCED", dict.fromkeys(triton_impl.FORCED))
+    assert gpu_check.apply_force(["phase1_rows=false", "phase1_group=8", "block_d=None"]) == {
+        "phase1_rows": False, "phase1_group": 8, "block_d": None}
+    assert triton_impl.FORCED["phase1_rows"] is False and triton_impl.FORCED["phase1_group"] == 8
+    with gpu_check.forced("phase1_rows", True):
+        assert triton_impl.FORCED["phase1_rows"] is True
+    assert triton_impl.FORCED["phase1_rows"] is False
+    for bad, named in [("phase1_rowz=false", "SETTING one of"), ("phase1_rows", "SETTING=VALUE"),
+                       ("phase1_group=many", "integer, true, false or none")]:
+        with pytest.raises(ValueError, match=named):
+            gpu_check.apply_force([bad])
+    assert gpu_check.main(["--out", str(tmp_path), "--cpu-smoke", "--force", "bogus=1"]) == 2
+
+
 @pytest.mark.triton
 def test_merges_at_forced_warps_equal_the_default(monkeypatch):
     """A merge forward and backward at the sweep's warps (and the programs the backward

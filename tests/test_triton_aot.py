@@ -107,6 +107,9 @@ def test_launch_geometry():
     assert L.phase1_rows_geometry(2048, 64) == (1, 16) and L.phase1_rows_geometry(20, 3) == (8, 32)
     assert L.phase1_rows_geometry(2048, 2, wide=True) == (2, 128)
     assert L.phase1_rows_geometry(37, 3, block_d=16) == (16, 16)
+    # ... loading up to ROWS_GROUP source rows together, one source from 16 queries on
+    assert [L.phase1_group(n, 8) for n in (1, 3, 8, 57)] == [1, 3, 4, 4] and L.phase1_group(8, 8, wide=True) == 2
+    assert L.phase1_group(8, 2, rows=4) == L.phase1_group(8, 4, rows=2) == L.phase1_group(8, 16) == 1
     for d, S in [(1, 1), (37, 17), (4096, 33), (2048, 64)]:
         rows, tile = L.phase1_rows_geometry(d, S)
         assert rows * L.pad(S) * tile <= L.ROWS_TILE_ELEMENTS and 1 <= rows <= L.MAX_ROWS and tile <= L.ROWS_TILE

@@ -22,8 +22,8 @@ from torch import Tensor
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
 from .triton_launch import (DQ_ROWS, ROWS_WARPS, backward_programs, dq_grid, merge_fits, merge_warps, pad,
-                            phase1_combine_tile, phase1_fits, phase1_forward_geometry, phase1_rows_geometry,
-                            phase1_splits, phase1_tile, phase1_unrolls, phase1_warps, row_pad)
+                            phase1_combine_tile, phase1_fits, phase1_forward_geometry, phase1_group,
+                            phase1_rows_geometry, phase1_splits, phase1_tile, phase1_unrolls, phase1_warps, row_pad)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -33,9 +33,18 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: tile; ``programs``: the programs over rows of the merge's backward and of the queries'
 #: gradient; ``merge_warps``: the merge programs' warps; ``phase1_split``: whether Phase 1's
 #: forward runs split over sources, where it can; ``phase1_rows``: whether Phase 1 over many
-#: rows runs over blocks of rows, else one program per row); ``None``: :mod:`.triton_launch`
-#: chooses.
-FORCED = {"block_d": None, "programs": None, "merge_warps": None, "phase1_split": None, "phase1_rows": None}
+#: rows runs over blocks of rows, else one program per row; ``phase1_group``: the sources
+#: those kernels load together); ``None``: :mod:`.triton_launch` chooses.
+FORCED = {"block_d": None, "programs": None, "merge_warps": None, "phase1_split": None, "phase1_rows": None,
+          "phase1_group": None}
+
+
+def _group(n: int, S: int, rows: int, storage: torch.dtype) -> int:
+    """``GROUP`` of the kernels over blocks of ``rows`` rows for ``n`` sources and ``S``
+    queries stored in ``storage`` (forced, or chosen)."""
+    if FORCED["phase1_group"]:
+        return min(n, FORCED["phase1_group"])
+    return phase1_group(n, S, rows, storage.itemsize >= 4)
 
 
 def _over_rows() -> bool:
@@ -120,8 +129,8 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[l
             else:
                 block_rows, block = phase1_rows_geometry(d, S, wide, FORCED["block_d"])
                 triton_kernels.phase1_logits_rows[(-(-rows // block_rows),)](
-                    q, srcs, z, rows, S, d, float(eps), UNROLL=phase1_unrolls(n), ROWS=block_rows, BLOCK_D=block,
-                    S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
+                    q, srcs, z, rows, S, d, float(eps), GROUP=_group(n, S, block_rows, x0.dtype), ROWS=block_rows,
+                    BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
             tile = phase1_combine_tile(d, S, wide)
             triton_kernels.phase1_combine[(rows, -(-d // tile))](z, srcs, outs, lse, S, d, BLOCK_D=tile, S_PAD=pad(S),
                                                                  N_PAD=pad(n), UNROLL=phase1_unrolls(n), num_warps=4)
@@ -170,18 +179,19 @@ def _phase1_backward_rows(q, lse, g_lse, srcs, gouts, g_src, present: int, eps: 
     """Phase 1's backward over blocks of rows (``phase1_bwd_rows``, then ``phase1_grads``):
     fills ``g_src`` and returns the queries' gradient (in the compute dtype) if needed."""
     S, n, compute, dev = q.shape[0], len(srcs), q.dtype, q.device
-    wide, unroll = compute == torch.float64, phase1_unrolls(n)
+    wide = compute == torch.float64
     block_rows, block = phase1_rows_geometry(d, S, wide, FORCED["block_d"])
+    group = _group(n, S, block_rows, srcs[0].dtype)
     p, w = (torch.empty((rows, n, S), dtype=compute, device=dev) for _ in range(2))
     c = torch.empty((rows, n), dtype=compute, device=dev)
     glse = lse if g_lse is None else _c(_as(g_lse, compute))
     triton_kernels.phase1_bwd_rows[(-(-rows // block_rows),)](
         q, _c(lse), glse, srcs, gouts, p, w, c, rows, d, float(eps), present, HAS_GLSE=g_lse is not None,
-        UNROLL=unroll, ROWS=block_rows, BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
+        GROUP=group, ROWS=block_rows, BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
     tiles, programs, per = dq_grid(rows, d, block, _sms(dev), FORCED["programs"], block_rows)
     pq = torch.empty((programs, S, d), dtype=compute, device=dev)
     triton_kernels.phase1_grads[(tiles, programs)](
-        q, p, w, c, srcs, gouts, g_src, pq, rows, d, per, present, UNROLL=unroll, ROWS=block_rows, BLOCK_D=block,
+        q, p, w, c, srcs, gouts, g_src, pq, rows, d, per, present, GROUP=group, ROWS=block_rows, BLOCK_D=block,
         S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
     if not needs_qg:
         return None

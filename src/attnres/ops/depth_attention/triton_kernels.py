@@ -15,7 +15,15 @@ their base pointers in registers (:func:`_bases`). Every ``[rows, d]`` tensor is
 
 **Parallelisation** (:mod:`.triton_launch` chooses the geometry):
 
-* ``phase1_fwd`` / ``phase1_bwd``: one program per token row, walking ``d`` in tiles of
+* ``phase1_logits_rows`` (then ``phase1_combine``) / ``phase1_bwd_rows`` then
+  ``phase1_grads``: Phase 1 over many rows (training, prefill), one program per block of
+  ``ROWS`` rows with ``d`` the outer loop and the sources the inner one (``GROUP`` of them
+  an iteration), so that a tile of the queries and of the gradients is read once for the
+  block's rows and every source; the backward's per-row statistics (``[rows, n, S]``) go
+  through memory to ``phase1_grads``, which writes each source's gradient once and sums the
+  queries' gradient in registers.
+* ``phase1_fwd`` / ``phase1_bwd``: one program per token row (``FORCED["phase1_rows"] =
+  False``: the kernels before those over blocks of rows), walking ``d`` in tiles of
   ``BLOCK_D``; a first pass over the row gathers each source's statistics (RMS factor,
   logits against the ``S`` queries, dot products with the ``S`` gradients) into small
   ``[S_PAD, N_PAD]`` register blocks - source by source, products summed elementwise over
@@ -349,15 +357,17 @@ def _rows_source(src, rows_at, rmask, cols, cmask, q, g, HAS_G: tl.constexpr):
 
 
 @triton.jit
-def _rows_stats(Q, Srcs, Gs, gmask, rows_at, rmask, d, qs, qmask, js, HAS_G: tl.constexpr, UNROLL: tl.constexpr,
+def _rows_stats(Q, Srcs, Gs, gmask, rows_at, rmask, d, qs, qmask, js, HAS_G: tl.constexpr, GROUP: tl.constexpr,
                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
     """One pass over a block of ``ROWS`` rows (offsets ``rows_at``): each source's sums of
     squares ``[ROWS, N_PAD]``, its dot products with the ``S`` queries and (``HAS_G``) with
     the rows' ``S`` gradients (base pointers ``Gs [S_PAD]``, present where ``gmask``), each
     ``[ROWS, S_PAD, N_PAD]``. ``d`` in tiles, the sources inside a tile: a tile of the
     queries (and of the gradients) is read once for all the block's rows and sources, each
-    source's tile once (``UNROLL``: the sources unrolled, their loads independent)."""
+    source's tile once - ``GROUP`` sources an iteration, their loads independent (in flight
+    together; all of them at once took too many registers with Triton 3.6)."""
     dt = Q.dtype.element_ty
+    n: tl.constexpr = len(Srcs)
     xx = tl.zeros([ROWS, N_PAD], dt)
     xq = tl.zeros([ROWS, S_PAD, N_PAD], dt)
     xg = tl.zeros([ROWS, S_PAD, N_PAD], dt)
@@ -370,16 +380,11 @@ def _rows_stats(Q, Srcs, Gs, gmask, rows_at, rmask, d, qs, qmask, js, HAS_G: tl.
         if HAS_G:
             g = tl.load(Gs[None, :, None] + rows_at[:, None, None] + cols[None, None, :],
                         mask=rmask[:, None, None] & gmask[None, :, None] & cmask[None, None, :], other=0.0).to(dt)
-        if UNROLL:
-            for j in tl.static_range(len(Srcs)):
-                sq, aq, ag = _rows_source(Srcs[j], rows_at, rmask, cols, cmask, q, g, HAS_G)
-                xx, xq = _add_to_source(xx, js, j, sq), _add_to_source(xq, js, j, aq)
-                if HAS_G:
-                    xg = _add_to_source(xg, js, j, ag)
-        else:
-            for j in range(len(Srcs)):
-                src = _pointer(srcs, js, j, Srcs[0])
-                sq, aq, ag = _rows_source(src, rows_at, rmask, cols, cmask, q, g, HAS_G)
+        for j0 in range(0, n, GROUP):
+            for u in tl.static_range(GROUP):
+                j = j0 + u  # (past the last source: its loads masked, its column past n)
+                live = rmask & (rows_at * 0 + j < n)
+                sq, aq, ag = _rows_source(_pointer(srcs, js, j, Srcs[0]), rows_at, live, cols, cmask, q, g, HAS_G)
                 xx, xq = _add_to_source(xx, js, j, sq), _add_to_source(xq, js, j, aq)
                 if HAS_G:
                     xg = _add_to_source(xg, js, j, ag)
@@ -387,7 +392,7 @@ def _rows_stats(Q, Srcs, Gs, gmask, rows_at, rmask, d, qs, qmask, js, HAS_G: tl.
 
 
 @triton.jit
-def phase1_logits_rows(Q, Srcs, Z, rows, S, d, eps, UNROLL: tl.constexpr, ROWS: tl.constexpr,
+def phase1_logits_rows(Q, Srcs, Z, rows, S, d, eps, GROUP: tl.constexpr, ROWS: tl.constexpr,
                        BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
     """The forward's first half over many rows: program ``b`` reads rows ``b * ROWS ...`` of
     every source once and writes their logits ``Z[row, s, j] = r_j (x_j . q_s)``
@@ -398,7 +403,7 @@ def phase1_logits_rows(Q, Srcs, Z, rows, S, d, eps, UNROLL: tl.constexpr, ROWS: 
     qs = tl.arange(0, S_PAD)
     qmask = qs < S
     js = tl.arange(0, N_PAD)
-    xx, xq, _ = _rows_stats(Q, Srcs, qs, qmask, ridx * d, rmask, d, qs, qmask, js, False, UNROLL, ROWS, BLOCK_D,
+    xx, xq, _ = _rows_stats(Q, Srcs, qs, qmask, ridx * d, rmask, d, qs, qmask, js, False, GROUP, ROWS, BLOCK_D,
                             S_PAD, N_PAD)
     r = 1.0 / tl.sqrt(xx / d + eps)
     valid = rmask[:, None, None] & qmask[None, :, None] & (js[None, None, :] < n)
@@ -408,7 +413,7 @@ def phase1_logits_rows(Q, Srcs, Z, rows, S, d, eps, UNROLL: tl.constexpr, ROWS: 
 
 @triton.jit
 def phase1_bwd_rows(Q, LSE, GLse, Srcs, GOuts, P, W, C, rows, d, eps, g_present, HAS_GLSE: tl.constexpr,
-                    UNROLL: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
+                    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
                     N_PAD: tl.constexpr):
     """The backward's first half over many rows: program ``b`` reads its ``ROWS`` rows of the
     sources and of the ``S`` gradients ``GOuts`` once (bit ``s`` of ``g_present`` unset:
@@ -424,7 +429,7 @@ def phase1_bwd_rows(Q, LSE, GLse, Srcs, GOuts, P, W, C, rows, d, eps, g_present,
     qmask = qs < S
     js = tl.arange(0, N_PAD)
     gmask = qmask & (((g_present >> qs) & 1) == 1)
-    xx, xq, xg = _rows_stats(Q, Srcs, _bases(GOuts, qs), gmask, ridx * d, rmask, d, qs, qmask, js, True, UNROLL,
+    xx, xq, xg = _rows_stats(Q, Srcs, _bases(GOuts, qs), gmask, ridx * d, rmask, d, qs, qmask, js, True, GROUP,
                              ROWS, BLOCK_D, S_PAD, N_PAD)
     r = 1.0 / tl.sqrt(xx / d + eps)  # [ROWS, N_PAD]
     z = xq * r[:, None, :]
@@ -461,7 +466,7 @@ def _grads_source(src, gsrc, j, rows_at, rmask, cols, cmask, at, S, q, g, P, W, 
 
 
 @triton.jit
-def phase1_grads(Q, P, W, C, Srcs, GOuts, GSrcs, PQ, rows, d, rows_per_program, g_present, UNROLL: tl.constexpr,
+def phase1_grads(Q, P, W, C, Srcs, GOuts, GSrcs, PQ, rows, d, rows_per_program, g_present, GROUP: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr, N_PAD: tl.constexpr):
     """The backward's second half: program ``(t, b)`` walks its range of rows in blocks of
     ``ROWS`` at tile ``t`` of ``d``, reading the sources' and the gradients' tiles once:
@@ -491,14 +496,12 @@ def phase1_grads(Q, P, W, C, Srcs, GOuts, GSrcs, PQ, rows, d, rows_per_program, 
         rows_at = ridx * d
         g = tl.load(gbases[None, :, None] + rows_at[:, None, None] + cols[None, None, :],
                     mask=rmask[:, None, None] & gmask[None, :, None] & cmask[None, None, :], other=0.0).to(dt)
-        if UNROLL:
-            for j in tl.static_range(n):
-                acc = _grads_source(Srcs[j], GSrcs[j], j, rows_at, rmask, cols, cmask, ridx * n, S, q, g, P, W, C,
-                                    qs, qmask, acc)
-        else:
-            for j in tl.range(n, num_stages=1):
+        for j0 in range(0, n, GROUP):
+            for u in tl.static_range(GROUP):
+                j = j0 + u  # (past the last source: masked)
                 acc = _grads_source(_pointer(srcs, js, j, Srcs[0]), _pointer(gsrcs, js, j, GSrcs[0]), j, rows_at,
-                                    rmask, cols, cmask, ridx * n, S, q, g, P, W, C, qs, qmask, acc)
+                                    rmask & (ridx * 0 + j < n), cols, cmask, ridx * n, S, q, g, P, W, C, qs, qmask,
+                                    acc)
     tl.store(PQ + (pid * S + qs[:, None]) * d + cols[None, :], acc, mask=qmask[:, None] & cmask[None, :])
 
 

@@ -61,7 +61,9 @@ COMBINE_TILE_ELEMENTS = 4096
 ROWS_TILE_ELEMENTS = 1024
 ROWS_TILE = 128
 MAX_ROWS = 16
-ROWS_WARPS = 8
+ROWS_WARPS = 4
+#: Sources whose loads the kernels over blocks of rows issue together (:func:`phase1_group`).
+ROWS_GROUP = 4
 #: Most queries one Phase-1 launch takes (``S_PAD``).
 MAX_QUERIES = 64
 #: Widest row the merge holds in registers (``D_PAD``): at 8192 its backward spills.
@@ -171,13 +173,26 @@ def phase1_rows_geometry(d: int, S: int, wide: bool = False, block_d: int | None
     narrower tile and one row."""
     if d < 1:
         raise ValueError(f"hidden size d must be >= 1, got {d}")
-    budget = ROWS_TILE_ELEMENTS // (2 if wide else 1)
+    # (half from 16 queries on, as phase1_tile: their blocks took more registers)
+    budget = ROWS_TILE_ELEMENTS // (2 if wide or pad(S) >= 16 else 1)
     if block_d is not None:
         _check_power_of_2("block_d", block_d)
         tile = block_d
     else:
         tile = max(16, min(next_power_of_2(d), ROWS_TILE, budget // pad(S)))
     return max(1, min(MAX_ROWS, budget // (pad(S) * tile))), tile
+
+
+def phase1_group(n: int, S: int, rows: int = 1, wide: bool = False) -> int:
+    """``GROUP`` of the kernels over blocks of ``rows`` rows: how many of the ``n`` sources
+    a program's loop takes an iteration, their loads in flight together - up to
+    :data:`ROWS_GROUP` (half with 4- or 8-byte storage, ``wide``) where a program takes one
+    row of at most 8 queries, else one (Triton 3.6 took 140 to 190 registers for all of
+    Block's 8 sources at once, and spilled for groups beside several rows or 16 queries; one
+    at a time leaves a load's latency per source)."""
+    if rows > 1 or pad(S) > 8:
+        return 1
+    return max(1, min(n, ROWS_GROUP // (2 if wide else 1)))
 
 
 def phase1_warps(S: int) -> int:
@@ -241,13 +256,13 @@ SIGNATURES = {
                    "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "NEED_W:constexpr", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_logits_rows": ["Q:*C", "Srcs:*T[n]", "Z:*C", "rows:i32", "S:i32", "d:i32", "eps:fp32",
-                           "UNROLL:constexpr", "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr",
+                           "GROUP:constexpr", "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr",
                            "N_PAD:constexpr"],
     "phase1_bwd_rows": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*T[S]", "P:*C", "W:*C", "C:*C", "rows:i32",
-                        "d:i32", "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "UNROLL:constexpr",
+                        "d:i32", "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "GROUP:constexpr",
                         "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_grads": ["Q:*C", "P:*C", "W:*C", "C:*C", "Srcs:*T[n]", "GOuts:*T[S]", "GSrcs:*T[n]", "PQ:*C", "rows:i32",
-                     "d:i32", "rows_per_program:i32", "g_present:i32", "UNROLL:constexpr", "ROWS:constexpr",
+                     "d:i32", "rows_per_program:i32", "g_present:i32", "GROUP:constexpr", "ROWS:constexpr",
                      "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_dq": ["W:*C", "Srcs:*T[n]", "PQ:*C", "rows:i32", "d:i32", "rows_per_program:i32", "S:constexpr",
                   "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
@@ -285,9 +300,10 @@ def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int])
     return signature
 
 
-def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
+def launch_shapes(kernel: str, wide: bool = False,
+                  wide_storage: bool = False) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
     """``(tuple counts, constexprs, num_warps)`` of each compiled shape of ``kernel``
-    (``wide``: computing in float64)."""
+    (``wide``: computing in float64; ``wide_storage``: sources of 4 or 8 bytes)."""
     if kernel in ("phase1_logits", "phase1_combine"):  # (decoding: the split forward)
         for S, n in PHASE1_SHAPES:
             constexprs = {"S_PAD": pad(S), "N_PAD": pad(n)}
@@ -300,8 +316,8 @@ def launch_shapes(kernel: str, wide: bool = False) -> Iterator[tuple[dict[str, i
     elif kernel in ("phase1_logits_rows", "phase1_bwd_rows", "phase1_grads"):  # (many rows)
         for S, n in PHASE1_SHAPES:
             rows, block = phase1_rows_geometry(4096, S, wide)
-            constexprs = {"UNROLL": phase1_unrolls(n), "ROWS": rows, "BLOCK_D": block, "S_PAD": pad(S),
-                          "N_PAD": pad(n)}
+            constexprs = {"GROUP": phase1_group(n, S, rows, wide_storage), "ROWS": rows, "BLOCK_D": block,
+                          "S_PAD": pad(S), "N_PAD": pad(n)}
             if kernel == "phase1_bwd_rows":
                 constexprs = {"HAS_GLSE": 1, **constexprs}
             yield {"S": S, "n": n}, constexprs, ROWS_WARPS
@@ -331,7 +347,8 @@ def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int],
     in the others."""
     for dtype, compute in DTYPES.items():
         for kernel, params in SIGNATURES.items():
-            for i, (counts, constexprs, warps) in enumerate(launch_shapes(kernel, compute == "fp64")):
+            shapes = launch_shapes(kernel, compute == "fp64", dtype in ("fp32", "fp64"))
+            for i, (counts, constexprs, warps) in enumerate(shapes):
                 if i and dtype not in FULL_DTYPES:
                     break
                 yield kernel, dtype, counts, _expand(params, dtype, compute, counts), constexprs, {"num_warps": warps}
