@@ -30,11 +30,11 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    Block's partial sum itself - forward and backward) at
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
    byte bound (every input read once, every output written once, at the datasheet
-   bandwidth), also at the other launch settings of ``SWEEPS`` (Phase 1's tiles, Phase 1
-   as one program per row, the merge's warps); the host time of a merge call (forward + backward, and forward alone)
-   against the standard model's add + RMSNorm at one token, with the part of it inside
-   Triton's launcher; one Block AttnRes block against the peers that run the shape
-   (bench_kernels_gpu.py's adapters).
+   bandwidth), also at the other launch settings of ``SWEEPS`` (Phase 1's tiles and
+   groups of sources, Phase 1 as one program per row, the merge's warps); the host time of
+   a merge call (forward + backward, and forward alone) against the standard model's add +
+   RMSNorm at one token, with the part of it inside Triton's launcher; one Block AttnRes
+   block against the peers that run the shape (bench_kernels_gpu.py's adapters).
 5. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).

@@ -49,7 +49,7 @@ def _group(n: int, S: int, rows: int, storage: torch.dtype) -> int:
 
 def _over_rows() -> bool:
     """Whether Phase 1 over more rows than a decoding step's runs over blocks of rows."""
-    return FORCED["phase1_rows"] is None or FORCED["phase1_rows"]
+    return FORCED["phase1_rows"] is not False
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:

@@ -420,7 +420,6 @@ def phase1_bwd_rows(Q, LSE, GLse, Srcs, GOuts, P, W, C, rows, d, eps, g_present,
     absent, read as zero) and writes each row's weights ``P [rows, n, S] = p``, logit
     gradients ``W [rows, n, S] = dz r`` and ``C [rows, n] = r^2 sum_s dz z / d`` (the
     formulas of ``phase1_bwd``), from which ``phase1_grads`` forms every gradient."""
-    dt = Q.dtype.element_ty
     S: tl.constexpr = len(GOuts)
     n: tl.constexpr = len(Srcs)
     ridx = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -443,7 +442,7 @@ def phase1_bwd_rows(Q, LSE, GLse, Srcs, GOuts, P, W, C, rows, d, eps, g_present,
     dz = p * (xg - shift[:, :, None])
     coef = r * r * tl.sum(dz * z, axis=1) / d
     by_source = (ridx[:, None, None] * n + js[None, None, :]) * S + qs[None, :, None]
-    tl.store(P + by_source, p.to(dt), mask=valid)
+    tl.store(P + by_source, p, mask=valid)
     tl.store(W + by_source, dz * r[:, None, :], mask=valid)
     tl.store(C + ridx[:, None] * n + js[None, :], coef, mask=rmask[:, None] & (js[None, :] < n))
 

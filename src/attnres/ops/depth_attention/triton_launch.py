@@ -54,10 +54,8 @@ UNROLL_SOURCES = 16
 #: Largest ``S_PAD x BLOCK_D`` block of a ``phase1_combine`` program (4 warps).
 COMBINE_TILE_ELEMENTS = 4096
 #: Largest ``ROWS x S_PAD x BLOCK_D`` block of the kernels over blocks of rows (half in
-#: float64), their widest tile of ``d``, most rows, and their warps. (Triton 3.9: with 4
-#: warps, blocks of 4096 spilled in the backward's statistics and left 8 warps resident,
-#: of 1024 the gradients' kernel spilled over a loop of sources on sm_80; with 8 warps,
-#: blocks of 2048 spilled and left 8 warps resident.)
+#: float64), their widest tile of ``d``, most rows, and their warps. (Larger blocks - 2048 or
+#: 4096, at 4 or 8 warps - spilled or left 8 warps resident with Triton 3.9.)
 ROWS_TILE_ELEMENTS = 1024
 ROWS_TILE = 128
 MAX_ROWS = 16
