@@ -227,14 +227,19 @@ def op_calls(z: Sizes, device: str, dtype: torch.dtype | None = None, impl=None,
 
 #: Launch settings timed beside the defaults (``triton_impl.FORCED``), by the operations they
 #: change: Phase 1's tile widths, the sources its kernels over blocks of rows load together
-#: (4 by default: one, or all of Block's 8), Phase 1 as one program per row (the kernels the
-#: H200 run measured, before those over blocks of rows), and the merge programs' warps (8 at
-#: d = 2048; on sm_80 Triton 3.6 spills 32 bytes in one fp32 variant at 8 and none at 16).
-#: The next change of a default is read off these.
+#: (2 by default: one, four, or all of Block's 8), Phase 1 as one program per row (the kernels the
+#: H200 run measured, before those over blocks of rows), the merge programs' warps (8 at
+#: d = 2048; on sm_80 Triton 3.6 spills 32 bytes in one fp32 variant at 8 and none at 16),
+#: the merges looping over their sources (the kernels the H200 run measured, before those
+#: holding them) and the held merges' pipeline depth (1: not pipelined). The next change of
+#: a default is read off these.
+MERGES = ("merge_fwd", "merge_bwd", "merge_add_fwd", "merge_add_bwd")
 SWEEPS = {"block_d": ((64, 256), ("phase1_fwd", "phase1_bwd")),
-          "phase1_group": ((1, 8), ("phase1_fwd", "phase1_bwd")),
+          "phase1_group": ((1, 4, 8), ("phase1_fwd", "phase1_bwd")),
           "phase1_rows": ((False,), ("phase1_fwd", "phase1_bwd")),
-          "merge_warps": ((4, 16), ("merge_fwd", "merge_bwd", "merge_add_fwd", "merge_add_bwd"))}
+          "merge_warps": ((4, 16), MERGES),
+          "merge_held": ((False,), MERGES),
+          "merge_stages": ((1, 2), MERGES)}
 
 
 def sweep_settings(device: str) -> Iterator[tuple[str, int, tuple[str, ...]]]:
@@ -358,10 +363,10 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     with torch.no_grad():
         result.update(ours_forward=per_call(ours_forward), standard_forward=per_call(standard_forward))
     if device == "cuda" and library.pick("auto", [x]).__name__.endswith("triton_impl"):
-        with timed_launches(("merge_fwd", "merge_bwd")) as timed:
+        with timed_launches(("merge_fwd", "merge_fwd_held", "merge_bwd", "merge_bwd_held")) as timed:
             per_call(ours)
-        forward, _ = timed  # (one forward launch per call)
-        result["triton_launch"] = sum(t.seconds for t in timed) / forward.launches * 1e6
+        calls = timed[0].launches + timed[1].launches  # (one forward launch per call)
+        result["triton_launch"] = sum(t.seconds for t in timed) / calls * 1e6
     return result
 
 

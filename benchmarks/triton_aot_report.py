@@ -2,7 +2,11 @@
 and report registers, spills and shared memory per kernel.
 
 Triton compiles a kernel for a given GPU target with its bundled ``ptxas``:
-``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))``.
+``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32))``,
+``attrs`` the specialisation Triton's launcher gives a launch (:func:`aligned_attrs`: every
+pointer 16-byte aligned and ``d`` a multiple of 16, as the models' widths are - the
+accesses 16 bytes wide, Triton's pipelining of loads into shared memory; and without, as an
+odd ``d`` launches).
 The variants are those the launch code can choose (``attnres.ops.depth_attention.
 triton_launch.variants``: every storage dtype, tile and Phase-1 query padding). Registers,
 spills and shared memory come from ``ptxas -v`` on the compiled PTX (the same ``ptxas``
@@ -74,12 +78,21 @@ def compile_variant(kernel: str, dtype: str, counts: dict, signature: dict, cons
     from attnres.ops.depth_attention import triton_kernels
     from attnres.ops.depth_attention.triton_launch import resident_warps
 
-    source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    def usage(attrs: dict) -> dict:
+        source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        return {"triton_shared": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"], arch)}
+
+    # (as launched at an aligned d - the models' widths; an odd d compiles another variant,
+    # held to the same rules but not tabled - except the held merges', which run only at an
+    # aligned d: triton_launch.merge_holds)
     row = {"kernel": kernel, "arch": arch, "dtype": dtype, "counts": counts, **constexprs, **options,
-           "triton_shared": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"], arch)}
-    row["resident_warps"] = resident_warps(arch, row["registers"], options["num_warps"],
-                                           max(row["smem"], row["triton_shared"]))
+           **usage(aligned_attrs(signature))}
+    if not kernel.endswith("_held"):
+        row["unaligned"] = usage({})
+    for r in (row, row.get("unaligned", {})):
+        if r:
+            r["resident_warps"] = resident_warps(arch, r["registers"], options["num_warps"], max(r["smem"], r["triton_shared"]))
     return row
 
 
@@ -138,18 +151,27 @@ MIN_BACKWARD_WARPS = 16
 
 
 def problems(row: dict) -> list[str]:
-    """What fails a variant: a spill, shared memory over its target's limit, or a backward
-    kernel leaving fewer than :data:`MIN_BACKWARD_WARPS` warps resident."""
-    bad = []
-    from attnres.ops.depth_attention.triton_launch import BACKWARD_KERNELS
+    """What fails a variant, compiled as launched at an aligned ``d`` or at an odd one: a
+    spill, shared memory over its target's limit, a backward kernel leaving fewer than
+    :data:`MIN_BACKWARD_WARPS` warps resident, or a held merge fewer than its launch fills
+    (``triton_launch.HELD_WARPS_PER_SM``: its persistent programs would run in two waves)."""
+    from attnres.ops.depth_attention.triton_launch import BACKWARD_KERNELS, held_warps
 
-    if row["kernel"] in BACKWARD_KERNELS and row["resident_warps"] < MIN_BACKWARD_WARPS:
-        bad.append(f"{row['resident_warps']} resident warps per multiprocessor (< {MIN_BACKWARD_WARPS})")
-    if row["spill_stores"] or row["spill_loads"]:
-        bad.append(f"spills {row['spill_stores']} B stored / {row['spill_loads']} B loaded")
-    shared = max(row["smem"], row["triton_shared"])
-    if shared > SHARED_LIMIT[row["arch"]]:
-        bad.append(f"shared memory {shared} B over the sm_{row['arch']} limit {SHARED_LIMIT[row['arch']]} B")
+    bad = []
+    kernel = row["kernel"]
+    for spec, r in (("", row), ("at an odd d: ", row.get("unaligned"))):
+        if not r:
+            continue
+        if kernel in BACKWARD_KERNELS and r["resident_warps"] < MIN_BACKWARD_WARPS:
+            bad.append(f"{spec}{r['resident_warps']} resident warps per multiprocessor (< {MIN_BACKWARD_WARPS})")
+        need = held_warps(row["num_warps"]) if kernel.endswith("_held") else 0
+        if r["resident_warps"] < need:
+            bad.append(f"{spec}{r['resident_warps']} resident warps per multiprocessor (its launch fills {need})")
+        if r["spill_stores"] or r["spill_loads"]:
+            bad.append(f"{spec}spills {r['spill_stores']} B stored / {r['spill_loads']} B loaded")
+        shared = max(r["smem"], r["triton_shared"])
+        if shared > SHARED_LIMIT[row["arch"]]:
+            bad.append(f"{spec}shared memory {shared} B over the sm_{row['arch']} limit {SHARED_LIMIT[row['arch']]} B")
     return bad
 
 
@@ -194,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     text = (f"Generated by `python benchmarks/triton_aot_report.py --write-docs` (triton {triton.__version__}, "
-            f"{len(rows)} variants; `ptxas -v`).\n\n" + table(rows))
+            f"{len(rows)} variants; `ptxas -v`), each as launched at an aligned `d` (a multiple of 16, every "
+            f"pointer 16-byte aligned: the models' widths); the variants at an odd `d` are held to the same "
+            f"rules, not tabled.\n\n" + table(rows))
     print(text)
     bad = [f"{r['kernel']} sm_{r['arch']} {r['dtype']}: {p}" for r in rows for p in problems(r)]
     for line in bad:

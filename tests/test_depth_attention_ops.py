@@ -544,7 +544,7 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
 
     launches: list[str] = []
     for name in ("phase1_fwd", "phase1_logits", "phase1_combine", "phase1_bwd", "phase1_dq", "phase1_logits_rows",
-                 "phase1_bwd_rows", "phase1_grads", "merge_fwd", "merge_bwd"):
+                 "phase1_bwd_rows", "phase1_grads", "merge_fwd", "merge_bwd", "merge_fwd_held", "merge_bwd_held"):
         monkeypatch.setattr(triton_kernels, name, _StubKernel(name, launches))
     g = torch.Generator().manual_seed(0)
     d, S = 64, 8
@@ -555,23 +555,27 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     x, partial = rnd(g, 4, 5, d, dtype=torch.float32), rnd(g, 4, 5, d, dtype=torch.float32)
     qg, w = rnd(g, d, dtype=torch.float32), rnd(g, d, dtype=torch.float32)
     result = {}
-    forward = _device_operations(
-        lambda: result.update(out=library.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, "triton")[0]), launches)
-    assert forward == ["triton.merge_fwd"], forward
     grad = torch.randn(4, 5, d, generator=g)
-    backward = _device_operations(lambda: torch.autograd.grad(result["out"], [z, x, partial, qg, w], grad), launches)
-    assert len(backward) <= 3 and not set(backward) & COPIES, backward
-    assert set(backward) <= {"triton.merge_bwd", "aten.sum"}, backward
+    for held, suffix in [(None, "_held"), (False, "")]:  # (two sources: held; forced, looped over)
+        monkeypatch.setitem(triton_impl.FORCED, "merge_held", held)
+        forward = _device_operations(
+            lambda: result.update(out=library.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, "triton")[0]), launches)
+        assert forward == [f"triton.merge_fwd{suffix}"], forward
+        backward = _device_operations(lambda: torch.autograd.grad(result["out"], [z, x, partial, qg, w], grad),
+                                      launches)
+        assert len(backward) <= 3 and not set(backward) & COPIES, backward
+        assert set(backward) <= {f"triton.merge_bwd{suffix}", "aten.sum"}, backward
+    monkeypatch.setitem(triton_impl.FORCED, "merge_held", None)
     # the same merge forming the partial sum from its addend (the last output); the sum's
     # gradient from downstream added inside the kernel
     addend = rnd(g, 4, 5, d, dtype=torch.float32)
     forward = _device_operations(lambda: result.update(
         fused=library.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, "triton", addend=addend)), launches)
-    assert forward == ["triton.merge_fwd"], forward
+    assert forward == ["triton.merge_fwd_held"], forward
     out, _, total = result["fused"]
     backward = _device_operations(lambda: torch.autograd.grad([out, total], [z, x, partial, addend, qg, w],
                                                               [grad, grad]), launches)
-    assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd", "aten.sum"}, backward
+    assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
     # Phase 1 of S queries over 3 sources: 20 rows (decoding's few) split over the sources,
     # two kernels; over blocks of rows otherwise (many rows), two kernels; or one program per
     # row, one kernel. Its backward: two kernels and one sum either way.
@@ -741,6 +745,63 @@ def test_phase1_over_blocks_of_rows_equals_one_program_per_row_and_the_truth(row
                            *((f"output {s}", o, w) for s, (o, w) in enumerate(zip(outs, want_outs))),
                            *((f"source {j}'s gradient", x, w) for j, (x, w) in enumerate(zip(g_x, want_gx)))]:
             assert_rel_close(a.cpu().double(), b, tol, f"{what} (over rows: {over_rows}, group {group})")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("rows, d, k, c, norm, addend, dtype", [
+    (7, 37, 1, 1, True, True, torch.float32), (5, 64, 0, 2, True, False, torch.bfloat16),
+    (6, 40, 1, 1, False, False, torch.float64), (3, 33, 1, 0, True, False, torch.float32),
+    (9, 16, 0, 1, True, True, torch.bfloat16), (4, 24, 2, 0, False, False, torch.float32)])
+def test_merge_holding_its_sources_equals_looping_over_them_and_the_truth(rows, d, k, c, norm, addend, dtype,
+                                                                          monkeypatch):
+    """A merge of at most ``MERGE_HELD`` sources holds them (``merge_fwd_held``,
+    ``merge_bwd_held``: each loaded once, a pipelined loop over rows): its outputs, statistics
+    and every gradient (the logits', each source's, the query's, the norm gain's; the sum
+    formed with an addend, its gradient from downstream) against the float64 truth within the
+    dtype's tolerance, as the kernels looping over the sources are - odd ``d``, known and
+    computed sources alone and together, with and without the norm, one program a row and
+    programs walking several rows, pipelined two and three deep and not at all."""
+    device = triton_device()
+    from attnres.ops.depth_attention import triton_impl, triton_launch
+
+    assert triton_launch.merge_holds(k + c) and not triton_launch.merge_holds(triton_launch.MERGE_HELD + 1)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(rows, k, generator=g, dtype=compute)
+    sources = [torch.randn(rows, d, generator=g, dtype=compute).to(dtype) for _ in range(k)]
+    computed = [torch.randn(rows, d, generator=g, dtype=compute).to(dtype) for _ in range(c)]
+    qg = torch.randn(d, generator=g, dtype=compute) if c else None
+    w = (1 + 0.1 * torch.randn(d, generator=g, dtype=compute)) if norm else None
+    add = torch.randn(rows, d, generator=g, dtype=compute).to(dtype) if addend else None
+    grad = torch.randn(rows, d, generator=g, dtype=compute).to(dtype)
+    g_total = torch.randn(rows, d, generator=g, dtype=compute).to(dtype) if addend else None
+    needs = [k > 0] + [True] * (k + c) + [c > 0, norm]
+
+    def run(impl, to):
+        on = lambda t: None if t is None else to(t)  # noqa: E731
+        out, alpha, rc, zc, rstd, total = impl.merge_forward(on(z), [to(x) for x in sources], [to(x) for x in computed],
+                                                             on(qg), on(w), 1e-6, 1e-5, on(add))
+        comp = [to(x) for x in computed[:-1]] + [total] if addend else [to(x) for x in computed]
+        grads = impl.merge_backward(to(grad), alpha, rc, zc, rstd, [to(x) for x in sources], comp, on(qg), on(w),
+                                    needs, on(g_total))
+        g_z, g_src, g_comp, g_q, g_w = grads
+        named = [("out", out), ("alpha", alpha), ("total", total), ("rc", rc), ("zc", zc), ("rstd", rstd),
+                 ("g_z", g_z if k else None), ("g_qg", g_q), ("g_norm", g_w),
+                 *((f"source {j}'s gradient", x) for j, x in enumerate(g_src)),
+                 *((f"computed {j}'s gradient", x) for j, x in enumerate(g_comp))]
+        return {name: t for name, t in named if t is not None}
+
+    want = run(torch_impl, lambda t: t.double())
+    tol = 1e-12 if dtype == torch.float64 else TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
+    for held, programs, stages in [(True, None, None), (True, 2, 2), (True, 3, 1), (False, None, None)]:
+        monkeypatch.setitem(triton_impl.FORCED, "merge_held", held)
+        monkeypatch.setitem(triton_impl.FORCED, "programs", programs)
+        monkeypatch.setitem(triton_impl.FORCED, "merge_stages", stages)
+        got = run(triton_impl, lambda t: t.to(device))
+        assert got.keys() == want.keys()
+        for name, b in want.items():
+            assert_rel_close(got[name].cpu().double(), b, tol, f"{name} (held {held}, programs {programs}, "
+                                                               f"stages {stages})")
 
 
 @pytest.mark.triton

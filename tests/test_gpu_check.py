@@ -158,12 +158,12 @@ def test_timed_launches_forward_each_launch_and_time_it():
         return [out, total, *torch.autograd.grad(out.sum() + total.sum(), [z, x, partial, v, q, w])]
 
     plain = merge()
-    before = (triton_kernels.merge_fwd, triton_kernels.merge_bwd)
-    with gpu_check.timed_launches(("merge_fwd", "merge_bwd")) as timed:
+    before = (triton_kernels.merge_fwd_held, triton_kernels.merge_bwd_held)  # (Block's merges: held)
+    with gpu_check.timed_launches(("merge_fwd_held", "merge_bwd_held")) as timed:
         wrapped = merge()
     assert all(t.seconds > 0 for t in timed)
     assert all(torch.equal(a, b) for a, b in zip(plain, wrapped))
-    assert (triton_kernels.merge_fwd, triton_kernels.merge_bwd) == before
+    assert (triton_kernels.merge_fwd_held, triton_kernels.merge_bwd_held) == before
 
 
 def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatch):

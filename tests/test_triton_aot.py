@@ -35,9 +35,16 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path
     assert {r["kernel"] for r in rows} == set(triton_launch.SIGNATURES)
     assert {r["dtype"] for r in rows} == set(triton_launch.DTYPES)
     for r in rows:
-        assert r["registers"] > 0 and r["spill_stores"] == r["spill_loads"] == 0, r
-        if r["kernel"] in triton_launch.BACKWARD_KERNELS:  # latency-bound below 16 warps per SM
-            assert r["resident_warps"] >= 16, r
+        held = r["kernel"].endswith("_held")  # (launched only at an aligned d)
+        assert held != ("unaligned" in r), r
+        for compiled in (r, r.get("unaligned")):  # (as launched at an aligned d, and at an odd one)
+            if compiled is None:
+                continue
+            assert compiled["registers"] > 0 and compiled["spill_stores"] == compiled["spill_loads"] == 0, r
+            if r["kernel"] in triton_launch.BACKWARD_KERNELS:  # latency-bound below 16 warps per SM
+                assert compiled["resident_warps"] >= 16, r
+            if held:  # persistent programs: one wave of them resident
+                assert compiled["resident_warps"] >= triton_launch.held_warps(r["num_warps"]), r
 
 
 def test_the_merges_access_rows_16_bytes_at_a_time():
@@ -69,12 +76,13 @@ def test_launch_geometry():
     L = triton_launch
     # Phase 1: S_PAD x BLOCK_D within the tile budget, no wider than d needs, at least 16
     assert L.phase1_tile(37, 3) == 64 and L.phase1_tile(1, 1) == 16 and L.phase1_tile(4096, 8) == 128
-    assert L.phase1_tile(4096, 2) == 256 and L.phase1_tile(4096, 9) == 32 and L.phase1_tile(4096, 64) == 16 and L.phase1_tile(4096, 32) == 16
+    assert L.phase1_tile(4096, 2) == 128 and L.phase1_tile(4096, 9) == 32 and L.phase1_tile(4096, 64) == 16 and L.phase1_tile(4096, 32) == 16
     assert [L.phase1_warps(S) for S in (2, 9, 32, 33)] == [4, 4, 4, 4]
     # decoding (at most FEW_ROWS rows): the forward takes a row in one wide tile, 16 warps
     assert L.phase1_forward_geometry(1, 2048, 8) == (2048, 16) and L.phase1_forward_geometry(1, 37, 3) == (64, 4)
     assert L.phase1_forward_geometry(L.FEW_ROWS + 1, 2048, 8) == (L.phase1_tile(2048, 8), 4)
     assert L.phase1_forward_geometry(1, 2048, 8, block_d=16) == (16, 4)
+    assert L.phase1_forward_geometry(1, 2048, 16) == (512, 8) and L.phase1_forward_geometry(1, 2048, 32) == (128, 4)
     assert L.phase1_tile(4096, 8, wide=True) == 64 and L.phase1_tile(37, 3, block_d=16) == 16
     # decoding's few rows: the forward split over the sources, unrolled where they are few
     assert L.phase1_splits(1) and L.phase1_splits(L.SPLIT_ROWS) and not L.phase1_splits(L.SPLIT_ROWS + 1)
@@ -93,6 +101,15 @@ def test_launch_geometry():
     assert [L.merge_warps(L.row_pad(d)) for d in (64, 2048, 4096)] == [1, 8, 16]
     # the merge backward fills BACKWARD_WARPS_PER_SM warps per multiprocessor, one wave
     assert L.backward_programs(8192, 2048, 132) == 132 * 16 // 8 and L.backward_programs(5, 2048, 132) == 5
+    # the merge over a few sources at an aligned d holds them: persistent programs filling
+    # HELD_WARPS_PER_SM warps, pipelined two rows ahead within PIPELINE_BYTES, else one
+    assert L.merge_holds(2, 2048) and not L.merge_holds(2, 37) and L.merge_holds(2) and not L.merge_holds(3, 2048)
+    assert L.held_programs(8192, 132, 8) == 132 * L.HELD_WARPS_PER_SM // 8 and L.held_programs(3, 132, 8) == 3
+    assert L.held_programs(8192, 132, 32) == 132 and L.held_warps(32) == 32
+    assert L.merge_stages(2 * 2048, 3) == 3 and L.merge_stages(4 * 4096, 4) == 2
+    for row_bytes, loads in [(128, 2), (4096, 4), (8192, 4), (32768, 4)]:
+        stages = L.merge_stages(row_bytes, loads)
+        assert 2 <= stages <= 3 and (stages == 2 or (stages - 1) * loads * row_bytes <= L.PIPELINE_BYTES)
     for rows, cap in [(1, 4), (7, 3), (1000, 1024), (5000, 1024)]:
         programs, per = L.row_ranges(rows, cap)
         assert programs <= cap and programs * per >= rows and (programs - 1) * per < rows
@@ -108,8 +125,9 @@ def test_launch_geometry():
     assert L.phase1_rows_geometry(2048, 2, wide=True) == (2, 128)
     assert L.phase1_rows_geometry(37, 3, block_d=16) == (16, 16)
     # ... loading up to ROWS_GROUP source rows together, one source from 16 queries on
-    assert [L.phase1_group(n, 8) for n in (1, 3, 8, 57)] == [1, 3, 4, 4] and L.phase1_group(8, 8, wide=True) == 2
+    assert [L.phase1_group(n, 8) for n in (1, 3, 8, 57)] == [1, 2, 2, 2] and L.phase1_group(8, 8, wide=True) == 1
     assert L.phase1_group(8, 2, rows=4) == L.phase1_group(8, 4, rows=2) == L.phase1_group(8, 16) == 1
+    assert [L.rows_warps(S) for S in (1, 8, 16, 32, 64)] == [4, 4, 4, 8, 8]
     for d, S in [(1, 1), (37, 17), (4096, 33), (2048, 64)]:
         rows, tile = L.phase1_rows_geometry(d, S)
         assert rows * L.pad(S) * tile <= L.ROWS_TILE_ELEMENTS and 1 <= rows <= L.MAX_ROWS and tile <= L.ROWS_TILE

@@ -21,9 +21,10 @@ from torch import Tensor
 
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
-from .triton_launch import (DQ_ROWS, ROWS_WARPS, backward_programs, dq_grid, merge_fits, merge_warps, pad,
-                            phase1_combine_tile, phase1_fits, phase1_forward_geometry, phase1_group,
-                            phase1_rows_geometry, phase1_splits, phase1_tile, phase1_unrolls, phase1_warps, row_pad)
+from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, held_programs, merge_fits, merge_holds,
+                            merge_stages, merge_warps, pad, phase1_combine_tile, phase1_fits, phase1_forward_geometry,
+                            phase1_group, phase1_rows_geometry, phase1_splits, phase1_tile, phase1_unrolls,
+                            phase1_warps, row_pad, rows_warps)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -34,9 +35,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: gradient; ``merge_warps``: the merge programs' warps; ``phase1_split``: whether Phase 1's
 #: forward runs split over sources, where it can; ``phase1_rows``: whether Phase 1 over many
 #: rows runs over blocks of rows, else one program per row; ``phase1_group``: the sources
-#: those kernels load together); ``None``: :mod:`.triton_launch` chooses.
+#: those kernels load together; ``merge_held``: whether a merge over a few sources holds them,
+#: else loops over them; ``merge_stages``: the held merges' pipeline depth); ``None``:
+#: :mod:`.triton_launch` chooses.
 FORCED = {"block_d": None, "programs": None, "merge_warps": None, "phase1_split": None, "phase1_rows": None,
-          "phase1_group": None}
+          "phase1_group": None, "merge_held": None, "merge_stages": None}
 
 
 def _group(n: int, S: int, rows: int, storage: torch.dtype) -> int:
@@ -44,12 +47,32 @@ def _group(n: int, S: int, rows: int, storage: torch.dtype) -> int:
     queries stored in ``storage`` (forced, or chosen)."""
     if FORCED["phase1_group"]:
         return min(n, FORCED["phase1_group"])
-    return phase1_group(n, S, rows, storage.itemsize >= 4)
+    return phase1_group(n, S, rows, storage.itemsize >= 8)
 
 
 def _over_rows() -> bool:
     """Whether Phase 1 over more rows than a decoding step's runs over blocks of rows."""
     return FORCED["phase1_rows"] is not False
+
+
+def _held(m: int, d: int) -> bool:
+    """Whether a merge of ``m`` sources at hidden size ``d`` runs the kernels that hold them
+    (``merge_*_held``; forced ``True``: at any ``d``)."""
+    if FORCED["merge_held"] is None:
+        return merge_holds(m, d)
+    return FORCED["merge_held"] and merge_holds(m)
+
+
+def _held_programs(rows: int, warps: int, device: torch.device) -> int:
+    """Programs of a held merge over ``rows`` rows (forced, or as many as stay resident)."""
+    if FORCED["programs"]:
+        return min(rows, FORCED["programs"])
+    return held_programs(rows, _sms(device), warps)
+
+
+def _stages(d: int, storage: torch.dtype, loads: int) -> int:
+    """The pipeline depth of a held merge loading ``loads`` rows of ``d`` elements a row."""
+    return FORCED["merge_stages"] or merge_stages(d * storage.itemsize, loads)
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:
@@ -130,7 +153,7 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[l
                 block_rows, block = phase1_rows_geometry(d, S, wide, FORCED["block_d"])
                 triton_kernels.phase1_logits_rows[(-(-rows // block_rows),)](
                     q, srcs, z, rows, S, d, float(eps), GROUP=_group(n, S, block_rows, x0.dtype), ROWS=block_rows,
-                    BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
+                    BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=rows_warps(S))
             tile = phase1_combine_tile(d, S, wide)
             triton_kernels.phase1_combine[(rows, -(-d // tile))](z, srcs, outs, lse, S, d, BLOCK_D=tile, S_PAD=pad(S),
                                                                  N_PAD=pad(n), UNROLL=phase1_unrolls(n), num_warps=4)
@@ -187,12 +210,12 @@ def _phase1_backward_rows(q, lse, g_lse, srcs, gouts, g_src, present: int, eps: 
     glse = lse if g_lse is None else _c(_as(g_lse, compute))
     triton_kernels.phase1_bwd_rows[(-(-rows // block_rows),)](
         q, _c(lse), glse, srcs, gouts, p, w, c, rows, d, float(eps), present, HAS_GLSE=g_lse is not None,
-        GROUP=group, ROWS=block_rows, BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
+        GROUP=group, ROWS=block_rows, BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=rows_warps(S))
     tiles, programs, per = dq_grid(rows, d, block, _sms(dev), FORCED["programs"], block_rows)
     pq = torch.empty((programs, S, d), dtype=compute, device=dev)
     triton_kernels.phase1_grads[(tiles, programs)](
         q, p, w, c, srcs, gouts, g_src, pq, rows, d, per, present, GROUP=group, ROWS=block_rows, BLOCK_D=block,
-        S_PAD=pad(S), N_PAD=pad(n), num_warps=ROWS_WARPS)
+        S_PAD=pad(S), N_PAD=pad(n), num_warps=rows_warps(S))
     if not needs_qg:
         return None
     return pq.sum(0) if programs > 1 else pq[0]
@@ -221,13 +244,19 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
         if k > 1 and zr.stride(1) != 1:
             zr = zr.contiguous()
         d_pad = row_pad(d)
-        triton_kernels.merge_fwd[(rows,)](
-            zr, zr.stride(0) if k else 0, tuple(_c(x) for x in sources), tuple(_c(x) for x in computed),
-            out if addend is None else _c(addend), out if total is None else total,
-            alpha if qg is None else _as(qg, compute), alpha if norm_weight is None else _as(norm_weight, compute),
-            out, alpha, alpha if rc is None else rc, alpha if zc is None else zc, alpha if rstd is None else rstd,
-            d, float(eps), float(norm_eps), HAS_ADDEND=addend is not None, HAS_NORM=norm_weight is not None,
-            D_PAD=d_pad, M_PAD=pad(k + c), num_warps=FORCED["merge_warps"] or merge_warps(d_pad))
+        warps = FORCED["merge_warps"] or merge_warps(d_pad)
+        args = (zr, zr.stride(0) if k else 0, tuple(_c(x) for x in sources), tuple(_c(x) for x in computed),
+                out if addend is None else _c(addend), out if total is None else total,
+                alpha if qg is None else _as(qg, compute), alpha if norm_weight is None else _as(norm_weight, compute),
+                out, alpha, alpha if rc is None else rc, alpha if zc is None else zc, alpha if rstd is None else rstd)
+        flags = dict(HAS_ADDEND=addend is not None, HAS_NORM=norm_weight is not None, D_PAD=d_pad, M_PAD=pad(k + c),
+                     num_warps=warps)
+        if _held(k + c, d):
+            loads = k + c + (addend is not None)
+            triton_kernels.merge_fwd_held[(_held_programs(rows, warps, dev),)](
+                *args, rows, d, float(eps), float(norm_eps), STAGES=_stages(d, x0.dtype, loads), **flags)
+        else:
+            triton_kernels.merge_fwd[(rows,)](*args, d, float(eps), float(norm_eps), **flags)
     return out, alpha, rc, zc, rstd, total
 
 
@@ -248,17 +277,25 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     if rows:
         d_pad = row_pad(d)
         warps = FORCED["merge_warps"] or merge_warps(d_pad)
-        programs = min(rows, FORCED["programs"]) if FORCED["programs"] else backward_programs(rows, d_pad, _sms(dev),
-                                                                                             warps)
+        held = _held(k + c, d)
+        if held:
+            programs = _held_programs(rows, warps, dev)
+        else:
+            programs = min(rows, FORCED["programs"]) if FORCED["programs"] else backward_programs(
+                rows, d_pad, _sms(dev), warps)
         part = torch.empty((programs, 2, d), dtype=compute, device=dev)
         stat = lambda t: alpha if t is None else _c(t)  # noqa: E731
-        triton_kernels.merge_bwd[(programs,)](
-            _c(_as(g, x0.dtype)), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
-            tuple(_c(x) for x in computed), alpha if qg is None else _as(qg, compute),
-            alpha if norm_weight is None else _as(norm_weight, compute),
-            grads[0] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k], grads[k:],
-            part, rows, d, HAS_TOTAL=g_total is not None, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c),
-            num_warps=warps)
+        args = (_c(_as(g, x0.dtype)), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
+                tuple(_c(x) for x in computed), alpha if qg is None else _as(qg, compute),
+                alpha if norm_weight is None else _as(norm_weight, compute),
+                grads[0] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k],
+                grads[k:], part, rows, d)
+        flags = dict(HAS_TOTAL=g_total is not None, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c), num_warps=warps)
+        if held:
+            loads = k + c + 1 + (g_total is not None)
+            triton_kernels.merge_bwd_held[(programs,)](*args, STAGES=_stages(d, x0.dtype, loads), **flags)
+        else:
+            triton_kernels.merge_bwd[(programs,)](*args, **flags)
         # (one sum each: an operator's results may not share memory)
         g_qg = _as(part[:, 0].sum(0), qg.dtype) if want_qg else None
         g_norm = _as(part[:, 1].sum(0), norm_weight.dtype) if want_norm else None

@@ -44,6 +44,12 @@ their base pointers in registers (:func:`_bases`). Every ``[rows, d]`` tensor is
 * ``merge_bwd``: persistent programs, each walking rows ``pid, pid + P, ...`` with the
   whole row in registers and the query's and the norm gain's gradients summed in registers
   over its rows, written once per program into ``Part [P, 2, d]``.
+* ``merge_fwd_held`` / ``merge_bwd_held``: the merge over a few sources (Block AttnRes'
+  two), forward and backward as persistent programs whose loop over rows Triton pipelines
+  (``tl.range(..., num_stages=STAGES)``: the next rows' loads copied asynchronously into
+  shared memory while a row is computed); each source of a row is loaded once, all of them
+  together, and held in registers for every pass (a tuple, the sources unrolled). The
+  looping kernels above re-read the sources in each pass and wait on each load in turn.
 
 Parameters are listed in :data:`.triton_launch.SIGNATURES` (a test keeps the two equal).
 """
@@ -632,5 +638,152 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
                 if j == m - 1:
                     gx += tl.load(GTotal + row * d + cols, mask=cmask, other=0.0).to(dt)
             tl.store(_pointer(grads, ms, j, G) + row * d + cols, gx.to(st), mask=cmask)
+    tl.store(Part + pid * 2 * d + cols, g_qg, mask=cmask)
+    tl.store(Part + (pid * 2 + 1) * d + cols, g_w, mask=cmask)
+
+
+# ----------------------------------------------------------------------------------------
+# The merge over a few sources, each read once and held: persistent programs whose loop
+# over rows Triton pipelines (the next rows' loads in flight while a row is computed)
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row(Ptr, row, d, cols, cmask, dt):
+    """Row ``row`` of the ``[rows, d]`` tensor at ``Ptr``, in ``dt`` (0 past ``d``)."""
+    return tl.load(Ptr + row * d + cols, mask=cmask, other=0.0).to(dt)
+
+
+@triton.jit
+def _vector(Ptr, cols, cmask, dt, PRESENT: tl.constexpr):
+    """The ``[d]`` vector at ``Ptr`` in ``dt`` if ``PRESENT`` (else zeros: ``Ptr`` stands in
+    for an absent one and is not read)."""
+    if PRESENT:
+        v = tl.load(Ptr + cols, mask=cmask, other=0.0).to(dt)
+    else:
+        v = tl.zeros(cols.shape, dt)
+    return v
+
+
+@triton.jit
+def _held_sources(Known, Comp, Addend, Total, row, d, cols, cmask, dt, HAS_ADDEND: tl.constexpr):
+    """The row's ``k`` known then ``c`` computed sources as a tuple, each loaded once (the
+    loads unrolled, in flight together); with an addend, the last computed source is its
+    sum with ``Addend``, rounded to the stream's dtype and written to ``Total``."""
+    xs = ()
+    for j in tl.static_range(len(Known)):
+        xs = xs + (_row(Known[j], row, d, cols, cmask, dt),)
+    for j in tl.static_range(len(Comp)):
+        x = _row(Comp[j], row, d, cols, cmask, dt)
+        if HAS_ADDEND:
+            if j == len(Comp) - 1:  # Block AttnRes' partial sum, formed here: the sum as stored
+                x = (x + _row(Addend, row, d, cols, cmask, dt)).to(Total.dtype.element_ty)
+                tl.store(Total + row * d + cols, x, mask=cmask)
+                x = x.to(dt)
+        xs = xs + (x,)
+    return xs
+
+
+@triton.jit
+def _weighted_sum(alpha, ms, xs, dt, D_PAD: tl.constexpr):
+    """``sum_j alpha_j xs[j]``, the sources in order."""
+    h = tl.zeros([D_PAD], dt)
+    for j in tl.static_range(len(xs)):
+        h += _entry(alpha, ms, j) * xs[j]
+    return h
+
+
+@triton.jit
+def merge_fwd_held(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc, Zc, Rstd, rows, d, eps,
+                   norm_eps, HAS_ADDEND: tl.constexpr, HAS_NORM: tl.constexpr, D_PAD: tl.constexpr,
+                   M_PAD: tl.constexpr, STAGES: tl.constexpr):
+    """:func:`merge_fwd` over a few sources, held: a program walks rows ``pid, pid + P,
+    ...`` in a loop Triton pipelines ``STAGES`` deep, loads each source of a row once (all of
+    them in flight together), computes the logits, the weights (a softmax over the ``k + c``
+    logits at once), ``h = sum_j alpha_j x_j`` - the sum the backward recomputes - and the
+    norm."""
+    dt = Alpha.dtype.element_ty
+    k: tl.constexpr = len(Known)
+    c: tl.constexpr = len(Comp)
+    cols = tl.arange(0, D_PAD)
+    cmask = cols < d
+    ms = tl.arange(0, M_PAD)
+    qg = _vector(Qg, cols, cmask, dt, c > 0)
+    w = _vector(NormW, cols, cmask, dt, HAS_NORM)
+    for r in tl.range(tl.program_id(0), rows, tl.num_programs(0), num_stages=STAGES):
+        row = tl.cast(r, tl.int64)
+        xs = _held_sources(Known, Comp, Addend, Total, row, d, cols, cmask, dt, HAS_ADDEND)
+        logits = tl.load(Z + row * stride_z + ms, mask=ms < k, other=float("-inf")).to(dt)
+        for j in tl.static_range(c):  # the computed sources' logits and RMS factors
+            rj = 1.0 / tl.sqrt(tl.sum(xs[k + j] * xs[k + j], axis=0) / d + eps)
+            zj = rj * tl.sum(xs[k + j] * qg, axis=0)
+            tl.store(Rc + row * c + j, rj)
+            tl.store(Zc + row * c + j, zj)
+            logits = tl.where(ms == k + j, zj, logits)
+        e = tl.exp(logits - tl.max(logits, axis=0))  # (padding: exp(-inf) = 0)
+        alpha = e / tl.sum(e, axis=0)
+        tl.store(Alpha + row * (k + c) + ms, alpha, mask=ms < k + c)
+        h = _weighted_sum(alpha, ms, xs, dt, D_PAD)
+        if HAS_NORM:
+            h = h.to(Out.dtype.element_ty).to(dt)  # the norm reads the stream's value, rounded to its dtype
+            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / d + norm_eps)
+            tl.store(Rstd + row, rstd)
+            h = h * rstd * w
+        tl.store(Out + row * d + cols, h.to(Out.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def merge_bwd_held(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, Part, rows, d,
+                   HAS_TOTAL: tl.constexpr, HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """:func:`merge_bwd` over a few sources, held: the same math and ``Part``, each source of
+    a row loaded once (with ``g`` and ``GTotal``, in flight together) and kept in registers
+    for every pass, in a loop over rows Triton pipelines ``STAGES`` deep."""
+    dt = Alpha.dtype.element_ty
+    st = G.dtype.element_ty
+    k: tl.constexpr = len(Known)
+    c: tl.constexpr = len(Comp)
+    m: tl.constexpr = k + c
+    cols = tl.arange(0, D_PAD)
+    cmask = cols < d
+    ms = tl.arange(0, M_PAD)
+    qg = _vector(Qg, cols, cmask, dt, c > 0)
+    w = _vector(NormW, cols, cmask, dt, HAS_NORM)
+    g_qg = tl.zeros([D_PAD], dt)
+    g_w = tl.zeros([D_PAD], dt)
+    for r in tl.range(tl.program_id(0), rows, tl.num_programs(0), num_stages=STAGES):
+        row = tl.cast(r, tl.int64)
+        alpha = tl.load(Alpha + row * m + ms, mask=ms < m, other=0.0)
+        gh = _row(G, row, d, cols, cmask, dt)
+        xs = _held_sources(Known, Comp, G, G, row, d, cols, cmask, dt, False)
+        if HAS_TOTAL:
+            g_total = _row(GTotal, row, d, cols, cmask, dt)
+        if HAS_NORM:  # h recomputed, rounded as the forward rounded it; then through the norm
+            h = _weighted_sum(alpha, ms, xs, dt, D_PAD).to(st).to(dt)
+            rstd = tl.load(Rstd + row)
+            g_w += gh * h * rstd
+            gh = gh * w
+            gh = rstd * gh - (rstd * rstd * rstd * tl.sum(gh * h, axis=0) / d) * h
+        s = tl.zeros([M_PAD], dt)  # s_j = g_h . x_j
+        for j in tl.static_range(m):
+            s = tl.where(ms == j, tl.sum(gh * xs[j], axis=0), s)
+        dz = alpha * (s - tl.sum(alpha * s, axis=0))
+        if k > 0:
+            tl.store(GZ + row * k + ms, dz, mask=ms < k)
+        for j in tl.static_range(m):
+            gx = _entry(alpha, ms, j) * gh
+            if j >= k:  # d zc / d x = r qg - (r^2 zc / d) x, plus the direct weight
+                rj = tl.load(Rc + row * c + j - k)
+                gr = _entry(dz, ms, j) * rj
+                gx += gr * qg - (gr * rj * tl.load(Zc + row * c + j - k) / d) * xs[j]
+                g_qg += gr * xs[j]
+            if HAS_TOTAL:
+                if j == m - 1:
+                    gx += g_total
+            if j < k:
+                tl.store(GKnown[j] + row * d + cols, gx.to(st), mask=cmask)
+            else:
+                tl.store(GComp[j - k] + row * d + cols, gx.to(st), mask=cmask)
+    pid = tl.program_id(0)
     tl.store(Part + pid * 2 * d + cols, g_qg, mask=cmask)
     tl.store(Part + (pid * 2 + 1) * d + cols, g_w, mask=cmask)

@@ -26,6 +26,12 @@ test (``tests/test_triton_aot.py``) and ``benchmarks/triton_aot_report.py`` comp
   to 16). The forward runs one program per row; the backward runs persistent programs,
   enough for :data:`BACKWARD_WARPS_PER_SM` warps on every multiprocessor, each summing the
   query's and the norm gain's gradients over its rows in registers.
+* **The merge over a few sources** (``merge_fwd_held``, ``merge_bwd_held``; at most
+  :data:`MERGE_HELD` sources, an aligned ``d``: :func:`merge_holds`): the same rows and
+  warps, persistent programs forward and backward (:func:`held_programs`, filling
+  :data:`HELD_WARPS_PER_SM`), each source of a row loaded once and held, the loop over rows
+  pipelined :func:`merge_stages` deep by Triton (the next rows' loads in flight into shared
+  memory while a row is computed).
 
 Shapes past these limits (more than :data:`MAX_QUERIES` queries in one Phase 1 or more
 than :data:`MAX_STATS` query-source pairs, ``d`` above :data:`MAX_ROW` in a merge, more
@@ -41,7 +47,7 @@ from collections.abc import Iterator
 #: float64), and its widest tile: larger blocks cost registers (each element of a block
 #: of pointers takes two) and left fewer programs resident.
 MAX_TILE_ELEMENTS = 1024
-MAX_TILE = 256
+MAX_TILE = 128
 #: Up to this many rows, the Phase-1 forward walks a row in wide tiles with up to 16 warps
 #: (:func:`phase1_forward_geometry`), within this many elements of an ``S_PAD x BLOCK_D``
 #: block (half in float64).
@@ -61,7 +67,7 @@ ROWS_TILE = 128
 MAX_ROWS = 16
 ROWS_WARPS = 4
 #: Sources whose loads the kernels over blocks of rows issue together (:func:`phase1_group`).
-ROWS_GROUP = 4
+ROWS_GROUP = 2
 #: Most queries one Phase-1 launch takes (``S_PAD``).
 MAX_QUERIES = 64
 #: Widest row the merge holds in registers (``D_PAD``): at 8192 its backward spills.
@@ -77,9 +83,19 @@ PROGRAMS_PER_SM = 8
 DQ_ROWS = 4
 #: Warps per multiprocessor the merge's backward programs fill (one wave of them).
 BACKWARD_WARPS_PER_SM = 16
+#: Most sources a merge holds in registers (``merge_fwd_held``, ``merge_bwd_held``: Block
+#: AttnRes' merges; more loop over them, Full AttnRes' groups): at 3 sources and d = 2048
+#: the backward took 166 registers, 8 warps resident.
+MERGE_HELD = 2
+#: Warps per multiprocessor the held merges' persistent programs fill, forward and
+#: backward (the ahead-of-time compile test holds their variants to leaving that many
+#: resident: at d = 2048 the backward takes 120 - 128 registers, the forward up to 104 with
+#: Triton 3.6), and the shared memory a program's pipelined loads may take.
+HELD_WARPS_PER_SM = 16
+PIPELINE_BYTES = 48 * 1024
 #: The backward kernels, latency-bound with fewer than 16 warps resident per multiprocessor
 #: (the ahead-of-time compile test holds them to it).
-BACKWARD_KERNELS = ("phase1_bwd", "phase1_dq", "phase1_bwd_rows", "phase1_grads", "merge_bwd")
+BACKWARD_KERNELS = ("phase1_bwd", "phase1_dq", "phase1_bwd_rows", "phase1_grads", "merge_bwd", "merge_bwd_held")
 #: Storage dtypes of the sources (and results) the kernels take, each with its compute
 #: dtype (that of the logits, weights and statistics).
 DTYPES = {"fp32": "fp32", "bf16": "fp32", "fp16": "fp32", "fp64": "fp64"}
@@ -136,9 +152,10 @@ def phase1_forward_geometry(rows: int, d: int, S: int, block_d: int | None = Non
     :func:`phase1_tile` and :func:`phase1_warps`. ``block_d`` forces the tile."""
     if block_d is not None or rows > FEW_ROWS:
         return phase1_tile(d, S, block_d, wide), phase1_warps(S)
-    # (from 32 queries on, a quarter: the statistics blocks take the registers, and 16 warps
-    # leave 128 a thread - Triton 3.9 spilled at 32 x 512)
-    budget = FEW_ROWS_TILE_ELEMENTS // (2 if wide else 1) // (4 if pad(S) >= 32 else 1)
+    # (from 16 queries on, a half, from 32 a quarter: the statistics blocks take the
+    # registers, and 16 warps leave 128 a thread - Triton 3.9 spilled at 32 x 512, and at
+    # 16 x 1024 as launched on aligned rows)
+    budget = FEW_ROWS_TILE_ELEMENTS // (2 if wide else 1) // (4 if pad(S) >= 32 else 2 if pad(S) >= 16 else 1)
     tile = max(16, min(next_power_of_2(d), budget // pad(S)))
     return tile, min(16, max(4, pad(S) * tile // 1024))
 
@@ -184,13 +201,20 @@ def phase1_rows_geometry(d: int, S: int, wide: bool = False, block_d: int | None
 def phase1_group(n: int, S: int, rows: int = 1, wide: bool = False) -> int:
     """``GROUP`` of the kernels over blocks of ``rows`` rows: how many of the ``n`` sources
     a program's loop takes an iteration, their loads in flight together - up to
-    :data:`ROWS_GROUP` (half with 4- or 8-byte storage, ``wide``) where a program takes one
-    row of at most 8 queries, else one (Triton 3.6 took 140 to 190 registers for all of
-    Block's 8 sources at once, and spilled for groups beside several rows or 16 queries; one
-    at a time leaves a load's latency per source)."""
+    :data:`ROWS_GROUP` (half with 8-byte storage, ``wide``) where a program takes one row of
+    at most 8 queries, else one (Triton 3.6 took 140 to 190 registers for all of Block's 8
+    sources at once, and spilled for groups beside several rows or 16 queries, and for 4
+    bf16 sources as launched on aligned rows; one at a time leaves a load's latency per
+    source)."""
     if rows > 1 or pad(S) > 8:
         return 1
     return max(1, min(n, ROWS_GROUP // (2 if wide else 1)))
+
+
+def rows_warps(S: int) -> int:
+    """Warps of a program of the kernels over blocks of rows: :data:`ROWS_WARPS`, twice that
+    from 32 queries on (``phase1_grads`` spilled at 32 x 16 with 4 on sm_80)."""
+    return ROWS_WARPS * (2 if pad(S) >= 32 else 1)
 
 
 def phase1_warps(S: int) -> int:
@@ -215,6 +239,33 @@ def backward_programs(rows: int, d_pad: int, sms: int, warps: int | None = None)
     """The merge backward's persistent programs on ``sms`` multiprocessors, of ``warps``
     warps each (default :func:`merge_warps`)."""
     return max(1, min(rows, sms * max(1, BACKWARD_WARPS_PER_SM // (warps or merge_warps(d_pad)))))
+
+
+def merge_holds(m: int, d: int | None = None) -> bool:
+    """Whether a merge of ``m`` sources (at most :data:`MERGE_HELD`) at hidden size ``d``
+    holds them: at an aligned ``d`` (a multiple of 16), the variant compiled ahead of time
+    (at an odd one, without the alignment, they took more registers; the looping kernels
+    run those)."""
+    return m <= MERGE_HELD and (d is None or d % 16 == 0)
+
+
+def held_warps(warps: int) -> int:
+    """Warps the held merges' programs of ``warps`` warps fill a multiprocessor with: as many
+    programs as fit in :data:`HELD_WARPS_PER_SM`, at least one."""
+    return max(1, HELD_WARPS_PER_SM // warps) * warps
+
+
+def held_programs(rows: int, sms: int, warps: int) -> int:
+    """The held merges' persistent programs over ``rows`` rows on ``sms`` multiprocessors:
+    :func:`held_warps` on each, at most one a row."""
+    return max(1, min(rows, sms * held_warps(warps) // warps))
+
+
+def merge_stages(row_bytes: int, loads: int) -> int:
+    """The depth Triton pipelines a held merge's loop over rows to (``num_stages``): its
+    ``loads`` rows of ``row_bytes`` each for one or two rows ahead, within
+    :data:`PIPELINE_BYTES` of shared memory."""
+    return 1 + max(1, min(2, PIPELINE_BYTES // max(1, loads * row_bytes)))
 
 
 def row_ranges(rows: int, programs: int) -> tuple[int, int]:
@@ -267,6 +318,14 @@ SIGNATURES = {
     "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C", "NormW:*C",
                   "Out:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "eps:fp32", "norm_eps:fp32",
                   "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
+    "merge_fwd_held": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C",
+                       "NormW:*C", "Out:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "rows:i32", "d:i32", "eps:fp32",
+                       "norm_eps:fp32", "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr",
+                       "M_PAD:constexpr", "STAGES:constexpr"],
+    "merge_bwd_held": ["G:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C",
+                       "NormW:*C", "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32",
+                       "HAS_TOTAL:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr",
+                       "STAGES:constexpr"],
     "merge_bwd": ["G:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
                   "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32",
                   "HAS_TOTAL:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
@@ -314,11 +373,11 @@ def launch_shapes(kernel: str, wide: bool = False,
     elif kernel in ("phase1_logits_rows", "phase1_bwd_rows", "phase1_grads"):  # (many rows)
         for S, n in PHASE1_SHAPES:
             rows, block = phase1_rows_geometry(4096, S, wide)
-            constexprs = {"GROUP": phase1_group(n, S, rows, wide_storage), "ROWS": rows, "BLOCK_D": block,
+            constexprs = {"GROUP": phase1_group(n, S, rows, wide), "ROWS": rows, "BLOCK_D": block,
                           "S_PAD": pad(S), "N_PAD": pad(n)}
             if kernel == "phase1_bwd_rows":
                 constexprs = {"HAS_GLSE": 1, **constexprs}
-            yield {"S": S, "n": n}, constexprs, ROWS_WARPS
+            yield {"S": S, "n": n}, constexprs, rows_warps(S)
     elif kernel.startswith("phase1"):
         for S, n in PHASE1_SHAPES:
             block, s_pad = phase1_tile(4096, S, wide=wide), pad(S)
@@ -332,10 +391,18 @@ def launch_shapes(kernel: str, wide: bool = False,
                 block, warps = phase1_forward_geometry(1, 4096, S, wide=wide)
                 yield {"S": S, "n": n}, {**constexprs, "BLOCK_D": block}, warps
     else:
+        held = kernel.endswith("_held")
         for d, k, c in MERGE_SHAPES:
+            if held and not merge_holds(k + c):
+                continue  # (the looping kernels take every shape: forced, they run Block's too)
             d_pad = row_pad(d)
-            extra = {"HAS_ADDEND": 1} if kernel == "merge_fwd" else {"HAS_TOTAL": 1}
-            yield {"k": k, "c": c}, {**extra, "HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}, merge_warps(d_pad)
+            forward = kernel.startswith("merge_fwd")
+            extra = {"HAS_ADDEND": 1} if forward else {"HAS_TOTAL": 1}
+            constexprs = {**extra, "HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}
+            if held:
+                item = 8 if wide else 4 if wide_storage else 2
+                constexprs["STAGES"] = merge_stages(d * item, k + c + 1 + (not forward))
+            yield {"k": k, "c": c}, constexprs, merge_warps(d_pad)
 
 
 def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int], dict[str, int]]]:
