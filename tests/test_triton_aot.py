@@ -54,11 +54,12 @@ def test_the_merges_access_rows_16_bytes_at_a_time():
     data, none is."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import triton_aot_report as r; "
-            "print([r.narrow_row_accesses(k, {'k': 1, 'c': 1}) for k in ('merge_fwd', 'merge_bwd')])")
+            "print([r.narrow_row_accesses(k, {'k': 1, 'c': 1}) for k in ('merge_fwd', 'merge_bwd', 'merge_fwd_held', "
+            "'merge_bwd_held')])")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "[0, 0]"
+    assert result.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0]"
 
 
 def test_the_listed_signatures_are_the_kernels_parameters():
