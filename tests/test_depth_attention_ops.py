@@ -759,8 +759,9 @@ def test_merge_holding_its_sources_equals_looping_over_them_and_the_truth(rows, 
     and every gradient (the logits', each source's, the query's, the norm gain's; the sum
     formed with an addend, its gradient from downstream) against the float64 truth within the
     dtype's tolerance, as the kernels looping over the sources are - odd ``d``, known and
-    computed sources alone and together, with and without the norm, one program a row and
-    programs walking several rows, pipelined two and three deep and not at all."""
+    computed sources alone and together, with and without the norm, one program a row (not
+    pipelined) and programs walking several rows, pipelined two and three deep and not at
+    all."""
     device = triton_device()
     from attnres.ops.depth_attention import triton_impl, triton_launch
 
@@ -793,7 +794,8 @@ def test_merge_holding_its_sources_equals_looping_over_them_and_the_truth(rows, 
 
     want = run(torch_impl, lambda t: t.double())
     tol = 1e-12 if dtype == torch.float64 else TOL[torch.float32] if dtype == torch.float32 else OP_TOL_BF16
-    for held, programs, stages in [(True, None, None), (True, 2, 2), (True, 3, 1), (False, None, None)]:
+    for held, programs, stages in [(True, None, None), (True, 2, None), (True, 2, 2), (True, 3, 1),
+                                   (False, None, None)]:  # (2 programs: several rows each, pipelined)
         monkeypatch.setitem(triton_impl.FORCED, "merge_held", held)
         monkeypatch.setitem(triton_impl.FORCED, "programs", programs)
         monkeypatch.setitem(triton_impl.FORCED, "merge_stages", stages)

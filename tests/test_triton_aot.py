@@ -108,6 +108,7 @@ def test_launch_geometry():
     assert L.held_programs(8192, 132, 8) == 132 * L.HELD_WARPS_PER_SM // 8 and L.held_programs(3, 132, 8) == 3
     assert L.held_programs(8192, 132, 32) == 132 and L.held_warps(32) == 32
     assert L.merge_stages(2 * 2048, 3) == 3 and L.merge_stages(4 * 4096, 4) == 2
+    assert L.merge_stages(2 * 2048, 3, rows_per_program=1) == 1  # (decoding: a row a program)
     for row_bytes, loads in [(128, 2), (4096, 4), (8192, 4), (32768, 4)]:
         stages = L.merge_stages(row_bytes, loads)
         assert 2 <= stages <= 3 and (stages == 2 or (stages - 1) * loads * row_bytes <= L.PIPELINE_BYTES)

@@ -70,9 +70,10 @@ def _held_programs(rows: int, warps: int, device: torch.device) -> int:
     return held_programs(rows, _sms(device), warps)
 
 
-def _stages(d: int, storage: torch.dtype, loads: int) -> int:
-    """The pipeline depth of a held merge loading ``loads`` rows of ``d`` elements a row."""
-    return FORCED["merge_stages"] or merge_stages(d * storage.itemsize, loads)
+def _stages(d: int, storage: torch.dtype, loads: int, rows: int, programs: int) -> int:
+    """The pipeline depth of a held merge's ``programs`` loading ``loads`` rows of ``d``
+    elements for each of ``rows`` rows."""
+    return FORCED["merge_stages"] or merge_stages(d * storage.itemsize, loads, -(-rows // programs))
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:
@@ -252,9 +253,9 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
         flags = dict(HAS_ADDEND=addend is not None, HAS_NORM=norm_weight is not None, D_PAD=d_pad, M_PAD=pad(k + c),
                      num_warps=warps)
         if _held(k + c, d):
-            loads = k + c + (addend is not None)
-            triton_kernels.merge_fwd_held[(_held_programs(rows, warps, dev),)](
-                *args, rows, d, float(eps), float(norm_eps), STAGES=_stages(d, x0.dtype, loads), **flags)
+            loads, programs = k + c + (addend is not None), _held_programs(rows, warps, dev)
+            triton_kernels.merge_fwd_held[(programs,)](*args, rows, d, float(eps), float(norm_eps),
+                                                       STAGES=_stages(d, x0.dtype, loads, rows, programs), **flags)
         else:
             triton_kernels.merge_fwd[(rows,)](*args, d, float(eps), float(norm_eps), **flags)
     return out, alpha, rc, zc, rstd, total
@@ -293,7 +294,8 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
         flags = dict(HAS_TOTAL=g_total is not None, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c), num_warps=warps)
         if held:
             loads = k + c + 1 + (g_total is not None)
-            triton_kernels.merge_bwd_held[(programs,)](*args, STAGES=_stages(d, x0.dtype, loads), **flags)
+            triton_kernels.merge_bwd_held[(programs,)](*args, STAGES=_stages(d, x0.dtype, loads, rows, programs),
+                                                       **flags)
         else:
             triton_kernels.merge_bwd[(programs,)](*args, **flags)
         # (one sum each: an operator's results may not share memory)

@@ -261,10 +261,14 @@ def held_programs(rows: int, sms: int, warps: int) -> int:
     return max(1, min(rows, sms * held_warps(warps) // warps))
 
 
-def merge_stages(row_bytes: int, loads: int) -> int:
+def merge_stages(row_bytes: int, loads: int, rows_per_program: int = 2) -> int:
     """The depth Triton pipelines a held merge's loop over rows to (``num_stages``): its
     ``loads`` rows of ``row_bytes`` each for one or two rows ahead, within
-    :data:`PIPELINE_BYTES` of shared memory."""
+    :data:`PIPELINE_BYTES` of shared memory; 1 (not pipelined) where a program takes one row
+    (decoding: nothing to load ahead, and the copy through shared memory would only add to
+    the step's latency)."""
+    if rows_per_program <= 1:
+        return 1
     return 1 + max(1, min(2, PIPELINE_BYTES // max(1, loads * row_bytes)))
 
 
@@ -403,6 +407,8 @@ def launch_shapes(kernel: str, wide: bool = False,
                 item = 8 if wide else 4 if wide_storage else 2
                 constexprs["STAGES"] = merge_stages(d * item, k + c + 1 + (not forward))
             yield {"k": k, "c": c}, constexprs, merge_warps(d_pad)
+            if held and forward and d == 2048 and k:  # (decoding: a row a program, not pipelined)
+                yield {"k": k, "c": c}, {**constexprs, "STAGES": 1}, merge_warps(d_pad)
 
 
 def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int], dict[str, int]]]:
