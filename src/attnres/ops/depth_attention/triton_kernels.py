@@ -516,6 +516,20 @@ def phase1_grads(Q, P, W, C, Srcs, GOuts, GSrcs, PQ, rows, d, rows_per_program, 
 
 
 @triton.jit
+def _rms_logit(x, qg, d, eps):
+    """A computed source's RMS factor ``r = 1 / rms(x)`` and logit ``r (x . qg)``."""
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+    return r, r * tl.sum(x * qg, axis=0)
+
+
+@triton.jit
+def _through_norm(g, h, w, rstd, d):
+    """The gradient ``g`` reaching the norm's output ``h * rstd * w``, passed back to ``h``."""
+    g = g * w
+    return rstd * g - (rstd * rstd * rstd * tl.sum(g * h, axis=0) / d) * h
+
+
+@triton.jit
 def _merge_addresses(Known, Comp, ms):
     """The data pointers of the ``k`` known then the ``c`` computed sources (or of their
     gradients) as one int64 vector indexed by ``ms``."""
@@ -558,8 +572,7 @@ def merge_fwd(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc
                 tl.store(Total + row * d + cols, x, mask=cmask)
                 x = x.to(dt)
         if j >= k:  # a computed source: its logit and RMS factor
-            rj = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
-            zj = rj * tl.sum(x * tl.load(Qg + cols, mask=cmask, other=0.0).to(dt), axis=0)
+            rj, zj = _rms_logit(x, tl.load(Qg + cols, mask=cmask, other=0.0).to(dt), d, eps)
             tl.store(Rc + row * c + j - k, rj)
             tl.store(Zc + row * c + j - k, zj)
         else:
@@ -616,8 +629,7 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
             h = h.to(st).to(dt)
             rstd = tl.load(Rstd + row)
             g_w += gh * h * rstd
-            gh = gh * tl.load(NormW + cols, mask=cmask, other=0.0).to(dt)
-            gh = rstd * gh - (rstd * rstd * rstd * tl.sum(gh * h, axis=0) / d) * h
+            gh = _through_norm(gh, h, tl.load(NormW + cols, mask=cmask, other=0.0).to(dt), rstd, d)
         s = tl.zeros([M_PAD], dt)  # s_j = g_h . x_j
         for j in range(m):
             x = tl.load(_pointer(sources, ms, j, G) + row * d + cols, mask=cmask, other=0.0).to(dt)
@@ -715,8 +727,7 @@ def merge_fwd_held(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alph
         xs = _held_sources(Known, Comp, Addend, Total, row, d, cols, cmask, dt, HAS_ADDEND)
         logits = tl.load(Z + row * stride_z + ms, mask=ms < k, other=float("-inf")).to(dt)
         for j in tl.static_range(c):  # the computed sources' logits and RMS factors
-            rj = 1.0 / tl.sqrt(tl.sum(xs[k + j] * xs[k + j], axis=0) / d + eps)
-            zj = rj * tl.sum(xs[k + j] * qg, axis=0)
+            rj, zj = _rms_logit(xs[k + j], qg, d, eps)
             tl.store(Rc + row * c + j, rj)
             tl.store(Zc + row * c + j, zj)
             logits = tl.where(ms == k + j, zj, logits)
@@ -762,8 +773,7 @@ def merge_bwd_held(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, G
             h = _weighted_sum(alpha, ms, xs, dt, D_PAD).to(st).to(dt)
             rstd = tl.load(Rstd + row)
             g_w += gh * h * rstd
-            gh = gh * w
-            gh = rstd * gh - (rstd * rstd * rstd * tl.sum(gh * h, axis=0) / d) * h
+            gh = _through_norm(gh, h, w, rstd, d)
         s = tl.zeros([M_PAD], dt)  # s_j = g_h . x_j
         for j in tl.static_range(m):
             s = tl.where(ms == j, tl.sum(gh * xs[j], axis=0), s)
