@@ -14,7 +14,10 @@ same order, all with ``dtype=bfloat16``:
 
 * ``float32 stream``: one process (autocast around float32 parameters);
 * ``bf16 stream``: ``torchrun --nproc-per-node 2`` (FSDP2's bf16 parameters);
-* ``autocast stream``: one process with ``model.residual.autocast_stream=true``.
+* ``autocast stream``: one process with ``model.residual.autocast_stream=true``;
+* ``norm output``: one process with ``model.residual.autocast_norm_output=true`` (the
+  stream float32, each sublayer's norm output rounded to bf16 once, the projections' input
+  gradients added in bf16).
 
 Data parallelism alone does not move the loss: the float32 runs on two ranks equal the
 single-process run within 1e-5 (``tests/test_parallel_train.py``). Reported: the final
@@ -40,7 +43,11 @@ CONFIG = ROOT / "configs" / "train-cpu.yaml"
 MODELS = {"standard": "standard", "block": "attnres_block", "full": "attnres_full"}
 #: Each setting, as the report names it; the first is the baseline the others are paired with.
 SETTINGS = {"float32 stream": "float32 stream", "bf16 stream": "bf16 stream (FSDP2, 2 ranks)",
-            "autocast stream": "bf16 stream (autocast_stream, 1 process)"}
+            "autocast stream": "bf16 stream (autocast_stream, 1 process)",
+            "norm output": "float32 stream, bf16 norm outputs (autocast_norm_output, 1 process)"}
+#: What each setting other than the float32 stream changes in the run's configuration.
+OVERRIDES = {"autocast stream": ["model.residual.autocast_stream=true"],
+             "norm output": ["model.residual.autocast_norm_output=true"]}
 BASELINE = "float32 stream"
 
 
@@ -54,7 +61,7 @@ def command(setting: str) -> list[str]:
 
 def setting_overrides(setting: str) -> list[str]:
     """What a setting changes in the run's configuration."""
-    return ["model.residual.autocast_stream=true"] if setting == "autocast stream" else []
+    return OVERRIDES.get(setting, [])
 
 
 def curve(run_dir: Path) -> list[tuple[int, float]]:
@@ -96,7 +103,8 @@ def report(losses: dict, steps: int, seeds: list[int]) -> str:
              "blocks, Block S = 2; Muon, WSD, batch 16 x 128 tokens; bf16 autocast in all). float32 stream: one "
              "process, float32 parameters; bf16 stream (FSDP2): two ranks with bf16 parameters (float32 master "
              "weights and reductions); bf16 stream (autocast_stream): one process, float32 parameters, "
-             "`model.residual.autocast_stream=true`. Final validation loss.", "",
+             "`model.residual.autocast_stream=true`; bf16 norm outputs: one process, "
+             "`model.residual.autocast_norm_output=true`. Final validation loss.", "",
              "| model | setting | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | minus float32 (mean ± sd) |",
              "|---|---|" + "---:|" * (len(seeds) + 2)]
     for model, by_setting in losses.items():
@@ -132,7 +140,7 @@ def plot(out: Path, results: Path, models: list[str], seeds: list[int], settings
         top, bottom = axes[0][col], axes[1][col]
         for seed in seeds:
             curves = {s: dict(curve(out / model / s.replace(" ", "-") / f"seed{seed}")) for s in settings}
-            for setting, style in zip(settings, ("-", "--", ":")):
+            for setting, style in zip(settings, ("-", "--", ":", "-.")):
                 steps = sorted(curves[setting])
                 top.plot(steps, [curves[setting][k] for k in steps], style, color=f"C{seed}",
                          label=f"{SETTINGS[setting]}, seed {seed}")

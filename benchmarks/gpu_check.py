@@ -22,7 +22,10 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 2. **train, eager**: a training step (bf16 autocast) of the standard model, Block and Full
    AttnRes at d = 2048, 32 transformer blocks, N = 8 blocks (S = 8), sequence 2048, batch
    4, interleaved; the peak memory of a step and the bytes its forward keeps; Block also
-   with its Phase-1 sums kept (``recompute_phase1=False``).
+   with its Phase-1 sums kept (``recompute_phase1=False``); the standard model and Block
+   also with their sublayer norms returning bf16 (``ResidualConfig.autocast_norm_output``:
+   no cast of a float32 norm output per linear layer; ``bf16_norm_out`` in the summary -
+   ``--autocast-norm-output`` runs every part so, e.g. the compiled one).
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
    and CUDA-graphed, bf16; Block's graphed step also with Phase 1's forward in one kernel
    (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains).
@@ -601,13 +604,48 @@ def sums_kept(fn, model):
     return run
 
 
-def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool) -> dict:
+#: The eager step's variants with the sublayers' norms returning bf16
+#: (``ResidualConfig.autocast_norm_output``): ``{variant: model}``.
+NORM_OUT = {"standard (bf16 norm out)": "standard", "block (bf16 norm out)": "block"}
+
+
+def set_norm_outputs(model, on: bool) -> bool:
+    """Make ``model``'s sublayer norms return the autocast dtype (``on``) or not, as
+    ``ResidualConfig.autocast_norm_output`` does; returns what they did before."""
+    norms = [n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm)]
+    before = norms[0].autocast_output
+    for n in norms:
+        n.autocast_output = on
+    return before
+
+
+def norm_out(fn, model):
+    """``fn`` run with ``model``'s sublayer norms returning the autocast dtype."""
+    def run():
+        before = set_norm_outputs(model, True)
+        try:
+            return fn()
+        finally:
+            set_norm_outputs(model, before)
+
+    return run
+
+
+def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool, norm_outputs: bool = False
+               ) -> dict:
+    """The training steps, interleaved; eager, also Block keeping its sums (:data:`SUMS_KEPT`)
+    and, with ``norm_outputs``, the standard model and Block with bf16 norm outputs
+    (:data:`NORM_OUT`)."""
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=device)
     steps = train_steps(models, ids, device, compiled)
     forwards = {k: forward_of(m, ids, device) for k, m in models.items()}
     if not compiled and "block" in models:
         steps[SUMS_KEPT] = sums_kept(steps["block"], models["block"])
         forwards[SUMS_KEPT] = sums_kept(forwards["block"], models["block"])
+    if not compiled and norm_outputs:
+        for variant, name in NORM_OUT.items():
+            steps[variant] = norm_out(steps[name], models[name])
+            forwards[variant] = norm_out(forwards[name], models[name])
     start = time.perf_counter()
     for step in steps.values():  # (compiled: this compiles)
         step()
@@ -792,6 +830,14 @@ def summarize(result: dict) -> dict:
         summary["block_phase1_one_kernel"] = one_kernel
     if SUMS_KEPT in result.get("train_eager", {}).get("ms", {}):
         summary["block_sums_kept"] = {k: v for k, v in by_variant(SUMS_KEPT).items() if v is not None}
+    eager = result.get("train_eager", {})
+    if set(NORM_OUT) <= set(eager.get("ms", {})):  # (Block against the standard model, both with bf16 norm outputs)
+        standard, block = NORM_OUT
+        summary["bf16_norm_out"] = {
+            "train_eager": eager["ms"][block] / eager["ms"][standard],
+            "memory": eager["peak_memory_MiB"][block] / eager["peak_memory_MiB"][standard],
+            "standard_vs_default": eager["ms"][standard] / eager["ms"]["standard"],
+            "block_vs_default": eager["ms"][block] / eager["ms"]["block"]}
     summary["met"] = {k: summary[k] is not None and summary[k] <= v for k, v in TARGETS.items() if k in summary}
     if "ops" in result:
         ops = result["ops"]
@@ -937,6 +983,8 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
         ids = torch.randint(0, small.vocab, (1, small.seq), device="cuda")
         for step in train_steps(models, ids, "cuda").values():
             step()
+        for name in NORM_OUT.values():  # (the merges writing bf16: train_eager's NORM_OUT variants)
+            norm_out(train_steps({name: models[name]}, ids, "cuda")[name], models[name])()
         for model in models.values():
             model.to(torch.bfloat16)
             _, cache = prefill(model, ids)
@@ -1006,7 +1054,7 @@ def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers
         return part_profile_decode(z, models, device)
     if part == "train_bf16":
         return part_train_bf16(z, clock, models, device)
-    return part_train(z, clock, models, device, compiled=part == "train_compiled")
+    return part_train(z, clock, models, device, compiled=part == "train_compiled", norm_outputs=part == "train_eager")
 
 
 def parse_args(argv=None):
@@ -1019,6 +1067,9 @@ def parse_args(argv=None):
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
     p.add_argument("--force", action="append", default=[], metavar="SETTING=VALUE",
                    help="a launch setting for the whole run (triton_impl.FORCED), e.g. phase1_rows=false; repeatable")
+    p.add_argument("--autocast-norm-output", action="store_true",
+                   help="every model's sublayer norms return bf16 under autocast (ResidualConfig.autocast_norm_output)"
+                        " in every part - e.g. with --parts train_compiled")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -1060,6 +1111,10 @@ def main(argv=None) -> int:
     clock = Clock(device)
     out = Path(args.out)
     models = build_models(z, device)
+    if args.autocast_norm_output:
+        for model in models.values():
+            set_norm_outputs(model, True)
+        result["forced"] = {**(forced_settings or {}), "autocast_norm_output": True}
     for worker in workers:  # the kernels compiled; the timed parts find them in the caches
         worker.wait()
     for part in args.parts.split(","):

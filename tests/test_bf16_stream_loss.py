@@ -39,6 +39,8 @@ def test_each_setting_launches_and_configures_its_runs():
     assert ranks[ranks.index("--nproc-per-node") + 1] == "2" and ranks[-2:] == ["attnres", "train"]
     assert study.command("autocast stream") == single
     assert study.setting_overrides("autocast stream") == ["model.residual.autocast_stream=true"]
+    assert study.setting_overrides("norm output") == ["model.residual.autocast_norm_output=true"]
+    assert study.command("norm output") == single
     assert study.setting_overrides("float32 stream") == study.setting_overrides("bf16 stream") == []
 
 

@@ -88,14 +88,16 @@ def test_compiled_training_runs_the_depth_attention_operators(residual, monkeypa
     assert_fast_matches_naive(compiled[1:], eager[1:], truth[1:], torch.float32, names[1:], GRAD_TOL[torch.float32])
 
 
-def test_compiled_autocast_stream_has_no_graph_break_and_matches_eager():
-    """``autocast_stream`` under bf16 autocast: the autocast state it reads is traced (no graph
-    break), and the compiled step is as close to the float64 truth as eager's (the bf16 rule
-    of ``assert_fast_matches_naive``)."""
+@pytest.mark.parametrize("option", ["autocast_stream", "autocast_norm_output"])
+def test_compiled_autocast_stream_has_no_graph_break_and_matches_eager(option):
+    """``autocast_stream`` (``autocast_norm_output``: the merges' outputs in bf16, their fake
+    implementation's dtype) under bf16 autocast: the autocast state it reads is traced (no
+    graph break), and the compiled step is as close to the float64 truth as eager's (the bf16
+    rule of ``assert_fast_matches_naive``)."""
     from conftest import GRAD_TOL, TOL, assert_fast_matches_naive
 
     torch._dynamo.reset()
-    model = make_model(residual={"kind": "attnres_block", "block_size": 3, "autocast_stream": True}, n_layers=2)
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3, option: True}, n_layers=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(model)(ids, labels=ids)

@@ -285,11 +285,83 @@ def test_opcheck_merge_with_an_addend(backend, kernel):
     if backend == "triton":
         args, addend = tree_map_only(torch.Tensor, lambda t: to_triton_device(t.detach()).requires_grad_(), (args, addend))
     torch.library.opcheck(torch.ops.attnres.merge.default, (*args, backend, addend))
+    torch.library.opcheck(torch.ops.attnres.merge.default, (*args, backend, addend, torch.bfloat16))  # (out_dtype)
     with torch.no_grad():
         out, alpha, rc, zc, rstd, total = torch.ops.attnres.merge(*args, backend, addend)
     bargs = (torch.randn_like(out), alpha, rc, zc, rstd, args[1], [total], args[3], args[4], [True] * 5, backend,
              torch.randn_like(total))
     torch.library.opcheck(torch.ops.attnres.merge_backward.default, tree_map_only(torch.Tensor, torch.Tensor.detach, bargs))
+
+
+def out_dtype_run(backend, inputs, out_dtype, grads):
+    """The merge over ``inputs = (z, sources, computed, qg, w, addend)`` writing ``out_dtype``
+    (``None``: the default), with the gradient ``grads = (g_out, g_total)`` given to its
+    output (and sum): ``[out, *every input's gradient]``."""
+    z, sources, computed, qg, w, addend = inputs
+    leaves = [t for t in (z, *sources, *computed, qg, w, addend) if t is not None]
+    if backend == "reference":
+        results = reference.merge(z, sources, computed, qg, 1e-6, w, 1e-5, addend, out_dtype)
+    elif backend == "triton":
+        args = to_triton_device((z, sources, computed, qg))
+        results = to_cpu(library.merge(*args, 1e-6, to_triton_device(w), 1e-5, backend, to_triton_device(addend),
+                                       out_dtype))
+    else:
+        results = library.merge(z, sources, computed, qg, 1e-6, w, 1e-5, backend, addend, out_dtype)
+    outputs = [results[0], *results[2:]]
+    return [results[0], *torch.autograd.grad(outputs, leaves, grads[: len(outputs)])]
+
+
+def to_bf16(x: torch.Tensor, backend: str) -> torch.Tensor:
+    """Float32 ``x`` rounded to bfloat16 as ``backend`` rounds a cast: to nearest even, but
+    toward zero in Triton's interpreter (its float32 -> bf16 cast drops the low bits; a GPU
+    rounds to nearest even)."""
+    if backend == "triton" and TRITON_DEVICE == "cpu":
+        return (x.detach().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    return x.detach().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+@pytest.mark.parametrize("k, c, with_addend", [(1, 1, True), (1, 1, False), (0, 2, False), (2, 0, False)])
+@pytest.mark.parametrize("d", [37, 48])
+def test_merge_writes_out_dtype_rounded_once_and_takes_its_gradient_in_that_dtype(backend, k, c, with_addend, d,
+                                                                                 kernel):
+    """``out_dtype=bfloat16`` over float32 sources (``ResidualConfig.autocast_norm_output``:
+    the sublayer's norm output in the autocast dtype its linear layers compute in): the
+    output is the default output rounded to bf16 (as the backend rounds a cast), bit for
+    bit, and given its gradient in bf16, every gradient equals the default's given that
+    gradient in float32, exactly - the kernels read the gradient in its dtype, nothing else
+    changes. On the CPU (``"auto"``), where the C kernel writes the sources' dtype only, the
+    PyTorch implementation runs. An odd ``d`` and an aligned one (Triton: the looping and
+    the held merges), rows over several programs."""
+    triton_or_skip(backend)
+    z, sources, computed, qg, w = merge_inputs((3, 5), d, k, c, True, torch.float32, seed=3)
+    g = torch.Generator().manual_seed(4)
+    addend = rnd(g, 3, 5, d, dtype=torch.bfloat16) if with_addend else None
+    inputs = (z, sources, computed, qg, w, addend)
+    g_out = torch.randn(3, 5, d, generator=g).to(torch.bfloat16)
+    g_total = torch.randn(3, 5, d, generator=g)
+    same = "torch" if backend == "auto" else backend  # (what runs the default output in float32 the same way)
+    want = out_dtype_run(same, inputs, None, (g_out.float(), g_total))
+    got = out_dtype_run(backend, inputs, torch.bfloat16, (g_out, g_total))
+    assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], to_bf16(want[0], backend))
+    assert len(got) == len(want)
+    for a, b in zip(got[1:], want[1:]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # (and the other way: bf16 sources writing float32 - the norm's output not rounded to bf16)
+    low = (z, [x.detach().bfloat16().requires_grad_() for x in sources],
+           [x.detach().bfloat16().requires_grad_() for x in computed], qg, w, None)
+    wide = out_dtype_run(backend, low, torch.float32, (g_out.float(), g_total))
+    truth = out_dtype_run("reference", low, torch.float32, (g_out.float(), g_total))
+    assert wide[0].dtype == torch.float32
+    for a, b in zip(wide, truth):
+        assert_rel_close(a, b, OP_TOL_BF16)
+
+
+def test_merge_out_dtype_errors():
+    z, sources, computed, qg, w = merge_inputs()
+    for bad in (torch.int32, "bfloat16"):
+        with pytest.raises(ValueError, match="out_dtype must be a floating-point torch.dtype or None"):
+            library.merge(z, sources, computed, qg, out_dtype=bad)
 
 
 def low_precision_check(run, inputs, storage, dtype, tol):
@@ -537,8 +609,8 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     merge backward dispatches at most 3 device operations
     (its kernel and the sums of the query's and the norm gain's per-program partials), a
     Phase-1 backward 3 (two kernels, one sum); no call copies anything to the device (no
-    pointer table: tuple arguments), zero-fills a buffer, or copies a slice of Phase 1's
-    log-sum-exps (the merge takes a strided column)."""
+    pointer table: tuple arguments), zero-fills a buffer, copies a slice of Phase 1's
+    log-sum-exps (the merge takes a strided column) or casts an output or its gradient."""
     pytest.importorskip("triton")
     from attnres.ops.depth_attention import triton_impl, triton_kernels
 
@@ -575,6 +647,17 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     out, _, total = result["fused"]
     backward = _device_operations(lambda: torch.autograd.grad([out, total], [z, x, partial, addend, qg, w],
                                                               [grad, grad]), launches)
+    assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
+    # the same writing bf16 (autocast_norm_output): the kernel writes it and reads its bf16
+    # gradient, no cast either way
+    forward = _device_operations(lambda: result.update(
+        low=library.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, "triton", addend=addend, out_dtype=torch.bfloat16)),
+        launches)
+    assert forward == ["triton.merge_fwd_held"] and result["low"][0].dtype == torch.bfloat16, forward
+    out, _, total = result["low"]
+    low_grad = grad.bfloat16()
+    backward = _device_operations(lambda: torch.autograd.grad([out, total], [z, x, partial, addend, qg, w],
+                                                              [low_grad, grad]), launches)
     assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
     # Phase 1 of S queries over 3 sources: 20 rows (decoding's few) split over the sources,
     # two kernels; over blocks of rows otherwise (many rows), two kernels; or one program per

@@ -42,9 +42,11 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert summary["met"]["parity"] and max(summary["parity"]["ops"].values()) < 1e-5
     assert 1e-4 < max(summary["parity"]["ops_bf16"].values()) < gpu_check.OP_PARITY_TOLERANCE_BF16
     kept = result["train_eager"]["kept_MiB"]
-    assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT}
+    assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT, *gpu_check.NORM_OUT}
     assert kept[gpu_check.SUMS_KEPT] > kept["block"]  # (the recipe measured: the sums not kept)
     assert set(summary["block_sums_kept"]) == {"train_eager", "memory"}
+    assert set(summary["bf16_norm_out"]) == {"train_eager", "memory", "standard_vs_default", "block_vs_default"}
+    assert set(gpu_check.NORM_OUT) <= set(result["train_eager"]["ms"])
     assert set(summary["block_phase1_one_kernel"]) == {"decode_b1", "decode_b8"}
     assert gpu_check.ONE_KERNEL in result["decode"]["b1"]["graphed"]
     depth_attention = {"_Merge", "_MergeBackward", "_Phase1", "_Phase1Backward"}

@@ -224,6 +224,41 @@ def test_autocast_stream_stores_the_stream_in_the_autocast_dtype(residual):
         assert model.residual.start(meta).dtype == torch.float32
 
 
+@pytest.mark.parametrize("residual", ["standard", "attnres_block", "attnres_full"])
+def test_autocast_norm_output_rounds_each_sublayer_input_once(residual):
+    """``residual.autocast_norm_output``: under bf16 autocast each sublayer's norm returns
+    bf16 - the logits are the default's bit for bit (the linear layers read the same
+    values; AttnRes' merges write them, backend ``"torch"``: the same arithmetic) with fewer
+    casts (the q, k, v projections and the MLP's gate and up each cast a float32 input: 5 a
+    layer; now each norm casts its output once - the Triton merges write it, no cast at all:
+    test_depth_attention_ops), and the gradients are the default's up to the bf16 sums of
+    the projections' input gradients. Outside autocast it changes nothing, bit for bit."""
+    from test_depth_attention_ops import OperatorLog
+
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def run(option: bool, autocast: bool = True):
+        model = make_model(residual={"kind": residual, "autocast_norm_output": option, "backend": "torch"})
+        log = OperatorLog()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with log:
+                logits = model(ids).logits
+        logits.float().square().mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return logits, log.names.count("aten._to_copy"), grads
+
+    logits, casts, grads = run(True)
+    want_logits, want_casts, want_grads = run(False)
+    assert torch.equal(logits, want_logits)
+    layers = ModelConfig.preset("tiny").n_layers
+    assert want_casts - casts == 3 * layers, (want_casts, casts)
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
+        assert_rel_close(g, want_grads[name], GRAD_TOL[torch.bfloat16], name)
+    plain, _, _ = run(True, autocast=False)
+    assert torch.equal(plain, run(False, autocast=False)[0])
+
+
 def test_autocast_stream_applies_to_a_resumed_stream():
     """A pipeline stage resumes from a history sent as float32 (its wire dtype): with
     ``autocast_stream`` the resumed stream is bf16 again and continues exactly as the

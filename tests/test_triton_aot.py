@@ -33,7 +33,7 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path
     expected = list(triton_launch.variants())
     assert len(rows) == 2 * len(expected) and {r["arch"] for r in rows} == {80, 90}
     assert {r["kernel"] for r in rows} == set(triton_launch.SIGNATURES)
-    assert {r["dtype"] for r in rows} == set(triton_launch.DTYPES)
+    assert {r["dtype"] for r in rows} == {*triton_launch.DTYPES, "fp32, bf16 out"}  # (the last: autocast_norm_output)
     for r in rows:
         held = r["kernel"].endswith("_held")  # (launched only at an aligned d)
         assert held != ("unaligned" in r), r
@@ -107,11 +107,15 @@ def test_launch_geometry():
     assert L.merge_holds(2, 2048) and not L.merge_holds(2, 37) and L.merge_holds(2) and not L.merge_holds(3, 2048)
     assert L.held_programs(8192, 132, 8) == 132 * L.HELD_WARPS_PER_SM // 8 and L.held_programs(3, 132, 8) == 3
     assert L.held_programs(8192, 132, 32) == 132 and L.held_warps(32) == 32
-    assert L.merge_stages(2 * 2048, 3) == 3 and L.merge_stages(4 * 4096, 4) == 2
-    assert L.merge_stages(2 * 2048, 3, rows_per_program=1) == 1  # (decoding: a row a program)
-    for row_bytes, loads in [(128, 2), (4096, 4), (8192, 4), (32768, 4)]:
-        stages = L.merge_stages(row_bytes, loads)
-        assert 2 <= stages <= 3 and (stages == 2 or (stages - 1) * loads * row_bytes <= L.PIPELINE_BYTES)
+    # (Block at d = 2048: bf16 forward and backward, a float32 forward with its bf16 addend and
+    # a float32 backward taking a bf16 gradient two rows ahead; a float32 backward one)
+    assert [L.merge_stages(2048 * n) for n in (6, 8, 10, 14, 16)] == [3, 3, 3, 3, 2]
+    assert L.merge_stages(3 * 2 * 2048, rows_per_program=1) == 1  # (decoding: a row a program)
+    # (a held backward reading a bf16 gradient of float32 sources: twice the warps, half the row each)
+    assert L.held_backward_warps(2048) == 8 and L.held_backward_warps(2048, narrow_gradient=True) == 16
+    for row_bytes in (256, 16384, 32768, 131072):
+        stages = L.merge_stages(row_bytes)
+        assert 2 <= stages <= 3 and (stages == 2 or (stages - 1) * row_bytes <= L.PIPELINE_BYTES)
     for rows, cap in [(1, 4), (7, 3), (1000, 1024), (5000, 1024)]:
         programs, per = L.row_ranges(rows, cap)
         assert programs <= cap and programs * per >= rows and (programs - 1) * per < rows

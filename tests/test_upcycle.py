@@ -193,6 +193,8 @@ def test_unsupported_layouts_are_refused_with_the_reason():
         upcycle(base_model("llama").model)
     with pytest.raises(ValueError, match="ModelConfig.residual.kind must be one of"):
         upcycle(base_model("llama"), "no_such_residual")
+    with pytest.raises(ValueError, match="autocast_norm_output applies to attnres' own transformer blocks"):
+        upcycle(base_model("llama"), {"kind": "attnres_block", "autocast_norm_output": True})
 
 
 # -- attnres upcycle and attnres train on a family model ----------------------------------

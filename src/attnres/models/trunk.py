@@ -126,6 +126,8 @@ class DecoderTrunk(nn.Module):
             TransformerBlock(config.d_model, config.n_heads, config.kv_heads, config.hidden_size, config.norm_eps)
             for _ in range(config.n_layers)
         )
+        for layer in self.layers:  # (ModelConfig.residual.autocast_norm_output: the sublayers' norms)
+            layer.attn_norm.autocast_output = layer.mlp_norm.autocast_output = config.residual.autocast_norm_output
         self.residual = config.build_residual()
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)

@@ -18,9 +18,10 @@ class FusableNormInput:
     The residual returns one when its caller feeds every sublayer input to an
     :class:`RMSNorm` (``ResidualStream.start(..., defer_norm=True)``). The norm module then
     calls :meth:`normalized` with its own gain and epsilon, so the norm's parameters,
-    ``repr`` and forward hooks stay with the block that owns it. ``compute(weight, eps)``
-    returns ``RMSNorm(h)`` (``weight=None``: ``h`` itself); it may be called more than once
-    (activation checkpointing recomputes).
+    ``repr`` and forward hooks stay with the block that owns it. ``compute(weight, eps,
+    out_dtype)`` returns ``RMSNorm(h)`` (``weight=None``: ``h`` itself) in ``out_dtype``
+    (``None``: the stream's); it may be called more than once (activation checkpointing
+    recomputes).
     """
 
     __slots__ = ("_compute", "_value", "_with_grad")
@@ -30,8 +31,9 @@ class FusableNormInput:
         self._value: Tensor | None = None
         self._with_grad = torch.is_grad_enabled()
 
-    def normalized(self, norm: RMSNorm) -> Tensor:
-        """``norm(h)``, fused into the producing kernel (unless :meth:`value` ran first)."""
+    def normalized(self, norm: RMSNorm, out_dtype: torch.dtype | None = None) -> Tensor:
+        """``norm(h)`` in ``out_dtype``, fused into the producing kernel (unless :meth:`value`
+        ran first)."""
         if self._value is not None:
             return norm(self._value)
         if self._with_grad and not torch.is_grad_enabled():
@@ -42,12 +44,12 @@ class FusableNormInput:
                 "a deferred sublayer input was evaluated with gradients disabled inside a forward pass that "
                 "records them - a reentrant activation checkpoint (torch.utils.checkpoint(..., use_reentrant=True)) "
                 "around the sublayer? Use use_reentrant=False (as activation_checkpoint='block' does).")
-        return self._compute(norm.weight, norm.eps)
+        return self._compute(norm.weight, norm.eps, out_dtype)
 
     def value(self) -> Tensor:
         """``h`` itself, computed once without the norm (for hooks and diagnostics)."""
         if self._value is None:
-            self._value = self._compute(None, None)
+            self._value = self._compute(None, None, None)
         return self._value
 
 
@@ -61,7 +63,17 @@ class RMSNorm(nn.Module):
 
     Shapes: ``[..., d] -> [..., d]``. Low-precision inputs are normalised in float32 and
     cast back once. A :class:`FusableNormInput` is normalised by the kernel that produces it.
+
+    ``autocast_output`` (off by default; ``ModelConfig.residual.autocast_norm_output`` sets it
+    on a model's sublayer norms): under autocast, return the autocast dtype - the value the
+    next linear layers compute with, rounded once here instead of by each of them (a
+    sublayer's q, k and v projections each round a float32 input again, and their
+    gradients are converted back and added in float32); those layers' input gradients then
+    add up in the autocast dtype. Without autocast it does nothing.
     """
+
+    #: Under autocast, return the autocast dtype (see the class docstring).
+    autocast_output: bool = False
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -72,9 +84,22 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
+    def output_dtype(self) -> torch.dtype | None:
+        """The dtype :attr:`autocast_output` asks for here: the autocast dtype of the gain's
+        device where autocast is on there, else ``None`` (the input's)."""
+        device = self.weight.device.type
+        if not self.autocast_output or device == "meta" or not torch.is_autocast_enabled(device):
+            return None
+        return torch.get_autocast_dtype(device)
+
     def forward(self, x: Tensor | FusableNormInput) -> Tensor:
+        out_dtype = self.output_dtype()
         if isinstance(x, FusableNormInput):
-            return x.normalized(self)
+            return x.normalized(self, out_dtype)
+        y = self._normalize(x)
+        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+    def _normalize(self, x: Tensor) -> Tensor:
         if x.dtype in (torch.float16, torch.bfloat16) and self.weight.dtype != x.dtype:
             # (a float32 gain on a half input: normalised and scaled in float32, rounded once)
             return F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps).to(x.dtype)

@@ -38,14 +38,20 @@ def warmup_overrun(config: TrainConfig) -> str | None:
             f"warmup_steps={max(config.steps // 10, 1) if config.steps > 1 else 0})")
 
 
+#: The autocast rounding options of ``ModelConfig.residual``, and what each does under autocast.
+_AUTOCAST_OPTIONS = {"autocast_stream": "stores the residual stream in the autocast dtype",
+                     "autocast_norm_output": "rounds the sublayers' norm outputs to the autocast dtype"}
+
+
 def unused_stream_option(config: TrainConfig) -> str | None:
-    """In words, that ``model.residual.autocast_stream`` does nothing in this run (no
-    autocast: ``dtype`` is not ``bfloat16``); ``None`` otherwise."""
-    if not config.model.residual.autocast_stream or config.dtype == "bfloat16":
+    """In words, that ``model.residual.autocast_stream`` or ``autocast_norm_output`` does
+    nothing in this run (no autocast: ``dtype`` is not ``bfloat16``); ``None`` otherwise."""
+    unused = [name for name in _AUTOCAST_OPTIONS if getattr(config.model.residual, name)]
+    if not unused or config.dtype == "bfloat16":
         return None
-    return (f"model.residual.autocast_stream=true has no effect with dtype={config.dtype}: it stores the residual "
-            "stream in the autocast dtype, and without autocast the stream keeps the parameters' dtype; set "
-            "dtype=bfloat16 for a bf16 stream")
+    name = unused[0]
+    return (f"model.residual.{name}=true has no effect with dtype={config.dtype}: it {_AUTOCAST_OPTIONS[name]}, and "
+            "without autocast the stream keeps the parameters' dtype; set dtype=bfloat16 for bf16 autocast")
 
 
 def startup_summary(config: TrainConfig, facts: RunFacts) -> str:

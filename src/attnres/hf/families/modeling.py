@@ -179,6 +179,9 @@ class UpcycledConfigMixin:
         self.attnres_residual = ResidualConfig.from_value(self.attnres_residual or {}).to_dict()
         super().__post_init__(**kwargs)
         validate_residual_config(self.residual_config(), self.hidden_size, 2 * self.num_hidden_layers)
+        if self.residual_config().autocast_norm_output:
+            raise ValueError(f"attnres_residual.autocast_norm_output applies to attnres' own transformer blocks; a "
+                             f"{self.model_type!r} model's norms are its family's own: leave it false")
 
     def residual_config(self) -> ResidualConfig:
         return ResidualConfig.from_value(self.attnres_residual)

@@ -313,11 +313,11 @@ class AttnResBase(ResidualStream):
         # (snapshots: activation checkpointing may recompute the input later)
         sources, computed, recorded, formed = list(sources), list(computed), [], []
 
-        def compute(norm_weight, norm_eps):
+        def compute(norm_weight, norm_eps, out_dtype=None):
             saving = recompute.saving() if recompute is not None and not other_hooks_active() else nullcontext()
             with saving:
                 out, alpha, *total = state.ops.merge(z, sources, computed, qg, self.eps, norm_weight,
-                                                     0.0 if norm_eps is None else norm_eps, addend)
+                                                     0.0 if norm_eps is None else norm_eps, addend, out_dtype)
             if not recorded and state.weights is not None:
                 recorded.append(True)
                 state.record(alpha if record is None else record(alpha))
@@ -326,7 +326,7 @@ class AttnResBase(ResidualStream):
                 on_total(total[0])
             return out
 
-        return FusableNormInput(compute) if fuse else compute(None, None)
+        return FusableNormInput(compute) if fuse else compute(None, None, None)
 
     # -- the depth mixing matrix (report §6.2) --------------------------------------------
     def source_members(self) -> list[list[list[int]]]:

@@ -109,6 +109,15 @@ class ResidualConfig:
         ranks) give a bf16 stream either way. A rounding choice, not a model change: the
         parameters and checkpoints are the same. For GPUs: on the CPU, the C kernel takes
         float32 and float64 sources, and a bf16 stream runs the slower PyTorch implementation.
+    autocast_norm_output: under autocast, each sublayer's RMSNorm returns the autocast dtype
+        (``RMSNorm.autocast_output``): its output rounded once, as the linear layers reading
+        it would round it, instead of by each of them - a float32 stream's sublayer input is
+        otherwise rounded again by the q, k and v projections (the MLP's gate and up), and
+        their input gradients converted back and added in float32. AttnRes' merges write the
+        rounded value directly and read its gradient as it comes. The same forward values;
+        the projections' input gradients add up in the autocast dtype. Off by default; with
+        ``autocast_stream`` the norms' outputs have that dtype already. A rounding choice,
+        not a model change.
     full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
         ``round(sqrt(L))``. Scheduling only, not a model change.
     ablation: the Table-4 ablations (:class:`AttnResAblation`), off by default.
@@ -125,6 +134,7 @@ class ResidualConfig:
     eps: float = 1e-6
     recompute_phase1: bool = True
     autocast_stream: bool = False
+    autocast_norm_output: bool = False
     full_group_size: int | None = None
     ablation: AttnResAblation = field(default_factory=AttnResAblation)
     hc_streams: int = 4
@@ -151,6 +161,7 @@ class ResidualConfig:
         check.positive("eps", self.eps)
         check.boolean("recompute_phase1", self.recompute_phase1)
         check.boolean("autocast_stream", self.autocast_stream)
+        check.boolean("autocast_norm_output", self.autocast_norm_output)
         check.integer("full_group_size", self.full_group_size, allow_none="round(sqrt(L))")
         if not isinstance(self.ablation, AttnResAblation):
             check.fail("ablation", "a mapping of AttnResAblation fields", self.ablation)

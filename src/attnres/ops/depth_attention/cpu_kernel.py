@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from . import torch_impl
+
 __all__ = ["cpu_kernel", "supports", "KernelLibrary", "phase1_forward", "phase1_backward", "merge_forward",
            "merge_backward"]
 
@@ -254,7 +256,10 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
     return (gq_part.sum(0) if gq_part is not None else None), g_src
 
 
-def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None):
+def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None, out_dtype=None):
+    x0 = (list(sources) + list(computed))[0]
+    if out_dtype not in (None, x0.dtype):  # (the C kernel writes the sources' dtype)
+        return torch_impl.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps, addend, out_dtype)
     total = None
     if addend is not None:  # (the kernel reads the sum: on CPU the add stays a separate pass)
         total = computed[-1] + addend
@@ -273,6 +278,8 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
 def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None):
     """``needs``, ``g_total``: as :func:`.torch_impl.merge_backward`."""
     x0 = (list(sources) + list(computed))[0]
+    if g.dtype != x0.dtype:  # (the C kernel reads g in the sources' dtype)
+        return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total)
     k, c, geometry = len(sources), len(computed), _geometry(x0)
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
     grads = [_new(need, x0) for need in needs_x]

@@ -181,12 +181,12 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
 
 
 def _run_merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
-               norm_weight: Optional[Tensor], eps: float, norm_eps: float, backend: str, addend: Optional[Tensor] = None
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+               norm_weight: Optional[Tensor], eps: float, norm_eps: float, backend: str, addend: Optional[Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     qg = _contiguous([qg])[0]  # (small: [d]; z [..., k] may be a strided view of Phase 1's lse)
     module = pick(backend, [*sources, *computed, qg, norm_weight])
     out, alpha, rc, zc, rstd, total = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps,
-                                                           addend)
+                                                           addend, out_dtype)
     return out, alpha, *_fill([rc, zc, rstd, total], alpha)
 
 
@@ -194,14 +194,14 @@ _merge = torch.library.custom_op("attnres::merge", _run_merge, mutates_args=())
 
 
 @_merge.register_fake
-def _(z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend=None):
+def _(z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend=None, out_dtype=None):
     x0 = [*sources, *computed][0]
     lead, compute = x0.shape[:-1], compute_dtype(x0.dtype)
     alpha = x0.new_empty((*lead, len(sources) + len(computed)), dtype=compute)
     stat = x0.new_empty((*lead, len(computed)), dtype=compute) if computed else _placeholder(alpha)
     rstd = x0.new_empty((*lead, 1), dtype=compute) if norm_weight is not None else _placeholder(alpha)
     total = torch.empty_like(x0) if addend is not None else _placeholder(alpha)
-    return torch.empty_like(x0), alpha, stat, stat.clone(), rstd, total
+    return torch.empty_like(x0, dtype=out_dtype or x0.dtype), alpha, stat, stat.clone(), rstd, total
 
 
 def _run_merge_backward(g: Tensor, alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor], rstd: Optional[Tensor],
@@ -234,7 +234,7 @@ def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, backend
 
 def _merge_setup(ctx, inputs, output):
     z, sources, computed, qg, norm_weight, _eps, _norm_eps, backend, *rest = inputs
-    addend = rest[0] if rest else None
+    addend = rest[0] if rest else None  # (rest: the addend and the output's dtype, where given)
     _out, alpha, rc, zc, rstd, total = output
     ctx.set_materialize_grads(False)
     ctx.backend, ctx.k, ctx.c = backend, len(sources), len(computed)
@@ -282,13 +282,13 @@ def _merge_needs(ni, k: int, c: int, addend_index: int | None) -> list[bool]:
 
 
 def _merge_grad(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
-    ni = ctx.needs_input_grad  # (z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend)
+    ni = ctx.needs_input_grad  # (z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend, out_dtype)
     flat = [ni[0], ni[3], ni[4], *ni[1], *ni[2], ni[8] if len(ni) > 8 else False]
     needs = _merge_needs(flat, ctx.k, ctx.c, 3 + ctx.k + ctx.c)
     g_z, g_src, g_comp, g_qg, g_norm, g_addend = _merge_grads(ctx, g, g_total, needs)
     if ctx.addend_dtype is not None and not ni[2][-1]:
         g_comp = [*g_comp[:-1], None]
-    return (g_z, g_src, g_comp, g_qg, g_norm, None, None, None) + ((g_addend,) if len(ni) > 8 else ())
+    return (g_z, g_src, g_comp, g_qg, g_norm, None, None, None, g_addend, None)[: len(ni)]
 
 
 _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
@@ -364,8 +364,8 @@ class _Phase1(torch.autograd.Function):
 
 class _Merge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, qg, norm_weight, eps, norm_eps, backend, k, addend, *xs):
-        args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, backend, addend)
+    def forward(ctx, z, qg, norm_weight, eps, norm_eps, backend, k, addend, out_dtype, *xs):
+        args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, backend, addend, out_dtype)
         outputs = _merge_forward(*args)
         _merge_setup(ctx, args, outputs)
         ctx.mark_non_differentiable(*outputs[1:5])
@@ -375,14 +375,14 @@ class _Merge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
-        ni = ctx.needs_input_grad  # (z, qg, norm_weight, eps, norm_eps, backend, k, addend, *xs)
-        needs = _merge_needs([ni[0], ni[1], ni[2], *ni[8:]], ctx.k, ctx.c, None)
+        ni = ctx.needs_input_grad  # (z, qg, norm_weight, eps, norm_eps, backend, k, addend, out_dtype, *xs)
+        needs = _merge_needs([ni[0], ni[1], ni[2], *ni[9:]], ctx.k, ctx.c, None)
         if ni[7]:
             needs[ctx.k + ctx.c] = True  # (the addend's gradient is the last computed source's)
         g_z, g_src, g_comp, g_qg, g_norm, g_addend = _merge_grads(ctx, g, g_total, needs, _direct_backward())
         if ctx.addend_dtype is not None and not ni[-1]:
             g_comp = [*g_comp[:-1], None]
-        return g_z, g_qg, g_norm, None, None, None, None, g_addend, *g_src, *g_comp
+        return g_z, g_qg, g_norm, None, None, None, None, g_addend, None, *g_src, *g_comp
 
 
 # Without autograd, phase1 and merge call the operators directly (in eager mode their
@@ -413,17 +413,21 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: st
 
 def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (), qg: Tensor | None = None,
           eps: float = 1e-6, norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
-          backend: str = "auto", addend: Tensor | None = None) -> tuple[Tensor, ...]:
+          backend: str = "auto", addend: Tensor | None = None, out_dtype: torch.dtype | None = None
+          ) -> tuple[Tensor, ...]:
     """:func:`.reference.merge` (same arguments and results) as the operator
     ``attnres::merge``: ``(out [..., d], alpha [..., k + c])``, with ``addend`` also the sum
     it formed; saves the weights, the computed sources' logits and RMS factors, the norm's
-    ``1/rms`` and references to its inputs (to the sum, not to its terms)."""
+    ``1/rms`` and references to its inputs (to the sum, not to its terms). ``out`` in
+    ``out_dtype`` (default: the sources'); its gradient may come in that dtype."""
     _check_backend(backend)
-    _check_merge(z, sources, computed, qg, addend)
+    _check_merge(z, sources, computed, qg, addend, out_dtype)
+    if out_dtype == [*sources, *computed][0].dtype:
+        out_dtype = None  # (one operator call for the default, however it is asked for)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
         out, alpha, _rc, _zc, _rstd, total = _merge_forward(z, list(sources), list(computed), qg, norm_weight,
-                                                            float(eps), float(norm_eps), backend, addend)
+                                                            float(eps), float(norm_eps), backend, addend, out_dtype)
     else:
         out, alpha, _rc, _zc, _rstd, total = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), backend,
-                                                          len(sources), addend, *sources, *computed)
+                                                          len(sources), addend, out_dtype, *sources, *computed)
     return (out, alpha) if addend is None else (out, alpha, total)

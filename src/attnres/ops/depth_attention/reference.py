@@ -199,6 +199,7 @@ def merge(
     norm_weight: Tensor | None = None,
     norm_eps: float = 1e-6,
     addend: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, ...]:
     """One query's depth attention (Phase 2, report §4.2), and the next sublayer's RMSNorm.
 
@@ -215,13 +216,16 @@ def merge(
         addend: ``[..., d]`` added to the last computed source first - Block AttnRes'
             partial sum and the last sublayer's output, whose sum the merge forms in the
             pass that reads them (the sum keeps that source's dtype).
+        out_dtype: the dtype of ``out`` (``None``: the sources'); under autocast, the
+            autocast dtype that the next sublayer's linear layers would each round ``out``
+            to - rounded once, here.
 
     Returns:
-        ``(out, alpha)``: ``out [..., d]`` in the sources' dtype, ``RMSNorm(h)`` (or ``h``)
+        ``(out, alpha)``: ``out [..., d]`` in ``out_dtype``, ``RMSNorm(h)`` (or ``h``)
         with ``h = sum_j alpha_j x_j``; ``alpha [..., k + c] = softmax(z, z_computed)``;
         with ``addend``, ``(out, alpha, total)``, ``total`` the sum it formed.
     """
-    _check_merge(z, sources, computed, qg, addend)
+    _check_merge(z, sources, computed, qg, addend, out_dtype)
     total = None
     if addend is not None:
         total = computed[-1] + addend
@@ -238,14 +242,17 @@ def merge(
             # would put its noise into every logit's and query's gradient).
             rounded = h.to(srcs[0].dtype).to(compute)
             h = F.rms_norm(h + (rounded - h).detach(), (h.shape[-1],), norm_weight.to(compute), norm_eps)
-    return (h.to(srcs[0].dtype), alpha) if total is None else (h.to(srcs[0].dtype), alpha, total)
+    out = h.to(out_dtype or srcs[0].dtype)
+    return (out, alpha) if total is None else (out, alpha, total)
 
 
 def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor], qg: Tensor | None,
-                 addend: Tensor | None = None) -> None:
+                 addend: Tensor | None = None, out_dtype: torch.dtype | None = None) -> None:
     """The merge's arguments, checked at the boundary (every implementation)."""
     if not sources and not computed:
         raise ValueError("depth merge needs at least one source")
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise ValueError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
     if addend is not None:
         if not computed:
             raise ValueError("addend is added to the last computed source: computed must not be empty")

@@ -119,10 +119,10 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
 # ----------------------------------------------------------------------------------------
 
 
-def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None):
+def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None, out_dtype=None):
     """``(out, alpha, rc, zc, rstd, total)``, ``None`` where absent (see the module docstring
     and :func:`.reference.merge`; ``total``: the last computed source plus ``addend``, which
-    replaces it)."""
+    replaces it; ``out`` in ``out_dtype``, by default the sources')."""
     total = None
     if addend is not None:
         total = computed[-1] + addend
@@ -144,7 +144,7 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
             rstd = torch.rsqrt(torch.linalg.vector_norm(h, dim=-1, keepdim=True).square_().div_(h.shape[-1]).add_(norm_eps))
             h = h * rstd * _as(norm_weight, compute)
     zc = torch.cat(logits[1:], dim=-1) if computed else None
-    return _as(h, dtype), alpha, (torch.stack(rc, dim=-1) if computed else None), zc, rstd, total
+    return _as(h, out_dtype or dtype), alpha, (torch.stack(rc, dim=-1) if computed else None), zc, rstd, total
 
 
 def _norm_backward(g, h, rstd, norm_weight, need_weight: bool, scratch):

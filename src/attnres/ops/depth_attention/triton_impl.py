@@ -21,10 +21,10 @@ from torch import Tensor
 
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
-from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, held_programs, merge_fits, merge_holds,
-                            merge_stages, merge_warps, pad, phase1_combine_tile, phase1_fits, phase1_forward_geometry,
-                            phase1_group, phase1_rows_geometry, phase1_splits, phase1_tile, phase1_unrolls,
-                            phase1_warps, row_pad, rows_warps)
+from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, held_backward_warps, held_programs, merge_fits,
+                            merge_holds, merge_stages, merge_warps, pad, phase1_combine_tile, phase1_fits,
+                            phase1_forward_geometry, phase1_group, phase1_rows_geometry, phase1_splits, phase1_tile,
+                            phase1_unrolls, phase1_warps, row_pad, rows_warps)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -70,10 +70,11 @@ def _held_programs(rows: int, warps: int, device: torch.device) -> int:
     return held_programs(rows, _sms(device), warps)
 
 
-def _stages(d: int, storage: torch.dtype, loads: int, rows: int, programs: int) -> int:
-    """The pipeline depth of a held merge's ``programs`` loading ``loads`` rows of ``d``
-    elements for each of ``rows`` rows."""
-    return FORCED["merge_stages"] or merge_stages(d * storage.itemsize, loads, -(-rows // programs))
+def _stages(d: int, loads: Sequence[Tensor | None], rows: int, programs: int) -> int:
+    """The pipeline depth of a held merge's ``programs`` loading, for each of ``rows`` rows,
+    a row of ``d`` elements of each tensor of ``loads`` (``None``: none)."""
+    row_bytes = d * sum(t.element_size() for t in loads if t is not None)
+    return FORCED["merge_stages"] or merge_stages(row_bytes, -(-rows // programs))
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:
@@ -227,14 +228,14 @@ def _phase1_backward_rows(q, lse, g_lse, srcs, gouts, g_src, present: int, eps: 
 # ----------------------------------------------------------------------------------------
 
 
-def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None):
+def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None, out_dtype=None):
     x0 = (list(sources) + list(computed))[0]
     rows, d, compute = _geometry(x0)
     k, c = len(sources), len(computed)
     if not merge_fits(d, k + c):
-        return torch_impl.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps, addend)
+        return torch_impl.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps, addend, out_dtype)
     lead, dev = x0.shape[:-1], x0.device
-    out = torch.empty(x0.shape, dtype=x0.dtype, device=dev)
+    out = torch.empty(x0.shape, dtype=out_dtype or x0.dtype, device=dev)
     total = torch.empty(x0.shape, dtype=x0.dtype, device=dev) if addend is not None else None
     alpha = torch.empty((*lead, k + c), dtype=compute, device=dev)
     rc = torch.empty((*lead, c), dtype=compute, device=dev) if c else None
@@ -247,15 +248,16 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
         d_pad = row_pad(d)
         warps = FORCED["merge_warps"] or merge_warps(d_pad)
         args = (zr, zr.stride(0) if k else 0, tuple(_c(x) for x in sources), tuple(_c(x) for x in computed),
-                out if addend is None else _c(addend), out if total is None else total,
+                x0 if addend is None else _c(addend), x0 if total is None else total,  # (x0: unread stand-ins)
                 alpha if qg is None else _as(qg, compute), alpha if norm_weight is None else _as(norm_weight, compute),
                 out, alpha, alpha if rc is None else rc, alpha if zc is None else zc, alpha if rstd is None else rstd)
         flags = dict(HAS_ADDEND=addend is not None, HAS_NORM=norm_weight is not None, D_PAD=d_pad, M_PAD=pad(k + c),
                      num_warps=warps)
         if _held(k + c, d):
-            loads, programs = k + c + (addend is not None), _held_programs(rows, warps, dev)
-            triton_kernels.merge_fwd_held[(programs,)](*args, rows, d, float(eps), float(norm_eps),
-                                                       STAGES=_stages(d, x0.dtype, loads, rows, programs), **flags)
+            programs = _held_programs(rows, warps, dev)
+            stages = _stages(d, [*sources, *computed, addend], rows, programs)
+            triton_kernels.merge_fwd_held[(programs,)](*args, rows, d, float(eps), float(norm_eps), STAGES=stages,
+                                                       **flags)
         else:
             triton_kernels.merge_fwd[(rows,)](*args, d, float(eps), float(norm_eps), **flags)
     return out, alpha, rc, zc, rstd, total
@@ -277,8 +279,9 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     g_qg = g_norm = None
     if rows:
         d_pad = row_pad(d)
-        warps = FORCED["merge_warps"] or merge_warps(d_pad)
         held = _held(k + c, d)
+        warps = FORCED["merge_warps"] or (held_backward_warps(d_pad, g.element_size() < x0.element_size()) if held
+                                          else merge_warps(d_pad))
         if held:
             programs = _held_programs(rows, warps, dev)
         else:
@@ -286,16 +289,15 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
                 rows, d_pad, _sms(dev), warps)
         part = torch.empty((programs, 2, d), dtype=compute, device=dev)
         stat = lambda t: alpha if t is None else _c(t)  # noqa: E731
-        args = (_c(_as(g, x0.dtype)), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
+        args = (_c(g), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
                 tuple(_c(x) for x in computed), alpha if qg is None else _as(qg, compute),
                 alpha if norm_weight is None else _as(norm_weight, compute),
                 grads[0] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k],
                 grads[k:], part, rows, d)
         flags = dict(HAS_TOTAL=g_total is not None, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c), num_warps=warps)
         if held:
-            loads = k + c + 1 + (g_total is not None)
-            triton_kernels.merge_bwd_held[(programs,)](*args, STAGES=_stages(d, x0.dtype, loads, rows, programs),
-                                                       **flags)
+            stages = _stages(d, [*xs, g, None if g_total is None else x0], rows, programs)
+            triton_kernels.merge_bwd_held[(programs,)](*args, STAGES=stages, **flags)
         else:
             triton_kernels.merge_bwd[(programs,)](*args, **flags)
         # (one sum each: an operator's results may not share memory)

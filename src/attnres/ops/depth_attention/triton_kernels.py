@@ -549,8 +549,11 @@ def merge_fwd(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc
     ``Comp``: ``c`` sources whose logits ``r (x . qg)`` it computes (into ``Zc``, their RMS
     factors into ``Rc``); ``HAS_ADDEND``: the last of them is ``Comp[-1] + Addend``, written
     to ``Total`` (in the sources' dtype) and read back from registers. Writes the weights
-    ``Alpha [rows, k + c]``, ``h`` or its RMSNorm into ``Out`` and the norm's ``1/rms`` into
-    ``Rstd``: an online softmax over the sources, each read once, the row in registers."""
+    ``Alpha [rows, k + c]``, ``h`` or its RMSNorm into ``Out`` (in its own dtype: the
+    sources', or the autocast dtype a sublayer's linear layers read) and the norm's ``1/rms``
+    into ``Rstd``: an online softmax over the sources, each read once, the row in registers.
+    ``Total`` has the sources' dtype (without an addend it stands in, unread, for the
+    sources' pointer type and the stream's dtype)."""
     dt = Alpha.dtype.element_ty
     k: tl.constexpr = len(Known)
     c: tl.constexpr = len(Comp)
@@ -565,10 +568,10 @@ def merge_fwd(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc
     den = tl.zeros([], dt)
     h = tl.zeros([D_PAD], dt)
     for j in range(k + c):
-        x = tl.load(_pointer(sources, ms, j, Out) + row * d + cols, mask=cmask, other=0.0).to(dt)
+        x = tl.load(_pointer(sources, ms, j, Total) + row * d + cols, mask=cmask, other=0.0).to(dt)
         if HAS_ADDEND:
             if j == k + c - 1:  # Block AttnRes' partial sum, formed here: the sum as stored
-                x = (x + tl.load(Addend + row * d + cols, mask=cmask, other=0.0).to(dt)).to(Out.dtype.element_ty)
+                x = (x + tl.load(Addend + row * d + cols, mask=cmask, other=0.0).to(dt)).to(Total.dtype.element_ty)
                 tl.store(Total + row * d + cols, x, mask=cmask)
                 x = x.to(dt)
         if j >= k:  # a computed source: its logit and RMS factor
@@ -587,7 +590,7 @@ def merge_fwd(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc
     tl.store(Alpha + row * (k + c) + ms, tl.exp(logits - mx) / den, mask=ms < k + c)
     h = h / den
     if HAS_NORM:
-        h = h.to(Out.dtype.element_ty).to(dt)  # the norm reads the stream's value, rounded to its dtype
+        h = h.to(Total.dtype.element_ty).to(dt)  # the norm reads the stream's value, rounded to its dtype
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / d + norm_eps)
         tl.store(Rstd + row, rstd)
         h = h * rstd * tl.load(NormW + cols, mask=cmask, other=0.0).to(dt)
@@ -602,9 +605,10 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
     source's logit adds gr (qg - (r zc / d) x) to its gradient (gr = dzc r) and gr x to the
     query's; ``HAS_TOTAL``: the last source's gradient from elsewhere, ``GTotal``, is added
     to its own. ``Part [P, 2, d]``: each program's sums over its rows of the query's gradient
-    (row 0) and the norm gain's (row 1)."""
+    (row 0) and the norm gain's (row 1). ``G`` has the forward's ``Out``'s dtype, ``GTotal``
+    the sources' (without ``HAS_TOTAL`` it stands in, unread, for their pointer type)."""
     dt = Alpha.dtype.element_ty
-    st = G.dtype.element_ty
+    st = GTotal.dtype.element_ty
     k: tl.constexpr = len(Known)
     c: tl.constexpr = len(Comp)
     m: tl.constexpr = k + c
@@ -624,7 +628,7 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
         if HAS_NORM:  # h recomputed, rounded as the forward rounded it; then through the norm
             h = tl.zeros([D_PAD], dt)
             for j in range(m):
-                h += _entry(alpha, ms, j) * tl.load(_pointer(sources, ms, j, G) + row * d + cols, mask=cmask,
+                h += _entry(alpha, ms, j) * tl.load(_pointer(sources, ms, j, GTotal) + row * d + cols, mask=cmask,
                                                     other=0.0).to(dt)
             h = h.to(st).to(dt)
             rstd = tl.load(Rstd + row)
@@ -632,7 +636,7 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
             gh = _through_norm(gh, h, tl.load(NormW + cols, mask=cmask, other=0.0).to(dt), rstd, d)
         s = tl.zeros([M_PAD], dt)  # s_j = g_h . x_j
         for j in range(m):
-            x = tl.load(_pointer(sources, ms, j, G) + row * d + cols, mask=cmask, other=0.0).to(dt)
+            x = tl.load(_pointer(sources, ms, j, GTotal) + row * d + cols, mask=cmask, other=0.0).to(dt)
             s = tl.where(ms == j, tl.sum(gh * x, axis=0), s)
         dz = alpha * (s - tl.sum(alpha * s, axis=0))
         if k > 0:
@@ -640,7 +644,7 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
         for j in range(m):
             gx = _entry(alpha, ms, j) * gh
             if j >= k:  # d zc / d x = r qg - (r^2 zc / d) x, plus the direct weight
-                x = tl.load(_pointer(sources, ms, j, G) + row * d + cols, mask=cmask, other=0.0).to(dt)
+                x = tl.load(_pointer(sources, ms, j, GTotal) + row * d + cols, mask=cmask, other=0.0).to(dt)
                 rj = tl.load(Rc + row * c + j - k)
                 gr = _entry(dz, ms, j) * rj
                 gx += gr * tl.load(Qg + cols, mask=cmask, other=0.0).to(dt)
@@ -649,7 +653,7 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
             if HAS_TOTAL:
                 if j == m - 1:
                     gx += tl.load(GTotal + row * d + cols, mask=cmask, other=0.0).to(dt)
-            tl.store(_pointer(grads, ms, j, G) + row * d + cols, gx.to(st), mask=cmask)
+            tl.store(_pointer(grads, ms, j, GTotal) + row * d + cols, gx.to(st), mask=cmask)
     tl.store(Part + pid * 2 * d + cols, g_qg, mask=cmask)
     tl.store(Part + (pid * 2 + 1) * d + cols, g_w, mask=cmask)
 
@@ -736,7 +740,7 @@ def merge_fwd_held(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alph
         tl.store(Alpha + row * (k + c) + ms, alpha, mask=ms < k + c)
         h = _weighted_sum(alpha, ms, xs, dt, D_PAD)
         if HAS_NORM:
-            h = h.to(Out.dtype.element_ty).to(dt)  # the norm reads the stream's value, rounded to its dtype
+            h = h.to(Total.dtype.element_ty).to(dt)  # the norm reads the stream's value, rounded to its dtype
             rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / d + norm_eps)
             tl.store(Rstd + row, rstd)
             h = h * rstd * w
@@ -751,7 +755,7 @@ def merge_bwd_held(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, G
     a row loaded once (with ``g`` and ``GTotal``, in flight together) and kept in registers
     for every pass, in a loop over rows Triton pipelines ``STAGES`` deep."""
     dt = Alpha.dtype.element_ty
-    st = G.dtype.element_ty
+    st = GTotal.dtype.element_ty
     k: tl.constexpr = len(Known)
     c: tl.constexpr = len(Comp)
     m: tl.constexpr = k + c

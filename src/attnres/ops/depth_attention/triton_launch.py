@@ -90,9 +90,12 @@ MERGE_HELD = 2
 #: Warps per multiprocessor the held merges' persistent programs fill, forward and
 #: backward (the ahead-of-time compile test holds their variants to leaving that many
 #: resident: at d = 2048 the backward takes 120 - 128 registers, the forward up to 104 with
-#: Triton 3.6), and the shared memory a program's pipelined loads may take.
+#: Triton 3.6), and the shared memory a program's pipelined loads may take (at d = 2048:
+#: two rows ahead of Block's forward, one of its float32 backward - 32 KiB a row -, two of
+#: that backward taking a bf16 gradient, 28 KiB, whose one program of 16 warps a
+#: multiprocessor then has as many bytes in flight as two of 8 warps one row ahead).
 HELD_WARPS_PER_SM = 16
-PIPELINE_BYTES = 48 * 1024
+PIPELINE_BYTES = 56 * 1024
 #: The backward kernels, latency-bound with fewer than 16 warps resident per multiprocessor
 #: (the ahead-of-time compile test holds them to it).
 BACKWARD_KERNELS = ("phase1_bwd", "phase1_dq", "phase1_bwd_rows", "phase1_grads", "merge_bwd", "merge_bwd_held")
@@ -235,6 +238,15 @@ def merge_warps(d_pad: int) -> int:
     return min(16, max(1, d_pad // 256))
 
 
+def held_backward_warps(d_pad: int, narrow_gradient: bool = False) -> int:
+    """Warps of a held merge backward's program: :func:`merge_warps`, twice that where the
+    gradient it reads is narrower than its sources (a float32 stream's merge writing bf16:
+    ``autocast_norm_output``). A 16-byte load takes 8 bf16 elements, 4 float32 ones, and the
+    two layouts in one program took 142 - 157 registers at d = 2048 with Triton 3.6 (8
+    warps resident); twice the warps, each thread holding half the row, 98 - 102."""
+    return min(32, merge_warps(d_pad) * (2 if narrow_gradient else 1))
+
+
 def backward_programs(rows: int, d_pad: int, sms: int, warps: int | None = None) -> int:
     """The merge backward's persistent programs on ``sms`` multiprocessors, of ``warps``
     warps each (default :func:`merge_warps`)."""
@@ -261,15 +273,15 @@ def held_programs(rows: int, sms: int, warps: int) -> int:
     return max(1, min(rows, sms * held_warps(warps) // warps))
 
 
-def merge_stages(row_bytes: int, loads: int, rows_per_program: int = 2) -> int:
-    """The depth Triton pipelines a held merge's loop over rows to (``num_stages``): its
-    ``loads`` rows of ``row_bytes`` each for one or two rows ahead, within
+def merge_stages(row_bytes: int, rows_per_program: int = 2) -> int:
+    """The depth Triton pipelines a held merge's loop over rows to (``num_stages``): the
+    ``row_bytes`` one row's loads take, for one or two rows ahead, within
     :data:`PIPELINE_BYTES` of shared memory; 1 (not pipelined) where a program takes one row
     (decoding: nothing to load ahead, and the copy through shared memory would only add to
     the step's latency)."""
     if rows_per_program <= 1:
         return 1
-    return 1 + max(1, min(2, PIPELINE_BYTES // max(1, loads * row_bytes)))
+    return 1 + max(1, min(2, PIPELINE_BYTES // max(1, row_bytes)))
 
 
 def row_ranges(rows: int, programs: int) -> tuple[int, int]:
@@ -296,8 +308,10 @@ def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = No
 
 # The kernels' parameters in order, with their types ("*T": a pointer to the storage dtype,
 # "*C" to the compute dtype, "C" a scalar of it, "*A" to the addend's dtype (bf16: a bf16
-# sublayer output added to a float32 stream under autocast), "[n]" a tuple of n of them,
-# "constexpr": chosen at launch). Kept beside the kernels' definitions by a test.
+# sublayer output added to a float32 stream under autocast), "*O" to the merge's output's
+# (and its gradient's) dtype - the storage dtype, or the autocast dtype with
+# ResidualConfig.autocast_norm_output -, "[n]" a tuple of n of them, "constexpr": chosen at
+# launch). Kept beside the kernels' definitions by a test.
 SIGNATURES = {
     "phase1_fwd": ["Q:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
@@ -320,17 +334,17 @@ SIGNATURES = {
     "phase1_dq": ["W:*C", "Srcs:*T[n]", "PQ:*C", "rows:i32", "d:i32", "rows_per_program:i32", "S:constexpr",
                   "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
     "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C", "NormW:*C",
-                  "Out:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "eps:fp32", "norm_eps:fp32",
+                  "Out:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "eps:fp32", "norm_eps:fp32",
                   "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
     "merge_fwd_held": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C",
-                       "NormW:*C", "Out:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "rows:i32", "d:i32", "eps:fp32",
+                       "NormW:*C", "Out:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "rows:i32", "d:i32", "eps:fp32",
                        "norm_eps:fp32", "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr",
                        "M_PAD:constexpr", "STAGES:constexpr"],
-    "merge_bwd_held": ["G:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C",
+    "merge_bwd_held": ["G:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C",
                        "NormW:*C", "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32",
                        "HAS_TOTAL:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr",
                        "STAGES:constexpr"],
-    "merge_bwd": ["G:*T", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
+    "merge_bwd": ["G:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
                   "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32",
                   "HAS_TOTAL:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
 }
@@ -344,8 +358,9 @@ MERGE_SHAPES = ((64, 1, 1), (512, 1, 1), (2048, 1, 1), (2048, 0, 2), (2048, 1, 8
 FULL_DTYPES = ("fp32", "bf16")
 
 
-def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int]) -> dict:
-    """A kernel's signature for Triton's ahead-of-time compile: tuples of ``counts``."""
+def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int], out: str | None = None) -> dict:
+    """A kernel's signature for Triton's ahead-of-time compile: tuples of ``counts``; the
+    merge's output in ``out`` (default: the storage dtype)."""
     signature = {}
     for param in params:
         name, kind = param.split(":")
@@ -356,15 +371,18 @@ def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int])
         if kind.endswith("]"):
             kind, count = kind[:-1].split("[")
         addend = "bf16" if dtype == "fp32" else dtype
-        kind = kind.replace("*T", f"*{dtype}").replace("*A", f"*{addend}").replace("C", compute)
+        kind = kind.replace("*T", f"*{dtype}").replace("*A", f"*{addend}").replace("*O", f"*{out or dtype}")
+        kind = kind.replace("C", compute)
         signature[name] = kind if count is None else (kind,) * counts[count]
     return signature
 
 
-def launch_shapes(kernel: str, wide: bool = False,
-                  wide_storage: bool = False) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
+def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False,
+                  out_bytes: int | None = None) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
     """``(tuple counts, constexprs, num_warps)`` of each compiled shape of ``kernel``
-    (``wide``: computing in float64; ``wide_storage``: sources of 4 or 8 bytes)."""
+    (``wide``: computing in float64; ``wide_storage``: sources of 4 or 8 bytes;
+    ``out_bytes``: a merge's output and its gradient of that size, by default the
+    sources')."""
     if kernel in ("phase1_logits", "phase1_combine"):  # (decoding: the split forward)
         for S, n in PHASE1_SHAPES:
             constexprs = {"S_PAD": pad(S), "N_PAD": pad(n)}
@@ -401,12 +419,15 @@ def launch_shapes(kernel: str, wide: bool = False,
                 continue  # (the looping kernels take every shape: forced, they run Block's too)
             d_pad = row_pad(d)
             forward = kernel.startswith("merge_fwd")
-            extra = {"HAS_ADDEND": 1} if forward else {"HAS_TOTAL": 1}
-            constexprs = {**extra, "HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}
-            if held:
-                item = 8 if wide else 4 if wide_storage else 2
-                constexprs["STAGES"] = merge_stages(d * item, k + c + 1 + (not forward))
-            yield {"k": k, "c": c}, constexprs, merge_warps(d_pad)
+            item = 8 if wide else 4 if wide_storage else 2  # (bytes of a source's element)
+            flag = {"HAS_ADDEND": 1} if forward else {"HAS_TOTAL": 1}
+            constexprs = {**flag, "HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}
+            if held:  # (a row's loads: the sources, and the addend - bf16 on a float32 stream - or g and g_total)
+                addend = 2 if item == 4 else item  # (as _expand's "*A")
+                others = addend if forward else (out_bytes or item) + item
+                constexprs["STAGES"] = merge_stages(d * ((k + c) * item + others))
+            narrow = not forward and (out_bytes or item) < item
+            yield {"k": k, "c": c}, constexprs, held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad)
             if held and forward and d == 2048 and k:  # (decoding: a row a program, not pipelined)
                 yield {"k": k, "c": c}, {**constexprs, "STAGES": 1}, merge_warps(d_pad)
 
@@ -423,6 +444,11 @@ def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int],
                 if i and dtype not in FULL_DTYPES:
                     break
                 yield kernel, dtype, counts, _expand(params, dtype, compute, counts), constexprs, {"num_warps": warps}
+            if dtype == "fp32" and kernel.startswith("merge"):  # (a float32 stream's merge writing bf16: autocast)
+                for counts, constexprs, warps in launch_shapes(kernel, False, True, out_bytes=2):
+                    if counts == {"k": 1, "c": 1} and constexprs["D_PAD"] == 2048:
+                        yield (kernel, "fp32, bf16 out", counts, _expand(params, dtype, compute, counts, out="bf16"),
+                               constexprs, {"num_warps": warps})
 
 
 #: Per multiprocessor, by target: registers, resident warps and programs, shared memory
