@@ -254,8 +254,9 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):
 # -- the bf16 residual stream asked for without autocast -----------------------------------
 
 def test_autocast_stream_without_autocast_is_said(tmp_path, corpus, capsys):
-    """``model.residual.autocast_stream=true`` with the default dtype=float32 would change
-    nothing, silently; with dtype=bfloat16 the summary says the stream is bf16."""
+    """``model.residual.autocast_stream=true`` (``autocast_norm_output=true``) with the
+    default dtype=float32 would change nothing, silently; with dtype=bfloat16 the summary
+    says the stream (the norms' outputs) is bf16."""
     with pytest.warns(UserWarning, match=r"model.residual.autocast_stream=true has no effect with dtype=float32"):
         assert cli_main(["train", *overrides(corpus, tmp_path / "run", warmup_steps=1, stop_after=1),
                          "model.residual.autocast_stream=true"]) == 0
@@ -266,6 +267,12 @@ def test_autocast_stream_without_autocast_is_said(tmp_path, corpus, capsys):
         assert cli_main(["train", *overrides(corpus, tmp_path / "run2", warmup_steps=1, stop_after=1),
                          "model.residual.autocast_stream=true", "dtype=bfloat16"]) == 0
     assert "bfloat16 (the residual stream in bf16: autocast_stream)" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match=r"model.residual.autocast_norm_output=true has no effect with dtype=float32"):
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run3", warmup_steps=1, stop_after=1),
+                         "model.residual.autocast_norm_output=true"]) == 0
+    assert cli_main(["train", *overrides(corpus, tmp_path / "run4", warmup_steps=1, stop_after=1),
+                     "model.residual.autocast_norm_output=true", "dtype=bfloat16"]) == 0
+    assert "bfloat16 (the sublayers' norm outputs in bf16: autocast_norm_output)" in capsys.readouterr().out
 
 
 # -- non-finite weights ----------------------------------------------------------------------

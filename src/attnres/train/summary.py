@@ -63,6 +63,8 @@ def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     dtype = config.dtype
     if dtype == "bfloat16" and config.model.residual.autocast_stream:
         dtype += " (the residual stream in bf16: autocast_stream)"
+    elif dtype == "bfloat16" and config.model.residual.autocast_norm_output:
+        dtype += " (the sublayers' norm outputs in bf16: autocast_norm_output)"
     lr = f"lr {config.lr:g}"
     if config.warmup_steps >= config.steps:
         lr += (f" (peak {config.lr * config.steps / config.warmup_steps:.3g}: warmup_steps {config.warmup_steps} >= steps "
