@@ -609,24 +609,14 @@ def sums_kept(fn, model):
 NORM_OUT = {"standard (bf16 norm out)": "standard", "block (bf16 norm out)": "block"}
 
 
-def set_norm_outputs(model, on: bool) -> bool:
-    """Make ``model``'s sublayer norms return the autocast dtype (``on``) or not, as
-    ``ResidualConfig.autocast_norm_output`` does; returns what they did before."""
-    norms = [n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm)]
-    before = norms[0].autocast_output
-    for n in norms:
-        n.autocast_output = on
-    return before
-
-
 def norm_out(fn, model):
     """``fn`` run with ``model``'s sublayer norms returning the autocast dtype."""
     def run():
-        before = set_norm_outputs(model, True)
+        before = model.autocast_norm_outputs(True)
         try:
             return fn()
         finally:
-            set_norm_outputs(model, before)
+            model.autocast_norm_outputs(before)
 
     return run
 
@@ -1113,7 +1103,7 @@ def main(argv=None) -> int:
     models = build_models(z, device)
     if args.autocast_norm_output:
         for model in models.values():
-            set_norm_outputs(model, True)
+            model.autocast_norm_outputs(True)
         result["forced"] = {**(forced_settings or {}), "autocast_norm_output": True}
     for worker in workers:  # the kernels compiled; the timed parts find them in the caches
         worker.wait()

@@ -126,11 +126,20 @@ class DecoderTrunk(nn.Module):
             TransformerBlock(config.d_model, config.n_heads, config.kv_heads, config.hidden_size, config.norm_eps)
             for _ in range(config.n_layers)
         )
-        for layer in self.layers:  # (ModelConfig.residual.autocast_norm_output: the sublayers' norms)
-            layer.attn_norm.autocast_output = layer.mlp_norm.autocast_output = config.residual.autocast_norm_output
+        self.autocast_norm_outputs(config.residual.autocast_norm_output)
         self.residual = config.build_residual()
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+
+    def autocast_norm_outputs(self, on: bool) -> bool:
+        """Whether the sublayers' norms return the autocast dtype under autocast
+        (``ModelConfig.residual.autocast_norm_output``, set at construction): set it to
+        ``on``; returns what it was."""
+        norms = [norm for layer in self.layers for norm in (layer.attn_norm, layer.mlp_norm)]
+        before = norms[0].autocast_output
+        for norm in norms:
+            norm.autocast_output = on
+        return before
 
     @_eager_when_compiled  # data-dependent checks run eagerly, in front of a compiled graph
     def check_input_ids(self, input_ids: Tensor) -> None:

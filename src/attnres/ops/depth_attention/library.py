@@ -422,7 +422,7 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     ``out_dtype`` (default: the sources'); its gradient may come in that dtype."""
     _check_backend(backend)
     _check_merge(z, sources, computed, qg, addend, out_dtype)
-    if out_dtype == [*sources, *computed][0].dtype:
+    if out_dtype is not None and out_dtype == (sources[0] if sources else computed[0]).dtype:
         out_dtype = None  # (one operator call for the default, however it is asked for)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
         out, alpha, _rc, _zc, _rstd, total = _merge_forward(z, list(sources), list(computed), qg, norm_weight,
