@@ -83,6 +83,23 @@ def test_summary_judges_each_target_and_skipped_parts():
     assert "device_busy" not in s  # (no profile)
 
 
+def test_the_compiled_part_drops_full_attnres_before_it_is_skipped():
+    """Short of the compiled part's time, the standard model and Block are compiled without
+    Full AttnRes (no target), and that is named; shorter still, the part is skipped."""
+    import gpu_check
+
+    models = {"standard": 0, "block": 1, "full": 2}
+    whole = gpu_check.MIN_SECONDS["train_compiled"]
+    assert gpu_check.fitting_models("train_compiled", models, whole) == (models, None)
+    fit, note = gpu_check.fitting_models("train_compiled", models, gpu_check.COMPILED_WITHOUT_FULL_S)
+    assert fit == {"standard": 0, "block": 1} and "without Full AttnRes" in note
+    assert gpu_check.fitting_models("train_compiled", models, gpu_check.COMPILED_WITHOUT_FULL_S - 1) == (models, None)
+    assert gpu_check.fitting_models("train_eager", models, 50) == (models, None)
+    order = gpu_check.parse_args(["--out", "x"]).parts.split(",")
+    assert set(order) == set(gpu_check.MIN_SECONDS)  # (the default runs every part: the targets' first)
+    assert order.index("train_compiled") < min(order.index(p) for p in ("profile", "profile_decode", "train_bf16"))
+
+
 def test_device_busy_is_the_profiled_device_time_over_the_eager_step():
     import gpu_check
 
