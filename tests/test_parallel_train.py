@@ -17,6 +17,7 @@ left unreduced gave 5e-4 on the weights and 4e-5 on the first step's gradient no
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -109,6 +110,10 @@ def worker(root: Path, runs: list[list]) -> None:
             train(load_config(None, run_args(corpus, root / name, resume="true", **extra)))
         else:
             train(load_config(None, run_args(corpus, root / name, **extra)))
+        # (nothing of the run's model outlives train: FSDP2 keeps a sharded one in reference
+        # cycles, which held the process groups until the interpreter shut down)
+        alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+        assert not alive, f"{name}: modules alive after train returned: {sorted(set(alive))}"
 
 
 def launch(root: Path, n: int, runs: list[list], timeout: float = 600) -> None:

@@ -27,6 +27,7 @@ rank its shards, resumable at any layout), one process consolidated ones
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -146,7 +147,10 @@ def train(config: TrainConfig) -> TrainResult:
     ctx = process_context(config.device, config.dist_timeout_s)
     with collective_errors(ctx):
         try:
-            return Trainer(config, ctx).run()
+            result = Trainer(config, ctx).run()
+            if ctx.world_size > 1:  # (FSDP2's hooks keep a sharded model in reference cycles:
+                gc.collect()        # freed now, its memory with it, not at some later collection)
+            return result
         except (RuntimeError, MemoryError) as e:
             oom = out_of_memory(e, config, ctx.device)
             if oom is None:
