@@ -14,8 +14,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 ``OUT/summary.json``, so a run stopped by a time limit keeps what it measured:
 
 0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
-   the models run (a few rows each, the real ``d`` and dtypes) and the peers' autotuners,
-   into the on-disk caches, while the main process builds the models.
+   the models run (a few rows each, the real ``d`` and dtypes; one process per AttnRes
+   model), the ops part's other launch settings and the peers' autotuners, into the on-disk
+   caches, while the main process builds the models.
 1. **parity**: a small Block and Full AttnRes model at the real ``d``, float32, our kernels
    against the torch backend (logits, every gradient); each operation alone against the
    PyTorch implementation in float64.
@@ -535,9 +536,9 @@ def residual_of(name: str, z: Sizes):
     return {"kind": "attnres_block", "block_size": 2 * z.layers // z.blocks} if residual is None else residual
 
 
-def build_models(z: Sizes, device: str) -> dict[str, AttnResLM]:
+def build_models(z: Sizes, device: str, names: tuple[str, ...] = tuple(VARIANTS)) -> dict[str, AttnResLM]:
     models = {}
-    for name in VARIANTS:
+    for name in names:
         residual = residual_of(name, z)
         torch.manual_seed(0)
         with torch.device(device):  # (initialised there: minutes less at 1.6B parameters)
@@ -965,28 +966,26 @@ def write(out: Path, result: dict) -> None:
 
 # ---------------------------------------------------------------------------------- warm-up
 def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
-    """Compile into the on-disk caches: ``models`` runs every model's residual at a few rows
-    (the same kernel variants as the full shape), ``sweeps`` the ops part's other launch
-    settings, a peer name its block at the op shape. (``device``: the tests run ``sweeps``
-    under the interpreter.)"""
-    if what == "models":  # the training steps' (float32 and bf16 stream) and the decode step's variants
+    """Compile into the on-disk caches: ``models:NAME`` runs that model's residual at a few
+    rows (the same kernel variants as the full shape), ``sweeps`` the ops part's other launch
+    settings, a peer name its block at the op shape. (``device``: the tests run the models'
+    and ``sweeps`` under the interpreter.)"""
+    if what.startswith("models:"):  # the training steps' (float32 and bf16 stream) and the decode step's variants
         # (48 rows: over a decoding step's few, Phase 1 runs the training step's kernels)
+        name = what.removeprefix("models:")
         small = Sizes(**{**asdict(z), "seq": 48, "batch": 1})
-        models = build_models(small, "cuda")
-        ids = torch.randint(0, small.vocab, (1, small.seq), device="cuda")
-        for step in train_steps(models, ids, "cuda").values():
-            step()
-        for name in NORM_OUT.values():  # (the merges writing bf16: train_eager's NORM_OUT variants)
-            norm_out(train_steps({name: models[name]}, ids, "cuda")[name], models[name])()
-        for model in models.values():
-            model.to(torch.bfloat16)
-            _, cache = prefill(model, ids)
+        model = build_models(small, device, names=(name,))[name]
+        ids = torch.randint(0, small.vocab, (1, small.seq), device=device)
+        train_steps({name: model}, ids, device)[name]()
+        if name in NORM_OUT.values():  # (the merges writing bf16: train_eager's NORM_OUT variants)
+            norm_out(train_steps({name: model}, ids, device)[name], model)()
+        model.to(torch.bfloat16)
+        _, cache = prefill(model, ids)
+        decode_step(model, cache, ids[:, -1])
+        with phase1_in_one_kernel():  # (the decode part's one-kernel variant)
             decode_step(model, cache, ids[:, -1])
-            with phase1_in_one_kernel():  # (the decode part's one-kernel variant)
-                decode_step(model, cache, ids[:, -1])
-        for step in train_steps(models, ids, "cuda").values():  # (train_bf16's variants)
-            step()
-        torch.cuda.synchronize()
+        train_steps({name: model}, ids, device)[name]()  # (train_bf16's variants)
+        Clock(device).sync()
         return 0
     if what == "sweeps":  # the ops part's other launch settings, at a few rows
         calls = op_calls(Sizes(**{**asdict(z), "tokens": min(z.tokens, 64)}), device)
@@ -1004,10 +1003,16 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
     return 0
 
 
+#: The warm-up's workers for the models, one per model that runs our kernels (the standard
+#: model runs none): each compiles its own variants in parallel with the others and holds
+#: one model's weights, not three.
+WARMED_MODELS = tuple(f"models:{name}" for name in VARIANTS if name != "standard")
+
+
 def start_warm_up(peers: dict, force: list[str]) -> list[subprocess.Popen]:
     extra = [arg for setting in force for arg in ("--force", setting)]
     return [subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--warm-up-worker", what, *extra],
-                             stdout=subprocess.DEVNULL) for what in ["models", "sweeps", *peers]]
+                             stdout=subprocess.DEVNULL) for what in [*WARMED_MODELS, "sweeps", *peers]]
 
 
 def apply_force(settings: list[str]) -> dict:

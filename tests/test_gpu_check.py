@@ -100,6 +100,17 @@ def test_the_compiled_part_drops_full_attnres_before_it_is_skipped():
     assert order.index("train_compiled") < min(order.index(p) for p in ("profile", "profile_decode", "train_bf16"))
 
 
+def test_the_models_warm_up_runs_one_attnres_model_a_worker():
+    """The warm-up compiles each AttnRes model's variants in a process of its own (the
+    standard model runs none of our kernels); a worker runs its model's training steps and
+    decode steps (toy sizes on the CPU here)."""
+    import gpu_check
+
+    assert gpu_check.WARMED_MODELS == ("models:block", "models:full")
+    for what in gpu_check.WARMED_MODELS:
+        assert gpu_check.warm_up_worker(what, gpu_check.SMOKE, "cpu") == 0
+
+
 def test_device_busy_is_the_profiled_device_time_over_the_eager_step():
     import gpu_check
 
