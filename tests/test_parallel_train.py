@@ -111,9 +111,11 @@ def worker(root: Path, runs: list[list]) -> None:
         else:
             train(load_config(None, run_args(corpus, root / name, **extra)))
         # (nothing of the run's model outlives train: FSDP2 keeps a sharded one in reference
-        # cycles, which held the process groups until the interpreter shut down)
-        alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
-        assert not alive, f"{name}: modules alive after train returned: {sorted(set(alive))}"
+        # cycles, which held the process groups until the interpreter shut down; the classes
+        # are ours - torch.compile's caches keep graph modules of their own)
+        alive = {t.__name__ for t in map(type, gc.get_objects())
+                 if issubclass(t, torch.nn.Module) and t.__module__.startswith("attnres.")}
+        assert not alive, f"{name}: modules alive after train returned: {sorted(alive)}"
 
 
 def launch(root: Path, n: int, runs: list[list], timeout: float = 600) -> None:

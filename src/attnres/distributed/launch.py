@@ -214,7 +214,18 @@ def destroy_process_group() -> None:
     exception") after a run that succeeded."""
     if dist.is_initialized():
         dist.destroy_process_group()
-        gc.collect()
+        collect_garbage()
+
+
+def collect_garbage(passes: int = 4) -> int:
+    """Run the cyclic garbage collector until a pass frees nothing (at most ``passes``);
+    returns the passes run. One pass is not always enough: a cycle held from C++ (a hook in
+    an autograd graph, as FSDP2 and the pipeline schedules register) is freed only once an
+    earlier pass has freed the Python object that owned that graph."""
+    for done in range(1, passes + 1):
+        if gc.collect() == 0:
+            return done
+    return passes
 
 
 @contextlib.contextmanager

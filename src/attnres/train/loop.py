@@ -27,7 +27,6 @@ rank its shards, resumable at any layout), one process consolidated ones
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import math
 import os
@@ -57,6 +56,7 @@ from ..distributed.launch import (
     DistContext,
     any_rank,
     barrier,
+    collect_garbage,
     collective_errors,
     mean_over_ranks,
     on_every_rank,
@@ -149,7 +149,7 @@ def train(config: TrainConfig) -> TrainResult:
         try:
             result = Trainer(config, ctx).run()
             if ctx.world_size > 1:  # (FSDP2's hooks keep a sharded model in reference cycles:
-                gc.collect()        # freed now, its memory with it, not at some later collection)
+                collect_garbage()   # freed now, its memory with it, not at some later collection)
             return result
         except (RuntimeError, MemoryError) as e:
             oom = out_of_memory(e, config, ctx.device)
