@@ -207,11 +207,11 @@ def destroy_process_group() -> None:
     """Destroy the default process group (and every other), if there is one; also run at
     exit once :func:`init_distributed` has created it.
 
-    Then collect garbage: a trained model (FSDP2's modules, a device mesh) sits in reference
-    cycles that still hold the groups, and a group the cyclic collector has not freed before
-    the interpreter shuts down is destroyed during shutdown, where its backend's threads can
-    no longer take the GIL - gloo then aborts the process ("terminate called without an active
-    exception") after a run that succeeded."""
+    Then collect garbage: a trained model (FSDP2's modules, their device mesh) sits in
+    reference cycles, and whatever of the groups' state it holds is otherwise released while
+    the interpreter shuts down, when a backend's threads can no longer take the GIL - the
+    likely cause of a gloo abort ("terminate called without an active exception") seen once
+    at the exit of a run that had succeeded."""
     if dist.is_initialized():
         dist.destroy_process_group()
         collect_garbage()
