@@ -976,15 +976,16 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
         small = Sizes(**{**asdict(z), "seq": 48, "batch": 1})
         model = build_models(small, device, names=(name,))[name]
         ids = torch.randint(0, small.vocab, (1, small.seq), device=device)
-        train_steps({name: model}, ids, device)[name]()
+        step = train_steps({name: model}, ids, device)[name]
+        step()
         if name in NORM_OUT.values():  # (the merges writing bf16: train_eager's NORM_OUT variants)
-            norm_out(train_steps({name: model}, ids, device)[name], model)()
+            norm_out(step, model)()
         model.to(torch.bfloat16)
         _, cache = prefill(model, ids)
         decode_step(model, cache, ids[:, -1])
         with phase1_in_one_kernel():  # (the decode part's one-kernel variant)
             decode_step(model, cache, ids[:, -1])
-        train_steps({name: model}, ids, device)[name]()  # (train_bf16's variants)
+        step()  # (the model now in bf16: train_bf16's variants)
         Clock(device).sync()
         return 0
     if what == "sweeps":  # the ops part's other launch settings, at a few rows

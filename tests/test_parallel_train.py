@@ -111,8 +111,8 @@ def worker(root: Path, runs: list[list]) -> None:
         else:
             train(load_config(None, run_args(corpus, root / name, **extra)))
         # (nothing of the run's model outlives train: FSDP2 keeps a sharded one in reference
-        # cycles, which held the process groups until the interpreter shut down; the classes
-        # are ours - torch.compile's caches keep graph modules of their own)
+        # cycles, otherwise released only while the interpreter shuts down; the classes are
+        # ours - torch.compile's caches keep graph modules of their own)
         alive = {t.__name__ for t in map(type, gc.get_objects())
                  if issubclass(t, torch.nn.Module) and t.__module__.startswith("attnres.")}
         assert not alive, f"{name}: modules alive after train returned: {sorted(alive)}"
