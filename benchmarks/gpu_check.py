@@ -15,7 +15,7 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 
 0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
    the models run (a few rows each, the real ``d`` and dtypes; one process per AttnRes
-   model), the ops part's other launch settings and the peers' autotuners, into the on-disk
+   model and stage: the float32-stream step, the bf16 decode, the bf16 step), the ops part's other launch settings and the peers' autotuners, into the on-disk
    caches, while the main process builds the models.
 1. **parity**: a small Block and Full AttnRes model at the real ``d``, float32, our kernels
    against the torch backend (logits, every gradient); each operation alone against the
@@ -45,17 +45,18 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    models (benchmarks/results/gpu-h200/log.txt). With less than its 230 s left but at least
    160, it compiles the standard model and Block only (Full has no target; named in
    ``skipped``).
-6. **profile**: where one eager training step's device time goes, standard and Block (the
-   operations with the most self time under ``torch.profiler``), and that time's share of
-   the step's (``device_busy`` in the summary: below 1, the device waited for the host).
-7. **decode profile**: what a graphed decode step replays, per model at batch 1: the
-   kernels of one eager static step (the launches its CUDA graph records) - their number
-   (``decode_kernels`` in the summary), device time and the operations with the most.
-8. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
+6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
    in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
    casts): half the bytes Block adds with a float32 stream (``bf16_stream`` in the
-   summary).
+   summary) - before the diagnostics, as the residual-stream dtype option the training
+   target may need.
+7. **profile**: where one eager training step's device time goes, standard and Block (the
+   operations with the most self time under ``torch.profiler``), and that time's share of
+   the step's (``device_busy`` in the summary: below 1, the device waited for the host).
+8. **decode profile**: what a graphed decode step replays, per model at batch 1: the
+   kernels of one eager static step (the launches its CUDA graph records) - their number
+   (``decode_kernels`` in the summary), device time and the operations with the most.
 
 A part that raises is recorded (``errors``, with its traceback) and the next one runs.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
@@ -78,7 +79,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -726,6 +727,10 @@ def loaded_caches(model, batch: int, z: Sizes, device: str, dtype: torch.dtype, 
 ONE_KERNEL = "block (phase 1 in one kernel)"
 
 
+#: The decode part's batch sizes.
+DECODE_BATCHES = (1, 8)
+
+
 def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     """One decode step after a ``z.seq``-token context (random keys and values) at batch 1
     and 8: ``eager`` (the dynamic cache, as ``attnres generate`` decodes on CPU) and
@@ -736,7 +741,7 @@ def part_decode(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
     static_mode = "graph" if device == "cuda" else "eager"
     result = {}
     with weights_in(models, dtype):
-        for batch in (1, 8):
+        for batch in DECODE_BATCHES:
             tokens = torch.randint(0, z.vocab, (batch,), device=device)
             steps = {}
             for name, model in models.items():
@@ -802,7 +807,7 @@ def summarize(result: dict) -> dict:
             out["memory"] = ratios(result["train_eager"]["peak_memory_MiB"], name)
         if "train_compiled" in result:
             out["train_compiled"] = ratios(result["train_compiled"]["ms"], name)
-        for batch in (1, 8):
+        for batch in DECODE_BATCHES:
             modes = result.get("decode", {}).get(f"b{batch}", {})
             if "graphed" in modes:
                 out[f"decode_b{batch}"] = ratios(modes["graphed"], name)
@@ -818,7 +823,7 @@ def summarize(result: dict) -> dict:
         summary["bf16_stream"] = {name: {"train_eager": ratios(bf16["ms"], name),
                                          "memory": ratios(bf16["peak_memory_MiB"], name)}
                                   for name in bf16["ms"] if name != "standard"}
-    one_kernel = {f"decode_b{b}": ratios(result["decode"][f"b{b}"]["graphed"], ONE_KERNEL) for b in (1, 8)
+    one_kernel = {f"decode_b{b}": ratios(result["decode"][f"b{b}"]["graphed"], ONE_KERNEL) for b in DECODE_BATCHES
                   if ONE_KERNEL in result.get("decode", {}).get(f"b{b}", {}).get("graphed", {})}
     if one_kernel:
         summary["block_phase1_one_kernel"] = one_kernel
@@ -966,26 +971,13 @@ def write(out: Path, result: dict) -> None:
 
 # ---------------------------------------------------------------------------------- warm-up
 def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
-    """Compile into the on-disk caches: ``models:NAME`` runs that model's residual at a few
-    rows (the same kernel variants as the full shape), ``sweeps`` the ops part's other launch
+    """Compile into the on-disk caches: ``models:NAME:STAGE`` runs that model's residual at a
+    few rows (:func:`warm_up_model`: the same kernel variants as the full shape), ``sweeps`` the ops part's other launch
     settings, a peer name its block at the op shape. (``device``: the tests run the models'
     and ``sweeps`` under the interpreter.)"""
-    if what.startswith("models:"):  # the training steps' (float32 and bf16 stream) and the decode step's variants
-        # (48 rows: over a decoding step's few, Phase 1 runs the training step's kernels)
-        name = what.removeprefix("models:")
-        small = Sizes(**{**asdict(z), "seq": 48, "batch": 1})
-        model = build_models(small, device, names=(name,))[name]
-        ids = torch.randint(0, small.vocab, (1, small.seq), device=device)
-        step = train_steps({name: model}, ids, device)[name]
-        step()
-        if name in NORM_OUT.values():  # (the merges writing bf16: train_eager's NORM_OUT variants)
-            norm_out(step, model)()
-        model.to(torch.bfloat16)
-        _, cache = prefill(model, ids)
-        decode_step(model, cache, ids[:, -1])
-        with phase1_in_one_kernel():  # (the decode part's one-kernel variant)
-            decode_step(model, cache, ids[:, -1])
-        step()  # (the model now in bf16: train_bf16's variants)
+    if what.startswith("models:"):
+        _, name, stage = what.split(":")
+        warm_up_model(name, stage, z, device)
         Clock(device).sync()
         return 0
     if what == "sweeps":  # the ops part's other launch settings, at a few rows
@@ -1004,10 +996,47 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
     return 0
 
 
-#: The warm-up's workers for the models, one per model that runs our kernels (the standard
-#: model runs none): each compiles its own variants in parallel with the others and holds
-#: one model's weights, not three.
-WARMED_MODELS = tuple(f"models:{name}" for name in VARIANTS if name != "standard")
+#: The warm-up's stages of a model, each a worker of its own: the float32-stream training
+#: step (and Block's bf16 norm outputs), the bf16 model's prefill and decode steps, its
+#: training step. Each stage's variants are compiled in parallel with the others' (on the
+#: H200, one worker a model compiling all three stages was the warm-up's critical path).
+WARM_UP_STAGES = ("train", "decode", "bf16")
+#: The warm-up's workers for the models: a model that runs our kernels (the standard model
+#: runs none) by stage.
+WARMED_MODELS = tuple(f"models:{name}:{stage}" for name in VARIANTS if name != "standard" for stage in WARM_UP_STAGES)
+
+
+def warm_up_model(name: str, stage: str, z: Sizes, device: str) -> None:
+    """Run model ``name``'s residual at warm-up stage ``stage`` (:data:`WARM_UP_STAGES`) at a
+    few rows: the kernel variants the parts launch at the full shape. A variant depends on
+    ``d``, the dtypes and the number of sources and queries, not on the sublayers' sizes, so
+    the model has the parts' depth and width but a small vocabulary, MLP and key/value width
+    (1.2 GB of float32 weights at d = 2048 instead of 7.0: six workers fit beside the main
+    process's models on an H100)."""
+    # (48 rows: over a decoding step's few, Phase 1 runs the training step's kernels)
+    small = Sizes(**{**asdict(z), "seq": 48, "batch": 1})
+    config = replace(model_config(small, residual_of(name, small)), vocab_size=256, n_kv_heads=1, mlp_hidden=64)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AttnResLM(config)
+    ids = torch.randint(0, config.vocab_size, (1, small.seq), device=device)
+    if stage != "train":
+        model.to(torch.bfloat16)
+    step = train_steps({name: model}, ids, device)[name]
+    if stage == "train":
+        step()
+        if name in NORM_OUT.values():  # (the merges writing bf16: train_eager's NORM_OUT variants)
+            norm_out(step, model)()
+    elif stage == "decode":
+        for batch in DECODE_BATCHES:  # (a launch over one row compiles apart from one over several)
+            _, cache = prefill(model, ids.expand(batch, -1))
+            decode_step(model, cache, ids[:, -1].expand(batch))
+            with phase1_in_one_kernel():  # (the decode part's one-kernel variant)
+                decode_step(model, cache, ids[:, -1].expand(batch))
+    elif stage == "bf16":
+        step()  # (train_bf16's variants)
+    else:
+        raise ValueError(f"warm-up stage {stage!r}: choose from {WARM_UP_STAGES}")
 
 
 def start_warm_up(peers: dict, force: list[str]) -> list[subprocess.Popen]:
@@ -1061,7 +1090,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
-    p.add_argument("--parts", default="parity,train_eager,decode,ops,train_compiled,profile,profile_decode,train_bf16",
+    p.add_argument("--parts", default="parity,train_eager,decode,ops,train_compiled,train_bf16,profile,profile_decode",
                    help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
     p.add_argument("--force", action="append", default=[], metavar="SETTING=VALUE",

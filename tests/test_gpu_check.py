@@ -97,18 +97,77 @@ def test_the_compiled_part_drops_full_attnres_before_it_is_skipped():
     assert gpu_check.fitting_models("train_eager", models, 50) == (models, None)
     order = gpu_check.parse_args(["--out", "x"]).parts.split(",")
     assert set(order) == set(gpu_check.MIN_SECONDS)  # (the default runs every part: the targets' first)
-    assert order.index("train_compiled") < min(order.index(p) for p in ("profile", "profile_decode", "train_bf16"))
+    # (the targets' parts first, the bf16 stream - an option the training target may need - before the diagnostics)
+    assert order.index("train_compiled") < order.index("train_bf16") < min(order.index(p) for p in ("profile", "profile_decode"))
 
 
-def test_the_models_warm_up_runs_one_attnres_model_a_worker():
-    """The warm-up compiles each AttnRes model's variants in a process of its own (the
-    standard model runs none of our kernels); a worker runs its model's training steps and
-    decode steps (toy sizes on the CPU here)."""
+class _VariantLog:
+    """Stands in for a Triton kernel: a launch records its variant - the kernel, each argument's
+    dtype (a tuple's length and dtypes), how Triton specialises an int (1, a multiple of 16,
+    other) and the keyword arguments' values (the constexprs, the launch's warps) - and runs
+    nothing."""
+
+    def __init__(self, name: str, variants: set):
+        self.name, self.variants = name, variants
+
+    @classmethod
+    def key(cls, a):
+        if isinstance(a, torch.Tensor):
+            return str(a.dtype)
+        if isinstance(a, (tuple, list)):
+            return tuple(cls.key(x) for x in a)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return "1" if a == 1 else "16k" if a % 16 == 0 else "int"
+        return type(a).__name__ if isinstance(a, float) else repr(a)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.variants.add((self.name, self.key(args), tuple(sorted(kwargs.items()))))
+        return launch
+
+
+def test_the_models_warm_up_compiles_each_variant_the_parts_launch_one_worker_a_stage(monkeypatch):
+    """The warm-up compiles each AttnRes model's variants (the standard model runs none of our
+    kernels) in one process per stage - the float32-stream step, the bf16 decode, the bf16
+    step - with a model of the parts' depth and width but small sublayers: together its stages
+    launch exactly the kernel variants that the parts' model launches over the same steps
+    (kernels stubbed, at the check's depth of 8 blocks). An unknown stage is refused, naming
+    the stages."""
+    pytest.importorskip("triton")
     import gpu_check
 
-    assert gpu_check.WARMED_MODELS == ("models:block", "models:full")
-    for what in gpu_check.WARMED_MODELS:
-        assert gpu_check.warm_up_worker(what, gpu_check.SMOKE, "cpu") == 0
+    from attnres.inference import decode_step, prefill
+    from attnres.ops.depth_attention import triton_kernels
+
+    assert gpu_check.WARMED_MODELS == tuple(f"models:{name}:{stage}" for name in ("block", "full")
+                                            for stage in ("train", "decode", "bf16"))
+    variants: set = set()
+    for name in ("phase1_fwd", "phase1_logits", "phase1_combine", "phase1_bwd", "phase1_dq", "phase1_logits_rows",
+                 "phase1_bwd_rows", "phase1_grads", "merge_fwd", "merge_bwd", "merge_fwd_held", "merge_bwd_held"):
+        monkeypatch.setattr(triton_kernels, name, _VariantLog(name, variants))
+    residual_of = gpu_check.residual_of  # (the Triton kernels on the CPU: stubbed, so any backend's variants)
+    monkeypatch.setattr(gpu_check, "residual_of", lambda name, z: {**residual_of(name, z), "backend": "triton"})
+    z = gpu_check.Sizes(d=32, layers=8, blocks=4, seq=48, batch=1, vocab=64)
+    for name in ("block", "full"):
+        variants.clear()
+        for stage in gpu_check.WARM_UP_STAGES:
+            assert gpu_check.warm_up_worker(f"models:{name}:{stage}", z, "cpu") == 0
+        warmed = set(variants)
+        variants.clear()  # the parts' model over the same steps
+        model = gpu_check.build_models(z, "cpu", names=(name,))[name]
+        ids = torch.randint(0, z.vocab, (1, z.seq))
+        step = gpu_check.train_steps({name: model}, ids, "cpu")[name]
+        step()
+        model.to(torch.bfloat16)
+        for batch in gpu_check.DECODE_BATCHES:
+            _, cache = prefill(model, ids.expand(batch, -1))
+            decode_step(model, cache, ids[:, -1].expand(batch))
+            with gpu_check.phase1_in_one_kernel():
+                decode_step(model, cache, ids[:, -1].expand(batch))
+        step()
+        assert len(variants) > 20 and warmed == variants, (name, sorted(variants ^ warmed))
+    with pytest.raises(ValueError, match="'train', 'decode', 'bf16'"):
+        gpu_check.warm_up_worker("models:block:fp8", gpu_check.SMOKE, "cpu")
 
 
 def test_device_busy_is_the_profiled_device_time_over_the_eager_step():
