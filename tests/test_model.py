@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -257,6 +258,40 @@ def test_autocast_norm_output_rounds_each_sublayer_input_once(residual):
         assert_rel_close(g, want_grads[name], GRAD_TOL[torch.bfloat16], name)
     plain, _, _ = run(True, autocast=False)
     assert torch.equal(plain, run(False, autocast=False)[0])
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"))])
+def test_block_merges_read_an_autocast_output_in_its_own_dtype(backend, monkeypatch):
+    """Under bf16 autocast with a float32 stream, Block AttnRes (two-phase) hands each output
+    that is not a block's first to the next merge as it is (bf16): the merge forms the
+    partial sum in float32 - the same sum as after casting the output, so the logits and
+    every gradient are those of casting first, bit for bit - without the cast, one
+    ``aten._to_copy`` fewer per such output (8 sublayers in blocks of 2: 4)."""
+    from test_depth_attention_ops import OperatorLog
+
+    from attnres.nn.residual import block
+
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def run(as_is: bool):
+        if not as_is:
+            monkeypatch.setattr(block._TwoPhase, "reads_output_as_is", lambda *args: False)
+        model = make_model(residual={"kind": "attnres_block", "block_size": 2, "backend": backend}, n_layers=4)
+        log = OperatorLog()
+        with torch.autocast("cpu", dtype=torch.bfloat16), log:
+            logits = model(ids).logits
+        logits.float().square().mean().backward()
+        monkeypatch.undo()
+        return logits, log.names.count("aten._to_copy"), {n: p.grad for n, p in model.named_parameters()}
+
+    logits, casts, grads = run(True)
+    want_logits, want_casts, want_grads = run(False)
+    assert torch.equal(logits, want_logits)
+    assert want_casts - casts == 4, (want_casts, casts)
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, want_grads[name]), name
 
 
 def test_autocast_stream_applies_to_a_resumed_stream():

@@ -96,6 +96,10 @@ class Schedule:
     def add(self, m: AttnResBase, state: ResidualState, l: int, output: Tensor) -> None:
         raise NotImplementedError
 
+    def reads_output_as_is(self, m: AttnResBase, state: ResidualState, output: Tensor) -> bool:
+        """:meth:`ResidualStream._reads_output_as_is` for this schedule."""
+        return False
+
     def finish(self, m: AttnResBase, state: ResidualState) -> Tensor:
         raise NotImplementedError
 
@@ -183,6 +187,9 @@ class AttnResBase(ResidualStream):
 
     def _add(self, state: ResidualState, l: int, output: Tensor) -> None:
         self._strategy.add(self, state, l, output)
+
+    def _reads_output_as_is(self, state: ResidualState, output: Tensor) -> bool:
+        return self._strategy.reads_output_as_is(self, state, output)
 
     def _finish(self, state: ResidualState) -> Tensor:
         return self._strategy.finish(self, state)

@@ -204,7 +204,7 @@ class ResidualStream(nn.Module, ABC):
             raise RuntimeError(f"add_output({l}) called out of order: expected sublayer {state.next_sublayer}")
         state.expecting_output = False
         state.next_sublayer += 1
-        if output.dtype != state.dtype:
+        if output.dtype != state.dtype and not self._reads_output_as_is(state, output):
             output = output.to(state.dtype)
         self._add(state, l, output)
 
@@ -293,6 +293,13 @@ class ResidualStream(nn.Module, ABC):
 
     @abstractmethod
     def _add(self, state: ResidualState, l: int, output: Tensor) -> None: ...
+
+    def _reads_output_as_is(self, state: ResidualState, output: Tensor) -> bool:
+        """Whether ``_add`` takes ``output`` in its own dtype (one that promotes to the
+        stream's: an autocast sublayer's bf16), adding it in the stream's dtype itself -
+        otherwise it is cast to the stream's dtype first (a pass over it, which a consumer
+        that reads it once anyway can spare)."""
+        return False
 
     @abstractmethod
     def _finish(self, state: ResidualState) -> Tensor: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ...ops import Operations
@@ -113,6 +114,14 @@ class _TwoPhase(Schedule):
             return m.phase2_input(state, l, _partial(state), fusable)
         return m.phase2_input(state, l, [state.partial], fusable, addend=state.pending,
                               on_total=lambda total: _formed(state, total))
+
+    def reads_output_as_is(self, m, state: BlockTwoPhaseState, output: Tensor) -> bool:
+        """An output that will be pending (not a block's first) stays in its dtype, e.g. an
+        autocast sublayer's bf16 under a float32 stream: the merge that forms the partial sum
+        reads it as it is and adds it in float32 - the same sum, without a pass that casts it
+        (reading 2 bytes an element, writing 4) and with 2 bytes an element less for the merge
+        to read."""
+        return state.partial is not None and torch.promote_types(state.dtype, output.dtype) == state.dtype
 
     def add(self, m, state, l, output):
         state.phase = "phase2"
