@@ -177,12 +177,14 @@ def problems(row: dict) -> list[str]:
 
 def _shape(r: dict) -> str:
     """The variant's tuple counts and block: ``S=8 n=9, 8x256`` / ``S=2 n=2, 4x2x128`` (rows x
-    queries x tile) / ``k=1 c=1, row 2048`` (``, 3 stages``: a held merge's pipelining)."""
+    queries x tile) / ``k=1 c=1, row 2048`` (``, 3 stages``: a held merge's pipelining;
+    ``, bf16 addend grad``: a merge backward writing the addend's gradient too)."""
     counts = " ".join(f"{k}={v}" for k, v in r["counts"].items())
     rows = f"{r['ROWS']}x" if "ROWS" in r and "S" not in r else ""  # (phase1_dq's ROWS: rows an iteration)
     block = f"{rows}{r['S_PAD']}x{r['BLOCK_D']}" if "BLOCK_D" in r else f"row {r['D_PAD']}"
     stages = f", {r['STAGES']} stage{'s' * (r['STAGES'] > 1)}" if "STAGES" in r else ""  # (held merges' pipelining)
-    return f"{counts}, {block}{stages}"
+    addend = ", bf16 addend grad" if r.get("HAS_ADDEND_GRAD") else ""
+    return f"{counts}, {block}{stages}{addend}"
 
 
 def table(rows: list[dict]) -> str:

@@ -262,9 +262,9 @@ def test_merge_with_an_addend_equals_the_add_then_the_merge_and_gradchecks(backe
     mixed = addend_inputs(torch.float32, torch.bfloat16)
     got, want = outputs_and_grads(addend_fn(backend), mixed), outputs_and_grads(addend_fn("unfused"), mixed)
     assert torch.equal(got[1], want[1]) and got[1].dtype == torch.float32  # the sum, as the add forms it
-    assert got[5].dtype == torch.bfloat16  # the addend's gradient in its dtype
-    for a, b in zip(got, want):
-        assert_rel_close(a, b, TOL[torch.float32])
+    assert got[5].dtype == torch.bfloat16  # the addend's gradient in its dtype (written so by the Triton kernels)
+    for a, b in zip(got, want):  # (Triton's interpreter converts to bf16 by truncation, a GPU to the nearest)
+        assert_rel_close(a, b, OP_TOL_BF16 if backend == "triton" and a.dtype == torch.bfloat16 else TOL[torch.float32])
 
 
 def test_merge_addend_errors():
@@ -291,6 +291,9 @@ def test_opcheck_merge_with_an_addend(backend, kernel):
     bargs = (torch.randn_like(out), alpha, rc, zc, rstd, args[1], [total], args[3], args[4], [True] * 5, backend,
              torch.randn_like(total))
     torch.library.opcheck(torch.ops.attnres.merge_backward.default, tree_map_only(torch.Tensor, torch.Tensor.detach, bargs))
+    # (a bf16 addend on a float32 stream: its gradient returned in bf16 as well)
+    torch.library.opcheck(torch.ops.attnres.merge_backward.default,
+                          (*tree_map_only(torch.Tensor, torch.Tensor.detach, bargs), torch.bfloat16))
 
 
 def out_dtype_run(backend, inputs, out_dtype, grads):
@@ -610,7 +613,8 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     (its kernel and the sums of the query's and the norm gain's per-program partials), a
     Phase-1 backward 3 (two kernels, one sum); no call copies anything to the device (no
     pointer table: tuple arguments), zero-fills a buffer, copies a slice of Phase 1's
-    log-sum-exps (the merge takes a strided column) or casts an output or its gradient."""
+    log-sum-exps (the merge takes a strided column) or casts an output or its gradient (a
+    bf16 addend's included)."""
     pytest.importorskip("triton")
     from attnres.ops.depth_attention import triton_impl, triton_kernels
 
@@ -648,6 +652,17 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     backward = _device_operations(lambda: torch.autograd.grad([out, total], [z, x, partial, addend, qg, w],
                                                               [grad, grad]), launches)
     assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
+    # the addend in bf16 (an autocast sublayer's output on a float32 stream): read as it is,
+    # its gradient written in bf16 by the kernel - no cast either way
+    low_addend = addend.bfloat16()
+    forward = _device_operations(lambda: result.update(
+        mixed=library.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, "triton", addend=low_addend)), launches)
+    assert forward == ["triton.merge_fwd_held"], forward
+    out, _, total = result["mixed"]
+    backward = _device_operations(lambda: result.update(g=torch.autograd.grad(
+        [out, total], [z, x, partial, low_addend, qg, w], [grad, grad])), launches)
+    assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
+    assert result["g"][3].dtype == torch.bfloat16
     # the same writing bf16 (autocast_norm_output): the kernel writes it and reads its bf16
     # gradient, no cast either way
     forward = _device_operations(lambda: result.update(
@@ -840,8 +855,9 @@ def test_merge_holding_its_sources_equals_looping_over_them_and_the_truth(rows, 
     """A merge of at most ``MERGE_HELD`` sources holds them (``merge_fwd_held``,
     ``merge_bwd_held``: each loaded once, a pipelined loop over rows): its outputs, statistics
     and every gradient (the logits', each source's, the query's, the norm gain's; the sum
-    formed with an addend, its gradient from downstream) against the float64 truth within the
-    dtype's tolerance, as the kernels looping over the sources are - odd ``d``, known and
+    formed with an addend, its gradient from downstream, and in float32 the addend's gradient
+    in bf16, written by the kernel: the last source's converted) against the float64 truth
+    within the dtype's tolerance, as the kernels looping over the sources are - odd ``d``, known and
     computed sources alone and together, with and without the norm, one program a row (not
     pipelined) and programs walking several rows, pipelined two and three deep and not at
     all."""
@@ -860,6 +876,7 @@ def test_merge_holding_its_sources_equals_looping_over_them_and_the_truth(rows, 
     grad = torch.randn(rows, d, generator=g, dtype=compute).to(dtype)
     g_total = torch.randn(rows, d, generator=g, dtype=compute).to(dtype) if addend else None
     needs = [k > 0] + [True] * (k + c) + [c > 0, norm]
+    addend_dtype = torch.bfloat16 if addend and dtype == torch.float32 else None  # (an autocast output's)
 
     def run(impl, to):
         on = lambda t: None if t is None else to(t)  # noqa: E731
@@ -867,8 +884,11 @@ def test_merge_holding_its_sources_equals_looping_over_them_and_the_truth(rows, 
                                                              on(qg), on(w), 1e-6, 1e-5, on(add))
         comp = [to(x) for x in computed[:-1]] + [total] if addend else [to(x) for x in computed]
         grads = impl.merge_backward(to(grad), alpha, rc, zc, rstd, [to(x) for x in sources], comp, on(qg), on(w),
-                                    needs, on(g_total))
-        g_z, g_src, g_comp, g_q, g_w = grads
+                                    needs, on(g_total), addend_dtype)
+        g_z, g_src, g_comp, g_q, g_w, g_addend = grads
+        if addend_dtype is not None:  # (the addend's gradient: the last source's, converted - by the interpreter
+            assert g_addend.dtype == addend_dtype  # truncated, by a GPU and torch rounded to the nearest)
+            assert_rel_close(g_addend.cpu().double(), g_comp[-1].cpu().double(), OP_TOL_BF16, "the addend's gradient")
         named = [("out", out), ("alpha", alpha), ("total", total), ("rc", rc), ("zc", zc), ("rstd", rstd),
                  ("g_z", g_z if k else None), ("g_qg", g_q), ("g_norm", g_w),
                  *((f"source {j}'s gradient", x) for j, x in enumerate(g_src)),

@@ -267,7 +267,10 @@ def test_block_merges_read_an_autocast_output_in_its_own_dtype(backend, monkeypa
     that is not a block's first to the next merge as it is (bf16): the merge forms the
     partial sum in float32 - the same sum as after casting the output, so the logits and
     every gradient are those of casting first, bit for bit - without the cast, one
-    ``aten._to_copy`` fewer per such output (8 sublayers in blocks of 2: 4)."""
+    ``aten._to_copy`` fewer per such output (8 sublayers in blocks of 2: 4). (The Triton
+    kernels also write that output's gradient in bf16, which Triton's interpreter converts
+    by truncation - a GPU rounds to the nearest, as the cast's backward: there within bf16
+    rounding.)"""
     from test_depth_attention_ops import OperatorLog
 
     from attnres.nn.residual import block
@@ -291,7 +294,10 @@ def test_block_merges_read_an_autocast_output_in_its_own_dtype(backend, monkeypa
     assert want_casts - casts == 4, (want_casts, casts)
     assert grads.keys() == want_grads.keys()
     for name, g in grads.items():
-        assert torch.equal(g, want_grads[name]), name
+        if backend == "triton":  # (the kernels write the output's gradient in bf16: Triton's interpreter
+            assert_rel_close(g, want_grads[name], GRAD_TOL[torch.bfloat16], name)  # truncates, a GPU rounds)
+        else:
+            assert torch.equal(g, want_grads[name]), name
 
 
 def test_autocast_stream_applies_to_a_resumed_stream():

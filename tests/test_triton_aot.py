@@ -113,6 +113,8 @@ def test_launch_geometry():
     assert L.merge_stages(3 * 2 * 2048, rows_per_program=1) == 1  # (decoding: a row a program)
     # (a held backward reading a bf16 gradient of float32 sources: twice the warps, half the row each)
     assert L.held_backward_warps(2048) == 8 and L.held_backward_warps(2048, narrow_gradient=True) == 16
+    # (or writing a bf16 addend's gradient; past rows of 2048 that would be 32 warps: the looping backward)
+    assert L.backward_holds(2048, True) and L.backward_holds(4096) and not L.backward_holds(4096, True)
     for row_bytes in (256, 16384, 32768, 131072):
         stages = L.merge_stages(row_bytes)
         assert 2 <= stages <= 3 and (stages == 2 or (stages - 1) * row_bytes <= L.PIPELINE_BYTES)

@@ -275,11 +275,13 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
     return out, alpha, rc, zc, rstd, total
 
 
-def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None):
-    """``needs``, ``g_total``: as :func:`.torch_impl.merge_backward`."""
+def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None,
+                   addend_dtype=None):
+    """``needs``, ``g_total``, ``addend_dtype``: as :func:`.torch_impl.merge_backward`."""
     x0 = (list(sources) + list(computed))[0]
     if g.dtype != x0.dtype:  # (the C kernel reads g in the sources' dtype)
-        return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total)
+        return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total,
+                                         addend_dtype)
     k, c, geometry = len(sources), len(computed), _geometry(x0)
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
     grads = [_new(need, x0) for need in needs_x]
@@ -293,4 +295,4 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     g_norm = gw_part.sum(0) if gw_part is not None else None
     if g_total is not None and grads[-1] is not None:
         grads[-1].add_(g_total)
-    return g_z, grads[:k], grads[k:], g_qg, g_norm
+    return g_z, grads[:k], grads[k:], g_qg, g_norm, torch_impl.addend_grad(grads[-1], addend_dtype)

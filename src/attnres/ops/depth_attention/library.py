@@ -207,20 +207,21 @@ def _(z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend=None
 def _run_merge_backward(g: Tensor, alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor], rstd: Optional[Tensor],
                         sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
                         norm_weight: Optional[Tensor], needs: list[bool], backend: str,
-                        g_total: Optional[Tensor] = None) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor]:
+                        g_total: Optional[Tensor] = None, addend_dtype: Optional[torch.dtype] = None
+                        ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
     g, qg, g_total = _contiguous([g, qg, g_total])
     module = pick(backend, [*sources, *computed, g, alpha, rc, zc, rstd, qg, norm_weight])
-    g_z, g_src, g_comp, g_qg, g_norm = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
-                                                             norm_weight, needs, g_total)
-    g_qg, g_norm = _fill([g_qg, g_norm], alpha)
-    return _fill([g_z], alpha)[0], _fill(g_src, alpha), _fill(g_comp, alpha), g_qg, g_norm
+    g_z, g_src, g_comp, g_qg, g_norm, g_addend = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
+                                                                       norm_weight, needs, g_total, addend_dtype)
+    g_qg, g_norm, g_addend = _fill([g_qg, g_norm, g_addend], alpha)
+    return _fill([g_z], alpha)[0], _fill(g_src, alpha), _fill(g_comp, alpha), g_qg, g_norm, g_addend
 
 
 _merge_backward = torch.library.custom_op("attnres::merge_backward", _run_merge_backward, mutates_args=())
 
 
 @_merge_backward.register_fake
-def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, backend, g_total=None):
+def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, backend, g_total=None, addend_dtype=None):
     k, c = len(sources), len(computed)
 
     def grad(need, like):
@@ -229,7 +230,9 @@ def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, backend
     g_z = alpha.new_empty((*alpha.shape[:-1], k)) if needs[0] else _placeholder(alpha)
     xs = [*sources, *computed]
     grads = [grad(need, x) for x, need in zip(xs, needs[1 : 1 + k + c])]
-    return g_z, grads[:k], grads[k:], grad(needs[1 + k + c], qg), grad(needs[2 + k + c], norm_weight)
+    g_addend = (torch.empty_like(xs[-1], dtype=addend_dtype) if addend_dtype is not None and needs[k + c]
+                else _placeholder(alpha))
+    return g_z, grads[:k], grads[k:], grad(needs[1 + k + c], qg), grad(needs[2 + k + c], norm_weight), g_addend
 
 
 def _merge_setup(ctx, inputs, output):
@@ -257,17 +260,24 @@ def _merge_grads(ctx, g, g_total, needs: list[bool], direct: bool = False):
         g_total = None
     if (g is None and g_total is None) or not any(needs):
         return None, [None] * k, [None] * c, None, None, None
+    # (an addend in a dtype of its own, e.g. an autocast sublayer's bf16: the backward writes its
+    # gradient in that dtype too, no cast afterwards)
+    addend_dtype = ctx.addend_dtype if ctx.addend_dtype not in (None, xs[-1].dtype) else None
+    g_addend = None
     if g is None:  # only the sum is used downstream: its gradient passes to both terms
         g_z, g_src, g_comp, g_qg, g_norm = None, [None] * k, [None] * (c - 1) + [g_total], None, None
     else:
         backward = _run_merge_backward if direct else torch.ops.attnres.merge_backward
-        g_z, g_src, g_comp, g_qg, g_norm = backward(
-            g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.backend, g_total)
+        g_z, g_src, g_comp, g_qg, g_norm, g_addend = backward(
+            g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.backend, g_total, addend_dtype)
     keep = lambda t, need: t if need else None  # noqa: E731
     grads = [keep(t, need) for t, need in zip([*g_src, *g_comp], needs[1 : 1 + k + c])]
-    g_addend = None
-    if ctx.addend_dtype is not None and grads[-1] is not None:
-        g_addend = grads[-1] if grads[-1].dtype == ctx.addend_dtype else grads[-1].to(ctx.addend_dtype)
+    if ctx.addend_dtype is None or grads[-1] is None:
+        g_addend = None
+    elif addend_dtype is None:  # (the sum's dtype: its gradient is the addend's)
+        g_addend = grads[-1]
+    elif g_addend is None:  # (the sum's gradient passed on as it came)
+        g_addend = grads[-1].to(addend_dtype)
     return (keep(g_z, needs[0]), grads[:k], grads[k:], keep(g_qg, needs[1 + k + c]), keep(g_norm, needs[2 + k + c]),
             g_addend)
 

@@ -157,11 +157,13 @@ def _norm_backward(g, h, rstd, norm_weight, need_weight: bool, scratch):
 
 
 def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs: Sequence[bool],
-                   g_total=None):
+                   g_total=None, addend_dtype=None):
     """``needs``: whether ``(z, *sources, *computed, qg, norm_weight)`` need their gradient.
-    Returns ``(g_z, [g_source...], [g_computed...], g_qg, g_norm)``, ``None`` where not
-    needed. ``g_total``: the gradient reaching the last computed source from elsewhere (the
-    sum the forward formed with an addend), added to its gradient."""
+    Returns ``(g_z, [g_source...], [g_computed...], g_qg, g_norm, g_addend)``, ``None``
+    where not needed. ``g_total``: the gradient reaching the last computed source from
+    elsewhere (the sum the forward formed with an addend), added to its gradient;
+    ``addend_dtype``: the addend's dtype where it differs from the sources' - ``g_addend`` is
+    then the last computed source's gradient in it (else ``None``)."""
     compute, k, c = alpha.dtype, len(sources), len(computed)
     srcs = [*sources, *computed]
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
@@ -196,4 +198,11 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     if g_total is not None and grads[-1] is not None:
         grads[-1] = grads[-1] + g_total
     g_z = gz_all[..., :k].contiguous() if needs_z else None
-    return g_z, grads[:k], grads[k:], (None if g_qg is None else _as(g_qg, qg.dtype)), g_norm
+    return (g_z, grads[:k], grads[k:], (None if g_qg is None else _as(g_qg, qg.dtype)), g_norm,
+            addend_grad(grads[-1], addend_dtype))
+
+
+def addend_grad(g_last: Tensor | None, addend_dtype: torch.dtype | None) -> Tensor | None:
+    """The addend's gradient, the last computed source's ``g_last`` in ``addend_dtype``
+    (``None`` without one of them)."""
+    return None if g_last is None or addend_dtype is None else g_last.to(addend_dtype)

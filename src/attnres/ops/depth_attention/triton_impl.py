@@ -21,8 +21,8 @@ from torch import Tensor
 
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
-from .triton_launch import (DQ_ROWS, backward_programs, dq_grid, held_backward_warps, held_programs, merge_fits,
-                            merge_holds, merge_stages, merge_warps, pad, phase1_combine_tile, phase1_fits,
+from .triton_launch import (DQ_ROWS, backward_holds, backward_programs, dq_grid, held_backward_warps, held_programs,
+                            merge_fits, merge_holds, merge_stages, merge_warps, pad, phase1_combine_tile, phase1_fits,
                             phase1_forward_geometry, phase1_group, phase1_rows_geometry, phase1_splits, phase1_tile,
                             phase1_unrolls, phase1_warps, row_pad, rows_warps)
 
@@ -263,25 +263,31 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
     return out, alpha, rc, zc, rstd, total
 
 
-def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None):
+def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None,
+                   addend_dtype=None):
     xs = [*sources, *computed]
     x0 = xs[0]
     rows, d, compute = _geometry(x0)
     k, c = len(sources), len(computed)
     if not merge_fits(d, k + c):
-        return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total)
+        return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total,
+                                         addend_dtype)
     lead, dev = x0.shape[:-1], x0.device
     has_norm = norm_weight is not None
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
     grads = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=dev) for _ in xs)
+    # (the addend's gradient, the last source's in its own dtype: written by the kernel too)
+    g_addend = torch.empty(x0.shape, dtype=addend_dtype, device=dev) if addend_dtype is not None else None
     g_z = torch.empty((*lead, k), dtype=compute, device=dev)
     want_qg, want_norm = bool(c and needs_qg), bool(has_norm and needs_norm)
     g_qg = g_norm = None
     if rows:
         d_pad = row_pad(d)
-        held = _held(k + c, d)
-        warps = FORCED["merge_warps"] or (held_backward_warps(d_pad, g.element_size() < x0.element_size()) if held
-                                          else merge_warps(d_pad))
+        # (a gradient read or written narrower than the sources: twice the warps, if held)
+        narrow = min(g.element_size(), x0.element_size() if g_addend is None else g_addend.element_size())
+        narrow = narrow < x0.element_size()
+        held = _held(k + c, d) and backward_holds(d_pad, narrow)
+        warps = FORCED["merge_warps"] or (held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad))
         if held:
             programs = _held_programs(rows, warps, dev)
         else:
@@ -293,8 +299,9 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
                 tuple(_c(x) for x in computed), alpha if qg is None else _as(qg, compute),
                 alpha if norm_weight is None else _as(norm_weight, compute),
                 grads[0] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k],
-                grads[k:], part, rows, d)
-        flags = dict(HAS_TOTAL=g_total is not None, HAS_NORM=has_norm, D_PAD=d_pad, M_PAD=pad(k + c), num_warps=warps)
+                grads[k:], grads[-1] if g_addend is None else g_addend, part, rows, d)
+        flags = dict(HAS_TOTAL=g_total is not None, HAS_ADDEND_GRAD=g_addend is not None, HAS_NORM=has_norm,
+                     D_PAD=d_pad, M_PAD=pad(k + c), num_warps=warps)
         if held:
             stages = _stages(d, [*xs, g, None if g_total is None else x0], rows, programs)
             triton_kernels.merge_bwd_held[(programs,)](*args, STAGES=stages, **flags)
@@ -307,4 +314,4 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
         g_qg = torch.zeros_like(qg) if want_qg else None
         g_norm = torch.zeros_like(norm_weight) if want_norm else None
     grads = [gx if need else None for gx, need in zip(grads, needs_x)]
-    return (g_z if needs_z else None), grads[:k], grads[k:], g_qg, g_norm
+    return (g_z if needs_z else None), grads[:k], grads[k:], g_qg, g_norm, (g_addend if needs_x[-1] else None)

@@ -598,15 +598,19 @@ def merge_fwd(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc
 
 
 @triton.jit
-def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, Part, rows, d,
-              HAS_TOTAL: tl.constexpr, HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr):
+def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, GAddend, Part, rows, d,
+              HAS_TOTAL: tl.constexpr, HAS_ADDEND_GRAD: tl.constexpr, HAS_NORM: tl.constexpr, D_PAD: tl.constexpr,
+              M_PAD: tl.constexpr):
     """With g_h the gradient reaching h (through the norm; ``G`` itself without one):
     dz_j = alpha_j (s_j - sum_i alpha_i s_i), s_j = g_h . x_j; dx_j = alpha_j g_h; a computed
     source's logit adds gr (qg - (r zc / d) x) to its gradient (gr = dzc r) and gr x to the
     query's; ``HAS_TOTAL``: the last source's gradient from elsewhere, ``GTotal``, is added
-    to its own. ``Part [P, 2, d]``: each program's sums over its rows of the query's gradient
-    (row 0) and the norm gain's (row 1). ``G`` has the forward's ``Out``'s dtype, ``GTotal``
-    the sources' (without ``HAS_TOTAL`` it stands in, unread, for their pointer type)."""
+    to its own; ``HAS_ADDEND_GRAD``: the last source's gradient (the sum's, which is the
+    addend's) also written to ``GAddend`` in its dtype (a bf16 addend on a float32 stream: no
+    cast of it afterwards). ``Part [P, 2, d]``: each program's sums over its rows of the
+    query's gradient (row 0) and the norm gain's (row 1). ``G`` has the forward's ``Out``'s
+    dtype, ``GTotal`` the sources' (without ``HAS_TOTAL`` it stands in, unread, for their
+    pointer type)."""
     dt = Alpha.dtype.element_ty
     st = GTotal.dtype.element_ty
     k: tl.constexpr = len(Known)
@@ -654,6 +658,9 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
                 if j == m - 1:
                     gx += tl.load(GTotal + row * d + cols, mask=cmask, other=0.0).to(dt)
             tl.store(_pointer(grads, ms, j, GTotal) + row * d + cols, gx.to(st), mask=cmask)
+            if HAS_ADDEND_GRAD:
+                if j == m - 1:
+                    tl.store(GAddend + row * d + cols, gx.to(GAddend.dtype.element_ty), mask=cmask)
     tl.store(Part + pid * 2 * d + cols, g_qg, mask=cmask)
     tl.store(Part + (pid * 2 + 1) * d + cols, g_w, mask=cmask)
 
@@ -748,9 +755,9 @@ def merge_fwd_held(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alph
 
 
 @triton.jit
-def merge_bwd_held(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, Part, rows, d,
-                   HAS_TOTAL: tl.constexpr, HAS_NORM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr,
-                   STAGES: tl.constexpr):
+def merge_bwd_held(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, GAddend, Part, rows,
+                   d, HAS_TOTAL: tl.constexpr, HAS_ADDEND_GRAD: tl.constexpr, HAS_NORM: tl.constexpr,
+                   D_PAD: tl.constexpr, M_PAD: tl.constexpr, STAGES: tl.constexpr):
     """:func:`merge_bwd` over a few sources, held: the same math and ``Part``, each source of
     a row loaded once (with ``g`` and ``GTotal``, in flight together) and kept in registers
     for every pass, in a loop over rows Triton pipelines ``STAGES`` deep."""
@@ -798,6 +805,9 @@ def merge_bwd_held(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, G
                 tl.store(GKnown[j] + row * d + cols, gx.to(st), mask=cmask)
             else:
                 tl.store(GComp[j - k] + row * d + cols, gx.to(st), mask=cmask)
+            if HAS_ADDEND_GRAD:
+                if j == m - 1:
+                    tl.store(GAddend + row * d + cols, gx.to(GAddend.dtype.element_ty), mask=cmask)
     pid = tl.program_id(0)
     tl.store(Part + pid * 2 * d + cols, g_qg, mask=cmask)
     tl.store(Part + (pid * 2 + 1) * d + cols, g_w, mask=cmask)

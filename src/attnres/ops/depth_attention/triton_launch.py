@@ -239,12 +239,22 @@ def merge_warps(d_pad: int) -> int:
 
 
 def held_backward_warps(d_pad: int, narrow_gradient: bool = False) -> int:
-    """Warps of a held merge backward's program: :func:`merge_warps`, twice that where the
-    gradient it reads is narrower than its sources (a float32 stream's merge writing bf16:
-    ``autocast_norm_output``). A 16-byte load takes 8 bf16 elements, 4 float32 ones, and the
-    two layouts in one program took 142 - 157 registers at d = 2048 with Triton 3.6 (8
-    warps resident); twice the warps, each thread holding half the row, 98 - 102."""
+    """Warps of a held merge backward's program: :func:`merge_warps`, twice that where a
+    gradient it reads or writes is narrower than its sources (a float32 stream's merge
+    writing bf16, ``autocast_norm_output``; or writing a bf16 addend's gradient, an autocast
+    sublayer's output). A 16-byte access takes 8 bf16 elements, 4 float32 ones, and the two
+    layouts in one program took 142 - 157 registers at d = 2048 with Triton 3.6 (8 warps
+    resident; with the addend's gradient, 128 and a 16-byte spill with Triton 3.9); twice the
+    warps, each thread holding half the row, 98 - 102."""
     return min(32, merge_warps(d_pad) * (2 if narrow_gradient else 1))
+
+
+def backward_holds(d_pad: int, narrow_gradient: bool = False) -> bool:
+    """Whether a merge backward that :func:`merge_holds` runs the held kernel: unless a
+    narrow gradient would take it past 16 warps (rows over 2048: at 32 warps a thread has 64
+    registers, and the held backward writing a bf16 addend's gradient at d = 4096 spilled 48
+    bytes there) - those run the looping kernel."""
+    return held_backward_warps(d_pad, narrow_gradient) <= 16
 
 
 def backward_programs(rows: int, d_pad: int, sms: int, warps: int | None = None) -> int:
@@ -307,8 +317,8 @@ def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = No
 
 
 # The kernels' parameters in order, with their types ("*T": a pointer to the storage dtype,
-# "*C" to the compute dtype, "C" a scalar of it, "*A" to the addend's dtype (bf16: a bf16
-# sublayer output added to a float32 stream under autocast), "*O" to the merge's output's
+# "*C" to the compute dtype, "C" a scalar of it, "*A" to the addend's dtype and its gradient's
+# (bf16: a bf16 sublayer output added to a float32 stream under autocast), "*O" to the merge's output's
 # (and its gradient's) dtype - the storage dtype, or the autocast dtype with
 # ResidualConfig.autocast_norm_output -, "[n]" a tuple of n of them, "constexpr": chosen at
 # launch). Kept beside the kernels' definitions by a test.
@@ -341,12 +351,13 @@ SIGNATURES = {
                        "norm_eps:fp32", "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr",
                        "M_PAD:constexpr", "STAGES:constexpr"],
     "merge_bwd_held": ["G:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C",
-                       "NormW:*C", "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32",
-                       "HAS_TOTAL:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr",
-                       "STAGES:constexpr"],
+                       "NormW:*C", "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "GAddend:*A", "Part:*C",
+                       "rows:i32", "d:i32", "HAS_TOTAL:constexpr", "HAS_ADDEND_GRAD:constexpr", "HAS_NORM:constexpr",
+                       "D_PAD:constexpr", "M_PAD:constexpr", "STAGES:constexpr"],
     "merge_bwd": ["G:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
-                  "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "Part:*C", "rows:i32", "d:i32",
-                  "HAS_TOTAL:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
+                  "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "GAddend:*A", "Part:*C", "rows:i32", "d:i32",
+                  "HAS_TOTAL:constexpr", "HAS_ADDEND_GRAD:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr",
+                  "M_PAD:constexpr"],
 }
 
 #: The shapes the ahead-of-time compile covers: Phase 1's ``(S, n)`` (every query padding,
@@ -420,14 +431,19 @@ def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False,
             d_pad = row_pad(d)
             forward = kernel.startswith("merge_fwd")
             item = 8 if wide else 4 if wide_storage else 2  # (bytes of a source's element)
-            flag = {"HAS_ADDEND": 1} if forward else {"HAS_TOTAL": 1}
+            flag = {"HAS_ADDEND": 1} if forward else {"HAS_TOTAL": 1, "HAS_ADDEND_GRAD": 0}
             constexprs = {**flag, "HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}
-            if held:  # (a row's loads: the sources, and the addend - bf16 on a float32 stream - or g and g_total)
-                addend = 2 if item == 4 else item  # (as _expand's "*A")
+            addend = 2 if item == 4 else item  # (as _expand's "*A": bf16 on a float32 stream)
+            if held:  # (a row's loads: the sources, and the addend, or g and g_total)
                 others = addend if forward else (out_bytes or item) + item
                 constexprs["STAGES"] = merge_stages(d * ((k + c) * item + others))
             narrow = not forward and (out_bytes or item) < item
-            yield {"k": k, "c": c}, constexprs, held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad)
+            if not (held and not forward and not backward_holds(d_pad, narrow)):
+                yield {"k": k, "c": c}, constexprs, held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad)
+            if not forward and addend < item and (not held or backward_holds(d_pad, True)):
+                # (the backward writing a bf16 addend's gradient too: autocast)
+                yield ({"k": k, "c": c}, {**constexprs, "HAS_ADDEND_GRAD": 1},
+                       held_backward_warps(d_pad, True) if held else merge_warps(d_pad))
             if held and forward and d == 2048 and k:  # (decoding: a row a program, not pipelined)
                 yield {"k": k, "c": c}, {**constexprs, "STAGES": 1}, merge_warps(d_pad)
 
