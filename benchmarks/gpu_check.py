@@ -15,8 +15,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 
 0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
    the models run (a few rows each, the real ``d`` and dtypes; one process per AttnRes
-   model and stage: the float32-stream step, the bf16 decode, the bf16 step), the ops part's other launch settings and the peers' autotuners, into the on-disk
-   caches, while the main process builds the models.
+   model and stage: the float32-stream step, the bf16 decode, the bf16 step), the ops
+   part's other launch settings and the peers' autotuners, into the on-disk caches, while
+   the main process builds the models.
 1. **parity**: a small Block and Full AttnRes model at the real ``d``, float32, our kernels
    against the torch backend (logits, every gradient); each operation alone against the
    PyTorch implementation in float64.
@@ -972,9 +973,9 @@ def write(out: Path, result: dict) -> None:
 # ---------------------------------------------------------------------------------- warm-up
 def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
     """Compile into the on-disk caches: ``models:NAME:STAGE`` runs that model's residual at a
-    few rows (:func:`warm_up_model`: the same kernel variants as the full shape), ``sweeps`` the ops part's other launch
-    settings, a peer name its block at the op shape. (``device``: the tests run the models'
-    and ``sweeps`` under the interpreter.)"""
+    few rows (:func:`warm_up_model`: the same kernel variants as the full shape), ``sweeps``
+    the ops part's other launch settings, a peer name its block at the op shape.
+    (``device``: the tests run the models' and ``sweeps`` under the interpreter.)"""
     if what.startswith("models:"):
         _, name, stage = what.split(":")
         warm_up_model(name, stage, z, device)
@@ -1020,21 +1021,21 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str) -> None:
     with torch.device(device):
         model = AttnResLM(config)
     ids = torch.randint(0, config.vocab_size, (1, small.seq), device=device)
-    if stage != "train":
-        model.to(torch.bfloat16)
-    step = train_steps({name: model}, ids, device)[name]
     if stage == "train":
+        step = train_steps({name: model}, ids, device)[name]
         step()
         if name in NORM_OUT.values():  # (the merges writing bf16: train_eager's NORM_OUT variants)
             norm_out(step, model)()
     elif stage == "decode":
+        model.to(torch.bfloat16)
         for batch in DECODE_BATCHES:  # (a launch over one row compiles apart from one over several)
             _, cache = prefill(model, ids.expand(batch, -1))
             decode_step(model, cache, ids[:, -1].expand(batch))
             with phase1_in_one_kernel():  # (the decode part's one-kernel variant)
                 decode_step(model, cache, ids[:, -1].expand(batch))
-    elif stage == "bf16":
-        step()  # (train_bf16's variants)
+    elif stage == "bf16":  # (train_bf16's variants)
+        model.to(torch.bfloat16)
+        train_steps({name: model}, ids, device)[name]()
     else:
         raise ValueError(f"warm-up stage {stage!r}: choose from {WARM_UP_STAGES}")
 

@@ -98,7 +98,8 @@ def test_the_compiled_part_drops_full_attnres_before_it_is_skipped():
     order = gpu_check.parse_args(["--out", "x"]).parts.split(",")
     assert set(order) == set(gpu_check.MIN_SECONDS)  # (the default runs every part: the targets' first)
     # (the targets' parts first, the bf16 stream - an option the training target may need - before the diagnostics)
-    assert order.index("train_compiled") < order.index("train_bf16") < min(order.index(p) for p in ("profile", "profile_decode"))
+    diagnostics = min(order.index(p) for p in ("profile", "profile_decode"))
+    assert order.index("train_compiled") < order.index("train_bf16") < diagnostics
 
 
 class _VariantLog:
@@ -137,13 +138,12 @@ def test_the_models_warm_up_compiles_each_variant_the_parts_launch_one_worker_a_
     import gpu_check
 
     from attnres.inference import decode_step, prefill
-    from attnres.ops.depth_attention import triton_kernels
+    from attnres.ops.depth_attention import triton_kernels, triton_launch
 
     assert gpu_check.WARMED_MODELS == tuple(f"models:{name}:{stage}" for name in ("block", "full")
                                             for stage in ("train", "decode", "bf16"))
     variants: set = set()
-    for name in ("phase1_fwd", "phase1_logits", "phase1_combine", "phase1_bwd", "phase1_dq", "phase1_logits_rows",
-                 "phase1_bwd_rows", "phase1_grads", "merge_fwd", "merge_bwd", "merge_fwd_held", "merge_bwd_held"):
+    for name in triton_launch.SIGNATURES:  # (every kernel)
         monkeypatch.setattr(triton_kernels, name, _VariantLog(name, variants))
     residual_of = gpu_check.residual_of  # (the Triton kernels on the CPU: stubbed, so any backend's variants)
     monkeypatch.setattr(gpu_check, "residual_of", lambda name, z: {**residual_of(name, z), "backend": "triton"})

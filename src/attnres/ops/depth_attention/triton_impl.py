@@ -284,8 +284,7 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     if rows:
         d_pad = row_pad(d)
         # (a gradient read or written narrower than the sources: twice the warps, if held)
-        narrow = min(g.element_size(), x0.element_size() if g_addend is None else g_addend.element_size())
-        narrow = narrow < x0.element_size()
+        narrow = any(t is not None and t.element_size() < x0.element_size() for t in (g, g_addend))
         held = _held(k + c, d) and backward_holds(d_pad, narrow)
         warps = FORCED["merge_warps"] or (held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad))
         if held:

@@ -438,7 +438,7 @@ def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False,
                 others = addend if forward else (out_bytes or item) + item
                 constexprs["STAGES"] = merge_stages(d * ((k + c) * item + others))
             narrow = not forward and (out_bytes or item) < item
-            if not (held and not forward and not backward_holds(d_pad, narrow)):
+            if forward or not held or backward_holds(d_pad, narrow):
                 yield {"k": k, "c": c}, constexprs, held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad)
             if not forward and addend < item and (not held or backward_holds(d_pad, True)):
                 # (the backward writing a bf16 addend's gradient too: autocast)
