@@ -115,3 +115,50 @@ def test_compiled_autocast_stream_has_no_graph_break_and_matches_eager(option):
     bf16 = torch.bfloat16
     assert_fast_matches_naive(compiled[:1], eager[:1], truth[:1], bf16, names[:1], TOL[bf16])
     assert_fast_matches_naive(compiled[1:], eager[1:], truth[1:], bf16, names[1:], GRAD_TOL[bf16])
+
+
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_compiled_autocast_step_hands_each_reader_a_view_of_the_merge_output(residual, monkeypatch):
+    """Under bf16 autocast the traced step keeps the merges' views for their readers (one for
+    each of q, k, v and of gate, up): compared with one tensor for all readers, the forward
+    graph has the 5 casts a layer of the sublayer inputs fewer, and the backward graph the 3
+    additions a layer of the readers' gradients fewer - each sublayer's merge backward reads
+    its readers' gradients as the projections' backward produced them (what inductor cannot
+    fuse into our operator, it no longer has to compute)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from attnres.nn import transformer
+
+    layers = 4
+
+    def graphs(views: bool):
+        if not views:
+            monkeypatch.setattr(transformer.Attention, "input_readers", 1)
+            monkeypatch.setattr(transformer.SwiGLU, "input_readers", 1)
+        torch._dynamo.reset()
+        got = {}
+
+        def keep(name):
+            def compiler(gm, _inputs):
+                got[name] = gm.graph
+                return make_boxed_func(gm.forward)
+
+            return compiler
+
+        model = make_model(residual={"kind": residual, "block_size": 2}, n_layers=layers)
+        ids = torch.randint(0, model.config.vocab_size, (2, 6))
+        compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(ids, labels=ids).loss
+        loss.backward()
+        monkeypatch.undo()
+        targets = [[str(n.target) for n in got[g].nodes if n.op == "call_function"] for g in ("forward", "backward")]
+        sums = [str(n.args[0].target) for n in got["backward"].nodes if str(n.target) == "attnres.merge_backward.default"]
+        return targets[0].count("aten._to_copy.default"), targets[1].count("aten.add.Tensor"), sums
+
+    casts, adds, sums = graphs(True)
+    want_casts, want_adds, want_sums = graphs(False)
+    assert (want_casts - casts, want_adds - adds) == (5 * layers, 3 * layers)
+    # (the sublayers' merges: all but the output aggregation's)
+    assert sum(s == "aten.add.Tensor" for s in want_sums) - sum(s == "aten.add.Tensor" for s in sums) == 2 * layers

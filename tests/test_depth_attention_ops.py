@@ -156,8 +156,8 @@ def backward_args(op, args, backend):
         out, alpha, rc, zc, rstd, _total = op(*args, backend)
         stats = [rc if computed else None, zc if computed else None, rstd if w is not None else None]
         needs = [True] * (1 + len(sources) + len(computed)) + [qg is not None, w is not None]
-        return torch.ops.attnres.merge_backward.default, (torch.randn_like(out), alpha, *stats, sources, computed, qg,
-                                                          w, needs)
+        return torch.ops.attnres.merge_backward.default, (torch.randn_like(out), [], alpha, *stats, sources, computed,
+                                                          qg, w, needs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -288,9 +288,13 @@ def test_opcheck_merge_with_an_addend(backend, kernel):
     torch.library.opcheck(torch.ops.attnres.merge.default, (*args, backend, addend, torch.bfloat16))  # (out_dtype)
     with torch.no_grad():
         out, alpha, rc, zc, rstd, total = torch.ops.attnres.merge(*args, backend, addend)
-    bargs = (torch.randn_like(out), alpha, rc, zc, rstd, args[1], [total], args[3], args[4], [True] * 5, backend,
+    bargs = (torch.randn_like(out), [], alpha, rc, zc, rstd, args[1], [total], args[3], args[4], [True] * 5, backend,
              torch.randn_like(total))
     torch.library.opcheck(torch.ops.attnres.merge_backward.default, tree_map_only(torch.Tensor, torch.Tensor.detach, bargs))
+    # (the gradients of two more readers of the output, added to the first's)
+    views = [torch.randn_like(out), torch.randn_like(out)]
+    torch.library.opcheck(torch.ops.attnres.merge_backward.default,
+                          tree_map_only(torch.Tensor, torch.Tensor.detach, (bargs[0], views, *bargs[2:])))
     # (a bf16 addend on a float32 stream: its gradient returned in bf16 as well)
     torch.library.opcheck(torch.ops.attnres.merge_backward.default,
                           (*tree_map_only(torch.Tensor, torch.Tensor.detach, bargs), torch.bfloat16))
@@ -333,9 +337,10 @@ def test_merge_writes_out_dtype_rounded_once_and_takes_its_gradient_in_that_dtyp
     output is the default output rounded to bf16 (as the backend rounds a cast), bit for
     bit, and given its gradient in bf16, every gradient equals the default's given that
     gradient in float32, exactly - the kernels read the gradient in its dtype, nothing else
-    changes. On the CPU (``"auto"``), where the C kernel writes the sources' dtype only, the
-    PyTorch implementation runs. An odd ``d`` and an aligned one (Triton: the looping and
-    the held merges), rows over several programs."""
+    changes. On the CPU (``"auto"``) the C kernel writes the sources' dtype and the result
+    is converted after it, and it reads a bf16 gradient converted to float32 (exact). An odd
+    ``d`` and an aligned one (Triton: the looping and the held merges), rows over several
+    programs."""
     triton_or_skip(backend)
     z, sources, computed, qg, w = merge_inputs((3, 5), d, k, c, True, torch.float32, seed=3)
     g = torch.Generator().manual_seed(4)
@@ -343,8 +348,7 @@ def test_merge_writes_out_dtype_rounded_once_and_takes_its_gradient_in_that_dtyp
     inputs = (z, sources, computed, qg, w, addend)
     g_out = torch.randn(3, 5, d, generator=g).to(torch.bfloat16)
     g_total = torch.randn(3, 5, d, generator=g)
-    same = "torch" if backend == "auto" else backend  # (what runs the default output in float32 the same way)
-    want = out_dtype_run(same, inputs, None, (g_out.float(), g_total))
+    want = out_dtype_run(backend, inputs, None, (g_out.float(), g_total))
     got = out_dtype_run(backend, inputs, torch.bfloat16, (g_out, g_total))
     assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], to_bf16(want[0], backend))
     assert len(got) == len(want)
@@ -358,6 +362,53 @@ def test_merge_writes_out_dtype_rounded_once_and_takes_its_gradient_in_that_dtyp
     assert wide[0].dtype == torch.float32
     for a, b in zip(wide, truth):
         assert_rel_close(a, b, OP_TOL_BF16)
+
+
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+@pytest.mark.parametrize("k, c, with_addend", [(1, 1, True), (0, 2, False)])
+@pytest.mark.parametrize("d", [37, 48])
+@pytest.mark.parametrize("readers", [2, 3])
+def test_merge_readers_views_add_their_gradients_in_float32(backend, k, c, with_addend, d, readers, kernel):
+    """``readers``: the bf16 output as one view for each reader (an attention's q, k, v; an
+    MLP's gate and up), their bf16 gradients added by the backward in float32 - every
+    gradient equals that of the float32 output given the float32 sum of those gradients,
+    exactly (added in the readers' order, as the kernels do), and each view is that output
+    rounded to bf16. Triton: the looping (odd ``d``) and the held kernels reading a tuple
+    of gradients."""
+    triton_or_skip(backend)
+    z, sources, computed, qg, w = merge_inputs((3, 5), d, k, c, True, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    addend = rnd(g, 3, 5, d, dtype=torch.bfloat16) if with_addend else None
+    leaves = [t for t in (z, *sources, *computed, qg, w, addend) if t is not None]
+    g_outs = [torch.randn(3, 5, d, generator=g).to(torch.bfloat16) for _ in range(readers)]
+    g_total = torch.randn(3, 5, d, generator=g)
+
+    def run(readers: int, g_outs: list[torch.Tensor], out_dtype=torch.bfloat16):
+        args = (z, sources, computed, qg, 1e-6, w, 1e-5)
+        if backend == "reference":
+            results = reference.merge(*args, addend, out_dtype, readers)
+        elif backend == "triton":
+            results = to_cpu(library.merge(*to_triton_device(args), backend, to_triton_device(addend), out_dtype,
+                                           readers))
+        else:
+            results = library.merge(*args, backend, addend, out_dtype, readers)
+        outs = list(results[0]) if readers > 1 else [results[0]]
+        outputs = [*outs, *results[2:]]
+        return outs, torch.autograd.grad(outputs, leaves, [*g_outs, g_total][: len(outputs)])
+
+    outs, grads = run(readers, g_outs)
+    summed = g_outs[0].float()
+    for g_out in g_outs[1:]:
+        summed = summed + g_out.float()
+    one, want = run(1, [summed], None)
+    assert len(outs) == readers
+    assert all(o.dtype == torch.bfloat16 and torch.equal(o, to_bf16(one[0], backend)) for o in outs)
+    for a, b in zip(grads, want):
+        assert a.dtype == b.dtype
+        if backend == "reference":  # (autograd adds the readers' gradients in an order of its own)
+            assert_rel_close(a, b, 1e-6)
+        else:
+            assert torch.equal(a, b)
 
 
 def test_merge_out_dtype_errors():
@@ -613,8 +664,8 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     (its kernel and the sums of the query's and the norm gain's per-program partials), a
     Phase-1 backward 3 (two kernels, one sum); no call copies anything to the device (no
     pointer table: tuple arguments), zero-fills a buffer, copies a slice of Phase 1's
-    log-sum-exps (the merge takes a strided column) or casts an output or its gradient (a
-    bf16 addend's included)."""
+    log-sum-exps (the merge takes a strided column), casts an output or its gradient (a
+    bf16 addend's included) or adds the gradients of an output's readers."""
     pytest.importorskip("triton")
     from attnres.ops.depth_attention import triton_impl, triton_kernels
 
@@ -673,6 +724,16 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     low_grad = grad.bfloat16()
     backward = _device_operations(lambda: torch.autograd.grad([out, total], [z, x, partial, addend, qg, w],
                                                               [low_grad, grad]), launches)
+    assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
+    # ... and handing a view of it to each of three readers (autocast's q, k, v): the kernel
+    # reads their three gradients - no addition of them, no cast
+    forward = _device_operations(lambda: result.update(
+        views=library.merge(z, [x], [partial], qg, 1e-6, w, 1e-5, "triton", addend=low_addend,
+                            out_dtype=torch.bfloat16, readers=3)), launches)
+    assert forward == ["triton.merge_fwd_held"], forward
+    outs, _, total = result["views"]
+    backward = _device_operations(lambda: torch.autograd.grad([*outs, total], [z, x, partial, low_addend, qg, w],
+                                                              [low_grad, low_grad, low_grad, grad]), launches)
     assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
     # Phase 1 of S queries over 3 sources: 20 rows (decoding's few) split over the sources,
     # two kernels; over blocks of rows otherwise (many rows), two kernels; or one program per

@@ -229,11 +229,13 @@ def test_autocast_stream_stores_the_stream_in_the_autocast_dtype(residual):
 def test_autocast_norm_output_rounds_each_sublayer_input_once(residual):
     """``residual.autocast_norm_output``: under bf16 autocast each sublayer's norm returns
     bf16 - the logits are the default's bit for bit (the linear layers read the same
-    values; AttnRes' merges write them, backend ``"torch"``: the same arithmetic) with fewer
-    casts (the q, k, v projections and the MLP's gate and up each cast a float32 input: 5 a
-    layer; now each norm casts its output once - the Triton merges write it, no cast at all:
-    test_depth_attention_ops), and the gradients are the default's up to the bf16 sums of
-    the projections' input gradients. Outside autocast it changes nothing, bit for bit."""
+    values; AttnRes' merges write them, backend ``"torch"``: the same arithmetic), with
+    fewer casts in the standard model (the q, k, v projections and the MLP's gate and up
+    each cast a float32 input: 5 a layer; now each norm casts its output once) - AttnRes'
+    merges write the autocast dtype by default already (one view for each reader:
+    test_fused_norms_hand_each_reader_a_bf16_view_and_add_their_gradients_in_float32) -,
+    and the gradients are the default's up to the bf16 sums of the projections' input
+    gradients. Outside autocast it changes nothing, bit for bit."""
     from test_depth_attention_ops import OperatorLog
 
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -252,12 +254,57 @@ def test_autocast_norm_output_rounds_each_sublayer_input_once(residual):
     want_logits, want_casts, want_grads = run(False)
     assert torch.equal(logits, want_logits)
     layers = ModelConfig.preset("tiny").n_layers
-    assert want_casts - casts == 3 * layers, (want_casts, casts)
+    assert want_casts - casts == (3 * layers if residual == "standard" else 0), (want_casts, casts)
     assert grads.keys() == want_grads.keys()
     for name, g in grads.items():
         assert_rel_close(g, want_grads[name], GRAD_TOL[torch.bfloat16], name)
     plain, _, _ = run(True, autocast=False)
     assert torch.equal(plain, run(False, autocast=False)[0])
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_fused_norms_hand_each_reader_a_bf16_view_and_add_their_gradients_in_float32(residual, backend, monkeypatch):
+    """Under bf16 autocast with a float32 stream, a merge that applies a sublayer's norm
+    writes bf16 - as each of the sublayer's linear layers (q, k, v; gate, up) would round a
+    float32 output - and hands each its own view, so that their input gradients reach the
+    merge's backward separately and are added there in float32, as autograd adds the
+    gradients of the casts of a float32 output. The logits are those of the unfused path
+    (one tensor for all readers, cast by each linear) bit for bit, every gradient up to the
+    order of the float32 additions. On the CPU the implementations convert the output once
+    and its gradient once (the Triton kernels write and read bf16 themselves:
+    test_depth_attention_ops): 3 casts a layer fewer each way, and the 3 additions a layer
+    of the readers' gradients gone."""
+    from test_depth_attention_ops import OperatorLog
+
+    from attnres.nn import transformer
+
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    layers = 4
+
+    def run(views: bool):
+        if not views:
+            monkeypatch.setattr(transformer.Attention, "input_readers", 1)
+            monkeypatch.setattr(transformer.SwiGLU, "input_readers", 1)
+        model = make_model(residual={"kind": residual, "block_size": 2, "backend": backend}, n_layers=layers)
+        forward, backward = OperatorLog(), OperatorLog()
+        with torch.autocast("cpu", dtype=torch.bfloat16), forward:
+            logits = model(ids).logits
+        loss = logits.float().square().mean()
+        with backward:
+            loss.backward()
+        monkeypatch.undo()
+        counts = [log.names.count(op) for log in (forward, backward) for op in ("aten._to_copy", "aten.add")]
+        return logits, counts, {n: p.grad for n, p in model.named_parameters()}
+
+    logits, counts, grads = run(True)
+    want_logits, want_counts, want_grads = run(False)
+    assert [a - b for a, b in zip(want_counts, counts)] == [3 * layers, 0, 3 * layers, 3 * layers], (want_counts,
+                                                                                                       counts)
+    assert torch.equal(logits, want_logits)
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
+        assert_rel_close(g, want_grads[name], 1e-5, name)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch", pytest.param("triton", marks=pytest.mark.skipif(

@@ -33,7 +33,9 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path
     expected = list(triton_launch.variants())
     assert len(rows) == 2 * len(expected) and {r["arch"] for r in rows} == {80, 90}
     assert {r["kernel"] for r in rows} == set(triton_launch.SIGNATURES)
-    assert {r["dtype"] for r in rows} == {*triton_launch.DTYPES, "fp32, bf16 out"}  # (the last: autocast_norm_output)
+    assert {r["dtype"] for r in rows} == {*triton_launch.DTYPES, "fp32, bf16 out"}  # (the last: autocast)
+    # (the backward reading the gradients of an attention's three readers and an MLP's two)
+    assert {r["counts"].get("g") for r in rows if r["dtype"] == "fp32, bf16 out" and "bwd" in r["kernel"]} == {1, 2, 3}
     for r in rows:
         held = r["kernel"].endswith("_held")  # (launched only at an aligned d)
         assert held != ("unaligned" in r), r
@@ -54,8 +56,8 @@ def test_the_merges_access_rows_16_bytes_at_a_time():
     data, none is."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import triton_aot_report as r; "
-            "print([r.narrow_row_accesses(k, {'k': 1, 'c': 1}) for k in ('merge_fwd', 'merge_bwd', 'merge_fwd_held', "
-            "'merge_bwd_held')])")
+            "print([r.narrow_row_accesses(k, {'k': 1, 'c': 1, **({'g': 1} if 'bwd' in k else {})}) "
+            "for k in ('merge_fwd', 'merge_bwd', 'merge_fwd_held', 'merge_bwd_held')])")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

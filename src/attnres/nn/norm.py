@@ -19,9 +19,10 @@ class FusableNormInput:
     :class:`RMSNorm` (``ResidualStream.start(..., defer_norm=True)``). The norm module then
     calls :meth:`normalized` with its own gain and epsilon, so the norm's parameters,
     ``repr`` and forward hooks stay with the block that owns it. ``compute(weight, eps,
-    out_dtype)`` returns ``RMSNorm(h)`` (``weight=None``: ``h`` itself) in ``out_dtype``
-    (``None``: the stream's); it may be called more than once (activation checkpointing
-    recomputes).
+    out_dtype, readers)`` returns ``RMSNorm(h)`` (``weight=None``: ``h`` itself) in
+    ``out_dtype`` (``None``: the stream's) - with ``readers > 1``, a tuple of that many
+    tensors of it, one for each layer reading it, whose gradients the producing kernel adds
+    up in float32; it may be called more than once (activation checkpointing recomputes).
     """
 
     __slots__ = ("_compute", "_value", "_with_grad")
@@ -31,11 +32,13 @@ class FusableNormInput:
         self._value: Tensor | None = None
         self._with_grad = torch.is_grad_enabled()
 
-    def normalized(self, norm: RMSNorm, out_dtype: torch.dtype | None = None) -> Tensor:
+    def normalized(self, norm: RMSNorm, out_dtype: torch.dtype | None = None,
+                   readers: int = 1) -> Tensor | tuple[Tensor, ...]:
         """``norm(h)`` in ``out_dtype``, fused into the producing kernel (unless :meth:`value`
-        ran first)."""
+        ran first); ``readers > 1``: a tuple, one tensor for each reader (see the class)."""
         if self._value is not None:
-            return norm(self._value)
+            y = norm(self._value)
+            return y if readers == 1 else (y,) * readers
         if self._with_grad and not torch.is_grad_enabled():
             # A reentrant torch.utils.checkpoint runs the sublayer without autograd and then
             # recomputes it from its tensor arguments only: this input (not a tensor) would
@@ -44,12 +47,12 @@ class FusableNormInput:
                 "a deferred sublayer input was evaluated with gradients disabled inside a forward pass that "
                 "records them - a reentrant activation checkpoint (torch.utils.checkpoint(..., use_reentrant=True)) "
                 "around the sublayer? Use use_reentrant=False (as activation_checkpoint='block' does).")
-        return self._compute(norm.weight, norm.eps, out_dtype)
+        return self._compute(norm.weight, norm.eps, out_dtype, readers)
 
     def value(self) -> Tensor:
         """``h`` itself, computed once without the norm (for hooks and diagnostics)."""
         if self._value is None:
-            self._value = self._compute(None, None, None)
+            self._value = self._compute(None, None, None, 1)
         return self._value
 
 
@@ -70,6 +73,15 @@ class RMSNorm(nn.Module):
     sublayer's q, k and v projections each round a float32 input again, and their
     gradients are converted back and added in float32); those layers' input gradients then
     add up in the autocast dtype. Without autocast it does nothing.
+
+    ``readers`` (a forward argument): how many linear layers read the output - an
+    attention's q, k and v projections, an MLP's gate and up. Where a kernel produces the
+    input and applies the norm (a :class:`FusableNormInput`) under autocast (the option above
+    off), the result is then a tuple of that many views of the output, one for each reader:
+    the kernel writes the autocast dtype, as each reader would round it, and adds the
+    readers' gradients in float32 itself - the values and gradients of the unfused path,
+    without a pass that rounds the output or one that adds the gradients. Otherwise it is
+    one tensor, which every reader reads.
     """
 
     #: Under autocast, return the autocast dtype (see the class docstring).
@@ -92,9 +104,14 @@ class RMSNorm(nn.Module):
             return None
         return torch.get_autocast_dtype(device)
 
-    def forward(self, x: Tensor | FusableNormInput) -> Tensor:
+    def forward(self, x: Tensor | FusableNormInput, readers: int = 1) -> Tensor | tuple[Tensor, ...]:
         out_dtype = self.output_dtype()
         if isinstance(x, FusableNormInput):
+            device = self.weight.device.type
+            if readers > 1 and out_dtype is None and device != "meta" and torch.is_autocast_enabled(device):
+                # (each reader rounds to the autocast dtype: the kernel writes that, and
+                # reads each reader's gradient)
+                return x.normalized(self, torch.get_autocast_dtype(device), readers)
             return x.normalized(self, out_dtype)
         y = self._normalize(x)
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .norm import RMSNorm
+from .norm import FusableNormInput, RMSNorm
 from .rope import apply_rotary
 
 
@@ -61,9 +61,14 @@ class Attention(nn.Module):
 
     ``implementation``: ``"sdpa"`` (default, ``F.scaled_dot_product_attention``) or
     ``"eager"`` (:func:`eager_attention`, the explicit softmax; same function).
+
+    ``x`` may also be a tuple of :attr:`input_readers` tensors of the same value, one for
+    each of the q, k and v projections (a fused norm's under autocast, see :class:`RMSNorm`).
     """
 
     IMPLEMENTATIONS = ("sdpa", "eager")
+    #: The linear layers that read the input: q, k, v.
+    input_readers = 3
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int) -> None:
         super().__init__()
@@ -78,17 +83,18 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: Tensor,
+        x: Tensor | tuple[Tensor, Tensor, Tensor],
         cos: Tensor,
         sin: Tensor,
         attn_mask: Tensor | None = None,
         kv_cache: KVStore | None = None,
         layer: int = 0,
     ) -> Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        xq, xk, xv = x if isinstance(x, tuple) else (x, x, x)
+        b, t, _ = xq.shape
+        q = self.q_proj(xq).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(xk).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(xv).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         if kv_cache is not None:
@@ -96,14 +102,19 @@ class Attention(nn.Module):
         s = k.shape[2]
         is_causal = attn_mask is None and s == t and t > 1
         if attn_mask is None and s > t > 1:
-            attn_mask = causal_mask(t, s, x.device)
+            attn_mask = causal_mask(t, s, xq.device)
         attend = F.scaled_dot_product_attention if self.implementation == "sdpa" else eager_attention
         out = attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``: ``[..., d] -> [..., d]`` with hidden size ``hidden``."""
+    """``down(silu(gate(x)) * up(x))``: ``[..., d] -> [..., d]`` with hidden size ``hidden``;
+    ``x`` may also be a tuple of two tensors of the same value, one for each of gate and up
+    (a fused norm's under autocast, see :class:`RMSNorm`)."""
+
+    #: The linear layers that read the input: gate, up.
+    input_readers = 2
 
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
@@ -111,8 +122,9 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+        x_gate, x_up = x if isinstance(x, tuple) else (x, x)
+        return self.down_proj(F.silu(self.gate_proj(x_gate)) * self.up_proj(x_up))
 
 
 class TransformerBlock(nn.Module):
@@ -122,7 +134,8 @@ class TransformerBlock(nn.Module):
     return the *raw* sublayer outputs ``v_l`` (report §3.1); how they are combined across
     depth is the residual module's job, not the block's. ``h`` may be a
     :class:`~attnres.nn.norm.FusableNormInput`, which the block's norm turns into
-    ``norm(h)`` inside the residual's fused kernel.
+    ``norm(h)`` inside the residual's fused kernel - handing each of the sublayer's linear
+    layers that read it (``input_readers``) a tensor of its own.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, eps: float) -> None:
@@ -141,7 +154,15 @@ class TransformerBlock(nn.Module):
         kv_cache: KVStore | None = None,
         layer: int = 0,
     ) -> Tensor:
-        return self.attn(self.attn_norm(h), cos, sin, attn_mask, kv_cache, layer)
+        return self.attn(_normalized(self.attn_norm, h, self.attn), cos, sin, attn_mask, kv_cache, layer)
 
     def mlp_sublayer(self, h: Tensor) -> Tensor:
-        return self.mlp(self.mlp_norm(h))
+        return self.mlp(_normalized(self.mlp_norm, h, self.mlp))
+
+
+def _normalized(norm: RMSNorm, h: Tensor | FusableNormInput, sublayer: nn.Module):
+    """``norm(h)`` for ``sublayer``: for a fused norm's input, possibly a tuple with one
+    tensor for each of its ``input_readers`` (see :class:`RMSNorm`; a module without that
+    attribute - a user's own - takes one tensor)."""
+    readers = getattr(sublayer, "input_readers", 1)
+    return norm(h, readers=readers) if isinstance(h, FusableNormInput) and readers > 1 else norm(h)

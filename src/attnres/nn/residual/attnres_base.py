@@ -320,20 +320,25 @@ class AttnResBase(ResidualStream):
         # (snapshots: activation checkpointing may recompute the input later)
         sources, computed, recorded, formed = list(sources), list(computed), [], []
 
-        def compute(norm_weight, norm_eps, out_dtype=None):
+        def compute(norm_weight, norm_eps, out_dtype=None, readers=1):
             saving = recompute.saving() if recompute is not None and not other_hooks_active() else nullcontext()
+            stream = (sources or computed)[0].dtype
+            # (a view for each reader where they read another dtype than the stream's - autocast:
+            # their gradients added up by the merge's backward as autograd adds them, in float32;
+            # else one tensor, as they would read the stream's)
+            views = readers if out_dtype not in (None, stream) else 1
             with saving:
                 out, alpha, *total = state.ops.merge(z, sources, computed, qg, self.eps, norm_weight,
-                                                     0.0 if norm_eps is None else norm_eps, addend, out_dtype)
+                                                     0.0 if norm_eps is None else norm_eps, addend, out_dtype, views)
             if not recorded and state.weights is not None:
                 recorded.append(True)
                 state.record(alpha if record is None else record(alpha))
             if total and not formed:
                 formed.append(True)
                 on_total(total[0])
-            return out
+            return out if views == readers else (out,) * readers
 
-        return FusableNormInput(compute) if fuse else compute(None, None, None)
+        return FusableNormInput(compute) if fuse else compute(None, None)
 
     # -- the depth mixing matrix (report §6.2) --------------------------------------------
     def source_members(self) -> list[list[list[int]]]:

@@ -39,8 +39,9 @@ def _custom_ops(backend: str) -> Operations:
         return library.phase1(qg, sources, eps, backend)
 
     def merge(z, sources, computed=(), qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6, addend=None,
-              out_dtype=None):
-        return library.merge(z, sources, computed, qg, eps, norm_weight, norm_eps, backend, addend, out_dtype)
+              out_dtype=None, readers=1):
+        return library.merge(z, sources, computed, qg, eps, norm_weight, norm_eps, backend, addend, out_dtype,
+                             readers)
 
     return Operations(backend, phase1, merge)
 

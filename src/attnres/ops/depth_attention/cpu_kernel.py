@@ -257,9 +257,9 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
 
 
 def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None, out_dtype=None):
-    x0 = (list(sources) + list(computed))[0]
-    if out_dtype not in (None, x0.dtype):  # (the C kernel writes the sources' dtype)
-        return torch_impl.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps, addend, out_dtype)
+    if out_dtype is not None:  # (the C kernel writes the sources' dtype: converted after it, as a reader would)
+        out, *rest = merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps, addend)
+        return out.to(out_dtype), *rest
     total = None
     if addend is not None:  # (the kernel reads the sum: on CPU the add stays a separate pass)
         total = computed[-1] + addend
@@ -276,10 +276,14 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
 
 
 def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None,
-                   addend_dtype=None):
-    """``needs``, ``g_total``, ``addend_dtype``: as :func:`.torch_impl.merge_backward`."""
+                   addend_dtype=None, g_views=()):
+    """``needs``, ``g_total``, ``addend_dtype``, ``g_views``: as :func:`.torch_impl.merge_backward`."""
     x0 = (list(sources) + list(computed))[0]
-    if g.dtype != x0.dtype:  # (the C kernel reads g in the sources' dtype)
+    if g_views or torch.promote_types(g.dtype, x0.dtype) == x0.dtype:
+        # (the C kernel reads g in the sources' dtype: a narrower one's converted, exactly; the
+        # readers' gradients added up in it first, as autograd would)
+        g = torch_impl.readers_grad(g, g_views, x0.dtype)
+    if g.dtype != x0.dtype:
         return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total,
                                          addend_dtype)
     k, c, geometry = len(sources), len(computed), _geometry(x0)

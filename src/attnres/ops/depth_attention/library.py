@@ -204,15 +204,19 @@ def _(z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend=None
     return torch.empty_like(x0, dtype=out_dtype or x0.dtype), alpha, stat, stat.clone(), rstd, total
 
 
-def _run_merge_backward(g: Tensor, alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor], rstd: Optional[Tensor],
-                        sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
+def _run_merge_backward(g: Tensor, g_views: list[Tensor], alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor],
+                        rstd: Optional[Tensor], sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
                         norm_weight: Optional[Tensor], needs: list[bool], backend: str,
                         g_total: Optional[Tensor] = None, addend_dtype: Optional[torch.dtype] = None
                         ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
     g, qg, g_total = _contiguous([g, qg, g_total])
-    module = pick(backend, [*sources, *computed, g, alpha, rc, zc, rstd, qg, norm_weight])
+    g_views = _contiguous(g_views)
+    # (by the forward's tensors: the output's gradients have its dtype, which the implementation
+    # that wrote it reads - the C kernel converts a narrower one)
+    module = pick(backend, [*sources, *computed, alpha, rc, zc, rstd, qg, norm_weight])
     g_z, g_src, g_comp, g_qg, g_norm, g_addend = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
-                                                                       norm_weight, needs, g_total, addend_dtype)
+                                                                       norm_weight, needs, g_total, addend_dtype,
+                                                                       g_views)
     g_qg, g_norm, g_addend = _fill([g_qg, g_norm, g_addend], alpha)
     return _fill([g_z], alpha)[0], _fill(g_src, alpha), _fill(g_comp, alpha), g_qg, g_norm, g_addend
 
@@ -221,7 +225,8 @@ _merge_backward = torch.library.custom_op("attnres::merge_backward", _run_merge_
 
 
 @_merge_backward.register_fake
-def _(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, backend, g_total=None, addend_dtype=None):
+def _(g, g_views, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, backend, g_total=None,
+      addend_dtype=None):
     k, c = len(sources), len(computed)
 
     def grad(need, like):
@@ -248,14 +253,17 @@ def _merge_setup(ctx, inputs, output):
     ctx.save_for_backward(alpha, *stats, qg, norm_weight, *sources, *computed)
 
 
-def _merge_grads(ctx, g, g_total, needs: list[bool], direct: bool = False):
+def _merge_grads(ctx, g, g_total, needs: list[bool], direct: bool = False, g_views: Sequence[Tensor | None] = ()):
     """``(d z, [d source...], [d computed...], d qg, d norm_weight, d addend)`` through the
     backward operator (``direct``: its implementation, see :func:`_direct`), ``None`` where
     not needed; ``needs`` in the order ``(z, *sources, *computed, qg, norm_weight)``, with an
     addend's need in its last computed source's. ``g_total``: the gradient of the sum formed
-    with an addend, which reaches both of its terms."""
+    with an addend, which reaches both of its terms; ``g_views``: the gradients of the views
+    of the output handed to its other readers (``None`` where one was not used)."""
     alpha, rc, zc, rstd, qg, norm_weight, *xs = ctx.saved_tensors
     k, c = ctx.k, ctx.c
+    present = [t for t in (g, *g_views) if t is not None]  # (the output's readers that were used)
+    g, g_views = (present[0], present[1:]) if present else (None, [])
     if ctx.addend_dtype is None:  # (no sum formed: its placeholder's gradient, if any, is not one)
         g_total = None
     if (g is None and g_total is None) or not any(needs):
@@ -269,7 +277,8 @@ def _merge_grads(ctx, g, g_total, needs: list[bool], direct: bool = False):
     else:
         backward = _run_merge_backward if direct else torch.ops.attnres.merge_backward
         g_z, g_src, g_comp, g_qg, g_norm, g_addend = backward(
-            g, alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.backend, g_total, addend_dtype)
+            g, list(g_views), alpha, rc, zc, rstd, xs[:k], xs[k:], qg, norm_weight, needs, ctx.backend, g_total,
+            addend_dtype)
     keep = lambda t, need: t if need else None  # noqa: E731
     grads = [keep(t, need) for t, need in zip([*g_src, *g_comp], needs[1 : 1 + k + c])]
     if ctx.addend_dtype is None or grads[-1] is None:
@@ -374,25 +383,28 @@ class _Phase1(torch.autograd.Function):
 
 class _Merge(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, qg, norm_weight, eps, norm_eps, backend, k, addend, out_dtype, *xs):
+    def forward(ctx, z, qg, norm_weight, eps, norm_eps, backend, k, addend, out_dtype, readers, *xs):
         args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, backend, addend, out_dtype)
         outputs = _merge_forward(*args)
         _merge_setup(ctx, args, outputs)
         ctx.mark_non_differentiable(*outputs[1:5])
         if addend is None:
             ctx.mark_non_differentiable(outputs[5])
-        return outputs
+        # (one view of the output per further reader: each reader's gradient reaches the
+        # backward on its own edge, added there in the compute dtype - not by autograd in the
+        # output's dtype)
+        return (*outputs, *(outputs[0].view_as(outputs[0]) for _ in range(readers - 1)))
 
     @staticmethod
-    def backward(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
-        ni = ctx.needs_input_grad  # (z, qg, norm_weight, eps, norm_eps, backend, k, addend, out_dtype, *xs)
-        needs = _merge_needs([ni[0], ni[1], ni[2], *ni[9:]], ctx.k, ctx.c, None)
+    def backward(ctx, g, _alpha, _rc, _zc, _rstd, g_total, *g_views):
+        ni = ctx.needs_input_grad  # (z, qg, norm_weight, eps, norm_eps, backend, k, addend, out_dtype, readers, *xs)
+        needs = _merge_needs([ni[0], ni[1], ni[2], *ni[10:]], ctx.k, ctx.c, None)
         if ni[7]:
             needs[ctx.k + ctx.c] = True  # (the addend's gradient is the last computed source's)
-        g_z, g_src, g_comp, g_qg, g_norm, g_addend = _merge_grads(ctx, g, g_total, needs, _direct_backward())
+        g_z, g_src, g_comp, g_qg, g_norm, g_addend = _merge_grads(ctx, g, g_total, needs, _direct_backward(), g_views)
         if ctx.addend_dtype is not None and not ni[-1]:
             g_comp = [*g_comp[:-1], None]
-        return g_z, g_qg, g_norm, None, None, None, None, g_addend, None, *g_src, *g_comp
+        return g_z, g_qg, g_norm, None, None, None, None, g_addend, None, None, *g_src, *g_comp
 
 
 # Without autograd, phase1 and merge call the operators directly (in eager mode their
@@ -423,21 +435,27 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: st
 
 def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (), qg: Tensor | None = None,
           eps: float = 1e-6, norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
-          backend: str = "auto", addend: Tensor | None = None, out_dtype: torch.dtype | None = None
-          ) -> tuple[Tensor, ...]:
+          backend: str = "auto", addend: Tensor | None = None, out_dtype: torch.dtype | None = None,
+          readers: int = 1) -> tuple[Tensor, ...]:
     """:func:`.reference.merge` (same arguments and results) as the operator
     ``attnres::merge``: ``(out [..., d], alpha [..., k + c])``, with ``addend`` also the sum
     it formed; saves the weights, the computed sources' logits and RMS factors, the norm's
     ``1/rms`` and references to its inputs (to the sum, not to its terms). ``out`` in
-    ``out_dtype`` (default: the sources'); its gradient may come in that dtype."""
+    ``out_dtype`` (default: the sources'); its gradient may come in that dtype. ``readers >
+    1``: ``out`` is a tuple of that many views of it, one per reader, whose gradients the
+    backward adds in the compute dtype (one kernel reads them all)."""
     _check_backend(backend)
-    _check_merge(z, sources, computed, qg, addend, out_dtype)
+    _check_merge(z, sources, computed, qg, addend, out_dtype, readers)
     if out_dtype is not None and out_dtype == (sources[0] if sources else computed[0]).dtype:
         out_dtype = None  # (one operator call for the default, however it is asked for)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
         out, alpha, _rc, _zc, _rstd, total = _merge_forward(z, list(sources), list(computed), qg, norm_weight,
                                                             float(eps), float(norm_eps), backend, addend, out_dtype)
+        views = (out,) * (readers - 1)
     else:
-        out, alpha, _rc, _zc, _rstd, total = _Merge.apply(z, qg, norm_weight, float(eps), float(norm_eps), backend,
-                                                          len(sources), addend, out_dtype, *sources, *computed)
+        out, alpha, _rc, _zc, _rstd, total, *views = _Merge.apply(
+            z, qg, norm_weight, float(eps), float(norm_eps), backend, len(sources), addend, out_dtype, readers,
+            *sources, *computed)
+    if readers > 1:
+        out = (out, *views)
     return (out, alpha) if addend is None else (out, alpha, total)

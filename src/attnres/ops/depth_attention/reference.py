@@ -200,6 +200,7 @@ def merge(
     norm_eps: float = 1e-6,
     addend: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    readers: int = 1,
 ) -> tuple[Tensor, ...]:
     """One query's depth attention (Phase 2, report §4.2), and the next sublayer's RMSNorm.
 
@@ -219,13 +220,17 @@ def merge(
         out_dtype: the dtype of ``out`` (``None``: the sources'); under autocast, the
             autocast dtype that the next sublayer's linear layers would each round ``out``
             to - rounded once, here.
+        readers: how many layers read ``out``; above 1, ``out`` is a tuple with one tensor
+            for each, whose gradients add up in the compute dtype (each reader's own
+            rounding of ``h`` here: the values, and the sum of their gradients, that
+            readers each rounding a float32 ``out`` would give).
 
     Returns:
         ``(out, alpha)``: ``out [..., d]`` in ``out_dtype``, ``RMSNorm(h)`` (or ``h``)
         with ``h = sum_j alpha_j x_j``; ``alpha [..., k + c] = softmax(z, z_computed)``;
         with ``addend``, ``(out, alpha, total)``, ``total`` the sum it formed.
     """
-    _check_merge(z, sources, computed, qg, addend, out_dtype)
+    _check_merge(z, sources, computed, qg, addend, out_dtype, readers)
     total = None
     if addend is not None:
         total = computed[-1] + addend
@@ -242,15 +247,21 @@ def merge(
             # would put its noise into every logit's and query's gradient).
             rounded = h.to(srcs[0].dtype).to(compute)
             h = F.rms_norm(h + (rounded - h).detach(), (h.shape[-1],), norm_weight.to(compute), norm_eps)
-    out = h.to(out_dtype or srcs[0].dtype)
+    if readers > 1:
+        # (rounded from the compute dtype for each reader: their gradients meet in it)
+        out = tuple(h.to(out_dtype or srcs[0].dtype) for _ in range(readers))
+    else:
+        out = h.to(out_dtype or srcs[0].dtype)
     return (out, alpha) if total is None else (out, alpha, total)
 
 
 def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor], qg: Tensor | None,
-                 addend: Tensor | None = None, out_dtype: torch.dtype | None = None) -> None:
+                 addend: Tensor | None = None, out_dtype: torch.dtype | None = None, readers: int = 1) -> None:
     """The merge's arguments, checked at the boundary (every implementation)."""
     if not sources and not computed:
         raise ValueError("depth merge needs at least one source")
+    if not isinstance(readers, int) or isinstance(readers, bool) or readers < 1:
+        raise ValueError(f"readers must be an int >= 1, got {readers!r}")
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
         raise ValueError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
     if addend is not None:

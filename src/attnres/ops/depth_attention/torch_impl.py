@@ -157,18 +157,20 @@ def _norm_backward(g, h, rstd, norm_weight, need_weight: bool, scratch):
 
 
 def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs: Sequence[bool],
-                   g_total=None, addend_dtype=None):
+                   g_total=None, addend_dtype=None, g_views: Sequence[Tensor] = ()):
     """``needs``: whether ``(z, *sources, *computed, qg, norm_weight)`` need their gradient.
     Returns ``(g_z, [g_source...], [g_computed...], g_qg, g_norm, g_addend)``, ``None``
     where not needed. ``g_total``: the gradient reaching the last computed source from
     elsewhere (the sum the forward formed with an addend), added to its gradient;
     ``addend_dtype``: the addend's dtype where it differs from the sources' - ``g_addend`` is
-    then the last computed source's gradient in it (else ``None``)."""
+    then the last computed source's gradient in it (else ``None``); ``g_views``: the
+    gradients of the views of ``out`` handed to its other readers, added to ``g`` in the
+    compute dtype."""
     compute, k, c = alpha.dtype, len(sources), len(computed)
     srcs = [*sources, *computed]
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
     with full_precision(g):
-        gh = _as(g, compute)
+        gh = readers_grad(g, g_views, compute)
         scratch = torch.empty_like(gh)
         g_norm = None
         if norm_weight is not None:  # recompute h, the norm's input
@@ -200,6 +202,15 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     g_z = gz_all[..., :k].contiguous() if needs_z else None
     return (g_z, grads[:k], grads[k:], (None if g_qg is None else _as(g_qg, qg.dtype)), g_norm,
             addend_grad(grads[-1], addend_dtype))
+
+
+def readers_grad(g: Tensor, g_views: Sequence[Tensor], compute: torch.dtype) -> Tensor:
+    """The gradient of a merge's output: ``g`` and the other readers' ``g_views`` added in
+    ``compute`` (``g`` itself, converted, without views)."""
+    total = _as(g, compute)
+    for gv in g_views:
+        total = total + gv if total is g else total.add_(gv)  # (never in place on g)
+    return total
 
 
 def addend_grad(g_last: Tensor | None, addend_dtype: torch.dtype | None) -> Tensor | None:

@@ -264,14 +264,15 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
 
 
 def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None,
-                   addend_dtype=None):
+                   addend_dtype=None, g_views=()):
     xs = [*sources, *computed]
     x0 = xs[0]
     rows, d, compute = _geometry(x0)
     k, c = len(sources), len(computed)
     if not merge_fits(d, k + c):
         return torch_impl.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total,
-                                         addend_dtype)
+                                         addend_dtype, g_views)
+    gs = (g, *g_views)
     lead, dev = x0.shape[:-1], x0.device
     has_norm = norm_weight is not None
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
@@ -284,7 +285,7 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     if rows:
         d_pad = row_pad(d)
         # (a gradient read or written narrower than the sources: twice the warps, if held)
-        narrow = any(t is not None and t.element_size() < x0.element_size() for t in (g, g_addend))
+        narrow = any(t is not None and t.element_size() < x0.element_size() for t in (*gs, g_addend))
         held = _held(k + c, d) and backward_holds(d_pad, narrow)
         warps = FORCED["merge_warps"] or (held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad))
         if held:
@@ -294,7 +295,7 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
                 rows, d_pad, _sms(dev), warps)
         part = torch.empty((programs, 2, d), dtype=compute, device=dev)
         stat = lambda t: alpha if t is None else _c(t)  # noqa: E731
-        args = (_c(g), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
+        args = (tuple(_c(t) for t in gs), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
                 tuple(_c(x) for x in computed), alpha if qg is None else _as(qg, compute),
                 alpha if norm_weight is None else _as(norm_weight, compute),
                 grads[0] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k],
@@ -302,7 +303,7 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
         flags = dict(HAS_TOTAL=g_total is not None, HAS_ADDEND_GRAD=g_addend is not None, HAS_NORM=has_norm,
                      D_PAD=d_pad, M_PAD=pad(k + c), num_warps=warps)
         if held:
-            stages = _stages(d, [*xs, g, None if g_total is None else x0], rows, programs)
+            stages = _stages(d, [*xs, *gs, None if g_total is None else x0], rows, programs)
             triton_kernels.merge_bwd_held[(programs,)](*args, STAGES=stages, **flags)
         else:
             triton_kernels.merge_bwd[(programs,)](*args, **flags)

@@ -598,19 +598,20 @@ def merge_fwd(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc
 
 
 @triton.jit
-def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, GAddend, Part, rows, d,
+def merge_bwd(Gs, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, GAddend, Part, rows, d,
               HAS_TOTAL: tl.constexpr, HAS_ADDEND_GRAD: tl.constexpr, HAS_NORM: tl.constexpr, D_PAD: tl.constexpr,
               M_PAD: tl.constexpr):
-    """With g_h the gradient reaching h (through the norm; ``G`` itself without one):
+    """With g_h the gradient reaching h (the sum of ``Gs``, through the norm where there is one):
     dz_j = alpha_j (s_j - sum_i alpha_i s_i), s_j = g_h . x_j; dx_j = alpha_j g_h; a computed
     source's logit adds gr (qg - (r zc / d) x) to its gradient (gr = dzc r) and gr x to the
     query's; ``HAS_TOTAL``: the last source's gradient from elsewhere, ``GTotal``, is added
     to its own; ``HAS_ADDEND_GRAD``: the last source's gradient (the sum's, which is the
     addend's) also written to ``GAddend`` in its dtype (a bf16 addend on a float32 stream: no
     cast of it afterwards). ``Part [P, 2, d]``: each program's sums over its rows of the
-    query's gradient (row 0) and the norm gain's (row 1). ``G`` has the forward's ``Out``'s
-    dtype, ``GTotal`` the sources' (without ``HAS_TOTAL`` it stands in, unread, for their
-    pointer type)."""
+    query's gradient (row 0) and the norm gain's (row 1). ``Gs``: the gradients of ``Out``'s
+    readers (one, or one per view of it handed to a reader), in ``Out``'s dtype, added up in
+    the compute dtype; ``GTotal`` has the sources' dtype (without ``HAS_TOTAL`` it stands in,
+    unread, for their pointer type)."""
     dt = Alpha.dtype.element_ty
     st = GTotal.dtype.element_ty
     k: tl.constexpr = len(Known)
@@ -628,7 +629,7 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
     for r in range(pid, rows, programs):
         row = tl.cast(r, tl.int64)
         alpha = tl.load(Alpha + row * m + ms, mask=ms < m, other=0.0)
-        gh = tl.load(G + row * d + cols, mask=cmask, other=0.0).to(dt)
+        gh = _rows_sum(Gs, row, d, cols, cmask, dt)
         if HAS_NORM:  # h recomputed, rounded as the forward rounded it; then through the norm
             h = tl.zeros([D_PAD], dt)
             for j in range(m):
@@ -675,6 +676,16 @@ def merge_bwd(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown
 def _row(Ptr, row, d, cols, cmask, dt):
     """Row ``row`` of the ``[rows, d]`` tensor at ``Ptr``, in ``dt`` (0 past ``d``)."""
     return tl.load(Ptr + row * d + cols, mask=cmask, other=0.0).to(dt)
+
+
+@triton.jit
+def _rows_sum(Ptrs, row, d, cols, cmask, dt):
+    """The sum in ``dt`` of row ``row`` of each ``[rows, d]`` tensor of the tuple ``Ptrs``
+    (the gradients of a merge's readers: each read once, added in the compute dtype)."""
+    total = _row(Ptrs[0], row, d, cols, cmask, dt)
+    for i in tl.static_range(1, len(Ptrs)):
+        total += _row(Ptrs[i], row, d, cols, cmask, dt)
+    return total
 
 
 @triton.jit
@@ -755,11 +766,11 @@ def merge_fwd_held(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alph
 
 
 @triton.jit
-def merge_bwd_held(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, GAddend, Part, rows,
+def merge_bwd_held(Gs, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, GKnown, GComp, GAddend, Part, rows,
                    d, HAS_TOTAL: tl.constexpr, HAS_ADDEND_GRAD: tl.constexpr, HAS_NORM: tl.constexpr,
                    D_PAD: tl.constexpr, M_PAD: tl.constexpr, STAGES: tl.constexpr):
     """:func:`merge_bwd` over a few sources, held: the same math and ``Part``, each source of
-    a row loaded once (with ``g`` and ``GTotal``, in flight together) and kept in registers
+    a row loaded once (with the gradients ``Gs`` and ``GTotal``, in flight together) and kept in registers
     for every pass, in a loop over rows Triton pipelines ``STAGES`` deep."""
     dt = Alpha.dtype.element_ty
     st = GTotal.dtype.element_ty
@@ -776,8 +787,8 @@ def merge_bwd_held(G, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, G
     for r in tl.range(tl.program_id(0), rows, tl.num_programs(0), num_stages=STAGES):
         row = tl.cast(r, tl.int64)
         alpha = tl.load(Alpha + row * m + ms, mask=ms < m, other=0.0)
-        gh = _row(G, row, d, cols, cmask, dt)
-        xs = _held_sources(Known, Comp, G, G, row, d, cols, cmask, dt, False)
+        gh = _rows_sum(Gs, row, d, cols, cmask, dt)
+        xs = _held_sources(Known, Comp, Gs[0], Gs[0], row, d, cols, cmask, dt, False)
         if HAS_TOTAL:
             g_total = _row(GTotal, row, d, cols, cmask, dt)
         if HAS_NORM:  # h recomputed, rounded as the forward rounded it; then through the norm

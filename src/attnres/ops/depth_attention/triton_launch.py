@@ -319,8 +319,8 @@ def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = No
 # The kernels' parameters in order, with their types ("*T": a pointer to the storage dtype,
 # "*C" to the compute dtype, "C" a scalar of it, "*A" to the addend's dtype and its gradient's
 # (bf16: a bf16 sublayer output added to a float32 stream under autocast), "*O" to the merge's output's
-# (and its gradient's) dtype - the storage dtype, or the autocast dtype with
-# ResidualConfig.autocast_norm_output -, "[n]" a tuple of n of them, "constexpr": chosen at
+# (and its gradient's) dtype - the storage dtype, or the autocast dtype under autocast -, "[n]" a
+# tuple of n of them ("g": the gradients of the output's readers), "constexpr": chosen at
 # launch). Kept beside the kernels' definitions by a test.
 SIGNATURES = {
     "phase1_fwd": ["Q:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
@@ -350,11 +350,11 @@ SIGNATURES = {
                        "NormW:*C", "Out:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "rows:i32", "d:i32", "eps:fp32",
                        "norm_eps:fp32", "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr",
                        "M_PAD:constexpr", "STAGES:constexpr"],
-    "merge_bwd_held": ["G:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C",
+    "merge_bwd_held": ["Gs:*O[g]", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C",
                        "NormW:*C", "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "GAddend:*A", "Part:*C",
                        "rows:i32", "d:i32", "HAS_TOTAL:constexpr", "HAS_ADDEND_GRAD:constexpr", "HAS_NORM:constexpr",
                        "D_PAD:constexpr", "M_PAD:constexpr", "STAGES:constexpr"],
-    "merge_bwd": ["G:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
+    "merge_bwd": ["Gs:*O[g]", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
                   "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "GAddend:*A", "Part:*C", "rows:i32", "d:i32",
                   "HAS_TOTAL:constexpr", "HAS_ADDEND_GRAD:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr",
                   "M_PAD:constexpr"],
@@ -388,12 +388,12 @@ def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int],
     return signature
 
 
-def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False,
-                  out_bytes: int | None = None) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
+def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False, out_bytes: int | None = None,
+                  readers: int = 1) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
     """``(tuple counts, constexprs, num_warps)`` of each compiled shape of ``kernel``
     (``wide``: computing in float64; ``wide_storage``: sources of 4 or 8 bytes;
     ``out_bytes``: a merge's output and its gradient of that size, by default the
-    sources')."""
+    sources'; ``readers``: the gradients of the merge's output its backward reads)."""
     if kernel in ("phase1_logits", "phase1_combine"):  # (decoding: the split forward)
         for S, n in PHASE1_SHAPES:
             constexprs = {"S_PAD": pad(S), "N_PAD": pad(n)}
@@ -434,18 +434,19 @@ def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False,
             flag = {"HAS_ADDEND": 1} if forward else {"HAS_TOTAL": 1, "HAS_ADDEND_GRAD": 0}
             constexprs = {**flag, "HAS_NORM": 1, "D_PAD": d_pad, "M_PAD": pad(k + c)}
             addend = 2 if item == 4 else item  # (as _expand's "*A": bf16 on a float32 stream)
-            if held:  # (a row's loads: the sources, and the addend, or g and g_total)
-                others = addend if forward else (out_bytes or item) + item
+            if held:  # (a row's loads: the sources, and the addend, or the readers' gradients and g_total)
+                others = addend if forward else readers * (out_bytes or item) + item
                 constexprs["STAGES"] = merge_stages(d * ((k + c) * item + others))
             narrow = not forward and (out_bytes or item) < item
+            counts = {"k": k, "c": c} if forward else {"k": k, "c": c, "g": readers}
             if forward or not held or backward_holds(d_pad, narrow):
-                yield {"k": k, "c": c}, constexprs, held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad)
+                yield counts, constexprs, held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad)
             if not forward and addend < item and (not held or backward_holds(d_pad, True)):
                 # (the backward writing a bf16 addend's gradient too: autocast)
-                yield ({"k": k, "c": c}, {**constexprs, "HAS_ADDEND_GRAD": 1},
+                yield (counts, {**constexprs, "HAS_ADDEND_GRAD": 1},
                        held_backward_warps(d_pad, True) if held else merge_warps(d_pad))
             if held and forward and d == 2048 and k:  # (decoding: a row a program, not pipelined)
-                yield {"k": k, "c": c}, {**constexprs, "STAGES": 1}, merge_warps(d_pad)
+                yield counts, {**constexprs, "STAGES": 1}, merge_warps(d_pad)
 
 
 def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int], dict[str, int]]]:
@@ -461,10 +462,13 @@ def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int],
                     break
                 yield kernel, dtype, counts, _expand(params, dtype, compute, counts), constexprs, {"num_warps": warps}
             if dtype == "fp32" and kernel.startswith("merge"):  # (a float32 stream's merge writing bf16: autocast)
-                for counts, constexprs, warps in launch_shapes(kernel, False, True, out_bytes=2):
-                    if counts == {"k": 1, "c": 1} and constexprs["D_PAD"] == 2048:
-                        yield (kernel, "fp32, bf16 out", counts, _expand(params, dtype, compute, counts, out="bf16"),
-                               constexprs, {"num_warps": warps})
+                # (its backward reading the gradients of one reader, or of an attention's three
+                # projections or an MLP's two, each of its own view of the output)
+                for readers in (1, 2, 3) if kernel.startswith("merge_bwd") else (1,):
+                    for counts, constexprs, warps in launch_shapes(kernel, False, True, out_bytes=2, readers=readers):
+                        if (counts["k"], counts["c"]) == (1, 1) and constexprs["D_PAD"] == 2048:
+                            signature = _expand(params, dtype, compute, counts, out="bf16")
+                            yield kernel, "fp32, bf16 out", counts, signature, constexprs, {"num_warps": warps}
 
 
 #: Per multiprocessor, by target: registers, resident warps and programs, shared memory
