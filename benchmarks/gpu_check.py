@@ -35,7 +35,10 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    Block's partial sum itself - forward and backward) at
    ``M = 8192``, ``d = 2048``, bf16, timed by CUDA-graph replay (no host time) against its
    byte bound (every input read once, every output written once, at the datasheet
-   bandwidth), also at the other launch settings of ``SWEEPS`` (Phase 1's tiles and
+   bandwidth); Phase 1 and Block's usual merge also in the default training step's layout
+   (a float32 stream under bf16 autocast: float32 sources, the merge reading a bf16 output
+   and writing its readers' bf16 input, its backward reading their three bf16 gradients;
+   ``ops_autocast`` in the summary); also at the other launch settings of ``SWEEPS`` (Phase 1's tiles and
    groups of sources, Phase 1 as one program per row, the merge's warps); the host time of
    a merge call (forward + backward, and forward alone) against the standard model's add +
    RMSNorm at one token, with the part of it inside Triton's launcher; one Block AttnRes
@@ -234,6 +237,60 @@ def op_calls(z: Sizes, device: str, dtype: torch.dtype | None = None, impl=None,
     }
 
 
+#: The operations as the default training step runs them - a float32 stream under bf16
+#: autocast, where :func:`op_calls` stores everything in bf16 (the targets' layout): Phase 1
+#: over float32 block sums, and Block's usual merge reading a bf16 sublayer output as its
+#: addend and writing the next sublayer's input in bf16 for its readers (q, k, v: a view
+#: each), whose backward reads those readers' bf16 gradients and writes the addend's in bf16
+#: beside the float32 sum's (docs/kernels.md, "One view for each reader").
+AUTOCAST_OPS = ("phase1_fwd", "phase1_bwd", "merge_add_fwd", "merge_add_bwd")
+AUTOCAST_READERS = 3
+
+
+def autocast_op_bytes(z: Sizes) -> dict[str, int]:
+    """:func:`op_bytes` of :data:`AUTOCAST_OPS` in the training step's layout."""
+    wide, narrow, f32 = z.tokens * z.d * 4, z.tokens * z.d * 2, z.tokens * 4
+    phase1 = op_bytes(z, 4)
+    return {"phase1_fwd": phase1["phase1_fwd"], "phase1_bwd": phase1["phase1_bwd"],
+            # o_hat, partial (float32), the output (bf16), its logit in; the sum (float32), out (bf16), stats out
+            "merge_add_fwd": 3 * wide + 2 * narrow + 6 * f32,
+            # the readers' gradients (bf16), o_hat, the sum, its gradient (float32), stats in;
+            # o_hat's and the sum's gradients (float32), the output's (bf16), g_z out
+            "merge_add_bwd": AUTOCAST_READERS * narrow + 3 * wide + 5 * f32 + 2 * wide + narrow + f32}
+
+
+def autocast_op_calls(z: Sizes, device: str, impl=None, reference: bool = False) -> dict:
+    """:data:`AUTOCAST_OPS` (``impl``: our Triton kernels unless given) in the training step's
+    layout: float32 sources, each sublayer output and reader's gradient a bf16 value;
+    ``reference``: every tensor float64, on the same values (rounded to bf16 where ours are
+    bf16). Callables that run each once."""
+    from attnres.ops.depth_attention import triton_impl
+
+    impl = impl or triton_impl
+    wide, narrow = (torch.float64, torch.float64) if reference else (torch.float32, torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
+    row = lambda: r(z.tokens, z.d).to(wide)  # noqa: E731
+    rounded = lambda: r(z.tokens, z.d).to(torch.bfloat16).to(narrow)  # noqa: E731
+    sources = [row() for _ in range(z.n)]
+    qg = (r(z.S, z.d) * 0.5).to(wide)
+    outs, lse = impl.phase1_forward(qg, sources, 1e-6)
+    g_outs, g_lse = [row() for _ in range(z.S)], r(z.tokens, z.S).to(wide)
+    partial, addend, w, q1 = row(), rounded(), (1 + 0.1 * r(z.d)).to(wide), (r(z.d) * 0.5).to(wide)
+    zcol = lse.unbind(-1)[1].unsqueeze(-1)
+    merge = lambda: impl.merge_forward(zcol, [outs[1]], [partial], q1, w, 1e-6, 1e-6, addend, narrow)  # noqa: E731
+    _, alpha, rc, zc, rstd, total = merge()
+    g_out, *g_views = (rounded() for _ in range(AUTOCAST_READERS))
+    g_total = row()
+    return {
+        "phase1_fwd": lambda: impl.phase1_forward(qg, sources, 1e-6),
+        "phase1_bwd": lambda: impl.phase1_backward(qg, lse, sources, g_outs, g_lse, 1e-6, True, [True] * z.n),
+        "merge_add_fwd": merge,
+        "merge_add_bwd": lambda: impl.merge_backward(g_out, alpha, rc, zc, rstd, [outs[1]], [total], q1, w,
+                                                     [True] * 5, g_total, narrow, g_views),
+    }
+
+
 #: Launch settings timed beside the defaults (``triton_impl.FORCED``), by the operations they
 #: change: Phase 1's tile widths, the sources its kernels over blocks of rows load together
 #: (2 by default: one, four, or all of Block's 8), Phase 1 as one program per row (the kernels the
@@ -387,6 +444,11 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
         t = clock.replayed(fn, z.op_repeats)
         rows[name] = {"us": t * 1e6, "bound_us": bytes_[name] / peak * 1e6, "x_bound": t / (bytes_[name] / peak)}
         log(f"[gpu_check]   {name}: {rows[name]['us']:.1f} us, {rows[name]['x_bound']:.2f}x bound")
+    autocast, autocast_bytes = {}, autocast_op_bytes(z)
+    for name, fn in autocast_op_calls(z, device).items():
+        t, bound = clock.replayed(fn, z.op_repeats), autocast_bytes[name] / peak
+        autocast[name] = {"us": t * 1e6, "bound_us": bound * 1e6, "x_bound": t / bound}
+        log(f"[gpu_check]   {name}, the training step's layout: {t * 1e6:.1f} us, {t / bound:.2f}x bound")
     swept = sweep(z, clock, device, calls, bytes_, peak)
     host = host_overhead(clock, device, 200 if device == "cuda" else 5)
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
@@ -409,7 +471,8 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
     for key, t in clock.interleaved(steps, z.repeats).items():
         impl, mode = key.split("|")
         block.setdefault(impl, {})[f"{mode}_us"] = t * 1e6
-    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "sweep": swept, "host_us": host,
+    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "autocast": autocast, "sweep": swept,
+            "host_us": host,
             "block": block, "unsupported": unsupported}
 
 
@@ -424,6 +487,17 @@ OP_PARITY_TOLERANCE = 1e-5
 #: 1's outputs, the partial sum) where ours are rounded to bf16: up to 1e-2 under the
 #: interpreter.
 OP_PARITY_TOLERANCE_BF16 = 5e-2
+#: The training step's layout: float32 inputs computed alike, the given bf16 values the same
+#: on both sides; the bf16 outputs rounded once (~2e-3 relative, by truncation under the
+#: interpreter up to twice that).
+OP_PARITY_TOLERANCE_AUTOCAST = 1e-2
+
+
+#: Each op-level parity of the parity part: its tolerance and its layout in words.
+OP_PARITY_TOLERANCES = {"ops": OP_PARITY_TOLERANCE, "ops_bf16": OP_PARITY_TOLERANCE_BF16,
+                        "ops_autocast": OP_PARITY_TOLERANCE_AUTOCAST}
+OP_LAYOUTS = {"ops": "float32 storage", "ops_bf16": "bf16 storage",
+              "ops_autocast": "the training step's layout (float32 stream, bf16 autocast)"}
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -487,7 +561,9 @@ def part_parity(z: Sizes, device: str) -> dict:
         log(f"[gpu_check] parity {name}: {result[name]}")
     result["ops"] = op_parity(z, device)
     result["ops_bf16"] = op_parity(z, device, torch.bfloat16)
-    log(f"[gpu_check] parity of the ops against float64: {result['ops']}; bf16 storage: {result['ops_bf16']}")
+    result["ops_autocast"] = autocast_op_parity(z, device)
+    log(f"[gpu_check] parity of the ops against float64: {result['ops']}; bf16 storage: {result['ops_bf16']}; "
+        f"the training step's layout: {result['ops_autocast']}")
     return result
 
 
@@ -505,11 +581,30 @@ def op_parity(z: Sizes, device: str, dtype: torch.dtype = torch.float32) -> dict
     output to ~2e-3)."""
     from attnres.ops.depth_attention import torch_impl
 
-    small = Sizes(**{**asdict(z), "tokens": min(z.tokens, 512)})
-    ours = op_calls(small, device, dtype)
-    reference = op_calls(small, device, torch.float64, torch_impl, values=dtype)
-    return {name: max(relative_error(a, b) for a, b in zip(flat(ours[name]()), flat(reference[name]())))
-            for name in ours}
+    small = parity_sizes(z)
+    return worst_errors(op_calls(small, device, dtype), op_calls(small, device, torch.float64, torch_impl, values=dtype))
+
+
+def autocast_op_parity(z: Sizes, device: str) -> dict[str, float]:
+    """:func:`op_parity` of the operations in the training step's layout (float32 sources,
+    bf16 sublayer outputs, readers' gradients and merge outputs: :func:`autocast_op_calls`)."""
+    from attnres.ops.depth_attention import torch_impl
+
+    small = parity_sizes(z)
+    return worst_errors(autocast_op_calls(small, device), autocast_op_calls(small, device, torch_impl, reference=True))
+
+
+def parity_sizes(z: Sizes) -> Sizes:
+    return Sizes(**{**asdict(z), "tokens": min(z.tokens, 512)})
+
+
+def worst_errors(ours: dict, reference: dict) -> dict[str, float]:
+    """Per operation, the worst relative error of its outputs against the reference's."""
+    results = {name: (flat(ours[name]()), flat(reference[name]())) for name in ours}
+    for name, (a, b) in results.items():
+        if len(a) != len(b):
+            raise RuntimeError(f"{name}: {len(a)} outputs against the reference's {len(b)}")
+    return {name: max(relative_error(a, b) for a, b in zip(*pair)) for name, pair in results.items()}
 
 
 def copy_bandwidth(device: str) -> float | None:
@@ -842,6 +937,7 @@ def summarize(result: dict) -> dict:
     if "ops" in result:
         ops = result["ops"]
         summary["ops"] = {k: v["x_bound"] for k, v in ops["ops"].items()}
+        summary["ops_autocast"] = {k: v["x_bound"] for k, v in ops.get("autocast", {}).items()}
         summary["met"]["ops_within_2x_bound"] = all(v <= OP_BOUND_TARGET for v in summary["ops"].values())
         host = ops["host_us"]
         summary["host_ratio"] = host["ours"] / host["standard"]
@@ -854,11 +950,10 @@ def summarize(result: dict) -> dict:
         models = {k: v for k, v in result["parity"].items() if not k.startswith("ops")}
         summary["parity"] = {k: max(v["logits"], v["worst_grad"]) for k, v in models.items()}
         summary["parity"]["ops"] = result["parity"].get("ops")
-        summary["parity"]["ops_bf16"] = result["parity"].get("ops_bf16")
-        summary["met"]["parity"] = (
-            all(v["ok"] for v in models.values())
-            and all(v <= OP_PARITY_TOLERANCE for v in (result["parity"].get("ops") or {}).values())
-            and all(v <= OP_PARITY_TOLERANCE_BF16 for v in (result["parity"].get("ops_bf16") or {}).values()))
+        summary["met"]["parity"] = all(v["ok"] for v in models.values())
+        for key, tolerance in OP_PARITY_TOLERANCES.items():
+            summary["parity"][key] = result["parity"].get(key)
+            summary["met"]["parity"] &= all(v <= tolerance for v in (result["parity"].get(key) or {}).values())
     busy = device_busy(result)
     if busy:
         summary["device_busy"] = busy
@@ -893,10 +988,9 @@ def render(result: dict) -> str:
                   f"({v.get('noise', {}).get('grads', float('nan')):.1e}) | {v['worst_grad']:.2e} "
                   f"({v['worst_grad_param']}) | {v['ok']} |"
                   for k, v in result["parity"].items() if not k.startswith("ops")]
-        for key, storage, tolerance in (("ops", "float32", OP_PARITY_TOLERANCE),
-                                        ("ops_bf16", "bf16", OP_PARITY_TOLERANCE_BF16)):
+        for key, tolerance in OP_PARITY_TOLERANCES.items():
             ops = result["parity"].get(key, {})
-            lines += ["", f"Each operation alone, {storage} storage, against the PyTorch implementation in float64 "
+            lines += ["", f"Each operation alone in {OP_LAYOUTS[key]}, against the PyTorch implementation in float64 "
                       f"(worst relative error of its outputs; ok at most {tolerance:g}): "
                       + ", ".join(f"{k} {v:.1e}" for k, v in ops.items())]
         lines.append("")
@@ -907,6 +1001,8 @@ def render(result: dict) -> str:
                   "| op | µs | bound µs | x bound |", "|---|---:|---:|---:|"]
         lines += [f"| {k} | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |" for k, v in ops["ops"].items()]
         lines += [f"| {k} | {v['us']:.1f} | | {v['x_bound']:.2f} |" for k, v in ops.get("sweep", {}).items()]
+        lines += [f"| {k} (training step's layout) | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |"
+                  for k, v in ops.get("autocast", {}).items()]
         h = ops["host_us"]
         lines += ["", f"Host time per call at one token: merge fwd+bwd {h['ours']:.1f} µs, standard add + RMSNorm "
                   f"fwd+bwd {h['standard']:.1f} µs ({h['ours'] / h['standard']:.2f}x)"
@@ -974,19 +1070,23 @@ def write(out: Path, result: dict) -> None:
 def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
     """Compile into the on-disk caches: ``models:NAME:STAGE`` runs that model's residual at a
     few rows (:func:`warm_up_model`: the same kernel variants as the full shape), ``sweeps``
-    the ops part's other launch settings, a peer name its block at the op shape.
+    the ops part's other launch settings and its operations in the training step's layout,
+    a peer name its block at the op shape.
     (``device``: the tests run the models' and ``sweeps`` under the interpreter.)"""
     if what.startswith("models:"):
         _, name, stage = what.split(":")
         warm_up_model(name, stage, z, device)
         Clock(device).sync()
         return 0
-    if what == "sweeps":  # the ops part's other launch settings, at a few rows
-        calls = op_calls(Sizes(**{**asdict(z), "tokens": min(z.tokens, 64)}), device)
+    if what == "sweeps":  # the ops part's other launch settings and layout, at a few rows
+        few = Sizes(**{**asdict(z), "tokens": min(z.tokens, 64)})
+        calls = op_calls(few, device)
         for setting, value, names in sweep_settings(device):
             with forced(setting, value):
                 for name in names:
                     calls[name]()
+        for fn in autocast_op_calls(few, device).values():  # (and the ops in the training step's layout)
+            fn()
         Clock(device).sync()
         return 0
     peers, _ = kernels_bench.select_peers()

@@ -41,6 +41,12 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     # parity: the interpreter's kernels equal the torch backend, and each op float64's
     assert summary["met"]["parity"] and max(summary["parity"]["ops"].values()) < 1e-5
     assert 1e-4 < max(summary["parity"]["ops_bf16"].values()) < gpu_check.OP_PARITY_TOLERANCE_BF16
+    # (the training step's layout: its bf16 outputs rounded, the rest as float32)
+    autocast = summary["parity"]["ops_autocast"]
+    assert set(autocast) == set(gpu_check.AUTOCAST_OPS) == set(summary["ops_autocast"])
+    assert 1e-4 < max(autocast.values()) < gpu_check.OP_PARITY_TOLERANCE_AUTOCAST
+    assert max(autocast["phase1_fwd"], autocast["phase1_bwd"]) < 1e-5
+    assert "| merge_add_bwd (training step's layout) |" in md
     kept = result["train_eager"]["kept_MiB"]
     assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT, *gpu_check.NORM_OUT}
     assert kept[gpu_check.SUMS_KEPT] > kept["block"]  # (the recipe measured: the sums not kept)
@@ -67,6 +73,39 @@ def test_op_bytes_count_each_input_and_output_once():
     assert b["phase1_bwd"] == (3 + 2) * row + 2 * 2 * f32 + 3 * row
     assert b["merge_fwd"] == 3 * row + 6 * f32 and b["merge_bwd"] == 5 * row + 6 * f32
     assert b["merge_add_fwd"] == 5 * row + 6 * f32 and b["merge_add_bwd"] == 6 * row + 6 * f32
+
+
+def test_the_training_step_layouts_bytes_and_parity_see_each_readers_gradient():
+    """The ops in the default training step's layout: float32 sources, bf16 sublayer outputs
+    and readers' gradients - their byte bounds count each at its size; their parity against
+    float64 passes for a correct implementation (bf16 outputs rounded once) and fails one
+    that reads only the first reader's gradient."""
+    import gpu_check
+    from attnres.ops.depth_attention import torch_impl
+
+    z = gpu_check.Sizes(tokens=10, d=4, n=3, S=2)
+    wide, narrow, f32 = 10 * 4 * 4, 10 * 4 * 2, 10 * 4
+    b = gpu_check.autocast_op_bytes(z)
+    assert b["phase1_fwd"] == gpu_check.op_bytes(z, 4)["phase1_fwd"]
+    assert b["merge_add_fwd"] == 3 * wide + 2 * narrow + 6 * f32
+    assert b["merge_add_bwd"] == 5 * wide + 4 * narrow + 6 * f32  # (3 readers' gradients and the addend's in bf16)
+
+    z = gpu_check.Sizes(tokens=16, d=24, n=3, S=2)
+    reference = gpu_check.autocast_op_calls(z, "cpu", torch_impl, reference=True)
+    good = gpu_check.worst_errors(gpu_check.autocast_op_calls(z, "cpu", torch_impl), reference)
+    assert set(good) == set(gpu_check.AUTOCAST_OPS)
+    assert 1e-4 < good["merge_add_fwd"] and max(good.values()) < gpu_check.OP_PARITY_TOLERANCE_AUTOCAST
+
+    class FirstReaderOnly:
+        phase1_forward, phase1_backward = torch_impl.phase1_forward, torch_impl.phase1_backward
+        merge_forward = torch_impl.merge_forward
+
+        @staticmethod
+        def merge_backward(*args):
+            return torch_impl.merge_backward(*args[:-1], ())
+
+    bad = gpu_check.worst_errors(gpu_check.autocast_op_calls(z, "cpu", FirstReaderOnly), reference)
+    assert bad["merge_add_bwd"] > 10 * gpu_check.OP_PARITY_TOLERANCE_AUTOCAST
 
 
 def test_summary_judges_each_target_and_skipped_parts():
