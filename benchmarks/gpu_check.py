@@ -27,7 +27,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    with its Phase-1 sums kept (``recompute_phase1=False``); the standard model and Block
    also with their sublayer norms returning bf16 (``ResidualConfig.autocast_norm_output``:
    no cast of a float32 norm output per linear layer; ``bf16_norm_out`` in the summary -
-   ``--autocast-norm-output`` runs every part so, e.g. the compiled one).
+   ``--autocast-norm-output`` runs every part so, e.g. the compiled one; ``--autocast-stream``
+   runs every part with the stream stored in bf16, ``ResidualConfig.autocast_stream``).
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
    and CUDA-graphed, bf16; Block's graphed step also with Phase 1's forward in one kernel
    (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains).
@@ -710,6 +711,25 @@ def sums_kept(fn, model):
 NORM_OUT = {"standard (bf16 norm out)": "standard", "block (bf16 norm out)": "block"}
 
 
+#: Settings of the models that a run can switch on for every part (and its warm-up): the
+#: option's name (``--autocast-norm-output``, ``--autocast-stream``) and how it is set on a
+#: built model. Each is a ``ResidualConfig`` field of the same name.
+MODEL_OPTIONS = {"autocast_norm_output": lambda model: model.autocast_norm_outputs(True),
+                 "autocast_stream": lambda model: setattr(model.residual, "autocast_stream", True)}
+
+
+def apply_model_options(models: dict, options: list[str]) -> None:
+    """Switch ``options`` (names of :data:`MODEL_OPTIONS`) on in every model."""
+    for model in models.values():
+        for option in options:
+            MODEL_OPTIONS[option](model)
+
+
+def option_flags(options: list[str]) -> list[str]:
+    """The command-line flags of ``options``, for the warm-up's workers."""
+    return ["--" + option.replace("_", "-") for option in options]
+
+
 def norm_out(fn, model):
     """``fn`` run with ``model``'s sublayer norms returning the autocast dtype."""
     def run():
@@ -1067,7 +1087,7 @@ def write(out: Path, result: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------- warm-up
-def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
+def warm_up_worker(what: str, z: Sizes, device: str = "cuda", options: list[str] = ()) -> int:
     """Compile into the on-disk caches: ``models:NAME:STAGE`` runs that model's residual at a
     few rows (:func:`warm_up_model`: the same kernel variants as the full shape), ``sweeps``
     the ops part's other launch settings and its operations in the training step's layout,
@@ -1075,7 +1095,7 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda") -> int:
     (``device``: the tests run the models' and ``sweeps`` under the interpreter.)"""
     if what.startswith("models:"):
         _, name, stage = what.split(":")
-        warm_up_model(name, stage, z, device)
+        warm_up_model(name, stage, z, device, options)
         Clock(device).sync()
         return 0
     if what == "sweeps":  # the ops part's other launch settings and layout, at a few rows
@@ -1107,19 +1127,20 @@ WARM_UP_STAGES = ("train", "decode", "bf16")
 WARMED_MODELS = tuple(f"models:{name}:{stage}" for name in VARIANTS if name != "standard" for stage in WARM_UP_STAGES)
 
 
-def warm_up_model(name: str, stage: str, z: Sizes, device: str) -> None:
+def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[str] = ()) -> None:
     """Run model ``name``'s residual at warm-up stage ``stage`` (:data:`WARM_UP_STAGES`) at a
     few rows: the kernel variants the parts launch at the full shape. A variant depends on
     ``d``, the dtypes and the number of sources and queries, not on the sublayers' sizes, so
     the model has the parts' depth and width but a small vocabulary, MLP and key/value width
     (1.2 GB of float32 weights at d = 2048 instead of 7.0: six workers fit beside the main
-    process's models on an H100)."""
+    process's models on an H100). ``options``: :data:`MODEL_OPTIONS` the run switched on."""
     # (48 rows: over a decoding step's few, Phase 1 runs the training step's kernels)
     small = Sizes(**{**asdict(z), "seq": 48, "batch": 1})
     config = replace(model_config(small, residual_of(name, small)), vocab_size=256, n_kv_heads=1, mlp_hidden=64)
     torch.manual_seed(0)
     with torch.device(device):
         model = AttnResLM(config)
+    apply_model_options({name: model}, options)
     ids = torch.randint(0, config.vocab_size, (1, small.seq), device=device)
     if stage == "train":
         step = train_steps({name: model}, ids, device)[name]
@@ -1140,8 +1161,8 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str) -> None:
         raise ValueError(f"warm-up stage {stage!r}: choose from {WARM_UP_STAGES}")
 
 
-def start_warm_up(peers: dict, force: list[str]) -> list[subprocess.Popen]:
-    extra = [arg for setting in force for arg in ("--force", setting)]
+def start_warm_up(peers: dict, force: list[str], options: list[str] = ()) -> list[subprocess.Popen]:
+    extra = [*(arg for setting in force for arg in ("--force", setting)), *option_flags(options)]
     return [subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--warm-up-worker", what, *extra],
                              stdout=subprocess.DEVNULL) for what in [*WARMED_MODELS, "sweeps", *peers]]
 
@@ -1199,6 +1220,9 @@ def parse_args(argv=None):
     p.add_argument("--autocast-norm-output", action="store_true",
                    help="every model's sublayer norms return bf16 under autocast (ResidualConfig.autocast_norm_output)"
                         " in every part - e.g. with --parts train_compiled")
+    p.add_argument("--autocast-stream", action="store_true",
+                   help="every model stores its residual stream in bf16 under autocast (ResidualConfig.autocast_stream)"
+                        " in every part - e.g. with --parts train_eager,train_compiled")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -1235,8 +1259,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         log(f"gpu_check: {e}")
         return 2
+    options = [option for option in MODEL_OPTIONS if getattr(args, option)]
     if args.warm_up_worker:
-        return warm_up_worker(args.warm_up_worker, z)
+        return warm_up_worker(args.warm_up_worker, z, options=options)
     if device == "cuda" and not torch.cuda.is_available():
         log("gpu_check: needs a CUDA device (none found); --cpu-smoke runs every part on the CPU")
         return 2
@@ -1244,7 +1269,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     peers, skipped = ({}, {}) if args.no_peers or args.cpu_smoke else kernels_bench.select_peers()
-    workers = start_warm_up(peers, args.force) if device == "cuda" else []
+    workers = start_warm_up(peers, args.force, options) if device == "cuda" else []
     result = {"command": " ".join(["gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)",
               "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(z), "skipped": {}, "errors": {},
@@ -1252,10 +1277,9 @@ def main(argv=None) -> int:
     clock = Clock(device)
     out = Path(args.out)
     models = build_models(z, device)
-    if args.autocast_norm_output:
-        for model in models.values():
-            model.autocast_norm_outputs(True)
-        result["forced"] = {**(forced_settings or {}), "autocast_norm_output": True}
+    apply_model_options(models, options)
+    if options:
+        result["forced"] = {**(forced_settings or {}), **dict.fromkeys(options, True)}
     for worker in workers:  # the kernels compiled; the timed parts find them in the caches
         worker.wait()
     for part in args.parts.split(","):

@@ -368,3 +368,35 @@ def test_merges_at_forced_warps_equal_the_default(monkeypatch):
     monkeypatch.setitem(triton_impl.FORCED, "merge_warps", None)
     assert gpu_check.warm_up_worker("sweeps", z, device) == 0
     assert triton_impl.FORCED["merge_warps"] is None and triton_impl.FORCED["block_d"] is None
+
+
+def test_model_options_reach_every_model_and_the_warm_up_workers(monkeypatch):
+    """``--autocast-stream`` and ``--autocast-norm-output`` switch their ``ResidualConfig``
+    setting on in every model of the run and in the warm-up workers' models (their flags on
+    the workers' command lines, beside ``--force``)."""
+    import gpu_check
+
+    args = gpu_check.parse_args(["--out", "x", "--autocast-stream", "--autocast-norm-output"])
+    options = [option for option in gpu_check.MODEL_OPTIONS if getattr(args, option)]
+    assert options == ["autocast_norm_output", "autocast_stream"]
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu", names=("standard", "block"))
+    gpu_check.apply_model_options(models, options)
+    for model in models.values():
+        assert model.residual.autocast_stream and model.layers[0].attn_norm.autocast_output
+
+    commands = []
+    monkeypatch.setattr(gpu_check.subprocess, "Popen", lambda command, **kwargs: commands.append(command))
+    gpu_check.start_warm_up({}, ["phase1_rows=false"], options)
+    assert len(commands) == len(gpu_check.WARMED_MODELS) + 1  # (and the sweeps)
+    for command in commands:
+        assert command[-4:] == ["--force", "phase1_rows=false", "--autocast-norm-output", "--autocast-stream"]
+
+    seen = []
+
+    def train_steps(models, ids, device):
+        seen.extend(model.residual.autocast_stream for model in models.values())
+        return {name: (lambda: None) for name in models}
+
+    monkeypatch.setattr(gpu_check, "train_steps", train_steps)
+    assert gpu_check.warm_up_worker("models:block:train", gpu_check.SMOKE, "cpu", options=["autocast_stream"]) == 0
+    assert seen == [True]
