@@ -39,11 +39,12 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    bandwidth); Phase 1 and Block's usual merge also in the default training step's layout
    (a float32 stream under bf16 autocast: float32 sources, the merge reading a bf16 output
    and writing its readers' bf16 input, its backward reading their three bf16 gradients;
-   ``ops_autocast`` in the summary); also at the other launch settings of ``SWEEPS`` (Phase 1's tiles and
-   groups of sources, Phase 1 as one program per row, the merge's warps); the host time of
-   a merge call (forward + backward, and forward alone) against the standard model's add +
-   RMSNorm at one token, with the part of it inside Triton's launcher; one Block AttnRes
-   block against the peers that run the shape (bench_kernels_gpu.py's adapters).
+   ``ops_autocast`` in the summary); also at the other launch settings of ``SWEEPS``
+   (Phase 1's tiles and groups of sources, Phase 1 as one program per row, the merge's
+   warps); the host time of a merge call (forward + backward, and forward alone) against the
+   standard model's add + RMSNorm at one token, with the part of it inside Triton's
+   launcher; one Block AttnRes block against the peers that run the shape
+   (bench_kernels_gpu.py's adapters).
 5. **train, compiled**: the same steps as 2. under ``torch.compile`` - after the parts the
    targets are judged on and before the diagnostics, so that one run of the prepared command
    measures every target: on the H200 it took 221 s, 208 of them inductor compiling three
@@ -473,8 +474,7 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
         impl, mode = key.split("|")
         block.setdefault(impl, {})[f"{mode}_us"] = t * 1e6
     return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "autocast": autocast, "sweep": swept,
-            "host_us": host,
-            "block": block, "unsupported": unsupported}
+            "host_us": host, "block": block, "unsupported": unsupported}
 
 
 # --------------------------------------------------------------------------------- parity
@@ -969,7 +969,6 @@ def summarize(result: dict) -> dict:
     if "parity" in result:
         models = {k: v for k, v in result["parity"].items() if not k.startswith("ops")}
         summary["parity"] = {k: max(v["logits"], v["worst_grad"]) for k, v in models.items()}
-        summary["parity"]["ops"] = result["parity"].get("ops")
         summary["met"]["parity"] = all(v["ok"] for v in models.values())
         for key, tolerance in OP_PARITY_TOLERANCES.items():
             summary["parity"][key] = result["parity"].get(key)
