@@ -50,7 +50,8 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    measures every target: on the H200 it took 221 s, 208 of them inductor compiling three
    models (benchmarks/results/gpu-h200/log.txt). With less than its 230 s left but at least
    160, it compiles the standard model and Block only (Full has no target; named in
-   ``skipped``).
+   ``skipped``). Then one compiled step each of the standard model and Block under
+   ``torch.profiler``: where its device time goes (``device_busy_compiled`` in the summary).
 6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
    in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
@@ -763,7 +764,9 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
     clock.sync()
     result = {"warm_up_s": time.perf_counter() - start, "ms": {k: t * 1e3 for k, t in
                                                               clock.interleaved(steps, z.repeats).items()}}
-    if not compiled:
+    if compiled:  # (where a compiled step's device time goes: one more step each, already compiled)
+        result["profile"] = {name: profiled(steps[name], device, PROFILE_TOP) for name in PROFILED if name in steps}
+    else:
         result["peak_memory_MiB"] = {k: peak_memory(s, device) / 2**20 for k, s in steps.items()}
         # (what autograd keeps from the forward, apart from the backward's transients: the
         # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
@@ -781,12 +784,18 @@ def part_train_bf16(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
         return part_train(z, clock, models, device, compiled=False)
 
 
-def part_profile(z: Sizes, models: dict, device: str, top: int = 12) -> dict:
+#: The models whose training step is profiled (eager: the profile part; compiled: the
+#: compiled part, after timing), and the operations listed for each.
+PROFILED = ("standard", "block")
+PROFILE_TOP = 12
+
+
+def part_profile(z: Sizes, models: dict, device: str, top: int = PROFILE_TOP) -> dict:
     """Where a training step's device time goes: one eager step of the standard model and of
     Block AttnRes under ``torch.profiler`` (after a warm-up step), the operations with the
     most self device time (self CPU time on the CPU), in ms."""
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=device)
-    steps = train_steps({k: models[k] for k in ("standard", "block")}, ids, device)
+    steps = train_steps({k: models[k] for k in PROFILED}, ids, device)
     result = {}
     for name, step in steps.items():
         step()
@@ -973,9 +982,10 @@ def summarize(result: dict) -> dict:
         for key, tolerance in OP_PARITY_TOLERANCES.items():
             summary["parity"][key] = result["parity"].get(key)
             summary["met"]["parity"] &= all(v <= tolerance for v in (result["parity"].get(key) or {}).values())
-    busy = device_busy(result)
-    if busy:
-        summary["device_busy"] = busy
+    for key, compiled in (("device_busy", False), ("device_busy_compiled", True)):
+        busy = device_busy(result, compiled)
+        if busy:
+            summary[key] = busy
     kernels = {k: v["kernels"] for k, v in result.get("profile_decode", {}).items() if v["kernels"] is not None}
     if kernels:
         summary["decode_kernels"] = kernels
@@ -984,14 +994,29 @@ def summarize(result: dict) -> dict:
     return summary
 
 
-def device_busy(result: dict) -> dict:
-    """Per profiled model, its device self time over its eager step's time: near 1 the step
-    is bound by the device; below it the device waited for the host (launch overhead) that
-    long. Empty without both parts, or on the CPU."""
-    eager = result.get("train_eager", {}).get("ms", {})
+def device_busy(result: dict, compiled: bool = False) -> dict:
+    """Per profiled model, its device self time over its eager (``compiled``: compiled)
+    step's time: near 1 the step is bound by the device; below it the device waited for the
+    host (launch overhead) that long. Empty without the profile and the step's time, or on
+    the CPU."""
+    part = result.get("train_compiled" if compiled else "train_eager", {})
+    profiles = part.get("profile", {}) if compiled else result.get("profile", {})
     if result.get("device", "").startswith("CPU"):
         return {}
-    return {name: prof["total_ms"] / eager[name] for name, prof in result.get("profile", {}).items() if name in eager}
+    return {name: prof["total_ms"] / part["ms"][name] for name, prof in profiles.items() if name in part.get("ms", {})}
+
+
+def render_profile(profiles: dict, busy: dict, steps_ms: dict, mode: str) -> list[str]:
+    """The profiled steps' tables: per model its self time in all (and its share of the
+    ``mode`` step's time, ``busy``) and the operations with the most."""
+    lines = []
+    for name, prof in profiles.items():
+        share = (f" - {busy[name]:.0%} of its {mode} step's {steps_ms[name]:.1f} ms (the rest: the device waiting "
+                 "for the host)" if name in busy else "")
+        lines += [f"**{name}**: {prof['total_ms']:.1f} ms in all{share}", "", "| op | ms | calls |", "|---|---:|---:|"]
+        lines += [f"| `{e['op']}` | {e['ms']:.2f} | {e['calls']} |" for e in prof["top"]]
+        lines.append("")
+    return lines
 
 
 def render(result: dict) -> str:
@@ -1047,6 +1072,9 @@ def render(result: dict) -> str:
                 saved = result[part]["kept_MiB"]
                 lines += ["", "Kept by the forward for the backward (MiB, ratio): " + ", ".join(
                     f"{k} {v:.0f} ({v / saved['standard']:.3f})" for k, v in saved.items())]
+            if "profile" in result[part]:
+                lines += ["", "Where a compiled step's time goes (one step, self time, ms):", ""]
+                lines += render_profile(result[part]["profile"], device_busy(result, compiled=True), ms, "compiled")
     if "decode" in result:
         lines += ["", "## decode step (ms)", "", "| batch | mode | model | ms | ratio |", "|---|---|---|---:|---:|"]
         for batch, modes in result["decode"].items():
@@ -1054,13 +1082,8 @@ def render(result: dict) -> str:
                 lines += [f"| {batch} | {mode} | {k} | {v:.3f} | {v / times['standard']:.3f} |" for k, v in times.items()]
     if "profile" in result:
         lines += ["", "## Where a training step's time goes (one eager step, self time, ms)", ""]
-        busy = device_busy(result)
-        for name, prof in result["profile"].items():
-            share = (f" - {busy[name]:.0%} of its eager step's {result['train_eager']['ms'][name]:.1f} ms (the rest: "
-                     "the device waiting for the host)" if name in busy else "")
-            lines += [f"**{name}**: {prof['total_ms']:.1f} ms in all{share}", "", "| op | ms | calls |", "|---|---:|---:|"]
-            lines += [f"| `{e['op']}` | {e['ms']:.2f} | {e['calls']} |" for e in prof["top"]]
-            lines.append("")
+        lines += render_profile(result["profile"], device_busy(result), result.get("train_eager", {}).get("ms", {}),
+                                "eager")
     if "profile_decode" in result:
         prof = result["profile_decode"]
         lines += ["", "## What a graphed decode step replays (batch 1: the kernels of one eager static step, self time, ms)",

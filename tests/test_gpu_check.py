@@ -61,6 +61,9 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert set(decode) == {"standard", "block", "full"} and all(v["kernels"] is None for v in decode.values())
     assert all(v["total_ms"] > 0 and v["top"] for v in decode.values())
     assert "decode_kernels" not in summary  # (not counted on the CPU)
+    compiled = result["train_compiled"]["profile"]  # (the compiled steps profiled after timing)
+    assert set(compiled) == {"standard", "block"} and all(v["total_ms"] > 0 and v["top"] for v in compiled.values())
+    assert "Where a compiled step's time goes" in md
 
 
 def test_op_bytes_count_each_input_and_output_once():
@@ -209,14 +212,20 @@ def test_the_models_warm_up_compiles_each_variant_the_parts_launch_one_worker_a_
         gpu_check.warm_up_worker("models:block:fp8", gpu_check.SMOKE, "cpu")
 
 
-def test_device_busy_is_the_profiled_device_time_over_the_eager_step():
+def test_device_busy_is_the_profiled_device_time_over_the_step():
     import gpu_check
 
     result = {"device": "GPU", "command": "gpu_check.py", "torch": "2.11", "triton": "3.6",
-              "train_eager": {"ms": {"standard": 100.0, "block": 104.0}, "warm_up_s": 1.0},
+              "train_eager": {"ms": {"standard": 100.0, "block": 104.0}, "warm_up_s": 1.0,
+                              "peak_memory_MiB": {"standard": 1.0, "block": 1.0}},
               "profile": {"standard": {"total_ms": 97.0, "top": []}, "block": {"total_ms": 78.0, "top": []}}}
     assert gpu_check.device_busy(result) == pytest.approx({"standard": 0.97, "block": 0.75})
     assert "75% of its eager step's 104.0 ms" in gpu_check.render(result)
+    result["train_compiled"] = {"ms": {"standard": 80.0, "block": 90.0}, "warm_up_s": 1.0,
+                                "profile": {"standard": {"total_ms": 80.0, "top": []}, "block": {"total_ms": 72.0, "top": []}}}
+    assert gpu_check.device_busy(result, compiled=True) == pytest.approx({"standard": 1.0, "block": 0.8})
+    assert gpu_check.summarize(result)["device_busy_compiled"] == pytest.approx({"standard": 1.0, "block": 0.8})
+    assert "80% of its compiled step's 90.0 ms" in gpu_check.render(result)
     assert gpu_check.device_busy({**result, "device": "CPU (smoke)"}) == {}
 
 
