@@ -373,20 +373,36 @@ class _TimedLaunches:
         return run
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel and launches nothing: the host's work up to the launch."""
+
+    def __init__(self, kernel=None) -> None:
+        pass
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
 @contextmanager
-def timed_launches(names: tuple[str, ...]) -> Iterator[list[_TimedLaunches]]:
-    """The Triton kernels ``names`` replaced by :class:`_TimedLaunches` for the block."""
+def replaced_kernels(names: tuple[str, ...], stand_in=_TimedLaunches) -> Iterator[list]:
+    """The Triton kernels ``names`` replaced by ``stand_in(kernel)`` for the block (by
+    default :class:`_TimedLaunches`)."""
     from attnres.ops.depth_attention import triton_kernels
 
     originals = {n: getattr(triton_kernels, n) for n in names}
-    timed = [_TimedLaunches(k) for k in originals.values()]
-    for n, t in zip(names, timed):
+    replaced = [stand_in(k) for k in originals.values()]
+    for n, t in zip(names, replaced):
         setattr(triton_kernels, n, t)
     try:
-        yield timed
+        yield replaced
     finally:
         for n, k in originals.items():
             setattr(triton_kernels, n, k)
+
+
+def timed_launches(names: tuple[str, ...]):
+    """The Triton kernels ``names`` replaced by :class:`_TimedLaunches` for the block."""
+    return replaced_kernels(names)
 
 
 def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
@@ -394,8 +410,15 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     backward, with autograd, as the model calls it) against the standard model's add +
     RMSNorm (forward + backward), each also forward only (no autograd); on a GPU also the
     part of ours spent inside Triton's launcher (``triton_launch``: what launching from
-    compiled code instead would save), to tell it from our own Python."""
-    d = 2048 if device == "cuda" else 32
+    compiled code instead would save), to tell it from our own Python. On the CPU, ours is
+    the GPU path - the Triton implementation - with every launch stubbed (``kernels``:
+    ``stubbed``): its Python and dispatch without Triton's launcher, against the standard's
+    CPU operators, an estimate of the ratio before a GPU measures it."""
+    from attnres.ops.depth_attention import triton_launch
+
+    d = 2048
+    backend, kernels = ("auto", nullcontext()) if device == "cuda" else (
+        "triton", replaced_kernels(tuple(triton_launch.SIGNATURES), _NoLaunch))
     g = torch.Generator(device=device).manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
     x, partial, v = (r(1, d).requires_grad_() for _ in range(3))
@@ -403,7 +426,7 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     q, w = r(d).requires_grad_(), r(d).requires_grad_()
 
     def ours_forward():  # (Block's usual merge: the partial sum formed inside)
-        return library.merge(z, [x], [partial], q, 1e-6, w, 1e-6, addend=v)
+        return library.merge(z, [x], [partial], q, 1e-6, w, 1e-6, backend, addend=v)
 
     def ours():
         out, _, total = ours_forward()
@@ -428,9 +451,12 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
         clock.sync()
         return seconds * 1e6
 
-    result = {"ours": per_call(ours), "standard": per_call(standard)}
-    with torch.no_grad():
-        result.update(ours_forward=per_call(ours_forward), standard_forward=per_call(standard_forward))
+    with kernels:
+        result = {"ours": per_call(ours), "standard": per_call(standard)}
+        with torch.no_grad():
+            result.update(ours_forward=per_call(ours_forward), standard_forward=per_call(standard_forward))
+    if device != "cuda":
+        result["kernels"] = "stubbed"
     if device == "cuda" and library.pick("auto", [x]).__name__.endswith("triton_impl"):
         with timed_launches(("merge_fwd", "merge_fwd_held", "merge_bwd", "merge_bwd_held")) as timed:
             per_call(ours)
@@ -453,7 +479,7 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
         autocast[name] = {"us": t * 1e6, "bound_us": bound * 1e6, "x_bound": t / bound}
         log(f"[gpu_check]   {name}, the training step's layout: {t * 1e6:.1f} us, {t / bound:.2f}x bound")
     swept = sweep(z, clock, device, calls, bytes_, peak)
-    host = host_overhead(clock, device, 200 if device == "cuda" else 5)
+    host = host_overhead(clock, device, 200)
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
     x = kernels_bench.make_inputs(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     impls = {"ours (triton)": (kernels_bench.ours_triton, lambda s: None), **peers}
@@ -1053,6 +1079,8 @@ def render(result: dict) -> str:
                   + (f"; forward only {h['ours_forward']:.1f} against {h['standard_forward']:.1f} µs"
                      if "ours_forward" in h else "")
                   + (f"; of ours, {h['triton_launch']:.1f} µs inside Triton's launcher" if "triton_launch" in h else "")
+                  + ("; ours with its kernels' launches stubbed (the CPU's estimate of the GPU path's host work)"
+                     if h.get("kernels") == "stubbed" else "")
                   + ".", "",
                   "One Block AttnRes block (the S normalised sublayer inputs), events, host included:", "",
                   "| implementation | fwd µs | fwd+bwd µs |", "|---|---:|---:|"]

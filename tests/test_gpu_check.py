@@ -64,6 +64,8 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     compiled = result["train_compiled"]["profile"]  # (the compiled steps profiled after timing)
     assert set(compiled) == {"standard", "block"} and all(v["total_ms"] > 0 and v["top"] for v in compiled.values())
     assert "Where a compiled step's time goes" in md
+    host = result["ops"]["host_us"]  # (on the CPU: the Triton path's host work, its launches stubbed)
+    assert host["kernels"] == "stubbed" and host["ours"] > host["ours_forward"] > 0 and "launches stubbed" in md
 
 
 def test_op_bytes_count_each_input_and_output_once():
