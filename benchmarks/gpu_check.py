@@ -26,9 +26,10 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    4, interleaved; the peak memory of a step and the bytes its forward keeps; Block also
    with its Phase-1 sums kept (``recompute_phase1=False``); the standard model and Block
    also with their sublayer norms returning bf16 (``ResidualConfig.autocast_norm_output``:
-   no cast of a float32 norm output per linear layer; ``bf16_norm_out`` in the summary -
-   ``--autocast-norm-output`` runs every part so, e.g. the compiled one; ``--autocast-stream``
-   runs every part with the stream stored in bf16, ``ResidualConfig.autocast_stream``).
+   no cast of a float32 norm output per linear layer; ``bf16_norm_out`` in the summary) and
+   with the stream stored in bf16 (``ResidualConfig.autocast_stream``, float32 parameters:
+   ``autocast_stream`` in the summary). ``--autocast-norm-output`` and ``--autocast-stream``
+   run every part so, e.g. the compiled one.
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
    and CUDA-graphed, bf16; Block's graphed step also with Phase 1's forward in one kernel
    (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains).
@@ -733,23 +734,37 @@ def sums_kept(fn, model):
     return run
 
 
-#: The eager step's variants with the sublayers' norms returning bf16
-#: (``ResidualConfig.autocast_norm_output``): ``{variant: model}``.
-NORM_OUT = {"standard (bf16 norm out)": "standard", "block (bf16 norm out)": "block"}
+def _norm_output(model, on: bool) -> bool:
+    return model.autocast_norm_outputs(on)
 
 
-#: Settings of the models that a run can switch on for every part (and its warm-up): the
-#: option's name (``--autocast-norm-output``, ``--autocast-stream``) and how it is set on a
-#: built model. Each is a ``ResidualConfig`` field of the same name.
-MODEL_OPTIONS = {"autocast_norm_output": lambda model: model.autocast_norm_outputs(True),
-                 "autocast_stream": lambda model: setattr(model.residual, "autocast_stream", True)}
+def _stream(model, on: bool) -> bool:
+    before, model.residual.autocast_stream = model.residual.autocast_stream, on
+    return before
+
+
+#: Settings of the models that a run can switch on for every part (and its warm-up) and the
+#: eager part switches on for a step (:data:`PAIRED`): the option's name
+#: (``--autocast-norm-output``, ``--autocast-stream``; each a ``ResidualConfig`` field of
+#: that name) and its setter on a built model, which returns what it was.
+MODEL_OPTIONS = {"autocast_norm_output": _norm_output, "autocast_stream": _stream}
+#: The eager part's pairs of steps with an option on, the standard model and Block, and
+#: their key in the summary: the sublayers' norms returning bf16 (``autocast_norm_output``,
+#: the like-for-like comparison of the casts) and the stream stored in bf16
+#: (``autocast_stream``: the one-process bf16 stream, with float32 parameters).
+PAIRED = {"autocast_norm_output": ("bf16_norm_out", {"standard (bf16 norm out)": "standard",
+                                                     "block (bf16 norm out)": "block"}),
+          "autocast_stream": ("autocast_stream", {"standard (bf16 stream)": "standard",
+                                                  "block (bf16 stream)": "block"})}
+NORM_OUT = PAIRED["autocast_norm_output"][1]
+STREAM = PAIRED["autocast_stream"][1]
 
 
 def apply_model_options(models: dict, options: list[str]) -> None:
     """Switch ``options`` (names of :data:`MODEL_OPTIONS`) on in every model."""
     for model in models.values():
         for option in options:
-            MODEL_OPTIONS[option](model)
+            MODEL_OPTIONS[option](model, True)
 
 
 def option_flags(options: list[str]) -> list[str]:
@@ -757,33 +772,32 @@ def option_flags(options: list[str]) -> list[str]:
     return ["--" + option.replace("_", "-") for option in options]
 
 
-def norm_out(fn, model):
-    """``fn`` run with ``model``'s sublayer norms returning the autocast dtype."""
+def with_option(fn, model, option: str):
+    """``fn`` run with ``option`` (of :data:`MODEL_OPTIONS`) on in ``model``, then as it was."""
     def run():
-        before = model.autocast_norm_outputs(True)
+        before = MODEL_OPTIONS[option](model, True)
         try:
             return fn()
         finally:
-            model.autocast_norm_outputs(before)
+            MODEL_OPTIONS[option](model, before)
 
     return run
 
 
-def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool, norm_outputs: bool = False
-               ) -> dict:
+def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool, paired: bool = False) -> dict:
     """The training steps, interleaved; eager, also Block keeping its sums (:data:`SUMS_KEPT`)
-    and, with ``norm_outputs``, the standard model and Block with bf16 norm outputs
-    (:data:`NORM_OUT`)."""
+    and, with ``paired``, the standard model and Block with each option of :data:`PAIRED`."""
     ids = torch.randint(0, z.vocab, (z.batch, z.seq), device=device)
     steps = train_steps(models, ids, device, compiled)
     forwards = {k: forward_of(m, ids, device) for k, m in models.items()}
     if not compiled and "block" in models:
         steps[SUMS_KEPT] = sums_kept(steps["block"], models["block"])
         forwards[SUMS_KEPT] = sums_kept(forwards["block"], models["block"])
-    if not compiled and norm_outputs:
-        for variant, name in NORM_OUT.items():
-            steps[variant] = norm_out(steps[name], models[name])
-            forwards[variant] = norm_out(forwards[name], models[name])
+    if not compiled and paired:
+        for option, (_, variants) in PAIRED.items():
+            for variant, name in variants.items():
+                steps[variant] = with_option(steps[name], models[name], option)
+                forwards[variant] = with_option(forwards[name], models[name], option)
     start = time.perf_counter()
     for step in steps.values():  # (compiled: this compiles)
         step()
@@ -981,13 +995,14 @@ def summarize(result: dict) -> dict:
     if SUMS_KEPT in result.get("train_eager", {}).get("ms", {}):
         summary["block_sums_kept"] = {k: v for k, v in by_variant(SUMS_KEPT).items() if v is not None}
     eager = result.get("train_eager", {})
-    if set(NORM_OUT) <= set(eager.get("ms", {})):  # (Block against the standard model, both with bf16 norm outputs)
-        standard, block = NORM_OUT
-        summary["bf16_norm_out"] = {
-            "train_eager": eager["ms"][block] / eager["ms"][standard],
-            "memory": eager["peak_memory_MiB"][block] / eager["peak_memory_MiB"][standard],
-            "standard_vs_default": eager["ms"][standard] / eager["ms"]["standard"],
-            "block_vs_default": eager["ms"][block] / eager["ms"]["block"]}
+    for key, variants in PAIRED.values():  # (Block against the standard model, both with the option)
+        if set(variants) <= set(eager.get("ms", {})):
+            standard, block = variants
+            summary[key] = {
+                "train_eager": eager["ms"][block] / eager["ms"][standard],
+                "memory": eager["peak_memory_MiB"][block] / eager["peak_memory_MiB"][standard],
+                "standard_vs_default": eager["ms"][standard] / eager["ms"]["standard"],
+                "block_vs_default": eager["ms"][block] / eager["ms"]["block"]}
     summary["met"] = {k: summary[k] is not None and summary[k] <= v for k, v in TARGETS.items() if k in summary}
     if "ops" in result:
         ops = result["ops"]
@@ -1195,8 +1210,9 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[st
     if stage == "train":
         step = train_steps({name: model}, ids, device)[name]
         step()
-        if name in NORM_OUT.values():  # (the merges writing bf16: train_eager's NORM_OUT variants)
-            norm_out(step, model)()
+        for option, (_, variants) in PAIRED.items():  # (train_eager's variants with an option on)
+            if name in variants.values():
+                with_option(step, model, option)()
     elif stage == "decode":
         model.to(torch.bfloat16)
         for batch in DECODE_BATCHES:  # (a launch over one row compiles apart from one over several)
@@ -1254,7 +1270,7 @@ def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers
         return part_profile_decode(z, models, device)
     if part == "train_bf16":
         return part_train_bf16(z, clock, models, device)
-    return part_train(z, clock, models, device, compiled=part == "train_compiled", norm_outputs=part == "train_eager")
+    return part_train(z, clock, models, device, compiled=part == "train_compiled", paired=part == "train_eager")
 
 
 def parse_args(argv=None):

@@ -48,11 +48,12 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert max(autocast["phase1_fwd"], autocast["phase1_bwd"]) < 1e-5
     assert "| merge_add_bwd (training step's layout) |" in md
     kept = result["train_eager"]["kept_MiB"]
-    assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT, *gpu_check.NORM_OUT}
+    assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT, *gpu_check.NORM_OUT, *gpu_check.STREAM}
     assert kept[gpu_check.SUMS_KEPT] > kept["block"]  # (the recipe measured: the sums not kept)
     assert set(summary["block_sums_kept"]) == {"train_eager", "memory"}
-    assert set(summary["bf16_norm_out"]) == {"train_eager", "memory", "standard_vs_default", "block_vs_default"}
-    assert set(gpu_check.NORM_OUT) <= set(result["train_eager"]["ms"])
+    for key in ("bf16_norm_out", "autocast_stream"):  # (the pairs with an option on: Block against the standard)
+        assert set(summary[key]) == {"train_eager", "memory", "standard_vs_default", "block_vs_default"}
+    assert set(gpu_check.NORM_OUT) | set(gpu_check.STREAM) <= set(result["train_eager"]["ms"])
     assert set(summary["block_phase1_one_kernel"]) == {"decode_b1", "decode_b8"}
     assert gpu_check.ONE_KERNEL in result["decode"]["b1"]["graphed"]
     depth_attention = {"_Merge", "_MergeBackward", "_Phase1", "_Phase1Backward"}
@@ -394,6 +395,10 @@ def test_model_options_reach_every_model_and_the_warm_up_workers(monkeypatch):
     gpu_check.apply_model_options(models, options)
     for model in models.values():
         assert model.residual.autocast_stream and model.layers[0].attn_norm.autocast_output
+    model = gpu_check.build_models(gpu_check.SMOKE, "cpu", names=("block",))["block"]
+    for option, on in (("autocast_stream", lambda: model.residual.autocast_stream),
+                       ("autocast_norm_output", lambda: model.layers[0].mlp_norm.autocast_output)):
+        assert gpu_check.with_option(on, model, option)() is True and on() is False  # (on for the step only)
 
     commands = []
     monkeypatch.setattr(gpu_check.subprocess, "Popen", lambda command, **kwargs: commands.append(command))
