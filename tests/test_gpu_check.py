@@ -52,7 +52,8 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert kept[gpu_check.SUMS_KEPT] > kept["block"]  # (the recipe measured: the sums not kept)
     assert set(summary["block_sums_kept"]) == {"train_eager", "memory"}
     for key in ("bf16_norm_out", "autocast_stream"):  # (the pairs with an option on: Block against the standard)
-        assert set(summary[key]) == {"train_eager", "memory", "standard_vs_default", "block_vs_default"}
+        assert set(summary[key]) == {"train_eager", "memory", "standard_vs_default", "block_vs_default",
+                                     "block_vs_standard_default"}
     assert set(gpu_check.NORM_OUT) | set(gpu_check.STREAM) <= set(result["train_eager"]["ms"])
     assert set(summary["block_phase1_one_kernel"]) == {"decode_b1", "decode_b8"}
     assert gpu_check.ONE_KERNEL in result["decode"]["b1"]["graphed"]
