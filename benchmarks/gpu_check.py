@@ -767,6 +767,11 @@ def apply_model_options(models: dict, options: list[str]) -> None:
             MODEL_OPTIONS[option](model, True)
 
 
+def model_options(args) -> list[str]:
+    """The :data:`MODEL_OPTIONS` the command line switched on."""
+    return [option for option in MODEL_OPTIONS if getattr(args, option)]
+
+
 def option_flags(options: list[str]) -> list[str]:
     """The command-line flags of ``options``, for the warm-up's workers."""
     return ["--" + option.replace("_", "-") for option in options]
@@ -1328,7 +1333,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         log(f"gpu_check: {e}")
         return 2
-    options = [option for option in MODEL_OPTIONS if getattr(args, option)]
+    options = model_options(args)
     if args.warm_up_worker:
         return warm_up_worker(args.warm_up_worker, z, options=options)
     if device == "cuda" and not torch.cuda.is_available():

@@ -390,7 +390,7 @@ def test_model_options_reach_every_model_and_the_warm_up_workers(monkeypatch):
     import gpu_check
 
     args = gpu_check.parse_args(["--out", "x", "--autocast-stream", "--autocast-norm-output"])
-    options = [option for option in gpu_check.MODEL_OPTIONS if getattr(args, option)]
+    options = gpu_check.model_options(args)
     assert options == ["autocast_norm_output", "autocast_stream"]
     models = gpu_check.build_models(gpu_check.SMOKE, "cpu", names=("standard", "block"))
     gpu_check.apply_model_options(models, options)
