@@ -65,7 +65,7 @@ def test_full_attnres_with_zero_queries_averages_its_sources(schedule):
 def test_block_attnres_with_zero_queries_gives_each_member_its_blocks_weight(schedule):
     # 4 transformer blocks = 8 sublayers, S = 3: blocks {1,2,3}, {4,5,6}, {7,8} (report §3.2).
     rec = mixing_forward(model("attnres_block", n_layers=4, block_size=3, schedule=schedule), ids())
-    L, S = 8, 3
+    L = 8
     blocks = [[1, 2, 3], [4, 5, 6], [7, 8]]
     expected = torch.zeros(L + 1, L + 1, dtype=F64)
     for r in range(L + 1):  # row r: the input of sublayer r + 1 (0-based r), row L the output

@@ -32,7 +32,6 @@ same function, see the tests of :mod:`attnres.nn.residual`).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

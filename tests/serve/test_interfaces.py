@@ -7,7 +7,6 @@ classes refuse instead (quantization, LoRA on an export, ...) is in test_load_er
 
 from __future__ import annotations
 
-import pytest
 import torch
 from conftest import EAGLE3_PROMPT, LORA_MODEL
 

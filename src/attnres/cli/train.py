@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .common import Parser, apply_cpu_allocator, end_process, first_on_node, rank_zero
+from .common import apply_cpu_allocator, end_process, first_on_node, rank_zero
 
 
 def add_parser(sub) -> None:

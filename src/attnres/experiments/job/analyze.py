@@ -134,7 +134,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
         diff = ("A − B", items[0][0].matrix - items[1][0].matrix)
     out.mkdir(parents=True, exist_ok=True)
     plot_mixing_panels(panels, out / "mixing.png", diff)
-    parts = [f"# Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)\n",
+    parts = ["# Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)\n",
              method_note(items[0][0].n_tokens) + "\n"]
     for n, (r, info) in zip(names, items):
         parts.append(f"- **{n}**: `{info['checkpoint']}` (step {info['step']}): {_label(info)}"
