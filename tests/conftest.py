@@ -207,3 +207,17 @@ def one_thread():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_kernels_checked():
+    """Under Triton's interpreter, every kernel's loads and stores must stay inside its tensor
+    arguments and its alignment hints must hold (:mod:`interpreter_checks`): what a GPU would
+    fault on, the interpreter lets pass."""
+    if TRITON_DEVICE != "cpu" or importlib.util.find_spec("triton") is None:
+        yield
+        return
+    from interpreter_checks import checked_accesses
+
+    with checked_accesses():
+        yield
