@@ -353,6 +353,30 @@ def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("argv", [["train", "parallel.tp=3"], ["train", "--no-such-flag"]])
+def test_a_rank_that_leaves_the_message_to_another_waits_for_it(argv, monkeypatch, capsys, tmp_path, corpus):
+    """The silent ranks exited at once, and torchrun then stopped the launch - the printing
+    rank too, now and then before it had printed: the user saw no message at all (1 launch in
+    6 on a loaded machine). A rank that leaves the message to the first rank of its node
+    waits for that rank to print it and end the launch; the first one prints without waiting."""
+    from attnres.cli import common
+
+    waits = []
+    monkeypatch.setattr(common.time, "sleep", waits.append)
+    if argv[1] == "parallel.tp=3":  # (an error of the config, which every rank has alike)
+        argv = ["train", *overrides(corpus, tmp_path / "run"), "parallel.tp=3"]
+    for local_rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(argv)
+        code = exit_.value.code  # (the message: printed by argparse, or the exit's for stderr)
+        err = capsys.readouterr().err + (code if isinstance(code, str) else "")
+        assert ("error:" in err) == printed and code not in (0, None), (local_rank, err, code)
+        assert waits == [common.SILENT_RANK_WAIT_S], (local_rank, waits)  # (only the silent rank waited)
+    assert not (tmp_path / "run").exists()
+
+
 # -- messages that said something else ----------------------------------------------------
 
 def test_messages_name_the_one_limit_and_the_directory(tmp_path, finished_run, capsys):

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         if not first_on_node():  # every rank of a launch parses the same line: one message per node
+            leave_the_message_to_the_first_on_node()
             self.exit(2)
         super().error(message)
 
@@ -65,6 +67,20 @@ def first_on_node() -> bool:
     """Whether this process prints what every process of a launch would print alike: one
     process, or the first rank of its node (torchrun's ``LOCAL_RANK`` 0)."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+#: How long a rank that leaves an error every rank has to the first rank of its node waits
+#: before it exits (seconds): torchrun stops a launch's other ranks as soon as one fails, so
+#: a silent rank that exited at once could stop the first one before it printed the message
+#: (then the user saw none). The first rank's failure stops this one's wait.
+SILENT_RANK_WAIT_S = 10.0
+
+
+def leave_the_message_to_the_first_on_node() -> None:
+    """Wait (:data:`SILENT_RANK_WAIT_S`) for the first rank of the node to print the error
+    this rank shares with it and end the launch; called by a rank that does not print it
+    (``not first_on_node()``) before it exits."""
+    time.sleep(SILENT_RANK_WAIT_S)
 
 
 def rank_zero() -> bool:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from .common import apply_cpu_allocator, end_process, first_on_node, rank_zero
+from .common import (apply_cpu_allocator, end_process, first_on_node, leave_the_message_to_the_first_on_node,
+                     rank_zero)
 
 
 def add_parser(sub) -> None:
@@ -86,6 +87,7 @@ def _train_error(error: BaseException) -> SystemExit:
 
     alike = raised_on_every_rank(error) or not (dist.is_available() and dist.is_initialized())
     if alike and not first_on_node():
+        leave_the_message_to_the_first_on_node()
         return SystemExit(1)
     return SystemExit(f"attnres train: error: {error}")
 
