@@ -102,34 +102,37 @@ def _program() -> int:
     return (z * ny + y) * nx + x
 
 
-def _by_program(pairs: list) -> tuple[np.ndarray, np.ndarray]:
-    """``(addresses, program)`` pairs as two aligned arrays, each address once a program."""
+def _flat(pairs: list) -> tuple[np.ndarray, np.ndarray]:
+    """``(addresses, program)`` pairs as two aligned arrays, sorted by address."""
     if not pairs:
         return np.zeros(0, np.uint64), np.zeros(0, np.int64)
     addresses = np.concatenate([a for a, _ in pairs])
     programs = np.concatenate([np.full(a.size, p, np.int64) for a, p in pairs])
-    both = np.unique(np.stack([addresses, programs.astype(np.uint64)]), axis=1)
-    return both[0], both[1].astype(np.int64)
+    order = np.argsort(addresses, kind="stable")
+    return addresses[order], programs[order]
 
 
 def _check_races(kernel: str, accesses: dict) -> None:
     """Raise :class:`AccessError` where two programs of one launch store to one address, or
     one loads what another stores."""
-    stored, writers = _by_program(accesses["store"])
+    stored, writers = _flat(accesses["store"])
     if stored.size == 0:
         return
-    order = np.argsort(stored, kind="stable")
-    stored, writers = stored[order], writers[order]
-    twice = stored[1:] == stored[:-1]  # (each address once a program: a repeat is another program)
+    # (among the entries of one address, two programs make some neighbouring pair differ)
+    twice = (stored[1:] == stored[:-1]) & (writers[1:] != writers[:-1])
     if twice.any():
         raise AccessError(f"{kernel}: programs {writers[1:][twice][0]} and {writers[:-1][twice][0]} of one launch "
-                          f"store to the same address ({int(twice.sum())} such addresses): a race on a GPU")
-    loaded, readers = _by_program(accesses["load"])
-    at = np.clip(np.searchsorted(stored, loaded), 0, stored.size - 1)
+                          f"store to the same address ({int(np.unique(stored[1:][twice]).size)} such addresses): "
+                          "a race on a GPU")
+    loaded, readers = (np.concatenate([a for a, _ in accesses["load"]]),
+                       np.concatenate([np.full(a.size, p, np.int64) for a, p in accesses["load"]])
+                       ) if accesses["load"] else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
+    at = np.clip(np.searchsorted(stored, loaded), 0, stored.size - 1)  # (one writer an address, checked above)
     clash = (stored[at] == loaded) & (writers[at] != readers)
     if clash.any():
         raise AccessError(f"{kernel}: program {readers[clash][0]} loads an address program {writers[at][clash][0]} "
-                          f"of the same launch stores ({int(clash.sum())} such loads): a race on a GPU")
+                          f"of the same launch stores ({int(np.unique(loaded[clash]).size)} such loads): "
+                          "a race on a GPU")
 
 
 _checker = _Checker()

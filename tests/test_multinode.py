@@ -297,9 +297,13 @@ def worker(root: Path) -> None:
     An "unshared" out_dir is simulated by giving rank 1 another directory under its name."""
     import torch
 
+    from attnres.cli import common
     from attnres.train import lock, loop
 
     torch.set_num_threads(1)
+    # (each scenario ends in-process and the next starts: rank 1 need not wait for rank 0's
+    # message to end the launch)
+    common.SILENT_RANK_WAIT_S = 0.0
     rank = int(os.environ["RANK"])
     config = str(root / "config.yaml")
     view = "run" if rank == 0 else "rank1-view"
