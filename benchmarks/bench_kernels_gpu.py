@@ -243,6 +243,8 @@ def select_peers() -> tuple[dict, dict[str, str]]:
             available[name] = factory()
         except (ImportError, importlib.metadata.PackageNotFoundError, FileNotFoundError) as e:
             skipped[name] = f"not installed (pip install {package}): {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a peer that breaks on import (flash-attn-res 0.1.12 on Triton 3.9)
+            skipped[name] = f"installed but fails to load: {type(e).__name__}: {str(e)[:300]}"
     return available, skipped
 
 

@@ -34,14 +34,19 @@ def test_shapes_cover_a_non_power_of_two_width():
         assert all(s.S >= 2 and s.n >= 1 for s in shapes)
 
 
-def test_peer_selection_skips_missing_packages_with_the_reason(monkeypatch):
+def test_peer_selection_skips_missing_or_broken_packages_with_the_reason(monkeypatch):
     def missing():
         raise ImportError("No module named 'nothing'")
 
-    monkeypatch.setattr(bench, "PEERS", {"present": ("pkg-a", lambda: ("run", "check")), "absent": ("pkg-b", missing)})
+    def broken():  # (flash-attn-res 0.1.12 under Triton 3.9: its autotuner's key names no argument)
+        raise ValueError("key contains names that are not kernel arguments")
+
+    monkeypatch.setattr(bench, "PEERS", {"present": ("pkg-a", lambda: ("run", "check")), "absent": ("pkg-b", missing),
+                                         "broken": ("pkg-c", broken)})
     available, skipped = bench.select_peers()
     assert available == {"present": ("run", "check")}
-    assert list(skipped) == ["absent"] and "pip install pkg-b" in skipped["absent"]
+    assert list(skipped) == ["absent", "broken"] and "pip install pkg-b" in skipped["absent"]
+    assert skipped["broken"] == "installed but fails to load: ValueError: key contains names that are not kernel arguments"
 
 
 def test_peer_adapters_reject_the_shapes_their_packages_cannot_run(monkeypatch):
