@@ -3,9 +3,10 @@
 A GPU faults on what the interpreter lets pass: a load or store outside every tensor the
 kernel was handed (the interpreter reads or writes the host's memory there, and a masked-out
 value hides it from a parity test), or a pointer the kernel declares aligned
-(``tl.multiple_of``) that is not (a 16-byte access at a misaligned address). Either fault is
-sticky on a GPU: every later kernel of the process fails with it, so one such bug would cost
-a whole GPU session. :func:`checked_accesses` makes both an error under the interpreter:
+(``tl.multiple_of``) that is not (a 16-byte access at a misaligned address); and it runs
+programs one by one, so a race between them cannot show. A memory fault is sticky on a GPU:
+every later kernel of the process fails with it, so one such bug would cost a whole GPU
+session. :func:`checked_accesses` makes each an error under the interpreter:
 
 * every address a kernel loads or stores (where its mask is on) must lie, with its whole
   element, inside one of the kernel's tensor arguments (tuples of tensors included) - the
@@ -28,7 +29,8 @@ import torch
 
 
 class AccessError(AssertionError):
-    """A kernel accessed memory outside its tensor arguments, or hinted a wrong alignment."""
+    """A kernel accessed memory outside its tensor arguments, hinted a wrong alignment, or
+    has two programs of a launch touching one address, one of them storing."""
 
 
 def _spans(value, name: str, out: list) -> None:
