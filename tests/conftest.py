@@ -209,11 +209,12 @@ def _deterministic():
     yield
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _interpreted_kernels_checked():
     """Under Triton's interpreter, every kernel's loads and stores must stay inside its tensor
-    arguments and its alignment hints must hold (:mod:`interpreter_checks`): what a GPU would
-    fault on, the interpreter lets pass."""
+    arguments, its alignment hints must hold and no two of its programs may race
+    (:mod:`interpreter_checks`): what a GPU would fault on or race over, the interpreter lets
+    pass. Switched on once for the session."""
     if (TRITON_DEVICE != "cpu" or importlib.util.find_spec("triton") is None
             or os.environ.get("ATTNRES_CHECK_KERNEL_ACCESSES") == "0"):
         yield

@@ -104,31 +104,29 @@ def _program() -> int:
     return (z * ny + y) * nx + x
 
 
-def _flat(pairs: list) -> tuple[np.ndarray, np.ndarray]:
-    """``(addresses, program)`` pairs as two aligned arrays, sorted by address."""
+def _joined(pairs: list) -> tuple[np.ndarray, np.ndarray]:
+    """``(addresses, program)`` pairs as two aligned arrays."""
     if not pairs:
         return np.zeros(0, np.uint64), np.zeros(0, np.int64)
-    addresses = np.concatenate([a for a, _ in pairs])
-    programs = np.concatenate([np.full(a.size, p, np.int64) for a, p in pairs])
-    order = np.argsort(addresses, kind="stable")
-    return addresses[order], programs[order]
+    return (np.concatenate([a for a, _ in pairs]),
+            np.concatenate([np.full(a.size, p, np.int64) for a, p in pairs]))
 
 
 def _check_races(kernel: str, accesses: dict) -> None:
     """Raise :class:`AccessError` where two programs of one launch store to one address, or
     one loads what another stores."""
-    stored, writers = _flat(accesses["store"])
+    stored, writers = _joined(accesses["store"])
     if stored.size == 0:
         return
+    order = np.argsort(stored, kind="stable")
+    stored, writers = stored[order], writers[order]
     # (among the entries of one address, two programs make some neighbouring pair differ)
     twice = (stored[1:] == stored[:-1]) & (writers[1:] != writers[:-1])
     if twice.any():
         raise AccessError(f"{kernel}: programs {writers[1:][twice][0]} and {writers[:-1][twice][0]} of one launch "
                           f"store to the same address ({int(np.unique(stored[1:][twice]).size)} such addresses): "
                           "a race on a GPU")
-    loaded, readers = (np.concatenate([a for a, _ in accesses["load"]]),
-                       np.concatenate([np.full(a.size, p, np.int64) for a, p in accesses["load"]])
-                       ) if accesses["load"] else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
+    loaded, readers = _joined(accesses["load"])
     at = np.clip(np.searchsorted(stored, loaded), 0, stored.size - 1)  # (one writer an address, checked above)
     clash = (stored[at] == loaded) & (writers[at] != readers)
     if clash.any():

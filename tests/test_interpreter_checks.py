@@ -18,6 +18,13 @@ import triton.language as tl  # noqa: E402
 from interpreter_checks import AccessError, checked_accesses  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _checked():
+    """On here too, where ``ATTNRES_CHECK_KERNEL_ACCESSES=0`` switched the suite's off."""
+    with checked_accesses():
+        yield
+
+
 @triton.jit
 def _copy(X, Y, n, BLOCK: tl.constexpr, READ_PAST: tl.constexpr, WRITE_PAST: tl.constexpr):
     i = tl.arange(0, BLOCK)
