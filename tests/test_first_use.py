@@ -128,6 +128,22 @@ def test_report_only_refuses_the_directory_of_another_experiment(tmp_path, capsy
                "is not an experiment header")
 
 
+@pytest.mark.parametrize("override, field", [
+    ("model.residual.kind=standard", "model.residual.kind"),  # trained three standard models under three names
+    ("model.residual=attnres_full", "model.residual.kind"),
+    ("model.residual.block_size=4", "model.residual.block_size"),  # the report's S would be the preset's
+    ("seed=3", "seed"), ("out_dir=elsewhere", "out_dir"),  # silently replaced by --seeds / --out
+])
+def test_an_override_of_what_the_grid_sets_is_refused_before_any_work(tmp_path, capsys, override, field):
+    out = tmp_path / "cmp"
+    message = fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out), override],
+                         f"attnres compare: error: override '{override}' changes {field}")
+    assert not out.exists(), message
+    # the prefix is the command the user typed
+    fails_with(capsys, ["experiment", "compare", "--preset", "tiny", "--out", str(out), override],
+               "attnres experiment: error: override")
+
+
 # -- bad places to write ------------------------------------------------------------------
 
 @pytest.fixture

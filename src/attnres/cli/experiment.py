@@ -50,7 +50,7 @@ def run(args, parser) -> int:
         check_output_dir(f"attnres {args.command}", args.out)
     preset = args.preset or _saved_preset(args.out, name) or DEFAULT_PRESET.get(name, "cpu")
     return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
-                              args.overhead_repeats, args.variants)
+                              args.overhead_repeats, args.variants, prog=f"attnres {args.command}")
 
 
 def _split_overrides(args, parser) -> None:
@@ -99,16 +99,17 @@ def _saved_preset(out: str, name: str) -> str | None:
 
 
 def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool,
-                       overhead_repeats: int = 0, variants: list[str] | None = None) -> int:
+                       overhead_repeats: int = 0, variants: list[str] | None = None,
+                       prog: str = "attnres experiment") -> int:
     """``attnres experiment`` / ``attnres compare``: bad presets, seeds or overrides end the
-    process with a one-line message."""
+    process with a one-line message, prefixed with ``prog`` (the command the user typed)."""
     from ..experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
     from ..experiments.job.runner import check_same_experiment
     from ..train import TrainingDiverged, TrainingOutOfMemory
     from ..train.config import apply_overrides
 
     if overhead_repeats < 0:
-        raise SystemExit(f"attnres {name}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
+        raise SystemExit(f"{prog}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
     try:
         experiment = get_experiment(name, preset)
         if report_only:  # the report of another grid in `out` must not be overwritten
@@ -121,9 +122,9 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
         records = load_records(out, experiment)  # every seed finished so far, not only this invocation's
         path = write_report(name, records, out, preset)
     except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
-        raise SystemExit(f"attnres experiment: error: {e}") from None
+        raise SystemExit(f"{prog}: error: {e}") from None
     except KeyboardInterrupt as e:  # a run checkpointed on SIGINT/SIGTERM: re-running resumes it
-        print(f"attnres experiment: interrupted ({e or 'SIGINT'}); run the same command again to resume")
+        print(f"{prog}: interrupted ({e or 'SIGINT'}); run the same command again to resume")
         return 130
-    print(f"attnres experiment: {len(records)} runs; report {path}")
+    print(f"{prog}: {len(records)} runs; report {path}")
     return 0

@@ -23,7 +23,7 @@ import torch
 from ...data import load_corpus, prepare_data
 from ...models import AttnResLM, ModelConfig
 from ...train import TrainConfig, latest_checkpoint, train
-from ...train.config import apply_overrides
+from ...train.config import apply_overrides, parse_override
 from ...train.metrics import read_metrics
 from ..flops import non_embedding_parameters, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
@@ -34,6 +34,7 @@ def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Pat
                overrides: list[str] = ()) -> TrainConfig:
     """The ``TrainConfig`` of one run: the experiment's base, the variant's changes, the
     user's ``key=value`` overrides (applied to every run alike), then seed and out_dir."""
+    check_grid_overrides(experiment, overrides)
     base = {**experiment.base, **variant.train}
     base["model"] = {**base["model"], **variant.model}
     data = apply_overrides(base, list(overrides))
@@ -44,6 +45,31 @@ def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Pat
         return TrainConfig.from_dict(data)
     except ValueError as e:
         raise ValueError(f"experiment {experiment.name!r} variant {variant.name!r}: {e}") from None
+
+
+def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
+    """Refuse an override of what the grid itself sets: a field its variants differ in (e.g.
+    ``model.residual.kind`` in ``compare``, which would train three alike models under three
+    names), or ``seed`` / ``out_dir``, which every run gets from ``--seeds`` / ``--out``."""
+    set_by_grid = {("seed",): "--seeds sets for each run", ("out_dir",): "--out sets for each run"}
+    for v in experiment.variants:
+        for path in _leaf_paths({"model": v.model, **v.train}):
+            set_by_grid.setdefault(path, f"the {experiment.name!r} grid sets per variant (choose variants "
+                                         "with --variants)")
+    for item in overrides:
+        keys = tuple(parse_override(item)[0])
+        for path, owner in set_by_grid.items():
+            n = min(len(keys), len(path))
+            if keys[:n] == path[:n]:  # the override sets this field, or a section holding it
+                raise ValueError(f"override {item!r} changes {'.'.join(path)}, which {owner}")
+
+
+def _leaf_paths(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The key paths of a nested mapping's non-mapping values."""
+    out = []
+    for k, v in tree.items():
+        out += _leaf_paths(v, prefix + (k,)) if isinstance(v, dict) and v else [prefix + (k,)]
+    return out
 
 
 def median_step_time(metrics_path: Path, tokens_per_step: int) -> float | None:
