@@ -116,6 +116,26 @@ def test_a_pretrained_directory_loads_into_the_attnres_model(tmp_path, model_typ
     assert all((m.query == 0).all() for m in loaded.residual.mixers)
 
 
+@pytest.mark.parametrize("model_type", DENSE)
+def test_a_saved_config_s_loader_leftovers_are_not_architecture(tmp_path, model_type):
+    """transformers' GGUF loading leaves `_model_name_or_path` and `unk_token_id` in the config
+    that `attnres upcycle --model smollm2` saves; `model.from_hf=` on that directory refused
+    them as unknown hf_config keys. The family's own fields stay."""
+    from attnres.hf.families.build import hf_config_of, model_fields_from_directory
+    from attnres.models import ModelConfig
+
+    base = base_model(model_type)
+    base.config.update({"_model_name_or_path": "Smollm2 135M", "unk_token_id": 0})
+    base.save_pretrained(tmp_path / "base")
+    assert "unk_token_id" in (tmp_path / "base" / "config.json").read_text()
+    fields = model_fields_from_directory(str(tmp_path / "base"))
+    assert not {"_model_name_or_path", "unk_token_id"} & set(fields["hf_config"])
+    config = ModelConfig.from_dict(fields)
+    rebuilt = hf_config_of(config).to_dict()
+    kept = {k: v for k, v in base.config.to_dict().items() if k in fields["hf_config"]}
+    assert kept and all(rebuilt[k] == v for k, v in kept.items())
+
+
 def test_gradient_reaches_every_query_and_one_step_moves_them():
     """Every mixer with two or more sources gets a gradient (the first sublayer's has one
     source, the embedding, whose weight is 1 whatever its query: its gradient is exactly 0,

@@ -91,7 +91,7 @@ def build_hf_model(config) -> PreTrainedModel:
 def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
     """The ``ModelConfig`` fields (a mapping) of a saved family model, plain or AttnRes:
     ``hf_architecture`` and the mapped fields, everything else of the family's config in
-    ``hf_config``, the residual from an AttnRes config (a plain family model: the standard
+    ``hf_config`` (attributes the family's config does not define are dropped), the residual from an AttnRes config (a plain family model: the standard
     residual, which is the family's own function)."""
     data = hf_config.to_dict()
     family = data["model_type"].removeprefix(PREFIX)
@@ -103,7 +103,12 @@ def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
         out["rope_theta"] = float(rope["rope_theta"])
     out["residual"] = ResidualConfig.from_value(data.get("attnres_residual") or "standard").to_dict()
     out["hf_architecture"] = family
-    extra = {k: v for k, v in data.items() if k not in _SKIPPED and k not in _MAPPED.values() and k != "rope_parameters"}
+    # Only what the family's config defines is architecture: a loader may leave other attributes
+    # in a saved config (transformers' GGUF loading: `_model_name_or_path`, `unk_token_id`),
+    # which `check_hf_config` would refuse as misspelt fields.
+    fields, aliases = _family_fields(family)
+    extra = {k: v for k, v in data.items() if k not in _SKIPPED and k not in _MAPPED.values() and k != "rope_parameters"
+             and (k in fields or k in aliases)}
     if set(rope) - {"rope_type", "rope_theta"} or rope.get("rope_type", "default") != "default":
         extra["rope_parameters"] = rope  # scaled RoPE (YaRN: GPT-OSS, Kimi K2) or partial rotation (GLM-4.5), kept whole
     if extra.get("head_dim") == out["d_model"] // out["n_heads"]:
