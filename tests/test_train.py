@@ -385,6 +385,50 @@ def test_muon_step_and_param_groups():
     assert torch.allclose(q.detach(), -0.01 * torch.sign(q.grad), atol=1e-6)  # Adam's first step
 
 
+def test_muon_orthogonalises_each_expert_of_a_fused_expert_weight():
+    """A mixture of experts' fused ``[experts, rows, cols]`` weight is a stack of matrices:
+    Muon refused it ('Muon groups may only hold 2-D parameters'), so the documented MoE
+    from-scratch run with the Muon config failed. Each expert gets the update its own matrix
+    would (to float32 rounding: a batched product may sum in another order)."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(3, 24, 16, generator=g) * torch.logspace(-1, 1, 16) for _ in range(2)]
+    stacked = torch.nn.Parameter(torch.randn(3, 24, 16, generator=g))
+    alone = [torch.nn.Parameter(stacked.detach()[e].clone()) for e in range(3)]
+    opts = [Muon([dict(params=[stacked], use_muon=True, weight_decay=0.1)], lr=0.01),
+            Muon([dict(params=alone, use_muon=True, weight_decay=0.1)], lr=0.01)]
+    for grad in grads:  # two steps: the momentum too
+        stacked.grad = grad.clone()
+        for e, p in enumerate(alone):
+            p.grad = grad[e].clone()
+        for opt in opts:
+            opt.step()
+    torch.testing.assert_close(stacked.detach(), torch.stack([p.detach() for p in alone]), rtol=1e-5, atol=1e-6)
+    wide = torch.randn(2, 16, 24, generator=g)  # the other orientation
+    torch.testing.assert_close(newton_schulz(wide), torch.stack([newton_schulz(m) for m in wide]),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="matrices"):
+        Muon([dict(params=[torch.nn.Parameter(torch.zeros(4))], use_muon=True)], lr=0.01)
+
+
+def test_muon_trains_a_mixture_of_experts_from_scratch(tmp_path):
+    """docs/upcycling.md's from-scratch MoE command with the Muon config: the expert weights
+    are in Muon's group."""
+    pytest.importorskip("transformers")
+    from attnres.hf.families.build import build_hf_model
+
+    config = ModelConfig.from_dict({
+        "hf_architecture": "qwen3_moe", "vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4,
+        "hf_config": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}})
+    model = build_hf_model(config)
+    groups = param_groups(model, weight_decay=0.1, muon=True)
+    assert any(p.dim() == 3 for p in groups[0]["params"]) and groups[0]["use_muon"]
+    opt = Muon(groups, lr=0.01)
+    model(torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8))).loss.backward()
+    before = [p.detach().clone() for p in groups[0]["params"]]
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, groups[0]["params"]) if p.grad is not None)
+
+
 def test_adamw_takes_torchs_default_foreach():
     """AdamW is built with torch's default implementation choice: the per-parameter loop on
     the CPU (what the exact-resume tests pin) and one ``_foreach`` kernel per operation over

@@ -7,10 +7,11 @@ that push every singular value of ``M`` towards 1. As in Liu et al., the orthogo
 scaled by ``0.2 * sqrt(max(rows, cols))`` so that its RMS matches a typical AdamW update and
 both parts share one learning rate, and weight decay is decoupled.
 
-Which parameter goes where (:func:`param_groups`): 2-D weights inside the transformer
-blocks get Muon (with weight decay); the token embedding and the LM head get AdamW with
-weight decay; every 1-D parameter - RMSNorm gains and the AttnRes pseudo-queries and key-norm
-gains - gets AdamW *without* weight decay (decaying a zero-initialised query towards zero, or
+Which parameter goes where (:func:`param_groups`): weight matrices inside the transformer
+blocks get Muon (with weight decay) - a mixture of experts' fused expert weights
+(``[experts, rows, cols]``) as one matrix per expert, orthogonalised side by side; the token
+embedding and the LM head get AdamW with weight decay; every 1-D parameter - RMSNorm gains
+and the AttnRes pseudo-queries and key-norm gains - gets AdamW *without* weight decay (decaying a zero-initialised query towards zero, or
 a gain towards zero, is not regularisation).
 """
 
@@ -27,18 +28,19 @@ MUON_RMS_SCALE = 0.2
 
 
 def newton_schulz(m: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Approximately orthogonalise a 2-D ``m``: same singular vectors, singular values near 1
-    (roughly within [0.7, 1.2] after 5 steps). Runs in float32."""
+    """Approximately orthogonalise the matrix ``m`` (``[rows, cols]``, or ``[..., rows, cols]``:
+    each matrix on its own): same singular vectors, singular values near 1 (roughly within
+    [0.7, 1.2] after 5 steps). Runs in float32."""
     a, b, c = NS_COEFFICIENTS
     x = m.float()
-    transpose = x.shape[0] > x.shape[1]
+    transpose = x.shape[-2] > x.shape[-1]
     if transpose:  # iterate on the wide orientation: the Gram matrix is the smaller one
-        x = x.T
-    x = x / (torch.linalg.matrix_norm(x) + eps)  # Frobenius norm >= spectral norm, so sigma <= 1
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + eps)  # Frobenius norm >= spectral norm, so sigma <= 1
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if transpose else x
+    return x.mT if transpose else x
 
 
 def orthogonalise(u: Tensor, steps: int) -> Tensor:
@@ -92,8 +94,9 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, groups: list[dict], lr: float, momentum: float = 0.95, ns_steps: int = 5,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
         for g in groups:
-            if g.get("use_muon") and any(p.dim() != 2 for p in g["params"]):
-                raise ValueError("Muon groups may only hold 2-D parameters")
+            if g.get("use_muon") and any(p.dim() < 2 for p in g["params"]):
+                raise ValueError("Muon groups may only hold matrices (parameters of 2 or more dimensions, "
+                                 "the leading ones stacking matrices)")
         defaults = dict(lr=lr, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps, weight_decay=0.0, use_muon=False)
         super().__init__(groups, defaults)
 
@@ -122,7 +125,7 @@ class Muon(torch.optim.Optimizer):
             grad = p.grad.float()
             buf.mul_(mu).add_(grad)
             update = orthogonalise(grad.add(buf, alpha=mu), group["ns_steps"])
-            scale = MUON_RMS_SCALE * math.sqrt(max(p.shape))
+            scale = MUON_RMS_SCALE * math.sqrt(max(p.shape[-2:]))
             p.mul_(1.0 - lr * wd)
             p.add_(update.to(p.dtype), alpha=-lr * scale)
 
