@@ -18,7 +18,7 @@ from test_train import overrides, write_corpus  # noqa: E402
 from attnres.checkpoint import checkpoint_dirs  # noqa: E402
 from attnres.checkpoint.manifest import STATE_FILE, seal_state  # noqa: E402
 from attnres.cli import main as cli_main  # noqa: E402
-from attnres.train import load_config, train  # noqa: E402
+from attnres.train import latest_checkpoint, load_config, train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -486,6 +486,20 @@ def test_resume_and_resume_from_together_are_refused(tmp_path, finished_run, cor
     fails_with(capsys, ["train", *overrides(corpus, finished_run, steps=4), "--resume", "--resume-from",
                         str(finished_run / "checkpoints" / "step-00000002")],
                "TrainConfig.resume and resume_from are exclusive")
+
+
+def test_resume_with_another_init_from_is_refused(tmp_path, finished_run, corpus, capsys):
+    """init_from on a resume was ignored without a word, even a path that does not exist; the
+    run's own init_from (its first command again, with --resume) still resumes."""
+    fails_with(capsys, ["train", *overrides(corpus, copy_run(finished_run, tmp_path / "a"), steps=4),
+                        f"init_from={tmp_path / 'nowhere'}", "--resume"],
+               "with init_from=", "nowhere", "continues its checkpoint's weights", "drop init_from")
+    start = overrides(corpus, tmp_path / "b", steps=4, checkpoint_every=2, init_from=str(finished_run))
+    assert cli_main(["train", *start, "stop_after=2"]) == 0
+    assert cli_main(["train", *start, "--resume"]) == 0
+    assert latest_checkpoint(tmp_path / "b").name == "step-00000004"
+    fails_with(capsys, ["train", *overrides(corpus, tmp_path / "b", steps=4, init_from=str(tmp_path / "a")),
+                        "--resume"], "the run started from init_from=")
 
 
 def test_a_half_written_checkpoint_is_removed_and_said_at_the_next_start(tmp_path, finished_run, corpus, capsys):

@@ -3,7 +3,7 @@ fine-tuning starts (``init_from``). Finding the checkpoint is :mod:`attnres.chec
 
 * :func:`check_resumable` - the config may differ only in fields that do not change the
   trajectory; ``steps`` only where the learning rate of every step already taken stays the
-  same (:func:`schedule_change`).
+  same (:func:`schedule_change`); ``init_from`` only by being left out.
 * :func:`check_progress` - the checkpoint's step and ``tokens_seen`` agree (every step
   consumed ``tokens_per_step`` tokens).
 * :func:`check_data` - the data's fingerprint must match the checkpoint's, unless
@@ -13,6 +13,7 @@ fine-tuning starts (``init_from``). Finding the checkpoint is :mod:`attnres.chec
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError, Source
@@ -55,6 +56,12 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
     ``saved``): a field that changes the trajectory differs, or ``steps`` changes the
     learning rate of the steps already taken, or falls below them."""
     old, new = flatten(_normalised(saved)), flatten(current)
+    if new.get("init_from") is not None and not _same_path(new["init_from"], old.get("init_from")):
+        # init_from may stay as it was (the run's first command again, with --resume); another
+        # one would be ignored without a word: the checkpoint's weights are what continues.
+        raise ValueError(f"cannot resume from {str(source.path)!r} with init_from={new['init_from']!r}: a resumed run "
+                         f"continues its checkpoint's weights (the run started from init_from={old.get('init_from')!r});"
+                         " drop init_from to resume, or start a new run (another out_dir) from those weights")
     differing = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
     if differing:
         raise ValueError(f"cannot resume from {str(source.path)!r}: the config differs in {differing} "
@@ -74,6 +81,10 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
             f"weights with init_from={str(source.path)} (fresh optimiser and schedule), or, for a schedule you mean to "
             "extend, use schedule=wsd or constant: their steps may change on resume while the learning rate of the "
             "steps already taken stays the same (WSD: before the decay starts).")
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    return b is not None and (a == b or Path(a).resolve() == Path(b).resolve())
 
 
 def check_progress(source: Source) -> None:
