@@ -488,6 +488,15 @@ def test_resume_and_resume_from_together_are_refused(tmp_path, finished_run, cor
                "TrainConfig.resume and resume_from are exclusive")
 
 
+@pytest.mark.parametrize("change", ["seq_len=16", "batch_size=2"])
+def test_a_changed_window_on_resume_is_named(tmp_path, finished_run, corpus, capsys, change):
+    """The sampler's state, loaded with the data, used to refuse it first: 'sampler state does
+    not match the data: checkpoint has n_windows=...'."""
+    run = copy_run(finished_run, tmp_path / "a")
+    fails_with(capsys, ["train", *overrides(corpus, run, steps=4), change, "--resume"],
+               f"the config differs in ['{change.split('=')[0]}']")
+
+
 def test_resume_with_another_init_from_is_refused(tmp_path, finished_run, corpus, capsys):
     """init_from on a resume was ignored without a word, even a path that does not exist; the
     run's own init_from (its first command again, with --resume) still resumes."""

@@ -73,7 +73,7 @@ from .lock import RunLock, lock_run_dir
 from .metrics import MetricsLogger
 from .optim import build_optimizer
 from .out_dir import OutDirError, check_out_dir, os_cause
-from .resume import check_resumable
+from .resume import check_resumable, check_resumable_before_data
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
 from .signals import StopSignals
@@ -193,6 +193,8 @@ class Trainer:
         self.lock = lock_run_dir(self.out_dir, ctx, self._main_first)
         try:
             self.start = locate_start(config, self.main, self._main_first)
+            if self.start.resume is not None:  # what differs named before the data is read and checked
+                check_resumable_before_data(self.start.resume.state["config"], config.to_dict(), self.start.resume)
             self.config, self.data = prepare_run_data(config, self.start, self._main_first)
             if self.start.resume is not None:
                 check_resumable(self.start.resume.state["config"], self.config.to_dict(), self.start.resume)

@@ -83,6 +83,16 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
             "steps already taken stays the same (WSD: before the decay starts).")
 
 
+def check_resumable_before_data(saved: dict[str, Any], current: dict[str, Any], source: Source) -> None:
+    """:func:`check_resumable` before the data is read, when ``current``'s vocabulary is not
+    yet the tokenizer's (it is set from the data): the vocabulary taken as the checkpoint's, so
+    that a changed ``seq_len`` or ``batch_size`` is named as such rather than met as a sampler
+    that does not fit. The full check follows once the data is read."""
+    model = dict(current["model"])
+    model["vocab_size"] = (_normalised(saved).get("model") or {}).get("vocab_size", model["vocab_size"])
+    check_resumable(saved, {**current, "model": model}, source)
+
+
 def _same_path(a: str, b: str | None) -> bool:
     return b is not None and (a == b or Path(a).resolve() == Path(b).resolve())
 
