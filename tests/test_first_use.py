@@ -488,6 +488,28 @@ def test_resume_and_resume_from_together_are_refused(tmp_path, finished_run, cor
                "TrainConfig.resume and resume_from are exclusive")
 
 
+def test_ctrl_c_outside_the_training_loop_ends_with_one_line(tmp_path, finished_run, corpus, capsys, monkeypatch):
+    """Ctrl-C while the data was tokenised printed a 40-line traceback and exited 1."""
+    import dataclasses
+
+    from attnres import cli
+    from attnres.train import setup
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(setup, "prepare_data", interrupted)
+    assert cli_main(["train", *overrides(corpus, tmp_path / "run")]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().endswith(
+        "attnres train: interrupted before a checkpoint was written; run the same command again (with --resume "
+        "where the run already has checkpoints)")
+    assert not (tmp_path / "run").exists()  # the directory it had made is gone again
+    monkeypatch.setitem(cli.COMMANDS, "export", dataclasses.replace(cli.COMMANDS["export"], run=interrupted))
+    assert cli_main(["export", "--checkpoint", str(finished_run), "--out", str(tmp_path / "hf")]) == 130
+    assert capsys.readouterr().err.strip().endswith("attnres export: interrupted")
+
+
 @pytest.mark.parametrize("change", ["seq_len=16", "batch_size=2"])
 def test_a_changed_window_on_resume_is_named(tmp_path, finished_run, corpus, capsys, change):
     """The sampler's state, loaded with the data, used to refuse it first: 'sampler state does

@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     resolve_checkpoint(args)
     try:
         return command.run(args, parser)
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop's own handling: one line, not a traceback
+        print(f"attnres {args.command}: interrupted", file=sys.stderr)
+        return 130
     except ImportError as e:
         message = missing_extra([args.command], e)
         if message is None:
