@@ -543,5 +543,10 @@ def _load_init_weights(source, model: nn.Module, config: TrainConfig) -> None:
     except CheckpointError as e:
         saved, ours = flatten(source.state["config"]["model"]), flatten(config.model.to_dict())
         differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
-        raise CheckpointError(f"init_from: {e}; the checkpoint's model differs from this run's in "
-                              f"{['model.' + k for k in differing]}") from None
+        if not differing:
+            raise CheckpointError(f"init_from: {e}") from None
+        # The fields first and alone: the load's own error lists every tensor that does not fit.
+        values = ", ".join(f"model.{k}: {saved.get(k)!r} there, {ours.get(k)!r} here" for k in differing)
+        raise CheckpointError(f"init_from={str(source.path)!r}: its weights do not fit this run's model, which differs "
+                              f"from the checkpoint's in {['model.' + k for k in differing]} ({values}); set those "
+                              "fields as the checkpoint has them") from None
