@@ -215,6 +215,8 @@ def test_unsupported_layouts_are_refused_with_the_reason():
         upcycle(base_model("llama"), "no_such_residual")
     with pytest.raises(ValueError, match="autocast_norm_output applies to attnres' own transformer blocks"):
         upcycle(base_model("llama"), {"kind": "attnres_block", "autocast_norm_output": True})
+    with pytest.raises(ValueError, match="'attnres_llama' is already an AttnRes model .*upcycle the original"):
+        upcycle(upcycle(base_model("llama")))  # was: 'its decoder layout is not recognised'
 
 
 # -- attnres upcycle and attnres train on a family model ----------------------------------
@@ -349,6 +351,23 @@ def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(
         assert "post-norm layout" in message
     else:
         assert "holds no tokenizer (none of tokenizer.json" in message and "copy the tokenizer files" in message
+    assert not (tmp_path / "up").exists()
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (["--block-size", "0"], "--block-size must be an integer >= 1 (sublayers per block); got 0"),
+    (["--residual", "attnres_ful"], "--residual: ModelConfig.residual.kind must be one of"),
+    (["--residual", "standard", "--block-size", "4"], "--block-size is Block AttnRes' S; --residual standard takes none"),
+])
+def test_upcycle_options_are_checked_before_the_model_loads(tmp_path, monkeypatch, options, fragment):
+    """They were checked after loading (minutes for a large GGUF), or not at all."""
+    from attnres.cli import main as cli_main
+    from attnres.hf.upcycle import io
+
+    monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model before the options"))
+    with pytest.raises(SystemExit) as info:
+        cli_main(["upcycle", "--model", "smollm2", "--out", str(tmp_path / "up"), *options])
+    assert str(info.value).startswith("attnres upcycle: error: ") and fragment in str(info.value), info.value
     assert not (tmp_path / "up").exists()
 
 

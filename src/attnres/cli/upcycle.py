@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 
-
-
 def add_parser(sub) -> None:
     up = sub.add_parser(
         "upcycle",
@@ -28,9 +26,21 @@ def run(args, parser) -> int:
 
 
 def run_upcycle(args) -> int:
-    """``attnres upcycle``: write the AttnRes version of a pretrained model."""
+    """``attnres upcycle``: write the AttnRes version of a pretrained model. The options are
+    checked before the model loads (a large GGUF takes minutes to de-quantise)."""
     from ..hf.upcycle.io import upcycle_directory
+    from ..nn.residual import residual_class
 
+    try:
+        residual_class(args.residual)
+    except ValueError as e:
+        raise SystemExit(f"attnres upcycle: error: --residual: {e}") from None
+    if args.block_size is not None and args.block_size < 1:
+        raise SystemExit(f"attnres upcycle: error: --block-size must be an integer >= 1 (sublayers per block); "
+                         f"got {args.block_size}")
+    if args.block_size is not None and args.residual != "attnres_block":
+        raise SystemExit(f"attnres upcycle: error: --block-size is Block AttnRes' S; --residual {args.residual} "
+                         "takes none (use --residual attnres_block, the default)")
     try:
         out = upcycle_directory(args.model, args.out, args.residual, args.block_size, not args.no_exact_eps)
     except (ValueError, OSError) as e:

@@ -140,5 +140,9 @@ def layout_of(model_type: str) -> Layout:
         return FAMILIES[model_type]
     if model_type in REFUSED:
         raise ValueError(f"cannot upcycle model_type {model_type!r}: {REFUSED[model_type]}")
+    if model_type.startswith(PREFIX) and family_of(model_type) in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is already an AttnRes model (an upcycled "
+                         f"{family_of(model_type)!r}): train it on with `attnres train model.from_hf=DIR init_from=DIR`, "
+                         "or upcycle the original model")
     raise ValueError(f"cannot upcycle model_type {model_type!r}: its decoder layout is not recognised (AttnRes needs "
                      f"a PreNorm layout it knows exactly); supported: {', '.join(sorted(FAMILIES))}")
