@@ -183,6 +183,13 @@ def test_bad_output_places_end_with_one_line_before_any_work(tmp_path, finished_
                    f"attnres export: error: --out '{out}' cannot be created")
     fails_with(capsys, ["export", "--checkpoint", str(finished_run), "--out", str(a_file / "hf")],
                f"'{a_file}' is a file, not a directory")
+    # a run's directory or checkpoint: the export's config.json replaced the run's training config
+    before = tree(finished_run)
+    for out, what in ((finished_run, "a training run's directory"),
+                      (finished_run / "checkpoints" / "step-00000004", "a training checkpoint")):
+        fails_with(capsys, ["export", "--checkpoint", str(finished_run), "--out", str(out)],
+                   f"attnres export: error: --out '{out}' is {what}", "replace its config.json")
+    assert tree(finished_run) == before
     for out in (a_file, read_only / "cmp"):
         fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out)], f"attnres compare: error: --out '{out}'")
     for cache in (a_file, read_only / "cache"):

@@ -371,6 +371,18 @@ def test_upcycle_options_are_checked_before_the_model_loads(tmp_path, monkeypatc
     assert not (tmp_path / "up").exists()
 
 
+def test_upcycle_into_a_training_run_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from attnres.cli import main as cli_main
+    from attnres.hf.upcycle import io
+
+    monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text("{}")  # the run's TrainConfig, which the upcycle's would replace
+    with pytest.raises(SystemExit, match="--out .* is a training run's directory .*replace its config.json"):
+        cli_main(["upcycle", "--model", "smollm2", "--out", str(tmp_path / "run")])
+    assert (tmp_path / "run" / "config.json").read_text() == "{}"
+
+
 def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):
     """An embedding with more rows than the tokenizer has tokens (as Qwen2.5 / Qwen3 pad
     theirs): `attnres train model.from_hf=U init_from=U` keeps the checkpoint's embedding (it

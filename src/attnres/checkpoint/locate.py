@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..output_paths import OutputPathError
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
-__all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "set_aside_newer",
-           "verify_checkpoint"]
+__all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_training_output",
+           "set_aside_newer", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -58,6 +59,22 @@ def is_hf_directory(path: str | Path) -> bool:
     """A ``save_pretrained`` directory: a ``config.json`` and no checkpoint of ours."""
     path = Path(path)
     return (path / "config.json").is_file() and not (path / STATE_FILE).exists() and not (path / "checkpoints").is_dir()
+
+
+def refuse_training_output(path: str | Path, what: str = "--out") -> None:
+    """Raise :class:`~attnres.output_paths.OutputPathError` when ``path`` is a training run's
+    directory (it holds ``checkpoints/``) or one of its checkpoints (a ``state.json``): a
+    command writing a Hugging Face directory there would replace the run's ``config.json``,
+    which ``--resume``, ``analyze`` and the experiment reports read."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        found = "a training run's directory (it holds checkpoints/)"
+    elif (path / STATE_FILE).is_file():
+        found = f"a training checkpoint (it holds {STATE_FILE})"
+    else:
+        return
+    raise OutputPathError(f"{what} {str(path)!r} is {found}: a Hugging Face directory written there would replace "
+                          "its config.json; pick another directory")
 
 
 def no_checkpoint_at(location: str | Path) -> str:

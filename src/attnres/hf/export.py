@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerFast
 
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
+from ..checkpoint.locate import refuse_training_output
 from ..inference.loading import load_run, load_tokenizer
 from ..models import AttnResLM
 from ..output_paths import OutputPathError, check_output_dir, os_cause
@@ -112,6 +113,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
     Raises ``ValueError`` (before any work) when ``out_dir`` cannot be written (a file in the
     way, a read-only file system), and when writing it fails."""
     out = check_output_dir(out_dir)
+    refuse_training_output(out)
     run = load_run(checkpoint)
     model = run.model
     tokenizer = load_tokenizer(run, tokenizer_path)  # refuses a vocabulary that is not the model's

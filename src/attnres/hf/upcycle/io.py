@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
 from ...output_paths import check_output_dir
 from .convert import upcycle
@@ -104,6 +105,7 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
     ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on)."""
     out = check_output_dir(out, "--out")
+    refuse_training_output(out)
     model, tokenizer = load_pretrained(source, gguf_file, dtype)
     upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)
     out.mkdir(parents=True, exist_ok=True)
