@@ -1050,6 +1050,14 @@ def test_kernel_is_built_once_into_the_cache(kernel, fresh_build):
     assert cpu_kernel.cpu_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
 
+def test_a_compiler_command_with_arguments_builds(kernel, fresh_build, monkeypatch):
+    """$CC may be a command line (``ccache cc``); it was taken as one file name: 'No such file
+    or directory: ...'."""
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    monkeypatch.setenv("CC", f"env LC_ALL=C {real}")
+    assert cpu_kernel.cpu_kernel() is not None and len(list(fresh_build.rglob("*.so"))) == 1
+
+
 def test_build_retries_without_the_flags_a_compiler_refuses(kernel, fresh_build, monkeypatch):
     """A compiler that rejects ``-march=native`` and ``-fopenmp`` (here: a wrapper around the
     real one) still gets the kernel built - one warning, and the results are the same."""

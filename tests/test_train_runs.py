@@ -380,8 +380,11 @@ def test_plain_warnings_shorten_only_the_packages_own(capsys):
         with common.plain_warnings():
             warnings.warn_explicit("ours", UserWarning, str(common._PACKAGE_DIR / "train" / "loop.py"), 7)
             warnings.warn_explicit("theirs", UserWarning, "/elsewhere/module.py", 3)
+            # one that names the package for Python's display names it once ('attnres: warning: attnres: ...')
+            warnings.warn_explicit("attnres: the CPU kernel could not be built", UserWarning,
+                                   str(common._PACKAGE_DIR / "ops" / "depth_attention" / "cpu_kernel.py"), 9)
         assert warnings.showwarning is before
-    assert capsys.readouterr().err == "attnres: warning: ours\n"
+    assert capsys.readouterr().err == "attnres: warning: ours\nattnres: warning: the CPU kernel could not be built\n"
     assert [(str(w.message), w.filename, w.lineno) for w in shown] == [("theirs", "/elsewhere/module.py", 3)]
 
 

@@ -194,8 +194,8 @@ def plain_warnings(program: str = "attnres") -> Iterator[None]:
         if not ours:
             return original(message, category, filename, lineno, file, line)
         stream = sys.stderr if file is None else file
-        if stream is not None:
-            stream.write(f"{program}: warning: {message}\n")
+        if stream is not None:  # a warning that names the package for Python's format names it once
+            stream.write(f"{program}: warning: {str(message).removeprefix('attnres: ')}\n")
 
     with warnings.catch_warnings():
         warnings.showwarning = show

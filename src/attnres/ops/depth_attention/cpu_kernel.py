@@ -29,6 +29,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -71,22 +72,23 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compile(compiler: str, flags: Sequence[str], target: Path) -> None:
+def _compile(compiler: list[str], flags: Sequence[str], target: Path) -> None:
     """Compile into a file of this process's own, then rename it into place (atomic)."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+        subprocess.run([*compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _build(compiler: str) -> Path:
-    """The compiled library (from the cache, or built now): with every flag, else without
-    the flags the compiler refuses (a warning names them)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+def _build(compiler: list[str]) -> Path:
+    """The compiled library (from the cache, or built now) by ``compiler`` (a command line:
+    ``$CC`` may be ``ccache cc``): with every flag, else without the flags the compiler refuses
+    (a warning names them)."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_id().encode()]))
     target = _cache_dir() / "cpu-kernels" / f"attnres_depth_attention-{key.hexdigest()[:16]}.so"
@@ -194,8 +196,8 @@ def cpu_kernel() -> KernelLibrary | None:
     (``ATTNRES_CPU_KERNEL=0``) or cannot be built here (a warning says why, once)."""
     if os.environ.get("ATTNRES_CPU_KERNEL", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC", "")) or [c for c in [shutil.which("cc") or shutil.which("gcc")] if c]
+    if not compiler:
         warnings.warn("attnres: no C compiler found (set $CC); depth attention runs its PyTorch implementation on CPU",
                       stacklevel=2)
         return None
