@@ -22,7 +22,8 @@ import attnres
 from attnres import AttnResLM, ModelConfig, registered_residuals
 from attnres.nn import BlockAttnRes, FullAttnRes, StandardResidual
 from attnres.models.trunk import run_sublayers
-from attnres.nn.residual import AttnResAblation, DepthHistory, ResidualStream, residual_class
+from attnres.nn.residual import AttnResAblation, DepthHistory, ResidualConfig, ResidualStream, residual_class
+from attnres.train import TrainConfig
 
 # (overrides, batch, seq): S dividing L, S not dividing L, S = 1, S >= L, odd widths, batch 1, seq 1.
 SHAPES = [
@@ -455,6 +456,15 @@ def test_unknown_config_key_and_preset():
         ModelConfig.from_dict({"hidden": 3})
     with pytest.raises(ValueError, match="unknown preset 'huge'; available"):
         ModelConfig.preset("huge")
+    # the constructors: Python's bare 'unexpected keyword argument' named no field
+    with pytest.raises(TypeError, match=r"ModelConfig: unknown field\(s\) \['dropout'\]; known fields: \['d_model'"):
+        ModelConfig(d_model=64, dropout=0.1)
+    with pytest.raises(TypeError, match=r"TrainConfig: unknown field\(s\) \['stpes'\] \(did you mean 'steps'\?\)"):
+        TrainConfig(stpes=3)
+    with pytest.raises(TypeError, match=r"ResidualConfig: unknown field\(s\) \['blocksize'\] \(did you mean 'block_size'"):
+        ResidualConfig(blocksize=4)
+    with pytest.warns(DeprecationWarning):  # a renamed key still migrates first
+        assert ResidualConfig(kernels="torch").backend == "torch"
 
 
 def test_config_round_trip_and_derived_values():

@@ -22,6 +22,7 @@ old spelling), the old key is the one the user just wrote, and it wins.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import warnings
 from typing import Any, Callable
@@ -183,11 +184,19 @@ def renamed_attribute(obj: Any, name: str, renames: dict[str, tuple[str, ...]], 
 
 def accept_old_keys(cls: type, migrate: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Make the constructor of the dataclass ``cls`` pass its keyword arguments through
-    ``migrate`` first (one of the functions above), keeping its signature and docstring."""
+    ``migrate`` first (one of the functions above), keeping its signature and docstring; an
+    unknown keyword raises ``TypeError`` naming the known fields (and the nearest one)."""
     init = cls.__init__
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
 
     def __init__(self, *args, **kwargs) -> None:
-        init(self, *args, **migrate(kwargs))
+        kwargs = migrate(kwargs)
+        unknown = [k for k in kwargs if k not in fields]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], fields, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}{hint}; known fields: {sorted(fields)}")
+        init(self, *args, **kwargs)
 
     __init__.__doc__ = init.__doc__
     __init__.__signature__ = inspect.signature(init)
