@@ -58,8 +58,11 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: train-cpu\nlr: 1.0e-3\n")
     assert cli_main(["train", "--config", str(cfg), "--print-config", "model.residual=standard", "steps=7"]) == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out)  # the comment on the vocabulary does not change what loads
     assert printed == load_config(cfg, ["model.residual=standard", "steps=7"]).to_dict()
+    assert out.endswith("# model.vocab_size is replaced by the tokenizer's vocabulary when the run starts (data.tokenizer, "
+                        "data.vocab_size; an init_from or resumed model's padded embedding keeps its size)\n")
     assert printed["model"]["d_model"] == 128 and printed["lr"] == 1e-3  # the train-cpu preset, the file's lr
     assert not (tmp_path / "runs").exists()
 
@@ -91,7 +94,9 @@ def test_config_file_as_a_positional_argument(capsys, tmp_path):
     assert "one config file at most" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["train", str(tmp_path / "missing.yaml"), "--print-config"])
-    assert "'" + str(tmp_path / "missing.yaml") + "' is neither a key=value override nor a config file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "attnres train: error: '" + str(tmp_path / "missing.yaml") + "' is neither a key=value override nor a config file" in err
+    assert err.startswith("usage: attnres train ")  # train's usage, not the top level's
 
 
 class _Ended(Exception):

@@ -43,7 +43,7 @@ def accepts_extra(argument: str) -> bool:
 
 
 def run(args, parser) -> int:
-    config, overrides = _config_file_and_overrides(parser, args.config, args.overrides)
+    config, overrides = _config_file_and_overrides(parser.commands["train"], args.config, args.overrides)
     flags = (["resume=true"] if args.resume else []) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
     return run_train(config, overrides + flags, args.print_config)
 
@@ -116,6 +116,9 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
             import yaml
 
             print(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), end="")
+            # (a YAML comment: the printed config still loads as it is)
+            print("# model.vocab_size is replaced by the tokenizer's vocabulary when the run starts (data.tokenizer, "
+                  "data.vocab_size; an init_from or resumed model's padded embedding keeps its size)")
             return 0
         apply_cpu_allocator(config.to_dict())
         result = train(config)
