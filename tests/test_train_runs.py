@@ -340,6 +340,10 @@ def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
     assert f"device  cpu{retained}, float32" in text
     train(load_config(None, overrides(corpus_file, run, resume="true", **{"model.residual": "standard"})))
     assert f"resuming '{latest_checkpoint(run).parent / 'step-00000002'}' at step 2; steps 3-6" in capsys.readouterr().out
+    # nothing left (it said 'steps 7-6 of 6 (0 to go)'), and a stop_after already passed
+    for more, limit in (({}, "steps=6"), ({"stop_after": 3}, "stop_after=3")):
+        train(load_config(None, overrides(corpus_file, run, resume="true", **{"model.residual": "standard"}, **more)))
+        assert f"at step 6; nothing to train: the run is at step 6 and {limit} ends it there" in capsys.readouterr().out
 
 
 def test_the_command_prints_its_set_up_then_its_warnings_then_the_bar(tmp_path, corpus_file, monkeypatch, capsys):

@@ -69,8 +69,13 @@ def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     if config.warmup_steps >= config.steps:
         lr += (f" (peak {config.lr * config.steps / config.warmup_steps:.3g}: warmup_steps {config.warmup_steps} >= steps "
                f"{config.steps})")
+    if to_go:
+        head = f"attnres train: {facts.start}; steps {facts.first_step + 1}-{end} of {config.steps} ({to_go} to go{stop})"
+    else:  # it printed 'steps 41-40 of 40 (0 to go)'
+        limit = f"stop_after={config.stop_after}" if end < config.steps else f"steps={config.steps}"
+        head = f"attnres train: {facts.start}; nothing to train: the run is at step {facts.first_step} and {limit} ends it there"
     lines = [
-        f"attnres train: {facts.start}; steps {facts.first_step + 1}-{end} of {config.steps} ({to_go} to go{stop})",
+        head,
         f"  model   {facts.parameters:,} parameters; residual {config.model.describe_residual()}; d_model {model.get('d_model')}, "
         f"{model.get('n_layers')} transformer blocks, vocabulary {model.get('vocab_size')}",
         f"  tokens  {config.tokens_per_step:,} per step (batch {config.batch_size} x seq_len {config.seq_len} x "
