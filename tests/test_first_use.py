@@ -517,6 +517,17 @@ def test_ctrl_c_outside_the_training_loop_ends_with_one_line(tmp_path, finished_
     assert capsys.readouterr().err.strip().endswith("attnres export: interrupted")
 
 
+def test_a_run_whose_every_checkpoint_is_corrupt_says_how_to_start_over(tmp_path, finished_run, corpus, capsys):
+    """--resume said only that none verifies, a fresh start to set resume=true: a dead end."""
+    run = copy_run(finished_run, tmp_path / "a")
+    for step in checkpoint_dirs(run):
+        (step / STATE_FILE).write_text("garbage")
+    before = tree(run)
+    fails_with(capsys, ["train", *overrides(corpus, run, steps=4), "--resume"], "verifies",
+               f"Nothing to resume from: to train from the start, move '{run / 'checkpoints'}' out of the way")
+    assert tree(run) == before  # kept for the user to inspect
+
+
 @pytest.mark.parametrize("change", ["seq_len=16", "batch_size=2"])
 def test_a_changed_window_on_resume_is_named(tmp_path, finished_run, corpus, capsys, change):
     """The sampler's state, loaded with the data, used to refuse it first: 'sampler state does

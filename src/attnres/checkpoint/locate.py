@@ -124,8 +124,10 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
             warnings.warn(f"falling back to the newest valid checkpoint {str(path)!r} (step {state['step']})",
                           stacklevel=3)
         return Source(path, state)
-    if bad:
-        raise CheckpointError(f"no checkpoint in {str(location)!r} verifies: " + "; ".join(p for _, p in bad))
+    if bad:  # nothing to fall back to: kept where it is, for the user to inspect
+        raise CheckpointError(f"no checkpoint in {str(location)!r} verifies: " + "; ".join(p for _, p in bad)
+                              + f". Nothing to resume from: to train from the start, move {str(location / 'checkpoints')!r}"
+                              " out of the way (or pick another out_dir)")
     return None
 
 
