@@ -13,7 +13,7 @@ import yaml  # noqa: E402
 from test_train import overrides, write_corpus  # noqa: E402
 
 import attnres  # noqa: E402
-from attnres.cli import main as cli_main  # noqa: E402
+from attnres.cli import build_parser, main as cli_main  # noqa: E402
 from attnres import registered_residuals  # noqa: E402
 from attnres.train.config import flatten  # noqa: E402
 from attnres.train import TrainConfig, load_config  # noqa: E402
@@ -157,3 +157,10 @@ def test_missing_arguments_name_only_what_is_required(capsys):
         with pytest.raises(SystemExit):
             cli_main(argv)
         assert capsys.readouterr().err.rstrip().endswith(f"error: the following arguments are required: {required}")
+
+
+def test_the_commands_that_run_a_model_share_the_device_default():
+    """analyze defaulted to the CPU where generate and eval take CUDA when there is one."""
+    parser = build_parser()
+    defaults = {name: parser.commands[name].get_default("device") for name in ("analyze", "eval", "generate")}
+    assert defaults == {"analyze": "auto", "eval": "auto", "generate": "auto"}

@@ -517,6 +517,17 @@ def test_ctrl_c_outside_the_training_loop_ends_with_one_line(tmp_path, finished_
     assert capsys.readouterr().err.strip().endswith("attnres export: interrupted")
 
 
+def test_a_compiled_decode_says_that_it_compiles(finished_run, capsys, monkeypatch):
+    """`generate --decode compiled` was silent for the ~20 s torch.compile takes."""
+    import attnres.inference as inference
+
+    monkeypatch.setattr(inference, "stream", lambda *a, **k: iter(()))  # the compile itself: test_static_decode
+    for decode, said in (("compiled", True), ("static", False)):
+        assert cli_main(["generate", str(finished_run), "--prompt", "the", "--decode", decode]) == 0
+        err = capsys.readouterr().err
+        assert ("attnres generate: compiling the decode step (torch.compile; the first token waits for it)" in err) is said
+
+
 def test_a_run_whose_every_checkpoint_is_corrupt_says_how_to_start_over(tmp_path, finished_run, corpus, capsys):
     """--resume said only that none verifies, a fresh start to set resume=true: a dead end."""
     run = copy_run(finished_run, tmp_path / "a")

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
     an.add_argument("--rows", type=int, default=8, help="windows of the validation split analysed (default 8)")
     an.add_argument("--seq-len", type=int, help="tokens per window (default min(128, the model's max_seq_len))")
     an.add_argument("--text", help="a text file to analyse instead of the run's validation split")
-    an.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    an.add_argument("--device", default="auto", help="auto (CUDA when available; default), cpu, cuda or cuda:N")
 
 
 def run(args, parser) -> int:

@@ -123,6 +123,9 @@ def run_generate(args) -> int:
                         top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed))
         if isinstance(model, AttnResLM):
             decode = resolve_decode(model, args.decode)
+            if decode == "compiled":  # otherwise tens of seconds pass without a word before the first token
+                print("attnres generate: compiling the decode step (torch.compile; the first token waits for it)",
+                      file=sys.stderr, flush=True)
             steps = stream(model, torch.tensor([ids], device=device), chunk_size=args.chunk_size, decode=decode,
                            **sampling)
         else:  # a transformers model (model.hf_architecture, or a directory): over its own cache
