@@ -517,6 +517,24 @@ def test_ctrl_c_outside_the_training_loop_ends_with_one_line(tmp_path, finished_
     assert capsys.readouterr().err.strip().endswith("attnres export: interrupted")
 
 
+def test_checkpoints_and_exports_are_as_readable_as_the_umask_allows(tmp_path, corpus, capsys):
+    """safetensors writes 0600: a checkpoint's or an export's weights were unreadable to the
+    user's colleagues (or a server running as another user) beside a readable state.json."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        train(load_config(None, overrides(corpus, tmp_path / "run", steps=2)))
+        assert cli_main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    files = [*latest_checkpoint(tmp_path / "run").iterdir(), *(tmp_path / "hf").iterdir()]
+    assert {p.name for p in files} >= {"model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json",
+                                       "config.json"}
+    assert [(str(p), oct(stat.S_IMODE(p.stat().st_mode))) for p in files] == [(str(p), "0o644") for p in files]
+
+
 def test_a_compiled_decode_says_that_it_compiles(finished_run, capsys, monkeypatch):
     """`generate --decode compiled` was silent for the ~20 s torch.compile takes."""
     import attnres.inference as inference

@@ -14,8 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way", "not_a_directory",
-           "os_cause", "write_text_atomically"]
+__all__ = ["OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way", "honour_umask",
+           "not_a_directory", "os_cause", "write_text_atomically"]
 
 
 class OutputPathError(ValueError):
@@ -39,6 +39,17 @@ def not_a_directory(what: str, path: Path, blocker: Path) -> OutputPathError:
     """The error for ``path`` (of setting ``what``) where ``blocker``, a file, is in the way."""
     where = "it is a file" if blocker == path else f"{str(blocker)!r} is a file"
     return OutputPathError(f"{what} {str(path)!r} cannot be used: {where}, not a directory; pick another {what}")
+
+
+def honour_umask(paths) -> None:
+    """Give the files ``paths`` the permissions a plain ``open`` would have (``0o666`` less the
+    process's umask). safetensors (0.6 and later) writes through a private temporary file and
+    leaves ``0600``: a checkpoint or export that the user's colleagues, or a server running as
+    another user, could not read, beside a ``state.json`` and ``config.json`` they can."""
+    mask = os.umask(0)  # the only way to read it; set back at once
+    os.umask(mask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~mask)
 
 
 def _probe(directory: Path) -> None:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from ..output_paths import honour_umask
+
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
 PREFIX = "step-"
@@ -137,6 +139,7 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
     """The last steps of every checkpoint writer: hash ``names`` (files under ``tmp``) into
     the state file ``{**head, "files": ..., **tail}``, fsync it, move ``tmp`` to ``final`` in
     one rename, and keep only the newest ``keep`` checkpoints of ``out_dir``."""
+    honour_umask(p for p in tmp.rglob("*.safetensors") if p.is_file())
     listing = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
     with (tmp / STATE_FILE).open("w") as f:
         json.dump(seal_state({**head, "files": listing, **tail}), f, indent=1)

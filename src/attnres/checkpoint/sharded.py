@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from ..output_paths import honour_umask
 from .manifest import (
     FORMAT_VERSION,
     RNG_FILE,
@@ -271,4 +272,5 @@ def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
     in one process, into ``out`` (default: ``path``). Returns the file written."""
     target = Path(out or path) / "model.safetensors"
     save_file({k: v.contiguous() for k, v in read_sharded_tensors(path).items()}, str(target))
+    honour_umask([target])
     return target

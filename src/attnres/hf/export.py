@@ -36,7 +36,7 @@ from ..inference.loading import load_model as load_native_checkpoint  # noqa: F4
 from ..checkpoint.locate import refuse_training_output
 from ..inference.loading import load_run, load_tokenizer
 from ..models import AttnResLM
-from ..output_paths import OutputPathError, check_output_dir, os_cause
+from ..output_paths import OutputPathError, check_output_dir, honour_umask, os_cause
 from .modeling import AttnResForCausalLM
 
 #: The exported tokenizer's chat template: our models learn plain text, so a conversation is
@@ -128,6 +128,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
         out.mkdir(parents=True, exist_ok=True)
         hf.save_pretrained(out)
         hf_tok.save_pretrained(out)
+        honour_umask(out.glob("*.safetensors"))
     except OSError as e:  # a disk that filled up since the check
         raise OutputPathError(f"--out {str(out)!r}: writing the Hugging Face directory failed: {os_cause(e)}") from None
     if not (out / "config.json").is_file():

@@ -10,7 +10,7 @@ import torch
 
 from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
-from ...output_paths import check_output_dir
+from ...output_paths import check_output_dir, honour_umask
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -111,4 +111,5 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
     out.mkdir(parents=True, exist_ok=True)
     upcycled.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    honour_umask(out.glob("*.safetensors"))
     return out
