@@ -349,9 +349,10 @@ def test_deprecated_distributed_key_keeps_working_with_a_warning():
         with pytest.warns(DeprecationWarning, match=f"distributed={value!r} is"):
             config = TrainConfig(distributed=value)
         assert config.parallel == ParallelConfig() and "distributed" not in config.to_dict()
-    with pytest.warns(DeprecationWarning, match="DDP was removed"):
+    with pytest.warns(DeprecationWarning,
+                      match=r"distributed='ddp' is now data parallelism with FSDP2 over parallel.dp \(DDP was removed;"):
         load_config(None, ["distributed=ddp"])
-    with pytest.warns(DeprecationWarning, match=r"distributed='none' is parallel.dp=1"):
+    with pytest.warns(DeprecationWarning, match=r"distributed='none' is now parallel.dp=1"):
         assert TrainConfig.from_dict({"distributed": "none"}).parallel.dp == 1
     with pytest.warns(DeprecationWarning):  # a given parallel.dp wins
         assert TrainConfig.from_dict({"distributed": "none", "parallel": {"dp": 2}}).parallel.dp == 2

@@ -66,8 +66,8 @@ FLAT_RESIDUAL_KEYS: dict[str, tuple[str, ...]] = {
 LEGACY_DISTRIBUTED = {
     "auto": "the default: every launched rank is data parallel (parallel.dp = the ranks left over by tp and pp)",
     "fsdp": "the default: every launched rank is data parallel with FSDP2 (parallel.dp = the ranks left over)",
-    "ddp": "DDP was removed: data parallelism is FSDP2 over parallel.dp, which takes the same steps within float "
-           "rounding and writes sharded (DCP) checkpoints",
+    "ddp": "data parallelism with FSDP2 over parallel.dp (DDP was removed; FSDP2 takes the same steps within float "
+           "rounding and writes sharded (DCP) checkpoints)",
     "none": "parallel.dp=1 (one process; under a multi-rank launch the layout is refused)",
 }
 
@@ -155,7 +155,7 @@ def migrate_train_keys(data: dict[str, Any]) -> dict[str, Any]:
     if value not in LEGACY_DISTRIBUTED:
         raise ValueError(f"TrainConfig.distributed must be one of {', '.join(map(repr, LEGACY_DISTRIBUTED))} "
                          f"(deprecated: use parallel.dp); got {value!r}")
-    warnings.warn(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is "
+    warnings.warn(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is now "
                   f"{LEGACY_DISTRIBUTED[value]}. Remove it (docs/scale-out.md)", DeprecationWarning, stacklevel=3)
     parallel = out.get("parallel")
     if value != "none":
