@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -484,3 +485,13 @@ def test_the_readme_start_up_sample_is_what_the_command_prints(tmp_path, monkeyp
     printed = capsys.readouterr().out
     retained = " (freed memory retained)" if retains_freed_memory() else ""
     assert printed.startswith(sample.replace(" (freed memory retained)", retained))
+
+
+def test_the_final_line_says_when_the_validation_loss_was_measured(tmp_path, corpus_file, capsys):
+    """`finished at step 9, ..., val loss 7.56` showed the step-5 evaluation as if current."""
+    run = tmp_path / "run"
+    assert cli_main(["train", *overrides(corpus_file, run, steps=6, eval_every=3, stop_after=5)]) == 0
+    assert re.search(r"finished at step 5, train loss \S+, val loss \S+ \(at step 3\); checkpoint", capsys.readouterr().out)
+    assert cli_main(["train", *overrides(corpus_file, run, steps=6, eval_every=3), "--resume"]) == 0  # evaluates at 6
+    assert re.search(r"finished at step 6, train loss \S+, val loss [\d.]+; checkpoint", capsys.readouterr().out)
+    assert read_checkpoint_state(latest_checkpoint(run))["val_step"] == 6

@@ -130,6 +130,7 @@ class TrainResult:
     checkpoint: Path | None
     out_dir: Path
     interrupted: str | None = None
+    val_step: int | None = None  # the step ``val_loss`` was measured at (None: unknown, or none measured)
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -211,6 +212,7 @@ class Trainer:
             self.tokens_seen: int = state.get("tokens_seen", 0)
             self.train_loss: float | None = state.get("train_loss")
             self.val_loss: float | None = state.get("val_loss")
+            self.val_step: int | None = state.get("val_step")  # the step val_loss was measured at
             self.aux_loss: float | None = None  # a mixture of experts' load-balancing loss (its family's)
             self.last_ckpt: Path | None = self.start.resume.path if self.start.resume is not None else None
             self._main_first(self._open_outputs)
@@ -419,6 +421,7 @@ class Trainer:
         batches = self.data.val_batches
         total = sum(self.pm.loss(b, self.autocast) * b.shape[0] for b in batches)
         self.val_loss = total / sum(b.shape[0] for b in batches)
+        self.val_step = self.step_count
         if self.main:
             self.logger.log("eval", self.step_count, val_loss=self.val_loss, tokens=self.tokens_seen)
 
@@ -436,7 +439,8 @@ class Trainer:
         process."""
         config, step, data = self.config, self.step_count, self.data
         run_state = {"config": config.to_dict(), "sampler": data.sampler.state_dict(), "tokens_seen": self.tokens_seen,
-                     "train_loss": self.train_loss, "val_loss": self.val_loss, "tokenizer": data.tokenizer_meta,
+                     "train_loss": self.train_loss, "val_loss": self.val_loss, "val_step": self.val_step,
+                     "tokenizer": data.tokenizer_meta,
                      "data": {"fingerprint": data.fingerprint, "train_tokens": len(data.tokens.train),
                               "val_tokens": len(data.tokens.val)},
                      "init_from": self.start.origin}
@@ -513,7 +517,8 @@ class Trainer:
                 if interrupted is not None:
                     break
         return TrainResult(step=self.step_count, train_loss=self.train_loss, val_loss=self.val_loss,
-                           checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted)
+                           checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted,
+                           val_step=self.val_step)
 
 
 def check_backend(config: TrainConfig, device: torch.device) -> None:
