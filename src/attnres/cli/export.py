@@ -6,7 +6,12 @@ from .common import add_checkpoint_argument
 
 
 def add_parser(sub) -> None:
-    xp = sub.add_parser("export", help="write a training checkpoint as a Hugging Face directory (model + tokenizer)")
+    xp = sub.add_parser(
+        "export", help="write a training checkpoint as a Hugging Face directory (model + tokenizer)",
+        description="Write a training checkpoint (a step-* directory, or a run directory: its newest checkpoint that "
+        "verifies) as a Hugging Face directory: config.json, model.safetensors and the tokenizer, which "
+        "AutoModelForCausalLM.from_pretrained loads after `import attnres.hf`, attnres generate continues and the "
+        "vLLM plugin serves (docs/hf.md, docs/serving.md).")
     add_checkpoint_argument(xp)
     xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing)")
     xp.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")

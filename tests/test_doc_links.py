@@ -1,0 +1,59 @@
+"""Every relative link of the README and docs/ reaches a file that exists, and every
+``#anchor`` one of the target's headings (GitHub's slugs) or explicit ``<a id>`` anchors: the
+README's '[Performance](#performance-cpu)' pointed at a heading that had been renamed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.replace("`", "").strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors a rendered markdown text has: its headings' (a repeated one gets ``-1``,
+    ``-2``, ...) and its ``<a id="...">`` elements."""
+    found: set[str] = set(re.findall(r'<a id="([^"]+)"', text))
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", text), re.M):
+        base = slug(heading)
+        found.add(f"{base}-{seen[base]}" if base in seen else base)
+        seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def broken_links(doc: Path) -> list[str]:
+    problems = []
+    for target in LINK.findall(FENCE.sub("", doc.read_text())):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path) if path else doc
+        if not file.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            problems.append(f"{target}: no such anchor in {file.name}")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_reaches_its_file_and_anchor(doc):
+    assert broken_links(doc) == []
+
+
+def test_the_link_check_finds_a_missing_file_and_anchor(tmp_path):
+    (tmp_path / "other.md").write_text("# A `code` heading, with punctuation!\n## Twice\n## Twice\n<a id=\"kept\"></a>\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("[a](other.md#a-code-heading-with-punctuation) [b](other.md#twice-1) [c](other.md#kept) "
+                   "[d](other.md#gone) [e](missing.md) [f](#here)\n# Here\n```\n[g](in-a-fence.md)\n```\n")
+    assert broken_links(doc) == ["other.md#gone: no such anchor in other.md", "missing.md: no such file"]
