@@ -12,11 +12,12 @@ includes torch itself, about the same in every process). Model: Block AttnRes, d
 
     python benchmarks/bench_parallel_memory.py      # ~1 min on 2 cores
 
-Writes ``benchmarks/results/parallel_memory.{json,md}``.
+Writes ``benchmarks/results/parallel_memory.{json,md}`` (``--out PATH`` for another place).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -102,8 +103,13 @@ def render(res: dict) -> str:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker(json.loads(Path(sys.argv[2]).read_text()))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "parallel_memory"),
+                        help="output path without suffix (default: benchmarks/results/parallel_memory)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(Path(args.worker).read_text()))
         return 0
     results = {**run_header(), "model": MODEL, "layouts": {}}
     src = str(Path(__file__).resolve().parents[1] / "src")
@@ -115,7 +121,7 @@ def main() -> int:
             Path(tmp, "spec.json").write_text(json.dumps(spec))
             run_local([str(Path(__file__).resolve()), "--worker", str(Path(tmp) / "spec.json")], n, timeout=600, env=env)
             results["layouts"][name] = json.loads(Path(spec["out"]).read_text())
-    write_results(Path(__file__).parent / "results" / "parallel_memory", results, render)
+    write_results(Path(args.out), results, render)
     return 0
 
 

@@ -157,14 +157,15 @@ def render_markdown(res: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", default="2,4")
-    p.add_argument("--virtual-stages", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--ranks", default="2,4", help="pipeline ranks to measure, comma-separated (default 2,4)")
+    p.add_argument("--virtual-stages", type=int, default=2, help="virtual stages per rank of interleaved 1F1B (default 2)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--repeats", type=int, default=9, help="interleaved timing rounds (default 9)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 ranks, 2 rounds, shorter sequences")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="output path without suffix (default: benchmarks/results/pipeline, "
+                   "or pipeline_quick with --quick)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:

@@ -6,11 +6,12 @@ Each rank runs :func:`attnres.distributed.sequence_parallel.sharded_prefill` on 
 positions and measures the bytes of the depth sources its residual holds (the embedding and
 every completed block for Block AttnRes, every sublayer output for Full AttnRes). Rank 0 also
 checks the gathered logits against a one-process forward. Results go to
-``benchmarks/results/seq_prefill.{json,md}``.
+``benchmarks/results/seq_prefill.{json,md}`` (``--out PATH`` for another place).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -93,6 +94,10 @@ def render(r: dict) -> str:
 def main() -> None:
     from bench_training_overhead import write_results
 
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(HERE / "results" / "seq_prefill"),
+                        help="output path without suffix (default: benchmarks/results/seq_prefill)")
+    args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in WORLD_SIZES:
@@ -104,7 +109,7 @@ def main() -> None:
     rows.sort(key=lambda row: (row["residual"], row["P"]))
     machine = f"{os.cpu_count()} CPUs, 1 torch thread per rank, torch {torch.__version__}, {platform.machine()}"
     results = {"command": "python benchmarks/bench_seq_prefill.py", "machine": machine, "rows": rows}
-    write_results(HERE / "results" / "seq_prefill", results, render)
+    write_results(Path(args.out), results, render)
 
 
 if __name__ == "__main__":
