@@ -557,13 +557,14 @@ def test_a_run_whose_every_checkpoint_is_corrupt_says_how_to_start_over(tmp_path
     assert tree(run) == before  # kept for the user to inspect
 
 
-@pytest.mark.parametrize("change", ["seq_len=16", "batch_size=2"])
-def test_a_changed_window_on_resume_is_named(tmp_path, finished_run, corpus, capsys, change):
+@pytest.mark.parametrize("change, was", [("seq_len=16", 32), ("batch_size=2", 4)])
+def test_a_changed_window_on_resume_is_named(tmp_path, finished_run, corpus, capsys, change, was):
     """The sampler's state, loaded with the data, used to refuse it first: 'sampler state does
-    not match the data: checkpoint has n_windows=...'."""
+    not match the data: checkpoint has n_windows=...'. Both values are said."""
     run = copy_run(finished_run, tmp_path / "a")
+    field, value = change.split("=")
     fails_with(capsys, ["train", *overrides(corpus, run, steps=4), change, "--resume"],
-               f"the config differs in ['{change.split('=')[0]}']")
+               f"the config differs in ['{field}'] ({field}: {was} there, {value} here;")
 
 
 def test_resume_with_another_init_from_is_refused(tmp_path, finished_run, corpus, capsys):

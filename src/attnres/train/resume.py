@@ -64,8 +64,9 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
                          " drop init_from to resume, or start a new run (another out_dir) from those weights")
     differing = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
     if differing:
-        raise ValueError(f"cannot resume from {str(source.path)!r}: the config differs in {differing} "
-                         f"(only {sorted(RESUMABLE_CHANGES)} may change on resume; to start over from these weights "
+        values = ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
+        raise ValueError(f"cannot resume from {str(source.path)!r}: the config differs in {differing} ({values}; "
+                         f"only {sorted(RESUMABLE_CHANGES)} may change on resume; to start over from these weights "
                          "with other settings, use init_from)")
     step = source.step
     if current["steps"] < step:
