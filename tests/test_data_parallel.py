@@ -378,8 +378,23 @@ def test_one_process_is_the_mesh_of_size_one(monkeypatch):
     assert mean_over_ranks(0.1, ctx) == 0.1 and any_rank(True, ctx) and not any_rank(False, ctx)
     layout = build_layout(ParallelConfig())
     assert (layout.dp, layout.tp, layout.pp, layout.size, layout.mesh) == (1, 1, 1, 1, None)
-    with pytest.raises(ValueError, match="torchrun"):
+    with pytest.raises(ValueError, match=r"dp 2 x tp 1 x pp 1 = 2 ranks; launch them with `torchrun --nproc-per-node 2 "
+                                         r".*or set parallel.dp=1 parallel.tp=1 parallel.pp=1 to train \(or resume\)"):
         build_layout(ParallelConfig(dp=2))
+
+
+def test_a_layout_that_does_not_fit_the_ranks_names_the_product_and_the_fix():
+    """'parallel.pp=3' on 2 ranks blamed parallel.tp (never set); a dp that does not fit read
+    'must be world size / (tp * pp) = 2 / 2 with 2 launched ranks; got 2'."""
+    from attnres.distributed.parallel import resolve_degrees
+
+    with pytest.raises(ValueError, match=r"^TrainConfig.parallel: tp x pp = 1 x 3 = 3 does not divide the 2 launched "
+                                         r"ranks; launch a multiple of 3 ranks \(torchrun --nproc-per-node 3\)"):
+        resolve_degrees(ParallelConfig(pp=3), 2)
+    with pytest.raises(ValueError, match=r"^TrainConfig.parallel: dp x tp x pp = 2 x 2 x 1 = 4 ranks, but 2 were "
+                                         r"launched; launch 4 .* leave parallel.dp unset .* \(here 1\)"):
+        resolve_degrees(ParallelConfig(dp=2, tp=2), 2)
+    assert resolve_degrees(ParallelConfig(tp=2), 4) == (2, 2, 1)
 
 
 def test_collect_garbage_frees_a_cycle_held_from_an_autograd_graph():

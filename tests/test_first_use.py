@@ -356,7 +356,15 @@ def test_zero_counts_are_refused_before_any_work(tmp_path, finished_run, capsys,
 
 # -- a layout that does not fit the launched ranks -----------------------------------------
 
-def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus):
+@pytest.mark.parametrize("layout, message", [
+    (["parallel.tp=3"], "TrainConfig.parallel: tp x pp = 3 x 1 = 3 does not divide the 2 launched ranks"),
+    # checked with the model and the batch after the process group had formed: printed by each rank
+    (["parallel.pp=2", "parallel.pp_microbatches=3", "model.tie_embeddings=false"],
+     "each data-parallel rank's batch (batch_size / dp = 4 / 1 = 4) must be divisible by parallel.pp_microbatches=3"),
+    (["parallel.pp=2", "model.residual=mhc", "model.tie_embeddings=false"],
+     "model.residual.kind='mhc' cannot run with parallel.pp=2: residual 'mhc' does not describe its history"),
+], ids=["tp", "microbatches", "residual"])
+def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus, layout, message):
     """`torchrun --nproc-per-node 2 ... parallel.tp=3`: every rank printed the same line (after
     the data was prepared); now one line per node, before any work, and the ranks exit 1
     (torchrun then reports the failed workers itself)."""
@@ -366,12 +374,11 @@ def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus):
     from distributed_utils import LAUNCH_TIMEOUT_S, worker_env
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "attnres",
-           "train", *overrides(corpus, tmp_path / "run"), "parallel.tp=3"]
+           "train", *overrides(corpus, tmp_path / "run"), *layout]
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if line.startswith("attnres train: error:")]
-    assert errors == ["attnres train: error: TrainConfig.parallel.tp must be a divisor of the 2 launched ranks "
-                      "together with parallel.pp=1 (tp * pp = 3); got 3"], out
+    assert len(errors) == 1 and errors[0].startswith(f"attnres train: error: {message}"), out
     assert proc.returncode != 0 and "exitcode  : 1" in out, out
     assert not (tmp_path / "run").exists()
 

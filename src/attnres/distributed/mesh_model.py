@@ -69,6 +69,12 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
         if model.tie_embeddings:
             raise ValueError("model.tie_embeddings must be false with parallel.pp > 1 (the embedding and the LM head "
                              "live on different stages)")
+        try:  # a residual that cannot be cut into stages says so (a variant of one's own too)
+            with torch.device("meta"):
+                model.build_residual().history_layout(0)
+        except ValueError as e:
+            raise ValueError(f"model.residual.kind={model.residual.kind!r} cannot run with parallel.pp={parallel.pp}: "
+                             f"{e}") from None
         chunks = parallel.pp * parallel.pp_virtual
         if model.n_layers < chunks:
             raise ValueError(f"model.n_layers={model.n_layers} must be >= parallel.pp * parallel.pp_virtual = {chunks} "

@@ -138,14 +138,18 @@ def resolve_degrees(config: ParallelConfig, world_size: int) -> tuple[int, int, 
     """``(dp, tp, pp)`` for ``world_size`` ranks; ``ValueError`` naming the field when they do
     not multiply to it."""
     inner = config.tp * config.pp
+    if world_size % inner:
+        raise ValueError(f"TrainConfig.parallel: tp x pp = {config.tp} x {config.pp} = {inner} does not divide the "
+                         f"{world_size} launched ranks; launch a multiple of {inner} ranks (torchrun --nproc-per-node "
+                         f"{inner * (config.dp or 1)}), or set parallel.tp and parallel.pp to a product that divides "
+                         f"{world_size}")
     if config.dp is None:
-        if world_size % inner:
-            _CHECK.fail("tp", f"a divisor of the {world_size} launched ranks together with parallel.pp={config.pp} "
-                        f"(tp * pp = {inner})", config.tp)
         return world_size // inner, config.tp, config.pp
     if config.dp * inner != world_size:
-        _CHECK.fail("dp", f"world size / (tp * pp) = {world_size} / {inner} with {world_size} launched ranks",
-                    config.dp)
+        raise ValueError(f"TrainConfig.parallel: dp x tp x pp = {config.dp} x {config.tp} x {config.pp} = "
+                         f"{config.dp * inner} ranks, but {world_size} were launched; launch {config.dp * inner} "
+                         f"(torchrun --nproc-per-node {config.dp * inner}), or leave parallel.dp unset for the ranks "
+                         f"left over by tp and pp (here {world_size // inner})")
     return config.dp, config.tp, config.pp
 
 
@@ -154,8 +158,10 @@ def build_layout(config: ParallelConfig, device: torch.device | None = None) -> 
     mesh over the default group (every rank must call this)."""
     if not (dist.is_available() and dist.is_initialized()):
         if config.dp not in (None, 1) or not config.is_default:
-            raise ValueError(f"TrainConfig.parallel asks for {config.dp or 1} x {config.tp} x {config.pp} ranks; launch "
-                             "them with `torchrun --nproc-per-node N -m attnres train ...`")
+            n = (config.dp or 1) * config.tp * config.pp
+            raise ValueError(f"TrainConfig.parallel asks for dp {config.dp or 1} x tp {config.tp} x pp {config.pp} = {n} "
+                             f"ranks; launch them with `torchrun --nproc-per-node {n} -m attnres train ...`, or set "
+                             "parallel.dp=1 parallel.tp=1 parallel.pp=1 to train (or resume) in one process")
         return ParallelLayout(1, 1, 1, 0, 0, 0)
     from torch.distributed.device_mesh import init_device_mesh
 

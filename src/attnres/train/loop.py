@@ -175,9 +175,11 @@ class Trainer:
     def __init__(self, config: TrainConfig, ctx: DistContext) -> None:
         config.validate()
         check_backend(config, ctx.device)
-        if ctx.world_size > 1:  # the layout fits the launched ranks: the same answer on every rank
+        if ctx.world_size > 1:  # the layout fits the launched ranks and the model: the same answer on every rank
             try:
-                resolve_degrees(config.parallel, ctx.world_size)
+                dp, _, _ = resolve_degrees(config.parallel, ctx.world_size)
+                check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, dp,
+                                      config.activation_checkpoint)
             except ValueError as e:
                 raise on_every_rank(e) from None
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
