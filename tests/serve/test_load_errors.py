@@ -24,6 +24,9 @@ def test_head_size_the_cpu_attention_does_not_take(load_failures):
     log = refused(load_failures, "head_size")
     assert "config.json: head size 16" in log and "not supported by vLLM's CPU_ATTN attention backend" in log, log[-3000:]
     assert "[32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]" in log
+    from attnres.cli.export import VLLM_CPU_HEAD_SIZES  # what `attnres export` warns about: vLLM's own list
+
+    assert str(list(VLLM_CPU_HEAD_SIZES)) in log
 
 
 def test_a_family_the_plugin_does_not_serve(load_failures):

