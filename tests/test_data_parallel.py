@@ -447,3 +447,20 @@ def test_distributed_error_names_the_rank():
 
 if __name__ == "__main__":
     worker(sys.argv[1], Path(sys.argv[2]))
+
+
+def test_fsdp2s_view_warning_is_silenced_for_our_modules_only():
+    """`torchrun ... parallel.dp=2 parallel.tp=2` printed 12 warnings that gradients may be
+    wrong (FSDP2 on the tp sublayers' to_local() views); they are not (test_parallel_train)."""
+    import warnings
+
+    from attnres import AttnResLM, ModelConfig
+    from attnres.distributed.mesh_model import _silence_fsdp_view_warning
+
+    model = AttnResLM(ModelConfig.preset("tiny"))
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        _silence_fsdp_view_warning([model])
+        for cls in ("FSDPAttention", "FSDPSwiGLU", "FSDPAttnResLM", "FSDPUsersModule"):
+            warnings.warn(f"FSDP2-wrapped module ({cls}) returned a view tensor. An in-place op ...", UserWarning)
+    assert [str(w.message).split(")")[0] for w in shown] == ["FSDP2-wrapped module (FSDPUsersModule"]

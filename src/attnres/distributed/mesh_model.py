@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -282,11 +284,26 @@ def _shard(chunks: list[nn.Module], layout: ParallelLayout, param_dtype: torch.d
     if layout.dp > 1:
         # With tp, the parameters are already DTensors on the tp dimension: FSDP2 shards them
         # further over dp (2-D, as torchtitan composes FSDP x TP).
+        if layout.tp > 1:
+            _silence_fsdp_view_warning(chunks)
         for chunk in chunks:
             params = dict(chunk.named_parameters())
             apply_fsdp(chunk, _blocks(chunk), layout.submesh("dp"), param_dtype, reshard_after_forward=not pipelined,
                        ignored={params[n] for n in dp_manual if n in params})
     return replicated, dp_manual
+
+
+def _silence_fsdp_view_warning(chunks: list[nn.Module]) -> None:
+    """Under tp our sublayers and chunks return ``DTensor.to_local()`` views, and FSDP2 (torch
+    2.12 and later) warns at every forward of each that an in-place op on a view output would
+    skip its pre-backward hook. Nothing modifies them in place - dp x tp gradients equal one
+    process's (``tests/test_parallel_train.py``) - so the warning, which told users their
+    gradients may be wrong, is silenced for these modules' classes only."""
+    names = sorted({type(m).__name__ for chunk in chunks for m in (chunk, *(b.attn for b in _blocks(chunk)),
+                                                                   *(b.mlp for b in _blocks(chunk)))})
+    pattern = "|".join(re.escape(f"FSDP{n}") for n in names)
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(({pattern})\) returned a view tensor",
+                            category=UserWarning)
 
 
 def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: ParallelLayout, device: torch.device,
