@@ -295,7 +295,7 @@ def _shard(chunks: list[nn.Module], layout: ParallelLayout, param_dtype: torch.d
 
 def _silence_fsdp_view_warning(chunks: list[nn.Module]) -> None:
     """Under tp our sublayers and chunks return ``DTensor.to_local()`` views, and FSDP2 (torch
-    2.12 and later) warns at every forward of each that an in-place op on a view output would
+    2.13; 2.11 does not) warns at every forward of each that an in-place op on a view output would
     skip its pre-backward hook. Nothing modifies them in place - dp x tp gradients equal one
     process's (``tests/test_parallel_train.py``) - so the warning, which told users their
     gradients may be wrong, is silenced for these modules' classes only."""
