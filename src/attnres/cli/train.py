@@ -142,7 +142,8 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
-    measured = f" (at step {result.val_step})" if result.val_step not in (None, result.step) and result.val_loss is not None else ""
+    stale = result.val_loss is not None and result.val_step not in (None, result.step)
+    measured = f" (at step {result.val_step})" if stale else ""
     print(f"attnres train: finished at step {result.step}, train loss {fmt(result.train_loss)}, "
           f"val loss {fmt(result.val_loss)}{measured}; checkpoint {result.checkpoint}")
     return 0

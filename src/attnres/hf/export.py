@@ -31,9 +31,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from ..checkpoint.locate import refuse_training_output
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
-from ..checkpoint.locate import refuse_training_output
 from ..inference.loading import load_run, load_tokenizer
 from ..models import AttnResLM
 from ..output_paths import OutputPathError, check_output_dir, honour_umask, os_cause

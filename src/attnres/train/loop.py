@@ -276,8 +276,9 @@ class Trainer:
         """This rank's part of the model, initialised from ``seed`` (and from the whole-model
         weights to load, if any) and laid out over the mesh."""
         config = self.config
-        check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, self.layout.dp,
-                              config.activation_checkpoint)
+        if self.ctx.world_size == 1:  # (several ranks: checked at the start, before any work)
+            check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, self.layout.dp,
+                                  config.activation_checkpoint)
         # bf16: FSDP2's mixed precision where dp shards (bf16 parameters and gradients, float32
         # reductions and master weights); autocast stays on around every step, for what FSDP2
         # does not cast (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).

@@ -11,8 +11,9 @@ Which parameter goes where (:func:`param_groups`): weight matrices inside the tr
 blocks get Muon (with weight decay) - a mixture of experts' fused expert weights
 (``[experts, rows, cols]``) as one matrix per expert, orthogonalised side by side; the token
 embedding and the LM head get AdamW with weight decay; every 1-D parameter - RMSNorm gains
-and the AttnRes pseudo-queries and key-norm gains - gets AdamW *without* weight decay (decaying a zero-initialised query towards zero, or
-a gain towards zero, is not regularisation).
+and the AttnRes pseudo-queries and key-norm gains - gets AdamW *without* weight decay
+(decaying a zero-initialised query towards zero, or a gain towards zero, is not
+regularisation).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import torch
 from ...data import load_corpus, prepare_data
 from ...models import AttnResLM, ModelConfig
 from ...train import TrainConfig, latest_checkpoint, train
-from ...train.config import apply_overrides, parse_override
+from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
 from ..flops import non_embedding_parameters, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
@@ -53,8 +53,8 @@ def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
     names), or ``seed`` / ``out_dir``, which every run gets from ``--seeds`` / ``--out``."""
     set_by_grid = {("seed",): "--seeds sets for each run", ("out_dir",): "--out sets for each run"}
     for v in experiment.variants:
-        for path in _leaf_paths({"model": v.model, **v.train}):
-            set_by_grid.setdefault(path, f"the {experiment.name!r} grid sets per variant (choose variants "
+        for key in flatten({"model": v.model, **v.train}):
+            set_by_grid.setdefault(tuple(key.split(".")), f"the {experiment.name!r} grid sets per variant (choose variants "
                                          "with --variants)")
     for item in overrides:
         keys = tuple(parse_override(item)[0])
@@ -62,14 +62,6 @@ def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
             n = min(len(keys), len(path))
             if keys[:n] == path[:n]:  # the override sets this field, or a section holding it
                 raise ValueError(f"override {item!r} changes {'.'.join(path)}, which {owner}")
-
-
-def _leaf_paths(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-    """The key paths of a nested mapping's non-mapping values."""
-    out = []
-    for k, v in tree.items():
-        out += _leaf_paths(v, prefix + (k,)) if isinstance(v, dict) and v else [prefix + (k,)]
-    return out
 
 
 def median_step_time(metrics_path: Path, tokens_per_step: int) -> float | None:

@@ -91,8 +91,9 @@ def build_hf_model(config) -> PreTrainedModel:
 def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
     """The ``ModelConfig`` fields (a mapping) of a saved family model, plain or AttnRes:
     ``hf_architecture`` and the mapped fields, everything else of the family's config in
-    ``hf_config`` (attributes the family's config does not define are dropped), the residual from an AttnRes config (a plain family model: the standard
-    residual, which is the family's own function)."""
+    ``hf_config`` (attributes the family's config does not define are dropped), the residual
+    from an AttnRes config (a plain family model: the standard residual, which is the
+    family's own function)."""
     data = hf_config.to_dict()
     family = data["model_type"].removeprefix(PREFIX)
     upcycled_classes(family)  # refuses unsupported families with the reason
