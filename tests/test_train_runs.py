@@ -345,6 +345,13 @@ def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
     for more, limit in (({}, "steps=6"), ({"stop_after": 3}, "stop_after=3")):
         train(load_config(None, overrides(corpus_file, run, resume="true", **{"model.residual": "standard"}, **more)))
         assert f"at step 6; nothing to train: the run is at step 6 and {limit} ends it there" in capsys.readouterr().out
+    # ... and writes nothing: a --resume-from into a new out_dir left it a config.json and a metrics log
+    elsewhere = tmp_path / "elsewhere"
+    train(load_config(None, overrides(corpus_file, elsewhere, resume_from=str(run), **{"model.residual": "standard"})))
+    assert "nothing to train" in capsys.readouterr().out and not elsewhere.exists()
+    (run / "config.json").unlink()  # in the run's own out_dir too
+    train(load_config(None, overrides(corpus_file, run, resume="true", **{"model.residual": "standard"})))
+    assert not (run / "config.json").exists()
 
 
 def test_the_command_prints_its_set_up_then_its_warnings_then_the_bar(tmp_path, corpus_file, monkeypatch, capsys):

@@ -189,7 +189,9 @@ class Trainer:
         self.progress = None
         if config.data.cache_dir is not None:  # before out_dir is created: a bad one leaves nothing behind
             check_output_dir(config.data.cache_dir, "data.cache_dir")
-        created = self.main and not self.out_dir.exists()  # removed again if the set-up fails (left empty)
+        # Made by this run: removed again (when left empty) if the set-up fails or nothing is trained.
+        self.created = self.main and not self.out_dir.exists()
+        self.idle = False  # nothing left to train: nothing is written
         check_out_dir(self.out_dir, ctx)  # writable, and the same directory on every rank
         # Under torchrun only rank 0 takes the lock (the ranks are one run, and only rank 0
         # writes); the others check a lock left on their host, and stop with rank 0 on an error.
@@ -217,12 +219,14 @@ class Trainer:
             self.val_step: int | None = state.get("val_step")  # the step val_loss was measured at
             self.aux_loss: float | None = None  # a mixture of experts' load-balancing loss (its family's)
             self.last_ckpt: Path | None = self.start.resume.path if self.start.resume is not None else None
-            self._main_first(self._open_outputs)
+            # A run with nothing left to train writes nothing: a --resume-from into a new out_dir
+            # would otherwise leave it a config.json and a metrics log of no step.
+            self.idle = self.step_count >= self.end_step
+            if not self.idle:
+                self._main_first(self._open_outputs)
         except BaseException:
             self.close()
-            if created:
-                with contextlib.suppress(OSError):  # not empty: something of the run is worth keeping
-                    self.out_dir.rmdir()
+            self._remove_if_made_for_nothing()
             raise
 
     # -- coordination ---------------------------------------------------------------------
@@ -248,6 +252,13 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+    def _remove_if_made_for_nothing(self) -> None:
+        """Remove ``out_dir`` if this run made it and left it empty (a failed set-up, nothing
+        to train); one that is not empty holds something worth keeping."""
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.out_dir.rmdir()
 
     # -- set-up ---------------------------------------------------------------------------
     def _whole_model_weights(self) -> Callable[[nn.Module], None] | None:
@@ -490,6 +501,8 @@ class Trainer:
             raise OutDirError(f"{e}. {self._continue_hint()}") from None
         finally:
             self.close()
+            if self.idle:
+                self._remove_if_made_for_nothing()
 
     def _after_step(self, factor: float, grad_norm: float, grads: list[float] | None, window: list, end: int) -> None:
         """Logging, evaluation and diagnostics at their cadences after a step."""
@@ -504,9 +517,14 @@ class Trainer:
         if self.progress is not None:
             self.progress.update(1)
 
+    @property
+    def end_step(self) -> int:
+        """The step this run ends at: ``steps``, or ``stop_after`` when that comes first."""
+        return min(self.config.steps, self.config.stop_after or self.config.steps)
+
     def _train_loop(self) -> TrainResult:
         config = self.config
-        end = min(config.steps, config.stop_after or config.steps)
+        end = self.end_step
         interrupted = None
         window = [0, time.perf_counter()]
         with StopSignals() as signals:
