@@ -32,7 +32,8 @@ after a warm-up, and we report medians.
 2. **End to end** - training step (forward + backward, bf16 autocast) and one cached decode
    step (batch 1 and 8) of Block AttnRes (``backend="triton"`` and ``"torch"``)
    against the standard residual, default d = 2048, 32 transformer blocks, S = 8 sublayers
-   per block (N = 8 blocks). Targets: training step <= 1.03x, decode <= 1.02x.
+   per block (N = 8 blocks). Targets: training step <= 1.04x, decode <= 1.02x (as
+   ``gpu_check.py``'s).
 
 Run it from the repository root with ``PYTHONPATH=src``: fast-attnres installs a package
 named ``attnres`` into site-packages, which must not shadow this project's.
@@ -72,7 +73,7 @@ from attnres.ops.depth_attention import library, reference
 EPS = 1e-6
 #: Datasheet peak memory bandwidth (bytes/s) by device-name substring, most specific first.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12, "A100": 1.555e12}
-TARGETS = {"train": 1.03, "decode": 1.02}
+TARGETS = {"train": 1.04, "decode": 1.02}  # the report's < 4 % and 2 %, as gpu_check.TARGETS
 
 
 @dataclass(frozen=True)

@@ -39,3 +39,15 @@ def test_block_matches_the_derivation():
     reads2, writes2 = N * (2 + 3 * (S - 2) + 2) - 2, N * (1 + 2 * (S - 2) + 1) - 1
     assert r["phase2"] == (pytest.approx(reads2 / L), pytest.approx(writes2 / L))
     assert r["aggregation"] == (pytest.approx(3 / L), pytest.approx(2 / L))
+
+
+def test_the_command_takes_L_alone_with_the_models_block_size(monkeypatch, capsys):
+    """``--L`` alone tables the models' default S = ceil(L / 8) (it raised a TypeError);
+    ``--S`` alone is refused with the reason."""
+    monkeypatch.setattr(sys, "argv", ["residual_traffic.py", "--L", "16", "--d", "24", "--tokens", "20"])
+    assert traffic.main() == 0
+    assert "L=16 sublayers, S=2, N=8" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["residual_traffic.py", "--S", "3"])
+    with pytest.raises(SystemExit):
+        traffic.main()
+    assert "--S needs --L" in capsys.readouterr().err

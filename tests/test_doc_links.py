@@ -1,6 +1,8 @@
 """Every relative link of the README and docs/ reaches a file that exists, and every
 ``#anchor`` one of the target's headings (GitHub's slugs) or explicit ``<a id>`` anchors: the
-README's '[Performance](#performance-cpu)' pointed at a heading that had been renamed."""
+README's '[Performance](#performance-cpu)' pointed at a heading that had been renamed. Every
+table's rows have its header's number of cells (design.md's numerical policy had a separator
+row of three under a header of two)."""
 
 from __future__ import annotations
 
@@ -57,3 +59,53 @@ def test_the_link_check_finds_a_missing_file_and_anchor(tmp_path):
     doc.write_text("[a](other.md#a-code-heading-with-punctuation) [b](other.md#twice-1) [c](other.md#kept) "
                    "[d](other.md#gone) [e](missing.md) [f](#here)\n# Here\n```\n[g](in-a-fence.md)\n```\n")
     assert broken_links(doc) == ["other.md#gone: no such anchor in other.md", "missing.md: no such file"]
+
+
+SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
+
+
+def cells(row: str) -> int:
+    """The number of cells of a markdown table row: ``|`` outside code spans and not
+    escaped separates them."""
+    count, code, prev = 0, False, ""
+    for ch in row.strip().strip("|"):
+        if ch == "`":
+            code = not code
+        elif ch == "|" and not code and prev != "\\":
+            count += 1
+        prev = ch
+    return count + 1
+
+
+def misshapen_tables(text: str) -> list[str]:
+    """Rows of a table whose number of cells differs from its header's (GitHub drops a
+    row's extra cells, and a separator row that differs from the header unmakes the table)."""
+    problems, lines = [], FENCE.sub("", text).splitlines()
+    for i, line in enumerate(lines):
+        if i == 0 or not SEPARATOR.match(line):
+            continue
+        width = cells(lines[i - 1])
+        for row in [line, *_body(lines, i + 1)]:
+            if cells(row) != width:
+                problems.append(f"{lines[i - 1][:60]!r}: {cells(row)} cells, not {width}, in {row[:60]!r}")
+    return problems
+
+
+def _body(lines: list[str], start: int):
+    for row in lines[start:]:
+        if not row.lstrip().startswith("|"):
+            return
+        yield row
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_table_row_has_its_header_s_cells(doc):
+    assert misshapen_tables(doc.read_text()) == []
+
+
+def test_the_table_check_counts_cells_outside_code_and_escapes():
+    good = "| a | `x | y` | b \\| c |\n|---|---|---|\n| 1 | 2 | 3 |\n"
+    assert misshapen_tables(good) == []
+    assert misshapen_tables("| a | b |\n|---|---|---|\n| 1 | 2 |\n") == [
+        "'| a | b |': 3 cells, not 2, in '|---|---|---|'"]
+    assert len(misshapen_tables("| a | b |\n|---|---|\n| 1 | 2 | 3 |\n")) == 1
