@@ -15,6 +15,7 @@ inputs are made on the CPU and moved there) - as ``torch.library`` custom operat
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import stat
@@ -530,6 +531,37 @@ def test_merge_input_errors():
         library.merge(z, sources, backend="cuda")
     with pytest.raises(ValueError, match=r"qg must have shape \[S, 4\]"):
         library.phase1(qg, sources)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "reference"])
+def test_every_size_the_kernels_trust_is_checked_first(backend):
+    """The kernels take the row count and ``d`` from the first source and trust the rest: a
+    shorter source segfaulted the C kernel (a longer first one read past the others), and a
+    mismatched ``z``, ``qg`` or ``norm_weight`` gave a finite wrong answer. Every backend
+    now refuses them, naming the argument (float32: the C kernel's dtype)."""
+    z, sources, computed, qg, w = merge_inputs((2, 5), 8, 2, 1, True, dtype=torch.float32)
+    qg1 = torch.randn(3, 8)
+    if backend == "reference":
+        merge, phase1 = reference.merge, reference.phase1
+    else:
+        merge = functools.partial(library.merge, backend=backend)
+        phase1 = functools.partial(library.phase1, backend=backend)
+    short = torch.randn(2, 4, 8)
+    for args, match in [(([sources[0], short],), r"sources\[1\] has shape \(2, 4, 8\)"),
+                        (([],), "non-empty"), (((sources[0], short[:1]),), "same shape")]:
+        with pytest.raises(ValueError, match=match):
+            phase1(qg1, *args)
+    with pytest.raises(ValueError, match=r"qg must have shape \[S, 8\]"):
+        phase1(torch.randn(3, 9), sources)
+    bad = [((z, [sources[0], short], computed, qg), r"sources\[1\] has shape \(2, 4, 8\)"),
+           ((z, sources, [short], qg), r"computed\[0\] has shape \(2, 4, 8\)"),
+           ((z[:, :4], sources, computed, qg), r"z must have shape \[2, 5, 2\]"),
+           ((z, sources, computed, torch.randn(9)), r"qg must have shape \(8,\)"),
+           ((z, sources, computed, torch.randn(3, 8)), r"qg must have shape \(8,\)"),
+           ((z, sources, computed, qg, 1e-6, torch.ones(9)), r"norm_weight must have shape \(8,\)")]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            merge(*args)
 
 
 def test_double_backward_is_refused_clearly():

@@ -69,6 +69,13 @@ def test_config_rejects_bad_fields_and_mirrors_model_config():
         AttnResConfig(residual="nope")
     cfg = ModelConfig.preset("tiny", residual="attnres_full")
     assert AttnResConfig.from_model_config(cfg).to_model_config() == cfg
+    # what PretrainedConfig keeps as an extra attribute while the model takes the default
+    with pytest.raises(ValueError, match="unknown field 'd_modle' - did you mean 'd_model'"):
+        AttnResConfig(d_modle=64)
+    with pytest.raises(ValueError, match="hidden_size=64 .* contradicts d_model=128"):
+        AttnResConfig(hidden_size=64, d_model=128)
+    assert AttnResConfig(hidden_size=64).d_model == 64  # HF names alone, and HF's own keys, still go
+    assert AttnResConfig(sep_token_id=3, architectures=["AttnResForCausalLM"], num_labels=2).d_model == 512
 
 
 def test_cache_is_accepted_under_both_names():

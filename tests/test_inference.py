@@ -303,6 +303,23 @@ def test_invalid_prompts():
             model(random_ids(1, 2), kv_cache=cache)
 
 
+def test_decode_step_names_its_argument_and_the_cache_its_batch():
+    """A ``[B, 1]`` token tensor was reported as ``input_ids`` of shape ``(2, 1, 1)``; a batch
+    other than the cache's failed in PyTorch's broadcasting ('expanded size ...')."""
+    model = make_model(residual="attnres_block").eval()
+    logits, cache = prefill(model, random_ids(2, 5))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"tokens must have shape \[B\] .* got \(2, 1\)"):
+            decode_step(model, cache, torch.tensor([[1], [2]]))
+        with pytest.raises(ValueError, match="holds a batch of 2 sequences and this forward has 3"):
+            decode_step(model, cache, torch.tensor([1, 2, 3]))
+        assert cache.seq_len == 5  # nothing written
+        step = decode_step(model, cache, torch.tensor([1, 2]))
+        cache.crop(0)  # emptied: another batch may fill it
+        model(random_ids(3, 4), kv_cache=cache)
+    assert step.shape == (2, 256) and cache.seq_len == 4
+
+
 def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, capsys):
     import sys
     from pathlib import Path

@@ -117,6 +117,7 @@ def test_autocast_does_not_lower_depth_attention_precision():
         ([torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)], "same dtype"),
         (torch.zeros(2, 2, 4), "list or tuple"),
         ([torch.zeros(2, 4), "x"], "expected a tensor"),
+        ([torch.zeros(2, 4, dtype=torch.long)] * 2, "floating-point"),  # (it returned truncated integers)
     ],
 )
 def test_bad_sources_raise(bad, match):
@@ -130,6 +131,8 @@ def test_bad_query_or_gain_shape_raises():
         depth_attention(torch.zeros(5), srcs)
     with pytest.raises(ValueError, match="key_norm_weight must have shape"):
         depth_attention(torch.zeros(4), srcs, torch.ones(3))
+    with pytest.raises(ValueError, match="query is on meta but the sources are on cpu"):
+        depth_attention(torch.zeros(4, device="meta"), srcs)
 
 
 # --------------------------------------------------------------- the two-phase reformulation

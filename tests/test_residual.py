@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attnres.nn import BlockAttnRes, FullAttnRes, StandardResidual
+from attnres.nn.residual import ResidualConfig, build_residual
 
 from conftest import GRAD_TOL, TOL, assert_fast_matches_naive, assert_rel_close, fast_path_violations
 
@@ -202,6 +203,56 @@ def test_calls_out_of_order_raise():
         m.sublayer_input(state, 0)
     with pytest.raises(RuntimeError, match="finish"):
         m.finish(state)
+
+
+@pytest.mark.parametrize("variant", ["standard", "block", "full", "block_naive", "hyper_connections"])
+def test_a_sublayer_output_of_the_wrong_shape_is_refused_before_it_is_used(variant):
+    """A wrong-shaped output broadcast into a sum (a finite wrong answer), or reached a
+    kernel that took its sizes from another tensor (the C kernel read past it: a segfault).
+    It is refused at ``add_output``, naming the shape, and the state is left as it was."""
+    m = {"standard": lambda: StandardResidual(8, 4), "block": lambda: BlockAttnRes(8, 4, 2),
+         "full": lambda: FullAttnRes(8, 4), "block_naive": lambda: BlockAttnRes(8, 4, 2, schedule="naive"),
+         "hyper_connections": lambda: build_residual(ResidualConfig(kind="hyper_connections"), 8, 4)}[variant]()
+    state = m.start(torch.randn(2, 5, 8))
+    for bad in (torch.randn(2, 1, 8), torch.randn(5, 8), torch.randn(2, 5, 9), torch.randn(1, 2, 5, 8)):
+        m.sublayer_input(state, 0)
+        with pytest.raises(ValueError, match=r"add_output\(0\): sublayer 0's output must have the stream's shape "
+                                             r"\[2, 5, 8\]"):
+            m.add_output(state, 0, bad)
+        state.expecting_output = False  # (the refused call changed nothing else)
+        assert state.next_sublayer == 0
+    with pytest.raises(ValueError, match=r"the embedding must have shape \[\.\.\., 8\]"):
+        m.start(torch.randn(2, 5, 12))
+
+
+def test_finish_twice_and_bad_sizes_are_refused():
+    m = BlockAttnRes(4, 2, 1)
+    state = m.start(torch.randn(1, 4))
+    for l in range(2):
+        m.add_output(state, l, torch.randn(1, 4) + 0 * m.sublayer_input(state, l))
+    m.finish(state)
+    with pytest.raises(RuntimeError, match=r"finish\(\) called twice"):
+        m.finish(state)
+    for args, match in [((0, 2, 1), "dim must be an integer >= 1"), ((4, 0, 1), "n_sublayers must be an integer"),
+                        ((4.0, 2, 1), "dim must be an integer")]:
+        with pytest.raises(ValueError, match=match):
+            BlockAttnRes(*args)
+    for eps in (-1.0, 0.0, float("nan"), "1e-6"):
+        with pytest.raises(ValueError, match="eps .* must be a positive number"):
+            BlockAttnRes(4, 2, 1, eps=eps)
+    assert "dim=4, n_sublayers=2, schedule='two_phase', backend='auto', eps=1e-06, block_size=1" in repr(m)
+
+
+def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
+    """``start(..., defer_norm=True)`` hands sublayers an input whose norm the residual's
+    kernel applies; a sublayer starting with another layer failed deep in PyTorch ('must be
+    Tensor, not FusableNormInput')."""
+    m = BlockAttnRes(8, 4, 2)
+    state = m.start(torch.randn(2, 3, 8), defer_norm=True)
+    x = m.sublayer_input(state, 0)
+    for layer in (torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.RMSNorm(8)):
+        with pytest.raises(TypeError, match=r"first pass its input to an attnres.nn.RMSNorm.*defer_norm=False"):
+            layer(x)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])

@@ -14,6 +14,7 @@ version, with flat residual keys (``attnres_block_size``, ...), still loads, wit
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 
 from transformers import PretrainedConfig
@@ -37,6 +38,7 @@ class _AttnResConfigMethods:
 
     def __post_init__(self, **kwargs) -> None:
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
+        _check_extra_keys(self, kwargs)
         if legacy:
             self.residual = migrate_model_keys({"residual": self.residual, **legacy}, "AttnResConfig")["residual"]
         self.residual = ResidualConfig.from_value(merge_residual(None, self.residual or {})).to_dict()
@@ -81,6 +83,24 @@ class _AttnResConfigMethods:
     def from_model_config(cls, config: ModelConfig, **kwargs) -> AttnResConfig:
         """Build from a native config; ``kwargs`` set HF fields (e.g. ``eos_token_id``)."""
         return cls(**config.to_dict(), **kwargs)
+
+
+def _check_extra_keys(config, extra: dict) -> None:
+    """Refuse what ``PretrainedConfig`` would keep silently as an extra attribute while the
+    model is built with the default: a near miss of a field (``d_modle=64``), and an HF
+    name that contradicts its field (``hidden_size=64, d_model=128``: the alias won)."""
+    defaults = ModelConfig()
+    for alias, name in config.attribute_map.items():
+        if alias in extra and getattr(config, name) not in (getattr(defaults, name), extra[alias]):
+            raise ValueError(f"AttnResConfig: {alias}={extra[alias]!r} (the HF name of {name}) contradicts "
+                             f"{name}={getattr(config, name)!r}; set {name} only")
+    for key in extra:
+        if key in config.attribute_map or hasattr(PretrainedConfig, key) or key.endswith("_token_id"):
+            continue
+        near = difflib.get_close_matches(key, _MODEL_FIELDS, n=1, cutoff=0.8)
+        if near:
+            raise ValueError(f"AttnResConfig got an unknown field {key!r} - did you mean {near[0]!r}? The fields are "
+                             f"ModelConfig's: {', '.join(_MODEL_FIELDS)}")
 
 
 def _body(ns: dict) -> None:

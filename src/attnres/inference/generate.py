@@ -99,6 +99,9 @@ def prefill(
 def decode_step(model: AttnResLM, cache: KVCache, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """Feed one token per sequence, ``tokens [B]``; return the next-token logits ``[B, vocab]``
     (float32). ``attention_mask [B, cache.seq_len + 1]`` (or ``None`` without padding)."""
+    if not isinstance(tokens, Tensor) or tokens.dim() != 1:
+        got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"decode_step: tokens must have shape [B] (one token per sequence), got {got}")
     out = model(tokens[:, None], kv_cache=cache, attention_mask=attention_mask, last_logits_only=True)
     return out.logits[:, -1].float()
 

@@ -33,6 +33,15 @@ class ModelConfig:
     RoPE and grouped-query heads, pre-norm SwiGLU MLP), final RMSNorm, LM head. Each block
     holds two sublayers, so the residual mechanism sees ``L = 2 * n_layers`` sublayers.
 
+    Fields: ``vocab_size``; ``d_model`` (the width ``d``); ``n_layers`` (transformer
+    blocks); ``n_heads`` and ``n_kv_heads`` (key/value heads for grouped-query attention,
+    ``None``: ``n_heads``); ``mlp_hidden`` (the SwiGLU width, ``None``: about ``8/3 d``
+    rounded up to a multiple of 64); ``max_seq_len`` (the RoPE tables and the longest
+    input); ``rope_theta``; ``norm_eps`` (every RMSNorm's epsilon); ``tie_embeddings`` (the
+    LM head shares the embedding); ``init_std`` (the normal init of the weight matrices and
+    the embedding); ``residual``, ``hf_architecture`` and ``hf_config`` below.
+    ``ModelConfig.preset(name, **changes)`` starts from a named size (``PRESETS``).
+
     ``residual`` is a :class:`ResidualConfig`: the variant (``residual.kind``, any name in
     ``attnres.registered_residuals()``) and its settings (``block_size``, ``schedule``,
     ``backend``, the Table-4 ``ablation``, ...). It may be given as a ``ResidualConfig``, a

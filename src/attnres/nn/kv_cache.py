@@ -40,6 +40,11 @@ class KVCache:
         start = self._len[layer]
         end = start + k.shape[2]
         buf_k, buf_v = self._k[layer], self._v[layer]
+        if buf_k is not None and k.shape[0] != buf_k.shape[0]:
+            if start:
+                raise ValueError(f"KVCache holds a batch of {buf_k.shape[0]} sequences and this forward has "
+                                 f"{k.shape[0]}: continue a cache with the batch that filled it (or start a new one)")
+            buf_k = buf_v = None  # emptied (crop(0)): a new batch takes new buffers
         if buf_k is None or end > buf_k.shape[2]:
             size = max(end, self.capacity, 2 * (0 if buf_k is None else buf_k.shape[2]))
             new_k = k.new_empty(k.shape[0], k.shape[1], size, k.shape[3])

@@ -21,6 +21,7 @@ two-phase - when ``schedule`` is set: a stateless strategy object whose
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -112,7 +113,22 @@ class Schedule:
 
 class AttnResBase(ResidualStream):
     """Shared parameters (``mixers[l]`` feeds sublayer ``l``, ``mixers[L]`` is the output
-    aggregation: ``L + 1`` :class:`DepthQuery` in all) and machinery of Full and Block AttnRes."""
+    aggregation: ``L + 1`` :class:`DepthQuery` in all) and machinery of Full and Block AttnRes.
+
+    Args (of both):
+        dim: the model width ``d``; the embedding and every sublayer output are ``[..., d]``.
+        n_sublayers: ``L``, the sublayers the stream feeds (2 per transformer block).
+        eps: the keys' RMSNorm epsilon (> 0).
+        schedule: ``"two_phase"`` (report §4.2, the default) or ``"naive"`` (one depth
+            attention per sublayer over all its sources; the ablations need it).
+        ablation: an :class:`AttnResAblation` of the report's Table 4 (``None``: none).
+        backend: ``"auto"`` (the C kernel on CPU float32, Triton on CUDA, else PyTorch),
+            ``"torch"``, ``"triton"`` or ``"reference"`` (the readable autograd graph).
+        recompute_phase1: the backward recomputes Phase 1's sums instead of keeping them
+            (less memory, the same values bit for bit).
+
+    Use it through the protocol of :class:`ResidualStream` (``start``, then per sublayer
+    ``sublayer_input`` and ``add_output``, then ``finish``; docs/design.md)."""
 
     has_depth_attention = True
     #: The variant's schedules by name (``ResidualConfig.schedule``); set by subclasses.
@@ -125,6 +141,9 @@ class AttnResBase(ResidualStream):
         super().__init__(dim, n_sublayers)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            raise ValueError(f"{type(self).__name__}: eps (the keys' RMSNorm epsilon) must be a positive number, "
+                             f"got {eps!r}")
         self.ablation = ablation if ablation is not None and ablation.active else None
         self.eps = eps
         self.backend = backend
@@ -132,6 +151,11 @@ class AttnResBase(ResidualStream):
         self.schedule = schedule
         counts = self.sources_per_mixer()
         self.mixers = nn.ModuleList(DepthQuery(dim, eps, self.ablation, counts[l]) for l in range(n_sublayers + 1))
+
+    def extra_repr(self) -> str:
+        ablation = f", ablation={self.ablation}" if self.ablation is not None else ""
+        return (f"{super().extra_repr()}, schedule={self.schedule!r}, backend={self.backend!r}, eps={self.eps}"
+                f"{ablation}")
 
     # -- configuration -------------------------------------------------------------------
     @property

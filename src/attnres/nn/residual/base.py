@@ -46,6 +46,8 @@ class ResidualState:
     own typed fields.
 
     dtype: the residual stream's dtype (the embedding's); outputs are cast to it.
+    shape: the embedding's shape, which every sublayer output must have (``None`` in a
+        resumed state: there only ``d`` is checked).
     next_sublayer: the sublayer whose input comes next (``L`` once all outputs are in).
     expecting_output: ``sublayer_input`` was called and ``add_output`` has not been yet.
     weights: when recording, the depth weights of every mixer so far, ``[n_sources, ...]``.
@@ -62,6 +64,7 @@ class ResidualState:
     """
 
     dtype: Any
+    shape: tuple[int, ...] | None = None
     next_sublayer: int = 0
     expecting_output: bool = False
     weights: list[Tensor] | None = None
@@ -122,10 +125,14 @@ class ResidualStream(nn.Module, ABC):
 
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__()
-        if n_sublayers < 1:
-            raise ValueError(f"n_sublayers must be >= 1, got {n_sublayers}")
+        for name, value in (("dim", dim), ("n_sublayers", n_sublayers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be an integer >= 1, got {value!r}")
         self.dim = dim
         self.n_sublayers = n_sublayers
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, n_sublayers={self.n_sublayers}"
 
     # -- construction from a config ------------------------------------------------------
     @classmethod
@@ -168,9 +175,13 @@ class ResidualStream(nn.Module, ABC):
         keep every mixer's depth weights in ``state.weights``. ``defer_norm``: the caller
         passes each sublayer input through an :class:`attnres.nn.RMSNorm` first (see
         :class:`ResidualState`)."""
+        if not isinstance(embedding, Tensor) or embedding.dim() < 1 or embedding.shape[-1] != self.dim:
+            got = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
+            raise ValueError(f"{type(self).__name__}.start: the embedding must have shape [..., {self.dim}] (this "
+                             f"residual's dim), got {got}")
         embedding = self._stored(embedding)
         common = self._common(embedding.dtype, record_weights, defer_norm)
-        return self._start(embedding, dict(common, record_mixing=record_weights))
+        return self._start(embedding, dict(common, shape=tuple(embedding.shape), record_mixing=record_weights))
 
     def _stored(self, x: Tensor) -> Tensor:
         """``x`` in the stream's storage dtype: the autocast dtype where ``autocast_stream``
@@ -202,6 +213,14 @@ class ResidualStream(nn.Module, ABC):
         """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``."""
         if l != state.next_sublayer or not state.expecting_output:
             raise RuntimeError(f"add_output({l}) called out of order: expected sublayer {state.next_sublayer}")
+        # (a wrong shape would broadcast into a sum, or reach a kernel that trusts its sizes)
+        fits = isinstance(output, Tensor) and (tuple(output.shape) == state.shape if state.shape is not None
+                                               else output.dim() >= 1 and output.shape[-1] == self.dim)
+        if not fits:
+            got = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
+            want = list(state.shape) if state.shape is not None else f"[..., {self.dim}]"
+            raise ValueError(f"add_output({l}): sublayer {l}'s output must have the stream's shape {want} (the "
+                             f"embedding's), got {got}")
         state.expecting_output = False
         state.next_sublayer += 1
         if output.dtype != state.dtype and not self._reads_output_as_is(state, output):
@@ -210,6 +229,8 @@ class ResidualStream(nn.Module, ABC):
 
     def finish(self, state: ResidualState) -> Tensor:
         """The final hidden state (before the final norm), ``[..., d]``."""
+        if state.finished:
+            raise RuntimeError("finish() called twice: start a new forward with start()")
         if state.next_sublayer != self.n_sublayers or state.expecting_output:
             raise RuntimeError(f"finish() called after {state.next_sublayer} of {self.n_sublayers} sublayers")
         state.phase = "aggregation"

@@ -164,6 +164,9 @@ class BlockAttnRes(AttnResBase):
     ``[b_0, ..., b_{n-1}, b_n^{i-1}]`` otherwise. The output aggregation attends over
     ``[b_0, ..., b_N]``; the last block may be shorter. ``S = 1`` is Full AttnRes and
     ``S >= L`` a single block.
+
+    ``block_size``: ``S``; the other arguments are :class:`AttnResBase`'s. E.g. 16
+    sublayers in 8 blocks: ``BlockAttnRes(dim=512, n_sublayers=16, block_size=2)``.
     """
 
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
@@ -179,6 +182,9 @@ class BlockAttnRes(AttnResBase):
             raise ValueError("the sliding-window ablation applies to Full AttnRes only")
         self.block_size = block_size
         super().__init__(dim, n_sublayers, eps, schedule, ablation, backend, recompute_phase1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block_size={self.block_size}"
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> BlockAttnRes:

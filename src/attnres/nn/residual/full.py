@@ -114,7 +114,8 @@ class FullAttnRes(AttnResBase):
     ``group_size`` is the Appendix-B scheduling group ``S`` of the two-phase path (it does
     not change the function): Phase 1 batches a group's queries over all outputs of earlier
     groups, Phase 2 walks the group's own earlier outputs. ``None`` picks ``round(sqrt(L))``,
-    which minimises the ``(S + N) d`` per-layer I/O of Appendix B.
+    which minimises the ``(S + N) d`` per-layer I/O of Appendix B. The other arguments are
+    :class:`AttnResBase`'s.
     """
 
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
@@ -133,6 +134,9 @@ class FullAttnRes(AttnResBase):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1 (or None for automatic), got {group_size}")
         self.group_size = group_size
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
 
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> FullAttnRes:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import cpu_kernel, torch_impl
-from .reference import _check_merge, compute_dtype
+from .reference import _check_merge, check_phase1, compute_dtype
 
 __all__ = ["BACKENDS", "phase1", "merge", "pick", "through_dispatcher"]
 
@@ -424,8 +424,7 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: st
     sources -> ``S`` weighted sums ``[..., d]`` and ``lse [..., S]``; one pass over each
     source for all ``S`` queries, forward and backward."""
     _check_backend(backend)
-    if qg.dim() != 2 or qg.shape[-1] != sources[0].shape[-1]:
-        raise ValueError(f"qg must have shape [S, {sources[0].shape[-1]}], got {tuple(qg.shape)}")
+    check_phase1(qg, sources)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
         outs, lse = _phase1_forward(qg, list(sources), float(eps), backend)
         return list(outs), lse
@@ -445,7 +444,7 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     1``: ``out`` is a tuple of that many views of it, one per reader, whose gradients the
     backward adds in the compute dtype (one kernel reads them all)."""
     _check_backend(backend)
-    _check_merge(z, sources, computed, qg, addend, out_dtype, readers)
+    _check_merge(z, sources, computed, qg, addend, out_dtype, readers, norm_weight)
     if out_dtype is not None and out_dtype == (sources[0] if sources else computed[0]).dtype:
         out_dtype = None  # (one operator call for the default, however it is asked for)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)

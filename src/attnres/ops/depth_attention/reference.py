@@ -38,8 +38,8 @@ __all__ = [
 
 
 def check_sources(sources: Sequence[Tensor], what: str = "sources") -> None:
-    """Raise ``ValueError`` unless ``sources`` is a non-empty sequence of tensors that share
-    one shape ``[..., d]``, one dtype and one device."""
+    """Raise ``ValueError`` unless ``sources`` is a non-empty sequence of floating-point
+    tensors that share one shape ``[..., d]``, one dtype and one device."""
     if isinstance(sources, Tensor) or not isinstance(sources, Sequence):
         raise ValueError(f"{what} must be a non-empty list or tuple of tensors, got {type(sources).__name__}")
     if len(sources) == 0:
@@ -47,6 +47,8 @@ def check_sources(sources: Sequence[Tensor], what: str = "sources") -> None:
     first = sources[0]
     if not isinstance(first, Tensor) or first.dim() < 1:
         raise ValueError(f"{what}[0] must be a tensor of shape [..., d]")
+    if not first.is_floating_point():
+        raise ValueError(f"{what} must be floating-point tensors (float64, float32, bfloat16, float16), got {first.dtype}")
     for i, s in enumerate(sources[1:], start=1):
         if not isinstance(s, Tensor):
             raise ValueError(f"{what}[{i}] is a {type(s).__name__}, expected a tensor")
@@ -64,12 +66,14 @@ def check_sources(sources: Sequence[Tensor], what: str = "sources") -> None:
             raise ValueError(f"{what}[{i}] is on {s.device} but {what}[0] is on {first.device}")
 
 
-def _check_vector(name: str, v: Tensor | None, d: int) -> None:
+def _check_vector(name: str, v: Tensor | None, d: int, device: torch.device | None = None) -> None:
     if v is None:
         return
     if not isinstance(v, Tensor) or v.shape != (d,):
         shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
         raise ValueError(f"{name} must have shape ({d},) to match the sources' last dimension, got {shape}")
+    if device is not None and v.device != device:
+        raise ValueError(f"{name} is on {v.device} but the sources are on {device}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -117,8 +121,8 @@ def depth_attention(
     """
     check_sources(sources)
     d = sources[0].shape[-1]
-    _check_vector("query", query, d)
-    _check_vector("key_norm_weight", key_norm_weight, d)
+    _check_vector("query", query, d, sources[0].device)
+    _check_vector("key_norm_weight", key_norm_weight, d, sources[0].device)
     compute = compute_dtype(sources[0].dtype)
 
     # Autocast off: the matmul below must not silently drop to bf16.
@@ -183,6 +187,7 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6) -> tuple[li
     logits, and the ``S`` weighted sums ``sum_i softmax(z_s)_i x_i`` (``[..., d]``, in the
     sources' dtype) with the log-sum-exp of each query's logits ``lse [..., S]`` - the one
     statistic with which Phase 2 merges a weighted sum as a source whose logit is ``lse``."""
+    check_phase1(qg, sources)
     with full_precision(sources[0]):
         z = torch.stack([rms_logits(x, qg, eps) for x in sources], dim=-1)  # [..., S, n]
         p = torch.softmax(z, dim=-1)
@@ -230,7 +235,7 @@ def merge(
         with ``h = sum_j alpha_j x_j``; ``alpha [..., k + c] = softmax(z, z_computed)``;
         with ``addend``, ``(out, alpha, total)``, ``total`` the sum it formed.
     """
-    _check_merge(z, sources, computed, qg, addend, out_dtype, readers)
+    _check_merge(z, sources, computed, qg, addend, out_dtype, readers, norm_weight)
     total = None
     if addend is not None:
         total = computed[-1] + addend
@@ -255,11 +260,44 @@ def merge(
     return (out, alpha) if total is None else (out, alpha, total)
 
 
+def check_phase1(qg: Tensor, sources: Sequence[Tensor]) -> None:
+    """Phase 1's arguments, checked at the boundary (every implementation: the kernels take
+    every size from the first source and trust the others)."""
+    check_sources(sources)
+    d = sources[0].shape[-1]
+    if not isinstance(qg, Tensor) or qg.dim() != 2 or qg.shape[-1] != d:
+        got = tuple(qg.shape) if isinstance(qg, Tensor) else type(qg).__name__
+        raise ValueError(f"qg must have shape [S, {d}] (S queries of the sources' d = {d}), got {got}")
+    if qg.device != sources[0].device:
+        raise ValueError(f"qg is on {qg.device} but the sources are on {sources[0].device}")
+
+
 def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor], qg: Tensor | None,
-                 addend: Tensor | None = None, out_dtype: torch.dtype | None = None, readers: int = 1) -> None:
-    """The merge's arguments, checked at the boundary (every implementation)."""
+                 addend: Tensor | None = None, out_dtype: torch.dtype | None = None, readers: int = 1,
+                 norm_weight: Tensor | None = None) -> None:
+    """The merge's arguments, checked at the boundary (every implementation: the kernels take
+    every size from the first source and trust the others)."""
     if not sources and not computed:
         raise ValueError("depth merge needs at least one source")
+    for what, group in (("sources", sources), ("computed", computed)):
+        if isinstance(group, Tensor) or not isinstance(group, Sequence):
+            raise ValueError(f"{what} must be a list or tuple of tensors, got {type(group).__name__}")
+    named = [*((f"sources[{i}]", x) for i, x in enumerate(sources)),
+             *((f"computed[{i}]", x) for i, x in enumerate(computed))]
+    first_name, first = named[0]
+    for name, x in named:
+        if not isinstance(x, Tensor) or x.dim() < 1:
+            raise ValueError(f"{name} must be a tensor of shape [..., d], got {type(x).__name__}")
+        if x.shape != first.shape or x.device != first.device:
+            raise ValueError(f"{name} has shape {tuple(x.shape)} on {x.device} but {first_name} has "
+                             f"{tuple(first.shape)} on {first.device}; every source must have one shape and device")
+    if not isinstance(z, Tensor) or z.shape[:-1] != first.shape[:-1]:
+        got = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
+        raise ValueError(f"z must have shape [{', '.join(map(str, first.shape[:-1]))}, {len(sources)}] (a logit per "
+                         f"source of known logit, per row of the sources), got {got}")
+    d = first.shape[-1]
+    _check_vector("qg", qg, d, first.device)
+    _check_vector("norm_weight", norm_weight, d, first.device)
     if not isinstance(readers, int) or isinstance(readers, bool) or readers < 1:
         raise ValueError(f"readers must be an int >= 1, got {readers!r}")
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
