@@ -171,6 +171,9 @@ def stream(
     validated (non-empty, in-vocabulary, ``T + max_new_tokens - 1 <= max_seq_len``) before
     anything runs.
 
+    ``input_ids [B, T]``: the prompts; ``attention_mask [B, T]`` (1 for a token, 0 for
+    padding; ``None``: no padding) for prompts of different lengths, left-padded.
+    ``chunk_size``: prefill the prompt in chunks of that many tokens (less peak memory).
     ``decode`` (one of :data:`DECODE_MODES`) picks how the decode steps run; the static modes
     give the same tokens as ``"dynamic"`` (up to floating-point rounding of the logits).
     """

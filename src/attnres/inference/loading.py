@@ -76,7 +76,9 @@ class LoadedRun:
 def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> LoadedRun:
     """The model of a training checkpoint - a ``step-*`` directory, or a run directory (its
     newest checkpoint that verifies) - on ``device`` (see :func:`pick_device`). The
-    optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads."""
+    optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads.
+    Returns a :class:`LoadedRun`: the model in eval mode, the run's config (a dict), the
+    checkpoint's path and its verified state (step, tokenizer, ...)."""
     source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
     if source is None:
         raise CheckpointError(no_checkpoint_at(path))
