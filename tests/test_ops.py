@@ -133,6 +133,10 @@ def test_bad_query_or_gain_shape_raises():
         depth_attention(torch.zeros(4), srcs, torch.ones(3))
     with pytest.raises(ValueError, match="query is on meta but the sources are on cpu"):
         depth_attention(torch.zeros(4, device="meta"), srcs)
+    for kwargs, match in [({"eps": -1.0}, "eps must be a number >= 0"), ({"eps": float("inf")}, "eps must be"),
+                          ({"scale": float("nan")}, "scale must be a number finite")]:
+        with pytest.raises(ValueError, match=match):  # (NaN weights, with no word of why)
+            depth_attention(torch.zeros(4), srcs, **kwargs)
 
 
 # --------------------------------------------------------------- the two-phase reformulation

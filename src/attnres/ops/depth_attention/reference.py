@@ -18,6 +18,7 @@ dtype* - float32, or float64 for float64 sources; results are in the sources' dt
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -120,6 +121,10 @@ def depth_attention(
     to the sources' dtype once, at the end.
     """
     check_sources(sources)
+    for name, value, allowed in (("eps", eps, ">= 0"), ("scale", scale, "finite")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                name == "eps" and value < 0):
+            raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
     d = sources[0].shape[-1]
     _check_vector("query", query, d, sources[0].device)
     _check_vector("key_norm_weight", key_norm_weight, d, sources[0].device)
