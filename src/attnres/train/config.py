@@ -223,6 +223,11 @@ class TrainConfig:
         return self.batch_size * self.grad_accum * self.seq_len
 
     @property
+    def end_step(self) -> int:
+        """The step this invocation ends at: ``steps``, or ``stop_after`` when that comes first."""
+        return min(self.steps, self.stop_after or self.steps)
+
+    @property
     def resuming(self) -> bool:
         """Whether this run continues a checkpoint (``resume`` or ``resume_from``)."""
         return self.resume or self.resume_from is not None

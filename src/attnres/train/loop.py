@@ -221,7 +221,7 @@ class Trainer:
             self.last_ckpt: Path | None = self.start.resume.path if self.start.resume is not None else None
             # A run with nothing left to train writes nothing: a --resume-from into a new out_dir
             # would otherwise leave it a config.json and a metrics log of no step.
-            self.idle = self.step_count >= self.end_step
+            self.idle = self.step_count >= self.config.end_step
             if not self.idle:
                 self._main_first(self._open_outputs)
         except BaseException:
@@ -517,14 +517,9 @@ class Trainer:
         if self.progress is not None:
             self.progress.update(1)
 
-    @property
-    def end_step(self) -> int:
-        """The step this run ends at: ``steps``, or ``stop_after`` when that comes first."""
-        return min(self.config.steps, self.config.stop_after or self.config.steps)
-
     def _train_loop(self) -> TrainResult:
         config = self.config
-        end = self.end_step
+        end = self.config.end_step
         interrupted = None
         window = [0, time.perf_counter()]
         with StopSignals() as signals:

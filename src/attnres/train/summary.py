@@ -56,7 +56,7 @@ def unused_stream_option(config: TrainConfig) -> str | None:
 
 def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     model = config.model.to_dict()
-    end = min(config.steps, config.stop_after or config.steps)
+    end = config.end_step
     to_go = max(end - facts.first_step, 0)
     stop = f"; stop_after ends this invocation at step {end}" if end < config.steps else ""
     processes = f", {facts.world_size} processes" if facts.world_size > 1 else ""
