@@ -40,33 +40,38 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    bandwidth); Phase 1 and Block's usual merge also in the default training step's layout
    (a float32 stream under bf16 autocast: float32 sources, the merge reading a bf16 output
    and writing its readers' bf16 input, its backward reading their three bf16 gradients;
-   ``ops_autocast`` in the summary); also at the other launch settings of ``SWEEPS``
-   (Phase 1's tiles and groups of sources, Phase 1 as one program per row, the merge's
-   warps); the host time of a merge call (forward + backward, and forward alone) against the
+   ``ops_autocast`` in the summary); the host time of a merge call (forward + backward, and forward alone) against the
    standard model's add + RMSNorm at one token, with the part of it inside Triton's
    launcher; one Block AttnRes block against the peers that run the shape
    (bench_kernels_gpu.py's adapters).
-5. **train, compiled**: the same steps as 2. under ``torch.compile`` - after the parts the
+5. **sweep**: the same operations at the other launch settings of ``SWEEPS`` (Phase 1's
+   tiles and groups of sources, Phase 1 as one program per row, the merges' warps, the
+   looping merges, their pipeline depth), each beside its default's time; a part of its own,
+   so that a fault at a setting no default uses costs only this part.
+6. **train, compiled**: the same steps as 2. under ``torch.compile`` - after the parts the
    targets are judged on and before the diagnostics, so that one run of the prepared command
    measures every target: on the H200 it took 221 s, 208 of them inductor compiling three
    models (benchmarks/results/gpu-h200/log.txt). With less than its 230 s left but at least
    160, it compiles the standard model and Block only (Full has no target; named in
    ``skipped``). Then one compiled step each of the standard model and Block under
    ``torch.profiler``: where its device time goes (``device_busy_compiled`` in the summary).
-6. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
+7. **train, bf16 stream**: the eager steps with every model's parameters in bf16 (the
    stream and the sources stored in bf16, as FSDP2's ``param_dtype=torch.bfloat16`` and,
    in one process, ``ResidualConfig.autocast_stream`` give; without their per-step weight
    casts): half the bytes Block adds with a float32 stream (``bf16_stream`` in the
    summary) - before the diagnostics, as the residual-stream dtype option the training
    target may need.
-7. **profile**: where one eager training step's device time goes, standard and Block (the
+8. **profile**: where one eager training step's device time goes, standard and Block (the
    operations with the most self time under ``torch.profiler``), and that time's share of
    the step's (``device_busy`` in the summary: below 1, the device waited for the host).
-8. **decode profile**: what a graphed decode step replays, per model at batch 1: the
+9. **decode profile**: what a graphed decode step replays, per model at batch 1: the
    kernels of one eager static step (the launches its CUDA graph records) - their number
    (``decode_kernels`` in the summary), device time and the operations with the most.
 
-A part that raises is recorded (``errors``, with its traceback) and the next one runs.
+A part that raises is recorded (``errors``, with its traceback) and the next one runs; if it
+left the device unusable (a kernel's memory fault is sticky: every later CUDA call of the
+process fails), the parts after it run in a fresh process (``--continue``, within what is left
+of the budget) that adds to the same files.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
 ``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
 ``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
@@ -340,6 +345,13 @@ def phase1_in_one_kernel() -> Iterator[None]:
         yield
 
 
+def part_sweep(z: Sizes, clock: Clock, device: str) -> dict:
+    """The operations of the ops part at the launch settings of :data:`SWEEPS` (a part of its
+    own: a fault at a setting no default uses costs the sweep, not the ops' rows)."""
+    peak = kernels_bench.peak_bandwidth()[0] if device == "cuda" else 1e11
+    return sweep(z, clock, device, op_calls(z, device), op_bytes(z, 2 if device == "cuda" else 4), peak)
+
+
 def sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict, peak: float) -> dict:
     """The operations at the launch settings of :data:`SWEEPS`: ``{name@setting=value: {us,
     x bound}}``."""
@@ -479,7 +491,6 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
         t, bound = clock.replayed(fn, z.op_repeats), autocast_bytes[name] / peak
         autocast[name] = {"us": t * 1e6, "bound_us": bound * 1e6, "x_bound": t / bound}
         log(f"[gpu_check]   {name}, the training step's layout: {t * 1e6:.1f} us, {t / bound:.2f}x bound")
-    swept = sweep(z, clock, device, calls, bytes_, peak)
     host = host_overhead(clock, device, 200)
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
     x = kernels_bench.make_inputs(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
@@ -501,7 +512,7 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
     for key, t in clock.interleaved(steps, z.repeats).items():
         impl, mode = key.split("|")
         block.setdefault(impl, {})[f"{mode}_us"] = t * 1e6
-    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "autocast": autocast, "sweep": swept,
+    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "autocast": autocast,
             "host_us": host, "block": block, "unsupported": unsupported}
 
 
@@ -1072,6 +1083,8 @@ def render(result: dict) -> str:
     lines = [f"# GPU check on {result['device']}", "", f"Command: `{result['command']}`  ",
              f"torch {result['torch']}, triton {result['triton']}; {result.get('elapsed_s', 0):.0f} s; "
              f"device-to-device copy {result.get('copy_GBps', 0):.0f} GB/s (read + written).", ""]
+    lines += [f"Continued by another process (`--continue`): {parts}.  " for parts in result.get("continued", [])]
+    lines += [""] if result.get("continued") else []
     if "parity" in result:
         lines += ["## Parity: Triton kernels vs the torch backend, float32 (ok: within "
                   f"{PARITY_NOISE_FACTOR}x the reference backend's difference from it, the noise)", "",
@@ -1093,7 +1106,6 @@ def render(result: dict) -> str:
                   f"S={ops['shape']['S']} (graph replay; bound at {ops['peak_GBps']:.0f} GB/s)", "",
                   "| op | µs | bound µs | x bound |", "|---|---:|---:|---:|"]
         lines += [f"| {k} | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |" for k, v in ops["ops"].items()]
-        lines += [f"| {k} | {v['us']:.1f} | | {v['x_bound']:.2f} |" for k, v in ops.get("sweep", {}).items()]
         lines += [f"| {k} (training step's layout) | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |"
                   for k, v in ops.get("autocast", {}).items()]
         h = ops["host_us"]
@@ -1109,6 +1121,14 @@ def render(result: dict) -> str:
                   "| implementation | fwd µs | fwd+bwd µs |", "|---|---:|---:|"]
         lines += [f"| {k} | {v['fwd_us']:.0f} | {v['fwd+bwd_us']:.0f} |" for k, v in ops["block"].items()]
         lines += [f"| {k} | - | {why} |" for k, why in ops["unsupported"].items()]
+    if "sweep" in result:
+        default = result.get("ops", {}).get("ops", {})
+        lines += ["", "## The ops at other launch settings (`--force SETTING=VALUE` runs a part so)", "",
+                  "| op at setting | µs | x bound | x the default's time |", "|---|---:|---:|---:|"]
+        for key, v in result["sweep"].items():
+            name = key.split("@")[0]
+            against = f"{v['us'] / default[name]['us']:.2f}" if name in default else "-"
+            lines.append(f"| {key} | {v['us']:.1f} | {v['x_bound']:.2f} | {against} |")
     for part in ("train_eager", "train_compiled", "train_bf16"):
         if part in result:
             ms = result[part]["ms"]
@@ -1270,6 +1290,8 @@ def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers
         return part_parity(z, device)
     if part == "ops":
         return part_ops(z, clock, device, peers, skipped)
+    if part == "sweep":
+        return part_sweep(z, clock, device)
     if part == "decode":
         return part_decode(z, clock, models, device)
     if part == "profile":
@@ -1286,7 +1308,8 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
-    p.add_argument("--parts", default="parity,train_eager,decode,ops,train_compiled,train_bf16,profile,profile_decode",
+    p.add_argument("--parts", default="parity,train_eager,decode,ops,sweep,train_compiled,train_bf16,profile,"
+                                      "profile_decode",
                    help="comma-separated parts to run")
     p.add_argument("--no-peers", action="store_true", help="skip the peers")
     p.add_argument("--force", action="append", default=[], metavar="SETTING=VALUE",
@@ -1297,6 +1320,10 @@ def parse_args(argv=None):
     p.add_argument("--autocast-stream", action="store_true",
                    help="every model stores its residual stream in bf16 under autocast (ResidualConfig.autocast_stream)"
                         " in every part - e.g. with --parts train_eager,train_compiled")
+    p.add_argument("--continue", dest="resume", action="store_true",
+                   help="add the parts' results to those already in OUT (no warm-up): e.g. the peers' --parts ops "
+                        "after the prepared run; a run does so by itself, in a fresh process, after a part lost "
+                        "the device")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -1304,8 +1331,8 @@ def parse_args(argv=None):
 #: The least time each part needs (s, on an H100): a part is skipped when less remains, so
 #: that a run's time limit does not cut it off midway (the compiled part: 221 s on the H200,
 #: 208 of them inductor compiling three models).
-MIN_SECONDS = {"parity": 5, "profile": 15, "profile_decode": 10, "ops": 20, "train_eager": 40, "decode": 20,
-               "train_compiled": 230, "train_bf16": 30}
+MIN_SECONDS = {"parity": 5, "profile": 15, "profile_decode": 10, "ops": 15, "sweep": 10, "train_eager": 40,
+               "decode": 20, "train_compiled": 230, "train_bf16": 30}
 #: The compiled part without Full AttnRes (which has no target): two models to compile, about
 #: two thirds of the time - run so when the whole part no longer fits but this does.
 COMPILED_WITHOUT_FULL_S = 160
@@ -1320,7 +1347,44 @@ def fitting_models(part: str, models: dict, left: float) -> tuple[dict, str | No
     return models, None
 
 
+def device_usable(device: str) -> bool:
+    """Whether the device still runs work after a part raised. A kernel's memory fault (an
+    illegal or misaligned address) is sticky: every later CUDA call of the process fails with
+    it, so the parts after it need a fresh process (:func:`continue_elsewhere`)."""
+    if device != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize()
+        (torch.ones(1, device=device) + 1).item()
+        torch.cuda.empty_cache()
+        return True
+    except Exception:  # noqa: BLE001 - whatever CUDA raises here, the context is lost
+        return False
+
+
+def continue_elsewhere(argv: list[str], parts: list[str], budget: float) -> int:
+    """Run ``parts`` within ``budget`` seconds in a fresh process that adds to this run's
+    results (``--continue``): this process's device context is lost. The command line is this
+    run's with a later ``--parts`` and ``--budget`` (argparse keeps the last of each)."""
+    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--parts", ",".join(parts),
+               "--budget", f"{budget:.0f}", "--continue"]
+    log(f"[gpu_check] the device's context is lost: {','.join(parts)} continue in a fresh process")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)
+    return 0  # (not reached: execv replaces this process)
+
+
+def previous_result(out: Path) -> dict:
+    """The results a ``--continue`` run adds to (``OUT/gpu_check.json``)."""
+    path = out / "gpu_check.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--continue: no results to continue in {path}")
+    return json.loads(path.read_text())
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     unknown = sorted(set(args.parts.split(",")) - set(MIN_SECONDS))
     if unknown:
@@ -1341,22 +1405,35 @@ def main(argv=None) -> int:
         return 2
     import triton
 
+    out = Path(args.out)
+    parts = args.parts.split(",")
     start = time.perf_counter()
     peers, skipped = ({}, {}) if args.no_peers or args.cpu_smoke else kernels_bench.select_peers()
-    workers = start_warm_up(peers, args.force, options) if device == "cuda" else []
-    result = {"command": " ".join(["gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
-              "device": torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)",
-              "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(z), "skipped": {}, "errors": {},
-              "copy_GBps": (copy_bandwidth(device) or 0) / 1e9, "forced": forced_settings}
+    if args.resume:  # (the kernels are in the on-disk caches already: no warm-up)
+        try:
+            result = previous_result(out)
+        except (OSError, ValueError) as e:
+            log(f"gpu_check: {e}")
+            return 2
+        for key in ("errors", "skipped"):
+            result.setdefault(key, {})
+        result.setdefault("continued", []).append(",".join(parts))
+        workers = []
+    else:
+        workers = start_warm_up(peers, args.force, options) if device == "cuda" else []
+        result = {"command": " ".join(["gpu_check.py", *argv]),
+                  "device": torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)",
+                  "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(z), "skipped": {},
+                  "errors": {}, "copy_GBps": (copy_bandwidth(device) or 0) / 1e9, "forced": forced_settings}
+    spent_before = result.get("elapsed_s", 0.0)  # (by the run this one continues)
     clock = Clock(device)
-    out = Path(args.out)
     models = build_models(z, device)
     apply_model_options(models, options)
     if options:
         result["forced"] = {**(forced_settings or {}), **dict.fromkeys(options, True)}
     for worker in workers:  # the kernels compiled; the timed parts find them in the caches
         worker.wait()
-    for part in args.parts.split(","):
+    for i, part in enumerate(parts):
         left = args.budget - (time.perf_counter() - start)
         part_models, note = fitting_models(part, models, left) if device == "cuda" else (models, None)
         if note:
@@ -1370,14 +1447,20 @@ def main(argv=None) -> int:
         try:
             result[part] = run_part(part, z, clock, part_models, device, peers, skipped)
         except Exception as e:  # noqa: BLE001 - one part's failure is reported; the others still run
-            if args.cpu_smoke:
+            lost = not device_usable(device)
+            if args.cpu_smoke and not lost:  # (the smoke's failures are the tests')
                 raise
             result["errors"][part] = "".join(traceback.format_exception(e))[-4000:]
             log(f"[gpu_check] {part} FAILED:\n{result['errors'][part]}")
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-        result["elapsed_s"] = time.perf_counter() - start
+            if lost:
+                result["errors"][part] += (f"\n(the device's context was lost: the parts after {part}, if any, ran in "
+                                           "a fresh process)")
+                result["elapsed_s"] = spent_before + time.perf_counter() - start
+                write(out, result)
+                print(render(result), flush=True)
+                rest, left = parts[i + 1:], args.budget - (time.perf_counter() - start)
+                return continue_elsewhere(argv, rest, left) if rest else 0
+        result["elapsed_s"] = spent_before + time.perf_counter() - start
         write(out, result)
         print(render(result), flush=True)
     return 0

@@ -33,11 +33,14 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert set(summary["met"]) >= {"train_eager", "train_compiled", "memory", "ops_within_2x_bound", "host"}
     md = (tmp_path / "gpu_check.md").read_text()
     assert set(summary["bf16_stream"]) == {"block", "full", gpu_check.SUMS_KEPT}
-    for heading in ("## Parity", "## Ops at", "## train_eager", "## train_compiled", "## train_bf16", "## decode step",
+    for heading in ("## Parity", "## Ops at", "## The ops at other launch settings", "## train_eager", "## train_compiled", "## train_bf16", "## decode step",
                     "## Where a training step's time goes", "## What a graphed decode step replays"):
         assert heading in md
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["sizes"]["d"] == 16 and result["errors"] == {}
+    # (the sweep, a part of its own: each setting's row beside its default's time)
+    assert {key.split("@")[0] for key in result["sweep"]} == set(summary["ops"])
+    assert "| merge_bwd@merge_warps=4 |" in md
     # parity: the interpreter's kernels equal the torch backend, and each op float64's
     assert summary["met"]["parity"] and max(summary["parity"]["ops"].values()) < 1e-5
     assert 1e-4 < max(summary["parity"]["ops_bf16"].values()) < gpu_check.OP_PARITY_TOLERANCE_BF16
@@ -417,3 +420,63 @@ def test_model_options_reach_every_model_and_the_warm_up_workers(monkeypatch):
     monkeypatch.setattr(gpu_check, "train_steps", train_steps)
     assert gpu_check.warm_up_worker("models:block:train", gpu_check.SMOKE, "cpu", options=["autocast_stream"]) == 0
     assert seen == [True]
+
+
+def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_process(monkeypatch, tmp_path):
+    """A kernel's memory fault is sticky: every later CUDA call of the process fails. A part
+    that raises and leaves the device unusable is recorded, the results are written, and the
+    run replaces itself by a fresh process (``--continue``) that runs the parts after it
+    within what is left of the budget and adds their results to the same files."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    ran, execs = [], []
+
+    def run_part(part, *args):
+        ran.append(part)
+        if part == "decode":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {}  # (profile, decode, profile_decode: an empty result renders and summarises)
+
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    monkeypatch.setattr(gpu_check.os, "execv", lambda path, command: execs.append(command))
+    argv = ["--out", str(tmp_path), "--cpu-smoke", "--budget", "300", "--parts", "profile,decode,profile_decode"]
+    assert gpu_check.main(argv) == 0
+    assert ran == ["profile", "decode"] and len(execs) == 1
+    command = execs[0]
+    assert command[1].endswith("gpu_check.py") and command[2:2 + len(argv)] == argv
+    rest = gpu_check.parse_args(command[2:])  # (argparse keeps the last --parts and --budget)
+    assert rest.parts == "profile_decode" and rest.resume and 0 < rest.budget <= 300
+    first = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "profile" in first and "illegal memory access" in first["errors"]["decode"]
+    assert "context was lost" in first["errors"]["decode"]
+
+    ran.clear()
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)
+    assert gpu_check.main(command[2:]) == 0
+    assert ran == ["profile_decode"]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert {"profile", "profile_decode"} <= set(result) and set(result["errors"]) == {"decode"}
+    assert result["continued"] == ["profile_decode"] and result["elapsed_s"] >= first["elapsed_s"]
+    assert result["command"] == first["command"]  # (the run's own command, not the continuation's)
+    assert json.loads((tmp_path / "summary.json").read_text())["errors"] == ["decode"]
+    assert "Continued by another process (`--continue`): profile_decode" in (tmp_path / "gpu_check.md").read_text()
+    # nothing to continue: refused, naming the file
+    assert gpu_check.main(["--out", str(tmp_path / "none"), "--cpu-smoke", "--continue"]) == 2
+
+
+def test_a_failing_part_of_the_smoke_raises(monkeypatch, tmp_path):
+    """On the CPU the device is never lost, and a part of the smoke that raises fails the
+    run (the tests see it) rather than being recorded."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    def run_part(part, *args):
+        raise ValueError(f"{part} is broken")
+
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
+    with pytest.raises(ValueError, match="profile is broken"):
+        gpu_check.main(["--out", str(tmp_path), "--cpu-smoke", "--parts", "profile"])
