@@ -1463,6 +1463,8 @@ def main(argv=None) -> int:
         result["elapsed_s"] = spent_before + time.perf_counter() - start
         write(out, result)
         print(render(result), flush=True)
+    result["elapsed_s"] = spent_before + time.perf_counter() - start
+    write(out, result)  # (parts skipped after the last that ran are named in the files too)
     return 0
 
 

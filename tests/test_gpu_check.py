@@ -480,3 +480,24 @@ def test_a_failing_part_of_the_smoke_raises(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
     with pytest.raises(ValueError, match="profile is broken"):
         gpu_check.main(["--out", str(tmp_path), "--cpu-smoke", "--parts", "profile"])
+
+
+def test_parts_skipped_for_the_budget_after_the_last_part_are_named_in_the_summary(monkeypatch, tmp_path):
+    """A part that does not fit the budget is skipped and named in ``summary.json``, also
+    when no part runs after it (the files are written once more at the end). On a GPU only:
+    the device is faked here, the parts stubbed."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check.torch.cuda, "get_device_name", lambda: "a faked GPU")
+    monkeypatch.setattr(gpu_check, "copy_bandwidth", lambda device: None)
+    monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
+    monkeypatch.setattr(gpu_check, "run_part", lambda part, *args: {})
+    monkeypatch.setattr(gpu_check, "Clock", lambda device: None)
+    assert gpu_check.main(["--out", str(tmp_path), "--no-peers", "--budget", "100", "--parts", "profile,train_compiled"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["device"] == "a faked GPU" and set(summary["skipped"]) == {"train_compiled"}
+    assert "of the 100 s budget left" in summary["skipped"]["train_compiled"]
+    assert "Skipped **train_compiled**" in (tmp_path / "gpu_check.md").read_text()
