@@ -1,7 +1,8 @@
 """Decoding over a static-capacity KV cache (``StaticKVCache``, ``StaticDecoder``): it equals
 the dynamic-cache decode token for token and in its logits (against the float64 truth), and
 its step compiles with ``fullgraph=True`` into one graph that every step reuses (nothing
-data-dependent reaches Python). The CUDA-graph capture itself runs only where there is a GPU.
+data-dependent reaches Python). The CUDA-graph capture itself runs only where there is a GPU;
+what it records - the eager step - is checked here for reads back and host data.
 
 Prompts are a ragged, left-padded batch; AttnRes models get random pseudo-queries.
 """
@@ -158,6 +159,40 @@ def test_decode_step_compiles_with_fullgraph_into_one_graph(residual):
     assert torch.equal(compiled.end, eager.end) and int(compiled.end) == 13
     if residual != "standard":  # the depth-attention operators are nodes of that graph
         assert {"attnres.phase1", "attnres.merge"} <= recorder.targets, sorted(recorder.targets)
+
+
+#: What a CUDA graph cannot record: a read back to the host (``.item()``, a data-dependent
+#: shape or truth value) or a tensor made from host data (``torch.tensor(...)``: a
+#: synchronous copy to the device, which a capturing stream refuses).
+NOT_CAPTURABLE = {"aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.nonzero", "aten.equal",
+                  "aten.lift_fresh", "aten.lift_fresh_copy", "aten._pin_memory", "aten._assert_async"}
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_the_eager_static_step_that_a_cuda_graph_records_reads_nothing_back_and_copies_no_host_data(residual):
+    """``StaticDecoder(mode="graph")`` records the *eager* step (``torch.cuda.graph``), not a
+    compiled one, so ``fullgraph=True`` (above) does not cover it: a ``torch.tensor`` of a
+    Python value compiles into a constant but is a host-to-device copy in eager code, which
+    the capture refuses. The eager step, with the depth-attention operators through the
+    dispatcher, dispatches none of :data:`NOT_CAPTURABLE` - checked on the CPU for what the
+    capture will meet on a GPU."""
+    from test_depth_attention_ops import OperatorLog
+
+    from attnres.ops.depth_attention import library
+
+    model = make_model(residual=residual, n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    _, cache = prefill(model, ids, mask)
+    decoder = StaticDecoder(model, 3, capacity=12, mode="eager")
+    decoder.load(cache, mask)
+    token = torch.zeros(3, dtype=torch.long)
+    decoder.step(token)  # (the first step folds the key-norm gains into the queries)
+    log = OperatorLog()
+    with torch.no_grad(), library.through_dispatcher(), log:
+        decoder.step(token)
+    assert log.names and not NOT_CAPTURABLE & set(log.names), sorted(NOT_CAPTURABLE & set(log.names))
+    if residual != "standard":
+        assert {"attnres.phase1", "attnres.merge"} <= set(log.names)
 
 
 def test_block_decode_step_dispatches_fewer_operations_than_the_standard_one(monkeypatch):
