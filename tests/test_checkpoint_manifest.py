@@ -1,0 +1,76 @@
+"""The checkpoint manifest (``state.json``) as a reader meets it from elsewhere: another
+version's format, an entry missing or malformed. Each is a :class:`CheckpointError` naming
+the checkpoint and the problem, never a bare ``KeyError`` / ``FileNotFoundError``, and no
+file is read that the manifest does not vouch for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("safetensors")
+
+from attnres.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_state, write_checkpoint  # noqa: E402
+from attnres.checkpoint.manifest import STATE_HASH, seal_state  # noqa: E402
+
+
+def _write(tmp_path: Path) -> Path:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return write_checkpoint(tmp_path / "run", 1, model.state_dict(), opt.state_dict(), {"note": "x"}, keep=2)
+
+
+def _edit(ckpt: Path, change, seal: bool = True) -> None:
+    """Change ``state.json`` as another writer would have written it (sealed with its hash
+    again, so only the change itself is met)."""
+    doc = json.loads((ckpt / "state.json").read_text())
+    doc.pop(STATE_HASH, None)
+    change(doc)
+    (ckpt / "state.json").write_text(json.dumps(seal_state(doc) if seal else doc))
+
+
+def test_a_newer_format_says_to_upgrade(tmp_path):
+    ckpt = _write(tmp_path)
+    _edit(ckpt, lambda d: d.update(format_version=2))
+    with pytest.raises(CheckpointError, match=r"written by a newer attnres \(checkpoint format 2\).*upgrade"):
+        read_checkpoint_state(ckpt)
+    _edit(ckpt, lambda d: d.update(format_version=0))
+    with pytest.raises(CheckpointError, match="has checkpoint format 0; this version reads format 1 only"):
+        read_checkpoint_state(ckpt)
+    _edit(ckpt, lambda d: d.pop("format_version"))
+    with pytest.raises(CheckpointError, match="not an attnres checkpoint manifest"):
+        read_checkpoint_state(ckpt)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "rng.safetensors"])
+def test_a_file_the_manifest_does_not_list_is_not_read(tmp_path, name):
+    ckpt = _write(tmp_path)
+    _edit(ckpt, lambda d: d["files"].pop(name))
+    with pytest.raises(CheckpointError, match=rf"state.json does not list \['{name}'\], which loading reads"):
+        read_checkpoint_state(ckpt)
+    (ckpt / name).unlink()  # was a bare FileNotFoundError from safetensors when loading
+    with pytest.raises(CheckpointError, match=rf"does not list \['{name}'\]"):
+        load_checkpoint(ckpt, nn.Linear(3, 2), restore_rng=False)
+
+
+def test_a_malformed_entry_is_named(tmp_path):
+    ckpt = _write(tmp_path)
+    _edit(ckpt, lambda d: d["files"]["model.safetensors"].pop("bytes"), seal=False)  # an unsealed (older) manifest
+    with pytest.raises(CheckpointError, match="entry for model.safetensors has no size and SHA-256"):
+        read_checkpoint_state(ckpt)  # was KeyError: 'bytes'
+    _edit(ckpt, lambda d: d.update(layout="zip"))
+    with pytest.raises(CheckpointError, match="unknown layout 'zip'"):
+        read_checkpoint_state(ckpt)
+
+
+def test_an_untouched_checkpoint_still_loads(tmp_path):
+    ckpt = _write(tmp_path)
+    assert read_checkpoint_state(ckpt, optional=("optimizer.safetensors",))["note"] == "x"
+    (ckpt / "optimizer.safetensors").unlink()  # inference needs no optimiser state
+    assert read_checkpoint_state(ckpt, optional=("optimizer.safetensors",))["step"] == 1
