@@ -74,3 +74,28 @@ def test_an_untouched_checkpoint_still_loads(tmp_path):
     assert read_checkpoint_state(ckpt, optional=("optimizer.safetensors",))["note"] == "x"
     (ckpt / "optimizer.safetensors").unlink()  # inference needs no optimiser state
     assert read_checkpoint_state(ckpt, optional=("optimizer.safetensors",))["step"] == 1
+
+
+# -- the run config a checkpoint of attnres train carries ----------------------------------
+
+def test_a_checkpoint_without_a_run_config_is_named_by_load_run(tmp_path):
+    from attnres.inference import load_run, load_tokenizer
+
+    ckpt = _write(tmp_path)  # save_checkpoint from other code: the state it was given, no run config
+    for load in (load_run, load_tokenizer):  # were KeyError: 'config'
+        with pytest.raises(CheckpointError, match=r"stores no run config .*not written by attnres train"):
+            load(ckpt)
+    _edit(ckpt, lambda d: d.update(config={"seed": 0}))  # and no model section: was KeyError: 'model'
+    with pytest.raises(CheckpointError, match="stores no run config"):
+        load_run(ckpt)
+
+
+def test_a_saved_model_config_this_version_cannot_build_names_the_checkpoint(tmp_path):
+    from attnres import ModelConfig
+    from attnres.inference import load_run
+
+    ckpt = _write(tmp_path)
+    model = ModelConfig.preset("tiny").to_dict()
+    _edit(ckpt, lambda d: d.update(config={"model": {**model, "new_field": 1}}))  # as a newer attnres writes it
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{ckpt}': its saved model config .*new_field"):
+        load_run(ckpt)

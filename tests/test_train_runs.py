@@ -502,3 +502,18 @@ def test_the_final_line_says_when_the_validation_loss_was_measured(tmp_path, cor
     assert cli_main(["train", *overrides(corpus_file, run, steps=6, eval_every=3), "--resume"]) == 0  # evaluates at 6
     assert re.search(r"finished at step 6, train loss \S+, val loss [\d.]+; checkpoint", capsys.readouterr().out)
     assert read_checkpoint_state(latest_checkpoint(run))["val_step"] == 6
+
+
+def test_resume_and_init_from_a_checkpoint_without_a_run_config_are_refused_by_name(tmp_path, corpus_file):
+    """A checkpoint written by other code (``save_checkpoint``) has no run config: resuming
+    it compared the run with the defaults (a tokens_seen 'edited' at 2048 tokens per step, or a
+    run of the default model accepted), and init_from met a KeyError when its weights did not fit."""
+    from torch import nn
+    from attnres.checkpoint import CheckpointError, write_checkpoint
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = write_checkpoint(tmp_path / "other", 1, model.state_dict(), opt.state_dict(), {"tokens_seen": 4}, keep=1)
+    for start in ({"resume_from": str(ckpt)}, {"init_from": str(ckpt)}):
+        with pytest.raises(CheckpointError, match=r"stores no run config"):
+            train(load_config(None, overrides(corpus_file, tmp_path / "run", **start)))

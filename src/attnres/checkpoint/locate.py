@@ -32,6 +32,19 @@ class Source:
     def step(self) -> int:
         return self.state["step"]
 
+    def run_config(self) -> dict[str, Any]:
+        """The run config ``attnres train`` stores in ``state.json`` (``config``, with its
+        ``model`` section). :class:`CheckpointError` naming the checkpoint when it has none: a
+        checkpoint written by other code through :func:`~attnres.checkpoint.save_checkpoint`
+        stores only the state it was given, and a bare ``KeyError`` would say nothing of that."""
+        config = self.state.get("config")
+        if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+            raise CheckpointError(f"checkpoint {str(self.path)!r} stores no run config ({STATE_FILE} has no "
+                                  "'config' with a 'model' section): it was not written by attnres train, so "
+                                  "there is no model to build from it; load its weights into your own model with "
+                                  "attnres.checkpoint.load_checkpoint")
+        return config
+
 
 def _set_aside(path: Path, prefix: str) -> Path:
     """Rename checkpoint ``path`` to ``<prefix><name>`` beside it (a free name), keeping it."""

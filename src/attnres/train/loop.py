@@ -199,10 +199,10 @@ class Trainer:
         try:
             self.start = locate_start(config, self.main, self._main_first)
             if self.start.resume is not None:  # what differs named before the data is read and checked
-                check_resumable_before_data(self.start.resume.state["config"], config.to_dict(), self.start.resume)
+                check_resumable_before_data(self.start.resume.run_config(), config.to_dict(), self.start.resume)
             self.config, self.data = prepare_run_data(config, self.start, self._main_first)
             if self.start.resume is not None:
-                check_resumable(self.start.resume.state["config"], self.config.to_dict(), self.start.resume)
+                check_resumable(self.start.resume.run_config(), self.config.to_dict(), self.start.resume)
             self.layout = build_layout(self.config.parallel, self.device)
             self.sharded = self.layout.size > 1  # the checkpoint format: every rank its shards, or one file set
             self.pm = self._build_model()
@@ -562,7 +562,7 @@ def _load_init_weights(source, model: nn.Module, config: TrainConfig) -> None:
     try:
         load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
     except CheckpointError as e:
-        saved, ours = flatten(source.state["config"]["model"]), flatten(config.model.to_dict())
+        saved, ours = flatten(source.run_config()["model"]), flatten(config.model.to_dict())
         differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
         if not differing:
             raise CheckpointError(f"init_from: {e}") from None
