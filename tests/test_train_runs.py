@@ -517,3 +517,20 @@ def test_resume_and_init_from_a_checkpoint_without_a_run_config_are_refused_by_n
     for start in ({"resume_from": str(ckpt)}, {"init_from": str(ckpt)}):
         with pytest.raises(CheckpointError, match=r"stores no run config"):
             train(load_config(None, overrides(corpus_file, tmp_path / "run", **start)))
+
+
+def test_init_from_says_which_model_fields_it_changes_where_the_weights_still_fit(tmp_path, corpus_file, recwarn):
+    """A model field that changes what the model computes but not its tensors' shapes (the
+    block size, rope_theta) was taken without a word, as a --config left out gives it: the run
+    trained another model than the checkpoint's from its weights."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "base", steps=1)))
+    good = latest_checkpoint(tmp_path / "base")
+    start = dict(steps=1, warmup_steps=0, init_from=str(good))
+    with pytest.warns(UserWarning, match=r"its weights fit, but this run's model differs from the checkpoint's in "
+                                         r"\['model.residual.block_size', 'model.rope_theta'\] \(model.residual."
+                                         r"block_size: 2 there, 1 here, model.rope_theta: 10000.0 there, 500 here\)"):
+        train(load_config(None, overrides(corpus_file, tmp_path / "changed", **start,
+                                          **{"model.residual.block_size": 1, "model.rope_theta": 500})))
+    recwarn.clear()  # the same model, or another kernel for it: nothing to say
+    train(load_config(None, overrides(corpus_file, tmp_path / "same", **start, **{"model.residual.backend": "torch"})))
+    assert not [w for w in recwarn if "init_from" in str(w.message)], [str(w.message) for w in recwarn]

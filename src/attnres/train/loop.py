@@ -73,7 +73,7 @@ from .lock import RunLock, lock_run_dir
 from .metrics import MetricsLogger
 from .optim import build_optimizer
 from .out_dir import OutDirError, check_out_dir, os_cause
-from .resume import check_resumable, check_resumable_before_data
+from .resume import check_resumable, check_resumable_before_data, init_model_changes
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
 from .signals import StopSignals
@@ -356,7 +356,8 @@ class Trainer:
                          fingerprint=data.fingerprint, device=device, world_size=self.ctx.world_size,
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
-        for message in (warmup_overrun(self.config), unused_stream_option(self.config)):
+        changes = init_model_changes(init, self.config.model.to_dict()) if init is not None else None
+        for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config)):
             if message is not None:
                 warnings.warn(message, stacklevel=2)
 
