@@ -99,3 +99,27 @@ def test_a_saved_model_config_this_version_cannot_build_names_the_checkpoint(tmp
     _edit(ckpt, lambda d: d.update(config={"model": {**model, "new_field": 1}}))  # as a newer attnres writes it
     with pytest.raises(CheckpointError, match=rf"checkpoint '{ckpt}': its saved model config .*new_field"):
         load_run(ckpt)
+
+
+# -- naming a run: its checkpoints/ folder, checkpoints set aside ----------------------------
+
+def test_a_runs_checkpoints_folder_names_the_run(tmp_path):
+    from attnres.checkpoint import find_valid_checkpoint
+
+    ckpt = _write(tmp_path)  # <tmp>/run/checkpoints/step-00000001
+    # what ls and tab completion offer between the run and its step-* directories: was
+    # "neither a checkpoint nor a run directory with checkpoints"
+    assert find_valid_checkpoint(tmp_path / "run" / "checkpoints").path == ckpt
+    assert find_valid_checkpoint(tmp_path / "run").path == ckpt
+
+
+def test_a_run_with_only_checkpoints_set_aside_says_so(tmp_path):
+    from attnres.checkpoint import find_valid_checkpoint, no_checkpoint_at
+
+    ckpt = _write(tmp_path)
+    ckpt.rename(ckpt.with_name("superseded-" + ckpt.name))  # as a --resume-from an earlier step leaves it
+    assert find_valid_checkpoint(tmp_path / "run") is None
+    assert no_checkpoint_at(tmp_path / "run").endswith(
+        "holds only checkpoints set aside (superseded-step-00000001: corrupt-* did not verify, superseded-* belong to "
+        "an abandoned trajectory); name one of them to use it anyway")  # was "holds none yet"
+    assert find_valid_checkpoint(ckpt.with_name("superseded-" + ckpt.name)).step == 1  # and named, it loads

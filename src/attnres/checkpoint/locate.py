@@ -104,11 +104,25 @@ def no_checkpoint_at(location: str | Path) -> str:
         return (f"{what}: its config.json makes it a Hugging Face directory (attnres export's or attnres "
                 "upcycle's output?), which transformers loads after `import attnres.hf` (docs/hf.md)")
     if (location / "checkpoints").is_dir():
+        aside = sorted(p.name for p in (location / "checkpoints").iterdir()
+                       if p.name.startswith((CORRUPT_PREFIX, SUPERSEDED_PREFIX)))
+        if aside:  # renamed by a resume, which no tool picks up by itself
+            return (f"{what}: {str(location / 'checkpoints')!r} holds only checkpoints set aside ({', '.join(aside)}: "
+                    "corrupt-* did not verify, superseded-* belong to an abandoned trajectory); name one of them "
+                    "to use it anyway")
         return f"{what}: {str(location / 'checkpoints')!r} holds none yet"
     runs = sorted(p.parent for pattern in ("*/checkpoints", "*/*/checkpoints") for p in location.glob(pattern))
     if runs:
         return f"{what}: it holds {len(runs)} run(s); name one, e.g. {str(runs[0])!r}"
     return what
+
+
+def _run_directory(location: Path) -> Path:
+    """The run directory ``location`` names: itself, or the run whose ``checkpoints/`` folder
+    it is (what ``ls`` and tab completion offer between a run and its ``step-*`` directories)."""
+    if location.name == "checkpoints" and not (location / "checkpoints").is_dir() and checkpoint_dirs(location.parent):
+        return location.parent
+    return location
 
 
 def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = ()) -> Source | None:
@@ -122,7 +136,7 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
     location = Path(location)
     if (location / STATE_FILE).is_file() or location.name.startswith("step-"):
         return Source(location, verify_checkpoint(location, optional))
-    candidates = checkpoint_dirs(location)
+    candidates = checkpoint_dirs(_run_directory(location))
     bad: list[tuple[Path, str]] = []
     for path in reversed(candidates):
         try:
