@@ -152,8 +152,8 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
                   "from the run's data settings; pass --tokenizer to choose one", stacklevel=2)
     data = Source(checkpoint, state).run_config().get("data") or {}
     if "tokenizer" not in data:
-        raise CheckpointError(f"checkpoint {str(checkpoint)!r} stores neither a tokenizer nor the data settings to make "
-                              "one from: pass the tokenizer.json it was trained with (--tokenizer)")
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} stores neither a tokenizer nor the data settings to "
+                              "make one from: pass the tokenizer.json it was trained with (--tokenizer)")
     if data["tokenizer"] == "byte":
         return ByteTokenizer()
     from ..data import load_corpus, prepare_data
