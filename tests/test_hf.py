@@ -159,6 +159,20 @@ def test_generate_takes_a_transformers_directory(tmp_path, capsys):
         cli_main(["generate", str(tmp_path / "plain"), "--prompt", prompt, "--tokenizer", "t.json"])
 
 
+
+def test_generate_names_a_truncated_weights_file_of_a_transformers_directory(tmp_path):
+    """A directory whose model.safetensors was cut short (a copy or an export that did not
+    finish): one line naming the directory and the file, not safetensors' traceback."""
+    hf = AttnResForCausalLM.from_native(native_model())
+    hf.save_pretrained(tmp_path)
+    make_hf_tokenizer(ByteTokenizer(), 128).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    for cut in (1000, weights.stat().st_size // 2):  # inside the header; inside the tensors
+        weights.write_bytes(weights.read_bytes()[:cut])
+        with pytest.raises(SystemExit, match=rf"'{tmp_path}': its weights cannot be read, the .safetensors file is "
+                                             "truncated or corrupted"):
+            cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
+
 def test_eager_attention_matches_sdpa():
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native).eval()

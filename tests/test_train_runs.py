@@ -502,3 +502,35 @@ def test_the_final_line_says_when_the_validation_loss_was_measured(tmp_path, cor
     assert cli_main(["train", *overrides(corpus_file, run, steps=6, eval_every=3), "--resume"]) == 0  # evaluates at 6
     assert re.search(r"finished at step 6, train loss \S+, val loss [\d.]+; checkpoint", capsys.readouterr().out)
     assert read_checkpoint_state(latest_checkpoint(run))["val_step"] == 6
+
+
+def test_resume_and_init_from_a_checkpoint_without_a_run_config_are_refused_by_name(tmp_path, corpus_file):
+    """A checkpoint written by other code (``save_checkpoint``) has no run config: resuming
+    it compared the run with the defaults (a tokens_seen 'edited' at 2048 tokens per step, or a
+    run of the default model accepted), and init_from met a KeyError when its weights did not fit."""
+    from torch import nn
+    from attnres.checkpoint import CheckpointError, write_checkpoint
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = write_checkpoint(tmp_path / "other", 1, model.state_dict(), opt.state_dict(), {"tokens_seen": 4}, keep=1)
+    for start in ({"resume_from": str(ckpt)}, {"init_from": str(ckpt)}):
+        with pytest.raises(CheckpointError, match=r"stores no run config"):
+            train(load_config(None, overrides(corpus_file, tmp_path / "run", **start)))
+
+
+def test_init_from_says_which_model_fields_it_changes_where_the_weights_still_fit(tmp_path, corpus_file, recwarn):
+    """A model field that changes what the model computes but not its tensors' shapes (the
+    block size, rope_theta) was taken without a word, as a --config left out gives it: the run
+    trained another model than the checkpoint's from its weights."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "base", steps=1)))
+    good = latest_checkpoint(tmp_path / "base")
+    start = dict(steps=1, warmup_steps=0, init_from=str(good))
+    with pytest.warns(UserWarning, match=r"its weights fit, but this run's model differs from the checkpoint's in "
+                                         r"\['model.residual.block_size', 'model.rope_theta'\] \(model.residual."
+                                         r"block_size: 2 there, 1 here, model.rope_theta: 10000.0 there, 500 here\)"):
+        train(load_config(None, overrides(corpus_file, tmp_path / "changed", **start,
+                                          **{"model.residual.block_size": 1, "model.rope_theta": 500})))
+    recwarn.clear()  # the same model, or another kernel for it: nothing to say
+    train(load_config(None, overrides(corpus_file, tmp_path / "same", **start, **{"model.residual.backend": "torch"})))
+    assert not [w for w in recwarn if "init_from" in str(w.message)], [str(w.message) for w in recwarn]

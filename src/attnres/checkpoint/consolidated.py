@@ -29,6 +29,8 @@ from torch import nn
 
 from .manifest import (
     FORMAT_VERSION,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
     RNG_FILE,
     STATE_FILE,
     CheckpointError,
@@ -41,9 +43,6 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 
 __all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
-
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 def _split_optimizer_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

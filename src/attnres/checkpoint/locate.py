@@ -32,6 +32,19 @@ class Source:
     def step(self) -> int:
         return self.state["step"]
 
+    def run_config(self) -> dict[str, Any]:
+        """The run config ``attnres train`` stores in ``state.json`` (``config``, with its
+        ``model`` section). :class:`CheckpointError` naming the checkpoint when it has none: a
+        checkpoint written by other code through :func:`~attnres.checkpoint.save_checkpoint`
+        stores only the state it was given, and a bare ``KeyError`` would say nothing of that."""
+        config = self.state.get("config")
+        if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+            raise CheckpointError(f"checkpoint {str(self.path)!r} stores no run config ({STATE_FILE} has no "
+                                  "'config' with a 'model' section): it was not written by attnres train, so "
+                                  "there is no model to build from it; load its weights into your own model with "
+                                  "attnres.checkpoint.load_checkpoint")
+        return config
+
 
 def _set_aside(path: Path, prefix: str) -> Path:
     """Rename checkpoint ``path`` to ``<prefix><name>`` beside it (a free name), keeping it."""
@@ -91,11 +104,25 @@ def no_checkpoint_at(location: str | Path) -> str:
         return (f"{what}: its config.json makes it a Hugging Face directory (attnres export's or attnres "
                 "upcycle's output?), which transformers loads after `import attnres.hf` (docs/hf.md)")
     if (location / "checkpoints").is_dir():
+        aside = sorted(p.name for p in (location / "checkpoints").iterdir()
+                       if p.name.startswith((CORRUPT_PREFIX, SUPERSEDED_PREFIX)))
+        if aside:  # renamed by a resume, which no tool picks up by itself
+            return (f"{what}: {str(location / 'checkpoints')!r} holds only checkpoints set aside ({', '.join(aside)}: "
+                    "corrupt-* did not verify, superseded-* belong to an abandoned trajectory); name one of them "
+                    "to use it anyway")
         return f"{what}: {str(location / 'checkpoints')!r} holds none yet"
     runs = sorted(p.parent for pattern in ("*/checkpoints", "*/*/checkpoints") for p in location.glob(pattern))
     if runs:
         return f"{what}: it holds {len(runs)} run(s); name one, e.g. {str(runs[0])!r}"
     return what
+
+
+def _run_directory(location: Path) -> Path:
+    """The run directory ``location`` names: itself, or the run whose ``checkpoints/`` folder
+    it is (what ``ls`` and tab completion offer between a run and its ``step-*`` directories)."""
+    if location.name == "checkpoints" and not (location / "checkpoints").is_dir() and checkpoint_dirs(location.parent):
+        return location.parent
+    return location
 
 
 def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = ()) -> Source | None:
@@ -109,7 +136,7 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
     location = Path(location)
     if (location / STATE_FILE).is_file() or location.name.startswith("step-"):
         return Source(location, verify_checkpoint(location, optional))
-    candidates = checkpoint_dirs(location)
+    candidates = checkpoint_dirs(_run_directory(location))
     bad: list[tuple[Path, str]] = []
     for path in reversed(candidates):
         try:

@@ -30,6 +30,14 @@ FORMAT_VERSION = 1
 STATE_FILE = "state.json"
 PREFIX = "step-"
 RNG_FILE = "rng.safetensors"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+#: The files each layout's loader reads (``state.json``'s ``"layout"``: none for a
+#: consolidated checkpoint, ``"dcp"`` for a sharded one). Each must be listed in the manifest:
+#: a file it does not list would be read without its size and SHA-256 being checked (and a
+#: missing one would surface as a bare ``FileNotFoundError``).
+REQUIRED_FILES = {None: (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE), "dcp": (RNG_FILE, "dcp/.metadata")}
 
 
 class CheckpointError(ValueError):
@@ -152,6 +160,39 @@ def publish_checkpoint(tmp: Path, final: Path, out_dir: str | Path, names, head:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _check_format(path: Path, doc: Any) -> None:
+    """``doc`` is a manifest of the format this version reads; a newer or older format says
+    which it is, so that a checkpoint of another attnres version is not reported as damaged."""
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict) or isinstance(version, bool) \
+            or not isinstance(version, int):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not an attnres checkpoint manifest (no "
+                              "format_version and files)")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} was written by a newer attnres (checkpoint format {version}); "
+                              f"this version reads format {FORMAT_VERSION}: upgrade attnres to load it")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} has checkpoint format {version}; this version reads format "
+                              f"{FORMAT_VERSION} only")
+
+
+def _check_listing(path: Path, doc: dict[str, Any]) -> None:
+    """Every entry of the manifest's ``files`` has a size and a SHA-256, and it lists every
+    file its layout's loader reads (:data:`REQUIRED_FILES`)."""
+    layout = doc.get("layout")
+    if layout not in REQUIRED_FILES:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} names an unknown layout {layout!r}; "
+                              f"known: {sorted(k for k in REQUIRED_FILES if k)} or none (consolidated)")
+    for name, info in doc["files"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str) and isinstance(info.get("bytes"), int)):
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {STATE_FILE}'s entry for {name} has no "
+                                  f"size and SHA-256 ({info!r})")
+    unlisted = [name for name in REQUIRED_FILES[layout] if name not in doc["files"]]
+    if unlisted:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete or was edited: {STATE_FILE} does not list "
+                              f"{unlisted}, which loading reads (every file it reads must be listed with its SHA-256)")
+
+
 def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """``state.json`` of a checkpoint after verifying it (its own hash, its step against the
     directory's name) and every file it lists (size and SHA-256) but those of ``optional`` that
@@ -166,9 +207,9 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {STATE_FILE} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {STATE_FILE} is not valid JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format_version") != FORMAT_VERSION or not isinstance(doc.get("files"), dict):
-        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is not an attnres checkpoint of format {FORMAT_VERSION}")
+    _check_format(path, doc)
     _check_manifest(path, doc)
+    _check_listing(path, doc)
     for name, info in doc["files"].items():
         f = path / name
         if name in optional and not f.exists():

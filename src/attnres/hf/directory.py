@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 __all__ = ["DirectoryText", "load_directory"]
@@ -35,6 +36,9 @@ def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Mod
         model = AutoModelForCausalLM.from_pretrained(path).eval().to(device)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{str(path)!r}: transformers cannot load its model: {e}") from None
+    except SafetensorError as e:  # a weights file cut short (a copy or export that did not finish) or damaged
+        raise ValueError(f"{str(path)!r}: its weights cannot be read, the .safetensors file is truncated or "
+                         f"corrupted ({e}); export or copy the directory again") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

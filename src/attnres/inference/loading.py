@@ -18,7 +18,7 @@ from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_f
 from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
-from ..checkpoint import CheckpointError, find_valid_checkpoint, load_weights, no_checkpoint_at
+from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
 
@@ -82,12 +82,23 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
     if source is None:
         raise CheckpointError(no_checkpoint_at(path))
-    run_config = source.state["config"]
-    config = ModelConfig.from_dict(run_config["model"])
+    run_config = source.run_config()
+    config = saved_model_config(source.path, run_config)
     model = build_model(config)  # AttnResLM, or a transformers family's modules around the residual
     load_weights(source.path, source.state, model)  # a sharded (DCP) one is read in this process
     device = device if isinstance(device, torch.device) else pick_device(device)
     return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
+
+
+def saved_model_config(path: Path, run_config: dict) -> ModelConfig:
+    """The :class:`ModelConfig` a checkpoint's run config describes; a config this version
+    cannot read (a field of a newer attnres, a residual of a module not imported) is a
+    :class:`CheckpointError` that names the checkpoint as well as the field."""
+    try:
+        return ModelConfig.from_dict(run_config["model"])
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: its saved model config (config.model in state.json) "
+                              f"cannot be built here: {e}") from None
 
 
 def load_model(path: str | Path, device: str | torch.device | None = "cpu") -> tuple[AttnResLM, dict]:
@@ -139,7 +150,10 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
         return tokenizer_from_state(state["tokenizer"], checkpoint)
     warnings.warn(f"checkpoint {str(checkpoint)!r} stores no tokenizer (written by an earlier version): making it "
                   "from the run's data settings; pass --tokenizer to choose one", stacklevel=2)
-    data = state["config"]["data"]
+    data = Source(checkpoint, state).run_config().get("data") or {}
+    if "tokenizer" not in data:
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} stores neither a tokenizer nor the data settings to "
+                              "make one from: pass the tokenizer.json it was trained with (--tokenizer)")
     if data["tokenizer"] == "byte":
         return ByteTokenizer()
     from ..data import load_corpus, prepare_data

@@ -73,7 +73,7 @@ from .lock import RunLock, lock_run_dir
 from .metrics import MetricsLogger
 from .optim import build_optimizer
 from .out_dir import OutDirError, check_out_dir, os_cause
-from .resume import check_resumable, check_resumable_before_data
+from .resume import check_resumable, check_resumable_before_data, init_model_changes
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
 from .signals import StopSignals
@@ -199,10 +199,10 @@ class Trainer:
         try:
             self.start = locate_start(config, self.main, self._main_first)
             if self.start.resume is not None:  # what differs named before the data is read and checked
-                check_resumable_before_data(self.start.resume.state["config"], config.to_dict(), self.start.resume)
+                check_resumable_before_data(self.start.resume.run_config(), config.to_dict(), self.start.resume)
             self.config, self.data = prepare_run_data(config, self.start, self._main_first)
             if self.start.resume is not None:
-                check_resumable(self.start.resume.state["config"], self.config.to_dict(), self.start.resume)
+                check_resumable(self.start.resume.run_config(), self.config.to_dict(), self.start.resume)
             self.layout = build_layout(self.config.parallel, self.device)
             self.sharded = self.layout.size > 1  # the checkpoint format: every rank its shards, or one file set
             self.pm = self._build_model()
@@ -356,7 +356,8 @@ class Trainer:
                          fingerprint=data.fingerprint, device=device, world_size=self.ctx.world_size,
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
-        for message in (warmup_overrun(self.config), unused_stream_option(self.config)):
+        changes = init_model_changes(init, self.config.model.to_dict()) if init is not None else None
+        for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config)):
             if message is not None:
                 warnings.warn(message, stacklevel=2)
 
@@ -562,7 +563,7 @@ def _load_init_weights(source, model: nn.Module, config: TrainConfig) -> None:
     try:
         load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
     except CheckpointError as e:
-        saved, ours = flatten(source.state["config"]["model"]), flatten(config.model.to_dict())
+        saved, ours = flatten(source.run_config()["model"]), flatten(config.model.to_dict())
         differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
         if not differing:
             raise CheckpointError(f"init_from: {e}") from None

@@ -8,6 +8,8 @@ fine-tuning starts (``init_from``). Finding the checkpoint is :mod:`attnres.chec
   consumed ``tokens_per_step`` tokens).
 * :func:`check_data` - the data's fingerprint must match the checkpoint's, unless
   ``allow_data_change`` says otherwise.
+* :func:`init_model_changes` - what an ``init_from`` run changes about the checkpoint's model
+  while its weights still fit, said at start-up.
 """
 
 from __future__ import annotations
@@ -136,3 +138,30 @@ def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
                   f"{fingerprint[:12]} vs {saved[:12]}); continuing on the new data with the checkpoint's tokenizer, "
                   "the data position starting over", stacklevel=2)
     return True
+
+
+#: Model fields that change how a model is computed or stored, not what it computes (see
+#: ``ResidualConfig``), and the vocabulary, which a run takes from the checkpoint's tokenizer.
+_NOT_A_MODEL_CHANGE = frozenset({"vocab_size", "residual.schedule", "residual.backend", "residual.recompute_phase1",
+                                 "residual.autocast_stream", "residual.autocast_norm_output",
+                                 "residual.full_group_size"})
+
+
+def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
+    """In words, the fields in which ``model`` (the run's ``model`` config as a dict) differs
+    from the model of ``source``, the checkpoint an ``init_from`` run starts from, although
+    its weights fit (a block size, ``rope_theta``, Full vs Block AttnRes): the run then trains
+    another model than the checkpoint's from its weights. That may be meant (a longer
+    ``max_seq_len``), but it should not go unsaid, as a ``--config`` left out would give it.
+    ``None`` when they agree, or for a transformers directory (its model is the run's)."""
+    if source.state.get("hf_directory"):
+        return None
+    saved = _normalised({"model": source.run_config()["model"]}).get("model", {})
+    old, new = flatten(saved), flatten(model)
+    differing = sorted(k for k in set(old) | set(new) if k not in _NOT_A_MODEL_CHANGE and old.get(k) != new.get(k))
+    if not differing:
+        return None
+    values = ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
+    return (f"init_from={str(source.path)!r}: its weights fit, but this run's model differs from the checkpoint's in "
+            f"{['model.' + k for k in differing]} ({values}): it trains that model from those weights; set the fields "
+            "as the checkpoint has them (or pass its run's --config) to continue the checkpoint's own model")

@@ -58,6 +58,7 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
         raise ValueError(f"resume_from: {no_checkpoint_at(config.resume_from)}")
     if source is None:
         raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
+    source.run_config()  # a checkpoint without one refused by name (check_progress would assume defaults)
     check_progress(source)
     if config.resume_from is not None and main:
         for moved in set_aside_newer(out_dir, source.step):
@@ -76,6 +77,7 @@ def _init_source(config: TrainConfig) -> Start:
     source = find_valid_checkpoint(config.init_from)
     if source is None:
         raise ValueError(f"init_from: {no_checkpoint_at(config.init_from)}")
+    source.run_config()  # a checkpoint without one refused by name
     return Start(init=source, origin={"checkpoint": str(source.path), "step": source.step})
 
 
