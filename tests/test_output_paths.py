@@ -173,3 +173,58 @@ def test_a_path_without_a_checkpoint_is_named_with_what_it_is(tmp_path):
                                                     "directory with checkpoints")
     for where in ("nowhere", "notes.txt", "hf", "fresh", "compare", "empty"):
         assert find_valid_checkpoint(tmp_path / where) is None, where  # what the message explains
+
+
+def _export_like(files: dict[str, bytes], fail_after: str | None = None, error: BaseException | None = None):
+    """A writer as ``save_pretrained`` is one: ``files`` written in order, ``error`` raised
+    after ``fail_after`` (a disk that filled up, Ctrl-C)."""
+    def write(directory: Path) -> None:
+        for name, data in files.items():
+            (directory / name).write_bytes(data)
+            if name == fail_after:
+                raise error
+    return write
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_an_interrupted_directory_write_leaves_what_was_there(tmp_path, error):
+    """``attnres export`` / ``upcycle`` write through :func:`write_directory_atomically`: a
+    failure half-way (the weights written, the tokenizer not) leaves the previous export
+    whole, and a new directory (with the folders made for it) not at all; no staging
+    directory is left behind. A disk error is one line naming ``--out`` and the cause."""
+    from attnres.output_paths import OutputPathError, write_directory_atomically
+
+    old = tmp_path / "export"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"old weights")
+    (old / "tokenizer.json").write_bytes(b"old tokenizer")
+    new = tmp_path / "a" / "b" / "export"
+    half = _export_like({"model.safetensors": b"new weights", "tokenizer.json": b"new"}, "model.safetensors", error)
+    for path in (old, new):
+        expected = (OutputPathError, "--out .* could not be written \\(no space left on device\\); what was there is "
+                    "kept") if isinstance(error, OSError) else (KeyboardInterrupt, None)
+        with pytest.raises(expected[0], match=expected[1]):
+            write_directory_atomically(path, half)
+    assert (old / "model.safetensors").read_bytes() == b"old weights"
+    assert sorted(p.name for p in old.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # (no a/b, no .export.tmp-*)
+
+
+def test_a_directory_write_replaces_its_files_and_gives_the_umask_permissions(tmp_path):
+    """Into a new directory: every file, the directory with the permissions of a plain
+    ``mkdir`` (its staging directory was 0700). Into an existing one: the files of the same
+    names replaced, the others kept."""
+    import os
+
+    from attnres.output_paths import write_directory_atomically
+
+    mask = os.umask(0o022)
+    try:
+        out = write_directory_atomically(tmp_path / "new", _export_like({"config.json": b"{}", "w": b"1"}))
+    finally:
+        os.umask(mask)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "w"] and out.stat().st_mode & 0o777 == 0o755
+    (out / "notes.txt").write_text("mine")
+    write_directory_atomically(out, _export_like({"w": b"2"}))
+    assert (out / "w").read_bytes() == b"2" and (out / "notes.txt").read_text() == "mine"
+    assert (out / "config.json").read_bytes() == b"{}" and sorted(p.name for p in tmp_path.iterdir()) == ["new"]

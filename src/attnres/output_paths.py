@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way", "honour_umask",
-           "not_a_directory", "os_cause", "write_text_atomically"]
+           "not_a_directory", "os_cause", "write_directory_atomically", "write_text_atomically"]
 
 
 class OutputPathError(ValueError):
@@ -106,3 +107,41 @@ def write_text_atomically(path: Path, text: str, what: str = "--out") -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise OutputPathError(f"{what} {str(path)!r} could not be written: {os_cause(e)}") from None
+
+
+def write_directory_atomically(path: Path, write: Callable[[Path], None], what: str = "--out") -> Path:
+    """Run ``write(staging)`` on an empty temporary directory beside ``path``, then put what it
+    wrote in place: the whole directory by one rename when ``path`` does not exist yet, else
+    each file by one rename over the file of its name. A failure or an interruption while
+    writing (a disk that filled up, Ctrl-C) leaves ``path`` as it was - never a half-written
+    weights file that loads as damaged - and no directory it created. An ``OSError`` becomes
+    :class:`OutputPathError` naming ``what``, the path and the cause; anything else propagates."""
+    missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+    staging = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        mask = os.umask(0)  # (mkdtemp makes it 0700: give it what a plain mkdir would)
+        os.umask(mask)
+        os.chmod(staging, 0o777 & ~mask)
+        write(staging)
+        if not path.exists():
+            os.replace(staging, path)
+            return path
+        for file in sorted(f for f in staging.rglob("*") if f.is_file()):
+            target = path / file.relative_to(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(file, target)
+        return path
+    except OSError as e:
+        raise OutputPathError(f"{what} {str(path)!r} could not be written ({os_cause(e)}); what was there is "
+                              "kept") from None
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not path.exists():  # (failed before the rename: the folders made for it go too)
+            for folder in missing:
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break

@@ -36,7 +36,7 @@ from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
 from ..inference.loading import load_run, load_tokenizer
 from ..models import AttnResLM
-from ..output_paths import OutputPathError, check_output_dir, honour_umask, os_cause
+from ..output_paths import check_output_dir, honour_umask, write_directory_atomically
 from .modeling import AttnResForCausalLM
 
 #: The exported tokenizer's chat template: our models learn plain text, so a conversation is
@@ -124,13 +124,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
         hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len)
         hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=None)
     hf.generation_config.eos_token_id = hf.generation_config.pad_token_id = None
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        hf.save_pretrained(out)
-        hf_tok.save_pretrained(out)
-        honour_umask(out.glob("*.safetensors"))
-    except OSError as e:  # a disk that filled up since the check
-        raise OutputPathError(f"--out {str(out)!r}: writing the Hugging Face directory failed: {os_cause(e)}") from None
-    if not (out / "config.json").is_file():
-        raise ValueError(f"writing the Hugging Face directory {str(out)!r} failed: no config.json was written")
-    return out
+
+    def write(staging: Path) -> None:
+        hf.save_pretrained(staging)
+        hf_tok.save_pretrained(staging)
+        honour_umask(staging.glob("*.safetensors"))
+        if not (staging / "config.json").is_file():
+            raise ValueError(f"writing the Hugging Face directory {str(out)!r} failed: no config.json was written")
+
+    return write_directory_atomically(out, write)  # (a disk that filled up since the check: nothing half-written)

@@ -10,7 +10,7 @@ import torch
 
 from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
-from ...output_paths import check_output_dir, honour_umask
+from ...output_paths import check_output_dir, honour_umask, write_directory_atomically
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -108,8 +108,10 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
     refuse_training_output(out)
     model, tokenizer = load_pretrained(source, gguf_file, dtype)
     upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)
-    out.mkdir(parents=True, exist_ok=True)
-    upcycled.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    honour_umask(out.glob("*.safetensors"))
-    return out
+
+    def write(staging: Path) -> None:
+        upcycled.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        honour_umask(staging.glob("*.safetensors"))
+
+    return write_directory_atomically(out, write, "--out")  # (interrupted: nothing half-written)
