@@ -351,3 +351,15 @@ def test_analyze_cli_writes_the_report_and_compares(tmp_path):
     assert [d["residual"] for d in data] == ["attnres_block", "standard"] and data[1]["rank"] == 1
     with pytest.raises(SystemExit, match="'.*nothing' does not exist"):
         cli_main(["analyze", "--checkpoint", str(tmp_path / "nothing")])
+
+
+def test_analyze_writes_a_step_directorys_report_beside_the_checkpoints_not_inside_one(tmp_path):
+    """A run's ``keep_checkpoints`` rotation deletes old ``step-*`` directories whole: the
+    default report of a step directory goes to ``<run>/analysis/step-N``; a run directory's
+    (or any other's) to ``<it>/analysis``."""
+    from attnres.experiments.job.analyze import default_analysis_dir
+
+    run = tmp_path / "runs" / "block"
+    assert default_analysis_dir(run / "checkpoints" / "step-00000040") == run / "analysis" / "step-00000040"
+    assert default_analysis_dir(str(run)) == run / "analysis"
+    assert default_analysis_dir(tmp_path / "hf-out") == tmp_path / "hf-out" / "analysis"

@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     )
     add_checkpoint_argument(an)
     an.add_argument("--compare", metavar="DIR", help="a second checkpoint or run directory to compare with")
-    an.add_argument("--out", help="output directory (default <checkpoint>/analysis)")
+    an.add_argument("--out", help="output directory (default: <run>/analysis/step-N for a run's step-N directory, kept when the run "
+                         "rotates its checkpoints; else <checkpoint>/analysis)")
     an.add_argument("--rows", type=int, default=8, help="windows of the validation split analysed (default 8)")
     an.add_argument("--seq-len", type=int, help="tokens per window (default min(128, the model's max_seq_len))")
     an.add_argument("--text", help="a text file to analyse instead of the run's validation split")

@@ -116,14 +116,24 @@ def _label(info: dict) -> str:
     return " ".join(words)
 
 
+def default_analysis_dir(checkpoint: str | Path) -> Path:
+    """Where ``attnres analyze`` writes without ``--out``: ``<run>/analysis/step-N`` for a
+    ``step-N`` directory of a run (inside the checkpoint, the run's ``keep_checkpoints``
+    rotation would delete it with the checkpoint), else ``<checkpoint>/analysis``."""
+    path = Path(checkpoint).expanduser()
+    if path.parent.name == "checkpoints" and path.name.startswith("step-"):
+        return path.parent.parent / "analysis" / path.name
+    return path / "analysis"
+
+
 def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, out: str | Path | None = None,
                    rows: int = DEFAULT_ROWS, seq_len: int | None = None, text_path: str | None = None,
                    device: str = "cpu") -> Path:
     """``attnres analyze``: write ``report.md``, ``mixing.png`` (Fig.-9-style panels, and the
     difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
-    ``<checkpoint>/analysis``); returns the report's path."""
+    :func:`default_analysis_dir`); returns the report's path."""
     text = None if text_path is None else read_text_file(text_path, "--text")
-    out = check_output_dir(out if out is not None else Path(checkpoint) / "analysis", "--out")
+    out = check_output_dir(out if out is not None else default_analysis_dir(checkpoint), "--out")
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
     if compare is not None:
         items.append(analyze_checkpoint(compare, rows, seq_len, text, device))
