@@ -44,9 +44,23 @@ def read_text_file(path: str | Path, what: str) -> str:
         raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
 
 
+def _utf8_error_at(path: Path) -> str:
+    """Where ``path``'s first byte that is not UTF-8 lies: "line L, byte B" (B counted from
+    the start of the file). A streamed read's ``UnicodeDecodeError`` counts from the start of
+    the buffer that failed, which is not the file's from the second buffer on."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return f"line {line}, byte {e.start}"
+    return "unknown position"
+
+
 def _read_jsonl(path: Path) -> list[str]:
     docs = []
-    with path.open(encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record.
+    with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -184,8 +198,8 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                 raise ValueError(f"data file {str(file)!r} is empty")
             try:
                 file_docs = _read_jsonl(file) if file.suffix == ".jsonl" else [read_text_file(file, "data file")]
-            except UnicodeDecodeError as e:  # a .jsonl file's lines
-                raise ValueError(f"data file {str(file)!r} is not UTF-8 text (byte {e.start})") from None
+            except UnicodeDecodeError:  # a .jsonl file's lines
+                raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
             if not any(d.strip() for d in file_docs):
                 raise ValueError(f"data file {str(file)!r} holds no text")
             docs.extend(file_docs)
