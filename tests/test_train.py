@@ -254,6 +254,18 @@ def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
         load_corpus([str(tmp_path / "late.jsonl")])
 
 
+@pytest.mark.parametrize("override", ["data.paths=", 'data.paths=""', 'data.paths=[""]', "data.paths=[a.txt, ' ']"])
+def test_an_empty_data_path_is_refused(tmp_path, monkeypatch, override):
+    """An empty path (``data.paths=$DATA`` with ``DATA`` unset) is refused by name: as a
+    ``Path`` it was the current directory, and the run trained on every text file under it."""
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "a.txt")
+    with pytest.raises(ValueError, match=r"TrainConfig.data.paths must be .*none of them empty.*; got \["):
+        load_config(None, [override])
+    with pytest.raises(ValueError, match=r"data.paths holds an empty path \(\[''\]\)"):
+        load_corpus([""])
+
+
 def test_data_paths_take_glob_patterns(tmp_path, monkeypatch):
     """``data.paths`` patterns: each one's matches in sorted order (``**`` across directories),
     the same corpus as the files listed; a pattern that matches nothing, or the unquoted

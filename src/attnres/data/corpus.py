@@ -178,11 +178,14 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
     ``.jsonl`` lines need a ``"text"`` field) - or the default corpus
-    when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing path, an
-    empty file, a file that two paths reach (it would count twice) or a split that leaves
+    when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing or empty
+    path, an empty file, a file that two paths reach (it would count twice) or a split that leaves
     either part empty."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
+    if any(not str(p).strip() for p in paths):  # Path("") is the current directory: all of its text files
+        raise ValueError(f"data.paths holds an empty path ({list(map(str, paths))!r}): give files, directories or "
+                         "glob patterns, or no paths for the default corpus")
     roots = [Path(p).expanduser() for p in paths] or [default_corpus_path()]
     docs: list[str] = []
     files: list[Path] = []
