@@ -174,6 +174,12 @@ def _cut(text: str, target: int, next_target: int) -> int:
     return min(target, len(text))
 
 
+def absolute_paths(paths: list[str] | tuple[str, ...]) -> list[str]:
+    """``paths`` (files, directories, glob patterns) made absolute against the current
+    directory: what a checkpoint records, so that its data is found again from anywhere."""
+    return [str(Path(p).expanduser().absolute()) for p in paths]
+
+
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02) -> Corpus:
     """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;

@@ -59,15 +59,23 @@ class LoadedRun:
     state: dict
 
     def validation_text(self) -> str:
-        """The run's validation split, read again from its data settings; a warning when the
-        data no longer has the fingerprint the checkpoint was trained on."""
+        """The run's validation split, read again from its data: the absolute paths the
+        checkpoint recorded (a relative ``data.paths`` is relative to where the run started,
+        not to here), or, from checkpoints of earlier versions, ``data.paths`` as given. A
+        warning when the data no longer has the fingerprint the checkpoint was trained on;
+        ``ValueError`` saying to pass other text when it cannot be read."""
         from ..data import load_corpus
 
         data = self.run_config["data"]
-        corpus = load_corpus(data["paths"], data["val_fraction"])
-        trained_on = (self.state.get("data") or {}).get("fingerprint")
-        if trained_on is not None and trained_on != corpus.digest:
-            warnings.warn(f"the data at {data['paths']} changed since checkpoint {str(self.checkpoint)!r} was trained: "
+        saved = self.state.get("data") or {}
+        paths = saved.get("paths", data["paths"])
+        try:
+            corpus = load_corpus(paths, data["val_fraction"])
+        except ValueError as e:
+            raise ValueError(f"the validation split of checkpoint {str(self.checkpoint)!r} cannot be read again from "
+                             f"its data {paths}: {e}; pass the held-out text (--text FILE)") from None
+        if saved.get("fingerprint") not in (None, corpus.digest):
+            warnings.warn(f"the data at {paths} changed since checkpoint {str(self.checkpoint)!r} was trained: "
                           "its validation split is not the run's (and may overlap the training text); pass --text",
                           stacklevel=2)
         return corpus.val
