@@ -93,6 +93,24 @@ def test_eval_refuses_unknown_task_names_before_any_work(run_dir, tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.parametrize("tasks", ["attnres_ppl", "attnres_cloze"])
+def test_eval_refuses_text_too_short_for_the_local_tasks_before_any_work(run_dir, tmp_path, capsys, tasks):
+    """Held-out text too short to build the local tasks from is refused before the perplexity
+    pass (it ran, printed its result and was lost to the error with no results file), saying
+    how to go on."""
+    short = tmp_path / "short.txt"
+    short.write_text("the quick brown fox\njumps over the lazy dog\n")
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--tasks", tasks, "--text", str(short), "--out", str(out), "--device", "cpu"])
+    assert str(info.value) == ("attnres eval: error: the held-out text gives 0 documents of >= 12 words; the local "
+                               "tasks (attnres_ppl, attnres_cloze) need >= 4: give more held-out text (--text FILE), "
+                               "or --tasks none for the perplexity alone")
+    assert "held-out loss" not in capsys.readouterr().out and not out.exists()
+    assert cli_main(["eval", str(run_dir), "--tasks", "none", "--text", str(short), "--out", str(out),
+                     "--device", "cpu"]) == 0
+
+
 def _fake_distribution(root: Path, name: str, version: str) -> Path:
     """An installed distribution's metadata (no code) whose files include a top-level ``attnres``."""
     info = root / f"{name.replace('-', '_')}-{version}.dist-info"
