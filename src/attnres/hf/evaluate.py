@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data.tokenizer import Tokenizer
+from ..data.tokenizer import ByteTokenizer, Tokenizer
 from ..progress import progress_bar
 from ..models.factory import context_limit
 
@@ -81,7 +81,7 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     if bar is not None:
         bar.close()
     n_tokens = len(ids) - 1
-    n_bytes = len(text.encode("utf-8")) - len(tokenizer.decode(ids[:1]).encode("utf-8"))
+    n_bytes = len(text.encode("utf-8")) - _token_bytes(tokenizer, ids[0])
     return {
         "tokens": n_tokens,
         "bytes": n_bytes,
@@ -89,6 +89,21 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
         "perplexity": math.exp(total / n_tokens),
         "bits_per_byte": total / math.log(2) / n_bytes,
     }
+
+
+def _token_bytes(tokenizer: Tokenizer, token_id: int) -> int:
+    """The UTF-8 bytes of the text ``token_id`` stands for. Decoded alone, a token that holds
+    part of a character (the first byte of "é") gives U+FFFD, 3 bytes: a byte-level token is
+    counted from its symbols instead, one per byte."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return 1
+    backend = getattr(tokenizer, "backend", None)  # a BPETokenizer's tokenizers.Tokenizer
+    if backend is not None:
+        from tokenizers import decoders
+
+        if isinstance(backend.decoder, decoders.ByteLevel):
+            return len(backend.id_to_token(token_id))
+    return len(tokenizer.decode([token_id]).encode("utf-8"))
 
 
 def held_out_documents(text: str, min_words: int = 12, max_docs: int = 200) -> list[str]:
