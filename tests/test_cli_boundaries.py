@@ -81,6 +81,18 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command
     assert f"--tokenizer {str(other)!r} has 290 tokens" in message and "vocab_size) 320" in message
 
 
+def test_tokenizer_may_name_a_directory_holding_its_tokenizer_json(run_dir, tmp_path):
+    """``--tokenizer DIR`` (a checkpoint's, a transformers tokenizer's) reads ``DIR/tokenizer.json``
+    (it failed with "Is a directory (os error 21)"); a directory without one is refused by name."""
+    from attnres.inference.loading import load_run, load_tokenizer
+
+    run = load_run(run_dir)
+    given = load_tokenizer(run, str(run.checkpoint))
+    assert given.fingerprint == load_tokenizer(run).fingerprint
+    with pytest.raises(ValueError, match=rf"--tokenizer '{tmp_path}' is a directory without a tokenizer.json: give"):
+        load_tokenizer(run, str(tmp_path))
+
+
 def test_eval_refuses_unknown_task_names_before_any_work(run_dir, tmp_path, capsys):
     pytest.importorskip("lm_eval")
     out = tmp_path / "eval.json"

@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     ev.add_argument("--tasks", default="attnres_ppl,attnres_cloze",
                     help="comma-separated lm-eval tasks (default: the local 'attnres_ppl,attnres_cloze'; 'none' to skip)")
     ev.add_argument("--text", help="held-out text file (default: the run's validation split)")
-    ev.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
     ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len)")

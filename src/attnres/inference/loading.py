@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_state
+from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_state
 from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
@@ -105,9 +105,9 @@ def load_model(path: str | Path, device: str | torch.device | None = "cpu") -> t
 
 
 def load_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None = None) -> Tokenizer:
-    """The tokenizer of a run: ``tokenizer_path`` (a ``tokenizer.json``) when given, else the
-    one stored in the checkpoint (``source``: a :class:`LoadedRun`, or a checkpoint or run
-    directory). Checkpoints of earlier versions store none: then the one the run's data
+    """The tokenizer of a run: ``tokenizer_path`` (a ``tokenizer.json``, or a directory holding
+    one) when given, else the one stored in the checkpoint (``source``: a :class:`LoadedRun`,
+    or a checkpoint or run directory). Checkpoints of earlier versions store none: then the one the run's data
     settings produce (cached beside the data, or retrained identically), with a warning.
     With a :class:`LoadedRun`, a tokenizer whose vocabulary is not the model's is refused
     (``ValueError``): its ids would index other embeddings, and the text would be garbage."""
@@ -132,10 +132,22 @@ def check_vocabulary(tokenizer: Tokenizer, vocab_size: int, tokenizer_path: str 
                      f"its ids would index other embeddings; {fix}")
 
 
+def _tokenizer_file(path: str) -> Path:
+    """The ``tokenizer.json`` that ``--tokenizer`` names: the file, or the one in a directory
+    (a checkpoint's, a transformers tokenizer's); ``ValueError`` for a directory without one."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if not (path / TOKENIZER_FILE).is_file():
+        raise ValueError(f"--tokenizer {str(path)!r} is a directory without a {TOKENIZER_FILE}: give a "
+                         f"{TOKENIZER_FILE} file, or a directory holding one")
+    return path / TOKENIZER_FILE
+
+
 def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) -> Tokenizer:
     """:func:`load_tokenizer` without the vocabulary check."""
     if tokenizer_path is not None:
-        return BPETokenizer.load(tokenizer_path)
+        return BPETokenizer.load(_tokenizer_file(tokenizer_path))
     if isinstance(source, LoadedRun):
         checkpoint, state = source.checkpoint, source.state
     else:
