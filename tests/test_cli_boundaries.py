@@ -81,6 +81,18 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command
     assert f"--tokenizer {str(other)!r} has 290 tokens" in message and "vocab_size) 320" in message
 
 
+def test_tokenizer_may_name_a_directory_holding_its_tokenizer_json(run_dir, tmp_path):
+    """``--tokenizer DIR`` (a checkpoint's, a transformers tokenizer's) reads ``DIR/tokenizer.json``
+    (it failed with "Is a directory (os error 21)"); a directory without one is refused by name."""
+    from attnres.inference.loading import load_run, load_tokenizer
+
+    run = load_run(run_dir)
+    given = load_tokenizer(run, str(run.checkpoint))
+    assert given.fingerprint == load_tokenizer(run).fingerprint
+    with pytest.raises(ValueError, match=rf"--tokenizer '{tmp_path}' is a directory without a tokenizer.json: give"):
+        load_tokenizer(run, str(tmp_path))
+
+
 def test_eval_refuses_unknown_task_names_before_any_work(run_dir, tmp_path, capsys):
     pytest.importorskip("lm_eval")
     out = tmp_path / "eval.json"
@@ -91,6 +103,24 @@ def test_eval_refuses_unknown_task_names_before_any_work(run_dir, tmp_path, caps
         message.split("unknown task(s)")[1].split(":")[0]
     assert "held-out loss" not in capsys.readouterr().out  # refused before the perplexity pass
     assert not out.exists()
+
+
+@pytest.mark.parametrize("tasks", ["attnres_ppl", "attnres_cloze"])
+def test_eval_refuses_text_too_short_for_the_local_tasks_before_any_work(run_dir, tmp_path, capsys, tasks):
+    """Held-out text too short to build the local tasks from is refused before the perplexity
+    pass (it ran, printed its result and was lost to the error with no results file), saying
+    how to go on."""
+    short = tmp_path / "short.txt"
+    short.write_text("the quick brown fox\njumps over the lazy dog\n")
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--tasks", tasks, "--text", str(short), "--out", str(out), "--device", "cpu"])
+    assert str(info.value) == ("attnres eval: error: the held-out text gives 0 documents of >= 12 words; the local "
+                               "tasks (attnres_ppl, attnres_cloze) need >= 4: give more held-out text (--text FILE), "
+                               "or --tasks none for the perplexity alone")
+    assert "held-out loss" not in capsys.readouterr().out and not out.exists()
+    assert cli_main(["eval", str(run_dir), "--tasks", "none", "--text", str(short), "--out", str(out),
+                     "--device", "cpu"]) == 0
 
 
 def _fake_distribution(root: Path, name: str, version: str) -> Path:

@@ -313,6 +313,24 @@ def test_perplexity_windows_predict_every_token_once():
         perplexity(model, ByteTokenizer(), text, seq_len=129)
 
 
+@pytest.mark.parametrize("text", ["élan vital, naïve café", "日本語のテキスト and more", "plain ascii text here"])
+def test_bits_per_byte_counts_the_bytes_after_the_first_token(text):
+    """Bits per byte divide by the UTF-8 bytes of the predicted tokens: all but those of the
+    first token. A first token holding part of a character ("é" is two byte tokens) was
+    counted as U+FFFD, 3 bytes, for 1 or 2: 8 bytes instead of 10 for "élan vital"."""
+    from attnres.data.tokenizer import train_bpe
+    from attnres.hf.evaluate import perplexity
+
+    model = native_model(residual="attnres_block")
+    byte = perplexity(model, ByteTokenizer(), text)
+    assert byte["bytes"] == byte["tokens"] == len(text.encode()) - 1
+    bpe = train_bpe("the quick brown fox jumps over the lazy dog\n" * 20, 300)
+    # Trained on ASCII, it keeps a leading "é" or "日" as single bytes; ASCII decodes exactly.
+    first = 1 if not text.isascii() else len(bpe.decode(bpe.encode(text)[:1]))
+    got = perplexity(native_model(residual="attnres_block", vocab_size=bpe.vocab_size), bpe, text)
+    assert got["bytes"] == len(text.encode()) - first
+
+
 def test_local_cloze_items_have_distinct_choices_and_the_right_label(tmp_path):
     from attnres.hf.evaluate import CLOZE_CHOICES, held_out_documents, write_local_tasks
 

@@ -240,6 +240,32 @@ def test_missing_and_empty_data(tmp_path):
         cli_main(["train", f"data.paths=[{tmp_path / 'nope.txt'}]", f"out_dir={tmp_path / 'run'}", "progress=false"])
 
 
+def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
+    """A JSONL file saved with a UTF-8 byte-order mark reads as without one (it was refused as
+    invalid JSON on line 1); a byte that is not UTF-8 far into a JSONL file is reported at its
+    line and its offset in the file (the offset was counted from the start of the read buffer)."""
+    records = "".join(json.dumps({"text": f"document {i} with some words"}) + "\n" for i in range(3000))
+    (tmp_path / "plain.jsonl").write_text(records, encoding="utf-8")
+    (tmp_path / "bom.jsonl").write_text(records, encoding="utf-8-sig")
+    assert load_corpus([str(tmp_path / "bom.jsonl")]).digest == load_corpus([str(tmp_path / "plain.jsonl")]).digest
+    prefix = records.encode()
+    (tmp_path / "late.jsonl").write_bytes(prefix + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"'.*late.jsonl' is not UTF-8 text \(line 3001, byte {len(prefix) + 13}\)$"):
+        load_corpus([str(tmp_path / "late.jsonl")])
+
+
+@pytest.mark.parametrize("override", ["data.paths=", 'data.paths=""', 'data.paths=[""]', "data.paths=[a.txt, ' ']"])
+def test_an_empty_data_path_is_refused(tmp_path, monkeypatch, override):
+    """An empty path (``data.paths=$DATA`` with ``DATA`` unset) is refused by name: as a
+    ``Path`` it was the current directory, and the run trained on every text file under it."""
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "a.txt")
+    with pytest.raises(ValueError, match=r"TrainConfig.data.paths must be .*none of them empty.*; got \["):
+        load_config(None, [override])
+    with pytest.raises(ValueError, match=r"data.paths holds an empty path \(\[''\]\)"):
+        load_corpus([""])
+
+
 def test_data_paths_take_glob_patterns(tmp_path, monkeypatch):
     """``data.paths`` patterns: each one's matches in sorted order (``**`` across directories),
     the same corpus as the files listed; a pattern that matches nothing, or the unquoted

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from attnres.data import dataset as dataset_mod  # noqa: E402
 from attnres.data import load_corpus, prepare_data  # noqa: E402
 from attnres.data import tokenizer as tokenizer_mod  # noqa: E402
 from attnres.data.tokenizer import BPETokenizer, run_interruptibly  # noqa: E402
-from attnres.inference.loading import load_tokenizer  # noqa: E402
+from attnres.inference.loading import load_run, load_tokenizer  # noqa: E402
 from attnres.train import latest_checkpoint, load_config, train  # noqa: E402
 from attnres.train.cpu_memory import retains_freed_memory  # noqa: E402
 from attnres.checkpoint import read_checkpoint_state  # noqa: E402
@@ -78,6 +79,25 @@ def test_checkpoint_stores_tokenizer_and_data_fingerprint(tmp_path, corpus_file,
     assert load_tokenizer(tmp_path / "run").encode(text) == stored.encode(text)
     assert cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the quick", "--max-new-tokens",
                      "3", "--temperature", "0"]) == 0
+
+
+def test_validation_split_is_found_from_another_directory(tmp_path, corpus_file, monkeypatch):
+    """A run trained on a relative ``data.paths`` gives its validation split (``attnres eval``'s
+    default text) from any directory: the checkpoint records the data's absolute paths (it
+    was looked up relative to the current directory: "data path 'corpus.txt' does not exist").
+    Data that is gone is reported with the checkpoint and how to go on (--text)."""
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, overrides(Path("corpus.txt"), tmp_path / "run", steps=1, warmup_steps=0)))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same data: no warning that it changed
+        assert load_run(tmp_path / "run").validation_text() == load_corpus([str(corpus_file)]).val
+    corpus_file.rename(tmp_path / "moved.txt")
+    with pytest.raises(SystemExit, match=r"cannot be read again from its data \[.*corpus.txt'\]: data path .* does "
+                                         r"not exist; pass the held-out text \(--text FILE\)"):
+        cli_main(["eval", str(tmp_path / "run"), "--tasks", "none", "--device", "cpu"])
 
 
 def test_byte_tokenizer_is_stored_as_a_marker(tmp_path, corpus_file):

@@ -103,10 +103,12 @@ class Text(Rule):
 
 @dataclass(frozen=True)
 class TextList(Rule):
+    """A list of non-empty strings (paths): an empty one would name the current directory."""
+
     what: str = "a list of paths"
 
     def ok(self, value: Any) -> bool:
-        return isinstance(value, list) and all(isinstance(p, str) for p in value)
+        return isinstance(value, list) and all(isinstance(p, str) and p.strip() for p in value)
 
     def describe(self) -> str:
         return self.what

@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     ev.add_argument("--tasks", default="attnres_ppl,attnres_cloze",
                     help="comma-separated lm-eval tasks (default: the local 'attnres_ppl,attnres_cloze'; 'none' to skip)")
     ev.add_argument("--text", help="held-out text file (default: the run's validation split)")
-    ev.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
     ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len)")
@@ -52,7 +52,7 @@ def run_eval(args) -> int:
 
     from .. import hf
     from ..data.corpus import read_text_file
-    from ..hf.evaluate import check_tasks, perplexity, run_lm_eval
+    from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
     from ..inference.loading import load_run, load_tokenizer, pick_device
     from ..output_paths import write_text_atomically
 
@@ -72,6 +72,8 @@ def run_eval(args) -> int:
         tokenizer = load_tokenizer(run, args.tokenizer)
         if text is None:
             text = run.validation_text()
+        if any(task in LOCAL_TASKS for task in tasks):
+            local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
                    "device": str(device), "perplexity": perplexity(run.model, tokenizer, text, args.seq_len,
                                                                        progress=True),

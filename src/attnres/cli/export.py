@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
         "vLLM plugin serves (docs/hf.md, docs/serving.md).")
     add_checkpoint_argument(xp)
     xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing)")
-    xp.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    xp.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
 
 
 def run(args, parser) -> int:

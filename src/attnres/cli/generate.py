@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens")
-    gen.add_argument("--tokenizer", help="tokenizer.json to use instead of the one stored in the checkpoint")
+    gen.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
     gen.add_argument("--device", default="auto", help="auto (CUDA when available; default), cpu, cuda or cuda:N")
     gen.add_argument("--decode", default="auto", choices=("auto", "dynamic", "static", "compiled", "graph"),
                      help="how decode steps run: auto (graph on CUDA, dynamic elsewhere; default), dynamic (growing "

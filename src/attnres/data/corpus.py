@@ -44,9 +44,23 @@ def read_text_file(path: str | Path, what: str) -> str:
         raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
 
 
+def _utf8_error_at(path: Path) -> str:
+    """Where ``path``'s first byte that is not UTF-8 lies: "line L, byte B" (B counted from
+    the start of the file). A streamed read's ``UnicodeDecodeError`` counts from the start of
+    the buffer that failed, which is not the file's from the second buffer on."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return f"line {line}, byte {e.start}"
+    return "unknown position"
+
+
 def _read_jsonl(path: Path) -> list[str]:
     docs = []
-    with path.open(encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record.
+    with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -160,15 +174,24 @@ def _cut(text: str, target: int, next_target: int) -> int:
     return min(target, len(text))
 
 
+def absolute_paths(paths: list[str] | tuple[str, ...]) -> list[str]:
+    """``paths`` (files, directories, glob patterns) made absolute against the current
+    directory: what a checkpoint records, so that its data is found again from anywhere."""
+    return [str(Path(p).expanduser().absolute()) for p in paths]
+
+
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02) -> Corpus:
     """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
     ``.jsonl`` lines need a ``"text"`` field) - or the default corpus
-    when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing path, an
-    empty file, a file that two paths reach (it would count twice) or a split that leaves
+    when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing or empty
+    path, an empty file, a file that two paths reach (it would count twice) or a split that leaves
     either part empty."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
+    if any(not str(p).strip() for p in paths):  # Path("") is the current directory: all of its text files
+        raise ValueError(f"data.paths holds an empty path ({list(map(str, paths))!r}): give files, directories or "
+                         "glob patterns, or no paths for the default corpus")
     roots = [Path(p).expanduser() for p in paths] or [default_corpus_path()]
     docs: list[str] = []
     files: list[Path] = []
@@ -184,8 +207,8 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                 raise ValueError(f"data file {str(file)!r} is empty")
             try:
                 file_docs = _read_jsonl(file) if file.suffix == ".jsonl" else [read_text_file(file, "data file")]
-            except UnicodeDecodeError as e:  # a .jsonl file's lines
-                raise ValueError(f"data file {str(file)!r} is not UTF-8 text (byte {e.start})") from None
+            except UnicodeDecodeError:  # a .jsonl file's lines
+                raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
             if not any(d.strip() for d in file_docs):
                 raise ValueError(f"data file {str(file)!r} holds no text")
             docs.extend(file_docs)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data.tokenizer import Tokenizer
+from ..data.tokenizer import ByteTokenizer, Tokenizer
 from ..progress import progress_bar
 from ..models.factory import context_limit
 
@@ -81,7 +81,7 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     if bar is not None:
         bar.close()
     n_tokens = len(ids) - 1
-    n_bytes = len(text.encode("utf-8")) - len(tokenizer.decode(ids[:1]).encode("utf-8"))
+    n_bytes = len(text.encode("utf-8")) - _token_bytes(tokenizer, ids[0])
     return {
         "tokens": n_tokens,
         "bytes": n_bytes,
@@ -89,6 +89,21 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
         "perplexity": math.exp(total / n_tokens),
         "bits_per_byte": total / math.log(2) / n_bytes,
     }
+
+
+def _token_bytes(tokenizer: Tokenizer, token_id: int) -> int:
+    """The UTF-8 bytes of the text ``token_id`` stands for. Decoded alone, a token that holds
+    part of a character (the first byte of "é") gives U+FFFD, 3 bytes: a byte-level token is
+    counted from its symbols instead, one per byte."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return 1
+    backend = getattr(tokenizer, "backend", None)  # a BPETokenizer's tokenizers.Tokenizer
+    if backend is not None:
+        from tokenizers import decoders
+
+        if isinstance(backend.decoder, decoders.ByteLevel):
+            return len(backend.id_to_token(token_id))
+    return len(tokenizer.decode([token_id]).encode("utf-8"))
 
 
 def held_out_documents(text: str, min_words: int = 12, max_docs: int = 200) -> list[str]:
@@ -105,41 +120,53 @@ def held_out_documents(text: str, min_words: int = 12, max_docs: int = 200) -> l
     return docs[:max_docs]
 
 
-def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
-    """Write the task YAMLs and JSONL data of :data:`LOCAL_TASKS` built from ``text`` into
-    ``directory``; returns it (the harness's ``include_path``)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+#: What to do about held-out text the local tasks cannot be built from.
+_MORE_TEXT = "give more held-out text (--text FILE), or --tasks none for the perplexity alone"
+
+
+def local_task_data(text: str, seed: int = 0) -> tuple[list[str], list[dict]]:
+    """The documents of ``attnres_ppl`` and the items of ``attnres_cloze`` built from
+    ``text``. ``ValueError`` when the text gives too few documents or no cloze item:
+    ``attnres eval`` asks before its perplexity pass, so that it is not lost to the error."""
     docs = held_out_documents(text)
     if len(docs) < CLOZE_CHOICES:
-        raise ValueError(f"the held-out text gives {len(docs)} documents of >= 12 words; the local tasks need >= {CLOZE_CHOICES}")
-    with (directory / "ppl.jsonl").open("w") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
+        raise ValueError(f"the held-out text gives {len(docs)} documents of >= 12 words; the local tasks "
+                         f"({', '.join(LOCAL_TASKS)}) need >= {CLOZE_CHOICES}: {_MORE_TEXT}")
     rng = random.Random(seed)
-    n_items = 0
-    with (directory / "cloze.jsonl").open("w") as f:
-        for i, d in enumerate(docs):
-            words = d.split()
-            cut = len(words) // 2
-            context, ending = " ".join(words[:cut]), " " + " ".join(words[cut : cut + CLOZE_WORDS])
-            # Distractors: the words at the same place in other documents, distinct and non-empty.
-            others = [j for j in range(len(docs)) if j != i]
-            rng.shuffle(others)
-            choices = [ending]
-            for j in others:
-                alt = " " + " ".join(docs[j].split()[cut : cut + CLOZE_WORDS])
-                if alt.strip() and alt not in choices:
-                    choices.append(alt)
-                if len(choices) == CLOZE_CHOICES:
-                    break
-            if len(choices) < CLOZE_CHOICES:
-                continue
-            rng.shuffle(choices)
-            f.write(json.dumps({"context": context, "choices": choices, "label": choices.index(ending)}) + "\n")
-            n_items += 1
-    if n_items == 0:
-        raise ValueError("the held-out text is too uniform to build a cloze item with distinct choices")
+    items = []
+    for i, d in enumerate(docs):
+        words = d.split()
+        cut = len(words) // 2
+        context, ending = " ".join(words[:cut]), " " + " ".join(words[cut : cut + CLOZE_WORDS])
+        # Distractors: the words at the same place in other documents, distinct and non-empty.
+        others = [j for j in range(len(docs)) if j != i]
+        rng.shuffle(others)
+        choices = [ending]
+        for j in others:
+            alt = " " + " ".join(docs[j].split()[cut : cut + CLOZE_WORDS])
+            if alt.strip() and alt not in choices:
+                choices.append(alt)
+            if len(choices) == CLOZE_CHOICES:
+                break
+        if len(choices) < CLOZE_CHOICES:
+            continue
+        rng.shuffle(choices)
+        items.append({"context": context, "choices": choices, "label": choices.index(ending)})
+    if not items:
+        raise ValueError(f"the held-out text is too uniform to build a cloze item with distinct choices: {_MORE_TEXT}")
+    return docs, items
+
+
+def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
+    """Write the task YAMLs and JSONL data of :data:`LOCAL_TASKS` built from ``text``
+    (:func:`local_task_data`) into ``directory``; returns it (the harness's ``include_path``)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    docs, items = local_task_data(text, seed)
+    for name, records in (("ppl.jsonl", [{"text": d} for d in docs]), ("cloze.jsonl", items)):
+        with (directory / name).open("w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
     (directory / "attnres_ppl.yaml").write_text(
         "task: attnres_ppl\n"
         "dataset_path: json\n"

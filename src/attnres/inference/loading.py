@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_state
+from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_state
 from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
@@ -59,15 +59,23 @@ class LoadedRun:
     state: dict
 
     def validation_text(self) -> str:
-        """The run's validation split, read again from its data settings; a warning when the
-        data no longer has the fingerprint the checkpoint was trained on."""
+        """The run's validation split, read again from its data: the absolute paths the
+        checkpoint recorded (a relative ``data.paths`` is relative to where the run started,
+        not to here), or, from checkpoints of earlier versions, ``data.paths`` as given. A
+        warning when the data no longer has the fingerprint the checkpoint was trained on;
+        ``ValueError`` saying to pass other text when it cannot be read."""
         from ..data import load_corpus
 
         data = self.run_config["data"]
-        corpus = load_corpus(data["paths"], data["val_fraction"])
-        trained_on = (self.state.get("data") or {}).get("fingerprint")
-        if trained_on is not None and trained_on != corpus.digest:
-            warnings.warn(f"the data at {data['paths']} changed since checkpoint {str(self.checkpoint)!r} was trained: "
+        saved = self.state.get("data") or {}
+        paths = saved.get("paths", data["paths"])
+        try:
+            corpus = load_corpus(paths, data["val_fraction"])
+        except ValueError as e:
+            raise ValueError(f"the validation split of checkpoint {str(self.checkpoint)!r} cannot be read again from "
+                             f"its data {paths}: {e}; pass the held-out text (--text FILE)") from None
+        if saved.get("fingerprint") not in (None, corpus.digest):
+            warnings.warn(f"the data at {paths} changed since checkpoint {str(self.checkpoint)!r} was trained: "
                           "its validation split is not the run's (and may overlap the training text); pass --text",
                           stacklevel=2)
         return corpus.val
@@ -108,9 +116,9 @@ def load_model(path: str | Path, device: str | torch.device | None = "cpu") -> t
 
 
 def load_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None = None) -> Tokenizer:
-    """The tokenizer of a run: ``tokenizer_path`` (a ``tokenizer.json``) when given, else the
-    one stored in the checkpoint (``source``: a :class:`LoadedRun`, or a checkpoint or run
-    directory). Checkpoints of earlier versions store none: then the one the run's data
+    """The tokenizer of a run: ``tokenizer_path`` (a ``tokenizer.json``, or a directory holding
+    one) when given, else the one stored in the checkpoint (``source``: a :class:`LoadedRun`,
+    or a checkpoint or run directory). Checkpoints of earlier versions store none: then the one the run's data
     settings produce (cached beside the data, or retrained identically), with a warning.
     With a :class:`LoadedRun`, a tokenizer whose vocabulary is not the model's is refused
     (``ValueError``): its ids would index other embeddings, and the text would be garbage."""
@@ -135,10 +143,22 @@ def check_vocabulary(tokenizer: Tokenizer, vocab_size: int, tokenizer_path: str 
                      f"its ids would index other embeddings; {fix}")
 
 
+def _tokenizer_file(path: str) -> Path:
+    """The ``tokenizer.json`` that ``--tokenizer`` names: the file, or the one in a directory
+    (a checkpoint's, a transformers tokenizer's); ``ValueError`` for a directory without one."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if not (path / TOKENIZER_FILE).is_file():
+        raise ValueError(f"--tokenizer {str(path)!r} is a directory without a {TOKENIZER_FILE}: give a "
+                         f"{TOKENIZER_FILE} file, or a directory holding one")
+    return path / TOKENIZER_FILE
+
+
 def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) -> Tokenizer:
     """:func:`load_tokenizer` without the vocabulary check."""
     if tokenizer_path is not None:
-        return BPETokenizer.load(tokenizer_path)
+        return BPETokenizer.load(_tokenizer_file(tokenizer_path))
     if isinstance(source, LoadedRun):
         checkpoint, state = source.checkpoint, source.state
     else:

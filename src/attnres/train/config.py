@@ -96,7 +96,8 @@ class DataConfig:
 
 
 DATA_RULES: dict[str, Rule] = {
-    "paths": TextList("a list of file or directory paths or glob patterns ([] = the default corpus)"),
+    "paths": TextList("a list of file or directory paths or glob patterns, none of them empty ([] = the default "
+                      "corpus)"),
     "tokenizer": Choice(TOKENIZER_KINDS),
     "vocab_size": Int(256),
     "val_fraction": Number(0.0, 1.0, lo_open=True, hi_open=True),

@@ -51,6 +51,7 @@ from ..checkpoint import (
     save_sharded,
     write_checkpoint,
 )
+from ..data.corpus import absolute_paths
 from ..distributed.data_parallel import shard_optimizer_state
 from ..distributed.launch import (
     DistContext,
@@ -457,7 +458,7 @@ class Trainer:
                      "train_loss": self.train_loss, "val_loss": self.val_loss, "val_step": self.val_step,
                      "tokenizer": data.tokenizer_meta,
                      "data": {"fingerprint": data.fingerprint, "train_tokens": len(data.tokens.train),
-                              "val_tokens": len(data.tokens.val)},
+                              "val_tokens": len(data.tokens.val), "paths": absolute_paths(config.data.paths)},
                      "init_from": self.start.origin}
         try:
             if self.sharded:
