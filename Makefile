@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # The CPU build on these machines; GPU users: see README ("Installing on a GPU machine").
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The default suite runs in one process per core (pytest-xdist; a module's tests in one of
+# them, its fixtures built once): PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= auto
 # The serving tests' environment (docs/serving.md): vLLM for CPU, which pins the CPU build of
 # torch above; the CUDA torchvision / torchaudio / torchcodec wheels it pulls break `import vllm`.
 VENV_SERVE ?= .venv-serve
@@ -29,7 +32,7 @@ train: $(VENV)/.installed
 	$(PY) -m attnres train --config configs/train-cpu.yaml
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 $(VENV_SERVE)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV_SERVE)
@@ -49,7 +52,7 @@ test-serve: $(VENV_SERVE)/.installed
 
 # Everything, the slow suites included.
 test-all: $(VENV)/.installed
-	$(PY) -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "slow or not slow" $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_training_overhead.py

@@ -30,6 +30,11 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
 
 import torch  # noqa: E402 (importing torch does not import triton; importing torch._dynamo does)
 
+# `make test` runs the suite in one process per core (pytest-xdist): each takes its share of
+# the cores for its own threads, not all of them (oversubscribed, tiny ops wait on each other).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def _triton_device() -> str | None:
     """Where the Triton implementation is tested: ``"cuda"`` (the kernels compiled for the
