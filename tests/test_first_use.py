@@ -332,6 +332,27 @@ def test_generate_warns_about_non_finite_weights(tmp_path, finished_run, capsys)
         assert cli_main(args) == 0
 
 
+def test_eval_runs_the_model_in_the_dtype_asked_for(tmp_path, finished_run, monkeypatch):
+    """``attnres eval --dtype bfloat16``: the perplexity pass with the weights in bfloat16
+    (close to float32's, not equal to it), lm-eval asked for the same dtype, and the dtype
+    recorded in the results; float32 by default."""
+    pytest.importorskip("transformers")
+    import attnres.hf.evaluate as evaluate_mod
+
+    asked = []
+    monkeypatch.setattr(evaluate_mod, "run_lm_eval", lambda *a, **k: asked.append(k["dtype"]) or {})
+    results = {}
+    for dtype in (None, "bfloat16"):
+        out = tmp_path / f"{dtype}.json"
+        argv = ["eval", str(finished_run), "--tasks", "attnres_ppl", "--device", "cpu", "--out", str(out)]
+        assert cli_main(argv + (["--dtype", dtype] if dtype else [])) == 0
+        results[dtype] = json.loads(out.read_text())
+    assert asked == ["float32", "bfloat16"]
+    assert results[None]["dtype"] == "float32" and results["bfloat16"]["dtype"] == "bfloat16"
+    full, half = results[None]["perplexity"]["loss"], results["bfloat16"]["perplexity"]["loss"]
+    assert half != full and half == pytest.approx(full, rel=0.02)
+
+
 # -- counts that must be at least 1 ----------------------------------------------------------
 
 @pytest.mark.parametrize("argv, fragment", [

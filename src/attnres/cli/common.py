@@ -46,6 +46,10 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(checkpoint_parser=parser)
 
 
+#: ``--dtype`` choices of the commands that run a model (``torch`` dtype names).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def resolve_checkpoint(args: argparse.Namespace) -> None:
     """``args.checkpoint`` from the positional ``CHECKPOINT`` or ``--checkpoint`` of a
     command that :func:`add_checkpoint_argument` set up (else nothing): one is required, and

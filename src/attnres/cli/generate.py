@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from .common import add_checkpoint_argument
-
-#: ``--dtype`` choices (``torch`` dtype names).
-DTYPES = ("float32", "bfloat16", "float16")
+from .common import DTYPES, add_checkpoint_argument
 
 
 def add_parser(sub) -> None:

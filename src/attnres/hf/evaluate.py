@@ -284,8 +284,9 @@ def _quiet_git_describe():
 
 
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
-                device: str = "cpu", bootstrap_iters: int = 1000) -> dict:
-    """``lm_eval.simple_evaluate`` with ``model="hf"`` on the exported directory ``hf_dir``.
+                device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000) -> dict:
+    """``lm_eval.simple_evaluate`` with ``model="hf"`` on the exported directory ``hf_dir``
+    (its weights in ``dtype``, a ``torch`` dtype name).
     Local tasks are generated from ``text``; other names are the harness's own tasks.
     Returns the harness's ``results`` (per task, metric -> value), with standard errors:
     the harness's own (closed form for accuracies; ``bootstrap_iters`` resamples where it
@@ -314,7 +315,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
             out = lm_eval.simple_evaluate(
                 model="hf",
                 # backend: an attnres model is a causal LM the harness cannot tell from its model_type
-                model_args={"pretrained": str(hf_dir), "tokenizer": tokenizer, "dtype": "float32",
+                model_args={"pretrained": str(hf_dir), "tokenizer": tokenizer, "dtype": dtype,
                             "prefix_token_id": prefix[0], "backend": "causal"},
                 tasks=tasks,
                 task_manager=manager,
