@@ -254,6 +254,28 @@ def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
         load_corpus([str(tmp_path / "late.jsonl")])
 
 
+def test_a_text_file_with_a_byte_order_mark_and_upper_case_suffixes(tmp_path):
+    """A .txt file saved with a UTF-8 byte-order mark reads as without one (the mark was
+    trained on as three bytes of text); a directory's NOTES.TXT and DATA.JSONL are its text
+    files (they were skipped), the latter read as JSONL records."""
+    text = "a line of plain text\n" * 200
+    (tmp_path / "plain.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "bom.txt").write_text(text, encoding="utf-8-sig")
+    assert (tmp_path / "bom.txt").read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_corpus([str(tmp_path / "bom.txt")]).digest == load_corpus([str(tmp_path / "plain.txt")]).digest
+    from attnres.data.corpus import read_text_file
+
+    assert read_text_file(tmp_path / "bom.txt", "--text") == text
+    upper, lower = tmp_path / "upper", tmp_path / "lower"
+    for directory, names in ((upper, ("NOTES.TXT", "DATA.JSONL")), (lower, ("notes.txt", "data.jsonl"))):
+        directory.mkdir()
+        (directory / names[0]).write_text(text)
+        (directory / names[1]).write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(100)))
+    corpus = load_corpus([str(upper)], 0.1)
+    assert [Path(f).name for f in corpus.sources] == ["DATA.JSONL", "NOTES.TXT"]
+    assert corpus.digest == load_corpus([str(lower)], 0.1).digest and '"text"' not in corpus.train + corpus.val
+
+
 @pytest.mark.parametrize("override", ["data.paths=", 'data.paths=""', 'data.paths=[""]', "data.paths=[a.txt, ' ']"])
 def test_an_empty_data_path_is_refused(tmp_path, monkeypatch, override):
     """An empty path (``data.paths=$DATA`` with ``DATA`` unset) is refused by name: as a

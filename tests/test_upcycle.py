@@ -336,6 +336,21 @@ def test_real_smollm2_is_the_same_function_after_conversion():
             assert max_rel(got, want) < 1e-5, residual
 
 
+def test_a_gguf_file_is_known_by_its_suffix_in_any_case(tmp_path, monkeypatch):
+    """``--model MODEL.GGUF`` is read as a GGUF file, as ``model.gguf`` is (it was read as a
+    transformers config: "not a valid JSON file")."""
+    import importlib.util
+
+    from attnres.hf.upcycle.io import load_pretrained
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    for name in ("model.gguf", "MODEL.GGUF", "Model.Gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+        with pytest.raises(ModuleNotFoundError, match="reading a .gguf file needs the gguf package"):
+            load_pretrained(tmp_path / name)
+
+
 @pytest.mark.parametrize("model_type", ["olmo2", "qwen3", "llama"])
 def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(tmp_path, model_type):
     """No tokenizer files: OLMo 2's post-norm refusal comes first; a supported family is refused

@@ -34,10 +34,12 @@ def default_corpus_path() -> Path:
 
 
 def read_text_file(path: str | Path, what: str) -> str:
-    """The UTF-8 text of ``path``; ``ValueError`` naming it as ``what`` (e.g. ``--text``) when
-    it is not UTF-8 text (a binary file) or cannot be read."""
+    """The UTF-8 text of ``path`` (without the byte-order mark that Windows editors write
+    first: it is not text, and was trained on and counted as three bytes of it);
+    ``ValueError`` naming it as ``what`` (e.g. ``--text``) when it is not UTF-8 text (a binary
+    file) or cannot be read."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start}); give a text file") from None
     except OSError as e:
@@ -82,7 +84,7 @@ def _files_of(path: Path) -> list[Path]:
         raise ValueError(f"data path {str(path)!r} does not exist")
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES and not any(
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not any(
         part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
         raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
@@ -206,7 +208,7 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             if file.stat().st_size == 0:
                 raise ValueError(f"data file {str(file)!r} is empty")
             try:
-                file_docs = _read_jsonl(file) if file.suffix == ".jsonl" else [read_text_file(file, "data file")]
+                file_docs = _read_jsonl(file) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
             except UnicodeDecodeError:  # a .jsonl file's lines
                 raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
             if not any(d.strip() for d in file_docs):

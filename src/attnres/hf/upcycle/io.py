@@ -42,7 +42,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     if str(source) == SMOLLM2:
         source, gguf_file = smollm2_gguf()
     source = Path(source)
-    if source.is_file() and source.suffix == ".gguf":
+    if source.is_file() and source.suffix.lower() == ".gguf":  # (MODEL.GGUF too)
         source, gguf_file = source.parent, source.name
     if not source.exists():
         raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file or "
