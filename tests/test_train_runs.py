@@ -109,6 +109,52 @@ def test_byte_tokenizer_is_stored_as_a_marker(tmp_path, corpus_file):
     assert load_tokenizer(ckpt).encode("é") == list("é".encode())
 
 
+def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkeypatch):
+    """``data.tokenizer=PATH``: a ``tokenizer.json`` (or a directory holding one, a
+    transformers model's) tokenises the data, is stored with every checkpoint and sets the
+    model's vocabulary; its special tokens (a BOS its post-processor adds) are not inserted
+    into the text. A misspelt kind is refused by the config, a path that does not exist
+    before training; a run started from a checkpoint keeps that checkpoint's tokenizer and
+    says that the one asked for is not used."""
+    from tokenizers import processors
+
+    from attnres.data.tokenizer import train_bpe
+
+    own = train_bpe(load_corpus([str(corpus_file)]).train, 280)
+    backend = own.backend
+    backend.add_special_tokens(["<bos>"])
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[
+        ("<bos>", backend.token_to_id("<bos>"))])
+    (tmp_path / "tok").mkdir()
+    own = BPETokenizer(backend)
+    own.save(tmp_path / "tok" / "tokenizer.json")
+    assert backend.encode("the fox").ids[0] == backend.token_to_id("<bos>")  # as it would, unasked
+    run = tmp_path / "run"
+    monkeypatch.setattr(dataset_mod, "train_bpe", lambda *a: pytest.fail("a BPE was trained"))
+    result = train(load_config(None, overrides(corpus_file, run, steps=2, warmup_steps=0, **{"data.tokenizer": str(tmp_path / "tok")})))
+    state = read_checkpoint_state(result.checkpoint)
+    assert state["tokenizer"]["fingerprint"] == own.fingerprint and state["tokenizer"]["kind"] == "bpe"
+    assert state["config"]["model"]["vocab_size"] == own.vocab_size == 281
+    stored = load_tokenizer(run)
+    text = "the quick brown fox"
+    assert stored.encode(text) == backend.encode(text, add_special_tokens=False).ids and stored.decode(
+        stored.encode(text)) == text
+    with pytest.raises(ValueError, match=r"data.tokenizer must be one of 'bpe', 'byte', or the path of a "
+                                         r"tokenizer.json .*; got 'bpr'"):
+        load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": "bpr"}))
+    with pytest.raises(ValueError, match=r"data.tokenizer '.*nope.json' does not exist: give a tokenizer.json"):
+        train(load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": str(tmp_path / "nope.json")})))
+    assert not (tmp_path / "x" / "checkpoints").exists()
+    with pytest.warns(UserWarning, match=r"data.tokenizer='byte' is not used: a run started from .* keeps the "
+                                         r"tokenizer stored with it \(bpe, 281 tokens\)"):
+        result = train(load_config(None, overrides(corpus_file, tmp_path / "init", steps=1, warmup_steps=0, init_from=str(run))))
+    assert read_checkpoint_state(result.checkpoint)["tokenizer"]["fingerprint"] == own.fingerprint
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*is not used")  # the same file: nothing to say
+        train(load_config(None, overrides(corpus_file, tmp_path / "init2", steps=1, warmup_steps=0, init_from=str(run),
+                                          **{"data.tokenizer": str(tmp_path / "tok" / "tokenizer.json")})))
+
+
 def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
     run = tmp_path / "run"
     train(load_config(None, bpe(corpus_file, run, stop_after=3)))

@@ -12,7 +12,7 @@ whose name prefixes every error::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -77,6 +77,22 @@ class Choice(Rule):
 
     def describe(self) -> str:
         return "one of " + ", ".join(repr(a) for a in self.allowed)
+
+
+@dataclass(frozen=True)
+class ChoiceOrPath(Rule):
+    """One of ``allowed``, or a path that ``is_path`` recognises (so that a misspelt choice
+    is refused here, not looked for as a file later); ``path`` says what the path names."""
+
+    allowed: tuple[str, ...]
+    is_path: Callable[[str], bool]
+    path: str
+
+    def ok(self, value: Any) -> bool:
+        return isinstance(value, str) and (value in self.allowed or self.is_path(value))
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(repr(a) for a in self.allowed) + f", or {self.path}"
 
 
 @dataclass(frozen=True)

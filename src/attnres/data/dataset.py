@@ -27,7 +27,8 @@ import torch
 
 from ..progress import progress_bar
 from .corpus import Corpus
-from .tokenizer import TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, text_chunks, train_bpe
+from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
+                        load_tokenizer_file, text_chunks, train_bpe)
 
 CACHE_DIRNAME = ".attnres-cache"
 FALLBACK_CACHE = Path.home() / ".cache" / "attnres"
@@ -141,7 +142,9 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
 
     ``tokenizer="bpe"`` trains a byte-level BPE on the *training* split only; when the
     ``tokenizers`` package is missing it falls back to bytes (with a warning). ``"byte"``
-    always uses bytes (vocabulary 256; ``vocab_size`` is then ignored).
+    always uses bytes (vocabulary 256; ``vocab_size`` is then ignored). A path (ending with
+    ``.json`` or holding a ``/``): that ``tokenizer.json``, or the one in that directory (a
+    transformers model's, say; ``vocab_size`` is then ignored).
 
     ``given``: use this tokenizer (a checkpoint's) instead of making one; the request is then
     ignored. Its cache is the usual one when that was made with the same tokenizer, else one
@@ -150,8 +153,10 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     ``progress``: show progress bars (stderr) for the work a cache hit skips: training the
     BPE (``tokenizers``' own bars) and tokenising each split.
     """
-    if tokenizer not in TOKENIZER_KINDS:
-        raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS}; got {tokenizer!r}")
+    if tokenizer not in TOKENIZER_KINDS and not is_tokenizer_path(tokenizer):
+        raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS} or a tokenizer.json path; got {tokenizer!r}")
+    if given is None and tokenizer not in TOKENIZER_KINDS:
+        given = load_tokenizer_file(tokenizer, "data.tokenizer")
     root = resolve_cache_root(corpus, cache_dir)
     if given is not None:
         key_vocab = given.vocab_size if given.kind == "bpe" else 256

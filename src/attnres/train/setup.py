@@ -21,7 +21,7 @@ from torch import Tensor
 from ..checkpoint import (Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint, no_checkpoint_at,
                           remove_partial_checkpoints, set_aside_newer)
 from ..data import BatchSampler, TokenData, load_corpus, prepare_data, validation_batches
-from ..data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
+from ..data.tokenizer import TOKENIZER_KINDS, Tokenizer, load_tokenizer_file, tokenizer_from_state, tokenizer_state
 from .config import TrainConfig
 from .hf_source import hf_source
 from .resume import check_data, check_progress
@@ -129,6 +129,23 @@ def stored_tokenizer(source: Source) -> Tokenizer | None:
     return tokenizer_from_state(meta, source.path)
 
 
+def warn_if_tokenizer_unused(requested: str, given: Tokenizer, source: Source) -> None:
+    """Say so when ``data.tokenizer`` asks for a tokenizer other than the one a run started
+    from ``source`` keeps (``given``, the one its embeddings were trained with): bytes, or a
+    ``tokenizer.json`` that is not it. (The default, ``bpe``, asks for nothing in particular.)"""
+    if requested == "bpe" or (requested == "byte" and given.kind == "byte"):
+        return
+    if requested not in TOKENIZER_KINDS:
+        try:
+            if load_tokenizer_file(requested, "data.tokenizer").fingerprint == given.fingerprint:
+                return
+        except ValueError:
+            pass  # (unreadable or gone: not used either)
+    warnings.warn(f"data.tokenizer={requested!r} is not used: a run started from {str(source.path)!r} keeps the "
+                  f"tokenizer stored with it ({given.kind}, {given.vocab_size} tokens), the one its embeddings were "
+                  "trained with", stacklevel=3)
+
+
 def _source_vocab_size(config: TrainConfig, start: Start) -> int | None:
     """The embedding size of the model a run starts from (``None`` for a new run): a
     checkpoint's, from its config; a transformers directory's, which ``model.from_hf``
@@ -160,6 +177,8 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     corpus = load_corpus(config.data.paths, config.data.val_fraction)
     source = start.resume or start.init
     given = stored_tokenizer(source) if source is not None else None
+    if given is not None:
+        warn_if_tokenizer_unused(config.data.tokenizer, given, source)
     changed = start.resume is not None and check_data(start.resume, corpus.digest, config.allow_data_change)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
                                              config.data.cache_dir, given=given, progress=config.progress))
