@@ -228,3 +228,16 @@ def _interpreted_kernels_checked():
 
     with checked_accesses():
         yield
+
+
+#: The modules that take longest (CPU-minutes on 2 cores: the ahead-of-time compile, the
+#: interpreted kernels, compiled graphs, multi-process runs), run first: `make test` hands
+#: whole modules to its worker processes in collection order, and a long module handed out
+#: last kept one worker busy minutes after the other had finished.
+LONG_MODULES = ("test_triton_aot.py", "test_depth_attention_ops.py", "test_compile.py", "test_multinode.py",
+                "test_parallel_train.py", "test_data_parallel.py", "test_gpu_check.py", "test_train.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: rank for rank, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # (stable: the rest keep their order)

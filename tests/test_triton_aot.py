@@ -1,9 +1,10 @@
 """GPU readiness without a GPU: every Triton kernel variant the launch code can choose (each
 kernel, storage dtype, tile, query padding and class of source counts) compiles ahead of
-time for sm_80 and sm_90 with Triton's bundled ``ptxas``, with no spill, shared memory
-within the target's limit and - for the backward kernels - at least 16 warps resident per
-multiprocessor (``benchmarks/triton_aot_report.py``, run in a process of its own: the suite
-runs Triton's interpreter)."""
+time with Triton's bundled ``ptxas``, with no spill, shared memory within the target's limit
+and - for the backward kernels - at least 16 warps resident per multiprocessor
+(``benchmarks/triton_aot_report.py``, run in a process of its own: the suite runs Triton's
+interpreter). The default suite compiles for sm_90 (H100 / H200) as launched at an aligned
+``d``; the slow suite for sm_80 (A100) too, and at an odd ``d`` (four times the compiles)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,18 @@ from attnres.ops.depth_attention import triton_launch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _compile_report(tmp_path: Path, *options: str) -> list[dict]:
-    """``benchmarks/triton_aot_report.py``'s rows (every variant, for sm_80 and sm_90),
+def _compile_report(tmp_path: Path, archs: set[int], *options: str) -> list[dict]:
+    """``benchmarks/triton_aot_report.py``'s rows (every variant, for each of ``archs``),
     compiled in a process of its own (the suite runs Triton's interpreter)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "aot.json"
+    arch_options = [f"--arch={arch}" for arch in sorted(archs)]
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_aot_report.py"), "--json", str(out),
-                             *options], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+                             *arch_options, *options], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(out.read_text())
     expected = list(triton_launch.variants())
-    assert len(rows) == 2 * len(expected) and {r["arch"] for r in rows} == {80, 90}
+    assert len(rows) == len(archs) * len(expected) and {r["arch"] for r in rows} == archs
     assert {r["kernel"] for r in rows} == set(triton_launch.SIGNATURES)
     assert {r["dtype"] for r in rows} == {*triton_launch.DTYPES, "fp32, bf16 out"}  # (the last: autocast)
     # (the backward reading the gradients of an attention's three readers and an MLP's two)
@@ -51,20 +53,21 @@ def _check(compiled: dict, r: dict) -> None:
         assert compiled["resident_warps"] >= triton_launch.held_warps(r["num_warps"]), r
 
 
-def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path):
-    """Every variant as launched at an aligned ``d`` (the models' widths; what docs/kernels.md
-    tables). About 4 minutes on 2 cores with Triton's cache cold: the variants at an odd ``d``
-    (as many compiles again) are the slow suite's."""
-    for r in _compile_report(tmp_path, "--aligned-only"):
+def test_every_kernel_variant_compiles_for_sm90_without_spills(tmp_path):
+    """Every variant for sm_90 as launched at an aligned ``d`` (the models' widths; what
+    docs/kernels.md tables). About 3 CPU-minutes with Triton's cache cold: sm_80 and the
+    variants at an odd ``d`` are the slow suite's."""
+    for r in _compile_report(tmp_path, {90}, "--aligned-only"):
         assert "unaligned" not in r, r
         _check(r, r)
 
 
 @pytest.mark.slow
-def test_every_kernel_variant_compiles_at_an_odd_d_too(tmp_path):
-    """Every variant as launched at an odd ``d`` too (no alignment to specialise on), held to
-    the same rules - but the held merges, launched only at an aligned ``d``."""
-    for r in _compile_report(tmp_path):
+def test_every_kernel_variant_compiles_for_sm80_and_sm90_and_at_an_odd_d_too(tmp_path):
+    """Every variant for sm_80 and sm_90, each as launched at an aligned ``d`` and at an odd
+    one (no alignment to specialise on), held to the same rules - but the held merges,
+    launched only at an aligned ``d``."""
+    for r in _compile_report(tmp_path, {80, 90}):
         held = r["kernel"].endswith("_held")  # (launched only at an aligned d)
         assert held != ("unaligned" in r), r
         for compiled in (r, r.get("unaligned")):  # (as launched at an aligned d, and at an odd one)

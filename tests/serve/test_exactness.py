@@ -4,8 +4,8 @@ under vLLM's default compile mode, for a batch of eight prompts of different len
 submitted together with chunked prefill, for two requests sharing a cached prefix, and with
 sampling parameters and stop strings. Models: the standard residual, Block AttnRes with
 S = 2 and with a ragged S = 4 (L = 6), Full AttnRes; Llama and Gemma 3 (sandwich norms)
-upcycled to Block AttnRes. Block (ragged), Full and Gemma 3 run in vLLM's default compile
-mode, the others eagerly (``COMPILED`` in conftest.py: compiling costs a minute a model)."""
+upcycled to Block AttnRes. Block (ragged) and Full run in vLLM's default compile mode, the
+others eagerly (``COMPILED`` in conftest.py: compiling costs a minute a model)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.parametrize("name", MODEL_NAMES)
 
 
 def test_compiled_models_run_in_vllms_default_compile_mode(served, name):
-    """vLLM compiles Block (ragged S), Full and the Gemma 3 upcycle with its default mode
-    (on CPU: Dynamo traced once, inductor); the others run eagerly (enforce_eager)."""
+    """vLLM compiles Block (ragged S) and Full with its default mode (on CPU: Dynamo traced
+    once, inductor); the others run eagerly (enforce_eager)."""
     assert (served[name].result()["compilation_mode"] != "NONE") == (name in COMPILED)
 
 
