@@ -216,7 +216,12 @@ def test_two_agents_take_over_the_lock_of_a_crash_whose_rank_0_was_on_the_other_
     assert not (run / LOCK_FILE).exists()
 
 
-@pytest.mark.parametrize("launch", ["relaunched_after_a_crash_on_node_1", "relaunched_under_dp2"])
+# (each two-agent launch costs about half a CPU-minute: the default suite relaunches once, in
+# the plain layout; the scenarios launched once more each - under parallel.dp=2, under a
+# pipeline, with a lock of a host outside the job - are also checked on one two-rank launch
+# below, and across two agents in the slow suite)
+@pytest.mark.parametrize("launch", ["relaunched_after_a_crash_on_node_1",
+                                    pytest.param("relaunched_under_dp2", marks=pytest.mark.slow)])
 def test_two_agents_resume_a_consolidated_checkpoint(crashed, launch, request):
     """The consolidated step-2 checkpoint resumes across the two nodes, in torchrun's plain
     layout and under ``parallel.dp=2``: step 3 continues the one-process run (float rounding
@@ -232,6 +237,7 @@ def test_two_agents_resume_a_consolidated_checkpoint(crashed, launch, request):
     assert sorted(resumed) == [1, 2, 3] and resumed[3] == pytest.approx(reference[3], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_two_agents_refuse_a_consolidated_checkpoint_under_a_pipeline_with_the_workaround(crashed, tmp_path):
     """``parallel.pp=2`` across the two nodes cannot load the consolidated checkpoint: both
     nodes stop before any step, each printing the error (with the way on) once, and no
@@ -251,6 +257,7 @@ def test_two_agents_refuse_a_consolidated_checkpoint_under_a_pipeline_with_the_w
     assert (run / "metrics.jsonl").read_text() == (crashed / "crashed" / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_two_agents_refuse_a_lock_of_a_host_outside_the_job_saying_what_to_do(crashed, tmp_path):
     """The lock names a host where neither node runs: whether its process is alive cannot be
     checked, so both nodes stop with the documented instruction (delete run.lock if that run
