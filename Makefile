@@ -9,6 +9,7 @@ PYTEST_ARGS ?=
 # The default suite runs in one process per core (pytest-xdist; a module's tests in one of
 # them, its fixtures built once): PYTEST_WORKERS=0 runs it in this process.
 PYTEST_WORKERS ?= auto
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadscope
 # The serving tests' environment (docs/serving.md): vLLM for CPU, which pins the CPU build of
 # torch above; the CUDA torchvision / torchaudio / torchcodec wheels it pulls break `import vllm`.
 VENV_SERVE ?= .venv-serve
@@ -32,7 +33,7 @@ train: $(VENV)/.installed
 	$(PY) -m attnres train --config configs/train-cpu.yaml
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 $(VENV_SERVE)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV_SERVE)
@@ -52,7 +53,7 @@ test-serve: $(VENV_SERVE)/.installed
 
 # Everything, the slow suites included.
 test-all: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "slow or not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "slow or not slow" $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_training_overhead.py

@@ -167,22 +167,16 @@ def is_tokenizer_path(value: str) -> bool:
     return value.endswith(".json") or "/" in value or os.sep in value
 
 
-def tokenizer_file(path: str | Path, what: str) -> Path:
-    """The ``tokenizer.json`` that ``path`` names: the file, or the one in a directory (a
-    checkpoint's, a transformers tokenizer's); ``ValueError`` naming ``what`` (the option,
-    e.g. ``--tokenizer``) for a directory without one."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        return path
-    if not (path / TOKENIZER_FILE).is_file():
-        raise ValueError(f"{what} {str(path)!r} is a directory without a {TOKENIZER_FILE}: give a "
-                         f"{TOKENIZER_FILE} file, or a directory holding one")
-    return path / TOKENIZER_FILE
-
-
 def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
-    """The tokenizer of the ``tokenizer.json`` that ``path`` names (:func:`tokenizer_file`)."""
-    file = tokenizer_file(path, what)
+    """The tokenizer of the ``tokenizer.json`` that ``path`` names: the file, or the one in a
+    directory (a checkpoint's, a transformers tokenizer's); ``ValueError`` naming ``what``
+    (the option, e.g. ``--tokenizer``) for a directory without one or a path that does not exist."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        if not (file / TOKENIZER_FILE).is_file():
+            raise ValueError(f"{what} {str(file)!r} is a directory without a {TOKENIZER_FILE}: give a "
+                             f"{TOKENIZER_FILE} file, or a directory holding one")
+        file = file / TOKENIZER_FILE
     if not file.is_file():
         raise ValueError(f"{what} {str(file)!r} does not exist: give a {TOKENIZER_FILE} file, or a directory "
                          "holding one")
