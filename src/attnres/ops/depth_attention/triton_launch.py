@@ -64,6 +64,13 @@ COMBINE_TILE_ELEMENTS = 4096
 #: 4096, at 4 or 8 warps - spilled or left 8 warps resident with Triton 3.9.)
 ROWS_TILE_ELEMENTS = 1024
 ROWS_TILE = 128
+#: Their widest tile at 2 queries (``S_PAD == 2``), but in float64: more rows of a narrower
+#: tile. As launched at an aligned ``d`` (the models' widths), 128 wide, Triton 3.6 (the GPU
+#: machine's) took 153 - 164 registers in the backward whatever the rows (12 warps resident),
+#: 64 wide 96 - 117 (16 - 20); Triton 3.9 64 - 109 (16 - 32) against 64 - 96 (20 - 32). (At an
+#: odd ``d`` Triton 3.6 took more at 64: 148 - 186 against 64; at 4 queries 64 wide cost
+#: Triton 3.9 more registers on sm_80, and in float64 it spilled there: 128 kept for both.)
+FEW_QUERIES_TILE = 64
 MAX_ROWS = 16
 ROWS_WARPS = 4
 #: Sources whose loads the kernels over blocks of rows issue together (:func:`phase1_group`).
@@ -185,7 +192,8 @@ def phase1_combine_tile(d: int, S: int, wide: bool = False) -> int:
 
 def phase1_rows_geometry(d: int, S: int, wide: bool = False, block_d: int | None = None) -> tuple[int, int]:
     """``(ROWS, BLOCK_D)`` of the Phase-1 kernels over blocks of rows: tiles of ``d`` up to
-    :data:`ROWS_TILE` wide (no wider than ``d`` needs; ``block_d`` forces it), as many rows
+    :data:`ROWS_TILE` wide (:data:`FEW_QUERIES_TILE` at 2 queries but in float64; no wider
+    than ``d`` needs; ``block_d`` forces it), as many rows
     (a power of two, at most :data:`MAX_ROWS`) as keep ``ROWS x S_PAD x BLOCK_D`` within
     :data:`ROWS_TILE_ELEMENTS` (half in float64); where one row's block is larger, a
     narrower tile and one row."""
@@ -193,11 +201,12 @@ def phase1_rows_geometry(d: int, S: int, wide: bool = False, block_d: int | None
         raise ValueError(f"hidden size d must be >= 1, got {d}")
     # (half from 16 queries on, as phase1_tile: their blocks took more registers)
     budget = ROWS_TILE_ELEMENTS // (2 if wide or pad(S) >= 16 else 1)
+    widest = ROWS_TILE if pad(S) > 2 or wide else FEW_QUERIES_TILE
     if block_d is not None:
         _check_power_of_2("block_d", block_d)
         tile = block_d
     else:
-        tile = max(16, min(next_power_of_2(d), ROWS_TILE, budget // pad(S)))
+        tile = max(16, min(next_power_of_2(d), widest, budget // pad(S)))
     return max(1, min(MAX_ROWS, budget // (pad(S) * tile))), tile
 
 
