@@ -156,7 +156,7 @@ def test_launch_geometry():
         tiles, programs, per = L.dq_grid(rows, 2048, 128, 132, multiple=multiple)
         assert per % multiple == 0 and programs * per >= rows and (programs - 1) * per < rows
     # Phase 1 over blocks of rows: ROWS x S_PAD x BLOCK_D within the budget, tiles up to 128
-    # (up to 64 at 2 queries but in float64: more rows instead)
+    # (at most 64 at 2 queries, except in float64: more rows instead)
     assert L.phase1_rows_geometry(2048, 8) == (1, 128) and L.phase1_rows_geometry(2048, 2) == (8, 64)
     assert L.phase1_rows_geometry(2048, 1) == (8, 64) and L.phase1_rows_geometry(2048, 4) == (2, 128)
     assert L.phase1_rows_geometry(2048, 64) == (1, 16) and L.phase1_rows_geometry(20, 3) == (8, 32)

@@ -64,7 +64,7 @@ COMBINE_TILE_ELEMENTS = 4096
 #: 4096, at 4 or 8 warps - spilled or left 8 warps resident with Triton 3.9.)
 ROWS_TILE_ELEMENTS = 1024
 ROWS_TILE = 128
-#: Their widest tile at 2 queries (``S_PAD == 2``), but in float64: more rows of a narrower
+#: Their widest tile at 2 queries (``S_PAD == 2``), except in float64: more rows of a narrower
 #: tile. As launched at an aligned ``d`` (the models' widths), 128 wide, Triton 3.6 (the GPU
 #: machine's) took 153 - 164 registers in the backward whatever the rows (12 warps resident),
 #: 64 wide 96 - 117 (16 - 20); Triton 3.9 64 - 109 (16 - 32) against 64 - 96 (20 - 32). (At an
@@ -192,7 +192,7 @@ def phase1_combine_tile(d: int, S: int, wide: bool = False) -> int:
 
 def phase1_rows_geometry(d: int, S: int, wide: bool = False, block_d: int | None = None) -> tuple[int, int]:
     """``(ROWS, BLOCK_D)`` of the Phase-1 kernels over blocks of rows: tiles of ``d`` up to
-    :data:`ROWS_TILE` wide (:data:`FEW_QUERIES_TILE` at 2 queries but in float64; no wider
+    :data:`ROWS_TILE` wide (:data:`FEW_QUERIES_TILE` at 2 queries, except in float64; no wider
     than ``d`` needs; ``block_d`` forces it), as many rows
     (a power of two, at most :data:`MAX_ROWS`) as keep ``ROWS x S_PAD x BLOCK_D`` within
     :data:`ROWS_TILE_ELEMENTS` (half in float64); where one row's block is larger, a
