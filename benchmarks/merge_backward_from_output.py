@@ -1,0 +1,164 @@
+"""A merge backward that needs no Phase-1 sum: what it would cost in precision, on the CPU.
+
+A lever for the GPU training step that is measured here and not built (docs/kernels.md, "A
+merge backward from its output"). Block AttnRes' merge (report §4.2, Algorithm 1) forms
+``h = alpha_1 o_1 + alpha_c x_c`` from its Phase-1 sum ``o_1`` (logit: its log-sum-exp) and the
+block's partial sum ``x_c`` (logit computed), and returns ``y = RMSNorm(h)``. Its backward
+today re-forms ``h`` from ``o_1`` and ``x_c``, so in eager training every block's Phase 1
+forward runs again to give the merges their sums (``ResidualConfig.recompute_phase1``) and
+every merge backward reads its sum. Two facts make ``o_1`` unnecessary there:
+
+* softmax gradients add up to zero: ``dz_1 = -sum_{j computed} dz_j``, so ``g_h . o_1`` is never
+  needed;
+* the norm's backward and the weight gradient need ``h / rms(h)``, which is ``y / w`` - and
+  ``y`` is alive anyway: the next sublayer's linear layers keep it for their own backward.
+  Then ``g_h . h = (g_h . y / w) / rstd``.
+
+The catch: under bf16 autocast ``y`` is bf16 (the merge writes what the linear layers read),
+so ``h / rms(h)`` comes back rounded to bf16, where today's backward re-forms it in float32.
+This measures that on one merge at the GPU check's width (d = 2048, 4096 tokens, float32
+stream, a bf16 sublayer output added to the partial sum, a bf16 output and its bf16 incoming
+gradient): every gradient of both backwards against float64 autograd through the reference
+merge on the same inputs, beside the yardstick that autocast already sets - how far the
+float64 gradients move when the incoming gradient is rounded to bf16 once (as autocast's
+backward rounds it anyway). Cases: norm gains near 1 (as trained), gains spread over two
+decades, and queries that make the weights nearly one-hot.
+
+    python benchmarks/merge_backward_from_output.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from attnres.ops.depth_attention import reference, torch_impl
+
+EPS = 1e-6
+NAMES = ("z (the sum's logit)", "Phase-1 sum", "partial sum", "sublayer output", "query", "norm gain")
+
+
+def inputs(case: str, tokens: int, d: int, seed: int) -> dict:
+    """One Block merge's inputs as a training step has them: float32 stream, bf16 sublayer
+    output, bf16 incoming gradient (the float32 one before rounding kept as ``g_exact``)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    o1 = randn(tokens, d, scale=2.0)
+    partial = randn(tokens, d, scale=4.0)
+    v = randn(tokens, d).to(torch.bfloat16)
+    query_scale = {"trained": 0.05, "spread gains": 0.05, "one-hot weights": 2.0}[case]
+    qg = randn(d, scale=query_scale)
+    if case == "spread gains":  # log-uniform over [0.03, 3]
+        w = torch.exp(torch.empty(d).uniform_(-3.5, 1.1, generator=gen))
+    else:
+        w = 1.0 + randn(d, scale=0.1)
+    z = randn(tokens, 1, scale=3.0 if case == "one-hot weights" else 1.0)
+    g_exact = randn(tokens, d, scale=1e-3)
+    return dict(z=z, o1=o1, partial=partial, v=v, qg=qg, w=w, g_exact=g_exact, g=g_exact.to(torch.bfloat16))
+
+
+def truth(x: dict, g: torch.Tensor) -> list[torch.Tensor]:
+    """Float64 autograd through the reference merge: the gradients of (z, o1, partial, v,
+    qg, w) for the incoming gradient ``g``."""
+    leaves = [x[k].to(torch.float64, copy=True).requires_grad_() for k in ("z", "o1", "partial", "v", "qg", "w")]
+    z, o1, partial, v, qg, w = leaves
+    out = reference.merge(z, [o1], [partial], qg, EPS, w, EPS, addend=v)[0]
+    return list(torch.autograd.grad(out, leaves, g.double()))
+
+
+def today(x: dict):
+    """The current backward (``torch_impl``, what every implementation computes): ``h``
+    re-formed from the Phase-1 sum and the partial sum, in float32. Also returns the
+    forward's results for :func:`from_output`."""
+    addend_dtype = None if x["v"].dtype == x["o1"].dtype else x["v"].dtype
+    fwd = torch_impl.merge_forward(x["z"], [x["o1"]], [x["partial"]], x["qg"], x["w"], EPS, EPS,
+                                   addend=x["v"], out_dtype=x["g"].dtype)
+    y, alpha, rc, zc, rstd, total = fwd
+    g_z, (g_o1,), (g_total,), g_qg, g_w, g_v = torch_impl.merge_backward(
+        x["g"], alpha, rc, zc, rstd, [x["o1"]], [total], x["qg"], x["w"], [True] * 5,
+        addend_dtype=addend_dtype)
+    return [g_z, g_o1, g_total, g_total if g_v is None else g_v, g_qg, g_w], fwd
+
+
+def from_output(x: dict, fwd) -> list[torch.Tensor]:
+    """The same gradients without the Phase-1 sum: the normalised ``h`` from the saved output
+    ``y`` (``y / w``), the sum's logit gradient from the others' (softmax gradients add up to
+    zero)."""
+    y, alpha, rc, zc, rstd, total = fwd
+    d = y.shape[-1]
+    g, w, qg = x["g"].to(rstd.dtype), x["w"], x["qg"]
+    hn = y.to(rstd.dtype) / w  # h * rstd, as rounded into y
+    u = g * w
+    gh = rstd * (u - (u * hn).sum(-1, keepdim=True) * hn / d)
+    g_w = (g * hn).sum(0)
+    s_h = (gh * hn).sum(-1, keepdim=True) / rstd  # g_h . h
+    s_c = (gh * total).sum(-1, keepdim=True)  # g_h . x_c
+    dz_c = alpha[..., 1:] * (s_c - s_h)
+    g_z = -dz_c  # softmax gradients add up to zero
+    gr = dz_c * rc  # through z_c = rc (x_c . qg)
+    g_total = alpha[..., 1:] * gh + gr * qg - (gr * rc * zc / d) * total
+    g_qg = (gr * total).sum(0)
+    return [g_z, alpha[..., :1] * gh, g_total, g_total.to(x["v"].dtype), g_qg, g_w]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def measure(case: str, tokens: int, d: int, seeds: int) -> dict:
+    rows = {name: {"today": [], "from output": [], "bf16 rounding of g": []} for name in NAMES}
+    for seed in range(seeds):
+        x = inputs(case, tokens, d, seed)
+        t = truth(x, x["g"])
+        t_exact = truth(x, x["g_exact"])
+        now, fwd = today(x)
+        new = from_output(x, fwd)
+        for name, ti, te, a, b in zip(NAMES, t, t_exact, now, new):
+            rows[name]["today"].append(rel(a, ti))
+            rows[name]["from output"].append(rel(b, ti))
+            rows[name]["bf16 rounding of g"].append(rel(ti, te))
+    return {name: {k: max(v) for k, v in r.items()} for name, r in rows.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--d", type=int, default=2048)
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_grad_enabled(True)
+    cases = ("trained", "spread gains", "one-hot weights")
+    results = {case: measure(case, args.tokens, args.d, args.seeds) for case in cases}
+    lines = [
+        "# A merge backward from its output: precision against float64 (CPU)",
+        "",
+        f"`python benchmarks/merge_backward_from_output.py` - one Block merge, {args.tokens} tokens, "
+        f"d = {args.d}, float32 stream and Phase-1 sum, bf16 sublayer output, output and incoming "
+        f"gradient; relative error (Frobenius) against float64 autograd through the reference "
+        f"merge on the same inputs, the largest over {args.seeds} seeds. *today*: the current backward "
+        "(h re-formed from the Phase-1 sum); *from output*: h / rms(h) taken from the bf16 output "
+        "(y / w), the sum's logit gradient from the others'; *bf16 rounding of g*: how far the "
+        "float64 gradients themselves move when the incoming gradient is rounded to bf16 once.",
+        "",
+    ]
+    for case in cases:
+        lines += [f"## {case}", "", "| gradient of | today | from output | bf16 rounding of g |", "|---|---:|---:|---:|"]
+        for name, r in results[case].items():
+            lines.append(f"| {name} | {r['today']:.1e} | {r['from output']:.1e} | {r['bf16 rounding of g']:.1e} |")
+        lines.append("")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "merge_backward_from_output.md").write_text("\n".join(lines))
+    (args.out / "merge_backward_from_output.json").write_text(json.dumps(
+        {"tokens": args.tokens, "d": args.d, "seeds": args.seeds, "results": results}, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
