@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import merge_backward_from_output as study  # noqa: E402
 
 
-@pytest.mark.parametrize("case", ["trained", "spread gains", "one-hot weights"])
+@pytest.mark.parametrize("case", ["trained", "spread gains", "sharp weights"])
 def test_the_backward_from_the_output_is_exact_without_rounding(case):
     x = {k: v.double() for k, v in study.inputs(case, tokens=33, d=40, seed=1).items()}
     x["g"] = x["g_exact"]
