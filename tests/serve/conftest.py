@@ -293,12 +293,13 @@ def served(session_root, model_dirs, jobs, load_failures, server_run, moe, eagle
             model.extra = {"lora": {"path": str(lora_adapter[0]), "prompts": PROMPTS}}
         if name in COMPILED:
             model.future = jobs.submit(run_worker, model.spec(), session_root / "engines" / name)
-    _serve_in_turn(jobs, [m for m in models.values() if m.name not in COMPILED], session_root / "engines" / "eager")
+    _submit_in_turn(jobs, [m for m in models.values() if m.name not in COMPILED], session_root / "engines" / "eager")
     return {name: models[name] for name in MODEL_NAMES}
 
 
-def _serve_in_turn(jobs: Jobs, models: list[Served], work: Path) -> None:
-    """Serve ``models`` one after the other in one worker; each model's ``future`` its part."""
+def _submit_in_turn(jobs: Jobs, models: list[Served], work: Path) -> None:
+    """Submit ``models`` to one worker, which serves them one after the other; each model's
+    ``future`` is its part of the worker's result."""
     future = jobs.submit(run_worker, {"models": [m.spec() for m in models]}, work)
     for model in models:
         model.future = _Part(future, model.name)
@@ -309,7 +310,7 @@ def _served_in_turn(root: Path, jobs: Jobs, names: dict[str, tuple[str, dict]], 
     worker (eagerly: batch and shared prefix)."""
     models = {name: Served(name, save_upcycled_moe(root / name, family, residual), full=False)
               for name, (family, residual) in names.items()}
-    _serve_in_turn(jobs, list(models.values()), work)
+    _submit_in_turn(jobs, list(models.values()), work)
     return models
 
 
