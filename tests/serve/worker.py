@@ -24,6 +24,9 @@ speculates.
 Or SPEC ``models``: a list of such SPECs, each with a ``name``, run one after the other in
 this process (an import of torch and vLLM per model spared). OUT: name -> that model's OUT.
 
+Any SPEC may hold ``env``: environment variables set before vLLM is imported (e.g. vLLM's
+``VLLM_PP_LAYER_PARTITION``; its worker processes inherit them).
+
 Or SPEC ``attempts``: a list of ``name``, ``model``, ``engine``, each an engine that should
 fail to start, started one after the other in this process, the log marked ``=== NAME ===``
 before each. OUT: name -> ``loaded`` and the ``error`` raised.
@@ -72,7 +75,9 @@ def run(spec: dict) -> dict:
     llm = LLM(spec["model"], **spec["engine"])
     n = spec["max_tokens"]
     greedy = SamplingParams(temperature=0.0, max_tokens=n, logprobs=1)
-    out = {"compilation_mode": llm.llm_engine.vllm_config.compilation_config.mode.name}
+    config = llm.llm_engine.vllm_config
+    out = {"compilation_mode": config.compilation_config.mode.name,
+           "pipeline_parallel_size": config.parallel_config.pipeline_parallel_size}
     if "capture_aux" in spec:  # the prompt's prefill alone: its auxiliary hidden states [tokens, d] each
         captured = _capture_aux(llm)
         llm.generate([spec["capture_aux"]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
@@ -133,6 +138,7 @@ if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported: see the module's docstring
     spec_file, out_file = sys.argv[1:3]
     spec = json.loads(Path(spec_file).read_text())
+    os.environ.update(spec.get("env", {}))
     if "attempts" in spec:
         result = one_after_another(spec["attempts"], attempt)
     elif "models" in spec:

@@ -8,6 +8,13 @@ knows which token belongs to which sequence (it reads and writes the paged KV ca
 residual needs nothing of that: depth attention mixes the sublayer outputs of each token on
 its own, so the flat token dimension is just the ``...`` of the residual's ``[..., d]``
 tensors, and continuous batching, chunked prefill and prefix caching work unchanged.
+
+Under pipeline parallelism each rank runs a contiguous range of decoder layers, and the
+residual stream crosses from one stage to the next as vLLM's intermediate tensors: the
+stream's history in front of the stage's first sublayer (``ResidualStream.history``, the
+cut the training pipeline makes too) - Block AttnRes' completed block sums and its partial
+sum, Full AttnRes' earlier outputs, the standard residual's hidden state - each a
+``[num_tokens, d]`` tensor under a name of its own (:func:`stream_keys`).
 """
 
 from __future__ import annotations
@@ -21,13 +28,15 @@ from torch import Tensor, nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
+from vllm.sequence import IntermediateTensors
 
-from ..nn.residual import ResidualConfig, ResidualStream, build_residual
+from ..nn.residual import DepthHistory, ResidualConfig, ResidualStream, build_residual
 from ..hf.families.layout import Layout
 from .checkpoint import check_tokenizer
 
-__all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "run_decoder", "FlatRotary", "config_file",
-           "check_config_class", "check_servable", "TARGET_AGNOSTIC_SPECULATION"]
+__all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "stream_keys", "empty_stream", "run_decoder",
+           "FlatRotary", "config_file", "check_config_class", "check_servable", "TARGET_AGNOSTIC_SPECULATION"]
 
 #: Speculative decoding methods that need nothing of the target model but its ordinary
 #: forward (the drafter sees token ids only; the target verifies the drafts as a batch).
@@ -58,6 +67,40 @@ def serving_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> Resi
                           n_sublayers)
 
 
+#: The names of the residual stream's tensors among vLLM's intermediate tensors between
+#: pipeline stages: the completed depth sources in order, then the running tensor.
+COMPLETED_KEY, RUNNING_KEY = "attnres_completed_", "attnres_running"
+
+
+def stream_keys(residual: ResidualStream, sublayer: int) -> list[str]:
+    """The names under which the stream in front of ``sublayer`` crosses to the stage that
+    runs it (``residual.history_layout``: its completed entries, then a running tensor if
+    it has one)."""
+    layout = residual.history_layout(sublayer)
+    return [f"{COMPLETED_KEY}{i}" for i in range(layout.completed)] + ([RUNNING_KEY] if layout.running else [])
+
+
+def empty_stream(residual: ResidualStream, first_layer: int, dim: int):
+    """vLLM's ``make_empty_intermediate_tensors`` for the stage whose first decoder layer is
+    ``first_layer``: zero buffers ``[batch_size, dim]`` for the stream it receives."""
+    return make_empty_intermediate_tensors_factory(stream_keys(residual, 2 * first_layer), dim)
+
+
+def _resume(residual: ResidualStream, sublayer: int, intermediate: IntermediateTensors):
+    """The stream in front of ``sublayer`` rebuilt from the previous stage's tensors."""
+    keys = stream_keys(residual, sublayer)
+    tensors = [intermediate[key] for key in keys]
+    running = tensors.pop() if keys and keys[-1] == RUNNING_KEY else None
+    return residual.resume(DepthHistory(tensors, running), sublayer)
+
+
+def _handed_on(residual: ResidualStream, state, sublayer: int) -> IntermediateTensors:
+    """The stream in front of ``sublayer`` as the intermediate tensors of the next stage."""
+    history = residual.history(state)
+    tensors = [*history.completed, *([] if history.running is None else [history.running])]
+    return IntermediateTensors(dict(zip(stream_keys(residual, sublayer), tensors)))
+
+
 def _sublayer(layer: nn.Module, names: SublayerNames, attention: bool, positions: Tensor, h: Tensor) -> Tensor:
     layout = names.layout
     if attention:
@@ -72,11 +115,18 @@ def _sublayer(layer: nn.Module, names: SublayerNames, attention: bool, positions
 
 
 def run_decoder(residual: ResidualStream, layers: Sequence[nn.Module], names: SublayerNames, positions: Tensor,
-                embedding: Tensor, aux_layers: Iterable[int] = ()) -> tuple[Tensor, list[Tensor]]:
+                embedding: Tensor | None, aux_layers: Iterable[int] = (), stage: range | None = None,
+                intermediate: IntermediateTensors | None = None) -> tuple[Tensor | IntermediateTensors, list[Tensor]]:
     """The decoder layers on the residual stream: ``embedding [num_tokens, d]`` (after any
     scaling) -> the output aggregation ``[num_tokens, d]``, before the final norm. Each
     sublayer (its pre-norm, module and optional output norm) reads its input from the
     residual and hands its raw output back (report §3).
+
+    ``stage``: the decoder layers this pipeline stage holds (vLLM's ``start_layer`` to
+    ``end_layer``; default all of them). A stage after the first resumes the stream from the
+    previous stage's ``intermediate`` tensors (``embedding`` is ``None`` there); a stage
+    before the last returns the stream as intermediate tensors for the next
+    (:func:`stream_keys`) instead of the output aggregation.
 
     Also returns EAGLE-3's auxiliary hidden states: for each decoder layer index ``i`` of
     ``aux_layers``, the hidden state layer ``i`` reads - the depth mixture that is its
@@ -85,13 +135,17 @@ def run_decoder(residual: ResidualStream, layers: Sequence[nn.Module], names: Su
     which an AttnRes layer never sees."""
     wanted = set(aux_layers)
     aux: list[Tensor] = []
-    state = residual.start(embedding)
-    for i, layer in enumerate(layers):
+    stage = range(len(layers)) if stage is None else stage
+    state = residual.start(embedding) if stage.start == 0 else _resume(residual, 2 * stage.start, intermediate)
+    for i in stage:
+        layer = layers[i]
         for l, attention in ((2 * i, True), (2 * i + 1, False)):
             h = residual.sublayer_input(state, l)
             if attention and i in wanted:
                 aux.append(h)
             residual.add_output(state, l, _sublayer(layer, names, attention, positions, h))
+    if stage.stop < len(layers):
+        return _handed_on(residual, state, 2 * stage.stop), aux
     out = residual.finish(state)
     if len(layers) in wanted:
         aux.append(out)
@@ -134,9 +188,11 @@ def check_config_class(vllm_config: VllmConfig, expected: type, architecture: st
 def _refusals(vllm_config: VllmConfig, refused: dict[str, str]) -> list[str]:
     """What of ``vllm_config`` the served model refuses, as messages (empty: nothing)."""
     out = []
-    if get_pp_group().world_size > 1:
-        out.append("AttnRes models do not run under pipeline parallelism in vLLM (the residual stream carries the "
-                   "block sums between layers, not one hidden state); use tensor parallelism (--tensor-parallel-size)")
+    spec = vllm_config.speculative_config
+    if get_pp_group().world_size > 1 and spec is not None and spec.method == "eagle3":
+        out.append("EAGLE-3 speculative decoding under pipeline parallelism is not supported by AttnRes models "
+                   "(the drafter's depth mixtures would have to cross the stages; untested): serve on one stage, "
+                   "or with tensor parallelism (--tensor-parallel-size)")
     if vllm_config.quant_config is not None:
         method = vllm_config.model_config.quantization
         source = ("its quantization_config" if getattr(vllm_config.model_config.hf_config, "quantization_config", None)
@@ -144,7 +200,6 @@ def _refusals(vllm_config: VllmConfig, refused: dict[str, str]) -> list[str]:
         out.append(f"quantized AttnRes models are not served ({method!r}, from {source}): the plugin checks and loads "
                    "unquantized checkpoints only, and no quantized AttnRes model has been tested; serve the "
                    "unquantized checkpoint (--dtype bfloat16 halves its memory)")
-    spec = vllm_config.speculative_config
     if spec is not None and spec.method not in TARGET_AGNOSTIC_SPECULATION:
         if spec.method == "eagle3" and "eagle3" in refused:
             out.append(f"EAGLE-3 speculative decoding is not supported here: {refused['eagle3']}")
@@ -163,8 +218,7 @@ def _refusals(vllm_config: VllmConfig, refused: dict[str, str]) -> list[str]:
 
 def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str, str] | None = None) -> None:
     """Refuse, with the reason, what the served AttnRes models cannot run - checked when the
-    model is built, before any weight is read: pipeline parallelism (the residual carries
-    several depth sources between stages, vLLM's intermediate tensors one), quantization,
+    model is built, before any weight is read: EAGLE-3 under pipeline parallelism, quantization,
     speculative decoding that reads hidden states other than EAGLE-3's, what ``refused``
     names (``"lora"``, ``"eagle3"``, ``"float16"`` -> the reason), expert-parallel load balancing, a head
     size the selected attention backend does not support (vLLM's CPU attention takes a

@@ -15,6 +15,12 @@ adds it and stacks ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into
 ``gate_up_proj``, as vLLM's Llama does. RoPE: the native tables are computed in float64 and
 rounded once; vLLM's cache (float32 arithmetic) is replaced by those values, so positions
 are encoded exactly as in ``attnres generate``.
+
+Pipeline parallelism: each rank builds its range of the decoder layers (vLLM's
+``make_layers``; the others are ``PPMissingLayer``), the embedding on the first rank (and on
+the last where the head is tied to it), the final norm and the head on the last; every rank
+holds the residual's parameters (a query and a gain per sublayer). The stream crosses the
+stages as :func:`attnres.serve.decoder.run_decoder` describes.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, WeightsMapper, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from ..hf.configuration import AttnResConfig
@@ -39,7 +47,8 @@ from ..models import AttnResLM, ModelConfig
 from ..nn.rope import RotaryEmbedding
 from ..hf.families.layout import Layout
 from .checkpoint import checked_weights, expected_shapes
-from .decoder import DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, run_decoder, serving_residual
+from .decoder import (DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, empty_stream, run_decoder,
+                      serving_residual)
 from .families import NATIVE_ARCHITECTURE
 
 __all__ = ["AttnResForCausalLM", "AttnResModel", "NativeDecoderLayer"]
@@ -84,31 +93,40 @@ class NativeDecoderLayer(nn.Module):
 
 @support_torch_compile(dynamic_arg_dims=DYNAMIC_ARG_DIMS)
 class AttnResModel(nn.Module):
-    """The native decoder body: embedding, blocks, residual, final norm -> ``[num_tokens, d]``."""
+    """The native decoder body: embedding, blocks, residual, final norm -> ``[num_tokens, d]``
+    (on a pipeline stage before the last: the stream, as intermediate tensors)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config: ModelConfig = vllm_config.model_config.hf_config.to_model_config()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.d_model,
-                                                   quant_config=vllm_config.quant_config,
-                                                   prefix=f"{prefix}.embed_tokens")
-        self.layers = nn.ModuleList(NativeDecoderLayer(config, vllm_config, f"{prefix}.layers.{i}")
-                                    for i in range(config.n_layers))
+        pp = get_pp_group()
+        if pp.is_first_rank or (config.tie_embeddings and pp.is_last_rank):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.d_model,
+                                                       quant_config=vllm_config.quant_config,
+                                                       prefix=f"{prefix}.embed_tokens")
+        else:
+            self.embed_tokens = PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.n_layers, lambda prefix: NativeDecoderLayer(config, vllm_config, prefix), prefix=f"{prefix}.layers")
         self.residual = serving_residual(config.residual, config.d_model, config.n_sublayers)
-        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps) if pp.is_last_rank else PPMissingLayer()
+        self.make_empty_intermediate_tensors = empty_stream(self.residual, self.start_layer, config.d_model)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        out, _ = run_decoder(self.residual, self.layers, NAMES, positions, x)
-        return self.norm(out)
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        x = None
+        if self.start_layer == 0:
+            x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        out, _ = run_decoder(self.residual, self.layers, NAMES, positions, x,
+                             stage=range(self.start_layer, self.end_layer), intermediate=intermediate_tensors)
+        return out if isinstance(out, IntermediateTensors) else self.norm(out)
 
 
-class AttnResForCausalLM(nn.Module):
+class AttnResForCausalLM(nn.Module, SupportsPP):
     """vLLM model for the ``AttnResForCausalLM`` architecture of ``attnres export``."""
 
     hf_to_vllm_mapper = WeightsMapper(
@@ -131,11 +149,15 @@ class AttnResForCausalLM(nn.Module):
         self.checkpoint_dir = Path(vllm_config.model_config.model)
         self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         native = self.native_config
-        self.lm_head = ParallelLMHead(native.vocab_size, native.d_model, quant_config=vllm_config.quant_config,
-                                      prefix=maybe_prefix(prefix, "lm_head"))
-        if native.tie_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(native.vocab_size, native.d_model, quant_config=vllm_config.quant_config,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if native.tie_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(native.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         check_servable(self, vllm_config, REFUSED)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -143,7 +165,7 @@ class AttnResForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -20,18 +20,25 @@ one body and one causal LM per family (``AttnResLlamaModel``, ``AttnResLlamaForC
 DeepSeek-V2 and V3 share vLLM's body, and so share ours): vLLM's lazy ``"module:Class"``
 registration imports them by the names :mod:`attnres.upcycle` saves
 (:func:`attnres.serve.families.architectures`).
+
+Pipeline parallelism, where vLLM's class of the family declares it: vLLM's body builds each
+rank's range of the decoder layers (and the embedding and final norm where they belong), the
+head is built on the last rank, the residual on every rank; the stream crosses the stages as
+:func:`attnres.serve.decoder.run_decoder` describes.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from itertools import islice
 from pathlib import Path
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2Model, DeepseekV3ForCausalLM
@@ -50,14 +57,14 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
-from vllm.model_executor.models.utils import maybe_prefix
+from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from ..hf.families import layout_of, upcycled_classes
 from ..hf.families.modeling import adjust_eps
 from .checkpoint import CheckpointMismatch, checked_weights, expected_shapes
-from .decoder import (DYNAMIC_ARG_DIMS, FlatRotary, SublayerNames, check_config_class, check_servable, run_decoder,
-                      serving_residual)
+from .decoder import (DYNAMIC_ARG_DIMS, FlatRotary, SublayerNames, check_config_class, check_servable, empty_stream,
+                      run_decoder, serving_residual)
 from .families import SERVED_FAMILIES
 
 __all__ = ["served_classes", "UpcycledBody", "UpcycledCausalLM"]
@@ -75,25 +82,33 @@ class UpcycledBody(nn.Module):
         family, layout = SERVED_FAMILIES[self.family], layout_of(self.family)
         self._names = SublayerNames(family.attention, family.mlp, layout, family.attention_kwargs)
         self._embedding_scale = family.embedding_scale
+        self._stage = range(self.start_layer, self.end_layer)  # (vLLM's body: this pipeline stage's layers)
         if family.flat_rotary:
-            for layer in self.layers:
+            for layer in islice(self.layers, self.start_layer, self.end_layer):
                 attention = getattr(layer, family.attention)
                 attention.rotary_emb = FlatRotary(attention.rotary_emb)
         config = vllm_config.model_config.hf_config
         self.residual = serving_residual(config.residual_config(), config.hidden_size, 2 * config.num_hidden_layers)
         if config.attnres_exact_eps:
-            adjust_eps(self.residual, self.layers, self.norm, layout, config.rms_norm_eps)
+            held = [layer if i in self._stage else None for i, layer in enumerate(self.layers)]
+            adjust_eps(self.residual, held, None if isinstance(self.norm, PPMissingLayer) else self.norm, layout,
+                       config.rms_norm_eps)
+        self.make_empty_intermediate_tensors = empty_stream(self.residual, self.start_layer, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        if self._embedding_scale is not None:
-            x = x * getattr(self, self._embedding_scale)
+                intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor | IntermediateTensors | tuple[torch.Tensor, list[torch.Tensor]]:
+        x = None
+        if self.start_layer == 0:
+            x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            if self._embedding_scale is not None:
+                x = x * getattr(self, self._embedding_scale)
         # EAGLE-3: vLLM sets aux_hidden_state_layers (EagleModelMixin) on the bodies of the
         # families that declare it; the drafter then gets the depth mixtures there.
         out, aux = run_decoder(self.residual, self.layers, self._names, positions, x,
-                               getattr(self, "aux_hidden_state_layers", ()))
+                               getattr(self, "aux_hidden_state_layers", ()), self._stage, intermediate_tensors)
+        if isinstance(out, IntermediateTensors):
+            return out
         return (self.norm(out), aux) if aux else self.norm(out)
 
 
@@ -134,17 +149,19 @@ class UpcycledCausalLM(nn.Module):
         self.config, self.vllm_config, self.quant_config = config, vllm_config, vllm_config.quant_config
         self.checkpoint_dir = Path(vllm_config.model_config.model)
         self.model = self.body_class(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config,
-                                      bias=getattr(config, "lm_head_bias", False),  # PhiMoE's may have one
-                                      prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config,
+                                          bias=getattr(config, "lm_head_bias", False),  # PhiMoE's may have one
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
         # Granite divides the logits by logits_scaling; others may multiply by logit_scale.
         scale = 1 / config.logits_scaling if getattr(config, "logits_scaling", None) else getattr(config, "logit_scale", 1.0)
         self.logits_processor = LogitsProcessor(config.vocab_size, scale=scale,
                                                 soft_cap=getattr(config, "final_logit_softcapping", None))
-        if hasattr(self.model, "make_empty_intermediate_tensors"):  # the families that declare pipeline parallelism
-            self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors  # (pipeline parallelism)
         check_servable(self, vllm_config, self.refused)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

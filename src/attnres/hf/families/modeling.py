@@ -78,14 +78,18 @@ def _set_eps(norm: nn.Module, eps: float) -> None:
 def adjust_eps(residual: ResidualStream, layers, final_norm: nn.Module, layout: Layout, eps: float) -> None:
     """``attnres_exact_eps``: each pre-norm of ``layers`` (decoder layers with the norms
     ``layout`` names), and ``final_norm``, gets ``eps / n^2`` for its mixer's ``n`` sources
-    (module docstring). The norms may be transformers' or vLLM's (``variance_epsilon``)."""
+    (module docstring). The norms may be transformers' or vLLM's (``variance_epsilon``).
+    ``None`` in place of a layer or of ``final_norm``: held by another pipeline stage (vLLM),
+    skipped."""
     counts = residual.sources_per_mixer()
     if not counts:
         return  # a residual without depth mixing: nothing is rescaled
     for l, n in enumerate(counts[:-1]):
         layer = layers[l // 2]
-        _set_eps(getattr(layer, layout.attn_norm if l % 2 == 0 else layout.mlp_norm), eps / n**2)
-    _set_eps(final_norm, eps / counts[-1] ** 2)
+        if layer is not None:
+            _set_eps(getattr(layer, layout.attn_norm if l % 2 == 0 else layout.mlp_norm), eps / n**2)
+    if final_norm is not None:
+        _set_eps(final_norm, eps / counts[-1] ** 2)
 
 
 def _layer_forward(self, hidden_states, **kwargs):
