@@ -222,6 +222,8 @@ def test_unsupported_layouts_are_refused_with_the_reason():
         upcycle(base_model("llama"), {"kind": "attnres_block", "autocast_norm_output": True})
     with pytest.raises(ValueError, match="'attnres_llama' is already an AttnRes model .*upcycle the original"):
         upcycle(upcycle(base_model("llama")))  # was: 'its decoder layout is not recognised'
+    with pytest.raises(ValueError, match="block_size is Block AttnRes' S; residual 'attnres_full' takes none"):
+        upcycle(base_model("llama"), "attnres_full", block_size=3)  # was: ignored, as the CLI refuses
 
 
 # -- attnres upcycle and attnres train on a family model ----------------------------------
@@ -401,6 +403,20 @@ def test_upcycle_into_a_training_run_is_refused_before_the_model_loads(tmp_path,
     with pytest.raises(SystemExit, match="--out .* is a training run's directory .*replace its config.json"):
         cli_main(["upcycle", "--model", "smollm2", "--out", str(tmp_path / "run")])
     assert (tmp_path / "run" / "config.json").read_text() == "{}"
+
+
+def test_upcycle_into_the_pretrained_directory_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """It wrote the AttnRes model over the pretrained one (config.json, model.safetensors)."""
+    from attnres.cli import main as cli_main
+    from attnres.hf.upcycle import io
+
+    monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="--out .* is --model's own directory: the upcycled model would replace"):
+        cli_main(["upcycle", "--model", str(tmp_path / "llama"), "--out", "llama/"])
+    assert (tmp_path / "llama" / "config.json").read_text() == "{}"
 
 
 def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):

@@ -47,6 +47,9 @@ def upcycle(
     if block_size is not None:
         change["block_size"] = block_size
     residual_config = ResidualConfig.from_value(merge_residual(merge_residual(None, residual), change))
+    if block_size is not None and residual_config.kind != "attnres_block":  # (it would be ignored)
+        raise ValueError(f"block_size is Block AttnRes' S; residual {residual_config.kind!r} takes none (use "
+                         "residual='attnres_block', the default)")
     new = copy.deepcopy(model)
     new.__class__ = model_cls
     new.config = upcycled_config(model.config, residual_config, exact_eps)

@@ -10,7 +10,7 @@ import torch
 
 from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
-from ...output_paths import check_output_dir, honour_umask, write_directory_atomically
+from ...output_paths import OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -106,6 +106,9 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
     ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on)."""
     out = check_output_dir(out, "--out")
     refuse_training_output(out)
+    if Path(source).is_dir() and Path(source).resolve() == out.resolve():
+        raise OutputPathError(f"--out {str(out)!r} is --model's own directory: the upcycled model would replace the "
+                              "pretrained one there; pick another directory")
     model, tokenizer = load_pretrained(source, gguf_file, dtype)
     upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)
 
