@@ -358,12 +358,17 @@ def test_eval_runs_the_model_in_the_dtype_asked_for(tmp_path, finished_run, monk
 @pytest.mark.parametrize("argv, fragment", [
     (["eval", "--tasks", "none", "--seq-len", "0"], "--seq-len must be >= 1 (omit it for the model's max_seq_len); got 0"),
     (["eval", "--limit", "0"], "--limit must be >= 1 (omit it for every document of each task); got 0"),
+    # (a negative batch wrote perplexities of 1 and accuracies of 0; 0 failed after the perplexity pass)
+    (["eval", "--batch-size", "-1"], "--batch-size must be >= 1 (lm-eval's batch); got -1"),
+    (["eval", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["eval", "--tasks", " , "], "--tasks ' , ' names no task: give lm-eval task names, or 'none'"),  # (was: skipped)
     (["analyze", "--seq-len", "0"], "--seq-len must be >= 1"),
     (["analyze", "--seq-len", "-3"], "got -3"),
 ])
 def test_zero_counts_are_refused_before_any_work(tmp_path, finished_run, capsys, monkeypatch, argv, fragment):
     """`--seq-len 0` meant "the default" without a word; `eval --limit 0` failed in lm-eval
-    after the perplexity pass."""
+    after the perplexity pass; `eval --batch-size` and a `--tasks` naming no task were not
+    checked."""
     pytest.importorskip("transformers")
     import attnres.hf.evaluate as evaluate_mod
 

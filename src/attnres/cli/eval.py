@@ -63,8 +63,13 @@ def run_eval(args) -> int:
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
+        if not tasks and args.tasks.strip().lower() != "none":
+            raise ValueError(f"--tasks {args.tasks!r} names no task: give lm-eval task names, or 'none' for the "
+                             "perplexity alone")
         check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
         check_optional_count("--limit", args.limit, "every document of each task")
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1 (lm-eval's batch); got {args.batch_size}")
         out = _eval_output(args)
         check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
