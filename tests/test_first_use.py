@@ -258,6 +258,19 @@ def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
         check_hf_config(ModelConfig.from_dict(model_fields_of(tiny_model(family).config)))
 
 
+@pytest.mark.parametrize("where", ["missing", "no-config"])
+def test_model_from_hf_that_is_not_a_saved_directory_is_named(tmp_path, corpus, capsys, where):
+    """A missing path ended in transformers' traceback about Hub repo ids (or tried the
+    network); a directory without config.json in its 'Unrecognized model' message."""
+    path = tmp_path / where
+    if where == "no-config":
+        path.mkdir()
+    args = ["train", *overrides(corpus, tmp_path / "run"), f"model.from_hf={path}"]
+    fails_with(capsys, args, "TrainConfig.model.from_hf must be a saved transformers model's directory, holding "
+               f"config.json (e.g. attnres upcycle's --out); got '{path}'")
+    assert not (tmp_path / "run").exists()
+
+
 # -- a warm-up longer than the run --------------------------------------------------------
 
 def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):

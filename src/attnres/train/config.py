@@ -319,6 +319,9 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
+            if not (Path(str(source)) / "config.json").is_file():  # (transformers would read it as a Hub name)
+                fail("TrainConfig", "model.from_hf", "a saved transformers model's directory, holding config.json "
+                     "(e.g. attnres upcycle's --out)", source)
             return ModelConfig.from_dict(hf_hook("fields_from_directory")(source)).replace(**fields)
         # One rule for YAML and overrides: a model section starts from the default preset
         # unless it names another (``model.X=...`` on a config without a model does the same).
