@@ -393,6 +393,16 @@ def test_zero_counts_are_refused_before_any_work(tmp_path, finished_run, capsys,
     assert list(out.iterdir()) == []
 
 
+def test_a_seed_past_what_torch_takes_is_named(tmp_path, finished_run, corpus, capsys):
+    """It passed the config's checks and ended in 'Overflow when unpacking long long'."""
+    huge = 2**64
+    fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run"), f"seed={huge}"],
+               f"TrainConfig.seed must be an integer >= 0 and <= {huge - 1}; got {huge}")
+    fails_with(capsys, ["generate", str(finished_run), "--prompt", "a", "--seed", str(huge)],
+               f"--seed must be an integer >= 0 and <= {huge - 1}; got {huge}")
+    assert not (tmp_path / "run").exists()
+
+
 # -- a layout that does not fit the launched ranks -----------------------------------------
 
 @pytest.mark.parametrize("layout, message", [

@@ -36,15 +36,21 @@ class Rule:
             fail(section, name, self.describe(), value)
 
 
+#: The largest seed PyTorch's generators take (an unsigned 64-bit integer).
+SEED_MAX = 2**64 - 1
+
+
 @dataclass(frozen=True)
 class Int(Rule):
     minimum: int
+    maximum: int | None = None
 
     def ok(self, value: Any) -> bool:
-        return not isinstance(value, bool) and isinstance(value, int) and value >= self.minimum
+        return (not isinstance(value, bool) and isinstance(value, int) and value >= self.minimum
+                and (self.maximum is None or value <= self.maximum))
 
     def describe(self) -> str:
-        return f"an integer >= {self.minimum}"
+        return f"an integer >= {self.minimum}" + ("" if self.maximum is None else f" and <= {self.maximum}")
 
 
 @dataclass(frozen=True)

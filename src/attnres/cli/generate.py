@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 
 from .common import DTYPES, add_checkpoint_argument
+from ..validation import SEED_MAX
 
 
 def add_parser(sub) -> None:
@@ -110,6 +111,8 @@ def run_generate(args) -> int:
     from ..models.factory import context_limit
 
     try:
+        if not 0 <= args.seed <= SEED_MAX:  # (checked before the model loads: torch's generator refuses it)
+            raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
         model, tokenizer, stops = _load(args)
         ids = tokenizer.encode(args.prompt)
         if not ids:

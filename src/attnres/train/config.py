@@ -12,7 +12,7 @@ from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..models.hf_registry import hf_hook
-from ..validation import Bool, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList, fail
+from ..validation import SEED_MAX, Bool, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList, fail
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -273,7 +273,7 @@ class _WindowLength(Int):
 _POSITIVE = ("steps", "batch_size", "grad_accum", "muon_ns_steps", "eval_every", "eval_batches",
              "log_every", "diagnostics_every", "checkpoint_every", "keep_checkpoints")
 TRAIN_RULES: dict[str, Rule] = {
-    "seed": Int(0),
+    "seed": Int(0, SEED_MAX),
     **{name: Int(1) for name in _POSITIVE},
     "seq_len": _WindowLength(2),
     "stop_after": Nullable(Int(1), "run to the end of the schedule"),
