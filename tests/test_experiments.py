@@ -50,8 +50,15 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
-def test_cli_lists_every_experiment():
+def test_cli_lists_every_experiment_and_its_presets(capsys):
+    from attnres.cli import main as cli_main
+    from attnres.cli.experiment import GRID_PRESETS
+
     assert EXPERIMENT_NAMES == EXPERIMENTS
+    assert GRID_PRESETS == PRESETS  # (the help listed 'small' for every grid; three refuse it)
+    with pytest.raises(SystemExit):
+        cli_main(["experiment", "--help"])
+    assert "scaling: 'tiny', 'cpu' (default);" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize(("name", "preset"), [(n, p) for n in EXPERIMENTS for p in PRESETS[n]])

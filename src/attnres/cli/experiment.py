@@ -7,7 +7,17 @@ import argparse
 
 from .common import apply_cpu_allocator, check_output_dir
 
-EXPERIMENT_NAMES = ("compare", "ablation", "block-size", "scaling", "arch-sweep", "multiplier")
+#: Each grid's presets (``attnres.experiments.PRESETS``, restated so that building the parser
+#: imports no experiment code; a test keeps the two equal) and its default one.
+GRID_PRESETS = {
+    "compare": ("tiny", "demo", "long"),
+    "ablation": ("tiny", "small", "cpu"),
+    "block-size": ("tiny", "small", "cpu"),
+    "scaling": ("tiny", "cpu"),
+    "arch-sweep": ("tiny", "cpu"),
+    "multiplier": ("tiny", "cpu"),
+}
+EXPERIMENT_NAMES = tuple(GRID_PRESETS)
 DEFAULT_PRESET = {"compare": "demo"}  # the others: "cpu"
 OVERHEAD_EXPERIMENTS = ("compare", "ablation", "block-size")  # grids whose tables compare the variants' cost
 
@@ -34,8 +44,9 @@ def add_experiment_parser(sub) -> None:
         "every run alike, e.g. `attnres experiment block-size --preset cpu --out runs/bs --seeds 0 1 steps=500`.",
     )
     ex.add_argument("name", choices=EXPERIMENT_NAMES, help="which grid")
-    _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), 'small', 'cpu' (default); compare: 'tiny', "
-                    "'demo' (default), 'long'")
+    _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), by grid - " + "; ".join(
+        f"{name}: " + ", ".join(repr(p) + (" (default)" if p == DEFAULT_PRESET.get(name, "cpu") else "") for p in presets)
+        for name, presets in GRID_PRESETS.items()))
 
 
 def accepts_extra(argument: str) -> bool:
