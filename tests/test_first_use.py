@@ -621,6 +621,22 @@ def test_a_run_whose_every_checkpoint_is_corrupt_says_how_to_start_over(tmp_path
     assert tree(run) == before  # kept for the user to inspect
 
 
+@pytest.mark.parametrize("command", ["generate {run} --prompt a", "generate {run}/checkpoints --prompt a", "eval {run}",
+                                     "analyze {run}", "export {run} --out {tmp}/hf"])
+def test_a_run_whose_every_checkpoint_is_corrupt_says_there_is_none_to_load(tmp_path, finished_run, capsys, command):
+    """Loading a model from it gave the training advice ('Nothing to resume from: to train
+    from the start, ...'), which is not what the user was doing; named by its checkpoints/
+    folder, it told to move '.../checkpoints/checkpoints'."""
+    run = copy_run(finished_run, tmp_path / "a")
+    for step in checkpoint_dirs(run):
+        (step / "model.safetensors").write_bytes(b"x" * 1000)
+    message = fails_with(capsys, command.format(run=run, tmp=tmp_path).split(),
+                         "model.safetensors has 1000 bytes", "There is no intact checkpoint here to load: name a "
+                         f"checkpoint (step-* directory) or run directory that verifies, or train the run again (moving "
+                         f"'{run / 'checkpoints'}' out of the way first)")
+    assert "resume" not in message
+
+
 @pytest.mark.parametrize("change, was", [("seq_len=16", 32), ("batch_size=2", 4)])
 def test_a_changed_window_on_resume_is_named(tmp_path, finished_run, corpus, capsys, change, was):
     """The sampler's state, loaded with the data, used to refuse it first: 'sampler state does

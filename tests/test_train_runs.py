@@ -325,6 +325,22 @@ def test_changing_steps_on_resume_is_refused_where_it_moves_the_schedule(tmp_pat
         train(load_config(None, overrides(corpus_file, run, resume="true", steps=12)))
 
 
+def test_a_refused_steps_change_of_a_wsd_run_names_the_decay_it_reached(tmp_path, corpus_file):
+    """It advised 'use schedule=wsd or constant' to a run that already is WSD."""
+    wsd = dict(schedule="wsd", decay_fraction=0.2, warmup_steps=2)
+    train(load_config(None, overrides(corpus_file, tmp_path / "done", steps=6, **wsd)))  # decays from step 5
+    with pytest.raises(ValueError) as error:
+        train(load_config(None, overrides(corpus_file, tmp_path / "done", steps=12, resume="true", **wsd)))
+    assert str(error.value).endswith("(fresh optimiser and schedule). A WSD run's steps may change on resume only "
+                                     "before its decay starts, and this run is past it: its decay started at step 5 "
+                                     "of steps=6."), error.value
+    train(load_config(None, overrides(corpus_file, tmp_path / "stable", steps=12, stop_after=3, **wsd)))
+    with pytest.raises(ValueError) as error:  # steps=3 decays from step 3
+        train(load_config(None, overrides(corpus_file, tmp_path / "stable", steps=3, resume="true", **wsd)))
+    assert str(error.value).endswith("and with steps=3 the decay would start at step 3, which the checkpoint (step 3) "
+                                     "has already taken."), error.value
+
+
 def test_extending_a_wsd_run_before_its_decay_equals_training_longer(tmp_path, corpus_file):
     wsd = dict(schedule="wsd", decay_fraction=0.2, warmup_steps=2)
     train(load_config(None, overrides(corpus_file, tmp_path / "long", steps=12, **wsd)))

@@ -125,18 +125,21 @@ def _run_directory(location: Path) -> Path:
     return location
 
 
-def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = ()) -> Source | None:
+def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = (),
+                          resuming: bool = False) -> Source | None:
     """The newest checkpoint at ``location`` that verifies: ``location`` is a ``step-*``
     directory (it must verify) or a run directory (its checkpoints, newest first). Each one
     that fails verification, when an older one verifies, is reported with a warning and, with
     ``set_aside`` (the run's own directory, under its lock), renamed to ``corrupt-step-*``.
     ``None`` when the run directory holds no checkpoint; :class:`CheckpointError` naming
-    every problem when none verifies (nothing is renamed then). ``optional``: files that may
-    be absent (see :func:`read_checkpoint_state`)."""
+    every problem when none verifies (nothing is renamed then), with what to do next: for a
+    training run ``resuming`` it, how to start over; otherwise, what else to load.
+    ``optional``: files that may be absent (see :func:`read_checkpoint_state`)."""
     location = Path(location)
     if (location / STATE_FILE).is_file() or location.name.startswith("step-"):
         return Source(location, verify_checkpoint(location, optional))
-    candidates = checkpoint_dirs(_run_directory(location))
+    run = _run_directory(location)
+    candidates = checkpoint_dirs(run)
     bad: list[tuple[Path, str]] = []
     for path in reversed(candidates):
         try:
@@ -152,9 +155,13 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
                           stacklevel=3)
         return Source(path, state)
     if bad:  # nothing to fall back to: kept where it is, for the user to inspect
+        checkpoints = str(run / "checkpoints")
+        advice = (f"Nothing to resume from: to train from the start, move {checkpoints!r} out of the way (or pick "
+                  "another out_dir)" if resuming else
+                  "There is no intact checkpoint here to load: name a checkpoint (step-* directory) or run directory "
+                  f"that verifies, or train the run again (moving {checkpoints!r} out of the way first)")
         raise CheckpointError(f"no checkpoint in {str(location)!r} verifies: " + "; ".join(p for _, p in bad)
-                              + f". Nothing to resume from: to train from the start, move {str(location / 'checkpoints')!r}"
-                              " out of the way (or pick another out_dir)")
+                              + f". {advice}")
     return None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointError, Source
 from .config import RESUMABLE_CHANGES, TrainConfig, flatten
-from .schedule import lr_factor
+from .schedule import lr_factor, wsd_decay_start
 
 
 def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
@@ -81,9 +81,26 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
             f"steps={old['steps']}, and the {old['schedule']!r} learning-rate schedule spans `steps` ({change}), so the "
             "run would jump to another point of its schedule. To stop earlier, keep "
             f"steps={old['steps']} and set stop_after=K. To train longer, start a new run from this checkpoint's "
-            f"weights with init_from={str(source.path)} (fresh optimiser and schedule), or, for a schedule you mean to "
-            "extend, use schedule=wsd or constant: their steps may change on resume while the learning rate of the "
-            "steps already taken stays the same (WSD: before the decay starts).")
+            f"weights with init_from={str(source.path)} (fresh optimiser and schedule)"
+            + _why_steps_cannot_change(old, new, step))
+
+
+def _why_steps_cannot_change(old: dict[str, Any], new: dict[str, Any], step: int) -> str:
+    """The end of :func:`check_resumable`'s refusal of a changed ``steps``: which schedule
+    would have allowed it - or, for a WSD run (which allows it before its decay), which decay
+    the steps already taken reach."""
+    if old["schedule"] != "wsd":
+        return (", or, for a schedule you mean to extend, use schedule=wsd or constant: their steps may change on "
+                "resume while the learning rate of the steps already taken stays the same (WSD: before the decay "
+                "starts).")
+    # Both schedules are flat after the warm-up until their decay starts: one of them starts within the steps taken.
+    lead = ". A WSD run's steps may change on resume only before its decay starts"
+    start = wsd_decay_start(old["steps"], old["warmup_steps"], old["decay_fraction"])
+    if start < step:
+        return f"{lead}, and this run is past it: its decay started at step {start + 1} of steps={old['steps']}."
+    start = wsd_decay_start(new["steps"], new["warmup_steps"], new["decay_fraction"])
+    return (f"{lead}, and with steps={new['steps']} the decay would start at step {start + 1}, which the checkpoint "
+            f"(step {step}) has already taken.")
 
 
 def check_resumable_before_data(saved: dict[str, Any], current: dict[str, Any], source: Source) -> None:

@@ -53,7 +53,7 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
     ones in this run's own directory are set aside, with a warning."""
     where = Path(config.resume_from) if config.resume_from is not None else out_dir
     set_aside = main and _owns(out_dir, where)
-    source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside))
+    source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside, resuming=True))
     if source is None and config.resume_from is not None:
         raise ValueError(f"resume_from: {no_checkpoint_at(config.resume_from)}")
     if source is None:
