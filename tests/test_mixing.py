@@ -353,6 +353,37 @@ def test_analyze_cli_writes_the_report_and_compares(tmp_path):
         cli_main(["analyze", "--checkpoint", str(tmp_path / "nothing")])
 
 
+def test_analyze_rows_are_capped_at_the_windows_the_text_holds(tmp_path):
+    """A text of 100 byte tokens holds 6 windows of 16 that do not overlap: ``--rows 1000``
+    analyses those 6, with a warning naming the cap, and the report counts 96 tokens (it took
+    1000 windows 0.08 tokens apart and claimed 16000); without ``--rows``, 6 of the default 8."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.experiments.job.analyze import analysis_tokens
+    from attnres.inference.loading import load_run
+    from attnres.train import load_config, train
+
+    run = tmp_path / "run"
+    train(load_config(None, overrides(write_corpus(tmp_path / "corpus.txt"), run, steps=1, warmup_steps=0,
+                                      eval_every=100, diagnostics_every=100)))
+    letters = torch.randint(ord("a"), ord("z") + 1, (100,), generator=torch.Generator().manual_seed(0))
+    text = "".join(map(chr, letters.tolist()))  # (byte tokenizer: one token a letter)
+    (tmp_path / "text.txt").write_text(text)
+    args = ["analyze", "--checkpoint", str(run), "--text", str(tmp_path / "text.txt"), "--seq-len", "16"]
+    with pytest.warns(UserWarning) as caught:
+        assert cli_main([*args, "--rows", "1000", "--out", str(tmp_path / "capped")]) == 0
+    assert [str(w.message) for w in caught] == ["--rows 1000 is more than the text holds: its 100 tokens make 6 "
+                                                "window(s) of 16 that do not overlap; analysing 6"]
+    assert "averaged over 96 tokens" in (tmp_path / "capped" / "report.md").read_text()
+    assert json.loads((tmp_path / "capped" / "mixing.json").read_text())[0]["n_tokens"] == 96
+    assert cli_main([*args, "--out", str(tmp_path / "default")]) == 0
+    assert "averaged over 96 tokens" in (tmp_path / "default" / "report.md").read_text()
+    windows = analysis_tokens(load_run(run), seq_len=16, text=text)  # spread from the start to the end
+    assert windows.tolist() == [letters[s : s + 16].tolist() for s in (0, 17, 34, 50, 67, 84)]
+
+
 def test_analyze_writes_a_step_directorys_report_beside_the_checkpoints_not_inside_one(tmp_path):
     """A run's ``keep_checkpoints`` rotation deletes old ``step-*`` directories whole: the
     default report of a step directory goes to ``<run>/analysis/step-N``; a run directory's

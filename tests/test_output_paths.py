@@ -228,3 +228,34 @@ def test_a_directory_write_replaces_its_files_and_gives_the_umask_permissions(tm
     write_directory_atomically(out, _export_like({"w": b"2"}))
     assert (out / "w").read_bytes() == b"2" and (out / "notes.txt").read_text() == "mine"
     assert (out / "config.json").read_bytes() == b"{}" and sorted(p.name for p in tmp_path.iterdir()) == ["new"]
+
+
+def test_a_model_written_over_another_removes_the_weight_files_it_does_not_overwrite(tmp_path):
+    """A single-file model written where a sharded one was: the old shards and their index go
+    (a loader following the index, vLLM, read the old weights), with a warning naming them;
+    files that hold no weights stay. The other way round, the old single file goes."""
+    from attnres.output_paths import HF_WEIGHT_FILES, write_directory_atomically
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    old = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+           "pytorch_model.bin", "pytorch_model.bin.index.json"]
+    kept = ["notes.txt", "training_args.bin", "tokenizer.json"]
+    for name in old + kept:
+        (out / name).write_bytes(b"old")
+    (out / "sub").mkdir()
+    (out / "sub" / "other.safetensors").write_bytes(b"mine")  # (not the directory's model)
+    single = _export_like({"config.json": b"{}", "model.safetensors": b"new", "tokenizer.json": b"new"})
+    with pytest.warns(UserWarning) as caught:
+        write_directory_atomically(out, single, weights=HF_WEIGHT_FILES)
+    assert [str(w.message) for w in caught] == [
+        f"--out {str(out)!r}: removed 5 weight file(s) of the model it held, which the new one does not overwrite: "
+        + ", ".join(sorted(old))]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt", "sub",
+                                                     "tokenizer.json", "training_args.bin"]
+    assert (out / "tokenizer.json").read_bytes() == b"new"
+    assert (out / "sub" / "other.safetensors").read_bytes() == b"mine"
+    sharded = _export_like({name: b"newer" for name in old[:3]})
+    with pytest.warns(UserWarning, match=": removed 1 weight file\\(s\\) .*: model.safetensors$"):
+        write_directory_atomically(out, sharded, weights=HF_WEIGHT_FILES)
+    assert sorted(out.glob("*.safetensors*")) == sorted(out / name for name in old[:3])

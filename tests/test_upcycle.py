@@ -419,6 +419,31 @@ def test_upcycle_into_the_pretrained_directory_is_refused_before_the_model_loads
     assert (tmp_path / "llama" / "config.json").read_text() == "{}"
 
 
+def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):
+    """``--out`` holding another model saved in shards: the upcycle's single file replaces the
+    shards and their index (left beside it, a loader following the index - vLLM - read the
+    old weights), with a warning naming them; a file that is no model's weights stays."""
+    from test_train import write_corpus
+
+    from attnres.cli import main as cli_main
+
+    src, base = _pretrained_directory(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    up_dir = tmp_path / "up"
+    base_model("qwen3").save_pretrained(up_dir, max_shard_size="20KB")
+    shards = sorted(p.name for p in up_dir.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (up_dir / "model.safetensors.index.json").is_file()
+    (up_dir / "notes.txt").write_text("mine")
+    removed = f"^--out .*: removed {len(shards) + 1} weight file\\(s\\) of the model it held"
+    with pytest.warns(UserWarning, match=removed):
+        assert cli_main(["upcycle", "--model", str(src), "--out", str(up_dir)]) == 0
+    assert sorted(p.name for p in up_dir.glob("*.safetensors*")) == ["model.safetensors"]
+    assert (up_dir / "notes.txt").read_text() == "mine"
+    up = AutoModelForCausalLM.from_pretrained(up_dir).eval()
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(up(x).logits, base(x).logits) <= 1e-5
+
+
 def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):
     """An embedding with more rows than the tokenizer has tokens (as Qwen2.5 / Qwen3 pad
     theirs): `attnres train model.from_hf=U init_from=U` keeps the checkpoint's embedding (it

@@ -12,11 +12,19 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way", "honour_umask",
-           "not_a_directory", "os_cause", "write_directory_atomically", "write_text_atomically"]
+__all__ = ["HF_WEIGHT_FILES", "OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way",
+           "honour_umask", "not_a_directory", "os_cause", "write_directory_atomically", "write_text_atomically"]
+
+
+#: The files a Hugging Face directory keeps its weights in (``save_pretrained``'s
+#: ``model.safetensors`` or its shards and their index; older ``pytorch_model*.bin``): what
+#: loaders read as the model (vLLM: every ``*.safetensors`` file, or the ones the index names).
+#: Not ``training_args.bin`` and the like, which hold no weights.
+HF_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json")
 
 
 class OutputPathError(ValueError):
@@ -109,13 +117,19 @@ def write_text_atomically(path: Path, text: str, what: str = "--out") -> None:
         raise OutputPathError(f"{what} {str(path)!r} could not be written: {os_cause(e)}") from None
 
 
-def write_directory_atomically(path: Path, write: Callable[[Path], None], what: str = "--out") -> Path:
+def write_directory_atomically(path: Path, write: Callable[[Path], None], what: str = "--out",
+                               weights: tuple[str, ...] = ()) -> Path:
     """Run ``write(staging)`` on an empty temporary directory beside ``path``, then put what it
     wrote in place: the whole directory by one rename when ``path`` does not exist yet, else
-    each file by one rename over the file of its name. A failure or an interruption while
-    writing (a disk that filled up, Ctrl-C) leaves ``path`` as it was - never a half-written
-    weights file that loads as damaged - and no directory it created. An ``OSError`` becomes
-    :class:`OutputPathError` naming ``what``, the path and the cause; anything else propagates."""
+    each file by one rename over the file of its name, and then the files of ``path`` (not of
+    its subdirectories) that match a pattern of ``weights`` (:data:`HF_WEIGHT_FILES`) and that
+    ``write`` did not produce are removed, with a warning naming them: the weights of the
+    model that was there (its shards and their index beside a new single file), which a
+    loader following the index would read instead of the new ones. Other files stay.
+    A failure or an interruption while writing (a disk that filled up, Ctrl-C) leaves ``path``
+    as it was - never a half-written weights file that loads as damaged - and no directory it
+    created. An ``OSError`` becomes :class:`OutputPathError` naming ``what``, the path and the
+    cause; anything else propagates."""
     missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
     staging = None
     try:
@@ -128,10 +142,18 @@ def write_directory_atomically(path: Path, write: Callable[[Path], None], what: 
         if not path.exists():
             os.replace(staging, path)
             return path
-        for file in sorted(f for f in staging.rglob("*") if f.is_file()):
-            target = path / file.relative_to(staging)
+        written = sorted(f.relative_to(staging) for f in staging.rglob("*") if f.is_file())
+        stale = sorted({f for pattern in weights for f in path.glob(pattern)
+                        if f.is_file() and f.relative_to(path) not in written})
+        for name in written:
+            target = path / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(file, target)
+            os.replace(staging / name, target)
+        for file in stale:  # (once the new weights are in place: never a directory without any)
+            file.unlink()
+        if stale:
+            warnings.warn(f"{what} {str(path)!r}: removed {len(stale)} weight file(s) of the model it held, which the "
+                          f"new one does not overwrite: {', '.join(f.name for f in stale)}", stacklevel=2)
         return path
     except OSError as e:
         raise OutputPathError(f"{what} {str(path)!r} could not be written ({os_cause(e)}); what was there is "

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     an.add_argument("--compare", metavar="DIR", help="a second checkpoint or run directory to compare with")
     an.add_argument("--out", help="output directory (default: <run>/analysis/step-N for a run's step-N directory, kept when the run "
                          "rotates its checkpoints; else <checkpoint>/analysis)")
-    an.add_argument("--rows", type=int, default=8, help="windows of the validation split analysed (default 8)")
+    an.add_argument("--rows", type=int, help="windows of the validation split analysed, none overlapping (default 8; "
+                    "never more than the split holds)")
     an.add_argument("--seq-len", type=int, help="tokens per window (default min(128, the model's max_seq_len))")
     an.add_argument("--text", help="a text file to analyse instead of the run's validation split")
     an.add_argument("--device", default="auto", help="auto (CUDA when available; default), cpu, cuda or cuda:N")
@@ -36,8 +37,7 @@ def run_analyze(args) -> int:
     from ..checkpoint import CheckpointError
 
     try:
-        if args.rows < 1:
-            raise ValueError(f"--rows must be >= 1; got {args.rows}")
+        check_optional_count("--rows", args.rows, "8, or as many windows as the text holds")
         check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
         if args.text is not None and not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text!r} is not a file")

@@ -4,14 +4,16 @@ report.
 
 Tokens: ``rows`` windows of ``seq_len`` tokens spread evenly over the run's validation split
 (read again from its data settings, encoded with the checkpoint's tokenizer), or over a text
-file given instead. The windows are fixed by the text, so two checkpoints trained on the same
-data are analysed on the same tokens.
+file given instead; no two windows overlap, so there are at most as many as the text holds,
+and the report's token count is that of distinct tokens. The windows are fixed by the text,
+so two checkpoints trained on the same data are analysed on the same tokens.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,13 +33,16 @@ from ...analysis.mixing_report import (
 __all__ = ["analysis_tokens", "analyze_checkpoint", "write_analysis", "mixing_section", "moe_layers",
            "expert_load_section", "DEFAULT_ROWS"]
 
-#: Windows analysed per checkpoint by default (of the model's ``seq_len``, at most 128).
+#: Windows analysed per checkpoint by default (of the model's ``seq_len``, at most 128), or
+#: as many as the text holds when it holds fewer.
 DEFAULT_ROWS = 8
 
 
-def analysis_tokens(run, rows: int = DEFAULT_ROWS, seq_len: int | None = None, text: str | None = None) -> torch.Tensor:
+def analysis_tokens(run, rows: int | None = None, seq_len: int | None = None, text: str | None = None) -> torch.Tensor:
     """``[rows, seq_len]`` token ids from the run's validation split (or ``text``), windows
-    spread evenly from its start to its end."""
+    spread evenly from its start to its end that do not overlap. ``rows`` (``None``:
+    :data:`DEFAULT_ROWS`) is capped at the number of windows the text holds, with a warning
+    when it was given."""
     from ...inference.loading import load_tokenizer
 
     if text is None:
@@ -49,13 +54,19 @@ def analysis_tokens(run, rows: int = DEFAULT_ROWS, seq_len: int | None = None, t
     ids = load_tokenizer(run).encode(text)
     if len(ids) < seq_len:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
+    holds = len(ids) // seq_len
+    if rows is not None and rows > holds:  # (overlapping windows would count the same tokens again)
+        warnings.warn(f"--rows {rows} is more than the text holds: its {len(ids)} tokens make {holds} window(s) of "
+                      f"{seq_len} that do not overlap; analysing {holds}", stacklevel=2)
+    rows = min(DEFAULT_ROWS if rows is None else rows, holds)
     span = len(ids) - seq_len
+    # (the gap between starts is span / (rows - 1) >= seq_len: the windows do not overlap)
     starts = [round(k * span / max(rows - 1, 1)) for k in range(rows)]
     device = next(run.model.parameters()).device
     return torch.tensor([ids[s : s + seq_len] for s in starts], device=device)
 
 
-def analyze_checkpoint(path: str | Path, rows: int = DEFAULT_ROWS, seq_len: int | None = None,
+def analyze_checkpoint(path: str | Path, rows: int | None = None, seq_len: int | None = None,
                        text: str | None = None, device: str = "cpu") -> tuple[DepthMixing, dict]:
     """The :class:`DepthMixing` of the checkpoint (or run directory) ``path`` on its
     validation tokens, and a description of the model (``residual``, ``L``, ``S``, ``m``)."""
@@ -127,7 +138,7 @@ def default_analysis_dir(checkpoint: str | Path) -> Path:
 
 
 def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, out: str | Path | None = None,
-                   rows: int = DEFAULT_ROWS, seq_len: int | None = None, text_path: str | None = None,
+                   rows: int | None = None, seq_len: int | None = None, text_path: str | None = None,
                    device: str = "cpu") -> Path:
     """``attnres analyze``: write ``report.md``, ``mixing.png`` (Fig.-9-style panels, and the
     difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
@@ -213,7 +224,7 @@ def logged_mixing(run_dir: Path) -> tuple[DepthMixing, dict] | None:
 
 
 def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, str] | None = None,
-                   rows: int = DEFAULT_ROWS) -> str | None:
+                   rows: int | None = None) -> str | None:
     """The ``attnres compare`` report's section: for every model (``groups``: variant name ->
     its run directories, one per seed) the depth mixing matrix of each seed's last
     checkpoint, panels of the first seed in ``out/mixing.png``, the rank and sink tables and

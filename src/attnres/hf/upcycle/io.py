@@ -10,7 +10,7 @@ import torch
 
 from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
-from ...output_paths import OutputPathError, check_output_dir, honour_umask, write_directory_atomically
+from ...output_paths import HF_WEIGHT_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -103,7 +103,9 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
                       exact_eps: bool = True, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """``attnres upcycle``: load ``source``, upcycle it, and write the AttnRes model with the
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
-    ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on)."""
+    ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on).
+    An existing ``out`` keeps its other files, but the weight files of a model it held that
+    the upcycle does not overwrite are removed, with a warning naming them."""
     out = check_output_dir(out, "--out")
     refuse_training_output(out)
     if Path(source).is_dir() and Path(source).resolve() == out.resolve():
@@ -117,4 +119,6 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
         tokenizer.save_pretrained(staging)
         honour_umask(staging.glob("*.safetensors"))
 
-    return write_directory_atomically(out, write, "--out")  # (interrupted: nothing half-written)
+    # (interrupted: nothing half-written; the weights of a model that was there go, as its
+    # shards would be read beside the new file)
+    return write_directory_atomically(out, write, "--out", HF_WEIGHT_FILES)
