@@ -172,3 +172,20 @@ def test_a_truncated_checkpoint_is_named(tmp_path):
     with pytest.raises(CheckpointMismatch, match=r"model\.safetensors \(\d+ bytes; its header describes \d+\): cannot "
                                                  r"be read \(.*\); the file is truncated or damaged"):
         list(checked_weights(vllms_iterator(), expected_shapes(lambda: AttnResLM(config)), tmp_path))
+
+
+def test_a_tokenizer_file_that_declares_ordinary_text_special_is_refused_as_its_directory_is(tmp_path):
+    """``--tokenizer path/tokenizer.json`` skipped the check that a directory gets, and vLLM then
+    dropped every line break from the text it returned."""
+    from transformers import PreTrainedTokenizerFast
+
+    from attnres.hf.export import byte_level_tokenizer
+    from attnres.serve.checkpoint import TokenizerRefused, check_tokenizer
+
+    rust = byte_level_tokenizer()  # earlier versions of attnres export: the line break was the padding token
+    PreTrainedTokenizerFast(tokenizer_object=rust, pad_token=rust.id_to_token(10)).save_pretrained(tmp_path / "old")
+    for path in (tmp_path / "old", tmp_path / "old" / "tokenizer.json"):
+        with pytest.raises(TokenizerRefused, match="declares the ordinary token 'Ċ' \\(id 10, the text '\\\\n'\\)"):
+            check_tokenizer(path)
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer()).save_pretrained(tmp_path / "new")
+    check_tokenizer(tmp_path / "new" / "tokenizer.json")  # (nothing special: passes)

@@ -53,12 +53,12 @@ def ordinary_tokens_marked_special(tokenizer_file: str | Path) -> list[tuple[int
     return found
 
 
-def check_tokenizer(directory: str | Path) -> None:
-    """Refuse (:class:`TokenizerRefused`) a tokenizer directory whose ``tokenizer.json``
-    declares ordinary tokens special: vLLM decodes with ``skip_special_tokens=True`` by
-    default, so their text would vanish from completions, chat and streaming. Directories
-    without a ``tokenizer.json`` pass."""
-    file = Path(directory) / "tokenizer.json"
+def check_tokenizer(path: str | Path) -> None:
+    """Refuse (:class:`TokenizerRefused`) a ``tokenizer.json`` - ``path`` itself, or the one in
+    the directory ``path`` - that declares ordinary tokens special: vLLM decodes with
+    ``skip_special_tokens=True`` by default, so their text would vanish from completions, chat
+    and streaming. Directories without a ``tokenizer.json`` pass."""
+    file = Path(path) if Path(path).is_file() else Path(path) / "tokenizer.json"
     if not file.is_file():
         return
     found = ordinary_tokens_marked_special(file)

