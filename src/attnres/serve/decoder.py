@@ -28,7 +28,9 @@ from torch import Tensor, nn
 from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.utils import PPMissingLayer, make_empty_intermediate_tensors_factory
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
@@ -37,7 +39,8 @@ from ..hf.families.layout import Layout
 from .checkpoint import check_tokenizer
 
 __all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "stream_keys", "empty_stream", "run_decoder",
-           "FlatRotary", "config_file", "check_config_class", "check_servable", "TARGET_AGNOSTIC_SPECULATION"]
+           "last_stage_head", "FlatRotary", "config_file", "check_config_class", "check_servable",
+           "TARGET_AGNOSTIC_SPECULATION"]
 
 #: Speculative decoding methods that need nothing of the target model but its ordinary
 #: forward (the drafter sees token ids only; the target verifies the drafts as a batch).
@@ -151,6 +154,17 @@ def run_decoder(residual: ResidualStream, layers: Sequence[nn.Module], names: Su
     if len(layers) in wanted:
         aux.append(out)
     return out, aux
+
+
+def last_stage_head(vocab_size: int, dim: int, quant_config: QuantizationConfig | None, prefix: str,
+                    tied_to: nn.Module | None = None, bias: bool = False) -> nn.Module:
+    """The causal LM's head: a ``ParallelLMHead`` ``[vocab_size, dim]`` (with ``bias`` where the
+    family has one) on the last pipeline stage, the only one that computes logits, tied to the
+    embedding ``tied_to`` when the config ties them; ``PPMissingLayer`` on the other stages."""
+    if not get_pp_group().is_last_rank:
+        return PPMissingLayer()
+    head = ParallelLMHead(vocab_size, dim, quant_config=quant_config, bias=bias, prefix=prefix)
+    return head if tied_to is None else head.tie_weights(tied_to)
 
 
 class FlatRotary(nn.Module):

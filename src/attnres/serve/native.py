@@ -36,7 +36,7 @@ from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import AutoWeightsLoader, PPMissingLayer, WeightsMapper, make_layers, maybe_prefix
@@ -47,8 +47,8 @@ from ..models import AttnResLM, ModelConfig
 from ..nn.rope import RotaryEmbedding
 from ..hf.families.layout import Layout
 from .checkpoint import checked_weights, expected_shapes
-from .decoder import (DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, empty_stream, run_decoder,
-                      serving_residual)
+from .decoder import (DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, empty_stream,
+                      last_stage_head, run_decoder, serving_residual)
 from .families import NATIVE_ARCHITECTURE
 
 __all__ = ["AttnResForCausalLM", "AttnResModel", "NativeDecoderLayer"]
@@ -149,13 +149,9 @@ class AttnResForCausalLM(nn.Module, SupportsPP):
         self.checkpoint_dir = Path(vllm_config.model_config.model)
         self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         native = self.native_config
-        if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(native.vocab_size, native.d_model, quant_config=vllm_config.quant_config,
-                                          prefix=maybe_prefix(prefix, "lm_head"))
-            if native.tie_embeddings:
-                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        else:
-            self.lm_head = PPMissingLayer()
+        self.lm_head = last_stage_head(native.vocab_size, native.d_model, vllm_config.quant_config,
+                                       maybe_prefix(prefix, "lm_head"),
+                                       tied_to=self.model.embed_tokens if native.tie_embeddings else None)
         self.logits_processor = LogitsProcessor(native.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         check_servable(self, vllm_config, REFUSED)

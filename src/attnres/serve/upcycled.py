@@ -38,9 +38,7 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2Model, DeepseekV3ForCausalLM
 from vllm.model_executor.models.gemma import GemmaForCausalLM, GemmaModel
 from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM, Gemma2Model
@@ -64,7 +62,7 @@ from ..hf.families import layout_of, upcycled_classes
 from ..hf.families.modeling import adjust_eps
 from .checkpoint import CheckpointMismatch, checked_weights, expected_shapes
 from .decoder import (DYNAMIC_ARG_DIMS, FlatRotary, SublayerNames, check_config_class, check_servable, empty_stream,
-                      run_decoder, serving_residual)
+                      last_stage_head, run_decoder, serving_residual)
 from .families import SERVED_FAMILIES
 
 __all__ = ["served_classes", "UpcycledBody", "UpcycledCausalLM"]
@@ -149,14 +147,10 @@ class UpcycledCausalLM(nn.Module):
         self.config, self.vllm_config, self.quant_config = config, vllm_config, vllm_config.quant_config
         self.checkpoint_dir = Path(vllm_config.model_config.model)
         self.model = self.body_class(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config,
-                                          bias=getattr(config, "lm_head_bias", False),  # PhiMoE's may have one
-                                          prefix=maybe_prefix(prefix, "lm_head"))
-            if config.tie_word_embeddings:
-                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        else:
-            self.lm_head = PPMissingLayer()
+        self.lm_head = last_stage_head(config.vocab_size, config.hidden_size, self.quant_config,
+                                       maybe_prefix(prefix, "lm_head"),
+                                       tied_to=self.model.embed_tokens if config.tie_word_embeddings else None,
+                                       bias=getattr(config, "lm_head_bias", False))  # PhiMoE's may have one
         # Granite divides the logits by logits_scaling; others may multiply by logit_scale.
         scale = 1 / config.logits_scaling if getattr(config, "logits_scaling", None) else getattr(config, "logit_scale", 1.0)
         self.logits_processor = LogitsProcessor(config.vocab_size, scale=scale,
