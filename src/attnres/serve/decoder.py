@@ -38,8 +38,8 @@ from ..nn.residual import DepthHistory, ResidualConfig, ResidualStream, build_re
 from ..hf.families.layout import Layout
 from .checkpoint import check_tokenizer
 
-__all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "stream_keys", "empty_stream", "run_decoder",
-           "last_stage_head", "FlatRotary", "config_file", "check_config_class", "check_servable",
+__all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "stream_keys", "empty_stream", "stage_embedding",
+           "run_decoder", "last_stage_head", "FlatRotary", "config_file", "check_config_class", "check_servable",
            "TARGET_AGNOSTIC_SPECULATION"]
 
 #: Speculative decoding methods that need nothing of the target model but its ordinary
@@ -103,6 +103,16 @@ def _handed_on(residual: ResidualStream, state, sublayer: int) -> IntermediateTe
     history = residual.history(state)
     tensors = [*history.completed, *([] if history.running is None else [history.running])]
     return IntermediateTensors(dict(zip(stream_keys(residual, sublayer), tensors)))
+
+
+def stage_embedding(body: nn.Module, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> Tensor | None:
+    """What ``body``'s pipeline stage starts the residual stream from (:func:`run_decoder`'s
+    ``embedding``): on the first stage (``body.start_layer == 0``) the ``inputs_embeds`` vLLM
+    hands over (prompt embeddings), else ``body.embed_input_ids(input_ids)``; ``None`` on a
+    later stage, which resumes the stream from the previous stage's intermediate tensors."""
+    if body.start_layer != 0:
+        return None
+    return inputs_embeds if inputs_embeds is not None else body.embed_input_ids(input_ids)
 
 
 def _sublayer(layer: nn.Module, names: SublayerNames, attention: bool, positions: Tensor, h: Tensor) -> Tensor:

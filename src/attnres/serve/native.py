@@ -48,7 +48,7 @@ from ..nn.rope import RotaryEmbedding
 from ..hf.families.layout import Layout
 from .checkpoint import checked_weights, expected_shapes
 from .decoder import (DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, empty_stream,
-                      last_stage_head, run_decoder, serving_residual)
+                      last_stage_head, run_decoder, serving_residual, stage_embedding)
 from .families import NATIVE_ARCHITECTURE
 
 __all__ = ["AttnResForCausalLM", "AttnResModel", "NativeDecoderLayer"]
@@ -118,10 +118,8 @@ class AttnResModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        x = None
-        if self.start_layer == 0:
-            x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        out, _ = run_decoder(self.residual, self.layers, NAMES, positions, x,
+        embedding = stage_embedding(self, input_ids, inputs_embeds)
+        out, _ = run_decoder(self.residual, self.layers, NAMES, positions, embedding,
                              stage=range(self.start_layer, self.end_layer), intermediate=intermediate_tensors)
         return out if isinstance(out, IntermediateTensors) else self.norm(out)
 

@@ -62,7 +62,7 @@ from ..hf.families import layout_of, upcycled_classes
 from ..hf.families.modeling import adjust_eps
 from .checkpoint import CheckpointMismatch, checked_weights, expected_shapes
 from .decoder import (DYNAMIC_ARG_DIMS, FlatRotary, SublayerNames, check_config_class, check_servable, empty_stream,
-                      last_stage_head, run_decoder, serving_residual)
+                      last_stage_head, run_decoder, serving_residual, stage_embedding)
 from .families import SERVED_FAMILIES
 
 __all__ = ["served_classes", "UpcycledBody", "UpcycledCausalLM"]
@@ -96,11 +96,9 @@ class UpcycledBody(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None
                 ) -> torch.Tensor | IntermediateTensors | tuple[torch.Tensor, list[torch.Tensor]]:
-        x = None
-        if self.start_layer == 0:
-            x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            if self._embedding_scale is not None:
-                x = x * getattr(self, self._embedding_scale)
+        x = stage_embedding(self, input_ids, inputs_embeds)
+        if x is not None and self._embedding_scale is not None:
+            x = x * getattr(self, self._embedding_scale)
         # EAGLE-3: vLLM sets aux_hidden_state_layers (EagleModelMixin) on the bodies of the
         # families that declare it; the drafter then gets the depth mixtures there.
         out, aux = run_decoder(self.residual, self.layers, self._names, positions, x,
