@@ -92,10 +92,11 @@ def test_compiled_training_runs_the_depth_attention_operators(residual, monkeypa
     assert_fast_matches_naive(compiled[1:], eager[1:], truth[1:], torch.float32, names[1:], GRAD_TOL[torch.float32])
 
 
-@pytest.mark.parametrize("option", ["autocast_stream", pytest.param("autocast_norm_output", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("option", ["autocast_stream", pytest.param("autocast_norm_output", marks=pytest.mark.slow),
+                                    pytest.param("autocast_phase1_sums", marks=pytest.mark.slow)])
 def test_compiled_autocast_stream_has_no_graph_break_and_matches_eager(option):
     """``autocast_stream`` (``autocast_norm_output``: the merges' outputs in bf16, their fake
-    implementation's dtype) under bf16 autocast: the autocast state it reads is traced (no
+    implementation's dtype; ``autocast_phase1_sums``: Phase 1's sums in bf16) under bf16 autocast: the autocast state it reads is traced (no
     graph break), and the compiled step is as close to the float64 truth as eager's (the bf16
     rule of ``assert_fast_matches_naive``)."""
     from conftest import GRAD_TOL, TOL, assert_fast_matches_naive

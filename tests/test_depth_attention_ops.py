@@ -412,6 +412,132 @@ def test_merge_readers_views_add_their_gradients_in_float32(backend, k, c, with_
             assert torch.equal(a, b)
 
 
+def _rounded_alike(narrow: torch.Tensor, wide: torch.Tensor) -> bool:
+    """Whether ``narrow`` (bf16) is ``wide`` (float32) rounded to bf16 - to nearest even, or
+    toward zero as Triton's interpreter casts (see :func:`to_bf16`)."""
+    return torch.equal(narrow, wide.to(narrow.dtype)) or torch.equal(narrow, to_bf16(wide, "triton"))
+
+
+def sums_run(backend, inputs, narrow: bool):
+    """The merge over ``inputs = (z, sources, computed, qg, w, addend, grads)`` with its sources
+    of known logit as given (``narrow``: in bf16, Phase-1 sums stored so) or converted to the
+    stream's float32 (exactly): ``[out, *every input's gradient]``."""
+    z, sources, computed, qg, w, addend, grads = inputs
+    sources = [x.detach().to(torch.bfloat16 if narrow else torch.float32).requires_grad_() for x in sources]
+    out_dtype = torch.float32 if not computed else None  # (Phase-1 sums alone: the stream's dtype asked for)
+    return out_dtype_run(backend, (z, sources, computed, qg, w, addend), out_dtype, grads)
+
+
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+@pytest.mark.parametrize("k, c, with_addend", [(1, 1, True), (1, 0, False), (1, 2, False)])
+@pytest.mark.parametrize("d", [37, 48])
+def test_merge_reads_phase1_sums_narrower_than_the_stream(backend, k, c, with_addend, d, kernel):
+    """``autocast_phase1_sums``: the sources of known logit (Phase-1 sums) in bf16, the
+    computed ones (the stream) in float32. The output, in the stream's dtype, and every
+    gradient equal the merge of those sums converted to float32 bit for bit, except each
+    sum's gradient, which is that merge's rounded to bf16 (rounded once, by the backend).
+    Triton: at an aligned ``d`` the held merges read the sums through their own pointer type;
+    at an odd one (and over three sources) the looping kernels take them converted. On the
+    CPU (``"auto"``) mixed dtypes run the PyTorch implementation: against the C kernel's
+    float32 merge within float32 rounding."""
+    triton_or_skip(backend)
+    z, sources, computed, qg, w = merge_inputs((2, 3), d, k, c, True, torch.float32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    addend = rnd(g, 2, 3, d, dtype=torch.bfloat16) if with_addend else None
+    grads = (torch.randn(2, 3, d, generator=g), torch.randn(2, 3, d, generator=g))
+    inputs = (z, [x.detach().bfloat16().float() for x in sources], computed, qg, w, addend, grads)
+    got, want = sums_run(backend, inputs, True), sums_run(backend, inputs, False)
+    assert len(got) == len(want) and got[0].dtype == torch.float32
+    for i, (a, b) in enumerate(zip(got, want)):
+        sums = 2 <= i < 2 + k  # (each sum's gradient)
+        assert a.dtype == (torch.bfloat16 if sums else b.dtype), i
+        if backend == "auto":
+            assert_rel_close(a.float(), b, 2**-8 if sums else 1e-5)
+        else:
+            assert _rounded_alike(a, b) if sums else torch.equal(a, b), i
+
+
+PHASE1_PATHS = [pytest.param({}, id="by-default"),  # (Triton: over blocks of rows)
+                pytest.param({"phase1_rows": False, "phase1_split": False}, id="a-program-a-row", marks=pytest.mark.triton),
+                pytest.param({"phase1_rows": False, "phase1_split": True}, id="split", marks=pytest.mark.triton)]
+
+
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+@pytest.mark.parametrize("forced", PHASE1_PATHS)
+def test_phase1_writes_its_sums_in_out_dtype_and_reads_their_gradients_so(backend, forced, kernel, monkeypatch):
+    """``phase1(..., out_dtype=bfloat16)`` over float32 sources: the sums are the default
+    ones rounded to bf16 (as the backend rounds), the log-sum-exps the same, and given their
+    gradients in bf16 (one absent), every gradient equals the default's given them in float32,
+    bit for bit - every kernel reads a gradient through its own pointer type and converts it.
+    Triton: each forward and backward path (over blocks of rows, one program per row, split
+    over sources)."""
+    triton_or_skip(backend)
+    if forced and backend != "triton":
+        pytest.skip("the Triton kernels' paths")
+    if backend == "triton":
+        from attnres.ops.depth_attention import triton_impl
+        for key, value in forced.items():
+            monkeypatch.setitem(triton_impl.FORCED, key, value)
+    qg, sources = phase1_inputs((2, 3), 24, 3, 3, torch.float32, seed=2)
+    g = torch.Generator().manual_seed(3)
+    g_outs = [None, *(torch.randn(2, 3, 24, generator=g).bfloat16() for _ in range(2))]
+    g_lse = torch.randn(2, 3, 3, generator=g)
+
+    def run(out_dtype, g_outs):
+        if backend == "reference":
+            outs, lse = reference.phase1(qg, sources, 1e-6, out_dtype)
+        elif backend == "triton":
+            outs, lse = to_cpu(library.phase1(*to_triton_device((qg, sources)), 1e-6, backend, out_dtype))
+        else:
+            outs, lse = library.phase1(qg, sources, 1e-6, backend, out_dtype)
+        used = [(o, go) for o, go in zip(outs, g_outs) if go is not None]
+        grads = torch.autograd.grad([o for o, _ in used] + [lse], [qg, *sources], [go for _, go in used] + [g_lse])
+        return outs, lse, grads
+
+    outs, lse, grads = run(torch.bfloat16, g_outs)
+    want_outs, want_lse, want_grads = run(None, [None if go is None else go.float() for go in g_outs])
+    assert all(o.dtype == torch.bfloat16 and _rounded_alike(o, w) for o, w in zip(outs, want_outs))
+    assert torch.equal(lse, want_lse)
+    for a, b in zip(grads, want_grads):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_phase1_sums_in_bf16(backend, kernel):
+    """The operators with Phase-1 sums in bf16 (``autocast_phase1_sums``): Phase 1 writing
+    them and its backward reading their gradients; a merge reading them beside a float32
+    partial sum and its backward writing their gradients - the fake implementations' dtypes
+    are the kernels'."""
+    triton_or_skip(backend)
+    on = (lambda t: to_triton_device(t.detach())) if backend == "triton" else torch.Tensor.detach  # noqa: E731
+    pq, psrc = tree_map_only(torch.Tensor, on, phase1_inputs((2, 2), 16, 2, 3, torch.float32))
+    torch.library.opcheck(torch.ops.attnres.phase1.default, (pq, psrc, 1e-6, backend, torch.bfloat16))
+    with torch.no_grad():
+        outs, lse = torch.ops.attnres.phase1(pq, psrc, 1e-6, backend, torch.bfloat16)
+    torch.library.opcheck(torch.ops.attnres.phase1_backward.default,
+                          (pq, lse, psrc, [torch.randn_like(outs[0]), None], None, 1e-6, [True] * 4, backend))
+    z, x, partial, addend, qg, w = tree_map_only(torch.Tensor, on, addend_inputs(torch.float32, d=16))
+    args = (z, [x.bfloat16()], [partial], qg, w, 1e-6, 1e-5, backend, addend)
+    torch.library.opcheck(torch.ops.attnres.merge.default, args)
+    with torch.no_grad():
+        out, alpha, rc, zc, rstd, total = torch.ops.attnres.merge(*args)
+    torch.library.opcheck(torch.ops.attnres.merge_backward.default,
+                          (torch.randn_like(out), [], alpha, rc, zc, rstd, args[1], [total], qg, w, [True] * 5,
+                           backend, torch.randn_like(total)))
+
+
+def test_phase1_sums_dtype_errors():
+    z, sources, computed, qg, w = merge_inputs(dtype=torch.float32)
+    wide = [x.detach().double() for x in sources]
+    with pytest.raises(ValueError, match="may be narrower than the computed sources"):
+        library.merge(z, wide, computed, qg)
+    with pytest.raises(ValueError, match=r"computed\[1\] has dtype torch.bfloat16 but computed\[0\] has torch.float32"):
+        library.merge(z, sources, [computed[0], computed[0].detach().bfloat16()], qg)
+    pq, psrc = phase1_inputs()
+    with pytest.raises(ValueError, match="out_dtype must be a floating-point torch.dtype or None"):
+        library.phase1(pq, psrc, out_dtype=torch.int8)
+
+
 def test_merge_out_dtype_errors():
     z, sources, computed, qg, w = merge_inputs()
     for bad in (torch.int32, "bfloat16"):
@@ -697,7 +823,8 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     Phase-1 backward 3 (two kernels, one sum); no call copies anything to the device (no
     pointer table: tuple arguments), zero-fills a buffer, copies a slice of Phase 1's
     log-sum-exps (the merge takes a strided column), casts an output or its gradient (a
-    bf16 addend's included) or adds the gradients of an output's readers."""
+    bf16 addend's, and bf16 Phase-1 sums', included) or adds the gradients of an output's
+    readers."""
     pytest.importorskip("triton")
     from attnres.ops.depth_attention import triton_impl, triton_kernels
 
@@ -767,6 +894,17 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     backward = _device_operations(lambda: torch.autograd.grad([*outs, total], [z, x, partial, low_addend, qg, w],
                                                               [low_grad, low_grad, low_grad, grad]), launches)
     assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
+    # ... and reading its Phase-1 sum in bf16 (autocast_phase1_sums): read as it is, its
+    # gradient written in bf16 by the kernel - no cast either way
+    low_x = x.detach().bfloat16().requires_grad_()
+    forward = _device_operations(lambda: result.update(
+        sums=library.merge(z, [low_x], [partial], qg, 1e-6, w, 1e-5, "triton", addend=low_addend)), launches)
+    assert forward == ["triton.merge_fwd_held"] and result["sums"][0].dtype == torch.float32, forward
+    out, _, total = result["sums"]
+    backward = _device_operations(lambda: result.update(g=torch.autograd.grad(
+        [out, total], [z, low_x, partial, low_addend, qg, w], [grad, grad])), launches)
+    assert len(backward) <= 3 and set(backward) <= {"triton.merge_bwd_held", "aten.sum"}, backward
+    assert result["g"][1].dtype == torch.bfloat16
     # Phase 1 of S queries over 3 sources: 20 rows (decoding's few) split over the sources,
     # two kernels; over blocks of rows otherwise (many rows), two kernels; or one program per
     # row, one kernel. Its backward: two kernels and one sum either way.
@@ -779,6 +917,14 @@ def test_triton_calls_launch_their_kernels_and_nothing_else(monkeypatch):
     outs, lse1 = result["p1"]
     grads = [torch.randn(o.shape, generator=g) for o in outs] + [torch.randn(lse1.shape, generator=g)]
     backward = _device_operations(lambda: torch.autograd.grad([*outs, lse1], [qs, *sources], grads), launches)
+    assert sorted(backward) == ["aten.sum", "triton.phase1_bwd_rows", "triton.phase1_grads"], backward
+    # (its sums in bf16, autocast_phase1_sums: written and their gradients read so by the kernels)
+    forward = _device_operations(lambda: result.update(
+        p1=library.phase1(qs, sources, 1e-6, "triton", torch.bfloat16)), launches)
+    assert forward == ["triton.phase1_logits_rows", "triton.phase1_combine"], forward
+    outs, lse1 = result["p1"]
+    low_grads = [gr.bfloat16() for gr in grads[:-1]] + grads[-1:]
+    backward = _device_operations(lambda: torch.autograd.grad([*outs, lse1], [qs, *sources], low_grads), launches)
     assert sorted(backward) == ["aten.sum", "triton.phase1_bwd_rows", "triton.phase1_grads"], backward
     monkeypatch.setitem(triton_impl.FORCED, "phase1_rows", False)
     forward = _device_operations(lambda: result.update(p1=library.phase1(qs, sources, 1e-6, "triton")), launches)

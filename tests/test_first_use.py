@@ -290,7 +290,8 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):
 # -- the bf16 residual stream asked for without autocast -----------------------------------
 
 def test_autocast_stream_without_autocast_is_said(tmp_path, corpus, capsys):
-    """``model.residual.autocast_stream=true`` (``autocast_norm_output=true``) with the
+    """``model.residual.autocast_stream=true`` (``autocast_norm_output=true``,
+    ``autocast_phase1_sums=true``) with the
     default dtype=float32 would change nothing, silently; with dtype=bfloat16 the summary
     says the stream (the norms' outputs) is bf16."""
     with pytest.warns(UserWarning, match=r"model.residual.autocast_stream=true has no effect with dtype=float32"):
@@ -309,6 +310,12 @@ def test_autocast_stream_without_autocast_is_said(tmp_path, corpus, capsys):
     assert cli_main(["train", *overrides(corpus, tmp_path / "run4", warmup_steps=1, stop_after=1),
                      "model.residual.autocast_norm_output=true", "dtype=bfloat16"]) == 0
     assert "bfloat16 (the sublayers' norm outputs in bf16: autocast_norm_output)" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match=r"model.residual.autocast_phase1_sums=true has no effect with dtype=float32"):
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run5", warmup_steps=1, stop_after=1),
+                         "model.residual.autocast_phase1_sums=true"]) == 0
+    assert cli_main(["train", *overrides(corpus, tmp_path / "run6", warmup_steps=1, stop_after=1),
+                     "model.residual.autocast_phase1_sums=true", "dtype=bfloat16"]) == 0
+    assert "bfloat16 (Phase 1's sums in bf16: autocast_phase1_sums)" in capsys.readouterr().out
 
 
 # -- non-finite weights ----------------------------------------------------------------------

@@ -263,6 +263,99 @@ def test_autocast_norm_output_rounds_each_sublayer_input_once(residual):
     assert torch.equal(plain, run(False, autocast=False)[0])
 
 
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_autocast_phase1_sums_stores_phase1_sums_in_bf16(residual, monkeypatch):
+    """``residual.autocast_phase1_sums``: under bf16 autocast Phase 1 writes its weighted sums
+    in bf16 (the stream stays float32); the loss moves by rounding only, every depth query
+    gets a gradient, and the recomputed sums (``recompute_phase1``) are the kept ones bit for
+    bit, in bf16 too. Outside autocast, or unfused (each sublayer's norm its own), the option
+    changes nothing it should not: the same logits bit for bit without autocast."""
+    from attnres.ops.depth_attention import library
+
+    written: list[torch.dtype] = []
+    phase1 = library.phase1
+
+    def spy(*args, **kwargs):
+        outs, lse = phase1(*args, **kwargs)
+        written.append(outs[0].dtype)
+        return outs, lse
+
+    monkeypatch.setattr(library, "phase1", spy)
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def run(option: bool, autocast: bool = True, recompute: bool = True):
+        written.clear()
+        model = make_model(residual={"kind": residual, "block_size": 2, "autocast_phase1_sums": option,
+                                     "recompute_phase1": recompute})
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return out, set(written), grads
+
+    out, dtypes, grads = run(True)
+    assert dtypes == {torch.bfloat16}
+    default, default_dtypes, _ = run(False)
+    assert default_dtypes == {torch.float32}
+    assert abs(out.loss.item() - default.loss.item()) < 0.02
+    queries = {n: g for n, g in grads.items() if n.startswith("residual.")}
+    assert all(g is not None and torch.isfinite(g).all() for g in queries.values())
+    assert any(g.abs().sum() > 0 for g in queries.values())
+    kept, _, kept_grads = run(True, recompute=False)
+    assert torch.equal(out.loss, kept.loss)
+    for name, g in grads.items():
+        assert torch.equal(g, kept_grads[name]), name
+    plain, plain_dtypes, _ = run(True, autocast=False)
+    assert plain_dtypes == {torch.float32} and torch.equal(plain.logits, run(False, autocast=False)[0].logits)
+
+
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
+def test_autocast_phase1_sums_leave_every_sublayer_input_in_the_stream_dtype(residual):
+    """Through the residual protocol, unfused (each sublayer's norm its own: an upcycled
+    family's) and fused: with Phase 1's sums in bf16 every sublayer input and the final state
+    stay float32, each within one bf16 rounding of the option-off value."""
+    from attnres.nn.residual import build_residual
+
+    d, L = 16, 8
+    g = torch.Generator().manual_seed(0)
+    embedding = torch.randn(2, 3, d, generator=g)
+    outputs = [torch.randn(2, 3, d, generator=g) for _ in range(L)]
+    from attnres.nn import RMSNorm
+    from attnres.nn.norm import FusableNormInput
+
+    norm = RMSNorm(d)
+
+    def run(option: bool, fused: bool):
+        torch.manual_seed(0)
+        module = build_residual(ResidualConfig(kind=residual, block_size=2, autocast_phase1_sums=option), d, L)
+        for q in module.parameters():
+            torch.nn.init.normal_(q, generator=g.manual_seed(1))
+        inputs = []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            state = module.start(embedding, defer_norm=fused)
+            for l in range(L):
+                h = module.sublayer_input(state, l)
+                inputs.append(h.normalized(norm) if isinstance(h, FusableNormInput) else h)
+                module.add_output(state, l, outputs[l])
+            inputs.append(module.finish(state))
+        return inputs
+
+    for fused in (False, True):
+        got, want = run(True, fused), run(False, fused)
+        for l, (a, b) in enumerate(zip(got, want)):
+            assert a.dtype == b.dtype == torch.float32, (l, fused)
+            assert_rel_close(a, b, 2**-8, f"sublayer {l} (fused: {fused})")
+
+
+@pytest.mark.parametrize("residual, schedule", [("standard", "two_phase"), ("attnres_block", "naive"),
+                                                ("mhc", "two_phase")])
+def test_autocast_phase1_sums_needs_an_attnres_two_phase_schedule(residual, schedule):
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.autocast_phase1_sums applies to Full and Block "
+                                         rf"AttnRes' two-phase schedule .* residual '{residual}' with schedule "
+                                         rf"'{schedule}' has none"):
+        make_model(residual={"kind": residual, "schedule": schedule, "autocast_phase1_sums": True})
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("residual", ["attnres_block", "attnres_full"])
 def test_fused_norms_hand_each_reader_a_bf16_view_and_add_their_gradients_in_float32(residual, backend, monkeypatch):

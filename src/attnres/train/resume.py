@@ -161,6 +161,7 @@ def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
 #: ``ResidualConfig``), and the vocabulary, which a run takes from the checkpoint's tokenizer.
 _NOT_A_MODEL_CHANGE = frozenset({"vocab_size", "residual.schedule", "residual.backend", "residual.recompute_phase1",
                                  "residual.autocast_stream", "residual.autocast_norm_output",
+                                 "residual.autocast_phase1_sums",
                                  "residual.full_group_size"})
 
 

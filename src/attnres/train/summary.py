@@ -40,12 +40,13 @@ def warmup_overrun(config: TrainConfig) -> str | None:
 
 #: The autocast rounding options of ``ModelConfig.residual``, and what each does under autocast.
 _AUTOCAST_OPTIONS = {"autocast_stream": "stores the residual stream in the autocast dtype",
-                     "autocast_norm_output": "rounds the sublayers' norm outputs to the autocast dtype"}
+                     "autocast_norm_output": "rounds the sublayers' norm outputs to the autocast dtype",
+                     "autocast_phase1_sums": "stores AttnRes' Phase-1 weighted sums in the autocast dtype"}
 
 
 def unused_stream_option(config: TrainConfig) -> str | None:
-    """In words, that ``model.residual.autocast_stream`` or ``autocast_norm_output`` does
-    nothing in this run (no autocast: ``dtype`` is not ``bfloat16``); ``None`` otherwise."""
+    """In words, that one of ``model.residual``'s autocast options (:data:`_AUTOCAST_OPTIONS`)
+    does nothing in this run (no autocast: ``dtype`` is not ``bfloat16``); ``None`` otherwise."""
     unused = [name for name in _AUTOCAST_OPTIONS if getattr(config.model.residual, name)]
     if not unused or config.dtype == "bfloat16":
         return None
@@ -65,6 +66,8 @@ def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
         dtype += " (the residual stream in bf16: autocast_stream)"
     elif dtype == "bfloat16" and config.model.residual.autocast_norm_output:
         dtype += " (the sublayers' norm outputs in bf16: autocast_norm_output)"
+    if dtype.startswith("bfloat16") and config.model.residual.autocast_phase1_sums:
+        dtype += " (Phase 1's sums in bf16: autocast_phase1_sums)"
     lr = f"lr {config.lr:g}"
     if config.warmup_steps >= config.steps:
         lr += (f" (peak {config.lr * config.steps / config.warmup_steps:.3g}: warmup_steps {config.warmup_steps} >= steps "

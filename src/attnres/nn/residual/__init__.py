@@ -24,9 +24,12 @@ from .registry import register_residual, registered_residuals, residual_class, v
 
 def build_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
     """The module ``config`` names, built by its registered class (with the stream storage
-    ``config.autocast_stream`` asks for, which every variant's ``start`` and ``resume`` apply)."""
+    ``config.autocast_stream`` asks for, which every variant's ``start`` and ``resume`` apply,
+    and AttnRes' Phase-1 sums in the autocast dtype where ``config.autocast_phase1_sums``)."""
     module = residual_class(config.kind).from_config(config, dim, n_sublayers)
     module.autocast_stream = config.autocast_stream
+    if config.autocast_phase1_sums:  # (validate_residual_config: an AttnRes variant's two-phase schedule)
+        module.autocast_phase1_sums = True
     return module
 
 

@@ -131,6 +131,9 @@ class AttnResBase(ResidualStream):
     ``sublayer_input`` and ``add_output``, then ``finish``; docs/design.md)."""
 
     has_depth_attention = True
+    #: ``ResidualConfig.autocast_phase1_sums`` (set by :func:`attnres.nn.residual.build_residual`):
+    #: under autocast, Phase 1 stores its weighted sums in the autocast dtype.
+    autocast_phase1_sums: bool = False
     #: The variant's schedules by name (``ResidualConfig.schedule``); set by subclasses.
     SCHEDULES: dict[str, Schedule] = {}
 
@@ -281,11 +284,20 @@ class AttnResBase(ResidualStream):
         count = end - first_query + (end == self.n_sublayers)
         tp.p1 = Phase1(first_query, count)
         if len(tp.sources) > 1:
-            qg = tp.block(first_query, count)
-            tp.p1.outs, lse = state.ops.phase1(qg, tp.sources, self.eps)
+            qg, out_dtype = tp.block(first_query, count), self._sums_dtype(tp.sources[0])
+            tp.p1.outs, lse = state.ops.phase1(qg, tp.sources, self.eps, out_dtype)
             tp.p1.lse = [column.unsqueeze(-1) for column in lse.unbind(-1)]
             if self._recomputes(state, tp.p1.outs):
-                tp.p1.recompute = Phase1Recompute(state.ops.phase1, qg, tp.sources, self.eps, tp.p1.outs)
+                tp.p1.recompute = Phase1Recompute(state.ops.phase1, qg, tp.sources, self.eps, tp.p1.outs, out_dtype)
+
+    def _sums_dtype(self, x: Tensor) -> torch.dtype | None:
+        """The dtype Phase 1 stores its weighted sums in: the autocast dtype where
+        ``autocast_phase1_sums`` is set, autocast is on for ``x``'s device and its dtype is
+        narrower than the stream's ``x``; else ``None`` (the stream's)."""
+        if not self.autocast_phase1_sums or x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
+            return None
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return dtype if dtype.itemsize < x.dtype.itemsize else None
 
     def _recomputes(self, state: ResidualState, outs: list[Tensor]) -> bool:
         """Whether the merges save Phase 1's sums as their recipe (:mod:`~attnres.ops.depth_attention.recompute`):
@@ -319,11 +331,11 @@ class AttnResBase(ResidualStream):
             p = torch.softmax(torch.cat([reference.rms_logits(x, qg, self.eps) for x in tp.sources], -1), -1)
             record = lambda alpha: torch.cat([p * alpha[..., :1], alpha[..., 1:]], dim=-1)  # noqa: E731
         return self.merged_input(state, p1.lse[s], [p1.outs[s]], computed, tp.queries[l] if computed else None,
-                                 fusable, record, addend, on_total, p1.recompute)
+                                 fusable, record, addend, on_total, p1.recompute, tp.sources[0].dtype)
 
     def merged_input(self, state: ResidualState, z: Tensor, sources: list[Tensor], computed: list[Tensor],
                      qg: Tensor | None, fusable: bool = True, record=None, addend: Tensor | None = None,
-                     on_total=None, recompute: Phase1Recompute | None = None):
+                     on_total=None, recompute: Phase1Recompute | None = None, stream: torch.dtype | None = None):
         """A sublayer's input: the merge of ``sources`` (logits ``z [..., k]``) and ``computed``
         (logits from ``qg``), a tensor - or, when the caller defers the norm and ``fusable``, a
         :class:`~attnres.nn.norm.FusableNormInput` whose norm the merge applies (one source
@@ -333,24 +345,27 @@ class AttnResBase(ResidualStream):
         partial sum and the last output, one pass instead of an add and a merge);
         ``on_total(sum)`` receives the sum the first time the merge runs. ``recompute``: the
         recipe of ``sources`` (Phase-1 sums), saved instead of them unless other saved-tensor
-        hooks are in force (an activation checkpoint's: it recomputes the merge itself)."""
+        hooks are in force (an activation checkpoint's: it recomputes the merge itself).
+        ``stream``: the stream's dtype, the input's (default: the computed sources', else the
+        sources'; Phase-1 sums may be narrower, ``autocast_phase1_sums``)."""
         fuse = state.defer_norm and fusable
+        stream = stream or (computed or sources)[0].dtype
         if len(sources) + len(computed) == 1 and not fuse and addend is None:  # one source: weight exactly 1
             x = (sources or computed)[0]
             if state.weights is not None:
                 ones = torch.ones((*x.shape[:-1], 1), dtype=compute_dtype(x.dtype), device=x.device)
                 state.record(ones if record is None else record(ones))
-            return x
+            return x if x.dtype == stream else x.to(stream)
         # (snapshots: activation checkpointing may recompute the input later)
         sources, computed, recorded, formed = list(sources), list(computed), [], []
 
         def compute(norm_weight, norm_eps, out_dtype=None, readers=1):
             saving = recompute.saving() if recompute is not None and not other_hooks_active() else nullcontext()
-            stream = (sources or computed)[0].dtype
+            out_dtype = out_dtype or stream  # (a merge of narrower Phase-1 sums alone writes the stream's)
             # (a view for each reader where they read another dtype than the stream's - autocast:
             # their gradients added up by the merge's backward as autograd adds them, in float32;
             # else one tensor, as they would read the stream's)
-            views = readers if out_dtype not in (None, stream) else 1
+            views = readers if out_dtype != stream else 1
             with saving:
                 out, alpha, *total = state.ops.merge(z, sources, computed, qg, self.eps, norm_weight,
                                                      0.0 if norm_eps is None else norm_eps, addend, out_dtype, views)

@@ -118,6 +118,16 @@ class ResidualConfig:
         the projections' input gradients add up in the autocast dtype. Off by default; with
         ``autocast_stream`` the norms' outputs have that dtype already. A rounding choice,
         not a model change.
+    autocast_phase1_sums: under autocast, Full and Block AttnRes' two-phase schedule stores
+        Phase 1's weighted sums (report §4.2) in the autocast dtype, and their gradients: each
+        is written once, read by its sublayer's merge (twice with the backward), its gradient
+        written and read once - on a GPU about two thirds of the bytes Block AttnRes adds to
+        a training step at a float32 stream (docs/kernels.md), half of them saved. The stream
+        itself keeps its dtype; a sublayer's input is formed from its sum rounded to bf16,
+        which its linear layers round to bf16 anyway. Off by default; needs the two-phase
+        schedule of an AttnRes variant. A rounding choice, not a model change. For GPUs:
+        Block AttnRes' merges read the narrower sums as they are (at a ``d`` that is a
+        multiple of 16); the merges over more sources (Full AttnRes) convert them first.
     full_group_size: Appendix-B scheduling group of Full AttnRes' two-phase path; ``None`` =
         ``round(sqrt(L))``. Scheduling only, not a model change.
     ablation: the Table-4 ablations (:class:`AttnResAblation`), off by default.
@@ -135,6 +145,7 @@ class ResidualConfig:
     recompute_phase1: bool = True
     autocast_stream: bool = False
     autocast_norm_output: bool = False
+    autocast_phase1_sums: bool = False
     full_group_size: int | None = None
     ablation: AttnResAblation = field(default_factory=AttnResAblation)
     hc_streams: int = 4
@@ -162,6 +173,7 @@ class ResidualConfig:
         check.boolean("recompute_phase1", self.recompute_phase1)
         check.boolean("autocast_stream", self.autocast_stream)
         check.boolean("autocast_norm_output", self.autocast_norm_output)
+        check.boolean("autocast_phase1_sums", self.autocast_phase1_sums)
         check.integer("full_group_size", self.full_group_size, allow_none="round(sqrt(L))")
         if not isinstance(self.ablation, AttnResAblation):
             check.fail("ablation", "a mapping of AttnResAblation fields", self.ablation)

@@ -35,8 +35,8 @@ class Operations(NamedTuple):
 
 
 def _custom_ops(backend: str) -> Operations:
-    def phase1(qg, sources, eps=1e-6):
-        return library.phase1(qg, sources, eps, backend)
+    def phase1(qg, sources, eps=1e-6, out_dtype=None):
+        return library.phase1(qg, sources, eps, backend, out_dtype)
 
     def merge(z, sources, computed=(), qg=None, eps=1e-6, norm_weight=None, norm_eps=1e-6, addend=None,
               out_dtype=None, readers=1):

@@ -238,7 +238,10 @@ def _new(needed: bool, like: Tensor, shape=None) -> Tensor | None:
     return torch.empty_like(like) if shape is None else torch.empty(shape, dtype=like.dtype)
 
 
-def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[list[Tensor], Tensor]:
+def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float, out_dtype=None) -> tuple[list[Tensor], Tensor]:
+    if out_dtype not in (None, sources[0].dtype):  # (the C kernel writes the sources' dtype: converted after it)
+        outs, lse = phase1_forward(qg, sources, eps)
+        return [o.to(out_dtype) for o in outs], lse
     x0 = sources[0]
     outs = [torch.empty_like(x0) for _ in range(qg.shape[0])]
     lse = torch.empty((*x0.shape[:-1], qg.shape[0]), dtype=x0.dtype)
@@ -249,6 +252,11 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[l
 
 def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool, needs_sources: Sequence[bool]):
     x0 = sources[0]
+    if any(g is not None and g.dtype != x0.dtype for g in g_outs):
+        if not all(g is None or torch.promote_types(g.dtype, x0.dtype) == x0.dtype for g in g_outs):
+            return torch_impl.phase1_backward(qg, lse, sources, g_outs, g_lse, eps, needs_qg, needs_sources)
+        # (the sums' gradients in their narrower dtype, autocast_phase1_sums: converted, exactly)
+        g_outs = [g if g is None else g.to(x0.dtype) for g in g_outs]
     geometry = _geometry(x0)
     g_src = [_new(need, x0) for need in needs_sources]
     gq_part = _new(needs_qg, x0, (geometry["threads"], *qg.shape))

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import cpu_kernel, torch_impl
-from .reference import _check_merge, check_phase1, compute_dtype
+from .reference import _check_merge, check_phase1, compute_dtype, stream_dtype
 
 __all__ = ["BACKENDS", "phase1", "merge", "pick", "through_dispatcher"]
 
@@ -111,9 +111,10 @@ def _contiguous(xs: Sequence[Tensor | None]) -> list[Tensor | None]:
 # ----------------------------------------------------------------------------------------
 
 
-def _run_phase1(qg: Tensor, sources: list[Tensor], eps: float, backend: str) -> tuple[list[Tensor], Tensor]:
+def _run_phase1(qg: Tensor, sources: list[Tensor], eps: float, backend: str,
+                out_dtype: Optional[torch.dtype] = None) -> tuple[list[Tensor], Tensor]:
     qg = qg.contiguous()  # (small: [S, d])
-    outs, lse = pick(backend, [*sources, qg]).phase1_forward(qg, sources, eps)
+    outs, lse = pick(backend, [*sources, qg]).phase1_forward(qg, sources, eps, out_dtype)
     return list(outs), lse
 
 
@@ -121,10 +122,10 @@ _phase1 = torch.library.custom_op("attnres::phase1", _run_phase1, mutates_args=(
 
 
 @_phase1.register_fake
-def _(qg, sources, eps, backend):
+def _(qg, sources, eps, backend, out_dtype=None):
     x0 = sources[0]
     lse = x0.new_empty((*x0.shape[:-1], qg.shape[0]), dtype=compute_dtype(x0.dtype))
-    return [torch.empty_like(x0) for _ in range(qg.shape[0])], lse
+    return [torch.empty_like(x0, dtype=out_dtype or x0.dtype) for _ in range(qg.shape[0])], lse
 
 
 def _run_phase1_backward(qg: Tensor, lse: Tensor, sources: list[Tensor], g_outs: list[Optional[Tensor]],
@@ -132,7 +133,9 @@ def _run_phase1_backward(qg: Tensor, lse: Tensor, sources: list[Tensor], g_outs:
                          ) -> tuple[Tensor, list[Tensor]]:
     qg, lse, g_lse = _contiguous([qg, lse, g_lse])
     g_outs = _contiguous(g_outs)
-    module = pick(backend, [*sources, qg, lse, *g_outs, g_lse])
+    # (by the forward's tensors: the sums' gradients have the sums' dtype, which the
+    # implementation that wrote them reads - the C kernel converts a narrower one)
+    module = pick(backend, [*sources, qg, lse, g_lse])
     g_qg, g_src = module.phase1_backward(qg, lse, sources, g_outs, g_lse, eps, needs[0], needs[1:])
     return _fill([g_qg], qg)[0], _fill(g_src, sources[0])
 
@@ -147,7 +150,7 @@ def _(qg, lse, sources, g_outs, g_lse, eps, needs, backend):
 
 
 def _phase1_setup(ctx, inputs, output):
-    qg, sources, eps, backend = inputs
+    qg, sources, eps, backend, *_out_dtype = inputs
     ctx.set_materialize_grads(False)
     ctx.backend, ctx.eps, ctx.n = backend, eps, len(sources)
     ctx.save_for_backward(qg, output[1], *sources)
@@ -167,9 +170,9 @@ def _phase1_grads(ctx, g_outs, g_lse, needs: list[bool], direct: bool = False
 
 
 def _phase1_grad(ctx, g_outs, g_lse):
-    ni = ctx.needs_input_grad
+    ni = ctx.needs_input_grad  # (qg, sources, eps, backend, out_dtype)
     g_qg, g_src = _phase1_grads(ctx, g_outs, g_lse, [ni[0], *ni[1]])
-    return g_qg, g_src, None, None
+    return (g_qg, g_src, None, None, None)[: len(ni)]
 
 
 _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
@@ -195,13 +198,13 @@ _merge = torch.library.custom_op("attnres::merge", _run_merge, mutates_args=())
 
 @_merge.register_fake
 def _(z, sources, computed, qg, norm_weight, eps, norm_eps, backend, addend=None, out_dtype=None):
-    x0 = [*sources, *computed][0]
-    lead, compute = x0.shape[:-1], compute_dtype(x0.dtype)
+    x0, stream = [*sources, *computed][0], stream_dtype(sources, computed)
+    lead, compute = x0.shape[:-1], compute_dtype(stream)
     alpha = x0.new_empty((*lead, len(sources) + len(computed)), dtype=compute)
     stat = x0.new_empty((*lead, len(computed)), dtype=compute) if computed else _placeholder(alpha)
     rstd = x0.new_empty((*lead, 1), dtype=compute) if norm_weight is not None else _placeholder(alpha)
-    total = torch.empty_like(x0) if addend is not None else _placeholder(alpha)
-    return torch.empty_like(x0, dtype=out_dtype or x0.dtype), alpha, stat, stat.clone(), rstd, total
+    total = torch.empty_like(computed[-1]) if addend is not None else _placeholder(alpha)
+    return torch.empty_like(x0, dtype=out_dtype or stream), alpha, stat, stat.clone(), rstd, total
 
 
 def _run_merge_backward(g: Tensor, g_views: list[Tensor], alpha: Tensor, rc: Optional[Tensor], zc: Optional[Tensor],
@@ -357,9 +360,10 @@ def _direct_backward() -> bool:
     return _direct() and not torch.is_grad_enabled()
 
 
-def _phase1_forward(qg: Tensor, sources: list[Tensor], eps: float, backend: str) -> tuple[list[Tensor], Tensor]:
+def _phase1_forward(qg: Tensor, sources: list[Tensor], eps: float, backend: str,
+                    out_dtype: torch.dtype | None) -> tuple[list[Tensor], Tensor]:
     """The operator ``attnres::phase1`` - or, where :func:`_direct`, its implementation."""
-    return (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, sources, eps, backend)
+    return (_run_phase1 if _direct() else torch.ops.attnres.phase1)(qg, sources, eps, backend, out_dtype)
 
 
 def _merge_forward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -369,16 +373,16 @@ def _merge_forward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
 
 class _Phase1(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qg, eps, backend, *sources):
-        outs, lse = _phase1_forward(qg, list(sources), eps, backend)
+    def forward(ctx, qg, eps, backend, out_dtype, *sources):
+        outs, lse = _phase1_forward(qg, list(sources), eps, backend, out_dtype)
         _phase1_setup(ctx, (qg, sources, eps, backend), (outs, lse))
         return (*outs, lse)
 
     @staticmethod
     def backward(ctx, *grads):
-        ni = ctx.needs_input_grad
-        g_qg, g_src = _phase1_grads(ctx, grads[:-1], grads[-1], [ni[0], *ni[3:]], _direct_backward())
-        return g_qg, None, None, *g_src
+        ni = ctx.needs_input_grad  # (qg, eps, backend, out_dtype, *sources)
+        g_qg, g_src = _phase1_grads(ctx, grads[:-1], grads[-1], [ni[0], *ni[4:]], _direct_backward())
+        return g_qg, None, None, None, *g_src
 
 
 class _Merge(torch.autograd.Function):
@@ -419,16 +423,20 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: str = "auto") -> tuple[list[Tensor], Tensor]:
+def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: str = "auto",
+           out_dtype: torch.dtype | None = None) -> tuple[list[Tensor], Tensor]:
     """:func:`.reference.phase1` as the operator ``attnres::phase1``: ``qg [S, d]`` over ``n``
-    sources -> ``S`` weighted sums ``[..., d]`` and ``lse [..., S]``; one pass over each
-    source for all ``S`` queries, forward and backward."""
+    sources -> ``S`` weighted sums ``[..., d]`` (in ``out_dtype``, by default the sources';
+    their gradients in it too) and ``lse [..., S]``; one pass over each source for all ``S``
+    queries, forward and backward."""
     _check_backend(backend)
-    check_phase1(qg, sources)
+    check_phase1(qg, sources, out_dtype)
+    if out_dtype == sources[0].dtype:
+        out_dtype = None  # (one operator call for the default, however it is asked for)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
-        outs, lse = _phase1_forward(qg, list(sources), float(eps), backend)
+        outs, lse = _phase1_forward(qg, list(sources), float(eps), backend, out_dtype)
         return list(outs), lse
-    *outs, lse = _Phase1.apply(qg, float(eps), backend, *sources)
+    *outs, lse = _Phase1.apply(qg, float(eps), backend, out_dtype, *sources)
     return outs, lse
 
 
@@ -445,7 +453,7 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     backward adds in the compute dtype (one kernel reads them all)."""
     _check_backend(backend)
     _check_merge(z, sources, computed, qg, addend, out_dtype, readers, norm_weight)
-    if out_dtype is not None and out_dtype == (sources[0] if sources else computed[0]).dtype:
+    if out_dtype is not None and out_dtype == stream_dtype(sources, computed):
         out_dtype = None  # (one operator call for the default, however it is asked for)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
         out, alpha, _rc, _zc, _rstd, total = _merge_forward(z, list(sources), list(computed), qg, norm_weight,

@@ -49,7 +49,8 @@ class _Recipe:
 
 
 class Phase1Recompute:
-    """The recipe of one Phase-1 call's weighted sums ``outs``: ``phase1(qg, sources, eps)``.
+    """The recipe of one Phase-1 call's weighted sums ``outs``: ``phase1(qg, sources, eps,
+    out_dtype)``.
 
     Use :meth:`saving` around each merge that takes one of the sums: within it, a tensor
     autograd saves that is one of ``outs`` is stored as its index. Keeps references to
@@ -58,8 +59,9 @@ class Phase1Recompute:
     """
 
     def __init__(self, phase1: Callable[..., tuple[list[Tensor], Tensor]], qg: Tensor, sources: Sequence[Tensor],
-                 eps: float, outs: Sequence[Tensor]) -> None:
+                 eps: float, outs: Sequence[Tensor], out_dtype: torch.dtype | None = None) -> None:
         self._phase1, self._qg, self._sources, self._eps = phase1, qg, list(sources), eps
+        self._out_dtype = out_dtype
         self._versions = self._current_versions()
         # (found by address - one cheap call per tensor a merge saves - then checked by shape,
         # strides and dtype: the sums are alive while their block's merges run)
@@ -91,7 +93,7 @@ class Phase1Recompute:
                     "modified in place after the forward; the backward cannot recompute them. Modify a copy instead, "
                     "or set ModelConfig.residual.recompute_phase1=False to keep the sums.")
             with torch.no_grad():
-                fresh = self._phase1(self._qg, self._sources, self._eps)[0]
+                fresh = self._phase1(self._qg, self._sources, self._eps, self._out_dtype)[0]
             # (kept: the sums whose merges have yet to ask)
             sums = [o if s == index or self._pending[s] > 0 else None for s, o in enumerate(fresh)]
         out = sums[index]

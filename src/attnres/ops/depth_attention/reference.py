@@ -34,6 +34,7 @@ __all__ = [
     "weighted_sum",
     "rms_logits",
     "phase1",
+    "stream_dtype",
     "merge",
 ]
 
@@ -159,11 +160,12 @@ def rms_inverse(x: Tensor, eps: float) -> Tensor:
 
 
 def weighted_sum(weights: Tensor, sources: Sequence[Tensor]) -> Tensor:
-    """``sum_j weights[..., j] * sources[j]`` in the compute dtype: ``[..., n] -> [..., d]``.
+    """``sum_j weights[..., j] * sources[j]`` in the weights' dtype (the compute dtype):
+    ``[..., n] -> [..., d]``; the sources may be narrower (a merge's Phase-1 sums).
 
     A chain of fused multiply-adds: each source is read once and no stacked copy of the
     sources is made (that copy and a batched tiny matmul cost more on CPU)."""
-    compute = compute_dtype(sources[0].dtype)
+    compute = weights.dtype
     w = weights.unsqueeze(-1)
     out = sources[0].to(compute) * w[..., 0, :]
     for j in range(1, len(sources)):
@@ -186,18 +188,29 @@ def rms_logits(x: Tensor, qg: Tensor, eps: float) -> Tensor:
         return F.linear(xc, qg.to(compute)) * rms_inverse(xc, eps).unsqueeze(-1)
 
 
-def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6) -> tuple[list[Tensor], Tensor]:
+def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6,
+           out_dtype: torch.dtype | None = None) -> tuple[list[Tensor], Tensor]:
     """Phase 1 (report Algorithm 1) of ``S`` gain-folded queries ``qg [S, d]`` over ``n``
     shared sources ``[..., d]``: each source's RMS factor once for the ``S`` queries, the
-    logits, and the ``S`` weighted sums ``sum_i softmax(z_s)_i x_i`` (``[..., d]``, in the
-    sources' dtype) with the log-sum-exp of each query's logits ``lse [..., S]`` - the one
-    statistic with which Phase 2 merges a weighted sum as a source whose logit is ``lse``."""
-    check_phase1(qg, sources)
+    logits, and the ``S`` weighted sums ``sum_i softmax(z_s)_i x_i`` (``[..., d]``, in
+    ``out_dtype``, by default the sources' - under autocast the autocast dtype, which halves
+    the bytes the merges read: ``ResidualConfig.autocast_phase1_sums``) with the log-sum-exp
+    of each query's logits ``lse [..., S]`` - the one statistic with which Phase 2 merges a
+    weighted sum as a source whose logit is ``lse``."""
+    check_phase1(qg, sources, out_dtype)
     with full_precision(sources[0]):
         z = torch.stack([rms_logits(x, qg, eps) for x in sources], dim=-1)  # [..., S, n]
         p = torch.softmax(z, dim=-1)
-        outs = [weighted_sum(p[..., s, :], sources).to(sources[0].dtype) for s in range(z.shape[-2])]
+        outs = [weighted_sum(p[..., s, :], sources).to(out_dtype or sources[0].dtype) for s in range(z.shape[-2])]
         return outs, torch.logsumexp(z, dim=-1)
+
+
+def stream_dtype(sources: Sequence[Tensor], computed: Sequence[Tensor]) -> torch.dtype:
+    """The dtype of the residual stream a merge reads: its computed sources' (Block AttnRes'
+    partial sum, Full AttnRes' outputs), else its sources' of known logit. Phase-1 sums may be
+    stored narrower (``autocast_phase1_sums``): the merge's output, and the value its norm
+    reads, are in the stream's dtype all the same."""
+    return (computed or sources)[0].dtype
 
 
 def merge(
@@ -217,17 +230,20 @@ def merge(
     Args:
         z: ``[..., k]``, the query's logits for ``sources`` (compute dtype).
         sources: ``k >= 0`` tensors ``[..., d]`` of known logit (a Phase-1 weighted sum,
-            whose logit is its log-sum-exp).
+            whose logit is its log-sum-exp), in one dtype: the computed sources' or, for
+            Phase-1 sums stored in the autocast dtype, a narrower one (their gradients are
+            returned in it).
         computed: ``c >= 0`` tensors ``[..., d]`` whose logits for the gain-folded query
             ``qg [d]`` are computed here (RMS epsilon ``eps``): Block AttnRes' partial sum,
             Full AttnRes' outputs of the current group. ``k + c >= 1``.
         norm_weight, norm_eps: the next sublayer's RMSNorm, applied to the result (``None``:
-            none). It reads ``h`` rounded to the sources' dtype, as an unfused norm would;
+            none). It reads ``h`` rounded to the stream's dtype (:func:`stream_dtype`), as
+            an unfused norm would;
             the gradient reaching ``h`` stays in the compute dtype.
         addend: ``[..., d]`` added to the last computed source first - Block AttnRes'
             partial sum and the last sublayer's output, whose sum the merge forms in the
             pass that reads them (the sum keeps that source's dtype).
-        out_dtype: the dtype of ``out`` (``None``: the sources'); under autocast, the
+        out_dtype: the dtype of ``out`` (``None``: the stream's); under autocast, the
             autocast dtype that the next sublayer's linear layers would each round ``out``
             to - rounded once, here.
         readers: how many layers read ``out``; above 1, ``out`` is a tuple with one tensor
@@ -245,8 +261,8 @@ def merge(
     if addend is not None:
         total = computed[-1] + addend
         computed = [*computed[:-1], total]
-    srcs = [*sources, *computed]
-    compute = compute_dtype(srcs[0].dtype)
+    srcs, stream = [*sources, *computed], stream_dtype(sources, computed)
+    compute = compute_dtype(stream)
     with full_precision(srcs[0]):
         logits = torch.cat([z.to(compute), *(rms_logits(x, qg.unsqueeze(0), eps) for x in computed)], dim=-1)
         alpha = torch.softmax(logits, dim=-1)
@@ -255,20 +271,21 @@ def merge(
             # The norm reads h rounded to the stream's dtype, the gradient passes that rounding
             # straight through in the compute dtype (not rounded to the stream's dtype: that
             # would put its noise into every logit's and query's gradient).
-            rounded = h.to(srcs[0].dtype).to(compute)
+            rounded = h.to(stream).to(compute)
             h = F.rms_norm(h + (rounded - h).detach(), (h.shape[-1],), norm_weight.to(compute), norm_eps)
     if readers > 1:
         # (rounded from the compute dtype for each reader: their gradients meet in it)
-        out = tuple(h.to(out_dtype or srcs[0].dtype) for _ in range(readers))
+        out = tuple(h.to(out_dtype or stream) for _ in range(readers))
     else:
-        out = h.to(out_dtype or srcs[0].dtype)
+        out = h.to(out_dtype or stream)
     return (out, alpha) if total is None else (out, alpha, total)
 
 
-def check_phase1(qg: Tensor, sources: Sequence[Tensor]) -> None:
+def check_phase1(qg: Tensor, sources: Sequence[Tensor], out_dtype: torch.dtype | None = None) -> None:
     """Phase 1's arguments, checked at the boundary (every implementation: the kernels take
     every size from the first source and trust the others)."""
     check_sources(sources)
+    _check_out_dtype(out_dtype)
     d = sources[0].shape[-1]
     if not isinstance(qg, Tensor) or qg.dim() != 2 or qg.shape[-1] != d:
         got = tuple(qg.shape) if isinstance(qg, Tensor) else type(qg).__name__
@@ -305,8 +322,8 @@ def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor
     _check_vector("norm_weight", norm_weight, d, first.device)
     if not isinstance(readers, int) or isinstance(readers, bool) or readers < 1:
         raise ValueError(f"readers must be an int >= 1, got {readers!r}")
-    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
-        raise ValueError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
+    _check_out_dtype(out_dtype)
+    _check_source_dtypes(sources, computed)
     if addend is not None:
         if not computed:
             raise ValueError("addend is added to the last computed source: computed must not be empty")
@@ -318,3 +335,21 @@ def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor
         raise ValueError(f"z has {z.shape[-1]} logits for {len(sources)} sources")
     if computed and qg is None:
         raise ValueError("computed sources need the query qg (their logits are computed here)")
+
+
+def _check_out_dtype(out_dtype: torch.dtype | None) -> None:
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise ValueError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
+
+
+def _check_source_dtypes(sources: Sequence[Tensor], computed: Sequence[Tensor]) -> None:
+    """The merge's sources of each kind share one floating dtype; the sources of known logit
+    (Phase-1 sums) may be narrower than the computed ones (the stream), not wider."""
+    for what, group in (("sources", sources), ("computed", computed)):
+        for i, x in enumerate(group):
+            if not x.is_floating_point() or x.dtype != group[0].dtype:
+                raise ValueError(f"{what}[{i}] has dtype {x.dtype} but {what}[0] has {group[0].dtype}; the {what} "
+                                 "must share one floating-point dtype")
+    if sources and computed and torch.promote_types(sources[0].dtype, computed[0].dtype) != computed[0].dtype:
+        raise ValueError(f"the sources of known logit ({sources[0].dtype}) may be narrower than the computed sources "
+                         f"({computed[0].dtype}, the stream's dtype), not wider")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .reference import compute_dtype, full_precision, rms_inverse, weighted_sum
+from .reference import compute_dtype, full_precision, rms_inverse, stream_dtype, weighted_sum
 
 __all__ = ["phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -71,14 +71,15 @@ def _logits_grad(gz: Tensor, x: Tensor, z: Tensor, r: Tensor, qg: Tensor, scratc
 # ----------------------------------------------------------------------------------------
 
 
-def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[list[Tensor], Tensor]:
-    """``qg [S, d]`` over ``n`` sources -> ``S`` weighted sums ``[..., d]`` (the sources'
-    dtype) and ``lse [..., S]``."""
+def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float, out_dtype=None) -> tuple[list[Tensor], Tensor]:
+    """``qg [S, d]`` over ``n`` sources -> ``S`` weighted sums ``[..., d]`` (in ``out_dtype``,
+    by default the sources') and ``lse [..., S]``."""
     with full_precision(sources[0]):
         z = torch.stack([_logits(x, qg, eps)[0] for x in sources], dim=-1)  # [..., S, n]
         lse = torch.logsumexp(z, dim=-1)
         p = torch.exp(z - lse.unsqueeze(-1))
-        return [_as(weighted_sum(p[..., s, :], sources), sources[0].dtype) for s in range(z.shape[-2])], lse
+        dtype = out_dtype or sources[0].dtype
+        return [_as(weighted_sum(p[..., s, :], sources), dtype) for s in range(z.shape[-2])], lse
 
 
 def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool, needs_sources: Sequence[bool]):
@@ -122,13 +123,13 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
 def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None, out_dtype=None):
     """``(out, alpha, rc, zc, rstd, total)``, ``None`` where absent (see the module docstring
     and :func:`.reference.merge`; ``total``: the last computed source plus ``addend``, which
-    replaces it; ``out`` in ``out_dtype``, by default the sources')."""
+    replaces it; ``out`` in ``out_dtype``, by default the stream's)."""
     total = None
     if addend is not None:
         total = computed[-1] + addend
         computed = [*computed[:-1], total]
-    x0 = (list(sources) + list(computed))[0]
-    compute, dtype = compute_dtype(x0.dtype), x0.dtype
+    x0, dtype = (list(sources) + list(computed))[0], stream_dtype(sources, computed)
+    compute = compute_dtype(dtype)
     with full_precision(x0):
         logits, rc = [_as(z, compute)], []
         for x in computed:  # each computed source's logit for this query, and its RMS factor
@@ -175,8 +176,9 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
         g_norm = None
         if norm_weight is not None:  # recompute h, the norm's input
             h = weighted_sum(alpha, srcs)
-            if srcs[0].dtype != compute:
-                h = h.to(srcs[0].dtype).to(compute)
+            stream = stream_dtype(sources, computed)
+            if stream != compute:
+                h = h.to(stream).to(compute)
             # (the rounding of h passes the gradient straight through, in the compute dtype:
             # rounding g_h too would put bf16 noise into every logit's and query's gradient)
             gh, g_norm = _norm_backward(gh, h, rstd, norm_weight, needs_norm, scratch)

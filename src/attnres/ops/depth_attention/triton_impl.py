@@ -133,13 +133,15 @@ def _geometry(x0: Tensor) -> tuple[int, int, torch.dtype]:
 # ----------------------------------------------------------------------------------------
 
 
-def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float) -> tuple[list[Tensor], Tensor]:
+def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float, out_dtype=None) -> tuple[list[Tensor], Tensor]:
     x0 = sources[0]
     rows, d, compute = _geometry(x0)
     S = qg.shape[0]
     if not phase1_fits(S, len(sources)):
-        return torch_impl.phase1_forward(qg, sources, eps)
-    outs = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=x0.device) for _ in range(S))
+        return torch_impl.phase1_forward(qg, sources, eps, out_dtype)
+    # (the kernels store the sums through Outs' element type: the sources' or, under
+    # autocast_phase1_sums, the autocast dtype)
+    outs = tuple(torch.empty(x0.shape, dtype=out_dtype or x0.dtype, device=x0.device) for _ in range(S))
     lse = torch.empty((*x0.shape[:-1], S), dtype=compute, device=x0.device)
     if rows:
         wide, n = compute == torch.float64, len(sources)
@@ -174,7 +176,10 @@ def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool,
     srcs = tuple(_c(x) for x in sources)
     q = _as(qg, compute)
     present = sum(1 << s for s, g in enumerate(g_outs) if g is not None)
-    gouts = tuple(x0 if g is None else _c(_as(g, x0.dtype)) for g in g_outs)  # (absent: never read)
+    # (in the sums' dtype, which the kernels read them through - GOuts[0]'s pointer type - and
+    # convert; an absent one stands in as a present one, never read)
+    like = next((g for g in g_outs if g is not None), x0)
+    gouts = tuple(like if g is None else _c(_as(g, like.dtype)) for g in g_outs)
     g_src = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=x0.device) for _ in range(n))
     g_qg = None
     if rows and _over_rows():
@@ -229,7 +234,7 @@ def _phase1_backward_rows(q, lse, g_lse, srcs, gouts, g_src, present: int, eps: 
 
 
 def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None, out_dtype=None):
-    x0 = (list(sources) + list(computed))[0]
+    x0 = _stream(sources, computed)
     rows, d, compute = _geometry(x0)
     k, c = len(sources), len(computed)
     if not merge_fits(d, k + c):
@@ -247,13 +252,14 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
             zr = zr.contiguous()
         d_pad = row_pad(d)
         warps = FORCED["merge_warps"] or merge_warps(d_pad)
-        args = (zr, zr.stride(0) if k else 0, tuple(_c(x) for x in sources), tuple(_c(x) for x in computed),
+        held = _held(k + c, d)
+        args = (zr, zr.stride(0) if k else 0, _known(sources, x0, held), tuple(_c(x) for x in computed),
                 x0 if addend is None else _c(addend), x0 if total is None else total,  # (x0: unread stand-ins)
                 alpha if qg is None else _as(qg, compute), alpha if norm_weight is None else _as(norm_weight, compute),
                 out, alpha, alpha if rc is None else rc, alpha if zc is None else zc, alpha if rstd is None else rstd)
         flags = dict(HAS_ADDEND=addend is not None, HAS_NORM=norm_weight is not None, D_PAD=d_pad, M_PAD=pad(k + c),
                      num_warps=warps)
-        if _held(k + c, d):
+        if held:
             programs = _held_programs(rows, warps, dev)
             stages = _stages(d, [*sources, *computed, addend], rows, programs)
             triton_kernels.merge_fwd_held[(programs,)](*args, rows, d, float(eps), float(norm_eps), STAGES=stages,
@@ -266,7 +272,7 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
 def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None,
                    addend_dtype=None, g_views=()):
     xs = [*sources, *computed]
-    x0 = xs[0]
+    x0 = _stream(sources, computed)
     rows, d, compute = _geometry(x0)
     k, c = len(sources), len(computed)
     if not merge_fits(d, k + c):
@@ -276,17 +282,20 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     lead, dev = x0.shape[:-1], x0.device
     has_norm = norm_weight is not None
     needs_z, needs_x, (needs_qg, needs_norm) = needs[0], needs[1 : 1 + k + c], needs[1 + k + c :]
-    grads = tuple(torch.empty(x0.shape, dtype=x0.dtype, device=dev) for _ in xs)
+    d_pad = row_pad(d)
+    # (a gradient read or written narrower than the stream - or Phase-1 sums stored so: twice
+    # the warps, if held)
+    narrow = any(t is not None and t.element_size() < x0.element_size() for t in (*gs, *sources)) or (
+        addend_dtype is not None and addend_dtype.itemsize < x0.element_size())
+    held = bool(rows) and _held(k + c, d) and backward_holds(d_pad, narrow)
+    # (each source's gradient in its dtype; the looping kernels write every one in the stream's)
+    grads = tuple(torch.empty(x0.shape, dtype=x.dtype if held else x0.dtype, device=dev) for x in xs)
     # (the addend's gradient, the last source's in its own dtype: written by the kernel too)
     g_addend = torch.empty(x0.shape, dtype=addend_dtype, device=dev) if addend_dtype is not None else None
     g_z = torch.empty((*lead, k), dtype=compute, device=dev)
     want_qg, want_norm = bool(c and needs_qg), bool(has_norm and needs_norm)
     g_qg = g_norm = None
     if rows:
-        d_pad = row_pad(d)
-        # (a gradient read or written narrower than the sources: twice the warps, if held)
-        narrow = any(t is not None and t.element_size() < x0.element_size() for t in (*gs, g_addend))
-        held = _held(k + c, d) and backward_holds(d_pad, narrow)
         warps = FORCED["merge_warps"] or (held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad))
         if held:
             programs = _held_programs(rows, warps, dev)
@@ -295,10 +304,10 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
                 rows, d_pad, _sms(dev), warps)
         part = torch.empty((programs, 2, d), dtype=compute, device=dev)
         stat = lambda t: alpha if t is None else _c(t)  # noqa: E731
-        args = (tuple(_c(t) for t in gs), _c(alpha), stat(rc), stat(zc), stat(rstd), tuple(_c(x) for x in sources),
+        args = (tuple(_c(t) for t in gs), _c(alpha), stat(rc), stat(zc), stat(rstd), _known(sources, x0, held),
                 tuple(_c(x) for x in computed), alpha if qg is None else _as(qg, compute),
                 alpha if norm_weight is None else _as(norm_weight, compute),
-                grads[0] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k],
+                grads[-1] if g_total is None else _c(_as(g_total, x0.dtype)), g_z if k else alpha, grads[:k],
                 grads[k:], grads[-1] if g_addend is None else g_addend, part, rows, d)
         flags = dict(HAS_TOTAL=g_total is not None, HAS_ADDEND_GRAD=g_addend is not None, HAS_NORM=has_norm,
                      D_PAD=d_pad, M_PAD=pad(k + c), num_warps=warps)
@@ -313,5 +322,20 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
     else:
         g_qg = torch.zeros_like(qg) if want_qg else None
         g_norm = torch.zeros_like(norm_weight) if want_norm else None
-    grads = [gx if need else None for gx, need in zip(grads, needs_x)]
+    grads = [_as(gx, x.dtype) if need else None for gx, x, need in zip(grads, xs, needs_x)]
     return (g_z if needs_z else None), grads[:k], grads[k:], g_qg, g_norm, (g_addend if needs_x[-1] else None)
+
+
+def _stream(sources: Sequence[Tensor], computed: Sequence[Tensor]) -> Tensor:
+    """A merge's source in the stream's dtype (:func:`.reference.stream_dtype`): the launchers
+    take the output's, the sums' and the gradients' default dtype from it, and the kernels
+    the stream's from the stand-ins made of it."""
+    return (list(computed) or list(sources))[0]
+
+
+def _known(sources: Sequence[Tensor], x0: Tensor, held: bool) -> tuple[Tensor, ...]:
+    """The sources of known logit as the kernels take them: the held merges load each through
+    its own pointer type (Phase-1 sums narrower than the stream, ``autocast_phase1_sums``,
+    read as they are); the looping ones pick every source through the stream's, so narrower
+    sums are converted first (exactly)."""
+    return tuple(_c(x) if held else _c(_as(x, x0.dtype)) for x in sources)

@@ -812,8 +812,8 @@ def merge_bwd_held(Gs, Alpha, Rc, Zc, Rstd, Known, Comp, Qg, NormW, GTotal, GZ, 
             if HAS_TOTAL:
                 if j == m - 1:
                     gx += g_total
-            if j < k:
-                tl.store(GKnown[j] + row * d + cols, gx.to(st), mask=cmask)
+            if j < k:  # (in its own dtype: Phase-1 sums may be stored narrower than the stream)
+                tl.store(GKnown[j] + row * d + cols, gx.to(GKnown[j].dtype.element_ty), mask=cmask)
             else:
                 tl.store(GComp[j - k] + row * d + cols, gx.to(st), mask=cmask)
             if HAS_ADDEND_GRAD:
