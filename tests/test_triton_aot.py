@@ -37,7 +37,8 @@ def _compile_report(tmp_path: Path, archs: set[int], *options: str) -> list[dict
     expected = list(triton_launch.variants())
     assert len(rows) == len(archs) * len(expected) and {r["arch"] for r in rows} == archs
     assert {r["kernel"] for r in rows} == set(triton_launch.SIGNATURES)
-    assert {r["dtype"] for r in rows} == {*triton_launch.DTYPES, "fp32, bf16 out"}  # (the last: autocast)
+    # (the last two: autocast - the merge writing bf16, Phase 1's sums in bf16)
+    assert {r["dtype"] for r in rows} == {*triton_launch.DTYPES, "fp32, bf16 out", "fp32, bf16 sums"}
     # (the backward reading the gradients of an attention's three readers and an MLP's two)
     assert {r["counts"].get("g") for r in rows if r["dtype"] == "fp32, bf16 out" and "bwd" in r["kernel"]} == {1, 2, 3}
     return rows

@@ -328,43 +328,44 @@ def dq_grid(rows: int, d: int, block_d: int, sms: int, programs: int | None = No
 # The kernels' parameters in order, with their types ("*T": a pointer to the storage dtype,
 # "*C" to the compute dtype, "C" a scalar of it, "*A" to the addend's dtype and its gradient's
 # (bf16: a bf16 sublayer output added to a float32 stream under autocast), "*O" to the merge's output's
-# (and its gradient's) dtype - the storage dtype, or the autocast dtype under autocast -, "[n]" a
-# tuple of n of them ("g": the gradients of the output's readers), "constexpr": chosen at
-# launch). Kept beside the kernels' definitions by a test.
+# (and its gradient's) dtype - the storage dtype, or the autocast dtype under autocast -, "*P" to
+# Phase 1's weighted sums' (and their gradients') - the storage dtype, or the autocast dtype under
+# autocast_phase1_sums -, "[n]" a tuple of n of them ("g": the gradients of the output's readers),
+# "constexpr": chosen at launch). Kept beside the kernels' definitions by a test.
 SIGNATURES = {
-    "phase1_fwd": ["Q:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
+    "phase1_fwd": ["Q:*C", "Srcs:*T[n]", "Outs:*P[S]", "LSE:*C", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_logits": ["Q:*C", "Srcs:*T[n]", "Z:*C", "S:i32", "d:i32", "eps:fp32", "BLOCK_D:constexpr",
                       "S_PAD:constexpr", "N_PAD:constexpr"],
-    "phase1_combine": ["Z:*C", "Srcs:*T[n]", "Outs:*T[S]", "LSE:*C", "S:i32", "d:i32", "BLOCK_D:constexpr",
+    "phase1_combine": ["Z:*C", "Srcs:*T[n]", "Outs:*P[S]", "LSE:*C", "S:i32", "d:i32", "BLOCK_D:constexpr",
                        "S_PAD:constexpr", "N_PAD:constexpr", "UNROLL:constexpr"],
-    "phase1_bwd": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*T[S]", "GSrcs:*T[n]", "W:*C", "d:i32",
+    "phase1_bwd": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*P[S]", "GSrcs:*T[n]", "W:*C", "d:i32",
                    "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "NEED_W:constexpr", "BLOCK_D:constexpr",
                    "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_logits_rows": ["Q:*C", "Srcs:*T[n]", "Z:*C", "rows:i32", "S:i32", "d:i32", "eps:fp32",
                            "GROUP:constexpr", "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr",
                            "N_PAD:constexpr"],
-    "phase1_bwd_rows": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*T[S]", "P:*C", "W:*C", "C:*C", "rows:i32",
+    "phase1_bwd_rows": ["Q:*C", "LSE:*C", "GLse:*C", "Srcs:*T[n]", "GOuts:*P[S]", "P:*C", "W:*C", "C:*C", "rows:i32",
                         "d:i32", "eps:fp32", "g_present:i32", "HAS_GLSE:constexpr", "GROUP:constexpr",
                         "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
-    "phase1_grads": ["Q:*C", "P:*C", "W:*C", "C:*C", "Srcs:*T[n]", "GOuts:*T[S]", "GSrcs:*T[n]", "PQ:*C", "rows:i32",
+    "phase1_grads": ["Q:*C", "P:*C", "W:*C", "C:*C", "Srcs:*T[n]", "GOuts:*P[S]", "GSrcs:*T[n]", "PQ:*C", "rows:i32",
                      "d:i32", "rows_per_program:i32", "g_present:i32", "GROUP:constexpr", "ROWS:constexpr",
                      "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
     "phase1_dq": ["W:*C", "Srcs:*T[n]", "PQ:*C", "rows:i32", "d:i32", "rows_per_program:i32", "S:constexpr",
                   "ROWS:constexpr", "BLOCK_D:constexpr", "S_PAD:constexpr", "N_PAD:constexpr"],
-    "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C", "NormW:*C",
+    "merge_fwd": ["Z:*C", "stride_z:i32", "Known:*P[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C", "NormW:*C",
                   "Out:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "d:i32", "eps:fp32", "norm_eps:fp32",
                   "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr", "M_PAD:constexpr"],
-    "merge_fwd_held": ["Z:*C", "stride_z:i32", "Known:*T[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C",
+    "merge_fwd_held": ["Z:*C", "stride_z:i32", "Known:*P[k]", "Comp:*T[c]", "Addend:*A", "Total:*T", "Qg:*C",
                        "NormW:*C", "Out:*O", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "rows:i32", "d:i32", "eps:fp32",
                        "norm_eps:fp32", "HAS_ADDEND:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr",
                        "M_PAD:constexpr", "STAGES:constexpr"],
-    "merge_bwd_held": ["Gs:*O[g]", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C",
-                       "NormW:*C", "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "GAddend:*A", "Part:*C",
+    "merge_bwd_held": ["Gs:*O[g]", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*P[k]", "Comp:*T[c]", "Qg:*C",
+                       "NormW:*C", "GTotal:*T", "GZ:*C", "GKnown:*P[k]", "GComp:*T[c]", "GAddend:*A", "Part:*C",
                        "rows:i32", "d:i32", "HAS_TOTAL:constexpr", "HAS_ADDEND_GRAD:constexpr", "HAS_NORM:constexpr",
                        "D_PAD:constexpr", "M_PAD:constexpr", "STAGES:constexpr"],
-    "merge_bwd": ["Gs:*O[g]", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*T[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
-                  "GTotal:*T", "GZ:*C", "GKnown:*T[k]", "GComp:*T[c]", "GAddend:*A", "Part:*C", "rows:i32", "d:i32",
+    "merge_bwd": ["Gs:*O[g]", "Alpha:*C", "Rc:*C", "Zc:*C", "Rstd:*C", "Known:*P[k]", "Comp:*T[c]", "Qg:*C", "NormW:*C",
+                  "GTotal:*T", "GZ:*C", "GKnown:*P[k]", "GComp:*T[c]", "GAddend:*A", "Part:*C", "rows:i32", "d:i32",
                   "HAS_TOTAL:constexpr", "HAS_ADDEND_GRAD:constexpr", "HAS_NORM:constexpr", "D_PAD:constexpr",
                   "M_PAD:constexpr"],
 }
@@ -378,9 +379,10 @@ MERGE_SHAPES = ((64, 1, 1), (512, 1, 1), (2048, 1, 1), (2048, 0, 2), (2048, 1, 8
 FULL_DTYPES = ("fp32", "bf16")
 
 
-def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int], out: str | None = None) -> dict:
+def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int], out: str | None = None,
+            sums: str | None = None) -> dict:
     """A kernel's signature for Triton's ahead-of-time compile: tuples of ``counts``; the
-    merge's output in ``out`` (default: the storage dtype)."""
+    merge's output in ``out``, Phase 1's sums in ``sums`` (default: the storage dtype)."""
     signature = {}
     for param in params:
         name, kind = param.split(":")
@@ -392,17 +394,20 @@ def _expand(params: list[str], dtype: str, compute: str, counts: dict[str, int],
             kind, count = kind[:-1].split("[")
         addend = "bf16" if dtype == "fp32" else dtype
         kind = kind.replace("*T", f"*{dtype}").replace("*A", f"*{addend}").replace("*O", f"*{out or dtype}")
+        kind = kind.replace("*P", f"*{sums or dtype}")
         kind = kind.replace("C", compute)
         signature[name] = kind if count is None else (kind,) * counts[count]
     return signature
 
 
 def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False, out_bytes: int | None = None,
-                  readers: int = 1) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
+                  readers: int = 1, sums_bytes: int | None = None) -> Iterator[tuple[dict[str, int], dict[str, int], int]]:
     """``(tuple counts, constexprs, num_warps)`` of each compiled shape of ``kernel``
     (``wide``: computing in float64; ``wide_storage``: sources of 4 or 8 bytes;
     ``out_bytes``: a merge's output and its gradient of that size, by default the
-    sources'; ``readers``: the gradients of the merge's output its backward reads)."""
+    sources'; ``readers``: the gradients of the merge's output its backward reads;
+    ``sums_bytes``: a merge's sources of known logit, Phase-1 sums, and their gradients of
+    that size, by default the sources')."""
     if kernel in ("phase1_logits", "phase1_combine"):  # (decoding: the split forward)
         for S, n in PHASE1_SHAPES:
             constexprs = {"S_PAD": pad(S), "N_PAD": pad(n)}
@@ -445,8 +450,8 @@ def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False, o
             addend = 2 if item == 4 else item  # (as _expand's "*A": bf16 on a float32 stream)
             if held:  # (a row's loads: the sources, and the addend, or the readers' gradients and g_total)
                 others = addend if forward else readers * (out_bytes or item) + item
-                constexprs["STAGES"] = merge_stages(d * ((k + c) * item + others))
-            narrow = not forward and (out_bytes or item) < item
+                constexprs["STAGES"] = merge_stages(d * (k * (sums_bytes or item) + c * item + others))
+            narrow = not forward and ((out_bytes or item) < item or (k > 0 and (sums_bytes or item) < item))
             counts = {"k": k, "c": c} if forward else {"k": k, "c": c, "g": readers}
             if forward or not held or backward_holds(d_pad, narrow):
                 yield counts, constexprs, held_backward_warps(d_pad, narrow) if held else merge_warps(d_pad)
@@ -478,6 +483,37 @@ def variants() -> Iterator[tuple[str, str, dict[str, int], dict, dict[str, int],
                         if (counts["k"], counts["c"]) == (1, 1) and constexprs["D_PAD"] == 2048:
                             signature = _expand(params, dtype, compute, counts, out="bf16")
                             yield kernel, "fp32, bf16 out", counts, signature, constexprs, {"num_warps": warps}
+            if dtype == "fp32":
+                yield from _phase1_sums_variants(kernel, params)
+
+
+#: The kernels that write or read Phase 1's sums or their gradients where they may be
+#: narrower than the stream (``autocast_phase1_sums``): the looping merges take them
+#: converted (``triton_impl._known``).
+SUMS_KERNELS = ("phase1_fwd", "phase1_combine", "phase1_bwd", "phase1_bwd_rows", "phase1_grads", "merge_fwd_held",
+                "merge_bwd_held")
+
+
+def _phase1_sums_variants(kernel: str, params: list[str]) -> Iterator[tuple]:
+    """A float32 stream's variants with Phase 1's sums in bf16 (``autocast_phase1_sums``): the
+    kernels over many rows (training's) at every shape, the others at their first; the held
+    merges at Block's training shape (one sum and the partial sum, ``d`` = 2048), their output
+    in float32 or - with ``autocast_norm_output`` - in bf16 for an attention's three readers."""
+    if kernel not in SUMS_KERNELS:
+        return
+    if kernel.startswith("phase1"):
+        for i, (counts, constexprs, warps) in enumerate(launch_shapes(kernel, False, True)):
+            if i and kernel in ("phase1_fwd", "phase1_bwd"):
+                break
+            yield (kernel, "fp32, bf16 sums", counts, _expand(params, "fp32", "fp32", counts, sums="bf16"), constexprs,
+                   {"num_warps": warps})
+        return
+    for out, readers in (("fp32", 1), ("bf16", 3)) if kernel == "merge_bwd_held" else (("fp32", 1),):
+        out_bytes = 2 if out == "bf16" else None
+        for counts, constexprs, warps in launch_shapes(kernel, False, True, out_bytes, readers, sums_bytes=2):
+            if (counts["k"], counts["c"]) == (1, 1) and constexprs["D_PAD"] == 2048:
+                signature = _expand(params, "fp32", "fp32", counts, out=out, sums="bf16")
+                yield kernel, "fp32, bf16 sums", counts, signature, constexprs, {"num_warps": warps}
 
 
 #: Per multiprocessor, by target: registers, resident warps and programs, shared memory
