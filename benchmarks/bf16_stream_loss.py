@@ -17,7 +17,9 @@ same order, all with ``dtype=bfloat16``:
 * ``autocast stream``: one process with ``model.residual.autocast_stream=true``;
 * ``norm output``: one process with ``model.residual.autocast_norm_output=true`` (the
   stream float32, each sublayer's norm output rounded to bf16 once, the projections' input
-  gradients added in bf16).
+  gradients added in bf16);
+* ``phase1 sums``: one process with ``model.residual.autocast_phase1_sums=true`` (the stream
+  float32, AttnRes' Phase-1 weighted sums and their gradients in bf16; AttnRes models only).
 
 Data parallelism alone does not move the loss: the float32 runs on two ranks equal the
 single-process run within 1e-5 (``tests/test_parallel_train.py``). Reported: the final
@@ -45,10 +47,12 @@ MODELS = {"standard": "standard", "block": "attnres_block", "full": "attnres_ful
 #: Each setting, as the report names it; the first is the baseline the others are paired with.
 SETTINGS = {"float32 stream": "float32 stream", "bf16 stream": "bf16 stream (FSDP2, 2 ranks)",
             "autocast stream": "bf16 stream (autocast_stream, 1 process)",
-            "norm output": "float32 stream, bf16 norm outputs (autocast_norm_output, 1 process)"}
+            "norm output": "float32 stream, bf16 norm outputs (autocast_norm_output, 1 process)",
+            "phase1 sums": "float32 stream, bf16 Phase-1 sums (autocast_phase1_sums, 1 process)"}
 #: What each setting other than the float32 stream changes in the run's configuration.
 OVERRIDES = {"autocast stream": ["model.residual.autocast_stream=true"],
-             "norm output": ["model.residual.autocast_norm_output=true"]}
+             "norm output": ["model.residual.autocast_norm_output=true"],
+             "phase1 sums": ["model.residual.autocast_phase1_sums=true"]}
 BASELINE = "float32 stream"
 
 
@@ -105,7 +109,8 @@ def report(losses: dict, steps: int, seeds: list[int], command: str = "python be
              "process, float32 parameters; bf16 stream (FSDP2): two ranks with bf16 parameters (float32 master "
              "weights and reductions); bf16 stream (autocast_stream): one process, float32 parameters, "
              "`model.residual.autocast_stream=true`; bf16 norm outputs: one process, "
-             "`model.residual.autocast_norm_output=true`. Final validation loss.", "",
+             "`model.residual.autocast_norm_output=true`; bf16 Phase-1 sums: one process, "
+             "`model.residual.autocast_phase1_sums=true`. Final validation loss.", "",
              "| model | setting | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | minus float32 (mean ± sd) |",
              "|---|---|" + "---:|" * (len(seeds) + 2)]
     for model, by_setting in losses.items():

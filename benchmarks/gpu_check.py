@@ -28,8 +28,10 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
    also with their sublayer norms returning bf16 (``ResidualConfig.autocast_norm_output``:
    no cast of a float32 norm output per linear layer; ``bf16_norm_out`` in the summary) and
    with the stream stored in bf16 (``ResidualConfig.autocast_stream``, float32 parameters:
-   ``autocast_stream`` in the summary). ``--autocast-norm-output`` and ``--autocast-stream``
-   run every part so, e.g. the compiled one.
+   ``autocast_stream`` in the summary); Block also with its Phase-1 sums stored in bf16
+   (``ResidualConfig.autocast_phase1_sums``: ``block_bf16_sums`` in the summary).
+   ``--autocast-norm-output``, ``--autocast-stream`` and ``--autocast-phase1-sums`` run every
+   part so, e.g. the compiled one.
 3. **decode**: one cached decode step at batch 1 and 8 after a 2048-token context, eager
    and CUDA-graphed, bf16; Block's graphed step also with Phase 1's forward in one kernel
    (``block_phase1_one_kernel`` in the summary: what splitting it over the sources gains).
@@ -754,11 +756,22 @@ def _stream(model, on: bool) -> bool:
     return before
 
 
+def _phase1_sums(model, on: bool) -> bool:
+    """(a model without Phase 1 - the standard one - has no sums to store: unchanged)"""
+    residual = model.residual
+    before = getattr(residual, "autocast_phase1_sums", False)
+    if residual.has_depth_attention:
+        residual.autocast_phase1_sums = on
+    return before
+
+
 #: Settings of the models that a run can switch on for every part (and its warm-up) and the
 #: eager part switches on for a step (:data:`PAIRED`): the option's name
-#: (``--autocast-norm-output``, ``--autocast-stream``; each a ``ResidualConfig`` field of
-#: that name) and its setter on a built model, which returns what it was.
-MODEL_OPTIONS = {"autocast_norm_output": _norm_output, "autocast_stream": _stream}
+#: (``--autocast-norm-output``, ``--autocast-stream``, ``--autocast-phase1-sums``; each a
+#: ``ResidualConfig`` field of that name) and its setter on a built model, which returns what
+#: it was.
+MODEL_OPTIONS = {"autocast_norm_output": _norm_output, "autocast_stream": _stream,
+                 "autocast_phase1_sums": _phase1_sums}
 #: The eager part's pairs of steps with an option on, the standard model and Block, and
 #: their key in the summary: the sublayers' norms returning bf16 (``autocast_norm_output``,
 #: the like-for-like comparison of the casts) and the stream stored in bf16
@@ -769,6 +782,9 @@ PAIRED = {"autocast_norm_output": ("bf16_norm_out", {"standard (bf16 norm out)":
                                                   "block (bf16 stream)": "block"})}
 NORM_OUT = PAIRED["autocast_norm_output"][1]
 STREAM = PAIRED["autocast_stream"][1]
+#: The eager part's Block with its Phase-1 sums in bf16 (``autocast_phase1_sums``; the
+#: standard model has none: Block against the standard model as it is, ``block_bf16_sums``).
+SUMS_BF16 = "block (bf16 sums)"
 
 
 def apply_model_options(models: dict, options: list[str]) -> None:
@@ -814,6 +830,9 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
             for variant, name in variants.items():
                 steps[variant] = with_option(steps[name], models[name], option)
                 forwards[variant] = with_option(forwards[name], models[name], option)
+        if "block" in models:
+            steps[SUMS_BF16] = with_option(steps["block"], models["block"], "autocast_phase1_sums")
+            forwards[SUMS_BF16] = with_option(forwards["block"], models["block"], "autocast_phase1_sums")
     start = time.perf_counter()
     for step in steps.values():  # (compiled: this compiles)
         step()
@@ -1010,6 +1029,10 @@ def summarize(result: dict) -> dict:
         summary["block_phase1_one_kernel"] = one_kernel
     if SUMS_KEPT in result.get("train_eager", {}).get("ms", {}):
         summary["block_sums_kept"] = {k: v for k, v in by_variant(SUMS_KEPT).items() if v is not None}
+    if SUMS_BF16 in result.get("train_eager", {}).get("ms", {}):
+        eager_ms = result["train_eager"]["ms"]
+        summary["block_bf16_sums"] = {**{k: v for k, v in by_variant(SUMS_BF16).items() if v is not None},
+                                      "block_vs_default": eager_ms[SUMS_BF16] / eager_ms["block"]}
     eager = result.get("train_eager", {})
     for key, variants in PAIRED.values():  # (Block against the standard model, both with the option)
         if set(variants) <= set(eager.get("ms", {})):
@@ -1241,6 +1264,8 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[st
         for option, (_, variants) in PAIRED.items():  # (train_eager's variants with an option on)
             if name in variants.values():
                 with_option(step, model, option)()
+        if name == "block":
+            with_option(step, model, "autocast_phase1_sums")()
     elif stage == "decode":
         model.to(torch.bfloat16)
         for batch in DECODE_BATCHES:  # (a launch over one row compiles apart from one over several)
@@ -1317,6 +1342,9 @@ def parse_args(argv=None):
     p.add_argument("--autocast-norm-output", action="store_true",
                    help="every model's sublayer norms return bf16 under autocast (ResidualConfig.autocast_norm_output)"
                         " in every part - e.g. with --parts train_compiled")
+    p.add_argument("--autocast-phase1-sums", action="store_true",
+                   help="Block and Full AttnRes store Phase 1's weighted sums in bf16 under autocast "
+                        "(ResidualConfig.autocast_phase1_sums) in every part - e.g. with --parts train_compiled")
     p.add_argument("--autocast-stream", action="store_true",
                    help="every model stores its residual stream in bf16 under autocast (ResidualConfig.autocast_stream)"
                         " in every part - e.g. with --parts train_eager,train_compiled")

@@ -42,6 +42,7 @@ def test_each_setting_launches_and_configures_its_runs():
     assert study.command("autocast stream") == single
     assert study.setting_overrides("autocast stream") == ["model.residual.autocast_stream=true"]
     assert study.setting_overrides("norm output") == ["model.residual.autocast_norm_output=true"]
+    assert study.setting_overrides("phase1 sums") == ["model.residual.autocast_phase1_sums=true"]
     assert study.command("norm output") == single
     assert study.setting_overrides("float32 stream") == study.setting_overrides("bf16 stream") == []
 

@@ -51,9 +51,11 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     assert max(autocast["phase1_fwd"], autocast["phase1_bwd"]) < 1e-5
     assert "| merge_add_bwd (training step's layout) |" in md
     kept = result["train_eager"]["kept_MiB"]
-    assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT, *gpu_check.NORM_OUT, *gpu_check.STREAM}
+    assert set(kept) == {"standard", "block", "full", gpu_check.SUMS_KEPT, *gpu_check.NORM_OUT, *gpu_check.STREAM,
+                         gpu_check.SUMS_BF16}
     assert kept[gpu_check.SUMS_KEPT] > kept["block"]  # (the recipe measured: the sums not kept)
     assert set(summary["block_sums_kept"]) == {"train_eager", "memory"}
+    assert set(summary["block_bf16_sums"]) == {"train_eager", "memory", "block_vs_default"}
     for key in ("bf16_norm_out", "autocast_stream"):  # (the pairs with an option on: Block against the standard)
         assert set(summary[key]) == {"train_eager", "memory", "standard_vs_default", "block_vs_default",
                                      "block_vs_standard_default"}
@@ -395,6 +397,12 @@ def test_model_options_reach_every_model_and_the_warm_up_workers(monkeypatch):
     args = gpu_check.parse_args(["--out", "x", "--autocast-stream", "--autocast-norm-output"])
     options = gpu_check.model_options(args)
     assert options == ["autocast_norm_output", "autocast_stream"]
+    sums = gpu_check.model_options(gpu_check.parse_args(["--out", "x", "--autocast-phase1-sums"]))
+    assert sums == ["autocast_phase1_sums"]
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu", names=("standard", "block"))
+    gpu_check.apply_model_options(models, sums)
+    assert models["block"].residual.autocast_phase1_sums and not hasattr(models["standard"].residual,
+                                                                          "autocast_phase1_sums")
     models = gpu_check.build_models(gpu_check.SMOKE, "cpu", names=("standard", "block"))
     gpu_check.apply_model_options(models, options)
     for model in models.values():
