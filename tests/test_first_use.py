@@ -289,33 +289,28 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):
 
 # -- the bf16 residual stream asked for without autocast -----------------------------------
 
+AUTOCAST_OPTIONS_SAID = {"autocast_stream": "the residual stream in bf16",
+                         "autocast_norm_output": "the sublayers' norm outputs in bf16",
+                         "autocast_phase1_sums": "Phase 1's sums in bf16"}
+
+
 def test_autocast_stream_without_autocast_is_said(tmp_path, corpus, capsys):
     """``model.residual.autocast_stream=true`` (``autocast_norm_output=true``,
-    ``autocast_phase1_sums=true``) with the
-    default dtype=float32 would change nothing, silently; with dtype=bfloat16 the summary
-    says the stream (the norms' outputs) is bf16."""
-    with pytest.warns(UserWarning, match=r"model.residual.autocast_stream=true has no effect with dtype=float32"):
-        assert cli_main(["train", *overrides(corpus, tmp_path / "run", warmup_steps=1, stop_after=1),
-                         "model.residual.autocast_stream=true"]) == 0
+    ``autocast_phase1_sums=true``) with the default dtype=float32 would change nothing,
+    silently: a warning says so; with dtype=bfloat16 no warning, and the summary says what
+    is bf16."""
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="model.residual.autocast_stream")
-        assert cli_main(["train", *overrides(corpus, tmp_path / "run2", warmup_steps=1, stop_after=1),
-                         "model.residual.autocast_stream=true", "dtype=bfloat16"]) == 0
-    assert "bfloat16 (the residual stream in bf16: autocast_stream)" in capsys.readouterr().out
-    with pytest.warns(UserWarning, match=r"model.residual.autocast_norm_output=true has no effect with dtype=float32"):
-        assert cli_main(["train", *overrides(corpus, tmp_path / "run3", warmup_steps=1, stop_after=1),
-                         "model.residual.autocast_norm_output=true"]) == 0
-    assert cli_main(["train", *overrides(corpus, tmp_path / "run4", warmup_steps=1, stop_after=1),
-                     "model.residual.autocast_norm_output=true", "dtype=bfloat16"]) == 0
-    assert "bfloat16 (the sublayers' norm outputs in bf16: autocast_norm_output)" in capsys.readouterr().out
-    with pytest.warns(UserWarning, match=r"model.residual.autocast_phase1_sums=true has no effect with dtype=float32"):
-        assert cli_main(["train", *overrides(corpus, tmp_path / "run5", warmup_steps=1, stop_after=1),
-                         "model.residual.autocast_phase1_sums=true"]) == 0
-    assert cli_main(["train", *overrides(corpus, tmp_path / "run6", warmup_steps=1, stop_after=1),
-                     "model.residual.autocast_phase1_sums=true", "dtype=bfloat16"]) == 0
-    assert "bfloat16 (Phase 1's sums in bf16: autocast_phase1_sums)" in capsys.readouterr().out
+    for option, said in AUTOCAST_OPTIONS_SAID.items():
+        setting = f"model.residual.{option}=true"
+        with pytest.warns(UserWarning, match=rf"{setting} has no effect with dtype=float32"):
+            assert cli_main(["train", *overrides(corpus, tmp_path / f"{option}-float32", warmup_steps=1, stop_after=1),
+                             setting]) == 0
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=f"model.residual.{option}")
+            assert cli_main(["train", *overrides(corpus, tmp_path / option, warmup_steps=1, stop_after=1), setting,
+                             "dtype=bfloat16"]) == 0
+        assert f"bfloat16 ({said}: {option})" in capsys.readouterr().out, option
 
 
 # -- non-finite weights ----------------------------------------------------------------------
