@@ -24,7 +24,7 @@ from .reference import compute_dtype
 from .triton_launch import (DQ_ROWS, backward_holds, backward_programs, dq_grid, held_backward_warps, held_programs,
                             merge_fits, merge_holds, merge_stages, merge_warps, pad, phase1_combine_tile, phase1_fits,
                             phase1_forward_geometry, phase1_group, phase1_rows_geometry, phase1_splits, phase1_tile,
-                            phase1_unrolls, phase1_warps, row_pad, rows_warps)
+                            phase1_unrolls, phase1_warps, row_pad, rows_backward_warps, rows_warps)
 
 __all__ = ["supports", "check", "phase1_forward", "phase1_backward", "merge_forward", "merge_backward"]
 
@@ -215,9 +215,11 @@ def _phase1_backward_rows(q, lse, g_lse, srcs, gouts, g_src, present: int, eps: 
     p, w = (torch.empty((rows, n, S), dtype=compute, device=dev) for _ in range(2))
     c = torch.empty((rows, n), dtype=compute, device=dev)
     glse = lse if g_lse is None else _c(_as(g_lse, compute))
+    narrow = gouts[0].element_size() < srcs[0].element_size()  # (Phase-1 sums narrower than the stream)
     triton_kernels.phase1_bwd_rows[(-(-rows // block_rows),)](
         q, _c(lse), glse, srcs, gouts, p, w, c, rows, d, float(eps), present, HAS_GLSE=g_lse is not None,
-        GROUP=group, ROWS=block_rows, BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n), num_warps=rows_warps(S))
+        GROUP=group, ROWS=block_rows, BLOCK_D=block, S_PAD=pad(S), N_PAD=pad(n),
+        num_warps=rows_backward_warps(S, narrow))
     tiles, programs, per = dq_grid(rows, d, block, _sms(dev), FORCED["programs"], block_rows)
     pq = torch.empty((programs, S, d), dtype=compute, device=dev)
     triton_kernels.phase1_grads[(tiles, programs)](

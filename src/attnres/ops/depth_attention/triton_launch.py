@@ -229,6 +229,14 @@ def rows_warps(S: int) -> int:
     return ROWS_WARPS * (2 if pad(S) >= 32 else 1)
 
 
+def rows_backward_warps(S: int, narrow: bool) -> int:
+    """Warps of a ``phase1_bwd_rows`` program: :func:`rows_warps`, or twice :data:`ROWS_WARPS`
+    where it reads gradients narrower than its sources (``autocast_phase1_sums``: with 4, at
+    4 queries, Triton 3.9 spilled 4 bytes on sm_80 at an odd ``d``; with 8 none spills, 24 - 64
+    warps resident)."""
+    return 2 * ROWS_WARPS if narrow else rows_warps(S)
+
+
 def phase1_warps(S: int) -> int:
     """Warps of a Phase-1 program over ``S`` queries: 4 (at 64 queries, 8 warps made ptxas
     cap the backward at 64 registers and spill on sm_80)."""
@@ -422,9 +430,11 @@ def launch_shapes(kernel: str, wide: bool = False, wide_storage: bool = False, o
             rows, block = phase1_rows_geometry(4096, S, wide)
             constexprs = {"GROUP": phase1_group(n, S, rows, wide), "ROWS": rows, "BLOCK_D": block,
                           "S_PAD": pad(S), "N_PAD": pad(n)}
+            warps = rows_warps(S)
             if kernel == "phase1_bwd_rows":
                 constexprs = {"HAS_GLSE": 1, **constexprs}
-            yield {"S": S, "n": n}, constexprs, rows_warps(S)
+                warps = rows_backward_warps(S, sums_bytes is not None and sums_bytes < (8 if wide else 4))
+            yield {"S": S, "n": n}, constexprs, warps
     elif kernel.startswith("phase1"):
         for S, n in PHASE1_SHAPES:
             block, s_pad = phase1_tile(4096, S, wide=wide), pad(S)
@@ -502,7 +512,7 @@ def _phase1_sums_variants(kernel: str, params: list[str]) -> Iterator[tuple]:
     if kernel not in SUMS_KERNELS:
         return
     if kernel.startswith("phase1"):
-        for i, (counts, constexprs, warps) in enumerate(launch_shapes(kernel, False, True)):
+        for i, (counts, constexprs, warps) in enumerate(launch_shapes(kernel, False, True, sums_bytes=2)):
             if i and kernel in ("phase1_fwd", "phase1_bwd"):
                 break
             yield (kernel, "fp32, bf16 sums", counts, _expand(params, "fp32", "fp32", counts, sums="bf16"), constexprs,
