@@ -448,7 +448,9 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     ``attnres::merge``: ``(out [..., d], alpha [..., k + c])``, with ``addend`` also the sum
     it formed; saves the weights, the computed sources' logits and RMS factors, the norm's
     ``1/rms`` and references to its inputs (to the sum, not to its terms). ``out`` in
-    ``out_dtype`` (default: the sources'); its gradient may come in that dtype. ``readers >
+    ``out_dtype`` (default: the stream's, :func:`.reference.stream_dtype`); its gradient may
+    come in that dtype. ``sources`` may be narrower than ``computed`` (Phase-1 sums in the
+    autocast dtype); each source's gradient comes in its own dtype. ``readers >
     1``: ``out`` is a tuple of that many views of it, one per reader, whose gradients the
     backward adds in the compute dtype (one kernel reads them all)."""
     _check_backend(backend)

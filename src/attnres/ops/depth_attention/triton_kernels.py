@@ -553,7 +553,8 @@ def merge_fwd(Z, stride_z, Known, Comp, Addend, Total, Qg, NormW, Out, Alpha, Rc
     sources', or the autocast dtype a sublayer's linear layers read) and the norm's ``1/rms``
     into ``Rstd``: an online softmax over the sources, each read once, the row in registers.
     ``Total`` has the sources' dtype (without an addend it stands in, unread, for the
-    sources' pointer type and the stream's dtype)."""
+    sources' pointer type and the stream's dtype): every source is read through it, so Phase-1
+    sums narrower than the stream come converted (``triton_impl._known``)."""
     dt = Alpha.dtype.element_ty
     k: tl.constexpr = len(Known)
     c: tl.constexpr = len(Comp)
