@@ -349,7 +349,7 @@ class AttnResBase(ResidualStream):
         ``stream``: the stream's dtype, the input's (default: the computed sources', else the
         sources'; Phase-1 sums may be narrower, ``autocast_phase1_sums``)."""
         fuse = state.defer_norm and fusable
-        stream = stream or (computed or sources)[0].dtype
+        stream = stream or reference.stream_dtype(sources, computed)
         if len(sources) + len(computed) == 1 and not fuse and addend is None:  # one source: weight exactly 1
             x = (sources or computed)[0]
             if state.weights is not None:
