@@ -258,6 +258,19 @@ def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
         check_hf_config(ModelConfig.from_dict(model_fields_of(tiny_model(family).config)))
 
 
+@pytest.mark.parametrize("override, fragment", [
+    ("out=runs/x", "unknown TrainConfig key(s) ['out'] (did you mean 'out_dir' for 'out'?); known keys:"),
+    ("model.residual.blok_size=4", "(did you mean 'block_size' for 'blok_size'?)"),
+    ("optimizer=adam", "TrainConfig.optimizer must be one of 'adamw', 'muon'; got 'adam' (did you mean 'adamw'?)"),
+    ("data.tokenizer=bpee", "got 'bpee' (did you mean 'bpe'?)"),
+    ("model.residual.kind=attnres_blok", "got 'attnres_blok' (did you mean 'attnres_block'?); a residual of your own"),
+    ("model.residual.kind=xyz", "got 'xyz'; a residual of your own"),   # nothing near: no guess
+])
+def test_a_misspelt_key_or_choice_names_the_nearest_one(tmp_path, corpus, capsys, override, fragment):
+    fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run"), override], fragment)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("where", ["missing", "no-config"])
 def test_model_from_hf_that_is_not_a_saved_directory_is_named(tmp_path, corpus, capsys, where):
     """A missing path ended in transformers' traceback about Hub repo ids (or tried the

@@ -314,10 +314,17 @@ def test_data_paths_take_glob_patterns(tmp_path, monkeypatch):
 
 
 def test_unknown_config_keys(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) \['stepz'\]; known keys: .*'steps'"):
+    with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) \['stepz'\] \(did you mean 'steps' for "
+                                         r"'stepz'\?\); known keys: .*'steps'"):
         TrainConfig.from_dict({"stepz": 3})
-    with pytest.raises(ValueError, match=r"unknown data key\(s\) \['vocab'\]; known keys: .*'vocab_size'"):
+    # Each misspelt key gets its nearest known key; one with no near key gets none.
+    with pytest.raises(ValueError, match=r"\['out', 'qqqqqqq'\] \(did you mean 'out_dir' for 'out'\?\); known"):
+        load_config(None, ["out=runs/x", "qqqqqqq=1"])
+    with pytest.raises(ValueError, match=r"unknown TrainConfig.data key\(s\) \['vocab'\] \(did you mean 'vocab_size' "
+                                         r"for 'vocab'\?\); known keys: .*'vocab_size'"):
         TrainConfig.from_dict({"data": {"vocab": 3}})
+    with pytest.raises(ValueError, match=r"unknown ModelConfig key\(s\) \['n_layer'\] \(did you mean 'n_layers'"):
+        load_config(None, ["model.n_layer=3"])
     with pytest.raises(ValueError, match=r"unknown ModelConfig key\(s\) \['width'\]"):
         load_config(None, ["model.width=3"])
     cfg_file = tmp_path / "run.yaml"

@@ -22,10 +22,11 @@ old spelling), the old key is the one the user just wrote, and it wins.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import warnings
 from typing import Any, Callable
+
+from .validation import did_you_mean
 
 __all__ = [
     "RESIDUAL_RENAMES",
@@ -193,9 +194,8 @@ def accept_old_keys(cls: type, migrate: Callable[[dict[str, Any]], dict[str, Any
         kwargs = migrate(kwargs)
         unknown = [k for k in kwargs if k not in fields]
         if unknown:
-            near = difflib.get_close_matches(unknown[0], fields, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}{hint}; known fields: {sorted(fields)}")
+            raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}{did_you_mean(unknown[0], fields)}; "
+                            f"known fields: {sorted(fields)}")
         init(self, *args, **kwargs)
 
     __init__.__doc__ = init.__doc__

@@ -11,15 +11,44 @@ whose name prefixes every error::
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 
-def fail(section: str, name: str, allowed: str, value: Any) -> NoReturn:
-    """Raise the one error format of config validation: the field, what it allows, the value."""
-    raise ValueError(f"{section}.{name} must be {allowed}; got {value!r}")
+def nearest(value: Any, allowed: Iterable[str]) -> str | None:
+    """The allowed string nearest to a misspelt ``value`` (``difflib``'s default cutoff), or
+    ``None`` when no allowed one is near or ``value`` is not a string."""
+    if not isinstance(value, str):
+        return None
+    near = difflib.get_close_matches(value, list(allowed), n=1)
+    return near[0] if near else None
+
+
+def did_you_mean(value: Any, allowed: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` with the allowed string nearest to ``value``, or ``""``."""
+    near = nearest(value, allowed)
+    return "" if near is None else f" (did you mean {near!r}?)"
+
+
+def check_known_keys(section: str, data: Iterable[str], known: Iterable[str]) -> None:
+    """Raise ``ValueError`` for keys of ``data`` not in ``known``, naming the nearest known key
+    of each (a misspelt ``out=`` for ``out_dir=``) and listing them all."""
+    known = sorted(set(known))
+    unknown = sorted(set(data) - set(known))
+    if not unknown:
+        return
+    hints = [f"{near!r} for {key!r}" for key in unknown if (near := nearest(key, known)) is not None]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    raise ValueError(f"unknown {section} key(s) {unknown}{hint}; known keys: {known}")
+
+
+def fail(section: str, name: str, allowed: str, value: Any, hint: str = "") -> NoReturn:
+    """Raise the one error format of config validation: the field, what it allows, the value
+    (then ``hint``, such as :func:`did_you_mean`'s)."""
+    raise ValueError(f"{section}.{name} must be {allowed}; got {value!r}{hint}")
 
 
 class Rule:
@@ -84,6 +113,10 @@ class Choice(Rule):
     def describe(self) -> str:
         return "one of " + ", ".join(repr(a) for a in self.allowed)
 
+    def check(self, section: str, name: str, value: Any) -> None:
+        if not self.ok(value):
+            fail(section, name, self.describe(), value, did_you_mean(value, self.allowed))
+
 
 @dataclass(frozen=True)
 class ChoiceOrPath(Rule):
@@ -99,6 +132,10 @@ class ChoiceOrPath(Rule):
 
     def describe(self) -> str:
         return "one of " + ", ".join(repr(a) for a in self.allowed) + f", or {self.path}"
+
+    def check(self, section: str, name: str, value: Any) -> None:
+        if not self.ok(value):
+            fail(section, name, self.describe(), value, did_you_mean(value, self.allowed))
 
 
 @dataclass(frozen=True)
@@ -176,8 +213,5 @@ class Fields:
         self.rule(name, Choice(tuple(allowed)), value)
 
     def known_keys(self, data: dict[str, Any], known: Iterable[str]) -> None:
-        """Raise for keys of ``data`` that are not in ``known``, listing the known ones."""
-        known = set(known)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown {self.prefix} key(s) {unknown}; known keys: {sorted(known)}")
+        """Raise for keys of ``data`` that are not in ``known`` (:func:`check_known_keys`)."""
+        check_known_keys(self.prefix, data, known)

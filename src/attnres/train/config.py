@@ -12,7 +12,7 @@ from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..models.hf_registry import hf_hook
-from ..validation import SEED_MAX, Bool, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList, fail
+from ..validation import SEED_MAX, Bool, check_known_keys, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList, fail
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -44,12 +44,6 @@ RESUMABLE_CHANGES = frozenset({
     # recomputing activations in the backward pass (the same function).
     *(f"parallel.{name}" for name in PARALLEL_RULES), "activation_checkpoint",
 })
-
-
-def _check_keys(section: str, data: dict[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown {section} key(s) {unknown}; known keys: {sorted(known)}")
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -247,7 +241,7 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping; got {type(data).__name__}")
         data = migrate_train_keys(data)
-        _check_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
+        check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
         data = dict(data)
         if "model" in data:
             data["model"] = model_from_spec(data["model"])
@@ -255,7 +249,7 @@ class TrainConfig:
             section = data["data"]
             if not isinstance(section, dict):
                 fail("TrainConfig", "data", "a mapping", section)
-            _check_keys("data", section, {f.name for f in dataclasses.fields(DataConfig)})
+            check_known_keys("TrainConfig.data", section, {f.name for f in dataclasses.fields(DataConfig)})
             data["data"] = DataConfig(**section)
         if "parallel" in data:
             data["parallel"] = ParallelConfig.from_dict(data["parallel"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from ...validation import did_you_mean
 from .base import ResidualStream
 from .config import ResidualConfig
 
@@ -57,9 +58,9 @@ def residual_class(name: str) -> type[ResidualStream]:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         raise ValueError(
-            f"ModelConfig.residual.kind must be one of {', '.join(repr(n) for n in _REGISTRY)}; got {name!r} (a "
-            "residual of your own is registered by importing its module first: `attnres --import MODULE <command> "
-            "...` on the command line, `import MODULE` in Python)"
+            f"ModelConfig.residual.kind must be one of {', '.join(repr(n) for n in _REGISTRY)}; got {name!r}{did_you_mean(name, _REGISTRY)}; "
+            "a residual of your own is registered by importing its module first: `attnres --import MODULE <command> "
+            "...` on the command line, `import MODULE` in Python"
         ) from None
 
 
