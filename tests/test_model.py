@@ -549,6 +549,8 @@ def test_unknown_config_key_and_preset():
         ModelConfig.from_dict({"hidden": 3})
     with pytest.raises(ValueError, match="unknown preset 'huge'; available"):
         ModelConfig.preset("huge")
+    with pytest.raises(ValueError, match=r"unknown preset 'tny' \(did you mean 'tiny'\?\); available"):
+        ModelConfig.preset("tny")
     # the constructors: Python's bare 'unexpected keyword argument' named no field
     with pytest.raises(TypeError, match=r"ModelConfig: unknown field\(s\) \['dropout'\]; known fields: \['d_model'"):
         ModelConfig(d_model=64, dropout=0.1)

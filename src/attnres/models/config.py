@@ -11,7 +11,7 @@ from typing import Any
 from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import merge_residual
-from ..validation import Fields
+from ..validation import Fields, did_you_mean
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
@@ -164,7 +164,7 @@ class ModelConfig:
                           stacklevel=2)
             name = RENAMED_PRESETS[name]
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+            raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; available: {sorted(PRESETS)}")
         return cls.from_dict(_merge(PRESETS[name], migrate_model_keys(overrides)))
 
 
