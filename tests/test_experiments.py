@@ -81,6 +81,10 @@ def test_preset_contents():
         get_experiment("nope", "tiny")
     with pytest.raises(ValueError, match="unknown preset 'big' for experiment 'scaling'; available: tiny, cpu"):
         get_experiment("scaling", "big")
+    with pytest.raises(ValueError, match=r"unknown preset 'tny' \(did you mean 'tiny'\?\) for experiment 'compare'"):
+        get_experiment("compare", "tny")
+    with pytest.raises(ValueError, match=r"unknown experiment 'ablaton' \(did you mean 'ablation'\?\)"):
+        get_experiment("ablaton", "tiny")
     compare = get_experiment("compare", "long")
     assert [v.name for v in compare.variants] == ["standard", "block", "full"]
     assert compare.base["model"]["n_layers"] >= 12  # the issue: at least 12 transformer blocks

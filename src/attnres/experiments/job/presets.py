@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...validation import did_you_mean
+
 EXPERIMENTS = ("compare", "ablation", "block-size", "scaling", "arch-sweep", "multiplier")
 #: The presets of each experiment.
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -304,7 +306,7 @@ _MULTIPLIER_TRAIN = {"tiny": {}, "cpu": dict(eval_every=112, eval_batches=18, lo
 def multiplier_grid(preset: str) -> MultiplierGrid:
     """The multiplier grid's plan at ``preset`` (one of ``PRESETS["multiplier"]``)."""
     if preset not in _MULTIPLIER:
-        raise ValueError(f"unknown preset {preset!r} for experiment 'multiplier'; available: {', '.join(_MULTIPLIER)}")
+        raise ValueError(f"unknown preset {preset!r}{did_you_mean(preset, _MULTIPLIER)} for experiment 'multiplier'; available: {', '.join(_MULTIPLIER)}")
     return _MULTIPLIER[preset]
 
 
@@ -334,9 +336,9 @@ _BUILDERS = {"compare": _compare, "ablation": _ablation, "block-size": _block_si
 def get_experiment(name: str, preset: str) -> Experiment:
     """The grid ``name`` (one of :data:`EXPERIMENTS`) at ``preset`` (one of ``PRESETS[name]``)."""
     if name not in _BUILDERS:
-        raise ValueError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}")
+        raise ValueError(f"unknown experiment {name!r}{did_you_mean(name, _BUILDERS)}; available: {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS[name]:
-        raise ValueError(f"unknown preset {preset!r} for experiment {name!r}; available: {', '.join(PRESETS[name])}")
+        raise ValueError(f"unknown preset {preset!r}{did_you_mean(preset, PRESETS[name])} for experiment {name!r}; available: {', '.join(PRESETS[name])}")
     base = {**_TRAIN[preset], **_COMMON, "model": dict(_MODEL[preset])}
     if name == "compare" and preset == "tiny":  # the compare report plots diagnostics: log some
         base["diagnostics_every"] = 2
