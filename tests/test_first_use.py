@@ -246,7 +246,9 @@ def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
     pytest.importorskip("transformers")
     args = ["train", *overrides(corpus, tmp_path / "run"), "model.hf_architecture=llama"]
     fails_with(capsys, [*args, "model.hf_config.num_hiden_layers=2"],
-               "unknown ModelConfig.hf_config key(s) ['num_hiden_layers'] for hf_architecture='llama'", "'head_dim'")
+               "unknown ModelConfig.hf_config key(s) ['num_hiden_layers'] for hf_architecture='llama' (did you mean "
+               "'num_hidden_layers' (set by model.n_layers) for 'num_hiden_layers'?)", "'head_dim'")
+    fails_with(capsys, [*args, "model.hf_config.mlp_bais=true"], "(did you mean 'mlp_bias' for 'mlp_bais'?)")
     fails_with(capsys, [*args, "model.hf_config.num_hidden_layers=2"],
                "ModelConfig.hf_config.num_hidden_layers is set by ModelConfig.n_layers")
     assert not (tmp_path / "run").exists()

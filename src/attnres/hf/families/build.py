@@ -10,6 +10,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from ...nn.residual import ResidualConfig
+from ...validation import nearest
 from .classes import register_families, upcycled_classes
 from .modeling import PREFIX
 
@@ -54,8 +55,12 @@ def check_hf_config(config) -> None:
     known = (fields | set(aliases)) - set(ours) - _SKIPPED
     unknown = sorted(set(config.hf_config) - known)
     if unknown:
+        # the nearest field, among those a ModelConfig field sets too (named with that field)
+        hints = [f"{near!r}" + (f" (set by model.{ours[near]})" if near in ours else "") + f" for {key!r}"
+                 for key in unknown if (near := nearest(key, sorted(known | set(ours)))) is not None]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise ValueError(f"unknown ModelConfig.hf_config key(s) {unknown} for hf_architecture="
-                         f"{config.hf_architecture!r}; known keys: {sorted(known)}")
+                         f"{config.hf_architecture!r}{hint}; known keys: {sorted(known)}")
 
 
 def hf_config_of(config) -> PretrainedConfig:
