@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 
-def nearest(value: Any, allowed: Iterable[str]) -> str | None:
-    """The allowed string nearest to a misspelt ``value`` (``difflib``'s default cutoff), or
+def nearest(value: Any, allowed: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The allowed string nearest to a misspelt ``value`` (``difflib``'s similarity, at least
+    ``cutoff``; a higher one for long lists, where some name is always somewhat near), or
     ``None`` when no allowed one is near or ``value`` is not a string."""
     if not isinstance(value, str):
         return None
-    near = difflib.get_close_matches(value, list(allowed), n=1)
+    near = difflib.get_close_matches(value, list(allowed), n=1, cutoff=cutoff)
     return near[0] if near else None
 
 
@@ -33,6 +34,16 @@ def did_you_mean(value: Any, allowed: Iterable[str]) -> str:
     return "" if near is None else f" (did you mean {near!r}?)"
 
 
+def did_you_mean_each(values: Iterable[str], allowed: Iterable[str], note: Callable[[str], str] | None = None,
+                      cutoff: float = 0.6) -> str:
+    """`` (did you mean 'a' for 'x', 'b' for 'y'?)``: the nearest allowed string of each value
+    that has one (:func:`nearest`; ``note(near)`` after it, when given), or ``""`` when none has."""
+    allowed = list(allowed)
+    hints = [f"{near!r}{note(near) if note else ''} for {value!r}"
+             for value in values if (near := nearest(value, allowed, cutoff)) is not None]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 def check_known_keys(section: str, data: Iterable[str], known: Iterable[str]) -> None:
     """Raise ``ValueError`` for keys of ``data`` not in ``known``, naming the nearest known key
     of each (a misspelt ``out=`` for ``out_dir=``) and listing them all."""
@@ -40,9 +51,7 @@ def check_known_keys(section: str, data: Iterable[str], known: Iterable[str]) ->
     unknown = sorted(set(data) - set(known))
     if not unknown:
         return
-    hints = [f"{near!r} for {key!r}" for key in unknown if (near := nearest(key, known)) is not None]
-    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-    raise ValueError(f"unknown {section} key(s) {unknown}{hint}; known keys: {known}")
+    raise ValueError(f"unknown {section} key(s) {unknown}{did_you_mean_each(unknown, known)}; known keys: {known}")
 
 
 def fail(section: str, name: str, allowed: str, value: Any, hint: str = "") -> NoReturn:

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..data.tokenizer import ByteTokenizer, Tokenizer
 from ..progress import progress_bar
+from ..validation import did_you_mean_each
 from ..models.factory import context_limit
 
 LOCAL_TASKS = ("attnres_ppl", "attnres_cloze")
@@ -250,9 +251,12 @@ def check_tasks(tasks: list[str]) -> None:
         return
     from lm_eval.tasks import TaskManager
 
-    unknown = [t for t in others if t not in TaskManager().all_tasks]
+    known = TaskManager().all_tasks
+    unknown = [t for t in others if t not in known]
     if unknown:
-        raise ValueError(f"--tasks: unknown task(s) {', '.join(map(repr, unknown))}: the local tasks are "
+        # (a close match only: among the harness's thousands of names some is always somewhat near)
+        hint = did_you_mean_each(unknown, [*LOCAL_TASKS, *known], cutoff=0.8)
+        raise ValueError(f"--tasks: unknown task(s) {', '.join(map(repr, unknown))}{hint}: the local tasks are "
                          f"{', '.join(LOCAL_TASKS)}, and `lm-eval ls tasks` lists the harness's own (comma-separated, "
                          "e.g. --tasks attnres_ppl,hellaswag; 'none' skips lm-eval)")
 

@@ -10,7 +10,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from ...nn.residual import ResidualConfig
-from ...validation import nearest
+from ...validation import did_you_mean_each
 from .classes import register_families, upcycled_classes
 from .modeling import PREFIX
 
@@ -56,9 +56,8 @@ def check_hf_config(config) -> None:
     unknown = sorted(set(config.hf_config) - known)
     if unknown:
         # the nearest field, among those a ModelConfig field sets too (named with that field)
-        hints = [f"{near!r}" + (f" (set by model.{ours[near]})" if near in ours else "") + f" for {key!r}"
-                 for key in unknown if (near := nearest(key, sorted(known | set(ours)))) is not None]
-        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        hint = did_you_mean_each(unknown, sorted(known | set(ours)),
+                                 lambda near: f" (set by model.{ours[near]})" if near in ours else "")
         raise ValueError(f"unknown ModelConfig.hf_config key(s) {unknown} for hf_architecture="
                          f"{config.hf_architecture!r}{hint}; known keys: {sorted(known)}")
 
