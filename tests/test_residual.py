@@ -264,6 +264,10 @@ def test_bad_block_size_raises(bad):
 def test_bad_impl_raises():
     with pytest.raises(ValueError, match="schedule must be one of"):
         FullAttnRes(4, 4, schedule="fast")
+    with pytest.raises(ValueError, match=r"got 'two-phase' \(did you mean 'two_phase'\?\)"):
+        FullAttnRes(4, 4, schedule="two-phase")
+    with pytest.raises(ValueError, match=r"backend must be one of .*, got 'trition' \(did you mean 'triton'\?\)"):
+        BlockAttnRes(4, 4, 2, backend="trition")
 
 
 def test_float32_rule_accepts_an_equally_accurate_path_whatever_its_rounding_direction():

@@ -287,7 +287,7 @@ def test_captured_graph_is_refreshed_when_the_weights_it_reads_change():
 def test_static_decoding_refuses_bad_input():
     model = make_model(residual="attnres_block").eval()
     ids, mask = ragged_prompts()
-    with pytest.raises(ValueError, match="decode must be one of"):
+    with pytest.raises(ValueError, match=r"decode must be one of .*; got 'cuda_graph' \(did you mean 'graph'\?\)"):
         generate(model, ids, mask, max_new_tokens=2, decode="cuda_graph")
     with pytest.raises(ValueError, match="decode='graph' captures a CUDA graph: the model is on cpu"):
         stream(model, ids, mask, max_new_tokens=2, decode="graph")

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache
+from ..validation import did_you_mean
 from .static import StaticDecoder
 
 __all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
@@ -200,7 +201,7 @@ def resolve_decode(model, decode: str) -> str:
     """``decode`` checked against :data:`DECODE_MODES` for ``model``'s device, with ``"auto"``
     resolved (``"graph"`` on CUDA, ``"dynamic"`` elsewhere)."""
     if decode not in DECODE_MODES:
-        raise ValueError(f"decode must be one of {DECODE_MODES}; got {decode!r}")
+        raise ValueError(f"decode must be one of {DECODE_MODES}; got {decode!r}{did_you_mean(decode, DECODE_MODES)}")
     device = next(model.parameters()).device
     if decode == "auto":
         return "graph" if device.type == "cuda" else "dynamic"

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from ...ops import Operations, compute_dtype, operations
 from ...ops.depth_attention import BACKENDS, reference
 from ...ops.depth_attention.recompute import Phase1Recompute, other_hooks_active
+from ...validation import did_you_mean
 from ..norm import FusableNormInput
 from .base import DepthHistory, ResidualState, ResidualStream
 from .config import SCHEDULES, AttnResAblation, ResidualConfig
@@ -143,7 +144,7 @@ class AttnResBase(ResidualStream):
     ) -> None:
         super().__init__(dim, n_sublayers)
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}{did_you_mean(backend, BACKENDS)}")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
             raise ValueError(f"{type(self).__name__}: eps (the keys' RMSNorm epsilon) must be a positive number, "
                              f"got {eps!r}")
@@ -169,7 +170,7 @@ class AttnResBase(ResidualStream):
     @schedule.setter
     def schedule(self, value: str) -> None:
         if value not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {value!r}")
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {value!r}{did_you_mean(value, SCHEDULES)}")
         if self.ablation is not None and value != "naive":
             raise ValueError("AttnRes ablations run on the naive path: use schedule='naive' "
                              "(ModelConfig.residual.schedule)")
