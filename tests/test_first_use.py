@@ -273,6 +273,22 @@ def test_a_misspelt_key_or_choice_names_the_nearest_one(tmp_path, corpus, capsys
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("argv, fragment, hint", [
+    (["analyse", "RUN"], "invalid choice: 'analyse' (choose from 'train', ", "(did you mean 'analyze'?)"),
+    (["generate", "RUN", "--prompt", "a", "--temprature=0.5", "--top_k", "3"],
+     "unrecognized arguments: --temprature=0.5 --top_k 3",
+     "(did you mean '--temperature' for '--temprature', '--top-k' for '--top_k'?)"),
+    (["generate", "RUN", "--prompt", "a", "--dtype", "bf16"], "invalid choice: 'bf16'", "(did you mean 'bfloat16'?)"),
+    (["analyze", "RUN", "RUN"], "unrecognized arguments: RUN (one checkpoint at a time", None),  # no option: no guess
+])
+def test_a_misspelt_command_option_or_choice_names_the_nearest_one(finished_run, capsys, argv, fragment, hint):
+    """argparse's own messages get the nearest allowed command, option or choice (what
+    Python 3.14's ``suggest_on_error`` does)."""
+    argv = [str(finished_run) if a == "RUN" else a for a in argv]
+    message = fails_with(capsys, argv, fragment.replace("RUN", str(finished_run)))
+    assert hint in message if hint else "did you mean" not in message, message
+
+
 @pytest.mark.parametrize("where", ["missing", "no-config"])
 def test_model_from_hf_that_is_not_a_saved_directory_is_named(tmp_path, corpus, capsys, where):
     """A missing path ended in transformers' traceback about Hub repo ids (or tried the

@@ -7,11 +7,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from ..validation import did_you_mean, did_you_mean_each
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,7 +33,22 @@ class Parser(argparse.ArgumentParser):
         if not first_on_node():  # every rank of a launch parses the same line: one message per node
             leave_the_message_to_the_first_on_node()
             self.exit(2)
-        super().error(message)
+        super().error(message + self._nearest_hint(message))
+
+    def _nearest_hint(self, message: str) -> str:
+        """For argparse's two messages of a misspelling (an invalid choice, an unrecognised
+        option) the nearest allowed one: ``attnres analyse`` -> 'analyze', ``--temprature``
+        -> '--temperature' (Python 3.14's ``suggest_on_error``, for every Python we run on)."""
+        choice = re.search(r"invalid choice: (\S+) \(choose from (.*)\)$", message)
+        if choice:
+            value = choice.group(1).strip("'\"")
+            return did_you_mean(value, [c.strip().strip("'\"") for c in choice.group(2).split(",")])
+        if message.startswith("unrecognized arguments: "):
+            options = [o for action in self._actions for o in action.option_strings]
+            words = message[len("unrecognized arguments: "):].split()
+            flags = [w.split("=")[0] for w in words if w.startswith("--")]
+            return did_you_mean_each([f for f in flags if f not in options], options)
+        return ""
 
 
 #: What the reading commands take as their checkpoint.
