@@ -97,7 +97,8 @@ def test_eval_refuses_unknown_task_names_before_any_work(run_dir, tmp_path, caps
     pytest.importorskip("lm_eval")
     out = tmp_path / "eval.json"
     with pytest.raises(SystemExit) as info:
-        cli_main(["eval", "--checkpoint", str(run_dir), "--tasks", "attnres_ppl,bogus_task,hellaswg", "--out", str(out)])
+        cli_main(["eval", "--checkpoint", str(run_dir), "--tasks", "attnres_ppl,bogus_task,hellaswg",
+                  "--out", str(out)])
     message = str(info.value)
     assert "unknown task(s) 'bogus_task', 'hellaswg'" in message and "lm-eval ls tasks" in message
     assert "(did you mean 'hellaswag' for 'hellaswg'?)" in message  # (nothing is close to bogus_task)

@@ -12,7 +12,8 @@ from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..models.hf_registry import hf_hook
-from ..validation import SEED_MAX, Bool, check_known_keys, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList, fail
+from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList,
+                          check_known_keys, fail)
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")

@@ -306,7 +306,8 @@ _MULTIPLIER_TRAIN = {"tiny": {}, "cpu": dict(eval_every=112, eval_batches=18, lo
 def multiplier_grid(preset: str) -> MultiplierGrid:
     """The multiplier grid's plan at ``preset`` (one of ``PRESETS["multiplier"]``)."""
     if preset not in _MULTIPLIER:
-        raise ValueError(f"unknown preset {preset!r}{did_you_mean(preset, _MULTIPLIER)} for experiment 'multiplier'; available: {', '.join(_MULTIPLIER)}")
+        raise ValueError(f"unknown preset {preset!r}{did_you_mean(preset, _MULTIPLIER)} for experiment 'multiplier'; "
+                         f"available: {', '.join(_MULTIPLIER)}")
     return _MULTIPLIER[preset]
 
 
@@ -336,9 +337,11 @@ _BUILDERS = {"compare": _compare, "ablation": _ablation, "block-size": _block_si
 def get_experiment(name: str, preset: str) -> Experiment:
     """The grid ``name`` (one of :data:`EXPERIMENTS`) at ``preset`` (one of ``PRESETS[name]``)."""
     if name not in _BUILDERS:
-        raise ValueError(f"unknown experiment {name!r}{did_you_mean(name, _BUILDERS)}; available: {', '.join(EXPERIMENTS)}")
+        raise ValueError(f"unknown experiment {name!r}{did_you_mean(name, _BUILDERS)}; "
+                         f"available: {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS[name]:
-        raise ValueError(f"unknown preset {preset!r}{did_you_mean(preset, PRESETS[name])} for experiment {name!r}; available: {', '.join(PRESETS[name])}")
+        raise ValueError(f"unknown preset {preset!r}{did_you_mean(preset, PRESETS[name])} for experiment {name!r}; "
+                         f"available: {', '.join(PRESETS[name])}")
     base = {**_TRAIN[preset], **_COMMON, "model": dict(_MODEL[preset])}
     if name == "compare" and preset == "tiny":  # the compare report plots diagnostics: log some
         base["diagnostics_every"] = 2

@@ -58,7 +58,8 @@ def residual_class(name: str) -> type[ResidualStream]:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         raise ValueError(
-            f"ModelConfig.residual.kind must be one of {', '.join(repr(n) for n in _REGISTRY)}; got {name!r}{did_you_mean(name, _REGISTRY)}; "
+            f"ModelConfig.residual.kind must be one of {', '.join(repr(n) for n in _REGISTRY)}; "
+            f"got {name!r}{did_you_mean(name, _REGISTRY)}; "
             "a residual of your own is registered by importing its module first: `attnres --import MODULE <command> "
             "...` on the command line, `import MODULE` in Python"
         ) from None
