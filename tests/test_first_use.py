@@ -457,9 +457,14 @@ def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus, lay
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "attnres",
            "train", *overrides(corpus, tmp_path / "run"), *layout]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    out = proc.stdout + proc.stderr
-    errors = [line for line in out.splitlines() if line.startswith("attnres train: error:")]
+    for attempt in range(2):
+        proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        out = proc.stdout + proc.stderr
+        errors = [line for line in out.splitlines() if line.startswith("attnres train: error:")]
+        # Gloo's TCP mesh once failed to form on a loaded 2-core machine (a rank's connection
+        # "closed by peer" inside init_process_group, before any of our code ran): launch again.
+        if errors or "Gloo connectFullMesh failed" not in out:
+            break
     assert len(errors) == 1 and errors[0].startswith(f"attnres train: error: {message}"), out
     assert proc.returncode != 0 and "exitcode  : 1" in out, out
     assert not (tmp_path / "run").exists()
