@@ -457,7 +457,7 @@ def test_a_layout_that_does_not_fit_the_ranks_is_said_once(tmp_path, corpus, lay
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "attnres",
            "train", *overrides(corpus, tmp_path / "run"), *layout]
-    for attempt in range(2):
+    for _ in range(2):
         proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
         out = proc.stdout + proc.stderr
         errors = [line for line in out.splitlines() if line.startswith("attnres train: error:")]

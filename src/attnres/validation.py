@@ -128,23 +128,19 @@ class Choice(Rule):
 
 
 @dataclass(frozen=True)
-class ChoiceOrPath(Rule):
+class ChoiceOrPath(Choice):
     """One of ``allowed``, or a path that ``is_path`` recognises (so that a misspelt choice
-    is refused here, not looked for as a file later); ``path`` says what the path names."""
+    is refused here, not looked for as a file later, and gets :class:`Choice`'s hint);
+    ``path`` says what the path names."""
 
-    allowed: tuple[str, ...]
     is_path: Callable[[str], bool]
     path: str
 
     def ok(self, value: Any) -> bool:
-        return isinstance(value, str) and (value in self.allowed or self.is_path(value))
+        return super().ok(value) or (isinstance(value, str) and self.is_path(value))
 
     def describe(self) -> str:
-        return "one of " + ", ".join(repr(a) for a in self.allowed) + f", or {self.path}"
-
-    def check(self, section: str, name: str, value: Any) -> None:
-        if not self.ok(value):
-            fail(section, name, self.describe(), value, did_you_mean(value, self.allowed))
+        return f"{super().describe()}, or {self.path}"
 
 
 @dataclass(frozen=True)
