@@ -280,6 +280,11 @@ def test_a_misspelt_key_or_choice_names_the_nearest_one(tmp_path, corpus, capsys
      "(did you mean '--temperature' for '--temprature', '--top-k' for '--top_k'?)"),
     (["generate", "RUN", "--prompt", "a", "--dtype", "bf16"], "invalid choice: 'bf16'", "(did you mean 'bfloat16'?)"),
     (["analyze", "RUN", "RUN"], "unrecognized arguments: RUN (one checkpoint at a time", None),  # no option: no guess
+    # a misspelt required option: argparse's check of required ones comes first
+    (["generate", "RUN", "--promt", "a"], "the following arguments are required: --prompt",
+     "(did you mean '--prompt' for '--promt'?)"),
+    (["export", "RUN", "--ot=x"], "the following arguments are required: --out", "(did you mean '--out' for '--ot'?)"),
+    (["export", "RUN"], "the following arguments are required: --out", None),
 ])
 def test_a_misspelt_command_option_or_choice_names_the_nearest_one(finished_run, capsys, argv, fragment, hint):
     """argparse's own messages get the nearest allowed command, option or choice (what

@@ -25,6 +25,13 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.help_tail = help_tail
 
+    def parse_known_args(self, args=None, namespace=None):
+        # kept for the hint of a missing required option: a misspelt ``--promt`` makes
+        # argparse say only that ``--prompt`` is required (its check comes before the one of
+        # unrecognised arguments); a subcommand's parser is given its own part of the line
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def format_help(self) -> str:
         text = super().format_help()
         return text + "\n" + self.help_tail() + "\n" if self.help_tail is not None else text
@@ -36,19 +43,24 @@ class Parser(argparse.ArgumentParser):
         super().error(message + self._nearest_hint(message))
 
     def _nearest_hint(self, message: str) -> str:
-        """For argparse's two messages of a misspelling (an invalid choice, an unrecognised
-        option) the nearest allowed one: ``attnres analyse`` -> 'analyze', ``--temprature``
-        -> '--temperature' (Python 3.14's ``suggest_on_error``, for every Python we run on)."""
+        """For argparse's messages of a misspelling (an invalid choice, an unrecognised option,
+        a required option missing because it was misspelt) the nearest allowed one:
+        ``attnres analyse`` -> 'analyze', ``--temprature`` -> '--temperature' (Python 3.14's
+        ``suggest_on_error``, for every Python we run on)."""
         choice = re.search(r"invalid choice: (\S+) \(choose from (.*)\)$", message)
         if choice:
             value = choice.group(1).strip("'\"")
             return did_you_mean(value, [c.strip().strip("'\"") for c in choice.group(2).split(",")])
         if message.startswith("unrecognized arguments: "):
-            options = [o for action in self._actions for o in action.option_strings]
-            words = message[len("unrecognized arguments: "):].split()
-            flags = [w.split("=")[0] for w in words if w.startswith("--")]
-            return did_you_mean_each([f for f in flags if f not in options], options)
+            return self._unknown_options_hint(message[len("unrecognized arguments: "):].split())
+        if message.startswith("the following arguments are required: "):
+            return self._unknown_options_hint(getattr(self, "_given", []))
         return ""
+
+    def _unknown_options_hint(self, words: list[str]) -> str:
+        options = [o for action in self._actions for o in action.option_strings]
+        flags = [w.split("=")[0] for w in words if w.startswith("--")]
+        return did_you_mean_each([f for f in flags if f not in options], options)
 
 
 #: What the reading commands take as their checkpoint.
