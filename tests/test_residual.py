@@ -234,7 +234,10 @@ def test_finish_twice_and_bad_sizes_are_refused():
     with pytest.raises(RuntimeError, match=r"finish\(\) called twice"):
         m.finish(state)
     for args, match in [((0, 2, 1), "dim must be an integer >= 1"), ((4, 0, 1), "n_sublayers must be an integer"),
-                        ((4.0, 2, 1), "dim must be an integer")]:
+                        ((4.0, 2, 1), "dim must be an integer"),
+                        ((4, 2, 0), "^BlockAttnRes: block_size must be an integer >= 1, got 0$"),
+                        ((4, 2, True), "block_size must be an integer >= 1, got True"),  # not a size of 1
+                        ((4, 2, 1.0), "block_size must be an integer >= 1, got 1.0")]:
         with pytest.raises(ValueError, match=match):
             BlockAttnRes(*args)
     for eps in (-1.0, 0.0, float("nan"), "1e-6"):

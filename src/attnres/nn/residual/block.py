@@ -176,8 +176,8 @@ class BlockAttnRes(AttnResBase):
         ablation: AttnResAblation | None = None, backend: str = "auto",
         recompute_phase1: bool = True,
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"BlockAttnRes: block_size must be an integer >= 1, got {block_size!r}")
         if ablation is not None and ablation.window is not None:
             raise ValueError("the sliding-window ablation applies to Full AttnRes only")
         self.block_size = block_size
