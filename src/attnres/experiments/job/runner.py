@@ -25,6 +25,7 @@ from ...models import AttnResLM, ModelConfig
 from ...train import TrainConfig, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
+from ...validation import did_you_mean_each
 from ..flops import non_embedding_parameters, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
 from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
@@ -188,7 +189,8 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         names = [v.name for v in experiment.variants]
         unknown = [v for v in variants if v not in names]
         if unknown or not variants:
-            raise ValueError(f"variants must be names of the {experiment.name!r} grid {names}; got {list(variants)!r}")
+            raise ValueError(f"variants must be names of the {experiment.name!r} grid {names}; got {list(variants)!r}"
+                             f"{did_you_mean_each(unknown, names)}")
         chosen = [v for v in experiment.variants if v.name in variants]
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
