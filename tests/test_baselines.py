@@ -219,8 +219,13 @@ def test_ablation_validation():
                                                                              "input_independent_mixing": True}})
     with pytest.raises(ValueError, match="ablation applies to AttnRes variants"):
         ModelConfig.preset("tiny", residual={"kind": "rezero", "ablation": {"key_norm": False}})
-    with pytest.raises(ValueError, match="unknown ModelConfig.residual.ablation key"):
+    with pytest.raises(ValueError, match=r"unknown ModelConfig.residual.ablation key\(s\) \['keynorm'\] "
+                       r"\(did you mean 'key_norm' for 'keynorm'\?\)"):
         ModelConfig.preset("tiny", residual={"ablation": {"keynorm": False}})
+    srcs = [torch.randn(2, 8) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"weighting must be one of \('softmax', 'sigmoid'\), got 'sigmod' "
+                       r"\(did you mean 'sigmoid'\?\)"):
+        depth_attention_variant(torch.zeros(8), srcs, torch.ones(8), weighting="sigmod")
 
 
 def test_multistream_routing_follows_a_float64_model():

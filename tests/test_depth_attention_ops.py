@@ -653,8 +653,10 @@ def test_merge_input_errors():
             merge(z, sources, computed, None)
         with pytest.raises(ValueError, match="at least one source"):
             merge(z[..., :0], [])
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="backend must be one of .*, got 'cuda'$"):
         library.merge(z, sources, backend="cuda")
+    with pytest.raises(ValueError, match=r"got 'trition' \(did you mean 'triton'\?\)"):
+        library.merge(z, sources, backend="trition")
     with pytest.raises(ValueError, match=r"qg must have shape \[S, 4\]"):
         library.phase1(qg, sources)
 

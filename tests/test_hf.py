@@ -187,6 +187,10 @@ def test_eager_attention_matches_sdpa():
         hf.config._attn_implementation = "sdpa"
         sdpa_plain = hf(ids).logits
     assert torch.allclose(eager, sdpa, atol=1e-5) and torch.allclose(eager_plain, sdpa_plain, atol=1e-5)
+    hf.config._attn_implementation = "eagr"
+    with pytest.raises(ValueError, match=r"attn_implementation must be one of \('sdpa', 'eager'\); got 'eagr' "
+                       r"\(did you mean 'eager'\?\)"):
+        hf(ids)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

@@ -293,8 +293,10 @@ def test_static_decoding_refuses_bad_input():
         stream(model, ids, mask, max_new_tokens=2, decode="graph")
     with pytest.raises(ValueError, match="mode='graph' captures a CUDA graph"):
         StaticDecoder(model, 1, mode="graph")
-    with pytest.raises(ValueError, match="mode must be one of"):
+    with pytest.raises(ValueError, match=r"mode must be one of .*, got 'static'$"):  # nothing near: no guess
         StaticDecoder(model, 1, mode="static")
+    with pytest.raises(ValueError, match=r"got 'compile' \(did you mean 'compiled'\?\)"):
+        StaticDecoder(model, 1, mode="compile")
     with pytest.raises(ValueError, match="capacity must be <= ModelConfig.max_seq_len"):
         StaticKVCache.for_model(model, 1, capacity=model.config.max_seq_len + 1)
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..progress import progress_bar
+from ..validation import did_you_mean
 from .corpus import Corpus
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
                         load_tokenizer_file, text_chunks, train_bpe)
@@ -154,7 +155,8 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     BPE (``tokenizers``' own bars) and tokenising each split.
     """
     if tokenizer not in TOKENIZER_KINDS and not is_tokenizer_path(tokenizer):
-        raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS} or a tokenizer.json path; got {tokenizer!r}")
+        raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS} or a tokenizer.json path; got {tokenizer!r}"
+                         f"{did_you_mean(tokenizer, TOKENIZER_KINDS)}")
     if given is None and tokenizer not in TOKENIZER_KINDS:
         given = load_tokenizer_file(tokenizer, "data.tokenizer")
     root = resolve_cache_root(corpus, cache_dir)

@@ -30,6 +30,7 @@ from ..models import AttnResLM, DecoderTrunk, next_token_loss
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
+from ..validation import did_you_mean
 from .families import init_missing_tensors
 from .configuration import AttnResConfig
 
@@ -147,7 +148,8 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         """Point every attention layer at ``config._attn_implementation``."""
         impl = self.config._attn_implementation or "sdpa"
         if impl not in Attention.IMPLEMENTATIONS:
-            raise ValueError(f"attn_implementation must be one of {Attention.IMPLEMENTATIONS}; got {impl!r}")
+            raise ValueError(f"attn_implementation must be one of {Attention.IMPLEMENTATIONS}; got {impl!r}"
+                             f"{did_you_mean(impl, Attention.IMPLEMENTATIONS)}")
         for layer in self.layers:
             layer.attn.implementation = impl
 

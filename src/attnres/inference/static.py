@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..nn.kv_cache import KVCache, StaticKVCache
+from ..validation import did_you_mean
 
 __all__ = ["STATIC_MODES", "StaticDecoder", "static_decode_step"]
 
@@ -79,7 +80,7 @@ class StaticDecoder:
 
     def __init__(self, model, batch_size: int, capacity: int | None = None, mode: str = "graph", warmup: int = 2) -> None:
         if mode not in STATIC_MODES:
-            raise ValueError(f"mode must be one of {STATIC_MODES}, got {mode!r}")
+            raise ValueError(f"mode must be one of {STATIC_MODES}, got {mode!r}{did_you_mean(mode, STATIC_MODES)}")
         self.model, self.mode, self.warmup = model, mode, warmup
         with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not
             self.cache = StaticKVCache.for_model(model, batch_size, capacity)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from ...validation import did_you_mean
 from . import library, reference
 from .reference import check_sources, compute_dtype, depth_attention
 
@@ -57,5 +58,6 @@ OPERATIONS = {**{backend: _custom_ops(backend) for backend in library.BACKENDS},
 def operations(backend: str) -> Operations:
     """The family of ``backend`` (one of :data:`BACKENDS`)."""
     if backend not in OPERATIONS:
-        raise ValueError(f"depth-attention backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"depth-attention backend must be one of {BACKENDS}, got {backend!r}"
+                         f"{did_you_mean(backend, BACKENDS)}")
     return OPERATIONS[backend]

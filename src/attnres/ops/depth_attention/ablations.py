@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...validation import did_you_mean
 from .reference import check_sources
 
 __all__ = ["depth_attention_variant", "WEIGHTINGS"]
@@ -58,7 +59,7 @@ def depth_attention_variant(
     """
     check_sources(sources)
     if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}{did_you_mean(weighting, WEIGHTINGS)}")
     n, d = len(sources), sources[0].shape[-1]
     h = 1 if heads is None else heads
     if not isinstance(h, int) or h < 1 or d % h:

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ...validation import did_you_mean
 from . import cpu_kernel, torch_impl
 from .reference import _check_merge, check_phase1, compute_dtype, stream_dtype
 
@@ -420,7 +421,7 @@ class _Merge(torch.autograd.Function):
 
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}{did_you_mean(backend, BACKENDS)}")
 
 
 def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: str = "auto",
