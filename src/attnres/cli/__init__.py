@@ -33,15 +33,18 @@ class Command:
     add_parser: Callable
     run: Callable
     accepts_extra: Callable[[str], bool] | None = None
-    #: Said after "unrecognized arguments" when one of them is not an option (a second path).
+    #: Said after "unrecognized arguments" when one of them is not an option (a second path,
+    #: an override without its ``=value``).
     extra_path_hint: str = ""
 
 
 #: Every command, in the order ``attnres --help`` lists them.
 COMMANDS: dict[str, Command] = {
     "train": Command(train.add_parser, train.run, train.accepts_extra),
-    "compare": Command(experiment.add_compare_parser, experiment.run, experiment.accepts_extra),
-    "experiment": Command(experiment.add_experiment_parser, experiment.run, experiment.accepts_extra),
+    "compare": Command(experiment.add_compare_parser, experiment.run, experiment.accepts_extra,
+                       extra_path_hint=experiment.OVERRIDE_HINT),
+    "experiment": Command(experiment.add_experiment_parser, experiment.run, experiment.accepts_extra,
+                          extra_path_hint=experiment.OVERRIDE_HINT),
     "generate": Command(generate.add_parser, generate.run),
     "export": Command(export.add_parser, export.run),
     "analyze": Command(analyze.add_parser, analyze.run,

@@ -49,6 +49,11 @@ def add_experiment_parser(sub) -> None:
         for name, presets in GRID_PRESETS.items()))
 
 
+#: Said of an argument argparse left over that is neither an option nor an override
+#: (``attnres experiment ablation --out x steps``).
+OVERRIDE_HINT = "an override looks like key=value, with dotted keys for sections, e.g. steps=500 model.d_model=128"
+
+
 def accepts_extra(argument: str) -> bool:
     """An argument after an option (``--seeds 0 key=value``): an override."""
     return "=" in argument and not argument.startswith("-")
@@ -71,10 +76,13 @@ def _split_overrides(args, parser) -> None:
     if args.variants is not None:  # the same for `--variants a b key=value`
         args.overrides = [t for t in args.variants if "=" in t] + args.overrides
         args.variants = [t for t in args.variants if "=" not in t]
-    try:
-        args.seeds = [int(t) for t in args.seeds if "=" not in t]
-    except ValueError:
-        parser.error(f"--seeds takes integers; got {args.seeds!r}")
+    seeds = [t for t in args.seeds if "=" not in t]
+    not_integers = [t for t in seeds if not t.lstrip("-").isdigit()]
+    if not_integers:
+        a_key = any(t.replace(".", "_").isidentifier() for t in not_integers)  # an override's key without =value
+        parser.commands[args.command].error(f"--seeds takes integers; got {', '.join(map(repr, not_integers))}"
+                                            + (f" ({OVERRIDE_HINT})" if a_key else ""))
+    args.seeds = [int(t) for t in seeds]
 
 
 def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, presets: str) -> None:
