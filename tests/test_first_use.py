@@ -267,10 +267,21 @@ def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
     ("data.tokenizer=bpee", "got 'bpee' (did you mean 'bpe'?)"),
     ("model.residual.kind=attnres_blok", "got 'attnres_blok' (did you mean 'attnres_block'?); a residual of your own"),
     ("model.residual.kind=xyz", "got 'xyz'; a residual of your own"),   # nothing near: no guess
+    ("model.residual.kind=block", "got 'block' (did you mean 'attnres_block'?)"),  # the name compare's variants use
 ])
 def test_a_misspelt_key_or_choice_names_the_nearest_one(tmp_path, corpus, capsys, override, fragment):
     fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run"), override], fragment)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_nearest_name_is_a_close_spelling_or_the_one_name_with_that_ending():
+    from attnres.validation import nearest
+
+    kinds = ["standard", "attnres_full", "attnres_block"]
+    assert (nearest("attnres_blok", kinds), nearest("full", kinds), nearest("block", kinds)) == \
+        ("attnres_block", "attnres_full", "attnres_block")
+    assert nearest("x", ["a_x", "b_x"]) is None and nearest("", ["a_"]) is None   # two endings, or none: no guess
+    assert nearest(3, kinds) is None
 
 
 @pytest.mark.parametrize("argv, fragment, hint", [

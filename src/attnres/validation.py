@@ -20,12 +20,18 @@ from typing import Any, NoReturn
 
 def nearest(value: Any, allowed: Iterable[str], cutoff: float = 0.6) -> str | None:
     """The allowed string nearest to a misspelt ``value`` (``difflib``'s similarity, at least
-    ``cutoff``; a higher one for long lists, where some name is always somewhat near), or
-    ``None`` when no allowed one is near or ``value`` is not a string."""
+    ``cutoff``; a higher one for long lists, where some name is always somewhat near), else the
+    one allowed string that ends in ``_value`` (``block`` -> 'attnres_block'), or ``None`` when
+    no allowed one is near or ``value`` is not a string."""
     if not isinstance(value, str):
         return None
-    near = difflib.get_close_matches(value, list(allowed), n=1, cutoff=cutoff)
-    return near[0] if near else None
+    allowed = list(allowed)
+    near = difflib.get_close_matches(value, allowed, n=1, cutoff=cutoff)
+    if near:
+        return near[0]
+    # a name given without its prefix (``kind=block`` for 'attnres_block'), when one allowed name ends so
+    ends = [a for a in allowed if value and a.endswith("_" + value)]
+    return ends[0] if len(ends) == 1 else None
 
 
 def did_you_mean(value: Any, allowed: Iterable[str]) -> str:
