@@ -103,3 +103,23 @@ def test_complete_configs_still_load(saved):
     with pytest.warns(DeprecationWarning):
         config = AutoConfig.from_pretrained(directory)
     assert config.residual["block_size"] == 2
+
+
+def test_a_training_run_or_checkpoint_given_to_from_pretrained_says_to_export_it(tmp_path):
+    """A run directory's config.json is the training config: the AttnRes classes said only
+    that the field 'residual' was missing, and told to restore it."""
+    from attnres.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {"d_model": 32}, "steps": 2}))
+    (step / "state.json").write_text("{}")
+    for path, found in ((run, "a training run's directory (it holds checkpoints/)"),
+                        (step, "a training checkpoint (it holds state.json)")):
+        for cls in (AttnResForCausalLM, upcycled_class()):
+            with pytest.raises(CheckpointError) as refused:
+                cls.from_pretrained(path)
+            assert str(refused.value) == (
+                f"'{path}' is {found}, not a Hugging Face directory: write one with `attnres export {path} --out DIR` "
+                f"and load DIR (attnres.inference.load_run('{path}') loads the run's own model as it is)")

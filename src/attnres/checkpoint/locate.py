@@ -14,8 +14,8 @@ from ..output_paths import OutputPathError
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
-__all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_training_output",
-           "set_aside_newer", "verify_checkpoint"]
+__all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
+           "refuse_training_output", "set_aside_newer", "training_output", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -74,20 +74,37 @@ def is_hf_directory(path: str | Path) -> bool:
     return (path / "config.json").is_file() and not (path / STATE_FILE).exists() and not (path / "checkpoints").is_dir()
 
 
-def refuse_training_output(path: str | Path, what: str = "--out") -> None:
-    """Raise :class:`~attnres.output_paths.OutputPathError` when ``path`` is a training run's
-    directory (it holds ``checkpoints/``) or one of its checkpoints (a ``state.json``): a
-    command writing a Hugging Face directory there would replace the run's ``config.json``,
-    which ``--resume``, ``analyze`` and the experiment reports read."""
+def training_output(path: str | Path) -> str | None:
+    """What ``path`` is when it is a training run's directory (it holds ``checkpoints/``) or
+    one of its checkpoints (a ``state.json``), in words; ``None`` otherwise."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
-        found = "a training run's directory (it holds checkpoints/)"
-    elif (path / STATE_FILE).is_file():
-        found = f"a training checkpoint (it holds {STATE_FILE})"
-    else:
-        return
-    raise OutputPathError(f"{what} {str(path)!r} is {found}: a Hugging Face directory written there would replace "
-                          "its config.json; pick another directory")
+        return "a training run's directory (it holds checkpoints/)"
+    if (path / STATE_FILE).is_file():
+        return f"a training checkpoint (it holds {STATE_FILE})"
+    return None
+
+
+def refuse_training_output(path: str | Path, what: str = "--out") -> None:
+    """Raise :class:`~attnres.output_paths.OutputPathError` when ``path`` is a training run's
+    directory or one of its checkpoints (:func:`training_output`): a command writing a Hugging
+    Face directory there would replace the run's ``config.json``, which ``--resume``,
+    ``analyze`` and the experiment reports read."""
+    found = training_output(path)
+    if found is not None:
+        raise OutputPathError(f"{what} {str(path)!r} is {found}: a Hugging Face directory written there would "
+                              "replace its config.json; pick another directory")
+
+
+def refuse_loading_training_output(path: str | Path) -> None:
+    """Raise :class:`CheckpointError` when a transformers loader is given a training run's
+    directory or one of its checkpoints (:func:`training_output`), whose ``config.json`` (if
+    any) is the training config: it said only that the field ``residual`` was missing."""
+    found = training_output(path)
+    if found is not None:
+        raise CheckpointError(
+            f"{str(path)!r} is {found}, not a Hugging Face directory: write one with `attnres export {path} --out DIR` "
+            f"and load DIR (attnres.inference.load_run({str(path)!r}) loads the run's own model as it is)")
 
 
 def no_checkpoint_at(location: str | Path) -> str:

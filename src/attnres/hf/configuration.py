@@ -19,6 +19,7 @@ import types
 
 from transformers import PretrainedConfig
 
+from ..checkpoint.locate import refuse_loading_training_output
 from ..models.config import ModelConfig
 from ..models.saved_config import check_saved_config, config_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys
@@ -56,6 +57,7 @@ class _AttnResConfigMethods:
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """As ``PretrainedConfig.from_pretrained``, naming the directory in the refusals of
         :meth:`from_dict`."""
+        refuse_loading_training_output(pretrained_model_name_or_path)
         kwargs.setdefault("name_or_path", str(pretrained_model_name_or_path))
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 

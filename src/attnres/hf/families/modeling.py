@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...checkpoint.locate import refuse_loading_training_output
 from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
 from ...models.saved_config import check_saved_config, config_source
 from .layout import PREFIX, Layout, family_of, layout_of
@@ -167,6 +168,7 @@ class UpcycledConfigMixin:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        refuse_loading_training_output(pretrained_model_name_or_path)
         kwargs.setdefault("name_or_path", str(pretrained_model_name_or_path))
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
