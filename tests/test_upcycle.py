@@ -499,3 +499,14 @@ def test_the_torch_only_core_finds_the_families_through_its_registry():
     assert done.stdout.split() == ["False", "AttnResLlamaForCausalLM", "True"]
     with pytest.raises(ValueError, match="unknown transformers hook 'nope'"):
         hf_hook("nope")
+
+
+@pytest.mark.parametrize("model, hint", [("smolm2", " (did you mean 'smollm2'?)"), ("no/such/dir", "")])
+def test_a_model_that_does_not_exist_is_said_with_the_nearest_name(tmp_path, monkeypatch, model, hint):
+    from attnres.hf.upcycle import io
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as info:
+        io.load_pretrained(model)
+    assert str(info.value) == (f"--model {model!r} does not exist (a save_pretrained directory, a .gguf file or "
+                               f"'smollm2'){hint}")

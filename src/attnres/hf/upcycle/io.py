@@ -11,6 +11,7 @@ import torch
 from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
 from ...output_paths import HF_WEIGHT_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
+from ...validation import did_you_mean
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -46,7 +47,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         source, gguf_file = source.parent, source.name
     if not source.exists():
         raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file or "
-                         f"{SMOLLM2!r})")
+                         f"{SMOLLM2!r}){did_you_mean(str(source), [SMOLLM2])}")
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
         raise ModuleNotFoundError(f"reading a .gguf file needs the gguf package ({install_command('upcycle')})",
