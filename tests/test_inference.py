@@ -270,6 +270,29 @@ def test_invalid_parameters(kwargs, name):
         generate(model, random_ids(1, 4), **{"max_new_tokens": 2, **kwargs})
 
 
+def test_stop_tokens_and_pad_id_errors_name_the_parameter():
+    """A single id for ``stop_tokens`` (not a list of them), a tensor of ids, or a tensor
+    ``pad_token_id`` is a ValueError that names the parameter and says what it takes, not a
+    bare ``TypeError: 'int' object is not iterable`` or "got tensor(1)" for an id in range."""
+    model = make_model(residual="attnres_block")
+    ids = random_ids(1, 4)
+    with pytest.raises(ValueError) as e:
+        generate(model, ids, max_new_tokens=2, stop_tokens=1)
+    assert str(e.value) == "stop_tokens must be a list of token ids in [0, 256) ([id] for one); got 1"
+    with pytest.raises(ValueError) as e:
+        generate(model, ids, max_new_tokens=2, stop_tokens=torch.tensor(1))
+    assert str(e.value) == "stop_tokens must be a list of token ids in [0, 256) ([id] for one); got tensor(1)"
+    with pytest.raises(ValueError) as e:
+        generate(model, ids, max_new_tokens=2, stop_tokens=torch.tensor([1, 2]))
+    assert str(e.value) == "stop_tokens must be token ids (Python ints) in [0, 256); got tensor(1)"
+    with pytest.raises(ValueError) as e:
+        generate(model, ids, max_new_tokens=2, pad_token_id=torch.tensor(0))
+    assert str(e.value) == "pad_token_id must be a token id (a Python int) in [0, 256); got tensor(0)"
+    with pytest.raises(ValueError) as e:
+        stream(model, ids, max_new_tokens=2, stop_tokens=[256])
+    assert str(e.value) == "stop_tokens must be token ids (Python ints) in [0, 256); got 256"
+
+
 def test_stream_validates_before_running():
     """``stream`` raises at the call, not at the first ``next()``."""
     model = make_model(residual="attnres_block")

@@ -183,11 +183,15 @@ def stream(
     decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask)
     vocab, limit = model.config.vocab_size, model.config.max_seq_len
+    if (isinstance(stop_tokens, (Integral, str, bytes)) or not isinstance(stop_tokens, Iterable)
+            or (isinstance(stop_tokens, Tensor) and stop_tokens.dim() == 0)):
+        raise ValueError(f"stop_tokens must be a list of token ids in [0, {vocab}) ([id] for one); got {stop_tokens!r}")
     stops = list(stop_tokens)
-    for name, ids in (("stop_tokens", stops), ("pad_token_id", [pad_token_id])):
+    for name, ids, what in (("stop_tokens", stops, "token ids (Python ints)"),
+                            ("pad_token_id", [pad_token_id], "a token id (a Python int)")):
         for tok in ids:
             if isinstance(tok, bool) or not isinstance(tok, Integral) or not 0 <= tok < vocab:
-                raise ValueError(f"{name} must be token ids in [0, {vocab}); got {tok!r}")
+                raise ValueError(f"{name} must be {what} in [0, {vocab}); got {tok!r}")
     t = input_ids.shape[1]
     if t + max_new_tokens - 1 > limit:
         raise ValueError(
