@@ -112,7 +112,8 @@ def test_unknown_and_duplicate_names_and_bad_options():
         register_residual("not a name")
     with pytest.raises(TypeError, match="ResidualStream subclasses"):
         register_residual("plain_test")(object)
-    with pytest.raises(ValueError, match=r"options \['inti'\] are not options of residual 'scaled_test'"):
+    with pytest.raises(ValueError, match=r"options \['inti'\] are not options of residual 'scaled_test' "
+                       r"\(did you mean 'init' for 'inti'\?\); it takes \['init'\]"):
         ModelConfig(residual={"kind": "scaled_test", "options": {"inti": 2.0}})
     with pytest.raises(ValueError, match="options must be empty for residual 'attnres_block'"):
         ModelConfig(residual={"options": {"x": 1}})

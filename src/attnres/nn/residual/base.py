@@ -31,6 +31,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ...validation import did_you_mean_each
 from .config import ResidualConfig
 from .mixing import MixingMatrix
 
@@ -154,8 +155,8 @@ class ResidualStream(nn.Module, ABC):
         accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         unknown = sorted(set(config.options) - accepted)
         if unknown:
-            raise ValueError(f"ModelConfig.residual.options {unknown} are not options of residual {config.kind!r}; "
-                             f"it takes {sorted(accepted) or 'none'}")
+            raise ValueError(f"ModelConfig.residual.options {unknown} are not options of residual {config.kind!r}"
+                             f"{did_you_mean_each(unknown, accepted)}; it takes {sorted(accepted) or 'none'}")
 
     @classmethod
     def describe(cls, config: ResidualConfig, n_sublayers: int) -> str:
