@@ -532,6 +532,28 @@ def test_messages_name_the_one_limit_and_the_directory(tmp_path, finished_run, c
     fails_with(capsys, ["train", str(tmp_path)], f"'{tmp_path}' is a directory, not a config file")
 
 
+@pytest.mark.parametrize("text, said", [
+    # PyYAML kept the last of two equal keys without a word
+    ("lr: 1e-3\nsteps: 2\nlr: 2e-3\n", "found the key 'lr' twice (the second would replace the first) at line 3, column 1"),
+    ("model:\n  preset: tiny\n  n_layers: 2\n  n_layers: 4\n", "found the key 'n_layers' twice"),
+    ("a: [1\n", "expected ',' or ']', but got '<stream end>' at line 2, column 1"),   # in one line, not seven
+    ("data: corpus.txt\n", "TrainConfig.data must be a mapping; got 'corpus.txt'; for a corpus of your own: "
+                          "data.paths=[FILE, ...]"),
+])
+def test_a_config_file_with_a_key_twice_or_bad_yaml_is_said_in_one_line(tmp_path, capsys, text, said):
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    fails_with(capsys, ["train", "--config", str(config), f"out_dir={tmp_path / 'run'}"], said)
+    assert not (tmp_path / "run").exists()
+
+
+def test_yaml_merges_and_anchors_still_load(tmp_path):
+    from attnres.train.config import _yaml_load
+
+    assert _yaml_load("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\nc: {x: 1, d: {x: 2}}\n") == \
+        {"a": {"x": 1, "y": 2}, "b": {"x": 3, "y": 2}, "c": {"x": 1, "d": {"x": 2}}}
+
+
 # -- the same corpus twice ------------------------------------------------------------------
 
 def test_a_file_reached_twice_is_refused(tmp_path, corpus, capsys):

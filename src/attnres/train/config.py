@@ -249,7 +249,8 @@ class TrainConfig:
         if "data" in data:
             section = data["data"]
             if not isinstance(section, dict):
-                fail("TrainConfig", "data", "a mapping", section)
+                fail("TrainConfig", "data", "a mapping", section,
+                     hint="; for a corpus of your own: data.paths=[FILE, ...]" if isinstance(section, str) else "")
             check_known_keys("TrainConfig.data", section, {f.name for f in dataclasses.fields(DataConfig)})
             data["data"] = DataConfig(**section)
         if "parallel" in data:
@@ -333,7 +334,21 @@ def _yaml_load(text: str) -> Any:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            # PyYAML keeps the last of two equal keys: a second ``lr:`` further down a long
+            # config would replace the first without a word
+            # (``<<: *anchor`` merges are YAML's own way to override: not counted)
+            seen = set()
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found the key {key!r} twice (the second would replace the first)", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
@@ -341,6 +356,15 @@ def _yaml_load(text: str) -> Any:
         list("-+0123456789"),
     )
     return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_error_line(error: Exception) -> str:
+    """PyYAML's error in one line: what is wrong and where (its own text spans lines, with
+    the file's lines quoted and ``<unicode string>`` for the file)."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if problem is None or mark is None:
+        return " ".join(str(error).split())
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -420,7 +444,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         try:
             data = _yaml_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+            raise ValueError(f"config file {str(p)!r} is not valid YAML: {_yaml_error_line(e)}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
     return TrainConfig.from_dict(apply_overrides(data, list(overrides)))
