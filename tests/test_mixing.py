@@ -382,6 +382,11 @@ def test_analyze_rows_are_capped_at_the_windows_the_text_holds(tmp_path):
     assert "averaged over 96 tokens" in (tmp_path / "default" / "report.md").read_text()
     windows = analysis_tokens(load_run(run), seq_len=16, text=text)  # spread from the start to the end
     assert windows.tolist() == [letters[s : s + 16].tolist() for s in (0, 17, 34, 50, 67, 84)]
+    with pytest.raises(ValueError, match=r"^the text has 100 tokens, fewer than one window of 128: use --seq-len 100 "
+                       r"or less, or a longer text$"):
+        analysis_tokens(load_run(run), seq_len=128, text=text)
+    with pytest.raises(ValueError, match="the text has 0 tokens, fewer than one window of 16: use a text that is not empty"):
+        analysis_tokens(load_run(run), seq_len=16, text="")
 
 
 def test_analyze_writes_a_step_directorys_report_beside_the_checkpoints_not_inside_one(tmp_path):

@@ -53,7 +53,8 @@ def analysis_tokens(run, rows: int | None = None, seq_len: int | None = None, te
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {limit}")
     ids = load_tokenizer(run).encode(text)
     if len(ids) < seq_len:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
+        fix = f"--seq-len {len(ids)} or less, or a longer text" if ids else "a text that is not empty"
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}: use {fix}")
     holds = len(ids) // seq_len
     if rows is not None and rows > holds:  # (overlapping windows would count the same tokens again)
         warnings.warn(f"--rows {rows} is more than the text holds: its {len(ids)} tokens make {holds} window(s) of "
