@@ -4,6 +4,7 @@ grids): train every (variant, seed) of a grid under ``--out``, then write its re
 from __future__ import annotations
 
 import argparse
+import re
 
 from .common import apply_cpu_allocator, check_output_dir
 
@@ -77,7 +78,7 @@ def _split_overrides(args, parser) -> None:
         args.overrides = [t for t in args.variants if "=" in t] + args.overrides
         args.variants = [t for t in args.variants if "=" not in t]
     seeds = [t for t in args.seeds if "=" not in t]
-    not_integers = [t for t in seeds if not t.lstrip("-").isdigit()]
+    not_integers = [t for t in seeds if not re.fullmatch(r"-?[0-9]+", t)]
     if not_integers:
         a_key = any(t.replace(".", "_").isidentifier() for t in not_integers)  # an override's key without =value
         parser.commands[args.command].error(f"--seeds takes integers; got {', '.join(map(repr, not_integers))}"
