@@ -282,6 +282,9 @@ def test_the_nearest_name_is_a_close_spelling_or_the_one_name_with_that_ending()
         ("attnres_block", "attnres_full", "attnres_block")
     assert nearest("x", ["a_x", "b_x"]) is None and nearest("", ["a_"]) is None   # two endings, or none: no guess
     assert nearest(3, kinds) is None
+    # another name of an allowed value first: 'gpu' is nearer 'cpu' than 'cuda' by spelling
+    assert (nearest("gpu", ["auto", "cpu", "cuda"]), nearest("BF16", ["float32", "bfloat16"])) == ("cuda", "bfloat16")
+    assert nearest("gpu", ["auto", "cpu"]) == "cpu"   # (the alias's value not allowed: spelling decides)
 
 
 @pytest.mark.parametrize("argv, fragment, hint", [
@@ -290,6 +293,8 @@ def test_the_nearest_name_is_a_close_spelling_or_the_one_name_with_that_ending()
      "unrecognized arguments: --temprature=0.5 --top_k 3",
      "(did you mean '--temperature' for '--temprature', '--top-k' for '--top_k'?)"),
     (["generate", "RUN", "--prompt", "a", "--dtype", "bf16"], "invalid choice: 'bf16'", "(did you mean 'bfloat16'?)"),
+    (["generate", "RUN", "--prompt", "a", "--device", "gpu"], "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu'",
+     "(did you mean 'cuda'?)"),
     (["analyze", "RUN", "RUN"], "unrecognized arguments: RUN (one checkpoint at a time", None),  # no option: no guess
     # a misspelt required option: argparse's check of required ones comes first
     (["generate", "RUN", "--promt", "a"], "the following arguments are required: --prompt",

@@ -18,14 +18,23 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 
+#: Other names of an allowed value that no spelling distance finds ('gpu' is nearer 'cpu'
+#: than 'cuda'): the hint names the value they stand for, where it is allowed.
+ALIASES = {"gpu": "cuda", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+           "float": "float32", "f32": "float32", "fp64": "float64", "double": "float64"}
+
+
 def nearest(value: Any, allowed: Iterable[str], cutoff: float = 0.6) -> str | None:
     """The allowed string nearest to a misspelt ``value`` (``difflib``'s similarity, at least
-    ``cutoff``; a higher one for long lists, where some name is always somewhat near), else the
+    ``cutoff``; a higher one for long lists, where some name is always somewhat near; first the
+    value an :data:`ALIASES` name stands for: 'gpu' -> 'cuda', not 'cpu'), else the
     one allowed string that ends in ``_value`` (``block`` -> 'attnres_block'), or ``None`` when
     no allowed one is near or ``value`` is not a string."""
     if not isinstance(value, str):
         return None
     allowed = list(allowed)
+    if ALIASES.get(value.lower()) in allowed:
+        return ALIASES[value.lower()]
     near = difflib.get_close_matches(value, allowed, n=1, cutoff=cutoff)
     if near:
         return near[0]

@@ -19,6 +19,7 @@ from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
+from ..validation import did_you_mean
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
 
@@ -32,15 +33,20 @@ def pick_device(name: str | None) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise ValueError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}") from None
+        raise ValueError(_bad_device(name)) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name!r}: no CUDA device is available here; use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif device.type != "cpu":
-        raise ValueError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}")
+        raise ValueError(_bad_device(name))
     return device
+
+
+def _bad_device(name: str) -> str:
+    allowed = ("auto", "cpu", "cuda")
+    return f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}{did_you_mean(name, allowed)}"
 
 
 #: Files of a training checkpoint that using the model does not need.
