@@ -339,6 +339,23 @@ def test_unknown_config_keys(tmp_path):
         load_config(None, ["steps"])
 
 
+def test_train_config_takes_its_sections_in_python_as_a_yaml_config_gives_them():
+    """``TrainConfig(model="tiny", data={...})`` said 'must be a ModelConfig; got 'tiny''
+    (``parallel`` alone took a mapping): each section is read as ``from_dict`` reads it."""
+    sections = {"model": {"preset": "tiny", "n_layers": 4}, "data": {"paths": ["a.txt"], "tokenizer": "byte"},
+                "parallel": {"dp": 1}}
+    assert TrainConfig(**sections, steps=5) == TrainConfig.from_dict({**sections, "steps": 5})
+    assert TrainConfig(model="tiny").model == ModelConfig.preset("tiny")
+    with pytest.raises(ValueError, match=r"unknown TrainConfig.data key\(s\) \['path'\] \(did you mean 'paths'"):
+        TrainConfig(data={"path": ["a.txt"]})
+    with pytest.raises(ValueError, match="TrainConfig.model must be a ModelConfig, a preset name or a mapping of "
+                                         "ModelConfig fields; got 3"):
+        TrainConfig(model=3)
+    with pytest.raises(ValueError, match=r"TrainConfig.data must be a mapping; got 'a.txt'; for a corpus of your own: "
+                                         r"data.paths=\[FILE, ...\]"):
+        TrainConfig.from_dict({"data": "a.txt"})
+
+
 def test_yaml_config_and_overrides(tmp_path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("model: tiny\nlr: 3e-4\ndata:\n  tokenizer: byte\n")

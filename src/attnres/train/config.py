@@ -189,6 +189,13 @@ class TrainConfig:
     tensorboard: bool = True
 
     def __post_init__(self) -> None:
+        # The sections as a YAML config gives them (TrainConfig(model="tiny", data={"paths": [...]})
+        # in Python, as in a file): a preset name or a mapping, each read as from_dict reads it.
+        if not isinstance(self.model, ModelConfig):
+            self.model = model_from_spec(self.model)  # (anything else: its error names what it takes)
+        if isinstance(self.data, dict):
+            check_known_keys("TrainConfig.data", self.data, {f.name for f in dataclasses.fields(DataConfig)})
+            self.data = DataConfig(**self.data)
         if isinstance(self.parallel, dict):  # TrainConfig(distributed="none"): parallel.dp=1
             self.parallel = ParallelConfig.from_dict(self.parallel)
         self.validate()
@@ -243,18 +250,12 @@ class TrainConfig:
             raise ValueError(f"a training config must be a mapping; got {type(data).__name__}")
         data = migrate_train_keys(data)
         check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
-        data = dict(data)
-        if "model" in data:
-            data["model"] = model_from_spec(data["model"])
-        if "data" in data:
-            section = data["data"]
-            if not isinstance(section, dict):
-                fail("TrainConfig", "data", "a mapping", section,
-                     hint="; for a corpus of your own: data.paths=[FILE, ...]" if isinstance(section, str) else "")
-            check_known_keys("TrainConfig.data", section, {f.name for f in dataclasses.fields(DataConfig)})
-            data["data"] = DataConfig(**section)
-        if "parallel" in data:
-            data["parallel"] = ParallelConfig.from_dict(data["parallel"])
+        section = data.get("data")
+        if "data" in data and not isinstance(section, dict):  # (__post_init__ reads the mappings)
+            fail("TrainConfig", "data", "a mapping", section,
+                 hint="; for a corpus of your own: data.paths=[FILE, ...]" if isinstance(section, str) else "")
+        if "parallel" in data and not isinstance(data["parallel"], dict):
+            data = {**data, "parallel": ParallelConfig.from_dict(data["parallel"])}  # (its own message)
         return cls(**data)
 
 
@@ -322,7 +323,7 @@ def model_from_spec(spec: Any) -> ModelConfig:
         # One rule for YAML and overrides: a model section starts from the default preset
         # unless it names another (``model.X=...`` on a config without a model does the same).
         return ModelConfig.preset(preset if preset is not None else DEFAULT_MODEL_PRESET, **fields)
-    fail("TrainConfig", "model", "a preset name or a mapping of ModelConfig fields", spec)
+    fail("TrainConfig", "model", "a ModelConfig, a preset name or a mapping of ModelConfig fields", spec)
     raise AssertionError  # unreachable: _fail raises
 
 
