@@ -58,3 +58,18 @@ def test_eagle3_drafter_reads_the_depth_mixtures(eagle3, model_dirs):
         # sublayer outputs so far - another tensor from layer 1 on.
         running_sum = inputs[0] + sum(outputs[: 2 * i], torch.zeros_like(inputs[0]))
         assert i == 0 or not torch.allclose(torch.tensor(ours), running_sum, atol=1e-2)
+
+
+def test_eagle3_refusal_of_an_export_names_the_families_that_run_it():
+    """An export refuses EAGLE-3 and points at the upcycled families that run it: exactly those
+    whose served class does not refuse it (no engine: the classes only)."""
+    import re
+
+    from attnres.serve.native import REFUSED
+    from attnres.serve.upcycled import UpcycledCausalLM
+
+    listed = REFUSED["eagle3"].split("the upcycled ", 1)[1].removesuffix(" do")
+    named = {name.replace("-", "").lower() for name in re.split(r", | and ", listed)}
+    running = {cls.vllm_class.__name__.removesuffix("ForCausalLM").lower()
+               for cls in UpcycledCausalLM.__subclasses__() if "eagle3" not in cls.refused}
+    assert named == running, REFUSED["eagle3"]

@@ -8,9 +8,10 @@ attnres writes, with no flags beyond vLLM's own:
 * ``attnres export`` directories (``AttnResForCausalLM``: the native decoder with the
   standard, Full or Block AttnRes residual), :mod:`attnres.serve.native`;
 * ``attnres upcycle`` directories and models trained with ``model.hf_architecture``
-  (``AttnRes<Family>ForCausalLM`` for Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3 text),
-  :mod:`attnres.serve.upcycled`, around vLLM's own modules of each family. The upcycled
-  mixtures of experts are not served yet: loading one stops with the reason
+  (``AttnRes<Family>ForCausalLM`` for Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3 text, and the
+  mixtures of experts Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V2/V3, GLM-4.5, Granite
+  MoE), :mod:`attnres.serve.upcycled`, around vLLM's own modules of each family. The other
+  upcycled families (:func:`unserved_families`) stop at load with the reason
   (:mod:`attnres.serve.refused`).
 
 Both are built from vLLM's blocks (its ``Attention`` layer over the paged KV cache, parallel

@@ -57,8 +57,8 @@ NAMES = SublayerNames(attention="attn", mlp="mlp", layout=Layout("attn_norm", "m
 #: What an export refuses, with the reason (decoder.check_servable).
 REFUSED = {
     "lora": "an attnres export (AttnResForCausalLM) does not declare LoRA support; upcycled dense families do",
-    "eagle3": "an attnres export (AttnResForCausalLM) does not hand EAGLE-3 drafters its hidden states; upcycled "
-              "Llama, Mistral, Qwen2 and Qwen3 do",
+    "eagle3": "an attnres export (AttnResForCausalLM) does not hand EAGLE-3 drafters its hidden states; the upcycled "
+              "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, DeepSeek-V2 and DeepSeek-V3 do",
 }
 
 
