@@ -4,6 +4,8 @@ other change; names are validated against the registry; variants describe their 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -205,3 +207,30 @@ def test_cli_imports_a_module_that_registers_a_residual(tmp_path, monkeypatch, c
     assert "kind: cli_test" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli_main(["--import", "no_such_module_here", "train", "--print-config"])
+
+
+def test_cli_imports_a_python_file_by_its_path_and_names_a_near_module(tmp_path, monkeypatch, capsys):
+    """``--import path/to/mine.py`` said "No module named 'path/to/mine.py'"; a misspelt
+    module beside the user gets the nearest ``.py`` file's name."""
+    pytest.importorskip("yaml")
+    from attnres.cli import main as cli_main
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "by_path_residuals.py").write_text(
+        "from attnres import register_residual\n"
+        "from attnres.nn.residual import SingleStreamResidual\n"
+        "@register_residual('by_path_test', replace=True)\n"
+        "class Mine(SingleStreamResidual):\n"
+        "    def update(self, l, h, out):\n"
+        "        return h + 0.25 * out\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the import puts the file's directory first)
+    assert cli_main(["--import", "elsewhere/by_path_residuals.py", "train", "--print-config",
+                     "model.residual.kind=by_path_test"]) == 0
+    assert "kind: by_path_test" in capsys.readouterr().out
+    (tmp_path / "my_residuals.py").write_text("")
+    with pytest.raises(SystemExit):
+        cli_main(["--import", "my_residual", "train", "--print-config"])
+    assert capsys.readouterr().err.strip().endswith(
+        "attnres: error: --import my_residual: No module named 'my_residual' (did you mean 'my_residuals'?)")

@@ -87,8 +87,9 @@ def build_parser() -> Parser:
     parser = Parser(prog="attnres", description="Attention Residuals for PyTorch")
     parser.add_argument("--version", action="version", version=version_line())
     parser.add_argument("--import", dest="imports", action=ImportModule, metavar="MODULE", default=[],
-                        help="import MODULE first (repeatable), e.g. one that registers its own residual with "
-                        "attnres.register_residual: `attnres --import my_residuals train model.residual.kind=mine`")
+                        help="import MODULE first (repeatable; or a .py file's path), e.g. one that registers its own "
+                        "residual with attnres.register_residual: `attnres --import my_residuals train "
+                        "model.residual.kind=mine`")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS.values():
         command.add_parser(sub)

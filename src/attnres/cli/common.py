@@ -143,19 +143,26 @@ class ImportModule(argparse.Action):
     """``--import MODULE``: imported as soon as it is parsed, so that what it registers is
     known to everything after it (config validation, ``train --help``). The current directory
     is searched first, as ``python -m attnres`` does: the ``attnres`` console script alone
-    would not find a ``my_residuals.py`` beside the user."""
+    would not find a ``my_residuals.py`` beside the user. A ``.py`` file's path imports that
+    file's module (its directory searched first)."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         import importlib
-        import sys
 
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
+        module, file = value, Path(value)
+        if file.suffix == ".py" and file.is_file():  # a file's path: its module, found beside it
+            module = file.stem
+            if str(file.resolve().parent) not in sys.path:
+                sys.path.insert(0, str(file.resolve().parent))
         try:
-            importlib.import_module(value)
+            importlib.import_module(module)
         except ImportError as e:
-            parser.error(f"--import {value}: {e}")
-        getattr(namespace, self.dest).append(value)
+            here = [p.stem for p in Path.cwd().glob("*.py")]
+            hint = did_you_mean(module, here) if getattr(e, "name", None) == module else ""
+            parser.error(f"--import {value}: {e}{hint}")
+        getattr(namespace, self.dest).append(module)
 
 
 def apply_cpu_allocator(settings: dict) -> None:
