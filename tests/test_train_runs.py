@@ -144,6 +144,10 @@ def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkey
         load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": "bpr"}))
     with pytest.raises(ValueError, match=r"data.tokenizer '.*nope.json' does not exist: give a tokenizer.json"):
         train(load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": str(tmp_path / "nope.json")})))
+    (tmp_path / "notes.json").write_text("plain text")
+    with pytest.raises(ValueError, match=r"cannot read tokenizer file '.*notes.json' \(a tokenizer.json of the "
+                                         r"tokenizers library, as a checkpoint or attnres export holds\): "):
+        train(load_config(None, overrides(corpus_file, tmp_path / "x", **{"data.tokenizer": str(tmp_path / "notes.json")})))
     assert not (tmp_path / "x" / "checkpoints").exists()
     with pytest.warns(UserWarning, match=r"data.tokenizer='byte' is not used: a run started from .* keeps the "
                                          r"tokenizer stored with it \(bpe, 281 tokens\)"):

@@ -66,7 +66,8 @@ class BPETokenizer:
         try:
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as e:  # the Rust side raises its own exception type
-            raise ValueError(f"cannot read tokenizer file {str(path)!r}: {e}") from None
+            raise ValueError(f"cannot read tokenizer file {str(path)!r} (a tokenizer.json of the tokenizers library, "
+                             f"as a checkpoint or attnres export holds): {e}") from None
 
     @classmethod
     def from_json(cls, text: str, source: str = "tokenizer.json") -> BPETokenizer:
