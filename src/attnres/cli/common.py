@@ -153,9 +153,9 @@ class ImportModule(argparse.Action):
             sys.path.insert(0, os.getcwd())
         module, file = value, Path(value)
         if file.suffix == ".py" and file.is_file():  # a file's path: its module, found beside it
-            module = file.stem
-            if str(file.resolve().parent) not in sys.path:
-                sys.path.insert(0, str(file.resolve().parent))
+            module, folder = file.stem, str(file.resolve().parent)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
         try:
             importlib.import_module(module)
         except ImportError as e:

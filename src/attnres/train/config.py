@@ -191,12 +191,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # The sections as a YAML config gives them (TrainConfig(model="tiny", data={"paths": [...]})
         # in Python, as in a file): a preset name or a mapping, each read as from_dict reads it.
+        # (anything else: the error names what the section takes)
         if not isinstance(self.model, ModelConfig):
-            self.model = model_from_spec(self.model)  # (anything else: its error names what it takes)
-        if isinstance(self.data, dict):
-            check_known_keys("TrainConfig.data", self.data, {f.name for f in dataclasses.fields(DataConfig)})
-            self.data = DataConfig(**self.data)
-        if isinstance(self.parallel, dict):  # TrainConfig(distributed="none"): parallel.dp=1
+            self.model = model_from_spec(self.model)
+        if not isinstance(self.data, DataConfig):
+            self.data = data_from_spec(self.data)
+        if not isinstance(self.parallel, ParallelConfig):  # TrainConfig(distributed="none"): parallel.dp=1
             self.parallel = ParallelConfig.from_dict(self.parallel)
         self.validate()
 
@@ -250,13 +250,7 @@ class TrainConfig:
             raise ValueError(f"a training config must be a mapping; got {type(data).__name__}")
         data = migrate_train_keys(data)
         check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
-        section = data.get("data")
-        if "data" in data and not isinstance(section, dict):  # (__post_init__ reads the mappings)
-            fail("TrainConfig", "data", "a mapping", section,
-                 hint="; for a corpus of your own: data.paths=[FILE, ...]" if isinstance(section, str) else "")
-        if "parallel" in data and not isinstance(data["parallel"], dict):
-            data = {**data, "parallel": ParallelConfig.from_dict(data["parallel"])}  # (its own message)
-        return cls(**data)
+        return cls(**data)  # (__post_init__ reads the sections)
 
 
 @dataclass(frozen=True)
@@ -297,6 +291,15 @@ TRAIN_RULES: dict[str, Rule] = {
 
 
 accept_old_keys(TrainConfig, migrate_train_keys)
+
+
+def data_from_spec(spec: Any) -> DataConfig:
+    """A ``DataConfig`` from a mapping of its fields (a YAML config's ``data`` section)."""
+    if not isinstance(spec, dict):
+        fail("TrainConfig", "data", "a mapping", spec,
+             hint="; for a corpus of your own: data.paths=[FILE, ...]" if isinstance(spec, str) else "")
+    check_known_keys("TrainConfig.data", spec, {f.name for f in dataclasses.fields(DataConfig)})
+    return DataConfig(**spec)
 
 
 def model_from_spec(spec: Any) -> ModelConfig:
