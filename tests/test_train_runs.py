@@ -446,6 +446,7 @@ def test_the_command_prints_its_set_up_then_its_warnings_then_the_bar(tmp_path, 
     progress bar - one drawn earlier left the set-up's first line on the bar's line."""
     import tqdm
 
+    import attnres.progress
     from attnres.cli import run as console_script
 
     class Bar:  # the training bar draws "BAR" on stdout when created, where the set-up is printed
@@ -456,6 +457,7 @@ def test_the_command_prints_its_set_up_then_its_warnings_then_the_bar(tmp_path, 
         update = set_postfix = close = lambda self, *args, **kwargs: None
 
     monkeypatch.setattr(tqdm, "tqdm", Bar)
+    monkeypatch.setattr(attnres.progress, "_is_terminal", lambda stream: True)  # the bar is drawn on terminals
     monkeypatch.setattr(sys, "argv", ["attnres", "train", *overrides(corpus_file, tmp_path / "run", steps=2,
                                                                       warmup_steps=5, progress="true")])
     with pytest.raises(SystemExit) as exit_:

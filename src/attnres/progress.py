@@ -1,18 +1,106 @@
 """Progress bars: ``tqdm`` when it is installed (the ``train`` extra), nothing otherwise.
 
 Long work shows a bar on stderr (a training run's steps, a grid's runs, tokenising a
-corpus); a bar is a convenience, so without ``tqdm`` the work runs silently.
+corpus); a bar is a convenience, so without ``tqdm`` the work runs silently. A training
+run's steps (:class:`StepProgress`) are shown as plain lines away from a terminal.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+
 
 def progress_bar(enabled: bool = True, **kwargs):
-    """``tqdm(dynamic_ncols=True, **kwargs)``, or ``None`` when not ``enabled`` or without tqdm."""
+    """``tqdm(dynamic_ncols=True, **kwargs)``, or ``None`` when not ``enabled`` or without tqdm.
+    Away from a terminal (a log file) the bar is redrawn every ``LOG_INTERVAL_S`` seconds, not 10
+    times a second: each redraw stays in the log."""
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
+    if not _is_terminal(kwargs.get("file", sys.stderr)):
+        kwargs.setdefault("mininterval", LOG_INTERVAL_S)
     return tqdm(dynamic_ncols=True, **kwargs)
+
+
+#: How often progress is written to a log file (stderr not a terminal), in seconds.
+LOG_INTERVAL_S = 60.0
+
+
+class StepProgress:
+    """A training run's progress on stderr: a ``tqdm`` bar on a terminal, and away from one
+    (a log file, a batch job's output, ``nohup``) a plain line at each evaluation and at most
+    every ``every_s`` seconds at the logging cadence. A bar's carriage-return redraws would
+    fill such a log with one line megabytes long, and the validation loss would not be in it.
+
+    ``update`` counts steps; ``show(**fields)`` sets what is shown beside the step (the
+    latest train loss, tokens/s), ``mark(**fields)`` also writes a line away from a terminal
+    (an evaluation's validation loss)."""
+
+    def __init__(self, total: int, initial: int = 0, stream=None, every_s: float = LOG_INTERVAL_S):
+        self.stream = stream if stream is not None else sys.stderr
+        self.total, self.step, self.first = total, initial, initial
+        self.every_s = every_s
+        self.fields: dict[str, str] = {}
+        self.started = self.last_line = time.perf_counter()
+        self.bar = None
+        if _is_terminal(self.stream):
+            try:
+                from tqdm import tqdm
+            except ImportError:  # without the bar, lines as away from a terminal
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=self.stream)
+
+    def update(self, n: int = 1) -> None:
+        self.step += n
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def show(self, **fields: str) -> None:
+        """Show ``fields`` from now on; away from a terminal, a line if ``every_s`` has passed."""
+        self.fields.update(fields)
+        if self.bar is not None:
+            self.bar.set_postfix(self.fields, refresh=False)
+        else:
+            now = time.perf_counter()
+            if now - self.last_line >= self.every_s:
+                self._line(now)
+
+    def mark(self, **fields: str) -> None:
+        """Show ``fields`` from now on and, away from a terminal, write a line now."""
+        self.fields.update(fields)
+        if self.bar is not None:
+            self.bar.set_postfix(self.fields, refresh=False)
+        else:
+            self._line(time.perf_counter())
+
+    def _line(self, now: float) -> None:
+        self.last_line = now
+        elapsed, done = now - self.started, self.step - self.first
+        left = self.total - self.step
+        eta = f", ~{_clock(elapsed / done * left)} to go" if done > 0 and left > 0 else ""
+        shown = "".join(f"  {name} {value}" for name, value in self.fields.items())
+        print(f"step {self.step}/{self.total}{shown}  ({_clock(elapsed)} elapsed{eta})", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _clock(seconds: float) -> str:
+    """``h:mm:ss``, or ``m:ss`` under an hour."""
+    minutes, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

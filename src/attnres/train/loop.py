@@ -67,6 +67,7 @@ from ..distributed.launch import (
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout, resolve_degrees
 from ..output_paths import check_output_dir
+from ..progress import StepProgress
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
 from .hf_source import load_hf_weights
@@ -323,15 +324,10 @@ class Trainer:
             raise OutDirError(f"could not write to out_dir {str(self.out_dir)!r}: {os_cause(e)}") from None
 
     def _open_progress(self) -> None:
-        """The progress bar (rank 0), once the set-up has been printed: a bar drawn before it
-        would leave the first line of the set-up on the bar's line."""
-        if not (self.main and self.config.progress):
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        self.progress = tqdm(total=self.config.steps, initial=self.step_count, unit="step", dynamic_ncols=True)
+        """The progress display (rank 0), once the set-up has been printed: a bar drawn before
+        it would leave the first line of the set-up on the bar's line."""
+        if self.main and self.config.progress:
+            self.progress = StepProgress(self.config.steps, initial=self.step_count)
 
     def announce(self) -> None:
         """Print the resolved set-up (rank 0): how the run starts, the model, tokens per
@@ -427,8 +423,8 @@ class Trainer:
         self.logger.log("train", self.step_count, loss=self.train_loss, **aux, lr=self.config.lr * factor,
                         grad_norm=grad_norm, tokens=self.tokens_seen, tokens_per_s=tok_s)
         if self.progress is not None:
-            self.progress.set_postfix(loss=f"{self.train_loss:.4f}", **{k: f"{v:.4f}" for k, v in aux.items()},
-                                      tok_s=f"{tok_s:,.0f}")
+            self.progress.show(loss=f"{self.train_loss:.4f}", **{k: f"{v:.4f}" for k, v in aux.items()},
+                               tok_s=f"{tok_s:,.0f}")
         window[:] = [0, now]
 
     def evaluate(self) -> None:
@@ -440,6 +436,8 @@ class Trainer:
         self.val_step = self.step_count
         if self.main:
             self.logger.log("eval", self.step_count, val_loss=self.val_loss, tokens=self.tokens_seen)
+        if self.progress is not None:
+            self.progress.mark(val_loss=f"{self.val_loss:.4f}")
 
     def diagnostics(self, grads: list[float]) -> None:
         """The Fig. 5 / Fig. 8 diagnostics on the first validation batch, with the per-block
@@ -510,14 +508,14 @@ class Trainer:
         """Logging, evaluation and diagnostics at their cadences after a step."""
         config, step = self.config, self.step_count
         window[0] += config.tokens_per_step
+        if self.progress is not None:  # first: a line written below names this step
+            self.progress.update(1)
         if (step % config.log_every == 0 or step == end) and self.main:
             self.log_step(factor, grad_norm, window)
         if step % config.eval_every == 0 or step == config.steps:
             self.evaluate()
         if grads is not None:
             self.diagnostics(grads)
-        if self.progress is not None:
-            self.progress.update(1)
 
     def _train_loop(self) -> TrainResult:
         config = self.config

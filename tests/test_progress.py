@@ -1,0 +1,88 @@
+"""A training run's progress: a bar on a terminal, plain lines in a log (attnres.progress)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+import attnres.progress as progress_mod
+from attnres.progress import StepProgress
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_away_from_a_terminal_each_evaluation_is_one_plain_line(monkeypatch):
+    """In a log file a tqdm bar was one line of carriage-return redraws (3 kB for 30 steps,
+    megabytes for a long run), without the validation loss. Now: a line per ``mark``, and per
+    ``show`` only once ``every_s`` has passed since the last line."""
+    clock = iter([0.0, 5.0, 5.0, 10.0, 70.0, 200.0])
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    p = StepProgress(100, initial=0, stream=log, every_s=60)  # started at 0 s
+    p.update(10)
+    p.show(loss="6.0000")  # 5 s: too soon for a line
+    assert log.getvalue() == ""
+    p.mark(val_loss="5.9000")  # 5 s: a line
+    p.update(10)
+    p.show(loss="5.5000")  # 10 s: 5 s after the last line
+    p.update(10)
+    p.show(loss="5.0000")  # 70 s: 65 s after it
+    p.update(70)
+    p.mark(val_loss="4.0000")  # 200 s, the end: no time left to go
+    p.close()
+    assert log.getvalue().splitlines() == [
+        "step 10/100  loss 6.0000  val_loss 5.9000  (0:05 elapsed, ~0:45 to go)",
+        "step 30/100  loss 5.0000  val_loss 5.9000  (1:10 elapsed, ~2:43 to go)",
+        "step 100/100  loss 5.0000  val_loss 4.0000  (3:20 elapsed)",
+    ]
+
+
+def test_a_resumed_run_estimates_from_its_own_steps(monkeypatch):
+    clock = iter([0.0, 3600.0 + 60.0])
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    p = StepProgress(1000, initial=900, stream=log)
+    p.update(50)
+    p.mark(val_loss="3.0000")
+    assert log.getvalue() == "step 950/1000  val_loss 3.0000  (1:01:00 elapsed, ~1:01:00 to go)\n"
+
+
+def test_on_a_terminal_a_bar_shows_the_validation_loss_too():
+    pytest.importorskip("tqdm")
+    screen = Terminal()
+    p = StepProgress(10, stream=screen)
+    p.update(5)
+    p.show(loss="6.0000", tok_s="1,000")
+    p.mark(val_loss="5.9000")
+    p.update(5)
+    p.close()
+    drawn = screen.getvalue()
+    assert "\r" in drawn and "step 5/10" not in drawn
+    assert "10/10" in drawn and "loss=6.0000" in drawn and "val_loss=5.9000" in drawn
+
+
+def test_a_training_run_in_a_log_writes_lines_with_its_validation_loss(tmp_path: Path, capfd):
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    assert cli_main(["train", *overrides(corpus, tmp_path / "run", progress="true")]) == 0
+    err = capfd.readouterr().err
+    assert "step/s" not in err  # no bar
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split("  ")[0] for line in lines] == ["step 3/6", "step 6/6"]  # eval_every=3
+    assert all("val_loss " in line and "loss " in line for line in lines), lines
+
+
+def test_other_bars_in_a_log_are_redrawn_once_a_minute_not_ten_times_a_second():
+    pytest.importorskip("tqdm")
+    assert progress_mod.progress_bar(total=3, file=io.StringIO()).mininterval == progress_mod.LOG_INTERVAL_S
+    assert progress_mod.progress_bar(total=3, file=Terminal()).mininterval == 0.1
+    assert progress_mod.progress_bar(False, total=3) is None
