@@ -297,7 +297,7 @@ def test_the_nearest_name_is_a_close_spelling_or_the_one_name_with_that_ending()
      "(did you mean 'cuda'?)"),
     (["analyze", "RUN", "RUN"], "unrecognized arguments: RUN (one checkpoint at a time", None),  # no option: no guess
     # a misspelt required option: argparse's check of required ones comes first
-    (["generate", "RUN", "--promt", "a"], "the following arguments are required: --prompt",
+    (["generate", "RUN", "--promt", "a"], "one of the arguments --prompt --prompt-file is required",
      "(did you mean '--prompt' for '--promt'?)"),
     (["export", "RUN", "--ot=x"], "the following arguments are required: --out", "(did you mean '--out' for '--ot'?)"),
     (["export", "RUN"], "the following arguments are required: --out", None),

@@ -343,7 +343,8 @@ def test_decode_step_names_its_argument_and_the_cache_its_batch():
     assert step.shape == (2, 256) and cache.seq_len == 4
 
 
-def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, capsys):
+def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, capsys, monkeypatch):
+    import io
     import sys
     from pathlib import Path
 
@@ -365,6 +366,25 @@ def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, ca
     assert capsys.readouterr().out == out
     with pytest.raises(SystemExit, match="--prompt is empty"):
         cli_main(["generate", "--checkpoint", str(run), "--prompt", ""])
+    # The prompt from a file or standard input: the same text, the editor's final line break dropped.
+    (tmp_path / "prompt.txt").write_text("the quick\n", encoding="utf-8")
+    assert cli_main(["generate", str(run), "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "5",
+                     "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == out
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the quick\n"))
+    assert cli_main(["generate", str(run), "--prompt-file", "-", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == out
+    (tmp_path / "empty.txt").write_text("\n", encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for given, message in ((tmp_path / "empty.txt", "--prompt-file .*empty.txt is empty: there is nothing to continue"),
+                           (tmp_path / "nope.txt", "--prompt-file: no file '.*nope.txt'"),
+                           (tmp_path, "--prompt-file: '.*' is a directory; give a text file"),
+                           (tmp_path / "latin1.txt", "--prompt-file: '.*latin1.txt' is not UTF-8 text")):
+        with pytest.raises(SystemExit, match=message):
+            cli_main(["generate", str(run), "--prompt-file", str(given)])
+    with pytest.raises(SystemExit):
+        cli_main(["generate", str(run), "--prompt", "the", "--prompt-file", str(tmp_path / "prompt.txt")])
+    assert "argument --prompt-file: not allowed with argument --prompt" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="temperature"):
         cli_main(["generate", "--checkpoint", str(run), "--prompt", "the", "--temperature", "-1"])
     with pytest.raises(SystemExit, match=r"neither a checkpoint nor a run directory with checkpoints: it holds 1 run\(s\); "

@@ -53,7 +53,8 @@ class Parser(argparse.ArgumentParser):
             return did_you_mean(value, [c.strip().strip("'\"") for c in choice.group(2).split(",")])
         if message.startswith("unrecognized arguments: "):
             return self._unknown_options_hint(message[len("unrecognized arguments: "):].split())
-        if message.startswith("the following arguments are required: "):
+        if message.startswith("the following arguments are required: ") or re.match(r"one of the arguments .* is "
+                                                                                      r"required$", message):
             return self._unknown_options_hint(getattr(self, "_given", []))
         return ""
 

@@ -11,12 +11,15 @@ from ..validation import SEED_MAX
 
 def add_parser(sub) -> None:
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s",
-                         description="Continue --prompt with the model of a training checkpoint or run directory "
+                         description="Continue --prompt (or --prompt-file) with the model of a training checkpoint or run directory "
                          "(its stored tokenizer), or of a transformers directory (attnres export's or attnres "
                          "upcycle's output: its own tokenizer, stopping at its end-of-sequence token), streaming "
                          "the text; tokens/s on stderr.")
     add_checkpoint_argument(gen)
-    gen.add_argument("--prompt", required=True, help="the text to continue")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument("--prompt-file", metavar="FILE",
+                        help="read the text to continue from FILE (UTF-8), or from standard input with '-'")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
@@ -50,6 +53,30 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
                                       f"{limit + 1} tokens")
         raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
+    """``(the prompt, how it was given)``: ``--prompt``'s text, or the text of ``--prompt-file``
+    (standard input for ``-``), its one final line break dropped (what an editor or ``echo``
+    adds is not part of the text to continue)."""
+    import sys
+    from pathlib import Path
+
+    if prompt is not None:
+        return prompt, "--prompt"
+    if prompt_file == "-":
+        text, given = sys.stdin.read(), "--prompt-file - (standard input)"
+    else:
+        given = f"--prompt-file {prompt_file}"
+        try:
+            text = Path(prompt_file).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"--prompt-file: no file {prompt_file!r}") from None
+        except IsADirectoryError:
+            raise ValueError(f"--prompt-file: {prompt_file!r} is a directory; give a text file") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--prompt-file: {prompt_file!r} is not UTF-8 text") from None
+    return text.removesuffix("\n").removesuffix("\r"), given
 
 
 def _warn_non_finite(model, checkpoint) -> None:
@@ -113,10 +140,11 @@ def run_generate(args) -> int:
     try:
         if not 0 <= args.seed <= SEED_MAX:  # (checked before the model loads: torch's generator refuses it)
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
+        prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         model, tokenizer, stops = _load(args)
-        ids = tokenizer.encode(args.prompt)
+        ids = tokenizer.encode(prompt)
         if not ids:
-            raise ValueError("--prompt is empty: there is nothing to continue")
+            raise ValueError(f"{given} is empty: there is nothing to continue")
         check_context(len(ids), args.max_new_tokens, context_limit(model))
         device = next(model.parameters()).device
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
