@@ -15,12 +15,13 @@ compiled and eager training run the same kernels) and its autograd registered wi
 ``torch.library.register_autograd``: the forward saves what :mod:`.torch_impl` describes
 and the backward calls the backward operator - one decomposition for all implementations.
 
-The last argument, ``backend``, picks the implementation: ``"auto"`` (by device: the C kernel
-of :mod:`.cpu_kernel` for CPU tensors it supports, else :mod:`.torch_impl`; the Triton
-kernels of :mod:`.triton_impl` for CUDA tensors when triton is installed, else PyTorch),
-``"torch"`` (:mod:`.torch_impl` on any device) or ``"triton"`` (the Triton kernels; on CPU
-only under ``TRITON_INTERPRET=1``). The public wrappers are :func:`phase1` and
-:func:`merge`; :mod:`.reference` has the same functions as plain autograd graphs.
+The ``backend`` argument (followed only by the optional ``addend`` and ``out_dtype``) picks
+the implementation: ``"auto"`` (by device: the C kernel of :mod:`.cpu_kernel` for CPU tensors
+it supports, else :mod:`.torch_impl`; the Triton kernels of :mod:`.triton_impl` for CUDA
+tensors when triton is installed, else PyTorch), ``"torch"`` (:mod:`.torch_impl` on any
+device) or ``"triton"`` (the Triton kernels; on CPU only under ``TRITON_INTERPRET=1``). The
+public wrappers are :func:`phase1` and :func:`merge`; :mod:`.reference` has the same
+functions as plain autograd graphs.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ MAX_SOURCES = 128
 MAX_STATS = 2048
 
 #: Programs per multiprocessor the queries' gradient aims at (its compiled variants leave
-#: 9 to 16 resident), and the rows each of its iterations takes (unrolled).
+#: 8 to 16 resident), and the rows each of its iterations takes (unrolled).
 PROGRAMS_PER_SM = 8
 DQ_ROWS = 4
 #: Warps per multiprocessor the merge's backward programs fill (one wave of them).
