@@ -282,6 +282,24 @@ def test_sink_table():
     assert set(full.to_dict()) >= {"matrix", "rank", "sources", "rtol"}
 
 
+def test_findings_read_as_prose_not_python_lists():
+    """The computed findings said ``semiseparable rank [2]`` and ``sinks [[]] per seed``; now
+    ``rank 2`` and ``sinks: none``, per seed only where the seeds differ."""
+    from attnres.analysis.mixing_report import mixing_findings
+
+    rz = model("rezero")
+    with torch.no_grad():
+        rz.residual.alpha.fill_(0.1)
+    sink, none = depth_mixing_matrix(rz, ids()), depth_mixing_matrix(model("standard"), ids())
+    assert mixing_findings("A", [none], 1, 1) == ["A: semiseparable rank 1 (report §6.2: = 1); fewer than 3 seeds, "
+                                                  "no claim.", "A: sinks: none; fewer than 3 seeds, no claim."]
+    two = mixing_findings("B", [sink, none], 1, 1)
+    assert two[1] == "B: sinks: v0; none (per seed); fewer than 3 seeds, no claim.", two
+    assert "semiseparable rank" in two[0] and "[" not in two[0].split("(report")[0], two
+    three = mixing_findings("C", [none] * 3, 1, 1)
+    assert three[0] == "C: semiseparable rank 1, in every seed (3/3) within report §6.2's = 1.", three
+
+
 def test_logged_mean_weights_give_the_token_averaged_matrix():
     """Runs without checkpoints: M from the Fig.-8 mean weights ``forward_diagnostics`` logs."""
     from attnres.analysis import forward_diagnostics

@@ -152,6 +152,14 @@ def sink_table(label: str, results: list[DepthMixing], top: int = 4) -> str:
     return "\n".join(lines)
 
 
+def _per_seed(values: list) -> str:
+    """Values over seeds as prose: one seed's as it is, several equal ones once, others as
+    ``7, 7, 8 (per seed)`` (sink lists: ``none; v0; v0, v3 (per seed)``)."""
+    if len(set(values)) == 1:
+        return str(values[0])
+    return ("; " if isinstance(values[0], str) else ", ").join(map(str, values)) + " (per seed)"
+
+
 def mixing_findings(label: str, results: list[DepthMixing], low: int | None, high: int | None) -> list[str]:
     """Computed findings over seeds: the rank against report §6.2 and the sinks; claims only
     where at least :data:`MIN_SEEDS_FOR_CLAIMS` seeds agree."""
@@ -163,11 +171,13 @@ def mixing_findings(label: str, results: list[DepthMixing], low: int | None, hig
         bound = (f"[{low}, {high}]" if low is not None and high is not None and low != high else
                  f"= {low}" if low == high else f"≤ {high}" if low is None else f"≥ {low}")
         if n >= MIN_SEEDS_FOR_CLAIMS and all(ok):
-            out.append(f"{label}: semiseparable rank {ranks} in every seed ({n}/{n}), within report §6.2's {bound}.")
+            out.append(f"{label}: semiseparable rank {_per_seed(ranks)}, in every seed ({n}/{n}) within report §6.2's "
+                       f"{bound}.")
         elif n >= MIN_SEEDS_FOR_CLAIMS and not any(ok):
-            out.append(f"{label}: semiseparable rank {ranks} outside report §6.2's {bound} in every seed ({n}/{n}).")
+            out.append(f"{label}: semiseparable rank {_per_seed(ranks)} outside report §6.2's {bound} in every seed "
+                       f"({n}/{n}).")
         else:
-            out.append(f"{label}: semiseparable rank {ranks} (report §6.2: {bound}); "
+            out.append(f"{label}: semiseparable rank {_per_seed(ranks)} (report §6.2: {bound}); "
                        + (f"{sum(ok)}/{n} seeds agree, no claim." if n >= MIN_SEEDS_FOR_CLAIMS else
                           f"fewer than {MIN_SEEDS_FOR_CLAIMS} seeds, no claim."))
     size = results[0].matrix.shape[0]
@@ -186,8 +196,8 @@ def mixing_findings(label: str, results: list[DepthMixing], low: int | None, hig
     everywhere = [i for i in range(size) if all(r.sources[i].sink for r in results)]
     somewhere = sorted({i for r in results for i in r.sinks()} - set(everywhere))
     if n < MIN_SEEDS_FOR_CLAIMS:
-        out.append(f"{label}: sinks {[r.sinks() for r in results]} per seed; fewer than {MIN_SEEDS_FOR_CLAIMS} seeds, "
-                   "no claim.")
+        sinks = _per_seed([", ".join(f"v{i}" for i in r.sinks()) or "none" for r in results])
+        out.append(f"{label}: sinks: {sinks}; fewer than {MIN_SEEDS_FOR_CLAIMS} seeds, no claim.")
     elif everywhere:
         desc = ", ".join(f"v{i} (relative weight {sum(r.sources[i].relative for r in results) / n:.2f}, CV "
                          f"{sum(r.sources[i].cv for r in results) / n:.2f})" for i in everywhere)
