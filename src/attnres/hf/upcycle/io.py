@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,21 @@ def smollm2_gguf() -> tuple[Path, str]:
 
 def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
-    by transformers; needs the ``gguf`` package), or ``"smollm2"``."""
+    by transformers; needs the ``gguf`` package), a Hugging Face Hub model id (downloaded into
+    the Hugging Face cache, :func:`from_hub`), or ``"smollm2"``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if str(source) == SMOLLM2:
         source, gguf_file = smollm2_gguf()
+    if not Path(source).exists() and HUB_ID.fullmatch(str(source)):
+        source = from_hub(str(source))
     source = Path(source)
     if source.is_file() and source.suffix.lower() == ".gguf":  # (MODEL.GGUF too)
         source, gguf_file = source.parent, source.name
     if not source.exists():
-        raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file or "
-                         f"{SMOLLM2!r}){did_you_mean(str(source), [SMOLLM2])}")
+        raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file, a "
+                         f"Hugging Face Hub id such as Qwen/Qwen3-0.6B, or {SMOLLM2!r})"
+                         f"{did_you_mean(str(source), [SMOLLM2])}")
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
         raise ModuleNotFoundError(f"reading a .gguf file needs the gguf package ({install_command('upcycle')})",
@@ -65,6 +70,30 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     if gguf_file:
         _forget_gguf_quantizer(model)
     return model, tokenizer
+
+
+#: A Hugging Face Hub model id, ``organisation/name``: what ``--model`` is read as when no file
+#: or directory of that name exists.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+#: The files of a Hub model that an upcycle reads: config, safetensors weights, tokenizer
+#: (not the same weights again as .bin, .gguf or ONNX files).
+HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+
+
+def from_hub(model_id: str) -> Path:
+    """The local folder of Hub model ``model_id``: downloaded into the Hugging Face cache
+    (``HF_HOME``; a token from ``hf auth login`` or ``HF_TOKEN`` for a gated model), or found
+    there with ``HF_HUB_OFFLINE=1``."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model_id, allow_patterns=list(HUB_FILES)))
+    except (OSError, ValueError) as e:  # not found, gated, offline, no network: all OSError; a bad id: ValueError
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--model {model_id!r} is no local file or directory, and as a Hugging Face Hub model id it "
+                         f"could not be fetched ({type(e).__name__}: {reason}); check the name, or download it where "
+                         f"there is a network (`hf download {model_id} --local-dir DIR`) and give --model DIR") from None
 
 
 #: Files of which a pretrained directory must hold one for its tokenizer to load: the fast
