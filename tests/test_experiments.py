@@ -272,6 +272,17 @@ def test_compare_end_to_end(corpus, tmp_path):
     assert all("skipped" in line for line in log)
 
 
+def test_a_compare_report_without_diagnostics_says_why_figures_5_and_8_are_missing(corpus, tmp_path):
+    """Runs shorter than diagnostics_every (`attnres compare steps=12`: the demo preset logs
+    them every 80 steps) left the Fig. 5 / Fig. 8 sections out of the report without a word."""
+    out = tmp_path / "compare"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "block",
+                     "--overhead-repeats", "0", f"data.paths=[{corpus}]", "diagnostics_every=100"]) == 0
+    text = (out / "report.md").read_text()
+    assert "No run logged a diagnostics record" in text and "`diagnostics_every` at most `steps`" in text
+    assert not (out / "magnitudes.png").exists() and not (out / "depth_weights.png").exists()
+
+
 def test_compare_reads_losses_at_equal_compute():
     """AttnRes costs more FLOPs per step: at the baseline's total compute its loss is read off
     its curve at an earlier step, linearly interpolated between evaluations."""
@@ -475,6 +486,25 @@ def test_val_loss_plot_draws_curves_of_a_single_evaluation(tmp_path, monkeypatch
         curves = [line for line in ax.get_lines() if len(line.get_xdata()) == 1]
         assert len(curves) == 2
         assert all(line.get_marker() not in (None, "", " ", "None") and line.get_markersize() > 0 for line in curves)
+
+
+def test_plots_of_runs_without_diagnostics_or_curves_warn_nothing(tmp_path):
+    """A compare run shorter than diagnostics_every (`attnres compare steps=12`) printed
+    matplotlib's "attnres: warning: No artists with labels found to put in legend"."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import Run, _plot_magnitudes, _plot_val_loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _plot_magnitudes({"standard": [Run({"variant": "standard", "seed": 0})]},
+                                    tmp_path / "magnitudes.png")
+        _plot_val_loss({"standard": [Run({"variant": "standard", "seed": 0, "flops": 1.0, "steps": 1})]},
+                       tmp_path / "val_loss.png")
+    assert not (tmp_path / "magnitudes.png").exists()
 
 
 def test_depth_weight_heatmaps_have_integer_source_ticks(tmp_path, monkeypatch):

@@ -142,6 +142,12 @@ def test_an_override_of_what_the_grid_sets_is_refused_before_any_work(tmp_path, 
     # the prefix is the command the user typed
     fails_with(capsys, ["experiment", "compare", "--preset", "tiny", "--out", str(out), override],
                "attnres experiment: error: override")
+    # on an --out that already holds the grid, the override is named too (it used to be "holds
+    # a different experiment (differs in ['overrides'] ...)", which sent the user to another --out)
+    out.mkdir()
+    (out / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny", "overrides": []}))
+    fails_with(capsys, ["compare", "--out", str(out), override],
+               f"attnres compare: error: override '{override}' changes {field}")
 
 
 # -- bad places to write ------------------------------------------------------------------

@@ -524,6 +524,34 @@ def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):
     assert out.shape == (1, 13)
 
 
+def test_a_tokenizer_larger_than_the_embedding_is_refused_by_its_sizes(tmp_path, capsys):
+    """A saved directory whose tokenizer.json has more tokens than its embedding has rows
+    (an upcycle whose tokenizer_config added an end-of-sequence token the BPE lacked): `attnres
+    train model.from_hf=U init_from=U` printed transformers' MISMATCH table, then told the
+    user to "describe the model with model.from_hf=U", which they had done."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import train_bpe
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    tok = train_bpe(corpus.read_text(), 300)
+    base_model("llama", vocab_size=tok.vocab_size - 5, max_position_embeddings=128).save_pretrained(tmp_path / "up")
+    (tmp_path / "up" / "tokenizer.json").write_text(tok.to_json())
+    argv = [a for a in overrides(corpus, tmp_path / "run", steps=2, **{
+        "model.from_hf": str(tmp_path / "up"), "init_from": str(tmp_path / "up"), "data.tokenizer": "bpe"})
+        if not a.startswith("model=")]
+    with pytest.raises(SystemExit) as done:
+        cli_main(["train", *argv])
+    printed = capsys.readouterr()
+    message = str(done.value.code) if isinstance(done.value.code, str) else printed.err
+    assert done.value.code not in (0, None)
+    assert f"{tok.vocab_size} tokens" in message and f"{tok.vocab_size - 5} rows" in message, message
+    assert "MISMATCH" not in printed.out + printed.err and "describe the model with" not in message, message
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_the_torch_only_core_finds_the_families_through_its_registry():
     """``build_model`` of a family config works without ``import attnres.hf`` first: the core's
     registry imports the transformers wing on first need (``models/`` imports no transformers);

@@ -164,6 +164,12 @@ def model_vocab_size(config: TrainConfig, start: Start, tokenizer_size: int) -> 
     often pad it (Qwen2.5 / Qwen3: 151,936 rows, 151,665 tokens); the token ids still come
     from the tokenizer, and the extra rows are never a target."""
     padded = _source_vocab_size(config, start)
+    source = start.resume or start.init
+    if padded is not None and tokenizer_size > padded and source.state.get("hf_directory"):
+        # (else transformers prints its size-mismatch table and the load fails with no word of the cause)
+        raise ValueError(f"init_from={str(source.path)!r}: its tokenizer.json has {tokenizer_size} tokens, more than "
+                         f"the {padded} rows of its embedding (config.json's vocab_size): the ids from {padded} on "
+                         "have no embedding; save a tokenizer.json of at most that many tokens with the model")
     return padded if padded is not None and padded > tokenizer_size else tokenizer_size
 
 

@@ -290,7 +290,8 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None =
         ax.grid(alpha=0.3)
     if start is not None:
         axes[0].axvline(start, color="black", lw=0.8, ls=":", label="learning-rate decay starts")
-    axes[0].legend()
+    if axes[0].get_legend_handles_labels()[0]:  # else matplotlib warns "No artists with labels found"
+        axes[0].legend()
     axes[0].set_title("equal steps")
     axes[1].set_title("equal compute")
     fig.tight_layout()
@@ -320,9 +321,9 @@ def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
         ax.set_ylabel(ylabel)
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    if drew:
+    if drew:  # no diagnostics record (a run shorter than diagnostics_every): no plot, and no empty legend
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
         fig.savefig(path, dpi=120)
     plt.close(fig)
     return drew
@@ -513,6 +514,10 @@ def compare_markdown(records: list[dict[str, Any]], out: Path) -> str:
     stable = _stable_phase_md(groups, start) if start is not None else ""
     if stable:
         parts.append(stable)
+    if not any(r.diagnostics for r in runs):  # else the Fig. 5 and Fig. 8 sections are left out without a word
+        parts.append("## Output and gradient magnitude, depth-attention weights (report Fig. 5, 8)\n\n"
+                     "No run logged a diagnostics record: they end before their first `diagnostics_every` step. "
+                     "Rerun with `diagnostics_every` at most `steps` (in another --out) for these figures.")
     if _plot_magnitudes(groups, out / "magnitudes.png"):
         parts.append("## Output and gradient magnitude per transformer block (report Fig. 5)\n\n"
                      "From the last diagnostics record of each run (mean over seeds). The report: output magnitude "

@@ -194,6 +194,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         chosen = [v for v in experiment.variants if v.name in variants]
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
+    check_grid_overrides(experiment, overrides)  # before the header, whose message would name only 'overrides'
     check_same_experiment(out, header)
     marker = out / EXPERIMENT_FILE
     # Seed-major: each seed completes a whole comparison before the next seed starts, so an
