@@ -216,6 +216,39 @@ def test_interrupted_run_is_resumed(corpus, tmp_path):
     assert not any("training" in line for line in log) and (done / "result.json").exists()
 
 
+def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, tmp_path, monkeypatch):
+    """An hours-long grid said only `[3/12] mhc seed 0: val loss ...`; now each run's time and
+    the remaining runs' at the pace so far (seconds per step), finished runs not counted."""
+    from attnres.experiments.job import runner
+    from attnres.progress import clock
+
+    exp = get_experiment("scaling", "tiny")
+    over = [f"data.paths=[{corpus}]"]
+    n = len(exp.variants)
+    assert n >= 3
+    now = [0.0]
+
+    def run_one(config, variant):  # each run: 7 s a step
+        now[0] += 7.0 * config.steps
+        record = {"variant": variant.name, "val_loss": 1.0}
+        Path(config.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(config.out_dir) / "result.json").write_text(json.dumps(record))
+        return record
+
+    monkeypatch.setattr(runner, "run_one", run_one)
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: now[0])
+    (tmp_path / exp.variants[-1].name / "seed0").mkdir(parents=True)  # a run finished earlier: skipped, not counted
+    (tmp_path / exp.variants[-1].name / "seed0" / "result.json").write_text(json.dumps({"val_loss": 2.0}))
+    log: list[str] = []
+    run_experiment(exp, tmp_path, [0], over, log=log.append)
+    steps = [runner.run_config(exp, v, 0, tmp_path / v.name / "seed0", over).steps for v in exp.variants]
+    done = [line for line in log if ": val loss" in line]
+    assert len(done) == n - 1 and log[-1].endswith("finished earlier, skipped")
+    assert done[0].endswith(f"val loss 1.0000 (took {clock(7 * steps[0])}; about {clock(7 * sum(steps[1:n - 1]))} to go "
+                            f"for {n - 2} run(s))"), done[0]
+    assert done[-1].endswith(f"(took {clock(7 * steps[n - 2])})"), done[-1]  # nothing left to train
+
+
 def test_arch_sweep_end_to_end(corpus, tmp_path):
     out = tmp_path / "arch"
     records = run_experiment(get_experiment("arch-sweep", "tiny"), out, [0], [f"data.paths=[{corpus}]"], log=lambda s: None)

@@ -82,9 +82,9 @@ class StepProgress:
         self.last_line = now
         elapsed, done = now - self.started, self.step - self.first
         left = self.total - self.step
-        eta = f", ~{_clock(elapsed / done * left)} to go" if done > 0 and left > 0 else ""
+        eta = f", ~{clock(elapsed / done * left)} to go" if done > 0 and left > 0 else ""
         shown = "".join(f"  {name} {value}" for name, value in self.fields.items())
-        print(f"step {self.step}/{self.total}{shown}  ({_clock(elapsed)} elapsed{eta})", file=self.stream, flush=True)
+        print(f"step {self.step}/{self.total}{shown}  ({clock(elapsed)} elapsed{eta})", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -99,7 +99,7 @@ def _is_terminal(stream) -> bool:
         return False
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
     """``h:mm:ss``, or ``m:ss`` under an hour."""
     minutes, s = divmod(int(round(seconds)), 60)
     h, m = divmod(minutes, 60)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 
 from ...data import load_corpus, prepare_data
 from ...models import AttnResLM, ModelConfig
+from ...progress import clock
 from ...train import TrainConfig, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
@@ -205,6 +207,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     out.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(header, indent=1))
     records = []
+    pace = _Pace()
     for i, (variant, seed, config) in enumerate(configs, 1):
         done = Path(config.out_dir) / RESULT_FILE
         if done.exists():
@@ -217,10 +220,29 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: resuming at step {done_steps} of {config.steps}")
         else:
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} steps")
+        started = time.perf_counter()
         record = run_one(config, variant)
-        log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: val loss {record['val_loss']:.4f}")
+        took = pace.add(config.steps - (done_steps if resumed is not None else 0), time.perf_counter() - started)
+        left = [c.steps for _, _, c in configs[i:] if not (Path(c.out_dir) / RESULT_FILE).exists()]
+        log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: val loss {record['val_loss']:.4f} (took {clock(took)}"
+            + (f"; about {clock(pace.seconds(sum(left)))} to go for {len(left)} run(s))" if left else ")"))
         records.append(record)
     return records
+
+
+class _Pace:
+    """Seconds per training step over the runs trained so far: the time a grid's remaining
+    runs will take, roughly (variants differ in cost, and a run's set-up counts as its steps)."""
+
+    def __init__(self) -> None:
+        self.steps, self.time = 0, 0.0
+
+    def add(self, steps: int, seconds: float) -> float:
+        self.steps, self.time = self.steps + max(steps, 0), self.time + seconds
+        return seconds
+
+    def seconds(self, steps: int) -> float:
+        return self.time / max(self.steps, 1) * steps
 
 
 def load_records(out: str | Path, experiment: Experiment | None = None) -> list[dict[str, Any]]:
