@@ -31,7 +31,7 @@ DEFAULT_MODEL_PRESET = "tiny"
 # learning-rate schedule of the steps already taken stays the same (see attnres.train.resume).
 RESUMABLE_CHANGES = frozenset({
     "steps", "stop_after", "eval_every", "eval_batches", "log_every", "diagnostics_every", "checkpoint_every",
-    "keep_checkpoints", "progress", "tensorboard", "resume", "resume_from", "init_from", "allow_data_change",
+    "keep_checkpoints", "progress", "tensorboard", "wandb_project", "resume", "resume_from", "init_from", "allow_data_change",
     "out_dir",
     # Where freed CPU memory goes (kept by the process or handed back) changes no value.
     "cpu_allocator",
@@ -187,6 +187,7 @@ class TrainConfig:
     allow_data_change: bool = False
     progress: bool = True
     tensorboard: bool = True
+    wandb_project: str | None = None
 
     def __post_init__(self) -> None:
         # The sections as a YAML config gives them (TrainConfig(model="tiny", data={"paths": [...]})
@@ -287,6 +288,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "out_dir": Text("a directory path"),
     "resume_from": Nullable(Text("a checkpoint (step-*) or run directory"), "the newest valid checkpoint in out_dir"),
     "init_from": Nullable(Text("a checkpoint (step-*) or run directory"), "random initialisation"),
+    "wandb_project": Nullable(Text("a Weights & Biases project name"), "no W&B logging"),
 }
 
 

@@ -79,6 +79,7 @@ from .resume import check_resumable, check_resumable_before_data, init_model_cha
 from .schedule import lr_factor
 from .setup import locate_start, prepare_run_data
 from .signals import StopSignals
+from .wandb_log import require_wandb
 from .summary import RunFacts, startup_summary, unused_stream_option, warmup_overrun
 
 
@@ -177,6 +178,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, ctx: DistContext) -> None:
         config.validate()
         check_backend(config, ctx.device)
+        require_wandb(config.wandb_project)
         if ctx.world_size > 1:  # the layout fits the launched ranks and the model: the same answer on every rank
             try:
                 dp, _, _ = resolve_degrees(config.parallel, ctx.world_size)
@@ -319,7 +321,8 @@ class Trainer:
             return
         try:
             (self.out_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
-            self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step)
+            self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step,
+                                        self.config.wandb_project, self.config.to_dict())
         except OSError as e:  # a disk that filled up since the start-up check
             raise OutDirError(f"could not write to out_dir {str(self.out_dir)!r}: {os_cause(e)}") from None
 

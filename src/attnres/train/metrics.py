@@ -39,15 +39,29 @@ def read_metrics(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
     return records
 
 
+def scalars(kind: str, values: dict[str, Any]) -> dict[str, float]:
+    """A record's scalars by their mirrored name: ``<kind>/<name>`` for a number,
+    ``<kind>/<name>/<i>`` for each element of a list of numbers (per-block values)."""
+    out: dict[str, float] = {}
+    for name, value in values.items():
+        if isinstance(value, (int, float)):
+            out[f"{kind}/{name}"] = value
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+            out.update({f"{kind}/{name}/{i}": v for i, v in enumerate(value)})
+    return out
+
+
 class MetricsLogger:
-    """Appends JSON records to ``metrics.jsonl`` and mirrors scalars to TensorBoard when the
-    ``tensorboard`` package is installed and enabled.
+    """Appends JSON records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard
+    when the ``tensorboard`` package is installed and enabled, and to Weights & Biases with
+    ``wandb_project`` (:mod:`attnres.train.wandb_log`; ``config``: the run's, for W&B).
 
     ``resume_step``: ``None`` starts a fresh log; otherwise the records up to that step are
     kept and the rest (logged by an interrupted run after its last checkpoint, and redone
     now) dropped, as is an unreadable line."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None, wandb_project: str | None = None,
+                 config: dict[str, Any] | None = None) -> None:
         self.path = out_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
@@ -62,6 +76,11 @@ class MetricsLogger:
                 pass
             else:
                 self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
+        self.wandb = None
+        if wandb_project is not None:
+            from .wandb_log import WandbMirror
+
+            self.wandb = WandbMirror(wandb_project, out_dir, resume_step, config or {})
 
     def log(self, kind: str, step: int, **values: Any) -> None:
         """Append one record; :class:`~attnres.train.out_dir.OutDirError` naming the file
@@ -72,13 +91,14 @@ class MetricsLogger:
         except OSError as e:
             raise OutDirError(f"could not append to {str(self.path)!r}: {os_cause(e)}") from None
         if self.writer is not None:
-            for name, value in values.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{kind}/{name}", value, step)
-                elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-                    for i, v in enumerate(value):
-                        self.writer.add_scalar(f"{kind}/{name}/{i}", v, step)
+            for name, value in scalars(kind, values).items():
+                self.writer.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(step, scalars(kind, values))
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None

@@ -1,0 +1,124 @@
+"""``wandb_project=NAME``: the run's metrics mirrored to Weights & Biases (attnres.train.wandb_log).
+
+W&B itself is stood in for by a module that records what it is given (the real package,
+where installed, runs once in offline mode: no network)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml")
+
+from test_train import overrides, write_corpus  # noqa: E402
+
+from attnres.train import load_config, train  # noqa: E402
+from attnres.train.metrics import read_metrics  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class FakeWandb(types.ModuleType):
+    """The part of ``wandb`` the mirror uses, recording its calls."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.errors = types.SimpleNamespace(Error=type("Error", (Exception,), {}))
+        self.inits: list[dict] = []
+        self.logged: list[tuple[int, dict]] = []
+        self.finished = 0
+        self.fail = fail
+
+    def init(self, **kwargs):
+        if self.fail is not None:
+            raise self.errors.Error(str(self.fail))
+        self.inits.append(kwargs)
+        return types.SimpleNamespace(log=lambda values, step: self.logged.append((step, dict(values))),
+                                     finish=self._finish)
+
+    def _finish(self) -> None:
+        self.finished += 1
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "corpus.txt")
+
+
+def test_a_run_mirrors_its_records_and_a_resumed_run_continues_the_same_wandb_run(tmp_path, corpus, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "run"
+    train(load_config(None, overrides(corpus, out, wandb_project="attnres-tests", stop_after=3, checkpoint_every=3)))
+    (init,) = fake.inits
+    assert init["project"] == "attnres-tests" and init["name"] == str(out) and init["resume"] == "allow"
+    assert init["dir"] == str(out) and init["config"]["model"]["residual"]["kind"] == "attnres_block"
+    assert json.loads((out / "wandb.json").read_text()) == {"id": init["id"], "project": "attnres-tests"}
+    assert fake.finished == 1
+    # every scalar of metrics.jsonl, at its step, under <kind>/<name> (lists: one per element)
+    want: dict[int, dict] = {}
+    for record in read_metrics(out / "metrics.jsonl"):
+        for name, value in record.items():
+            if name in ("kind", "step") or value is None:
+                continue
+            values = enumerate(value) if isinstance(value, list) else [(None, value)]
+            for i, v in values:
+                if isinstance(v, (int, float)):
+                    key = f"{record['kind']}/{name}" + ("" if i is None else f"/{i}")
+                    want.setdefault(record["step"], {})[key] = v
+    got: dict[int, dict] = {}
+    for step, values in fake.logged:
+        got.setdefault(step, {}).update(values)
+    assert got == want and {"train/loss", "eval/val_loss", "diagnostics/block_grad_norm/0"} <= set(got[3])
+    # --resume: the same W&B run, from the checkpoint's step on
+    fake.logged.clear()
+    train(load_config(None, overrides(corpus, out, wandb_project="attnres-tests", resume="true")))
+    assert [i["id"] for i in fake.inits] == [init["id"]] * 2 and fake.finished == 2
+    assert min(step for step, _ in fake.logged) == 4
+    # a new run in another out_dir: another W&B run
+    train(load_config(None, overrides(corpus, tmp_path / "other", wandb_project="attnres-tests", steps=2)))
+    assert fake.inits[-1]["id"] != init["id"]
+
+
+def test_without_wandb_nothing_is_mirrored(tmp_path, corpus, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train(load_config(None, overrides(corpus, tmp_path / "run", steps=2)))
+    assert fake.inits == [] and not (tmp_path / "run" / "wandb.json").exists()
+
+
+def test_a_missing_package_or_a_bad_name_is_refused_before_any_work(tmp_path, corpus, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"wandb_project='p' needs the wandb package \(pip install .*\[wandb\]"):
+        train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="p")))
+    with pytest.raises(ValueError, match=r"TrainConfig.wandb_project must be a W&B project name: .* got 'team/p'"):
+        train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="team/p")))
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="TrainConfig.wandb_project must be a Weights & Biases project name"):
+        load_config(None, overrides(corpus, tmp_path / "run", wandb_project="''"))
+
+
+def test_a_wandb_that_cannot_start_says_how_to_log_in_or_go_offline(tmp_path, corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(fail=RuntimeError("api_key not configured (no-tty)")))
+    with pytest.raises(ValueError, match=r"wandb_project='p': W&B could not start the run \(Error: api_key not "
+                                         r"configured \(no-tty\)\); log in .*WANDB_MODE=offline"):
+        train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="p")))
+
+
+def test_the_real_package_offline(tmp_path, corpus, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    train(load_config(None, overrides(corpus, out, wandb_project="attnres-tests", steps=2)))
+    run_id = json.loads((out / "wandb.json").read_text())["id"]
+    assert list((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
