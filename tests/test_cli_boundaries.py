@@ -125,6 +125,36 @@ def test_eval_refuses_text_too_short_for_the_local_tasks_before_any_work(run_dir
                      "--device", "cpu"]) == 0
 
 
+def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
+    """`attnres eval DIR` of a transformers directory (an export, an upcycle) said it was
+    "neither a checkpoint nor a run directory"; it now evaluates it with its own tokenizer,
+    on the built-in corpus's validation split unless --text is given. The export of a run
+    gives the run's perplexity and lm-eval results (the same text, function and tokens)."""
+    pytest.importorskip("lm_eval")
+    import json
+
+    text = tmp_path / "held-out.txt"
+    text.write_text(write_corpus(tmp_path / "corpus.txt").read_text()[:6000])
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    got = {}
+    for name, source in (("run", run_dir), ("export", tmp_path / "hf")):
+        out = tmp_path / f"{name}.json"
+        assert cli_main(["eval", str(source), "--text", str(text), "--tasks", "attnres_ppl,attnres_cloze",
+                         "--limit", "4", "--out", str(out), "--device", "cpu"]) == 0
+        got[name] = json.loads(out.read_text())
+    assert got["export"]["perplexity"] == pytest.approx(got["run"]["perplexity"], rel=1e-6)
+    assert got["export"]["lm_eval"].keys() == got["run"]["lm_eval"].keys() == {"attnres_ppl", "attnres_cloze"}
+    for task, metrics in got["run"]["lm_eval"].items():
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        assert numbers and {k: got["export"]["lm_eval"][task][k] for k in numbers} == pytest.approx(numbers, rel=1e-6)
+    capsys.readouterr()
+    assert cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--device", "cpu"]) == 0  # no --text, no --out
+    written = json.loads((tmp_path / "hf" / "eval.json").read_text())
+    assert written["text"] == "the built-in corpus's validation split" and written["perplexity"]["tokens"] > 1000
+    with pytest.raises(SystemExit, match="--tokenizer: a transformers directory is evaluated with its own tokenizer"):
+        cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
+
+
 def _fake_distribution(root: Path, name: str, version: str) -> Path:
     """An installed distribution's metadata (no code) whose files include a top-level ``attnres``."""
     info = root / f"{name.replace('-', '_')}-{version}.dist-info"

@@ -5,6 +5,7 @@ Full and Block AttnRes (S dividing L, not dividing it, S >= L)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import io
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
 from fixtures.tiny_families import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
@@ -393,6 +394,36 @@ def test_upcycle_options_are_checked_before_the_model_loads(tmp_path, monkeypatc
     assert not (tmp_path / "up").exists()
 
 
+def test_eval_of_a_pretrained_directory_and_of_its_upcycle_agree(tmp_path):
+    """`attnres eval` takes a transformers directory: a pretrained model and its upcycle give
+    the same perplexity and lm-eval results (the same function). This tokenizer declares an
+    end of text, which lm-eval then starts documents with (attnres's exports declare none)."""
+    pytest.importorskip("lm_eval")
+    from test_train import write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    eos = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
+    eos = next(token for token, i in eos.items() if i == 0)
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "tokenizer_class": "TokenizersBackend"}))
+    assert AutoTokenizer.from_pretrained(src).eos_token_id == 0
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
+    text = tmp_path / "held-out.txt"
+    text.write_text(corpus.read_text()[:6000])
+    got = {}
+    for name in ("pretrained", "up"):
+        out = tmp_path / f"{name}.json"
+        assert cli_main(["eval", str(tmp_path / name), "--text", str(text), "--tasks", "attnres_ppl,attnres_cloze",
+                         "--limit", "4", "--out", str(out), "--device", "cpu"]) == 0
+        got[name] = json.loads(out.read_text())
+    assert got["up"]["perplexity"] == pytest.approx(got["pretrained"]["perplexity"], rel=1e-5)
+    for task, metrics in got["pretrained"]["lm_eval"].items():
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        assert numbers and {k: got["up"]["lm_eval"][task][k] for k in numbers} == pytest.approx(numbers, rel=1e-5)
+
+
 def test_a_hub_model_id_is_fetched_into_the_cache_and_upcycled(tmp_path, monkeypatch):
     """``--model Qwen/Qwen3-0.6B`` said "does not exist": a Hub id is now fetched (config,
     safetensors and tokenizer files only) when no local path of that name exists; a failed
@@ -579,5 +610,5 @@ def test_a_model_that_does_not_exist_is_said_with_the_nearest_name(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as info:
         io.load_pretrained(model)
-    assert str(info.value) == (f"--model {model!r} does not exist (a save_pretrained directory, a .gguf file or "
-                               f"'smollm2'){hint}")
+    assert str(info.value) == (f"--model {model!r} does not exist (a save_pretrained directory, a .gguf file, a "
+                               f"Hugging Face Hub id such as Qwen/Qwen3-0.6B, or 'smollm2'){hint}")

@@ -9,14 +9,17 @@ def add_parser(sub) -> None:
     ev = sub.add_parser(
         "eval",
         help="perplexity / bits per byte on held-out text and lm-evaluation-harness tasks",
-        description="Evaluates a training checkpoint: perplexity and bits per byte on held-out text (default: the "
-        "run's validation split), then lm-evaluation-harness (model='hf') on the local tasks attnres_ppl and "
-        "attnres_cloze built from that text, or on any harness task names given (those need the network).",
+        description="Evaluates a training checkpoint, or a transformers directory (attnres export's or attnres "
+        "upcycle's output, with its own tokenizer): perplexity and bits per byte on held-out text (default: the "
+        "run's validation split; for a directory, the built-in corpus's), then lm-evaluation-harness (model='hf') "
+        "on the local tasks attnres_ppl and attnres_cloze built from that text, or on any harness task names given "
+        "(those need the network).",
     )
     add_checkpoint_argument(ev)
     ev.add_argument("--tasks", default="attnres_ppl,attnres_cloze",
                     help="comma-separated lm-eval tasks (default: the local 'attnres_ppl,attnres_cloze'; 'none' to skip)")
-    ev.add_argument("--text", help="held-out text file (default: the run's validation split)")
+    ev.add_argument("--text", help="held-out text file (default: the run's validation split; for a transformers "
+                    "directory, the built-in corpus's validation split)")
     ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
     ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task")
@@ -56,7 +59,8 @@ def run_eval(args) -> int:
     import torch
 
     from .. import hf
-    from ..data.corpus import read_text_file
+    from ..checkpoint import is_hf_directory
+    from ..data.corpus import load_corpus, read_text_file
     from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
     from ..inference.loading import load_run, load_tokenizer, pick_device
     from ..output_paths import write_text_atomically
@@ -78,25 +82,37 @@ def run_eval(args) -> int:
         if args.bootstrap_iters < 0:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
-        run = load_run(args.checkpoint, device)
-        run.model.to(getattr(torch, args.dtype))
-        tokenizer = load_tokenizer(run, args.tokenizer)
-        if text is None:
-            text = run.validation_text()
+        directory = is_hf_directory(args.checkpoint)
+        if directory:  # an export or an upcycle: its own model class and tokenizer
+            if args.tokenizer is not None:
+                raise ValueError("--tokenizer: a transformers directory is evaluated with its own tokenizer; omit it")
+            from ..hf.directory import load_directory
+
+            model, tokenizer = load_directory(args.checkpoint, device)
+            if text is None:
+                text, text_name = load_corpus().val, "the built-in corpus's validation split"
+        else:
+            run = load_run(args.checkpoint, device)
+            model, tokenizer = run.model, load_tokenizer(run, args.tokenizer)
+            if text is None:
+                text, text_name = run.validation_text(), "validation split"
+        model.to(getattr(torch, args.dtype))
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
-        results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or "validation split",
-                   "device": str(device), "dtype": args.dtype, "perplexity": perplexity(run.model, tokenizer, text, args.seq_len,
+        results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or text_name,
+                   "device": str(device), "dtype": args.dtype, "perplexity": perplexity(model, tokenizer, text, args.seq_len,
                                                                        progress=True),
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
-        if tasks:
+        harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
+                       bootstrap_iters=args.bootstrap_iters)
+        if tasks and directory:
+            results["lm_eval"] = run_lm_eval(args.checkpoint, tasks, text, **harness)
+        elif tasks:
             with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
                 hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
-                results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, limit=args.limit, batch_size=args.batch_size,
-                                                 device=str(device), dtype=args.dtype,
-                                                 bootstrap_iters=args.bootstrap_iters)
+                results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, **harness)
         write_text_atomically(out, json.dumps(results, indent=1, default=str))
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None

@@ -289,8 +289,9 @@ def _quiet_git_describe():
 
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
                 device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000) -> dict:
-    """``lm_eval.simple_evaluate`` with ``model="hf"`` on the exported directory ``hf_dir``
-    (its weights in ``dtype``, a ``torch`` dtype name).
+    """``lm_eval.simple_evaluate`` with ``model="hf"`` on the transformers directory ``hf_dir``
+    (an export, an upcycle, a pretrained model; its weights in ``dtype``, a ``torch`` dtype
+    name).
     Local tasks are generated from ``text``; other names are the harness's own tasks.
     Returns the harness's ``results`` (per task, metric -> value), with standard errors:
     the harness's own (closed form for accuracies; ``bootstrap_iters`` resamples where it
@@ -302,25 +303,31 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     from .export import PREFIX_TEXT
 
     local = [t for t in tasks if t in LOCAL_TASKS]
-    # The export declares no end-of-text token; the harness prefixes rolling log-likelihoods
-    # with a line break instead (see attnres.hf.export).
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    prefix = tokenizer(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
-    if len(prefix) != 1:
-        raise ValueError(f"the exported tokenizer does not encode {PREFIX_TEXT!r} as one token")
-    # Nor a padding token: the harness would add one beyond the model's vocabulary. Padded
-    # positions are masked, so the prefix token pads (in memory only).
+    model_args = {"pretrained": str(hf_dir), "tokenizer": tokenizer, "dtype": dtype,
+                  # an attnres model is a causal LM the harness cannot tell from its model_type
+                  "backend": "causal"}
+    own = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    if own is None:
+        # attnres's exports declare no end-of-text token (see attnres.hf.export): the harness
+        # prefixes rolling log-likelihoods with a line break instead. (A tokenizer with one, a
+        # pretrained model's, keeps the harness's own choice: its end or beginning of text.)
+        prefix = tokenizer(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
+        if len(prefix) != 1:
+            raise ValueError(f"the tokenizer of {str(hf_dir)!r} has no end- or beginning-of-text token and does not "
+                             f"encode {PREFIX_TEXT!r} as one token: lm-eval has no token to start a document with")
+        own = model_args["prefix_token_id"] = prefix[0]
+    # Nor a padding token, often: the harness would add one beyond the model's vocabulary.
+    # Padded positions are masked, so that token pads (in memory only).
     if tokenizer.pad_token_id is None:
-        tokenizer.pad_token_id = prefix[0]
+        tokenizer.pad_token_id = own
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
         manager = TaskManager(include_path=str(include) if include else None, include_defaults=len(local) < len(tasks))
         with _quiet_git_describe():
             out = lm_eval.simple_evaluate(
                 model="hf",
-                # backend: an attnres model is a causal LM the harness cannot tell from its model_type
-                model_args={"pretrained": str(hf_dir), "tokenizer": tokenizer, "dtype": dtype,
-                            "prefix_token_id": prefix[0], "backend": "causal"},
+                model_args=model_args,
                 tasks=tasks,
                 task_manager=manager,
                 batch_size=batch_size,
