@@ -155,6 +155,29 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
 
 
+def test_generate_chat_puts_the_prompt_through_the_chat_template(run_dir, tmp_path, capsys):
+    """`--chat`: the prompt as a user's turn through the tokenizer's chat template, for
+    instruct models (an upcycled SmolLM2-Instruct). A run uses the plain-text template of its
+    export: the same tokens as its export with --chat, and as the rendered text given as it is."""
+    pytest.importorskip("transformers")
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    (tmp_path / "rendered.txt").write_text("user: the quick\nassistant: ")
+    outputs = {}
+    for name, args in (("run", [str(run_dir), "--prompt", "the quick", "--chat"]),
+                       ("export", [str(tmp_path / "hf"), "--prompt", "the quick", "--chat"]),
+                       ("rendered", [str(run_dir), "--prompt-file", str(tmp_path / "rendered.txt")]),
+                       ("plain", [str(run_dir), "--prompt", "the quick"])):
+        capsys.readouterr()
+        assert cli_main(["generate", *args, "--max-new-tokens", "6", "--temperature", "0"]) == 0
+        outputs[name] = capsys.readouterr().out
+    assert outputs["run"] == outputs["export"] == outputs["rendered"] != outputs["plain"], outputs
+    (tmp_path / "hf" / "chat_template.jinja").unlink()  # a directory whose tokenizer has no template
+    config = tmp_path / "hf" / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused"'))
+    with pytest.raises(SystemExit, match="--chat: this directory's tokenizer has no chat template"):
+        cli_main(["generate", str(tmp_path / "hf"), "--prompt", "the quick", "--chat"])
+
+
 def _fake_distribution(root: Path, name: str, version: str) -> Path:
     """An installed distribution's metadata (no code) whose files include a top-level ``attnres``."""
     info = root / f"{name.replace('-', '_')}-{version}.dist-info"

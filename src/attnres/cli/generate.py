@@ -20,6 +20,10 @@ def add_parser(sub) -> None:
     prompt.add_argument("--prompt", help="the text to continue")
     prompt.add_argument("--prompt-file", metavar="FILE",
                         help="read the text to continue from FILE (UTF-8), or from standard input with '-'")
+    gen.add_argument("--chat", action="store_true",
+                     help="give the prompt as a user's message through the tokenizer's chat template, for an instruct "
+                     "model (an upcycled SmolLM2-Instruct: its own template; attnres's models: plain 'user: ...' / "
+                     "'assistant: ' lines, the template of their export)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
@@ -77,6 +81,21 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
         except UnicodeDecodeError:
             raise ValueError(f"--prompt-file: {prompt_file!r} is not UTF-8 text") from None
     return text.removesuffix("\n").removesuffix("\r"), given
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt's ids: its text, or with ``chat`` a user's message through the chat template
+    (a transformers directory's own; for attnres's tokenizers the plain-text template their
+    export gets, :data:`attnres.hf.export.CHAT_TEMPLATE`)."""
+    if not chat:
+        return tokenizer.encode(prompt)
+    if hasattr(tokenizer, "encode_chat"):  # a transformers directory's tokenizer
+        return tokenizer.encode_chat(prompt)
+    from ..hf.export import make_hf_tokenizer
+
+    rendered = make_hf_tokenizer(tokenizer).apply_chat_template([{"role": "user", "content": prompt}],
+                                                                add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(rendered)
 
 
 def _warn_non_finite(model, checkpoint) -> None:
@@ -142,7 +161,7 @@ def run_generate(args) -> int:
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         model, tokenizer, stops = _load(args)
-        ids = tokenizer.encode(prompt)
+        ids = encode_prompt(tokenizer, prompt, args.chat)
         if not ids:
             raise ValueError(f"{given} is empty: there is nothing to continue")
         check_context(len(ids), args.max_new_tokens, context_limit(model))

@@ -28,6 +28,16 @@ class DirectoryText:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def encode_chat(self, message: str) -> list[int]:
+        """``message`` as a user's turn through the tokenizer's chat template, ready for the
+        assistant's answer (the template's own special tokens; none added on top)."""
+        if not self.tokenizer.chat_template:
+            raise ValueError("--chat: this directory's tokenizer has no chat template (tokenizer_config.json's "
+                             "chat_template, or chat_template.jinja); give the prompt as plain text, without --chat")
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
 
 def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Module, DirectoryText]:
     """``(model, text)`` of the transformers directory ``path``: the model in eval mode on
