@@ -605,14 +605,14 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
     from attnres.cli import missing_extra
 
     clone = Path(__file__).resolve().parents[1]
-    monkeypatch.setattr(extras, "_installed_from", lambda: ("clone", clone))
+    monkeypatch.setattr(extras, "installed_from", lambda: ("clone", clone))
     monkeypatch.chdir(clone)
     assert extras.install_command("hf") == 'pip install -e ".[hf]"'
     monkeypatch.chdir(tmp_path)
     message = missing_extra(["train"], ModuleNotFoundError("No module named 'yaml'", name="yaml"))
     assert message == (f"attnres train: error: this needs the 'train' extra: pip install -e \"{clone}[train]\" (the module "
                        "'yaml' is not installed)")
-    monkeypatch.setattr(extras, "_installed_from", lambda: None)
+    monkeypatch.setattr(extras, "installed_from", lambda: None)
     assert 'pip install -e ".[hf]" in a clone of attnres' in missing_extra(["eval"], ModuleNotFoundError(name="lm_eval"))
 
 

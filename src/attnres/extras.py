@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-__all__ = ["install_command"]
+__all__ = ["install_command", "installed_from"]
 
 
-def _installed_from() -> tuple[str, Path] | None:
+def installed_from() -> tuple[str, Path] | None:
     """``("clone", directory)`` or ``("wheel", file)`` this installation came from, where
     pip recorded it and it is still there; ``None`` otherwise."""
     from importlib import metadata
@@ -40,7 +40,7 @@ def install_command(extra: str) -> str:
     """The command that installs ``extra`` (``"train"``, ``"hf"``, ...) for this
     installation: ``pip install -e "<clone>[extra]"`` or ``pip install "<wheel>[extra]"``;
     where the origin is unknown, both forms, to run in a clone or beside the wheel."""
-    origin = _installed_from()
+    origin = installed_from()
     if origin is None:
         return (f'pip install -e ".[{extra}]" in a clone of attnres (or pip install "attnres-<version>-py3-none-any.whl'
                 f'[{extra}]" beside its wheel)')

