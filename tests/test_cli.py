@@ -34,7 +34,8 @@ def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
         cli_main(["train", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    lines = {line.split("=")[0].strip(): line for line in text.splitlines() if " = " in line}
+    lines = {line.split("=")[0].strip(): line for line in text.splitlines()
+             if " = " in line and line.startswith("  ") and not line.startswith("      ")}  # (not a meaning's line)
     defaults = TrainConfig(progress=False)
     for f in dataclasses.fields(TrainConfig):
         if f.name not in ("model", "data", "parallel"):
@@ -52,6 +53,13 @@ def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
     assert "a finite number > 0" in lines["lr"]
     assert all(repr(r) in lines["model.residual.kind"] for r in registered_residuals())  # asked from the registry
     assert "model.d_model = 64" in lines["model.d_model"]  # the default preset's value
+    # each field says what it does, on the line below it (a new field without a meaning fails here)
+    below = dict(zip(text.splitlines(), text.splitlines()[1:]))
+    from attnres.train.reference import MEANINGS
+
+    assert set(MEANINGS) == set(lines), set(MEANINGS) ^ set(lines)  # none missing, none stale
+    for name, line in lines.items():
+        assert below[line] == f"      {MEANINGS[name]}", name
 
 
 def test_print_config_shows_the_resolved_config(capsys, tmp_path):

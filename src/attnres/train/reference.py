@@ -11,6 +11,98 @@ from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from .config import DATA_RULES, DEFAULT_MODEL_PRESET, TRAIN_RULES, DataConfig, TrainConfig, flatten
 
 
+#: What each field does, in one line: ``attnres train --help`` prints it under the field's
+#: default and allowed values (the classes' docstrings say more).
+MEANINGS: dict[str, str] = {
+    "seed": "the seed of the initial weights and of the data order",
+    "steps": "optimiser steps of the run; the learning-rate schedule spans them",
+    "stop_after": "end this invocation after this many steps in all (with a checkpoint), schedule unchanged",
+    "seq_len": "tokens per training sequence",
+    "batch_size": "sequences per optimiser step (the global batch, over all data-parallel ranks)",
+    "grad_accum": "micro-batches per step: batch_size x grad_accum sequences a step",
+    "optimizer": "adamw, or muon (orthogonalised momentum for the blocks' matrices, AdamW for the rest)",
+    "lr": "the peak learning rate",
+    "weight_decay": "decoupled weight decay of the 2-D weights (not of norms, biases or pseudo-queries)",
+    "beta1": "AdamW's first-moment decay",
+    "beta2": "AdamW's second-moment decay",
+    "adam_eps": "AdamW's epsilon",
+    "muon_momentum": "Muon's momentum",
+    "muon_ns_steps": "Muon's Newton-Schulz iterations",
+    "schedule": "cosine (to min_lr_ratio x lr), wsd (warmup, stable, linear decay) or constant",
+    "warmup_steps": "linear warmup steps from 0 to lr",
+    "min_lr_ratio": "the learning rate at the end of the schedule, as a share of lr",
+    "decay_fraction": "wsd: the share of the steps the final decay takes",
+    "grad_clip": "clip the global gradient norm to this (0: no clipping)",
+    "dtype": "float32, or bfloat16 autocast (mixed precision)",
+    "compile": "torch.compile the model",
+    "device": "auto (CUDA when available), cpu or cuda",
+    "cpu_allocator": "CPU runs of the command: retain freed memory for the next step, or leave malloc as is",
+    "eval_every": "steps between validation losses",
+    "eval_batches": "validation batches per evaluation",
+    "log_every": "steps between train records (loss, lr, gradient norm, tokens/s)",
+    "diagnostics_every": "steps between the Fig. 5 / Fig. 8 diagnostics (magnitudes, depth weights)",
+    "checkpoint_every": "steps between checkpoints (and one at the end)",
+    "keep_checkpoints": "the newest checkpoints kept; older ones are deleted",
+    "out_dir": "the run's directory: config, metrics, checkpoints",
+    "dist_timeout_s": "seconds a collective waits for a rank that died or stalled",
+    "activation_checkpoint": "recompute activations in the backward: none, block (every sublayer), selective",
+    "resume": "continue the newest valid checkpoint in out_dir, bit-exactly",
+    "resume_from": "continue this checkpoint (into out_dir)",
+    "init_from": "a new run from this checkpoint's weights: fresh optimiser, schedule and data position",
+    "allow_data_change": "let a resumed run continue on data whose fingerprint differs from the checkpoint's",
+    "progress": "show progress on stderr: a bar on a terminal, a line per evaluation in a log",
+    "tensorboard": "also write TensorBoard events under out_dir/tensorboard",
+    "wandb_project": "also log to this Weights & Biases project (extra wandb)",
+    "data.paths": "the training text: files, directories or glob patterns (.txt, .jsonl)",
+    "data.tokenizer": "bpe (trained on the data), byte, or a tokenizer.json of your own",
+    "data.vocab_size": "the BPE's vocabulary (the model's vocab_size follows the tokenizer)",
+    "data.val_fraction": "the share of the text held out for validation",
+    "data.cache_dir": "where the tokenizer and token caches go",
+    "parallel.dp": "data-parallel ranks (FSDP2)",
+    "parallel.tp": "tensor-parallel ranks",
+    "parallel.pp": "pipeline stages",
+    "parallel.pp_schedule": "the pipeline schedule",
+    "parallel.pp_virtual": "virtual stages (model chunks) per pipeline stage",
+    "parallel.pp_cache": "cross-stage caching of the block history (report §4.1)",
+    "parallel.pp_microbatches": "micro-batches per step in the pipeline",
+    "model": "the model: a preset, or model.<field> settings",
+    "model.preset": "the preset the model.<field> settings start from",
+    "model.from_hf": "a saved transformers model's directory to take the model from",
+    "model.vocab_size": "embedding rows (set from the tokenizer when the run starts)",
+    "model.d_model": "the width d",
+    "model.n_layers": "transformer blocks (2 sublayers each: L = 2 x n_layers)",
+    "model.n_heads": "attention heads",
+    "model.n_kv_heads": "key/value heads (grouped-query attention)",
+    "model.mlp_hidden": "the SwiGLU MLP's hidden width",
+    "model.max_seq_len": "the longest sequence (the RoPE tables)",
+    "model.rope_theta": "RoPE's base",
+    "model.norm_eps": "every RMSNorm's epsilon",
+    "model.tie_embeddings": "the LM head shares the embedding's weights",
+    "model.init_std": "the standard deviation of the weights' normal init",
+    "model.residual.kind": "the residual: standard, attnres_full, attnres_block, a baseline or your own",
+    "model.residual.block_size": "Block AttnRes' S, in sublayers (report §3.2)",
+    "model.residual.schedule": "two_phase (report §4.2, fast) or naive (per sublayer): the same function",
+    "model.residual.backend": "the depth-attention operators' implementation (auto: by device)",
+    "model.residual.eps": "epsilon of the RMSNorm on the depth-attention keys",
+    "model.residual.recompute_phase1": "recompute Phase 1's sums in the backward instead of keeping them (memory)",
+    "model.residual.autocast_stream": "under autocast, store the residual stream in bfloat16 (a rounding choice)",
+    "model.residual.autocast_norm_output": "under autocast, the sublayers' RMSNorms return bfloat16",
+    "model.residual.autocast_phase1_sums": "under autocast, store Phase 1's weighted sums in bfloat16",
+    "model.residual.full_group_size": "Full AttnRes' two-phase scheduling group (report Appendix B)",
+    "model.residual.ablation.input_dependent_query": "Table 4: a query computed from the input",
+    "model.residual.ablation.input_independent_mixing": "Table 4: one learned weight per source, no query or keys",
+    "model.residual.ablation.sigmoid_weights": "Table 4: sigmoid weights instead of the softmax",
+    "model.residual.ablation.key_norm": "RMSNorm on the keys (false: Table 4's raw keys)",
+    "model.residual.ablation.heads": "Table 4: multihead depth attention",
+    "model.residual.ablation.window": "Table 4: Full AttnRes over the embedding and the last W outputs",
+    "model.residual.hc_streams": "Hyper-Connections' and mHC's residual streams m",
+    "model.residual.sinkhorn_iters": "mHC's Sinkhorn-Knopp iterations",
+    "model.residual.options": "settings of a residual registered from your own code",
+    "model.hf_architecture": "build the decoder from a transformers family's modules",
+    "model.hf_config": "that family's config fields beyond the ones above",
+}
+
+
 class _Probe:
     """A value no field accepts: validating it makes ModelConfig name what the field allows."""
 
@@ -73,8 +165,12 @@ def config_reference() -> str:
     for key, value in flatten(model.to_dict()).items():
         rows.append((f"model.{key}", _fmt(value), model_field_allowed(model, key)))
     width = max(len(k) + len(v) for k, v, _ in rows) + 5
-    lines = [f"  {k} = {v}".ljust(width) + f"  {allowed}" for k, v, allowed in rows]
-    return ("every field, as key=value (default, then allowed values). The model: model.<field> settings, in a "
+    lines = []
+    for k, v, allowed in rows:
+        lines.append(f"  {k} = {v}".ljust(width) + f"  {allowed}")
+        if k in MEANINGS:
+            lines.append(f"      {MEANINGS[k]}")
+    return ("every field, as key=value (default, then allowed values), and what it does. The model: model.<field> settings, in a "
             f"YAML `model:` mapping or as overrides alike, start from preset {DEFAULT_MODEL_PRESET!r} unless "
             "model.preset names another; the model defaults below are that preset's:\n" + "\n".join(lines))
 
