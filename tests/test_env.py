@@ -53,3 +53,15 @@ def test_env_says_why_the_fast_kernels_do_not_run(monkeypatch, capsys):
     assert env._cuda_kernels(True) == "the Triton kernels (triton 3.6.0)"
     assert env._cuda_kernels(False) == "no CUDA device (triton 3.6.0 installed)"
 
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`attnres env | head -3` printed a BrokenPipeError traceback; now the command ends
+    quietly with the status of a process killed by SIGPIPE, as cat does."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-m", "attnres", "env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # before the command has printed anything (importing torch takes a while)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

@@ -7,7 +7,7 @@ One module per command, each with its parser (``add_parser``) and what it runs (
 
 from __future__ import annotations
 
-import os  # noqa: F401  (the tests replace os._exit through attnres.cli.os)
+import os  # (the tests also replace os._exit through attnres.cli.os)
 import sys
 import warnings
 from collections.abc import Callable
@@ -74,8 +74,12 @@ def run() -> None:
     try:
         with plain_warnings():
             status = main()
+        sys.stdout.flush()  # (what is still buffered meets a closed pipe here, not at exit)
     except SystemExit as e:
         status = e.code
+    except BrokenPipeError:  # the reader of stdout stopped (`attnres env | head -3`): end quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 128 + 13  # killed by SIGPIPE, as the shell reports it
     if not _in_process_group():
         raise SystemExit(status)
     from ..distributed.launch import destroy_process_group
