@@ -239,13 +239,15 @@ def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, 
     monkeypatch.setattr(runner.time, "perf_counter", lambda: now[0])
     (tmp_path / exp.variants[-1].name / "seed0").mkdir(parents=True)  # a run finished earlier: skipped, not counted
     (tmp_path / exp.variants[-1].name / "seed0" / "result.json").write_text(json.dumps({"val_loss": 2.0}))
+    # a run interrupted earlier: to go from its checkpoint, not from step 0
+    (tmp_path / exp.variants[1].name / "seed0" / "checkpoints" / "step-00000004").mkdir(parents=True)
     log: list[str] = []
     run_experiment(exp, tmp_path, [0], over, log=log.append)
     steps = [runner.run_config(exp, v, 0, tmp_path / v.name / "seed0", over).steps for v in exp.variants]
     done = [line for line in log if ": val loss" in line]
     assert len(done) == n - 1 and log[-1].endswith("finished earlier, skipped")
-    assert done[0].endswith(f"val loss 1.0000 (took {clock(7 * steps[0])}; about {clock(7 * sum(steps[1:n - 1]))} to go "
-                            f"for {n - 2} run(s))"), done[0]
+    assert done[0].endswith(f"val loss 1.0000 (took {clock(7 * steps[0])}; about {clock(7 * (sum(steps[1:n - 1]) - 4))} "
+                            f"to go for {n - 2} run(s))"), done[0]
     assert done[-1].endswith(f"(took {clock(7 * steps[n - 2])})"), done[-1]  # nothing left to train
 
 

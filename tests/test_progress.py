@@ -52,6 +52,23 @@ def test_a_resumed_run_estimates_from_its_own_steps(monkeypatch):
     assert log.getvalue() == "step 950/1000  val_loss 3.0000  (1:01:00 elapsed, ~1:01:00 to go)\n"
 
 
+def test_a_run_that_stops_early_estimates_the_time_to_its_stop(monkeypatch):
+    """``stop_after=K``: the invocation ends at step K, so the time to go is to K, not to
+    ``steps`` (a job of 10 minutes said hours were left)."""
+    clock = iter([0.0, 60.0, 120.0])
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    p = StepProgress(1000, initial=100, stream=log, stop=300)
+    p.update(100)
+    p.mark(val_loss="3.0000")
+    p.update(100)
+    p.mark(val_loss="2.9000")
+    assert log.getvalue().splitlines() == [
+        "step 200/1000  val_loss 3.0000  (1:00 elapsed, ~1:00 to go to step 300 (stop_after))",
+        "step 300/1000  val_loss 2.9000  (2:00 elapsed)",
+    ]
+
+
 def test_on_a_terminal_a_bar_shows_the_validation_loss_too():
     pytest.importorskip("tqdm")
     screen = Terminal()
@@ -78,7 +95,7 @@ def test_a_training_run_in_a_log_writes_lines_with_its_validation_loss(tmp_path:
     assert "step/s" not in err  # no bar
     lines = [line for line in err.splitlines() if line.startswith("step ")]
     assert [line.split("  ")[0] for line in lines] == ["step 3/6", "step 6/6"]  # eval_every=3
-    assert all("val_loss " in line and "loss " in line for line in lines), lines
+    assert all("  val_loss " in line and "  loss " in line for line in lines), lines  # (the train loss too)
 
 
 def test_other_bars_in_a_log_are_redrawn_once_a_minute_not_ten_times_a_second():

@@ -461,7 +461,7 @@ def test_a_hub_model_id_is_fetched_into_the_cache_and_upcycled(tmp_path, monkeyp
     asked.clear()
     assert cli_main(["upcycle", "--model", "acme/tiny-llama", "--out", "up3", "--block-size", "2"]) == 0
     assert asked == []
-    for not_an_id in ("./missing/dir", "missing/dir/deeper", "/abs/path"):  # paths, not ids: not fetched
+    for not_an_id in ("./missing/dir", "missing/dir/deeper", "/abs/path", "models/SmolLM2.Q8_0.gguf"):  # paths: not fetched
         with pytest.raises(SystemExit, match="does not exist"):
             cli_main(["upcycle", "--model", not_an_id, "--out", "up4"])
     assert asked == []

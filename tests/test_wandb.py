@@ -10,6 +10,7 @@ import importlib.util
 import json
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,13 +36,14 @@ class FakeWandb(types.ModuleType):
         self.logged: list[tuple[int, dict]] = []
         self.finished = 0
         self.fail = fail
+        self.starting_step = 0  # where W&B's steps of a resumed run go on from
 
     def init(self, **kwargs):
         if self.fail is not None:
             raise self.errors.Error(str(self.fail))
         self.inits.append(kwargs)
         return types.SimpleNamespace(log=lambda values, step: self.logged.append((step, dict(values))),
-                                     finish=self._finish)
+                                     finish=self._finish, starting_step=self.starting_step)
 
     def _finish(self) -> None:
         self.finished += 1
@@ -85,6 +87,27 @@ def test_a_run_mirrors_its_records_and_a_resumed_run_continues_the_same_wandb_ru
     # a new run in another out_dir: another W&B run
     train(load_config(None, overrides(corpus, tmp_path / "other", wandb_project="attnres-tests", steps=2)))
     assert fake.inits[-1]["id"] != init["id"]
+
+
+def test_a_resume_before_steps_the_wandb_run_already_holds_says_they_stay(tmp_path, corpus, monkeypatch):
+    """A run interrupted after its last checkpoint had logged later steps to W&B, whose steps
+    only go up: the redone steps are ignored there, which the resumed run now says."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "run"
+    train(load_config(None, overrides(corpus, out, wandb_project="p", stop_after=2, checkpoint_every=2)))
+    fake.starting_step = 5  # steps 3 and 4 logged, then the run was killed
+    with pytest.warns(UserWarning, match=r"wandb_project='p': the W&B run \w+ already holds steps up to 4, logged "
+                                         r"before the interruption; this run resumes at step 3, so W&B keeps the old "
+                                         r"values of steps 3-4 and ignores the redone ones"):
+        train(load_config(None, overrides(corpus, out, wandb_project="p", resume="true", stop_after=4,
+                                          checkpoint_every=2)))
+    fake.starting_step = 5  # nothing logged beyond the checkpoint (step 4): no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="warmup_steps")
+        train(load_config(None, overrides(corpus, out, wandb_project="p", resume="true", checkpoint_every=2)))
+    assert fake.finished == 3
 
 
 def test_without_wandb_nothing_is_mirrored(tmp_path, corpus, monkeypatch):

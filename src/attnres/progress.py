@@ -38,11 +38,14 @@ class StepProgress:
 
     ``update`` counts steps; ``show(**fields)`` sets what is shown beside the step (the
     latest train loss, tokens/s), ``mark(**fields)`` also writes a line away from a terminal
-    (an evaluation's validation loss)."""
+    (an evaluation's validation loss). ``stop``: the step this invocation ends at when that
+    is before ``total`` (``stop_after``): the time to go is to it, and the line says so."""
 
-    def __init__(self, total: int, initial: int = 0, stream=None, every_s: float = LOG_INTERVAL_S):
+    def __init__(self, total: int, initial: int = 0, stream=None, every_s: float = LOG_INTERVAL_S,
+                 stop: int | None = None):
         self.stream = stream if stream is not None else sys.stderr
         self.total, self.step, self.first = total, initial, initial
+        self.stop = total if stop is None else min(stop, total)
         self.every_s = every_s
         self.fields: dict[str, str] = {}
         self.started = self.last_line = time.perf_counter()
@@ -81,8 +84,9 @@ class StepProgress:
     def _line(self, now: float) -> None:
         self.last_line = now
         elapsed, done = now - self.started, self.step - self.first
-        left = self.total - self.step
-        eta = f", ~{clock(elapsed / done * left)} to go" if done > 0 and left > 0 else ""
+        left = self.stop - self.step
+        until = "" if self.stop == self.total else f" to step {self.stop} (stop_after)"
+        eta = f", ~{clock(elapsed / done * left)} to go{until}" if done > 0 and left > 0 else ""
         shown = "".join(f"  {name} {value}" for name, value in self.fields.items())
         print(f"step {self.step}/{self.total}{shown}  ({clock(elapsed)} elapsed{eta})", file=self.stream, flush=True)
 

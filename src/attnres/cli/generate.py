@@ -62,25 +62,30 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
 def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
     """``(the prompt, how it was given)``: ``--prompt``'s text, or the text of ``--prompt-file``
     (standard input for ``-``), its one final line break dropped (what an editor or ``echo``
-    adds is not part of the text to continue)."""
+    adds is not part of the text to continue). A file and standard input read alike: UTF-8,
+    a byte-order mark (Windows editors write one) dropped, line breaks (CRLF, CR) read as LF."""
     import sys
     from pathlib import Path
 
     if prompt is not None:
         return prompt, "--prompt"
-    if prompt_file == "-":
-        text, given = sys.stdin.read(), "--prompt-file - (standard input)"
-    else:
-        given = f"--prompt-file {prompt_file}"
-        try:
-            text = Path(prompt_file).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ValueError(f"--prompt-file: no file {prompt_file!r}") from None
-        except IsADirectoryError:
-            raise ValueError(f"--prompt-file: {prompt_file!r} is a directory; give a text file") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"--prompt-file: {prompt_file!r} is not UTF-8 text") from None
-    return text.removesuffix("\n").removesuffix("\r"), given
+    try:
+        if prompt_file == "-":
+            given = "--prompt-file - (standard input)"
+            raw = getattr(sys.stdin, "buffer", None)  # (a stand-in stream without bytes: its text as it is)
+            text = sys.stdin.read() if raw is None else raw.read().decode("utf-8-sig")
+            text = text.replace("\r\n", "\n").replace("\r", "\n")  # as read_text reads a file
+        else:
+            given = f"--prompt-file {prompt_file}"
+            text = Path(prompt_file).read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise ValueError(f"--prompt-file: no file {prompt_file!r}") from None
+    except IsADirectoryError:
+        raise ValueError(f"--prompt-file: {prompt_file!r} is a directory; give a text file") from None
+    except UnicodeDecodeError:
+        where = "standard input" if prompt_file == "-" else repr(prompt_file)
+        raise ValueError(f"--prompt-file: {where} is not UTF-8 text") from None
+    return text.removesuffix("\n"), given
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -160,10 +165,12 @@ def run_generate(args) -> int:
         if not 0 <= args.seed <= SEED_MAX:  # (checked before the model loads: torch's generator refuses it)
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
+        if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
+            raise ValueError(f"{given} is empty: there is nothing to continue")
         model, tokenizer, stops = _load(args)
         ids = encode_prompt(tokenizer, prompt, args.chat)
-        if not ids:
-            raise ValueError(f"{given} is empty: there is nothing to continue")
+        if not ids:  # (a text the tokenizer's normaliser removes whole)
+            raise ValueError(f"{given} gives no tokens: there is nothing to continue")
         check_context(len(ids), args.max_new_tokens, context_limit(model))
         device = next(model.parameters()).device
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

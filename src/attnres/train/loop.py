@@ -330,7 +330,7 @@ class Trainer:
         """The progress display (rank 0), once the set-up has been printed: a bar drawn before
         it would leave the first line of the set-up on the bar's line."""
         if self.main and self.config.progress:
-            self.progress = StepProgress(self.config.steps, initial=self.step_count)
+            self.progress = StepProgress(self.config.steps, initial=self.step_count, stop=self.config.end_step)
 
     def announce(self) -> None:
         """Print the resolved set-up (rank 0): how the run starts, the model, tokens per

@@ -4,7 +4,8 @@
 under ``<kind>/<name>`` (``train/loss``, ``eval/val_loss``, ``diagnostics/block_grad_norm/3``) at
 the step it was logged at, and the resolved config. The W&B run is named after ``out_dir``
 and its id is kept in ``out_dir/wandb.json``, so a resumed run (``--resume``) continues the
-same W&B run. W&B's own settings come from its environment: ``WANDB_ENTITY``, ``WANDB_MODE``
+same W&B run (the steps logged after the last checkpoint before the interruption keep their
+first values there: W&B's steps only go up; a warning says so). W&B's own settings come from its environment: ``WANDB_ENTITY``, ``WANDB_MODE``
 (``offline`` writes the run under ``out_dir/wandb/`` for a later ``wandb sync``; no network
 needed), ``WANDB_API_KEY`` or ``wandb login``.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,14 @@ class WandbMirror:
             raise ValueError(f"wandb_project={project!r}: W&B could not start the run ({type(e).__name__}: {e}); "
                              "log in (wandb login, or WANDB_API_KEY), or set WANDB_MODE=offline to write the run "
                              f"under {str(out_dir / 'wandb')!r} for a later `wandb sync`") from None
+        # W&B's steps only go up: the steps an interrupted run logged after its last checkpoint
+        # stay in the W&B run, and their redone values (metrics.jsonl's) are ignored there.
+        first = getattr(self.run, "starting_step", 0) or 0
+        if resume_step is not None and first > resume_step + 1:
+            warnings.warn(f"wandb_project={project!r}: the W&B run {run_id} already holds steps up to {first - 1}, "
+                          f"logged before the interruption; this run resumes at step {resume_step + 1}, so W&B keeps "
+                          f"the old values of steps {resume_step + 1}-{first - 1} and ignores the redone ones "
+                          f"(metrics.jsonl has them)", stacklevel=2)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         """One record's scalars (:func:`attnres.train.metrics.scalars`) at ``step``."""

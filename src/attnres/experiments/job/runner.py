@@ -214,20 +214,26 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: finished earlier, skipped")
             records.append(json.loads(done.read_text()))
             continue
-        resumed = latest_checkpoint(config.out_dir)
-        if resumed is not None:
-            done_steps = int(resumed.name.split("-", 1)[1])
+        done_steps = _trained_steps(config)
+        if done_steps:
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: resuming at step {done_steps} of {config.steps}")
         else:
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} steps")
         started = time.perf_counter()
         record = run_one(config, variant)
-        took = pace.add(config.steps - (done_steps if resumed is not None else 0), time.perf_counter() - started)
-        left = [c.steps for _, _, c in configs[i:] if not (Path(c.out_dir) / RESULT_FILE).exists()]
+        took = pace.add(config.steps - done_steps, time.perf_counter() - started)
+        # the runs still to train, each from its latest checkpoint (an interrupted grid's)
+        left = [c.steps - _trained_steps(c) for _, _, c in configs[i:] if not (Path(c.out_dir) / RESULT_FILE).exists()]
         log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: val loss {record['val_loss']:.4f} (took {clock(took)}"
             + (f"; about {clock(pace.seconds(sum(left)))} to go for {len(left)} run(s))" if left else ")"))
         records.append(record)
     return records
+
+
+def _trained_steps(config: TrainConfig) -> int:
+    """The steps a run has trained so far: its latest checkpoint's (0 without one)."""
+    latest = latest_checkpoint(config.out_dir)
+    return 0 if latest is None else int(latest.name.split("-", 1)[1])
 
 
 class _Pace:
@@ -238,7 +244,10 @@ class _Pace:
         self.steps, self.time = 0, 0.0
 
     def add(self, steps: int, seconds: float) -> float:
-        self.steps, self.time = self.steps + max(steps, 0), self.time + seconds
+        """Count a run of ``steps`` trained in ``seconds`` (none trained: its set-up alone, not
+        counted); ``seconds`` back."""
+        if steps > 0:
+            self.steps, self.time = self.steps + steps, self.time + seconds
         return seconds
 
     def seconds(self, steps: int) -> float:

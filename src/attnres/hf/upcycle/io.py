@@ -44,7 +44,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
 
     if str(source) == SMOLLM2:
         source, gguf_file = smollm2_gguf()
-    if not Path(source).exists() and HUB_ID.fullmatch(str(source)):
+    if not Path(source).exists() and HUB_ID.fullmatch(str(source)) and not str(source).lower().endswith(".gguf"):
         source = from_hub(str(source))
     source = Path(source)
     if source.is_file() and source.suffix.lower() == ".gguf":  # (MODEL.GGUF too)
@@ -73,7 +73,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
 
 
 #: A Hugging Face Hub model id, ``organisation/name``: what ``--model`` is read as when no file
-#: or directory of that name exists.
+#: or directory of that name exists (and it does not end in ``.gguf``: a GGUF file's path).
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 #: The files of a Hub model that an upcycle reads: config, safetensors weights, tokenizer
