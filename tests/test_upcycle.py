@@ -424,6 +424,42 @@ def test_eval_of_a_pretrained_directory_and_of_its_upcycle_agree(tmp_path):
         assert numbers and {k: got["up"]["lm_eval"][task][k] for k in numbers} == pytest.approx(numbers, rel=1e-5)
 
 
+def test_eval_of_a_directory_with_a_long_context_uses_shorter_windows(tmp_path, monkeypatch, capsys):
+    """A pretrained model's whole context (40,960 tokens for Qwen3) as one perplexity window
+    would take minutes and gigabytes on a CPU: a directory's default window is at most
+    DIRECTORY_WINDOW tokens (said, and recorded as seq_len); --seq-len still decides."""
+    from test_train import write_corpus
+
+    from attnres.cli import eval as eval_command
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)  # a context of 128 tokens
+    text = tmp_path / "held-out.txt"
+    text.write_text(corpus.read_text()[:3000])
+    monkeypatch.setattr(eval_command, "DIRECTORY_WINDOW", 32)
+    for given, window in ((None, 32), ("100", 100)):
+        out = tmp_path / f"eval-{given}.json"
+        assert cli_main(["eval", str(src), "--text", str(text), "--tasks", "none", "--out", str(out),
+                         *(["--seq-len", given] if given else [])]) == 0
+        said = capsys.readouterr().out
+        assert ("perplexity windows of 32 tokens (the model's context is 128; --seq-len to change)" in said) == (given is None)
+        assert json.loads(out.read_text())["seq_len"] == window
+
+
+def test_a_directory_tokenizer_counts_the_bytes_of_a_partial_character():
+    """Bits per byte counts the first token's bytes apart: a byte-level token holding part of
+    a character ("é" is 2 bytes) decodes alone to U+FFFD, 3 bytes; read from its symbols, 1."""
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf.directory import DirectoryText
+    from attnres.hf.evaluate import _token_bytes
+    from attnres.hf.export import make_hf_tokenizer
+
+    text = DirectoryText(make_hf_tokenizer(ByteTokenizer()), ())
+    first = text.encode("é")[0]  # the byte 0xC3
+    assert text.decode([first]) == "\ufffd" and _token_bytes(text, first) == 1
+
+
 def test_a_hub_model_id_is_fetched_into_the_cache_and_upcycled(tmp_path, monkeypatch):
     """``--model Qwen/Qwen3-0.6B`` said "does not exist": a Hub id is now fetched (config,
     safetensors and tokenizer files only) when no local path of that name exists; a failed

@@ -5,6 +5,12 @@ from __future__ import annotations
 from .common import DTYPES, add_checkpoint_argument, check_optional_count
 
 
+#: The default perplexity window of a transformers directory, at most: a pretrained model's
+#: whole context (40,960 tokens for Qwen3) would be one window of the held-out text, minutes
+#: and gigabytes of attention on a CPU.
+DIRECTORY_WINDOW = 2048
+
+
 def add_parser(sub) -> None:
     ev = sub.add_parser(
         "eval",
@@ -23,7 +29,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
     ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task")
-    ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len)")
+    ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
+                    f"transformers directory, at most {DIRECTORY_WINDOW})")
     ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
     ev.add_argument("--device", default="auto",
                     help="device of the perplexity pass and lm-eval: auto (CUDA when available; default), cpu, cuda "
@@ -63,6 +70,7 @@ def run_eval(args) -> int:
     from ..data.corpus import load_corpus, read_text_file
     from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
     from ..inference.loading import load_run, load_tokenizer, pick_device
+    from ..models.factory import context_limit
     from ..output_paths import write_text_atomically
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -89,6 +97,10 @@ def run_eval(args) -> int:
             from ..hf.directory import load_directory
 
             model, tokenizer = load_directory(args.checkpoint, device)
+            if args.seq_len is None and context_limit(model) > DIRECTORY_WINDOW:
+                args.seq_len = DIRECTORY_WINDOW
+                print(f"attnres eval: perplexity windows of {DIRECTORY_WINDOW} tokens (the model's context is "
+                      f"{context_limit(model)}; --seq-len to change)")
             if text is None:
                 text, text_name = load_corpus().val, "the built-in corpus's validation split"
         else:
@@ -100,6 +112,7 @@ def run_eval(args) -> int:
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
         results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or text_name,
+                   "seq_len": args.seq_len or context_limit(model),
                    "device": str(device), "dtype": args.dtype, "perplexity": perplexity(model, tokenizer, text, args.seq_len,
                                                                        progress=True),
                    "lm_eval": {}}

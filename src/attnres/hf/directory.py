@@ -22,6 +22,12 @@ class DirectoryText:
     def __init__(self, tokenizer, stop_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.stop_ids = tokenizer, stop_ids
 
+    @property
+    def backend(self):
+        """The fast tokenizer's ``tokenizers.Tokenizer`` (``None`` for a slow one): a
+        byte-level one tells how many bytes a token holds (the perplexity's bits per byte)."""
+        return getattr(self.tokenizer, "backend_tokenizer", None)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 
