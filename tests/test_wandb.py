@@ -131,10 +131,17 @@ def test_a_missing_package_or_a_bad_name_is_refused_before_any_work(tmp_path, co
 
 
 def test_a_wandb_that_cannot_start_says_how_to_log_in_or_go_offline(tmp_path, corpus, monkeypatch):
+    from torch.utils import tensorboard
+
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb(fail=RuntimeError("api_key not configured (no-tty)")))
+    closed = []
+    writer = tensorboard.SummaryWriter
+    monkeypatch.setattr(tensorboard, "SummaryWriter", type("Writer", (writer,), {
+        "close": lambda self: closed.append(self) or writer.close(self)}))
     with pytest.raises(ValueError, match=r"wandb_project='p': W&B could not start the run \(Error: api_key not "
                                          r"configured \(no-tty\)\); log in .*WANDB_MODE=offline"):
-        train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="p")))
+        train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="p", tensorboard="true")))
+    assert len(closed) == 1  # the TensorBoard writer opened before W&B is not left open
 
 
 def test_the_real_package_offline(tmp_path, corpus, monkeypatch):

@@ -80,7 +80,11 @@ class MetricsLogger:
         if wandb_project is not None:
             from .wandb_log import WandbMirror
 
-            self.wandb = WandbMirror(wandb_project, out_dir, resume_step, config or {})
+            try:
+                self.wandb = WandbMirror(wandb_project, out_dir, resume_step, config or {})
+            except BaseException:  # (W&B could not start: the TensorBoard writer is not left open)
+                self.close()
+                raise
 
     def log(self, kind: str, step: int, **values: Any) -> None:
         """Append one record; :class:`~attnres.train.out_dir.OutDirError` naming the file
