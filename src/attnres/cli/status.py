@@ -1,0 +1,59 @@
+"""``attnres status``: where the training runs under some folders stand, one line each."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub) -> None:
+    st = sub.add_parser("status", help="where the training runs under some folders stand: step, losses, tokens/s, "
+                        "newest checkpoint, running or not",
+                        description="Find the training runs at or under each DIR (a run, a grid's --out, a folder "
+                        "of runs; default runs/) and print one line each: the residual and size, the step reached "
+                        "of the run's steps, the latest train and validation losses, tokens/s, the newest "
+                        "checkpoint, and whether a process is training it now (its run.lock). Reads only.")
+    st.add_argument("dirs", nargs="*", default=["runs"], metavar="DIR", help="folders to look in (default: runs)")
+    st.add_argument("--json", action="store_true", help="one JSON object per run, one per line")
+
+
+def run(args, parser) -> int:
+    from pathlib import Path
+
+    from ..train.status import find_runs, run_status
+
+    missing = [d for d in args.dirs if not Path(d).exists()]
+    if missing:
+        raise SystemExit(f"attnres status: error: no such folder: {', '.join(map(repr, missing))}")
+    runs = [run_status(path) for d in args.dirs for path in find_runs(d)]
+    if args.json:
+        for status in runs:
+            print(json.dumps(status.to_dict()))
+        return 0
+    if not runs:
+        print(f"attnres status: no training runs under {', '.join(args.dirs)} (a run's directory holds config.json "
+              "and metrics.jsonl or checkpoints/)")
+        return 0
+    print(render(runs))
+    return 0
+
+
+def render(runs) -> str:
+    """The runs as an aligned table."""
+    header = ("run", "model", "step", "train loss", "val loss (at step)", "tok/s", "checkpoint", "state")
+    rows = [header]
+    for s in runs:
+        model = ", ".join(x for x in (s.residual or "?", f"{s.n_layers} layers" if s.n_layers else "",
+                                      f"d {s.d_model}" if s.d_model else "") if x)
+        rows.append((
+            s.path, model, f"{s.step}/{s.steps if s.steps is not None else '?'}",
+            _number(s.train_loss), f"{_number(s.val_loss)} ({s.val_step})" if s.val_loss is not None else "-",
+            f"{s.tokens_per_s:,.0f}" if s.tokens_per_s is not None else "-",
+            f"step {s.checkpoint_step}" if s.checkpoint_step is not None else "-",
+            s.state + (f" ({s.holder})" if s.holder else ""),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

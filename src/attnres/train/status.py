@@ -1,0 +1,111 @@
+"""Where training runs stand (``attnres status``): read from what a run writes, never
+changing it - ``config.json``, ``metrics.jsonl``, ``checkpoints/`` and the ``run.lock`` of a
+run in progress.
+
+A run directory is one holding ``config.json`` and ``metrics.jsonl`` or ``checkpoints/``
+(a transformers directory has a ``config.json`` but neither); :func:`find_runs` finds them
+under a folder, a grid's ``<variant>/seed<k>`` runs included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import latest_checkpoint
+from .lock import LOCK_FILE, stale_here
+from .metrics import METRICS_FILE, read_metrics
+
+__all__ = ["RunStatus", "find_runs", "run_status"]
+
+#: Folders a run writes inside itself, never runs of their own.
+_INSIDE_A_RUN = {"checkpoints", "tensorboard", "wandb", "analysis"}
+
+
+@dataclass
+class RunStatus:
+    """One run: its model (``residual`` kind, ``n_layers``, ``d_model``), how far it got
+    (``step`` of its newest record, of ``steps``), its latest losses (``val_step``: where
+    ``val_loss`` was measured), tokens/s of its last logging window, its newest checkpoint's
+    step, and ``state``: ``running`` (a live process holds its lock), ``finished`` (a
+    checkpoint of its last step), ``stopped`` or ``not started``; ``holder``: who holds
+    the lock (``None`` unless running, or a lock left by a process of another host)."""
+
+    path: str
+    residual: str | None
+    n_layers: int | None
+    d_model: int | None
+    step: int
+    steps: int | None
+    train_loss: float | None
+    val_loss: float | None
+    val_step: int | None
+    tokens_per_s: float | None
+    checkpoint_step: int | None
+    state: str
+    holder: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def is_run_directory(path: Path) -> bool:
+    return (path / "config.json").is_file() and ((path / METRICS_FILE).is_file() or (path / "checkpoints").is_dir())
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """The run directories at or under ``root``, in sorted order (not looking inside runs)."""
+    root = Path(root)
+    if is_run_directory(root):
+        return [root]
+    found = []
+    for folder, subfolders, _ in os.walk(root):
+        here = Path(folder)
+        if is_run_directory(here):
+            found.append(here)
+            subfolders.clear()
+        else:
+            subfolders[:] = sorted(s for s in subfolders if s not in _INSIDE_A_RUN and not s.startswith("."))
+    return sorted(found)
+
+
+def run_status(path: str | Path) -> RunStatus:
+    """The :class:`RunStatus` of the run directory ``path``."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    residual = model.get("residual")
+    kind = residual.get("kind") if isinstance(residual, dict) else residual
+    records = read_metrics(path / METRICS_FILE, warn=False)
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval" and r.get("val_loss") is not None]
+    newest = latest_checkpoint(path)
+    checkpoint_step = int(newest.name.split("-", 1)[1]) if newest is not None else None
+    step = max([r["step"] for r in records] + [checkpoint_step or 0])
+    steps = config.get("steps")
+    state, holder = _state(path, step, steps, checkpoint_step)
+    return RunStatus(path=str(path), residual=kind, n_layers=model.get("n_layers"), d_model=model.get("d_model"),
+                     step=step, steps=steps, train_loss=train[-1].get("loss") if train else None,
+                     val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
+                     tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
+                     state=state, holder=holder)
+
+
+def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None) -> tuple[str, str | None]:
+    lock = path / LOCK_FILE
+    if lock.is_file():
+        try:
+            holder = json.loads(lock.read_text())
+        except (OSError, ValueError):
+            holder = None
+        if isinstance(holder, dict) and not stale_here(holder):
+            return "running", f"PID {holder.get('pid')} on {holder.get('host')}"
+    if steps is not None and checkpoint_step == steps:
+        return "finished", None
+    return ("stopped" if step > 0 else "not started"), None

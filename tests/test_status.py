@@ -1,0 +1,78 @@
+"""``attnres status``: where the runs under some folders stand (attnres.train.status)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("yaml")
+
+from test_train import overrides, write_corpus  # noqa: E402
+
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.train import load_config, train  # noqa: E402
+from attnres.train.lock import RunLock  # noqa: E402
+from attnres.train.metrics import read_metrics  # noqa: E402
+from attnres.train.status import find_runs, run_status  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """runs/done (finished), runs/grid/block/seed0 (stopped at step 3 of 6), runs/hf (a
+    transformers directory, no run)."""
+    root = tmp_path_factory.mktemp("status")
+    corpus = write_corpus(root / "corpus.txt")
+    train(load_config(None, overrides(corpus, root / "runs" / "done")))
+    train(load_config(None, overrides(corpus, root / "runs" / "grid" / "block" / "seed0", stop_after=3,
+                                      checkpoint_every=3, **{"model.residual": "standard"})))
+    (root / "runs" / "hf").mkdir()
+    (root / "runs" / "hf" / "config.json").write_text("{}")
+    return root / "runs"
+
+
+def test_each_run_is_found_once_and_read_from_what_it_wrote(runs):
+    assert find_runs(runs) == [runs / "done", runs / "grid" / "block" / "seed0"]  # not hf, not inside a run
+    assert find_runs(runs / "done") == [runs / "done"]
+    done = run_status(runs / "done")
+    records = read_metrics(runs / "done" / "metrics.jsonl")
+    last_train = [r for r in records if r["kind"] == "train"][-1]
+    last_eval = [r for r in records if r["kind"] == "eval"][-1]
+    assert (done.step, done.steps, done.checkpoint_step, done.state) == (6, 6, 6, "finished")
+    assert (done.residual, done.n_layers) == ("attnres_block", 2)
+    assert done.train_loss == last_train["loss"] and done.tokens_per_s == last_train["tokens_per_s"]
+    assert (done.val_loss, done.val_step) == (last_eval["val_loss"], last_eval["step"])
+    stopped = run_status(runs / "grid" / "block" / "seed0")
+    assert (stopped.step, stopped.steps, stopped.checkpoint_step, stopped.state) == (3, 6, 3, "stopped")
+    assert stopped.residual == "standard"
+
+
+def test_a_run_in_progress_is_told_by_its_live_lock(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs / "grid" / "block" / "seed0", run)
+    with RunLock(run):  # this process holds it, as a training process would
+        status = run_status(run)
+        assert status.state == "running" and status.holder.startswith("PID ")
+    assert run_status(run).state == "stopped"
+    (run / "run.lock").write_text(json.dumps({"pid": 2**22 + 7, "host": __import__("socket").gethostname()}))
+    assert run_status(run).state == "stopped"  # a lock left by a killed process: not running
+
+
+def test_the_command_prints_a_line_per_run(runs, capsys):
+    assert cli_main(["status", str(runs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["run", "model", "step", "train", "loss", "val", "loss", "(at", "step)", "tok/s",
+                                "checkpoint", "state"]
+    assert len(lines) == 3 and "attnres_block, 2 layers, d 64" in lines[1] and " 6/6 " in lines[1]
+    assert lines[1].endswith("step 6      finished") and lines[2].endswith("stopped")
+    assert cli_main(["status", str(runs), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["state"] for r in rows] == ["finished", "stopped"] and rows[1]["step"] == 3
+    assert cli_main(["status", str(runs / "hf")]) == 0
+    assert "no training runs under" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="attnres status: error: no such folder: '.*nowhere'"):
+        cli_main(["status", str(runs / "nowhere")])
