@@ -103,3 +103,14 @@ def test_other_bars_in_a_log_are_redrawn_once_a_minute_not_ten_times_a_second():
     assert progress_mod.progress_bar(total=3, file=io.StringIO()).mininterval == progress_mod.LOG_INTERVAL_S
     assert progress_mod.progress_bar(total=3, file=Terminal()).mininterval == 0.1
     assert progress_mod.progress_bar(False, total=3) is None
+
+
+def test_a_jupyter_notebook_gets_a_bar_not_lines():
+    """A notebook's output is no terminal, but it redraws a bar in place: the bar, not lines."""
+    pytest.importorskip("tqdm")
+    cell = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})()
+    p = StepProgress(10, stream=cell)
+    p.update(5)
+    p.mark(val_loss="5.9000")
+    p.close()
+    assert p.bar is None and "step 5/10" not in cell.getvalue() and "5/10" in cell.getvalue()

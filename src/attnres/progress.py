@@ -31,7 +31,8 @@ LOG_INTERVAL_S = 60.0
 
 
 class StepProgress:
-    """A training run's progress on stderr: a ``tqdm`` bar on a terminal, and away from one
+    """A training run's progress on stderr: a ``tqdm`` bar on a terminal (and in a Jupyter
+    notebook), and away from one
     (a log file, a batch job's output, ``nohup``) a plain line at each evaluation and at most
     every ``every_s`` seconds at the logging cadence. A bar's carriage-return redraws would
     fill such a log with one line megabytes long, and the validation loss would not be in it.
@@ -50,9 +51,13 @@ class StepProgress:
         self.fields: dict[str, str] = {}
         self.started = self.last_line = time.perf_counter()
         self.bar = None
-        if _is_terminal(self.stream):
+        notebook = _in_notebook(self.stream)
+        if notebook or _is_terminal(self.stream):
             try:
-                from tqdm import tqdm
+                if notebook:  # a Jupyter cell redraws its bar in place (a widget where ipywidgets is installed)
+                    from tqdm.auto import tqdm
+                else:
+                    from tqdm import tqdm
             except ImportError:  # without the bar, lines as away from a terminal
                 tqdm = None
             if tqdm is not None:
@@ -94,6 +99,11 @@ class StepProgress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _in_notebook(stream) -> bool:
+    """Whether ``stream`` is a Jupyter kernel's output (not a terminal, but it redraws)."""
+    return type(stream).__module__.startswith("ipykernel.")
 
 
 def _is_terminal(stream) -> bool:
