@@ -65,3 +65,24 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     child.stdout.close()  # before the command has printed anything (importing torch takes a while)
     _, err = child.communicate(timeout=300)
     assert child.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_asking_for_cuda_where_there_is_none_says_why(monkeypatch, tmp_path):
+    """`device=cuda` on a CPU build of torch said only "no CUDA device is available"; it now
+    says why (a CPU build, or a CUDA build that finds no device) and what to use instead."""
+    import pytest
+
+    from attnres.distributed.launch import _pick_device, no_cuda_reason
+    from attnres.inference.loading import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert no_cuda_reason() == f"this PyTorch ({torch.__version__}) is a CPU build; a GPU needs a CUDA build of torch"
+    with pytest.raises(ValueError, match=r"TrainConfig.device='cuda' but no CUDA device is available: this PyTorch "
+                                         r".* is a CPU build; .*; use device=cpu \(or auto"):
+        _pick_device("cuda")
+    with pytest.raises(ValueError, match=r"--device 'cuda:1': no CUDA device is available here \(this PyTorch .* CPU "
+                                         r"build; .*\); use --device cpu"):
+        pick_device("cuda:1")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert "is built for CUDA but finds no device" in no_cuda_reason() and "CUDA_VISIBLE_DEVICES" in no_cuda_reason()

@@ -69,12 +69,22 @@ class DistContext:
         return self.rank == 0
 
 
+def no_cuda_reason() -> str:
+    """Why PyTorch sees no CUDA device, in words: a CPU build of torch, or a CUDA build that
+    finds none."""
+    if torch.version.cuda is None and torch.version.hip is None:
+        return f"this PyTorch ({torch.__version__}) is a CPU build; a GPU needs a CUDA build of torch"
+    return (f"PyTorch {torch.__version__} is built for CUDA but finds no device (no GPU, a driver it cannot use, or "
+            "CUDA_VISIBLE_DEVICES hiding them)")
+
+
 def _pick_device(device: str) -> torch.device:
     """``"auto"`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("TrainConfig.device='cuda' but no CUDA device is available")
+        raise ValueError(f"TrainConfig.device='cuda' but no CUDA device is available: {no_cuda_reason()}; use "
+                         "device=cpu (or auto: CUDA where there is one)")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     return torch.device("cuda", local)

@@ -19,6 +19,7 @@ from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
+from ..distributed.launch import no_cuda_reason
 from ..validation import did_you_mean
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
@@ -36,7 +37,8 @@ def pick_device(name: str | None) -> torch.device:
         raise ValueError(_bad_device(name)) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name!r}: no CUDA device is available here; use --device cpu")
+            raise ValueError(f"--device {name!r}: no CUDA device is available here ({no_cuda_reason()}); use "
+                             "--device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif device.type != "cpu":
