@@ -163,6 +163,7 @@ def test_a_path_without_a_checkpoint_is_named_with_what_it_is(tmp_path):
     (hf / "config.json").write_text("{}")
     assert "makes it a Hugging Face directory" in no_checkpoint_at(hf) and "import attnres.hf" in no_checkpoint_at(hf)
     (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
+    assert no_checkpoint_at(tmp_path / "frsh") == f"{str(tmp_path / 'frsh')!r} does not exist (did you mean 'fresh'?)"
     assert no_checkpoint_at(tmp_path / "fresh").endswith(f": {str(tmp_path / 'fresh' / 'checkpoints')!r} holds none yet")
     grid = tmp_path / "compare"
     for run in ("standard/seed0", "block/seed0"):

@@ -51,9 +51,17 @@ def _eval_output(args):
     """Where ``attnres eval`` writes its results; checked before any work is done."""
     from pathlib import Path
 
+    from ..checkpoint import no_checkpoint_at
+    from ..hf.hub import is_hub_id
     from ..output_paths import check_output_file
 
-    return check_output_file(Path(args.out) if args.out else Path(args.checkpoint) / "eval.json", "--out")
+    if args.out:
+        return check_output_file(Path(args.out), "--out")
+    if is_hub_id(args.checkpoint):  # (not into the Hugging Face cache): here
+        return check_output_file(Path(f"eval-{args.checkpoint.replace('/', '--')}.json"), "--out")
+    if not Path(args.checkpoint).exists():  # (the default --out lies in it: say what is missing)
+        raise ValueError(no_checkpoint_at(args.checkpoint))
+    return check_output_file(Path(args.checkpoint) / "eval.json", "--out")
 
 
 def run_eval(args) -> int:
@@ -68,6 +76,7 @@ def run_eval(args) -> int:
     from .. import hf
     from ..checkpoint import is_hf_directory
     from ..data.corpus import load_corpus, read_text_file
+    from ..hf.hub import from_hub, is_hub_id
     from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
     from ..inference.loading import load_run, load_tokenizer, pick_device
     from ..models.factory import context_limit
@@ -90,6 +99,9 @@ def run_eval(args) -> int:
         if args.bootstrap_iters < 0:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
+        source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
+        if is_hub_id(args.checkpoint):
+            args.checkpoint = str(from_hub(args.checkpoint, "CHECKPOINT"))
         directory = is_hf_directory(args.checkpoint)
         if directory:  # an export or an upcycle: its own model class and tokenizer
             if args.tokenizer is not None:
@@ -111,7 +123,8 @@ def run_eval(args) -> int:
         model.to(getattr(torch, args.dtype))
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
-        results = {"checkpoint": str(Path(args.checkpoint).resolve()), "text": args.text or text_name,
+        results = {"checkpoint": source if source != args.checkpoint else str(Path(source).resolve()),
+                   "text": args.text or text_name,
                    "seq_len": args.seq_len or context_limit(model),
                    "device": str(device), "dtype": args.dtype, "perplexity": perplexity(model, tokenizer, text, args.seq_len,
                                                                        progress=True),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
 from ...output_paths import HF_WEIGHT_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
+from ..hub import from_hub, is_hub_id
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -44,7 +44,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
 
     if str(source) == SMOLLM2:
         source, gguf_file = smollm2_gguf()
-    if not Path(source).exists() and HUB_ID.fullmatch(str(source)) and not str(source).lower().endswith(".gguf"):
+    if is_hub_id(source):
         source = from_hub(str(source))
     source = Path(source)
     if source.is_file() and source.suffix.lower() == ".gguf":  # (MODEL.GGUF too)
@@ -70,30 +70,6 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     if gguf_file:
         _forget_gguf_quantizer(model)
     return model, tokenizer
-
-
-#: A Hugging Face Hub model id, ``organisation/name``: what ``--model`` is read as when no file
-#: or directory of that name exists (and it does not end in ``.gguf``: a GGUF file's path).
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-
-#: The files of a Hub model that an upcycle reads: config, safetensors weights, tokenizer
-#: (not the same weights again as .bin, .gguf or ONNX files).
-HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
-
-
-def from_hub(model_id: str) -> Path:
-    """The local folder of Hub model ``model_id``: downloaded into the Hugging Face cache
-    (``HF_HOME``; a token from ``hf auth login`` or ``HF_TOKEN`` for a gated model), or found
-    there with ``HF_HUB_OFFLINE=1``."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model_id, allow_patterns=list(HUB_FILES)))
-    except (OSError, ValueError) as e:  # not found, gated, offline, no network: all OSError; a bad id: ValueError
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--model {model_id!r} is no local file or directory, and as a Hugging Face Hub model id it "
-                         f"could not be fetched ({type(e).__name__}: {reason}); check the name, or download it where "
-                         f"there is a network (`hf download {model_id} --local-dir DIR`) and give --model DIR") from None
 
 
 #: Files of which a pretrained directory must hold one for its tokenizer to load: the fast
