@@ -64,6 +64,33 @@ def _eval_output(args):
     return check_output_file(Path(args.checkpoint) / "eval.json", "--out")
 
 
+def _load(args, device, directory: bool, text: str | None):
+    """``(model, tokenizer, held-out text, its name)``: of a transformers directory (its own
+    model class and tokenizer; the built-in corpus's validation split by default; windows of
+    at most :data:`DIRECTORY_WINDOW`), or of a training checkpoint (its stored tokenizer; the
+    run's validation split)."""
+    from ..data.corpus import load_corpus
+    from ..inference.loading import load_run, load_tokenizer
+    from ..models.factory import context_limit
+
+    if not directory:
+        run = load_run(args.checkpoint, device)
+        return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
+                                                                   (run.validation_text(), "validation split")))
+    if args.tokenizer is not None:
+        raise ValueError("--tokenizer: a transformers directory is evaluated with its own tokenizer; omit it")
+    from ..hf.directory import load_directory
+
+    model, tokenizer = load_directory(args.checkpoint, device)
+    if args.seq_len is None and context_limit(model) > DIRECTORY_WINDOW:
+        args.seq_len = DIRECTORY_WINDOW
+        print(f"attnres eval: perplexity windows of {DIRECTORY_WINDOW} tokens (the model's context is "
+              f"{context_limit(model)}; --seq-len to change)")
+    if text is None:
+        return model, tokenizer, load_corpus().val, "the built-in corpus's validation split"
+    return model, tokenizer, text, None
+
+
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
@@ -75,10 +102,10 @@ def run_eval(args) -> int:
 
     from .. import hf
     from ..checkpoint import is_hf_directory
-    from ..data.corpus import load_corpus, read_text_file
+    from ..data.corpus import read_text_file
     from ..hf.hub import from_hub, is_hub_id
     from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
-    from ..inference.loading import load_run, load_tokenizer, pick_device
+    from ..inference.loading import pick_device
     from ..models.factory import context_limit
     from ..output_paths import write_text_atomically
 
@@ -103,23 +130,7 @@ def run_eval(args) -> int:
         if is_hub_id(args.checkpoint):
             args.checkpoint = str(from_hub(args.checkpoint, "CHECKPOINT"))
         directory = is_hf_directory(args.checkpoint)
-        if directory:  # an export or an upcycle: its own model class and tokenizer
-            if args.tokenizer is not None:
-                raise ValueError("--tokenizer: a transformers directory is evaluated with its own tokenizer; omit it")
-            from ..hf.directory import load_directory
-
-            model, tokenizer = load_directory(args.checkpoint, device)
-            if args.seq_len is None and context_limit(model) > DIRECTORY_WINDOW:
-                args.seq_len = DIRECTORY_WINDOW
-                print(f"attnres eval: perplexity windows of {DIRECTORY_WINDOW} tokens (the model's context is "
-                      f"{context_limit(model)}; --seq-len to change)")
-            if text is None:
-                text, text_name = load_corpus().val, "the built-in corpus's validation split"
-        else:
-            run = load_run(args.checkpoint, device)
-            model, tokenizer = run.model, load_tokenizer(run, args.tokenizer)
-            if text is None:
-                text, text_name = run.validation_text(), "validation split"
+        model, tokenizer, text, text_name = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
