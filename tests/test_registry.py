@@ -234,3 +234,38 @@ def test_cli_imports_a_python_file_by_its_path_and_names_a_near_module(tmp_path,
         cli_main(["--import", "my_residual", "train", "--print-config"])
     assert capsys.readouterr().err.strip().endswith(
         "attnres: error: --import my_residual: No module named 'my_residual' (did you mean 'my_residuals'?)")
+
+
+def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
+    """A class without ``update`` failed at build time ("Can't instantiate abstract class"), a
+    required ``__init__`` argument with a TypeError, and an ``update`` of another shape in the
+    next sublayer (a LayerNorm's size error, or the next output blamed for the stream's shape)."""
+    class NoUpdate(SingleStreamResidual):
+        pass
+
+    with pytest.raises(TypeError, match=r"register_residual\('no_update_test'\): .*NoUpdate does not define update"):
+        register_residual("no_update_test")(NoUpdate)
+    assert "no_update_test" not in registered_residuals()
+
+    class Bare(ResidualStream):
+        pass
+
+    with pytest.raises(TypeError, match="Bare does not define _add, _finish, _input, _start"):
+        register_residual("bare_test")(Bare)
+
+    @register_residual("needs_gamma_test", replace=True)
+    class NeedsGamma(SingleStreamResidual):
+        def __init__(self, dim, n_sublayers, gamma):
+            super().__init__(dim, n_sublayers)
+            self.gamma = gamma
+
+        def update(self, l, h, out):
+            return torch.cat([h, self.gamma * out], -1)  # twice the width
+
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.options must set \['gamma'\] for residual "
+                       r"'needs_gamma_test' .*model.residual.options.gamma=VALUE"):
+        ModelConfig.preset("tiny", residual="needs_gamma_test")
+    model = AttnResLM(ModelConfig.preset("tiny", residual={"kind": "needs_gamma_test", "options": {"gamma": 0.5}}))
+    with pytest.raises(ValueError, match=r"residual 'needs_gamma_test': .*NeedsGamma.update\(0, h, out\) must return "
+                       r"the next hidden state, of h's shape \[2, 5, 64\]; got \[2, 5, 128\]"):
+        model(torch.randint(0, 256, (2, 5)))
