@@ -269,3 +269,16 @@ def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
     with pytest.raises(ValueError, match=r"residual 'needs_gamma_test': .*NeedsGamma.update\(0, h, out\) must return "
                        r"the next hidden state, of h's shape \[2, 5, 64\]; got \[2, 5, 128\]"):
         model(torch.randint(0, 256, (2, 5)))
+
+
+def test_cli_import_of_a_missing_file_or_a_path_without_py_says_so(tmp_path, monkeypatch, capsys):
+    """``--import ./missing.py`` ended in a TypeError traceback about relative imports."""
+    from attnres.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for value, said in [("./missing.py", f"no such file {str(tmp_path / 'missing.py')!r}"),
+                        ("sub/mine", "neither a module name (such as my_residuals) nor the path of a .py file")]:
+        with pytest.raises(SystemExit):
+            cli_main(["--import", value, "train", "--print-config"])
+        assert capsys.readouterr().err.strip().endswith(f"attnres: error: --import {value}: {said}")
