@@ -5,6 +5,7 @@ other change; names are validated against the registry; variants describe their 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,3 +283,22 @@ def test_cli_import_of_a_missing_file_or_a_path_without_py_says_so(tmp_path, mon
         with pytest.raises(SystemExit):
             cli_main(["--import", value, "train", "--print-config"])
         assert capsys.readouterr().err.strip().endswith(f"attnres: error: --import {value}: {said}")
+
+
+def test_resume_with_other_options_names_the_option_once():
+    """It said "model.residual.options: None there, {} here, model.residual.options.init: 0.5
+    there, None here": options that were set, said to be None, and the field twice."""
+    from attnres.checkpoint.locate import Source
+    from attnres.train import TrainConfig
+    from attnres.train.resume import check_resumable
+
+    def config(options):
+        return TrainConfig.from_dict({"model": {"preset": "tiny", "residual": {"kind": "scaled_test",
+                                                                               "options": options}}}).to_dict()
+
+    source = Source(Path("run/checkpoints/step-00000004"), {"step": 4})
+    with pytest.raises(ValueError) as info:
+        check_resumable(config({"init": 0.5}), config({}), source)
+    assert "the config differs in ['model.residual.options.init'] (model.residual.options.init: 0.5 there, not set " \
+           "here;" in str(info.value)
+    check_resumable(config({"init": 0.5}), config({"init": 0.5}), source)
