@@ -649,3 +649,12 @@ def test_measuring_overheads_leaves_malloc_alone(tmp_path, monkeypatch):
     result = measure_overhead(get_experiment("compare", "tiny"), tmp_path, repeats=3, log=lambda line: None)
     assert calls == [] and result["freed_memory_retained"] is False
     assert cpu_memory.set_cpu_allocator("retain") and calls  # what applying the setting would have recorded
+
+
+def test_a_registered_residual_named_as_a_grid_variant_is_told_how_to_compare_it(tmp_path):
+    """`attnres --import mine compare --variants mine` listed the grid's names only."""
+    from attnres.experiments import get_experiment, run_experiment
+
+    with pytest.raises(ValueError, match=r"got \['rezero'\]; \['rezero'\] is a registered residual, in no grid: add "
+                       r"it to one as a Variant in Python \(docs/experiments.md, 'Grids'\)"):
+        run_experiment(get_experiment("compare", "tiny"), tmp_path, variants=["rezero"])

@@ -5,6 +5,7 @@ other change; names are validated against the registry; variants describe their 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,70 @@ def test_cli_imports_a_python_file_by_its_path_and_names_a_near_module(tmp_path,
         cli_main(["--import", "my_residual", "train", "--print-config"])
     assert capsys.readouterr().err.strip().endswith(
         "attnres: error: --import my_residual: No module named 'my_residual' (did you mean 'my_residuals'?)")
+
+
+def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
+    """A class without ``update`` failed at build time ("Can't instantiate abstract class"), a
+    required ``__init__`` argument with a TypeError, and an ``update`` of another shape in the
+    next sublayer (a LayerNorm's size error, or the next output blamed for the stream's shape)."""
+    class NoUpdate(SingleStreamResidual):
+        pass
+
+    with pytest.raises(TypeError, match=r"register_residual\('no_update_test'\): .*NoUpdate does not define update"):
+        register_residual("no_update_test")(NoUpdate)
+    assert "no_update_test" not in registered_residuals()
+
+    class Bare(ResidualStream):
+        pass
+
+    with pytest.raises(TypeError, match="Bare does not define _add, _finish, _input, _start"):
+        register_residual("bare_test")(Bare)
+
+    @register_residual("needs_gamma_test", replace=True)
+    class NeedsGamma(SingleStreamResidual):
+        def __init__(self, dim, n_sublayers, gamma):
+            super().__init__(dim, n_sublayers)
+            self.gamma = gamma
+
+        def update(self, l, h, out):
+            return torch.cat([h, self.gamma * out], -1)  # twice the width
+
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.options must set \['gamma'\] for residual "
+                       r"'needs_gamma_test' .*model.residual.options.gamma=VALUE"):
+        ModelConfig.preset("tiny", residual="needs_gamma_test")
+    model = AttnResLM(ModelConfig.preset("tiny", residual={"kind": "needs_gamma_test", "options": {"gamma": 0.5}}))
+    with pytest.raises(ValueError, match=r"residual 'needs_gamma_test': .*NeedsGamma.update\(0, h, out\) must return "
+                       r"the next hidden state, of h's shape \[2, 5, 64\]; got \[2, 5, 128\]"):
+        model(torch.randint(0, 256, (2, 5)))
+
+
+def test_cli_import_of_a_missing_file_or_a_path_without_py_says_so(tmp_path, monkeypatch, capsys):
+    """``--import ./missing.py`` ended in a TypeError traceback about relative imports."""
+    from attnres.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for value, said in [("./missing.py", f"no such file {str(tmp_path / 'missing.py')!r}"),
+                        ("sub/mine", "neither a module name (such as my_residuals) nor the path of a .py file")]:
+        with pytest.raises(SystemExit):
+            cli_main(["--import", value, "train", "--print-config"])
+        assert capsys.readouterr().err.strip().endswith(f"attnres: error: --import {value}: {said}")
+
+
+def test_resume_with_other_options_names_the_option_once():
+    """It said "model.residual.options: None there, {} here, model.residual.options.init: 0.5
+    there, None here": options that were set, said to be None, and the field twice."""
+    from attnres.checkpoint.locate import Source
+    from attnres.train import TrainConfig
+    from attnres.train.resume import check_resumable
+
+    def config(options):
+        return TrainConfig.from_dict({"model": {"preset": "tiny", "residual": {"kind": "scaled_test",
+                                                                               "options": options}}}).to_dict()
+
+    source = Source(Path("run/checkpoints/step-00000004"), {"step": 4})
+    with pytest.raises(ValueError) as info:
+        check_resumable(config({"init": 0.5}), config({}), source)
+    assert "the config differs in ['model.residual.options.init'] (model.residual.options.init: 0.5 there, not set " \
+           "here;" in str(info.value)
+    check_resumable(config({"init": 0.5}), config({"init": 0.5}), source)

@@ -153,7 +153,12 @@ class ImportModule(argparse.Action):
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         module, file = value, Path(value)
-        if file.suffix == ".py" and file.is_file():  # a file's path: its module, found beside it
+        # (else a TypeError about relative imports, or "No module named 'path/to/mine'")
+        if file.suffix == ".py" and not file.is_file():
+            parser.error(f"--import {value}: no such file {str(file.resolve())!r}")
+        if file.suffix != ".py" and not all(part.isidentifier() for part in value.split(".")):
+            parser.error(f"--import {value}: neither a module name (such as my_residuals) nor the path of a .py file")
+        if file.suffix == ".py":  # a file's path: its module, found beside it
             module, folder = file.stem, str(file.resolve().parent)
             if folder not in sys.path:
                 sys.path.insert(0, folder)

@@ -65,8 +65,13 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
                          f"continues its checkpoint's weights (the run started from init_from={old.get('init_from')!r});"
                          " drop init_from to resume, or start a new run (another out_dir) from those weights")
     differing = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
+    # an empty mapping on one side (options: {}) against its keys on the other: the keys say it
+    differing = [k for k in differing if not any(d.startswith(k + ".") for d in differing)]
     if differing:
-        values = ", ".join(f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
+        def said(values: dict[str, Any], k: str) -> str:
+            return repr(values[k]) if k in values else "not set"
+
+        values = ", ".join(f"{k}: {said(old, k)} there, {said(new, k)} here" for k in differing)
         raise ValueError(f"cannot resume from {str(source.path)!r}: the config differs in {differing} ({values}; "
                          f"only {sorted(RESUMABLE_CHANGES)} may change on resume; to start over from these weights "
                          "with other settings, use init_from)")

@@ -23,6 +23,7 @@ import torch
 
 from ...data import load_corpus, prepare_data
 from ...models import AttnResLM, ModelConfig
+from ...nn.residual import registered_residuals
 from ...progress import clock
 from ...train import TrainConfig, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
@@ -191,8 +192,12 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         names = [v.name for v in experiment.variants]
         unknown = [v for v in variants if v not in names]
         if unknown or not variants:
+            own = [v for v in unknown if v in registered_residuals()]
             raise ValueError(f"variants must be names of the {experiment.name!r} grid {names}; got {list(variants)!r}"
-                             f"{did_you_mean_each(unknown, names)}")
+                             f"{did_you_mean_each(unknown, names)}"
+                             + (f"; {own} {'is a registered residual' if len(own) == 1 else 'are registered residuals'}"
+                                ", in no grid: add it to one as a Variant in Python (docs/experiments.md, 'Grids')"
+                                if own else ""))
         chosen = [v for v in experiment.variants if v.name in variants]
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}

@@ -145,11 +145,19 @@ class ResidualStream(nn.Module, ABC):
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
         """Raise ``ValueError`` naming the field if this variant cannot take ``config``. By
-        default: no Table-4 ablation, and ``options`` must be keyword arguments of ``__init__``."""
+        default: no Table-4 ablation, and ``options`` must be keyword arguments of ``__init__``
+        (and set those without a default, when the default ``from_config`` builds it)."""
         if config.ablation.active:
             raise ValueError(f"ModelConfig.residual.ablation applies to AttnRes variants; residual {config.kind!r} "
                              "takes none")
         params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # after self, dim, n_sublayers
+        required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                    and p.name not in config.options]
+        if required and cls.from_config.__func__ is ResidualStream.from_config.__func__:
+            # the default from_config passes only options: else a TypeError from __init__ at build time
+            raise ValueError(f"ModelConfig.residual.options must set {required} for residual {config.kind!r} (arguments "
+                             f"of {cls.__qualname__}.__init__ without a default): e.g. "
+                             f"model.residual.options.{required[0]}=VALUE, or give them defaults")
         if any(p.kind == p.VAR_KEYWORD for p in params):
             return
         accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

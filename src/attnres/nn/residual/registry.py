@@ -42,6 +42,11 @@ def register_residual(name: str, *, replace: bool = False):
     def decorate(cls: T) -> T:
         if not (isinstance(cls, type) and issubclass(cls, ResidualStream)):
             raise TypeError(f"register_residual({name!r}) decorates ResidualStream subclasses, not {cls!r}")
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:  # said here, not as "Can't instantiate abstract class" when a model is built
+            raise TypeError(f"register_residual({name!r}): {cls.__qualname__} does not define {', '.join(missing)}, "
+                            "which every residual must (SingleStreamResidual subclasses: update(l, h, out); "
+                            "docs/design.md, 'The registry, and how to add a variant')")
         if name in _REGISTRY and _REGISTRY[name] is not cls and not replace:
             raise ValueError(f"residual {name!r} is already registered (by {_REGISTRY[name].__qualname__}); "
                              "pass replace=True to override it")

@@ -7,6 +7,7 @@ is the hidden state alone, so such variants can be cut into pipeline stages.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +31,10 @@ class StreamState(ResidualState):
 class SingleStreamResidual(ResidualStream):
     """``h_{l+1} = update(l, h_l, f_l(h_l))``, starting from the embedding."""
 
+    @abstractmethod
     def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
-        """The hidden state after sublayer ``l`` from its input ``h`` and raw output ``out``."""
-        raise NotImplementedError
+        """The hidden state after sublayer ``l`` from its input ``h`` and raw output ``out``
+        (the shape of ``h``)."""
 
     def _start(self, embedding: Tensor, common: dict[str, Any]) -> StreamState:
         return StreamState(h=embedding, **common)
@@ -41,7 +43,12 @@ class SingleStreamResidual(ResidualStream):
         return state.h
 
     def _add(self, state: StreamState, l: int, output: Tensor) -> None:
-        state.h = self.update(l, state.h, output)
+        h = self.update(l, state.h, output)
+        if not isinstance(h, Tensor) or h.shape != state.h.shape:  # (else a later sublayer's error blames itself)
+            got = list(h.shape) if isinstance(h, Tensor) else type(h).__name__
+            raise ValueError(f"residual {self.name!r}: {type(self).__qualname__}.update({l}, h, out) must return the "
+                             f"next hidden state, of h's shape {list(state.h.shape)}; got {got}")
+        state.h = h
 
     def _finish(self, state: StreamState) -> Tensor:
         return state.h
