@@ -84,6 +84,24 @@ def test_user_variant_trains_through_the_train_api(tmp_path):
     assert not torch.equal(weights["residual.scale"], torch.full((4,), 0.5))  # trained
 
 
+def test_a_compare_report_leaves_out_the_mixing_of_a_variant_that_cannot_describe_it(tmp_path):
+    """A registered variant without ``_mixing_matrix`` in a grid stopped the whole report with
+    NotImplementedError; its mixing matrix is left out, saying why, and the others' stay."""
+    pytest.importorskip("safetensors")
+    pytest.importorskip("matplotlib")
+    from test_train import overrides, write_corpus
+
+    from attnres.experiments.job.analyze import mixing_section
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    for kind in ("standard", "scaled_test"):
+        train(load_config(None, overrides(corpus, tmp_path / kind, steps=2, **{"model.residual.kind": kind})))
+    text = mixing_section({"standard": [tmp_path / "standard"], "scaled_test": [tmp_path / "scaled_test"]}, tmp_path)
+    assert "| standard | 1 |" in text and "| scaled_test |" not in text
+    assert "Not analysed: scaled_test (residual 'scaled_test'" in text and "_mixing_matrix(state" in text
+
+
 def test_user_variant_round_trips_through_the_hf_wrapper(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM

@@ -233,11 +233,16 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     from ...checkpoint import find_valid_checkpoint
 
     results: dict[str, list[tuple[DepthMixing, dict]]] = {}
-    missing, logged = [], []
+    missing, logged, undescribed = [], [], {}
     for name, dirs in groups.items():
         for d in dirs:
             if find_valid_checkpoint(d) is not None:
-                results.setdefault(name, []).append(analyze_checkpoint(d, rows))
+                try:
+                    item = analyze_checkpoint(d, rows)
+                except NotImplementedError as e:  # a registered variant without _mixing_matrix: the others still
+                    undescribed[name] = str(e)
+                    break
+                results.setdefault(name, []).append(item)
                 continue
             item = logged_mixing(d)
             if item is None:
@@ -263,6 +268,8 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
                  "unknown and no sink flagged; the standard residual's `M` needs no checkpoint.")
     if missing:
         note += f" Not analysed (no checkpoint, nothing logged): {', '.join(missing)}."
+    for name, why in undescribed.items():
+        note += f" Not analysed: {labels.get(name, name)} ({why})."
     parts = ["## Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)",
              method_note(n_tokens or first.n_tokens) + note,
              "![depth mixing matrices](mixing.png)",
