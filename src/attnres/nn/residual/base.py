@@ -345,4 +345,5 @@ class ResidualStream(nn.Module, ABC):
         raise NotImplementedError(
             f"residual {self.name!r} ({type(self).__qualname__}) does not describe its depth mixing matrix: define "
             "_mixing_matrix(state, per_channel=False) returning an attnres.nn.residual.mixing.MixingMatrix from what its forward "
-            "recorded (see the built-in variants)")
+            "recorded, e.g. MixingMatrix(scaled_columns(weights), input_dependent=False) for fixed per-sublayer "
+            "weights (attnres.nn.residual.mixing; the README's 'Bring your own residual' example, docs/design.md)")
