@@ -32,9 +32,8 @@ LOG_INTERVAL_S = 60.0
 
 class StepProgress:
     """A training run's progress on stderr: a ``tqdm`` bar on a terminal (and in a Jupyter
-    notebook), and away from one
-    (a log file, a batch job's output, ``nohup``) a plain line at each evaluation and at most
-    every ``every_s`` seconds at the logging cadence. A bar's carriage-return redraws would
+    notebook), and away from one (a log file, a batch job's output, ``nohup``) a plain line
+    at each evaluation and at most every ``every_s`` seconds at the logging cadence. A bar's carriage-return redraws would
     fill such a log with one line megabytes long, and the validation loss would not be in it.
 
     ``update`` counts steps; ``show(**fields)`` sets what is shown beside the step (the
