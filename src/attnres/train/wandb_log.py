@@ -5,9 +5,10 @@ under ``<kind>/<name>`` (``train/loss``, ``eval/val_loss``, ``diagnostics/block_
 the step it was logged at, and the resolved config. The W&B run is named after ``out_dir``
 and its id is kept in ``out_dir/wandb.json``, so a resumed run (``--resume``) continues the
 same W&B run (the steps logged after the last checkpoint before the interruption keep their
-first values there: W&B's steps only go up; a warning says so). W&B's own settings come from its environment: ``WANDB_ENTITY``, ``WANDB_MODE``
-(``offline`` writes the run under ``out_dir/wandb/`` for a later ``wandb sync``; no network
-needed), ``WANDB_API_KEY`` or ``wandb login``.
+first values there: W&B's steps only go up; a warning says so). W&B's own settings come from
+its environment: ``WANDB_ENTITY``, ``WANDB_MODE`` (``offline`` writes the run under
+``out_dir/wandb/`` for a later ``wandb sync``; no network needed), ``WANDB_API_KEY`` or
+``wandb login``.
 """
 
 from __future__ import annotations
