@@ -424,6 +424,55 @@ def test_eval_of_a_pretrained_directory_and_of_its_upcycle_agree(tmp_path):
         assert numbers and {k: got["up"]["lm_eval"][task][k] for k in numbers} == pytest.approx(numbers, rel=1e-5)
 
 
+def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tmp_path, capsys):
+    """A run started from an instruct model's directory kept its tokenizer.json but lost the
+    chat template and end-of-turn token (tokenizer_config.json's): `generate --chat` on the
+    run, and its export, used attnres's plain-text template and no end of sequence. They now
+    stay with the run's tokenizer, through its checkpoints, into its export."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.cli.generate import encode_prompt
+    from attnres.data.tokenizer import BPETokenizer, train_bpe
+    from attnres.inference.loading import load_run, load_tokenizer
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    backend = train_bpe(corpus.read_text(), 300).backend
+    backend.add_special_tokens(["<|im_end|>"])
+    tok = BPETokenizer.from_json(backend.to_str(), "instruct")
+    template = "{% for m in messages %}<|user|> {{ m['content'] }}\n{% endfor %}<|assistant|> "
+    src = tmp_path / "instruct"
+    base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(src)
+    (src / "tokenizer.json").write_text(tok.to_json())
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template,
+                                                           "tokenizer_class": "TokenizersBackend"}))
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
+    args = [a for a in overrides(corpus, tmp_path / "run", steps=2, **{
+        "model.from_hf": str(tmp_path / "up"), "init_from": str(tmp_path / "up"), "data.tokenizer": "bpe"})
+        if not a.startswith("model=")]
+    assert cli_main(["train", *args]) == 0
+    run = load_run(tmp_path / "run")
+    eos = tok.backend.token_to_id("<|im_end|>")
+    assert run.chat_settings() == {"chat_template": template, "eos_token": "<|im_end|>"}
+    rendered = tok.encode("<|user|> the quick\n<|assistant|> ")
+    assert encode_prompt(load_tokenizer(run), "the quick", True, template) == rendered
+    assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    exported = AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert exported.chat_template == template and exported.eos_token_id == eos
+    assert json.loads((tmp_path / "export" / "generation_config.json").read_text())["eos_token_id"] == eos
+    capsys.readouterr()
+    outputs = []
+    for source in (tmp_path / "run", tmp_path / "export"):
+        assert cli_main(["generate", str(source), "--prompt", "the quick", "--chat", "--max-new-tokens", "6",
+                         "--temperature", "0"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    # attnres's own runs: no chat settings, the plain-text template, no end of sequence
+    assert cli_main(["train", *overrides(corpus, tmp_path / "plain", steps=2)]) == 0
+    assert load_run(tmp_path / "plain").chat_settings() == {}
+
+
 def test_eval_of_a_directory_with_a_long_context_uses_shorter_windows(tmp_path, monkeypatch, capsys):
     """A pretrained model's whole context (40,960 tokens for Qwen3) as one perplexity window
     would take minutes and gigabytes on a CPU: a directory's default window is at most

@@ -184,6 +184,13 @@ def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
     return BPETokenizer.load(file)
 
 
+#: What a tokenizer record may carry beside its tokenizer, from a transformers directory a run
+#: started from (an instruct model's): its chat template and end-of-turn token, which its
+#: ``tokenizer.json`` does not hold. Kept through checkpoints and used by ``attnres export``
+#: and ``attnres generate --chat``; attnres's own tokenizers have neither.
+CHAT_SETTINGS = ("chat_template", "eos_token")
+
+
 def tokenizer_state(tok: Tokenizer) -> tuple[dict[str, Any], dict[str, bytes]]:
     """How to store ``tok`` with a checkpoint: a JSON-able description (kind, vocabulary
     size, fingerprint, file) and the files to write beside it (``tokenizer.json`` for the

@@ -10,7 +10,10 @@ End of text: none. Training streams plain text with no special tokens (documents
 by a blank line), so the model has no end-of-text token to predict, and declaring an
 ordinary one (the line break, as earlier versions did) makes ``generate`` stop at the first
 line break. The export sets no ``eos_token``: ``generate`` runs for ``max_new_tokens`` (pass
-``stop_strings`` or ``eos_token_id`` to stop earlier).
+``stop_strings`` or ``eos_token_id`` to stop earlier). A run started from an instruct model's
+directory is the exception: the chat template and end-of-turn token of that directory stay
+with its tokenizer through the checkpoints (:data:`attnres.data.tokenizer.CHAT_SETTINGS`), and
+its export declares them, so ``generate`` and vLLM stop at the end of a turn again.
 
 Padding: none either. Every special token of a ``transformers`` tokenizer is an entry of its
 added vocabulary, and an ordinary token declared special is lost twice: decoding with
@@ -88,7 +91,8 @@ def byte_level_tokenizer():
     return tok
 
 
-def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None, chat_template: str = CHAT_TEMPLATE,
+                      eos_token: str | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, no
     special tokens (no end-of-sequence and no padding token: module docstring), padding on
     the left, the plain-text :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's
@@ -103,8 +107,12 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None)
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     # Left padding: a batch of prompts padded on the right would have ``generate`` continue
     # each short prompt after its padding.
+    if eos_token is not None:  # an instruct model's end of turn, kept from the directory a run started from
+        if rust.token_to_id(eos_token) is None:
+            raise ValueError(f"the end-of-sequence token {eos_token!r} is not in the tokenizer's vocabulary")
+        extra["eos_token"] = eos_token
     return PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False,
-                                   chat_template=CHAT_TEMPLATE, padding_side="left", **extra)
+                                   chat_template=chat_template, padding_side="left", **extra)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
@@ -119,13 +127,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
     run = load_run(checkpoint)
     model = run.model
     tokenizer = load_tokenizer(run, tokenizer_path)  # refuses a vocabulary that is not the model's
-    if not isinstance(model, AttnResLM):  # model.hf_architecture: already a transformers model
-        hf_tok = make_hf_tokenizer(tokenizer, model.config.max_position_embeddings)
-        hf = model
-    else:
-        hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len)
-        hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=None)
-    hf.generation_config.eos_token_id = hf.generation_config.pad_token_id = None
+    # (a run started from an instruct model keeps its chat template and end of turn; the tokenizer's own only)
+    chat = run.chat_settings() if tokenizer_path is None else {}
+    native = isinstance(model, AttnResLM)  # else model.hf_architecture: already a transformers model
+    hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len if native else model.config.max_position_embeddings,
+                               **chat)
+    hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=None) if native else model
+    hf.generation_config.eos_token_id = hf_tok.eos_token_id
+    hf.generation_config.pad_token_id = None
 
     def write(staging: Path) -> None:
         hf.save_pretrained(staging)

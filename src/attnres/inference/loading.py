@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer_file, tokenizer_from_state
+from ..data.tokenizer import CHAT_SETTINGS, ByteTokenizer, Tokenizer, load_tokenizer_file, tokenizer_from_state
 from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
@@ -65,6 +65,13 @@ class LoadedRun:
     run_config: dict
     checkpoint: Path
     state: dict
+
+    def chat_settings(self) -> dict[str, str]:
+        """The chat template and end-of-turn token kept with the run's tokenizer (a run started
+        from an instruct model's directory; :data:`attnres.data.tokenizer.CHAT_SETTINGS`), those
+        it has: none for attnres's own tokenizers."""
+        meta = self.state.get("tokenizer") or {}
+        return {k: meta[k] for k in CHAT_SETTINGS if isinstance(meta.get(k), str)}
 
     def validation_text(self) -> str:
         """The run's validation split, read again from its data: the absolute paths the

@@ -8,6 +8,7 @@ fills the residual with its faithful init (zero pseudo-queries, unit gains).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,37 @@ __all__ = ["hf_source", "load_hf_weights"]
 
 
 def hf_source(path: str | Path) -> Source:
-    """``path`` as a start: step 0, and its ``tokenizer.json`` (if any) as the stored tokenizer."""
+    """``path`` as a start: step 0, and its ``tokenizer.json`` (if any) as the stored tokenizer,
+    with the directory's chat template and end-of-turn token (:func:`chat_settings`)."""
     path = Path(path)
     state: dict[str, Any] = {"step": 0, "hf_directory": True, "tokenizer": None}
     if (path / TOKENIZER_FILE).is_file():
         tok = BPETokenizer.load(path / TOKENIZER_FILE)
         state["tokenizer"] = {"kind": "bpe", "file": TOKENIZER_FILE, "vocab_size": tok.vocab_size,
-                              "fingerprint": tok.fingerprint}
+                              "fingerprint": tok.fingerprint, **chat_settings(path)}
     return Source(path, state)
+
+
+def chat_settings(path: Path) -> dict[str, str]:
+    """The chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s) and the
+    end-of-sequence token (``tokenizer_config.json``'s ``eos_token``) of the transformers
+    directory ``path``, those it has (:data:`attnres.data.tokenizer.CHAT_SETTINGS`)."""
+    found: dict[str, str] = {}
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    template = path / "chat_template.jinja"
+    if template.is_file():
+        found["chat_template"] = template.read_text(encoding="utf-8")
+    elif isinstance(config.get("chat_template"), str):
+        found["chat_template"] = config["chat_template"]
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str) and eos:
+        found["eos_token"] = eos
+    return found
 
 
 def load_hf_weights(model, path: str | Path) -> None:

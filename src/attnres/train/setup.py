@@ -21,7 +21,7 @@ from torch import Tensor
 from ..checkpoint import (Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint, no_checkpoint_at,
                           remove_partial_checkpoints, set_aside_newer)
 from ..data import BatchSampler, TokenData, load_corpus, prepare_data, validation_batches
-from ..data.tokenizer import TOKENIZER_KINDS, Tokenizer, load_tokenizer_file, tokenizer_from_state, tokenizer_state
+from ..data.tokenizer import CHAT_SETTINGS, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file, tokenizer_from_state, tokenizer_state
 from .config import TrainConfig
 from .hf_source import hf_source
 from .resume import check_data, check_progress
@@ -192,6 +192,8 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     if config.model.vocab_size != vocab_size:
         config = dataclasses.replace(config, model=config.model.replace(vocab_size=vocab_size))
     meta, files = tokenizer_state(tokens.tokenizer)
+    if given is not None:  # an instruct model's chat template and end-of-turn token stay with its tokenizer
+        meta.update({k: v for k, v in (source.state.get("tokenizer") or {}).items() if k in CHAT_SETTINGS})
     sampler = BatchSampler(tokens.train, config.seq_len, config.batch_size, config.seed)
     if start.resume is not None and not changed:
         sampler.load_state_dict(start.resume.state["sampler"])
