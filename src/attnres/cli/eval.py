@@ -103,7 +103,7 @@ def run_eval(args) -> int:
     from .. import hf
     from ..checkpoint import is_hf_directory
     from ..data.corpus import read_text_file
-    from ..hf.hub import from_hub, is_hub_id
+    from ..hf.hub import local_folder
     from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
     from ..inference.loading import pick_device
     from ..models.factory import context_limit
@@ -127,8 +127,7 @@ def run_eval(args) -> int:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
-        if is_hub_id(args.checkpoint):
-            args.checkpoint = str(from_hub(args.checkpoint, "CHECKPOINT"))
+        args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
         directory = is_hf_directory(args.checkpoint)
         model, tokenizer, text, text_name = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))

@@ -130,11 +130,10 @@ def _load(args):
     import torch
 
     from ..checkpoint import is_hf_directory
-    from ..hf.hub import from_hub, is_hub_id
+    from ..hf.hub import local_folder
     from ..inference.loading import load_run, load_tokenizer, pick_device
 
-    if is_hub_id(args.checkpoint):  # a transformers model on the Hub: fetched into the Hugging Face cache
-        args.checkpoint = str(from_hub(args.checkpoint, "CHECKPOINT"))
+    args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")  # a Hub id: fetched into the Hugging Face cache
     if is_hf_directory(args.checkpoint):
         if args.tokenizer is not None:
             raise ValueError("--tokenizer: a transformers directory generates with its own tokenizer; omit it")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-__all__ = ["HUB_FILES", "HUB_ID", "from_hub", "is_hub_id"]
+__all__ = ["HUB_FILES", "HUB_ID", "from_hub", "is_hub_id", "local_folder"]
 
 #: A Hugging Face Hub model id, ``organisation/name``.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -40,3 +40,8 @@ def from_hub(model_id: str, option: str = "--model") -> Path:
         raise ValueError(f"{option} {model_id!r} is no local file or directory, and as a Hugging Face Hub model id it "
                          f"could not be fetched ({type(e).__name__}: {reason}); check the name, or download it where "
                          f"there is a network (`hf download {model_id} --local-dir DIR`) and give {option} DIR") from None
+
+
+def local_folder(name: str, option: str = "--model") -> str:
+    """``name`` as it is, or, for a Hub id (:func:`is_hub_id`), the folder it is fetched into."""
+    return str(from_hub(name, option)) if is_hub_id(name) else name

@@ -94,11 +94,12 @@ class MetricsLogger:
                 f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
         except OSError as e:
             raise OutDirError(f"could not append to {str(self.path)!r}: {os_cause(e)}") from None
+        mirrored = scalars(kind, values) if self.writer is not None or self.wandb is not None else {}
         if self.writer is not None:
-            for name, value in scalars(kind, values).items():
+            for name, value in mirrored.items():
                 self.writer.add_scalar(name, value, step)
         if self.wandb is not None:
-            self.wandb.log(step, scalars(kind, values))
+            self.wandb.log(step, mirrored)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -12,7 +12,7 @@ from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
 from ...output_paths import HF_WEIGHT_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
-from ..hub import from_hub, is_hub_id
+from ..hub import local_folder
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -39,13 +39,12 @@ def smollm2_gguf() -> tuple[Path, str]:
 def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
     by transformers; needs the ``gguf`` package), a Hugging Face Hub model id (downloaded into
-    the Hugging Face cache, :func:`from_hub`), or ``"smollm2"``."""
+    the Hugging Face cache, :mod:`attnres.hf.hub`), or ``"smollm2"``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if str(source) == SMOLLM2:
         source, gguf_file = smollm2_gguf()
-    if is_hub_id(source):
-        source = from_hub(str(source))
+    source = local_folder(str(source))
     source = Path(source)
     if source.is_file() and source.suffix.lower() == ".gguf":  # (MODEL.GGUF too)
         source, gguf_file = source.parent, source.name

@@ -44,7 +44,9 @@ class SingleStreamResidual(ResidualStream):
 
     def _add(self, state: StreamState, l: int, output: Tensor) -> None:
         h = self.update(l, state.h, output)
-        if not isinstance(h, Tensor) or h.shape != state.h.shape:  # (else a later sublayer's error blames itself)
+        # Checked at the first sublayer of a forward (else a later sublayer's error blames itself): an
+        # update's result has one shape for one input shape, and once a forward keeps the hot path bare.
+        if l == 0 and (not isinstance(h, Tensor) or h.shape != state.h.shape):
             got = list(h.shape) if isinstance(h, Tensor) else type(h).__name__
             raise ValueError(f"residual {self.name!r}: {type(self).__qualname__}.update({l}, h, out) must return the "
                              f"next hidden state, of h's shape {list(state.h.shape)}; got {got}")
@@ -78,11 +80,6 @@ class StandardResidual(SingleStreamResidual):
 
     def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
         return h + out
-
-    def _add(self, state: StreamState, l: int, output: Tensor) -> None:
-        # the baseline's add as it is, without the check of a variant's update (its shape is h's
-        # by construction): the standard model is what AttnRes' cost is measured against
-        state.h = state.h + output
 
     def residual_flops_per_token(self) -> float:
         return float(self.n_sublayers * self.dim)  # one add per sublayer
