@@ -107,6 +107,9 @@ def test_resume_rejects_changed_config(tmp_path, corpus_file):
         train(load_config(None, overrides(corpus_file, tmp_path, resume="true", lr=0.5)))
     with pytest.raises(ValueError, match="already holds checkpoints"):
         train(load_config(None, overrides(corpus_file, tmp_path)))
+    # A missing data file is said first, not after the out_dir objection is fixed.
+    with pytest.raises(ValueError, match="data path .*nope.txt' does not exist"):
+        train(load_config(None, overrides(tmp_path / "nope.txt", tmp_path)))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

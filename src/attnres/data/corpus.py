@@ -182,6 +182,18 @@ def absolute_paths(paths: list[str] | tuple[str, ...]) -> list[str]:
     return [str(Path(p).expanduser().absolute()) for p in paths]
 
 
+def data_files(paths: list[str] | tuple[str, ...] = ()) -> list[tuple[Path, list[Path]]]:
+    """Each data path (or the default corpus when ``paths`` is empty) with the files it names,
+    without reading them: what :func:`load_corpus` reads, and a cheap check that every path
+    names something (``attnres train`` makes it before it looks at ``out_dir``, so that a
+    missing file is said first). Raises ``ValueError`` for an empty, missing or matchless path."""
+    if any(not str(p).strip() for p in paths):  # Path("") is the current directory: all of its text files
+        raise ValueError(f"data.paths holds an empty path ({list(map(str, paths))!r}): give files, directories or "
+                         "glob patterns, or no paths for the default corpus")
+    roots = [Path(p).expanduser() for p in paths] or [default_corpus_path()]
+    return [(root, _files_of(root)) for root in roots]
+
+
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02) -> Corpus:
     """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
@@ -191,15 +203,11 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     either part empty."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
-    if any(not str(p).strip() for p in paths):  # Path("") is the current directory: all of its text files
-        raise ValueError(f"data.paths holds an empty path ({list(map(str, paths))!r}): give files, directories or "
-                         "glob patterns, or no paths for the default corpus")
-    roots = [Path(p).expanduser() for p in paths] or [default_corpus_path()]
     docs: list[str] = []
     files: list[Path] = []
     seen: dict[Path, tuple[Path, Path]] = {}  # resolved file -> (the file, its data path) as first reached
-    for root in roots:
-        for file in _files_of(root):
+    for root, root_files in data_files(paths):
+        for file in root_files:
             first, first_root = seen.setdefault(file.resolve(), (file, root))
             if first is not file:  # the same text twice would double its weight (and the validation split's)
                 how = "listed twice" if first_root == root else f"through {str(first_root)!r} and {str(root)!r}"

@@ -51,7 +51,7 @@ from ..checkpoint import (
     save_sharded,
     write_checkpoint,
 )
-from ..data.corpus import absolute_paths
+from ..data.corpus import absolute_paths, data_files
 from ..distributed.data_parallel import shard_optimizer_state
 from ..distributed.launch import (
     DistContext,
@@ -193,6 +193,7 @@ class Trainer:
         self.progress = None
         if config.data.cache_dir is not None:  # before out_dir is created: a bad one leaves nothing behind
             check_output_dir(config.data.cache_dir, "data.cache_dir")
+        data_files(config.data.paths)  # a missing data file said before out_dir's objections (read later)
         # Made by this run: removed again (when left empty) if the set-up fails or nothing is trained.
         self.created = self.main and not self.out_dir.exists()
         self.idle = False  # nothing left to train: nothing is written
