@@ -509,6 +509,43 @@ def test_a_directory_tokenizer_counts_the_bytes_of_a_partial_character():
     assert text.decode([first]) == "\ufffd" and _token_bytes(text, first) == 1
 
 
+@pytest.mark.parametrize("template", ["$A </s>", "<s> $A </s>", "<s> $A"])
+def test_a_directory_tokenizer_s_appended_end_token_is_left_out(template):
+    """A tokenizer whose template appends an end of sequence (T5-style ``$A </s>``) encoded
+    every prompt and every evaluated text with it: generation continued after an end of text,
+    and perplexity also predicted it. ``encode`` keeps what comes before the text (``<s>``)
+    and drops what comes after: perplexity predicts the text's tokens only. A leading ``<s>``
+    holds none of the text's bytes (bits per byte had taken its 3 symbols off them)."""
+    from tokenizers import processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from attnres.hf.directory import DirectoryText
+    from attnres.hf.evaluate import perplexity
+    from attnres.hf.export import byte_level_tokenizer
+
+    def tokenizer(with_template: bool):
+        rust = byte_level_tokenizer()
+        rust.add_special_tokens(["<s>", "</s>"])  # ids 256, 257
+        if with_template:
+            rust.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 256),
+                                                                                                 ("</s>", 257)])
+        return DirectoryText(PreTrainedTokenizerFast(tokenizer_object=rust), ())
+
+    text, plain = tokenizer(True), tokenizer(False)
+    lead = [256] if template.startswith("<s>") else []
+    assert text.encode("hi there") == lead + plain.encode("hi there")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=64)).eval()
+    sample = "a text of some forty bytes, give or take"
+    with torch.no_grad():
+        got, without = perplexity(model, text, sample), perplexity(model, plain, sample)
+    if lead:  # every byte predicted (from <s> on), and every byte counted: <s> holds none of the text
+        assert (got["tokens"], got["bytes"]) == (len(sample), len(sample))
+    else:
+        assert got == without
+
+
 def test_a_hub_model_id_is_fetched_into_the_cache_and_upcycled(tmp_path, monkeypatch):
     """``--model Qwen/Qwen3-0.6B`` said "does not exist": a Hub id is now fetched (config,
     safetensors and tokenizer files only) when no local path of that name exists; a failed

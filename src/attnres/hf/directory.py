@@ -15,12 +15,15 @@ __all__ = ["DirectoryText", "load_directory"]
 
 class DirectoryText:
     """The directory's tokenizer as :func:`attnres.inference.stream_transformers`' caller
-    uses one: ``encode`` adds what the tokenizer adds to a text (a Llama's beginning of
-    sequence), ``decode`` leaves special tokens out; ``stop_ids``, the model's end-of-sequence
-    ids (none for attnres's exports: their models learnt no end of text)."""
+    uses one: ``encode`` adds what the tokenizer adds before a text (a Llama's beginning of
+    sequence) but not what it appends (a T5-style end of sequence: a prompt would end the
+    text before its continuation, and perplexity would also predict that token), ``decode``
+    leaves special tokens out; ``stop_ids``, the model's end-of-sequence ids (none for
+    attnres's exports: their models learnt no end of text)."""
 
     def __init__(self, tokenizer, stop_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.stop_ids = tokenizer, stop_ids
+        self.appended = _appended_count(tokenizer)
 
     @property
     def backend(self):
@@ -29,7 +32,8 @@ class DirectoryText:
         return getattr(self.tokenizer, "backend_tokenizer", None)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
+        ids = self.tokenizer(text)["input_ids"]
+        return ids[: len(ids) - self.appended]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -43,6 +47,18 @@ class DirectoryText:
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
                                                   tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _appended_count(tokenizer) -> int:
+    """How many special tokens ``tokenizer`` appends after a text (0 for most causal LMs'; 1
+    for a ``$A </s>`` template): where a probe's own tokens end in its encoding."""
+    probe = "Hello"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return len(full) - start - len(plain)
+    return 0  # the added tokens merge with the text's (no such tokenizer known): keep them all
 
 
 def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Module, DirectoryText]:

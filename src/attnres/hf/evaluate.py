@@ -95,16 +95,20 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
 def _token_bytes(tokenizer: Tokenizer, token_id: int) -> int:
     """The UTF-8 bytes of the text ``token_id`` stands for. Decoded alone, a token that holds
     part of a character (the first byte of "é") gives U+FFFD, 3 bytes: a byte-level token is
-    counted from its symbols instead, one per byte."""
+    counted from its symbols instead, one per byte. A special token (a leading ``<s>``, which
+    decodes to nothing) holds none of the text."""
     if isinstance(tokenizer, ByteTokenizer):
         return 1
+    decoded = tokenizer.decode([token_id])
+    if not decoded:
+        return 0
     backend = getattr(tokenizer, "backend", None)  # a BPETokenizer's tokenizers.Tokenizer
     if backend is not None:
         from tokenizers import decoders
 
         if isinstance(backend.decoder, decoders.ByteLevel):
             return len(backend.id_to_token(token_id))
-    return len(tokenizer.decode([token_id]).encode("utf-8"))
+    return len(decoded.encode("utf-8"))
 
 
 def held_out_documents(text: str, min_words: int = 12, max_docs: int = 200) -> list[str]:
