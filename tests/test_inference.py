@@ -453,3 +453,21 @@ def test_stream_warns_once_about_non_finite_logits():
     with pytest.warns(RuntimeWarning, match=r"logits of generation step 0 are not finite") as caught:
         generate(model, ids, max_new_tokens=3)
     assert len([w for w in caught if "not finite" in str(w.message)]) == 1
+
+
+def test_generate_prints_a_character_split_over_tokens_once_whole():
+    """A byte-level token holding the first byte of "é" decodes to U+FFFD: it was printed, and
+    the next token's completed "é" was then skipped (the printed text kept the U+FFFD). The
+    pieces now wait for a character's last byte; a character the last token cuts short is
+    printed as it is."""
+    from attnres.cli.generate import text_pieces
+    from attnres.data.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("café €!")
+    new: list[int] = []
+    pieces = list(text_pieces(tokenizer, ([i] for i in ids), new))
+    assert "".join(pieces) == "café €!" and "\ufffd" not in "".join(pieces) and new == ids
+    assert pieces[:3] == ["c", "a", "f"] and "é" in pieces and "€" in pieces  # one piece per whole character
+    cut = list(text_pieces(tokenizer, ([i] for i in tokenizer.encode("aé")[:-1]), []))
+    assert cut == ["a", "\ufffd"]

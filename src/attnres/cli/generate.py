@@ -158,6 +158,25 @@ def _load(args):
     return model.to(getattr(torch, args.dtype)), text, stops, template
 
 
+def text_pieces(tokenizer, steps, new: list[int]):
+    """The text of the tokens ``steps`` yields (batches of one), piece by piece as they come,
+    each token appended to ``new``. The whole continuation is decoded each time (a decoder
+    may join tokens, e.g. a word's leading space); a token that ends inside a character (a
+    byte-level token holding part of "é": U+FFFD) waits for the rest of it, so the printed
+    text is the final one, not a U+FFFD that the next token completes."""
+    shown = ""
+    text = ""
+    for tokens in steps:
+        new.append(int(tokens[0]))
+        text = tokenizer.decode(new)
+        ready = text.rstrip("\ufffd")
+        if len(ready) > len(shown):
+            yield ready[len(shown):]
+            shown = ready
+    if len(text) > len(shown):  # the end: a character cut short by the last token, as it is
+        yield text[len(shown):]
+
+
 def run_generate(args) -> int:
     """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
     import sys
@@ -194,13 +213,9 @@ def run_generate(args) -> int:
             decode = "transformers"
             steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
         new: list[int] = []
-        shown = ""
         t0 = time.perf_counter()
-        for tokens in steps:  # print as we go; decode the whole tail so multi-byte text stays intact
-            new.append(int(tokens[0]))
-            text = tokenizer.decode(new)
-            print(text[len(shown):], end="", flush=True)
-            shown = text
+        for piece in text_pieces(tokenizer, steps, new):  # printed as it comes
+            print(piece, end="", flush=True)
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         raise SystemExit(f"attnres generate: error: {e}") from None
