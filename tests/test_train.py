@@ -101,6 +101,29 @@ def test_resume_is_bit_exact(tmp_path, corpus_file, extra):
     assert steps == list(range(1, 7))
 
 
+def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file, capsys):
+    """``attnres train out_dir=R --resume`` had to restate every override of the first
+    command (else "the config differs in model.d_model ..."); without a config file the run's
+    stored config is the base now, and the command's overrides change it. What belongs to a
+    launch (stop_after, the process layout, progress) is the command's: the first command's
+    stop_after=3 does not stop the resumed run. A config file keeps the strict comparison."""
+    full = train(load_config(None, overrides(corpus_file, tmp_path / "full", **{"model.d_model": 48})))
+    train(load_config(None, overrides(corpus_file, tmp_path / "split", stop_after=3, **{"model.d_model": 48})))
+    assert cli_main(["train", "--resume", f"out_dir={tmp_path / 'split'}", "progress=false"]) == 0
+    out = capsys.readouterr()
+    assert "resuming with the config stored in" in out.err and "step-00000003" in out.err
+    assert "finished at step 6" in out.out
+    assert_same_weights(final_weights(full.checkpoint.parent.parent), final_weights(tmp_path / "split"))
+    assert cli_main(["train", "--resume", f"out_dir={tmp_path / 'split'}", "--print-config"]) == 0
+    assert "d_model: 48" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"differs in \['model.d_model'\]"):
+        cli_main(["train", "--resume", f"out_dir={tmp_path / 'split'}", "model.d_model=64"])
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("steps: 6\n")
+    with pytest.raises(SystemExit, match="the config differs in"):
+        cli_main(["train", str(config_file), "--resume", f"out_dir={tmp_path / 'split'}"])
+
+
 def test_resume_rejects_changed_config(tmp_path, corpus_file):
     train(load_config(None, overrides(corpus_file, tmp_path, stop_after=2)))
     with pytest.raises(ValueError, match=r"differs in \['lr'\]"):

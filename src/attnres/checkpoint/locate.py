@@ -5,6 +5,7 @@ them); :func:`set_aside_newer` moves checkpoints of an abandoned trajectory out 
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,11 +13,11 @@ from typing import Any
 
 from ..output_paths import OutputPathError
 from ..validation import did_you_mean
-from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, read_checkpoint_state
+from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
-           "refuse_training_output", "set_aside_newer", "training_output", "verify_checkpoint"]
+           "refuse_training_output", "set_aside_newer", "stored_run_config", "training_output", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -143,6 +144,22 @@ def _run_directory(location: Path) -> Path:
     if location.name == "checkpoints" and not (location / "checkpoints").is_dir() and checkpoint_dirs(location.parent):
         return location.parent
     return location
+
+
+def stored_run_config(location: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """``(checkpoint, config)``: the run config stored with the newest checkpoint at
+    ``location`` (a ``step-*`` directory or a run directory), read without verifying the
+    checkpoint (resuming it verifies it: its files' hashes are read once). ``None`` where
+    there is no checkpoint or its ``state.json`` holds no readable config."""
+    location = Path(location)
+    step = location if (location / STATE_FILE).is_file() else latest_checkpoint(_run_directory(location))
+    if step is None:
+        return None
+    try:
+        config = json.loads((step / STATE_FILE).read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (step, config) if isinstance(config, dict) else None
 
 
 def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = (),

@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
                     help="YAML file with TrainConfig fields (default: built-in defaults); may also be given "
                     "without --config")
     tr.add_argument("--resume", action="store_true",
-                    help="continue from the newest valid checkpoint in out_dir (= resume=true)")
+                    help="continue from the newest valid checkpoint in out_dir (= resume=true); without a config file, "
+                    "with the run's own config as stored with it (the overrides given change it)")
     tr.add_argument("--resume-from", metavar="DIR",
                     help="continue from this checkpoint (a step-* directory, or a run directory: its newest valid "
                     "one) into out_dir (= resume_from=DIR)")
@@ -109,9 +110,15 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
 
     from ..distributed.launch import DistributedError
     from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
+    from ..train.resume import config_of_the_run
 
     try:
         config = load_config(config_path, overrides)
+        if config_path is None and config.resuming:  # the run's own config: no model to restate
+            config, stored_in = config_of_the_run(config, overrides)
+            if stored_in is not None and rank_zero():
+                print(f"attnres train: resuming with the config stored in {stored_in} (no config file given), "
+                      "the command's overrides applied", file=sys.stderr)
         if print_config:
             import yaml
 

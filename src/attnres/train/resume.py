@@ -1,6 +1,8 @@
 """Whether a run may start from a checkpoint: resume (``resume`` / ``resume_from``) and
 fine-tuning starts (``init_from``). Finding the checkpoint is :mod:`attnres.checkpoint.locate`'s.
 
+* :func:`config_of_the_run` - ``attnres train --resume`` without a config file: the run's
+  stored config, with the command's overrides.
 * :func:`check_resumable` - the config may differ only in fields that do not change the
   trajectory; ``steps`` only where the learning rate of every step already taken stays the
   same (:func:`schedule_change`); ``init_from`` only by being left out.
@@ -19,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError, Source
-from .config import RESUMABLE_CHANGES, TrainConfig, flatten
+from ..checkpoint.locate import stored_run_config
+from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
 from .schedule import lr_factor, wsd_decay_start
 
 
@@ -34,6 +37,30 @@ def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
             return TrainConfig.from_dict(saved).to_dict()
     except (ValueError, TypeError):
         return saved
+
+
+#: What a resumed run takes from its command, not from its stored config: whether and where
+#: to resume, when to stop, the processes it runs on (a pipelined run may resume in one
+#: process) and how progress is shown.
+PER_LAUNCH = frozenset({"resume", "resume_from", "out_dir", "stop_after", "parallel", "distributed", "dist_timeout_s",
+                        "progress"})
+
+
+def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainConfig, Path | None]:
+    """The config of ``attnres train --resume`` given no config file: the run's own, as its
+    newest checkpoint stores it, with ``overrides`` applied (``config``: the same overrides on
+    the defaults, which names the checkpoint), so that ``--resume steps=2000`` needs no
+    restated model. :data:`PER_LAUNCH` fields come from the command. Returns ``config`` and
+    ``None`` where no stored config reads (the resume then says what is wrong); else the new
+    config and the checkpoint it came from."""
+    found = stored_run_config(config.resume_from if config.resume_from is not None else config.out_dir)
+    if found is None:
+        return config, None
+    checkpoint, stored = found
+    saved = _normalised(stored)
+    base = {k: v for k, v in saved.items() if k not in PER_LAUNCH}
+    launch = {k: v for k, v in config.to_dict().items() if k in PER_LAUNCH}
+    return TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides)), checkpoint
 
 
 def schedule_change(saved: dict[str, Any], current: dict[str, Any], done: int) -> str | None:
