@@ -101,14 +101,18 @@ def test_resume_is_bit_exact(tmp_path, corpus_file, extra):
     assert steps == list(range(1, 7))
 
 
-def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file, capsys):
+def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file, capsys, monkeypatch):
     """``attnres train out_dir=R --resume`` had to restate every override of the first
     command (else "the config differs in model.d_model ..."); without a config file the run's
     stored config is the base now, and the command's overrides change it. What belongs to a
     launch (stop_after, the process layout, progress) is the command's: the first command's
-    stop_after=3 does not stop the resumed run. A config file keeps the strict comparison."""
+    stop_after=3 does not stop the resumed run, and its data path, relative to where it ran,
+    is found from another directory. A config file keeps the strict comparison."""
     full = train(load_config(None, overrides(corpus_file, tmp_path / "full", **{"model.d_model": 48})))
-    train(load_config(None, overrides(corpus_file, tmp_path / "split", stop_after=3, **{"model.d_model": 48})))
+    monkeypatch.chdir(tmp_path)
+    train(load_config(None, overrides(Path(corpus_file.name), tmp_path / "split", stop_after=3,
+                                      **{"model.d_model": 48})))
+    monkeypatch.chdir((tmp_path / "full").resolve())
     assert cli_main(["train", "--resume", f"out_dir={tmp_path / 'split'}", "progress=false"]) == 0
     out = capsys.readouterr()
     assert "resuming with the config stored in" in out.err and "step-00000003" in out.err

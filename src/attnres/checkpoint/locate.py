@@ -17,7 +17,7 @@ from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_check
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
-           "refuse_training_output", "set_aside_newer", "stored_run_config", "training_output", "verify_checkpoint"]
+           "refuse_training_output", "newest_state", "set_aside_newer", "training_output", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -146,20 +146,20 @@ def _run_directory(location: Path) -> Path:
     return location
 
 
-def stored_run_config(location: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """``(checkpoint, config)``: the run config stored with the newest checkpoint at
-    ``location`` (a ``step-*`` directory or a run directory), read without verifying the
-    checkpoint (resuming it verifies it: its files' hashes are read once). ``None`` where
-    there is no checkpoint or its ``state.json`` holds no readable config."""
+def newest_state(location: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """``(checkpoint, state)``: the ``state.json`` of the newest checkpoint at ``location`` (a
+    ``step-*`` directory or a run directory), read without verifying the checkpoint (resuming
+    it verifies it: its files' hashes are read once). ``None`` where there is no checkpoint or
+    its ``state.json`` does not read as a mapping."""
     location = Path(location)
     step = location if (location / STATE_FILE).is_file() else latest_checkpoint(_run_directory(location))
     if step is None:
         return None
     try:
-        config = json.loads((step / STATE_FILE).read_text()).get("config")
-    except (OSError, ValueError, AttributeError):
+        state = json.loads((step / STATE_FILE).read_text())
+    except (OSError, ValueError):
         return None
-    return (step, config) if isinstance(config, dict) else None
+    return (step, state) if isinstance(state, dict) else None
 
 
 def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = (),

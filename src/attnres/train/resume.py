@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError, Source
-from ..checkpoint.locate import stored_run_config
+from ..checkpoint.locate import newest_state
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
 from .schedule import lr_factor, wsd_decay_start
 
@@ -48,19 +48,22 @@ PER_LAUNCH = frozenset({"resume", "resume_from", "out_dir", "stop_after", "paral
 
 def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainConfig, Path | None]:
     """The config of ``attnres train --resume`` given no config file: the run's own, as its
-    newest checkpoint stores it, with ``overrides`` applied (``config``: the same overrides on
-    the defaults, which names the checkpoint), so that ``--resume steps=2000`` needs no
-    restated model. :data:`PER_LAUNCH` fields come from the command. Returns ``config`` and
-    ``None`` where no stored config reads (the resume then says what is wrong); else the new
-    config and the checkpoint it came from."""
-    found = stored_run_config(config.resume_from if config.resume_from is not None else config.out_dir)
-    if found is None:
+    newest checkpoint stores it (its data paths made absolute, so that it resumes from any
+    directory), with ``overrides`` applied (``config``: the same overrides on the defaults,
+    which names the checkpoint), so that ``--resume steps=2000`` needs no restated model.
+    :data:`PER_LAUNCH` fields come from the command. Returns ``config`` and ``None`` where no
+    stored config reads (the resume then says what is wrong); else the new config and the
+    checkpoint it came from."""
+    found = newest_state(config.resume_from if config.resume_from is not None else config.out_dir)
+    stored = found[1].get("config") if found is not None else None
+    if not isinstance(stored, dict):
         return config, None
-    checkpoint, stored = found
-    saved = _normalised(stored)
-    base = {k: v for k, v in saved.items() if k not in PER_LAUNCH}
+    base = {k: v for k, v in _normalised(stored).items() if k not in PER_LAUNCH}
+    paths = (found[1].get("data") or {}).get("paths")
+    if isinstance(base.get("data"), dict) and isinstance(paths, list):
+        base["data"] = {**base["data"], "paths": paths}
     launch = {k: v for k, v in config.to_dict().items() if k in PER_LAUNCH}
-    return TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides)), checkpoint
+    return TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides)), found[0]
 
 
 def schedule_change(saved: dict[str, Any], current: dict[str, Any], done: int) -> str | None:
