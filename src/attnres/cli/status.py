@@ -34,6 +34,10 @@ def run(args, parser) -> int:
               "and metrics.jsonl or checkpoints/)")
         return 0
     print(render(runs))
+    stopped = [s.path for s in runs if s.state == "stopped" and s.checkpoint_step is not None]
+    if stopped:  # (a grid's runs continue with their grid's command; a run of its own with this)
+        print(f"\ncontinue a stopped run with `attnres train out_dir={stopped[0]} --resume` (its own config; "
+              "a grid's runs: the grid's command again)")
     return 0
 
 
