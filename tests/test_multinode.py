@@ -212,7 +212,7 @@ def test_two_agents_take_over_the_lock_of_a_crash_whose_rank_0_was_on_the_other_
     assert all(a.returncode == 0 for a in agents), text[-6000:]
     taken_over = [line for line in text.splitlines() if "removing the stale lock of a run that no longer runs" in line]
     assert len(taken_over) == 1 and "on host 'node-1'" in taken_over[0], text[-4000:]
-    assert text.count("attnres train: finished at step 3") == 1, text[-3000:]
+    assert text.count("attnres train: stopped at step 3 of 4 (stop_after)") == 1, text[-3000:]
     assert not (run / LOCK_FILE).exists()
 
 

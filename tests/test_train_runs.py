@@ -586,7 +586,8 @@ def test_the_final_line_says_when_the_validation_loss_was_measured(tmp_path, cor
     """`finished at step 9, ..., val loss 7.56` showed the step-5 evaluation as if current."""
     run = tmp_path / "run"
     assert cli_main(["train", *overrides(corpus_file, run, steps=6, eval_every=3, stop_after=5)]) == 0
-    assert re.search(r"finished at step 5, train loss \S+, val loss \S+ \(at step 3\); checkpoint", capsys.readouterr().out)
+    assert re.search(r"stopped at step 5 of 6 \(stop_after\), train loss \S+, val loss \S+ \(at step 3\); checkpoint .*; "
+                     r"continue with --resume \(`attnres train out_dir=\S+ --resume`", capsys.readouterr().out)
     assert cli_main(["train", *overrides(corpus_file, run, steps=6, eval_every=3), "--resume"]) == 0  # evaluates at 6
     assert re.search(r"finished at step 6, train loss \S+, val loss [\d.]+; checkpoint", capsys.readouterr().out)
     assert read_checkpoint_state(latest_checkpoint(run))["val_step"] == 6

@@ -141,16 +141,27 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     if result.interrupted:
         if rank_zero():
             print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint "
-                  f"{result.checkpoint}; continue with --resume")
+                  f"{result.checkpoint}; {_how_to_continue(config.out_dir)}")
         return 128 + int(getattr(signal, result.interrupted))
-    if not rank_zero():
-        return 0
+    if rank_zero():
+        print(_end_of_run(result, config.steps, config.out_dir))
+    return 0
 
+
+def _how_to_continue(out_dir: str) -> str:
+    import shlex
+
+    return f"continue with --resume (`attnres train out_dir={shlex.quote(str(out_dir))} --resume`: the run's own config)"
+
+
+def _end_of_run(result, steps: int, out_dir: str) -> str:
+    """The last line of a run that ended by itself: at its last step, or before it (``stop_after``)."""
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
     stale = result.val_loss is not None and result.val_step not in (None, result.step)
     measured = f" (at step {result.val_step})" if stale else ""
-    print(f"attnres train: finished at step {result.step}, train loss {fmt(result.train_loss)}, "
-          f"val loss {fmt(result.val_loss)}{measured}; checkpoint {result.checkpoint}")
-    return 0
+    early = result.step < steps
+    what = f"stopped at step {result.step} of {steps} (stop_after)" if early else f"finished at step {result.step}"
+    return (f"attnres train: {what}, train loss {fmt(result.train_loss)}, val loss {fmt(result.val_loss)}{measured}; "
+            f"checkpoint {result.checkpoint}" + (f"; {_how_to_continue(out_dir)}" if early else ""))
