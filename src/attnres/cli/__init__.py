@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import analyze, env, experiment, export, generate, status, train, upcycle
+from . import analyze, env, experiment, export, generate, plot, status, train, upcycle
 from . import eval as eval_command
 from .common import ImportModule, Parser, end_process, missing_extra, plain_warnings, resolve_checkpoint, version_line
 from .experiment import EXPERIMENT_NAMES
@@ -52,6 +52,7 @@ COMMANDS: dict[str, Command] = {
     "upcycle": Command(upcycle.add_parser, upcycle.run),
     "eval": Command(eval_command.add_parser, eval_command.run),
     "status": Command(status.add_parser, status.run),
+    "plot": Command(plot.add_parser, plot.run),
     "env": Command(env.add_parser, env.run),
 }
 

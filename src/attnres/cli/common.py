@@ -187,7 +187,7 @@ def apply_cpu_allocator(settings: dict) -> None:
 
 #: The extra each command needs beyond torch (pyproject.toml's optional dependencies).
 COMMAND_EXTRAS = {"train": "train", "generate": "train", "compare": "experiments", "experiment": "experiments",
-                  "analyze": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
+                  "analyze": "experiments", "plot": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
 
 
 def missing_extra(argv: list[str], error: ImportError) -> str | None:

@@ -1,0 +1,70 @@
+"""``attnres plot``: the loss curves of training runs, side by side in one figure."""
+
+from __future__ import annotations
+
+import argparse
+
+#: The x axes (:func:`attnres.experiments.curves.plot_curves`'s ``x``) and the file types a
+#: figure may be written as (matplotlib's, by suffix); here, so that ``attnres --help``
+#: imports nothing of the experiments.
+AXES = ("step", "tokens")
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def add_parser(sub) -> None:
+    pl = sub.add_parser(
+        "plot", help="the training and validation loss curves of runs, side by side in one figure",
+        description="Draw the training loss (raw and smoothed) and the validation loss of the training runs at or "
+        "under each DIR (a run, a folder of runs, a grid's --out; default runs/) in one figure, one colour per run: "
+        "e.g. `attnres plot runs/baseline runs/block --out curves.png`. Reads the runs' metrics.jsonl only, so a "
+        "run still training is drawn as far as it got.",
+    )
+    pl.add_argument("dirs", nargs="*", default=["runs"], metavar="DIR", help="runs or folders of runs (default: runs)")
+    pl.add_argument("--out", default="curves.png",
+                    help=f"the figure to write ({', '.join(FIGURE_SUFFIXES)}; default curves.png)")
+    pl.add_argument("--x", choices=AXES, default="step", help="the x axis: optimiser steps (default) or training tokens "
+                    "(runs of different batch sizes compared at equal data)")
+    pl.add_argument("--smooth", type=_smoothing, default=0.6,
+                    help="weight of the training loss's moving average, in [0, 1) (TensorBoard's; 0 = none; "
+                    "default 0.6)")
+    pl.add_argument("--log-x", action="store_true", help="a logarithmic x axis")
+
+
+def _smoothing(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1) (0 = no smoothing); got {text!r}")
+    return value
+
+
+def run(args, parser) -> int:
+    from pathlib import Path
+
+    from ..experiments.curves import plot_curves, read_curves, run_labels
+    from ..output_paths import OutputPathError, check_output_file
+    from ..train.status import find_runs
+
+    out = Path(args.out)
+    if out.suffix.lower() not in FIGURE_SUFFIXES:
+        parser.commands["plot"].error(f"--out {args.out!r}: give a file ending in {', '.join(FIGURE_SUFFIXES)}")
+    missing = [d for d in args.dirs if not Path(d).exists()]
+    if missing:
+        raise SystemExit(f"attnres plot: error: no such folder: {', '.join(map(repr, missing))}")
+    try:
+        check_output_file(out)
+    except OutputPathError as e:
+        raise SystemExit(f"attnres plot: error: {e}") from None
+    runs = list(dict.fromkeys(path for d in args.dirs for path in find_runs(d)))
+    curves = {label: read_curves(path) for label, path in zip(run_labels(runs), runs)}
+    empty = [label for label, c in curves.items() if c.empty]
+    drawn = {label: c for label, c in curves.items() if not c.empty}
+    if not drawn:
+        what = f"no training runs under {', '.join(args.dirs)}" if not runs else "no run has logged a loss yet"
+        raise SystemExit(f"attnres plot: error: {what} (a run's directory holds config.json and metrics.jsonl)")
+    plot_curves(drawn, out, x=args.x, smooth=args.smooth, log_x=args.log_x)
+    print(f"attnres plot: wrote {out} ({len(drawn)} run{'s' if len(drawn) > 1 else ''}: {', '.join(drawn)})"
+          + (f"; no loss logged yet: {', '.join(empty)}" if empty else ""))
+    return 0

@@ -1,0 +1,115 @@
+"""Loss curves of training runs (``attnres plot``): each run's training and validation losses,
+read from its ``metrics.jsonl``, drawn on one figure - runs trained one by one (a baseline and
+a Block AttnRes run, a learning-rate sweep) side by side, where ``attnres compare`` draws the
+runs it trains itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..train.metrics import METRICS_FILE, read_metrics
+
+__all__ = ["Curves", "plot_curves", "read_curves", "run_labels"]
+
+#: What the x axis may count: optimiser steps or training tokens.
+AXES = ("step", "tokens")
+
+
+@dataclass
+class Curves:
+    """One run's losses: ``train`` and ``val`` map an axis name (``step``, ``tokens``) and
+    ``loss`` to equally long lists, in step order."""
+
+    train: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "tokens": [], "loss": []})
+    val: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "tokens": [], "loss": []})
+
+    @property
+    def empty(self) -> bool:
+        return not self.train["step"] and not self.val["step"]
+
+
+def read_curves(run: str | Path) -> Curves:
+    """The losses ``run``'s metrics log holds. A step logged twice (a run resumed from an
+    earlier checkpoint logs the steps after it again) keeps its last record; a loss that is
+    not finite (a diverged step) is left out of the curve."""
+    train: dict[int, tuple[float, float]] = {}
+    val: dict[int, tuple[float, float]] = {}
+    for record in read_metrics(Path(run) / METRICS_FILE, warn=False):
+        kind, loss = record["kind"], record.get("loss" if record["kind"] == "train" else "val_loss")
+        if kind in ("train", "eval"):
+            loss = float(loss) if isinstance(loss, (int, float)) else math.nan
+            (train if kind == "train" else val)[int(record["step"])] = (float(record.get("tokens", math.nan)), loss)
+    curves = Curves()
+    for points, into in ((train, curves.train), (val, curves.val)):
+        for step in sorted(s for s, (_, loss) in points.items() if math.isfinite(loss)):
+            into["step"].append(step)
+            into["tokens"].append(points[step][0])
+            into["loss"].append(points[step][1])
+    return curves
+
+
+def run_labels(runs: list[Path]) -> list[str]:
+    """Each run's path with the folders all of them share left out (``runs/lr-1e-3`` and
+    ``runs/lr-3e-3``: ``lr-1e-3``, ``lr-3e-3``); one run: its folder's name."""
+    if len(runs) <= 1:
+        return [r.resolve().name for r in runs]
+    resolved = [r.resolve() for r in runs]
+    common = Path(os.path.commonpath(resolved))
+    return [str(r.relative_to(common)) for r in resolved]
+
+
+def _ema(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased at the start."""
+    out, average, norm = [], 0.0, 0.0
+    for v in values:
+        average, norm = weight * average + (1 - weight) * v, weight * norm + (1 - weight)
+        out.append(average / norm)
+    return out
+
+
+def _last(points: dict[str, list[float]]) -> str:
+    return f" ({points['loss'][-1]:.4f})" if points["step"] else ""
+
+
+def plot_curves(curves: dict[str, Curves], path: str | Path, x: str = "step", smooth: float = 0.6,
+                log_x: bool = False) -> None:
+    """Two panels: each run's training loss (raw and faint, and smoothed by an exponential
+    moving average of weight ``smooth``, 0 = none) and its validation loss, against ``x``
+    (:data:`AXES`), one colour per run in both, the legends with each run's last logged
+    value; written to ``path`` (``.png``, ``.pdf``, ``.svg``)."""
+    if x not in AXES:
+        raise ValueError(f"x must be one of {AXES}; got {x!r}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, (label, c) in enumerate(curves.items()):
+        color = f"C{k % 10}"
+        if c.train["step"]:
+            train_ax.plot(c.train[x], c.train["loss"], color=color, alpha=0.25 if smooth else 1.0, lw=0.8)
+            if smooth:
+                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, lw=1.4)
+        if c.val["step"]:  # markers: a run of one evaluation is a point, which a line alone does not draw
+            val_ax.plot(c.val[x], c.val["loss"], color=color, marker="o", ms=3, lw=1.4)
+        # one legend entry per run in both panels (a run without evaluations too), the last values said
+        train_ax.plot([], [], color=color, label=label + _last(c.train))
+        val_ax.plot([], [], color=color, label=label + _last(c.val))
+    xlabel = "optimiser step" if x == "step" else "training tokens"
+    for ax, title in ((train_ax, "training loss" + (f" (smoothed, {smooth:g})" if smooth else "")),
+                      (val_ax, "validation loss")):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("loss (nats per token)")
+        if log_x:
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

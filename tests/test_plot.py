@@ -1,0 +1,113 @@
+"""``attnres plot``: the loss curves of runs trained one by one, in one figure
+(attnres.experiments.curves)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from attnres.cli import main as cli_main  # noqa: E402
+from attnres.experiments.curves import read_curves, run_labels  # noqa: E402
+
+
+def write_run(path: Path, records: list[dict]) -> Path:
+    """A run directory as attnres train leaves it, as far as plot reads: config.json and metrics.jsonl."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model": {"residual": "standard"}, "steps": 10}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def train_record(step: int, loss: float) -> dict:
+    return {"kind": "train", "step": step, "loss": loss, "tokens": 64 * step}
+
+
+def eval_record(step: int, loss: float) -> dict:
+    return {"kind": "eval", "step": step, "val_loss": loss, "tokens": 64 * step}
+
+
+@pytest.fixture()
+def runs(tmp_path) -> Path:
+    root = tmp_path / "runs"
+    # lr-1: resumed from step 2 after it had logged steps 3-4 (logged again), a diverged step's NaN
+    write_run(root / "lr-1", [train_record(1, 5.0), train_record(2, 4.0), eval_record(2, 4.2), train_record(3, 9.0),
+                              train_record(4, 9.0), train_record(3, 3.5), train_record(4, math.nan),
+                              train_record(5, 3.0), eval_record(5, 3.1)])
+    write_run(root / "lr-2", [train_record(1, 5.5), train_record(2, 4.5), eval_record(2, 4.6)])
+    write_run(root / "fresh", [])  # started, nothing logged yet
+    return root
+
+
+def test_the_curves_are_what_the_log_holds_once_per_step(runs):
+    curves = read_curves(runs / "lr-1")
+    assert curves.train["step"] == [1, 2, 3, 5]  # step 3 as logged last, step 4's NaN left out
+    assert curves.train["loss"] == [5.0, 4.0, 3.5, 3.0] and curves.train["tokens"] == [64, 128, 192, 320]
+    assert (curves.val["step"], curves.val["loss"]) == ([2, 5], [4.2, 3.1])
+    assert read_curves(runs / "fresh").empty and read_curves(runs / "nowhere").empty
+
+
+def test_runs_are_labelled_by_what_tells_them_apart(tmp_path):
+    a, b = tmp_path / "sweep" / "lr-1", tmp_path / "sweep" / "lr-2"
+    assert run_labels([a, b]) == ["lr-1", "lr-2"]
+    assert run_labels([a, tmp_path / "other" / "x"]) == ["sweep/lr-1", "other/x"]
+    assert run_labels([a]) == ["lr-1"]
+
+
+def test_the_command_draws_every_run_found_and_names_those_without_a_loss(runs, tmp_path, capsys):
+    out = tmp_path / "curves.png"
+    assert cli_main(["plot", str(runs), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"attnres plot: wrote {out} (2 runs: lr-1, lr-2); no loss logged yet: fresh")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "tokens.svg"
+    assert cli_main(["plot", str(runs / "lr-1"), str(runs / "lr-2"), "--x", "tokens", "--smooth", "0", "--log-x",
+                     "--out", str(svg)]) == 0
+    assert "training tokens" in svg.read_text()  # the x axis's label
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "curves.jpg"], r"--out 'curves.jpg': give a file ending in .png, .pdf, .svg"),
+    (["--smooth", "1"], r"--smooth: must be a number in \[0, 1\)"),
+    (["--smooth", "x"], r"--smooth: must be a number in \[0, 1\)"),
+    (["no-such-folder"], r"no such folder: 'no-such-folder'"),
+])
+def test_bad_arguments_are_refused_by_name(argv, message, runs, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["plot", str(runs), *argv])
+    assert exit_.value.code not in (0, None)
+    import re
+
+    assert re.search(message, str(exit_.value.code) + capsys.readouterr().err)
+
+
+def test_nothing_to_draw_is_said(runs, tmp_path):
+    with pytest.raises(SystemExit, match="no run has logged a loss yet"):
+        cli_main(["plot", str(runs / "fresh"), "--out", str(tmp_path / "c.png")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no training runs under"):
+        cli_main(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "c.png")])
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_without_matplotlib_the_extra_is_named(runs, tmp_path, monkeypatch, capsys):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    with pytest.raises(SystemExit, match=r"attnres plot: error: this needs the 'experiments' extra: .*matplotlib"):
+        cli_main(["plot", str(runs), "--out", str(tmp_path / "c.png")])
+
+
+def test_the_command_offers_the_axes_the_figure_draws():
+    from attnres.cli import plot as command
+    from attnres.experiments import curves
+
+    assert command.AXES == curves.AXES  # (the command keeps its own copy: --help imports no experiments)
+    with pytest.raises(ValueError, match="x must be one of"):
+        curves.plot_curves({}, "unused.png", x="epoch")
