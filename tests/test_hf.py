@@ -256,6 +256,24 @@ def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
+def test_lm_eval_s_truncation_warnings_are_counted_into_one(caplog):
+    """The harness logs a line per request longer than the model's context; they are held
+    back while it runs and counted (tokens cut per request), its other lines pass."""
+    import logging
+
+    from attnres.hf.evaluate import _truncations_counted
+
+    harness = logging.getLogger("lm_eval.models.huggingface")
+    with caplog.at_level(logging.WARNING), _truncations_counted() as cut:
+        for n in (9, 5):
+            harness.warning(f"Combined length of context (81) and continuation (55) exceeds model's maximum length "
+                            f"(128). Truncating {n} tokens from the left.")
+        harness.warning("something else")
+    harness.warning("Combined length of context (1) and continuation (1) exceeds ... Truncating 3 tokens")  # after
+    assert cut == [9, 5]
+    assert [r.getMessage()[:14] for r in caplog.records] == ["something else", "Combined lengt"]
+
+
 def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch, capfd, caplog):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import overrides, write_corpus

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import random
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -266,6 +268,30 @@ def check_tasks(tasks: list[str]) -> None:
 
 
 @contextlib.contextmanager
+def _truncations_counted():
+    """The harness warns once per request longer than the model's context ("Combined length
+    of context ... Truncating N tokens from the left"): hundreds of lines on a small model.
+    They are held back while it runs and counted into the yielded list (the tokens cut from
+    each), for one warning after."""
+    import re
+
+    harness = logging.getLogger("lm_eval.models.huggingface")
+    cut: list[int] = []
+
+    def hold_back(record: logging.LogRecord) -> bool:
+        found = re.search(r"^Combined length of context .* Truncating (\d+) tokens", record.getMessage())
+        if found:
+            cut.append(int(found.group(1)))
+        return found is None
+
+    harness.addFilter(hold_back)
+    try:
+        yield cut
+    finally:
+        harness.removeFilter(hold_back)
+
+
+@contextlib.contextmanager
 def _quiet_git_describe():
     """The harness records the git commit of the working directory with ``git describe``,
     whose "fatal: not a git repository" reaches the terminal outside a repository: run it
@@ -328,7 +354,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
         manager = TaskManager(include_path=str(include) if include else None, include_defaults=len(local) < len(tasks))
-        with _quiet_git_describe():
+        with _quiet_git_describe(), _truncations_counted() as truncated:
             out = lm_eval.simple_evaluate(
                 model="hf",
                 model_args=model_args,
@@ -340,6 +366,10 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                 log_samples=True,
                 bootstrap_iters=bootstrap_iters,
             )
+    if truncated:
+        warnings.warn(f"{len(truncated)} of the tasks' requests were longer than the model's context and were cut "
+                      f"from the left by lm-eval (the longest by {max(truncated)} tokens): their scores saw less "
+                      "context", stacklevel=2)
     if out is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
     return add_ratio_stderrs(out["results"], out.get("samples") or {}) if bootstrap_iters > 0 else out["results"]
