@@ -509,6 +509,42 @@ def test_a_directory_tokenizer_counts_the_bytes_of_a_partial_character():
     assert text.decode([first]) == "\ufffd" and _token_bytes(text, first) == 1
 
 
+@contextlib.contextmanager
+def transformers_tokenizer_warnings():
+    """What transformers' tokenizers log while the block runs (its own handler writes to the
+    stderr of its first use, which no capture of a later test sees)."""
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_text_longer_than_the_context_encodes_without_a_warning(tmp_path):
+    """transformers warned "Token indices sequence length is longer than the specified maximum
+    ... will result in indexing errors" for every evaluated text longer than the model's
+    context, in the perplexity and in lm-eval's rolling log-likelihood: both cut windows
+    themselves."""
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf.directory import DirectoryText
+    from attnres.hf.evaluate import harness_tokenizer
+    from attnres.hf.export import make_hf_tokenizer
+
+    hf = make_hf_tokenizer(ByteTokenizer(), model_max_length=8)
+    hf.save_pretrained(tmp_path)
+    with transformers_tokenizer_warnings() as said:
+        assert len(DirectoryText(hf, ()).encode("x" * 20)) == 20
+        harness, prefix = harness_tokenizer(tmp_path)
+        assert len(harness("y" * 20)["input_ids"]) == 20 and prefix == {"prefix_token_id": ord("\n")}
+    assert not [m for m in said if "longer than the specified maximum" in m]
+
+
 @pytest.mark.parametrize("template", ["$A </s>", "<s> $A </s>", "<s> $A"])
 def test_a_directory_tokenizer_s_appended_end_token_is_left_out(template):
     """A tokenizer whose template appends an end of sequence (T5-style ``$A </s>``) encoded

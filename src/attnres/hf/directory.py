@@ -32,7 +32,8 @@ class DirectoryText:
         return getattr(self.tokenizer, "backend_tokenizer", None)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer(text)["input_ids"]
+        # (verbose=False: no "longer than the maximum length" warning; perplexity cuts windows itself)
+        ids = self.tokenizer(text, verbose=False)["input_ids"]
         return ids[: len(ids) - self.appended]
 
     def decode(self, ids: list[int]) -> str:

@@ -317,6 +317,35 @@ def _quiet_git_describe():
             m.get_git_commit_hash = original
 
 
+def harness_tokenizer(hf_dir: str | Path):
+    """``(tokenizer, prefix)``: ``hf_dir``'s tokenizer as lm-eval is given it, and the
+    ``prefix_token_id`` model argument where it needs one."""
+    from transformers import AutoTokenizer
+
+    from .export import PREFIX_TEXT
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    prefix = {}
+    own = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    if own is None:
+        # attnres's exports declare no end-of-text token (see attnres.hf.export): the harness
+        # prefixes rolling log-likelihoods with a line break instead. (A tokenizer with one, a
+        # pretrained model's, keeps the harness's own choice: its end or beginning of text.)
+        ids = tokenizer(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ValueError(f"the tokenizer of {str(hf_dir)!r} has no end- or beginning-of-text token and does not "
+                             f"encode {PREFIX_TEXT!r} as one token: lm-eval has no token to start a document with")
+        own = prefix["prefix_token_id"] = ids[0]
+    # Nor a padding token, often: the harness would add one beyond the model's vocabulary.
+    # Padded positions are masked, so that token pads (in memory only).
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = own
+    # The harness cuts long documents into windows itself: transformers' "Token indices sequence
+    # length is longer than ... will result in indexing errors" is marked as said (its warn-once flag).
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer, prefix
+
+
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
                 device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the transformers directory ``hf_dir``
@@ -328,29 +357,12 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     bootstraps) and, for the rolling log-likelihood metrics, :func:`add_ratio_stderrs`."""
     import lm_eval
     from lm_eval.tasks import TaskManager
-    from transformers import AutoTokenizer
-
-    from .export import PREFIX_TEXT
 
     local = [t for t in tasks if t in LOCAL_TASKS]
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    tokenizer, prefix = harness_tokenizer(hf_dir)
     model_args = {"pretrained": str(hf_dir), "tokenizer": tokenizer, "dtype": dtype,
                   # an attnres model is a causal LM the harness cannot tell from its model_type
-                  "backend": "causal"}
-    own = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
-    if own is None:
-        # attnres's exports declare no end-of-text token (see attnres.hf.export): the harness
-        # prefixes rolling log-likelihoods with a line break instead. (A tokenizer with one, a
-        # pretrained model's, keeps the harness's own choice: its end or beginning of text.)
-        prefix = tokenizer(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
-        if len(prefix) != 1:
-            raise ValueError(f"the tokenizer of {str(hf_dir)!r} has no end- or beginning-of-text token and does not "
-                             f"encode {PREFIX_TEXT!r} as one token: lm-eval has no token to start a document with")
-        own = model_args["prefix_token_id"] = prefix[0]
-    # Nor a padding token, often: the harness would add one beyond the model's vocabulary.
-    # Padded positions are masked, so that token pads (in memory only).
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token_id = own
+                  "backend": "causal", **prefix}
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
         manager = TaskManager(include_path=str(include) if include else None, include_defaults=len(local) < len(tasks))
