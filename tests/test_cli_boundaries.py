@@ -311,3 +311,33 @@ def test_the_checkpoint_is_the_first_argument_or_checkpoint(run_dir, tmp_path, c
 def test_generate_runs_from_a_positional_checkpoint(run_dir, capsys):
     assert cli_main(["generate", str(run_dir), *GREEDY]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_analyze_says_what_it_was_given_before_it_writes_anything(run_dir, tmp_path):
+    """A run that wrote no checkpoint was called "a Hugging Face directory" (its config.json);
+    a file was refused for the --out made from it; an --out holding a compare grid lost its
+    report.md to the analysis; --seq-len past the model's context said no fix."""
+    import shutil
+
+    bare = tmp_path / "stopped-early"  # a run that stopped before its first checkpoint
+    bare.mkdir()
+    for name in ("config.json", "metrics.jsonl"):
+        shutil.copy(run_dir / name, bare / name)
+    with pytest.raises(SystemExit, match=r"'.*stopped-early' is neither a checkpoint nor a run directory with "
+                       r"checkpoints: it is a training run that has written no checkpoint yet") as e:
+        cli_main(["analyze", str(bare)])
+    assert "Hugging Face" not in str(e.value) and not (bare / "analysis").exists()
+    text = tmp_path / "notes.txt"
+    text.write_text("x")
+    with pytest.raises(SystemExit, match=r"'.*notes.txt' is neither a checkpoint .*: it is a file; name a run"):
+        cli_main(["analyze", str(text)])
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    (grid / "experiment.json").write_text('{"experiment": "compare", "preset": "tiny", "overrides": []}')
+    (grid / "report.md").write_text("the compare report")
+    with pytest.raises(SystemExit, match=r"--out '.*grid' holds an experiment grid \(experiment.json\): its report.md, "
+                       r"mixing.png and mixing.json would be replaced; pick another --out"):
+        cli_main(["analyze", str(run_dir), "--out", str(grid)])
+    assert (grid / "report.md").read_text() == "the compare report" and not (grid / "mixing.png").exists()
+    with pytest.raises(SystemExit, match=r"--seq-len 999 exceeds the model's max_seq_len 128: use --seq-len 128 or less"):
+        cli_main(["analyze", str(run_dir), "--out", str(tmp_path / "a"), "--seq-len", "999"])

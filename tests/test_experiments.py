@@ -658,3 +658,87 @@ def test_a_registered_residual_named_as_a_grid_variant_is_told_how_to_compare_it
     with pytest.raises(ValueError, match=r"got \['rezero'\]; \['rezero'\] is a registered residual, in no grid: add "
                        r"it to one as a Variant in Python \(docs/experiments.md, 'Grids'\)"):
         run_experiment(get_experiment("compare", "tiny"), tmp_path, variants=["rezero"])
+
+
+def test_a_grid_without_matplotlib_is_refused_before_any_run_trains(corpus, tmp_path, monkeypatch):
+    """The report's plots need the 'experiments' extra: without matplotlib every run trained
+    (hours for a real grid) and only then did the report fail."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "compare"
+    with pytest.raises(SystemExit, match=r"attnres compare: error: this needs the 'experiments' extra: .*'matplotlib'"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--overhead-repeats", "0", f"data.paths=[{corpus}]"])
+    assert not out.exists()
+
+
+def test_a_seed_given_twice_is_refused(corpus, tmp_path):
+    """``--seeds 0 1 0`` trained seed 0 once and then listed it again as "finished earlier,
+    skipped", under run numbers [4/9] .. [9/9] of a grid of 6."""
+    out = tmp_path / "compare"
+    with pytest.raises(SystemExit, match=r"seeds \(--seeds\) list 0 more than once; each seed is one run per variant: "
+                       r"give distinct seeds, e.g. --seeds 0 1$"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--seeds", "0", "1", "0", f"data.paths=[{corpus}]"])
+    assert not out.exists()
+
+
+def test_a_grid_is_not_written_into_a_run_or_over_a_report_it_did_not_write(corpus, tmp_path):
+    """``--out`` naming a training run mixed the grid's runs into it (and hid them from
+    ``attnres status``); one holding another report.md (an ``attnres analyze`` output,
+    notes) had it replaced without a word."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.md").write_text("mine")
+    for out, what in ((run, r"a training run's directory \(it holds config.json\)"),
+                      (notes, r"a folder with a report.md that no experiment wrote \(no experiment.json\)")):
+        for extra in ([], ["--report-only"]):
+            with pytest.raises(SystemExit, match=rf"attnres compare: error: --out '.*' is {what}.*pick another --out"):
+                cli_main(["compare", "--preset", "tiny", "--out", str(out), "--overhead-repeats", "0",
+                          f"data.paths=[{corpus}]", *extra])
+    assert (notes / "report.md").read_text() == "mine" and sorted(p.name for p in run.iterdir()) == [
+        "config.json", "metrics.jsonl"]
+
+
+def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(corpus, tmp_path):
+    """An interrupted run was left out of the report without a word; a NaN validation loss
+    ended the report in a traceback (statistics.stdev); a grid without the standard run (or
+    without AttnRes) gave a table with no word on why the gaps are missing, or an empty one."""
+    out = tmp_path / "compare"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--overhead-repeats", "0",
+                     f"data.paths=[{corpus}]"]) == 0
+    (out / "full" / "seed0" / "result.json").unlink()  # as a run interrupted before its end leaves it
+    records = load_records(out, get_experiment("compare", "tiny"))
+    assert [r["variant"] for r in records] == ["standard", "block"]
+    standard, block = records
+    text = write_report("compare", [standard, {**block, "val_loss": math.nan}], out, "tiny").read_text()
+    assert ("Left out of this report: 1 run whose final validation loss is not a number (block seed 0: see its "
+            "metrics.jsonl; retrain it in another --out, e.g. at a lower lr); 1 unfinished run (full seed 0 at step 4 "
+            "of 4: run the same command again to finish it).") in text
+    assert "\n1 run, steps [4]." in text and "1 warm-up step;" in text
+    assert "No AttnRes run has finished in this grid" in text and "| model | Δ val loss" not in text
+    text = write_report("compare", [block], out, "tiny").read_text()
+    assert "No standard run has finished in this grid" in text and "`--variants standard`" in text
+    with pytest.raises(ValueError, match=r"no finished runs to report for experiment 'compare' \(Left out of this "
+                       r"report: 1 run whose final validation loss is not a number \(standard seed 0"):
+        write_report("compare", [{**standard, "val_loss": None}], out, "tiny")
+
+
+def test_depth_weight_heatmaps_name_the_step_of_the_record_they_show(tmp_path, monkeypatch):
+    """The titles gave the run's last step; the weights are those of its last diagnostics
+    record, logged every diagnostics_every steps (step 10 of a 12-step run at 5)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import _plot_depth_weights
+
+    groups = _runs_of({"full": [[2.0]]}, [12])
+    groups["full"][0].diagnostics = {"step": 10, "depth_weights": [[1.0 / (l + 1)] * (l + 1) for l in range(3)]}
+    saved = _saved_figures(monkeypatch)
+    assert _plot_depth_weights(groups, tmp_path / "depth_weights.png")
+    (fig,) = saved
+    titles = [ax.get_title() for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    assert titles == ["Full AttnRes: pre-attention (step 10)", "Full AttnRes: pre-MLP (step 10)"]

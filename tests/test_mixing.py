@@ -417,3 +417,86 @@ def test_analyze_writes_a_step_directorys_report_beside_the_checkpoints_not_insi
     assert default_analysis_dir(run / "checkpoints" / "step-00000040") == run / "analysis" / "step-00000040"
     assert default_analysis_dir(str(run)) == run / "analysis"
     assert default_analysis_dir(tmp_path / "hf-out") == tmp_path / "hf-out" / "analysis"
+
+
+def test_analyze_of_a_runs_checkpoints_folder_writes_beside_it_not_among_the_checkpoints(tmp_path):
+    """``attnres analyze RUN/checkpoints`` (what tab completion offers) wrote its report into
+    ``RUN/checkpoints/analysis``, among the checkpoints; now into ``RUN/analysis``."""
+    from attnres.experiments.job.analyze import default_analysis_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    assert default_analysis_dir(run / "checkpoints") == run / "analysis"
+    assert default_analysis_dir(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "analysis"  # no run: as is
+
+
+def test_rank_bounds_never_exceed_what_the_matrix_allows():
+    """Block AttnRes's bounds were N .. N + S as written, past the most an (L+1)×(L+1)
+    matrix allows: S = 1 (Full AttnRes, L = 4) had "the lower bound N = 4", which no 5×5
+    matrix reaches, and S = 100 on 4 sublayers "N + S = 101"."""
+    from attnres.analysis.mixing_report import rank_expectation
+
+    words, low, high = rank_expectation("attnres_block", 4, block_size=1)
+    assert (low, high) == (3, 3) and "S = 1 is Full AttnRes" in words
+    words, low, high = rank_expectation("attnres_block", 4, block_size=100)
+    assert (low, high) == (1, 3) and "N + S = 5" in words and "101" not in words and "one block" in words
+    words, low, high = rank_expectation("attnres_block", 8, block_size=2)
+    assert (low, high) == (None, 5) and "at most 5 here" in words
+    assert rank_expectation("attnres_block", 16, block_size=4)[1:] == (4, 8)  # within what 17×17 allows: as written
+    for L, S in ((4, 1), (4, 2), (4, 100), (8, 2), (6, 3)):  # what the measured ranks show
+        rank = depth_mixing_matrix(model("attnres_block", n_layers=L // 2, perturb=1.0, block_size=S), ids()).rank
+        _, low, high = rank_expectation("attnres_block", L, block_size=S)
+        assert (low is None or low <= rank) and rank <= high, (L, S, rank, low, high)
+
+
+def test_the_sink_table_says_which_sources_it_leaves_out():
+    """It showed v0 and each seed's top 4 with no word of the others: of the standard
+    residual's 7 sources, v0-v3 (ties) and nothing about v4-v6."""
+    from attnres.analysis.mixing_report import sink_table
+
+    table = sink_table("standard", [depth_mixing_matrix(model("standard"), ids())])
+    assert table.splitlines()[0] == ("**standard** (1 seed(s)): v0, each seed's 4 sources of highest relative weight "
+                                     "and every sink; the other 3 of the 7 sources are in mixing.json")
+    assert [line.split(" |")[0] for line in table.splitlines()[4:]] == ["| v0", "| v1", "| v2", "| v3"]
+    small = sink_table("full", [depth_mixing_matrix(model("attnres_full", n_layers=1), ids())])
+    assert small.splitlines()[0] == "**full** (1 seed(s))"  # all 3 shown
+
+
+def test_the_rank_table_says_per_seed_what_each_rank_is_over(tmp_path):
+    """A seed without checkpoint has only its logged averaged M: the "over" column named the
+    first seed's alone ("largest over every token") for both."""
+    from attnres.analysis import forward_diagnostics
+    from attnres.analysis.mixing import depth_mixing_from_logged
+    from attnres.analysis.mixing_report import rank_table
+
+    m = model("attnres_full", perturb=1.0)
+    measured = depth_mixing_matrix(m, ids())
+    logged = depth_mixing_from_logged(m.residual, forward_diagnostics(m, ids())["depth_weights"])
+    row = rank_table([("Full", [measured, logged], "")]).splitlines()[2]
+    assert row.split(" | ")[3] == ("largest over every token (16 tokens); the logged token-averaged M only (no "
+                                   "checkpoint) (per seed)"), row
+    assert rank_table([("Full", [measured, measured], "")]).splitlines()[2].split(" | ")[3] == \
+        "largest over every token (16 tokens)"
+
+
+def test_the_mixing_json_of_a_run_without_checkpoint_is_strict_json(tmp_path):
+    """A run whose checkpoints are gone is read from its logged depth weights: no spread
+    across tokens (NaN), which mixing.json wrote as ``NaN`` - not JSON; now ``null``."""
+    pytest.importorskip("matplotlib")
+    from attnres.analysis import forward_diagnostics
+    from attnres.experiments.job.analyze import mixing_section
+
+    m = model("attnres_full", perturb=1.0)
+    run = tmp_path / "full" / "seed0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": m.config.to_dict()}))
+    weights = forward_diagnostics(m, ids())["depth_weights"]
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "diagnostics", "step": 4, "depth_weights": weights}) + "\n")
+    assert mixing_section({"full": [run]}, tmp_path) is not None
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    (entry,) = json.loads((tmp_path / "mixing.json").read_text(), parse_constant=refuse)["full"]
+    assert entry["n_tokens"] == 0 and entry["std"][0][0] is None and entry["sources"][0]["cv"] is None

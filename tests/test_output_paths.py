@@ -260,3 +260,15 @@ def test_a_model_written_over_another_removes_the_weight_files_it_does_not_overw
     with pytest.warns(UserWarning, match=": removed 1 weight file\\(s\\) .*: model.safetensors$"):
         write_directory_atomically(out, sharded, weights=HF_WEIGHT_FILES)
     assert sorted(out.glob("*.safetensors*")) == sorted(out / name for name in old[:3])
+
+
+def test_strict_json_writes_what_is_not_a_finite_number_as_null():
+    import json
+    import math
+
+    from attnres.output_paths import strict_json
+
+    value = {"loss": math.nan, "rates": [1.5, math.inf, -math.inf], "pair": (2, math.nan), "name": "x", "n": 3}
+    text = strict_json(value, indent=1)
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}")) == {
+        "loss": None, "rates": [1.5, None, None], "pair": [2, None], "name": "x", "n": 3}

@@ -178,6 +178,11 @@ def test_report_on_a_partial_grid_marks_missing_runs(tmp_path):
     text = write_report("scaling", full, tmp_path, "tiny").read_text()
     assert "Partial grid" not in text and "1.891·C^−0.057" in text and "1.25× at 5.6" in text
     assert "not run" not in text
+    # the runs table: a column for missing runs only where some are (it was an empty one, under an empty header)
+    assert "| size | model | shape | non-emb. params | steps | C (PFLOP/s-days) | val loss |\n" in text and "|  |" not in text
+    partial = write_report("scaling", [r for r in full if not (r["coords"]["size"] == "s3" and r["seed"] == 1)],
+                           tmp_path / "partial", "tiny").read_text()
+    assert "| val loss | missing runs |\n" in partial
 
 
 def test_report_leaves_out_a_size_that_no_run_finished(tmp_path):

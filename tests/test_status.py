@@ -78,3 +78,20 @@ def test_the_command_prints_a_line_per_run(runs, capsys):
     assert "no training runs under" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="attnres status: error: no such folder: '.*nowhere'"):
         cli_main(["status", str(runs / "nowhere")])
+
+
+def test_json_lines_stay_strict_json_when_a_loss_is_not_a_number(runs, tmp_path, capsys):
+    """A NaN validation loss or an infinite rate in metrics.jsonl was printed as ``NaN`` /
+    ``Infinity``, which is not JSON (jq and JavaScript refuse the line); now ``null``."""
+    run = tmp_path / "run"
+    shutil.copytree(runs / "done", run)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "eval", "step": 6, "val_loss": NaN}\n{"kind": "train", "step": 6, "loss": 4.0, '
+                '"tokens_per_s": Infinity}\n')
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    assert cli_main(["status", str(run), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert (row["val_loss"], row["val_step"], row["tokens_per_s"], row["train_loss"]) == (None, 6, None, 4.0)

@@ -9,15 +9,19 @@ command that stops later for another reason leaves no empty directory behind.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["HF_WEIGHT_FILES", "OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way",
-           "honour_umask", "not_a_directory", "os_cause", "write_directory_atomically", "write_text_atomically"]
+           "honour_umask", "not_a_directory", "os_cause", "strict_json", "write_directory_atomically",
+           "write_text_atomically"]
 
 
 #: The files a Hugging Face directory keeps its weights in (``save_pretrained``'s
@@ -25,6 +29,26 @@ __all__ = ["HF_WEIGHT_FILES", "OutputPathError", "check_output_dir", "check_outp
 #: loaders read as the model (vLLM: every ``*.safetensors`` file, or the ones the index names).
 #: Not ``training_args.bin`` and the like, which hold no weights.
 HF_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by ``None``, through mappings,
+    lists and tuples."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(value: Any, **kwargs: Any) -> str:
+    """``json.dumps(value, **kwargs)`` as strict JSON: a float that is not finite (NaN, an
+    infinity) is written as ``null``. Python's ``json`` writes them as ``NaN`` and ``Infinity``,
+    which JSON does not have: ``jq``, JavaScript and ``json.loads(..., parse_constant=...)``
+    refuse the file."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
 
 
 class OutputPathError(ValueError):

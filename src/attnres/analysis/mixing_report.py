@@ -46,21 +46,29 @@ def method_note(n_tokens: int) -> str:
 def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = None,
                      n_streams: int | None = None) -> tuple[str, int | None, int | None]:
     """What report §6.2 says of the semiseparable rank: ``(words, low, high)`` (bounds or
-    ``None``)."""
+    ``None``). No bound exceeds the most the blocks of an ``(L + 1) × (L + 1)`` matrix allow
+    (``(L + 2) // 2``, Full AttnRes's); Block AttnRes with ``S = 1`` is Full AttnRes, and
+    ``S`` counts at most ``L`` sublayers (``S ≥ L``: one block)."""
     L = n_sublayers
+    dense = (L + 2) // 2
     if residual in ("standard", "highway", "rezero", "layerscale"):
         return "1 (report §6.2)", 1, 1
     if residual in ("hyper_connections", "mhc", "mhc_lite") and n_streams:
         return f"≤ m = {n_streams} (Eq. 10)", None, n_streams
-    if residual == "attnres_full":
-        dense = (L + 2) // 2
-        return f"dense: {dense}, the most the blocks of a {L + 1}×{L + 1} matrix allow", dense, dense
+    if residual == "attnres_full" or (residual == "attnres_block" and block_size == 1):
+        full = "" if residual == "attnres_full" else " (S = 1 is Full AttnRes)"
+        return f"dense: {dense}, the most the blocks of a {L + 1}×{L + 1} matrix allow{full}", dense, dense
     if residual == "attnres_block" and block_size:
-        N = math.ceil(L / block_size)
-        if block_size >= N - 1:
-            return f"between N = {N} and N + S = {N + block_size} (report §6.2)", N, N + block_size
-        return (f"≤ N + S = {N + block_size}; the lower bound N = {N} may fail when S < N - 1 (here S = {block_size}; "
-                f"it held in our tests whenever S ≥ N - 1)", None, N + block_size)
+        S = min(block_size, L)
+        N = math.ceil(L / S)
+        high = min(N + S, dense)
+        notes = ([f"S = {block_size} counts as the {L} sublayers there are: one block"] if S != block_size else [])
+        notes += [f"at most {dense} here, the most the blocks of a {L + 1}×{L + 1} matrix allow"] if high < N + S else []
+        cap = "".join(f"; {n}" for n in notes)
+        if S >= N - 1:
+            return f"between N = {N} and N + S = {N + S} (report §6.2{cap})", N, high
+        return (f"≤ N + S = {N + S}{cap}; the lower bound N = {N} may fail when S < N - 1 (here S = {S}; "
+                f"it held in our tests whenever S ≥ N - 1)", None, high)
     return "", None, None
 
 
@@ -109,8 +117,12 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
     plt.close(fig)
 
 
-def _over(r: DepthMixing) -> str:
-    return r.rank_over if not r.input_dependent or not r.rank_tokens else f"{r.rank_over} ({r.rank_tokens} tokens)"
+def _over(results: Sequence[DepthMixing]) -> str:
+    """What the ranks of ``results`` (one per seed) are the largest over: once when the seeds
+    agree, else per seed (a seed without checkpoint has only its logged averaged ``M``)."""
+    words = [r.rank_over if not r.input_dependent or not r.rank_tokens else f"{r.rank_over} ({r.rank_tokens} tokens)"
+             for r in results]
+    return words[0] if len(set(words)) == 1 else "; ".join(words) + " (per seed)"
 
 
 def rank_table(rows: Sequence[tuple[str, list[DepthMixing], str]]) -> str:
@@ -120,7 +132,7 @@ def rank_table(rows: Sequence[tuple[str, list[DepthMixing], str]]) -> str:
              "|---|---|---|---|---|"]
     for label, results, expected in rows:
         lines.append(f"| {label} | {', '.join(str(r.rank) for r in results)} | "
-                     f"{', '.join(str(r.rank_of_mean) for r in results)} | {_over(results[0])} | {expected} |")
+                     f"{', '.join(str(r.rank_of_mean) for r in results)} | {_over(results)} | {expected} |")
     return "\n".join(lines)
 
 
@@ -133,7 +145,10 @@ def sink_table(label: str, results: list[DepthMixing], top: int = 4) -> str:
     for r in results:
         shown |= {s.source for s in sorted(r.sources, key=lambda s: -s.relative)[:top]}
         shown |= set(r.sinks())
-    lines = [f"**{label}** ({len(results)} seed(s))", "",
+    hidden = results[0].matrix.shape[0] - len(shown)
+    lines = [f"**{label}** ({len(results)} seed(s))" + (
+        f": v0, each seed's {top} sources of highest relative weight and every sink; the other {hidden} of the "
+        f"{results[0].matrix.shape[0]} sources are in mixing.json" if hidden else ""), "",
              "| source | mean weight | relative | CV across tokens | sink in seeds |", "|---|---|---|---|---|"]
 
     def pm(xs: list[float]) -> str:

@@ -70,10 +70,16 @@ def verify_checkpoint(path: str | Path, optional: tuple[str, ...] = ()) -> dict[
     return state
 
 
+#: The log every training run writes at its start (``attnres.train.metrics.METRICS_FILE``):
+#: a run that stopped before its first checkpoint has it beside its ``config.json``.
+RUN_LOG = "metrics.jsonl"
+
+
 def is_hf_directory(path: str | Path) -> bool:
-    """A ``save_pretrained`` directory: a ``config.json`` and no checkpoint of ours."""
+    """A ``save_pretrained`` directory: a ``config.json`` and no checkpoint or run log of ours."""
     path = Path(path)
-    return (path / "config.json").is_file() and not (path / STATE_FILE).exists() and not (path / "checkpoints").is_dir()
+    return ((path / "config.json").is_file() and not (path / STATE_FILE).exists()
+            and not (path / "checkpoints").is_dir() and not (path / RUN_LOG).is_file())
 
 
 def training_output(path: str | Path) -> str | None:
@@ -132,6 +138,10 @@ def no_checkpoint_at(location: str | Path) -> str:
                     "corrupt-* did not verify, superseded-* belong to an abandoned trajectory); name one of them "
                     "to use it anyway")
         return f"{what}: {str(location / 'checkpoints')!r} holds none yet"
+    if (location / RUN_LOG).is_file():  # (its config.json is the training config, not a transformers one)
+        return (f"{what}: it is a training run that has written no checkpoint yet (it stopped, or is still training, "
+                f"before its first checkpoint; {RUN_LOG} holds what it logged): name a run or step-* directory "
+                "that holds one, or train this one again")
     runs = sorted(p.parent for pattern in ("*/checkpoints", "*/*/checkpoints") for p in location.glob(pattern))
     if runs:
         return f"{what}: it holds {len(runs)} run(s); name one, e.g. {str(runs[0])!r}"

@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     add_checkpoint_argument(an)
     an.add_argument("--compare", metavar="DIR", help="a second checkpoint or run directory to compare with")
     an.add_argument("--out", help="output directory (default: <run>/analysis/step-N for a run's step-N directory, kept when the run "
-                         "rotates its checkpoints; else <checkpoint>/analysis)")
+                         "rotates its checkpoints; <run>/analysis for its checkpoints folder; else <checkpoint>/analysis; "
+                         "not a folder holding a compare / experiment grid)")
     an.add_argument("--rows", type=int, help="windows of the validation split analysed, none overlapping (default 8; "
                     "never more than the split holds)")
     an.add_argument("--seq-len", type=int, help="tokens per window (default min(128, the model's max_seq_len))")

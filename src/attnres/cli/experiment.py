@@ -130,6 +130,10 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
 
     if overhead_repeats < 0:
         raise SystemExit(f"{prog}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
+    # What the report needs (the 'experiments' extra), before any run trains: missing, it was said
+    # only once every run had finished (hours, for a real grid). main() names the extra.
+    import matplotlib  # noqa: F401
+    import scipy  # noqa: F401
     try:
         experiment = get_experiment(name, preset)
         if report_only:  # the report of another grid in `out` must not be overwritten
@@ -146,5 +150,5 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     except KeyboardInterrupt as e:  # a run checkpointed on SIGINT/SIGTERM: re-running resumes it
         print(f"{prog}: interrupted ({e or 'SIGINT'}); run the same command again to resume")
         return 130
-    print(f"{prog}: {len(records)} runs; report {path}")
+    print(f"{prog}: {len(records)} run{'' if len(records) == 1 else 's'}; report {path}")
     return 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 
 def add_parser(sub) -> None:
     st = sub.add_parser("status", help="where the training runs under some folders stand: step, losses, tokens/s, "
@@ -13,12 +11,14 @@ def add_parser(sub) -> None:
                         "of the run's steps, the latest train and validation losses, tokens/s, the newest "
                         "checkpoint, and whether a process is training it now (its run.lock). Reads only.")
     st.add_argument("dirs", nargs="*", default=["runs"], metavar="DIR", help="folders to look in (default: runs)")
-    st.add_argument("--json", action="store_true", help="one JSON object per run, one per line")
+    st.add_argument("--json", action="store_true", help="one JSON object per run, one per line (strict JSON: a value that is not a "
+                    "finite number, such as a NaN loss, is null)")
 
 
 def run(args, parser) -> int:
     from pathlib import Path
 
+    from ..output_paths import strict_json
     from ..train.status import find_runs, run_status
 
     missing = [d for d in args.dirs if not Path(d).exists()]
@@ -27,7 +27,7 @@ def run(args, parser) -> int:
     runs = [run_status(path) for d in args.dirs for path in find_runs(d)]
     if args.json:
         for status in runs:
-            print(json.dumps(status.to_dict()))
+            print(strict_json(status.to_dict()))
         return 0
     if not runs:
         print(f"attnres status: no training runs under {', '.join(args.dirs)} (a run's directory holds config.json "

@@ -9,9 +9,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.locate import RUN_LOG as METRICS_FILE
 from .out_dir import OutDirError, os_cause
 
-METRICS_FILE = "metrics.jsonl"
+__all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics", "scalars"]
 
 
 def read_metrics(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:

@@ -71,7 +71,10 @@ def _runs_table(records: list[dict[str, Any]], sizes: list[str], families: list[
             params = rs[0].get("non_embedding_params") or rs[0].get("params")
             rows.append([s, _name(f), _shape(rs[0]), f"{params:,}", f"{rs[0]['steps']:,}",
                          f"{rs[0]['pflops_days']:.3e}", f"{loss} (n={len(rs)})", miss])
-    return markdown_table(["size", "model", "shape", "non-emb. params", "steps", "C (PFLOP/s-days)", "val loss", ""], rows)
+    header = ["size", "model", "shape", "non-emb. params", "steps", "C (PFLOP/s-days)", "val loss", "missing runs"]
+    if not gaps:  # (no run missing: no column of empty cells under an empty header)
+        header, rows = header[:-1], [row[:-1] for row in rows]
+    return markdown_table(header, rows)
 
 
 def _shape(record: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from ...analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
 from ...data.corpus import read_text_file
-from ...output_paths import check_output_dir
+from ...output_paths import OutputPathError, check_output_dir, strict_json
 from ...analysis.mixing_report import (
     method_note,
     mixing_findings,
@@ -50,7 +50,7 @@ def analysis_tokens(run, rows: int | None = None, seq_len: int | None = None, te
     limit = run.run_config["model"]["max_seq_len"]
     seq_len = seq_len or min(128, limit)
     if seq_len > limit:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {limit}")
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {limit}: use --seq-len {limit} or less")
     ids = load_tokenizer(run).encode(text)
     if len(ids) < seq_len:
         fix = f"--seq-len {len(ids)} or less, or a longer text" if ids else "a text that is not empty"
@@ -131,11 +131,28 @@ def _label(info: dict) -> str:
 def default_analysis_dir(checkpoint: str | Path) -> Path:
     """Where ``attnres analyze`` writes without ``--out``: ``<run>/analysis/step-N`` for a
     ``step-N`` directory of a run (inside the checkpoint, the run's ``keep_checkpoints``
-    rotation would delete it with the checkpoint), else ``<checkpoint>/analysis``."""
+    rotation would delete it with the checkpoint), ``<run>/analysis`` for the run's
+    ``checkpoints`` folder (which holds checkpoints only), else ``<checkpoint>/analysis``."""
     path = Path(checkpoint).expanduser()
     if path.parent.name == "checkpoints" and path.name.startswith("step-"):
         return path.parent.parent / "analysis" / path.name
+    if path.name == "checkpoints" and (path.parent / "config.json").is_file():
+        return path.parent / "analysis"
     return path / "analysis"
+
+
+def check_analysis_out(out: str | Path) -> Path:
+    """``--out`` of ``attnres analyze``, checked before any work: a directory to write into
+    that does not hold an experiment grid (``attnres compare`` / ``experiment``), whose
+    ``report.md``, ``mixing.png`` and ``mixing.json`` the analysis would replace."""
+    from ..layout import EXPERIMENT_FILE
+
+    out = check_output_dir(out, "--out")
+    if (out / EXPERIMENT_FILE).is_file():
+        raise OutputPathError(f"--out {str(out)!r} holds an experiment grid ({EXPERIMENT_FILE}): its report.md, "
+                              "mixing.png and mixing.json would be replaced; pick another --out, e.g. "
+                              f"{str(out / 'analysis')!r}")
+    return out
 
 
 def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, out: str | Path | None = None,
@@ -144,8 +161,16 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     """``attnres analyze``: write ``report.md``, ``mixing.png`` (Fig.-9-style panels, and the
     difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
     :func:`default_analysis_dir`); returns the report's path."""
+    from ...checkpoint import CheckpointError, find_valid_checkpoint, no_checkpoint_at
+
     text = None if text_path is None else read_text_file(text_path, "--text")
-    out = check_output_dir(out if out is not None else default_analysis_dir(checkpoint), "--out")
+    for path in (checkpoint, compare) if compare is not None else (checkpoint,):  # what they are, before --out
+        with warnings.catch_warnings():  # (a fallback to an older checkpoint is said once, when it loads)
+            warnings.simplefilter("ignore")
+            found = Path(path).expanduser().is_dir() and find_valid_checkpoint(path) is not None
+        if not found:
+            raise CheckpointError(no_checkpoint_at(path))
+    out = check_analysis_out(out if out is not None else default_analysis_dir(checkpoint))
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
     if compare is not None:
         items.append(analyze_checkpoint(compare, rows, seq_len, text, device))
@@ -186,7 +211,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
         findings += mixing_findings(f"{n} ({info['residual']})", [r], low, high)
     parts.append("## Findings (computed)\n\nOne checkpoint per model: the report's claims need at least 3 seeds "
                  "(`attnres compare --seeds 0 1 2` reports them over seeds).\n\n" + "\n".join(f"- {f}" for f in findings))
-    (out / "mixing.json").write_text(json.dumps([{**info, **r.to_dict()} for r, info in items], indent=1))
+    (out / "mixing.json").write_text(strict_json([{**info, **r.to_dict()} for r, info in items], indent=1))
     path = out / "report.md"
     path.write_text("\n".join(parts) + "\n")
     return path
@@ -256,14 +281,14 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     panels = [(f"{labels.get(n, n)}\n{_label(rs[0][1])}", rs[0][0].matrix, rs[0][0].source_groups)
               for n, rs in results.items()]
     plot_mixing_panels(panels, out / "mixing.png")
-    (out / "mixing.json").write_text(json.dumps({n: [{**i, **r.to_dict()} for r, i in rs] for n, rs in results.items()},
-                                                indent=1))
+    (out / "mixing.json").write_text(strict_json({n: [{**i, **r.to_dict()} for r, i in rs] for n, rs in results.items()},
+                                                  indent=1))
     first = next(iter(results.values()))[0][0]
     n_tokens = max(r.n_tokens for rs in results.values() for r, _ in rs)
     note = " Each seed's last checkpoint; panels: first seed."
     if logged:
         note += (f" {len(logged)} run(s) kept no checkpoint: for them `M` is the mean over the first validation "
-                 "batch (16 × 128 tokens in the long preset) of the depth weights their last diagnostics record logged "
+                 "batch (batch_size × seq_len tokens of the run) of the depth weights their last diagnostics record logged "
                  "(exact: `M` is linear in the weights), the rank that of this averaged `M`, the spread across tokens "
                  "unknown and no sink flagged; the standard residual's `M` needs no checkpoint.")
     if missing:

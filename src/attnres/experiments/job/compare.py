@@ -198,7 +198,11 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
     header += ["step time (× standard)", "peak memory (× standard)"] if overheads else []
     md = [markdown_table(header, rows)]
     gaps: dict[str, Any] = {}
-    if base:
+    if not base:
+        md.append(_NO_BASELINE)
+    elif len(groups) == 1:
+        md.append(_NO_ATTNRES)
+    else:
         paired_rows = []
         for name in groups:
             if name == BASELINE:
@@ -223,6 +227,11 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
     return "\n\n".join(md), gaps, noisy
 
 
+_NO_BASELINE = ("No standard run has finished in this grid: the readings at equal compute and equal time and the gaps "
+                "paired by seed are taken against the standard model's run of the same seed. Train it with the same "
+                "command and `--variants standard`.")
+_NO_ATTNRES = ("No AttnRes run has finished in this grid: the gaps paired by seed need a Block or Full AttnRes run of "
+               "the same seed as the standard one. Train them with the same command and `--variants block full`.")
 _TIME_NOTE = ("Step time: CPU time of one training step at one thread, interleaved, × standard = median of the "
               "per-round ratios ± its noise (the larger of its 95 % interval and how far an identical copy of the "
               "standard model lands from 1). Equal time reads each curve at the standard model's steps / that ratio; "
@@ -335,12 +344,12 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    shown = [(name, rs[0].diagnostics["depth_weights"], rs[0].record) for name, rs in groups.items()
+    shown = [(name, rs[0].diagnostics["depth_weights"], rs[0].diagnostics) for name, rs in groups.items()
              if rs[0].diagnostics and rs[0].diagnostics.get("depth_weights")]
     if not shown:
         return False
     fig, axes = plt.subplots(len(shown), 2, figsize=(10, 3.6 * len(shown)), squeeze=False)
-    for row, (name, weights, rec) in zip(axes, shown):
+    for row, (name, weights, diag) in zip(axes, shown):
         width = max(len(w) for w in weights)
         for ax, parity, kind in zip(row, (0, 1), ("pre-attention", "pre-MLP")):
             rows = [w for l, w in enumerate(weights[:-1]) if l % 2 == parity] + [weights[-1]]
@@ -352,7 +361,8 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
                           + ["output"], fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sources are counted: no fractional ticks
             ax.set_xlabel("source (0 = embedding, then " + ("blocks" if name == "block" else "sublayer outputs") + ")")
-            ax.set_title(f"{_LABELS.get(name, name)}: {kind} (step {rec['steps']})", fontsize=10)
+            step = f" (step {diag['step']})" if "step" in diag else ""  # the record's, not the run's last step
+            ax.set_title(f"{_LABELS.get(name, name)}: {kind}{step}", fontsize=10)
             fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

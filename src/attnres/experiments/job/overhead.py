@@ -16,7 +16,6 @@ tables read it.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 from ...analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
 from ...models import AttnResLM
+from ...output_paths import strict_json
 from ...train.cpu_memory import retains_freed_memory
 from .presets import Experiment
 from ..layout import OVERHEAD_FILE
@@ -118,5 +118,5 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
         "variants": variants,
     }
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / OVERHEAD_FILE).write_text(json.dumps(result, indent=1))
+    (Path(out) / OVERHEAD_FILE).write_text(strict_json(result, indent=1))
     return result

@@ -7,6 +7,7 @@ PNG plots (matplotlib, Agg backend).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from ...train import latest_checkpoint
 from .compare import compare_markdown
-from ..layout import read_overhead, saved_config
+from ..layout import RESULT_FILE, read_overhead, saved_config
 from .presets import PRESETS, get_experiment
 from ..grids.scaling_report import scaling_section
 from ..stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
@@ -249,7 +251,7 @@ def _setup(out: Path, records: list[dict[str, Any]], per_size: bool = False) -> 
     seeds = sorted({r["seed"] for r in records})
     model = ("model shape, steps and warm-up: by size (the runs table); " if per_size else
              f"d_model {m['d_model']}, {m['n_layers']} transformer blocks, {m['n_heads']} heads, ")
-    warmup = "" if per_size else f", {c['warmup_steps']} warm-up steps"
+    warmup = "" if per_size else f", {_plural(c['warmup_steps'], 'warm-up step')}"
     return (f"Set-up: {model}vocab {m['vocab_size']} ({c['data']['tokenizer']}); {c['batch_size']} x {c['seq_len']} "
             f"tokens per step; {c['optimizer']} lr {c['lr']:g}, {c['schedule']} schedule{warmup}; "
             f"dtype {c['dtype']}; seeds {seeds}.\n\n")
@@ -275,6 +277,44 @@ _TITLES = {"compare": "Standard vs Block vs Full AttnRes", "ablation": "Ablation
            "multiplier": "The compute multiplier (Table 2 / Fig. 4), measured directly"}
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _unfinished_runs(out: Path, records: list[dict[str, Any]], variants: set[str] | None) -> list[str]:
+    """The run directories ``out/<variant>/seed<k>`` of ``variants`` (``None``: any) that hold
+    no ``result.json`` yet (interrupted, or training now), with the step each reached."""
+    finished = {(r["variant"], r["seed"]) for r in records}
+    found = []
+    for d in sorted(out.glob("*/seed*")):
+        name, seed = d.parent.name, d.name.removeprefix("seed")
+        if (not d.is_dir() or not seed.isdigit() or (name, int(seed)) in finished or (d / RESULT_FILE).exists()
+                or (variants is not None and name not in variants)):
+            continue
+        latest = latest_checkpoint(d)
+        config = saved_config(out, {"variant": name, "seed": int(seed)}) or {}
+        reached = int(latest.name.split("-", 1)[1]) if latest is not None else 0
+        found.append(f"{name} seed {seed} at step {reached} of {config.get('steps', '?')}")
+    return found
+
+
+def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | None) -> tuple[list[dict[str, Any]], str]:
+    """The records the report can use (a final validation loss that is a number) and a
+    sentence naming the runs it leaves out: those whose loss is not a number (NaN, or
+    ``null`` in ``result.json``) and those not finished (no ``result.json``)."""
+    kept = [r for r in records if isinstance(r.get("val_loss"), (int, float)) and math.isfinite(r["val_loss"])]
+    not_a_number = [f"{r['variant']} seed {r['seed']}" for r in records if r not in kept]
+    unfinished = _unfinished_runs(out, records, variants)
+    parts = []
+    if not_a_number:
+        parts.append(f"{_plural(len(not_a_number), 'run')} whose final validation loss is not a number "
+                     f"({', '.join(not_a_number)}: see its metrics.jsonl; retrain it in another --out, e.g. at a lower lr)")
+    if unfinished:
+        parts.append(f"{_plural(len(unfinished), 'unfinished run')} ({', '.join(unfinished)}: run the same command "
+                     "again to finish it)")
+    return kept, ("Left out of this report: " + "; ".join(parts) + ".\n\n") if parts else ""
+
+
 def write_report(name: str, records: list[dict[str, Any]], out: str | Path, preset: str = "") -> Path:
     """Write ``<out>/report.md`` (and the experiment's plot) from run ``records``; returns
     the Markdown path. Losses: mean ± sample std over seeds; step time: median ms per step;
@@ -284,9 +324,12 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     matplotlib.use("Agg")
     if name not in _TITLES:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(_TITLES)}")
-    if not records:
-        raise ValueError(f"no finished runs to report for experiment {name!r}")
     out = Path(out)
+    variants = {v.name for v in get_experiment(name, preset).variants} if preset else None
+    records, left_out = _left_out(out, records, variants)
+    if not records:
+        raise ValueError(f"no finished runs to report for experiment {name!r}"
+                         + (f" ({left_out.strip().removesuffix('.')})" if left_out else ""))
     out.mkdir(parents=True, exist_ok=True)
     summ = summarize(records)
     measured = apply_overhead(summ, out)
@@ -295,7 +338,7 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
             "multiplier": lambda: _multiplier_md(records, out, preset)}[name]()
     steps = sorted({r["steps"] for r in records})
     head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records, per_size=name in ('scaling', 'multiplier'))}"
-            f"{len(records)} runs, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
+            f"{left_out}{_plural(len(records), 'run')}, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
             + _measures(name, measured)
             + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")
     path = out / "report.md"

@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
+from ...checkpoint.locate import training_output
 from ...data import load_corpus, prepare_data
 from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
+from ...output_paths import strict_json
 from ...progress import clock
 from ...train import TrainConfig, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
@@ -152,8 +154,20 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
         "step_time_s": median_step_time(out / "metrics.jsonl", config.tokens_per_step),
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
     }
-    (out / RESULT_FILE).write_text(json.dumps(record, indent=1))
+    (out / RESULT_FILE).write_text(strict_json(record, indent=1))
     return record
+
+
+def check_not_foreign(out: Path) -> None:
+    """Raise ``ValueError`` when ``out``, holding no experiment, holds what a grid's files would
+    mix with or replace: a training run (its ``config.json``, or a checkpoint), or a
+    ``report.md`` of something else (an ``attnres analyze`` output, notes)."""
+    what = training_output(out) or ("a training run's directory (it holds config.json)"
+                                    if (out / "config.json").is_file() else None)
+    if what is None and (out / "report.md").is_file():
+        what = f"a folder with a report.md that no experiment wrote (no {EXPERIMENT_FILE}), which the grid's would replace"
+    if what is not None:
+        raise ValueError(f"--out {str(out)!r} is {what}; pick another --out, e.g. a new folder")
 
 
 def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
@@ -166,6 +180,7 @@ def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
         raise ValueError(f"{str(out / EXPERIMENT_FILE)!r} is not an experiment header (a JSON mapping); pick another "
                          "--out")
     if saved is None:
+        check_not_foreign(out)
         return
     differing = sorted(k for k in header if saved.get(k) != header[k])
     if differing:
@@ -187,6 +202,10 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
         raise ValueError(f"seeds must be a non-empty list of integers >= 0; got {seeds!r}")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:  # (the second one would only be reported "finished earlier, skipped")
+        raise ValueError(f"seeds (--seeds) list {', '.join(map(str, twice))} more than once; each seed is one run per variant: "
+                         f"give distinct seeds, e.g. --seeds {' '.join(map(str, dict.fromkeys(seeds)))}")
     chosen = experiment.variants
     if variants is not None:
         names = [v.name for v in experiment.variants]
