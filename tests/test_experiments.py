@@ -703,7 +703,7 @@ def test_a_grid_is_not_written_into_a_run_or_over_a_report_it_did_not_write(corp
         "config.json", "metrics.jsonl"]
 
 
-def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(corpus, tmp_path):
+def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(corpus, tmp_path, capsys):
     """An interrupted run was left out of the report without a word; a NaN validation loss
     ended the report in a traceback (statistics.stdev); a grid without the standard run (or
     without AttnRes) gave a table with no word on why the gaps are missing, or an empty one."""
@@ -725,6 +725,12 @@ def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(cor
     with pytest.raises(ValueError, match=r"no finished runs to report for experiment 'compare' \(Left out of this "
                        r"report: 1 run whose final validation loss is not a number \(standard seed 0"):
         write_report("compare", [{**standard, "val_loss": None}], out, "tiny")
+    # The closing line counts the runs the report covers (it said "2 runs" of a report of 1).
+    result = out / "block" / "seed0" / "result.json"
+    result.write_text(json.dumps({**json.loads(result.read_text()), "val_loss": None}))
+    capsys.readouterr()
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--report-only"]) == 0
+    assert f"attnres compare: 1 run reported of 2 finished; report {out / 'report.md'}" in capsys.readouterr().out
 
 
 def test_depth_weight_heatmaps_name_the_step_of_the_record_they_show(tmp_path, monkeypatch):

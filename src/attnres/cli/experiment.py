@@ -125,6 +125,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     process with a one-line message, prefixed with ``prog`` (the command the user typed)."""
     from ..experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
     from ..experiments.job.runner import check_same_experiment
+    from ..experiments.job.report import reportable
     from ..train import TrainingDiverged, TrainingOutOfMemory
     from ..train.config import apply_overrides
 
@@ -150,5 +151,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     except KeyboardInterrupt as e:  # a run checkpointed on SIGINT/SIGTERM: re-running resumes it
         print(f"{prog}: interrupted ({e or 'SIGINT'}); run the same command again to resume")
         return 130
-    print(f"{prog}: {len(records)} run{'' if len(records) == 1 else 's'}; report {path}")
+    reported = len(reportable(records))  # (the report names those it leaves out, and why)
+    print(f"{prog}: {reported} run{'' if reported == 1 else 's'} reported"
+          + (f" of {len(records)} finished" if reported < len(records) else "") + f"; report {path}")
     return 0

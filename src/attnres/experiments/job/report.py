@@ -298,11 +298,16 @@ def _unfinished_runs(out: Path, records: list[dict[str, Any]], variants: set[str
     return found
 
 
+def reportable(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run records a report uses: those whose final validation loss is a number."""
+    return [r for r in records if isinstance(r.get("val_loss"), (int, float)) and math.isfinite(r["val_loss"])]
+
+
 def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | None) -> tuple[list[dict[str, Any]], str]:
     """The records the report can use (a final validation loss that is a number) and a
     sentence naming the runs it leaves out: those whose loss is not a number (NaN, or
     ``null`` in ``result.json``) and those not finished (no ``result.json``)."""
-    kept = [r for r in records if isinstance(r.get("val_loss"), (int, float)) and math.isfinite(r["val_loss"])]
+    kept = reportable(records)
     not_a_number = [f"{r['variant']} seed {r['seed']}" for r in records if r not in kept]
     unfinished = _unfinished_runs(out, records, variants)
     parts = []
