@@ -341,9 +341,3 @@ def test_analyze_says_what_it_was_given_before_it_writes_anything(run_dir, tmp_p
     assert (grid / "report.md").read_text() == "the compare report" and not (grid / "mixing.png").exists()
     with pytest.raises(SystemExit, match=r"--seq-len 999 exceeds the model's max_seq_len 128: use --seq-len 128 or less"):
         cli_main(["analyze", str(run_dir), "--out", str(tmp_path / "a"), "--seq-len", "999"])
-    exported = tmp_path / "exported"  # (what analyze is given as a transformers directory: its config.json alone)
-    exported.mkdir()
-    (exported / "config.json").write_text('{"model_type": "attnres"}')
-    with pytest.raises(SystemExit, match=r"'.*exported' is a transformers directory .*: give the training run \(or "
-                       r"step-\* checkpoint\) it was exported from"):
-        cli_main(["analyze", str(exported)])

@@ -416,7 +416,35 @@ def test_analyze_writes_a_step_directorys_report_beside_the_checkpoints_not_insi
     run = tmp_path / "runs" / "block"
     assert default_analysis_dir(run / "checkpoints" / "step-00000040") == run / "analysis" / "step-00000040"
     assert default_analysis_dir(str(run)) == run / "analysis"
-    assert default_analysis_dir(tmp_path / "hf-out") == tmp_path / "hf-out" / "analysis"
+    assert default_analysis_dir(tmp_path / "elsewhere") == tmp_path / "elsewhere" / "analysis"
+    (tmp_path / "hf-out").mkdir()
+    (tmp_path / "hf-out" / "config.json").write_text("{}")  # a transformers directory: beside it, not in it
+    assert default_analysis_dir(tmp_path / "hf-out") == tmp_path / "hf-out-analysis"
+
+
+def test_an_export_is_analysed_as_its_run(tmp_path):
+    """``attnres analyze`` read training runs only; a transformers directory (an export, an
+    AttnRes model from the Hub) now analyses through its native model and its own tokenizer,
+    the same matrices as the run it came from on the same text."""
+    pytest.importorskip("yaml")
+    pytest.importorskip("transformers")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    run = tmp_path / "run"
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    train(load_config(None, overrides(corpus, run, steps=3, warmup_steps=1, eval_every=100, diagnostics_every=100)))
+    assert cli_main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    common = ["--text", str(corpus), "--seq-len", "16", "--rows", "3"]
+    assert cli_main(["analyze", str(run), "--out", str(tmp_path / "of-run"), *common]) == 0
+    assert cli_main(["analyze", str(tmp_path / "hf"), *common]) == 0
+    of_run = json.loads((tmp_path / "of-run" / "mixing.json").read_text())[0]
+    of_export = json.loads((tmp_path / "hf-analysis" / "mixing.json").read_text())[0]
+    assert torch.allclose(torch.tensor(of_export["matrix"]), torch.tensor(of_run["matrix"]), atol=1e-6)
+    assert of_export["step"] is None and of_export["checkpoint"] == str(tmp_path / "hf")
+    assert f"- **A**: `{tmp_path / 'hf'}`: attnres_block" in (tmp_path / "hf-analysis" / "report.md").read_text()
 
 
 def test_analyze_of_a_runs_checkpoints_folder_writes_beside_it_not_among_the_checkpoints(tmp_path):

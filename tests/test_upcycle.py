@@ -240,6 +240,29 @@ def _pretrained_directory(tmp_path, corpus):
     return tmp_path / "pretrained", base
 
 
+def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path):
+    """``attnres analyze`` of an upcycled model's directory: its depth mixing matrix at
+    conversion (a family model's own ``depth_mixing``); the pretrained model it came from has
+    no AttnRes residual and is refused, saying to upcycle it."""
+    pytest.importorskip("yaml")
+    from test_train import write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
+    common = ["--text", str(corpus), "--seq-len", "16", "--rows", "2"]
+    assert cli_main(["analyze", str(tmp_path / "up"), *common]) == 0
+    (result,) = json.loads((tmp_path / "up-analysis" / "mixing.json").read_text())
+    assert result["residual"] == "attnres_block" and result["step"] is None
+    M = torch.tensor(result["matrix"])
+    assert M.shape[0] == M.shape[1] and bool(torch.isfinite(M).all())
+    with pytest.raises(SystemExit, match=r"holds a LlamaForCausalLM, which has no residual of attnres to analyse: "
+                                         r"upcycle it first"):
+        cli_main(["analyze", str(src), "--out", str(tmp_path / "plain"), *common])
+
+
 def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):
     pytest.importorskip("yaml")
     from test_train import overrides, write_corpus

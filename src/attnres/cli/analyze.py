@@ -14,12 +14,15 @@ def add_parser(sub) -> None:
         help="depth mixing matrix, semiseparable rank and depth-wise attention sinks of a checkpoint (report §6.2, §5.4.2)",
         description="Run the model of --checkpoint on windows of its validation split and write report.md, mixing.png "
         "(Fig.-9-style panels of the depth mixing matrix M) and mixing.json to --out: M averaged over the tokens, its "
-        "semiseparable rank, the sink table and, with --compare, the second checkpoint beside it and the difference.",
+        "semiseparable rank, the sink table and, with --compare, the second checkpoint beside it and the difference. "
+        "A transformers directory (an export, an AttnRes model from the Hub, an upcycled model) is read with its own "
+        "tokenizer, on --text or the built-in corpus's validation split.",
     )
     add_checkpoint_argument(an)
     an.add_argument("--compare", metavar="DIR", help="a second checkpoint or run directory to compare with")
     an.add_argument("--out", help="output directory (default: <run>/analysis/step-N for a run's step-N directory, kept when the run "
-                         "rotates its checkpoints; <run>/analysis for its checkpoints folder; else <checkpoint>/analysis; "
+                         "rotates its checkpoints; <run>/analysis for its checkpoints folder; <dir>-analysis beside a "
+                         "transformers directory; else <checkpoint>/analysis; "
                          "not a folder holding a compare / experiment grid)")
     an.add_argument("--rows", type=int, help="windows of the validation split analysed, none overlapping (default 8; "
                     "never more than the split holds)")

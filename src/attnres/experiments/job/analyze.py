@@ -40,50 +40,86 @@ DEFAULT_ROWS = 8
 
 def analysis_tokens(run, rows: int | None = None, seq_len: int | None = None, text: str | None = None) -> torch.Tensor:
     """``[rows, seq_len]`` token ids from the run's validation split (or ``text``), windows
-    spread evenly from its start to its end that do not overlap. ``rows`` (``None``:
-    :data:`DEFAULT_ROWS`) is capped at the number of windows the text holds, with a warning
-    when it was given."""
+    spread evenly from its start to its end that do not overlap (:func:`token_windows`)."""
     from ...inference.loading import load_tokenizer
 
     if text is None:
         text = run.validation_text()
-    limit = run.run_config["model"]["max_seq_len"]
+    ids = load_tokenizer(run).encode(text)
+    device = next(run.model.parameters()).device
+    return token_windows(ids, run.run_config["model"]["max_seq_len"], rows, seq_len).to(device)
+
+
+def token_windows(ids: list[int], limit: int, rows: int | None = None, seq_len: int | None = None) -> torch.Tensor:
+    """``[rows, seq_len]`` windows of ``ids`` spread evenly from its start to its end that do
+    not overlap, ``seq_len`` (``None``: ``min(128, limit)``) at most the model's context
+    ``limit``. ``rows`` (``None``: :data:`DEFAULT_ROWS`) is capped at the number of windows the
+    text holds, with a warning when it was given."""
     seq_len = seq_len or min(128, limit)
     if seq_len > limit:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {limit}: use --seq-len {limit} or less")
-    ids = load_tokenizer(run).encode(text)
     if len(ids) < seq_len:
         fix = f"--seq-len {len(ids)} or less, or a longer text" if ids else "a text that is not empty"
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}: use {fix}")
     holds = len(ids) // seq_len
     if rows is not None and rows > holds:  # (overlapping windows would count the same tokens again)
         warnings.warn(f"--rows {rows} is more than the text holds: its {len(ids)} tokens make {holds} window(s) of "
-                      f"{seq_len} that do not overlap; analysing {holds}", stacklevel=2)
+                      f"{seq_len} that do not overlap; analysing {holds}", stacklevel=3)
     rows = min(DEFAULT_ROWS if rows is None else rows, holds)
     span = len(ids) - seq_len
     # (the gap between starts is span / (rows - 1) >= seq_len: the windows do not overlap)
     starts = [round(k * span / max(rows - 1, 1)) for k in range(rows)]
-    device = next(run.model.parameters()).device
-    return torch.tensor([ids[s : s + seq_len] for s in starts], device=device)
+    return torch.tensor([ids[s : s + seq_len] for s in starts])
 
 
 def analyze_checkpoint(path: str | Path, rows: int | None = None, seq_len: int | None = None,
                        text: str | None = None, device: str = "cpu") -> tuple[DepthMixing, dict]:
     """The :class:`DepthMixing` of the checkpoint (or run directory) ``path`` on its
-    validation tokens, and a description of the model (``residual``, ``L``, ``S``, ``m``)."""
+    validation tokens - or of the transformers directory ``path`` (an export, an upcycle,
+    an AttnRes model from the Hub) on the built-in corpus's validation split - unless
+    ``text`` is given, and a description of the model (``residual``, ``L``, ``S``, ``m``)."""
+    from ...checkpoint import is_hf_directory
     from ...inference.loading import load_run
 
-    run = load_run(path, device)
-    model = run.model
-    tokens = analysis_tokens(run, rows, seq_len, text)
+    if is_hf_directory(path):
+        model, tokens, step, family = _directory_model_and_tokens(path, rows, seq_len, text, device)
+        where = path
+    else:
+        run = load_run(path, device)
+        model, tokens, step = run.model, analysis_tokens(run, rows, seq_len, text), run.state.get("step")
+        family, where = run.run_config["model"].get("hf_architecture") is not None, run.checkpoint
     result = depth_mixing_matrix(model, tokens)
     residual = model.residual
-    info = {"checkpoint": str(run.checkpoint), "residual": residual.name, "L": residual.n_sublayers,
+    info = {"checkpoint": str(where), "residual": residual.name, "L": residual.n_sublayers,
             "block_size": getattr(residual, "block_size", None), "n_streams": getattr(residual, "n_streams", None),
-            "step": run.state.get("step")}
-    if run.run_config["model"].get("hf_architecture") is not None:
+            "step": step}
+    if family:
         info["expert_load"] = moe_layers(model, tokens)
     return result, info
+
+
+def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int | None, text: str | None,
+                                device: str | None) -> tuple[torch.nn.Module, torch.Tensor, None, bool]:
+    """``(model, tokens, step, family)`` of a transformers directory: attnres's own model as
+    its native :class:`~attnres.AttnResLM` (the same weights), a transformers family's
+    (``attnres upcycle``) as it loads; its tokenizer's windows of ``text`` (or of the built-in
+    corpus's validation split). A directory of a model without AttnRes is refused by name."""
+    from ...data.corpus import load_corpus
+    from ...hf.directory import load_directory
+    from ...hf.modeling import AttnResForCausalLM
+    from ...inference.loading import pick_device
+    from ...models.factory import context_limit
+
+    device = pick_device(device)
+    model, tokenizer = load_directory(path, device)
+    native = isinstance(model, AttnResForCausalLM)
+    if native:
+        model = model.to_native().eval()
+    elif not hasattr(model, "depth_mixing"):
+        raise ValueError(f"{str(path)!r} holds a {type(model).__name__}, which has no residual of attnres to analyse: "
+                         "upcycle it first (attnres upcycle --model DIR --out NEW), or give an attnres run or export")
+    ids = tokenizer.encode(load_corpus().val if text is None else text)
+    return model, token_windows(ids, context_limit(model), rows, seq_len).to(device), None, not native
 
 
 @torch.no_grad()
@@ -132,8 +168,13 @@ def default_analysis_dir(checkpoint: str | Path) -> Path:
     """Where ``attnres analyze`` writes without ``--out``: ``<run>/analysis/step-N`` for a
     ``step-N`` directory of a run (inside the checkpoint, the run's ``keep_checkpoints``
     rotation would delete it with the checkpoint), ``<run>/analysis`` for the run's
-    ``checkpoints`` folder (which holds checkpoints only), else ``<checkpoint>/analysis``."""
+    ``checkpoints`` folder (which holds checkpoints only), ``<dir>-analysis`` beside a
+    transformers directory, else ``<checkpoint>/analysis``."""
+    from ...checkpoint import is_hf_directory
+
     path = Path(checkpoint).expanduser()
+    if is_hf_directory(path):  # beside it: a file inside would be uploaded and shipped with the model
+        return path.parent / f"{path.name}-analysis"
     if path.parent.name == "checkpoints" and path.name.startswith("step-"):
         return path.parent.parent / "analysis" / path.name
     if path.name == "checkpoints" and (path.parent / "config.json").is_file():
@@ -168,11 +209,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
         with warnings.catch_warnings():  # (a fallback to an older checkpoint is said once, when it loads)
             warnings.simplefilter("ignore")
             found = Path(path).expanduser().is_dir() and find_valid_checkpoint(path) is not None
-        if not found and is_hf_directory(path):
-            raise CheckpointError(f"{str(path)!r} is a transformers directory (attnres export's or upcycle's output), "
-                                  "which analyze does not read: give the training run (or step-* checkpoint) it was "
-                                  "exported from; for an upcycled model, a run trained from it (init_from=DIR)")
-        if not found:
+        if not found and not is_hf_directory(path):
             raise CheckpointError(no_checkpoint_at(path))
     out = check_analysis_out(out if out is not None else default_analysis_dir(checkpoint))
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
@@ -188,7 +225,8 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     parts = ["# Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)\n",
              method_note(items[0][0].n_tokens) + "\n"]
     for n, (r, info) in zip(names, items):
-        parts.append(f"- **{n}**: `{info['checkpoint']}` (step {info['step']}): {_label(info)}"
+        step = f" (step {info['step']})" if info["step"] is not None else ""  # (a transformers directory: none)
+        parts.append(f"- **{n}**: `{info['checkpoint']}`{step}: {_label(info)}"
                      + (f"; vectors reduced by {r.reduction}" if r.reduction else ""))
     parts.append("\n![depth mixing matrices](mixing.png)\n")
     parts.append("## Semiseparable rank\n\n" + rank_table([(f"{n}: {_label(i)}", [r], _expect(i)[0])
