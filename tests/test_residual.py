@@ -246,6 +246,53 @@ def test_finish_twice_and_bad_sizes_are_refused():
     assert "dim=4, n_sublayers=2, schedule='two_phase', backend='auto', eps=1e-06, block_size=1" in repr(m)
 
 
+def test_module_arguments_of_the_wrong_type_are_refused_naming_them():
+    """``group_size=1.5`` was built (a schedule of fractional groups), ``group_size='2'`` failed
+    comparing a str with an int; ``recompute_phase1="no"`` was taken as true; ``RMSNorm(0)``
+    was built and a negative epsilon gave NaN."""
+    for bad in (1.5, "2", 0, True):
+        with pytest.raises(ValueError, match=rf"^FullAttnRes: group_size must be an integer >= 1, or None for "
+                                             rf"round\(sqrt\(n_sublayers\)\); got {bad!r}$"):
+            FullAttnRes(4, 4, group_size=bad)
+    for make in (lambda v: BlockAttnRes(4, 4, 2, recompute_phase1=v), lambda v: FullAttnRes(4, 4, recompute_phase1=v)):
+        for bad in ("no", 0, None):
+            with pytest.raises(ValueError, match=rf"AttnRes: recompute_phase1 must be True or False, got {bad!r}$"):
+                make(bad)
+    from attnres.nn import RMSNorm
+
+    for dim in (0, 4.0, None):
+        with pytest.raises(ValueError, match=rf"^RMSNorm: dim \(the normalised last dimension\) must be an integer >= 1, "
+                                             rf"got {dim!r}$"):
+            RMSNorm(dim)
+    for eps in (-1e-6, float("nan"), "1e-6"):
+        with pytest.raises(ValueError, match=r"^RMSNorm: eps must be a finite number >= 0"):
+            RMSNorm(4, eps)
+    assert FullAttnRes(4, 9).group_size == 3 and RMSNorm(4, 0.0).eps == 0.0
+
+
+@pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4),
+                                  lambda: BlockAttnRes(8, 4, 2, schedule="naive"),
+                                  lambda: FullAttnRes(8, 4, backend="reference")])
+@pytest.mark.parametrize("defer_norm", [False, True])
+def test_a_model_built_on_the_meta_device_runs_its_forward_and_backward_there(make, defer_norm):
+    """Shape inference of a model built under ``torch.device("meta")``, with and without
+    autocast: the operations asked the meta device for its autocast state ('unknown device
+    type for autocast'); the reference, 'unsupported scalarType'."""
+    from attnres.nn import RMSNorm
+
+    with torch.device("meta"):
+        m, norm, x = make(), RMSNorm(8), torch.empty(2, 3, 8, requires_grad=True)
+        for autocast in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                state = m.start(x, defer_norm=defer_norm)
+                for l in range(4):
+                    m.add_output(state, l, torch.tanh(norm(m.sublayer_input(state, l))))
+                out = m.finish(state)
+            assert (out.shape, out.dtype, out.device.type) == ((2, 3, 8), torch.float32, "meta")
+        out.sum().backward()
+    assert m.mixers[1].query.grad.shape == (8,) and x.grad.device.type == "meta"
+
+
 def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
     """``start(..., defer_norm=True)`` hands sublayers an input whose norm the residual's
     kernel applies; a sublayer starting with another layer failed deep in PyTorch ('must be

@@ -148,6 +148,8 @@ class AttnResBase(ResidualStream):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
             raise ValueError(f"{type(self).__name__}: eps (the keys' RMSNorm epsilon) must be a positive number, "
                              f"got {eps!r}")
+        if not isinstance(recompute_phase1, bool):  # (a string such as "no" was taken as true)
+            raise ValueError(f"{type(self).__name__}: recompute_phase1 must be True or False, got {recompute_phase1!r}")
         self.ablation = ablation if ablation is not None and ablation.active else None
         self.eps = eps
         self.backend = backend

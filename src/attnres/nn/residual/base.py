@@ -31,7 +31,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ...validation import did_you_mean_each
+from ...validation import Int, did_you_mean_each
 from .config import ResidualConfig
 from .mixing import MixingMatrix
 
@@ -127,7 +127,7 @@ class ResidualStream(nn.Module, ABC):
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("n_sublayers", n_sublayers)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not Int(1).ok(value):
                 raise ValueError(f"{type(self).__name__}: {name} must be an integer >= 1, got {value!r}")
         self.dim = dim
         self.n_sublayers = n_sublayers
