@@ -225,6 +225,53 @@ def test_a_sublayer_output_of_the_wrong_shape_is_refused_before_it_is_used(varia
         m.start(torch.randn(2, 5, 12))
 
 
+@pytest.mark.parametrize("make", [lambda: StandardResidual(8, 4), lambda: BlockAttnRes(8, 4, 2),
+                                  lambda: FullAttnRes(8, 4), lambda: BlockAttnRes(8, 4, 2, schedule="naive")])
+def test_start_resume_and_add_output_refuse_a_stream_they_cannot_keep(make):
+    """An integer embedding truncated every sublayer output (standard) or failed naming an
+    internal ``out_dtype`` (AttnRes); an embedding or output on another device than the
+    residual failed naming the kernels' arguments (``qg``, ``computed[1]``); ``resume`` of a
+    plain ``(completed, running)`` pair raised an AttributeError, of a history of another
+    width went on, and of ``at_sublayer='0'`` failed comparing str with int."""
+    m = make()
+    with pytest.raises(ValueError, match=r"\.start: the embedding must be a floating-point tensor .*got torch.int64"):
+        m.start(torch.ones(2, 8, dtype=torch.long))
+    state = m.start(torch.randn(2, 8))
+    m.sublayer_input(state, 0)
+    with pytest.raises(ValueError, match=r"^add_output\(0\): sublayer 0's output is on meta but the stream is on "
+                                         r"cpu \(the embedding's\): move it there, output.to\('cpu'\)$"):
+        m.add_output(state, 0, torch.empty(2, 8, device="meta"))
+    if m.has_depth_attention:
+        with pytest.raises(ValueError, match=r"the embedding is on cpu but this residual's parameters are on meta; "
+                                             r"materialise them: residual.to_empty\(device=...\) then "
+                                             r"residual.reset_parameters\(\)"):
+            copy.deepcopy(m).to("meta").start(torch.randn(2, 8))
+    at, x = 2, torch.randn(2, 8)
+    history = m.history(_run_to(m, x, at))
+    for bad, match in [((history.completed, history.running), None), (history, None),
+                       (history._replace(completed=[c[..., :5] for c in history.completed],
+                                         running=None if history.running is None else history.running[..., :5]),
+                        r"history\.(completed\[0\]|running) must have shape \[\.\.\., 8\]"),
+                       ("h", "history must be a DepthHistory")]:
+        if match is None:  # a plain pair resumes as the history does
+            resumed = m.resume(bad, at)
+            for l in range(at, 4):
+                m.add_output(resumed, l, torch.tanh(m.sublayer_input(resumed, l)))
+            assert torch.equal(m.finish(resumed), m.finish(_run_to(m, x, 4)))
+        else:
+            with pytest.raises(ValueError, match=match):
+                m.resume(bad, at)
+    with pytest.raises(ValueError, match=r"at_sublayer must be an integer in \[0, 4\], got '2'"):
+        m.resume(history, "2")
+
+
+def _run_to(m, x, at):
+    state = m.start(x)
+    for l in range(at):
+        m.add_output(state, l, torch.tanh(m.sublayer_input(state, l)))
+    return state
+
+
 def test_finish_twice_and_bad_sizes_are_refused():
     m = BlockAttnRes(4, 2, 1)
     state = m.start(torch.randn(1, 4))

@@ -47,6 +47,7 @@ class ResidualState:
     own typed fields.
 
     dtype: the residual stream's dtype (the embedding's); outputs are cast to it.
+    device: the residual stream's device, where every sublayer output must be.
     shape: the embedding's shape, which every sublayer output must have (``None`` in a
         resumed state: there only ``d`` is checked).
     next_sublayer: the sublayer whose input comes next (``L`` once all outputs are in).
@@ -65,6 +66,7 @@ class ResidualState:
     """
 
     dtype: Any
+    device: torch.device | None = None
     shape: tuple[int, ...] | None = None
     next_sublayer: int = 0
     expecting_output: bool = False
@@ -184,13 +186,27 @@ class ResidualStream(nn.Module, ABC):
         keep every mixer's depth weights in ``state.weights``. ``defer_norm``: the caller
         passes each sublayer input through an :class:`attnres.nn.RMSNorm` first (see
         :class:`ResidualState`)."""
-        if not isinstance(embedding, Tensor) or embedding.dim() < 1 or embedding.shape[-1] != self.dim:
-            got = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
-            raise ValueError(f"{type(self).__name__}.start: the embedding must have shape [..., {self.dim}] (this "
-                             f"residual's dim), got {got}")
+        self._check_stream_tensor("start", "the embedding", embedding)
         embedding = self._stored(embedding)
-        common = self._common(embedding.dtype, record_weights, defer_norm)
+        common = self._common(embedding, record_weights, defer_norm)
         return self._start(embedding, dict(common, shape=tuple(embedding.shape), record_mixing=record_weights))
+
+    def _check_stream_tensor(self, call: str, what: str, x: Any) -> None:
+        """``x`` (the embedding, an entry of a history) as the stream's: a floating-point tensor
+        ``[..., dim]`` on the device of this module's parameters (a meta ``x``, a shape query,
+        on any)."""
+        where = f"{type(self).__name__}.{call}: {what}"
+        if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != self.dim:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{where} must have shape [..., {self.dim}] (this residual's dim), got {got}")
+        if not x.is_floating_point():  # (an integer stream truncated every sublayer output)
+            raise ValueError(f"{where} must be a floating-point tensor (it sets the stream's dtype), got {x.dtype}: "
+                             "pass it as float32, bfloat16, float16 or float64")
+        param = next(self.parameters(), None)
+        if param is not None and param.device != x.device and x.device.type != "meta":
+            fix = ("materialise them: residual.to_empty(device=...) then residual.reset_parameters()"
+                   if param.device.type == "meta" else f"move one to the other's device (residual.to({str(x.device)!r}))")
+            raise ValueError(f"{where} is on {x.device} but this residual's parameters are on {param.device}; {fix}")
 
     def _stored(self, x: Tensor) -> Tensor:
         """``x`` in the stream's storage dtype: the autocast dtype where ``autocast_stream``
@@ -202,9 +218,9 @@ class ResidualStream(nn.Module, ABC):
         dtype = torch.get_autocast_dtype(x.device.type)
         return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
 
-    def _common(self, dtype, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
+    def _common(self, ref: Tensor, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
         record = record_weights and self.has_depth_attention
-        return {"dtype": dtype, "weights": [] if record else None, "defer_norm": defer_norm}
+        return {"dtype": ref.dtype, "device": ref.device, "weights": [] if record else None, "defer_norm": defer_norm}
 
     def sublayer_input(self, state: ResidualState, l: int):
         """The input ``h_l`` of sublayer ``l`` (0-based), ``[..., d]``: a tensor, or with
@@ -230,6 +246,9 @@ class ResidualStream(nn.Module, ABC):
             want = list(state.shape) if state.shape is not None else f"[..., {self.dim}]"
             raise ValueError(f"add_output({l}): sublayer {l}'s output must have the stream's shape {want} (the "
                              f"embedding's), got {got}")
+        if output.device != state.device:  # (was refused inside a merge, naming its internal arguments)
+            raise ValueError(f"add_output({l}): sublayer {l}'s output is on {output.device} but the stream is on "
+                             f"{state.device} (the embedding's): move it there, output.to({str(state.device)!r})")
         state.expecting_output = False
         state.next_sublayer += 1
         if output.dtype != state.dtype and not self._reads_output_as_is(state, output):
@@ -258,19 +277,27 @@ class ResidualStream(nn.Module, ABC):
                defer_norm: bool = False) -> ResidualState:
         """A state in front of sublayer ``at_sublayer`` rebuilt from ``history`` (what
         :meth:`history` returned there, possibly on another process)."""
-        if not 0 <= at_sublayer <= self.n_sublayers:
-            raise ValueError(f"at_sublayer must be in [0, {self.n_sublayers}], got {at_sublayer}")
+        if not Int(0, self.n_sublayers).ok(at_sublayer):
+            raise ValueError(f"at_sublayer must be an integer in [0, {self.n_sublayers}], got {at_sublayer!r}")
+        if not isinstance(history, DepthHistory):  # (a plain (completed, running) pair: an AttributeError)
+            if not isinstance(history, (tuple, list)) or len(history) != 2:
+                raise ValueError("history must be a DepthHistory(completed, running) (what history() returns) or a "
+                                 f"(completed, running) pair, got {type(history).__name__}")
+            history = DepthHistory(list(history[0]), history[1])
         expected = self.history_layout(at_sublayer)
         got = HistoryLayout(len(history.completed), history.running is not None)
         if got != expected:
             raise ValueError(f"a {self.name!r} history in front of sublayer {at_sublayer} holds {expected.completed} "
                              f"completed entries{' and a running tensor' if expected.running else ''}; got "
                              f"{got.completed}{' and a running tensor' if got.running else ''}")
+        for i, entry in enumerate([*history.completed, *([] if history.running is None else [history.running])]):
+            self._check_stream_tensor("resume", f"history.completed[{i}]" if i < len(history.completed)
+                                      else "history.running", entry)
         if self.autocast_stream:  # (a pipeline sends the stream up-cast: float32 on the wire)
             history = DepthHistory([self._stored(t) for t in history.completed],
                                    None if history.running is None else self._stored(history.running))
         ref = history.running if history.running is not None else history.completed[0]
-        state = self._resume(history, at_sublayer, self._common(ref.dtype, record_weights, defer_norm))
+        state = self._resume(history, at_sublayer, self._common(ref, record_weights, defer_norm))
         state.next_sublayer = at_sublayer
         return state
 
