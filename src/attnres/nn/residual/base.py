@@ -137,6 +137,20 @@ class ResidualStream(nn.Module, ABC):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_sublayers={self.n_sublayers}"
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not a layer: a model drives the stream through :meth:`start`, :meth:`sublayer_input`,
+        :meth:`add_output` and :meth:`finish` (nn.Module's own error said only that
+        ``forward`` was missing)."""
+        raise TypeError(f"{type(self).__name__} is not called like a layer: drive it from your model's forward - "
+                        "state = residual.start(x); then for each sublayer l: h = residual.sublayer_input(state, l); "
+                        "residual.add_output(state, l, sublayer(h)); finally residual.finish(state) (README 'AttnRes "
+                        "in your own PyTorch model')")
+
+    def _label(self) -> str:
+        """This residual in messages: its registered name, or its class (a class not registered
+        has the name '', which read "residual ''")."""
+        return repr(self.name) if self.name else f"{type(self).__qualname__} (not registered)"
+
     # -- construction from a config ------------------------------------------------------
     @classmethod
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
@@ -287,7 +301,7 @@ class ResidualStream(nn.Module, ABC):
         expected = self.history_layout(at_sublayer)
         got = HistoryLayout(len(history.completed), history.running is not None)
         if got != expected:
-            raise ValueError(f"a {self.name!r} history in front of sublayer {at_sublayer} holds {expected.completed} "
+            raise ValueError(f"a {self._label()} history in front of sublayer {at_sublayer} holds {expected.completed} "
                              f"completed entries{' and a running tensor' if expected.running else ''}; got "
                              f"{got.completed}{' and a running tensor' if got.running else ''}")
         for i, entry in enumerate([*history.completed, *([] if history.running is None else [history.running])]):
@@ -310,13 +324,13 @@ class ResidualStream(nn.Module, ABC):
     def history_layout(self, sublayer: int) -> HistoryLayout:
         """The :class:`HistoryLayout` in front of ``sublayer`` (``L``: after the last one).
         Variants that cannot be cut (and so not pipelined) raise ``ValueError``."""
-        raise ValueError(f"residual {self.name!r} does not describe its history between sublayers, so it cannot be "
+        raise ValueError(f"residual {self._label()} does not describe its history between sublayers, so it cannot be "
                          "cut into pipeline stages")
 
     def residual_flops_per_token(self) -> float:
         """Forward FLOPs per token of the residual mechanism alone (a multiply-add is 2), as
         ``attnres.experiments.flops`` counts them. Variants registered without it raise."""
-        raise NotImplementedError(f"residual {self.name!r} does not count its FLOPs: define residual_flops_per_token()")
+        raise NotImplementedError(f"residual {self._label()} does not count its FLOPs: define residual_flops_per_token()")
 
     def reset_parameters(self) -> None:
         """Re-initialise this module's own parameters (none for the standard residual)."""
@@ -334,7 +348,7 @@ class ResidualStream(nn.Module, ABC):
         if type(self)._mixing_matrix is ResidualStream._mixing_matrix:
             ResidualStream._mixing_matrix(self, state)  # raises, naming the variant and the missing method
         if not state.record_mixing or not state.finished:
-            raise RuntimeError(f"mixing_matrix() of residual {self.name!r} needs the state of a forward started with "
+            raise RuntimeError(f"mixing_matrix() of residual {self._label()} needs the state of a forward started with "
                                "start(..., record_weights=True) (not resume) that ran every sublayer and finish(); got "
                                + ("one that recorded nothing" if not state.record_mixing else
                                   f"one stopped after {state.next_sublayer} of {self.n_sublayers} sublayers"
@@ -363,14 +377,14 @@ class ResidualStream(nn.Module, ABC):
 
     def _history(self, state: ResidualState) -> DepthHistory:
         self.history_layout(state.next_sublayer)  # raises for variants that cannot be cut
-        raise NotImplementedError(f"residual {self.name!r} describes a history layout but does not implement _history")
+        raise NotImplementedError(f"residual {self._label()} describes a history layout but does not implement _history")
 
     def _resume(self, history: DepthHistory, at_sublayer: int, common: dict[str, Any]) -> ResidualState:
-        raise NotImplementedError(f"residual {self.name!r} describes a history layout but does not implement _resume")
+        raise NotImplementedError(f"residual {self._label()} describes a history layout but does not implement _resume")
 
     def _mixing_matrix(self, state: ResidualState, per_channel: bool = False) -> MixingMatrix:
         raise NotImplementedError(
-            f"residual {self.name!r} ({type(self).__qualname__}) does not describe its depth mixing matrix: define "
+            f"residual {self._label()} ({type(self).__qualname__}) does not describe its depth mixing matrix: define "
             "_mixing_matrix(state, per_channel=False) returning an attnres.nn.residual.mixing.MixingMatrix from what its forward "
             "recorded, e.g. MixingMatrix(scaled_columns(weights), input_dependent=False) for fixed per-sublayer "
             "weights (attnres.nn.residual.mixing; the README's 'Bring your own residual' example, docs/design.md)")
