@@ -340,6 +340,37 @@ def test_a_model_built_on_the_meta_device_runs_its_forward_and_backward_there(ma
     assert m.mixers[1].query.grad.shape == (8,) and x.grad.device.type == "meta"
 
 
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_torch_func_transforms_of_a_forward_run_with_the_default_backend(kind):
+    """``torch.func.vmap`` / ``grad`` of a model's forward failed inside the custom operators
+    ('an autograd.Function ... must override the setup_context staticmethod'): under a
+    transform the module runs the reference operations - the forward of each example and
+    the gradients that plain autograd gives."""
+    from torch.func import functional_call, grad, vmap
+
+    fast, _, sublayers = make_pair(kind, 6, 5, S=2, group=2)
+    emb = torch.randn(4, 3, 6, dtype=torch.float64)
+    batched, _ = run(fast, sublayers, emb)
+    assert_rel_close(vmap(lambda x: run(fast, sublayers, x)[0])(emb), batched, TOL[torch.float64], "vmap")
+    driver = _Driver(fast, sublayers)
+    params = dict(driver.named_parameters())
+    grads = grad(lambda p: functional_call(driver, p, (emb,)).square().sum())(params)
+    expected = torch.autograd.grad(batched.square().sum(), list(params.values()))
+    for (name, g), e in zip(grads.items(), expected):
+        assert_rel_close(g, e, GRAD_TOL[torch.float64], name)
+
+
+class _Driver(torch.nn.Module):
+    """A model's forward over ``residual`` and fixed toy sublayers (for ``functional_call``)."""
+
+    def __init__(self, residual, sublayers):
+        super().__init__()
+        self.residual, self.sublayers = residual, [sublayers]
+
+    def forward(self, emb):
+        return run(self.residual, self.sublayers[0], emb)[0]
+
+
 def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
     """``start(..., defer_norm=True)`` hands sublayers an input whose norm the residual's
     kernel applies; a sublayer starting with another layer failed deep in PyTorch ('must be

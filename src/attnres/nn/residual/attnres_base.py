@@ -123,8 +123,10 @@ class AttnResBase(ResidualStream):
         schedule: ``"two_phase"`` (report §4.2, the default) or ``"naive"`` (one depth
             attention per sublayer over all its sources; the ablations need it).
         ablation: an :class:`AttnResAblation` of the report's Table 4 (``None``: none).
-        backend: ``"auto"`` (the C kernel on CPU float32, Triton on CUDA, else PyTorch),
-            ``"torch"``, ``"triton"`` or ``"reference"`` (the readable autograd graph).
+        backend: ``"auto"`` (the C kernel on CPU float32 and float64, Triton on CUDA, else
+            PyTorch), ``"torch"``, ``"triton"`` or ``"reference"`` (the readable autograd graph:
+            the one that supports double backward, ``create_graph=True``; torch.func transforms
+            use it whatever the backend).
         recompute_phase1: the backward recomputes Phase 1's sums instead of keeping them
             (less memory, the same values bit for bit).
 
@@ -205,7 +207,14 @@ class AttnResBase(ResidualStream):
             m.reset_parameters()
 
     def operations(self) -> Operations:
-        """The depth-attention operations of the two-phase schedule that ``backend`` names."""
+        """The depth-attention operations of the two-phase schedule that ``backend`` names;
+        under torch.func transforms (``vmap``, ``grad``, ``jacrev``, ...) the reference's plain
+        autograd graph - the same function - whatever the backend: the custom operators'
+        autograd Functions do not support them (a transformed forward failed, asking for
+        ``setup_context``)."""
+        if self.backend != "reference" and not torch.compiler.is_compiling() and \
+                torch._C._are_functorch_transforms_active():
+            return operations("reference")
         return operations(self.backend)
 
     # -- the protocol, delegated to the schedule -----------------------------------------

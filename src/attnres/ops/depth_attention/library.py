@@ -318,6 +318,20 @@ def _merge_grad(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
 _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
 
 
+def _no_double_backward(ctx, *grads):
+    """The backward operators' own backward: a double backward (``create_graph=True``, then a
+    backward through the gradients) is not implemented - said with the fix (PyTorch's own
+    message asked to register an autograd formula)."""
+    raise RuntimeError("a double backward (a gradient of a gradient: torch.autograd.grad(..., create_graph=True), "
+                       "then a backward through it) reached AttnRes' depth-attention operators, which do not "
+                       "implement one: build the residual with backend='reference' (the plain autograd graph, the "
+                       "same function; ModelConfig.residual.backend='reference' in the model)")
+
+
+for _backward_op in (_phase1_backward, _merge_backward):
+    _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 # ----------------------------------------------------------------------------------------
 # The public wrappers
 # ----------------------------------------------------------------------------------------
