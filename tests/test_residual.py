@@ -371,6 +371,28 @@ class _Driver(torch.nn.Module):
         return run(self.residual, self.sublayers[0], emb)[0]
 
 
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_an_update_through_data_is_seen_by_the_no_grad_forward_after_eval(kind):
+    """A hand-written SGD step, ``p.data -= lr * p.grad``, bumps no version counter: the
+    no-grad evaluation after it (``model.eval()``, ``torch.no_grad()``) ran with the folded
+    queries kept from the evaluation before - the old parameters, silently."""
+    fast, _, sublayers = make_pair(kind, 6, 5)
+    emb = torch.randn(2, 3, 6, dtype=torch.float64)
+    with torch.no_grad():
+        before, _ = run(fast, sublayers, emb)
+    fast.train()
+    run(fast, sublayers, emb)[0].square().sum().backward()
+    for p in fast.parameters():
+        p.data -= 0.5 * p.grad
+    fast.eval()
+    with torch.no_grad():
+        after, _ = run(fast, sublayers, emb)
+    with torch.enable_grad():
+        expected, _ = run(fast, sublayers, emb)
+    assert not torch.equal(after, before)
+    assert_rel_close(after, expected.detach(), TOL[torch.float64])
+
+
 def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
     """``start(..., defer_norm=True)`` hands sublayers an input whose norm the residual's
     kernel applies; a sublayer starting with another layer failed deep in PyTorch ('must be

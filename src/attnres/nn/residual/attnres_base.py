@@ -206,6 +206,13 @@ class AttnResBase(ResidualStream):
         for m in self.mixers:
             m.reset_parameters()
 
+    def train(self, mode: bool = True) -> AttnResBase:
+        """``nn.Module.train``; also drops the folded queries kept for no-grad forwards
+        (:meth:`folded_queries`): a hand-written update through ``.data`` bumps no version
+        counter, and the evaluation after it (``model.eval()``) read the queries from before."""
+        self.__dict__.pop("_folded_cache", None)
+        return super().train(mode)
+
     def operations(self) -> Operations:
         """The depth-attention operations of the two-phase schedule that ``backend`` names;
         under torch.func transforms (``vmap``, ``grad``, ``jacrev``, ...) the reference's plain
@@ -254,7 +261,9 @@ class AttnResBase(ResidualStream):
 
         Without autograd (inference, decoding) the result is kept until a query or gain
         changes (their version counters and storage are the key): decoding runs the residual
-        once per token, and rebuilding this costs ~3 small ops per sublayer each time."""
+        once per token, and rebuilding this costs ~3 small ops per sublayer each time. A change
+        through ``.data`` (``p.data -= lr * p.grad``) bumps no version counter: it is seen
+        after the module's ``train()`` or ``eval()``, which drop what was kept."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return torch.stack(self._fold(dtype))
         return self._kept_queries(dtype)[0]
