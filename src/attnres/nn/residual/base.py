@@ -249,7 +249,9 @@ class ResidualStream(nn.Module, ABC):
         return self._input(state, l)
 
     def add_output(self, state: ResidualState, l: int, output: Tensor) -> None:
-        """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``."""
+        """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``: ``[..., d]``, the
+        embedding's shape (``[..., d]`` after ``resume``) on its device; cast to the stream's
+        dtype."""
         if l != state.next_sublayer or not state.expecting_output:
             raise RuntimeError(f"add_output({l}) called out of order: expected sublayer {state.next_sublayer}")
         # (a wrong shape would broadcast into a sum, or reach a kernel that trusts its sizes)
