@@ -708,6 +708,24 @@ def test_double_backward_is_refused_clearly():
             grad.sum().backward()
 
 
+def test_backend_triton_on_cpu_tensors_without_the_interpreter_says_what_to_use():
+    """``BlockAttnRes(..., backend="triton")`` on CPU tensors (Triton's interpreter off) ended
+    in Triton's '0 active drivers ([]). There should only be one.'; ``attnres train`` refused
+    it already, the Python API did not. (In a subprocess: the tests may run the interpreter.)"""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = ("import torch\nfrom attnres.nn import BlockAttnRes\nm = BlockAttnRes(8, 2, 2, backend='triton')\n"
+            "state = m.start(torch.randn(2, 8))\nm.add_output(state, 0, m.sublayer_input(state, 0))\n"
+            "try:\n    m.sublayer_input(state, 1)\nexcept ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert ("backend='triton' runs the Triton kernels on CUDA tensors (on others only under Triton's interpreter, "
+            "TRITON_INTERPRET=1 set before triton is imported); got tensors on cpu: use backend='auto'") in out.stdout, \
+        out.stdout + out.stderr
+
+
 # ----------------------------------------------------------------------------------------
 # Dispatch, saving policy, the Triton kernels' tiling
 # ----------------------------------------------------------------------------------------
