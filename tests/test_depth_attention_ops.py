@@ -693,11 +693,37 @@ def test_every_size_the_kernels_trust_is_checked_first(backend):
 
 
 def test_double_backward_is_refused_clearly():
+    """It was refused by PyTorch's 'no autograd formula was registered. Please use
+    register_autograd to add one', a fix for the package, not for its user: the message now
+    names the backend that supports it. ``create_graph=True`` alone still works."""
     z, sources, computed, qg, w = merge_inputs((2, 3), 4, 1, 1, True)
     out, _ = library.merge(z, sources, computed, qg, 1e-6, w)
     (gz,) = torch.autograd.grad(out.square().sum(), [z], create_graph=True)
-    with pytest.raises(RuntimeError, match="no autograd"):
-        gz.sum().backward()
+    outs, _ = library.phase1(qg.unsqueeze(0).detach(), sources + computed)
+    (gs,) = torch.autograd.grad(outs[0].square().sum(), [sources[0]], create_graph=True)
+    for grad in (gz, gs):
+        with pytest.raises(RuntimeError, match=r"a double backward .* reached AttnRes' depth-attention operators, "
+                                               r"which do not implement one: build the residual with "
+                                               r"backend='reference'"):
+            grad.sum().backward()
+
+
+def test_backend_triton_on_cpu_tensors_without_the_interpreter_says_what_to_use():
+    """``BlockAttnRes(..., backend="triton")`` on CPU tensors (Triton's interpreter off) ended
+    in Triton's '0 active drivers ([]). There should only be one.'; ``attnres train`` refused
+    it already, the Python API did not. (In a subprocess: the tests may run the interpreter.)"""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = ("import torch\nfrom attnres.nn import BlockAttnRes\nm = BlockAttnRes(8, 2, 2, backend='triton')\n"
+            "state = m.start(torch.randn(2, 8))\nm.add_output(state, 0, m.sublayer_input(state, 0))\n"
+            "try:\n    m.sublayer_input(state, 1)\nexcept ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert ("backend='triton' runs the Triton kernels on CUDA tensors (on others only under Triton's interpreter, "
+            "TRITON_INTERPRET=1 set before triton is imported); got tensors on cpu: use backend='auto'") in out.stdout, \
+        out.stdout + out.stderr
 
 
 # ----------------------------------------------------------------------------------------

@@ -134,9 +134,49 @@ def test_bad_query_or_gain_shape_raises():
     with pytest.raises(ValueError, match="query is on meta but the sources are on cpu"):
         depth_attention(torch.zeros(4, device="meta"), srcs)
     for kwargs, match in [({"eps": -1.0}, "eps must be a number >= 0"), ({"eps": float("inf")}, "eps must be"),
-                          ({"scale": float("nan")}, "scale must be a number finite")]:
+                          ({"scale": float("nan")}, "scale must be a finite number")]:
         with pytest.raises(ValueError, match=match):  # (NaN weights, with no word of why)
             depth_attention(torch.zeros(4), srcs, **kwargs)
+    with pytest.raises(ValueError, match=r"query must have shape \(4,\) .*got NoneType"):
+        depth_attention(None, srcs)  # (was an AttributeError: 'NoneType' object has no attribute 'to')
+
+
+@pytest.mark.parametrize("ops", ["reference", "auto", "torch"])
+def test_the_operations_refuse_a_negative_eps_and_logits_of_another_dtype(ops):
+    """A negative or NaN RMS epsilon gave NaN sums and weights with no word of why (only
+    ``depth_attention`` checked it); logits ``z`` of another dtype than the compute dtype
+    reached the C kernel, which refused them naming itself (``attnres_merge_forward``), while
+    the reference took them: every backend now refuses them at the boundary, saying the fix."""
+    ops = OPERATIONS[ops]
+    srcs = rand_sources(3, (2, 4), dtype=torch.float32)
+    qg, z = torch.randn(2, 4), torch.zeros(2, 1)
+    for eps in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="eps must be a number >= 0"):
+            ops.phase1(qg, srcs, eps)
+        with pytest.raises(ValueError, match="eps must be a number >= 0"):
+            ops.merge(z, srcs[:1], srcs[1:], qg[0], eps)
+        with pytest.raises(ValueError, match="norm_eps must be a number >= 0"):
+            ops.merge(z, srcs[:1], srcs[1:], qg[0], norm_weight=torch.ones(4), norm_eps=eps)
+    for dtype in (torch.float16, torch.float64, torch.long):
+        with pytest.raises(ValueError, match=rf"z must be in the compute dtype torch.float32 .*got {dtype}: pass "
+                                             r"z.to\(torch.float32\)"):
+            ops.merge(z.to(dtype), srcs[:1], srcs[1:], qg[0])
+    assert torch.isfinite(ops.merge(z, srcs[:1], srcs[1:], qg[0], 0.0)[0]).all()  # (eps = 0 stays allowed)
+
+
+@pytest.mark.parametrize("ops", ["reference", "auto", "torch"])
+def test_depth_attention_and_the_operations_run_on_meta_tensors(ops):
+    """Shape inference on the ``meta`` device (a model built under ``torch.device("meta")``):
+    asking meta tensors for their autocast state raised 'unknown device type for autocast'
+    (the operations) and 'unsupported scalarType' (``depth_attention``)."""
+    srcs = [torch.empty(2, 3, 8, device="meta") for _ in range(3)]
+    q = torch.empty(8, device="meta")
+    out, w = depth_attention(q, srcs, return_weights=True)
+    assert (out.shape, out.device.type, w.shape) == ((2, 3, 8), "meta", (3, 2, 3))
+    outs, lse = OPERATIONS[ops].phase1(torch.empty(2, 8, device="meta"), srcs)
+    assert [o.shape for o in outs] == [(2, 3, 8)] * 2 and lse.shape == (2, 3, 2)
+    h, alpha = OPERATIONS[ops].merge(lse[..., :1], outs[:1], srcs[:1], q, norm_weight=torch.empty(8, device="meta"))
+    assert (h.shape, alpha.shape, h.device.type) == ((2, 3, 8), (2, 3, 2), "meta")
 
 
 # --------------------------------------------------------------- the two-phase reformulation

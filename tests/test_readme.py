@@ -144,6 +144,24 @@ def test_the_own_model_example_runs_as_written_and_is_attnres():
         assert torch.allclose(model(ids), fast, rtol=1e-4, atol=1e-5)
 
 
+def test_the_docstrings_of_the_public_packages_show_an_example_that_runs():
+    """``help(attnres.nn)`` and ``help(attnres.ops)`` showed one line each and no way to use
+    them; the package's own example must keep running as well."""
+    import doctest
+
+    import attnres
+    import attnres.nn
+    import attnres.ops
+
+    for module in (attnres, attnres.nn, attnres.ops):
+        tests = doctest.DocTestFinder(recurse=False).find(module, module.__name__, globs={})
+        assert tests and tests[0].examples, f"{module.__name__}'s docstring shows no example"
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        for test in tests:
+            runner.run(test)
+        assert runner.summarize(verbose=False).failed == 0, f"{module.__name__}'s example fails"
+
+
 def test_make_alone_lists_every_target():
     """``make`` alone ran the first rule, which only built .venv (minutes, without a word)."""
     import shutil

@@ -290,6 +290,31 @@ def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
         model(torch.randint(0, 256, (2, 5)))
 
 
+def test_a_variant_not_registered_is_named_by_its_class_and_no_residual_is_called_like_a_layer():
+    """A subclass used without ``register_residual`` has the name ``''``: its errors read
+    "residual ''"; calling a residual like a layer, ``residual(x)``, got nn.Module's
+    'missing the required "forward" function', which reads as a bug of the package."""
+
+    class Unregistered(SingleStreamResidual):
+        def update(self, l, h, out):
+            return (h + out).sum(-1)  # the wrong shape
+
+    m = Unregistered(8, 2)
+    state = m.start(torch.randn(3, 8))
+    m.sublayer_input(state, 0)
+    with pytest.raises(ValueError, match=r"^residual .*Unregistered \(not registered\): .*Unregistered.update\(0, h, "
+                                         r"out\) must return the next hidden state"):
+        m.add_output(state, 0, torch.randn(3, 8))
+    with pytest.raises(NotImplementedError, match=r"^residual .*Unregistered \(not registered\) does not count"):
+        m.residual_flops_per_token()
+    from attnres.nn import BlockAttnRes, StandardResidual
+
+    for residual in (m, StandardResidual(8, 2), BlockAttnRes(8, 2, 1)):
+        with pytest.raises(TypeError, match=r"is not called like a layer: drive it from your model's forward - state = "
+                                            r"residual.start\(x\); .*residual.finish\(state\)"):
+            residual(torch.randn(3, 8))
+
+
 def test_cli_import_of_a_missing_file_or_a_path_without_py_says_so(tmp_path, monkeypatch, capsys):
     """``--import ./missing.py`` ended in a TypeError traceback about relative imports."""
     from attnres.cli import main as cli_main

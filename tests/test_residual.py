@@ -225,6 +225,53 @@ def test_a_sublayer_output_of_the_wrong_shape_is_refused_before_it_is_used(varia
         m.start(torch.randn(2, 5, 12))
 
 
+@pytest.mark.parametrize("make", [lambda: StandardResidual(8, 4), lambda: BlockAttnRes(8, 4, 2),
+                                  lambda: FullAttnRes(8, 4), lambda: BlockAttnRes(8, 4, 2, schedule="naive")])
+def test_start_resume_and_add_output_refuse_a_stream_they_cannot_keep(make):
+    """An integer embedding truncated every sublayer output (standard) or failed naming an
+    internal ``out_dtype`` (AttnRes); an embedding or output on another device than the
+    residual failed naming the kernels' arguments (``qg``, ``computed[1]``); ``resume`` of a
+    plain ``(completed, running)`` pair raised an AttributeError, of a history of another
+    width went on, and of ``at_sublayer='0'`` failed comparing str with int."""
+    m = make()
+    with pytest.raises(ValueError, match=r"\.start: the embedding must be a floating-point tensor .*got torch.int64"):
+        m.start(torch.ones(2, 8, dtype=torch.long))
+    state = m.start(torch.randn(2, 8))
+    m.sublayer_input(state, 0)
+    with pytest.raises(ValueError, match=r"^add_output\(0\): sublayer 0's output is on meta but the stream is on "
+                                         r"cpu \(the embedding's\): move it there, output.to\('cpu'\)$"):
+        m.add_output(state, 0, torch.empty(2, 8, device="meta"))
+    if m.has_depth_attention:
+        with pytest.raises(ValueError, match=r"the embedding is on cpu but this residual's parameters are on meta; "
+                                             r"materialise them: residual.to_empty\(device=...\) then "
+                                             r"residual.reset_parameters\(\)"):
+            copy.deepcopy(m).to("meta").start(torch.randn(2, 8))
+    at, x = 2, torch.randn(2, 8)
+    history = m.history(_run_to(m, x, at))
+    for bad, match in [((history.completed, history.running), None), (history, None),
+                       (history._replace(completed=[c[..., :5] for c in history.completed],
+                                         running=None if history.running is None else history.running[..., :5]),
+                        r"history\.(completed\[0\]|running) must have shape \[\.\.\., 8\]"),
+                       ("h", "history must be a DepthHistory")]:
+        if match is None:  # a plain pair resumes as the history does
+            resumed = m.resume(bad, at)
+            for l in range(at, 4):
+                m.add_output(resumed, l, torch.tanh(m.sublayer_input(resumed, l)))
+            assert torch.equal(m.finish(resumed), m.finish(_run_to(m, x, 4)))
+        else:
+            with pytest.raises(ValueError, match=match):
+                m.resume(bad, at)
+    with pytest.raises(ValueError, match=r"at_sublayer must be an integer in \[0, 4\], got '2'"):
+        m.resume(history, "2")
+
+
+def _run_to(m, x, at):
+    state = m.start(x)
+    for l in range(at):
+        m.add_output(state, l, torch.tanh(m.sublayer_input(state, l)))
+    return state
+
+
 def test_finish_twice_and_bad_sizes_are_refused():
     m = BlockAttnRes(4, 2, 1)
     state = m.start(torch.randn(1, 4))
@@ -244,6 +291,106 @@ def test_finish_twice_and_bad_sizes_are_refused():
         with pytest.raises(ValueError, match="eps .* must be a positive number"):
             BlockAttnRes(4, 2, 1, eps=eps)
     assert "dim=4, n_sublayers=2, schedule='two_phase', backend='auto', eps=1e-06, block_size=1" in repr(m)
+
+
+def test_module_arguments_of_the_wrong_type_are_refused_naming_them():
+    """``group_size=1.5`` was built (a schedule of fractional groups), ``group_size='2'`` failed
+    comparing a str with an int; ``recompute_phase1="no"`` was taken as true; ``RMSNorm(0)``
+    was built and a negative epsilon gave NaN."""
+    for bad in (1.5, "2", 0, True):
+        with pytest.raises(ValueError, match=rf"^FullAttnRes: group_size must be an integer >= 1, or None for "
+                                             rf"round\(sqrt\(n_sublayers\)\); got {bad!r}$"):
+            FullAttnRes(4, 4, group_size=bad)
+    for make in (lambda v: BlockAttnRes(4, 4, 2, recompute_phase1=v), lambda v: FullAttnRes(4, 4, recompute_phase1=v)):
+        for bad in ("no", 0, None):
+            with pytest.raises(ValueError, match=rf"AttnRes: recompute_phase1 must be True or False, got {bad!r}$"):
+                make(bad)
+    from attnres.nn import RMSNorm
+
+    for dim in (0, 4.0, None):
+        with pytest.raises(ValueError, match=rf"^RMSNorm: dim \(the normalised last dimension\) must be an integer >= 1, "
+                                             rf"got {dim!r}$"):
+            RMSNorm(dim)
+    for eps in (-1e-6, float("nan"), "1e-6"):
+        with pytest.raises(ValueError, match=r"^RMSNorm: eps must be a finite number >= 0"):
+            RMSNorm(4, eps)
+    assert FullAttnRes(4, 9).group_size == 3 and RMSNorm(4, 0.0).eps == 0.0
+
+
+@pytest.mark.parametrize("make", [lambda: BlockAttnRes(8, 4, 2), lambda: FullAttnRes(8, 4),
+                                  lambda: BlockAttnRes(8, 4, 2, schedule="naive"),
+                                  lambda: FullAttnRes(8, 4, backend="reference")])
+@pytest.mark.parametrize("defer_norm", [False, True])
+def test_a_model_built_on_the_meta_device_runs_its_forward_and_backward_there(make, defer_norm):
+    """Shape inference of a model built under ``torch.device("meta")``, with and without
+    autocast: the operations asked the meta device for its autocast state ('unknown device
+    type for autocast'); the reference, 'unsupported scalarType'."""
+    from attnres.nn import RMSNorm
+
+    with torch.device("meta"):
+        m, norm, x = make(), RMSNorm(8), torch.empty(2, 3, 8, requires_grad=True)
+        for autocast in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                state = m.start(x, defer_norm=defer_norm)
+                for l in range(4):
+                    m.add_output(state, l, torch.tanh(norm(m.sublayer_input(state, l))))
+                out = m.finish(state)
+            assert (out.shape, out.dtype, out.device.type) == ((2, 3, 8), torch.float32, "meta")
+        out.sum().backward()
+    assert m.mixers[1].query.grad.shape == (8,) and x.grad.device.type == "meta"
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_torch_func_transforms_of_a_forward_run_with_the_default_backend(kind):
+    """``torch.func.vmap`` / ``grad`` of a model's forward failed inside the custom operators
+    ('an autograd.Function ... must override the setup_context staticmethod'): under a
+    transform the module runs the reference operations - the forward of each example and
+    the gradients that plain autograd gives."""
+    from torch.func import functional_call, grad, vmap
+
+    fast, _, sublayers = make_pair(kind, 6, 5, S=2, group=2)
+    emb = torch.randn(4, 3, 6, dtype=torch.float64)
+    batched, _ = run(fast, sublayers, emb)
+    assert_rel_close(vmap(lambda x: run(fast, sublayers, x)[0])(emb), batched, TOL[torch.float64], "vmap")
+    driver = _Driver(fast, sublayers)
+    params = dict(driver.named_parameters())
+    grads = grad(lambda p: functional_call(driver, p, (emb,)).square().sum())(params)
+    expected = torch.autograd.grad(batched.square().sum(), list(params.values()))
+    for (name, g), e in zip(grads.items(), expected):
+        assert_rel_close(g, e, GRAD_TOL[torch.float64], name)
+
+
+class _Driver(torch.nn.Module):
+    """A model's forward over ``residual`` and fixed toy sublayers (for ``functional_call``)."""
+
+    def __init__(self, residual, sublayers):
+        super().__init__()
+        self.residual, self.sublayers = residual, [sublayers]
+
+    def forward(self, emb):
+        return run(self.residual, self.sublayers[0], emb)[0]
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_an_update_through_data_is_seen_by_the_no_grad_forward_after_eval(kind):
+    """A hand-written SGD step, ``p.data -= lr * p.grad``, bumps no version counter: the
+    no-grad evaluation after it (``model.eval()``, ``torch.no_grad()``) ran with the folded
+    queries kept from the evaluation before - the old parameters, silently."""
+    fast, _, sublayers = make_pair(kind, 6, 5)
+    emb = torch.randn(2, 3, 6, dtype=torch.float64)
+    with torch.no_grad():
+        before, _ = run(fast, sublayers, emb)
+    fast.train()
+    run(fast, sublayers, emb)[0].square().sum().backward()
+    for p in fast.parameters():
+        p.data -= 0.5 * p.grad
+    fast.eval()
+    with torch.no_grad():
+        after, _ = run(fast, sublayers, emb)
+    with torch.enable_grad():
+        expected, _ = run(fast, sublayers, emb)
+    assert not torch.equal(after, before)
+    assert_rel_close(after, expected.detach(), TOL[torch.float64])
 
 
 def test_a_deferred_input_handed_to_another_norm_says_what_to_do():

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..validation import Int, Number
+
 __all__ = ["RMSNorm", "FusableNormInput", "norm_input_value"]
 
 
@@ -99,6 +101,11 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
+        # (RMSNorm(0) was built, and failed or returned nothing at its first input; a negative eps gave NaN)
+        if not Int(1).ok(dim):
+            raise ValueError(f"RMSNorm: dim (the normalised last dimension) must be an integer >= 1, got {dim!r}")
+        if not Number(0.0).ok(eps):
+            raise ValueError(f"RMSNorm: eps must be a finite number >= 0, got {eps!r}")
         self.dim = dim
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))

@@ -123,8 +123,10 @@ class AttnResBase(ResidualStream):
         schedule: ``"two_phase"`` (report §4.2, the default) or ``"naive"`` (one depth
             attention per sublayer over all its sources; the ablations need it).
         ablation: an :class:`AttnResAblation` of the report's Table 4 (``None``: none).
-        backend: ``"auto"`` (the C kernel on CPU float32, Triton on CUDA, else PyTorch),
-            ``"torch"``, ``"triton"`` or ``"reference"`` (the readable autograd graph).
+        backend: ``"auto"`` (the C kernel on CPU float32 and float64, Triton on CUDA, else
+            PyTorch), ``"torch"``, ``"triton"`` or ``"reference"`` (the readable autograd graph:
+            the one that supports double backward, ``create_graph=True``; torch.func transforms
+            use it whatever the backend).
         recompute_phase1: the backward recomputes Phase 1's sums instead of keeping them
             (less memory, the same values bit for bit).
 
@@ -148,6 +150,8 @@ class AttnResBase(ResidualStream):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
             raise ValueError(f"{type(self).__name__}: eps (the keys' RMSNorm epsilon) must be a positive number, "
                              f"got {eps!r}")
+        if not isinstance(recompute_phase1, bool):  # (a string such as "no" was taken as true)
+            raise ValueError(f"{type(self).__name__}: recompute_phase1 must be True or False, got {recompute_phase1!r}")
         self.ablation = ablation if ablation is not None and ablation.active else None
         self.eps = eps
         self.backend = backend
@@ -202,8 +206,22 @@ class AttnResBase(ResidualStream):
         for m in self.mixers:
             m.reset_parameters()
 
+    def train(self, mode: bool = True) -> AttnResBase:
+        """``nn.Module.train``; also drops the folded queries kept for no-grad forwards
+        (:meth:`folded_queries`): a hand-written update through ``.data`` bumps no version
+        counter, and the evaluation after it (``model.eval()``) read the queries from before."""
+        self.__dict__.pop("_folded_cache", None)
+        return super().train(mode)
+
     def operations(self) -> Operations:
-        """The depth-attention operations of the two-phase schedule that ``backend`` names."""
+        """The depth-attention operations of the two-phase schedule that ``backend`` names;
+        under torch.func transforms (``vmap``, ``grad``, ``jacrev``, ...) the reference's plain
+        autograd graph - the same function - whatever the backend: the custom operators'
+        autograd Functions do not support them (a transformed forward failed, asking for
+        ``setup_context``)."""
+        if self.backend != "reference" and not torch.compiler.is_compiling() and \
+                torch._C._are_functorch_transforms_active():
+            return operations("reference")
         return operations(self.backend)
 
     # -- the protocol, delegated to the schedule -----------------------------------------
@@ -243,7 +261,9 @@ class AttnResBase(ResidualStream):
 
         Without autograd (inference, decoding) the result is kept until a query or gain
         changes (their version counters and storage are the key): decoding runs the residual
-        once per token, and rebuilding this costs ~3 small ops per sublayer each time."""
+        once per token, and rebuilding this costs ~3 small ops per sublayer each time. A change
+        through ``.data`` (``p.data -= lr * p.grad``) bumps no version counter: it is seen
+        after the module's ``train()`` or ``eval()``, which drop what was kept."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return torch.stack(self._fold(dtype))
         return self._kept_queries(dtype)[0]

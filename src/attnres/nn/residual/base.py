@@ -31,7 +31,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ...validation import did_you_mean_each
+from ...validation import Int, did_you_mean_each
 from .config import ResidualConfig
 from .mixing import MixingMatrix
 
@@ -47,6 +47,7 @@ class ResidualState:
     own typed fields.
 
     dtype: the residual stream's dtype (the embedding's); outputs are cast to it.
+    device: the residual stream's device, where every sublayer output must be.
     shape: the embedding's shape, which every sublayer output must have (``None`` in a
         resumed state: there only ``d`` is checked).
     next_sublayer: the sublayer whose input comes next (``L`` once all outputs are in).
@@ -65,6 +66,7 @@ class ResidualState:
     """
 
     dtype: Any
+    device: torch.device | None = None
     shape: tuple[int, ...] | None = None
     next_sublayer: int = 0
     expecting_output: bool = False
@@ -127,13 +129,27 @@ class ResidualStream(nn.Module, ABC):
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__()
         for name, value in (("dim", dim), ("n_sublayers", n_sublayers)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not Int(1).ok(value):
                 raise ValueError(f"{type(self).__name__}: {name} must be an integer >= 1, got {value!r}")
         self.dim = dim
         self.n_sublayers = n_sublayers
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_sublayers={self.n_sublayers}"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not a layer: a model drives the stream through :meth:`start`, :meth:`sublayer_input`,
+        :meth:`add_output` and :meth:`finish` (nn.Module's own error said only that
+        ``forward`` was missing)."""
+        raise TypeError(f"{type(self).__name__} is not called like a layer: drive it from your model's forward - "
+                        "state = residual.start(x); then for each sublayer l: h = residual.sublayer_input(state, l); "
+                        "residual.add_output(state, l, sublayer(h)); finally residual.finish(state) (README 'AttnRes "
+                        "in your own PyTorch model')")
+
+    def _label(self) -> str:
+        """This residual in messages: its registered name, or its class (a class not registered
+        has the name '', which read "residual ''")."""
+        return repr(self.name) if self.name else f"{type(self).__qualname__} (not registered)"
 
     # -- construction from a config ------------------------------------------------------
     @classmethod
@@ -184,13 +200,27 @@ class ResidualStream(nn.Module, ABC):
         keep every mixer's depth weights in ``state.weights``. ``defer_norm``: the caller
         passes each sublayer input through an :class:`attnres.nn.RMSNorm` first (see
         :class:`ResidualState`)."""
-        if not isinstance(embedding, Tensor) or embedding.dim() < 1 or embedding.shape[-1] != self.dim:
-            got = tuple(embedding.shape) if isinstance(embedding, Tensor) else type(embedding).__name__
-            raise ValueError(f"{type(self).__name__}.start: the embedding must have shape [..., {self.dim}] (this "
-                             f"residual's dim), got {got}")
+        self._check_stream_tensor("start", "the embedding", embedding)
         embedding = self._stored(embedding)
-        common = self._common(embedding.dtype, record_weights, defer_norm)
+        common = self._common(embedding, record_weights, defer_norm)
         return self._start(embedding, dict(common, shape=tuple(embedding.shape), record_mixing=record_weights))
+
+    def _check_stream_tensor(self, call: str, what: str, x: Any) -> None:
+        """``x`` (the embedding, an entry of a history) as the stream's: a floating-point tensor
+        ``[..., dim]`` on the device of this module's parameters (a meta ``x``, a shape query,
+        on any)."""
+        where = f"{type(self).__name__}.{call}: {what}"
+        if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != self.dim:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{where} must have shape [..., {self.dim}] (this residual's dim), got {got}")
+        if not x.is_floating_point():  # (an integer stream truncated every sublayer output)
+            raise ValueError(f"{where} must be a floating-point tensor (it sets the stream's dtype), got {x.dtype}: "
+                             "pass it as float32, bfloat16, float16 or float64")
+        param = next(self.parameters(), None)
+        if param is not None and param.device != x.device and x.device.type != "meta":
+            fix = ("materialise them: residual.to_empty(device=...) then residual.reset_parameters()"
+                   if param.device.type == "meta" else f"move one to the other's device (residual.to({str(x.device)!r}))")
+            raise ValueError(f"{where} is on {x.device} but this residual's parameters are on {param.device}; {fix}")
 
     def _stored(self, x: Tensor) -> Tensor:
         """``x`` in the stream's storage dtype: the autocast dtype where ``autocast_stream``
@@ -202,9 +232,9 @@ class ResidualStream(nn.Module, ABC):
         dtype = torch.get_autocast_dtype(x.device.type)
         return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
 
-    def _common(self, dtype, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
+    def _common(self, ref: Tensor, record_weights: bool, defer_norm: bool) -> dict[str, Any]:
         record = record_weights and self.has_depth_attention
-        return {"dtype": dtype, "weights": [] if record else None, "defer_norm": defer_norm}
+        return {"dtype": ref.dtype, "device": ref.device, "weights": [] if record else None, "defer_norm": defer_norm}
 
     def sublayer_input(self, state: ResidualState, l: int):
         """The input ``h_l`` of sublayer ``l`` (0-based), ``[..., d]``: a tensor, or with
@@ -219,7 +249,9 @@ class ResidualStream(nn.Module, ABC):
         return self._input(state, l)
 
     def add_output(self, state: ResidualState, l: int, output: Tensor) -> None:
-        """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``."""
+        """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``: ``[..., d]``, the
+        embedding's shape (``[..., d]`` after ``resume``) on its device; cast to the stream's
+        dtype."""
         if l != state.next_sublayer or not state.expecting_output:
             raise RuntimeError(f"add_output({l}) called out of order: expected sublayer {state.next_sublayer}")
         # (a wrong shape would broadcast into a sum, or reach a kernel that trusts its sizes)
@@ -230,6 +262,9 @@ class ResidualStream(nn.Module, ABC):
             want = list(state.shape) if state.shape is not None else f"[..., {self.dim}]"
             raise ValueError(f"add_output({l}): sublayer {l}'s output must have the stream's shape {want} (the "
                              f"embedding's), got {got}")
+        if output.device != state.device:  # (was refused inside a merge, naming its internal arguments)
+            raise ValueError(f"add_output({l}): sublayer {l}'s output is on {output.device} but the stream is on "
+                             f"{state.device} (the embedding's): move it there, output.to({str(state.device)!r})")
         state.expecting_output = False
         state.next_sublayer += 1
         if output.dtype != state.dtype and not self._reads_output_as_is(state, output):
@@ -258,19 +293,27 @@ class ResidualStream(nn.Module, ABC):
                defer_norm: bool = False) -> ResidualState:
         """A state in front of sublayer ``at_sublayer`` rebuilt from ``history`` (what
         :meth:`history` returned there, possibly on another process)."""
-        if not 0 <= at_sublayer <= self.n_sublayers:
-            raise ValueError(f"at_sublayer must be in [0, {self.n_sublayers}], got {at_sublayer}")
+        if not Int(0, self.n_sublayers).ok(at_sublayer):
+            raise ValueError(f"at_sublayer must be an integer in [0, {self.n_sublayers}], got {at_sublayer!r}")
+        if not isinstance(history, DepthHistory):  # (a plain (completed, running) pair: an AttributeError)
+            if not isinstance(history, (tuple, list)) or len(history) != 2:
+                raise ValueError("history must be a DepthHistory(completed, running) (what history() returns) or a "
+                                 f"(completed, running) pair, got {type(history).__name__}")
+            history = DepthHistory(list(history[0]), history[1])
         expected = self.history_layout(at_sublayer)
         got = HistoryLayout(len(history.completed), history.running is not None)
         if got != expected:
-            raise ValueError(f"a {self.name!r} history in front of sublayer {at_sublayer} holds {expected.completed} "
+            raise ValueError(f"a {self._label()} history in front of sublayer {at_sublayer} holds {expected.completed} "
                              f"completed entries{' and a running tensor' if expected.running else ''}; got "
                              f"{got.completed}{' and a running tensor' if got.running else ''}")
+        for i, entry in enumerate([*history.completed, *([] if history.running is None else [history.running])]):
+            self._check_stream_tensor("resume", f"history.completed[{i}]" if i < len(history.completed)
+                                      else "history.running", entry)
         if self.autocast_stream:  # (a pipeline sends the stream up-cast: float32 on the wire)
             history = DepthHistory([self._stored(t) for t in history.completed],
                                    None if history.running is None else self._stored(history.running))
         ref = history.running if history.running is not None else history.completed[0]
-        state = self._resume(history, at_sublayer, self._common(ref.dtype, record_weights, defer_norm))
+        state = self._resume(history, at_sublayer, self._common(ref, record_weights, defer_norm))
         state.next_sublayer = at_sublayer
         return state
 
@@ -283,13 +326,13 @@ class ResidualStream(nn.Module, ABC):
     def history_layout(self, sublayer: int) -> HistoryLayout:
         """The :class:`HistoryLayout` in front of ``sublayer`` (``L``: after the last one).
         Variants that cannot be cut (and so not pipelined) raise ``ValueError``."""
-        raise ValueError(f"residual {self.name!r} does not describe its history between sublayers, so it cannot be "
+        raise ValueError(f"residual {self._label()} does not describe its history between sublayers, so it cannot be "
                          "cut into pipeline stages")
 
     def residual_flops_per_token(self) -> float:
         """Forward FLOPs per token of the residual mechanism alone (a multiply-add is 2), as
         ``attnres.experiments.flops`` counts them. Variants registered without it raise."""
-        raise NotImplementedError(f"residual {self.name!r} does not count its FLOPs: define residual_flops_per_token()")
+        raise NotImplementedError(f"residual {self._label()} does not count its FLOPs: define residual_flops_per_token()")
 
     def reset_parameters(self) -> None:
         """Re-initialise this module's own parameters (none for the standard residual)."""
@@ -307,7 +350,7 @@ class ResidualStream(nn.Module, ABC):
         if type(self)._mixing_matrix is ResidualStream._mixing_matrix:
             ResidualStream._mixing_matrix(self, state)  # raises, naming the variant and the missing method
         if not state.record_mixing or not state.finished:
-            raise RuntimeError(f"mixing_matrix() of residual {self.name!r} needs the state of a forward started with "
+            raise RuntimeError(f"mixing_matrix() of residual {self._label()} needs the state of a forward started with "
                                "start(..., record_weights=True) (not resume) that ran every sublayer and finish(); got "
                                + ("one that recorded nothing" if not state.record_mixing else
                                   f"one stopped after {state.next_sublayer} of {self.n_sublayers} sublayers"
@@ -336,14 +379,14 @@ class ResidualStream(nn.Module, ABC):
 
     def _history(self, state: ResidualState) -> DepthHistory:
         self.history_layout(state.next_sublayer)  # raises for variants that cannot be cut
-        raise NotImplementedError(f"residual {self.name!r} describes a history layout but does not implement _history")
+        raise NotImplementedError(f"residual {self._label()} describes a history layout but does not implement _history")
 
     def _resume(self, history: DepthHistory, at_sublayer: int, common: dict[str, Any]) -> ResidualState:
-        raise NotImplementedError(f"residual {self.name!r} describes a history layout but does not implement _resume")
+        raise NotImplementedError(f"residual {self._label()} describes a history layout but does not implement _resume")
 
     def _mixing_matrix(self, state: ResidualState, per_channel: bool = False) -> MixingMatrix:
         raise NotImplementedError(
-            f"residual {self.name!r} ({type(self).__qualname__}) does not describe its depth mixing matrix: define "
+            f"residual {self._label()} ({type(self).__qualname__}) does not describe its depth mixing matrix: define "
             "_mixing_matrix(state, per_channel=False) returning an attnres.nn.residual.mixing.MixingMatrix from what its forward "
             "recorded, e.g. MixingMatrix(scaled_columns(weights), input_dependent=False) for fixed per-sublayer "
             "weights (attnres.nn.residual.mixing; the README's 'Bring your own residual' example, docs/design.md)")

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ...ops import Operations
+from ...validation import Int
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig
@@ -176,7 +177,7 @@ class BlockAttnRes(AttnResBase):
         ablation: AttnResAblation | None = None, backend: str = "auto",
         recompute_phase1: bool = True,
     ) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        if not Int(1).ok(block_size):
             raise ValueError(f"BlockAttnRes: block_size must be an integer >= 1, got {block_size!r}")
         if ablation is not None and ablation.window is not None:
             raise ValueError("the sliding-window ablation applies to Full AttnRes only")

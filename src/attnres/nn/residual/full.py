@@ -8,6 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from ...ops import Operations
+from ...validation import Int
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .base import DepthHistory, HistoryLayout, ResidualState
 from .config import AttnResAblation, ResidualConfig
@@ -129,10 +130,11 @@ class FullAttnRes(AttnResBase):
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 (or None), got {self.window}")
         super().__init__(dim, n_sublayers, eps, schedule, ablation, backend, recompute_phase1)
+        if group_size is not None and not Int(1).ok(group_size):  # (1.5 was taken; '2' failed comparing)
+            raise ValueError(f"FullAttnRes: group_size must be an integer >= 1, or None for round(sqrt(n_sublayers)); "
+                             f"got {group_size!r}")
         if group_size is None:
             group_size = max(1, round(n_sublayers**0.5))
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1 (or None for automatic), got {group_size}")
         self.group_size = group_size
 
     def extra_repr(self) -> str:

@@ -49,8 +49,9 @@ class DepthQuery(nn.Module):
         return self.query.to(dtype) * self.key_norm.weight.to(dtype)
 
     def attend(self, sources: list[Tensor], scale: float = 1.0, return_weights: bool = False):
-        """Reference depth attention of this query over ``sources`` (see ``depth_attention``),
-        or its Table-4 ablation when one is configured."""
+        """Reference depth attention of this query over ``sources``, ``n`` tensors ``[..., d]``
+        (:func:`attnres.ops.depth_attention`), or its Table-4 ablation when one is configured:
+        ``h [..., d]``, and with ``return_weights`` the weights ``[n, ...]``."""
         if self.ablation is None:
             return depth_attention(
                 self.query, sources, self.key_norm.weight, eps=self.key_norm.eps, scale=scale,

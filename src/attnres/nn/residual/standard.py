@@ -48,7 +48,7 @@ class SingleStreamResidual(ResidualStream):
         # update's result has one shape for one input shape, and once a forward keeps the hot path bare.
         if l == 0 and (not isinstance(h, Tensor) or h.shape != state.h.shape):
             got = list(h.shape) if isinstance(h, Tensor) else type(h).__name__
-            raise ValueError(f"residual {self.name!r}: {type(self).__qualname__}.update({l}, h, out) must return the "
+            raise ValueError(f"residual {self._label()}: {type(self).__qualname__}.update({l}, h, out) must return the "
                              f"next hidden state, of h's shape {list(state.h.shape)}; got {got}")
         state.h = h
 

@@ -318,6 +318,20 @@ def _merge_grad(ctx, g, _alpha, _rc, _zc, _rstd, g_total):
 _merge.register_autograd(_merge_grad, setup_context=_merge_setup)
 
 
+def _no_double_backward(ctx, *grads):
+    """The backward operators' own backward: a double backward (``create_graph=True``, then a
+    backward through the gradients) is not implemented - said with the fix (PyTorch's own
+    message asked to register an autograd formula)."""
+    raise RuntimeError("a double backward (a gradient of a gradient: torch.autograd.grad(..., create_graph=True), "
+                       "then a backward through it) reached AttnRes' depth-attention operators, which do not "
+                       "implement one: build the residual with backend='reference' (the plain autograd graph, the "
+                       "same function; ModelConfig.residual.backend='reference' in the model)")
+
+
+for _backward_op in (_phase1_backward, _merge_backward):
+    _backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 # ----------------------------------------------------------------------------------------
 # The public wrappers
 # ----------------------------------------------------------------------------------------
@@ -432,7 +446,7 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: st
     their gradients in it too) and ``lse [..., S]``; one pass over each source for all ``S``
     queries, forward and backward."""
     _check_backend(backend)
-    check_phase1(qg, sources, out_dtype)
+    check_phase1(qg, sources, out_dtype, eps)
     if out_dtype == sources[0].dtype:
         out_dtype = None  # (one operator call for the default, however it is asked for)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)
@@ -456,7 +470,7 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     1``: ``out`` is a tuple of that many views of it, one per reader, whose gradients the
     backward adds in the compute dtype (one kernel reads them all)."""
     _check_backend(backend)
-    _check_merge(z, sources, computed, qg, addend, out_dtype, readers, norm_weight)
+    _check_merge(z, sources, computed, qg, addend, out_dtype, readers, norm_weight, eps, norm_eps)
     if out_dtype is not None and out_dtype == stream_dtype(sources, computed):
         out_dtype = None  # (one operator call for the default, however it is asked for)
     if not torch.is_grad_enabled():  # the operator itself (see the note above _check_backend)

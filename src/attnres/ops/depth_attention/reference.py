@@ -68,14 +68,21 @@ def check_sources(sources: Sequence[Tensor], what: str = "sources") -> None:
             raise ValueError(f"{what}[{i}] is on {s.device} but {what}[0] is on {first.device}")
 
 
-def _check_vector(name: str, v: Tensor | None, d: int, device: torch.device | None = None) -> None:
-    if v is None:
+def _check_vector(name: str, v: Tensor | None, d: int, device: torch.device | None = None,
+                  required: bool = False) -> None:
+    if v is None and not required:
         return
     if not isinstance(v, Tensor) or v.shape != (d,):
         shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
         raise ValueError(f"{name} must have shape ({d},) to match the sources' last dimension, got {shape}")
     if device is not None and v.device != device:
         raise ValueError(f"{name} is on {v.device} but the sources are on {device}")
+
+
+def _check_eps(name: str, value: float) -> None:
+    """An RMS epsilon: a number >= 0 (a negative or NaN one gave NaN results, with no word of why)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,7 +94,8 @@ def full_precision(x: Tensor) -> contextlib.AbstractContextManager:
     """A context that switches autocast off for ``x``'s device when it is on (a no-op
     otherwise), so that depth-attention products are not silently run in bf16."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    # (meta tensors - shape inference - have no autocast state to ask)
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
 
@@ -122,18 +130,16 @@ def depth_attention(
     to the sources' dtype once, at the end.
     """
     check_sources(sources)
-    for name, value, allowed in (("eps", eps, ">= 0"), ("scale", scale, "finite")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-                name == "eps" and value < 0):
-            raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    _check_eps("eps", eps)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
     d = sources[0].shape[-1]
-    _check_vector("query", query, d, sources[0].device)
+    _check_vector("query", query, d, sources[0].device, required=True)
     _check_vector("key_norm_weight", key_norm_weight, d, sources[0].device)
     compute = compute_dtype(sources[0].dtype)
 
     # Autocast off: the matmul below must not silently drop to bf16.
-    device_type = sources[0].device.type
-    with torch.autocast(device_type=device_type, enabled=False):
+    with full_precision(sources[0]):
         values = torch.stack([s.to(compute) for s in sources])  # [n, ..., d]
         keys = values * torch.rsqrt(values.pow(2).mean(dim=-1, keepdim=True) + eps)
         if key_norm_weight is not None:
@@ -197,7 +203,7 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6,
     the bytes the merges read: ``ResidualConfig.autocast_phase1_sums``) with the log-sum-exp
     of each query's logits ``lse [..., S]`` - the one statistic with which Phase 2 merges a
     weighted sum as a source whose logit is ``lse``."""
-    check_phase1(qg, sources, out_dtype)
+    check_phase1(qg, sources, out_dtype, eps)
     with full_precision(sources[0]):
         z = torch.stack([rms_logits(x, qg, eps) for x in sources], dim=-1)  # [..., S, n]
         p = torch.softmax(z, dim=-1)
@@ -256,7 +262,7 @@ def merge(
         with ``h = sum_j alpha_j x_j``; ``alpha [..., k + c] = softmax(z, z_computed)``;
         with ``addend``, ``(out, alpha, total)``, ``total`` the sum it formed.
     """
-    _check_merge(z, sources, computed, qg, addend, out_dtype, readers, norm_weight)
+    _check_merge(z, sources, computed, qg, addend, out_dtype, readers, norm_weight, eps, norm_eps)
     total = None
     if addend is not None:
         total = computed[-1] + addend
@@ -281,11 +287,13 @@ def merge(
     return (out, alpha) if total is None else (out, alpha, total)
 
 
-def check_phase1(qg: Tensor, sources: Sequence[Tensor], out_dtype: torch.dtype | None = None) -> None:
+def check_phase1(qg: Tensor, sources: Sequence[Tensor], out_dtype: torch.dtype | None = None,
+                 eps: float = 1e-6) -> None:
     """Phase 1's arguments, checked at the boundary (every implementation: the kernels take
     every size from the first source and trust the others)."""
     check_sources(sources)
     _check_out_dtype(out_dtype)
+    _check_eps("eps", eps)
     d = sources[0].shape[-1]
     if not isinstance(qg, Tensor) or qg.dim() != 2 or qg.shape[-1] != d:
         got = tuple(qg.shape) if isinstance(qg, Tensor) else type(qg).__name__
@@ -296,7 +304,7 @@ def check_phase1(qg: Tensor, sources: Sequence[Tensor], out_dtype: torch.dtype |
 
 def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor], qg: Tensor | None,
                  addend: Tensor | None = None, out_dtype: torch.dtype | None = None, readers: int = 1,
-                 norm_weight: Tensor | None = None) -> None:
+                 norm_weight: Tensor | None = None, eps: float = 1e-6, norm_eps: float = 1e-6) -> None:
     """The merge's arguments, checked at the boundary (every implementation: the kernels take
     every size from the first source and trust the others)."""
     if not sources and not computed:
@@ -333,6 +341,12 @@ def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor
                              f"that promotes to its {last.dtype}; got {tuple(addend.shape)}, {addend.dtype}")
     if z.shape[-1] != len(sources):
         raise ValueError(f"z has {z.shape[-1]} logits for {len(sources)} sources")
+    compute = compute_dtype(stream_dtype(sources, computed))
+    if z.dtype != compute:  # (the C kernel refused another dtype naming itself, the reference took it)
+        raise ValueError(f"z must be in the compute dtype {compute} (float64 for float64 sources, else float32), "
+                         f"got {z.dtype}: pass z.to({compute})")
+    _check_eps("eps", eps)
+    _check_eps("norm_eps", norm_eps)
     if computed and qg is None:
         raise ValueError("computed sources need the query qg (their logits are computed here)")
 

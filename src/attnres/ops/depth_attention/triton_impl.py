@@ -86,10 +86,16 @@ def supports(tensors: Sequence[Tensor | None]) -> bool:
 
 def check(tensors: Sequence[Tensor | None]) -> None:
     """Raise ``ValueError`` unless :func:`supports` (the ``"triton"`` implementation was
-    asked for explicitly)."""
+    asked for explicitly) on a device the kernels run on: CUDA, or any under Triton's
+    interpreter (on CPU without it, Triton said '0 active drivers ([]). There should only be one.')."""
+    first = next(t for t in tensors if t is not None)
     if not supports(tensors):
         raise ValueError(f"backend='triton' takes sources in {[str(d) for d in DTYPES]} on one device; got "
-                         f"{next(t for t in tensors if t is not None).dtype}")
+                         f"{first.dtype}")
+    if first.device.type != "cuda" and type(triton_kernels._bases).__name__ != "InterpretedFunction":
+        raise ValueError(f"backend='triton' runs the Triton kernels on CUDA tensors (on others only under Triton's "
+                         f"interpreter, TRITON_INTERPRET=1 set before triton is imported); got tensors on "
+                         f"{first.device}: use backend='auto' (picks by device) or 'torch'")
 
 
 @functools.cache
