@@ -307,20 +307,9 @@ def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor
                  norm_weight: Tensor | None = None, eps: float = 1e-6, norm_eps: float = 1e-6) -> None:
     """The merge's arguments, checked at the boundary (every implementation: the kernels take
     every size from the first source and trust the others)."""
-    if not sources and not computed:
-        raise ValueError("depth merge needs at least one source")
-    for what, group in (("sources", sources), ("computed", computed)):
-        if isinstance(group, Tensor) or not isinstance(group, Sequence):
-            raise ValueError(f"{what} must be a list or tuple of tensors, got {type(group).__name__}")
-    named = [*((f"sources[{i}]", x) for i, x in enumerate(sources)),
-             *((f"computed[{i}]", x) for i, x in enumerate(computed))]
-    first_name, first = named[0]
-    for name, x in named:
-        if not isinstance(x, Tensor) or x.dim() < 1:
-            raise ValueError(f"{name} must be a tensor of shape [..., d], got {type(x).__name__}")
-        if x.shape != first.shape or x.device != first.device:
-            raise ValueError(f"{name} has shape {tuple(x.shape)} on {x.device} but {first_name} has "
-                             f"{tuple(first.shape)} on {first.device}; every source must have one shape and device")
+    if not _merge_sources_agree(sources, computed):
+        _refuse_merge_sources(sources, computed)
+    first = (sources or computed)[0]
     if not isinstance(z, Tensor) or z.shape[:-1] != first.shape[:-1]:
         got = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
         raise ValueError(f"z must have shape [{', '.join(map(str, first.shape[:-1]))}, {len(sources)}] (a logit per "
@@ -331,7 +320,9 @@ def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor
     if not isinstance(readers, int) or isinstance(readers, bool) or readers < 1:
         raise ValueError(f"readers must be an int >= 1, got {readers!r}")
     _check_out_dtype(out_dtype)
-    _check_source_dtypes(sources, computed)
+    if sources and computed and torch.promote_types(sources[0].dtype, computed[0].dtype) != computed[0].dtype:
+        raise ValueError(f"the sources of known logit ({sources[0].dtype}) may be narrower than the computed sources "
+                         f"({computed[0].dtype}, the stream's dtype), not wider")
     if addend is not None:
         if not computed:
             raise ValueError("addend is added to the last computed source: computed must not be empty")
@@ -356,14 +347,49 @@ def _check_out_dtype(out_dtype: torch.dtype | None) -> None:
         raise ValueError(f"out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
 
 
-def _check_source_dtypes(sources: Sequence[Tensor], computed: Sequence[Tensor]) -> None:
-    """The merge's sources of each kind share one floating dtype; the sources of known logit
-    (Phase-1 sums) may be narrower than the computed ones (the stream), not wider."""
+def _merge_sources_agree(sources: Sequence[Tensor], computed: Sequence[Tensor]) -> bool:
+    """Whether the merge's two lists of tensors pass :func:`_refuse_merge_sources`'s checks:
+    one pass over them on the hot path (a merge per sublayer), without building a message."""
+    if isinstance(sources, Tensor) or isinstance(computed, Tensor) or not isinstance(sources, Sequence) \
+            or not isinstance(computed, Sequence) or not (sources or computed):
+        return False
+    first = (sources or computed)[0]
+    if not isinstance(first, Tensor) or first.dim() < 1:
+        return False
+    shape, device = first.shape, first.device
+    for group in (sources, computed):
+        if not group:
+            continue
+        dtype = group[0].dtype if isinstance(group[0], Tensor) else None
+        if dtype is None or not dtype.is_floating_point:
+            return False
+        for x in group:
+            if not isinstance(x, Tensor) or x.shape != shape or x.dtype != dtype or x.device != device:
+                return False
+    return True
+
+
+def _refuse_merge_sources(sources: Sequence[Tensor], computed: Sequence[Tensor]) -> None:
+    """Raise the ``ValueError`` that says what is wrong with the merge's sources: not a list,
+    none at all, a source that is not a tensor ``[..., d]``, shapes or devices that differ, or
+    a list whose tensors do not share one floating-point dtype."""
+    for what, group in (("sources", sources), ("computed", computed)):
+        if isinstance(group, Tensor) or not isinstance(group, Sequence):
+            raise ValueError(f"{what} must be a list or tuple of tensors, got {type(group).__name__}")
+    if not sources and not computed:
+        raise ValueError("depth merge needs at least one source")
+    named = [*((f"sources[{i}]", x) for i, x in enumerate(sources)),
+             *((f"computed[{i}]", x) for i, x in enumerate(computed))]
+    first_name, first = named[0]
+    for name, x in named:
+        if not isinstance(x, Tensor) or x.dim() < 1:
+            raise ValueError(f"{name} must be a tensor of shape [..., d], got {type(x).__name__}")
+        if x.shape != first.shape or x.device != first.device:
+            raise ValueError(f"{name} has shape {tuple(x.shape)} on {x.device} but {first_name} has "
+                             f"{tuple(first.shape)} on {first.device}; every source must have one shape and device")
     for what, group in (("sources", sources), ("computed", computed)):
         for i, x in enumerate(group):
             if not x.is_floating_point() or x.dtype != group[0].dtype:
                 raise ValueError(f"{what}[{i}] has dtype {x.dtype} but {what}[0] has {group[0].dtype}; the {what} "
                                  "must share one floating-point dtype")
-    if sources and computed and torch.promote_types(sources[0].dtype, computed[0].dtype) != computed[0].dtype:
-        raise ValueError(f"the sources of known logit ({sources[0].dtype}) may be narrower than the computed sources "
-                         f"({computed[0].dtype}, the stream's dtype), not wider")
+    raise AssertionError("_merge_sources_agree refused sources that pass every check")  # (the two must agree)
