@@ -716,3 +716,28 @@ def test_lm_output_flattens_to_its_tensors():
     assert any(t is out.logits for t in leaves) and any(t is out.loss for t in leaves)
     assert all(any(t is w for t in leaves) for w in out.depth_weights)
     assert tree_unflatten(leaves, spec).loss is out.loss
+
+
+@pytest.mark.parametrize("residual", ["standard", "attnres_block", "attnres_full"])
+def test_a_model_built_on_the_meta_device_runs_there_and_materialises_exactly(residual):
+    """Deferred initialisation, as large models are built: the forward on the meta device
+    (shape inference) asked for the ids' values (``Tensor.item() cannot be called on meta
+    tensors``), and ``to_empty`` + ``init_weights`` left the RoPE tables empty - NaN logits
+    without a word. Now the meta forward and backward run, and the materialised model equals
+    one built on the CPU with the same initialisation."""
+    config = ModelConfig.preset("tiny", residual=residual)
+    with torch.device("meta"):
+        model = AttnResLM(config)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert out.logits.shape == (2, 8, config.vocab_size) and out.logits.device.type == "meta"
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    reference = AttnResLM(config)
+    torch.manual_seed(0)
+    reference.init_weights()
+    ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)

@@ -48,11 +48,17 @@ class RotaryEmbedding(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         # `model.double()` would only upcast float32-rounded tables: recompute them exactly.
-        was = self.cos.dtype
+        # A model built on the meta device and materialised (`to_empty`) has empty tables,
+        # which gave NaN logits: recompute them too (they are not parameters, no init sets them).
+        was, was_meta = self.cos.dtype, self.cos.device.type == "meta"
         out = super()._apply(fn, recurse)
-        if self.cos.dtype == torch.float64 and was != torch.float64:
+        if (self.cos.dtype == torch.float64 and was != torch.float64) or (was_meta and self.cos.device.type != "meta"):
             self.reset_tables()
         return out
+
+    def reset_parameters(self) -> None:
+        """What a deferred initialisation calls on every module: the tables recomputed."""
+        self.reset_tables()
 
     def forward(self, seq_len: int, offset: int = 0) -> tuple[Tensor, Tensor]:
         return self.cos[offset : offset + seq_len], self.sin[offset : offset + seq_len]
