@@ -786,6 +786,9 @@ def test_version_loads_no_model_code():
     assert done.stdout.splitlines() == [f"attnres {attnres.__version__}", "[]"], done.stdout + done.stderr
     # the public names still load on first use
     assert attnres.AttnResLM.__name__ == "AttnResLM" and "ModelConfig" in dir(attnres)
+    # dir() (tab completion) lists the public names and subpackages, not what the module imports itself
+    assert {"importlib", "Any", "warnings", "TYPE_CHECKING", "_EXPORTS"}.isdisjoint(dir(attnres))
+    assert {"nn", "ops", "depth_attention", "__version__"} <= set(dir(attnres))
 
 
 def test_the_transformer_block_axis_has_whole_ticks(tmp_path, monkeypatch):

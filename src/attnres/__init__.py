@@ -38,7 +38,12 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    """The public names and the subpackages imported so far (tab completion): not what this
+    module imports for itself (``importlib``, ``Any``, ...)."""
+    from types import ModuleType
+
+    loaded = (n for n, v in globals().items() if isinstance(v, ModuleType) and v.__name__.startswith(f"{__name__}."))
+    return sorted({*_EXPORTS, "__version__", *loaded})
 
 
 # Importing attnres changes nothing outside it (no import hooks, no allocator settings) and
