@@ -719,6 +719,12 @@ def test_the_report_names_the_runs_it_leaves_out_and_what_a_lone_model_lacks(cor
             "metrics.jsonl; retrain it in another --out, e.g. at a lower lr); 1 unfinished run (full seed 0 at step 4 "
             "of 4: run the same command again to finish it).") in text
     assert "\n1 run, steps [4]." in text and "1 warm-up step;" in text
+    from attnres.train.lock import RunLock
+
+    with RunLock(out / "full" / "seed0"):  # as another process's --variants full would hold it
+        held = write_report("compare", [standard, block], out, "tiny").read_text()
+    assert ("1 run being trained now by another process (full seed 0 at step 4 of 4: --report-only once it has "
+            "finished)") in held and "unfinished run" not in held
     assert "No AttnRes run has finished in this grid" in text and "| model | Δ val loss" not in text
     text = write_report("compare", [block], out, "tiny").read_text()
     assert "No standard run has finished in this grid" in text and "`--variants standard`" in text

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...train import latest_checkpoint
+from ...train.status import run_status
 from .compare import compare_markdown
 from ..layout import RESULT_FILE, read_overhead, saved_config
 from .presets import PRESETS, get_experiment
@@ -281,11 +282,12 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _unfinished_runs(out: Path, records: list[dict[str, Any]], variants: set[str] | None) -> list[str]:
+def _unfinished_runs(out: Path, records: list[dict[str, Any]], variants: set[str] | None) -> tuple[list[str], list[str]]:
     """The run directories ``out/<variant>/seed<k>`` of ``variants`` (``None``: any) that hold
-    no ``result.json`` yet (interrupted, or training now), with the step each reached."""
+    no ``result.json`` yet, with the step each reached: ``(interrupted, training now)`` - the
+    latter hold a live lock (another process's ``--variants``, say)."""
     finished = {(r["variant"], r["seed"]) for r in records}
-    found = []
+    found: tuple[list[str], list[str]] = ([], [])
     for d in sorted(out.glob("*/seed*")):
         name, seed = d.parent.name, d.name.removeprefix("seed")
         if (not d.is_dir() or not seed.isdigit() or (name, int(seed)) in finished or (d / RESULT_FILE).exists()
@@ -294,7 +296,8 @@ def _unfinished_runs(out: Path, records: list[dict[str, Any]], variants: set[str
         latest = latest_checkpoint(d)
         config = saved_config(out, {"variant": name, "seed": int(seed)}) or {}
         reached = int(latest.name.split("-", 1)[1]) if latest is not None else 0
-        found.append(f"{name} seed {seed} at step {reached} of {config.get('steps', '?')}")
+        found[run_status(d).state == "running"].append(f"{name} seed {seed} at step {reached} of "
+                                                      f"{config.get('steps', '?')}")
     return found
 
 
@@ -309,7 +312,7 @@ def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | Non
     ``null`` in ``result.json``) and those not finished (no ``result.json``)."""
     kept = reportable(records)
     not_a_number = [f"{r['variant']} seed {r['seed']}" for r in records if r not in kept]
-    unfinished = _unfinished_runs(out, records, variants)
+    unfinished, training = _unfinished_runs(out, records, variants)
     parts = []
     if not_a_number:
         parts.append(f"{_plural(len(not_a_number), 'run')} whose final validation loss is not a number "
@@ -317,6 +320,9 @@ def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | Non
     if unfinished:
         parts.append(f"{_plural(len(unfinished), 'unfinished run')} ({', '.join(unfinished)}: run the same command "
                      "again to finish it)")
+    if training:
+        parts.append(f"{_plural(len(training), 'run')} being trained now by another process ({', '.join(training)}: "
+                     "--report-only once it has finished)")
     return kept, ("Left out of this report: " + "; ".join(parts) + ".\n\n") if parts else ""
 
 
