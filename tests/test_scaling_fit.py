@@ -217,3 +217,18 @@ def test_grid_planner_measures_every_variant_and_balances_the_split():
     assert sorted(sum({"a": 5, "b": 4, "c": 3, "d": 3, "e": 1}[n] for n in p) for p in parts) == [8, 8]
     measured = plan.step_cpu_seconds("tiny", rounds=1)
     assert len(measured) == 9 and all(t >= 0 and steps >= 2 for t, steps in measured.values())
+
+
+def test_the_report_names_only_modules_that_exist(tmp_path):
+    """The report points its reader at the code of the fits: every ``attnres....`` module it
+    names imports (it named ``attnres.experiments.scaling_fit``, which moved under ``grids``)."""
+    import importlib
+    import re
+
+    base = PowerLaw(4.0, 0.06)
+    laws = {"baseline": base, "block": _shifted(base, 1.2), "full": _shifted(base, 1.3)}
+    text = write_report("scaling", _records(laws, noise=0.01), tmp_path, "tiny").read_text()
+    names = set(re.findall(r"`(attnres(?:\.\w+)+)`", text))
+    assert "attnres.experiments.grids.scaling_fit" in names
+    for name in names:
+        importlib.import_module(name)

@@ -188,7 +188,7 @@ def _fit_text(records: list[dict[str, Any]], sizes: list[str], seeds: list[int],
     how = (f"Intervals: {fit.level:.0%} Student t over the {len(data.seeds)} seeds, the seed variance pooled over "
            f"every (model, size) cell: seed sd {fit.sd_loss:.4f} nats ({fit.sd_log:.2e} in log loss) on {fit.df} "
            "degrees of freedom; the families' seed noise treated as independent; seed noise only (see "
-           "`attnres.experiments.scaling_fit`)." if fit.df else "One seed: no intervals.")
+           "`attnres.experiments.grids.scaling_fit`)." if fit.df else "One seed: no intervals.")
     png = _plot(fit, out)
     return (f"### Fits (report Table 2)\n\n{how}\n\n{_fits_table(fit)}\n\n### Compute multiplier\n\n"
             f"{_multiplier_tables(fit)}\n\n### The report's Table 2 (its sizes; in brackets: − standard)\n\n"
