@@ -1,5 +1,6 @@
 """Hugging Face Hub model ids where a command takes a model's folder (attnres.hf.hub):
-``attnres eval`` and ``attnres generate`` (``attnres upcycle --model``: tests/test_upcycle.py).
+``attnres eval``, ``attnres generate`` and ``attnres analyze`` (``attnres upcycle --model``:
+tests/test_upcycle.py).
 No network here: the fetch is stood in for by the folder it would return."""
 
 from __future__ import annotations
@@ -63,3 +64,7 @@ def test_eval_and_generate_fetch_a_hub_id(hub_model, tmp_path, monkeypatch, caps
     results = json.loads(written.read_text())
     assert results["checkpoint"] == "acme/tiny" and not (hub_model / "eval.json").exists()
     assert asked == ["acme/tiny", "acme/tiny"]
+    assert cli_main(["analyze", "acme/tiny", "--text", str(text), "--seq-len", "16", "--rows", "2"]) == 0
+    report = tmp_path / "analysis-acme--tiny" / "report.md"  # here too
+    assert report.is_file() and "attnres_block" in report.read_text() and asked[-1] == "acme/tiny"
+    assert not (hub_model.parent / f"{hub_model.name}-analysis").exists()

@@ -15,11 +15,13 @@ def add_parser(sub) -> None:
         description="Run the model of --checkpoint on windows of its validation split and write report.md, mixing.png "
         "(Fig.-9-style panels of the depth mixing matrix M) and mixing.json to --out: M averaged over the tokens, its "
         "semiseparable rank, the sink table and, with --compare, the second checkpoint beside it and the difference. "
-        "A transformers directory (an export, an AttnRes model from the Hub, an upcycled model) is read with its own "
+        "A transformers directory (an export, an upcycled model) or a Hugging Face Hub id of an AttnRes model "
+        "(ORG/NAME: fetched into the Hugging Face cache; the report into ./analysis-ORG--NAME) is read with its own "
         "tokenizer, on --text or the built-in corpus's validation split.",
     )
     add_checkpoint_argument(an)
-    an.add_argument("--compare", metavar="DIR", help="a second checkpoint or run directory to compare with")
+    an.add_argument("--compare", metavar="DIR", help="a second checkpoint, run or transformers directory (or Hub id) to "
+                    "compare with")
     an.add_argument("--out", help="output directory (default: <run>/analysis/step-N for a run's step-N directory, kept when the run "
                          "rotates its checkpoints; <run>/analysis for its checkpoints folder; <dir>-analysis beside a "
                          "transformers directory; else <checkpoint>/analysis; "
@@ -39,13 +41,19 @@ def run_analyze(args) -> int:
     """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
     from ..experiments.job.analyze import write_analysis
     from ..checkpoint import CheckpointError
+    from ..hf.hub import is_hub_id, local_folder
 
     try:
         check_optional_count("--rows", args.rows, "8, or as many windows as the text holds")
         check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
         if args.text is not None and not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text!r} is not a file")
-        path = write_analysis(args.checkpoint, args.compare, args.out, args.rows, args.seq_len, args.text, args.device)
+        out = args.out
+        if out is None and is_hub_id(args.checkpoint):  # here, not into the Hugging Face cache
+            out = f"analysis-{args.checkpoint.replace('/', '--')}"
+        checkpoint = local_folder(args.checkpoint, "CHECKPOINT")  # a Hub id: fetched into the Hugging Face cache
+        compare = None if args.compare is None else local_folder(args.compare, "--compare")
+        path = write_analysis(checkpoint, compare, out, args.rows, args.seq_len, args.text, args.device)
     except (ValueError, OSError, CheckpointError, NotImplementedError) as e:
         raise SystemExit(f"attnres analyze: error: {e}") from None
     print(f"attnres analyze: report {path}")
