@@ -75,6 +75,16 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("override", ["wandb_project='1e3'", "data.paths=['2e5']", "out_dir='1E3'"])
+def test_print_config_loads_back_strings_that_look_like_numbers(capsys, tmp_path, override):
+    """A string such as '1e3' (a W&B project, a path) was printed plain, as PyYAML's YAML 1.1
+    writes it, and the config loader, which reads 1e3 as a number, read back a float (refused)."""
+    assert cli_main(["train", "--print-config", override]) == 0
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(capsys.readouterr().out)
+    assert load_config(printed).to_dict() == load_config(None, [override]).to_dict()
+
+
 def test_overrides_on_both_sides_of_resume(tmp_path):
     """``attnres train a=b --resume c=d`` (also what torchrun passes on): argparse fills a
     positional list once, so the overrides after ``--resume`` used to be rejected."""

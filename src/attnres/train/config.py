@@ -332,11 +332,14 @@ def model_from_spec(spec: Any) -> ModelConfig:
     raise AssertionError  # unreachable: _fail raises
 
 
+#: Numbers with an exponent and no dot (``3e-4``, ``1e30``): floats in YAML 1.2 and Python,
+#: strings to PyYAML's YAML 1.1.
+_EXPONENT_FLOAT = r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"
+
+
 def _yaml_load(text: str) -> Any:
     """``yaml.safe_load``, except that numbers like ``3e-4`` or ``1e30`` (exponent, no dot) are
     floats, as in YAML 1.2 and Python, rather than strings as in PyYAML's YAML 1.1."""
-    import re
-
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -356,12 +359,26 @@ def _yaml_load(text: str) -> Any:
                 seen.add(key)
             return super().construct_mapping(node, deep)
 
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"),
-    )
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=_exponent_floats(Loader))  # noqa: S506 - a SafeLoader subclass
+
+
+def yaml_dump(data: Any) -> str:
+    """``yaml.safe_dump`` (in the order given) of what :func:`_yaml_load` reads back the same:
+    a string it would read as a number (``'1e3'``, a plain string to PyYAML's YAML 1.1) is quoted."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    return yaml.dump(data, Dumper=_exponent_floats(Dumper), sort_keys=False, default_flow_style=None)
+
+
+def _exponent_floats(cls: type) -> type:
+    """``cls`` (a PyYAML loader or dumper subclass) reading :data:`_EXPONENT_FLOAT` as floats."""
+    import re
+
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_EXPONENT_FLOAT), list("-+0123456789"))
+    return cls
 
 
 def _yaml_error_line(error: Exception) -> str:
