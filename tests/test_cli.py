@@ -62,6 +62,22 @@ def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
         assert below[line] == f"      {MEANINGS[name]}", name
 
 
+def test_train_help_says_what_each_field_takes(capsys):
+    """``--help`` said weight_decay and grad_clip take "a number in [0.0, inf]" (inf is refused:
+    every number must be finite), listed model.hf_architecture's families without its default,
+    null, and called batch_size the sequences of an optimiser step (a step takes grad_accum
+    batches of batch_size sequences)."""
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    text = capsys.readouterr().out
+    lines = {line.split("=")[0].strip(): line for line in text.splitlines() if " = " in line}
+    below = dict(zip(text.splitlines(), text.splitlines()[1:]))
+    for name in ("weight_decay", "grad_clip"):
+        assert lines[name].endswith("  a finite number >= 0"), lines[name]
+    assert lines["model.hf_architecture"].endswith("'granitemoe', or null (the native decoder)")
+    assert "micro-batch" in below[lines["batch_size"]] and "grad_accum" in below[lines["batch_size"]]
+
+
 def test_print_config_shows_the_resolved_config(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: train-cpu\nlr: 1.0e-3\n")

@@ -424,6 +424,33 @@ def cli_help(argv: list[str]) -> str:
     return out.getvalue()
 
 
+@pytest.mark.parametrize("override, said", [
+    ("steps=1e3", "TrainConfig.steps must be an integer >= 1; got 1000.0 (a float: write the integer 1000)"),
+    ("seq_len=64.0", "got 64.0 (a float: write the integer 64)"),
+    ("model.d_model=128.0", "ModelConfig.d_model must be an integer >= 1; got 128.0 (a float: write the integer 128)"),
+    ("lr='3e-4'", "TrainConfig.lr must be a finite number > 0; got '3e-4' (a quoted number is a string: write it "
+                  "without quotes)"),
+    ("out_dir=2024-01-01", "TrainConfig.out_dir must be a directory path; got datetime.date(2024, 1, 1) (YAML read the "
+                           "value as a date; quote it to keep it as text: key='VALUE')"),
+    ("wandb_project=0777", "got 511 (YAML read the value as a number; quote it"),
+    ("data.paths=[runs, yes]", "got ['runs', True] (YAML read the value as a boolean; quote it"),
+    ("data.cache_dir=None", "TrainConfig.data.cache_dir must be a directory path, or null (beside the data); got 'None' "
+                            "(a string: YAML's null is written null or ~)"),
+    ("init_from=none", "got 'none' (a string: YAML's null is written null or ~)"),
+    ("model.n_kv_heads=None", "ModelConfig.n_kv_heads must be an integer >= 1, or null (= n_heads); got 'None' (a string"),
+    ("model.hf_architecture=None", "'granitemoe', or null (the native decoder); got 'None' (a string: YAML's null"),
+    ("seq_len=256", "got 256; lower seq_len, or raise model.max_seq_len (the RoPE tables) to 256"),
+])
+def test_a_refused_value_says_how_to_write_it(override, said):
+    """A value refused for its YAML type says the fix: 1e3 is a float (steps=1000), a quoted
+    number a string, a path or name that YAML read as a date, number or boolean wants quotes;
+    a seq_len beyond the model's context names model.max_seq_len. ``None`` (Python's null) was
+    taken as a path (data.cache_dir made a directory 'None'; init_from looked for one)."""
+    with pytest.raises(ValueError) as info:
+        load_config(None, ["model=tiny", override])
+    assert said in str(info.value)
+
+
 def test_seq_len_below_two_is_refused_up_front():
     """A window of one token has no next token to predict: the loss would be a mean over no
     targets (NaN) at the first step, blamed on the learning rate. Refused by validation."""

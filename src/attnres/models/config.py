@@ -11,7 +11,7 @@ from typing import Any
 from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import merge_residual
-from ..validation import Fields, did_you_mean
+from ..validation import Choice, Fields, Nullable, did_you_mean
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
@@ -103,8 +103,7 @@ class ModelConfig:
         if not isinstance(self.residual, ResidualConfig):
             _CHECK.fail("residual", "a ResidualConfig, a mapping of its fields or a residual name", self.residual)
         validate_residual_config(self.residual, self.d_model, self.n_sublayers)
-        if self.hf_architecture is not None:
-            _CHECK.choice("hf_architecture", self.hf_architecture, HF_ARCHITECTURES)
+        _CHECK.rule("hf_architecture", Nullable(Choice(HF_ARCHITECTURES), "the native decoder"), self.hf_architecture)
         if not isinstance(self.hf_config, dict):
             _CHECK.fail("hf_config", "a mapping of the transformers family's config fields", self.hf_config)
 

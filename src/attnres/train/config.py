@@ -216,9 +216,13 @@ class TrainConfig:
         self.parallel.validate()
         # A window of seq_len tokens holds seq_len - 1 next-token targets: one token has none
         # (the loss would be a mean over nothing, NaN at the first step).
-        if not (Int(2).ok(self.seq_len) and self.seq_len <= self.model.max_seq_len):
+        window = TRAIN_RULES["seq_len"]
+        if not (window.ok(self.seq_len) and self.seq_len <= self.model.max_seq_len):
+            longer = window.ok(self.seq_len)  # (than the model's context)
             fail("TrainConfig", "seq_len", f"an integer in [2, model.max_seq_len={self.model.max_seq_len}] (a window "
-                 "needs a next token to predict)", self.seq_len)
+                 "needs a next token to predict)", self.seq_len,
+                 hint=f"; lower seq_len, or raise model.max_seq_len (the RoPE tables) to {self.seq_len}" if longer
+                 else window.hint(self.seq_len))
         _check_rules(self, TRAIN_RULES)
         if self.resume and self.resume_from is not None:  # which checkpoint would it be?
             raise ValueError(f"TrainConfig.resume and resume_from are exclusive: resume=true continues the newest "
