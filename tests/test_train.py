@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -367,6 +368,26 @@ def test_unknown_config_keys(tmp_path):
         load_config(None, ["optimizer=sgd"])
     with pytest.raises(ValueError, match="key=value"):
         load_config(None, ["steps"])
+
+
+@pytest.mark.parametrize("text, said", [
+    ("1: 2\nfoo: 3\n", "unknown TrainConfig key(s) [1, 'foo']"),  # was: '<' not supported between 'int' and 'str'
+    ("model:\n  preset: tiny\n  1: 2\n", "unknown ModelConfig key(s) [1]"),  # was: keywords must be strings
+])
+def test_a_key_that_is_not_a_string_is_named(tmp_path, text, said):
+    """A YAML key may be a number; such a key crashed with Python's TypeError, not the
+    unknown-key message."""
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_config(tmp_path / "run.yaml")
+
+
+@pytest.mark.parametrize("value", [None, "tiny", ["tiny"]])
+def test_model_config_from_dict_of_something_else_says_what_it_takes(value):
+    """``ModelConfig.from_dict("tiny")`` raised AttributeError ('str' object has no attribute 'get')."""
+    with pytest.raises(ValueError, match=r"ModelConfig.from_dict takes a mapping of ModelConfig fields; got .* \(a "
+                                         r"preset by name: ModelConfig.preset\(name\)\)"):
+        ModelConfig.from_dict(value)
 
 
 def test_train_config_takes_its_sections_in_python_as_a_yaml_config_gives_them():

@@ -63,7 +63,7 @@ def check_known_keys(section: str, data: Iterable[str], known: Iterable[str]) ->
     """Raise ``ValueError`` for keys of ``data`` not in ``known``, naming the nearest known key
     of each (a misspelt ``out=`` for ``out_dir=``) and listing them all."""
     known = sorted(set(known))
-    unknown = sorted(set(data) - set(known))
+    unknown = sorted(set(data) - set(known), key=str)  # (a YAML key may be a number: 1: 2)
     if not unknown:
         return
     raise ValueError(f"unknown {section} key(s) {unknown}{did_you_mean_each(unknown, known)}; known keys: {known}")

@@ -145,6 +145,9 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from a mapping (``residual`` nested, or the deprecated flat keys); an
         unknown key raises ``ValueError`` listing the known ones."""
+        if not isinstance(data, dict):
+            raise ValueError(f"ModelConfig.from_dict takes a mapping of ModelConfig fields; got {data!r} (a preset by "
+                             "name: ModelConfig.preset(name))")
         data = migrate_model_keys(data)
         _CHECK.known_keys(data, _FIELDS)
         return cls(**data)

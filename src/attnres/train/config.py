@@ -299,6 +299,9 @@ TRAIN_RULES: dict[str, Rule] = {
 accept_old_keys(TrainConfig, migrate_train_keys)
 
 
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
 def data_from_spec(spec: Any) -> DataConfig:
     """A ``DataConfig`` from a mapping of its fields (a YAML config's ``data`` section)."""
     if not isinstance(spec, dict):
@@ -319,6 +322,8 @@ def model_from_spec(spec: Any) -> ModelConfig:
     if isinstance(spec, str):
         return ModelConfig.preset(spec)
     if isinstance(spec, dict):
+        # (a key that is not a string would fail as a keyword argument, with Python's words)
+        check_known_keys("ModelConfig", [k for k in spec if not isinstance(k, str)], _MODEL_FIELDS)
         fields = dict(spec)
         preset = fields.pop("preset", None)
         source = fields.pop("from_hf", None)
