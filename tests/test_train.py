@@ -382,6 +382,15 @@ def test_a_key_that_is_not_a_string_is_named(tmp_path, text, said):
         load_config(tmp_path / "run.yaml")
 
 
+def test_hf_config_without_a_family_is_refused():
+    """``model.hf_config.head_dim=32`` on the native decoder was accepted and unused."""
+    with pytest.raises(ValueError, match=r"ModelConfig.hf_config must be empty unless hf_architecture names the "
+                                         r"transformers family .*; set model.hf_architecture, or leave hf_config out; "
+                                         r"got \{'head_dim': 32\}"):
+        load_config(None, ["model.hf_config.head_dim=32"])
+    assert load_config(None, ["model.hf_architecture=llama", "model.hf_config={}"]).model.hf_config == {}
+
+
 @pytest.mark.parametrize("value", [None, "tiny", ["tiny"]])
 def test_model_config_from_dict_of_something_else_says_what_it_takes(value):
     """``ModelConfig.from_dict("tiny")`` raised AttributeError ('str' object has no attribute 'get')."""

@@ -106,6 +106,9 @@ class ModelConfig:
         _CHECK.rule("hf_architecture", Nullable(Choice(HF_ARCHITECTURES), "the native decoder"), self.hf_architecture)
         if not isinstance(self.hf_config, dict):
             _CHECK.fail("hf_config", "a mapping of the transformers family's config fields", self.hf_config)
+        if self.hf_config and self.hf_architecture is None:  # the native decoder has none of them: unused
+            _CHECK.fail("hf_config", "empty unless hf_architecture names the transformers family whose config fields "
+                        "it holds; set model.hf_architecture, or leave hf_config out", self.hf_config)
 
     # -- derived quantities --------------------------------------------------------------
     @property
