@@ -271,6 +271,19 @@ def test_missing_and_empty_data(tmp_path):
         cli_main(["train", f"data.paths=[{tmp_path / 'nope.txt'}]", f"out_dir={tmp_path / 'run'}", "progress=false"])
 
 
+def test_a_relative_data_path_that_is_not_there_names_the_directory_it_was_read_from(tmp_path, monkeypatch):
+    """A config file in another directory with ``data.paths: [corpus.txt]`` said only "data path
+    'corpus.txt' does not exist": relative paths are read from the current directory, not the
+    config file's."""
+    (tmp_path / "configs").mkdir()
+    write_corpus(tmp_path / "configs" / "corpus.txt")
+    (tmp_path / "configs" / "run.yaml").write_text("model: tiny\ndata:\n  paths: [corpus.txt]\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"data path 'corpus.txt' does not exist (a relative path is read "
+                                                   f"from the current directory, {str(tmp_path)!r})")):
+        train(load_config("configs/run.yaml", [f"out_dir={tmp_path / 'run'}"]))
+
+
 def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
     """A JSONL file saved with a UTF-8 byte-order mark reads as without one (it was refused as
     invalid JSON on line 1); a byte that is not UTF-8 far into a JSONL file is reported at its
