@@ -429,6 +429,13 @@ def test_train_config_takes_its_sections_in_python_as_a_yaml_config_gives_them()
         TrainConfig.from_dict({"data": "a.txt"})
 
 
+def test_an_empty_section_is_the_section_s_defaults(tmp_path):
+    """``data:`` with every line under it commented out is YAML's null: it was refused ("must be
+    a mapping; got None") where leaving the line out gives the defaults."""
+    (tmp_path / "run.yaml").write_text("model:\n#  preset: train-cpu\ndata:\n#  tokenizer: byte\nparallel:\nsteps: 7\n")
+    assert load_config(tmp_path / "run.yaml").to_dict() == load_config(None, ["steps=7"]).to_dict()
+
+
 def test_yaml_config_and_overrides(tmp_path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("model: tiny\nlr: 3e-4\ndata:\n  tokenizer: byte\n")

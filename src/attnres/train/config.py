@@ -254,6 +254,9 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping; got {type(data).__name__}")
         data = migrate_train_keys(data)
+        # An empty section (`data:` with every line under it commented out) is YAML's null: the
+        # section's defaults, as without the line (a mapping was asked for, and refused).
+        data = {k: v for k, v in data.items() if not (v is None and k in ("model", "data", "parallel"))}
         check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
         return cls(**data)  # (__post_init__ reads the sections)
 
