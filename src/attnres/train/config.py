@@ -423,7 +423,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     preset and overrides field ``X``; on a config that names no model, it starts from the
     default model (preset ``DEFAULT_MODEL_PRESET``), as the config would have had without it."""
     data = {**data}
-    given: dict[tuple[str, ...], tuple[str, Any]] = {}
+    given: dict[tuple[str, ...], str] = {}
     for item in overrides:
         keys, value = parse_override(item)
         _refuse_undoing(item, tuple(keys), value, given)
@@ -450,20 +450,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _refuse_undoing(item: str, path: tuple[str, ...], value: Any, given: dict[tuple[str, ...], tuple[str, Any]]) -> None:
-    """Refuse an override that undoes an earlier one of the same list (``given``: key path ->
-    the override and its value, to which this one is added): the same key with another value,
-    as a config file's key given twice is refused, or a section after an override of one of its
-    fields, which it would replace (``model.d_model=256 model=train-cpu``: d_model 128)."""
-    for earlier, (earlier_item, earlier_value) in given.items():
-        if earlier == path and earlier_value != value:
-            raise ValueError(f"override {item!r}: {'.'.join(path)} is given twice ({earlier_item!r}, then {item!r}; the "
-                             "second would replace the first); give it once")
-        kind_only = path == ("model", "residual") and isinstance(value, str)  # a residual's name changes its kind only
+def _refuse_undoing(item: str, path: tuple[str, ...], value: Any, given: dict[tuple[str, ...], str]) -> None:
+    """Refuse a section after an override of one of its fields in the same list, which it would
+    replace (``model.d_model=256 model=train-cpu`` trained d_model 128); ``given``: the key paths
+    so far and their overrides, to which this one is added. (The same key again wins, as the
+    last word: a list of overrides may be extended.)"""
+    kind_only = path == ("model", "residual") and isinstance(value, str)  # a residual's name changes its kind only
+    for earlier, earlier_item in given.items():
         if len(earlier) > len(path) and earlier[:len(path)] == path and not kind_only:
             raise ValueError(f"override {item!r} replaces the whole of {'.'.join(path)}, and with it {earlier_item!r} "
                              f"given before it; give {item!r} first (an override after it changes only the field it names)")
-    given[path] = (item, value)
+    given[path] = item
 
 
 #: The example configs shipped in the package (``configs/`` of a clone links to them).
