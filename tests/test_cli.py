@@ -62,6 +62,22 @@ def test_train_help_lists_every_field_with_default_and_allowed_values(capsys):
         assert below[line] == f"      {MEANINGS[name]}", name
 
 
+def test_train_help_says_what_each_field_takes(capsys):
+    """``--help`` said weight_decay and grad_clip take "a number in [0.0, inf]" (inf is refused:
+    every number must be finite), listed model.hf_architecture's families without its default,
+    null, and called batch_size the sequences of an optimiser step (a step takes grad_accum
+    batches of batch_size sequences)."""
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    text = capsys.readouterr().out
+    lines = {line.split("=")[0].strip(): line for line in text.splitlines() if " = " in line}
+    below = dict(zip(text.splitlines(), text.splitlines()[1:]))
+    for name in ("weight_decay", "grad_clip"):
+        assert lines[name].endswith("  a finite number >= 0"), lines[name]
+    assert lines["model.hf_architecture"].endswith("'granitemoe', or null (the native decoder)")
+    assert "micro-batch" in below[lines["batch_size"]] and "grad_accum" in below[lines["batch_size"]]
+
+
 def test_print_config_shows_the_resolved_config(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model: train-cpu\nlr: 1.0e-3\n")
@@ -73,6 +89,16 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
                         "data.vocab_size; an init_from or resumed model's padded embedding keeps its size)\n")
     assert printed["model"]["d_model"] == 128 and printed["lr"] == 1e-3  # the train-cpu preset, the file's lr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("override", ["wandb_project='1e3'", "data.paths=['2e5']", "out_dir='1E3'"])
+def test_print_config_loads_back_strings_that_look_like_numbers(capsys, tmp_path, override):
+    """A string such as '1e3' (a W&B project, a path) was printed plain, as PyYAML's YAML 1.1
+    writes it, and the config loader, which reads 1e3 as a number, read back a float (refused)."""
+    assert cli_main(["train", "--print-config", override]) == 0
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(capsys.readouterr().out)
+    assert load_config(printed).to_dict() == load_config(None, [override]).to_dict()
 
 
 def test_overrides_on_both_sides_of_resume(tmp_path):

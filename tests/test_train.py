@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -270,6 +271,19 @@ def test_missing_and_empty_data(tmp_path):
         cli_main(["train", f"data.paths=[{tmp_path / 'nope.txt'}]", f"out_dir={tmp_path / 'run'}", "progress=false"])
 
 
+def test_a_relative_data_path_that_is_not_there_names_the_directory_it_was_read_from(tmp_path, monkeypatch):
+    """A config file in another directory with ``data.paths: [corpus.txt]`` said only "data path
+    'corpus.txt' does not exist": relative paths are read from the current directory, not the
+    config file's."""
+    (tmp_path / "configs").mkdir()
+    write_corpus(tmp_path / "configs" / "corpus.txt")
+    (tmp_path / "configs" / "run.yaml").write_text("model: tiny\ndata:\n  paths: [corpus.txt]\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"data path 'corpus.txt' does not exist (a relative path is read "
+                                                   f"from the current directory, {str(tmp_path)!r})")):
+        train(load_config("configs/run.yaml", [f"out_dir={tmp_path / 'run'}"]))
+
+
 def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
     """A JSONL file saved with a UTF-8 byte-order mark reads as without one (it was refused as
     invalid JSON on line 1); a byte that is not UTF-8 far into a JSONL file is reported at its
@@ -369,6 +383,35 @@ def test_unknown_config_keys(tmp_path):
         load_config(None, ["steps"])
 
 
+@pytest.mark.parametrize("text, said", [
+    ("1: 2\nfoo: 3\n", "unknown TrainConfig key(s) [1, 'foo']"),  # was: '<' not supported between 'int' and 'str'
+    ("model:\n  preset: tiny\n  1: 2\n", "unknown ModelConfig key(s) [1]"),  # was: keywords must be strings
+])
+def test_a_key_that_is_not_a_string_is_named(tmp_path, text, said):
+    """A YAML key may be a number; such a key crashed with Python's TypeError, not the
+    unknown-key message."""
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_config(tmp_path / "run.yaml")
+
+
+def test_hf_config_without_a_family_is_refused():
+    """``model.hf_config.head_dim=32`` on the native decoder was accepted and unused."""
+    with pytest.raises(ValueError, match=r"ModelConfig.hf_config must be empty unless hf_architecture names the "
+                                         r"transformers family .*; set model.hf_architecture, or leave hf_config out; "
+                                         r"got \{'head_dim': 32\}"):
+        load_config(None, ["model.hf_config.head_dim=32"])
+    assert load_config(None, ["model.hf_architecture=llama", "model.hf_config={}"]).model.hf_config == {}
+
+
+@pytest.mark.parametrize("value", [None, "tiny", ["tiny"]])
+def test_model_config_from_dict_of_something_else_says_what_it_takes(value):
+    """``ModelConfig.from_dict("tiny")`` raised AttributeError ('str' object has no attribute 'get')."""
+    with pytest.raises(ValueError, match=r"ModelConfig.from_dict takes a mapping of ModelConfig fields; got .* \(a "
+                                         r"preset by name: ModelConfig.preset\(name\)\)"):
+        ModelConfig.from_dict(value)
+
+
 def test_train_config_takes_its_sections_in_python_as_a_yaml_config_gives_them():
     """``TrainConfig(model="tiny", data={...})`` said 'must be a ModelConfig; got 'tiny''
     (``parallel`` alone took a mapping): each section is read as ``from_dict`` reads it."""
@@ -386,6 +429,13 @@ def test_train_config_takes_its_sections_in_python_as_a_yaml_config_gives_them()
         TrainConfig.from_dict({"data": "a.txt"})
 
 
+def test_an_empty_section_is_the_section_s_defaults(tmp_path):
+    """``data:`` with every line under it commented out is YAML's null: it was refused ("must be
+    a mapping; got None") where leaving the line out gives the defaults."""
+    (tmp_path / "run.yaml").write_text("model:\n#  preset: train-cpu\ndata:\n#  tokenizer: byte\nparallel:\nsteps: 7\n")
+    assert load_config(tmp_path / "run.yaml").to_dict() == load_config(None, ["steps=7"]).to_dict()
+
+
 def test_yaml_config_and_overrides(tmp_path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("model: tiny\nlr: 3e-4\ndata:\n  tokenizer: byte\n")
@@ -393,6 +443,25 @@ def test_yaml_config_and_overrides(tmp_path):
     assert cfg.lr == 3e-4 and cfg.steps == 7 and cfg.data.paths == ["a.txt", "b"]
     assert cfg.model == ModelConfig.preset("tiny", residual="standard")
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("given, said", [
+    (["model.d_model=256", "model=train-cpu"], "override 'model=train-cpu' replaces the whole of model, and with it "
+                                               "'model.d_model=256' given before it; give 'model=train-cpu' first"),
+    (["model.residual.block_size=1", "model.residual={kind: attnres_full}"], "replaces the whole of model.residual"),
+    (["data.paths=[a.txt]", "data={tokenizer: byte}"], "and with it 'data.paths=[a.txt]' given before it"),
+])
+def test_a_section_after_an_override_of_one_of_its_fields_is_refused(given, said):
+    """A section after one of its fields replaced it without a word: ``model.d_model=256
+    model=train-cpu`` trained d_model 128."""
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_config(None, given)
+    # a key again (the last wins: a list of overrides may be extended), a section before its
+    # fields, and a residual's name (its kind only) are fine
+    assert load_config(None, ["lr=1e-3", "lr=2e-3"]).lr == 2e-3
+    assert load_config(None, ["model=train-cpu", "model.d_model=256"]).model.d_model == 256
+    config = load_config(None, ["model.residual.block_size=4", "model.residual=attnres_full"])
+    assert (config.model.residual.kind, config.model.residual.block_size) == ("attnres_full", 4)
 
 
 def test_model_fields_start_from_one_base_in_yaml_and_overrides(tmp_path):
@@ -422,6 +491,33 @@ def cli_help(argv: list[str]) -> str:
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         cli_main(argv)
     return out.getvalue()
+
+
+@pytest.mark.parametrize("override, said", [
+    ("steps=1e3", "TrainConfig.steps must be an integer >= 1; got 1000.0 (a float: write the integer 1000)"),
+    ("seq_len=64.0", "got 64.0 (a float: write the integer 64)"),
+    ("model.d_model=128.0", "ModelConfig.d_model must be an integer >= 1; got 128.0 (a float: write the integer 128)"),
+    ("lr='3e-4'", "TrainConfig.lr must be a finite number > 0; got '3e-4' (a quoted number is a string: write it "
+                  "without quotes)"),
+    ("out_dir=2024-01-01", "TrainConfig.out_dir must be a directory path; got datetime.date(2024, 1, 1) (YAML read the "
+                           "value as a date; quote it to keep it as text: key='VALUE')"),
+    ("wandb_project=0777", "got 511 (YAML read the value as a number; quote it"),
+    ("data.paths=[runs, yes]", "got ['runs', True] (YAML read the value as a boolean; quote it"),
+    ("data.cache_dir=None", "TrainConfig.data.cache_dir must be a directory path, or null (beside the data); got 'None' "
+                            "(a string: YAML's null is written null or ~)"),
+    ("init_from=none", "got 'none' (a string: YAML's null is written null or ~)"),
+    ("model.n_kv_heads=None", "ModelConfig.n_kv_heads must be an integer >= 1, or null (= n_heads); got 'None' (a string"),
+    ("model.hf_architecture=None", "'granitemoe', or null (the native decoder); got 'None' (a string: YAML's null"),
+    ("seq_len=256", "got 256; lower seq_len, or raise model.max_seq_len (the RoPE tables) to 256"),
+])
+def test_a_refused_value_says_how_to_write_it(override, said):
+    """A value refused for its YAML type says the fix: 1e3 is a float (steps=1000), a quoted
+    number a string, a path or name that YAML read as a date, number or boolean wants quotes;
+    a seq_len beyond the model's context names model.max_seq_len. ``None`` (Python's null) was
+    taken as a path (data.cache_dir made a directory 'None'; init_from looked for one)."""
+    with pytest.raises(ValueError) as info:
+        load_config(None, ["model=tiny", override])
+    assert said in str(info.value)
 
 
 def test_seq_len_below_two_is_refused_up_front():

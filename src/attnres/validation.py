@@ -63,7 +63,7 @@ def check_known_keys(section: str, data: Iterable[str], known: Iterable[str]) ->
     """Raise ``ValueError`` for keys of ``data`` not in ``known``, naming the nearest known key
     of each (a misspelt ``out=`` for ``out_dir=``) and listing them all."""
     known = sorted(set(known))
-    unknown = sorted(set(data) - set(known))
+    unknown = sorted(set(data) - set(known), key=str)  # (a YAML key may be a number: 1: 2)
     if not unknown:
         return
     raise ValueError(f"unknown {section} key(s) {unknown}{did_you_mean_each(unknown, known)}; known keys: {known}")
@@ -75,8 +75,35 @@ def fail(section: str, name: str, allowed: str, value: Any, hint: str = "") -> N
     raise ValueError(f"{section}.{name} must be {allowed}; got {value!r}{hint}")
 
 
+#: How a null is spelt by habit elsewhere (Python's ``None``): in YAML these are strings, so a
+#: path field would take the text 'None' as a directory name.
+NULL_SPELLINGS = ("none", "null", "~")
+
+
+def _yaml_typed_hint(value: Any) -> str:
+    """Why a text field got a number, boolean or date: YAML read it so (``0777``, ``12:30``,
+    ``2024-01-01``, ``yes``, ``1e3``); quoting keeps the text."""
+    kind = ("a boolean" if isinstance(value, bool) else "a number" if isinstance(value, (int, float))
+            else "a date" if type(value).__name__ in ("date", "datetime") else None)
+    return "" if kind is None else f" (YAML read the value as {kind}; quote it to keep it as text: key='VALUE')"
+
+
+def _quoted_number_hint(value: Any, integer: bool) -> str:
+    """A number given as a string (``lr: "3e-4"`` in a file): the quotes make it text."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if integer and not number.is_integer():
+        return ""
+    return " (a quoted number is a string: write it without quotes)"
+
+
 class Rule:
-    """What a field allows: :meth:`ok` tests a value, :meth:`describe` says it in words."""
+    """What a field allows: :meth:`ok` tests a value, :meth:`describe` says it in words,
+    :meth:`hint` says how to fix a refused value where the rule knows (``""`` otherwise)."""
 
     def ok(self, value: Any) -> bool:
         raise NotImplementedError
@@ -84,9 +111,12 @@ class Rule:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def hint(self, value: Any) -> str:
+        return ""
+
     def check(self, section: str, name: str, value: Any) -> None:
         if not self.ok(value):
-            fail(section, name, self.describe(), value)
+            fail(section, name, self.describe(), value, self.hint(value))
 
 
 #: The largest seed PyTorch's generators take (an unsigned 64-bit integer).
@@ -105,6 +135,12 @@ class Int(Rule):
     def describe(self) -> str:
         return f"an integer >= {self.minimum}" + ("" if self.maximum is None else f" and <= {self.maximum}")
 
+    def hint(self, value: Any) -> str:
+        # YAML (and Python) read 1e3 or 1000.0 as a float: the integer is meant
+        if isinstance(value, float) and value.is_integer() and self.ok(int(value)):
+            return f" (a float: write the integer {int(value)})"
+        return _quoted_number_hint(value, integer=True)
+
 
 @dataclass(frozen=True)
 class Number(Rule):
@@ -121,10 +157,13 @@ class Number(Rule):
         return above and below
 
     def describe(self) -> str:
-        if self.lo == 0 and self.lo_open and self.hi == math.inf:
-            return "a finite number > 0"
+        if self.hi == math.inf:  # (inf itself is refused: every number must be finite)
+            return f"a finite number {'>' if self.lo_open else '>='} {self.lo:g}"
         lb, rb = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
         return f"a number in {lb}{self.lo}, {self.hi}{rb}"
+
+    def hint(self, value: Any) -> str:
+        return _quoted_number_hint(value, integer=False)
 
 
 @dataclass(frozen=True)
@@ -137,9 +176,8 @@ class Choice(Rule):
     def describe(self) -> str:
         return "one of " + ", ".join(repr(a) for a in self.allowed)
 
-    def check(self, section: str, name: str, value: Any) -> None:
-        if not self.ok(value):
-            fail(section, name, self.describe(), value, did_you_mean(value, self.allowed))
+    def hint(self, value: Any) -> str:
+        return did_you_mean(value, self.allowed)
 
 
 @dataclass(frozen=True)
@@ -179,6 +217,9 @@ class Text(Rule):
     def describe(self) -> str:
         return self.what
 
+    def hint(self, value: Any) -> str:
+        return _yaml_typed_hint(value)
+
 
 @dataclass(frozen=True)
 class TextList(Rule):
@@ -192,6 +233,10 @@ class TextList(Rule):
     def describe(self) -> str:
         return self.what
 
+    def hint(self, value: Any) -> str:
+        items = value if isinstance(value, list) else [value]
+        return next((h for h in map(_yaml_typed_hint, items) if h), "")
+
 
 @dataclass(frozen=True)
 class Nullable(Rule):
@@ -201,10 +246,20 @@ class Nullable(Rule):
     none_means: str
 
     def ok(self, value: Any) -> bool:
-        return value is None or self.rule.ok(value)
+        # 'None' (Python's spelling) is a string in YAML: a path field would take it as a name
+        return value is None or (self.rule.ok(value) and not _spelt_null(value))
 
     def describe(self) -> str:
         return f"{self.rule.describe()}, or null ({self.none_means})"
+
+    def hint(self, value: Any) -> str:
+        if _spelt_null(value):
+            return f" (a string: YAML's null is written null or ~)"
+        return self.rule.hint(value)
+
+
+def _spelt_null(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() in NULL_SPELLINGS
 
 
 class Fields:

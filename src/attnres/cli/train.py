@@ -110,6 +110,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
 
     from ..distributed.launch import DistributedError
     from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
+    from ..train.config import yaml_dump
     from ..train.resume import config_of_the_run
 
     try:
@@ -120,9 +121,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
                 print(f"attnres train: resuming with the config stored in {stored_in} (no config file given), "
                       "the command's overrides applied", file=sys.stderr)
         if print_config:
-            import yaml
-
-            print(yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None), end="")
+            print(yaml_dump(config.to_dict()), end="")
             # (a YAML comment: the printed config still loads as it is)
             print("# model.vocab_size is replaced by the tokenizer's vocabulary when the run starts (data.tokenizer, "
                   "data.vocab_size; an init_from or resumed model's padded embedding keeps its size)")

@@ -6,6 +6,7 @@ import glob
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -81,7 +82,9 @@ def _files_of(path: Path) -> list[Path]:
     if not path.exists() and any(c in str(path) for c in "*?["):
         return _matches_of(str(path))
     if not path.exists():
-        raise ValueError(f"data path {str(path)!r} does not exist")
+        # (a config file's relative paths too: not relative to the file, as out_dir is not)
+        where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {os.getcwd()!r})"
+        raise ValueError(f"data path {str(path)!r} does not exist{where}")
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not any(

@@ -172,6 +172,12 @@ def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
     """The tokenizer of the ``tokenizer.json`` that ``path`` names: the file, or the one in a
     directory (a checkpoint's, a transformers tokenizer's); ``ValueError`` naming ``what``
     (the option, e.g. ``--tokenizer``) for a directory without one or a path that does not exist."""
+    return BPETokenizer.load(tokenizer_file(path, what))
+
+
+def tokenizer_file(path: str | Path, what: str) -> Path:
+    """The ``tokenizer.json`` that ``path`` names (:func:`load_tokenizer_file`), not read: a
+    cheap check that it is there, before any data is read."""
     file = Path(path).expanduser()
     if file.is_dir():
         if not (file / TOKENIZER_FILE).is_file():
@@ -181,7 +187,7 @@ def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
     if not file.is_file():
         raise ValueError(f"{what} {str(file)!r} does not exist: give a {TOKENIZER_FILE} file, or a directory "
                          "holding one")
-    return BPETokenizer.load(file)
+    return file
 
 
 #: What a tokenizer record may carry beside its tokenizer, from a transformers directory a run

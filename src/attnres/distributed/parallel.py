@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..validation import Bool, Choice, Fields, Int, Nullable
 
-__all__ = ["PP_SCHEDULES", "ParallelConfig", "ParallelLayout", "build_layout", "PARALLEL_RULES"]
+__all__ = ["PP_SCHEDULES", "ParallelConfig", "ParallelLayout", "build_layout", "check_one_process", "PARALLEL_RULES"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -153,15 +153,21 @@ def resolve_degrees(config: ParallelConfig, world_size: int) -> tuple[int, int, 
     return config.dp, config.tp, config.pp
 
 
+def check_one_process(config: ParallelConfig) -> None:
+    """``ValueError`` naming the fix where ``config`` asks for more than one rank and this
+    process has no process group (a run started without ``torchrun``)."""
+    if config.dp not in (None, 1) or not config.is_default:
+        n = (config.dp or 1) * config.tp * config.pp
+        raise ValueError(f"TrainConfig.parallel asks for dp {config.dp or 1} x tp {config.tp} x pp {config.pp} = {n} "
+                         f"ranks; launch them with `torchrun --nproc-per-node {n} -m attnres train ...`, or set "
+                         "parallel.dp=1 parallel.tp=1 parallel.pp=1 to train (or resume) in one process")
+
+
 def build_layout(config: ParallelConfig, device: torch.device | None = None) -> ParallelLayout:
     """The layout of this process: a single-process one without a process group, else the
     mesh over the default group (every rank must call this)."""
     if not (dist.is_available() and dist.is_initialized()):
-        if config.dp not in (None, 1) or not config.is_default:
-            n = (config.dp or 1) * config.tp * config.pp
-            raise ValueError(f"TrainConfig.parallel asks for dp {config.dp or 1} x tp {config.tp} x pp {config.pp} = {n} "
-                             f"ranks; launch them with `torchrun --nproc-per-node {n} -m attnres train ...`, or set "
-                             "parallel.dp=1 parallel.tp=1 parallel.pp=1 to train (or resume) in one process")
+        check_one_process(config)
         return ParallelLayout(1, 1, 1, 0, 0, 0)
     from torch.distributed.device_mesh import init_device_mesh
 

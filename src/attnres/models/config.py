@@ -11,7 +11,7 @@ from typing import Any
 from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import merge_residual
-from ..validation import Fields, did_you_mean
+from ..validation import Choice, Fields, Nullable, did_you_mean
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
@@ -103,10 +103,12 @@ class ModelConfig:
         if not isinstance(self.residual, ResidualConfig):
             _CHECK.fail("residual", "a ResidualConfig, a mapping of its fields or a residual name", self.residual)
         validate_residual_config(self.residual, self.d_model, self.n_sublayers)
-        if self.hf_architecture is not None:
-            _CHECK.choice("hf_architecture", self.hf_architecture, HF_ARCHITECTURES)
+        _CHECK.rule("hf_architecture", Nullable(Choice(HF_ARCHITECTURES), "the native decoder"), self.hf_architecture)
         if not isinstance(self.hf_config, dict):
             _CHECK.fail("hf_config", "a mapping of the transformers family's config fields", self.hf_config)
+        if self.hf_config and self.hf_architecture is None:  # the native decoder has none of them: unused
+            _CHECK.fail("hf_config", "empty unless hf_architecture names the transformers family whose config fields "
+                        "it holds; set model.hf_architecture, or leave hf_config out", self.hf_config)
 
     # -- derived quantities --------------------------------------------------------------
     @property
@@ -146,6 +148,9 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from a mapping (``residual`` nested, or the deprecated flat keys); an
         unknown key raises ``ValueError`` listing the known ones."""
+        if not isinstance(data, dict):
+            raise ValueError(f"ModelConfig.from_dict takes a mapping of ModelConfig fields; got {data!r} (a preset by "
+                             "name: ModelConfig.preset(name))")
         data = migrate_model_keys(data)
         _CHECK.known_keys(data, _FIELDS)
         return cls(**data)

@@ -216,9 +216,13 @@ class TrainConfig:
         self.parallel.validate()
         # A window of seq_len tokens holds seq_len - 1 next-token targets: one token has none
         # (the loss would be a mean over nothing, NaN at the first step).
-        if not (Int(2).ok(self.seq_len) and self.seq_len <= self.model.max_seq_len):
+        window = TRAIN_RULES["seq_len"]
+        if not (window.ok(self.seq_len) and self.seq_len <= self.model.max_seq_len):
+            longer = window.ok(self.seq_len)  # (than the model's context)
             fail("TrainConfig", "seq_len", f"an integer in [2, model.max_seq_len={self.model.max_seq_len}] (a window "
-                 "needs a next token to predict)", self.seq_len)
+                 "needs a next token to predict)", self.seq_len,
+                 hint=f"; lower seq_len, or raise model.max_seq_len (the RoPE tables) to {self.seq_len}" if longer
+                 else window.hint(self.seq_len))
         _check_rules(self, TRAIN_RULES)
         if self.resume and self.resume_from is not None:  # which checkpoint would it be?
             raise ValueError(f"TrainConfig.resume and resume_from are exclusive: resume=true continues the newest "
@@ -250,6 +254,9 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be a mapping; got {type(data).__name__}")
         data = migrate_train_keys(data)
+        # An empty section (`data:` with every line under it commented out) is YAML's null: the
+        # section's defaults, as without the line (a mapping was asked for, and refused).
+        data = {k: v for k, v in data.items() if not (v is None and k in ("model", "data", "parallel"))}
         check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
         return cls(**data)  # (__post_init__ reads the sections)
 
@@ -295,6 +302,9 @@ TRAIN_RULES: dict[str, Rule] = {
 accept_old_keys(TrainConfig, migrate_train_keys)
 
 
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
 def data_from_spec(spec: Any) -> DataConfig:
     """A ``DataConfig`` from a mapping of its fields (a YAML config's ``data`` section)."""
     if not isinstance(spec, dict):
@@ -315,6 +325,8 @@ def model_from_spec(spec: Any) -> ModelConfig:
     if isinstance(spec, str):
         return ModelConfig.preset(spec)
     if isinstance(spec, dict):
+        # (a key that is not a string would fail as a keyword argument, with Python's words)
+        check_known_keys("ModelConfig", [k for k in spec if not isinstance(k, str)], _MODEL_FIELDS)
         fields = dict(spec)
         preset = fields.pop("preset", None)
         source = fields.pop("from_hf", None)
@@ -332,11 +344,14 @@ def model_from_spec(spec: Any) -> ModelConfig:
     raise AssertionError  # unreachable: _fail raises
 
 
+#: Numbers with an exponent and no dot (``3e-4``, ``1e30``): floats in YAML 1.2 and Python,
+#: strings to PyYAML's YAML 1.1.
+_EXPONENT_FLOAT = r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"
+
+
 def _yaml_load(text: str) -> Any:
     """``yaml.safe_load``, except that numbers like ``3e-4`` or ``1e30`` (exponent, no dot) are
     floats, as in YAML 1.2 and Python, rather than strings as in PyYAML's YAML 1.1."""
-    import re
-
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -356,12 +371,26 @@ def _yaml_load(text: str) -> Any:
                 seen.add(key)
             return super().construct_mapping(node, deep)
 
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"),
-    )
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=_exponent_floats(Loader))  # noqa: S506 - a SafeLoader subclass
+
+
+def yaml_dump(data: Any) -> str:
+    """``yaml.safe_dump`` (in the order given) of what :func:`_yaml_load` reads back the same:
+    a string it would read as a number (``'1e3'``, a plain string to PyYAML's YAML 1.1) is quoted."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    return yaml.dump(data, Dumper=_exponent_floats(Dumper), sort_keys=False, default_flow_style=None)
+
+
+def _exponent_floats(cls: type) -> type:
+    """``cls`` (a PyYAML loader or dumper subclass) reading :data:`_EXPONENT_FLOAT` as floats."""
+    import re
+
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_EXPONENT_FLOAT), list("-+0123456789"))
+    return cls
 
 
 def _yaml_error_line(error: Exception) -> str:
@@ -394,8 +423,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     preset and overrides field ``X``; on a config that names no model, it starts from the
     default model (preset ``DEFAULT_MODEL_PRESET``), as the config would have had without it."""
     data = {**data}
+    given: dict[tuple[str, ...], str] = {}
     for item in overrides:
         keys, value = parse_override(item)
+        _refuse_undoing(item, tuple(keys), value, given)
         node = data
         for depth, k in enumerate(keys[:-1]):
             child = node.get(k)
@@ -417,6 +448,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = {**node["residual"], "kind": value}  # a name changes the kind only, in any order
         node[keys[-1]] = value
     return data
+
+
+def _refuse_undoing(item: str, path: tuple[str, ...], value: Any, given: dict[tuple[str, ...], str]) -> None:
+    """Refuse a section after an override of one of its fields in the same list, which it would
+    replace (``model.d_model=256 model=train-cpu`` trained d_model 128); ``given``: the key paths
+    so far and their overrides, to which this one is added. (The same key again wins, as the
+    last word: a list of overrides may be extended.)"""
+    kind_only = path == ("model", "residual") and isinstance(value, str)  # a residual's name changes its kind only
+    for earlier, earlier_item in given.items():
+        if len(earlier) > len(path) and earlier[:len(path)] == path and not kind_only:
+            raise ValueError(f"override {item!r} replaces the whole of {'.'.join(path)}, and with it {earlier_item!r} "
+                             f"given before it; give {item!r} first (an override after it changes only the field it names)")
+    given[path] = item
 
 
 #: The example configs shipped in the package (``configs/`` of a clone links to them).

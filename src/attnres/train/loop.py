@@ -52,6 +52,7 @@ from ..checkpoint import (
     write_checkpoint,
 )
 from ..data.corpus import absolute_paths, data_files
+from ..data.tokenizer import TOKENIZER_KINDS, tokenizer_file
 from ..distributed.data_parallel import shard_optimizer_state
 from ..distributed.launch import (
     DistContext,
@@ -65,7 +66,7 @@ from ..distributed.launch import (
     raise_on_every_rank,
 )
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
-from ..distributed.parallel import build_layout, resolve_degrees
+from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
 from ..output_paths import check_output_dir
 from ..progress import StepProgress
 from .config import TrainConfig, flatten
@@ -179,13 +180,7 @@ class Trainer:
         config.validate()
         check_backend(config, ctx.device)
         require_wandb(config.wandb_project)
-        if ctx.world_size > 1:  # the layout fits the launched ranks and the model: the same answer on every rank
-            try:
-                dp, _, _ = resolve_degrees(config.parallel, ctx.world_size)
-                check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, dp,
-                                      config.activation_checkpoint)
-            except ValueError as e:
-                raise on_every_rank(e) from None
+        check_layout(config, ctx)
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
@@ -194,6 +189,8 @@ class Trainer:
         if config.data.cache_dir is not None:  # before out_dir is created: a bad one leaves nothing behind
             check_output_dir(config.data.cache_dir, "data.cache_dir")
         data_files(config.data.paths)  # a missing data file said before out_dir's objections (read later)
+        if config.data.tokenizer not in TOKENIZER_KINDS and not config.resuming and config.init_from is None:
+            tokenizer_file(config.data.tokenizer, "data.tokenizer")  # (a start from a checkpoint keeps its own)
         # Made by this run: removed again (when left empty) if the set-up fails or nothing is trained.
         self.created = self.main and not self.out_dir.exists()
         self.idle = False  # nothing left to train: nothing is written
@@ -291,10 +288,7 @@ class Trainer:
     def _build_model(self) -> ParallelModel:
         """This rank's part of the model, initialised from ``seed`` (and from the whole-model
         weights to load, if any) and laid out over the mesh."""
-        config = self.config
-        if self.ctx.world_size == 1:  # (several ranks: checked at the start, before any work)
-            check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, self.layout.dp,
-                                  config.activation_checkpoint)
+        config = self.config  # (its layout checked at the start, before any work: check_layout)
         # bf16: FSDP2's mixed precision where dp shards (bf16 parameters and gradients, float32
         # reductions and master weights); autocast stays on around every step, for what FSDP2
         # does not cast (buffers such as the RoPE tables, the tp norms' gains kept out of FSDP2).
@@ -539,6 +533,20 @@ class Trainer:
         return TrainResult(step=self.step_count, train_loss=self.train_loss, val_loss=self.val_loss,
                            checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted,
                            val_step=self.val_step)
+
+
+def check_layout(config: TrainConfig, ctx: DistContext) -> None:
+    """``ValueError`` unless the layout fits the launched ranks (or the one process, without a
+    process group) and the model: said before the data is read or a model built, the same
+    answer on every rank."""
+    try:
+        if ctx.backend is None:
+            check_one_process(config.parallel)
+        dp = 1 if ctx.backend is None else resolve_degrees(config.parallel, ctx.world_size)[0]
+        check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, dp,
+                              config.activation_checkpoint)
+    except ValueError as e:
+        raise on_every_rank(e) from None
 
 
 def check_backend(config: TrainConfig, device: torch.device) -> None:

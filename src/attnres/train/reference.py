@@ -18,7 +18,7 @@ MEANINGS: dict[str, str] = {
     "steps": "optimiser steps of the run; the learning-rate schedule spans them",
     "stop_after": "end this invocation after this many steps in all (with a checkpoint), schedule unchanged",
     "seq_len": "tokens per training sequence",
-    "batch_size": "sequences per optimiser step (the global batch, over all data-parallel ranks)",
+    "batch_size": "sequences per micro-batch (the global batch, over all data-parallel ranks); a step takes grad_accum",
     "grad_accum": "micro-batches per step: batch_size x grad_accum sequences a step",
     "optimizer": "adamw, or muon (orthogonalised momentum for the blocks' matrices, AdamW for the rest)",
     "lr": "the peak learning rate",
