@@ -248,6 +248,24 @@ def test_compiled_decoder_generates_the_dynamic_tokens(residual):
     assert torch.equal(generate(model, ids, mask, max_new_tokens=8, decode="compiled"), want)
 
 
+def test_compiled_decoder_past_the_recompile_limit_decodes_eagerly():
+    """``decode="compiled"`` compiles one graph per model class, dtype, batch size, capacity
+    and grad mode, shared by every generation of the process: past Dynamo's recompile limit
+    (8; here 1) ``fullgraph=True`` raised ``FailOnRecompileLimitHit`` ("Hard failure due to
+    fullgraph=True") from the first step. It now decodes eagerly, the same tokens, with a
+    warning naming the limit."""
+    model = make_model(residual="attnres_block", n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        generate(model, ids, mask, max_new_tokens=3, decode="compiled")  # (compiles, or a graph is there)
+        for rows in (ids.shape[0] - 1, ids.shape[0] - 2):  # new batch sizes: past the limit
+            want = generate(model, ids[:rows], mask[:rows], max_new_tokens=6, decode="dynamic")
+            with pytest.warns(RuntimeWarning, match=r"recompile limit \(torch._dynamo.config.recompile_limit=1\).*"
+                                                    r"decodes eagerly; raise the limit, or use decode='static'"):
+                got = generate(model, ids[:rows], mask[:rows], max_new_tokens=6, decode="compiled")
+            assert torch.equal(got, want)
+
+
 # -- the decoder's API ---------------------------------------------------------------------
 def test_decoder_decodes_greedily_and_rewinds():
     """``decode(tokens, n)`` is ``n`` greedy steps; ``rewind`` returns to a context length

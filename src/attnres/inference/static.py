@@ -19,6 +19,8 @@ model's ordinary decoder pass on the new token; only self-attention reads the ca
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -93,7 +95,8 @@ class StaticDecoder:
         if mode == "compiled":
             for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
                 torch._dynamo.mark_static_address(t)  # buffers updated in place: CUDA graphs must keep them
-            self._run = _compiled_step("reduce-overhead" if self.device.type == "cuda" else None)
+            self._compiled = _compiled_step("reduce-overhead" if self.device.type == "cuda" else None)
+            self._run = self._run_compiled
         else:
             self._run = static_decode_step
         if mode == "graph":
@@ -138,6 +141,21 @@ class StaticDecoder:
             if self.mode == "compiled" and self.device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
             return self._run(self.model, self.cache, tokens)
+
+    def _run_compiled(self, model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
+        """The compiled step; past Dynamo's recompile limit (one graph per model class, dtype,
+        batch size, capacity and grad mode, shared by every decoder: ``fullgraph=True`` makes
+        the limit an error) this decoder runs the eager step instead, with a warning."""
+        try:
+            return self._compiled(model, cache, tokens)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step runs: the cache is as it was
+            warnings.warn("decode='compiled': torch.compile reached its recompile limit "
+                          f"(torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit}) for the "
+                          "decode step - one graph per model class, dtype, batch size, capacity and grad mode - so "
+                          "this generation decodes eagerly; raise the limit, or use decode='static'",
+                          RuntimeWarning, stacklevel=4)
+            self._run = static_decode_step
+            return static_decode_step(model, cache, tokens)
 
     def decode(self, tokens: Tensor, n: int) -> Tensor:
         """``n`` greedy steps from ``tokens [B]`` (fed first); returns the ``n`` tokens chosen,
