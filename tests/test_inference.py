@@ -455,6 +455,28 @@ def test_stream_warns_once_about_non_finite_logits():
     assert len([w for w in caught if "not finite" in str(w.message)]) == 1
 
 
+def test_sampling_a_row_without_a_distribution_takes_its_argmax():
+    """NaN or infinite logits, or finite logits over a temperature near 0 (beyond float32),
+    give no distribution: ``torch.multinomial`` raised "probability tensor contains either
+    `inf`, `nan` or element < 0" from the first sampled step, before ``stream``'s warning (and
+    ``attnres generate`` samples by default: a traceback). Such a row takes its argmax, as
+    greedy decoding does; the other rows are drawn as before, from the same generator."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [1.0, float("nan"), 0.0], [0.5, 0.2, 0.1], [0.0, float("inf"), 1.0]])
+    draw = sample(logits, 1.0, generator=torch.Generator().manual_seed(0))
+    assert draw[1:].tolist() == [1, 0, 1]  # NaN row: argmax's pick, as greedy
+    assert draw[0] == sample(logits[:1], 1.0, generator=torch.Generator().manual_seed(0))[0]
+    assert sample(torch.tensor([[1.0, 2.0, 3.0], [4.0, -1.0, 0.0]]), 1e-40, top_p=0.5).tolist() == [2, 0]
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 5)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(1e38)  # logits overflow: infinite, or NaN where they meet
+    with pytest.warns(RuntimeWarning, match=r"logits of generation step 0 are not finite"):
+        drawn = generate(model, ids, max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9,
+                         generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        assert torch.equal(drawn, generate(model, ids, max_new_tokens=3))
+
+
 def test_generate_prints_a_character_split_over_tokens_once_whole():
     """A byte-level token holding the first byte of "é" decodes to U+FFFD: it was printed, and
     the next token's completed "é" was then skipped (the printed text kept the U+FFFD). The

@@ -131,11 +131,14 @@ def sample(
     """Pick one token per row of ``logits [B, vocab]``: argmax for ``temperature == 0``,
     otherwise a draw from ``softmax(logits / temperature)`` restricted to the ``top_k``
     largest logits (``0`` = all) and then to the smallest set of tokens whose probability
-    reaches ``top_p`` (nucleus). Returns ``[B]`` (int64)."""
+    reaches ``top_p`` (nucleus). Returns ``[B]`` (int64).
+
+    A row without a distribution to draw from - NaN or infinite logits, or logits over a
+    temperature near 0 beyond float32's range - takes its argmax, as greedy decoding does."""
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    raw, logits = logits, logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -145,7 +148,10 @@ def sample(
         # Drop a token when the tokens ranked above it already reach top_p (the first stays).
         drop = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(dim=-1)
+    invalid = probs.isnan().any(dim=-1, keepdim=True)  # (multinomial refuses such a row, or draws garbage on CUDA)
+    drawn = torch.multinomial(probs.masked_fill(invalid, 1.0), 1, generator=generator)
+    return torch.where(invalid, raw.argmax(dim=-1, keepdim=True), drawn).squeeze(-1)
 
 
 def stream(
