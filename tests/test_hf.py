@@ -113,6 +113,31 @@ def test_generate_with_cache_equals_native_greedy():
     assert torch.equal(out[:, 9:], ref)
 
 
+def test_generate_past_the_context_is_refused_before_any_compute():
+    """``max_new_tokens`` past ``max_seq_len``: over a dynamic cache the forward refused the
+    token past the context at the end of the work ("cached length 128 + 1 new tokens
+    exceeds"); over a static cache of that size at the prefill - and transformers kept the
+    size for later calls, so every later static ``generate`` was refused too. Both are now
+    refused at the call, naming the most ``max_new_tokens`` that fits; what fits (the prompt
+    at the limit with one new token, on either cache) generates the native tokens."""
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native).eval()
+    limit = native.config.max_seq_len
+    ids = torch.randint(0, native.config.vocab_size, (1, 20))
+    full = torch.randint(0, native.config.vocab_size, (1, limit))
+    greedy = dict(do_sample=False, pad_token_id=0)
+    for cache in ("dynamic", "static"):
+        with pytest.raises(ValueError, match=rf"the prompt \(20 tokens\) with max_new_tokens=200 needs a context of 219 "
+                                             rf".*max_seq_len={limit}: use max_new_tokens={limit - 19} or less"):
+            hf.generate(ids, max_new_tokens=200, cache_implementation=cache, **greedy)
+        with pytest.raises(ValueError, match=rf"max_length=300 needs .*: use max_length={limit + 1} or less"):
+            hf.generate(input_ids=ids, max_length=300, cache_implementation=cache, **greedy)
+        out = hf.generate(ids, max_new_tokens=limit - 19, cache_implementation=cache, **greedy)[:, 20:]
+        assert torch.equal(out, generate(native, ids, max_new_tokens=limit - 19))
+        out = hf.generate(full, max_new_tokens=1, cache_implementation=cache, **greedy)[:, limit:]
+        assert torch.equal(out, generate(native, full, max_new_tokens=1))
+
+
 def test_stream_transformers_equals_the_native_stream():
     """``stream_transformers`` (what ``attnres generate`` runs for a transformers family's
     model) on the HF form of a native model: the native model's greedy tokens, and a
