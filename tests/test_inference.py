@@ -343,6 +343,27 @@ def test_decode_step_names_its_argument_and_the_cache_its_batch():
     assert step.shape == (2, 256) and cache.seq_len == 4
 
 
+def test_a_cache_for_another_number_of_layers_is_refused_naming_the_fix():
+    """A ``KVCache`` (or ``StaticKVCache``) made for fewer layers than the model failed with
+    "list index out of range", one for more with "layers hold different lengths ...: a
+    forward was interrupted" at the next step; the cache is refused before it is written."""
+    from attnres.inference import StaticKVCache
+
+    model = make_model(residual="attnres_block").eval()  # 2 transformer blocks
+    ids = random_ids(2, 5)
+    config = model.config
+    caches = [KVCache(1), KVCache(3),
+              StaticKVCache(1, 2, config.kv_heads, config.head_dim, 8), StaticKVCache.for_model(model, 2, 8)]
+    with torch.no_grad():
+        for cache in caches[:3]:
+            with pytest.raises(ValueError, match=r"kv_cache holds [13] layers, the model has ModelConfig.n_layers=2: "
+                                                 r"make it for this model, KVCache\(model.config.n_layers\)"):
+                model(ids, kv_cache=cache)
+            assert cache.seq_len == 0  # nothing written
+        for cache in (KVCache(config.n_layers), caches[3]):
+            torch.testing.assert_close(model(ids, kv_cache=cache).logits, model(ids).logits)
+
+
 def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, capsys, monkeypatch):
     import io
     import sys

@@ -108,6 +108,10 @@ class AttnResLM(DecoderTrunk):
         if labels is not None and last_logits_only:
             raise ValueError("labels need the logits of every position; do not pass last_logits_only=True with labels")
         t = input_ids.shape[1]
+        if getattr(kv_cache, "n_layers", self.config.n_layers) != self.config.n_layers:
+            raise ValueError(f"kv_cache holds {kv_cache.n_layers} layers, the model has ModelConfig.n_layers="
+                             f"{self.config.n_layers}: make it for this model, KVCache(model.config.n_layers) or "
+                             "StaticKVCache.for_model(model, batch_size)")
         past = 0 if kv_cache is None else kv_cache.seq_len
         if past + t > self.config.max_seq_len:
             raise ValueError(
