@@ -331,10 +331,28 @@ def test_static_decoding_refuses_bad_input():
     with pytest.raises(ValueError, match="at batch size 1, this one 2 at 3"):
         static.load_(cache)
     _, cache = prefill(model, ids)
-    with pytest.raises(ValueError, match=r"attention_mask must have shape \(3, 7\)"):
+    with pytest.raises(ValueError, match=r"attention_mask must be a tensor of the batch and cached positions \(3, 7\)"):
         static.load_(cache, mask[:, 1:])
     with pytest.raises(ValueError, match=r"seq_len must be in \[0, 8\]"):
         static.crop_(9)
+
+
+def test_loading_a_cache_checks_its_padding_mask():
+    """``StaticDecoder.load(cache, attention_mask)`` counted each row's zeros as its left
+    padding whatever the mask: a right-padded mask (or one of other values) decoded other
+    tokens without a word. It is checked as ``generate`` checks a prompt's mask; a mask of
+    0.0 / 1.0 floats or booleans decodes as the integer one."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=5)
+    logits, cache = prefill(model, ids, mask)
+    decoder = StaticDecoder(model, 3, capacity=12, mode="eager")
+    for bad, message in ((mask.flip(1), "must be left-padded"), (mask * 2, "must hold only 0 .padding. and 1")):
+        with pytest.raises(ValueError, match=f"attention_mask {message}"):
+            decoder.load(cache, bad)
+    for given in (mask.float(), mask.bool()):
+        decoder.load(cache, given)
+        assert torch.equal(decoder.decode(logits.argmax(-1), 4), want[:, 1:])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

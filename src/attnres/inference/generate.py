@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..models.lm import AttnResLM
-from ..nn.kv_cache import KVCache
+from ..nn.kv_cache import KVCache, check_left_padding
 from ..validation import did_you_mean
 from .static import StaticDecoder
 
@@ -42,19 +42,8 @@ _COMPILED_CAPACITY_STEP = 256
 def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
     """Validate a left-padding mask; return it as bool, or ``None`` when it masks nothing."""
     model.check_input_ids(input_ids)
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask must be a tensor of the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
-    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
-    mask = attention_mask.bool()
-    if not bool(mask[:, -1].all()) or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-        raise ValueError(
-            "attention_mask must be left-padded (zeros, then ones) with at least one real token per row"
-        )
-    return None if bool(mask.all()) else mask
+    mask = check_left_padding(attention_mask, tuple(input_ids.shape), "the shape of input_ids")
+    return None if mask is None or bool(mask.all()) else mask
 
 
 def _check_chunk_size(chunk_size: int | None) -> None:
