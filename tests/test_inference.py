@@ -293,6 +293,17 @@ def test_stop_tokens_and_pad_id_errors_name_the_parameter():
     assert str(e.value) == "stop_tokens must be token ids (Python ints) in [0, 256); got 256"
 
 
+def test_prefill_names_a_bad_capacity():
+    """``prefill(..., capacity="64")`` failed in a comparison ("'>' not supported between
+    instances of 'int' and 'str'") and a negative capacity passed unnoticed."""
+    model = make_model(residual="attnres_block").eval()
+    for bad in ("64", -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"capacity must be an integer >= 0 .*, got {bad!r}"):
+            prefill(model, random_ids(1, 4), capacity=bad)
+    logits, cache = prefill(model, random_ids(1, 4), capacity=16)
+    assert cache.seq_len == 4 and cache.keys(0).shape[0] == 1
+
+
 def test_stream_validates_before_running():
     """``stream`` raises at the call, not at the first ``next()``."""
     model = make_model(residual="attnres_block")

@@ -70,6 +70,8 @@ def prefill(
     """
     mask = _check_mask(model, input_ids, attention_mask)
     _check_chunk_size(chunk_size)
+    if isinstance(capacity, bool) or not isinstance(capacity, Integral) or capacity < 0:
+        raise ValueError(f"capacity must be an integer >= 0 (positions to allocate; 0: the prompt's), got {capacity!r}")
     t = input_ids.shape[1]
     if chunk_size is None:
         chunk_size = t
