@@ -138,6 +138,30 @@ def test_generate_past_the_context_is_refused_before_any_compute():
         assert torch.equal(out, generate(native, full, max_new_tokens=1))
 
 
+def test_stream_transformers_validates_before_running():
+    """``stream_transformers`` checked only the sampling: a prompt past the context ran up
+    to the model's "cached length 128 + 1 new tokens exceeds" after the work, a
+    ``pad_token_id`` of -1 was fed back to the model once a row had stopped, and a single
+    stop id failed as "'int' object is not iterable". They are refused at the call, as
+    :func:`attnres.inference.stream` refuses them, naming the parameter."""
+    from attnres.inference import stream_transformers
+
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native).eval()
+    ids = torch.randint(0, native.config.vocab_size, (2, 20))
+    for kwargs, message in ((dict(max_new_tokens=200), r"prompt length 20 \+ max_new_tokens 200 - 1 exceeds the model's "
+                                                       r"context=128: use max_new_tokens <= 109"),
+                            (dict(max_new_tokens=2, pad_token_id=-1), r"pad_token_id must be a token id .* in \[0, 256\)"),
+                            (dict(max_new_tokens=2, stop_tokens=1), r"stop_tokens must be a list of token ids"),
+                            (dict(max_new_tokens=2, stop_tokens=[256]), r"stop_tokens must be token ids")):
+        with pytest.raises(ValueError, match=message):
+            stream_transformers(hf, ids, **kwargs)
+    with pytest.raises(ValueError, match=r"input_ids must be a non-empty tensor of shape \[batch, seq_len\], got \(20,\)"):
+        stream_transformers(hf, ids[0], max_new_tokens=2)
+    got = torch.stack(list(stream_transformers(hf, ids, max_new_tokens=109)), dim=1)
+    assert torch.equal(got, generate(native, ids, max_new_tokens=109))
+
+
 def test_stream_transformers_equals_the_native_stream():
     """``stream_transformers`` (what ``attnres generate`` runs for a transformers family's
     model) on the HF form of a native model: the native model's greedy tokens, and a

@@ -19,6 +19,7 @@ from numbers import Integral, Real
 import torch
 from torch import Tensor
 
+from ..models.factory import context_limit
 from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..validation import did_you_mean
@@ -179,7 +180,14 @@ def stream(
     _check_chunk_size(chunk_size)
     decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask)
-    vocab, limit = model.config.vocab_size, model.config.max_seq_len
+    stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
+    _check_context(input_ids.shape[1], max_new_tokens, model.config.max_seq_len, "ModelConfig.max_seq_len")
+    return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
+                   chunk_size, decode)
+
+
+def _check_stops(stop_tokens: Iterable[int], pad_token_id: int, vocab: int) -> list[int]:
+    """``stop_tokens`` as a list, after checking it and ``pad_token_id`` against the vocabulary."""
     if (isinstance(stop_tokens, (Integral, str, bytes)) or not isinstance(stop_tokens, Iterable)
             or (isinstance(stop_tokens, Tensor) and stop_tokens.dim() == 0)):
         raise ValueError(f"stop_tokens must be a list of token ids in [0, {vocab}) ([id] for one); got {stop_tokens!r}")
@@ -189,13 +197,14 @@ def stream(
         for tok in ids:
             if isinstance(tok, bool) or not isinstance(tok, Integral) or not 0 <= tok < vocab:
                 raise ValueError(f"{name} must be {what} in [0, {vocab}); got {tok!r}")
-    t = input_ids.shape[1]
+    return stops
+
+
+def _check_context(t: int, max_new_tokens: int, limit: int, name: str) -> None:
+    """The prompt and every new token but the last (never fed back) must fit the context."""
     if t + max_new_tokens - 1 > limit:
-        raise ValueError(
-            f"prompt length {t} + max_new_tokens {max_new_tokens} - 1 exceeds ModelConfig.max_seq_len={limit}"
-        )
-    return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
-                   chunk_size, decode)
+        raise ValueError(f"prompt length {t} + max_new_tokens {max_new_tokens} - 1 exceeds {name}={limit}: use "
+                         + (f"max_new_tokens <= {limit - t + 1}" if t <= limit else f"a prompt of at most {limit} tokens"))
 
 
 def resolve_decode(model, decode: str) -> str:
@@ -268,11 +277,23 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
     ``input_ids [B, T]`` (no padding) through the model once, then one token a step over its
     own cache (``past_key_values``), sampled as :func:`sample` samples; yields ``[B]`` per
     step. Stop tokens end a sequence as in :func:`stream` (later steps give it
-    ``pad_token_id``; the stream ends when every sequence has ended)."""
+    ``pad_token_id``; the stream ends when every sequence has ended). The arguments are
+    checked at the call, as :func:`stream` checks them."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
+    stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}")
+    _check_context(input_ids.shape[1], max_new_tokens, context_limit(model), "the model's context")
+    return _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id,
+                                generator)
+
+
+def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator):
+    """The loop behind :func:`stream_transformers`, on checked arguments."""
     # transformers 5.24 renamed the cache, argument and output field, from past_key_values
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    stop_ids = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
         out = model(input_ids=input_ids, use_cache=True)
