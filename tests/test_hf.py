@@ -138,6 +138,29 @@ def test_generate_past_the_context_is_refused_before_any_compute():
         assert torch.equal(out, generate(native, full, max_new_tokens=1))
 
 
+def test_native_decoding_refuses_a_transformers_model():
+    """``attnres.inference.generate`` of an ``AttnResForCausalLM`` ran: its forward takes
+    ``kv_cache`` into ``**kwargs`` and ignores it, so every decode step saw its one new token
+    without the prompt, and the tokens differed from the model's own from the second on,
+    without a word (``StaticDecoder`` failed with "'NoneType' object is not subscriptable").
+    They are refused, saying what to use; the converted model, also under ``torch.compile``,
+    generates the native tokens."""
+    from attnres.inference import StaticDecoder, prefill, stream
+
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native).eval()
+    ids = torch.randint(0, native.config.vocab_size, (1, 8))
+    calls = (lambda: generate(hf, ids, max_new_tokens=4), lambda: stream(hf, ids, max_new_tokens=4),
+             lambda: prefill(hf, ids), lambda: StaticDecoder(hf, 1, 16, mode="eager"))
+    for call in calls:
+        with pytest.raises(ValueError, match=r"runs attnres's own model \(an AttnResLM\), got AttnResForCausalLM: "
+                                             r"convert an AttnResForCausalLM with .to_native\(\)"):
+            call()
+    want = hf.generate(ids, max_new_tokens=6, do_sample=False)[:, 8:]
+    assert torch.equal(generate(hf.to_native(), ids, max_new_tokens=6), want)
+    assert torch.equal(generate(torch.compile(native, backend="eager"), ids, max_new_tokens=6), want)
+
+
 def test_stream_transformers_validates_before_running():
     """``stream_transformers`` checked only the sampling: a prompt past the context ran up
     to the model's "cached length 128 + 1 new tokens exceeds" after the work, a

@@ -23,7 +23,7 @@ from ..models.factory import context_limit
 from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..validation import did_you_mean
-from .static import StaticDecoder
+from .static import StaticDecoder, check_native
 
 __all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
            "stream_transformers"]
@@ -41,7 +41,9 @@ _COMPILED_CAPACITY_STEP = 256
 
 
 def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
-    """Validate a left-padding mask; return it as bool, or ``None`` when it masks nothing."""
+    """Validate the model, the prompt and its left-padding mask; return the mask as bool, or
+    ``None`` when it masks nothing."""
+    check_native(model, "prefill, generate and stream each")
     model.check_input_ids(input_ids)
     mask = check_left_padding(attention_mask, tuple(input_ids.shape), "the shape of input_ids")
     return None if mask is None or bool(mask.all()) else mask

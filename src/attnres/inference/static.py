@@ -24,6 +24,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache, StaticKVCache
 from ..validation import did_you_mean
 
@@ -39,6 +40,16 @@ def static_decode_step(model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
     compiled with ``fullgraph=True`` or captured in a CUDA graph; ``cache`` advances by one."""
     h, _ = model.decode(tokens[:, None], None, cache)
     return model.lm_head(model.norm(h[:, -1])).float()
+
+
+def check_native(model, what: str) -> None:
+    """Refuse a model other than an :class:`AttnResLM` (or one under ``torch.compile``): a
+    transformers model's forward takes ``kv_cache`` into its ``**kwargs`` and ignores it, so
+    every decode step saw its one new token without the prompt."""
+    if not isinstance(getattr(model, "_orig_mod", model), AttnResLM):
+        raise ValueError(f"{what} runs attnres's own model (an AttnResLM), got {type(model).__name__}: convert an "
+                         "AttnResForCausalLM with .to_native(), or decode a transformers model with its own generate "
+                         "or attnres.inference.stream_transformers")
 
 
 #: One compiled step per ``torch.compile`` mode, shared by every decoder: Dynamo guards on
@@ -83,6 +94,7 @@ class StaticDecoder:
     def __init__(self, model, batch_size: int, capacity: int | None = None, mode: str = "graph", warmup: int = 2) -> None:
         if mode not in STATIC_MODES:
             raise ValueError(f"mode must be one of {STATIC_MODES}, got {mode!r}{did_you_mean(mode, STATIC_MODES)}")
+        check_native(model, "StaticDecoder")
         self.model, self.mode, self.warmup = model, mode, warmup
         with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not
             self.cache = StaticKVCache.for_model(model, batch_size, capacity)
