@@ -7,6 +7,7 @@ the depth weights are far from uniform.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -357,7 +358,9 @@ def test_decode_step_names_its_argument_and_the_cache_its_batch():
 def test_a_cache_for_another_number_of_layers_is_refused_naming_the_fix():
     """A ``KVCache`` (or ``StaticKVCache``) made for fewer layers than the model failed with
     "list index out of range", one for more with "layers hold different lengths ...: a
-    forward was interrupted" at the next step; the cache is refused before it is written."""
+    forward was interrupted" at the next step, a ``StaticKVCache`` of other heads, head size
+    or batch with "index_copy_(): Source/destination tensor must have same slice shapes" or
+    "The size of tensor a (2) must match"; the cache is refused before it is written."""
     from attnres.inference import StaticKVCache
 
     model = make_model(residual="attnres_block").eval()  # 2 transformer blocks
@@ -368,9 +371,15 @@ def test_a_cache_for_another_number_of_layers_is_refused_naming_the_fix():
     with torch.no_grad():
         for cache in caches[:3]:
             with pytest.raises(ValueError, match=r"kv_cache holds [13] layers, the model has ModelConfig.n_layers=2: "
-                                                 r"make it for this model, KVCache\(model.config.n_layers\)"):
+                                                 r"make it for this model: KVCache\(model.config.n_layers\)"):
                 model(ids, kv_cache=cache)
             assert cache.seq_len == 0  # nothing written
+        for shape in ((2, 4, config.head_dim), (2, config.kv_heads, 8), (3, config.kv_heads, config.head_dim)):
+            cache = StaticKVCache(config.n_layers, shape[0], shape[1], shape[2], 8)
+            with pytest.raises(ValueError, match=rf"StaticKVCache holds \(batch, key/value heads, head size\) "
+                                                 rf"{re.escape(str(shape))}, this forward needs \(2, 2, 16\): make it for this model"):
+                model(ids, kv_cache=cache)
+            assert cache.seq_len == 0
         for cache in (KVCache(config.n_layers), caches[3]):
             torch.testing.assert_close(model(ids, kv_cache=cache).logits, model(ids).logits)
 
