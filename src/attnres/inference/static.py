@@ -140,7 +140,10 @@ class StaticDecoder:
 
     # -- decoding -------------------------------------------------------------------------
     def step(self, tokens: Tensor) -> Tensor:
-        """Feed ``tokens [B]``; return the next-token logits ``[B, vocab]`` (float32)."""
+        """Feed ``tokens [B]``; return the next-token logits ``[B, vocab]`` (float32). The
+        tokens are not checked (that would be host work every step): ids in the vocabulary,
+        exactly ``batch_size`` of them (in ``"graph"`` mode one token would be copied to
+        every row)."""
         if self.length >= self.capacity:
             raise ValueError(f"the static cache is full ({self.capacity} positions): build the decoder with a larger "
                              "capacity")
