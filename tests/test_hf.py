@@ -113,6 +113,78 @@ def test_generate_with_cache_equals_native_greedy():
     assert torch.equal(out[:, 9:], ref)
 
 
+def test_generate_past_the_context_is_refused_before_any_compute():
+    """``max_new_tokens`` past ``max_seq_len``: over a dynamic cache the forward refused the
+    token past the context at the end of the work ("cached length 128 + 1 new tokens
+    exceeds"); over a static cache of that size at the prefill - and transformers kept the
+    size for later calls, so every later static ``generate`` was refused too. Both are now
+    refused at the call, naming the most ``max_new_tokens`` that fits; what fits (the prompt
+    at the limit with one new token, on either cache) generates the native tokens."""
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native).eval()
+    limit = native.config.max_seq_len
+    ids = torch.randint(0, native.config.vocab_size, (1, 20))
+    full = torch.randint(0, native.config.vocab_size, (1, limit))
+    greedy = dict(do_sample=False, pad_token_id=0)
+    for cache in ("dynamic", "static"):
+        with pytest.raises(ValueError, match=rf"the prompt \(20 tokens\) with max_new_tokens=200 needs a context of 219 "
+                                             rf".*max_seq_len={limit}: use max_new_tokens={limit - 19} or less"):
+            hf.generate(ids, max_new_tokens=200, cache_implementation=cache, **greedy)
+        with pytest.raises(ValueError, match=rf"max_length=300 needs .*: use max_length={limit + 1} or less"):
+            hf.generate(input_ids=ids, max_length=300, cache_implementation=cache, **greedy)
+        out = hf.generate(ids, max_new_tokens=limit - 19, cache_implementation=cache, **greedy)[:, 20:]
+        assert torch.equal(out, generate(native, ids, max_new_tokens=limit - 19))
+        out = hf.generate(full, max_new_tokens=1, cache_implementation=cache, **greedy)[:, limit:]
+        assert torch.equal(out, generate(native, full, max_new_tokens=1))
+
+
+def test_native_decoding_refuses_a_transformers_model():
+    """``attnres.inference.generate`` of an ``AttnResForCausalLM`` ran: its forward takes
+    ``kv_cache`` into ``**kwargs`` and ignores it, so every decode step saw its one new token
+    without the prompt, and the tokens differed from the model's own from the second on,
+    without a word (``StaticDecoder`` failed with "'NoneType' object is not subscriptable").
+    They are refused, saying what to use; the converted model, also under ``torch.compile``,
+    generates the native tokens."""
+    from attnres.inference import StaticDecoder, prefill, stream
+
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native).eval()
+    ids = torch.randint(0, native.config.vocab_size, (1, 8))
+    calls = (lambda: generate(hf, ids, max_new_tokens=4), lambda: stream(hf, ids, max_new_tokens=4),
+             lambda: prefill(hf, ids), lambda: StaticDecoder(hf, 1, 16, mode="eager"))
+    for call in calls:
+        with pytest.raises(ValueError, match=r"runs attnres's own model \(an AttnResLM\), got AttnResForCausalLM: "
+                                             r"convert an AttnResForCausalLM with .to_native\(\)"):
+            call()
+    want = hf.generate(ids, max_new_tokens=6, do_sample=False)[:, 8:]
+    assert torch.equal(generate(hf.to_native(), ids, max_new_tokens=6), want)
+    assert torch.equal(generate(torch.compile(native, backend="eager"), ids, max_new_tokens=6), want)
+
+
+def test_stream_transformers_validates_before_running():
+    """``stream_transformers`` checked only the sampling: a prompt past the context ran up
+    to the model's "cached length 128 + 1 new tokens exceeds" after the work, a
+    ``pad_token_id`` of -1 was fed back to the model once a row had stopped, and a single
+    stop id failed as "'int' object is not iterable". They are refused at the call, as
+    :func:`attnres.inference.stream` refuses them, naming the parameter."""
+    from attnres.inference import stream_transformers
+
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native).eval()
+    ids = torch.randint(0, native.config.vocab_size, (2, 20))
+    for kwargs, message in ((dict(max_new_tokens=200), r"prompt length 20 \+ max_new_tokens 200 - 1 exceeds the model's "
+                                                       r"context=128: use max_new_tokens <= 109"),
+                            (dict(max_new_tokens=2, pad_token_id=-1), r"pad_token_id must be a token id .* in \[0, 256\)"),
+                            (dict(max_new_tokens=2, stop_tokens=1), r"stop_tokens must be a list of token ids"),
+                            (dict(max_new_tokens=2, stop_tokens=[256]), r"stop_tokens must be token ids")):
+        with pytest.raises(ValueError, match=message):
+            stream_transformers(hf, ids, **kwargs)
+    with pytest.raises(ValueError, match=r"input_ids must be a non-empty tensor of shape \[batch, seq_len\], got \(20,\)"):
+        stream_transformers(hf, ids[0], max_new_tokens=2)
+    got = torch.stack(list(stream_transformers(hf, ids, max_new_tokens=109)), dim=1)
+    assert torch.equal(got, generate(native, ids, max_new_tokens=109))
+
+
 def test_stream_transformers_equals_the_native_stream():
     """``stream_transformers`` (what ``attnres generate`` runs for a transformers family's
     model) on the HF form of a native model: the native model's greedy tokens, and a

@@ -7,6 +7,7 @@ the depth weights are far from uniform.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -293,6 +294,17 @@ def test_stop_tokens_and_pad_id_errors_name_the_parameter():
     assert str(e.value) == "stop_tokens must be token ids (Python ints) in [0, 256); got 256"
 
 
+def test_prefill_names_a_bad_capacity():
+    """``prefill(..., capacity="64")`` failed in a comparison ("'>' not supported between
+    instances of 'int' and 'str'") and a negative capacity passed unnoticed."""
+    model = make_model(residual="attnres_block").eval()
+    for bad in ("64", -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"capacity must be an integer >= 0 .*, got {bad!r}"):
+            prefill(model, random_ids(1, 4), capacity=bad)
+    logits, cache = prefill(model, random_ids(1, 4), capacity=16)
+    assert cache.seq_len == 4 and cache.keys(0).shape[0] == 1
+
+
 def test_stream_validates_before_running():
     """``stream`` raises at the call, not at the first ``next()``."""
     model = make_model(residual="attnres_block")
@@ -341,6 +353,35 @@ def test_decode_step_names_its_argument_and_the_cache_its_batch():
         cache.crop(0)  # emptied: another batch may fill it
         model(random_ids(3, 4), kv_cache=cache)
     assert step.shape == (2, 256) and cache.seq_len == 4
+
+
+def test_a_cache_for_another_number_of_layers_is_refused_naming_the_fix():
+    """A ``KVCache`` (or ``StaticKVCache``) made for fewer layers than the model failed with
+    "list index out of range", one for more with "layers hold different lengths ...: a
+    forward was interrupted" at the next step, a ``StaticKVCache`` of other heads, head size
+    or batch with "index_copy_(): Source/destination tensor must have same slice shapes" or
+    "The size of tensor a (2) must match"; the cache is refused before it is written."""
+    from attnres.inference import StaticKVCache
+
+    model = make_model(residual="attnres_block").eval()  # 2 transformer blocks
+    ids = random_ids(2, 5)
+    config = model.config
+    caches = [KVCache(1), KVCache(3),
+              StaticKVCache(1, 2, config.kv_heads, config.head_dim, 8), StaticKVCache.for_model(model, 2, 8)]
+    with torch.no_grad():
+        for cache in caches[:3]:
+            with pytest.raises(ValueError, match=r"kv_cache holds [13] layers, the model has ModelConfig.n_layers=2: "
+                                                 r"make it for this model: KVCache\(model.config.n_layers\)"):
+                model(ids, kv_cache=cache)
+            assert cache.seq_len == 0  # nothing written
+        for shape in ((2, 4, config.head_dim), (2, config.kv_heads, 8), (3, config.kv_heads, config.head_dim)):
+            cache = StaticKVCache(config.n_layers, shape[0], shape[1], shape[2], 8)
+            with pytest.raises(ValueError, match=rf"StaticKVCache holds \(batch, key/value heads, head size\) "
+                                                 rf"{re.escape(str(shape))}, this forward needs \(2, 2, 16\): make it for this model"):
+                model(ids, kv_cache=cache)
+            assert cache.seq_len == 0
+        for cache in (KVCache(config.n_layers), caches[3]):
+            torch.testing.assert_close(model(ids, kv_cache=cache).logits, model(ids).logits)
 
 
 def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, capsys, monkeypatch):
@@ -453,6 +494,28 @@ def test_stream_warns_once_about_non_finite_logits():
     with pytest.warns(RuntimeWarning, match=r"logits of generation step 0 are not finite") as caught:
         generate(model, ids, max_new_tokens=3)
     assert len([w for w in caught if "not finite" in str(w.message)]) == 1
+
+
+def test_sampling_a_row_without_a_distribution_takes_its_argmax():
+    """NaN or infinite logits, or finite logits over a temperature near 0 (beyond float32),
+    give no distribution: ``torch.multinomial`` raised "probability tensor contains either
+    `inf`, `nan` or element < 0" from the first sampled step, before ``stream``'s warning (and
+    ``attnres generate`` samples by default: a traceback). Such a row takes its argmax, as
+    greedy decoding does; the other rows are drawn as before, from the same generator."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [1.0, float("nan"), 0.0], [0.5, 0.2, 0.1], [0.0, float("inf"), 1.0]])
+    draw = sample(logits, 1.0, generator=torch.Generator().manual_seed(0))
+    assert draw[1:].tolist() == [1, 0, 1]  # NaN row: argmax's pick, as greedy
+    assert draw[0] == sample(logits[:1], 1.0, generator=torch.Generator().manual_seed(0))[0]
+    assert sample(torch.tensor([[1.0, 2.0, 3.0], [4.0, -1.0, 0.0]]), 1e-40, top_p=0.5).tolist() == [2, 0]
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 5)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(1e38)  # logits overflow: infinite, or NaN where they meet
+    with pytest.warns(RuntimeWarning, match=r"logits of generation step 0 are not finite"):
+        drawn = generate(model, ids, max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9,
+                         generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        assert torch.equal(drawn, generate(model, ids, max_new_tokens=3))
 
 
 def test_generate_prints_a_character_split_over_tokens_once_whole():

@@ -248,6 +248,24 @@ def test_compiled_decoder_generates_the_dynamic_tokens(residual):
     assert torch.equal(generate(model, ids, mask, max_new_tokens=8, decode="compiled"), want)
 
 
+def test_compiled_decoder_past_the_recompile_limit_decodes_eagerly():
+    """``decode="compiled"`` compiles one graph per model class, dtype, batch size, capacity
+    and grad mode, shared by every generation of the process: past Dynamo's recompile limit
+    (8; here 1) ``fullgraph=True`` raised ``FailOnRecompileLimitHit`` ("Hard failure due to
+    fullgraph=True") from the first step. It now decodes eagerly, the same tokens, with a
+    warning naming the limit."""
+    model = make_model(residual="attnres_block", n_layers=2).eval()
+    ids, mask = ragged_prompts()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        generate(model, ids, mask, max_new_tokens=3, decode="compiled")  # (compiles, or a graph is there)
+        for rows in (ids.shape[0] - 1, ids.shape[0] - 2):  # new batch sizes: past the limit
+            want = generate(model, ids[:rows], mask[:rows], max_new_tokens=6, decode="dynamic")
+            with pytest.warns(RuntimeWarning, match=r"recompile limit \(torch._dynamo.config.recompile_limit=1\).*"
+                                                    r"decodes eagerly; raise the limit, or use decode='static'"):
+                got = generate(model, ids[:rows], mask[:rows], max_new_tokens=6, decode="compiled")
+            assert torch.equal(got, want)
+
+
 # -- the decoder's API ---------------------------------------------------------------------
 def test_decoder_decodes_greedily_and_rewinds():
     """``decode(tokens, n)`` is ``n`` greedy steps; ``rewind`` returns to a context length
@@ -313,10 +331,28 @@ def test_static_decoding_refuses_bad_input():
     with pytest.raises(ValueError, match="at batch size 1, this one 2 at 3"):
         static.load_(cache)
     _, cache = prefill(model, ids)
-    with pytest.raises(ValueError, match=r"attention_mask must have shape \(3, 7\)"):
+    with pytest.raises(ValueError, match=r"attention_mask must be a tensor of the batch and cached positions \(3, 7\)"):
         static.load_(cache, mask[:, 1:])
     with pytest.raises(ValueError, match=r"seq_len must be in \[0, 8\]"):
         static.crop_(9)
+
+
+def test_loading_a_cache_checks_its_padding_mask():
+    """``StaticDecoder.load(cache, attention_mask)`` counted each row's zeros as its left
+    padding whatever the mask: a right-padded mask (or one of other values) decoded other
+    tokens without a word. It is checked as ``generate`` checks a prompt's mask; a mask of
+    0.0 / 1.0 floats or booleans decodes as the integer one."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    want = generate(model, ids, mask, max_new_tokens=5)
+    logits, cache = prefill(model, ids, mask)
+    decoder = StaticDecoder(model, 3, capacity=12, mode="eager")
+    for bad, message in ((mask.flip(1), "must be left-padded"), (mask * 2, "must hold only 0 .padding. and 1")):
+        with pytest.raises(ValueError, match=f"attention_mask {message}"):
+            decoder.load(cache, bad)
+    for given in (mask.float(), mask.bool()):
+        decoder.load(cache, given)
+        assert torch.equal(decoder.decode(logits.argmax(-1), 4), want[:, 1:])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

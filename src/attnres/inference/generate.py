@@ -19,10 +19,11 @@ from numbers import Integral, Real
 import torch
 from torch import Tensor
 
+from ..models.factory import context_limit
 from ..models.lm import AttnResLM
-from ..nn.kv_cache import KVCache
+from ..nn.kv_cache import KVCache, check_left_padding
 from ..validation import did_you_mean
-from .static import StaticDecoder
+from .static import StaticDecoder, check_native
 
 __all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
            "stream_transformers"]
@@ -40,21 +41,12 @@ _COMPILED_CAPACITY_STEP = 256
 
 
 def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
-    """Validate a left-padding mask; return it as bool, or ``None`` when it masks nothing."""
+    """Validate the model, the prompt and its left-padding mask; return the mask as bool, or
+    ``None`` when it masks nothing."""
+    check_native(model, "prefill, generate and stream each")
     model.check_input_ids(input_ids)
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise ValueError(f"attention_mask must be a tensor of the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
-    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
-    mask = attention_mask.bool()
-    if not bool(mask[:, -1].all()) or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-        raise ValueError(
-            "attention_mask must be left-padded (zeros, then ones) with at least one real token per row"
-        )
-    return None if bool(mask.all()) else mask
+    mask = check_left_padding(attention_mask, tuple(input_ids.shape), "the shape of input_ids")
+    return None if mask is None or bool(mask.all()) else mask
 
 
 def _check_chunk_size(chunk_size: int | None) -> None:
@@ -81,6 +73,8 @@ def prefill(
     """
     mask = _check_mask(model, input_ids, attention_mask)
     _check_chunk_size(chunk_size)
+    if isinstance(capacity, bool) or not isinstance(capacity, Integral) or capacity < 0:
+        raise ValueError(f"capacity must be an integer >= 0 (positions to allocate; 0: the prompt's), got {capacity!r}")
     t = input_ids.shape[1]
     if chunk_size is None:
         chunk_size = t
@@ -131,11 +125,14 @@ def sample(
     """Pick one token per row of ``logits [B, vocab]``: argmax for ``temperature == 0``,
     otherwise a draw from ``softmax(logits / temperature)`` restricted to the ``top_k``
     largest logits (``0`` = all) and then to the smallest set of tokens whose probability
-    reaches ``top_p`` (nucleus). Returns ``[B]`` (int64)."""
+    reaches ``top_p`` (nucleus). Returns ``[B]`` (int64).
+
+    A row without a distribution to draw from - NaN or infinite logits, or logits over a
+    temperature near 0 beyond float32's range - takes its argmax, as greedy decoding does."""
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    raw, logits = logits, logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -145,7 +142,10 @@ def sample(
         # Drop a token when the tokens ranked above it already reach top_p (the first stays).
         drop = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(dim=-1)
+    invalid = probs.isnan().any(dim=-1, keepdim=True)  # (multinomial refuses such a row, or draws garbage on CUDA)
+    drawn = torch.multinomial(probs.masked_fill(invalid, 1.0), 1, generator=generator)
+    return torch.where(invalid, raw.argmax(dim=-1, keepdim=True), drawn).squeeze(-1)
 
 
 def stream(
@@ -182,7 +182,14 @@ def stream(
     _check_chunk_size(chunk_size)
     decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask)
-    vocab, limit = model.config.vocab_size, model.config.max_seq_len
+    stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
+    _check_context(input_ids.shape[1], max_new_tokens, model.config.max_seq_len, "ModelConfig.max_seq_len")
+    return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
+                   chunk_size, decode)
+
+
+def _check_stops(stop_tokens: Iterable[int], pad_token_id: int, vocab: int) -> list[int]:
+    """``stop_tokens`` as a list, after checking it and ``pad_token_id`` against the vocabulary."""
     if (isinstance(stop_tokens, (Integral, str, bytes)) or not isinstance(stop_tokens, Iterable)
             or (isinstance(stop_tokens, Tensor) and stop_tokens.dim() == 0)):
         raise ValueError(f"stop_tokens must be a list of token ids in [0, {vocab}) ([id] for one); got {stop_tokens!r}")
@@ -192,13 +199,14 @@ def stream(
         for tok in ids:
             if isinstance(tok, bool) or not isinstance(tok, Integral) or not 0 <= tok < vocab:
                 raise ValueError(f"{name} must be {what} in [0, {vocab}); got {tok!r}")
-    t = input_ids.shape[1]
+    return stops
+
+
+def _check_context(t: int, max_new_tokens: int, limit: int, name: str) -> None:
+    """The prompt and every new token but the last (never fed back) must fit the context."""
     if t + max_new_tokens - 1 > limit:
-        raise ValueError(
-            f"prompt length {t} + max_new_tokens {max_new_tokens} - 1 exceeds ModelConfig.max_seq_len={limit}"
-        )
-    return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
-                   chunk_size, decode)
+        raise ValueError(f"prompt length {t} + max_new_tokens {max_new_tokens} - 1 exceeds {name}={limit}: use "
+                         + (f"max_new_tokens <= {limit - t + 1}" if t <= limit else f"a prompt of at most {limit} tokens"))
 
 
 def resolve_decode(model, decode: str) -> str:
@@ -271,11 +279,23 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
     ``input_ids [B, T]`` (no padding) through the model once, then one token a step over its
     own cache (``past_key_values``), sampled as :func:`sample` samples; yields ``[B]`` per
     step. Stop tokens end a sequence as in :func:`stream` (later steps give it
-    ``pad_token_id``; the stream ends when every sequence has ended)."""
+    ``pad_token_id``; the stream ends when every sequence has ended). The arguments are
+    checked at the call, as :func:`stream` checks them."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
+    stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}")
+    _check_context(input_ids.shape[1], max_new_tokens, context_limit(model), "the model's context")
+    return _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id,
+                                generator)
+
+
+def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator):
+    """The loop behind :func:`stream_transformers`, on checked arguments."""
     # transformers 5.24 renamed the cache, argument and output field, from past_key_values
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    stop_ids = torch.tensor(list(stop_tokens), dtype=torch.long, device=input_ids.device)
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
         out = model(input_ids=input_ids, use_cache=True)

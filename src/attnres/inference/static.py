@@ -19,9 +19,12 @@ model's ordinary decoder pass on the new token; only self-attention reads the ca
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
+from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache, StaticKVCache
 from ..validation import did_you_mean
 
@@ -37,6 +40,16 @@ def static_decode_step(model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
     compiled with ``fullgraph=True`` or captured in a CUDA graph; ``cache`` advances by one."""
     h, _ = model.decode(tokens[:, None], None, cache)
     return model.lm_head(model.norm(h[:, -1])).float()
+
+
+def check_native(model, what: str) -> None:
+    """Refuse a model other than an :class:`AttnResLM` (or one under ``torch.compile``): a
+    transformers model's forward takes ``kv_cache`` into its ``**kwargs`` and ignores it, so
+    every decode step saw its one new token without the prompt."""
+    if not isinstance(getattr(model, "_orig_mod", model), AttnResLM):
+        raise ValueError(f"{what} runs attnres's own model (an AttnResLM), got {type(model).__name__}: convert an "
+                         "AttnResForCausalLM with .to_native(), or decode a transformers model with its own generate "
+                         "or attnres.inference.stream_transformers")
 
 
 #: One compiled step per ``torch.compile`` mode, shared by every decoder: Dynamo guards on
@@ -81,6 +94,7 @@ class StaticDecoder:
     def __init__(self, model, batch_size: int, capacity: int | None = None, mode: str = "graph", warmup: int = 2) -> None:
         if mode not in STATIC_MODES:
             raise ValueError(f"mode must be one of {STATIC_MODES}, got {mode!r}{did_you_mean(mode, STATIC_MODES)}")
+        check_native(model, "StaticDecoder")
         self.model, self.mode, self.warmup = model, mode, warmup
         with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not
             self.cache = StaticKVCache.for_model(model, batch_size, capacity)
@@ -93,7 +107,8 @@ class StaticDecoder:
         if mode == "compiled":
             for t in (*self.cache.k, *self.cache.v, self.cache.end, self.cache.start, self.cache.slots):
                 torch._dynamo.mark_static_address(t)  # buffers updated in place: CUDA graphs must keep them
-            self._run = _compiled_step("reduce-overhead" if self.device.type == "cuda" else None)
+            self._compiled = _compiled_step("reduce-overhead" if self.device.type == "cuda" else None)
+            self._run = self._run_compiled
         else:
             self._run = static_decode_step
         if mode == "graph":
@@ -125,7 +140,10 @@ class StaticDecoder:
 
     # -- decoding -------------------------------------------------------------------------
     def step(self, tokens: Tensor) -> Tensor:
-        """Feed ``tokens [B]``; return the next-token logits ``[B, vocab]`` (float32)."""
+        """Feed ``tokens [B]``; return the next-token logits ``[B, vocab]`` (float32). The
+        tokens are not checked (that would be host work every step): ids in the vocabulary,
+        exactly ``batch_size`` of them (in ``"graph"`` mode one token would be copied to
+        every row)."""
         if self.length >= self.capacity:
             raise ValueError(f"the static cache is full ({self.capacity} positions): build the decoder with a larger "
                              "capacity")
@@ -138,6 +156,21 @@ class StaticDecoder:
             if self.mode == "compiled" and self.device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
             return self._run(self.model, self.cache, tokens)
+
+    def _run_compiled(self, model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
+        """The compiled step; past Dynamo's recompile limit (one graph per model class, dtype,
+        batch size, capacity and grad mode, shared by every decoder: ``fullgraph=True`` makes
+        the limit an error) this decoder runs the eager step instead, with a warning."""
+        try:
+            return self._compiled(model, cache, tokens)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step runs: the cache is as it was
+            warnings.warn("decode='compiled': torch.compile reached its recompile limit "
+                          f"(torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit}) for the "
+                          "decode step - one graph per model class, dtype, batch size, capacity and grad mode - so "
+                          "this generation decodes eagerly; raise the limit, or use decode='static'",
+                          RuntimeWarning, stacklevel=4)
+            self._run = static_decode_step
+            return static_decode_step(model, cache, tokens)
 
     def decode(self, tokens: Tensor, n: int) -> Tensor:
         """``n`` greedy steps from ``tokens [B]`` (fed first); returns the ``n`` tokens chosen,

@@ -108,6 +108,7 @@ class AttnResLM(DecoderTrunk):
         if labels is not None and last_logits_only:
             raise ValueError("labels need the logits of every position; do not pass last_logits_only=True with labels")
         t = input_ids.shape[1]
+        self._check_cache(kv_cache, input_ids.shape[0])
         past = 0 if kv_cache is None else kv_cache.seq_len
         if past + t > self.config.max_seq_len:
             raise ValueError(
@@ -122,6 +123,22 @@ class AttnResLM(DecoderTrunk):
         logits = self.lm_head(self.norm(h))
         loss = None if labels is None else next_token_loss(logits, labels)
         return LMOutput(logits=logits, loss=loss, depth_weights=state.weights if return_depth_weights else None)
+
+    def _check_cache(self, kv_cache: KVStore | None, batch_size: int) -> None:
+        """Refuse a cache made for another model (its layers; a static cache's batch, key/value
+        heads and head size), which failed inside an update ("list index out of range",
+        "index_copy_(): Source/destination tensor must have same slice shapes")."""
+        config = self.config
+        fix = "make it for this model: KVCache(model.config.n_layers) or StaticKVCache.for_model(model, batch_size)"
+        if getattr(kv_cache, "n_layers", config.n_layers) != config.n_layers:
+            raise ValueError(f"kv_cache holds {kv_cache.n_layers} layers, the model has ModelConfig.n_layers="
+                             f"{config.n_layers}: {fix}")
+        if isinstance(kv_cache, StaticKVCache):
+            have = (kv_cache.batch_size, kv_cache.k[0].shape[1], kv_cache.k[0].shape[3])
+            need = (batch_size, config.kv_heads, config.head_dim)
+            if have != need:
+                raise ValueError(f"the StaticKVCache holds (batch, key/value heads, head size) {have}, this forward needs "
+                                 f"{need}: {fix}")
 
     # -- conveniences --------------------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -6,6 +6,24 @@ import torch
 from torch import Tensor
 
 
+def check_left_padding(attention_mask: Tensor | None, shape: tuple[int, int], what: str) -> Tensor | None:
+    """``attention_mask`` as a boolean tensor (``None`` stays ``None``) after checking that
+    it has ``shape`` (``what``: its name in the error), holds only 0 and 1, and is left-padded
+    with at least one real token per row; ``ValueError`` otherwise. A host sync: call it once
+    per prompt, not per step."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of {what} {shape}, got {got}")
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
+    mask = attention_mask.bool()
+    if not bool(mask[:, -1].all()) or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise ValueError("attention_mask must be left-padded (zeros, then ones) with at least one real token per row")
+    return mask
+
+
 class KVCache:
     """Self-attention keys and values of every layer, ``[B, n_kv_heads, T, head_dim]`` each.
 
@@ -167,8 +185,7 @@ class StaticKVCache:
         if cache.n_layers != self.n_layers or cache.keys(0).shape[0] != self.batch_size:
             raise ValueError(f"the cache holds {cache.n_layers} layers at batch size {cache.keys(0).shape[0]}, this one "
                              f"{self.n_layers} at {self.batch_size}")
-        if attention_mask is not None and tuple(attention_mask.shape) != (self.batch_size, t):
-            raise ValueError(f"attention_mask must have shape {(self.batch_size, t)}, got {tuple(attention_mask.shape)}")
+        attention_mask = check_left_padding(attention_mask, (self.batch_size, t), "the batch and cached positions")
         for layer in range(self.n_layers):
             for dst, src in ((self.k[layer], cache.keys(layer)), (self.v[layer], cache.values(layer))):
                 dst[:, :, :t].copy_(src)
@@ -177,7 +194,7 @@ class StaticKVCache:
         if attention_mask is None:
             self.start.zero_()
         else:
-            self.start.copy_((attention_mask == 0).sum(-1))
+            self.start.copy_((~attention_mask).sum(-1))
 
     def crop_(self, seq_len: int | Tensor) -> None:
         """Forget every slot from ``seq_len`` on (sets ``end``; no host sync for a tensor)."""
