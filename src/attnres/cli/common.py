@@ -190,6 +190,20 @@ COMMAND_EXTRAS = {"train": "train", "generate": "train", "compare": "experiments
                   "analyze": "experiments", "plot": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
 
 
+def runs_under(command: str, dirs: list[str]) -> list:
+    """The training run directories at or under each of ``dirs`` (each once, in order:
+    :func:`attnres.train.status.find_runs`); a folder that does not exist ends ``attnres
+    command`` with its one-line error."""
+    from pathlib import Path
+
+    from ..train.status import find_runs
+
+    missing = [d for d in dirs if not Path(d).exists()]
+    if missing:
+        raise SystemExit(f"attnres {command}: error: no such folder: {', '.join(map(repr, missing))}")
+    return list(dict.fromkeys(path for d in dirs for path in find_runs(d)))
+
+
 def missing_extra(argv: list[str], error: ImportError) -> str | None:
     """The one-line error for a command of ``argv`` that failed to import a third-party
     module: which extra to install. ``None`` when ``error`` is not about such a module."""

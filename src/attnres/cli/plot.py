@@ -45,19 +45,16 @@ def run(args, parser) -> int:
 
     from ..experiments.curves import plot_curves, read_curves, run_labels
     from ..output_paths import OutputPathError, check_output_file
-    from ..train.status import find_runs
+    from .common import runs_under
 
     out = Path(args.out)
     if out.suffix.lower() not in FIGURE_SUFFIXES:
         parser.commands["plot"].error(f"--out {args.out!r}: give a file ending in {', '.join(FIGURE_SUFFIXES)}")
-    missing = [d for d in args.dirs if not Path(d).exists()]
-    if missing:
-        raise SystemExit(f"attnres plot: error: no such folder: {', '.join(map(repr, missing))}")
+    runs = runs_under("plot", args.dirs)
     try:
         check_output_file(out)
     except OutputPathError as e:
         raise SystemExit(f"attnres plot: error: {e}") from None
-    runs = list(dict.fromkeys(path for d in args.dirs for path in find_runs(d)))
     curves = {label: read_curves(path) for label, path in zip(run_labels(runs), runs)}
     empty = [label for label, c in curves.items() if c.empty]
     drawn = {label: c for label, c in curves.items() if not c.empty}

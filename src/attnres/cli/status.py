@@ -16,15 +16,11 @@ def add_parser(sub) -> None:
 
 
 def run(args, parser) -> int:
-    from pathlib import Path
-
     from ..output_paths import strict_json
-    from ..train.status import find_runs, run_status
+    from ..train.status import run_status
+    from .common import runs_under
 
-    missing = [d for d in args.dirs if not Path(d).exists()]
-    if missing:
-        raise SystemExit(f"attnres status: error: no such folder: {', '.join(map(repr, missing))}")
-    runs = [run_status(path) for d in args.dirs for path in find_runs(d)]
+    runs = [run_status(path) for path in runs_under("status", args.dirs)]
     if args.json:
         for status in runs:
             print(strict_json(status.to_dict()))

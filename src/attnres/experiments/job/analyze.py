@@ -202,13 +202,13 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     """``attnres analyze``: write ``report.md``, ``mixing.png`` (Fig.-9-style panels, and the
     difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
     :func:`default_analysis_dir`); returns the report's path."""
-    from ...checkpoint import CheckpointError, find_valid_checkpoint, is_hf_directory, no_checkpoint_at
+    from ...checkpoint import CheckpointError, is_hf_directory, no_checkpoint_at
+    from ...checkpoint.locate import newest_state
 
     text = None if text_path is None else read_text_file(text_path, "--text")
     for path in (checkpoint, compare) if compare is not None else (checkpoint,):  # what they are, before --out
-        with warnings.catch_warnings():  # (a fallback to an older checkpoint is said once, when it loads)
-            warnings.simplefilter("ignore")
-            found = Path(path).expanduser().is_dir() and find_valid_checkpoint(path) is not None
+        # (its state.json only: loading verifies the checkpoint, reading every file's hash once)
+        found = Path(path).expanduser().is_dir() and newest_state(Path(path).expanduser()) is not None
         if not found and not is_hf_directory(path):
             raise CheckpointError(no_checkpoint_at(path))
     out = check_analysis_out(out if out is not None else default_analysis_dir(checkpoint))
