@@ -407,6 +407,35 @@ def test_analyze_rows_are_capped_at_the_windows_the_text_holds(tmp_path):
         analysis_tokens(load_run(run), seq_len=16, text="")
 
 
+def test_analyze_without_matplotlib_writes_the_tables_and_says_what_draws_the_picture(tmp_path, monkeypatch):
+    """matplotlib draws only ``mixing.png``: without it ``attnres analyze`` failed after the
+    whole analysis and wrote nothing; now report.md and mixing.json are written, the report
+    and a warning say the picture is left out and what installs it, and an older analysis's
+    picture is removed (it would pass for this one's)."""
+    import sys
+
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    run = tmp_path / "run"
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    train(load_config(None, overrides(corpus, run, steps=1, warmup_steps=0, eval_every=100, diagnostics_every=100)))
+    out = tmp_path / "analysis"
+    args = ["analyze", str(run), "--out", str(out), "--text", str(corpus), "--seq-len", "16", "--rows", "2"]
+    assert cli_main(args) == 0 and (out / "mixing.png").stat().st_size > 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (import matplotlib raises ImportError)
+    with pytest.warns(UserWarning, match="mixing.png is not drawn: matplotlib is not installed .*pip install .*"
+                      r"\[experiments\].*the tables and mixing.json are written"):
+        assert cli_main(args) == 0
+    report = (out / "report.md").read_text()
+    assert "![depth mixing matrices]" not in report and "mixing.png is not drawn" in report
+    assert "## Semiseparable rank" in report and not (out / "mixing.png").exists()
+    assert json.loads((out / "mixing.json").read_text())[0]["residual"] == "attnres_block"
+
+
 def test_analyze_writes_a_step_directorys_report_beside_the_checkpoints_not_inside_one(tmp_path):
     """A run's ``keep_checkpoints`` rotation deletes old ``step-*`` directories whole: the
     default report of a step directory goes to ``<run>/analysis/step-N``; a run directory's

@@ -196,6 +196,23 @@ def check_analysis_out(out: str | Path) -> Path:
     return out
 
 
+def _plot_if_possible(panels, path: Path, diff) -> str:
+    """Draw ``mixing.png`` and return the report's line for it; without matplotlib (the
+    ``experiments`` extra) the tables and ``mixing.json`` are still worth having: say what
+    installs the picture, in the report and as a warning, and leave any older picture out."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from ...extras import install_command
+
+        path.unlink(missing_ok=True)  # (an older analysis's picture would be taken for this one's)
+        note = f"mixing.png is not drawn: matplotlib is not installed ({install_command('experiments')})"
+        warnings.warn(f"attnres analyze: {note}; the tables and mixing.json are written", stacklevel=3)
+        return f"*{note}; the matrices are in mixing.json.*"
+    plot_mixing_panels(panels, path, diff)
+    return "![depth mixing matrices](mixing.png)"
+
+
 def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, out: str | Path | None = None,
                    rows: int | None = None, seq_len: int | None = None, text_path: str | None = None,
                    device: str = "cpu") -> Path:
@@ -221,14 +238,14 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     if len(items) == 2 and items[0][0].matrix.shape == items[1][0].matrix.shape:
         diff = ("A − B", items[0][0].matrix - items[1][0].matrix)
     out.mkdir(parents=True, exist_ok=True)
-    plot_mixing_panels(panels, out / "mixing.png", diff)
+    picture = _plot_if_possible(panels, out / "mixing.png", diff)
     parts = ["# Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)\n",
              method_note(items[0][0].n_tokens) + "\n"]
     for n, (r, info) in zip(names, items):
         step = f" (step {info['step']})" if info["step"] is not None else ""  # (a transformers directory: none)
         parts.append(f"- **{n}**: `{info['checkpoint']}`{step}: {_label(info)}"
                      + (f"; vectors reduced by {r.reduction}" if r.reduction else ""))
-    parts.append("\n![depth mixing matrices](mixing.png)\n")
+    parts.append(f"\n{picture}\n")
     parts.append("## Semiseparable rank\n\n" + rank_table([(f"{n}: {_label(i)}", [r], _expect(i)[0])
                                                             for n, (r, i) in zip(names, items)]) + "\n")
     parts.append("## Sink table\n\n" + "\n\n".join(sink_table(f"{n}: {_label(i)}", [r]) for n, (r, i) in zip(names, items))
