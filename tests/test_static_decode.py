@@ -10,6 +10,7 @@ Prompts are a ragged, left-padded batch; AttnRes models get random pseudo-querie
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -335,6 +336,22 @@ def test_static_decoding_refuses_bad_input():
         static.load_(cache, mask[:, 1:])
     with pytest.raises(ValueError, match=r"seq_len must be in \[0, 8\]"):
         static.crop_(9)
+
+
+def test_a_step_of_the_wrong_number_of_tokens_is_refused_and_changes_nothing():
+    """``StaticDecoder.step`` took tokens of any shape: a graphed step copied one token into
+    every row (other rows decoded it), an eager one broadcast or failed deep in the model.
+    Now a shape other than ``[batch_size]`` is refused before the cache moves."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    decoder = StaticDecoder(model, ids.shape[0], capacity=16, mode="eager")
+    _, cache = prefill(model, ids, mask)
+    decoder.load(cache, mask)
+    for bad in (ids[:1, -1], ids[:, -1:], ids[:, -1].repeat(2)):
+        with pytest.raises(ValueError, match=rf"tokens must have shape \[batch_size\] = \[3\].*got {re.escape(str(list(bad.shape)))}$"):
+            decoder.step(bad)
+    assert decoder.length == ids.shape[1] and int(decoder.cache.end) == ids.shape[1]
+    assert decoder.step(ids[:, -1]).shape == (3, model.config.vocab_size)
 
 
 def test_loading_a_cache_checks_its_padding_mask():
