@@ -598,6 +598,56 @@ def test_bad_labels_shape_raises():
         model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 3, dtype=torch.long))
 
 
+@pytest.mark.parametrize("residual", ["standard", "attnres_block", "attnres_full"])
+def test_inputs_embeds_are_taken_as_the_embedding_of_input_ids(residual):
+    """``inputs_embeds`` in place of ``input_ids`` (a soft prompt, another modality's
+    features): the same logits, loss and depth weights as the ids they embed, bit for bit,
+    through a KV cache too (a prompt given as vectors, then tokens); the gradient reaching
+    them is the one the embedding's output gets."""
+    from attnres.inference import KVCache
+
+    model = make_model(residual=residual)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    seen = []
+    hook = model.embed_tokens.register_forward_hook(lambda m, i, out: (out.retain_grad(), seen.append(out))[0])
+    by_ids = model(ids, labels=ids, return_depth_weights=True)
+    by_ids.loss.backward()
+    hook.remove()
+    embeds = model.embed_tokens.weight.detach()[ids].requires_grad_()
+    by_vectors = model(inputs_embeds=embeds, labels=ids, return_depth_weights=True)
+    by_vectors.loss.backward()
+    assert torch.equal(by_vectors.logits, by_ids.logits) and torch.equal(by_vectors.loss, by_ids.loss)
+    if residual != "standard":
+        assert all(torch.equal(a, b) for a, b in zip(by_vectors.depth_weights, by_ids.depth_weights))
+    assert len(seen) == 1 and torch.allclose(embeds.grad, seen[0].grad, rtol=1e-6, atol=1e-9)
+    with torch.no_grad():
+        cache = KVCache(model.config.n_layers)
+        model(inputs_embeds=embeds[:, :6].detach(), kv_cache=cache)
+        then = model(ids[:, 6:], kv_cache=cache).logits
+    assert torch.allclose(then, by_ids.logits[:, 6:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, e: m(), "pass exactly one of input_ids"),
+    (lambda m, e: m(torch.zeros(2, 3, dtype=torch.long), inputs_embeds=e), "pass exactly one of input_ids"),
+    (lambda m, e: m(inputs_embeds=e[..., :-1]), r"\[batch, seq_len, d_model=64\], got \(2, 3, 63\)"),
+    (lambda m, e: m(inputs_embeds=e[0]), r"\[batch, seq_len, d_model=64\], got \(3, 64\)"),
+    (lambda m, e: m(inputs_embeds=e[:, :0]), "non-empty"),
+    (lambda m, e: m(inputs_embeds=e.double()), "must be torch.float32 on cpu, as the embedding's weight .* got torch.float64"),
+    (lambda m, e: m(inputs_embeds=e.repeat(1, 50, 1)), "sequence length 150 exceeds ModelConfig.max_seq_len=128"),
+    (lambda m, e: m(inputs_embeds=e, labels=torch.zeros(2, 4, dtype=torch.long)),
+     r"labels must have the shape \[batch, seq_len\] = \(2, 3\) of the inputs, got \(2, 4\)"),
+])
+def test_bad_inputs_embeds_are_refused_by_name_before_any_compute(call, match):
+    model = make_model()
+    assert model.config.d_model == 64
+    ran = []
+    model.layers[0].register_forward_pre_hook(lambda *a: ran.append(True))
+    with pytest.raises(ValueError, match=match):
+        call(model, torch.zeros(2, 3, 64))
+    assert not ran
+
+
 # ------------------------------------------------------------------ float64 end to end
 def reference_logits_float64(model: AttnResLM, ids: torch.Tensor) -> torch.Tensor:
     """The model's function written out independently in float64 from its parameters: RoPE

@@ -87,28 +87,37 @@ class AttnResLM(DecoderTrunk):
     # -- forward -------------------------------------------------------------------------
     def forward(
         self,
-        input_ids: Tensor,
+        input_ids: Tensor | None = None,
         labels: Tensor | None = None,
         *,
         return_depth_weights: bool = False,
         attention_mask: Tensor | None = None,
         kv_cache: KVStore | None = None,
         last_logits_only: bool = False,
+        inputs_embeds: Tensor | None = None,
     ) -> LMOutput:
         """``input_ids [B, T]`` -> :class:`LMOutput` with ``logits [B, T, vocab]``
         (``[B, 1, vocab]``, the last position only, with ``last_logits_only``).
 
+        ``inputs_embeds [B, T, d]`` in place of ``input_ids``: vectors the model takes as it
+        takes ``embed_tokens(input_ids)`` (the residual's ``v_0``), e.g. a soft prompt
+        concatenated with ``embed_tokens(ids)``; in the embedding's dtype and device.
         ``kv_cache``: an ``attnres.inference.KVCache`` (its ``seq_len`` is ``past``), updated
         in place. ``attention_mask``: ``[B, past + T]`` of 0/1, left padding only. A
         ``StaticKVCache`` holds the padding itself (``attention_mask`` must be ``None``).
         """
-        self.check_input_ids(input_ids)
-        if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [batch, seq_len] and inputs_embeds [batch, seq_len, d_model]")
+        if inputs_embeds is None:
+            self.check_input_ids(input_ids)
+        else:
+            self.check_inputs_embeds(inputs_embeds)
+        b, t = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
+        if labels is not None and labels.shape != (b, t):
+            raise ValueError(f"labels must have the shape [batch, seq_len] = {(b, t)} of the inputs, got {tuple(labels.shape)}")
         if labels is not None and last_logits_only:
             raise ValueError("labels need the logits of every position; do not pass last_logits_only=True with labels")
-        t = input_ids.shape[1]
-        self._check_cache(kv_cache, input_ids.shape[0])
+        self._check_cache(kv_cache, b)
         past = 0 if kv_cache is None else kv_cache.seq_len
         if past + t > self.config.max_seq_len:
             raise ValueError(
@@ -117,7 +126,7 @@ class AttnResLM(DecoderTrunk):
         if isinstance(kv_cache, StaticKVCache) and past + t > kv_cache.capacity:
             raise ValueError(f"cached length {past} + {t} new tokens exceeds the StaticKVCache capacity {kv_cache.capacity}")
         h, state = self.decode(input_ids, attention_mask, kv_cache, record_weights=return_depth_weights,
-                               sublayer_call=self.sublayer_call)
+                               sublayer_call=self.sublayer_call, inputs_embeds=inputs_embeds)
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.norm(h))

@@ -164,8 +164,28 @@ class DecoderTrunk(nn.Module):
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {config.vocab_size})")
 
+    def check_inputs_embeds(self, inputs_embeds: Tensor) -> None:
+        """Raise ``ValueError`` unless ``inputs_embeds`` is a ``[B, T, d_model]`` tensor in the
+        embedding's dtype, on its device, with ``1 <= T <= max_seq_len``: what the model
+        takes in place of ``input_ids`` (soft prompts, another modality's features).
+        Reads shapes only."""
+        config, weight = self.model_config, self.embed_tokens.weight
+        if not isinstance(inputs_embeds, Tensor):
+            raise ValueError(f"inputs_embeds must be a tensor, got {type(inputs_embeds).__name__}")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.d_model:
+            raise ValueError(f"inputs_embeds must have shape [batch, seq_len, d_model={config.d_model}], got "
+                             f"{tuple(inputs_embeds.shape)}")
+        if inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
+            raise ValueError(f"inputs_embeds must be non-empty, got shape {tuple(inputs_embeds.shape)}")
+        if inputs_embeds.shape[1] > config.max_seq_len:
+            raise ValueError(f"sequence length {inputs_embeds.shape[1]} exceeds ModelConfig.max_seq_len={config.max_seq_len}")
+        if inputs_embeds.dtype != weight.dtype or inputs_embeds.device != weight.device:
+            raise ValueError(f"inputs_embeds must be {weight.dtype} on {weight.device}, as the embedding's weight (what "
+                             f"embed_tokens gives): got {inputs_embeds.dtype} on {inputs_embeds.device}")
+
     def positions(self, input_ids: Tensor, attention_mask: Tensor | None, past: int):
-        """RoPE tables and the attention mask of ``input_ids [B, T]`` after ``past`` cached
+        """RoPE tables and the attention mask of ``input_ids [B, T]`` (or their embeddings
+        ``[B, T, d]``: only the batch, length and device are read) after ``past`` cached
         positions: ``(cos, sin, attn_mask)``; ``attn_mask`` is ``None`` without padding,
         else ``[B, 1, T, past + T]`` (True = may attend)."""
         t = input_ids.shape[1]
@@ -196,24 +216,27 @@ class DecoderTrunk(nn.Module):
         *,
         record_weights: bool = False,
         sublayer_call=plain_call,
+        inputs_embeds: Tensor | None = None,
     ) -> tuple[Tensor, ResidualState]:
         """The decoder up to (not including) the final norm: ``input_ids [B, T]`` (already
         validated) -> the residual's output aggregation ``h [B, T, d]`` and the residual state
-        (its ``weights`` hold the depth weights with ``record_weights``).
+        (its ``weights`` hold the depth weights with ``record_weights``). ``inputs_embeds
+        [B, T, d]`` (already validated; ``input_ids`` then ``None``) stand for
+        ``embed_tokens(input_ids)``: they are the residual's ``v_0``.
 
         ``kv_cache`` holds the keys/values of the ``past`` positions (its ``seq_len``); a
         cache with ``attention_inputs(rope, T)`` (``StaticKVCache``) keeps its fill level and
         padding on the device and gives the RoPE tables and mask itself (``attention_mask``
         must then be ``None``), so the pass reads nothing back to the host.
         ``sublayer_call(fn, *args)`` runs each sublayer (activation checkpointing)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if hasattr(kv_cache, "attention_inputs"):
             if attention_mask is not None:
                 raise ValueError("a static KV cache holds the padding itself (StaticKVCache.start): pass attention_mask=None")
-            cos, sin, attn_mask = kv_cache.attention_inputs(self.rope, input_ids.shape[1])
+            cos, sin, attn_mask = kv_cache.attention_inputs(self.rope, x.shape[1])
         else:
             past = 0 if kv_cache is None else kv_cache.seq_len
-            cos, sin, attn_mask = self.positions(input_ids, attention_mask, past)
-        x = self.embed_tokens(input_ids)
+            cos, sin, attn_mask = self.positions(x, attention_mask, past)
         # Every sublayer input goes through the block's own RMSNorm first, so the residual may
         # fold that norm into its Phase-2 kernel (defer_norm).
         state = self.residual.start(x, record_weights=record_weights, defer_norm=self.defer_norm)
