@@ -74,6 +74,11 @@ A part that raises is recorded (``errors``, with its traceback) and the next one
 left the device unusable (a kernel's memory fault is sticky: every later CUDA call of the
 process fails), the parts after it run in a fresh process (``--continue``, within what is left
 of the budget) that adds to the same files.
+The files are also written before the models are built (the card, the versions, the code:
+``code.source_digest``, and the commit where there is a ``.git``) and before each part, naming
+it ``running``: a run killed by its time limit says where. A part's optional pieces (memory,
+profiles, host time) that fail are recorded as ``part.piece`` in ``errors``, its timings
+kept; the compiled part compiles each model only while one more compile fits the budget.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
 ``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
 ``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
@@ -919,21 +924,26 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
 
 
 #: Seconds to compile one model's training step (inductor, a cold cache: the H200 took 208 s
-#: for three) - what the compiled part assumes for a model before it has timed one.
+#: for three) - what the compiled part assumes for a model before it has timed one - and the
+#: seconds it keeps for timing and profiling the compiled steps after the compiles.
 COMPILE_S = 70
+COMPILED_TIMING_S = 20
 
 
 def compile_within(steps: dict, clock: Clock) -> tuple[dict, dict[str, float], dict[str, str]]:
     """Run each compiled step once (this compiles it), in order, while the time to the
-    deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far):
+    deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far)
+    and the timing after it (:data:`COMPILED_TIMING_S`):
     ``(the compiled steps, {model: compile seconds}, {model dropped: why})``. The standard
     model comes first and Block second: a run short of time drops Full AttnRes, which has
     no target, and says so, rather than being cut off by the command's time limit."""
     kept, seconds, dropped = {}, {}, {}
     for name, step in steps.items():
-        need, left = max([COMPILE_S, *(1.2 * t for t in seconds.values())]), clock.left()
+        need = max([COMPILE_S, *(1.2 * t for t in seconds.values())]) + COMPILED_TIMING_S
+        left = clock.left()
         if left < need:
-            dropped[name] = f"{left:.0f} s to the deadline, a compile takes about {need:.0f} s: not compiled"
+            dropped[name] = (f"{left:.0f} s to the deadline, a compile and the timing after it take about {need:.0f} s: "
+                             "not compiled")
             log(f"[gpu_check]   {name}: {dropped[name]}")
             continue
         start = time.perf_counter()
@@ -985,11 +995,12 @@ def profiled(fn, device: str, top: int) -> dict:
         fn()
         if cuda:
             torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute, 0), reverse=True)
-    total = sum(getattr(e, attribute, 0) for e in events)
+    # (no default for the attribute: a name this torch lacks fails the piece rather than reading 0)
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute), reverse=True)
+    total = sum(getattr(e, attribute) for e in events)
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
     return {"total_ms": total / 1e3, "kernels": kernels,
-            "top": [{"op": e.key[:80], "ms": getattr(e, attribute, 0) / 1e3, "calls": e.count} for e in events[:top]]}
+            "top": [{"op": e.key[:80], "ms": getattr(e, attribute) / 1e3, "calls": e.count} for e in events[:top]]}
 
 
 @contextmanager
