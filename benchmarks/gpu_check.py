@@ -1448,7 +1448,8 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda", options: list[str]
         Clock(device).sync()
         return 0
     if what == "sweeps":  # the ops part's other launch settings and layout, at a few rows
-        few = Sizes(**{**asdict(z), "tokens": min(z.tokens, 64)})
+        warps = min(SWEEPS["merge_warps"][0])  # (the fewest warps the sweep runs the merges with)
+        few = Sizes(**{**asdict(z), "tokens": warm_up_rows(device, z.d, z.tokens, warps)})
         calls = op_calls(few, device)
         for setting, value, names in sweep_settings(device):
             with forced(setting, value):
@@ -1476,15 +1477,52 @@ WARM_UP_STAGES = ("train", "decode", "bf16")
 WARMED_MODELS = tuple(f"models:{name}:{stage}" for name in VARIANTS if name != "standard" for stage in WARM_UP_STAGES)
 
 
+def warm_up_rows(device: str, d: int, full_rows: int, warps: int | None = None) -> int:
+    """Rows at which a warm-up launches the variants the parts launch at ``full_rows`` on this
+    device (fewer: its workers' memory), the fewest that are: more than Phase 1's few-rows
+    geometry takes (``FEW_ROWS``); two or more for each of the held merges' persistent
+    programs (one row a program runs them unpipelined, ``STAGES`` = 1: decoding's variant);
+    and the same specialisation as ``full_rows`` for every integer the kernels take that
+    depends on the rows (Triton compiles a variant per integer that is 1, a multiple of 16,
+    or neither: the rows, and the rows per program of Phase 1's backward). The held merges'
+    programs are as many as the device's multiprocessors keep resident - on an H200 (132)
+    264 at d = 2048 - so the 48 rows the warm-up once ran compiled only decoding's merges
+    there (the tests' 2 saw no difference). ``warps``: the fewest the merges run with
+    (default: at ``d``)."""
+    from attnres.ops.depth_attention import triton_impl, triton_launch as tl
+
+    sms = triton_impl._sms(torch.device(device))
+    warps = warps or triton_impl.FORCED["merge_warps"] or tl.merge_warps(tl.row_pad(d))
+    least = max(tl.FEW_ROWS + 1, 2 * tl.held_programs(1 << 30, sms, warps) + 1)
+
+    def kind(n: int) -> str:
+        return "1" if n == 1 else "16k" if n % 16 == 0 else "int"
+
+    def kinds(rows: int) -> list[str]:
+        found = [kind(rows)]
+        for S, wide, block_d in ((S, wide, b) for S in range(1, tl.MAX_QUERIES + 1) for wide in (False, True)
+                                 for b in (triton_impl.FORCED["block_d"], *SWEEPS["block_d"][0])):
+            block_rows, block = tl.phase1_rows_geometry(d, S, wide, block_d)
+            found.append(kind(tl.dq_grid(rows, d, block, sms, triton_impl.FORCED["programs"], block_rows)[2]))
+            found.append(kind(tl.dq_grid(rows, d, tl.phase1_tile(d, S, block_d, wide), sms,
+                                         triton_impl.FORCED["programs"])[2]))
+        return found
+
+    target = kinds(full_rows)
+    return next((rows for rows in range(-(-least // 16) * 16, full_rows, 16) if kinds(rows) == target), full_rows)
+
+
 def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[str] = ()) -> None:
     """Run model ``name``'s residual at warm-up stage ``stage`` (:data:`WARM_UP_STAGES`) at a
-    few rows: the kernel variants the parts launch at the full shape. A variant depends on
+    few rows (:func:`warm_up_rows`): the kernel variants the parts launch at the full shape. A variant depends on
     ``d``, the dtypes and the number of sources and queries, not on the sublayers' sizes, so
     the model has the parts' depth and width but a small vocabulary, MLP and key/value width
     (1.2 GB of float32 weights at d = 2048 instead of 7.0: six workers fit beside the main
     process's models on an H100). ``options``: :data:`MODEL_OPTIONS` the run switched on."""
-    # (48 rows: over a decoding step's few, Phase 1 runs the training step's kernels)
-    small = Sizes(**{**asdict(z), "seq": 48, "batch": 1})
+    # (the decode stage at 48 rows: over a decoding step's few; the training steps at as many
+    # as launch the full shape's variants on this device)
+    small = Sizes(**{**asdict(z), "seq": 48 if stage == "decode" else warm_up_rows(device, z.d, z.seq * z.batch),
+                     "batch": 1})
     config = replace(model_config(small, residual_of(name, small)), vocab_size=256, n_kv_heads=1, mlp_hidden=64)
     torch.manual_seed(0)
     with torch.device(device):

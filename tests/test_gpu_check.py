@@ -225,6 +225,55 @@ def test_the_models_warm_up_compiles_each_variant_the_parts_launch_one_worker_a_
         gpu_check.warm_up_worker("models:block:fp8", gpu_check.SMOKE, "cpu")
 
 
+def test_the_warm_up_compiles_the_full_shapes_variants_on_a_gpu_of_many_multiprocessors(monkeypatch):
+    """On a GPU the held merges run as many persistent programs as its multiprocessors keep
+    resident (an H200's 132: hundreds), and a program of one row runs them unpipelined
+    (``STAGES`` = 1, decoding's variant): the warm-up's training steps and its sweeps run
+    enough rows to launch the variants of the parts' full shape (batch 4 x 2048 tokens, the
+    ops' 8192 rows) - at the 48 rows it once ran, none of the training step's held merges
+    was compiled there. Counted on the CPU with the kernels stubbed and 132 multiprocessors."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    from attnres.ops.depth_attention import triton_impl, triton_kernels, triton_launch
+
+    monkeypatch.setattr(triton_impl, "_device_sms", lambda device: 132)
+    assert gpu_check.warm_up_rows("cpu", 2048, 8192) == 1856  # (the check's shape on an H200: 264 programs)
+    assert gpu_check.warm_up_rows("cpu", 2048, 8192, warps=4) == 1856  # (the sweep's 4 warps: 528)
+    monkeypatch.setattr(triton_impl, "_device_sms", lambda device: 24)  # (fewer rows than 8192 at d = 64)
+    variants: set = set()
+    for name in triton_launch.SIGNATURES:
+        monkeypatch.setattr(triton_kernels, name, _VariantLog(name, variants))
+    residual_of = gpu_check.residual_of
+    monkeypatch.setattr(gpu_check, "residual_of", lambda name, z: {**residual_of(name, z), "backend": "triton"})
+    z = gpu_check.Sizes(tokens=8192, d=64, layers=2, blocks=2, seq=2048, batch=4, vocab=64)
+    assert gpu_check.warm_up_rows("cpu", z.d, 8192) == 1552  # (64 wide: one warp a program, 16 of them an SM)
+    for stage in ("train", "bf16"):
+        variants.clear()
+        assert gpu_check.warm_up_worker(f"models:block:{stage}", z, "cpu") == 0
+        warmed = set(variants)
+        variants.clear()
+        model = gpu_check.build_models(z, "cpu", names=("block",))["block"]
+        if stage == "bf16":
+            model.to(torch.bfloat16)
+        gpu_check.train_steps({"block": model}, torch.randint(0, z.vocab, (z.batch, z.seq)), "cpu")["block"]()
+        held = {v for v in variants if v[0].endswith("_held")}
+        assert held and all(dict(v[2])["STAGES"] > 1 for v in held), sorted(held)
+        assert warmed == variants, (stage, sorted(variants ^ warmed))
+    variants.clear()
+    assert gpu_check.warm_up_worker("sweeps", z, "cpu") == 0
+    warmed = set(variants)
+    variants.clear()
+    calls = gpu_check.op_calls(z, "cpu")
+    for setting, value, names in gpu_check.sweep_settings("cpu"):  # (as the worker on this device)
+        with gpu_check.forced(setting, value):
+            for name in names:
+                calls[name]()
+    for fn in gpu_check.autocast_op_calls(z, "cpu").values():
+        fn()
+    assert variants <= warmed, sorted(variants - warmed)
+
+
 def test_device_busy_is_the_profiled_device_time_over_the_step():
     import gpu_check
 
