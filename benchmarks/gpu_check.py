@@ -1754,7 +1754,10 @@ def main(argv=None, started: float | None = None) -> int:
         return 2
     start = time.perf_counter() if started is None else started
     clock = Clock(device, deadline=start + args.budget)
-    faulthandler.dump_traceback_later(max(1.0, clock.left() + HANG_DUMP_S))
+    try:  # (a stderr without a file descriptor - a notebook's - has no dump)
+        faulthandler.dump_traceback_later(max(1.0, clock.left() + HANG_DUMP_S))
+    except (AttributeError, OSError, ValueError) as e:
+        log(f"[gpu_check] no stack dump past the budget: {e}")
     try:
         return run_check(args, argv, clock, z, forced_settings, options, start)
     finally:

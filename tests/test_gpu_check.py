@@ -818,3 +818,17 @@ def test_the_cuda_only_calls_name_what_this_torch_has():
         torch.ones(4).sum()
     assert all(e.self_device_time_total == 0 and e.self_cpu_time_total >= 0 for e in prof.key_averages())
     assert {e.device_type for e in prof.events()} == {torch.autograd.DeviceType.CPU}
+
+
+def test_a_stderr_without_a_file_descriptor_runs_without_the_stack_dump(monkeypatch, tmp_path):
+    """Where stderr has no file descriptor (a notebook's), the stack dump past the budget is
+    left out, said in the log, and the run goes on."""
+    import io
+
+    import gpu_check
+
+    _fake_gpu(monkeypatch, gpu_check)
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert gpu_check.main(["--out", str(tmp_path), "--no-peers", "--parts", "profile"]) == 0
+    assert "no stack dump past the budget" in stderr.getvalue() and (tmp_path / "summary.json").is_file()
