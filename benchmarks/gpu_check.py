@@ -74,6 +74,11 @@ A part that raises is recorded (``errors``, with its traceback) and the next one
 left the device unusable (a kernel's memory fault is sticky: every later CUDA call of the
 process fails), the parts after it run in a fresh process (``--continue``, within what is left
 of the budget) that adds to the same files.
+The files are also written before the models are built (the card, the versions, the code:
+``code.source_digest``, and the commit where there is a ``.git``) and before each part, naming
+it ``running``: a run killed by its time limit says where. A part's optional pieces (memory,
+profiles, host time) that fail are recorded as ``part.piece`` in ``errors``, its timings
+kept; the compiled part compiles each model only while one more compile fits the budget.
 ``summary.json`` holds the ratios to the standard model by name - ``train_eager``,
 ``train_compiled``, ``decode_b1``, ``decode_b8`` (graphed), ``decode_eager_b1``,
 ``decode_eager_b8``, ``memory`` - for Block AttnRes, the same for Full under ``full``, the
@@ -84,18 +89,27 @@ sizes on the CPU (the Triton kernels under the interpreter): the default test su
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
 import time
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+
+#: When this process started, before the imports (torch's takes seconds): ``--budget`` counts
+#: from here, so that the budget and the command's time limit measure the same span.
+STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import faulthandler  # noqa: E402
+import gc  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager, nullcontext  # noqa: E402
+from dataclasses import asdict, dataclass, replace  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 if "--cpu-smoke" in sys.argv:  # the interpreter must be on before triton is first imported
@@ -146,10 +160,21 @@ SMOKE = Sizes(tokens=8, d=16, n=2, S=2, layers=2, blocks=2, seq=8, batch=2, voca
 
 # ----------------------------------------------------------------------------------------- timing
 class Clock:
-    """Wall time of a step on the device: CUDA events on a GPU, ``perf_counter`` on CPU."""
+    """Wall time of a step on the device: CUDA events on a GPU, ``perf_counter`` on CPU; and
+    the run's deadline (``perf_counter`` seconds; ``None``: none), which a part that can
+    drop some of its work (the compiled part's models) checks before each piece. ``strict``
+    (default: on the CPU, the smoke, whose failures are the tests'): a part's optional
+    piece that raises fails the part, else it is recorded (:func:`attempt`) and the part's
+    other results kept."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, deadline: float | None = None, strict: bool | None = None):
         self.cuda = device == "cuda"
+        self.deadline = deadline
+        self.strict = not self.cuda if strict is None else strict
+
+    def left(self) -> float:
+        """Seconds to the deadline (infinite without one)."""
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
 
     def sync(self) -> None:
         if self.cuda:
@@ -164,6 +189,8 @@ class Clock:
 
     def interleaved(self, steps: dict, repeats: int) -> dict[str, float]:
         """Median seconds per step, one call of each per round in a rotating order."""
+        if not steps:
+            return {}
         for step in steps.values():
             step()
         self.sync()
@@ -190,6 +217,21 @@ class Clock:
         graph.replay()
         torch.cuda.synchronize()
         return statistics.median(self.time(graph.replay) for _ in range(repeats))
+
+
+def attempt(clock: Clock, errors: dict, name: str, fn, default=None):
+    """``fn()``, or - where it raises and ``clock`` is not strict - ``default``, its traceback
+    recorded as ``errors[name]``: a part's optional pieces (its memory, a profile, the host
+    time) cannot lose the timings it measured before them (the compiled part's come after
+    minutes of compiling)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded; the part's other results stand
+        if clock.strict:
+            raise
+        errors[name] = "".join(traceback.format_exception(e))[-3000:]
+        log(f"[gpu_check]   {name} FAILED (the part's other results kept):\n{errors[name]}")
+        return default
 
 
 # -------------------------------------------------------------------------------------- the ops
@@ -356,8 +398,13 @@ def part_sweep(z: Sizes, clock: Clock, device: str) -> dict:
 
 def sweep(z: Sizes, clock: Clock, device: str, calls: dict, bytes_: dict, peak: float) -> dict:
     """The operations at the launch settings of :data:`SWEEPS`: ``{name@setting=value: {us,
-    x bound}}``."""
+    x bound}}``, and first each at its default (``name@default``): each setting's time is
+    held against the default's of the same part, minutes apart at most, not against the ops
+    part's (the card's clocks drift; a ``--continue`` runs it in another process)."""
     result = {}
+    for name in dict.fromkeys(n for _, names in SWEEPS.values() for n in names):
+        t = clock.replayed(calls[name], z.op_repeats)
+        result[f"{name}@default"] = {"us": t * 1e6, "x_bound": t / (bytes_[name] / peak)}
     for setting, value, names in sweep_settings(device):
         with forced(setting, value):
             for name in names:
@@ -483,17 +530,37 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
 def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) -> dict:
     peak = kernels_bench.peak_bandwidth()[0] if device == "cuda" else 1e11
     calls, bytes_ = op_calls(z, device), op_bytes(z, 2 if device == "cuda" else 4)
-    rows = {}
+    rows, errors = {}, {}
     for name, fn in calls.items():
         t = clock.replayed(fn, z.op_repeats)
         rows[name] = {"us": t * 1e6, "bound_us": bytes_[name] / peak * 1e6, "x_bound": t / (bytes_[name] / peak)}
         log(f"[gpu_check]   {name}: {rows[name]['us']:.1f} us, {rows[name]['x_bound']:.2f}x bound")
+    autocast = attempt(clock, errors, "autocast", lambda: autocast_ops(z, clock, device, peak), {})
+    host = attempt(clock, errors, "host", lambda: host_overhead(clock, device, 200))
+    log(f"[gpu_check]   host: {host}")
+    shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
+    block, unsupported = attempt(clock, errors, "block", lambda: block_against_peers(z, clock, device, peers, skipped),
+                                 ({}, dict(skipped)))
+    result = {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "autocast": autocast,
+              "block": block, "unsupported": unsupported, "errors": errors}
+    if host is not None:
+        result["host_us"] = host
+    return result
+
+
+def autocast_ops(z: Sizes, clock: Clock, device: str, peak: float) -> dict:
+    """The ops of :data:`AUTOCAST_OPS` in the training step's layout, against their bounds."""
     autocast, autocast_bytes = {}, autocast_op_bytes(z)
     for name, fn in autocast_op_calls(z, device).items():
         t, bound = clock.replayed(fn, z.op_repeats), autocast_bytes[name] / peak
         autocast[name] = {"us": t * 1e6, "bound_us": bound * 1e6, "x_bound": t / bound}
         log(f"[gpu_check]   {name}, the training step's layout: {t * 1e6:.1f} us, {t / bound:.2f}x bound")
-    host = host_overhead(clock, device, 200)
+    return autocast
+
+
+def block_against_peers(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) -> tuple[dict, dict]:
+    """One Block AttnRes block, ours and the peers' that run the shape (events, host
+    included): ``({implementation: {fwd_us, fwd+bwd_us}}, {peer: why not})``."""
     shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
     x = kernels_bench.make_inputs(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     impls = {"ours (triton)": (kernels_bench.ours_triton, lambda s: None), **peers}
@@ -509,13 +576,12 @@ def part_ops(z: Sizes, clock: Clock, device: str, peers: dict, skipped: dict) ->
             unsupported[name] = reason
             continue
         steps.update(kernels_bench.block_steps(name, run, x))
-    log(f"[gpu_check]   host: {host}; timing the block: {sorted(steps)}")
+    log(f"[gpu_check]   timing the block: {sorted(steps)}")
     block = {}
     for key, t in clock.interleaved(steps, z.repeats).items():
         impl, mode = key.split("|")
         block.setdefault(impl, {})[f"{mode}_us"] = t * 1e6
-    return {"shape": asdict(shape), "peak_GBps": peak / 1e9, "ops": rows, "autocast": autocast,
-            "host_us": host, "block": block, "unsupported": unsupported}
+    return block, unsupported
 
 
 # --------------------------------------------------------------------------------- parity
@@ -833,20 +899,60 @@ def part_train(z: Sizes, clock: Clock, models: dict, device: str, compiled: bool
         if "block" in models:
             steps[SUMS_BF16] = with_option(steps["block"], models["block"], "autocast_phase1_sums")
             forwards[SUMS_BF16] = with_option(forwards["block"], models["block"], "autocast_phase1_sums")
+    errors: dict = {}
+    result = {"errors": errors}
     start = time.perf_counter()
-    for step in steps.values():  # (compiled: this compiles)
-        step()
-    clock.sync()
-    result = {"warm_up_s": time.perf_counter() - start, "ms": {k: t * 1e3 for k, t in
-                                                              clock.interleaved(steps, z.repeats).items()}}
-    if compiled:  # (where a compiled step's device time goes: one more step each, already compiled)
-        result["profile"] = {name: profiled(steps[name], device, PROFILE_TOP) for name in PROFILED if name in steps}
+    if compiled:  # (each model's first step compiles it: minutes, so each within the deadline)
+        steps, result["compile_s"], result["dropped"] = compile_within(steps, clock)
     else:
-        result["peak_memory_MiB"] = {k: peak_memory(s, device) / 2**20 for k, s in steps.items()}
+        for step in steps.values():
+            step()
+        clock.sync()
+    result["warm_up_s"] = time.perf_counter() - start
+    result["ms"] = {k: t * 1e3 for k, t in clock.interleaved(steps, z.repeats).items()}
+    if compiled:  # (where a compiled step's device time goes: one more step each, already compiled)
+        result["profile"] = attempt(clock, errors, "profile", lambda: {
+            name: profiled(steps[name], device, PROFILE_TOP) for name in PROFILED if name in steps}, {})
+    else:
+        result["peak_memory_MiB"] = attempt(clock, errors, "peak_memory", lambda: {
+            k: peak_memory(s, device) / 2**20 for k, s in steps.items()}, {})
         # (what autograd keeps from the forward, apart from the backward's transients: the
         # CPU forecast's quantity, to tell which of the two the GPU's peak ratio comes from)
-        result["kept_MiB"] = {k: kept_bytes(f, device) / 2**20 for k, f in forwards.items()}
+        result["kept_MiB"] = attempt(clock, errors, "kept", lambda: {
+            k: kept_bytes(f, device) / 2**20 for k, f in forwards.items()}, {})
     return result
+
+
+#: Seconds to compile one model's training step (inductor, a cold cache: the H200 took 208 s
+#: for three) - what the compiled part assumes for a model before it has timed one - and the
+#: seconds it keeps for timing and profiling the compiled steps after the compiles.
+COMPILE_S = 70
+COMPILED_TIMING_S = 20
+
+
+def compile_within(steps: dict, clock: Clock) -> tuple[dict, dict[str, float], dict[str, str]]:
+    """Run each compiled step once (this compiles it), in order, while the time to the
+    deadline still fits one more compile (:data:`COMPILE_S`, or 1.2 times the slowest so far)
+    and the timing after it (:data:`COMPILED_TIMING_S`):
+    ``(the compiled steps, {model: compile seconds}, {model dropped: why})``. The standard
+    model comes first and Block second: a run short of time drops Full AttnRes, which has
+    no target, and says so, rather than being cut off by the command's time limit."""
+    kept, seconds, dropped = {}, {}, {}
+    for name, step in steps.items():
+        need = max([COMPILE_S, *(1.2 * t for t in seconds.values())]) + COMPILED_TIMING_S
+        left = clock.left()
+        if left < need:
+            dropped[name] = (f"{left:.0f} s to the deadline, a compile and the timing after it take about {need:.0f} s: "
+                             "not compiled")
+            log(f"[gpu_check]   {name}: {dropped[name]}")
+            continue
+        start = time.perf_counter()
+        step()
+        clock.sync()
+        seconds[name] = time.perf_counter() - start
+        log(f"[gpu_check]   {name} compiled in {seconds[name]:.0f} s")
+        kept[name] = step
+    return kept, seconds, dropped
 
 
 def part_train_bf16(z: Sizes, clock: Clock, models: dict, device: str) -> dict:
@@ -889,11 +995,12 @@ def profiled(fn, device: str, top: int) -> dict:
         fn()
         if cuda:
             torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute, 0), reverse=True)
-    total = sum(getattr(e, attribute, 0) for e in events)
+    # (no default for the attribute: a name this torch lacks fails the piece rather than reading 0)
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attribute), reverse=True)
+    total = sum(getattr(e, attribute) for e in events)
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
     return {"total_ms": total / 1e3, "kernels": kernels,
-            "top": [{"op": e.key[:80], "ms": getattr(e, attribute, 0) / 1e3, "calls": e.count} for e in events[:top]]}
+            "top": [{"op": e.key[:80], "ms": getattr(e, attribute) / 1e3, "calls": e.count} for e in events[:top]]}
 
 
 @contextmanager
@@ -995,7 +1102,12 @@ def part_profile_decode(z: Sizes, models: dict, device: str, top: int = 12) -> d
 
 # ---------------------------------------------------------------------------------- summary
 def ratios(times: dict, name: str) -> float | None:
-    return times[name] / times["standard"] if name in times and "standard" in times else None
+    return ratio_of(times, name, "standard")
+
+
+def ratio_of(values: dict, name: str, against: str) -> float | None:
+    """``values[name] / values[against]``, or ``None`` where either is missing."""
+    return values[name] / values[against] if name in values and against in values else None
 
 
 def summarize(result: dict) -> dict:
@@ -1004,7 +1116,7 @@ def summarize(result: dict) -> dict:
         out = {}
         if "train_eager" in result:
             out["train_eager"] = ratios(result["train_eager"]["ms"], name)
-            out["memory"] = ratios(result["train_eager"]["peak_memory_MiB"], name)
+            out["memory"] = ratios(result["train_eager"].get("peak_memory_MiB", {}), name)
         if "train_compiled" in result:
             out["train_compiled"] = ratios(result["train_compiled"]["ms"], name)
         for batch in DECODE_BATCHES:
@@ -1016,12 +1128,14 @@ def summarize(result: dict) -> dict:
         return out
 
     summary = {"device": result["device"], **by_variant("block"), "full": by_variant("full"), "targets": TARGETS}
+    if "running" in result:  # (the files of a run killed by its time limit: the part it was in)
+        summary["running"] = result["running"]
     if result.get("forced"):  # (a run with --force: every part ran with these launch settings)
         summary["forced"] = result["forced"]
     if "train_bf16" in result:
         bf16 = result["train_bf16"]
         summary["bf16_stream"] = {name: {"train_eager": ratios(bf16["ms"], name),
-                                         "memory": ratios(bf16["peak_memory_MiB"], name)}
+                                         "memory": ratios(bf16.get("peak_memory_MiB", {}), name)}
                                   for name in bf16["ms"] if name != "standard"}
     one_kernel = {f"decode_b{b}": ratios(result["decode"][f"b{b}"]["graphed"], ONE_KERNEL) for b in DECODE_BATCHES
                   if ONE_KERNEL in result.get("decode", {}).get(f"b{b}", {}).get("graphed", {})}
@@ -1039,7 +1153,7 @@ def summarize(result: dict) -> dict:
             standard, block = variants
             summary[key] = {
                 "train_eager": eager["ms"][block] / eager["ms"][standard],
-                "memory": eager["peak_memory_MiB"][block] / eager["peak_memory_MiB"][standard],
+                "memory": ratio_of(eager.get("peak_memory_MiB", {}), block, standard),
                 "standard_vs_default": eager["ms"][standard] / eager["ms"]["standard"],
                 "block_vs_default": eager["ms"][block] / eager["ms"]["block"],
                 # (Block with the option against the standard model without it: the option as
@@ -1051,9 +1165,10 @@ def summarize(result: dict) -> dict:
         summary["ops"] = {k: v["x_bound"] for k, v in ops["ops"].items()}
         summary["ops_autocast"] = {k: v["x_bound"] for k, v in ops.get("autocast", {}).items()}
         summary["met"]["ops_within_2x_bound"] = all(v <= OP_BOUND_TARGET for v in summary["ops"].values())
-        host = ops["host_us"]
-        summary["host_ratio"] = host["ours"] / host["standard"]
-        summary["met"]["host"] = summary["host_ratio"] <= HOST_TARGET
+        host = ops.get("host_us")
+        if host:
+            summary["host_ratio"] = host["ours"] / host["standard"]
+            summary["met"]["host"] = summary["host_ratio"] <= HOST_TARGET
         ours = ops["block"].get("ours (triton)")
         others = {k: v for k, v in ops["block"].items() if k != "ours (triton)"}
         if ours and others:
@@ -1074,6 +1189,8 @@ def summarize(result: dict) -> dict:
         summary["decode_kernels"] = kernels
     summary["skipped"] = result.get("skipped", {})
     summary["errors"] = sorted(result.get("errors", {}))
+    summary["software"] = {k: result.get(k) for k in ("python", "torch", "cuda", "triton")}
+    summary["code"] = result.get("code")
     return summary
 
 
@@ -1102,12 +1219,56 @@ def render_profile(profiles: dict, busy: dict, steps_ms: dict, mode: str) -> lis
     return lines
 
 
-def render(result: dict) -> str:
+def fmt_ratio(values: dict, name: str) -> str:
+    """``values[name]`` over the standard model's, for a table (``-`` without it)."""
+    ratio = ratios(values, name)
+    return "-" if ratio is None else f"{ratio:.3f}"
+
+
+def render_header(result: dict) -> list[str]:
+    """The tables' head: the card, the command, the versions, the code, the time."""
+    code = result.get("code") or {}
+    commit = (f"commit {code['commit'][:12]}{' with changes' if code.get('dirty') else ''}, " if code.get("commit")
+              else "")
     lines = [f"# GPU check on {result['device']}", "", f"Command: `{result['command']}`  ",
              f"torch {result['torch']}, triton {result['triton']}; {result.get('elapsed_s', 0):.0f} s; "
-             f"device-to-device copy {result.get('copy_GBps', 0):.0f} GB/s (read + written).", ""]
+             f"device-to-device copy {result.get('copy_GBps', 0):.0f} GB/s (read + written).  ",
+             f"Code: {commit}sources {code.get('source_digest', '?')} (`gpu_check.py --source-digest`).", ""]
+    if "running" in result:
+        lines += [f"**Still running {result['running']['part']}** (since {result['running']['since_s']:.0f} s): a "
+                  "run killed by its time limit stopped there.", ""]
     lines += [f"Continued by another process (`--continue`): {parts}.  " for parts in result.get("continued", [])]
     lines += [""] if result.get("continued") else []
+    return lines
+
+
+def render_ops(ops: dict) -> list[str]:
+    """The ops part's tables: each op against its bound, the host time, one block."""
+    lines = [f"## Ops at M={ops['shape']['tokens']} d={ops['shape']['d']} n={ops['shape']['n']} "
+             f"S={ops['shape']['S']} (graph replay; bound at {ops['peak_GBps']:.0f} GB/s)", "",
+             "| op | µs | bound µs | x bound |", "|---|---:|---:|---:|"]
+    lines += [f"| {k} | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |" for k, v in ops["ops"].items()]
+    lines += [f"| {k} (training step's layout) | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |"
+              for k, v in ops.get("autocast", {}).items()]
+    h = ops.get("host_us")
+    if h:
+        lines += ["", f"Host time per call at one token: merge fwd+bwd {h['ours']:.1f} µs, standard add + RMSNorm "
+                  f"fwd+bwd {h['standard']:.1f} µs ({h['ours'] / h['standard']:.2f}x)"
+                  + (f"; forward only {h['ours_forward']:.1f} against {h['standard_forward']:.1f} µs"
+                     if "ours_forward" in h else "")
+                  + (f"; of ours, {h['triton_launch']:.1f} µs inside Triton's launcher" if "triton_launch" in h else "")
+                  + ("; ours with its kernels' launches stubbed (the CPU's estimate of the GPU path's host work)"
+                     if h.get("kernels") == "stubbed" else "")
+                  + "."]
+    lines += ["", "One Block AttnRes block (the S normalised sublayer inputs), events, host included:", "",
+              "| implementation | fwd µs | fwd+bwd µs |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v['fwd_us']:.0f} | {v['fwd+bwd_us']:.0f} |" for k, v in ops["block"].items()]
+    lines += [f"| {k} | - | {why} |" for k, why in ops["unsupported"].items()]
+    return lines
+
+
+def render(result: dict) -> str:
+    lines = render_header(result)
     if "parity" in result:
         lines += ["## Parity: Triton kernels vs the torch backend, float32 (ok: within "
                   f"{PARITY_NOISE_FACTOR}x the reference backend's difference from it, the noise)", "",
@@ -1124,31 +1285,14 @@ def render(result: dict) -> str:
                       + ", ".join(f"{k} {v:.1e}" for k, v in ops.items())]
         lines.append("")
     if "ops" in result:
-        ops = result["ops"]
-        lines += [f"## Ops at M={ops['shape']['tokens']} d={ops['shape']['d']} n={ops['shape']['n']} "
-                  f"S={ops['shape']['S']} (graph replay; bound at {ops['peak_GBps']:.0f} GB/s)", "",
-                  "| op | µs | bound µs | x bound |", "|---|---:|---:|---:|"]
-        lines += [f"| {k} | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |" for k, v in ops["ops"].items()]
-        lines += [f"| {k} (training step's layout) | {v['us']:.1f} | {v['bound_us']:.1f} | {v['x_bound']:.2f} |"
-                  for k, v in ops.get("autocast", {}).items()]
-        h = ops["host_us"]
-        lines += ["", f"Host time per call at one token: merge fwd+bwd {h['ours']:.1f} µs, standard add + RMSNorm "
-                  f"fwd+bwd {h['standard']:.1f} µs ({h['ours'] / h['standard']:.2f}x)"
-                  + (f"; forward only {h['ours_forward']:.1f} against {h['standard_forward']:.1f} µs"
-                     if "ours_forward" in h else "")
-                  + (f"; of ours, {h['triton_launch']:.1f} µs inside Triton's launcher" if "triton_launch" in h else "")
-                  + ("; ours with its kernels' launches stubbed (the CPU's estimate of the GPU path's host work)"
-                     if h.get("kernels") == "stubbed" else "")
-                  + ".", "",
-                  "One Block AttnRes block (the S normalised sublayer inputs), events, host included:", "",
-                  "| implementation | fwd µs | fwd+bwd µs |", "|---|---:|---:|"]
-        lines += [f"| {k} | {v['fwd_us']:.0f} | {v['fwd+bwd_us']:.0f} |" for k, v in ops["block"].items()]
-        lines += [f"| {k} | - | {why} |" for k, why in ops["unsupported"].items()]
+        lines += render_ops(result["ops"])
     if "sweep" in result:
-        default = result.get("ops", {}).get("ops", {})
+        sweep = result["sweep"]  # (against the default timed in the sweep, else the ops part's)
+        default = {**result.get("ops", {}).get("ops", {}),
+                   **{k.split("@")[0]: v for k, v in sweep.items() if k.endswith("@default")}}
         lines += ["", "## The ops at other launch settings (`--force SETTING=VALUE` runs a part so)", "",
                   "| op at setting | µs | x bound | x the default's time |", "|---|---:|---:|---:|"]
-        for key, v in result["sweep"].items():
+        for key, v in sweep.items():
             name = key.split("@")[0]
             against = f"{v['us'] / default[name]['us']:.2f}" if name in default else "-"
             lines.append(f"| {key} | {v['us']:.1f} | {v['x_bound']:.2f} | {against} |")
@@ -1157,15 +1301,15 @@ def render(result: dict) -> str:
             ms = result[part]["ms"]
             lines += ["", f"## {part} (warm-up {result[part]['warm_up_s']:.0f} s)", "", "| model | ms | ratio |",
                       "|---|---:|---:|"]
-            lines += [f"| {k} | {v:.2f} | {v / ms['standard']:.3f} |" for k, v in ms.items()]
+            lines += [f"| {k} | {v:.2f} | {fmt_ratio(ms, k)} |" for k, v in ms.items()]
             if "peak_memory_MiB" in result[part]:
                 mem = result[part]["peak_memory_MiB"]
                 lines += ["", "| model | peak step memory MiB | ratio |", "|---|---:|---:|"]
-                lines += [f"| {k} | {v:.0f} | {v / mem['standard']:.3f} |" for k, v in mem.items()]
+                lines += [f"| {k} | {v:.0f} | {fmt_ratio(mem, k)} |" for k, v in mem.items()]
             if "kept_MiB" in result[part]:
                 saved = result[part]["kept_MiB"]
                 lines += ["", "Kept by the forward for the backward (MiB, ratio): " + ", ".join(
-                    f"{k} {v:.0f} ({v / saved['standard']:.3f})" for k, v in saved.items())]
+                    f"{k} {v:.0f} ({fmt_ratio(saved, k)})" for k, v in saved.items())]
             if "profile" in result[part]:
                 lines += ["", "Where a compiled step's time goes (one step, self time, ms):", ""]
                 lines += render_profile(result[part]["profile"], device_busy(result, compiled=True), ms, "compiled")
@@ -1173,7 +1317,7 @@ def render(result: dict) -> str:
         lines += ["", "## decode step (ms)", "", "| batch | mode | model | ms | ratio |", "|---|---|---|---:|---:|"]
         for batch, modes in result["decode"].items():
             for mode, times in modes.items():
-                lines += [f"| {batch} | {mode} | {k} | {v:.3f} | {v / times['standard']:.3f} |" for k, v in times.items()]
+                lines += [f"| {batch} | {mode} | {k} | {v:.3f} | {fmt_ratio(times, k)} |" for k, v in times.items()]
     if "profile" in result:
         lines += ["", "## Where a training step's time goes (one eager step, self time, ms)", ""]
         lines += render_profile(result["profile"], device_busy(result), result.get("train_eager", {}).get("ms", {}),
@@ -1183,7 +1327,7 @@ def render(result: dict) -> str:
         lines += ["", "## What a graphed decode step replays (batch 1: the kernels of one eager static step, self time, ms)",
                   "", "| model | kernels | ms | ratio |", "|---|---:|---:|---:|"]
         lines += [f"| {k} | {'-' if v['kernels'] is None else v['kernels']} | {v['total_ms']:.3f} | "
-                  f"{v['total_ms'] / prof['standard']['total_ms']:.3f} |" for k, v in prof.items()]
+                  f"{fmt_ratio({n: p['total_ms'] for n, p in prof.items()}, k)} |" for k, v in prof.items()]
         for name, v in prof.items():
             lines += ["", f"**{name}**:", "", "| op | ms | calls |", "|---|---:|---:|"]
             lines += [f"| `{e['op']}` | {e['ms']:.3f} | {e['calls']} |" for e in v["top"]]
@@ -1195,11 +1339,100 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, result: dict) -> None:
+def write(out: Path, result: dict, strict: bool = False) -> str:
+    """Write ``gpu_check.json`` (every number, first), ``summary.json`` and ``gpu_check.md``
+    into ``out``, each whole or not at all (a run killed mid-write keeps the previous file);
+    return the markdown. Where the summary or the tables cannot be made from a result (a
+    part's result missing a key), the files say why and the run goes on - unless ``strict``
+    (the smoke: the tests see it)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
-    (out / "summary.json").write_text(json.dumps(summarize(result), indent=1))
-    (out / "gpu_check.md").write_text(render(result))
+    _write_whole(out / "gpu_check.json", json.dumps(result, indent=1, default=str))
+    try:
+        summary = summarize(result)
+    except Exception as e:  # noqa: BLE001 - the raw results are written; the summary says what failed
+        if strict:
+            raise
+        summary = {"device": result.get("device"), "summary_failed": "".join(traceback.format_exception(e))[-3000:],
+                   "skipped": result.get("skipped", {}), "errors": sorted(result.get("errors", {}))}
+    _write_whole(out / "summary.json", json.dumps(summary, indent=1, default=str))
+    try:
+        md = render(result)
+    except Exception as e:  # noqa: BLE001 - as above
+        if strict:
+            raise
+        md = (f"# GPU check on {result.get('device')}\n\nThe tables failed (gpu_check.json has every number):\n\n"
+              f"```\n{''.join(traceback.format_exception(e))[-3000:]}```\n")
+    _write_whole(out / "gpu_check.md", md)
+    return md
+
+
+def _write_whole(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------ provenance
+def source_files(root: Path) -> list[Path]:
+    """The files whose contents say which code a run measured: the package's sources and
+    the benchmarks (this check among them)."""
+    package = root / "src" / "attnres"
+    files = [*package.rglob("*.py"), *package.rglob("*.c"), *(root / "benchmarks").glob("*.py")]
+    return sorted(f for f in files if "__pycache__" not in f.parts)
+
+
+def source_digest(root: Path) -> str:
+    """A digest of :func:`source_files` (paths and contents): the same on the GPU machine,
+    which gets a copy of the working tree without ``.git``, as here for the same code -
+    ``PYTHONPATH=src python benchmarks/gpu_check.py --source-digest`` in a checkout of a
+    commit prints that commit's."""
+    digest = hashlib.sha256()
+    for f in source_files(root):
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def code_version(root: Path) -> dict:
+    """Which code runs: :func:`source_digest`, and the git commit and whether the sources
+    differ from it where ``root`` is a git checkout (``None`` where not: the machine's copy)."""
+    code = {"source_digest": source_digest(root), "commit": None, "dirty": None}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() == root.resolve():  # (not an enclosing repository's)
+            code["commit"] = git("rev-parse", "HEAD")
+            code["dirty"] = bool(git("status", "--porcelain", "--", "src", "benchmarks"))
+    except (OSError, subprocess.SubprocessError):
+        pass  # (no git, or no repository: the digest says which code it was)
+    return code
+
+
+def software() -> dict:
+    """The versions that run the check (Python, PyTorch, its CUDA, Triton)."""
+    import triton
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton.__version__}
+
+
+def gpu_facts() -> dict:
+    """The card: name, compute capability, memory, multiprocessors and the driver's version
+    (``nvidia-smi``, where there is one); what cannot be read is said, not raised."""
+    try:
+        props = torch.cuda.get_device_properties(0)
+        facts = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                 "memory_GiB": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count}
+    except Exception as e:  # noqa: BLE001 - provenance never stops the run
+        return {"error": f"{type(e).__name__}: {e}"}
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        facts["driver"] = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        facts["driver"] = None
+    return facts
 
 
 # ---------------------------------------------------------------------------------- warm-up
@@ -1215,7 +1448,8 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda", options: list[str]
         Clock(device).sync()
         return 0
     if what == "sweeps":  # the ops part's other launch settings and layout, at a few rows
-        few = Sizes(**{**asdict(z), "tokens": min(z.tokens, 64)})
+        warps = min(SWEEPS["merge_warps"][0])  # (the fewest warps the sweep runs the merges with)
+        few = Sizes(**{**asdict(z), "tokens": warm_up_rows(device, z.d, z.tokens, warps)})
         calls = op_calls(few, device)
         for setting, value, names in sweep_settings(device):
             with forced(setting, value):
@@ -1243,15 +1477,52 @@ WARM_UP_STAGES = ("train", "decode", "bf16")
 WARMED_MODELS = tuple(f"models:{name}:{stage}" for name in VARIANTS if name != "standard" for stage in WARM_UP_STAGES)
 
 
+def warm_up_rows(device: str, d: int, full_rows: int, warps: int | None = None) -> int:
+    """Rows at which a warm-up launches the variants the parts launch at ``full_rows`` on this
+    device (fewer: its workers' memory), the fewest that are: more than Phase 1's few-rows
+    geometry takes (``FEW_ROWS``); two or more for each of the held merges' persistent
+    programs (one row a program runs them unpipelined, ``STAGES`` = 1: decoding's variant);
+    and the same specialisation as ``full_rows`` for every integer the kernels take that
+    depends on the rows (Triton compiles a variant per integer that is 1, a multiple of 16,
+    or neither: the rows, and the rows per program of Phase 1's backward). The held merges'
+    programs are as many as the device's multiprocessors keep resident - on an H200 (132)
+    264 at d = 2048 - so the 48 rows the warm-up once ran compiled only decoding's merges
+    there (the tests' 2 saw no difference). ``warps``: the fewest the merges run with
+    (default: at ``d``)."""
+    from attnres.ops.depth_attention import triton_impl, triton_launch as tl
+
+    sms = triton_impl._sms(torch.device(device))
+    warps = warps or triton_impl.FORCED["merge_warps"] or tl.merge_warps(tl.row_pad(d))
+    least = max(tl.FEW_ROWS + 1, 2 * tl.held_programs(1 << 30, sms, warps) + 1)
+
+    def kind(n: int) -> str:
+        return "1" if n == 1 else "16k" if n % 16 == 0 else "int"
+
+    def kinds(rows: int) -> list[str]:
+        found = [kind(rows)]
+        for S, wide, block_d in ((S, wide, b) for S in range(1, tl.MAX_QUERIES + 1) for wide in (False, True)
+                                 for b in (triton_impl.FORCED["block_d"], *SWEEPS["block_d"][0])):
+            block_rows, block = tl.phase1_rows_geometry(d, S, wide, block_d)
+            found.append(kind(tl.dq_grid(rows, d, block, sms, triton_impl.FORCED["programs"], block_rows)[2]))
+            found.append(kind(tl.dq_grid(rows, d, tl.phase1_tile(d, S, block_d, wide), sms,
+                                         triton_impl.FORCED["programs"])[2]))
+        return found
+
+    target = kinds(full_rows)
+    return next((rows for rows in range(-(-least // 16) * 16, full_rows, 16) if kinds(rows) == target), full_rows)
+
+
 def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[str] = ()) -> None:
     """Run model ``name``'s residual at warm-up stage ``stage`` (:data:`WARM_UP_STAGES`) at a
-    few rows: the kernel variants the parts launch at the full shape. A variant depends on
+    few rows (:func:`warm_up_rows`): the kernel variants the parts launch at the full shape. A variant depends on
     ``d``, the dtypes and the number of sources and queries, not on the sublayers' sizes, so
     the model has the parts' depth and width but a small vocabulary, MLP and key/value width
     (1.2 GB of float32 weights at d = 2048 instead of 7.0: six workers fit beside the main
     process's models on an H100). ``options``: :data:`MODEL_OPTIONS` the run switched on."""
-    # (48 rows: over a decoding step's few, Phase 1 runs the training step's kernels)
-    small = Sizes(**{**asdict(z), "seq": 48, "batch": 1})
+    # (the decode stage at 48 rows: over a decoding step's few; the training steps at as many
+    # as launch the full shape's variants on this device)
+    small = Sizes(**{**asdict(z), "seq": 48 if stage == "decode" else warm_up_rows(device, z.d, z.seq * z.batch),
+                     "batch": 1})
     config = replace(model_config(small, residual_of(name, small)), vocab_size=256, n_kv_heads=1, mlp_hidden=64)
     torch.manual_seed(0)
     with torch.device(device):
@@ -1280,10 +1551,44 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[st
         raise ValueError(f"warm-up stage {stage!r}: choose from {WARM_UP_STAGES}")
 
 
-def start_warm_up(peers: dict, force: list[str], options: list[str] = ()) -> list[subprocess.Popen]:
+def start_warm_up(peers: dict, force: list[str], options: list[str] = ()) -> dict[str, subprocess.Popen]:
+    """The warm-up's workers, started: ``{what: process}``."""
     extra = [*(arg for setting in force for arg in ("--force", setting)), *option_flags(options)]
-    return [subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--warm-up-worker", what, *extra],
-                             stdout=subprocess.DEVNULL) for what in [*WARMED_MODELS, "sweeps", *peers]]
+    return {what: subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--warm-up-worker", what, *extra],
+                                   stdout=subprocess.DEVNULL) for what in [*WARMED_MODELS, "sweeps", *peers]}
+
+
+#: The most of the budget the warm-up may take (from the run's start): the H200 took 78 s of
+#: 385 with the kernels of then. Workers still compiling then are stopped; what they had not
+#: compiled, the parts compile in their untimed first steps.
+WARM_UP_SHARE = 0.35
+
+
+def wait_for_warm_up(workers: dict, started: float, deadline: float) -> dict:
+    """Wait for the warm-up's ``workers`` (:func:`start_warm_up`) until ``deadline``
+    (``perf_counter`` seconds), then stop those still running: ``{"s": seconds since
+    ``started``, "workers": {what: exit code, or why none}, "finished_s": {what: seconds}}``.
+    A worker that failed is named in the log: its variants compile in the parts."""
+    pending, codes, finished = dict(workers), {}, {}
+    while pending and time.perf_counter() < deadline:
+        for what, worker in list(pending.items()):
+            if worker.poll() is not None:
+                codes[what], finished[what] = worker.returncode, time.perf_counter() - started
+                del pending[what]
+        if pending:
+            time.sleep(0.2)
+    for what, worker in pending.items():
+        worker.terminate()
+        try:
+            worker.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        codes[what] = f"stopped at the warm-up's deadline ({deadline - started:.0f} s)"
+    failed = {what: code for what, code in codes.items() if code != 0}
+    if failed:
+        log(f"[gpu_check] warm-up workers that did not finish (their kernels compile in the parts): {failed}")
+    return {"s": time.perf_counter() - started, "workers": codes, "finished_s": finished}
 
 
 def apply_force(settings: list[str]) -> dict:
@@ -1330,7 +1635,7 @@ def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for gpu_check.{md,json} and summary.json")
+    p.add_argument("--out", help="directory for gpu_check.{md,json} and summary.json (required)")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
     p.add_argument("--parts", default="parity,train_eager,decode,ops,sweep,train_compiled,train_bf16,profile,"
@@ -1352,8 +1657,13 @@ def parse_args(argv=None):
                    help="add the parts' results to those already in OUT (no warm-up): e.g. the peers' --parts ops "
                         "after the prepared run; a run does so by itself, in a fresh process, after a part lost "
                         "the device")
+    p.add_argument("--source-digest", action="store_true",
+                   help="print the digest of this tree's sources that a run records (code.source_digest) and exit")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.out and not args.source_digest:
+        p.error("the following arguments are required: --out")
+    return args
 
 
 #: The least time each part needs (s, on an H100): a part is skipped when less remains, so
@@ -1411,9 +1721,20 @@ def previous_result(out: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def main(argv=None) -> int:
+#: Past the deadline by this many seconds, every thread's stack is written to the log (a
+#: part overrunning the budget - a compile, a hung launch - is named before the command's
+#: time limit kills the run).
+HANG_DUMP_S = 15
+
+
+def main(argv=None, started: float | None = None) -> int:
+    """Run the check (``started``: ``perf_counter`` seconds the budget counts from; now
+    unless given - the command line's run passes its process's start)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.source_digest:
+        print(source_digest(HERE.parent))
+        return 0
     unknown = sorted(set(args.parts.split(",")) - set(MIN_SECONDS))
     if unknown:
         log(f"gpu_check: unknown --parts {unknown}; choose from {sorted(MIN_SECONDS)}")
@@ -1431,11 +1752,22 @@ def main(argv=None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         log("gpu_check: needs a CUDA device (none found); --cpu-smoke runs every part on the CPU")
         return 2
-    import triton
+    start = time.perf_counter() if started is None else started
+    clock = Clock(device, deadline=start + args.budget)
+    try:  # (a stderr without a file descriptor - a notebook's - has no dump)
+        faulthandler.dump_traceback_later(max(1.0, clock.left() + HANG_DUMP_S))
+    except (AttributeError, OSError, ValueError) as e:
+        log(f"[gpu_check] no stack dump past the budget: {e}")
+    try:
+        return run_check(args, argv, clock, z, forced_settings, options, start)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
-    out = Path(args.out)
-    parts = args.parts.split(",")
-    start = time.perf_counter()
+
+def run_check(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: dict, options: list[str],
+              start: float) -> int:
+    """The run of :func:`main`: the warm-up (unless ``--continue``), the models, the parts."""
+    device, out, parts = "cuda" if clock.cuda else "cpu", Path(args.out), args.parts.split(",")
     peers, skipped = ({}, {}) if args.no_peers or args.cpu_smoke else kernels_bench.select_peers()
     if args.resume:  # (the kernels are in the on-disk caches already: no warm-up)
         try:
@@ -1446,55 +1778,93 @@ def main(argv=None) -> int:
         for key in ("errors", "skipped"):
             result.setdefault(key, {})
         result.setdefault("continued", []).append(",".join(parts))
-        workers = []
+        workers = {}
     else:
-        workers = start_warm_up(peers, args.force, options) if device == "cuda" else []
+        workers = start_warm_up(peers, args.force, options) if clock.cuda else {}
         result = {"command": " ".join(["gpu_check.py", *argv]),
-                  "device": torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)",
-                  "torch": torch.__version__, "triton": triton.__version__, "sizes": asdict(z), "skipped": {},
-                  "errors": {}, "copy_GBps": (copy_bandwidth(device) or 0) / 1e9, "forced": forced_settings}
+                  "device": torch.cuda.get_device_name() if clock.cuda else "CPU (smoke)",
+                  **software(), "code": code_version(HERE.parent), "sizes": asdict(z), "skipped": {}, "errors": {},
+                  "forced": forced_settings}
+        if clock.cuda:
+            result["gpu"] = gpu_facts()
     spent_before = result.get("elapsed_s", 0.0)  # (by the run this one continues)
-    clock = Clock(device)
+    result["running"] = {"part": "warm-up" if workers else "building the models",
+                         "since_s": spent_before + time.perf_counter() - start}
+    write(out, result, clock.strict)  # (a run cut off from here on still says what ran, where, and which code)
     models = build_models(z, device)
     apply_model_options(models, options)
     if options:
         result["forced"] = {**(forced_settings or {}), **dict.fromkeys(options, True)}
-    for worker in workers:  # the kernels compiled; the timed parts find them in the caches
-        worker.wait()
+    if workers:  # the kernels compiled; the timed parts find them in the caches
+        result["warm_up"] = wait_for_warm_up(workers, start, start + WARM_UP_SHARE * args.budget)
+    if not args.resume:  # (after the warm-up: its workers would share the device)
+        result["copy_GBps"] = (attempt(clock, result["errors"], "copy", lambda: copy_bandwidth(device)) or 0) / 1e9
     for i, part in enumerate(parts):
-        left = args.budget - (time.perf_counter() - start)
-        part_models, note = fitting_models(part, models, left) if device == "cuda" else (models, None)
-        if note:
-            result["skipped"][f"{part} full"] = note
-            log(f"[gpu_check] {part}: {note}")
-        elif device == "cuda" and left < MIN_SECONDS[part]:
-            result["skipped"][part] = f"{left:.0f} s of the {args.budget:.0f} s budget left"
-            log(f"[gpu_check] skipping {part}: {result['skipped'][part]}")
-            continue
-        log(f"[gpu_check] {part} ({time.perf_counter() - start:.0f} s)")
-        try:
-            result[part] = run_part(part, z, clock, part_models, device, peers, skipped)
-        except Exception as e:  # noqa: BLE001 - one part's failure is reported; the others still run
-            lost = not device_usable(device)
-            if args.cpu_smoke and not lost:  # (the smoke's failures are the tests')
-                raise
-            result["errors"][part] = "".join(traceback.format_exception(e))[-4000:]
-            log(f"[gpu_check] {part} FAILED:\n{result['errors'][part]}")
-            if lost:
-                result["errors"][part] += (f"\n(the device's context was lost: the parts after {part}, if any, ran in "
-                                           "a fresh process)")
-                result["elapsed_s"] = spent_before + time.perf_counter() - start
-                write(out, result)
-                print(render(result), flush=True)
-                rest, left = parts[i + 1:], args.budget - (time.perf_counter() - start)
-                return continue_elsewhere(argv, rest, left) if rest else 0
-        result["elapsed_s"] = spent_before + time.perf_counter() - start
-        write(out, result)
-        print(render(result), flush=True)
+        lost = run_one_part(part, result, args, clock, z, models, device, peers, skipped, start, spent_before)
+        if lost:
+            rest = parts[i + 1:]
+            return continue_elsewhere(argv, rest, clock.left()) if rest else 0
+    result.pop("running", None)
     result["elapsed_s"] = spent_before + time.perf_counter() - start
-    write(out, result)  # (parts skipped after the last that ran are named in the files too)
+    write(out, result, clock.strict)  # (parts skipped after the last that ran are named in the files too)
     return 0
 
 
+def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: dict, device: str, peers: dict,
+                 skipped: dict, start: float, spent_before: float) -> bool:
+    """Run ``part`` if it fits the budget, into ``result`` (its failure recorded, its
+    optional pieces' failures under ``errors`` as ``part.piece``, models it dropped under
+    ``skipped``), and write the files: before (naming it as ``running``, so that a run its
+    time limit kills says where) and after. Whether it left the device unusable."""
+    out, left = Path(args.out), clock.left()
+    part_models, note = fitting_models(part, models, left) if clock.cuda else (models, None)
+    if note:
+        result["skipped"][f"{part} full"] = note
+        log(f"[gpu_check] {part}: {note}")
+    elif clock.cuda and left < MIN_SECONDS[part]:
+        result["skipped"][part] = f"{left:.0f} s of the {args.budget:.0f} s budget left"
+        log(f"[gpu_check] skipping {part}: {result['skipped'][part]}")
+        return False
+    log(f"[gpu_check] {part} ({time.perf_counter() - start:.0f} s)")
+    result["running"] = {"part": part, "since_s": spent_before + time.perf_counter() - start}
+    write(out, result, clock.strict)
+    lost = failed = False
+    try:
+        part_result = run_part(part, z, clock, part_models, device, peers, skipped)
+    except Exception as e:  # noqa: BLE001 - one part's failure is reported; the others still run
+        lost = not device_usable(device)
+        if clock.strict and not lost:  # (the smoke's failures are the tests')
+            raise
+        failed = True
+        result["errors"][part] = "".join(traceback.format_exception(e))[-4000:]
+        log(f"[gpu_check] {part} FAILED:\n{result['errors'][part]}")
+        if lost:
+            result["errors"][part] += (f"\n(the device's context was lost: the parts after {part}, if any, ran in "
+                                       "a fresh process)")
+    else:
+        result[part] = part_result
+        for piece, trace in (part_result.pop("errors", None) or {}).items():
+            result["errors"][f"{part}.{piece}"] = trace
+        for name, why in (part_result.pop("dropped", None) or {}).items():
+            result["skipped"][f"{part} {name}"] = why
+    if failed and not lost:  # (the failure's traceback held its tensors: give their memory back)
+        release_memory(device)
+    result.pop("running", None)
+    result["elapsed_s"] = spent_before + time.perf_counter() - start
+    print(write(out, result, clock.strict), flush=True)
+    return lost
+
+
+def release_memory(device: str) -> None:
+    """Free what a failed part left: its tensors (held by the traceback until now) and the
+    allocator's cached blocks, so that an out-of-memory part does not fail the next."""
+    gc.collect()
+    if device == "cuda":
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - the next part finds out
+            pass
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(started=STARTED))

@@ -38,6 +38,10 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
         assert heading in md
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["sizes"]["d"] == 16 and result["errors"] == {}
+    # (which code and software ran, and nothing left running; the sweep against its own defaults)
+    assert result["code"]["source_digest"] and result["torch"] == summary["software"]["torch"] and "running" not in result
+    assert {"warm_up_s", "ms", "compile_s"} <= set(result["train_compiled"]) and not result["skipped"]
+    assert "merge_bwd@default" in result["sweep"]
     # (the sweep, a part of its own: each setting's row beside its default's time)
     assert {key.split("@")[0] for key in result["sweep"]} == set(summary["ops"])
     assert "| merge_bwd@merge_warps=4 |" in md
@@ -221,6 +225,55 @@ def test_the_models_warm_up_compiles_each_variant_the_parts_launch_one_worker_a_
         gpu_check.warm_up_worker("models:block:fp8", gpu_check.SMOKE, "cpu")
 
 
+def test_the_warm_up_compiles_the_full_shapes_variants_on_a_gpu_of_many_multiprocessors(monkeypatch):
+    """On a GPU the held merges run as many persistent programs as its multiprocessors keep
+    resident (an H200's 132: hundreds), and a program of one row runs them unpipelined
+    (``STAGES`` = 1, decoding's variant): the warm-up's training steps and its sweeps run
+    enough rows to launch the variants of the parts' full shape (batch 4 x 2048 tokens, the
+    ops' 8192 rows) - at the 48 rows it once ran, none of the training step's held merges
+    was compiled there. Counted on the CPU with the kernels stubbed and 132 multiprocessors."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    from attnres.ops.depth_attention import triton_impl, triton_kernels, triton_launch
+
+    monkeypatch.setattr(triton_impl, "_device_sms", lambda device: 132)
+    assert gpu_check.warm_up_rows("cpu", 2048, 8192) == 1856  # (the check's shape on an H200: 264 programs)
+    assert gpu_check.warm_up_rows("cpu", 2048, 8192, warps=4) == 1856  # (the sweep's 4 warps: 528)
+    monkeypatch.setattr(triton_impl, "_device_sms", lambda device: 24)  # (fewer rows than 8192 at d = 64)
+    variants: set = set()
+    for name in triton_launch.SIGNATURES:
+        monkeypatch.setattr(triton_kernels, name, _VariantLog(name, variants))
+    residual_of = gpu_check.residual_of
+    monkeypatch.setattr(gpu_check, "residual_of", lambda name, z: {**residual_of(name, z), "backend": "triton"})
+    z = gpu_check.Sizes(tokens=8192, d=64, layers=2, blocks=2, seq=2048, batch=4, vocab=64)
+    assert gpu_check.warm_up_rows("cpu", z.d, 8192) == 1552  # (64 wide: one warp a program, 16 of them an SM)
+    for stage in ("train", "bf16"):
+        variants.clear()
+        assert gpu_check.warm_up_worker(f"models:block:{stage}", z, "cpu") == 0
+        warmed = set(variants)
+        variants.clear()
+        model = gpu_check.build_models(z, "cpu", names=("block",))["block"]
+        if stage == "bf16":
+            model.to(torch.bfloat16)
+        gpu_check.train_steps({"block": model}, torch.randint(0, z.vocab, (z.batch, z.seq)), "cpu")["block"]()
+        held = {v for v in variants if v[0].endswith("_held")}
+        assert held and all(dict(v[2])["STAGES"] > 1 for v in held), sorted(held)
+        assert warmed == variants, (stage, sorted(variants ^ warmed))
+    variants.clear()
+    assert gpu_check.warm_up_worker("sweeps", z, "cpu") == 0
+    warmed = set(variants)
+    variants.clear()
+    calls = gpu_check.op_calls(z, "cpu")
+    for setting, value, names in gpu_check.sweep_settings("cpu"):  # (as the worker on this device)
+        with gpu_check.forced(setting, value):
+            for name in names:
+                calls[name]()
+    for fn in gpu_check.autocast_op_calls(z, "cpu").values():
+        fn()
+    assert variants <= warmed, sorted(variants - warmed)
+
+
 def test_device_busy_is_the_profiled_device_time_over_the_step():
     import gpu_check
 
@@ -331,8 +384,13 @@ def test_the_sweep_times_each_forced_setting_and_restores_the_default(monkeypatc
     bytes_ = dict.fromkeys(calls, 1e5)
     result = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, bytes_, 1e11)
     assert set(result) == {f"{n}@{s}={v}" for s, (values, names) in gpu_check.SWEEPS.items() for v in values
-                           for n in names}
+                           for n in names} | {f"{n}@default" for n in calls}
     unforced = dict.fromkeys(triton_impl.FORCED)
+    # (each setting against its default timed in the same part, first: not the ops part's, minutes before)
+    assert seen[:len(calls)] == [(n, unforced) for n in calls]
+    md = gpu_check.render({"device": "GPU", "command": "c", "torch": "t", "triton": "t", "sweep": {
+        **result, "merge_fwd@default": {"us": 0.5, "x_bound": 0.5}}})
+    assert "| merge_fwd@merge_warps=4 | 1.0 | 1.00 | 2.00 |" in md
     assert ("merge_bwd", {**unforced, "merge_warps": 16}) in seen
     assert ("phase1_fwd", {**unforced, "block_d": 64}) in seen
     assert triton_impl.FORCED == unforced
@@ -500,12 +558,277 @@ def test_parts_skipped_for_the_budget_after_the_last_part_are_named_in_the_summa
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_check.torch.cuda, "get_device_name", lambda: "a faked GPU")
     monkeypatch.setattr(gpu_check, "copy_bandwidth", lambda device: None)
-    monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: [])
+    monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: {})
     monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
     monkeypatch.setattr(gpu_check, "run_part", lambda part, *args: {})
-    monkeypatch.setattr(gpu_check, "Clock", lambda device: None)
     assert gpu_check.main(["--out", str(tmp_path), "--no-peers", "--budget", "100", "--parts", "profile,train_compiled"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["device"] == "a faked GPU" and set(summary["skipped"]) == {"train_compiled"}
     assert "of the 100 s budget left" in summary["skipped"]["train_compiled"]
     assert "Skipped **train_compiled**" in (tmp_path / "gpu_check.md").read_text()
+
+
+def _fake_gpu(monkeypatch, gpu_check, run_part=lambda part, *args: {}):
+    """``main`` on a faked GPU: its device calls and the parts stubbed (``run_part``)."""
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check.torch.cuda, "get_device_name", lambda: "a faked GPU")
+    monkeypatch.setattr(gpu_check, "copy_bandwidth", lambda device: None)
+    monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: {})
+    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+
+
+def test_a_run_names_the_part_it_is_in_so_that_one_killed_by_its_time_limit_says_where(monkeypatch, tmp_path):
+    """The files are written before each part too, naming it ``running`` (and before the
+    models are built, with the card, the versions and the code): a run that its command's time
+    limit kills (rc 124/137) leaves what it measured and where it stopped. A finished part
+    leaves no ``running``."""
+    import gpu_check
+
+    seen = {}
+
+    def run_part(part, *args):
+        seen[part] = json.loads((tmp_path / "summary.json").read_text()).get("running")
+        return {}
+
+    _fake_gpu(monkeypatch, gpu_check, run_part)
+
+    def build_models(z, device):
+        seen["models"] = json.loads((tmp_path / "gpu_check.json").read_text())
+        return {}
+
+    monkeypatch.setattr(gpu_check, "build_models", build_models)
+    assert gpu_check.main(["--out", str(tmp_path), "--no-peers", "--parts", "profile,decode"]) == 0
+    assert seen["profile"]["part"] == "profile" and seen["decode"]["part"] == "decode"
+    early = seen["models"]
+    assert early["running"]["part"] == "building the models" and early["device"] == "a faked GPU"
+    assert early["torch"] == torch.__version__ and early["code"]["source_digest"] and "python" in early
+    assert "Still running building the models" in gpu_check.render(early)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "running" not in summary and summary["software"]["torch"] == torch.__version__
+    assert "Still running" not in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_budget_counts_from_the_process_start_and_a_hang_past_it_dumps_the_stacks(monkeypatch, tmp_path):
+    """``--budget`` counts from the process's start (``STARTED``, before the imports) when
+    run as a command, so that it and the command's time limit measure the same span; past the
+    budget by ``HANG_DUMP_S`` every thread's stack goes to the log (cancelled at the end)."""
+    import gpu_check
+
+    ran, dumps = [], []
+    _fake_gpu(monkeypatch, gpu_check, lambda part, *args: ran.append(part) or {})
+    monkeypatch.setattr(gpu_check.faulthandler, "dump_traceback_later", lambda timeout: dumps.append(timeout))
+    monkeypatch.setattr(gpu_check.faulthandler, "cancel_dump_traceback_later", lambda: dumps.append("cancelled"))
+    argv = ["--out", str(tmp_path), "--no-peers", "--budget", "100", "--parts", "profile"]
+    assert gpu_check.main(argv, started=gpu_check.time.perf_counter() - 90) == 0
+    assert ran == [] and "of the 100 s budget left" in json.loads((tmp_path / "summary.json").read_text())[
+        "skipped"]["profile"]
+    assert 0 < dumps[0] <= 10 + gpu_check.HANG_DUMP_S and dumps[-1] == "cancelled"
+    assert gpu_check.main(argv) == 0 and ran == ["profile"]  # (from now: the part fits)
+
+
+def test_the_warm_up_is_waited_for_until_its_share_of_the_budget_then_stopped(monkeypatch, tmp_path):
+    """A warm-up worker still running at its deadline (a share of the budget) is stopped
+    rather than waited for without end; each worker's exit code (or that it was stopped) is
+    recorded, and a failed one named."""
+    import gpu_check
+
+    def worker(code: str):
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    workers = {"quick": worker("pass"), "failing": worker("raise SystemExit(3)"),
+               "hung": worker("import time; time.sleep(120)")}
+    start = gpu_check.time.perf_counter()
+    status = gpu_check.wait_for_warm_up(workers, start, start + 3)
+    assert status["workers"]["quick"] == 0 and status["workers"]["failing"] == 3
+    assert "stopped at the warm-up's deadline" in status["workers"]["hung"] and workers["hung"].poll() is not None
+    assert 3 <= status["s"] < 20 and set(status["finished_s"]) == {"quick", "failing"}
+
+    _fake_gpu(monkeypatch, gpu_check)
+    monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: {"hung": worker("import time; time.sleep(120)")})
+    monkeypatch.setattr(gpu_check, "WARM_UP_SHARE", 0.02)  # (2 s of 100)
+    assert gpu_check.main(["--out", str(tmp_path), "--no-peers", "--budget", "100", "--parts", "profile"]) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "stopped" in result["warm_up"]["workers"]["hung"] and "profile" in result
+
+
+def test_a_parts_optional_piece_that_fails_keeps_the_parts_timings(monkeypatch):
+    """The training part's memory, kept bytes and (compiled) profile are optional pieces:
+    one that raises on the GPU is recorded under the part's ``errors`` and its timings kept
+    (the compiled part's come after minutes of compiling); on the CPU - the smoke - it fails
+    the part."""
+    import gpu_check
+
+    models = gpu_check.build_models(gpu_check.SMOKE, "cpu", names=("standard", "block"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(gpu_check, "peak_memory", broken)
+    monkeypatch.setattr(gpu_check, "profiled", broken)
+    lenient = gpu_check.Clock("cpu", strict=False)
+    eager = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=False)
+    assert set(eager["ms"]) >= {"standard", "block"} and eager["kept_MiB"] and eager["peak_memory_MiB"] == {}
+    assert "CUPTI_ERROR_NOT_INITIALIZED" in eager["errors"]["peak_memory"]
+    compiled = gpu_check.part_train(gpu_check.SMOKE, lenient, models, "cpu", compiled=True)
+    assert set(compiled["ms"]) == {"standard", "block"} and set(compiled["errors"]) == {"profile"}
+    with pytest.raises(RuntimeError, match="CUPTI"):
+        gpu_check.part_train(gpu_check.SMOKE, gpu_check.Clock("cpu"), models, "cpu", compiled=False)
+    # the summary and tables of a part without its memory
+    result = {"device": "GPU", "command": "c", "torch": "t", "triton": "t", "train_eager": eager}
+    assert gpu_check.summarize(result)["memory"] is None and "## train_eager" in gpu_check.render(result)
+
+
+def test_main_files_a_parts_piece_errors_and_dropped_models(monkeypatch, tmp_path):
+    """A part's pieces that failed are filed under ``errors`` as ``part.piece`` (the summary
+    names them), the models it dropped under ``skipped``."""
+    import gpu_check
+
+    def run_part(part, *args):
+        return {"ms": {"standard": 1.0, "block": 1.1}, "warm_up_s": 1.0, "errors": {"profile": "Traceback: CUPTI"},
+                "dropped": {"full": "40 s to the deadline"}}
+
+    _fake_gpu(monkeypatch, gpu_check, run_part)
+    assert gpu_check.main(["--out", str(tmp_path), "--no-peers", "--budget", "1000", "--parts", "train_compiled"]) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["errors"] == {"train_compiled.profile": "Traceback: CUPTI"} and "errors" not in result["train_compiled"]
+    assert result["skipped"] == {"train_compiled full": "40 s to the deadline"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["errors"] == ["train_compiled.profile"] and summary["train_compiled"] == pytest.approx(1.1)
+
+
+def test_the_compiled_part_compiles_each_model_only_while_one_more_compile_fits(monkeypatch):
+    """Each model's first compiled step compiles it: the part takes them in order (the
+    standard model, Block, Full) while the time to the deadline fits one more compile - the
+    assumed ``COMPILE_S``, or 1.2 times the slowest so far - and drops the rest, saying why,
+    rather than being killed by the command's time limit midway."""
+    import gpu_check
+
+    now = [0.0]
+    monkeypatch.setattr(gpu_check, "time", type("T", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(gpu_check, "COMPILE_S", 50)
+    compiled = []
+
+    def compiling(name):
+        def step():
+            compiled.append(name)
+            now[0] += 60
+        return step
+
+    steps = {name: compiling(name) for name in ("standard", "block", "full")}
+    monkeypatch.setattr(gpu_check, "COMPILED_TIMING_S", 20)  # (kept for timing the compiled steps)
+    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=212.0))
+    assert list(kept) == ["standard", "block", "full"] and seconds == {"standard": 60, "block": 60, "full": 60}
+    now[0], compiled[:] = 0.0, []
+    kept, seconds, dropped = gpu_check.compile_within(steps, gpu_check.Clock("cpu", deadline=211.0))
+    assert compiled == ["standard", "block"] and list(kept) == ["standard", "block"]
+    assert set(dropped) == {"full"} and "91 s to the deadline" in dropped["full"] and "92 s" in dropped["full"]
+
+
+def test_the_files_are_written_when_the_summary_or_tables_fail(tmp_path):
+    """A result the summary or the tables cannot read (a part's result without a key) still
+    leaves every number in ``gpu_check.json`` and a summary saying what failed; the smoke
+    (``strict``) raises instead."""
+    import gpu_check
+
+    result = {"device": "GPU", "command": "c", "torch": "t", "triton": "t", "train_eager": {"warm_up_s": 1.0},
+              "errors": {"decode": "trace"}}
+    md = gpu_check.write(tmp_path, result)
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == result
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "KeyError: 'ms'" in summary["summary_failed"] and summary["errors"] == ["decode"]
+    assert "The tables failed" in md and (tmp_path / "gpu_check.md").read_text() == md
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(KeyError):
+        gpu_check.write(tmp_path, result, strict=True)
+
+
+def test_a_run_records_which_code_it_measured_with_or_without_git(monkeypatch, tmp_path, capsys):
+    """The GPU machine gets a copy of the working tree without ``.git``: a run records the
+    commit where it can, and always a digest of the sources that a checkout of the commit
+    reproduces (``--source-digest``); a changed source changes it. The card's facts are
+    recorded, and what cannot be read is said, not raised."""
+    import shutil
+
+    import gpu_check
+
+    code = gpu_check.code_version(ROOT)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert code["commit"] == head and isinstance(code["dirty"], bool)
+    assert gpu_check.main(["--source-digest"]) == 0 and capsys.readouterr().out.strip() == code["source_digest"]
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / "src" / "attnres", copy / "src" / "attnres", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "benchmarks").mkdir()
+    for f in (ROOT / "benchmarks").glob("*.py"):
+        shutil.copy(f, copy / "benchmarks")
+    copied = gpu_check.code_version(copy)
+    assert copied == {"source_digest": code["source_digest"], "commit": None, "dirty": None}
+    (copy / "src" / "attnres" / "ops" / "depth_attention" / "triton_impl.py").write_text("# changed\n")
+    assert gpu_check.source_digest(copy) != code["source_digest"]
+
+    class Props:
+        name, major, minor, total_memory, multi_processor_count = "NVIDIA H200", 9, 0, 141 * 2**30, 132
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "get_device_properties", lambda index: Props)
+    facts = gpu_check.gpu_facts()
+    assert facts["capability"] == "9.0" and facts["sms"] == 132 and facts["memory_GiB"] == 141.0 and "driver" in facts
+    monkeypatch.setattr(gpu_check.torch.cuda, "get_device_properties", lambda index: 1 / 0)
+    assert "ZeroDivisionError" in gpu_check.gpu_facts()["error"]
+
+
+#: The CUDA-only modules whose names the check and the code it graphs call (on the CPU never
+#: reached): each ``torch.cuda.X``, ``torch.profiler.X``, ``torch.autograd.DeviceType.X`` must
+#: exist in the torch installed (the GPU machine's is older than this one's: torch 2.11).
+CUDA_ONLY_FILES = ("benchmarks/gpu_check.py", "benchmarks/bench_kernels_gpu.py", "src/attnres/inference/static.py")
+
+
+def test_the_cuda_only_calls_name_what_this_torch_has():
+    import ast
+    import importlib
+
+    def dotted(node):
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+    names = set()
+    for path in CUDA_ONLY_FILES:
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            name = dotted(node) if isinstance(node, ast.Attribute) else None
+            if name and name.startswith(("torch.cuda.", "torch.profiler.", "torch.autograd.DeviceType.")):
+                names.add(name)
+    assert {"torch.cuda.graph", "torch.cuda.CUDAGraph", "torch.cuda.Event", "torch.cuda.reset_peak_memory_stats",
+            "torch.cuda.get_device_properties"} <= names
+    missing = []
+    for name in sorted(names):
+        module, *attrs = name.split(".")
+        obj = importlib.import_module(module)
+        for attr in attrs:
+            if not hasattr(obj, attr):
+                missing.append(name)
+                break
+            obj = getattr(obj, attr)
+    assert not missing, f"torch {torch.__version__} has none of {missing}"
+    # (what the profiled pieces read of a profile's events: on the CPU the CUDA ones are zero)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(4).sum()
+    assert all(e.self_device_time_total == 0 and e.self_cpu_time_total >= 0 for e in prof.key_averages())
+    assert {e.device_type for e in prof.events()} == {torch.autograd.DeviceType.CPU}
+
+
+def test_a_stderr_without_a_file_descriptor_runs_without_the_stack_dump(monkeypatch, tmp_path):
+    """Where stderr has no file descriptor (a notebook's), the stack dump past the budget is
+    left out, said in the log, and the run goes on."""
+    import io
+
+    import gpu_check
+
+    _fake_gpu(monkeypatch, gpu_check)
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert gpu_check.main(["--out", str(tmp_path), "--no-peers", "--parts", "profile"]) == 0
+    assert "no stack dump past the budget" in stderr.getvalue() and (tmp_path / "summary.json").is_file()
