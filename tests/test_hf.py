@@ -280,6 +280,24 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         assert torch.allclose(g, grads[1][name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("name", ["output_hidden_states", "output_attentions"])
+def test_per_layer_outputs_are_refused_not_dropped(name):
+    """The native decoder records no per-layer hidden states or attention weights: asking for
+    them is refused with the way out (was: ``hidden_states`` / ``attentions`` silently
+    ``None``, a ``TypeError`` at the user's first index)."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 8))
+    for model in (hf, AttnResModel(hf.config)):
+        with pytest.raises(ValueError, match=f"{name}=True: the native AttnRes decoder records no per-layer"):
+            model(ids, **{name: True})
+    hf.config.output_hidden_states = True  # (the config refuses output_attentions itself under sdpa)
+    with pytest.raises(ValueError, match="output_hidden_states=True"):
+        hf(ids)
+    hf.config.output_hidden_states = False
+    assert hf(ids, **{name: False}).logits.shape == (1, 8, hf.config.vocab_size)
+    assert hf.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 10)
+
+
 def test_tokenizer_export_keeps_ids(tmp_path):
     from transformers import AutoTokenizer
 

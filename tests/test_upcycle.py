@@ -186,6 +186,47 @@ def test_torch_compile_matches_eager(backend):
     assert rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("residual", RESIDUALS[:3])
+def test_output_hidden_states_are_the_pretrained_ones_at_conversion(model_type, residual):
+    """``output_hidden_states=True`` reports after each decoder layer the sum of the residual's
+    sources - the pretrained model's hidden state at conversion (was: the embedding again
+    after every layer but the last, silently)."""
+    kind, S = residual
+    base = base_model(model_type)
+    up = upcycle(base, kind, block_size=S).eval()
+    x = ids()
+    with torch.no_grad():
+        want, got = base(x, output_hidden_states=True).hidden_states, up(x, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == 4
+    assert max(max_rel(g, w) for g, w in zip(got, want)) <= 1e-5
+    with torch.no_grad():
+        assert torch.equal(up(x, output_hidden_states=[-2]).hidden_states[-2], got[-2])  # one selected by index
+
+
+def test_output_hidden_states_of_a_multi_stream_residual_are_refused():
+    up = upcycle(base_model("llama"), "mhc").eval()
+    with pytest.raises(ValueError, match="output_hidden_states: the residual MHC keeps no single stream"):
+        up(ids(), output_hidden_states=True)
+    assert up(ids()).logits.shape == (2, 9, VOCAB)  # a forward without them still runs
+
+
+def test_the_upcycled_model_and_its_modules_share_one_config():
+    """The modules of an upcycled model read the config its user sees and sets, as after
+    ``from_pretrained`` (was: the inner model and every attention kept the pretrained
+    model's config, so ``up.config.use_cache = False`` or ``output_attentions`` were
+    ignored, and ``up.config`` named no attention implementation while eager ran)."""
+    base = base_model("llama", attn_implementation="eager")
+    up = upcycle(base).eval()
+    assert all(m.config is up.config for m in up.modules() if "config" in m.__dict__)
+    assert up.config._attn_implementation == "eager" and base.config._attn_implementation == "eager"
+    assert base.model.config is base.config and base.config.model_type == "llama"  # the original is left as it was
+    up.config.use_cache, up.config.output_attentions = False, True
+    with torch.no_grad():
+        out = up(ids())
+    assert out.past_key_values is None and len(out.attentions) == 3
+
+
 def test_depth_weights_are_recorded_and_uniform_at_conversion():
     up = upcycle(base_model("llama"), "attnres_block", block_size=4).eval()
     weights = up.depth_weights(ids())

@@ -210,6 +210,21 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         return h
 
 
+def _refuse_unreturned_outputs(config: AttnResConfig, kwargs: dict) -> None:
+    """Refuse ``output_hidden_states`` / ``output_attentions`` (in the call or the config),
+    which transformers models honour and these would silently drop: the native decoder keeps
+    no per-layer record (the residual is a depth mixture, not one stream per layer, and the
+    attention runs fused)."""
+    for name in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(name, getattr(config, name, False)):
+            raise ValueError(
+                f"{name}=True: the native AttnRes decoder records no "
+                "per-layer hidden states or attention weights (its residual mixes over depth, and its attention runs "
+                "fused); drop it (and from model.config / the "
+                "generation config). The final hidden state is AttnResModel's last_hidden_state; the depth-attention "
+                "weights come from model.to_native()(input_ids, return_depth_weights=True).depth_weights")
+
+
 def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
     """The cache a caller passed: transformers 5.24 renamed ``past_key_values`` to ``cache``
     (``generate`` passes the new name), earlier 5.x versions use the old one."""
@@ -246,6 +261,7 @@ class AttnResModel(AttnResPreTrainedModel):
         cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        _refuse_unreturned_outputs(self.config, kwargs)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(h), **_cache_field(BaseModelOutputWithPast, cache))
 
@@ -320,6 +336,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
         positions when > 0) and, with ``labels``, the mean next-token cross-entropy
         (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it."""
+        _refuse_unreturned_outputs(self.config, kwargs)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
