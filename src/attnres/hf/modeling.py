@@ -110,6 +110,13 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """As transformers' (which sets ``config.vocab_size``), keeping the native config the
+        decoder checks token ids against in step: the new ids are accepted at once."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        self.native_config = self.model_config = self.config.to_model_config()
+        return embeddings
+
     def _init_weights(self, module: nn.Module) -> None:
         """The native init (``AttnResLM.init_weights``): Normal(0, init_std) for projections
         and embeddings, ones for norm gains, and the residual's own init - zero
@@ -143,6 +150,20 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
             super().initialize_weights()
         finally:
             self.__dict__.pop("_fresh_residual", None)  # built for one init pass only
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1) -> None:
+        """As transformers' (``activation_checkpointing_enable`` calls it), and with a
+        reentrant checkpoint (``use_reentrant=True``, or torch's default where the call does
+        not say) each sublayer computes its own pre-norm: a reentrant checkpoint runs the
+        sublayer without autograd, and the residual's fused norm (``defer_norm``) needs it."""
+        kw = {} if gradient_checkpointing_func is None else {"gradient_checkpointing_func": gradient_checkpointing_func}
+        super()._set_gradient_checkpointing(enable=enable, every_n_layers=every_n_layers, **kw)
+        keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}
+        if enable and keywords.get("use_reentrant", True) is not False:
+            self.defer_norm = False
+        else:
+            self.__dict__.pop("defer_norm", None)  # the class's: fused
 
     def _set_attention(self) -> None:
         """Point every attention layer at ``config._attn_implementation``."""
