@@ -715,6 +715,40 @@ def test_upcycle_into_the_pretrained_directory_is_refused_before_the_model_loads
     assert (tmp_path / "llama" / "config.json").read_text() == "{}"
 
 
+def test_upcycle_writes_the_dtype_the_pretrained_weights_are_stored_in(tmp_path):
+    """A bfloat16 checkpoint (most pretrained models) upcycles to a bfloat16 directory: the
+    pretrained weights bit for bit, the residual at its faithful init, half the size of float32
+    (was: float32, twice the size, and computed in float32 by ``from_pretrained``'s default
+    dtype "auto" where the original computes in bfloat16). Loaded in float32 both are the
+    same function."""
+    from safetensors.torch import load_file
+
+    from attnres.cli import main as cli_main
+
+    base = base_model("qwen3", vocab_size=256).to(torch.bfloat16)  # (the byte tokenizer's ids)
+    base.save_pretrained(tmp_path / "q")
+    _byte_tokenizer().save_pretrained(tmp_path / "q")
+    assert cli_main(["upcycle", "--model", str(tmp_path / "q"), "--out", str(tmp_path / "up")]) == 0
+    assert json.loads((tmp_path / "up" / "config.json").read_text())["dtype"] == "bfloat16"
+    want, got = load_file(tmp_path / "q" / "model.safetensors"), load_file(tmp_path / "up" / "model.safetensors")
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    queries = [got[k] for k in got if k.endswith(".query")]
+    assert len(queries) == 7 and all((q == 0).all() for q in queries)  # L + 1 = 7 mixers
+    assert next(AutoModelForCausalLM.from_pretrained(tmp_path / "up").parameters()).dtype == torch.bfloat16
+    x = ids()
+    with torch.no_grad():
+        pre, up = (AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float32).eval() for d in ("q", "up"))
+        assert max_rel(up(x).logits, pre(x).logits) <= 1e-5
+
+
+def _byte_tokenizer():
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    return make_hf_tokenizer(ByteTokenizer())
+
+
 def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):
     """``--out`` holding another model saved in shards: the upcycle's single file replaces the
     shards and their index (left beside it, a loader following the index - vLLM - read the

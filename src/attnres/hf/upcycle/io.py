@@ -36,10 +36,14 @@ def smollm2_gguf() -> tuple[Path, str]:
     return directory, _SMOLLM2_FILE
 
 
-def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
+def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32, *,
+                    with_stored_dtype: bool = False):
     """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
     by transformers; needs the ``gguf`` package), a Hugging Face Hub model id (downloaded into
-    the Hugging Face cache, :mod:`attnres.hf.hub`), or ``"smollm2"``."""
+    the Hugging Face cache, :mod:`attnres.hf.hub`), or ``"smollm2"``; the model in ``dtype``.
+    ``with_stored_dtype``: ``(model, tokenizer, stored)``, with the dtype the checkpoint's
+    weights are stored in (its ``config.json``'s ``dtype``; ``None`` for a GGUF file, whose
+    weights are quantised, or a config that names none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if str(source) == SMOLLM2:
@@ -56,7 +60,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
         raise ModuleNotFoundError(f"reading a .gguf file needs the gguf package ({install_command('upcycle')})",
                                   name="gguf")
-    check_layout(source, kw)  # a refused family is said before anything else can fail
+    stored = check_layout(source, kw)  # a refused family is said before anything else can fail
     if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"--model {str(source)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): the "
                          "upcycled model is written with its tokenizer, so copy the tokenizer files of the pretrained "
@@ -68,7 +72,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
     if gguf_file:
         _forget_gguf_quantizer(model)
-    return model, tokenizer
+    return (model, tokenizer, None if gguf_file else stored) if with_stored_dtype else (model, tokenizer)
 
 
 #: Files of which a pretrained directory must hold one for its tokenizer to load: the fast
@@ -76,9 +80,10 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
 
-def check_layout(source: Path, kw: dict[str, Any]) -> None:
+def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
     """Raise ``ValueError`` when the model of ``source`` is of a family that cannot be
-    upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`)."""
+    upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`); else
+    return the floating dtype its config says the weights are stored in, if it says one."""
     from transformers import AutoConfig
 
     from ..families import layout_of
@@ -88,6 +93,9 @@ def check_layout(source: Path, kw: dict[str, Any]) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {str(source)!r}: cannot read its config: {e}") from None
     layout_of(config.model_type)
+    stored = getattr(config, "dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
 
 
 def _forget_gguf_quantizer(model) -> None:
@@ -106,7 +114,8 @@ def _forget_gguf_quantizer(model) -> None:
 
 def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attnres_block", block_size: int | None = None,
                       exact_eps: bool = True, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """``attnres upcycle``: load ``source``, upcycle it, and write the AttnRes model with the
+    """``attnres upcycle``: load ``source`` (in ``dtype``), upcycle it, and write the AttnRes
+    model, in the dtype the pretrained weights are stored in (float32 for a GGUF file), with the
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
     ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on).
     An existing ``out`` keeps its other files, but the weight files of a model it held that
@@ -116,8 +125,13 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
     if Path(source).is_dir() and Path(source).resolve() == out.resolve():
         raise OutputPathError(f"--out {str(out)!r} is --model's own directory: the upcycled model would replace the "
                               "pretrained one there; pick another directory")
-    model, tokenizer = load_pretrained(source, gguf_file, dtype)
-    upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)
+    model, tokenizer, stored = load_pretrained(source, gguf_file, dtype, with_stored_dtype=True)
+    upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)  # (converted in `dtype`)
+    if stored is not None and stored != dtype:
+        # Written as the pretrained checkpoint is stored (bfloat16 for most): its weights are
+        # those values exactly, and the zero queries and unit gains too - not twice its size
+        # in float32, which `from_pretrained`'s default dtype ("auto") would then compute in.
+        upcycled = upcycled.to(stored)
 
     def write(staging: Path) -> None:
         upcycled.save_pretrained(staging)
