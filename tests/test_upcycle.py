@@ -749,6 +749,35 @@ def _byte_tokenizer():
     return make_hf_tokenizer(ByteTokenizer())
 
 
+def test_upcycle_over_another_model_leaves_none_of_its_tokenizer_files(tmp_path):
+    """Upcycling a base model into the directory of an earlier upcycle of an instruct model:
+    the earlier chat template, end-of-turn token and generation settings go (was: its
+    ``chat_template.jinja`` stayed, and the base model's tokenizer loaded with it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from attnres.cli import main as cli_main
+    from attnres.hf.export import byte_level_tokenizer
+
+    instruct, plain = tmp_path / "instruct", tmp_path / "plain"
+    base_model("llama", vocab_size=256).save_pretrained(instruct)
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(), chat_template="{{ messages[0]['content'] }}!",
+                            eos_token="!", additional_special_tokens=["<x>"]).save_pretrained(instruct)
+    base_model("qwen3", vocab_size=256).save_pretrained(plain)
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer()).save_pretrained(plain)
+    out = tmp_path / "up"
+    assert cli_main(["upcycle", "--model", str(instruct), "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": "!"}))  # (as transformers 4 wrote)
+    assert AutoTokenizer.from_pretrained(out).chat_template
+    with pytest.warns(UserWarning, match="removed 2 file\\(s\\) of the model it held, which the new one does not "
+                      "overwrite: chat_template.jinja, special_tokens_map.json$"):
+        assert cli_main(["upcycle", "--model", str(plain), "--out", str(out)]) == 0
+    tok, want = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(plain)
+    assert tok.chat_template is None and tok.eos_token is None and tok.all_special_tokens == want.all_special_tokens
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "attnres_qwen3"
+
+
 def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):
     """``--out`` holding another model saved in shards: the upcycle's single file replaces the
     shards and their index (left beside it, a loader following the index - vLLM - read the
@@ -763,7 +792,7 @@ def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):
     shards = sorted(p.name for p in up_dir.glob("model-*.safetensors"))
     assert len(shards) > 1 and (up_dir / "model.safetensors.index.json").is_file()
     (up_dir / "notes.txt").write_text("mine")
-    removed = f"^--out .*: removed {len(shards) + 1} weight file\\(s\\) of the model it held"
+    removed = f"^--out .*: removed {len(shards) + 1} file\\(s\\) of the model it held"
     with pytest.warns(UserWarning, match=removed):
         assert cli_main(["upcycle", "--model", str(src), "--out", str(up_dir)]) == 0
     assert sorted(p.name for p in up_dir.glob("*.safetensors*")) == ["model.safetensors"]

@@ -10,7 +10,7 @@ import torch
 
 from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
-from ...output_paths import HF_WEIGHT_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
+from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
 from ..hub import local_folder
 from .convert import upcycle
@@ -118,8 +118,9 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
     model, in the dtype the pretrained weights are stored in (float32 for a GGUF file), with the
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
     ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on).
-    An existing ``out`` keeps its other files, but the weight files of a model it held that
-    the upcycle does not overwrite are removed, with a warning naming them."""
+    An existing ``out`` keeps its other files, but the files of a model it held (weights,
+    tokenizer, chat template, generation settings: :data:`attnres.output_paths.HF_MODEL_FILES`)
+    that the upcycle does not overwrite are removed, with a warning naming them."""
     out = check_output_dir(out, "--out")
     refuse_training_output(out)
     if Path(source).is_dir() and Path(source).resolve() == out.resolve():
@@ -140,4 +141,4 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
 
     # (interrupted: nothing half-written; the weights of a model that was there go, as its
     # shards would be read beside the new file)
-    return write_directory_atomically(out, write, "--out", HF_WEIGHT_FILES)
+    return write_directory_atomically(out, write, "--out", HF_MODEL_FILES)
