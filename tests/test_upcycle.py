@@ -227,6 +227,26 @@ def test_the_upcycled_model_and_its_modules_share_one_config():
     assert out.past_key_values is None and len(out.attentions) == 3
 
 
+def test_an_upcycled_model_pickles(tmp_path):
+    """``torch.save(model)`` / ``torch.load`` (and anything else that pickles a model) of an
+    upcycled model (was: "Can't pickle <class '...AttnResLlamaDecoderLayer'>: attribute
+    lookup ... failed": the swapped layer class is made at run time). The loaded model is the
+    same function, its layers feed its own residual, and it trains."""
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2).eval()
+    with torch.no_grad():
+        for m in up.residual.mixers:
+            m.query.normal_()
+    torch.save(up, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded.model.layers[1]) is type(up.model.layers[1])
+    assert all(layer.__dict__["_attnres"][0].residual is loaded.residual for layer in loaded.model.layers)
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, up(x).logits)
+    loaded.train()(x, labels=x).loss.backward()
+    assert all(m.query.grad is not None for m in loaded.residual.mixers)
+
+
 def test_depth_weights_are_recorded_and_uniform_at_conversion():
     up = upcycle(base_model("llama"), "attnres_block", block_size=4).eval()
     weights = up.depth_weights(ids())

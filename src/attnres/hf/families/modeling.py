@@ -176,12 +176,27 @@ def _set_checkpointing_flag(self, value: bool) -> None:
     self.__dict__["_attnres_checkpointing"] = bool(value)
 
 
+def _reduce_layer(self, protocol):
+    """Pickle a swapped layer by its family's layer class, which any process can import (the
+    AttnRes subclass is made at run time): ``torch.save(model)``, ``copy.deepcopy``, sending
+    the model to another process."""
+    reduced = object.__reduce_ex__(self, protocol)  # (copyreg.__newobj__, (cls,), state, ...)
+    return (_swapped_layer, (type(self).__bases__[0],), *reduced[2:])
+
+
+def _swapped_layer(base: type):
+    """An empty layer of class ``_layer_class(base)``, for unpickling to fill."""
+    cls = _layer_class(base)
+    return cls.__new__(cls)
+
+
 @functools.cache
 def _layer_class(base: type) -> type:
     """``base`` (a decoder layer class) with the AttnRes forward."""
     return types.new_class(f"AttnRes{base.__name__}", (base,), exec_body=lambda ns: ns.update(
         forward=_layer_forward,
         gradient_checkpointing=property(_checkpointing_flag, _set_checkpointing_flag),
+        __reduce_ex__=_reduce_layer,
         __module__=__name__,
     ))
 
