@@ -798,6 +798,22 @@ def test_upcycle_over_another_model_leaves_none_of_its_tokenizer_files(tmp_path)
     assert json.loads((out / "config.json").read_text())["model_type"] == "attnres_qwen3"
 
 
+def test_upcycle_names_a_truncated_weights_file(tmp_path):
+    """A download or copy of the pretrained model cut short: an error naming the file's state
+    and the fix, nothing written (was: safetensors' traceback)."""
+    from attnres.cli import main as cli_main
+
+    src = tmp_path / "llama"
+    base_model("llama", vocab_size=256).save_pretrained(src)
+    _byte_tokenizer().save_pretrained(src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(SystemExit, match=r"^attnres upcycle: error: --model '.*llama': its weights cannot be read, the "
+                                         r"\.safetensors file is truncated or corrupted \(.*\); download or copy"):
+        cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up")])
+    assert not (tmp_path / "up").exists()
+
+
 def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):
     """``--out`` holding another model saved in shards: the upcycle's single file replaces the
     shards and their index (left beside it, a loader following the index - vLLM - read the
