@@ -171,6 +171,22 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert max(rel_err(got[k], want[k]) for k in want) <= 1e-6
 
 
+def test_checkpointing_enabled_before_the_upcycle_stays_on():
+    """A model whose activation checkpointing was enabled before ``upcycle`` checkpoints its
+    sublayers after it (was: ``is_gradient_checkpointing`` said True and no sublayer was
+    recomputed - the memory of training without it)."""
+    base = base_model("llama")
+    base.activation_checkpointing_enable()
+    up = upcycle(base).train()
+    calls = []
+    for layer in up.model.layers:
+        checkpoint = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, f=checkpoint, **k: (calls.append(1), f(*a, **k))[1]
+    x = ids()
+    up(x, labels=x).loss.backward()
+    assert up.is_gradient_checkpointing and len(calls) == 6  # L = 6 sublayers
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_matches_eager(backend):

@@ -262,6 +262,10 @@ class UpcycledModelMixin:
                 base = base.__bases__[0]
             layer.__class__ = _layer_class(base)
             layer.__dict__["_attnres"] = (stream, i, layout)
+            # The family layer's own checkpointing flag (enabled before the upcycle), which the
+            # swapped class's property would hide: it checkpoints the sublayers instead.
+            if layer.__dict__.pop("gradient_checkpointing", False):
+                layer.gradient_checkpointing = True
         if config.attnres_exact_eps:
             self._adjust_eps(layout)
 
