@@ -139,7 +139,7 @@ def _layer_forward(self, hidden_states, **kwargs):
             stream.weights, stream.recorded = state.weights, state
         return out
     if _collecting_hidden_states():  # output_hidden_states=True: what the family reports after each layer
-        return stream_total(residual, state)
+        return _stream_total(residual, state)
     return hidden_states  # the next layer reads the residual stream, not this
 
 
@@ -152,7 +152,7 @@ def _collecting_hidden_states() -> bool:
     return collected is not None and "hidden_states" in collected
 
 
-def stream_total(residual: ResidualStream, state) -> torch.Tensor:
+def _stream_total(residual: ResidualStream, state) -> torch.Tensor:
     """The hidden state between two decoder layers as ``output_hidden_states`` reports it: the
     sum of the residual's history - a single stream's ``h`` (standard, ReZero, LayerScale,
     Highway), or Full and Block AttnRes' sources, which partition the outputs so far: their
