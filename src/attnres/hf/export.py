@@ -120,8 +120,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained``.
     An existing ``out_dir`` keeps its other files, but the files of a model it held that the
     export does not overwrite (its shards and their index, its tokenizer's other files:
-    :data:`attnres.output_paths.HF_MODEL_FILES`) are removed, with a warning naming them. Raises ``ValueError`` (before any work) when ``out_dir`` cannot be
-    written (a file in the way, a read-only file system), and when writing it fails."""
+    :data:`attnres.output_paths.HF_MODEL_FILES`) are removed, with a warning naming them.
+    Raises ``ValueError`` (before any work) when ``out_dir`` cannot be written (a file in
+    the way, a read-only file system), and when writing it fails."""
     out = check_output_dir(out_dir)
     refuse_training_output(out)
     run = load_run(checkpoint)

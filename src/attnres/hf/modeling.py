@@ -239,9 +239,8 @@ def _refuse_unreturned_outputs(config: AttnResConfig, kwargs: dict) -> None:
     for name in ("output_hidden_states", "output_attentions"):
         if kwargs.get(name, getattr(config, name, False)):
             raise ValueError(
-                f"{name}=True: the native AttnRes decoder records no "
-                "per-layer hidden states or attention weights (its residual mixes over depth, and its attention runs "
-                "fused); drop it (and from model.config / the "
+                f"{name}=True: the native AttnRes decoder records no per-layer hidden states or attention weights "
+                "(its residual mixes over depth, and its attention runs fused); drop it (and from model.config / the "
                 "generation config). The final hidden state is AttnResModel's last_hidden_state; the depth-attention "
                 "weights come from model.to_native()(input_ids, return_depth_weights=True).depth_weights")
 
