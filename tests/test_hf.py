@@ -265,19 +265,62 @@ def test_eager_attention_matches_sdpa():
         hf(ids)
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
+    """Also with ``use_reentrant=True``, a common fine-tuning recipe (was: a RuntimeError
+    about a deferred sublayer input in the forward)."""
     native = native_model(residual="attnres_block")
     ids = torch.randint(0, native.config.vocab_size, (2, 16))
     grads = []
     for checkpointing in (False, True):
         hf = AttnResForCausalLM.from_native(native).train()
         if checkpointing:
-            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
             assert hf.gradient_checkpointing and hf.is_activation_checkpointing
+            assert hf.defer_norm is not reentrant  # (the fused norm where autograd runs the sublayer)
         hf(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in hf.named_parameters()})
     for name, g in grads[0].items():
         assert torch.allclose(g, grads[1][name], atol=1e-6), name
+    hf.activation_checkpointing_disable()
+    assert hf.defer_norm and "defer_norm" not in hf.__dict__
+
+
+@pytest.mark.parametrize("name", ["output_hidden_states", "output_attentions"])
+def test_per_layer_outputs_are_refused_not_dropped(name):
+    """The native decoder records no per-layer hidden states or attention weights: asking for
+    them is refused with the way out (was: ``hidden_states`` / ``attentions`` silently
+    ``None``, a ``TypeError`` at the user's first index)."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 8))
+    for model in (hf, AttnResModel(hf.config)):
+        with pytest.raises(ValueError, match=f"{name}=True: the native AttnRes decoder records no per-layer"):
+            model(ids, **{name: True})
+    hf.config.output_hidden_states = True  # (the config refuses output_attentions itself under sdpa)
+    with pytest.raises(ValueError, match="output_hidden_states=True"):
+        hf(ids)
+    hf.config.output_hidden_states = False
+    assert hf(ids, **{name: False}).logits.shape == (1, 8, hf.config.vocab_size)
+    assert hf.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 10)
+
+
+def test_resized_embeddings_take_the_new_ids_at_once(tmp_path):
+    """``resize_token_embeddings`` (adding tokens for fine-tuning) then a new id: accepted,
+    and the same function as the native model of the resized config, also after a reload
+    (was: 'token id 299 is outside the vocabulary [0, 256)' until saved and reloaded)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    hf.resize_token_embeddings(300, mean_resizing=False)
+    ids = torch.tensor([[299, 1, 256, 7]])
+    with torch.no_grad():
+        logits = hf(ids).logits
+        assert logits.shape == (1, 4, 300)
+        assert torch.equal(hf.to_native()(ids).logits, logits)
+    assert hf.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 6)
+    hf.save_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, logits)
 
 
 def test_tokenizer_export_keeps_ids(tmp_path):

@@ -250,16 +250,33 @@ def test_a_model_written_over_another_removes_the_weight_files_it_does_not_overw
     with pytest.warns(UserWarning) as caught:
         write_directory_atomically(out, single, weights=HF_WEIGHT_FILES)
     assert [str(w.message) for w in caught] == [
-        f"--out {str(out)!r}: removed 5 weight file(s) of the model it held, which the new one does not overwrite: "
+        f"--out {str(out)!r}: removed 5 file(s) of the model it held, which the new one does not overwrite: "
         + ", ".join(sorted(old))]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt", "sub",
                                                      "tokenizer.json", "training_args.bin"]
     assert (out / "tokenizer.json").read_bytes() == b"new"
     assert (out / "sub" / "other.safetensors").read_bytes() == b"mine"
     sharded = _export_like({name: b"newer" for name in old[:3]})
-    with pytest.warns(UserWarning, match=": removed 1 weight file\\(s\\) .*: model.safetensors$"):
+    with pytest.warns(UserWarning, match=": removed 1 file\\(s\\) .*: model.safetensors$"):
         write_directory_atomically(out, sharded, weights=HF_WEIGHT_FILES)
     assert sorted(out.glob("*.safetensors*")) == sorted(out / name for name in old[:3])
+
+
+def test_the_model_files_of_an_export_replace_the_whole_tokenizer_of_the_model_there(tmp_path):
+    """With :data:`HF_MODEL_FILES` (export, upcycle) another model's tokenizer files, chat
+    templates and generation settings go too, a subfolder's included; the user's files stay."""
+    from attnres.output_paths import HF_MODEL_FILES, write_directory_atomically
+
+    out = tmp_path / "hf"
+    (out / "additional_chat_templates").mkdir(parents=True)
+    old = ["additional_chat_templates/tools.jinja", "chat_template.jinja", "generation_config.json", "merges.txt",
+           "tokenizer.model", "vocab.json"]
+    for name in [*old, "notes.txt", "tokenizer.json"]:
+        (out / name).write_bytes(b"old")
+    with pytest.warns(UserWarning, match=f": removed 6 file\\(s\\) of the model it held, .*: {', '.join(old)}$"):
+        write_directory_atomically(out, _export_like({"config.json": b"{}", "tokenizer.json": b"new"}),
+                                   weights=HF_MODEL_FILES)
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["config.json", "notes.txt", "tokenizer.json"]
 
 
 def test_strict_json_writes_what_is_not_a_finite_number_as_null():

@@ -171,6 +171,22 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert max(rel_err(got[k], want[k]) for k in want) <= 1e-6
 
 
+def test_checkpointing_enabled_before_the_upcycle_stays_on():
+    """A model whose activation checkpointing was enabled before ``upcycle`` checkpoints its
+    sublayers after it (was: ``is_gradient_checkpointing`` said True and no sublayer was
+    recomputed - the memory of training without it)."""
+    base = base_model("llama")
+    base.activation_checkpointing_enable()
+    up = upcycle(base).train()
+    calls = []
+    for layer in up.model.layers:
+        checkpoint = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, f=checkpoint, **k: (calls.append(1), f(*a, **k))[1]
+    x = ids()
+    up(x, labels=x).loss.backward()
+    assert up.is_gradient_checkpointing and len(calls) == 6  # L = 6 sublayers
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_matches_eager(backend):
@@ -184,6 +200,67 @@ def test_torch_compile_matches_eager(backend):
         want = up(x).logits
         got = torch.compile(up, backend=backend, fullgraph=True)(x).logits
     assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("residual", RESIDUALS[:3])
+def test_output_hidden_states_are_the_pretrained_ones_at_conversion(model_type, residual):
+    """``output_hidden_states=True`` reports after each decoder layer the sum of the residual's
+    sources - the pretrained model's hidden state at conversion (was: the embedding again
+    after every layer but the last, silently)."""
+    kind, S = residual
+    base = base_model(model_type)
+    up = upcycle(base, kind, block_size=S).eval()
+    x = ids()
+    with torch.no_grad():
+        want, got = base(x, output_hidden_states=True).hidden_states, up(x, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == 4
+    assert max(max_rel(g, w) for g, w in zip(got, want)) <= 1e-5
+    with torch.no_grad():
+        assert torch.equal(up(x, output_hidden_states=[-2]).hidden_states[-2], got[-2])  # one selected by index
+
+
+def test_output_hidden_states_of_a_multi_stream_residual_are_refused():
+    up = upcycle(base_model("llama"), "mhc").eval()
+    with pytest.raises(ValueError, match="output_hidden_states: the residual MHC keeps no single stream"):
+        up(ids(), output_hidden_states=True)
+    assert up(ids()).logits.shape == (2, 9, VOCAB)  # a forward without them still runs
+
+
+def test_the_upcycled_model_and_its_modules_share_one_config():
+    """The modules of an upcycled model read the config its user sees and sets, as after
+    ``from_pretrained`` (was: the inner model and every attention kept the pretrained
+    model's config, so ``up.config.use_cache = False`` or ``output_attentions`` were
+    ignored, and ``up.config`` named no attention implementation while eager ran)."""
+    base = base_model("llama", attn_implementation="eager")
+    up = upcycle(base).eval()
+    assert all(m.config is up.config for m in up.modules() if "config" in m.__dict__)
+    assert up.config._attn_implementation == "eager" and base.config._attn_implementation == "eager"
+    assert base.model.config is base.config and base.config.model_type == "llama"  # the original is left as it was
+    up.config.use_cache, up.config.output_attentions = False, True
+    with torch.no_grad():
+        out = up(ids())
+    assert out.past_key_values is None and len(out.attentions) == 3
+
+
+def test_an_upcycled_model_pickles(tmp_path):
+    """``torch.save(model)`` / ``torch.load`` (and anything else that pickles a model) of an
+    upcycled model (was: "Can't pickle <class '...AttnResLlamaDecoderLayer'>: attribute
+    lookup ... failed": the swapped layer class is made at run time). The loaded model is the
+    same function, its layers feed its own residual, and it trains."""
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2).eval()
+    with torch.no_grad():
+        for m in up.residual.mixers:
+            m.query.normal_()
+    torch.save(up, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert type(loaded.model.layers[1]) is type(up.model.layers[1])
+    assert all(layer.__dict__["_attnres"][0].residual is loaded.residual for layer in loaded.model.layers)
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, up(x).logits)
+    loaded.train()(x, labels=x).loss.backward()
+    assert all(m.query.grad is not None for m in loaded.residual.mixers)
 
 
 def test_depth_weights_are_recorded_and_uniform_at_conversion():
@@ -674,6 +751,85 @@ def test_upcycle_into_the_pretrained_directory_is_refused_before_the_model_loads
     assert (tmp_path / "llama" / "config.json").read_text() == "{}"
 
 
+def test_upcycle_writes_the_dtype_the_pretrained_weights_are_stored_in(tmp_path):
+    """A bfloat16 checkpoint (most pretrained models) upcycles to a bfloat16 directory: the
+    pretrained weights bit for bit, the residual at its faithful init, half the size of float32
+    (was: float32, twice the size, and computed in float32 by ``from_pretrained``'s default
+    dtype "auto" where the original computes in bfloat16). Loaded in float32 both are the
+    same function."""
+    from safetensors.torch import load_file
+
+    from attnres.cli import main as cli_main
+
+    base = base_model("qwen3", vocab_size=256).to(torch.bfloat16)  # (the byte tokenizer's ids)
+    base.save_pretrained(tmp_path / "q")
+    _byte_tokenizer().save_pretrained(tmp_path / "q")
+    assert cli_main(["upcycle", "--model", str(tmp_path / "q"), "--out", str(tmp_path / "up")]) == 0
+    assert json.loads((tmp_path / "up" / "config.json").read_text())["dtype"] == "bfloat16"
+    want, got = load_file(tmp_path / "q" / "model.safetensors"), load_file(tmp_path / "up" / "model.safetensors")
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    queries = [got[k] for k in got if k.endswith(".query")]
+    assert len(queries) == 7 and all((q == 0).all() for q in queries)  # L + 1 = 7 mixers
+    assert next(AutoModelForCausalLM.from_pretrained(tmp_path / "up").parameters()).dtype == torch.bfloat16
+    x = ids()
+    with torch.no_grad():
+        pre, up = (AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float32).eval() for d in ("q", "up"))
+        assert max_rel(up(x).logits, pre(x).logits) <= 1e-5
+
+
+def _byte_tokenizer():
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    return make_hf_tokenizer(ByteTokenizer())
+
+
+def test_upcycle_over_another_model_leaves_none_of_its_tokenizer_files(tmp_path):
+    """Upcycling a base model into the directory of an earlier upcycle of an instruct model:
+    the earlier chat template, end-of-turn token and generation settings go (was: its
+    ``chat_template.jinja`` stayed, and the base model's tokenizer loaded with it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from attnres.cli import main as cli_main
+    from attnres.hf.export import byte_level_tokenizer
+
+    instruct, plain = tmp_path / "instruct", tmp_path / "plain"
+    base_model("llama", vocab_size=256).save_pretrained(instruct)
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(), chat_template="{{ messages[0]['content'] }}!",
+                            eos_token="!", additional_special_tokens=["<x>"]).save_pretrained(instruct)
+    base_model("qwen3", vocab_size=256).save_pretrained(plain)
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer()).save_pretrained(plain)
+    out = tmp_path / "up"
+    assert cli_main(["upcycle", "--model", str(instruct), "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": "!"}))  # (as transformers 4 wrote)
+    assert AutoTokenizer.from_pretrained(out).chat_template
+    with pytest.warns(UserWarning, match="removed 2 file\\(s\\) of the model it held, which the new one does not "
+                      "overwrite: chat_template.jinja, special_tokens_map.json$"):
+        assert cli_main(["upcycle", "--model", str(plain), "--out", str(out)]) == 0
+    tok, want = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(plain)
+    assert tok.chat_template is None and tok.eos_token is None and tok.all_special_tokens == want.all_special_tokens
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "attnres_qwen3"
+
+
+def test_upcycle_names_a_truncated_weights_file(tmp_path):
+    """A download or copy of the pretrained model cut short: an error naming the file's state
+    and the fix, nothing written (was: safetensors' traceback)."""
+    from attnres.cli import main as cli_main
+
+    src = tmp_path / "llama"
+    base_model("llama", vocab_size=256).save_pretrained(src)
+    _byte_tokenizer().save_pretrained(src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(SystemExit, match=r"^attnres upcycle: error: --model '.*llama': its weights cannot be read, the "
+                                         r"\.safetensors file is truncated or corrupted \(.*\); download or copy"):
+        cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up")])
+    assert not (tmp_path / "up").exists()
+
+
 def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):
     """``--out`` holding another model saved in shards: the upcycle's single file replaces the
     shards and their index (left beside it, a loader following the index - vLLM - read the
@@ -688,7 +844,7 @@ def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):
     shards = sorted(p.name for p in up_dir.glob("model-*.safetensors"))
     assert len(shards) > 1 and (up_dir / "model.safetensors.index.json").is_file()
     (up_dir / "notes.txt").write_text("mine")
-    removed = f"^--out .*: removed {len(shards) + 1} weight file\\(s\\) of the model it held"
+    removed = f"^--out .*: removed {len(shards) + 1} file\\(s\\) of the model it held"
     with pytest.warns(UserWarning, match=removed):
         assert cli_main(["upcycle", "--model", str(src), "--out", str(up_dir)]) == 0
     assert sorted(p.name for p in up_dir.glob("*.safetensors*")) == ["model.safetensors"]

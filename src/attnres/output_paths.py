@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HF_WEIGHT_FILES", "OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way",
+__all__ = ["HF_MODEL_FILES", "HF_TOKENIZER_FILES", "HF_WEIGHT_FILES", "OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way",
            "honour_umask", "not_a_directory", "os_cause", "strict_json", "write_directory_atomically",
            "write_text_atomically"]
 
@@ -29,6 +29,18 @@ __all__ = ["HF_WEIGHT_FILES", "OutputPathError", "check_output_dir", "check_outp
 #: loaders read as the model (vLLM: every ``*.safetensors`` file, or the ones the index names).
 #: Not ``training_args.bin`` and the like, which hold no weights.
 HF_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json")
+
+#: The other files a loader reads as part of a Hugging Face model directory: the tokenizer's
+#: (fast or SentencePiece or BPE vocabularies, its config and special tokens), the chat
+#: templates and the generation settings. Left beside another model's files, a stale one is
+#: read as the new model's: an instruct model's chat template or end-of-turn token would
+#: apply to a base model upcycled into the same directory.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                      "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+                      "merges.txt", "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
+                      "generation_config.json")
+#: Every file of a model that ``attnres export`` / ``attnres upcycle`` replace as a whole.
+HF_MODEL_FILES = HF_WEIGHT_FILES + HF_TOKENIZER_FILES
 
 
 def _finite(value: Any) -> Any:
@@ -146,10 +158,11 @@ def write_directory_atomically(path: Path, write: Callable[[Path], None], what: 
     """Run ``write(staging)`` on an empty temporary directory beside ``path``, then put what it
     wrote in place: the whole directory by one rename when ``path`` does not exist yet, else
     each file by one rename over the file of its name, and then the files of ``path`` (not of
-    its subdirectories) that match a pattern of ``weights`` (:data:`HF_WEIGHT_FILES`) and that
-    ``write`` did not produce are removed, with a warning naming them: the weights of the
-    model that was there (its shards and their index beside a new single file), which a
-    loader following the index would read instead of the new ones. Other files stay.
+    its subdirectories) that match a pattern of ``weights`` (:data:`HF_WEIGHT_FILES`,
+    :data:`HF_MODEL_FILES`) and that ``write`` did not produce are removed, with a warning
+    naming them: the files of the model that was there (its shards and their index beside a
+    new single file, which a loader following the index would read instead of the new ones;
+    its chat template beside a tokenizer without one). Other files stay.
     A failure or an interruption while writing (a disk that filled up, Ctrl-C) leaves ``path``
     as it was - never a half-written weights file that loads as damaged - and no directory it
     created. An ``OSError`` becomes :class:`OutputPathError` naming ``what``, the path and the
@@ -176,8 +189,8 @@ def write_directory_atomically(path: Path, write: Callable[[Path], None], what: 
         for file in stale:  # (once the new weights are in place: never a directory without any)
             file.unlink()
         if stale:
-            warnings.warn(f"{what} {str(path)!r}: removed {len(stale)} weight file(s) of the model it held, which the "
-                          f"new one does not overwrite: {', '.join(f.name for f in stale)}", stacklevel=2)
+            warnings.warn(f"{what} {str(path)!r}: removed {len(stale)} file(s) of the model it held, which the new one "
+                          f"does not overwrite: {', '.join(str(f.relative_to(path)) for f in stale)}", stacklevel=2)
         return path
     except OSError as e:
         raise OutputPathError(f"{what} {str(path)!r} could not be written ({os_cause(e)}); what was there is "

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
         "vLLM plugin serves (docs/hf.md, docs/serving.md).")
     add_checkpoint_argument(xp)
     xp.add_argument("--out", required=True, help="output directory for save_pretrained (created if missing; the "
-                    "weight files of a model already there are replaced, its other files kept)")
+                    "files of a model already there - weights, tokenizer, chat template - are replaced, other files kept)")
     xp.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
 
 

@@ -16,8 +16,8 @@ def add_parser(sub) -> None:
     )
     up.add_argument("--model", required=True, help="a save_pretrained directory, a .gguf file, a Hub model id (org/name), "
                     "or 'smollm2'")
-    up.add_argument("--out", required=True, help="output directory (created if missing; the weight files of a model "
-                    "already there are replaced, its other files kept)")
+    up.add_argument("--out", required=True, help="output directory (created if missing; the files of a model "
+                    "already there - weights, tokenizer, chat template - are replaced, other files kept)")
     up.add_argument("--residual", default="attnres_block", help="a registered residual (default attnres_block)")
     up.add_argument("--block-size", type=int, help="Block AttnRes S in sublayers (default: about 8 blocks)")
     up.add_argument("--no-exact-eps", action="store_true",

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-__all__ = ["DirectoryText", "load_directory"]
+__all__ = ["DirectoryText", "load_directory", "unreadable_weights"]
 
 
 class DirectoryText:
@@ -62,6 +62,14 @@ def _appended_count(tokenizer) -> int:
     return 0  # the added tokens merge with the text's (no such tokenizer known): keep them all
 
 
+def unreadable_weights(where: str, error: Exception, fix: str) -> ValueError:
+    """The error for a directory (``where``, as the message names it) whose ``.safetensors``
+    file does not read (``SafetensorError``: cut short by a copy or download that did not
+    finish, or damaged), saying ``fix``."""
+    return ValueError(f"{where}: its weights cannot be read, the .safetensors file is truncated or corrupted "
+                      f"({error}); {fix}")
+
+
 def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Module, DirectoryText]:
     """``(model, text)`` of the transformers directory ``path``: the model in eval mode on
     ``device``, and its tokenizer. Raises ``ValueError`` when either does not load."""
@@ -70,8 +78,7 @@ def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Mod
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{str(path)!r}: transformers cannot load its model: {e}") from None
     except SafetensorError as e:  # a weights file cut short (a copy or export that did not finish) or damaged
-        raise ValueError(f"{str(path)!r}: its weights cannot be read, the .safetensors file is truncated or "
-                         f"corrupted ({e}); export or copy the directory again") from None
+        raise unreadable_weights(repr(str(path)), e, "export or copy the directory again") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

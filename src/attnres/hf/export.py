@@ -39,7 +39,7 @@ from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
 from ..inference.loading import load_run, load_tokenizer
 from ..models import AttnResLM
-from ..output_paths import HF_WEIGHT_FILES, check_output_dir, honour_umask, write_directory_atomically
+from ..output_paths import HF_MODEL_FILES, check_output_dir, honour_umask, write_directory_atomically
 from .modeling import AttnResForCausalLM
 
 #: The exported tokenizer's chat template: our models learn plain text, so a conversation is
@@ -118,10 +118,11 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None,
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
     """Write the checkpoint as a Hugging Face directory loadable with
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained``.
-    An existing ``out_dir`` keeps its other files, but the weight files of a model it held
-    that the export does not overwrite (its shards and their index) are removed, with a
-    warning naming them. Raises ``ValueError`` (before any work) when ``out_dir`` cannot be
-    written (a file in the way, a read-only file system), and when writing it fails."""
+    An existing ``out_dir`` keeps its other files, but the files of a model it held that the
+    export does not overwrite (its shards and their index, its tokenizer's other files:
+    :data:`attnres.output_paths.HF_MODEL_FILES`) are removed, with a warning naming them.
+    Raises ``ValueError`` (before any work) when ``out_dir`` cannot be written (a file in
+    the way, a read-only file system), and when writing it fails."""
     out = check_output_dir(out_dir)
     refuse_training_output(out)
     run = load_run(checkpoint)
@@ -145,4 +146,4 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
 
     # (a disk that filled up since the check: nothing half-written; the weights of a model that
     # was there go, as its shards would be read beside the new file)
-    return write_directory_atomically(out, write, weights=HF_WEIGHT_FILES)
+    return write_directory_atomically(out, write, weights=HF_MODEL_FILES)

@@ -110,6 +110,13 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """As transformers' (which sets ``config.vocab_size``), keeping the native config the
+        decoder checks token ids against in step: the new ids are accepted at once."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        self.native_config = self.model_config = self.config.to_model_config()
+        return embeddings
+
     def _init_weights(self, module: nn.Module) -> None:
         """The native init (``AttnResLM.init_weights``): Normal(0, init_std) for projections
         and embeddings, ones for norm gains, and the residual's own init - zero
@@ -143,6 +150,20 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
             super().initialize_weights()
         finally:
             self.__dict__.pop("_fresh_residual", None)  # built for one init pass only
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1) -> None:
+        """As transformers' (``activation_checkpointing_enable`` calls it), and with a
+        reentrant checkpoint (``use_reentrant=True``, or torch's default where the call does
+        not say) each sublayer computes its own pre-norm: a reentrant checkpoint runs the
+        sublayer without autograd, and the residual's fused norm (``defer_norm``) needs it."""
+        kw = {} if gradient_checkpointing_func is None else {"gradient_checkpointing_func": gradient_checkpointing_func}
+        super()._set_gradient_checkpointing(enable=enable, every_n_layers=every_n_layers, **kw)
+        keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}
+        if enable and keywords.get("use_reentrant", True) is not False:
+            self.defer_norm = False
+        else:
+            self.__dict__.pop("defer_norm", None)  # the class's: fused
 
     def _set_attention(self) -> None:
         """Point every attention layer at ``config._attn_implementation``."""
@@ -210,6 +231,20 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         return h
 
 
+def _refuse_unreturned_outputs(config: AttnResConfig, kwargs: dict) -> None:
+    """Refuse ``output_hidden_states`` / ``output_attentions`` (in the call or the config),
+    which transformers models honour and these would silently drop: the native decoder keeps
+    no per-layer record (the residual is a depth mixture, not one stream per layer, and the
+    attention runs fused)."""
+    for name in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(name, getattr(config, name, False)):
+            raise ValueError(
+                f"{name}=True: the native AttnRes decoder records no per-layer hidden states or attention weights "
+                "(its residual mixes over depth, and its attention runs fused); drop it (and from model.config / the "
+                "generation config). The final hidden state is AttnResModel's last_hidden_state; the depth-attention "
+                "weights come from model.to_native()(input_ids, return_depth_weights=True).depth_weights")
+
+
 def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
     """The cache a caller passed: transformers 5.24 renamed ``past_key_values`` to ``cache``
     (``generate`` passes the new name), earlier 5.x versions use the old one."""
@@ -246,6 +281,7 @@ class AttnResModel(AttnResPreTrainedModel):
         cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        _refuse_unreturned_outputs(self.config, kwargs)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(h), **_cache_field(BaseModelOutputWithPast, cache))
 
@@ -320,6 +356,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
         positions when > 0) and, with ``labels``, the mean next-token cross-entropy
         (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it."""
+        _refuse_unreturned_outputs(self.config, kwargs)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]

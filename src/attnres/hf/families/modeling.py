@@ -39,6 +39,11 @@ from ...nn.residual import ResidualConfig, ResidualStream, build_residual, valid
 from ...models.saved_config import check_saved_config, config_source
 from .layout import PREFIX, Layout, family_of, layout_of
 
+try:  # transformers' record of the outputs of a forward (output_hidden_states, output_attentions)
+    from transformers.utils.output_capturing import _active_collector as _output_collector
+except ImportError:  # releases without it pass output_hidden_states down the layers instead
+    _output_collector = None
+
 __all__ = ["init_missing_tensors", "adjust_eps", "UpcycledConfigMixin", "UpcycledModelMixin", "SAVED_FIELDS", "PREFIX"]
 
 _EPS_NAMES = ("variance_epsilon", "eps")
@@ -133,7 +138,34 @@ def _layer_forward(self, hidden_states, **kwargs):
         if stream.record_weights:
             stream.weights, stream.recorded = state.weights, state
         return out
+    if _collecting_hidden_states():  # output_hidden_states=True: what the family reports after each layer
+        return _stream_total(residual, state)
     return hidden_states  # the next layer reads the residual stream, not this
+
+
+def _collecting_hidden_states() -> bool:
+    """Whether transformers records the decoder layers' outputs as ``hidden_states`` in the
+    forward in flight (its output-capturing hooks read what each layer returns)."""
+    if _output_collector is None:
+        return False
+    collected = _output_collector.get()
+    return collected is not None and "hidden_states" in collected
+
+
+def _stream_total(residual: ResidualStream, state) -> torch.Tensor:
+    """The hidden state between two decoder layers as ``output_hidden_states`` reports it: the
+    sum of the residual's history - a single stream's ``h`` (standard, ReZero, LayerScale,
+    Highway), or Full and Block AttnRes' sources, which partition the outputs so far: their
+    sum is what the standard residual would carry, the pretrained model's hidden state at
+    conversion. What the next sublayer reads is a depth mixture of them, not one tensor."""
+    try:
+        history = residual.history(state)
+    except (ValueError, NotImplementedError):
+        raise ValueError(f"output_hidden_states: the residual {type(residual).__name__} keeps no single stream between "
+                         "decoder layers to report; leave output_hidden_states off (the model's last hidden state is "
+                         "what its final norm returns) or use a standard, Full or Block AttnRes residual") from None
+    parts = [*history.completed, *([] if history.running is None else [history.running])]
+    return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
 
 
 def _checkpointing_flag(self):
@@ -144,12 +176,27 @@ def _set_checkpointing_flag(self, value: bool) -> None:
     self.__dict__["_attnres_checkpointing"] = bool(value)
 
 
+def _reduce_layer(self, protocol):
+    """Pickle a swapped layer by its family's layer class, which any process can import (the
+    AttnRes subclass is made at run time): ``torch.save(model)``, ``copy.deepcopy``, sending
+    the model to another process."""
+    reduced = object.__reduce_ex__(self, protocol)  # (copyreg.__newobj__, (cls,), state, ...)
+    return (_swapped_layer, (type(self).__bases__[0],), *reduced[2:])
+
+
+def _swapped_layer(base: type):
+    """An empty layer of class ``_layer_class(base)``, for unpickling to fill."""
+    cls = _layer_class(base)
+    return cls.__new__(cls)
+
+
 @functools.cache
 def _layer_class(base: type) -> type:
     """``base`` (a decoder layer class) with the AttnRes forward."""
     return types.new_class(f"AttnRes{base.__name__}", (base,), exec_body=lambda ns: ns.update(
         forward=_layer_forward,
         gradient_checkpointing=property(_checkpointing_flag, _set_checkpointing_flag),
+        __reduce_ex__=_reduce_layer,
         __module__=__name__,
     ))
 
@@ -215,6 +262,10 @@ class UpcycledModelMixin:
                 base = base.__bases__[0]
             layer.__class__ = _layer_class(base)
             layer.__dict__["_attnres"] = (stream, i, layout)
+            # The family layer's own checkpointing flag (enabled before the upcycle), which the
+            # swapped class's property would hide: it checkpoints the sublayers instead.
+            if layer.__dict__.pop("gradient_checkpointing", False):
+                layer.gradient_checkpointing = True
         if config.attnres_exact_eps:
             self._adjust_eps(layout)
 

@@ -52,8 +52,29 @@ def upcycle(
                          "residual='attnres_block', the default)")
     new = copy.deepcopy(model)
     new.__class__ = model_cls
-    new.config = upcycled_config(model.config, residual_config, exact_eps)
+    _replace_config(new, upcycled_config(model.config, residual_config, exact_eps))
     new._attach_residual()
     param = next(model.parameters())
     new.residual.to(device=param.device, dtype=param.dtype)
     return new
+
+
+#: The private settings of a loaded config that ``to_dict`` leaves out but the modules read:
+#: the attention and experts implementations chosen at load (``attn_implementation="eager"``).
+_RUNTIME_SETTINGS = ("_attn_implementation_internal", "_experts_implementation_internal")
+
+
+def _replace_config(model: PreTrainedModel, config) -> None:
+    """Make ``config`` the config of ``model`` and of every submodule that shared the old one
+    (the inner model, each attention, the rotary embedding), as ``from_pretrained`` leaves
+    them: one object. A submodule left with the old config would ignore what the user sets on
+    ``model.config`` afterwards (``use_cache``, ``output_hidden_states``, the attention
+    implementation) and would run the implementation chosen at load while ``model.config``
+    said none."""
+    old = model.config
+    for name in _RUNTIME_SETTINGS:
+        if name in vars(old):
+            setattr(config, name, getattr(old, name))
+    for module in model.modules():
+        if module.__dict__.get("config") is old:
+            module.config = config

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from ...checkpoint.locate import refuse_training_output
 from ...extras import install_command
-from ...output_paths import HF_WEIGHT_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
+from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
+from ..directory import unreadable_weights
 from ..hub import local_folder
 from .convert import upcycle
 
@@ -36,10 +38,14 @@ def smollm2_gguf() -> tuple[Path, str]:
     return directory, _SMOLLM2_FILE
 
 
-def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
+def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32, *,
+                    with_stored_dtype: bool = False):
     """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
     by transformers; needs the ``gguf`` package), a Hugging Face Hub model id (downloaded into
-    the Hugging Face cache, :mod:`attnres.hf.hub`), or ``"smollm2"``."""
+    the Hugging Face cache, :mod:`attnres.hf.hub`), or ``"smollm2"``; the model in ``dtype``.
+    ``with_stored_dtype``: ``(model, tokenizer, stored)``, with the dtype the checkpoint's
+    weights are stored in (its ``config.json``'s ``dtype``; ``None`` for a GGUF file, whose
+    weights are quantised, or a config that names none)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if str(source) == SMOLLM2:
@@ -56,7 +62,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
         raise ModuleNotFoundError(f"reading a .gguf file needs the gguf package ({install_command('upcycle')})",
                                   name="gguf")
-    check_layout(source, kw)  # a refused family is said before anything else can fail
+    stored = check_layout(source, kw)  # a refused family is said before anything else can fail
     if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"--model {str(source)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): the "
                          "upcycled model is written with its tokenizer, so copy the tokenizer files of the pretrained "
@@ -65,10 +71,13 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         tokenizer = AutoTokenizer.from_pretrained(source, **kw)
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"--model {str(source)!r}: its tokenizer cannot be loaded: {e}") from None
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
+    except SafetensorError as e:  # (a download or copy cut short: a traceback from safetensors' reader)
+        raise unreadable_weights(f"--model {str(source)!r}", e, "download or copy the model again") from None
     if gguf_file:
         _forget_gguf_quantizer(model)
-    return model, tokenizer
+    return (model, tokenizer, None if gguf_file else stored) if with_stored_dtype else (model, tokenizer)
 
 
 #: Files of which a pretrained directory must hold one for its tokenizer to load: the fast
@@ -76,9 +85,10 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
 
-def check_layout(source: Path, kw: dict[str, Any]) -> None:
+def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
     """Raise ``ValueError`` when the model of ``source`` is of a family that cannot be
-    upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`)."""
+    upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`); else
+    return the floating dtype its config says the weights are stored in, if it says one."""
     from transformers import AutoConfig
 
     from ..families import layout_of
@@ -88,6 +98,9 @@ def check_layout(source: Path, kw: dict[str, Any]) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {str(source)!r}: cannot read its config: {e}") from None
     layout_of(config.model_type)
+    stored = getattr(config, "dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
 
 
 def _forget_gguf_quantizer(model) -> None:
@@ -106,18 +119,25 @@ def _forget_gguf_quantizer(model) -> None:
 
 def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attnres_block", block_size: int | None = None,
                       exact_eps: bool = True, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """``attnres upcycle``: load ``source``, upcycle it, and write the AttnRes model with the
+    """``attnres upcycle``: load ``source`` (in ``dtype``), upcycle it, and write the AttnRes
+    model, in the dtype the pretrained weights are stored in (float32 for a GGUF file), with the
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
     ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on).
-    An existing ``out`` keeps its other files, but the weight files of a model it held that
-    the upcycle does not overwrite are removed, with a warning naming them."""
+    An existing ``out`` keeps its other files, but the files of a model it held (weights,
+    tokenizer, chat template, generation settings: :data:`attnres.output_paths.HF_MODEL_FILES`)
+    that the upcycle does not overwrite are removed, with a warning naming them."""
     out = check_output_dir(out, "--out")
     refuse_training_output(out)
     if Path(source).is_dir() and Path(source).resolve() == out.resolve():
         raise OutputPathError(f"--out {str(out)!r} is --model's own directory: the upcycled model would replace the "
                               "pretrained one there; pick another directory")
-    model, tokenizer = load_pretrained(source, gguf_file, dtype)
-    upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)
+    model, tokenizer, stored = load_pretrained(source, gguf_file, dtype, with_stored_dtype=True)
+    upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)  # (converted in `dtype`)
+    if stored is not None and stored != dtype:
+        # Written as the pretrained checkpoint is stored (bfloat16 for most): its weights are
+        # those values exactly, and the zero queries and unit gains too - not twice its size
+        # in float32, which `from_pretrained`'s default dtype ("auto") would then compute in.
+        upcycled = upcycled.to(stored)
 
     def write(staging: Path) -> None:
         upcycled.save_pretrained(staging)
@@ -126,4 +146,4 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attn
 
     # (interrupted: nothing half-written; the weights of a model that was there go, as its
     # shards would be read beside the new file)
-    return write_directory_atomically(out, write, "--out", HF_WEIGHT_FILES)
+    return write_directory_atomically(out, write, "--out", HF_MODEL_FILES)
