@@ -113,6 +113,32 @@ def test_generate_with_cache_equals_native_greedy():
     assert torch.equal(out[:, 9:], ref)
 
 
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_inputs_embeds_are_taken_as_the_embedding_of_input_ids(cache_implementation):
+    """``inputs_embeds`` (a soft prompt; PEFT's prompt tuning, multimodal models) was refused
+    ("AttnRes models take input_ids"). The forward takes them as the ids' embedding, the same
+    logits and loss bit for bit; ``generate(inputs_embeds=...)`` gives the new tokens of
+    ``generate(input_ids)``, left padding and a static cache included."""
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native).eval()
+    ids = torch.randint(1, native.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    embeds = hf.get_input_embeddings()(ids).detach()
+    with torch.no_grad():
+        by_ids, by_vectors = hf(ids, labels=ids, use_cache=False), hf(inputs_embeds=embeds, labels=ids, use_cache=False)
+    assert torch.equal(by_vectors.logits, by_ids.logits) and torch.equal(by_vectors.loss, by_ids.loss)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    common = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  cache_implementation=cache_implementation)
+    want = hf.generate(ids, **common)[:, ids.shape[1]:]
+    got = hf.generate(inputs_embeds=embeds, **common)
+    assert torch.equal(got[:, -6:], want) and torch.equal(want, generate(native, ids, mask, max_new_tokens=6))
+    with pytest.raises(ValueError, match="pass exactly one of input_ids"):
+        hf(ids, inputs_embeds=embeds)
+    with pytest.raises(ValueError, match=r"inputs_embeds must have shape \[batch, seq_len, d_model=64\]"):
+        hf(inputs_embeds=embeds[..., :8])
+
+
 def test_generate_past_the_context_is_refused_before_any_compute():
     """``max_new_tokens`` past ``max_seq_len``: over a dynamic cache the forward refused the
     token past the context at the end of the work ("cached length 128 + 1 new tokens

@@ -182,25 +182,22 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         use_cache: bool | None,
         inputs_embeds: Tensor | None,
     ) -> tuple[Tensor, Cache | None]:
-        """The decoder pass shared by both heads: final-norm input ``h [B, T, d]`` and the cache."""
-        if inputs_embeds is not None:
-            raise ValueError("AttnRes models take input_ids, not inputs_embeds")
-        if input_ids is None:
-            raise ValueError("input_ids is required")
+        """The decoder pass shared by both heads: final-norm input ``h [B, T, d]`` and the cache.
+        ``inputs_embeds [B, T, d]`` in place of ``input_ids``: taken as ``embed_tokens(input_ids)``."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [batch, seq_len] and inputs_embeds [batch, seq_len, d_model]")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False  # recomputing a sublayer would append its keys/values twice
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if use_cache and past_key_values.is_compileable:
-            return self._hidden_static(input_ids, attention_mask, past_key_values), past_key_values
-        self.check_input_ids(input_ids)
+            return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
+        t = self._check_inputs(input_ids, inputs_embeds)
         store = HFCacheAdapter(past_key_values) if use_cache else None
         past = 0 if store is None else store.seq_len
-        if past + input_ids.shape[1] > self.native_config.max_seq_len:
-            raise ValueError(
-                f"cached length {past} + {input_ids.shape[1]} new tokens exceeds max_seq_len={self.native_config.max_seq_len}"
-            )
+        if past + t > self.native_config.max_seq_len:
+            raise ValueError(f"cached length {past} + {t} new tokens exceeds max_seq_len={self.native_config.max_seq_len}")
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(f"attention_mask must be 2-D [batch, past + seq_len], got {attention_mask.dim()}-D")
@@ -208,18 +205,29 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
                 attention_mask = None
         self._set_attention()
         checkpointing = self.gradient_checkpointing and self.training
-        h, _ = self.decode(input_ids, attention_mask, store,
+        h, _ = self.decode(input_ids, attention_mask, store, inputs_embeds=inputs_embeds,
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
         return h, past_key_values if use_cache else None
 
-    def _hidden_static(self, input_ids: Tensor, attention_mask: Tensor | None, cache: Cache) -> Tensor:
+    def _check_inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> int:
+        """Check the one of them given (:meth:`check_input_ids`, :meth:`check_inputs_embeds`);
+        return their length ``T``."""
+        if inputs_embeds is None:
+            self.check_input_ids(input_ids)
+            return input_ids.shape[1]
+        self.check_inputs_embeds(inputs_embeds)
+        return inputs_embeds.shape[1]
+
+    def _hidden_static(self, input_ids: Tensor | None, attention_mask: Tensor | None, cache: Cache,
+                       inputs_embeds: Tensor | None = None) -> Tensor:
         """The decoder pass over a compileable cache (``StaticCache``) with no host sync:
         under ``torch.compile`` (transformers compiles the decode step of such a cache) the
         token ids are not checked - the compiled steps only see sampled tokens, the prompt
         goes through an eager prefill that checks it."""
         if not torch.compiler.is_compiling():
-            self.check_input_ids(input_ids)
-        capacity, offset = cache.get_mask_sizes(input_ids.shape[1], 0)
+            self._check_inputs(input_ids, inputs_embeds)
+        t = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
+        capacity, offset = cache.get_mask_sizes(t, 0)
         if offset != 0 or capacity > self.native_config.max_seq_len:
             raise ValueError(f"a static cache must hold at most max_seq_len={self.native_config.max_seq_len} positions "
                              f"from position 0; this one holds {capacity} from {offset} (lower max_new_tokens)")
@@ -227,7 +235,7 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
             raise ValueError(f"attention_mask must be [batch, past + seq_len] or [batch, 1, seq_len, {capacity}], "
                              f"got {attention_mask.dim()}-D")
         self._set_attention()
-        h, _ = self.decode(input_ids, None, HFStaticCacheAdapter(cache, attention_mask))
+        h, _ = self.decode(input_ids, None, HFStaticCacheAdapter(cache, attention_mask), inputs_embeds=inputs_embeds)
         return h
 
 
