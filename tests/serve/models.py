@@ -19,6 +19,12 @@ NATIVE = {
     "block4_ragged": {"kind": "attnres_block", "block_size": 4},
     "full": {"kind": "attnres_full"},
 }
+#: name -> residual of the native models with a baseline residual whose stream cannot be cut into
+#: pipeline stages (no ``history_layout``): mHC's several streams, DenseFormer's weighted averages.
+BASELINES = {
+    "mhc": {"kind": "mhc"},
+    "denseformer": {"kind": "denseformer"},
+}
 #: name -> (transformers family, extra config): Llama, and Gemma 3 (sandwich norms, QK norms,
 #: sliding-window layers).
 UPCYCLED = {
