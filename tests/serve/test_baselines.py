@@ -23,7 +23,9 @@ def test_batch_with_chunked_prefill_and_prefix_caching_are_token_for_token(basel
 def test_pipeline_parallelism_is_refused_with_the_reason(name):
     """No engine: the check the model runs when vLLM builds it on more than one stage."""
     from attnres.nn.residual import ResidualConfig, build_residual
-    from attnres.serve.decoder import empty_stream, uncut_residual
+    import torch
+
+    from attnres.serve.decoder import empty_stream, stream_keys, uncut_residual
 
     residual = build_residual(ResidualConfig.from_value(BASELINES[name]), SHAPE["d_model"], 2 * SHAPE["n_layers"])
     assert uncut_residual(residual, 1) is None
@@ -32,5 +34,8 @@ def test_pipeline_parallelism_is_refused_with_the_reason(name):
     assert "drop --pipeline-parallel-size" in message
     with pytest.raises(ValueError, match="cannot be cut into pipeline stages"):
         empty_stream(residual, 1, SHAPE["d_model"])(4, None, None)  # asked for only under pipeline parallelism
-    block = build_residual(ResidualConfig.from_value({"kind": "attnres_block", "block_size": 2}), SHAPE["d_model"], 6)
+    block = build_residual(ResidualConfig.from_value({"kind": "attnres_block", "block_size": 4}), SHAPE["d_model"], 6)
     assert uncut_residual(block, 2) is None
+    buffers = empty_stream(block, 1, SHAPE["d_model"])(batch_size=3, dtype=torch.float32, device="cpu")  # vLLM's call
+    assert list(buffers.tensors) == stream_keys(block, 2) == ["attnres_completed_0", "attnres_running"]
+    assert all(t.shape == (3, SHAPE["d_model"]) and not t.any() for t in buffers.tensors.values())
