@@ -30,8 +30,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models import (BASELINES, MOE, MOE_SLOW, NATIVE, OTHER_FAMILIES, TEXT_MODEL, UPCYCLED, build_all,  # noqa: E402
-                    export_native, save_upcycled, save_upcycled_moe)
+from models import (BASELINES, MOE, MOE_SLOW, NATIVE, OTHER_FAMILIES, TEXT_MODEL, UPCYCLED, UPCYCLED_BASELINES,  # noqa: E402
+                    build_all, export_native, save_upcycled, save_upcycled_moe)
 
 MAX_TOKENS = 16
 #: Eight prompts of different lengths (1 to 70 bytes), submitted together.
@@ -338,9 +338,11 @@ class _Part:
 @pytest.fixture(scope="session")
 def baselines(session_root, jobs) -> dict[str, Served]:
     """The exports with a baseline residual that cannot be cut into pipeline stages
-    (models.BASELINES), served eagerly one after the other by one worker: batch and shared prefix."""
+    (models.BASELINES, UPCYCLED_BASELINES), served eagerly one after the other by one worker: batch and shared prefix."""
     models = {name: Served(name, export_native(session_root / "models" / name, residual), full=False)
               for name, residual in BASELINES.items()}
+    models.update({name: Served(name, save_upcycled(session_root / "models" / name, family, {}, residual=residual),
+                                full=False) for name, (family, residual) in UPCYCLED_BASELINES.items()})
     _submit_in_turn(jobs, list(models.values()), session_root / "engines" / "baselines")
     return models
 

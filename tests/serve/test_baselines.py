@@ -1,18 +1,18 @@
 """Exports whose residual is a baseline that cannot be cut into pipeline stages (mHC's several
-streams, DenseFormer; models.BASELINES) are served on one stage token for token as ``attnres
-generate`` - a batch of eight prompts with chunked prefill, and a shared cached prefix - and
-refused under pipeline parallelism with the reason (they were refused on one stage too, with
-a message about pipeline stages, before the stream's layout was asked for only when vLLM asks)."""
+streams, DenseFormer; models.BASELINES), and an upcycled Llama with mHC, are served on one
+stage token for token as ``attnres generate`` (HF ``generate``) - a batch of eight prompts with
+chunked prefill, and a shared cached prefix - and refused under pipeline parallelism with the
+reason (they were refused on one stage too, with a message about pipeline stages, before the
+stream's layout was asked for only when vLLM asks)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import check_batch_and_prefix
-from models import BASELINES, SHAPE
-
-pytestmark = pytest.mark.parametrize("name", list(BASELINES))
+from models import BASELINES, SHAPE, UPCYCLED_BASELINES
 
 
+@pytest.mark.parametrize("name", [*BASELINES, *UPCYCLED_BASELINES])
 def test_batch_with_chunked_prefill_and_prefix_caching_are_token_for_token(baselines, name):
     model = baselines[name]
     check_batch_and_prefix(model)
@@ -20,6 +20,7 @@ def test_batch_with_chunked_prefill_and_prefix_caching_are_token_for_token(basel
         assert ours == pytest.approx(ref, abs=2e-4)
 
 
+@pytest.mark.parametrize("name", list(BASELINES))
 def test_pipeline_parallelism_is_refused_with_the_reason(name):
     """No engine: the check the model runs when vLLM builds it on more than one stage."""
     from attnres.nn.residual import ResidualConfig, build_residual
