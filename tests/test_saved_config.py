@@ -80,6 +80,29 @@ def test_incomplete_or_mismatched_config_is_refused_naming_file_and_field(saved,
         assert f"{directory}/config.json" in str(refused.value) and says in str(refused.value), str(refused.value)
 
 
+#: name -> (source directory, a hand edit that breaks a field, what the field's check says).
+BROKEN_FIELD = {
+    "native heads": ("native", lambda c: c.update(n_heads=3), "ModelConfig.d_model must be divisible by n_heads=3"),
+    "native residual kind": ("native", lambda c: c["residual"].update(kind="attnres_blok"),
+                             "ModelConfig.residual.kind must be one of"),
+    "upcycled block size": ("upcycled", lambda c: c["attnres_residual"].update(block_size=0),
+                            "block_size must be an integer >= 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN_FIELD))
+def test_a_field_broken_by_hand_is_refused_naming_the_file(saved, name):
+    """The field's check named the field but not the file: `vllm serve DIR` showed it inside a
+    validation error of vLLM's own ModelConfig. Now the message starts with the file."""
+    source, change, says = BROKEN_FIELD[name]
+    directory = edited(saved, source, name.replace(" ", "_"), change)
+    for loader in (AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(ValueError) as refused:
+            loader(directory)
+        assert str(refused.value).startswith(f"{directory}/config.json: ") and says in str(refused.value), \
+            str(refused.value)
+
+
 def test_attnres_class_refuses_a_family_model_type(saved):
     """``"llama"`` over an AttnRes Llama: the AttnRes class refuses it. (transformers' Auto
     classes pick plain Llama by the model_type, and report the residual's tensors as

@@ -30,8 +30,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models import (MOE, MOE_SLOW, NATIVE, OTHER_FAMILIES, TEXT_MODEL, UPCYCLED, build_all, save_upcycled,  # noqa: E402
-                    save_upcycled_moe)
+from models import (BASELINES, MOE, MOE_SLOW, NATIVE, OTHER_FAMILIES, TEXT_MODEL, UPCYCLED, UPCYCLED_BASELINES,  # noqa: E402
+                    build_all, export_native, save_upcycled, save_upcycled_moe)
 
 MAX_TOKENS = 16
 #: Eight prompts of different lengths (1 to 70 bytes), submitted together.
@@ -213,6 +213,16 @@ class Served:
         return self.future.result()
 
 
+def check_batch_and_prefix(model: Served) -> None:
+    """``model``'s batch and shared-prefix requests gave the reference's tokens, the second
+    request reusing at least two cached KV blocks of the prefix."""
+    out = model.result()
+    for prompt, ours, ref in zip(PROMPTS, out["batch"], model.ref):
+        assert ours == ref, f"{model.name}: prompt {prompt!r}: vLLM {ours} != reference {ref}"
+    assert out["prefix"] == model.ref_prefix
+    assert out["prefix_cached_tokens"][1] >= 64, out["prefix_cached_tokens"]
+
+
 def _cores() -> list[int | None]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return cores or [None]
@@ -323,6 +333,18 @@ class _Part:
 
     def result(self) -> dict:
         return self.whole.result()[self.name]
+
+
+@pytest.fixture(scope="session")
+def baselines(session_root, jobs) -> dict[str, Served]:
+    """The exports with a baseline residual that cannot be cut into pipeline stages
+    (models.BASELINES, UPCYCLED_BASELINES), served eagerly one after the other by one worker: batch and shared prefix."""
+    models = {name: Served(name, export_native(session_root / "models" / name, residual), full=False)
+              for name, residual in BASELINES.items()}
+    models.update({name: Served(name, save_upcycled(session_root / "models" / name, family, {}, residual=residual),
+                                full=False) for name, (family, residual) in UPCYCLED_BASELINES.items()})
+    _submit_in_turn(jobs, list(models.values()), session_root / "engines" / "baselines")
+    return models
 
 
 @pytest.fixture(scope="session")

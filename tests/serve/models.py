@@ -19,6 +19,14 @@ NATIVE = {
     "block4_ragged": {"kind": "attnres_block", "block_size": 4},
     "full": {"kind": "attnres_full"},
 }
+#: name -> residual of the native models with a baseline residual whose stream cannot be cut into
+#: pipeline stages (no ``history_layout``): mHC's several streams, DenseFormer's weighted averages.
+BASELINES = {
+    "mhc": {"kind": "mhc"},
+    "denseformer": {"kind": "denseformer"},
+}
+#: The same for an upcycled model: name -> (transformers family, residual).
+UPCYCLED_BASELINES = {"llama-mhc": ("llama", {"kind": "mhc"})}
 #: name -> (transformers family, extra config): Llama, and Gemma 3 (sandwich norms, QK norms,
 #: sliding-window layers).
 UPCYCLED = {
@@ -166,9 +174,10 @@ def export_native(out: Path, residual: dict, seed: int = 0, weights=_randomize) 
     return out
 
 
-def save_upcycled(out: Path, family: str, extra: dict, seed: int = 0) -> Path:
-    """A random ``family`` model upcycled to Block AttnRes (S = 4 of L = 6: ragged) and saved
-    with ``save_pretrained`` and the byte tokenizer, as ``attnres upcycle`` writes it."""
+def save_upcycled(out: Path, family: str, extra: dict, seed: int = 0, residual: dict | None = None) -> Path:
+    """A random ``family`` model upcycled to ``residual`` (default Block AttnRes, S = 4 of L = 6:
+    ragged) and saved with ``save_pretrained`` and the byte tokenizer, as ``attnres upcycle``
+    writes it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from attnres.data.tokenizer import ByteTokenizer
@@ -180,7 +189,7 @@ def save_upcycled(out: Path, family: str, extra: dict, seed: int = 0) -> Path:
         family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra)
-    up = upcycle(AutoModelForCausalLM.from_config(config), "attnres_block", block_size=4)
+    up = upcycle(AutoModelForCausalLM.from_config(config), dict(residual or {"kind": "attnres_block", "block_size": 4}))
     _randomize(up, seed)
     up.save_pretrained(out)
     make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(out)

@@ -12,15 +12,8 @@ one after the other by one worker process."""
 from __future__ import annotations
 
 import pytest
+from conftest import check_batch_and_prefix as check
 from models import MOE, MOE_SLOW
-
-
-def check(model) -> None:
-    out = model.result()
-    for i, (ours, ref) in enumerate(zip(out["batch"], model.ref)):
-        assert ours == ref, f"{model.name}: prompt {i}: vLLM {ours} != HF generate {ref}"
-    assert out["prefix"] == model.ref_prefix
-    assert out["prefix_cached_tokens"][1] >= 64, out["prefix_cached_tokens"]
 
 
 @pytest.mark.parametrize("name", list(MOE))

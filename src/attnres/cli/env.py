@@ -1,6 +1,7 @@
-"""``attnres env``: what this installation runs on, for a bug report: attnres and where it
-was installed from, Python, PyTorch and the devices, which depth-attention implementation
-runs on each device (and why not the fast one), and each extra's packages."""
+"""``attnres env``: what this installation runs on, for a bug report: attnres, where it
+was installed from and where this process imports it from, Python, PyTorch and the devices, which depth-attention implementation
+runs on each device (and why not the fast one), each extra's packages, and whether vLLM
+loads the serving plugin."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import platform
 import warnings
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 #: Packages shown beside the extras' (the serving engine is installed beside the extra).
@@ -41,7 +43,8 @@ def facts() -> dict[str, Any]:
     origin = installed_from()
     cuda = torch.cuda.is_available()
     return {
-        "attnres": {"version": __version__, "installed_from": None if origin is None else f"{origin[0]} {origin[1]}"},
+        "attnres": {"version": __version__, "installed_from": None if origin is None else f"{origin[0]} {origin[1]}",
+                    "imported_from": _shadowing(origin)},
         "python": {"version": platform.python_version(), "platform": platform.platform()},
         "torch": {"version": torch.__version__, "cuda_build": torch.version.cuda, "hip_build": torch.version.hip,
                   "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()},
@@ -51,7 +54,33 @@ def facts() -> dict[str, Any]:
         "depth_attention": {"cpu": _cpu_kernel(), "cuda": _cuda_kernels(cuda)},
         "extras": _extras(),
         "also": {name: _version(name) for name in ALSO_SHOWN if _version(name) is not None},
+        "serving": _vllm_plugin(),
     }
+
+
+def _shadowing(origin: tuple[str, Path] | None) -> str | None:
+    """The package directory this process imports attnres from where it is not the clone
+    attnres was installed from (another source tree first on ``PYTHONPATH`` shadows it: the
+    installed metadata, extras and the vLLM plugin's entry point are the clone's, the code
+    is the other tree's); ``None`` where they agree or the origin is unknown."""
+    from .. import __file__ as package_init
+
+    package = Path(package_init).resolve().parent
+    if origin is None or origin[0] != "clone" or package.is_relative_to(origin[1].resolve()):
+        return None
+    return str(package)
+
+
+def _vllm_plugin() -> str | None:
+    """Whether vLLM loads attnres's serving plugin (the ``vllm.general_plugins`` entry point
+    ``attnres``, which vLLM calls in every process it starts); ``None`` without vLLM."""
+    if not any(_version(name) for name in ALSO_SHOWN):
+        return None
+    plugins = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    if "attnres" not in plugins:
+        return ("vLLM does not load the attnres plugin: no 'attnres' entry point in vllm.general_plugins (attnres is "
+                "not installed as a package here); install it: pip install -e \".[serve]\"")
+    return f"vLLM loads the attnres plugin ({plugins['attnres']}, entry point 'attnres' of vllm.general_plugins)"
 
 
 def _cpu_name() -> str:
@@ -125,7 +154,8 @@ def render(found: dict[str, Any]) -> str:
     a, py, tc, dev = found["attnres"], found["python"], found["torch"], found["devices"]
     build = f"CUDA {tc['cuda_build']}" if tc["cuda_build"] else f"ROCm {tc['hip_build']}" if tc["hip_build"] else "CPU"
     lines = [
-        f"attnres  {a['version']}" + (f" (installed from the {a['installed_from']})" if a["installed_from"] else ""),
+        f"attnres  {a['version']}" + (f" (installed from the {a['installed_from']})" if a["installed_from"] else "")
+        + (f"; this process imports {a['imported_from']}, which shadows it" if a.get("imported_from") else ""),
         f"python   {py['version']} ({py['platform']})",
         f"torch    {tc['version']}, a {build} build; CPU capability {tc['cpu_capability']}, {tc['threads']} threads",
         f"devices  cpu: {dev['cpu']}; cuda: {', '.join(dev['cuda']) or 'none'}",
@@ -142,5 +172,7 @@ def render(found: dict[str, Any]) -> str:
         lines.append("  (attnres is not installed as a package here: no extras to read)")
     for name, version in found["also"].items():
         lines.append(f"also     {name} {version}")
+    if found.get("serving"):
+        lines.append(f"serving  {found['serving']}")
     return "\n".join(lines)
 

@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 
 from ..checkpoint.locate import refuse_loading_training_output
 from ..models.config import ModelConfig
-from ..models.saved_config import check_saved_config, config_source
+from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys
 from ..nn.residual.config import ResidualConfig, merge_residual
 
@@ -71,10 +71,12 @@ class _AttnResConfigMethods:
         ``__init__``."""
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
         flat = legacy or any(k in FLAT_RESIDUAL_KEYS for k in config_dict)  # residual settings of earlier versions
+        source = config_source(kwargs)
         check_saved_config(config_dict, model_type=cls.model_type, architectures=ARCHITECTURES,
                            required={"residual": "the AttnRes residual settings: kind, block_size, ..."},
-                           source=config_source(kwargs), given=[*kwargs, *(["residual"] if flat else [])])
-        return super().from_dict({**config_dict, **legacy} if legacy else config_dict, **kwargs)
+                           source=source, given=[*kwargs, *(["residual"] if flat else [])])
+        return naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(
+            {**config_dict, **legacy} if legacy else config_dict, **kwargs))
 
     def to_model_config(self) -> ModelConfig:
         """The native :class:`attnres.ModelConfig` (raises ``ValueError`` on a bad field)."""

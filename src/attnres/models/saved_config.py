@@ -13,11 +13,13 @@ every dictionary read from a file, before any default is filled in.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["IncompleteConfig", "check_saved_config", "config_source"]
+T = TypeVar("T")
+
+__all__ = ["IncompleteConfig", "check_saved_config", "config_source", "naming_source"]
 
 
 class IncompleteConfig(ValueError):
@@ -54,3 +56,15 @@ def check_saved_config(config: Mapping[str, Any], *, model_type: str, architectu
                 f"{source} has no field {field!r} ({meaning}): without it the model would load with the default, "
                 "another function than the one its weights were trained as. Restore the field, or write the "
                 "directory again (attnres export, attnres upcycle, save_pretrained)")
+
+
+def naming_source(source: str, build: Callable[[], T]) -> T:
+    """``build()``, its ``ValueError`` naming ``source`` first: a field a hand edit broke is
+    refused by the field's check, which does not know the file (``vllm serve DIR`` shows the
+    message inside a validation error of vLLM's own ``ModelConfig``, no file named)."""
+    try:
+        return build()
+    except ValueError as e:
+        if len(e.args) == 1 and isinstance(e.args[0], str) and not e.args[0].startswith(source):
+            e.args = (f"{source}: {e.args[0]}",)
+        raise

@@ -40,7 +40,7 @@ from .checkpoint import check_tokenizer
 
 __all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "stream_keys", "empty_stream", "stage_embedding",
            "run_decoder", "last_stage_head", "FlatRotary", "config_file", "check_config_class", "check_servable",
-           "TARGET_AGNOSTIC_SPECULATION"]
+           "TARGET_AGNOSTIC_SPECULATION", "uncut_residual"]
 
 #: Speculative decoding methods that need nothing of the target model but its ordinary
 #: forward (the drafter sees token ids only; the target verifies the drafts as a batch).
@@ -86,8 +86,27 @@ def stream_keys(residual: ResidualStream, sublayer: int) -> list[str]:
 
 def empty_stream(residual: ResidualStream, first_layer: int, dim: int):
     """vLLM's ``make_empty_intermediate_tensors`` for the stage whose first decoder layer is
-    ``first_layer``: zero buffers ``[batch_size, dim]`` for the stream it receives."""
-    return make_empty_intermediate_tensors_factory(stream_keys(residual, 2 * first_layer), dim)
+    ``first_layer``: zero buffers ``[batch_size, dim]`` for the stream it receives. The layout
+    is asked for when vLLM calls it (only under pipeline parallelism): a residual that cannot
+    be cut (hyper-connections, DenseFormer: no ``history_layout``) serves on one stage."""
+    def make(batch_size: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
+        return make_empty_intermediate_tensors_factory(stream_keys(residual, 2 * first_layer), dim)(
+            batch_size, dtype, device)
+    return make
+
+
+def uncut_residual(residual: ResidualStream, pipeline_stages: int) -> str | None:
+    """Why ``residual`` cannot be served on ``pipeline_stages`` stages (``None``: it can): the
+    stream crosses the stages as its history (:func:`stream_keys`), which hyper-connections
+    and DenseFormer do not describe."""
+    if pipeline_stages == 1:
+        return None
+    try:
+        residual.history_layout(0)
+    except ValueError as e:
+        return (f"pipeline parallelism is not supported for this residual: {e}; serve it on one stage (drop "
+                "--pipeline-parallel-size)")
+    return None
 
 
 def _resume(residual: ResidualStream, sublayer: int, intermediate: IntermediateTensors):
@@ -249,7 +268,7 @@ def _refusals(vllm_config: VllmConfig, refused: dict[str, str]) -> list[str]:
 def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str, str] | None = None) -> None:
     """Refuse, with the reason, what the served AttnRes models cannot run - checked when the
     model is built, before any weight is read: pipeline parallelism on the CPU without the
-    compiled mode, EAGLE-3 under pipeline parallelism, quantization,
+    compiled mode, or for a residual that cannot be cut into stages (:func:`uncut_residual`), EAGLE-3 under pipeline parallelism, quantization,
     speculative decoding that reads hidden states other than EAGLE-3's, what ``refused``
     names (``"lora"``, ``"eagle3"``, ``"float16"`` -> the reason), expert-parallel load balancing, a head
     size the selected attention backend does not support (vLLM's CPU attention takes a
@@ -257,6 +276,8 @@ def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str,
     (:func:`attnres.serve.checkpoint.check_tokenizer`)."""
     file = config_file(vllm_config)
     problems = _refusals(vllm_config, refused or {})
+    uncut = uncut_residual(model.model.residual, get_pp_group().world_size)
+    problems += [uncut] if uncut else []
     if problems:
         raise NotImplementedError(f"{file}: {problems[0]}")
     for name, module in model.named_modules():

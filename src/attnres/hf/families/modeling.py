@@ -36,7 +36,7 @@ from torch import nn
 
 from ...checkpoint.locate import refuse_loading_training_output
 from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
-from ...models.saved_config import check_saved_config, config_source
+from ...models.saved_config import check_saved_config, config_source, naming_source
 from .layout import PREFIX, Layout, family_of, layout_of
 
 try:  # transformers' record of the outputs of a forward (output_hidden_states, output_attentions)
@@ -224,9 +224,10 @@ class UpcycledConfigMixin:
         """As the family's ``from_dict`` (what every loader calls with a ``config.json``'s
         contents), refusing a config that lacks the AttnRes fields or names another model
         (:func:`attnres.models.saved_config.check_saved_config`)."""
+        source = config_source(kwargs)
         check_saved_config(config_dict, model_type=cls.model_type, architectures=(cls.architecture,),
-                           required=SAVED_FIELDS, source=config_source(kwargs), given=kwargs)
-        return super().from_dict(config_dict, **kwargs)
+                           required=SAVED_FIELDS, source=source, given=kwargs)
+        return naming_source(source, lambda: super(UpcycledConfigMixin, cls).from_dict(config_dict, **kwargs))
 
     def __post_init__(self, **kwargs) -> None:
         self.attnres_residual = ResidualConfig.from_value(self.attnres_residual or {}).to_dict()
