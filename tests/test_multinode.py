@@ -322,6 +322,9 @@ def worker(root: Path) -> None:
         (root / f"{name}.rank{rank}.json").write_text(json.dumps({"exit": ended, "warnings": [str(w.message) for w in caught]}))
 
     record("config-error", ["optimizer=sgd"])  # before the ranks join
+    # after they join: every rank reads the same out_dir and finds the same fault
+    record("holds-checkpoints", [f"out_dir={root / 'reference'}"])
+    record("resume-changed", [f"out_dir={root / 'reference'}", "--resume", "model.d_model=48"])
     record("unshared", [f"out_dir={root / 'unshared' / view}"])
     with patched(loop, "check_out_dir", lambda out_dir, ctx: None):  # the first checkpoint is where it fails then
         record("unshared-checkpoint", [f"out_dir={root / 'unshared-checkpoint' / view}"])
@@ -362,6 +365,19 @@ def test_errors_before_the_ranks_join_are_printed_once(scenarios):
     rank0, rank1 = ended(scenarios, "config-error")
     assert rank0["exit"].startswith("attnres train: error: TrainConfig.optimizer must be one of"), rank0
     assert rank1["exit"] == 1  # the same error, not printed again
+
+
+@pytest.mark.parametrize("name,error", [
+    ("holds-checkpoints", "already holds checkpoints; set resume=true (--resume) to continue"),
+    ("resume-changed", "the config differs in ['model.d_model'] (model.d_model: 32 there, 48 here"),
+])
+def test_errors_after_the_ranks_join_are_printed_once(scenarios, name, error):
+    """A new run into an out_dir with checkpoints, and a resume with a changed model: every
+    rank stops, only the node's first rank prints the error (every rank printed it, eight
+    lines on a node of eight)."""
+    rank0, rank1 = ended(scenarios, name)
+    assert isinstance(rank0["exit"], str) and error in rank0["exit"], rank0
+    assert rank1["exit"] == 1, rank1
 
 
 def test_unshared_out_dir_is_refused_at_start_up(scenarios):

@@ -78,7 +78,7 @@ from .optim import build_optimizer
 from .out_dir import OutDirError, check_out_dir, os_cause
 from .resume import check_resumable, check_resumable_before_data, init_model_changes
 from .schedule import lr_factor
-from .setup import locate_start, prepare_run_data
+from .setup import RunData, Start, locate_start, prepare_run_data
 from .signals import StopSignals
 from .wandb_log import require_wandb
 from .summary import RunFacts, startup_summary, unused_stream_option, warmup_overrun
@@ -199,12 +199,9 @@ class Trainer:
         # writes); the others check a lock left on their host, and stop with rank 0 on an error.
         self.lock = lock_run_dir(self.out_dir, ctx, self._main_first)
         try:
-            self.start = locate_start(config, self.main, self._main_first)
-            if self.start.resume is not None:  # what differs named before the data is read and checked
-                check_resumable_before_data(self.start.resume.run_config(), config.to_dict(), self.start.resume)
-            self.config, self.data = prepare_run_data(config, self.start, self._main_first)
-            if self.start.resume is not None:
-                check_resumable(self.start.resume.run_config(), self.config.to_dict(), self.start.resume)
+            # (every rank reads the same out_dir and config, so an error here is every rank's: it
+            # goes through one collective, to stop them together and be printed once per node)
+            self.start, self.config, self.data = self._agree(lambda: self._locate_start_and_data(config))
             self.layout = build_layout(self.config.parallel, self.device)
             self.sharded = self.layout.size > 1  # the checkpoint format: every rank its shards, or one file set
             self.pm = self._build_model()
@@ -242,6 +239,23 @@ class Trainer:
             result, error = _attempt(fn)
         raise_on_every_rank(error, self.ctx)
         return result
+
+    def _agree(self, fn):
+        """``fn()`` on every rank; an error on any rank stops every rank with it, marked as every
+        rank's (:func:`~attnres.distributed.launch.raise_on_every_rank`)."""
+        result, error = _attempt(fn)
+        raise_on_every_rank(error, self.ctx)
+        return result
+
+    def _locate_start_and_data(self, config: TrainConfig) -> tuple[Start, TrainConfig, RunData]:
+        """The checkpoint to start from, checked against ``config``, and the run's data."""
+        start = locate_start(config, self.main, self._main_first)
+        if start.resume is not None:  # what differs named before the data is read and checked
+            check_resumable_before_data(start.resume.run_config(), config.to_dict(), start.resume)
+        config, data = prepare_run_data(config, start, self._main_first)
+        if start.resume is not None:
+            check_resumable(start.resume.run_config(), config.to_dict(), start.resume)
+        return start, config, data
 
     def close(self) -> None:
         """Close the progress bar and the metrics log and release the lock (idempotent)."""
