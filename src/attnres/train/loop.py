@@ -289,7 +289,8 @@ class Trainer:
             return lambda model: load_hf_weights(model, init.path)
         elif init is not None and not is_sharded(init.state):
             source = init
-            load = lambda model: _load_init_weights(source, model, config)  # noqa: E731
+            load = lambda model: _load_init_weights(source, config, lambda: load_checkpoint(  # noqa: E731
+                source.path, model, restore_rng=False, verified=source.state))
         else:
             return None
         if config.parallel.pp > 1:  # the config and the checkpoint are the same on every rank: so is the error
@@ -322,7 +323,8 @@ class Trainer:
             full = read_optimizer_state(resume.path, resume.state)
             self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, full))
         elif init is not None and is_sharded(init.state):
-            load_sharded(init.path, self.pm.named_parameters(), None, restore_rng=False)
+            _load_init_weights(init, self.config, lambda: load_sharded(init.path, self.pm.named_parameters(), None,
+                                                                        restore_rng=False))
 
     def _open_outputs(self) -> None:
         """``config.json`` and the metrics log (rank 0)."""
@@ -582,18 +584,21 @@ def _attempt(fn):
         return None, e
 
 
-def _load_init_weights(source, model: nn.Module, config: TrainConfig) -> None:
-    """``init_from`` a consolidated checkpoint: its weights only; an error naming the model
-    fields that differ when they do not fit."""
+def _load_init_weights(source, config: TrainConfig, load: Callable[[], None]) -> None:
+    """``init_from`` a checkpoint: ``load()`` its weights only; an error naming the model
+    fields that differ when they do not fit. Every rank loads the same checkpoint into the
+    same model (a sharded one's misfit DCP reports on every rank), so the error is every
+    rank's: printed once per node."""
     try:
-        load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
+        load()
     except CheckpointError as e:
         saved, ours = flatten(source.run_config()["model"]), flatten(config.model.to_dict())
         differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
         if not differing:
-            raise CheckpointError(f"init_from: {e}") from None
+            raise on_every_rank(CheckpointError(f"init_from: {e}")) from None
         # The fields first and alone: the load's own error lists every tensor that does not fit.
         values = ", ".join(f"model.{k}: {saved.get(k)!r} there, {ours.get(k)!r} here" for k in differing)
-        raise CheckpointError(f"init_from={str(source.path)!r}: its weights do not fit this run's model, which differs "
-                              f"from the checkpoint's in {['model.' + k for k in differing]} ({values}); set those "
-                              "fields as the checkpoint has them") from None
+        raise on_every_rank(CheckpointError(
+            f"init_from={str(source.path)!r}: its weights do not fit this run's model, which differs from the "
+            f"checkpoint's in {['model.' + k for k in differing]} ({values}); set those fields as the checkpoint "
+            "has them")) from None
