@@ -440,6 +440,9 @@ def test_distributed_error_names_the_rank():
                        r"that does not exit on SIGTERM is killed after torchrun's 30 s grace period\."):
         with collective_errors(ctx):
             raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    with pytest.raises(DistributedError, match=r"rank 3 of 4: a collective failed \(RuntimeError: Application timeout"):
+        with collective_errors(ctx):  # what a rank waiting past the timeout got: a traceback, no message
+            raise RuntimeError("Application timeout caused pair closure")
     with pytest.raises(KeyError):  # anything else passes through unchanged
         with collective_errors(ctx):
             raise KeyError("x")

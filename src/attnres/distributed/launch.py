@@ -238,6 +238,10 @@ def collect_garbage(passes: int = 4) -> int:
     return passes
 
 
+#: What a backend's ``RuntimeError`` of a failed collective says (lower case).
+_COLLECTIVE_FAILURE_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection")
+
+
 @contextlib.contextmanager
 def collective_errors(ctx: DistContext) -> Iterator[None]:
     """Turn a failed collective into a :class:`DistributedError` that says which rank saw it
@@ -253,7 +257,9 @@ def collective_errors(ctx: DistContext) -> Iterator[None]:
     except DistributedError:
         raise
     except (dist.DistError, RuntimeError) as e:
-        if not isinstance(e, dist.DistError) and not any(w in str(e) for w in ("gloo", "NCCL", "nccl", "Timed out", "timed out", "Connection")):
+        # (gloo's words for a peer gone: "Connection reset by peer", "Timed out waiting ...ms",
+        # "Application timeout caused pair closure")
+        if not isinstance(e, dist.DistError) and not any(w in str(e).lower() for w in _COLLECTIVE_FAILURE_WORDS):
             raise
         raise DistributedError(
             f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
