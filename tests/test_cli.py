@@ -91,6 +91,15 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_print_config_under_torchrun_is_printed_once_per_node(capsys, monkeypatch):
+    """Every rank of `torchrun ... -m attnres train --print-config` resolves the same config:
+    the node's first rank prints it (each rank printed it: a config per rank, interleaved)."""
+    for local_rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert cli_main(["train", "--print-config", "steps=7"]) == 0
+        assert ("steps: 7" in capsys.readouterr().out) == printed
+
+
 @pytest.mark.parametrize("override", ["wandb_project='1e3'", "data.paths=['2e5']", "out_dir='1E3'"])
 def test_print_config_loads_back_strings_that_look_like_numbers(capsys, tmp_path, override):
     """A string such as '1e3' (a W&B project, a path) was printed plain, as PyYAML's YAML 1.1

@@ -121,6 +121,8 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
                 print(f"attnres train: resuming with the config stored in {stored_in} (no config file given), "
                       "the command's overrides applied", file=sys.stderr)
         if print_config:
+            if not first_on_node():  # every rank of a launch resolves the same config
+                return 0
             print(yaml_dump(config.to_dict()), end="")
             # (a YAML comment: the printed config still loads as it is)
             print("# model.vocab_size is replaced by the tokenizer's vocabulary when the run starts (data.tokenizer, "
