@@ -20,7 +20,7 @@ import contextlib
 import gc
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -63,6 +63,8 @@ class DistContext:
     device: torch.device
     backend: str | None
     timeout_s: float
+    #: the process group of this context's object collectives (None: the default group)
+    group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -121,6 +123,30 @@ def process_context(device: str = "auto", timeout_s: float = 600.0) -> DistConte
     return DistContext(0, 1, _pick_device(device), None, timeout_s)
 
 
+#: The least a rank waits for another's part of a run's set-up (seconds), whatever
+#: ``dist_timeout_s`` is: rank 0 trains the BPE and tokenises the corpus (or verifies the
+#: checkpoint to resume) while the others wait, which takes as long as the corpus is large. A
+#: rank that dies meanwhile is noticed at once (its connection closes); only a stalled one is
+#: waited for this long.
+SETUP_TIMEOUT_S = 24 * 3600.0
+
+#: ``(the default group, its patient group)`` once made (the default group held: compared by identity)
+_patient_group: list[tuple[Any, Any]] = []
+
+
+def patient(ctx: DistContext) -> DistContext:
+    """``ctx`` for the object collectives that wait for another rank's long local work (the
+    set-up: :data:`SETUP_TIMEOUT_S`): a gloo group over every rank, created on first use
+    (every rank must call this) and kept with the default group. ``ctx`` itself in one process."""
+    if ctx.world_size == 1:
+        return ctx
+    world = dist.group.WORLD
+    if not _patient_group or _patient_group[0][0] is not world:  # (one of a destroyed default group is unusable)
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(ctx.timeout_s, SETUP_TIMEOUT_S)))
+        _patient_group[:] = [(world, group)]
+    return replace(ctx, group=_patient_group[0][1])
+
+
 def mean_over_ranks(value: float, ctx: DistContext) -> float:
     """The mean of a Python float over all ranks (every rank gets the result; ``value``
     itself in one process)."""
@@ -143,7 +169,7 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
 def barrier(ctx: DistContext) -> None:
     """Wait for every rank (nothing to wait for in one process)."""
     if ctx.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=ctx.group)
 
 
 def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
@@ -151,7 +177,7 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     if ctx.world_size == 1:
         return [obj]
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=ctx.group)
     return out
 
 
@@ -160,7 +186,7 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     if ctx.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
     return box[0]
 
 

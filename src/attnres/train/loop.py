@@ -62,6 +62,7 @@ from ..distributed.launch import (
     collective_errors,
     mean_over_ranks,
     on_every_rank,
+    patient,
     process_context,
     raise_on_every_rank,
 )
@@ -182,6 +183,9 @@ class Trainer:
         require_wandb(config.wandb_project)
         check_layout(config, ctx)
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
+        # the waits for another rank's part of the set-up (rank 0 tokenising a large corpus)
+        # are not bounded by dist_timeout_s, which is meant for a training step's collectives
+        self.patient = patient(ctx)
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
         self.logger: MetricsLogger | None = None
@@ -208,7 +212,7 @@ class Trainer:
             self.model: nn.Module = self.pm.model
             self.optimizer = build_optimizer(_Named(self.pm.named_parameters()), self.config)
             self._load_states()
-            barrier(ctx)  # every rank has seen the same checkpoints before rank 0 writes anything
+            barrier(self.patient)  # every rank has seen the same checkpoints before rank 0 writes anything
             state = self.start.resume.state if self.start.resume is not None else {}
             self.step_count: int = state.get("step", 0)
             self.resume_step: int | None = state.get("step")
@@ -234,17 +238,17 @@ class Trainer:
         wrote: a token cache, checkpoints set aside). An error on any rank stops every rank
         with that error (:func:`~attnres.distributed.launch.raise_on_every_rank`)."""
         result, error = _attempt(fn) if self.main else (None, None)
-        raise_on_every_rank(error, self.ctx)  # a collective: also the barrier
+        raise_on_every_rank(error, self.patient)  # a collective: also the barrier
         if not self.main:
             result, error = _attempt(fn)
-        raise_on_every_rank(error, self.ctx)
+        raise_on_every_rank(error, self.patient)
         return result
 
     def _agree(self, fn):
         """``fn()`` on every rank; an error on any rank stops every rank with it, marked as every
         rank's (:func:`~attnres.distributed.launch.raise_on_every_rank`)."""
         result, error = _attempt(fn)
-        raise_on_every_rank(error, self.ctx)
+        raise_on_every_rank(error, self.patient)
         return result
 
     def _locate_start_and_data(self, config: TrainConfig) -> tuple[Start, TrainConfig, RunData]:
