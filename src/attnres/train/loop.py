@@ -380,8 +380,12 @@ class Trainer:
         p = self.config.parallel
         pipe = (f", {p.pp_schedule} schedule, {p.pp_virtual} virtual stage(s), {p.microbatches} micro-batches"
                 f"{', cross-stage cache' if p.pp_cache else ''}") if self.layout.pp > 1 else ""
+        # (said, not silently skipped: a run asking for them finds none in metrics.jsonl)
+        diag = ("; no per-block diagnostics (diagnostics_every: they need the whole model on a rank, tp = pp = 1; "
+                "`attnres analyze` a checkpoint for its depth weights)"
+                if not self.pm.holds_whole_model and self.config.diagnostics_every <= self.config.steps else "")
         return (f"{self.layout.describe()}{pipe}; this rank holds {self.pm.local_parameter_bytes():,} bytes of "
-                "parameters; sharded (DCP) checkpoints")
+                f"parameters; sharded (DCP) checkpoints{diag}")
 
     def autocast(self):
         if self.config.dtype == "bfloat16":
