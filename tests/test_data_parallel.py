@@ -84,14 +84,16 @@ def worker(task: str, root: Path) -> None:
     if task == "train":  # the first train() creates the process group, the others reuse it
         for name, (extra, _) in RUNS.items():
             train(load_config(None, run_args(corpus, root / name, **extra)))
-    elif task == "slow-setup":  # rank 0 prepares the data for longer than dist_timeout_s
+    elif task == "slow-rank-0":  # rank 0 prepares the data, and publishes a checkpoint, for longer than dist_timeout_s
+        from attnres.checkpoint import sharded
         from attnres.cli import main
         from attnres.train import setup
 
         if os.environ["RANK"] == "0":
-            prepare = setup.prepare_data
-            setup.prepare_data = lambda *a, **k: (time.sleep(SLOW_SETUP_S), prepare(*a, **k))[1]
-        sys.exit(main(["train", *run_args(corpus, root / task, dist_timeout_s=SLOW_SETUP_S / 3, steps=2)]))
+            prepare, publish = setup.prepare_data, sharded.publish_checkpoint
+            setup.prepare_data = lambda *a, **k: (time.sleep(SLOW_RANK_0_S), prepare(*a, **k))[1]
+            sharded.publish_checkpoint = lambda *a, **k: (time.sleep(SLOW_RANK_0_S), publish(*a, **k))[1]
+        sys.exit(main(["train", *run_args(corpus, root / task, dist_timeout_s=SLOW_RANK_0_S / 2.5, steps=2)]))
     elif task in ("die", "stall", "sigterm"):
         from attnres.cli import main
         from attnres.data import BatchSampler
@@ -118,7 +120,7 @@ def worker(task: str, root: Path) -> None:
 # -- launches -----------------------------------------------------------------------------
 
 DIE_TIMEOUT_S = 15
-SLOW_SETUP_S = 9.0
+SLOW_RANK_0_S = 7.0
 
 
 @pytest.fixture(scope="module")
@@ -288,12 +290,13 @@ def test_dead_rank_makes_the_others_exit_with_a_clear_error(root):
     assert waited < DIE_TIMEOUT_S + 30, f"rank 0 exited {waited:.1f} s after rank 1 died"
 
 
-def test_waiting_for_rank_0s_data_preparation_is_not_bounded_by_dist_timeout_s(root):
+def test_waits_for_rank_0s_set_up_and_checkpoints_are_not_bounded_by_dist_timeout_s(root):
     """Rank 0 prepares the data (trains the BPE, tokenises the corpus: as long as the corpus
-    is large) for 3 x dist_timeout_s while rank 1 waits for its cache: the run trains (rank 1
-    stopped at dist_timeout_s with "another rank has probably died or stalled", so that
-    `dist_timeout_s=60`, as docs/distributed.md suggests, failed a first run on a large corpus)."""
-    procs = launch_by_hand("slow-setup", root)
+    is large) and then publishes the checkpoint (hashes every rank's shards: as long as the
+    model is large), each for 2.5 x dist_timeout_s, while rank 1 waits: the run trains. (Rank 1
+    stopped at dist_timeout_s with "another rank has probably died or stalled": with
+    `dist_timeout_s=60`, as docs/distributed.md suggests, a first run on a large corpus failed.)"""
+    procs = launch_by_hand("slow-rank-0", root)
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:

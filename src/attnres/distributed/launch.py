@@ -123,11 +123,11 @@ def process_context(device: str = "auto", timeout_s: float = 600.0) -> DistConte
     return DistContext(0, 1, _pick_device(device), None, timeout_s)
 
 
-#: The least a rank waits for another's part of a run's set-up (seconds), whatever
-#: ``dist_timeout_s`` is: rank 0 trains the BPE and tokenises the corpus (or verifies the
-#: checkpoint to resume) while the others wait, which takes as long as the corpus is large. A
-#: rank that dies meanwhile is noticed at once (its connection closes); only a stalled one is
-#: waited for this long.
+#: The least a rank waits for rank 0's long local work (seconds), whatever ``dist_timeout_s``
+#: is: rank 0 trains the BPE and tokenises the corpus (or verifies the checkpoint to resume),
+#: as long as the corpus is large, and publishes each checkpoint (hashes every rank's shards),
+#: as long as the model is large, while the others wait. A rank that dies meanwhile is
+#: noticed at once (its connection closes); only a stalled one is waited for this long.
 SETUP_TIMEOUT_S = 24 * 3600.0
 
 #: ``(the default group, its patient group)`` once made (the default group held: compared by identity)

@@ -484,7 +484,8 @@ class Trainer:
             if self.sharded:
                 self.last_ckpt = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer,
                                               run_state, config.keep_checkpoints, data.tokenizer_files, main=self.main,
-                                              agree=lambda error: raise_on_every_rank(error, self.ctx))
+                                              # (the others wait while rank 0 hashes every rank's shards)
+                                              agree=lambda error: raise_on_every_rank(error, self.patient))
             else:
                 self.last_ckpt = write_checkpoint(self.out_dir, step, self.model.state_dict(),
                                                   self.optimizer.state_dict(), run_state, config.keep_checkpoints,
