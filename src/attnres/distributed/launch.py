@@ -135,9 +135,10 @@ _patient_group: list[tuple[Any, Any]] = []
 
 
 def patient(ctx: DistContext) -> DistContext:
-    """``ctx`` for the object collectives that wait for another rank's long local work (the
-    set-up: :data:`SETUP_TIMEOUT_S`): a gloo group over every rank, created on first use
-    (every rank must call this) and kept with the default group. ``ctx`` itself in one process."""
+    """``ctx`` for the object collectives that wait for rank 0's long local work (the set-up,
+    publishing a checkpoint): a gloo group over every rank with a timeout of at least
+    :data:`SETUP_TIMEOUT_S`, created on first use (every rank must call this) and kept with the
+    default group. ``ctx`` itself in one process."""
     if ctx.world_size == 1:
         return ctx
     world = dist.group.WORLD

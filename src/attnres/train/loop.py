@@ -183,8 +183,8 @@ class Trainer:
         require_wandb(config.wandb_project)
         check_layout(config, ctx)
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
-        # the waits for another rank's part of the set-up (rank 0 tokenising a large corpus)
-        # are not bounded by dist_timeout_s, which is meant for a training step's collectives
+        # the waits for rank 0's long local work (tokenising a large corpus, hashing every
+        # rank's shards of a checkpoint) are not bounded by dist_timeout_s, meant for the steps
         self.patient = patient(ctx)
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
