@@ -323,6 +323,7 @@ def worker(root: Path) -> None:
 
     record("config-error", ["optimizer=sgd"])  # before the ranks join
     # after they join: every rank reads the same out_dir and finds the same fault
+    record("missing-data", [f"out_dir={root / 'missing-data'}", f"data.paths=[{root / 'nothing.txt'}]"])
     record("holds-checkpoints", [f"out_dir={root / 'reference'}"])
     record("resume-changed", [f"out_dir={root / 'reference'}", "--resume", "model.d_model=48"])
     record("unshared", [f"out_dir={root / 'unshared' / view}"])
@@ -371,6 +372,7 @@ def test_errors_before_the_ranks_join_are_printed_once(scenarios):
 
 
 @pytest.mark.parametrize("name,error", [
+    ("missing-data", "does not exist"),
     ("holds-checkpoints", "already holds checkpoints; set resume=true (--resume) to continue"),
     ("resume-changed", "the config differs in ['model.d_model'] (model.d_model: 32 there, 48 here"),
     # (the sharded one said only DCP's "Size mismatch ... for model.embed_tokens.weight")
@@ -378,10 +380,11 @@ def test_errors_before_the_ranks_join_are_printed_once(scenarios):
        "['model.d_model'] (model.d_model: 32 there, 48 here)") for kind in ("consolidated", "sharded")),
 ])
 def test_errors_after_the_ranks_join_are_printed_once(scenarios, name, error):
-    """A new run into an out_dir with checkpoints, a resume with a changed model, an init_from
-    whose weights do not fit (consolidated or sharded): every rank stops, only the node's first
-    rank prints the error (every rank printed it, eight lines on a node of eight), and the
-    sharded misfit names the model fields that differ, as the consolidated one does."""
+    """A missing data file, a new run into an out_dir with checkpoints, a resume with a changed
+    model, an init_from whose weights do not fit (consolidated or sharded): every rank stops,
+    only the node's first rank prints the error (every rank printed it, eight lines on a node
+    of eight), and the sharded misfit names the model fields that differ, as the consolidated
+    one does."""
     rank0, rank1 = ended(scenarios, name)
     assert isinstance(rank0["exit"], str) and error in rank0["exit"], rank0
     assert rank1["exit"] == 1, rank1

@@ -190,11 +190,7 @@ class Trainer:
         self.lock: RunLock | None = None
         self.logger: MetricsLogger | None = None
         self.progress = None
-        if config.data.cache_dir is not None:  # before out_dir is created: a bad one leaves nothing behind
-            check_output_dir(config.data.cache_dir, "data.cache_dir")
-        data_files(config.data.paths)  # a missing data file said before out_dir's objections (read later)
-        if config.data.tokenizer not in TOKENIZER_KINDS and not config.resuming and config.init_from is None:
-            tokenizer_file(config.data.tokenizer, "data.tokenizer")  # (a start from a checkpoint keeps its own)
+        self._agree(lambda: check_inputs(config))  # (every rank's alike: printed once per node)
         # Made by this run: removed again (when left empty) if the set-up fails or nothing is trained.
         self.created = self.main and not self.out_dir.exists()
         self.idle = False  # nothing left to train: nothing is written
@@ -572,6 +568,17 @@ def check_layout(config: TrainConfig, ctx: DistContext) -> None:
                               config.activation_checkpoint)
     except ValueError as e:
         raise on_every_rank(e) from None
+
+
+def check_inputs(config: TrainConfig) -> None:
+    """``ValueError`` for a data file, tokenizer file or ``data.cache_dir`` the run cannot use:
+    said before ``out_dir`` is created (a bad one leaves nothing behind) and before out_dir's
+    objections (the data are read later)."""
+    if config.data.cache_dir is not None:
+        check_output_dir(config.data.cache_dir, "data.cache_dir")
+    data_files(config.data.paths)
+    if config.data.tokenizer not in TOKENIZER_KINDS and not config.resuming and config.init_from is None:
+        tokenizer_file(config.data.tokenizer, "data.tokenizer")  # (a start from a checkpoint keeps its own)
 
 
 def check_backend(config: TrainConfig, device: torch.device) -> None:
