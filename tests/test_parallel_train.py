@@ -398,7 +398,8 @@ def test_invalid_layouts_name_the_field(root):
     check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1)  # allowed
     with pytest.raises(ValueError, match="pp_microbatches"):
         check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1)
-    with pytest.raises(ValueError, match="batch_size=4 .* divisible by parallel.dp=3"):
+    with pytest.raises(ValueError, match=r"batch_size=4 .* divisible by parallel.dp=3 .*: set batch_size=6 \(or "
+                       r"another multiple of 3\), or launch a number of data-parallel ranks that divides 4"):
         check_parallel_config(cfg, ParallelConfig(), 16, 4, 3)
     family = cfg.replace(hf_architecture="llama")
     with pytest.raises(ValueError, match="data parallelism only"):
