@@ -91,6 +91,34 @@ def test_print_config_shows_the_resolved_config(capsys, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_how_to_continue_under_torchrun_says_the_launch_and_layout(monkeypatch):
+    """A run stopped under torchrun (stop_after, a signal) says to continue it launched as it
+    was, with its parallel.* settings: the plain `attnres train out_dir=... --resume` it said
+    resumes a 4-rank tp x pp run in one process (the stored config leaves the layout out)."""
+    from attnres.cli.train import _how_to_continue
+
+    config = load_config(None, ["out_dir=runs/x", "parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=gpipe"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert _how_to_continue(config) == "continue with --resume (`attnres train out_dir=runs/x --resume`: the run's own config)"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _how_to_continue(config) == (
+        "continue with --resume, launched as this run was (`torchrun --standalone --nproc-per-node 4 -m attnres train "
+        "out_dir=runs/x --resume parallel.tp=2 parallel.pp=2 parallel.pp_schedule=gpipe`: the run's own config; any "
+        "other layout resumes it too)")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes: their launch is theirs to repeat
+    assert "(`torchrun ... -m attnres train out_dir=runs/x --resume parallel.tp=2" in _how_to_continue(config)
+
+
+def test_print_config_under_torchrun_is_printed_once_per_node(capsys, monkeypatch):
+    """Every rank of `torchrun ... -m attnres train --print-config` resolves the same config:
+    the node's first rank prints it (each rank printed it: a config per rank, interleaved)."""
+    for local_rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert cli_main(["train", "--print-config", "steps=7"]) == 0
+        assert ("steps: 7" in capsys.readouterr().out) == printed
+
+
 @pytest.mark.parametrize("override", ["wandb_project='1e3'", "data.paths=['2e5']", "out_dir='1E3'"])
 def test_print_config_loads_back_strings_that_look_like_numbers(capsys, tmp_path, override):
     """A string such as '1e3' (a W&B project, a path) was printed plain, as PyYAML's YAML 1.1

@@ -84,6 +84,16 @@ def worker(task: str, root: Path) -> None:
     if task == "train":  # the first train() creates the process group, the others reuse it
         for name, (extra, _) in RUNS.items():
             train(load_config(None, run_args(corpus, root / name, **extra)))
+    elif task == "slow-rank-0":  # rank 0 prepares the data, and publishes a checkpoint, for longer than dist_timeout_s
+        from attnres.checkpoint import sharded
+        from attnres.cli import main
+        from attnres.train import setup
+
+        if os.environ["RANK"] == "0":
+            prepare, publish = setup.prepare_data, sharded.publish_checkpoint
+            setup.prepare_data = lambda *a, **k: (time.sleep(SLOW_RANK_0_S), prepare(*a, **k))[1]
+            sharded.publish_checkpoint = lambda *a, **k: (time.sleep(SLOW_RANK_0_S), publish(*a, **k))[1]
+        sys.exit(main(["train", *run_args(corpus, root / task, dist_timeout_s=SLOW_RANK_0_S / 2.5, steps=2)]))
     elif task in ("die", "stall", "sigterm"):
         from attnres.cli import main
         from attnres.data import BatchSampler
@@ -110,6 +120,7 @@ def worker(task: str, root: Path) -> None:
 # -- launches -----------------------------------------------------------------------------
 
 DIE_TIMEOUT_S = 15
+SLOW_RANK_0_S = 7.0
 
 
 @pytest.fixture(scope="module")
@@ -234,9 +245,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_failing(task: str, root: Path) -> tuple[int, str, float]:
-    """Start the ``die``/``stall``/``sigterm`` worker on 2 hand-launched ranks; return rank
-    0's exit status and output, and the seconds from rank 1's failure to rank 0's exit."""
+def launch_by_hand(task: str, root: Path) -> list[subprocess.Popen]:
+    """The ``task`` worker on 2 ranks launched by hand (no torchrun agent)."""
     from distributed_utils import worker_env
 
     port = str(_free_port())
@@ -245,6 +255,13 @@ def launch_failing(task: str, root: Path) -> tuple[int, str, float]:
         env = worker_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         procs.append(subprocess.Popen([sys.executable, __file__, task, str(root)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return procs
+
+
+def launch_failing(task: str, root: Path) -> tuple[int, str, float]:
+    """Start the ``die``/``stall``/``sigterm`` worker on 2 hand-launched ranks; return rank
+    0's exit status and output, and the seconds from rank 1's failure to rank 0's exit."""
+    procs = launch_by_hand(task, root)
     try:
         out0, _ = procs[0].communicate(timeout=240)
         exited = time.time()
@@ -271,6 +288,23 @@ def test_dead_rank_makes_the_others_exit_with_a_clear_error(root):
     status, out, waited = launch_failing("die", root)
     assert_clear_distributed_error(status, out)
     assert waited < DIE_TIMEOUT_S + 30, f"rank 0 exited {waited:.1f} s after rank 1 died"
+
+
+def test_waits_for_rank_0s_set_up_and_checkpoints_are_not_bounded_by_dist_timeout_s(root):
+    """Rank 0 prepares the data (trains the BPE, tokenises the corpus: as long as the corpus
+    is large) and then publishes the checkpoint (hashes every rank's shards: as long as the
+    model is large), each for 2.5 x dist_timeout_s, while rank 1 waits: the run trains. (Rank 1
+    stopped at dist_timeout_s with "another rank has probably died or stalled": with
+    `dist_timeout_s=60`, as docs/distributed.md suggests, a first run on a large corpus failed.)"""
+    procs = launch_by_hand("slow-rank-0", root)
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "attnres train: finished at step 2" in outs[0], outs[0]
 
 
 @pytest.mark.slow  # waits out the timeout: about 40 s
@@ -440,6 +474,9 @@ def test_distributed_error_names_the_rank():
                        r"that does not exit on SIGTERM is killed after torchrun's 30 s grace period\."):
         with collective_errors(ctx):
             raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    with pytest.raises(DistributedError, match=r"rank 3 of 4: a collective failed \(RuntimeError: Application timeout"):
+        with collective_errors(ctx):  # what a rank waiting past the timeout got: a traceback, no message
+            raise RuntimeError("Application timeout caused pair closure")
     with pytest.raises(KeyError):  # anything else passes through unchanged
         with collective_errors(ctx):
             raise KeyError("x")

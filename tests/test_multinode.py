@@ -322,6 +322,10 @@ def worker(root: Path) -> None:
         (root / f"{name}.rank{rank}.json").write_text(json.dumps({"exit": ended, "warnings": [str(w.message) for w in caught]}))
 
     record("config-error", ["optimizer=sgd"])  # before the ranks join
+    # after they join: every rank reads the same out_dir and finds the same fault
+    record("missing-data", [f"out_dir={root / 'missing-data'}", f"data.paths=[{root / 'nothing.txt'}]"])
+    record("holds-checkpoints", [f"out_dir={root / 'reference'}"])
+    record("resume-changed", [f"out_dir={root / 'reference'}", "--resume", "model.d_model=48"])
     record("unshared", [f"out_dir={root / 'unshared' / view}"])
     with patched(loop, "check_out_dir", lambda out_dir, ctx: None):  # the first checkpoint is where it fails then
         record("unshared-checkpoint", [f"out_dir={root / 'unshared-checkpoint' / view}"])
@@ -331,6 +335,9 @@ def worker(root: Path) -> None:
                         ("consolidated-pp2", ["parallel.pp=2"])):
         record(name, [f"out_dir={root / name}", "--resume", "stop_after=3", *extra])
     record("sharded-resume", [f"out_dir={root / 'consolidated-dp2'}", "--resume"])
+    for name, source in (("init-misfit-consolidated", root / "reference"),
+                         ("init-misfit-sharded", root / "consolidated-dp2" / "checkpoints" / "step-00000003")):
+        record(name, [f"out_dir={root / name}", f"init_from={source}", "model.d_model=48"])
 
 
 @pytest.fixture(scope="module")
@@ -362,6 +369,25 @@ def test_errors_before_the_ranks_join_are_printed_once(scenarios):
     rank0, rank1 = ended(scenarios, "config-error")
     assert rank0["exit"].startswith("attnres train: error: TrainConfig.optimizer must be one of"), rank0
     assert rank1["exit"] == 1  # the same error, not printed again
+
+
+@pytest.mark.parametrize("name,error", [
+    ("missing-data", "does not exist"),
+    ("holds-checkpoints", "already holds checkpoints; set resume=true (--resume) to continue"),
+    ("resume-changed", "the config differs in ['model.d_model'] (model.d_model: 32 there, 48 here"),
+    # (the sharded one said only DCP's "Size mismatch ... for model.embed_tokens.weight")
+    *((f"init-misfit-{kind}", "its weights do not fit this run's model, which differs from the checkpoint's in "
+       "['model.d_model'] (model.d_model: 32 there, 48 here)") for kind in ("consolidated", "sharded")),
+])
+def test_errors_after_the_ranks_join_are_printed_once(scenarios, name, error):
+    """A missing data file, a new run into an out_dir with checkpoints, a resume with a changed
+    model, an init_from whose weights do not fit (consolidated or sharded): every rank stops,
+    only the node's first rank prints the error (every rank printed it, eight lines on a node
+    of eight), and the sharded misfit names the model fields that differ, as the consolidated
+    one does."""
+    rank0, rank1 = ended(scenarios, name)
+    assert isinstance(rank0["exit"], str) and error in rank0["exit"], rank0
+    assert rank1["exit"] == 1, rank1
 
 
 def test_unshared_out_dir_is_refused_at_start_up(scenarios):

@@ -398,13 +398,37 @@ def test_invalid_layouts_name_the_field(root):
     check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1)  # allowed
     with pytest.raises(ValueError, match="pp_microbatches"):
         check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1)
-    with pytest.raises(ValueError, match="batch_size=4 .* divisible by parallel.dp=3"):
+    with pytest.raises(ValueError, match=r"batch_size=4 .* divisible by parallel.dp=3 .*: set batch_size=6 \(or "
+                       r"another multiple of 3\), or launch a number of data-parallel ranks that divides 4"):
         check_parallel_config(cfg, ParallelConfig(), 16, 4, 3)
     family = cfg.replace(hf_architecture="llama")
     with pytest.raises(ValueError, match="data parallelism only"):
         check_parallel_config(family, ParallelConfig(tp=2), 16, 4, 1)
     with pytest.raises(ValueError, match="activation_checkpoint='block' needs the native AttnResLM"):
         check_parallel_config(family, ParallelConfig(), 16, 4, 1, "block")
+
+
+def test_layout_line_says_the_diagnostics_are_not_recorded_under_tp_or_pp():
+    """Under tp or pp the per-block diagnostics (they need the whole model on a rank) are not
+    recorded: the start-up's layout line says so where the run would record them (a run
+    with diagnostics_every found no diagnostics in its metrics.jsonl, unannounced)."""
+    from types import SimpleNamespace
+
+    from attnres.distributed.parallel import ParallelConfig, ParallelLayout
+    from attnres.train.loop import Trainer
+
+    def layout_line(tp: int, pp: int, diagnostics_every: int = 5, whole: bool | None = None) -> str:
+        trainer = object.__new__(Trainer)
+        trainer.config = SimpleNamespace(parallel=ParallelConfig(tp=tp, pp=pp), diagnostics_every=diagnostics_every,
+                                         steps=STEPS)
+        trainer.layout = ParallelLayout(dp=1, tp=tp, pp=pp, dp_rank=0, tp_rank=0, pp_rank=0)
+        trainer.pm = SimpleNamespace(holds_whole_model=tp == pp == 1, local_parameter_bytes=lambda: 8)
+        return trainer._describe_layout()
+
+    said = "no per-block diagnostics (diagnostics_every: they need the whole model on a rank, tp = pp = 1"
+    assert said in layout_line(tp=2, pp=1) and said in layout_line(tp=1, pp=2)
+    assert said not in layout_line(tp=1, pp=1)  # data parallel: FSDP2 gathers what it shards
+    assert said not in layout_line(tp=2, pp=1, diagnostics_every=STEPS + 1)  # none asked for in this run
 
 
 @pytest.mark.parametrize("mode", ["block", "selective"])

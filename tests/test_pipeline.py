@@ -112,6 +112,28 @@ def test_config_errors():
         PipelineChunk(tied, 0, range(1), 2)
 
 
+@pytest.mark.parametrize("schedule,virtual,stages,refused,taken", [
+    ("1f1b", 1, 4, [1, 2, 3], [4, 5, 8]),  # torch's Schedule1F1B: M >= P
+    ("interleaved_1f1b", 2, 2, [5, 7, 9], [1, 2, 3, 4, 6, 8]),  # torch's rounds: M % max(1, M // P) == 0
+    ("gpipe", 2, 4, [], [1, 3, 5]),
+])
+def test_microbatches_torchs_schedules_refuse_are_refused_at_configuration(schedule, virtual, stages, refused, taken):
+    """A micro-batch count torch's schedule refuses is refused when the config is read,
+    naming the field (``attnres train`` used to set up the run directory and the data, then
+    fail at the first step with torch's own message, once per rank)."""
+    from attnres.distributed import ParallelConfig
+
+    for m in refused:
+        with pytest.raises(ValueError, match=rf"TrainConfig.parallel.pp_microbatches must be .*{schedule}.*; got {m}"):
+            ParallelConfig(pp=stages, pp_schedule=schedule, pp_virtual=virtual, pp_microbatches=m)
+        with pytest.raises(ValueError, match=rf"PipelineConfig.n_microbatches must be .*n_ranks={stages}"):
+            PipelineConfig(n_ranks=stages, virtual_stages=virtual, schedule=schedule, n_microbatches=m)
+    for m in taken:
+        ParallelConfig(pp=stages, pp_schedule=schedule, pp_virtual=virtual, pp_microbatches=m)
+        PipelineConfig(n_ranks=stages, virtual_stages=virtual, schedule=schedule, n_microbatches=m)
+    ParallelConfig(pp=stages, pp_schedule=schedule, pp_virtual=virtual)  # the default, pp * pp_virtual
+
+
 # -- the chunks, chained in one process --------------------------------------------------
 @pytest.mark.parametrize(
     "residual,extra,split",

@@ -488,6 +488,27 @@ def test_plain_warnings_shorten_only_the_packages_own(capsys):
     assert [(str(w.message), w.filename, w.lineno) for w in shown] == [("theirs", "/elsewhere/module.py", 3)]
 
 
+def test_the_packages_warnings_are_printed_once_per_node(capsys, monkeypatch):
+    """Under torchrun only a node's first rank (LOCAL_RANK 0) prints the package's warnings:
+    every rank reads the same config (a deprecated key warned on each of 8 ranks printed 8
+    lines); other packages' warnings are left to Python."""
+    import warnings
+
+    from attnres.train import load_config
+
+    import attnres.cli.common as common
+
+    for local_rank, expected in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            with common.plain_warnings():
+                load_config(None, ["distributed=ddp"])
+                warnings.warn_explicit("theirs", UserWarning, "/elsewhere/module.py", 3)
+        assert capsys.readouterr().err.count("attnres: warning: TrainConfig.distributed is deprecated") == expected
+        assert [str(w.message) for w in shown] == ["theirs"]
+
+
 # -- 8: Ctrl-C during first-time BPE training -----------------------------------------------
 
 @pytest.fixture

@@ -244,7 +244,11 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 def plain_warnings(program: str = "attnres") -> Iterator[None]:
     """Within: the package's own warnings printed as one line, ``attnres: warning: ...``, as a
     command's other messages are, instead of Python's ``file:line: UserWarning: ...`` and a
-    line of our source; other packages' warnings as Python prints them."""
+    line of our source; other packages' warnings as Python prints them. Under torchrun the
+    package's own are printed by the first rank of each node only, as the errors every rank has
+    alike are: the ranks of a node run one command on the same files (a deprecated key, a
+    warm-up longer than the run), and those a rank has alone are rank 0's (a stale lock taken
+    over), which is the first of its node."""
     original = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -254,6 +258,8 @@ def plain_warnings(program: str = "attnres") -> Iterator[None]:
             ours = False
         if not ours:
             return original(message, category, filename, lineno, file, line)
+        if not first_on_node():
+            return
         stream = sys.stderr if file is None else file
         if stream is not None:  # a warning that names the package for Python's format names it once
             stream.write(f"{program}: warning: {str(message).removeprefix('attnres: ')}\n")

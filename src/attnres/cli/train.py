@@ -121,6 +121,8 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
                 print(f"attnres train: resuming with the config stored in {stored_in} (no config file given), "
                       "the command's overrides applied", file=sys.stderr)
         if print_config:
+            if not first_on_node():  # every rank of a launch resolves the same config
+                return 0
             print(yaml_dump(config.to_dict()), end="")
             # (a YAML comment: the printed config still loads as it is)
             print("# model.vocab_size is replaced by the tokenizer's vocabulary when the run starts (data.tokenizer, "
@@ -140,27 +142,43 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     if result.interrupted:
         if rank_zero():
             print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint "
-                  f"{result.checkpoint}; {_how_to_continue(config.out_dir)}")
+                  f"{result.checkpoint}; {_how_to_continue(config)}")
         return 128 + int(getattr(signal, result.interrupted))
     if rank_zero():
-        print(_end_of_run(result, config.steps, config.out_dir))
+        print(_end_of_run(result, config))
     return 0
 
 
-def _how_to_continue(out_dir: str) -> str:
+def _how_to_continue(config) -> str:
+    """The command that continues the run of ``config``: under torchrun, launched as this run
+    was, with its ``parallel.*`` settings (the stored config leaves the layout to the launch:
+    a plain `attnres train ... --resume` resumes a 4-rank tp x pp run in one process)."""
     import shlex
 
-    return f"continue with --resume (`attnres train out_dir={shlex.quote(str(out_dir))} --resume`: the run's own config)"
+    from ..distributed.parallel import ParallelConfig
+
+    resume = f"out_dir={shlex.quote(str(config.out_dir))} --resume"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return f"continue with --resume (`attnres train {resume}`: the run's own config)"
+    default = ParallelConfig().to_dict()
+    layout = "".join(f" parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                     for k, v in config.parallel.to_dict().items() if v != default[k])
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(world)
+    launcher = f"torchrun --standalone --nproc-per-node {world}" if one_node else "torchrun ..."
+    return (f"continue with --resume, launched as this run was (`{launcher} -m attnres train {resume}{layout}`: the run's "
+            "own config; any other layout resumes it too)")
 
 
-def _end_of_run(result, steps: int, out_dir: str) -> str:
+def _end_of_run(result, config) -> str:
     """The last line of a run that ended by itself: at its last step, or before it (``stop_after``)."""
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
     stale = result.val_loss is not None and result.val_step not in (None, result.step)
     measured = f" (at step {result.val_step})" if stale else ""
+    steps = config.steps
     early = result.step < steps
     what = f"stopped at step {result.step} of {steps} (stop_after)" if early else f"finished at step {result.step}"
     return (f"attnres train: {what}, train loss {fmt(result.train_loss)}, val loss {fmt(result.val_loss)}{measured}; "
-            f"checkpoint {result.checkpoint}" + (f"; {_how_to_continue(out_dir)}" if early else ""))
+            f"checkpoint {result.checkpoint}" + (f"; {_how_to_continue(config)}" if early else ""))

@@ -20,7 +20,7 @@ import contextlib
 import gc
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -63,6 +63,8 @@ class DistContext:
     device: torch.device
     backend: str | None
     timeout_s: float
+    #: the process group of this context's object collectives (None: the default group)
+    group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -121,6 +123,31 @@ def process_context(device: str = "auto", timeout_s: float = 600.0) -> DistConte
     return DistContext(0, 1, _pick_device(device), None, timeout_s)
 
 
+#: The least a rank waits for rank 0's long local work (seconds), whatever ``dist_timeout_s``
+#: is: rank 0 trains the BPE and tokenises the corpus (or verifies the checkpoint to resume),
+#: as long as the corpus is large, and publishes each checkpoint (hashes every rank's shards),
+#: as long as the model is large, while the others wait. A rank that dies meanwhile is
+#: noticed at once (its connection closes); only a stalled one is waited for this long.
+SETUP_TIMEOUT_S = 24 * 3600.0
+
+#: ``(the default group, its patient group)`` once made (the default group held: compared by identity)
+_patient_group: list[tuple[Any, Any]] = []
+
+
+def patient(ctx: DistContext) -> DistContext:
+    """``ctx`` for the object collectives that wait for rank 0's long local work (the set-up,
+    publishing a checkpoint): a gloo group over every rank with a timeout of at least
+    :data:`SETUP_TIMEOUT_S`, created on first use (every rank must call this) and kept with the
+    default group. ``ctx`` itself in one process."""
+    if ctx.world_size == 1:
+        return ctx
+    world = dist.group.WORLD
+    if not _patient_group or _patient_group[0][0] is not world:  # (one of a destroyed default group is unusable)
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(ctx.timeout_s, SETUP_TIMEOUT_S)))
+        _patient_group[:] = [(world, group)]
+    return replace(ctx, group=_patient_group[0][1])
+
+
 def mean_over_ranks(value: float, ctx: DistContext) -> float:
     """The mean of a Python float over all ranks (every rank gets the result; ``value``
     itself in one process)."""
@@ -143,7 +170,7 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
 def barrier(ctx: DistContext) -> None:
     """Wait for every rank (nothing to wait for in one process)."""
     if ctx.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=ctx.group)
 
 
 def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
@@ -151,7 +178,7 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     if ctx.world_size == 1:
         return [obj]
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=ctx.group)
     return out
 
 
@@ -160,7 +187,7 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     if ctx.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
     return box[0]
 
 
@@ -238,6 +265,10 @@ def collect_garbage(passes: int = 4) -> int:
     return passes
 
 
+#: What a backend's ``RuntimeError`` of a failed collective says (lower case).
+_COLLECTIVE_FAILURE_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection")
+
+
 @contextlib.contextmanager
 def collective_errors(ctx: DistContext) -> Iterator[None]:
     """Turn a failed collective into a :class:`DistributedError` that says which rank saw it
@@ -253,7 +284,9 @@ def collective_errors(ctx: DistContext) -> Iterator[None]:
     except DistributedError:
         raise
     except (dist.DistError, RuntimeError) as e:
-        if not isinstance(e, dist.DistError) and not any(w in str(e) for w in ("gloo", "NCCL", "nccl", "Timed out", "timed out", "Connection")):
+        # (gloo's words for a peer gone: "Connection reset by peer", "Timed out waiting ...ms",
+        # "Application timeout caused pair closure")
+        if not isinstance(e, dist.DistError) and not any(w in str(e).lower() for w in _COLLECTIVE_FAILURE_WORDS):
             raise
         raise DistributedError(
             f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "

@@ -86,7 +86,10 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
             raise ValueError(f"each data-parallel rank's batch (batch_size / dp = {batch_size} / {dp} = {rows}) must be "
                              f"divisible by parallel.pp_microbatches={parallel.microbatches}")
     if batch_size % dp:
-        raise ValueError(f"TrainConfig.batch_size={batch_size} (the global batch) must be divisible by parallel.dp={dp}")
+        up = -(-batch_size // dp) * dp
+        raise ValueError(f"TrainConfig.batch_size={batch_size} (the global batch) must be divisible by parallel.dp={dp} "
+                         f"(each data-parallel rank trains on batch_size / dp rows): set batch_size={up} (or another "
+                         f"multiple of {dp}), or launch a number of data-parallel ranks that divides {batch_size}")
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ..validation import Bool, Choice, Fields, Int, Nullable
 
-__all__ = ["PP_SCHEDULES", "ParallelConfig", "ParallelLayout", "build_layout", "check_one_process", "PARALLEL_RULES"]
+__all__ = ["PP_SCHEDULES", "ParallelConfig", "ParallelLayout", "build_layout", "check_one_process", "microbatches_problem",
+           "PARALLEL_RULES"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -78,6 +79,10 @@ class ParallelConfig:
         if self.pp_cache and self.pp_virtual < 2:
             _CHECK.fail("pp_cache", "false unless parallel.pp_virtual >= 2 (a stage caches what it received for its "
                         "earlier virtual stages)", self.pp_cache)
+        if self.pp > 1:
+            problem = microbatches_problem(self.pp_schedule, self.pp, self.microbatches)
+            if problem is not None:
+                _CHECK.fail("pp_microbatches", problem + "; unset: pp * pp_virtual", self.microbatches)
 
     @property
     def microbatches(self) -> int:
@@ -99,6 +104,22 @@ class ParallelConfig:
             raise ValueError(f"TrainConfig.parallel must be a mapping of {sorted(PARALLEL_RULES)}; got {data!r}")
         _CHECK.known_keys(data, PARALLEL_RULES)
         return cls(**data)
+
+
+def microbatches_problem(schedule: str, stages: int, microbatches: int, stages_name: str = "parallel.pp") -> str | None:
+    """What ``microbatches`` must be for torch's ``schedule`` over ``stages`` pipeline ranks
+    (the field ``stages_name``), where it does not fit, else ``None``. Said at configuration
+    time: torch raises its own error (naming no field) only when the first step builds the
+    schedule, after the run directory and the data were set up."""
+    if schedule == "1f1b" and microbatches < stages:
+        return (f">= {stages_name}={stages} for schedule '1f1b' (torch's Schedule1F1B keeps every stage busy with its "
+                "own micro-batch)")
+    rounds = max(1, microbatches // stages)  # torch's ScheduleInterleaved1F1B: rounds of equal size
+    if schedule == "interleaved_1f1b" and microbatches % rounds:
+        return (f"divisible by its number of rounds (max(1, micro-batches // {stages_name}) = {rounds} with "
+                f"{stages_name}={stages}) for schedule 'interleaved_1f1b' (torch's ScheduleInterleaved1F1B runs the "
+                f"micro-batches in rounds of equal size): for example at most {stages} or a multiple of {stages}")
+    return None
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from ..models.trunk import plain_call
 from ..nn.residual import AttnResBase, DepthHistory
 from ..validation import Fields
 from .comm_accounting import CommCounter, chunk_histories
+from .parallel import microbatches_problem
 
 __all__ = ["SCHEDULES", "PipelineChunk", "PipelineConfig", "PipelineRunner", "StageCache", "CachedStage",
            "stage_parameter_names"]
@@ -93,6 +94,9 @@ class PipelineConfig:
             _fail("virtual_stages", "1 for schedule '1f1b' (use 'interleaved_1f1b' for V >= 2)", self.virtual_stages)
         if self.schedule == "interleaved_1f1b" and self.virtual_stages < 2:
             _fail("virtual_stages", ">= 2 for schedule 'interleaved_1f1b' (use '1f1b' for V = 1)", self.virtual_stages)
+        problem = microbatches_problem(self.schedule, self.n_ranks, self.n_microbatches, "n_ranks")
+        if problem is not None:
+            _fail("n_microbatches", problem, self.n_microbatches)
         if self.layers_per_chunk is not None:
             lpc = self.layers_per_chunk
             if (

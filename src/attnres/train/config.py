@@ -133,7 +133,9 @@ class TrainConfig:
     device mesh; by default every launched rank is data parallel, and one process is the
     mesh of size 1. ``batch_size`` stays the *global* batch, split evenly over the
     data-parallel ranks. ``dist_timeout_s`` bounds how long a collective waits for a rank
-    that died or stalled before the others stop with an error. ``activation_checkpoint``
+    that died or stalled before the others stop with an error (not their waits while rank 0
+    prepares the data or publishes a checkpoint, as long as the corpus or the model is large).
+    ``activation_checkpoint``
     recomputes activations in the backward pass (``"block"``: every sublayer;
     ``"selective"``: everything but the matmuls and attention). The ``distributed`` key of
     earlier versions is still accepted, with a ``DeprecationWarning`` (:data:`attnres.migrations.LEGACY_DISTRIBUTED`).

@@ -62,6 +62,7 @@ from ..distributed.launch import (
     collective_errors,
     mean_over_ranks,
     on_every_rank,
+    patient,
     process_context,
     raise_on_every_rank,
 )
@@ -78,7 +79,7 @@ from .optim import build_optimizer
 from .out_dir import OutDirError, check_out_dir, os_cause
 from .resume import check_resumable, check_resumable_before_data, init_model_changes
 from .schedule import lr_factor
-from .setup import locate_start, prepare_run_data
+from .setup import RunData, Start, locate_start, prepare_run_data
 from .signals import StopSignals
 from .wandb_log import require_wandb
 from .summary import RunFacts, startup_summary, unused_stream_option, warmup_overrun
@@ -182,15 +183,14 @@ class Trainer:
         require_wandb(config.wandb_project)
         check_layout(config, ctx)
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
+        # the waits for rank 0's long local work (tokenising a large corpus, hashing every
+        # rank's shards of a checkpoint) are not bounded by dist_timeout_s, meant for the steps
+        self.patient = patient(ctx)
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
         self.logger: MetricsLogger | None = None
         self.progress = None
-        if config.data.cache_dir is not None:  # before out_dir is created: a bad one leaves nothing behind
-            check_output_dir(config.data.cache_dir, "data.cache_dir")
-        data_files(config.data.paths)  # a missing data file said before out_dir's objections (read later)
-        if config.data.tokenizer not in TOKENIZER_KINDS and not config.resuming and config.init_from is None:
-            tokenizer_file(config.data.tokenizer, "data.tokenizer")  # (a start from a checkpoint keeps its own)
+        self._agree(lambda: check_inputs(config))  # (every rank's alike: printed once per node)
         # Made by this run: removed again (when left empty) if the set-up fails or nothing is trained.
         self.created = self.main and not self.out_dir.exists()
         self.idle = False  # nothing left to train: nothing is written
@@ -199,19 +199,16 @@ class Trainer:
         # writes); the others check a lock left on their host, and stop with rank 0 on an error.
         self.lock = lock_run_dir(self.out_dir, ctx, self._main_first)
         try:
-            self.start = locate_start(config, self.main, self._main_first)
-            if self.start.resume is not None:  # what differs named before the data is read and checked
-                check_resumable_before_data(self.start.resume.run_config(), config.to_dict(), self.start.resume)
-            self.config, self.data = prepare_run_data(config, self.start, self._main_first)
-            if self.start.resume is not None:
-                check_resumable(self.start.resume.run_config(), self.config.to_dict(), self.start.resume)
+            # (every rank reads the same out_dir and config, so an error here is every rank's: it
+            # goes through one collective, to stop them together and be printed once per node)
+            self.start, self.config, self.data = self._agree(lambda: self._locate_start_and_data(config))
             self.layout = build_layout(self.config.parallel, self.device)
             self.sharded = self.layout.size > 1  # the checkpoint format: every rank its shards, or one file set
             self.pm = self._build_model()
             self.model: nn.Module = self.pm.model
             self.optimizer = build_optimizer(_Named(self.pm.named_parameters()), self.config)
             self._load_states()
-            barrier(ctx)  # every rank has seen the same checkpoints before rank 0 writes anything
+            barrier(self.patient)  # every rank has seen the same checkpoints before rank 0 writes anything
             state = self.start.resume.state if self.start.resume is not None else {}
             self.step_count: int = state.get("step", 0)
             self.resume_step: int | None = state.get("step")
@@ -237,11 +234,28 @@ class Trainer:
         wrote: a token cache, checkpoints set aside). An error on any rank stops every rank
         with that error (:func:`~attnres.distributed.launch.raise_on_every_rank`)."""
         result, error = _attempt(fn) if self.main else (None, None)
-        raise_on_every_rank(error, self.ctx)  # a collective: also the barrier
+        raise_on_every_rank(error, self.patient)  # a collective: also the barrier
         if not self.main:
             result, error = _attempt(fn)
-        raise_on_every_rank(error, self.ctx)
+        raise_on_every_rank(error, self.patient)
         return result
+
+    def _agree(self, fn):
+        """``fn()`` on every rank; an error on any rank stops every rank with it, marked as every
+        rank's (:func:`~attnres.distributed.launch.raise_on_every_rank`)."""
+        result, error = _attempt(fn)
+        raise_on_every_rank(error, self.patient)
+        return result
+
+    def _locate_start_and_data(self, config: TrainConfig) -> tuple[Start, TrainConfig, RunData]:
+        """The checkpoint to start from, checked against ``config``, and the run's data."""
+        start = locate_start(config, self.main, self._main_first)
+        if start.resume is not None:  # what differs named before the data is read and checked
+            check_resumable_before_data(start.resume.run_config(), config.to_dict(), start.resume)
+        config, data = prepare_run_data(config, start, self._main_first)
+        if start.resume is not None:
+            check_resumable(start.resume.run_config(), config.to_dict(), start.resume)
+        return start, config, data
 
     def close(self) -> None:
         """Close the progress bar and the metrics log and release the lock (idempotent)."""
@@ -275,7 +289,8 @@ class Trainer:
             return lambda model: load_hf_weights(model, init.path)
         elif init is not None and not is_sharded(init.state):
             source = init
-            load = lambda model: _load_init_weights(source, model, config)  # noqa: E731
+            load = lambda model: _load_init_weights(source, config, lambda: load_checkpoint(  # noqa: E731
+                source.path, model, restore_rng=False, verified=source.state))
         else:
             return None
         if config.parallel.pp > 1:  # the config and the checkpoint are the same on every rank: so is the error
@@ -308,7 +323,8 @@ class Trainer:
             full = read_optimizer_state(resume.path, resume.state)
             self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, full))
         elif init is not None and is_sharded(init.state):
-            load_sharded(init.path, self.pm.named_parameters(), None, restore_rng=False)
+            _load_init_weights(init, self.config, lambda: load_sharded(init.path, self.pm.named_parameters(), None,
+                                                                        restore_rng=False))
 
     def _open_outputs(self) -> None:
         """``config.json`` and the metrics log (rank 0)."""
@@ -360,8 +376,12 @@ class Trainer:
         p = self.config.parallel
         pipe = (f", {p.pp_schedule} schedule, {p.pp_virtual} virtual stage(s), {p.microbatches} micro-batches"
                 f"{', cross-stage cache' if p.pp_cache else ''}") if self.layout.pp > 1 else ""
+        # (said, not silently skipped: a run asking for them finds none in metrics.jsonl)
+        diag = ("; no per-block diagnostics (diagnostics_every: they need the whole model on a rank, tp = pp = 1; "
+                "`attnres analyze` a checkpoint for its depth weights)"
+                if not self.pm.holds_whole_model and self.config.diagnostics_every <= self.config.steps else "")
         return (f"{self.layout.describe()}{pipe}; this rank holds {self.pm.local_parameter_bytes():,} bytes of "
-                "parameters; sharded (DCP) checkpoints")
+                f"parameters; sharded (DCP) checkpoints{diag}")
 
     def autocast(self):
         if self.config.dtype == "bfloat16":
@@ -460,7 +480,8 @@ class Trainer:
             if self.sharded:
                 self.last_ckpt = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer,
                                               run_state, config.keep_checkpoints, data.tokenizer_files, main=self.main,
-                                              agree=lambda error: raise_on_every_rank(error, self.ctx))
+                                              # (the others wait while rank 0 hashes every rank's shards)
+                                              agree=lambda error: raise_on_every_rank(error, self.patient))
             else:
                 self.last_ckpt = write_checkpoint(self.out_dir, step, self.model.state_dict(),
                                                   self.optimizer.state_dict(), run_state, config.keep_checkpoints,
@@ -549,6 +570,17 @@ def check_layout(config: TrainConfig, ctx: DistContext) -> None:
         raise on_every_rank(e) from None
 
 
+def check_inputs(config: TrainConfig) -> None:
+    """``ValueError`` for a data file, tokenizer file or ``data.cache_dir`` the run cannot use:
+    said before ``out_dir`` is created (a bad one leaves nothing behind) and before out_dir's
+    objections (the data are read later)."""
+    if config.data.cache_dir is not None:
+        check_output_dir(config.data.cache_dir, "data.cache_dir")
+    data_files(config.data.paths)
+    if config.data.tokenizer not in TOKENIZER_KINDS and not config.resuming and config.init_from is None:
+        tokenizer_file(config.data.tokenizer, "data.tokenizer")  # (a start from a checkpoint keeps its own)
+
+
 def check_backend(config: TrainConfig, device: torch.device) -> None:
     """Refuse ``model.residual.backend="triton"`` off a GPU before any work: Triton kernels
     run on CUDA devices (on the CPU only under Triton's interpreter, ``TRITON_INTERPRET=1``,
@@ -568,18 +600,21 @@ def _attempt(fn):
         return None, e
 
 
-def _load_init_weights(source, model: nn.Module, config: TrainConfig) -> None:
-    """``init_from`` a consolidated checkpoint: its weights only; an error naming the model
-    fields that differ when they do not fit."""
+def _load_init_weights(source, config: TrainConfig, load: Callable[[], None]) -> None:
+    """``init_from`` a checkpoint: ``load()`` its weights only; an error naming the model
+    fields that differ when they do not fit. Every rank loads the same checkpoint into the
+    same model (a sharded one's misfit DCP reports on every rank), so the error is every
+    rank's: printed once per node."""
     try:
-        load_checkpoint(source.path, model, restore_rng=False, verified=source.state)
+        load()
     except CheckpointError as e:
         saved, ours = flatten(source.run_config()["model"]), flatten(config.model.to_dict())
         differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
         if not differing:
-            raise CheckpointError(f"init_from: {e}") from None
+            raise on_every_rank(CheckpointError(f"init_from: {e}")) from None
         # The fields first and alone: the load's own error lists every tensor that does not fit.
         values = ", ".join(f"model.{k}: {saved.get(k)!r} there, {ours.get(k)!r} here" for k in differing)
-        raise CheckpointError(f"init_from={str(source.path)!r}: its weights do not fit this run's model, which differs "
-                              f"from the checkpoint's in {['model.' + k for k in differing]} ({values}); set those "
-                              "fields as the checkpoint has them") from None
+        raise on_every_rank(CheckpointError(
+            f"init_from={str(source.path)!r}: its weights do not fit this run's model, which differs from the "
+            f"checkpoint's in {['model.' + k for k in differing]} ({values}); set those fields as the checkpoint "
+            "has them")) from None

@@ -44,7 +44,8 @@ MEANINGS: dict[str, str] = {
     "checkpoint_every": "steps between checkpoints (and one at the end)",
     "keep_checkpoints": "the newest checkpoints kept; older ones are deleted",
     "out_dir": "the run's directory: config, metrics, checkpoints",
-    "dist_timeout_s": "seconds a collective waits for a rank that died or stalled",
+    "dist_timeout_s": "seconds a collective waits for a rank that died or stalled (not the waits for rank 0's "
+                      "set-up or checkpoint)",
     "activation_checkpoint": "recompute activations in the backward: none, block (every sublayer), selective",
     "resume": "continue the newest valid checkpoint in out_dir, bit-exactly",
     "resume_from": "continue this checkpoint (into out_dir)",
