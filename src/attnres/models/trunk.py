@@ -229,14 +229,17 @@ class DecoderTrunk(nn.Module):
         padding on the device and gives the RoPE tables and mask itself (``attention_mask``
         must then be ``None``), so the pass reads nothing back to the host.
         ``sublayer_call(fn, *args)`` runs each sublayer (activation checkpointing)."""
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # (the length from the inputs, not the embedding: under tensor parallelism the embedding
+        # of the ids is this rank's shard of the sequence)
+        inputs = input_ids if inputs_embeds is None else inputs_embeds
         if hasattr(kv_cache, "attention_inputs"):
             if attention_mask is not None:
                 raise ValueError("a static KV cache holds the padding itself (StaticKVCache.start): pass attention_mask=None")
-            cos, sin, attn_mask = kv_cache.attention_inputs(self.rope, x.shape[1])
+            cos, sin, attn_mask = kv_cache.attention_inputs(self.rope, inputs.shape[1])
         else:
             past = 0 if kv_cache is None else kv_cache.seq_len
-            cos, sin, attn_mask = self.positions(x, attention_mask, past)
+            cos, sin, attn_mask = self.positions(inputs, attention_mask, past)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         # Every sublayer input goes through the block's own RMSNorm first, so the residual may
         # fold that norm into its Phase-2 kernel (defer_norm).
         state = self.residual.start(x, record_weights=record_weights, defer_norm=self.defer_norm)
