@@ -396,8 +396,11 @@ def test_invalid_layouts_name_the_field(root):
     with pytest.raises(ValueError, match="tie_embeddings"):
         check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(pp=2), 16, 4, 1)
     check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1)  # allowed
-    with pytest.raises(ValueError, match="pp_microbatches"):
+    with pytest.raises(ValueError, match=r"= 4\) must be divisible by parallel.pp_microbatches=3: set batch_size=6 \(or "
+                       r"another multiple of dp x pp_microbatches = 3\), or parallel.pp_microbatches to a divisor of 4"):
         check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1)
+    with pytest.raises(ValueError, match=r"set batch_size=12 \(or another multiple of dp x pp_microbatches = 6\)"):
+        check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 8, 2)
     with pytest.raises(ValueError, match=r"batch_size=4 .* divisible by parallel.dp=3 .*: set batch_size=6 \(or "
                        r"another multiple of 3\), or launch a number of data-parallel ranks that divides 4"):
         check_parallel_config(cfg, ParallelConfig(), 16, 4, 3)

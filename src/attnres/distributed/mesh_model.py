@@ -83,8 +83,11 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
                              "(every chunk holds at least one transformer block)")
         rows = batch_size // dp
         if rows % parallel.microbatches:
+            step = dp * parallel.microbatches
             raise ValueError(f"each data-parallel rank's batch (batch_size / dp = {batch_size} / {dp} = {rows}) must be "
-                             f"divisible by parallel.pp_microbatches={parallel.microbatches}")
+                             f"divisible by parallel.pp_microbatches={parallel.microbatches}: set batch_size="
+                             f"{-(-batch_size // step) * step} (or another multiple of dp x pp_microbatches = {step}), "
+                             f"or parallel.pp_microbatches to a divisor of {rows} that the schedule takes")
     if batch_size % dp:
         up = -(-batch_size // dp) * dp
         raise ValueError(f"TrainConfig.batch_size={batch_size} (the global batch) must be divisible by parallel.dp={dp} "
