@@ -184,8 +184,6 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
     ) -> tuple[Tensor, Cache | None]:
         """The decoder pass shared by both heads: final-norm input ``h [B, T, d]`` and the cache.
         ``inputs_embeds [B, T, d]`` in place of ``input_ids``: taken as ``embed_tokens(input_ids)``."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids [batch, seq_len] and inputs_embeds [batch, seq_len, d_model]")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False  # recomputing a sublayer would append its keys/values twice
@@ -193,7 +191,7 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
             past_key_values = DynamicCache(config=self.config)
         if use_cache and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
-        t = self._check_inputs(input_ids, inputs_embeds)
+        _, t = self.check_inputs(input_ids, inputs_embeds)
         store = HFCacheAdapter(past_key_values) if use_cache else None
         past = 0 if store is None else store.seq_len
         if past + t > self.native_config.max_seq_len:
@@ -209,15 +207,6 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
         return h, past_key_values if use_cache else None
 
-    def _check_inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> int:
-        """Check the one of them given (:meth:`check_input_ids`, :meth:`check_inputs_embeds`);
-        return their length ``T``."""
-        if inputs_embeds is None:
-            self.check_input_ids(input_ids)
-            return input_ids.shape[1]
-        self.check_inputs_embeds(inputs_embeds)
-        return inputs_embeds.shape[1]
-
     def _hidden_static(self, input_ids: Tensor | None, attention_mask: Tensor | None, cache: Cache,
                        inputs_embeds: Tensor | None = None) -> Tensor:
         """The decoder pass over a compileable cache (``StaticCache``) with no host sync:
@@ -225,7 +214,7 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         token ids are not checked - the compiled steps only see sampled tokens, the prompt
         goes through an eager prefill that checks it."""
         if not torch.compiler.is_compiling():
-            self._check_inputs(input_ids, inputs_embeds)
+            self.check_inputs(input_ids, inputs_embeds)
         t = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
         capacity, offset = cache.get_mask_sizes(t, 0)
         if offset != 0 or capacity > self.native_config.max_seq_len:

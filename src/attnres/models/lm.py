@@ -106,13 +106,7 @@ class AttnResLM(DecoderTrunk):
         in place. ``attention_mask``: ``[B, past + T]`` of 0/1, left padding only. A
         ``StaticKVCache`` holds the padding itself (``attention_mask`` must be ``None``).
         """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids [batch, seq_len] and inputs_embeds [batch, seq_len, d_model]")
-        if inputs_embeds is None:
-            self.check_input_ids(input_ids)
-        else:
-            self.check_inputs_embeds(inputs_embeds)
-        b, t = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
+        b, t = self.check_inputs(input_ids, inputs_embeds)
         if labels is not None and labels.shape != (b, t):
             raise ValueError(f"labels must have the shape [batch, seq_len] = {(b, t)} of the inputs, got {tuple(labels.shape)}")
         if labels is not None and last_logits_only:

@@ -164,6 +164,17 @@ class DecoderTrunk(nn.Module):
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {config.vocab_size})")
 
+    def check_inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[int, int]:
+        """Check the one of ``input_ids [B, T]`` and ``inputs_embeds [B, T, d]`` given
+        (:meth:`check_input_ids`, :meth:`check_inputs_embeds`); return ``(B, T)``."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [batch, seq_len] and inputs_embeds [batch, seq_len, d_model]")
+        if inputs_embeds is None:
+            self.check_input_ids(input_ids)
+            return tuple(input_ids.shape)
+        self.check_inputs_embeds(inputs_embeds)
+        return tuple(inputs_embeds.shape[:2])
+
     def check_inputs_embeds(self, inputs_embeds: Tensor) -> None:
         """Raise ``ValueError`` unless ``inputs_embeds`` is a ``[B, T, d_model]`` tensor in the
         embedding's dtype, on its device, with ``1 <= T <= max_seq_len``: what the model
