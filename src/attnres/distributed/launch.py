@@ -10,7 +10,7 @@ fails with :class:`DistributedError` instead of waiting forever. :func:`process_
 what a training run calls: the group when several ranks were launched, else this one
 process alone (a :class:`DistContext` of world size 1, no group); the collectives here
 (:func:`mean_over_ranks`, :func:`any_rank`, :func:`barrier`, :func:`gather_objects`,
-:func:`raise_on_every_rank`) are no-ops for it.
+:func:`raise_on_every_rank`, :func:`agree`, :func:`main_first`) are no-ops for it.
 """
 
 from __future__ import annotations
@@ -227,6 +227,39 @@ def raise_on_every_rank(error: Exception | None, ctx: DistContext) -> None:
         except Exception:  # noqa: BLE001 - a type that needs other arguments
             error = ValueError(message)
     raise on_every_rank(error)
+
+
+def _attempt(fn):
+    """``(fn(), None)``, or ``(None, the error)``."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - handed to raise_on_every_rank
+        return None, e
+
+
+def agree(fn, ctx: DistContext):
+    """``fn()`` on every rank; an error on any rank stops every rank with it, marked as every
+    rank's (:func:`raise_on_every_rank`)."""
+    result, error = _attempt(fn)
+    raise_on_every_rank(error, ctx)
+    return result
+
+
+def main_first(fn, ctx: DistContext, shared: bool = False):
+    """``fn()`` on rank 0 first, then on the others (which may then read what rank 0 wrote:
+    a token cache, checkpoints set aside). With ``shared`` the others take rank 0's
+    (picklable) result instead of running ``fn``: work whose answer is every rank's, done once
+    (hashing every file of the checkpoint a run resumes would read it once per rank from the
+    shared file system - and the ranks could not disagree on which one verifies). An error on
+    any rank stops every rank with that error (:func:`raise_on_every_rank`)."""
+    result, error = _attempt(fn) if ctx.is_main else (None, None)
+    raise_on_every_rank(error, ctx)  # a collective: also the barrier
+    if shared:
+        return broadcast_object(result, ctx)
+    if not ctx.is_main:
+        result, error = _attempt(fn)
+    raise_on_every_rank(error, ctx)
+    return result
 
 
 def _portable_type(error: BaseException) -> type:

@@ -56,10 +56,12 @@ from ..data.tokenizer import TOKENIZER_KINDS, tokenizer_file
 from ..distributed.data_parallel import shard_optimizer_state
 from ..distributed.launch import (
     DistContext,
+    agree,
     any_rank,
     barrier,
     collect_garbage,
     collective_errors,
+    main_first,
     mean_over_ranks,
     on_every_rank,
     patient,
@@ -229,23 +231,15 @@ class Trainer:
             raise
 
     # -- coordination ---------------------------------------------------------------------
-    def _main_first(self, fn):
-        """``fn()`` on rank 0 first, then on the others (which may then read what rank 0
-        wrote: a token cache, checkpoints set aside). An error on any rank stops every rank
-        with that error (:func:`~attnres.distributed.launch.raise_on_every_rank`)."""
-        result, error = _attempt(fn) if self.main else (None, None)
-        raise_on_every_rank(error, self.patient)  # a collective: also the barrier
-        if not self.main:
-            result, error = _attempt(fn)
-        raise_on_every_rank(error, self.patient)
-        return result
+    def _main_first(self, fn, shared: bool = False):
+        """``fn()`` on rank 0 first, then on the others, or with ``shared`` rank 0's result on
+        every rank (:func:`~attnres.distributed.launch.main_first`, on the patient group)."""
+        return main_first(fn, self.patient, shared)
 
     def _agree(self, fn):
-        """``fn()`` on every rank; an error on any rank stops every rank with it, marked as every
-        rank's (:func:`~attnres.distributed.launch.raise_on_every_rank`)."""
-        result, error = _attempt(fn)
-        raise_on_every_rank(error, self.patient)
-        return result
+        """``fn()`` on every rank, stopping every rank on any rank's error
+        (:func:`~attnres.distributed.launch.agree`)."""
+        return agree(fn, self.patient)
 
     def _locate_start_and_data(self, config: TrainConfig) -> tuple[Start, TrainConfig, RunData]:
         """The checkpoint to start from, checked against ``config``, and the run's data."""
@@ -590,14 +584,6 @@ def check_backend(config: TrainConfig, device: torch.device) -> None:
         raise ValueError(f"model.residual.backend='triton' needs a CUDA GPU (Triton kernels run on GPUs), and this run's "
                          f"device is {device.type}: use backend='auto' (the C kernel on the CPU, Triton on CUDA) or "
                          "'torch'")
-
-
-def _attempt(fn):
-    """``(fn(), None)``, or ``(None, the error)``."""
-    try:
-        return fn(), None
-    except Exception as e:  # noqa: BLE001 - handed to raise_on_every_rank
-        return None, e
 
 
 def _load_init_weights(source, config: TrainConfig, load: Callable[[], None]) -> None:

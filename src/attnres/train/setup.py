@@ -2,9 +2,10 @@
 whose weights start it (:func:`locate_start`), and its data - tokenizer, sampler, validation
 batches (:func:`prepare_run_data`).
 
-Both take ``main_first(fn)``: run ``fn`` on rank 0 first and then on the other ranks (which
-may then read what rank 0 wrote: a token cache, checkpoints set aside); in one process it
-is ``fn()``.
+Both take ``main_first(fn, shared=False)``: run ``fn`` on rank 0 first and then on the
+other ranks (which may then read what rank 0 wrote: a token cache, checkpoints set aside),
+or with ``shared`` give rank 0's result to every rank (the checkpoint to start from: its
+files hashed once, not once per rank); in one process it is ``fn()``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .resume import check_data, check_progress
 
 __all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]
 
-MainFirst = Callable[[Callable[[], Any]], Any]
+MainFirst = Callable[..., Any]  # (fn, shared=False) -> fn()'s result, see above
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
     ones in this run's own directory are set aside, with a warning."""
     where = Path(config.resume_from) if config.resume_from is not None else out_dir
     set_aside = main and _owns(out_dir, where)
-    source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside, resuming=True))
+    # rank 0 verifies (hashes every file) and sets aside what does not verify; the others take its pick
+    source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside, resuming=True), shared=True)
     if source is None and config.resume_from is not None:
         raise ValueError(f"resume_from: {no_checkpoint_at(config.resume_from)}")
     if source is None:
@@ -96,7 +98,7 @@ def locate_start(config: TrainConfig, main: bool, main_first: MainFirst) -> Star
     if latest_checkpoint(out_dir) is not None:
         raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true (--resume) to continue, "
                          "--resume-from DIR to continue a given checkpoint, or pick another out_dir")
-    return Start() if config.init_from is None else _init_source(config)
+    return Start() if config.init_from is None else main_first(lambda: _init_source(config), shared=True)
 
 
 @dataclass
