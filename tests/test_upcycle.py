@@ -101,6 +101,26 @@ def test_save_and_load_round_trip_is_bit_identical(tmp_path, model_type):
         assert torch.equal(loaded(x).logits, up(x).logits)
 
 
+def test_automodel_of_an_upcycled_directory_names_the_causal_lm_and_its_hidden_states(tmp_path):
+    """``AutoModel`` of an upcycled directory says to load it with ``AutoModelForCausalLM`` (it
+    listed every configuration class transformers knows); what it points to holds:
+    ``hidden_states[-1]`` is the base model's ``last_hidden_state``."""
+    from transformers import AutoConfig, AutoModel
+
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2).eval()
+    up.save_pretrained(tmp_path / "up")
+    for load in (lambda: AutoModel.from_pretrained(tmp_path / "up"),
+                 lambda: AutoModel.from_config(AutoConfig.from_pretrained(tmp_path / "up"))):
+        with pytest.raises(ValueError, match=r"AttnRes llama model: it loads as a causal LM only .*AutoModelForCausalLM"
+                                             r".*output_hidden_states=True"):
+            load()
+    with torch.no_grad():
+        for m in up.residual.mixers:
+            m.query.normal_(std=0.3)
+        x = ids()
+        assert torch.equal(up(x, output_hidden_states=True).hidden_states[-1], up.model(x).last_hidden_state)
+
+
 @pytest.mark.parametrize("model_type", ["qwen2"] + [f for f in FAMILIES if FAMILIES[f].router is not None])
 def test_a_pretrained_directory_loads_into_the_attnres_model(tmp_path, model_type):
     """The AttnRes model's parameters are the family's plus ``residual.*``: loading the

@@ -29,7 +29,7 @@ from transformers.models.minimax_m2 import MiniMaxM2Config, MiniMaxM2ForCausalLM
 from transformers.models.phimoe import PhimoeConfig, PhimoeForCausalLM
 from transformers.models.granitemoe import GraniteMoeConfig, GraniteMoeForCausalLM
 
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from ...nn.residual import ResidualConfig
 from .layout import FAMILIES, layout_of
@@ -273,13 +273,40 @@ def upcycled_classes(model_type: str) -> tuple[type, type]:
     return CLASSES[model_type]
 
 
+class _CausalLMOnly:
+    """``AutoModel``'s entry for an AttnRes family: a refusal that says what to load instead
+    (else transformers lists every configuration class it knows). The base model alone has no
+    residual: it belongs to the causal LM, whose parameters it is among."""
+
+    config_class: type
+
+    @classmethod
+    def _refusal(cls, what: str) -> ValueError:
+        family = cls.config_class.model_type.removeprefix(PREFIX)
+        return ValueError(f"{what} is an AttnRes {family} model: it loads as a causal LM only (its residual belongs "
+                          "to the whole model), with AutoModelForCausalLM; for what AutoModel gives, call it with "
+                          "output_hidden_states=True: hidden_states[-1] is the final norm's output (AutoModel's "
+                          "last_hidden_state)")
+
+    @classmethod
+    def from_pretrained(cls, path=None, *args, **kwargs):
+        raise cls._refusal(repr(str(path)))
+
+    @classmethod
+    def _from_config(cls, config, *args, **kwargs):
+        raise cls._refusal(f"a model of {type(config).__name__}")
+
+
 def register_families() -> None:
-    """Register every supported family's AttnRes classes with the Auto classes, and the
-    family's checkpoint conversion (idempotent)."""
+    """Register every supported family's AttnRes classes with the Auto classes (``AutoModel``
+    with a refusal that names ``AutoModelForCausalLM``), and the family's checkpoint
+    conversion (idempotent)."""
     for model_type in FAMILIES:
         config_cls, model_cls = upcycled_classes(model_type)
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+        refusal = type(config_cls.__name__.removesuffix("Config") + "Model", (_CausalLMOnly,), {"config_class": config_cls})
+        AutoModel.register(config_cls, refusal, exist_ok=True)
         _share_weight_conversion(model_type)
 
 
