@@ -18,11 +18,14 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.locate import RUN_LOG as METRICS_FILE
 from ..output_paths import strict_json
 from .out_dir import OutDirError, os_cause
+
+if TYPE_CHECKING:
+    from .wandb_log import WandbMirror
 
 __all__ = ["METRICS_FILE", "NONFINITE", "MetricsLogger", "metrics_line", "read_metrics", "scalars"]
 
@@ -109,15 +112,15 @@ def scalars(kind: str, values: dict[str, Any]) -> dict[str, float]:
 
 class MetricsLogger:
     """Appends JSON records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard
-    when the ``tensorboard`` package is installed and enabled, and to Weights & Biases with
-    ``wandb_project`` (:mod:`attnres.train.wandb_log`; ``config``: the run's, for W&B).
+    when the ``tensorboard`` package is installed and enabled, and to Weights & Biases through
+    ``wandb``, a started :class:`~attnres.train.wandb_log.WandbMirror` (started before the data
+    is read, so that a missing login is said first), which the logger closes.
 
     ``resume_step``: ``None`` starts a fresh log; otherwise the records up to that step are
     kept and the rest (logged by an interrupted run after its last checkpoint, and redone
     now) dropped, as is an unreadable line."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None, wandb_project: str | None = None,
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None, wandb: WandbMirror | None = None) -> None:
         self.path = out_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
@@ -132,15 +135,7 @@ class MetricsLogger:
                 pass
             else:
                 self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
-        self.wandb = None
-        if wandb_project is not None:
-            from .wandb_log import WandbMirror
-
-            try:
-                self.wandb = WandbMirror(wandb_project, out_dir, resume_step, config or {})
-            except BaseException:  # (W&B could not start: the TensorBoard writer is not left open)
-                self.close()
-                raise
+        self.wandb = wandb
 
     def log(self, kind: str, step: int, **values: Any) -> None:
         """Append one record; :class:`~attnres.train.out_dir.OutDirError` naming the file
