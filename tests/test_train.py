@@ -726,6 +726,22 @@ def test_byte_fallback(tmp_path, corpus_file, monkeypatch):
     assert "".join(text_chunks(text, size=300)) == text
 
 
+def test_a_token_cache_that_cannot_be_written_says_where_and_how_to_go_on(tmp_path, corpus_file, monkeypatch):
+    """A full disk while the token cache was written gave an OSError traceback (after the
+    tokenising); now one line naming the cache, the cause and data.cache_dir, nothing left."""
+    import errno
+
+    def full(tok, text, path, *args):
+        path.write_bytes(b"\0")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(dataset_mod, "_encode_to_file", full)
+    with pytest.raises(ValueError, match=r"could not write the token cache '.*-byte256': no space left on device; "
+                                         r"make room there, or set data.cache_dir to a directory that has it"):
+        prepare_data(load_corpus([str(corpus_file)]), "byte", cache_dir=str(tmp_path / "cache"))
+    assert list((tmp_path / "cache").iterdir()) == []  # the half-written cache is gone
+
+
 def test_split_is_deterministic_and_spread(tmp_path):
     write_corpus(tmp_path / "a.txt", 3000)
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i} " * 50}) for i in range(20)) + "\n")

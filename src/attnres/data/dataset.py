@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..output_paths import OutputPathError, os_cause
 from ..progress import progress_bar
 from ..validation import did_you_mean
 from .corpus import Corpus
@@ -115,11 +116,13 @@ def _open_cache(cache: Path, tok: Tokenizer | None) -> TokenData | None:
 
 def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progress: bool = False) -> None:
     """Tokenise both splits with ``tok`` into ``cache``, atomically (a temporary directory
-    renamed into place; removed again if anything, Ctrl-C included, interrupts it)."""
+    renamed into place; removed again if anything, Ctrl-C included, interrupts it).
+    :class:`~attnres.output_paths.OutputPathError` (a ``ValueError``) naming the cache, the
+    cause and the fix when it cannot be written (a full disk, a read-only file system)."""
     tmp = root / f".{cache.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         if isinstance(tok, BPETokenizer):
             tok.save(tmp / "tokenizer.json")
         dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
@@ -132,6 +135,10 @@ def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progre
             shutil.rmtree(tmp)
         else:
             os.replace(tmp, cache)
+    except OSError as e:  # (was a traceback, after minutes of tokenising)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputPathError(f"could not write the token cache {str(cache)!r}: {os_cause(e)}; make room there, or "
+                              "set data.cache_dir to a directory that has it") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
