@@ -742,6 +742,27 @@ def test_a_token_cache_that_cannot_be_written_says_where_and_how_to_go_on(tmp_pa
     assert list((tmp_path / "cache").iterdir()) == []  # the half-written cache is gone
 
 
+def test_jsonl_text_in_a_field_of_another_name(tmp_path, corpus_file):
+    """A .jsonl whose lines hold their text under "content" was refused without a way to read
+    it; data.text_field names the field, the run's checkpoint keeps it (attnres eval reads the
+    validation split again with it), and the error names the fields a line has."""
+    from attnres.inference.loading import load_run
+
+    lines = corpus_file.read_text().splitlines()
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": i, "content": t}) + "\n" for i, t in enumerate(lines)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    with pytest.raises(ValueError, match=r"a.jsonl:1: every JSONL line must be an object with a string field \"text\" "
+                                         r"\(this one has the fields \['content', 'id'\]\); data.text_field names"):
+        load_corpus([str(tmp_path / "a.jsonl")])
+    with pytest.raises(ValueError, match=r"b.jsonl:1: .* field \"content\" \(this one has the fields \['text'\]\)"):
+        load_corpus([str(tmp_path / "b.jsonl")], text_field="content")
+    got, want = load_corpus([str(tmp_path / "a.jsonl")], 0.02, "content"), load_corpus([str(tmp_path / "b.jsonl")])
+    assert (got.train, got.val, got.digest) == (want.train, want.val, want.digest)
+    out = tmp_path / "run"
+    train(load_config(None, overrides(tmp_path / "a.jsonl", out, steps=1, eval_every=1, **{"data.text_field": "content"})))
+    assert load_run(out).validation_text() == want.val
+
+
 def test_split_is_deterministic_and_spread(tmp_path):
     write_corpus(tmp_path / "a.txt", 3000)
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i} " * 50}) for i in range(20)) + "\n")

@@ -60,7 +60,11 @@ def _utf8_error_at(path: Path) -> str:
     return "unknown position"
 
 
-def _read_jsonl(path: Path) -> list[str]:
+#: The field of a ``.jsonl`` line that holds its text, unless ``data.text_field`` names another.
+TEXT_FIELD = "text"
+
+
+def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> list[str]:
     docs = []
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record.
     with path.open(encoding="utf-8-sig") as f:
@@ -71,10 +75,21 @@ def _read_jsonl(path: Path) -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field \"text\"")
-            docs.append(record["text"])
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field "
+                                 f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); data.text_field names "
+                                 "the field that holds the text")
+            docs.append(record[text_field])
     return docs
+
+
+def _what_line_holds(record: object, text_field: str) -> str:
+    """What a ``.jsonl`` line without a string ``text_field`` holds instead, in words."""
+    if not isinstance(record, dict):
+        return f"this one is a JSON {type(record).__name__}"
+    if text_field in record:
+        return f"this one's is {json.dumps(record[text_field])[:40]}"
+    return f"this one has the fields {sorted(record)}" if record else "this one is an empty object"
 
 
 def _files_of(path: Path) -> list[Path]:
@@ -197,10 +212,11 @@ def data_files(paths: list[str] | tuple[str, ...] = ()) -> list[tuple[Path, list
     return [(root, _files_of(root)) for root in roots]
 
 
-def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02) -> Corpus:
+def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02,
+                text_field: str = TEXT_FIELD) -> Corpus:
     """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
-    ``.jsonl`` lines need a ``"text"`` field) - or the default corpus
+    ``.jsonl`` lines need a string field ``text_field``, ``"text"`` by default) - or the default corpus
     when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing or empty
     path, an empty file, a file that two paths reach (it would count twice) or a split that leaves
     either part empty."""
@@ -219,7 +235,7 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             if file.stat().st_size == 0:
                 raise ValueError(f"data file {str(file)!r} is empty")
             try:
-                file_docs = _read_jsonl(file) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
+                file_docs = _read_jsonl(file, text_field) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
             except UnicodeDecodeError:  # a .jsonl file's lines
                 raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
             if not any(d.strip() for d in file_docs):

@@ -180,7 +180,7 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     continues at its data position. Returns ``config`` with the model's vocabulary set from
     the tokenizer (or kept where a start's embedding is padded beyond it,
     :func:`model_vocab_size`; the caller's config is left alone), and the data."""
-    corpus = load_corpus(config.data.paths, config.data.val_fraction)
+    corpus = load_corpus(config.data.paths, config.data.val_fraction, config.data.text_field)
     source = start.resume or start.init
     given = stored_tokenizer(source) if source is not None else None
     if given is not None:
