@@ -197,6 +197,9 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     sampler = BatchSampler(tokens.train, config.seq_len, config.batch_size, config.seed)
     if start.resume is not None and not changed:
         sampler.load_state_dict(start.resume.state["sampler"])
-    data = RunData(tokens, corpus.digest, meta, files, "stored in the checkpoint" if given is not None else "made from the data",
-                   changed, sampler, validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches))
+    # (a tokenizer.json given by path was said to be "made from the data" at start-up)
+    origin = ("stored in the checkpoint" if given is not None else "made from the data"
+              if config.data.tokenizer in TOKENIZER_KINDS else f"read from {config.data.tokenizer}")
+    data = RunData(tokens, corpus.digest, meta, files, origin, changed, sampler,
+                   validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches))
     return config, data
