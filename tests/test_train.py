@@ -742,6 +742,18 @@ def test_a_token_cache_that_cannot_be_written_says_where_and_how_to_go_on(tmp_pa
     assert list((tmp_path / "cache").iterdir()) == []  # the half-written cache is gone
 
 
+@pytest.mark.parametrize("meta", ['{"tokenizer": "byte"', "{}", '{"tokenizer": "byte", "dtype": "uint16"}'])
+def test_a_damaged_token_cache_is_named_with_how_to_remake_it(tmp_path, corpus_file, meta):
+    """A meta.json cut short or missing its keys gave "Expecting ',' delimiter" (no word of
+    which file) or a KeyError traceback."""
+    corpus = load_corpus([str(corpus_file)])
+    made = prepare_data(corpus, "byte", cache_dir=str(tmp_path))
+    (made.cache_dir / "meta.json").write_text(meta)
+    with pytest.raises(ValueError, match=rf"token cache '{re.escape(str(made.cache_dir))}' is damaged: its meta.json "
+                                         r"cannot be read \((JSONDecodeError|KeyError): .*\); delete that directory"):
+        prepare_data(corpus, "byte", cache_dir=str(tmp_path))
+
+
 def test_jsonl_text_in_a_field_of_another_name(tmp_path, corpus_file):
     """A .jsonl whose lines hold their text under "content" was refused without a way to read
     it; data.text_field names the field, the run's checkpoint keeps it (attnres eval reads the

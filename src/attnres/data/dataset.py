@@ -91,7 +91,7 @@ def _encode_to_file(tok: Tokenizer, text: str, path: Path, dtype: np.dtype, prog
     return n
 
 
-def _open_tokens(path: Path, dtype: str, n: int) -> np.ndarray:
+def _open_tokens(path: Path, dtype: np.dtype, n: int) -> np.ndarray:
     arr = np.memmap(path, dtype=dtype, mode="r")
     if arr.shape[0] != n:
         raise ValueError(f"token cache {str(path)!r} holds {arr.shape[0]} tokens, its meta.json says {n}; delete the cache directory")
@@ -104,13 +104,17 @@ def _open_cache(cache: Path, tok: Tokenizer | None) -> TokenData | None:
     meta_path = cache / "meta.json"
     if not meta_path.is_file():
         return None
-    meta = json.loads(meta_path.read_text())
-    kind = meta["tokenizer"]
+    try:  # (a damaged meta.json gave "Expecting ',' delimiter" or a KeyError traceback)
+        meta = json.loads(meta_path.read_text())
+        kind, dtype, n_train, n_val = meta["tokenizer"], np.dtype(meta["dtype"]), int(meta["n_train"]), int(meta["n_val"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"token cache {str(cache)!r} is damaged: its meta.json cannot be read ({type(e).__name__}: "
+                         f"{e}); delete that directory, and the cache is made again") from None
     cached: Tokenizer = BPETokenizer.load(cache / "tokenizer.json") if kind == "bpe" else ByteTokenizer()
     if tok is not None and cached.fingerprint != tok.fingerprint:
         return None
-    train = _open_tokens(cache / "train.bin", meta["dtype"], meta["n_train"])
-    val = _open_tokens(cache / "val.bin", meta["dtype"], meta["n_val"])
+    train = _open_tokens(cache / "train.bin", dtype, n_train)
+    val = _open_tokens(cache / "val.bin", dtype, n_val)
     return TokenData(train, val, cached, cache)
 
 
