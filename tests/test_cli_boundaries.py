@@ -273,7 +273,7 @@ def test_a_binary_text_file_is_named(run_dir, tmp_path, command):
     with pytest.raises(SystemExit) as info:
         cli_main([command, "--checkpoint", str(run_dir), "--text", str(binary), "--out", str(tmp_path / "o")]
                  + (["--tasks", "none"] if command == "eval" else []))
-    assert f"--text {str(binary)!r} is not UTF-8 text (byte 128); give a text file" in str(info.value)
+    assert f"--text {str(binary)!r} is not UTF-8 text (line 2, byte 128); give a text file" in str(info.value)  # (byte 10 is a line break)
 
 
 GREEDY = ["--prompt", "the", "--max-new-tokens", "6", "--temperature", "0"]

@@ -296,6 +296,10 @@ def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
     (tmp_path / "late.jsonl").write_bytes(prefix + b'{"text": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=rf"'.*late.jsonl' is not UTF-8 text \(line 3001, byte {len(prefix) + 13}\)$"):
         load_corpus([str(tmp_path / "late.jsonl")])
+    # a .txt file's too (it said only the byte), counted in the file, its byte-order mark included
+    (tmp_path / "late.txt").write_bytes(b"\xef\xbb\xbf" + b"a line\n" * 3000 + b"caf\xe9\n")
+    with pytest.raises(ValueError, match=rf"'.*late.txt' is not UTF-8 text \(line 3001, byte {3 + 7 * 3000 + 3}\); "):
+        load_corpus([str(tmp_path / "late.txt")])
 
 
 def test_a_text_file_with_a_byte_order_mark_and_upper_case_suffixes(tmp_path):

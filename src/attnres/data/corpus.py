@@ -41,8 +41,9 @@ def read_text_file(path: str | Path, what: str) -> str:
     file) or cannot be read."""
     try:
         return Path(path).read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start}); give a text file") from None
+    except UnicodeDecodeError:  # (where, as a .jsonl file's is said: a line to look at in a large file)
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({_utf8_error_at(Path(path))}); give a text "
+                         "file") from None
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
 
