@@ -758,6 +758,22 @@ def test_a_damaged_token_cache_is_named_with_how_to_remake_it(tmp_path, corpus_f
         prepare_data(corpus, "byte", cache_dir=str(tmp_path))
 
 
+def test_a_compressed_or_json_data_file_says_what_it_is_read_as(tmp_path, corpus_file):
+    """A .jsonl.gz was "not UTF-8 text (line 1, byte 1)" with no word of why; a .json file of
+    JSON lines was trained on, its markup included, without a word."""
+    import gzip
+
+    records = "".join(json.dumps({"text": t}) + "\n" for t in corpus_file.read_text().splitlines())
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(records.encode()))
+    with pytest.raises(ValueError, match=r"'.*a.jsonl.gz' is not UTF-8 text \(line 1, byte 1; a gzip-compressed file: "
+                                         r"decompress it first\)"):
+        load_corpus([str(tmp_path / "a.jsonl.gz")])
+    (tmp_path / "a.json").write_text(records)
+    with pytest.warns(UserWarning, match=r"'.*a.json' is read as plain text, its JSON syntax included: only .jsonl "
+                                         r"files are read as JSON lines .* rename it .jsonl"):
+        assert '{"text": ' in load_corpus([str(tmp_path / "a.json")]).train
+
+
 def test_jsonl_text_in_a_field_of_another_name(tmp_path, corpus_file):
     """A .jsonl whose lines hold their text under "content" was refused without a way to read
     it; data.text_field names the field, the run's checkpoint keeps it (attnres eval reads the

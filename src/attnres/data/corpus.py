@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -53,12 +54,19 @@ def _utf8_error_at(path: Path) -> str:
     the start of the file). A streamed read's ``UnicodeDecodeError`` counts from the start of
     the buffer that failed, which is not the file's from the second buffer on."""
     data = path.read_bytes()
+    packed = next((kind for magic, kind in COMPRESSED if data.startswith(magic)), None)
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        return f"line {line}, byte {e.start}"
+        # (a compressed file's first bytes are not UTF-8: what to do is to decompress it)
+        return f"line {line}, byte {e.start}" + (f"; a {packed}-compressed file: decompress it first" if packed else "")
     return "unknown position"
+
+
+#: The first bytes of compressed files a corpus comes as, and their formats' names.
+COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bzip2"),
+              (b"PK\x03\x04", "zip"))
 
 
 #: The field of a ``.jsonl`` line that holds its text, unless ``data.text_field`` names another.
@@ -235,6 +243,10 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                                  "directory once")
             if file.stat().st_size == 0:
                 raise ValueError(f"data file {str(file)!r} is empty")
+            if file.suffix.lower() == ".json":  # (often JSON lines saved as .json: its markup would be trained on)
+                warnings.warn(f"data file {str(file)!r} is read as plain text, its JSON syntax included: only .jsonl "
+                              "files are read as JSON lines (their text field); rename it .jsonl if it holds one "
+                              "object a line", stacklevel=2)
             try:
                 file_docs = _read_jsonl(file, text_field) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
             except UnicodeDecodeError:  # a .jsonl file's lines
