@@ -746,6 +746,24 @@ def test_a_token_cache_that_cannot_be_written_says_where_and_how_to_go_on(tmp_pa
     assert list((tmp_path / "cache").iterdir()) == []  # the half-written cache is gone
 
 
+def test_two_processes_making_the_same_token_cache_both_go_on(tmp_path, corpus_file, monkeypatch):
+    """A process that finished tokenising just after another renamed the same cache into place
+    failed renaming its own onto it (a non-empty directory); now it keeps the other's."""
+    import shutil
+
+    corpus, replace = load_corpus([str(corpus_file)]), os.replace
+
+    def another_process_first(src, dst):
+        if Path(src).is_dir() and not Path(dst).exists():
+            shutil.copytree(src, dst)  # the other process's cache, renamed there after this one looked
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", another_process_first)
+    data = prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache"))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [data.cache_dir.name]  # no temporary directory left
+    assert bytes(np.asarray(data.train, dtype=np.uint8)).decode() == corpus.train
+
+
 @pytest.mark.parametrize("meta", ['{"tokenizer": "byte"', "{}", '{"tokenizer": "byte", "dtype": "uint16"}'])
 def test_a_damaged_token_cache_is_named_with_how_to_remake_it(tmp_path, corpus_file, meta):
     """A meta.json cut short or missing its keys gave "Expecting ',' delimiter" (no word of

@@ -138,7 +138,7 @@ def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progre
         if cache.exists():  # another process finished first; its cache is equivalent
             shutil.rmtree(tmp)
         else:
-            os.replace(tmp, cache)
+            _publish(tmp, cache)
     except OSError as e:  # (was a traceback, after minutes of tokenising)
         shutil.rmtree(tmp, ignore_errors=True)
         raise OutputPathError(f"could not write the token cache {str(cache)!r}: {os_cause(e)}; make room there, or "
@@ -146,6 +146,17 @@ def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progre
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _publish(tmp: Path, cache: Path) -> None:
+    """Rename the complete cache ``tmp`` to ``cache``; where another process renamed its own
+    there first (after this one looked), that one stays and ``tmp`` goes."""
+    try:
+        os.replace(tmp, cache)
+    except OSError:
+        if not (cache / "meta.json").is_file():  # (not that race: a real failure)
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
