@@ -24,7 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 from attnres.cli import main as cli_main  # noqa: E402
-from attnres.data import BatchSampler, ByteTokenizer, load_corpus, prepare_data  # noqa: E402
+from attnres.data import BatchSampler, ByteTokenizer, load_corpus, prepare_data, validation_batches  # noqa: E402
 from attnres.data.tokenizer import text_chunks  # noqa: E402
 from attnres.data import dataset as dataset_mod  # noqa: E402
 from attnres.train import (  # noqa: E402
@@ -820,6 +820,16 @@ def test_split_is_deterministic_and_spread(tmp_path):
     assert c1 == c2
     assert len(c1.val) == pytest.approx(0.05 * (len(c1.train) + len(c1.val)), rel=0.5)
     assert "doc 3" in c1.train + c1.val and len(c1.sources) == 2
+
+
+def test_splits_shorter_than_a_window_say_how_to_go_on():
+    """The training split's error named no way out (the validation split's does)."""
+    with pytest.raises(ValueError, match=r"the training split has 10 tokens, fewer than seq_len = 16; lower seq_len, or "
+                                         r"give more text \(or a smaller data.val_fraction\)"):
+        BatchSampler(np.arange(10, dtype=np.uint16), seq_len=16, batch_size=2, seed=0)
+    with pytest.raises(ValueError, match=r"the validation split has 10 tokens, fewer than seq_len = 16; raise "
+                                         r"data.val_fraction or lower seq_len"):
+        validation_batches(np.arange(10, dtype=np.uint16), seq_len=16, batch_size=2, n_batches=1)
 
 
 def test_sampler_resumes_where_it_stopped():

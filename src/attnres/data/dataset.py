@@ -222,7 +222,8 @@ class BatchSampler:
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.n_windows = len(tokens) // seq_len
         if self.n_windows < 1:
-            raise ValueError(f"the training split has {len(tokens)} tokens, fewer than seq_len = {seq_len}")
+            raise ValueError(f"the training split has {len(tokens)} tokens, fewer than seq_len = {seq_len}; lower seq_len, "
+                             "or give more text (or a smaller data.val_fraction)")
         self.samples_drawn = 0
         self._epoch = -1
         self._order: np.ndarray | None = None
