@@ -71,7 +71,9 @@ def setting_overrides(setting: str) -> list[str]:
 
 def curve(run_dir: Path) -> list[tuple[int, float]]:
     """``(step, validation loss)`` of every evaluation of the run."""
-    rows = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    from attnres.train.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")  # (strict JSON: a NaN loss is null there, NaN here)
     return [(r["step"], r["val_loss"]) for r in rows if r.get("kind") == "eval"]
 
 

@@ -35,7 +35,6 @@ still accepts (with a deprecation warning).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -94,6 +93,7 @@ def dump(variants: list[str], dest: Path, work: Path) -> None:
     from attnres import AttnResLM, ModelConfig
     from attnres.inference import decode_step, prefill
     from attnres.train import TrainConfig, train
+    from attnres.train.metrics import read_metrics
 
     torch.set_num_threads(1)
     tensors: dict[str, torch.Tensor] = {}
@@ -144,7 +144,7 @@ def dump(variants: list[str], dest: Path, work: Path) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 train(TrainConfig.from_dict(config))
-            records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+            records = read_metrics(run_dir / "metrics.jsonl")  # (strict JSON: a NaN is null there, NaN here)
             losses = [r["loss"] for r in records if r["kind"] == "train"]
             vals = [r["val_loss"] for r in records if r["kind"] == "eval"]
             tensors[f"{name}/train_{optimizer}/loss_curve"] = torch.tensor(losses + vals, dtype=torch.float64)

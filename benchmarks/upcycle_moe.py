@@ -150,7 +150,9 @@ def _tv(p: list[float], q: list[float]) -> float:
 
 
 def _curves(run: Path) -> dict:
-    records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    from attnres.train.metrics import read_metrics
+
+    records = read_metrics(run / "metrics.jsonl")  # (strict JSON: a NaN is null there, NaN here)
     diags = [r for r in records if r["kind"] == "diagnostics" and r.get("depth_weights")]
     return {"train": [(r["step"], r["loss"], r.get("aux_loss")) for r in records if r["kind"] == "train"],
             "eval": [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"],

@@ -27,6 +27,7 @@ import torch
 
 from attnres.data import load_corpus
 from attnres.train import load_config, train
+from attnres.train.metrics import read_metrics
 from attnres.upcycle import upcycle
 from attnres.hf.upcycle.io import load_pretrained
 
@@ -105,7 +106,7 @@ def main() -> int:
             t0 = time.perf_counter()
             result = train(load_config(None, overrides))
             seconds = time.perf_counter() - t0
-            records = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+            records = read_metrics(run / "metrics.jsonl")  # (strict JSON: a NaN is null there, NaN here)
             curves[name] = {"train": [(r["step"], r["loss"]) for r in records if r["kind"] == "train"],
                             "eval": [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"],
                             "seconds": round(seconds, 1), "final_train_loss": result.train_loss}

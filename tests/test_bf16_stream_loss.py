@@ -53,3 +53,16 @@ def test_final_eval_reads_the_last_steps_validation_loss(tmp_path):
                                             '{"kind": "eval", "step": 10, "val_loss": 3.25}\n')
     assert study.final_eval(tmp_path, 10) == pytest.approx(3.25)
     assert study.final_eval(tmp_path, 20) is None and study.final_eval(tmp_path / "none", 10) is None
+
+
+def test_a_diverged_runs_final_eval_is_nan_not_missing(tmp_path):
+    """metrics.jsonl writes a NaN validation loss as null (strict JSON): read raw, the diverged
+    run looked unfinished (None) and was trained again at every invocation."""
+    import math
+
+    from attnres.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, tensorboard=False, resume_step=None)
+    logger.log("eval", 10, val_loss=math.nan)
+    logger.close()
+    assert math.isnan(study.final_eval(tmp_path, 10))

@@ -125,6 +125,28 @@ def test_eval_refuses_text_too_short_for_the_local_tasks_before_any_work(run_dir
                      "--device", "cpu"]) == 0
 
 
+def test_eval_writes_strict_json_when_the_perplexity_is_not_a_number(run_dir, tmp_path, monkeypatch):
+    """A diverged model's NaN loss went into eval.json as a bare NaN, which jq and JavaScript
+    refuse; now null, as attnres status --json writes it."""
+    import json
+    import math
+
+    from attnres.hf import evaluate
+
+    def diverged(*args, **kwargs):
+        return {"tokens": 10, "bytes": 20, "loss": math.nan, "perplexity": math.nan, "bits_per_byte": math.inf}
+
+    monkeypatch.setattr(evaluate, "perplexity", diverged)
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", str(run_dir), "--tasks", "none", "--out", str(out), "--device", "cpu"]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    written = json.loads(out.read_text(), parse_constant=refuse)
+    assert written["perplexity"] == {"tokens": 10, "bytes": 20, "loss": None, "perplexity": None, "bits_per_byte": None}
+
+
 def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
     """`attnres eval DIR` of a transformers directory (an export, an upcycle) said it was
     "neither a checkpoint nor a run directory"; it now evaluates it with its own tokenizer,
@@ -251,7 +273,7 @@ def test_a_binary_text_file_is_named(run_dir, tmp_path, command):
     with pytest.raises(SystemExit) as info:
         cli_main([command, "--checkpoint", str(run_dir), "--text", str(binary), "--out", str(tmp_path / "o")]
                  + (["--tasks", "none"] if command == "eval" else []))
-    assert f"--text {str(binary)!r} is not UTF-8 text (byte 128); give a text file" in str(info.value)
+    assert f"--text {str(binary)!r} is not UTF-8 text (line 2, byte 128); give a text file" in str(info.value)  # (byte 10 is a line break)
 
 
 GREEDY = ["--prompt", "the", "--max-new-tokens", "6", "--temperature", "0"]

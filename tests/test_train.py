@@ -24,7 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 from attnres.cli import main as cli_main  # noqa: E402
-from attnres.data import BatchSampler, ByteTokenizer, load_corpus, prepare_data  # noqa: E402
+from attnres.data import BatchSampler, ByteTokenizer, load_corpus, prepare_data, validation_batches  # noqa: E402
 from attnres.data.tokenizer import text_chunks  # noqa: E402
 from attnres.data import dataset as dataset_mod  # noqa: E402
 from attnres.train import (  # noqa: E402
@@ -296,6 +296,10 @@ def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
     (tmp_path / "late.jsonl").write_bytes(prefix + b'{"text": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=rf"'.*late.jsonl' is not UTF-8 text \(line 3001, byte {len(prefix) + 13}\)$"):
         load_corpus([str(tmp_path / "late.jsonl")])
+    # a .txt file's too (it said only the byte), counted in the file, its byte-order mark included
+    (tmp_path / "late.txt").write_bytes(b"\xef\xbb\xbf" + b"a line\n" * 3000 + b"caf\xe9\n")
+    with pytest.raises(ValueError, match=rf"'.*late.txt' is not UTF-8 text \(line 3001, byte {3 + 7 * 3000 + 3}\); "):
+        load_corpus([str(tmp_path / "late.txt")])
 
 
 def test_a_text_file_with_a_byte_order_mark_and_upper_case_suffixes(tmp_path):
@@ -726,6 +730,89 @@ def test_byte_fallback(tmp_path, corpus_file, monkeypatch):
     assert "".join(text_chunks(text, size=300)) == text
 
 
+def test_a_token_cache_that_cannot_be_written_says_where_and_how_to_go_on(tmp_path, corpus_file, monkeypatch):
+    """A full disk while the token cache was written gave an OSError traceback (after the
+    tokenising); now one line naming the cache, the cause and data.cache_dir, nothing left."""
+    import errno
+
+    def full(tok, text, path, *args):
+        path.write_bytes(b"\0")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(dataset_mod, "_encode_to_file", full)
+    with pytest.raises(ValueError, match=r"could not write the token cache '.*-byte256': no space left on device; "
+                                         r"make room there, or set data.cache_dir to a directory that has it"):
+        prepare_data(load_corpus([str(corpus_file)]), "byte", cache_dir=str(tmp_path / "cache"))
+    assert list((tmp_path / "cache").iterdir()) == []  # the half-written cache is gone
+
+
+def test_two_processes_making_the_same_token_cache_both_go_on(tmp_path, corpus_file, monkeypatch):
+    """A process that finished tokenising just after another renamed the same cache into place
+    failed renaming its own onto it (a non-empty directory); now it keeps the other's."""
+    import shutil
+
+    corpus, replace = load_corpus([str(corpus_file)]), os.replace
+
+    def another_process_first(src, dst):
+        if Path(src).is_dir() and not Path(dst).exists():
+            shutil.copytree(src, dst)  # the other process's cache, renamed there after this one looked
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", another_process_first)
+    data = prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache"))
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [data.cache_dir.name]  # no temporary directory left
+    assert bytes(np.asarray(data.train, dtype=np.uint8)).decode() == corpus.train
+
+
+@pytest.mark.parametrize("meta", ['{"tokenizer": "byte"', "{}", '{"tokenizer": "byte", "dtype": "uint16"}'])
+def test_a_damaged_token_cache_is_named_with_how_to_remake_it(tmp_path, corpus_file, meta):
+    """A meta.json cut short or missing its keys gave "Expecting ',' delimiter" (no word of
+    which file) or a KeyError traceback."""
+    corpus = load_corpus([str(corpus_file)])
+    made = prepare_data(corpus, "byte", cache_dir=str(tmp_path))
+    (made.cache_dir / "meta.json").write_text(meta)
+    with pytest.raises(ValueError, match=rf"token cache '{re.escape(str(made.cache_dir))}' is damaged: its meta.json "
+                                         r"cannot be read \((JSONDecodeError|KeyError): .*\); delete that directory"):
+        prepare_data(corpus, "byte", cache_dir=str(tmp_path))
+
+
+def test_a_compressed_or_json_data_file_says_what_it_is_read_as(tmp_path, corpus_file):
+    """A .jsonl.gz was "not UTF-8 text (line 1, byte 1)" with no word of why; a .json file of
+    JSON lines was trained on, its markup included, without a word."""
+    import gzip
+
+    records = "".join(json.dumps({"text": t}) + "\n" for t in corpus_file.read_text().splitlines())
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(records.encode()))
+    with pytest.raises(ValueError, match=r"'.*a.jsonl.gz' is not UTF-8 text \(line 1, byte 1; a gzip-compressed file: "
+                                         r"decompress it first\)"):
+        load_corpus([str(tmp_path / "a.jsonl.gz")])
+    (tmp_path / "a.json").write_text(records)
+    with pytest.warns(UserWarning, match=r"'.*a.json' is read as plain text, its JSON syntax included: only .jsonl "
+                                         r"files are read as JSON lines .* rename it .jsonl"):
+        assert '{"text": ' in load_corpus([str(tmp_path / "a.json")]).train
+
+
+def test_jsonl_text_in_a_field_of_another_name(tmp_path, corpus_file):
+    """A .jsonl whose lines hold their text under "content" was refused without a way to read
+    it; data.text_field names the field, the run's checkpoint keeps it (attnres eval reads the
+    validation split again with it), and the error names the fields a line has."""
+    from attnres.inference.loading import load_run
+
+    lines = corpus_file.read_text().splitlines()
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": i, "content": t}) + "\n" for i, t in enumerate(lines)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    with pytest.raises(ValueError, match=r"a.jsonl:1: every JSONL line must be an object with a string field \"text\" "
+                                         r"\(this one has the fields \['content', 'id'\]\); data.text_field names"):
+        load_corpus([str(tmp_path / "a.jsonl")])
+    with pytest.raises(ValueError, match=r"b.jsonl:1: .* field \"content\" \(this one has the fields \['text'\]\)"):
+        load_corpus([str(tmp_path / "b.jsonl")], text_field="content")
+    got, want = load_corpus([str(tmp_path / "a.jsonl")], 0.02, "content"), load_corpus([str(tmp_path / "b.jsonl")])
+    assert (got.train, got.val, got.digest) == (want.train, want.val, want.digest)
+    out = tmp_path / "run"
+    train(load_config(None, overrides(tmp_path / "a.jsonl", out, steps=1, eval_every=1, **{"data.text_field": "content"})))
+    assert load_run(out).validation_text() == want.val
+
+
 def test_split_is_deterministic_and_spread(tmp_path):
     write_corpus(tmp_path / "a.txt", 3000)
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i} " * 50}) for i in range(20)) + "\n")
@@ -733,6 +820,16 @@ def test_split_is_deterministic_and_spread(tmp_path):
     assert c1 == c2
     assert len(c1.val) == pytest.approx(0.05 * (len(c1.train) + len(c1.val)), rel=0.5)
     assert "doc 3" in c1.train + c1.val and len(c1.sources) == 2
+
+
+def test_splits_shorter_than_a_window_say_how_to_go_on():
+    """The training split's error named no way out (the validation split's does)."""
+    with pytest.raises(ValueError, match=r"the training split has 10 tokens, fewer than seq_len = 16; lower seq_len, or "
+                                         r"give more text \(or a smaller data.val_fraction\)"):
+        BatchSampler(np.arange(10, dtype=np.uint16), seq_len=16, batch_size=2, seed=0)
+    with pytest.raises(ValueError, match=r"the validation split has 10 tokens, fewer than seq_len = 16; raise "
+                                         r"data.val_fraction or lower seq_len"):
+        validation_batches(np.arange(10, dtype=np.uint16), seq_len=16, batch_size=2, n_batches=1)
 
 
 def test_sampler_resumes_where_it_stopped():

@@ -109,7 +109,7 @@ def test_byte_tokenizer_is_stored_as_a_marker(tmp_path, corpus_file):
     assert load_tokenizer(ckpt).encode("é") == list("é".encode())
 
 
-def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkeypatch):
+def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkeypatch, capsys):
     """``data.tokenizer=PATH``: a ``tokenizer.json`` (or a directory holding one, a
     transformers model's) tokenises the data, is stored with every checkpoint and sets the
     model's vocabulary; its special tokens (a BOS its post-processor adds) are not inserted
@@ -133,6 +133,7 @@ def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkey
     monkeypatch.setattr(dataset_mod, "train_bpe", lambda *a: pytest.fail("a BPE was trained"))
     result = train(load_config(None, overrides(corpus_file, run, steps=2, warmup_steps=0, **{"data.tokenizer": str(tmp_path / "tok")})))
     state = read_checkpoint_state(result.checkpoint)
+    assert f"tokenizer bpe, 281 tokens, read from {tmp_path / 'tok'};" in capsys.readouterr().out  # not "made from the data"
     assert state["tokenizer"]["fingerprint"] == own.fingerprint and state["tokenizer"]["kind"] == "bpe"
     assert state["config"]["model"]["vocab_size"] == own.vocab_size == 281
     stored = load_tokenizer(run)

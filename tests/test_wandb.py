@@ -35,6 +35,8 @@ class FakeWandb(types.ModuleType):
         self.inits: list[dict] = []
         self.logged: list[tuple[int, dict]] = []
         self.finished = 0
+        self.configs: list[dict] = []  # the config given at init, then each update
+        self.exit_codes: list = []
         self.fail = fail
         self.starting_step = 0  # where W&B's steps of a resumed run go on from
 
@@ -42,11 +44,14 @@ class FakeWandb(types.ModuleType):
         if self.fail is not None:
             raise self.errors.Error(str(self.fail))
         self.inits.append(kwargs)
+        self.configs.append(dict(kwargs.get("config") or {}))
+        config = types.SimpleNamespace(update=lambda values, allow_val_change=False: self.configs.append(dict(values)))
         return types.SimpleNamespace(log=lambda values, step: self.logged.append((step, dict(values))),
-                                     finish=self._finish, starting_step=self.starting_step)
+                                     finish=self._finish, starting_step=self.starting_step, config=config)
 
-    def _finish(self) -> None:
+    def _finish(self, exit_code=None) -> None:
         self.finished += 1
+        self.exit_codes.append(exit_code)
 
 
 @pytest.fixture
@@ -141,7 +146,40 @@ def test_a_wandb_that_cannot_start_says_how_to_log_in_or_go_offline(tmp_path, co
     with pytest.raises(ValueError, match=r"wandb_project='p': W&B could not start the run \(Error: api_key not "
                                          r"configured \(no-tty\)\); log in .*WANDB_MODE=offline"):
         train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="p", tensorboard="true")))
-    assert len(closed) == 1  # the TensorBoard writer opened before W&B is not left open
+    assert closed == []  # W&B starts before the data is read, the TensorBoard writer after it
+
+
+def test_a_wandb_that_cannot_start_is_said_before_the_data_is_read(tmp_path, corpus, monkeypatch):
+    """Not logged in: the run stopped only after the whole corpus had been read and tokenised
+    (minutes for a large one); now W&B starts before the data is read, and a fresh out_dir
+    the failed start made is removed again."""
+    from attnres.train import setup
+
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(fail=RuntimeError("api_key not configured (no-tty)")))
+    read = []
+    monkeypatch.setattr(setup, "load_corpus", lambda *a, **k: read.append(a) or pytest.fail("the data was read"))
+    with pytest.raises(ValueError, match=r"wandb_project='p': W&B could not start the run"):
+        train(load_config(None, overrides(corpus, tmp_path / "run", wandb_project="p")))
+    assert read == [] and not (tmp_path / "run").exists()
+
+
+def test_the_wandb_run_gets_the_config_the_data_resolves(tmp_path, corpus, monkeypatch):
+    """W&B starts before the data is read; the model's vocabulary, which the tokenizer sets,
+    reaches its config once known, and a set-up that fails after it started marks its W&B
+    run failed and leaves no wandb.json in a fresh out_dir."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "run"
+    train(load_config(None, overrides(corpus, out, wandb_project="p", steps=2, **{"data.tokenizer": "bpe",
+                                                                                    "data.vocab_size": 300})))
+    (init,) = fake.inits
+    assert fake.configs[-1]["model"]["vocab_size"] == json.loads((out / "config.json").read_text())["model"][
+        "vocab_size"] != init["config"]["model"]["vocab_size"]
+    small = tmp_path / "small.txt"
+    small.write_text("too small to split\n")
+    with pytest.raises(ValueError, match="too small"):
+        train(load_config(None, overrides(small, tmp_path / "fails", wandb_project="p")))
+    assert fake.exit_codes[-1] == 1 and not (tmp_path / "fails").exists()
 
 
 def test_the_real_package_offline(tmp_path, corpus, monkeypatch):

@@ -94,7 +94,6 @@ def _load(args, device, directory: bool, text: str | None):
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
-    import json
     import tempfile
     from pathlib import Path
 
@@ -107,7 +106,7 @@ def run_eval(args) -> int:
     from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
     from ..inference.loading import pick_device
     from ..models.factory import context_limit
-    from ..output_paths import write_text_atomically
+    from ..output_paths import strict_json, write_text_atomically
 
     tasks = [] if args.tasks.strip().lower() == "none" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
@@ -149,7 +148,8 @@ def run_eval(args) -> int:
             with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
                 hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
                 results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, **harness)
-        write_text_atomically(out, json.dumps(results, indent=1, default=str))
+        # (strict JSON, as scripts read it: a NaN perplexity of a diverged model is null)
+        write_text_atomically(out, strict_json(results, indent=1, default=str))
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None
     for task, metrics in results["lm_eval"].items():

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -41,8 +42,9 @@ def read_text_file(path: str | Path, what: str) -> str:
     file) or cannot be read."""
     try:
         return Path(path).read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start}); give a text file") from None
+    except UnicodeDecodeError:  # (where, as a .jsonl file's is said: a line to look at in a large file)
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({_utf8_error_at(Path(path))}); give a text "
+                         "file") from None
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
 
@@ -52,15 +54,26 @@ def _utf8_error_at(path: Path) -> str:
     the start of the file). A streamed read's ``UnicodeDecodeError`` counts from the start of
     the buffer that failed, which is not the file's from the second buffer on."""
     data = path.read_bytes()
+    packed = next((kind for magic, kind in COMPRESSED if data.startswith(magic)), None)
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        return f"line {line}, byte {e.start}"
+        # (a compressed file's first bytes are not UTF-8: what to do is to decompress it)
+        return f"line {line}, byte {e.start}" + (f"; a {packed}-compressed file: decompress it first" if packed else "")
     return "unknown position"
 
 
-def _read_jsonl(path: Path) -> list[str]:
+#: The first bytes of compressed files a corpus comes as, and their formats' names.
+COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bzip2"),
+              (b"PK\x03\x04", "zip"))
+
+
+#: The field of a ``.jsonl`` line that holds its text, unless ``data.text_field`` names another.
+TEXT_FIELD = "text"
+
+
+def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> list[str]:
     docs = []
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record.
     with path.open(encoding="utf-8-sig") as f:
@@ -71,10 +84,21 @@ def _read_jsonl(path: Path) -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field \"text\"")
-            docs.append(record["text"])
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field "
+                                 f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); data.text_field names "
+                                 "the field that holds the text")
+            docs.append(record[text_field])
     return docs
+
+
+def _what_line_holds(record: object, text_field: str) -> str:
+    """What a ``.jsonl`` line without a string ``text_field`` holds instead, in words."""
+    if not isinstance(record, dict):
+        return f"this one is a JSON {type(record).__name__}"
+    if text_field in record:
+        return f"this one's is {json.dumps(record[text_field])[:40]}"
+    return f"this one has the fields {sorted(record)}" if record else "this one is an empty object"
 
 
 def _files_of(path: Path) -> list[Path]:
@@ -197,10 +221,11 @@ def data_files(paths: list[str] | tuple[str, ...] = ()) -> list[tuple[Path, list
     return [(root, _files_of(root)) for root in roots]
 
 
-def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02) -> Corpus:
+def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02,
+                text_field: str = TEXT_FIELD) -> Corpus:
     """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
-    ``.jsonl`` lines need a ``"text"`` field) - or the default corpus
+    ``.jsonl`` lines need a string field ``text_field``, ``"text"`` by default) - or the default corpus
     when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing or empty
     path, an empty file, a file that two paths reach (it would count twice) or a split that leaves
     either part empty."""
@@ -218,8 +243,12 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                                  "directory once")
             if file.stat().st_size == 0:
                 raise ValueError(f"data file {str(file)!r} is empty")
+            if file.suffix.lower() == ".json":  # (often JSON lines saved as .json: its markup would be trained on)
+                warnings.warn(f"data file {str(file)!r} is read as plain text, its JSON syntax included: only .jsonl "
+                              "files are read as JSON lines (their text field); rename it .jsonl if it holds one "
+                              "object a line", stacklevel=2)
             try:
-                file_docs = _read_jsonl(file) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
+                file_docs = _read_jsonl(file, text_field) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
             except UnicodeDecodeError:  # a .jsonl file's lines
                 raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
             if not any(d.strip() for d in file_docs):

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..output_paths import OutputPathError, os_cause
 from ..progress import progress_bar
 from ..validation import did_you_mean
 from .corpus import Corpus
@@ -90,7 +91,7 @@ def _encode_to_file(tok: Tokenizer, text: str, path: Path, dtype: np.dtype, prog
     return n
 
 
-def _open_tokens(path: Path, dtype: str, n: int) -> np.ndarray:
+def _open_tokens(path: Path, dtype: np.dtype, n: int) -> np.ndarray:
     arr = np.memmap(path, dtype=dtype, mode="r")
     if arr.shape[0] != n:
         raise ValueError(f"token cache {str(path)!r} holds {arr.shape[0]} tokens, its meta.json says {n}; delete the cache directory")
@@ -103,23 +104,29 @@ def _open_cache(cache: Path, tok: Tokenizer | None) -> TokenData | None:
     meta_path = cache / "meta.json"
     if not meta_path.is_file():
         return None
-    meta = json.loads(meta_path.read_text())
-    kind = meta["tokenizer"]
+    try:  # (a damaged meta.json gave "Expecting ',' delimiter" or a KeyError traceback)
+        meta = json.loads(meta_path.read_text())
+        kind, dtype, n_train, n_val = meta["tokenizer"], np.dtype(meta["dtype"]), int(meta["n_train"]), int(meta["n_val"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"token cache {str(cache)!r} is damaged: its meta.json cannot be read ({type(e).__name__}: "
+                         f"{e}); delete that directory, and the cache is made again") from None
     cached: Tokenizer = BPETokenizer.load(cache / "tokenizer.json") if kind == "bpe" else ByteTokenizer()
     if tok is not None and cached.fingerprint != tok.fingerprint:
         return None
-    train = _open_tokens(cache / "train.bin", meta["dtype"], meta["n_train"])
-    val = _open_tokens(cache / "val.bin", meta["dtype"], meta["n_val"])
+    train = _open_tokens(cache / "train.bin", dtype, n_train)
+    val = _open_tokens(cache / "val.bin", dtype, n_val)
     return TokenData(train, val, cached, cache)
 
 
 def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progress: bool = False) -> None:
     """Tokenise both splits with ``tok`` into ``cache``, atomically (a temporary directory
-    renamed into place; removed again if anything, Ctrl-C included, interrupts it)."""
+    renamed into place; removed again if anything, Ctrl-C included, interrupts it).
+    :class:`~attnres.output_paths.OutputPathError` (a ``ValueError``) naming the cache, the
+    cause and the fix when it cannot be written (a full disk, a read-only file system)."""
     tmp = root / f".{cache.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         if isinstance(tok, BPETokenizer):
             tok.save(tmp / "tokenizer.json")
         dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
@@ -131,10 +138,25 @@ def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progre
         if cache.exists():  # another process finished first; its cache is equivalent
             shutil.rmtree(tmp)
         else:
-            os.replace(tmp, cache)
+            _publish(tmp, cache)
+    except OSError as e:  # (was a traceback, after minutes of tokenising)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputPathError(f"could not write the token cache {str(cache)!r}: {os_cause(e)}; make room there, or "
+                              "set data.cache_dir to a directory that has it") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _publish(tmp: Path, cache: Path) -> None:
+    """Rename the complete cache ``tmp`` to ``cache``; where another process renamed its own
+    there first (after this one looked), that one stays and ``tmp`` goes."""
+    try:
+        os.replace(tmp, cache)
+    except OSError:
+        if not (cache / "meta.json").is_file():  # (not that race: a real failure)
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
@@ -200,7 +222,8 @@ class BatchSampler:
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.n_windows = len(tokens) // seq_len
         if self.n_windows < 1:
-            raise ValueError(f"the training split has {len(tokens)} tokens, fewer than seq_len = {seq_len}")
+            raise ValueError(f"the training split has {len(tokens)} tokens, fewer than seq_len = {seq_len}; lower seq_len, "
+                             "or give more text (or a smaller data.val_fraction)")
         self.samples_drawn = 0
         self._epoch = -1
         self._order: np.ndarray | None = None

@@ -85,7 +85,7 @@ class LoadedRun:
         saved = self.state.get("data") or {}
         paths = saved.get("paths", data["paths"])
         try:
-            corpus = load_corpus(paths, data["val_fraction"])
+            corpus = load_corpus(paths, data["val_fraction"], data.get("text_field", "text"))
         except ValueError as e:
             raise ValueError(f"the validation split of checkpoint {str(self.checkpoint)!r} cannot be read again from "
                              f"its data {paths}: {e}; pass the held-out text (--text FILE)") from None
@@ -181,5 +181,5 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
         return ByteTokenizer()
     from ..data import load_corpus, prepare_data
 
-    corpus = load_corpus(data["paths"], data["val_fraction"])
+    corpus = load_corpus(data["paths"], data["val_fraction"], data.get("text_field", "text"))
     return prepare_data(corpus, data["tokenizer"], data["vocab_size"], data["cache_dir"]).tokenizer

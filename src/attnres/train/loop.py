@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -83,7 +84,7 @@ from .resume import check_resumable, check_resumable_before_data, init_model_cha
 from .schedule import lr_factor
 from .setup import RunData, Start, locate_start, prepare_run_data
 from .signals import StopSignals
-from .wandb_log import require_wandb
+from .wandb_log import WANDB_FILE, WandbMirror, require_wandb
 from .summary import RunFacts, startup_summary, unused_stream_option, warmup_overrun
 
 
@@ -191,6 +192,7 @@ class Trainer:
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
         self.logger: MetricsLogger | None = None
+        self.wandb: WandbMirror | None = None  # started before the data is read; then the logger's
         self.progress = None
         self._agree(lambda: check_inputs(config))  # (every rank's alike: printed once per node)
         # Made by this run: removed again (when left empty) if the set-up fails or nothing is trained.
@@ -203,7 +205,11 @@ class Trainer:
         try:
             # (every rank reads the same out_dir and config, so an error here is every rank's: it
             # goes through one collective, to stop them together and be printed once per node)
-            self.start, self.config, self.data = self._agree(lambda: self._locate_start_and_data(config))
+            self.start = self._agree(lambda: self._locate_start(config))
+            # W&B starts before the data is read: a missing login stops the run at once, not after
+            # minutes of reading and tokenising a large corpus (rank 0; its error is every rank's)
+            self.wandb = self._main_first(lambda: self._start_wandb(config))
+            self.config, self.data = self._agree(lambda: self._prepare_data(config))
             self.layout = build_layout(self.config.parallel, self.device)
             self.sharded = self.layout.size > 1  # the checkpoint format: every rank its shards, or one file set
             self.pm = self._build_model()
@@ -241,15 +247,31 @@ class Trainer:
         (:func:`~attnres.distributed.launch.agree`)."""
         return agree(fn, self.patient)
 
-    def _locate_start_and_data(self, config: TrainConfig) -> tuple[Start, TrainConfig, RunData]:
-        """The checkpoint to start from, checked against ``config``, and the run's data."""
+    def _locate_start(self, config: TrainConfig) -> Start:
+        """The checkpoint to start from, checked against ``config`` as far as it can be before
+        the data is read."""
         start = locate_start(config, self.main, self._main_first)
         if start.resume is not None:  # what differs named before the data is read and checked
             check_resumable_before_data(start.resume.run_config(), config.to_dict(), start.resume)
+        return start
+
+    def _start_wandb(self, config: TrainConfig) -> WandbMirror | None:
+        """The W&B run (rank 0, with ``wandb_project``), started with the config as given; the
+        metrics log sends it the config the data resolves (the model's vocabulary). None for a
+        run with nothing left to train, which writes nothing."""
+        step = self.start.resume.state.get("step") if self.start.resume is not None else None
+        if not self.main or config.wandb_project is None or (step or 0) >= config.end_step:
+            return None
+        return WandbMirror(config.wandb_project, self.out_dir, step, config.to_dict())
+
+    def _prepare_data(self, config: TrainConfig) -> tuple[TrainConfig, RunData]:
+        """The run's data, and ``config`` with the model's vocabulary set from it, checked
+        against the checkpoint resumed."""
+        start = self.start
         config, data = prepare_run_data(config, start, self._main_first)
         if start.resume is not None:
             check_resumable(start.resume.run_config(), config.to_dict(), start.resume)
-        return start, config, data
+        return config, data
 
     def close(self) -> None:
         """Close the progress bar and the metrics log and release the lock (idempotent)."""
@@ -259,6 +281,9 @@ class Trainer:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
+        if self.wandb is not None:  # started, but the set-up failed before the log took it
+            self.wandb.close(failed=True)
+            self.wandb = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -268,6 +293,9 @@ class Trainer:
         to train); one that is not empty holds something worth keeping."""
         if self.created:
             with contextlib.suppress(OSError):
+                # (what W&B left when it started before a set-up that failed: this run's too)
+                (self.out_dir / WANDB_FILE).unlink(missing_ok=True)
+                shutil.rmtree(self.out_dir / "wandb", ignore_errors=True)
                 self.out_dir.rmdir()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -326,8 +354,10 @@ class Trainer:
             return
         try:
             (self.out_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
-            self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step,
-                                        self.config.wandb_project, self.config.to_dict())
+            if self.wandb is not None:
+                self.wandb.update_config(self.config.to_dict())
+            self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step, self.wandb)
+            self.wandb = None  # the log's to close now
         except OSError as e:  # a disk that filled up since the start-up check
             raise OutDirError(f"could not write to out_dir {str(self.out_dir)!r}: {os_cause(e)}") from None
 

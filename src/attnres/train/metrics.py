@@ -1,18 +1,76 @@
 """``metrics.jsonl``: the run's log of JSON records, written by :class:`MetricsLogger` and read
 back by :func:`read_metrics`, which tolerates what a killed process leaves behind (a
-truncated last line)."""
+truncated last line).
+
+Every line is strict JSON. A value that is not a finite number (a diverged validation loss,
+an infinite RMS in a diagnostics record) is written as ``null``, and the record's
+``"nonfinite"`` field says what it was: ``{"val_loss": "NaN", "block_output_rms/1":
+"Infinity"}`` (the path of the value - a field, then list indices - to ``NaN``,
+``Infinity`` or ``-Infinity``). Python's ``json`` writes them as the bare ``NaN`` and
+``Infinity`` that JSON does not have (``jq``, JavaScript and strict parsers refuse the line), as
+the files of earlier versions hold; :func:`read_metrics` reads both into the same records,
+``float("nan")`` where the value was NaN.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.locate import RUN_LOG as METRICS_FILE
+from ..output_paths import strict_json
 from .out_dir import OutDirError, os_cause
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics", "scalars"]
+if TYPE_CHECKING:
+    from .wandb_log import WandbMirror
+
+__all__ = ["METRICS_FILE", "NONFINITE", "MetricsLogger", "metrics_line", "read_metrics", "scalars"]
+
+#: The field of a record that names its values that are not finite numbers (written as null).
+NONFINITE = "nonfinite"
+
+
+def _nonfinite(value: Any, path: str, found: dict[str, str]) -> None:
+    """Collect into ``found`` the path (``name``, ``name/3``, ``name/3/0``) of every float in
+    ``value`` that is not finite, with its JSON spelling (``NaN``, ``Infinity``, ``-Infinity``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        found[path] = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _nonfinite(v, f"{path}/{k}", found)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _nonfinite(v, f"{path}/{i}", found)
+
+
+def metrics_line(record: dict[str, Any]) -> str:
+    """One line of ``metrics.jsonl``: ``record`` as strict JSON, a value that is not finite as
+    ``null`` named in the record's :data:`NONFINITE` field (see the module's docstring)."""
+    found: dict[str, str] = {}
+    for name, value in record.items():
+        _nonfinite(value, name, found)
+    return strict_json({**record, NONFINITE: found} if found else record) + "\n"
+
+
+def _restored(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with the values its :data:`NONFINITE` field names put back (as a file of an
+    earlier version, written with bare ``NaN``, reads), that field removed."""
+    marks = record.pop(NONFINITE, None)
+    for path, spelling in (marks.items() if isinstance(marks, dict) else ()):
+        *parents, last = path.split("/")
+        owner: Any = record
+        try:
+            for part in parents:
+                owner = owner[int(part) if isinstance(owner, list) else part]
+            key = int(last) if isinstance(owner, list) else last
+            if owner[key] is None:  # (a mark that does not fit the record is ignored)
+                owner[key] = float(spelling)
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+    return record
 
 
 def read_metrics(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
@@ -31,7 +89,7 @@ def read_metrics(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             record = None
         if isinstance(record, dict) and "kind" in record and "step" in record:
-            records.append(record)
+            records.append(_restored(record))
         else:
             bad.append(lineno)
     if bad and warn:
@@ -54,19 +112,19 @@ def scalars(kind: str, values: dict[str, Any]) -> dict[str, float]:
 
 class MetricsLogger:
     """Appends JSON records to ``metrics.jsonl`` and mirrors their scalars to TensorBoard
-    when the ``tensorboard`` package is installed and enabled, and to Weights & Biases with
-    ``wandb_project`` (:mod:`attnres.train.wandb_log`; ``config``: the run's, for W&B).
+    when the ``tensorboard`` package is installed and enabled, and to Weights & Biases through
+    ``wandb``, a started :class:`~attnres.train.wandb_log.WandbMirror` (started before the data
+    is read, so that a missing login is said first), which the logger closes.
 
     ``resume_step``: ``None`` starts a fresh log; otherwise the records up to that step are
     kept and the rest (logged by an interrupted run after its last checkpoint, and redone
     now) dropped, as is an unreadable line."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None, wandb_project: str | None = None,
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(self, out_dir: Path, tensorboard: bool, resume_step: int | None, wandb: WandbMirror | None = None) -> None:
         self.path = out_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.path.write_text("".join(map(metrics_line, kept)))
         elif resume_step is None:
             self.path.write_text("")
         self.writer = None
@@ -77,22 +135,14 @@ class MetricsLogger:
                 pass
             else:
                 self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
-        self.wandb = None
-        if wandb_project is not None:
-            from .wandb_log import WandbMirror
-
-            try:
-                self.wandb = WandbMirror(wandb_project, out_dir, resume_step, config or {})
-            except BaseException:  # (W&B could not start: the TensorBoard writer is not left open)
-                self.close()
-                raise
+        self.wandb = wandb
 
     def log(self, kind: str, step: int, **values: Any) -> None:
         """Append one record; :class:`~attnres.train.out_dir.OutDirError` naming the file
         when it cannot be written (a full disk)."""
         try:
             with self.path.open("a") as f:
-                f.write(json.dumps({"kind": kind, "step": step, **values}) + "\n")
+                f.write(metrics_line({"kind": kind, "step": step, **values}))
         except OSError as e:
             raise OutDirError(f"could not append to {str(self.path)!r}: {os_cause(e)}") from None
         mirrored = scalars(kind, values) if self.writer is not None or self.wandb is not None else {}

@@ -55,6 +55,7 @@ MEANINGS: dict[str, str] = {
     "tensorboard": "also write TensorBoard events under out_dir/tensorboard",
     "wandb_project": "also log to this Weights & Biases project (extra wandb)",
     "data.paths": "the training text: files, directories or glob patterns (.txt, .jsonl)",
+    "data.text_field": "the field of a .jsonl line that holds its text",
     "data.tokenizer": "bpe (trained on the data), byte, or a tokenizer.json of your own",
     "data.vocab_size": "the BPE's vocabulary (the model's vocab_size follows the tokenizer)",
     "data.val_fraction": "the share of the text held out for validation",

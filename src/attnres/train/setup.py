@@ -182,7 +182,7 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     continues at its data position. Returns ``config`` with the model's vocabulary set from
     the tokenizer (or kept where a start's embedding is padded beyond it,
     :func:`model_vocab_size`; the caller's config is left alone), and the data."""
-    corpus = load_corpus(config.data.paths, config.data.val_fraction)
+    corpus = load_corpus(config.data.paths, config.data.val_fraction, config.data.text_field)
     source = start.resume or start.init
     given = stored_tokenizer(source) if source is not None else None
     if given is not None:
@@ -199,6 +199,9 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     sampler = BatchSampler(tokens.train, config.seq_len, config.batch_size, config.seed)
     if start.resume is not None and not changed:
         sampler.load_state_dict(start.resume.state["sampler"])
-    data = RunData(tokens, corpus.digest, meta, files, "stored in the checkpoint" if given is not None else "made from the data",
-                   changed, sampler, validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches))
+    # (a tokenizer.json given by path was said to be "made from the data" at start-up)
+    origin = ("stored in the checkpoint" if given is not None else "made from the data"
+              if config.data.tokenizer in TOKENIZER_KINDS else f"read from {config.data.tokenizer}")
+    data = RunData(tokens, corpus.digest, meta, files, origin, changed, sampler,
+                   validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches))
     return config, data

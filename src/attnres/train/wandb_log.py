@@ -83,7 +83,16 @@ class WandbMirror:
         if scalars:
             self.run.log(scalars, step=step)
 
-    def close(self) -> None:
+    def update_config(self, config: dict[str, Any]) -> None:
+        """The run's config as the data resolved it (the model's vocabulary, from the tokenizer):
+        W&B starts before the data is read."""
+        self.run.config.update(config, allow_val_change=True)
+
+    def close(self, failed: bool = False) -> None:
+        """Finish the W&B run; ``failed``: marked failed there (the set-up stopped after it started)."""
         if self.run is not None:
-            self.run.finish()
+            if failed:
+                self.run.finish(exit_code=1)
+            else:
+                self.run.finish()
             self.run = None

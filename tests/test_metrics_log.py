@@ -1,0 +1,103 @@
+"""``metrics.jsonl`` is strict JSON: a value that is not a finite number is written as null and
+named in the record's ``nonfinite`` field (attnres.train.metrics); every reader in the
+package reads such a file as it reads one of an earlier version, with bare ``NaN`` /
+``Infinity``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from attnres.experiments.curves import read_curves
+from attnres.experiments.job.compare import load_runs
+from attnres.experiments.job.runner import median_step_time
+from attnres.experiments.layout import run_dir
+from attnres.train.metrics import MetricsLogger, read_metrics
+from attnres.train.status import run_status
+
+NAN, INF = math.nan, math.inf
+
+#: A run whose validation loss diverged at step 4 (NaN), with an infinite rate and RMS on the way.
+RECORDS = [
+    ("train", 2, dict(loss=4.0, lr=1e-3, grad_norm=1.0, tokens=128, tokens_per_s=INF)),
+    ("eval", 2, dict(val_loss=4.1, tokens=128)),
+    ("diagnostics", 2, dict(block_grad_norm=[0.5, 0.25], block_output_rms=[1.0, INF], block_input_rms=[1.0, -INF],
+                            depth_weights=[[1.0], [0.5, NAN]])),
+    ("train", 4, dict(loss=NAN, lr=1e-3, grad_norm=2.0, tokens=256, tokens_per_s=100.0)),
+    ("eval", 4, dict(val_loss=NAN, tokens=256)),
+]
+
+
+def refuse(constant):
+    raise ValueError(f"not JSON: {constant}")
+
+
+def write_runs(root: Path) -> tuple[Path, Path]:
+    """The same records as an earlier version wrote them (``json.dumps``: bare NaN) and as the
+    metrics log writes them now, in two run directories of an ``attnres compare`` grid."""
+    old, new = run_dir(root, "old", 0), run_dir(root, "new", 0)
+    for run in (old, new):
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(json.dumps({"model": {"residual": "standard"}, "steps": 4}))
+    (old / "metrics.jsonl").write_text("".join(json.dumps({"kind": k, "step": s, **v}) + "\n" for k, s, v in RECORDS))
+    logger = MetricsLogger(new, tensorboard=False, resume_step=None)
+    for kind, step, values in RECORDS:
+        logger.log(kind, step, **values)
+    logger.close()
+    return old, new
+
+
+def same(a, b) -> bool:
+    """Equal, NaN equal to NaN (compared as Python's json writes them)."""
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def test_the_log_is_strict_json_and_says_which_values_were_not_finite(tmp_path):
+    _, new = write_runs(tmp_path)
+    lines = [json.loads(line, parse_constant=refuse) for line in (new / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["tokens_per_s"] is None and lines[0]["nonfinite"] == {"tokens_per_s": "Infinity"}
+    assert lines[1] == {"kind": "eval", "step": 2, "val_loss": 4.1, "tokens": 128}  # finite: as before
+    assert lines[2]["nonfinite"] == {"block_output_rms/1": "Infinity", "block_input_rms/1": "-Infinity",
+                                     "depth_weights/1/1": "NaN"}
+    assert lines[2]["depth_weights"] == [[1.0], [0.5, None]]
+    assert lines[4] == {"kind": "eval", "step": 4, "val_loss": None, "tokens": 256, "nonfinite": {"val_loss": "NaN"}}
+
+
+def test_old_and_new_logs_read_alike_in_every_reader(tmp_path):
+    old, new = write_runs(tmp_path)
+    got = read_metrics(new / "metrics.jsonl")
+    assert same(got, read_metrics(old / "metrics.jsonl")) and same(got, [{"kind": k, "step": s, **v}
+                                                                         for k, s, v in RECORDS])
+    assert math.isnan(got[4]["val_loss"]) and got[0]["tokens_per_s"] == INF and got[2]["block_input_rms"][1] == -INF
+    # attnres status, plot, compare (its curves and diagnostics), the grid's step times
+    assert same(run_status(new).to_dict() | {"path": ""}, run_status(old).to_dict() | {"path": ""})
+    assert math.isnan(run_status(new).val_loss) and math.isnan(run_status(new).train_loss)
+    assert same(dataclasses.asdict(read_curves(new)), dataclasses.asdict(read_curves(old)))
+    new_run, old_run = load_runs(tmp_path, [{"variant": "new", "seed": 0}, {"variant": "old", "seed": 0}])
+    assert same(new_run.val_loss, old_run.val_loss) and math.isnan(new_run.val_loss[-1])
+    assert same(new_run.diagnostics, old_run.diagnostics)
+    assert median_step_time(new / "metrics.jsonl", 128) == median_step_time(old / "metrics.jsonl", 128)
+
+
+def test_a_resumed_log_keeps_its_records_strict(tmp_path):
+    """On resume the log is rewritten up to the checkpoint's step: an old file's NaN lines
+    become strict ones, and are read back the same."""
+    old, _ = write_runs(tmp_path)
+    before = read_metrics(old / "metrics.jsonl")
+    MetricsLogger(old, tensorboard=False, resume_step=4).close()
+    for line in (old / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=refuse)
+    assert same(read_metrics(old / "metrics.jsonl"), before)
+
+
+@pytest.mark.parametrize("marks", ['"oops"', '{"val_loss": "NaN", "nowhere/3": "NaN", "tokens": "NaN"}'])
+def test_a_nonfinite_field_that_does_not_fit_is_ignored(tmp_path, marks):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f'{{"kind": "eval", "step": 1, "val_loss": null, "tokens": 5, "nonfinite": {marks}}}\n')
+    (record,) = read_metrics(path)
+    assert record["tokens"] == 5 and "nonfinite" not in record
+    assert record["val_loss"] is None if marks == '"oops"' else math.isnan(record["val_loss"])
