@@ -101,6 +101,28 @@ def test_save_and_load_round_trip_is_bit_identical(tmp_path, model_type):
         assert torch.equal(loaded(x).logits, up(x).logits)
 
 
+def test_an_upcycled_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path):
+    """``device_map`` with a decoder layer offloaded to disk (accelerate's hooks load its
+    weights for each forward, the residual on another entry of the map): the same logits and
+    greedy tokens as the model in memory."""
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2).eval()
+    with torch.no_grad():
+        for m in up.residual.mixers:
+            m.query.normal_(std=0.3)
+    up.save_pretrained(tmp_path / "up")
+    device_map = ({name: "cpu" for name, _ in up.named_children() if name != "model"}
+                  | {f"model.{name}": "cpu" for name, _ in up.model.named_children() if name != "layers"}
+                  | {f"model.layers.{i}": "disk" if i == 1 else "cpu" for i in range(len(up.model.layers))})
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "up", device_map=device_map,
+                                                     offload_folder=tmp_path / "offload").eval()
+    assert offloaded.hf_device_map["model.layers.1"] == "disk"
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(offloaded(x).logits, up(x).logits)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(offloaded.generate(x[:1], **kw), up.generate(x[:1], **kw))
+
+
 def test_automodel_of_an_upcycled_directory_names_the_causal_lm_and_its_hidden_states(tmp_path):
     """``AutoModel`` of an upcycled directory says to load it with ``AutoModelForCausalLM`` (it
     listed every configuration class transformers knows); what it points to holds:
