@@ -341,3 +341,47 @@ def test_analyze_says_what_it_was_given_before_it_writes_anything(run_dir, tmp_p
     assert (grid / "report.md").read_text() == "the compare report" and not (grid / "mixing.png").exists()
     with pytest.raises(SystemExit, match=r"--seq-len 999 exceeds the model's max_seq_len 128: use --seq-len 128 or less"):
         cli_main(["analyze", str(run_dir), "--out", str(tmp_path / "a"), "--seq-len", "999"])
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["step", "checkpoints"])
+@pytest.mark.parametrize("resume", [True, False])
+def test_out_dir_that_is_a_checkpoint_or_its_folder_is_refused(run_dir, tmp_path, capsys, where, resume):
+    """`attnres train out_dir=RUN/checkpoints/step-N --resume` (a checkpoint where the run
+    directory belongs) trained on and nested a second run inside the checkpoint
+    (RUN/checkpoints/step-N/checkpoints/step-M, its metrics and config beside the weights);
+    now it is refused before anything is written, with the commands that do what was meant."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    out = step if where == "step" else run / "checkpoints"
+    before = _listing(run)
+    args = ["train", f"out_dir={out}", "progress=false", "tensorboard=false"]
+    args += ["--resume"] if resume else [f"data.paths=[{write_corpus(tmp_path / 'corpus.txt', n_lines=100)}]",
+                                         "data.tokenizer=byte", "steps=1", "seq_len=16", "batch_size=2"]
+    with pytest.raises(SystemExit) as info:
+        cli_main(args)
+    message = str(info.value)
+    assert f"out_dir={run} --resume" in message, message
+    assert ("a checkpoint of the run" if where == "step" else "the checkpoints/ folder of the run") in message
+    assert _listing(run) == before
+    assert "resuming with the config stored" not in capsys.readouterr().err  # (it resumes nothing)
+
+
+def test_out_dir_that_is_a_hugging_face_directory_is_refused(tmp_path):
+    """Training into an export or upcycle (say `out_dir=qwen3-attnres` beside
+    `init_from=qwen3-attnres`) replaced its transformers config.json with the run's."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "attnres"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=100)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["train", *overrides(corpus, hf, steps=1)])
+    assert "Hugging Face directory" in str(info.value) and "another out_dir" in str(info.value)
+    assert (hf / "config.json").read_text() == '{"model_type": "attnres"}'

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..output_paths import OutputPathError
+from ..output_paths import HF_WEIGHT_FILES, OutputPathError
 from ..validation import did_you_mean
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
-           "refuse_training_output", "newest_state", "set_aside_newer", "training_output", "verify_checkpoint"]
+           "refuse_out_dir_not_a_run", "refuse_training_output", "newest_state", "set_aside_newer", "training_output", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -113,6 +113,36 @@ def refuse_loading_training_output(path: str | Path) -> None:
         raise CheckpointError(
             f"{str(path)!r} is {found}, not a Hugging Face directory: write one with `attnres export {path} --out DIR` "
             f"and load DIR (attnres.inference.load_run({str(path)!r}) loads the run's own model as it is)")
+
+
+def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
+    """Raise :class:`~attnres.output_paths.OutputPathError` when ``out_dir`` is one of a run's
+    checkpoints, a run's ``checkpoints/`` folder or a Hugging Face directory, with the command
+    that does what was likely meant. A run writes ``config.json``, ``metrics.jsonl`` and its own
+    ``checkpoints/`` into ``out_dir``: in a checkpoint (which ``--resume`` would even resume,
+    since a checkpoint is also where it looks) that nests a second run among the weights, and
+    in an export or upcycle it replaces the transformers ``config.json``."""
+    path = Path(out_dir)
+    if (path / STATE_FILE).is_file():
+        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        what = f"a checkpoint of the run {str(run)!r}" if run is not None else "a training checkpoint"
+        folder = str(path)
+    elif path.name == "checkpoints" and not (path / "checkpoints").is_dir() and checkpoint_dirs(path.parent):
+        run, what, folder = path.parent, f"the checkpoints/ folder of the run {str(path.parent)!r}", None
+    elif is_hf_directory(path) and any(any(path.glob(p)) for p in HF_WEIGHT_FILES):
+        raise OutputPathError(f"out_dir {str(path)!r} is a Hugging Face directory: a training run written there would "
+                              f"replace its config.json; to train from it, `init_from={path}` (with "
+                              f"model.from_hf={path}) and another out_dir")
+    else:
+        return
+    advice = (f"to continue that run, `attnres train out_dir={run} --resume`" if run is not None
+              else f"to continue it, `attnres train --resume-from {path} out_dir=DIR`")
+    if run is not None and folder is not None:
+        advice += f" (or `--resume-from {folder} out_dir={run}`: this checkpoint)"
+    raise OutputPathError(f"out_dir {str(path)!r} is {what}, not a run directory: a run writes config.json, "
+                          f"metrics.jsonl and checkpoints/ into out_dir, which would nest a second run in there; "
+                          f"{advice}; to start a new run from its weights, `init_from={folder or run} out_dir=DIR` "
+                          "(a new directory)")
 
 
 def no_checkpoint_at(location: str | Path) -> str:

@@ -48,6 +48,7 @@ from ..checkpoint import (
     load_checkpoint,
     load_sharded,
     read_optimizer_state,
+    refuse_out_dir_not_a_run,
     save_sharded,
     write_checkpoint,
 )
@@ -573,7 +574,9 @@ def check_layout(config: TrainConfig, ctx: DistContext) -> None:
 def check_inputs(config: TrainConfig) -> None:
     """``ValueError`` for a data file, tokenizer file or ``data.cache_dir`` the run cannot use:
     said before ``out_dir`` is created (a bad one leaves nothing behind) and before out_dir's
-    objections (the data are read later)."""
+    objections (the data are read later), and an ``out_dir`` that is a checkpoint, a run's
+    ``checkpoints/`` folder or a Hugging Face directory, which the run would write into."""
+    refuse_out_dir_not_a_run(config.out_dir)
     if config.data.cache_dir is not None:
         check_output_dir(config.data.cache_dir, "data.cache_dir")
     data_files(config.data.paths)
