@@ -385,3 +385,26 @@ def test_out_dir_that_is_a_hugging_face_directory_is_refused(tmp_path):
         cli_main(["train", *overrides(corpus, hf, steps=1)])
     assert "Hugging Face directory" in str(info.value) and "another out_dir" in str(info.value)
     assert (hf / "config.json").read_text() == '{"model_type": "attnres"}'
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--config", "configs/run.yml", "--print-config"], "config file 'configs/run.yml' does not exist (did you mean 'run.yaml'?)"),
+    (["train", "--config", "train-cpu.yml", "--print-config"], "(did you mean 'configs/train-cpu.yaml', shipped with attnres?)"),
+    (["train", "data.paths=[my_txets/]", "steps=1"], "data path 'my_txets' does not exist (did you mean 'my_texts'?)"),
+    (["generate", "RUN", "--prompt-file", "promt.txt"], "--prompt-file: no file 'promt.txt' (did you mean 'prompt.txt'?)"),
+    (["analyze", "RUN", "--text", "corpus.tx"], "--text 'corpus.tx' is not a file (did you mean 'corpus.txt'?)"),
+    (["eval", "RUN", "--text", "corpus.tx", "--tasks", "none"], "--text 'corpus.tx' is not a file (did you mean 'corpus.txt'?)"),
+])
+def test_a_misspelt_file_is_named_with_the_nearest_one(run_dir, tmp_path, monkeypatch, args, expected):
+    """A newcomer's typos in the files a command reads (`.yml` for `.yaml`, transposed letters)
+    were said not to exist, with no word of the file that does."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "run.yaml").write_text("steps: 1\n")
+    (tmp_path / "my_texts").mkdir()
+    write_corpus(tmp_path / "my_texts" / "a.txt", n_lines=50)
+    write_corpus(tmp_path / "corpus.txt", n_lines=50)
+    (tmp_path / "prompt.txt").write_text("the")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        cli_main([str(run_dir) if a == "RUN" else a for a in args])
+    assert expected in str(info.value)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..output_paths import HF_WEIGHT_FILES, OutputPathError
-from ..validation import did_you_mean
+from ..validation import missing_path_hint
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
@@ -151,9 +151,7 @@ def no_checkpoint_at(location: str | Path) -> str:
     written a checkpoint yet, or a directory of runs (``attnres compare``'s ``--out``)."""
     location = Path(location)
     if not location.exists():
-        folder = location.parent
-        beside = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
-        return f"{str(location)!r} does not exist" + did_you_mean(location.name, beside)
+        return f"{str(location)!r} does not exist" + missing_path_hint(location, directories_only=True)
     what = f"{str(location)!r} is neither a checkpoint nor a run directory with checkpoints"
     if not location.is_dir():
         return f"{what}: it is a file; name a run directory or one of its checkpoints/step-* directories"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..validation import missing_path_hint
 from .common import DTYPES, add_checkpoint_argument, check_optional_count
 
 
@@ -121,7 +122,7 @@ def run_eval(args) -> int:
         out = _eval_output(args)
         check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
-            raise ValueError(f"--text {args.text!r} is not a file")
+            raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
         if args.bootstrap_iters < 0:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")

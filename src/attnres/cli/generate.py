@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 from .common import DTYPES, add_checkpoint_argument
-from ..validation import SEED_MAX
+from ..validation import SEED_MAX, missing_path_hint
 
 
 def add_parser(sub) -> None:
@@ -79,7 +79,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
             given = f"--prompt-file {prompt_file}"
             text = Path(prompt_file).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        raise ValueError(f"--prompt-file: no file {prompt_file!r}") from None
+        raise ValueError(f"--prompt-file: no file {prompt_file!r}{missing_path_hint(prompt_file)}") from None
     except IsADirectoryError:
         raise ValueError(f"--prompt-file: {prompt_file!r} is a directory; give a text file") from None
     except UnicodeDecodeError:
