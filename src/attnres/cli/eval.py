@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
                     "directory, the built-in corpus's validation split)")
     ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
     ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
-    ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task")
+    ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task (default: all)")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
                     f"transformers directory, at most {DIRECTORY_WINDOW})")
     ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")

@@ -29,8 +29,9 @@ def add_compare_parser(sub) -> None:
         help="the main job: train standard, Block and Full AttnRes alike and write report.md with plots",
         description="Train the standard, Block AttnRes and Full AttnRes models with identical data, hyper-parameters "
         "and seeds on the default corpus (resumable: finished runs are skipped), then write --out/report.md with "
-        "validation-loss curves, a loss table at equal steps and equal compute with tokens/s, output and gradient "
-        "magnitude per block (Fig. 5) and depth-weight heatmaps (Fig. 8). Same as `attnres experiment compare`.",
+        "validation-loss curves, a loss table at equal steps, equal compute and equal time (step times measured side "
+        "by side after training) with tokens/s, output and gradient magnitude per block (Fig. 5), depth-weight "
+        "heatmaps (Fig. 8) and depth mixing matrices (Fig. 9). Same as `attnres experiment compare`.",
     )
     _grid_arguments(cmp, default_out="runs/compare", presets="'tiny' (seconds), 'demo' (minutes; default) or "
                     "'long' (the committed 12-block comparison, 30+ minutes per run)")

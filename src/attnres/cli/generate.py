@@ -26,10 +26,11 @@ def add_parser(sub) -> None:
                      "'assistant: ' lines, the template of their export)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens")
+    gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens "
+                     "(default: all at once)")
     gen.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
     gen.add_argument("--device", default="auto", help="auto (CUDA when available; default), cpu, cuda or cuda:N")
     gen.add_argument("--decode", default="auto", choices=("auto", "dynamic", "static", "compiled", "graph"),
