@@ -4,6 +4,7 @@ line's boundary (bad files, tokenizers, task names, checkpoints), each naming wh
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -408,3 +409,24 @@ def test_a_misspelt_file_is_named_with_the_nearest_one(run_dir, tmp_path, monkey
     with pytest.raises(SystemExit) as info:
         cli_main([str(run_dir) if a == "RUN" else a for a in args])
     assert expected in str(info.value)
+
+
+def test_ctrl_c_during_generate_ends_the_line_and_says_how_far_it_got(run_dir, capsys, monkeypatch):
+    """Ctrl-C while `attnres generate` streams left the text without its newline, so
+    "attnres generate: interrupted" was glued to it on the terminal, with no word of the
+    tokens written; now the line ends and the tokens so far are counted."""
+    from attnres.cli import generate as generate_cli
+
+    real = generate_cli.text_pieces
+
+    def interrupted_after_two(tokenizer, steps, new):
+        for k, piece in enumerate(real(tokenizer, steps, new)):
+            yield piece
+            if k == 1:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_cli, "text_pieces", interrupted_after_two)
+    assert cli_main(["generate", str(run_dir), *GREEDY]) == 130
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n") and captured.out.strip()
+    assert re.search(r"attnres generate: interrupted after [2-9] tokens in [\d.]+ s \(", captured.err), captured.err

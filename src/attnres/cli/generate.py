@@ -215,12 +215,18 @@ def run_generate(args) -> int:
             steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
         new: list[int] = []
         t0 = time.perf_counter()
-        for piece in text_pieces(tokenizer, steps, new):  # printed as it comes
-            print(piece, end="", flush=True)
+        try:
+            for piece in text_pieces(tokenizer, steps, new):  # printed as it comes
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C: end the text's line, then say how far it got
+            interrupted = True
+        else:
+            interrupted = False
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         raise SystemExit(f"attnres generate: error: {e}") from None
     print()
-    print(f"attnres generate: {len(new)} tokens in {elapsed:.2f} s ({len(new) / max(elapsed, 1e-9):.1f} tokens/s, "
-          f"prefill included, {device}, {args.dtype}, {decode} decode)", file=sys.stderr)
-    return 0
+    print(f"attnres generate: {'interrupted after ' if interrupted else ''}{len(new)} tokens in {elapsed:.2f} s "
+          f"({len(new) / max(elapsed, 1e-9):.1f} tokens/s, prefill included, {device}, {args.dtype}, {decode} decode)",
+          file=sys.stderr)
+    return 130 if interrupted else 0
