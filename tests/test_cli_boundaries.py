@@ -430,3 +430,15 @@ def test_ctrl_c_during_generate_ends_the_line_and_says_how_far_it_got(run_dir, c
     captured = capsys.readouterr()
     assert captured.out.endswith("\n") and captured.out.strip()
     assert re.search(r"attnres generate: interrupted after [2-9] tokens in [\d.]+ s \(", captured.err), captured.err
+
+
+def test_resuming_a_misspelt_out_dir_names_the_run_meant(run_dir, tmp_path, capsys):
+    """`attnres train out_dir=runs/rnu --resume` said "'runs/rnu/checkpoints' holds no
+    checkpoint", as if the run were there and empty."""
+    import shutil
+
+    shutil.copytree(run_dir, tmp_path / "run")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["train", f"out_dir={tmp_path / 'rnu'}", "--resume"])
+    assert f"out_dir {str(tmp_path / 'rnu')!r} does not exist (did you mean 'run'?)" in str(info.value)
+    assert not (tmp_path / "rnu").exists()
