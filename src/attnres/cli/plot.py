@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     )
     pl.add_argument("dirs", nargs="*", default=["runs"], metavar="DIR", help="runs or folders of runs (default: runs)")
     pl.add_argument("--out", default="curves.png",
-                    help=f"the figure to write ({', '.join(FIGURE_SUFFIXES)}; default curves.png)")
+                    help=f"the figure to write ({', '.join(FIGURE_SUFFIXES)}; default curves.png); its folder must exist")
     pl.add_argument("--x", choices=AXES, default="step", help="the x axis: optimiser steps (default) or training tokens "
                     "(runs of different batch sizes compared at equal data)")
     pl.add_argument("--smooth", type=_smoothing, default=0.6,
