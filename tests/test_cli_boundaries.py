@@ -442,3 +442,23 @@ def test_resuming_a_misspelt_out_dir_names_the_run_meant(run_dir, tmp_path, caps
         cli_main(["train", f"out_dir={tmp_path / 'rnu'}", "--resume"])
     assert f"out_dir {str(tmp_path / 'rnu')!r} does not exist (did you mean 'run'?)" in str(info.value)
     assert not (tmp_path / "rnu").exists()
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--max-new-tokens", "0", "--max-new-tokens must be an integer >= 1; got 0"),
+    ("--temperature", "-1", "--temperature must be a finite number > 0, or 0 for greedy decoding; got -1.0"),
+    ("--top-k", "-2", "--top-k must be an integer >= 0 (0 = no top-k filter); got -2"),
+    ("--top-p", "0", "--top-p must be a number in (0, 1] (1 = no nucleus filter); got 0.0"),
+])
+def test_generate_names_a_bad_sampling_option_by_its_flag_before_loading(run_dir, monkeypatch, flag, value, expected):
+    """`attnres generate --max-new-tokens 0` said "max_new_tokens must be ..." (the Python
+    parameter, not the option given) after loading the model."""
+    from attnres.cli import generate as generate_cli
+
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(generate_cli, "_load", no_loading)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["generate", str(run_dir), "--prompt", "the", flag, value])
+    assert str(info.value) == f"attnres generate: error: {expected}"

@@ -185,13 +185,14 @@ def run_generate(args) -> int:
 
     import torch
 
-    from ..inference import resolve_decode, stream, stream_transformers
+    from ..inference import check_sampling, resolve_decode, stream, stream_transformers
     from ..models import AttnResLM
     from ..models.factory import context_limit
 
     try:
         if not 0 <= args.seed <= SEED_MAX:  # (checked before the model loads: torch's generator refuses it)
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
+        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, options=True)  # (before loading)
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
             raise ValueError(f"{given} is empty: there is nothing to continue")
