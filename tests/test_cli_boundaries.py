@@ -449,6 +449,7 @@ def test_resuming_a_misspelt_out_dir_names_the_run_meant(run_dir, tmp_path, caps
     ("--temperature", "-1", "--temperature must be a finite number > 0, or 0 for greedy decoding; got -1.0"),
     ("--top-k", "-2", "--top-k must be an integer >= 0 (0 = no top-k filter); got -2"),
     ("--top-p", "0", "--top-p must be a number in (0, 1] (1 = no nucleus filter); got 0.0"),
+    ("--chunk-size", "0", "--chunk-size must be >= 1 (omit it for the whole prompt at once); got 0"),
 ])
 def test_generate_names_a_bad_sampling_option_by_its_flag_before_loading(run_dir, monkeypatch, flag, value, expected):
     """`attnres generate --max-new-tokens 0` said "max_new_tokens must be ..." (the Python

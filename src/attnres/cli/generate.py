@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from .common import DTYPES, add_checkpoint_argument
+from .common import DTYPES, add_checkpoint_argument, check_optional_count
 from ..validation import SEED_MAX, missing_path_hint
 
 
@@ -193,6 +193,7 @@ def run_generate(args) -> int:
         if not 0 <= args.seed <= SEED_MAX:  # (checked before the model loads: torch's generator refuses it)
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, options=True)  # (before loading)
+        check_optional_count("--chunk-size", args.chunk_size, "the whole prompt at once")
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
             raise ValueError(f"{given} is empty: there is nothing to continue")
