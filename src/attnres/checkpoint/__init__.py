@@ -28,6 +28,7 @@ from .locate import (
     find_valid_checkpoint,
     is_hf_directory,
     no_checkpoint_at,
+    refuse_model_file,
     refuse_out_dir_not_a_run,
     set_aside_newer,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "read_checkpoint_state",
     "read_optimizer_state",
     "read_sharded_tensors",
+    "refuse_model_file",
     "refuse_out_dir_not_a_run",
     "remove_partial_checkpoints",
     "save_checkpoint",

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import json
 import warnings
+from fnmatch import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..output_paths import HF_WEIGHT_FILES, OutputPathError
+from ..output_paths import HF_MODEL_FILES, HF_WEIGHT_FILES, OutputPathError
 from ..validation import missing_path_hint
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
-           "refuse_out_dir_not_a_run", "refuse_training_output", "newest_state", "set_aside_newer", "training_output", "verify_checkpoint"]
+           "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "newest_state", "set_aside_newer",
+           "training_output", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -143,6 +145,40 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
                           f"metrics.jsonl and checkpoints/ into out_dir, which would nest a second run in there; "
                           f"{advice}; to start a new run from its weights, `init_from={folder or run} out_dir=DIR` "
                           "(a new directory)")
+
+
+#: The files of a training run's directory that its tools read (the config, the log, the lock
+#: and the W&B run id: ``attnres.train.lock.LOCK_FILE``, ``attnres.train.wandb_log.WANDB_FILE``).
+RUN_FILES = ("config.json", RUN_LOG, "run.lock", "wandb.json")
+
+
+def _checkpoint_files(folder: Path) -> set[str]:
+    """The names in checkpoint ``folder`` that its ``state.json`` lists (their first
+    component: ``dcp`` for ``dcp/.metadata``), and ``state.json`` itself."""
+    try:
+        files = json.loads((folder / STATE_FILE).read_text()).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        files = {}
+    return {STATE_FILE, *(str(name).split("/")[0] for name in files)}
+
+
+def refuse_model_file(path: str | Path, what: str = "--out") -> None:
+    """Raise :class:`~attnres.output_paths.OutputPathError` when the file ``path`` is one a
+    training checkpoint, a run or a Hugging Face directory is read from (a checkpoint's
+    ``state.json`` or weights, a run's ``config.json``, a model's tokenizer): a command's
+    results written there would replace it, and the checkpoint no longer verifies."""
+    path = Path(path)
+    folder, name = path.parent, path.name
+    owner = None
+    if (folder / STATE_FILE).is_file():
+        owner = "the training checkpoint" if name in _checkpoint_files(folder) else None
+    elif (folder / "config.json").is_file() and ((folder / "checkpoints").is_dir() or (folder / RUN_LOG).is_file()):
+        owner = "the training run" if name in RUN_FILES else None
+    elif is_hf_directory(folder) and any(fnmatch(name, p) for p in ("config.json", *HF_MODEL_FILES)):
+        owner = "the Hugging Face directory"
+    if owner is not None:
+        raise OutputPathError(f"{what} {str(path)!r} is a file of {owner} {str(folder)!r}, which writing there would "
+                              f"replace; give another --out (e.g. {str(folder / 'eval.json')!r})")
 
 
 def no_checkpoint_at(location: str | Path) -> str:

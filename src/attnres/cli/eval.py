@@ -52,11 +52,12 @@ def _eval_output(args):
     """Where ``attnres eval`` writes its results; checked before any work is done."""
     from pathlib import Path
 
-    from ..checkpoint import no_checkpoint_at
+    from ..checkpoint import no_checkpoint_at, refuse_model_file
     from ..hf.hub import is_hub_id
     from ..output_paths import check_output_file
 
     if args.out:
+        refuse_model_file(args.out)  # (the results would replace a file a checkpoint or model is read from)
         return check_output_file(Path(args.out), "--out")
     if is_hub_id(args.checkpoint):  # (not into the Hugging Face cache): here
         return check_output_file(Path(f"eval-{args.checkpoint.replace('/', '--')}.json"), "--out")
