@@ -243,3 +243,15 @@ def test_every_option_with_a_default_says_it_in_its_help():
             if "default" not in action.help:
                 silent.append(f"{name} {action.option_strings[0]}: {action.help}")
     assert not silent, silent
+
+
+@pytest.mark.parametrize("misplaced", [["--import", "my_residuals"], ["--import=my_residuals"]])
+def test_import_after_the_command_says_where_it_goes(capsys, misplaced):
+    """`attnres train --import my_residuals ...` said only "unrecognized arguments: --import"."""
+    with pytest.raises(SystemExit):
+        cli_main(["train", *misplaced, "model.residual.kind=mine", "--print-config"])
+    err = capsys.readouterr().err
+    assert "--import goes before the command: `attnres --import MODULE train ...`" in err, err
+    with pytest.raises(SystemExit):  # (not taken for a misspelt --prompt)
+        cli_main(["generate", "x", "--prompt", "a", *misplaced])
+    assert "did you mean" not in capsys.readouterr().err

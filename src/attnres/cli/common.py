@@ -60,7 +60,8 @@ class Parser(argparse.ArgumentParser):
 
     def _unknown_options_hint(self, words: list[str]) -> str:
         options = [o for action in self._actions for o in action.option_strings]
-        flags = [w.split("=")[0] for w in words if w.startswith("--")]
+        # (--import is attnres's own option, misplaced after the command: main() says so)
+        flags = dict.fromkeys(w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] != "--import")
         return did_you_mean_each([f for f in flags if f not in options], options)
 
 
