@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--text", help="held-out text file (default: the run's validation split; for a transformers "
                     "directory, the built-in corpus's validation split)")
     ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
-    ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
+    ev.add_argument("--out", help="results JSON (default: eval.json in the checkpoint, run or transformers directory "
+                    "given; for a Hub id, ./eval-ORG--NAME.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task (default: all)")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
                     f"transformers directory, at most {DIRECTORY_WINDOW})")
