@@ -485,3 +485,18 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
         cli_main(["eval", str(run), "--tasks", "none", "--out", str(out)])
     assert f"--out {str(out)!r} is a file of " in str(info.value) and "another --out" in str(info.value)
     assert (out.read_bytes() if out.exists() else None) == before
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--seeds", "-1"], "seeds (--seeds) must be a non-empty list of integers >= 0; got [-1]"),
+    (["--variants", "blok"], "variants (--variants) must be names of the 'compare' grid"),
+])
+def test_compare_names_a_bad_seed_or_variant_by_its_option(tmp_path, args, expected):
+    """`attnres compare --seeds -1` said "seeds must be ..." where the option is --seeds (the
+    message of a seed given twice already named it)."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("scipy")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["compare", "--preset", "tiny", "--out", str(tmp_path / "grid"), *args])
+    assert expected in str(info.value)
+    assert not (tmp_path / "grid").exists()

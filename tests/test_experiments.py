@@ -463,8 +463,8 @@ def test_variants_option_trains_only_the_named_variants(corpus, tmp_path):
     assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over]) == 0
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["standard"]
     assert (out / "report.md").exists()
-    with pytest.raises(SystemExit, match=r"variants must be names of the 'compare' grid \['standard', 'block', 'full'\]; "
-                       r"got \['blok'\] \(did you mean 'block' for 'blok'\?\)"):
+    with pytest.raises(SystemExit, match=r"variants \(--variants\) must be names of the 'compare' grid "
+                       r"\['standard', 'block', 'full'\]; got \['blok'\] \(did you mean 'block' for 'blok'\?\)"):
         cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "blok", *over])
 
 
