@@ -500,3 +500,16 @@ def test_compare_names_a_bad_seed_or_variant_by_its_option(tmp_path, args, expec
         cli_main(["compare", "--preset", "tiny", "--out", str(tmp_path / "grid"), *args])
     assert expected in str(info.value)
     assert not (tmp_path / "grid").exists()
+
+
+def test_a_home_relative_path_in_a_config_file_is_the_home_directory(tmp_path, monkeypatch):
+    """`out_dir: ~/runs/x` in a YAML file (the shell expands `~` on the command line, not in a
+    file) trained into a directory named '~' in the current one; init_from / resume_from
+    likewise named no checkpoint. data.paths already read `~` as the home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("out_dir: ~/runs/x\ninit_from: ~/runs/base\n")
+    config = load_config(config_file)
+    assert config.out_dir == str(tmp_path / "home" / "runs" / "x")
+    assert config.init_from == str(tmp_path / "home" / "runs" / "base")
+    assert load_config(None, ["resume_from=~/runs/x"]).resume_from == str(tmp_path / "home" / "runs" / "x")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,12 @@ class TrainConfig:
             self.data = data_from_spec(self.data)
         if not isinstance(self.parallel, ParallelConfig):  # TrainConfig(distributed="none"): parallel.dp=1
             self.parallel = ParallelConfig.from_dict(self.parallel)
+        # `~` is the home directory, as in data.paths: the shell expands it on the command line but
+        # not in a config file, where `out_dir: ~/runs/x` made a directory named '~' here.
+        for name in ("out_dir", "init_from", "resume_from"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(self, name, os.path.expanduser(value))
         self.validate()
 
     def validate(self) -> None:
