@@ -513,3 +513,14 @@ def test_a_home_relative_path_in_a_config_file_is_the_home_directory(tmp_path, m
     assert config.out_dir == str(tmp_path / "home" / "runs" / "x")
     assert config.init_from == str(tmp_path / "home" / "runs" / "base")
     assert load_config(None, ["resume_from=~/runs/x"]).resume_from == str(tmp_path / "home" / "runs" / "x")
+
+
+def test_report_only_on_a_misspelt_out_names_the_grid_meant(tmp_path):
+    """`attnres compare --out runs/comprae --report-only` said "no finished runs to report",
+    as if the grid were there and unfinished."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("scipy")
+    (tmp_path / "compare").mkdir()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["compare", "--out", str(tmp_path / "comprae"), "--report-only"])
+    assert f"--out {str(tmp_path / 'comprae')!r} does not exist (did you mean 'compare'?)" in str(info.value)

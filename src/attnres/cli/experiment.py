@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
+from ..validation import missing_path_hint
 from .common import apply_cpu_allocator, check_output_dir
 
 #: Each grid's presets (``attnres.experiments.PRESETS``, restated so that building the parser
@@ -132,6 +134,9 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
 
     if overhead_repeats < 0:
         raise SystemExit(f"{prog}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
+    if report_only and not Path(out).exists():  # (not "no finished runs", as if the grid were there)
+        raise SystemExit(f"{prog}: error: --out {out!r} does not exist{missing_path_hint(out, directories_only=True)}: "
+                         "there is no grid there to report on")
     # What the report needs (the 'experiments' extra), before any run trains: missing, it was said
     # only once every run had finished (hours, for a real grid). main() names the extra.
     import matplotlib  # noqa: F401
