@@ -62,8 +62,10 @@ def missing_path_hint(path: str | os.PathLike[str], directories_only: bool = Fal
     while missing.parent != missing and not missing.parent.exists():
         missing = missing.parent
     folder, last = missing.parent, missing == path
-    names = ([p.name for p in folder.iterdir() if p.is_dir() or (last and not directories_only)]
-             if folder.is_dir() else [])
+    try:
+        names = [p.name for p in folder.iterdir() if p.is_dir() or (last and not directories_only)]
+    except OSError:  # (a file, or a folder this user may not list: no suggestion)
+        names = []
     where = "" if last else f": {str(folder)!r} holds no {missing.name!r}"
     return where + did_you_mean(missing.name, names)
 

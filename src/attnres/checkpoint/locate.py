@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import warnings
-from fnmatch import fnmatch
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
