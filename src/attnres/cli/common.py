@@ -198,7 +198,6 @@ def runs_under(command: str, dirs: list[str]) -> list:
     from pathlib import Path
 
     from ..train.status import find_runs
-
     from ..validation import missing_path_hint
 
     missing = [d for d in dirs if not Path(d).exists()]
