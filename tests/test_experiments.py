@@ -267,8 +267,11 @@ def test_cli_errors_name_bad_values(tmp_path):
         cli_main(["experiment", "scaling", "--preset", "x", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="steps"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path), "steps=0"])
+    (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no finished runs"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "empty"), "--report-only"])
+    with pytest.raises(SystemExit, match=r"--out '.*emtpy' does not exist \(did you mean 'empty'\?\)"):
+        cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "emtpy"), "--report-only"])
 
 
 def test_compare_end_to_end(corpus, tmp_path):
