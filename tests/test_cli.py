@@ -226,3 +226,32 @@ def test_the_commands_that_run_a_model_share_the_device_default():
     parser = build_parser()
     defaults = {name: parser.commands[name].get_default("device") for name in ("analyze", "eval", "generate")}
     assert defaults == {"analyze": "auto", "eval": "auto", "generate": "auto"}
+
+
+def test_every_option_with_a_default_says_it_in_its_help():
+    """`attnres generate --help` showed `--top-k TOP_K  keep the k most likely tokens (0 = all)`
+    without saying 0 is what one gets; an option that has a value when not given names it."""
+    import argparse
+
+    parser = build_parser()
+    silent = []
+    for name, command in parser.commands.items():
+        for action in command._actions:
+            if (not action.option_strings or action.default is None or action.default is False
+                    or action.default == argparse.SUPPRESS or action.help in (None, argparse.SUPPRESS)):
+                continue
+            if "default" not in action.help:
+                silent.append(f"{name} {action.option_strings[0]}: {action.help}")
+    assert not silent, silent
+
+
+@pytest.mark.parametrize("misplaced", [["--import", "my_residuals"], ["--import=my_residuals"]])
+def test_import_after_the_command_says_where_it_goes(capsys, misplaced):
+    """`attnres train --import my_residuals ...` said only "unrecognized arguments: --import"."""
+    with pytest.raises(SystemExit):
+        cli_main(["train", *misplaced, "model.residual.kind=mine", "--print-config"])
+    err = capsys.readouterr().err
+    assert "--import goes before the command: `attnres --import MODULE train ...`" in err, err
+    with pytest.raises(SystemExit):  # (not taken for a misspelt --prompt)
+        cli_main(["generate", "x", "--prompt", "a", *misplaced])
+    assert "did you mean" not in capsys.readouterr().err

@@ -4,6 +4,7 @@ line's boundary (bad files, tokenizers, task names, checkpoints), each naming wh
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -363,3 +364,185 @@ def test_analyze_says_what_it_was_given_before_it_writes_anything(run_dir, tmp_p
     assert (grid / "report.md").read_text() == "the compare report" and not (grid / "mixing.png").exists()
     with pytest.raises(SystemExit, match=r"--seq-len 999 exceeds the model's max_seq_len 128: use --seq-len 128 or less"):
         cli_main(["analyze", str(run_dir), "--out", str(tmp_path / "a"), "--seq-len", "999"])
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["step", "checkpoints"])
+@pytest.mark.parametrize("resume", [True, False])
+def test_out_dir_that_is_a_checkpoint_or_its_folder_is_refused(run_dir, tmp_path, capsys, where, resume):
+    """`attnres train out_dir=RUN/checkpoints/step-N --resume` (a checkpoint where the run
+    directory belongs) trained on and nested a second run inside the checkpoint
+    (RUN/checkpoints/step-N/checkpoints/step-M, its metrics and config beside the weights);
+    now it is refused before anything is written, with the commands that do what was meant."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    out = step if where == "step" else run / "checkpoints"
+    before = _listing(run)
+    args = ["train", f"out_dir={out}", "progress=false", "tensorboard=false"]
+    args += ["--resume"] if resume else [f"data.paths=[{write_corpus(tmp_path / 'corpus.txt', n_lines=100)}]",
+                                         "data.tokenizer=byte", "steps=1", "seq_len=16", "batch_size=2"]
+    with pytest.raises(SystemExit) as info:
+        cli_main(args)
+    message = str(info.value)
+    assert f"out_dir={run} --resume" in message, message
+    assert ("a checkpoint of the run" if where == "step" else "the checkpoints/ folder of the run") in message
+    assert _listing(run) == before
+    assert "resuming with the config stored" not in capsys.readouterr().err  # (it resumes nothing)
+
+
+def test_out_dir_that_is_a_hugging_face_directory_is_refused(tmp_path):
+    """Training into an export or upcycle (say `out_dir=qwen3-attnres` beside
+    `init_from=qwen3-attnres`) replaced its transformers config.json with the run's."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "attnres"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=100)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["train", *overrides(corpus, hf, steps=1)])
+    assert "Hugging Face directory" in str(info.value) and "another out_dir" in str(info.value)
+    assert (hf / "config.json").read_text() == '{"model_type": "attnres"}'
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--config", "configs/run.yml", "--print-config"], "config file 'configs/run.yml' does not exist (did you mean 'run.yaml'?)"),
+    (["train", "--config", "train-cpu.yml", "--print-config"], "(did you mean 'configs/train-cpu.yaml', shipped with attnres?)"),
+    (["train", "data.paths=[my_txets/]", "steps=1"], "data path 'my_txets' does not exist (did you mean 'my_texts'?)"),
+    (["generate", "RUN", "--prompt-file", "promt.txt"], "--prompt-file: no file 'promt.txt' (did you mean 'prompt.txt'?)"),
+    (["analyze", "RUN", "--text", "corpus.tx"], "--text 'corpus.tx' is not a file (did you mean 'corpus.txt'?)"),
+    (["eval", "RUN", "--text", "corpus.tx", "--tasks", "none"], "--text 'corpus.tx' is not a file (did you mean 'corpus.txt'?)"),
+])
+def test_a_misspelt_file_is_named_with_the_nearest_one(run_dir, tmp_path, monkeypatch, args, expected):
+    """A newcomer's typos in the files a command reads (`.yml` for `.yaml`, transposed letters)
+    were said not to exist, with no word of the file that does."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "run.yaml").write_text("steps: 1\n")
+    (tmp_path / "my_texts").mkdir()
+    write_corpus(tmp_path / "my_texts" / "a.txt", n_lines=50)
+    write_corpus(tmp_path / "corpus.txt", n_lines=50)
+    (tmp_path / "prompt.txt").write_text("the")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        cli_main([str(run_dir) if a == "RUN" else a for a in args])
+    assert expected in str(info.value)
+
+
+def test_ctrl_c_during_generate_ends_the_line_and_says_how_far_it_got(run_dir, capsys, monkeypatch):
+    """Ctrl-C while `attnres generate` streams left the text without its newline, so
+    "attnres generate: interrupted" was glued to it on the terminal, with no word of the
+    tokens written; now the line ends and the tokens so far are counted."""
+    from attnres.cli import generate as generate_cli
+
+    real = generate_cli.text_pieces
+
+    def interrupted_after_two(tokenizer, steps, new):
+        for k, piece in enumerate(real(tokenizer, steps, new)):
+            yield piece
+            if k == 1:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_cli, "text_pieces", interrupted_after_two)
+    assert cli_main(["generate", str(run_dir), *GREEDY]) == 130
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n") and captured.out.strip()
+    assert re.search(r"attnres generate: interrupted after [2-9] tokens in [\d.]+ s \(", captured.err), captured.err
+
+
+def test_resuming_a_misspelt_out_dir_names_the_run_meant(run_dir, tmp_path, capsys):
+    """`attnres train out_dir=runs/rnu --resume` said "'runs/rnu/checkpoints' holds no
+    checkpoint", as if the run were there and empty."""
+    import shutil
+
+    shutil.copytree(run_dir, tmp_path / "run")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["train", f"out_dir={tmp_path / 'rnu'}", "--resume"])
+    assert f"out_dir {str(tmp_path / 'rnu')!r} does not exist (did you mean 'run'?)" in str(info.value)
+    assert not (tmp_path / "rnu").exists()
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--max-new-tokens", "0", "--max-new-tokens must be an integer >= 1; got 0"),
+    ("--temperature", "-1", "--temperature must be a finite number > 0, or 0 for greedy decoding; got -1.0"),
+    ("--top-k", "-2", "--top-k must be an integer >= 0 (0 = no top-k filter); got -2"),
+    ("--top-p", "0", "--top-p must be a number in (0, 1] (1 = no nucleus filter); got 0.0"),
+    ("--chunk-size", "0", "--chunk-size must be >= 1 (omit it for the whole prompt at once); got 0"),
+])
+def test_generate_names_a_bad_sampling_option_by_its_flag_before_loading(run_dir, monkeypatch, flag, value, expected):
+    """`attnres generate --max-new-tokens 0` said "max_new_tokens must be ..." (the Python
+    parameter, not the option given) after loading the model."""
+    from attnres.cli import generate as generate_cli
+
+    def no_loading(args):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(generate_cli, "_load", no_loading)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["generate", str(run_dir), "--prompt", "the", flag, value])
+    assert str(info.value) == f"attnres generate: error: {expected}"
+
+
+@pytest.mark.parametrize("target", ["checkpoints/STEP/state.json", "checkpoints/STEP/model.safetensors", "config.json",
+                                    "metrics.jsonl", "hf/config.json", "hf/tokenizer.json"])
+def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path, target):
+    """`attnres eval RUN --out RUN/checkpoints/step-N/state.json` replaced the checkpoint's
+    manifest with the results (the checkpoint no longer verified); a run's config.json or a
+    Hugging Face directory's files likewise. Refused now, before any work."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "hf").mkdir()  # (a Hugging Face directory: its config.json and weights)
+    (run / "hf" / "config.json").write_text("{}")
+    (run / "hf" / "model.safetensors").write_bytes(b"")
+    step = sorted((run / "checkpoints").glob("step-*"))[-1].name
+    out = run / target.replace("STEP", step)
+    before = out.read_bytes() if out.exists() else None
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run), "--tasks", "none", "--out", str(out)])
+    assert f"--out {str(out)!r} is a file of " in str(info.value) and "another --out" in str(info.value)
+    assert (out.read_bytes() if out.exists() else None) == before
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--seeds", "-1"], "seeds (--seeds) must be a non-empty list of integers >= 0; got [-1]"),
+    (["--variants", "blok"], "variants (--variants) must be names of the 'compare' grid"),
+])
+def test_compare_names_a_bad_seed_or_variant_by_its_option(tmp_path, args, expected):
+    """`attnres compare --seeds -1` said "seeds must be ..." where the option is --seeds (the
+    message of a seed given twice already named it)."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("scipy")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["compare", "--preset", "tiny", "--out", str(tmp_path / "grid"), *args])
+    assert expected in str(info.value)
+    assert not (tmp_path / "grid").exists()
+
+
+def test_a_home_relative_path_in_a_config_file_is_the_home_directory(tmp_path, monkeypatch):
+    """`out_dir: ~/runs/x` in a YAML file (the shell expands `~` on the command line, not in a
+    file) trained into a directory named '~' in the current one; init_from / resume_from
+    likewise named no checkpoint. data.paths already read `~` as the home directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("out_dir: ~/runs/x\ninit_from: ~/runs/base\n")
+    config = load_config(config_file)
+    assert config.out_dir == str(tmp_path / "home" / "runs" / "x")
+    assert config.init_from == str(tmp_path / "home" / "runs" / "base")
+    assert load_config(None, ["resume_from=~/runs/x"]).resume_from == str(tmp_path / "home" / "runs" / "x")
+
+
+def test_report_only_on_a_misspelt_out_names_the_grid_meant(tmp_path):
+    """`attnres compare --out runs/comprae --report-only` said "no finished runs to report",
+    as if the grid were there and unfinished."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("scipy")
+    (tmp_path / "compare").mkdir()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["compare", "--out", str(tmp_path / "comprae"), "--report-only"])
+    assert f"--out {str(tmp_path / 'comprae')!r} does not exist (did you mean 'compare'?)" in str(info.value)

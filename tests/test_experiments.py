@@ -267,8 +267,11 @@ def test_cli_errors_name_bad_values(tmp_path):
         cli_main(["experiment", "scaling", "--preset", "x", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="steps"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path), "steps=0"])
+    (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no finished runs"):
         cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "empty"), "--report-only"])
+    with pytest.raises(SystemExit, match=r"--out '.*emtpy' does not exist \(did you mean 'empty'\?\)"):
+        cli_main(["experiment", "scaling", "--preset", "tiny", "--out", str(tmp_path / "emtpy"), "--report-only"])
 
 
 def test_compare_end_to_end(corpus, tmp_path):
@@ -463,8 +466,8 @@ def test_variants_option_trains_only_the_named_variants(corpus, tmp_path):
     assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over]) == 0
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["standard"]
     assert (out / "report.md").exists()
-    with pytest.raises(SystemExit, match=r"variants must be names of the 'compare' grid \['standard', 'block', 'full'\]; "
-                       r"got \['blok'\] \(did you mean 'block' for 'blok'\?\)"):
+    with pytest.raises(SystemExit, match=r"variants \(--variants\) must be names of the 'compare' grid "
+                       r"\['standard', 'block', 'full'\]; got \['blok'\] \(did you mean 'block' for 'blok'\?\)"):
         cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "blok", *over])
 
 

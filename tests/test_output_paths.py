@@ -176,6 +176,18 @@ def test_a_path_without_a_checkpoint_is_named_with_what_it_is(tmp_path):
         assert find_valid_checkpoint(tmp_path / where) is None, where  # what the message explains
 
 
+def test_a_misspelt_folder_above_a_checkpoint_is_named(tmp_path):
+    """`attnres generate runs/compare/blok/seed0`: the misspelt component is not the last one,
+    and the message said only that the path does not exist; now it names the first folder
+    missing and the nearest one there."""
+    (tmp_path / "compare" / "block" / "seed0" / "checkpoints").mkdir(parents=True)
+    path = tmp_path / "compare" / "blok" / "seed0"
+    assert no_checkpoint_at(path) == (f"{str(path)!r} does not exist: {str(tmp_path / 'compare')!r} holds no 'blok' "
+                                      "(did you mean 'block'?)")
+    far = tmp_path / "nowhere" / "a" / "b"
+    assert no_checkpoint_at(far) == f"{str(far)!r} does not exist: {str(tmp_path)!r} holds no 'nowhere'"
+
+
 def _export_like(files: dict[str, bytes], fail_after: str | None = None, error: BaseException | None = None):
     """A writer as ``save_pretrained`` is one: ``files`` written in order, ``error`` raised
     after ``fail_after`` (a disk that filled up, Ctrl-C)."""

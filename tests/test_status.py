@@ -95,3 +95,26 @@ def test_json_lines_stay_strict_json_when_a_loss_is_not_a_number(runs, tmp_path,
     assert cli_main(["status", str(run), "--json"]) == 0
     row = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert (row["val_loss"], row["val_step"], row["tokens_per_s"], row["train_loss"]) == (None, 6, None, 4.0)
+
+
+def test_a_path_inside_a_run_finds_that_run(runs, capsys):
+    """`attnres status RUN/checkpoints/step-N` (the path generate / eval take) said "no
+    training runs under ..." and exited 0: a checkpoint, a run's checkpoints/ or tensorboard/
+    folder now stand for their run, in status and plot alike."""
+    run = runs / "done"
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    for inside in (step, run / "checkpoints", step / "model.safetensors"):
+        assert find_runs(inside) == [run], inside
+    assert cli_main(["status", str(step)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith(str(run))
+
+
+@pytest.mark.parametrize("command", ["status", "plot"])
+def test_a_file_or_a_misspelt_folder_is_an_error(runs, tmp_path, command, capsys):
+    """`attnres status corpus.txt` said "no training runs under corpus.txt" with exit status 0;
+    a misspelt folder gave no hint of the one meant."""
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit, match=f"attnres {command}: error: '.*notes.txt' is a file, not a run or a folder"):
+        cli_main([command, str(tmp_path / "notes.txt")])
+    with pytest.raises(SystemExit, match=r"no such folder: '.*gird' \(did you mean 'grid'\?\)"):
+        cli_main([command, str(runs / "gird")])

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 
@@ -47,6 +49,25 @@ def did_you_mean(value: Any, allowed: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` with the allowed string nearest to ``value``, or ``""``."""
     near = nearest(value, allowed)
     return "" if near is None else f" (did you mean {near!r}?)"
+
+
+def missing_path_hint(path: str | os.PathLike[str], directories_only: bool = False) -> str:
+    """For a ``path`` that does not exist, where it stops existing and the nearest name there:
+    ``" (did you mean 'train-cpu.yaml'?)"`` when only its last component is missing, else
+    ``": 'runs/compare' holds no 'blok' (did you mean 'block'?)"`` (a typo in a folder above
+    is the first missing component, not the last); ``""`` with nothing near. ``directories_only``:
+    the last component names a directory, so only directories are suggested for it."""
+    path = Path(path)
+    missing = path
+    while missing.parent != missing and not missing.parent.exists():
+        missing = missing.parent
+    folder, last = missing.parent, missing == path
+    try:
+        names = [p.name for p in folder.iterdir() if p.is_dir() or (last and not directories_only)]
+    except OSError:  # (a file, or a folder this user may not list: no suggestion)
+        names = []
+    where = "" if last else f": {str(folder)!r} holds no {missing.name!r}"
+    return where + did_you_mean(missing.name, names)
 
 
 def did_you_mean_each(values: Iterable[str], allowed: Iterable[str], note: Callable[[str], str] | None = None,

@@ -23,7 +23,15 @@ from typing import Any
 from torch import nn
 
 from .consolidated import load_checkpoint, read_optimizer_state, save_checkpoint, write_checkpoint
-from .locate import Source, find_valid_checkpoint, is_hf_directory, no_checkpoint_at, set_aside_newer
+from .locate import (
+    Source,
+    find_valid_checkpoint,
+    is_hf_directory,
+    no_checkpoint_at,
+    refuse_model_file,
+    refuse_out_dir_not_a_run,
+    set_aside_newer,
+)
 from .manifest import (
     CheckpointError,
     CheckpointWriteError,
@@ -65,6 +73,8 @@ __all__ = [
     "read_checkpoint_state",
     "read_optimizer_state",
     "read_sharded_tensors",
+    "refuse_model_file",
+    "refuse_out_dir_not_a_run",
     "remove_partial_checkpoints",
     "save_checkpoint",
     "save_sharded",

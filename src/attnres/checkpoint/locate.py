@@ -8,16 +8,18 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from ..output_paths import OutputPathError
-from ..validation import did_you_mean
+from ..output_paths import HF_MODEL_FILES, HF_WEIGHT_FILES, OutputPathError
+from ..validation import missing_path_hint
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
-           "refuse_training_output", "newest_state", "set_aside_newer", "training_output", "verify_checkpoint"]
+           "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "newest_state", "set_aside_newer",
+           "training_output", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -115,15 +117,77 @@ def refuse_loading_training_output(path: str | Path) -> None:
             f"and load DIR (attnres.inference.load_run({str(path)!r}) loads the run's own model as it is)")
 
 
+def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
+    """Raise :class:`~attnres.output_paths.OutputPathError` when ``out_dir`` is one of a run's
+    checkpoints, a run's ``checkpoints/`` folder or a Hugging Face directory, with the command
+    that does what was likely meant. A run writes ``config.json``, ``metrics.jsonl`` and its own
+    ``checkpoints/`` into ``out_dir``: in a checkpoint (which ``--resume`` would even resume,
+    since a checkpoint is also where it looks) that nests a second run among the weights, and
+    in an export or upcycle it replaces the transformers ``config.json``."""
+    path = Path(out_dir)
+    if (path / STATE_FILE).is_file():
+        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        what = f"a checkpoint of the run {str(run)!r}" if run is not None else "a training checkpoint"
+        folder = str(path)
+    elif path.name == "checkpoints" and not (path / "checkpoints").is_dir() and checkpoint_dirs(path.parent):
+        run, what, folder = path.parent, f"the checkpoints/ folder of the run {str(path.parent)!r}", None
+    elif is_hf_directory(path) and any(any(path.glob(p)) for p in HF_WEIGHT_FILES):
+        raise OutputPathError(f"out_dir {str(path)!r} is a Hugging Face directory: a training run written there would "
+                              f"replace its config.json; to train from it, `init_from={path}` (with "
+                              f"model.from_hf={path}) and another out_dir")
+    else:
+        return
+    advice = (f"to continue that run, `attnres train out_dir={run} --resume`" if run is not None
+              else f"to continue it, `attnres train --resume-from {path} out_dir=DIR`")
+    if run is not None and folder is not None:
+        advice += f" (or `--resume-from {folder} out_dir={run}`: this checkpoint)"
+    raise OutputPathError(f"out_dir {str(path)!r} is {what}, not a run directory: a run writes config.json, "
+                          f"metrics.jsonl and checkpoints/ into out_dir, which would nest a second run in there; "
+                          f"{advice}; to start a new run from its weights, `init_from={folder or run} out_dir=DIR` "
+                          "(a new directory)")
+
+
+#: The files of a training run's directory that its tools read (the config, the log, the lock
+#: and the W&B run id: ``attnres.train.lock.LOCK_FILE``, ``attnres.train.wandb_log.WANDB_FILE``).
+RUN_FILES = ("config.json", RUN_LOG, "run.lock", "wandb.json")
+
+
+def _checkpoint_files(folder: Path) -> set[str]:
+    """The names in checkpoint ``folder`` that its ``state.json`` lists (their first
+    component: ``dcp`` for ``dcp/.metadata``), and ``state.json`` itself."""
+    try:
+        files = json.loads((folder / STATE_FILE).read_text()).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        files = {}
+    return {STATE_FILE, *(str(name).split("/")[0] for name in files)}
+
+
+def refuse_model_file(path: str | Path, what: str = "--out") -> None:
+    """Raise :class:`~attnres.output_paths.OutputPathError` when the file ``path`` is one a
+    training checkpoint, a run or a Hugging Face directory is read from (a checkpoint's
+    ``state.json`` or weights, a run's ``config.json``, a model's tokenizer): a command's
+    results written there would replace it, and the checkpoint no longer verifies."""
+    path = Path(path)
+    folder, name = path.parent, path.name
+    owner = None
+    if (folder / STATE_FILE).is_file():
+        owner = "the training checkpoint" if name in _checkpoint_files(folder) else None
+    elif (folder / "config.json").is_file() and ((folder / "checkpoints").is_dir() or (folder / RUN_LOG).is_file()):
+        owner = "the training run" if name in RUN_FILES else None
+    elif is_hf_directory(folder) and any(fnmatch(name, p) for p in ("config.json", *HF_MODEL_FILES)):
+        owner = "the Hugging Face directory"
+    if owner is not None:
+        raise OutputPathError(f"{what} {str(path)!r} is a file of {owner} {str(folder)!r}, which writing there would "
+                              f"replace; give another --out (e.g. {str(folder / 'eval.json')!r})")
+
+
 def no_checkpoint_at(location: str | Path) -> str:
     """Why :func:`find_valid_checkpoint` found nothing at ``location``, and what to name
     instead: a path that does not exist, a file, a Hugging Face directory, a run that has not
     written a checkpoint yet, or a directory of runs (``attnres compare``'s ``--out``)."""
     location = Path(location)
     if not location.exists():
-        folder = location.parent
-        beside = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
-        return f"{str(location)!r} does not exist" + did_you_mean(location.name, beside)
+        return f"{str(location)!r} does not exist" + missing_path_hint(location, directories_only=True)
     what = f"{str(location)!r} is neither a checkpoint nor a run directory with checkpoints"
     if not location.is_dir():
         return f"{what}: it is a file; name a run directory or one of its checkpoints/step-* directories"

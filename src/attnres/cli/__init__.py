@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra and (command.accepts_extra is None or not all(command.accepts_extra(e) for e in extra)):
         hint = f" ({command.extra_path_hint})" if command.extra_path_hint and any(
             not e.startswith("-") for e in extra) else ""
+        if any(e == "--import" or e.startswith("--import=") for e in extra):  # an option of `attnres` itself
+            hint = f" (--import goes before the command: `attnres --import MODULE {args.command} ...`)"
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:
         args.overrides = args.overrides + extra

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..validation import missing_path_hint
 from .common import add_checkpoint_argument, check_optional_count
 
 
@@ -47,7 +48,7 @@ def run_analyze(args) -> int:
         check_optional_count("--rows", args.rows, "8, or as many windows as the text holds")
         check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
         if args.text is not None and not os.path.isfile(args.text):
-            raise ValueError(f"--text {args.text!r} is not a file")
+            raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         out = args.out
         if out is None and is_hub_id(args.checkpoint):  # here, not into the Hugging Face cache
             out = f"analysis-{args.checkpoint.replace('/', '--')}"

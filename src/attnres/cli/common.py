@@ -60,7 +60,8 @@ class Parser(argparse.ArgumentParser):
 
     def _unknown_options_hint(self, words: list[str]) -> str:
         options = [o for action in self._actions for o in action.option_strings]
-        flags = [w.split("=")[0] for w in words if w.startswith("--")]
+        # (--import is attnres's own option, misplaced after the command: main() says so)
+        flags = dict.fromkeys(w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] != "--import")
         return did_you_mean_each([f for f in flags if f not in options], options)
 
 
@@ -197,11 +198,18 @@ def runs_under(command: str, dirs: list[str]) -> list:
     from pathlib import Path
 
     from ..train.status import find_runs
+    from ..validation import missing_path_hint
 
     missing = [d for d in dirs if not Path(d).exists()]
     if missing:
-        raise SystemExit(f"attnres {command}: error: no such folder: {', '.join(map(repr, missing))}")
-    return list(dict.fromkeys(path for d in dirs for path in find_runs(d)))
+        named = ", ".join(repr(d) + missing_path_hint(d, directories_only=True) for d in missing)
+        raise SystemExit(f"attnres {command}: error: no such folder: {named}")
+    found = {d: find_runs(d) for d in dirs}
+    files = [d for d in dirs if not found[d] and Path(d).is_file()]  # (a file of a run stands for its run)
+    if files:
+        raise SystemExit(f"attnres {command}: error: {', '.join(map(repr, files))} is a file, not a run or a folder "
+                         "of runs")
+    return list(dict.fromkeys(path for runs in found.values() for path in runs))
 
 
 def missing_extra(argv: list[str], error: ImportError) -> str | None:

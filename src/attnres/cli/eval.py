@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..validation import missing_path_hint
 from .common import DTYPES, add_checkpoint_argument, check_optional_count
 
 
@@ -27,8 +28,9 @@ def add_parser(sub) -> None:
     ev.add_argument("--text", help="held-out text file (default: the run's validation split; for a transformers "
                     "directory, the built-in corpus's validation split)")
     ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
-    ev.add_argument("--out", help="results JSON (default: <checkpoint>/eval.json); its folder must exist")
-    ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task")
+    ev.add_argument("--out", help="results JSON (default: eval.json in the checkpoint, run or transformers directory "
+                    "given; for a Hub id, ./eval-ORG--NAME.json); its folder must exist")
+    ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task (default: all)")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
                     f"transformers directory, at most {DIRECTORY_WINDOW})")
     ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
@@ -51,11 +53,12 @@ def _eval_output(args):
     """Where ``attnres eval`` writes its results; checked before any work is done."""
     from pathlib import Path
 
-    from ..checkpoint import no_checkpoint_at
+    from ..checkpoint import no_checkpoint_at, refuse_model_file
     from ..hf.hub import is_hub_id
     from ..output_paths import check_output_file
 
     if args.out:
+        refuse_model_file(args.out)  # (the results would replace a file a checkpoint or model is read from)
         return check_output_file(Path(args.out), "--out")
     if is_hub_id(args.checkpoint):  # (not into the Hugging Face cache): here
         return check_output_file(Path(f"eval-{args.checkpoint.replace('/', '--')}.json"), "--out")
@@ -120,7 +123,7 @@ def run_eval(args) -> int:
         out = _eval_output(args)
         check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
-            raise ValueError(f"--text {args.text!r} is not a file")
+            raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
         if args.bootstrap_iters < 0:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
+from ..validation import missing_path_hint
 from .common import apply_cpu_allocator, check_output_dir
 
 #: Each grid's presets (``attnres.experiments.PRESETS``, restated so that building the parser
@@ -29,8 +31,9 @@ def add_compare_parser(sub) -> None:
         help="the main job: train standard, Block and Full AttnRes alike and write report.md with plots",
         description="Train the standard, Block AttnRes and Full AttnRes models with identical data, hyper-parameters "
         "and seeds on the default corpus (resumable: finished runs are skipped), then write --out/report.md with "
-        "validation-loss curves, a loss table at equal steps and equal compute with tokens/s, output and gradient "
-        "magnitude per block (Fig. 5) and depth-weight heatmaps (Fig. 8). Same as `attnres experiment compare`.",
+        "validation-loss curves, a loss table at equal steps, equal compute and equal time (step times measured side "
+        "by side after training) with tokens/s, output and gradient magnitude per block (Fig. 5), depth-weight "
+        "heatmaps (Fig. 8) and depth mixing matrices (Fig. 9). Same as `attnres experiment compare`.",
     )
     _grid_arguments(cmp, default_out="runs/compare", presets="'tiny' (seconds), 'demo' (minutes; default) or "
                     "'long' (the committed 12-block comparison, 30+ minutes per run)")
@@ -131,6 +134,9 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
 
     if overhead_repeats < 0:
         raise SystemExit(f"{prog}: error: --overhead-repeats must be >= 0; got {overhead_repeats}")
+    if report_only and not Path(out).exists():  # (not "no finished runs", as if the grid were there)
+        raise SystemExit(f"{prog}: error: --out {out!r} does not exist{missing_path_hint(out, directories_only=True)}: "
+                         "there is no grid there to report on")
     # What the report needs (the 'experiments' extra), before any run trains: missing, it was said
     # only once every run had finished (hours, for a real grid). main() names the extra.
     import matplotlib  # noqa: F401

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import warnings
 
-from .common import DTYPES, add_checkpoint_argument
-from ..validation import SEED_MAX
+from .common import DTYPES, add_checkpoint_argument, check_optional_count
+from ..validation import SEED_MAX, missing_path_hint
 
 
 def add_parser(sub) -> None:
@@ -26,10 +26,11 @@ def add_parser(sub) -> None:
                      "'assistant: ' lines, the template of their export)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens")
+    gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens "
+                     "(default: all at once)")
     gen.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
     gen.add_argument("--device", default="auto", help="auto (CUDA when available; default), cpu, cuda or cuda:N")
     gen.add_argument("--decode", default="auto", choices=("auto", "dynamic", "static", "compiled", "graph"),
@@ -79,7 +80,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
             given = f"--prompt-file {prompt_file}"
             text = Path(prompt_file).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        raise ValueError(f"--prompt-file: no file {prompt_file!r}") from None
+        raise ValueError(f"--prompt-file: no file {prompt_file!r}{missing_path_hint(prompt_file)}") from None
     except IsADirectoryError:
         raise ValueError(f"--prompt-file: {prompt_file!r} is a directory; give a text file") from None
     except UnicodeDecodeError:
@@ -184,13 +185,15 @@ def run_generate(args) -> int:
 
     import torch
 
-    from ..inference import resolve_decode, stream, stream_transformers
+    from ..inference import check_sampling, resolve_decode, stream, stream_transformers
     from ..models import AttnResLM
     from ..models.factory import context_limit
 
     try:
         if not 0 <= args.seed <= SEED_MAX:  # (checked before the model loads: torch's generator refuses it)
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
+        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, options=True)  # (before loading)
+        check_optional_count("--chunk-size", args.chunk_size, "the whole prompt at once")
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
             raise ValueError(f"{given} is empty: there is nothing to continue")
@@ -214,12 +217,18 @@ def run_generate(args) -> int:
             steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
         new: list[int] = []
         t0 = time.perf_counter()
-        for piece in text_pieces(tokenizer, steps, new):  # printed as it comes
-            print(piece, end="", flush=True)
+        try:
+            for piece in text_pieces(tokenizer, steps, new):  # printed as it comes
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:  # Ctrl-C: end the text's line, then say how far it got
+            interrupted = True
+        else:
+            interrupted = False
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         raise SystemExit(f"attnres generate: error: {e}") from None
     print()
-    print(f"attnres generate: {len(new)} tokens in {elapsed:.2f} s ({len(new) / max(elapsed, 1e-9):.1f} tokens/s, "
-          f"prefill included, {device}, {args.dtype}, {decode} decode)", file=sys.stderr)
-    return 0
+    print(f"attnres generate: {'interrupted after ' if interrupted else ''}{len(new)} tokens in {elapsed:.2f} s "
+          f"({len(new) / max(elapsed, 1e-9):.1f} tokens/s, prefill included, {device}, {args.dtype}, {decode} decode)",
+          file=sys.stderr)
+    return 130 if interrupted else 0

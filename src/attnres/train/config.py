@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..models.hf_registry import hf_hook
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList,
-                          check_known_keys, fail)
+                          check_known_keys, fail, missing_path_hint, nearest)
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -205,6 +206,12 @@ class TrainConfig:
             self.data = data_from_spec(self.data)
         if not isinstance(self.parallel, ParallelConfig):  # TrainConfig(distributed="none"): parallel.dp=1
             self.parallel = ParallelConfig.from_dict(self.parallel)
+        # `~` is the home directory, as in data.paths: the shell expands it on the command line but
+        # not in a config file, where `out_dir: ~/runs/x` made a directory named '~' here.
+        for name in ("out_dir", "init_from", "resume_from"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(self, name, os.path.expanduser(value))
         self.validate()
 
     def validate(self) -> None:
@@ -484,6 +491,17 @@ def config_path(path: str | Path) -> Path:
     return p
 
 
+def _config_hint(p: Path) -> str:
+    """Where a config file that does not exist stops existing and the nearest name there
+    (``configs/train-cpu.yml``: ``train-cpu.yaml``); for ``configs/NAME`` without a
+    ``configs/`` here (an installed wheel), the nearest config shipped with attnres."""
+    hint = missing_path_hint(p)
+    shipped = sorted(q.name for q in SHIPPED_CONFIGS.glob("*.yaml")) if SHIPPED_CONFIGS.is_dir() else []
+    if "did you mean" not in hint and str(p.parent) in ("configs", ".") and nearest(p.name, shipped):
+        return f" (did you mean 'configs/{nearest(p.name, shipped)}', shipped with attnres?)"
+    return hint
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
     ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
@@ -496,7 +514,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if p.is_dir():
             raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist")
+            raise ValueError(f"config file {str(p)!r} does not exist{_config_hint(p)}")
         try:
             data = _yaml_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:

@@ -49,6 +49,7 @@ from ..checkpoint import (
     load_checkpoint,
     load_sharded,
     read_optimizer_state,
+    refuse_out_dir_not_a_run,
     save_sharded,
     write_checkpoint,
 )
@@ -73,6 +74,7 @@ from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_
 from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
 from ..output_paths import check_output_dir
 from ..progress import StepProgress
+from ..validation import missing_path_hint
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
 from .hf_source import load_hf_weights
@@ -194,7 +196,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None
         self.wandb: WandbMirror | None = None  # started before the data is read; then the logger's
         self.progress = None
-        self._agree(lambda: check_inputs(config))  # (every rank's alike: printed once per node)
+        self._agree(lambda: check_inputs(config, self.main))  # (every rank's alike: printed once per node)
         # Made by this run: removed again (when left empty) if the set-up fails or nothing is trained.
         self.created = self.main and not self.out_dir.exists()
         self.idle = False  # nothing left to train: nothing is written
@@ -594,10 +596,18 @@ def check_layout(config: TrainConfig, ctx: DistContext) -> None:
         raise on_every_rank(e) from None
 
 
-def check_inputs(config: TrainConfig) -> None:
+def check_inputs(config: TrainConfig, main: bool = True) -> None:
     """``ValueError`` for a data file, tokenizer file or ``data.cache_dir`` the run cannot use:
     said before ``out_dir`` is created (a bad one leaves nothing behind) and before out_dir's
-    objections (the data are read later)."""
+    objections (the data are read later), and an ``out_dir`` that is a checkpoint, a run's
+    ``checkpoints/`` folder or a Hugging Face directory, which the run would write into. A
+    resumed ``out_dir`` that does not exist is rank 0's to refuse (``main``): on a node that
+    does not share it, check_out_dir's message says what is wrong."""
+    refuse_out_dir_not_a_run(config.out_dir)
+    if main and config.resume and config.resume_from is None and not Path(config.out_dir).exists():
+        raise ValueError(f"resume=true but out_dir {str(config.out_dir)!r} does not exist"
+                         f"{missing_path_hint(config.out_dir, directories_only=True)}: there is no run there to "
+                         "resume; name the run's directory, or drop --resume to start a new run")
     if config.data.cache_dir is not None:
         check_output_dir(config.data.cache_dir, "data.cache_dir")
     data_files(config.data.paths)

@@ -149,7 +149,7 @@ def check_resumable_before_data(saved: dict[str, Any], current: dict[str, Any], 
 
 
 def _same_path(a: str, b: str | None) -> bool:
-    return b is not None and (a == b or Path(a).resolve() == Path(b).resolve())
+    return b is not None and (a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
 
 
 def check_progress(source: Source) -> None:

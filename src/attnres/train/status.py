@@ -57,10 +57,15 @@ def is_run_directory(path: Path) -> bool:
 
 
 def find_runs(root: str | Path) -> list[Path]:
-    """The run directories at or under ``root``, in sorted order (not looking inside runs)."""
+    """The run directories at or under ``root``, in sorted order (not looking inside runs);
+    for a path inside a run (a ``checkpoints/step-*`` directory, as ``attnres generate``
+    takes, or a file of one), that run."""
     root = Path(root)
     if is_run_directory(root):
         return [root]
+    enclosing = next((p for p in list(root.parents)[:3] if is_run_directory(p)), None)
+    if enclosing is not None and root.relative_to(enclosing).parts[0] in _INSIDE_A_RUN:
+        return [enclosing]
     found = []
     for folder, subfolders, _ in os.walk(root):
         here = Path(folder)

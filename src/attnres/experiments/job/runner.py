@@ -201,7 +201,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     times (checked before the first run starts)."""
     seeds = list(seeds)
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
-        raise ValueError(f"seeds must be a non-empty list of integers >= 0; got {seeds!r}")
+        raise ValueError(f"seeds (--seeds) must be a non-empty list of integers >= 0; got {seeds!r}")
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:  # (the second one would only be reported "finished earlier, skipped")
         raise ValueError(f"seeds (--seeds) list {', '.join(map(str, twice))} more than once; each seed is one run per variant: "
@@ -212,7 +212,8 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         unknown = [v for v in variants if v not in names]
         if unknown or not variants:
             own = [v for v in unknown if v in registered_residuals()]
-            raise ValueError(f"variants must be names of the {experiment.name!r} grid {names}; got {list(variants)!r}"
+            raise ValueError(f"variants (--variants) must be names of the {experiment.name!r} grid {names}; got "
+                             f"{list(variants)!r}"
                              f"{did_you_mean_each(unknown, names)}"
                              + (f"; {own} {'is a registered residual' if len(own) == 1 else 'are registered residuals'}"
                                 ", in no grid: add it to one as a Variant in Python (docs/experiments.md, 'Grids')"
