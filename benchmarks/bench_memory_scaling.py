@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_training_overhead import log, run_header  # noqa: E402
+from bench_training_overhead import log, out_stem, run_header  # noqa: E402
 from memory_forecast import gpu_like_rms_norm  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
@@ -56,7 +56,8 @@ def peak(residual, n_layers: int, ids) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_scaling"))
+    p.add_argument("--out", type=out_stem, default=str(Path(__file__).parent / "results" / "memory_scaling"),
+                   help="output path without suffix (.json, .md and .png are written)")
     args = p.parse_args()
     torch.set_num_threads(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))

@@ -92,10 +92,10 @@ def render(r: dict) -> str:
 
 
 def main() -> None:
-    from bench_training_overhead import write_results
+    from bench_training_overhead import out_stem, write_results
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(HERE / "results" / "seq_prefill"),
+    parser.add_argument("--out", type=out_stem, default=str(HERE / "results" / "seq_prefill"),
                         help="output path without suffix (default: benchmarks/results/seq_prefill)")
     args = parser.parse_args()
     rows = []

@@ -138,6 +138,16 @@ def positive_int(value: str) -> int:
     return number
 
 
+def positive_ints(value: str) -> str:
+    """A comma-separated list of integers >= 1 (kept as the string given)."""
+    for item in value.split(","):
+        try:
+            positive_int(item)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {value!r}") from None
+    return value
+
+
 def comma_list(allowed) -> callable:
     """A comma-separated, non-empty subset of ``allowed`` (kept as the string given)."""
     def parse(value: str) -> str:
