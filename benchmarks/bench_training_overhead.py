@@ -101,8 +101,18 @@ def run_header() -> dict:
             "platform": platform.platform(),
             "processor": platform.processor(),
         },
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join([os.path.basename(sys.executable), script_path(sys.argv[0]), *sys.argv[1:]]),
     }
+
+
+def script_path(argv0: str) -> str:
+    """The script as run from the repository root (``benchmarks/x.py``), wherever it was started
+    from: a result's command line must run as written (``python bench_inference.py`` did not)."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        return Path(argv0).resolve().relative_to(repo).as_posix()
+    except ValueError:
+        return argv0
 
 
 def log(msg: str) -> None:

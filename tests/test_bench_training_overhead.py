@@ -93,3 +93,13 @@ def test_bad_arguments_are_one_line_errors_naming_them(argv, named, tmp_path, ca
 def test_an_unknown_baseline_revision_says_so(tmp_path):
     with pytest.raises(SystemExit, match="--baseline 'no-such-rev' is neither a directory holding an attnres"):
         bench.baseline_source("no-such-rev", tmp_path)
+
+
+def test_the_recorded_command_runs_from_the_repository_root(monkeypatch):
+    """Results record ``python benchmarks/<script> ...`` even when the script was started from
+    ``benchmarks/`` (``inference.md`` said ``python bench_inference.py``)."""
+    monkeypatch.chdir(RESULTS.parent)
+    monkeypatch.setattr(sys, "argv", ["bench_inference.py", "--quick"])
+    assert bench.run_header()["command"].split()[1:] == ["benchmarks/bench_inference.py", "--quick"]
+    monkeypatch.setattr(sys, "argv", ["/elsewhere/x.py"])  # a script outside the repository: as given
+    assert bench.run_header()["command"].split()[1:] == ["/elsewhere/x.py"]
