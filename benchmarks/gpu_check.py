@@ -1663,6 +1663,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.out and not args.source_digest:
         p.error("the following arguments are required: --out")
+    out = Path(args.out or ".")
+    blocker = next((a for a in (out, *out.parents) if a.exists() and not a.is_dir()), None)
+    if blocker is not None:  # (else a traceback once the warm-up has started)
+        p.error(f"argument --out: {blocker} is a file; give a directory (created if missing)")
     return args
 
 

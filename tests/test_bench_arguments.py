@@ -1,4 +1,4 @@
-"""A bad argument to a CPU benchmark script is a one-line usage error naming the option, given
+"""A bad argument to a benchmark script (the GPU check included, on the CPU) is a one-line usage error naming the option, given
 before anything is measured: an output path under a file was a ``FileExistsError`` traceback
 after the whole run, ``--batches 0`` a ``ValueError`` from the model, ``--microbatches 3`` one
 traceback per pipeline rank."""
@@ -29,6 +29,8 @@ CASES = [
     ("memory_forecast.py", ["--d", "0"], "--d: must be an integer >= 1, got '0'"),
     ("memory_forecast.py", ["--blocks", "5"], "--blocks: must divide the 64 sublayers"),
     ("memory_forecast.py", ["--out", "{file}/x"], "--out: {file} is a file"),
+    ("gpu_check.py", ["--cpu-smoke", "--out", "{file}"], "--out: {file} is a file; give a directory"),
+    ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
 ]
 
 
