@@ -29,6 +29,10 @@ CASES = [
     ("memory_forecast.py", ["--d", "0"], "--d: must be an integer >= 1, got '0'"),
     ("memory_forecast.py", ["--blocks", "5"], "--blocks: must divide the 64 sublayers"),
     ("memory_forecast.py", ["--out", "{file}/x"], "--out: {file} is a file"),
+    ("plan_scaling_grid.py", ["--preset", "cpux"], "--preset: unknown preset 'cpux'"),
+    ("plan_scaling_grid.py", ["--processes", "0"], "--processes: must be an integer >= 1, got 0"),
+    ("demo_under_load.py", ["--preset", "dmeo", "--out", "{file}-runs"], "--preset: unknown preset 'dmeo'"),
+    ("bit_identity.py", ["--against", "no-such-rev", "--variants", "standard"], "--against: 'no-such-rev' is not a git"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}"], "--out: {file} is a file; give a directory"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
 ]
