@@ -311,13 +311,24 @@ _HEADER = ["| model | throughput (tok/s) | time per token (ms) | ratio | paired 
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
 
+def command_line(args) -> str:
+    """The command that reproduces the run: every option away from its default, ``--out``
+    included (``serving_moe.md`` named none, and so overwrote ``serving.md`` when rerun)."""
+    defaults = vars(parse_args(["--quick"] if args.quick else []))
+    sizes = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("preset", "requests", "prompt_len", "max_tokens",
+                                                                     "rounds", "generate_tokens")
+             if getattr(args, k) != defaults[k]]
+    return " ".join(["python benchmarks/bench_serving.py", *(["--quick"] if args.quick else []),
+                     *(["--enforce-eager"] if args.enforce_eager else []),
+                     *([f"--models {','.join(args.models)}"] if tuple(args.models) != MODELS else []),
+                     *([f"--moe {args.moe}"] if args.moe != "qwen3_moe" else []), *sizes,
+                     *([f"--out {args.out}"] if args.out is not None else [])])
+
+
 def markdown(args, results: dict, generate_ms: dict, config) -> str:
     targets = {"block": 1.05, "full": 1.10}
     runs = results["vllm_runs"]
-    command = " ".join(["python benchmarks/bench_serving.py", *(["--quick"] if args.quick else []),
-                        *(["--enforce-eager"] if args.enforce_eager else []),
-                        *([f"--models {','.join(args.models)}"] if tuple(args.models) != MODELS else []),
-                        *([f"--moe {args.moe}"] if args.moe != "qwen3_moe" else [])])
+    command = command_line(args)
     lines = [
         "# Serving with vLLM on CPU: AttnRes against the standard model",
         "",

@@ -103,3 +103,11 @@ def test_without_vllm_it_says_how_to_get_it(monkeypatch):
         monkeypatch.setattr(sys, "argv", [script])
         with pytest.raises(SystemExit, match=rf"{script} needs vLLM .*make serve-env"):
             main(["--quick"])
+
+
+def test_the_recorded_command_reproduces_the_run():
+    """Every option away from its default is in the report's command, ``--out`` too."""
+    assert bench.command_line(bench.parse_args([])) == "python benchmarks/bench_serving.py"
+    args = bench.parse_args(["--models", "moe-block", "--rounds", "9", "--out", "benchmarks/results/serving_moe"])
+    assert bench.command_line(args) == ("python benchmarks/bench_serving.py --models moe-standard,moe-block "
+                                       "--rounds 9 --out benchmarks/results/serving_moe")
