@@ -124,6 +124,15 @@ def log(msg: str) -> None:
 # of measuring.
 
 
+def out_dir(value: str) -> str:
+    """``--out`` naming a directory (created if missing): neither it nor a parent may be a file."""
+    path = Path(value)
+    blocker = next((a for a in (path, *path.parents) if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise argparse.ArgumentTypeError(f"{blocker} is a file; give a directory (created if missing)")
+    return value
+
+
 def out_stem(value: str) -> str:
     """``--out``: a path without suffix; its ``.json`` and ``.md`` must be writable files."""
     path = Path(value)

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_training_overhead import positive_int
+from bench_training_overhead import out_dir, positive_int
 
 from attnres.ops.depth_attention import reference, torch_impl
 
@@ -159,7 +159,7 @@ def command_line(argv: list[str]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+    parser.add_argument("--out", type=lambda v: Path(out_dir(v)), default=Path(__file__).resolve().parent / "results",
                         help="directory for merge_backward_from_output.{md,json} (default: benchmarks/results, "
                              "wherever it is run from)")
     parser.add_argument("--tokens", type=positive_int, default=4096)
@@ -172,9 +172,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    blocker = next((a for a in (args.out, *args.out.parents) if a.exists() and not a.is_dir()), None)
-    if blocker is not None:
-        parser.error(f"argument --out: {blocker} is a file; give a directory (created if missing)")
     cases = ("trained", "spread gains", "sharp weights")
     results = {case: measure(case, args.tokens, args.d, args.seeds) for case in cases}
     lines = [
