@@ -33,6 +33,8 @@ CASES = [
     ("plan_scaling_grid.py", ["--processes", "0"], "--processes: must be an integer >= 1, got 0"),
     ("demo_under_load.py", ["--preset", "dmeo", "--out", "{file}-runs"], "--preset: unknown preset 'dmeo'"),
     ("bit_identity.py", ["--against", "no-such-rev", "--variants", "standard"], "--against: 'no-such-rev' is not a git"),
+    ("residual_traffic.py", ["--L", "0"], "--L: must be an integer >= 1, got '0'"),
+    ("residual_traffic.py", ["--L", "8", "--d", "8"], "arguments --d and --tokens: both must exceed L + 1 = 9"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}"], "--out: {file} is a file; give a directory"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
 ]
@@ -54,5 +56,5 @@ def test_a_bad_argument_is_a_usage_error_naming_it(script, argv, named, tmp_path
         runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
     last = err.getvalue().strip().splitlines()[-1]
     assert exit_.value.code == 2 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
-    assert last.startswith(f"{script}: error: argument ") and named.format(file=tmp_path / "file") in last, last
+    assert last.startswith(f"{script}: error: argument") and named.format(file=tmp_path / "file") in last, last
     assert snapshot(BENCHMARKS / "results") == before
