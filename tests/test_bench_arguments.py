@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -58,3 +59,26 @@ def test_a_bad_argument_is_a_usage_error_naming_it(script, argv, named, tmp_path
     assert exit_.value.code == 2 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
     assert last.startswith(f"{script}: error: argument") and named.format(file=tmp_path / "file") in last, last
     assert snapshot(BENCHMARKS / "results") == before
+
+
+def test_seq_prefill_records_the_command_it_ran(tmp_path, monkeypatch):
+    """``--out`` is in the recorded command (the report always said the bare command); the
+    ranks' launches are faked: each writes no rows."""
+    import subprocess
+
+    real_run = subprocess.run
+
+    def fake_launch(cmd, **kwargs):
+        if "torch.distributed.run" not in cmd:
+            return real_run(cmd, **kwargs)  # (platform's own calls)
+        Path(cmd[-1]).write_text("[]")
+
+    monkeypatch.setattr(subprocess, "run", fake_launch)
+    out = tmp_path / "seq"
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "bench_seq_prefill.py"), "--out", str(out)])
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.delenv("RANK", raising=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        runpy.run_path(str(BENCHMARKS / "bench_seq_prefill.py"), run_name="__main__")
+    command = json.loads(out.with_suffix(".json").read_text())["command"]
+    assert command.split()[1:] == ["benchmarks/bench_seq_prefill.py", "--out", str(out)]
