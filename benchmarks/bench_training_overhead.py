@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default); system: glibc's defaults (attnres.train.cpu_memory)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: batch 2 x 32 tokens, 2 rounds, eager only unless --backends is given; "
-                        "writes training_overhead[_main_job]_quick")
+                        "writes training_overhead[_main_job][_versus_baseline]_quick")
     p.add_argument("--baseline", default=None, metavar="REV_OR_DIR",
                    help="also run the package of this git revision or directory, side by side (see above)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -241,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=out_stem, default=None,
                    help="output path without suffix, written as given (default: benchmarks/results/training_overhead"
-                        "[_main_job][_quick], with --baseline [...]_versus_baseline)")
+                        "[_main_job][_versus_baseline][_quick])")
     args = p.parse_args(argv)
     main_job = args.shape == "main-job"
     if args.quick:
@@ -254,8 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if main_job:
         args.threads = args.threads or 1
     if args.out is None:
-        name = "training_overhead" + ("_main_job" if main_job else "") + ("_quick" if args.quick else "")
-        args.out = str(Path(__file__).parent / "results" / (name + ("_versus_baseline" if args.baseline else "")))
+        name = ("training_overhead" + ("_main_job" if main_job else "") + ("_versus_baseline" if args.baseline else "")
+                + ("_quick" if args.quick else ""))  # (*_quick.* is git-ignored)
+        args.out = str(Path(__file__).parent / "results" / name)
     return args
 
 

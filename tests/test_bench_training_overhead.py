@@ -69,6 +69,8 @@ def test_baseline_writes_to_out_as_given(tmp_path, monkeypatch, capsys):
     assert "| eager/train | block | 1.0000 | 1.0000 | 1.0000 |" in out.with_suffix(".md").read_text()
     default = bench.parse_args(["--baseline", "abc", "--shape", "main-job"]).out
     assert Path(default) == RESULTS / "training_overhead_main_job_versus_baseline"  # the committed name
+    quick = Path(bench.parse_args(["--baseline", "abc", "--quick"]).out)
+    assert quick == RESULTS / "training_overhead_versus_baseline_quick"  # git-ignored, as every *_quick.*
 
 
 @pytest.mark.parametrize("argv, named", [
