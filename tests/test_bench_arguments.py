@@ -36,6 +36,8 @@ CASES = [
     ("bit_identity.py", ["--against", "no-such-rev", "--variants", "standard"], "--against: 'no-such-rev' is not a git"),
     ("residual_traffic.py", ["--L", "0"], "--L: must be an integer >= 1, got '0'"),
     ("residual_traffic.py", ["--L", "8", "--d", "8"], "arguments --d and --tokens: both must exceed L + 1 = 9"),
+    ("bench_kernels_gpu.py", ["--dry-run", "--e2e-d", "0"], "--e2e-d: must be an integer >= 1, got '0'"),
+    ("bench_kernels_gpu.py", ["--dry-run", "--out", "{file}/k"], "--out: {file} is a file"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}"], "--out: {file} is a file; give a directory"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
 ]
