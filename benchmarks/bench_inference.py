@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_training_overhead import block_size_of, log, run_header, summarize, write_results
+from bench_training_overhead import (block_size_of, log, out_stem, positive_int, positive_ints, run_header, summarize,
+                                     write_results)
 
 from attnres.analysis.profiling import CLOCKS, peak_memory_bytes, time_interleaved
 
@@ -83,26 +84,35 @@ def warm(steps: dict, what: str, times: int = 1) -> None:
         log(f"[{what}] warm-up {name}: {time.perf_counter() - t0:.2f} s")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", type=int, default=1024)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--repeats-prefill", type=int, default=3)
-    p.add_argument("--repeats-decode", type=int, default=15)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", type=positive_int, default=1024)
+    p.add_argument("--context", type=positive_int, default=1024)
+    p.add_argument("--batches", type=positive_ints, default="1,8")
+    p.add_argument("--chunk", type=positive_int, default=256)
+    p.add_argument("--repeats-prefill", type=positive_int, default=3)
+    p.add_argument("--repeats-decode", type=positive_int, default=15)
     p.add_argument("--repeats-naive-prefill", type=int, default=2,
                    help="rounds of the two-phase vs naive prefill comparison, timed apart from the main one (a naive "
                    "Full AttnRes prefill of 1024 tokens takes several times the standard model on CPU); 0 = skip")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time, or CPU time of the process (steadier on a shared machine; use with --threads 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true",
                    help="time torch.compile'd models (inductor; compiling takes minutes per model and shape). "
                    "The naive schedule is not timed then (it is the eager reference)")
     p.add_argument("--quick", action="store_true", help="4 blocks, prompt/context 128, 2 rounds: a smoke run")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    p.add_argument("--out", type=out_stem, default=None,
+                   help="output path without suffix (default: benchmarks/results/inference[_compiled][_quick])")
+    args = p.parse_args(argv)
+    if args.repeats_naive_prefill < 0:
+        p.error(f"argument --repeats-naive-prefill: must be an integer >= 0, got {args.repeats_naive_prefill}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     overrides = {}

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_training_overhead import log, write_results
+from bench_training_overhead import log, out_stem, positive_int, write_results
 
 from attnres import AttnResLM, ModelConfig
 from attnres.ops.depth_attention import library, reference
@@ -518,17 +518,18 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller shapes and models, few repeats")
     p.add_argument("--dry-run", action="store_true", help="print the plan (shapes, bytes, peers); no GPU needed")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--e2e-d", type=int, default=2048)
-    p.add_argument("--e2e-layers", type=int, default=32, help="transformer blocks (2 sublayers each)")
-    p.add_argument("--e2e-blocks", type=int, default=8, help="N, the number of AttnRes blocks")
-    p.add_argument("--e2e-seq", type=int, default=2048)
-    p.add_argument("--e2e-batch", type=int, default=4)
+    p.add_argument("--repeats", type=positive_int, default=30)
+    p.add_argument("--e2e-d", type=positive_int, default=2048)
+    p.add_argument("--e2e-layers", type=positive_int, default=32, help="transformer blocks (2 sublayers each)")
+    p.add_argument("--e2e-blocks", type=positive_int, default=8, help="N, the number of AttnRes blocks")
+    p.add_argument("--e2e-seq", type=positive_int, default=2048)
+    p.add_argument("--e2e-batch", type=positive_int, default=4)
     p.add_argument("--part", choices=("all", "ops", "e2e"), default="all", help="which part to run")
     p.add_argument("--warm-up", action="store_true",
                    help="first compile every implementation in parallel processes (fills the Triton and inductor caches)")
     p.add_argument("--compile-only", metavar="IMPL", help=argparse.SUPPRESS)  # one --warm-up worker
-    p.add_argument("--out", default=None, help="output path without suffix (default: benchmarks/results/kernels_gpu[_quick])")
+    p.add_argument("--out", type=out_stem, default=None,
+                   help="output path without suffix (default: benchmarks/results/kernels_gpu[_quick])")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = min(args.repeats, 5)

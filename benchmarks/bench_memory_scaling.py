@@ -17,7 +17,8 @@ saves for the backward what PyTorch's fused RMSNorm saves on CUDA, its input and
 normalised output, which flattered the AttnRes residuals, whose norms are fused into the
 merges).
 
-    python benchmarks/bench_memory_scaling.py        # ~5 min on 2 cores
+    python benchmarks/bench_memory_scaling.py          # ~5 min on 2 cores
+    python benchmarks/bench_memory_scaling.py --quick  # a smoke run (memory_scaling_quick.*)
 
 Writes ``benchmarks/results/memory_scaling.{json,md,png}``.
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_training_overhead import log, run_header  # noqa: E402
+from bench_training_overhead import log, out_stem, run_header  # noqa: E402
 from memory_forecast import gpu_like_rms_norm  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
@@ -54,10 +55,21 @@ def peak(residual, n_layers: int, ids) -> int:
     return min(peak_memory_bytes(step) for _ in range(2))
 
 
-def main() -> int:
+#: The sweeps: L at S = 4, then N at L = 32 (``--quick``: two points each, at L = 8 for N -
+#: every code path and the three files in seconds, beside the committed results).
+SWEEPS = {"L": (8, 16, 32, 48, 64), "N": (2, 4, 8, 16, 32), "N at L": 32}
+QUICK_SWEEPS = {"L": (4, 8), "N": (2, 4), "N at L": 8}
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_scaling"))
-    args = p.parse_args()
+    p.add_argument("--out", type=out_stem, default=None,
+                   help="output path without suffix (.json, .md and .png are written; default "
+                        "benchmarks/results/memory_scaling[_quick])")
+    p.add_argument("--quick", action="store_true", help="a smoke run: L = 4, 8 and N = 2, 4 at L = 8")
+    args = p.parse_args(argv)
+    sweeps = QUICK_SWEEPS if args.quick else SWEEPS
+    args.out = args.out or str(Path(__file__).parent / "results" / f"memory_scaling{'_quick' if args.quick else ''}")
     torch.set_num_threads(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     tokens = BATCH * SEQ
@@ -77,10 +89,10 @@ def main() -> int:
         rows.append(row)
 
     with gpu_like_rms_norm():
-        for L in (8, 16, 32, 48, 64):
+        for L in sweeps["L"]:
             measure("L", L, 4)
-        for N in (2, 4, 8, 16, 32):
-            measure("N", 32, 32 // N)
+        for N in sweeps["N"]:
+            measure("N", sweeps["N at L"], sweeps["N at L"] // N)
 
     results = {**run_header(), "d": D, "tokens": tokens, "unit_bytes": unit, "rows": rows}
     out = Path(args.out)

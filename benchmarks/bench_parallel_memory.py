@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_training_overhead import log, run_header, write_results
+from bench_training_overhead import log, out_stem, run_header, write_results
 
 from attnres.distributed.local_spawn import run_local
 from attnres.models import ModelConfig
@@ -104,7 +104,7 @@ def render(res: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "parallel_memory"),
+    parser.add_argument("--out", type=out_stem, default=str(Path(__file__).parent / "results" / "parallel_memory"),
                         help="output path without suffix (default: benchmarks/results/parallel_memory)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

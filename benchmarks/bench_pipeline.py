@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_training_overhead import log, run_header, write_results
+from bench_training_overhead import log, out_stem, positive_int, positive_ints, run_header, write_results
 
 from attnres import AttnResLM, ModelConfig
 from attnres.distributed import (
@@ -156,21 +156,25 @@ def render_markdown(res: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", default="2,4", help="pipeline ranks to measure, comma-separated (default 2,4)")
-    p.add_argument("--virtual-stages", type=int, default=2, help="virtual stages per rank of interleaved 1F1B (default 2)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    p.add_argument("--repeats", type=int, default=9, help="interleaved timing rounds (default 9)")
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=positive_ints, default="2,4", help="pipeline ranks to measure, comma-separated (default 2,4)")
+    p.add_argument("--virtual-stages", type=positive_int, default=2, help="virtual stages per rank of interleaved 1F1B (default 2)")
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--seq", type=positive_int, default=128, help="sequence length (default 128)")
+    p.add_argument("--repeats", type=positive_int, default=9, help="interleaved timing rounds (default 9)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 ranks, 2 rounds, shorter sequences")
-    p.add_argument("--out", default=None, help="output path without suffix (default: benchmarks/results/pipeline, "
+    p.add_argument("--out", type=out_stem, default=None, help="output path without suffix (default: benchmarks/results/pipeline, "
                    "or pipeline_quick with --quick)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(json.loads(Path(args.worker).read_text()))
         return 0
+    if args.batch % args.microbatches:  # (else every rank fails with a traceback of its own)
+        p.error(f"argument --microbatches: {args.microbatches} does not divide --batch {args.batch}; "
+                "give a divisor of the batch")
     if args.quick:
         args.ranks, args.repeats, args.seq = "2", 2, 32
     out = Path(args.out or Path(__file__).parent / "results" / ("pipeline_quick" if args.quick else "pipeline"))

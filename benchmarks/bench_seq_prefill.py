@@ -92,10 +92,10 @@ def render(r: dict) -> str:
 
 
 def main() -> None:
-    from bench_training_overhead import write_results
+    from bench_training_overhead import out_stem, run_header, write_results
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(HERE / "results" / "seq_prefill"),
+    parser.add_argument("--out", type=out_stem, default=str(HERE / "results" / "seq_prefill"),
                         help="output path without suffix (default: benchmarks/results/seq_prefill)")
     args = parser.parse_args()
     rows = []
@@ -108,7 +108,8 @@ def main() -> None:
             rows += json.loads(out.read_text())
     rows.sort(key=lambda row: (row["residual"], row["P"]))
     machine = f"{os.cpu_count()} CPUs, 1 torch thread per rank, torch {torch.__version__}, {platform.machine()}"
-    results = {"command": "python benchmarks/bench_seq_prefill.py", "machine": machine, "rows": rows}
+    # The command as run, --out included (it always said the bare command).
+    results = {"command": run_header()["command"], "machine": machine, "rows": rows}
     write_results(Path(args.out), results, render)
 
 

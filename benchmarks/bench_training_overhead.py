@@ -39,7 +39,9 @@ standard model and the paired ratio ``this / baseline`` of every variant::
     python benchmarks/bench_training_overhead.py --baseline 331a2fd --variants standard,block,full --modes train
     python benchmarks/bench_training_overhead.py --baseline 331a2fd --shape main-job --variants standard,block,full --modes train
 
-Writes ``benchmarks/results/training_overhead.{json,md}`` (``_versus_baseline`` with ``--baseline``).
+Writes ``benchmarks/results/training_overhead.{json,md}`` (``_main_job`` with ``--shape main-job``,
+``_quick`` with ``--quick``, ``_versus_baseline`` with ``--baseline``); ``--out PATH`` writes
+``PATH.{json,md}`` as given.
 """
 
 from __future__ import annotations
@@ -99,12 +101,82 @@ def run_header() -> dict:
             "platform": platform.platform(),
             "processor": platform.processor(),
         },
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join([os.path.basename(sys.executable), script_path(sys.argv[0]), *sys.argv[1:]]),
     }
+
+
+def script_path(argv0: str) -> str:
+    """The script as run from the repository root (``benchmarks/x.py``), wherever it was started
+    from: a result's command line must run as written (``python bench_inference.py`` did not)."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        return Path(argv0).resolve().relative_to(repo).as_posix()
+    except ValueError:
+        return argv0
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# Argument types of the benchmark scripts: a bad value is an argparse error naming the option
+# at start-up (one line), not a traceback - or a file that cannot be written - after minutes
+# of measuring.
+
+
+def out_dir(value: str) -> str:
+    """``--out`` naming a directory (created if missing): neither it nor a parent may be a file."""
+    path = Path(value)
+    blocker = next((a for a in (path, *path.parents) if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise argparse.ArgumentTypeError(f"{blocker} is a file; give a directory (created if missing)")
+    return value
+
+
+def out_stem(value: str) -> str:
+    """``--out``: a path without suffix; its ``.json`` and ``.md`` must be writable files."""
+    path = Path(value)
+    blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise argparse.ArgumentTypeError(f"{blocker} is a file, not a directory: give a path under a directory "
+                                         "(the .json and .md are written beside each other)")
+    taken = [q for q in (path.with_suffix(".json"), path.with_suffix(".md")) if q.is_dir()]
+    if taken:
+        raise argparse.ArgumentTypeError(f"{taken[0]} is a directory: give a path without suffix whose .json "
+                                         "and .md can be files")
+    return value
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return number
+
+
+def positive_ints(value: str) -> str:
+    """A comma-separated list of integers >= 1 (kept as the string given)."""
+    for item in value.split(","):
+        try:
+            positive_int(item)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {value!r}") from None
+    return value
+
+
+def comma_list(allowed) -> callable:
+    """A comma-separated, non-empty subset of ``allowed`` (kept as the string given)."""
+    def parse(value: str) -> str:
+        items = [v for v in value.split(",") if v]
+        unknown = [v for v in items if v not in allowed]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+                                             f"allowed (comma-separated): {','.join(allowed)}")
+        return value
+    return parse
 
 
 def make_step(model, runner, ids, mode):
@@ -135,41 +207,61 @@ def summarize(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return paired_summary(times, "standard")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats-train", type=int, default=11)
-    p.add_argument("--repeats-forward", type=int, default=21)
-    p.add_argument("--backends", default="eager,compile")
-    p.add_argument("--modes", default="train,forward")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
+#: ``--quick``: a smoke run of every code path at a small batch (it must not take the full
+#: run's minutes, and writes ``*_quick`` beside the committed results, not over them).
+QUICK = dict(batch=2, seq=32, repeats=2)
+BACKENDS, MODES = ("eager", "compile"), ("train", "forward")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats-train", type=positive_int, default=11)
+    p.add_argument("--repeats-forward", type=positive_int, default=21)
+    p.add_argument("--backends", type=comma_list(BACKENDS), default="eager,compile")
+    p.add_argument("--modes", type=comma_list(MODES), default="train,forward")
+    p.add_argument("--variants", type=comma_list(VARIANTS), default=",".join(VARIANTS))
+    p.add_argument("--batch", type=positive_int, default=None, help="sequences per step (default 8; main-job 16)")
+    p.add_argument("--seq", type=positive_int, default=None, help="tokens per sequence (default 256; main-job 128)")
     p.add_argument("--shape", choices=("bench-cpu", "main-job"), default="bench-cpu",
                    help="bench-cpu: d=512, 8 blocks, S=4 (default); main-job: d=64, 12 blocks, S=3, batch 16 x 128, "
                         "one thread")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; main-job: 1)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's; main-job: 1)")
     p.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS, default="retain",
                    help="retain: freed memory stays in the process for the next step, as in `attnres train` "
                         "(default); system: glibc's defaults (attnres.train.cpu_memory)")
-    p.add_argument("--quick", action="store_true", help="tiny repeats: a smoke run (eager only unless --backends is given)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: batch 2 x 32 tokens, 2 rounds, eager only unless --backends is given; "
+                        "writes training_overhead[_main_job][_versus_baseline]_quick")
     p.add_argument("--baseline", default=None, metavar="REV_OR_DIR",
                    help="also run the package of this git revision or directory, side by side (see above)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: elapsed time (default); cpu: the process's CPU time (steadier on a shared machine, "
                         "with one thread)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "training_overhead"))
-    args = p.parse_args()
+    p.add_argument("--out", type=out_stem, default=None,
+                   help="output path without suffix, written as given (default: benchmarks/results/training_overhead"
+                        "[_main_job][_versus_baseline][_quick])")
+    args = p.parse_args(argv)
+    main_job = args.shape == "main-job"
     if args.quick:
-        args.repeats_train, args.repeats_forward = 2, 2
+        args.repeats_train = args.repeats_forward = QUICK["repeats"]
         if args.backends == p.get_default("backends"):
             args.backends = "eager"
-    if args.shape == "main-job":
+    default_batch, default_seq = (16, 128) if main_job else (8, 256)
+    args.batch = args.batch or (QUICK["batch"] if args.quick else default_batch)
+    args.seq = args.seq or (QUICK["seq"] if args.quick else default_seq)
+    if main_job:
         args.threads = args.threads or 1
-        if args.batch == 8 and args.seq == 256:  # the defaults: the main job's batch instead
-            args.batch, args.seq = 16, 128
-        if args.out == p.get_default("out"):
-            args.out = p.get_default("out") + "_main_job"
+    if args.out is None:
+        name = ("training_overhead" + ("_main_job" if main_job else "") + ("_versus_baseline" if args.baseline else "")
+                + ("_quick" if args.quick else ""))  # (*_quick.* is git-ignored)
+        args.out = str(Path(__file__).parent / "results" / name)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         return serve(args)
     if args.baseline:
@@ -302,7 +394,12 @@ def baseline_source(spec: str, tmp: Path) -> Path:
         if (candidate / "attnres" / "__init__.py").exists():
             return candidate.resolve()
     repo = Path(__file__).resolve().parents[1]
-    archive = subprocess.run(["git", "archive", spec, "src"], cwd=repo, check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "archive", spec, "src"], cwd=repo, capture_output=True)
+    if archive.returncode:
+        why = archive.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["git archive failed"]
+        raise SystemExit(f"bench_training_overhead.py: error: --baseline {spec!r} is neither a directory holding an "
+                         f"attnres package nor a git revision of this repository ({why[0]})")
+    archive = archive.stdout
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
     return tmp / "src"
 
@@ -344,8 +441,7 @@ def side_by_side(args) -> int:
         finally:
             for w in workers.values():
                 w.close()
-    out = Path(args.out)
-    write_results(out.with_name(out.name + "_versus_baseline"), results, render_side_by_side)
+    write_results(Path(args.out), results, render_side_by_side)
     return 0
 
 

@@ -241,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         dump(args.variants, Path(args.dump), Path(args.work))
         return 0
+    known = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"], cwd=REPO,
+                           capture_output=True).returncode == 0
+    if not known:  # (else a CalledProcessError traceback from `git archive`)
+        p.error(f"argument --against: {args.against!r} is not a git revision of this repository ({REPO}); "
+                "give a commit, tag or branch, e.g. HEAD~3")
     return 1 if compare(args.against, args.variants) else 0
 
 

@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.05)
     parser.add_argument("overrides", nargs="*", help="TrainConfig overrides passed to attnres compare")
     args = parser.parse_args(argv)
+    from attnres.experiments import get_experiment
+
+    try:  # (else `attnres compare` fails in a subprocess and this one with a CalledProcessError traceback)
+        get_experiment("compare", args.preset)
+    except ValueError as e:
+        parser.error(f"argument --preset: {e}")
     out, keep = Path(args.out), Path(args.out) / "under-load"
     keep.mkdir(parents=True, exist_ok=True)
     results = []

@@ -121,6 +121,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import bench_kernels_gpu as kernels_bench  # noqa: E402
+from bench_training_overhead import out_dir  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 from attnres.analysis import profiling  # noqa: E402
@@ -1635,7 +1636,8 @@ def run_part(part: str, z: Sizes, clock: Clock, models: dict, device: str, peers
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", help="directory for gpu_check.{md,json} and summary.json (required)")
+    p.add_argument("--out", type=out_dir,  # (a file there: a traceback once the warm-up has started)
+                   help="directory for gpu_check.{md,json} and summary.json (required)")
     p.add_argument("--cpu-smoke", action="store_true", help="every part at toy sizes on the CPU (no GPU needed)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds; parts that would not fit are skipped")
     p.add_argument("--parts", default="parity,train_eager,decode,ops,sweep,train_compiled,train_bf16,profile,"

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import gpu_check  # noqa: E402
+from bench_training_overhead import out_stem, positive_int  # noqa: E402
 
 from attnres import AttnResLM  # noqa: E402
 from attnres.analysis.profiling import peak_memory_bytes  # noqa: E402
@@ -135,15 +136,15 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for field in ("d", "layers", "blocks", "seq", "batch", "vocab"):
-        parser.add_argument(f"--{field}", type=int, default=getattr(FORECAST, field))
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default=str(HERE / "results" / "memory_forecast"),
+        parser.add_argument(f"--{field}", type=positive_int, default=getattr(FORECAST, field))
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--out", type=out_stem, default=str(HERE / "results" / "memory_forecast"),
                         help="output path without extension (.json and .md are written)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     z = replace(FORECAST, **{f: getattr(args, f) for f in ("d", "layers", "blocks", "seq", "batch", "vocab")})
     if (2 * z.layers) % z.blocks:
-        parser.error(f"--blocks must divide the {2 * z.layers} sublayers; got {z.blocks}")
+        parser.error(f"argument --blocks: must divide the {2 * z.layers} sublayers (2 x --layers); got {z.blocks}")
     result = measure(z)
     text = (f"# Peak step memory forecast (CPU, bf16 autocast, norms saving as on CUDA)\n\nShape: d = {z.d}, {z.layers} transformer blocks, "
             f"Block AttnRes with {z.blocks} blocks ({2 * z.layers // z.blocks} sublayers each), "

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
+from bench_training_overhead import out_dir, positive_int
 
 from attnres.ops.depth_attention import reference, torch_impl
 
@@ -149,19 +151,33 @@ def measure(case: str, tokens: int, d: int, seeds: int) -> dict:
     return {"mean largest weight": sum(largest) / len(largest), "errors": errors}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--d", type=int, default=2048)
-    parser.add_argument("--seeds", type=int, default=3)
-    args = parser.parse_args()
+def command_line(argv: list[str]) -> str:
+    """The command as run from the repository root, with its options (the report named none,
+    whatever the run's sizes)."""
+    return " ".join(["python benchmarks/merge_backward_from_output.py", *argv])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=lambda v: Path(out_dir(v)), default=Path(__file__).resolve().parent / "results",
+                        help="directory for merge_backward_from_output.{md,json} (default: benchmarks/results, "
+                             "wherever it is run from)")
+    parser.add_argument("--tokens", type=positive_int, default=4096)
+    parser.add_argument("--d", type=positive_int, default=2048)
+    parser.add_argument("--seeds", type=positive_int, default=3)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     cases = ("trained", "spread gains", "sharp weights")
     results = {case: measure(case, args.tokens, args.d, args.seeds) for case in cases}
     lines = [
         "# A merge backward from its output: precision against float64 (CPU)",
         "",
-        f"`python benchmarks/merge_backward_from_output.py` - one Block merge, {args.tokens} tokens, "
+        f"`{command_line(argv)}` - one Block merge, {args.tokens} tokens, "
         f"d = {args.d}, float32 stream and Phase-1 sum, bf16 sublayer output, output and incoming "
         f"gradient; relative error (Frobenius) against float64 autograd through the reference "
         f"merge at the unrounded inputs, the largest over {args.seeds} seeds. *today*: the current backward "

@@ -82,6 +82,13 @@ def main() -> None:
     parser.add_argument("--overhead", type=float, default=0.04, help="evaluation/logging/checkpoint share (default 0.04)")
     parser.add_argument("--quick", action="store_true", help="tiny preset, one round (a smoke run)")
     args = parser.parse_args()
+    try:
+        get_experiment("scaling", args.preset)
+    except ValueError as e:
+        parser.error(f"argument --preset: {e}")
+    for name in ("seeds", "processes", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name}: must be an integer >= 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     preset, rounds = ("tiny", 1) if args.quick else (args.preset, args.rounds)
     measured = step_cpu_seconds(preset, rounds)

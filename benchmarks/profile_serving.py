@@ -86,6 +86,7 @@ def markdown(args, tables: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    bench_serving.import_vllm()
     bench_args = bench_serving.parse_args(["--quick"] if args.quick else [])
     models = bench_serving.write_models(bench_args, Path(tempfile.mkdtemp(prefix="attnres-profile-")))
     prompts = bench_serving.workload(bench_args, models["standard"][1].config.vocab_size)

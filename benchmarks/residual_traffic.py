@@ -37,6 +37,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from bench_training_overhead import positive_int
 
 from attnres.nn.residual import BlockAttnRes, FullAttnRes, ResidualConfig, StandardResidual
 from attnres.ops.depth_attention.library import through_dispatcher
@@ -141,17 +142,21 @@ def table(L: int, S: int, d: int, tokens: int) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--L", type=int, default=None, help="sublayers (default: the report's 128 and bench-infer's 32)")
-    p.add_argument("--S", type=int, default=None,
+    p.add_argument("--L", type=positive_int, default=None, help="sublayers (default: the report's 128 and bench-infer's 32)")
+    p.add_argument("--S", type=positive_int, default=None,
                    help="sublayers per block (default with --L: the models' default, ceil(L / 8): N = 8 blocks)")
-    p.add_argument("--d", type=int, default=160)
-    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--d", type=positive_int, default=160)
+    p.add_argument("--tokens", type=positive_int, default=200)
     args = p.parse_args()
     if args.S is not None and args.L is None:
         p.error("--S needs --L (without --L the report's L = 128, S = 16 and bench-infer's L = 32, S = 4 are tabled)")
     if args.L is not None and args.S is None:
         args.S = ResidualConfig(kind="attnres_block").resolved_block_size(args.L)
     shapes = [(args.L, args.S)] if args.L else [(128, 16), (32, 4)]
+    deepest = max(L for L, _ in shapes)
+    if min(args.d, args.tokens) <= deepest + 1:  # (measure() tells activations from queries and logits by size)
+        p.error(f"arguments --d and --tokens: both must exceed L + 1 = {deepest + 1}; got --d {args.d} "
+                f"--tokens {args.tokens}")
     for L, S in shapes:
         print("\n".join(table(L, S, args.d, args.tokens)) + "\n")
     return 0

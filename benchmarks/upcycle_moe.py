@@ -18,7 +18,7 @@ Writes ``--out/report.md``, ``results.json``, ``config.json`` (the two training 
 final upcycle against the original: depth mixing matrices and the expert-load table). About 10 core-minutes at one thread with the defaults.
 
     nice -n 10 python benchmarks/upcycle_moe.py --out results/upcycle-moe --seeds 0 1
-    python benchmarks/upcycle_moe.py --quick --out /tmp/upcycle-moe   # a smoke run
+    python benchmarks/upcycle_moe.py --quick   # a smoke run, into results/upcycle-moe-quick and runs/upcycle-moe-quick
 """
 
 from __future__ import annotations
@@ -161,10 +161,12 @@ def _curves(run: Path) -> dict:
                                 for r in diags]}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="results/upcycle-moe")
-    p.add_argument("--work", default="runs/upcycle-moe", help="model directories and training runs")
+    p.add_argument("--out", default=None, help="report directory (default results/upcycle-moe; --quick: "
+                                               "results/upcycle-moe-quick, not the committed one)")
+    p.add_argument("--work", default=None, help="model directories and training runs (default runs/upcycle-moe"
+                                                "[-quick])")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--pretrain-steps", type=int, default=400)
     p.add_argument("--pretrain-lr", type=float, default=3e-3)
@@ -177,9 +179,17 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=16, help="validation windows for the routing measurements")
     p.add_argument("--quick", action="store_true", help="a smoke run: few steps, small batches")
     p.add_argument("--report-only", action="store_true", help="rewrite report.md and the plots from results.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.pretrain_steps, args.steps, args.every, args.batch, args.rows, args.seeds = 6, 4, 2, 4, 2, args.seeds[:1]
+    suffix = "-quick" if args.quick else ""  # (a smoke run wrote over the committed results/upcycle-moe)
+    args.out = args.out or f"results/upcycle-moe{suffix}"
+    args.work = args.work or f"runs/upcycle-moe{suffix}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out, work = Path(args.out), Path(args.work)
     if args.report_only:
         from upcycle_moe_report import write_report

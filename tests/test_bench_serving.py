@@ -79,3 +79,35 @@ def test_moe_models_are_judged_against_their_own_standard_model():
     assert "| moe-block |" in md and "1.030 [1.030, 1.030]" in md
     with pytest.raises(SystemExit):
         bench.parse_args(["--models", "moe-full"])
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--preset", "bench-cpux"], "argument --preset: unknown preset 'bench-cpux'"),
+    (["--out", "{file}/serving"], "argument --out: {file} is a file, not a directory"),
+])
+def test_bad_preset_or_out_is_a_usage_error_before_vllm_starts(argv, named, tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args([a.format(file=tmp_path / "f") for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and err.startswith("bench_serving.py: error: ")
+    assert named.format(file=tmp_path / "f") in err
+
+
+def test_without_vllm_it_says_how_to_get_it(monkeypatch):
+    """In the default .venv (no vLLM) both scripts were a ModuleNotFoundError traceback."""
+    import profile_serving as prof
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, installed or not
+    for script, main in (("bench_serving.py", bench.main), ("profile_serving.py", prof.main)):
+        monkeypatch.setattr(sys, "argv", [script])
+        with pytest.raises(SystemExit, match=rf"{script} needs vLLM .*make serve-env"):
+            main(["--quick"])
+
+
+def test_the_recorded_command_reproduces_the_run():
+    """Every option away from its default is in the report's command, ``--out`` too."""
+    assert bench.command_line(bench.parse_args([])) == "python benchmarks/bench_serving.py"
+    args = bench.parse_args(["--models", "moe-block", "--rounds", "9", "--out", "benchmarks/results/serving_moe"])
+    assert bench.command_line(args) == ("python benchmarks/bench_serving.py --models moe-standard,moe-block "
+                                       "--rounds 9 --out benchmarks/results/serving_moe")

@@ -1,0 +1,86 @@
+"""A bad argument to a benchmark script (the GPU check included, on the CPU) is a one-line usage error naming the option, given
+before anything is measured: an output path under a file was a ``FileExistsError`` traceback
+after the whole run, ``--batches 0`` a ``ValueError`` from the model, ``--microbatches 3`` one
+traceback per pipeline rank."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+CASES = [
+    ("bench_inference.py", ["--batches", "1,0"], "--batches: must be comma-separated integers >= 1, got '1,0'"),
+    ("bench_inference.py", ["--prompt", "0"], "--prompt: must be an integer >= 1"),
+    ("bench_inference.py", ["--repeats-naive-prefill", "-1"], "--repeats-naive-prefill: must be an integer >= 0"),
+    ("bench_inference.py", ["--out", "{file}/x"], "--out: {file} is a file, not a directory"),
+    ("bench_pipeline.py", ["--microbatches", "3"], "--microbatches: 3 does not divide --batch 8"),
+    ("bench_pipeline.py", ["--ranks", "2,x"], "--ranks: must be comma-separated integers >= 1"),
+    ("bench_pipeline.py", ["--out", "{file}/x"], "--out: {file} is a file"),
+    ("bench_parallel_memory.py", ["--out", "{file}/x"], "--out: {file} is a file"),
+    ("bench_seq_prefill.py", ["--out", "{file}/x"], "--out: {file} is a file"),
+    ("bench_memory_scaling.py", ["--out", "{file}/x"], "--out: {file} is a file"),
+    ("memory_forecast.py", ["--d", "0"], "--d: must be an integer >= 1, got '0'"),
+    ("memory_forecast.py", ["--blocks", "5"], "--blocks: must divide the 64 sublayers"),
+    ("memory_forecast.py", ["--out", "{file}/x"], "--out: {file} is a file"),
+    ("plan_scaling_grid.py", ["--preset", "cpux"], "--preset: unknown preset 'cpux'"),
+    ("plan_scaling_grid.py", ["--processes", "0"], "--processes: must be an integer >= 1, got 0"),
+    ("demo_under_load.py", ["--preset", "dmeo", "--out", "{file}-runs"], "--preset: unknown preset 'dmeo'"),
+    ("bit_identity.py", ["--against", "no-such-rev", "--variants", "standard"], "--against: 'no-such-rev' is not a git"),
+    ("residual_traffic.py", ["--L", "0"], "--L: must be an integer >= 1, got '0'"),
+    ("residual_traffic.py", ["--L", "8", "--d", "8"], "arguments --d and --tokens: both must exceed L + 1 = 9"),
+    ("bench_kernels_gpu.py", ["--dry-run", "--e2e-d", "0"], "--e2e-d: must be an integer >= 1, got '0'"),
+    ("bench_kernels_gpu.py", ["--dry-run", "--out", "{file}/k"], "--out: {file} is a file"),
+    ("gpu_check.py", ["--cpu-smoke", "--out", "{file}"], "--out: {file} is a file; give a directory"),
+    ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
+]
+
+
+def snapshot(root: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("script, argv, named", CASES, ids=lambda c: c if isinstance(c, str) else None)
+def test_a_bad_argument_is_a_usage_error_naming_it(script, argv, named, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    argv = [a.format(file=tmp_path / "file") for a in argv]
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *argv])
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    before = snapshot(BENCHMARKS / "results")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    last = err.getvalue().strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
+    assert last.startswith(f"{script}: error: argument") and named.format(file=tmp_path / "file") in last, last
+    assert snapshot(BENCHMARKS / "results") == before
+
+
+def test_seq_prefill_records_the_command_it_ran(tmp_path, monkeypatch):
+    """``--out`` is in the recorded command (the report always said the bare command); the
+    ranks' launches are faked: each writes no rows."""
+    import subprocess
+
+    real_run = subprocess.run
+
+    def fake_launch(cmd, **kwargs):
+        if "torch.distributed.run" not in cmd:
+            return real_run(cmd, **kwargs)  # (platform's own calls)
+        Path(cmd[-1]).write_text("[]")
+
+    monkeypatch.setattr(subprocess, "run", fake_launch)
+    out = tmp_path / "seq"
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "bench_seq_prefill.py"), "--out", str(out)])
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.delenv("RANK", raising=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        runpy.run_path(str(BENCHMARKS / "bench_seq_prefill.py"), run_name="__main__")
+    command = json.loads(out.with_suffix(".json").read_text())["command"]
+    assert command.split()[1:] == ["benchmarks/bench_seq_prefill.py", "--out", str(out)]
