@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_training_overhead import log, out_stem, positive_int, write_results
+from bench_training_overhead import log, out_stem, positive_int, script_path, write_results
 
 from attnres import AttnResLM, ModelConfig
 from attnres.ops.depth_attention import library, reference
@@ -558,7 +558,7 @@ def main(argv=None) -> int:
         warm_up(args, [n for n in implementations(peers) if n != "ours (torch)"])
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / ("kernels_gpu_quick" if args.quick else "kernels_gpu")
     result = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join(["PYTHONPATH=src python", script_path(sys.argv[0]), *sys.argv[1:]]),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -121,7 +121,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import bench_kernels_gpu as kernels_bench  # noqa: E402
-from bench_training_overhead import out_dir  # noqa: E402
+from bench_training_overhead import out_dir, script_path  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 from attnres.analysis import profiling  # noqa: E402
@@ -1783,7 +1783,8 @@ def run_check(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: di
         workers = {}
     else:
         workers = start_warm_up(peers, args.force, options) if clock.cuda else {}
-        result = {"command": " ".join(["gpu_check.py", *argv]),
+        # (as run from the repository root, the way the device machine runs it: it runs as written)
+        result = {"command": " ".join(["PYTHONPATH=src python", script_path(__file__), *argv]),
                   "device": torch.cuda.get_device_name() if clock.cuda else "CPU (smoke)",
                   **software(), "code": code_version(HERE.parent), "sizes": asdict(z), "skipped": {}, "errors": {},
                   "forced": forced_settings}

@@ -38,6 +38,7 @@ def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
         assert heading in md
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["sizes"]["d"] == 16 and result["errors"] == {}
+    assert result["command"] == f"PYTHONPATH=src python benchmarks/gpu_check.py --cpu-smoke --out {tmp_path}"
     # (which code and software ran, and nothing left running; the sweep against its own defaults)
     assert result["code"]["source_digest"] and result["torch"] == summary["software"]["torch"] and "running" not in result
     assert {"warm_up_s", "ms", "compile_s"} <= set(result["train_compiled"]) and not result["skipped"]
