@@ -737,3 +737,71 @@ def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == "system: be brief\nuser: hi\nassistant: "
     assert tok.apply_chat_template(chat, tokenize=False) == "system: be brief\nuser: hi\n"
+
+
+def _hf_trainer(model, tmp_path, data, **kwargs):
+    """A ``transformers.Trainer`` on CPU for a few steps: plain SGD, constant rate, no logging
+    or saving, so two runs differ only in what ``kwargs`` set."""
+    from transformers import Trainer, TrainingArguments
+
+    args = dict(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, learning_rate=1.0, optim="sgd",
+                lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True,
+                disable_tqdm=True, logging_steps=1, seed=0)
+    return Trainer(model=model, args=TrainingArguments(**{**args, **kwargs}), train_dataset=data)
+
+
+def _padded_examples(n: int, length: int = 12) -> list[dict]:
+    """``n`` examples of ``length`` ids, each padded on the right from its own length on
+    (``labels`` -100 and ``attention_mask`` 0 there), so the batches hold different numbers
+    of predicted tokens."""
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for i in range(n):
+        ids = torch.randint(1, 256, (length,), generator=gen)
+        real = 3 + (5 * i) % (length - 3)
+        examples.append({"input_ids": ids, "labels": ids.masked_fill(torch.arange(length) >= real, -100),
+                         "attention_mask": (torch.arange(length) < real).long()})
+    return examples
+
+
+def test_trainer_gradient_accumulation_equals_one_large_batch(tmp_path):
+    """``transformers.Trainer`` passes ``num_items_in_batch`` (the predicted tokens of all
+    accumulated batches) to a forward that takes ``**kwargs`` and then leaves the loss
+    unscaled; the forward ignored it, so with ``gradient_accumulation_steps=2`` the loss and
+    the gradients were twice the large batch's. Two batches of 4 accumulated now give the one
+    batch of 8's update and loss."""
+    native = native_model(residual="attnres_block")
+    data = _padded_examples(8)
+    runs = []
+    for batch, steps in ((8, 1), (4, 2)):
+        hf = AttnResForCausalLM.from_native(native)
+        trainer = _hf_trainer(hf, tmp_path, data, per_device_train_batch_size=batch, gradient_accumulation_steps=steps,
+                              max_steps=1)
+        runs.append((trainer.train().training_loss, hf.lm_head.weight.detach() - native.lm_head.weight))
+    (loss_one, update_one), (loss_acc, update_acc) = runs
+    assert loss_acc == pytest.approx(loss_one, rel=1e-5)
+    torch.testing.assert_close(update_acc, update_one, rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_label_smoothing_shifts_the_labels(tmp_path):
+    """``label_smoothing_factor`` makes ``transformers.Trainer`` compute the loss from the
+    logits itself, shifting the labels only for a model class it knows as a causal LM; it did
+    not know the AttnRes classes, so it scored each position against its own token instead of
+    the next one. The loss is now the shifted, smoothed cross-entropy (and is the model's own
+    loss when smoothing is 0)."""
+    import torch.nn.functional as F
+
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block"))
+    batch = {k: torch.stack([e[k] for e in _padded_examples(4)]) for k in ("input_ids", "labels", "attention_mask")}
+    trainer = _hf_trainer(hf, tmp_path, [], label_smoothing_factor=0.1)
+    with torch.no_grad():
+        loss = trainer.compute_loss(hf, dict(batch))
+        logits = hf(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), label_smoothing=0.1)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    # The upcycled families' causal LMs are named as such too (the same Trainer check).
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from attnres.hf.families import FAMILIES, upcycled_classes
+
+    assert {upcycled_classes(f)[1].__name__ for f in FAMILIES} <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

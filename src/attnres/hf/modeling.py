@@ -348,17 +348,27 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         inputs_embeds: Tensor | None = None,
         logits_to_keep: int = 0,
         cache: Cache | None = None,
+        num_items_in_batch: int | Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
         positions when > 0) and, with ``labels``, the mean next-token cross-entropy
-        (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it."""
+        (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it.
+
+        ``num_items_in_batch``: the predicted tokens of every batch a gradient-accumulation
+        step holds, which ``transformers.Trainer`` passes to a forward taking ``**kwargs``;
+        the loss is then this batch's summed cross-entropy over it (the Trainer, counting on
+        that, does not divide by the accumulation steps)."""
         _refuse_unreturned_outputs(self.config, kwargs)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(h))
-        loss = None if labels is None else next_token_loss(logits, labels.to(logits.device))
+        loss = None
+        if labels is not None and num_items_in_batch is None:
+            loss = next_token_loss(logits, labels.to(logits.device))
+        elif labels is not None:
+            loss = next_token_loss(logits, labels.to(logits.device), reduction="sum") / num_items_in_batch
         return CausalLMOutputWithPast(loss=loss, logits=logits, **_cache_field(CausalLMOutputWithPast, cache))
 
     # -- conversion ----------------------------------------------------------------------
