@@ -805,3 +805,25 @@ def test_trainer_label_smoothing_shifts_the_labels(tmp_path):
     from attnres.hf.families import FAMILIES, upcycled_classes
 
     assert {upcycled_classes(f)[1].__name__ for f in FAMILIES} <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def test_config_dict_carries_the_transformers_names_and_the_saved_file_does_not(tmp_path):
+    """Tools that read a config as ``config.to_dict()`` look for the transformers names: PEFT's
+    prompt and prefix tuning stopped with "Please specify `num_attention_heads` in
+    `peft_config`", and would have sized a prefix with every query head where the keys have
+    ``n_kv_heads``. The dict now carries ``num_attention_heads``, ``num_key_value_heads``,
+    ``hidden_size`` and ``num_hidden_layers`` (and ``config.num_key_value_heads`` reads), while
+    ``config.json`` keeps only the attnres fields and loads back to an equal config."""
+    config = AttnResConfig.from_model_config(ModelConfig.preset("tiny", n_heads=4, n_kv_heads=2))
+    data = config.to_dict()
+    assert (data["num_attention_heads"], data["num_key_value_heads"], data["hidden_size"], data["num_hidden_layers"]) == (
+        config.n_heads, config.n_kv_heads, config.d_model, config.n_layers) == (4, 2, 64, 2)
+    assert config.num_key_value_heads == 2
+    assert AttnResConfig.from_dict(data).to_model_config() == config.to_model_config()
+    mha = AttnResConfig.from_model_config(ModelConfig.preset("tiny", n_kv_heads=None))  # as many as n_heads
+    assert "num_key_value_heads" not in mha.to_dict()
+    assert AttnResConfig.from_dict(mha.to_dict()).to_model_config() == mha.to_model_config()
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not {"num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers"} & set(saved)
+    assert AttnResConfig.from_pretrained(tmp_path).to_model_config() == config.to_model_config()
