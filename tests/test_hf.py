@@ -827,3 +827,31 @@ def test_config_dict_carries_the_transformers_names_and_the_saved_file_does_not(
     saved = json.loads((tmp_path / "config.json").read_text())
     assert not {"num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers"} & set(saved)
     assert AttnResConfig.from_pretrained(tmp_path).to_model_config() == config.to_model_config()
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix"])
+def test_peft_prompt_learning_generates_what_its_forward_predicts(method):
+    """PEFT's prompt and prefix tuning (peft 0.21) look for the cache among the model inputs
+    under ``past_key_values``, transformers 5.24+ names it ``cache``: PEFT then put its
+    virtual tokens in again at every step (prompt tuning: "attention_mask must have shape
+    ... (2, 19), got (2, 15)"; prefix tuning: "pass the cache as `cache` or as
+    `past_key_values`, not both"). Greedy ``generate`` now gives, token by token, the argmax
+    of the PEFT model's own forward over the growing sequence (left padding included)."""
+    peft = pytest.importorskip("peft")
+    config = (peft.PromptTuningConfig if method == "prompt" else peft.PrefixTuningConfig)(
+        task_type="CAUSAL_LM", num_virtual_tokens=3)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model(residual="attnres_block")), config).eval()
+    with torch.no_grad():
+        for p in model.prompt_encoder.parameters():
+            p.normal_()  # (prompt tuning's init is the embedding of random tokens; prefix tuning's is random too)
+    ids = torch.randint(1, 256, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)[:, -4:]
+    seq, seq_mask = ids, mask
+    with torch.no_grad():
+        for step in range(4):
+            nxt = model(input_ids=seq, attention_mask=seq_mask).logits[:, -1].argmax(-1)
+            assert torch.equal(out[:, step], nxt), step
+            seq, seq_mask = torch.cat([seq, nxt[:, None]], 1), torch.cat([seq_mask, torch.ones_like(mask[:, :1])], 1)

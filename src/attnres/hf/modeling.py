@@ -316,6 +316,17 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             kwargs["cache_implementation"] = "static"
         return super().generate(*args, **kwargs)
 
+    def prepare_inputs_for_generation(self, input_ids: Tensor, inputs_embeds: Tensor | None = None, **kwargs) -> dict:
+        """transformers' inputs of one ``generate`` step, with the cache under its earlier
+        name ``past_key_values`` (the forward takes both): PEFT's prompt and prefix tuning
+        (peft 0.21) look for it there to tell the first step, where they add their virtual
+        tokens, from the later ones; under ``cache`` they added them again at every step.
+        (``inputs_embeds`` is named: ``generate`` takes it only from a method that names it.)"""
+        inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        if inputs.get("cache") is not None and inputs.get("past_key_values") is None:
+            inputs["past_key_values"] = inputs.pop("cache")
+        return inputs
+
     def _check_generation_length(self, input_ids, kwargs: dict, config) -> None:
         """Refuse, before any compute, a generation that does not fit the context: the prompt
         and every new token but the last are fed to the model (a dynamic cache refused the
