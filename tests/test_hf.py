@@ -855,3 +855,22 @@ def test_peft_prompt_learning_generates_what_its_forward_predicts(method):
             nxt = model(input_ids=seq, attention_mask=seq_mask).logits[:, -1].argmax(-1)
             assert torch.equal(out[:, step], nxt), step
             seq, seq_mask = torch.cat([seq, nxt[:, None]], 1), torch.cat([seq_mask, torch.ones_like(mask[:, :1])], 1)
+
+
+def test_peft_lora_merged_generates_what_the_adapted_model_generates():
+    """LoRA on the attention projections (non-zero adapters): the merged model's logits are
+    the adapted model's, its greedy tokens too, and they differ from the base model's."""
+    peft = pytest.importorskip("peft")
+    native = native_model(residual="attnres_block")
+    config = peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(AttnResForCausalLM.from_native(native), config).eval()
+    ids = torch.randint(1, 256, (2, 7))
+    kw = dict(max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        logits, out = adapted(input_ids=ids).logits, adapted.generate(input_ids=ids, **kw)
+        merged = adapted.merge_and_unload()
+        assert type(merged) is AttnResForCausalLM
+        torch.testing.assert_close(merged(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(merged.generate(ids, **kw), out)
+    assert not torch.equal(AttnResForCausalLM.from_native(native).eval().generate(ids, **kw), out)
