@@ -379,7 +379,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         if labels is not None and num_items_in_batch is None:
             loss = next_token_loss(logits, labels.to(logits.device))
         elif labels is not None:
-            loss = next_token_loss(logits, labels.to(logits.device), reduction="sum") / num_items_in_batch
+            total = next_token_loss(logits, labels.to(logits.device), reduction="sum")
+            loss = total / (num_items_in_batch.to(total.device) if isinstance(num_items_in_batch, Tensor) else num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **_cache_field(CausalLMOutputWithPast, cache))
 
     # -- conversion ----------------------------------------------------------------------
