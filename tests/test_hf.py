@@ -737,3 +737,140 @@ def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == "system: be brief\nuser: hi\nassistant: "
     assert tok.apply_chat_template(chat, tokenize=False) == "system: be brief\nuser: hi\n"
+
+
+def _hf_trainer(model, tmp_path, data, **kwargs):
+    """A ``transformers.Trainer`` on CPU for a few steps: plain SGD, constant rate, no logging
+    or saving, so two runs differ only in what ``kwargs`` set."""
+    from transformers import Trainer, TrainingArguments
+
+    args = dict(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=4, learning_rate=1.0, optim="sgd",
+                lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[], save_strategy="no", use_cpu=True,
+                disable_tqdm=True, logging_steps=1, seed=0)
+    return Trainer(model=model, args=TrainingArguments(**{**args, **kwargs}), train_dataset=data)
+
+
+def _padded_examples(n: int, length: int = 12) -> list[dict]:
+    """``n`` examples of ``length`` ids, each padded on the right from its own length on
+    (``labels`` -100 and ``attention_mask`` 0 there), so the batches hold different numbers
+    of predicted tokens."""
+    gen = torch.Generator().manual_seed(0)
+    examples = []
+    for i in range(n):
+        ids = torch.randint(1, 256, (length,), generator=gen)
+        real = 3 + (5 * i) % (length - 3)
+        examples.append({"input_ids": ids, "labels": ids.masked_fill(torch.arange(length) >= real, -100),
+                         "attention_mask": (torch.arange(length) < real).long()})
+    return examples
+
+
+def test_trainer_gradient_accumulation_equals_one_large_batch(tmp_path):
+    """``transformers.Trainer`` passes ``num_items_in_batch`` (the predicted tokens of all
+    accumulated batches) to a forward that takes ``**kwargs`` and then leaves the loss
+    unscaled; the forward ignored it, so with ``gradient_accumulation_steps=2`` the loss and
+    the gradients were twice the large batch's. Two batches of 4 accumulated now give the one
+    batch of 8's update and loss."""
+    native = native_model(residual="attnres_block")
+    data = _padded_examples(8)
+    runs = []
+    for batch, steps in ((8, 1), (4, 2)):
+        hf = AttnResForCausalLM.from_native(native)
+        trainer = _hf_trainer(hf, tmp_path, data, per_device_train_batch_size=batch, gradient_accumulation_steps=steps,
+                              max_steps=1)
+        runs.append((trainer.train().training_loss, hf.lm_head.weight.detach() - native.lm_head.weight))
+    (loss_one, update_one), (loss_acc, update_acc) = runs
+    assert loss_acc == pytest.approx(loss_one, rel=1e-5)
+    torch.testing.assert_close(update_acc, update_one, rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_label_smoothing_shifts_the_labels(tmp_path):
+    """``label_smoothing_factor`` makes ``transformers.Trainer`` compute the loss from the
+    logits itself, shifting the labels only for a model class it knows as a causal LM; it did
+    not know the AttnRes classes, so it scored each position against its own token instead of
+    the next one. The loss is now the shifted, smoothed cross-entropy (and is the model's own
+    loss when smoothing is 0)."""
+    import torch.nn.functional as F
+
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block"))
+    batch = {k: torch.stack([e[k] for e in _padded_examples(4)]) for k in ("input_ids", "labels", "attention_mask")}
+    trainer = _hf_trainer(hf, tmp_path, [], label_smoothing_factor=0.1)
+    with torch.no_grad():
+        loss = trainer.compute_loss(hf, dict(batch))
+        logits = hf(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), label_smoothing=0.1)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    # The upcycled families' causal LMs are named as such too (the same Trainer check).
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from attnres.hf.families import FAMILIES, upcycled_classes
+
+    assert {upcycled_classes(f)[1].__name__ for f in FAMILIES} <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def test_config_dict_carries_the_transformers_names_and_the_saved_file_does_not(tmp_path):
+    """Tools that read a config as ``config.to_dict()`` look for the transformers names: PEFT's
+    prompt and prefix tuning stopped with "Please specify `num_attention_heads` in
+    `peft_config`", and would have sized a prefix with every query head where the keys have
+    ``n_kv_heads``. The dict now carries ``num_attention_heads``, ``num_key_value_heads``,
+    ``hidden_size`` and ``num_hidden_layers`` (and ``config.num_key_value_heads`` reads), while
+    ``config.json`` keeps only the attnres fields and loads back to an equal config."""
+    config = AttnResConfig.from_model_config(ModelConfig.preset("tiny", n_heads=4, n_kv_heads=2))
+    data = config.to_dict()
+    assert (data["num_attention_heads"], data["num_key_value_heads"], data["hidden_size"], data["num_hidden_layers"]) == (
+        config.n_heads, config.n_kv_heads, config.d_model, config.n_layers) == (4, 2, 64, 2)
+    assert config.num_key_value_heads == 2
+    assert AttnResConfig.from_dict(data).to_model_config() == config.to_model_config()
+    mha = AttnResConfig.from_model_config(ModelConfig.preset("tiny", n_kv_heads=None))  # as many as n_heads
+    assert "num_key_value_heads" not in mha.to_dict()
+    assert AttnResConfig.from_dict(mha.to_dict()).to_model_config() == mha.to_model_config()
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not {"num_attention_heads", "num_key_value_heads", "hidden_size", "num_hidden_layers"} & set(saved)
+    assert AttnResConfig.from_pretrained(tmp_path).to_model_config() == config.to_model_config()
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix"])
+def test_peft_prompt_learning_generates_what_its_forward_predicts(method):
+    """PEFT's prompt and prefix tuning (peft 0.21) look for the cache among the model inputs
+    under ``past_key_values``, transformers 5.24+ names it ``cache``: PEFT then put its
+    virtual tokens in again at every step (prompt tuning: "attention_mask must have shape
+    ... (2, 19), got (2, 15)"; prefix tuning: "pass the cache as `cache` or as
+    `past_key_values`, not both"). Greedy ``generate`` now gives, token by token, the argmax
+    of the PEFT model's own forward over the growing sequence (left padding included)."""
+    peft = pytest.importorskip("peft")
+    config = (peft.PromptTuningConfig if method == "prompt" else peft.PrefixTuningConfig)(
+        task_type="CAUSAL_LM", num_virtual_tokens=3)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AttnResForCausalLM.from_native(native_model(residual="attnres_block")), config).eval()
+    with torch.no_grad():
+        for p in model.prompt_encoder.parameters():
+            p.normal_()  # (prompt tuning's init is the embedding of random tokens; prefix tuning's is random too)
+    ids = torch.randint(1, 256, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)[:, -4:]
+    seq, seq_mask = ids, mask
+    with torch.no_grad():
+        for step in range(4):
+            nxt = model(input_ids=seq, attention_mask=seq_mask).logits[:, -1].argmax(-1)
+            assert torch.equal(out[:, step], nxt), step
+            seq, seq_mask = torch.cat([seq, nxt[:, None]], 1), torch.cat([seq_mask, torch.ones_like(mask[:, :1])], 1)
+
+
+def test_peft_lora_merged_generates_what_the_adapted_model_generates():
+    """LoRA on the attention projections (non-zero adapters): the merged model's logits are
+    the adapted model's, its greedy tokens too, and they differ from the base model's."""
+    peft = pytest.importorskip("peft")
+    native = native_model(residual="attnres_block")
+    config = peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(AttnResForCausalLM.from_native(native), config).eval()
+    ids = torch.randint(1, 256, (2, 7))
+    kw = dict(max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        logits, out = adapted(input_ids=ids).logits, adapted.generate(input_ids=ids, **kw)
+        merged = adapted.merge_and_unload()
+        assert type(merged) is AttnResForCausalLM
+        torch.testing.assert_close(merged(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(merged.generate(ids, **kw), out)
+    assert not torch.equal(AttnResForCausalLM.from_native(native).eval().generate(ids, **kw), out)

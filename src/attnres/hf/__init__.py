@@ -20,7 +20,7 @@ with ``AutoModelForCausalLM.from_pretrained(path)`` and no ``trust_remote_code``
 
 from ..models.hf_registry import register_hf_hooks
 from .families import (RouterRecorder, build_hf_model, check_hf_config, family_of, layout_of, model_fields_from_directory,
-                       register_families)
+                       name_causal_lm, register_families)
 from .upcycle import upcycle
 from .configuration import AttnResConfig
 from .export import export_checkpoint, load_native_checkpoint, make_hf_tokenizer
@@ -34,6 +34,7 @@ def register() -> None:
     AutoConfig.register(AttnResConfig.model_type, AttnResConfig, exist_ok=True)
     AutoModel.register(AttnResConfig, AttnResModel, exist_ok=True)
     AutoModelForCausalLM.register(AttnResConfig, AttnResForCausalLM, exist_ok=True)
+    name_causal_lm(AttnResConfig, AttnResForCausalLM)
     register_families()  # the AttnRes versions of the supported transformers families
     register_hf_hooks(build_model=build_hf_model, check_config=check_hf_config,
                       fields_from_directory=model_fields_from_directory, layout_of=layout_of, family_of=family_of,

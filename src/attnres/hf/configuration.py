@@ -30,6 +30,8 @@ __all__ = ["AttnResConfig"]
 _MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
 #: Fields with a mutable default (a factory): None in the HF config means ModelConfig's default.
 _FACTORY_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.default_factory is not dataclasses.MISSING}
+#: The transformers names of fields (``attribute_map``) that :meth:`AttnResConfig.to_dict` adds.
+HF_NAMES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 #: The architectures a saved AttnResConfig may name.
 ARCHITECTURES = ("AttnResForCausalLM", "AttnResModel")
 
@@ -77,6 +79,20 @@ class _AttnResConfigMethods:
                            source=source, given=[*kwargs, *(["residual"] if flat else [])])
         return naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(
             {**config_dict, **legacy} if legacy else config_dict, **kwargs))
+
+    def to_dict(self) -> dict:
+        """As ``PretrainedConfig.to_dict``, with the transformers names of :data:`HF_NAMES`
+        added: tools that read a config as a dict look for them (PEFT's prompt and prefix
+        tuning size their prompts by ``num_attention_heads`` and ``num_key_value_heads``).
+        ``n_kv_heads=None`` (as many as ``n_heads``) adds no ``num_key_value_heads``, which
+        such tools then take as ``num_attention_heads``."""
+        names = {alias: getattr(self, alias) for alias in HF_NAMES}
+        return {**super().to_dict(), **{alias: value for alias, value in names.items() if value is not None}}
+
+    def to_diff_dict(self) -> dict:
+        """What ``config.json`` holds: the fields under their attnres names only (an HF name
+        there would be a second copy of a field, which a hand edit could make disagree)."""
+        return {k: v for k, v in super().to_diff_dict().items() if k not in HF_NAMES}
 
     def to_model_config(self) -> ModelConfig:
         """The native :class:`attnres.ModelConfig` (raises ``ValueError`` on a bad field)."""
@@ -128,6 +144,7 @@ def _body(ns: dict) -> None:
             "hidden_size": "d_model",
             "num_hidden_layers": "n_layers",
             "num_attention_heads": "n_heads",
+            "num_key_value_heads": "n_kv_heads",
             "max_position_embeddings": "max_seq_len",
             "initializer_range": "init_std",
         },

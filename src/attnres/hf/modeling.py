@@ -316,6 +316,17 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             kwargs["cache_implementation"] = "static"
         return super().generate(*args, **kwargs)
 
+    def prepare_inputs_for_generation(self, input_ids: Tensor, inputs_embeds: Tensor | None = None, **kwargs) -> dict:
+        """transformers' inputs of one ``generate`` step, with the cache under its earlier
+        name ``past_key_values`` (the forward takes both): PEFT's prompt and prefix tuning
+        (peft 0.21) look for it there to tell the first step, where they add their virtual
+        tokens, from the later ones; under ``cache`` they added them again at every step.
+        (``inputs_embeds`` is named: ``generate`` takes it only from a method that names it.)"""
+        inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        if inputs.get("cache") is not None and inputs.get("past_key_values") is None:
+            inputs["past_key_values"] = inputs.pop("cache")
+        return inputs
+
     def _check_generation_length(self, input_ids, kwargs: dict, config) -> None:
         """Refuse, before any compute, a generation that does not fit the context: the prompt
         and every new token but the last are fed to the model (a dynamic cache refused the
@@ -348,17 +359,28 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         inputs_embeds: Tensor | None = None,
         logits_to_keep: int = 0,
         cache: Cache | None = None,
+        num_items_in_batch: int | Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
         positions when > 0) and, with ``labels``, the mean next-token cross-entropy
-        (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it."""
+        (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it.
+
+        ``num_items_in_batch``: the predicted tokens of every batch a gradient-accumulation
+        step holds, which ``transformers.Trainer`` passes to a forward taking ``**kwargs``;
+        the loss is then this batch's summed cross-entropy over it (the Trainer, counting on
+        that, does not divide by the accumulation steps)."""
         _refuse_unreturned_outputs(self.config, kwargs)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(self.norm(h))
-        loss = None if labels is None else next_token_loss(logits, labels.to(logits.device))
+        loss = None
+        if labels is not None and num_items_in_batch is None:
+            loss = next_token_loss(logits, labels.to(logits.device))
+        elif labels is not None:
+            total = next_token_loss(logits, labels.to(logits.device), reduction="sum")
+            loss = total / (num_items_in_batch.to(total.device) if isinstance(num_items_in_batch, Tensor) else num_items_in_batch)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **_cache_field(CausalLMOutputWithPast, cache))
 
     # -- conversion ----------------------------------------------------------------------

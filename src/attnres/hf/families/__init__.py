@@ -22,7 +22,7 @@ torch-only core reaches these through :mod:`attnres.models.hf_registry`.
 from .build import build_hf_model, check_hf_config, hf_config_of, model_fields_from_directory, model_fields_of
 from .layout import CHECKED_WITH, FAMILIES, REFUSED, Layout, Router, family_of, layout_of
 from .moe import RouterRecorder, moe_routers
-from .classes import CLASSES, register_families, upcycled_classes, upcycled_config
+from .classes import CLASSES, name_causal_lm, register_families, upcycled_classes, upcycled_config
 from .modeling import PREFIX, UpcycledModelMixin, init_missing_tensors
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "model_fields_from_directory",
     "model_fields_of",
     "moe_routers",
+    "name_causal_lm",
     "register_families",
     "upcycled_classes",
     "upcycled_config",

@@ -36,7 +36,7 @@ from .layout import FAMILIES, layout_of
 from .modeling import PREFIX, UpcycledConfigMixin, UpcycledModelMixin
 
 __all__ = [
-    "upcycled_classes", "register_families", "upcycled_config", "AttnResLlamaConfig",
+    "upcycled_classes", "name_causal_lm", "register_families", "upcycled_config", "AttnResLlamaConfig",
     "AttnResLlamaForCausalLM", "AttnResMistralConfig", "AttnResMistralForCausalLM", "AttnResQwen2Config",
     "AttnResQwen2ForCausalLM", "AttnResQwen3Config", "AttnResQwen3ForCausalLM", "AttnResGemmaConfig",
     "AttnResGemmaForCausalLM", "AttnResGemma2Config", "AttnResGemma2ForCausalLM", "AttnResGemma3TextConfig",
@@ -305,9 +305,20 @@ def register_families() -> None:
         config_cls, model_cls = upcycled_classes(model_type)
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+        name_causal_lm(config_cls, model_cls)
         refusal = type(config_cls.__name__.removesuffix("Config") + "Model", (_CausalLMOnly,), {"config_class": config_cls})
         AutoModel.register(config_cls, refusal, exist_ok=True)
         _share_weight_conversion(model_type)
+
+
+def name_causal_lm(config_cls: type, model_cls: type) -> None:
+    """Add ``model_cls`` to transformers' names of causal LMs (``AutoModelForCausalLM.register``
+    does not): ``Trainer`` shifts the labels of the loss it computes itself (with
+    ``label_smoothing_factor``) only for a class named there - otherwise each position was
+    scored against its own token - and the text-generation pipeline checks the name too."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config_cls.model_type] = model_cls.__name__
 
 
 def _share_weight_conversion(model_type: str) -> None:
