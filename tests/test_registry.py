@@ -5,6 +5,7 @@ other change; names are validated against the registry; variants describe their 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from torch import Tensor, nn
 import attnres
 from attnres import AttnResLM, ModelConfig, register_residual, registered_residuals
 from attnres.experiments.flops import residual_flops_forward, training_flops_per_token
-from attnres.nn.residual import DepthHistory, HistoryLayout, ResidualStream, SingleStreamResidual
+from attnres.nn.residual import AttnResBase, DepthHistory, HistoryLayout, ResidualState, ResidualStream, SingleStreamResidual
+from attnres.nn.residual.attnres_base import Schedule
 
 from conftest import assert_rel_close
 
@@ -345,3 +347,66 @@ def test_resume_with_other_options_names_the_option_once():
     assert "the config differs in ['model.residual.options.init'] (model.residual.options.init: 0.5 there, not set " \
            "here;" in str(info.value)
     check_resumable(config({"init": 0.5}), config({"init": 0.5}), source)
+
+
+@dataclass
+class _RecentState(ResidualState):
+    sources: list | None = None
+
+
+class _RecentNaive(Schedule):
+    name = "naive"
+
+    def start(self, m, embedding, common):
+        return _RecentState(sources=[embedding], **common)
+
+    def input(self, m, state, l):
+        return m.attend_naive(state, l, m.recent(state.sources))
+
+    def add(self, m, state, l, output):
+        state.sources.append(output)
+
+    def finish(self, m, state):
+        return m.attend_naive(state, m.n_sublayers, m.recent(state.sources))
+
+
+@register_residual("recent_test", replace=True)
+class RecentAttnRes(AttnResBase):
+    """A user's depth-attention variant on ``AttnResBase`` (docs/design.md): the embedding and
+    the ``k`` most recent outputs, on the naive schedule."""
+
+    SCHEDULES = {"naive": _RecentNaive()}
+
+    def __init__(self, dim: int, n_sublayers: int, k: int = 2, eps: float = 1e-6) -> None:
+        self.k = k
+        super().__init__(dim, n_sublayers, eps=eps, schedule="naive")
+
+    def recent(self, sources):
+        return sources if len(sources) <= 1 + self.k else [sources[0], *sources[-self.k:]]
+
+    def sources_per_mixer(self) -> list[int]:
+        return [min(l + 1, 1 + self.k) for l in range(self.n_sublayers + 1)]
+
+
+def test_a_depth_attention_variant_of_the_users_takes_its_options():
+    """An ``AttnResBase`` subclass built by the default ``from_config`` had every option refused
+    ("options must be empty ... its settings are fields of ModelConfig.residual"), which is
+    true of Full and Block only."""
+    model = AttnResLM(ModelConfig.preset("tiny", residual={"kind": "recent_test", "options": {"k": 1}}))
+    assert model.residual.k == 1 and model.residual.sources_per_mixer() == [1] + [2] * model.config.n_sublayers
+    ids = torch.randint(0, 256, (2, 6))
+    assert torch.isfinite(model(ids, labels=ids).loss)
+    with pytest.raises(ValueError, match=r"options \['kk'\] are not options of residual 'recent_test' "
+                       r"\(did you mean 'k' for 'kk'\?\)"):
+        ModelConfig(residual={"kind": "recent_test", "options": {"kk": 1}})
+    with pytest.raises(ValueError, match="options must be empty for residual 'attnres_full'"):  # Full's are fields
+        ModelConfig(residual={"kind": "attnres_full", "options": {"k": 1}})
+
+
+def test_an_option_value_init_refuses_is_named_as_the_option():
+    """``model.residual.options.init=abc`` ended in a TypeError traceback from ``torch.full``
+    inside the user's ``__init__``."""
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.options \{'init': 'abc'\}: ScaledResidual.__init__ of "
+                       r"residual 'scaled_test' refused them \(TypeError: .*fill_value.*\); set values it takes, e.g. "
+                       r"model.residual.options.init=VALUE"):
+        AttnResLM(ModelConfig.preset("tiny", residual={"kind": "scaled_test", "options": {"init": "abc"}}))

@@ -183,7 +183,12 @@ class AttnResBase(ResidualStream):
 
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
-        cls._no_options(config)
+        if cls.from_config.__func__ is ResidualStream.from_config.__func__:
+            # a variant of the user's built by the default from_config: options are its __init__'s arguments (they
+            # were refused as "fields of ModelConfig.residual", which Full and Block read in their own from_config)
+            cls._check_options(config)
+        else:
+            cls._no_options(config)
         if config.ablation.active and config.schedule != "naive":
             raise ValueError("ModelConfig.residual.schedule must be 'naive' when an AttnRes ablation is set (the "
                              f"two-phase schedule needs static queries and a softmax); got {config.schedule!r}")
