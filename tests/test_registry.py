@@ -410,3 +410,27 @@ def test_an_option_value_init_refuses_is_named_as_the_option():
                        r"residual 'scaled_test' refused them \(TypeError: .*fill_value.*\); set values it takes, e.g. "
                        r"model.residual.options.init=VALUE"):
         AttnResLM(ModelConfig.preset("tiny", residual={"kind": "scaled_test", "options": {"init": "abc"}}))
+
+
+def test_the_commands_after_a_run_of_a_users_residual_say_to_import_its_module(tmp_path, monkeypatch):
+    """The resume hint at the end of a run said `attnres train out_dir=... --resume`, which
+    fails ("kind must be one of ...") without the --import the run was trained with; the
+    export's note said only `import attnres.hf`."""
+    import json
+
+    from attnres.cli.export import _and_the_residual
+    from attnres.cli.train import _how_to_continue
+    from attnres.train import TrainConfig
+
+    here = str(Path(__file__).resolve())  # this module registers 'scaled_test'; not in the working directory
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = TrainConfig.from_dict({"model": {"preset": "tiny", "residual": SCALED}, "out_dir": "run"})
+    assert _how_to_continue(config) == f"continue with --resume (`attnres --import {here} train out_dir=run --resume`: " \
+                                       "the run's own config)"
+    assert "`attnres train out_dir=run --resume`" in _how_to_continue(TrainConfig.from_dict({"out_dir": "run"}))
+    (tmp_path / "config.json").write_text(json.dumps({"residual": SCALED}))
+    assert _and_the_residual(tmp_path / "config.json") == \
+        f" and `import test_registry` ({here}), which registers its residual 'scaled_test'"
+    (tmp_path / "config.json").write_text(json.dumps({"residual": {"kind": "attnres_block"}}))
+    assert _and_the_residual(tmp_path / "config.json") == ""

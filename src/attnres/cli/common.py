@@ -172,6 +172,25 @@ class ImportModule(argparse.Action):
         getattr(namespace, self.dest).append(module)
 
 
+def residual_import(kind: str) -> str | None:
+    """The ``--import`` argument that registers residual ``kind`` in another process, as this
+    one has it: its module's name (a module beside the user, or in a package), else its file's
+    path; ``None`` for a built-in variant, a name not registered here, or a class of a script
+    run as ``__main__`` (nothing to import)."""
+    from ..nn.residual import residual_class
+
+    try:
+        name = residual_class(kind).__module__
+    except ValueError:
+        return None
+    if name.split(".")[0] == "attnres" or name == "__main__":
+        return None
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if "." in name or file is None or Path(file).resolve().parent == Path.cwd().resolve():
+        return name
+    return str(Path(file).resolve())  # (`--import my_residuals` finds it only from its own folder)
+
+
 def apply_cpu_allocator(settings: dict) -> None:
     """``cpu_allocator`` of a training config (``settings``: its fields; default
     ``"retain"``), applied to this process when it trains on the CPU. The command sets it for

@@ -7,7 +7,7 @@ import os
 import sys
 
 from .common import (apply_cpu_allocator, end_process, first_on_node, leave_the_message_to_the_first_on_node,
-                     rank_zero)
+                     rank_zero, residual_import)
 
 
 def add_parser(sub) -> None:
@@ -160,15 +160,17 @@ def _how_to_continue(config) -> str:
     from ..distributed.parallel import ParallelConfig
 
     resume = f"out_dir={shlex.quote(str(config.out_dir))} --resume"
+    module = residual_import(config.model.residual.kind)  # (without it the resume fails: kind not registered)
+    attnres = f"attnres --import {shlex.quote(module)}" if module else "attnres"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return f"continue with --resume (`attnres train {resume}`: the run's own config)"
+        return f"continue with --resume (`{attnres} train {resume}`: the run's own config)"
     default = ParallelConfig().to_dict()
     layout = "".join(f" parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
                      for k, v in config.parallel.to_dict().items() if v != default[k])
     one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(world)
     launcher = f"torchrun --standalone --nproc-per-node {world}" if one_node else "torchrun ..."
-    return (f"continue with --resume, launched as this run was (`{launcher} -m attnres train {resume}{layout}`: the run's "
+    return (f"continue with --resume, launched as this run was (`{launcher} -m {attnres} train {resume}{layout}`: the run's "
             "own config; any other layout resumes it too)")
 
 
