@@ -16,6 +16,7 @@ import attnres
 from attnres import AttnResLM, ModelConfig, register_residual, registered_residuals
 from attnres.experiments.flops import residual_flops_forward, training_flops_per_token
 from attnres.nn.residual import AttnResBase, DepthHistory, HistoryLayout, ResidualState, ResidualStream, SingleStreamResidual
+from attnres.nn.residual import residual_class
 from attnres.nn.residual.attnres_base import Schedule
 
 from conftest import assert_rel_close
@@ -434,3 +435,40 @@ def test_the_commands_after_a_run_of_a_users_residual_say_to_import_its_module(t
         f" and `import test_registry` ({here}), which registers its residual 'scaled_test'"
     (tmp_path / "config.json").write_text(json.dumps({"residual": {"kind": "attnres_block"}}))
     assert _and_the_residual(tmp_path / "config.json") == ""
+
+
+@pytest.mark.parametrize("how", ["name", "path"])
+def test_cli_import_of_a_module_with_a_syntax_error_says_where(tmp_path, monkeypatch, capsys, how):
+    """A syntax error in the module given to --import was a traceback through argparse."""
+    from attnres.cli import main as cli_main
+
+    (tmp_path / "broken_residuals.py").write_text("import torch\ndef f(:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    value = "broken_residuals" if how == "name" else str(tmp_path / "broken_residuals.py")
+    with pytest.raises(SystemExit):
+        cli_main(["--import", value, "train", "--print-config"])
+    file = tmp_path / "broken_residuals.py"
+    assert capsys.readouterr().err.strip().endswith(
+        f"attnres: error: --import {value}: invalid syntax in {file}, line 2: def f(:; fix the module, or run "
+        f"`python {file}` to see it")
+
+
+def test_registering_a_taken_name_names_who_has_it_and_a_class_defined_again_replaces_it():
+    """A built-in's name was answered "pass replace=True" (which would change what every such
+    checkpoint loads as), and the same class defined again - its module reloaded, a notebook
+    cell run a second time - was refused as a clash."""
+    source = ("from attnres import register_residual\nfrom attnres.nn.residual import SingleStreamResidual\n"
+              "@register_residual('again_test')\nclass Again(SingleStreamResidual):\n"
+              "    def update(self, l, h, out):\n        return h + out\n")
+    first, second = {"__name__": "notebook"}, {"__name__": "notebook"}
+    exec(source, first)
+    exec(source, second)  # the cell run again
+    assert residual_class("again_test") is second["Again"]
+    with pytest.raises(ValueError, match=r"residual 'standard' is already registered: it is a built-in variant "
+                       r"\(attnres.nn.residual.standard.StandardResidual\); register ScaledResidual under a name of "
+                       r"its own, e.g. register_residual\('my_standard'\)"):
+        register_residual("standard")(ScaledResidual)
+    with pytest.raises(ValueError, match=r"residual 'again_test' is already registered by notebook.Again; register "
+                       r"ScaledResidual under another name, or pass replace=True to override it"):
+        register_residual("again_test")(ScaledResidual)

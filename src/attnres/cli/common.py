@@ -169,6 +169,9 @@ class ImportModule(argparse.Action):
             here = [p.stem for p in Path.cwd().glob("*.py")]
             hint = did_you_mean(module, here) if getattr(e, "name", None) == module else ""
             parser.error(f"--import {value}: {e}{hint}")
+        except SyntaxError as e:  # (a traceback through argparse's internals, before the command had started)
+            where = f"{e.filename}, line {e.lineno}" + (f": {e.text.strip()}" if e.text and e.text.strip() else "")
+            parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run `python {e.filename}` to see it")
         getattr(namespace, self.dest).append(module)
 
 

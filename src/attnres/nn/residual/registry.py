@@ -48,13 +48,25 @@ def register_residual(name: str, *, replace: bool = False):
                             "which every residual must (SingleStreamResidual subclasses: update(l, h, out); "
                             "docs/design.md, 'The registry, and how to add a variant')")
         if name in _REGISTRY and _REGISTRY[name] is not cls and not replace:
-            raise ValueError(f"residual {name!r} is already registered (by {_REGISTRY[name].__qualname__}); "
-                             "pass replace=True to override it")
+            _refuse_taken(name, _REGISTRY[name], cls)
         cls.name = name
         _REGISTRY[name] = cls
         return cls
 
     return decorate
+
+
+def _refuse_taken(name: str, taken: type, cls: type) -> None:
+    """Raise unless ``cls`` is the class registered as ``name`` defined again (its module run
+    again: ``importlib.reload``, a notebook cell re-run), which then replaces it."""
+    where = f"{taken.__module__}.{taken.__qualname__}"
+    if where == f"{cls.__module__}.{cls.__qualname__}":
+        return  # (it was refused, and the second run of a notebook cell needed replace=True)
+    if taken.__module__.split(".")[0] == "attnres":  # replacing it would change what every such checkpoint loads as
+        raise ValueError(f"residual {name!r} is already registered: it is a built-in variant ({where}); register "
+                         f"{cls.__qualname__} under a name of its own, e.g. register_residual('my_{name}')")
+    raise ValueError(f"residual {name!r} is already registered by {where}; register {cls.__qualname__} under another "
+                     "name, or pass replace=True to override it")
 
 
 def residual_class(name: str) -> type[ResidualStream]:
