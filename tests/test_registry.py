@@ -472,3 +472,27 @@ def test_registering_a_taken_name_names_who_has_it_and_a_class_defined_again_rep
     with pytest.raises(ValueError, match=r"residual 'again_test' is already registered by notebook.Again; register "
                        r"ScaledResidual under another name, or pass replace=True to override it"):
         register_residual("again_test")(ScaledResidual)
+
+
+def test_a_grid_folder_with_variants_added_in_python_is_not_reported_from_the_command_line(tmp_path, capsys):
+    """`attnres compare --report-only` (or a CLI run) on the folder of a grid a user extended in
+    Python replaced its report with one without their variants, saying nothing."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("scipy")
+    import json
+
+    from attnres.cli import main as cli_main
+
+    out = tmp_path / "grid"
+    (out / "scaled" / "seed0").mkdir(parents=True)
+    (out / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny", "overrides": []}))
+    (out / "scaled" / "seed0" / "result.json").write_text(json.dumps({"variant": "scaled", "seed": 0}))
+    (out / "report.md").write_text("the report with scaled\n")
+    for argv in (["compare", "--out", str(out), "--report-only"], ["compare", "--out", str(out), "--seeds", "0"]):
+        with pytest.raises(SystemExit) as info:
+            cli_main(argv)
+        assert str(info.value) == (f"attnres compare: error: {str(out)!r} holds finished runs of variants not in the "
+                                   "'compare' grid (scaled: added to it in Python, docs/experiments.md 'Grids'); a "
+                                   "report written from the command line would leave them out: write it in Python with "
+                                   "that grid (write_report(name, run_experiment(grid, out), out)), or pick another --out")
+    assert (out / "report.md").read_text() == "the report with scaled\n"
