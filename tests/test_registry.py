@@ -496,3 +496,14 @@ def test_a_grid_folder_with_variants_added_in_python_is_not_reported_from_the_co
                                    "report written from the command line would leave them out: write it in Python with "
                                    "that grid (write_report(name, run_experiment(grid, out), out)), or pick another --out")
     assert (out / "report.md").read_text() == "the report with scaled\n"
+
+
+def test_a_users_variant_that_cannot_be_cut_into_stages_is_told_what_to_define():
+    """parallel.pp=2 with a depth-attention variant of the user's said only that it "does not
+    describe its history", not what would make it cut."""
+    with pytest.raises(ValueError, match=r"residual 'recent_test' does not describe its history between sublayers, so "
+                       r"it cannot be cut into pipeline stages \(to cut it, define history_layout\(sublayer\), "
+                       r"_history\(state\) and _resume\(history, at_sublayer, common\): docs/design.md"):
+        RecentAttnRes(8, 4).history_layout(2)
+    with pytest.raises(ValueError, match=r"cannot be cut into pipeline stages$"):  # a built-in's: nothing to define
+        ModelConfig.preset("tiny", residual="mhc").build_residual().history_layout(2)

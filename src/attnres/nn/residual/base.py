@@ -340,8 +340,11 @@ class ResidualStream(nn.Module, ABC):
     def history_layout(self, sublayer: int) -> HistoryLayout:
         """The :class:`HistoryLayout` in front of ``sublayer`` (``L``: after the last one).
         Variants that cannot be cut (and so not pipelined) raise ``ValueError``."""
+        own = "" if type(self).__module__.split(".")[0] == "attnres" else (
+            " (to cut it, define history_layout(sublayer), _history(state) and _resume(history, at_sublayer, common): "
+            "docs/design.md, 'The registry, and how to add a variant')")
         raise ValueError(f"residual {self._label()} does not describe its history between sublayers, so it cannot be "
-                         "cut into pipeline stages")
+                         f"cut into pipeline stages{own}")
 
     def residual_flops_per_token(self) -> float:
         """Forward FLOPs per token of the residual mechanism alone (a multiply-add is 2), as
