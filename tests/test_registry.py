@@ -507,3 +507,12 @@ def test_a_users_variant_that_cannot_be_cut_into_stages_is_told_what_to_define()
         RecentAttnRes(8, 4).history_layout(2)
     with pytest.raises(ValueError, match=r"cannot be cut into pipeline stages$"):  # a built-in's: nothing to define
         ModelConfig.preset("tiny", residual="mhc").build_residual().history_layout(2)
+
+
+def test_a_schedule_a_users_depth_attention_variant_lacks_is_named():
+    """Setting a schedule the variant's ``SCHEDULES`` lacks (the default "two_phase", through
+    ``options.schedule`` or the attribute) was a bare ``KeyError: 'two_phase'``."""
+    residual = RecentAttnRes(8, 4)
+    with pytest.raises(ValueError, match=r"schedule must be one of \('naive',\) for RecentAttnRes, got 'two_phase'"):
+        residual.schedule = "two_phase"
+    assert residual.schedule == "naive"

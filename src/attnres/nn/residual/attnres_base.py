@@ -173,8 +173,11 @@ class AttnResBase(ResidualStream):
 
     @schedule.setter
     def schedule(self, value: str) -> None:
-        if value not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {value!r}{did_you_mean(value, SCHEDULES)}")
+        # (the variant's own: a user's subclass may give only "naive", and a KeyError was all it got)
+        names = tuple(n for n in SCHEDULES if n in self.SCHEDULES) or tuple(self.SCHEDULES)
+        if value not in self.SCHEDULES:
+            raise ValueError(f"schedule must be one of {names} for {type(self).__name__}, got {value!r}"
+                             f"{did_you_mean(value, names)}")
         if self.ablation is not None and value != "naive":
             raise ValueError("AttnRes ablations run on the naive path: use schedule='naive' "
                              "(ModelConfig.residual.schedule)")
