@@ -516,3 +516,20 @@ def test_a_schedule_a_users_depth_attention_variant_lacks_is_named():
     with pytest.raises(ValueError, match=r"schedule must be one of \('naive',\) for RecentAttnRes, got 'two_phase'"):
         residual.schedule = "two_phase"
     assert residual.schedule == "naive"
+
+
+def test_print_config_names_the_options_of_a_users_residual_left_at_their_defaults(capsys):
+    """``--print-config`` showed ``options: {}`` for a variant of the user's: its settings, left
+    at ``__init__``'s defaults, were nowhere (a built-in's fields all are)."""
+    import yaml
+
+    from attnres.cli import main as cli_main
+
+    assert cli_main(["train", "--print-config", "model.residual.kind=recent_test", "model.residual.options.k=3"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("# model.residual.options of residual 'recent_test' left at RecentAttnRes's defaults: "
+                                 "eps=1e-06")
+    assert yaml.safe_load(out)["model"]["residual"]["options"] == {"k": 3}  # (a comment: it still loads)
+    assert cli_main(["train", "--print-config", "model.residual.kind=scaled_test", "model.residual.options.init=2"]) == 0
+    assert cli_main(["train", "--print-config", "model.residual.kind=standard"]) == 0
+    assert "left at" not in capsys.readouterr().out

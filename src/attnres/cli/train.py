@@ -129,6 +129,9 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
             # (a YAML comment: the printed config still loads as it is)
             print("# model.vocab_size is replaced by the tokenizer's vocabulary when the run starts (data.tokenizer, "
                   "data.vocab_size; an init_from or resumed model's padded embedding keeps its size)")
+            note = _default_options_note(config.model.residual)
+            if note:
+                print(note)
             return 0
         apply_cpu_allocator(config.to_dict())
         result = train(config)
@@ -149,6 +152,24 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     if rank_zero():
         print(_end_of_run(result, config))
     return 0
+
+
+def _default_options_note(residual) -> str | None:
+    """A YAML comment naming the options of a residual built from its ``__init__`` arguments
+    that are left at their defaults: ``options`` holds only those set, so ``--print-config``
+    showed ``options: {}`` and none of the variant's settings."""
+    import inspect
+
+    from ..nn.residual import ResidualStream, residual_class
+
+    cls = residual_class(residual.kind)
+    if cls.from_config.__func__ is not ResidualStream.from_config.__func__:  # (built-ins: fields of their own)
+        return None
+    params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # after self, dim, n_sublayers
+    unset = [f"{p.name}={p.default!r}" for p in params if p.default is not p.empty and p.name not in residual.options
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return (f"# model.residual.options of residual {residual.kind!r} left at {cls.__qualname__}'s defaults: "
+            f"{', '.join(unset)}") if unset else None
 
 
 def _how_to_continue(config) -> str:
