@@ -533,3 +533,12 @@ def test_print_config_names_the_options_of_a_users_residual_left_at_their_defaul
     assert cli_main(["train", "--print-config", "model.residual.kind=scaled_test", "model.residual.options.init=2"]) == 0
     assert cli_main(["train", "--print-config", "model.residual.kind=standard"]) == 0
     assert "left at" not in capsys.readouterr().out
+
+
+def test_phase1_settings_are_refused_for_a_users_variant_without_a_two_phase_schedule():
+    """``autocast_phase1_sums=true`` was accepted for a depth-attention variant whose schedules
+    are naive only - it has no Phase 1, so the setting did nothing."""
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.autocast_phase1_sums applies to Full and Block AttnRes' "
+                       r"two-phase schedule .*residual 'recent_test'"):
+        ModelConfig(residual={"kind": "recent_test", "autocast_phase1_sums": True})
+    assert ModelConfig(residual={"kind": "attnres_full", "autocast_phase1_sums": True}).residual.autocast_phase1_sums

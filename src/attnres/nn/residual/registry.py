@@ -92,7 +92,9 @@ def validate_residual_config(config: ResidualConfig, dim: int, n_sublayers: int)
     with settings it accepts (generic field checks, then the variant's ``check_config``)."""
     cls = residual_class(config.kind)
     config.check_fields(dim)
-    if config.autocast_phase1_sums and not (cls.has_depth_attention and config.schedule == "two_phase"):
+    # (a depth-attention variant of the user's may have no two-phase schedule: then no Phase 1 either)
+    two_phase = cls.has_depth_attention and "two_phase" in getattr(cls, "SCHEDULES", ("two_phase",))
+    if config.autocast_phase1_sums and not (two_phase and config.schedule == "two_phase"):
         raise ValueError(f"ModelConfig.residual.autocast_phase1_sums applies to Full and Block AttnRes' two-phase "
                          f"schedule (it stores Phase 1's weighted sums); residual {config.kind!r} with schedule "
                          f"{config.schedule!r} has none - set it false")
