@@ -542,3 +542,16 @@ def test_phase1_settings_are_refused_for_a_users_variant_without_a_two_phase_sch
                        r"two-phase schedule .*residual 'recent_test'"):
         ModelConfig(residual={"kind": "recent_test", "autocast_phase1_sums": True})
     assert ModelConfig(residual={"kind": "attnres_full", "autocast_phase1_sums": True}).residual.autocast_phase1_sums
+
+
+def test_an_option_value_init_refuses_is_a_config_error_at_print_config(capsys):
+    """``model.residual.options.init=abc`` passed ``--print-config`` and every config check, and
+    failed only when the model was built, after the data was read."""
+    from attnres.cli import main as cli_main
+
+    with pytest.raises(ValueError, match=r"options \{'init': 'abc'\}: ScaledResidual.__init__ of residual 'scaled_test' "
+                       r"refused them"):
+        ModelConfig(residual={"kind": "scaled_test", "options": {"init": "abc"}})
+    with pytest.raises(SystemExit) as info:
+        cli_main(["train", "--print-config", "model.residual.kind=scaled_test", "model.residual.options.init=abc"])
+    assert "ScaledResidual.__init__ of residual 'scaled_test' refused them" in str(info.value)

@@ -99,3 +99,22 @@ def validate_residual_config(config: ResidualConfig, dim: int, n_sublayers: int)
                          f"schedule (it stores Phase 1's weighted sums); residual {config.kind!r} with schedule "
                          f"{config.schedule!r} has none - set it false")
     cls.check_config(config, dim, n_sublayers)
+    if config.options and cls.from_config.__func__ is ResidualStream.from_config.__func__:
+        _check_option_values(cls, config, dim, n_sublayers)
+
+
+def _check_option_values(cls: type[ResidualStream], config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+    """Build the variant on the meta device (no memory, no init), so that an option value its
+    ``__init__`` refuses is a config error - at ``--print-config``, before the data is read -
+    and not one of the model's construction. Only the ``ValueError`` the default ``from_config``
+    raises for such a value counts: an ``__init__`` that cannot run on the meta device is
+    built, and judged, where the model is."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            cls.from_config(config, dim, n_sublayers)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - (meta-only failures: left to the real build)
+        pass
