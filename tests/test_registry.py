@@ -555,3 +555,20 @@ def test_an_option_value_init_refuses_is_a_config_error_at_print_config(capsys):
     with pytest.raises(SystemExit) as info:
         cli_main(["train", "--print-config", "model.residual.kind=scaled_test", "model.residual.options.init=abc"])
     assert "ScaledResidual.__init__ of residual 'scaled_test' refused them" in str(info.value)
+
+
+def test_a_grid_with_a_variant_that_does_not_count_its_flops_stops_before_any_run(tmp_path):
+    """A user's variant without ``residual_flops_per_token`` in a grid trained the runs before
+    it and its own, then stopped the grid with NotImplementedError while writing its record."""
+    import dataclasses
+
+    from attnres.experiments import get_experiment, run_experiment
+    from attnres.experiments.job.presets import Variant
+
+    grid = get_experiment("compare", "tiny")
+    grid = dataclasses.replace(grid, variants=[*grid.variants, Variant("uncounted", {"residual": "uncounted_test"}, family="uncounted")])
+    with pytest.raises(ValueError, match=r"variant 'uncounted': residual 'uncounted_test' does not count its FLOPs: "
+                       r"define residual_flops_per_token\(\) \(a grid records each run's training FLOPs; checked before "
+                       r"the first run starts\)"):
+        run_experiment(grid, tmp_path / "grid", log=lambda line: None)
+    assert not (tmp_path / "grid").exists()  # nothing trained
