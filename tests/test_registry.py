@@ -572,3 +572,18 @@ def test_a_grid_with_a_variant_that_does_not_count_its_flops_stops_before_any_ru
                        r"the first run starts\)"):
         run_experiment(grid, tmp_path / "grid", log=lambda line: None)
     assert not (tmp_path / "grid").exists()  # nothing trained
+
+
+def test_a_folder_of_another_grid_is_named_as_such_not_as_variants_added_in_python(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("scipy")
+    import json
+
+    from attnres.cli import main as cli_main
+
+    out = tmp_path / "grid"
+    (out / "s4" / "seed0").mkdir(parents=True)
+    (out / "experiment.json").write_text(json.dumps({"experiment": "block-size", "preset": "tiny", "overrides": []}))
+    (out / "s4" / "seed0" / "result.json").write_text(json.dumps({"variant": "s4", "seed": 0}))
+    with pytest.raises(SystemExit, match="holds a different experiment"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--report-only"])

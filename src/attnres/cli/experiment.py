@@ -143,10 +143,10 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     import scipy  # noqa: F401
     try:
         experiment = get_experiment(name, preset)
+        # the report of another grid in `out` must not be overwritten (said first: its variants are others too)
+        check_same_experiment(out, {"experiment": name, "preset": preset})
         _refuse_variants_added_in_python(out, name, experiment)
-        if report_only:  # the report of another grid in `out` must not be overwritten
-            check_same_experiment(out, {"experiment": name, "preset": preset})
-        else:
+        if not report_only:
             apply_cpu_allocator(apply_overrides({}, overrides))
             run_experiment(experiment, out, seeds, overrides, variants=variants)
             if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
