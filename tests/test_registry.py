@@ -474,19 +474,25 @@ def test_registering_a_taken_name_names_who_has_it_and_a_class_defined_again_rep
         register_residual("again_test")(ScaledResidual)
 
 
-def test_a_grid_folder_with_variants_added_in_python_is_not_reported_from_the_command_line(tmp_path, capsys):
-    """`attnres compare --report-only` (or a CLI run) on the folder of a grid a user extended in
-    Python replaced its report with one without their variants, saying nothing."""
+def _grid_folder(tmp_path: Path, experiment: str, variant: str) -> Path:
+    """A grid's folder (tiny preset) holding one finished run of ``variant``."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("scipy")
     import json
 
+    out = tmp_path / "grid"
+    (out / variant / "seed0").mkdir(parents=True)
+    (out / "experiment.json").write_text(json.dumps({"experiment": experiment, "preset": "tiny", "overrides": []}))
+    (out / variant / "seed0" / "result.json").write_text(json.dumps({"variant": variant, "seed": 0}))
+    return out
+
+
+def test_a_grid_folder_with_variants_added_in_python_is_not_reported_from_the_command_line(tmp_path, capsys):
+    """`attnres compare --report-only` (or a CLI run) on the folder of a grid a user extended in
+    Python replaced its report with one without their variants, saying nothing."""
     from attnres.cli import main as cli_main
 
-    out = tmp_path / "grid"
-    (out / "scaled" / "seed0").mkdir(parents=True)
-    (out / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny", "overrides": []}))
-    (out / "scaled" / "seed0" / "result.json").write_text(json.dumps({"variant": "scaled", "seed": 0}))
+    out = _grid_folder(tmp_path, "compare", "scaled")
     (out / "report.md").write_text("the report with scaled\n")
     for argv in (["compare", "--out", str(out), "--report-only"], ["compare", "--out", str(out), "--seeds", "0"]):
         with pytest.raises(SystemExit) as info:
@@ -575,15 +581,8 @@ def test_a_grid_with_a_variant_that_does_not_count_its_flops_stops_before_any_ru
 
 
 def test_a_folder_of_another_grid_is_named_as_such_not_as_variants_added_in_python(tmp_path):
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("scipy")
-    import json
-
     from attnres.cli import main as cli_main
 
-    out = tmp_path / "grid"
-    (out / "s4" / "seed0").mkdir(parents=True)
-    (out / "experiment.json").write_text(json.dumps({"experiment": "block-size", "preset": "tiny", "overrides": []}))
-    (out / "s4" / "seed0" / "result.json").write_text(json.dumps({"variant": "s4", "seed": 0}))
+    out = _grid_folder(tmp_path, "block-size", "s4")
     with pytest.raises(SystemExit, match="holds a different experiment"):
         cli_main(["compare", "--preset", "tiny", "--out", str(out), "--report-only"])
