@@ -586,3 +586,17 @@ def test_a_folder_of_another_grid_is_named_as_such_not_as_variants_added_in_pyth
     out = _grid_folder(tmp_path, "block-size", "s4")
     with pytest.raises(SystemExit, match="holds a different experiment"):
         cli_main(["compare", "--preset", "tiny", "--out", str(out), "--report-only"])
+
+
+def test_a_pipeline_takes_a_users_variant_without_parameters_and_refuses_one_with():
+    """What docs/design.md says of a variant of one's own under parallel.pp > 1 (the registry's
+    docstring said the pipeline accepts any registered name)."""
+    from attnres.distributed.pipeline import PipelineChunk
+
+    def chunk(residual):
+        model = AttnResLM(ModelConfig.preset("tiny", residual=residual, tie_embeddings=False))
+        return PipelineChunk(model, 0, range(0, 1), 2)
+
+    assert chunk("uncounted_test").n_completed_in == 0  # the hidden state alone
+    with pytest.raises(ValueError, match="residual 'scaled_test' has parameters it cannot split"):
+        chunk(SCALED)

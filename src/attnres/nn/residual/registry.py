@@ -2,7 +2,8 @@
 
 Built-in variants register themselves when :mod:`attnres.nn.residual` is imported; user
 code registers its own with the same decorator, and the model, ``attnres train``, the
-Hugging Face wrapper, the FLOP count and the pipeline then accept its name::
+Hugging Face wrapper and the FLOP count then accept its name (the pipeline too, for a variant
+without parameters of its own or built on ``AttnResBase``)::
 
     from attnres import register_residual
     from attnres.nn.residual import SingleStreamResidual
