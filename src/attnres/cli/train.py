@@ -7,7 +7,7 @@ import os
 import sys
 
 from .common import (apply_cpu_allocator, end_process, first_on_node, leave_the_message_to_the_first_on_node,
-                     rank_zero)
+                     rank_zero, residual_import)
 
 
 def add_parser(sub) -> None:
@@ -129,6 +129,9 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
             # (a YAML comment: the printed config still loads as it is)
             print("# model.vocab_size is replaced by the tokenizer's vocabulary when the run starts (data.tokenizer, "
                   "data.vocab_size; an init_from or resumed model's padded embedding keeps its size)")
+            note = _default_options_note(config.model.residual)
+            if note:
+                print(note)
             return 0
         apply_cpu_allocator(config.to_dict())
         result = train(config)
@@ -151,6 +154,24 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     return 0
 
 
+def _default_options_note(residual) -> str | None:
+    """A YAML comment naming the options of a residual built from its ``__init__`` arguments
+    that are left at their defaults: ``options`` holds only those set, so ``--print-config``
+    showed ``options: {}`` and none of the variant's settings."""
+    import inspect
+
+    from ..nn.residual import ResidualStream, residual_class
+
+    cls = residual_class(residual.kind)
+    if cls.from_config.__func__ is not ResidualStream.from_config.__func__:  # (built-ins: fields of their own)
+        return None
+    params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # after self, dim, n_sublayers
+    unset = [f"{p.name}={p.default!r}" for p in params if p.default is not p.empty and p.name not in residual.options
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return (f"# model.residual.options of residual {residual.kind!r} left at {cls.__qualname__}'s defaults: "
+            f"{', '.join(unset)}") if unset else None
+
+
 def _how_to_continue(config) -> str:
     """The command that continues the run of ``config``: under torchrun, launched as this run
     was, with its ``parallel.*`` settings (the stored config leaves the layout to the launch:
@@ -160,15 +181,17 @@ def _how_to_continue(config) -> str:
     from ..distributed.parallel import ParallelConfig
 
     resume = f"out_dir={shlex.quote(str(config.out_dir))} --resume"
+    module = residual_import(config.model.residual.kind)  # (without it the resume fails: kind not registered)
+    attnres = f"attnres --import {shlex.quote(module)}" if module else "attnres"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return f"continue with --resume (`attnres train {resume}`: the run's own config)"
+        return f"continue with --resume (`{attnres} train {resume}`: the run's own config)"
     default = ParallelConfig().to_dict()
     layout = "".join(f" parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
                      for k, v in config.parallel.to_dict().items() if v != default[k])
     one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(world)
     launcher = f"torchrun --standalone --nproc-per-node {world}" if one_node else "torchrun ..."
-    return (f"continue with --resume, launched as this run was (`{launcher} -m attnres train {resume}{layout}`: the run's "
+    return (f"continue with --resume, launched as this run was (`{launcher} -m {attnres} train {resume}{layout}`: the run's "
             "own config; any other layout resumes it too)")
 
 

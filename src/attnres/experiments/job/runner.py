@@ -31,7 +31,7 @@ from ...train import TrainConfig, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
 from ...validation import did_you_mean_each
-from ..flops import non_embedding_parameters, to_pflops_days, training_flops_per_token
+from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
 from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
 
@@ -102,6 +102,18 @@ def data_passes(config: TrainConfig) -> float:
     d = config.data
     n_tokens = _training_tokens(tuple(d.paths), d.val_fraction, d.tokenizer, d.vocab_size, d.cache_dir, d.text_field)
     return config.steps * (config.tokens_per_step // config.seq_len) / (n_tokens // config.seq_len)
+
+
+def check_flops_counted(configs: list[tuple[Variant, int, TrainConfig]]) -> None:
+    """Raise ``ValueError`` naming the variant when a run's residual does not count its FLOPs
+    (a user's without ``residual_flops_per_token``): every record holds its run's training
+    FLOPs, and such a grid stopped only once that run had trained."""
+    for name, model in {v.name: c.model for v, _, c in configs}.items():
+        try:
+            residual_flops_forward(model)
+        except NotImplementedError as e:
+            raise ValueError(f"variant {name!r}: {e} (a grid records each run's training FLOPs; checked before the "
+                             "first run starts)") from None
 
 
 def check_data_passes(configs: list[tuple[Variant, int, TrainConfig]], limit: float | None) -> None:
@@ -229,6 +241,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     configs = [(v, s, run_config(experiment, v, s, run_dir(out, v.name, s), overrides))
                for s in seeds for v in chosen]
     check_data_passes(configs, experiment.max_data_passes)
+    check_flops_counted(configs)
     out.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(header, indent=1))
     records = []

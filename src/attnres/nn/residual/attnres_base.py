@@ -173,8 +173,11 @@ class AttnResBase(ResidualStream):
 
     @schedule.setter
     def schedule(self, value: str) -> None:
-        if value not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {value!r}{did_you_mean(value, SCHEDULES)}")
+        # (the variant's own: a user's subclass may give only "naive", and a KeyError was all it got)
+        names = tuple(n for n in SCHEDULES if n in self.SCHEDULES) or tuple(self.SCHEDULES)
+        if value not in self.SCHEDULES:
+            raise ValueError(f"schedule must be one of {names} for {type(self).__name__}, got {value!r}"
+                             f"{did_you_mean(value, names)}")
         if self.ablation is not None and value != "naive":
             raise ValueError("AttnRes ablations run on the naive path: use schedule='naive' "
                              "(ModelConfig.residual.schedule)")
@@ -183,7 +186,12 @@ class AttnResBase(ResidualStream):
 
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
-        cls._no_options(config)
+        if cls.from_config.__func__ is ResidualStream.from_config.__func__:
+            # a variant of the user's built by the default from_config: options are its __init__'s arguments (they
+            # were refused as "fields of ModelConfig.residual", which Full and Block read in their own from_config)
+            cls._check_options(config)
+        else:
+            cls._no_options(config)
         if config.ablation.active and config.schedule != "naive":
             raise ValueError("ModelConfig.residual.schedule must be 'naive' when an AttnRes ablation is set (the "
                              f"two-phase schedule needs static queries and a softmax); got {config.schedule!r}")

@@ -156,7 +156,15 @@ class ResidualStream(nn.Module, ABC):
     def from_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> ResidualStream:
         """The module described by ``config`` (``ModelConfig.residual``); by default
         ``cls(dim, n_sublayers, **config.options)``."""
-        return cls(dim, n_sublayers, **config.options)
+        try:
+            return cls(dim, n_sublayers, **config.options)
+        except (TypeError, ValueError) as e:
+            if not config.options:
+                raise
+            # (a value __init__ cannot take, e.g. options.init=abc, was a traceback ending in torch.full)
+            raise ValueError(f"ModelConfig.residual.options {config.options!r}: {cls.__qualname__}.__init__ of residual "
+                             f"{config.kind!r} refused them ({type(e).__name__}: {e}); set values it takes, e.g. "
+                             f"model.residual.options.{next(iter(config.options))}=VALUE") from e
 
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
@@ -166,6 +174,12 @@ class ResidualStream(nn.Module, ABC):
         if config.ablation.active:
             raise ValueError(f"ModelConfig.residual.ablation applies to AttnRes variants; residual {config.kind!r} "
                              "takes none")
+        cls._check_options(config)
+
+    @classmethod
+    def _check_options(cls, config: ResidualConfig) -> None:
+        """``options`` as keyword arguments of ``__init__`` (those without a default set, when
+        the default ``from_config`` builds it)."""
         params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # after self, dim, n_sublayers
         required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                     and p.name not in config.options]
@@ -326,8 +340,11 @@ class ResidualStream(nn.Module, ABC):
     def history_layout(self, sublayer: int) -> HistoryLayout:
         """The :class:`HistoryLayout` in front of ``sublayer`` (``L``: after the last one).
         Variants that cannot be cut (and so not pipelined) raise ``ValueError``."""
+        own = "" if type(self).__module__.split(".")[0] == "attnres" else (
+            " (to cut it, define history_layout(sublayer), _history(state) and _resume(history, at_sublayer, common): "
+            "docs/design.md, 'The registry, and how to add a variant')")
         raise ValueError(f"residual {self._label()} does not describe its history between sublayers, so it cannot be "
-                         "cut into pipeline stages")
+                         f"cut into pipeline stages{own}")
 
     def residual_flops_per_token(self) -> float:
         """Forward FLOPs per token of the residual mechanism alone (a multiply-add is 2), as

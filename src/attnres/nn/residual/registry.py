@@ -2,7 +2,8 @@
 
 Built-in variants register themselves when :mod:`attnres.nn.residual` is imported; user
 code registers its own with the same decorator, and the model, ``attnres train``, the
-Hugging Face wrapper, the FLOP count and the pipeline then accept its name::
+Hugging Face wrapper and the FLOP count then accept its name (the pipeline too, for a variant
+without parameters of its own or built on ``AttnResBase``)::
 
     from attnres import register_residual
     from attnres.nn.residual import SingleStreamResidual
@@ -48,13 +49,25 @@ def register_residual(name: str, *, replace: bool = False):
                             "which every residual must (SingleStreamResidual subclasses: update(l, h, out); "
                             "docs/design.md, 'The registry, and how to add a variant')")
         if name in _REGISTRY and _REGISTRY[name] is not cls and not replace:
-            raise ValueError(f"residual {name!r} is already registered (by {_REGISTRY[name].__qualname__}); "
-                             "pass replace=True to override it")
+            _refuse_taken(name, _REGISTRY[name], cls)
         cls.name = name
         _REGISTRY[name] = cls
         return cls
 
     return decorate
+
+
+def _refuse_taken(name: str, taken: type, cls: type) -> None:
+    """Raise unless ``cls`` is the class registered as ``name`` defined again (its module run
+    again: ``importlib.reload``, a notebook cell re-run), which then replaces it."""
+    where = f"{taken.__module__}.{taken.__qualname__}"
+    if where == f"{cls.__module__}.{cls.__qualname__}":
+        return  # (it was refused, and the second run of a notebook cell needed replace=True)
+    if taken.__module__.split(".")[0] == "attnres":  # replacing it would change what every such checkpoint loads as
+        raise ValueError(f"residual {name!r} is already registered: it is a built-in variant ({where}); register "
+                         f"{cls.__qualname__} under a name of its own, e.g. register_residual('my_{name}')")
+    raise ValueError(f"residual {name!r} is already registered by {where}; register {cls.__qualname__} under another "
+                     "name, or pass replace=True to override it")
 
 
 def residual_class(name: str) -> type[ResidualStream]:
@@ -80,8 +93,29 @@ def validate_residual_config(config: ResidualConfig, dim: int, n_sublayers: int)
     with settings it accepts (generic field checks, then the variant's ``check_config``)."""
     cls = residual_class(config.kind)
     config.check_fields(dim)
-    if config.autocast_phase1_sums and not (cls.has_depth_attention and config.schedule == "two_phase"):
+    # (a depth-attention variant of the user's may have no two-phase schedule: then no Phase 1 either)
+    two_phase = cls.has_depth_attention and "two_phase" in getattr(cls, "SCHEDULES", ("two_phase",))
+    if config.autocast_phase1_sums and not (two_phase and config.schedule == "two_phase"):
         raise ValueError(f"ModelConfig.residual.autocast_phase1_sums applies to Full and Block AttnRes' two-phase "
                          f"schedule (it stores Phase 1's weighted sums); residual {config.kind!r} with schedule "
                          f"{config.schedule!r} has none - set it false")
     cls.check_config(config, dim, n_sublayers)
+    if config.options and cls.from_config.__func__ is ResidualStream.from_config.__func__:
+        _check_option_values(cls, config, dim, n_sublayers)
+
+
+def _check_option_values(cls: type[ResidualStream], config: ResidualConfig, dim: int, n_sublayers: int) -> None:
+    """Build the variant on the meta device (no memory, no init), so that an option value its
+    ``__init__`` refuses is a config error - at ``--print-config``, before the data is read -
+    and not one of the model's construction. Only the ``ValueError`` the default ``from_config``
+    raises for such a value counts: an ``__init__`` that cannot run on the meta device is
+    built, and judged, where the model is."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            cls.from_config(config, dim, n_sublayers)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - (meta-only failures: left to the real build)
+        pass

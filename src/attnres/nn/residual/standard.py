@@ -2,7 +2,8 @@
 
 :class:`SingleStreamResidual` is the easiest base for a new variant: implement
 ``update(l, h, out)`` (and ``residual_flops_per_token``), register it, done. Its history
-is the hidden state alone, so such variants can be cut into pipeline stages.
+is the hidden state alone, so such variants can be cut into pipeline stages (a pipeline takes
+those without parameters: it splits only AttnRes' depth queries between its stages).
 """
 
 from __future__ import annotations
