@@ -152,7 +152,8 @@ class PipelineChunk(nn.Module):
         stream.history_layout(0)  # raises for a residual that cannot be cut into stages
         if not isinstance(stream, AttnResBase) and any(True for _ in stream.parameters()):
             raise ValueError(f"pipeline parallelism splits the depth queries of AttnRes between stages; residual "
-                             f"{cfg.residual.kind!r} has parameters it cannot split")
+                             f"{cfg.residual.kind!r} has parameters it cannot split: train it without a pipeline "
+                             "(parallel.pp=1)")
         if cfg.tie_embeddings and n_chunks > 1:
             raise ValueError("ModelConfig.tie_embeddings must be False for a pipeline (embedding and LM head live on different chunks)")
         self.index, self.first, self.last = index, index == 0, index == n_chunks - 1
