@@ -433,6 +433,23 @@ def test_train_config_takes_its_sections_in_python_as_a_yaml_config_gives_them()
         TrainConfig.from_dict({"data": "a.txt"})
 
 
+def test_train_config_takes_pathlib_paths_as_the_strings_they_name(tmp_path):
+    """``TrainConfig(out_dir=tmp / "run")`` and ``init_from=result.checkpoint`` (a Path, as
+    TrainResult gives it) said 'must be a directory path; got PosixPath(...)': a path object
+    is held as its string, as YAML gives it and config.json stores it."""
+    config = TrainConfig(out_dir=tmp_path / "run", init_from=tmp_path / "a" / "checkpoints" / "step-00000002",
+                         resume_from=None, data={"paths": [tmp_path / "corpus.txt"], "cache_dir": tmp_path / "cache",
+                                                 "tokenizer": Path("gpt2")})
+    assert (config.out_dir, config.init_from) == (str(tmp_path / "run"), str(tmp_path / "a/checkpoints/step-00000002"))
+    assert config.data.paths == [str(tmp_path / "corpus.txt")] and config.data.cache_dir == str(tmp_path / "cache")
+    assert config.data.tokenizer == os.path.join(".", "gpt2")  # a Path names a file, not the kind 'gpt2'
+    assert TrainConfig(data={"paths": tmp_path / "corpus.txt"}).data.paths == [str(tmp_path / "corpus.txt")]
+    json.dumps(config.to_dict())  # config.json
+    config.out_dir = tmp_path / "other"  # set in a notebook after construction: train() validates it
+    config.validate()
+    assert config.out_dir == str(tmp_path / "other")
+
+
 def test_an_empty_section_is_the_section_s_defaults(tmp_path):
     """``data:`` with every line under it commented out is YAML's null: it was refused ("must be
     a mapping; got None") where leaving the line out gives the defaults."""

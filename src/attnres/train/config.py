@@ -91,9 +91,22 @@ class DataConfig:
     cache_dir: str | None = None
 
     def validate(self) -> None:
-        if isinstance(self.paths, str):
+        # A pathlib.Path is a path (what Python code passes: ``tmp / "corpus.txt"``); the fields
+        # hold strings, as a YAML config gives them, and config.json stores.
+        if isinstance(self.paths, (str, os.PathLike)):
             self.paths = [self.paths]
+        if isinstance(self.paths, (list, tuple)):
+            self.paths = [_path_text(p) for p in self.paths]
+        self.cache_dir = _path_text(self.cache_dir)
+        if isinstance(self.tokenizer, os.PathLike):  # a Path names a file, even ./gpt2 (str: 'gpt2')
+            path = os.fspath(self.tokenizer)
+            self.tokenizer = path if is_tokenizer_path(path) else os.path.join(".", path)
         _check_rules(self, DATA_RULES, "data.")
+
+
+def _path_text(value: Any) -> Any:
+    """``value`` as a string when it is a path object (``pathlib.Path``), else as it is."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
 DATA_RULES: dict[str, Rule] = {
@@ -208,14 +221,18 @@ class TrainConfig:
             self.parallel = ParallelConfig.from_dict(self.parallel)
         # `~` is the home directory, as in data.paths: the shell expands it on the command line but
         # not in a config file, where `out_dir: ~/runs/x` made a directory named '~' here.
+        # (a pathlib.Path, such as TrainResult.checkpoint, is a path: held as its string)
         for name in ("out_dir", "init_from", "resume_from"):
-            value = getattr(self, name)
+            value = _path_text(getattr(self, name))
+            setattr(self, name, value)
             if isinstance(value, str) and value.startswith("~"):
                 setattr(self, name, os.path.expanduser(value))
         self.validate()
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the allowed values on bad input."""
+        for name in ("out_dir", "init_from", "resume_from"):  # (also when set after construction)
+            setattr(self, name, _path_text(getattr(self, name)))
         if not isinstance(self.model, ModelConfig):
             fail("TrainConfig", "model", "a ModelConfig", self.model)
         self.model.validate()
