@@ -315,6 +315,25 @@ def test_logged_mean_weights_give_the_token_averaged_matrix():
         assert logged.sinks() == [] and all(math.isnan(s.std) for s in logged.sources)
 
 
+def test_diagnostics_of_a_compiled_model_run_its_eager_module():
+    """``forward_diagnostics(torch.compile(model), ids)`` (a user's own loop with a compiled
+    model) traced the model again with the recording hooks in it: a recompilation and a screen
+    of graph-break warnings for each ``.item()`` in a hook. It runs the module compiled now."""
+    from attnres.analysis import forward_diagnostics
+
+    traced = []
+
+    def backend(gm, _inputs):  # counts what dynamo hands to a compiler
+        traced.append(gm)
+        return gm.forward
+
+    m = model("attnres_block", block_size=3, n_layers=4, perturb=1.0)
+    x = ids()
+    compiled = torch.compile(m, backend=backend)
+    assert forward_diagnostics(compiled, x) == forward_diagnostics(m, x)
+    assert traced == []
+
+
 def test_a_variant_without_its_mixing_matrix_says_what_is_missing():
     @register_residual("no_mixing_test", replace=True)
     class NoMixing(SingleStreamResidual):

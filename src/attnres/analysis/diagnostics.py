@@ -69,6 +69,9 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
     also ``expert_load``, per MoE layer ``{"layer", "fraction"}`` (see
     :mod:`attnres.analysis.experts`). Touches no random state.
     """
+    # torch.compile's wrapper runs the module it wraps: calling the wrapper would trace the model
+    # again with the hooks below in it (a recompilation, and graph breaks at each hook's .item())
+    model = getattr(model, "_orig_mod", model)
     outputs: dict[int, list[Tensor]] = {}
     inputs: dict[int, float] = {}
     handles = []
