@@ -171,6 +171,30 @@ def test_signal_in_process_checkpoints_and_resumes_exactly(tmp_path, corpus_file
     assert_same_weights(final_weights(tmp_path / "full"), final_weights(tmp_path / "killed"))
 
 
+def test_a_keyboard_interrupt_mid_run_releases_the_run_for_the_next_call(tmp_path, corpus_file, monkeypatch):
+    """A second Ctrl-C (or a KeyboardInterrupt raised in a step) ends ``train`` at once (the
+    README's Python section says so): the lock, the signal handlers and the log are released,
+    and a next ``train`` in the same process and out_dir runs (a lock left by this live
+    process would refuse it)."""
+    from attnres.train.loop import Trainer
+
+    step = Trainer.step
+
+    def interrupted_step(self):
+        if self.step_count == 2:
+            raise KeyboardInterrupt
+        return step(self)
+
+    args = overrides(corpus_file, tmp_path / "run", steps=4)
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(Trainer, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(None, args))
+    assert signal.getsignal(signal.SIGINT) is before and not (tmp_path / "run" / "run.lock").exists()
+    monkeypatch.setattr(Trainer, "step", step)
+    assert train(load_config(None, args)).step == 4
+
+
 @pytest.mark.slow  # a fresh interpreter imports torch: 10-30 s on the shared 2-core machine
 def test_sigterm_to_cli_subprocess_checkpoints_and_resumes_exactly(tmp_path, corpus_file):
     steps = 80
