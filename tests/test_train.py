@@ -474,6 +474,20 @@ def test_train_config_takes_pathlib_paths_as_the_strings_they_name(tmp_path):
     assert config.out_dir == str(tmp_path / "other")
 
 
+def test_configs_take_numpy_scalars_as_the_python_numbers_they_hold():
+    """A notebook's sweep (``for seed in np.arange(3)``, ``np.float32`` learning rates, a
+    ``d_model`` from an array) was refused: "TrainConfig.seed must be an integer in [0, ...];
+    got np.int64(1)". They are held as Python numbers, which config.json stores."""
+    config = TrainConfig(seed=np.int64(1), lr=np.float32(0.5), compile=np.bool_(False), data={"vocab_size": np.int64(300)},
+                         model=ModelConfig.preset("tiny", d_model=np.int64(128)))
+    values = (config.seed, config.lr, config.compile, config.data.vocab_size, config.model.d_model)
+    assert values == (1, 0.5, False, 300, 128)
+    assert [type(v) for v in values] == [int, float, bool, int, int]
+    json.dumps(config.to_dict())
+    with pytest.raises(ValueError, match=r"TrainConfig.steps must be an integer >= 1; got 0"):
+        TrainConfig(steps=np.int64(0))  # (converted, then checked as any number)
+
+
 def test_an_empty_section_is_the_section_s_defaults(tmp_path):
     """``data:`` with every line under it commented out is YAML's null: it was refused ("must be
     a mapping; got None") where leaving the line out gives the defaults."""

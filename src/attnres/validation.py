@@ -15,10 +15,21 @@ import difflib
 import math
 import os
 from collections.abc import Callable, Iterable
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+
+
+def python_scalars(config: Any) -> None:
+    """Replace the NumPy scalars among a config dataclass's fields by the Python numbers they
+    hold: ``for seed in np.arange(3)`` or ``np.float32`` learning rates (a notebook's sweep) were
+    refused ("must be an integer >= 0; got np.int64(1)"), and config.json could not store them."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+            setattr(config, f.name, value.item())
 
 #: Other names of an allowed value that no spelling distance finds ('gpu' is nearer 'cpu'
 #: than 'cuda'): the hint names the value they stand for, where it is allowed.

@@ -11,7 +11,7 @@ from typing import Any
 from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import merge_residual
-from ..validation import Choice, Fields, Nullable, did_you_mean
+from ..validation import Choice, Fields, Nullable, did_you_mean, python_scalars
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
 
@@ -85,6 +85,7 @@ class ModelConfig:
     # -- validation ----------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the allowed values on bad input."""
+        python_scalars(self)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             _CHECK.integer(name, getattr(self, name))
         _CHECK.integer("n_kv_heads", self.n_kv_heads, allow_none="= n_heads")

@@ -14,7 +14,7 @@ from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..models.hf_registry import hf_hook
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList,
-                          check_known_keys, fail, missing_path_hint, nearest)
+                          check_known_keys, fail, missing_path_hint, nearest, python_scalars)
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -98,6 +98,7 @@ class DataConfig:
         if isinstance(self.paths, (list, tuple)):
             self.paths = [_path_text(p) for p in self.paths]
         self.cache_dir = _path_text(self.cache_dir)
+        python_scalars(self)
         if isinstance(self.tokenizer, os.PathLike):  # a Path names a file, even ./gpt2 (str: 'gpt2')
             path = os.fspath(self.tokenizer)
             self.tokenizer = path if is_tokenizer_path(path) else os.path.join(".", path)
@@ -233,6 +234,7 @@ class TrainConfig:
         """Raise ``ValueError`` naming the field and the allowed values on bad input."""
         for name in ("out_dir", "init_from", "resume_from"):  # (also when set after construction)
             setattr(self, name, _path_text(getattr(self, name)))
+        python_scalars(self)
         if not isinstance(self.model, ModelConfig):
             fail("TrainConfig", "model", "a ModelConfig", self.model)
         self.model.validate()
