@@ -145,6 +145,8 @@ class TrainResult:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) the training run described by ``config``; see the module docstring.
+    Returns a :class:`TrainResult`: the step reached, the last training and validation losses,
+    the last checkpoint (``load_run(result.checkpoint)`` loads the model) and ``out_dir``.
 
     Under ``torchrun`` every rank calls this; the process group is created on first use
     (unless one exists) and kept until the process exits.
