@@ -195,6 +195,23 @@ def test_a_keyboard_interrupt_mid_run_releases_the_run_for_the_next_call(tmp_pat
     assert train(load_config(None, args)).step == 4
 
 
+def test_a_warning_made_an_error_leaves_no_run_behind(tmp_path, corpus_file):
+    """Under ``warnings.filterwarnings("error")`` the start-up's warning (a warm-up as long as
+    the run) ends ``train`` before its first step: it left config.json and an empty
+    metrics.jsonl in the new out_dir, a directory of no run. Now nothing; a directory that
+    was there is kept."""
+    import warnings
+
+    args = overrides(corpus_file, tmp_path / "run", steps=4, warmup_steps=10)
+    (tmp_path / "kept").mkdir()
+    for out in ("run", "kept"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="warmup_steps=10 >= steps=4")
+            with pytest.raises(UserWarning, match="the learning rate rises for the whole run"):
+                train(load_config(None, args + [f"out_dir={tmp_path / out}"]))
+    assert not (tmp_path / "run").exists() and (tmp_path / "kept").is_dir()
+
+
 @pytest.mark.slow  # a fresh interpreter imports torch: 10-30 s on the shared 2-core machine
 def test_sigterm_to_cli_subprocess_checkpoints_and_resumes_exactly(tmp_path, corpus_file):
     steps = 80

@@ -292,11 +292,18 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    def _remove_if_made_for_nothing(self) -> None:
+    def _remove_if_made_for_nothing(self, written: bool = False) -> None:
         """Remove ``out_dir`` if this run made it and left it empty (a failed set-up, nothing
-        to train); one that is not empty holds something worth keeping."""
+        to train); one that is not empty holds something worth keeping. ``written``: also what
+        the start wrote before any step was trained (a run stopped before its first step - a
+        warning made an error, ``warnings.filterwarnings("error")``, or an interrupt - left its
+        config.json and an empty metrics log, in a directory of no run)."""
         if self.created:
             with contextlib.suppress(OSError):
+                if written:
+                    for name in ("config.json", "metrics.jsonl"):
+                        (self.out_dir / name).unlink(missing_ok=True)
+                    shutil.rmtree(self.out_dir / "tensorboard", ignore_errors=True)
                 # (what W&B left when it started before a set-up that failed: this run's too)
                 (self.out_dir / WANDB_FILE).unlink(missing_ok=True)
                 shutil.rmtree(self.out_dir / "wandb", ignore_errors=True)
@@ -548,8 +555,8 @@ class Trainer:
             raise OutDirError(f"{e}. {self._continue_hint()}") from None
         finally:
             self.close()
-            if self.idle:
-                self._remove_if_made_for_nothing()
+            if self.idle or self.step_count == (self.resume_step or 0):
+                self._remove_if_made_for_nothing(written=True)
 
     def _after_step(self, factor: float, grad_norm: float, grads: list[float] | None, window: list, end: int) -> None:
         """Logging, evaluation and diagnostics at their cadences after a step."""
