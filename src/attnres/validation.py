@@ -11,15 +11,14 @@ whose name prefixes every error::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
 from collections.abc import Callable, Iterable
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
-
 
 
 def python_scalars(config: Any) -> None:
@@ -30,6 +29,7 @@ def python_scalars(config: Any) -> None:
         value = getattr(config, f.name)
         if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
             setattr(config, f.name, value.item())
+
 
 #: Other names of an allowed value that no spelling distance finds ('gpu' is nearer 'cpu'
 #: than 'cuda'): the hint names the value they stand for, where it is allowed.
