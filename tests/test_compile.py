@@ -167,3 +167,35 @@ def test_compiled_autocast_step_hands_each_reader_a_view_of_the_merge_output(res
     assert (want_casts - casts, want_adds - adds) == (5 * layers, 3 * layers)
     # (the sublayers' merges: all but the output aggregation's)
     assert sum(s == "aten.add.Tensor" for s in want_sums) - sum(s == "aten.add.Tensor" for s in sums) == 2 * layers
+
+
+def test_every_residual_compiles_with_fullgraph():
+    """``torch.compile(model, fullgraph=True)`` traces every registered residual's forward
+    as one graph (regression: the input check ran through ``torch.compiler.disable``, a
+    graph break that ``fullgraph=True`` refused for every kind). Dynamo alone (the ``eager``
+    backend) decides graph breaks; Inductor's numerics are checked below and above."""
+    from attnres.nn.residual import registered_residuals
+
+    for kind in registered_residuals():
+        torch._dynamo.reset()
+        model = make_model(residual={"kind": kind, "block_size": 3} if kind == "attnres_block" else {"kind": kind},
+                           n_layers=2)
+        ids = torch.randint(0, model.config.vocab_size, (2, 9))
+        out = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids)
+        assert_rel_close(out.logits, model(ids).logits, 1e-5, f"{kind} logits")
+
+
+def test_fullgraph_inductor_step_still_checks_the_token_ids():
+    """Under Inductor with ``fullgraph=True`` the value check is a node of the graph that
+    the embedding reads (an op without a read output was dead code to Inductor, and an
+    out-of-vocabulary id reached the embedding kernel's bounds assert); it refuses as the
+    eager model does, and the step matches eager."""
+    torch._dynamo.reset()
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        assert_rel_close(compiled(ids).logits, model(ids).logits, 1e-5, "logits")
+        for bad in (model.config.vocab_size, -1):
+            with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+                compiled(torch.full((2, 9), bad))

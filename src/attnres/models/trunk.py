@@ -14,7 +14,6 @@ Who uses what:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -30,21 +29,31 @@ from .config import ModelConfig
 __all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call"]
 
 
-def _eager_when_compiled(fn: Callable) -> Callable:
-    """``fn`` under ``torch.compiler.disable`` without importing ``torch._dynamo`` (and
-    Triton with it, longer than torch's own import) before anything compiles: eager calls run
-    ``fn`` itself; under tracing (``torch.compiler.is_compiling()``, a constant there) the
-    call goes to torch's lazily disabled ``fn`` (``torch._disable_dynamo``, which dynamo
-    skips: a graph break, ``fn`` run eagerly, as with the decorator applied at import)."""
-    disabled = torch._disable_dynamo(fn)  # imports torch._dynamo on its first call only
+def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless every id of ``input_ids`` is in ``[0, vocab_size)``."""
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
 
-    return call
+def _checked_token_ids(input_ids: Tensor, vocab_size: int) -> Tensor:
+    check_token_values(input_ids, vocab_size)
+    return input_ids.clone()
+
+
+#: The value check as one node of a compiled graph: reading the ids' values is
+#: data-dependent, and calling the check through ``torch.compiler.disable`` was a graph
+#: break, which ``torch.compile(model, fullgraph=True)`` refused. The op returns a copy of
+#: the ids (a few bytes) that the embedding reads: an op without an output that anything
+#: reads is dead code to Inductor, which dropped the check.
+checked_token_ids = torch.library.custom_op("attnres::checked_token_ids", _checked_token_ids, mutates_args=())
+
+
+@checked_token_ids.register_fake
+def _(input_ids: Tensor, vocab_size: int) -> Tensor:
+    return torch.empty_like(input_ids)
+
 
 IGNORE_INDEX = -100
 
@@ -141,10 +150,12 @@ class DecoderTrunk(nn.Module):
             norm.autocast_output = on
         return before
 
-    @_eager_when_compiled  # data-dependent checks run eagerly, in front of a compiled graph
-    def check_input_ids(self, input_ids: Tensor) -> None:
+    def check_input_ids(self, input_ids: Tensor) -> Tensor:
         """Raise ``ValueError`` unless ``input_ids`` is an integer ``[B, T]`` tensor of
-        in-vocabulary ids with ``1 <= T <= max_seq_len``. Runs before any compute."""
+        in-vocabulary ids with ``1 <= T <= max_seq_len``. Runs before any compute. Returns
+        the ids to compute with: ``input_ids`` itself, or while ``torch.compile`` traces, the
+        copy that :data:`checked_token_ids` makes after checking the values (the graph's
+        node for the check: no graph break)."""
         config = self.model_config
         if not isinstance(input_ids, Tensor):
             raise ValueError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
@@ -158,22 +169,22 @@ class DecoderTrunk(nn.Module):
         if t > config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds ModelConfig.max_seq_len={config.max_seq_len}")
         if input_ids.device.type == "meta":  # (shape inference: no values to check)
-            return
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {config.vocab_size})")
+            return input_ids
+        if torch.compiler.is_compiling():
+            return checked_token_ids(input_ids, config.vocab_size)
+        check_token_values(input_ids, config.vocab_size)
+        return input_ids
 
-    def check_inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[int, int]:
+    def check_inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[Tensor | None, int, int]:
         """Check the one of ``input_ids [B, T]`` and ``inputs_embeds [B, T, d]`` given
-        (:meth:`check_input_ids`, :meth:`check_inputs_embeds`); return ``(B, T)``."""
+        (:meth:`check_input_ids`, :meth:`check_inputs_embeds`); return ``(input_ids, B, T)``
+        with the ids to compute with (what :meth:`check_input_ids` returns)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [batch, seq_len] and inputs_embeds [batch, seq_len, d_model]")
         if inputs_embeds is None:
-            self.check_input_ids(input_ids)
-            return tuple(input_ids.shape)
+            return (self.check_input_ids(input_ids), *input_ids.shape)
         self.check_inputs_embeds(inputs_embeds)
-        return tuple(inputs_embeds.shape[:2])
+        return (None, *inputs_embeds.shape[:2])
 
     def check_inputs_embeds(self, inputs_embeds: Tensor) -> None:
         """Raise ``ValueError`` unless ``inputs_embeds`` is a ``[B, T, d_model]`` tensor in the
