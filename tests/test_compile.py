@@ -199,3 +199,22 @@ def test_fullgraph_inductor_step_still_checks_the_token_ids():
         for bad in (model.config.vocab_size, -1):
             with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
                 compiled(torch.full((2, 9), bad))
+
+
+@pytest.mark.parametrize("residual", ["standard", "attnres_block"])
+def test_changing_sequence_lengths_compile_two_graphs_without_a_graph_break(residual):
+    """Five sequence lengths: one static graph, then one dynamic graph for the others
+    (regression: with dynamic shapes ``is_causal`` was a SymBool, which SDPA refused - a
+    graph break in every layer, and Block's ``sublayer_input`` frames hit Dynamo's
+    recompile limit and ran eagerly)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model(residual={"kind": residual, "block_size": 3}, n_layers=2)
+    compiled = torch.compile(model, backend="eager")
+    for t in (5, 7, 9, 11, 13):
+        ids = torch.randint(0, model.config.vocab_size, (2, t))
+        assert_rel_close(compiled(ids).logits, model(ids).logits, 1e-5, f"logits at T={t}")
+    assert not counters["graph_break"], list(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2
