@@ -218,3 +218,16 @@ def test_changing_sequence_lengths_compile_two_graphs_without_a_graph_break(resi
         assert_rel_close(compiled(ids).logits, model(ids).logits, 1e-5, f"logits at T={t}")
     assert not counters["graph_break"], list(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_torch_export_of_the_forward_runs_and_checks_the_token_ids():
+    """``torch.export.export(model, (ids,))`` (non-strict, the default) traces the forward
+    (regression: the eager value check's ``int(ids.min())`` was a data-dependent guard that
+    export refused); the exported program matches eager and still refuses an
+    out-of-vocabulary id."""
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=2).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    exported = torch.export.export(model, (ids,)).module()
+    assert_rel_close(exported(ids).logits, model(ids).logits, 1e-5, "logits")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        exported(torch.full((2, 9), model.config.vocab_size))
