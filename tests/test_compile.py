@@ -231,3 +231,26 @@ def test_torch_export_of_the_forward_runs_and_checks_the_token_ids():
     assert_rel_close(exported(ids).logits, model(ids).logits, 1e-5, "logits")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         exported(torch.full((2, 9), model.config.vocab_size))
+
+
+@pytest.mark.parametrize("mode", ["block", "selective"])
+def test_activation_checkpointing_compiles_into_one_graph_and_matches_eager(mode):
+    """``activation_checkpoint`` under ``torch.compile``: one graph, no graph break
+    (regression: the deferred norm input reached Dynamo's checkpoint operator, which takes
+    tensors only - every checkpointed sublayer broke the graph and ran eagerly; selective's
+    nested ``context_fn`` was refused by Dynamo), loss and every gradient equal eager's."""
+    from attnres.models.trunk import sublayer_caller
+
+    torch._dynamo.reset()
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=2)
+    model.sublayer_call = sublayer_caller(mode)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    explained = torch._dynamo.explain(model)(ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    out, eager = torch.compile(model, backend="aot_eager")(ids, labels=ids), model(ids, labels=ids)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    eager_grads = torch.autograd.grad(eager.loss, list(model.parameters()))
+    assert_rel_close(out.loss.reshape(1), eager.loss.reshape(1), 1e-5, "loss")
+    for (name, _), g, ge in zip(model.named_parameters(), grads, eager_grads):
+        assert_rel_close(g, ge, 1e-4, f"grad of {name}")

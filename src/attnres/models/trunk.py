@@ -14,6 +14,7 @@ Who uses what:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -80,19 +81,26 @@ def sublayer_caller(mode: str) -> Callable:
     ``SelectiveCheckpointContext`` policy)."""
     if mode == "none":
         return plain_call
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     if mode == "block":
         return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
-    save = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
-            torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+    # (a partial of module-level functions: Dynamo's checkpoint operator takes a plain or
+    # partial function as context_fn, and refused the nested one: selective under torch.compile)
+    return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False, context_fn=functools.partial(
+        create_selective_checkpoint_contexts, _selective_policy))
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False,
-                                        context_fn=lambda: create_selective_checkpoint_contexts(policy))
+#: The operators whose outputs ``activation_checkpoint="selective"`` keeps.
+_SELECTIVE_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+                   torch.ops.aten._scaled_dot_product_flash_attention.default,
+                   torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def run_sublayers(
@@ -263,7 +271,10 @@ class DecoderTrunk(nn.Module):
             cos, sin, attn_mask = self.positions(inputs, attention_mask, past)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         # Every sublayer input goes through the block's own RMSNorm first, so the residual may
-        # fold that norm into its Phase-2 kernel (defer_norm).
-        state = self.residual.start(x, record_weights=record_weights, defer_norm=self.defer_norm)
+        # fold that norm into its Phase-2 kernel (defer_norm). Not into a checkpointed sublayer
+        # under torch.compile: Dynamo's checkpoint operator takes tensors only, and a deferred
+        # input made every checkpointed sublayer a graph break that ran eagerly.
+        checkpointed = sublayer_call is not plain_call and torch.compiler.is_compiling()
+        state = self.residual.start(x, record_weights=record_weights, defer_norm=self.defer_norm and not checkpointed)
         run_sublayers(self.residual, state, enumerate(self.layers), cos, sin, attn_mask, kv_cache, sublayer_call)
         return self.residual.finish(state), state
