@@ -167,3 +167,90 @@ def test_compiled_autocast_step_hands_each_reader_a_view_of_the_merge_output(res
     assert (want_casts - casts, want_adds - adds) == (5 * layers, 3 * layers)
     # (the sublayers' merges: all but the output aggregation's)
     assert sum(s == "aten.add.Tensor" for s in want_sums) - sum(s == "aten.add.Tensor" for s in sums) == 2 * layers
+
+
+def test_every_residual_compiles_with_fullgraph():
+    """``torch.compile(model, fullgraph=True)`` traces every registered residual's forward
+    as one graph (regression: the input check ran through ``torch.compiler.disable``, a
+    graph break that ``fullgraph=True`` refused for every kind). Dynamo alone (the ``eager``
+    backend) decides graph breaks; Inductor's numerics are checked below and above."""
+    from attnres.nn.residual import registered_residuals
+
+    for kind in registered_residuals():
+        torch._dynamo.reset()
+        model = make_model(residual={"kind": kind, "block_size": 3} if kind == "attnres_block" else {"kind": kind},
+                           n_layers=2)
+        ids = torch.randint(0, model.config.vocab_size, (2, 9))
+        out = torch.compile(model, fullgraph=True, backend="eager")(ids, labels=ids)
+        assert_rel_close(out.logits, model(ids).logits, 1e-5, f"{kind} logits")
+
+
+def test_fullgraph_inductor_step_still_checks_the_token_ids():
+    """Under Inductor with ``fullgraph=True`` the value check is a node of the graph that
+    the embedding reads (an op without a read output was dead code to Inductor, and an
+    out-of-vocabulary id reached the embedding kernel's bounds assert); it refuses as the
+    eager model does, and the step matches eager."""
+    torch._dynamo.reset()
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        assert_rel_close(compiled(ids).logits, model(ids).logits, 1e-5, "logits")
+        for bad in (model.config.vocab_size, -1):
+            with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+                compiled(torch.full((2, 9), bad))
+
+
+@pytest.mark.parametrize("residual", ["standard", "attnres_block"])
+def test_changing_sequence_lengths_compile_two_graphs_without_a_graph_break(residual):
+    """Five sequence lengths: one static graph, then one dynamic graph for the others
+    (regression: with dynamic shapes ``is_causal`` was a SymBool, which SDPA refused - a
+    graph break in every layer, and Block's ``sublayer_input`` frames hit Dynamo's
+    recompile limit and ran eagerly)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model(residual={"kind": residual, "block_size": 3}, n_layers=2)
+    compiled = torch.compile(model, backend="eager")
+    for t in (5, 7, 9, 11, 13):
+        ids = torch.randint(0, model.config.vocab_size, (2, t))
+        assert_rel_close(compiled(ids).logits, model(ids).logits, 1e-5, f"logits at T={t}")
+    assert not counters["graph_break"], list(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_torch_export_of_the_forward_runs_and_checks_the_token_ids():
+    """``torch.export.export(model, (ids,))`` (non-strict, the default) traces the forward
+    (regression: the eager value check's ``int(ids.min())`` was a data-dependent guard that
+    export refused); the exported program matches eager and still refuses an
+    out-of-vocabulary id."""
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=2).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    exported = torch.export.export(model, (ids,)).module()
+    assert_rel_close(exported(ids).logits, model(ids).logits, 1e-5, "logits")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        exported(torch.full((2, 9), model.config.vocab_size))
+
+
+@pytest.mark.parametrize("mode", ["block", "selective"])
+def test_activation_checkpointing_compiles_into_one_graph_and_matches_eager(mode):
+    """``activation_checkpoint`` under ``torch.compile``: one graph, no graph break
+    (regression: the deferred norm input reached Dynamo's checkpoint operator, which takes
+    tensors only - every checkpointed sublayer broke the graph and ran eagerly; selective's
+    nested ``context_fn`` was refused by Dynamo), loss and every gradient equal eager's."""
+    from attnres.models.trunk import sublayer_caller
+
+    torch._dynamo.reset()
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=2)
+    model.sublayer_call = sublayer_caller(mode)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    explained = torch._dynamo.explain(model)(ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    out, eager = torch.compile(model, backend="aot_eager")(ids, labels=ids), model(ids, labels=ids)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    eager_grads = torch.autograd.grad(eager.loss, list(model.parameters()))
+    assert_rel_close(out.loss.reshape(1), eager.loss.reshape(1), 1e-5, "loss")
+    for (name, _), g, ge in zip(model.named_parameters(), grads, eager_grads):
+        assert_rel_close(g, ge, 1e-4, f"grad of {name}")

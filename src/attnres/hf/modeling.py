@@ -191,7 +191,7 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
             past_key_values = DynamicCache(config=self.config)
         if use_cache and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
-        _, t = self.check_inputs(input_ids, inputs_embeds)
+        input_ids, _, t = self.check_inputs(input_ids, inputs_embeds)
         store = HFCacheAdapter(past_key_values) if use_cache else None
         past = 0 if store is None else store.seq_len
         if past + t > self.native_config.max_seq_len:

@@ -106,7 +106,7 @@ class AttnResLM(DecoderTrunk):
         in place. ``attention_mask``: ``[B, past + T]`` of 0/1, left padding only. A
         ``StaticKVCache`` holds the padding itself (``attention_mask`` must be ``None``).
         """
-        b, t = self.check_inputs(input_ids, inputs_embeds)
+        input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
         if labels is not None and labels.shape != (b, t):
             raise ValueError(f"labels must have the shape [batch, seq_len] = {(b, t)} of the inputs, got {tuple(labels.shape)}")
         if labels is not None and last_logits_only:

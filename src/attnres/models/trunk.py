@@ -30,21 +30,31 @@ from .config import ModelConfig
 __all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call"]
 
 
-def _eager_when_compiled(fn: Callable) -> Callable:
-    """``fn`` under ``torch.compiler.disable`` without importing ``torch._dynamo`` (and
-    Triton with it, longer than torch's own import) before anything compiles: eager calls run
-    ``fn`` itself; under tracing (``torch.compiler.is_compiling()``, a constant there) the
-    call goes to torch's lazily disabled ``fn`` (``torch._disable_dynamo``, which dynamo
-    skips: a graph break, ``fn`` run eagerly, as with the decorator applied at import)."""
-    disabled = torch._disable_dynamo(fn)  # imports torch._dynamo on its first call only
+def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless every id of ``input_ids`` is in ``[0, vocab_size)``."""
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
 
-    return call
+def _checked_token_ids(input_ids: Tensor, vocab_size: int) -> Tensor:
+    check_token_values(input_ids, vocab_size)
+    return input_ids.clone()
+
+
+#: The value check as one node of a compiled graph: reading the ids' values is
+#: data-dependent, and calling the check through ``torch.compiler.disable`` was a graph
+#: break, which ``torch.compile(model, fullgraph=True)`` refused. The op returns a copy of
+#: the ids (a few bytes) that the embedding reads: an op without an output that anything
+#: reads is dead code to Inductor, which dropped the check.
+checked_token_ids = torch.library.custom_op("attnres::checked_token_ids", _checked_token_ids, mutates_args=())
+
+
+@checked_token_ids.register_fake
+def _(input_ids: Tensor, vocab_size: int) -> Tensor:
+    return torch.empty_like(input_ids)
+
 
 IGNORE_INDEX = -100
 
@@ -71,19 +81,26 @@ def sublayer_caller(mode: str) -> Callable:
     ``SelectiveCheckpointContext`` policy)."""
     if mode == "none":
         return plain_call
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     if mode == "block":
         return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
-    save = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
-            torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+    # (a partial of module-level functions: Dynamo's checkpoint operator takes a plain or
+    # partial function as context_fn, and refused the nested one: selective under torch.compile)
+    return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False, context_fn=functools.partial(
+        create_selective_checkpoint_contexts, _selective_policy))
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False,
-                                        context_fn=lambda: create_selective_checkpoint_contexts(policy))
+#: The operators whose outputs ``activation_checkpoint="selective"`` keeps.
+_SELECTIVE_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+                   torch.ops.aten._scaled_dot_product_flash_attention.default,
+                   torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SELECTIVE_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def run_sublayers(
@@ -141,10 +158,12 @@ class DecoderTrunk(nn.Module):
             norm.autocast_output = on
         return before
 
-    @_eager_when_compiled  # data-dependent checks run eagerly, in front of a compiled graph
-    def check_input_ids(self, input_ids: Tensor) -> None:
+    def check_input_ids(self, input_ids: Tensor) -> Tensor:
         """Raise ``ValueError`` unless ``input_ids`` is an integer ``[B, T]`` tensor of
-        in-vocabulary ids with ``1 <= T <= max_seq_len``. Runs before any compute."""
+        in-vocabulary ids with ``1 <= T <= max_seq_len``. Runs before any compute. Returns
+        the ids to compute with: ``input_ids`` itself, or while ``torch.compile`` traces, the
+        copy that :data:`checked_token_ids` makes after checking the values (the graph's
+        node for the check: no graph break)."""
         config = self.model_config
         if not isinstance(input_ids, Tensor):
             raise ValueError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
@@ -158,22 +177,22 @@ class DecoderTrunk(nn.Module):
         if t > config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds ModelConfig.max_seq_len={config.max_seq_len}")
         if input_ids.device.type == "meta":  # (shape inference: no values to check)
-            return
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {config.vocab_size})")
+            return input_ids
+        if torch.compiler.is_compiling():
+            return checked_token_ids(input_ids, config.vocab_size)
+        check_token_values(input_ids, config.vocab_size)
+        return input_ids
 
-    def check_inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[int, int]:
+    def check_inputs(self, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> tuple[Tensor | None, int, int]:
         """Check the one of ``input_ids [B, T]`` and ``inputs_embeds [B, T, d]`` given
-        (:meth:`check_input_ids`, :meth:`check_inputs_embeds`); return ``(B, T)``."""
+        (:meth:`check_input_ids`, :meth:`check_inputs_embeds`); return ``(input_ids, B, T)``
+        with the ids to compute with (what :meth:`check_input_ids` returns)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [batch, seq_len] and inputs_embeds [batch, seq_len, d_model]")
         if inputs_embeds is None:
-            self.check_input_ids(input_ids)
-            return tuple(input_ids.shape)
+            return (self.check_input_ids(input_ids), *input_ids.shape)
         self.check_inputs_embeds(inputs_embeds)
-        return tuple(inputs_embeds.shape[:2])
+        return (None, *inputs_embeds.shape[:2])
 
     def check_inputs_embeds(self, inputs_embeds: Tensor) -> None:
         """Raise ``ValueError`` unless ``inputs_embeds`` is a ``[B, T, d_model]`` tensor in the
@@ -252,7 +271,10 @@ class DecoderTrunk(nn.Module):
             cos, sin, attn_mask = self.positions(inputs, attention_mask, past)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         # Every sublayer input goes through the block's own RMSNorm first, so the residual may
-        # fold that norm into its Phase-2 kernel (defer_norm).
-        state = self.residual.start(x, record_weights=record_weights, defer_norm=self.defer_norm)
+        # fold that norm into its Phase-2 kernel (defer_norm). Not into a checkpointed sublayer
+        # under torch.compile: Dynamo's checkpoint operator takes tensors only, and a deferred
+        # input made every checkpointed sublayer a graph break that ran eagerly.
+        checkpointed = sublayer_call is not plain_call and torch.compiler.is_compiling()
+        state = self.residual.start(x, record_weights=record_weights, defer_norm=self.defer_norm and not checkpointed)
         run_sublayers(self.residual, state, enumerate(self.layers), cos, sin, attn_mask, kv_cache, sublayer_call)
         return self.residual.finish(state), state

@@ -100,7 +100,11 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
         s = k.shape[2]
-        is_causal = attn_mask is None and s == t and t > 1
+        # (a branch, not the condition's value: with dynamic shapes `t > 1` is a SymBool, which
+        # SDPA refused - a graph break; Dynamo guards on a branch and passes a constant)
+        is_causal = False
+        if attn_mask is None and s == t and t > 1:
+            is_causal = True
         if attn_mask is None and s > t > 1:
             attn_mask = causal_mask(t, s, xq.device)
         attend = F.scaled_dot_product_attention if self.implementation == "sdpa" else eager_attention
