@@ -201,6 +201,31 @@ def test_fullgraph_inductor_step_still_checks_the_token_ids():
                 compiled(torch.full((2, 9), bad))
 
 
+def test_the_token_check_is_kept_out_of_a_cuda_graph():
+    """The check reads the ids to the host, which a CUDA graph capture refuses: Inductor must
+    see its node as cudagraph-unsafe (``mode="reduce-overhead"`` then partitions around it or
+    leaves the graph uncaptured), and it is the graph's only such node."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    model = make_model(residual={"kind": "attnres_block", "block_size": 3}, n_layers=2)
+    with torch.no_grad():
+        torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=keep))(torch.randint(0, 64, (2, 9)))
+    (graph,) = graphs
+    unsafe = get_first_incompatible_cudagraph_node(graph)
+    assert unsafe is not None and unsafe.target is torch.ops.attnres.checked_token_ids.default
+    others = [n for n in graph.graph.nodes if n is not unsafe and n.op == "call_function"
+              and torch._inductor.utils.is_cudagraph_unsafe_fx_node(n)]
+    assert others == []
+
+
 @pytest.mark.parametrize("residual", ["standard", "attnres_block"])
 def test_changing_sequence_lengths_compile_two_graphs_without_a_graph_break(residual):
     """Five sequence lengths: one static graph, then one dynamic graph for the others

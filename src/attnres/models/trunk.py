@@ -47,8 +47,13 @@ def _checked_token_ids(input_ids: Tensor, vocab_size: int) -> Tensor:
 #: data-dependent, and calling the check through ``torch.compiler.disable`` was a graph
 #: break, which ``torch.compile(model, fullgraph=True)`` refused. The op returns a copy of
 #: the ids (a few bytes) that the embedding reads: an op without an output that anything
-#: reads is dead code to Inductor, which dropped the check.
-checked_token_ids = torch.library.custom_op("attnres::checked_token_ids", _checked_token_ids, mutates_args=())
+#: reads is dead code to Inductor, which dropped the check. It reads the ids to the host, which
+#: a CUDA graph cannot hold: tagged ``cudagraph_unsafe``, so that ``mode="reduce-overhead"``
+#: keeps it out of the captured graph (Inductor partitions the graph around it, or leaves that
+#: graph uncaptured) instead of failing the capture. The decode steps CUDA graphs are for do not
+#: run it (``static_decode_step`` and a transformers static cache skip the check).
+checked_token_ids = torch.library.custom_op("attnres::checked_token_ids", _checked_token_ids, mutates_args=(),
+                                            tags=(torch._C.Tag.cudagraph_unsafe,))
 
 
 @checked_token_ids.register_fake
