@@ -183,10 +183,11 @@ def residual_import(kind: str) -> str | None:
     from ..nn.residual import residual_class
 
     try:
-        name = residual_class(kind).__module__
+        cls = residual_class(kind)
     except ValueError:
         return None
-    if name.split(".")[0] == "attnres" or name == "__main__":
+    name = cls.__module__
+    if cls.builtin() or name == "__main__":
         return None
     file = getattr(sys.modules.get(name), "__file__", None)
     if "." in name or file is None or Path(file).resolve().parent == Path.cwd().resolve():

@@ -337,10 +337,15 @@ class ResidualStream(nn.Module, ABC):
         empty for variants without depth attention."""
         return []
 
+    @classmethod
+    def builtin(cls) -> bool:
+        """Whether this is one of attnres's own variants (not a user's registered one)."""
+        return cls.__module__.split(".")[0] == "attnres"
+
     def history_layout(self, sublayer: int) -> HistoryLayout:
         """The :class:`HistoryLayout` in front of ``sublayer`` (``L``: after the last one).
         Variants that cannot be cut (and so not pipelined) raise ``ValueError``."""
-        own = "" if type(self).__module__.split(".")[0] == "attnres" else (
+        own = "" if self.builtin() else (
             " (to cut it, define history_layout(sublayer), _history(state) and _resume(history, at_sublayer, common): "
             "docs/design.md, 'The registry, and how to add a variant')")
         raise ValueError(f"residual {self._label()} does not describe its history between sublayers, so it cannot be "

@@ -63,7 +63,7 @@ def _refuse_taken(name: str, taken: type, cls: type) -> None:
     where = f"{taken.__module__}.{taken.__qualname__}"
     if where == f"{cls.__module__}.{cls.__qualname__}":
         return  # (it was refused, and the second run of a notebook cell needed replace=True)
-    if taken.__module__.split(".")[0] == "attnres":  # replacing it would change what every such checkpoint loads as
+    if taken.builtin():  # replacing it would change what every such checkpoint loads as
         raise ValueError(f"residual {name!r} is already registered: it is a built-in variant ({where}); register "
                          f"{cls.__qualname__} under a name of its own, e.g. register_residual('my_{name}')")
     raise ValueError(f"residual {name!r} is already registered by {where}; register {cls.__qualname__} under another "
