@@ -501,6 +501,28 @@ def test_a_gguf_file_is_known_by_its_suffix_in_any_case(tmp_path, monkeypatch):
             load_pretrained(tmp_path / name)
 
 
+def test_a_gguf_file_upcycles_to_the_same_function_with_its_tokenizer(tmp_path):
+    """``attnres upcycle --model FILE.gguf`` (extra `upcycle`): a Llama written as llama.cpp
+    lays it out - its names, its rotary row order, a byte-level vocabulary - is read by
+    transformers, upcycled and written as a plain float directory (the GGUF reader kept as the
+    model's quantizer made ``save_pretrained`` refuse) that computes the same logits and
+    carries the file's tokenizer: its merge and its end-of-text token."""
+    pytest.importorskip("gguf")
+    from attnres.cli import main as cli_main
+    from fixtures.tiny_gguf import GGUF_VOCAB, write_tiny_llama_gguf
+
+    base = base_model("llama", vocab_size=GGUF_VOCAB, tie_word_embeddings=False)
+    source = write_tiny_llama_gguf(base, tmp_path / "Tiny.Q0.gguf")
+    assert cli_main(["upcycle", "--model", str(source), "--out", str(tmp_path / "up")]) == 0
+    assert "quantization_config" not in json.loads((tmp_path / "up" / "config.json").read_text())
+    x = torch.randint(0, GGUF_VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        up = AutoModelForCausalLM.from_pretrained(tmp_path / "up", dtype=torch.float32).eval()
+        assert max_rel(up(x).logits, base(x).logits) <= 1e-5
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "up")
+    assert tokenizer("hi!")["input_ids"] == [256, ord("!")] and tokenizer.eos_token == "<|endoftext|>"
+
+
 @pytest.mark.parametrize("model_type", ["olmo2", "qwen3", "llama"])
 def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(tmp_path, model_type):
     """No tokenizer files: OLMo 2's post-norm refusal comes first; a supported family is refused
