@@ -106,7 +106,8 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
 
     A group created here lives until the process exits: later calls (another
     :func:`~attnres.train.train` in the same process) reuse it, because destroying the
-    default group and creating it again through the launcher's store is not reliable."""
+    default group and creating it again through the launcher's store is not reliable. Under
+    ``torchrun`` this process ends when the agent dies (:func:`exit_with_launcher`)."""
     dev = _pick_device(device)
     backend = backend_for_device(dev)
     exit_with_launcher()
