@@ -52,7 +52,7 @@ def worker(root: Path) -> None:
         config = load_config(None, run_args(root / "corpus.txt", root / out, **extra))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (rank 0 warns of the checkpoint it skips)
-            start = locate_start(config, ctx.is_main, lambda fn, shared=False: main_first(fn, group, shared))
+            start = locate_start(config, ctx.is_main, lambda fn, **kw: main_first(fn, group, **kw))
         source = start.resume or start.init
         found = {"path": str(source.path), "step": source.step, "hashed": len(hashed)}
         (root / f"{case}-rank{ctx.rank}.json").write_text(json.dumps(found))

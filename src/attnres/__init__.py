@@ -5,8 +5,14 @@
 """
 
 import importlib
+import os
 import warnings
 from typing import TYPE_CHECKING, Any
+
+# This process and its parent as they were before anything slow (importing torch): a torchrun
+# worker asks to die with its agent only later, and checks then that the agent is still its
+# parent (attnres.distributed.launch.exit_with_launcher).
+_started = (os.getpid(), os.getppid())
 
 with warnings.catch_warnings():  # torch's warning without NumPy, which attnres's core does not need
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)

@@ -19,6 +19,10 @@ import atexit
 import contextlib
 import gc
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -65,6 +69,8 @@ class DistContext:
     timeout_s: float
     #: the process group of this context's object collectives (None: the default group)
     group: Any = None
+    #: the setting that gave ``timeout_s`` (named when a collective fails)
+    timeout_setting: str = "TrainConfig.dist_timeout_s"
 
     @property
     def is_main(self) -> bool:
@@ -100,9 +106,11 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
 
     A group created here lives until the process exits: later calls (another
     :func:`~attnres.train.train` in the same process) reuse it, because destroying the
-    default group and creating it again through the launcher's store is not reliable."""
+    default group and creating it again through the launcher's store is not reliable. Under
+    ``torchrun`` this process ends when the agent dies (:func:`exit_with_launcher`)."""
     dev = _pick_device(device)
     backend = backend_for_device(dev)
+    exit_with_launcher()
     if not dist.is_initialized():
         if launched_world_size() is None:
             raise ValueError("no process group: launch with `torchrun --nproc-per-node K ...`")
@@ -117,35 +125,135 @@ def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistCont
 def process_context(device: str = "auto", timeout_s: float = 600.0) -> DistContext:
     """This process's :class:`DistContext`: :func:`init_distributed` when a process group
     exists or a launcher started more than one rank, else the single process on ``device``
-    (``"auto"``: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU)."""
+    (``"auto"``: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU). Under ``torchrun``
+    (one rank too) this process ends when the agent dies (:func:`exit_with_launcher`)."""
+    exit_with_launcher()
     if (dist.is_available() and dist.is_initialized()) or (launched_world_size() or 1) > 1:
         return init_distributed(device, timeout_s)
     return DistContext(0, 1, _pick_device(device), None, timeout_s)
 
 
-#: The least a rank waits for rank 0's long local work (seconds), whatever ``dist_timeout_s``
-#: is: rank 0 trains the BPE and tokenises the corpus (or verifies the checkpoint to resume),
-#: as long as the corpus is large, and publishes each checkpoint (hashes every rank's shards),
-#: as long as the model is large, while the others wait. A rank that dies meanwhile is
-#: noticed at once (its connection closes); only a stalled one is waited for this long.
+#: How long a rank waits for rank 0's long local work by default (seconds;
+#: ``TrainConfig.setup_timeout_s``), whatever ``dist_timeout_s`` is: rank 0 trains the BPE and
+#: tokenises the corpus (or verifies the checkpoint to resume), as long as the corpus is large,
+#: and publishes each checkpoint (hashes every rank's shards), as long as the model is large,
+#: while the others wait. A rank that dies meanwhile is noticed at once (its connection
+#: closes); only a stalled one is waited for this long.
 SETUP_TIMEOUT_S = 24 * 3600.0
 
-#: ``(the default group, its patient group)`` once made (the default group held: compared by identity)
-_patient_group: list[tuple[Any, Any]] = []
+#: How often a rank waiting for rank 0's long local work says so (seconds).
+WAIT_REPORT_S = 300.0
+
+#: ``(the default group, the timeout, its patient group)`` once made (the default group held: compared by identity)
+_patient_group: list[tuple[Any, float, Any]] = []
 
 
-def patient(ctx: DistContext) -> DistContext:
+def patient(ctx: DistContext, timeout_s: float = SETUP_TIMEOUT_S) -> DistContext:
     """``ctx`` for the object collectives that wait for rank 0's long local work (the set-up,
-    publishing a checkpoint): a gloo group over every rank with a timeout of at least
-    :data:`SETUP_TIMEOUT_S`, created on first use (every rank must call this) and kept with the
-    default group. ``ctx`` itself in one process."""
+    publishing a checkpoint): a gloo group over every rank with a timeout of ``timeout_s``
+    (``TrainConfig.setup_timeout_s``; at least ``ctx.timeout_s``), created on first use (every
+    rank must call this) and kept with the default group. ``ctx`` itself in one process."""
     if ctx.world_size == 1:
         return ctx
-    world = dist.group.WORLD
-    if not _patient_group or _patient_group[0][0] is not world:  # (one of a destroyed default group is unusable)
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(ctx.timeout_s, SETUP_TIMEOUT_S)))
-        _patient_group[:] = [(world, group)]
-    return replace(ctx, group=_patient_group[0][1])
+    world, timeout_s = dist.group.WORLD, max(ctx.timeout_s, timeout_s)
+    # (one of a destroyed default group is unusable)
+    if not _patient_group or _patient_group[0][0] is not world or _patient_group[0][1] != timeout_s:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        _patient_group[:] = [(world, timeout_s, group)]
+    return replace(ctx, group=_patient_group[0][2], timeout_s=timeout_s, timeout_setting="TrainConfig.setup_timeout_s")
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in words: ``"45 s"``, ``"10 min"``, ``"24 h"``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.3g} h"
+
+
+@contextlib.contextmanager
+def waiting_for_rank_0(ctx: DistContext, what: str) -> Iterator[None]:
+    """Around a collective in which the other ranks wait for rank 0's long local work
+    (``what``: that work, in words): every :data:`WAIT_REPORT_S` they wait, they say so on
+    stderr, so that a stalled rank 0 is not waited for in silence (up to ``ctx.timeout_s``).
+    Nothing in one process, nor on rank 0."""
+    if ctx.world_size == 1 or ctx.is_main:
+        yield
+        return
+    done, start = threading.Event(), time.monotonic()
+
+    def report() -> None:
+        while not done.wait(WAIT_REPORT_S):
+            print(f"rank {ctx.rank}: still waiting for rank 0 ({what}) after {_duration(time.monotonic() - start)}; "
+                  f"the wait ends with an error after {_duration(ctx.timeout_s)} ({ctx.timeout_setting})",
+                  file=sys.stderr, flush=True)
+
+    reporter = threading.Thread(target=report, name="attnres-wait-report", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+
+
+#: Linux ``prctl`` option: the signal the calling process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+#: How long a worker whose launcher died has to stop after its SIGTERM before it ends itself
+#: (seconds): the grace period torchrun's agent would have given it before SIGKILL.
+LAUNCHER_GRACE_S = 30.0
+
+
+def exit_with_launcher() -> bool:
+    """Under ``torchrun``, on Linux: have the kernel send this worker SIGTERM when its agent
+    (its parent) dies - a job scheduler's SIGKILL of the launcher, ``kill -9`` - which would
+    otherwise leave the workers running as orphans, holding their memory (a GPU's), stuck in
+    collectives. The SIGTERM ends the run as the agent's own does: at once during the set-up,
+    after the current step (and its checkpoint) while training (:func:`end_if_orphaned`). An
+    agent already gone (it died while this process started, before the request: nothing would
+    send the signal) ends the process now, by the same SIGTERM. Returns whether the kernel
+    took the request: not without torchrun (``TORCHELASTIC_RUN_ID`` unset) nor on other
+    systems."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return False
+    if launcher_gone():
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
+def launcher_gone() -> bool:
+    """Whether this ``torchrun`` worker's agent has died: its parent is no longer the one
+    ``import attnres`` saw (before importing torch). False outside torchrun, and in a process
+    forked since (its parent is another by birth)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    import attnres
+
+    pid, parent = attnres._started
+    return pid == os.getpid() and os.getppid() != parent
+
+
+def end_if_orphaned() -> None:
+    """On a SIGTERM that asks a training run to stop: if it came because the launcher died,
+    end this process :data:`LAUNCHER_GRACE_S` later unless the run has stopped by then, as the
+    agent would have killed it (a stalled rank never finishes its step)."""
+    if not launcher_gone():
+        return
+
+    def end() -> None:
+        print(f"rank {os.environ.get('RANK', '?')}: torchrun's agent is gone and this rank did not stop within "
+              f"{LAUNCHER_GRACE_S:g} s of its SIGTERM: exiting", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+    timer = threading.Timer(LAUNCHER_GRACE_S, end)
+    timer.daemon = True
+    timer.start()
 
 
 def mean_over_ranks(value: float, ctx: DistContext) -> float:
@@ -170,7 +278,8 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
 def barrier(ctx: DistContext) -> None:
     """Wait for every rank (nothing to wait for in one process)."""
     if ctx.world_size > 1:
-        dist.barrier(group=ctx.group)
+        with collective_errors(ctx):
+            dist.barrier(group=ctx.group)
 
 
 def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
@@ -178,7 +287,8 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     if ctx.world_size == 1:
         return [obj]
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj, group=ctx.group)
+    with collective_errors(ctx):  # (a failure names ctx's timeout: the patient group's its own)
+        dist.all_gather_object(out, obj, group=ctx.group)
     return out
 
 
@@ -187,7 +297,8 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     if ctx.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=ctx.group)
+    with collective_errors(ctx):
+        dist.broadcast_object_list(box, src=0, group=ctx.group)
     return box[0]
 
 
@@ -245,15 +356,17 @@ def agree(fn, ctx: DistContext):
     return result
 
 
-def main_first(fn, ctx: DistContext, shared: bool = False):
+def main_first(fn, ctx: DistContext, shared: bool = False, what: str = "its part of the set-up"):
     """``fn()`` on rank 0 first, then on the others (which may then read what rank 0 wrote:
     a token cache, checkpoints set aside). With ``shared`` the others take rank 0's
     (picklable) result instead of running ``fn``: work whose answer is every rank's, done once
     (hashing every file of the checkpoint a run resumes would read it once per rank from the
     shared file system - and the ranks could not disagree on which one verifies). An error on
-    any rank stops every rank with that error (:func:`raise_on_every_rank`)."""
+    any rank stops every rank with that error (:func:`raise_on_every_rank`). The others say
+    what they wait for (``what``: rank 0's work) while it takes long (:func:`waiting_for_rank_0`)."""
     result, error = _attempt(fn) if ctx.is_main else (None, None)
-    raise_on_every_rank(error, ctx)  # a collective: also the barrier
+    with waiting_for_rank_0(ctx, what):
+        raise_on_every_rank(error, ctx)  # a collective: also the barrier
     if shared:
         return broadcast_object(result, ctx)
     if not ctx.is_main:
@@ -324,6 +437,6 @@ def collective_errors(ctx: DistContext) -> Iterator[None]:
         raise DistributedError(
             f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({type(e).__name__}: {str(e).strip().splitlines()[0]}). "
             f"Another rank has probably died or stalled; the process-group timeout is {ctx.timeout_s:g} s "
-            "(TrainConfig.dist_timeout_s). Under torchrun the job ends once its agent has stopped every rank: a rank "
+            f"({ctx.timeout_setting}). Under torchrun the job ends once its agent has stopped every rank: a rank "
             "that does not exit on SIGTERM is killed after torchrun's 30 s grace period."
         ) from e

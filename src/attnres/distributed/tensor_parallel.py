@@ -24,6 +24,7 @@ sums them over the ``tp`` group after the backward pass.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,10 @@ def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) ->
         plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if plan:
         parallelize_module(root, mesh, plan)
+    if embed is not None:  # (a sequence that does not split evenly failed in a collective, or aborted gloo)
+        embed.register_forward_pre_hook(lambda _, args: check_sequence_length("input_ids", args[0].shape[1], tp))
+        if hasattr(root, "shard_inputs_embeds"):  # inputs_embeds in place of the embedding's output
+            root.shard_inputs_embeds = partial(sequence_shard, mesh)
     if tied:
         # Each style distributes the weight into a parameter of its own: tie them again. Both
         # split the [vocab, d] matrix by vocabulary rows (Shard(0)), the embedding's lookup and
@@ -99,6 +104,23 @@ def apply_tensor_parallel(root: nn.Module, mesh, layers: Iterable[nn.Module]) ->
             raise ValueError("model.tie_embeddings with parallel.tp > 1: the embedding and LM head shards differ "
                              f"({embed.weight.placements} vs {head.weight.placements}); set model.tie_embeddings=false")
         head.weight = embed.weight
+
+
+def check_sequence_length(name: str, t: int, tp: int) -> None:
+    """``ValueError`` unless a sequence of ``t`` positions splits evenly over ``tp`` ranks."""
+    if t % tp:
+        raise ValueError(f"{name} of {t} positions under tensor parallelism: the sequence length must be divisible by "
+                         f"parallel.tp={tp} (the norms and the residual run on the sequence shard); pad the sequence "
+                         "to a multiple of it")
+
+
+def sequence_shard(mesh, inputs_embeds: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the sequence of ``inputs_embeds [B, T, d]`` (the same on every rank
+    of the 1-D ``mesh``), as the sharded embedding gives it for ``input_ids``; its gradient
+    comes back whole on every rank (an all-gather), as in one process."""
+    check_sequence_length("inputs_embeds", inputs_embeds.shape[1], mesh.size())
+    whole = DTensor.from_local(inputs_embeds, mesh, [Replicate()], run_check=False)
+    return whole.redistribute(mesh, [Shard(1)]).to_local()
 
 
 def replicated_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:

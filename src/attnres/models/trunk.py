@@ -140,6 +140,10 @@ class DecoderTrunk(nn.Module):
     #: into the residual's merge (``FusableNormInput``). Tensor parallelism turns it off: its
     #: sequence-parallel norms take tensors only.
     defer_norm: bool = True
+    #: What ``inputs_embeds [B, T, d]`` become before the residual takes them as ``v_0``
+    #: (``None``: themselves). Tensor parallelism sets it to this rank's shard of the sequence,
+    #: as the embedding of ``input_ids`` gives it there.
+    shard_inputs_embeds: Callable[[Tensor], Tensor] | None = None
 
     def build_trunk(self, config: ModelConfig) -> None:
         self.model_config = config
@@ -274,7 +278,10 @@ class DecoderTrunk(nn.Module):
         else:
             past = 0 if kv_cache is None else kv_cache.seq_len
             cos, sin, attn_mask = self.positions(inputs, attention_mask, past)
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if inputs_embeds is None:
+            x = self.embed_tokens(input_ids)
+        else:
+            x = inputs_embeds if self.shard_inputs_embeds is None else self.shard_inputs_embeds(inputs_embeds)
         # Every sublayer input goes through the block's own RMSNorm first, so the residual may
         # fold that norm into its Phase-2 kernel (defer_norm). Not into a checkpointed sublayer
         # under torch.compile: Dynamo's checkpoint operator takes tensors only, and a deferred

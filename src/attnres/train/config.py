@@ -42,7 +42,7 @@ RESUMABLE_CHANGES = frozenset({
     # Data parallelism reproduces single-process training up to float rounding (the gradient
     # sum runs in another order), so a run may resume on another number of ranks. (The
     # deprecated ``distributed`` stays listed for the saved configs of earlier versions.)
-    "distributed", "dist_timeout_s",
+    "distributed", "dist_timeout_s", "setup_timeout_s",
     # So do tensor and pipeline parallelism (the same sums, split differently), and
     # recomputing activations in the backward pass (the same function).
     *(f"parallel.{name}" for name in PARALLEL_RULES), "activation_checkpoint",
@@ -152,8 +152,9 @@ class TrainConfig:
     device mesh; by default every launched rank is data parallel, and one process is the
     mesh of size 1. ``batch_size`` stays the *global* batch, split evenly over the
     data-parallel ranks. ``dist_timeout_s`` bounds how long a collective waits for a rank
-    that died or stalled before the others stop with an error (not their waits while rank 0
-    prepares the data or publishes a checkpoint, as long as the corpus or the model is large).
+    that died or stalled before the others stop with an error; ``setup_timeout_s`` (24 h, at
+    least ``dist_timeout_s``) bounds their waits while rank 0 prepares the data or publishes a
+    checkpoint, as long as the corpus or the model is large.
     ``activation_checkpoint``
     recomputes activations in the backward pass (``"block"``: every sublayer;
     ``"selective"``: everything but the matmuls and attention). The ``distributed`` key of
@@ -200,6 +201,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     out_dir: str = "runs/attnres"
     dist_timeout_s: float = 600.0
+    setup_timeout_s: float = 86400.0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     activation_checkpoint: str = "none"
     resume: bool = False
@@ -316,6 +318,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "cpu_allocator": Choice(CPU_ALLOCATORS),
     "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS),
     "dist_timeout_s": Number(0.0, lo_open=True),
+    "setup_timeout_s": Number(0.0, lo_open=True),
     "lr": Number(0.0, lo_open=True),
     "weight_decay": Number(0.0),
     **{name: Number(0.0, 1.0, hi_open=True) for name in ("beta1", "beta2", "muon_momentum")},

@@ -69,6 +69,7 @@ from ..distributed.launch import (
     patient,
     process_context,
     raise_on_every_rank,
+    waiting_for_rank_0,
 )
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
@@ -192,7 +193,7 @@ class Trainer:
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
         # the waits for rank 0's long local work (tokenising a large corpus, hashing every
         # rank's shards of a checkpoint) are not bounded by dist_timeout_s, meant for the steps
-        self.patient = patient(ctx)
+        self.patient = patient(ctx, config.setup_timeout_s)
         self.out_dir = Path(config.out_dir)
         self.lock: RunLock | None = None
         self.logger: MetricsLogger | None = None
@@ -212,7 +213,7 @@ class Trainer:
             self.start = self._agree(lambda: self._locate_start(config))
             # W&B starts before the data is read: a missing login stops the run at once, not after
             # minutes of reading and tokenising a large corpus (rank 0; its error is every rank's)
-            self.wandb = self._main_first(lambda: self._start_wandb(config))
+            self.wandb = self._main_first(lambda: self._start_wandb(config), what="starting the W&B run")
             self.config, self.data = self._agree(lambda: self._prepare_data(config))
             self.layout = build_layout(self.config.parallel, self.device)
             self.sharded = self.layout.size > 1  # the checkpoint format: every rank its shards, or one file set
@@ -241,10 +242,11 @@ class Trainer:
             raise
 
     # -- coordination ---------------------------------------------------------------------
-    def _main_first(self, fn, shared: bool = False):
+    def _main_first(self, fn, shared: bool = False, what: str = "its part of the set-up"):
         """``fn()`` on rank 0 first, then on the others, or with ``shared`` rank 0's result on
-        every rank (:func:`~attnres.distributed.launch.main_first`, on the patient group)."""
-        return main_first(fn, self.patient, shared)
+        every rank (:func:`~attnres.distributed.launch.main_first`, on the patient group;
+        ``what``: rank 0's work, named by the others while they wait long)."""
+        return main_first(fn, self.patient, shared, what)
 
     def _agree(self, fn):
         """``fn()`` on every rank, stopping every rank on any rank's error
@@ -515,8 +517,7 @@ class Trainer:
             if self.sharded:
                 self.last_ckpt = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer,
                                               run_state, config.keep_checkpoints, data.tokenizer_files, main=self.main,
-                                              # (the others wait while rank 0 hashes every rank's shards)
-                                              agree=lambda error: raise_on_every_rank(error, self.patient))
+                                              agree=self._publish_agreement(step))
             else:
                 self.last_ckpt = write_checkpoint(self.out_dir, step, self.model.state_dict(),
                                                   self.optimizer.state_dict(), run_state, config.keep_checkpoints,
@@ -524,6 +525,14 @@ class Trainer:
         except CheckpointWriteError as e:  # sharded: every rank raises it alike (save_sharded agrees on it)
             raise on_every_rank(CheckpointWriteError(f"{e}. {self._continue_hint()}")) from None
         return self.last_ckpt
+
+    def _publish_agreement(self, step: int):
+        """The ``agree`` of a sharded checkpoint: every rank stops on any rank's error, while the
+        others wait (and say so when it takes long) for rank 0 to hash every rank's shards."""
+        def agree(error: Exception | None) -> None:
+            with waiting_for_rank_0(self.patient, f"publishing the checkpoint of step {step}: hashing every shard"):
+                raise_on_every_rank(error, self.patient)
+        return agree
 
     def _continue_hint(self) -> str:
         """How to go on after an output write failed (a full disk): from the last good checkpoint."""

@@ -46,6 +46,8 @@ MEANINGS: dict[str, str] = {
     "out_dir": "the run's directory: config, metrics, checkpoints",
     "dist_timeout_s": "seconds a collective waits for a rank that died or stalled (not the waits for rank 0's "
                       "set-up or checkpoint)",
+    "setup_timeout_s": "seconds the other ranks wait for rank 0's set-up (BPE, tokenising, verifying the checkpoint) "
+                       "and for it to publish a checkpoint (hashing every shard)",
     "activation_checkpoint": "recompute activations in the backward: none, block (every sublayer), selective",
     "resume": "continue the newest valid checkpoint in out_dir, bit-exactly",
     "resume_from": "continue this checkpoint (into out_dir)",

@@ -43,7 +43,7 @@ def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
 #: to resume, when to stop, the processes it runs on (a pipelined run may resume in one
 #: process) and how progress is shown.
 PER_LAUNCH = frozenset({"resume", "resume_from", "out_dir", "stop_after", "parallel", "distributed", "dist_timeout_s",
-                        "progress"})
+                        "setup_timeout_s", "progress"})
 
 
 def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainConfig, Path | None]:

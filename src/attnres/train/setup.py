@@ -2,7 +2,7 @@
 whose weights start it (:func:`locate_start`), and its data - tokenizer, sampler, validation
 batches (:func:`prepare_run_data`).
 
-Both take ``main_first(fn, shared=False)``: run ``fn`` on rank 0 first and then on the
+Both take ``main_first(fn, shared=False, what=...)``: run ``fn`` on rank 0 first and then on the
 other ranks (which may then read what rank 0 wrote: a token cache, checkpoints set aside),
 or with ``shared`` give rank 0's result to every rank (the checkpoint to start from: its
 files hashed once, not once per rank); in one process it is ``fn()``.
@@ -29,7 +29,7 @@ from .resume import check_data, check_progress
 
 __all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]
 
-MainFirst = Callable[..., Any]  # (fn, shared=False) -> fn()'s result, see above
+MainFirst = Callable[..., Any]  # (fn, shared=False, what=rank 0's work in words) -> fn()'s result, see above
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
     where = Path(config.resume_from) if config.resume_from is not None else out_dir
     set_aside = main and _owns(out_dir, where)
     # rank 0 verifies (hashes every file) and sets aside what does not verify; the others take its pick
-    source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside, resuming=True), shared=True)
+    source = main_first(lambda: find_valid_checkpoint(where, set_aside=set_aside, resuming=True), shared=True,
+                        what="verifying the checkpoint to resume")
     if source is None and config.resume_from is not None:
         raise ValueError(f"resume_from: {no_checkpoint_at(config.resume_from)}")
     if source is None:
@@ -98,7 +99,8 @@ def locate_start(config: TrainConfig, main: bool, main_first: MainFirst) -> Star
     if latest_checkpoint(out_dir) is not None:
         raise ValueError(f"{str(out_dir)!r} already holds checkpoints; set resume=true (--resume) to continue, "
                          "--resume-from DIR to continue a given checkpoint, or pick another out_dir")
-    return Start() if config.init_from is None else main_first(lambda: _init_source(config), shared=True)
+    return Start() if config.init_from is None else main_first(lambda: _init_source(config), shared=True,
+                                                               what="verifying the init_from checkpoint")
 
 
 @dataclass
@@ -189,7 +191,8 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
         warn_if_tokenizer_unused(config.data.tokenizer, given, source)
     changed = start.resume is not None and check_data(start.resume, corpus.digest, config.allow_data_change)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
-                                             config.data.cache_dir, given=given, progress=config.progress))
+                                             config.data.cache_dir, given=given, progress=config.progress),
+                        what="preparing the data: training the tokenizer, tokenising the corpus")
     vocab_size = model_vocab_size(config, start, tokens.vocab_size)
     if config.model.vocab_size != vocab_size:
         config = dataclasses.replace(config, model=config.model.replace(vocab_size=vocab_size))
