@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..user_warning import at_the_raise_site
 from ..validation import did_you_mean, did_you_mean_each
 
 
@@ -295,6 +296,6 @@ def plain_warnings(program: str = "attnres") -> Iterator[None]:
         if stream is not None:  # a warning that names the package for Python's format names it once
             stream.write(f"{program}: warning: {str(message).removeprefix('attnres: ')}\n")
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), at_the_raise_site():  # (no user's line to name: the package's own, printed so)
         warnings.showwarning = show
         yield

@@ -8,7 +8,6 @@ making it from the run's data settings as then (cached beside the data, or retra
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from ..models.factory import build_model
 from ..models.lm import AttnResLM
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
 from ..distributed.launch import no_cuda_reason
+from ..user_warning import warn_user
 from ..validation import did_you_mean
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
@@ -90,9 +90,8 @@ class LoadedRun:
             raise ValueError(f"the validation split of checkpoint {str(self.checkpoint)!r} cannot be read again from "
                              f"its data {paths}: {e}; pass the held-out text (--text FILE)") from None
         if saved.get("fingerprint") not in (None, corpus.digest):
-            warnings.warn(f"the data at {paths} changed since checkpoint {str(self.checkpoint)!r} was trained: "
-                          "its validation split is not the run's (and may overlap the training text); pass --text",
-                          stacklevel=2)
+            warn_user(f"the data at {paths} changed since checkpoint {str(self.checkpoint)!r} was trained: "
+                      "its validation split is not the run's (and may overlap the training text); pass --text")
         return corpus.val
 
 
@@ -171,8 +170,8 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
         checkpoint, state = found.path, found.state
     if state.get("tokenizer") is not None:
         return tokenizer_from_state(state["tokenizer"], checkpoint)
-    warnings.warn(f"checkpoint {str(checkpoint)!r} stores no tokenizer (written by an earlier version): making it "
-                  "from the run's data settings; pass --tokenizer to choose one", stacklevel=2)
+    warn_user(f"checkpoint {str(checkpoint)!r} stores no tokenizer (written by an earlier version): making it "
+              "from the run's data settings; pass --tokenizer to choose one")
     data = Source(checkpoint, state).run_config().get("data") or {}
     if "tokenizer" not in data:
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} stores neither a tokenizer nor the data settings to "

@@ -74,6 +74,7 @@ from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_
 from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
 from ..output_paths import check_output_dir
 from ..progress import StepProgress
+from ..user_warning import warn_user
 from ..validation import missing_path_hint
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
@@ -405,7 +406,7 @@ class Trainer:
         changes = init_model_changes(init, self.config.model.to_dict()) if init is not None else None
         for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config)):
             if message is not None:
-                warnings.warn(message, stacklevel=2)
+                warn_user(message)
 
     def _describe_layout(self) -> str:
         p = self.config.parallel

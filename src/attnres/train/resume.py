@@ -24,6 +24,7 @@ from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
 from .schedule import lr_factor, wsd_decay_start
+from ..user_warning import warn_user
 
 
 def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
@@ -175,8 +176,8 @@ def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
     versions store no fingerprint: a warning says the data cannot be checked."""
     saved = (source.state.get("data") or {}).get("fingerprint")
     if saved is None:
-        warnings.warn(f"checkpoint {str(source.path)!r} stores no data fingerprint (written by an earlier version): "
-                      "cannot check that the data is unchanged", stacklevel=2)
+        warn_user(f"checkpoint {str(source.path)!r} stores no data fingerprint (written by an earlier version): "
+                  "cannot check that the data is unchanged")
         return False
     if saved == fingerprint:
         return False
@@ -186,9 +187,9 @@ def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
             f"{fingerprint[:12]} vs {saved[:12]}): resuming would continue on other text without a word. Point "
             "data.paths at the original data, or set allow_data_change=true to continue on the new data (tokenised "
             "with the checkpoint's tokenizer, the data position starting over)")
-    warnings.warn(f"allow_data_change=true: the data differ from checkpoint {str(source.path)!r}'s (fingerprint "
-                  f"{fingerprint[:12]} vs {saved[:12]}); continuing on the new data with the checkpoint's tokenizer, "
-                  "the data position starting over", stacklevel=2)
+    warn_user(f"allow_data_change=true: the data differ from checkpoint {str(source.path)!r}'s (fingerprint "
+              f"{fingerprint[:12]} vs {saved[:12]}); continuing on the new data with the checkpoint's tokenizer, "
+              "the data position starting over")
     return True
 
 
