@@ -173,7 +173,18 @@ class ImportModule(argparse.Action):
         except SyntaxError as e:  # (a traceback through argparse's internals, before the command had started)
             where = f"{e.filename}, line {e.lineno}" + (f": {e.text.strip()}" if e.text and e.text.strip() else "")
             parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run `python {e.filename}` to see it")
-        getattr(namespace, self.dest).append(module)
+        getattr(namespace, self.dest).append(value)  # (as given: checkpoints record it, record_given_imports)
+
+
+def record_given_imports(values: list[str]) -> None:
+    """The command's ``--import`` values, as given, for the checkpoints it writes to record, so
+    that a later command without them can name them (:mod:`attnres.nn.residual.imports`).
+    Without any, no model code is imported for it (``attnres status`` stays light); those of an
+    earlier command of this process are forgotten."""
+    if values or f"{__name__.split('.')[0]}.nn.residual.imports" in sys.modules:
+        from ..nn.residual.imports import set_given_imports
+
+        set_given_imports(values)
 
 
 def residual_import(kind: str) -> str | None:

@@ -72,6 +72,7 @@ from ..distributed.launch import (
 )
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
+from ..nn.residual.imports import imports_record
 from ..output_paths import check_output_dir
 from ..progress import StepProgress
 from ..user_warning import warn_user
@@ -502,16 +503,18 @@ class Trainer:
             self.logger.log("diagnostics", self.step_count, block_grad_norm=grads, **diag)
 
     def checkpoint(self) -> Path:
-        """Write the checkpoint of the current step, with the tokenizer and the data's
-        fingerprint: sharded (every rank its shards) on several ranks, consolidated in one
-        process."""
+        """Write the checkpoint of the current step, with the tokenizer, the data's
+        fingerprint and the modules the residual needs (``imports``): sharded (every rank its
+        shards) on several ranks, consolidated in one process."""
         config, step, data = self.config, self.step_count, self.data
         run_state = {"config": config.to_dict(), "sampler": data.sampler.state_dict(), "tokens_seen": self.tokens_seen,
                      "train_loss": self.train_loss, "val_loss": self.val_loss, "val_step": self.val_step,
                      "tokenizer": data.tokenizer_meta,
                      "data": {"fingerprint": data.fingerprint, "train_tokens": len(data.tokens.train),
                               "val_tokens": len(data.tokens.val), "paths": absolute_paths(config.data.paths)},
-                     "init_from": self.start.origin}
+                     "init_from": self.start.origin,
+                     # (the modules a later command must import for a residual of the user's: named, not imported)
+                     "imports": imports_record(config.model.residual.kind)}
         try:
             if self.sharded:
                 self.last_ckpt = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer,

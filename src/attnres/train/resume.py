@@ -22,6 +22,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
+from ..nn.residual.imports import unregistered_residual_error
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
 from .schedule import lr_factor, wsd_decay_start
 from ..user_warning import warn_user
@@ -64,7 +65,13 @@ def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainC
     if isinstance(base.get("data"), dict) and isinstance(paths, list):
         base["data"] = {**base["data"], "paths": paths}
     launch = {k: v for k, v in config.to_dict().items() if k in PER_LAUNCH}
-    return TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides)), found[0]
+    try:
+        return TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides)), found[0]
+    except ValueError as e:  # (a residual of the user's, its module not imported: the one the run recorded)
+        missing = unregistered_residual_error(e, found[1].get("imports"))
+        if missing is None:
+            raise
+        raise ValueError(f"checkpoint {str(found[0])!r}: {missing}") from None
 
 
 def schedule_change(saved: dict[str, Any], current: dict[str, Any], done: int) -> str | None:
