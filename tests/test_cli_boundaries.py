@@ -49,21 +49,71 @@ def test_console_script_imports_a_module_from_the_current_directory(tmp_path):
     assert "kind: halved" in done.stdout
 
 
-def test_a_checkpoint_with_an_unregistered_residual_names_import(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def halved_module(tmp_path, monkeypatch):
+    """``halved_residuals.py`` in ``tmp_path`` (the working directory), registering residual
+    'halved' when imported; the registration, the import and ``sys.path`` are undone afterwards."""
     from attnres.nn.residual import registry
 
     (tmp_path / "halved_residuals.py").write_text(MY_RESIDUALS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registration is undone afterwards
-    monkeypatch.setitem(sys.modules, "halved_residuals", None)  # ... and the import: the key is removed
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setitem(sys.modules, "halved_residuals", None)  # (the key is removed afterwards)
     del sys.modules["halved_residuals"]
+    return registry
+
+
+def test_a_checkpoint_with_an_unregistered_residual_names_its_module(tmp_path, halved_module):
+    """A run trained in Python, its residual's module imported there: a command without it names it."""
     __import__("halved_residuals")
     corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
-    train(load_config(None, overrides(corpus, tmp_path / "run", steps=2, **{"model.residual.kind": "halved"})))
-    del registry._REGISTRY["halved"]  # a new process that has not imported the module
+    train(load_config(None, overrides(corpus, tmp_path / "run", steps=2, warmup_steps=1,
+                                      **{"model.residual.kind": "halved"})))
+    del halved_module._REGISTRY["halved"]  # a new process that has not imported the module
     with pytest.raises(SystemExit) as info:
         cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the", "--max-new-tokens", "2"])
-    assert "'halved'" in str(info.value) and "attnres --import MODULE" in str(info.value)
+    assert str(info.value).endswith("residual 'halved' is not registered: this run's residual class is in module "
+                                    "'halved_residuals'; add --import halved_residuals (`attnres --import "
+                                    "halved_residuals <command> ...`; in Python, `import halved_residuals` first)")
+
+
+def test_the_commands_after_a_run_trained_with_import_name_the_module(tmp_path, halved_module):
+    """A run trained with `attnres --import MODULE train ...`: its `train --resume`, `generate` and
+    `eval` without --import said only "kind must be one of ...; `attnres --import MODULE`" - the
+    run did not record which module. Its checkpoints do now (state.json's "imports"), and the
+    error names it; the module is not imported for the user. A checkpoint of an earlier version
+    (no record) gives the registry's message as before."""
+    import json
+
+    from attnres.checkpoint.manifest import STATE_FILE, latest_checkpoint, seal_state
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    assert cli_main(["--import", "halved_residuals", "train", *overrides(corpus, run, steps=2, warmup_steps=1),
+                     "model.residual.kind=halved"]) == 0
+    del halved_module._REGISTRY["halved"]  # a new process that has not imported the module
+    commands = {"resume": ["train", f"out_dir={run}", "--resume"],
+                "generate": ["generate", "--checkpoint", str(run), "--prompt", "the", "--max-new-tokens", "2"],
+                "eval": ["eval", "--checkpoint", str(run), "--tasks", "none"]}
+    for name, argv in commands.items():
+        with pytest.raises(SystemExit) as info:
+            cli_main(argv)
+        said = str(info.value)
+        assert said.endswith("residual 'halved' is not registered: this run was trained with --import "
+                             "halved_residuals; add --import halved_residuals (`attnres --import halved_residuals "
+                             "<command> ...`; in Python, `import halved_residuals` first)"), (name, said)
+        assert "checkpoint " in said and "halved" not in halved_module._REGISTRY, (name, said)  # (named, not imported)
+    ckpt = latest_checkpoint(run)
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    assert doc.pop("imports") == {"given": ["halved_residuals"], "residual": "halved",
+                                  "residual_module": "halved_residuals"}
+    (ckpt / STATE_FILE).write_text(json.dumps(seal_state({k: v for k, v in doc.items() if k != "state_sha256"})))
+    for name, argv in commands.items():
+        with pytest.raises(SystemExit) as info:
+            cli_main(argv)
+        assert "got 'halved'; a residual of your own is registered by importing its module first: `attnres --import " \
+               "MODULE <command> ...`" in str(info.value), (name, str(info.value))
 
 
 @pytest.mark.parametrize("command", ["generate", "eval", "export"])

@@ -510,6 +510,29 @@ def test_invalid_config_names_field_and_allowed_values(field, value, allowed):
     assert f"ModelConfig.{field}" in msg and allowed in msg and repr(value) in msg
 
 
+def test_residual_config_takes_numpy_scalars_as_the_python_numbers_they_hold():
+    """``residual={"block_size": np.int64(4)}`` (a notebook's sweep over an array) was refused:
+    "ModelConfig.residual.block_size must be an integer >= 1 ...; got np.int64(4)", where
+    ModelConfig and TrainConfig take them. An array, and a bool for an integer, still are."""
+    np = pytest.importorskip("numpy")
+    residual = {"block_size": np.int64(4), "eps": np.float32(0.5), "schedule": np.str_("naive"),
+                "recompute_phase1": np.bool_(False), "full_group_size": np.int32(2), "ablation": {"heads": np.int64(2)}}
+    r = ModelConfig.preset("tiny", residual=residual).residual
+    values = (r.block_size, r.eps, r.schedule, r.recompute_phase1, r.full_group_size, r.ablation.heads)
+    assert values == (4, 0.5, "naive", False, 2, 2)
+    assert [type(v) for v in values] == [int, float, str, bool, int, int]
+    options = {"init": np.float32(0.25)}
+    user = ResidualConfig(kind="standard", options=options)
+    user.check_fields(64)  # (the options of a user's variant: config.json stores them)
+    assert type(user.options["init"]) is float and type(options["init"]) is np.float32  # (the caller's mapping kept)
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.block_size must be an integer >= 1, or null .*; got True$"):
+        ModelConfig.preset("tiny", residual={"block_size": np.bool_(True)})
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.recompute_phase1 must be true or false; got 1$"):
+        ModelConfig.preset("tiny", residual={"recompute_phase1": np.int64(1)})
+    with pytest.raises(ValueError, match=r"ModelConfig.residual.block_size must be an integer .*; got array\(\[4\]\)$"):
+        ModelConfig.preset("tiny", residual={"block_size": np.array([4])})
+
+
 def test_registered_variant_names_are_the_allowed_residuals():
     with pytest.raises(ValueError) as info:
         ModelConfig(residual="nope")

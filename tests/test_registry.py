@@ -600,3 +600,30 @@ def test_a_pipeline_takes_a_users_variant_without_parameters_and_refuses_one_wit
     assert chunk("uncounted_test").n_completed_in == 0  # the hidden state alone
     with pytest.raises(ValueError, match="residual 'scaled_test' has parameters it cannot split"):
         chunk(SCALED)
+
+
+def test_the_unregistered_residual_error_names_only_what_the_run_recorded(monkeypatch):
+    """What a command says for a run's residual that is not registered here, from its
+    checkpoint's record (``attnres.nn.residual.imports``): the --import values as given, else the
+    class's module; a script's class (``__main__``) cannot be imported; no record (a checkpoint
+    of an earlier version), another error or another kind (a misspelt override): ``None``, the
+    registry's own message."""
+    from attnres.nn.residual import imports
+    from attnres.nn.residual.imports import imports_record, unregistered_residual_error
+
+    monkeypatch.setattr(imports, "_GIVEN", [])  # (no --import in this process)
+
+    with pytest.raises(ValueError) as info:
+        residual_class("gone_test")
+    error = info.value
+    record = {"given": ["path/to/my res.py"], "residual": "gone_test", "residual_module": "my_res"}
+    assert unregistered_residual_error(error, record) == (
+        "residual 'gone_test' is not registered: this run was trained with --import 'path/to/my res.py'; add --import "
+        "'path/to/my res.py' (`attnres --import 'path/to/my res.py' <command> ...`; in Python, `import my_res` first)")
+    assert unregistered_residual_error(error, {**record, "given": [], "residual_module": "__main__"}).startswith(
+        "residual 'gone_test' is not registered: this run was trained by a script that defined it (its __main__)")
+    for other in (None, {**record, "residual": "gone_other"}, {"given": [], "residual": "gone_test"}):
+        assert unregistered_residual_error(error, other) is None
+    assert unregistered_residual_error(ValueError("another"), record) is None
+    assert imports_record("scaled_test") == {"given": [], "residual": "scaled_test", "residual_module": __name__}
+    assert imports_record("attnres_block")["residual_module"] is None

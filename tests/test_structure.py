@@ -102,7 +102,8 @@ def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
 #: root package (``attnres/__init__.py``) re-exports the model API. ``serve`` is listed for
 #: when it exists.
 LAYERS: list[tuple[str, ...]] = [
-    ("validation",),  # the config checks and their error format, imported by migrations too
+    ("validation", "user_warning"),  # the config checks and their error format, imported by migrations too;
+    # warn_user, which names the user's line
     ("migrations", "progress", "name_clash", "extras", "output_paths"),
     ("ops",),
     ("nn",),

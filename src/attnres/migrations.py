@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from typing import Any, Callable
 
+from .user_warning import warn_user
 from .validation import did_you_mean
 
 __all__ = [
@@ -74,7 +74,7 @@ LEGACY_DISTRIBUTED = {
 
 
 def _warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=4)
+    warn_user(f"{old} is deprecated: use {new}", DeprecationWarning)
 
 
 def _renamed_backend(value: Any) -> bool:
@@ -156,8 +156,8 @@ def migrate_train_keys(data: dict[str, Any]) -> dict[str, Any]:
     if value not in LEGACY_DISTRIBUTED:
         raise ValueError(f"TrainConfig.distributed must be one of {', '.join(map(repr, LEGACY_DISTRIBUTED))} "
                          f"(deprecated: use parallel.dp); got {value!r}")
-    warnings.warn(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is now "
-                  f"{LEGACY_DISTRIBUTED[value]}. Remove it (docs/scale-out.md)", DeprecationWarning, stacklevel=3)
+    warn_user(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is now "
+              f"{LEGACY_DISTRIBUTED[value]}. Remove it (docs/scale-out.md)", DeprecationWarning)
     parallel = out.get("parallel")
     if value != "none":
         pass
@@ -176,7 +176,7 @@ def renamed_attribute(obj: Any, name: str, renames: dict[str, tuple[str, ...]], 
     if name not in renames:
         raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
     path = renames[name]
-    warnings.warn(f"{where}.{name} is deprecated: use {where}.{'.'.join(path)}", DeprecationWarning, stacklevel=3)
+    warn_user(f"{where}.{name} is deprecated: use {where}.{'.'.join(path)}", DeprecationWarning)
     value = obj
     for part in path:
         value = getattr(value, part)

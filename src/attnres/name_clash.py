@@ -11,7 +11,8 @@ command finds them from the installed distributions' metadata, every distributio
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import warnings
+
+from .user_warning import warn_user
 
 __all__ = ["KNOWN_CLASHES", "clashing_distributions", "warn_about_clashes"]
 
@@ -57,8 +58,8 @@ def warn_about_clashes(thorough: bool = False) -> None:
         if name in _warned:
             continue
         _warned.add(name)
-        warnings.warn(f"the installed distribution {name!r} ({version}) also installs a top-level package named "
-                      "'attnres': which one `import attnres` gets depends on sys.path, and installed into one "
-                      "environment one overwrites the other's files, so either may break. Keep them in separate "
-                      f"virtual environments (here: pip uninstall {name} attnres, then pip install attnres again)",
-                      UserWarning, stacklevel=3)
+        warn_user(f"the installed distribution {name!r} ({version}) also installs a top-level package named "
+                  "'attnres': which one `import attnres` gets depends on sys.path, and installed into one "
+                  "environment one overwrites the other's files, so either may break. Keep them in separate "
+                  f"virtual environments (here: pip uninstall {name} attnres, then pip install attnres again)",
+                  UserWarning)

@@ -14,10 +14,11 @@ import math
 import os
 import shutil
 import tempfile
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .user_warning import warn_user
 
 __all__ = ["HF_MODEL_FILES", "HF_TOKENIZER_FILES", "HF_WEIGHT_FILES", "OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way",
            "honour_umask", "not_a_directory", "os_cause", "strict_json", "write_directory_atomically",
@@ -189,8 +190,8 @@ def write_directory_atomically(path: Path, write: Callable[[Path], None], what: 
         for file in stale:  # (once the new weights are in place: never a directory without any)
             file.unlink()
         if stale:
-            warnings.warn(f"{what} {str(path)!r}: removed {len(stale)} file(s) of the model it held, which the new one "
-                          f"does not overwrite: {', '.join(str(f.relative_to(path)) for f in stale)}", stacklevel=2)
+            warn_user(f"{what} {str(path)!r}: removed {len(stale)} file(s) of the model it held, which the new one "
+                      f"does not overwrite: {', '.join(str(f.relative_to(path)) for f in stale)}")
         return path
     except OSError as e:
         raise OutputPathError(f"{what} {str(path)!r} could not be written ({os_cause(e)}); what was there is "

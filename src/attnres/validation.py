@@ -22,13 +22,26 @@ from typing import Any, NoReturn
 
 
 def python_scalars(config: Any) -> None:
-    """Replace the NumPy scalars among a config dataclass's fields by the Python numbers they
-    hold: ``for seed in np.arange(3)`` or ``np.float32`` learning rates (a notebook's sweep) were
-    refused ("must be an integer >= 0; got np.int64(1)"), and config.json could not store them."""
+    """Replace the NumPy scalars among a config dataclass's fields (and the values of a mapping
+    field, such as a residual's ``options``) by the Python numbers they hold: ``for seed in
+    np.arange(3)`` or ``np.float32`` learning rates (a notebook's sweep) were refused ("must be an
+    integer >= 0; got np.int64(1)"), and config.json could not store them. An array is left as
+    it is, for the field's check to refuse; a NumPy bool becomes a ``bool``, which an integer
+    field refuses as it refuses ``True``."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-            setattr(config, f.name, value.item())
+        if (plain := _python_values(value)) is not value:
+            object.__setattr__(config, f.name, plain)  # (a frozen dataclass too)
+
+
+def _python_values(value: Any) -> Any:
+    """``value`` with its NumPy scalars as Python ones (in a mapping: a new one, the caller's
+    left as it was); ``value`` itself when it holds none."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    if isinstance(value, dict) and any(_python_values(v) is not v for v in value.values()):
+        return {k: _python_values(v) for k, v in value.items()}
+    return value
 
 
 #: Other names of an allowed value that no spelling distance finds ('gpu' is nearer 'cpu'

@@ -6,13 +6,13 @@ them); :func:`set_aside_newer` moves checkpoints of an abandoned trajectory out 
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 from ..output_paths import HF_MODEL_FILES, HF_WEIGHT_FILES, OutputPathError
+from ..user_warning import warn_user
 from ..validation import missing_path_hint
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
@@ -260,10 +260,9 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
             continue
         for broken, problem in bad:  # set aside only with a valid one to fall back to
             moved = f"; set aside as {_set_aside(broken, CORRUPT_PREFIX).name!r}" if set_aside else ""
-            warnings.warn(f"skipping a checkpoint that does not verify: {problem}{moved}", stacklevel=3)
+            warn_user(f"skipping a checkpoint that does not verify: {problem}{moved}")
         if bad:
-            warnings.warn(f"falling back to the newest valid checkpoint {str(path)!r} (step {state['step']})",
-                          stacklevel=3)
+            warn_user(f"falling back to the newest valid checkpoint {str(path)!r} (step {state['step']})")
         return Source(path, state)
     if bad:  # nothing to fall back to: kept where it is, for the user to inspect
         checkpoints = str(run / "checkpoints")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from . import analyze, env, experiment, export, generate, plot, status, train, upcycle
 from . import eval as eval_command
-from .common import ImportModule, Parser, end_process, missing_extra, plain_warnings, resolve_checkpoint, version_line
+from .common import (ImportModule, Parser, end_process, missing_extra, plain_warnings, record_given_imports,
+                     resolve_checkpoint, version_line)
 from .experiment import EXPERIMENT_NAMES
 from .generate import check_context
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("default", category=DeprecationWarning, module=r"attnres(\.|$)")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # --version and --help end here, at once
+    record_given_imports(args.imports)
     warn_about_clashes(thorough=True)  # every distribution's file list: a fraction of a second
     command = COMMANDS[args.command]
     if extra and (command.accepts_extra is None or not all(command.accepts_extra(e) for e in extra)):

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..user_warning import at_the_raise_site
 from ..validation import did_you_mean, did_you_mean_each
 
 
@@ -172,7 +173,18 @@ class ImportModule(argparse.Action):
         except SyntaxError as e:  # (a traceback through argparse's internals, before the command had started)
             where = f"{e.filename}, line {e.lineno}" + (f": {e.text.strip()}" if e.text and e.text.strip() else "")
             parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run `python {e.filename}` to see it")
-        getattr(namespace, self.dest).append(module)
+        getattr(namespace, self.dest).append(value)  # (as given: checkpoints record it, record_given_imports)
+
+
+def record_given_imports(values: list[str]) -> None:
+    """The command's ``--import`` values, as given, for the checkpoints it writes to record, so
+    that a later command without them can name them (:mod:`attnres.nn.residual.imports`).
+    Without any, no model code is imported for it (``attnres status`` stays light); those of an
+    earlier command of this process are forgotten."""
+    if values or f"{__name__.split('.')[0]}.nn.residual.imports" in sys.modules:
+        from ..nn.residual.imports import set_given_imports
+
+        set_given_imports(values)
 
 
 def residual_import(kind: str) -> str | None:
@@ -295,6 +307,6 @@ def plain_warnings(program: str = "attnres") -> Iterator[None]:
         if stream is not None:  # a warning that names the package for Python's format names it once
             stream.write(f"{program}: warning: {str(message).removeprefix('attnres: ')}\n")
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), at_the_raise_site():  # (no user's line to name: the package's own, printed so)
         warnings.showwarning = show
         yield

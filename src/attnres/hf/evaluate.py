@@ -25,7 +25,6 @@ import os
 import random
 import subprocess
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from torch import nn
 
 from ..data.tokenizer import ByteTokenizer, Tokenizer
 from ..progress import progress_bar
+from ..user_warning import warn_user
 from ..validation import did_you_mean_each
 from ..models.factory import context_limit
 
@@ -379,9 +379,9 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                 bootstrap_iters=bootstrap_iters,
             )
     if truncated:
-        warnings.warn(f"{len(truncated)} of the tasks' requests were longer than the model's context and were cut "
-                      f"from the left by lm-eval (the longest by {max(truncated)} tokens): their scores saw less "
-                      "context", stacklevel=2)
+        warn_user(f"{len(truncated)} of the tasks' requests were longer than the model's context and were cut "
+                  f"from the left by lm-eval (the longest by {max(truncated)} tokens): their scores saw less "
+                  "context")
     if out is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
     return add_ratio_stderrs(out["results"], out.get("samples") or {}) if bootstrap_iters > 0 else out["results"]

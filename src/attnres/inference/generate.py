@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Iterable, Iterator
 from numbers import Integral, Real
 
@@ -22,6 +21,7 @@ from torch import Tensor
 from ..models.factory import context_limit
 from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache, check_left_padding
+from ..user_warning import warn_user
 from ..validation import did_you_mean
 from .static import StaticDecoder, check_native
 
@@ -269,9 +269,9 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
         # pick, without a word: a NUL byte with the byte tokenizer).
         done, finite = torch.stack((finished.all(), finite)).tolist()
         if not finite and not warned:
-            warnings.warn(f"the logits of generation step {step} are not finite (NaN or infinite): the tokens "
-                          "generated from them are meaningless (weights that overflow, or a diverged checkpoint)",
-                          RuntimeWarning, stacklevel=2)
+            warn_user(f"the logits of generation step {step} are not finite (NaN or infinite): the tokens "
+                      "generated from them are meaningless (weights that overflow, or a diverged checkpoint)",
+                      RuntimeWarning)
             warned = True
         if last or done:
             return

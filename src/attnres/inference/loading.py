@@ -8,7 +8,6 @@ making it from the run's data settings as then (cached beside the data, or retra
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +17,10 @@ from ..data.tokenizer import CHAT_SETTINGS, ByteTokenizer, Tokenizer, load_token
 from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
+from ..nn.residual.imports import unregistered_residual_error
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
 from ..distributed.launch import no_cuda_reason
+from ..user_warning import warn_user
 from ..validation import did_you_mean
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
@@ -90,9 +91,8 @@ class LoadedRun:
             raise ValueError(f"the validation split of checkpoint {str(self.checkpoint)!r} cannot be read again from "
                              f"its data {paths}: {e}; pass the held-out text (--text FILE)") from None
         if saved.get("fingerprint") not in (None, corpus.digest):
-            warnings.warn(f"the data at {paths} changed since checkpoint {str(self.checkpoint)!r} was trained: "
-                          "its validation split is not the run's (and may overlap the training text); pass --text",
-                          stacklevel=2)
+            warn_user(f"the data at {paths} changed since checkpoint {str(self.checkpoint)!r} was trained: "
+                      "its validation split is not the run's (and may overlap the training text); pass --text")
         return corpus.val
 
 
@@ -106,22 +106,24 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     if source is None:
         raise CheckpointError(no_checkpoint_at(path))
     run_config = source.run_config()
-    config = saved_model_config(source.path, run_config)
+    config = saved_model_config(source)
     model = build_model(config)  # AttnResLM, or a transformers family's modules around the residual
     load_weights(source.path, source.state, model)  # a sharded (DCP) one is read in this process
     device = device if isinstance(device, torch.device) else pick_device(device)
     return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
 
 
-def saved_model_config(path: Path, run_config: dict) -> ModelConfig:
+def saved_model_config(source: Source) -> ModelConfig:
     """The :class:`ModelConfig` a checkpoint's run config describes; a config this version
-    cannot read (a field of a newer attnres, a residual of a module not imported) is a
-    :class:`CheckpointError` that names the checkpoint as well as the field."""
+    cannot read (a field of a newer attnres, a residual of a module not imported: named by the
+    checkpoint's record of its imports) is a :class:`CheckpointError` that names the checkpoint
+    as well as the field."""
     try:
-        return ModelConfig.from_dict(run_config["model"])
+        return ModelConfig.from_dict(source.run_config()["model"])
     except (ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: its saved model config (config.model in state.json) "
-                              f"cannot be built here: {e}") from None
+        said = unregistered_residual_error(e, source.state.get("imports")) or (
+            f"its saved model config (config.model in state.json) cannot be built here: {e}")
+        raise CheckpointError(f"checkpoint {str(source.path)!r}: {said}") from None
 
 
 def load_model(path: str | Path, device: str | torch.device | None = "cpu") -> tuple[AttnResLM, dict]:
@@ -171,8 +173,8 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
         checkpoint, state = found.path, found.state
     if state.get("tokenizer") is not None:
         return tokenizer_from_state(state["tokenizer"], checkpoint)
-    warnings.warn(f"checkpoint {str(checkpoint)!r} stores no tokenizer (written by an earlier version): making it "
-                  "from the run's data settings; pass --tokenizer to choose one", stacklevel=2)
+    warn_user(f"checkpoint {str(checkpoint)!r} stores no tokenizer (written by an earlier version): making it "
+              "from the run's data settings; pass --tokenizer to choose one")
     data = Source(checkpoint, state).run_config().get("data") or {}
     if "tokenizer" not in data:
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} stores neither a tokenizer nor the data settings to "

@@ -19,13 +19,12 @@ model's ordinary decoder pass on the new token; only self-attention reads the ca
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
 from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache, StaticKVCache
+from ..user_warning import warn_user
 from ..validation import did_you_mean
 
 __all__ = ["STATIC_MODES", "StaticDecoder", "static_decode_step"]
@@ -167,11 +166,11 @@ class StaticDecoder:
         try:
             return self._compiled(model, cache, tokens)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step runs: the cache is as it was
-            warnings.warn("decode='compiled': torch.compile reached its recompile limit "
-                          f"(torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit}) for the "
-                          "decode step - one graph per model class, dtype, batch size, capacity and grad mode - so "
-                          "this generation decodes eagerly; raise the limit, or use decode='static'",
-                          RuntimeWarning, stacklevel=4)
+            warn_user("decode='compiled': torch.compile reached its recompile limit "
+                      f"(torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit}) for the "
+                      "decode step - one graph per model class, dtype, batch size, capacity and grad mode - so "
+                      "this generation decodes eagerly; raise the limit, or use decode='static'",
+                      RuntimeWarning)
             self._run = static_decode_step
             return static_decode_step(model, cache, tokens)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import merge_residual
+from ..user_warning import warn_user
 from ..validation import Choice, Fields, Nullable, did_you_mean, python_scalars
 
 __all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
@@ -165,9 +165,8 @@ class ModelConfig:
         """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``).
         A name of :data:`RENAMED_PRESETS` gives its new preset, with a ``DeprecationWarning``."""
         if name in RENAMED_PRESETS:
-            warnings.warn(f"model preset {name!r} is now called {RENAMED_PRESETS[name]!r} ({name!r} names the "
-                          "`attnres compare` / `make demo` grid); the old name will be removed", DeprecationWarning,
-                          stacklevel=2)
+            warn_user(f"model preset {name!r} is now called {RENAMED_PRESETS[name]!r} ({name!r} names the "
+                      "`attnres compare` / `make demo` grid); the old name will be removed", DeprecationWarning)
             name = RENAMED_PRESETS[name]
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; available: {sorted(PRESETS)}")

@@ -18,12 +18,12 @@ import os
 import socket
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..distributed.launch import DistContext, broadcast_object, gather_objects
+from ..user_warning import warn_user
 
 LOCK_FILE = "run.lock"
 
@@ -146,7 +146,7 @@ class RunLock:
                     raise self._refusal(holder, job_hosts)
                 if self._read() != holder:  # another process took it over meanwhile: look again
                     continue
-                warnings.warn(f"removing the stale lock of a run that no longer runs: {_describe(holder)}", stacklevel=3)
+                warn_user(f"removing the stale lock of a run that no longer runs: {_describe(holder)}")
                 self.path.unlink(missing_ok=True)
             raise RunLocked(f"could not lock {str(self.path.parent)!r}: the lock file {str(self.path)!r} keeps changing")
         finally:

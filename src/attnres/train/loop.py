@@ -73,8 +73,10 @@ from ..distributed.launch import (
 )
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
+from ..nn.residual.imports import imports_record
 from ..output_paths import check_output_dir
 from ..progress import StepProgress
+from ..user_warning import warn_user
 from ..validation import missing_path_hint
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
@@ -407,7 +409,7 @@ class Trainer:
         changes = init_model_changes(init, self.config.model.to_dict()) if init is not None else None
         for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config)):
             if message is not None:
-                warnings.warn(message, stacklevel=2)
+                warn_user(message)
 
     def _describe_layout(self) -> str:
         p = self.config.parallel
@@ -503,16 +505,18 @@ class Trainer:
             self.logger.log("diagnostics", self.step_count, block_grad_norm=grads, **diag)
 
     def checkpoint(self) -> Path:
-        """Write the checkpoint of the current step, with the tokenizer and the data's
-        fingerprint: sharded (every rank its shards) on several ranks, consolidated in one
-        process."""
+        """Write the checkpoint of the current step, with the tokenizer, the data's
+        fingerprint and the modules the residual needs (``imports``): sharded (every rank its
+        shards) on several ranks, consolidated in one process."""
         config, step, data = self.config, self.step_count, self.data
         run_state = {"config": config.to_dict(), "sampler": data.sampler.state_dict(), "tokens_seen": self.tokens_seen,
                      "train_loss": self.train_loss, "val_loss": self.val_loss, "val_step": self.val_step,
                      "tokenizer": data.tokenizer_meta,
                      "data": {"fingerprint": data.fingerprint, "train_tokens": len(data.tokens.train),
                               "val_tokens": len(data.tokens.val), "paths": absolute_paths(config.data.paths)},
-                     "init_from": self.start.origin}
+                     "init_from": self.start.origin,
+                     # (the modules a later command must import for a residual of the user's: named, not imported)
+                     "imports": imports_record(config.model.residual.kind)}
         try:
             if self.sharded:
                 self.last_ckpt = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer,

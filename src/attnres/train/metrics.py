@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.locate import RUN_LOG as METRICS_FILE
 from ..output_paths import strict_json
 from .out_dir import OutDirError, os_cause
+from ..user_warning import warn_user
 
 if TYPE_CHECKING:
     from .wandb_log import WandbMirror
@@ -93,8 +93,8 @@ def read_metrics(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
         else:
             bad.append(lineno)
     if bad and warn:
-        warnings.warn(f"{str(path)!r}: skipped {len(bad)} unreadable line(s) {bad[:5]} (a run killed mid-write "
-                      "leaves a truncated last line)", stacklevel=2)
+        warn_user(f"{str(path)!r}: skipped {len(bad)} unreadable line(s) {bad[:5]} (a run killed mid-write "
+                  "leaves a truncated last line)")
     return records
 
 

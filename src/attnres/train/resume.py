@@ -22,8 +22,10 @@ from typing import Any
 
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
+from ..nn.residual.imports import unregistered_residual_error
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
 from .schedule import lr_factor, wsd_decay_start
+from ..user_warning import warn_user
 
 
 def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +65,13 @@ def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainC
     if isinstance(base.get("data"), dict) and isinstance(paths, list):
         base["data"] = {**base["data"], "paths": paths}
     launch = {k: v for k, v in config.to_dict().items() if k in PER_LAUNCH}
-    return TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides)), found[0]
+    try:
+        return TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides)), found[0]
+    except ValueError as e:  # (a residual of the user's, its module not imported: the one the run recorded)
+        missing = unregistered_residual_error(e, found[1].get("imports"))
+        if missing is None:
+            raise
+        raise ValueError(f"checkpoint {str(found[0])!r}: {missing}") from None
 
 
 def schedule_change(saved: dict[str, Any], current: dict[str, Any], done: int) -> str | None:
@@ -175,8 +183,8 @@ def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
     versions store no fingerprint: a warning says the data cannot be checked."""
     saved = (source.state.get("data") or {}).get("fingerprint")
     if saved is None:
-        warnings.warn(f"checkpoint {str(source.path)!r} stores no data fingerprint (written by an earlier version): "
-                      "cannot check that the data is unchanged", stacklevel=2)
+        warn_user(f"checkpoint {str(source.path)!r} stores no data fingerprint (written by an earlier version): "
+                  "cannot check that the data is unchanged")
         return False
     if saved == fingerprint:
         return False
@@ -186,9 +194,9 @@ def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
             f"{fingerprint[:12]} vs {saved[:12]}): resuming would continue on other text without a word. Point "
             "data.paths at the original data, or set allow_data_change=true to continue on the new data (tokenised "
             "with the checkpoint's tokenizer, the data position starting over)")
-    warnings.warn(f"allow_data_change=true: the data differ from checkpoint {str(source.path)!r}'s (fingerprint "
-                  f"{fingerprint[:12]} vs {saved[:12]}); continuing on the new data with the checkpoint's tokenizer, "
-                  "the data position starting over", stacklevel=2)
+    warn_user(f"allow_data_change=true: the data differ from checkpoint {str(source.path)!r}'s (fingerprint "
+              f"{fingerprint[:12]} vs {saved[:12]}); continuing on the new data with the checkpoint's tokenizer, "
+              "the data position starting over")
     return True
 
 

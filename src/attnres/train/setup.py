@@ -11,7 +11,6 @@ files hashed once, not once per rank); in one process it is ``fn()``.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from ..data.tokenizer import CHAT_SETTINGS, TOKENIZER_KINDS, Tokenizer, load_tok
 from .config import TrainConfig
 from .hf_source import hf_source
 from .resume import check_data, check_progress
+from ..user_warning import warn_user
 
 __all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]
 
@@ -128,7 +128,7 @@ def stored_tokenizer(source: Source) -> Tokenizer | None:
     if meta is None:
         what = ("holds no tokenizer.json" if source.state.get("hf_directory")
                 else "stores no tokenizer (written by an earlier version)")
-        warnings.warn(f"{str(source.path)!r} {what}: making it from the data settings", stacklevel=3)
+        warn_user(f"{str(source.path)!r} {what}: making it from the data settings")
         return None
     return tokenizer_from_state(meta, source.path)
 
@@ -145,9 +145,9 @@ def warn_if_tokenizer_unused(requested: str, given: Tokenizer, source: Source) -
                 return
         except ValueError:
             pass  # (unreadable or gone: not used either)
-    warnings.warn(f"data.tokenizer={requested!r} is not used: a run started from {str(source.path)!r} keeps the "
-                  f"tokenizer stored with it ({given.kind}, {given.vocab_size} tokens), the one its embeddings were "
-                  "trained with", stacklevel=3)
+    warn_user(f"data.tokenizer={requested!r} is not used: a run started from {str(source.path)!r} keeps the "
+              f"tokenizer stored with it ({given.kind}, {given.vocab_size} tokens), the one its embeddings were "
+              "trained with")
 
 
 def _source_vocab_size(config: TrainConfig, start: Start) -> int | None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import uuid
-import warnings
 from pathlib import Path
 from typing import Any
 
 from ..extras import install_command
+from ..user_warning import warn_user
 
 #: The file in ``out_dir`` that keeps the W&B run id across resumptions.
 WANDB_FILE = "wandb.json"
@@ -73,10 +73,10 @@ class WandbMirror:
         # stay in the W&B run, and their redone values (metrics.jsonl's) are ignored there.
         first = getattr(self.run, "starting_step", 0) or 0
         if resume_step is not None and first > resume_step + 1:
-            warnings.warn(f"wandb_project={project!r}: the W&B run {run_id} already holds steps up to {first - 1}, "
-                          f"logged before the interruption; this run resumes at step {resume_step + 1}, so W&B keeps "
-                          f"the old values of steps {resume_step + 1}-{first - 1} and ignores the redone ones "
-                          f"(metrics.jsonl has them)", stacklevel=2)
+            warn_user(f"wandb_project={project!r}: the W&B run {run_id} already holds steps up to {first - 1}, "
+                      f"logged before the interruption; this run resumes at step {resume_step + 1}, so W&B keeps "
+                      f"the old values of steps {resume_step + 1}-{first - 1} and ignores the redone ones "
+                      f"(metrics.jsonl has them)")
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         """One record's scalars (:func:`attnres.train.metrics.scalars`) at ``step``."""

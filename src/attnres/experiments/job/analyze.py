@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from ...analysis.mixing_report import (
     rank_table,
     sink_table,
 )
+from ...user_warning import warn_user
 
 __all__ = ["analysis_tokens", "analyze_checkpoint", "write_analysis", "mixing_section", "moe_layers",
            "expert_load_section", "DEFAULT_ROWS"]
@@ -63,8 +63,8 @@ def token_windows(ids: list[int], limit: int, rows: int | None = None, seq_len: 
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}: use {fix}")
     holds = len(ids) // seq_len
     if rows is not None and rows > holds:  # (overlapping windows would count the same tokens again)
-        warnings.warn(f"--rows {rows} is more than the text holds: its {len(ids)} tokens make {holds} window(s) of "
-                      f"{seq_len} that do not overlap; analysing {holds}", stacklevel=3)
+        warn_user(f"--rows {rows} is more than the text holds: its {len(ids)} tokens make {holds} window(s) of "
+                  f"{seq_len} that do not overlap; analysing {holds}")
     rows = min(DEFAULT_ROWS if rows is None else rows, holds)
     span = len(ids) - seq_len
     # (the gap between starts is span / (rows - 1) >= seq_len: the windows do not overlap)
@@ -207,7 +207,7 @@ def _plot_if_possible(panels, path: Path, diff) -> str:
 
         path.unlink(missing_ok=True)  # (an older analysis's picture would be taken for this one's)
         note = f"mixing.png is not drawn: matplotlib is not installed ({install_command('experiments')})"
-        warnings.warn(f"attnres analyze: {note}; the tables and mixing.json are written", stacklevel=3)
+        warn_user(f"attnres analyze: {note}; the tables and mixing.json are written")
         return f"*{note}; the matrices are in mixing.json.*"
     plot_mixing_panels(panels, path, diff)
     return "![depth mixing matrices](mixing.png)"

@@ -19,7 +19,7 @@ from typing import Any
 
 from ...migrations import RESIDUAL_RENAMES, accept_old_keys, migrate_residual_keys, renamed_attribute
 from ...ops.depth_attention import BACKENDS
-from ...validation import Fields
+from ...validation import Fields, python_scalars
 
 __all__ = [
     "AttnResAblation",
@@ -62,6 +62,7 @@ class AttnResAblation:
         return self != AttnResAblation()
 
     def validate(self, dim: int, prefix: str = "ModelConfig.residual.ablation") -> None:
+        python_scalars(self)
         check = Fields(prefix)
         for name in ("input_dependent_query", "input_independent_mixing", "sigmoid_weights", "key_norm"):
             check.boolean(name, getattr(self, name))
@@ -164,7 +165,9 @@ class ResidualConfig:
     def check_fields(self, dim: int) -> None:
         """Raise ``ValueError`` naming the field and the allowed values on a bad field value.
         What only the variant knows (is ``kind`` registered, does it accept these settings)
-        :func:`attnres.nn.residual.validate_residual_config` checks on top."""
+        :func:`attnres.nn.residual.validate_residual_config` checks on top. NumPy scalars
+        (``block_size=np.int64(4)``) become the Python numbers they hold first."""
+        python_scalars(self)
         check = Fields("ModelConfig.residual")
         check.integer("block_size", self.block_size, allow_none="about 8 blocks")
         check.choice("schedule", self.schedule, SCHEDULES)

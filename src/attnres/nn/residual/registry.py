@@ -27,7 +27,8 @@ from ...validation import did_you_mean
 from .base import ResidualStream
 from .config import ResidualConfig
 
-__all__ = ["register_residual", "residual_class", "registered_residuals", "validate_residual_config"]
+__all__ = ["UnregisteredResidual", "register_residual", "residual_class", "registered_residuals",
+           "validate_residual_config"]
 
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)
@@ -70,16 +71,26 @@ def _refuse_taken(name: str, taken: type, cls: type) -> None:
                      "name, or pass replace=True to override it")
 
 
+class UnregisteredResidual(ValueError):
+    """A residual name that is not registered in this process (``kind``): its module was not
+    imported, or the name is misspelt."""
+
+    def __init__(self, message: str, kind: object = None) -> None:  # (unpickled from the message alone)
+        super().__init__(message)
+        self.kind = kind
+
+
 def residual_class(name: str) -> type[ResidualStream]:
-    """The class registered as ``name``; ``ValueError`` listing the registered names otherwise."""
+    """The class registered as ``name``; :class:`UnregisteredResidual` (a ``ValueError``)
+    listing the registered names otherwise."""
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        raise ValueError(
+        raise UnregisteredResidual(
             f"ModelConfig.residual.kind must be one of {', '.join(repr(n) for n in _REGISTRY)}; "
             f"got {name!r}{did_you_mean(name, _REGISTRY)}; "
             "a residual of your own is registered by importing its module first: `attnres --import MODULE <command> "
-            "...` on the command line, `import MODULE` in Python"
+            "...` on the command line, `import MODULE` in Python", name
         ) from None
 
 

@@ -33,13 +33,13 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ...user_warning import warn_user
 from . import torch_impl
 
 __all__ = ["cpu_kernel", "supports", "KernelLibrary", "phase1_forward", "phase1_backward", "merge_forward",
@@ -105,8 +105,8 @@ def _build(compiler: list[str]) -> Path:
                 raise
             dropped.append(OPTIONAL_FLAGS[len(dropped)])
     if dropped:
-        warnings.warn(f"attnres: the CPU kernel was built without {' '.join(dropped)} (the compiler refused it); "
-                      "it runs slower" + (", on one thread" if "-fopenmp" in dropped else ""), stacklevel=3)
+        warn_user(f"attnres: the CPU kernel was built without {' '.join(dropped)} (the compiler refused it); "
+                  "it runs slower" + (", on one thread" if "-fopenmp" in dropped else ""))
     return target
 
 
@@ -198,15 +198,14 @@ def cpu_kernel() -> KernelLibrary | None:
         return None
     compiler = shlex.split(os.environ.get("CC", "")) or [c for c in [shutil.which("cc") or shutil.which("gcc")] if c]
     if not compiler:
-        warnings.warn("attnres: no C compiler found (set $CC); depth attention runs its PyTorch implementation on CPU",
-                      stacklevel=2)
+        warn_user("attnres: no C compiler found (set $CC); depth attention runs its PyTorch implementation on CPU")
         return None
     try:
         return KernelLibrary(_build(compiler))
     except (OSError, subprocess.CalledProcessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or str(err)
-        warnings.warn(f"attnres: the CPU kernel could not be built ({detail.strip()[:500]}); "
-                      "depth attention runs its PyTorch implementation instead", stacklevel=2)
+        warn_user(f"attnres: the CPU kernel could not be built ({detail.strip()[:500]}); "
+                  "depth attention runs its PyTorch implementation instead")
         return None
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Optional
@@ -37,6 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ...user_warning import warn_user
 from ...validation import did_you_mean
 from . import cpu_kernel, torch_impl
 from .reference import _check_merge, check_phase1, compute_dtype, stream_dtype
@@ -71,8 +71,8 @@ def _without_triton(backend: str, error: ImportError) -> ModuleType:
                          "pip install triton, or use backend='auto' (PyTorch where triton is missing)") from error
     if not _warned_without_triton:
         _warned_without_triton.append(True)
-        warnings.warn(f"triton cannot be imported ({error}): AttnRes' depth attention runs in PyTorch on CUDA, "
-                      "slower than its Triton kernels (pip install triton)", RuntimeWarning, stacklevel=4)
+        warn_user(f"triton cannot be imported ({error}): AttnRes' depth attention runs in PyTorch on CUDA, "
+                  "slower than its Triton kernels (pip install triton)", RuntimeWarning)
     return torch_impl
 
 
