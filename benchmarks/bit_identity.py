@@ -93,7 +93,14 @@ def dump(variants: list[str], dest: Path, work: Path) -> None:
     from attnres import AttnResLM, ModelConfig
     from attnres.inference import decode_step, prefill
     from attnres.train import TrainConfig, train
-    from attnres.train.metrics import read_metrics
+
+    try:
+        from attnres.train.metrics import read_metrics
+    except ImportError:  # a revision before strict metrics.jsonl (the reference one): a NaN is NaN there
+        import json
+
+        def read_metrics(path: Path) -> list[dict]:
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     torch.set_num_threads(1)
     tensors: dict[str, torch.Tensor] = {}
@@ -144,7 +151,7 @@ def dump(variants: list[str], dest: Path, work: Path) -> None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 train(TrainConfig.from_dict(config))
-            records = read_metrics(run_dir / "metrics.jsonl")  # (strict JSON: a NaN is null there, NaN here)
+            records = read_metrics(run_dir / "metrics.jsonl")  # (strict JSON: a NaN is null in the file, NaN here)
             losses = [r["loss"] for r in records if r["kind"] == "train"]
             vals = [r["val_loss"] for r in records if r["kind"] == "eval"]
             tensors[f"{name}/train_{optimizer}/loss_curve"] = torch.tensor(losses + vals, dtype=torch.float64)
