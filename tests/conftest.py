@@ -208,6 +208,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture()
+def users_matplotlib():
+    """A session's own matplotlib backend with a pyplot figure open, as in a notebook (its
+    inline backend) or a script with a window: what attnres's drawing must leave as it was."""
+    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    plt.switch_backend("svg")  # (not Agg, which attnres used to switch every session to)
+    fig = plt.figure()
+    yield plt.get_fignums()
+    plt.close(fig)
+    plt.switch_backend(before)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -251,10 +251,15 @@ def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, 
     assert done[-1].endswith(f"(took {clock(7 * steps[n - 2])})"), done[-1]  # nothing left to train
 
 
-def test_arch_sweep_end_to_end(corpus, tmp_path):
+def test_arch_sweep_end_to_end(corpus, tmp_path, users_matplotlib):
+    import matplotlib
+    import matplotlib.pyplot as plt
+
     out = tmp_path / "arch"
     records = run_experiment(get_experiment("arch-sweep", "tiny"), out, [0], [f"data.paths=[{corpus}]"], log=lambda s: None)
     path = write_report("arch-sweep", records, out, "tiny")
+    # (it switched a notebook's matplotlib to Agg: the user's later figures stopped showing)
+    assert matplotlib.get_backend() == "svg" and plt.get_fignums() == users_matplotlib
     text = path.read_text()
     assert "Fig. 7" in text and "d/L_b" in text and text.count("(n=1)") == len(records)
     assert (out / "arch_sweep.png").stat().st_size > 0

@@ -813,15 +813,13 @@ def test_version_loads_no_model_code():
 def test_the_transformer_block_axis_has_whole_ticks(tmp_path, monkeypatch):
     """The tiny preset's 4 blocks got ticks at 1.5, 2.5, ... on the magnitudes plot."""
     pytest.importorskip("matplotlib")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     from attnres.experiments.job.compare import Run, _plot_magnitudes
 
     figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
     diag = {key: [1.0, 2.0, 3.0, 4.0] for key in ("block_output_rms", "block_input_rms", "block_grad_norm")}
     assert _plot_magnitudes({"standard": [Run({"variant": "standard", "seed": 0}, diagnostics=diag)]},
                             tmp_path / "magnitudes.png")

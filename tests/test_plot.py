@@ -111,3 +111,23 @@ def test_the_command_offers_the_axes_the_figure_draws():
     assert command.AXES == curves.AXES  # (the command keeps its own copy: --help imports no experiments)
     with pytest.raises(ValueError, match="x must be one of"):
         curves.plot_curves({}, "unused.png", x="epoch")
+
+
+def test_drawing_from_python_returns_the_figure_and_leaves_the_sessions_matplotlib_alone(runs, tmp_path,
+                                                                                          users_matplotlib):
+    """``plot_curves`` and ``plot_mixing_panels`` called ``matplotlib.use("Agg")``: in a notebook
+    every later figure of the user's stopped showing (and pyplot kept the figures they drew
+    until closed); the figure itself was not returned, only written to a file."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    import torch
+    from matplotlib.figure import Figure
+
+    from attnres.analysis.mixing_report import plot_mixing_panels
+    from attnres.experiments.curves import plot_curves
+
+    fig = plot_curves({"lr-1": read_curves(runs / "lr-1")})  # no path: drawn, nothing written
+    assert isinstance(fig, Figure) and [ax.get_title() for ax in fig.axes][1] == "validation loss"
+    panels = plot_mixing_panels([("M", torch.eye(3), None)], tmp_path / "mixing.png")
+    assert isinstance(panels, Figure) and (tmp_path / "mixing.png").read_bytes()[:4] == b"\x89PNG"
+    assert matplotlib.get_backend() == "svg" and plt.get_fignums() == users_matplotlib

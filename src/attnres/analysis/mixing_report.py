@@ -9,10 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .mixing import RANK_RTOL, SINK_MAX_CV, SINK_RATIO, DepthMixing
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "MIN_SEEDS_FOR_CLAIMS",
@@ -76,20 +80,19 @@ def _label(i: int, n: int) -> str:
     return "out" if i == n - 1 else str(i + 1)
 
 
-def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | None]], path: str | Path,
-                       diff: tuple[str, torch.Tensor] | None = None) -> None:
+def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | None]], path: str | Path | None = None,
+                       diff: tuple[str, torch.Tensor] | None = None) -> Figure:
     """One Fig.-9-style panel per ``(title, M [L+1, L+1], source_groups)``: ``M`` on and below
     the diagonal, blank above, each panel on its own colour scale; block boundaries drawn
     for variants with source groups. ``diff``: a last panel ``(title, A - B)`` on a diverging
-    scale centred on 0."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    scale centred on 0. Returns the matplotlib ``Figure``, also written to ``path`` when given;
+    drawn without pyplot (matplotlib's backend and pyplot's figures are left as they are)."""
     import numpy as np
+    from matplotlib.figure import Figure
 
     items = list(panels) + ([(diff[0], diff[1], None)] if diff is not None else [])
-    fig, axes = plt.subplots(1, len(items), figsize=(4.2 * len(items), 4.0), squeeze=False)
+    fig = Figure(figsize=(4.2 * len(items), 4.0))
+    axes = fig.subplots(1, len(items), squeeze=False)
     for k, (ax, (title, M, groups)) in enumerate(zip(axes[0], items)):
         A = M.detach().double().cpu().numpy().copy()
         n = A.shape[0]
@@ -113,8 +116,9 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
         ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
 
 
 def _over(results: Sequence[DepthMixing]) -> str:

@@ -10,8 +10,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..train.metrics import METRICS_FILE, read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["Curves", "plot_curves", "read_curves", "run_labels"]
 
@@ -75,20 +79,20 @@ def _last(points: dict[str, list[float]]) -> str:
     return f" ({points['loss'][-1]:.4f})" if points["step"] else ""
 
 
-def plot_curves(curves: dict[str, Curves], path: str | Path, x: str = "step", smooth: float = 0.6,
-                log_x: bool = False) -> None:
+def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: str = "step", smooth: float = 0.6,
+                log_x: bool = False) -> Figure:
     """Two panels: each run's training loss (raw and faint, and smoothed by an exponential
     moving average of weight ``smooth``, 0 = none) and its validation loss, against ``x``
     (:data:`AXES`), one colour per run in both, the legends with each run's last logged
-    value; written to ``path`` (``.png``, ``.pdf``, ``.svg``)."""
+    value. Returns the matplotlib ``Figure`` (a notebook shows it), also written to ``path``
+    (``.png``, ``.pdf``, ``.svg``) when given. Drawn without pyplot: matplotlib's backend and
+    pyplot's figures are left as they are, and the figure is freed with its last reference."""
     if x not in AXES:
         raise ValueError(f"x must be one of {AXES}; got {x!r}")
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    train_ax, val_ax = fig.subplots(1, 2)
     for k, (label, c) in enumerate(curves.items()):
         color = f"C{k % 10}"
         if c.train["step"]:
@@ -111,5 +115,6 @@ def plot_curves(curves: dict[str, Curves], path: str | Path, x: str = "step", sm
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig

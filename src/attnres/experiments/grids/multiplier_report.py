@@ -202,10 +202,11 @@ def _verdict(comparisons: list[Comparison], complete: list[int], planned: int | 
 
 # -- plot --------------------------------------------------------------------------------------
 def _plot(records: list[dict[str, Any]], out: Path) -> str:
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     shapes = list(dict.fromkeys(_shape(r) for r in records))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5.2 * len(shapes), 4), squeeze=False)
+    fig = Figure(figsize=(5.2 * len(shapes), 4))
+    axes = fig.subplots(1, len(shapes), squeeze=False)
     colors = {"baseline": "k", "block": "C0", "full": "C3"}
     ladder_means = {}
     for s in shapes:
@@ -233,7 +234,6 @@ def _plot(records: list[dict[str, Any]], out: Path) -> str:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "multiplier.png", dpi=120)
-    plt.close(fig)
     return "multiplier.png"
 
 

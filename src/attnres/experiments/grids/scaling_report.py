@@ -143,11 +143,12 @@ def _report_sizes_table(fit: ScalingFit) -> str:
 
 # -- plot --------------------------------------------------------------------------------------
 def _plot(fit: ScalingFit, out: Path) -> str:
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
     data = fit.data
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig = Figure(figsize=(10, 3.8))
+    ax, bx = fig.subplots(1, 2)
     for f, family in enumerate(data.families):
         color = f"C{f}"
         xs = np.repeat(data.compute[f], len(data.seeds))
@@ -176,7 +177,6 @@ def _plot(fit: ScalingFit, out: Path) -> str:
         axes.xaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=120)
-    plt.close(fig)
     return "scaling.png"
 
 

@@ -273,9 +273,10 @@ def _mean_curve(rs: list[Run], key: str) -> np.ndarray | None:
 
 def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None = None) -> None:
     """Mean ± std curves against steps and against compute; ``start``: where a WSD decay begins."""
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig = Figure(figsize=(10, 3.8))
+    axes = fig.subplots(1, 2)
     for name, rs in groups.items():
         steps = sorted(set.intersection(*(set(r.eval_steps) for r in rs)))
         if not steps:
@@ -305,17 +306,17 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None =
     axes[1].set_title("equal compute")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     panels = [("block_output_rms", "output magnitude per block (Fig. 5b)", "RMS of the block's output"),
               ("block_input_rms", "hidden state entering each block", "RMS of the sublayer input"),
               ("block_grad_norm", "gradient magnitude per block (Fig. 5c)", "L2 norm of the block's gradient")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig = Figure(figsize=(13, 3.6))
+    axes = fig.subplots(1, 3)
     drew = False
     for ax, (key, title, ylabel) in zip(axes, panels):
         for name, rs in groups.items():
@@ -334,21 +335,21 @@ def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
         axes[0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
-    plt.close(fig)
     return drew
 
 
 def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
     """Fig. 8: one row per sublayer (pre-attention and pre-MLP apart, the output aggregation in
     both), one column per source; the first seed's last diagnostics."""
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     shown = [(name, rs[0].diagnostics["depth_weights"], rs[0].diagnostics) for name, rs in groups.items()
              if rs[0].diagnostics and rs[0].diagnostics.get("depth_weights")]
     if not shown:
         return False
-    fig, axes = plt.subplots(len(shown), 2, figsize=(10, 3.6 * len(shown)), squeeze=False)
+    fig = Figure(figsize=(10, 3.6 * len(shown)))
+    axes = fig.subplots(len(shown), 2, squeeze=False)
     for row, (name, weights, diag) in zip(axes, shown):
         width = max(len(w) for w in weights)
         for ax, parity, kind in zip(row, (0, 1), ("pre-attention", "pre-MLP")):
@@ -366,7 +367,6 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
             fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return True
 
 

@@ -163,10 +163,11 @@ def _block_size_md(summ: dict[str, Summary], out: Path, records: list[dict[str, 
         S = s.coords.get("S", "baseline")
         delta = "–" if base is None or s is base else deltas.get(s.variant, f"{s.loss - base.loss:+.4f}")
         rows.append([str(S), str(s.coords.get("N", "–")), REPORT_FIG6.get(S, "–"), _loss(s), delta] + _overhead(s, base))
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     pts = sorted((s.coords["S"], s.loss, s.loss_std or 0.0) for s in summ.values() if "S" in s.coords)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.subplots()
     ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", label="AttnRes")
     if base is not None:
         ax.axhline(base.loss, color="gray", linestyle="--", label="baseline")
@@ -176,7 +177,6 @@ def _block_size_md(summ: dict[str, Summary], out: Path, records: list[dict[str, 
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "block_size.png", dpi=120)
-    plt.close(fig)
     table = markdown_table(["S", "N blocks", "report (Fig. 6)", "ours: val loss", "Δ vs baseline"] + _OVERHEAD_COLS, rows)
     return table + (f"\n\n{note}" if note else "") + "\n\n![block-size sweep](block_size.png)"
 
@@ -201,7 +201,7 @@ def _multiplier_md(records: list[dict[str, Any]], out: Path, preset: str) -> str
 
 
 def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     cells: dict[tuple[float, float], dict[str, Summary]] = {}
     for s in summ.values():
@@ -217,7 +217,8 @@ def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
     rds = sorted({k[0] for k in cells})
     rhs = sorted({k[1] for k in cells})
     families = sorted({f for fam in cells.values() for f in fam})
-    fig, axes = plt.subplots(1, len(families), figsize=(4.5 * len(families), 3.5), squeeze=False)
+    fig = Figure(figsize=(4.5 * len(families), 3.5))
+    axes = fig.subplots(1, len(families), squeeze=False)
     for ax, family in zip(axes[0], families):
         grid = np.full((len(rhs), len(rds)), np.nan)
         for (rd, rh), fam in cells.items():
@@ -235,7 +236,6 @@ def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(out / "arch_sweep.png", dpi=120)
-    plt.close(fig)
     best = {f: min((fam[f].loss, k[0]) for k, fam in cells.items() if f in fam)[1] for f in families}
     table = markdown_table(["d/L_b", "H/L_b", "L_b", "d", "H", "baseline loss", "AttnRes (Block) loss", "Δ"] + _OVERHEAD_COLS, rows)
     best_txt = ", ".join(f"{f}: d/L_b = {v:g}" for f, v in best.items())
@@ -330,9 +330,6 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
     """Write ``<out>/report.md`` (and the experiment's plot) from run ``records``; returns
     the Markdown path. Losses: mean ± sample std over seeds; step time: median ms per step;
     peak memory: CUDA only."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     if name not in _TITLES:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(_TITLES)}")
     out = Path(out)
