@@ -36,6 +36,18 @@ def finished_run(tmp_path_factory, corpus) -> Path:
     return out
 
 
+def test_a_loaded_run_and_its_tokenizer_show_in_a_notebook_as_one_line(finished_run):
+    """``run = load_run(...)`` shown in a notebook printed the model's module tree and the
+    whole state.json (the config twice); the tokenizer as ``<... object at 0x...>``."""
+    from attnres.inference import load_run, load_tokenizer
+
+    run = load_run(finished_run)
+    params = sum(p.numel() for p in run.model.parameters())
+    assert repr(run) == (f"LoadedRun(checkpoint={str(finished_run / 'checkpoints' / 'step-00000004')!r}, step 4, "
+                         f"AttnResLM of {params:,} parameters, float32 on cpu)")
+    assert repr(load_tokenizer(run)) == "ByteTokenizer(256 tokens)"
+
+
 def copy_run(run: Path, where: Path) -> Path:
     shutil.copytree(run, where)
     return where

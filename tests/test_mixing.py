@@ -196,6 +196,19 @@ def test_forward_equals_the_mixing_of_its_recorded_sources(kind):
         assert err <= 1e-12, f"{kind}: row {l} differs by {err:.2e}"
 
 
+def test_results_show_in_a_notebook_as_one_line():
+    """A notebook shows a cell's result by its repr: a DepthMixing printed both matrices and
+    the sink table (125 lines for 12 transformer blocks), a MixingForward every source and
+    input tensor (thousands)."""
+    m = model("attnres_block", n_layers=12, block_size=4)
+    mixing = depth_mixing_matrix(m, ids(), per_token=True)
+    assert repr(mixing) == ("DepthMixing('attnres_block', 24 sublayers, matrix [25, 25] over 16 tokens, rank "
+                            f"{mixing.rank} (largest over every token; of the mean {mixing.rank_of_mean}), "
+                            "input-dependent, sinks [], per_token [2, 8, 25, 25])")
+    assert repr(mixing_forward(m, ids())) == ("MixingForward(mixing [2, 8, 25, 25], 25 sources and 24 inputs "
+                                              "[2, 8, 16], output [2, 8, 16])")
+
+
 @pytest.mark.parametrize("kind,ablation", [
     ("attnres_full", {"window": 2}), ("attnres_full", {"sigmoid_weights": True}),
     ("attnres_block", {"input_independent_mixing": True}), ("attnres_full", {"input_dependent_query": True}),

@@ -91,7 +91,12 @@ class SourceStats:
         return self.std / self.mean if self.mean > 0 else float("inf")
 
 
-@dataclass
+def _shape(t: Tensor) -> str:
+    """``[2, 16, 64]``: how a tensor is named in a summary (its values stay in the object)."""
+    return str(list(t.shape))
+
+
+@dataclass(repr=False)
 class DepthMixing:
     """What :func:`depth_mixing_matrix` measured.
 
@@ -130,6 +135,15 @@ class DepthMixing:
     def n_sublayers(self) -> int:
         return self.matrix.shape[-1] - 1
 
+    def __repr__(self) -> str:
+        """One line (a notebook shows the result so): what was measured, not the matrices'
+        entries (``.matrix``, ``.sources``, ``.to_dict()`` hold them)."""
+        per_token = f", per_token {_shape(self.per_token)}" if self.per_token is not None else ""
+        return (f"DepthMixing({self.residual!r}, {self.n_sublayers} sublayers, matrix {_shape(self.matrix)} over "
+                f"{self.n_tokens} tokens, rank {self.rank} ({self.rank_over}; of the mean {self.rank_of_mean}), "
+                f"{'input-dependent' if self.input_dependent else 'input-independent'}, sinks {self.sinks()}"
+                f"{per_token})")
+
     def sinks(self) -> list[int]:
         """The sources flagged as sinks."""
         return [s.source for s in self.sources if s.sink]
@@ -146,7 +160,7 @@ class DepthMixing:
         }
 
 
-@dataclass
+@dataclass(repr=False)
 class MixingForward:
     """One recorded forward: the variant's :class:`MixingMatrix`, the sources ``v_0 .. v_L``
     (``[B, T, d]`` each), the sublayer inputs ``h_1 .. h_L`` and the output aggregation
@@ -156,6 +170,11 @@ class MixingForward:
     sources: list[Tensor]
     inputs: list[Tensor]
     output: Tensor
+
+    def __repr__(self) -> str:
+        """One line: the shapes, not the tensors' values (hundreds of lines of them)."""
+        return (f"MixingForward(mixing {_shape(self.mixing.weights)}, {len(self.sources)} sources and "
+                f"{len(self.inputs)} inputs {_shape(self.output)}, output {_shape(self.output)})")
 
     def reconstruct(self) -> list[Tensor]:
         """``sum_i M[r, i] v_i`` for every row ``r`` (the ``L`` inputs, then the output), in

@@ -43,6 +43,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.vocab_size} tokens)"
+
 
 class BPETokenizer:
     """A byte-level BPE (``tokenizers``) stored as ``tokenizer.json``."""
@@ -53,6 +56,9 @@ class BPETokenizer:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self.fingerprint = "bpe-" + hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.vocab_size} tokens, fingerprint {self.fingerprint[:16]})"
 
     @property
     def backend(self):

@@ -56,7 +56,7 @@ def _bad_device(name: str) -> str:
 INFERENCE_OPTIONAL = ("optimizer.safetensors",)
 
 
-@dataclass
+@dataclass(repr=False)
 class LoadedRun:
     """A verified checkpoint loaded for use: the model (eval mode; an ``AttnResLM``, or an
     ``attnres.hf.families`` model for ``model.hf_architecture``), the run config (its
@@ -66,6 +66,14 @@ class LoadedRun:
     run_config: dict
     checkpoint: Path
     state: dict
+
+    def __repr__(self) -> str:
+        """One line (a notebook shows ``run`` so): the checkpoint, its step and the model in
+        brief, not the model's module tree and the whole ``state.json`` twice."""
+        params = list(self.model.parameters())
+        return (f"LoadedRun(checkpoint={str(self.checkpoint)!r}, step {self.state.get('step')}, "
+                f"{type(self.model).__name__} of {sum(p.numel() for p in params):,} parameters, "
+                f"{str(params[0].dtype).removeprefix('torch.')} on {params[0].device})")
 
     def chat_settings(self) -> dict[str, str]:
         """The chat template and end-of-turn token kept with the run's tokenizer (a run started
