@@ -748,6 +748,22 @@ def test_float64_model_matches_an_independent_float64_evaluation(residual, atten
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_a_model_cast_to_half_and_back_computes_as_a_fresh_model_with_its_weights(half):
+    """``model.to(torch.bfloat16)`` to try half precision in a notebook, then ``model.float()``
+    to go on: the weights are rounded (the cast's own effect), but the RoPE tables stayed
+    rounded too - positions off by up to 2e-3, so the model no longer computed what a model
+    loaded from its own state_dict computes."""
+    model = AttnResLM(ModelConfig.preset("tiny", max_seq_len=1024))
+    model.to(half).float()
+    fresh = AttnResLM(model.config)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(model.rope.cos, fresh.rope.cos) and torch.equal(model.rope.sin, fresh.rope.sin)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_rms_norm_on_half_inputs_computes_in_float32_and_rounds_once(half, monkeypatch):
     """``attnres.nn.RMSNorm`` on a half input: the float32 computation rounded once (forward
     and both gradients, bit for bit), whether its gain is of the input's dtype - then one

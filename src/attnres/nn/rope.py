@@ -47,12 +47,15 @@ class RotaryEmbedding(nn.Module):
             self.sin.copy_(sin)
 
     def _apply(self, fn, recurse: bool = True):
-        # `model.double()` would only upcast float32-rounded tables: recompute them exactly.
+        # A cast to a finer dtype would only widen the rounded tables: `model.double()` kept
+        # float32 rounding, and `model.to(torch.bfloat16).float()` bf16's (positions off by up
+        # to 2e-3, unlike a fresh model with the same weights): recompute them exactly.
         # A model built on the meta device and materialised (`to_empty`) has empty tables,
         # which gave NaN logits: recompute them too (they are not parameters, no init sets them).
         was, was_meta = self.cos.dtype, self.cos.device.type == "meta"
         out = super()._apply(fn, recurse)
-        if (self.cos.dtype == torch.float64 and was != torch.float64) or (was_meta and self.cos.device.type != "meta"):
+        finer = self.cos.dtype.is_floating_point and torch.finfo(self.cos.dtype).eps < torch.finfo(was).eps
+        if finer or (was_meta and self.cos.device.type != "meta"):
             self.reset_tables()
         return out
 
