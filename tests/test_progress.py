@@ -105,6 +105,14 @@ def test_other_bars_in_a_log_are_redrawn_once_a_minute_not_ten_times_a_second():
     assert progress_mod.progress_bar(False, total=3) is None
 
 
+def test_other_bars_in_a_jupyter_notebook_are_redrawn_as_on_a_terminal():
+    """A notebook's output is no terminal: a perplexity or tokenising bar there was redrawn once
+    a minute, as in a log file, and looked stuck at 0 % meanwhile."""
+    pytest.importorskip("tqdm")
+    cell = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})()
+    assert progress_mod.progress_bar(total=3, file=cell).mininterval == 0.1
+
+
 def test_a_jupyter_notebook_gets_a_bar_not_lines():
     """A notebook's output is no terminal, but it redraws a bar in place: the bar, not lines."""
     pytest.importorskip("tqdm")

@@ -14,16 +14,31 @@ import time
 def progress_bar(enabled: bool = True, **kwargs):
     """``tqdm(dynamic_ncols=True, **kwargs)``, or ``None`` when not ``enabled`` or without tqdm.
     Away from a terminal (a log file) the bar is redrawn every ``LOG_INTERVAL_S`` seconds, not 10
-    times a second: each redraw stays in the log."""
+    times a second: each redraw stays in the log. A Jupyter cell redraws it in place, as often
+    as on a terminal."""
     if not enabled:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
+    stream = kwargs.get("file", sys.stderr)
+    notebook = _in_notebook(stream)
+    tqdm = _bar_class(notebook)
+    if tqdm is None:
         return None
-    if not _is_terminal(kwargs.get("file", sys.stderr)):
+    if not notebook and not _is_terminal(stream):
         kwargs.setdefault("mininterval", LOG_INTERVAL_S)
     return tqdm(dynamic_ncols=True, **kwargs)
+
+
+def _bar_class(notebook: bool):
+    """tqdm's bar (``tqdm.auto``'s in a notebook: a widget where ipywidgets is installed), or
+    ``None`` without tqdm."""
+    try:
+        if notebook:
+            from tqdm.auto import tqdm
+        else:
+            from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
 
 
 #: How often progress is written to a log file (stderr not a terminal), in seconds.
@@ -50,15 +65,9 @@ class StepProgress:
         self.fields: dict[str, str] = {}
         self.started = self.last_line = time.perf_counter()
         self.bar = None
-        notebook = _in_notebook(self.stream)
+        notebook = _in_notebook(self.stream)  # (a Jupyter cell redraws its bar in place)
         if notebook or _is_terminal(self.stream):
-            try:
-                if notebook:  # a Jupyter cell redraws its bar in place (a widget where ipywidgets is installed)
-                    from tqdm.auto import tqdm
-                else:
-                    from tqdm import tqdm
-            except ImportError:  # without the bar, lines as away from a terminal
-                tqdm = None
+            tqdm = _bar_class(notebook)  # without tqdm, lines as away from a terminal
             if tqdm is not None:
                 self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=self.stream)
 
