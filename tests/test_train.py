@@ -195,6 +195,28 @@ def test_a_keyboard_interrupt_mid_run_releases_the_run_for_the_next_call(tmp_pat
     assert train(load_config(None, args)).step == 4
 
 
+def test_an_interrupt_while_the_logs_close_still_releases_the_run(tmp_path, corpus_file, monkeypatch):
+    """A Ctrl-C after the last step, while the metrics log closes (W&B uploading, TensorBoard
+    flushing; the signal handlers already restored): the KeyboardInterrupt reaches the caller,
+    but the lock of this live process stayed, and every later ``train`` of that out_dir in the
+    same process (a notebook's kernel) was refused as "in use by another run"."""
+    from attnres.train.metrics import MetricsLogger
+
+    close = MetricsLogger.close
+
+    def interrupted_close(self):
+        close(self)
+        raise KeyboardInterrupt
+
+    args = overrides(corpus_file, tmp_path / "run", steps=4, stop_after=2)
+    monkeypatch.setattr(MetricsLogger, "close", interrupted_close)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(None, args))
+    assert not (tmp_path / "run" / "run.lock").exists()
+    monkeypatch.setattr(MetricsLogger, "close", close)
+    assert train(load_config(None, args[:-1] + ["resume=true"])).step == 4
+
+
 def test_a_warning_made_an_error_leaves_no_run_behind(tmp_path, corpus_file):
     """Under ``warnings.filterwarnings("error")`` the start-up's warning (a warm-up as long as
     the run) ends ``train`` before its first step: it left config.json and an empty

@@ -282,19 +282,21 @@ class Trainer:
         return config, data
 
     def close(self) -> None:
-        """Close the progress bar and the metrics log and release the lock (idempotent)."""
-        if self.progress is not None:
-            self.progress.close()
-            self.progress = None
-        if self.logger is not None:
-            self.logger.close()
-            self.logger = None
-        if self.wandb is not None:  # started, but the set-up failed before the log took it
-            self.wandb.close(failed=True)
-            self.wandb = None
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        """Close the progress bar and the metrics log and release the lock (idempotent). Each
+        is closed even when closing one before it raised: a Ctrl-C while W&B or TensorBoard
+        flushed left the lock of this (live) process behind, refusing every later run of
+        ``out_dir`` in it - a notebook's kernel had to be restarted."""
+        progress, logger, wandb, lock = self.progress, self.logger, self.wandb, self.lock
+        self.progress = self.logger = self.wandb = self.lock = None
+        with contextlib.ExitStack() as closing:  # (run last to first)
+            if lock is not None:
+                closing.callback(lock.release)
+            if wandb is not None:  # started, but the set-up failed before the log took it
+                closing.callback(wandb.close, failed=True)
+            if logger is not None:
+                closing.callback(logger.close)
+            if progress is not None:
+                closing.callback(progress.close)
 
     def _remove_if_made_for_nothing(self, written: bool = False) -> None:
         """Remove ``out_dir`` if this run made it and left it empty (a failed set-up, nothing
