@@ -312,6 +312,25 @@ def test_keep_last_k_checkpoints_and_partial_writes(tmp_path, corpus_file):
     assert names == ["step-00000004", "step-00000005"]
 
 
+def test_an_interrupt_while_a_checkpoint_is_written_leaves_no_half_written_one(tmp_path, corpus_file, monkeypatch):
+    """A second Ctrl-C while the checkpoint of the first is written (seconds for a large model
+    and its optimiser state) left its temporary directory - as large as the checkpoint, hidden
+    in checkpoints/ - until a resume of that run removed it."""
+    import attnres.checkpoint.consolidated as consolidated
+
+    save_file = consolidated.save_file
+
+    def interrupted_save(tensors, path):
+        if path.endswith("optimizer.safetensors"):
+            raise KeyboardInterrupt
+        return save_file(tensors, path)
+
+    monkeypatch.setattr(consolidated, "save_file", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(None, overrides(corpus_file, tmp_path, steps=2)))
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
 def test_missing_and_empty_data(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_corpus([str(tmp_path / "nope.txt")])

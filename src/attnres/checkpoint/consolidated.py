@@ -116,9 +116,11 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
         names = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, *extra)
         publish_checkpoint(tmp, final, out_dir, names, {"format_version": FORMAT_VERSION, "step": step},
                            {"optimizer": opt_meta, **state}, keep)
-    except (OSError, SafetensorError) as e:  # a full disk, a read-only file system: keep what was there
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failure(final, e) from None
+    except BaseException as e:  # keep what was there: a half-written directory of the model's size and twice the
+        shutil.rmtree(tmp, ignore_errors=True)  # optimiser's stayed after a second Ctrl-C until a resume removed it
+        if isinstance(e, (OSError, SafetensorError)):  # a full disk, a read-only file system: said in one line
+            raise write_failure(final, e) from None
+        raise
     return final
 
 
