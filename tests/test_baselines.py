@@ -268,3 +268,13 @@ def test_multistream_routing_follows_a_float64_model():
 
     perms = torch.stack([torch.eye(3, dtype=torch.float64)[list(p)] for p in itertools.permutations(range(3))])
     assert_rel_close(lite.residual_matrix(logits), torch.einsum("bk,kij->bij", w, perms), 1e-12)
+
+
+def test_print_model_of_a_per_sublayer_baseline_is_short():
+    """``print(model)`` in a notebook: a ParameterList listed each of its per-sublayer
+    parameters, so hyper-connections at 24 transformer blocks printed 276 lines (5 lists of 48)."""
+    model = AttnResLM(ModelConfig.preset("tiny", n_layers=24, residual="hyper_connections"))
+    assert len(repr(model).splitlines()) < 40
+    assert "(static_alpha): ParameterList(48 x [4, 5] float32)" in repr(model)
+    dense = AttnResLM(ModelConfig.preset("tiny", n_layers=3, residual="denseformer"))
+    assert "(dwa): ParameterList(3 x [2] to [4] float32)" in repr(dense)  # one more weight per block
