@@ -792,6 +792,17 @@ def test_rms_norm_on_half_inputs_computes_in_float32_and_rounds_once(half, monke
         assert torch.equal(got[0], want[0].to(half)) and torch.equal(got[1], want[1].to(gain_dtype))
 
 
+def test_a_forward_s_output_shows_in_a_notebook_as_one_line():
+    """``out = model(ids, labels=ids, return_depth_weights=True)`` shown in a notebook printed
+    the logits and one tensor per sublayer's depth weights: hundreds of lines."""
+    model = AttnResLM(ModelConfig.preset("tiny", residual="attnres_block"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    out = model(ids, labels=ids, return_depth_weights=True)
+    assert repr(out) == (f"LMOutput(logits [2, 40, 256] float32, loss {out.loss.item():.4f}, depth_weights "
+                         "5 x [n_sources, 2, 40])")
+    assert repr(model(ids)) == "LMOutput(logits [2, 40, 256] float32, loss None, depth_weights None)"
+
+
 def test_lm_output_flattens_to_its_tensors():
     """``LMOutput`` is a pytree node: FSDP2 flattens a module's output to find the tensors
     whose backward needs its parameters gathered again (torch 2.11 does not look inside a

@@ -29,6 +29,18 @@ class LMOutput:
     loss: Tensor | None = None
     depth_weights: list[Tensor] | None = None
 
+    def __repr__(self) -> str:
+        """One line (a notebook shows ``out`` so): shapes and the loss's value, not the logits
+        and one tensor per sublayer's depth weights (hundreds of lines)."""
+        shape = lambda t: str(list(t.shape))  # noqa: E731
+        loss = self.loss
+        if loss is not None:
+            loss = f"{loss.item():.4f}" if loss.numel() == 1 and loss.device.type != "meta" else shape(loss)
+        weights = None if self.depth_weights is None else \
+            f"{len(self.depth_weights)} x [n_sources, {', '.join(map(str, self.logits.shape[:2]))}]"
+        return (f"LMOutput(logits {shape(self.logits)} {str(self.logits.dtype).removeprefix('torch.')}, loss {loss}, "
+                f"depth_weights {weights})")
+
 
 # A pytree node: FSDP2 finds the tensors a module returns by flattening its output, to gather
 # the module's parameters again before their backward; torch 2.11 does not look inside a plain
