@@ -692,6 +692,22 @@ def test_every_size_the_kernels_trust_is_checked_first(backend):
             merge(*args)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "reference"])
+def test_merge_refuses_z_and_addend_on_another_device_by_name(backend):
+    """``z`` or ``addend`` on another device than the sources: the C kernel refused ``z`` naming
+    its own parameter (``attnres_merge_forward: z must be a contiguous CPU tensor``), the
+    PyTorch paths failed inside a ``cat`` or an add ("Tensor on device meta is not on the
+    expected device cpu!"); every backend now names the argument."""
+    z, sources, computed, qg, _ = merge_inputs((2, 5), 8, 1, 1, False, dtype=torch.float32)
+    merge = reference.merge if backend == "reference" else functools.partial(library.merge, backend=backend)
+    with pytest.raises(ValueError, match=r"^z is on meta but the sources are on cpu$"):
+        merge(z.to("meta"), sources, computed, qg)
+    with pytest.raises(ValueError, match=r"^addend is on meta but the sources are on cpu$"):
+        merge(z, sources, computed, qg, addend=torch.empty_like(computed[0], device="meta"))
+    with pytest.raises(ValueError, match=r"^addend must be a tensor \[\.\.\., d\] or None, got float$"):
+        merge(z, sources, computed, qg, addend=1.0)
+
+
 def test_every_bad_list_of_merge_sources_is_refused_by_name():
     """The merge checks its sources in one pass without building messages (a merge per
     sublayer; Full AttnRes' 32 sources took 30 us of checks) and explains what failed on the

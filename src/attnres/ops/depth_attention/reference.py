@@ -314,6 +314,8 @@ def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor
         got = tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__
         raise ValueError(f"z must have shape [{', '.join(map(str, first.shape[:-1]))}, {len(sources)}] (a logit per "
                          f"source of known logit, per row of the sources), got {got}")
+    if z.device != first.device:  # (the C kernel refused it naming itself, the reference deep inside a cat)
+        raise ValueError(f"z is on {z.device} but the sources are on {first.device}")
     d = first.shape[-1]
     _check_vector("qg", qg, d, first.device)
     _check_vector("norm_weight", norm_weight, d, first.device)
@@ -327,9 +329,13 @@ def _check_merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor
         if not computed:
             raise ValueError("addend is added to the last computed source: computed must not be empty")
         last = computed[-1]
+        if not isinstance(addend, Tensor):
+            raise ValueError(f"addend must be a tensor [..., d] or None, got {type(addend).__name__}")
         if addend.shape != last.shape or torch.promote_types(last.dtype, addend.dtype) != last.dtype:
             raise ValueError(f"addend must have the last computed source's shape {tuple(last.shape)} and a dtype "
                              f"that promotes to its {last.dtype}; got {tuple(addend.shape)}, {addend.dtype}")
+        if addend.device != last.device:
+            raise ValueError(f"addend is on {addend.device} but the sources are on {last.device}")
     if z.shape[-1] != len(sources):
         raise ValueError(f"z has {z.shape[-1]} logits for {len(sources)} sources")
     compute = compute_dtype(stream_dtype(sources, computed))
