@@ -206,6 +206,24 @@ def test_calls_out_of_order_raise():
 
 
 @pytest.mark.parametrize("variant", ["standard", "block", "full", "block_naive", "hyper_connections"])
+def test_a_sublayer_past_the_last_is_refused_naming_n_sublayers(variant):
+    """A model with more sublayers than the residual was built for: sublayer ``L`` of Block or
+    Full AttnRes read the output aggregation's query as its own, the next one failed with an
+    IndexError deep in the schedule, and the standard residual said nothing before ``finish``.
+    ``sublayer_input(L)`` now refuses, naming ``n_sublayers``."""
+    m = {"standard": lambda: StandardResidual(8, 4), "block": lambda: BlockAttnRes(8, 4, 2),
+         "full": lambda: FullAttnRes(8, 4), "block_naive": lambda: BlockAttnRes(8, 4, 2, schedule="naive"),
+         "hyper_connections": lambda: build_residual(ResidualConfig(kind="hyper_connections"), 8, 4)}[variant]()
+    state = m.start(torch.randn(2, 3, 8))
+    for l in range(4):
+        m.add_output(state, l, m.sublayer_input(state, l) * 0.5)
+    with pytest.raises(RuntimeError, match=rf"^sublayer_input\(4\): this {type(m).__name__} was built for "
+                                           r"n_sublayers=4 \(sublayers 0\.\.3\); build it with the number"):
+        m.sublayer_input(state, 4)
+    assert m.finish(state).shape == (2, 3, 8)  # (the state is left as it was)
+
+
+@pytest.mark.parametrize("variant", ["standard", "block", "full", "block_naive", "hyper_connections"])
 def test_a_sublayer_output_of_the_wrong_shape_is_refused_before_it_is_used(variant):
     """A wrong-shaped output broadcast into a sum (a finite wrong answer), or reached a
     kernel that took its sizes from another tensor (the C kernel read past it: a segfault).

@@ -254,7 +254,12 @@ class ResidualStream(nn.Module, ABC):
         """The input ``h_l`` of sublayer ``l`` (0-based), ``[..., d]``: a tensor, or with
         ``state.defer_norm`` possibly a :class:`~attnres.nn.norm.FusableNormInput` that the
         sublayer's RMSNorm turns into ``norm(h_l)`` in one fused kernel."""
-        if l != state.next_sublayer or state.expecting_output:
+        if l != state.next_sublayer or state.expecting_output or l >= self.n_sublayers:
+            if l == state.next_sublayer and not state.expecting_output:  # (one past the last: it read the output
+                # aggregation's query as its own, and one more failed with an IndexError deep inside)
+                raise RuntimeError(f"sublayer_input({l}): this {type(self).__name__} was built for n_sublayers="
+                                   f"{self.n_sublayers} (sublayers 0..{self.n_sublayers - 1}); build it with the "
+                                   "number of sublayers your model has")
             raise RuntimeError(
                 f"sublayer_input({l}) called out of order: expected sublayer {state.next_sublayer}"
                 + (" to return its output first" if state.expecting_output else "")
