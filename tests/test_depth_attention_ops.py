@@ -29,6 +29,7 @@ from torch.autograd import gradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from attnres.ops import operations
 from attnres.ops.depth_attention import cpu_kernel, library, reference, torch_impl
 
 from conftest import (OP_TOL_BF16, TOL, TRITON_DEVICE, assert_fast_matches_naive, assert_rel_close, to_cpu, to_triton_device,
@@ -1323,3 +1324,28 @@ def test_build_retries_without_the_flags_a_compiler_refuses(kernel, fresh_build,
     z, sources, computed, qg, w = merge_inputs((2, 3), 8, 1, 2, True)
     assert_rel_close(library.merge(z, sources, computed, qg, 1e-6, w)[0],
                      reference.merge(z, sources, computed, qg, 1e-6, w)[0], 1e-13)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_torch_func_transforms_of_the_operations_run_the_reference(backend):
+    """``torch.func.grad`` / ``vmap`` / ``jvp`` of ``operations(backend).phase1`` or ``.merge``
+    failed in the operators' autograd Functions ("it must override the setup_context
+    staticmethod"); under a transform they now run the reference, the same function."""
+    from torch.func import grad, jvp, vmap
+
+    ops, ref = operations(backend), operations("reference")
+    z, sources, computed, qg, w = merge_inputs((2, 3), 8, 1, 2, True)
+    q1 = torch.randn(2, 8, dtype=torch.float64)
+
+    def merged(op, qg):
+        return op.merge(z, sources, computed, qg, norm_weight=w)[0].square().sum()
+
+    def summed(op, q):
+        outs, lse = op.phase1(q, [*sources, *computed])
+        return outs[1].square().sum() + lse.sum()
+
+    for run in (lambda op: grad(lambda q: merged(op, q))(qg), lambda op: grad(lambda q: summed(op, q))(q1),
+                lambda op: vmap(lambda x: op.merge(z[0], [x], [computed[0][0]], qg)[0])(sources[0]),
+                lambda op: vmap(lambda x: op.phase1(q1, [x, sources[0][0]])[1])(computed[0]),
+                lambda op: jvp(lambda q: op.phase1(q, sources)[1], (q1,), (torch.ones_like(q1),))[1]):
+        assert_rel_close(run(ops), run(ref), TOL[torch.float64])

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ...ops import Operations, compute_dtype, operations
 from ...ops.depth_attention import BACKENDS, reference
+from ...ops.depth_attention.library import under_transforms
 from ...ops.depth_attention.recompute import Phase1Recompute, other_hooks_active
 from ...validation import did_you_mean
 from ..norm import FusableNormInput
@@ -227,8 +228,7 @@ class AttnResBase(ResidualStream):
         autograd graph - the same function - whatever the backend: the custom operators'
         autograd Functions do not support them (a transformed forward failed, asking for
         ``setup_context``)."""
-        if self.backend != "reference" and not torch.compiler.is_compiling() and \
-                torch._C._are_functorch_transforms_active():
+        if self.backend != "reference" and under_transforms():
             return operations("reference")
         return operations(self.backend)
 

@@ -38,10 +38,10 @@ from torch import Tensor
 
 from ...user_warning import warn_user
 from ...validation import did_you_mean
-from . import cpu_kernel, torch_impl
+from . import cpu_kernel, reference, torch_impl
 from .reference import _check_merge, check_phase1, compute_dtype, stream_dtype
 
-__all__ = ["BACKENDS", "phase1", "merge", "pick", "through_dispatcher"]
+__all__ = ["BACKENDS", "phase1", "merge", "pick", "through_dispatcher", "under_transforms"]
 
 #: Values of the operators' ``backend`` argument.
 BACKENDS = ("auto", "torch", "triton")
@@ -434,6 +434,14 @@ class _Merge(torch.autograd.Function):
 # the operators wrong arguments in compiled inference.
 
 
+def under_transforms() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jvp``, ...) is
+    active - not while torch.compile traces. The wrappers then run :mod:`.reference` (the same
+    function): the operators' autograd Functions do not support the transforms, which refused
+    them asking for ``setup_context``."""
+    return not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active()
+
+
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}{did_you_mean(backend, BACKENDS)}")
@@ -444,8 +452,12 @@ def phase1(qg: Tensor, sources: Sequence[Tensor], eps: float = 1e-6, backend: st
     """:func:`.reference.phase1` as the operator ``attnres::phase1``: ``qg [S, d]`` over ``n``
     sources -> ``S`` weighted sums ``[..., d]`` (in ``out_dtype``, by default the sources';
     their gradients in it too) and ``lse [..., S]``; one pass over each source for all ``S``
-    queries, forward and backward."""
+    queries, forward and backward. Under ``torch.func`` transforms it runs
+    :func:`.reference.phase1` (:func:`under_transforms`); a double backward is refused
+    (``backend="reference"`` has one)."""
     _check_backend(backend)
+    if under_transforms():
+        return reference.phase1(qg, sources, eps, out_dtype)
     check_phase1(qg, sources, out_dtype, eps)
     if out_dtype == sources[0].dtype:
         out_dtype = None  # (one operator call for the default, however it is asked for)
@@ -468,8 +480,14 @@ def merge(z: Tensor, sources: Sequence[Tensor], computed: Sequence[Tensor] = (),
     come in that dtype. ``sources`` may be narrower than ``computed`` (Phase-1 sums in the
     autocast dtype); each source's gradient comes in its own dtype. ``readers >
     1``: ``out`` is a tuple of that many views of it, one per reader, whose gradients the
-    backward adds in the compute dtype (one kernel reads them all)."""
+    backward adds in the compute dtype (one kernel reads them all). ``alpha`` is returned
+    for recording and is not differentiable: a loss on it sends no gradient back (that of
+    :func:`.reference.merge` does; the residual modules record differentiable weights). Under
+    ``torch.func`` transforms it runs :func:`.reference.merge` (:func:`under_transforms`); a
+    double backward is refused (``backend="reference"`` has one)."""
     _check_backend(backend)
+    if under_transforms():
+        return reference.merge(z, sources, computed, qg, eps, norm_weight, norm_eps, addend, out_dtype, readers)
     _check_merge(z, sources, computed, qg, addend, out_dtype, readers, norm_weight, eps, norm_eps)
     if out_dtype is not None and out_dtype == stream_dtype(sources, computed):
         out_dtype = None  # (one operator call for the default, however it is asked for)
