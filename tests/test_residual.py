@@ -378,6 +378,24 @@ def test_torch_func_transforms_of_a_forward_run_with_the_default_backend(kind):
         assert_rel_close(g, e, GRAD_TOL[torch.float64], name)
 
 
+@pytest.mark.parametrize("kind, backend", [("block", "auto"), ("block", "torch"), ("full", "auto")])
+def test_a_loss_on_the_recorded_depth_weights_has_the_naive_references_gradient(kind, backend):
+    """The operators' merge weights are not differentiable: a loss on the recorded depth
+    weights (a regulariser of ``return_depth_weights``) sent the queries a wrong gradient with
+    the default backend, silently (the reference backend's was right). The two-phase schedule
+    now records weights with the reference's gradient, the same values."""
+    fast, naive, sublayers = make_pair(kind, 6, 6, S=2, group=2)
+    fast.backend = backend
+    emb = torch.randn(2, 3, 6, dtype=torch.float64)
+    grads = []
+    for m in (fast, naive):
+        _, weights = run(m, sublayers, emb, record=True)
+        loss = sum((w * torch.linspace(-1, 1, w.numel(), dtype=w.dtype).reshape(w.shape)).sum() for w in weights)
+        grads.append(torch.autograd.grad(loss, [*m.parameters(), *sublayers.parameters()]))
+    for a, b in zip(*grads):
+        assert_rel_close(a, b, GRAD_TOL[torch.float64])
+
+
 class _Driver(torch.nn.Module):
     """A model's forward over ``residual`` and fixed toy sublayers (for ``functional_call``)."""
 

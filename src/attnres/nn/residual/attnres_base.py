@@ -113,6 +113,20 @@ class Schedule:
         raise NotImplementedError
 
 
+def _differentiable(alpha: Tensor, z: Tensor, computed: list[Tensor], qg: Tensor | None, eps: float) -> Tensor:
+    """A merge's weights ``alpha`` (from the custom operators, whose ``alpha`` is not
+    differentiable) as recorded depth weights that a loss may use: a loss on
+    ``return_depth_weights`` sent the queries a wrong gradient (the reference's a right one).
+    The same values, with the gradient of the reference's softmax over ``z`` and the
+    ``computed`` sources' logits; only where autograd records (training does not record)."""
+    alpha = alpha.detach()
+    if not torch.is_grad_enabled():
+        return alpha
+    logits = [z.to(alpha.dtype), *(reference.rms_logits(x, qg.unsqueeze(0), eps) for x in computed)]
+    soft = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    return alpha + (soft - soft.detach()) if soft.requires_grad else alpha
+
+
 class AttnResBase(ResidualStream):
     """Shared parameters (``mixers[l]`` feeds sublayer ``l``, ``mixers[L]`` is the output
     aggregation: ``L + 1`` :class:`DepthQuery` in all) and machinery of Full and Block AttnRes.
@@ -400,6 +414,8 @@ class AttnResBase(ResidualStream):
                                                      0.0 if norm_eps is None else norm_eps, addend, out_dtype, views)
             if not recorded and state.weights is not None:
                 recorded.append(True)
+                if state.ops.name != "reference":
+                    alpha = _differentiable(alpha, z, [*computed[:-1], total[0]] if total else computed, qg, self.eps)
                 state.record(alpha if record is None else record(alpha))
             if total and not formed:
                 formed.append(True)
