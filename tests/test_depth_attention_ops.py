@@ -1349,3 +1349,24 @@ def test_torch_func_transforms_of_the_operations_run_the_reference(backend):
                 lambda op: vmap(lambda x: op.phase1(q1, [x, sources[0][0]])[1])(computed[0]),
                 lambda op: jvp(lambda q: op.phase1(q, sources)[1], (q1,), (torch.ones_like(q1),))[1]):
         assert_rel_close(run(ops), run(ref), TOL[torch.float64])
+
+
+@pytest.mark.parametrize("addend", [False, True])
+@pytest.mark.parametrize("call", ["wrapper", "operator"])
+def test_the_merges_weights_and_statistics_carry_no_gradient(call, addend):
+    """The merge's ``alpha`` (and its statistics) are not differentiable, but without an addend
+    they were returned requiring grad (a second ``mark_non_differentiable`` call replaced the
+    first's set): a loss on ``alpha`` ran a backward that dropped its gradient in silence (no
+    gradient reached the query, where the reference's sends one). They are now marked, for the
+    wrapper and the operator alike: autograd says such a loss has no gradient."""
+    z, sources, computed, qg, _ = merge_inputs((2, 3), 8, 1, 1, False, dtype=torch.float32)
+    extra = [computed[0].detach().clone().requires_grad_()] if addend else []
+    if call == "wrapper":
+        out, alpha, *_ = library.merge(z, sources, computed, qg, addend=extra[0] if addend else None)
+        stats = []
+    else:
+        out, alpha, *stats, total = torch.ops.attnres.merge(z, sources, computed, qg, None, 1e-6, 1e-6, "auto", *extra)
+        assert total.requires_grad == addend
+    assert out.requires_grad and not alpha.requires_grad and not any(t.requires_grad for t in stats)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        alpha.square().sum().backward()

@@ -256,6 +256,10 @@ def _merge_setup(ctx, inputs, output):
         computed = [*computed[:-1], total]
     stats = [rc if computed else None, zc if computed else None, rstd if norm_weight is not None else None]
     ctx.save_for_backward(alpha, *stats, qg, norm_weight, *sources, *computed)
+    # (the weights and statistics carry no gradient - a loss on them has none; in one call:
+    # each call replaces the last one's set, which left the weights differentiable, their
+    # gradient dropped in silence)
+    ctx.mark_non_differentiable(alpha, rc, zc, rstd, *([total] if addend is None else []))
 
 
 def _merge_grads(ctx, g, g_total, needs: list[bool], direct: bool = False, g_views: Sequence[Tensor | None] = ()):
@@ -407,9 +411,6 @@ class _Merge(torch.autograd.Function):
         args = (z, list(xs[:k]), list(xs[k:]), qg, norm_weight, eps, norm_eps, backend, addend, out_dtype)
         outputs = _merge_forward(*args)
         _merge_setup(ctx, args, outputs)
-        ctx.mark_non_differentiable(*outputs[1:5])
-        if addend is None:
-            ctx.mark_non_differentiable(outputs[5])
         # (one view of the output per further reader: each reader's gradient reaches the
         # backward on its own edge, added there in the compute dtype - not by autograd in the
         # output's dtype)
