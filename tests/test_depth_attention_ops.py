@@ -645,6 +645,34 @@ def test_merge_matches_the_reference_over_shapes(k, c, d, b, t, norm, seed):
             assert torch.linalg.vector_norm(a - r) <= 1e-10 * max(torch.linalg.vector_norm(r), 1.0)
 
 
+def _laid_out(x, layout: str):
+    """``x`` as the same values in another memory layout: ``"contiguous"``, ``"transposed"``
+    (the last dimension strided, as a channels-last view) or ``"expanded"`` (its first row
+    repeated with stride 0 over the first dimension)."""
+    if layout == "transposed":
+        return x.detach().movedim(-1, 0).contiguous().movedim(0, -1).requires_grad_()
+    if layout == "expanded":
+        return x.detach()[:1].clone().requires_grad_()
+    return x
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(1, 3), n=st.integers(1, 3), d=st.integers(1, 9), b=st.integers(0, 3), t=st.integers(1, 3),
+       layout=st.sampled_from(["contiguous", "transposed", "expanded"]), seed=st.integers(0, 2**16))
+def test_phase1_matches_the_reference_over_shapes_and_layouts(S, n, d, b, t, layout, seed):
+    """Phase 1 of every backend equals the reference, forward and every gradient, over edge
+    shapes - no rows, one row, ``d = 1``, one query, one source - and sources that are
+    strided or expanded views (stride 0: its gradient sums over the repeats)."""
+    qg, sources = phase1_inputs((b, t), d, S, n, seed=seed)
+    leaves = [_laid_out(x, layout) for x in sources]
+    expand = (lambda x: x.expand(b, t, d)) if layout == "expanded" else (lambda x: x)
+    want = outputs_and_grads(lambda q, *xs: run_phase1("reference", q, [expand(x) for x in xs]), [qg, *leaves], seed)
+    for backend in ("auto", "torch"):
+        got = outputs_and_grads(lambda q, *xs: run_phase1(backend, q, [expand(x) for x in xs]), [qg, *leaves], seed)
+        for a, r in zip(got, want):
+            assert torch.linalg.vector_norm(a - r) <= 1e-10 * max(torch.linalg.vector_norm(r), 1.0)
+
+
 def test_merge_input_errors():
     z, sources, computed, qg, _ = merge_inputs((2,), 4, 2, 1, False)
     for merge in (library.merge, reference.merge):
