@@ -874,3 +874,24 @@ def test_peft_lora_merged_generates_what_the_adapted_model_generates():
         torch.testing.assert_close(merged(ids).logits, logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(merged.generate(ids, **kw), out)
     assert not torch.equal(AttnResForCausalLM.from_native(native).eval().generate(ids, **kw), out)
+
+
+def test_an_export_of_an_earlier_version_generates_past_its_line_breaks_and_keeps_them(tmp_path):
+    """Earlier versions of ``attnres export`` declared the line break the end-of-sequence and
+    padding token: ``attnres generate`` of such a directory stopped at the first line break and
+    printed the text without any. It now keeps them, with a warning saying to export again."""
+    from transformers import PreTrainedTokenizerFast
+
+    from attnres.hf.directory import load_directory
+    from attnres.hf.export import byte_level_tokenizer
+
+    old = tmp_path / "old-export"  # that export's files: eos and pad the line break (byte 10, "Ċ")
+    AttnResForCausalLM.from_native(native_model(), eos_token_id=10, pad_token_id=10).save_pretrained(old)
+    rust = byte_level_tokenizer()
+    PreTrainedTokenizerFast(tokenizer_object=rust, eos_token="Ċ", pad_token="Ċ").save_pretrained(old)
+    with pytest.warns(UserWarning, match=r"declares the ordinary token 'Ċ' \(id 10, the text '\\n'\) a special token, "
+                                         r"as earlier versions of attnres export did.*export the checkpoint again"):
+        _, text = load_directory(old, torch.device("cpu"))
+    assert text.stop_ids == ()
+    ids = text.encode("one\ntwo")
+    assert ids == list(b"one\ntwo") and text.decode(ids) == "one\ntwo"

@@ -235,6 +235,22 @@ def tokenizer_from_state(meta: dict[str, Any], directory: str | Path) -> Tokeniz
     raise ValueError(f"unknown stored tokenizer {meta!r}: expected kind 'bpe' or 'byte'")
 
 
+def ordinary_tokens_marked_special(tok) -> list[tuple[int, str, str]]:
+    """``(id, content, text)`` of every special token of the ``tokenizers.Tokenizer`` ``tok``
+    that is ordinary text: it decodes to a ``text`` other than its ``content`` (a byte-level
+    stand-in, such as ``"Ċ"`` for the line break) which encodes back to it, as the line break
+    that earlier versions of ``attnres export`` declared the end-of-sequence and padding token.
+    Markers such as ``<s>`` or ``<|endoftext|>`` decode to themselves and are not listed."""
+    found = []
+    for token_id, added in sorted(tok.get_added_tokens_decoder().items()):
+        if not added.special:
+            continue
+        text = tok.decode([token_id], skip_special_tokens=False)
+        if text and text != added.content and tok.encode(text, add_special_tokens=False).ids == [token_id]:
+            found.append((token_id, added.content, text))
+    return found
+
+
 def text_chunks(text: str, size: int = 1 << 20):
     """``text`` in consecutive pieces of about ``size`` characters, each ending just after a
     line break (the last one at the end of the text). Joined, they give ``text`` back."""

@@ -10,6 +10,9 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..data.tokenizer import ordinary_tokens_marked_special
+from ..user_warning import warn_user
+
 __all__ = ["DirectoryText", "load_directory", "unreadable_weights"]
 
 
@@ -18,12 +21,18 @@ class DirectoryText:
     uses one: ``encode`` adds what the tokenizer adds before a text (a Llama's beginning of
     sequence) but not what it appends (a T5-style end of sequence: a prompt would end the
     text before its continuation, and perplexity would also predict that token), ``decode``
-    leaves special tokens out; ``stop_ids``, the model's end-of-sequence ids (none for
-    attnres's exports: their models learnt no end of text)."""
+    leaves special tokens out, except ordinary text declared special (``ordinary``: the line
+    break of earlier versions' exports); ``stop_ids``, the model's end-of-sequence ids (none
+    for attnres's exports: their models learnt no end of text)."""
 
     def __init__(self, tokenizer, stop_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.stop_ids = tokenizer, stop_ids
         self.appended = _appended_count(tokenizer)
+        backend = self.backend
+        self.ordinary = ordinary_tokens_marked_special(backend) if backend is not None else []
+        kept = {token_id for token_id, _, _ in self.ordinary}
+        self._skipped = {token_id for token_id, added in backend.get_added_tokens_decoder().items()
+                         if added.special and token_id not in kept} if kept else set()
 
     @property
     def backend(self):
@@ -37,7 +46,9 @@ class DirectoryText:
         return ids[: len(ids) - self.appended]
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not self.ordinary:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode([i for i in ids if i not in self._skipped], skip_special_tokens=False)
 
     def encode_chat(self, message: str) -> list[int]:
         """``message`` as a user's turn through the tokenizer's chat template, ready for the
@@ -85,4 +96,20 @@ def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Mod
         raise ValueError(f"{str(path)!r}: transformers cannot load its tokenizer: {e}") from None
     eos = model.generation_config.eos_token_id
     stop_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    return model, DirectoryText(tokenizer, stop_ids)
+    text = DirectoryText(tokenizer, stop_ids)
+    if text.ordinary:
+        _keep_ordinary_tokens(path, text)
+    return model, text
+
+
+def _keep_ordinary_tokens(path: str | Path, text: DirectoryText) -> None:
+    """``text`` stops at none of its ordinary tokens declared special (the line break that
+    earlier versions of ``attnres export`` declared the end-of-sequence and padding token:
+    generation stopped at the first line break and the text lost every one), with a warning."""
+    token_id, content, shown = text.ordinary[0]
+    more = f" (and {len(text.ordinary) - 1} more)" if len(text.ordinary) > 1 else ""
+    text.stop_ids = tuple(i for i in text.stop_ids if i not in {t for t, _, _ in text.ordinary})
+    warn_user(f"{str(path)!r} declares the ordinary token {content!r} (id {token_id}, the text {shown!r}) a special "
+              f"token{more}, as earlier versions of attnres export did for the line break: it is kept in the text and "
+              f"ends no generation; export the checkpoint again (attnres export --checkpoint RUN --out DIR) to write "
+              f"the directory without it")

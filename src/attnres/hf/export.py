@@ -21,7 +21,8 @@ added vocabulary, and an ordinary token declared special is lost twice: decoding
 and the text of its stand-in character (``"Ċ"`` for the line break) encodes as that token
 instead of its own bytes. Earlier versions declared the line break the padding token, and
 served text lost every line break; their tokenizers are refused by the vLLM plugin with
-this reason (:func:`ordinary_tokens_marked_special`). Batched HF calls set a padding id in
+this reason (:func:`attnres.data.tokenizer.ordinary_tokens_marked_special`), and ``attnres generate`` keeps
+their line breaks with a warning (:mod:`attnres.hf.directory`). Batched HF calls set a padding id in
 memory (``tok.pad_token_id = 0``: padded positions are masked, so which id pads does not
 matter). The line break is what lm-evaluation-harness gets as the prefix of rolling
 log-likelihoods (``PREFIX_TEXT``, passed as its ``prefix_token_id``): a line break is what

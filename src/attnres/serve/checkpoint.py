@@ -9,7 +9,7 @@ tensors through :func:`checked_weights` first: every tensor is compared with the
 that wrote it, so the names and shapes are the checkpoint's own - and a mismatch raises a
 :class:`CheckpointMismatch` naming the file, the tensor, both shapes and the config.
 
-A tokenizer that declares an ordinary token special (:func:`ordinary_tokens_marked_special`,
+A tokenizer that declares an ordinary token special (:func:`attnres.data.tokenizer.ordinary_tokens_marked_special`,
 as ``attnres export`` did for the line break before it wrote no padding token) loses that
 token's text in every served completion: :func:`check_tokenizer` refuses it, saying how to
 fix the directory.
@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..data.tokenizer import ordinary_tokens_marked_special
+
 __all__ = ["CheckpointMismatch", "expected_shapes", "checked_weights", "truncated_files", "TokenizerRefused",
-           "ordinary_tokens_marked_special", "check_tokenizer"]
+           "check_tokenizer"]
 
 
 class CheckpointMismatch(ValueError):
@@ -35,24 +37,6 @@ class TokenizerRefused(ValueError):
     """The directory's tokenizer would change the text vLLM serves."""
 
 
-def ordinary_tokens_marked_special(tokenizer_file: str | Path) -> list[tuple[int, str, str]]:
-    """``(id, content, text)`` of every special token of ``tokenizer.json`` that is ordinary
-    text: it decodes to a ``text`` other than its ``content`` (a byte-level stand-in, such
-    as ``"Ċ"`` for the line break) which encodes back to it. Markers such as ``<s>`` or
-    ``<|endoftext|>`` decode to themselves and are not listed."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_file))
-    found = []
-    for token_id, added in sorted(tok.get_added_tokens_decoder().items()):
-        if not added.special:
-            continue
-        text = tok.decode([token_id], skip_special_tokens=False)
-        if text and text != added.content and tok.encode(text, add_special_tokens=False).ids == [token_id]:
-            found.append((token_id, added.content, text))
-    return found
-
-
 def check_tokenizer(path: str | Path) -> None:
     """Refuse (:class:`TokenizerRefused`) a ``tokenizer.json`` - ``path`` itself, or the one in
     the directory ``path`` - that declares ordinary tokens special: vLLM decodes with
@@ -61,7 +45,9 @@ def check_tokenizer(path: str | Path) -> None:
     file = Path(path) if Path(path).is_file() else Path(path) / "tokenizer.json"
     if not file.is_file():
         return
-    found = ordinary_tokens_marked_special(file)
+    from tokenizers import Tokenizer
+
+    found = ordinary_tokens_marked_special(Tokenizer.from_file(str(file)))
     if not found:
         return
     token_id, content, text = found[0]
