@@ -78,7 +78,8 @@ def test_cli_overrides_with_the_old_keys_keep_working(tmp_path):
     for overrides in (["model.residual.kernels=triton", "model.residual.impl=naive"],
                       ["model.residual.kernels=triton", "model.residual.schedule=naive"]):
         cfg, messages = loaded(lambda: load_config(None, overrides))
-        assert cfg.model == want.model and len(messages) == sum("kernels" in o or "impl" in o for o in overrides)
+        old = [o.split("=")[0].removeprefix("model.") for o in overrides if "kernels" in o or "impl" in o]
+        assert cfg.model == want.model and len(messages) == 1 and all(f"ModelConfig.{k}" in messages[0] for k in old)
     # A saved config with the new keys, overridden with an old one: the override wins.
     saved = tmp_path / "run.yaml"
     saved.write_text(json.dumps(want.to_dict()))
@@ -114,7 +115,7 @@ COMMITTED = ["results/ablation-small/full+input_independent_mixing/seed0/config.
 
 
 @pytest.mark.parametrize("path", COMMITTED)
-def test_committed_configs_with_old_keys_load_with_one_warning_per_old_key(path):
+def test_committed_configs_with_old_keys_load_with_one_warning_per_config(path):
     data = json.loads((ROOT / path).read_text())
     if "model" in data:
         config, messages = loaded(lambda: TrainConfig.from_dict(data))
@@ -123,8 +124,8 @@ def test_committed_configs_with_old_keys_load_with_one_warning_per_old_key(path)
         section = next(model_sections(data))
         model, messages = loaded(lambda: ModelConfig.from_dict(section))
         models = [model]
-    assert messages and len(messages) == len(set(messages))  # one warning per old key
-    assert all("is deprecated: use" in m for m in messages)
+    assert messages and len(messages) == len(set(messages))  # one warning per config
+    assert all("is deprecated: use" in m or "keys of an earlier version are deprecated" in m for m in messages)
     assert all(m.residual.schedule in ("two_phase", "naive") and m.residual.backend == "auto" for m in models)
 
 
@@ -137,3 +138,25 @@ def test_every_committed_model_config_loads():
         warnings.simplefilter("ignore", DeprecationWarning)
         for section in sections:
             ModelConfig.from_dict(section)
+
+
+def test_a_config_saved_by_an_earlier_version_gives_one_warning_naming_every_old_key():
+    """A checkpoint of the flat-key era holds up to 13 old keys, which the user never wrote:
+    one warning names them all with their new places (was: one line each, on every command
+    that read the checkpoint, and again for its export)."""
+    from attnres.hf import AttnResConfig
+
+    flat = {"attnres_block_size": 2, "attnres_impl": "naive", "attnres_kernels": "torch_graph", "hc_streams": 4}
+    want = ModelConfig.preset("tiny", residual={"block_size": 2, "schedule": "naive", "backend": "reference"})
+    fields = {k: v for k, v in ModelConfig.preset("tiny").to_dict().items() if k != "residual"}
+    for build in (lambda: ModelConfig.from_dict({**fields, **flat}), lambda: ModelConfig.preset("tiny", **flat)):
+        cfg, messages = loaded(build)
+        assert cfg == want and messages == [
+            "4 keys of an earlier version are deprecated: ModelConfig.attnres_block_size -> "
+            "ModelConfig.residual.block_size, ModelConfig.attnres_impl -> ModelConfig.residual.schedule, "
+            "ModelConfig.attnres_kernels='torch_graph' -> ModelConfig.residual.backend='reference', "
+            "ModelConfig.hc_streams -> ModelConfig.residual.hc_streams (read as the new ones; a config saved by "
+            "this version writes those)"]
+    _, messages = loaded(lambda: AttnResConfig(**{**fields, "residual": {"kind": "attnres_block", "impl": "naive"},
+                                                  **flat}))
+    assert len(messages) == 1 and all(key in messages[0] for key in [*flat, "residual.impl"])

@@ -2,7 +2,7 @@
 
 Every key a config of an earlier version may hold (a ``config.json`` of a checkpoint, a
 run's saved config, a YAML file, a CLI override, keyword arguments) is turned into today's
-spelling here, with one ``DeprecationWarning`` per old key naming the old and the new key.
+spelling here, with one ``DeprecationWarning`` per config naming each old key and its new one.
 The configs call these functions when they are built (``ModelConfig``, ``ResidualConfig``,
 ``TrainConfig`` and the Hugging Face ``AttnResConfig``); nothing else knows an old key.
 
@@ -73,8 +73,17 @@ LEGACY_DISTRIBUTED = {
 }
 
 
-def _warn(old: str, new: str) -> None:
-    warn_user(f"{old} is deprecated: use {new}", DeprecationWarning)
+def _warn_renamed(renamed: list[tuple[str, str]]) -> None:
+    """One warning for the old keys ``(old, new)`` of one config: a config an earlier version
+    saved holds up to 13 of them, which the user never wrote (one line each was a flood on
+    every command that read the checkpoint)."""
+    if len(renamed) == 1:
+        old, new = renamed[0]
+        warn_user(f"{old} is deprecated: use {new}", DeprecationWarning)
+    elif renamed:
+        pairs = ", ".join(f"{old} -> {new}" for old, new in renamed)
+        warn_user(f"{len(renamed)} keys of an earlier version are deprecated: {pairs} (read as the new ones; a "
+                  "config saved by this version writes those)", DeprecationWarning)
 
 
 def _renamed_backend(value: Any) -> bool:
@@ -83,7 +92,16 @@ def _renamed_backend(value: Any) -> bool:
 
 def migrate_residual_keys(data: dict[str, Any], where: str = "ModelConfig.residual") -> dict[str, Any]:
     """``data`` (``ResidualConfig`` fields) with ``impl`` / ``kernels`` renamed ``schedule`` /
-    ``backend`` and the backend ``"torch_graph"`` renamed ``"reference"``; ``data`` is not changed."""
+    ``backend`` and the backend ``"torch_graph"`` renamed ``"reference"``, with one
+    ``DeprecationWarning`` naming the old keys; ``data`` is not changed."""
+    renamed: list[tuple[str, str]] = []
+    out = _migrate_residual(data, where, renamed)
+    _warn_renamed(renamed)
+    return out
+
+
+def _migrate_residual(data: dict[str, Any], where: str, renamed: list[tuple[str, str]]) -> dict[str, Any]:
+    """:func:`migrate_residual_keys`, adding each ``(old, new)`` key to ``renamed``."""
     if not any(k in data for k in RESIDUAL_RENAMES) and not _renamed_backend(data.get("backend")):
         return data
     out = dict(data)
@@ -92,14 +110,14 @@ def migrate_residual_keys(data: dict[str, Any], where: str = "ModelConfig.residu
             continue
         value = out.pop(old)
         if old == "kernels" and _renamed_backend(value):
-            _warn(f"{where}.kernels={value!r}", f"{where}.backend={RENAMED_BACKENDS[value]!r}")
+            renamed.append((f"{where}.kernels={value!r}", f"{where}.backend={RENAMED_BACKENDS[value]!r}"))
             value = RENAMED_BACKENDS[value]
         else:
-            _warn(f"{where}.{old}", f"{where}.{new}")
+            renamed.append((f"{where}.{old}", f"{where}.{new}"))
         out[new] = value
     if _renamed_backend(out.get("backend")):
         value = out["backend"]
-        _warn(f"{where}.backend={value!r}", f"{where}.backend={RENAMED_BACKENDS[value]!r}")
+        renamed.append((f"{where}.backend={value!r}", f"{where}.backend={RENAMED_BACKENDS[value]!r}"))
         out["backend"] = RENAMED_BACKENDS[value]
     return out
 
@@ -117,10 +135,19 @@ def _as_mapping(residual: Any) -> dict[str, Any]:
 
 def migrate_model_keys(data: dict[str, Any], where: str = "ModelConfig") -> dict[str, Any]:
     """``data`` (``ModelConfig`` fields) with the flat residual keys of earlier versions moved
-    into ``residual`` and the renamed residual keys renamed; ``data`` is not changed."""
+    into ``residual`` and the renamed residual keys renamed, with one ``DeprecationWarning``
+    naming the old keys; ``data`` is not changed."""
+    renamed: list[tuple[str, str]] = []
+    out = _migrate_model(data, where, renamed)
+    _warn_renamed(renamed)
+    return out
+
+
+def _migrate_model(data: dict[str, Any], where: str, renamed: list[tuple[str, str]]) -> dict[str, Any]:
+    """:func:`migrate_model_keys`, adding each ``(old, new)`` key to ``renamed``."""
     residual = data.get("residual")
     if isinstance(residual, dict):
-        migrated = migrate_residual_keys(residual, f"{where}.residual")
+        migrated = _migrate_residual(residual, f"{where}.residual", renamed)
         if migrated is not residual:
             data = {**data, "residual": migrated}
     flat = [k for k in data if k in FLAT_RESIDUAL_KEYS]
@@ -131,10 +158,10 @@ def migrate_model_keys(data: dict[str, Any], where: str = "ModelConfig") -> dict
     for key in flat:
         path, value = FLAT_RESIDUAL_KEYS[key], data[key]
         if path == ("backend",) and _renamed_backend(value):
-            _warn(f"{where}.{key}={value!r}", f"{where}.residual.backend={RENAMED_BACKENDS[value]!r}")
+            renamed.append((f"{where}.{key}={value!r}", f"{where}.residual.backend={RENAMED_BACKENDS[value]!r}"))
             value = RENAMED_BACKENDS[value]
         else:
-            _warn(f"{where}.{key}", f"{where}.residual.{'.'.join(path)}")
+            renamed.append((f"{where}.{key}", f"{where}.residual.{'.'.join(path)}"))
         if len(path) == 1:
             nested[path[0]] = value
         else:
