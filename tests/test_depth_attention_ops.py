@@ -1354,6 +1354,39 @@ def test_build_retries_without_the_flags_a_compiler_refuses(kernel, fresh_build,
                      reference.merge(z, sources, computed, qg, 1e-6, w)[0], 1e-13)
 
 
+
+@pytest.mark.parametrize("refused", ["-fopenmp", "-march=native"])
+def test_build_drops_only_the_flag_a_compiler_refuses(kernel, fresh_build, monkeypatch, refused):
+    """Apple's clang refuses ``-fopenmp`` but takes ``-march=native`` (older clang on arm64 the
+    other way round): the build dropped both, and the warning said both were refused; now it
+    keeps the other flag and names only the refused one."""
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    wrapper, log = fresh_build / "picky-cc", fresh_build / "args.log"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in {refused}) exit 1;; esac; done\n'
+                       f'echo "$@" >> {log}\nexec {real} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(wrapper))
+    with pytest.warns(UserWarning) as caught:
+        assert cpu_kernel.cpu_kernel() is not None
+    kept = ({"-fopenmp", "-march=native"} - {refused}).pop()
+    assert [str(w.message).split(" (")[0] for w in caught] == [f"attnres: the CPU kernel was built without {refused}"]
+    assert kept in log.read_text().splitlines()[-1].split()
+
+
+def test_kernel_cache_tells_arm_cpus_apart(monkeypatch, tmp_path):
+    """Linux on aarch64 has no "model name" or "flags" in /proc/cpuinfo: every ARM CPU had the
+    same cache key, so a cache shared by a Graviton and a Grace node (an NFS home) loaded the
+    other's -march=native build (illegal instruction). Now the implementer, part and features
+    are in the key."""
+    ids = []
+    for part, features in (("0xd40", "fp asimd sve"), ("0xd4f", "fp asimd sve sve2 bf16")):
+        info = tmp_path / f"cpuinfo-{part}"
+        info.write_text(f"processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: {features}\nCPU implementer\t: 0x41\n"
+                        f"CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: {part}\nCPU revision\t: 1\n")
+        monkeypatch.setattr(cpu_kernel, "CPUINFO", info)
+        ids.append(cpu_kernel._cpu_id())
+    assert ids[0] != ids[1] and all("CPU part" in i for i in ids)
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_torch_func_transforms_of_the_operations_run_the_reference(backend):
     """``torch.func.grad`` / ``vmap`` / ``jvp`` of ``operations(backend).phase1`` or ``.merge``

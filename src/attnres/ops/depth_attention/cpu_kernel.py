@@ -6,7 +6,8 @@ else ``cc``; ``-O3 -march=native -fopenmp``, about a second) into a cache direct
 (``$ATTNRES_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnres`` or ``~/.cache/attnres``), keyed by
 the source, the flags, the compiler and the CPU. Each process compiles into a file of its
 own and renames it into place, so concurrent builds are safe. A compiler that refuses
-``-march=native`` or ``-fopenmp`` gets the build again without them (one warning). Without
+``-march=native`` or ``-fopenmp`` gets the build again without the one it refuses, else
+without both (one warning). Without
 a compiler, or with ``ATTNRES_CPU_KERNEL=0``, :func:`cpu_kernel` returns ``None`` (one
 warning when a build failed) and the operations run their PyTorch implementation.
 
@@ -50,8 +51,10 @@ SOURCE = Path(__file__).with_name("cpu_kernel.c")
 ABI_VERSION = 4
 # -ffp-contract=fast: fused multiply-adds (ISO C mode turns contraction off).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-#: Flags dropped, in turn, when the compiler refuses the full set.
+#: Flags dropped when the compiler refuses the full set: each alone, then both (Apple's
+#: clang refuses -fopenmp only, older clang on arm64 -march=native only).
 OPTIONAL_FLAGS = ("-march=native", "-fopenmp")
+_DROPS = ((), *((f,) for f in OPTIONAL_FLAGS), OPTIONAL_FLAGS)
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
@@ -62,13 +65,20 @@ def _cache_dir() -> Path:
     return Path(base) / "attnres"
 
 
+#: Where Linux describes the CPU.
+CPUINFO = Path("/proc/cpuinfo")
+#: The lines of :data:`CPUINFO` that ``-march=native`` depends on: x86's model and flags,
+#: an ARM CPU's implementer, part and features (Linux on aarch64 has no "model name").
+_CPU_LINES = ("model name", "flags", "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
 def _cpu_id() -> str:
     """What ``-march=native`` depends on: the CPU's model and instruction-set flags."""
     try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
+        info = CPUINFO.read_text().splitlines()
     except OSError:
         return platform.processor() or platform.machine()
-    keep = [line for line in info if line.startswith(("model name", "flags"))]
+    keep = [line for line in info if line.startswith(_CPU_LINES)]
     return "\n".join(sorted(set(keep)))
 
 
@@ -95,18 +105,17 @@ def _build(compiler: list[str]) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    dropped: list[str] = []
-    while True:
+    for dropped in _DROPS:
         try:
             _compile(compiler, [f for f in FLAGS if f not in dropped], target)
             break
         except subprocess.CalledProcessError:
-            if len(dropped) == len(OPTIONAL_FLAGS):
+            if dropped == _DROPS[-1]:
                 raise
-            dropped.append(OPTIONAL_FLAGS[len(dropped)])
     if dropped:
         warn_user(f"attnres: the CPU kernel was built without {' '.join(dropped)} (the compiler refused it); "
-                  "it runs slower" + (", on one thread" if "-fopenmp" in dropped else ""))
+                  "it runs slower" + (", on one thread (Apple's clang has no OpenMP: README, 'On macOS or ARM Linux')"
+                                      if "-fopenmp" in dropped else ""))
     return target
 
 
