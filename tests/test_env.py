@@ -118,3 +118,28 @@ def test_asking_for_cuda_where_there_is_none_says_why(monkeypatch, tmp_path):
         pick_device("cuda:1")
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     assert "is built for CUDA but finds no device" in no_cuda_reason() and "CUDA_VISIBLE_DEVICES" in no_cuda_reason()
+
+
+def test_apple_gpu_is_refused_saying_to_use_the_cpu(monkeypatch, tmp_path):
+    """On a Mac: `--device mps` listed the allowed names only, `device=mps` the same, and
+    `--device cuda` told the user that a GPU needs a CUDA build of torch (there is none for
+    macOS). Each now says that Apple's GPU (mps) is not supported and to use cpu."""
+    import sys
+
+    import pytest
+
+    from attnres.cli import main
+    from attnres.distributed.launch import no_cuda_reason
+    from attnres.inference.loading import pick_device
+    from attnres.train import TrainConfig
+
+    for name in ("mps", "mps:0"):
+        with pytest.raises(ValueError, match=rf"got '{name}': Apple's GPU \(mps\) is not supported .*; use cpu$"):
+            pick_device(name)
+    with pytest.raises(ValueError, match=r"TrainConfig.device must be .*; got 'mps': Apple's GPU .*; use cpu$"):
+        TrainConfig(device="mps")
+    with pytest.raises(SystemExit, match=r"^attnres train: error: TrainConfig.device .*'mps': Apple's GPU .*use cpu$"):
+        main(["train", "device=mps", f"out_dir={tmp_path / 'run'}"])
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "on macOS has no CUDA" in no_cuda_reason() and "CUDA build" not in no_cuda_reason()

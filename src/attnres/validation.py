@@ -225,6 +225,23 @@ class Choice(Rule):
         return did_you_mean(value, self.allowed)
 
 
+def unsupported_device_hint(name: Any) -> str:
+    """For a device PyTorch has that attnres does not run on (Apple's GPU, ``mps``), what to
+    use instead (``""`` for any other name)."""
+    if isinstance(name, str) and name.split(":")[0].strip().lower() == "mps":
+        return (": Apple's GPU (mps) is not supported - attnres runs on cpu or cuda (its kernels, float64 "
+                "analyses and tests are not built for mps); use cpu")
+    return ""
+
+
+@dataclass(frozen=True)
+class DeviceChoice(Choice):
+    """A device setting (``auto``, ``cpu``, ``cuda``): ``mps`` gets what to use instead."""
+
+    def hint(self, value: Any) -> str:
+        return unsupported_device_hint(value) or super().hint(value)
+
+
 @dataclass(frozen=True)
 class ChoiceOrPath(Choice):
     """One of ``allowed``, or a path that ``is_path`` recognises (so that a misspelt choice

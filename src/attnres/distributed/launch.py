@@ -80,6 +80,8 @@ class DistContext:
 def no_cuda_reason() -> str:
     """Why PyTorch sees no CUDA device, in words: a CPU build of torch, or a CUDA build that
     finds none."""
+    if sys.platform == "darwin":
+        return f"PyTorch {torch.__version__} on macOS has no CUDA, and attnres does not run on Apple's GPU (mps)"
     if torch.version.cuda is None and torch.version.hip is None:
         return f"this PyTorch ({torch.__version__}) is a CPU build; a GPU needs a CUDA build of torch"
     return (f"PyTorch {torch.__version__} is built for CUDA but finds no device (no GPU, a driver it cannot use, or "

@@ -21,7 +21,7 @@ from ..nn.residual.imports import unregistered_residual_error
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
 from ..distributed.launch import no_cuda_reason
 from ..user_warning import warn_user
-from ..validation import did_you_mean
+from ..validation import did_you_mean, unsupported_device_hint
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
 
@@ -49,7 +49,8 @@ def pick_device(name: str | None) -> torch.device:
 
 def _bad_device(name: str) -> str:
     allowed = ("auto", "cpu", "cuda")
-    return f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}{did_you_mean(name, allowed)}"
+    hint = unsupported_device_hint(name) or did_you_mean(name, allowed)
+    return f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}{hint}"
 
 
 #: Files of a training checkpoint that using the model does not need.

@@ -13,8 +13,8 @@ from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import ModelConfig
 from ..models.hf_registry import hf_hook
-from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, Int, Nullable, Number, Rule, Text, TextList,
-                          check_known_keys, fail, missing_path_hint, nearest, python_scalars)
+from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
+                          TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars)
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -314,7 +314,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "optimizer": Choice(OPTIMIZERS),
     "schedule": Choice(SCHEDULES),
     "dtype": Choice(DTYPES),
-    "device": Choice(DEVICES),
+    "device": DeviceChoice(DEVICES),
     "cpu_allocator": Choice(CPU_ALLOCATORS),
     "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS),
     "dist_timeout_s": Number(0.0, lo_open=True),
