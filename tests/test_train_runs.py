@@ -242,6 +242,33 @@ def test_stale_lock_is_taken_over_and_foreign_host_is_named(tmp_path, corpus_fil
         train(load_config(None, overrides(corpus_file, other, steps=1)))
 
 
+
+def test_without_proc_a_reused_pid_does_not_hold_the_lock(tmp_path, monkeypatch):
+    """macOS has no /proc: the lock recorded no start time, so a lock whose PID a new process
+    took (after a reboot) was "in use by another run" - and the advice was to stop that
+    process. Where /proc is missing ``ps`` gives the start time: the lock is taken over."""
+    from attnres.train import lock
+
+    real_read = Path.read_text
+    monkeypatch.setattr(lock, "PROC", tmp_path / "no-proc", raising=False)
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(FileNotFoundError(self))
+                        if str(self).startswith("/proc/") else real_read(self, *a, **k))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine = RunLock(tmp_path / "mine")
+        with mine:
+            assert json.loads((tmp_path / "mine" / LOCK_FILE).read_text())["proc_start"]
+        holder = {"pid": other.pid, "host": socket.gethostname(), "started": 0}
+        assert not lock.stale_here({**holder, "proc_start": lock._start_time(other.pid)})  # its own: live
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / LOCK_FILE).write_text(json.dumps({**holder, "proc_start": "Thu Jan  1 00:00:00 2026"}))
+        with pytest.warns(UserWarning, match=f"stale lock .*PID {other.pid}"), RunLock(run):
+            pass
+    finally:
+        other.kill()
+        other.wait()
+
 # -- 4: recovery --------------------------------------------------------------------------
 
 def test_corrupted_newest_checkpoint_falls_back_to_an_intact_one(tmp_path, corpus_file):

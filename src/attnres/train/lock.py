@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -32,14 +33,30 @@ class RunLocked(ValueError):
     """The run directory is locked by another live run."""
 
 
+#: Where Linux describes processes (macOS and the BSDs have no /proc: ``ps`` tells there).
+PROC = Path("/proc")
+
+
 def _start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` (Linux: field 22 of /proc/<pid>/stat), to tell a
-    live owner from a new process that reused its PID; ``None`` where unknown."""
+    """The start time of process ``pid`` (Linux: field 22 of /proc/<pid>/stat; elsewhere
+    ``ps -o lstart``), to tell a live owner from a new process that reused its PID - after a
+    reboot, say; ``None`` where unknown."""
+    if not PROC.is_dir():
+        return _ps_start_time(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
     return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _ps_start_time(pid: int) -> str | None:
+    try:
+        done = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "LC_ALL": "C"})
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return " ".join(done.stdout.split()) or None
 
 
 def _alive(pid: int) -> bool:
