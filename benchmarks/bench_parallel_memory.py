@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from bench_training_overhead import log, out_stem, run_header, write_results
 
 from attnres.distributed.local_spawn import run_local
 from attnres.models import ModelConfig
+from attnres.train.cpu_memory import peak_rss_bytes
 
 MODEL = dict(vocab_size=16384, d_model=512, n_heads=8, n_layers=8, max_seq_len=64, tie_embeddings=False,
              residual={"kind": "attnres_block", "block_size": 4})
@@ -61,7 +61,7 @@ def measure(parallel: dict) -> dict:
     opt.step()
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"param_bytes": pm.local_parameter_bytes(), "optimizer_bytes": local_bytes(state),
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "max_rss_bytes": peak_rss_bytes()}
 
 
 def worker(spec: dict) -> None:

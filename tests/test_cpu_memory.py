@@ -121,3 +121,17 @@ def test_the_library_leaves_malloc_alone_and_the_command_applies_the_setting(tmp
     library, command = result["library"], result["command"]
     assert not library["retained"] and min(library["faults"]) > pages // 2
     assert command["retained"] and max(command["faults"][1:]) < pages // 100
+
+
+def test_peak_rss_is_in_bytes_on_linux_and_macos(monkeypatch):
+    """``ru_maxrss`` is KiB on Linux and bytes on macOS: the parallel-memory benchmark
+    multiplied by 1024 everywhere, so on a Mac it reported 1024 times the memory."""
+    import resource
+
+    peak = cpu_memory.peak_rss_bytes()
+    if Path("/proc/self/status").exists():   # Linux: the kernel's own count of the peak, in kB
+        hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                   if line.startswith("VmHWM:"))
+        assert abs(peak - hwm * 1024) <= 0.05 * peak
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert cpu_memory.peak_rss_bytes() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -27,8 +27,9 @@ import ctypes
 import ctypes.util
 import functools
 import platform
+import sys
 
-__all__ = ["CPU_ALLOCATORS", "set_cpu_allocator", "retains_freed_memory", "minor_page_faults"]
+__all__ = ["CPU_ALLOCATORS", "set_cpu_allocator", "retains_freed_memory", "minor_page_faults", "peak_rss_bytes"]
 
 #: ``TrainConfig.cpu_allocator``: keep freed memory for reuse, or leave malloc as it is.
 CPU_ALLOCATORS = ("retain", "system")
@@ -84,3 +85,14 @@ def minor_page_faults() -> int:
     except ImportError:  # not on Windows
         return -1
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (``getrusage``'s ``ru_maxrss``: KiB on
+    Linux, bytes on macOS); ``-1`` where unavailable."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return -1
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
