@@ -136,7 +136,7 @@ class Corpus:
     """The text of a run, already split.
 
     ``val`` is about ``val_fraction`` of the concatenated documents, taken as evenly spaced
-    pieces (see :func:`split_text`), ``train`` the rest: the split depends only on the text
+    pieces (see :func:`split_pieces`), ``train`` the rest: the split depends only on the text
     and the fraction, never on a seed. ``digest`` hashes both parts and names the caches.
     ``home`` is where caches go by default: the directory of the first data file.
     """
@@ -155,7 +155,7 @@ MIN_SMALL_PIECE = 16
 
 
 def piece_count(length: int, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> int:
-    """How many pieces :func:`split_text` cuts a text of ``length`` characters into: at most
+    """How many pieces :func:`split_pieces` cuts a text of ``length`` characters into: at most
     ``max_pieces`` of at least ``min_piece`` characters where possible (and at least 2) -
     more, and shorter, where that many cannot hold out ``val_fraction``: a 2 KB text in 2
     pieces would give half of it to validation. The count is the first from there whose
@@ -171,14 +171,18 @@ def piece_count(length: int, val_fraction: float, max_pieces: int = 200, min_pie
                      f"as validation text (to within {FRACTION_TOLERANCE:.0%}): use more text or a larger val_fraction")
 
 
-def split_text(text: str, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> tuple[str, str]:
-    """Cut ``text`` into (train, val), deterministically and without a seed.
+def split_pieces(text: str, val_fraction: float, max_pieces: int = 200,
+                 min_piece: int = 2048) -> tuple[list[str], list[str]]:
+    """Cut ``text`` into (train, val) pieces, deterministically and without a seed; each
+    split is its pieces joined.
 
     The text is cut into ``n`` pieces of similar size (:func:`piece_count`) and ``max(1,
     round(val_fraction * n))`` evenly spaced pieces form the validation split, so that it
     samples the whole corpus rather than only its end. Each cut falls after the first line
     break past its target position (:func:`_cut`), so text with line breaks is split
     between lines; text without them (one long line) is split at a space, or mid-word.
+    The pieces, not the joined splits: a caller that drops ``text`` before joining them
+    holds the corpus twice at most, not three times (the text, the pieces, the join).
     """
     n = piece_count(len(text), val_fraction, max_pieces, min_piece)
     bounds = [0]
@@ -188,10 +192,8 @@ def split_text(text: str, val_fraction: float, max_pieces: int = 200, min_piece:
     n_val = max(1, round(val_fraction * n))
     val_pieces = {int((j + 0.5) * n / n_val) for j in range(n_val)}
     spans = list(zip(bounds, bounds[1:]))
-    # (one split's slices at a time: all pieces at once held a second copy of the text beside the result)
-    train = "".join([text[a:b] for i, (a, b) in enumerate(spans) if i not in val_pieces])
-    val = "".join([text[a:b] for i, (a, b) in enumerate(spans) if i in val_pieces])
-    return train, val
+    return ([text[a:b] for i, (a, b) in enumerate(spans) if i not in val_pieces],
+            [text[a:b] for i, (a, b) in enumerate(spans) if i in val_pieces])
 
 
 def corpus_digest(train: str, val: str, chunk: int = 1 << 24) -> str:
@@ -277,8 +279,10 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             files.append(file)
     text = DOCUMENT_SEPARATOR.join(docs)
     docs.clear()  # (the documents and their joined text were held together through the split)
-    train, val = split_text(text, val_fraction)
-    del text
+    train_pieces, val_pieces = split_pieces(text, val_fraction)
+    del text  # (the text, its pieces and their join were held together)
+    train, val = "".join(train_pieces), "".join(val_pieces)
+    del train_pieces, val_pieces
     if not train or train.isspace() or not val or val.isspace():  # (not strip(): a copy of the text)
         raise ValueError(f"the corpus ({len(train) + len(val)} characters) is too small to split with "
                          f"val_fraction={val_fraction}")
