@@ -136,7 +136,7 @@ class Corpus:
     """The text of a run, already split.
 
     ``val`` is about ``val_fraction`` of the concatenated documents, taken as evenly spaced
-    pieces (see :func:`split_text`), ``train`` the rest: the split depends only on the text
+    pieces (see :func:`split_pieces`), ``train`` the rest: the split depends only on the text
     and the fraction, never on a seed. ``digest`` hashes both parts and names the caches.
     ``home`` is where caches go by default: the directory of the first data file.
     """
@@ -155,7 +155,7 @@ MIN_SMALL_PIECE = 16
 
 
 def piece_count(length: int, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> int:
-    """How many pieces :func:`split_text` cuts a text of ``length`` characters into: at most
+    """How many pieces :func:`split_pieces` cuts a text of ``length`` characters into: at most
     ``max_pieces`` of at least ``min_piece`` characters where possible (and at least 2) -
     more, and shorter, where that many cannot hold out ``val_fraction``: a 2 KB text in 2
     pieces would give half of it to validation. The count is the first from there whose
@@ -171,14 +171,18 @@ def piece_count(length: int, val_fraction: float, max_pieces: int = 200, min_pie
                      f"as validation text (to within {FRACTION_TOLERANCE:.0%}): use more text or a larger val_fraction")
 
 
-def split_text(text: str, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> tuple[str, str]:
-    """Cut ``text`` into (train, val), deterministically and without a seed.
+def split_pieces(text: str, val_fraction: float, max_pieces: int = 200,
+                 min_piece: int = 2048) -> tuple[list[str], list[str]]:
+    """Cut ``text`` into (train, val) pieces, deterministically and without a seed; each
+    split is its pieces joined.
 
     The text is cut into ``n`` pieces of similar size (:func:`piece_count`) and ``max(1,
     round(val_fraction * n))`` evenly spaced pieces form the validation split, so that it
     samples the whole corpus rather than only its end. Each cut falls after the first line
     break past its target position (:func:`_cut`), so text with line breaks is split
     between lines; text without them (one long line) is split at a space, or mid-word.
+    The pieces, not the joined splits: a caller that drops ``text`` before joining them
+    holds the corpus twice at most, not three times (the text, the pieces, the join).
     """
     n = piece_count(len(text), val_fraction, max_pieces, min_piece)
     bounds = [0]
@@ -187,10 +191,21 @@ def split_text(text: str, val_fraction: float, max_pieces: int = 200, min_piece:
     bounds.append(len(text))
     n_val = max(1, round(val_fraction * n))
     val_pieces = {int((j + 0.5) * n / n_val) for j in range(n_val)}
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    train = "".join(p for i, p in enumerate(pieces) if i not in val_pieces)
-    val = "".join(p for i, p in enumerate(pieces) if i in val_pieces)
-    return train, val
+    spans = list(zip(bounds, bounds[1:]))
+    return ([text[a:b] for i, (a, b) in enumerate(spans) if i not in val_pieces],
+            [text[a:b] for i, (a, b) in enumerate(spans) if i in val_pieces])
+
+
+def corpus_digest(train: str, val: str, chunk: int = 1 << 24) -> str:
+    """The SHA-256 that names a split corpus (its caches, a checkpoint's data fingerprint):
+    of ``len(train)``, ``:`` and the UTF-8 text of ``train + val``, hashed in pieces of
+    ``chunk`` characters so that neither the joined text nor its bytes are held at once
+    (they were: twice the corpus again, on every run)."""
+    digest = hashlib.sha256(f"{len(train)}:".encode())
+    for part in (train, val):
+        for start in range(0, len(part), chunk):
+            digest.update(part[start:start + chunk].encode("utf-8"))
+    return digest.hexdigest()
 
 
 def _cut(text: str, target: int, next_target: int) -> int:
@@ -222,6 +237,24 @@ def data_files(paths: list[str] | tuple[str, ...] = ()) -> list[tuple[Path, list
     return [(root, _files_of(root)) for root in roots]
 
 
+def _read_file(file: Path, text_field: str) -> list[str]:
+    """The documents of the data file ``file``: its text, or a ``.jsonl`` file's records'
+    ``text_field``. ``ValueError`` for an empty, undecodable or blank file."""
+    if file.stat().st_size == 0:
+        raise ValueError(f"data file {str(file)!r} is empty")
+    if file.suffix.lower() == ".json":  # (often JSON lines saved as .json: its markup would be trained on)
+        warn_user(f"data file {str(file)!r} is read as plain text, its JSON syntax included: only .jsonl "
+                  "files are read as JSON lines (their text field); rename it .jsonl if it holds one "
+                  "object a line")
+    try:
+        docs = _read_jsonl(file, text_field) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
+    except UnicodeDecodeError:  # a .jsonl file's lines
+        raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
+    if all(not d or d.isspace() for d in docs):  # (not strip(): a copy of each)
+        raise ValueError(f"data file {str(file)!r} holds no text")
+    return docs
+
+
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02,
                 text_field: str = TEXT_FIELD) -> Corpus:
     """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
@@ -242,22 +275,16 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                 how = "listed twice" if first_root == root else f"through {str(first_root)!r} and {str(root)!r}"
                 raise ValueError(f"data.paths reads the file {str(first)!r} twice ({how}): list each file or "
                                  "directory once")
-            if file.stat().st_size == 0:
-                raise ValueError(f"data file {str(file)!r} is empty")
-            if file.suffix.lower() == ".json":  # (often JSON lines saved as .json: its markup would be trained on)
-                warn_user(f"data file {str(file)!r} is read as plain text, its JSON syntax included: only .jsonl "
-                          "files are read as JSON lines (their text field); rename it .jsonl if it holds one "
-                          "object a line")
-            try:
-                file_docs = _read_jsonl(file, text_field) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
-            except UnicodeDecodeError:  # a .jsonl file's lines
-                raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
-            if not any(d.strip() for d in file_docs):
-                raise ValueError(f"data file {str(file)!r} holds no text")
-            docs.extend(file_docs)
+            docs.extend(_read_file(file, text_field))
             files.append(file)
-    train, val = split_text(DOCUMENT_SEPARATOR.join(docs), val_fraction)
-    if not train.strip() or not val.strip():
-        raise ValueError(f"the corpus ({sum(map(len, docs))} characters) is too small to split with val_fraction={val_fraction}")
-    digest = hashlib.sha256(f"{len(train)}:".encode() + (train + val).encode("utf-8")).hexdigest()
-    return Corpus(train=train, val=val, digest=digest, home=files[0].parent, sources=tuple(map(str, files)))
+    text = DOCUMENT_SEPARATOR.join(docs)
+    docs.clear()  # (the documents and their joined text were held together through the split)
+    train_pieces, val_pieces = split_pieces(text, val_fraction)
+    del text  # (the text, its pieces and their join were held together)
+    train, val = "".join(train_pieces), "".join(val_pieces)
+    del train_pieces, val_pieces
+    if not train or train.isspace() or not val or val.isspace():  # (not strip(): a copy of the text)
+        raise ValueError(f"the corpus ({len(train) + len(val)} characters) is too small to split with "
+                         f"val_fraction={val_fraction}")
+    return Corpus(train=train, val=val, digest=corpus_digest(train, val), home=files[0].parent,
+                  sources=tuple(map(str, files)))
