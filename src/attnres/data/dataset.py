@@ -213,7 +213,8 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     if found is not None:
         return found
     cache = root / _cache_names(corpus.digest, tokenizer, vocab_size, given)[-1]
-    made = given or (train_bpe(corpus.train, vocab_size, progress) if tokenizer == "bpe" else ByteTokenizer())
+    made = (given if given is not None else train_bpe(corpus.train, vocab_size, progress) if tokenizer == "bpe"
+            else ByteTokenizer())
     _write_cache(corpus, cache, made, progress)
     return _open_cache(cache, given)
 
