@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -131,21 +130,83 @@ def _matches_of(pattern: str) -> list[Path]:
     return [file for match in matches for file in _files_of(match)]
 
 
-@dataclass(frozen=True)
+#: Bump when reading or splitting changes the text that the same files give (and so its
+#: digest): digests that token caches recorded for files (:func:`files_key`) then stop matching.
+READ_VERSION = 1
+
+
+def files_key(files: list[Path] | tuple[Path, ...], val_fraction: float, text_field: str) -> str:
+    """A SHA-256 of what a corpus's text depends on, taken without reading it: each file's
+    absolute path, size, modification and status-change times (ns) and inode, in order, with
+    ``val_fraction``, ``text_field`` and :data:`READ_VERSION`. A token cache records it beside
+    the text's digest, so that the next run finds its cache without reading the text. Any
+    write to a file changes its status-change time (``touch -d`` and ``os.utime`` included,
+    which can set the modification time back, not that one), and replacing it its inode."""
+    entries = []
+    for file in files:
+        st = file.stat()
+        entries.append([str(file.absolute()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    doc = json.dumps([READ_VERSION, repr(float(val_fraction)), text_field, entries])
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
 class Corpus:
-    """The text of a run, already split.
+    """The text of a run, split; read when first wanted.
 
     ``val`` is about ``val_fraction`` of the concatenated documents, taken as evenly spaced
     pieces (see :func:`split_pieces`), ``train`` the rest: the split depends only on the text
-    and the fraction, never on a seed. ``digest`` hashes both parts and names the caches.
-    ``home`` is where caches go by default: the directory of the first data file.
+    and the fraction, never on a seed. ``digest`` hashes both parts (:func:`corpus_digest`)
+    and names the caches; until the text is read, a digest that a token cache recorded for
+    the same files (:attr:`files_key`, taken when the corpus is found) stands for it
+    (:meth:`recall`), so that a cache hit reads no text. ``home`` is where caches go by
+    default: the directory of the first data file.
     """
 
-    train: str
-    val: str
-    digest: str
-    home: Path
-    sources: tuple[str, ...]
+    def __init__(self, files: list[Path], val_fraction: float, text_field: str = TEXT_FIELD) -> None:
+        self.files, self.val_fraction, self.text_field = tuple(files), val_fraction, text_field
+        self.home = self.files[0].parent
+        self.sources = tuple(map(str, self.files))
+        self.files_key = files_key(self.files, val_fraction, text_field)  # (before any reading: see recall)
+        self._split: tuple[str, str] | None = None
+        self._digest: str | None = None
+
+    @property
+    def is_read(self) -> bool:
+        return self._split is not None
+
+    def read(self) -> Corpus:
+        """Read and split the text now (once); ``ValueError`` for a file that is not UTF-8
+        text or holds none, or a text too small to split. Returns the corpus."""
+        if self._split is None:
+            self._split = _read_split(self.files, self.val_fraction, self.text_field)
+            self._digest = corpus_digest(*self._split)
+        return self
+
+    @property
+    def train(self) -> str:
+        return self.read()._split[0]
+
+    @property
+    def val(self) -> str:
+        return self.read()._split[1]
+
+    @property
+    def digest(self) -> str:
+        if self._digest is None:
+            self.read()
+        return self._digest
+
+    def __eq__(self, other: object) -> bool:  # (as the dataclass it was: the same text from the same files)
+        if not isinstance(other, Corpus):
+            return NotImplemented
+        return ((self.train, self.val, self.digest, self.home, self.sources)
+                == (other.train, other.val, other.digest, other.home, other.sources))
+
+    def recall(self, digest: str) -> None:
+        """Take ``digest``, which a token cache recorded for :attr:`files_key`, as the text's
+        until the text is read (then the text's own digest replaces it)."""
+        if self._split is None:
+            self._digest = digest
 
 
 #: How far (relative) the share of validation pieces may fall from ``val_fraction``.
@@ -239,9 +300,7 @@ def data_files(paths: list[str] | tuple[str, ...] = ()) -> list[tuple[Path, list
 
 def _read_file(file: Path, text_field: str) -> list[str]:
     """The documents of the data file ``file``: its text, or a ``.jsonl`` file's records'
-    ``text_field``. ``ValueError`` for an empty, undecodable or blank file."""
-    if file.stat().st_size == 0:
-        raise ValueError(f"data file {str(file)!r} is empty")
+    ``text_field``. ``ValueError`` for an undecodable or blank file."""
     if file.suffix.lower() == ".json":  # (often JSON lines saved as .json: its markup would be trained on)
         warn_user(f"data file {str(file)!r} is read as plain text, its JSON syntax included: only .jsonl "
                   "files are read as JSON lines (their text field); rename it .jsonl if it holds one "
@@ -256,16 +315,16 @@ def _read_file(file: Path, text_field: str) -> list[str]:
 
 
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02,
-                text_field: str = TEXT_FIELD) -> Corpus:
-    """Read ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
+                text_field: str = TEXT_FIELD, read: bool = True) -> Corpus:
+    """Find ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
     ``.jsonl`` lines need a string field ``text_field``, ``"text"`` by default) - or the default corpus
-    when ``paths`` is empty - and split it. Raises ``ValueError`` for a missing or empty
-    path, an empty file, a file that two paths reach (it would count twice) or a split that leaves
-    either part empty."""
+    when ``paths`` is empty - and, with ``read``, read and split it now. Raises ``ValueError``
+    for a missing or empty path, an empty file or a file that two paths reach (it would count
+    twice); with ``read``, also for a file that is not UTF-8 text or a split that leaves either
+    part empty (without it, when the text is first wanted: see :class:`Corpus`)."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
-    docs: list[str] = []
     files: list[Path] = []
     seen: dict[Path, tuple[Path, Path]] = {}  # resolved file -> (the file, its data path) as first reached
     for root, root_files in data_files(paths):
@@ -275,8 +334,18 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                 how = "listed twice" if first_root == root else f"through {str(first_root)!r} and {str(root)!r}"
                 raise ValueError(f"data.paths reads the file {str(first)!r} twice ({how}): list each file or "
                                  "directory once")
-            docs.extend(_read_file(file, text_field))
+            if file.stat().st_size == 0:
+                raise ValueError(f"data file {str(file)!r} is empty")
             files.append(file)
+    corpus = Corpus(files, val_fraction, text_field)
+    return corpus.read() if read else corpus
+
+
+def _read_split(files: tuple[Path, ...], val_fraction: float, text_field: str) -> tuple[str, str]:
+    """The (train, val) text of ``files``, their documents joined and split."""
+    docs: list[str] = []
+    for file in files:
+        docs.extend(_read_file(file, text_field))
     text = DOCUMENT_SEPARATOR.join(docs)
     docs.clear()  # (the documents and their joined text were held together through the split)
     train_pieces, val_pieces = split_pieces(text, val_fraction)
@@ -286,5 +355,4 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     if not train or train.isspace() or not val or val.isspace():  # (not strip(): a copy of the text)
         raise ValueError(f"the corpus ({len(train) + len(val)} characters) is too small to split with "
                          f"val_fraction={val_fraction}")
-    return Corpus(train=train, val=val, digest=corpus_digest(train, val), home=files[0].parent,
-                  sources=tuple(map(str, files)))
+    return train, val

@@ -12,6 +12,9 @@ The key (corpus digest, tokenizer kind, requested vocabulary size) changes whene
 text, the split or the tokenizer request does, so a stale cache is never reused. Data
 tokenised with a given tokenizer (a checkpoint's, on resume or ``init_from``) that differs
 from the cached one goes to ``<digest[:16]>-<kind><vocab>-<tokenizer fingerprint[-12:]>``.
+meta.json also records the keys of the files the cache was made from (see
+:mod:`attnres.data.cache_index`): the digest is found there, and the text not read, while
+the files are unchanged.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..output_paths import OutputPathError, os_cause
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean
+from .cache_index import record_files, recorded_digest, remove_stale_temporaries, temporary_dir
 from .corpus import Corpus
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
                         load_tokenizer_file, text_chunks, train_bpe)
@@ -119,12 +123,12 @@ def _open_cache(cache: Path, tok: Tokenizer | None) -> TokenData | None:
     return TokenData(train, val, cached, cache)
 
 
-def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progress: bool = False) -> None:
+def _write_cache(corpus: Corpus, cache: Path, tok: Tokenizer, progress: bool = False) -> None:
     """Tokenise both splits with ``tok`` into ``cache``, atomically (a temporary directory
     renamed into place; removed again if anything, Ctrl-C included, interrupts it).
     :class:`~attnres.output_paths.OutputPathError` (a ``ValueError``) naming the cache, the
     cause and the fix when it cannot be written (a full disk, a read-only file system)."""
-    tmp = root / f".{cache.name}.tmp-{os.getpid()}"
+    tmp = temporary_dir(cache)
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -134,7 +138,7 @@ def _write_cache(corpus: Corpus, root: Path, cache: Path, tok: Tokenizer, progre
         n_train = _encode_to_file(tok, corpus.train, tmp / "train.bin", dtype, progress)
         n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype, progress)
         meta = dict(digest=corpus.digest, tokenizer=tok.kind, vocab_size=tok.vocab_size, dtype=dtype.name,
-                    n_train=n_train, n_val=n_val, sources=list(corpus.sources))
+                    n_train=n_train, n_val=n_val, sources=list(corpus.sources), files=[corpus.files_key])
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         if cache.exists():  # another process finished first; its cache is equivalent
             shutil.rmtree(tmp)
@@ -160,6 +164,21 @@ def _publish(tmp: Path, cache: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def corpus_fingerprint(corpus: Corpus, cache_dir: str | None = None) -> str:
+    """``corpus.digest`` (the data fingerprint a checkpoint records and checks), without
+    reading the text where a token cache in ``cache_dir`` (as :func:`prepare_data` resolves
+    it) recorded the digest for the same files: see :class:`~attnres.data.corpus.Corpus`."""
+    _recall_digest(corpus, resolve_cache_root(corpus, cache_dir))
+    return corpus.digest
+
+
+def _recall_digest(corpus: Corpus, root: Path) -> None:
+    if not corpus.is_read:
+        digest = recorded_digest(root, corpus.files_key)
+        if digest is not None:
+            corpus.recall(digest)
+
+
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
                  given: Tokenizer | None = None, progress: bool = False) -> TokenData:
     """Tokenise ``corpus`` with the requested tokenizer, reusing a complete cache if present.
@@ -174,6 +193,9 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     ignored. Its cache is the usual one when that was made with the same tokenizer, else one
     keyed by the tokenizer's fingerprint.
 
+    A cache that recorded the corpus's files (unchanged since) is found without reading the
+    text; temporary caches of this host's dead processes are removed first.
+
     ``progress``: show progress bars (stderr) for the work a cache hit skips: training the
     BPE (``tokenizers``' own bars) and tokenising each split.
     """
@@ -182,28 +204,46 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
                          f"{did_you_mean(tokenizer, TOKENIZER_KINDS)}")
     if given is None and tokenizer not in TOKENIZER_KINDS:
         given = load_tokenizer_file(tokenizer, "data.tokenizer")
-    root = resolve_cache_root(corpus, cache_dir)
-    if given is not None:
-        key_vocab = given.vocab_size if given.kind == "bpe" else 256
-        usual = root / f"{corpus.digest[:16]}-{given.kind}{vocab_size if given.kind == 'bpe' else 256}"
-        keyed = root / f"{corpus.digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}"
-        for cache in (usual, keyed):
-            found = _open_cache(cache, given)
-            if found is not None:
-                return found
-        _write_cache(corpus, root, keyed, given, progress)
-        return _open_cache(keyed, given)
-    if tokenizer == "bpe" and not bpe_available():
+    if given is None and tokenizer == "bpe" and not bpe_available():
         warn_user("the 'tokenizers' package is not installed: falling back to the byte-level tokenizer")
         tokenizer = "byte"
-    key_vocab = vocab_size if tokenizer == "bpe" else 256
-    cache = root / f"{corpus.digest[:16]}-{tokenizer}{key_vocab}"
-    found = _open_cache(cache, None)
+    root = resolve_cache_root(corpus, cache_dir)
+    remove_stale_temporaries(root)
+    found = _find_cache(corpus, root, tokenizer, vocab_size, given)
     if found is not None:
         return found
-    made = train_bpe(corpus.train, vocab_size, progress) if tokenizer == "bpe" else ByteTokenizer()
-    _write_cache(corpus, root, cache, made, progress)
-    return _open_cache(cache, None)
+    cache = root / _cache_names(corpus.digest, tokenizer, vocab_size, given)[-1]
+    made = (given if given is not None else train_bpe(corpus.train, vocab_size, progress) if tokenizer == "bpe"
+            else ByteTokenizer())
+    _write_cache(corpus, cache, made, progress)
+    return _open_cache(cache, given)
+
+
+def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer | None) -> list[str]:
+    """The caches that hold the corpus of ``digest`` tokenised as asked, in the order they are
+    looked for; a new one is made as the last."""
+    if given is None:
+        return [f"{digest[:16]}-{tokenizer}{vocab_size if tokenizer == 'bpe' else 256}"]
+    key_vocab = given.vocab_size if given.kind == "bpe" else 256
+    return [f"{digest[:16]}-{given.kind}{vocab_size if given.kind == 'bpe' else 256}",
+            f"{digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}"]
+
+
+def _find_cache(corpus: Corpus, root: Path, tokenizer: str, vocab_size: int,
+                given: Tokenizer | None) -> TokenData | None:
+    """The complete cache of ``corpus`` tokenised as asked: by the digest recorded for its
+    files (no text read), else by its text's digest (a cache of an earlier version, or files
+    copied or touched since: their key is then recorded too); ``None`` when there is none."""
+    _recall_digest(corpus, root)
+    while True:
+        for name in _cache_names(corpus.digest, tokenizer, vocab_size, given):
+            found = _open_cache(root / name, given)
+            if found is not None:
+                record_files(found.cache_dir, corpus.files_key)
+                return found
+        if corpus.is_read:
+            return None
+        corpus.read()
 
 
 class BatchSampler:

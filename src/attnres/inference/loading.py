@@ -192,5 +192,5 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
         return ByteTokenizer()
     from ..data import load_corpus, prepare_data
 
-    corpus = load_corpus(data["paths"], data["val_fraction"], data.get("text_field", "text"))
+    corpus = load_corpus(data["paths"], data["val_fraction"], data.get("text_field", "text"), read=False)
     return prepare_data(corpus, data["tokenizer"], data["vocab_size"], data["cache_dir"]).tokenizer

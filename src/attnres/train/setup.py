@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..checkpoint import (Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint, no_checkpoint_at,
                           remove_partial_checkpoints, set_aside_newer)
-from ..data import BatchSampler, TokenData, load_corpus, prepare_data, validation_batches
+from ..data import BatchSampler, TokenData, corpus_fingerprint, load_corpus, prepare_data, validation_batches
 from ..data.tokenizer import CHAT_SETTINGS, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file, tokenizer_from_state, tokenizer_state
 from .config import TrainConfig
 from .hf_source import hf_source
@@ -184,12 +184,14 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     continues at its data position. Returns ``config`` with the model's vocabulary set from
     the tokenizer (or kept where a start's embedding is padded beyond it,
     :func:`model_vocab_size`; the caller's config is left alone), and the data."""
-    corpus = load_corpus(config.data.paths, config.data.val_fraction, config.data.text_field)
+    # (the text is read only where no token cache recorded these files: a cache hit reads none)
+    corpus = load_corpus(config.data.paths, config.data.val_fraction, config.data.text_field, read=False)
     source = start.resume or start.init
     given = stored_tokenizer(source) if source is not None else None
     if given is not None:
         warn_if_tokenizer_unused(config.data.tokenizer, given, source)
-    changed = start.resume is not None and check_data(start.resume, corpus.digest, config.allow_data_change)
+    changed = start.resume is not None and check_data(start.resume, corpus_fingerprint(corpus, config.data.cache_dir),
+                                                      config.allow_data_change)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
                                              config.data.cache_dir, given=given, progress=config.progress),
                         what="preparing the data: training the tokenizer, tokenising the corpus")

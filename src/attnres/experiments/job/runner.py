@@ -91,7 +91,7 @@ def model_counts(config: ModelConfig) -> tuple[int, int]:
 @functools.lru_cache(maxsize=8)
 def _training_tokens(paths: tuple[str, ...], val_fraction: float, tokenizer: str, vocab_size: int,
                      cache_dir: str | None, text_field: str = "text") -> int:
-    corpus = load_corpus(list(paths), val_fraction, text_field)
+    corpus = load_corpus(list(paths), val_fraction, text_field, read=False)
     return len(prepare_data(corpus, tokenizer, vocab_size, cache_dir).train)
 
 
