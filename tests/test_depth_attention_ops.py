@@ -483,6 +483,28 @@ def test_a_query_or_norm_gain_in_another_dtype_runs_the_c_kernel_as_the_referenc
         assert_rel_close(a.double(), b.double(), TOL[torch.float32] if a.dtype != torch.bfloat16 else 2**-7, str(i))
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.xfail(
+    strict=True, reason="the Triton kernels' log-sum-exps of an infinite query are NaN (docs/kernels.md)")])])
+def test_phase1_of_an_infinite_query_gives_the_references_log_sum_exps(backend, kernel):
+    """A diverged model's query with an infinite entry: every logit is infinite (or NaN where
+    the source's entry is 0), so the weighted sums are NaN in the reference too, and so is
+    the model's output with any backend; but the reference's log-sum-exps are those of
+    ``torch.logsumexp`` - the infinite maximum, NaN with a NaN logit - where the C kernel's
+    were NaN everywhere (``inf - inf`` before the exp)."""
+    triton_or_skip(backend)
+    g = torch.Generator().manual_seed(0)
+    positive = torch.rand(2, 5, 8, generator=g) + 0.1
+    sources = [positive, torch.randn(2, 5, 8, generator=g), positive.flip(1)]
+    sources[1][0, 0, 2] = 0.0  # (0 * inf: a NaN logit at that row)
+    qg = torch.randn(2, 8, generator=g)
+    qg[0, 2], qg[1, 2] = -float("inf"), float("inf")
+    _, lse = run_phase1(backend, qg, sources)
+    _, want = reference.phase1(qg, sources)
+    assert torch.isnan(want).any() and (want == -float("inf")).any() and (want == float("inf")).any()
+    assert torch.equal(torch.isnan(lse), torch.isnan(want)), lse
+    assert torch.equal(lse.nan_to_num(0.0), want.nan_to_num(0.0)), lse
+
+
 PHASE1_PATHS = [pytest.param({}, id="by-default"),  # (Triton: over blocks of rows)
                 pytest.param({"phase1_rows": False, "phase1_split": False}, id="a-program-a-row", marks=pytest.mark.triton),
                 pytest.param({"phase1_rows": False, "phase1_split": True}, id="split", marks=pytest.mark.triton)]
