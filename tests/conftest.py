@@ -76,6 +76,7 @@ def to_cpu(x):
 
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
+from registry_isolation import _residual_registry_of_this_module  # noqa: E402, F401 (an autouse fixture)
 
 # The serving tests (tests/serve) need vLLM, which lives in its own environment: `make test-serve`.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["serve"]

@@ -20,7 +20,7 @@ from attnres.nn.residual import (
     residual_class,
     sinkhorn_knopp,
 )
-from attnres.nn.residual.baselines import layerscale_init
+from attnres.nn.residual.baselines import OneLineParameterList, layerscale_init
 
 # The package's own baselines (other test modules register variants of their own).
 BASELINES = tuple(n for n in registered_residuals()
@@ -278,3 +278,6 @@ def test_print_model_of_a_per_sublayer_baseline_is_short():
     assert "(static_alpha): ParameterList(48 x [4, 5] float32)" in repr(model)
     dense = AttnResLM(ModelConfig.preset("tiny", n_layers=3, residual="denseformer"))
     assert "(dwa): ParameterList(3 x [2] to [4] float32)" in repr(dense)  # one more weight per block
+    # (the class that does it is named for it, not ``ParameterList`` as the torch class it extends)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ParameterList)]
+    assert lists and all(type(m) is OneLineParameterList for m in lists)

@@ -52,13 +52,13 @@ def test_console_script_imports_a_module_from_the_current_directory(tmp_path):
 @pytest.fixture
 def halved_module(tmp_path, monkeypatch):
     """``halved_residuals.py`` in ``tmp_path`` (the working directory), registering residual
-    'halved' when imported; the registration, the import and ``sys.path`` are undone afterwards."""
+    'halved' when imported; the import and ``sys.path`` are undone afterwards (the registration
+    too, by the suite's fixture: registry_isolation)."""
     from attnres.nn.residual import registry
 
     (tmp_path / "halved_residuals.py").write_text(MY_RESIDUALS)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setitem(sys.modules, "halved_residuals", None)  # (the key is removed afterwards)
     del sys.modules["halved_residuals"]
     return registry

@@ -439,8 +439,9 @@ def test_merge_reads_phase1_sums_narrower_than_the_stream(backend, k, c, with_ad
     sum's gradient, which is that merge's rounded to bf16 (rounded once, by the backend).
     Triton: at an aligned ``d`` the held merges read the sums through their own pointer type;
     at an odd one (and over three sources) the looping kernels take them converted. On the
-    CPU (``"auto"``) mixed dtypes run the PyTorch implementation: against the C kernel's
-    float32 merge within float32 rounding."""
+    CPU (``"auto"``) the C kernel takes them converted too (it ran the PyTorch
+    implementation, within float32 rounding of its float32 merge); the sums alone (``c = 0``)
+    are a bf16 merge, which runs in PyTorch there."""
     triton_or_skip(backend)
     z, sources, computed, qg, w = merge_inputs((2, 3), d, k, c, True, torch.float32, seed=7)
     g = torch.Generator().manual_seed(8)
@@ -452,10 +453,56 @@ def test_merge_reads_phase1_sums_narrower_than_the_stream(backend, k, c, with_ad
     for i, (a, b) in enumerate(zip(got, want)):
         sums = 2 <= i < 2 + k  # (each sum's gradient)
         assert a.dtype == (torch.bfloat16 if sums else b.dtype), i
-        if backend == "auto":
+        if backend == "auto" and not c:
             assert_rel_close(a.float(), b, 2**-8 if sums else 1e-5)
         else:
             assert _rounded_alike(a, b) if sums else torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("other", [torch.float64, torch.bfloat16])
+def test_a_query_or_norm_gain_in_another_dtype_runs_the_c_kernel_as_the_reference_reads_it(other, kernel,
+                                                                                           monkeypatch):
+    """A query or norm gain in another dtype than the float32 stream's (float64, bf16) made the
+    whole operator run in PyTorch on the CPU, silently: the C kernel takes one dtype. They are
+    converted as the reference reads them (in its compute dtype): the C kernel runs, forward
+    and backward, with the reference's outputs and gradients, each in its argument's dtype."""
+    picked = []
+    pick = library.pick
+    monkeypatch.setattr(library, "pick", lambda *args: picked.append(pick(*args)) or picked[-1])
+    qg, sources = phase1_inputs(d=6, dtype=torch.float32)
+    qg = qg.detach().to(other).requires_grad_()
+    got = outputs_and_grads(lambda q, *xs: run_phase1("auto", q, list(xs)), [qg, *sources])
+    want = outputs_and_grads(lambda q, *xs: run_phase1("reference", q, list(xs)), [qg, *sources])
+    z, sources, computed, qg, w = merge_inputs((2, 3), 6, 1, 2, True, torch.float32)
+    qg, w = (t.detach().to(other).requires_grad_() for t in (qg, w))
+    got += outputs_and_grads(merge_fn("auto", 1, 2, True), merge_flat(z, sources, computed, qg, w))
+    want += outputs_and_grads(merge_fn("reference", 1, 2, True), merge_flat(z, sources, computed, qg, w))
+    assert picked and all(m is cpu_kernel for m in picked), picked
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype, i
+        assert_rel_close(a.double(), b.double(), TOL[torch.float32] if a.dtype != torch.bfloat16 else 2**-7, str(i))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.xfail(
+    strict=True, reason="the Triton kernels' log-sum-exps of an infinite query are NaN (docs/kernels.md)")])])
+def test_phase1_of_an_infinite_query_gives_the_references_log_sum_exps(backend, kernel):
+    """A diverged model's query with an infinite entry: every logit is infinite (or NaN where
+    the source's entry is 0), so the weighted sums are NaN in the reference too, and so is
+    the model's output with any backend; but the reference's log-sum-exps are those of
+    ``torch.logsumexp`` - the infinite maximum, NaN with a NaN logit - where the C kernel's
+    were NaN everywhere (``inf - inf`` before the exp)."""
+    triton_or_skip(backend)
+    g = torch.Generator().manual_seed(0)
+    positive = torch.rand(2, 5, 8, generator=g) + 0.1
+    sources = [positive, torch.randn(2, 5, 8, generator=g), positive.flip(1)]
+    sources[1][0, 0, 2] = 0.0  # (0 * inf: a NaN logit at that row)
+    qg = torch.randn(2, 8, generator=g)
+    qg[0, 2], qg[1, 2] = -float("inf"), float("inf")
+    _, lse = run_phase1(backend, qg, sources)
+    _, want = reference.phase1(qg, sources)
+    assert torch.isnan(want).any() and (want == -float("inf")).any() and (want == float("inf")).any()
+    assert torch.equal(torch.isnan(lse), torch.isnan(want)), lse
+    assert torch.equal(lse.nan_to_num(0.0), want.nan_to_num(0.0)), lse
 
 
 PHASE1_PATHS = [pytest.param({}, id="by-default"),  # (Triton: over blocks of rows)

@@ -16,7 +16,6 @@ from torch import Tensor
 from attnres import AttnResLM, ModelConfig, register_residual, registered_residuals
 from attnres.analysis import depth_mixing_matrix, mixing_forward, semiseparable_rank
 from attnres.nn.residual import BlockAttnRes, SingleStreamResidual, sinkhorn_knopp
-from attnres.nn.residual.registry import _REGISTRY
 
 F64 = torch.float64
 
@@ -353,12 +352,9 @@ def test_a_variant_without_its_mixing_matrix_says_what_is_missing():
         def update(self, l, h, out):
             return h + out
 
-    try:
-        m = model("no_mixing_test")
-        with pytest.raises(NotImplementedError, match=r"no_mixing_test.*_mixing_matrix\(state, per_channel=False\)"):
-            depth_mixing_matrix(m, ids())
-    finally:
-        _REGISTRY.pop("no_mixing_test", None)
+    m = model("no_mixing_test")  # (the suite's fixture unregisters it afterwards: registry_isolation)
+    with pytest.raises(NotImplementedError, match=r"no_mixing_test.*_mixing_matrix\(state, per_channel=False\)"):
+        depth_mixing_matrix(m, ids())
 
 
 def test_mixing_matrix_needs_a_recorded_finished_forward():

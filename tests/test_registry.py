@@ -627,3 +627,52 @@ def test_the_unregistered_residual_error_names_only_what_the_run_recorded(monkey
     assert unregistered_residual_error(ValueError("another"), record) is None
     assert imports_record("scaled_test") == {"given": [], "residual": "scaled_test", "residual_module": __name__}
     assert imports_record("attnres_block")["residual_module"] is None
+
+
+_REGISTERS = '''
+from attnres import register_residual, registered_residuals
+from attnres.nn.residual import SingleStreamResidual
+
+
+@register_residual("on_import_test", replace=True)
+class OnImport(SingleStreamResidual):
+    def update(self, l, h, out):
+        return h + out
+
+
+def test_registers_one_more():
+    @register_residual("in_a_test_test", replace=True)
+    class InATest(SingleStreamResidual):
+        def update(self, l, h, out):
+            return h + out
+
+    assert {"on_import_test", "in_a_test_test"} <= set(registered_residuals())
+
+
+def test_keeps_what_its_module_registered_on_import():
+    assert "on_import_test" in registered_residuals() and "in_a_test_test" not in registered_residuals()
+'''
+_SEES = '''
+from attnres.nn.residual import registered_residuals, residual_class
+
+
+def test_sees_attnres_variants_only():
+    assert [name for name in registered_residuals() if not residual_class(name).builtin()] == []
+'''
+
+
+def test_a_variant_registered_by_one_test_module_is_not_seen_by_the_next(tmp_path):
+    """Test modules share one process in an xdist worker: a variant one module registered (on
+    import, or in a test) was seen by the modules after it - a test compiling every registered
+    residual built test_registry's 'needs_gamma_test', which wants an option, and failed in CI
+    only when the two modules met in one worker. The suite's fixture (``registry_isolation``)
+    gives each test attnres's variants and its own module's; two runs in one process, the second
+    with a registering module first, pass alike."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_first_registers.py").write_text(_REGISTERS)
+    (tmp_path / "test_then_sees.py").write_text(_SEES)
+    args = ["-q", "-p", "no:cacheprovider", "-p", "registry_isolation", "--import-mode=importlib",
+            "--rootdir", str(tmp_path), "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    assert pytest.main([*args, str(tmp_path / "test_then_sees.py")]) == pytest.ExitCode.OK
+    assert pytest.main([*args, str(tmp_path / "test_first_registers.py"),
+                        str(tmp_path / "test_then_sees.py")]) == pytest.ExitCode.OK

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnres.nn import BlockAttnRes, FullAttnRes, StandardResidual
-from attnres.nn.residual import ResidualConfig, build_residual
+from attnres.nn.residual import ResidualConfig, build_residual, registered_residuals, residual_class
 
 from conftest import GRAD_TOL, TOL, assert_fast_matches_naive, assert_rel_close, fast_path_violations
 
@@ -356,6 +356,31 @@ def test_a_model_built_on_the_meta_device_runs_its_forward_and_backward_there(ma
             assert (out.shape, out.dtype, out.device.type) == ((2, 3, 8), torch.float32, "meta")
         out.sum().backward()
     assert m.mixers[1].query.grad.shape == (8,) and x.grad.device.type == "meta"
+
+
+@pytest.mark.parametrize("kind", [k for k in registered_residuals() if residual_class(k).builtin()])
+def test_a_meta_embedding_runs_on_a_residual_on_meta_and_is_refused_by_name_by_one_with_parameters_elsewhere(kind):
+    """A meta embedding (a shape query) was let through ``start`` whatever the parameters'
+    device: Full and Block AttnRes, layerscale, highway and the hyper-connection kinds then
+    failed inside naming an internal argument ('qg is on cpu but the sources are on meta',
+    'Tensor on device cpu is not on the expected device meta!'), rezero and denseformer in the
+    backward ('Cannot copy out of meta tensor'). Now a residual with parameters elsewhere
+    refuses it at ``start`` naming its kind and the way (a copy on meta), which runs forward
+    and backward; one without parameters runs it as it is."""
+    residual = build_residual(ResidualConfig(kind=kind, block_size=2), 8, 4)
+    x = torch.empty(2, 3, 8, device="meta", requires_grad=True)
+    if next(residual.parameters(), None) is not None:
+        with pytest.raises(ValueError, match=rf"\.start: the embedding is on meta but the parameters of residual "
+                                             rf"'{kind}' are on cpu; a shape query runs on a copy there, "
+                                             r"copy\.deepcopy\(residual\)\.to\('meta'\)"):
+            residual.start(x)
+        residual = copy.deepcopy(residual).to("meta")
+    state = residual.start(x)
+    for l in range(4):
+        residual.add_output(state, l, torch.tanh(residual.sublayer_input(state, l)))
+    out = residual.finish(state)
+    out.sum().backward()
+    assert (out.shape, out.device.type, x.grad.device.type) == ((2, 3, 8), "meta", "meta")
 
 
 @pytest.mark.parametrize("kind", ["block", "full"])

@@ -31,8 +31,7 @@ from torch import Tensor, nn
 
 from ...ops import Operations, compute_dtype, operations
 from ...ops.depth_attention import BACKENDS, reference
-from ...ops.depth_attention.library import under_transforms
-from ...ops.depth_attention.recompute import Phase1Recompute, other_hooks_active
+from ...ops.depth_attention.recompute import Phase1Recompute, recipes_unusable
 from ...validation import did_you_mean
 from ..norm import FusableNormInput
 from .base import DepthHistory, ResidualState, ResidualStream
@@ -237,13 +236,9 @@ class AttnResBase(ResidualStream):
         return super().train(mode)
 
     def operations(self) -> Operations:
-        """The depth-attention operations of the two-phase schedule that ``backend`` names;
-        under torch.func transforms (``vmap``, ``grad``, ``jacrev``, ...) the reference's plain
-        autograd graph - the same function - whatever the backend: the custom operators'
-        autograd Functions do not support them (a transformed forward failed, asking for
-        ``setup_context``)."""
-        if self.backend != "reference" and under_transforms():
-            return operations("reference")
+        """The depth-attention operations of the two-phase schedule that ``backend`` names
+        (under torch.func transforms the custom operators' wrappers run the reference
+        themselves: :func:`attnres.ops.depth_attention.library.under_transforms`)."""
         return operations(self.backend)
 
     # -- the protocol, delegated to the schedule -----------------------------------------
@@ -345,9 +340,10 @@ class AttnResBase(ResidualStream):
     def _recomputes(self, state: ResidualState, outs: list[Tensor]) -> bool:
         """Whether the merges save Phase 1's sums as their recipe (:mod:`~attnres.ops.depth_attention.recompute`):
         with ``recompute_phase1``, in eager autograd (torch.compile's partitioner decides what
-        its graphs save), on the custom operators (the reference stays a plain graph)."""
+        its graphs save), on the custom operators (the reference stays a plain graph; they run
+        it under torch.func transforms, :func:`~attnres.ops.depth_attention.recompute.recipes_unusable`)."""
         return (self.recompute_phase1 and state.ops.name != "reference" and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and outs[0].requires_grad)
+                and not torch.compiler.is_compiling() and outs[0].requires_grad and not recipes_unusable())
 
     def covers_aggregation(self, state: ResidualState) -> bool:
         """Whether the last Phase 1 ran the output aggregation's query too."""
@@ -403,7 +399,7 @@ class AttnResBase(ResidualStream):
         sources, computed, recorded, formed = list(sources), list(computed), [], []
 
         def compute(norm_weight, norm_eps, out_dtype=None, readers=1):
-            saving = recompute.saving() if recompute is not None and not other_hooks_active() else nullcontext()
+            saving = recompute.saving() if recompute is not None and not recipes_unusable() else nullcontext()
             out_dtype = out_dtype or stream  # (a merge of narrower Phase-1 sums alone writes the stream's)
             # (a view for each reader where they read another dtype than the stream's - autocast:
             # their gradients added up by the merge's backward as autograd adds them, in float32;

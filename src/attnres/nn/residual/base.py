@@ -221,8 +221,8 @@ class ResidualStream(nn.Module, ABC):
 
     def _check_stream_tensor(self, call: str, what: str, x: Any) -> None:
         """``x`` (the embedding, an entry of a history) as the stream's: a floating-point tensor
-        ``[..., dim]`` on the device of this module's parameters (a meta ``x``, a shape query,
-        on any)."""
+        ``[..., dim]`` on the device of this module's parameters, a meta ``x`` (a shape query)
+        too: most kinds failed inside on the device mismatch of some operation."""
         where = f"{type(self).__name__}.{call}: {what}"
         if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != self.dim:
             got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -231,7 +231,11 @@ class ResidualStream(nn.Module, ABC):
             raise ValueError(f"{where} must be a floating-point tensor (it sets the stream's dtype), got {x.dtype}: "
                              "pass it as float32, bfloat16, float16 or float64")
         param = next(self.parameters(), None)
-        if param is not None and param.device != x.device and x.device.type != "meta":
+        if param is not None and param.device != x.device:
+            if x.device.type == "meta":
+                raise ValueError(f"{where} is on meta but the parameters of residual {self.name!r} are on "
+                                 f"{param.device}; a shape query runs on a copy there, "
+                                 "copy.deepcopy(residual).to('meta'), or on a model built under torch.device('meta')")
             fix = ("materialise them: residual.to_empty(device=...) then residual.reset_parameters()"
                    if param.device.type == "meta" else f"move one to the other's device (residual.to({str(x.device)!r}))")
             raise ValueError(f"{where} is on {x.device} but this residual's parameters are on {param.device}; {fix}")

@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 
-class ParameterList(nn.ParameterList):
+class OneLineParameterList(nn.ParameterList):
     """``nn.ParameterList`` shown in one line: ``print(model)`` listed every parameter of
     every list, one per sublayer - 276 lines for hyper-connections at 24 transformer blocks."""
 
@@ -128,7 +128,7 @@ class LayerScale(_Builtin, SingleStreamResidual):
     def __init__(self, dim: int, n_sublayers: int, init: float | None = None) -> None:
         super().__init__(dim, n_sublayers)
         self.init_value = layerscale_init(math.ceil(n_sublayers / 2)) if init is None else init
-        self.scales = ParameterList(nn.Parameter(torch.full((dim,), self.init_value)) for _ in range(n_sublayers))
+        self.scales = OneLineParameterList(nn.Parameter(torch.full((dim,), self.init_value)) for _ in range(n_sublayers))
 
     def reset_parameters(self) -> None:
         for s in self.scales:
@@ -219,7 +219,7 @@ class DenseFormer(_Builtin, ResidualStream):
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__(dim, n_sublayers)
         self.n_blocks = math.ceil(n_sublayers / 2)
-        self.dwa = ParameterList(nn.Parameter(torch.zeros(i + 2)) for i in range(self.n_blocks))
+        self.dwa = OneLineParameterList(nn.Parameter(torch.zeros(i + 2)) for i in range(self.n_blocks))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -358,11 +358,11 @@ class HyperConnections(_MultiStream):
         super().__init__(dim, n_sublayers, n_streams)
         m = n_streams
         self.eps = eps
-        self.norm_weight = ParameterList(nn.Parameter(torch.ones(dim)) for _ in range(n_sublayers))
-        self.static_alpha = ParameterList(nn.Parameter(torch.zeros(m, m + 1)) for _ in range(n_sublayers))
-        self.static_beta = ParameterList(nn.Parameter(torch.ones(m)) for _ in range(n_sublayers))
-        self.dynamic_alpha = ParameterList(nn.Parameter(torch.zeros(dim, m + 1)) for _ in range(n_sublayers))
-        self.dynamic_beta = ParameterList(nn.Parameter(torch.zeros(dim)) for _ in range(n_sublayers))
+        self.norm_weight = OneLineParameterList(nn.Parameter(torch.ones(dim)) for _ in range(n_sublayers))
+        self.static_alpha = OneLineParameterList(nn.Parameter(torch.zeros(m, m + 1)) for _ in range(n_sublayers))
+        self.static_beta = OneLineParameterList(nn.Parameter(torch.ones(m)) for _ in range(n_sublayers))
+        self.dynamic_alpha = OneLineParameterList(nn.Parameter(torch.zeros(dim, m + 1)) for _ in range(n_sublayers))
+        self.dynamic_beta = OneLineParameterList(nn.Parameter(torch.zeros(dim)) for _ in range(n_sublayers))
         self.alpha_scale = nn.Parameter(torch.full((n_sublayers,), 0.01))
         self.beta_scale = nn.Parameter(torch.full((n_sublayers,), 0.01))
         self.reset_parameters()
@@ -408,8 +408,8 @@ class MHC(_MultiStream):
         self.sinkhorn_iters = sinkhorn_iters
         self.n_res = self._n_res_logits()
         # One projection per sublayer from the flattened m*d stream to [pre | post | res].
-        self.phi = ParameterList(nn.Parameter(torch.zeros(m * dim, 2 * m + self.n_res)) for _ in range(n_sublayers))
-        self.bias = ParameterList(nn.Parameter(torch.zeros(2 * m + self.n_res)) for _ in range(n_sublayers))
+        self.phi = OneLineParameterList(nn.Parameter(torch.zeros(m * dim, 2 * m + self.n_res)) for _ in range(n_sublayers))
+        self.bias = OneLineParameterList(nn.Parameter(torch.zeros(2 * m + self.n_res)) for _ in range(n_sublayers))
         self.alpha = nn.Parameter(torch.full((n_sublayers, 3), alpha_init))
         self.reset_parameters()
 

@@ -370,8 +370,12 @@ void attnres_phase1_forward_##SUFFIX(PHASE1_FORWARD_PARAMS(T, PLAIN))           
             for (int64_t j = 0; j < rows; ++j) {                                               \
                 T *wr = w + j * n, mx = -INFINITY;                                             \
                 for (int64_t i = 0; i < n; ++i) if (wr[i] > mx) mx = wr[i];                    \
-                for (int64_t i = 0; i < n; ++i) wr[i] -= mx;                                   \
+                /* an infinite max (an infinite query) is the lse, as torch.logsumexp gives it \
+                 * (NaN with a NaN logit), not mx + log(NaN) from inf - inf */                 \
                 lse[t0 * S + j] = mx;                                                          \
+                if (isinf(mx))                                                                 \
+                    for (int64_t i = 0; i < n; ++i) if (wr[i] != wr[i]) lse[t0 * S + j] = wr[i]; \
+                for (int64_t i = 0; i < n; ++i) wr[i] -= mx;                                   \
             }                                                                                  \
             exp_inplace_##SUFFIX(w, rows * n);                                                 \
             for (int64_t j = 0; j < rows; ++j) {                                               \
@@ -379,7 +383,7 @@ void attnres_phase1_forward_##SUFFIX(PHASE1_FORWARD_PARAMS(T, PLAIN))           
                 for (int64_t i = 0; i < n; ++i) se += wr[i];                                   \
                 const T inv = (T)1 / se;                                                       \
                 for (int64_t i = 0; i < n; ++i) wr[i] *= inv;                                  \
-                lse[t0 * S + j] += LOG(se);                                                    \
+                if (!isinf(lse[t0 * S + j])) lse[t0 * S + j] += LOG(se);                       \
             }                                                                                  \
             for (int64_t t = 0; t < tt; ++t)                                                   \
                 for (int64_t s = 0; s < S; ++s)                                                \

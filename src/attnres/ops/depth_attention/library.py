@@ -108,6 +108,24 @@ def _contiguous(xs: Sequence[Tensor | None]) -> list[Tensor | None]:
     return [x if x is None else x.contiguous() for x in xs]
 
 
+def _as_stream(backend: str, stream: torch.dtype, xs: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """``xs`` - queries, norm gains, Phase-1 sums narrower than the stream - converted to the
+    ``stream`` dtype for the C kernel (``backend="auto"``, CPU tensors of another dtype,
+    ``stream`` float32 or float64): the reference reads each of them in that dtype (its
+    compute dtype), so the kernel then computes the same function; otherwise the whole
+    operator ran in PyTorch, silently. Elsewhere (CUDA, a bf16 stream, the ``"torch"`` and
+    ``"triton"`` backends, which read them as they are) ``xs`` as they are."""
+    if backend != "auto" or stream not in (torch.float32, torch.float64):
+        return list(xs)
+    return [x.to(stream) if x is not None and x.dtype != stream and x.is_cpu else x for x in xs]
+
+
+def _like(grads: Sequence[Tensor | None], inputs: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Each gradient in its input's dtype (of inputs :func:`_as_stream` converted)."""
+    return [g.to(x.dtype) if g is not None and x is not None and g.dtype != x.dtype else g
+            for g, x in zip(grads, inputs)]
+
+
 # ----------------------------------------------------------------------------------------
 # phase1
 # ----------------------------------------------------------------------------------------
@@ -115,7 +133,7 @@ def _contiguous(xs: Sequence[Tensor | None]) -> list[Tensor | None]:
 
 def _run_phase1(qg: Tensor, sources: list[Tensor], eps: float, backend: str,
                 out_dtype: Optional[torch.dtype] = None) -> tuple[list[Tensor], Tensor]:
-    qg = qg.contiguous()  # (small: [S, d])
+    qg = _as_stream(backend, sources[0].dtype, [qg])[0].contiguous()  # (small: [S, d])
     outs, lse = pick(backend, [*sources, qg]).phase1_forward(qg, sources, eps, out_dtype)
     return list(outs), lse
 
@@ -133,13 +151,14 @@ def _(qg, sources, eps, backend, out_dtype=None):
 def _run_phase1_backward(qg: Tensor, lse: Tensor, sources: list[Tensor], g_outs: list[Optional[Tensor]],
                          g_lse: Optional[Tensor], eps: float, needs: list[bool], backend: str
                          ) -> tuple[Tensor, list[Tensor]]:
-    qg, lse, g_lse = _contiguous([qg, lse, g_lse])
+    given = qg
+    qg, lse, g_lse = _contiguous([_as_stream(backend, sources[0].dtype, [qg])[0], lse, g_lse])
     g_outs = _contiguous(g_outs)
     # (by the forward's tensors: the sums' gradients have the sums' dtype, which the
     # implementation that wrote them reads - the C kernel converts a narrower one)
     module = pick(backend, [*sources, qg, lse, g_lse])
     g_qg, g_src = module.phase1_backward(qg, lse, sources, g_outs, g_lse, eps, needs[0], needs[1:])
-    return _fill([g_qg], qg)[0], _fill(g_src, sources[0])
+    return _fill(_like([g_qg], [given]), given)[0], _fill(g_src, sources[0])
 
 
 _phase1_backward = torch.library.custom_op("attnres::phase1_backward", _run_phase1_backward, mutates_args=())
@@ -188,7 +207,9 @@ _phase1.register_autograd(_phase1_grad, setup_context=_phase1_setup)
 def _run_merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Optional[Tensor],
                norm_weight: Optional[Tensor], eps: float, norm_eps: float, backend: str, addend: Optional[Tensor] = None,
                out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    qg = _contiguous([qg])[0]  # (small: [d]; z [..., k] may be a strided view of Phase 1's lse)
+    # (qg small: [d]; z [..., k] may be a strided view of Phase 1's lse)
+    *sources, qg, norm_weight = _as_stream(backend, stream_dtype(sources, computed), [*sources, qg, norm_weight])
+    qg = _contiguous([qg])[0]
     module = pick(backend, [*sources, *computed, qg, norm_weight])
     out, alpha, rc, zc, rstd, total = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps,
                                                            addend, out_dtype)
@@ -214,6 +235,8 @@ def _run_merge_backward(g: Tensor, g_views: list[Tensor], alpha: Tensor, rc: Opt
                         norm_weight: Optional[Tensor], needs: list[bool], backend: str,
                         g_total: Optional[Tensor] = None, addend_dtype: Optional[torch.dtype] = None
                         ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
+    given = [*sources, qg, norm_weight]
+    *sources, qg, norm_weight = _as_stream(backend, stream_dtype(sources, computed), given)
     g, qg, g_total = _contiguous([g, qg, g_total])
     g_views = _contiguous(g_views)
     # (by the forward's tensors: the output's gradients have its dtype, which the implementation
@@ -222,6 +245,7 @@ def _run_merge_backward(g: Tensor, g_views: list[Tensor], alpha: Tensor, rc: Opt
     g_z, g_src, g_comp, g_qg, g_norm, g_addend = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
                                                                        norm_weight, needs, g_total, addend_dtype,
                                                                        g_views)
+    *g_src, g_qg, g_norm = _like([*g_src, g_qg, g_norm], given)
     g_qg, g_norm, g_addend = _fill([g_qg, g_norm, g_addend], alpha)
     return _fill([g_z], alpha)[0], _fill(g_src, alpha), _fill(g_comp, alpha), g_qg, g_norm, g_addend
 

@@ -22,16 +22,19 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Phase1Recompute", "other_hooks_active"]
+__all__ = ["Phase1Recompute", "recipes_unusable"]
 
 
-def other_hooks_active() -> bool:
-    """Whether saved-tensor hooks are already in force (``torch.utils.checkpoint``'s, a
-    user's offloading) - theirs then decide what is saved, and the recipe stays out of
-    their way - or switched off (``torch.func`` transforms refuse them). If PyTorch cannot
-    tell, assume they are."""
+def recipes_unusable() -> bool:
+    """Whether the recipe must stay out: saved-tensor hooks already in force
+    (``torch.utils.checkpoint``'s, a user's offloading - theirs then decide what is saved) or
+    switched off (``torch.func``'s ``grad`` refuses them), or any ``torch.func`` transform
+    active (the operators' wrappers then run the reference, and its batched tensors have no
+    storage for the recipe to find the sums by). If PyTorch cannot tell, assume it must."""
     autograd = torch._C._autograd
     try:
+        if torch._C._are_functorch_transforms_active():
+            return True
         if not autograd._saved_tensors_hooks_is_enabled():
             return True
         return autograd._top_saved_tensors_default_hooks(False) is not None
