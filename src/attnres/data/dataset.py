@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,13 +75,17 @@ def resolve_cache_root(corpus: Corpus, cache_dir: str | None) -> Path:
     return FALLBACK_CACHE
 
 
-def _encode_to_file(tok: Tokenizer, text: str, path: Path, dtype: np.dtype, progress: bool = False) -> int:
-    """Encode ``text`` piece by piece (pieces of about 1 MB, cut after a line break, so memory
-    stays bounded for large corpora) and write the ids to ``path`` atomically, with a
-    progress bar over the characters when ``progress``. Returns the number of tokens."""
+def _encode_to_file(tok: Tokenizer, text: str | Iterable[str], path: Path, dtype: np.dtype, progress: bool = False,
+                    length: int | None = None) -> int:
+    """Encode ``text`` (a string, or its consecutive parts: a split streamed from the files,
+    of ``length`` characters) piece by piece (the pieces of :func:`text_chunks`, about 1 MB,
+    cut after a line break, so memory stays bounded for large corpora) and write the ids to
+    ``path`` atomically, with a progress bar over the characters when ``progress``. Returns
+    the number of tokens."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     n = 0
-    bar = progress_bar(progress, total=len(text), unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
+    length = len(text) if isinstance(text, str) else length
+    bar = progress_bar(progress, total=length, unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
     try:
         with tmp.open("wb") as f:
             for piece in text_chunks(text):
@@ -135,7 +140,7 @@ def _write_cache(corpus: Corpus, cache: Path, tok: Tokenizer, progress: bool = F
         if isinstance(tok, BPETokenizer):
             tok.save(tmp / "tokenizer.json")
         dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-        n_train = _encode_to_file(tok, corpus.train, tmp / "train.bin", dtype, progress)
+        n_train = _encode_to_file(tok, corpus.train_parts(), tmp / "train.bin", dtype, progress, corpus.train_length)
         n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype, progress)
         meta = dict(digest=corpus.digest, tokenizer=tok.kind, vocab_size=tok.vocab_size, dtype=dtype.name,
                     n_train=n_train, n_val=n_val, sources=list(corpus.sources), files=[corpus.files_key])
@@ -213,7 +218,8 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     if found is not None:
         return found
     cache = root / _cache_names(corpus.digest, tokenizer, vocab_size, given)[-1]
-    made = (given if given is not None else train_bpe(corpus.train, vocab_size, progress) if tokenizer == "bpe"
+    made = (given if given is not None
+            else train_bpe(corpus.train_parts(), vocab_size, progress, corpus.train_length) if tokenizer == "bpe"
             else ByteTokenizer())
     _write_cache(corpus, cache, made, progress)
     return _open_cache(cache, given)
