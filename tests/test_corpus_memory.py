@@ -1,32 +1,162 @@
-"""Memory of reading a corpus: a large one must fit in a small multiple of its size."""
+"""Reading a corpus without holding it (docs/data.md, "The plan for corpora larger than RAM",
+step 2): the files are streamed, the split and the digest are the ones of the whole text,
+byte for byte, and a cache miss holds no copy of the corpus."""
 
+import functools
 import hashlib
+import json
+import math
+import random
 import tracemalloc
+from pathlib import Path
 
-from attnres.data.corpus import corpus_digest, load_corpus
+import numpy as np
+import pytest
+
+from attnres.data import corpus as corpus_mod
+from attnres.data import dataset as dataset_mod
+from attnres.data import load_corpus, prepare_data
+from attnres.data.corpus import corpus_digest
+from attnres.data.tokenizer import bpe_available, text_chunks, train_bpe
 
 LINE = "the quick brown fox jumps over the lazy dog, and the mill turns on; {}\n"
 
 
-def _peak_of_loading(paths) -> int:
+def _old_split(paths: list[Path], val_fraction: float, text_field: str = "text") -> tuple[str, str, str]:
+    """(train, val, digest) as attnres computed them from the whole text (commit 4df6077),
+    kept here as the reference the streamed split must equal: caches and checkpoints name
+    their data by this digest."""
+    docs = []
+    for path in paths:
+        if path.suffix == ".jsonl":
+            lines = path.read_text(encoding="utf-8-sig").splitlines()
+            docs += [json.loads(line)[text_field] for line in lines if line.strip()]
+        else:
+            docs.append(path.read_text(encoding="utf-8-sig"))
+    text = "\n\n".join(docs)
+    n = corpus_mod.piece_count(len(text), val_fraction)
+    bounds = [0]
+    for k in range(1, n):
+        target, end = max(bounds[-1], k * len(text) // n), (k + 1) * len(text) // n
+        cuts = [text.find(sep, target, max(end, target + 1)) for sep in ("\n", " ")]
+        bounds.append(next((c + 1 for c in cuts if c >= 0), min(target, len(text))))
+    bounds.append(len(text))
+    n_val = max(1, round(val_fraction * n))
+    val_pieces = {int((j + 0.5) * n / n_val) for j in range(n_val)}
+    pieces = list(zip(bounds, bounds[1:]))
+    train = "".join(text[a:b] for i, (a, b) in enumerate(pieces) if i not in val_pieces)
+    val = "".join(text[a:b] for i, (a, b) in enumerate(pieces) if i in val_pieces)
+    digest = hashlib.sha256(f"{len(train)}:".encode() + (train + val).encode("utf-8")).hexdigest()
+    return train, val, digest
+
+
+def _corpora(root: Path) -> list[tuple[list[Path], float]]:
+    """Corpora at the edges of reading and splitting: a byte-order mark, \\r\\n and \\r line
+    ends, 2- and 4-byte characters, .jsonl records (an empty one among them), several files,
+    one long line, no break at all, runs of line breaks, the smallest texts that split."""
+    rng = random.Random(0)
+    words = "alpha beta gamma délta ε 😀 zeta eta theta iota".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 12))) + "\n" for _ in range(3000)]
+    files = {"bom.txt": b"\xef\xbb\xbf" + "".join(lines[:800]).encode(),
+             "crlf.txt": "".join(lines[800:1600]).replace("\n", "\r\n").encode(),
+             "cr.txt": "".join(lines[1600:1900]).replace("\n", "\r").encode(),
+             "recs.jsonl": "\n".join([json.dumps({"text": "".join(lines[i:i + 9])}) for i in range(1900, 2500, 9)]
+                                     + ["", json.dumps({"text": ""}), json.dumps({"text": "ü\n"})]).encode(),
+             "oneline.txt": " ".join(line.strip() for line in lines[2500:]).encode(),
+             "nobreak.txt": ("ab" * 6000).encode(),
+             "breaks.txt": ("word " * 500 + "\n" * 300 + "z" * 3000 + "\n\n\n" + "y " * 2000).encode(),
+             "tiny.txt": b"hello world\n" * 10, "tiny2.txt": b"x" * 333}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    p = {name: root / name for name in files}
+    return [([p["bom.txt"]], 0.02), ([p["crlf.txt"]], 0.1), ([p["cr.txt"]], 0.05), ([p["recs.jsonl"]], 0.02),
+            ([p["bom.txt"], p["recs.jsonl"], p["crlf.txt"], p["cr.txt"]], 0.02), ([p["oneline.txt"]], 0.02),
+            ([p["nobreak.txt"]], 0.05), ([p["breaks.txt"]], 0.1), ([p["tiny.txt"]], 0.3), ([p["tiny2.txt"]], 0.1),
+            ([p["breaks.txt"], p["tiny.txt"]], 0.3)]
+
+
+@pytest.mark.parametrize("read_chunk", [1 << 20, 64, 7])
+def test_the_streamed_split_and_digest_are_those_of_the_whole_text(tmp_path, monkeypatch, read_chunk):
+    """The same train and validation text, byte for byte, and the same digest (cache names,
+    checkpoints' data fingerprints) as when the whole text was read and split, however the
+    files are read in parts (a \\r\\n, a cut target, a 4-byte character across two parts)."""
+    monkeypatch.setattr(corpus_mod, "READ_CHUNK", read_chunk, raising=False)
+    for paths, val_fraction in _corpora(tmp_path):
+        train, val, digest = _old_split(paths, val_fraction)
+        corpus = load_corpus([str(p) for p in paths], val_fraction)
+        assert (corpus.digest, corpus.val, corpus.train) == (digest, val, train), (paths, val_fraction)
+        assert corpus.train_length == len(train) and "".join(corpus.train_parts()) == train
+
+
+def test_the_split_errors_are_those_of_the_whole_text(tmp_path):
+    (tmp_path / "tiny.txt").write_text("hello world\n" * 10)
+    with pytest.raises(ValueError, match=r"^the corpus \(120 characters\) is too small to hold out"):
+        load_corpus([str(tmp_path / "tiny.txt")], 0.1)
+    (tmp_path / "ws.txt").write_text("a" + "\n" * 5000 + "b")
+    with pytest.raises(ValueError, match=r"^the corpus \(5002 characters\) is too small to split with val_fraction=0.1$"):
+        load_corpus([str(tmp_path / "ws.txt")], 0.1)
+
+
+def test_text_chunks_of_parts_are_those_of_their_join():
+    """The BPE and the encoders read the training text in the pieces of text_chunks: streamed
+    in parts, the pieces (and so the vocabulary and the token ids) must be the same."""
+    rng = random.Random(1)
+    text = "".join(rng.choice(["a", "bc ", "\n", "déf", "\n\n", "x" * 40]) for _ in range(3000))
+    for size in (1, 16, 300, 1 << 20):
+        want = list(text_chunks(text, size))
+        for _ in range(5):
+            cuts = sorted(rng.sample(range(len(text)), 40)) + [len(text)]
+            parts = [text[a:b] for a, b in zip([0] + cuts, cuts)] + [""]
+            assert list(text_chunks(iter(parts), size)) == want
+
+
+@pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+def test_the_bpe_of_the_streamed_training_text_is_the_one_of_the_string(tmp_path, monkeypatch):
+    """The same vocabulary (the same tokenizer file) and the same token ids as the BPE trained
+    on the training split as one string."""
+    monkeypatch.setattr(corpus_mod, "READ_CHUNK", 1000, raising=False)
+    (tmp_path / "c.txt").write_text("".join(LINE.format(i * 7 % 1000) for i in range(6000)))
+    corpus = load_corpus([str(tmp_path / "c.txt")], 0.02, read=False)
+    data = prepare_data(corpus, "bpe", 400, str(tmp_path / "cache"))
+    want = train_bpe(corpus.train, 400)
+    assert data.tokenizer.to_json() == want.to_json()
+    ids = [i for piece in text_chunks(corpus.train) for i in want.encode(piece)]
+    assert np.array_equal(np.asarray(data.train), ids)
+
+
+def test_a_file_changed_after_the_split_is_said(tmp_path):
+    (tmp_path / "c.txt").write_text("".join(LINE.format(i) for i in range(300)))
+    corpus = load_corpus([str(tmp_path / "c.txt")], 0.02)
+    with (tmp_path / "c.txt").open("a") as f:
+        f.write("more\n")
+    with pytest.raises(ValueError, match=r"^the data files changed while they were read \(21,\d+ characters now, "
+                                         r"21,\d+ before\): run again once they stay as they are$"):
+        prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache"))
+    assert not list((tmp_path / "cache").glob("*/meta.json")) and not list((tmp_path / "cache").glob(".*"))
+
+
+def test_a_cache_miss_holds_no_copy_of_the_corpus(tmp_path, monkeypatch):
+    """The text was read into one string and split into two (2x the corpus, before the
+    caches were made: 20 GB of RAM for a 10 GB corpus). Now the files are streamed in parts
+    (here of 16 K characters, and tokenised in pieces of 16 K: 1 M by default), and only
+    the validation text (2 %) is held."""
+    monkeypatch.setattr(corpus_mod, "READ_CHUNK", 1 << 14, raising=False)
+    monkeypatch.setattr(dataset_mod, "text_chunks", functools.partial(text_chunks, size=1 << 14))
+    files = []
+    for k in range(3):
+        files.append(tmp_path / f"part{k}.txt")
+        files[-1].write_text("".join(LINE.format(i) for i in range(k * 15_000, (k + 1) * 15_000)))
+    size = sum(f.stat().st_size for f in files)
     tracemalloc.start()
     try:
-        load_corpus([str(p) for p in paths], 0.02)
-        return tracemalloc.get_traced_memory()[1]
+        corpus = load_corpus([str(p) for p in files], 0.02)
+        data = prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache"))
+        peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-
-
-def test_reading_a_corpus_holds_it_at_most_twice(tmp_path):
-    """The text was held four times over (five for several files: the documents, their
-    join, the split's pieces, train + val joined again and its UTF-8 bytes for the digest):
-    a 10 GB corpus needed some 45 GB of RAM on every run, a cache hit included."""
-    files = []
-    for k in range(2):
-        files.append(tmp_path / f"part{k}.txt")
-        files[-1].write_text("".join(LINE.format(i) for i in range(k * 20_000, (k + 1) * 20_000)))
-    size = sum(f.stat().st_size for f in files)
-    assert _peak_of_loading(files) < 2.3 * size
+    assert len(data.train) + len(data.val) == size + 4  # (and the two separators between three files)
+    assert peak < 0.2 * size, f"{peak / size:.2f}x the corpus"
+    assert math.isclose(len(corpus.val) / size, 0.02, rel_tol=0.2)
 
 
 def test_the_digest_is_the_one_of_the_joined_text():

@@ -7,6 +7,10 @@ import hashlib
 import json
 import math
 import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -35,15 +39,27 @@ def default_corpus_path() -> Path:
     return path
 
 
+#: How many characters of a data file are read at a time.
+READ_CHUNK = 1 << 20
+
+
 def read_text_file(path: str | Path, what: str) -> str:
     """The UTF-8 text of ``path`` (without the byte-order mark that Windows editors write
     first: it is not text, and was trained on and counted as three bytes of it);
     ``ValueError`` naming it as ``what`` (e.g. ``--text``) when it is not UTF-8 text (a binary
     file) or cannot be read."""
+    return "".join(_text_parts(Path(path), what))
+
+
+def _text_parts(path: Path, what: str) -> Iterator[str]:
+    """The text of ``path`` as :func:`read_text_file` gives it (line endings translated alike,
+    a ``\\r\\n`` across two parts included), in consecutive parts of :data:`READ_CHUNK` characters."""
     try:
-        return Path(path).read_text(encoding="utf-8-sig")
+        with path.open(encoding="utf-8-sig") as f:
+            while part := f.read(READ_CHUNK):
+                yield part
     except UnicodeDecodeError:  # (where, as a .jsonl file's is said: a line to look at in a large file)
-        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({_utf8_error_at(Path(path))}); give a text "
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({_utf8_error_at(path)}); give a text "
                          "file") from None
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
@@ -73,8 +89,8 @@ COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\
 TEXT_FIELD = "text"
 
 
-def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> list[str]:
-    docs = []
+def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> Iterator[str]:
+    """The ``text_field`` of each record of the ``.jsonl`` file ``path``, one at a time."""
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first record.
     with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
@@ -88,8 +104,7 @@ def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> list[str]:
                 raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field "
                                  f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); data.text_field names "
                                  "the field that holds the text")
-            docs.append(record[text_field])
-    return docs
+            yield record[text_field]
 
 
 def _what_line_holds(record: object, text_field: str) -> str:
@@ -154,12 +169,17 @@ class Corpus:
     """The text of a run, split; read when first wanted.
 
     ``val`` is about ``val_fraction`` of the concatenated documents, taken as evenly spaced
-    pieces (see :func:`split_pieces`), ``train`` the rest: the split depends only on the text
+    pieces (see :func:`piece_bounds`), ``train`` the rest: the split depends only on the text
     and the fraction, never on a seed. ``digest`` hashes both parts (:func:`corpus_digest`)
     and names the caches; until the text is read, a digest that a token cache recorded for
     the same files (:attr:`files_key`, taken when the corpus is found) stands for it
     (:meth:`recall`), so that a cache hit reads no text. ``home`` is where caches go by
     default: the directory of the first data file.
+
+    The whole text is never held: :meth:`read` streams the files (once for the length, once
+    for the cuts, once for the digest) and keeps the validation text only; the training
+    text is read again by whoever wants it, in parts (:meth:`train_parts`) or, for callers
+    that want a string, whole (:attr:`train`).
     """
 
     def __init__(self, files: list[Path], val_fraction: float, text_field: str = TEXT_FIELD) -> None:
@@ -167,28 +187,47 @@ class Corpus:
         self.home = self.files[0].parent
         self.sources = tuple(map(str, self.files))
         self.files_key = files_key(self.files, val_fraction, text_field)  # (before any reading: see recall)
-        self._split: tuple[str, str] | None = None
+        self._layout: _Layout | None = None
+        self._val = ""
         self._digest: str | None = None
 
     @property
     def is_read(self) -> bool:
-        return self._split is not None
+        return self._layout is not None
 
     def read(self) -> Corpus:
-        """Read and split the text now (once); ``ValueError`` for a file that is not UTF-8
+        """Split the text and hash it now (once); ``ValueError`` for a file that is not UTF-8
         text or holds none, or a text too small to split. Returns the corpus."""
-        if self._split is None:
-            self._split = _read_split(self.files, self.val_fraction, self.text_field)
-            self._digest = corpus_digest(*self._split)
+        if self._layout is None:
+            layout = _layout_of(self.files, self.val_fraction, self.text_field)
+            self._val, self._digest = _val_and_digest(self._text(), layout, self.val_fraction)
+            self._layout = layout
         return self
+
+    def _text(self) -> Iterator[str]:
+        return _corpus_text(self.files, self.text_field)
+
+    def train_parts(self) -> Iterator[str]:
+        """The training text in consecutive parts (a read of :data:`READ_CHUNK` characters or a
+        ``.jsonl`` record at most), read from the files again: joined, they are :attr:`train`. ``ValueError`` when a file changed since
+        the corpus was split."""
+        layout = self.read()._layout
+        return (part for i, part in _pieces(self._text(), layout) if i not in layout.val)
+
+    @property
+    def train_length(self) -> int:
+        """The characters of :attr:`train`, known without reading it again."""
+        return self.read()._layout.train_length
 
     @property
     def train(self) -> str:
-        return self.read()._split[0]
+        """The training text as one string, read from the files on every access (what a
+        caller that wants the string pays: the corpus itself holds only ``val``)."""
+        return "".join(self.train_parts())
 
     @property
     def val(self) -> str:
-        return self.read()._split[1]
+        return self.read()._val
 
     @property
     def digest(self) -> str:
@@ -199,14 +238,28 @@ class Corpus:
     def __eq__(self, other: object) -> bool:  # (as the dataclass it was: the same text from the same files)
         if not isinstance(other, Corpus):
             return NotImplemented
-        return ((self.train, self.val, self.digest, self.home, self.sources)
-                == (other.train, other.val, other.digest, other.home, other.sources))
+        return ((self.digest, self.val, self.train, self.home, self.sources)
+                == (other.digest, other.val, other.train, other.home, other.sources))
 
     def recall(self, digest: str) -> None:
         """Take ``digest``, which a token cache recorded for :attr:`files_key`, as the text's
         until the text is read (then the text's own digest replaces it)."""
-        if self._split is None:
+        if self._layout is None:
             self._digest = digest
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a text of ``length`` characters is cut (``bounds``: 0, ..., ``length``) and which
+    of its pieces (``val``: their indices) form the validation split."""
+
+    length: int
+    bounds: tuple[int, ...]
+    val: frozenset[int]
+
+    @property
+    def train_length(self) -> int:
+        return self.length - sum(self.bounds[i + 1] - self.bounds[i] for i in self.val)
 
 
 #: How far (relative) the share of validation pieces may fall from ``val_fraction``.
@@ -216,7 +269,7 @@ MIN_SMALL_PIECE = 16
 
 
 def piece_count(length: int, val_fraction: float, max_pieces: int = 200, min_piece: int = 2048) -> int:
-    """How many pieces :func:`split_pieces` cuts a text of ``length`` characters into: at most
+    """How many pieces :func:`piece_bounds` cuts a text of ``length`` characters into: at most
     ``max_pieces`` of at least ``min_piece`` characters where possible (and at least 2) -
     more, and shorter, where that many cannot hold out ``val_fraction``: a 2 KB text in 2
     pieces would give half of it to validation. The count is the first from there whose
@@ -232,52 +285,108 @@ def piece_count(length: int, val_fraction: float, max_pieces: int = 200, min_pie
                      f"as validation text (to within {FRACTION_TOLERANCE:.0%}): use more text or a larger val_fraction")
 
 
-def split_pieces(text: str, val_fraction: float, max_pieces: int = 200,
-                 min_piece: int = 2048) -> tuple[list[str], list[str]]:
-    """Cut ``text`` into (train, val) pieces, deterministically and without a seed; each
-    split is its pieces joined.
+def piece_bounds(length: int, val_fraction: float, find: Callable[[str, int, int], int], max_pieces: int = 200,
+                 min_piece: int = 2048) -> tuple[list[int], set[int]]:
+    """Where a text of ``length`` characters is cut into pieces, deterministically and without
+    a seed, and which pieces are the validation split: ``(bounds, val)``, with ``bounds`` 0,
+    ..., ``length`` (piece ``i`` is ``text[bounds[i]:bounds[i + 1]]``) and ``val`` the
+    indices of the validation pieces; each split is its pieces joined. ``find`` is the text's
+    ``str.find`` (``sep, start, end``), asked with starts that never decrease, so that a
+    stream of the text can answer it (:class:`_StreamFinder`).
 
     The text is cut into ``n`` pieces of similar size (:func:`piece_count`) and ``max(1,
     round(val_fraction * n))`` evenly spaced pieces form the validation split, so that it
     samples the whole corpus rather than only its end. Each cut falls after the first line
     break past its target position (:func:`_cut`), so text with line breaks is split
     between lines; text without them (one long line) is split at a space, or mid-word.
-    The pieces, not the joined splits: a caller that drops ``text`` before joining them
-    holds the corpus twice at most, not three times (the text, the pieces, the join).
     """
-    n = piece_count(len(text), val_fraction, max_pieces, min_piece)
+    n = piece_count(length, val_fraction, max_pieces, min_piece)
     bounds = [0]
     for k in range(1, n):
-        bounds.append(_cut(text, max(bounds[-1], k * len(text) // n), (k + 1) * len(text) // n))
-    bounds.append(len(text))
+        bounds.append(_cut(find, length, max(bounds[-1], k * length // n), (k + 1) * length // n))
+    bounds.append(length)
     n_val = max(1, round(val_fraction * n))
-    val_pieces = {int((j + 0.5) * n / n_val) for j in range(n_val)}
-    spans = list(zip(bounds, bounds[1:]))
-    return ([text[a:b] for i, (a, b) in enumerate(spans) if i not in val_pieces],
-            [text[a:b] for i, (a, b) in enumerate(spans) if i in val_pieces])
+    return bounds, {int((j + 0.5) * n / n_val) for j in range(n_val)}
 
 
 def corpus_digest(train: str, val: str, chunk: int = 1 << 24) -> str:
     """The SHA-256 that names a split corpus (its caches, a checkpoint's data fingerprint):
     of ``len(train)``, ``:`` and the UTF-8 text of ``train + val``, hashed in pieces of
-    ``chunk`` characters so that neither the joined text nor its bytes are held at once
-    (they were: twice the corpus again, on every run)."""
-    digest = hashlib.sha256(f"{len(train)}:".encode())
-    for part in (train, val):
-        for start in range(0, len(part), chunk):
-            digest.update(part[start:start + chunk].encode("utf-8"))
+    ``chunk`` characters so that neither the joined text nor its bytes are held at once."""
+    return _digest_of(len(train), (part[start:start + chunk] for part in (train, val)
+                                   for start in range(0, len(part), chunk)))
+
+
+def _digest_of(train_length: int, parts: Iterable[str]) -> str:
+    """:func:`corpus_digest` of the training text of ``train_length`` characters followed by
+    the validation text, given as ``parts`` that join to them."""
+    digest = hashlib.sha256(f"{train_length}:".encode())
+    for part in parts:
+        digest.update(part.encode("utf-8"))
     return digest.hexdigest()
 
 
-def _cut(text: str, target: int, next_target: int) -> int:
+def _cut(find: Callable[[str, int, int], int], length: int, target: int, next_target: int) -> int:
     """Where a piece that should end near ``target`` ends: just after the first line break in
     ``[target, next_target)``, else just after the first space there, else at ``target``
-    (a text with no break at all is still cut into pieces of about the right size)."""
+    (a text with no break at all is still cut into pieces of about the right size).
+    ``find``: the text's ``str.find``; ``length``: its length."""
     for sep in ("\n", " "):
-        cut = text.find(sep, target, max(next_target, target + 1))
+        cut = find(sep, target, max(next_target, target + 1))
         if cut >= 0:
             return cut + 1
-    return min(target, len(text))
+    return min(target, length)
+
+
+class _StreamFinder:
+    """``str.find`` of a text given as a stream of its parts, for searches whose starts never
+    decrease (:func:`piece_bounds`): it holds the parts from the latest start to as far as a
+    search has looked (about a piece of the split where a piece has no line break, else
+    less), never the text before."""
+
+    def __init__(self, parts: Iterator[str]) -> None:
+        self._parts, self._held, self._end = parts, deque(), 0  # _held: (position, part) up to _end
+
+    def find(self, sep: str, start: int, end: int) -> int:
+        while self._held and self._held[0][0] + len(self._held[0][1]) <= start:
+            self._held.popleft()
+        i = 0
+        while i < len(self._held) or (self._end < end and self._pull()):
+            at, part = self._held[i]
+            if at >= end:
+                break
+            found = part.find(sep, max(0, start - at), end - at)
+            if found >= 0:
+                return at + found
+            i += 1
+        return -1
+
+    def _pull(self) -> bool:
+        for part in self._parts:
+            if part:
+                self._held.append((self._end, part))
+                self._end += len(part)
+                return True
+        return False
+
+
+def _pieces(parts: Iterable[str], layout: _Layout) -> Iterator[tuple[int, str]]:
+    """The text that ``parts`` give, cut as ``layout`` says: ``(index of its piece, part)`` in
+    order. ``ValueError`` at the end when the text's length is not the layout's (a data file
+    changed since the corpus was split)."""
+    bounds, last, piece, pos = layout.bounds, len(layout.bounds) - 2, 0, 0
+    for part in parts:
+        start = 0
+        while start < len(part):
+            while piece < last and bounds[piece + 1] <= pos + start:
+                piece += 1
+            end = len(part) if piece == last else min(len(part), bounds[piece + 1] - pos)
+            yield piece, part if start == 0 and end == len(part) else part[start:end]
+            start = end
+        pos += len(part)
+    if pos != layout.length:
+        raise ValueError(f"the data files changed while they were read ({pos:,} characters now, {layout.length:,} "
+                         "before): run again once they stay as they are")
 
 
 def absolute_paths(paths: list[str] | tuple[str, ...]) -> list[str]:
@@ -298,20 +407,39 @@ def data_files(paths: list[str] | tuple[str, ...] = ()) -> list[tuple[Path, list
     return [(root, _files_of(root)) for root in roots]
 
 
-def _read_file(file: Path, text_field: str) -> list[str]:
-    """The documents of the data file ``file``: its text, or a ``.jsonl`` file's records'
-    ``text_field``. ``ValueError`` for an undecodable or blank file."""
-    if file.suffix.lower() == ".json":  # (often JSON lines saved as .json: its markup would be trained on)
+def _read_file(file: Path, text_field: str, first: bool = False) -> Iterator[str]:
+    """The text of the data file ``file`` in consecutive parts: its text, or its ``.jsonl``
+    records' ``text_field`` joined by :data:`DOCUMENT_SEPARATOR`. ``ValueError`` for an
+    undecodable or blank file. ``first``: the first pass over the file (which warns about it)."""
+    if first and file.suffix.lower() == ".json":  # (often JSON lines saved as .json: its markup would be trained on)
         warn_user(f"data file {str(file)!r} is read as plain text, its JSON syntax included: only .jsonl "
                   "files are read as JSON lines (their text field); rename it .jsonl if it holds one "
                   "object a line")
+    blank = True
     try:
-        docs = _read_jsonl(file, text_field) if file.suffix.lower() == ".jsonl" else [read_text_file(file, "data file")]
+        if file.suffix.lower() == ".jsonl":
+            for k, doc in enumerate(_read_jsonl(file, text_field)):
+                if k:
+                    yield DOCUMENT_SEPARATOR
+                blank = blank and (not doc or doc.isspace())  # (not strip(): a copy of each)
+                yield doc
+        else:
+            for part in _text_parts(file, "data file"):
+                blank = blank and part.isspace()
+                yield part
     except UnicodeDecodeError:  # a .jsonl file's lines
         raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
-    if all(not d or d.isspace() for d in docs):  # (not strip(): a copy of each)
+    if blank:
         raise ValueError(f"data file {str(file)!r} holds no text")
-    return docs
+
+
+def _corpus_text(files: tuple[Path, ...], text_field: str, first: bool = False) -> Iterator[str]:
+    """The corpus's text, the documents of ``files`` joined by :data:`DOCUMENT_SEPARATOR`, in
+    consecutive parts of a megabyte or less (a ``.jsonl`` record is one part)."""
+    for k, file in enumerate(files):
+        if k:
+            yield DOCUMENT_SEPARATOR
+        yield from _read_file(file, text_field, first)
 
 
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02,
@@ -341,18 +469,34 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     return corpus.read() if read else corpus
 
 
-def _read_split(files: tuple[Path, ...], val_fraction: float, text_field: str) -> tuple[str, str]:
-    """The (train, val) text of ``files``, their documents joined and split."""
-    docs: list[str] = []
-    for file in files:
-        docs.extend(_read_file(file, text_field))
-    text = DOCUMENT_SEPARATOR.join(docs)
-    docs.clear()  # (the documents and their joined text were held together through the split)
-    train_pieces, val_pieces = split_pieces(text, val_fraction)
-    del text  # (the text, its pieces and their join were held together)
-    train, val = "".join(train_pieces), "".join(val_pieces)
-    del train_pieces, val_pieces
-    if not train or train.isspace() or not val or val.isspace():  # (not strip(): a copy of the text)
-        raise ValueError(f"the corpus ({len(train) + len(val)} characters) is too small to split with "
+def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str) -> _Layout:
+    """How the text of ``files`` is split (:func:`piece_bounds`): a pass over the files for its
+    length (checking each file), then one to find the cuts near their targets."""
+    length = sum(map(len, _corpus_text(files, text_field, first=True)))
+    with closing(_corpus_text(files, text_field)) as text:
+        bounds, val = piece_bounds(length, val_fraction, _StreamFinder(text).find)
+    return _Layout(length, tuple(bounds), frozenset(val))
+
+
+def _val_and_digest(text: Iterator[str], layout: _Layout, val_fraction: float) -> tuple[str, str]:
+    """The validation text and the digest (:func:`corpus_digest`) of the text that ``text``
+    streams, split as ``layout`` says; ``ValueError`` when either split is empty or blank."""
+    val: list[str] = []
+    train_blank = True
+
+    def train_then_val() -> Iterator[str]:
+        nonlocal train_blank
+        for i, part in _pieces(text, layout):
+            if i in layout.val:
+                val.append(part)
+            else:
+                train_blank = train_blank and part.isspace()  # (not strip(): a copy of the text)
+                yield part
+        yield from val
+
+    digest = _digest_of(layout.train_length, train_then_val())
+    val_text = "".join(val)
+    if train_blank or not val_text or val_text.isspace():
+        raise ValueError(f"the corpus ({layout.length} characters) is too small to split with "
                          f"val_fraction={val_fraction}")
-    return train, val
+    return val_text, digest

@@ -19,9 +19,11 @@ the files are unchanged.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,13 +76,17 @@ def resolve_cache_root(corpus: Corpus, cache_dir: str | None) -> Path:
     return FALLBACK_CACHE
 
 
-def _encode_to_file(tok: Tokenizer, text: str, path: Path, dtype: np.dtype, progress: bool = False) -> int:
-    """Encode ``text`` piece by piece (pieces of about 1 MB, cut after a line break, so memory
-    stays bounded for large corpora) and write the ids to ``path`` atomically, with a
-    progress bar over the characters when ``progress``. Returns the number of tokens."""
+def _encode_to_file(tok: Tokenizer, text: str | Iterable[str], path: Path, dtype: np.dtype, progress: bool = False,
+                    length: int | None = None) -> int:
+    """Encode ``text`` (a string, or its consecutive parts: a split streamed from the files,
+    of ``length`` characters) piece by piece (the pieces of :func:`text_chunks`, about 1 MB,
+    cut after a line break, so memory stays bounded for large corpora) and write the ids to
+    ``path`` atomically, with a progress bar over the characters when ``progress``. Returns
+    the number of tokens."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     n = 0
-    bar = progress_bar(progress, total=len(text), unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
+    length = len(text) if isinstance(text, str) else length
+    bar = progress_bar(progress, total=length, unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
     try:
         with tmp.open("wb") as f:
             for piece in text_chunks(text):
@@ -135,7 +141,7 @@ def _write_cache(corpus: Corpus, cache: Path, tok: Tokenizer, progress: bool = F
         if isinstance(tok, BPETokenizer):
             tok.save(tmp / "tokenizer.json")
         dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-        n_train = _encode_to_file(tok, corpus.train, tmp / "train.bin", dtype, progress)
+        n_train = _encode_to_file(tok, corpus.train_parts(), tmp / "train.bin", dtype, progress, corpus.train_length)
         n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype, progress)
         meta = dict(digest=corpus.digest, tokenizer=tok.kind, vocab_size=tok.vocab_size, dtype=dtype.name,
                     n_train=n_train, n_val=n_val, sources=list(corpus.sources), files=[corpus.files_key])
@@ -180,7 +186,7 @@ def _recall_digest(corpus: Corpus, root: Path) -> None:
 
 
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
-                 given: Tokenizer | None = None, progress: bool = False) -> TokenData:
+                 given: Tokenizer | None = None, progress: bool = False, bpe_sample: int | None = None) -> TokenData:
     """Tokenise ``corpus`` with the requested tokenizer, reusing a complete cache if present.
 
     ``tokenizer="bpe"`` trains a byte-level BPE on the *training* split only; when the
@@ -198,6 +204,10 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
 
     ``progress``: show progress bars (stderr) for the work a cache hit skips: training the
     BPE (``tokenizers``' own bars) and tokenising each split.
+
+    ``bpe_sample``: train the BPE on about that many characters of the training split, evenly
+    spaced pieces (:func:`~attnres.data.tokenizer.sampled_chunks`), not on all of it; its
+    cache is its own (``...-bpe4096-sample<N>``). ``None`` (the default): all of it.
     """
     if tokenizer not in TOKENIZER_KINDS and not is_tokenizer_path(tokenizer):
         raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS} or a tokenizer.json path; got {tokenizer!r}"
@@ -209,34 +219,42 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
         tokenizer = "byte"
     root = resolve_cache_root(corpus, cache_dir)
     remove_stale_temporaries(root)
-    found = _find_cache(corpus, root, tokenizer, vocab_size, given)
+    names = functools.partial(_cache_names, tokenizer=tokenizer, vocab_size=vocab_size, given=given,
+                              bpe_sample=bpe_sample)
+    found = _find_cache(corpus, root, names, given)
     if found is not None:
         return found
-    cache = root / _cache_names(corpus.digest, tokenizer, vocab_size, given)[-1]
-    made = (given if given is not None else train_bpe(corpus.train, vocab_size, progress) if tokenizer == "bpe"
-            else ByteTokenizer())
+    cache = root / names(corpus.digest)[-1]
+    made = (given if given is not None
+            else train_bpe(corpus.train_parts(), vocab_size, progress, corpus.train_length, bpe_sample)
+            if tokenizer == "bpe" else ByteTokenizer())
     _write_cache(corpus, cache, made, progress)
     return _open_cache(cache, given)
 
 
-def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer | None) -> list[str]:
+def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer | None,
+                 bpe_sample: int | None = None) -> list[str]:
     """The caches that hold the corpus of ``digest`` tokenised as asked, in the order they are
-    looked for; a new one is made as the last."""
+    looked for; a new one is made as the last. A BPE trained on a sample (``bpe_sample``) is
+    another tokenizer than the one trained on all the text: its cache is named for it."""
+    kind = tokenizer if given is None else given.kind
+    requested = f"{digest[:16]}-{kind}{vocab_size if kind == 'bpe' else 256}"
+    if kind == "bpe" and bpe_sample is not None:
+        requested += f"-sample{bpe_sample}"
     if given is None:
-        return [f"{digest[:16]}-{tokenizer}{vocab_size if tokenizer == 'bpe' else 256}"]
+        return [requested]
     key_vocab = given.vocab_size if given.kind == "bpe" else 256
-    return [f"{digest[:16]}-{given.kind}{vocab_size if given.kind == 'bpe' else 256}",
-            f"{digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}"]
+    return [requested, f"{digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}"]
 
 
-def _find_cache(corpus: Corpus, root: Path, tokenizer: str, vocab_size: int,
+def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
                 given: Tokenizer | None) -> TokenData | None:
     """The complete cache of ``corpus`` tokenised as asked: by the digest recorded for its
     files (no text read), else by its text's digest (a cache of an earlier version, or files
     copied or touched since: their key is then recorded too); ``None`` when there is none."""
     _recall_digest(corpus, root)
     while True:
-        for name in _cache_names(corpus.digest, tokenizer, vocab_size, given):
+        for name in names(corpus.digest):
             found = _open_cache(root / name, given)
             if found is not None:
                 record_files(found.cache_dir, corpus.files_key)

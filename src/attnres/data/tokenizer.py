@@ -12,6 +12,7 @@ import hashlib
 import os
 import sys
 import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -111,8 +112,15 @@ def bpe_available() -> bool:
     return True
 
 
-def train_bpe(text: str, vocab_size: int, progress: bool = False) -> BPETokenizer:
+def train_bpe(text: str | Iterable[str], vocab_size: int, progress: bool = False,
+              length: int | None = None, sample: int | None = None) -> BPETokenizer:
     """Train a byte-level BPE with (at most) ``vocab_size`` tokens on ``text``, locally.
+
+    ``text``: a string, or its consecutive parts (a corpus's training text streamed from its
+    files: :meth:`~attnres.data.corpus.Corpus.train_parts`), of ``length`` characters; the
+    trainer reads it in the pieces of :func:`text_chunks`, the same for both. ``sample``:
+    train on about that many characters of it only, evenly spaced pieces
+    (:func:`sampled_chunks`; ``data.bpe_sample``); ``None``: on all of it.
 
     The 256 byte symbols are always in the vocabulary, so ``vocab_size`` must be >= 256; a
     small text may stop short of ``vocab_size`` merges (read ``.vocab_size`` afterwards).
@@ -134,9 +142,13 @@ def train_bpe(text: str, vocab_size: int, progress: bool = False) -> BPETokenize
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress and sys.stdout.isatty() and sys.stderr.isatty(),
     )
+    length = len(text) if isinstance(text, str) else length
+    chunks = text_chunks(text) if sample is None else sampled_chunks(text, length, sample)
     if progress:
-        print(f"training a byte-level BPE of {vocab_size} tokens on {len(text):,} characters", file=sys.stderr)
-    run_interruptibly(lambda: tok.train_from_iterator(text_chunks(text), trainer=trainer, length=None))
+        of = "the training text" if length is None else f"{length:,} characters"
+        print(f"training a byte-level BPE of {vocab_size} tokens on "
+              f"{of if sample is None else f'a sample of about {sample:,} of {of} (data.bpe_sample)'}", file=sys.stderr)
+    run_interruptibly(lambda: tok.train_from_iterator(chunks, trainer=trainer, length=None))
     return BPETokenizer(tok)
 
 
@@ -251,12 +263,44 @@ def ordinary_tokens_marked_special(tok) -> list[tuple[int, str, str]]:
     return found
 
 
-def text_chunks(text: str, size: int = 1 << 20):
-    """``text`` in consecutive pieces of about ``size`` characters, each ending just after a
-    line break (the last one at the end of the text). Joined, they give ``text`` back."""
-    start = 0
-    while start < len(text):
-        end = text.find("\n", start + size)
-        end = len(text) if end < 0 else end + 1
-        yield text[start:end]
+def text_chunks(text: str | Iterable[str], size: int = 1 << 20) -> Iterator[str]:
+    """``text`` in consecutive pieces of about ``size`` characters, each ending just after the
+    first line break ``size`` characters or more after its start (the last one at the end of
+    the text). Joined, they give ``text`` back. ``text`` may be given as consecutive parts
+    (a stream of a corpus): the pieces are those of their join, which is never made."""
+    held: list[str] = []  # the current piece's text so far, of `length` characters
+    length = 0
+    for part in [text] if isinstance(text, str) else text:
+        start = 0
+        while start < len(part):
+            end = part.find("\n", start + max(0, size - length))
+            if end < 0:
+                held.append(part[start:] if start else part)
+                length += len(part) - start
+                break
+            held.append(part[start:end + 1])
+            yield "".join(held)
+            held, length, start = [], 0, end + 1
+    if held:
+        yield "".join(held)
+
+
+def sampled_chunks(text: str | Iterable[str], length: int, sample: int, size: int = 1 << 20) -> Iterator[str]:
+    """About ``sample`` characters of ``text`` (``length`` characters; a string or its parts),
+    as evenly spaced pieces of :func:`text_chunks` (of ``size`` characters, or ``sample``
+    where that is less): the piece that holds each of ``k = ceil(sample / size)`` positions
+    spaced ``length / k`` apart, from the start. All of the text, in the pieces of
+    :func:`text_chunks`, when ``sample >= length``. ``text`` is read through."""
+    if sample >= length:
+        yield from text_chunks(text, size)
+        return
+    size = min(size, sample)
+    k = -(-sample // size)
+    stride, start, j = length / k, 0, 0
+    for chunk in text_chunks(text, size):
+        end = start + len(chunk)
+        if j < k and j * stride < end:
+            yield chunk
+            while j < k and j * stride < end:
+                j += 1
         start = end

@@ -193,4 +193,5 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
     from ..data import load_corpus, prepare_data
 
     corpus = load_corpus(data["paths"], data["val_fraction"], data.get("text_field", "text"), read=False)
-    return prepare_data(corpus, data["tokenizer"], data["vocab_size"], data["cache_dir"]).tokenizer
+    return prepare_data(corpus, data["tokenizer"], data["vocab_size"], data["cache_dir"],
+                        bpe_sample=data.get("bpe_sample")).tokenizer

@@ -80,6 +80,11 @@ class DataConfig:
     vocab_size: the BPE's target vocabulary (the model's ``vocab_size`` is set from the
         trained tokenizer).
     val_fraction: share of the text held out for evaluation (deterministic split).
+    bpe_sample: train the BPE on about this many characters of the training split, taken as
+        evenly spaced pieces of about 1 MB (less for a smaller sample), not on all of it: a
+        corpus too large to train on in its whole (time, the word counts' memory) still
+        gets a BPE; ``None`` (the default): all of it. The token caches still hold all the
+        text, encoded with that BPE.
     cache_dir: where tokenizer and token caches go; ``None`` = beside the data.
     """
 
@@ -88,6 +93,7 @@ class DataConfig:
     tokenizer: str = "bpe"
     vocab_size: int = 4096
     val_fraction: float = 0.02
+    bpe_sample: int | None = None
     cache_dir: str | None = None
 
     def validate(self) -> None:
@@ -118,6 +124,7 @@ DATA_RULES: dict[str, Rule] = {
                               "the path of a tokenizer.json or of a directory holding one (with a '/': ./gpt2)"),
     "vocab_size": Int(256),
     "val_fraction": Number(0.0, 1.0, lo_open=True, hi_open=True),
+    "bpe_sample": Nullable(Int(1), "all of the training split"),
     "cache_dir": Nullable(Text("a directory path"), "beside the data"),
 }
 

@@ -61,6 +61,7 @@ MEANINGS: dict[str, str] = {
     "data.tokenizer": "bpe (trained on the data), byte, or a tokenizer.json of your own",
     "data.vocab_size": "the BPE's vocabulary (the model's vocab_size follows the tokenizer)",
     "data.val_fraction": "the share of the text held out for validation",
+    "data.bpe_sample": "train the BPE on about this many characters of the training split (evenly spaced pieces)",
     "data.cache_dir": "where the tokenizer and token caches go",
     "parallel.dp": "data-parallel ranks (FSDP2)",
     "parallel.tp": "tensor-parallel ranks",

@@ -193,7 +193,8 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     changed = start.resume is not None and check_data(start.resume, corpus_fingerprint(corpus, config.data.cache_dir),
                                                       config.allow_data_change)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
-                                             config.data.cache_dir, given=given, progress=config.progress),
+                                             config.data.cache_dir, given=given, progress=config.progress,
+                                             bpe_sample=config.data.bpe_sample),
                         what="preparing the data: training the tokenizer, tokenising the corpus")
     vocab_size = model_vocab_size(config, start, tokens.vocab_size)
     if config.model.vocab_size != vocab_size:

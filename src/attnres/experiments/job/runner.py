@@ -90,9 +90,9 @@ def model_counts(config: ModelConfig) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=8)
 def _training_tokens(paths: tuple[str, ...], val_fraction: float, tokenizer: str, vocab_size: int,
-                     cache_dir: str | None, text_field: str = "text") -> int:
+                     cache_dir: str | None, text_field: str = "text", bpe_sample: int | None = None) -> int:
     corpus = load_corpus(list(paths), val_fraction, text_field, read=False)
-    return len(prepare_data(corpus, tokenizer, vocab_size, cache_dir).train)
+    return len(prepare_data(corpus, tokenizer, vocab_size, cache_dir, bpe_sample=bpe_sample).train)
 
 
 def data_passes(config: TrainConfig) -> float:
@@ -100,7 +100,8 @@ def data_passes(config: TrainConfig) -> float:
     (``steps`` × batch × accumulation) over the split's ``seq_len`` windows (the sampler's
     epoch; above 1 some windows are seen twice). Tokenises the data on first use (cached)."""
     d = config.data
-    n_tokens = _training_tokens(tuple(d.paths), d.val_fraction, d.tokenizer, d.vocab_size, d.cache_dir, d.text_field)
+    n_tokens = _training_tokens(tuple(d.paths), d.val_fraction, d.tokenizer, d.vocab_size, d.cache_dir, d.text_field,
+                                d.bpe_sample)
     return config.steps * (config.tokens_per_step // config.seq_len) / (n_tokens // config.seq_len)
 
 
