@@ -252,11 +252,16 @@ def test_generate_chat_puts_the_prompt_through_the_chat_template(run_dir, tmp_pa
 
 
 def _fake_distribution(root: Path, name: str, version: str) -> Path:
-    """An installed distribution's metadata (no code) whose files include a top-level ``attnres``."""
+    """An installed distribution's metadata whose files include one under a top-level ``attnres``.
+    The file exists, as an installed one does: Python 3.12's ``Distribution.files`` leaves out the
+    listed files that are missing. It is no module and there is no ``__init__.py``, so this
+    directory's ``attnres`` does not shadow the package under test."""
     info = root / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
+    (root / "attnres").mkdir(exist_ok=True)
+    (root / "attnres" / f"{name}.data").write_text("")
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "RECORD").write_text(f"attnres/__init__.py,,\n{info.name}/METADATA,,\n")
+    (info / "RECORD").write_text(f"attnres/{name}.data,,\n{info.name}/METADATA,,\n")
     (info / "top_level.txt").write_text("attnres\n")
     return root
 

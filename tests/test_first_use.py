@@ -264,11 +264,28 @@ def attnres_command(*args: str, limit_bytes: int | None = None, timeout: float =
     return proc.returncode, proc.stdout + proc.stderr
 
 
+def address_space_after_import() -> int:
+    """Bytes of address space a process has mapped once it imported torch and ``attnres train``'s
+    modules: 0.9 GB with the CPU build of torch, 3.4 GB with torch 2.11's CUDA build (its CUDA
+    libraries are mapped at import, GPU or not)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, attnres.cli, attnres.train\n"
+            "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmSize:')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return int(done.stdout) * 1024
+
+
 def test_a_batch_that_does_not_fit_in_memory_ends_with_one_line(tmp_path, corpus):
-    """Under a 3 GB address-space limit, 200,000 windows of 32 tokens: the first activation
-    (1.6 GB) does not fit (a traceback from the allocator before)."""
+    """Under an address-space limit 2 GB above what the imports map, 200,000 windows of 32
+    tokens: the first activation (1.6 GB) does not fit (a traceback from the allocator before).
+    The limit follows the imports: a fixed 3 GB stopped the CUDA build at ``import torch``."""
+    limit = address_space_after_import() + 2_000_000_000
     code, out = attnres_command("train", *overrides(corpus, tmp_path / "run", batch_size=200000, steps=2,
-                                                    eval_batches=1), limit_bytes=3_000_000_000)
+                                                    eval_batches=1), limit_bytes=limit)
     assert code == 1 and "Traceback" not in out, out
     assert "attnres train: error: out of memory on cpu: one micro-batch of batch_size 200000 x seq_len 32" in out, out
     assert "MiB failed" in out and "lower batch_size" in out, out

@@ -29,6 +29,7 @@ from attnres.distributed import (
     naive_transfers,
     plan_transitions,
 )
+from attnres.distributed import pipeline as pipeline_module
 from attnres.distributed.local_spawn import free_port, run_local
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
@@ -182,6 +183,10 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.skipif(pipeline_module.TORCH_VERSION < pipeline_module.ONE_RANK_GLOO_TORCH,
+                    reason=f"torch {torch.__version__}'s pipeline schedules send between one rank's stages, which "
+                           f"gloo cannot: torch>={pipeline_module.ONE_RANK_GLOO_TORCH} (refused by name: "
+                           "test_one_rank_with_several_chunks_on_gloo_before_torch_2_12_is_refused)")
 def test_one_rank_pipeline_and_its_errors(one_rank_group):
     """P = 1, V = 3 with the cache on torch's looped schedule: rank-local edges and cached
     entries (their gradients deposited and sent back) give the model's loss and gradients;
@@ -211,6 +216,20 @@ def test_one_rank_pipeline_and_its_errors(one_rank_group):
     s2 = AttnResLM(ModelConfig(**TINY, n_layers=3, residual={"kind": "attnres_block", "block_size": 2}))
     with pytest.raises(ValueError, match=r"edges into chunks \[2\] would carry nothing"):  # an empty chunk in between
         PipelineRunner(s2, PipelineConfig(n_ranks=1, virtual_stages=3, cache=True, layers_per_chunk=(1, 0, 2)))
+
+
+def test_one_rank_with_several_chunks_on_gloo_before_torch_2_12_is_refused(one_rank_group, monkeypatch):
+    """Torch 2.11's schedules failed at the first step inside gloo ("Pair is not connected"):
+    the runner refuses it up front, naming the field and the torch that runs it."""
+    cfg = ModelConfig(**TINY, n_layers=3, residual={"kind": "attnres_block", "block_size": 3})
+    model = AttnResLM(cfg)
+    monkeypatch.setattr(pipeline_module, "TORCH_VERSION", torch.torch_version.TorchVersion("2.11.0+cu130"))
+    with pytest.raises(ValueError, match=r"PipelineConfig.virtual_stages must be 1 with n_ranks=1 on gloo under "
+                                         r"torch 2.11.0\+cu130 .*torch>=2.12 does not\); got 3"):
+        PipelineRunner(model, PipelineConfig(n_ranks=1, virtual_stages=3))
+    assert PipelineRunner(model, PipelineConfig(n_ranks=1)).chunks  # one chunk: no message at all
+    monkeypatch.setattr(pipeline_module, "TORCH_VERSION", torch.torch_version.TorchVersion("2.12.0"))
+    assert len(PipelineRunner(model, PipelineConfig(n_ranks=1, virtual_stages=3)).chunks) == 3
 
 
 # -- several processes --------------------------------------------------------------------

@@ -57,6 +57,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 _CHECK = Fields("PipelineConfig")
 _fail = _CHECK.fail
+#: The installed torch. Before 2.12 ``torch.distributed.pipelining`` opens every stage's first
+#: exchange with its neighbours by messages over the process group, a rank's own stages included:
+#: on one rank with ``V >= 2`` it sends to itself, which gloo cannot ("Pair is not connected").
+TORCH_VERSION = torch.torch_version.TorchVersion(torch.__version__)
+ONE_RANK_GLOO_TORCH = "2.12"
 
 
 @dataclass(frozen=True)
@@ -322,6 +327,16 @@ class CachedStage(PipelineStage):
 
 
 # -- the runner -------------------------------------------------------------------------
+def _refuse_a_send_to_itself(config: PipelineConfig, group: dist.ProcessGroup | None) -> None:
+    """One rank holding several chunks on gloo under torch older than 2.12 (see
+    :data:`TORCH_VERSION`): refused here, before its first step fails inside torch."""
+    if config.n_ranks == 1 and config.virtual_stages > 1 and TORCH_VERSION < ONE_RANK_GLOO_TORCH \
+            and dist.get_backend(group) == "gloo":
+        _fail("virtual_stages", f"1 with n_ranks=1 on gloo under torch {TORCH_VERSION} (its pipeline schedules "
+              f"send between a rank's own stages, which gloo cannot; torch>={ONE_RANK_GLOO_TORCH} does not)",
+              config.virtual_stages)
+
+
 class PipelineRunner:
     """This rank's part of a pipelined ``model``: its chunks, one training step and the
     evaluation loss, on torch's pipeline schedules.
@@ -347,6 +362,7 @@ class PipelineRunner:
         world = dist.get_world_size(group)
         if world != config.n_ranks:
             _fail("n_ranks", f"the process group's size {world}", config.n_ranks)
+        _refuse_a_send_to_itself(config, group)
         self.rank = dist.get_rank(group)
         self.model_config = cfg = model.config
         self._check_input_ids = model.check_input_ids
