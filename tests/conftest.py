@@ -251,7 +251,8 @@ def _interpreted_kernels_checked():
 #: whole modules to its worker processes in collection order, and a long module handed out
 #: last kept one worker busy minutes after the other had finished.
 LONG_MODULES = ("test_triton_aot.py", "test_depth_attention_ops.py", "test_compile.py", "test_multinode.py",
-                "test_parallel_train.py", "test_data_parallel.py", "test_gpu_check.py", "test_train.py")
+                "test_parallel_train.py", "test_data_parallel.py", "test_gpu_check.py", "test_train.py",
+                "test_kernels.py", "test_readme.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -112,7 +112,10 @@ def test_every_readme_python_block_runs_as_written(tmp_path):
     assert cli_main(["train", "data.tokenizer=byte", f"data.paths=[{corpus}]", "seq_len=32", "batch_size=2", "steps=2",
                      "warmup_steps=1", "model.d_model=32", "model.n_heads=2", "model.residual.kind=attnres_block",
                      f"out_dir={run}", "progress=false", "tensorboard=false"]) == 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(README.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    # (one thread, as the suite's other subprocesses: the blocks' small models gain little from more, whose
+    # waiting threads spin on a loaded machine - 35 -> 24 CPU-s for the six blocks under load)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(README.parent / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
     for i, block in enumerate(blocks):
         done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
