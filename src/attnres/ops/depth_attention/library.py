@@ -108,16 +108,20 @@ def _contiguous(xs: Sequence[Tensor | None]) -> list[Tensor | None]:
     return [x if x is None else x.contiguous() for x in xs]
 
 
-def _as_stream(backend: str, stream: torch.dtype, xs: Sequence[Tensor | None]) -> list[Tensor | None]:
-    """``xs`` - queries, norm gains, Phase-1 sums narrower than the stream - converted to the
-    ``stream`` dtype for the C kernel (``backend="auto"``, CPU tensors of another dtype,
-    ``stream`` float32 or float64): the reference reads each of them in that dtype (its
-    compute dtype), so the kernel then computes the same function; otherwise the whole
-    operator ran in PyTorch, silently. Elsewhere (CUDA, a bf16 stream, the ``"torch"`` and
-    ``"triton"`` backends, which read them as they are) ``xs`` as they are."""
-    if backend != "auto" or stream not in (torch.float32, torch.float64):
-        return list(xs)
-    return [x.to(stream) if x is not None and x.dtype != stream and x.is_cpu else x for x in xs]
+def _converts(backend: str, stream: Tensor) -> bool:
+    """Whether arguments of another dtype than the ``stream`` tensor's - queries, norm gains,
+    Phase-1 sums narrower than the stream - are converted to it (:func:`_as_stream`): with
+    ``backend="auto"`` on a float32/float64 CPU stream, for the C kernel (which takes one
+    dtype; otherwise the whole operator ran in PyTorch, silently). The reference reads each
+    of them in the stream's dtype (its compute dtype), so the kernel computes the same
+    function. Elsewhere (CUDA, a bf16 stream, the ``"torch"`` and ``"triton"`` backends, which
+    read them as they are) nothing is converted, and this test is all a call pays."""
+    return backend == "auto" and stream.is_cpu and stream.dtype in (torch.float32, torch.float64)
+
+
+def _as_stream(stream: torch.dtype, xs: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """``xs`` in the ``stream`` dtype (see :func:`_converts`)."""
+    return [x.to(stream) if x is not None and x.dtype != stream else x for x in xs]
 
 
 def _like(grads: Sequence[Tensor | None], inputs: Sequence[Tensor | None]) -> list[Tensor | None]:
@@ -133,7 +137,9 @@ def _like(grads: Sequence[Tensor | None], inputs: Sequence[Tensor | None]) -> li
 
 def _run_phase1(qg: Tensor, sources: list[Tensor], eps: float, backend: str,
                 out_dtype: Optional[torch.dtype] = None) -> tuple[list[Tensor], Tensor]:
-    qg = _as_stream(backend, sources[0].dtype, [qg])[0].contiguous()  # (small: [S, d])
+    if _converts(backend, sources[0]):
+        qg = qg.to(sources[0].dtype)
+    qg = qg.contiguous()  # (small: [S, d])
     outs, lse = pick(backend, [*sources, qg]).phase1_forward(qg, sources, eps, out_dtype)
     return list(outs), lse
 
@@ -152,7 +158,9 @@ def _run_phase1_backward(qg: Tensor, lse: Tensor, sources: list[Tensor], g_outs:
                          g_lse: Optional[Tensor], eps: float, needs: list[bool], backend: str
                          ) -> tuple[Tensor, list[Tensor]]:
     given = qg
-    qg, lse, g_lse = _contiguous([_as_stream(backend, sources[0].dtype, [qg])[0], lse, g_lse])
+    if _converts(backend, sources[0]):
+        qg = qg.to(sources[0].dtype)
+    qg, lse, g_lse = _contiguous([qg, lse, g_lse])
     g_outs = _contiguous(g_outs)
     # (by the forward's tensors: the sums' gradients have the sums' dtype, which the
     # implementation that wrote them reads - the C kernel converts a narrower one)
@@ -208,7 +216,8 @@ def _run_merge(z: Tensor, sources: list[Tensor], computed: list[Tensor], qg: Opt
                norm_weight: Optional[Tensor], eps: float, norm_eps: float, backend: str, addend: Optional[Tensor] = None,
                out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # (qg small: [d]; z [..., k] may be a strided view of Phase 1's lse)
-    *sources, qg, norm_weight = _as_stream(backend, stream_dtype(sources, computed), [*sources, qg, norm_weight])
+    if _converts(backend, (computed or sources)[0]):
+        *sources, qg, norm_weight = _as_stream(stream_dtype(sources, computed), [*sources, qg, norm_weight])
     qg = _contiguous([qg])[0]
     module = pick(backend, [*sources, *computed, qg, norm_weight])
     out, alpha, rc, zc, rstd, total = module.merge_forward(z, sources, computed, qg, norm_weight, eps, norm_eps,
@@ -235,8 +244,10 @@ def _run_merge_backward(g: Tensor, g_views: list[Tensor], alpha: Tensor, rc: Opt
                         norm_weight: Optional[Tensor], needs: list[bool], backend: str,
                         g_total: Optional[Tensor] = None, addend_dtype: Optional[torch.dtype] = None
                         ) -> tuple[Tensor, list[Tensor], list[Tensor], Tensor, Tensor, Tensor]:
-    given = [*sources, qg, norm_weight]
-    *sources, qg, norm_weight = _as_stream(backend, stream_dtype(sources, computed), given)
+    given = None  # (the arguments as given, where they are converted)
+    if _converts(backend, (computed or sources)[0]):
+        given = [*sources, qg, norm_weight]
+        *sources, qg, norm_weight = _as_stream(stream_dtype(sources, computed), given)
     g, qg, g_total = _contiguous([g, qg, g_total])
     g_views = _contiguous(g_views)
     # (by the forward's tensors: the output's gradients have its dtype, which the implementation
@@ -245,7 +256,8 @@ def _run_merge_backward(g: Tensor, g_views: list[Tensor], alpha: Tensor, rc: Opt
     g_z, g_src, g_comp, g_qg, g_norm, g_addend = module.merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg,
                                                                        norm_weight, needs, g_total, addend_dtype,
                                                                        g_views)
-    *g_src, g_qg, g_norm = _like([*g_src, g_qg, g_norm], given)
+    if given is not None:
+        *g_src, g_qg, g_norm = _like([*g_src, g_qg, g_norm], given)
     g_qg, g_norm, g_addend = _fill([g_qg, g_norm, g_addend], alpha)
     return _fill([g_z], alpha)[0], _fill(g_src, alpha), _fill(g_comp, alpha), g_qg, g_norm, g_addend
 
