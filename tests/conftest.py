@@ -32,8 +32,13 @@ import torch  # noqa: E402 (importing torch does not import triton; importing to
 
 # `make test` runs the suite in one process per core (pytest-xdist): each takes its share of
 # the cores for its own threads, not all of them (oversubscribed, tiny ops wait on each other).
+# The processes its tests start (the command, README blocks, the GPU check's smoke run) take
+# the same share, unless the caller set one: each of them would otherwise start a thread per
+# core beside the other workers.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 
 def _triton_device() -> str | None:
