@@ -170,19 +170,22 @@ def _publish(tmp: Path, cache: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _recall_digest(corpus: Corpus, root: Path) -> str | None:
+    """The digest the caches in ``root`` recorded for ``corpus``'s files, which ``corpus`` then
+    takes as its text's (no text read); ``None`` (nothing recalled) when none did, or when
+    ``corpus`` is read already."""
+    digest = None if corpus.is_read else recorded_digest(root, corpus.files_key)
+    if digest is not None:
+        corpus.recall(digest)
+    return digest
+
+
 def corpus_fingerprint(corpus: Corpus, cache_dir: str | None = None) -> str:
     """``corpus.digest`` (the data fingerprint a checkpoint records and checks), without
     reading the text where a token cache in ``cache_dir`` (as :func:`prepare_data` resolves
     it) recorded the digest for the same files: see :class:`~attnres.data.corpus.Corpus`."""
     _recall_digest(corpus, resolve_cache_root(corpus, cache_dir))
     return corpus.digest
-
-
-def _recall_digest(corpus: Corpus, root: Path) -> None:
-    if not corpus.is_read:
-        digest = recorded_digest(root, corpus.files_key)
-        if digest is not None:
-            corpus.recall(digest)
 
 
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
@@ -252,16 +255,23 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
     """The complete cache of ``corpus`` tokenised as asked: by the digest recorded for its
     files (no text read), else by its text's digest (a cache of an earlier version, or files
     copied or touched since: their key is then recorded too); ``None`` when there is none."""
-    _recall_digest(corpus, root)
-    while True:
-        for name in names(corpus.digest):
-            found = _open_cache(root / name, given)
-            if found is not None:
-                record_files(found.cache_dir, corpus.files_key)
-                return found
-        if corpus.is_read:
-            return None
-        corpus.read()
+    recorded = _recall_digest(corpus, root)
+    if recorded is not None:
+        found = _first_cache(root, names(recorded), given, corpus.files_key)
+        if found is not None:
+            return found
+        corpus.read()  # (the recorded caches are gone: the text decides)
+    return _first_cache(root, names(corpus.digest), given, corpus.files_key)
+
+
+def _first_cache(root: Path, names: list[str], given: Tokenizer | None, files_key: str) -> TokenData | None:
+    """The first complete cache of ``names`` in ``root``, with ``files_key`` recorded in it."""
+    for name in names:
+        found = _open_cache(root / name, given)
+        if found is not None:
+            record_files(found.cache_dir, files_key)
+            return found
+    return None
 
 
 class BatchSampler:
