@@ -82,6 +82,8 @@ def to_cpu(x):
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
 from registry_isolation import _residual_registry_of_this_module  # noqa: E402, F401 (an autouse fixture)
+from cpu_times import (pytest_addoption, pytest_configure, pytest_runtest_protocol,  # noqa: E402, F401 (--cpu-times)
+                       pytest_terminal_summary)
 
 # The serving tests (tests/serve) need vLLM, which lives in its own environment: `make test-serve`.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["serve"]
