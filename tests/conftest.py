@@ -106,16 +106,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.linalg.vector_norm(a - b).item() / max(torch.linalg.vector_norm(b).item(), 1e-30)
 
 
-def set_activation_checkpointing(model, on: bool = True, **kwargs) -> None:
-    """``model.activation_checkpointing_enable`` / ``_disable`` (transformers 5.23's names), or
-    ``gradient_checkpointing_enable`` / ``_disable`` on the versions before (the hf extra takes 5.17)."""
-    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
-    if on:
-        getattr(model, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": kwargs or None})
-    else:
-        getattr(model, f"{name}_checkpointing_disable")()
-
-
 def assert_rel_close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str = "") -> None:
     assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}"
     err = rel_err(a, b)
