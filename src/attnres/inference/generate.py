@@ -300,7 +300,8 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
 
 def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator):
     """The loop behind :func:`stream_transformers`, on checked arguments."""
-    # transformers 5.24 renamed the cache, argument and output field, from past_key_values
+    # transformers 5.24 renamed the cache, argument and output field, from past_key_values; a
+    # model may take both names (attnres.hf's do) while the installed version's output has one
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -311,7 +312,8 @@ def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, t
             tokens = tokens.masked_fill(finished, pad_token_id)
             finished |= torch.isin(tokens, stop_ids)
             if step < max_new_tokens - 1:  # launched before the caller reads this step's tokens
-                out = model(input_ids=tokens[:, None], use_cache=True, **{cache: getattr(out, cache)})
+                past = out.cache if hasattr(out, "cache") else out.past_key_values
+                out = model(input_ids=tokens[:, None], use_cache=True, **{cache: past})
             yield tokens
             if stop_ids.numel() and bool(finished.all()):
                 return
