@@ -102,6 +102,20 @@ GRAD_TOL = {**TOL, torch.bfloat16: 5e-2}
 OP_TOL_BF16 = 1e-2
 
 
+def activation_checkpointing(model: torch.nn.Module, enable: bool = True, **kwargs) -> None:
+    """Turn a transformers model's activation checkpointing on (``kwargs``: the checkpoint's,
+    as ``use_reentrant``) or off: ``activation_checkpointing_enable`` / ``_disable`` where
+    transformers has them, else ``gradient_checkpointing_*`` (their deprecated names there;
+    the only ones in transformers 5.20, the newest on Python 3.10)."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    if not enable:
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
+    elif new:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Normwise relative error ``||a - b|| / ||b||`` (Frobenius norms), computed in float64."""
     a, b = a.detach().double(), b.detach().double()

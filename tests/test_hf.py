@@ -20,6 +20,7 @@ from attnres.cli import main as cli_main  # noqa: E402
 from attnres.data.tokenizer import ByteTokenizer, train_bpe  # noqa: E402
 from attnres.hf import AttnResConfig, AttnResForCausalLM, AttnResModel, make_hf_tokenizer  # noqa: E402
 from attnres.inference import generate  # noqa: E402
+from conftest import activation_checkpointing  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -301,14 +302,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
     for checkpointing in (False, True):
         hf = AttnResForCausalLM.from_native(native).train()
         if checkpointing:
-            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
-            assert hf.gradient_checkpointing and hf.is_activation_checkpointing
+            activation_checkpointing(hf, use_reentrant=reentrant)
+            assert hf.gradient_checkpointing
             assert hf.defer_norm is not reentrant  # (the fused norm where autograd runs the sublayer)
         hf(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in hf.named_parameters()})
     for name, g in grads[0].items():
         assert torch.allclose(g, grads[1][name], atol=1e-6), name
-    hf.activation_checkpointing_disable()
+    activation_checkpointing(hf, enable=False)
     assert hf.defer_norm and "defer_norm" not in hf.__dict__
 
 

@@ -534,3 +534,25 @@ def test_generate_prints_a_character_split_over_tokens_once_whole():
     assert pieces[:3] == ["c", "a", "f"] and "é" in pieces and "€" in pieces  # one piece per whole character
     cut = list(text_pieces(tokenizer, ([i] for i in tokenizer.encode("aé")[:-1]), []))
     assert cut == ["a", "\ufffd"]
+
+
+def test_stream_transformers_reads_the_cache_field_the_output_has():
+    """A forward taking the cache by both names (``cache``, transformers 5.24's, and
+    ``past_key_values``), as attnres' transformers models' do, whose output has only the
+    ``past_key_values`` field - transformers' output classes before 5.24, the newest on Python
+    3.10: each step gets the previous step's cache (was: AttributeError ``'...' object has no
+    attribute 'cache'`` at the second step, ``attnres generate`` on a transformers directory)."""
+    from types import SimpleNamespace
+
+    from attnres.inference import stream_transformers
+
+    class OldOutputs(torch.nn.Module):  # the cache: the number of positions seen so far
+        config = SimpleNamespace(max_position_embeddings=32, vocab_size=8)
+
+        def forward(self, input_ids, use_cache=False, cache=None, past_key_values=None):
+            seen = (cache or 0) + input_ids.shape[1]
+            logits = torch.nn.functional.one_hot(torch.full(input_ids.shape, seen % 8), 8).float()
+            return SimpleNamespace(logits=logits, past_key_values=seen)
+
+    got = torch.cat(list(stream_transformers(OldOutputs(), torch.zeros(1, 3, dtype=torch.long), max_new_tokens=4)))
+    assert got.tolist() == [3, 4, 5, 6]

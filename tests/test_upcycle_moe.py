@@ -172,6 +172,39 @@ def test_router_outputs_follow_the_recorded_contract():
             assert selected.shape[0] == x.numel() and selected.max() < logits.shape[-1], model_type
 
 
+def test_a_router_returning_the_selected_experts_first_is_recorded_as_well():
+    """GraniteMoE's router in transformers 5.20 (the newest on Python 3.10) returns
+    ``(selected, weights, logits)``: the recorder takes the logits and the selected experts
+    from where they are (was: the indices recorded as logits, the logits as the selection -
+    the expert-load analysis of ``attnres analyze`` counted wrong experts)."""
+    base = tiny_model("granitemoe")
+    routers = moe_routers(base)
+    for _, router in routers:  # that order, whichever the installed transformers returns
+        router.forward = lambda h, f=router.forward: (lambda o: o[::-1] if o[0].is_floating_point() else o)(f(h))
+    h = torch.randn(7, base.config.hidden_size)
+    with RouterRecorder(base) as rec, torch.no_grad():
+        outs = {layer: router(h) for layer, router in routers}
+    for layer, (selected, _, logits) in outs.items():
+        assert not selected.is_floating_point() and logits.shape == (7, base.config.num_local_experts)
+        assert torch.equal(rec.logits[layer][0], logits) and torch.equal(rec.selected[layer][0], selected)
+
+
+def test_an_upcycled_model_loads_with_the_experts_implementation_of_its_family(tmp_path, monkeypatch):
+    """transformers lets a class set its experts implementation (``grouped_mm``, its default,
+    or ``eager``) when the source of the class's module uses its experts decorator, a
+    verdict cached on the class: an AttnRes model answers as its family's class (was: in a
+    process that had not asked the family's class first - loading an upcycled directory -
+    ``eager`` experts, and ``experts_implementation="grouped_mm"`` a ValueError)."""
+    up = upcycle(tiny_model("qwen3_moe"), "attnres_block", block_size=2)
+    up.save_pretrained(tmp_path)
+    for cls in type(up).__mro__:  # as in a fresh process
+        if "_can_set_experts_implementation_cached_value" in vars(cls):
+            monkeypatch.delattr(cls, "_can_set_experts_implementation_cached_value")
+    for asked in (None, "grouped_mm"):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=asked)
+        assert type(loaded) is type(up) and loaded.config._experts_implementation == "grouped_mm"
+
+
 def _compiled_step_matches_eager(model_type: str, kind: str, S: int | None, backend: str = "inductor") -> None:
     # Compiled afresh, and past Dynamo's recompile limit an error: the limit was reached by the
     # ninth of the slow suite's families in one process, whose frames then ran eagerly, silently

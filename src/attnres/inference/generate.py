@@ -301,7 +301,7 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
 def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator):
     """The loop behind :func:`stream_transformers`, on checked arguments."""
     # transformers 5.24 renamed the cache, argument and output field, from past_key_values; a
-    # model may take both names (attnres.hf's do) while the installed version's output has one
+    # forward may take both names (ours do) while its output, transformers' class, has one
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -312,11 +312,16 @@ def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, t
             tokens = tokens.masked_fill(finished, pad_token_id)
             finished |= torch.isin(tokens, stop_ids)
             if step < max_new_tokens - 1:  # launched before the caller reads this step's tokens
-                past = out.cache if hasattr(out, "cache") else out.past_key_values
-                out = model(input_ids=tokens[:, None], use_cache=True, **{cache: past})
+                out = model(input_ids=tokens[:, None], use_cache=True, **{cache: _output_cache(out)})
             yield tokens
             if stop_ids.numel() and bool(finished.all()):
                 return
+
+
+def _output_cache(out):
+    """The cache a transformers model's output holds: its ``cache`` field (transformers
+    5.24 on), else ``past_key_values`` (before; the newest transformers on Python 3.10)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
 def generate(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:

@@ -249,6 +249,14 @@ class UpcycledModelMixin:
         super().__init__(config, *args, **kwargs)
         self._attach_residual()
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """As the family's class: the experts are the family's. transformers decides it from
+        the source of the class's module, which here defines no experts: the default
+        ``grouped_mm`` fell back to ``eager`` and asking for it was refused."""
+        family = next(c for c in cls.__mro__ if c.__module__.startswith("transformers.models."))
+        return family._can_set_experts_implementation()
+
     def _attach_residual(self) -> None:
         config = self.config
         layout = layout_of(family_of(config.model_type))

@@ -2,7 +2,8 @@
 
 :func:`moe_routers` finds them from the family's :class:`~attnres.hf.families.layout.Router`
 description; :class:`RouterRecorder` records, during forwards, each router's logits and the
-experts it selected (every supported router returns ``(logits, weights, selected)``).
+experts it selected (every supported router returns ``(logits, weights, selected)``, but
+GraniteMoE's in transformers 5.20 - the newest on Python 3.10 - ``(selected, weights, logits)``).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class RouterRecorder:
     def __enter__(self) -> RouterRecorder:
         for layer, router in self.routers:
             def keep(_module, _args, out, layer=layer):
-                self.logits.setdefault(layer, []).append(out[0].detach())
-                self.selected.setdefault(layer, []).append(out[2].detach())
+                logits, selected = (out[2], out[0]) if out[2].is_floating_point() else (out[0], out[2])
+                self.logits.setdefault(layer, []).append(logits.detach())
+                self.selected.setdefault(layer, []).append(selected.detach())
 
             self._handles.append(router.register_forward_hook(keep))
         return self
