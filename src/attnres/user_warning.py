@@ -5,7 +5,7 @@ deep in the package (the C kernel built on a model's first forward, a checkpoint
 ``train`` starts) is another of the package's lines: Python's display then shows our source,
 and a ``DeprecationWarning`` there is hidden by Python's default filters, which show it only in
 the user's ``__main__``. :func:`warn_user` names the first frame outside the package instead,
-what ``warnings.warn(skip_file_prefixes=...)`` does on Python 3.12 (we support 3.11). Frames of
+what ``warnings.warn(skip_file_prefixes=...)`` does on Python 3.12 (we support 3.10 on). Frames of
 the libraries the package is called through (``torch.nn.Module.__call__`` runs a model's
 forward, ``transformers`` loads a saved directory) and of Python's import machinery and context
 managers are passed over as well.
