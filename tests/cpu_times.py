@@ -81,9 +81,11 @@ def pytest_terminal_summary(terminalreporter, config):
         module = modules[r["test"].split("::")[0]]
         module[0] += r["own"]
         module[1] += r["subprocesses"]
-    write(f"{'CPU s':>8} {'own':>8} {'subproc':>8}  module")
-    for name, (own, sub) in sorted(modules.items(), key=lambda kv: -sum(kv[1]))[:SHOWN]:
-        write(f"{own + sub:8.1f} {own:8.1f} {sub:8.1f}  {name}")
-    write(f"{'CPU s':>8} {'own':>8} {'subproc':>8}  test")
-    for r in sorted(records, key=lambda r: -(r["own"] + r["subprocesses"]))[:SHOWN]:
-        write(f"{r['own'] + r['subprocesses']:8.1f} {r['own']:8.1f} {r['subprocesses']:8.1f}  {r['test']}")
+
+    def table(label: str, rows: list[tuple[str, float, float]]) -> None:
+        write(f"{'CPU s':>8} {'own':>8} {'subproc':>8}  {label}")
+        for name, own, sub in sorted(rows, key=lambda row: -(row[1] + row[2]))[:SHOWN]:
+            write(f"{own + sub:8.1f} {own:8.1f} {sub:8.1f}  {name}")
+
+    table("module", [(name, own, sub) for name, (own, sub) in modules.items()])
+    table("test", [(r["test"], r["own"], r["subprocesses"]) for r in records])

@@ -304,6 +304,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
         if checkpointing:
             activation_checkpointing(hf, use_reentrant=reentrant)
             assert hf.gradient_checkpointing
+            # transformers' own answer, under either of its names (the newer absent in 5.20)
+            assert (hf.is_activation_checkpointing if hasattr(hf, "is_activation_checkpointing")
+                    else hf.is_gradient_checkpointing)
             assert hf.defer_norm is not reentrant  # (the fused norm where autograd runs the sublayer)
         hf(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in hf.named_parameters()})
