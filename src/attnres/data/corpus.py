@@ -235,12 +235,6 @@ class Corpus:
             self.read()
         return self._digest
 
-    def __eq__(self, other: object) -> bool:  # (as the dataclass it was: the same text from the same files)
-        if not isinstance(other, Corpus):
-            return NotImplemented
-        return ((self.digest, self.val, self.train, self.home, self.sources)
-                == (other.digest, other.val, other.train, other.home, other.sources))
-
     def recall(self, digest: str) -> None:
         """Take ``digest``, which a token cache recorded for :attr:`files_key`, as the text's
         until the text is read (then the text's own digest replaces it)."""
