@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,23 @@ def test_entry_point_is_the_register_function():
     plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
     assert plugins["attnres"].value == "attnres.serve:register"
     assert plugins["attnres"].load() is register
+
+
+def test_the_serve_extra_admits_no_accelerate_that_transformers_ignores():
+    """transformers treats an accelerate older than its ``ACCELERATE_MIN_VERSION`` (1.1.0 in
+    5.16.1, 5.19 and 5.25) as absent and then refuses ``device_map``: the ``serve`` extra's
+    lower bound must be a version it uses (pyproject.toml)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pytest.importorskip("transformers")
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    from transformers.utils.import_utils import ACCELERATE_MIN_VERSION
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    (accelerate,) = [r for r in map(Requirement, pyproject["project"]["optional-dependencies"]["serve"])
+                     if r.name == "accelerate"]
+    (lowest,) = [Version(s.version) for s in accelerate.specifier if s.operator == ">="]
+    assert lowest >= Version(ACCELERATE_MIN_VERSION)
 
 
 def test_every_upcycled_family_is_served_or_refused_with_a_reason():
