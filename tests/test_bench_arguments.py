@@ -38,6 +38,8 @@ CASES = [
     ("residual_traffic.py", ["--L", "8", "--d", "8"], "arguments --d and --tokens: both must exceed L + 1 = 9"),
     ("bench_kernels_gpu.py", ["--dry-run", "--e2e-d", "0"], "--e2e-d: must be an integer >= 1, got '0'"),
     ("bench_kernels_gpu.py", ["--dry-run", "--out", "{file}/k"], "--out: {file} is a file"),
+    ("bench_tokenize.py", ["--mb", "0"], "--mb: must be a number > 0, got '0'"),
+    ("bench_tokenize.py", ["--out", "{file}/x"], "--out: {file} is a file"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}"], "--out: {file} is a file; give a directory"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
 ]

@@ -17,7 +17,7 @@ from attnres.data import corpus as corpus_mod
 from attnres.data import dataset as dataset_mod
 from attnres.data import load_corpus, prepare_data
 from attnres.data.corpus import corpus_digest
-from attnres.data.tokenizer import bpe_available, text_chunks, train_bpe
+from attnres.data.tokenizer import ByteTokenizer, bpe_available, text_chunks, train_bpe
 
 LINE = "the quick brown fox jumps over the lazy dog, and the mill turns on; {}\n"
 
@@ -124,6 +124,26 @@ def test_the_bpe_of_the_streamed_training_text_is_the_one_of_the_string(tmp_path
     assert np.array_equal(np.asarray(data.train), ids)
 
 
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_pieces_encoded_in_batches_give_the_ids_of_each_piece_alone(tmp_path, monkeypatch, kind):
+    """The caches' pieces are encoded several at a time (on the BPE's threads): the ids, and
+    so the caches, are those of encoding one piece after the other, the last batch short."""
+    if kind == "bpe" and not bpe_available():
+        pytest.skip("needs the tokenizers package")
+    text = "".join(LINE.format(i * 13 % 997) for i in range(400))
+    tok = train_bpe(text, 300) if kind == "bpe" else ByteTokenizer()
+    monkeypatch.setattr(dataset_mod, "text_chunks", functools.partial(text_chunks, size=700))
+    monkeypatch.setattr(dataset_mod, "ENCODE_BATCH", 3)
+    pieces = list(text_chunks(text, 700))
+    batches = []
+    monkeypatch.setattr(tok, "encode_batch", lambda texts, encode=tok.encode_batch: batches.append(texts) or encode(texts))
+    n = dataset_mod._encode_to_file(tok, iter([text[:1000], text[1000:]]), tmp_path / "t.bin", np.uint16,
+                                    length=len(text))
+    want = [i for piece in pieces for i in tok.encode(piece)]
+    assert n == len(want) and np.array_equal(np.fromfile(tmp_path / "t.bin", dtype=np.uint16), want)
+    assert [len(b) for b in batches] == [3] * (len(pieces) // 3) + [len(pieces) % 3] * (len(pieces) % 3 > 0)
+
+
 def test_a_file_changed_after_the_split_is_said(tmp_path):
     (tmp_path / "c.txt").write_text("".join(LINE.format(i) for i in range(300)))
     corpus = load_corpus([str(tmp_path / "c.txt")], 0.02)
@@ -142,6 +162,7 @@ def test_a_cache_miss_holds_no_copy_of_the_corpus(tmp_path, monkeypatch):
     the validation text (2 %) is held."""
     monkeypatch.setattr(corpus_mod, "READ_CHUNK", 1 << 14, raising=False)
     monkeypatch.setattr(dataset_mod, "text_chunks", functools.partial(text_chunks, size=1 << 14))
+    monkeypatch.setattr(dataset_mod, "ENCODE_BATCH", 2)  # (pieces held at once: the cores, up to 8)
     files = []
     for k in range(3):
         files.append(tmp_path / f"part{k}.txt")

@@ -28,6 +28,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, on several threads where the tokenizer can."""
+        ...
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -40,6 +44,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -99,6 +106,10 @@ class BPETokenizer:
         # (no special tokens: a tokenizer.json brought by the user - data.tokenizer=PATH - may
         # add a BOS to every piece of text it is given, which the trained BPE never did)
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # (tokenizers encodes the texts of a batch on its own threads, one text per thread)
+        return [encoding.ids for encoding in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids))
