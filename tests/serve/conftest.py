@@ -387,6 +387,9 @@ EAGLE3_PROMPT, EAGLE3_DRAFTS = PROMPTS[2], 2  # (a prompt prefilled in one step:
 NGRAM_MODEL, NGRAM_MAX_TOKENS = "block4_ragged", 40
 NGRAM_PROMPTS = ["x", "to be or not to be, to be or not to be", "ababababab", "hello hello hello"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+#: A draft model (vLLM's ``draft_model``: a smaller model of the same vocabulary proposes the
+#: tokens) for :data:`NGRAM_MODEL`, on the same prompts: another export, served by the plugin too.
+DRAFT_MODEL = "block2"
 
 
 @pytest.fixture(scope="session")
@@ -395,14 +398,22 @@ def speculation(session_root, model_dirs, jobs) -> dict[str, _Part]:
     vLLM spared): ``eagle3`` - the upcycled Llama with a random EAGLE-3 drafter
     (models.save_eagle3_drafter): its batch, shared prefix, the auxiliary hidden states of
     :data:`EAGLE3_PROMPT`'s prefill; ``ngram`` - the export :data:`NGRAM_MODEL` with n-gram
-    drafts: :data:`NGRAM_PROMPTS`' tokens. Each with vLLM's speculative decoding counters;
-    name -> its part of the worker's result."""
+    drafts: :data:`NGRAM_PROMPTS`' tokens; ``draft_model`` - the same with
+    :data:`DRAFT_MODEL` drafting. Each with vLLM's speculative decoding counters; name -> its
+    part of the worker's result."""
     from models import save_eagle3_drafter
 
     drafter = save_eagle3_drafter(session_root / "eagle3-drafter", model_dirs[LORA_MODEL])
+    # (the draft model's engine first: built after the others in the same process, vLLM 0.32's
+    # CPU kernel overrides fail to rebind - AttributeError: '_lib_fn_wrapper' object has no
+    # attribute 'get' - at its start)
     eagle3 = dict(ENGINE, enforce_eager=True, speculative_config={
         "method": "eagle3", "model": str(drafter), "num_speculative_tokens": EAGLE3_DRAFTS})
-    specs = [{"name": "eagle3", "model": str(model_dirs[LORA_MODEL]), "engine": eagle3, "max_tokens": MAX_TOKENS,
+    specs = [{"name": "draft_model", "model": str(model_dirs[NGRAM_MODEL]), "max_tokens": NGRAM_MAX_TOKENS,
+              "engine": dict(ENGINE, enforce_eager=True, speculative_config={
+                  "method": "draft_model", "model": str(model_dirs[DRAFT_MODEL]), "num_speculative_tokens": 3}),
+              "prompts": NGRAM_PROMPTS, "prefix_prompts": []},
+             {"name": "eagle3", "model": str(model_dirs[LORA_MODEL]), "engine": eagle3, "max_tokens": MAX_TOKENS,
               "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "capture_aux": EAGLE3_PROMPT},
              {"name": "ngram", "model": str(model_dirs[NGRAM_MODEL]), "max_tokens": NGRAM_MAX_TOKENS,
               "engine": dict(ENGINE, enforce_eager=True, speculative_config=NGRAM), "prompts": NGRAM_PROMPTS,
