@@ -404,20 +404,22 @@ def speculation(session_root, model_dirs, jobs) -> dict[str, _Part]:
     from models import save_eagle3_drafter
 
     drafter = save_eagle3_drafter(session_root / "eagle3-drafter", model_dirs[LORA_MODEL])
+    eagle3 = dict(ENGINE, enforce_eager=True, speculative_config={
+        "method": "eagle3", "model": str(drafter), "num_speculative_tokens": EAGLE3_DRAFTS})
+
+    def on_the_export(name: str, speculative_config: dict) -> dict:
+        return {"name": name, "model": str(model_dirs[NGRAM_MODEL]), "max_tokens": NGRAM_MAX_TOKENS,
+                "engine": dict(ENGINE, enforce_eager=True, speculative_config=speculative_config),
+                "prompts": NGRAM_PROMPTS, "prefix_prompts": []}
+
     # (the draft model's engine first: built after the others in the same process, vLLM 0.32's
     # CPU kernel overrides fail to rebind - AttributeError: '_lib_fn_wrapper' object has no
     # attribute 'get' - at its start)
-    eagle3 = dict(ENGINE, enforce_eager=True, speculative_config={
-        "method": "eagle3", "model": str(drafter), "num_speculative_tokens": EAGLE3_DRAFTS})
-    specs = [{"name": "draft_model", "model": str(model_dirs[NGRAM_MODEL]), "max_tokens": NGRAM_MAX_TOKENS,
-              "engine": dict(ENGINE, enforce_eager=True, speculative_config={
-                  "method": "draft_model", "model": str(model_dirs[DRAFT_MODEL]), "num_speculative_tokens": 3}),
-              "prompts": NGRAM_PROMPTS, "prefix_prompts": []},
+    specs = [on_the_export("draft_model", {"method": "draft_model", "model": str(model_dirs[DRAFT_MODEL]),
+                                           "num_speculative_tokens": 3}),
              {"name": "eagle3", "model": str(model_dirs[LORA_MODEL]), "engine": eagle3, "max_tokens": MAX_TOKENS,
               "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "capture_aux": EAGLE3_PROMPT},
-             {"name": "ngram", "model": str(model_dirs[NGRAM_MODEL]), "max_tokens": NGRAM_MAX_TOKENS,
-              "engine": dict(ENGINE, enforce_eager=True, speculative_config=NGRAM), "prompts": NGRAM_PROMPTS,
-              "prefix_prompts": []}]
+             on_the_export("ngram", NGRAM)]
     future = jobs.submit(run_worker, {"models": specs}, session_root / "engines" / "speculation")
     return {spec["name"]: _Part(future, spec["name"]) for spec in specs}
 
