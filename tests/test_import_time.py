@@ -87,3 +87,21 @@ except SystemExit:
 print(json.dumps({{"version": version, "command": "packages_distributions" in reads}}))
 """)
     assert result == {"version": [], "command": True}
+
+
+def test_the_launcher_and_the_parallel_config_import_no_pipelining_or_dtensor():
+    """``attnres.distributed`` imports each public name's module on first use: the launcher and
+    ``ParallelConfig`` (what ``attnres train`` needs before a rank builds its model) leave
+    pipeline parallelism and FSDP2 (``torch.distributed.pipelining``, DTensor and with them
+    TorchDynamo) unimported, and every name still imports from the package."""
+    heavy = ("torch.distributed.pipelining", "torch.distributed.tensor", "torch._dynamo")
+    result = _run(f"""
+from attnres.distributed import ParallelConfig, process_context
+light = {_loaded(heavy)}
+import attnres.distributed as package
+names = {{name: getattr(package, name).__module__ for name in package.__all__ if name not in ("PP_SCHEDULES", "SCHEDULES")}}
+print(json.dumps({{"light": light, "heavy": {_loaded(heavy)}, "names": names}}))
+""")
+    assert result["light"] == [] and result["heavy"] == sorted(heavy)
+    assert len(result["names"]) == 26 and result["names"]["PipelineRunner"] == "attnres.distributed.pipeline"
+    assert all(module.startswith("attnres.distributed.") for module in result["names"].values()), result["names"]
