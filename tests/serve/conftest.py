@@ -259,8 +259,34 @@ def session_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("serve")
 
 
+#: vLLM's EAGLE-3 drafter (test_speculation.py): the one architecture of vLLM's own whose class
+#: the session's engines inspect.
+DRAFTER_ARCHITECTURE = "Eagle3LlamaForCausalLM"
+
+
+def write_model_infos(session_root: Path) -> None:
+    """vLLM's information on every architecture the session serves, written once into the
+    cache roots of the engines and of the server (worker.py, ``model_infos``): each engine
+    would otherwise start a process to import the class, once per architecture and cache root
+    (about 80 CPU seconds a session). If this fails, the engines inspect the classes themselves."""
+    import shutil
+    import warnings
+
+    from attnres.serve import architectures
+
+    work = session_root / "engines" / "model-infos"
+    try:
+        run_worker({"model_infos": [*architectures(), DRAFTER_ARCHITECTURE]}, work)
+    except RuntimeError as e:
+        warnings.warn(f"vLLM's model information was not written ahead (each engine inspects the classes): {e}",
+                      stacklevel=1)
+        return
+    shutil.copytree(work.parent / "vllm-cache" / "modelinfos", session_root / "server" / "vllm-cache" / "modelinfos")
+
+
 @pytest.fixture(scope="session")
-def jobs() -> Jobs:
+def jobs(session_root) -> Jobs:
+    write_model_infos(session_root)
     jobs = Jobs()
     yield jobs
     jobs.pool.shutdown(wait=True, cancel_futures=True)

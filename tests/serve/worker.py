@@ -27,6 +27,11 @@ this process (an import of torch and vLLM per model spared). OUT: name -> that m
 Any SPEC may hold ``env``: environment variables set before vLLM is imported (e.g. vLLM's
 ``VLLM_PP_LAYER_PARTITION``; its worker processes inherit them).
 
+Or SPEC ``model_infos``: architecture names whose vLLM model information (what vLLM's registry
+learns by importing a model's class) is written into ``VLLM_CACHE_ROOT``, all in this process:
+an engine that finds it there does not start a process of its own to import the class (about
+8 CPU seconds each; every architecture and worker paid it once). OUT: the names written.
+
 Or SPEC ``attempts``: a list of ``name``, ``model``, ``engine``, each an engine that should
 fail to start, started one after the other in this process, the log marked ``=== NAME ===``
 before each. OUT: name -> ``loaded`` and the ``error`` raised.
@@ -122,6 +127,20 @@ def attempt(spec: dict) -> dict:
         return {"loaded": False, "error": f"{type(e).__name__}: {e}"}
 
 
+def write_model_infos(names: list[str]) -> list[str]:
+    """vLLM's registry inspects each architecture's class and caches what it learns under
+    ``VLLM_CACHE_ROOT`` (keyed by the module's hash), in a fresh process each: here, in this
+    one, for all of ``names``."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import registry
+
+    import attnres.serve
+
+    attnres.serve.register()
+    registry._run_in_subprocess = lambda fn: fn()  # (vLLM's own inspection and cache write, in this process)
+    return [name for name in names if ModelRegistry._try_inspect_model_cls(name) is not None]
+
+
 def one_after_another(specs: list[dict], fn) -> dict:
     """``fn(spec)`` for each of ``specs`` in this process; name -> result."""
     import gc
@@ -139,7 +158,9 @@ if __name__ == "__main__":
     spec_file, out_file = sys.argv[1:3]
     spec = json.loads(Path(spec_file).read_text())
     os.environ.update(spec.get("env", {}))
-    if "attempts" in spec:
+    if "model_infos" in spec:
+        result = write_model_infos(spec["model_infos"])
+    elif "attempts" in spec:
         result = one_after_another(spec["attempts"], attempt)
     elif "models" in spec:
         result = one_after_another(spec["models"], run)
