@@ -4,10 +4,9 @@
 >>> model = AttnResLM(ModelConfig.preset("tiny", residual="attnres_block"))
 """
 
-import importlib
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # This process and its parent as they were before anything slow (importing torch): a torchrun
 # worker asks to die with its agent only later, and checks then that the agent is still its
@@ -17,6 +16,8 @@ _started = (os.getpid(), os.getppid())
 with warnings.catch_warnings():  # torch's warning without NumPy, which attnres's core does not need
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
+
+from .lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from .models import PRESETS, AttnResLM, LMOutput, ModelConfig, ResidualConfig
@@ -35,21 +36,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'attnres' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The public names and the subpackages imported so far (tab completion): not what this
-    module imports for itself (``importlib``, ``Any``, ...)."""
-    from types import ModuleType
-
-    loaded = (n for n, v in globals().items() if isinstance(v, ModuleType) and v.__name__.startswith(f"{__name__}."))
-    return sorted({*_EXPORTS, "__version__", *loaded})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), extra=["__version__"])
 
 
 # Importing attnres changes nothing outside it (no import hooks, no allocator settings) and

@@ -3,8 +3,9 @@ rank's part of a model over it (docs/scale-out.md), data parallelism (FSDP2), se
 prefill (docs/distributed.md) and pipeline parallelism with cross-stage caching
 (docs/distributed-pipeline.md)."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from .comm_accounting import (CommCounter, Transition, cached_transfers, chunk_histories, history_layout,
@@ -39,17 +40,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The public names and the submodules imported so far (tab completion)."""
-    from types import ModuleType
-
-    loaded = (n for n, v in globals().items() if isinstance(v, ModuleType) and v.__name__.startswith(f"{__name__}."))
-    return sorted({*_EXPORTS, *loaded})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
