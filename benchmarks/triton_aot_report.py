@@ -9,8 +9,8 @@ accesses 16 bytes wide, Triton's pipelining of loads into shared memory; and wit
 odd ``d`` launches).
 The variants are those the launch code can choose (``attnres.ops.depth_attention.
 triton_launch.variants``: every storage dtype, tile and Phase-1 query padding). Registers,
-spills and shared memory come from ``ptxas -v`` on the compiled PTX (the same ``ptxas``
-that produced the cubin); Triton's own shared-memory allocation from the compiled metadata.
+spills and shared memory come from ``ptxas -v`` - the log of the run that produced the
+cubin; Triton's own shared-memory allocation from the compiled metadata.
 
     python benchmarks/triton_aot_report.py                 # prints the table
     python benchmarks/triton_aot_report.py --write-docs    # and replaces it in docs/kernels.md
@@ -60,10 +60,38 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
         cmd = [ptxas_path(arch), "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={target}", str(src),
                "-o", str(Path(tmp) / "k.cubin")]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    text = out.stdout + out.stderr
-    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
+    return usage_in(out.stdout + out.stderr)
+
+
+def usage_in(log: str) -> dict[str, int]:
+    """Registers, spill stores/loads and shared memory of the one kernel ``ptxas -v``'s ``log``
+    describes."""
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, log)) else 0  # noqa: E731
     return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
             "spill_loads": number(r"(\d+) bytes spill loads"), "smem": number(r"(\d+) bytes smem")}
+
+
+def compile_with_usage(source, arch: int, options: dict) -> tuple[object, dict[str, int]]:
+    """``triton.compile`` of ``source`` for ``sm_<arch>``, and the resource usage its own
+    ``ptxas -v`` printed (Triton runs ``ptxas -v`` to make the cubin and prints the log when
+    asked: half the compile's ``ptxas`` time spared). A compile Triton took from its cache
+    runs no ``ptxas``: its PTX is given to ``ptxas -v`` here."""
+    import contextlib
+    import io
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    log = io.StringIO()
+    knobs = triton.knobs.nvidia
+    before, knobs.dump_ptxas_log = knobs.dump_ptxas_log, True
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    finally:
+        knobs.dump_ptxas_log = before
+    text = log.getvalue()
+    return compiled, usage_in(text) if "Used" in text else ptxas_usage(compiled.asm["ptx"], arch)
 
 
 def compile_variant(kernel: str, dtype: str, counts: dict, signature: dict, constexprs: dict, options: dict,
@@ -71,8 +99,6 @@ def compile_variant(kernel: str, dtype: str, counts: dict, signature: dict, cons
     """Compile one variant for ``sm_<arch>`` with its launch ``options`` (``num_warps``) - and,
     with ``unaligned``, as launched at an odd ``d`` too; its resource usage and the warps it
     leaves resident per multiprocessor (raises if it does not compile)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from attnres.ops.depth_attention import triton_kernels
@@ -80,8 +106,8 @@ def compile_variant(kernel: str, dtype: str, counts: dict, signature: dict, cons
 
     def usage(attrs: dict) -> dict:
         source = ASTSource(getattr(triton_kernels, kernel), signature, constexprs=constexprs, attrs=attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-        return {"triton_shared": compiled.metadata.shared, **ptxas_usage(compiled.asm["ptx"], arch)}
+        compiled, resources = compile_with_usage(source, arch, options)
+        return {"triton_shared": compiled.metadata.shared, **resources}
 
     # (as launched at an aligned d - the models' widths; an odd d compiles another variant,
     # held to the same rules but not tabled - except the held merges', which run only at an
