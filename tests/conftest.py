@@ -60,6 +60,9 @@ TRITON_DEVICE = _triton_device()
 # imports torch._dynamo, which imports triton when it is installed).
 if TRITON_DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+    from triton_interpreter import spare_repeated_patching
+
+    spare_repeated_patching()  # (about half of each interpreted test's time)
 
 
 def triton_device() -> str:
