@@ -38,7 +38,7 @@ def test_the_language_is_patched_once_a_launch_however_often_device_functions_ru
     x = torch.arange(8, dtype=torch.float32)
     _calls_a_helper[(3,)](x, torch.empty(3 * 8), CALLS=1)  # (the first launch leaves tl.core patched: Triton's own)
     counts = {}
-    for calls in (1, 6, 1):
+    for calls in (1, 6, 1):  # (counts[1]: the launch after one of 6 calls)
         out = torch.empty(3 * 8)
         before = len(patches)
         _calls_a_helper[(3,)](x, out, CALLS=calls)

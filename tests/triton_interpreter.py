@@ -29,8 +29,7 @@ def spare_repeated_patching() -> bool:
     if original is None or scope_class is None or getattr(original, "spares_repeats", False):
         return False
     patched: set[int] = set()  # the language modules (ids) patched since the running launch began
-    launching = [False]
-
+    launching = False
     seen_by: dict = {}  # function -> the language modules (ids) in its globals
 
     def languages(fn) -> frozenset[int]:
@@ -40,18 +39,20 @@ def spare_repeated_patching() -> bool:
         return seen_by[fn]
 
     def patch_lang(fn):
+        nonlocal launching
         seen = languages(fn)
-        if launching[0] and seen <= patched:
+        if launching and seen <= patched:
             return scope_class()  # (nothing patched, nothing to restore)
         scope = original(fn)
         patched.update(seen)
-        if launching[0]:  # (a device function's patch: Triton never restores it)
+        if launching:  # (a device function's patch: Triton never restores it)
             return scope
-        launching[0] = True  # a launch's patch, restored once its programs have run
+        launching = True  # a launch's patch, restored once its programs have run
         restore = scope.restore
 
         def restore_then_end():
-            launching[0] = False
+            nonlocal launching
+            launching = False
             patched.clear()
             restore()
 
