@@ -83,6 +83,10 @@ def test_env_says_whether_vllm_loads_the_serving_plugin(monkeypatch):
     monkeypatch.setattr(metadata, "entry_points", lambda group: [entry] if group == "vllm.general_plugins" else [])
     assert "\nserving  vLLM loads the attnres plugin (attnres.serve:register, entry point 'attnres' of " \
            "vllm.general_plugins)" in env.render(env.facts())
+    monkeypatch.setattr(env, "_version", lambda name: "0.34.0" if name == "vllm" else None)  # untested
+    assert env._vllm_plugin().startswith("vLLM loads the attnres plugin (attnres.serve:register, entry point "
+                                         "'attnres' of vllm.general_plugins); but attnres.serve is tested with "
+                                         "vLLM 0.32, not 0.34.0: ")
     monkeypatch.setattr(metadata, "entry_points", lambda group: [])  # attnres not installed as a package
     assert env._vllm_plugin().startswith("vLLM does not load the attnres plugin: no 'attnres' entry point")
 

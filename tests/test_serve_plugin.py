@@ -207,3 +207,31 @@ def test_a_tokenizer_file_that_declares_ordinary_text_special_is_refused_as_its_
             check_tokenizer(path)
     PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer()).save_pretrained(tmp_path / "new")
     check_tokenizer(tmp_path / "new" / "tokenizer.json")  # (nothing special: passes)
+
+
+def test_untested_vllm_releases_are_named():
+    """The plugin is tested with vLLM 0.32 (any patch release, the CPU build's local version
+    included); another release gets a warning naming both and the install command."""
+    from attnres.serve import TESTED_VLLM, untested_vllm
+
+    assert TESTED_VLLM == "0.32"
+    assert [untested_vllm(v) for v in ("0.32.0", "0.32.0+cpu", "0.32.1")] == [None] * 3
+    said = untested_vllm("0.34.0")
+    assert said.startswith("attnres.serve is tested with vLLM 0.32, not 0.34.0: ") and "pip install vllm==0.32.0" in said
+    assert untested_vllm("0.31.2") and untested_vllm("1.32.0") and untested_vllm("0.3.2")
+
+
+def test_register_warns_under_an_untested_vllm(monkeypatch):
+    """vLLM calls ``register()`` with no registry: the plugin registers with vLLM's and warns
+    where vLLM is not the tested release (a stand-in of the vllm module: none installed here)."""
+    import types
+    import warnings
+
+    for version, warned in (("0.34.0", True), ("0.32.0", False)):
+        registry = FakeRegistry()
+        monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version, ModelRegistry=registry))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            register()
+        said = [str(w.message) for w in caught if "attnres.serve is tested with vLLM" in str(w.message)]
+        assert len(said) == warned and registry.models == architectures(), version

@@ -63,11 +63,12 @@ def test_eagle3_refusal_of_an_export_names_the_families_that_run_it():
     whose served class does not refuse it (no engine: the classes only)."""
     import re
 
+    from attnres.serve import SERVED_FAMILIES
     from attnres.serve.native import REFUSED
-    from attnres.serve.upcycled import UpcycledCausalLM
+    from attnres.serve.upcycled import served_class
 
     listed = REFUSED["eagle3"].split("the upcycled ", 1)[1].removesuffix(" do")
     named = {name.replace("-", "").lower() for name in re.split(r", | and ", listed)}
     running = {cls.vllm_class.__name__.removesuffix("ForCausalLM").lower()
-               for cls in UpcycledCausalLM.__subclasses__() if "eagle3" not in cls.refused}
+               for cls in map(served_class, SERVED_FAMILIES) if "eagle3" not in cls.refused}
     assert named == running, REFUSED["eagle3"]

@@ -119,10 +119,11 @@ def test_float16_is_refused_for_deepseek_only(monkeypatch):
     """vLLM's DeepSeek layers rescale the residual stream in float16, which AttnRes' does not:
     the DeepSeek classes refuse float16 (not bfloat16); every other served class, the export's
     included, takes it."""
+    from attnres.serve import SERVED_FAMILIES
     from attnres.serve.native import REFUSED
-    from attnres.serve.upcycled import UpcycledCausalLM
+    from attnres.serve.upcycled import served_class
 
-    classes = {cls.family: cls.refused for cls in UpcycledCausalLM.__subclasses__()}
+    classes = {family: served_class(family).refused for family in SERVED_FAMILIES}
     classes["export"] = REFUSED
     for family, refused in classes.items():
         said = refusal(monkeypatch, refused, dtype=torch.float16)
@@ -157,3 +158,50 @@ def test_speculative_decoding_methods(monkeypatch):
             expected = (f"served/config.json: speculative decoding with method {method!r} is not supported by "
                         "AttnRes models: its drafter reads the target's hidden states")
             assert said is not None and said.startswith(expected), (method, said)
+
+
+def test_every_served_family_has_its_class_under_the_saved_name():
+    """vLLM's lazy ``"module:Class"`` registration gets each served family's class from
+    attnres.serve.upcycled by the name attnres.upcycle saves: built on vLLM's classes of the
+    table's row, the same class each time (pickle finds it by name)."""
+    import importlib
+    import pickle
+
+    from attnres.hf.families import upcycled_classes
+    from attnres.serve import SERVED_FAMILIES, register
+    from attnres.serve.upcycled import UpcycledBody, UpcycledCausalLM, served_class
+
+    upcycled = importlib.import_module("attnres.serve.upcycled")
+    for model_type, family in SERVED_FAMILIES.items():
+        cls = served_class(model_type)
+        name = upcycled_classes(model_type)[1].__name__
+        assert cls.__name__ == name and getattr(upcycled, name) is cls and pickle.loads(pickle.dumps(cls)) is cls
+        assert issubclass(cls, UpcycledCausalLM) and cls.vllm_class.__name__ == family.causal_lm
+        assert issubclass(cls.body_class, UpcycledBody) and family.body in {c.__name__ for c in cls.body_class.__mro__}
+    assert served_class("deepseek_v3").body_class is served_class("deepseek_v2").body_class
+    with pytest.raises(AttributeError):  # an unserved family's name is refused.py's
+        getattr(upcycled, upcycled_classes(UNSERVED_MOE)[1].__name__)
+
+
+def test_a_family_whose_vllm_module_is_missing_is_refused_alone(monkeypatch):
+    """vLLM 0.34 has no module of Gemma or OLMoE (its Transformers backend runs them): the
+    plugin's other families still load, and that family's class refuses the model when vLLM
+    builds it, naming the vLLM release and the one the plugin is tested with."""
+    import sys
+
+    import vllm
+
+    from attnres.serve.refused import UnservedFamily
+    from attnres.serve.upcycled import UpcycledCausalLM, served_class
+
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.models.gemma", None)  # import fails
+    refusing = served_class.__wrapped__("gemma")  # (the cache holds this vLLM's class)
+    assert refusing.__name__ == "AttnResGemmaForCausalLM" and not issubclass(refusing, UpcycledCausalLM)
+    with pytest.raises(UnservedFamily) as refused:
+        refusing(vllm_config=None, prefix="")
+    said = str(refused.value)
+    assert said.startswith(f"attnres.serve: AttnResGemmaForCausalLM (the upcycled 'gemma' family) is not served on vLLM "
+                           f"{vllm.__version__}: it has no GemmaModel and GemmaForCausalLM in "
+                           "vllm.model_executor.models.gemma (ModuleNotFoundError: "), said
+    assert "Serve it with vLLM 0.32 (pip install vllm==0.32.0; docs/serving.md)" in said
+    assert issubclass(served_class.__wrapped__("llama"), UpcycledCausalLM)

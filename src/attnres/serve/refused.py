@@ -1,5 +1,6 @@
 """The architectures of upcycled families the plugin does not serve
-(:func:`attnres.serve.families.unserved_families`), refused when vLLM builds the model.
+(:func:`attnres.serve.families.unserved_families`, and any whose classes the installed vLLM
+lacks: :func:`attnres.serve.upcycled.served_class`), refused when vLLM builds the model.
 
 :func:`attnres.serve.register` points each such ``AttnRes<Family>ForCausalLM`` here; this
 module's ``__getattr__`` gives vLLM a class that passes its inspection (it has the methods
@@ -37,15 +38,20 @@ def refusal(architecture: str) -> str | None:
     return None
 
 
-@functools.cache
-def refusing_class(architecture: str) -> type:
+def refusing_class(architecture: str, message: str | None = None) -> type:
     """A vLLM text-generation model class named ``architecture`` whose constructor raises
-    :class:`UnservedFamily` with :func:`refusal`'s message."""
-    from torch import nn
-
-    message = refusal(architecture)
+    :class:`UnservedFamily` with ``message`` (default :func:`refusal`'s, for an unserved
+    family; one class per architecture and message)."""
     if message is None:
-        raise ValueError(f"{architecture} is not the architecture of an unserved family")
+        message = refusal(architecture)
+        if message is None:
+            raise ValueError(f"{architecture} is not the architecture of an unserved family")
+    return _refusing_class(architecture, message)
+
+
+@functools.cache
+def _refusing_class(architecture: str, message: str) -> type:
+    from torch import nn
 
     class Refused(nn.Module):
         def __init__(self, *, vllm_config=None, prefix: str = "") -> None:

@@ -15,11 +15,13 @@ their ``n`` depth sources (docs/upcycling.md).
 The causal LM subclasses vLLM's causal LM of the family for its weight loading (stacked
 ``qkv_proj`` / ``gate_up_proj``, tied embeddings) and replaces ``__init__`` only to build the
 AttnRes body: ``ParallelLMHead`` (tied when the config says so), ``LogitsProcessor`` with the
-family's logit scale and final soft-capping (Gemma 2/3). The classes are written out below,
-one body and one causal LM per family (``AttnResLlamaModel``, ``AttnResLlamaForCausalLM``, ...;
-DeepSeek-V2 and V3 share vLLM's body, and so share ours): vLLM's lazy ``"module:Class"``
-registration imports them by the names :mod:`attnres.upcycle` saves
-(:func:`attnres.serve.families.architectures`).
+family's logit scale and final soft-capping (Gemma 2/3). The classes are made from the table
+:data:`attnres.serve.families.SERVED_FAMILIES` when vLLM first asks for one, one body and one
+causal LM per family (``AttnResLlamaModel``, ``AttnResLlamaForCausalLM``, ...; DeepSeek-V2 and
+V3 share vLLM's body, and so share ours): vLLM's lazy ``"module:Class"`` registration gets them
+by the names :mod:`attnres.upcycle` saves (:func:`attnres.serve.families.architectures`), and
+only this vLLM's modules of the family asked for are imported, so that a family whose module a
+vLLM release dropped is refused by itself (:func:`served_class`) while the others load.
 
 Pipeline parallelism, where vLLM's class of the family declares it: vLLM's body builds each
 rank's range of the decoder layers (and the embedding and final norm where they belong), the
@@ -30,6 +32,8 @@ head is built on the last rank, the residual on every rank; the stream crosses t
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
 from collections.abc import Iterable
 from itertools import islice
 from pathlib import Path
@@ -39,22 +43,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV2Model, DeepseekV3ForCausalLM
-from vllm.model_executor.models.gemma import GemmaForCausalLM, GemmaModel
-from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM, Gemma2Model
-from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
-from vllm.model_executor.models.glm4_moe import Glm4MoeForCausalLM, Glm4MoeModel
-from vllm.model_executor.models.gpt_oss import GptOssForCausalLM, GptOssModel
-from vllm.model_executor.models.granitemoe import GraniteMoeForCausalLM, GraniteMoeModel
 from vllm.model_executor.models.interfaces import supports_eagle3
-from vllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
-from vllm.model_executor.models.mistral import MistralForCausalLM, MistralModel
-from vllm.model_executor.models.mixtral import MixtralForCausalLM, MixtralModel
-from vllm.model_executor.models.olmoe import OlmoeForCausalLM, OlmoeModel
-from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model
-from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeModel
-from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
-from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel
 from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
@@ -63,9 +52,10 @@ from ..hf.families.modeling import adjust_eps
 from .checkpoint import CheckpointMismatch, checked_weights, expected_shapes
 from .decoder import (DYNAMIC_ARG_DIMS, FlatRotary, SublayerNames, check_config_class, check_servable, empty_stream,
                       last_stage_head, run_decoder, serving_residual, stage_embedding)
-from .families import SERVED_FAMILIES
+from .families import SERVED_FAMILIES, TESTED_VLLM, ServedFamily
+from .refused import refusing_class
 
-__all__ = ["served_classes", "UpcycledBody", "UpcycledCausalLM"]
+__all__ = ["served_class", "UpcycledBody", "UpcycledCausalLM"]
 
 
 class UpcycledBody(nn.Module):
@@ -184,167 +174,56 @@ class UpcycledCausalLM(nn.Module):
         return loaded
 
 
-# The bodies: vLLM's body of each family with the residual and the AttnRes forward.
-@_compiled
-class AttnResLlamaModel(UpcycledBody, LlamaModel):
-    family = "llama"
-
-
-@_compiled
-class AttnResMistralModel(UpcycledBody, MistralModel):
-    family = "mistral"
-
-
-@_compiled
-class AttnResQwen2Model(UpcycledBody, Qwen2Model):
-    family = "qwen2"
-
-
-@_compiled
-class AttnResQwen3Model(UpcycledBody, Qwen3Model):
-    family = "qwen3"
-
-
-@_compiled
-class AttnResGemmaModel(UpcycledBody, GemmaModel):
-    family = "gemma"
-
-
-@_compiled
-class AttnResGemma2Model(UpcycledBody, Gemma2Model):
-    family = "gemma2"
-
-
-@_compiled
-class AttnResGemma3Model(UpcycledBody, Gemma3Model):
-    family = "gemma3_text"
-
-
-@_compiled
-class AttnResMixtralModel(UpcycledBody, MixtralModel):
-    family = "mixtral"
-
-
-@_compiled
-class AttnResQwen2MoeModel(UpcycledBody, Qwen2MoeModel):
-    family = "qwen2_moe"
-
-
-@_compiled
-class AttnResQwen3MoeModel(UpcycledBody, Qwen3MoeModel):
-    family = "qwen3_moe"
-
-
-@_compiled
-class AttnResOlmoeModel(UpcycledBody, OlmoeModel):
-    family = "olmoe"
-
-
-@_compiled
-class AttnResGptOssModel(UpcycledBody, GptOssModel):
-    family = "gpt_oss"
-
-
-@_compiled
-class AttnResDeepseekV2Model(UpcycledBody, DeepseekV2Model):
-    family = "deepseek_v2"  # DeepSeek-V3's too: its layout and vLLM's body are V2's
-
-
-@_compiled
-class AttnResGlm4MoeModel(UpcycledBody, Glm4MoeModel):
-    family = "glm4_moe"
-
-
-@_compiled
-class AttnResGraniteMoeModel(UpcycledBody, GraniteMoeModel):
-    family = "granitemoe"
-
-
-# The causal LMs, by the names attnres.upcycle saves in config.json's architectures.
-class AttnResLlamaForCausalLM(UpcycledCausalLM, LlamaForCausalLM):
-    family, body_class = "llama", AttnResLlamaModel
-
-
-class AttnResMistralForCausalLM(UpcycledCausalLM, MistralForCausalLM):
-    family, body_class = "mistral", AttnResMistralModel
-
-
-class AttnResQwen2ForCausalLM(UpcycledCausalLM, Qwen2ForCausalLM):
-    family, body_class = "qwen2", AttnResQwen2Model
-
-
-class AttnResQwen3ForCausalLM(UpcycledCausalLM, Qwen3ForCausalLM):
-    family, body_class = "qwen3", AttnResQwen3Model
-
-
-class AttnResGemmaForCausalLM(UpcycledCausalLM, GemmaForCausalLM):
-    family, body_class = "gemma", AttnResGemmaModel
-
-
-class AttnResGemma2ForCausalLM(UpcycledCausalLM, Gemma2ForCausalLM):
-    family, body_class = "gemma2", AttnResGemma2Model
-
-
-class AttnResGemma3ForCausalLM(UpcycledCausalLM, Gemma3ForCausalLM):
-    family, body_class = "gemma3_text", AttnResGemma3Model
-
-
-class AttnResMixtralForCausalLM(UpcycledCausalLM, MixtralForCausalLM):
-    family, body_class = "mixtral", AttnResMixtralModel
-
-
-class AttnResQwen2MoeForCausalLM(UpcycledCausalLM, Qwen2MoeForCausalLM):
-    family, body_class = "qwen2_moe", AttnResQwen2MoeModel
-
-
-class AttnResQwen3MoeForCausalLM(UpcycledCausalLM, Qwen3MoeForCausalLM):
-    family, body_class = "qwen3_moe", AttnResQwen3MoeModel
-
-
-class AttnResOlmoeForCausalLM(UpcycledCausalLM, OlmoeForCausalLM):
-    family, body_class = "olmoe", AttnResOlmoeModel
-
-
-class AttnResGptOssForCausalLM(UpcycledCausalLM, GptOssForCausalLM):
-    family, body_class = "gpt_oss", AttnResGptOssModel
-
-
-class AttnResDeepseekV2ForCausalLM(UpcycledCausalLM, DeepseekV2ForCausalLM):
-    family, body_class = "deepseek_v2", AttnResDeepseekV2Model
-
-
-class AttnResDeepseekV3ForCausalLM(UpcycledCausalLM, DeepseekV3ForCausalLM):
-    family, body_class = "deepseek_v3", AttnResDeepseekV2Model
-
-
-class AttnResGlm4MoeForCausalLM(UpcycledCausalLM, Glm4MoeForCausalLM):
-    family, body_class = "glm4_moe", AttnResGlm4MoeModel
-
-
-class AttnResGraniteMoeForCausalLM(UpcycledCausalLM, GraniteMoeForCausalLM):
-    family, body_class = "granitemoe", AttnResGraniteMoeModel
-
-
-_SERVED: dict[str, type] = {cls.family: cls for cls in UpcycledCausalLM.__subclasses__()}
-
-
-def _check_classes() -> None:
-    """The classes above are those :data:`SERVED_FAMILIES` names: every family, on vLLM's classes
-    of its row, under the names ``attnres.upcycle`` saves."""
-    if set(_SERVED) != set(SERVED_FAMILIES):
-        raise RuntimeError(f"attnres.serve.upcycled: classes for {sorted(_SERVED)}, table {sorted(SERVED_FAMILIES)}")
-    for model_type, family in SERVED_FAMILIES.items():
-        causal = _SERVED[model_type]
-        bases = {c.__name__ for c in causal.body_class.__mro__}
-        if causal.vllm_class.__name__ != family.causal_lm or family.body not in bases or \
-                causal.__name__ != upcycled_classes(model_type)[1].__name__:
-            raise RuntimeError(f"attnres.serve.upcycled: {causal.__name__} does not match SERVED_FAMILIES[{model_type!r}]")
-
-
-_check_classes()
-
-
-def served_classes(model_type: str) -> tuple[type, type]:
-    """``(body, causal LM)``: the vLLM classes serving the upcycled ``model_type`` family."""
-    causal = _SERVED[model_type]
-    return causal.body_class, causal
+def _vllm_classes(family: ServedFamily) -> tuple[type, type]:
+    """vLLM's body and causal LM of ``family`` (ImportError or AttributeError where this vLLM
+    has no such module or class)."""
+    module = importlib.import_module(f"vllm.model_executor.models.{family.vllm_module}")
+    return getattr(module, family.body), getattr(module, family.causal_lm)
+
+
+@functools.cache
+def _body_class(vllm_module: str, body: str) -> type:
+    """``AttnRes<Body>``: vLLM's body ``body`` with the residual and the AttnRes forward,
+    compiled by vLLM as the family's own is. One per vLLM body: DeepSeek-V2 and V3 share
+    vLLM's (and their layout), and so share ours, whose family is the first table row
+    naming it."""
+    model_type = next(t for t, f in SERVED_FAMILIES.items() if (f.vllm_module, f.body) == (vllm_module, body))
+    base, _ = _vllm_classes(SERVED_FAMILIES[model_type])
+    return _compiled(type(f"AttnRes{body}", (UpcycledBody, base), {"family": model_type, "__module__": __name__}))
+
+
+@functools.cache
+def served_class(model_type: str) -> type:
+    """The vLLM causal LM serving the upcycled ``model_type`` family, named as
+    :mod:`attnres.upcycle` saves it (``AttnResLlamaForCausalLM``): vLLM's causal LM of the
+    family with :class:`UpcycledCausalLM` and our body. Where this vLLM lacks the family's
+    module or classes (vLLM 0.34 serves Gemma and OLMoE through its Transformers backend, with
+    no class of its own), a class that refuses the model when vLLM builds it, with the reason
+    (:func:`attnres.serve.refused.refusing_class`), so that the other families still load."""
+    family, name = SERVED_FAMILIES[model_type], upcycled_classes(model_type)[1].__name__
+    try:
+        _, causal = _vllm_classes(family)
+        body = _body_class(family.vllm_module, family.body)
+    except (ImportError, AttributeError) as missing:
+        import vllm
+
+        return refusing_class(name, (
+            f"attnres.serve: {name} (the upcycled {model_type!r} family) is not served on vLLM {vllm.__version__}: "
+            f"it has no {family.body} and {family.causal_lm} in vllm.model_executor.models.{family.vllm_module} "
+            f"({type(missing).__name__}: {missing}), which the plugin builds the family on. Serve it with vLLM "
+            f"{TESTED_VLLM} (pip install vllm=={TESTED_VLLM}.0; docs/serving.md), or run it with transformers "
+            "(AutoModelForCausalLM.from_pretrained after `import attnres.hf`)"))
+    return type(name, (UpcycledCausalLM, causal), {"family": model_type, "body_class": body, "__module__": __name__})
+
+
+#: ``AttnRes<Family>ForCausalLM`` -> the family's transformers model_type.
+_FAMILY_OF = {upcycled_classes(model_type)[1].__name__: model_type for model_type in SERVED_FAMILIES}
+
+
+def __getattr__(name: str) -> type:
+    """The served classes by the names ``attnres.upcycle`` saves in ``config.json``'s
+    ``architectures``: vLLM's lazy ``"module:Class"`` registration gets them here
+    (:func:`attnres.serve.families.architectures`), each built on first use."""
+    if name not in _FAMILY_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return served_class(_FAMILY_OF[name])
