@@ -18,7 +18,7 @@ AVX2 only (no AVX-512, no AMX), differences mean 0.034, 95th percentile 0.125, 9
 one token at 1.29 (the next 0.52) - a single position's difference depends on the CPU's
 bfloat16 kernels, so the bounds are on the mean and the 95th percentile, the maximum only a
 coarse bound. float16 (2026-12-05, the Intel CPU with AMX): agreement 0.96, first tokens 16 of 16,
-differences mean 0.0044, 95th percentile 0.016, max 0.11 - about eight times closer. A model
+differences mean 0.0044, 95th percentile 0.016, max 0.11 - six to seven times closer. A model
 served wrongly misses them by far (agreement near 0, differences of nats at most tokens).
 docs/serving.md states the same."""
 
