@@ -87,7 +87,7 @@ def _vllm_plugin() -> str:
                 "not installed as a package here); install it: pip install -e \".[serve]\"")
     untested = untested_vllm(versions[0])
     return (f"vLLM loads the attnres plugin ({plugins['attnres']}, entry point 'attnres' of vllm.general_plugins)"
-            + (f"; but {untested[0].lower()}{untested[1:]}" if untested else ""))
+            + (f"; but {untested}" if untested else ""))
 
 
 def _cpu_name() -> str:
