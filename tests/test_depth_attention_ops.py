@@ -1296,6 +1296,54 @@ def test_merge_holding_its_sources_equals_looping_over_them_and_the_truth(rows, 
                                                                f"stages {stages})")
 
 
+class _SharedMemoryBound:
+    """A held merge kernel on a card whose shared memory holds it only ``fits`` deep: deeper,
+    Triton's ``OutOfResources`` before anything runs (an RTX 4090's 99 KiB against a float32
+    stream's backward at d = 8192, 128 KiB two deep); the depths asked, in order."""
+
+    def __init__(self, kernel, fits: int):
+        self.kernel, self.fits, self.asked = kernel, fits, []
+
+    def __getitem__(self, grid):
+        def launch(*args, STAGES, **flags):
+            from triton.runtime.errors import OutOfResources
+
+            self.asked.append(STAGES)
+            if STAGES > self.fits:
+                raise OutOfResources(131188, 101376, "shared memory")
+            return self.kernel[grid](*args, STAGES=STAGES, **flags)
+        return launch
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("fits", [1, 2])
+def test_a_held_merge_too_deep_for_the_cards_shared_memory_runs_as_deep_as_fits(fits, monkeypatch):
+    """Where the device's shared memory cannot hold a held merge's pipeline (a consumer or
+    workstation card, or d = 16384 on any), the merge runs less deep - the same numbers -
+    and remembers it: the next call asks the device once; a forced depth raises."""
+    triton_device()
+    from triton.runtime.errors import OutOfResources
+
+    from attnres.ops.depth_attention import triton_impl, triton_kernels
+
+    fwd = _SharedMemoryBound(triton_kernels.merge_fwd_held, fits)
+    bwd = _SharedMemoryBound(triton_kernels.merge_bwd_held, fits)
+    monkeypatch.setattr(triton_kernels, "merge_fwd_held", fwd)
+    monkeypatch.setattr(triton_kernels, "merge_bwd_held", bwd)
+    monkeypatch.setattr(triton_impl, "_FITTED_STAGES", {})
+    monkeypatch.setitem(triton_impl.FORCED, "programs", 2)  # (5 rows a program: pipelined 3 deep)
+    inputs = merge_flat(*merge_inputs((2, 5), 48, 1, 1, True, dtype=torch.float32))  # (an aligned d: held)
+    want = outputs_and_grads(merge_fn("torch", 1, 1, True), inputs)
+    for call in range(2):
+        got = outputs_and_grads(merge_fn("triton", 1, 1, True), inputs)
+        for a, b in zip(got, want):
+            assert_rel_close(a, b, TOL[torch.float32])
+    assert fwd.asked == bwd.asked == [*range(3, fits - 1, -1), fits]  # (then straight to the depth that fits)
+    monkeypatch.setitem(triton_impl.FORCED, "merge_stages", 3)
+    with pytest.raises(OutOfResources):
+        merge_fn("triton", 1, 1, True)(*inputs)
+
+
 @pytest.mark.triton
 def test_triton_float16_storage(kernel):
     triton_device()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
 from . import torch_impl, triton_kernels
 from .reference import compute_dtype
@@ -75,6 +76,46 @@ def _stages(d: int, loads: Sequence[Tensor | None], rows: int, programs: int) ->
     a row of ``d`` elements of each tensor of ``loads`` (``None``: none)."""
     row_bytes = d * sum(t.element_size() for t in loads if t is not None)
     return FORCED["merge_stages"] or merge_stages(row_bytes, -(-rows // programs))
+
+
+#: The pipeline depths of held merges that the device's shared memory could not hold, by
+#: kernel, device, launch flags and the depth :func:`_stages` chose: each loaded row ahead
+#: takes a row of every input in shared memory - a float32 stream's backward at d = 8192 asks
+#: 128 KiB two deep, within an A100's or H100's limit per program (163 and 227 KiB) but past
+#: the 99 KiB of an RTX 3090 / 4090 / 5090, A10, L4 or L40S; at d = 16384, past every card's.
+_FITTED_STAGES: dict[tuple, int] = {}
+
+
+def _launch_held(kernel, programs: int, args: tuple, stages: int, flags: dict) -> None:
+    """Launch a held merge pipelined ``stages`` deep, or as deep as the device's shared
+    memory allows (Triton checks a kernel's shared memory against the device's before it
+    launches anything, and raises ``OutOfResources``; down to 1, not pipelined, which needs
+    no more than a few KiB). A depth found too deep is remembered, so it fails once a
+    process. A forced depth (``FORCED["merge_stages"]``: a sweep) is run as forced or raises."""
+    if FORCED["merge_stages"]:
+        kernel[(programs,)](*args, STAGES=stages, **flags)
+        return
+    key = None
+    if _FITTED_STAGES:
+        key = (kernel, _signature(args), stages, tuple(sorted(flags.items())))
+        stages = _FITTED_STAGES.get(key, stages)
+    while True:
+        try:
+            kernel[(programs,)](*args, STAGES=stages, **flags)
+            return
+        except OutOfResources:
+            if stages == 1:
+                raise
+            key = key or (kernel, _signature(args), stages, tuple(sorted(flags.items())))
+            stages -= 1
+            _FITTED_STAGES[key] = stages
+
+
+def _signature(args: tuple) -> tuple:
+    """What of a launch's arguments decides its kernel's shared memory besides the flags: the
+    tensors' dtypes and device, and how many travel in each tuple."""
+    return tuple(_signature(a) if isinstance(a, tuple) else (a.dtype, a.device) if isinstance(a, Tensor) else None
+                 for a in args)
 
 
 def supports(tensors: Sequence[Tensor | None]) -> bool:
@@ -269,9 +310,8 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
                      num_warps=warps)
         if held:
             programs = _held_programs(rows, warps, dev)
-            stages = _stages(d, [*sources, *computed, addend], rows, programs)
-            triton_kernels.merge_fwd_held[(programs,)](*args, rows, d, float(eps), float(norm_eps), STAGES=stages,
-                                                       **flags)
+            _launch_held(triton_kernels.merge_fwd_held, programs, (*args, rows, d, float(eps), float(norm_eps)),
+                         _stages(d, [*sources, *computed, addend], rows, programs), flags)
         else:
             triton_kernels.merge_fwd[(rows,)](*args, d, float(eps), float(norm_eps), **flags)
     return out, alpha, rc, zc, rstd, total
@@ -320,8 +360,8 @@ def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, n
         flags = dict(HAS_TOTAL=g_total is not None, HAS_ADDEND_GRAD=g_addend is not None, HAS_NORM=has_norm,
                      D_PAD=d_pad, M_PAD=pad(k + c), num_warps=warps)
         if held:
-            stages = _stages(d, [*xs, *gs, None if g_total is None else x0], rows, programs)
-            triton_kernels.merge_bwd_held[(programs,)](*args, STAGES=stages, **flags)
+            _launch_held(triton_kernels.merge_bwd_held, programs, args,
+                         _stages(d, [*xs, *gs, None if g_total is None else x0], rows, programs), flags)
         else:
             triton_kernels.merge_bwd[(programs,)](*args, **flags)
         # (one sum each: an operator's results may not share memory)
