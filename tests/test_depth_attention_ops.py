@@ -1296,10 +1296,41 @@ def test_merge_holding_its_sources_equals_looping_over_them_and_the_truth(rows, 
                                                                f"stages {stages})")
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("current", [0, 1])
+def test_triton_launches_on_the_device_of_the_tensors_not_the_current_one(current, monkeypatch):
+    """Triton launches on the current CUDA device: every entry point of the Triton
+    implementation makes its tensors' device current first (a model on ``cuda:1``, or
+    spread over devices), and leaves it alone where it is current already. Fake CUDA
+    tensors; the device switch recorded."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attnres.ops.depth_attention import triton_impl
+
+    entered, seen = [], []
+
+    @contextlib.contextmanager
+    def switch(device):
+        entered.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "device", switch)
+    launch = triton_impl.on_the_tensors_device(lambda z, sources, computed: seen.append(list(entered)) or "ran")
+    with FakeTensorMode():
+        x = torch.empty(3, 8, device="cuda:1")
+    assert launch(None, [], [x]) == "ran"  # (the first tensor: inside the first non-empty sequence)
+    assert seen == [[torch.device("cuda", 1)] if current == 0 else []]
+    assert launch(torch.empty(3, 1), [torch.empty(3, 8)], []) == "ran" and len(entered) == (current == 0)  # (CPU)
+    for name in ("phase1_forward", "phase1_backward", "merge_forward", "merge_backward"):
+        assert getattr(triton_impl, name).__wrapped__.__name__ == name  # (each entry point guarded)
+
+
 class _SharedMemoryBound:
     """A held merge kernel on a card whose shared memory holds it only ``fits`` deep: deeper,
-    Triton's ``OutOfResources`` before anything runs (an RTX 4090's 99 KiB against a float32
-    stream's backward at d = 8192, 128 KiB two deep); the depths asked, in order."""
+    Triton's ``OutOfResources`` before anything runs (AMD's 64 KiB of LDS against the float32
+    backward at d = 4096, 64.1 KiB two deep); the depths asked, in order."""
 
     def __init__(self, kernel, fits: int):
         self.kernel, self.fits, self.asked = kernel, fits, []
@@ -1318,8 +1349,8 @@ class _SharedMemoryBound:
 @pytest.mark.triton
 @pytest.mark.parametrize("fits", [1, 2])
 def test_a_held_merge_too_deep_for_the_cards_shared_memory_runs_as_deep_as_fits(fits, monkeypatch):
-    """Where the device's shared memory cannot hold a held merge's pipeline (a consumer or
-    workstation card, or d = 16384 on any), the merge runs less deep - the same numbers -
+    """Where the device's shared memory cannot hold a held merge's pipeline (at d = 4096: the
+    float32 backward on AMD's cards, float64 on an RTX 4090), the merge runs less deep - the same numbers -
     and remembers it: the next call asks the device once; a forced depth raises."""
     triton_device()
     from triton.runtime.errors import OutOfResources

@@ -9,6 +9,8 @@ Prompts are a ragged, left-padded batch; AttnRes models get random pseudo-querie
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import re
 
@@ -301,6 +303,27 @@ def test_captured_graph_is_refreshed_when_the_weights_it_reads_change():
     decoder._captured_with = decoder._weights()
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # a replaced tensor
     assert decoder._stale()
+
+
+def test_a_graph_is_captured_with_the_models_device_current(monkeypatch):
+    """``torch.cuda.graph`` captures a stream of the current device: the capture makes the
+    model's device current (a model on ``cuda:1``). The CUDA calls stubbed: what runs inside
+    the device switch is the warm-up and the recording."""
+    model = make_model(residual="attnres_block").eval()
+    decoder = StaticDecoder(model, 1, capacity=8, mode="eager")
+    events = []
+
+    @contextlib.contextmanager
+    def switch(device):
+        events.append(("enter", torch.device(device)))
+        yield
+        events.append(("exit", torch.device(device)))
+
+    monkeypatch.setattr(torch.cuda, "device", switch)
+    monkeypatch.setattr(decoder, "device", torch.device("cuda", 1))
+    monkeypatch.setattr(decoder, "_record", lambda: events.append("record"))
+    decoder._capture()
+    assert events == [("enter", torch.device("cuda", 1)), "record", ("exit", torch.device("cuda", 1))]
 
 
 def test_static_decoding_refuses_bad_input():

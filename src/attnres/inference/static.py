@@ -202,7 +202,13 @@ class StaticDecoder:
 
     def _capture(self) -> None:
         """Warm up (kernels compiled, workspaces allocated) on a side stream, then record
-        one step into a CUDA graph; the cache is left empty."""
+        one step into a CUDA graph; the cache is left empty. On the model's device made
+        current: ``torch.cuda.graph`` captures a stream of the current device, which the
+        step's operations on another device (a model on ``cuda:1``) would not run on."""
+        with torch.cuda.device(self.device):
+            self._record()
+
+    def _record(self) -> None:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)

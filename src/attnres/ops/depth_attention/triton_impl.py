@@ -79,10 +79,9 @@ def _stages(d: int, loads: Sequence[Tensor | None], rows: int, programs: int) ->
 
 
 #: The pipeline depths of held merges that the device's shared memory could not hold, by
-#: kernel, device, launch flags and the depth :func:`_stages` chose: each loaded row ahead
-#: takes a row of every input in shared memory - a float32 stream's backward at d = 8192 asks
-#: 128 KiB two deep, within an A100's or H100's limit per program (163 and 227 KiB) but past
-#: the 99 KiB of an RTX 3090 / 4090 / 5090, A10, L4 or L40S; at d = 16384, past every card's.
+#: kernel, signature, launch flags and the depth :func:`_stages` chose: each row loaded ahead
+#: takes a row of every input in shared memory - at d = 4096 the float32 backward asks 64.1 KiB
+#: two deep (AMD's MI200 / MI300 give 64), float64 128 KiB (an RTX 4090, A10, L4 or L40S 99).
 _FITTED_STAGES: dict[tuple, int] = {}
 
 
@@ -175,11 +174,40 @@ def _geometry(x0: Tensor) -> tuple[int, int, torch.dtype]:
     return (x0.numel() // d if d else 0), d, compute_dtype(x0.dtype)
 
 
+def _first_tensor(args: tuple) -> Tensor:
+    """The first tensor among ``args`` or inside their first non-empty sequence."""
+    for a in args:
+        if isinstance(a, Tensor):
+            return a
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor):
+            return a[0]
+    raise TypeError("no tensor among the arguments")
+
+
+def on_the_tensors_device(fn):
+    """Run ``fn`` with its tensors' CUDA device current: Triton launches a kernel on the
+    current device, whatever device its tensors are on, so a model on ``cuda:1`` - or spread
+    over devices (``device_map``, pipeline stages in one process) - would launch on
+    ``cuda:0`` with another device's pointers: an error, or wrong numbers. One comparison
+    where the device is already current."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        t = _first_tensor(args)
+        if t.is_cuda and t.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
 # ----------------------------------------------------------------------------------------
 # phase1
 # ----------------------------------------------------------------------------------------
 
 
+@on_the_tensors_device
 def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float, out_dtype=None) -> tuple[list[Tensor], Tensor]:
     x0 = sources[0]
     rows, d, compute = _geometry(x0)
@@ -214,6 +242,7 @@ def phase1_forward(qg: Tensor, sources: Sequence[Tensor], eps: float, out_dtype=
     return list(outs), lse
 
 
+@on_the_tensors_device
 def phase1_backward(qg, lse, sources, g_outs, g_lse, eps: float, needs_qg: bool, needs_sources: Sequence[bool]):
     x0 = sources[0]
     rows, d, compute = _geometry(x0)
@@ -282,6 +311,7 @@ def _phase1_backward_rows(q, lse, g_lse, srcs, gouts, g_src, present: int, eps: 
 # ----------------------------------------------------------------------------------------
 
 
+@on_the_tensors_device
 def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: float, addend=None, out_dtype=None):
     x0 = _stream(sources, computed)
     rows, d, compute = _geometry(x0)
@@ -317,6 +347,7 @@ def merge_forward(z, sources, computed, qg, norm_weight, eps: float, norm_eps: f
     return out, alpha, rc, zc, rstd, total
 
 
+@on_the_tensors_device
 def merge_backward(g, alpha, rc, zc, rstd, sources, computed, qg, norm_weight, needs, g_total=None,
                    addend_dtype=None, g_views=()):
     xs = [*sources, *computed]
