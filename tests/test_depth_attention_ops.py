@@ -1329,8 +1329,8 @@ def test_triton_launches_on_the_device_of_the_tensors_not_the_current_one(curren
 
 class _SharedMemoryBound:
     """A held merge kernel on a card whose shared memory holds it only ``fits`` deep: deeper,
-    Triton's ``OutOfResources`` before anything runs (AMD's 64 KiB of LDS against the float32
-    backward at d = 4096, 64.1 KiB two deep); the depths asked, in order."""
+    Triton's ``OutOfResources`` before anything runs (an RTX 4090's 99 KiB against the float64
+    backward at d = 4096, 128 KiB two deep); the depths asked, in order."""
 
     def __init__(self, kernel, fits: int):
         self.kernel, self.fits, self.asked = kernel, fits, []
@@ -1349,8 +1349,8 @@ class _SharedMemoryBound:
 @pytest.mark.triton
 @pytest.mark.parametrize("fits", [1, 2])
 def test_a_held_merge_too_deep_for_the_cards_shared_memory_runs_as_deep_as_fits(fits, monkeypatch):
-    """Where the device's shared memory cannot hold a held merge's pipeline (at d = 4096: the
-    float32 backward on AMD's cards, float64 on an RTX 4090), the merge runs less deep - the same numbers -
+    """Where the device's shared memory cannot hold a held merge's pipeline (float64 at
+    d = 4096 on an RTX 4090), the merge runs less deep - the same numbers -
     and remembers it: the next call asks the device once; a forced depth raises."""
     triton_device()
     from triton.runtime.errors import OutOfResources

@@ -80,8 +80,8 @@ def _stages(d: int, loads: Sequence[Tensor | None], rows: int, programs: int) ->
 
 #: The pipeline depths of held merges that the device's shared memory could not hold, by
 #: kernel, signature, launch flags and the depth :func:`_stages` chose: each row loaded ahead
-#: takes a row of every input in shared memory - at d = 4096 the float32 backward asks 64.1 KiB
-#: two deep (AMD's MI200 / MI300 give 64), float64 128 KiB (an RTX 4090, A10, L4 or L40S 99).
+#: takes a row of every input in shared memory - at d = 4096 the backward asks 64.1 KiB two
+#: deep in float32 and 128 KiB in float64, past the 99 KiB of an RTX 4090, A10, L4 or L40S.
 _FITTED_STAGES: dict[tuple, int] = {}
 
 
