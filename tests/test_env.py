@@ -124,6 +124,37 @@ def test_asking_for_cuda_where_there_is_none_says_why(monkeypatch, tmp_path):
     assert "is built for CUDA but finds no device" in no_cuda_reason() and "CUDA_VISIBLE_DEVICES" in no_cuda_reason()
 
 
+def test_training_on_one_gpu_of_several_is_device_cuda_n(monkeypatch):
+    """`device=cuda:1` was refused ("did you mean 'cuda'?"), so that a user of a machine with
+    several GPUs trained on cuda:0. One process now trains on the GPU named, made the current
+    device; a GPU the machine lacks, or one GPU for several torchrun ranks, is refused saying
+    what to use. CUDA stubbed: two devices, the current one recorded."""
+    import pytest
+
+    from attnres.distributed.launch import _pick_device
+    from attnres.train import TrainConfig
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert TrainConfig(device="cuda:1").device == "cuda:1"
+    assert _pick_device("cuda:1") == torch.device("cuda", 1) and current == [1]
+    assert _pick_device("cuda") == torch.device("cuda", 0) and current == [1, 0]
+    with pytest.raises(ValueError, match=r"device='cuda:2': this machine has 2 CUDA device\(s\), cuda:0 to cuda:1"):
+        _pick_device("cuda:2")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # (as torchrun sets them)
+    with pytest.raises(ValueError, match=r"device='cuda:1' picks one GPU, but torchrun started several ranks.*"
+                                         r"use device=cuda, and CUDA_VISIBLE_DEVICES"):
+        _pick_device("cuda:1")
+    for bad in ("cuda:x", "cuda:-1", "cuda1", "gpu"):
+        with pytest.raises(ValueError, match=r"TrainConfig.device must be one of 'auto', 'cpu', 'cuda', or 'cuda:N'"):
+            TrainConfig(device=bad)
+
+
 def test_apple_gpu_is_refused_saying_to_use_the_cpu(monkeypatch, tmp_path):
     """On a Mac: `--device mps` listed the allowed names only, `device=mps` the same, and
     `--device cuda` told the user that a GPU needs a CUDA build of torch (there is none for

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,7 +237,14 @@ def unsupported_device_hint(name: Any) -> str:
 
 @dataclass(frozen=True)
 class DeviceChoice(Choice):
-    """A device setting (``auto``, ``cpu``, ``cuda``): ``mps`` gets what to use instead."""
+    """A device setting (``auto``, ``cpu``, ``cuda``, or one GPU: ``cuda:N``): ``mps`` gets
+    what to use instead."""
+
+    def ok(self, value: Any) -> bool:
+        return super().ok(value) or (isinstance(value, str) and re.fullmatch(r"cuda:\d+", value) is not None)
+
+    def describe(self) -> str:
+        return f"{super().describe()}, or 'cuda:N' (one GPU of several)"
 
     def hint(self, value: Any) -> str:
         return unsupported_device_hint(value) or super().hint(value)

@@ -89,15 +89,25 @@ def no_cuda_reason() -> str:
 
 
 def _pick_device(device: str) -> torch.device:
-    """``"auto"`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    """``"auto"`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; ``"cuda:N"``
+    (one process) -> that GPU. The GPU picked becomes the current device."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"TrainConfig.device='cuda' but no CUDA device is available: {no_cuda_reason()}; use "
+        raise ValueError(f"TrainConfig.device={device!r} but no CUDA device is available: {no_cuda_reason()}; use "
                          "device=cpu (or auto: CUDA where there is one)")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda:"):
+        if (launched_world_size() or 1) > 1:
+            raise ValueError(f"TrainConfig.device={device!r} picks one GPU, but torchrun started several ranks, each "
+                             "on its own GPU (cuda:LOCAL_RANK): use device=cuda, and CUDA_VISIBLE_DEVICES to choose "
+                             "the GPUs")
+        index = int(device.split(":")[1])
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"TrainConfig.device={device!r}: this machine has {torch.cuda.device_count()} CUDA "
+                             f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistContext:

@@ -35,7 +35,7 @@ MEANINGS: dict[str, str] = {
     "grad_clip": "clip the global gradient norm to this (0: no clipping)",
     "dtype": "float32, or bfloat16 autocast (mixed precision)",
     "compile": "torch.compile the model",
-    "device": "auto (CUDA when available), cpu or cuda",
+    "device": "auto (CUDA when available), cpu, cuda, or cuda:N (one GPU of several, one process)",
     "cpu_allocator": "CPU runs of the command: retain freed memory for the next step, or leave malloc as is",
     "eval_every": "steps between validation losses",
     "eval_batches": "validation batches per evaluation",
