@@ -322,6 +322,10 @@ def test_unknown_hf_config_keys_are_refused(tmp_path, corpus, capsys):
     ("model.residual.kind=attnres_blok", "got 'attnres_blok' (did you mean 'attnres_block'?); a residual of your own"),
     ("model.residual.kind=xyz", "got 'xyz'; a residual of your own"),   # nothing near: no guess
     ("model.residual.kind=block", "got 'block' (did you mean 'attnres_block'?)"),  # the name compare's variants use
+    # (float16 was answered "did you mean 'bfloat16'?", which an older GPU - V100, T4 - does not have)
+    ("dtype=float16", "got 'float16': float16 training needs loss scaling, which attnres train does not do; use "
+                      "bfloat16 (CPUs, and GPUs from Ampere on: A100, RTX 30xx and later) or float32 (older GPUs"),
+    ("dtype=bf16", "got 'bf16' (did you mean 'bfloat16'?)"),
 ])
 def test_a_misspelt_key_or_choice_names_the_nearest_one(tmp_path, corpus, capsys, override, fragment):
     fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run"), override], fragment)

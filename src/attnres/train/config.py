@@ -310,6 +310,17 @@ class _WindowLength(Int):
         return f"an integer in [{self.minimum}, model.max_seq_len]"
 
 
+@dataclass(frozen=True)
+class _TrainingDtype(Choice):
+    """``dtype``: float32, or bfloat16 autocast; float16 gets why not and what instead."""
+
+    def hint(self, value: Any) -> str:
+        if isinstance(value, str) and value.lower() in ("float16", "fp16", "half"):
+            return (": float16 training needs loss scaling, which attnres train does not do; use bfloat16 (CPUs, and "
+                    "GPUs from Ampere on: A100, RTX 30xx and later) or float32 (older GPUs: V100, T4)")
+        return super().hint(value)
+
+
 _POSITIVE = ("steps", "batch_size", "grad_accum", "muon_ns_steps", "eval_every", "eval_batches",
              "log_every", "diagnostics_every", "checkpoint_every", "keep_checkpoints")
 TRAIN_RULES: dict[str, Rule] = {
@@ -320,7 +331,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "warmup_steps": Int(0),
     "optimizer": Choice(OPTIMIZERS),
     "schedule": Choice(SCHEDULES),
-    "dtype": Choice(DTYPES),
+    "dtype": _TrainingDtype(DTYPES),
     "device": DeviceChoice(DEVICES),
     "cpu_allocator": Choice(CPU_ALLOCATORS),
     "activation_checkpoint": Choice(ACTIVATION_CHECKPOINTS),
