@@ -41,6 +41,8 @@ CASES = [
     ("bench_tokenize.py", ["--mb", "0"], "--mb: must be a number > 0, got '0'"),
     ("bench_tokenize.py", ["--out", "{file}/x"], "--out: {file} is a file"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}"], "--out: {file} is a file; give a directory"),
+    ("triton_other_cards.py", ["--cards", "sm_75,sm_99"], "--cards: 'sm_99'; known cards: sm_70, sm_75,"),
+    ("triton_other_cards.py", ["--json", "{file}/x.json"], "--json: {file} is not a directory"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
 ]
 

@@ -104,6 +104,23 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90_and_at_an_odd_d_too(tmp
                 _check(compiled, r)
 
 
+@pytest.mark.slow
+def test_every_kernel_variant_compiles_for_other_nvidia_and_amd_cards(tmp_path):
+    """Every variant compiles for a T4 (sm_75, no ``cp.async``), an RTX 30xx / A10 (sm_86,
+    99 KiB of shared memory a program) and an MI300 (gfx942, Triton's AMD backend, 64 KiB of
+    LDS), within the card's shared memory (``benchmarks/triton_other_cards.py``; the other
+    cards it knows by hand: docs/kernels.md)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "cards.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_other_cards.py"), "--cards",
+                             "sm_75,sm_86,gfx942", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows, n = json.loads(out.read_text()), len(list(triton_launch.variants()))
+    assert len(rows) == 3 * n and all("shared" in r for r in rows)
+    assert f"| gfx942 | MI300 | {n} of {n} |" in result.stdout
+
+
 def test_the_merges_access_rows_16_bytes_at_a_time():
     """The merges pick their sources' pointers from a tuple at run time; without the
     alignment hint (``_pointer``) every such load or store of a bf16 row was one element
