@@ -454,6 +454,31 @@ def test_an_update_through_data_is_seen_by_the_no_grad_forward_after_eval(kind):
     assert_rel_close(after, expected.detach(), TOL[torch.float64])
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_parametrized_queries_and_gains_run_without_grad_and_follow_their_originals(kind):
+    """``torch.nn.utils.parametrize`` on a pseudo-query or a key-norm gain: every no-grad
+    forward (evaluation, ``model.eval()`` + ``torch.no_grad()``) was a ``KeyError: 'query'``."""
+    from torch.nn.utils import parametrize
+
+    fast, _, sublayers = make_pair(kind, 6, 4)
+    parametrize.register_parametrization(fast.mixers[1], "query", _Doubled())
+    parametrize.register_parametrization(fast.mixers[2].key_norm, "weight", _Doubled())
+    emb = torch.randn(2, 3, 6, dtype=torch.float64)
+    for _ in range(2):  # the second after a change of an original, which nothing must have kept
+        with torch.no_grad():
+            got, _ = run(fast, sublayers, emb)
+        expected, _ = run(fast, sublayers, emb)
+        assert_rel_close(got, expected.detach(), TOL[torch.float64])
+        with torch.no_grad():
+            fast.mixers[1].parametrizations.query.original.add_(1.0)
+    assert not torch.equal(got, run(fast, sublayers, emb)[0].detach())
+
+
 def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
     """``start(..., defer_norm=True)`` hands sublayers an input whose norm the residual's
     kernel applies; a sublayer starting with another layer failed deep in PyTorch ('must be

@@ -292,14 +292,19 @@ class AttnResBase(ResidualStream):
     def _kept_queries(self, dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
         """The kept ``[L + 1, d]`` folded queries and their rows (see :meth:`folded_queries`)."""
         compute = compute_dtype(dtype)
-        key = [compute, self.mixers[0].query.device]
+        key: list[Any] = [compute]
         for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
-            q, g = m._parameters["query"], m._modules["key_norm"]._parameters["weight"]
+            q, g = m._parameters.get("query"), m._modules["key_norm"]._parameters.get("weight")
+            if q is None or g is None:  # (parametrized, torch.nn.utils.parametrize: a value computed at each read
+                # from tensors the key cannot name - nothing kept; it was a KeyError in every no-grad forward)
+                stacked = torch.stack(self._fold(dtype))
+                return stacked, list(stacked.unbind(0))
             key += (q._version, q.data_ptr(), g._version, g.data_ptr())
+        key.append(q.device)
         cached = self.__dict__.get("_folded_cache")
         if cached is None or cached[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
-                stacked = torch.stack([m.folded_query(compute) for m in self.mixers])
+                stacked = torch.stack(self._fold(dtype))
                 cached = (key, stacked, list(stacked.unbind(0)))
             self.__dict__["_folded_cache"] = cached
         return cached[1], cached[2]
