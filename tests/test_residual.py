@@ -205,6 +205,22 @@ def test_calls_out_of_order_raise():
         m.finish(state)
 
 
+@pytest.mark.parametrize("make", [lambda: StandardResidual(4, 2), lambda: BlockAttnRes(4, 2, 1), lambda: FullAttnRes(4, 2)])
+def test_a_state_kept_from_the_last_forward_and_an_output_before_its_input_say_what_to_call(make):
+    """Both said "called out of order: expected sublayer ..." - the second naming the very
+    sublayer it was given."""
+    m = make()
+    state = m.start(torch.randn(1, 4))
+    with pytest.raises(RuntimeError, match=r"^add_output\(0\) called before sublayer_input\(0\): first h = residual"):
+        m.add_output(state, 0, torch.randn(1, 4))
+    for l in range(2):
+        m.add_output(state, l, m.sublayer_input(state, l))
+    m.finish(state)
+    for call in (lambda: m.sublayer_input(state, 0), lambda: m.add_output(state, 0, torch.randn(1, 4))):
+        with pytest.raises(RuntimeError, match=r"forward has ended \(finish\(\) ran\).*state = residual.start\(x\)"):
+            call()
+
+
 @pytest.mark.parametrize("variant", ["standard", "block", "full", "block_naive", "hyper_connections"])
 def test_a_sublayer_past_the_last_is_refused_naming_n_sublayers(variant):
     """A model with more sublayers than the residual was built for: sublayer ``L`` of Block or

@@ -259,6 +259,7 @@ class ResidualStream(nn.Module, ABC):
         ``state.defer_norm`` possibly a :class:`~attnres.nn.norm.FusableNormInput` that the
         sublayer's RMSNorm turns into ``norm(h_l)`` in one fused kernel."""
         if l != state.next_sublayer or state.expecting_output or l >= self.n_sublayers:
+            self._refuse_finished(state, f"sublayer_input({l})")
             if l == state.next_sublayer and not state.expecting_output:  # (one past the last: it read the output
                 # aggregation's query as its own, and one more failed with an IndexError deep inside)
                 raise RuntimeError(f"sublayer_input({l}): this {type(self).__name__} was built for n_sublayers="
@@ -271,11 +272,22 @@ class ResidualStream(nn.Module, ABC):
         state.expecting_output = True
         return self._input(state, l)
 
+    @staticmethod
+    def _refuse_finished(state: ResidualState, call: str) -> None:
+        """A state kept from the last forward: it said "out of order: expected sublayer L"."""
+        if state.finished:
+            raise RuntimeError(f"{call}: this state's forward has ended (finish() ran); a state serves one forward: "
+                               "begin each with state = residual.start(x)")
+
     def add_output(self, state: ResidualState, l: int, output: Tensor) -> None:
         """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``: ``[..., d]``, the
         embedding's shape (``[..., d]`` after ``resume``) on its device; cast to the stream's
         dtype."""
         if l != state.next_sublayer or not state.expecting_output:
+            self._refuse_finished(state, f"add_output({l})")
+            if l == state.next_sublayer:  # ("called out of order: expected sublayer l" named the l it was given)
+                raise RuntimeError(f"add_output({l}) called before sublayer_input({l}): first h = "
+                                   f"residual.sublayer_input(state, {l}), then add_output(state, {l}, sublayer(h))")
             raise RuntimeError(f"add_output({l}) called out of order: expected sublayer {state.next_sublayer}")
         # (a wrong shape would broadcast into a sum, or reach a kernel that trusts its sizes)
         fits = isinstance(output, Tensor) and (tuple(output.shape) == state.shape if state.shape is not None
