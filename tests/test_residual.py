@@ -221,6 +221,27 @@ def test_a_state_kept_from_the_last_forward_and_an_output_before_its_input_say_w
             call()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_an_activation_checkpoint_around_the_residual_calls_says_to_checkpoint_the_sublayer_alone(reentrant):
+    """The backward's recompute of a checkpoint that holds ``sublayer_input`` and ``add_output``
+    repeats them on the finished state: "called out of order: expected sublayer 4"."""
+    from torch.utils.checkpoint import checkpoint
+
+    m, sublayer = BlockAttnRes(4, 4, 2), torch.nn.Linear(4, 4)
+    state = m.start(torch.randn(1, 4))
+
+    def step(l, carry):  # (carry: a tensor that needs grad, so that the reentrant variant records)
+        m.add_output(state, l, sublayer(m.sublayer_input(state, l)))
+        return carry * 1
+
+    carry = torch.zeros((), requires_grad=True)
+    for l in range(4):
+        carry = checkpoint(step, l, carry, use_reentrant=reentrant)
+    loss = m.finish(state).sum() + carry
+    with pytest.raises(RuntimeError, match=r"checkpoint a sublayer alone \(checkpoint\(sublayer, h\)\)"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("variant", ["standard", "block", "full", "block_naive", "hyper_connections"])
 def test_a_sublayer_past_the_last_is_refused_naming_n_sublayers(variant):
     """A model with more sublayers than the residual was built for: sublayer ``L`` of Block or

@@ -274,10 +274,12 @@ class ResidualStream(nn.Module, ABC):
 
     @staticmethod
     def _refuse_finished(state: ResidualState, call: str) -> None:
-        """A state kept from the last forward: it said "out of order: expected sublayer L"."""
+        """A state kept from the last forward, or calls an activation checkpoint's recompute repeats
+        in the backward: both said "out of order: expected sublayer L"."""
         if state.finished:
             raise RuntimeError(f"{call}: this state's forward has ended (finish() ran); a state serves one forward: "
-                               "begin each with state = residual.start(x)")
+                               "begin each with state = residual.start(x), and checkpoint a sublayer alone "
+                               "(checkpoint(sublayer, h)): a recompute repeats the residual calls inside it")
 
     def add_output(self, state: ResidualState, l: int, output: Tensor) -> None:
         """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``: ``[..., d]``, the
