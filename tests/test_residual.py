@@ -516,6 +516,43 @@ def test_parametrized_queries_and_gains_run_without_grad_and_follow_their_origin
     assert not torch.equal(got, run(fast, sublayers, emb)[0].detach())
 
 
+class _OwnModel(torch.nn.Module):
+    """The README's own-model loop around ``residual``, ``Linear`` sublayers."""
+
+    def __init__(self, residual):
+        super().__init__()
+        self.residual = residual
+        self.sublayers = torch.nn.ModuleList(torch.nn.Linear(residual.dim, residual.dim)
+                                             for _ in range(residual.n_sublayers))
+
+    def forward(self, x):
+        state = self.residual.start(x)
+        for l, sublayer in enumerate(self.sublayers):
+            self.residual.add_output(state, l, sublayer(self.residual.sublayer_input(state, l)))
+        return self.residual.finish(state)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("make", [lambda b: BlockAttnRes(8, 4, 2, backend=b), lambda b: FullAttnRes(8, 4, backend=b)])
+def test_a_jit_trace_without_grad_runs_and_reads_the_parameters_it_runs_with(make, backend):
+    """``torch.jit.trace`` under ``torch.no_grad()``: the C kernel failed inside the trace
+    ("tokens must be int64_t, got Tensor"), and the reference's trace kept the folded queries
+    of a forward before it as a constant - the parameters at trace time, silently."""
+    import warnings
+
+    model = _OwnModel(make(backend))
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)  # (torch 2.13 deprecates torch.jit.trace; it still runs)
+        model(x)  # (a forward before the trace, as in evaluation)
+        traced = torch.jit.trace(model, (x,))
+        for p in model.residual.parameters():
+            p.normal_()
+        x = torch.randn(3, 7, 8)
+        assert_rel_close(traced(x), model(x), TOL[torch.float32])
+
+
 def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
     """``start(..., defer_norm=True)`` hands sublayers an input whose norm the residual's
     kernel applies; a sublayer starting with another layer failed deep in PyTorch ('must be

@@ -126,6 +126,13 @@ def _differentiable(alpha: Tensor, z: Tensor, computed: list[Tensor], qg: Tensor
     return alpha + (soft - soft.detach()) if soft.requires_grad else alpha
 
 
+def _keeps_nothing() -> bool:
+    """Whether the folded queries are built in the forward rather than kept: where autograd
+    records, and where a graph is traced (torch.compile; torch.jit.trace, which made a kept
+    tensor a constant of its graph - the queries at trace time, whatever was loaded later)."""
+    return torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 class AttnResBase(ResidualStream):
     """Shared parameters (``mixers[l]`` feeds sublayer ``l``, ``mixers[L]`` is the output
     aggregation: ``L + 1`` :class:`DepthQuery` in all) and machinery of Full and Block AttnRes.
@@ -281,7 +288,7 @@ class AttnResBase(ResidualStream):
         once per token, and rebuilding this costs ~3 small ops per sublayer each time. A change
         through ``.data`` (``p.data -= lr * p.grad``) bumps no version counter: it is seen
         after the module's ``train()`` or ``eval()``, which drop what was kept."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if _keeps_nothing():
             return torch.stack(self._fold(dtype))
         return self._kept_queries(dtype)[0]
 
@@ -310,7 +317,7 @@ class AttnResBase(ResidualStream):
         return cached[1], cached[2]
 
     def new_sources(self, dtype: torch.dtype) -> CompletedSources:
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if _keeps_nothing():
             # (rows of one stacked tensor: every query stays in the graph - a query that no
             # merge reads, such as the first sublayer's over the embedding alone, gets a zero
             # gradient rather than none, as data parallelism expects - and the backward

@@ -407,7 +407,7 @@ def _direct() -> bool:
     kernel, with a few dozen calls a step. Never while torch.compile traces (its graphs
     carry the operators) or within :func:`through_dispatcher`. Same implementations, same
     results."""
-    return not (torch.compiler.is_compiling() or getattr(_dispatched, "on", False))
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or getattr(_dispatched, "on", False))
 
 
 def _direct_backward() -> bool:
