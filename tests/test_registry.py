@@ -151,12 +151,15 @@ def test_flops_come_from_the_variant_and_an_uncounted_one_says_so():
         residual_flops_forward(ModelConfig.preset("tiny", residual="uncounted_test"))
 
 
-@pytest.mark.parametrize("residual", ["standard", "attnres_block", "attnres_full", "scaled_test"])
+@pytest.mark.parametrize("residual, block_size", [("standard", 4), ("attnres_block", 4), ("attnres_block", 3),
+                                                  ("attnres_full", 4), ("scaled_test", 4)])
 @pytest.mark.parametrize("schedule", ["two_phase", "naive"])
-def test_history_and_resume_cut_the_stream_anywhere(residual, schedule):
+def test_history_and_resume_cut_the_stream_anywhere(residual, block_size, schedule):
     """``history`` then ``resume`` at every sublayer gives the uninterrupted forward, and the
-    history has the layout the variant describes."""
-    cfg = ModelConfig.preset("tiny", n_layers=3, residual={"kind": residual, "block_size": 4, "schedule": schedule})
+    history has the layout the variant describes (Block with blocks that end at ``L`` too:
+    the naive schedule resumed there took a ``None`` partial sum as a source)."""
+    cfg = ModelConfig.preset("tiny", n_layers=3, residual={"kind": residual, "block_size": block_size,
+                                                           "schedule": schedule})
     torch.manual_seed(0)
     module = cfg.build_residual().double()
     with torch.no_grad():
