@@ -563,6 +563,13 @@ def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
     for layer in (torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.RMSNorm(8)):
         with pytest.raises(TypeError, match=r"first pass its input to an attnres.nn.RMSNorm.*defer_norm=False"):
             layer(x)
+    # (a sublayer that reads its input as a tensor before the norm, batch, seq, _ = x.shape: "'FusableNormInput'
+    # object has no attribute 'shape'")
+    for read in (lambda: x.shape, lambda: x.view(-1, 8)):
+        with pytest.raises(AttributeError, match=r"^\.(shape|view) was read from a deferred sublayer input .*"
+                                                 r"attnres.nn.RMSNorm.*defer_norm=False"):
+            read()
+    assert not hasattr(x, "__deepcopy__") and not hasattr(x, "shape")
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])
