@@ -679,3 +679,40 @@ def test_a_variant_registered_by_one_test_module_is_not_seen_by_the_next(tmp_pat
     assert pytest.main([*args, str(tmp_path / "test_then_sees.py")]) == pytest.ExitCode.OK
     assert pytest.main([*args, str(tmp_path / "test_first_registers.py"),
                         str(tmp_path / "test_then_sees.py")]) == pytest.ExitCode.OK
+
+
+@dataclass
+class _HiddenState(ResidualState):
+    h: Tensor | None = None
+
+
+class _CommonLeftOut(ResidualStream):
+    """A variant of one's own whose ``_start`` and ``_resume`` build their state without ``**common``."""
+
+    def _start(self, embedding, common):
+        return _HiddenState(dtype=embedding.dtype, h=embedding)
+
+    def _input(self, state, l):
+        return state.h
+
+    def _add(self, state, l, output):
+        state.h = state.h + output
+
+    def _finish(self, state):
+        return state.h
+
+    def history_layout(self, sublayer):
+        return HistoryLayout(0, True)
+
+    def _resume(self, history, at_sublayer, common):
+        return _HiddenState(dtype=history.running.dtype, h=history.running)
+
+
+def test_a_variant_whose_state_leaves_out_the_common_fields_is_told_at_start_and_resume():
+    """It failed at the first ``add_output``: "the stream is on None ... output.to('None')"."""
+    module, x = _CommonLeftOut(4, 2), torch.randn(3, 4)
+    with pytest.raises(TypeError, match=r"_CommonLeftOut._start\(embedding, common\) must return a ResidualState built "
+                                        r"with the fields it is given, e\.g\. MyState\(h=embedding, \*\*common\)"):
+        module.start(x)
+    with pytest.raises(TypeError, match=r"_CommonLeftOut._resume\(history, at_sublayer, common\) must return"):
+        module.resume(DepthHistory([], x), 1)

@@ -115,7 +115,8 @@ class ResidualStream(nn.Module, ABC):
     embedding's dtype, so the residual stream keeps the embedding's precision under autocast.
 
     Subclasses implement ``_start``, ``_input``, ``_add``, ``_finish`` on their own state
-    type, and optionally ``_history``/``_resume`` (for pipelines), and register with
+    type (built with the ``common`` fields ``_start`` and ``_resume`` are given:
+    ``MyState(h=embedding, **common)``), and optionally ``_history``/``_resume`` (for pipelines), and register with
     :func:`attnres.register_residual`.
     """
 
@@ -217,7 +218,17 @@ class ResidualStream(nn.Module, ABC):
         self._check_stream_tensor("start", "the embedding", embedding)
         embedding = self._stored(embedding)
         common = self._common(embedding, record_weights, defer_norm)
-        return self._start(embedding, dict(common, shape=tuple(embedding.shape), record_mixing=record_weights))
+        state = self._start(embedding, dict(common, shape=tuple(embedding.shape), record_mixing=record_weights))
+        return self._checked_state(state, common, "_start(embedding, common)")
+
+    def _checked_state(self, state: Any, common: dict[str, Any], method: str) -> ResidualState:
+        """``state`` as a variant's ``_start``/``_resume`` returned it, which must carry ``common``
+        (a user's variant that left it out failed at the first add_output, "the stream is on None")."""
+        if not isinstance(state, ResidualState) or state.device != common["device"]:
+            got = type(state).__name__ if not isinstance(state, ResidualState) else f"one with device={state.device}"
+            raise TypeError(f"residual {self._label()}: {type(self).__qualname__}.{method} must return a ResidualState "
+                            f"built with the fields it is given, e.g. MyState(h=embedding, **common); got {got}")
+        return state
 
     def _check_stream_tensor(self, call: str, what: str, x: Any) -> None:
         """``x`` (the embedding, an entry of a history) as the stream's: a floating-point tensor
@@ -350,7 +361,9 @@ class ResidualStream(nn.Module, ABC):
             history = DepthHistory([self._stored(t) for t in history.completed],
                                    None if history.running is None else self._stored(history.running))
         ref = history.running if history.running is not None else history.completed[0]
-        state = self._resume(history, at_sublayer, self._common(ref, record_weights, defer_norm))
+        common = self._common(ref, record_weights, defer_norm)
+        state = self._checked_state(self._resume(history, at_sublayer, common), common,
+                                    "_resume(history, at_sublayer, common)")
         state.next_sublayer = at_sublayer
         return state
 
