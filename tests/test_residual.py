@@ -203,6 +203,10 @@ def test_calls_out_of_order_raise():
         m.sublayer_input(state, 0)
     with pytest.raises(RuntimeError, match="finish"):
         m.finish(state)
+    m.add_output(state, 0, torch.randn(1, 4))
+    with pytest.raises(RuntimeError, match=r"^finish\(\) called after 1 of the 2 sublayers this BlockAttnRes was built "
+                                           r"for \(n_sublayers=2\): run them all, or build it with the number of"):
+        m.finish(state)
 
 
 @pytest.mark.parametrize("make", [lambda: StandardResidual(4, 2), lambda: BlockAttnRes(4, 2, 1), lambda: FullAttnRes(4, 2)])

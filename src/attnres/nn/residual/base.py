@@ -324,7 +324,11 @@ class ResidualStream(nn.Module, ABC):
         if state.finished:
             raise RuntimeError("finish() called twice: start a new forward with start()")
         if state.next_sublayer != self.n_sublayers or state.expecting_output:
-            raise RuntimeError(f"finish() called after {state.next_sublayer} of {self.n_sublayers} sublayers")
+            # (a residual built for more sublayers than the model runs - n_layers given for n_sublayers - was told
+            # only the count)
+            raise RuntimeError(f"finish() called after {state.next_sublayer} of the {self.n_sublayers} sublayers this "
+                               f"{type(self).__name__} was built for (n_sublayers={self.n_sublayers}): run them all, or "
+                               "build it with the number of sublayers your model has (2 per transformer block)")
         state.phase = "aggregation"
         out = self._finish(state)
         state.finished = True
