@@ -841,3 +841,27 @@ def test_a_model_built_on_the_meta_device_runs_there_and_materialises_exactly(re
     ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_attention_and_rope_on_their_own_refuse_what_they_cannot_run_and_take_an_empty_sequence():
+    """``attnres.nn.Attention`` in a model of one's own: ``d_model=10, n_heads=4`` ran with
+    heads of 2 (q of width 8), ``n_kv_heads=0`` ran, ``n_kv_heads=3`` of 4 failed inside
+    ``scaled_dot_product_attention``; ``T = 0``, which the residual takes, failed to reshape;
+    ``RotaryEmbedding`` past its ``max_seq_len`` failed later, in a broadcast."""
+    from attnres.nn import Attention, RotaryEmbedding
+
+    for args, match in [((10, 4, 2), "^Attention: n_heads=4 must divide d_model=10"),
+                        ((16, 4, 3), "^Attention: n_kv_heads=3 must divide n_heads=4"),
+                        ((16, 4, 0), "^Attention: n_kv_heads must be an integer >= 1, got 0$"),
+                        ((16, 2.0, 1), "^Attention: n_heads must be an integer >= 1, got 2.0$")]:
+        with pytest.raises(ValueError, match=match):
+            Attention(*args)
+    attention, rope = Attention(16, 4, 2), RotaryEmbedding(4, 8)
+    assert attention(torch.randn(2, 0, 16), *rope(0)).shape == (2, 0, 16)
+    # (positions past the tables: "The size of tensor a (9) must match the size of tensor b (8)" in apply_rotary)
+    assert attention(torch.randn(2, 3, 16), *rope(3, offset=5)).shape == (2, 3, 16)
+    for seq_len, offset in [(9, 0), (3, 6)]:
+        with pytest.raises(ValueError, match=rf"^RotaryEmbedding: positions {offset}\.\.{offset + seq_len - 1} are past "
+                                             r"its max_seq_len=8 .*build it with a larger max_seq_len$"):
+            rope(seq_len, offset=offset)
+

@@ -151,12 +151,15 @@ def test_flops_come_from_the_variant_and_an_uncounted_one_says_so():
         residual_flops_forward(ModelConfig.preset("tiny", residual="uncounted_test"))
 
 
-@pytest.mark.parametrize("residual", ["standard", "attnres_block", "attnres_full", "scaled_test"])
+@pytest.mark.parametrize("residual, block_size", [("standard", 4), ("attnres_block", 4), ("attnres_block", 3),
+                                                  ("attnres_full", 4), ("scaled_test", 4)])
 @pytest.mark.parametrize("schedule", ["two_phase", "naive"])
-def test_history_and_resume_cut_the_stream_anywhere(residual, schedule):
+def test_history_and_resume_cut_the_stream_anywhere(residual, block_size, schedule):
     """``history`` then ``resume`` at every sublayer gives the uninterrupted forward, and the
-    history has the layout the variant describes."""
-    cfg = ModelConfig.preset("tiny", n_layers=3, residual={"kind": residual, "block_size": 4, "schedule": schedule})
+    history has the layout the variant describes (Block with blocks that end at ``L`` too:
+    the naive schedule resumed there took a ``None`` partial sum as a source)."""
+    cfg = ModelConfig.preset("tiny", n_layers=3, residual={"kind": residual, "block_size": block_size,
+                                                           "schedule": schedule})
     torch.manual_seed(0)
     module = cfg.build_residual().double()
     with torch.no_grad():
@@ -676,3 +679,40 @@ def test_a_variant_registered_by_one_test_module_is_not_seen_by_the_next(tmp_pat
     assert pytest.main([*args, str(tmp_path / "test_then_sees.py")]) == pytest.ExitCode.OK
     assert pytest.main([*args, str(tmp_path / "test_first_registers.py"),
                         str(tmp_path / "test_then_sees.py")]) == pytest.ExitCode.OK
+
+
+@dataclass
+class _HiddenState(ResidualState):
+    h: Tensor | None = None
+
+
+class _CommonLeftOut(ResidualStream):
+    """A variant of one's own whose ``_start`` and ``_resume`` build their state without ``**common``."""
+
+    def _start(self, embedding, common):
+        return _HiddenState(dtype=embedding.dtype, h=embedding)
+
+    def _input(self, state, l):
+        return state.h
+
+    def _add(self, state, l, output):
+        state.h = state.h + output
+
+    def _finish(self, state):
+        return state.h
+
+    def history_layout(self, sublayer):
+        return HistoryLayout(0, True)
+
+    def _resume(self, history, at_sublayer, common):
+        return _HiddenState(dtype=history.running.dtype, h=history.running)
+
+
+def test_a_variant_whose_state_leaves_out_the_common_fields_is_told_at_start_and_resume():
+    """It failed at the first ``add_output``: "the stream is on None ... output.to('None')"."""
+    module, x = _CommonLeftOut(4, 2), torch.randn(3, 4)
+    with pytest.raises(TypeError, match=r"_CommonLeftOut._start\(embedding, common\) must return a ResidualState built "
+                                        r"with the fields it is given, e\.g\. MyState\(h=embedding, \*\*common\)"):
+        module.start(x)
+    with pytest.raises(TypeError, match=r"_CommonLeftOut._resume\(history, at_sublayer, common\) must return"):
+        module.resume(DepthHistory([], x), 1)

@@ -203,6 +203,47 @@ def test_calls_out_of_order_raise():
         m.sublayer_input(state, 0)
     with pytest.raises(RuntimeError, match="finish"):
         m.finish(state)
+    m.add_output(state, 0, torch.randn(1, 4))
+    with pytest.raises(RuntimeError, match=r"^finish\(\) called after 1 of the 2 sublayers this BlockAttnRes was built "
+                                           r"for \(n_sublayers=2\): run them all, or build it with the number of"):
+        m.finish(state)
+
+
+@pytest.mark.parametrize("make", [lambda: StandardResidual(4, 2), lambda: BlockAttnRes(4, 2, 1), lambda: FullAttnRes(4, 2)])
+def test_a_state_kept_from_the_last_forward_and_an_output_before_its_input_say_what_to_call(make):
+    """Both said "called out of order: expected sublayer ..." - the second naming the very
+    sublayer it was given."""
+    m = make()
+    state = m.start(torch.randn(1, 4))
+    with pytest.raises(RuntimeError, match=r"^add_output\(0\) called before sublayer_input\(0\): first h = residual"):
+        m.add_output(state, 0, torch.randn(1, 4))
+    for l in range(2):
+        m.add_output(state, l, m.sublayer_input(state, l))
+    m.finish(state)
+    for call in (lambda: m.sublayer_input(state, 0), lambda: m.add_output(state, 0, torch.randn(1, 4))):
+        with pytest.raises(RuntimeError, match=r"forward has ended \(finish\(\) ran\).*state = residual.start\(x\)"):
+            call()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_an_activation_checkpoint_around_the_residual_calls_says_to_checkpoint_the_sublayer_alone(reentrant):
+    """The backward's recompute of a checkpoint that holds ``sublayer_input`` and ``add_output``
+    repeats them on the finished state: "called out of order: expected sublayer 4"."""
+    from torch.utils.checkpoint import checkpoint
+
+    m, sublayer = BlockAttnRes(4, 4, 2), torch.nn.Linear(4, 4)
+    state = m.start(torch.randn(1, 4))
+
+    def step(l, carry):  # (carry: a tensor that needs grad, so that the reentrant variant records)
+        m.add_output(state, l, sublayer(m.sublayer_input(state, l)))
+        return carry * 1
+
+    carry = torch.zeros((), requires_grad=True)
+    for l in range(4):
+        carry = checkpoint(step, l, carry, use_reentrant=reentrant)
+    loss = m.finish(state).sum() + carry
+    with pytest.raises(RuntimeError, match=r"checkpoint a sublayer alone \(checkpoint\(sublayer, h\)\)"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("variant", ["standard", "block", "full", "block_naive", "hyper_connections"])
@@ -454,6 +495,68 @@ def test_an_update_through_data_is_seen_by_the_no_grad_forward_after_eval(kind):
     assert_rel_close(after, expected.detach(), TOL[torch.float64])
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_parametrized_queries_and_gains_run_without_grad_and_follow_their_originals(kind):
+    """``torch.nn.utils.parametrize`` on a pseudo-query or a key-norm gain: every no-grad
+    forward (evaluation, ``model.eval()`` + ``torch.no_grad()``) was a ``KeyError: 'query'``."""
+    from torch.nn.utils import parametrize
+
+    fast, _, sublayers = make_pair(kind, 6, 4)
+    parametrize.register_parametrization(fast.mixers[1], "query", _Doubled())
+    parametrize.register_parametrization(fast.mixers[2].key_norm, "weight", _Doubled())
+    emb = torch.randn(2, 3, 6, dtype=torch.float64)
+    for _ in range(2):  # the second after a change of an original, which nothing must have kept
+        with torch.no_grad():
+            got, _ = run(fast, sublayers, emb)
+        expected, _ = run(fast, sublayers, emb)
+        assert_rel_close(got, expected.detach(), TOL[torch.float64])
+        with torch.no_grad():
+            fast.mixers[1].parametrizations.query.original.add_(1.0)
+    assert not torch.equal(got, run(fast, sublayers, emb)[0].detach())
+
+
+class _OwnModel(torch.nn.Module):
+    """The README's own-model loop around ``residual``, ``Linear`` sublayers."""
+
+    def __init__(self, residual):
+        super().__init__()
+        self.residual = residual
+        self.sublayers = torch.nn.ModuleList(torch.nn.Linear(residual.dim, residual.dim)
+                                             for _ in range(residual.n_sublayers))
+
+    def forward(self, x):
+        state = self.residual.start(x)
+        for l, sublayer in enumerate(self.sublayers):
+            self.residual.add_output(state, l, sublayer(self.residual.sublayer_input(state, l)))
+        return self.residual.finish(state)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("make", [lambda b: BlockAttnRes(8, 4, 2, backend=b), lambda b: FullAttnRes(8, 4, backend=b)])
+def test_a_jit_trace_without_grad_runs_and_reads_the_parameters_it_runs_with(make, backend):
+    """``torch.jit.trace`` under ``torch.no_grad()``: the C kernel failed inside the trace
+    ("tokens must be int64_t, got Tensor"), and the reference's trace kept the folded queries
+    of a forward before it as a constant - the parameters at trace time, silently."""
+    import warnings
+
+    model = _OwnModel(make(backend))
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)  # (torch 2.13 deprecates torch.jit.trace; it still runs)
+        model(x)  # (a forward before the trace, as in evaluation)
+        traced = torch.jit.trace(model, (x,))
+        for p in model.residual.parameters():
+            p.normal_()
+        x = torch.randn(3, 7, 8)
+        assert_rel_close(traced(x), model(x), TOL[torch.float32])
+
+
 def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
     """``start(..., defer_norm=True)`` hands sublayers an input whose norm the residual's
     kernel applies; a sublayer starting with another layer failed deep in PyTorch ('must be
@@ -464,6 +567,13 @@ def test_a_deferred_input_handed_to_another_norm_says_what_to_do():
     for layer in (torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.RMSNorm(8)):
         with pytest.raises(TypeError, match=r"first pass its input to an attnres.nn.RMSNorm.*defer_norm=False"):
             layer(x)
+    # (a sublayer that reads its input as a tensor before the norm, batch, seq, _ = x.shape: "'FusableNormInput'
+    # object has no attribute 'shape'")
+    for read in (lambda: x.shape, lambda: x.view(-1, 8)):
+        with pytest.raises(AttributeError, match=r"^\.(shape|view) was read from a deferred sublayer input .*"
+                                                 r"attnres.nn.RMSNorm.*defer_norm=False"):
+            read()
+    assert not hasattr(x, "__deepcopy__") and not hasattr(x, "shape")
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])

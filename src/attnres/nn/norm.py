@@ -29,15 +29,25 @@ class FusableNormInput:
 
     __slots__ = ("_compute", "_value", "_with_grad")
 
+    #: What a sublayer that does not start with our RMSNorm is told, after what it did.
+    MISUSE = ("a deferred sublayer input (attnres.nn.norm.FusableNormInput): with ResidualStream.start(..., "
+              "defer_norm=True) every sublayer must first pass its input to an attnres.nn.RMSNorm, which fuses into "
+              "the residual's kernel; for sublayers that start otherwise (LayerNorm, torch.nn.RMSNorm, a Linear) call "
+              "start(..., defer_norm=False)")
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # Any PyTorch function handed one (a sublayer that does not start with our RMSNorm)
         # would fail with "must be Tensor, not FusableNormInput", naming neither cause nor cure.
         name = getattr(func, "__name__", str(func))
-        raise TypeError(f"{name}() was given a deferred sublayer input (attnres.nn.norm.FusableNormInput): with "
-                        "ResidualStream.start(..., defer_norm=True) every sublayer must first pass its input to an "
-                        "attnres.nn.RMSNorm, which fuses into the residual's kernel; for sublayers that start "
-                        "otherwise (LayerNorm, torch.nn.RMSNorm, a Linear) call start(..., defer_norm=False)")
+        raise TypeError(f"{name}() was given {cls.MISUSE}")
+
+    def __getattr__(self, name: str):
+        # (a sublayer reading its input as a tensor first - x.shape, x.view(...) - was told only
+        # "'FusableNormInput' object has no attribute 'shape'"; dunders stay plain for copy and hasattr)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f".{name} was read from {self.MISUSE}")
 
     def __init__(self, compute: Callable[[Tensor | None, float | None], Tensor]) -> None:
         self._compute = compute

@@ -64,6 +64,9 @@ class RotaryEmbedding(nn.Module):
         self.reset_tables()
 
     def forward(self, seq_len: int, offset: int = 0) -> tuple[Tensor, Tensor]:
+        if offset + seq_len > self.max_seq_len:  # (the slice came out short: a broadcast error in apply_rotary)
+            raise ValueError(f"RotaryEmbedding: positions {offset}..{offset + seq_len - 1} are past its "
+                             f"max_seq_len={self.max_seq_len} (the tables' rows): build it with a larger max_seq_len")
         return self.cos[offset : offset + seq_len], self.sin[offset : offset + seq_len]
 
     def at(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..validation import Int
 from .norm import FusableNormInput, RMSNorm
 from .rope import apply_rotary
 
@@ -72,6 +73,17 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int) -> None:
         super().__init__()
+        # (used on its own, in a model of the user's: d_model=10, n_heads=4 ran with heads of 2 and q of width 8;
+        # n_kv_heads=0 ran; n_kv_heads=3 of 4 failed inside scaled_dot_product_attention)
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+            if not Int(1).ok(value):
+                raise ValueError(f"Attention: {name} must be an integer >= 1, got {value!r}")
+        if d_model % n_heads:
+            raise ValueError(f"Attention: n_heads={n_heads} must divide d_model={d_model} (the head dimension is "
+                             "d_model / n_heads)")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"Attention: n_kv_heads={n_kv_heads} must divide n_heads={n_heads} (each key/value head "
+                             "serves n_heads / n_kv_heads query heads)")
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = d_model // n_heads
@@ -109,7 +121,7 @@ class Attention(nn.Module):
             attn_mask = causal_mask(t, s, xq.device)
         attend = F.scaled_dot_product_attention if self.implementation == "sdpa" else eager_attention
         out = attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (-1: no T = 0)
 
 
 class SwiGLU(nn.Module):

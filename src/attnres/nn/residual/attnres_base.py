@@ -126,6 +126,13 @@ def _differentiable(alpha: Tensor, z: Tensor, computed: list[Tensor], qg: Tensor
     return alpha + (soft - soft.detach()) if soft.requires_grad else alpha
 
 
+def _keeps_nothing() -> bool:
+    """Whether the folded queries are built in the forward rather than kept: where autograd
+    records, and where a graph is traced (torch.compile; torch.jit.trace, which made a kept
+    tensor a constant of its graph - the queries at trace time, whatever was loaded later)."""
+    return torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 class AttnResBase(ResidualStream):
     """Shared parameters (``mixers[l]`` feeds sublayer ``l``, ``mixers[L]`` is the output
     aggregation: ``L + 1`` :class:`DepthQuery` in all) and machinery of Full and Block AttnRes.
@@ -281,7 +288,7 @@ class AttnResBase(ResidualStream):
         once per token, and rebuilding this costs ~3 small ops per sublayer each time. A change
         through ``.data`` (``p.data -= lr * p.grad``) bumps no version counter: it is seen
         after the module's ``train()`` or ``eval()``, which drop what was kept."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if _keeps_nothing():
             return torch.stack(self._fold(dtype))
         return self._kept_queries(dtype)[0]
 
@@ -292,20 +299,25 @@ class AttnResBase(ResidualStream):
     def _kept_queries(self, dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
         """The kept ``[L + 1, d]`` folded queries and their rows (see :meth:`folded_queries`)."""
         compute = compute_dtype(dtype)
-        key = [compute, self.mixers[0].query.device]
+        key: list[Any] = [compute]
         for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
-            q, g = m._parameters["query"], m._modules["key_norm"]._parameters["weight"]
+            q, g = m._parameters.get("query"), m._modules["key_norm"]._parameters.get("weight")
+            if q is None or g is None:  # (parametrized, torch.nn.utils.parametrize: a value computed at each read
+                # from tensors the key cannot name - nothing kept; it was a KeyError in every no-grad forward)
+                stacked = torch.stack(self._fold(dtype))
+                return stacked, list(stacked.unbind(0))
             key += (q._version, q.data_ptr(), g._version, g.data_ptr())
+        key.append(q.device)
         cached = self.__dict__.get("_folded_cache")
         if cached is None or cached[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
-                stacked = torch.stack([m.folded_query(compute) for m in self.mixers])
+                stacked = torch.stack(self._fold(dtype))
                 cached = (key, stacked, list(stacked.unbind(0)))
             self.__dict__["_folded_cache"] = cached
         return cached[1], cached[2]
 
     def new_sources(self, dtype: torch.dtype) -> CompletedSources:
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if _keeps_nothing():
             # (rows of one stacked tensor: every query stays in the graph - a query that no
             # merge reads, such as the first sublayer's over the embedding alone, gets a zero
             # gradient rather than none, as data parallelism expects - and the backward

@@ -115,7 +115,8 @@ class ResidualStream(nn.Module, ABC):
     embedding's dtype, so the residual stream keeps the embedding's precision under autocast.
 
     Subclasses implement ``_start``, ``_input``, ``_add``, ``_finish`` on their own state
-    type, and optionally ``_history``/``_resume`` (for pipelines), and register with
+    type (built with the ``common`` fields ``_start`` and ``_resume`` are given:
+    ``MyState(h=embedding, **common)``), and optionally ``_history``/``_resume`` (for pipelines), and register with
     :func:`attnres.register_residual`.
     """
 
@@ -217,7 +218,17 @@ class ResidualStream(nn.Module, ABC):
         self._check_stream_tensor("start", "the embedding", embedding)
         embedding = self._stored(embedding)
         common = self._common(embedding, record_weights, defer_norm)
-        return self._start(embedding, dict(common, shape=tuple(embedding.shape), record_mixing=record_weights))
+        state = self._start(embedding, dict(common, shape=tuple(embedding.shape), record_mixing=record_weights))
+        return self._checked_state(state, common, "_start(embedding, common)")
+
+    def _checked_state(self, state: Any, common: dict[str, Any], method: str) -> ResidualState:
+        """``state`` as a variant's ``_start``/``_resume`` returned it, which must carry ``common``
+        (a user's variant that left it out failed at the first add_output, "the stream is on None")."""
+        if not isinstance(state, ResidualState) or state.device != common["device"]:
+            got = type(state).__name__ if not isinstance(state, ResidualState) else f"one with device={state.device}"
+            raise TypeError(f"residual {self._label()}: {type(self).__qualname__}.{method} must return a ResidualState "
+                            f"built with the fields it is given, e.g. MyState(h=embedding, **common); got {got}")
+        return state
 
     def _check_stream_tensor(self, call: str, what: str, x: Any) -> None:
         """``x`` (the embedding, an entry of a history) as the stream's: a floating-point tensor
@@ -259,6 +270,7 @@ class ResidualStream(nn.Module, ABC):
         ``state.defer_norm`` possibly a :class:`~attnres.nn.norm.FusableNormInput` that the
         sublayer's RMSNorm turns into ``norm(h_l)`` in one fused kernel."""
         if l != state.next_sublayer or state.expecting_output or l >= self.n_sublayers:
+            self._refuse_finished(state, f"sublayer_input({l})")
             if l == state.next_sublayer and not state.expecting_output:  # (one past the last: it read the output
                 # aggregation's query as its own, and one more failed with an IndexError deep inside)
                 raise RuntimeError(f"sublayer_input({l}): this {type(self).__name__} was built for n_sublayers="
@@ -271,11 +283,24 @@ class ResidualStream(nn.Module, ABC):
         state.expecting_output = True
         return self._input(state, l)
 
+    @staticmethod
+    def _refuse_finished(state: ResidualState, call: str) -> None:
+        """A state kept from the last forward, or calls an activation checkpoint's recompute repeats
+        in the backward: both said "out of order: expected sublayer L"."""
+        if state.finished:
+            raise RuntimeError(f"{call}: this state's forward has ended (finish() ran); a state serves one forward: "
+                               "begin each with state = residual.start(x), and checkpoint a sublayer alone "
+                               "(checkpoint(sublayer, h)): a recompute repeats the residual calls inside it")
+
     def add_output(self, state: ResidualState, l: int, output: Tensor) -> None:
         """Record the raw output ``v_{l+1} = f_l(h_l)`` of sublayer ``l``: ``[..., d]``, the
         embedding's shape (``[..., d]`` after ``resume``) on its device; cast to the stream's
         dtype."""
         if l != state.next_sublayer or not state.expecting_output:
+            self._refuse_finished(state, f"add_output({l})")
+            if l == state.next_sublayer:  # ("called out of order: expected sublayer l" named the l it was given)
+                raise RuntimeError(f"add_output({l}) called before sublayer_input({l}): first h = "
+                                   f"residual.sublayer_input(state, {l}), then add_output(state, {l}, sublayer(h))")
             raise RuntimeError(f"add_output({l}) called out of order: expected sublayer {state.next_sublayer}")
         # (a wrong shape would broadcast into a sum, or reach a kernel that trusts its sizes)
         fits = isinstance(output, Tensor) and (tuple(output.shape) == state.shape if state.shape is not None
@@ -299,7 +324,11 @@ class ResidualStream(nn.Module, ABC):
         if state.finished:
             raise RuntimeError("finish() called twice: start a new forward with start()")
         if state.next_sublayer != self.n_sublayers or state.expecting_output:
-            raise RuntimeError(f"finish() called after {state.next_sublayer} of {self.n_sublayers} sublayers")
+            # (a residual built for more sublayers than the model runs - n_layers given for n_sublayers - was told
+            # only the count)
+            raise RuntimeError(f"finish() called after {state.next_sublayer} of the {self.n_sublayers} sublayers this "
+                               f"{type(self).__name__} was built for (n_sublayers={self.n_sublayers}): run them all, or "
+                               "build it with the number of sublayers your model has (2 per transformer block)")
         state.phase = "aggregation"
         out = self._finish(state)
         state.finished = True
@@ -336,7 +365,9 @@ class ResidualStream(nn.Module, ABC):
             history = DepthHistory([self._stored(t) for t in history.completed],
                                    None if history.running is None else self._stored(history.running))
         ref = history.running if history.running is not None else history.completed[0]
-        state = self._resume(history, at_sublayer, self._common(ref, record_weights, defer_norm))
+        common = self._common(ref, record_weights, defer_norm)
+        state = self._checked_state(self._resume(history, at_sublayer, common), common,
+                                    "_resume(history, at_sublayer, common)")
         state.next_sublayer = at_sublayer
         return state
 

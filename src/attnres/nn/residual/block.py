@@ -68,14 +68,14 @@ class _Naive(Schedule):
         if l % m.block_size == 0 and state.partial is not None:
             state.blocks.append(state.partial)
             state.partial = None
-        sources = state.blocks + ([state.partial] if state.partial is not None else [])
-        return m.attend_naive(state, l, sources)
+        return m.attend_naive(state, l, state.blocks + _partial(state))
 
     def add(self, m, state, l, output):
         _add_to_partial(state, output)
 
     def finish(self, m, state: BlockNaiveState) -> Tensor:
-        return m.attend_naive(state, m.n_sublayers, state.blocks + [state.partial])
+        # (no partial sum where a state resumed at L holds the last block as completed: it was a None source)
+        return m.attend_naive(state, m.n_sublayers, state.blocks + _partial(state))
 
     def history(self, m: BlockAttnRes, state: BlockNaiveState) -> DepthHistory:
         return m.canonical_history(list(state.blocks), state.partial, state.next_sublayer)
@@ -152,7 +152,7 @@ class _TwoPhase(Schedule):
         return state
 
 
-def _partial(state: BlockTwoPhaseState) -> list[Tensor]:
+def _partial(state: BlockNaiveState | BlockTwoPhaseState) -> list[Tensor]:
     return [] if state.partial is None else [state.partial]
 
 

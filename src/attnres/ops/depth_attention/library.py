@@ -404,10 +404,10 @@ def _direct() -> bool:
     """Whether the wrappers run the operators' Python implementations (``_run_*``) without
     the dispatcher: in eager mode, where a custom operator's dispatch (its autograd layer,
     dynamo guard and wrapper) costs tens of microseconds a call - more than a small shape's
-    kernel, with a few dozen calls a step. Never while torch.compile traces (its graphs
-    carry the operators) or within :func:`through_dispatcher`. Same implementations, same
+    kernel, with a few dozen calls a step. Never while torch.compile or torch.jit.trace
+    traces (its graphs carry the operators) or within :func:`through_dispatcher`. Same implementations, same
     results."""
-    return not (torch.compiler.is_compiling() or getattr(_dispatched, "on", False))
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or getattr(_dispatched, "on", False))
 
 
 def _direct_backward() -> bool:
