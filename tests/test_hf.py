@@ -334,6 +334,20 @@ def test_per_layer_outputs_are_refused_not_dropped(name):
     assert hf.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 10)
 
 
+def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
+    """``logits_to_keep`` is, as in transformers' models, a count of last positions or a 1-D
+    tensor of the positions to keep (was: a tensor stopped the forward with "Boolean value of
+    Tensor with more than one value is ambiguous")."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        full = hf(ids).logits
+        last, picked = hf(ids, logits_to_keep=1).logits, hf(ids, logits_to_keep=torch.tensor([2, 5, 7])).logits
+    torch.testing.assert_close(last, full[:, -1:])
+    torch.testing.assert_close(picked, full[:, [2, 5, 7]])
+    assert hf(ids, logits_to_keep=0).logits.shape == full.shape
+
+
 def test_resized_embeddings_take_the_new_ids_at_once(tmp_path):
     """``resize_token_embeddings`` (adding tokens for fine-tuning) then a new id: accepted,
     and the same function as the native model of the resized config, also after a reload

@@ -357,13 +357,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         labels: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | Tensor = 0,
         cache: Cache | None = None,
         num_items_in_batch: int | Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
-        positions when > 0) and, with ``labels``, the mean next-token cross-entropy
+        positions when > 0, the positions a 1-D tensor of indices names, as in transformers'
+        models) and, with ``labels``, the mean next-token cross-entropy
         (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it.
 
         ``num_items_in_batch``: the predicted tokens of every batch a gradient-accumulation
@@ -372,8 +373,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         that, does not divide by the accumulation steps)."""
         _refuse_unreturned_outputs(self.config, kwargs)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
+        h = h[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]  # 0: all
         logits = self.lm_head(self.norm(h))
         loss = None
         if labels is not None and num_items_in_batch is None:
