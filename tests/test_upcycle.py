@@ -349,6 +349,20 @@ def test_unsupported_layouts_are_refused_with_the_reason():
         upcycle(base_model("llama"), "attnres_full", block_size=3)  # was: ignored, as the CLI refuses
 
 
+def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():
+    """``upcycle`` of a path or Hub id (which the command takes) or of a PEFT model said only
+    'upcycle takes a transformers causal LM, got str' (or 'got PeftModel'); it now says how
+    to get the causal LM."""
+    with pytest.raises(ValueError, match=r"got str; load it first - upcycle\(AutoModelForCausalLM.from_pretrained\("
+                                         r"'org/name'\), ...\) - or run `attnres upcycle --model org/name --out DIR`"):
+        upcycle("org/name")
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(base_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="got PeftModel; a PEFT model: upcycle model.merge_and_unload()"):
+        upcycle(adapted)
+    assert type(upcycle(adapted.merge_and_unload())).__name__ == "AttnResLlamaForCausalLM"
+
+
 # -- attnres upcycle and attnres train on a family model ----------------------------------
 
 def _pretrained_directory(tmp_path, corpus):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -37,7 +38,7 @@ def upcycle(
     original.
     """
     if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"upcycle takes a transformers causal LM, got {type(model).__name__}")
+        raise ValueError(f"upcycle takes a transformers causal LM, got {type(model).__name__}{_hint(model)}")
     model_type = model.config.model_type
     layout_of(model_type)  # refuses post-norm and unknown layouts with the reason
     config_cls, model_cls = upcycled_classes(model_type)
@@ -57,6 +58,17 @@ def upcycle(
     param = next(model.parameters())
     new.residual.to(device=param.device, dtype=param.dtype)
     return new
+
+
+def _hint(given: Any) -> str:
+    """How to get a causal LM from what ``upcycle`` was given instead: a path or Hub id (the
+    command takes those), or a PEFT model (whose adapters are not weights of the model)."""
+    if isinstance(given, (str, os.PathLike)):
+        return (f"; load it first - upcycle(AutoModelForCausalLM.from_pretrained({str(given)!r}), ...) - or run "
+                f"`attnres upcycle --model {given} --out DIR`")
+    if hasattr(given, "merge_and_unload"):
+        return "; a PEFT model: upcycle model.merge_and_unload(), its adapters merged into the weights"
+    return ""
 
 
 #: The private settings of a loaded config that ``to_dict`` leaves out but the modules read:
