@@ -280,6 +280,29 @@ def test_generate_names_a_truncated_weights_file_of_a_transformers_directory(tmp
                                              "truncated or corrupted"):
             cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
 
+@pytest.mark.parametrize("on_disk", ["residual", ""])
+def test_a_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path, on_disk):
+    """``device_map`` with the residual or the whole model (what ``"auto"`` does with a
+    ``max_memory`` the model exceeds) offloaded to disk: accelerate's hooks load a module's
+    weights for its forward, and the decoder loads the residual's, whose forward never runs
+    (was: "the embedding is on cpu but this residual's parameters are on meta"). The same
+    logits and greedy tokens as the model in memory."""
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    device_map = {"": "disk"} if on_disk == "" else {name: "disk" if name == on_disk else "cpu"
+                                                     for name, _ in hf.named_children()}
+    offloaded = AttnResForCausalLM.from_pretrained(tmp_path / "hf", device_map=device_map,
+                                                   offload_folder=tmp_path / "offload").eval()
+    assert offloaded.residual.mixers[0].query.device.type == "meta"
+    ids = torch.randint(0, hf.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(offloaded(ids).logits, hf(ids).logits)
+    for cache in ("dynamic", "static"):
+        kw = dict(max_new_tokens=4, do_sample=False, cache_implementation=cache)
+        assert torch.equal(offloaded.generate(ids, **kw), hf.generate(ids, **kw))
+    assert offloaded.residual.mixers[0].query.device.type == "meta"  # offloaded again
+
+
 def test_eager_attention_matches_sdpa():
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native).eval()

@@ -101,10 +101,14 @@ def test_save_and_load_round_trip_is_bit_identical(tmp_path, model_type):
         assert torch.equal(loaded(x).logits, up(x).logits)
 
 
-def test_an_upcycled_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path):
-    """``device_map`` with a decoder layer offloaded to disk (accelerate's hooks load its
-    weights for each forward, the residual on another entry of the map): the same logits and
-    greedy tokens as the model in memory."""
+@pytest.mark.parametrize("on_disk", ["model.layers.1", "residual", ""])
+def test_an_upcycled_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path, on_disk):
+    """``device_map`` with a decoder layer, the residual or the whole model (what ``"auto"``
+    does with a ``max_memory`` the model exceeds) offloaded to disk: accelerate's hooks load
+    a module's weights for its forward, and the decoder loads the residual's, whose forward
+    never runs (was: "the embedding is on cpu but this residual's parameters are on meta").
+    The same logits and greedy tokens as the model in memory; the residual is offloaded again
+    after each forward."""
     up = upcycle(base_model("llama"), "attnres_block", block_size=2).eval()
     with torch.no_grad():
         for m in up.residual.mixers:
@@ -112,15 +116,18 @@ def test_an_upcycled_model_offloaded_by_accelerate_computes_the_same_logits(tmp_
     up.save_pretrained(tmp_path / "up")
     device_map = ({name: "cpu" for name, _ in up.named_children() if name != "model"}
                   | {f"model.{name}": "cpu" for name, _ in up.model.named_children() if name != "layers"}
-                  | {f"model.layers.{i}": "disk" if i == 1 else "cpu" for i in range(len(up.model.layers))})
+                  | {f"model.layers.{i}": "cpu" for i in range(len(up.model.layers))})
+    device_map = {"": "disk"} if on_disk == "" else device_map | {on_disk: "disk"}
     offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "up", device_map=device_map,
                                                      offload_folder=tmp_path / "offload").eval()
-    assert offloaded.hf_device_map["model.layers.1"] == "disk"
+    assert offloaded.hf_device_map[on_disk] == "disk"
     x = ids()
     with torch.no_grad():
         assert torch.equal(offloaded(x).logits, up(x).logits)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(offloaded.generate(x[:1], **kw), up.generate(x[:1], **kw))
+    if on_disk != "model.layers.1":
+        assert offloaded.residual.mixers[0].query.device.type == "meta"
 
 
 def test_automodel_of_an_upcycled_directory_names_the_causal_lm_and_its_hidden_states(tmp_path):

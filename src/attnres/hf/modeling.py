@@ -31,7 +31,7 @@ from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
 from ..validation import did_you_mean
-from .families import init_missing_tensors
+from .families import init_missing_tensors, offload, onload
 from .configuration import AttnResConfig
 
 
@@ -203,8 +203,10 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
                 attention_mask = None
         self._set_attention()
         checkpointing = self.gradient_checkpointing and self.training
+        onloaded = onload(self.residual)  # (device_map offloading: the residual runs no forward of its own)
         h, _ = self.decode(input_ids, attention_mask, store, inputs_embeds=inputs_embeds,
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
+        offload(onloaded)
         return h, past_key_values if use_cache else None
 
     def _hidden_static(self, input_ids: Tensor | None, attention_mask: Tensor | None, cache: Cache,
@@ -224,7 +226,9 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
             raise ValueError(f"attention_mask must be [batch, past + seq_len] or [batch, 1, seq_len, {capacity}], "
                              f"got {attention_mask.dim()}-D")
         self._set_attention()
+        onloaded = onload(self.residual)
         h, _ = self.decode(input_ids, None, HFStaticCacheAdapter(cache, attention_mask), inputs_embeds=inputs_embeds)
+        offload(onloaded)
         return h
 
 
