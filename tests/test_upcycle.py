@@ -130,6 +130,36 @@ def test_an_upcycled_model_offloaded_by_accelerate_computes_the_same_logits(tmp_
         assert offloaded.residual.mixers[0].query.device.type == "meta"
 
 
+@pytest.mark.filterwarnings("ignore:Attempting to save a model with offloaded modules")  # (transformers': memory)
+@pytest.mark.parametrize("on_disk", ["", "model.layers.1"])
+def test_a_model_offloaded_by_accelerate_upcycles_to_the_same_model(tmp_path, on_disk):
+    """``upcycle`` of a model loaded with ``device_map`` offloading it (or a layer) to disk.
+    accelerate's hooks run the forward they wrapped, the family layer's: the upcycled layers
+    ran the plain residual, the AttnRes residual bypassed (at conversion only the rescaled
+    epsilons showed, 1e-3; with trained queries the logits were another model's). And the
+    residual went where the parameters were, the meta device - zero queries only in name -
+    so ``save_pretrained`` stopped with "'NoneType' object is not subscriptable". Now the
+    layers run AttnRes, the residual sits where the embedding computes, and the model, saved
+    and reloaded, is the in-memory upcycle."""
+    base = base_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    device_map = {"": "disk"} if on_disk == "" else (
+        {"lm_head": "cpu"} | {f"model.{name}": "cpu" for name, _ in base.model.named_children() if name != "layers"}
+        | {f"model.layers.{i}": "disk" if f"model.layers.{i}" == on_disk else "cpu" for i in range(len(base.model.layers))})
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", device_map=device_map,
+                                                     offload_folder=tmp_path / "offload").eval()
+    up, want = upcycle(offloaded, "attnres_block", block_size=2), upcycle(base, "attnres_block", block_size=2)
+    assert all(m.query.device.type == "cpu" and not m.query.any() for m in up.residual.mixers)
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(up(x).logits, base(x).logits) <= 1e-5
+        for mine, theirs in zip(up.residual.mixers, want.residual.mixers):  # as after training
+            mine.query.copy_(theirs.query.normal_(std=0.5))
+        assert max_rel(up(x).logits, want(x).logits) <= 1e-5
+        up.save_pretrained(tmp_path / "up")
+        assert max_rel(AutoModelForCausalLM.from_pretrained(tmp_path / "up")(x).logits, want(x).logits) <= 1e-5
+
+
 def test_automodel_of_an_upcycled_directory_names_the_causal_lm_and_its_hidden_states(tmp_path):
     """``AutoModel`` of an upcycled directory says to load it with ``AutoModelForCausalLM`` (it
     listed every configuration class transformers knows); what it points to holds:

@@ -294,6 +294,8 @@ class UpcycledModelMixin:
             if "_attnres" in layer.__dict__:  # already swapped (attached twice)
                 base = base.__bases__[0]
             layer.__class__ = _layer_class(base)
+            if "_old_forward" in layer.__dict__:  # accelerate's hook (device_map) runs the forward it wrapped: the family's
+                layer._old_forward = types.MethodType(_layer_forward, layer)
             layer.__dict__["_attnres"] = (stream, i, layout)
             # The family layer's own checkpointing flag (enabled before the upcycle), which the
             # swapped class's property would hide: it checkpoints the sublayers instead.

@@ -6,6 +6,7 @@ import copy
 import os
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from ...nn.residual import ResidualConfig
@@ -55,9 +56,19 @@ def upcycle(
     new.__class__ = model_cls
     _replace_config(new, upcycled_config(model.config, residual_config, exact_eps))
     new._attach_residual()
-    param = next(model.parameters())
-    new.residual.to(device=param.device, dtype=param.dtype)
+    new.residual.to(device=_residual_device(model), dtype=next(model.parameters()).dtype)
     return new
+
+
+def _residual_device(model: PreTrainedModel) -> torch.device:
+    """Where the residual goes: with the model's parameters, or - a model accelerate offloads
+    (``device_map`` with ``"cpu"`` or ``"disk"`` entries), its parameters on the meta device
+    until a forward loads them - where its input embedding computes. (On the meta device the
+    residual held no values: zero queries only in name, and ``save_pretrained`` failed.)"""
+    param = next(model.parameters())
+    hook = getattr(model.get_input_embeddings(), "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    return torch.device(device) if param.device.type == "meta" and device is not None else param.device
 
 
 def _hint(given: Any) -> str:
