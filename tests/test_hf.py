@@ -681,6 +681,12 @@ def test_exported_tokenizer_pads_a_batch_of_prompts_for_generate(tmp_path):
     for prompt, row in zip(prompts, out):
         alone = tok(prompt, return_tensors="pt")
         assert torch.equal(row, hf.generate(**alone, max_new_tokens=6, do_sample=False)[0, alone["input_ids"].shape[1]:])
+    # transformers' pipeline, batched with the same in-memory padding id (docs/hf.md)
+    from transformers import pipeline
+
+    texts = pipeline("text-generation", model=hf, tokenizer=tok)(prompts, batch_size=2, max_new_tokens=6, do_sample=False,
+                                                                 return_full_text=False)
+    assert [t[0]["generated_text"] for t in texts] == [tok.decode(row) for row in out]
 
 
 def test_ratio_stderr_matches_a_bootstrap():
