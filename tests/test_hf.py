@@ -114,6 +114,29 @@ def test_generate_with_cache_equals_native_greedy():
     assert torch.equal(out[:, 9:], ref)
 
 
+def test_generation_modes_that_edit_the_cache_give_their_reference_tokens():
+    """Beam search reorders the cache, assisted generation and prompt lookup crop it back to
+    the accepted tokens, and a cache handed from one ``generate`` to the next continues it:
+    each gives the tokens of its reference - beam search without a cache, greedy decoding in
+    one call."""
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([ids, ids[:, :6]], 1)  # a repeat for prompt lookup to find
+    kw = dict(max_new_tokens=8, do_sample=False)
+    greedy = hf.generate(ids, **kw)
+    assert torch.equal(hf.generate(ids, num_beams=3, **kw), hf.generate(ids, num_beams=3, use_cache=False, **kw))
+    assert torch.equal(hf.generate(ids, prompt_lookup_num_tokens=3, **kw), greedy)
+    assert torch.equal(hf.generate(ids, assistant_model=AttnResForCausalLM.from_native(native_model(seed=1)).eval(), **kw),
+                       greedy)
+    from transformers import DynamicCache
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    name = "cache" if hasattr(CausalLMOutputWithPast, "cache") else "past_key_values"  # (transformers 5.24 renamed it)
+    cache = DynamicCache(config=hf.config)
+    first = hf.generate(ids, max_new_tokens=3, do_sample=False, **{name: cache})
+    assert torch.equal(hf.generate(first, max_new_tokens=5, do_sample=False, **{name: cache}), greedy)
+
+
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
 def test_inputs_embeds_are_taken_as_the_embedding_of_input_ids(cache_implementation):
     """``inputs_embeds`` (a soft prompt; PEFT's prompt tuning, multimodal models) was refused
