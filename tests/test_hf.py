@@ -170,8 +170,9 @@ def test_generate_past_the_context_is_refused_before_any_compute():
     size for later calls, so every later static ``generate`` was refused too. Both are now
     refused at the call, naming the most ``max_new_tokens`` that fits (or, for a prompt longer
     than the context, the longest prompt that fits with the ``max_new_tokens`` asked: it named
-    ``max_seq_len``, too long by ``max_new_tokens - 1``); what fits (the prompt at the limit
-    with one new token, on either cache) generates the native tokens."""
+    ``max_seq_len``, too long by ``max_new_tokens - 1``), a prompt of ``inputs_embeds`` too;
+    what fits (the prompt at the limit with one new token, on either cache) generates the
+    native tokens."""
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native).eval()
     limit = native.config.max_seq_len
@@ -184,6 +185,9 @@ def test_generate_past_the_context_is_refused_before_any_compute():
             hf.generate(ids, max_new_tokens=200, cache_implementation=cache, **greedy)
         with pytest.raises(ValueError, match=rf"max_length=300 needs .*: use max_length={limit + 1} or less"):
             hf.generate(input_ids=ids, max_length=300, cache_implementation=cache, **greedy)
+        with pytest.raises(ValueError, match=rf"the prompt \(20 tokens\) with max_new_tokens=200 .*: use max_new_tokens="
+                                             rf"{limit - 19} or less"):  # (was: refused after the work, or at the prefill)
+            hf.generate(inputs_embeds=hf.embed_tokens(ids).detach(), max_new_tokens=200, cache_implementation=cache, **greedy)
         long = torch.randint(0, native.config.vocab_size, (1, limit + 10))  # the prompt alone is too long
         for given, fix in ((dict(max_new_tokens=5), f"a prompt of at most {limit - 4} tokens"),  # (was: {limit})
                            (dict(max_new_tokens=limit + 5), f"a prompt and max_new_tokens that add up to at most {limit + 1}"),

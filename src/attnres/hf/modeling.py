@@ -313,7 +313,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); elsewhere the default
         dynamic cache. Pass ``cache_implementation="dynamic"`` to keep the dynamic one."""
         config = kwargs.get("generation_config") or self.generation_config
-        self._check_generation_length(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")), kwargs, config)
+        prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        self._check_generation_length(kwargs.get("inputs_embeds") if prompt is None else prompt, kwargs, config)
         named = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cache_implementation"))
         if (self.device.type == "cuda" and not named and config.cache_implementation is None
                 and kwargs.get("use_cache", config.use_cache) is not False):
@@ -331,14 +332,16 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             inputs["past_key_values"] = inputs.pop("cache")
         return inputs
 
-    def _check_generation_length(self, input_ids, kwargs: dict, config) -> None:
+    def _check_generation_length(self, prompt, kwargs: dict, config) -> None:
         """Refuse, before any compute, a generation that does not fit the context: the prompt
-        and every new token but the last are fed to the model (a dynamic cache refused the
-        token past ``max_seq_len`` at the end of the work; a static cache of that size was
-        refused at the prefill, and transformers kept its size for every later call)."""
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        (``input_ids [B, T]``, or ``inputs_embeds [B, T, d]``) and every new token but the
+        last are fed to the model (a dynamic cache refused the token past ``max_seq_len`` at
+        the end of the work; a static cache of that size was refused at the prefill, and
+        transformers kept its size for every later call)."""
+        embeds = isinstance(prompt, Tensor) and prompt.is_floating_point()
+        if not isinstance(prompt, Tensor) or prompt.dim() != (3 if embeds else 2):
             return  # (the forward names what is wrong with the prompt)
-        t, limit = input_ids.shape[1], self.native_config.max_seq_len
+        t, limit = prompt.shape[1], self.native_config.max_seq_len
         new = kwargs.get("max_new_tokens", config.max_new_tokens)
         max_length = t + new if new is not None else kwargs.get("max_length", config.max_length)
         if max_length is None or max_length - 1 <= limit:
