@@ -233,6 +233,27 @@ def test_gradient_reaches_every_query_and_one_step_moves_them():
     assert torch.isfinite(up(x).logits).all()
 
 
+def test_peft_modules_to_save_trains_the_residual_the_layers_use():
+    """LoRA with ``modules_to_save=["residual"]`` (train the pseudo-queries beside the
+    adapters): PEFT puts a wrapper with a trainable copy in the residual's place, which the
+    layers bypassed - they held the original module, so the copy got no gradient and training
+    left the residual as it was. The layers now use the copy: its queries get the upcycled
+    model's gradients (the adapters start as the identity), the original none."""
+    peft = pytest.importorskip("peft")
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2).train()
+    x = ids()
+    up(x, labels=x).loss.backward()
+    want = [m.query.grad.clone() for m in up.residual.mixers]
+    up.zero_grad()
+    adapted = peft.get_peft_model(up, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                      modules_to_save=["residual"])).train()
+    adapted(x, labels=x).loss.backward()
+    wrapper = adapted.base_model.model.residual
+    for copy, original, grad in zip(wrapper.modules_to_save["default"].mixers, wrapper.original_module.mixers, want):
+        torch.testing.assert_close(copy.query.grad, grad)
+        assert original.query.grad is None
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     up = upcycle(base_model("gemma2"), "attnres_block", block_size=4).train()
     x = ids()

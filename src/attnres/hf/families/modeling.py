@@ -84,15 +84,24 @@ def offload(hooked: list[nn.Module]) -> None:
 
 class _Stream:
     """The per-model link between the decoder layers and the residual: the module, and the
-    state of the forward in flight (started by layer 0, finished by the last layer)."""
+    state of the forward in flight (started by layer 0, finished by the last layer).
 
-    def __init__(self, residual: ResidualStream, n_layers: int) -> None:
-        self.residual, self.n_layers = residual, n_layers
+    ``modules``: the model's own submodules (its ``_modules``, not the model: no reference
+    cycle keeps a deleted model's memory). ``residual`` is read from them at each use, so a
+    module put in its place is the one the layers use - PEFT's ``modules_to_save=["residual"]``
+    wrapper, whose trainable copy the layers bypassed while they held the original."""
+
+    def __init__(self, modules: dict[str, nn.Module], n_layers: int) -> None:
+        self.modules, self.n_layers = modules, n_layers
         self.state = None
         self.record_weights = False
         self.weights: list[torch.Tensor] | None = None  # the last recording forward's depth weights
         self.recorded = None  # ... and its finished residual state (for the depth mixing matrix)
         self.onloaded: list[nn.Module] = []  # the residual's modules accelerate offloads, loaded for the pass
+
+    @property
+    def residual(self) -> ResidualStream:
+        return self.modules["residual"]
 
 
 def _set_eps(norm: nn.Module, eps: float) -> None:
@@ -287,7 +296,7 @@ class UpcycledModelMixin:
         layers = self.model.layers
         L = 2 * config.num_hidden_layers
         self.residual = build_residual(config.residual_config(), config.hidden_size, L)
-        stream = _Stream(self.residual, config.num_hidden_layers)
+        stream = _Stream(self._modules, config.num_hidden_layers)
         self.__dict__["_attnres_stream"] = stream
         for i, layer in enumerate(layers):
             base = type(layer)
