@@ -307,6 +307,19 @@ def test_generate_names_a_truncated_weights_file_of_a_transformers_directory(tmp
                                              "truncated or corrupted"):
             cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
 
+
+def test_generate_names_a_directory_without_a_tokenizer(tmp_path):
+    """A directory written by ``model.save_pretrained`` alone (an upcycle in Python, as the
+    README shows it) holds no tokenizer: the command said transformers "Couldn't instantiate
+    the backend tokenizer ... install sentencepiece or tiktoken"; it now says the directory
+    holds none and how to save the model's own there."""
+    AttnResForCausalLM.from_native(native_model()).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=rf"'{tmp_path}' holds no tokenizer \(no tokenizer.json or "
+                                         rf"tokenizer_config.json\): save the model's own there: "
+                                         rf"AutoTokenizer.from_pretrained\(ORIGINAL\).save_pretrained\('{tmp_path}'\)"):
+        cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
+
+
 @pytest.mark.parametrize("on_disk", ["residual", ""])
 def test_a_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path, on_disk):
     """``device_map`` with the residual or the whole model (what ``"auto"`` does with a
