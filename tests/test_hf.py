@@ -75,6 +75,12 @@ def test_config_rejects_bad_fields_and_mirrors_model_config():
         AttnResConfig(d_modle=64)
     with pytest.raises(ValueError, match="hidden_size=64 .* contradicts d_model=128"):
         AttnResConfig(hidden_size=64, d_model=128)
+    # a Llama config's names (was: kept aside, the model built with ModelConfig's defaults instead)
+    with pytest.raises(ValueError, match="unknown field 'num_hidden_layer' - did you mean 'num_hidden_layers'"):
+        AttnResConfig(num_hidden_layer=2)
+    for hf_name, field in (("intermediate_size", "mlp_hidden"), ("rms_norm_eps", "norm_eps")):
+        with pytest.raises(ValueError, match=rf"{hf_name} is the transformers name of {field}, .*: set {field}=7"):
+            AttnResConfig(**{hf_name: 7})
     assert AttnResConfig(hidden_size=64).d_model == 64  # HF names alone, and HF's own keys, still go
     assert AttnResConfig(sep_token_id=3, architectures=["AttnResForCausalLM"], num_labels=2).d_model == 512
 
