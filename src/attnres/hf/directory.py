@@ -96,8 +96,8 @@ def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Mod
     except SafetensorError as e:  # a weights file cut short (a copy or export that did not finish) or damaged
         raise unreadable_weights(repr(str(path)), e, "export or copy the directory again") from None
     if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"{str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): save the model's own "
-                         f"there: AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained({str(path)!r}) (attnres "
+        raise ValueError(f"{str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): save the "
+                         f"model's own there: AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained({str(path)!r}) (attnres "
                          "upcycle and attnres export write it)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

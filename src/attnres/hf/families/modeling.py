@@ -44,7 +44,8 @@ try:  # transformers' record of the outputs of a forward (output_hidden_states, 
 except ImportError:  # releases without it pass output_hidden_states down the layers instead
     _output_collector = None
 
-__all__ = ["init_missing_tensors", "onload", "offload", "adjust_eps", "UpcycledConfigMixin", "UpcycledModelMixin", "SAVED_FIELDS", "PREFIX"]
+__all__ = ["init_missing_tensors", "onload", "offload", "adjust_eps", "UpcycledConfigMixin", "UpcycledModelMixin",
+           "SAVED_FIELDS", "PREFIX"]
 
 _EPS_NAMES = ("variance_epsilon", "eps")
 
@@ -303,8 +304,8 @@ class UpcycledModelMixin:
             if "_attnres" in layer.__dict__:  # already swapped (attached twice)
                 base = base.__bases__[0]
             layer.__class__ = _layer_class(base)
-            if "_old_forward" in layer.__dict__:  # accelerate's hook (device_map) runs the forward it wrapped: the family's
-                layer._old_forward = types.MethodType(_layer_forward, layer)
+            if "_old_forward" in layer.__dict__:  # accelerate's hook (device_map) runs the forward it wrapped,
+                layer._old_forward = types.MethodType(_layer_forward, layer)  # the family's: swap that one too
             layer.__dict__["_attnres"] = (stream, i, layout)
             # The family layer's own checkpointing flag (enabled before the upcycle), which the
             # swapped class's property would hide: it checkpoints the sublayers instead.
