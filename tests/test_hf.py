@@ -21,8 +21,11 @@ from attnres.data.tokenizer import ByteTokenizer, train_bpe  # noqa: E402
 from attnres.hf import AttnResConfig, AttnResForCausalLM, AttnResModel, make_hf_tokenizer  # noqa: E402
 from attnres.inference import generate  # noqa: E402
 from conftest import activation_checkpointing  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+#: generate's name for a cache of the caller's (transformers 5.24 renamed ``past_key_values``).
+CACHE_ARG = "cache" if hasattr(CausalLMOutputWithPast, "cache") else "past_key_values"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,12 +138,10 @@ def test_generation_modes_that_edit_the_cache_give_their_reference_tokens():
     assert torch.equal(hf.generate(ids, assistant_model=AttnResForCausalLM.from_native(native_model(seed=1)).eval(), **kw),
                        greedy)
     from transformers import DynamicCache
-    from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    name = "cache" if hasattr(CausalLMOutputWithPast, "cache") else "past_key_values"  # (transformers 5.24 renamed it)
     cache = DynamicCache(config=hf.config)
-    first = hf.generate(ids, max_new_tokens=3, do_sample=False, **{name: cache})
-    assert torch.equal(hf.generate(first, max_new_tokens=5, do_sample=False, **{name: cache}), greedy)
+    first = hf.generate(ids, max_new_tokens=3, do_sample=False, **{CACHE_ARG: cache})
+    assert torch.equal(hf.generate(first, max_new_tokens=5, do_sample=False, **{CACHE_ARG: cache}), greedy)
 
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
@@ -201,6 +202,12 @@ def test_generate_past_the_context_is_refused_before_any_compute():
             with pytest.raises(ValueError, match=rf"the prompt \({limit + 10} tokens\) .*: use {fix}"):
                 hf.generate(long, cache_implementation=cache, **given, **greedy)
         out = hf.generate(ids, max_new_tokens=limit - 19, cache_implementation=cache, **greedy)[:, 20:]
+        if cache == "static":  # a cache of the caller's, too large (was: "lower max_new_tokens", which it ignores)
+            from transformers import StaticCache
+
+            with pytest.raises(ValueError, match=rf"holds {2 * limit} from 0: make it with max_cache_len={limit} or less"):
+                hf.generate(ids, max_new_tokens=2, **{CACHE_ARG: StaticCache(config=hf.config, max_cache_len=2 * limit)},
+                            **greedy)
         assert torch.equal(out, generate(native, ids, max_new_tokens=limit - 19))
         out = hf.generate(full, max_new_tokens=1, cache_implementation=cache, **greedy)[:, limit:]
         assert torch.equal(out, generate(native, full, max_new_tokens=1))

@@ -220,8 +220,10 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         t = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
         capacity, offset = cache.get_mask_sizes(t, 0)
         if offset != 0 or capacity > self.native_config.max_seq_len:
-            raise ValueError(f"a static cache must hold at most max_seq_len={self.native_config.max_seq_len} positions "
-                             f"from position 0; this one holds {capacity} from {offset} (lower max_new_tokens)")
+            limit = self.native_config.max_seq_len
+            raise ValueError(f"a static cache must hold at most max_seq_len={limit} positions from position 0; this one "
+                             f"holds {capacity} from {offset}: make it with max_cache_len={limit} or less (generate's "
+                             "own holds the prompt and max_new_tokens)")
         if attention_mask is not None and attention_mask.dim() not in (2, 4):
             raise ValueError(f"attention_mask must be [batch, past + seq_len] or [batch, 1, seq_len, {capacity}], "
                              f"got {attention_mask.dim()}-D")
