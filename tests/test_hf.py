@@ -21,8 +21,11 @@ from attnres.data.tokenizer import ByteTokenizer, train_bpe  # noqa: E402
 from attnres.hf import AttnResConfig, AttnResForCausalLM, AttnResModel, make_hf_tokenizer  # noqa: E402
 from attnres.inference import generate  # noqa: E402
 from conftest import activation_checkpointing  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+#: generate's name for a cache of the caller's (transformers 5.24 renamed ``past_key_values``).
+CACHE_ARG = "cache" if hasattr(CausalLMOutputWithPast, "cache") else "past_key_values"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,6 +78,12 @@ def test_config_rejects_bad_fields_and_mirrors_model_config():
         AttnResConfig(d_modle=64)
     with pytest.raises(ValueError, match="hidden_size=64 .* contradicts d_model=128"):
         AttnResConfig(hidden_size=64, d_model=128)
+    # a Llama config's names (was: kept aside, the model built with ModelConfig's defaults instead)
+    with pytest.raises(ValueError, match="unknown field 'num_hidden_layer' - did you mean 'num_hidden_layers'"):
+        AttnResConfig(num_hidden_layer=2)
+    for hf_name, field in (("intermediate_size", "mlp_hidden"), ("rms_norm_eps", "norm_eps")):
+        with pytest.raises(ValueError, match=rf"{hf_name} is the transformers name of {field}, .*: set {field}=7"):
+            AttnResConfig(**{hf_name: 7})
     assert AttnResConfig(hidden_size=64).d_model == 64  # HF names alone, and HF's own keys, still go
     assert AttnResConfig(sep_token_id=3, architectures=["AttnResForCausalLM"], num_labels=2).d_model == 512
 
@@ -114,6 +123,27 @@ def test_generate_with_cache_equals_native_greedy():
     assert torch.equal(out[:, 9:], ref)
 
 
+def test_generation_modes_that_edit_the_cache_give_their_reference_tokens():
+    """Beam search reorders the cache, assisted generation and prompt lookup crop it back to
+    the accepted tokens, and a cache handed from one ``generate`` to the next continues it:
+    each gives the tokens of its reference - beam search without a cache, greedy decoding in
+    one call."""
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([ids, ids[:, :6]], 1)  # a repeat for prompt lookup to find
+    kw = dict(max_new_tokens=8, do_sample=False)
+    greedy = hf.generate(ids, **kw)
+    assert torch.equal(hf.generate(ids, num_beams=3, **kw), hf.generate(ids, num_beams=3, use_cache=False, **kw))
+    assert torch.equal(hf.generate(ids, prompt_lookup_num_tokens=3, **kw), greedy)
+    assert torch.equal(hf.generate(ids, assistant_model=AttnResForCausalLM.from_native(native_model(seed=1)).eval(), **kw),
+                       greedy)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    first = hf.generate(ids, max_new_tokens=3, do_sample=False, **{CACHE_ARG: cache})
+    assert torch.equal(hf.generate(first, max_new_tokens=5, do_sample=False, **{CACHE_ARG: cache}), greedy)
+
+
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
 def test_inputs_embeds_are_taken_as_the_embedding_of_input_ids(cache_implementation):
     """``inputs_embeds`` (a soft prompt; PEFT's prompt tuning, multimodal models) was refused
@@ -145,8 +175,11 @@ def test_generate_past_the_context_is_refused_before_any_compute():
     token past the context at the end of the work ("cached length 128 + 1 new tokens
     exceeds"); over a static cache of that size at the prefill - and transformers kept the
     size for later calls, so every later static ``generate`` was refused too. Both are now
-    refused at the call, naming the most ``max_new_tokens`` that fits; what fits (the prompt
-    at the limit with one new token, on either cache) generates the native tokens."""
+    refused at the call, naming the most ``max_new_tokens`` that fits (or, for a prompt longer
+    than the context, the longest prompt that fits with the ``max_new_tokens`` asked: it named
+    ``max_seq_len``, too long by ``max_new_tokens - 1``), a prompt of ``inputs_embeds`` too;
+    what fits (the prompt at the limit with one new token, on either cache) generates the
+    native tokens."""
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native).eval()
     limit = native.config.max_seq_len
@@ -159,7 +192,22 @@ def test_generate_past_the_context_is_refused_before_any_compute():
             hf.generate(ids, max_new_tokens=200, cache_implementation=cache, **greedy)
         with pytest.raises(ValueError, match=rf"max_length=300 needs .*: use max_length={limit + 1} or less"):
             hf.generate(input_ids=ids, max_length=300, cache_implementation=cache, **greedy)
+        with pytest.raises(ValueError, match=rf"the prompt \(20 tokens\) with max_new_tokens=200 .*: use max_new_tokens="
+                                             rf"{limit - 19} or less"):  # (was: refused after the work, or at the prefill)
+            hf.generate(inputs_embeds=hf.embed_tokens(ids).detach(), max_new_tokens=200, cache_implementation=cache, **greedy)
+        long = torch.randint(0, native.config.vocab_size, (1, limit + 10))  # the prompt alone is too long
+        for given, fix in ((dict(max_new_tokens=5), f"a prompt of at most {limit - 4} tokens"),  # (was: {limit})
+                           (dict(max_new_tokens=limit + 5), f"a prompt and max_new_tokens that add up to at most {limit + 1}"),
+                           (dict(max_length=limit + 20), f"a prompt of at most {limit} tokens and max_length={limit + 1}")):
+            with pytest.raises(ValueError, match=rf"the prompt \({limit + 10} tokens\) .*: use {fix}"):
+                hf.generate(long, cache_implementation=cache, **given, **greedy)
         out = hf.generate(ids, max_new_tokens=limit - 19, cache_implementation=cache, **greedy)[:, 20:]
+        if cache == "static":  # a cache of the caller's, too large (was: "lower max_new_tokens", which it ignores)
+            from transformers import StaticCache
+
+            with pytest.raises(ValueError, match=rf"holds {2 * limit} from 0: make it with max_cache_len={limit} or less"):
+                hf.generate(ids, max_new_tokens=2, **{CACHE_ARG: StaticCache(config=hf.config, max_cache_len=2 * limit)},
+                            **greedy)
         assert torch.equal(out, generate(native, ids, max_new_tokens=limit - 19))
         out = hf.generate(full, max_new_tokens=1, cache_implementation=cache, **greedy)[:, limit:]
         assert torch.equal(out, generate(native, full, max_new_tokens=1))
@@ -272,6 +320,42 @@ def test_generate_names_a_truncated_weights_file_of_a_transformers_directory(tmp
                                              "truncated or corrupted"):
             cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
 
+
+def test_generate_names_a_directory_without_a_tokenizer(tmp_path):
+    """A directory written by ``model.save_pretrained`` alone (an upcycle in Python, as the
+    README shows it) holds no tokenizer: the command said transformers "Couldn't instantiate
+    the backend tokenizer ... install sentencepiece or tiktoken"; it now says the directory
+    holds none and how to save the model's own there."""
+    AttnResForCausalLM.from_native(native_model()).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=rf"'{tmp_path}' holds no tokenizer \(no tokenizer.json or "
+                                         rf"tokenizer_config.json\): save the model's own there: "
+                                         rf"AutoTokenizer.from_pretrained\(ORIGINAL\).save_pretrained\('{tmp_path}'\)"):
+        cli_main(["generate", str(tmp_path), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("on_disk", ["residual", ""])
+def test_a_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path, on_disk):
+    """``device_map`` with the residual or the whole model (what ``"auto"`` does with a
+    ``max_memory`` the model exceeds) offloaded to disk: accelerate's hooks load a module's
+    weights for its forward, and the decoder loads the residual's, whose forward never runs
+    (was: "the embedding is on cpu but this residual's parameters are on meta"). The same
+    logits and greedy tokens as the model in memory."""
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    device_map = {"": "disk"} if on_disk == "" else {name: "disk" if name == on_disk else "cpu"
+                                                     for name, _ in hf.named_children()}
+    offloaded = AttnResForCausalLM.from_pretrained(tmp_path / "hf", device_map=device_map,
+                                                   offload_folder=tmp_path / "offload").eval()
+    assert offloaded.residual.mixers[0].query.device.type == "meta"
+    ids = torch.randint(0, hf.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(offloaded(ids).logits, hf(ids).logits)
+    for cache in ("dynamic", "static"):
+        kw = dict(max_new_tokens=4, do_sample=False, cache_implementation=cache)
+        assert torch.equal(offloaded.generate(ids, **kw), hf.generate(ids, **kw))
+    assert offloaded.residual.mixers[0].query.device.type == "meta"  # offloaded again
+
+
 def test_eager_attention_matches_sdpa():
     native = native_model(residual="attnres_block")
     hf = AttnResForCausalLM.from_native(native).eval()
@@ -332,6 +416,20 @@ def test_per_layer_outputs_are_refused_not_dropped(name):
     hf.config.output_hidden_states = False
     assert hf(ids, **{name: False}).logits.shape == (1, 8, hf.config.vocab_size)
     assert hf.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 10)
+
+
+def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
+    """``logits_to_keep`` is, as in transformers' models, a count of last positions or a 1-D
+    tensor of the positions to keep (was: a tensor stopped the forward with "Boolean value of
+    Tensor with more than one value is ambiguous")."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        full = hf(ids).logits
+        last, picked = hf(ids, logits_to_keep=1).logits, hf(ids, logits_to_keep=torch.tensor([2, 5, 7])).logits
+    torch.testing.assert_close(last, full[:, -1:])
+    torch.testing.assert_close(picked, full[:, [2, 5, 7]])
+    assert hf(ids, logits_to_keep=0).logits.shape == full.shape
 
 
 def test_resized_embeddings_take_the_new_ids_at_once(tmp_path):
@@ -636,6 +734,12 @@ def test_exported_tokenizer_pads_a_batch_of_prompts_for_generate(tmp_path):
     for prompt, row in zip(prompts, out):
         alone = tok(prompt, return_tensors="pt")
         assert torch.equal(row, hf.generate(**alone, max_new_tokens=6, do_sample=False)[0, alone["input_ids"].shape[1]:])
+    # transformers' pipeline, batched with the same in-memory padding id (docs/hf.md)
+    from transformers import pipeline
+
+    texts = pipeline("text-generation", model=hf, tokenizer=tok)(prompts, batch_size=2, max_new_tokens=6, do_sample=False,
+                                                                 return_full_text=False)
+    assert [t[0]["generated_text"] for t in texts] == [tok.decode(row) for row in out]
 
 
 def test_ratio_stderr_matches_a_bootstrap():

@@ -101,10 +101,14 @@ def test_save_and_load_round_trip_is_bit_identical(tmp_path, model_type):
         assert torch.equal(loaded(x).logits, up(x).logits)
 
 
-def test_an_upcycled_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path):
-    """``device_map`` with a decoder layer offloaded to disk (accelerate's hooks load its
-    weights for each forward, the residual on another entry of the map): the same logits and
-    greedy tokens as the model in memory."""
+@pytest.mark.parametrize("on_disk", ["model.layers.1", "residual", ""])
+def test_an_upcycled_model_offloaded_by_accelerate_computes_the_same_logits(tmp_path, on_disk):
+    """``device_map`` with a decoder layer, the residual or the whole model (what ``"auto"``
+    does with a ``max_memory`` the model exceeds) offloaded to disk: accelerate's hooks load
+    a module's weights for its forward, and the decoder loads the residual's, whose forward
+    never runs (was: "the embedding is on cpu but this residual's parameters are on meta").
+    The same logits and greedy tokens as the model in memory; the residual is offloaded again
+    after each forward."""
     up = upcycle(base_model("llama"), "attnres_block", block_size=2).eval()
     with torch.no_grad():
         for m in up.residual.mixers:
@@ -112,15 +116,48 @@ def test_an_upcycled_model_offloaded_by_accelerate_computes_the_same_logits(tmp_
     up.save_pretrained(tmp_path / "up")
     device_map = ({name: "cpu" for name, _ in up.named_children() if name != "model"}
                   | {f"model.{name}": "cpu" for name, _ in up.model.named_children() if name != "layers"}
-                  | {f"model.layers.{i}": "disk" if i == 1 else "cpu" for i in range(len(up.model.layers))})
+                  | {f"model.layers.{i}": "cpu" for i in range(len(up.model.layers))})
+    device_map = {"": "disk"} if on_disk == "" else device_map | {on_disk: "disk"}
     offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "up", device_map=device_map,
                                                      offload_folder=tmp_path / "offload").eval()
-    assert offloaded.hf_device_map["model.layers.1"] == "disk"
+    assert offloaded.hf_device_map[on_disk] == "disk"
     x = ids()
     with torch.no_grad():
         assert torch.equal(offloaded(x).logits, up(x).logits)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(offloaded.generate(x[:1], **kw), up.generate(x[:1], **kw))
+    if on_disk != "model.layers.1":
+        assert offloaded.residual.mixers[0].query.device.type == "meta"
+
+
+@pytest.mark.filterwarnings("ignore:Attempting to save a model with offloaded modules")  # (transformers': memory)
+@pytest.mark.parametrize("on_disk", ["", "model.layers.1"])
+def test_a_model_offloaded_by_accelerate_upcycles_to_the_same_model(tmp_path, on_disk):
+    """``upcycle`` of a model loaded with ``device_map`` offloading it (or a layer) to disk.
+    accelerate's hooks run the forward they wrapped, the family layer's: the upcycled layers
+    ran the plain residual, the AttnRes residual bypassed (at conversion only the rescaled
+    epsilons showed, 1e-3; with trained queries the logits were another model's). And the
+    residual went where the parameters were, the meta device - zero queries only in name -
+    so ``save_pretrained`` stopped with "'NoneType' object is not subscriptable". Now the
+    layers run AttnRes, the residual sits where the embedding computes, and the model, saved
+    and reloaded, is the in-memory upcycle."""
+    base = base_model("llama")
+    base.save_pretrained(tmp_path / "base")
+    device_map = {"": "disk"} if on_disk == "" else (
+        {"lm_head": "cpu"} | {f"model.{name}": "cpu" for name, _ in base.model.named_children() if name != "layers"}
+        | {f"model.layers.{i}": "disk" if f"model.layers.{i}" == on_disk else "cpu" for i in range(len(base.model.layers))})
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", device_map=device_map,
+                                                     offload_folder=tmp_path / "offload").eval()
+    up, want = upcycle(offloaded, "attnres_block", block_size=2), upcycle(base, "attnres_block", block_size=2)
+    assert all(m.query.device.type == "cpu" and not m.query.any() for m in up.residual.mixers)
+    x = ids()
+    with torch.no_grad():
+        assert max_rel(up(x).logits, base(x).logits) <= 1e-5
+        for mine, theirs in zip(up.residual.mixers, want.residual.mixers):  # as after training
+            mine.query.copy_(theirs.query.normal_(std=0.5))
+        assert max_rel(up(x).logits, want(x).logits) <= 1e-5
+        up.save_pretrained(tmp_path / "up")
+        assert max_rel(AutoModelForCausalLM.from_pretrained(tmp_path / "up")(x).logits, want(x).logits) <= 1e-5
 
 
 def test_automodel_of_an_upcycled_directory_names_the_causal_lm_and_its_hidden_states(tmp_path):
@@ -194,6 +231,27 @@ def test_gradient_reaches_every_query_and_one_step_moves_them():
     moved = [not torch.equal(b, m.query) for b, m in zip(before, up.residual.mixers)]
     assert moved == [n > 1 for n in counts]
     assert torch.isfinite(up(x).logits).all()
+
+
+def test_peft_modules_to_save_trains_the_residual_the_layers_use():
+    """LoRA with ``modules_to_save=["residual"]`` (train the pseudo-queries beside the
+    adapters): PEFT puts a wrapper with a trainable copy in the residual's place, which the
+    layers bypassed - they held the original module, so the copy got no gradient and training
+    left the residual as it was. The layers now use the copy: its queries get the upcycled
+    model's gradients (the adapters start as the identity), the original none."""
+    peft = pytest.importorskip("peft")
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2).train()
+    x = ids()
+    up(x, labels=x).loss.backward()
+    want = [m.query.grad.clone() for m in up.residual.mixers]
+    up.zero_grad()
+    adapted = peft.get_peft_model(up, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                      modules_to_save=["residual"])).train()
+    adapted(x, labels=x).loss.backward()
+    wrapper = adapted.base_model.model.residual
+    for copy, original, grad in zip(wrapper.modules_to_save["default"].mixers, wrapper.original_module.mixers, want):
+        torch.testing.assert_close(copy.query.grad, grad)
+        assert original.query.grad is None
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -347,6 +405,20 @@ def test_unsupported_layouts_are_refused_with_the_reason():
         upcycle(upcycle(base_model("llama")))  # was: 'its decoder layout is not recognised'
     with pytest.raises(ValueError, match="block_size is Block AttnRes' S; residual 'attnres_full' takes none"):
         upcycle(base_model("llama"), "attnres_full", block_size=3)  # was: ignored, as the CLI refuses
+
+
+def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():
+    """``upcycle`` of a path or Hub id (which the command takes) or of a PEFT model said only
+    'upcycle takes a transformers causal LM, got str' (or 'got PeftModel'); it now says how
+    to get the causal LM."""
+    with pytest.raises(ValueError, match=r"got str; load it first - upcycle\(AutoModelForCausalLM.from_pretrained\("
+                                         r"'org/name'\), ...\) - or run `attnres upcycle --model org/name --out DIR`"):
+        upcycle("org/name")
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(base_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="got PeftModel; a PEFT model: upcycle model.merge_and_unload()"):
+        upcycle(adapted)
+    assert type(upcycle(adapted.merge_and_unload())).__name__ == "AttnResLlamaForCausalLM"
 
 
 # -- attnres upcycle and attnres train on a family model ----------------------------------

@@ -24,6 +24,7 @@ from ..models.config import ModelConfig
 from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys
 from ..nn.residual.config import ResidualConfig, merge_residual
+from .families.build import FIELD_HF_NAMES
 
 __all__ = ["AttnResConfig"]
 
@@ -107,17 +108,23 @@ class _AttnResConfigMethods:
 
 def _check_extra_keys(config, extra: dict) -> None:
     """Refuse what ``PretrainedConfig`` would keep silently as an extra attribute while the
-    model is built with the default: a near miss of a field (``d_modle=64``), and an HF
-    name that contradicts its field (``hidden_size=64, d_model=128``: the alias won)."""
+    model is built with the default: a near miss of a field or of an HF name (``d_modle=64``,
+    ``num_hidden_layer=2``), an HF name that is no alias here (a Llama config's
+    ``intermediate_size``), and an HF name that contradicts its field (``hidden_size=64,
+    d_model=128``: the alias won)."""
     defaults = ModelConfig()
     for alias, name in config.attribute_map.items():
         if alias in extra and getattr(config, name) not in (getattr(defaults, name), extra[alias]):
             raise ValueError(f"AttnResConfig: {alias}={extra[alias]!r} (the HF name of {name}) contradicts "
                              f"{name}={getattr(config, name)!r}; set {name} only")
+    unaliased = {hf: name for name, hf in FIELD_HF_NAMES.items() if hf != name and hf not in config.attribute_map}
     for key in extra:
+        if key in unaliased:
+            raise ValueError(f"AttnResConfig: {key} is the transformers name of {unaliased[key]}, which the config "
+                             f"takes under its own name only: set {unaliased[key]}={extra[key]!r}")
         if key in config.attribute_map or hasattr(PretrainedConfig, key) or key.endswith("_token_id"):
             continue
-        near = difflib.get_close_matches(key, _MODEL_FIELDS, n=1, cutoff=0.8)
+        near = difflib.get_close_matches(key, [*_MODEL_FIELDS, *config.attribute_map], n=1, cutoff=0.8)
         if near:
             raise ValueError(f"AttnResConfig got an unknown field {key!r} - did you mean {near[0]!r}? The fields are "
                              f"ModelConfig's: {', '.join(_MODEL_FIELDS)}")

@@ -81,6 +81,11 @@ def unreadable_weights(where: str, error: Exception, fix: str) -> ValueError:
                       f"({error}); {fix}")
 
 
+#: The files a saved tokenizer has one of (``save_pretrained``; older slow tokenizers' vocabularies).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model")
+
+
 def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Module, DirectoryText]:
     """``(model, text)`` of the transformers directory ``path``: the model in eval mode on
     ``device``, and its tokenizer. Raises ``ValueError`` when either does not load."""
@@ -90,6 +95,10 @@ def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Mod
         raise ValueError(f"{str(path)!r}: transformers cannot load its model: {e}") from None
     except SafetensorError as e:  # a weights file cut short (a copy or export that did not finish) or damaged
         raise unreadable_weights(repr(str(path)), e, "export or copy the directory again") from None
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"{str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): save the "
+                         f"model's own there: AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained({str(path)!r}) (attnres "
+                         "upcycle and attnres export write it)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

@@ -31,7 +31,7 @@ from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
 from ..validation import did_you_mean
-from .families import init_missing_tensors
+from .families import init_missing_tensors, offload, onload
 from .configuration import AttnResConfig
 
 
@@ -203,8 +203,10 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
                 attention_mask = None
         self._set_attention()
         checkpointing = self.gradient_checkpointing and self.training
+        onloaded = onload(self.residual)  # (device_map offloading: the residual runs no forward of its own)
         h, _ = self.decode(input_ids, attention_mask, store, inputs_embeds=inputs_embeds,
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
+        offload(onloaded)
         return h, past_key_values if use_cache else None
 
     def _hidden_static(self, input_ids: Tensor | None, attention_mask: Tensor | None, cache: Cache,
@@ -218,13 +220,17 @@ class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
         t = (input_ids if inputs_embeds is None else inputs_embeds).shape[1]
         capacity, offset = cache.get_mask_sizes(t, 0)
         if offset != 0 or capacity > self.native_config.max_seq_len:
-            raise ValueError(f"a static cache must hold at most max_seq_len={self.native_config.max_seq_len} positions "
-                             f"from position 0; this one holds {capacity} from {offset} (lower max_new_tokens)")
+            limit = self.native_config.max_seq_len
+            raise ValueError(f"a static cache must hold at most max_seq_len={limit} positions from position 0; this one "
+                             f"holds {capacity} from {offset}: make it with max_cache_len={limit} or less (generate's "
+                             "own holds the prompt and max_new_tokens)")
         if attention_mask is not None and attention_mask.dim() not in (2, 4):
             raise ValueError(f"attention_mask must be [batch, past + seq_len] or [batch, 1, seq_len, {capacity}], "
                              f"got {attention_mask.dim()}-D")
         self._set_attention()
+        onloaded = onload(self.residual)
         h, _ = self.decode(input_ids, None, HFStaticCacheAdapter(cache, attention_mask), inputs_embeds=inputs_embeds)
+        offload(onloaded)
         return h
 
 
@@ -309,7 +315,8 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); elsewhere the default
         dynamic cache. Pass ``cache_implementation="dynamic"`` to keep the dynamic one."""
         config = kwargs.get("generation_config") or self.generation_config
-        self._check_generation_length(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")), kwargs, config)
+        prompt = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        self._check_generation_length(kwargs.get("inputs_embeds") if prompt is None else prompt, kwargs, config)
         named = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "cache_implementation"))
         if (self.device.type == "cuda" and not named and config.cache_implementation is None
                 and kwargs.get("use_cache", config.use_cache) is not False):
@@ -327,22 +334,26 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             inputs["past_key_values"] = inputs.pop("cache")
         return inputs
 
-    def _check_generation_length(self, input_ids, kwargs: dict, config) -> None:
+    def _check_generation_length(self, prompt, kwargs: dict, config) -> None:
         """Refuse, before any compute, a generation that does not fit the context: the prompt
-        and every new token but the last are fed to the model (a dynamic cache refused the
-        token past ``max_seq_len`` at the end of the work; a static cache of that size was
-        refused at the prefill, and transformers kept its size for every later call)."""
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        (``input_ids [B, T]``, or ``inputs_embeds [B, T, d]``) and every new token but the
+        last are fed to the model (a dynamic cache refused the token past ``max_seq_len`` at
+        the end of the work; a static cache of that size was refused at the prefill, and
+        transformers kept its size for every later call)."""
+        embeds = isinstance(prompt, Tensor) and prompt.is_floating_point()
+        if not isinstance(prompt, Tensor) or prompt.dim() != (3 if embeds else 2):
             return  # (the forward names what is wrong with the prompt)
-        t, limit = input_ids.shape[1], self.native_config.max_seq_len
+        t, limit = prompt.shape[1], self.native_config.max_seq_len
         new = kwargs.get("max_new_tokens", config.max_new_tokens)
         max_length = t + new if new is not None else kwargs.get("max_length", config.max_length)
         if max_length is None or max_length - 1 <= limit:
             return
         given, fix = ((f"max_new_tokens={new}", f"max_new_tokens={limit - t + 1} or less") if new is not None
                       else (f"max_length={max_length}", f"max_length={limit + 1} or less"))
-        if limit - t + 1 < 1:
-            fix = f"a prompt of at most {limit} tokens"
+        if limit - t + 1 < 1:  # the prompt alone is too long
+            fix = (f"a prompt of at most {limit} tokens and max_length={limit + 1} or less" if new is None
+                   else f"a prompt of at most {limit + 1 - new} tokens" if new <= limit
+                   else f"a prompt and max_new_tokens that add up to at most {limit + 1}")
         raise ValueError(f"generate: the prompt ({t} tokens) with {given} needs a context of {max_length - 1} tokens "
                          f"(the last new token is not fed back), beyond the model's max_seq_len={limit}: use {fix}")
 
@@ -357,13 +368,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         labels: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | Tensor = 0,
         cache: Cache | None = None,
         num_items_in_batch: int | Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
-        positions when > 0) and, with ``labels``, the mean next-token cross-entropy
+        positions when > 0, the positions a 1-D tensor of indices names, as in transformers'
+        models) and, with ``labels``, the mean next-token cross-entropy
         (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it.
 
         ``num_items_in_batch``: the predicted tokens of every batch a gradient-accumulation
@@ -372,8 +384,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         that, does not divide by the accumulation steps)."""
         _refuse_unreturned_outputs(self.config, kwargs)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
+        h = h[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]  # 0: all
         logits = self.lm_head(self.norm(h))
         loss = None
         if labels is not None and num_items_in_batch is None:

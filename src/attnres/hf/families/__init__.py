@@ -23,7 +23,7 @@ from .build import build_hf_model, check_hf_config, hf_config_of, model_fields_f
 from .layout import CHECKED_WITH, FAMILIES, REFUSED, Layout, Router, family_of, layout_of
 from .moe import RouterRecorder, moe_routers
 from .classes import CLASSES, name_causal_lm, register_families, upcycled_classes, upcycled_config
-from .modeling import PREFIX, UpcycledModelMixin, init_missing_tensors
+from .modeling import PREFIX, UpcycledModelMixin, init_missing_tensors, offload, onload
 
 __all__ = [
     "CHECKED_WITH",
@@ -45,6 +45,8 @@ __all__ = [
     "model_fields_of",
     "moe_routers",
     "name_causal_lm",
+    "offload",
+    "onload",
     "register_families",
     "upcycled_classes",
     "upcycled_config",

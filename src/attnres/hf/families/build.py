@@ -16,8 +16,8 @@ from .modeling import PREFIX
 
 __all__ = ["build_hf_model", "check_hf_config", "hf_config_of", "model_fields_of", "model_fields_from_directory"]
 
-# ModelConfig field -> the family config field it sets (the rest go through hf_config).
-_MAPPED = {
+#: ModelConfig field -> the family config field it sets (the rest go through hf_config).
+FIELD_HF_NAMES = {
     "vocab_size": "vocab_size",
     "d_model": "hidden_size",
     "n_layers": "num_hidden_layers",
@@ -47,7 +47,7 @@ def check_hf_config(config) -> None:
     ``hf_architecture``) holds a key its family's config does not know (a misspelt field
     would be kept as an unused attribute), or one a ``ModelConfig`` field sets."""
     fields, aliases = _family_fields(config.hf_architecture)
-    ours = {hf: ours for ours, hf in _MAPPED.items()}
+    ours = {hf: ours for ours, hf in FIELD_HF_NAMES.items()}
     for key in config.hf_config:
         field = ours.get(aliases.get(key, key), "residual" if key == "attnres_residual" else None)
         if field is not None:
@@ -70,7 +70,7 @@ def hf_config_of(config) -> PretrainedConfig:
         raise ValueError("ModelConfig.hf_architecture is None: this is a native model (attnres.AttnResLM)")
     check_hf_config(config)
     config_cls, _ = upcycled_classes(config.hf_architecture)
-    fields: dict[str, Any] = {hf: getattr(config, ours) for ours, hf in _MAPPED.items()}
+    fields: dict[str, Any] = {hf: getattr(config, ours) for ours, hf in FIELD_HF_NAMES.items()}
     fields["num_key_value_heads"] = config.kv_heads
     fields["intermediate_size"] = config.hidden_size
     fields["head_dim"] = config.head_dim
@@ -101,7 +101,7 @@ def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
     data = hf_config.to_dict()
     family = data["model_type"].removeprefix(PREFIX)
     upcycled_classes(family)  # refuses unsupported families with the reason
-    out: dict[str, Any] = {ours: data[hf] for ours, hf in _MAPPED.items() if hf in data}
+    out: dict[str, Any] = {ours: data[hf] for ours, hf in FIELD_HF_NAMES.items() if hf in data}
     out["mlp_hidden"] = data["intermediate_size"]
     rope = data.get("rope_parameters") or {}
     if "rope_theta" in rope:
@@ -112,7 +112,7 @@ def model_fields_of(hf_config: PretrainedConfig) -> dict[str, Any]:
     # in a saved config (transformers' GGUF loading: `_model_name_or_path`, `unk_token_id`),
     # which `check_hf_config` would refuse as misspelt fields.
     fields, aliases = _family_fields(family)
-    extra = {k: v for k, v in data.items() if k not in _SKIPPED and k not in _MAPPED.values() and k != "rope_parameters"
+    extra = {k: v for k, v in data.items() if k not in _SKIPPED and k not in FIELD_HF_NAMES.values() and k != "rope_parameters"
              and (k in fields or k in aliases)}
     if set(rope) - {"rope_type", "rope_theta"} or rope.get("rope_type", "default") != "default":
         extra["rope_parameters"] = rope  # scaled RoPE (YaRN: GPT-OSS, Kimi K2) or partial rotation (GLM-4.5), kept whole

@@ -44,7 +44,8 @@ try:  # transformers' record of the outputs of a forward (output_hidden_states, 
 except ImportError:  # releases without it pass output_hidden_states down the layers instead
     _output_collector = None
 
-__all__ = ["init_missing_tensors", "adjust_eps", "UpcycledConfigMixin", "UpcycledModelMixin", "SAVED_FIELDS", "PREFIX"]
+__all__ = ["init_missing_tensors", "onload", "offload", "adjust_eps", "UpcycledConfigMixin", "UpcycledModelMixin",
+           "SAVED_FIELDS", "PREFIX"]
 
 _EPS_NAMES = ("variance_epsilon", "eps")
 
@@ -61,16 +62,47 @@ def init_missing_tensors(module: nn.Module, counterpart: nn.Module) -> None:
                 tensor.copy_(theirs[key].to(tensor.dtype))
 
 
+def onload(module: nn.Module) -> list[nn.Module]:
+    """Load the weights accelerate offloaded from ``module`` and its submodules, returning the
+    modules to hand to :func:`offload` after the pass. ``device_map`` with ``"cpu"`` or
+    ``"disk"`` entries (``"auto"`` with a ``max_memory`` the model exceeds) leaves offloaded
+    parameters on the meta device, and accelerate's hooks load them when the module's forward
+    runs; the decoder calls the residual's methods, never its forward, so its hooks did not
+    fire and the pass stopped on its meta parameters."""
+    if torch.compiler.is_compiling():
+        return []  # (accelerate's hooks do not run under torch.compile)
+    hooked = [m for m in module.modules() if getattr(m, "_hf_hook", None) is not None]
+    for m in hooked:
+        m._hf_hook.pre_forward(m)
+    return hooked
+
+
+def offload(hooked: list[nn.Module]) -> None:
+    """Offload again what :func:`onload` loaded (accelerate's hooks after a forward)."""
+    for m in hooked:
+        m._hf_hook.post_forward(m, None)
+
+
 class _Stream:
     """The per-model link between the decoder layers and the residual: the module, and the
-    state of the forward in flight (started by layer 0, finished by the last layer)."""
+    state of the forward in flight (started by layer 0, finished by the last layer).
 
-    def __init__(self, residual: ResidualStream, n_layers: int) -> None:
-        self.residual, self.n_layers = residual, n_layers
+    ``modules``: the model's own submodules (its ``_modules``, not the model: no reference
+    cycle keeps a deleted model's memory). ``residual`` is read from them at each use, so a
+    module put in its place is the one the layers use - PEFT's ``modules_to_save=["residual"]``
+    wrapper, whose trainable copy the layers bypassed while they held the original."""
+
+    def __init__(self, modules: dict[str, nn.Module], n_layers: int) -> None:
+        self.modules, self.n_layers = modules, n_layers
         self.state = None
         self.record_weights = False
         self.weights: list[torch.Tensor] | None = None  # the last recording forward's depth weights
         self.recorded = None  # ... and its finished residual state (for the depth mixing matrix)
+        self.onloaded: list[nn.Module] = []  # the residual's modules accelerate offloads, loaded for the pass
+
+    @property
+    def residual(self) -> ResidualStream:
+        return self.modules["residual"]
 
 
 def _set_eps(norm: nn.Module, eps: float) -> None:
@@ -107,6 +139,7 @@ def _layer_forward(self, hidden_states, **kwargs):
     stream, index, layout = self.__dict__["_attnres"]
     residual = stream.residual
     if index == 0:
+        stream.onloaded = onload(residual)
         stream.state = residual.start(hidden_states, record_weights=stream.record_weights)
     state = stream.state
     checkpointing = self.__dict__.get("_attnres_checkpointing", False) and self.training
@@ -135,6 +168,7 @@ def _layer_forward(self, hidden_states, **kwargs):
     if index == stream.n_layers - 1:
         stream.state = None
         out = residual.finish(state)
+        offload(stream.onloaded)
         if stream.record_weights:
             stream.weights, stream.recorded = state.weights, state
         return out
@@ -263,13 +297,15 @@ class UpcycledModelMixin:
         layers = self.model.layers
         L = 2 * config.num_hidden_layers
         self.residual = build_residual(config.residual_config(), config.hidden_size, L)
-        stream = _Stream(self.residual, config.num_hidden_layers)
+        stream = _Stream(self._modules, config.num_hidden_layers)
         self.__dict__["_attnres_stream"] = stream
         for i, layer in enumerate(layers):
             base = type(layer)
             if "_attnres" in layer.__dict__:  # already swapped (attached twice)
                 base = base.__bases__[0]
             layer.__class__ = _layer_class(base)
+            if "_old_forward" in layer.__dict__:  # accelerate's hook (device_map) runs the forward it wrapped,
+                layer._old_forward = types.MethodType(_layer_forward, layer)  # the family's: swap that one too
             layer.__dict__["_attnres"] = (stream, i, layout)
             # The family layer's own checkpointing flag (enabled before the upcycle), which the
             # swapped class's property would hide: it checkpoints the sublayers instead.

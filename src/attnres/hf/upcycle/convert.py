@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from ...nn.residual import ResidualConfig
@@ -37,7 +39,7 @@ def upcycle(
     original.
     """
     if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"upcycle takes a transformers causal LM, got {type(model).__name__}")
+        raise ValueError(f"upcycle takes a transformers causal LM, got {type(model).__name__}{_hint(model)}")
     model_type = model.config.model_type
     layout_of(model_type)  # refuses post-norm and unknown layouts with the reason
     config_cls, model_cls = upcycled_classes(model_type)
@@ -54,9 +56,30 @@ def upcycle(
     new.__class__ = model_cls
     _replace_config(new, upcycled_config(model.config, residual_config, exact_eps))
     new._attach_residual()
-    param = next(model.parameters())
-    new.residual.to(device=param.device, dtype=param.dtype)
+    new.residual.to(device=_residual_device(model), dtype=next(model.parameters()).dtype)
     return new
+
+
+def _residual_device(model: PreTrainedModel) -> torch.device:
+    """Where the residual goes: with the model's parameters, or - a model accelerate offloads
+    (``device_map`` with ``"cpu"`` or ``"disk"`` entries), its parameters on the meta device
+    until a forward loads them - where its input embedding computes. (On the meta device the
+    residual held no values: zero queries only in name, and ``save_pretrained`` failed.)"""
+    param = next(model.parameters())
+    hook = getattr(model.get_input_embeddings(), "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    return torch.device(device) if param.device.type == "meta" and device is not None else param.device
+
+
+def _hint(given: Any) -> str:
+    """How to get a causal LM from what ``upcycle`` was given instead: a path or Hub id (the
+    command takes those), or a PEFT model (whose adapters are not weights of the model)."""
+    if isinstance(given, (str, os.PathLike)):
+        return (f"; load it first - upcycle(AutoModelForCausalLM.from_pretrained({str(given)!r}), ...) - or run "
+                f"`attnres upcycle --model {given} --out DIR`")
+    if hasattr(given, "merge_and_unload"):
+        return "; a PEFT model: upcycle model.merge_and_unload(), its adapters merged into the weights"
+    return ""
 
 
 #: The private settings of a loaded config that ``to_dict`` leaves out but the modules read:
