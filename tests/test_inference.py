@@ -556,3 +556,17 @@ def test_stream_transformers_reads_the_cache_field_the_output_has():
 
     got = torch.cat(list(stream_transformers(OldOutputs(), torch.zeros(1, 3, dtype=torch.long), max_new_tokens=4)))
     assert got.tolist() == [3, 4, 5, 6]
+
+
+def test_a_generation_past_the_context_names_lengths_that_fit():
+    """A prompt longer than the context was told "a prompt of at most max_seq_len tokens",
+    still too long by max_new_tokens - 1; each fix named now fits with the other length as
+    given, and where neither alone can, their sum."""
+    model = make_model(residual="attnres_block").eval()
+    limit = model.config.max_seq_len
+    for t, new, fix in ((limit + 10, 5, f"a prompt of at most {limit - 4} tokens$"),
+                        (20, limit, f"max_new_tokens <= {limit - 19} or a prompt of at most 1 tokens$"),
+                        (limit + 10, limit + 5, f"a prompt and max_new_tokens that add up to at most {limit + 1}$")):
+        with pytest.raises(ValueError, match=rf"prompt length {t} \+ max_new_tokens {new} - 1 exceeds "
+                                             rf"ModelConfig.max_seq_len={limit}: use {fix}"):
+            generate(model, torch.zeros(1, t, dtype=torch.long), max_new_tokens=new)

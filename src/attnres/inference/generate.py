@@ -40,10 +40,14 @@ _STATIC_MODE = {"static": "eager", "compiled": "compiled", "graph": "graph"}
 _COMPILED_CAPACITY_STEP = 256
 
 
-def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
-    """Validate the model, the prompt and its left-padding mask; return the mask as bool, or
-    ``None`` when it masks nothing."""
+def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None,
+                max_new_tokens: int | None = None) -> Tensor | None:
+    """Validate the model, the prompt (with ``max_new_tokens``: that they fit the context,
+    first - a prompt longer than the context is told what length fits) and its left-padding
+    mask; return the mask as bool, or ``None`` when it masks nothing."""
     check_native(model, "prefill, generate and stream each")
+    if max_new_tokens is not None and isinstance(input_ids, Tensor) and input_ids.dim() == 2:
+        _check_context(input_ids.shape[1], max_new_tokens, model.config.max_seq_len, "ModelConfig.max_seq_len")
     model.check_input_ids(input_ids)
     mask = check_left_padding(attention_mask, tuple(input_ids.shape), "the shape of input_ids")
     return None if mask is None or bool(mask.all()) else mask
@@ -188,9 +192,8 @@ def stream(
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     _check_chunk_size(chunk_size)
     decode = resolve_decode(model, decode)
-    mask = _check_mask(model, input_ids, attention_mask)
+    mask = _check_mask(model, input_ids, attention_mask, max_new_tokens)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
-    _check_context(input_ids.shape[1], max_new_tokens, model.config.max_seq_len, "ModelConfig.max_seq_len")
     return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
                    chunk_size, decode)
 
@@ -210,10 +213,14 @@ def _check_stops(stop_tokens: Iterable[int], pad_token_id: int, vocab: int) -> l
 
 
 def _check_context(t: int, max_new_tokens: int, limit: int, name: str) -> None:
-    """The prompt and every new token but the last (never fed back) must fit the context."""
+    """The prompt and every new token but the last (never fed back) must fit the context;
+    the fix named fits with the other length as given (a prompt of at most ``limit`` tokens,
+    what it named before, was too long by ``max_new_tokens - 1``)."""
     if t + max_new_tokens - 1 > limit:
+        room, keep = limit - t + 1, limit - max_new_tokens + 1
+        fixes = [f"max_new_tokens <= {room}"] * (room >= 1) + [f"a prompt of at most {keep} tokens"] * (keep >= 1)
         raise ValueError(f"prompt length {t} + max_new_tokens {max_new_tokens} - 1 exceeds {name}={limit}: use "
-                         + (f"max_new_tokens <= {limit - t + 1}" if t <= limit else f"a prompt of at most {limit} tokens"))
+                         + (" or ".join(fixes) or f"a prompt and max_new_tokens that add up to at most {limit + 1}"))
 
 
 def resolve_decode(model, decode: str) -> str:
