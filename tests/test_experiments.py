@@ -760,3 +760,22 @@ def test_depth_weight_heatmaps_name_the_step_of_the_record_they_show(tmp_path, m
     (fig,) = saved
     titles = [ax.get_title() for ax in fig.axes if ax.get_label() != "<colorbar>"]
     assert titles == ["Full AttnRes: pre-attention (step 10)", "Full AttnRes: pre-MLP (step 10)"]
+
+
+def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they_are(tmp_path):
+    """`attnres compare --out X steps=600 lr=2e-3` continued as `... lr=2e-3 steps=600` (or with
+    `--seeds 0 1 lr=2e-3` moving one to the front) was refused as "a different experiment",
+    naming the two lists as Python dicts; leaving the overrides out gave the same message."""
+    from attnres.experiments.job.runner import check_same_experiment
+
+    out = tmp_path / "grid"
+    out.mkdir()
+    saved = {"experiment": "compare", "preset": "tiny", "overrides": ["steps=600", "lr=2e-3"]}
+    (out / "experiment.json").write_text(json.dumps(saved))
+    for same in (["lr=2e-3", "steps=600"], ["lr=0.002", "steps=600"], ["steps=600", "lr=2e-3"]):
+        check_same_experiment(out, {**saved, "overrides": same})
+    with pytest.raises(ValueError, match=r"holds the 'compare' grid trained with the overrides steps=600 lr=2e-3; "
+                       r"this command gives none: to continue it give its overrides again \(in any order\)"):
+        check_same_experiment(out, {**saved, "overrides": []})
+    with pytest.raises(ValueError, match="this command gives steps=600 lr=1e-3: "):
+        check_same_experiment(out, {**saved, "overrides": ["steps=600", "lr=1e-3"]})

@@ -2,7 +2,7 @@
 
 Layout of ``out``::
 
-    out/experiment.json               name, preset, overrides (a re-run must match)
+    out/experiment.json               name, preset, overrides (a re-run must set the same)
     out/<variant>/seed<k>/            the attnres.train run directory (metrics.jsonl, checkpoints)
     out/<variant>/seed<k>/result.json written last: the run is finished; a re-run skips it
 
@@ -195,11 +195,27 @@ def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
     if saved is None:
         check_not_foreign(out)
         return
-    differing = sorted(k for k in header if saved.get(k) != header[k])
+    differing = sorted(k for k in header if k != "overrides" and saved.get(k) != header[k])
     if differing:
         raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
                          f"{ {k: saved.get(k) for k in differing} }, not { {k: header[k] for k in differing} }); "
                          "pick another --out")
+    if "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
+        was, now = (" ".join(map(str, o)) if o else "none" for o in (saved.get("overrides"), header["overrides"]))
+        raise ValueError(f"{str(out)!r} holds the {saved.get('experiment')!r} grid trained with the overrides {was}; "
+                         f"this command gives {now}: to continue it give its overrides again (in any order), or "
+                         "pick another --out")
+
+
+def _same_overrides(saved: Any, given: list[str]) -> bool:
+    """Whether two lists of ``key=value`` overrides set the same fields to the same values
+    (``steps=6 lr=1e-3`` is ``lr=1e-3 steps=6``: a grid resumed with them is the same grid)."""
+    if saved == given:
+        return True
+    try:
+        return apply_overrides({}, list(saved)) == apply_overrides({}, list(given))
+    except (TypeError, ValueError):  # (an experiment.json edited by hand: only the same list matches)
+        return False
 
 
 def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (0,), overrides: list[str] = (),
