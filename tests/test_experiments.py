@@ -779,3 +779,15 @@ def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they
         check_same_experiment(out, {**saved, "overrides": []})
     with pytest.raises(ValueError, match="this command gives steps=600 lr=1e-3: "):
         check_same_experiment(out, {**saved, "overrides": ["steps=600", "lr=1e-3"]})
+
+
+def test_a_run_that_diverges_is_named_with_the_grid_it_stopped(corpus, tmp_path, capsys):
+    """One diverged run of a grid ended `attnres compare` with the trainer's message alone
+    ("non-finite gradient norm at step 4 ..."), which of the grid's runs it was scrolled away."""
+    out = tmp_path / "grid"
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                  f"data.paths=[{corpus}]", "lr=1e4", "steps=8"])
+    message = str(stop.value.code)
+    assert message.startswith(f"attnres compare: error: run standard seed 0 ({out / 'standard' / 'seed0'}): non-finite")
+    assert message.endswith("set grad_clip (the grid's finished runs are kept: --report-only reports them)")

@@ -27,7 +27,7 @@ from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
 from ...output_paths import strict_json
 from ...progress import clock
-from ...train import TrainConfig, latest_checkpoint, train
+from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
 from ...validation import did_you_mean_each
@@ -275,7 +275,11 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         else:
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} steps")
         started = time.perf_counter()
-        record = run_one(config, variant)
+        try:
+            record = run_one(config, variant)
+        except (TrainingDiverged, TrainingOutOfMemory) as e:  # (the message alone named no run of the grid)
+            raise type(e)(f"run {variant.name} seed {seed} ({config.out_dir}): {str(e).rstrip('.')} (the grid's "
+                          "finished runs are kept: --report-only reports them)") from e
         took = pace.add(config.steps - done_steps, time.perf_counter() - started)
         # the runs still to train, each from its latest checkpoint (an interrupted grid's)
         left = [c.steps - _trained_steps(c) for _, _, c in configs[i:] if not (Path(c.out_dir) / RESULT_FILE).exists()]
