@@ -791,3 +791,19 @@ def test_a_run_that_diverges_is_named_with_the_grid_it_stopped(corpus, tmp_path,
     message = str(stop.value.code)
     assert message.startswith(f"attnres compare: error: run standard seed 0 ({out / 'standard' / 'seed0'}): non-finite")
     assert message.endswith("set grad_clip (the grid's finished runs are kept: --report-only reports them)")
+
+
+def test_an_interrupted_grid_says_once_how_to_resume(corpus, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in `attnres compare` printed "interrupted (run ... stopped by SIGINT; re-run the
+    experiment to resume it); run the same command again to resume": two hints, one vague."""
+    from types import SimpleNamespace
+
+    import attnres.experiments.job.runner as runner
+
+    monkeypatch.setattr(runner, "train", lambda config: SimpleNamespace(interrupted="SIGINT"))
+    out = tmp_path / "grid"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                     f"data.paths=[{corpus}]"]) == 130
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"attnres compare: interrupted (run {out / 'standard' / 'seed0'} stopped by SIGINT, at its checkpoint); "
+        "run the same command again to resume")

@@ -154,7 +154,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     result = train(config)
     if result.interrupted:
-        raise KeyboardInterrupt(f"run {out} stopped by {result.interrupted}; re-run the experiment to resume it")
+        raise KeyboardInterrupt(f"run {out} stopped by {result.interrupted}, at its checkpoint")  # (re-running resumes it)
     model = ModelConfig.from_dict(json.loads((out / "config.json").read_text())["model"])  # the tokenizer's vocab
     params, residual_params = model_counts(model)
     flops = training_flops_per_token(model, config.seq_len)
