@@ -807,3 +807,20 @@ def test_an_interrupted_grid_says_once_how_to_resume(corpus, tmp_path, monkeypat
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"attnres compare: interrupted (run {out / 'standard' / 'seed0'} stopped by SIGINT, at its checkpoint); "
         "run the same command again to resume")
+
+
+def test_a_grid_is_not_started_inside_another_grid(tmp_path):
+    """`attnres compare --out runs/compare/block` (a grid's variant folder, tab-completed) trained
+    a whole new grid there, its runs mixed with the grid's own `block/seed0`."""
+    from attnres.experiments.job.runner import check_same_experiment
+
+    grid = tmp_path / "compare"
+    (grid / "block" / "seed0").mkdir(parents=True)
+    (grid / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny", "overrides": []}))
+    header = {"experiment": "compare", "preset": "demo", "overrides": []}
+    for inside in (grid / "block", grid / "block" / "new"):
+        with pytest.raises(ValueError, match=rf"^--out '{re.escape(str(inside))}' is inside the grid "
+                           rf"'{re.escape(str(grid))}' \(it holds experiment.json\); pick a folder outside it"):
+            check_same_experiment(inside, header)
+    (tmp_path / "experiment.json").write_text("[1, 2]")  # another tool's file of that name: no grid
+    check_same_experiment(tmp_path / "elsewhere", header)

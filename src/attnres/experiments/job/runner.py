@@ -181,6 +181,10 @@ def check_not_foreign(out: Path) -> None:
         what = f"a folder with a report.md that no experiment wrote (no {EXPERIMENT_FILE}), which the grid's would replace"
     if what is not None:
         raise ValueError(f"--out {str(out)!r} is {what}; pick another --out, e.g. a new folder")
+    grid = next((p for p in out.absolute().parents if "experiment" in (read_experiment_header(p) or {})), None)
+    if grid is not None:  # (a grid's variant folder, say: a new grid there mixed its runs with the grid's)
+        raise ValueError(f"--out {str(out)!r} is inside the grid {str(grid)!r} (it holds {EXPERIMENT_FILE}); pick a "
+                         "folder outside it, or that grid's folder to continue it")
 
 
 def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
