@@ -760,3 +760,67 @@ def test_depth_weight_heatmaps_name_the_step_of_the_record_they_show(tmp_path, m
     (fig,) = saved
     titles = [ax.get_title() for ax in fig.axes if ax.get_label() != "<colorbar>"]
     assert titles == ["Full AttnRes: pre-attention (step 10)", "Full AttnRes: pre-MLP (step 10)"]
+
+
+def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they_are(tmp_path):
+    """`attnres compare --out X steps=600 lr=2e-3` continued as `... lr=2e-3 steps=600` (or with
+    `--seeds 0 1 lr=2e-3` moving one to the front) was refused as "a different experiment",
+    naming the two lists as Python dicts; leaving the overrides out gave the same message."""
+    from attnres.experiments.job.runner import check_same_experiment
+
+    out = tmp_path / "grid"
+    out.mkdir()
+    saved = {"experiment": "compare", "preset": "tiny", "overrides": ["steps=600", "lr=2e-3"]}
+    (out / "experiment.json").write_text(json.dumps(saved))
+    for same in (["lr=2e-3", "steps=600"], ["lr=0.002", "steps=600"], ["steps=600", "lr=2e-3"]):
+        check_same_experiment(out, {**saved, "overrides": same})
+    with pytest.raises(ValueError, match=r"holds the 'compare' grid trained with the overrides steps=600 lr=2e-3; "
+                       r"this command gives none: to continue it give its overrides again \(in any order\)"):
+        check_same_experiment(out, {**saved, "overrides": []})
+    with pytest.raises(ValueError, match="this command gives steps=600 lr=1e-3: "):
+        check_same_experiment(out, {**saved, "overrides": ["steps=600", "lr=1e-3"]})
+
+
+def test_a_run_that_diverges_is_named_with_the_grid_it_stopped(corpus, tmp_path, capsys):
+    """One diverged run of a grid ended `attnres compare` with the trainer's message alone
+    ("non-finite gradient norm at step 4 ..."), which of the grid's runs it was scrolled away."""
+    out = tmp_path / "grid"
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                  f"data.paths=[{corpus}]", "lr=1e4", "steps=8"])
+    message = str(stop.value.code)
+    assert message.startswith(f"attnres compare: error: run standard seed 0 ({out / 'standard' / 'seed0'}): non-finite")
+    assert message.endswith("set grad_clip (the grid's finished runs are kept: --report-only reports them)")
+
+
+def test_an_interrupted_grid_says_once_how_to_resume(corpus, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in `attnres compare` printed "interrupted (run ... stopped by SIGINT; re-run the
+    experiment to resume it); run the same command again to resume": two hints, one vague."""
+    from types import SimpleNamespace
+
+    import attnres.experiments.job.runner as runner
+
+    monkeypatch.setattr(runner, "train", lambda config: SimpleNamespace(interrupted="SIGINT"))
+    out = tmp_path / "grid"
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                     f"data.paths=[{corpus}]"]) == 130
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"attnres compare: interrupted (run {out / 'standard' / 'seed0'} stopped by SIGINT, at its checkpoint); "
+        "run the same command again to resume")
+
+
+def test_a_grid_is_not_started_inside_another_grid(tmp_path):
+    """`attnres compare --out runs/compare/block` (a grid's variant folder, tab-completed) trained
+    a whole new grid there, its runs mixed with the grid's own `block/seed0`."""
+    from attnres.experiments.job.runner import check_same_experiment
+
+    grid = tmp_path / "compare"
+    (grid / "block" / "seed0").mkdir(parents=True)
+    (grid / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny", "overrides": []}))
+    header = {"experiment": "compare", "preset": "demo", "overrides": []}
+    for inside in (grid / "block", grid / "block" / "new"):
+        with pytest.raises(ValueError, match=rf"^--out '{re.escape(str(inside))}' is inside the grid "
+                           rf"'{re.escape(str(grid))}' \(it holds experiment.json\); pick a folder outside it"):
+            check_same_experiment(inside, header)
+    (tmp_path / "experiment.json").write_text("[1, 2]")  # another tool's file of that name: no grid
+    check_same_experiment(tmp_path / "elsewhere", header)

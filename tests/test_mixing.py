@@ -587,3 +587,26 @@ def test_the_mixing_json_of_a_run_without_checkpoint_is_strict_json(tmp_path):
 
     (entry,) = json.loads((tmp_path / "mixing.json").read_text(), parse_constant=refuse)["full"]
     assert entry["n_tokens"] == 0 and entry["std"][0][0] is None and entry["sources"][0]["cv"] is None
+
+
+def test_analyze_compare_of_models_of_different_depth_says_why_there_is_no_difference(tmp_path):
+    """``attnres analyze A --compare B`` of a 2-block and a 3-block model left out its whole
+    "Comparison" section (ranks and sinks too) without a word, as the matrices do not line up;
+    its sinks were printed as Python lists (``['v3']``)."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    for name, layers in (("two", 2), ("three", 3)):
+        train(load_config(None, overrides(corpus, tmp_path / name, steps=1, warmup_steps=0, eval_every=100,
+                                          diagnostics_every=100, **{"model.n_layers": layers})))
+    out = tmp_path / "analysis"
+    assert cli_main(["analyze", str(tmp_path / "two"), "--compare", str(tmp_path / "three"), "--out", str(out),
+                     "--text", str(corpus), "--seq-len", "16", "--rows", "2"]) == 0
+    text = (out / "report.md").read_text()
+    comparison = text[text.index("## Comparison"):text.index("## Findings")]
+    assert "- No difference of the matrices: A's M is 5×5 and B's 7×7 (models of different depth" in comparison
+    assert "- Rank: A " in comparison and "- Sinks: A " in comparison and "[" not in comparison

@@ -131,3 +131,16 @@ def test_drawing_from_python_returns_the_figure_and_leaves_the_sessions_matplotl
     panels = plot_mixing_panels([("M", torch.eye(3), None)], tmp_path / "mixing.png")
     assert isinstance(panels, Figure) and (tmp_path / "mixing.png").read_bytes()[:4] == b"\x89PNG"
     assert matplotlib.get_backend() == "svg" and plt.get_fignums() == users_matplotlib
+
+
+def test_a_run_whose_every_loss_is_not_finite_is_called_diverged_not_unstarted(runs, tmp_path, capsys):
+    """A diverged run (every logged loss NaN) was listed as "no loss logged yet", as if it had
+    not started, and alone it ended with "no run has logged a loss yet"."""
+    write_run(tmp_path / "sweep" / "lr-10", [train_record(1, math.nan), eval_record(1, math.inf)])
+    assert read_curves(tmp_path / "sweep" / "lr-10").nonfinite == 2
+    out = tmp_path / "curves.png"
+    assert cli_main(["plot", str(runs / "lr-2"), str(tmp_path / "sweep" / "lr-10"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("(1 run: runs/lr-2); no finite loss logged (diverged): sweep/lr-10")
+    with pytest.raises(SystemExit, match=r"no run has logged a finite loss; no loss logged yet: runs/fresh; no finite loss "
+                       r"logged \(diverged\): sweep/lr-10 \("):
+        cli_main(["plot", str(runs / "fresh"), str(tmp_path / "sweep" / "lr-10"), "--out", str(out)])

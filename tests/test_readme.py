@@ -177,3 +177,17 @@ def test_make_alone_lists_every_target():
     listed = subprocess.run(["make", "-s", "-f", str(makefile)], capture_output=True, text=True, check=True,
                             cwd=README.parent).stdout
     assert [t for t in phony if t != "help" and f"make {t} " not in listed] == [], listed
+
+
+def test_the_python_api_of_attnres_analyze_is_named_with_its_signature():
+    """The README named the pieces of `attnres analyze` in Python but not the function that
+    writes its whole report (a notebook user analysing a checkpoint had to read the CLI's code)."""
+    import inspect
+
+    found = re.search(r"`attnres\.experiments\.job\.analyze\.write_analysis(\(.*?\))`", README.read_text())
+    assert found, "the README names write_analysis with its signature"
+    from attnres.experiments.job.analyze import write_analysis
+
+    written = inspect.signature(eval(f"lambda {found.group(1)[1:-1]}: None"))  # (the README's defaults, as Python)
+    assert [(p.name, p.default) for p in written.parameters.values()] == [
+        (p.name, p.default) for p in inspect.signature(write_analysis).parameters.values()]

@@ -118,3 +118,24 @@ def test_a_file_or_a_misspelt_folder_is_an_error(runs, tmp_path, command, capsys
         cli_main([command, str(tmp_path / "notes.txt")])
     with pytest.raises(SystemExit, match=r"no such folder: '.*gird' \(did you mean 'grid'\?\)"):
         cli_main([command, str(runs / "gird")])
+
+
+def test_a_stopped_run_of_a_grid_is_continued_with_its_grids_command(runs, tmp_path, capsys):
+    """`attnres status` told a stopped run of `attnres compare` to continue with `attnres train
+    out_dir=... --resume`, which leaves the grid without the run's record; now the grid's own
+    command (its preset and overrides from experiment.json), as `attnres compare` parses it."""
+    from attnres.cli import build_parser
+    from attnres.cli.experiment import _split_overrides
+
+    run = tmp_path / "grid" / "block" / "seed0"
+    shutil.copytree(runs / "grid" / "block" / "seed0", run)
+    header = {"experiment": "compare", "preset": "tiny", "overrides": ["steps=6", "data.paths=[a b.txt]"]}
+    (tmp_path / "grid" / "experiment.json").write_text(json.dumps(header))
+    assert cli_main(["status", str(tmp_path / "grid")]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    command = last.split("`")[1]
+    assert command == f"attnres compare --preset tiny --out {tmp_path / 'grid'} --seeds 0 steps=6 'data.paths=[a b.txt]'"
+    parser = build_parser()
+    args = parser.parse_args(__import__("shlex").split(command)[1:])
+    _split_overrides(args, parser)  # (as `attnres compare` does: the overrides end --seeds' list)
+    assert (args.out, args.seeds, args.overrides) == (str(tmp_path / "grid"), [0], header["overrides"])

@@ -56,12 +56,15 @@ def run(args, parser) -> int:
     except OutputPathError as e:
         raise SystemExit(f"attnres plot: error: {e}") from None
     curves = {label: read_curves(path) for label, path in zip(run_labels(runs), runs)}
-    empty = [label for label, c in curves.items() if c.empty]
+    empty = [label for label, c in curves.items() if c.empty and not c.nonfinite]
+    diverged = [label for label, c in curves.items() if c.empty and c.nonfinite]  # (every loss NaN or infinite)
     drawn = {label: c for label, c in curves.items() if not c.empty}
+    left_out = "".join(f"; {what}: {', '.join(labels)}" for what, labels in (
+        ("no loss logged yet", empty), ("no finite loss logged (diverged)", diverged)) if labels)
     if not drawn:
-        what = f"no training runs under {', '.join(args.dirs)}" if not runs else "no run has logged a loss yet"
+        what = (f"no training runs under {', '.join(args.dirs)}" if not runs else "no run has logged a loss yet"
+                if not diverged else f"no run has logged a finite loss{left_out}")
         raise SystemExit(f"attnres plot: error: {what} (a run's directory holds config.json and metrics.jsonl)")
     plot_curves(drawn, out, x=args.x, smooth=args.smooth, log_x=args.log_x)
-    print(f"attnres plot: wrote {out} ({len(drawn)} run{'s' if len(drawn) > 1 else ''}: {', '.join(drawn)})"
-          + (f"; no loss logged yet: {', '.join(empty)}" if empty else ""))
+    print(f"attnres plot: wrote {out} ({len(drawn)} run{'s' if len(drawn) > 1 else ''}: {', '.join(drawn)}){left_out}")
     return 0

@@ -31,10 +31,29 @@ def run(args, parser) -> int:
         return 0
     print(render(runs))
     stopped = [s.path for s in runs if s.state == "stopped" and s.checkpoint_step is not None]
-    if stopped:  # (a grid's runs continue with their grid's command; a run of its own with this)
-        print(f"\ncontinue a stopped run with `attnres train out_dir={stopped[0]} --resume` (its own config; "
-              "a grid's runs: the grid's command again)")
+    if stopped:
+        print(f"\ncontinue a stopped run with {_continue_command(stopped[0])}")
     return 0
+
+
+def _continue_command(run: str) -> str:
+    """How to continue the stopped ``run``: the command of the grid holding it (its
+    ``experiment.json`` two folders up, ``<out>/<variant>/seed<k>``; resuming the run alone
+    would leave the grid without its record), else ``attnres train --resume``."""
+    import shlex
+    from pathlib import Path
+
+    from ..experiments.layout import read_experiment_header
+
+    grid, seed = Path(run).parent.parent, Path(run).name.removeprefix("seed")
+    header = read_experiment_header(grid)
+    if header is None or not seed.isdigit() or not isinstance(header.get("experiment"), str):
+        return f"`attnres train out_dir={run} --resume` (its own config)"
+    name = header["experiment"]
+    words = ["attnres", "compare"] if name == "compare" else ["attnres", "experiment", name]
+    words += ["--preset", str(header.get("preset")), "--out", str(grid), "--seeds", seed,
+              *map(str, header.get("overrides") or [])]
+    return f"`{shlex.join(words)}` (its grid's command, for this seed)"
 
 
 def render(runs) -> str:

@@ -26,10 +26,12 @@ AXES = ("step", "tokens")
 @dataclass
 class Curves:
     """One run's losses: ``train`` and ``val`` map an axis name (``step``, ``tokens``) and
-    ``loss`` to equally long lists, in step order."""
+    ``loss`` to equally long lists, in step order; ``nonfinite``: the steps whose logged loss
+    was not a finite number (left out of the curves: a diverged run's)."""
 
     train: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "tokens": [], "loss": []})
     val: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "tokens": [], "loss": []})
+    nonfinite: int = 0
 
     @property
     def empty(self) -> bool:
@@ -47,7 +49,7 @@ def read_curves(run: str | Path) -> Curves:
         if kind in ("train", "eval"):
             loss = float(loss) if isinstance(loss, (int, float)) else math.nan
             (train if kind == "train" else val)[int(record["step"])] = (float(record.get("tokens", math.nan)), loss)
-    curves = Curves()
+    curves = Curves(nonfinite=sum(not math.isfinite(loss) for points in (train, val) for _, loss in points.values()))
     for points, into in ((train, curves.train), (val, curves.val)):
         for step in sorted(s for s, (_, loss) in points.items() if math.isfinite(loss)):
             into["step"].append(step)

@@ -253,17 +253,8 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     if any(info.get("expert_load") for _, info in items):
         parts.append(expert_load_section([(n, info["expert_load"]) for n, (_, info) in zip(names, items)
                                           if info.get("expert_load")]))
-    if diff is not None:
-        a, b = items[0][0], items[1][0]
-        d = diff[1]
-        k = int(d.abs().argmax())
-        r_, c_ = divmod(k, d.shape[1])
-        parts.append("## Comparison\n\n"
-                     f"- Largest difference A − B: {float(d[r_, c_]):+.4f} at row {r_ + 1 if r_ < d.shape[0] - 1 else 'out'}, "
-                     f"source v{c_}; mean absolute difference on and below the diagonal "
-                     f"{float(d.abs().tril().sum()) / (d.shape[0] * (d.shape[0] + 1) / 2):.4f}.\n"
-                     f"- Rank: A {a.rank} (averaged {a.rank_of_mean}), B {b.rank} (averaged {b.rank_of_mean}).\n"
-                     f"- Sinks: A {['v%d' % i for i in a.sinks()] or 'none'}, B {['v%d' % i for i in b.sinks()] or 'none'}.\n")
+    if len(items) == 2:
+        parts.append(_comparison_section(items[0][0], items[1][0], diff))
     findings = []
     for n, (r, info) in zip(names, items):
         _, low, high = _expect(info)
@@ -274,6 +265,23 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     path = out / "report.md"
     path.write_text("\n".join(parts) + "\n")
     return path
+
+
+def _comparison_section(a, b, diff) -> str:
+    """The report's "Comparison" of checkpoints A and B: where their matrices differ most (not
+    for models of different depth, whose matrices do not line up: said so), their ranks and sinks."""
+    if diff is None:
+        where = (f"- No difference of the matrices: A's M is {a.matrix.shape[0]}×{a.matrix.shape[1]} and B's "
+                 f"{b.matrix.shape[0]}×{b.matrix.shape[1]} (models of different depth; their rows do not line up).\n")
+    else:
+        d = diff[1]
+        r_, c_ = divmod(int(d.abs().argmax()), d.shape[1])
+        where = (f"- Largest difference A − B: {float(d[r_, c_]):+.4f} at row {r_ + 1 if r_ < d.shape[0] - 1 else 'out'}, "
+                 f"source v{c_}; mean absolute difference on and below the diagonal "
+                 f"{float(d.abs().tril().sum()) / (d.shape[0] * (d.shape[0] + 1) / 2):.4f}.\n")
+    sinks = [", ".join(f"v{i}" for i in m.sinks()) or "none" for m in (a, b)]
+    return ("## Comparison\n\n" + where + f"- Rank: A {a.rank} (averaged {a.rank_of_mean}), B {b.rank} "
+            f"(averaged {b.rank_of_mean}).\n- Sinks: A {sinks[0]}, B {sinks[1]}.\n")
 
 
 def logged_mixing(run_dir: Path) -> tuple[DepthMixing, dict] | None:

@@ -2,7 +2,7 @@
 
 Layout of ``out``::
 
-    out/experiment.json               name, preset, overrides (a re-run must match)
+    out/experiment.json               name, preset, overrides (a re-run must set the same)
     out/<variant>/seed<k>/            the attnres.train run directory (metrics.jsonl, checkpoints)
     out/<variant>/seed<k>/result.json written last: the run is finished; a re-run skips it
 
@@ -27,7 +27,7 @@ from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
 from ...output_paths import strict_json
 from ...progress import clock
-from ...train import TrainConfig, latest_checkpoint, train
+from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
 from ...validation import did_you_mean_each
@@ -154,7 +154,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     result = train(config)
     if result.interrupted:
-        raise KeyboardInterrupt(f"run {out} stopped by {result.interrupted}; re-run the experiment to resume it")
+        raise KeyboardInterrupt(f"run {out} stopped by {result.interrupted}, at its checkpoint")  # (re-running resumes it)
     model = ModelConfig.from_dict(json.loads((out / "config.json").read_text())["model"])  # the tokenizer's vocab
     params, residual_params = model_counts(model)
     flops = training_flops_per_token(model, config.seq_len)
@@ -181,6 +181,10 @@ def check_not_foreign(out: Path) -> None:
         what = f"a folder with a report.md that no experiment wrote (no {EXPERIMENT_FILE}), which the grid's would replace"
     if what is not None:
         raise ValueError(f"--out {str(out)!r} is {what}; pick another --out, e.g. a new folder")
+    grid = next((p for p in out.absolute().parents if "experiment" in (read_experiment_header(p) or {})), None)
+    if grid is not None:  # (a grid's variant folder, say: a new grid there mixed its runs with the grid's)
+        raise ValueError(f"--out {str(out)!r} is inside the grid {str(grid)!r} (it holds {EXPERIMENT_FILE}); pick a "
+                         "folder outside it, or that grid's folder to continue it")
 
 
 def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
@@ -195,11 +199,27 @@ def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
     if saved is None:
         check_not_foreign(out)
         return
-    differing = sorted(k for k in header if saved.get(k) != header[k])
+    differing = sorted(k for k in header if k != "overrides" and saved.get(k) != header[k])
     if differing:
         raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
                          f"{ {k: saved.get(k) for k in differing} }, not { {k: header[k] for k in differing} }); "
                          "pick another --out")
+    if "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
+        was, now = (" ".join(map(str, o)) if o else "none" for o in (saved.get("overrides"), header["overrides"]))
+        raise ValueError(f"{str(out)!r} holds the {saved.get('experiment')!r} grid trained with the overrides {was}; "
+                         f"this command gives {now}: to continue it give its overrides again (in any order), or "
+                         "pick another --out")
+
+
+def _same_overrides(saved: Any, given: list[str]) -> bool:
+    """Whether two lists of ``key=value`` overrides set the same fields to the same values
+    (``steps=6 lr=1e-3`` is ``lr=1e-3 steps=6``: a grid resumed with them is the same grid)."""
+    if saved == given:
+        return True
+    try:
+        return apply_overrides({}, list(saved)) == apply_overrides({}, list(given))
+    except (TypeError, ValueError):  # (an experiment.json edited by hand: only the same list matches)
+        return False
 
 
 def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (0,), overrides: list[str] = (),
@@ -259,7 +279,11 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         else:
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} steps")
         started = time.perf_counter()
-        record = run_one(config, variant)
+        try:
+            record = run_one(config, variant)
+        except (TrainingDiverged, TrainingOutOfMemory) as e:  # (the message alone named no run of the grid)
+            raise type(e)(f"run {variant.name} seed {seed} ({config.out_dir}): {str(e).rstrip('.')} (the grid's "
+                          "finished runs are kept: --report-only reports them)") from e
         took = pace.add(config.steps - done_steps, time.perf_counter() - started)
         # the runs still to train, each from its latest checkpoint (an interrupted grid's)
         left = [c.steps - _trained_steps(c) for _, _, c in configs[i:] if not (Path(c.out_dir) / RESULT_FILE).exists()]
