@@ -469,6 +469,18 @@ def test_unknown_config_keys(tmp_path):
         load_config(None, ["steps"])
 
 
+@pytest.mark.parametrize("override, meant", [("val_fraction=0.1", "data.val_fraction"), ("tokenizer=byte", "data.tokenizer"),
+                                             ("vocab_size=512", "data.vocab_size"), ("d_model=32", "model.d_model"),
+                                             ("residual=standard", "model.residual")])
+def test_a_section_s_field_given_at_the_top_level_is_named_with_its_section(override, meant):
+    """``val_fraction=0.1`` (the README's word for it) suggested 'decay_fraction', ``vocab_size``
+    'batch_size', ``d_model`` 'model', and ``tokenizer=byte`` nothing: each is its section's field."""
+    key = override.partition("=")[0]
+    with pytest.raises(ValueError, match=re.escape(f"unknown TrainConfig key(s) ['{key}'] (did you mean '{meant}' "
+                                                   f"for '{key}'?)")):
+        load_config(None, [override])
+
+
 @pytest.mark.parametrize("text, said", [
     ("1: 2\nfoo: 3\n", "unknown TrainConfig key(s) [1, 'foo']"),  # was: '<' not supported between 'int' and 'str'
     ("model:\n  preset: tiny\n  1: 2\n", "unknown ModelConfig key(s) [1]"),  # was: keywords must be strings

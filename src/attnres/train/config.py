@@ -298,7 +298,10 @@ class TrainConfig:
         # An empty section (`data:` with every line under it commented out) is YAML's null: the
         # section's defaults, as without the line (a mapping was asked for, and refused).
         data = {k: v for k, v in data.items() if not (v is None and k in ("model", "data", "parallel"))}
-        check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
+        # (a section's field given at the top level, ``val_fraction=0.1``, is named as the section's)
+        check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)}, sections={
+            "data": [f.name for f in dataclasses.fields(DataConfig)], "model": sorted(_MODEL_FIELDS),
+            "parallel": [f.name for f in dataclasses.fields(ParallelConfig)]})
         return cls(**data)  # (__post_init__ reads the sections)
 
 
