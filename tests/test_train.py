@@ -469,6 +469,17 @@ def test_unknown_config_keys(tmp_path):
         load_config(None, ["steps"])
 
 
+@pytest.mark.parametrize("text, shown", [("data:\n  - paths: [a.txt]\n", "[{'paths': ['a.txt']}]"),
+                                         ("data: corpus.txt\n", "'corpus.txt'")])
+def test_an_override_into_a_section_the_config_gives_as_something_else_says_what_it_is(tmp_path, text, shown):
+    """A config file whose ``data`` is a list (a ``-`` too many) or a path, with ``data.tokenizer=byte``
+    on the command line, was told only "data is not a section", as if the override were wrong."""
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"override 'data.tokenizer=byte': data is not a section: it is "
+                                                   f"{shown} (in the config or an override before), where a mapping")):
+        load_config(tmp_path / "run.yaml", ["data.tokenizer=byte"])
+
+
 @pytest.mark.parametrize("override, meant", [("val_fraction=0.1", "data.val_fraction"), ("tokenizer=byte", "data.tokenizer"),
                                              ("vocab_size=512", "data.vocab_size"), ("d_model=32", "model.d_model"),
                                              ("residual=standard", "model.residual")])

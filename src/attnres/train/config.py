@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -495,7 +496,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             elif child is None:
                 child = {}
             elif not isinstance(child, dict):
-                raise ValueError(f"override {item!r}: {'.'.join(keys[:depth + 1])} is not a section")
+                # (what the config file gives there, which is where to look: a list, or a bare value)
+                raise ValueError(f"override {item!r}: {'.'.join(keys[:depth + 1])} is not a section: it is "
+                                 f"{reprlib.repr(child)} (in the config or an override before), where a mapping of "
+                                 "its fields is meant")
             node[k] = child = dict(child)
             node = child
         if keys == ["model", "from_hf"]:
