@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -376,12 +377,38 @@ def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
     assert load_corpus([str(tmp_path / "bom.jsonl")]).digest == load_corpus([str(tmp_path / "plain.jsonl")]).digest
     prefix = records.encode()
     (tmp_path / "late.jsonl").write_bytes(prefix + b'{"text": "caf\xe9"}\n')
-    with pytest.raises(ValueError, match=rf"'.*late.jsonl' is not UTF-8 text \(line 3001, byte {len(prefix) + 13}\)$"):
+    with pytest.raises(ValueError, match=rf"'.*late.jsonl' is not UTF-8 text \(line 3001, byte {len(prefix) + 13}\); "):
         load_corpus([str(tmp_path / "late.jsonl")])
     # a .txt file's too (it said only the byte), counted in the file, its byte-order mark included
     (tmp_path / "late.txt").write_bytes(b"\xef\xbb\xbf" + b"a line\n" * 3000 + b"caf\xe9\n")
     with pytest.raises(ValueError, match=rf"'.*late.txt' is not UTF-8 text \(line 3001, byte {3 + 7 * 3000 + 3}\); "):
         load_corpus([str(tmp_path / "late.txt")])
+
+
+def test_text_in_another_encoding_says_how_to_convert_it(tmp_path, monkeypatch):
+    """A Latin-1 file was told "give a text file" (it is one); a UTF-16 file (Notepad's "Unicode")
+    the same at byte 0; one without a byte-order mark, ASCII text every other byte, read as
+    UTF-8 and was trained on, a NUL after each letter, without a word."""
+    text = "".join(f"line {i} of a text about a café\n" for i in range(300))
+    (tmp_path / "latin1.txt").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"'.*latin1.txt' is not UTF-8 text \(line 1, byte 28\); give a text file, in "
+                                         r"UTF-8 \(text in another encoding, such as Latin-1 .*iconv -f WINDOWS-1252"):
+        load_corpus([str(tmp_path / "latin1.txt")])
+    (tmp_path / "utf16.txt").write_text(text, encoding="utf-16")
+    with pytest.raises(ValueError, match=r"'.*utf16.txt' is not UTF-8 text \(line 1, byte 0; a UTF-16 file, by its "
+                                         r"byte-order mark\): convert it to UTF-8, e.g. with iconv -f UTF-16 -t UTF-8$"):
+        load_corpus([str(tmp_path / "utf16.txt")])
+    ascii_text = text.replace("é", "e")
+    (tmp_path / "utf16le.txt").write_bytes(ascii_text.encode("utf-16-le"))
+    (tmp_path / "nul.txt").write_text(ascii_text[:-40] + "\x00" + ascii_text[-40:])
+    monkeypatch.setattr("attnres.data.corpus.READ_CHUNK", 1000)  # (lines counted across the parts the file is read in)
+    for name, line in (("utf16le.txt", 1), ("nul.txt", 299)):
+        with pytest.warns(UserWarning, match=rf"'.*{name}' holds NUL characters \(the first on line {line}\), which "
+                                             r"text does not: a UTF-16 file without a byte-order mark"):
+            load_corpus([str(tmp_path / name)], 0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_corpus([str(write_corpus(tmp_path / "plain.txt"))], 0.1)  # (text without a NUL: no word)
 
 
 def test_a_text_file_with_a_byte_order_mark_and_upper_case_suffixes(tmp_path):

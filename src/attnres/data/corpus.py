@@ -59,25 +59,32 @@ def _text_parts(path: Path, what: str) -> Iterator[str]:
             while part := f.read(READ_CHUNK):
                 yield part
     except UnicodeDecodeError:  # (where, as a .jsonl file's is said: a line to look at in a large file)
-        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({_utf8_error_at(path)}); give a text "
-                         "file") from None
+        raise _not_utf8(what, path) from None
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
 
 
-def _utf8_error_at(path: Path) -> str:
-    """Where ``path``'s first byte that is not UTF-8 lies: "line L, byte B" (B counted from
-    the start of the file). A streamed read's ``UnicodeDecodeError`` counts from the start of
-    the buffer that failed, which is not the file's from the second buffer on."""
+def _not_utf8(what: str, path: Path) -> ValueError:
+    """The error for ``path`` (named as ``what``), which is not UTF-8: where its first byte that
+    is not lies, "line L, byte B" (B counted from the start of the file: a streamed read's
+    ``UnicodeDecodeError`` counts from the start of the buffer that failed), and what to do."""
     data = path.read_bytes()
     packed = next((kind for magic, kind in COMPRESSED if data.startswith(magic)), None)
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        # (a compressed file's first bytes are not UTF-8: what to do is to decompress it)
-        return f"line {line}, byte {e.start}" + (f"; a {packed}-compressed file: decompress it first" if packed else "")
-    return "unknown position"
+        where = f"line {line}, byte {e.start}"
+    else:
+        where = "unknown position"
+    said = f"{what} {str(path)!r} is not UTF-8 text"
+    if packed:  # (a compressed file's first bytes are not UTF-8: what to do is to decompress it)
+        return ValueError(f"{said} ({where}; a {packed}-compressed file: decompress it first); give a text file")
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # (Windows editors' "Unicode")
+        return ValueError(f"{said} ({where}; a UTF-16 file, by its byte-order mark): convert it to UTF-8, e.g. "
+                          "with iconv -f UTF-16 -t UTF-8")
+    return ValueError(f"{said} ({where}); give a text file, in UTF-8 (text in another encoding, such as Latin-1 or "
+                      f"Windows-1252: convert it, e.g. with iconv -f WINDOWS-1252 -t UTF-8)")
 
 
 #: The first bytes of compressed files a corpus comes as, and their formats' names.
@@ -418,13 +425,28 @@ def _read_file(file: Path, text_field: str, first: bool = False) -> Iterator[str
                 blank = blank and (not doc or doc.isspace())  # (not strip(): a copy of each)
                 yield doc
         else:
+            lines = 0 if first else None  # (on the first pass: the lines before a NUL, to say where it is)
             for part in _text_parts(file, "data file"):
                 blank = blank and part.isspace()
+                if lines is not None and "\x00" in part:
+                    _warn_nul(file, lines + part.count("\n", 0, part.index("\x00")) + 1)
+                    lines = None
+                elif lines is not None:
+                    lines += part.count("\n")
                 yield part
     except UnicodeDecodeError:  # a .jsonl file's lines
-        raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
+        raise _not_utf8("data file", file) from None
     if blank:
         raise ValueError(f"data file {str(file)!r} holds no text")
+
+
+def _warn_nul(file: Path, line: int) -> None:
+    """Warn that the text file ``file`` holds a NUL character on line ``line``: text has none,
+    while a UTF-16 file without a byte-order mark, its ASCII text every other byte, reads as
+    UTF-8 with one after each letter (and a binary file may too)."""
+    warn_user(f"data file {str(file)!r} holds NUL characters (the first on line {line}), which text does not: a "
+              "UTF-16 file without a byte-order mark, or a binary file? It is trained on as it reads; convert it to "
+              "UTF-8 (e.g. with iconv -f UTF-16LE -t UTF-8) or leave it out")
 
 
 def _corpus_text(files: tuple[Path, ...], text_field: str, first: bool = False) -> Iterator[str]:
