@@ -582,6 +582,26 @@ def test_train_config_takes_pathlib_paths_as_the_strings_they_name(tmp_path):
     assert config.out_dir == str(tmp_path / "other")
 
 
+def test_environment_variables_in_a_config_file_s_paths_are_expanded(tmp_path, monkeypatch):
+    """``out_dir: $SCRATCH/run`` in a config file, where no shell expands it, trained into a
+    directory named '$SCRATCH' here, and ``data.paths: [$DATA/a.txt]`` said "'.' holds no '$DATA'";
+    ``~`` was expanded there already. A variable that is not set is named."""
+    monkeypatch.setenv("ATTNRES_TEST_DATA", str(tmp_path / "data"))
+    monkeypatch.delenv("ATTNRES_TEST_UNSET", raising=False)
+    (tmp_path / "run.yaml").write_text("out_dir: ${ATTNRES_TEST_DATA}/run\ninit_from: $ATTNRES_TEST_DATA/old\n"
+                                       "data:\n  paths: [$ATTNRES_TEST_DATA/a.txt]\n  cache_dir: $ATTNRES_TEST_DATA/c\n")
+    config = load_config(tmp_path / "run.yaml")
+    data = str(tmp_path / "data")
+    assert (config.out_dir, config.init_from, config.data.paths, config.data.cache_dir) == (
+        f"{data}/run", f"{data}/old", [f"{data}/a.txt"], f"{data}/c")
+    for override, field in (("out_dir=$ATTNRES_TEST_UNSET/run", "out_dir"),
+                            ("data.paths=[${ATTNRES_TEST_UNSET}/a.txt]", "data.paths")):
+        with pytest.raises(ValueError, match=re.escape(f"TrainConfig.{field} must be a path whose environment variables "
+                                                       "are set; got '") + r".*\(\$ATTNRES_TEST_UNSET is not set"):
+            load_config(None, [override])
+    assert load_config(None, ["out_dir=runs/a$1"]).out_dir == "runs/a$1"  # ($1 names no variable)
+
+
 def test_configs_take_numpy_scalars_as_the_python_numbers_they_hold():
     """A notebook's sweep (``for seed in np.arange(3)``, ``np.float32`` learning rates, a
     ``d_model`` from an array) was refused: "TrainConfig.seed must be an integer in [0, ...];

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,8 +104,8 @@ class DataConfig:
         if isinstance(self.paths, (str, os.PathLike)):
             self.paths = [self.paths]
         if isinstance(self.paths, (list, tuple)):
-            self.paths = [_path_text(p) for p in self.paths]
-        self.cache_dir = _path_text(self.cache_dir)
+            self.paths = [_path_text(p, "data.paths") for p in self.paths]
+        self.cache_dir = _path_text(self.cache_dir, "data.cache_dir")
         python_scalars(self)
         if isinstance(self.tokenizer, os.PathLike):  # a Path names a file, even ./gpt2 (str: 'gpt2')
             path = os.fspath(self.tokenizer)
@@ -112,9 +113,25 @@ class DataConfig:
         _check_rules(self, DATA_RULES, "data.")
 
 
-def _path_text(value: Any) -> Any:
-    """``value`` as a string when it is a path object (``pathlib.Path``), else as it is."""
-    return os.fspath(value) if isinstance(value, os.PathLike) else value
+#: ``$NAME`` or ``${NAME}`` in a path: an environment variable, as a shell writes one.
+_ENV_VARIABLE = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
+
+
+def _path_text(value: Any, name: str) -> Any:
+    """``value`` as a string when it is a path object (``pathlib.Path``), else as it is; in a
+    string, ``$NAME`` and ``${NAME}`` are the environment variable's value: the shell expands
+    them on the command line but not in a config file, where ``out_dir: $SCRATCH/x`` made a
+    directory named '$SCRATCH' here. ``ValueError`` naming the field ``name`` for one not set."""
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    def variable(match: re.Match[str]) -> str:
+        variable_name = match.group(1) or match.group(2)
+        if variable_name not in os.environ:
+            fail("TrainConfig", name, "a path whose environment variables are set", value,
+                 hint=f" (${variable_name} is not set: set it, or write the path out)")
+        return os.environ[variable_name]
+
+    return _ENV_VARIABLE.sub(variable, value) if isinstance(value, str) else value
 
 
 DATA_RULES: dict[str, Rule] = {
@@ -231,10 +248,11 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelConfig):  # TrainConfig(distributed="none"): parallel.dp=1
             self.parallel = ParallelConfig.from_dict(self.parallel)
         # `~` is the home directory, as in data.paths: the shell expands it on the command line but
-        # not in a config file, where `out_dir: ~/runs/x` made a directory named '~' here.
+        # not in a config file, where `out_dir: ~/runs/x` made a directory named '~' here (and
+        # `$NAME`, an environment variable: _path_text).
         # (a pathlib.Path, such as TrainResult.checkpoint, is a path: held as its string)
         for name in ("out_dir", "init_from", "resume_from"):
-            value = _path_text(getattr(self, name))
+            value = _path_text(getattr(self, name), name)
             setattr(self, name, value)
             if isinstance(value, str) and value.startswith("~"):
                 setattr(self, name, os.path.expanduser(value))
@@ -243,7 +261,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the allowed values on bad input."""
         for name in ("out_dir", "init_from", "resume_from"):  # (also when set after construction)
-            setattr(self, name, _path_text(getattr(self, name)))
+            setattr(self, name, _path_text(getattr(self, name), name))
         python_scalars(self)
         if not isinstance(self.model, ModelConfig):
             fail("TrainConfig", "model", "a ModelConfig", self.model)
