@@ -496,6 +496,15 @@ def test_unknown_config_keys(tmp_path):
         load_config(None, ["steps"])
 
 
+def test_a_tab_in_a_config_file_says_yaml_takes_spaces(tmp_path):
+    """A config indented with a tab (an editor's tab key) said only "found character '\\t' that
+    cannot start any token"."""
+    (tmp_path / "run.yaml").write_text("model: tiny\ndata:\n\tpaths: [a.txt]\n")
+    with pytest.raises(ValueError, match=re.escape("is not valid YAML: found character '\\t' that cannot start any token "
+                                                   "at line 3, column 1; YAML takes spaces there (to indent), not a tab")):
+        load_config(tmp_path / "run.yaml")
+
+
 @pytest.mark.parametrize("text, shown", [("data:\n  - paths: [a.txt]\n", "[{'paths': ['a.txt']}]"),
                                          ("data: corpus.txt\n", "'corpus.txt'")])
 def test_an_override_into_a_section_the_config_gives_as_something_else_says_what_it_is(tmp_path, text, shown):

@@ -474,7 +474,8 @@ def _yaml_error_line(error: Exception) -> str:
     problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
     if problem is None or mark is None:
         return " ".join(str(error).split())
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    tab = "; YAML takes spaces there (to indent), not a tab" if "'\\t'" in problem else ""  # (an editor's tab key)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}{tab}"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
