@@ -496,12 +496,18 @@ def test_unknown_config_keys(tmp_path):
         load_config(None, ["steps"])
 
 
-def test_a_tab_in_a_config_file_says_yaml_takes_spaces(tmp_path):
+@pytest.mark.parametrize("text, said", [
+    ("data:\n\tpaths: [a.txt]\n", "found character '\\t' that cannot start any token at line 2, column 1; YAML takes "
+                                  "spaces there (to indent), not a tab"),
+    ("data:\n  paths: [*.txt]\n", "but found '.' at line 2, column 12; a value that starts with * (a glob pattern, "
+                                  "*.txt) must be quoted: \"*.txt\""),
+    ("data:\n  paths:\n    - *txt\n", "found undefined alias 'txt' at line 3, column 7; a value that starts with *")])
+def test_a_config_file_s_yaml_error_says_what_to_write(tmp_path, text, said):
     """A config indented with a tab (an editor's tab key) said only "found character '\\t' that
-    cannot start any token"."""
-    (tmp_path / "run.yaml").write_text("model: tiny\ndata:\n\tpaths: [a.txt]\n")
-    with pytest.raises(ValueError, match=re.escape("is not valid YAML: found character '\\t' that cannot start any token "
-                                                   "at line 3, column 1; YAML takes spaces there (to indent), not a tab")):
+    cannot start any token"; a glob pattern ``[*.txt]`` unquoted (an alias, to YAML) "expected
+    alphabetic or numeric character, but found '.'"."""
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(said)):
         load_config(tmp_path / "run.yaml")
 
 

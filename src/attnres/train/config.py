@@ -474,8 +474,12 @@ def _yaml_error_line(error: Exception) -> str:
     problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
     if problem is None or mark is None:
         return " ".join(str(error).split())
-    tab = "; YAML takes spaces there (to indent), not a tab" if "'\\t'" in problem else ""  # (an editor's tab key)
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}{tab}"
+    hint = ""
+    if "'\\t'" in problem:  # (an editor's tab key)
+        hint = "; YAML takes spaces there (to indent), not a tab"
+    elif getattr(error, "context", None) == "while scanning an alias" or problem.startswith("found undefined alias"):
+        hint = "; a value that starts with * (a glob pattern, *.txt) must be quoted: \"*.txt\""  # (YAML's alias)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}{hint}"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
