@@ -354,6 +354,24 @@ def test_missing_and_empty_data(tmp_path):
         cli_main(["train", f"data.paths=[{tmp_path / 'nope.txt'}]", f"out_dir={tmp_path / 'run'}", "progress=false"])
 
 
+def test_empty_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
+    """A directory of documents holding an empty one (a crawl's failed download) was refused
+    as a whole, "data file '.../b.txt' is empty", and the next empty one after it was deleted;
+    they are skipped, said once. An empty file named in data.paths is still refused."""
+    (tmp_path / "docs").mkdir()
+    write_corpus(tmp_path / "docs" / "a.txt")
+    for name in ("b.txt", "c.jsonl", "d.txt", "e.txt"):
+        (tmp_path / "docs" / name).write_text("")
+    with pytest.warns(UserWarning, match=r"data.paths: 4 empty file\(s\) skipped: '.*b.txt', '.*c.jsonl', '.*d.txt' "
+                                         r"and 1 more$"):
+        skipping = load_corpus([str(tmp_path / "docs")], 0.1)
+    assert skipping.digest == load_corpus([str(tmp_path / "docs" / "a.txt")], 0.1).digest
+    with pytest.raises(ValueError, match=r"data.paths finds only empty files: '.*b.txt', '.*d.txt'"):
+        load_corpus([str(tmp_path / "docs" / "[bd].txt")])
+    with pytest.raises(ValueError, match=r"data file '.*b.txt' is empty"):
+        load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
+
+
 def test_a_relative_data_path_that_is_not_there_names_the_directory_it_was_read_from(tmp_path, monkeypatch):
     """A config file in another directory with ``data.paths: [corpus.txt]`` said only "data path
     'corpus.txt' does not exist": relative paths are read from the current directory, not the

@@ -463,13 +463,14 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     """Find ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
     ``.jsonl`` lines need a string field ``text_field``, ``"text"`` by default) - or the default corpus
-    when ``paths`` is empty - and, with ``read``, read and split it now. Raises ``ValueError``
-    for a missing or empty path, an empty file or a file that two paths reach (it would count
-    twice); with ``read``, also for a file that is not UTF-8 text or a split that leaves either
+    when ``paths`` is empty - and, with ``read``, read and split it now (empty files that a
+    directory or pattern holds are skipped, with a warning). Raises ``ValueError`` for a missing
+    or empty path, an empty file named or a file that two paths reach (it would count twice); with ``read``, also for a file that is not UTF-8 text or a split that leaves either
     part empty (without it, when the text is first wanted: see :class:`Corpus`)."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
     files: list[Path] = []
+    empty: list[str] = []  # the empty files a directory or pattern holds: skipped
     seen: dict[Path, tuple[Path, Path]] = {}  # resolved file -> (the file, its data path) as first reached
     for root, root_files in data_files(paths):
         for file in root_files:
@@ -478,11 +479,24 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                 how = "listed twice" if first_root == root else f"through {str(first_root)!r} and {str(root)!r}"
                 raise ValueError(f"data.paths reads the file {str(first)!r} twice ({how}): list each file or "
                                  "directory once")
-            if file.stat().st_size == 0:
+            if file.stat().st_size == 0 and file == root:  # (named: a file meant to hold the text)
                 raise ValueError(f"data file {str(file)!r} is empty")
-            files.append(file)
+            (empty if file.stat().st_size == 0 else files).append(file)
+    _skip_empty(empty, bool(files))
     corpus = Corpus(files, val_fraction, text_field)
     return corpus.read() if read else corpus
+
+
+def _skip_empty(empty: list[Path], others: bool) -> None:
+    """Say that the empty files ``empty``, which directories or patterns of ``data.paths`` hold
+    (a crawl's failed downloads: one refused the whole corpus, and the next one after it was
+    deleted), are skipped; ``ValueError`` when there are no ``others``."""
+    if not empty:
+        return
+    names = ", ".join(repr(str(f)) for f in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    if not others:
+        raise ValueError(f"data.paths finds only empty files: {names}")
+    warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {names}")
 
 
 def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str) -> _Layout:
