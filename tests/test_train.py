@@ -1048,6 +1048,14 @@ def test_splits_shorter_than_a_window_say_how_to_go_on():
         validation_batches(np.arange(10, dtype=np.uint16), seq_len=16, batch_size=2, n_batches=1)
 
 
+def test_a_validation_fraction_that_leaves_no_training_text_says_so(tmp_path):
+    """``data.val_fraction=0.99`` said "the corpus (37573 characters) is too small to split",
+    as if more text were the way out: the fraction is what leaves nothing to train on."""
+    with pytest.raises(ValueError, match=r"^data.val_fraction=0.99 leaves no training text of the corpus's 2498 "
+                                         r"characters: use a smaller val_fraction, or more text$"):
+        load_corpus([str(write_corpus(tmp_path / "c.txt", n_lines=40))], 0.99)
+
+
 def test_sampler_resumes_where_it_stopped():
     tokens = np.arange(1000, dtype=np.uint16)
     a = BatchSampler(tokens, seq_len=10, batch_size=7, seed=3)

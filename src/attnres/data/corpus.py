@@ -526,7 +526,10 @@ def _val_and_digest(text: Iterator[str], layout: _Layout, val_fraction: float) -
 
     digest = _digest_of(layout.train_length, train_then_val())
     val_text = "".join(val)
-    if train_blank or not val_text or val_text.isspace():
+    if train_blank:  # (the corpus is not too small: the fraction is too large)
+        raise ValueError(f"data.val_fraction={val_fraction} leaves no training text of the corpus's {layout.length} "
+                         "characters: use a smaller val_fraction, or more text")
+    if not val_text or val_text.isspace():
         raise ValueError(f"the corpus ({layout.length} characters) is too small to split with "
                          f"val_fraction={val_fraction}")
     return val_text, digest
