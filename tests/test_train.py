@@ -935,6 +935,26 @@ def test_bpe_round_trip_and_cache_reuse(tmp_path, corpus_file, monkeypatch):
     assert prepare_data(corpus, "bpe", 280).cache_dir != data.cache_dir
 
 
+def test_a_transformers_tokenizer_without_its_tokenizer_json_says_how_to_write_one(tmp_path):
+    """``data.tokenizer=`` a transformers directory that keeps its tokenizer in the slow form
+    (GPT-2's vocab.json and merges.txt, a SentencePiece tokenizer.model) was told only that it
+    holds no tokenizer.json."""
+    from attnres.data.tokenizer import tokenizer_file
+
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ValueError, match=re.escape(f"data.tokenizer '{tmp_path}' is a directory without a tokenizer.json: "
+                                                   "give a tokenizer.json file, or a directory holding one (vocab.json, "
+                                                   "merges.txt: a transformers tokenizer without its tokenizer.json; "
+                                                   "transformers writes one: python -c \"from transformers import "
+                                                   f"AutoTokenizer; AutoTokenizer.from_pretrained('{tmp_path}')")):
+        tokenizer_file(tmp_path, "data.tokenizer")
+    (tmp_path / "vocab.json").unlink()
+    (tmp_path / "merges.txt").unlink()
+    with pytest.raises(ValueError, match=r"holding one$"):  # (nothing of a tokenizer there: no such word)
+        tokenizer_file(tmp_path, "data.tokenizer")
+
+
 def test_byte_fallback(tmp_path, corpus_file, monkeypatch):
     monkeypatch.setattr(dataset_mod, "bpe_available", lambda: False)
     with pytest.warns(UserWarning, match="falling back to the byte-level tokenizer"):
