@@ -130,6 +130,20 @@ def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file,
         cli_main(["train", str(config_file), "--resume", f"out_dir={tmp_path / 'split'}"])
 
 
+def test_resuming_a_run_whose_data_moved_says_the_path_is_the_run_s_own(tmp_path, corpus_file):
+    """``attnres train out_dir=R --resume`` after the data moved said "data path '/old/corpus.txt'
+    does not exist", a path the command never named; it now says the run stored it and how to
+    give the new place, which resumes."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "run", stop_after=2, checkpoint_every=2)))
+    moved = corpus_file.rename(tmp_path / "corpus2.txt")
+    with pytest.raises(SystemExit, match=re.escape(f"data path '{corpus_file}', stored with the run (") + r".*step-00000002'\), "
+                       r"does not exist \(did you mean 'corpus2.txt'\?\): if the data moved, give data.paths=\[...\] "
+                       r"where it is now \(resuming checks that it holds the same text\)$"):
+        cli_main(["train", "--resume", f"out_dir={tmp_path / 'run'}", "progress=false"])
+    assert cli_main(["train", "--resume", f"out_dir={tmp_path / 'run'}", "progress=false", "stop_after=3",
+                     f"data.paths=[{moved}]"]) == 0
+
+
 def test_resume_rejects_changed_config(tmp_path, corpus_file):
     train(load_config(None, overrides(corpus_file, tmp_path, stop_after=2)))
     with pytest.raises(ValueError, match=r"differs in \['lr'\]"):
