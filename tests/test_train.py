@@ -497,9 +497,19 @@ def test_data_paths_take_glob_patterns(tmp_path, monkeypatch):
         load_corpus(["[*.txt]"])
     with pytest.raises(ValueError, match="reads the file 'a.txt' twice"):
         load_corpus(["a.txt", "*.txt"])
-    config = load_config(None, ["data.paths=[*.txt]"])  # what the shell passes for data.paths=[*.txt]
-    with pytest.raises(ValueError, match="must be quoted"):
-        load_corpus(config.data.paths)
+    with pytest.raises(ValueError, match=r"override 'data.paths=\[\*.txt\]': its value is not valid YAML \(.* must be "
+                                         r"quoted: \"\*.txt\"\)$"):  # (what the shell passes for data.paths=[*.txt])
+        load_config(None, ["data.paths=[*.txt]"])
+
+
+@pytest.mark.parametrize("override", ["data.paths=[${DATA}/a.txt]", "data.paths=[a.txt, b.txt", "model={d_model: 64"])
+def test_an_override_meant_as_a_list_that_is_not_valid_yaml_is_refused(override):
+    """``data.paths=[${DATA}/a.txt]`` (single-quoted, or from a script) is not valid YAML, and
+    was taken as one path, '[/data/a.txt]', refused as a glob pattern that matches nothing
+    "(in a YAML list an item that starts with * must be quoted)"."""
+    with pytest.raises(ValueError, match=re.escape(f"override {override!r}: its value is not valid YAML (") + r".*\); "
+                       r"quote an item holding \$\{, \{, \} or ': ' - data.paths='\[\"\$\{DATA\}/a.txt\"\]'$"):
+        load_config(None, [override])
 
 
 def test_unknown_config_keys(tmp_path):

@@ -492,7 +492,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ValueError(f"override {item!r} must look like key=value (dotted keys for sections, e.g. model.d_model=128)")
     try:
         value = _yaml_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if raw.strip().startswith(("[", "{")):  # (meant as a list or mapping: as one string, a path '[a, b'...)
+            said = _yaml_error_line(e)
+            quote = "" if "quoted" in said else "; quote an item holding ${, {, } or ': ' - data.paths='[\"${DATA}/a.txt\"]'"
+            raise ValueError(f"override {item!r}: its value is not valid YAML ({said}){quote}") from None
         value = raw
     return key.strip().split("."), value
 
