@@ -652,7 +652,7 @@ def test_environment_variables_in_a_config_file_s_paths_are_expanded(tmp_path, m
     assert (config.out_dir, config.init_from, config.data.paths, config.data.cache_dir) == (
         f"{data}/run", f"{data}/old", [f"{data}/a.txt"], f"{data}/c")
     for override, field in (("out_dir=$ATTNRES_TEST_UNSET/run", "out_dir"),
-                            ("data.paths=[${ATTNRES_TEST_UNSET}/a.txt]", "data.paths")):
+                            ('data.paths=["${ATTNRES_TEST_UNSET}/a.txt"]', "data.paths")):
         with pytest.raises(ValueError, match=re.escape(f"TrainConfig.{field} must be a path whose environment variables "
                                                        "are set; got '") + r".*\(\$ATTNRES_TEST_UNSET is not set"):
             load_config(None, [override])
