@@ -386,6 +386,25 @@ def test_empty_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
         load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
 
 
+def test_a_data_directory_holding_training_runs_does_not_read_their_outputs(tmp_path):
+    """``data.paths=[.]`` with ``out_dir=runs/x`` (or a run written into the data directory)
+    read the runs' ``metrics.jsonl`` as data, refused as JSON lines without a "text" field (and
+    W&B's ``requirements.txt`` as text); a run's outputs are left out, with a warning."""
+    write_corpus(tmp_path / "a.txt")
+    for run in (tmp_path / "runs" / "x", tmp_path):  # (a run in a folder of the data, and one in the data's own)
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "config.json").write_text("{}")
+        (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    (tmp_path / "wandb" / "files").mkdir(parents=True)
+    (tmp_path / "wandb" / "files" / "requirements.txt").write_text("torch\n")
+    (tmp_path / "checkpoints" / "notes.txt").write_text("a run's file\n")
+    with pytest.warns(UserWarning, match=rf"data directory '{tmp_path}': the outputs of the training run\(s\) in it are "
+                                         rf"not read as data: '{tmp_path}', '{tmp_path}/runs/x'$"):
+        corpus = load_corpus([str(tmp_path)], 0.1)
+    assert corpus.sources == (str(tmp_path / "a.txt"),)
+    assert corpus.digest == load_corpus([str(tmp_path / "a.txt")], 0.1).digest
+
+
 def test_a_relative_data_path_that_is_not_there_names_the_directory_it_was_read_from(tmp_path, monkeypatch):
     """A config file in another directory with ``data.paths: [corpus.txt]`` said only "data path
     'corpus.txt' does not exist": relative paths are read from the current directory, not the

@@ -135,9 +135,27 @@ def _files_of(path: Path) -> list[Path]:
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not any(
         part.startswith(".") for part in p.relative_to(path).parts))
+    files = _without_runs(path, files)
     if not files:
         raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
     return files
+
+
+def _without_runs(path: Path, files: list[Path]) -> list[Path]:
+    """``files``, found in the directory ``path``, less the outputs of training runs there (a
+    run: a ``metrics.jsonl`` beside a ``config.json`` or ``checkpoints/``; its outputs: that
+    log and what its ``checkpoints/``, ``tensorboard/`` and ``wandb/`` hold, W&B's
+    ``requirements.txt``...): ``data.paths=[.]`` with ``out_dir=runs/x`` read an earlier run's
+    log as data, refused as JSON lines without a "text" field. Said with a warning."""
+    runs = [f.parent for f in files if f.name == "metrics.jsonl" and ((f.parent / "config.json").is_file()
+                                                                       or (f.parent / "checkpoints").is_dir())]
+    if not runs:
+        return files
+    outputs = [run / name for run in runs for name in ("checkpoints", "tensorboard", "wandb")]
+    warn_user(f"data directory {str(path)!r}: the outputs of the training run(s) in it are not read as data: "
+              f"{', '.join(repr(str(r)) for r in runs[:3])}{f' and {len(runs) - 3} more' if len(runs) > 3 else ''}")
+    return [f for f in files if f.parent not in runs or f.name != "metrics.jsonl"
+            if not any(f.is_relative_to(out) for out in outputs)]
 
 
 def _matches_of(pattern: str) -> list[Path]:
