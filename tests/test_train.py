@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,6 +143,18 @@ def test_resuming_a_run_whose_data_moved_says_the_path_is_the_run_s_own(tmp_path
         cli_main(["train", "--resume", f"out_dir={tmp_path / 'run'}", "progress=false"])
     assert cli_main(["train", "--resume", f"out_dir={tmp_path / 'run'}", "progress=false", "stop_after=3",
                      f"data.paths=[{moved}]"]) == 0
+
+
+def test_resuming_a_run_without_checkpoints_says_to_start_it_anew(tmp_path, corpus_file):
+    """A run whose checkpoints were removed (or that stopped before its first) said only
+    "resume=true but '.../checkpoints' holds no checkpoint"."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "run", stop_after=2, checkpoint_every=2)))
+    for checkpoint in (tmp_path / "run" / "checkpoints").iterdir():
+        shutil.rmtree(checkpoint)
+    with pytest.raises(ValueError, match=r"resume=true but '.*checkpoints' holds no checkpoint: the run has none to "
+                                         r"continue \(it stopped before its first, or they were removed\); drop "
+                                         r"--resume to start it anew$"):
+        train(load_config(None, overrides(corpus_file, tmp_path / "run", resume="true")))
 
 
 def test_resume_rejects_changed_config(tmp_path, corpus_file):
