@@ -6,11 +6,13 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +129,32 @@ def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file,
     config_file.write_text("steps: 6\n")
     with pytest.raises(SystemExit, match="the config differs in"):
         cli_main(["train", str(config_file), "--resume", f"out_dir={tmp_path / 'split'}"])
+
+
+def test_resuming_a_run_whose_data_moved_says_the_path_is_the_run_s_own(tmp_path, corpus_file):
+    """``attnres train out_dir=R --resume`` after the data moved said "data path '/old/corpus.txt'
+    does not exist", a path the command never named; it now says the run stored it and how to
+    give the new place, which resumes."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "run", stop_after=2, checkpoint_every=2)))
+    moved = corpus_file.rename(tmp_path / "corpus2.txt")
+    with pytest.raises(SystemExit, match=re.escape(f"data path '{corpus_file}', stored with the run (") + r".*step-00000002'\), "
+                       r"does not exist \(did you mean 'corpus2.txt'\?\): if the data moved, give data.paths=\[...\] "
+                       r"where it is now \(resuming checks that it holds the same text\)$"):
+        cli_main(["train", "--resume", f"out_dir={tmp_path / 'run'}", "progress=false"])
+    assert cli_main(["train", "--resume", f"out_dir={tmp_path / 'run'}", "progress=false", "stop_after=3",
+                     f"data.paths=[{moved}]"]) == 0
+
+
+def test_resuming_a_run_without_checkpoints_says_to_start_it_anew(tmp_path, corpus_file):
+    """A run whose checkpoints were removed (or that stopped before its first) said only
+    "resume=true but '.../checkpoints' holds no checkpoint"."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "run", stop_after=2, checkpoint_every=2)))
+    for checkpoint in (tmp_path / "run" / "checkpoints").iterdir():
+        shutil.rmtree(checkpoint)
+    with pytest.raises(ValueError, match=r"resume=true but '.*checkpoints' holds no checkpoint: the run has none to "
+                                         r"continue \(it stopped before its first, or they were removed\); drop "
+                                         r"--resume to start it anew$"):
+        train(load_config(None, overrides(corpus_file, tmp_path / "run", resume="true")))
 
 
 def test_resume_rejects_changed_config(tmp_path, corpus_file):
@@ -353,6 +381,43 @@ def test_missing_and_empty_data(tmp_path):
         cli_main(["train", f"data.paths=[{tmp_path / 'nope.txt'}]", f"out_dir={tmp_path / 'run'}", "progress=false"])
 
 
+def test_empty_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
+    """A directory of documents holding an empty one (a crawl's failed download) was refused
+    as a whole, "data file '.../b.txt' is empty", and the next empty one after it was deleted;
+    they are skipped, said once. An empty file named in data.paths is still refused."""
+    (tmp_path / "docs").mkdir()
+    write_corpus(tmp_path / "docs" / "a.txt")
+    for name in ("b.txt", "c.jsonl", "d.txt", "e.txt"):
+        (tmp_path / "docs" / name).write_text("")
+    with pytest.warns(UserWarning, match=r"data.paths: 4 empty file\(s\) skipped: '.*b.txt', '.*c.jsonl', '.*d.txt' "
+                                         r"and 1 more$"):
+        skipping = load_corpus([str(tmp_path / "docs")], 0.1)
+    assert skipping.digest == load_corpus([str(tmp_path / "docs" / "a.txt")], 0.1).digest
+    with pytest.raises(ValueError, match=r"data.paths finds only empty files: '.*b.txt', '.*d.txt'"):
+        load_corpus([str(tmp_path / "docs" / "[bd].txt")])
+    with pytest.raises(ValueError, match=r"data file '.*b.txt' is empty"):
+        load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
+
+
+def test_a_data_directory_holding_training_runs_does_not_read_their_outputs(tmp_path):
+    """``data.paths=[.]`` with ``out_dir=runs/x`` (or a run written into the data directory)
+    read the runs' ``metrics.jsonl`` as data, refused as JSON lines without a "text" field (and
+    W&B's ``requirements.txt`` as text); a run's outputs are left out, with a warning."""
+    write_corpus(tmp_path / "a.txt")
+    for run in (tmp_path / "runs" / "x", tmp_path):  # (a run in a folder of the data, and one in the data's own)
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "config.json").write_text("{}")
+        (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    (tmp_path / "wandb" / "files").mkdir(parents=True)
+    (tmp_path / "wandb" / "files" / "requirements.txt").write_text("torch\n")
+    (tmp_path / "checkpoints" / "notes.txt").write_text("a run's file\n")
+    with pytest.warns(UserWarning, match=rf"data directory '{tmp_path}': the outputs of the training run\(s\) in it are "
+                                         rf"not read as data: '{tmp_path}', '{tmp_path}/runs/x'$"):
+        corpus = load_corpus([str(tmp_path)], 0.1)
+    assert corpus.sources == (str(tmp_path / "a.txt"),)
+    assert corpus.digest == load_corpus([str(tmp_path / "a.txt")], 0.1).digest
+
+
 def test_a_relative_data_path_that_is_not_there_names_the_directory_it_was_read_from(tmp_path, monkeypatch):
     """A config file in another directory with ``data.paths: [corpus.txt]`` said only "data path
     'corpus.txt' does not exist": relative paths are read from the current directory, not the
@@ -376,12 +441,38 @@ def test_jsonl_with_a_byte_order_mark_and_a_late_bad_byte(tmp_path):
     assert load_corpus([str(tmp_path / "bom.jsonl")]).digest == load_corpus([str(tmp_path / "plain.jsonl")]).digest
     prefix = records.encode()
     (tmp_path / "late.jsonl").write_bytes(prefix + b'{"text": "caf\xe9"}\n')
-    with pytest.raises(ValueError, match=rf"'.*late.jsonl' is not UTF-8 text \(line 3001, byte {len(prefix) + 13}\)$"):
+    with pytest.raises(ValueError, match=rf"'.*late.jsonl' is not UTF-8 text \(line 3001, byte {len(prefix) + 13}\); "):
         load_corpus([str(tmp_path / "late.jsonl")])
     # a .txt file's too (it said only the byte), counted in the file, its byte-order mark included
     (tmp_path / "late.txt").write_bytes(b"\xef\xbb\xbf" + b"a line\n" * 3000 + b"caf\xe9\n")
     with pytest.raises(ValueError, match=rf"'.*late.txt' is not UTF-8 text \(line 3001, byte {3 + 7 * 3000 + 3}\); "):
         load_corpus([str(tmp_path / "late.txt")])
+
+
+def test_text_in_another_encoding_says_how_to_convert_it(tmp_path, monkeypatch):
+    """A Latin-1 file was told "give a text file" (it is one); a UTF-16 file (Notepad's "Unicode")
+    the same at byte 0; one without a byte-order mark, ASCII text every other byte, read as
+    UTF-8 and was trained on, a NUL after each letter, without a word."""
+    text = "".join(f"line {i} of a text about a café\n" for i in range(300))
+    (tmp_path / "latin1.txt").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"'.*latin1.txt' is not UTF-8 text \(line 1, byte 28\); give a text file, in "
+                                         r"UTF-8 \(text in another encoding, such as Latin-1 .*iconv -f WINDOWS-1252"):
+        load_corpus([str(tmp_path / "latin1.txt")])
+    (tmp_path / "utf16.txt").write_text(text, encoding="utf-16")
+    with pytest.raises(ValueError, match=r"'.*utf16.txt' is not UTF-8 text \(line 1, byte 0; a UTF-16 file, by its "
+                                         r"byte-order mark\): convert it to UTF-8, e.g. with iconv -f UTF-16 -t UTF-8$"):
+        load_corpus([str(tmp_path / "utf16.txt")])
+    ascii_text = text.replace("é", "e")
+    (tmp_path / "utf16le.txt").write_bytes(ascii_text.encode("utf-16-le"))
+    (tmp_path / "nul.txt").write_text(ascii_text[:-40] + "\x00" + ascii_text[-40:])
+    monkeypatch.setattr("attnres.data.corpus.READ_CHUNK", 1000)  # (lines counted across the parts the file is read in)
+    for name, line in (("utf16le.txt", 1), ("nul.txt", 299)):
+        with pytest.warns(UserWarning, match=rf"'.*{name}' holds NUL characters \(the first on line {line}\), which "
+                                             r"text does not: a UTF-16 file without a byte-order mark"):
+            load_corpus([str(tmp_path / name)], 0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_corpus([str(write_corpus(tmp_path / "plain.txt"))], 0.1)  # (text without a NUL: no word)
 
 
 def test_a_text_file_with_a_byte_order_mark_and_upper_case_suffixes(tmp_path):
@@ -438,9 +529,19 @@ def test_data_paths_take_glob_patterns(tmp_path, monkeypatch):
         load_corpus(["[*.txt]"])
     with pytest.raises(ValueError, match="reads the file 'a.txt' twice"):
         load_corpus(["a.txt", "*.txt"])
-    config = load_config(None, ["data.paths=[*.txt]"])  # what the shell passes for data.paths=[*.txt]
-    with pytest.raises(ValueError, match="must be quoted"):
-        load_corpus(config.data.paths)
+    with pytest.raises(ValueError, match=r"override 'data.paths=\[\*.txt\]': its value is not valid YAML \(.* must be "
+                                         r"quoted: \"\*.txt\"\)$"):  # (what the shell passes for data.paths=[*.txt])
+        load_config(None, ["data.paths=[*.txt]"])
+
+
+@pytest.mark.parametrize("override", ["data.paths=[${DATA}/a.txt]", "data.paths=[a.txt, b.txt", "model={d_model: 64"])
+def test_an_override_meant_as_a_list_that_is_not_valid_yaml_is_refused(override):
+    """``data.paths=[${DATA}/a.txt]`` (single-quoted, or from a script) is not valid YAML, and
+    was taken as one path, '[/data/a.txt]', refused as a glob pattern that matches nothing
+    "(in a YAML list an item that starts with * must be quoted)"."""
+    with pytest.raises(ValueError, match=re.escape(f"override {override!r}: its value is not valid YAML (") + r".*\); "
+                       r"quote an item holding \$\{, \{, \} or ': ' - data.paths='\[\"\$\{DATA\}/a.txt\"\]'$"):
+        load_config(None, [override])
 
 
 def test_unknown_config_keys(tmp_path):
@@ -467,6 +568,44 @@ def test_unknown_config_keys(tmp_path):
         load_config(None, ["optimizer=sgd"])
     with pytest.raises(ValueError, match="key=value"):
         load_config(None, ["steps"])
+
+
+@pytest.mark.parametrize("text, said", [
+    ("data:\n\tpaths: [a.txt]\n", "found character '\\t' that cannot start any token at line 2, column 1; YAML takes "
+                                  "spaces there (to indent), not a tab"),
+    ("data:\n  paths: [*.txt]\n", "but found '.' at line 2, column 12; a value that starts with * (a glob pattern, "
+                                  "*.txt) must be quoted: \"*.txt\""),
+    ("data:\n  paths:\n    - *txt\n", "found undefined alias 'txt' at line 3, column 7; a value that starts with *")])
+def test_a_config_file_s_yaml_error_says_what_to_write(tmp_path, text, said):
+    """A config indented with a tab (an editor's tab key) said only "found character '\\t' that
+    cannot start any token"; a glob pattern ``[*.txt]`` unquoted (an alias, to YAML) "expected
+    alphabetic or numeric character, but found '.'"."""
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        load_config(tmp_path / "run.yaml")
+
+
+@pytest.mark.parametrize("text, shown", [("data:\n  - paths: [a.txt]\n", "[{'paths': ['a.txt']}]"),
+                                         ("data: corpus.txt\n", "'corpus.txt'")])
+def test_an_override_into_a_section_the_config_gives_as_something_else_says_what_it_is(tmp_path, text, shown):
+    """A config file whose ``data`` is a list (a ``-`` too many) or a path, with ``data.tokenizer=byte``
+    on the command line, was told only "data is not a section", as if the override were wrong."""
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"override 'data.tokenizer=byte': data is not a section: it is "
+                                                   f"{shown} (in the config or an override before), where a mapping")):
+        load_config(tmp_path / "run.yaml", ["data.tokenizer=byte"])
+
+
+@pytest.mark.parametrize("override, meant", [("val_fraction=0.1", "data.val_fraction"), ("tokenizer=byte", "data.tokenizer"),
+                                             ("vocab_size=512", "data.vocab_size"), ("d_model=32", "model.d_model"),
+                                             ("residual=standard", "model.residual")])
+def test_a_section_s_field_given_at_the_top_level_is_named_with_its_section(override, meant):
+    """``val_fraction=0.1`` (the README's word for it) suggested 'decay_fraction', ``vocab_size``
+    'batch_size', ``d_model`` 'model', and ``tokenizer=byte`` nothing: each is its section's field."""
+    key = override.partition("=")[0]
+    with pytest.raises(ValueError, match=re.escape(f"unknown TrainConfig key(s) ['{key}'] (did you mean '{meant}' "
+                                                   f"for '{key}'?)")):
+        load_config(None, [override])
 
 
 @pytest.mark.parametrize("text, said", [
@@ -530,6 +669,26 @@ def test_train_config_takes_pathlib_paths_as_the_strings_they_name(tmp_path):
     config.out_dir = tmp_path / "other"  # set in a notebook after construction: train() validates it
     config.validate()
     assert config.out_dir == str(tmp_path / "other")
+
+
+def test_environment_variables_in_a_config_file_s_paths_are_expanded(tmp_path, monkeypatch):
+    """``out_dir: $SCRATCH/run`` in a config file, where no shell expands it, trained into a
+    directory named '$SCRATCH' here, and ``data.paths: [$DATA/a.txt]`` said "'.' holds no '$DATA'";
+    ``~`` was expanded there already. A variable that is not set is named."""
+    monkeypatch.setenv("ATTNRES_TEST_DATA", str(tmp_path / "data"))
+    monkeypatch.delenv("ATTNRES_TEST_UNSET", raising=False)
+    (tmp_path / "run.yaml").write_text("out_dir: ${ATTNRES_TEST_DATA}/run\ninit_from: $ATTNRES_TEST_DATA/old\n"
+                                       "data:\n  paths: [$ATTNRES_TEST_DATA/a.txt]\n  cache_dir: $ATTNRES_TEST_DATA/c\n")
+    config = load_config(tmp_path / "run.yaml")
+    data = str(tmp_path / "data")
+    assert (config.out_dir, config.init_from, config.data.paths, config.data.cache_dir) == (
+        f"{data}/run", f"{data}/old", [f"{data}/a.txt"], f"{data}/c")
+    for override, field in (("out_dir=$ATTNRES_TEST_UNSET/run", "out_dir"),
+                            ('data.paths=["${ATTNRES_TEST_UNSET}/a.txt"]', "data.paths")):
+        with pytest.raises(ValueError, match=re.escape(f"TrainConfig.{field} must be a path whose environment variables "
+                                                       "are set; got '") + r".*\(\$ATTNRES_TEST_UNSET is not set"):
+            load_config(None, [override])
+    assert load_config(None, ["out_dir=runs/a$1"]).out_dir == "runs/a$1"  # ($1 names no variable)
 
 
 def test_configs_take_numpy_scalars_as_the_python_numbers_they_hold():
@@ -832,6 +991,26 @@ def test_bpe_round_trip_and_cache_reuse(tmp_path, corpus_file, monkeypatch):
     assert prepare_data(corpus, "bpe", 280).cache_dir != data.cache_dir
 
 
+def test_a_transformers_tokenizer_without_its_tokenizer_json_says_how_to_write_one(tmp_path):
+    """``data.tokenizer=`` a transformers directory that keeps its tokenizer in the slow form
+    (GPT-2's vocab.json and merges.txt, a SentencePiece tokenizer.model) was told only that it
+    holds no tokenizer.json."""
+    from attnres.data.tokenizer import tokenizer_file
+
+    (tmp_path / "vocab.json").write_text("{}")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ValueError, match=re.escape(f"data.tokenizer '{tmp_path}' is a directory without a tokenizer.json: "
+                                                   "give a tokenizer.json file, or a directory holding one (vocab.json, "
+                                                   "merges.txt: a transformers tokenizer without its tokenizer.json; "
+                                                   "transformers writes one: python -c \"from transformers import "
+                                                   f"AutoTokenizer; AutoTokenizer.from_pretrained('{tmp_path}')")):
+        tokenizer_file(tmp_path, "data.tokenizer")
+    (tmp_path / "vocab.json").unlink()
+    (tmp_path / "merges.txt").unlink()
+    with pytest.raises(ValueError, match=r"holding one$"):  # (nothing of a tokenizer there: no such word)
+        tokenizer_file(tmp_path, "data.tokenizer")
+
+
 def test_byte_fallback(tmp_path, corpus_file, monkeypatch):
     monkeypatch.setattr(dataset_mod, "bpe_available", lambda: False)
     with pytest.warns(UserWarning, match="falling back to the byte-level tokenizer"):
@@ -943,6 +1122,14 @@ def test_splits_shorter_than_a_window_say_how_to_go_on():
     with pytest.raises(ValueError, match=r"the validation split has 10 tokens, fewer than seq_len = 16; raise "
                                          r"data.val_fraction or lower seq_len"):
         validation_batches(np.arange(10, dtype=np.uint16), seq_len=16, batch_size=2, n_batches=1)
+
+
+def test_a_validation_fraction_that_leaves_no_training_text_says_so(tmp_path):
+    """``data.val_fraction=0.99`` said "the corpus (37573 characters) is too small to split",
+    as if more text were the way out: the fraction is what leaves nothing to train on."""
+    with pytest.raises(ValueError, match=r"^data.val_fraction=0.99 leaves no training text of the corpus's 2498 "
+                                         r"characters: use a smaller val_fraction, or more text$"):
+        load_corpus([str(write_corpus(tmp_path / "c.txt", n_lines=40))], 0.99)
 
 
 def test_sampler_resumes_where_it_stopped():

@@ -16,7 +16,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -96,23 +96,31 @@ def missing_path_hint(path: str | os.PathLike[str], directories_only: bool = Fal
 
 
 def did_you_mean_each(values: Iterable[str], allowed: Iterable[str], note: Callable[[str], str] | None = None,
-                      cutoff: float = 0.6) -> str:
-    """`` (did you mean 'a' for 'x', 'b' for 'y'?)``: the nearest allowed string of each value
-    that has one (:func:`nearest`; ``note(near)`` after it, when given), or ``""`` when none has."""
-    allowed = list(allowed)
+                      cutoff: float = 0.6, meant: Mapping[str, str] | None = None) -> str:
+    """`` (did you mean 'a' for 'x', 'b' for 'y'?)``: for each value, ``meant[value]`` when
+    given, else the nearest allowed string (:func:`nearest`; ``note(near)`` after it, when
+    given), or ``""`` when no value has one."""
+    allowed, meant = list(allowed), meant or {}
     hints = [f"{near!r}{note(near) if note else ''} for {value!r}"
-             for value in values if (near := nearest(value, allowed, cutoff)) is not None]
+             for value in values if (near := meant.get(value) or nearest(value, allowed, cutoff)) is not None]
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
-def check_known_keys(section: str, data: Iterable[str], known: Iterable[str]) -> None:
+def check_known_keys(section: str, data: Iterable[str], known: Iterable[str],
+                     sections: Mapping[str, Iterable[str]] | None = None) -> None:
     """Raise ``ValueError`` for keys of ``data`` not in ``known``, naming the nearest known key
-    of each (a misspelt ``out=`` for ``out_dir=``) and listing them all."""
+    of each (a misspelt ``out=`` for ``out_dir=``; a field of one of ``sections``, its section
+    name -> its keys, as that section's: ``data.val_fraction`` for ``val_fraction``) and listing them all."""
     known = sorted(set(known))
     unknown = sorted(set(data) - set(known), key=str)  # (a YAML key may be a number: 1: 2)
     if not unknown:
         return
-    raise ValueError(f"unknown {section} key(s) {unknown}{did_you_mean_each(unknown, known)}; known keys: {known}")
+    meant: dict[str, str] = {}
+    for name, keys in (sections or {}).items():
+        for key in keys:
+            meant.setdefault(key, f"{name}.{key}")  # (the first section that has it)
+    raise ValueError(f"unknown {section} key(s) {unknown}{did_you_mean_each(unknown, known, meant=meant)}; "
+                     f"known keys: {known}")
 
 
 def fail(section: str, name: str, allowed: str, value: Any, hint: str = "") -> NoReturn:

@@ -59,25 +59,32 @@ def _text_parts(path: Path, what: str) -> Iterator[str]:
             while part := f.read(READ_CHUNK):
                 yield part
     except UnicodeDecodeError:  # (where, as a .jsonl file's is said: a line to look at in a large file)
-        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text ({_utf8_error_at(path)}); give a text "
-                         "file") from None
+        raise _not_utf8(what, path) from None
     except OSError as e:
         raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
 
 
-def _utf8_error_at(path: Path) -> str:
-    """Where ``path``'s first byte that is not UTF-8 lies: "line L, byte B" (B counted from
-    the start of the file). A streamed read's ``UnicodeDecodeError`` counts from the start of
-    the buffer that failed, which is not the file's from the second buffer on."""
+def _not_utf8(what: str, path: Path) -> ValueError:
+    """The error for ``path`` (named as ``what``), which is not UTF-8: where its first byte that
+    is not lies, "line L, byte B" (B counted from the start of the file: a streamed read's
+    ``UnicodeDecodeError`` counts from the start of the buffer that failed), and what to do."""
     data = path.read_bytes()
     packed = next((kind for magic, kind in COMPRESSED if data.startswith(magic)), None)
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        # (a compressed file's first bytes are not UTF-8: what to do is to decompress it)
-        return f"line {line}, byte {e.start}" + (f"; a {packed}-compressed file: decompress it first" if packed else "")
-    return "unknown position"
+        where = f"line {line}, byte {e.start}"
+    else:
+        where = "unknown position"
+    said = f"{what} {str(path)!r} is not UTF-8 text"
+    if packed:  # (a compressed file's first bytes are not UTF-8: what to do is to decompress it)
+        return ValueError(f"{said} ({where}; a {packed}-compressed file: decompress it first); give a text file")
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # (Windows editors' "Unicode")
+        return ValueError(f"{said} ({where}; a UTF-16 file, by its byte-order mark): convert it to UTF-8, e.g. "
+                          "with iconv -f UTF-16 -t UTF-8")
+    return ValueError(f"{said} ({where}); give a text file, in UTF-8 (text in another encoding, such as Latin-1 or "
+                      f"Windows-1252: convert it, e.g. with iconv -f WINDOWS-1252 -t UTF-8)")
 
 
 #: The first bytes of compressed files a corpus comes as, and their formats' names.
@@ -128,9 +135,27 @@ def _files_of(path: Path) -> list[Path]:
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not any(
         part.startswith(".") for part in p.relative_to(path).parts))
+    files = _without_runs(path, files)
     if not files:
         raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
     return files
+
+
+def _without_runs(path: Path, files: list[Path]) -> list[Path]:
+    """``files``, found in the directory ``path``, less the outputs of training runs there (a
+    run: a ``metrics.jsonl`` beside a ``config.json`` or ``checkpoints/``; its outputs: that
+    log and what its ``checkpoints/``, ``tensorboard/`` and ``wandb/`` hold, W&B's
+    ``requirements.txt``...): ``data.paths=[.]`` with ``out_dir=runs/x`` read an earlier run's
+    log as data, refused as JSON lines without a "text" field. Said with a warning."""
+    runs = [f.parent for f in files if f.name == "metrics.jsonl" and ((f.parent / "config.json").is_file()
+                                                                       or (f.parent / "checkpoints").is_dir())]
+    if not runs:
+        return files
+    outputs = [run / name for run in runs for name in ("checkpoints", "tensorboard", "wandb")]
+    warn_user(f"data directory {str(path)!r}: the outputs of the training run(s) in it are not read as data: "
+              f"{', '.join(repr(str(r)) for r in runs[:3])}{f' and {len(runs) - 3} more' if len(runs) > 3 else ''}")
+    return [f for f in files if f.parent not in runs or f.name != "metrics.jsonl"
+            if not any(f.is_relative_to(out) for out in outputs)]
 
 
 def _matches_of(pattern: str) -> list[Path]:
@@ -418,13 +443,28 @@ def _read_file(file: Path, text_field: str, first: bool = False) -> Iterator[str
                 blank = blank and (not doc or doc.isspace())  # (not strip(): a copy of each)
                 yield doc
         else:
+            lines = 0 if first else None  # (on the first pass: the lines before a NUL, to say where it is)
             for part in _text_parts(file, "data file"):
                 blank = blank and part.isspace()
+                if lines is not None and "\x00" in part:
+                    _warn_nul(file, lines + part.count("\n", 0, part.index("\x00")) + 1)
+                    lines = None
+                elif lines is not None:
+                    lines += part.count("\n")
                 yield part
     except UnicodeDecodeError:  # a .jsonl file's lines
-        raise ValueError(f"data file {str(file)!r} is not UTF-8 text ({_utf8_error_at(file)})") from None
+        raise _not_utf8("data file", file) from None
     if blank:
         raise ValueError(f"data file {str(file)!r} holds no text")
+
+
+def _warn_nul(file: Path, line: int) -> None:
+    """Warn that the text file ``file`` holds a NUL character on line ``line``: text has none,
+    while a UTF-16 file without a byte-order mark, its ASCII text every other byte, reads as
+    UTF-8 with one after each letter (and a binary file may too)."""
+    warn_user(f"data file {str(file)!r} holds NUL characters (the first on line {line}), which text does not: a "
+              "UTF-16 file without a byte-order mark, or a binary file? It is trained on as it reads; convert it to "
+              "UTF-8 (e.g. with iconv -f UTF-16LE -t UTF-8) or leave it out")
 
 
 def _corpus_text(files: tuple[Path, ...], text_field: str, first: bool = False) -> Iterator[str]:
@@ -441,13 +481,14 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     """Find ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
     ``.jsonl`` lines need a string field ``text_field``, ``"text"`` by default) - or the default corpus
-    when ``paths`` is empty - and, with ``read``, read and split it now. Raises ``ValueError``
-    for a missing or empty path, an empty file or a file that two paths reach (it would count
-    twice); with ``read``, also for a file that is not UTF-8 text or a split that leaves either
+    when ``paths`` is empty - and, with ``read``, read and split it now (empty files that a
+    directory or pattern holds are skipped, with a warning). Raises ``ValueError`` for a missing
+    or empty path, an empty file named or a file that two paths reach (it would count twice); with ``read``, also for a file that is not UTF-8 text or a split that leaves either
     part empty (without it, when the text is first wanted: see :class:`Corpus`)."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
     files: list[Path] = []
+    empty: list[str] = []  # the empty files a directory or pattern holds: skipped
     seen: dict[Path, tuple[Path, Path]] = {}  # resolved file -> (the file, its data path) as first reached
     for root, root_files in data_files(paths):
         for file in root_files:
@@ -456,11 +497,24 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
                 how = "listed twice" if first_root == root else f"through {str(first_root)!r} and {str(root)!r}"
                 raise ValueError(f"data.paths reads the file {str(first)!r} twice ({how}): list each file or "
                                  "directory once")
-            if file.stat().st_size == 0:
+            if file.stat().st_size == 0 and file == root:  # (named: a file meant to hold the text)
                 raise ValueError(f"data file {str(file)!r} is empty")
-            files.append(file)
+            (empty if file.stat().st_size == 0 else files).append(file)
+    _skip_empty(empty, bool(files))
     corpus = Corpus(files, val_fraction, text_field)
     return corpus.read() if read else corpus
+
+
+def _skip_empty(empty: list[Path], others: bool) -> None:
+    """Say that the empty files ``empty``, which directories or patterns of ``data.paths`` hold
+    (a crawl's failed downloads: one refused the whole corpus, and the next one after it was
+    deleted), are skipped; ``ValueError`` when there are no ``others``."""
+    if not empty:
+        return
+    names = ", ".join(repr(str(f)) for f in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    if not others:
+        raise ValueError(f"data.paths finds only empty files: {names}")
+    warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {names}")
 
 
 def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str) -> _Layout:
@@ -490,7 +544,10 @@ def _val_and_digest(text: Iterator[str], layout: _Layout, val_fraction: float) -
 
     digest = _digest_of(layout.train_length, train_then_val())
     val_text = "".join(val)
-    if train_blank or not val_text or val_text.isspace():
+    if train_blank:  # (the corpus is not too small: the fraction is too large)
+        raise ValueError(f"data.val_fraction={val_fraction} leaves no training text of the corpus's {layout.length} "
+                         "characters: use a smaller val_fraction, or more text")
+    if not val_text or val_text.isspace():
         raise ValueError(f"the corpus ({layout.length} characters) is too small to split with "
                          f"val_fraction={val_fraction}")
     return val_text, digest

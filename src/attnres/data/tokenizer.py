@@ -211,12 +211,29 @@ def tokenizer_file(path: str | Path, what: str) -> Path:
     if file.is_dir():
         if not (file / TOKENIZER_FILE).is_file():
             raise ValueError(f"{what} {str(file)!r} is a directory without a {TOKENIZER_FILE}: give a "
-                             f"{TOKENIZER_FILE} file, or a directory holding one")
+                             f"{TOKENIZER_FILE} file, or a directory holding one{_slow_tokenizer_hint(file)}")
         file = file / TOKENIZER_FILE
     if not file.is_file():
         raise ValueError(f"{what} {str(file)!r} does not exist: give a {TOKENIZER_FILE} file, or a directory "
                          "holding one")
     return file
+
+
+#: The files of a transformers tokenizer kept in its "slow" form (GPT-2's BPE files, a
+#: SentencePiece or WordPiece model), which ``transformers`` converts to a ``tokenizer.json``.
+SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                        "vocab.txt")
+
+
+def _slow_tokenizer_hint(directory: Path) -> str:
+    """For a directory without a ``tokenizer.json`` that holds a transformers tokenizer's slow
+    files, how to write the ``tokenizer.json`` (transformers converts them); else ``""``."""
+    found = [name for name in SLOW_TOKENIZER_FILES if (directory / name).is_file()]
+    if not found:
+        return ""
+    return (f" ({', '.join(found)}: a transformers tokenizer without its {TOKENIZER_FILE}; transformers writes one: "
+            f"python -c \"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained({str(directory)!r})"
+            f".save_pretrained({str(directory)!r})\")")
 
 
 #: What a tokenizer record may carry beside its tokenizer, from a transformers directory a run

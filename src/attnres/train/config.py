@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,8 +104,8 @@ class DataConfig:
         if isinstance(self.paths, (str, os.PathLike)):
             self.paths = [self.paths]
         if isinstance(self.paths, (list, tuple)):
-            self.paths = [_path_text(p) for p in self.paths]
-        self.cache_dir = _path_text(self.cache_dir)
+            self.paths = [_path_text(p, "data.paths") for p in self.paths]
+        self.cache_dir = _path_text(self.cache_dir, "data.cache_dir")
         python_scalars(self)
         if isinstance(self.tokenizer, os.PathLike):  # a Path names a file, even ./gpt2 (str: 'gpt2')
             path = os.fspath(self.tokenizer)
@@ -111,9 +113,25 @@ class DataConfig:
         _check_rules(self, DATA_RULES, "data.")
 
 
-def _path_text(value: Any) -> Any:
-    """``value`` as a string when it is a path object (``pathlib.Path``), else as it is."""
-    return os.fspath(value) if isinstance(value, os.PathLike) else value
+#: ``$NAME`` or ``${NAME}`` in a path: an environment variable, as a shell writes one.
+_ENV_VARIABLE = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
+
+
+def _path_text(value: Any, name: str) -> Any:
+    """``value`` as a string when it is a path object (``pathlib.Path``), else as it is; in a
+    string, ``$NAME`` and ``${NAME}`` are the environment variable's value: the shell expands
+    them on the command line but not in a config file, where ``out_dir: $SCRATCH/x`` made a
+    directory named '$SCRATCH' here. ``ValueError`` naming the field ``name`` for one not set."""
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    def variable(match: re.Match[str]) -> str:
+        variable_name = match.group(1) or match.group(2)
+        if variable_name not in os.environ:
+            fail("TrainConfig", name, "a path whose environment variables are set", value,
+                 hint=f" (${variable_name} is not set: set it, or write the path out)")
+        return os.environ[variable_name]
+
+    return _ENV_VARIABLE.sub(variable, value) if isinstance(value, str) else value
 
 
 DATA_RULES: dict[str, Rule] = {
@@ -230,10 +248,11 @@ class TrainConfig:
         if not isinstance(self.parallel, ParallelConfig):  # TrainConfig(distributed="none"): parallel.dp=1
             self.parallel = ParallelConfig.from_dict(self.parallel)
         # `~` is the home directory, as in data.paths: the shell expands it on the command line but
-        # not in a config file, where `out_dir: ~/runs/x` made a directory named '~' here.
+        # not in a config file, where `out_dir: ~/runs/x` made a directory named '~' here (and
+        # `$NAME`, an environment variable: _path_text).
         # (a pathlib.Path, such as TrainResult.checkpoint, is a path: held as its string)
         for name in ("out_dir", "init_from", "resume_from"):
-            value = _path_text(getattr(self, name))
+            value = _path_text(getattr(self, name), name)
             setattr(self, name, value)
             if isinstance(value, str) and value.startswith("~"):
                 setattr(self, name, os.path.expanduser(value))
@@ -242,7 +261,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and the allowed values on bad input."""
         for name in ("out_dir", "init_from", "resume_from"):  # (also when set after construction)
-            setattr(self, name, _path_text(getattr(self, name)))
+            setattr(self, name, _path_text(getattr(self, name), name))
         python_scalars(self)
         if not isinstance(self.model, ModelConfig):
             fail("TrainConfig", "model", "a ModelConfig", self.model)
@@ -298,7 +317,10 @@ class TrainConfig:
         # An empty section (`data:` with every line under it commented out) is YAML's null: the
         # section's defaults, as without the line (a mapping was asked for, and refused).
         data = {k: v for k, v in data.items() if not (v is None and k in ("model", "data", "parallel"))}
-        check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)})
+        # (a section's field given at the top level, ``val_fraction=0.1``, is named as the section's)
+        check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)}, sections={
+            "data": [f.name for f in dataclasses.fields(DataConfig)], "model": sorted(_MODEL_FIELDS),
+            "parallel": [f.name for f in dataclasses.fields(ParallelConfig)]})
         return cls(**data)  # (__post_init__ reads the sections)
 
 
@@ -452,7 +474,12 @@ def _yaml_error_line(error: Exception) -> str:
     problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
     if problem is None or mark is None:
         return " ".join(str(error).split())
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    hint = ""
+    if "'\\t'" in problem:  # (an editor's tab key)
+        hint = "; YAML takes spaces there (to indent), not a tab"
+    elif getattr(error, "context", None) == "while scanning an alias" or problem.startswith("found undefined alias"):
+        hint = "; a value that starts with * (a glob pattern, *.txt) must be quoted: \"*.txt\""  # (YAML's alias)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}{hint}"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -465,7 +492,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ValueError(f"override {item!r} must look like key=value (dotted keys for sections, e.g. model.d_model=128)")
     try:
         value = _yaml_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if raw.strip().startswith(("[", "{")):  # (meant as a list or mapping: as one string, a path '[a, b'...)
+            said = _yaml_error_line(e)
+            quote = "" if "quoted" in said else "; quote an item holding ${, {, } or ': ' - data.paths='[\"${DATA}/a.txt\"]'"
+            raise ValueError(f"override {item!r}: its value is not valid YAML ({said}){quote}") from None
         value = raw
     return key.strip().split("."), value
 
@@ -492,7 +523,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             elif child is None:
                 child = {}
             elif not isinstance(child, dict):
-                raise ValueError(f"override {item!r}: {'.'.join(keys[:depth + 1])} is not a section")
+                # (what the config file gives there, which is where to look: a list, or a bare value)
+                raise ValueError(f"override {item!r}: {'.'.join(keys[:depth + 1])} is not a section: it is "
+                                 f"{reprlib.repr(child)} (in the config or an override before), where a mapping of "
+                                 "its fields is meant")
             node[k] = child = dict(child)
             node = child
         if keys == ["model", "from_hf"]:

@@ -26,6 +26,7 @@ from ..nn.residual.imports import unregistered_residual_error
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
 from .schedule import lr_factor, wsd_decay_start
 from ..user_warning import warn_user
+from ..validation import missing_path_hint
 
 
 def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
@@ -66,12 +67,26 @@ def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainC
         base["data"] = {**base["data"], "paths": paths}
     launch = {k: v for k, v in config.to_dict().items() if k in PER_LAUNCH}
     try:
-        return TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides)), found[0]
+        resumed = TrainConfig.from_dict(apply_overrides({**base, **launch}, overrides))
     except ValueError as e:  # (a residual of the user's, its module not imported: the one the run recorded)
         missing = unregistered_residual_error(e, found[1].get("imports"))
         if missing is None:
             raise
         raise ValueError(f"checkpoint {str(found[0])!r}: {missing}") from None
+    if not any(o.partition("=")[0].strip() in ("data", "data.paths") for o in overrides):
+        _refuse_moved_data(resumed.data.paths, found[0])
+    return resumed, found[0]
+
+
+def _refuse_moved_data(paths: list[str], checkpoint: Path) -> None:
+    """Raise ``ValueError`` for a data path stored with the run at ``checkpoint`` that is no
+    longer there: the data moved, and the error said only that the path (which the command
+    never named) does not exist."""
+    gone = [p for p in paths if not any(c in p for c in "*?[") and not Path(p).exists()]
+    if gone:
+        raise ValueError(f"data path {gone[0]!r}, stored with the run ({str(checkpoint)!r}), does not exist"
+                         f"{missing_path_hint(gone[0])}: if the data moved, give data.paths=[...] where it is now "
+                         "(resuming checks that it holds the same text)")
 
 
 def schedule_change(saved: dict[str, Any], current: dict[str, Any], done: int) -> str | None:

@@ -60,7 +60,8 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
     if source is None and config.resume_from is not None:
         raise ValueError(f"resume_from: {no_checkpoint_at(config.resume_from)}")
     if source is None:
-        raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint")
+        raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint: the run has none to "
+                         "continue (it stopped before its first, or they were removed); drop --resume to start it anew")
     source.run_config()  # a checkpoint without one refused by name (check_progress would assume defaults)
     check_progress(source)
     if config.resume_from is not None and main:
