@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -139,3 +140,23 @@ def test_a_stopped_run_of_a_grid_is_continued_with_its_grids_command(runs, tmp_p
     args = parser.parse_args(__import__("shlex").split(command)[1:])
     _split_overrides(args, parser)  # (as `attnres compare` does: the overrides end --seeds' list)
     assert (args.out, args.seeds, args.overrides) == (str(tmp_path / "grid"), [0], header["overrides"])
+
+
+def test_a_diverged_run_is_called_diverged_not_stopped(tmp_path, capsys):
+    """A run whose loss or gradient norm became NaN stopped without saving and was shown as
+    "stopped", with the hint to continue it - which diverges again. The trainer now logs a
+    ``diverged`` record, and status calls the run so, with no hint to resume it."""
+    from attnres.train import TrainingDiverged
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    run = tmp_path / "runs" / "nan"
+    with pytest.raises(TrainingDiverged):
+        train(load_config(None, overrides(corpus, run, lr="1e30", schedule="constant", warmup_steps=0, grad_clip=0,
+                                          checkpoint_every=1)))
+    last = read_metrics(run / "metrics.jsonl")[-1]
+    assert (last["kind"], last["step"]) == ("diverged", 2) and not math.isfinite(last["loss"] + last["grad_norm"])
+    status = run_status(run)
+    assert (status.state, status.step, status.checkpoint_step) == ("diverged", 2, 1)
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "diverged" in out and "continue a stopped run" not in out

@@ -458,6 +458,8 @@ class Trainer:
         grads = block_grad_norms(self.model) if diagnose else None  # before clipping
         grad_norm = pm.clip_grads(config.grad_clip if config.grad_clip > 0 else math.inf)
         if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+            if self.main and self.logger is not None:  # (what attnres status reads: the run diverged, not stopped)
+                self.logger.log("diverged", step + 1, loss=train_loss, grad_norm=grad_norm)
             raise on_every_rank(TrainingDiverged(  # the loss and the norm are global: every rank sees them
                 f"non-finite {'loss' if not math.isfinite(train_loss) else 'gradient norm'} at step {step + 1} "
                 f"(loss={train_loss}, grad_norm={grad_norm}); stopping without saving: {self._recovery_hint()}"))

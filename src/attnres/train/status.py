@@ -31,7 +31,8 @@ class RunStatus:
     (``step`` of its newest record, of ``steps``), its latest losses (``val_step``: where
     ``val_loss`` was measured), tokens/s of its last logging window, its newest checkpoint's
     step, and ``state``: ``running`` (a live process holds its lock), ``finished`` (a
-    checkpoint of its last step), ``stopped`` or ``not started``; ``holder``: who holds
+    checkpoint of its last step), ``diverged`` (its last record: a loss or gradient norm that
+    was not finite), ``stopped`` or ``not started``; ``holder``: who holds
     the lock (``None`` unless running, or a lock left by a process of another host)."""
 
     path: str
@@ -94,7 +95,7 @@ def run_status(path: str | Path) -> RunStatus:
     checkpoint_step = int(newest.name.split("-", 1)[1]) if newest is not None else None
     step = max([r["step"] for r in records] + [checkpoint_step or 0])
     steps = config.get("steps")
-    state, holder = _state(path, step, steps, checkpoint_step)
+    state, holder = _state(path, step, steps, checkpoint_step, bool(records) and records[-1]["kind"] == "diverged")
     return RunStatus(path=str(path), residual=kind, n_layers=model.get("n_layers"), d_model=model.get("d_model"),
                      step=step, steps=steps, train_loss=train[-1].get("loss") if train else None,
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
@@ -102,7 +103,8 @@ def run_status(path: str | Path) -> RunStatus:
                      state=state, holder=holder)
 
 
-def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None) -> tuple[str, str | None]:
+def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None,
+           diverged: bool) -> tuple[str, str | None]:
     lock = path / LOCK_FILE
     if lock.is_file():
         try:
@@ -113,4 +115,6 @@ def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None
             return "running", f"PID {holder.get('pid')} on {holder.get('host')}"
     if steps is not None and checkpoint_step == steps:
         return "finished", None
+    if diverged:  # (its last record: the loss or the gradient norm was not finite, and it stopped unsaved)
+        return "diverged", None
     return ("stopped" if step > 0 else "not started"), None
