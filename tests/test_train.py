@@ -1214,3 +1214,31 @@ def test_training_prepares_its_data_with_its_progress_setting(tmp_path, corpus_f
                                           **{"data.cache_dir": str(tmp_path / f"cache-{progress}")})))
         err = capsys.readouterr().err
         assert ("tokenizing train" in err and "tokenizing val" in err) == (progress == "true"), progress
+
+
+@pytest.mark.parametrize("covering", [False, True])
+def test_a_tokenizer_that_turns_the_text_into_its_unknown_token_is_warned_of(tmp_path, corpus_file, covering):
+    """A user's tokenizer whose vocabulary does not cover the text (a WordLevel or WordPiece
+    tokenizer of another language) turned most of it into ``[UNK]``, and the model trained to a
+    low loss predicting it without a word; tokenising the data now warns with the share. A
+    vocabulary that covers the text: no warning."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    pieces = [piece for piece, _ in Whitespace().pre_tokenize_str(corpus_file.read_text())]
+    words = sorted(set(pieces)) if covering else ["the", "a", "of"]
+    tok = HFTokenizer(WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = load_config(None, overrides(corpus_file, tmp_path / "run", steps=1, **{
+        "data.tokenizer": str(tmp_path / "tokenizer.json"), "data.cache_dir": str(tmp_path / "cache")}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(config)
+    said = [str(w.message) for w in caught if "unknown token" in str(w.message)]
+    if covering:
+        assert said == []
+    else:
+        assert len(said) == 1 and re.match(r"\d+% of the training tokens are the tokenizer's unknown token '\[UNK\]'",
+                                           said[0]), said

@@ -150,6 +150,7 @@ def _write_cache(corpus: Corpus, cache: Path, tok: Tokenizer, progress: bool = F
         dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
         n_train = _encode_to_file(tok, corpus.train_parts(), tmp / "train.bin", dtype, progress, corpus.train_length)
         n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype, progress)
+        _warn_unknown_tokens(tok, _open_tokens(tmp / "train.bin", dtype, n_train))
         meta = dict(digest=corpus.digest, tokenizer=tok.kind, vocab_size=tok.vocab_size, dtype=dtype.name,
                     n_train=n_train, n_val=n_val, sources=list(corpus.sources), files=[corpus.files_key])
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -164,6 +165,26 @@ def _write_cache(corpus: Corpus, cache: Path, tok: Tokenizer, progress: bool = F
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+#: The share of a training split's tokens that may be the tokenizer's unknown token before
+#: :func:`_warn_unknown_tokens` says that the tokenizer does not cover the text.
+UNKNOWN_SHARE = 0.01
+
+
+def _warn_unknown_tokens(tok: Tokenizer, tokens: np.ndarray) -> None:
+    """Warn when more than :data:`UNKNOWN_SHARE` of ``tokens`` are ``tok``'s unknown token: a
+    tokenizer of another language or script (a WordPiece's ``[UNK]``) turns the text into that
+    token, and a model trained on it reaches a low loss predicting it, without a word."""
+    unknown = getattr(tok, "unknown_token", None)
+    if unknown is None or not len(tokens):
+        return
+    share = int(np.count_nonzero(tokens == unknown[1])) / len(tokens)
+    if share > UNKNOWN_SHARE:
+        warn_user(f"{share:.0%} of the training tokens are the tokenizer's unknown token {unknown[0]!r}: its "
+                  "vocabulary does not cover this text (a tokenizer of another language or script?), and the model "
+                  "would learn to predict that token; use a tokenizer made for the text (data.tokenizer=bpe trains "
+                  "one on it)")
 
 
 def _publish(tmp: Path, cache: Path) -> None:

@@ -96,6 +96,15 @@ class BPETokenizer:
         """The tokenizer as the text of a ``tokenizer.json``."""
         return self._tok.to_str()
 
+    @property
+    def unknown_token(self) -> tuple[str, int] | None:
+        """``(token, id)`` of the token this tokenizer writes for text its vocabulary does not
+        cover (a WordPiece's or WordLevel's ``[UNK]``), or ``None`` (a byte-level BPE covers
+        every text)."""
+        token = getattr(self._tok.model, "unk_token", None)
+        token_id = self._tok.token_to_id(token) if isinstance(token, str) else None
+        return None if token_id is None else (token, token_id)
+
     def save(self, path: str | Path) -> None:
         """Write atomically (temporary file, then rename)."""
         tmp = f"{path}.tmp-{os.getpid()}"
