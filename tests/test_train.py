@@ -1242,3 +1242,19 @@ def test_a_tokenizer_that_turns_the_text_into_its_unknown_token_is_warned_of(tmp
     else:
         assert len(said) == 1 and re.match(r"\d+% of the training tokens are the tokenizer's unknown token '\[UNK\]'",
                                            said[0]), said
+
+
+def test_a_symlinked_folder_in_a_data_directory_is_named_as_not_searched(tmp_path):
+    """A corpus assembled from links to other folders (``data/wiki -> /datasets/wiki``) lost
+    their text without a word: a directory's search does not follow symlinked folders (a
+    loop would never end). It still does not; it says so, naming them."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("the first file's text\n" * 50)
+    (tmp_path / "other" / "b.txt").write_text("text behind a link\n" * 50)
+    (tmp_path / "data" / "wiki").symlink_to(tmp_path / "other", target_is_directory=True)
+    with pytest.warns(UserWarning, match=re.escape(f"data directory '{tmp_path / 'data'}': its symlinked folder(s) "
+                                                   f"are not searched: '{tmp_path / 'data' / 'wiki'}'; give them in "
+                                                   "data.paths")):
+        corpus = load_corpus([str(tmp_path / "data")], read=False)
+    assert [p.name for p in corpus.files] == ["a.txt"]

@@ -133,12 +133,23 @@ def _files_of(path: Path) -> list[Path]:
         raise ValueError(f"data path {str(path)!r} does not exist{missing_path_hint(path)}{where}")
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not any(
-        part.startswith(".") for part in p.relative_to(path).parts))
+    found = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    files = sorted(p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+    _warn_unfollowed(path, sorted(p for p in found if p.is_symlink() and p.is_dir()))
     files = _without_runs(path, files)
     if not files:
         raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
     return files
+
+
+def _warn_unfollowed(path: Path, links: list[Path]) -> None:
+    """Say that the symlinked folders ``links`` in the data directory ``path`` are not read (a
+    directory's search does not follow them - a loop would never end): a corpus assembled from
+    links to other folders lost their text without a word."""
+    if links:
+        names = ", ".join(repr(str(p)) for p in links[:3]) + (f" and {len(links) - 3} more" if len(links) > 3 else "")
+        warn_user(f"data directory {str(path)!r}: its symlinked folder(s) are not searched: {names}; give them in "
+                  "data.paths to read them")
 
 
 def _without_runs(path: Path, files: list[Path]) -> list[Path]:
