@@ -94,10 +94,10 @@ def _launch_held(kernel, programs: int, args: tuple, stages: int, flags: dict) -
     if FORCED["merge_stages"]:
         kernel[(programs,)](*args, STAGES=stages, **flags)
         return
-    key = None
+    key = lambda: (kernel, _signature(args), asked, tuple(sorted(flags.items())))  # noqa: E731 (built if needed)
+    asked = stages
     if _FITTED_STAGES:
-        key = (kernel, _signature(args), stages, tuple(sorted(flags.items())))
-        stages = _FITTED_STAGES.get(key, stages)
+        stages = _FITTED_STAGES.get(key(), stages)
     while True:
         try:
             kernel[(programs,)](*args, STAGES=stages, **flags)
@@ -105,9 +105,8 @@ def _launch_held(kernel, programs: int, args: tuple, stages: int, flags: dict) -
         except OutOfResources:
             if stages == 1:
                 raise
-            key = key or (kernel, _signature(args), stages, tuple(sorted(flags.items())))
             stages -= 1
-            _FITTED_STAGES[key] = stages
+            _FITTED_STAGES[key()] = stages
 
 
 def _signature(args: tuple) -> tuple:
