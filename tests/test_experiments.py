@@ -447,6 +447,26 @@ def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):
         cli_main(["experiment", "block-size", "--preset", "tiny", "--out", str(out), "--overhead-repeats", "-1"])
 
 
+def test_overhead_repeats_for_a_grid_without_an_overhead_table_is_refused_before_it_trains(tmp_path, capsys, monkeypatch):
+    """`attnres experiment scaling --overhead-repeats 5` measured nothing and said nothing: only
+    compare / ablation / block-size report overheads. Refused at the command line; 0 (what
+    scripts pass to every grid) and the default stay accepted."""
+    from attnres.cli import experiment as cli_experiment
+
+    calls = []
+    monkeypatch.setattr(cli_experiment, "run_experiment_cli", lambda *a, **k: calls.append(a[6]) or 0)
+    out = str(tmp_path / "grid")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["experiment", "scaling", "--preset", "tiny", "--out", out, "--overhead-repeats", "5"])
+    assert e.value.code == 2 and calls == []
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--overhead-repeats" in err and "compare, ablation, block-size" in err and "scaling grid has none" in err
+    assert cli_main(["experiment", "scaling", "--preset", "tiny", "--out", out, "--overhead-repeats", "0"]) == 0
+    assert cli_main(["experiment", "multiplier", "--preset", "tiny", "--out", out + "2"]) == 0
+    assert cli_main(["experiment", "ablation", "--preset", "tiny", "--out", out + "3"]) == 0
+    assert calls == [0, 0, 10]
+
+
 def test_time_interleaved_rotates_the_order_every_round():
     """Every step takes every position in the round equally often (position bias cancels),
     and each step's times stay in round order for the paired ratios."""

@@ -23,6 +23,7 @@ GRID_PRESETS = {
 EXPERIMENT_NAMES = tuple(GRID_PRESETS)
 DEFAULT_PRESET = {"compare": "demo"}  # the others: "cpu"
 OVERHEAD_EXPERIMENTS = ("compare", "ablation", "block-size")  # grids whose tables compare the variants' cost
+DEFAULT_OVERHEAD_REPEATS = 10
 
 
 def add_compare_parser(sub) -> None:
@@ -69,8 +70,15 @@ def run(args, parser) -> int:
     if not args.report_only:
         check_output_dir(f"attnres {args.command}", args.out)
     preset = args.preset or _saved_preset(args.out, name) or DEFAULT_PRESET.get(name, "cpu")
+    repeats = args.overhead_repeats
+    if repeats is None:
+        repeats = DEFAULT_OVERHEAD_REPEATS if name in OVERHEAD_EXPERIMENTS else 0
+    elif repeats > 0 and name not in OVERHEAD_EXPERIMENTS:  # (measured nowhere: it was ignored without a word)
+        parser.commands[args.command].error(
+            f"--overhead-repeats times the variants for an overhead table, which only {', '.join(OVERHEAD_EXPERIMENTS)} "
+            f"report; the {name} grid has none: drop the option")
     return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
-                              args.overhead_repeats, args.variants, prog=f"attnres {args.command}")
+                              repeats, args.variants, prog=f"attnres {args.command}")
 
 
 def _split_overrides(args, parser) -> None:
@@ -101,11 +109,11 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
     parser.add_argument("--variants", nargs="+", metavar="NAME",
                         help="train only these variants of the grid (e.g. to split it over processes sharing --out); "
                         "the report covers every finished run in --out")
-    parser.add_argument("--overhead-repeats", type=int, default=10,
+    parser.add_argument("--overhead-repeats", type=int, default=None,
                         help="compare / ablation / block-size: after training, time one step of every variant side by side "
                         "over this many interleaved rounds (CPU time of the process at one thread, with its noise) and "
                         "measure its peak memory, for the report's overhead columns (default 10; 0 = use the step times "
-                        "the runs logged)")
+                        "the runs logged); other grids have no such columns")
     parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",  # default: not listed as required
                         help="TrainConfig overrides for every run")
 
