@@ -617,6 +617,26 @@ def test_yaml_merges_and_anchors_still_load(tmp_path):
         {"a": {"x": 1, "y": 2}, "b": {"x": 3, "y": 2}, "c": {"x": 1, "d": {"x": 2}}}
 
 
+
+def test_a_config_files_anchor_key_is_skipped_when_named_x_and_otherwise_said_how(tmp_path, capsys):
+    """A top-level key that only holds YAML anchors for the others (`defaults: &d {lr: ...}`, then
+    `<<: *d`) was refused as an unknown TrainConfig key, with nothing on how to keep the anchor:
+    now the message says to name it `x-...`, and such keys are skipped (as in Compose files)."""
+    from attnres.train.config import load_config
+
+    body = "{}: &d\n  lr: 0.002\n  seq_len: 16\nmodel: &m tiny\nsteps: 3\n<<: *d\n"
+    config = tmp_path / "c.yaml"
+    config.write_text(body.format("x-defaults"))
+    loaded = load_config(config, ["steps=4"])
+    assert (loaded.lr, loaded.seq_len, loaded.steps, loaded.model.n_layers) == (0.002, 16, 4, load_config(
+        None, ["model=tiny"]).model.n_layers)
+    config.write_text(body.format("defaults"))
+    fails_with(capsys, ["train", "--config", str(config), f"out_dir={tmp_path / 'run'}"],
+               "'defaults' holds the YAML anchor &d and is no TrainConfig key: name it 'x-defaults'")
+    assert not (tmp_path / "run").exists()
+    config.write_text("moddel: tiny\n")  # (an unknown key without an anchor: as before)
+    fails_with(capsys, ["train", "--config", str(config)], "unknown TrainConfig key(s) ['moddel'] (did you mean 'model'")
+
 # -- the same corpus twice ------------------------------------------------------------------
 
 def test_a_file_reached_twice_is_refused(tmp_path, corpus, capsys):

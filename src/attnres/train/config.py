@@ -576,6 +576,51 @@ def _config_hint(p: Path) -> str:
     return hint
 
 
+#: Top-level keys of a config file that attnres skips: they hold YAML anchors for the others
+#: to merge (``x-common: &common {...}``, then ``<<: *common``), as in Compose files.
+ANCHOR_KEY_PREFIX = "x-"
+
+
+def _without_anchor_keys(data: dict[str, Any], text: str, name: str) -> dict[str, Any]:
+    """``data`` without its :data:`ANCHOR_KEY_PREFIX` keys; a top-level key of another name
+    that holds an anchor and is no :class:`TrainConfig` field raises ``ValueError`` saying to
+    rename it (it was refused as an unknown key, with nothing on how to keep the anchor)."""
+    import yaml
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key, anchor in _top_level_anchors(text):
+        if key not in fields and not key.startswith(ANCHOR_KEY_PREFIX):
+            raise ValueError(f"config file {name!r}: {key!r} holds the YAML anchor &{anchor} and is no "
+                             f"TrainConfig key: name it '{ANCHOR_KEY_PREFIX}{key}' (top-level keys starting with "
+                             f"'{ANCHOR_KEY_PREFIX}' are skipped, kept for anchors)")
+    return {k: v for k, v in data.items() if not (isinstance(k, str) and k.startswith(ANCHOR_KEY_PREFIX))}
+
+
+def _top_level_anchors(text: str) -> list[tuple[str, str]]:
+    """``(key, anchor)`` for each top-level key of the YAML document ``text`` whose value
+    carries an anchor (the composed nodes do not keep anchors: read from the parser's events)."""
+    import yaml
+
+    found, depth, key, expect_key = [], 0, None, True
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.DocumentStartEvent, yaml.DocumentEndEvent, yaml.StreamStartEvent,
+                              yaml.StreamEndEvent)):
+            continue
+        top = depth == 1  # (depth 1: inside the top-level mapping)
+        if top and expect_key:
+            key = event.value if isinstance(event, yaml.ScalarEvent) else None
+        elif top and isinstance(event, yaml.NodeEvent) and not isinstance(event, yaml.AliasEvent) and event.anchor \
+                and isinstance(key, str):  # (an alias names the anchor it uses)
+            found.append((key, event.anchor))
+        if top:
+            expect_key = not expect_key
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return found
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
     ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
@@ -589,10 +634,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist{_config_hint(p)}")
+        text = p.read_text(encoding="utf-8")
         try:
-            data = _yaml_load(p.read_text(encoding="utf-8")) or {}
+            data = _yaml_load(text) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"config file {str(p)!r} is not valid YAML: {_yaml_error_line(e)}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data = _without_anchor_keys(data, text, str(p))
     return TrainConfig.from_dict(apply_overrides(data, list(overrides)))
