@@ -1217,11 +1217,12 @@ def test_training_prepares_its_data_with_its_progress_setting(tmp_path, corpus_f
 
 
 @pytest.mark.parametrize("covering", [False, True])
-def test_a_tokenizer_that_turns_the_text_into_its_unknown_token_is_warned_of(tmp_path, corpus_file, covering):
+def test_a_tokenizer_that_turns_the_text_into_its_unknown_token_is_warned_of(tmp_path, corpus_file, covering, capsys):
     """A user's tokenizer whose vocabulary does not cover the text (a WordLevel or WordPiece
     tokenizer of another language) turned most of it into ``[UNK]``, and the model trained to a
     low loss predicting it without a word; tokenising the data now warns with the share. A
-    vocabulary that covers the text: no warning."""
+    vocabulary that covers the text: no warning. The run's summary names the
+    tokenizer's model (it said "bpe" of any tokenizer.json)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -1242,6 +1243,7 @@ def test_a_tokenizer_that_turns_the_text_into_its_unknown_token_is_warned_of(tmp
     else:
         assert len(said) == 1 and re.match(r"\d+% of the training tokens are the tokenizer's unknown token '\[UNK\]'",
                                            said[0]), said
+    assert f"tokenizer wordlevel, {tok.get_vocab_size()} tokens," in capsys.readouterr().out
 
 
 def test_a_symlinked_folder_in_a_data_directory_is_named_as_not_searched(tmp_path):

@@ -41,6 +41,7 @@ class ByteTokenizer:
     kind = "byte"
     vocab_size = 256
     fingerprint = "byte"
+    model_name = "byte"  # (what a run's summary calls it)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -95,6 +96,13 @@ class BPETokenizer:
     def to_json(self) -> str:
         """The tokenizer as the text of a ``tokenizer.json``."""
         return self._tok.to_str()
+
+    @property
+    def model_name(self) -> str:
+        """The ``tokenizers`` model, as a run's summary names it: ``"bpe"``, or for a user's
+        ``tokenizer.json`` of another model ``"wordpiece"``, ``"unigram"``, ``"wordlevel"``
+        (:attr:`kind` stays ``"bpe"``: how the tokenizer is stored and read, any model)."""
+        return type(self._tok.model).__name__.lower()
 
     @property
     def unknown_token(self) -> tuple[str, int] | None:

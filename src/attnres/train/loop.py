@@ -404,7 +404,7 @@ class Trainer:
         device = str(self.device) + (" (freed memory retained)" if self.device.type == "cpu" and retains_freed_memory() else "")
         facts = RunFacts(start=start, first_step=self.step_count, parameters=self.model.num_parameters(),
                          train_tokens=len(data.tokens.train), val_tokens=len(data.tokens.val),
-                         tokenizer=f"{tok.kind}, {tok.vocab_size} tokens, {data.tokenizer_origin}{padding}",
+                         tokenizer=f"{tok.model_name}, {tok.vocab_size} tokens, {data.tokenizer_origin}{padding}",
                          fingerprint=data.fingerprint, device=device, world_size=self.ctx.world_size,
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
