@@ -228,6 +228,48 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
 
 
+def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tmp_path, monkeypatch, capsys):
+    """`attnres eval RUN` while the run trains: eval.json named the run directory, not the
+    checkpoint (no step), and lm-eval's export took the run's newest checkpoint again, one
+    written during the perplexity pass. Now the checkpoint and its step are printed and
+    recorded, and lm-eval evaluates that checkpoint."""
+    pytest.importorskip("lm_eval")
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from attnres.hf import evaluate
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus, run, steps=4, warmup_steps=1, checkpoint_every=2)))
+    newer = run / "checkpoints" / "step-00000004"
+    shutil.move(newer, tmp_path / "later")  # the run is at step 2; step 4 is written during the perplexity pass
+    measure, exported = evaluate.perplexity, {}
+
+    def while_training(*args, **kwargs):
+        shutil.move(tmp_path / "later", newer)
+        return measure(*args, **kwargs)
+
+    def harness(hf_dir, tasks, text, **kwargs):
+        exported.update(load_file(str(Path(hf_dir) / "model.safetensors")))
+        return {}
+
+    monkeypatch.setattr(evaluate, "perplexity", while_training)
+    monkeypatch.setattr(evaluate, "run_lm_eval", harness)
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", str(run), "--tasks", "attnres_ppl", "--text", str(corpus), "--out", str(out),
+                     "--device", "cpu"]) == 0
+    results = json.loads(out.read_text())
+    older = run / "checkpoints" / "step-00000002"
+    assert (results["checkpoint"], results["step"]) == (str(older), 2)
+    assert f"attnres eval: checkpoint {older} (step 2)" in capsys.readouterr().out
+    embedding = exported["embed_tokens.weight"]  # (an export keeps the checkpoint's tensor names)
+    assert embedding.equal(load_file(str(older / "model.safetensors"))["embed_tokens.weight"])
+    assert not embedding.equal(load_file(str(newer / "model.safetensors"))["embed_tokens.weight"])
+
+
 def test_generate_chat_puts_the_prompt_through_the_chat_template(run_dir, tmp_path, capsys):
     """`--chat`: the prompt as a user's turn through the tokenizer's chat template, for
     instruct models (an upcycled SmolLM2-Instruct). A run uses the plain-text template of its

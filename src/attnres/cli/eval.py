@@ -68,18 +68,21 @@ def _eval_output(args):
 
 
 def _load(args, device, directory: bool, text: str | None):
-    """``(model, tokenizer, held-out text, its name)``: of a transformers directory (its own
-    model class and tokenizer; the built-in corpus's validation split by default; windows of
-    at most :data:`DIRECTORY_WINDOW`), or of a training checkpoint (its stored tokenizer; the
-    run's validation split)."""
+    """``(model, tokenizer, held-out text, its name, the checkpoint's step)``: of a transformers
+    directory (its own model class and tokenizer; the built-in corpus's validation split by
+    default; windows of at most :data:`DIRECTORY_WINDOW`; no step), or of a training checkpoint
+    (its stored tokenizer; the run's validation split; ``args.checkpoint`` becomes the
+    checkpoint loaded, a run directory's newest)."""
     from ..data.corpus import load_corpus
     from ..inference.loading import load_run, load_tokenizer
     from ..models.factory import context_limit
 
     if not directory:
         run = load_run(args.checkpoint, device)
+        args.checkpoint, step = str(run.checkpoint), run.state.get("step")
+        print(f"attnres eval: checkpoint {args.checkpoint} (step {step})")
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
-                                                                   (run.validation_text(), "validation split")))
+                                                                   (run.validation_text(), "validation split")), step)
     if args.tokenizer is not None:
         raise ValueError("--tokenizer: a transformers directory is evaluated with its own tokenizer; omit it")
     from ..hf.directory import load_directory
@@ -90,8 +93,8 @@ def _load(args, device, directory: bool, text: str | None):
         print(f"attnres eval: perplexity windows of {DIRECTORY_WINDOW} tokens (the model's context is "
               f"{context_limit(model)}; --seq-len to change)")
     if text is None:
-        return model, tokenizer, load_corpus().val, "the built-in corpus's validation split"
-    return model, tokenizer, text, None
+        return model, tokenizer, load_corpus().val, "the built-in corpus's validation split", None
+    return model, tokenizer, text, None, None
 
 
 def run_eval(args) -> int:
@@ -129,13 +132,14 @@ def run_eval(args) -> int:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
-        args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
+        local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
         directory = is_hf_directory(args.checkpoint)
-        model, tokenizer, text, text_name = _load(args, device, directory, text)
+        # (a run directory's newest checkpoint, kept: lm-eval's export is of it, not of one written since)
+        model, tokenizer, text, text_name, step = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
-        results = {"checkpoint": source if source != args.checkpoint else str(Path(source).resolve()),
+        results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()), "step": step,
                    "text": args.text or text_name,
                    "seq_len": args.seq_len or context_limit(model),
                    "device": str(device), "dtype": args.dtype, "perplexity": perplexity(model, tokenizer, text, args.seq_len,
