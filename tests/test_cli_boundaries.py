@@ -228,6 +228,26 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
 
 
+def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, tmp_path, capsys):
+    """`attnres eval --num-fewshot 5` (lm-eval's own option, for a task such as MMLU 5-shot) was
+    an unrecognised argument. Now the harness gets it, and the results and the printed lines say
+    each task's number of examples: the cloze task takes them, the rolling perplexity of whole
+    documents none."""
+    pytest.importorskip("lm_eval")
+    import json
+
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit, match="--num-fewshot must be >= 0; got -1"):
+        cli_main(["eval", str(run_dir), "--num-fewshot", "-1", "--out", str(out)])
+    text = write_corpus(tmp_path / "held-out.txt", n_lines=100, seed=2)
+    assert cli_main(["eval", str(run_dir), "--text", str(text), "--limit", "2", "--num-fewshot", "2", "--out",
+                     str(out), "--device", "cpu"]) == 0
+    results = json.loads(out.read_text())["lm_eval"]
+    assert (results["attnres_cloze"]["n-shot"], results["attnres_ppl"]["n-shot"]) == (2, 0)
+    said = capsys.readouterr().out
+    assert "attnres eval: attnres_cloze (2-shot): acc" in said and "attnres eval: attnres_ppl: " in said
+
+
 def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tmp_path, monkeypatch, capsys):
     """`attnres eval RUN` while the run trains: eval.json named the run directory, not the
     checkpoint (no step), and lm-eval's export took the run's newest checkpoint again, one

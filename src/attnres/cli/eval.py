@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
                     f"transformers directory, at most {DIRECTORY_WINDOW})")
     ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    ev.add_argument("--num-fewshot", type=int, metavar="N", help="solved examples before each lm-eval request "
+                    "(default: each task's own, 0 for most; the local tasks draw theirs from their own items)")
     ev.add_argument("--device", default="auto",
                     help="device of the perplexity pass and lm-eval: auto (CUDA when available; default), cpu, cuda "
                     "or cuda:N")
@@ -128,8 +130,9 @@ def run_eval(args) -> int:
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
-        if args.bootstrap_iters < 0:
-            raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
+        for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):
+            if value is not None and value < 0:
+                raise ValueError(f"{option} must be >= 0; got {value}")
         device = pick_device(args.device)
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
         local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
@@ -148,7 +151,7 @@ def run_eval(args) -> int:
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
         harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
-                       bootstrap_iters=args.bootstrap_iters)
+                       bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot)
         if tasks and directory:
             results["lm_eval"] = run_lm_eval(args.checkpoint, tasks, text, **harness)
         elif tasks:
@@ -161,6 +164,7 @@ def run_eval(args) -> int:
         raise SystemExit(f"attnres eval: error: {e}") from None
     for task, metrics in results["lm_eval"].items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
-        print(f"attnres eval: {task}: {shown}")
+        shots = f" ({metrics['n-shot']}-shot)" if metrics.get("n-shot") else ""
+        print(f"attnres eval: {task}{shots}: {shown}")
     print(f"attnres eval: results written to {out}")
     return 0

@@ -180,6 +180,7 @@ def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
         f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(directory / 'ppl.jsonl'))}\n"
         "test_split: test\n"
         "output_type: loglikelihood_rolling\n"
+        "num_fewshot: 0\n"  # (whole documents, without examples: --num-fewshot leaves it at 0)
         'doc_to_text: ""\n'
         'doc_to_target: "{{text}}"\n'
         "metric_list:\n"  # aggregation and direction given: the harness warns about each metric without them
@@ -347,12 +348,15 @@ def harness_tokenizer(hf_dir: str | Path):
 
 
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
-                device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000) -> dict:
+                device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000,
+                num_fewshot: int | None = None) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the transformers directory ``hf_dir``
     (an export, an upcycle, a pretrained model; its weights in ``dtype``, a ``torch`` dtype
     name).
     Local tasks are generated from ``text``; other names are the harness's own tasks.
-    Returns the harness's ``results`` (per task, metric -> value), with standard errors:
+    ``num_fewshot``: solved examples before each request (``None``: each task's own).
+    Returns the harness's ``results`` (per task, metric -> value, and ``n-shot``, the
+    examples it was given), with standard errors:
     the harness's own (closed form for accuracies; ``bootstrap_iters`` resamples where it
     bootstraps) and, for the rolling log-likelihood metrics, :func:`add_ratio_stderrs`."""
     import lm_eval
@@ -375,6 +379,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                 batch_size=batch_size,
                 device=device,
                 limit=limit,
+                num_fewshot=num_fewshot,
                 log_samples=True,
                 bootstrap_iters=bootstrap_iters,
             )
@@ -384,4 +389,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                   "context")
     if out is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
+    for task, shots in (out.get("n-shot") or {}).items():  # (each task's own number, where not given)
+        if task in out["results"]:
+            out["results"][task]["n-shot"] = shots
     return add_ratio_stderrs(out["results"], out.get("samples") or {}) if bootstrap_iters > 0 else out["results"]
