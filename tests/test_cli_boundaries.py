@@ -248,6 +248,34 @@ def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, 
     assert "attnres eval: attnres_cloze (2-shot): acc" in said and "attnres eval: attnres_ppl: " in said
 
 
+def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run_dir, tmp_path, monkeypatch):
+    """`attnres eval --tasks lambada_openai` without network: after the perplexity pass lm-eval
+    failed ("Couldn't reach 'EleutherAI/lambada_openai' on the Hub", the datasets library's
+    ConnectionError) and the perplexity was lost, no results file written. Now the results
+    file holds the perplexity and the error, and the message says why and what to do."""
+    import json
+
+    from attnres.hf import evaluate
+
+    def offline(hf_dir, tasks, text, **kwargs):
+        raise ConnectionError("Couldn't reach 'EleutherAI/lambada_openai' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(evaluate, "check_tasks", lambda tasks: None)  # (the harness's index: seconds)
+    monkeypatch.setattr(evaluate, "run_lm_eval", offline)
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--tasks", "lambada_openai", "--out", str(out), "--device", "cpu"])
+    said = str(info.value)
+    assert said.startswith("attnres eval: error: lm-eval failed: Couldn't reach 'EleutherAI/lambada_openai' on the "
+                           "Hub (LocalEntryNotFoundError) (lambada_openai: the harness downloads its data set from "
+                           "the Hugging Face Hub; run where the network reaches it, or use the local tasks "
+                           "attnres_ppl, attnres_cloze, which need none)"), said
+    assert said.endswith(f"the perplexity results are written to {out}, without lm-eval's"), said
+    written = json.loads(out.read_text())
+    assert written["perplexity"]["tokens"] > 0 and written["lm_eval"] == {}
+    assert written["lm_eval_error"].startswith("Couldn't reach")
+
+
 def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tmp_path, monkeypatch, capsys):
     """`attnres eval RUN` while the run trains: eval.json named the run directory, not the
     checkpoint (no step), and lm-eval's export took the run's newest checkpoint again, one

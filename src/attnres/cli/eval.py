@@ -99,19 +99,48 @@ def _load(args, device, directory: bool, text: str | None):
     return model, tokenizer, text, None, None
 
 
+def _lm_eval(args, tasks: list[str], text: str, directory: bool, device) -> dict:
+    """lm-eval's results on ``tasks``: of the transformers directory, or of the checkpoint's
+    export into a temporary directory."""
+    import tempfile
+
+    from .. import hf
+    from ..hf.evaluate import run_lm_eval
+
+    harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
+                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot)
+    if directory:
+        return run_lm_eval(args.checkpoint, tasks, text, **harness)
+    with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
+        hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
+        return run_lm_eval(hf_dir, tasks, text, **harness)
+
+
+def _harness_failed(error: OSError, tasks: list[str], out) -> str:
+    """What ``attnres eval`` says when lm-eval fails with ``error`` after the perplexity pass,
+    whose results were written to ``out``."""
+    from ..hf.evaluate import LOCAL_TASKS
+
+    said = f"lm-eval failed: {error}"
+    own = [t for t in tasks if t not in LOCAL_TASKS]
+    if isinstance(error, ConnectionError) or "Couldn't reach" in str(error):
+        said += (f" ({', '.join(own) or 'a harness task'}: the harness downloads its data set from the Hugging Face "
+                 f"Hub; run where the network reaches it, or use the local tasks {', '.join(LOCAL_TASKS)}, which need "
+                 "none)")
+    return f"{said}; the perplexity results are written to {out}, without lm-eval's"
+
+
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
-    import tempfile
     from pathlib import Path
 
     import torch
 
-    from .. import hf
     from ..checkpoint import is_hf_directory
     from ..data.corpus import read_text_file
     from ..hf.hub import local_folder
-    from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
+    from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity
     from ..inference.loading import pick_device
     from ..models.factory import context_limit
     from ..output_paths import strict_json, write_text_atomically
@@ -150,14 +179,12 @@ def run_eval(args) -> int:
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
-        harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
-                       bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot)
-        if tasks and directory:
-            results["lm_eval"] = run_lm_eval(args.checkpoint, tasks, text, **harness)
-        elif tasks:
-            with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
-                hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
-                results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, **harness)
+        try:
+            results["lm_eval"] = _lm_eval(args, tasks, text, directory, device) if tasks else {}
+        except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
+            results["lm_eval_error"] = str(e)
+            write_text_atomically(out, strict_json(results, indent=1, default=str))
+            raise OSError(_harness_failed(e, tasks, out)) from None
         # (strict JSON, as scripts read it: a NaN perplexity of a diverged model is null)
         write_text_atomically(out, strict_json(results, indent=1, default=str))
     except (ValueError, OSError) as e:
