@@ -599,6 +599,29 @@ def test_ctrl_c_during_generate_ends_the_line_and_says_how_far_it_got(run_dir, c
     assert re.search(r"attnres generate: interrupted after [2-9] tokens in [\d.]+ s \(", captured.err), captured.err
 
 
+def test_generate_to_an_output_that_is_not_utf8_replaces_what_it_cannot_encode(run_dir, capfd, monkeypatch):
+    """`attnres generate ... > out.txt` where the locale's encoding is not UTF-8 (Latin-1, a
+    Windows code page): the first character it has no byte for (a U+FFFD of a byte-level token
+    that is not UTF-8, a CJK character) ended the stream with "attnres generate: error: 'ascii'
+    codec can't encode character". Such a character is now written as '?', and the stream goes on."""
+    import io
+
+    from attnres.cli import generate as generate_cli
+
+    def pieces(tokenizer, steps, new):
+        for piece in ("caf", "\u00e9 ", "\ufffd", "\u65e5 end"):
+            new.append(0)
+            yield piece
+
+    monkeypatch.setattr(generate_cli, "text_pieces", pieces)
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert cli_main(["generate", str(run_dir), *GREEDY]) == 0
+    out.flush()
+    assert out.buffer.getvalue() == b"caf? ?? end\n"
+    assert "attnres generate: 4 tokens in" in capfd.readouterr().err
+
+
 def test_resuming_a_misspelt_out_dir_names_the_run_meant(run_dir, tmp_path, capsys):
     """`attnres train out_dir=runs/rnu --resume` said "'runs/rnu/checkpoints' holds no
     checkpoint", as if the run were there and empty."""

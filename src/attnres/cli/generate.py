@@ -215,10 +215,12 @@ def run_generate(args) -> int:
             decode = "transformers"
             steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
         new: list[int] = []
+        # (an output in another encoding than UTF-8, Latin-1 or a Windows code page: what it has no byte for is '?')
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
         t0 = time.perf_counter()
         try:
             for piece in text_pieces(tokenizer, steps, new):  # printed as it comes
-                print(piece, end="", flush=True)
+                print(piece.encode(encoding, "replace").decode(encoding), end="", flush=True)
         except KeyboardInterrupt:  # Ctrl-C: end the text's line, then say how far it got
             interrupted = True
         else:
