@@ -280,7 +280,8 @@ def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tm
     """`attnres eval RUN` while the run trains: eval.json named the run directory, not the
     checkpoint (no step), and lm-eval's export took the run's newest checkpoint again, one
     written during the perplexity pass. Now the checkpoint and its step are printed and
-    recorded, and lm-eval evaluates that checkpoint."""
+    recorded, and lm-eval evaluates the model the perplexity pass measured, even when the
+    run has deleted its checkpoint since (keep_checkpoints)."""
     pytest.importorskip("lm_eval")
     import json
     import shutil
@@ -294,10 +295,12 @@ def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tm
     train(load_config(None, overrides(corpus, run, steps=4, warmup_steps=1, checkpoint_every=2)))
     newer = run / "checkpoints" / "step-00000004"
     shutil.move(newer, tmp_path / "later")  # the run is at step 2; step 4 is written during the perplexity pass
-    measure, exported = evaluate.perplexity, {}
+    older = run / "checkpoints" / "step-00000002"
+    measure, exported, evaluated = evaluate.perplexity, {}, load_file(str(older / "model.safetensors"))
 
     def while_training(*args, **kwargs):
         shutil.move(tmp_path / "later", newer)
+        shutil.rmtree(older)
         return measure(*args, **kwargs)
 
     def harness(hf_dir, tasks, text, **kwargs):
@@ -310,11 +313,10 @@ def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tm
     assert cli_main(["eval", str(run), "--tasks", "attnres_ppl", "--text", str(corpus), "--out", str(out),
                      "--device", "cpu"]) == 0
     results = json.loads(out.read_text())
-    older = run / "checkpoints" / "step-00000002"
     assert (results["checkpoint"], results["step"]) == (str(older), 2)
     assert f"attnres eval: checkpoint {older} (step 2)" in capsys.readouterr().out
     embedding = exported["embed_tokens.weight"]  # (an export keeps the checkpoint's tensor names)
-    assert embedding.equal(load_file(str(older / "model.safetensors"))["embed_tokens.weight"])
+    assert embedding.equal(evaluated["embed_tokens.weight"])
     assert not embedding.equal(load_file(str(newer / "model.safetensors"))["embed_tokens.weight"])
 
 

@@ -70,9 +70,9 @@ def _eval_output(args):
 
 
 def _load(args, device, directory: bool, text: str | None):
-    """``(model, tokenizer, held-out text, its name, the checkpoint's step)``: of a transformers
+    """``(model, tokenizer, held-out text, its name, the run loaded)``: of a transformers
     directory (its own model class and tokenizer; the built-in corpus's validation split by
-    default; windows of at most :data:`DIRECTORY_WINDOW`; no step), or of a training checkpoint
+    default; windows of at most :data:`DIRECTORY_WINDOW`; no run), or of a training checkpoint
     (its stored tokenizer; the run's validation split; ``args.checkpoint`` becomes the
     checkpoint loaded, a run directory's newest)."""
     from ..data.corpus import load_corpus
@@ -81,10 +81,10 @@ def _load(args, device, directory: bool, text: str | None):
 
     if not directory:
         run = load_run(args.checkpoint, device)
-        args.checkpoint, step = str(run.checkpoint), run.state.get("step")
-        print(f"attnres eval: checkpoint {args.checkpoint} (step {step})")
+        args.checkpoint = str(run.checkpoint)
+        print(f"attnres eval: checkpoint {args.checkpoint} (step {run.state.get('step')})")
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
-                                                                   (run.validation_text(), "validation split")), step)
+                                                                   (run.validation_text(), "validation split")), run)
     if args.tokenizer is not None:
         raise ValueError("--tokenizer: a transformers directory is evaluated with its own tokenizer; omit it")
     from ..hf.directory import load_directory
@@ -99,9 +99,11 @@ def _load(args, device, directory: bool, text: str | None):
     return model, tokenizer, text, None, None
 
 
-def _lm_eval(args, tasks: list[str], text: str, directory: bool, device) -> dict:
-    """lm-eval's results on ``tasks``: of the transformers directory, or of the checkpoint's
-    export into a temporary directory."""
+def _lm_eval(args, tasks: list[str], text: str, run, device) -> dict:
+    """lm-eval's results on ``tasks``: of the transformers directory, or (``run``: the
+    training checkpoint loaded) of its model's export into a temporary directory - the model
+    the perplexity pass measured, not the run's newest checkpoint by then, which a run still
+    training has replaced (and may have deleted)."""
     import tempfile
 
     from .. import hf
@@ -109,10 +111,10 @@ def _lm_eval(args, tasks: list[str], text: str, directory: bool, device) -> dict
 
     harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
                    bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot)
-    if directory:
+    if run is None:
         return run_lm_eval(args.checkpoint, tasks, text, **harness)
     with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
-        hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
+        hf.export_checkpoint(run, hf_dir, args.tokenizer)
         return run_lm_eval(hf_dir, tasks, text, **harness)
 
 
@@ -166,12 +168,12 @@ def run_eval(args) -> int:
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
         local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
         directory = is_hf_directory(args.checkpoint)
-        # (a run directory's newest checkpoint, kept: lm-eval's export is of it, not of one written since)
-        model, tokenizer, text, text_name, step = _load(args, device, directory, text)
+        model, tokenizer, text, text_name, run = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
-        results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()), "step": step,
+        results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()),
+                   "step": None if run is None else run.state.get("step"),
                    "text": args.text or text_name,
                    "seq_len": args.seq_len or context_limit(model),
                    "device": str(device), "dtype": args.dtype, "perplexity": perplexity(model, tokenizer, text, args.seq_len,
@@ -180,7 +182,7 @@ def run_eval(args) -> int:
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
         try:
-            results["lm_eval"] = _lm_eval(args, tasks, text, directory, device) if tasks else {}
+            results["lm_eval"] = _lm_eval(args, tasks, text, run, device) if tasks else {}
         except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
             results["lm_eval_error"] = str(e)
             write_text_atomically(out, strict_json(results, indent=1, default=str))
