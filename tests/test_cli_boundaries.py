@@ -116,6 +116,46 @@ def test_the_commands_after_a_run_trained_with_import_name_the_module(tmp_path, 
                "MODULE <command> ...`" in str(info.value), (name, str(info.value))
 
 
+def test_text_the_tokenizer_does_not_cover_is_warned_of_in_generate_and_eval(tmp_path):
+    """A run with a tokenizer of the user's whose vocabulary is words (WordLevel, WordPiece):
+    `attnres generate --prompt "zorglub frimousse"` continued from "[UNK] [UNK]", and `attnres
+    eval --text` of another language measured predicting "[UNK]", without a word. Both warn now,
+    with the share; text the vocabulary covers gives no warning."""
+    import warnings
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    words = sorted({piece for piece, _ in Whitespace().pre_tokenize_str(corpus.read_text())})
+    tok = HFTokenizer(WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "words.json"))
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus, run, steps=1, warmup_steps=0, **{
+        "data.tokenizer": str(tmp_path / "words.json"), "data.cache_dir": str(tmp_path / "cache")})))
+    other = tmp_path / "other.txt"
+    other.write_text("the zorglub frimousse de la maison blanche.\n" * 20)
+
+    def said(argv):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli_main(argv) == 0
+        return [str(w.message) for w in caught if "unknown token" in str(w.message)]
+
+    generate = ["generate", str(run), "--max-new-tokens", "2", "--device", "cpu", "--prompt"]
+    assert said([*generate, "the zorglub frimousse"]) == [
+        "2 of the prompt's 3 tokens are the tokenizer's unknown token '[UNK]': its vocabulary does not cover that "
+        "text, and the model sees the unknown token in its place"]
+    assert said([*generate, "the"]) == []
+    evaluate = ["eval", str(run), "--tasks", "none", "--device", "cpu", "--out", str(tmp_path / "eval.json"), "--text"]
+    assert said([*evaluate, str(other)]) == [
+        "75% of the held-out text's tokens are the tokenizer's unknown token '[UNK]': its vocabulary does not cover "
+        "that text, and the perplexity measures predicting the unknown token in its place"]
+    assert said([*evaluate, str(corpus)]) == []
+
+
 @pytest.mark.parametrize("command", ["generate", "eval", "export"])
 def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command):
     from attnres.data.tokenizer import train_bpe

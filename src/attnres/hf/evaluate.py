@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data.tokenizer import ByteTokenizer, Tokenizer
+from ..data.dataset import UNKNOWN_SHARE
+from ..data.tokenizer import ByteTokenizer, Tokenizer, unknown_share
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean_each
@@ -67,6 +68,11 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise ValueError("the held-out text must have at least 2 tokens")
+    unknown = unknown_share(tokenizer, ids)  # (a WordLevel or WordPiece tokenizer's [UNK])
+    if unknown is not None and unknown[2] > UNKNOWN_SHARE:
+        warn_user(f"{unknown[2]:.0%} of the held-out text's tokens are the tokenizer's unknown token {unknown[0]!r}: "
+                  "its vocabulary does not cover that text, and the perplexity measures predicting the unknown token "
+                  "in its place")
     device = next(model.parameters()).device
     windows = [ids[s : s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len)]
     full = [w for w in windows if len(w) == seq_len + 1]
