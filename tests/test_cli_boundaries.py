@@ -316,6 +316,24 @@ def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run
     assert written["lm_eval_error"].startswith("Couldn't reach")
 
 
+def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_its_checkpoints(run_dir, tmp_path):
+    """`attnres eval RUN/checkpoints/step-N` wrote eval.json into the checkpoint, which the run's
+    keep_checkpoints rotation deletes with it when the run goes on (or resumes), and `attnres eval
+    RUN/checkpoints` (what tab completion offers) among the checkpoints. Now RUN/eval-step-N.json
+    and RUN/eval.json, as attnres analyze writes RUN/analysis/step-N and RUN/analysis."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    step = next((run / "checkpoints").glob("step-*"))
+    assert cli_main(["eval", str(step), "--tasks", "none", "--device", "cpu"]) == 0
+    assert json.loads((run / f"eval-{step.name}.json").read_text())["checkpoint"] == str(step)
+    assert cli_main(["eval", str(run / "checkpoints"), "--tasks", "none", "--device", "cpu"]) == 0
+    assert json.loads((run / "eval.json").read_text())["checkpoint"] == str(step)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [step.name] and not (step / "eval.json").exists()
+
+
 def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tmp_path, monkeypatch, capsys):
     """`attnres eval RUN` while the run trains: eval.json named the run directory, not the
     checkpoint (no step), and lm-eval's export took the run's newest checkpoint again, one

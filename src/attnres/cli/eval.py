@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
     ev.add_argument("--text", help="held-out text file (default: the run's validation split; for a transformers "
                     "directory, the built-in corpus's validation split)")
     ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
-    ev.add_argument("--out", help="results JSON (default: eval.json in the checkpoint, run or transformers directory "
-                    "given; for a Hub id, ./eval-ORG--NAME.json); its folder must exist")
+    ev.add_argument("--out", help="results JSON (default: eval.json in the run or transformers directory given, "
+                    "RUN/eval-step-N.json for a checkpoint RUN/checkpoints/step-N; for a Hub id, "
+                    "./eval-ORG--NAME.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task (default: all)")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
                     f"transformers directory, at most {DIRECTORY_WINDOW})")
@@ -56,6 +57,7 @@ def _eval_output(args):
     from pathlib import Path
 
     from ..checkpoint import no_checkpoint_at, refuse_model_file
+    from ..checkpoint.locate import run_of_checkpoint
     from ..hf.hub import is_hub_id
     from ..output_paths import check_output_file
 
@@ -66,6 +68,9 @@ def _eval_output(args):
         return check_output_file(Path(f"eval-{args.checkpoint.replace('/', '--')}.json"), "--out")
     if not Path(args.checkpoint).exists():  # (the default --out lies in it: say what is missing)
         raise ValueError(no_checkpoint_at(args.checkpoint))
+    if (found := run_of_checkpoint(args.checkpoint)) is not None:  # a step-N directory or the checkpoints folder
+        run, step = found
+        return check_output_file(run / (f"eval-{step}.json" if step else "eval.json"), "--out")
     return check_output_file(Path(args.checkpoint) / "eval.json", "--out")
 
 
