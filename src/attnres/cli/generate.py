@@ -219,7 +219,7 @@ def run_generate(args) -> int:
             decode = "transformers"
             steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
         new: list[int] = []
-        # (an output in another encoding than UTF-8, Latin-1 or a Windows code page: what it has no byte for is '?')
+        # (an output in an encoding other than UTF-8, Latin-1 or a Windows code page: what it lacks is written '?')
         encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
         t0 = time.perf_counter()
         try:
