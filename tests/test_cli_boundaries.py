@@ -116,6 +116,46 @@ def test_the_commands_after_a_run_trained_with_import_name_the_module(tmp_path, 
                "MODULE <command> ...`" in str(info.value), (name, str(info.value))
 
 
+def test_text_the_tokenizer_does_not_cover_is_warned_of_in_generate_and_eval(tmp_path):
+    """A run with a tokenizer of the user's whose vocabulary is words (WordLevel, WordPiece):
+    `attnres generate --prompt "zorglub frimousse"` continued from "[UNK] [UNK]", and `attnres
+    eval --text` of another language measured predicting "[UNK]", without a word. Both warn now,
+    with the share; text the vocabulary covers gives no warning."""
+    import warnings
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    words = sorted({piece for piece, _ in Whitespace().pre_tokenize_str(corpus.read_text())})
+    tok = HFTokenizer(WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "words.json"))
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus, run, steps=1, warmup_steps=0, **{
+        "data.tokenizer": str(tmp_path / "words.json"), "data.cache_dir": str(tmp_path / "cache")})))
+    other = tmp_path / "other.txt"
+    other.write_text("the zorglub frimousse de la maison blanche.\n" * 20)
+
+    def said(argv):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli_main(argv) == 0
+        return [str(w.message) for w in caught if "unknown token" in str(w.message)]
+
+    generate = ["generate", str(run), "--max-new-tokens", "2", "--device", "cpu", "--prompt"]
+    assert said([*generate, "the zorglub frimousse"]) == [
+        "2 of the prompt's 3 tokens are the tokenizer's unknown token '[UNK]': its vocabulary does not cover that "
+        "text, and the model sees the unknown token in its place"]
+    assert said([*generate, "the"]) == []
+    evaluate = ["eval", str(run), "--tasks", "none", "--device", "cpu", "--out", str(tmp_path / "eval.json"), "--text"]
+    assert said([*evaluate, str(other)]) == [
+        "75% of the held-out text's tokens are the tokenizer's unknown token '[UNK]': its vocabulary does not cover "
+        "that text, and the perplexity measures predicting the unknown token in its place"]
+    assert said([*evaluate, str(corpus)]) == []
+
+
 @pytest.mark.parametrize("command", ["generate", "eval", "export"])
 def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command):
     from attnres.data.tokenizer import train_bpe
@@ -226,6 +266,116 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
     assert written["text"] == "the built-in corpus's validation split" and written["perplexity"]["tokens"] > 1000
     with pytest.raises(SystemExit, match="--tokenizer: a transformers directory is evaluated with its own tokenizer"):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
+
+
+def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, tmp_path, capsys):
+    """`attnres eval --num-fewshot 5` (lm-eval's own option, for a task such as MMLU 5-shot) was
+    an unrecognised argument. Now the harness gets it, and the results and the printed lines say
+    each task's number of examples: the cloze task takes them, the rolling perplexity of whole
+    documents none."""
+    pytest.importorskip("lm_eval")
+    import json
+
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit, match="--num-fewshot must be >= 0; got -1"):
+        cli_main(["eval", str(run_dir), "--num-fewshot", "-1", "--out", str(out)])
+    text = write_corpus(tmp_path / "held-out.txt", n_lines=100, seed=2)
+    assert cli_main(["eval", str(run_dir), "--text", str(text), "--limit", "2", "--num-fewshot", "2", "--out",
+                     str(out), "--device", "cpu"]) == 0
+    results = json.loads(out.read_text())["lm_eval"]
+    assert (results["attnres_cloze"]["n-shot"], results["attnres_ppl"]["n-shot"]) == (2, 0)
+    said = capsys.readouterr().out
+    assert "attnres eval: attnres_cloze (2-shot): acc" in said and "attnres eval: attnres_ppl: " in said
+
+
+def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run_dir, tmp_path, monkeypatch):
+    """`attnres eval --tasks lambada_openai` without network: after the perplexity pass lm-eval
+    failed ("Couldn't reach 'EleutherAI/lambada_openai' on the Hub", the datasets library's
+    ConnectionError) and the perplexity was lost, no results file written. Now the results
+    file holds the perplexity and the error, and the message says why and what to do."""
+    import json
+
+    from attnres.hf import evaluate
+
+    def offline(hf_dir, tasks, text, **kwargs):
+        raise ConnectionError("Couldn't reach 'EleutherAI/lambada_openai' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(evaluate, "check_tasks", lambda tasks: None)  # (the harness's index: seconds)
+    monkeypatch.setattr(evaluate, "run_lm_eval", offline)
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--tasks", "lambada_openai", "--out", str(out), "--device", "cpu"])
+    said = str(info.value)
+    assert said.startswith("attnres eval: error: lm-eval failed: Couldn't reach 'EleutherAI/lambada_openai' on the "
+                           "Hub (LocalEntryNotFoundError) (lambada_openai: the harness downloads its data set from "
+                           "the Hugging Face Hub; run where the network reaches it, or use the local tasks "
+                           "attnres_ppl, attnres_cloze, which need none)"), said
+    assert said.endswith(f"the perplexity results are written to {out}, without lm-eval's"), said
+    written = json.loads(out.read_text())
+    assert written["perplexity"]["tokens"] > 0 and written["lm_eval"] == {}
+    assert written["lm_eval_error"].startswith("Couldn't reach")
+
+
+def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_its_checkpoints(run_dir, tmp_path):
+    """`attnres eval RUN/checkpoints/step-N` wrote eval.json into the checkpoint, which the run's
+    keep_checkpoints rotation deletes with it when the run goes on (or resumes), and `attnres eval
+    RUN/checkpoints` (what tab completion offers) among the checkpoints. Now RUN/eval-step-N.json
+    and RUN/eval.json, as attnres analyze writes RUN/analysis/step-N and RUN/analysis."""
+    import json
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    step = next((run / "checkpoints").glob("step-*"))
+    assert cli_main(["eval", str(step), "--tasks", "none", "--device", "cpu"]) == 0
+    assert json.loads((run / f"eval-{step.name}.json").read_text())["checkpoint"] == str(step)
+    assert cli_main(["eval", str(run / "checkpoints"), "--tasks", "none", "--device", "cpu"]) == 0
+    assert json.loads((run / "eval.json").read_text())["checkpoint"] == str(step)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [step.name] and not (step / "eval.json").exists()
+
+
+def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tmp_path, monkeypatch, capsys):
+    """`attnres eval RUN` while the run trains: eval.json named the run directory, not the
+    checkpoint (no step), and lm-eval's export took the run's newest checkpoint again, one
+    written during the perplexity pass. Now the checkpoint and its step are printed and
+    recorded, and lm-eval evaluates the model the perplexity pass measured, even when the
+    run has deleted its checkpoint since (keep_checkpoints)."""
+    pytest.importorskip("lm_eval")
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from attnres.hf import evaluate
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus, run, steps=4, warmup_steps=1, checkpoint_every=2)))
+    newer = run / "checkpoints" / "step-00000004"
+    shutil.move(newer, tmp_path / "later")  # the run is at step 2; step 4 is written during the perplexity pass
+    older = run / "checkpoints" / "step-00000002"
+    measure, exported, evaluated = evaluate.perplexity, {}, load_file(str(older / "model.safetensors"))
+
+    def while_training(*args, **kwargs):
+        shutil.move(tmp_path / "later", newer)
+        shutil.rmtree(older)
+        return measure(*args, **kwargs)
+
+    def harness(hf_dir, tasks, text, **kwargs):
+        exported.update(load_file(str(Path(hf_dir) / "model.safetensors")))
+        return {}
+
+    monkeypatch.setattr(evaluate, "perplexity", while_training)
+    monkeypatch.setattr(evaluate, "run_lm_eval", harness)
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", str(run), "--tasks", "attnres_ppl", "--text", str(corpus), "--out", str(out),
+                     "--device", "cpu"]) == 0
+    results = json.loads(out.read_text())
+    assert (results["checkpoint"], results["step"]) == (str(older), 2)
+    assert f"attnres eval: checkpoint {older} (step 2)" in capsys.readouterr().out
+    embedding = exported["embed_tokens.weight"]  # (an export keeps the checkpoint's tensor names)
+    assert embedding.equal(evaluated["embed_tokens.weight"])
+    assert not embedding.equal(load_file(str(newer / "model.safetensors"))["embed_tokens.weight"])
 
 
 def test_generate_chat_puts_the_prompt_through_the_chat_template(run_dir, tmp_path, capsys):
@@ -507,6 +657,29 @@ def test_ctrl_c_during_generate_ends_the_line_and_says_how_far_it_got(run_dir, c
     captured = capsys.readouterr()
     assert captured.out.endswith("\n") and captured.out.strip()
     assert re.search(r"attnres generate: interrupted after [2-9] tokens in [\d.]+ s \(", captured.err), captured.err
+
+
+def test_generate_to_an_output_that_is_not_utf8_replaces_what_it_cannot_encode(run_dir, capfd, monkeypatch):
+    """`attnres generate ... > out.txt` where the locale's encoding is not UTF-8 (Latin-1, a
+    Windows code page): the first character it has no byte for (a U+FFFD of a byte-level token
+    that is not UTF-8, a CJK character) ended the stream with "attnres generate: error: 'ascii'
+    codec can't encode character". Such a character is now written as '?', and the stream goes on."""
+    import io
+
+    from attnres.cli import generate as generate_cli
+
+    def pieces(tokenizer, steps, new):
+        for piece in ("caf", "\u00e9 ", "\ufffd", "\u65e5 end"):
+            new.append(0)
+            yield piece
+
+    monkeypatch.setattr(generate_cli, "text_pieces", pieces)
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert cli_main(["generate", str(run_dir), *GREEDY]) == 0
+    out.flush()
+    assert out.buffer.getvalue() == b"caf? ?? end\n"
+    assert "attnres generate: 4 tokens in" in capfd.readouterr().err
 
 
 def test_resuming_a_misspelt_out_dir_names_the_run_meant(run_dir, tmp_path, capsys):

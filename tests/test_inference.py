@@ -218,6 +218,31 @@ def test_stream_yields_what_generate_returns(model):
     assert torch.equal(torch.stack(steps, 1), generate(model, ids, max_new_tokens=4))
 
 
+class _CudaGenerator(torch.Generator):
+    """A generator that says it is on CUDA (this test runs on CPU-only machines too)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("generator, expected", [
+    (42, "generator must be a torch.Generator (torch.Generator().manual_seed(seed)) or None; got 42"),
+    (_CudaGenerator(), "generator is on cuda:0, the model on cpu: the tokens are drawn on the model's device; use "
+                       "torch.Generator(device='cpu').manual_seed(seed)"),
+])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_generator_that_cannot_draw_the_tokens_is_refused_by_name(generator, expected, temperature):
+    """`generate(..., generator=42)` (a seed where a generator goes) failed in torch.multinomial
+    after the prefill, or, greedy, was ignored; a CPU generator for a model moved to CUDA (the
+    README's, after load_run(..., device="cuda")) failed there with torch's error. Both are
+    refused at the call, naming the argument and what to pass."""
+    model = make_model(residual="attnres_block").eval()
+    with pytest.raises(ValueError) as info:
+        generate(model, random_ids(1, 4), max_new_tokens=2, temperature=temperature, generator=generator)
+    assert str(info.value) == expected
+
+
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_the_next_step_is_launched_before_the_tokens_are_handed_out(monkeypatch, decode):
     """`stream` launches decode step k + 1 before it yields step k's tokens and before it

@@ -18,6 +18,7 @@ from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_check
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
+           "run_of_checkpoint",
            "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "newest_state", "set_aside_newer",
            "training_output", "verify_checkpoint"]
 
@@ -210,6 +211,20 @@ def no_checkpoint_at(location: str | Path) -> str:
     if runs:
         return f"{what}: it holds {len(runs)} run(s); name one, e.g. {str(runs[0])!r}"
     return what
+
+
+def run_of_checkpoint(path: str | Path) -> tuple[Path, str | None] | None:
+    """``(run, step)`` for a ``step-*`` directory in a run's ``checkpoints/`` folder (``step``:
+    its name), ``(run, None)`` for that folder itself, else ``None``. What a command writes
+    about such a checkpoint belongs in the run: inside the ``step-*`` directory the run's
+    ``keep_checkpoints`` rotation would delete it with the checkpoint, and the ``checkpoints``
+    folder holds checkpoints only."""
+    path = Path(path).expanduser()
+    if path.parent.name == "checkpoints" and path.name.startswith("step-"):
+        return path.parent.parent, path.name
+    if path.name == "checkpoints" and (path.parent / "config.json").is_file():
+        return path.parent, None
+    return None
 
 
 def _run_directory(location: Path) -> Path:

@@ -28,12 +28,15 @@ def add_parser(sub) -> None:
     ev.add_argument("--text", help="held-out text file (default: the run's validation split; for a transformers "
                     "directory, the built-in corpus's validation split)")
     ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
-    ev.add_argument("--out", help="results JSON (default: eval.json in the checkpoint, run or transformers directory "
-                    "given; for a Hub id, ./eval-ORG--NAME.json); its folder must exist")
+    ev.add_argument("--out", help="results JSON (default: eval.json in the run or transformers directory given, "
+                    "RUN/eval-step-N.json for a checkpoint RUN/checkpoints/step-N; for a Hub id, "
+                    "./eval-ORG--NAME.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task (default: all)")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
                     f"transformers directory, at most {DIRECTORY_WINDOW})")
     ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    ev.add_argument("--num-fewshot", type=int, metavar="N", help="solved examples before each lm-eval request "
+                    "(default: each task's own, 0 for most; the local tasks draw theirs from their own items)")
     ev.add_argument("--device", default="auto",
                     help="device of the perplexity pass and lm-eval: auto (CUDA when available; default), cpu, cuda "
                     "or cuda:N")
@@ -54,6 +57,7 @@ def _eval_output(args):
     from pathlib import Path
 
     from ..checkpoint import no_checkpoint_at, refuse_model_file
+    from ..checkpoint.locate import run_of_checkpoint
     from ..hf.hub import is_hub_id
     from ..output_paths import check_output_file
 
@@ -64,22 +68,28 @@ def _eval_output(args):
         return check_output_file(Path(f"eval-{args.checkpoint.replace('/', '--')}.json"), "--out")
     if not Path(args.checkpoint).exists():  # (the default --out lies in it: say what is missing)
         raise ValueError(no_checkpoint_at(args.checkpoint))
+    if (found := run_of_checkpoint(args.checkpoint)) is not None:  # a step-N directory or the checkpoints folder
+        run, step = found
+        return check_output_file(run / (f"eval-{step}.json" if step else "eval.json"), "--out")
     return check_output_file(Path(args.checkpoint) / "eval.json", "--out")
 
 
 def _load(args, device, directory: bool, text: str | None):
-    """``(model, tokenizer, held-out text, its name)``: of a transformers directory (its own
-    model class and tokenizer; the built-in corpus's validation split by default; windows of
-    at most :data:`DIRECTORY_WINDOW`), or of a training checkpoint (its stored tokenizer; the
-    run's validation split)."""
+    """``(model, tokenizer, held-out text, its name, the run loaded)``: of a transformers
+    directory (its own model class and tokenizer; the built-in corpus's validation split by
+    default; windows of at most :data:`DIRECTORY_WINDOW`; no run), or of a training checkpoint
+    (its stored tokenizer; the run's validation split; ``args.checkpoint`` becomes the
+    checkpoint loaded, a run directory's newest)."""
     from ..data.corpus import load_corpus
     from ..inference.loading import load_run, load_tokenizer
     from ..models.factory import context_limit
 
     if not directory:
         run = load_run(args.checkpoint, device)
+        args.checkpoint = str(run.checkpoint)
+        print(f"attnres eval: checkpoint {args.checkpoint} (step {run.state.get('step')})")
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
-                                                                   (run.validation_text(), "validation split")))
+                                                                   (run.validation_text(), "validation split")), run)
     if args.tokenizer is not None:
         raise ValueError("--tokenizer: a transformers directory is evaluated with its own tokenizer; omit it")
     from ..hf.directory import load_directory
@@ -90,23 +100,54 @@ def _load(args, device, directory: bool, text: str | None):
         print(f"attnres eval: perplexity windows of {DIRECTORY_WINDOW} tokens (the model's context is "
               f"{context_limit(model)}; --seq-len to change)")
     if text is None:
-        return model, tokenizer, load_corpus().val, "the built-in corpus's validation split"
-    return model, tokenizer, text, None
+        return model, tokenizer, load_corpus().val, "the built-in corpus's validation split", None
+    return model, tokenizer, text, None, None
+
+
+def _lm_eval(args, tasks: list[str], text: str, run, device) -> dict:
+    """lm-eval's results on ``tasks``: of the transformers directory, or (``run``: the
+    training checkpoint loaded) of its model's export into a temporary directory - the model
+    the perplexity pass measured, not the run's newest checkpoint by then, which a run still
+    training has replaced (and may have deleted)."""
+    import tempfile
+
+    from .. import hf
+    from ..hf.evaluate import run_lm_eval
+
+    harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
+                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot)
+    if run is None:
+        return run_lm_eval(args.checkpoint, tasks, text, **harness)
+    with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
+        hf.export_checkpoint(run, hf_dir, args.tokenizer)
+        return run_lm_eval(hf_dir, tasks, text, **harness)
+
+
+def _harness_failed(error: OSError, tasks: list[str], out) -> str:
+    """What ``attnres eval`` says when lm-eval fails with ``error`` after the perplexity pass,
+    whose results were written to ``out``."""
+    from ..hf.evaluate import LOCAL_TASKS
+
+    said = f"lm-eval failed: {error}"
+    own = [t for t in tasks if t not in LOCAL_TASKS]
+    if isinstance(error, ConnectionError) or "Couldn't reach" in str(error):
+        said += (f" ({', '.join(own) or 'a harness task'}: the harness downloads its data set from the Hugging Face "
+                 f"Hub; run where the network reaches it, or use the local tasks {', '.join(LOCAL_TASKS)}, which need "
+                 "none)")
+    return f"{said}; the perplexity results are written to {out}, without lm-eval's"
 
 
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
-    import tempfile
     from pathlib import Path
 
     import torch
 
-    from .. import hf
     from ..checkpoint import is_hf_directory
     from ..data.corpus import read_text_file
     from ..hf.hub import local_folder
-    from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
+    from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity
     from ..inference.loading import pick_device
     from ..models.factory import context_limit
     from ..output_paths import strict_json, write_text_atomically
@@ -125,17 +166,19 @@ def run_eval(args) -> int:
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
-        if args.bootstrap_iters < 0:
-            raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
+        for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):
+            if value is not None and value < 0:
+                raise ValueError(f"{option} must be >= 0; got {value}")
         device = pick_device(args.device)
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
-        args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
+        local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
         directory = is_hf_directory(args.checkpoint)
-        model, tokenizer, text, text_name = _load(args, device, directory, text)
+        model, tokenizer, text, text_name, run = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
-        results = {"checkpoint": source if source != args.checkpoint else str(Path(source).resolve()),
+        results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()),
+                   "step": None if run is None else run.state.get("step"),
                    "text": args.text or text_name,
                    "seq_len": args.seq_len or context_limit(model),
                    "device": str(device), "dtype": args.dtype, "perplexity": perplexity(model, tokenizer, text, args.seq_len,
@@ -143,20 +186,19 @@ def run_eval(args) -> int:
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
-        harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
-                       bootstrap_iters=args.bootstrap_iters)
-        if tasks and directory:
-            results["lm_eval"] = run_lm_eval(args.checkpoint, tasks, text, **harness)
-        elif tasks:
-            with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
-                hf.export_checkpoint(args.checkpoint, hf_dir, args.tokenizer)
-                results["lm_eval"] = run_lm_eval(hf_dir, tasks, text, **harness)
+        try:
+            results["lm_eval"] = _lm_eval(args, tasks, text, run, device) if tasks else {}
+        except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
+            results["lm_eval_error"] = str(e)
+            write_text_atomically(out, strict_json(results, indent=1, default=str))
+            raise OSError(_harness_failed(e, tasks, out)) from None
         # (strict JSON, as scripts read it: a NaN perplexity of a diverged model is null)
         write_text_atomically(out, strict_json(results, indent=1, default=str))
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None
     for task, metrics in results["lm_eval"].items():
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
-        print(f"attnres eval: {task}: {shown}")
+        shots = f" ({metrics['n-shot']}-shot)" if metrics.get("n-shot") else ""
+        print(f"attnres eval: {task}{shots}: {shown}")
     print(f"attnres eval: results written to {out}")
     return 0

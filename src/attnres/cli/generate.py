@@ -184,6 +184,7 @@ def run_generate(args) -> int:
 
     import torch
 
+    from ..data.tokenizer import unknown_share
     from ..inference import check_sampling, resolve_decode, stream, stream_transformers
     from ..models import AttnResLM
     from ..models.factory import context_limit
@@ -200,6 +201,9 @@ def run_generate(args) -> int:
         ids = encode_prompt(tokenizer, prompt, args.chat, template)
         if not ids:  # (a text the tokenizer's normaliser removes whole)
             raise ValueError(f"{given} gives no tokens: there is nothing to continue")
+        if (unknown := unknown_share(tokenizer, ids)) is not None:  # (a WordLevel or WordPiece tokenizer's [UNK])
+            warn_user(f"{unknown[1]} of the prompt's {len(ids)} tokens are the tokenizer's unknown token {unknown[0]!r}: "
+                      "its vocabulary does not cover that text, and the model sees the unknown token in its place")
         check_context(len(ids), args.max_new_tokens, context_limit(model))
         device = next(model.parameters()).device
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -215,10 +219,12 @@ def run_generate(args) -> int:
             decode = "transformers"
             steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
         new: list[int] = []
+        # (an output in an encoding other than UTF-8, Latin-1 or a Windows code page: what it lacks is written '?')
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
         t0 = time.perf_counter()
         try:
             for piece in text_pieces(tokenizer, steps, new):  # printed as it comes
-                print(piece, end="", flush=True)
+                print(piece.encode(encoding, "replace").decode(encoding), end="", flush=True)
         except KeyboardInterrupt:  # Ctrl-C: end the text's line, then say how far it got
             interrupted = True
         else:

@@ -38,7 +38,7 @@ from ..validation import did_you_mean
 from .cache_index import record_files, recorded_digest, remove_stale_temporaries, temporary_dir
 from .corpus import Corpus
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
-                        load_tokenizer_file, text_chunks, train_bpe)
+                        load_tokenizer_file, text_chunks, train_bpe, unknown_share)
 
 CACHE_DIRNAME = ".attnres-cache"
 # Pieces of text encoded in one call (in parallel by the BPE's own threads, one piece each):
@@ -176,12 +176,9 @@ def _warn_unknown_tokens(tok: Tokenizer, tokens: np.ndarray) -> None:
     """Warn when more than :data:`UNKNOWN_SHARE` of ``tokens`` are ``tok``'s unknown token: a
     tokenizer of another language or script (a WordPiece's ``[UNK]``) turns the text into that
     token, and a model trained on it reaches a low loss predicting it, without a word."""
-    unknown = getattr(tok, "unknown_token", None)
-    if unknown is None or not len(tokens):
-        return
-    share = int(np.count_nonzero(tokens == unknown[1])) / len(tokens)
-    if share > UNKNOWN_SHARE:
-        warn_user(f"{share:.0%} of the training tokens are the tokenizer's unknown token {unknown[0]!r}: its "
+    unknown = unknown_share(tok, tokens)
+    if unknown is not None and unknown[2] > UNKNOWN_SHARE:
+        warn_user(f"{unknown[2]:.0%} of the training tokens are the tokenizer's unknown token {unknown[0]!r}: its "
                   "vocabulary does not cover this text (a tokenizer of another language or script?), and the model "
                   "would learn to predict that token; use a tokenizer made for the text (data.tokenizer=bpe trains "
                   "one on it)")

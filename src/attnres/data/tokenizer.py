@@ -132,6 +132,18 @@ class BPETokenizer:
         return self._tok.decode(list(ids))
 
 
+def unknown_share(tokenizer: Tokenizer, ids) -> tuple[str, int, float] | None:
+    """``(token, count, share)`` of ``tokenizer``'s unknown token (``[UNK]``: text its
+    vocabulary does not cover) among ``ids`` (a list, an array or a tensor of token ids), or
+    ``None`` where it has no such token (a byte-level BPE, the byte tokenizer) or ``ids`` hold
+    none of it."""
+    unknown = getattr(tokenizer, "unknown_token", None)
+    if unknown is None or not len(ids):
+        return None
+    count = ids.count(unknown[1]) if isinstance(ids, list) else int((ids == unknown[1]).sum())
+    return (unknown[0], count, count / len(ids)) if count else None
+
+
 def bpe_available() -> bool:
     try:
         import tokenizers  # noqa: F401

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data.tokenizer import ByteTokenizer, Tokenizer
+from ..data.dataset import UNKNOWN_SHARE
+from ..data.tokenizer import ByteTokenizer, Tokenizer, unknown_share
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean_each
@@ -67,6 +68,11 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         raise ValueError("the held-out text must have at least 2 tokens")
+    unknown = unknown_share(tokenizer, ids)  # (a WordLevel or WordPiece tokenizer's [UNK])
+    if unknown is not None and unknown[2] > UNKNOWN_SHARE:
+        warn_user(f"{unknown[2]:.0%} of the held-out text's tokens are the tokenizer's unknown token {unknown[0]!r}: "
+                  "its vocabulary does not cover that text, and the perplexity measures predicting the unknown token "
+                  "in its place")
     device = next(model.parameters()).device
     windows = [ids[s : s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len)]
     full = [w for w in windows if len(w) == seq_len + 1]
@@ -180,6 +186,7 @@ def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
         f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(directory / 'ppl.jsonl'))}\n"
         "test_split: test\n"
         "output_type: loglikelihood_rolling\n"
+        "num_fewshot: 0\n"  # (whole documents, without examples: --num-fewshot leaves it at 0)
         'doc_to_text: ""\n'
         'doc_to_target: "{{text}}"\n'
         "metric_list:\n"  # aggregation and direction given: the harness warns about each metric without them
@@ -347,12 +354,15 @@ def harness_tokenizer(hf_dir: str | Path):
 
 
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
-                device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000) -> dict:
+                device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000,
+                num_fewshot: int | None = None) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the transformers directory ``hf_dir``
     (an export, an upcycle, a pretrained model; its weights in ``dtype``, a ``torch`` dtype
     name).
     Local tasks are generated from ``text``; other names are the harness's own tasks.
-    Returns the harness's ``results`` (per task, metric -> value), with standard errors:
+    ``num_fewshot``: solved examples before each request (``None``: each task's own).
+    Returns the harness's ``results`` (per task, metric -> value, and ``n-shot``, the
+    examples it was given), with standard errors:
     the harness's own (closed form for accuracies; ``bootstrap_iters`` resamples where it
     bootstraps) and, for the rolling log-likelihood metrics, :func:`add_ratio_stderrs`."""
     import lm_eval
@@ -375,6 +385,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                 batch_size=batch_size,
                 device=device,
                 limit=limit,
+                num_fewshot=num_fewshot,
                 log_samples=True,
                 bootstrap_iters=bootstrap_iters,
             )
@@ -384,4 +395,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                   "context")
     if out is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
+    for task, shots in (out.get("n-shot") or {}).items():  # (each task's own number, where not given)
+        if task in out["results"]:
+            out["results"][task]["n-shot"] = shots
     return add_ratio_stderrs(out["results"], out.get("samples") or {}) if bootstrap_iters > 0 else out["results"]

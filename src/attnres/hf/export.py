@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerFast
 from ..checkpoint.locate import refuse_training_output
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
-from ..inference.loading import load_run, load_tokenizer
+from ..inference.loading import LoadedRun, load_run, load_tokenizer
 from ..models import AttnResLM
 from ..output_paths import HF_MODEL_FILES, check_output_dir, honour_umask, write_directory_atomically
 from .modeling import AttnResForCausalLM
@@ -116,8 +116,9 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None,
                                    chat_template=chat_template, padding_side="left", **extra)
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
-    """Write the checkpoint as a Hugging Face directory loadable with
+def export_checkpoint(checkpoint: str | Path | LoadedRun, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
+    """Write the checkpoint (a path, or a run :func:`load_run` loaded, its model as it is) as
+    a Hugging Face directory loadable with
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained``.
     An existing ``out_dir`` keeps its other files, but the files of a model it held that the
     export does not overwrite (its shards and their index, its tokenizer's other files:
@@ -126,7 +127,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, tokenizer_pat
     the way, a read-only file system), and when writing it fails."""
     out = check_output_dir(out_dir)
     refuse_training_output(out)
-    run = load_run(checkpoint)
+    run = checkpoint if isinstance(checkpoint, LoadedRun) else load_run(checkpoint)
     model = run.model
     tokenizer = load_tokenizer(run, tokenizer_path)  # refuses a vocabulary that is not the model's
     # (a run started from an instruct model keeps its chat template and end of turn; the tokenizer's own only)

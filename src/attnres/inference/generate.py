@@ -191,11 +191,28 @@ def stream(
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     _check_chunk_size(chunk_size)
+    _check_generator(generator, model)
     decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask, max_new_tokens)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
     return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
                    chunk_size, decode)
+
+
+def _check_generator(generator, model) -> None:
+    """``generator`` must be ``None`` or a ``torch.Generator`` on the model's device (the
+    draws happen there): a seed given as an int, or the README's CPU generator for a model
+    moved to CUDA, failed in ``torch.multinomial`` after the prompt's prefill (or, greedy,
+    was ignored without a word)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator (torch.Generator().manual_seed(seed)) or None; got "
+                         f"{generator!r}")
+    device = next(model.parameters()).device
+    if generator.device.type != device.type:
+        raise ValueError(f"generator is on {generator.device}, the model on {device}: the tokens are drawn on the "
+                         f"model's device; use torch.Generator(device={str(device)!r}).manual_seed(seed)")
 
 
 def _check_stops(stop_tokens: Iterable[int], pad_token_id: int, vocab: int) -> list[int]:
@@ -296,6 +313,7 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
     ``pad_token_id``; the stream ends when every sequence has ended). The arguments are
     checked at the call, as :func:`stream` checks them."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
+    _check_generator(generator, model)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__

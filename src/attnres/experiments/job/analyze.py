@@ -171,14 +171,14 @@ def default_analysis_dir(checkpoint: str | Path) -> Path:
     ``checkpoints`` folder (which holds checkpoints only), ``<dir>-analysis`` beside a
     transformers directory, else ``<checkpoint>/analysis``."""
     from ...checkpoint import is_hf_directory
+    from ...checkpoint.locate import run_of_checkpoint
 
     path = Path(checkpoint).expanduser()
     if is_hf_directory(path):  # beside it: a file inside would be uploaded and shipped with the model
         return path.parent / f"{path.name}-analysis"
-    if path.parent.name == "checkpoints" and path.name.startswith("step-"):
-        return path.parent.parent / "analysis" / path.name
-    if path.name == "checkpoints" and (path.parent / "config.json").is_file():
-        return path.parent / "analysis"
+    if (found := run_of_checkpoint(path)) is not None:
+        run, step = found
+        return run / "analysis" / step if step else run / "analysis"
     return path / "analysis"
 
 
