@@ -667,7 +667,10 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
     """A run started from an instruct model's directory kept its tokenizer.json but lost the
     chat template and end-of-turn token (tokenizer_config.json's): `generate --chat` on the
     run, and its export, used attnres's plain-text template and no end of sequence. They now
-    stay with the run's tokenizer, through its checkpoints, into its export."""
+    stay with the run's tokenizer, through its checkpoints, into its export. So does its
+    beginning-of-text token: a template that writes ``{{ bos_token }}`` (Llama 3's, Mistral's)
+    rendered none in the export and in `generate --chat` of the run, whose chats began without
+    the token the pretrained model's do."""
     pytest.importorskip("yaml")
     from test_train import overrides, write_corpus
 
@@ -678,13 +681,14 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
 
     corpus = write_corpus(tmp_path / "corpus.txt")
     backend = train_bpe(corpus.read_text(), 300).backend
-    backend.add_special_tokens(["<|im_end|>"])
+    backend.add_special_tokens(["<|im_end|>", "<s>"])
     tok = BPETokenizer.from_json(backend.to_str(), "instruct")
-    template = "{% for m in messages %}<|user|> {{ m['content'] }}\n{% endfor %}<|assistant|> "
+    template = "{{ bos_token }}{% for m in messages %}<|user|> {{ m['content'] }}\n{% endfor %}<|assistant|> "
     src = tmp_path / "instruct"
     base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(src)
     (src / "tokenizer.json").write_text(tok.to_json())
-    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template,
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<s>",
+                                                           "chat_template": template,
                                                            "tokenizer_class": "TokenizersBackend"}))
     assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
     args = [a for a in overrides(corpus, tmp_path / "run", steps=2, **{
@@ -693,12 +697,17 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
     assert cli_main(["train", *args]) == 0
     run = load_run(tmp_path / "run")
     eos = tok.backend.token_to_id("<|im_end|>")
-    assert run.chat_settings() == {"chat_template": template, "eos_token": "<|im_end|>"}
-    rendered = tok.encode("<|user|> the quick\n<|assistant|> ")
-    assert encode_prompt(load_tokenizer(run), "the quick", True, template) == rendered
+    assert run.chat_settings() == {"chat_template": template, "eos_token": "<|im_end|>", "bos_token": "<s>"}
+    rendered = tok.encode("<s><|user|> the quick\n<|assistant|> ")
+    assert rendered[0] == tok.backend.token_to_id("<s>")
+    assert encode_prompt(load_tokenizer(run), "the quick", True, run.chat_settings()) == rendered
     assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
     exported = AutoTokenizer.from_pretrained(tmp_path / "export")
-    assert exported.chat_template == template and exported.eos_token_id == eos
+    assert exported.chat_template == template and exported.eos_token_id == eos and exported.bos_token == "<s>"
+    message = [{"role": "user", "content": "the quick"}]
+    for directory in ("up", "export"):  # the upcycled model's chat and its fine-tune's: the same ids
+        chat = AutoTokenizer.from_pretrained(tmp_path / directory).apply_chat_template(message, add_generation_prompt=True)
+        assert list(chat["input_ids"] if hasattr(chat, "keys") else chat) == rendered
     assert json.loads((tmp_path / "export" / "generation_config.json").read_text())["eos_token_id"] == eos
     capsys.readouterr()
     outputs = []

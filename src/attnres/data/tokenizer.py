@@ -246,10 +246,11 @@ def _slow_tokenizer_hint(directory: Path) -> str:
 
 
 #: What a tokenizer record may carry beside its tokenizer, from a transformers directory a run
-#: started from (an instruct model's): its chat template and end-of-turn token, which its
+#: started from (an instruct model's): its chat template, end-of-turn token and beginning-of-text
+#: token (which templates such as Llama 3's and Mistral's write as ``{{ bos_token }}``), which its
 #: ``tokenizer.json`` does not hold. Kept through checkpoints and used by ``attnres export``
-#: and ``attnres generate --chat``; attnres's own tokenizers have neither.
-CHAT_SETTINGS = ("chat_template", "eos_token")
+#: and ``attnres generate --chat``; attnres's own tokenizers have none.
+CHAT_SETTINGS = ("chat_template", "eos_token", "bos_token")
 
 
 def tokenizer_state(tok: Tokenizer) -> tuple[dict[str, Any], dict[str, bytes]]:

@@ -32,7 +32,8 @@ def hf_source(path: str | Path) -> Source:
 
 def chat_settings(path: Path) -> dict[str, str]:
     """The chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s) and the
-    end-of-sequence token (``tokenizer_config.json``'s ``eos_token``) of the transformers
+    end-of-sequence and beginning-of-text tokens (``tokenizer_config.json``'s ``eos_token``,
+    ``bos_token``: a template may write ``{{ bos_token }}``) of the transformers
     directory ``path``, those it has (:data:`attnres.data.tokenizer.CHAT_SETTINGS`)."""
     found: dict[str, str] = {}
     try:
@@ -45,10 +46,11 @@ def chat_settings(path: Path) -> dict[str, str]:
         found["chat_template"] = template.read_text(encoding="utf-8")
     elif isinstance(config.get("chat_template"), str):
         found["chat_template"] = config["chat_template"]
-    eos = config.get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos, str) and eos:
-        found["eos_token"] = eos
+    for name in ("eos_token", "bos_token"):
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and token:
+            found[name] = token
     return found
 
 
