@@ -978,6 +978,48 @@ def test_upcycle_names_a_truncated_weights_file(tmp_path):
     assert not (tmp_path / "up").exists()
 
 
+class _RunsCode:
+    """Unpickling this calls ``os.system``: it writes the marker file."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("command", ["upcycle", "generate", "eval", "analyze", "train"])
+def test_a_pickle_that_would_run_code_is_refused_in_one_line(tmp_path, command):
+    """A model directory whose weights are a ``pytorch_model.bin`` holding more than tensors:
+    torch's weights-only loader refuses it (nothing runs), but every command that loads a
+    transformers directory printed torch's traceback, whose advice is to load it with
+    ``weights_only=False`` - running the code. Now one line says why it is refused."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, base = _pretrained_directory(tmp_path, corpus)
+    (src / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    torch.save({**base.state_dict(), "lm_head.weight": _RunsCode(marker)}, src / "pytorch_model.bin")
+    args = {"upcycle": ["--model", str(src), "--out", str(tmp_path / "up")],
+            "generate": [str(src), "--prompt", "the"],
+            "eval": [str(src), "--tasks", "none", "--out", str(tmp_path / "eval.json")],
+            "analyze": [str(src), "--text", str(corpus)],
+            "train": [a for a in overrides(corpus, tmp_path / "run", steps=1, **{"model.from_hf": str(src), "init_from":
+                      str(src), "data.tokenizer": "bpe"}) if not a.startswith("model=")]}[command]
+    where = "init_from=" if command == "train" else "--model " if command == "upcycle" else ""
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {where}'.*pretrained': its \.bin \(pickle\) "
+                                         r"weights hold more than tensors and are refused: unpickling them could run "
+                                         r"any code \(.*GLOBAL posix\.system.*\); use the model's \.safetensors"):
+        cli_main([command, *args])
+    assert not marker.exists()
+
+
 def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):
     """``--out`` holding another model saved in shards: the upcycle's single file replaces the
     shards and their index (left beside it, a loader following the index - vLLM - read the

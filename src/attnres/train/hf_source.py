@@ -14,6 +14,7 @@ from typing import Any
 
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer
 from ..checkpoint import Source
+from ..checkpoint.locate import WEIGHT_READ_ERRORS, unreadable_weights
 
 __all__ = ["hf_source", "load_hf_weights"]
 
@@ -64,4 +65,6 @@ def load_hf_weights(model, path: str | Path) -> None:
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"init_from={str(path)!r}: its weights do not fit this run's model ({e}); describe the model "
                          f"with model.from_hf={path}") from None
+    except WEIGHT_READ_ERRORS as e:
+        raise unreadable_weights(f"init_from={str(path)!r}", e, "copy or download the model again") from None
     model.load_state_dict(loaded.state_dict())

@@ -7,13 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 
-from ...checkpoint.locate import refuse_training_output
+from ...checkpoint.locate import WEIGHT_READ_ERRORS, refuse_training_output, unreadable_weights
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
-from ..directory import unreadable_weights
 from ..hub import local_folder
 from .convert import upcycle
 
@@ -73,7 +71,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         raise ValueError(f"--model {str(source)!r}: its tokenizer cannot be loaded: {e}") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
-    except SafetensorError as e:  # (a download or copy cut short: a traceback from safetensors' reader)
+    except WEIGHT_READ_ERRORS as e:  # (a download or copy cut short, a pickle of more than tensors: a traceback)
         raise unreadable_weights(f"--model {str(source)!r}", e, "download or copy the model again") from None
     if gguf_file:
         _forget_gguf_quantizer(model)
