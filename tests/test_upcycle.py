@@ -616,6 +616,28 @@ def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(
     assert not (tmp_path / "up").exists()
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_directory_without_config_json_is_said_to_be_none_and_a_model_below_named(tmp_path, nested):
+    """`--model` a folder without config.json - the weights and tokenizer alone, or the folder
+    above the model (a Hugging Face cache entry, whose files are in snapshots/<revision>/):
+    transformers said 'Unrecognized model ... Should have a `model_type` key in its
+    config.json', of a file that is not there. Now: no config.json, and where a model is below."""
+    from attnres.cli import main as cli_main
+
+    src = tmp_path / "models--org--name"
+    model_dir = src / "snapshots" / "0123abc" if nested else src
+    base_model("llama", vocab_size=256).save_pretrained(model_dir)
+    _byte_tokenizer().save_pretrained(model_dir)
+    if not nested:
+        (src / "config.json").unlink()
+    want = (rf"give --model {model_dir}$" if nested else
+            r"\(one holds config\.json, the weights and the tokenizer files\)$")
+    with pytest.raises(SystemExit, match=rf"^attnres upcycle: error: --model '{src}' holds no config\.json: it is not a "
+                                         rf"save_pretrained directory.*{want}"):
+        cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up")])
+    assert not (tmp_path / "up").exists()
+
+
 @pytest.mark.parametrize("options, fragment", [
     (["--block-size", "0"], "--block-size must be an integer >= 1 (sublayers per block); got 0"),
     (["--residual", "attnres_ful"], "--residual: ModelConfig.residual.kind must be one of"),

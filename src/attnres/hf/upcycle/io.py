@@ -91,6 +91,9 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
 
     from ..families import layout_of
 
+    if not kw and source.is_dir() and not (source / "config.json").is_file():  # (transformers: "Unrecognized model")
+        raise ValueError(f"--model {str(source)!r} holds no config.json: it is not a save_pretrained directory"
+                         f"{_model_below(source)}")
     try:
         config = AutoConfig.from_pretrained(source, **kw)
     except (OSError, ValueError) as e:
@@ -99,6 +102,16 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
     stored = getattr(config, "dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
     return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
+
+
+def _model_below(folder: Path, depth: int = 3) -> str:
+    """Where below ``folder`` (a parent folder, a Hugging Face cache entry whose model is in
+    ``snapshots/<revision>/``) a model's ``config.json`` is, as the ``--model`` to give."""
+    for level in range(1, depth + 1):
+        found = sorted(folder.glob("/".join(["*"] * level) + "/config.json"))
+        if found:
+            return f": a model's config.json is in {str(found[0].parent)!r}; give --model {found[0].parent}"
+    return " (one holds config.json, the weights and the tokenizer files)"
 
 
 def _forget_gguf_quantizer(model) -> None:
