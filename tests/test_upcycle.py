@@ -1000,6 +1000,34 @@ def test_upcycle_names_a_truncated_weights_file(tmp_path):
     assert not (tmp_path / "up").exists()
 
 
+@pytest.mark.parametrize("command", ["upcycle", "train"])
+def test_a_directory_without_the_lm_head_is_refused(tmp_path, command):
+    """A sequence classifier's (a reward model's) directory, of a supported family: its weights
+    hold no lm_head, which transformers started at random with only a load report, and
+    `attnres upcycle` said it wrote the pretrained function (`train init_from=` trained on a
+    random head). Both now refuse it, naming the missing weight and what the directory holds."""
+    pytest.importorskip("yaml")
+    from transformers import LlamaForSequenceClassification
+
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, base = _pretrained_directory(tmp_path, corpus)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(AutoConfig.from_pretrained(src, num_labels=2)).save_pretrained(src)
+    args = {"upcycle": ["--model", str(src), "--out", str(tmp_path / "up")],
+            "train": [a for a in overrides(corpus, tmp_path / "run", steps=1, **{"model.from_hf": str(src), "init_from":
+                      str(src), "data.tokenizer": "bpe"}) if not a.startswith("model=")]}[command]
+    where = "init_from=" if command == "train" else "--model "
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {where}'.*pretrained' lacks 1 weight\(s\) of a "
+                                         r"causal LM \(lm_head\.weight\); it holds a LlamaForSequenceClassification: "
+                                         r"they would start at random"):
+        cli_main([command, *args])
+    assert not (tmp_path / "up").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
 class _RunsCode:
     """Unpickling this calls ``os.system``: it writes the marker file."""
 

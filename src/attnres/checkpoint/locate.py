@@ -22,7 +22,7 @@ from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
            "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "newest_state", "set_aside_newer",
-           "training_output", "unreadable_weights", "verify_checkpoint", "WEIGHT_READ_ERRORS"]
+           "refuse_missing_weights", "training_output", "unreadable_weights", "verify_checkpoint", "WEIGHT_READ_ERRORS"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -97,12 +97,32 @@ def unreadable_weights(where: str, error: Exception, fix: str) -> ValueError:
     """The error for a transformers directory (``where``, as the message names it) whose
     weights raised one of :data:`WEIGHT_READ_ERRORS`, saying ``fix`` for a damaged file."""
     if isinstance(error, pickle.UnpicklingError):  # (torch's message says to load it unsafely)
-        reason = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line), str(error).strip()).rstrip(".")
+        lines = [line.strip() for line in str(error).splitlines()]
+        reason = next((line for line in lines if "GLOBAL" in line), str(error).strip()).rstrip(".")
         return ValueError(f"{where}: its .bin (pickle) weights hold more than tensors and are refused: unpickling them "
                           f"could run any code ({reason}); use the model's .safetensors weights, or convert the file "
                           "to safetensors only if you trust where it came from")
     return ValueError(f"{where}: its weights cannot be read, the .safetensors file is truncated or corrupted "
                       f"({error}); {fix}")
+
+
+def refuse_missing_weights(where: str, path: str | Path, missing) -> None:
+    """Raise ``ValueError`` when the transformers directory ``path`` lacks weights of the causal
+    LM loaded from it (``missing``: ``from_pretrained``'s ``missing_keys``, less those that may
+    be absent): transformers starts them at random and prints a load report, so a base model's
+    or a classifier's directory became a causal LM with a random head."""
+    if not missing:
+        return
+    names = sorted(missing)
+    try:
+        held = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        held = []
+    held = [a for a in held if isinstance(a, str) and not a.endswith("ForCausalLM")]
+    raise ValueError(f"{where} lacks {len(names)} weight(s) of a causal LM ({', '.join(names[:3])}"
+                     f"{', ...' if len(names) > 3 else ''}){f'; it holds a {held[0]}' if held else ''}: they would start "
+                     "at random, and the model would not be the pretrained one; give the directory of a causal LM "
+                     "(a ...ForCausalLM's save_pretrained)")
 
 
 def training_output(path: str | Path) -> str | None:

@@ -110,7 +110,8 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None,
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     # Left padding: a batch of prompts padded on the right would have ``generate`` continue
     # each short prompt after its padding.
-    for name, token, what in (("eos_token", eos_token, "end-of-sequence"), ("bos_token", bos_token, "beginning-of-text")):
+    kept = (("eos_token", eos_token, "end-of-sequence"), ("bos_token", bos_token, "beginning-of-text"))
+    for name, token, what in kept:
         if token is not None:
             if rust.token_to_id(token) is None:
                 raise ValueError(f"the {what} token {token!r} is not in the tokenizer's vocabulary")

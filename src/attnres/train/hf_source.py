@@ -14,7 +14,7 @@ from typing import Any
 
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer
 from ..checkpoint import Source
-from ..checkpoint.locate import WEIGHT_READ_ERRORS, unreadable_weights
+from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_weights, unreadable_weights
 
 __all__ = ["hf_source", "load_hf_weights"]
 
@@ -61,10 +61,14 @@ def load_hf_weights(model, path: str | Path) -> None:
     init. Raises ``ValueError`` when the directory's model is another one."""
     param = next(model.parameters())
     try:  # the run's own class: a plain family directory loads into its AttnRes version
-        loaded = type(model).from_pretrained(path, config=model.config, dtype=param.dtype)
+        loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
+                                                      output_loading_info=True)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"init_from={str(path)!r}: its weights do not fit this run's model ({e}); describe the model "
                          f"with model.from_hf={path}") from None
     except WEIGHT_READ_ERRORS as e:
         raise unreadable_weights(f"init_from={str(path)!r}", e, "copy or download the model again") from None
+    # (a base model's or a classifier's directory: no LM head, which would start at random)
+    missing = {k for k in loading["missing_keys"] if not k.startswith("residual.")}
+    refuse_missing_weights(f"init_from={str(path)!r}", path, missing)
     model.load_state_dict(loaded.state_dict())

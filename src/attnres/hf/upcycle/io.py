@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import WEIGHT_READ_ERRORS, refuse_training_output, unreadable_weights
+from ...checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_weights, refuse_training_output, unreadable_weights
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
@@ -70,9 +70,11 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"--model {str(source)!r}: its tokenizer cannot be loaded: {e}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
+        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True, **kw)
     except WEIGHT_READ_ERRORS as e:  # (a download or copy cut short, a pickle of more than tensors: a traceback)
         raise unreadable_weights(f"--model {str(source)!r}", e, "download or copy the model again") from None
+    refuse_missing_weights(f"--model {str(source)!r}", source, loading["missing_keys"])  # (a base model, a classifier)
+    model.eval()
     if gguf_file:
         _forget_gguf_quantizer(model)
     return (model, tokenizer, None if gguf_file else stored) if with_stored_dtype else (model, tokenizer)
