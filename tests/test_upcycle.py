@@ -1021,7 +1021,7 @@ def test_a_directory_without_the_lm_head_is_refused(tmp_path, command):
             "train": [a for a in overrides(corpus, tmp_path / "run", steps=1, **{"model.from_hf": str(src), "init_from":
                       str(src), "data.tokenizer": "bpe"}) if not a.startswith("model=")]}[command]
     where = "init_from=" if command == "train" else "--model "
-    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {where}'.*pretrained' lacks 1 weight\(s\) of a "
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {where}'.*pretrained' lacks 1 weight\(s\) of the "
                                          r"causal LM \(lm_head\.weight\); it holds a LlamaForSequenceClassification: "
                                          r"they would start at random"):
         cli_main([command, *args])

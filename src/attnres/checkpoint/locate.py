@@ -106,11 +106,12 @@ def unreadable_weights(where: str, error: Exception, fix: str) -> ValueError:
                       f"({error}); {fix}")
 
 
-def refuse_missing_weights(where: str, path: str | Path, missing) -> None:
-    """Raise ``ValueError`` when the transformers directory ``path`` lacks weights of the causal
-    LM loaded from it (``missing``: ``from_pretrained``'s ``missing_keys``, less those that may
-    be absent): transformers starts them at random and prints a load report, so a base model's
-    or a classifier's directory became a causal LM with a random head."""
+def refuse_missing_weights(where: str, path: str | Path, missing, fix: str) -> None:
+    """Raise ``ValueError``, saying ``fix``, when the transformers directory ``path`` lacks
+    weights of the causal LM loaded from it (``missing``: ``from_pretrained``'s
+    ``missing_keys``, less those that may be absent): transformers starts them at random and
+    prints a load report, so a base model's or a classifier's directory became a causal LM
+    with a random head."""
     if not missing:
         return
     names = sorted(missing)
@@ -119,10 +120,9 @@ def refuse_missing_weights(where: str, path: str | Path, missing) -> None:
     except (OSError, ValueError, AttributeError):
         held = []
     held = [a for a in held if isinstance(a, str) and not a.endswith("ForCausalLM")]
-    raise ValueError(f"{where} lacks {len(names)} weight(s) of a causal LM ({', '.join(names[:3])}"
+    raise ValueError(f"{where} lacks {len(names)} weight(s) of the causal LM ({', '.join(names[:3])}"
                      f"{', ...' if len(names) > 3 else ''}){f'; it holds a {held[0]}' if held else ''}: they would start "
-                     "at random, and the model would not be the pretrained one; give the directory of a causal LM "
-                     "(a ...ForCausalLM's save_pretrained)")
+                     f"at random, and the model would not be the pretrained one; {fix}")
 
 
 def training_output(path: str | Path) -> str | None:

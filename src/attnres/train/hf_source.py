@@ -70,5 +70,6 @@ def load_hf_weights(model, path: str | Path) -> None:
         raise unreadable_weights(f"init_from={str(path)!r}", e, "copy or download the model again") from None
     # (a base model's or a classifier's directory: no LM head, which would start at random)
     missing = {k for k in loading["missing_keys"] if not k.startswith("residual.")}
-    refuse_missing_weights(f"init_from={str(path)!r}", path, missing)
+    refuse_missing_weights(f"init_from={str(path)!r}", path, missing, "give the directory of this run's causal LM, "
+                           f"which model.from_hf={path} describes")
     model.load_state_dict(loaded.state_dict())

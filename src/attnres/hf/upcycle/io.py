@@ -73,7 +73,8 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True, **kw)
     except WEIGHT_READ_ERRORS as e:  # (a download or copy cut short, a pickle of more than tensors: a traceback)
         raise unreadable_weights(f"--model {str(source)!r}", e, "download or copy the model again") from None
-    refuse_missing_weights(f"--model {str(source)!r}", source, loading["missing_keys"])  # (a base model, a classifier)
+    refuse_missing_weights(f"--model {str(source)!r}", source, loading["missing_keys"],  # (a base model, a classifier)
+                           "give the directory of a causal LM (a ...ForCausalLM's save_pretrained)")
     model.eval()
     if gguf_file:
         _forget_gguf_quantizer(model)
