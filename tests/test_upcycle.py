@@ -921,12 +921,14 @@ def test_upcycle_into_the_pretrained_directory_is_refused_before_the_model_loads
     assert (tmp_path / "llama" / "config.json").read_text() == "{}"
 
 
-def test_upcycle_writes_the_dtype_the_pretrained_weights_are_stored_in(tmp_path):
+@pytest.mark.parametrize("named", [True, False])
+def test_upcycle_writes_the_dtype_the_pretrained_weights_are_stored_in(tmp_path, named):
     """A bfloat16 checkpoint (most pretrained models) upcycles to a bfloat16 directory: the
     pretrained weights bit for bit, the residual at its faithful init, half the size of float32
     (was: float32, twice the size, and computed in float32 by ``from_pretrained``'s default
     dtype "auto" where the original computes in bfloat16). Loaded in float32 both are the
-    same function."""
+    same function. A config.json that names no dtype (saved by another tool): the dtype its
+    weights files hold (was: float32)."""
     from safetensors.torch import load_file
 
     from attnres.cli import main as cli_main
@@ -934,6 +936,10 @@ def test_upcycle_writes_the_dtype_the_pretrained_weights_are_stored_in(tmp_path)
     base = base_model("qwen3", vocab_size=256).to(torch.bfloat16)  # (the byte tokenizer's ids)
     base.save_pretrained(tmp_path / "q")
     _byte_tokenizer().save_pretrained(tmp_path / "q")
+    if not named:
+        config = json.loads((tmp_path / "q" / "config.json").read_text())
+        del config["dtype"]
+        (tmp_path / "q" / "config.json").write_text(json.dumps(config))
     assert cli_main(["upcycle", "--model", str(tmp_path / "q"), "--out", str(tmp_path / "up")]) == 0
     assert json.loads((tmp_path / "up" / "config.json").read_text())["dtype"] == "bfloat16"
     want, got = load_file(tmp_path / "q" / "model.safetensors"), load_file(tmp_path / "up" / "model.safetensors")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.j
 def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
     """Raise ``ValueError`` when the model of ``source`` is of a family that cannot be
     upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`); else
-    return the floating dtype its config says the weights are stored in, if it says one."""
+    return the floating dtype its config says the weights are stored in, or for a config that
+    names none (saved by another tool) the one its ``.safetensors`` files hold, if any."""
     from transformers import AutoConfig
 
     from ..families import layout_of
@@ -104,7 +106,33 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
     layout_of(config.model_type)
     stored = getattr(config, "dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
-    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
+    if isinstance(stored, torch.dtype) and stored.is_floating_point:
+        return stored
+    return None if kw else _weights_dtype(source)
+
+
+#: The floating dtypes of a ``.safetensors`` header, by its names.
+_SAFETENSORS_FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def _weights_dtype(source: Path) -> torch.dtype | None:
+    """The floating dtype that most of the weights in ``source``'s ``.safetensors`` files are
+    stored in (read from their headers); ``None`` without such files or for one that does not
+    read (the model's load then says so)."""
+    from safetensors import SafetensorError, safe_open
+
+    sizes: dict[torch.dtype, int] = {}
+    try:
+        for file in sorted(source.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    dtype = _SAFETENSORS_FLOATS.get(piece.get_dtype())
+                    if dtype is not None:
+                        sizes[dtype] = sizes.get(dtype, 0) + math.prod(piece.get_shape())
+    except (SafetensorError, OSError):
+        return None
+    return max(sizes, key=sizes.__getitem__) if sizes else None
 
 
 def _model_below(folder: Path, depth: int = 3) -> str:
