@@ -630,6 +630,8 @@ def test_a_directory_without_config_json_is_said_to_be_none_and_a_model_below_na
     _byte_tokenizer().save_pretrained(model_dir)
     if not nested:
         (src / "config.json").unlink()
+    (src / "notes").mkdir()
+    (src / "notes" / "config.json").write_text("{}")  # (not a model's: no model_type)
     want = (rf"give --model {model_dir}$" if nested else
             r"\(one holds config\.json, the weights and the tokenizer files\)$")
     with pytest.raises(SystemExit, match=rf"^attnres upcycle: error: --model '{src}' holds no config\.json: it is not a "

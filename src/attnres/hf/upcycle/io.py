@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -139,10 +140,19 @@ def _model_below(folder: Path, depth: int = 3) -> str:
     """Where below ``folder`` (a parent folder, a Hugging Face cache entry whose model is in
     ``snapshots/<revision>/``) a model's ``config.json`` is, as the ``--model`` to give."""
     for level in range(1, depth + 1):
-        found = sorted(folder.glob("/".join(["*"] * level) + "/config.json"))
+        found = [f for f in sorted(folder.glob("/".join(["*"] * level) + "/config.json")) if _names_a_model(f)]
         if found:
             return f": a model's config.json is in {str(found[0].parent)!r}; give --model {found[0].parent}"
     return " (one holds config.json, the weights and the tokenizer files)"
+
+
+def _names_a_model(config_file: Path) -> bool:
+    """``config_file`` is a transformers model's config (it names a ``model_type``)."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("model_type"), str)
 
 
 def _forget_gguf_quantizer(model) -> None:
