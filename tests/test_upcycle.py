@@ -1036,6 +1036,33 @@ def test_a_directory_without_the_lm_head_is_refused(tmp_path, command):
     assert not (tmp_path / "up").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_init_from_a_directory_without_its_tokenizer_json_is_refused_unless_one_is_given(tmp_path):
+    """`train init_from=DIR` of a transformers directory without a tokenizer.json (the model
+    saved alone, a SentencePiece tokenizer.model) trained a new BPE on the data, with a warning:
+    a vocabulary the pretrained embeddings do not index (or failed saying 'its tokenizer.json
+    has N tokens' of a file it does not hold). Now refused, saying how to save it there;
+    data.tokenizer=PATH gives it."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    (src / "tokenizer.json").rename(tmp_path / "tokenizer.json")
+
+    def args(run, **extra):
+        return [a for a in overrides(corpus, tmp_path / run, steps=1, **{"model.from_hf": str(src), "init_from": str(src),
+                "data.tokenizer": "bpe", "data.vocab_size": 280, **extra}) if not a.startswith("model=")]
+
+    with pytest.raises(SystemExit, match=rf"^attnres train: error: init_from='{src}' holds no tokenizer\.json: its "
+                                         r"embeddings index the pretrained model's own vocabulary, .*save the model's "
+                                         r"tokenizer there \(AutoTokenizer.*\) or give it as data\.tokenizer=PATH$"):
+        cli_main(["train", *args("run")])
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert cli_main(["train", *args("given", **{"data.tokenizer": str(tmp_path / "tokenizer.json")})]) == 0
+
+
 class _RunsCode:
     """Unpickling this calls ``os.system``: it writes the marker file."""
 

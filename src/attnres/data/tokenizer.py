@@ -220,7 +220,7 @@ def tokenizer_file(path: str | Path, what: str) -> Path:
     if file.is_dir():
         if not (file / TOKENIZER_FILE).is_file():
             raise ValueError(f"{what} {str(file)!r} is a directory without a {TOKENIZER_FILE}: give a "
-                             f"{TOKENIZER_FILE} file, or a directory holding one{_slow_tokenizer_hint(file)}")
+                             f"{TOKENIZER_FILE} file, or a directory holding one{slow_tokenizer_hint(file)}")
         file = file / TOKENIZER_FILE
     if not file.is_file():
         raise ValueError(f"{what} {str(file)!r} does not exist: give a {TOKENIZER_FILE} file, or a directory "
@@ -234,7 +234,7 @@ SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "spiece.m
                         "vocab.txt")
 
 
-def _slow_tokenizer_hint(directory: Path) -> str:
+def slow_tokenizer_hint(directory: Path) -> str:
     """For a directory without a ``tokenizer.json`` that holds a transformers tokenizer's slow
     files, how to write the ``tokenizer.json`` (transformers converts them); else ``""``."""
     found = [name for name in SLOW_TOKENIZER_FILES if (directory / name).is_file()]
