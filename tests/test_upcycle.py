@@ -407,6 +407,29 @@ def test_unsupported_layouts_are_refused_with_the_reason():
         upcycle(base_model("llama"), "attnres_full", block_size=3)  # was: ignored, as the CLI refuses
 
 
+def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
+    """`attnres upcycle --model` an `attnres export` directory, and `train model.from_hf=` one,
+    said 'cannot upcycle model_type 'attnres': its decoder layout is not recognised'; it is
+    attnres's own model, and training it on starts from its run."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres import AttnResLM, ModelConfig
+    from attnres.cli import main as cli_main
+    from attnres.hf import AttnResForCausalLM
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    AttnResForCausalLM.from_native(AttnResLM(ModelConfig.preset("tiny", vocab_size=256))).save_pretrained(tmp_path / "x")
+    _byte_tokenizer().save_pretrained(tmp_path / "x")
+    want = (r"error: model_type 'attnres' is attnres's own model \(an `attnres export` of a training run\), AttnRes "
+            r"already: train it on from the run it was exported from \(`attnres train init_from=RUN`\)")
+    with pytest.raises(SystemExit, match=want):
+        cli_main(["upcycle", "--model", str(tmp_path / "x"), "--out", str(tmp_path / "up")])
+    with pytest.raises(SystemExit, match=want):
+        cli_main(["train", *[a for a in overrides(corpus, tmp_path / "run", steps=1, **{"model.from_hf": str(tmp_path / "x")})
+                            if not a.startswith("model=")]])
+
+
 def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():
     """``upcycle`` of a path or Hub id (which the command takes) or of a PEFT model said only
     'upcycle takes a transformers causal LM, got str' (or 'got PeftModel'); it now says how
