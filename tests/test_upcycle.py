@@ -763,6 +763,15 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
                          "--temperature", "0"]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
+    # a beginning-of-text token the vocabulary lacks (a config naming "<s>" beside a tokenizer without it) is not
+    # kept: the export would refuse it
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|begin_of_text|>"}))
+    assert cli_main(["train", *[a.replace(str(tmp_path / "up"), str(src)).replace("out_dir=" + str(tmp_path / "run"),
+                                                                              "out_dir=" + str(tmp_path / "run2"))
+                                for a in args]]) == 0
+    assert load_run(tmp_path / "run2").chat_settings() == {"chat_template": template, "eos_token": "<|im_end|>"}
+    assert cli_main(["export", str(tmp_path / "run2"), "--out", str(tmp_path / "export2")]) == 0
     # attnres's own runs: no chat settings, the plain-text template, no end of sequence
     assert cli_main(["train", *overrides(corpus, tmp_path / "plain", steps=2)]) == 0
     assert load_run(tmp_path / "plain").chat_settings() == {}

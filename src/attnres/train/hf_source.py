@@ -21,13 +21,16 @@ __all__ = ["hf_source", "load_hf_weights"]
 
 def hf_source(path: str | Path) -> Source:
     """``path`` as a start: step 0, and its ``tokenizer.json`` (if any) as the stored tokenizer,
-    with the directory's chat template and end-of-turn token (:func:`chat_settings`)."""
+    with the directory's chat template and its special tokens that the vocabulary holds
+    (:func:`chat_settings`; the export declares them, and refuses one it lacks)."""
     path = Path(path)
     state: dict[str, Any] = {"step": 0, "hf_directory": True, "tokenizer": None}
     if (path / TOKENIZER_FILE).is_file():
         tok = BPETokenizer.load(path / TOKENIZER_FILE)
+        chat = {k: v for k, v in chat_settings(path).items()
+                if k == "chat_template" or tok.backend.token_to_id(v) is not None}
         state["tokenizer"] = {"kind": "bpe", "file": TOKENIZER_FILE, "vocab_size": tok.vocab_size,
-                              "fingerprint": tok.fingerprint, **chat_settings(path)}
+                              "fingerprint": tok.fingerprint, **chat}
     return Source(path, state)
 
 
