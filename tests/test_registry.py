@@ -716,3 +716,27 @@ def test_a_variant_whose_state_leaves_out_the_common_fields_is_told_at_start_and
         module.start(x)
     with pytest.raises(TypeError, match=r"_CommonLeftOut._resume\(history, at_sublayer, common\) must return"):
         module.resume(DepthHistory([], x), 1)
+
+
+def test_the_upcycle_of_a_users_residual_and_its_run_s_export_say_to_import_its_module(tmp_path, monkeypatch, capsys):
+    """`attnres --import MODULE upcycle --residual NAME`: its hint to continue training said
+    `attnres train ...`, which fails without the --import; and the export of a run of an
+    upcycled (family) model named no module to import (its config holds the residual as
+    `attnres_residual`, not `residual`)."""
+    pytest.importorskip("transformers")
+    from fixtures.tiny_families import tiny_model
+
+    from attnres.cli import main as cli_main
+    from attnres.cli.export import _and_the_residual
+    from attnres.data import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    here = str(Path(__file__).resolve())  # this module registers 'scaled_test'; not in the working directory
+    monkeypatch.chdir(tmp_path)
+    tiny_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    assert cli_main(["upcycle", "--model", "llama", "--out", "up", "--residual", "scaled_test"]) == 0
+    assert f"continue training with `attnres --import {here} train model.from_hf=up init_from=up ...`" \
+        in capsys.readouterr().out
+    assert _and_the_residual(tmp_path / "up" / "config.json") == \
+        f" and `import test_registry` ({here}), which registers its residual 'scaled_test'"

@@ -407,6 +407,29 @@ def test_unsupported_layouts_are_refused_with_the_reason():
         upcycle(base_model("llama"), "attnres_full", block_size=3)  # was: ignored, as the CLI refuses
 
 
+def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
+    """`attnres upcycle --model` an `attnres export` directory, and `train model.from_hf=` one,
+    said 'cannot upcycle model_type 'attnres': its decoder layout is not recognised'; it is
+    attnres's own model, and training it on starts from its run."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres import AttnResLM, ModelConfig
+    from attnres.cli import main as cli_main
+    from attnres.hf import AttnResForCausalLM
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    AttnResForCausalLM.from_native(AttnResLM(ModelConfig.preset("tiny", vocab_size=256))).save_pretrained(tmp_path / "x")
+    _byte_tokenizer().save_pretrained(tmp_path / "x")
+    want = (r"error: model_type 'attnres' is attnres's own model \(an `attnres export` of a training run\), AttnRes "
+            r"already: train it on from the run it was exported from \(`attnres train init_from=RUN`\)")
+    with pytest.raises(SystemExit, match=want):
+        cli_main(["upcycle", "--model", str(tmp_path / "x"), "--out", str(tmp_path / "up")])
+    with pytest.raises(SystemExit, match=want):
+        cli_main(["train", *[a for a in overrides(corpus, tmp_path / "run", steps=1, **{"model.from_hf": str(tmp_path / "x")})
+                            if not a.startswith("model=")]])
+
+
 def test_what_is_not_a_causal_lm_is_refused_with_the_way_to_one():
     """``upcycle`` of a path or Hub id (which the command takes) or of a PEFT model said only
     'upcycle takes a transformers causal LM, got str' (or 'got PeftModel'); it now says how
@@ -616,6 +639,30 @@ def test_upcycle_checks_the_layout_then_refuses_a_directory_without_a_tokenizer(
     assert not (tmp_path / "up").exists()
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_directory_without_config_json_is_said_to_be_none_and_a_model_below_named(tmp_path, nested):
+    """`--model` a folder without config.json - the weights and tokenizer alone, or the folder
+    above the model (a Hugging Face cache entry, whose files are in snapshots/<revision>/):
+    transformers said 'Unrecognized model ... Should have a `model_type` key in its
+    config.json', of a file that is not there. Now: no config.json, and where a model is below."""
+    from attnres.cli import main as cli_main
+
+    src = tmp_path / "models--org--name"
+    model_dir = src / "snapshots" / "0123abc" if nested else src
+    base_model("llama", vocab_size=256).save_pretrained(model_dir)
+    _byte_tokenizer().save_pretrained(model_dir)
+    if not nested:
+        (src / "config.json").unlink()
+    (src / "notes").mkdir()
+    (src / "notes" / "config.json").write_text("{}")  # (not a model's: no model_type)
+    want = (rf"give --model {model_dir}$" if nested else
+            r"\(one holds config\.json, the weights and the tokenizer files\)$")
+    with pytest.raises(SystemExit, match=rf"^attnres upcycle: error: --model '{src}' holds no config\.json: it is not a "
+                                         rf"save_pretrained directory.*{want}"):
+        cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up")])
+    assert not (tmp_path / "up").exists()
+
+
 @pytest.mark.parametrize("options, fragment", [
     (["--block-size", "0"], "--block-size must be an integer >= 1 (sublayers per block); got 0"),
     (["--residual", "attnres_ful"], "--residual: ModelConfig.residual.kind must be one of"),
@@ -667,7 +714,10 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
     """A run started from an instruct model's directory kept its tokenizer.json but lost the
     chat template and end-of-turn token (tokenizer_config.json's): `generate --chat` on the
     run, and its export, used attnres's plain-text template and no end of sequence. They now
-    stay with the run's tokenizer, through its checkpoints, into its export."""
+    stay with the run's tokenizer, through its checkpoints, into its export. So does its
+    beginning-of-text token: a template that writes ``{{ bos_token }}`` (Llama 3's, Mistral's)
+    rendered none in the export and in `generate --chat` of the run, whose chats began without
+    the token the pretrained model's do."""
     pytest.importorskip("yaml")
     from test_train import overrides, write_corpus
 
@@ -678,13 +728,14 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
 
     corpus = write_corpus(tmp_path / "corpus.txt")
     backend = train_bpe(corpus.read_text(), 300).backend
-    backend.add_special_tokens(["<|im_end|>"])
+    backend.add_special_tokens(["<|im_end|>", "<s>"])
     tok = BPETokenizer.from_json(backend.to_str(), "instruct")
-    template = "{% for m in messages %}<|user|> {{ m['content'] }}\n{% endfor %}<|assistant|> "
+    template = "{{ bos_token }}{% for m in messages %}<|user|> {{ m['content'] }}\n{% endfor %}<|assistant|> "
     src = tmp_path / "instruct"
     base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(src)
     (src / "tokenizer.json").write_text(tok.to_json())
-    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template,
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<s>",
+                                                           "chat_template": template,
                                                            "tokenizer_class": "TokenizersBackend"}))
     assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
     args = [a for a in overrides(corpus, tmp_path / "run", steps=2, **{
@@ -693,12 +744,17 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
     assert cli_main(["train", *args]) == 0
     run = load_run(tmp_path / "run")
     eos = tok.backend.token_to_id("<|im_end|>")
-    assert run.chat_settings() == {"chat_template": template, "eos_token": "<|im_end|>"}
-    rendered = tok.encode("<|user|> the quick\n<|assistant|> ")
-    assert encode_prompt(load_tokenizer(run), "the quick", True, template) == rendered
+    assert run.chat_settings() == {"chat_template": template, "eos_token": "<|im_end|>", "bos_token": "<s>"}
+    rendered = tok.encode("<s><|user|> the quick\n<|assistant|> ")
+    assert rendered[0] == tok.backend.token_to_id("<s>")
+    assert encode_prompt(load_tokenizer(run), "the quick", True, run.chat_settings()) == rendered
     assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
     exported = AutoTokenizer.from_pretrained(tmp_path / "export")
-    assert exported.chat_template == template and exported.eos_token_id == eos
+    assert exported.chat_template == template and exported.eos_token_id == eos and exported.bos_token == "<s>"
+    message = [{"role": "user", "content": "the quick"}]
+    for directory in ("up", "export"):  # the upcycled model's chat and its fine-tune's: the same ids
+        chat = AutoTokenizer.from_pretrained(tmp_path / directory).apply_chat_template(message, add_generation_prompt=True)
+        assert list(chat["input_ids"] if hasattr(chat, "keys") else chat) == rendered
     assert json.loads((tmp_path / "export" / "generation_config.json").read_text())["eos_token_id"] == eos
     capsys.readouterr()
     outputs = []
@@ -707,6 +763,15 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
                          "--temperature", "0"]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
+    # a beginning-of-text token the vocabulary lacks (a config naming "<s>" beside a tokenizer without it) is not
+    # kept: the export would refuse it
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|begin_of_text|>"}))
+    assert cli_main(["train", *[a.replace(str(tmp_path / "up"), str(src)).replace("out_dir=" + str(tmp_path / "run"),
+                                                                              "out_dir=" + str(tmp_path / "run2"))
+                                for a in args]]) == 0
+    assert load_run(tmp_path / "run2").chat_settings() == {"chat_template": template, "eos_token": "<|im_end|>"}
+    assert cli_main(["export", str(tmp_path / "run2"), "--out", str(tmp_path / "export2")]) == 0
     # attnres's own runs: no chat settings, the plain-text template, no end of sequence
     assert cli_main(["train", *overrides(corpus, tmp_path / "plain", steps=2)]) == 0
     assert load_run(tmp_path / "plain").chat_settings() == {}
@@ -890,12 +955,14 @@ def test_upcycle_into_the_pretrained_directory_is_refused_before_the_model_loads
     assert (tmp_path / "llama" / "config.json").read_text() == "{}"
 
 
-def test_upcycle_writes_the_dtype_the_pretrained_weights_are_stored_in(tmp_path):
+@pytest.mark.parametrize("named", [True, False])
+def test_upcycle_writes_the_dtype_the_pretrained_weights_are_stored_in(tmp_path, named):
     """A bfloat16 checkpoint (most pretrained models) upcycles to a bfloat16 directory: the
     pretrained weights bit for bit, the residual at its faithful init, half the size of float32
     (was: float32, twice the size, and computed in float32 by ``from_pretrained``'s default
     dtype "auto" where the original computes in bfloat16). Loaded in float32 both are the
-    same function."""
+    same function. A config.json that names no dtype (saved by another tool): the dtype its
+    weights files hold (was: float32)."""
     from safetensors.torch import load_file
 
     from attnres.cli import main as cli_main
@@ -903,6 +970,10 @@ def test_upcycle_writes_the_dtype_the_pretrained_weights_are_stored_in(tmp_path)
     base = base_model("qwen3", vocab_size=256).to(torch.bfloat16)  # (the byte tokenizer's ids)
     base.save_pretrained(tmp_path / "q")
     _byte_tokenizer().save_pretrained(tmp_path / "q")
+    if not named:
+        config = json.loads((tmp_path / "q" / "config.json").read_text())
+        del config["dtype"]
+        (tmp_path / "q" / "config.json").write_text(json.dumps(config))
     assert cli_main(["upcycle", "--model", str(tmp_path / "q"), "--out", str(tmp_path / "up")]) == 0
     assert json.loads((tmp_path / "up" / "config.json").read_text())["dtype"] == "bfloat16"
     want, got = load_file(tmp_path / "q" / "model.safetensors"), load_file(tmp_path / "up" / "model.safetensors")
@@ -967,6 +1038,103 @@ def test_upcycle_names_a_truncated_weights_file(tmp_path):
                                          r"\.safetensors file is truncated or corrupted \(.*\); download or copy"):
         cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up")])
     assert not (tmp_path / "up").exists()
+
+
+@pytest.mark.parametrize("command", ["upcycle", "train"])
+def test_a_directory_without_the_lm_head_is_refused(tmp_path, command):
+    """A sequence classifier's (a reward model's) directory, of a supported family: its weights
+    hold no lm_head, which transformers started at random with only a load report, and
+    `attnres upcycle` said it wrote the pretrained function (`train init_from=` trained on a
+    random head). Both now refuse it, naming the missing weight and what the directory holds."""
+    pytest.importorskip("yaml")
+    from transformers import LlamaForSequenceClassification
+
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, base = _pretrained_directory(tmp_path, corpus)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(AutoConfig.from_pretrained(src, num_labels=2)).save_pretrained(src)
+    args = {"upcycle": ["--model", str(src), "--out", str(tmp_path / "up")],
+            "train": [a for a in overrides(corpus, tmp_path / "run", steps=1, **{"model.from_hf": str(src), "init_from":
+                      str(src), "data.tokenizer": "bpe"}) if not a.startswith("model=")]}[command]
+    where = "init_from=" if command == "train" else "--model "
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {where}'.*pretrained' lacks 1 weight\(s\) of the "
+                                         r"causal LM \(lm_head\.weight\); it holds a LlamaForSequenceClassification: "
+                                         r"they would start at random"):
+        cli_main([command, *args])
+    assert not (tmp_path / "up").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_init_from_a_directory_without_its_tokenizer_json_is_refused_unless_one_is_given(tmp_path):
+    """`train init_from=DIR` of a transformers directory without a tokenizer.json (the model
+    saved alone, a SentencePiece tokenizer.model) trained a new BPE on the data, with a warning:
+    a vocabulary the pretrained embeddings do not index (or failed saying 'its tokenizer.json
+    has N tokens' of a file it does not hold). Now refused, saying how to save it there;
+    data.tokenizer=PATH gives it."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    (src / "tokenizer.json").rename(tmp_path / "tokenizer.json")
+
+    def args(run, **extra):
+        return [a for a in overrides(corpus, tmp_path / run, steps=1, **{"model.from_hf": str(src), "init_from": str(src),
+                "data.tokenizer": "bpe", "data.vocab_size": 280, **extra}) if not a.startswith("model=")]
+
+    with pytest.raises(SystemExit, match=rf"^attnres train: error: init_from='{src}' holds no tokenizer\.json: its "
+                                         r"embeddings index the pretrained model's own vocabulary, .*save the model's "
+                                         r"tokenizer there \(AutoTokenizer.*\) or give it as data\.tokenizer=PATH$"):
+        cli_main(["train", *args("run")])
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert cli_main(["train", *args("given", **{"data.tokenizer": str(tmp_path / "tokenizer.json")})]) == 0
+
+
+class _RunsCode:
+    """Unpickling this calls ``os.system``: it writes the marker file."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("command", ["upcycle", "generate", "eval", "analyze", "train"])
+def test_a_pickle_that_would_run_code_is_refused_in_one_line(tmp_path, command):
+    """A model directory whose weights are a ``pytorch_model.bin`` holding more than tensors:
+    torch's weights-only loader refuses it (nothing runs), but every command that loads a
+    transformers directory printed torch's traceback, whose advice is to load it with
+    ``weights_only=False`` - running the code. Now one line says why it is refused."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, base = _pretrained_directory(tmp_path, corpus)
+    (src / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    torch.save({**base.state_dict(), "lm_head.weight": _RunsCode(marker)}, src / "pytorch_model.bin")
+    args = {"upcycle": ["--model", str(src), "--out", str(tmp_path / "up")],
+            "generate": [str(src), "--prompt", "the"],
+            "eval": [str(src), "--tasks", "none", "--out", str(tmp_path / "eval.json")],
+            "analyze": [str(src), "--text", str(corpus)],
+            "train": [a for a in overrides(corpus, tmp_path / "run", steps=1, **{"model.from_hf": str(src), "init_from":
+                      str(src), "data.tokenizer": "bpe"}) if not a.startswith("model=")]}[command]
+    where = "init_from=" if command == "train" else "--model " if command == "upcycle" else ""
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {where}'.*pretrained': its \.bin \(pickle\) "
+                                         r"weights hold more than tensors and are refused: unpickling them could run "
+                                         r"any code \(.*GLOBAL posix\.system.*\); use the model's \.safetensors"):
+        cli_main([command, *args])
+    assert not marker.exists()
 
 
 def test_upcycle_over_a_sharded_model_leaves_only_its_own_weights(tmp_path):

@@ -6,10 +6,13 @@ them); :func:`set_aside_newer` moves checkpoints of an abandoned trajectory out 
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError
 
 from ..output_paths import HF_MODEL_FILES, HF_WEIGHT_FILES, OutputPathError
 from ..user_warning import warn_user
@@ -20,7 +23,7 @@ from .sharded import is_sharded, verify_dcp_files
 __all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
            "run_of_checkpoint",
            "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "newest_state", "set_aside_newer",
-           "training_output", "verify_checkpoint"]
+           "refuse_missing_weights", "training_output", "unreadable_weights", "verify_checkpoint", "WEIGHT_READ_ERRORS"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -83,6 +86,44 @@ def is_hf_directory(path: str | Path) -> bool:
     path = Path(path)
     return ((path / "config.json").is_file() and not (path / STATE_FILE).exists()
             and not (path / "checkpoints").is_dir() and not (path / RUN_LOG).is_file())
+
+
+#: What reading a transformers directory's weights raises for a file it cannot use: a
+#: ``.safetensors`` file cut short or damaged, or a ``.bin`` (pickle) file that holds more than
+#: tensors, which torch's weights-only loader refuses to unpickle (it could run any code).
+WEIGHT_READ_ERRORS = (SafetensorError, pickle.UnpicklingError)
+
+
+def unreadable_weights(where: str, error: Exception, fix: str) -> ValueError:
+    """The error for a transformers directory (``where``, as the message names it) whose
+    weights raised one of :data:`WEIGHT_READ_ERRORS`, saying ``fix`` for a damaged file."""
+    if isinstance(error, pickle.UnpicklingError):  # (torch's message says to load it unsafely)
+        lines = [line.strip() for line in str(error).splitlines()]
+        reason = next((line for line in lines if "GLOBAL" in line), str(error).strip()).rstrip(".")
+        return ValueError(f"{where}: its .bin (pickle) weights hold more than tensors and are refused: unpickling them "
+                          f"could run any code ({reason}); use the model's .safetensors weights, or convert the file "
+                          "to safetensors only if you trust where it came from")
+    return ValueError(f"{where}: its weights cannot be read, the .safetensors file is truncated or corrupted "
+                      f"({error}); {fix}")
+
+
+def refuse_missing_weights(where: str, path: str | Path, missing, fix: str) -> None:
+    """Raise ``ValueError``, saying ``fix``, when the transformers directory ``path`` lacks
+    weights of the causal LM loaded from it (``missing``: ``from_pretrained``'s
+    ``missing_keys``, less those that may be absent): transformers starts them at random and
+    prints a load report, so a base model's or a classifier's directory became a causal LM
+    with a random head."""
+    if not missing:
+        return
+    names = sorted(missing)
+    try:
+        held = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        held = []
+    held = [a for a in held if isinstance(a, str) and not a.endswith("ForCausalLM")]
+    raise ValueError(f"{where} lacks {len(names)} weight(s) of the causal LM ({', '.join(names[:3])}"
+                     f"{', ...' if len(names) > 3 else ''}){f'; it holds a {held[0]}' if held else ''}: they would start "
+                     f"at random, and the model would not be the pretrained one; {fix}")
 
 
 def training_output(path: str | Path) -> str | None:

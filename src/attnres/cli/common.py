@@ -207,6 +207,15 @@ def residual_import(kind: str) -> str | None:
     return str(Path(file).resolve())  # (`--import my_residuals` finds it only from its own folder)
 
 
+def attnres_command(kind: str) -> str:
+    """``attnres`` as another process must be started for residual ``kind``: with the
+    ``--import`` that registers it (:func:`residual_import`) where it is the user's own."""
+    import shlex
+
+    module = residual_import(kind)
+    return f"attnres --import {shlex.quote(module)}" if module else "attnres"
+
+
 def apply_cpu_allocator(settings: dict) -> None:
     """``cpu_allocator`` of a training config (``settings``: its fields; default
     ``"retain"``), applied to this process when it trains on the CPU. The command sets it for

@@ -50,8 +50,10 @@ def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
 
 def _and_the_residual(config_file: Path) -> str:
     """For a residual of the user's: that its module must be imported too where the directory
-    loads (else the load fails: its kind is not registered there)."""
-    residual = json.loads(config_file.read_text()).get("residual")
+    loads (else the load fails: its kind is not registered there). (A native export's config
+    holds it as ``residual``, a family model's - upcycled - as ``attnres_residual``.)"""
+    config = json.loads(config_file.read_text())
+    residual = config.get("residual", config.get("attnres_residual"))
     kind = residual.get("kind") if isinstance(residual, dict) else None
     module = residual_import(kind) if isinstance(kind, str) else None
     if module is None:

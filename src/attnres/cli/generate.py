@@ -88,18 +88,20 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
     return text.removesuffix("\n"), given
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool, template: str | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: str, chat: bool, settings: dict[str, str] | None = None) -> list[int]:
     """The prompt's ids: its text, or with ``chat`` a user's message through the chat template
-    (a transformers directory's own; for a run's tokenizer ``template``, the one it kept from
-    the instruct model it started from, else the plain-text template attnres's exports get,
-    :data:`attnres.hf.export.CHAT_TEMPLATE`)."""
+    (a transformers directory's own; for a run's tokenizer the one ``settings`` holds, kept from
+    the instruct model it started from with its special tokens - ``LoadedRun.chat_settings`` -
+    else the plain-text template attnres's exports get, :data:`attnres.hf.export.CHAT_TEMPLATE`)."""
     if not chat:
         return tokenizer.encode(prompt)
     if hasattr(tokenizer, "encode_chat"):  # a transformers directory's tokenizer
         return tokenizer.encode_chat(prompt)
     from ..hf.export import CHAT_TEMPLATE, make_hf_tokenizer
 
-    rendered = make_hf_tokenizer(tokenizer, chat_template=template or CHAT_TEMPLATE).apply_chat_template(
+    settings = dict(settings or {})
+    settings.setdefault("chat_template", CHAT_TEMPLATE)
+    rendered = make_hf_tokenizer(tokenizer, **settings).apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(rendered)
 
@@ -141,13 +143,12 @@ def _load(args):
 
         _transformers_decode_only(args, f"{args.checkpoint!r} is a transformers directory")
         model, text = load_directory(args.checkpoint, pick_device(args.device))
-        stops, source, template = text.stop_ids, args.checkpoint, None
+        stops, source, chat = text.stop_ids, args.checkpoint, {}
     else:
         run = load_run(args.checkpoint, args.device)
         model, text, source = run.model, load_tokenizer(run, args.tokenizer), run.checkpoint
-        # a run started from an instruct model: its chat template and end-of-turn token
+        # a run started from an instruct model: its chat template and special tokens
         chat = run.chat_settings() if args.tokenizer is None else {}
-        template = chat.get("chat_template")
         eos = text.backend.token_to_id(chat["eos_token"]) if "eos_token" in chat else None
         stops = () if eos is None else (eos,)
         family = run.run_config["model"].get("hf_architecture")
@@ -155,7 +156,7 @@ def _load(args):
             _transformers_decode_only(args, f"this checkpoint's model is a transformers {family!r} model "
                                             "(model.hf_architecture)")
     _warn_non_finite(model, source)
-    return model.to(getattr(torch, args.dtype)), text, stops, template
+    return model.to(getattr(torch, args.dtype)), text, stops, chat
 
 
 def text_pieces(tokenizer, steps, new: list[int]):
@@ -197,8 +198,8 @@ def run_generate(args) -> int:
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
             raise ValueError(f"{given} is empty: there is nothing to continue")
-        model, tokenizer, stops, template = _load(args)
-        ids = encode_prompt(tokenizer, prompt, args.chat, template)
+        model, tokenizer, stops, chat = _load(args)
+        ids = encode_prompt(tokenizer, prompt, args.chat, chat)
         if not ids:  # (a text the tokenizer's normaliser removes whole)
             raise ValueError(f"{given} gives no tokens: there is nothing to continue")
         if (unknown := unknown_share(tokenizer, ids)) is not None:  # (a WordLevel or WordPiece tokenizer's [UNK])

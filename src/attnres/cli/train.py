@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from .common import (apply_cpu_allocator, end_process, first_on_node, leave_the_message_to_the_first_on_node,
-                     rank_zero, residual_import)
+from .common import (apply_cpu_allocator, attnres_command, end_process, first_on_node,
+                     leave_the_message_to_the_first_on_node, rank_zero)
 
 
 def add_parser(sub) -> None:
@@ -181,8 +181,7 @@ def _how_to_continue(config) -> str:
     from ..distributed.parallel import ParallelConfig
 
     resume = f"out_dir={shlex.quote(str(config.out_dir))} --resume"
-    module = residual_import(config.model.residual.kind)  # (without it the resume fails: kind not registered)
-    attnres = f"attnres --import {shlex.quote(module)}" if module else "attnres"
+    attnres = attnres_command(config.model.residual.kind)  # (without --import the resume fails: kind not registered)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return f"continue with --resume (`{attnres} train {resume}`: the run's own config)"

@@ -240,7 +240,7 @@ def tokenizer_file(path: str | Path, what: str) -> Path:
     if file.is_dir():
         if not (file / TOKENIZER_FILE).is_file():
             raise ValueError(f"{what} {str(file)!r} is a directory without a {TOKENIZER_FILE}: give a "
-                             f"{TOKENIZER_FILE} file, or a directory holding one{_slow_tokenizer_hint(file)}")
+                             f"{TOKENIZER_FILE} file, or a directory holding one{slow_tokenizer_hint(file)}")
         file = file / TOKENIZER_FILE
     if not file.is_file():
         raise ValueError(f"{what} {str(file)!r} does not exist: give a {TOKENIZER_FILE} file, or a directory "
@@ -254,7 +254,7 @@ SLOW_TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "spiece.m
                         "vocab.txt")
 
 
-def _slow_tokenizer_hint(directory: Path) -> str:
+def slow_tokenizer_hint(directory: Path) -> str:
     """For a directory without a ``tokenizer.json`` that holds a transformers tokenizer's slow
     files, how to write the ``tokenizer.json`` (transformers converts them); else ``""``."""
     found = [name for name in SLOW_TOKENIZER_FILES if (directory / name).is_file()]
@@ -266,10 +266,11 @@ def _slow_tokenizer_hint(directory: Path) -> str:
 
 
 #: What a tokenizer record may carry beside its tokenizer, from a transformers directory a run
-#: started from (an instruct model's): its chat template and end-of-turn token, which its
+#: started from (an instruct model's): its chat template, end-of-turn token and beginning-of-text
+#: token (which templates such as Llama 3's and Mistral's write as ``{{ bos_token }}``), which its
 #: ``tokenizer.json`` does not hold. Kept through checkpoints and used by ``attnres export``
-#: and ``attnres generate --chat``; attnres's own tokenizers have neither.
-CHAT_SETTINGS = ("chat_template", "eos_token")
+#: and ``attnres generate --chat``; attnres's own tokenizers have none.
+CHAT_SETTINGS = ("chat_template", "eos_token", "bos_token")
 
 
 def tokenizer_state(tok: Tokenizer) -> tuple[dict[str, Any], dict[str, bytes]]:

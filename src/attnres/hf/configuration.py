@@ -23,6 +23,7 @@ from ..checkpoint.locate import refuse_loading_training_output
 from ..models.config import ModelConfig
 from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys
+from .families.layout import NATIVE_MODEL_TYPE
 from ..nn.residual.config import ResidualConfig, merge_residual
 from .families.build import FIELD_HF_NAMES
 
@@ -145,7 +146,7 @@ def _body(ns: dict) -> None:
         __qualname__="AttnResConfig",
         __doc__="HF config with the fields of :class:`attnres.ModelConfig` (same names, same defaults, validated "
         "by ``ModelConfig`` when the config is built).",
-        model_type="attnres",
+        model_type=NATIVE_MODEL_TYPE,
         keys_to_ignore_at_inference=["past_key_values"],
         attribute_map={
             "hidden_size": "d_model",

@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..checkpoint.locate import WEIGHT_READ_ERRORS, unreadable_weights
 from ..data.tokenizer import ordinary_tokens_marked_special
 from ..user_warning import warn_user
 
-__all__ = ["DirectoryText", "load_directory", "unreadable_weights"]
+__all__ = ["DirectoryText", "load_directory"]
 
 
 class DirectoryText:
@@ -73,14 +73,6 @@ def _appended_count(tokenizer) -> int:
     return 0  # the added tokens merge with the text's (no such tokenizer known): keep them all
 
 
-def unreadable_weights(where: str, error: Exception, fix: str) -> ValueError:
-    """The error for a directory (``where``, as the message names it) whose ``.safetensors``
-    file does not read (``SafetensorError``: cut short by a copy or download that did not
-    finish, or damaged), saying ``fix``."""
-    return ValueError(f"{where}: its weights cannot be read, the .safetensors file is truncated or corrupted "
-                      f"({error}); {fix}")
-
-
 #: The files a saved tokenizer has one of (``save_pretrained``; older slow tokenizers' vocabularies).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                     "spiece.model")
@@ -93,7 +85,7 @@ def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Mod
         model = AutoModelForCausalLM.from_pretrained(path).eval().to(device)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{str(path)!r}: transformers cannot load its model: {e}") from None
-    except SafetensorError as e:  # a weights file cut short (a copy or export that did not finish) or damaged
+    except WEIGHT_READ_ERRORS as e:  # a weights file cut short or damaged, a pickle holding more than tensors
         raise unreadable_weights(repr(str(path)), e, "export or copy the directory again") from None
     if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"{str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): save the "

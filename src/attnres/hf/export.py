@@ -93,12 +93,14 @@ def byte_level_tokenizer():
 
 
 def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None, chat_template: str = CHAT_TEMPLATE,
-                      eos_token: str | None = None) -> PreTrainedTokenizerFast:
+                      eos_token: str | None = None, bos_token: str | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, no
     special tokens (no end-of-sequence and no padding token: module docstring), padding on
     the left, the plain-text :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's
     ``max_seq_len``) when given: every text encodes to our tokenizer's ids, and every id
-    decodes to its text."""
+    decodes to its text. ``eos_token`` / ``bos_token``: an instruct model's end of turn and
+    beginning of text, kept from the directory a run started from (its chat template may
+    write ``{{ bos_token }}``, which renders empty where none is declared)."""
     if isinstance(tokenizer, BPETokenizer):
         rust = tokenizer.backend
     elif isinstance(tokenizer, ByteTokenizer):
@@ -108,10 +110,12 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None,
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     # Left padding: a batch of prompts padded on the right would have ``generate`` continue
     # each short prompt after its padding.
-    if eos_token is not None:  # an instruct model's end of turn, kept from the directory a run started from
-        if rust.token_to_id(eos_token) is None:
-            raise ValueError(f"the end-of-sequence token {eos_token!r} is not in the tokenizer's vocabulary")
-        extra["eos_token"] = eos_token
+    kept = (("eos_token", eos_token, "end-of-sequence"), ("bos_token", bos_token, "beginning-of-text"))
+    for name, token, what in kept:
+        if token is not None:
+            if rust.token_to_id(token) is None:
+                raise ValueError(f"the {what} token {token!r} is not in the tokenizer's vocabulary")
+            extra[name] = token
     return PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False,
                                    chat_template=chat_template, padding_side="left", **extra)
 

@@ -14,25 +14,30 @@ from typing import Any
 
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer
 from ..checkpoint import Source
+from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_weights, unreadable_weights
 
 __all__ = ["hf_source", "load_hf_weights"]
 
 
 def hf_source(path: str | Path) -> Source:
     """``path`` as a start: step 0, and its ``tokenizer.json`` (if any) as the stored tokenizer,
-    with the directory's chat template and end-of-turn token (:func:`chat_settings`)."""
+    with the directory's chat template and its special tokens that the vocabulary holds
+    (:func:`chat_settings`; the export declares them, and refuses one it lacks)."""
     path = Path(path)
     state: dict[str, Any] = {"step": 0, "hf_directory": True, "tokenizer": None}
     if (path / TOKENIZER_FILE).is_file():
         tok = BPETokenizer.load(path / TOKENIZER_FILE)
+        chat = {k: v for k, v in chat_settings(path).items()
+                if k == "chat_template" or tok.backend.token_to_id(v) is not None}
         state["tokenizer"] = {"kind": "bpe", "file": TOKENIZER_FILE, "vocab_size": tok.vocab_size,
-                              "fingerprint": tok.fingerprint, **chat_settings(path)}
+                              "fingerprint": tok.fingerprint, **chat}
     return Source(path, state)
 
 
 def chat_settings(path: Path) -> dict[str, str]:
     """The chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s) and the
-    end-of-sequence token (``tokenizer_config.json``'s ``eos_token``) of the transformers
+    end-of-sequence and beginning-of-text tokens (``tokenizer_config.json``'s ``eos_token``,
+    ``bos_token``: a template may write ``{{ bos_token }}``) of the transformers
     directory ``path``, those it has (:data:`attnres.data.tokenizer.CHAT_SETTINGS`)."""
     found: dict[str, str] = {}
     try:
@@ -45,10 +50,11 @@ def chat_settings(path: Path) -> dict[str, str]:
         found["chat_template"] = template.read_text(encoding="utf-8")
     elif isinstance(config.get("chat_template"), str):
         found["chat_template"] = config["chat_template"]
-    eos = config.get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos, str) and eos:
-        found["eos_token"] = eos
+    for name in ("eos_token", "bos_token"):
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and token:
+            found[name] = token
     return found
 
 
@@ -58,8 +64,15 @@ def load_hf_weights(model, path: str | Path) -> None:
     init. Raises ``ValueError`` when the directory's model is another one."""
     param = next(model.parameters())
     try:  # the run's own class: a plain family directory loads into its AttnRes version
-        loaded = type(model).from_pretrained(path, config=model.config, dtype=param.dtype)
+        loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
+                                                      output_loading_info=True)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"init_from={str(path)!r}: its weights do not fit this run's model ({e}); describe the model "
                          f"with model.from_hf={path}") from None
+    except WEIGHT_READ_ERRORS as e:
+        raise unreadable_weights(f"init_from={str(path)!r}", e, "copy or download the model again") from None
+    # (a base model's or a classifier's directory: no LM head, which would start at random)
+    missing = {k for k in loading["missing_keys"] if not k.startswith("residual.")}
+    refuse_missing_weights(f"init_from={str(path)!r}", path, missing, "give the directory of this run's causal LM, "
+                           f"which model.from_hf={path} describes")
     model.load_state_dict(loaded.state_dict())

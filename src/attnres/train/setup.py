@@ -21,7 +21,8 @@ from torch import Tensor
 from ..checkpoint import (Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint, no_checkpoint_at,
                           remove_partial_checkpoints, set_aside_newer)
 from ..data import BatchSampler, TokenData, corpus_fingerprint, load_corpus, prepare_data, validation_batches
-from ..data.tokenizer import CHAT_SETTINGS, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file, tokenizer_from_state, tokenizer_state
+from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
+                              slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
 from .config import TrainConfig
 from .hf_source import hf_source
 from .resume import check_data, check_progress
@@ -122,14 +123,24 @@ class RunData:
     val_batches: list[Tensor]
 
 
-def stored_tokenizer(source: Source) -> Tokenizer | None:
+def stored_tokenizer(source: Source, requested: str) -> Tokenizer | None:
     """The tokenizer stored with ``source``; ``None`` (with a warning) for checkpoints of
-    earlier versions, which store none: the tokenizer is then made from ``data`` as then."""
+    earlier versions, which store none: the tokenizer is then made from ``data`` as then. A
+    transformers directory without a ``tokenizer.json`` is refused unless ``requested``
+    (``data.tokenizer``) names one: its embeddings index its own vocabulary, which a
+    tokenizer made from the data does not match (a smaller one trained on it without a word)."""
     meta = source.state.get("tokenizer")
+    if meta is None and source.state.get("hf_directory"):
+        if requested not in TOKENIZER_KINDS:  # (a tokenizer.json given: the user's choice, checked against the embedding)
+            return None
+        path = str(source.path)
+        raise ValueError(f"init_from={path!r} holds no {TOKENIZER_FILE}: its embeddings index the pretrained model's own "
+                         "vocabulary, which a tokenizer made from the data would not match; save the model's tokenizer "
+                         "there" + (slow_tokenizer_hint(source.path) or f" (AutoTokenizer.from_pretrained(ORIGINAL)"
+                                    f".save_pretrained({path!r}) writes it)") + " or give it as data.tokenizer=PATH")
     if meta is None:
-        what = ("holds no tokenizer.json" if source.state.get("hf_directory")
-                else "stores no tokenizer (written by an earlier version)")
-        warn_user(f"{str(source.path)!r} {what}: making it from the data settings")
+        warn_user(f"{str(source.path)!r} stores no tokenizer (written by an earlier version): making it from the data "
+                  "settings")
         return None
     return tokenizer_from_state(meta, source.path)
 
@@ -188,7 +199,7 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     # (the text is read only where no token cache recorded these files: a cache hit reads none)
     corpus = load_corpus(config.data.paths, config.data.val_fraction, config.data.text_field, read=False)
     source = start.resume or start.init
-    given = stored_tokenizer(source) if source is not None else None
+    given = stored_tokenizer(source, config.data.tokenizer) if source is not None else None
     if given is not None:
         warn_if_tokenizer_unused(config.data.tokenizer, given, source)
     changed = start.resume is not None and check_data(start.resume, corpus_fingerprint(corpus, config.data.cache_dir),

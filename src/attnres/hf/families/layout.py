@@ -25,6 +25,8 @@ __all__ = ["Layout", "Router", "FAMILIES", "REFUSED", "PREFIX", "CHECKED_WITH", 
 
 #: ``model_type`` of the AttnRes version of family ``X``: ``"attnres_" + X``.
 PREFIX = "attnres_"
+#: The ``model_type`` of attnres's own models (``AttnResConfig``: ``attnres export``'s directories).
+NATIVE_MODEL_TYPE = "attnres"
 #: The ``transformers`` release whose decoder layers the layouts below were read from.
 CHECKED_WITH = "5.24.0"
 
@@ -140,6 +142,10 @@ def layout_of(model_type: str) -> Layout:
         return FAMILIES[model_type]
     if model_type in REFUSED:
         raise ValueError(f"cannot upcycle model_type {model_type!r}: {REFUSED[model_type]}")
+    if model_type == NATIVE_MODEL_TYPE:
+        raise ValueError(f"model_type {model_type!r} is attnres's own model (an `attnres export` of a training run), "
+                         "AttnRes already: train it on from the run it was exported from (`attnres train init_from=RUN`), "
+                         "or upcycle a pretrained model of a supported family")
     if model_type.startswith(PREFIX) and family_of(model_type) in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is already an AttnRes model (an upcycled "
                          f"{family_of(model_type)!r}): train it on with `attnres train model.from_hf=DIR init_from=DIR`, "

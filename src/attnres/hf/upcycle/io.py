@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 
-from ...checkpoint.locate import refuse_training_output
+from ...checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_weights, refuse_training_output, unreadable_weights
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
-from ..directory import unreadable_weights
 from ..hub import local_folder
 from .convert import upcycle
 
@@ -72,9 +72,12 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"--model {str(source)!r}: its tokenizer cannot be loaded: {e}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw).eval()
-    except SafetensorError as e:  # (a download or copy cut short: a traceback from safetensors' reader)
+        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True, **kw)
+    except WEIGHT_READ_ERRORS as e:  # (a download or copy cut short, a pickle of more than tensors: a traceback)
         raise unreadable_weights(f"--model {str(source)!r}", e, "download or copy the model again") from None
+    refuse_missing_weights(f"--model {str(source)!r}", source, loading["missing_keys"],  # (a base model, a classifier)
+                           "give the directory of a causal LM (a ...ForCausalLM's save_pretrained)")
+    model.eval()
     if gguf_file:
         _forget_gguf_quantizer(model)
     return (model, tokenizer, None if gguf_file else stored) if with_stored_dtype else (model, tokenizer)
@@ -88,11 +91,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.j
 def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
     """Raise ``ValueError`` when the model of ``source`` is of a family that cannot be
     upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`); else
-    return the floating dtype its config says the weights are stored in, if it says one."""
+    return the floating dtype its config says the weights are stored in, or for a config that
+    names none (saved by another tool) the one its ``.safetensors`` files hold, if any."""
     from transformers import AutoConfig
 
     from ..families import layout_of
 
+    if not kw and source.is_dir() and not (source / "config.json").is_file():  # (transformers: "Unrecognized model")
+        raise ValueError(f"--model {str(source)!r} holds no config.json: it is not a save_pretrained directory"
+                         f"{_model_below(source)}")
     try:
         config = AutoConfig.from_pretrained(source, **kw)
     except (OSError, ValueError) as e:
@@ -100,7 +107,52 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
     layout_of(config.model_type)
     stored = getattr(config, "dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
-    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
+    if isinstance(stored, torch.dtype) and stored.is_floating_point:
+        return stored
+    return None if kw else _weights_dtype(source)
+
+
+#: The floating dtypes of a ``.safetensors`` header, by its names.
+_SAFETENSORS_FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+
+def _weights_dtype(source: Path) -> torch.dtype | None:
+    """The floating dtype that most of the weights in ``source``'s ``.safetensors`` files are
+    stored in (read from their headers); ``None`` without such files or for one that does not
+    read (the model's load then says so)."""
+    from safetensors import SafetensorError, safe_open
+
+    sizes: dict[torch.dtype, int] = {}
+    try:
+        for file in sorted(source.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    dtype = _SAFETENSORS_FLOATS.get(piece.get_dtype())
+                    if dtype is not None:
+                        sizes[dtype] = sizes.get(dtype, 0) + math.prod(piece.get_shape())
+    except (SafetensorError, OSError):
+        return None
+    return max(sizes, key=sizes.__getitem__) if sizes else None
+
+
+def _model_below(folder: Path, depth: int = 3) -> str:
+    """Where below ``folder`` (a parent folder, a Hugging Face cache entry whose model is in
+    ``snapshots/<revision>/``) a model's ``config.json`` is, as the ``--model`` to give."""
+    for level in range(1, depth + 1):
+        found = [f for f in sorted(folder.glob("/".join(["*"] * level) + "/config.json")) if _names_a_model(f)]
+        if found:
+            return f": a model's config.json is in {str(found[0].parent)!r}; give --model {found[0].parent}"
+    return " (one holds config.json, the weights and the tokenizer files)"
+
+
+def _names_a_model(config_file: Path) -> bool:
+    """``config_file`` is a transformers model's config (it names a ``model_type``)."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("model_type"), str)
 
 
 def _forget_gguf_quantizer(model) -> None:
