@@ -601,3 +601,62 @@ def test_report_only_on_a_misspelt_out_names_the_grid_meant(tmp_path):
     with pytest.raises(SystemExit) as info:
         cli_main(["compare", "--out", str(tmp_path / "comprae"), "--report-only"])
     assert f"--out {str(tmp_path / 'comprae')!r} does not exist (did you mean 'compare'?)" in str(info.value)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--print-config", "model.preset=[1]"],
+     "TrainConfig.model.preset must be a model preset, one of 'bench-cpu', 'bench-infer', 'tiny', 'train-cpu'; got [1]"),
+    (["train", "--print-config", "model.preset={a: 1}"], "TrainConfig.model.preset must be a model preset, one of"),
+    (["train", "--print-config", "model=tny"], "TrainConfig.model must be a model preset, one of 'bench-cpu', "
+     "'bench-infer', 'tiny', 'train-cpu'; got 'tny' (did you mean 'tiny'?)"),
+    (["train", "--config", "BINARY", "--print-config"], "config file 'BINARY' is not UTF-8 text (line 2, byte 128); give "
+     "a text file"),
+    (["train", "--config", "", "--print-config"], "--config: the path is empty; give a YAML file"),
+    (["train", "--resume-from", "", "out_dir=OUT"], "--resume-from: the path is empty; give a checkpoint (step-*) or run "
+     "directory"),
+    (["generate", "", "--prompt", "the"], "CHECKPOINT is empty: give a run or checkpoint directory"),
+    (["export", "--checkpoint", " ", "--out", "OUT"], "CHECKPOINT is empty: give a run or checkpoint directory"),
+    (["eval", "NOT_A_DIR", "--tasks", "none"], "'NOT_A_DIR' is neither a checkpoint nor a run directory with "
+     "checkpoints: it is a file; name a run directory"),
+    (["generate", "RUN", "--prompt-file", ""], "--prompt-file: the path is empty; give a text file, or - for standard "
+     "input"),
+    (["generate", "RUN", "--prompt-file", "NOT_A_DIR/prompt.txt"], "--prompt-file: 'NOT_A_DIR/prompt.txt' cannot be "
+     "read: Not a directory"),
+    (["generate", "RUN", "--prompt", "the", "--tokenizer", ""], "--tokenizer is empty: give a tokenizer.json file, or a "
+     "directory holding one"),
+])
+def test_a_wrong_argument_is_one_line_naming_it(run_dir, tmp_path, capsys, args, expected):
+    """Wrong values found by trying every field and option (`attnres train model.preset=[1]`:
+    "TypeError: unhashable type: 'list'", a traceback; a binary config file: "'utf-8' codec
+    can't decode byte 0xb1"; `--resume-from ''` ignored, a new run trained; an empty path read
+    as '.', "'.' is a directory"; a file given as the checkpoint of `eval`, called its --out; a
+    prompt file under a file: a traceback) are each one line naming the option or field, with
+    nothing trained."""
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)))
+    not_a_dir = tmp_path / "notes.txt"
+    not_a_dir.write_text("the")
+    names = {"RUN": str(run_dir), "BINARY": str(binary), "NOT_A_DIR": str(not_a_dir), "OUT": str(tmp_path / "out")}
+    argv = [names.get(a, a.replace("NOT_A_DIR", str(not_a_dir)).replace("OUT", str(tmp_path / "out"))) for a in args]
+    expected = expected.replace("BINARY", str(binary)).replace("NOT_A_DIR", str(not_a_dir))
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    said = info.value.code if isinstance(info.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
+    assert info.value.code not in (0, None) and expected in said, said
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_refuses_a_bad_device_before_loading(run_dir, monkeypatch):
+    """`attnres generate RUN --device bogus` read and verified the checkpoint and built the
+    model (minutes for a large one) before it refused the device."""
+    from attnres.inference import loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the device was checked")
+
+    monkeypatch.setattr(loading, "find_valid_checkpoint", no_loading)
+    for device, expected in (("bogus", "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'bogus'"),
+                             ("mps", "Apple's GPU (mps) is not supported")):
+        with pytest.raises(SystemExit) as info:
+            cli_main(["generate", str(run_dir), "--prompt", "the", "--device", device])
+        assert expected in str(info.value)

@@ -96,6 +96,8 @@ def resolve_checkpoint(args: argparse.Namespace) -> None:
                      "--checkpoint DIR)")
     if len(set(given)) > 1:
         parser.error(f"two checkpoints given: {given[0]!r} and --checkpoint {given[1]!r}; give one")
+    if not given[0].strip():  # (read as '.', the current directory: "'.' is neither a checkpoint ...")
+        parser.error("CHECKPOINT is empty: give a run or checkpoint directory")
     args.checkpoint = given[0]
     del args.checkpoint_path, args.checkpoint_parser
 

@@ -62,7 +62,7 @@ def _eval_output(args):
         return check_output_file(Path(args.out), "--out")
     if is_hub_id(args.checkpoint):  # (not into the Hugging Face cache): here
         return check_output_file(Path(f"eval-{args.checkpoint.replace('/', '--')}.json"), "--out")
-    if not Path(args.checkpoint).exists():  # (the default --out lies in it: say what is missing)
+    if not Path(args.checkpoint).is_dir():  # (the default --out lies in it: say what is missing, or a file)
         raise ValueError(no_checkpoint_at(args.checkpoint))
     return check_output_file(Path(args.checkpoint) / "eval.json", "--out")
 

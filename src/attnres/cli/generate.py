@@ -69,6 +69,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
 
     if prompt is not None:
         return prompt, "--prompt"
+    if not prompt_file.strip():  # (read as '.': "'' is a directory")
+        raise ValueError("--prompt-file: the path is empty; give a text file, or - for standard input")
     try:
         if prompt_file == "-":
             given = "--prompt-file - (standard input)"
@@ -82,6 +84,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
         raise ValueError(f"--prompt-file: no file {prompt_file!r}{missing_path_hint(prompt_file)}") from None
     except IsADirectoryError:
         raise ValueError(f"--prompt-file: {prompt_file!r} is a directory; give a text file") from None
+    except OSError as e:  # (a file this user may not read: a traceback)
+        raise ValueError(f"--prompt-file: {prompt_file!r} cannot be read: {e.strerror or e}") from None
     except UnicodeDecodeError:
         where = "standard input" if prompt_file == "-" else repr(prompt_file)
         raise ValueError(f"--prompt-file: {where} is not UTF-8 text") from None
