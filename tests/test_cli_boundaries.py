@@ -611,27 +611,16 @@ def test_report_only_on_a_misspelt_out_names_the_grid_meant(tmp_path):
      "'bench-infer', 'tiny', 'train-cpu'; got 'tny' (did you mean 'tiny'?)"),
     (["train", "--config", "BINARY", "--print-config"], "config file 'BINARY' is not UTF-8 text (line 2, byte 128); give "
      "a text file"),
-    (["train", "--config", "", "--print-config"], "--config: the path is empty; give a YAML file"),
-    (["train", "--resume-from", "", "out_dir=OUT"], "--resume-from: the path is empty; give a checkpoint (step-*) or run "
-     "directory"),
-    (["generate", "", "--prompt", "the"], "CHECKPOINT is empty: give a run or checkpoint directory"),
-    (["export", "--checkpoint", " ", "--out", "OUT"], "CHECKPOINT is empty: give a run or checkpoint directory"),
     (["eval", "NOT_A_DIR", "--tasks", "none"], "'NOT_A_DIR' is neither a checkpoint nor a run directory with "
      "checkpoints: it is a file; name a run directory"),
-    (["generate", "RUN", "--prompt-file", ""], "--prompt-file: the path is empty; give a text file, or - for standard "
-     "input"),
     (["generate", "RUN", "--prompt-file", "NOT_A_DIR/prompt.txt"], "--prompt-file: 'NOT_A_DIR/prompt.txt' cannot be "
      "read: Not a directory"),
-    (["generate", "RUN", "--prompt", "the", "--tokenizer", ""], "--tokenizer is empty: give a tokenizer.json file, or a "
-     "directory holding one"),
 ])
 def test_a_wrong_argument_is_one_line_naming_it(run_dir, tmp_path, capsys, args, expected):
     """Wrong values found by trying every field and option (`attnres train model.preset=[1]`:
     "TypeError: unhashable type: 'list'", a traceback; a binary config file: "'utf-8' codec
-    can't decode byte 0xb1"; `--resume-from ''` ignored, a new run trained; an empty path read
-    as '.', "'.' is a directory"; a file given as the checkpoint of `eval`, called its --out; a
-    prompt file under a file: a traceback) are each one line naming the option or field, with
-    nothing trained."""
+    can't decode byte 0xb1"; a file given as the checkpoint of `eval`, called its --out; a
+    prompt file under a file: a traceback) are each one line naming the option or field."""
     binary = tmp_path / "weights.bin"
     binary.write_bytes(bytes(range(256)))
     not_a_dir = tmp_path / "notes.txt"
@@ -660,3 +649,35 @@ def test_generate_refuses_a_bad_device_before_loading(run_dir, monkeypatch):
         with pytest.raises(SystemExit) as info:
             cli_main(["generate", str(run_dir), "--prompt", "the", "--device", device])
         assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--resume-from", "", "out_dir=OUT", "steps=1", "progress=false"], "--resume-from is empty; --resume-from: "
+     "continue from this checkpoint (a step-* directory"),
+    (["train", "--config", "", "--print-config"], "--config is empty; --config: YAML file with TrainConfig fields"),
+    (["generate", "", "--prompt", "the"], "CHECKPOINT is empty; CHECKPOINT: a checkpoint directory (step-*) or a run "
+     "directory (its newest)"),
+    (["generate", "RUN", "--prompt-file", ""], "--prompt-file is empty; --prompt-file: read the text to continue from "
+     "FILE (UTF-8), or from standard input with '-'"),
+    (["generate", "RUN", "--prompt", "the", "--tokenizer", " "], "--tokenizer is empty; --tokenizer: tokenizer.json"),
+    (["export", "RUN", "--out", ""], "--out is empty; --out: output directory for save_pretrained"),
+    (["analyze", "RUN", "--compare", ""], "--compare is empty; --compare: a second checkpoint"),
+    (["eval", "RUN", "--tasks", "none", "--out", ""], "--out is empty; --out: results JSON"),
+    (["status", ""], "DIR is empty; DIR: folders to look in"),
+    (["compare", "--preset", "", "--out", "OUT"], "--preset is empty; --preset: grid size: 'tiny' (seconds), 'demo'"),
+    (["upcycle", "--model", "", "--out", "OUT"], "--model is empty; --model: a save_pretrained directory"),
+])
+def test_an_empty_value_is_refused_by_name(run_dir, tmp_path, monkeypatch, capsys, args, expected):
+    """An empty option (`--out "$DIR"` with DIR unset) was read as the current directory:
+    `export RUN --out ''` wrote the model's files there, `generate '' ...` said "'.' is neither
+    a checkpoint ..."; an empty --resume-from or --preset was taken as not given (a new run, the
+    'demo' grid, trained). Each is now a usage error naming the option, before any work."""
+    monkeypatch.chdir(tmp_path)
+    argv = [str(run_dir) if a == "RUN" else str(tmp_path / "out") if a.endswith("OUT") else a for a in args]
+    argv = [f"out_dir={tmp_path / 'out'}" if a.startswith("out_dir=") else a for a in argv]
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith(f"attnres {args[0]}: error: {expected}"), said
+    assert list(tmp_path.iterdir()) == []  # (nothing written here, nor into --out)

@@ -96,10 +96,40 @@ def resolve_checkpoint(args: argparse.Namespace) -> None:
                      "--checkpoint DIR)")
     if len(set(given)) > 1:
         parser.error(f"two checkpoints given: {given[0]!r} and --checkpoint {given[1]!r}; give one")
-    if not given[0].strip():  # (read as '.', the current directory: "'.' is neither a checkpoint ...")
-        parser.error("CHECKPOINT is empty: give a run or checkpoint directory")
     args.checkpoint = given[0]
     del args.checkpoint_path, args.checkpoint_parser
+
+
+#: The arguments whose empty value the command itself explains: free text (``--prompt ""``:
+#: nothing to continue), a task list ('none' for no task), the training overrides.
+OWN_EMPTY_MESSAGE = frozenset({"prompt", "tasks", "overrides"})
+
+
+def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An option or argument given as an empty string (``--out ""``; a shell variable that is
+    not set, ``--out "$DIR"``) is a usage error naming it: as a path it was read as the
+    current directory ('.', where export wrote its model), and an empty ``--resume-from`` or
+    ``--preset`` was taken as not given (a new run, the default grid, trained)."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in OWN_EMPTY_MESSAGE or not any(
+                isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+            continue
+        name = max(action.option_strings, key=len) if action.option_strings else action.metavar or action.dest
+        said = _first_clause(action.help or "")
+        parser.error(f"{name} is empty" + (f"; {name}: {said}" if said else ""))
+
+
+def _first_clause(help_text: str) -> str:
+    """An option's ``--help`` up to its first ``;`` outside parentheses, without the
+    parenthesised notes of its default or other spelling (``(default 8)``, ``(or --checkpoint)``)."""
+    depth = 0
+    for i, c in enumerate(help_text):
+        depth += (c == "(") - (c == ")")
+        if c == ";" and depth == 0:
+            help_text = help_text[:i]
+            break
+    return re.sub(r" \((?:default|or )[^()]*(?:\([^()]*\)[^()]*)*\)", "", help_text).strip()
 
 
 def first_on_node() -> bool:

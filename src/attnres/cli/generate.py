@@ -69,8 +69,6 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
 
     if prompt is not None:
         return prompt, "--prompt"
-    if not prompt_file.strip():  # (read as '.': "'' is a directory")
-        raise ValueError("--prompt-file: the path is empty; give a text file, or - for standard input")
     try:
         if prompt_file == "-":
             given = "--prompt-file - (standard input)"

@@ -45,8 +45,6 @@ def accepts_extra(argument: str) -> bool:
 
 def run(args, parser) -> int:
     config, overrides = _config_file_and_overrides(parser.commands["train"], args.config, args.overrides)
-    if args.resume_from is not None and not args.resume_from.strip():  # (was ignored: a new run started)
-        parser.commands["train"].error("--resume-from: the path is empty; give a checkpoint (step-*) or run directory")
     flags = (["resume=true"] if args.resume else []) + ([f"resume_from={args.resume_from}"] if args.resume_from else [])
     return run_train(config, overrides + flags, args.print_config)
 
@@ -68,8 +66,6 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
     file (what users type, and what multi-node recipes pass), the same as ``--config``."""
     files = [a for a in arguments if "=" not in a]
     given = [f for f in (config, *files) if f is not None]
-    if config is not None and not config.strip():  # (read as '.': "config file '.' is a directory")
-        parser.error("--config: the path is empty; give a YAML file")
     if len(given) > 1:
         parser.error(f"one config file at most (as the first argument or with --config); got {given}")
     if files and os.path.isdir(files[0]):

@@ -216,8 +216,6 @@ def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
 def tokenizer_file(path: str | Path, what: str) -> Path:
     """The ``tokenizer.json`` that ``path`` names (:func:`load_tokenizer_file`), not read: a
     cheap check that it is there, before any data is read."""
-    if not str(path).strip():  # (read as '.': "'.' is a directory without a tokenizer.json")
-        raise ValueError(f"{what} is empty: give a {TOKENIZER_FILE} file, or a directory holding one")
     file = Path(path).expanduser()
     if file.is_dir():
         if not (file / TOKENIZER_FILE).is_file():
