@@ -567,6 +567,7 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
 @pytest.mark.parametrize("args, expected", [
     (["--seeds", "-1"], "seeds (--seeds) must be a non-empty list of integers >= 0; got [-1]"),
     (["--variants", "blok"], "variants (--variants) must be names of the 'compare' grid"),
+    (["data.paths=[/no-such-attnres-data]"], "data path '/no-such-attnres-data' does not exist"),
 ])
 def test_compare_names_a_bad_seed_or_variant_by_its_option(tmp_path, args, expected):
     """`attnres compare --seeds -1` said "seeds must be ..." where the option is --seeds (the
@@ -681,3 +682,17 @@ def test_an_empty_value_is_refused_by_name(run_dir, tmp_path, monkeypatch, capsy
     said = capsys.readouterr().err.strip().splitlines()[-1]
     assert said.startswith(f"attnres {args[0]}: error: {expected}"), said
     assert list(tmp_path.iterdir()) == []  # (nothing written here, nor into --out)
+
+
+def test_an_export_of_attnres_own_model_is_not_upcycled_and_says_why(run_dir, tmp_path):
+    """`attnres upcycle --model EXPORT` and `attnres train model.from_hf=EXPORT` of an export
+    of a training run said its "decoder layout is not recognised", listing the families."""
+    pytest.importorskip("transformers")
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    reason = ("cannot upcycle model_type 'attnres': it is attnres's own model (an `attnres export` of a training run), "
+              "AttnRes already: use it as it is")
+    with pytest.raises(SystemExit, match=re.escape(f"attnres upcycle: error: {reason}")):
+        cli_main(["upcycle", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "up")])
+    with pytest.raises(SystemExit, match=re.escape(f"TrainConfig.model.from_hf='{tmp_path / 'hf'}': {reason}")):
+        cli_main(["train", "--print-config", f"model.from_hf={tmp_path / 'hf'}"])
+    assert not (tmp_path / "up").exists()

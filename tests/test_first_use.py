@@ -203,10 +203,13 @@ def test_bad_output_places_end_with_one_line_before_any_work(tmp_path, finished_
                f"'{a_file}' is a file, not a directory")
     # a run's directory or checkpoint: the export's config.json replaced the run's training config
     before = tree(finished_run)
-    for out, what in ((finished_run, "a training run's directory"),
-                      (finished_run / "checkpoints" / "step-00000004", "a training checkpoint")):
+    for out, what, harm in ((finished_run, "a training run's directory", "replace its config.json"),
+                            (finished_run / "checkpoints" / "step-00000004", "a training checkpoint",
+                             "replace its config.json"),
+                            (finished_run / "checkpoints", f"the checkpoints/ folder of the training run "
+                             f"'{finished_run}'", "put the model's files among its checkpoints")):
         fails_with(capsys, ["export", "--checkpoint", str(finished_run), "--out", str(out)],
-                   f"attnres export: error: --out '{out}' is {what}", "replace its config.json")
+                   f"attnres export: error: --out '{out}' is {what}", harm)
     assert tree(finished_run) == before
     for out in (a_file, read_only / "cmp"):
         fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out)], f"attnres compare: error: --out '{out}'")

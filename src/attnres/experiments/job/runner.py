@@ -129,6 +129,16 @@ def check_data_passes(configs: list[tuple[Variant, int, TrainConfig]], limit: fl
                          f"({runs}) would see tokens twice: give more data (data.paths) or fewer steps")
 
 
+def check_data_found(configs: list[tuple[Variant, int, TrainConfig]]) -> None:
+    """Raise ``ValueError`` for data paths of ``configs`` that name no text (a missing file, an
+    empty folder), before the grid's header is written: it recorded the overrides of a grid
+    that never trained, and the command given again with the path corrected was refused as
+    another grid's."""
+    for paths, text_field in dict.fromkeys((tuple(c.data.paths), c.data.text_field) for _, _, c in configs):
+        if paths:  # (none: the built-in corpus)
+            load_corpus(list(paths), text_field=text_field, read=False)
+
+
 def passes_drawn(checkpoint: Path | None) -> float | None:
     """The passes over its training split a run made, from the sampler position its final
     ``checkpoint`` stores (``None`` without one)."""
@@ -263,6 +273,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
                for s in seeds for v in chosen]
     check_data_passes(configs, experiment.max_data_passes)
     check_flops_counted(configs)
+    check_data_found(configs)
     out.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(header, indent=1))
     records = []

@@ -126,6 +126,8 @@ REFUSED: dict[str, str] = {
     "longcat_flash": "LongCat-Flash's decoder layer holds two attention and two MLP sublayers plus a mixture of "
                      "experts whose output skips the second pair (a shortcut): not the two-sublayer PreNorm layout",
     "gemma3": "Gemma 3's multimodal model: upcycle its text model (model_type 'gemma3_text')",
+    "attnres": "it is attnres's own model (an `attnres export` of a training run), AttnRes already: use it as it is "
+               "(attnres generate / eval / analyze), or train on from its run (`attnres train init_from=RUN`)",
 }
 
 
