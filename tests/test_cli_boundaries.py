@@ -696,3 +696,22 @@ def test_an_export_of_attnres_own_model_is_not_upcycled_and_says_why(run_dir, tm
     with pytest.raises(SystemExit, match=re.escape(f"TrainConfig.model.from_hf='{tmp_path / 'hf'}': {reason}")):
         cli_main(["train", "--print-config", f"model.from_hf={tmp_path / 'hf'}"])
     assert not (tmp_path / "up").exists()
+
+
+@pytest.mark.parametrize("command", ["status", "plot"])
+def test_a_folder_that_cannot_be_read_is_named(tmp_path, monkeypatch, capsys, command):
+    """`attnres status DIR` of a folder this user may not list ended in a PermissionError's
+    traceback (seen as a user without the rights; root reads every folder, so the error is
+    raised here as the file system raises it)."""
+    from attnres.train import status
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path / "config.json"))
+
+    monkeypatch.setattr(status, "is_run_directory", denied)
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, str(locked)])
+    assert str(info.value) == f"attnres {command}: error: DIR: '{locked / 'config.json'}' cannot be read: permission denied"

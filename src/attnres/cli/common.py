@@ -271,7 +271,10 @@ def runs_under(command: str, dirs: list[str]) -> list:
     if missing:
         named = ", ".join(repr(d) + missing_path_hint(d, directories_only=True) for d in missing)
         raise SystemExit(f"attnres {command}: error: no such folder: {named}")
-    found = {d: find_runs(d) for d in dirs}
+    try:
+        found = {d: find_runs(d) for d in dirs}
+    except PermissionError as e:  # (a folder this user may not list: a traceback)
+        raise SystemExit(f"attnres {command}: error: DIR: {str(e.filename)!r} cannot be read: permission denied") from None
     files = [d for d in dirs if not found[d] and Path(d).is_file()]  # (a file of a run stands for its run)
     if files:
         raise SystemExit(f"attnres {command}: error: {', '.join(map(repr, files))} is a file, not a run or a folder "
