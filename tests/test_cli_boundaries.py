@@ -616,6 +616,9 @@ def test_report_only_on_a_misspelt_out_names_the_grid_meant(tmp_path):
      "checkpoints: it is a file; name a run directory"),
     (["generate", "RUN", "--prompt-file", "NOT_A_DIR/prompt.txt"], "--prompt-file: 'NOT_A_DIR/prompt.txt' cannot be "
      "read: Not a directory"),
+    (["generate", "RUN", "--prompt", "the", "--tokenizer", "NOT_A_DIR"], "--tokenizer: cannot read tokenizer file "
+     "'NOT_A_DIR' (a tokenizer.json of the tokenizers library"),
+    (["analyze", "RUN", "--compare", "NOT_A_DIR"], "--compare: 'NOT_A_DIR' is neither a checkpoint nor a run directory"),
 ])
 def test_a_wrong_argument_is_one_line_naming_it(run_dir, tmp_path, capsys, args, expected):
     """Wrong values found by trying every field and option (`attnres train model.preset=[1]`:
