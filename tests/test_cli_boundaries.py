@@ -689,7 +689,8 @@ def test_an_empty_value_is_refused_by_name(run_dir, tmp_path, monkeypatch, capsy
 
 def test_an_export_of_attnres_own_model_is_not_upcycled_and_says_why(run_dir, tmp_path):
     """`attnres upcycle --model EXPORT` and `attnres train model.from_hf=EXPORT` of an export
-    of a training run said its "decoder layout is not recognised", listing the families."""
+    of a training run said its "decoder layout is not recognised", listing the families;
+    `upcycle --model RUN`, transformers' "Unrecognized model in RUN"."""
     pytest.importorskip("transformers")
     assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     reason = ("cannot upcycle model_type 'attnres': it is attnres's own model (an `attnres export` of a training run), "
@@ -698,6 +699,9 @@ def test_an_export_of_attnres_own_model_is_not_upcycled_and_says_why(run_dir, tm
         cli_main(["upcycle", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "up")])
     with pytest.raises(SystemExit, match=re.escape(f"TrainConfig.model.from_hf='{tmp_path / 'hf'}': {reason}")):
         cli_main(["train", "--print-config", f"model.from_hf={tmp_path / 'hf'}"])
+    with pytest.raises(SystemExit, match=re.escape(f"--model '{run_dir}' is a training run's directory (it holds "
+                                                   "checkpoints/), attnres's own model, AttnRes already: use it as it is")):
+        cli_main(["upcycle", "--model", str(run_dir), "--out", str(tmp_path / "up")])  # ("Unrecognized model")
     assert not (tmp_path / "up").exists()
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from ...checkpoint.locate import refuse_training_output
+from ...checkpoint.locate import refuse_training_output, training_output
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
@@ -93,6 +93,9 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
 
     from ..families import layout_of
 
+    if (found := training_output(source)) is not None:  # (its config.json is the run's: "Unrecognized model")
+        raise ValueError(f"--model {str(source)!r} is {found}, attnres's own model, AttnRes already: use it as it is "
+                         f"(attnres generate / eval / analyze), or train on from it (`attnres train init_from={source}`)")
     try:
         config = AutoConfig.from_pretrained(source, **kw)
     except (OSError, ValueError) as e:
