@@ -565,7 +565,10 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--seeds", "-1"], "seeds (--seeds) must be a non-empty list of integers >= 0; got [-1]"),
+    (["--seeds", "-1"], "seeds (--seeds) must be a non-empty list of integers >= 0 and <= 18446744073709551615; got "
+     "[-1]"),
+    (["--seeds", str(2**64)], "seeds (--seeds) must be a non-empty list of integers >= 0 and <= 18446744073709551615; "
+     f"got [{2**64}]"),  # (said as the field of each run: TrainConfig.seed)
     (["--variants", "blok"], "variants (--variants) must be names of the 'compare' grid"),
     (["data.paths=[/no-such-attnres-data]"], "data path '/no-such-attnres-data' does not exist"),
 ])
@@ -595,13 +598,17 @@ def test_a_home_relative_path_in_a_config_file_is_the_home_directory(tmp_path, m
 
 def test_report_only_on_a_misspelt_out_names_the_grid_meant(tmp_path):
     """`attnres compare --out runs/comprae --report-only` said "no finished runs to report",
-    as if the grid were there and unfinished."""
+    as if the grid were there and unfinished; so did an --out that is a file."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("scipy")
     (tmp_path / "compare").mkdir()
     with pytest.raises(SystemExit) as info:
         cli_main(["compare", "--out", str(tmp_path / "comprae"), "--report-only"])
     assert f"--out {str(tmp_path / 'comprae')!r} does not exist (did you mean 'compare'?)" in str(info.value)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit) as info:  # (it said "no finished runs to report")
+        cli_main(["compare", "--out", str(tmp_path / "notes.txt"), "--report-only"])
+    assert f"--out {str(tmp_path / 'notes.txt')!r} is a file: give the grid's folder" in str(info.value)
 
 
 @pytest.mark.parametrize("args, expected", [

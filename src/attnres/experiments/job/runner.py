@@ -30,7 +30,7 @@ from ...progress import clock
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
-from ...validation import did_you_mean_each
+from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
 from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
@@ -243,8 +243,8 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     when a run would go over its training data more than ``experiment.max_data_passes``
     times (checked before the first run starts)."""
     seeds = list(seeds)
-    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
-        raise ValueError(f"seeds (--seeds) must be a non-empty list of integers >= 0; got {seeds!r}")
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= SEED_MAX for s in seeds):
+        raise ValueError(f"seeds (--seeds) must be a non-empty list of integers >= 0 and <= {SEED_MAX}; got {seeds!r}")
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:  # (the second one would only be reported "finished earlier, skipped")
         raise ValueError(f"seeds (--seeds) list {', '.join(map(str, twice))} more than once; each seed is one run per variant: "
