@@ -646,19 +646,24 @@ def test_a_wrong_argument_is_one_line_naming_it(run_dir, tmp_path, capsys, args,
     assert not (tmp_path / "out").exists()
 
 
-def test_generate_refuses_a_bad_device_before_loading(run_dir, monkeypatch):
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_bad_device_or_tokenizer_is_refused_before_loading(run_dir, tmp_path, monkeypatch, command):
     """`attnres generate RUN --device bogus` read and verified the checkpoint and built the
-    model (minutes for a large one) before it refused the device."""
+    model (minutes for a large one) before it refused the device; `--tokenizer` naming no
+    file likewise, in generate and eval."""
     from attnres.inference import loading
 
     def no_loading(*args, **kwargs):
-        raise AssertionError("the checkpoint was read before the device was checked")
+        raise AssertionError("the checkpoint was read before the option was checked")
 
     monkeypatch.setattr(loading, "find_valid_checkpoint", no_loading)
-    for device, expected in (("bogus", "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'bogus'"),
-                             ("mps", "Apple's GPU (mps) is not supported")):
+    rest = {"generate": ["--prompt", "the"], "eval": ["--tasks", "none", "--out", str(tmp_path / "e.json")]}[command]
+    for option, expected in ((["--device", "bogus"], "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'bogus'"),
+                             (["--device", "mps"], "Apple's GPU (mps) is not supported"),
+                             (["--tokenizer", str(tmp_path / "tok.json")], f"--tokenizer '{tmp_path / 'tok.json'}' "
+                              "does not exist: give a tokenizer.json file")):
         with pytest.raises(SystemExit) as info:
-            cli_main(["generate", str(run_dir), "--prompt", "the", "--device", device])
+            cli_main([command, str(run_dir), *rest, *option])
         assert expected in str(info.value)
 
 

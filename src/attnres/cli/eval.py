@@ -105,6 +105,7 @@ def run_eval(args) -> int:
     from .. import hf
     from ..checkpoint import is_hf_directory
     from ..data.corpus import read_text_file
+    from ..data.tokenizer import tokenizer_file
     from ..hf.hub import local_folder
     from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity, run_lm_eval
     from ..inference.loading import pick_device
@@ -125,6 +126,8 @@ def run_eval(args) -> int:
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
+        if args.tokenizer is not None:
+            tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         if args.bootstrap_iters < 0:
             raise ValueError(f"--bootstrap-iters must be >= 0; got {args.bootstrap_iters}")
         device = pick_device(args.device)

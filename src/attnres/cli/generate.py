@@ -186,6 +186,7 @@ def run_generate(args) -> int:
 
     import torch
 
+    from ..data.tokenizer import tokenizer_file
     from ..inference import check_sampling, resolve_decode, stream, stream_transformers
     from ..models import AttnResLM
     from ..models.factory import context_limit
@@ -198,6 +199,8 @@ def run_generate(args) -> int:
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
             raise ValueError(f"{given} is empty: there is nothing to continue")
+        if args.tokenizer is not None:
+            tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         model, tokenizer, stops, template = _load(args)
         ids = encode_prompt(tokenizer, prompt, args.chat, template)
         if not ids:  # (a text the tokenizer's normaliser removes whole)
