@@ -738,8 +738,12 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--seeds", "-1"], "seeds (--seeds) must be a non-empty list of integers >= 0; got [-1]"),
+    (["--seeds", "-1"], "seeds (--seeds) must be a non-empty list of integers >= 0 and <= 18446744073709551615; got "
+     "[-1]"),
+    (["--seeds", str(2**64)], "seeds (--seeds) must be a non-empty list of integers >= 0 and <= 18446744073709551615; "
+     f"got [{2**64}]"),  # (said as the field of each run: TrainConfig.seed)
     (["--variants", "blok"], "variants (--variants) must be names of the 'compare' grid"),
+    (["data.paths=[/no-such-attnres-data]"], "data path '/no-such-attnres-data' does not exist"),
 ])
 def test_compare_names_a_bad_seed_or_variant_by_its_option(tmp_path, args, expected):
     """`attnres compare --seeds -1` said "seeds must be ..." where the option is --seeds (the
@@ -767,10 +771,139 @@ def test_a_home_relative_path_in_a_config_file_is_the_home_directory(tmp_path, m
 
 def test_report_only_on_a_misspelt_out_names_the_grid_meant(tmp_path):
     """`attnres compare --out runs/comprae --report-only` said "no finished runs to report",
-    as if the grid were there and unfinished."""
+    as if the grid were there and unfinished; so did an --out that is a file."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("scipy")
     (tmp_path / "compare").mkdir()
     with pytest.raises(SystemExit) as info:
         cli_main(["compare", "--out", str(tmp_path / "comprae"), "--report-only"])
     assert f"--out {str(tmp_path / 'comprae')!r} does not exist (did you mean 'compare'?)" in str(info.value)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit) as info:  # (it said "no finished runs to report")
+        cli_main(["compare", "--out", str(tmp_path / "notes.txt"), "--report-only"])
+    assert f"--out {str(tmp_path / 'notes.txt')!r} is a file: give the grid's folder" in str(info.value)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--print-config", "model.preset=[1]"],
+     "TrainConfig.model.preset must be a model preset, one of 'bench-cpu', 'bench-infer', 'tiny', 'train-cpu'; got [1]"),
+    (["train", "--print-config", "model.preset={a: 1}"], "TrainConfig.model.preset must be a model preset, one of"),
+    (["train", "--print-config", "model=tny"], "TrainConfig.model must be a model preset, one of 'bench-cpu', "
+     "'bench-infer', 'tiny', 'train-cpu'; got 'tny' (did you mean 'tiny'?)"),
+    (["train", "--config", "BINARY", "--print-config"], "config file 'BINARY' is not UTF-8 text (line 2, byte 128); give "
+     "a text file"),
+    (["eval", "NOT_A_DIR", "--tasks", "none"], "'NOT_A_DIR' is neither a checkpoint nor a run directory with "
+     "checkpoints: it is a file; name a run directory"),
+    (["generate", "RUN", "--prompt-file", "NOT_A_DIR/prompt.txt"], "--prompt-file: 'NOT_A_DIR/prompt.txt' cannot be "
+     "read: Not a directory"),
+    (["generate", "RUN", "--prompt", "the", "--tokenizer", "NOT_A_DIR"], "--tokenizer: cannot read tokenizer file "
+     "'NOT_A_DIR' (a tokenizer.json of the tokenizers library"),
+    (["analyze", "RUN", "--compare", "NOT_A_DIR"], "--compare: 'NOT_A_DIR' is neither a checkpoint nor a run directory"),
+])
+def test_a_wrong_argument_is_one_line_naming_it(run_dir, tmp_path, capsys, args, expected):
+    """Wrong values found by trying every field and option (`attnres train model.preset=[1]`:
+    "TypeError: unhashable type: 'list'", a traceback; a binary config file: "'utf-8' codec
+    can't decode byte 0xb1"; a file given as the checkpoint of `eval`, called its --out; a
+    prompt file under a file: a traceback) are each one line naming the option or field."""
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)))
+    not_a_dir = tmp_path / "notes.txt"
+    not_a_dir.write_text("the")
+    names = {"RUN": str(run_dir), "BINARY": str(binary), "NOT_A_DIR": str(not_a_dir), "OUT": str(tmp_path / "out")}
+    argv = [names.get(a, a.replace("NOT_A_DIR", str(not_a_dir)).replace("OUT", str(tmp_path / "out"))) for a in args]
+    expected = expected.replace("BINARY", str(binary)).replace("NOT_A_DIR", str(not_a_dir))
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    said = info.value.code if isinstance(info.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
+    assert info.value.code not in (0, None) and expected in said, said
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_bad_device_or_tokenizer_is_refused_before_loading(run_dir, tmp_path, monkeypatch, command):
+    """`attnres generate RUN --device bogus` read and verified the checkpoint and built the
+    model (minutes for a large one) before it refused the device; `--tokenizer` naming no
+    file likewise, in generate and eval."""
+    from attnres.inference import loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the option was checked")
+
+    monkeypatch.setattr(loading, "find_valid_checkpoint", no_loading)
+    rest = {"generate": ["--prompt", "the"], "eval": ["--tasks", "none", "--out", str(tmp_path / "e.json")]}[command]
+    for option, expected in ((["--device", "bogus"], "--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'bogus'"),
+                             (["--device", "mps"], "Apple's GPU (mps) is not supported"),
+                             (["--tokenizer", str(tmp_path / "tok.json")], f"--tokenizer '{tmp_path / 'tok.json'}' "
+                              "does not exist: give a tokenizer.json file")):
+        with pytest.raises(SystemExit) as info:
+            cli_main([command, str(run_dir), *rest, *option])
+        assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--resume-from", "", "out_dir=OUT", "steps=1", "progress=false"], "--resume-from is empty; --resume-from: "
+     "continue from this checkpoint (a step-* directory"),
+    (["train", "--config", "", "--print-config"], "--config is empty; --config: YAML file with TrainConfig fields"),
+    (["generate", "", "--prompt", "the"], "CHECKPOINT is empty; CHECKPOINT: a checkpoint directory (step-*) or a run "
+     "directory (its newest)"),
+    (["generate", "RUN", "--prompt-file", ""], "--prompt-file is empty; --prompt-file: read the text to continue from "
+     "FILE (UTF-8), or from standard input with '-'"),
+    (["generate", "RUN", "--prompt", "the", "--tokenizer", " "], "--tokenizer is empty; --tokenizer: tokenizer.json"),
+    (["export", "RUN", "--out", ""], "--out is empty; --out: output directory for save_pretrained"),
+    (["analyze", "RUN", "--compare", ""], "--compare is empty; --compare: a second checkpoint"),
+    (["eval", "RUN", "--tasks", "none", "--out", ""], "--out is empty; --out: results JSON"),
+    (["status", ""], "DIR is empty; DIR: folders to look in"),
+    (["compare", "--preset", "", "--out", "OUT"], "--preset is empty; --preset: grid size: 'tiny' (seconds), 'demo'"),
+    (["upcycle", "--model", "", "--out", "OUT"], "--model is empty; --model: a save_pretrained directory"),
+])
+def test_an_empty_value_is_refused_by_name(run_dir, tmp_path, monkeypatch, capsys, args, expected):
+    """An empty option (`--out "$DIR"` with DIR unset) was read as the current directory:
+    `export RUN --out ''` wrote the model's files there, `generate '' ...` said "'.' is neither
+    a checkpoint ..."; an empty --resume-from or --preset was taken as not given (a new run, the
+    'demo' grid, trained). Each is now a usage error naming the option, before any work."""
+    monkeypatch.chdir(tmp_path)
+    argv = [str(run_dir) if a == "RUN" else str(tmp_path / "out") if a.endswith("OUT") else a for a in args]
+    argv = [f"out_dir={tmp_path / 'out'}" if a.startswith("out_dir=") else a for a in argv]
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith(f"attnres {args[0]}: error: {expected}"), said
+    assert list(tmp_path.iterdir()) == []  # (nothing written here, nor into --out)
+
+
+def test_an_export_of_attnres_own_model_is_not_upcycled_and_says_why(run_dir, tmp_path):
+    """`attnres upcycle --model EXPORT` and `attnres train model.from_hf=EXPORT` of an export
+    of a training run said its "decoder layout is not recognised", listing the families;
+    `upcycle --model RUN`, transformers' "Unrecognized model in RUN"."""
+    pytest.importorskip("transformers")
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    reason = ("cannot upcycle model_type 'attnres': it is attnres's own model (an `attnres export` of a training run), "
+              "AttnRes already: use it as it is")
+    with pytest.raises(SystemExit, match=re.escape(f"attnres upcycle: error: {reason}")):
+        cli_main(["upcycle", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "up")])
+    with pytest.raises(SystemExit, match=re.escape(f"TrainConfig.model.from_hf='{tmp_path / 'hf'}': {reason}")):
+        cli_main(["train", "--print-config", f"model.from_hf={tmp_path / 'hf'}"])
+    with pytest.raises(SystemExit, match=re.escape(f"--model '{run_dir}' is a training run's directory (it holds "
+                                                   "checkpoints/), attnres's own model, AttnRes already: use it as it is")):
+        cli_main(["upcycle", "--model", str(run_dir), "--out", str(tmp_path / "up")])  # ("Unrecognized model")
+    assert not (tmp_path / "up").exists()
+
+
+@pytest.mark.parametrize("command", ["status", "plot"])
+def test_a_folder_that_cannot_be_read_is_named(tmp_path, monkeypatch, capsys, command):
+    """`attnres status DIR` of a folder this user may not list ended in a PermissionError's
+    traceback (seen as a user without the rights; root reads every folder, so the error is
+    raised here as the file system raises it)."""
+    from attnres.train import status
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path / "config.json"))
+
+    monkeypatch.setattr(status, "is_run_directory", denied)
+    with pytest.raises(SystemExit) as info:
+        cli_main([command, str(locked)])
+    assert str(info.value) == f"attnres {command}: error: DIR: '{locked / 'config.json'}' cannot be read: permission denied"

@@ -203,10 +203,13 @@ def test_bad_output_places_end_with_one_line_before_any_work(tmp_path, finished_
                f"'{a_file}' is a file, not a directory")
     # a run's directory or checkpoint: the export's config.json replaced the run's training config
     before = tree(finished_run)
-    for out, what in ((finished_run, "a training run's directory"),
-                      (finished_run / "checkpoints" / "step-00000004", "a training checkpoint")):
+    for out, what, harm in ((finished_run, "a training run's directory", "replace its config.json"),
+                            (finished_run / "checkpoints" / "step-00000004", "a training checkpoint",
+                             "replace its config.json"),
+                            (finished_run / "checkpoints", f"the checkpoints/ folder of the training run "
+                             f"'{finished_run}'", "put the model's files among its checkpoints")):
         fails_with(capsys, ["export", "--checkpoint", str(finished_run), "--out", str(out)],
-                   f"attnres export: error: --out '{out}' is {what}", "replace its config.json")
+                   f"attnres export: error: --out '{out}' is {what}", harm)
     assert tree(finished_run) == before
     for out in (a_file, read_only / "cmp"):
         fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out)], f"attnres compare: error: --out '{out}'")
@@ -378,16 +381,32 @@ def test_a_misspelt_command_option_or_choice_names_the_nearest_one(finished_run,
         assert "did you mean" not in message and "(" not in message.split(fragment)[-1], message
 
 
-@pytest.mark.parametrize("where", ["missing", "no-config"])
-def test_model_from_hf_that_is_not_a_saved_directory_is_named(tmp_path, corpus, capsys, where):
+@pytest.mark.parametrize("where", ["missing", "no-config", "run", "checkpoint"])
+def test_model_from_hf_that_is_not_a_saved_directory_is_named(tmp_path, corpus, finished_run, capsys, where):
     """A missing path ended in transformers' traceback about Hub repo ids (or tried the
-    network); a directory without config.json in its 'Unrecognized model' message."""
-    path = tmp_path / where
+    network); a directory without config.json in its 'Unrecognized model' message; a training
+    run's directory (its config.json the run's) too, naming neither the field nor init_from."""
+    path = {"run": finished_run, "checkpoint": finished_run / "checkpoints" / "step-00000004"}.get(where, tmp_path / where)
     if where == "no-config":
         path.mkdir()
     args = ["train", *overrides(corpus, tmp_path / "run"), f"model.from_hf={path}"]
-    fails_with(capsys, args, "TrainConfig.model.from_hf must be a saved transformers model's directory, holding "
-               f"config.json (e.g. attnres upcycle's --out); got '{path}'")
+    message = fails_with(capsys, args, "TrainConfig.model.from_hf must be a saved transformers model's directory, "
+                         f"holding config.json (e.g. attnres upcycle's --out); got '{path}'")
+    if where in ("run", "checkpoint"):
+        assert message.endswith(f"; start from its weights with init_from={path} (and the run's model settings), or "
+                                "`attnres export` it and give the export"), message
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_from_hf_of_a_model_it_cannot_read_names_the_field(tmp_path, corpus, capsys):
+    """A transformers directory of a family attnres does not read said only "cannot upcycle
+    model_type ...", without the field that named it."""
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 16, "n_head": 2}')
+    args = ["train", *overrides(corpus, tmp_path / "run"), f"model.from_hf={hf}"]
+    fails_with(capsys, args, f"TrainConfig.model.from_hf='{hf}': cannot upcycle model_type 'gpt2'")
     assert not (tmp_path / "run").exists()
 
 

@@ -421,8 +421,9 @@ def test_attnres_s_own_export_is_said_to_be_attnres_already(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")
     AttnResForCausalLM.from_native(AttnResLM(ModelConfig.preset("tiny", vocab_size=256))).save_pretrained(tmp_path / "x")
     _byte_tokenizer().save_pretrained(tmp_path / "x")
-    want = (r"error: model_type 'attnres' is attnres's own model \(an `attnres export` of a training run\), AttnRes "
-            r"already: train it on from the run it was exported from \(`attnres train init_from=RUN`\)")
+    want = (r"cannot upcycle model_type 'attnres': it is attnres's own model \(an `attnres export` of a training run\), "
+            r"AttnRes already: use it as it is \(attnres generate / eval / analyze\), or train on from its run "
+            r"\(`attnres train init_from=RUN`\)")
     with pytest.raises(SystemExit, match=want):
         cli_main(["upcycle", "--model", str(tmp_path / "x"), "--out", str(tmp_path / "up")])
     with pytest.raises(SystemExit, match=want):

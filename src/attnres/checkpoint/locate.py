@@ -127,13 +127,16 @@ def refuse_missing_weights(where: str, path: str | Path, missing, fix: str) -> N
 
 
 def training_output(path: str | Path) -> str | None:
-    """What ``path`` is when it is a training run's directory (it holds ``checkpoints/``) or
-    one of its checkpoints (a ``state.json``), in words; ``None`` otherwise."""
+    """What ``path`` is when it is a training run's directory (it holds ``checkpoints/``), one
+    of its checkpoints (a ``state.json``) or its ``checkpoints/`` folder (``attnres export RUN
+    --out RUN/checkpoints`` wrote the model among the checkpoints), in words; ``None`` otherwise."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         return "a training run's directory (it holds checkpoints/)"
     if (path / STATE_FILE).is_file():
         return f"a training checkpoint (it holds {STATE_FILE})"
+    if path.name == "checkpoints" and checkpoint_dirs(path.parent):
+        return f"the checkpoints/ folder of the training run {str(path.parent)!r}"
     return None
 
 
@@ -144,8 +147,10 @@ def refuse_training_output(path: str | Path, what: str = "--out") -> None:
     ``analyze`` and the experiment reports read."""
     found = training_output(path)
     if found is not None:
+        harm = "put the model's files among its checkpoints" if found.startswith("the checkpoints/") else \
+            "replace its config.json"
         raise OutputPathError(f"{what} {str(path)!r} is {found}: a Hugging Face directory written there would "
-                              "replace its config.json; pick another directory")
+                              f"{harm}; pick another directory")
 
 
 def refuse_loading_training_output(path: str | Path) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from . import analyze, env, experiment, export, generate, plot, status, train, upcycle
 from . import eval as eval_command
 from .common import (ImportModule, Parser, end_process, missing_extra, plain_warnings, record_given_imports,
-                     resolve_checkpoint, version_line)
+                     refuse_empty_values, resolve_checkpoint, version_line)
 from .experiment import EXPERIMENT_NAMES
 from .generate import check_context
 
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:
         args.overrides = args.overrides + extra
+    refuse_empty_values(parser.commands[args.command], args)
     resolve_checkpoint(args)
     try:
         return command.run(args, parser)

@@ -100,6 +100,38 @@ def resolve_checkpoint(args: argparse.Namespace) -> None:
     del args.checkpoint_path, args.checkpoint_parser
 
 
+#: The arguments whose empty value the command itself explains: free text (``--prompt ""``:
+#: nothing to continue), a task list ('none' for no task), the training overrides.
+OWN_EMPTY_MESSAGE = frozenset({"prompt", "tasks", "overrides"})
+
+
+def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An option or argument given as an empty string (``--out ""``; a shell variable that is
+    not set, ``--out "$DIR"``) is a usage error naming it: as a path it was read as the
+    current directory ('.', where export wrote its model), and an empty ``--resume-from`` or
+    ``--preset`` was taken as not given (a new run, the default grid, trained)."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in OWN_EMPTY_MESSAGE or not any(
+                isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+            continue
+        name = max(action.option_strings, key=len) if action.option_strings else action.metavar or action.dest
+        said = _first_clause(action.help or "")
+        parser.error(f"{name} is empty" + (f"; {name}: {said}" if said else ""))
+
+
+def _first_clause(help_text: str) -> str:
+    """An option's ``--help`` up to its first ``;`` outside parentheses, without the
+    parenthesised notes of its default or other spelling (``(default 8)``, ``(or --checkpoint)``)."""
+    depth = 0
+    for i, c in enumerate(help_text):
+        depth += (c == "(") - (c == ")")
+        if c == ";" and depth == 0:
+            help_text = help_text[:i]
+            break
+    return re.sub(r" \((?:default|or )[^()]*(?:\([^()]*\)[^()]*)*\)", "", help_text).strip()
+
+
 def first_on_node() -> bool:
     """Whether this process prints what every process of a launch would print alike: one
     process, or the first rank of its node (torchrun's ``LOCAL_RANK`` 0)."""
@@ -248,7 +280,10 @@ def runs_under(command: str, dirs: list[str]) -> list:
     if missing:
         named = ", ".join(repr(d) + missing_path_hint(d, directories_only=True) for d in missing)
         raise SystemExit(f"attnres {command}: error: no such folder: {named}")
-    found = {d: find_runs(d) for d in dirs}
+    try:
+        found = {d: find_runs(d) for d in dirs}
+    except PermissionError as e:  # (a folder this user may not list: a traceback)
+        raise SystemExit(f"attnres {command}: error: DIR: {str(e.filename)!r} cannot be read: permission denied") from None
     files = [d for d in dirs if not found[d] and Path(d).is_file()]  # (a file of a run stands for its run)
     if files:
         raise SystemExit(f"attnres {command}: error: {', '.join(map(repr, files))} is a file, not a run or a folder "

@@ -66,7 +66,7 @@ def _eval_output(args):
         return check_output_file(Path(args.out), "--out")
     if is_hub_id(args.checkpoint):  # (not into the Hugging Face cache): here
         return check_output_file(Path(f"eval-{args.checkpoint.replace('/', '--')}.json"), "--out")
-    if not Path(args.checkpoint).exists():  # (the default --out lies in it: say what is missing)
+    if not Path(args.checkpoint).is_dir():  # (the default --out lies in it: say what is missing, or a file)
         raise ValueError(no_checkpoint_at(args.checkpoint))
     if (found := run_of_checkpoint(args.checkpoint)) is not None:  # a step-N directory or the checkpoints folder
         run, step = found
@@ -146,6 +146,7 @@ def run_eval(args) -> int:
 
     from ..checkpoint import is_hf_directory
     from ..data.corpus import read_text_file
+    from ..data.tokenizer import tokenizer_file
     from ..hf.hub import local_folder
     from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity
     from ..inference.loading import pick_device
@@ -166,6 +167,8 @@ def run_eval(args) -> int:
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
+        if args.tokenizer is not None:
+            tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):
             if value is not None and value < 0:
                 raise ValueError(f"{option} must be >= 0; got {value}")

@@ -145,6 +145,8 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     if report_only and not Path(out).exists():  # (not "no finished runs", as if the grid were there)
         raise SystemExit(f"{prog}: error: --out {out!r} does not exist{missing_path_hint(out, directories_only=True)}: "
                          "there is no grid there to report on")
+    if report_only and Path(out).is_file():
+        raise SystemExit(f"{prog}: error: --out {out!r} is a file: give the grid's folder (the --out it was trained into)")
     # What the report needs (the 'experiments' extra), before any run trains: missing, it was said
     # only once every run had finished (hours, for a real grid). main() names the extra.
     import matplotlib  # noqa: F401

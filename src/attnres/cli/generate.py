@@ -82,6 +82,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> tuple[str, str]:
         raise ValueError(f"--prompt-file: no file {prompt_file!r}{missing_path_hint(prompt_file)}") from None
     except IsADirectoryError:
         raise ValueError(f"--prompt-file: {prompt_file!r} is a directory; give a text file") from None
+    except OSError as e:  # (a file this user may not read: a traceback)
+        raise ValueError(f"--prompt-file: {prompt_file!r} cannot be read: {e.strerror or e}") from None
     except UnicodeDecodeError:
         where = "standard input" if prompt_file == "-" else repr(prompt_file)
         raise ValueError(f"--prompt-file: {where} is not UTF-8 text") from None
@@ -185,7 +187,7 @@ def run_generate(args) -> int:
 
     import torch
 
-    from ..data.tokenizer import unknown_share
+    from ..data.tokenizer import tokenizer_file, unknown_share
     from ..inference import check_sampling, resolve_decode, stream, stream_transformers
     from ..models import AttnResLM
     from ..models.factory import context_limit
@@ -198,6 +200,8 @@ def run_generate(args) -> int:
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
             raise ValueError(f"{given} is empty: there is nothing to continue")
+        if args.tokenizer is not None:
+            tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         model, tokenizer, stops, chat = _load(args)
         ids = encode_prompt(tokenizer, prompt, args.chat, chat)
         if not ids:  # (a text the tokenizer's normaliser removes whole)

@@ -230,7 +230,11 @@ def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
     """The tokenizer of the ``tokenizer.json`` that ``path`` names: the file, or the one in a
     directory (a checkpoint's, a transformers tokenizer's); ``ValueError`` naming ``what``
     (the option, e.g. ``--tokenizer``) for a directory without one or a path that does not exist."""
-    return BPETokenizer.load(tokenizer_file(path, what))
+    file = tokenizer_file(path, what)
+    try:
+        return BPETokenizer.load(file)
+    except ValueError as e:  # ("cannot read tokenizer file ...": which option named it)
+        raise ValueError(f"{what}: {e}") from None
 
 
 def tokenizer_file(path: str | Path, what: str) -> Path:

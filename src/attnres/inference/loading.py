@@ -111,6 +111,7 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads.
     Returns a :class:`LoadedRun`: the model in eval mode, the run's config (a dict), the
     checkpoint's path and its verified state (step, tokenizer, ...)."""
+    device = device if isinstance(device, torch.device) else pick_device(device)  # (a bad one: before any loading)
     source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
     if source is None:
         raise CheckpointError(no_checkpoint_at(path))
@@ -118,7 +119,6 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     config = saved_model_config(source)
     model = build_model(config)  # AttnResLM, or a transformers family's modules around the residual
     load_weights(source.path, source.state, model)  # a sharded (DCP) one is read in this process
-    device = device if isinstance(device, torch.device) else pick_device(device)
     return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
 
 

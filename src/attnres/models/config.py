@@ -164,11 +164,11 @@ class ModelConfig:
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset (see ``PRESETS``), optionally with fields overridden (as ``replace``).
         A name of :data:`RENAMED_PRESETS` gives its new preset, with a ``DeprecationWarning``."""
-        if name in RENAMED_PRESETS:
+        if isinstance(name, str) and name in RENAMED_PRESETS:
             warn_user(f"model preset {name!r} is now called {RENAMED_PRESETS[name]!r} ({name!r} names the "
                       "`attnres compare` / `make demo` grid); the old name will be removed", DeprecationWarning)
             name = RENAMED_PRESETS[name]
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; available: {sorted(PRESETS)}")
         return cls.from_dict(_merge(PRESETS[name], migrate_model_keys(overrides)))
 

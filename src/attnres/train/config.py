@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..data.corpus import read_text_file
 from ..data.tokenizer import TOKENIZER_KINDS, is_tokenizer_path
 from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
-from ..models.config import ModelConfig
+from ..models.config import PRESETS, RENAMED_PRESETS, ModelConfig
 from ..models.hf_registry import hf_hook
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
                           TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars)
@@ -380,6 +381,21 @@ accept_old_keys(TrainConfig, migrate_train_keys)
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
 
+@dataclass(frozen=True)
+class _PresetName(Choice):
+    """``model=NAME`` / ``model.preset=NAME``: a preset's name (an old name of
+    :data:`RENAMED_PRESETS` too, which :meth:`ModelConfig.preset` warns about)."""
+
+    def ok(self, value: Any) -> bool:
+        return super().ok(value) or (isinstance(value, str) and value in RENAMED_PRESETS)
+
+    def describe(self) -> str:
+        return f"a model preset, {super().describe()}"
+
+
+_PRESET = _PresetName(tuple(sorted(PRESETS)))
+
+
 def data_from_spec(spec: Any) -> DataConfig:
     """A ``DataConfig`` from a mapping of its fields (a YAML config's ``data`` section)."""
     if not isinstance(spec, dict):
@@ -398,6 +414,7 @@ def model_from_spec(spec: Any) -> ModelConfig:
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, str):
+        _PRESET.check("TrainConfig", "model", spec)
         return ModelConfig.preset(spec)
     if isinstance(spec, dict):
         # (a key that is not a string would fail as a keyword argument, with Python's words)
@@ -408,15 +425,33 @@ def model_from_spec(spec: Any) -> ModelConfig:
         if source is not None:
             if preset is not None:
                 fail("TrainConfig", "model.from_hf", "given without model.preset (the directory is the model)", source)
-            if not (Path(str(source)) / "config.json").is_file():  # (transformers would read it as a Hub name)
-                fail("TrainConfig", "model.from_hf", "a saved transformers model's directory, holding config.json "
-                     "(e.g. attnres upcycle's --out)", source)
-            return ModelConfig.from_dict(hf_hook("fields_from_directory")(source)).replace(**fields)
+            return ModelConfig.from_dict(_fields_of_hf_directory(source)).replace(**fields)
         # One rule for YAML and overrides: a model section starts from the default preset
         # unless it names another (``model.X=...`` on a config without a model does the same).
+        if preset is not None:  # (a list or mapping here failed in a dict lookup, with a traceback)
+            _PRESET.check("TrainConfig", "model.preset", preset)
         return ModelConfig.preset(preset if preset is not None else DEFAULT_MODEL_PRESET, **fields)
     fail("TrainConfig", "model", "a ModelConfig, a preset name or a mapping of ModelConfig fields", spec)
     raise AssertionError  # unreachable: _fail raises
+
+
+def _fields_of_hf_directory(source: Any) -> dict[str, Any]:
+    """``model.from_hf=DIR``: the ``ModelConfig`` fields of the saved transformers model in DIR;
+    what is wrong with DIR is said by the field (a training run's directory, whose config.json
+    is the run's, failed in transformers: "Unrecognized model in DIR")."""
+    from ..checkpoint.locate import training_output
+
+    allowed = "a saved transformers model's directory, holding config.json (e.g. attnres upcycle's --out)"
+    found = training_output(str(source))
+    if found is not None:
+        fail("TrainConfig", "model.from_hf", allowed, source, f": it is {found}; start from its weights with "
+             f"init_from={source} (and the run's model settings), or `attnres export` it and give the export")
+    if not (Path(str(source)) / "config.json").is_file():  # (transformers would read it as a Hub name)
+        fail("TrainConfig", "model.from_hf", allowed, source)
+    try:
+        return hf_hook("fields_from_directory")(source)
+    except (ValueError, OSError) as e:  # (the family's or transformers' words, without the field)
+        raise ValueError(f"TrainConfig.model.from_hf={str(source)!r}: {e}") from None
 
 
 #: Numbers with an exponent and no dot (``3e-4``, ``1e30``): floats in YAML 1.2 and Python,
@@ -634,7 +669,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ValueError(f"config file {str(p)!r} is a directory; give a YAML file")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist{_config_hint(p)}")
-        text = p.read_text(encoding="utf-8")
+        text = read_text_file(p, "config file")  # (a binary or unreadable file named)
         try:
             data = _yaml_load(text) or {}
         except yaml.YAMLError as e:

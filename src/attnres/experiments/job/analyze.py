@@ -226,8 +226,8 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     for path in (checkpoint, compare) if compare is not None else (checkpoint,):  # what they are, before --out
         # (its state.json only: loading verifies the checkpoint, reading every file's hash once)
         found = Path(path).expanduser().is_dir() and newest_state(Path(path).expanduser()) is not None
-        if not found and not is_hf_directory(path):
-            raise CheckpointError(no_checkpoint_at(path))
+        if not found and not is_hf_directory(path):  # (--compare's named: the first is the command's argument)
+            raise CheckpointError(("--compare: " if path is compare else "") + no_checkpoint_at(path))
     out = check_analysis_out(out if out is not None else default_analysis_dir(checkpoint))
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
     if compare is not None:

@@ -30,7 +30,7 @@ from ...progress import clock
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
-from ...validation import did_you_mean_each
+from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
 from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
@@ -127,6 +127,16 @@ def check_data_passes(configs: list[tuple[Variant, int, TrainConfig]], limit: fl
         runs = ", ".join(f"{name} seed {seed}: {passes:.3f}" for name, seed, passes in over)
         raise ValueError(f"this grid allows at most {limit:g} pass(es) over the training data; runs beyond it "
                          f"({runs}) would see tokens twice: give more data (data.paths) or fewer steps")
+
+
+def check_data_found(configs: list[tuple[Variant, int, TrainConfig]]) -> None:
+    """Raise ``ValueError`` for data paths of ``configs`` that name no text (a missing file, an
+    empty folder), before the grid's header is written: it recorded the overrides of a grid
+    that never trained, and the command given again with the path corrected was refused as
+    another grid's."""
+    for paths, text_field in dict.fromkeys((tuple(c.data.paths), c.data.text_field) for _, _, c in configs):
+        if paths:  # (none: the built-in corpus)
+            load_corpus(list(paths), text_field=text_field, read=False)
 
 
 def passes_drawn(checkpoint: Path | None) -> float | None:
@@ -233,8 +243,8 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     when a run would go over its training data more than ``experiment.max_data_passes``
     times (checked before the first run starts)."""
     seeds = list(seeds)
-    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
-        raise ValueError(f"seeds (--seeds) must be a non-empty list of integers >= 0; got {seeds!r}")
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= SEED_MAX for s in seeds):
+        raise ValueError(f"seeds (--seeds) must be a non-empty list of integers >= 0 and <= {SEED_MAX}; got {seeds!r}")
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:  # (the second one would only be reported "finished earlier, skipped")
         raise ValueError(f"seeds (--seeds) list {', '.join(map(str, twice))} more than once; each seed is one run per variant: "
@@ -263,6 +273,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
                for s in seeds for v in chosen]
     check_data_passes(configs, experiment.max_data_passes)
     check_flops_counted(configs)
+    check_data_found(configs)
     out.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(header, indent=1))
     records = []

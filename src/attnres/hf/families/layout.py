@@ -128,6 +128,8 @@ REFUSED: dict[str, str] = {
     "longcat_flash": "LongCat-Flash's decoder layer holds two attention and two MLP sublayers plus a mixture of "
                      "experts whose output skips the second pair (a shortcut): not the two-sublayer PreNorm layout",
     "gemma3": "Gemma 3's multimodal model: upcycle its text model (model_type 'gemma3_text')",
+    NATIVE_MODEL_TYPE: "it is attnres's own model (an `attnres export` of a training run), AttnRes already: use it as "
+                       "it is (attnres generate / eval / analyze), or train on from its run (`attnres train init_from=RUN`)",
 }
 
 
@@ -142,10 +144,6 @@ def layout_of(model_type: str) -> Layout:
         return FAMILIES[model_type]
     if model_type in REFUSED:
         raise ValueError(f"cannot upcycle model_type {model_type!r}: {REFUSED[model_type]}")
-    if model_type == NATIVE_MODEL_TYPE:
-        raise ValueError(f"model_type {model_type!r} is attnres's own model (an `attnres export` of a training run), "
-                         "AttnRes already: train it on from the run it was exported from (`attnres train init_from=RUN`), "
-                         "or upcycle a pretrained model of a supported family")
     if model_type.startswith(PREFIX) and family_of(model_type) in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is already an AttnRes model (an upcycled "
                          f"{family_of(model_type)!r}): train it on with `attnres train model.from_hf=DIR init_from=DIR`, "

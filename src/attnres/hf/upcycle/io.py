@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_weights, refuse_training_output, unreadable_weights
+from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_missing_weights, refuse_training_output, training_output,
+                                  unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
@@ -97,6 +98,9 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
 
     from ..families import layout_of
 
+    if (found := training_output(source)) is not None:  # (its config.json is the run's: "Unrecognized model")
+        raise ValueError(f"--model {str(source)!r} is {found}, attnres's own model, AttnRes already: use it as it is "
+                         f"(attnres generate / eval / analyze), or train on from it (`attnres train init_from={source}`)")
     if not kw and source.is_dir() and not (source / "config.json").is_file():  # (transformers: "Unrecognized model")
         raise ValueError(f"--model {str(source)!r} holds no config.json: it is not a save_pretrained directory"
                          f"{_model_below(source)}")
