@@ -262,7 +262,8 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
         assert numbers and {k: got["export"]["lm_eval"][task][k] for k in numbers} == pytest.approx(numbers, rel=1e-6)
     capsys.readouterr()
     assert cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--device", "cpu"]) == 0  # no --text, no --out
-    written = json.loads((tmp_path / "hf" / "eval.json").read_text())
+    written = json.loads((tmp_path / "hf-eval.json").read_text())  # (beside the model: not shipped with it)
+    assert not (tmp_path / "hf" / "eval.json").exists()
     assert written["text"] == "the built-in corpus's validation split" and written["perplexity"]["tokens"] > 1000
     with pytest.raises(SystemExit, match="--tokenizer: a transformers directory is evaluated with its own tokenizer"):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])

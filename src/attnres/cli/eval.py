@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--text", help="held-out text file (default: the run's validation split; for a transformers "
                     "directory, the built-in corpus's validation split)")
     ev.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
-    ev.add_argument("--out", help="results JSON (default: eval.json in the run or transformers directory given, "
+    ev.add_argument("--out", help="results JSON (default: eval.json in the run given, DIR-eval.json beside a "
+                    "transformers directory DIR, "
                     "RUN/eval-step-N.json for a checkpoint RUN/checkpoints/step-N; for a Hub id, "
                     "./eval-ORG--NAME.json); its folder must exist")
     ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task (default: all)")
@@ -56,7 +57,7 @@ def _eval_output(args):
     """Where ``attnres eval`` writes its results; checked before any work is done."""
     from pathlib import Path
 
-    from ..checkpoint import no_checkpoint_at, refuse_model_file
+    from ..checkpoint import is_hf_directory, no_checkpoint_at, refuse_model_file
     from ..checkpoint.locate import run_of_checkpoint
     from ..hf.hub import is_hub_id
     from ..output_paths import check_output_file
@@ -71,7 +72,10 @@ def _eval_output(args):
     if (found := run_of_checkpoint(args.checkpoint)) is not None:  # a step-N directory or the checkpoints folder
         run, step = found
         return check_output_file(run / (f"eval-{step}.json" if step else "eval.json"), "--out")
-    return check_output_file(Path(args.checkpoint) / "eval.json", "--out")
+    path = Path(args.checkpoint)
+    if is_hf_directory(path):  # beside it, as analyze's: a file inside would be uploaded and shipped with the model
+        return check_output_file(path.parent / f"{path.resolve().name}-eval.json", "--out")
+    return check_output_file(path / "eval.json", "--out")
 
 
 def _load(args, device, directory: bool, text: str | None):
