@@ -841,6 +841,24 @@ def test_a_bad_device_or_tokenizer_is_refused_before_loading(run_dir, tmp_path, 
         assert expected in str(info.value)
 
 
+@pytest.mark.parametrize("command", ["eval", "analyze"])
+def test_an_empty_text_file_is_refused_by_its_option_before_loading(run_dir, tmp_path, monkeypatch, command):
+    """`attnres eval / analyze RUN --text empty.txt` loaded the model, then said 'the held-out
+    text must have at least 2 tokens' (analyze: 'the text has 0 tokens'), naming no option."""
+    from attnres.inference import loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before --text was checked")
+
+    monkeypatch.setattr(loading, "find_valid_checkpoint", no_loading)
+    for body in ("", "\n \n")[: 2 if command == "eval" else 1]:  # (analyze: an empty file; eval reads it: blank too)
+        (tmp_path / "empty.txt").write_text(body)
+        out = ["--tasks", "none", "--out", str(tmp_path / "e.json")] if command == "eval" else ["--out", str(tmp_path / "a")]
+        with pytest.raises(SystemExit, match=re.escape(f"--text '{tmp_path / 'empty.txt'}' is empty: there is no text "
+                                                       f"to {'evaluate on' if command == 'eval' else 'analyse'}")):
+            cli_main([command, str(run_dir), "--text", str(tmp_path / "empty.txt"), *out])
+
+
 @pytest.mark.parametrize("args, expected", [
     (["train", "--resume-from", "", "out_dir=OUT", "steps=1", "progress=false"], "--resume-from is empty; --resume-from: "
      "continue from this checkpoint (a step-* directory"),

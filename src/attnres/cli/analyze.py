@@ -49,6 +49,8 @@ def run_analyze(args) -> int:
         check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
         if args.text is not None and not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
+        if args.text is not None and os.path.getsize(args.text) == 0:  # (said before the model loads)
+            raise ValueError(f"--text {args.text!r} is empty: there is no text to analyse")
         out = args.out
         if out is None and is_hub_id(args.checkpoint):  # here, not into the Hugging Face cache
             out = f"analysis-{args.checkpoint.replace('/', '--')}"

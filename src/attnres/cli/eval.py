@@ -171,6 +171,8 @@ def run_eval(args) -> int:
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
+        if text is not None and not text.strip():  # (said before the model loads, naming the option)
+            raise ValueError(f"--text {args.text!r} is empty: there is no text to evaluate on")
         if args.tokenizer is not None:
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):

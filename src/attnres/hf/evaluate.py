@@ -67,7 +67,8 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
                          f"max_seq_len); got {seq_len}: omit it to use the whole context")
     ids = tokenizer.encode(text)
     if len(ids) < 2:
-        raise ValueError("the held-out text must have at least 2 tokens")
+        raise ValueError(f"the held-out text has {len(ids)} token{'' if len(ids) == 1 else 's'}: at least 2 are needed "
+                         "(the first is only read)")
     unknown = unknown_share(tokenizer, ids)  # (a WordLevel or WordPiece tokenizer's [UNK])
     if unknown is not None and unknown[2] > UNKNOWN_SHARE:
         warn_user(f"{unknown[2]:.0%} of the held-out text's tokens are the tokenizer's unknown token {unknown[0]!r}: "

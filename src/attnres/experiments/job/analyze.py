@@ -60,7 +60,8 @@ def token_windows(ids: list[int], limit: int, rows: int | None = None, seq_len: 
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len {limit}: use --seq-len {limit} or less")
     if len(ids) < seq_len:
         fix = f"--seq-len {len(ids)} or less, or a longer text" if ids else "a text that is not empty"
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}: use {fix}")
+        raise ValueError(f"the text has {len(ids)} token{'' if len(ids) == 1 else 's'}, fewer than one window of "
+                         f"{seq_len}: use {fix}")
     holds = len(ids) // seq_len
     if rows is not None and rows > holds:  # (overlapping windows would count the same tokens again)
         warn_user(f"--rows {rows} is more than the text holds: its {len(ids)} tokens make {holds} window(s) of "
