@@ -683,6 +683,100 @@ def test_generate_to_an_output_that_is_not_utf8_replaces_what_it_cannot_encode(r
     assert "attnres generate: 4 tokens in" in capfd.readouterr().err
 
 
+def _forced_pieces(monkeypatch, pieces, seen=None):
+    """``attnres generate`` streams ``pieces`` (one token each) in place of the model's text;
+    ``seen``: a function called before each piece after the first (what was printed by then)."""
+    from attnres.cli import generate as generate_cli
+
+    def forced(tokenizer, steps, new):
+        for k, piece in enumerate(pieces):
+            if k and seen is not None:
+                seen()
+            new.append(0)
+            yield piece
+
+    monkeypatch.setattr(generate_cli, "text_pieces", forced)
+
+
+@pytest.mark.parametrize("pieces, stops, printed, found, tokens", [
+    (["Hello wor", "ld. User: hi", " more"], ["User:"], "Hello world. ", "'User:'", 2),  # inside one piece
+    (["one\n", "\ntwo", " three"], [r"\n\n"], "one", r"'\n\n'", 2),  # across pieces, escapes read
+    (["ab", "cX", "YZ", "!"], ["cXY"], "ab", "'cXY'", 3),  # ending inside a token's text
+    (["Us", "er: x", "y"], ["User:"], "", "'User:'", 2),  # at the very start
+    (["a b", "\n\nc END", "z"], ["END", r"\n\n"], "a b", r"'\n\n'", 2),  # several: the first one met
+    (["a b", "c"], [" "], "a", "' '", 1),  # spaces are text: not an empty --stop
+])
+def test_generate_stop_ends_the_text_before_the_stop_string(run_dir, capsys, monkeypatch, pieces, stops, printed, found,
+                                                             tokens):
+    """`attnres generate --stop TEXT` (transformers' stop_strings, vLLM's stop): the text ends
+    before the first stop string - in one token's text, across tokens, at the very start - the
+    tokens after it are not generated, and the summary says where it stopped."""
+    _forced_pieces(monkeypatch, pieces)
+    assert cli_main(["generate", str(run_dir), *GREEDY, *[a for stop in stops for a in ("--stop", stop)]]) == 0
+    out = capsys.readouterr()
+    assert out.out == printed + "\n"
+    assert f"attnres generate: stopped at --stop {found} after {tokens} tokens in " in out.err, out.err
+
+
+def test_generate_stop_holds_back_a_possible_stop_string_until_it_diverges(run_dir, capsys, monkeypatch):
+    """What may be the start of a stop string is not printed until the text goes another way
+    (then it is, whole), nor lost when the text ends inside it."""
+    printed = []
+    _forced_pieces(monkeypatch, ["say U", "s", "a then ", "Us"], seen=lambda: printed.append(capsys.readouterr().out))
+    assert cli_main(["generate", str(run_dir), *GREEDY, "--stop", "User:", "--stop", "Usa!"]) == 0
+    out = capsys.readouterr()
+    assert printed == ["say ", "", "Usa then "]  # 'U', then 'Us', held: 'User:' or 'Usa!' may follow
+    assert out.out == "Us\n"  # the end: what was held back
+    assert "stopped" not in out.err and "attnres generate: 4 tokens in" in out.err
+
+
+@pytest.mark.parametrize("text, stop, printed", [
+    ("Hello world.\n\nUser: how are you?", r"\n\nUser:", "Hello world."),
+    ("the café is open", "fé", "the ca"),  # 'é': two byte-level tokens, the stop string ends inside the second
+])
+def test_generate_stop_ends_the_decoded_stream_of_tokens(run_dir, capsys, monkeypatch, text, stop, printed):
+    """The tokens of ``text`` forced through the run's BPE tokenizer and its decoding: a stop
+    string made of several tokens, or ending inside a character's bytes, ends the text before
+    it, and no token after the one that completes it is asked for."""
+    import torch
+
+    import attnres.inference
+    from attnres.inference import load_run, load_tokenizer
+
+    tokenizer = load_tokenizer(load_run(str(run_dir), "cpu"), None)
+    ids, meant = tokenizer.encode(text), stop.replace(r"\n", "\n")
+    needed = next(n for n in range(1, len(ids) + 1) if meant in tokenizer.decode(ids[:n]))
+    assert 1 < needed < len(ids) and meant not in tokenizer.decode(ids[:needed - 1])
+    asked = []
+
+    def forced(model, input_ids, **kwargs):
+        for i in ids:
+            asked.append(i)
+            yield torch.tensor([i])
+
+    monkeypatch.setattr(attnres.inference, "stream", forced)
+    assert cli_main(["generate", str(run_dir), *GREEDY, "--stop", stop]) == 0
+    out = capsys.readouterr()
+    assert out.out == printed + "\n"
+    assert f"attnres generate: stopped at --stop {meant!r} after {needed} tokens in " in out.err, out.err
+    assert len(asked) == needed
+
+
+def test_generate_stop_reads_backslash_escapes_and_refuses_a_broken_one(run_dir, monkeypatch):
+    from attnres.cli import generate as generate_cli
+
+    assert generate_cli.read_stops([r"\n\n", r"C:\\x", "é\\t€", r"\q"]) == ["\n\n", "C:\\x", "é\t€", r"\q"]
+
+    def no_loading(args):
+        raise AssertionError("the model was loaded before --stop was checked")
+
+    monkeypatch.setattr(generate_cli, "_load", no_loading)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["generate", str(run_dir), "--prompt", "the", "--stop", r"\x4"])
+    assert str(info.value).startswith(r"attnres generate: error: --stop '\x4': truncated \xXX escape; ")
+    assert r"write \\ for a backslash" in str(info.value)
+
+
 def test_resuming_a_misspelt_out_dir_names_the_run_meant(run_dir, tmp_path, capsys):
     """`attnres train out_dir=runs/rnu --resume` said "'runs/rnu/checkpoints' holds no
     checkpoint", as if the run were there and empty."""
@@ -868,6 +962,8 @@ def test_an_empty_text_file_is_refused_by_its_option_before_loading(run_dir, tmp
     (["generate", "RUN", "--prompt-file", ""], "--prompt-file is empty; --prompt-file: read the text to continue from "
      "FILE (UTF-8), or from standard input with '-'"),
     (["generate", "RUN", "--prompt", "the", "--tokenizer", " "], "--tokenizer is empty; --tokenizer: tokenizer.json"),
+    (["generate", "RUN", "--prompt", "the", "--stop", "\n", "--stop", ""], "--stop is empty; --stop: end the text where "
+     "TEXT first appears in it, TEXT itself not printed (as vLLM's stop)"),
     (["export", "RUN", "--out", ""], "--out is empty; --out: output directory for save_pretrained"),
     (["analyze", "RUN", "--compare", ""], "--compare is empty; --compare: a second checkpoint"),
     (["eval", "RUN", "--tasks", "none", "--out", ""], "--out is empty; --out: results JSON"),

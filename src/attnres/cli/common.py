@@ -104,6 +104,10 @@ def resolve_checkpoint(args: argparse.Namespace) -> None:
 #: nothing to continue), a task list ('none' for no task), the training overrides.
 OWN_EMPTY_MESSAGE = frozenset({"prompt", "tasks", "overrides"})
 
+#: The arguments whose spaces are text (``attnres generate --stop " "``, a blank line as
+#: ``--stop $'\n\n'``): only ``""`` is empty.
+SPACES_ARE_TEXT = frozenset({"stop"})
+
 
 def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """An option or argument given as an empty string (``--out ""``; a shell variable that is
@@ -112,8 +116,9 @@ def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespac
     ``--preset`` was taken as not given (a new run, the default grid, trained)."""
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        if action.dest in OWN_EMPTY_MESSAGE or not any(
-                isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+        spaces = action.dest in SPACES_ARE_TEXT
+        if action.dest in OWN_EMPTY_MESSAGE or not any(isinstance(v, str) and not (v if spaces else v.strip())
+                                                       for v in (value if isinstance(value, list) else [value])):
             continue
         name = max(action.option_strings, key=len) if action.option_strings else action.metavar or action.dest
         said = _first_clause(action.help or "")

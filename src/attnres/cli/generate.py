@@ -24,6 +24,10 @@ def add_parser(sub) -> None:
                      "model (an upcycled SmolLM2-Instruct: its own template; attnres's models: plain 'user: ...' / "
                      "'assistant: ' lines, the template of their export)")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--stop", action="append", metavar="TEXT",
+                     help=r"end the text where TEXT first appears in it, TEXT itself not printed (as vLLM's stop); "
+                     r"repeat it for several (--stop '\n\n' --stop 'User:'); backslash escapes are read as in a Python "
+                     r"string: \n a line break, \t a tab, \\ a backslash")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
@@ -180,6 +184,84 @@ def text_pieces(tokenizer, steps, new: list[int]):
         yield text[len(shown):]
 
 
+def read_stops(values: list[str] | None) -> list[str]:
+    r"""``--stop``'s strings with their backslash escapes read as in a Python string - as
+    ``codecs.decode(value, "unicode_escape")`` reads ASCII - (``\n`` a line break, ``\t`` a
+    tab, ``\\`` a backslash, ``\u00e9``), every other character as given; an escape that
+    cannot be read (``\x4``) is a ``ValueError`` naming it, one Python does not know (``\q``)
+    stays as written."""
+    import shlex
+    import warnings
+
+    stops = []
+    for value in values or ():
+        try:
+            with warnings.catch_warnings():  # (an unknown escape: a DeprecationWarning, the text kept)
+                warnings.simplefilter("ignore")
+                # (a character beyond Latin-1 travels as its \u escape: the codec reads bytes)
+                stops.append(value.encode("latin-1", "backslashreplace").decode("unicode_escape"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--stop {shlex.quote(value)}: {e.reason}; backslash escapes are read as in a Python "
+                             r"string (\n, \t, \xXX, \uXXXX): write \\ for a backslash") from None
+    return stops
+
+
+class StopStrings:
+    """The streamed text up to the first of ``stops`` (``attnres generate --stop``), without
+    the stop string and what follows. :meth:`feed` takes each piece of the text and gives
+    what is now safe to print: it holds back the longest end of the text that begins a stop
+    string (more text may complete it) until it can no longer match; :meth:`flush` gives what
+    is held back when the text ends. ``found``: the stop string met, else ``None``."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.found: str | None = None
+        self._held = ""
+        self._longest = max(map(len, stops), default=0)
+
+    def feed(self, piece: str) -> str:
+        if self.found is not None:
+            return ""
+        text = self._held + piece  # (a stop string that was not in the text before begins in what is held)
+        hits = [(at, stop) for stop in self.stops if (at := text.find(stop)) >= 0]
+        if hits:
+            at, self.found = min(hits, key=lambda hit: hit[0])
+            self._held = ""
+            return text[:at]
+        keep = next((k for k in range(min(len(text), self._longest - 1), 0, -1)
+                     if any(stop.startswith(text[-k:]) for stop in self.stops)), 0)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def print_until_stop(pieces, stops: StopStrings) -> bool:
+    """Print the text ``pieces`` as it comes (stdout, in its encoding: a character it has no
+    byte for written '?', as an output under a locale that is not UTF-8 needs), up to the
+    first stop string; whether Ctrl-C ended it (what was held back is printed then too)."""
+    import sys
+
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+
+    def show(text: str) -> None:
+        if text:
+            print(text.encode(encoding, "replace").decode(encoding), end="", flush=True)
+
+    interrupted = False
+    try:
+        for piece in pieces:
+            show(stops.feed(piece))
+            if stops.found is not None:  # (the stream's next steps are not run)
+                break
+    except KeyboardInterrupt:  # Ctrl-C: end the text's line, then say how far it got
+        interrupted = True
+    show(stops.flush())
+    return interrupted
+
+
 def run_generate(args) -> int:
     """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
     import sys
@@ -197,6 +279,7 @@ def run_generate(args) -> int:
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, options=True)  # (before loading)
         check_optional_count("--chunk-size", args.chunk_size, "the whole prompt at once")
+        until = StopStrings(read_stops(args.stop))
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
             raise ValueError(f"{given} is empty: there is nothing to continue")
@@ -224,21 +307,15 @@ def run_generate(args) -> int:
             decode = "transformers"
             steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
         new: list[int] = []
-        # (an output in an encoding other than UTF-8, Latin-1 or a Windows code page: what it lacks is written '?')
-        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
         t0 = time.perf_counter()
-        try:
-            for piece in text_pieces(tokenizer, steps, new):  # printed as it comes
-                print(piece.encode(encoding, "replace").decode(encoding), end="", flush=True)
-        except KeyboardInterrupt:  # Ctrl-C: end the text's line, then say how far it got
-            interrupted = True
-        else:
-            interrupted = False
+        interrupted = print_until_stop(text_pieces(tokenizer, steps, new), until)
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         raise SystemExit(f"attnres generate: error: {e}") from None
     print()
-    print(f"attnres generate: {'interrupted after ' if interrupted else ''}{len(new)} tokens in {elapsed:.2f} s "
+    ended = ("interrupted after " if interrupted else "" if until.found is None
+             else f"stopped at --stop {until.found!r} after ")
+    print(f"attnres generate: {ended}{len(new)} tokens in {elapsed:.2f} s "
           f"({len(new) / max(elapsed, 1e-9):.1f} tokens/s, prefill included, {device}, {args.dtype}, {decode} decode)",
           file=sys.stderr)
     return 130 if interrupted else 0
