@@ -730,6 +730,20 @@ def test_generate_stop_holds_back_a_possible_stop_string_until_it_diverges(run_d
     assert "stopped" not in out.err and "attnres generate: 4 tokens in" in out.err
 
 
+def test_generate_stop_prints_what_it_held_back_when_ctrl_c_ends_the_text(run_dir, capsys, monkeypatch):
+    from attnres.cli import generate as generate_cli
+
+    def interrupted(tokenizer, steps, new):
+        new.append(0)
+        yield "x U"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_cli, "text_pieces", interrupted)
+    assert cli_main(["generate", str(run_dir), *GREEDY, "--stop", "User:"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "x U\n" and "interrupted after 1 tokens" in out.err
+
+
 @pytest.mark.parametrize("text, stop, printed", [
     ("Hello world.\n\nUser: how are you?", r"\n\nUser:", "Hello world."),
     ("the café is open", "fé", "the ca"),  # 'é': two byte-level tokens, the stop string ends inside the second
