@@ -173,7 +173,7 @@ def run_eval(args) -> int:
         text = read_text_file(args.text, "--text") if args.text is not None else None
         if text is not None and not text.strip():  # (said before the model loads, naming the option)
             raise ValueError(f"--text {args.text!r} is empty: there is no text to evaluate on")
-        if args.tokenizer is not None:
+        if args.tokenizer is not None and not is_hf_directory(args.checkpoint):  # (a directory's: refused as such)
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):
             if value is not None and value < 0:

@@ -269,6 +269,7 @@ def run_generate(args) -> int:
 
     import torch
 
+    from ..checkpoint import is_hf_directory
     from ..data.tokenizer import tokenizer_file, unknown_share
     from ..inference import check_sampling, resolve_decode, stream, stream_transformers
     from ..models import AttnResLM
@@ -283,7 +284,7 @@ def run_generate(args) -> int:
         prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
         if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
             raise ValueError(f"{given} is empty: there is nothing to continue")
-        if args.tokenizer is not None:
+        if args.tokenizer is not None and not is_hf_directory(args.checkpoint):  # (a directory's: refused as such)
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         model, tokenizer, stops, chat = _load(args)
         ids = encode_prompt(tokenizer, prompt, args.chat, chat)
