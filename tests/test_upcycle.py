@@ -780,7 +780,8 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
 
 def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
     """An instruct model's generation_config.json lists several end-of-sequence ids (Qwen3's
-    <|im_end|> and <|endoftext|>) and sampling defaults. A run started from its directory
+    <|im_end|> and <|endoftext|>; its tokenizer's end of sequence is one of them, here the
+    second as in Llama 3's) and sampling defaults. A run started from its directory
     exported one end-of-sequence id (the tokenizer's) and none of the defaults, and `attnres
     generate` of the run stopped at that one id only. They now stay with the run's tokenizer:
     the export's generation_config.json holds them all (what transformers' generate stops at),
@@ -808,7 +809,7 @@ def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
     src = tmp_path / "instruct"
     base_model("qwen3", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(src)
     (src / "tokenizer.json").write_text(tok.to_json())
-    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
                                                            "tokenizer_class": "TokenizersBackend"}))
     sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
     (src / "generation_config.json").write_text(json.dumps({
@@ -826,19 +827,20 @@ def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
     saved = GenerationConfig.from_pretrained(tmp_path / "export")
     assert saved.eos_token_id == [im_end, endoftext] and saved.pad_token_id is None and saved.min_p is None
     assert {k: getattr(saved, k) for k in sampling} == sampling
+    assert AutoTokenizer.from_pretrained(tmp_path / "export").eos_token_id == endoftext  # the tokenizer's own, as before
 
-    class EndOfTextSecond(LogitsProcessor):  # the second new token is <|endoftext|>, the others never an end
+    class EndOfTurnSecond(LogitsProcessor):  # the second new token is <|im_end|>, the others never an end
         def __call__(self, input_ids, scores):
             scores[:, [im_end, endoftext]] = -float("inf")
             if input_ids.shape[1] == prompt.shape[1] + 1:
                 scores[:] = -float("inf")
-                scores[:, endoftext] = 0.0
+                scores[:, im_end] = 0.0
             return scores
 
     prompt = torch.tensor([tok.encode("the quick")])
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    out = exported.generate(prompt, max_new_tokens=6, do_sample=False, logits_processor=[EndOfTextSecond()])
-    assert out.shape[1] == prompt.shape[1] + 2 and int(out[0, -1]) == endoftext
+    out = exported.generate(prompt, max_new_tokens=6, do_sample=False, logits_processor=[EndOfTurnSecond()])
+    assert out.shape[1] == prompt.shape[1] + 2 and int(out[0, -1]) == im_end
     # a checkpoint without the record (an earlier version's): the tokenizer's end of turn only, no defaults
     ckpt = latest_checkpoint(tmp_path / "run")
     doc = json.loads((ckpt / STATE_FILE).read_text())
@@ -846,8 +848,8 @@ def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
     (ckpt / STATE_FILE).write_text(json.dumps(seal_state(doc)))
     assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "old")]) == 0
     old = json.loads((tmp_path / "old" / "generation_config.json").read_text())
-    assert old["eos_token_id"] == im_end and not set(old) & {*sampling, "min_p"}
-    assert _load(Namespace(checkpoint=str(tmp_path / "run"), **generate_args))[2] == (im_end,)
+    assert old["eos_token_id"] == endoftext and not set(old) & {*sampling, "min_p"}
+    assert _load(Namespace(checkpoint=str(tmp_path / "run"), **generate_args))[2] == (endoftext,)
     # attnres's own run: the generation_config.json of earlier versions (no end of sequence, no defaults)
     assert cli_main(["train", *overrides(corpus, tmp_path / "plain", steps=2, warmup_steps=1)]) == 0
     assert cli_main(["export", str(tmp_path / "plain"), "--out", str(tmp_path / "plain-export")]) == 0

@@ -87,13 +87,13 @@ class LoadedRun:
 
     def stop_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
         """The end-of-sequence ids kept with the run's tokenizer (a run started from an instruct
-        model's directory): its end-of-turn token's, then those of the directory's
-        ``generation_config.json`` (:data:`attnres.data.tokenizer.GENERATION_DEFAULTS`), the
-        ones ``tokenizer`` (the run's own) holds; none for attnres's own tokenizers."""
+        model's directory): those of the directory's ``generation_config.json`` in its order
+        (:data:`attnres.data.tokenizer.GENERATION_DEFAULTS`), then its end-of-turn token's if
+        they lack it, the ones ``tokenizer`` (the run's own) holds; none for attnres's own tokenizers."""
         meta = self.state.get("tokenizer") or {}
         backend = getattr(tokenizer, "backend", None)
         end_of_turn = self.chat_settings().get("eos_token")
-        tokens = [*([end_of_turn] if end_of_turn else []), *generation_record(meta.get("generation")).get("eos_tokens", [])]
+        tokens = [*generation_record(meta.get("generation")).get("eos_tokens", []), *([end_of_turn] if end_of_turn else [])]
         ids = [backend.token_to_id(t) for t in tokens] if backend is not None else []
         return tuple(dict.fromkeys(i for i in ids if i is not None))
 
