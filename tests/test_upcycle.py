@@ -858,6 +858,23 @@ def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
         "_from_model_config": True, "output_attentions": False, "output_hidden_states": False, "use_cache": True}
 
 
+@pytest.mark.parametrize("values, kept", [
+    ({"do_sample": True, "temperature": 0.6, "top_k": 0, "top_p": 1, "min_p": 0.0, "eos_tokens": ["<a>", "<b>", "<a>"]},
+     {"do_sample": True, "temperature": 0.6, "top_k": 0, "top_p": 1, "min_p": 0.0, "eos_tokens": ["<a>", "<b>"]}),
+    # greedy (do_sample false or absent): the sampling-only values go, which transformers refuses to save
+    ({"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.1}, {"repetition_penalty": 1.1}),
+    ({"do_sample": False, "top_k": 20}, {"do_sample": False}),
+    # out of range, of another type, a list, an unknown key, a hand-edited record
+    ({"do_sample": "yes", "temperature": 0, "top_k": True, "top_p": 1.5, "typical_p": [0.9], "repetition_penalty": -1,
+      "max_new_tokens": 10, "eos_tokens": ["<a>", 3]}, {}),
+    ({"eos_tokens": "<a>"}, {}), ("not a record", {}), (None, {}),
+])
+def test_a_generation_record_keeps_only_what_validates(values, kept):
+    from attnres.data.tokenizer import generation_record
+
+    assert generation_record(values) == kept
+
+
 def test_eval_of_a_directory_with_a_long_context_uses_shorter_windows(tmp_path, monkeypatch, capsys):
     """A pretrained model's whole context (40,960 tokens for Qwen3) as one perplexity window
     would take minutes and gigabytes on a CPU: a directory's default window is at most
