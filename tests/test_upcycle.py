@@ -778,6 +778,103 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
     assert load_run(tmp_path / "plain").chat_settings() == {}
 
 
+def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
+    """An instruct model's generation_config.json lists several end-of-sequence ids (Qwen3's
+    <|im_end|> and <|endoftext|>; its tokenizer's end of sequence is one of them, here the
+    second as in Llama 3's) and sampling defaults. A run started from its directory
+    exported one end-of-sequence id (the tokenizer's) and none of the defaults, and `attnres
+    generate` of the run stopped at that one id only. They now stay with the run's tokenizer:
+    the export's generation_config.json holds them all (what transformers' generate stops at),
+    and `attnres generate` stops at each. What does not validate is left out (a sampling value
+    out of range, an id beyond the vocabulary, a list); a checkpoint without the record (an
+    earlier version's) loads and exports as before; a run of attnres's own writes what it wrote."""
+    pytest.importorskip("yaml")
+    from argparse import Namespace
+
+    from test_train import overrides, write_corpus
+    from transformers import GenerationConfig, LogitsProcessor
+
+    from attnres.checkpoint.manifest import STATE_FILE, seal_state
+    from attnres.cli import main as cli_main
+    from attnres.cli.generate import _load
+    from attnres.data.tokenizer import BPETokenizer, train_bpe
+    from attnres.inference.loading import load_run
+    from attnres.train import latest_checkpoint
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    backend = train_bpe(corpus.read_text(), 300).backend
+    backend.add_special_tokens(["<|im_end|>", "<|endoftext|>"])
+    tok = BPETokenizer.from_json(backend.to_str(), "instruct")
+    im_end, endoftext = (tok.backend.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    src = tmp_path / "instruct"
+    base_model("qwen3", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(src)
+    (src / "tokenizer.json").write_text(tok.to_json())
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                           "tokenizer_class": "TokenizersBackend"}))
+    sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    (src / "generation_config.json").write_text(json.dumps({
+        **sampling, "eos_token_id": [im_end, endoftext, 10**6, 10**30, True], "pad_token_id": endoftext, "min_p": 2.0,
+        "suppress_tokens": [1, 2], "transformers_version": "4.51.0"}))
+    args = [a for a in overrides(corpus, tmp_path / "run", steps=2, warmup_steps=1, **{
+        "model.from_hf": str(src), "init_from": str(src), "data.tokenizer": "bpe"}) if not a.startswith("model=")]
+    assert cli_main(["train", *args, "stop_after=1"]) == 0
+    assert cli_main(["train", *args, "resume=true"]) == 0  # kept through a resume too
+    run = load_run(tmp_path / "run")
+    assert run.state["step"] == 2 and run.sampling_defaults() == sampling
+    generate_args = dict(tokenizer=None, device="cpu", chunk_size=None, decode="auto", dtype="float32")
+    assert _load(Namespace(checkpoint=str(tmp_path / "run"), **generate_args))[2] == (im_end, endoftext)
+    assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    saved = GenerationConfig.from_pretrained(tmp_path / "export")
+    assert saved.eos_token_id == [im_end, endoftext] and saved.pad_token_id is None and saved.min_p is None
+    assert {k: getattr(saved, k) for k in sampling} == sampling
+    assert AutoTokenizer.from_pretrained(tmp_path / "export").eos_token_id == endoftext  # the tokenizer's own, as before
+
+    class EndOfTurnSecond(LogitsProcessor):  # the second new token is <|im_end|>, the others never an end
+        def __call__(self, input_ids, scores):
+            scores[:, [im_end, endoftext]] = -float("inf")
+            if input_ids.shape[1] == prompt.shape[1] + 1:
+                scores[:] = -float("inf")
+                scores[:, im_end] = 0.0
+            return scores
+
+    prompt = torch.tensor([tok.encode("the quick")])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    out = exported.generate(prompt, max_new_tokens=6, do_sample=False, logits_processor=[EndOfTurnSecond()])
+    assert out.shape[1] == prompt.shape[1] + 2 and int(out[0, -1]) == im_end
+    # a checkpoint without the record (an earlier version's): the tokenizer's end of turn only, no defaults
+    ckpt = latest_checkpoint(tmp_path / "run")
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    del doc["tokenizer"]["generation"]
+    (ckpt / STATE_FILE).write_text(json.dumps(seal_state(doc)))
+    assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "old")]) == 0
+    old = json.loads((tmp_path / "old" / "generation_config.json").read_text())
+    assert old["eos_token_id"] == endoftext and not set(old) & {*sampling, "min_p"}
+    assert _load(Namespace(checkpoint=str(tmp_path / "run"), **generate_args))[2] == (endoftext,)
+    # attnres's own run: the generation_config.json of earlier versions (no end of sequence, no defaults)
+    assert cli_main(["train", *overrides(corpus, tmp_path / "plain", steps=2, warmup_steps=1)]) == 0
+    assert cli_main(["export", str(tmp_path / "plain"), "--out", str(tmp_path / "plain-export")]) == 0
+    plain = json.loads((tmp_path / "plain-export" / "generation_config.json").read_text())
+    assert {k: v for k, v in plain.items() if k != "transformers_version"} == {
+        "_from_model_config": True, "output_attentions": False, "output_hidden_states": False, "use_cache": True}
+
+
+@pytest.mark.parametrize("values, kept", [
+    ({"do_sample": True, "temperature": 0.6, "top_k": 0, "top_p": 1, "min_p": 0.0, "eos_tokens": ["<a>", "<b>", "<a>"]},
+     {"do_sample": True, "temperature": 0.6, "top_k": 0, "top_p": 1, "min_p": 0.0, "eos_tokens": ["<a>", "<b>"]}),
+    # greedy (do_sample false or absent): the sampling-only values go, which transformers refuses to save
+    ({"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.1}, {"repetition_penalty": 1.1}),
+    ({"do_sample": False, "top_k": 20}, {"do_sample": False}),
+    # out of range, of another type, a list, an unknown key, a hand-edited record
+    ({"do_sample": "yes", "temperature": 0, "top_k": True, "top_p": 1.5, "typical_p": [0.9], "repetition_penalty": -1,
+      "max_new_tokens": 10, "eos_tokens": ["<a>", 3]}, {}),
+    ({"eos_tokens": "<a>"}, {}), ("not a record", {}), (None, {}),
+])
+def test_a_generation_record_keeps_only_what_validates(values, kept):
+    from attnres.data.tokenizer import generation_record
+
+    assert generation_record(values) == kept
+
+
 def test_eval_of_a_directory_with_a_long_context_uses_shorter_windows(tmp_path, monkeypatch, capsys):
     """A pretrained model's whole context (40,960 tokens for Qwen3) as one perplexity window
     would take minutes and gigabytes on a CPU: a directory's default window is at most

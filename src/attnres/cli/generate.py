@@ -12,8 +12,10 @@ def add_parser(sub) -> None:
     gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s",
                          description="Continue --prompt (or --prompt-file) with the model of a training checkpoint or run directory "
                          "(its stored tokenizer), or of a transformers directory (attnres export's or attnres "
-                         "upcycle's output: its own tokenizer, stopping at its end-of-sequence token), streaming "
-                         "the text; tokens/s on stderr.")
+                         "upcycle's output: its own tokenizer, stopping at its end-of-sequence tokens), streaming "
+                         "the text; tokens/s on stderr. A run started from an instruct model's directory stops at its "
+                         "end-of-sequence tokens too; the sampling options keep their defaults here, not that "
+                         "model's (its export carries those).")
     add_checkpoint_argument(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")
@@ -155,8 +157,7 @@ def _load(args):
         model, text, source = run.model, load_tokenizer(run, args.tokenizer), run.checkpoint
         # a run started from an instruct model: its chat template and special tokens
         chat = run.chat_settings() if args.tokenizer is None else {}
-        eos = text.backend.token_to_id(chat["eos_token"]) if "eos_token" in chat else None
-        stops = () if eos is None else (eos,)
+        stops = run.stop_ids(text) if args.tokenizer is None else ()  # and every end-of-sequence id it listed
         family = run.run_config["model"].get("hf_architecture")
         if family is not None:
             _transformers_decode_only(args, f"this checkpoint's model is a transformers {family!r} model "

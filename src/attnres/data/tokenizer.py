@@ -276,6 +276,46 @@ def slow_tokenizer_hint(directory: Path) -> str:
 #: and ``attnres generate --chat``; attnres's own tokenizers have none.
 CHAT_SETTINGS = ("chat_template", "eos_token", "bos_token")
 
+#: The generation settings a tokenizer record may carry (its ``"generation"`` entry) from the
+#: ``generation_config.json`` of a transformers directory a run started from: ``eos_tokens``,
+#: its end-of-sequence ids as token strings (an instruct model lists several: Qwen3's
+#: ``<|im_end|>`` and ``<|endoftext|>``), and the sampling defaults below, each JSON scalar
+#: with the values it may take. ``attnres export`` writes them to the export's
+#: ``generation_config.json``; ``attnres generate`` stops at every ``eos_tokens`` entry.
+GENERATION_DEFAULTS = {
+    "do_sample": lambda v: isinstance(v, bool),
+    "temperature": lambda v: _number(v) and 0 < v < float("inf"),
+    "top_k": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "top_p": lambda v: _number(v) and 0 < v <= 1,
+    "min_p": lambda v: _number(v) and 0 <= v <= 1,
+    "typical_p": lambda v: _number(v) and 0 < v <= 1,
+    "repetition_penalty": lambda v: _number(v) and 0 < v < float("inf"),
+}
+
+#: The defaults that only sampling uses: with ``do_sample`` not true, transformers refuses to
+#: save a generation config that sets them (greedy decoding ignores them), so they are not kept.
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "typical_p")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def generation_record(values: Any) -> dict[str, Any]:
+    """Of ``values`` (a ``generation_config.json``'s settings, or a stored record), those
+    :data:`GENERATION_DEFAULTS` allows with a value it accepts, and ``eos_tokens`` as a list of
+    non-empty strings; the sampling-only ones only where ``do_sample`` is true. Anything else
+    (another key, a value out of range, a list or mapping) is left out, so what is kept
+    validates where it is written."""
+    values = values if isinstance(values, dict) else {}
+    kept: dict[str, Any] = {k: v for k, v in values.items() if k in GENERATION_DEFAULTS and GENERATION_DEFAULTS[k](v)}
+    if kept.get("do_sample") is not True:
+        kept = {k: v for k, v in kept.items() if k not in SAMPLING_ONLY}
+    eos = values.get("eos_tokens")
+    if isinstance(eos, list) and eos and all(isinstance(t, str) and t for t in eos):
+        kept["eos_tokens"] = list(dict.fromkeys(eos))
+    return kept
+
 
 def tokenizer_state(tok: Tokenizer) -> tuple[dict[str, Any], dict[str, bytes]]:
     """How to store ``tok`` with a checkpoint: a JSON-able description (kind, vocabulary

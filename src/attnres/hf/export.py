@@ -13,7 +13,10 @@ line break. The export sets no ``eos_token``: ``generate`` runs for ``max_new_to
 ``stop_strings`` or ``eos_token_id`` to stop earlier). A run started from an instruct model's
 directory is the exception: the chat template and end-of-turn token of that directory stay
 with its tokenizer through the checkpoints (:data:`attnres.data.tokenizer.CHAT_SETTINGS`), and
-its export declares them, so ``generate`` and vLLM stop at the end of a turn again.
+its export declares them, so ``generate`` and vLLM stop at the end of a turn again; so do the
+end-of-sequence ids and sampling defaults of its ``generation_config.json``
+(:data:`attnres.data.tokenizer.GENERATION_DEFAULTS`: Qwen3's ``<|im_end|>`` and
+``<|endoftext|>``, its temperature, top-p, top-k), which the export's ``generation_config.json`` holds.
 
 Padding: none either. Every special token of a ``transformers`` tokenizer is an entry of its
 added vocabulary, and an ordinary token declared special is lost twice: decoding with
@@ -140,8 +143,12 @@ def export_checkpoint(checkpoint: str | Path | LoadedRun, out_dir: str | Path, t
     hf_tok = make_hf_tokenizer(tokenizer, model.config.max_seq_len if native else model.config.max_position_embeddings,
                                **chat)
     hf = AttnResForCausalLM.from_native(model, eos_token_id=None, pad_token_id=None) if native else model
-    hf.generation_config.eos_token_id = hf_tok.eos_token_id
+    # (and its generation_config.json's end-of-sequence ids and sampling defaults; attnres's own runs have none)
+    stops = run.stop_ids(tokenizer) if tokenizer_path is None else ()
+    hf.generation_config.eos_token_id = (stops[0] if len(stops) == 1 else list(stops)) if stops else None
     hf.generation_config.pad_token_id = None
+    for name, value in (run.sampling_defaults() if tokenizer_path is None else {}).items():
+        setattr(hf.generation_config, name, value)
 
     def write(staging: Path) -> None:
         hf.save_pretrained(staging)

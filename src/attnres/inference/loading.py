@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..data.tokenizer import CHAT_SETTINGS, ByteTokenizer, Tokenizer, load_tokenizer_file, tokenizer_from_state
+from ..data.tokenizer import (CHAT_SETTINGS, ByteTokenizer, Tokenizer, generation_record, load_tokenizer_file,
+                              tokenizer_from_state)
 from ..models.config import ModelConfig
 from ..models.factory import build_model
 from ..models.lm import AttnResLM
@@ -82,6 +84,26 @@ class LoadedRun:
         it has: none for attnres's own tokenizers."""
         meta = self.state.get("tokenizer") or {}
         return {k: meta[k] for k in CHAT_SETTINGS if isinstance(meta.get(k), str)}
+
+    def stop_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
+        """The end-of-sequence ids kept with the run's tokenizer (a run started from an instruct
+        model's directory): those of the directory's ``generation_config.json`` in its order
+        (:data:`attnres.data.tokenizer.GENERATION_DEFAULTS`), then its end-of-turn token's if
+        they lack it, the ones ``tokenizer`` (the run's own) holds; none for attnres's own tokenizers."""
+        meta = self.state.get("tokenizer") or {}
+        backend = getattr(tokenizer, "backend", None)
+        end_of_turn = self.chat_settings().get("eos_token")
+        tokens = [*generation_record(meta.get("generation")).get("eos_tokens", []), *([end_of_turn] if end_of_turn else [])]
+        ids = [backend.token_to_id(t) for t in tokens] if backend is not None else []
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling defaults kept from the ``generation_config.json`` of the directory the
+        run started from (``do_sample``, ``temperature``, ``top_p``, ...: JSON scalars that
+        validate), those it had; ``{}`` for attnres's own runs and for earlier checkpoints."""
+        kept = generation_record((self.state.get("tokenizer") or {}).get("generation"))
+        kept.pop("eos_tokens", None)
+        return kept
 
     def validation_text(self) -> str:
         """The run's validation split, read again from its data: the absolute paths the

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer
+from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, generation_record
 from ..checkpoint import Source
 from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_weights, unreadable_weights
 
@@ -22,7 +22,8 @@ __all__ = ["hf_source", "load_hf_weights"]
 def hf_source(path: str | Path) -> Source:
     """``path`` as a start: step 0, and its ``tokenizer.json`` (if any) as the stored tokenizer,
     with the directory's chat template and its special tokens that the vocabulary holds
-    (:func:`chat_settings`; the export declares them, and refuses one it lacks)."""
+    (:func:`chat_settings`; the export declares them, and refuses one it lacks), and its
+    generation settings (:func:`generation_settings`: end-of-sequence tokens, sampling defaults)."""
     path = Path(path)
     state: dict[str, Any] = {"step": 0, "hf_directory": True, "tokenizer": None}
     if (path / TOKENIZER_FILE).is_file():
@@ -31,6 +32,8 @@ def hf_source(path: str | Path) -> Source:
                 if k == "chat_template" or tok.backend.token_to_id(v) is not None}
         state["tokenizer"] = {"kind": "bpe", "file": TOKENIZER_FILE, "vocab_size": tok.vocab_size,
                               "fingerprint": tok.fingerprint, **chat}
+        if generation := generation_settings(path, tok):
+            state["tokenizer"]["generation"] = generation
     return Source(path, state)
 
 
@@ -40,11 +43,7 @@ def chat_settings(path: Path) -> dict[str, str]:
     ``bos_token``: a template may write ``{{ bos_token }}``) of the transformers
     directory ``path``, those it has (:data:`attnres.data.tokenizer.CHAT_SETTINGS`)."""
     found: dict[str, str] = {}
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    config = config if isinstance(config, dict) else {}
+    config = _json_object(path / "tokenizer_config.json")
     template = path / "chat_template.jinja"
     if template.is_file():
         found["chat_template"] = template.read_text(encoding="utf-8")
@@ -56,6 +55,28 @@ def chat_settings(path: Path) -> dict[str, str]:
         if isinstance(token, str) and token:
             found[name] = token
     return found
+
+
+def generation_settings(path: Path, tok: BPETokenizer) -> dict[str, Any]:
+    """The generation settings of the transformers directory ``path`` (its
+    ``generation_config.json``) that a tokenizer record keeps
+    (:func:`attnres.data.tokenizer.generation_record`): its end-of-sequence ids (one or a list)
+    as the tokens of ``tok``'s vocabulary they name (ids beyond it are left out), and its
+    sampling defaults; ``{}`` for a directory without that file or with none of them."""
+    config = _json_object(path / "generation_config.json")
+    ids = config.get("eos_token_id")
+    ids = ids if isinstance(ids, list) else [ids]
+    eos = [tok.backend.id_to_token(i) for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31]
+    return generation_record({**config, "eos_tokens": [t for t in eos if t is not None]})
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in ``file``; ``{}`` where there is none (no file, not JSON, not an object)."""
+    try:
+        found = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def load_hf_weights(model, path: str | Path) -> None:

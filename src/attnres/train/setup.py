@@ -212,8 +212,8 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     if config.model.vocab_size != vocab_size:
         config = dataclasses.replace(config, model=config.model.replace(vocab_size=vocab_size))
     meta, files = tokenizer_state(tokens.tokenizer)
-    if given is not None:  # an instruct model's chat template and end-of-turn token stay with its tokenizer
-        meta.update({k: v for k, v in (source.state.get("tokenizer") or {}).items() if k in CHAT_SETTINGS})
+    if given is not None:  # an instruct model's chat template, end-of-turn token and generation settings stay
+        meta.update({k: v for k, v in (source.state.get("tokenizer") or {}).items() if k in (*CHAT_SETTINGS, "generation")})
     sampler = BatchSampler(tokens.train, config.seq_len, config.batch_size, config.seed)
     if start.resume is not None and not changed:
         sampler.load_state_dict(start.resume.state["sampler"])
