@@ -20,10 +20,10 @@ from ..validation import missing_path_hint
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
-__all__ = ["Source", "find_valid_checkpoint", "is_hf_directory", "no_checkpoint_at", "refuse_loading_training_output",
-           "run_of_checkpoint",
-           "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "newest_state", "set_aside_newer",
-           "refuse_missing_weights", "training_output", "unreadable_weights", "verify_checkpoint", "WEIGHT_READ_ERRORS"]
+__all__ = ["Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
+           "no_checkpoint_at", "refuse_loading_training_output", "refuse_missing_weights", "refuse_model_file",
+           "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint", "set_aside_newer",
+           "training_output", "unreadable_weights", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
