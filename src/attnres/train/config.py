@@ -620,8 +620,6 @@ def _without_anchor_keys(data: dict[str, Any], text: str, name: str) -> dict[str
     """``data`` without its :data:`ANCHOR_KEY_PREFIX` keys; a top-level key of another name
     that holds an anchor and is no :class:`TrainConfig` field raises ``ValueError`` saying to
     rename it (it was refused as an unknown key, with nothing on how to keep the anchor)."""
-    import yaml
-
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for key, anchor in _top_level_anchors(text):
         if key not in fields and not key.startswith(ANCHOR_KEY_PREFIX):
@@ -634,6 +632,8 @@ def _without_anchor_keys(data: dict[str, Any], text: str, name: str) -> dict[str
 def _top_level_anchors(text: str) -> list[tuple[str, str]]:
     """``(key, anchor)`` for each top-level key of the YAML document ``text`` whose value
     carries an anchor (the composed nodes do not keep anchors: read from the parser's events)."""
+    if "&" not in text:  # (no anchor anywhere: the text is not parsed a second time)
+        return []
     import yaml
 
     found, depth, key, expect_key = [], 0, None, True
