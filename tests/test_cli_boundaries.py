@@ -289,6 +289,46 @@ def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, 
     assert "attnres eval: attnres_cloze (2-shot): acc" in said and "attnres eval: attnres_ppl: " in said
 
 
+def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(run_dir, tmp_path, monkeypatch,
+                                                                                capsys):
+    """`attnres eval --batch-size auto` and `--limit 0.1`, as lm-eval's command line takes them,
+    were refused by argparse ("invalid int value"). The harness now gets them as it takes them
+    (the batch found by trial; 10 % of each task's documents, rounded up); what neither accepts
+    is refused by name."""
+    pytest.importorskip("lm_eval")
+    import json
+    import math
+
+    import lm_eval
+
+    harness, seen = lm_eval.simple_evaluate, {}
+
+    def recorded(**kwargs):
+        out = harness(**kwargs)
+        seen.update(batch_size=kwargs["batch_size"], limit=kwargs["limit"],
+                    docs={task: len(samples) for task, samples in out["samples"].items()})
+        return out
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", recorded)
+    text = write_corpus(tmp_path / "held-out.txt", n_lines=100, seed=2)  # 100 documents, one a line
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", str(run_dir), "--text", str(text), "--batch-size", "auto:2", "--limit", "0.1", "--out",
+                     str(out), "--device", "cpu"]) == 0
+    assert seen == {"batch_size": "auto:2", "limit": 0.1, "docs": {"attnres_ppl": 10, "attnres_cloze": 10}}
+    written = json.loads(out.read_text())
+    assert written["perplexity"]["tokens"] > 1000  # (the whole text: --limit is lm-eval's)
+    assert math.isfinite(written["lm_eval"]["attnres_ppl"]["bits_per_byte,none"])
+    for value, said in (("1.0", "--limit takes a whole number of documents (>= 1) or a fraction F of each task's "
+                                "documents (0 < F < 1); got 1.0 (omit it for every document)"),
+                        ("2.5", "got 2.5"), ("-0.5", "got -0.5"), ("nan", "got nan")):
+        with pytest.raises(SystemExit, match=re.escape(f"attnres eval: error: {said}" if value == "1.0" else said)):
+            cli_main(["eval", str(run_dir), "--limit", value, "--out", str(out)])
+    for option, value in (("--batch-size", "auto:0"), ("--batch-size", "big"), ("--limit", "some")):
+        with pytest.raises(SystemExit) as info:
+            cli_main(["eval", str(run_dir), option, value, "--out", str(out)])
+        assert info.value.code == 2 and f"argument {option}: takes " in capsys.readouterr().err
+
+
 def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run_dir, tmp_path, monkeypatch):
     """`attnres eval --tasks lambada_openai` without network: after the perplexity pass lm-eval
     failed ("Couldn't reach 'EleutherAI/lambada_openai' on the Hub", the datasets library's

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+
 from ..validation import missing_path_hint
 from .common import DTYPES, add_checkpoint_argument, check_optional_count
 
@@ -32,10 +35,15 @@ def add_parser(sub) -> None:
                     "transformers directory DIR, "
                     "RUN/eval-step-N.json for a checkpoint RUN/checkpoints/step-N; for a Hub id, "
                     "./eval-ORG--NAME.json); its folder must exist")
-    ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task (default: all)")
+    ev.add_argument("--limit", type=_limit, help="at most this many documents per lm-eval task, or a fraction F "
+                    "(0 < F < 1) of each task's (lm-eval's --limit; default: all); the perplexity pass reads the whole "
+                    "held-out text either way")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
                     f"transformers directory, at most {DIRECTORY_WINDOW})")
-    ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    ev.add_argument("--batch-size", type=_batch_size, default=8,
+                    help="lm-eval's batch: a number of requests (default 8), 'auto' (the largest that fits, found by "
+                    "trial from 64 down) or 'auto:N' (found again N times over the run), as lm-eval's --batch_size; the "
+                    "perplexity pass batches its windows by tokens either way")
     ev.add_argument("--num-fewshot", type=int, metavar="N", help="solved examples before each lm-eval request "
                     "(default: each task's own, 0 for most; the local tasks draw theirs from their own items)")
     ev.add_argument("--device", default="auto",
@@ -47,6 +55,43 @@ def add_parser(sub) -> None:
     ev.add_argument("--bootstrap-iters", type=int, default=1000,
                     help="lm-eval bootstrap resamples for the standard errors of metrics that need them (default "
                     "1000; 0 = lm-eval computes none)")
+
+
+def _batch_size(text: str) -> int | str:
+    """``--batch-size``: a count (checked >= 1 with the other values), or lm-eval's ``auto`` /
+    ``auto:N`` as it takes them."""
+    if re.fullmatch(r"auto(:[1-9][0-9]*)?", text.strip().lower()):
+        return text.strip().lower()
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of requests per batch, 'auto' or 'auto:N' (N >= 1); got "
+                                         f"{text!r}") from None
+
+
+def _limit(text: str) -> int | float:
+    """``--limit``: a count of documents, or a fraction of each task's (lm-eval's meaning of a
+    value below 1); the range is checked with the other values."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(f"takes a number of documents or a fraction (0 < F < 1) of each task's; got "
+                                     f"{text!r}")
+
+
+def _check_harness_sizes(args) -> None:
+    """``--batch-size`` and ``--limit`` as lm-eval takes them, or ``ValueError`` naming what is
+    accepted: a count >= 1, ``auto[:N]`` (the parser's), a fraction strictly between 0 and 1."""
+    if isinstance(args.limit, float) and not 0 < args.limit < 1:
+        raise ValueError(f"--limit takes a whole number of documents (>= 1) or a fraction F of each task's documents "
+                         f"(0 < F < 1); got {args.limit} (omit it for every document)")
+    if not isinstance(args.limit, float):
+        check_optional_count("--limit", args.limit, "every document of each task")
+    if isinstance(args.batch_size, int) and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1 (lm-eval's batch); got {args.batch_size} ('auto' or 'auto:N' for "
+                         "lm-eval's choice)")
 
 
 def run(args, parser) -> int:
@@ -163,9 +208,7 @@ def run_eval(args) -> int:
             raise ValueError(f"--tasks {args.tasks!r} names no task: give lm-eval task names, or 'none' for the "
                              "perplexity alone")
         check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
-        check_optional_count("--limit", args.limit, "every document of each task")
-        if args.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1 (lm-eval's batch); got {args.batch_size}")
+        _check_harness_sizes(args)
         out = _eval_output(args)
         check_tasks(tasks)
         if args.text is not None and not Path(args.text).is_file():
