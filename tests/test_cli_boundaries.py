@@ -886,6 +886,36 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
     assert (out.read_bytes() if out.exists() else None) == before
 
 
+def test_eval_replaces_an_earlier_result_but_no_other_file_unless_told(run_dir, tmp_path, monkeypatch, capsys):
+    """`attnres eval RUN --out notes.txt` (or over a settings.json) replaced whatever file was there
+    with the results. A file that is not an earlier result (its keys checkpoint, perplexity,
+    lm_eval) is now refused before any work unless --overwrite; an earlier result is replaced as
+    before, through a temporary file renamed into place."""
+    import json
+    import os
+
+    evaluate_args = ["eval", str(run_dir), "--tasks", "none", "--device", "cpu", "--out"]
+    for name, held in (("notes.txt", "my notes\n"), ("settings.json", '{"lr": 0.001}'), ("empty.json", "")):
+        path = tmp_path / name
+        path.write_text(held)
+        with pytest.raises(SystemExit) as info:
+            cli_main([*evaluate_args, str(path)])
+        assert str(info.value) == (f"attnres eval: error: --out {str(path)!r} exists and is not an earlier attnres eval "
+                                   "result (a JSON file with 'checkpoint', 'perplexity', 'lm_eval'): give another "
+                                   "--out, or --overwrite to replace it")
+        assert path.read_text() == held and "held-out loss" not in capsys.readouterr().out
+    assert cli_main([*evaluate_args, str(tmp_path / "notes.txt"), "--overwrite"]) == 0
+    earlier = json.loads((tmp_path / "notes.txt").read_text())
+    assert earlier["perplexity"]["tokens"] > 0
+    replaced = []
+    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append((Path(src).name, Path(dst).name)),
+                                                         Path(src).rename(dst)))
+    assert cli_main([*evaluate_args, str(tmp_path / "notes.txt")]) == 0  # an earlier result: replaced
+    assert json.loads((tmp_path / "notes.txt").read_text()) == earlier
+    assert replaced == [(f".notes.txt.tmp-{os.getpid()}", "notes.txt")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.json", "notes.txt", "settings.json"]
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--seeds", "-1"], "seeds (--seeds) must be a non-empty list of integers >= 0 and <= 18446744073709551615; got "
      "[-1]"),

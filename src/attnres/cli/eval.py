@@ -34,7 +34,10 @@ def add_parser(sub) -> None:
     ev.add_argument("--out", help="results JSON (default: eval.json in the run given, DIR-eval.json beside a "
                     "transformers directory DIR, "
                     "RUN/eval-step-N.json for a checkpoint RUN/checkpoints/step-N; for a Hub id, "
-                    "./eval-ORG--NAME.json); its folder must exist")
+                    "./eval-ORG--NAME.json); its folder must exist. An existing file is replaced only when it is an "
+                    "earlier eval result (or with --overwrite)")
+    ev.add_argument("--overwrite", action="store_true",
+                    help="replace an existing --out file that is not an earlier attnres eval result")
     ev.add_argument("--limit", type=_limit, help="at most this many documents per lm-eval task, or a fraction F "
                     "(0 < F < 1) of each task's (lm-eval's --limit; default: all); the perplexity pass reads the whole "
                     "held-out text either way")
@@ -98,8 +101,41 @@ def run(args, parser) -> int:
     return run_eval(args)
 
 
+#: The keys that make a JSON file an earlier result of ``attnres eval``, which a new one replaces.
+RESULT_KEYS = ("checkpoint", "perplexity", "lm_eval")
+
+
+def _earlier_result(path) -> bool:
+    """Whether the file ``path`` is a results JSON that ``attnres eval`` wrote (its keys
+    :data:`RESULT_KEYS`); a file too large to be one is not read."""
+    import json
+
+    try:
+        if path.stat().st_size > 1 << 24:
+            return False
+        held = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # (unreadable, not UTF-8, not JSON)
+        return False
+    return isinstance(held, dict) and all(key in held for key in RESULT_KEYS)
+
+
 def _eval_output(args):
-    """Where ``attnres eval`` writes its results; checked before any work is done."""
+    """Where ``attnres eval`` writes its results; checked before any work is done. An existing
+    file there that is not an earlier result (a user's notes, a config) is refused unless
+    ``--overwrite``."""
+    from ..output_paths import OutputPathError
+
+    out = _eval_output_path(args)
+    if out.exists() and not args.overwrite and not _earlier_result(out):
+        raise OutputPathError(f"--out {str(out)!r} exists and is not an earlier attnres eval result (a JSON file "
+                              f"with {', '.join(map(repr, RESULT_KEYS))}): give another --out, or --overwrite to "
+                              "replace it")
+    return out
+
+
+def _eval_output_path(args):
+    """Where ``attnres eval`` writes its results (``--out``, or the default for the checkpoint),
+    checked as a file to write."""
     from pathlib import Path
 
     from ..checkpoint import is_hf_directory, no_checkpoint_at, refuse_model_file
