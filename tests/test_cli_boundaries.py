@@ -269,6 +269,44 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
 
 
+def test_eval_of_a_run_whose_tokenizer_adds_a_bos_equals_eval_of_its_export(tmp_path):
+    """A run trained with a tokenizer.json whose template puts <bos> before every text (a
+    transformers model's, data.tokenizer=PATH, or a run started from an upcycle) and its export
+    gave different perplexities (2078 tokens against 2079): the export's tokenizer, in
+    transformers, adds the <bos> before the held-out text, the run's pass did not. The run's
+    pass now starts the text with it too: the same tokens, bytes and loss."""
+    pytest.importorskip("transformers")
+    import json
+
+    from tokenizers import processors
+
+    from attnres.data.corpus import load_corpus
+    from attnres.data.tokenizer import BPETokenizer, train_bpe
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    backend = train_bpe(load_corpus([str(corpus)]).train, 280).backend
+    backend.add_special_tokens(["<bos>"])
+    bos = backend.token_to_id("<bos>")
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    (tmp_path / "tok").mkdir()
+    BPETokenizer(backend).save(tmp_path / "tok" / "tokenizer.json")
+    train(load_config(None, overrides(corpus, tmp_path / "run", steps=2, warmup_steps=0,
+                                      **{"data.tokenizer": str(tmp_path / "tok")})))
+    assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    text = tmp_path / "held-out.txt"
+    text.write_text(write_corpus(tmp_path / "other.txt", n_lines=60, seed=3).read_text())
+    got = {}
+    for name in ("run", "hf"):
+        out = tmp_path / f"{name}.json"
+        assert cli_main(["eval", str(tmp_path / name), "--text", str(text), "--tasks", "none", "--out", str(out),
+                         "--device", "cpu"]) == 0
+        got[name] = json.loads(out.read_text())["perplexity"]
+    plain = BPETokenizer(backend).encode(text.read_text())
+    assert got["run"]["tokens"] == got["hf"]["tokens"] == len(plain)  # every token predicted, the first from <bos>
+    assert got["run"]["bytes"] == got["hf"]["bytes"] == len(text.read_bytes())
+    assert got["run"]["loss"] == pytest.approx(got["hf"]["loss"], rel=1e-6, abs=0)
+
+
 def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, tmp_path, capsys):
     """`attnres eval --num-fewshot 5` (lm-eval's own option, for a task such as MMLU 5-shot) was
     an unrecognised argument. Now the harness gets it, and the results and the printed lines say
