@@ -3,8 +3,10 @@ line's boundary (bad files, tokenizers, task names, checkpoints), each naming wh
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -393,6 +395,95 @@ def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run
     written = json.loads(out.read_text())
     assert written["perplexity"]["tokens"] > 0 and written["lm_eval"] == {}
     assert written["lm_eval_error"].startswith("Couldn't reach")
+
+
+@contextlib.contextmanager
+def at_most(seconds: float):
+    """Within: a ``TimeoutError`` after ``seconds`` (SIGALRM), so that a test waiting on the
+    network cannot hang."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+@pytest.fixture
+def hub_out_of_reach(tmp_path, monkeypatch, hub_online_unset):
+    """The Hugging Face Hub at a closed local port (every request refused at once, none leaves
+    the machine), empty data set and Hub caches, no offline variable set; returns the data set
+    cache (a ``Path``)."""
+    constants, config = hub_online_unset
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(config, "HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    return tmp_path / "datasets"
+
+
+def cache_lambada(cache: Path, tmp_path: Path) -> None:
+    """A small stand-in for the harness's lambada_openai data set (EleutherAI/lambada_openai,
+    config default, split test) in the data set cache ``cache``, where ``datasets`` finds a
+    data set it has downloaded and prepared before."""
+    import json
+    import shutil
+
+    import datasets
+
+    rows = tmp_path / "lambada.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"the quick brown fox {i} jumps over the lazy dog"}) + "\n"
+                            for i in range(8)))
+    built = datasets.load_dataset("json", data_files={"test": str(rows)}, cache_dir=str(tmp_path / "build"))
+    source = Path(built["test"].cache_files[0]["filename"]).parent
+    target = cache / "EleutherAI___lambada_openai" / "default" / "0.0.0" / source.name
+    target.mkdir(parents=True)
+    shutil.copy(source / "json-test.arrow", target / "lambada_openai-test.arrow")
+    info = json.loads((source / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps({**info, "config_name": "default",
+                                                          "dataset_name": "lambada_openai"}))
+
+
+def test_eval_refuses_at_once_a_harness_task_whose_data_set_it_cannot_get(run_dir, tmp_path, hub_out_of_reach,
+                                                                          capsys):
+    """`attnres eval --tasks lambada_openai` where the Hub cannot be reached spent about 25 s in
+    the Hub client's retries, after the perplexity pass, before saying so. The tasks' data sets
+    are now looked up in the local cache in offline mode first: one that is not there is refused
+    at once, before any work, naming it and why; the offline mode is set back after."""
+    import datasets.config
+
+    out = tmp_path / "eval.json"
+    with at_most(90), pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--tasks", "attnres_ppl,lambada_openai", "--out", str(out), "--device", "cpu"])
+    said = str(info.value)
+    assert said.startswith("attnres eval: error: --tasks: the data set of lambada_openai is not in the local cache, "
+                           "and the Hugging Face Hub cannot be reached (http://127.0.0.1:9: "), said
+    assert said.endswith("run once where the network reaches the Hub (the harness caches what it downloads), or use "
+                         "the local tasks attnres_ppl, attnres_cloze, which need none"), said
+    assert "held-out loss" not in capsys.readouterr().out and not out.exists()
+    assert datasets.config.HF_HUB_OFFLINE is False
+
+
+@pytest.mark.slow  # (the harness indexes its task files twice: the check, then its own run)
+def test_eval_reads_a_cached_harness_task_where_the_hub_cannot_be_reached(run_dir, tmp_path, hub_out_of_reach):
+    """A harness task whose data set is in the local cache runs where the Hub cannot be reached
+    (read in offline mode, without the Hub client's retries), beside the local tasks."""
+    import json
+
+    from huggingface_hub import constants
+
+    cache_lambada(hub_out_of_reach, tmp_path)
+    out = tmp_path / "eval.json"
+    with at_most(90):
+        assert cli_main(["eval", str(run_dir), "--tasks", "attnres_ppl,lambada_openai", "--limit", "4", "--out",
+                         str(out), "--device", "cpu"]) == 0
+    results = json.loads(out.read_text())["lm_eval"]
+    assert results.keys() == {"attnres_ppl", "lambada_openai"} and 0 <= results["lambada_openai"]["acc,none"] <= 1
+    assert constants.HF_HUB_OFFLINE is False
 
 
 def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_its_checkpoints(run_dir, tmp_path):

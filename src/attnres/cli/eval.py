@@ -189,18 +189,19 @@ def _load(args, device, directory: bool, text: str | None):
     return model, tokenizer, text, None, None
 
 
-def _lm_eval(args, tasks: list[str], text: str, run, device) -> dict:
+def _lm_eval(args, tasks: list[str], text: str, run, device, offline: bool) -> dict:
     """lm-eval's results on ``tasks``: of the transformers directory, or (``run``: the
     training checkpoint loaded) of its model's export into a temporary directory - the model
     the perplexity pass measured, not the run's newest checkpoint by then, which a run still
-    training has replaced (and may have deleted)."""
+    training has replaced (and may have deleted). ``offline``: the harness reads its data sets
+    from the local cache only (:func:`attnres.hf.evaluate.run_lm_eval`'s)."""
     import tempfile
 
     from .. import hf
     from ..hf.evaluate import run_lm_eval
 
     harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
-                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot)
+                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot, offline=offline)
     if run is None:
         return run_lm_eval(args.checkpoint, tasks, text, **harness)
     with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
@@ -246,7 +247,7 @@ def run_eval(args) -> int:
         check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
         _check_harness_sizes(args)
         out = _eval_output(args)
-        check_tasks(tasks)
+        offline = check_tasks(tasks)  # (why the harness reads its data sets from the cache, where it must)
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
@@ -275,7 +276,7 @@ def run_eval(args) -> int:
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
         try:
-            results["lm_eval"] = _lm_eval(args, tasks, text, run, device) if tasks else {}
+            results["lm_eval"] = _lm_eval(args, tasks, text, run, device, offline is not None) if tasks else {}
         except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
             results["lm_eval_error"] = str(e)
             write_text_atomically(out, strict_json(results, indent=1, default=str))
