@@ -87,11 +87,11 @@ def _limit(text: str) -> int | float:
 def _check_harness_sizes(args) -> None:
     """``--batch-size`` and ``--limit`` as lm-eval takes them, or ``ValueError`` naming what is
     accepted: a count >= 1, ``auto[:N]`` (the parser's), a fraction strictly between 0 and 1."""
-    if isinstance(args.limit, float) and not 0 < args.limit < 1:
-        raise ValueError(f"--limit takes a whole number of documents (>= 1) or a fraction F of each task's documents "
-                         f"(0 < F < 1); got {args.limit} (omit it for every document)")
     if not isinstance(args.limit, float):
         check_optional_count("--limit", args.limit, "every document of each task")
+    elif not 0 < args.limit < 1:
+        raise ValueError(f"--limit takes a whole number of documents (>= 1) or a fraction F of each task's documents "
+                         f"(0 < F < 1); got {args.limit} (omit it for every document)")
     if isinstance(args.batch_size, int) and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1 (lm-eval's batch); got {args.batch_size} ('auto' or 'auto:N' for "
                          "lm-eval's choice)")

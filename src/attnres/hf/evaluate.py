@@ -406,13 +406,15 @@ def harness_tokenizer(hf_dir: str | Path):
     return tokenizer, prefix
 
 
-def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
-                device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000,
+def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | float | None = None,
+                batch_size: int | str = 8, device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000,
                 num_fewshot: int | None = None, offline: bool = False) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the transformers directory ``hf_dir``
     (an export, an upcycle, a pretrained model; its weights in ``dtype``, a ``torch`` dtype
     name).
     Local tasks are generated from ``text``; other names are the harness's own tasks.
+    ``limit`` and ``batch_size`` as the harness takes them: a count, or a fraction (below 1) of
+    each task's documents; a count, ``"auto"`` or ``"auto:N"``.
     ``num_fewshot``: solved examples before each request (``None``: each task's own).
     ``offline``: the data sets are read from the local cache only (:func:`attnres.hf.hub.offline_mode`:
     where :func:`harness_offline` says so, they are there, and the Hub client would spend its
