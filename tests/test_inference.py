@@ -595,3 +595,88 @@ def test_a_generation_past_the_context_names_lengths_that_fit():
         with pytest.raises(ValueError, match=rf"prompt length {t} \+ max_new_tokens {new} - 1 exceeds "
                                              rf"ModelConfig.max_seq_len={limit}: use {fix}"):
             generate(model, torch.zeros(1, t, dtype=torch.long), max_new_tokens=new)
+
+
+def _meta_parameter_model():
+    """A transformers-like causal LM (``stream_transformers``'s contract) with a parameter
+    on the ``meta`` device: what a prompt on the CPU meets next to a model moved to CUDA."""
+    from types import SimpleNamespace
+
+    class OnMeta(torch.nn.Module):
+        config = SimpleNamespace(max_position_embeddings=32, vocab_size=8)
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(8, device="meta"))
+
+        def forward(self, input_ids, use_cache=False, past_key_values=None):
+            return SimpleNamespace(logits=self.weight.expand(*input_ids.shape, 8), past_key_values=None)
+
+    return OnMeta()
+
+
+def test_a_prompt_on_another_device_than_the_model_is_refused_naming_the_fix():
+    """``ids = torch.tensor(...)`` on the CPU after ``model.cuda()`` failed deep inside the
+    prefill with torch's "Tensor on device cpu is not on the expected device" (an
+    ``attention_mask`` elsewhere: "Tensor.item() cannot be called on meta tensors"); each
+    entry point now names the argument, both devices and the ``.to(...)`` that fixes it,
+    before anything runs. The ``meta`` device stands in for the other one."""
+    from attnres.inference import StaticDecoder, stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 4)
+    on_meta = ids.to("meta")
+    ran = []
+    model.embed_tokens.register_forward_pre_hook(lambda *a: ran.append(True))
+    message = r"input_ids is on meta, the model on cpu: move it there first, input_ids.to\('cpu'\)"
+    for call in (lambda: generate(model, on_meta, max_new_tokens=2), lambda: stream(model, on_meta, max_new_tokens=2),
+                 lambda: prefill(model, on_meta), lambda: generate(model, on_meta, decode="static", max_new_tokens=2)):
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(ValueError, match=r"attention_mask is on meta, the model on cpu: .* attention_mask.to\('cpu'\)"):
+        generate(model, ids, torch.ones(2, 4, device="meta"), max_new_tokens=2)
+    logits, cache = prefill(model, ids)
+    decoder = StaticDecoder(model, 2, 8, mode="eager")
+    decoder.load(cache)
+    ran.clear()
+    for step in (lambda t: decode_step(model, cache, t), decoder.step, lambda t: decoder.decode(t, 2)):
+        with pytest.raises(ValueError, match=r"tokens is on meta, the model on cpu: .*tokens.to\('cpu'\)"):
+            step(torch.tensor([1, 2], device="meta"))
+    assert not ran and cache.seq_len == 4 and decoder.length == 4  # nothing ran, nothing written
+    with pytest.raises(ValueError, match=r"input_ids is on cpu, the model on meta: .*input_ids.to\('meta'\)"):
+        generate(make_model(residual="attnres_block").eval().to("meta"), ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids is on cpu, the model on meta: .*input_ids.to\('meta'\)"):
+        stream_transformers(_meta_parameter_model(), torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2)
+
+
+def test_float_token_ids_are_refused_naming_the_fix():
+    """``torch.tensor([[1., 2.]])`` as a prompt: ``stream_transformers`` failed inside the
+    model's embedding ("Expected tensor for argument #1 'indices' to have one of the following
+    scalar types: Long, Int"), as every entry point did for int8/int16/uint8 ids, and a
+    ``StaticDecoder`` replaying a CUDA graph would have copied float tokens over without a
+    word. Each says the dtypes it takes and ``.long()``, before anything runs; id 8 of a
+    vocabulary of 8 is refused by ``stream_transformers`` too (a device-side assert on CUDA)."""
+    from attnres.inference import StaticDecoder, stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    floats = torch.tensor([[1.0, 2.0]])
+    for ids in (floats, floats.to(torch.int16), floats.to(torch.uint8)):
+        with pytest.raises(ValueError, match=rf"input_ids must be an integer tensor of token ids \(torch.long or "
+                                             rf"torch.int32\), got dtype {ids.dtype}: use input_ids.long\(\)"):
+            generate(model, ids, max_new_tokens=2)
+    assert torch.equal(generate(model, floats.to(torch.int32), max_new_tokens=2),
+                       generate(model, floats.long(), max_new_tokens=2))
+    fake = _meta_parameter_model().to_empty(device="cpu")
+    for bad, message in ((floats, r"input_ids must be token ids of dtype torch.long or torch.int32, got torch.float32: "
+                                  r"use input_ids.long\(\)"),
+                         (torch.tensor([[1, 8]]), r"token id 8 is outside the vocabulary \[0, 8\)")):
+        with pytest.raises(ValueError, match=message):
+            stream_transformers(fake, bad, max_new_tokens=2)
+    logits, cache = prefill(model, floats.long())
+    decoder = StaticDecoder(model, 1, 8, mode="eager")
+    decoder.load(cache)
+    for step in (lambda t: decode_step(model, cache, t), decoder.step):
+        with pytest.raises(ValueError, match=r"tokens must be token ids of dtype torch.long or torch.int32, got "
+                                             r"torch.float32: use tokens.long\(\)"):
+            step(torch.tensor([1.0]))
+    assert cache.seq_len == 2 and decoder.length == 2

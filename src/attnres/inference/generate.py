@@ -23,7 +23,8 @@ from ..models.lm import AttnResLM
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
 from ..validation import did_you_mean
-from .static import StaticDecoder, check_native
+from ..models.trunk import check_token_values
+from .static import StaticDecoder, check_device, check_native, check_tokens, model_device
 
 __all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
            "stream_transformers"]
@@ -49,6 +50,9 @@ def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | No
     if max_new_tokens is not None and isinstance(input_ids, Tensor) and input_ids.dim() == 2:
         _check_context(input_ids.shape[1], max_new_tokens, model.config.max_seq_len, "ModelConfig.max_seq_len")
     model.check_input_ids(input_ids)
+    device = model_device(model)
+    check_device(input_ids, "input_ids", device)  # (before the mask's values are read: on its device)
+    check_device(attention_mask, "attention_mask", device)
     mask = check_left_padding(attention_mask, tuple(input_ids.shape), "the shape of input_ids")
     return None if mask is None or bool(mask.all()) else mask
 
@@ -101,6 +105,7 @@ def decode_step(model: AttnResLM, cache: KVCache, tokens: Tensor, attention_mask
     if not isinstance(tokens, Tensor) or tokens.dim() != 1:
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"decode_step: tokens must have shape [B] (one token per sequence), got {got}")
+    check_tokens(tokens, "tokens", model_device(model))
     out = model(tokens[:, None], kv_cache=cache, attention_mask=attention_mask, last_logits_only=True)
     return out.logits[:, -1].float()
 
@@ -318,6 +323,8 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}")
+    check_tokens(input_ids, "input_ids", model_device(model))
+    check_token_values(input_ids, model.config.vocab_size)  # (on CUDA, an id out of range is a device-side assert)
     _check_context(input_ids.shape[1], max_new_tokens, context_limit(model), "the model's context")
     return _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id,
                                 generator)
