@@ -1036,3 +1036,69 @@ def test_a_folder_that_cannot_be_read_is_named(tmp_path, monkeypatch, capsys, co
     with pytest.raises(SystemExit) as info:
         cli_main([command, str(locked)])
     assert str(info.value) == f"attnres {command}: error: DIR: '{locked / 'config.json'}' cannot be read: permission denied"
+
+
+def _a_stop_string(text: str, not_in: str = "") -> str:
+    """A few characters of ``text`` (from its second on) for --stop: no U+FFFD (a byte-level
+    token's part of a character), not only spaces, not in ``not_in``."""
+    return next(text[i:i + n] for n in (2, 3, 4) for i in range(1, len(text) - n)
+                if "\ufffd" not in text[i:i + n] and text[i:i + n].strip() and text[i:i + n] not in not_in)
+
+
+def _generate(argv, capsys) -> tuple[str, str]:
+    capsys.readouterr()
+    assert cli_main(["generate", *argv]) == 0
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def test_stop_strings_in_python_end_where_generate_stop_ends(run_dir, capsys):
+    """``generate(..., stop_strings=[TEXT], tokenizer=...)`` (the Python API had stop token ids
+    only) stops at the token where `attnres generate --stop TEXT` stops, with the same tokens;
+    ``text_until_stop`` gives the text the command prints."""
+    import torch
+
+    from attnres.inference import generate, load_run, load_tokenizer, text_until_stop
+
+    args = [str(run_dir), "--prompt", "the", "--max-new-tokens", "16", "--temperature", "0"]
+    free = _generate(args, capsys)[0].rstrip("\n")
+    stop = _a_stop_string(free)
+    printed, said = _generate([*args, "--stop", stop], capsys)
+    run = load_run(str(run_dir), "cpu")
+    tokenizer = load_tokenizer(run)
+    new = generate(run.model, torch.tensor([tokenizer.encode("the")]), max_new_tokens=16, stop_strings=[stop],
+                   tokenizer=tokenizer)[0].tolist()
+    text, found, n_tokens = text_until_stop(tokenizer, new, [stop])
+    assert (text + "\n", found, n_tokens) == (printed, stop, len(new)) and len(new) < 16
+    assert f"stopped at --stop {stop!r} after {n_tokens} tokens in " in said
+    assert printed == free[:free.find(stop)] + "\n"
+
+
+def test_generate_continues_several_prompts_in_one_batch_as_each_alone(run_dir, tmp_path, capsys):
+    """`attnres generate` took one prompt. `--prompt` repeated (or `--prompt-file` repeated, or
+    `--prompt-file FILE --each-line`) continues them in one left-padded batch and prints each
+    completion under its own `==> N/M: PROMPT <==` line: greedy, the text each prints alone,
+    with `--stop` (in one of them) and `--chat` alike; the summary has a line for each."""
+    prompts = ["the", "a quick brown fox"]
+    common = [str(run_dir), "--max-new-tokens", "8", "--temperature", "0"]
+    alone = [_generate([*common, "--prompt", p], capsys)[0] for p in prompts]
+    stop = _a_stop_string(alone[0], not_in=alone[1])
+    (tmp_path / "prompts.txt").write_text(f"{prompts[0]}\n\n{prompts[1]}\n")
+    for extra in ([], ["--stop", stop], ["--chat"]):
+        each = [_generate([*common, "--prompt", p, *extra], capsys) for p in prompts]
+        batch, said = _generate([*common, "--prompt", prompts[0], "--prompt", prompts[1], *extra], capsys)
+        assert batch == f"==> 1/2: --prompt #1 <==\n{each[0][0]}\n==> 2/2: --prompt #2 <==\n{each[1][0]}"
+        lines = said.splitlines()
+        assert re.match(r"attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", lines[0]), said
+        for k, (out, err) in enumerate(each, 1):
+            tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens) in", err).group(1)
+            assert f"  {k}/2 (--prompt #{k}): {tokens}" in lines, (said, err)
+        from_file = _generate([*common, "--prompt-file", str(tmp_path / "prompts.txt"), "--each-line", *extra], capsys)[0]
+        assert from_file == batch.replace("--prompt #1", f"--prompt-file {tmp_path / 'prompts.txt'}, line 1").replace(
+            "--prompt #2", f"--prompt-file {tmp_path / 'prompts.txt'}, line 3")
+    (tmp_path / "blank.txt").write_text("\n \n")
+    for argv, message in ((["--prompt", "the", "--each-line"], "--each-line reads the lines of --prompt-file as prompts"),
+                          (["--prompt-file", str(tmp_path / "blank.txt"), "--each-line"], "holds no prompt: every line is blank"),
+                          (["--prompt", "the", "--prompt", ""], "--prompt #2 is empty: there is nothing to continue")):
+        with pytest.raises(SystemExit, match=message):
+            cli_main(["generate", str(run_dir), *argv])

@@ -680,3 +680,74 @@ def test_float_token_ids_are_refused_naming_the_fix():
                                              r"torch.float32: use tokens.long\(\)"):
             step(torch.tensor([1.0]))
     assert cache.seq_len == 2 and decoder.length == 2
+
+
+class _AngleTokenizer:
+    """Token ``i`` reads ``<iii>`` (three digits): a text of several characters per token."""
+
+    @staticmethod
+    def decode(ids):
+        return "".join(f"<{i:03d}>" for i in ids)
+
+
+def _first_holding(tokens, stop):
+    """How many of ``tokens`` the text must have to hold ``stop`` (None: it never does)."""
+    return next((k for k in range(1, len(tokens) + 1) if stop in _AngleTokenizer.decode(tokens[:k])), None)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_stop_strings_end_a_sequence_at_the_token_that_completes_them(model, decode):
+    """``stream`` / ``generate`` took stop token ids only (``attnres generate --stop`` had
+    stop strings): ``stop_strings=`` with the ``tokenizer`` now finish a row at the token whose
+    text completes one - across two tokens, inside one token - that token returned and the
+    row padded after it, as a stop token is, the other row going on; the batch ends when
+    every row has."""
+    from attnres.inference import text_until_stop
+
+    ids = random_ids(2, 6)
+    free = generate(model, ids, max_new_tokens=8, decode=decode).tolist()
+    across = f"{free[0][2]:03d}><{free[0][3]:03d}"  # the end of token 2's text and the start of token 3's
+    k = next(k for k in range(3, 8) if free[0][k] not in free[1] + free[0][:k])
+    inside = f"{free[0][k]:03d}"  # inside token k's text, '<...>' around it
+    for stop in (across, inside):
+        needed = _first_holding(free[0], stop)
+        assert needed is not None and _first_holding(free[1], stop) is None, (free, stop)
+        out = generate(model, ids, max_new_tokens=8, decode=decode, stop_strings=[stop], tokenizer=_AngleTokenizer,
+                       pad_token_id=9)
+        assert out[0].tolist() == free[0][:needed] + [9] * (8 - needed)
+        assert out[1].tolist() == free[1]  # not in its text: it runs to max_new_tokens
+        assert text_until_stop(_AngleTokenizer, out[0].tolist(), [stop]) == (
+            _AngleTokenizer.decode(free[0][:needed]).split(stop)[0], stop, needed)
+    alone = generate(model, ids[:1], max_new_tokens=8, decode=decode, stop_strings=across, tokenizer=_AngleTokenizer)
+    assert alone[0].tolist() == free[0][:_first_holding(free[0], across)]  # every row ended: the stream ends
+    both = generate(model, ids, max_new_tokens=8, decode=decode, tokenizer=_AngleTokenizer,
+                    stop_strings=[across, f"{free[1][1]:03d}><{free[1][2]:03d}"])
+    assert both.shape[1] == max(_first_holding(free[0], across), 3)
+
+
+def test_stop_strings_in_stream_transformers_and_their_errors():
+    from types import SimpleNamespace
+
+    from attnres.inference import stream_transformers
+
+    class Counting(torch.nn.Module):  # the next token: the number of positions seen
+        config = SimpleNamespace(max_position_embeddings=32, vocab_size=16)
+
+        def forward(self, input_ids, use_cache=False, past_key_values=None):
+            seen = (past_key_values or 0) + input_ids.shape[1]
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(torch.full(input_ids.shape, seen), 16).float(),
+                                   past_key_values=seen)
+
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    got = torch.cat(list(stream_transformers(Counting(), prompt, max_new_tokens=8, stop_strings=["4><00"],
+                                             tokenizer=_AngleTokenizer)))
+    assert got.tolist() == [3, 4, 5]
+    model = make_model(residual="attnres_block").eval()
+    for kwargs, message in ((dict(stop_strings=["x"]), r"stop_strings needs tokenizer=, the tokenizer whose decode"),
+                            (dict(stop_strings=[""], tokenizer=_AngleTokenizer), "stop_strings must be non-empty strings; got ''"),
+                            (dict(stop_strings=[3], tokenizer=_AngleTokenizer), "stop_strings must be non-empty strings; got 3"),
+                            (dict(stop_strings=b"x", tokenizer=_AngleTokenizer), "stop_strings must be a list of non-empty")):
+        for call in (lambda: stream(model, random_ids(1, 4), max_new_tokens=2, **kwargs),
+                     lambda: stream_transformers(Counting(), prompt, max_new_tokens=2, **kwargs)):
+            with pytest.raises(ValueError, match=message):
+                call()
