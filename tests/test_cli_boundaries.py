@@ -1102,3 +1102,15 @@ def test_generate_continues_several_prompts_in_one_batch_as_each_alone(run_dir, 
                           (["--prompt", "the", "--prompt", ""], "--prompt #2 is empty: there is nothing to continue")):
         with pytest.raises(SystemExit, match=message):
             cli_main(["generate", str(run_dir), *argv])
+
+
+def test_generate_continues_several_prompts_of_a_transformers_directory_one_after_the_other(run_dir, tmp_path, capsys):
+    """A transformers directory (an export here) decodes over its own cache, one prompt at a
+    time: each completion, sampled too, is the one that prompt gets alone with the same seed."""
+    pytest.importorskip("transformers")
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    common = [str(tmp_path / "hf"), "--max-new-tokens", "6", "--seed", "3"]
+    each = [_generate([*common, "--prompt", p], capsys)[0] for p in ("the", "a quick brown fox")]
+    batch, said = _generate([*common, "--prompt", "the", "--prompt", "a quick brown fox"], capsys)
+    assert batch == f"==> 1/2: --prompt #1 <==\n{each[0]}\n==> 2/2: --prompt #2 <==\n{each[1]}"
+    assert "attnres generate: 2 prompts one after the other: 12 tokens in " in said and "transformers decode" in said

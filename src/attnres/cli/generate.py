@@ -9,14 +9,14 @@ from ..validation import SEED_MAX, missing_path_hint
 
 
 def add_parser(sub) -> None:
-    gen = sub.add_parser("generate", help="continue a prompt (or several) with a trained checkpoint and report tokens/s",
+    gen = sub.add_parser("generate", help="continue a prompt (or several) with a trained checkpoint; tokens/s",
                          description="Continue --prompt (or --prompt-file) with the model of a training checkpoint or run directory "
                          "(its stored tokenizer), or of a transformers directory (attnres export's or attnres "
                          "upcycle's output: its own tokenizer, stopping at its end-of-sequence tokens), streaming "
                          "the text; tokens/s on stderr. A run started from an instruct model's directory stops at its "
                          "end-of-sequence tokens too; the sampling options keep their defaults here, not that "
-                         "model's (its export carries those). Several prompts are continued in one batch and printed one "
-                         "after the other, each under a '==> N/M: PROMPT <==' line.")
+                         "model's (its export carries those). Several prompts are continued in one batch and printed "
+                         "one after the other, each under a '==> N/M: PROMPT <==' line.")
     add_checkpoint_argument(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
@@ -311,8 +311,10 @@ def _streams(model, prompts: list[list[int]], args, device, sampling) -> tuple[l
             print("attnres generate: compiling the decode step (torch.compile; the first token waits for it)",
                   file=sys.stderr, flush=True)
         ids, mask = left_padded(prompts, device)
-        return [stream(model, ids, attention_mask=mask, chunk_size=args.chunk_size, decode=decode, **sampling())], decode
-    return [stream_transformers(model, torch.tensor([ids], device=device), **sampling()) for ids in prompts], "transformers"
+        steps = stream(model, ids, attention_mask=mask, chunk_size=args.chunk_size, decode=decode, **sampling())
+        return [steps], decode
+    return [stream_transformers(model, torch.tensor([ids], device=device), **sampling()) for ids in prompts], \
+        "transformers"
 
 
 def _collect(streams, n_rows: int) -> tuple[list[list[int]], bool]:
@@ -367,7 +369,8 @@ def run_generate(args) -> int:
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, options=True)  # (before loading)
         check_optional_count("--chunk-size", args.chunk_size, "the whole prompt at once")
         until = read_stops(args.stop)
-        prompts = read_prompts(args.prompt, args.prompt_file, args.each_line)  # before the model loads: a wrong path fails fast
+        # before the model loads: a wrong path fails fast
+        prompts = read_prompts(args.prompt, args.prompt_file, args.each_line)
         if args.tokenizer is not None and not is_hf_directory(args.checkpoint):  # (a directory's: refused as such)
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         model, tokenizer, stops, chat = _load(args)
@@ -395,7 +398,8 @@ def run_generate(args) -> int:
         raise SystemExit(f"attnres generate: error: {e}") from None
     if len(prompts) == 1:
         print()
-        ended = "interrupted after " if interrupted else "" if one.found is None else f"stopped at --stop {one.found!r} after "
+        ended = ("interrupted after " if interrupted else "" if one.found is None
+                 else f"stopped at --stop {one.found!r} after ")
     else:
         ended = (f"{len(prompts)} prompts " + ("in one batch" if len(streams) == 1 else "one after the other")
                  + (", interrupted after " if interrupted else ": "))

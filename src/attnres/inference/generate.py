@@ -20,10 +20,10 @@ from torch import Tensor
 
 from ..models.factory import context_limit
 from ..models.lm import AttnResLM
+from ..models.trunk import check_token_values
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
 from ..validation import did_you_mean
-from ..models.trunk import check_token_values
 from .static import StaticDecoder, check_device, check_native, check_tokens, model_device
 from .stop_strings import RowStops, check_stop_strings
 
@@ -194,8 +194,8 @@ def stream(
     gives the text before the stop string, what ``attnres generate --stop`` prints). Each
     step then reads the tokens on the host. Sampling as in :func:`sample`
     (``temperature=0``: greedy); ``generator`` makes sampling reproducible. The prompt is
-    validated (non-empty, in-vocabulary, ``T + max_new_tokens - 1 <= max_seq_len``) before
-    anything runs.
+    validated (non-empty, in-vocabulary ids of dtype ``torch.long`` or ``torch.int32``, on the
+    model's device, ``T + max_new_tokens - 1 <= max_seq_len``) before anything runs.
 
     ``input_ids [B, T]``: the prompts; ``attention_mask [B, T]`` (1 for a token, 0 for
     padding; ``None``: no padding) for prompts of different lengths, left-padded.
