@@ -1074,34 +1074,57 @@ def test_stop_strings_in_python_end_where_generate_stop_ends(run_dir, capsys):
     assert printed == free[:free.find(stop)] + "\n"
 
 
+_PROMPTS = ["the", "a quick brown fox"]
+_GREEDY_8 = ["--max-new-tokens", "8", "--temperature", "0"]
+
+
+def _each_alone(run_dir, capsys, extra) -> list[tuple[str, str]]:
+    return [_generate([str(run_dir), *_GREEDY_8, "--prompt", p, *extra], capsys) for p in _PROMPTS]
+
+
+def _batch_as_each_alone(run_dir, capsys, extra, each=None) -> str:
+    """`attnres generate` of both prompts with ``extra``: each completion and its summary line
+    as each prompt alone (``each``: their outputs, else run here); the batch's output."""
+    each = each or _each_alone(run_dir, capsys, extra)
+    batch, said = _generate([str(run_dir), *_GREEDY_8, "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1], *extra], capsys)
+    assert batch == f"==> 1/2: --prompt #1 <==\n{each[0][0]}\n==> 2/2: --prompt #2 <==\n{each[1][0]}"
+    lines = said.splitlines()
+    assert re.match(r"attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", lines[0]), said
+    for k, (out, err) in enumerate(each, 1):
+        tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens) in", err).group(1)
+        assert f"  {k}/2 (--prompt #{k}): {tokens}" in lines, (said, err)
+    return batch
+
+
 def test_generate_continues_several_prompts_in_one_batch_as_each_alone(run_dir, tmp_path, capsys):
     """`attnres generate` took one prompt. `--prompt` repeated (or `--prompt-file` repeated, or
     `--prompt-file FILE --each-line`) continues them in one left-padded batch and prints each
     completion under its own `==> N/M: PROMPT <==` line: greedy, the text each prints alone,
-    with `--stop` (in one of them) and `--chat` alike; the summary has a line for each."""
-    prompts = ["the", "a quick brown fox"]
-    common = [str(run_dir), "--max-new-tokens", "8", "--temperature", "0"]
-    alone = [_generate([*common, "--prompt", p], capsys)[0] for p in prompts]
-    stop = _a_stop_string(alone[0], not_in=alone[1])
-    (tmp_path / "prompts.txt").write_text(f"{prompts[0]}\n\n{prompts[1]}\n")
-    for extra in ([], ["--stop", stop], ["--chat"]):
-        each = [_generate([*common, "--prompt", p, *extra], capsys) for p in prompts]
-        batch, said = _generate([*common, "--prompt", prompts[0], "--prompt", prompts[1], *extra], capsys)
-        assert batch == f"==> 1/2: --prompt #1 <==\n{each[0][0]}\n==> 2/2: --prompt #2 <==\n{each[1][0]}"
-        lines = said.splitlines()
-        assert re.match(r"attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", lines[0]), said
-        for k, (out, err) in enumerate(each, 1):
-            tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens) in", err).group(1)
-            assert f"  {k}/2 (--prompt #{k}): {tokens}" in lines, (said, err)
-        from_file = _generate([*common, "--prompt-file", str(tmp_path / "prompts.txt"), "--each-line", *extra], capsys)[0]
-        assert from_file == batch.replace("--prompt #1", f"--prompt-file {tmp_path / 'prompts.txt'}, line 1").replace(
-            "--prompt #2", f"--prompt-file {tmp_path / 'prompts.txt'}, line 3")
+    with `--stop` (in one of them) alike; the summary has a line for each."""
+    plain = _each_alone(run_dir, capsys, [])
+    stop = _a_stop_string(plain[0][0], not_in=plain[1][0])
+    for extra, each in (([], plain), (["--stop", stop], None)):
+        batch = _batch_as_each_alone(run_dir, capsys, extra, each)
+        if not extra:  # the same prompts as a file's lines
+            listed = tmp_path / "prompts.txt"
+            listed.write_text(f"{_PROMPTS[0]}\n\n{_PROMPTS[1]}\n")
+            from_file = _generate([str(run_dir), *_GREEDY_8, "--prompt-file", str(listed), "--each-line"], capsys)[0]
+            assert from_file == batch.replace("--prompt #1", f"--prompt-file {listed}, line 1").replace(
+                "--prompt #2", f"--prompt-file {listed}, line 3")
     (tmp_path / "blank.txt").write_text("\n \n")
     for argv, message in ((["--prompt", "the", "--each-line"], "--each-line reads the lines of --prompt-file as prompts"),
                           (["--prompt-file", str(tmp_path / "blank.txt"), "--each-line"], "holds no prompt: every line is blank"),
                           (["--prompt", "the", "--prompt", ""], "--prompt #2 is empty: there is nothing to continue")):
         with pytest.raises(SystemExit, match=message):
             cli_main(["generate", str(run_dir), *argv])
+
+
+def test_generate_continues_several_prompts_with_chat_and_a_seed_as_one(run_dir, capsys):
+    """`--chat` puts each prompt of a batch through the template, as alone; `--seed` makes a
+    sampled batch reproducible (its rows share the generator's draws, docs/inference.md)."""
+    _batch_as_each_alone(run_dir, capsys, ["--chat"])
+    sampled = [str(run_dir), "--max-new-tokens", "8", "--seed", "5", "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1]]
+    assert _generate(sampled, capsys)[0] == _generate(sampled, capsys)[0]
 
 
 def test_generate_continues_several_prompts_of_a_transformers_directory_one_after_the_other(run_dir, tmp_path, capsys):

@@ -647,6 +647,9 @@ def test_a_prompt_on_another_device_than_the_model_is_refused_naming_the_fix():
         generate(make_model(residual="attnres_block").eval().to("meta"), ids, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"input_ids is on cpu, the model on meta: .*input_ids.to\('meta'\)"):
         stream_transformers(_meta_parameter_model(), torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2)
+    dispatched = _meta_parameter_model()  # accelerate's device_map: its hooks move the ids (weights offloaded: meta)
+    dispatched.hf_device_map = {"": "cpu"}
+    stream_transformers(dispatched, torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2)  # (checked at the call)
 
 
 def test_float_token_ids_are_refused_naming_the_fix():

@@ -345,7 +345,8 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}")
-    check_tokens(input_ids, "input_ids", model_device(model))
+    # (a model that accelerate dispatched over devices, device_map=..., moves the ids itself)
+    check_tokens(input_ids, "input_ids", None if getattr(model, "hf_device_map", None) else model_device(model))
     check_token_values(input_ids, model.config.vocab_size)  # (on CUDA, an id out of range is a device-side assert)
     _check_context(input_ids.shape[1], max_new_tokens, context_limit(model), "the model's context")
     texts = _row_stops(stop_strings, tokenizer, input_ids.shape[0])
