@@ -1137,3 +1137,29 @@ def test_generate_continues_several_prompts_of_a_transformers_directory_one_afte
     batch, said = _generate([*common, "--prompt", "the", "--prompt", "a quick brown fox"], capsys)
     assert batch == f"==> 1/2: --prompt #1 <==\n{each[0]}\n==> 2/2: --prompt #2 <==\n{each[1]}"
     assert "attnres generate: 2 prompts one after the other: 12 tokens in " in said and "transformers decode" in said
+
+
+def test_ctrl_c_during_a_batch_prints_what_each_prompt_has(run_dir, capsys, monkeypatch):
+    """Ctrl-C while several prompts generate: each completion so far is printed under its
+    line, the summary says the batch was interrupted, and the status is 130."""
+    import torch
+
+    import attnres.inference
+    from attnres.inference import load_run, load_tokenizer
+
+    tokenizer = load_tokenizer(load_run(str(run_dir), "cpu"), None)
+    first, second = [tokenizer.encode(c)[0] for c in "ab"], [tokenizer.encode(c)[0] for c in "xy"]
+
+    def interrupted(model, input_ids, **kwargs):
+        assert input_ids.shape[0] == 2
+        yield torch.tensor([first[0], second[0]])
+        yield torch.tensor([first[1], second[1]])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attnres.inference, "stream", interrupted)
+    capsys.readouterr()
+    assert cli_main(["generate", str(run_dir), *_GREEDY_8, "--prompt", "the", "--prompt", "a"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "==> 1/2: --prompt #1 <==\nab\n\n==> 2/2: --prompt #2 <==\nxy\n"
+    assert "attnres generate: 2 prompts in one batch, interrupted after 4 tokens in " in out.err
+    assert "  1/2 (--prompt #1): 2 tokens" in out.err
