@@ -1235,3 +1235,130 @@ def test_a_folder_that_cannot_be_read_is_named(tmp_path, monkeypatch, capsys, co
     with pytest.raises(SystemExit) as info:
         cli_main([command, str(locked)])
     assert str(info.value) == f"attnres {command}: error: DIR: '{locked / 'config.json'}' cannot be read: permission denied"
+
+
+def _a_stop_string(text: str, not_in: str = "") -> str:
+    """A few characters of ``text`` (from its second on) for --stop: no U+FFFD (a byte-level
+    token's part of a character), not only spaces, not in ``not_in``."""
+    return next(text[i:i + n] for n in (2, 3, 4) for i in range(1, len(text) - n)
+                if "\ufffd" not in text[i:i + n] and text[i:i + n].strip() and text[i:i + n] not in not_in)
+
+
+def _generate(argv, capsys) -> tuple[str, str]:
+    capsys.readouterr()
+    assert cli_main(["generate", *argv]) == 0
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def test_stop_strings_in_python_end_where_generate_stop_ends(run_dir, capsys):
+    """``generate(..., stop_strings=[TEXT], tokenizer=...)`` (the Python API had stop token ids
+    only) stops at the token where `attnres generate --stop TEXT` stops, with the same tokens;
+    ``text_until_stop`` gives the text the command prints."""
+    import torch
+
+    from attnres.inference import generate, load_run, load_tokenizer, text_until_stop
+
+    args = [str(run_dir), "--prompt", "the", "--max-new-tokens", "16", "--temperature", "0"]
+    free = _generate(args, capsys)[0].rstrip("\n")
+    stop = _a_stop_string(free)
+    printed, said = _generate([*args, "--stop", stop], capsys)
+    run = load_run(str(run_dir), "cpu")
+    tokenizer = load_tokenizer(run)
+    new = generate(run.model, torch.tensor([tokenizer.encode("the")]), max_new_tokens=16, stop_strings=[stop],
+                   tokenizer=tokenizer)[0].tolist()
+    text, found, n_tokens = text_until_stop(tokenizer, new, [stop])
+    assert (text + "\n", found, n_tokens) == (printed, stop, len(new)) and len(new) < 16
+    assert f"stopped at --stop {stop!r} after {n_tokens} tokens in " in said
+    assert printed == free[:free.find(stop)] + "\n"
+
+
+_PROMPTS = ["the", "a quick brown fox"]
+_GREEDY_8 = ["--max-new-tokens", "8", "--temperature", "0"]
+
+
+def _each_alone(run_dir, capsys, extra) -> list[tuple[str, str]]:
+    return [_generate([str(run_dir), *_GREEDY_8, "--prompt", p, *extra], capsys) for p in _PROMPTS]
+
+
+def _batch_as_each_alone(run_dir, capsys, extra, each=None) -> str:
+    """`attnres generate` of both prompts with ``extra``: each completion and its summary line
+    as each prompt alone (``each``: their outputs, else run here); the batch's output."""
+    each = each or _each_alone(run_dir, capsys, extra)
+    batch, said = _generate([str(run_dir), *_GREEDY_8, "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1], *extra], capsys)
+    assert batch == f"==> 1/2: --prompt #1 <==\n{each[0][0]}\n==> 2/2: --prompt #2 <==\n{each[1][0]}"
+    lines = said.splitlines()
+    assert re.match(r"attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", lines[0]), said
+    for k, (out, err) in enumerate(each, 1):
+        tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens) in", err).group(1)
+        assert f"  {k}/2 (--prompt #{k}): {tokens}" in lines, (said, err)
+    return batch
+
+
+def test_generate_continues_several_prompts_in_one_batch_as_each_alone(run_dir, tmp_path, capsys):
+    """`attnres generate` took one prompt. `--prompt` repeated (or `--prompt-file` repeated, or
+    `--prompt-file FILE --each-line`) continues them in one left-padded batch and prints each
+    completion under its own `==> N/M: PROMPT <==` line: greedy, the text each prints alone,
+    with `--stop` (in one of them) alike; the summary has a line for each."""
+    plain = _each_alone(run_dir, capsys, [])
+    stop = _a_stop_string(plain[0][0], not_in=plain[1][0])
+    for extra, each in (([], plain), (["--stop", stop], None)):
+        batch = _batch_as_each_alone(run_dir, capsys, extra, each)
+        if not extra:  # the same prompts as a file's lines
+            listed = tmp_path / "prompts.txt"
+            listed.write_text(f"{_PROMPTS[0]}\n\n{_PROMPTS[1]}\n")
+            from_file = _generate([str(run_dir), *_GREEDY_8, "--prompt-file", str(listed), "--each-line"], capsys)[0]
+            assert from_file == batch.replace("--prompt #1", f"--prompt-file {listed}, line 1").replace(
+                "--prompt #2", f"--prompt-file {listed}, line 3")
+    (tmp_path / "blank.txt").write_text("\n \n")
+    for argv, message in ((["--prompt", "the", "--each-line"], "--each-line reads the lines of --prompt-file as prompts"),
+                          (["--prompt-file", str(tmp_path / "blank.txt"), "--each-line"], "holds no prompt: every line is blank"),
+                          (["--prompt", "the", "--prompt", ""], "--prompt #2 is empty: there is nothing to continue")):
+        with pytest.raises(SystemExit, match=message):
+            cli_main(["generate", str(run_dir), *argv])
+
+
+def test_generate_continues_several_prompts_with_chat_and_a_seed_as_one(run_dir, capsys):
+    """`--chat` puts each prompt of a batch through the template, as alone; `--seed` makes a
+    sampled batch reproducible (its rows share the generator's draws, docs/inference.md)."""
+    _batch_as_each_alone(run_dir, capsys, ["--chat"])
+    sampled = [str(run_dir), "--max-new-tokens", "8", "--seed", "5", "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1]]
+    assert _generate(sampled, capsys)[0] == _generate(sampled, capsys)[0]
+
+
+def test_generate_continues_several_prompts_of_a_transformers_directory_one_after_the_other(run_dir, tmp_path, capsys):
+    """A transformers directory (an export here) decodes over its own cache, one prompt at a
+    time: each completion, sampled too, is the one that prompt gets alone with the same seed."""
+    pytest.importorskip("transformers")
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    common = [str(tmp_path / "hf"), "--max-new-tokens", "6", "--seed", "3"]
+    each = [_generate([*common, "--prompt", p], capsys)[0] for p in ("the", "a quick brown fox")]
+    batch, said = _generate([*common, "--prompt", "the", "--prompt", "a quick brown fox"], capsys)
+    assert batch == f"==> 1/2: --prompt #1 <==\n{each[0]}\n==> 2/2: --prompt #2 <==\n{each[1]}"
+    assert "attnres generate: 2 prompts one after the other: 12 tokens in " in said and "transformers decode" in said
+
+
+def test_ctrl_c_during_a_batch_prints_what_each_prompt_has(run_dir, capsys, monkeypatch):
+    """Ctrl-C while several prompts generate: each completion so far is printed under its
+    line, the summary says the batch was interrupted, and the status is 130."""
+    import torch
+
+    import attnres.inference
+    from attnres.inference import load_run, load_tokenizer
+
+    tokenizer = load_tokenizer(load_run(str(run_dir), "cpu"), None)
+    first, second = [tokenizer.encode(c)[0] for c in "ab"], [tokenizer.encode(c)[0] for c in "xy"]
+
+    def interrupted(model, input_ids, **kwargs):
+        assert input_ids.shape[0] == 2
+        yield torch.tensor([first[0], second[0]])
+        yield torch.tensor([first[1], second[1]])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attnres.inference, "stream", interrupted)
+    capsys.readouterr()
+    assert cli_main(["generate", str(run_dir), *_GREEDY_8, "--prompt", "the", "--prompt", "a"]) == 130
+    out = capsys.readouterr()
+    assert out.out == "==> 1/2: --prompt #1 <==\nab\n\n==> 2/2: --prompt #2 <==\nxy\n"
+    assert "attnres generate: 2 prompts in one batch, interrupted after 4 tokens in " in out.err
+    assert "  1/2 (--prompt #1): 2 tokens" in out.err

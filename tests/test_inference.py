@@ -595,3 +595,162 @@ def test_a_generation_past_the_context_names_lengths_that_fit():
         with pytest.raises(ValueError, match=rf"prompt length {t} \+ max_new_tokens {new} - 1 exceeds "
                                              rf"ModelConfig.max_seq_len={limit}: use {fix}"):
             generate(model, torch.zeros(1, t, dtype=torch.long), max_new_tokens=new)
+
+
+def _meta_parameter_model():
+    """A transformers-like causal LM (``stream_transformers``'s contract) with a parameter
+    on the ``meta`` device: what a prompt on the CPU meets next to a model moved to CUDA."""
+    from types import SimpleNamespace
+
+    class OnMeta(torch.nn.Module):
+        config = SimpleNamespace(max_position_embeddings=32, vocab_size=8)
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(8, device="meta"))
+
+        def forward(self, input_ids, use_cache=False, past_key_values=None):
+            return SimpleNamespace(logits=self.weight.expand(*input_ids.shape, 8), past_key_values=None)
+
+    return OnMeta()
+
+
+def test_a_prompt_on_another_device_than_the_model_is_refused_naming_the_fix():
+    """``ids = torch.tensor(...)`` on the CPU after ``model.cuda()`` failed deep inside the
+    prefill with torch's "Tensor on device cpu is not on the expected device" (an
+    ``attention_mask`` elsewhere: "Tensor.item() cannot be called on meta tensors"); each
+    entry point now names the argument, both devices and the ``.to(...)`` that fixes it,
+    before anything runs. The ``meta`` device stands in for the other one."""
+    from attnres.inference import StaticDecoder, stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 4)
+    on_meta = ids.to("meta")
+    ran = []
+    model.embed_tokens.register_forward_pre_hook(lambda *a: ran.append(True))
+    message = r"input_ids is on meta, the model on cpu: move it there first, input_ids.to\('cpu'\)"
+    for call in (lambda: generate(model, on_meta, max_new_tokens=2), lambda: stream(model, on_meta, max_new_tokens=2),
+                 lambda: prefill(model, on_meta), lambda: generate(model, on_meta, decode="static", max_new_tokens=2)):
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(ValueError, match=r"attention_mask is on meta, the model on cpu: .* attention_mask.to\('cpu'\)"):
+        generate(model, ids, torch.ones(2, 4, device="meta"), max_new_tokens=2)
+    logits, cache = prefill(model, ids)
+    decoder = StaticDecoder(model, 2, 8, mode="eager")
+    decoder.load(cache)
+    ran.clear()
+    for step in (lambda t: decode_step(model, cache, t), decoder.step, lambda t: decoder.decode(t, 2)):
+        with pytest.raises(ValueError, match=r"tokens is on meta, the model on cpu: .*tokens.to\('cpu'\)"):
+            step(torch.tensor([1, 2], device="meta"))
+    assert not ran and cache.seq_len == 4 and decoder.length == 4  # nothing ran, nothing written
+    with pytest.raises(ValueError, match=r"input_ids is on cpu, the model on meta: .*input_ids.to\('meta'\)"):
+        generate(make_model(residual="attnres_block").eval().to("meta"), ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids is on cpu, the model on meta: .*input_ids.to\('meta'\)"):
+        stream_transformers(_meta_parameter_model(), torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2)
+    dispatched = _meta_parameter_model()  # accelerate's device_map: its hooks move the ids (weights offloaded: meta)
+    dispatched.hf_device_map = {"": "cpu"}
+    stream_transformers(dispatched, torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2)  # (checked at the call)
+
+
+def test_float_token_ids_are_refused_naming_the_fix():
+    """``torch.tensor([[1., 2.]])`` as a prompt: ``stream_transformers`` failed inside the
+    model's embedding ("Expected tensor for argument #1 'indices' to have one of the following
+    scalar types: Long, Int"), as every entry point did for int8/int16/uint8 ids, and a
+    ``StaticDecoder`` replaying a CUDA graph would have copied float tokens over without a
+    word. Each says the dtypes it takes and ``.long()``, before anything runs; id 8 of a
+    vocabulary of 8 is refused by ``stream_transformers`` too (a device-side assert on CUDA)."""
+    from attnres.inference import StaticDecoder, stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    floats = torch.tensor([[1.0, 2.0]])
+    for ids in (floats, floats.to(torch.int16), floats.to(torch.uint8)):
+        with pytest.raises(ValueError, match=rf"input_ids must be an integer tensor of token ids \(torch.long or "
+                                             rf"torch.int32\), got dtype {ids.dtype}: use input_ids.long\(\)"):
+            generate(model, ids, max_new_tokens=2)
+    assert torch.equal(generate(model, floats.to(torch.int32), max_new_tokens=2),
+                       generate(model, floats.long(), max_new_tokens=2))
+    fake = _meta_parameter_model().to_empty(device="cpu")
+    for bad, message in ((floats, r"input_ids must be token ids of dtype torch.long or torch.int32, got torch.float32: "
+                                  r"use input_ids.long\(\)"),
+                         (torch.tensor([[1, 8]]), r"token id 8 is outside the vocabulary \[0, 8\)")):
+        with pytest.raises(ValueError, match=message):
+            stream_transformers(fake, bad, max_new_tokens=2)
+    logits, cache = prefill(model, floats.long())
+    decoder = StaticDecoder(model, 1, 8, mode="eager")
+    decoder.load(cache)
+    for step in (lambda t: decode_step(model, cache, t), decoder.step):
+        with pytest.raises(ValueError, match=r"tokens must be token ids of dtype torch.long or torch.int32, got "
+                                             r"torch.float32: use tokens.long\(\)"):
+            step(torch.tensor([1.0]))
+    assert cache.seq_len == 2 and decoder.length == 2
+
+
+class _AngleTokenizer:
+    """Token ``i`` reads ``<iii>`` (three digits): a text of several characters per token."""
+
+    @staticmethod
+    def decode(ids):
+        return "".join(f"<{i:03d}>" for i in ids)
+
+
+def _first_holding(tokens, stop):
+    """How many of ``tokens`` the text must have to hold ``stop`` (None: it never does)."""
+    return next((k for k in range(1, len(tokens) + 1) if stop in _AngleTokenizer.decode(tokens[:k])), None)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_stop_strings_end_a_sequence_at_the_token_that_completes_them(model, decode):
+    """``stream`` / ``generate`` took stop token ids only (``attnres generate --stop`` had
+    stop strings): ``stop_strings=`` with the ``tokenizer`` now finish a row at the token whose
+    text completes one - across two tokens, inside one token - that token returned and the
+    row padded after it, as a stop token is, the other row going on; the batch ends when
+    every row has."""
+    from attnres.inference import text_until_stop
+
+    ids = random_ids(2, 6)
+    free = generate(model, ids, max_new_tokens=8, decode=decode).tolist()
+    across = f"{free[0][2]:03d}><{free[0][3]:03d}"  # the end of token 2's text and the start of token 3's
+    k = next(k for k in range(3, 8) if free[0][k] not in free[1] + free[0][:k])
+    inside = f"{free[0][k]:03d}"  # inside token k's text, '<...>' around it
+    for stop in (across, inside):
+        needed = _first_holding(free[0], stop)
+        assert needed is not None and _first_holding(free[1], stop) is None, (free, stop)
+        out = generate(model, ids, max_new_tokens=8, decode=decode, stop_strings=[stop], tokenizer=_AngleTokenizer,
+                       pad_token_id=9)
+        assert out[0].tolist() == free[0][:needed] + [9] * (8 - needed)
+        assert out[1].tolist() == free[1]  # not in its text: it runs to max_new_tokens
+        assert text_until_stop(_AngleTokenizer, out[0].tolist(), [stop]) == (
+            _AngleTokenizer.decode(free[0][:needed]).split(stop)[0], stop, needed)
+    alone = generate(model, ids[:1], max_new_tokens=8, decode=decode, stop_strings=across, tokenizer=_AngleTokenizer)
+    assert alone[0].tolist() == free[0][:_first_holding(free[0], across)]  # every row ended: the stream ends
+    both = generate(model, ids, max_new_tokens=8, decode=decode, tokenizer=_AngleTokenizer,
+                    stop_strings=[across, f"{free[1][1]:03d}><{free[1][2]:03d}"])
+    assert both.shape[1] == max(_first_holding(free[0], across), 3)
+
+
+def test_stop_strings_in_stream_transformers_and_their_errors():
+    from types import SimpleNamespace
+
+    from attnres.inference import stream_transformers
+
+    class Counting(torch.nn.Module):  # the next token: the number of positions seen
+        config = SimpleNamespace(max_position_embeddings=32, vocab_size=16)
+
+        def forward(self, input_ids, use_cache=False, past_key_values=None):
+            seen = (past_key_values or 0) + input_ids.shape[1]
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(torch.full(input_ids.shape, seen), 16).float(),
+                                   past_key_values=seen)
+
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    got = torch.cat(list(stream_transformers(Counting(), prompt, max_new_tokens=8, stop_strings=["4><00"],
+                                             tokenizer=_AngleTokenizer)))
+    assert got.tolist() == [3, 4, 5]
+    model = make_model(residual="attnres_block").eval()
+    for kwargs, message in ((dict(stop_strings=["x"]), r"stop_strings needs tokenizer=, the tokenizer whose decode"),
+                            (dict(stop_strings=[""], tokenizer=_AngleTokenizer), "stop_strings must be non-empty strings; got ''"),
+                            (dict(stop_strings=[3], tokenizer=_AngleTokenizer), "stop_strings must be non-empty strings; got 3"),
+                            (dict(stop_strings=b"x", tokenizer=_AngleTokenizer), "stop_strings must be a list of non-empty")):
+        for call in (lambda: stream(model, random_ids(1, 4), max_new_tokens=2, **kwargs),
+                     lambda: stream_transformers(Counting(), prompt, max_new_tokens=2, **kwargs)):
+            with pytest.raises(ValueError, match=message):
+                call()

@@ -9,18 +9,24 @@ from ..validation import SEED_MAX, missing_path_hint
 
 
 def add_parser(sub) -> None:
-    gen = sub.add_parser("generate", help="continue a prompt with a trained checkpoint and report tokens/s",
+    gen = sub.add_parser("generate", help="continue a prompt (or several) with a trained checkpoint; tokens/s",
                          description="Continue --prompt (or --prompt-file) with the model of a training checkpoint or run directory "
                          "(its stored tokenizer), or of a transformers directory (attnres export's or attnres "
                          "upcycle's output: its own tokenizer, stopping at its end-of-sequence tokens), streaming "
                          "the text; tokens/s on stderr. A run started from an instruct model's directory stops at its "
                          "end-of-sequence tokens too; the sampling options keep their defaults here, not that "
-                         "model's (its export carries those).")
+                         "model's (its export carries those). Several prompts are continued in one batch and printed "
+                         "one after the other, each under a '==> N/M: PROMPT <==' line.")
     add_checkpoint_argument(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the text to continue")
-    prompt.add_argument("--prompt-file", metavar="FILE",
-                        help="read the text to continue from FILE (UTF-8), or from standard input with '-'")
+    prompt.add_argument("--prompt", action="append",
+                        help="the text to continue; repeat it for several prompts, continued together in one batch")
+    prompt.add_argument("--prompt-file", metavar="FILE", action="append",
+                        help="read the text to continue from FILE (UTF-8), or from standard input with '-'; repeat it "
+                        "for several prompts, or see --each-line")
+    gen.add_argument("--each-line", action="store_true",
+                     help="each line of --prompt-file is a prompt of its own (blank lines skipped), all continued "
+                     "together in one batch")
     gen.add_argument("--chat", action="store_true",
                      help="give the prompt as a user's message through the tokenizer's chat template, for an instruct "
                      "model (an upcycled SmolLM2-Instruct: its own template; attnres's models: plain 'user: ...' / "
@@ -167,22 +173,17 @@ def _load(args):
 
 
 def text_pieces(tokenizer, steps, new: list[int]):
-    """The text of the tokens ``steps`` yields (batches of one), piece by piece as they come,
-    each token appended to ``new``. The whole continuation is decoded each time (a decoder
-    may join tokens, e.g. a word's leading space); a token that ends inside a character (a
-    byte-level token holding part of "é": U+FFFD) waits for the rest of it, so the printed
-    text is the final one, not a U+FFFD that the next token completes."""
-    shown = ""
-    text = ""
+    """The text of the tokens ``steps`` yields (batches of one), piece by piece as they come
+    (:class:`~attnres.inference.TextPieces`: a character split over tokens printed once whole),
+    each token appended to ``new``."""
+    from ..inference import TextPieces
+
+    text = TextPieces(tokenizer, new)
     for tokens in steps:
-        new.append(int(tokens[0]))
-        text = tokenizer.decode(new)
-        ready = text.rstrip("\ufffd")
-        if len(ready) > len(shown):
-            yield ready[len(shown):]
-            shown = ready
-    if len(text) > len(shown):  # the end: a character cut short by the last token, as it is
-        yield text[len(shown):]
+        if piece := text.add(int(tokens[0])):
+            yield piece
+    if rest := text.end():  # the end: a character cut short by the last token, as it is
+        yield rest
 
 
 def read_stops(values: list[str] | None) -> list[str]:
@@ -207,73 +208,159 @@ def read_stops(values: list[str] | None) -> list[str]:
     return stops
 
 
-class StopStrings:
-    """The streamed text up to the first of ``stops`` (``attnres generate --stop``), without
-    the stop string and what follows. :meth:`feed` takes each piece of the text and gives
-    what is now safe to print: it holds back the longest end of the text that begins a stop
-    string (more text may complete it) until it can no longer match; :meth:`flush` gives what
-    is held back when the text ends. ``found``: the stop string met, else ``None``."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.found: str | None = None
-        self._held = ""
-        self._longest = max(map(len, stops), default=0)
-
-    def feed(self, piece: str) -> str:
-        if self.found is not None:
-            return ""
-        text = self._held + piece  # (a stop string that was not in the text before begins in what is held)
-        hits = [(at, stop) for stop in self.stops if (at := text.find(stop)) >= 0]
-        if hits:
-            at, self.found = min(hits, key=lambda hit: hit[0])
-            self._held = ""
-            return text[:at]
-        keep = next((k for k in range(min(len(text), self._longest - 1), 0, -1)
-                     if any(stop.startswith(text[-k:]) for stop in self.stops)), 0)
-        self._held = text[len(text) - keep:]
-        return text[:len(text) - keep]
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-
-def print_until_stop(pieces, stops: StopStrings) -> bool:
-    """Print the text ``pieces`` as it comes (stdout, in its encoding: a character it has no
-    byte for written '?', as an output under a locale that is not UTF-8 needs), up to the
-    first stop string; whether Ctrl-C ended it (what was held back is printed then too)."""
+def _show(text: str) -> None:
+    """Print ``text`` to stdout at once, in its encoding: a character it has no byte for
+    written '?', as an output under a locale that is not UTF-8 needs."""
     import sys
 
-    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    if text:
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        print(text.encode(encoding, "replace").decode(encoding), end="", flush=True)
 
-    def show(text: str) -> None:
-        if text:
-            print(text.encode(encoding, "replace").decode(encoding), end="", flush=True)
 
+def print_until_stop(pieces, stops) -> bool:
+    """Print the text ``pieces`` as it comes (:func:`_show`), up to the first stop string of
+    ``stops`` (a :class:`~attnres.inference.StopStrings`); whether Ctrl-C ended it (what was
+    held back is printed then too)."""
     interrupted = False
     try:
         for piece in pieces:
-            show(stops.feed(piece))
+            _show(stops.feed(piece))
             if stops.found is not None:  # (the stream's next steps are not run)
                 break
     except KeyboardInterrupt:  # Ctrl-C: end the text's line, then say how far it got
         interrupted = True
-    show(stops.flush())
+    _show(stops.flush())
     return interrupted
 
 
+def read_prompts(prompts: list[str] | None, prompt_files: list[str] | None, each_line: bool) -> list[tuple[str, str]]:
+    """``(text, how it was given)`` of each prompt: every ``--prompt``, or every
+    ``--prompt-file`` (:func:`read_prompt`), with ``--each-line`` each of its lines that is not
+    blank; an empty prompt is a ``ValueError`` naming it."""
+    if each_line and not prompt_files:
+        raise ValueError("--each-line reads the lines of --prompt-file as prompts: give --prompt-file FILE (or repeat "
+                         "--prompt, one prompt each)")
+    if prompts is not None:
+        found = [(text, "--prompt" if len(prompts) == 1 else f"--prompt #{n}") for n, text in enumerate(prompts, 1)]
+    else:
+        found = []
+        for name in prompt_files:
+            text, given = read_prompt(None, name)
+            if not each_line:
+                found.append((text, given))
+                continue
+            lines = [(line, f"{given}, line {n}") for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+            if not lines:
+                raise ValueError(f"{given} holds no prompt: every line is blank")
+            found += lines
+    for text, given in found:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
+        if not text:
+            raise ValueError(f"{given} is empty: there is nothing to continue")
+    return found
+
+
+def _encode_prompts(tokenizer, prompts: list[tuple[str, str]], chat: bool, settings: dict) -> list[list[int]]:
+    """Each prompt's ids (:func:`encode_prompt`); one that gives none is refused, unknown
+    tokens are warned of."""
+    from ..data.tokenizer import unknown_share
+
+    encoded = []
+    for text, given in prompts:
+        ids = encode_prompt(tokenizer, text, chat, settings)
+        if not ids:  # (a text the tokenizer's normaliser removes whole)
+            raise ValueError(f"{given} gives no tokens: there is nothing to continue")
+        if (unknown := unknown_share(tokenizer, ids)) is not None:  # (a WordLevel or WordPiece tokenizer's [UNK])
+            which = "the prompt" if len(prompts) == 1 else f"the prompt ({given})"
+            warn_user(f"{unknown[1]} of {which}'s {len(ids)} tokens are the tokenizer's unknown token {unknown[0]!r}: "
+                      "its vocabulary does not cover that text, and the model sees the unknown token in its place")
+        encoded.append(ids)
+    return encoded
+
+
+def left_padded(prompts: list[list[int]], device):
+    """``(input_ids [B, T], attention_mask [B, T] or None)``: the prompts left-padded with id
+    0 to the longest (``None``: all of one length, nothing to mask)."""
+    import torch
+
+    t = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), t, dtype=torch.long)
+    mask = torch.zeros(len(prompts), t, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, t - len(prompt):] = torch.tensor(prompt)
+        mask[row, t - len(prompt):] = 1
+    return ids.to(device), (None if bool(mask.all()) else mask.to(device))
+
+
+def _streams(model, prompts: list[list[int]], args, device, sampling) -> tuple[list, str]:
+    """``(streams, the decode they run)``: attnres's own model continues the prompts in one
+    batch, left-padded - one stream of ``[B]`` tokens; a transformers model (``model.hf_architecture``,
+    a directory) one prompt after the other over its own cache - a stream of ``[1]`` tokens
+    each. ``sampling()``: the keyword arguments of each stream, a fresh seeded generator
+    included."""
+    import sys
+
+    import torch
+
+    from ..inference import resolve_decode, stream, stream_transformers
+    from ..models import AttnResLM
+
+    if isinstance(model, AttnResLM):
+        decode = resolve_decode(model, args.decode)
+        if decode == "compiled":  # otherwise tens of seconds pass without a word before the first token
+            print("attnres generate: compiling the decode step (torch.compile; the first token waits for it)",
+                  file=sys.stderr, flush=True)
+        ids, mask = left_padded(prompts, device)
+        steps = stream(model, ids, attention_mask=mask, chunk_size=args.chunk_size, decode=decode, **sampling())
+        return [steps], decode
+    return [stream_transformers(model, torch.tensor([ids], device=device), **sampling()) for ids in prompts], \
+        "transformers"
+
+
+def _collect(streams, n_rows: int) -> tuple[list[list[int]], bool]:
+    """``(each prompt's new tokens, whether Ctrl-C ended the generation)``: the streams run
+    to their end, their rows one after the other."""
+    rows: list[list[int]] = [[] for _ in range(n_rows)]
+    width = n_rows // len(streams)  # (the rows of one stream: all, or one each)
+    try:
+        for k, steps in enumerate(streams):
+            for tokens in steps:
+                for row, token in enumerate(tokens.tolist(), k * width):
+                    rows[row].append(token)
+    except KeyboardInterrupt:
+        return rows, True
+    return rows, False
+
+
+def _print_completions(tokenizer, prompts: list[tuple[str, str]], rows, stops: list[str],
+                       stop_ids) -> tuple[list[str], int]:
+    """Print each prompt's completion under a ``==> N/M: PROMPT <==`` line (as ``head`` heads
+    each of several files), its text up to its first stop string - as one prompt alone prints
+    it (:func:`~attnres.inference.text_until_stop`); return a line on each for the summary and
+    the tokens of all (to the one that ended each)."""
+    from ..inference import text_until_stop
+
+    said, n, n_tokens = [], len(prompts), 0
+    for k, ((_, given), row) in enumerate(zip(prompts, rows), 1):
+        done = text_until_stop(tokenizer, row, stops, stop_ids)
+        _show(("\n" if k > 1 else "") + f"==> {k}/{n}: {given} <==\n" + done.text + "\n")
+        ended = "" if done.stop is None else f"stopped at --stop {done.stop!r} after "
+        said.append(f"  {k}/{n} ({given}): {ended}{done.n_tokens} tokens")
+        n_tokens += done.n_tokens
+    return said, n_tokens
+
+
 def run_generate(args) -> int:
-    """``attnres generate``: stream the continuation to stdout, then tokens/s (stderr)."""
+    """``attnres generate``: stream the continuation to stdout (several prompts: each
+    completion after the batch), then tokens/s (stderr)."""
     import sys
     import time
 
     import torch
 
     from ..checkpoint import is_hf_directory
-    from ..data.tokenizer import tokenizer_file, unknown_share
-    from ..inference import check_sampling, resolve_decode, stream, stream_transformers
-    from ..models import AttnResLM
+    from ..data.tokenizer import tokenizer_file
+    from ..inference import StopStrings, check_sampling
     from ..models.factory import context_limit
 
     try:
@@ -281,43 +368,42 @@ def run_generate(args) -> int:
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, options=True)  # (before loading)
         check_optional_count("--chunk-size", args.chunk_size, "the whole prompt at once")
-        until = StopStrings(read_stops(args.stop))
-        prompt, given = read_prompt(args.prompt, args.prompt_file)  # before the model loads: a wrong path fails fast
-        if not prompt:  # (the text, not its ids: a chat template or a beginning-of-text token would fill them)
-            raise ValueError(f"{given} is empty: there is nothing to continue")
+        until = read_stops(args.stop)
+        # before the model loads: a wrong path fails fast
+        prompts = read_prompts(args.prompt, args.prompt_file, args.each_line)
         if args.tokenizer is not None and not is_hf_directory(args.checkpoint):  # (a directory's: refused as such)
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         model, tokenizer, stops, chat = _load(args)
-        ids = encode_prompt(tokenizer, prompt, args.chat, chat)
-        if not ids:  # (a text the tokenizer's normaliser removes whole)
-            raise ValueError(f"{given} gives no tokens: there is nothing to continue")
-        if (unknown := unknown_share(tokenizer, ids)) is not None:  # (a WordLevel or WordPiece tokenizer's [UNK])
-            warn_user(f"{unknown[1]} of the prompt's {len(ids)} tokens are the tokenizer's unknown token {unknown[0]!r}: "
-                      "its vocabulary does not cover that text, and the model sees the unknown token in its place")
-        check_context(len(ids), args.max_new_tokens, context_limit(model))
+        encoded = _encode_prompts(tokenizer, prompts, args.chat, chat)
+        check_context(max(map(len, encoded)), args.max_new_tokens, context_limit(model))
         device = next(model.parameters()).device
-        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed))
-        if isinstance(model, AttnResLM):
-            decode = resolve_decode(model, args.decode)
-            if decode == "compiled":  # otherwise tens of seconds pass without a word before the first token
-                print("attnres generate: compiling the decode step (torch.compile; the first token waits for it)",
-                      file=sys.stderr, flush=True)
-            steps = stream(model, torch.tensor([ids], device=device), chunk_size=args.chunk_size, decode=decode,
-                           stop_tokens=stops, **sampling)
-        else:  # a transformers model (model.hf_architecture, or a directory): over its own cache
-            decode = "transformers"
-            steps = stream_transformers(model, torch.tensor([ids], device=device), stop_tokens=stops, **sampling)
+
+        def sampling():
+            return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
+                        stop_tokens=stops, stop_strings=until, tokenizer=tokenizer)
+
+        streams, decode = _streams(model, encoded, args, device, sampling)
         new: list[int] = []
+        one = StopStrings(until)  # (one prompt: its text printed as it comes)
         t0 = time.perf_counter()
-        interrupted = print_until_stop(text_pieces(tokenizer, steps, new), until)
+        if len(prompts) == 1:
+            interrupted = print_until_stop(text_pieces(tokenizer, streams[0], new), one)
+        else:
+            rows, interrupted = _collect(streams, len(prompts))
         elapsed = time.perf_counter() - t0
+        said, n_tokens = ([], len(new)) if len(prompts) == 1 else _print_completions(tokenizer, prompts, rows, until,
+                                                                                      stops)
     except ValueError as e:
         raise SystemExit(f"attnres generate: error: {e}") from None
-    print()
-    ended = ("interrupted after " if interrupted else "" if until.found is None
-             else f"stopped at --stop {until.found!r} after ")
-    print(f"attnres generate: {ended}{len(new)} tokens in {elapsed:.2f} s "
-          f"({len(new) / max(elapsed, 1e-9):.1f} tokens/s, prefill included, {device}, {args.dtype}, {decode} decode)",
-          file=sys.stderr)
+    if len(prompts) == 1:
+        print()
+        ended = ("interrupted after " if interrupted else "" if one.found is None
+                 else f"stopped at --stop {one.found!r} after ")
+    else:
+        ended = (f"{len(prompts)} prompts " + ("in one batch" if len(streams) == 1 else "one after the other")
+                 + (", interrupted after " if interrupted else ": "))
+    print(f"attnres generate: {ended}{n_tokens} tokens in {elapsed:.2f} s "
+          f"({n_tokens / max(elapsed, 1e-9):.1f} tokens/s, prefill included, {device}, {args.dtype}, {decode} decode)",
+          *said, sep="\n", file=sys.stderr)
     return 130 if interrupted else 0

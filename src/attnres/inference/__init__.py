@@ -1,5 +1,5 @@
 """Inference: KV caches, one-shot and chunked prefill, cached decoding (eager, compiled or
-in a CUDA graph), sampling, streaming.
+in a CUDA graph), sampling, stop tokens and stop strings, streaming.
 
 >>> from attnres.inference import generate, load_run
 >>> model = load_run("runs/my-run").model            # a trained run's newest checkpoint
@@ -11,7 +11,8 @@ from .generate import (DECODE_MODES, check_sampling, decode_step, generate, pref
                        stream_transformers)
 from .loading import LoadedRun, load_run, load_tokenizer
 from .static import STATIC_MODES, StaticDecoder, static_decode_step
+from .stop_strings import StopStrings, TextPieces, text_until_stop
 
 __all__ = ["KVCache", "StaticKVCache", "prefill", "decode_step", "sample", "generate", "stream", "stream_transformers",
            "check_sampling", "DECODE_MODES", "resolve_decode", "StaticDecoder", "STATIC_MODES", "static_decode_step",
-           "LoadedRun", "load_run", "load_tokenizer"]
+           "LoadedRun", "load_run", "load_tokenizer", "StopStrings", "TextPieces", "text_until_stop"]

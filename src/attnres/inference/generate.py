@@ -20,10 +20,12 @@ from torch import Tensor
 
 from ..models.factory import context_limit
 from ..models.lm import AttnResLM
+from ..models.trunk import check_token_values
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
 from ..validation import did_you_mean
-from .static import StaticDecoder, check_native
+from .static import StaticDecoder, check_device, check_native, check_tokens, model_device
+from .stop_strings import RowStops, check_stop_strings
 
 __all__ = ["DECODE_MODES", "resolve_decode", "prefill", "decode_step", "sample", "generate", "stream", "check_sampling",
            "stream_transformers"]
@@ -49,6 +51,9 @@ def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | No
     if max_new_tokens is not None and isinstance(input_ids, Tensor) and input_ids.dim() == 2:
         _check_context(input_ids.shape[1], max_new_tokens, model.config.max_seq_len, "ModelConfig.max_seq_len")
     model.check_input_ids(input_ids)
+    device = model_device(model)
+    check_device(input_ids, "input_ids", device)  # (before the mask's values are read: on its device)
+    check_device(attention_mask, "attention_mask", device)
     mask = check_left_padding(attention_mask, tuple(input_ids.shape), "the shape of input_ids")
     return None if mask is None or bool(mask.all()) else mask
 
@@ -101,6 +106,7 @@ def decode_step(model: AttnResLM, cache: KVCache, tokens: Tensor, attention_mask
     if not isinstance(tokens, Tensor) or tokens.dim() != 1:
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"decode_step: tokens must have shape [B] (one token per sequence), got {got}")
+    check_tokens(tokens, "tokens", model_device(model))
     out = model(tokens[:, None], kv_cache=cache, attention_mask=attention_mask, last_logits_only=True)
     return out.logits[:, -1].float()
 
@@ -173,15 +179,23 @@ def stream(
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
     decode: str = "auto",
+    stop_strings: Iterable[str] | str = (),
+    tokenizer=None,
 ) -> Iterator[Tensor]:
     """Yield the generated tokens step by step, one ``[B]`` tensor per step.
 
     A sequence that has produced one of ``stop_tokens`` is finished: the stop token is
     yielded, later steps yield ``pad_token_id`` for it, and the stream ends when every
-    sequence is finished or after ``max_new_tokens`` steps. Sampling as in :func:`sample`
+    sequence is finished or after ``max_new_tokens`` steps. ``stop_strings`` (with the
+    ``tokenizer`` whose ``decode(ids)`` gives the text) finish a sequence the same way at the
+    token whose text completes one of them in the decoded text of its new tokens (the prompt's
+    text is not searched) - across tokens or inside one; that token and the ones before are
+    yielded, as transformers returns them (:func:`~attnres.inference.stop_strings.text_until_stop`
+    gives the text before the stop string, what ``attnres generate --stop`` prints). Each
+    step then reads the tokens on the host. Sampling as in :func:`sample`
     (``temperature=0``: greedy); ``generator`` makes sampling reproducible. The prompt is
-    validated (non-empty, in-vocabulary, ``T + max_new_tokens - 1 <= max_seq_len``) before
-    anything runs.
+    validated (non-empty, in-vocabulary ids of dtype ``torch.long`` or ``torch.int32``, on the
+    model's device, ``T + max_new_tokens - 1 <= max_seq_len``) before anything runs.
 
     ``input_ids [B, T]``: the prompts; ``attention_mask [B, T]`` (1 for a token, 0 for
     padding; ``None``: no padding) for prompts of different lengths, left-padded.
@@ -195,8 +209,15 @@ def stream(
     decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask, max_new_tokens)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
+    texts = _row_stops(stop_strings, tokenizer, input_ids.shape[0])
     return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
-                   chunk_size, decode)
+                   chunk_size, decode, texts)
+
+
+def _row_stops(stop_strings, tokenizer, batch_size: int) -> RowStops | None:
+    """The stop strings' bookkeeping for a batch (``None``: there are none)."""
+    stops = check_stop_strings(stop_strings, tokenizer)
+    return RowStops(tokenizer, stops, batch_size) if stops else None
 
 
 def _check_generator(generator, model) -> None:
@@ -254,8 +275,9 @@ def resolve_decode(model, decode: str) -> str:
 
 
 def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator, chunk_size,
-            decode):
-    """The generation loop behind :func:`stream`, on validated arguments (``mask``: bool or ``None``)."""
+            decode, texts):
+    """The generation loop behind :func:`stream`, on validated arguments (``mask``: bool or
+    ``None``; ``texts``: the stop strings' :class:`RowStops`, or ``None``)."""
     b, t = input_ids.shape
     capacity = t + max_new_tokens - 1
     logits, cache = prefill(model, input_ids, mask, chunk_size, capacity=capacity if decode == "dynamic" else t)
@@ -290,8 +312,12 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
         yield tokens
         # One host sync a step: whether every sequence is done, and whether the logits the
         # tokens came from were finite (NaN or infinite logits sample token 0, or argmax's
-        # pick, without a word: a NUL byte with the byte tokenizer).
-        done, finite = torch.stack((finished.all(), finite)).tolist()
+        # pick, without a word: a NUL byte with the byte tokenizer); with stop strings, the
+        # tokens too, whose text ends rows.
+        if texts is None:
+            done, finite = torch.stack((finished.all(), finite)).tolist()
+        else:
+            done, finite = texts.update(tokens, finished, finite)
         if not finite and not warned:
             warn_user(f"the logits of generation step {step} are not finite (NaN or infinite): the tokens "
                       "generated from them are meaningless (weights that overflow, or a diverged checkpoint)",
@@ -304,13 +330,14 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
 
 def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                         top_p: float = 1.0, stop_tokens: Iterable[int] = (), pad_token_id: int = 0,
-                        generator: torch.Generator | None = None) -> Iterator[Tensor]:
+                        generator: torch.Generator | None = None, stop_strings: Iterable[str] | str = (),
+                        tokenizer=None) -> Iterator[Tensor]:
     """:func:`stream` for a transformers causal LM - a family's model with an AttnRes residual
     (``model.hf_architecture``, ``attnres upcycle``), an export, or any other: the prompt
     ``input_ids [B, T]`` (no padding) through the model once, then one token a step over its
     own cache (``past_key_values``), sampled as :func:`sample` samples; yields ``[B]`` per
-    step. Stop tokens end a sequence as in :func:`stream` (later steps give it
-    ``pad_token_id``; the stream ends when every sequence has ended). The arguments are
+    step. Stop tokens and stop strings end a sequence as in :func:`stream` (later steps give
+    it ``pad_token_id``; the stream ends when every sequence has ended). The arguments are
     checked at the call, as :func:`stream` checks them."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     _check_generator(generator, model)
@@ -318,12 +345,17 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}")
+    # (a model that accelerate dispatched over devices, device_map=..., moves the ids itself)
+    check_tokens(input_ids, "input_ids", None if getattr(model, "hf_device_map", None) else model_device(model))
+    check_token_values(input_ids, model.config.vocab_size)  # (on CUDA, an id out of range is a device-side assert)
     _check_context(input_ids.shape[1], max_new_tokens, context_limit(model), "the model's context")
+    texts = _row_stops(stop_strings, tokenizer, input_ids.shape[0])
     return _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id,
-                                generator)
+                                generator, texts)
 
 
-def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator):
+def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
+                         texts):
     """The loop behind :func:`stream_transformers`, on checked arguments."""
     # transformers 5.24 renamed the cache, argument and output field, from past_key_values; a
     # forward may take both names (ours do) while its output, transformers' class, has one
@@ -339,7 +371,10 @@ def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, t
             if step < max_new_tokens - 1:  # launched before the caller reads this step's tokens
                 out = model(input_ids=tokens[:, None], use_cache=True, **{cache: _output_cache(out)})
             yield tokens
-            if stop_ids.numel() and bool(finished.all()):
+            if texts is not None:
+                if texts.update(tokens, finished)[0]:
+                    return
+            elif stop_ids.numel() and bool(finished.all()):
                 return
 
 

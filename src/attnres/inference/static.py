@@ -31,6 +31,8 @@ __all__ = ["STATIC_MODES", "StaticDecoder", "static_decode_step"]
 
 #: How :class:`StaticDecoder` runs its step.
 STATIC_MODES = ("eager", "compiled", "graph")
+#: The token ids' dtypes that the embedding takes.
+TOKEN_DTYPES = (torch.long, torch.int32)
 
 
 def static_decode_step(model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
@@ -49,6 +51,31 @@ def check_native(model, what: str) -> None:
         raise ValueError(f"{what} runs attnres's own model (an AttnResLM), got {type(model).__name__}: convert an "
                          "AttnResForCausalLM with .to_native(), or decode a transformers model with its own generate "
                          "or attnres.inference.stream_transformers")
+
+
+def model_device(model) -> torch.device | None:
+    """The device of ``model``'s first parameter (``None``: it has none)."""
+    return next((p.device for p in model.parameters()), None)
+
+
+def check_device(tensor, name: str, device: torch.device | None) -> None:
+    """Refuse ``tensor`` (``name``: the argument) on a device other than the model's,
+    ``device``, before anything runs: a prompt built on the CPU for a model moved to CUDA
+    (``torch.tensor(ids)`` after ``model.cuda()``) failed deep inside the forward with
+    torch's "Expected all tensors to be on the same device" (or, replayed in a CUDA graph,
+    was copied over without a word)."""
+    if isinstance(tensor, Tensor) and device is not None and tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, the model on {device}: move it there first, "
+                         f"{name}.to({str(device)!r}) (or build it with device={str(device)!r})")
+
+
+def check_tokens(tokens: Tensor, name: str, device: torch.device | None) -> None:
+    """Refuse token ids ``tokens`` of a dtype the embedding does not take (float ids,
+    ``torch.tensor([[1., 2.]])``) or on a device other than ``device`` (:func:`check_device`)."""
+    if tokens.dtype not in TOKEN_DTYPES:
+        raise ValueError(f"{name} must be token ids of dtype torch.long or torch.int32, got {tokens.dtype}: "
+                         f"use {name}.long()")
+    check_device(tokens, name, device)
 
 
 #: One compiled step per ``torch.compile`` mode, shared by every decoder: Dynamo guards on
@@ -140,12 +167,15 @@ class StaticDecoder:
     # -- decoding -------------------------------------------------------------------------
     def step(self, tokens: Tensor) -> Tensor:
         """Feed ``tokens [B]``; return the next-token logits ``[B, vocab]`` (float32). Their
-        shape is checked (a comparison on the host, ~0.2 µs: in ``"graph"`` mode one token
-        would be copied to every row); their values are not (that would read the device):
-        ids in the vocabulary."""
+        shape, dtype and device are checked (comparisons on the host, about a microsecond: in
+        ``"graph"`` mode one token would be copied to every row, and float tokens or tokens on
+        another device copied over without a word); their values are not (that would read
+        the device): ids in the vocabulary."""
         if tokens.shape != self._tokens.shape:
             raise ValueError(f"tokens must have shape [batch_size] = [{self.batch_size}] (one token per sequence), "
                              f"got {list(tokens.shape)}")
+        if tokens.dtype not in TOKEN_DTYPES or tokens.device != self.device:
+            check_tokens(tokens, "tokens", self.device)
         if self.length >= self.capacity:
             raise ValueError(f"the static cache is full ({self.capacity} positions): build the decoder with a larger "
                              "capacity")

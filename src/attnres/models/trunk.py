@@ -176,8 +176,9 @@ class DecoderTrunk(nn.Module):
         config = self.model_config
         if not isinstance(input_ids, Tensor):
             raise ValueError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+        if input_ids.dtype not in (torch.long, torch.int32):  # (the embedding's index types)
+            raise ValueError(f"input_ids must be an integer tensor of token ids (torch.long or torch.int32), got dtype "
+                             f"{input_ids.dtype}: use input_ids.long()")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must have shape [batch, seq_len], got {tuple(input_ids.shape)}")
         b, t = input_ids.shape

@@ -1,0 +1,151 @@
+"""Stop strings: a sequence ends when the decoded text of its new tokens contains one of them
+(transformers' ``generate(stop_strings=..., tokenizer=...)``, vLLM's ``stop``,
+``attnres generate --stop``).
+
+The text is followed as it grows, token by token (:class:`TextPieces`), and searched piece by
+piece (:class:`StopStrings`), so a stop string is found at the token that completes it -
+across tokens, inside one, or ending inside a character's bytes - and ``stream``,
+``generate`` and ``attnres generate`` stop at the same token. The stop string's tokens are
+returned (as transformers does, and as a stop token is); :func:`text_until_stop` gives the
+text before the stop string, what ``attnres generate`` prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["StopStrings", "TextPieces", "Completion", "text_until_stop", "check_stop_strings", "RowStops"]
+
+
+class TextPieces:
+    """The text of one sequence's new tokens as they come: :meth:`add` takes a token and
+    gives the text it adds. The whole continuation is decoded each time (a decoder may join
+    tokens, e.g. a word's leading space); a token that ends inside a character (a byte-level
+    token holding part of "é": U+FFFD) waits for the rest of it, so the pieces add up to the
+    final text, not to a U+FFFD that the next token completes; :meth:`end` gives a character
+    cut short by the last token, as it is. ``ids``: the tokens so far (a list given is
+    appended to)."""
+
+    def __init__(self, tokenizer, ids: list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ids = [] if ids is None else ids
+        self._shown = self._text = ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        self._text = self.tokenizer.decode(self.ids)
+        ready = self._text.rstrip("\ufffd")
+        if len(ready) <= len(self._shown):
+            return ""
+        piece, self._shown = ready[len(self._shown):], ready
+        return piece
+
+    def end(self) -> str:
+        rest = self._text[len(self._shown):]
+        self._shown = self._text
+        return rest
+
+
+class StopStrings:
+    """The streamed text up to the first of ``stops``, without the stop string and what
+    follows. :meth:`feed` takes each piece of the text and gives what is now safe to print: it
+    holds back the longest end of the text that begins a stop string (more text may complete
+    it) until it can no longer match; :meth:`flush` gives what is held back when the text
+    ends. ``found``: the stop string met, else ``None``."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.found: str | None = None
+        self._held = ""
+        self._longest = max(map(len, stops), default=0)
+
+    def feed(self, piece: str) -> str:
+        if self.found is not None:
+            return ""
+        text = self._held + piece  # (a stop string that was not in the text before begins in what is held)
+        hits = [(at, stop) for stop in self.stops if (at := text.find(stop)) >= 0]
+        if hits:
+            at, self.found = min(hits, key=lambda hit: hit[0])
+            self._held = ""
+            return text[:at]
+        keep = next((k for k in range(min(len(text), self._longest - 1), 0, -1)
+                     if any(stop.startswith(text[-k:]) for stop in self.stops)), 0)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class Completion(NamedTuple):
+    """One sequence's completion as :func:`text_until_stop` reads it."""
+
+    text: str  #: the text of its tokens, up to the first stop string (without it)
+    stop: str | None  #: the stop string found, or None
+    n_tokens: int  #: the tokens read: up to the one that ended it (a stop string's last, a stop token), or all
+
+
+def text_until_stop(tokenizer, ids: Iterable[int], stop_strings: Iterable[str] | str = (),
+                    stop_tokens: Iterable[int] = ()) -> Completion:
+    """The text of ``ids`` (one sequence's new tokens, a row of ``generate``'s output) up to
+    the first of ``stop_strings``, without it - what ``attnres generate --stop`` prints - and
+    the stop string found. The tokens after the one that completes a stop string, or after
+    one of ``stop_tokens`` (its text kept), are not read: ``generate``'s padding."""
+    pieces, until = TextPieces(tokenizer), StopStrings(check_stop_strings(stop_strings, tokenizer))
+    ends, out = set(stop_tokens), []
+    for token in map(int, ids):
+        out.append(until.feed(pieces.add(token)))
+        if until.found is not None:
+            return Completion("".join(out), until.found, len(pieces.ids))
+        if token in ends:
+            break
+    out.append(until.feed(pieces.end()))
+    return Completion("".join(out) + until.flush(), until.found, len(pieces.ids))
+
+
+def check_stop_strings(stop_strings: Iterable[str] | str, tokenizer) -> list[str]:
+    """``stop_strings`` as a list (one string alone: that one, as transformers takes it),
+    after checking each is a non-empty ``str`` and that ``tokenizer`` can decode (``decode(ids)
+    -> str``) when there are any; ``ValueError`` naming the parameter otherwise."""
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    if isinstance(stop_strings, (bytes, Tensor)) or not isinstance(stop_strings, Iterable):
+        raise ValueError(f"stop_strings must be a list of non-empty strings (a str for one); got {stop_strings!r}")
+    stops = list(stop_strings)
+    for stop in stops:
+        if not isinstance(stop, str) or not stop:
+            raise ValueError(f"stop_strings must be non-empty strings; got {stop!r}")
+    if stops and not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(f"stop_strings needs tokenizer=, the tokenizer whose decode(ids) gives the text "
+                         f"(attnres.inference.load_tokenizer(run), or a transformers tokenizer); got {tokenizer!r}")
+    return stops
+
+
+class RowStops:
+    """The stop strings of a batch of ``batch_size`` sequences in a generation loop: after a
+    step's tokens, :meth:`update` reads them (with ``finished``, the rows already ended, and
+    ``flags``, 0-d tensors the loop reads anyway: one host sync for all), follows each
+    unfinished row's text and marks ``finished`` for those that now hold a stop string."""
+
+    def __init__(self, tokenizer, stops: list[str], batch_size: int) -> None:
+        self.texts = [TextPieces(tokenizer) for _ in range(batch_size)]
+        self.until = [StopStrings(stops) for _ in range(batch_size)]
+
+    def update(self, tokens: Tensor, finished: Tensor, *flags: Tensor) -> tuple[bool, ...]:
+        """``(every row finished, *flags)`` as Python bools; ``finished`` updated in place."""
+        b = len(self.texts)
+        host = torch.cat((tokens, finished.long(), *(f.long().reshape(1) for f in flags))).tolist()
+        ended = []
+        for i, (token, done) in enumerate(zip(host[:b], host[b:2 * b])):
+            if not done:  # (a row ended by a stop token, or before: its text is no longer followed)
+                self.until[i].feed(self.texts[i].add(token))
+                if self.until[i].found is not None:
+                    ended.append(i)
+        if ended:
+            finished[ended] = True
+        return (sum(host[b:2 * b]) + len(ended) == b, *map(bool, host[2 * b:]))
