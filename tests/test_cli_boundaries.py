@@ -271,15 +271,10 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
 
 
-def test_eval_of_a_run_whose_tokenizer_adds_a_bos_equals_eval_of_its_export(tmp_path):
-    """A run trained with a tokenizer.json whose template puts <bos> before every text (a
-    transformers model's, data.tokenizer=PATH, or a run started from an upcycle) and its export
-    gave different perplexities (2078 tokens against 2079): the export's tokenizer, in
-    transformers, adds the <bos> before the held-out text, the run's pass did not. The run's
-    pass now starts the text with it too: the same tokens, bytes and loss."""
-    pytest.importorskip("transformers")
-    import json
-
+def _run_and_export_whose_tokenizer_adds_a_bos(tmp_path):
+    """A 2-step run trained with a tokenizer.json whose template puts <bos> before every text
+    (a transformers model's, data.tokenizer=PATH, or a run started from an upcycle), exported to
+    ``tmp_path / "hf"``; returns the tokenizer's backend."""
     from tokenizers import processors
 
     from attnres.data.corpus import load_corpus
@@ -295,6 +290,20 @@ def test_eval_of_a_run_whose_tokenizer_adds_a_bos_equals_eval_of_its_export(tmp_
     train(load_config(None, overrides(corpus, tmp_path / "run", steps=2, warmup_steps=0,
                                       **{"data.tokenizer": str(tmp_path / "tok")})))
     assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    return backend
+
+
+def test_eval_of_a_run_whose_tokenizer_adds_a_bos_equals_eval_of_its_export(tmp_path):
+    """A run whose tokenizer's template puts <bos> before every text and its export gave
+    different perplexities (2078 tokens against 2079): the export's tokenizer, in
+    transformers, adds the <bos> before the held-out text, the run's pass did not. The run's
+    pass now starts the text with it too: the same tokens, bytes and loss."""
+    pytest.importorskip("transformers")
+    import json
+
+    from attnres.data.tokenizer import BPETokenizer
+
+    backend = _run_and_export_whose_tokenizer_adds_a_bos(tmp_path)
     text = tmp_path / "held-out.txt"
     text.write_text(write_corpus(tmp_path / "other.txt", n_lines=60, seed=3).read_text())
     got = {}
@@ -307,6 +316,23 @@ def test_eval_of_a_run_whose_tokenizer_adds_a_bos_equals_eval_of_its_export(tmp_
     assert got["run"]["tokens"] == got["hf"]["tokens"] == len(plain)  # every token predicted, the first from <bos>
     assert got["run"]["bytes"] == got["hf"]["bytes"] == len(text.read_bytes())
     assert got["run"]["loss"] == pytest.approx(got["hf"]["loss"], rel=1e-6, abs=0)
+
+
+def test_generate_of_a_run_whose_tokenizer_adds_a_bos_continues_what_its_export_does(tmp_path):
+    """`attnres generate RUN --prompt X` encoded the prompt without the <bos> that its export's
+    tokenizer puts before it (and `attnres eval` reads before a text): the run and its export
+    continued different ids. The run's prompt now starts with it too: the same ids."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from attnres.cli.generate import encode_prompt
+    from attnres.inference import load_run, load_tokenizer
+
+    backend = _run_and_export_whose_tokenizer_adds_a_bos(tmp_path)
+    prompt = "the quick brown"
+    want = AutoTokenizer.from_pretrained(tmp_path / "hf")(prompt)["input_ids"]
+    assert want[0] == backend.token_to_id("<bos>") and len(want) > 2
+    assert encode_prompt(load_tokenizer(load_run(tmp_path / "run")), prompt, False) == want
 
 
 def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, tmp_path, capsys):

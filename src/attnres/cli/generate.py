@@ -106,9 +106,13 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, settings: dict[str, str] |
     """The prompt's ids: its text, or with ``chat`` a user's message through the chat template
     (a transformers directory's own; for a run's tokenizer the one ``settings`` holds, kept from
     the instruct model it started from with its special tokens - ``LoadedRun.chat_settings`` -
-    else the plain-text template attnres's exports get, :data:`attnres.hf.export.CHAT_TEMPLATE`)."""
+    else the plain-text template attnres's exports get, :data:`attnres.hf.export.CHAT_TEMPLATE`).
+    A plain prompt starts with what a run's tokenizer template puts before a text
+    (:attr:`~attnres.data.tokenizer.BPETokenizer.prefix_ids`: a transformers model's ``<s>``), as
+    its export's tokenizer and ``attnres eval`` encode it: the run and its export continue the
+    same ids (a chat template writes its own)."""
     if not chat:
-        return tokenizer.encode(prompt)
+        return [*getattr(tokenizer, "prefix_ids", ()), *tokenizer.encode(prompt)]
     if hasattr(tokenizer, "encode_chat"):  # a transformers directory's tokenizer
         return tokenizer.encode_chat(prompt)
     from ..hf.export import CHAT_TEMPLATE, make_hf_tokenizer
