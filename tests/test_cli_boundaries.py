@@ -423,6 +423,39 @@ def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run
     assert written["lm_eval_error"].startswith("Couldn't reach")
 
 
+def test_the_harness_indexes_its_task_files_once_for_the_check_and_the_run(monkeypatch):
+    """`attnres eval --tasks hellaswag` indexed lm-eval's task files twice (10 - 20 s each):
+    once to check the names, once for the harness's run. The run of harness tasks alone now
+    takes the index the check built (one a process); local tasks need one of their own."""
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    import lm_eval.tasks
+
+    from attnres.hf import evaluate
+
+    built, given = [], []
+
+    class Counted(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Counted)
+    monkeypatch.setattr(evaluate, "harness_offline", lambda: None)  # (no Hub probe)
+    monkeypatch.setattr(evaluate, "harness_tokenizer", lambda hf_dir: (None, {}))
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: given.append(kw["task_manager"]) or {"results": {}})
+    # (built afresh here; left for the later tests of this process, as a command's process keeps it)
+    evaluate.harness_task_manager.cache_clear()
+    for _ in range(2):
+        assert evaluate.check_tasks(["attnres_ppl", "hellaswag"]) is None
+    assert evaluate.run_lm_eval("unused", ["hellaswag"], "", bootstrap_iters=0) == {}
+    assert len(built) == 1 and given == [evaluate.harness_task_manager()]
+    text = "\n\n".join(" ".join(f"w{i}x{j}" for j in range(16)) for i in range(8))
+    evaluate.run_lm_eval("unused", ["attnres_ppl"], text, bootstrap_iters=0)  # (its own index: of its tasks)
+    assert len(built) == 2 and built[1]["include_path"] and not built[1]["include_defaults"]
+    assert given[1] is not given[0]
+
+
 @contextlib.contextmanager
 def at_most(seconds: float):
     """Within: a ``TimeoutError`` after ``seconds`` (SIGALRM), so that a test waiting on the

@@ -18,6 +18,7 @@ network to fetch their data sets (see ``docs/hf.md``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -272,9 +273,7 @@ def check_tasks(tasks: list[str]) -> str | None:
     others = [t for t in tasks if t not in LOCAL_TASKS]
     if not others:
         return None
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager()
+    manager = harness_task_manager()
     known = manager.all_tasks
     unknown = [t for t in others if t not in known]
     if unknown:
@@ -287,6 +286,17 @@ def check_tasks(tasks: list[str]) -> str | None:
     if offline is not None:
         _check_cached(manager, others, offline)
     return offline
+
+
+@functools.cache
+def harness_task_manager():
+    """lm-evaluation-harness's ``TaskManager`` of its own tasks, built once a process: building
+    one indexes its thousands of task files (10 - 20 s on a laptop's core), which the check of
+    the task names (:func:`check_tasks`) and the run of harness tasks alone (:func:`run_lm_eval`)
+    would otherwise each pay."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
 
 
 def harness_offline() -> str | None:
@@ -435,7 +445,9 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                   "backend": "causal", **prefix}
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
-        manager = TaskManager(include_path=str(include) if include else None, include_defaults=len(local) < len(tasks))
+        # (the harness's tasks alone: the index the task names were checked with)
+        manager = (harness_task_manager() if include is None
+                   else TaskManager(include_path=str(include), include_defaults=len(local) < len(tasks)))
         with _quiet_git_describe(), _truncations_counted() as truncated, \
                 (offline_mode() if offline else contextlib.nullcontext()):
             out = lm_eval.simple_evaluate(
