@@ -14,7 +14,7 @@ from typing import Any
 
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, generation_record, is_marker_token
 from ..checkpoint import Source
-from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_weights, unreadable_weights
+from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_shards, refuse_missing_weights, unreadable_weights
 
 __all__ = ["hf_source", "load_hf_weights"]
 
@@ -84,6 +84,7 @@ def load_hf_weights(model, path: str | Path) -> None:
     built from the run's config); residual tensors the directory lacks get their faithful
     init. Raises ``ValueError`` when the directory's model is another one."""
     param = next(model.parameters())
+    refuse_missing_shards(f"init_from={str(path)!r}", path, "copy or download the model again")
     try:  # the run's own class: a plain family directory loads into its AttnRes version
         loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
                                                       output_loading_info=True)
