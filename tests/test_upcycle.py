@@ -1151,24 +1151,29 @@ def test_upcycle_names_a_truncated_weights_file(tmp_path):
     assert not (tmp_path / "up").exists()
 
 
-@pytest.mark.parametrize("command", ["upcycle", "eval", "generate"])
+@pytest.mark.parametrize("command", ["upcycle", "eval", "generate", "train"])
 def test_a_sharded_directory_missing_shards_is_named_with_its_option_and_files(tmp_path, command):
     """A model saved in shards, copied or downloaded without some: transformers' error named
     the first missing shard alone ("No such file or directory: .../model-00002-of-00007.safetensors"),
     not the folder or the option it came from. Now one line names both and every missing file."""
+    from test_train import overrides, write_corpus
+
     from attnres.cli import main as cli_main
 
-    src = tmp_path / "llama"
-    model = base_model("llama", vocab_size=256)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, model = _pretrained_directory(tmp_path, corpus)
+    (src / "model.safetensors").unlink()
     (upcycle(model) if command == "generate" else model).save_pretrained(src, max_shard_size="20KB")
-    _byte_tokenizer().save_pretrained(src)
     shards = sorted(src.glob("model-*.safetensors"))
     for gone in (shards[1], shards[3]):
         gone.unlink()
     args = {"upcycle": ["upcycle", "--model", str(src), "--out", str(tmp_path / "up")],
             "eval": ["eval", str(src), "--tasks", "none"],
-            "generate": ["generate", str(src), "--prompt", "hi", "--max-new-tokens", "2"]}[command]
-    named = "--model '.*llama'" if command == "upcycle" else "'.*llama'"
+            "generate": ["generate", str(src), "--prompt", "hi", "--max-new-tokens", "2"],
+            "train": ["train", *[a for a in overrides(corpus, tmp_path / "run", steps=1, **{
+                "model.from_hf": str(src), "init_from": str(src), "data.tokenizer": "bpe"}) if not a.startswith("model=")]],
+            }[command]
+    named = {"upcycle": "--model '.*pretrained'", "train": "init_from='.*pretrained'"}.get(command, "'.*pretrained'")
     with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {named} is incomplete: its "
                                          rf"model\.safetensors\.index\.json names 2 shard file\(s\) that are not in "
                                          rf"the folder \({shards[1].name}, {shards[3].name}\); download or copy [^\n]*$"):

@@ -84,7 +84,7 @@ def load_hf_weights(model, path: str | Path) -> None:
     built from the run's config); residual tensors the directory lacks get their faithful
     init. Raises ``ValueError`` when the directory's model is another one."""
     param = next(model.parameters())
-    refuse_missing_shards(f"init_from={str(path)!r}", path, "copy or download the model again")
+    refuse_missing_shards(f"init_from={str(path)!r}", path, "download or copy the model again")
     try:  # the run's own class: a plain family directory loads into its AttnRes version
         loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
                                                       output_loading_info=True)
