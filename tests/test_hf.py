@@ -554,7 +554,8 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
     for d in dirs:  # saved again from the class the module file gave: the same files, the same auto_map
         again = tmp_path / f"{d.name}-again"
         assert sorted(p.name for p in again.glob("*.py")) == ["attnres_classes.py"]
-        assert json.loads((again / "config.json").read_text())["auto_map"] == json.loads((d / "config.json").read_text())["auto_map"]
+        auto_map = json.loads((d / "config.json").read_text())["auto_map"]
+        assert json.loads((again / "config.json").read_text())["auto_map"] == auto_map
     # attnres not installed: transformers' own check of the module file's imports names it
     hide = ("import sys, importlib.abc\n"
             "class Hide(importlib.abc.MetaPathFinder):\n"
@@ -568,6 +569,30 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
             "    print(e)\n")
     run = _fresh_process(hide, dirs[1], modules=tmp_path / "modules")
     assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
+
+
+@pytest.mark.slow
+def test_lm_eval_s_own_command_line_evaluates_a_saved_directory_with_trust_remote_code(tmp_path):
+    """``lm_eval run --model hf --model_args pretrained=DIR,trust_remote_code=True`` (no
+    ``import attnres.hf``; docs/hf.md), offline, on the local tasks ``attnres eval`` writes, with
+    the line break as the prefix of rolling log-likelihoods (the directory declares no end of
+    text). Was: "does not recognize this architecture". (About half a minute: lm_eval's start.)"""
+    from attnres.hf.evaluate import write_local_tasks
+
+    native = native_model(residual="attnres_block")
+    AttnResForCausalLM.from_native(native).save_pretrained(tmp_path / "hf")
+    make_hf_tokenizer(ByteTokenizer(), native.config.max_seq_len).save_pretrained(tmp_path / "hf")
+    text = "\n".join(f"line {i} " + " ".join(f"w{(i * 7 + k) % 50}" for k in range(14)) for i in range(30))
+    write_local_tasks(tmp_path / "tasks", text)
+    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "HOME": str(tmp_path), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    args = ["run", "--model", "hf", "--model_args", f"pretrained={tmp_path / 'hf'},trust_remote_code=True,prefix_token_id=10",
+            "--tasks", "attnres_ppl,attnres_cloze", "--include_path", str(tmp_path / "tasks"), "--limit", "4",
+            "--batch_size", "2", "--device", "cpu"]
+    run = subprocess.run([sys.executable, "-m", "lm_eval", *args], capture_output=True, text=True, env=env, timeout=300,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "bits_per_byte" in run.stdout and "acc_norm" in run.stdout, run.stdout[-2000:]
 
 
 def test_lm_eval_s_truncation_warnings_are_counted_into_one(caplog):

@@ -21,9 +21,9 @@ from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_check
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
-           "no_checkpoint_at", "refuse_loading_training_output", "refuse_missing_shards", "refuse_missing_weights", "refuse_model_file",
-           "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint", "set_aside_newer",
-           "training_output", "unreadable_weights", "verify_checkpoint"]
+           "no_checkpoint_at", "refuse_loading_training_output", "refuse_missing_shards", "refuse_missing_weights",
+           "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint",
+           "set_aside_newer", "training_output", "unreadable_weights", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"

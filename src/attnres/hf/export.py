@@ -21,8 +21,8 @@ end-of-sequence ids and sampling defaults of its ``generation_config.json``
 Padding: none either (but an instruct model's own padding token, which its vocabulary holds
 as a special token - Qwen3's ``<|endoftext|>`` - is kept, as its end of turn is, in the
 tokenizer and in ``generation_config.json``'s ``pad_token_id``: batches pad and finished
-sequences fill as with the model the run started from). Every special token of a ``transformers`` tokenizer is an entry of its
-added vocabulary, and an ordinary token declared special is lost twice: decoding with
+sequences fill as with the model the run started from). Every special token of a
+``transformers`` tokenizer is an entry of its added vocabulary, and an ordinary token declared special is lost twice: decoding with
 ``skip_special_tokens=True`` (vLLM's default, for completions, chat and streaming) drops it,
 and the text of its stand-in character (``"Ċ"`` for the line break) encodes as that token
 instead of its own bytes. Earlier versions declared the line break the padding token, and

@@ -15,14 +15,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["MODULE_FILE", "SavesAutoMap", "KeepsItsSourceHome"]
+__all__ = ["MODULE_FILE", "KeepsItsSourceHome", "SavesAutoMap"]
 
 #: The module file of a saved directory that ``config.json``'s ``auto_map`` names.
 MODULE_FILE = "attnres_classes.py"
 
 _DOCSTRING = '''"""The classes of this AttnRes model, for transformers' trust_remote_code loading
-(config.json's auto_map): imported from the installed attnres package (pip install "attnres[hf]");
-no model code is here. After `import attnres.hf` the model loads without trust_remote_code."""
+(config.json's auto_map): imported from the installed attnres package with its hf extra
+(pip install -e ".[hf]" in a clone of attnres); no model code is here. After `import attnres.hf`
+the model loads without trust_remote_code."""
 '''
 
 
