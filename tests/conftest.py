@@ -233,6 +233,25 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def hub_online_unset(monkeypatch):
+    """No Hugging Face offline variable set and offline mode off in ``huggingface_hub`` and
+    ``datasets`` (which read the variables when imported), whatever this machine sets; skips
+    without lm_eval (and so ``datasets``). Returns ``(huggingface_hub.constants, datasets.config)``."""
+    pytest.importorskip("lm_eval")
+    import datasets.config
+    from huggingface_hub import constants
+
+    from attnres.hf.hub import OFFLINE_VARIABLES
+
+    for name in OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for module, name in ((constants, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+                         (datasets.config, "HF_DATASETS_OFFLINE")):
+        monkeypatch.setattr(module, name, False)
+    return constants, datasets.config
+
+
 @pytest.fixture()
 def users_matplotlib():
     """A session's own matplotlib backend with a pyplot figure open, as in a notebook (its

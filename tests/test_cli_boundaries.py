@@ -3,8 +3,10 @@ line's boundary (bad files, tokenizers, task names, checkpoints), each naming wh
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -269,6 +271,44 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
 
 
+def test_eval_of_a_run_whose_tokenizer_adds_a_bos_equals_eval_of_its_export(tmp_path):
+    """A run trained with a tokenizer.json whose template puts <bos> before every text (a
+    transformers model's, data.tokenizer=PATH, or a run started from an upcycle) and its export
+    gave different perplexities (2078 tokens against 2079): the export's tokenizer, in
+    transformers, adds the <bos> before the held-out text, the run's pass did not. The run's
+    pass now starts the text with it too: the same tokens, bytes and loss."""
+    pytest.importorskip("transformers")
+    import json
+
+    from tokenizers import processors
+
+    from attnres.data.corpus import load_corpus
+    from attnres.data.tokenizer import BPETokenizer, train_bpe
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    backend = train_bpe(load_corpus([str(corpus)]).train, 280).backend
+    backend.add_special_tokens(["<bos>"])
+    bos = backend.token_to_id("<bos>")
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    (tmp_path / "tok").mkdir()
+    BPETokenizer(backend).save(tmp_path / "tok" / "tokenizer.json")
+    train(load_config(None, overrides(corpus, tmp_path / "run", steps=2, warmup_steps=0,
+                                      **{"data.tokenizer": str(tmp_path / "tok")})))
+    assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    text = tmp_path / "held-out.txt"
+    text.write_text(write_corpus(tmp_path / "other.txt", n_lines=60, seed=3).read_text())
+    got = {}
+    for name in ("run", "hf"):
+        out = tmp_path / f"{name}.json"
+        assert cli_main(["eval", str(tmp_path / name), "--text", str(text), "--tasks", "none", "--out", str(out),
+                         "--device", "cpu"]) == 0
+        got[name] = json.loads(out.read_text())["perplexity"]
+    plain = BPETokenizer(backend).encode(text.read_text())
+    assert got["run"]["tokens"] == got["hf"]["tokens"] == len(plain)  # every token predicted, the first from <bos>
+    assert got["run"]["bytes"] == got["hf"]["bytes"] == len(text.read_bytes())
+    assert got["run"]["loss"] == pytest.approx(got["hf"]["loss"], rel=1e-6, abs=0)
+
+
 def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, tmp_path, capsys):
     """`attnres eval --num-fewshot 5` (lm-eval's own option, for a task such as MMLU 5-shot) was
     an unrecognised argument. Now the harness gets it, and the results and the printed lines say
@@ -287,6 +327,46 @@ def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, 
     assert (results["attnres_cloze"]["n-shot"], results["attnres_ppl"]["n-shot"]) == (2, 0)
     said = capsys.readouterr().out
     assert "attnres eval: attnres_cloze (2-shot): acc" in said and "attnres eval: attnres_ppl: " in said
+
+
+def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(run_dir, tmp_path, monkeypatch,
+                                                                                capsys):
+    """`attnres eval --batch-size auto` and `--limit 0.1`, as lm-eval's command line takes them,
+    were refused by argparse ("invalid int value"). The harness now gets them as it takes them
+    (the batch found by trial; 10 % of each task's documents, rounded up); what neither accepts
+    is refused by name."""
+    pytest.importorskip("lm_eval")
+    import json
+    import math
+
+    import lm_eval
+
+    harness, seen = lm_eval.simple_evaluate, {}
+
+    def recorded(**kwargs):
+        out = harness(**kwargs)
+        seen.update(batch_size=kwargs["batch_size"], limit=kwargs["limit"],
+                    docs={task: len(samples) for task, samples in out["samples"].items()})
+        return out
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", recorded)
+    text = write_corpus(tmp_path / "held-out.txt", n_lines=100, seed=2)  # 100 documents, one a line
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", str(run_dir), "--text", str(text), "--batch-size", "auto:2", "--limit", "0.1", "--out",
+                     str(out), "--device", "cpu"]) == 0
+    assert seen == {"batch_size": "auto:2", "limit": 0.1, "docs": {"attnres_ppl": 10, "attnres_cloze": 10}}
+    written = json.loads(out.read_text())
+    assert written["perplexity"]["tokens"] > 1000  # (the whole text: --limit is lm-eval's)
+    assert math.isfinite(written["lm_eval"]["attnres_ppl"]["bits_per_byte,none"])
+    for value, said in (("1.0", "--limit takes a whole number of documents (>= 1) or a fraction F of each task's "
+                                "documents (0 < F < 1); got 1.0 (omit it for every document)"),
+                        ("2.5", "got 2.5"), ("-0.5", "got -0.5"), ("nan", "got nan")):
+        with pytest.raises(SystemExit, match=re.escape(f"attnres eval: error: {said}" if value == "1.0" else said)):
+            cli_main(["eval", str(run_dir), "--limit", value, "--out", str(out)])
+    for option, value in (("--batch-size", "auto:0"), ("--batch-size", "big"), ("--limit", "some")):
+        with pytest.raises(SystemExit) as info:
+            cli_main(["eval", str(run_dir), option, value, "--out", str(out)])
+        assert info.value.code == 2 and f"argument {option}: takes " in capsys.readouterr().err
 
 
 def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run_dir, tmp_path, monkeypatch):
@@ -315,6 +395,95 @@ def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run
     written = json.loads(out.read_text())
     assert written["perplexity"]["tokens"] > 0 and written["lm_eval"] == {}
     assert written["lm_eval_error"].startswith("Couldn't reach")
+
+
+@contextlib.contextmanager
+def at_most(seconds: float):
+    """Within: a ``TimeoutError`` after ``seconds`` (SIGALRM), so that a test waiting on the
+    network cannot hang."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+@pytest.fixture
+def hub_out_of_reach(tmp_path, monkeypatch, hub_online_unset):
+    """The Hugging Face Hub at a closed local port (every request refused at once, none leaves
+    the machine), empty data set and Hub caches, no offline variable set; returns the data set
+    cache (a ``Path``)."""
+    constants, config = hub_online_unset
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(config, "HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    return tmp_path / "datasets"
+
+
+def cache_lambada(cache: Path, tmp_path: Path) -> None:
+    """A small stand-in for the harness's lambada_openai data set (EleutherAI/lambada_openai,
+    config default, split test) in the data set cache ``cache``, where ``datasets`` finds a
+    data set it has downloaded and prepared before."""
+    import json
+    import shutil
+
+    import datasets
+
+    rows = tmp_path / "lambada.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"the quick brown fox {i} jumps over the lazy dog"}) + "\n"
+                            for i in range(8)))
+    built = datasets.load_dataset("json", data_files={"test": str(rows)}, cache_dir=str(tmp_path / "build"))
+    source = Path(built["test"].cache_files[0]["filename"]).parent
+    target = cache / "EleutherAI___lambada_openai" / "default" / "0.0.0" / source.name
+    target.mkdir(parents=True)
+    shutil.copy(source / "json-test.arrow", target / "lambada_openai-test.arrow")
+    info = json.loads((source / "dataset_info.json").read_text())
+    (target / "dataset_info.json").write_text(json.dumps({**info, "config_name": "default",
+                                                          "dataset_name": "lambada_openai"}))
+
+
+def test_eval_refuses_at_once_a_harness_task_whose_data_set_it_cannot_get(run_dir, tmp_path, hub_out_of_reach,
+                                                                          capsys):
+    """`attnres eval --tasks lambada_openai` where the Hub cannot be reached spent about 25 s in
+    the Hub client's retries, after the perplexity pass, before saying so. The tasks' data sets
+    are now looked up in the local cache in offline mode first: one that is not there is refused
+    at once, before any work, naming it and why; the offline mode is set back after."""
+    import datasets.config
+
+    out = tmp_path / "eval.json"
+    with at_most(90), pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--tasks", "attnres_ppl,lambada_openai", "--out", str(out), "--device", "cpu"])
+    said = str(info.value)
+    assert said.startswith("attnres eval: error: --tasks: the data set of lambada_openai is not in the local cache, "
+                           "and the Hugging Face Hub cannot be reached (http://127.0.0.1:9: "), said
+    assert said.endswith("run once where the network reaches the Hub (the harness caches what it downloads), or use "
+                         "the local tasks attnres_ppl, attnres_cloze, which need none"), said
+    assert "held-out loss" not in capsys.readouterr().out and not out.exists()
+    assert datasets.config.HF_HUB_OFFLINE is False
+
+
+@pytest.mark.slow  # (the harness indexes its task files twice: the check, then its own run)
+def test_eval_reads_a_cached_harness_task_where_the_hub_cannot_be_reached(run_dir, tmp_path, hub_out_of_reach):
+    """A harness task whose data set is in the local cache runs where the Hub cannot be reached
+    (read in offline mode, without the Hub client's retries), beside the local tasks."""
+    import json
+
+    from huggingface_hub import constants
+
+    cache_lambada(hub_out_of_reach, tmp_path)
+    out = tmp_path / "eval.json"
+    with at_most(90):
+        assert cli_main(["eval", str(run_dir), "--tasks", "attnres_ppl,lambada_openai", "--limit", "4", "--out",
+                         str(out), "--device", "cpu"]) == 0
+    results = json.loads(out.read_text())["lm_eval"]
+    assert results.keys() == {"attnres_ppl", "lambada_openai"} and 0 <= results["lambada_openai"]["acc,none"] <= 1
+    assert constants.HF_HUB_OFFLINE is False
 
 
 def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_its_checkpoints(run_dir, tmp_path):
@@ -844,6 +1013,36 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
         cli_main(["eval", str(run), "--tasks", "none", "--out", str(out)])
     assert f"--out {str(out)!r} is a file of " in str(info.value) and "another --out" in str(info.value)
     assert (out.read_bytes() if out.exists() else None) == before
+
+
+def test_eval_replaces_an_earlier_result_but_no_other_file_unless_told(run_dir, tmp_path, monkeypatch, capsys):
+    """`attnres eval RUN --out notes.txt` (or over a settings.json) replaced whatever file was there
+    with the results. A file that is not an earlier result (its keys checkpoint, perplexity,
+    lm_eval) is now refused before any work unless --overwrite; an earlier result is replaced as
+    before, through a temporary file renamed into place."""
+    import json
+    import os
+
+    evaluate_args = ["eval", str(run_dir), "--tasks", "none", "--device", "cpu", "--out"]
+    for name, held in (("notes.txt", "my notes\n"), ("settings.json", '{"lr": 0.001}'), ("empty.json", "")):
+        path = tmp_path / name
+        path.write_text(held)
+        with pytest.raises(SystemExit) as info:
+            cli_main([*evaluate_args, str(path)])
+        assert str(info.value) == (f"attnres eval: error: --out {str(path)!r} exists and is not an earlier attnres eval "
+                                   "result (a JSON file with 'checkpoint', 'perplexity', 'lm_eval'): give another "
+                                   "--out, or --overwrite to replace it")
+        assert path.read_text() == held and "held-out loss" not in capsys.readouterr().out
+    assert cli_main([*evaluate_args, str(tmp_path / "notes.txt"), "--overwrite"]) == 0
+    earlier = json.loads((tmp_path / "notes.txt").read_text())
+    assert earlier["perplexity"]["tokens"] > 0
+    replaced = []
+    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append((Path(src).name, Path(dst).name)),
+                                                         Path(src).rename(dst)))
+    assert cli_main([*evaluate_args, str(tmp_path / "notes.txt")]) == 0  # an earlier result: replaced
+    assert json.loads((tmp_path / "notes.txt").read_text()) == earlier
+    assert replaced == [(f".notes.txt.tmp-{os.getpid()}", "notes.txt")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.json", "notes.txt", "settings.json"]
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -68,3 +68,32 @@ def test_eval_and_generate_fetch_a_hub_id(hub_model, tmp_path, monkeypatch, caps
     report = tmp_path / "analysis-acme--tiny" / "report.md"  # here too
     assert report.is_file() and "attnres_block" in report.read_text() and asked[-1] == "acme/tiny"
     assert not (hub_model.parent / f"{hub_model.name}-analysis").exists()
+
+
+def test_the_harness_reads_its_data_sets_offline_only_where_it_cannot_download_them(monkeypatch, hub_online_unset):
+    """`attnres eval` with a harness task asks the Hub once, without the client's retries: where
+    something answers (a local server here), the harness stays online; where nothing does, or the
+    user set offline mode, it reads from the cache; a variable set to 0 keeps it online, unasked."""
+    import http.server
+    import threading
+
+    from attnres.hf.evaluate import harness_offline
+    from attnres.hf.hub import hub_unreachable, offline_mode
+
+    constants, config = hub_online_unset
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # (answers 501)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        assert hub_unreachable() is None and harness_offline() is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    assert harness_offline().startswith("the Hugging Face Hub cannot be reached (http://127.0.0.1:9: ")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert harness_offline() is None
+    with offline_mode():
+        assert constants.HF_HUB_OFFLINE is config.HF_HUB_OFFLINE is True
+        assert harness_offline() == "offline mode is set (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
+    assert constants.HF_HUB_OFFLINE is config.HF_HUB_OFFLINE is config.HF_DATASETS_OFFLINE is False

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+
 from ..validation import missing_path_hint
 from .common import DTYPES, add_checkpoint_argument, check_optional_count
 
@@ -31,11 +34,19 @@ def add_parser(sub) -> None:
     ev.add_argument("--out", help="results JSON (default: eval.json in the run given, DIR-eval.json beside a "
                     "transformers directory DIR, "
                     "RUN/eval-step-N.json for a checkpoint RUN/checkpoints/step-N; for a Hub id, "
-                    "./eval-ORG--NAME.json); its folder must exist")
-    ev.add_argument("--limit", type=int, help="at most this many documents per lm-eval task (default: all)")
+                    "./eval-ORG--NAME.json); its folder must exist. An existing file is replaced only when it is an "
+                    "earlier eval result (or with --overwrite)")
+    ev.add_argument("--overwrite", action="store_true",
+                    help="replace an existing --out file that is not an earlier attnres eval result")
+    ev.add_argument("--limit", type=_limit, help="at most this many documents per lm-eval task, or a fraction F "
+                    "(0 < F < 1) of each task's (lm-eval's --limit; default: all); the perplexity pass reads the whole "
+                    "held-out text either way")
     ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
                     f"transformers directory, at most {DIRECTORY_WINDOW})")
-    ev.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default 8)")
+    ev.add_argument("--batch-size", type=_batch_size, default=8,
+                    help="lm-eval's batch: a number of requests (default 8), 'auto' (the largest that fits, found by "
+                    "trial from 64 down) or 'auto:N' (found again N times over the run), as lm-eval's --batch_size; the "
+                    "perplexity pass batches its windows by tokens either way")
     ev.add_argument("--num-fewshot", type=int, metavar="N", help="solved examples before each lm-eval request "
                     "(default: each task's own, 0 for most; the local tasks draw theirs from their own items)")
     ev.add_argument("--device", default="auto",
@@ -49,12 +60,82 @@ def add_parser(sub) -> None:
                     "1000; 0 = lm-eval computes none)")
 
 
+def _batch_size(text: str) -> int | str:
+    """``--batch-size``: a count (checked >= 1 with the other values), or lm-eval's ``auto`` /
+    ``auto:N`` as it takes them."""
+    if re.fullmatch(r"auto(:[1-9][0-9]*)?", text.strip().lower()):
+        return text.strip().lower()
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of requests per batch, 'auto' or 'auto:N' (N >= 1); got "
+                                         f"{text!r}") from None
+
+
+def _limit(text: str) -> int | float:
+    """``--limit``: a count of documents, or a fraction of each task's (lm-eval's meaning of a
+    value below 1); the range is checked with the other values."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(f"takes a number of documents or a fraction (0 < F < 1) of each task's; got "
+                                     f"{text!r}")
+
+
+def _check_harness_sizes(args) -> None:
+    """``--batch-size`` and ``--limit`` as lm-eval takes them, or ``ValueError`` naming what is
+    accepted: a count >= 1, ``auto[:N]`` (the parser's), a fraction strictly between 0 and 1."""
+    if not isinstance(args.limit, float):
+        check_optional_count("--limit", args.limit, "every document of each task")
+    elif not 0 < args.limit < 1:
+        raise ValueError(f"--limit takes a whole number of documents (>= 1) or a fraction F of each task's documents "
+                         f"(0 < F < 1); got {args.limit} (omit it for every document)")
+    if isinstance(args.batch_size, int) and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1 (lm-eval's batch); got {args.batch_size} ('auto' or 'auto:N' for "
+                         "lm-eval's choice)")
+
+
 def run(args, parser) -> int:
     return run_eval(args)
 
 
+#: The keys that make a JSON file an earlier result of ``attnres eval``, which a new one replaces.
+RESULT_KEYS = ("checkpoint", "perplexity", "lm_eval")
+
+
+def _earlier_result(path) -> bool:
+    """Whether the file ``path`` is a results JSON that ``attnres eval`` wrote (its keys
+    :data:`RESULT_KEYS`); a file too large to be one is not read."""
+    import json
+
+    try:
+        if path.stat().st_size > 1 << 24:
+            return False
+        held = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # (unreadable, not UTF-8, not JSON)
+        return False
+    return isinstance(held, dict) and all(key in held for key in RESULT_KEYS)
+
+
 def _eval_output(args):
-    """Where ``attnres eval`` writes its results; checked before any work is done."""
+    """Where ``attnres eval`` writes its results; checked before any work is done. An existing
+    file there that is not an earlier result (a user's notes, a config) is refused unless
+    ``--overwrite``."""
+    from ..output_paths import OutputPathError
+
+    out = _eval_output_path(args)
+    if out.exists() and not args.overwrite and not _earlier_result(out):
+        raise OutputPathError(f"--out {str(out)!r} exists and is not an earlier attnres eval result (a JSON file "
+                              f"with {', '.join(map(repr, RESULT_KEYS))}): give another --out, or --overwrite to "
+                              "replace it")
+    return out
+
+
+def _eval_output_path(args):
+    """Where ``attnres eval`` writes its results (``--out``, or the default for the checkpoint),
+    checked as a file to write."""
     from pathlib import Path
 
     from ..checkpoint import is_hf_directory, no_checkpoint_at, refuse_model_file
@@ -108,18 +189,19 @@ def _load(args, device, directory: bool, text: str | None):
     return model, tokenizer, text, None, None
 
 
-def _lm_eval(args, tasks: list[str], text: str, run, device) -> dict:
+def _lm_eval(args, tasks: list[str], text: str, run, device, offline: bool) -> dict:
     """lm-eval's results on ``tasks``: of the transformers directory, or (``run``: the
     training checkpoint loaded) of its model's export into a temporary directory - the model
     the perplexity pass measured, not the run's newest checkpoint by then, which a run still
-    training has replaced (and may have deleted)."""
+    training has replaced (and may have deleted). ``offline``: the harness reads its data sets
+    from the local cache only (:func:`attnres.hf.evaluate.run_lm_eval`'s)."""
     import tempfile
 
     from .. import hf
     from ..hf.evaluate import run_lm_eval
 
     harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
-                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot)
+                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot, offline=offline)
     if run is None:
         return run_lm_eval(args.checkpoint, tasks, text, **harness)
     with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
@@ -163,11 +245,9 @@ def run_eval(args) -> int:
             raise ValueError(f"--tasks {args.tasks!r} names no task: give lm-eval task names, or 'none' for the "
                              "perplexity alone")
         check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
-        check_optional_count("--limit", args.limit, "every document of each task")
-        if args.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1 (lm-eval's batch); got {args.batch_size}")
+        _check_harness_sizes(args)
         out = _eval_output(args)
-        check_tasks(tasks)
+        offline = check_tasks(tasks)  # (why the harness reads its data sets from the cache, where it must)
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
         text = read_text_file(args.text, "--text") if args.text is not None else None
@@ -196,7 +276,7 @@ def run_eval(args) -> int:
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
         try:
-            results["lm_eval"] = _lm_eval(args, tasks, text, run, device) if tasks else {}
+            results["lm_eval"] = _lm_eval(args, tasks, text, run, device, offline is not None) if tasks else {}
         except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
             results["lm_eval_error"] = str(e)
             write_text_atomically(out, strict_json(results, indent=1, default=str))

@@ -35,6 +35,21 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+#: The text a tokenizer's template (:func:`template_tokens`) is probed with.
+TEMPLATE_PROBE = "Hello"
+
+
+def template_tokens(full: list[int], plain: list[int]) -> tuple[list[int], list[int]] | None:
+    """``(before, after)``: the ids a tokenizer's template (its post-processor: a Llama's
+    ``<s>`` before a text, a T5's ``</s>`` after it) adds around a text, from the text's ids with
+    them (``full``) and without (``plain``); ``None`` where ``plain`` is not a run of ``full``
+    (the added tokens merged with the text's: no tokenizer known does)."""
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    return None
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: vocabulary 256, no training, no dependencies."""
 
@@ -123,6 +138,16 @@ class BPETokenizer:
         # (no special tokens: a tokenizer.json brought by the user - data.tokenizer=PATH - may
         # add a BOS to every piece of text it is given, which the trained BPE never did)
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def prefix_ids(self) -> list[int]:
+        """The ids this tokenizer's template puts before every text (the ``<s>`` that a
+        transformers model's ``tokenizer.json`` adds; none for attnres's own BPE), which
+        :meth:`encode` leaves out: training streams the text without them. The run's export
+        encodes a text after them (transformers adds them), and so does the perplexity of
+        ``attnres eval`` (:func:`attnres.hf.evaluate.perplexity`), for the run as for its export."""
+        split = template_tokens(self._tok.encode(TEMPLATE_PROBE).ids, self.encode(TEMPLATE_PROBE))
+        return [] if split is None else split[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # (tokenizers encodes the texts of a batch on its own threads, one text per thread)

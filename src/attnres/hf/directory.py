@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_shards, unreadable_weights
-from ..data.tokenizer import ordinary_tokens_marked_special
+from ..data.tokenizer import TEMPLATE_PROBE, ordinary_tokens_marked_special, template_tokens
 from ..user_warning import warn_user
 
 __all__ = ["DirectoryText", "load_directory"]
@@ -64,13 +64,9 @@ class DirectoryText:
 def _appended_count(tokenizer) -> int:
     """How many special tokens ``tokenizer`` appends after a text (0 for most causal LMs'; 1
     for a ``$A </s>`` template): where a probe's own tokens end in its encoding."""
-    probe = "Hello"
-    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    full = tokenizer(probe)["input_ids"]
-    for start in range(len(full) - len(plain) + 1):
-        if full[start : start + len(plain)] == plain:
-            return len(full) - start - len(plain)
-    return 0  # the added tokens merge with the text's (no such tokenizer known): keep them all
+    split = template_tokens(tokenizer(TEMPLATE_PROBE)["input_ids"],
+                            tokenizer(TEMPLATE_PROBE, add_special_tokens=False)["input_ids"])
+    return 0 if split is None else len(split[1])  # (None: merged with the text's; no such tokenizer known: keep all)
 
 
 #: The files a saved tokenizer has one of (``save_pretrained``; older slow tokenizers' vocabularies).

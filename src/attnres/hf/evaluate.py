@@ -25,13 +25,14 @@ import os
 import random
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..data.dataset import UNKNOWN_SHARE
-from ..data.tokenizer import ByteTokenizer, Tokenizer, unknown_share
+from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, unknown_share
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean_each
@@ -51,7 +52,10 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
                progress: bool = False) -> dict:
     """Next-token loss of ``model`` (an ``AttnResLM`` or a transformers causal LM) on ``text``
     in windows of ``seq_len + 1`` tokens that overlap by one, so every token but the first is
-    predicted exactly once (from at most ``seq_len`` tokens of context). Windows of the same
+    predicted exactly once (from at most ``seq_len`` tokens of context). A BPE tokenizer's
+    ``text`` starts with the tokens its template puts before a text (:attr:`BPETokenizer.prefix_ids`:
+    a ``<s>``, which then predicts the text's first token), as the run's export encodes it, so
+    that a run and its export give the same perplexity. Windows of the same
     length run in batches of about :data:`PERPLEXITY_BATCH_TOKENS` tokens (one token of
     context per window would otherwise be one forward pass per token); ``progress``: a bar
     over the tokens.
@@ -66,6 +70,8 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
         raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, "
                          f"max_seq_len); got {seq_len}: omit it to use the whole context")
     ids = tokenizer.encode(text)
+    if isinstance(tokenizer, BPETokenizer):
+        ids = tokenizer.prefix_ids + ids
     if len(ids) < 2:
         raise ValueError(f"the held-out text has {len(ids)} token{'' if len(ids) == 1 else 's'}: at least 2 are needed "
                          "(the first is only read)")
@@ -255,17 +261,21 @@ def add_ratio_stderrs(results: dict, samples: dict) -> dict:
     return results
 
 
-def check_tasks(tasks: list[str]) -> None:
+def check_tasks(tasks: list[str]) -> str | None:
     """Raise ``ValueError`` naming every entry of ``tasks`` that is neither a local task nor
-    a task, group or tag lm-evaluation-harness knows, before any evaluation runs (the
-    harness itself fails only after the perplexity pass, with a ``KeyError``). Looking the
-    harness's names up indexes its task files: a few seconds, paid only for non-local names."""
+    a task, group or tag lm-evaluation-harness knows, or whose data set the harness cannot
+    get (:func:`_check_cached`), before any evaluation runs (the harness itself fails only
+    after the perplexity pass: a ``KeyError``, or a ``ConnectionError`` after about 25 s of
+    retries). Looking the harness's names up indexes its task files: a few seconds, paid only
+    for non-local names. Returns why the harness must read their data sets from the local
+    cache (:func:`harness_offline`; they are there), or ``None`` where it may download them."""
     others = [t for t in tasks if t not in LOCAL_TASKS]
     if not others:
-        return
+        return None
     from lm_eval.tasks import TaskManager
 
-    known = TaskManager().all_tasks
+    manager = TaskManager()
+    known = manager.all_tasks
     unknown = [t for t in others if t not in known]
     if unknown:
         # (a close match only: among the harness's thousands of names some is always somewhat near)
@@ -273,6 +283,48 @@ def check_tasks(tasks: list[str]) -> None:
         raise ValueError(f"--tasks: unknown task(s) {', '.join(map(repr, unknown))}{hint}: the local tasks are "
                          f"{', '.join(LOCAL_TASKS)}, and `lm-eval ls tasks` lists the harness's own (comma-separated, "
                          "e.g. --tasks attnres_ppl,hellaswag; 'none' skips lm-eval)")
+    offline = harness_offline()
+    if offline is not None:
+        _check_cached(manager, others, offline)
+    return offline
+
+
+def harness_offline() -> str | None:
+    """Why the harness's own tasks must read their data sets from the local cache, or ``None``
+    where they may download them: offline mode set by the user (``HF_HUB_OFFLINE=1``), or the
+    Hub out of reach (:func:`attnres.hf.hub.hub_unreachable`, asked only where the user has set
+    none of :data:`attnres.hf.hub.OFFLINE_VARIABLES`: one set to 0 keeps the harness online)."""
+    import datasets.config
+
+    from .hub import OFFLINE_VARIABLES, hub_unreachable
+
+    if datasets.config.HF_HUB_OFFLINE:
+        return "offline mode is set (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
+    if any(os.environ.get(name) for name in OFFLINE_VARIABLES):
+        return None
+    unreachable = hub_unreachable()
+    return None if unreachable is None else f"the Hugging Face Hub cannot be reached ({unreachable})"
+
+
+def _check_cached(manager, tasks: list[str], offline: str) -> None:
+    """Raise ``ValueError`` naming each of the harness's ``tasks`` whose data set is not in
+    the local cache, built as the harness builds it in offline mode (at once, no requests);
+    ``offline``: why it cannot be downloaded."""
+    from .hub import offline_mode
+
+    missing = []
+    with offline_mode(), warnings.catch_warnings():
+        # (lm-eval 0.4.13 deprecates the loader that its earlier versions have alone, in favour of load())
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for task in tasks:
+            try:
+                manager.load_task_or_group([task])
+            except OSError:  # (ConnectionError: "Couldn't reach ... (OfflineModeIsEnabled)"; FileNotFoundError)
+                missing.append(task)
+    if missing:
+        raise ValueError(f"--tasks: the data set of {', '.join(missing)} is not in the local cache, and {offline}: run "
+                         "once where the network reaches the Hub (the harness caches what it downloads), or use the "
+                         f"local tasks {', '.join(LOCAL_TASKS)}, which need none")
 
 
 @contextlib.contextmanager
@@ -354,20 +406,27 @@ def harness_tokenizer(hf_dir: str | Path):
     return tokenizer, prefix
 
 
-def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | None = None, batch_size: int = 8,
-                device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000,
-                num_fewshot: int | None = None) -> dict:
+def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | float | None = None,
+                batch_size: int | str = 8, device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000,
+                num_fewshot: int | None = None, offline: bool = False) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the transformers directory ``hf_dir``
     (an export, an upcycle, a pretrained model; its weights in ``dtype``, a ``torch`` dtype
     name).
     Local tasks are generated from ``text``; other names are the harness's own tasks.
+    ``limit`` and ``batch_size`` as the harness takes them: a count, or a fraction (below 1) of
+    each task's documents; a count, ``"auto"`` or ``"auto:N"``.
     ``num_fewshot``: solved examples before each request (``None``: each task's own).
+    ``offline``: the data sets are read from the local cache only (:func:`attnres.hf.hub.offline_mode`:
+    where :func:`harness_offline` says so, they are there, and the Hub client would spend its
+    retries before reading them).
     Returns the harness's ``results`` (per task, metric -> value, and ``n-shot``, the
     examples it was given), with standard errors:
     the harness's own (closed form for accuracies; ``bootstrap_iters`` resamples where it
     bootstraps) and, for the rolling log-likelihood metrics, :func:`add_ratio_stderrs`."""
     import lm_eval
     from lm_eval.tasks import TaskManager
+
+    from .hub import offline_mode
 
     local = [t for t in tasks if t in LOCAL_TASKS]
     tokenizer, prefix = harness_tokenizer(hf_dir)
@@ -377,7 +436,8 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
         manager = TaskManager(include_path=str(include) if include else None, include_defaults=len(local) < len(tasks))
-        with _quiet_git_describe(), _truncations_counted() as truncated:
+        with _quiet_git_describe(), _truncations_counted() as truncated, \
+                (offline_mode() if offline else contextlib.nullcontext()):
             out = lm_eval.simple_evaluate(
                 model="hf",
                 model_args=model_args,
