@@ -495,8 +495,104 @@ def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
         "print('ok')\n"
     )
     env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-2000:]
+    assert "custom code" not in run.stderr  # the auto_map the directory also has: neither a prompt nor a warning
+
+
+def _fresh_process(script: str, *args, modules) -> subprocess.CompletedProcess:
+    """``script`` in an interpreter that has not imported attnres (stdin closed: transformers'
+    trust_remote_code question is answered at once), transformers' module cache in ``modules``."""
+    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=180, stdin=subprocess.DEVNULL)
+
+
+def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not_imported(tmp_path):
+    """A plain ``lm_eval --model hf`` command line, a notebook, a Hub download: the process never
+    imported attnres.hf, and transformers said it "does not recognize this architecture". A
+    saved directory (the native model, an upcycled dense and MoE family) now names its classes
+    in config.json's auto_map, through a module file that imports them from the installed
+    attnres: ``from_pretrained(DIR, trust_remote_code=True)`` gives the AttnRes model and its
+    logits; without it transformers asks for it; without attnres installed it names the package;
+    saved again, the model writes that module file only (not attnres's own sources)."""
+    from attnres.upcycle import upcycle
+    from fixtures.tiny_families import VOCAB, tiny_model
+
+    models = {"native": AttnResForCausalLM.from_native(native_model(residual="attnres_block")),
+              **{family: upcycle(tiny_model(family), "attnres_block", block_size=2) for family in ("qwen3", "qwen3_moe")}}
+    for name, model in models.items():
+        with torch.no_grad():
+            for p in model.residual.parameters():
+                p.normal_(std=0.3)
+            ids = torch.randint(0, VOCAB, (1, 9))
+            model.eval().save_pretrained(tmp_path / name)
+            torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / name / "ref.pt")
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "for d in sys.argv[1:]:\n"
+        "    try:\n"
+        "        AutoModelForCausalLM.from_pretrained(d)\n"
+        "        raise SystemExit('loaded without trust_remote_code')\n"
+        "    except ValueError as e:\n"
+        "        assert 'trust_remote_code=True' in str(e), e\n"
+        "assert 'attnres' not in sys.modules\n"
+        "for d in sys.argv[1:]:\n"
+        "    ref = torch.load(d + '/ref.pt')\n"
+        "    m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()\n"
+        "    assert type(m).__module__.startswith('attnres.hf.'), type(m)\n"
+        "    diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
+        "    assert diff < 1e-5, (d, diff)  # another process: other thread count, other rounding\n"
+        "    m.save_pretrained(d + '-again')\n"
+        "print('ok')\n"
+    )
+    dirs = [tmp_path / name for name in models]
+    run = _fresh_process(script, *dirs, modules=tmp_path / "modules")
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
+    for d in dirs:  # saved again from the class the module file gave: the same files, the same auto_map
+        again = tmp_path / f"{d.name}-again"
+        assert sorted(p.name for p in again.glob("*.py")) == ["attnres_classes.py"]
+        auto_map = json.loads((d / "config.json").read_text())["auto_map"]
+        assert json.loads((again / "config.json").read_text())["auto_map"] == auto_map
+    # attnres not installed: transformers' own check of the module file's imports names it
+    hide = ("import sys, importlib.abc\n"
+            "class Hide(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name.split('.')[0] == 'attnres': raise ModuleNotFoundError(f'No module named {name!r}')\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "try:\n"
+            "    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    run = _fresh_process(hide, dirs[1], modules=tmp_path / "modules")
+    assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
+
+
+@pytest.mark.slow
+def test_lm_eval_s_own_command_line_evaluates_a_saved_directory_with_trust_remote_code(tmp_path):
+    """``lm_eval run --model hf --model_args pretrained=DIR,trust_remote_code=True`` (no
+    ``import attnres.hf``; docs/hf.md), offline, on the local tasks ``attnres eval`` writes, with
+    the line break as the prefix of rolling log-likelihoods (the directory declares no end of
+    text). Was: "does not recognize this architecture". (About half a minute: lm_eval's start.)"""
+    from attnres.hf.evaluate import write_local_tasks
+
+    native = native_model(residual="attnres_block")
+    AttnResForCausalLM.from_native(native).save_pretrained(tmp_path / "hf")
+    make_hf_tokenizer(ByteTokenizer(), native.config.max_seq_len).save_pretrained(tmp_path / "hf")
+    text = "\n".join(f"line {i} " + " ".join(f"w{(i * 7 + k) % 50}" for k in range(14)) for i in range(30))
+    write_local_tasks(tmp_path / "tasks", text)
+    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "HOME": str(tmp_path), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    args = ["run", "--model", "hf", "--model_args", f"pretrained={tmp_path / 'hf'},trust_remote_code=True,prefix_token_id=10",
+            "--tasks", "attnres_ppl,attnres_cloze", "--include_path", str(tmp_path / "tasks"), "--limit", "4",
+            "--batch_size", "2", "--device", "cpu"]
+    run = subprocess.run([sys.executable, "-m", "lm_eval", *args], capture_output=True, text=True, env=env, timeout=300,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "bits_per_byte" in run.stdout and "acc_norm" in run.stdout, run.stdout[-2000:]
 
 
 def test_lm_eval_s_truncation_warnings_are_counted_into_one(caplog):

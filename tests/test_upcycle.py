@@ -735,7 +735,9 @@ def test_a_run_from_an_instruct_model_keeps_its_chat_template_and_end_of_turn(tm
     src = tmp_path / "instruct"
     base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(src)
     (src / "tokenizer.json").write_text(tok.to_json())
+    # (a padding token that is ordinary text is not kept: declared special, decoding would drop it)
     (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<s>",
+                                                           "pad_token": tok.backend.id_to_token(tok.encode("~")[0]),
                                                            "chat_template": template,
                                                            "tokenizer_class": "TokenizersBackend"}))
     assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
@@ -809,7 +811,7 @@ def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
     src = tmp_path / "instruct"
     base_model("qwen3", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(src)
     (src / "tokenizer.json").write_text(tok.to_json())
-    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
                                                            "tokenizer_class": "TokenizersBackend"}))
     sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
     (src / "generation_config.json").write_text(json.dumps({
@@ -825,9 +827,15 @@ def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
     assert _load(Namespace(checkpoint=str(tmp_path / "run"), **generate_args))[2] == (im_end, endoftext)
     assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
     saved = GenerationConfig.from_pretrained(tmp_path / "export")
-    assert saved.eos_token_id == [im_end, endoftext] and saved.pad_token_id is None and saved.min_p is None
+    assert saved.eos_token_id == [im_end, endoftext] and saved.pad_token_id == endoftext and saved.min_p is None
     assert {k: getattr(saved, k) for k in sampling} == sampling
-    assert AutoTokenizer.from_pretrained(tmp_path / "export").eos_token_id == endoftext  # the tokenizer's own, as before
+    exported_tok = AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert exported_tok.eos_token_id == endoftext  # the tokenizer's own, as before
+    # its padding token too (the export had none: a batch did not pad, "Asking to pad but the tokenizer does not have
+    # a padding token"), and generate fills a finished sequence with it, as the instruct model's generate did
+    prompts = ["the quick brown fox jumps over", "a"]
+    batch = exported_tok(prompts, return_tensors="pt", padding=True)
+    assert exported_tok.pad_token_id == endoftext and batch["input_ids"][1, 0] == endoftext
 
     class EndOfTurnSecond(LogitsProcessor):  # the second new token is <|im_end|>, the others never an end
         def __call__(self, input_ids, scores):
@@ -841,6 +849,11 @@ def test_a_run_from_an_instruct_model_keeps_its_generation_settings(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     out = exported.generate(prompt, max_new_tokens=6, do_sample=False, logits_processor=[EndOfTurnSecond()])
     assert out.shape[1] == prompt.shape[1] + 2 and int(out[0, -1]) == im_end
+    new = exported.generate(**batch, max_new_tokens=6, do_sample=False)[:, batch["input_ids"].shape[1]:]
+    for text, row in zip(prompts, new):  # each as alone, a sequence that ended filled with the padding token
+        alone = torch.tensor([tok.encode(text)])
+        want = exported.generate(alone, max_new_tokens=6, do_sample=False)[0, alone.shape[1]:]
+        assert torch.equal(row[: len(want)], want) and (row[len(want):] == endoftext).all()
     # a checkpoint without the record (an earlier version's): the tokenizer's end of turn only, no defaults
     ckpt = latest_checkpoint(tmp_path / "run")
     doc = json.loads((ckpt / STATE_FILE).read_text())
@@ -1136,6 +1149,35 @@ def test_upcycle_names_a_truncated_weights_file(tmp_path):
                                          r"\.safetensors file is truncated or corrupted \(.*\); download or copy"):
         cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up")])
     assert not (tmp_path / "up").exists()
+
+
+@pytest.mark.parametrize("command", ["upcycle", "eval", "generate", "train"])
+def test_a_sharded_directory_missing_shards_is_named_with_its_option_and_files(tmp_path, command):
+    """A model saved in shards, copied or downloaded without some: transformers' error named
+    the first missing shard alone ("No such file or directory: .../model-00002-of-00007.safetensors"),
+    not the folder or the option it came from. Now one line names both and every missing file."""
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, model = _pretrained_directory(tmp_path, corpus)
+    (src / "model.safetensors").unlink()
+    (upcycle(model) if command == "generate" else model).save_pretrained(src, max_shard_size="20KB")
+    shards = sorted(src.glob("model-*.safetensors"))
+    for gone in (shards[1], shards[3]):
+        gone.unlink()
+    args = {"upcycle": ["upcycle", "--model", str(src), "--out", str(tmp_path / "up")],
+            "eval": ["eval", str(src), "--tasks", "none"],
+            "generate": ["generate", str(src), "--prompt", "hi", "--max-new-tokens", "2"],
+            "train": ["train", *[a for a in overrides(corpus, tmp_path / "run", steps=1, **{
+                "model.from_hf": str(src), "init_from": str(src), "data.tokenizer": "bpe"}) if not a.startswith("model=")]],
+            }[command]
+    named = {"upcycle": "--model '.*pretrained'", "train": "init_from='.*pretrained'"}.get(command, "'.*pretrained'")
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {named} is incomplete: its "
+                                         rf"model\.safetensors\.index\.json names 2 shard file\(s\) that are not in "
+                                         rf"the folder \({shards[1].name}, {shards[3].name}\); download or copy [^\n]*$"):
+        cli_main(args)
 
 
 @pytest.mark.parametrize("command", ["upcycle", "train"])

@@ -21,9 +21,9 @@ from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_check
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
-           "no_checkpoint_at", "refuse_loading_training_output", "refuse_missing_weights", "refuse_model_file",
-           "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint", "set_aside_newer",
-           "training_output", "unreadable_weights", "verify_checkpoint"]
+           "no_checkpoint_at", "refuse_loading_training_output", "refuse_missing_shards", "refuse_missing_weights",
+           "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint",
+           "set_aside_newer", "training_output", "unreadable_weights", "verify_checkpoint"]
 
 CORRUPT_PREFIX = "corrupt-"
 SUPERSEDED_PREFIX = "superseded-"
@@ -105,6 +105,31 @@ def unreadable_weights(where: str, error: Exception, fix: str) -> ValueError:
                           "to safetensors only if you trust where it came from")
     return ValueError(f"{where}: its weights cannot be read, the .safetensors file is truncated or corrupted "
                       f"({error}); {fix}")
+
+
+def refuse_missing_shards(where: str, path: str | Path, fix: str) -> None:
+    """Raise ``ValueError``, saying ``fix``, when the transformers directory ``path`` keeps its
+    weights in shards and lacks files its index names (a download or copy cut short):
+    transformers named the first missing file alone, not the folder or the others. Only the
+    index transformers reads counts: none beside a single ``model.safetensors``; the
+    ``.bin`` index only without safetensors weights."""
+    folder = Path(path)
+    if not folder.is_dir() or (folder / "model.safetensors").is_file():
+        return
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        if (folder / "pytorch_model.bin").is_file():
+            return
+        index = folder / "pytorch_model.bin.index.json"
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, AttributeError):  # no index (a single file), or one transformers refuses itself
+        return
+    files = weight_map.values() if isinstance(weight_map, dict) else []
+    missing = sorted({f for f in files if isinstance(f, str) and not (folder / f).is_file()})
+    if missing:
+        raise ValueError(f"{where} is incomplete: its {index.name} names {len(missing)} shard file(s) that are not "
+                         f"in the folder ({', '.join(missing)}); {fix}")
 
 
 def refuse_missing_weights(where: str, path: str | Path, missing, fix: str) -> None:

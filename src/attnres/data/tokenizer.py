@@ -295,11 +295,13 @@ def slow_tokenizer_hint(directory: Path) -> str:
 
 
 #: What a tokenizer record may carry beside its tokenizer, from a transformers directory a run
-#: started from (an instruct model's): its chat template, end-of-turn token and beginning-of-text
-#: token (which templates such as Llama 3's and Mistral's write as ``{{ bos_token }}``), which its
-#: ``tokenizer.json`` does not hold. Kept through checkpoints and used by ``attnres export``
-#: and ``attnres generate --chat``; attnres's own tokenizers have none.
-CHAT_SETTINGS = ("chat_template", "eos_token", "bos_token")
+#: started from (an instruct model's): its chat template, end-of-turn token, beginning-of-text
+#: token (which templates such as Llama 3's and Mistral's write as ``{{ bos_token }}``) and
+#: padding token (Qwen3's ``<|endoftext|>``; one of the vocabulary's special tokens only, never
+#: ordinary text: :mod:`attnres.hf.export`), which its ``tokenizer.json`` does not hold. Kept
+#: through checkpoints and used by ``attnres export`` and ``attnres generate --chat``;
+#: attnres's own tokenizers have none.
+CHAT_SETTINGS = ("chat_template", "eos_token", "bos_token", "pad_token")
 
 #: The generation settings a tokenizer record may carry (its ``"generation"`` entry) from the
 #: ``generation_config.json`` of a transformers directory a run started from: ``eos_tokens``,
@@ -388,6 +390,16 @@ def ordinary_tokens_marked_special(tok) -> list[tuple[int, str, str]]:
         if text and text != added.content and tok.encode(text, add_special_tokens=False).ids == [token_id]:
             found.append((token_id, added.content, text))
     return found
+
+
+def is_marker_token(tok, content: str) -> bool:
+    """Whether ``content`` is a special token of the ``tokenizers.Tokenizer`` ``tok`` that no
+    text but itself encodes to: an added special token outside the model's own vocabulary
+    (``<|endoftext|>``), not a piece of ordinary text declared special (a ``"the"`` or the
+    ``"Ċ"`` of :func:`ordinary_tokens_marked_special`, which a directory's ``tokenizer_config.json``
+    names). Such a token may be declared the padding token without any text being lost."""
+    added = any(a.special and a.content == content for a in tok.get_added_tokens_decoder().values())
+    return added and tok.model.token_to_id(content) is None
 
 
 def text_chunks(text: str | Iterable[str], size: int = 1 << 20) -> Iterator[str]:

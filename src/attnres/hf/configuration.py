@@ -24,6 +24,7 @@ from ..models.config import ModelConfig
 from ..models.saved_config import check_saved_config, config_source, naming_source
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys
 from .families.layout import NATIVE_MODEL_TYPE
+from .families.remote_code import SavesAutoMap
 from ..nn.residual.config import ResidualConfig, merge_residual
 from .families.build import FIELD_HF_NAMES
 
@@ -38,8 +39,14 @@ HF_NAMES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_
 ARCHITECTURES = ("AttnResForCausalLM", "AttnResModel")
 
 
-class _AttnResConfigMethods:
+class _AttnResConfigMethods(SavesAutoMap):
     """The behaviour of :class:`AttnResConfig` (its fields are generated below)."""
+
+    @classmethod
+    def auto_classes(cls) -> tuple[str, dict[str, str]]:
+        """What a saved directory's ``auto_map`` names (:class:`~attnres.hf.families.remote_code.SavesAutoMap`)."""
+        return "attnres.hf", {"AutoConfig": "AttnResConfig", "AutoModel": "AttnResModel",
+                              "AutoModelForCausalLM": "AttnResForCausalLM"}
 
     def __post_init__(self, **kwargs) -> None:
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..checkpoint.locate import WEIGHT_READ_ERRORS, unreadable_weights
+from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_shards, unreadable_weights
 from ..data.tokenizer import TEMPLATE_PROBE, ordinary_tokens_marked_special, template_tokens
 from ..user_warning import warn_user
 
@@ -77,6 +77,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Module, DirectoryText]:
     """``(model, text)`` of the transformers directory ``path``: the model in eval mode on
     ``device``, and its tokenizer. Raises ``ValueError`` when either does not load."""
+    refuse_missing_shards(repr(str(path)), path, "download or copy the directory again")
     try:
         model = AutoModelForCausalLM.from_pretrained(path).eval().to(device)
     except (OSError, ValueError, KeyError) as e:

@@ -18,8 +18,11 @@ end-of-sequence ids and sampling defaults of its ``generation_config.json``
 (:data:`attnres.data.tokenizer.GENERATION_DEFAULTS`: Qwen3's ``<|im_end|>`` and
 ``<|endoftext|>``, its temperature, top-p, top-k), which the export's ``generation_config.json`` holds.
 
-Padding: none either. Every special token of a ``transformers`` tokenizer is an entry of its
-added vocabulary, and an ordinary token declared special is lost twice: decoding with
+Padding: none either (but an instruct model's own padding token, which its vocabulary holds
+as a special token - Qwen3's ``<|endoftext|>`` - is kept, as its end of turn is, in the
+tokenizer and in ``generation_config.json``'s ``pad_token_id``: batches pad and finished
+sequences fill as with the model the run started from). Every special token of a
+``transformers`` tokenizer is an entry of its added vocabulary, and an ordinary token declared special is lost twice: decoding with
 ``skip_special_tokens=True`` (vLLM's default, for completions, chat and streaming) drops it,
 and the text of its stand-in character (``"Ċ"`` for the line break) encodes as that token
 instead of its own bytes. Earlier versions declared the line break the padding token, and
@@ -39,7 +42,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from ..checkpoint.locate import refuse_training_output
-from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, is_marker_token
 from ..inference.loading import load_model as load_native_checkpoint  # noqa: F401 - re-exported by attnres.hf
 from ..inference.loading import LoadedRun, load_run, load_tokenizer
 from ..models import AttnResLM
@@ -96,14 +99,16 @@ def byte_level_tokenizer():
 
 
 def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None, chat_template: str = CHAT_TEMPLATE,
-                      eos_token: str | None = None, bos_token: str | None = None) -> PreTrainedTokenizerFast:
+                      eos_token: str | None = None, bos_token: str | None = None,
+                      pad_token: str | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer (BPE or bytes) as a ``PreTrainedTokenizerFast`` with the same ids, no
     special tokens (no end-of-sequence and no padding token: module docstring), padding on
     the left, the plain-text :data:`CHAT_TEMPLATE`, and ``model_max_length`` (the model's
     ``max_seq_len``) when given: every text encodes to our tokenizer's ids, and every id
-    decodes to its text. ``eos_token`` / ``bos_token``: an instruct model's end of turn and
-    beginning of text, kept from the directory a run started from (its chat template may
-    write ``{{ bos_token }}``, which renders empty where none is declared)."""
+    decodes to its text. ``eos_token`` / ``bos_token`` / ``pad_token``: an instruct model's end
+    of turn, beginning of text and padding, kept from the directory a run started from (its
+    chat template may write ``{{ bos_token }}``, which renders empty where none is declared);
+    the padding token must be one of the vocabulary's special tokens (module docstring)."""
     if isinstance(tokenizer, BPETokenizer):
         rust = tokenizer.backend
     elif isinstance(tokenizer, ByteTokenizer):
@@ -113,12 +118,16 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None,
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     # Left padding: a batch of prompts padded on the right would have ``generate`` continue
     # each short prompt after its padding.
-    kept = (("eos_token", eos_token, "end-of-sequence"), ("bos_token", bos_token, "beginning-of-text"))
+    kept = (("eos_token", eos_token, "end-of-sequence"), ("bos_token", bos_token, "beginning-of-text"),
+            ("pad_token", pad_token, "padding"))
     for name, token, what in kept:
         if token is not None:
             if rust.token_to_id(token) is None:
                 raise ValueError(f"the {what} token {token!r} is not in the tokenizer's vocabulary")
             extra[name] = token
+    if pad_token is not None and not is_marker_token(rust, pad_token):
+        raise ValueError(f"the padding token {pad_token!r} is ordinary text, not one of the vocabulary's special tokens: "
+                         "declared special, it would be dropped from decoded text")
     return PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False,
                                    chat_template=chat_template, padding_side="left", **extra)
 
@@ -146,7 +155,8 @@ def export_checkpoint(checkpoint: str | Path | LoadedRun, out_dir: str | Path, t
     # (and its generation_config.json's end-of-sequence ids and sampling defaults; attnres's own runs have none)
     stops = run.stop_ids(tokenizer) if tokenizer_path is None else ()
     hf.generation_config.eos_token_id = (stops[0] if len(stops) == 1 else list(stops)) if stops else None
-    hf.generation_config.pad_token_id = None
+    # (an instruct model's padding token, a special one; else none, and generate pads nothing: no end of text)
+    hf.generation_config.pad_token_id = hf_tok.pad_token_id
     for name, value in (run.sampling_defaults() if tokenizer_path is None else {}).items():
         setattr(hf.generation_config, name, value)
 

@@ -32,6 +32,7 @@ from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
 from ..validation import did_you_mean
 from .families import init_missing_tensors, offload, onload
+from .families.remote_code import KeepsItsSourceHome
 from .configuration import AttnResConfig
 
 
@@ -84,7 +85,7 @@ class HFStaticCacheAdapter(HFCacheAdapter):
         return cos, sin, (allowed if allowed.dim() == 3 else allowed[None]).unsqueeze(1)
 
 
-class AttnResPreTrainedModel(PreTrainedModel, DecoderTrunk):
+class AttnResPreTrainedModel(KeepsItsSourceHome, PreTrainedModel, DecoderTrunk):
     """Common base: config class, the decoder trunk, init that gives every parameter the
     checkpoint lacks its faithful value (zero pseudo-queries, unit gains), attention
     implementations ("sdpa", "eager") and activation checkpointing."""

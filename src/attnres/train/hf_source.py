@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, generation_record
+from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, generation_record, is_marker_token
 from ..checkpoint import Source
-from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_weights, unreadable_weights
+from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_shards, refuse_missing_weights, unreadable_weights
 
 __all__ = ["hf_source", "load_hf_weights"]
 
@@ -28,8 +28,8 @@ def hf_source(path: str | Path) -> Source:
     state: dict[str, Any] = {"step": 0, "hf_directory": True, "tokenizer": None}
     if (path / TOKENIZER_FILE).is_file():
         tok = BPETokenizer.load(path / TOKENIZER_FILE)
-        chat = {k: v for k, v in chat_settings(path).items()
-                if k == "chat_template" or tok.backend.token_to_id(v) is not None}
+        chat = {k: v for k, v in chat_settings(path).items() if k == "chat_template"
+                or (is_marker_token(tok.backend, v) if k == "pad_token" else tok.backend.token_to_id(v) is not None)}
         state["tokenizer"] = {"kind": "bpe", "file": TOKENIZER_FILE, "vocab_size": tok.vocab_size,
                               "fingerprint": tok.fingerprint, **chat}
         if generation := generation_settings(path, tok):
@@ -39,9 +39,9 @@ def hf_source(path: str | Path) -> Source:
 
 def chat_settings(path: Path) -> dict[str, str]:
     """The chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s) and the
-    end-of-sequence and beginning-of-text tokens (``tokenizer_config.json``'s ``eos_token``,
-    ``bos_token``: a template may write ``{{ bos_token }}``) of the transformers
-    directory ``path``, those it has (:data:`attnres.data.tokenizer.CHAT_SETTINGS`)."""
+    end-of-sequence, beginning-of-text and padding tokens (``tokenizer_config.json``'s
+    ``eos_token``, ``bos_token``: a template may write ``{{ bos_token }}``, ``pad_token``) of
+    the transformers directory ``path``, those it has (:data:`attnres.data.tokenizer.CHAT_SETTINGS`)."""
     found: dict[str, str] = {}
     config = _json_object(path / "tokenizer_config.json")
     template = path / "chat_template.jinja"
@@ -49,7 +49,7 @@ def chat_settings(path: Path) -> dict[str, str]:
         found["chat_template"] = template.read_text(encoding="utf-8")
     elif isinstance(config.get("chat_template"), str):
         found["chat_template"] = config["chat_template"]
-    for name in ("eos_token", "bos_token"):
+    for name in ("eos_token", "bos_token", "pad_token"):
         token = config.get(name)
         token = token.get("content") if isinstance(token, dict) else token
         if isinstance(token, str) and token:
@@ -84,6 +84,7 @@ def load_hf_weights(model, path: str | Path) -> None:
     built from the run's config); residual tensors the directory lacks get their faithful
     init. Raises ``ValueError`` when the directory's model is another one."""
     param = next(model.parameters())
+    refuse_missing_shards(f"init_from={str(path)!r}", path, "download or copy the model again")
     try:  # the run's own class: a plain family directory loads into its AttnRes version
         loaded, loading = type(model).from_pretrained(path, config=model.config, dtype=param.dtype,
                                                       output_loading_info=True)

@@ -38,6 +38,7 @@ from ...checkpoint.locate import refuse_loading_training_output
 from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
 from ...models.saved_config import check_saved_config, config_source, naming_source
 from .layout import PREFIX, Layout, family_of, layout_of
+from .remote_code import KeepsItsSourceHome, SavesAutoMap
 
 try:  # transformers' record of the outputs of a forward (output_hidden_states, output_attentions)
     from transformers.utils.output_capturing import _active_collector as _output_collector
@@ -255,10 +256,16 @@ SAVED_FIELDS = {
 }
 
 
-class UpcycledConfigMixin:
+class UpcycledConfigMixin(SavesAutoMap):
     """What the AttnRes version of a family's config adds: ``attnres_residual`` (a
     :class:`~attnres.nn.residual.ResidualConfig` as a mapping) and ``attnres_exact_eps``.
     A saved config must hold both, and name this family's model_type and architecture."""
+
+    @classmethod
+    def auto_classes(cls) -> tuple[str, dict[str, str]]:
+        """What a saved directory's ``auto_map`` names (:class:`SavesAutoMap`; no ``AutoModel``:
+        the causal LM holds the residual)."""
+        return "attnres.hf.families.classes", {"AutoConfig": cls.__name__, "AutoModelForCausalLM": cls.architecture}
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -288,7 +295,7 @@ class UpcycledConfigMixin:
         return ResidualConfig.from_value(self.attnres_residual)
 
 
-class UpcycledModelMixin:
+class UpcycledModelMixin(KeepsItsSourceHome):
     """What the AttnRes version of a family's causal LM adds: the ``residual`` module, the
     swapped decoder layers, the epsilon adjustment and the faithful init of the residual."""
 

@@ -43,8 +43,9 @@ def upcycle(
     model_type = model.config.model_type
     layout_of(model_type)  # refuses post-norm and unknown layouts with the reason
     config_cls, model_cls = upcycled_classes(model_type)
-    if type(model) is not model_cls.__mro__[2]:  # (model_cls, UpcycledModelMixin, the family's causal LM, ...)
-        raise ValueError(f"upcycle takes the family's causal LM ({model_cls.__mro__[2].__name__}); got {type(model).__name__}")
+    family_cls = model_cls.__bases__[-1]  # (UpcycledModelMixin, the family's causal LM)
+    if type(model) is not family_cls:
+        raise ValueError(f"upcycle takes the family's causal LM ({family_cls.__name__}); got {type(model).__name__}")
     change = dict(settings)
     if block_size is not None:
         change["block_size"] = block_size

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_missing_weights, refuse_training_output, training_output,
-                                  unreadable_weights)
+from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_missing_shards, refuse_missing_weights,
+                                  refuse_training_output, training_output, unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
@@ -68,6 +68,8 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         raise ValueError(f"--model {str(source)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): the "
                          "upcycled model is written with its tokenizer, so copy the tokenizer files of the pretrained "
                          "model (tokenizer.json, tokenizer_config.json, ...) into the directory first")
+    if not gguf_file:  # (transformers: "No such file or directory: SHARD", naming neither the option nor the others)
+        refuse_missing_shards(f"--model {str(source)!r}", source, "download or copy the model again")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kw)
     except (OSError, ValueError, ImportError) as e:

@@ -1,0 +1,57 @@
+"""What makes a saved AttnRes directory load where ``attnres.hf`` was not imported (a plain
+``lm_eval --model hf`` command line, a notebook, a Hub download): transformers' own
+``trust_remote_code`` way. ``config.json`` gets an ``auto_map`` naming the classes of a small
+module file written beside it, :data:`MODULE_FILE`, which imports them from the installed
+``attnres`` package - no copy of the model code. transformers checks that file's imports
+before it runs it, so without attnres installed it says the file "requires the following
+packages that were not found in your environment: attnres".
+
+Loading after ``import attnres.hf`` is unchanged: transformers prefers the registered classes
+to an ``auto_map`` (no prompt, no warning, ``trust_remote_code`` or not).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["MODULE_FILE", "KeepsItsSourceHome", "SavesAutoMap"]
+
+#: The module file of a saved directory that ``config.json``'s ``auto_map`` names.
+MODULE_FILE = "attnres_classes.py"
+
+_DOCSTRING = '''"""The classes of this AttnRes model, for transformers' trust_remote_code loading
+(config.json's auto_map): imported from the installed attnres package with its hf extra
+(pip install -e ".[hf]" in a clone of attnres); no model code is here. After `import attnres.hf`
+the model loads without trust_remote_code."""
+'''
+
+
+class KeepsItsSourceHome:
+    """Refuses transformers' ``register_for_auto_class``, which loading with
+    ``trust_remote_code`` calls on the class it got from :data:`MODULE_FILE`: the class would
+    then save by copying its own source file (attnres's, with its relative imports) into the
+    directory, and name it in ``auto_map``."""
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class=None) -> None:
+        """Nothing: a saved directory names its classes through :data:`MODULE_FILE`."""
+
+
+class SavesAutoMap(KeepsItsSourceHome):
+    """A config whose ``save_pretrained`` writes :data:`MODULE_FILE` and names its classes in
+    ``config.json``'s ``auto_map``. ``auto_classes`` gives the module the classes are
+    imported from and the class of each Auto factory."""
+
+    @classmethod
+    def auto_classes(cls) -> tuple[str, dict[str, str]]:
+        raise NotImplementedError
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        module, classes = self.auto_classes()
+        self.auto_map = {auto: f"{Path(MODULE_FILE).stem}.{name}" for auto, name in classes.items()}
+        if not os.path.isfile(save_directory):  # (a file there: transformers' own refusal follows)
+            os.makedirs(save_directory, exist_ok=True)
+            names = ", ".join(sorted(set(classes.values())))
+            (Path(save_directory) / MODULE_FILE).write_text(f"{_DOCSTRING}\nfrom {module} import {names}  # noqa: F401\n")
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
