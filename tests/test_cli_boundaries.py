@@ -359,8 +359,8 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
                                                                                 capsys):
     """`attnres eval --batch-size auto` and `--limit 0.1`, as lm-eval's command line takes them,
     were refused by argparse ("invalid int value"). The harness now gets them as it takes them
-    (the batch found by trial; 10 % of each task's documents, rounded up); what neither accepts
-    is refused by name."""
+    (the batch found by trial; 10 % of each task's documents, rounded up) and the results file
+    records them (it did not record --limit); what neither accepts is refused by name."""
     pytest.importorskip("lm_eval")
     import json
     import math
@@ -384,6 +384,9 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
     written = json.loads(out.read_text())
     assert written["perplexity"]["tokens"] > 1000  # (the whole text: --limit is lm-eval's)
     assert math.isfinite(written["lm_eval"]["attnres_ppl"]["bits_per_byte,none"])
+    # (recorded: the scores of a tenth of each task are not the whole task's)
+    assert written["lm_eval_settings"] == {"tasks": ["attnres_ppl", "attnres_cloze"], "limit": 0.1, "num_fewshot": None,
+                                           "batch_size": "auto:2", "bootstrap_iters": 1000}
     for value, said in (("1.0", "--limit takes a whole number of documents (>= 1) or a fraction F of each task's "
                                 "documents (0 < F < 1); got 1.0 (omit it for every document)"),
                         ("2.5", "got 2.5"), ("-0.5", "got -0.5"), ("nan", "got nan")):

@@ -272,6 +272,9 @@ def run_eval(args) -> int:
                    "seq_len": args.seq_len or context_limit(model),
                    "device": str(device), "dtype": args.dtype, "perplexity": perplexity(model, tokenizer, text, args.seq_len,
                                                                        progress=True),
+                   # (what the harness was given: its scores on a --limit of each task are not the full task's)
+                   "lm_eval_settings": {"tasks": tasks, "limit": args.limit, "num_fewshot": args.num_fewshot,
+                                        "batch_size": args.batch_size, "bootstrap_iters": args.bootstrap_iters},
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
