@@ -1350,7 +1350,7 @@ def _batch_as_each_alone(run_dir, capsys, extra, each=None) -> str:
     batch, said = _generate([str(run_dir), *_GREEDY_8, "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1], *extra], capsys)
     assert batch == f"==> 1/2: --prompt #1 <==\n{each[0][0]}\n==> 2/2: --prompt #2 <==\n{each[1][0]}"
     lines = said.splitlines()
-    assert re.match(r"attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", lines[0]), said
+    assert re.search(r"^attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", said, re.M), said
     for k, (out, err) in enumerate(each, 1):
         tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens) in", err).group(1)
         assert f"  {k}/2 (--prompt #{k}): {tokens}" in lines, (said, err)
@@ -1388,16 +1388,18 @@ def test_generate_continues_several_prompts_with_chat_and_a_seed_as_one(run_dir,
     assert _generate(sampled, capsys)[0] == _generate(sampled, capsys)[0]
 
 
-def test_generate_continues_several_prompts_of_a_transformers_directory_one_after_the_other(run_dir, tmp_path, capsys):
-    """A transformers directory (an export here) decodes over its own cache, one prompt at a
-    time: each completion, sampled too, is the one that prompt gets alone with the same seed."""
+def test_generate_continues_several_prompts_of_a_transformers_directory_in_one_batch(run_dir, tmp_path, capsys):
+    """A transformers directory (an export here) continued several prompts one after the other
+    (stream_transformers took no attention mask). They go in one left-padded batch now, as the
+    run's own: greedy, each completion is the one that prompt gets alone (stop tokens and strings
+    in a batch: tests/test_hf.py); sampled, the run's batch with the same seed (a batch's rows
+    share the generator's draws: not each alone's, docs/inference.md)."""
     pytest.importorskip("transformers")
     assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
-    common = [str(tmp_path / "hf"), "--max-new-tokens", "6", "--seed", "3"]
-    each = [_generate([*common, "--prompt", p], capsys)[0] for p in ("the", "a quick brown fox")]
-    batch, said = _generate([*common, "--prompt", "the", "--prompt", "a quick brown fox"], capsys)
-    assert batch == f"==> 1/2: --prompt #1 <==\n{each[0]}\n==> 2/2: --prompt #2 <==\n{each[1]}"
-    assert "attnres generate: 2 prompts one after the other: 12 tokens in " in said and "transformers decode" in said
+    _batch_as_each_alone(tmp_path / "hf", capsys, [])
+    sampled = ["--max-new-tokens", "8", "--seed", "5", "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1]]
+    batch, said = _generate([str(tmp_path / "hf"), *sampled], capsys)
+    assert batch == _generate([str(run_dir), *sampled], capsys)[0] and "transformers decode" in said
 
 
 def test_ctrl_c_during_a_batch_prints_what_each_prompt_has(run_dir, capsys, monkeypatch):

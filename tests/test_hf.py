@@ -241,7 +241,8 @@ def test_stream_transformers_validates_before_running():
     to the model's "cached length 128 + 1 new tokens exceeds" after the work, a
     ``pad_token_id`` of -1 was fed back to the model once a row had stopped, and a single
     stop id failed as "'int' object is not iterable". They are refused at the call, as
-    :func:`attnres.inference.stream` refuses them, naming the parameter."""
+    :func:`attnres.inference.stream` refuses them, naming the parameter; an ``attention_mask``
+    too (its shape, 0/1, left padding, its device)."""
     from attnres.inference import stream_transformers
 
     native = native_model(residual="attnres_block")
@@ -256,6 +257,14 @@ def test_stream_transformers_validates_before_running():
             stream_transformers(hf, ids, **kwargs)
     with pytest.raises(ValueError, match=r"input_ids must be a non-empty tensor of shape \[batch, seq_len\], got \(20,\)"):
         stream_transformers(hf, ids[0], max_new_tokens=2)
+    ones = torch.ones(2, 20, dtype=torch.long)
+    for mask, message in ((ones[:, 1:], r"attention_mask must be a tensor of the shape of input_ids \(2, 20\), got "
+                                        r"\(2, 19\)"),
+                          (ones * 2, r"attention_mask must hold only 0 \(padding\) and 1 \(real token\)"),
+                          (torch.cat([ones[:, 1:], ones[:, :1] * 0], dim=1), "attention_mask must be left-padded"),
+                          (ones.to("meta"), r"attention_mask is on meta, the model on cpu: .*attention_mask.to\('cpu'\)")):
+        with pytest.raises(ValueError, match=message):  # as stream checks it
+            stream_transformers(hf, ids, mask, max_new_tokens=2)
     got = torch.stack(list(stream_transformers(hf, ids, max_new_tokens=109)), dim=1)
     assert torch.equal(got, generate(native, ids, max_new_tokens=109))
 
@@ -275,6 +284,69 @@ def test_stream_transformers_equals_the_native_stream():
                                                   generator=torch.Generator().manual_seed(3))), dim=1)
              for _ in range(2)]
     assert torch.equal(draws[0], draws[1]) and draws[0].shape == (2, 8)
+
+
+def _upcycled_llama():
+    """A tiny upcycled Llama (a transformers family's model with a Block AttnRes residual),
+    its queries away from zero so that depth mixing matters."""
+    from fixtures.tiny_families import tiny_model
+
+    from attnres.upcycle import upcycle
+
+    model = upcycle(tiny_model("llama"), "attnres_block", block_size=4).eval()
+    with torch.no_grad():
+        for mixer in model.residual.mixers:
+            mixer.query.normal_(std=0.3)
+    return model
+
+
+@pytest.mark.parametrize("which", ["export", "upcycled"])
+def test_stream_transformers_of_a_left_padded_batch_is_each_prompt_alone_and_transformers_generate(which):
+    """``stream_transformers`` took no ``attention_mask``: prompts of different lengths could
+    not share a batch (``attnres generate`` ran them one after the other). A left-padded batch
+    (float32) now gives each prompt's greedy tokens alone and transformers' own
+    ``generate(..., attention_mask=...)`` on the same batch, token for token; a stop token and
+    a stop string end the rows they end alone (and the stop token where ``generate``'s
+    ``eos_token_id`` ends them); sampled, the draws of attnres's own model's batch."""
+    from types import SimpleNamespace
+
+    from attnres.cli.generate import left_padded
+    from attnres.inference import stream, stream_transformers
+
+    native = native_model(residual="attnres_block")
+    model = AttnResForCausalLM.from_native(native).eval() if which == "export" else _upcycled_llama()
+    draw = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=draw).tolist() for n in (3, 7, 5)]
+    ids, mask = left_padded(prompts, "cpu")
+    angle = SimpleNamespace(decode=lambda tokens: "".join(f"<{i:03d}>" for i in tokens))  # token i reads <iii>
+
+    def batch(**kwargs):
+        return torch.stack(list(stream_transformers(model, ids, mask, max_new_tokens=8, **kwargs)), dim=1).tolist()
+
+    def alone(width=8, seed=None, **kwargs):  # each prompt by itself (seed: a generator each), padded with 5
+        rows = [torch.cat(list(stream_transformers(model, torch.tensor([prompt]), max_new_tokens=8, **kwargs, **(
+            {} if seed is None else dict(temperature=1.0, generator=torch.Generator().manual_seed(seed))))))
+                for prompt in prompts]
+        return [row.tolist() + [5] * (width - len(row)) for row in rows]
+
+    free = batch()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert free == alone() == want[:, ids.shape[1]:].tolist()
+    k = next(k for k in range(1, 6) if free[1][k] not in free[1][:k])
+    stopped = batch(stop_tokens=[free[1][k]], pad_token_id=5)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=free[1][k],
+                          pad_token_id=5)
+    assert stopped == alone(len(stopped[0]), stop_tokens=[free[1][k]]) == want[:, ids.shape[1]:].tolist()
+    assert stopped[1] == free[1][:k + 1] + [5] * (len(stopped[0]) - k - 1)
+    k = next(k for k in range(1, 6) if free[0][k] not in free[0][:k])
+    stopped = batch(stop_strings=[f"{free[0][k]:03d}"], tokenizer=angle, pad_token_id=5)
+    assert stopped == alone(len(stopped[0]), stop_strings=[f"{free[0][k]:03d}"], tokenizer=angle)
+    assert stopped[0] == free[0][:k + 1] + [5] * (len(stopped[0]) - k - 1)
+    if which == "export":  # sampled: the native batch's draws (its rows share the generator's: not each alone's)
+        sampled = batch(temperature=1.0, generator=torch.Generator().manual_seed(3))
+        own = stream(native, ids, mask, max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(3))
+        assert sampled == torch.stack(list(own), dim=1).tolist()
+        assert sampled != alone(seed=3)
 
 
 def test_generate_takes_a_transformers_directory(tmp_path, capsys):

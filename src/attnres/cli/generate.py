@@ -296,41 +296,35 @@ def left_padded(prompts: list[list[int]], device):
     return ids.to(device), (None if bool(mask.all()) else mask.to(device))
 
 
-def _streams(model, prompts: list[list[int]], args, device, sampling) -> tuple[list, str]:
-    """``(streams, the decode they run)``: attnres's own model continues the prompts in one
-    batch, left-padded - one stream of ``[B]`` tokens; a transformers model (``model.hf_architecture``,
-    a directory) one prompt after the other over its own cache - a stream of ``[1]`` tokens
-    each. ``sampling()``: the keyword arguments of each stream, a fresh seeded generator
+def _stream(model, prompts: list[list[int]], args, device, sampling) -> tuple:
+    """``(the stream of [B] tokens, the decode it runs)``: the prompts continued in one batch,
+    left-padded - by attnres's own model (:func:`~attnres.inference.stream`) or a transformers
+    model (``model.hf_architecture``, a directory: :func:`~attnres.inference.stream_transformers`,
+    over its own cache). ``sampling()``: the stream's keyword arguments, a seeded generator
     included."""
     import sys
-
-    import torch
 
     from ..inference import resolve_decode, stream, stream_transformers
     from ..models import AttnResLM
 
-    if isinstance(model, AttnResLM):
-        decode = resolve_decode(model, args.decode)
-        if decode == "compiled":  # otherwise tens of seconds pass without a word before the first token
-            print("attnres generate: compiling the decode step (torch.compile; the first token waits for it)",
-                  file=sys.stderr, flush=True)
-        ids, mask = left_padded(prompts, device)
-        steps = stream(model, ids, attention_mask=mask, chunk_size=args.chunk_size, decode=decode, **sampling())
-        return [steps], decode
-    return [stream_transformers(model, torch.tensor([ids], device=device), **sampling()) for ids in prompts], \
-        "transformers"
+    ids, mask = left_padded(prompts, device)
+    if not isinstance(model, AttnResLM):
+        return stream_transformers(model, ids, mask, **sampling()), "transformers"
+    decode = resolve_decode(model, args.decode)
+    if decode == "compiled":  # otherwise tens of seconds pass without a word before the first token
+        print("attnres generate: compiling the decode step (torch.compile; the first token waits for it)",
+              file=sys.stderr, flush=True)
+    return stream(model, ids, attention_mask=mask, chunk_size=args.chunk_size, decode=decode, **sampling()), decode
 
 
-def _collect(streams, n_rows: int) -> tuple[list[list[int]], bool]:
-    """``(each prompt's new tokens, whether Ctrl-C ended the generation)``: the streams run
-    to their end, their rows one after the other."""
+def _collect(steps, n_rows: int) -> tuple[list[list[int]], bool]:
+    """``(each prompt's new tokens, whether Ctrl-C ended the generation)``: the batch's stream
+    run to its end."""
     rows: list[list[int]] = [[] for _ in range(n_rows)]
-    width = n_rows // len(streams)  # (the rows of one stream: all, or one each)
     try:
-        for k, steps in enumerate(streams):
-            for tokens in steps:
-                for row, token in enumerate(tokens.tolist(), k * width):
-                    rows[row].append(token)
+        for tokens in steps:
+            for row, token in zip(rows, tokens.tolist()):
+                row.append(token)
     except KeyboardInterrupt:
         return rows, True
     return rows, False
@@ -387,14 +381,14 @@ def run_generate(args) -> int:
                         top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
                         stop_tokens=stops, stop_strings=until, tokenizer=tokenizer)
 
-        streams, decode = _streams(model, encoded, args, device, sampling)
+        steps, decode = _stream(model, encoded, args, device, sampling)
         new: list[int] = []
         one = StopStrings(until)  # (one prompt: its text printed as it comes)
         t0 = time.perf_counter()
         if len(prompts) == 1:
-            interrupted = print_until_stop(text_pieces(tokenizer, streams[0], new), one)
+            interrupted = print_until_stop(text_pieces(tokenizer, steps, new), one)
         else:
-            rows, interrupted = _collect(streams, len(prompts))
+            rows, interrupted = _collect(steps, len(prompts))
         elapsed = time.perf_counter() - t0
         said, n_tokens = ([], len(new)) if len(prompts) == 1 else _print_completions(tokenizer, prompts, rows, until,
                                                                                       stops)
@@ -405,8 +399,7 @@ def run_generate(args) -> int:
         ended = ("interrupted after " if interrupted else "" if one.found is None
                  else f"stopped at --stop {one.found!r} after ")
     else:
-        ended = (f"{len(prompts)} prompts " + ("in one batch" if len(streams) == 1 else "one after the other")
-                 + (", interrupted after " if interrupted else ": "))
+        ended = f"{len(prompts)} prompts in one batch" + (", interrupted after " if interrupted else ": ")
     print(f"attnres generate: {ended}{n_tokens} tokens in {elapsed:.2f} s "
           f"({n_tokens / max(elapsed, 1e-9):.1f} tokens/s, prefill included, {device}, {args.dtype}, {decode} decode)",
           *said, sep="\n", file=sys.stderr)

@@ -53,6 +53,13 @@ def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | No
     model.check_input_ids(input_ids)
     device = model_device(model)
     check_device(input_ids, "input_ids", device)  # (before the mask's values are read: on its device)
+    return _left_padding(input_ids, attention_mask, device)
+
+
+def _left_padding(input_ids: Tensor, attention_mask: Tensor | None, device: torch.device | None) -> Tensor | None:
+    """``attention_mask`` checked against the prompt ``input_ids`` (on ``device``, the model's;
+    its shape, 0/1, left padding with a real token in each row) as bool, or ``None`` when it
+    masks nothing."""
     check_device(attention_mask, "attention_mask", device)
     mask = check_left_padding(attention_mask, tuple(input_ids.shape), "the shape of input_ids")
     return None if mask is None or bool(mask.all()) else mask
@@ -328,17 +335,21 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
         logits = upcoming
 
 
-def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                        top_p: float = 1.0, stop_tokens: Iterable[int] = (), pad_token_id: int = 0,
-                        generator: torch.Generator | None = None, stop_strings: Iterable[str] | str = (),
-                        tokenizer=None) -> Iterator[Tensor]:
+def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,
+                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Iterable[int] = (),
+                        pad_token_id: int = 0, generator: torch.Generator | None = None,
+                        stop_strings: Iterable[str] | str = (), tokenizer=None) -> Iterator[Tensor]:
     """:func:`stream` for a transformers causal LM - a family's model with an AttnRes residual
     (``model.hf_architecture``, ``attnres upcycle``), an export, or any other: the prompt
-    ``input_ids [B, T]`` (no padding) through the model once, then one token a step over its
-    own cache (``past_key_values``), sampled as :func:`sample` samples; yields ``[B]`` per
-    step. Stop tokens and stop strings end a sequence as in :func:`stream` (later steps give
-    it ``pad_token_id``; the stream ends when every sequence has ended). The arguments are
-    checked at the call, as :func:`stream` checks them."""
+    ``input_ids [B, T]`` through the model once, then one token a step over its own cache
+    (``past_key_values``), sampled as :func:`sample` samples; yields ``[B]`` per step.
+    ``attention_mask [B, T]`` (1 for a token, 0 for padding; ``None``: no padding): prompts of
+    different lengths, left-padded, checked as :func:`stream` checks it; the model gets it, and
+    the position ids transformers' ``generate`` makes of it (real tokens counted) when its
+    forward takes them, each step the mask one column longer - the tokens ``generate`` gives.
+    Stop tokens and stop strings end a sequence as in :func:`stream` (later steps give it
+    ``pad_token_id``; the stream ends when every sequence has ended). The arguments are checked
+    at the call, as :func:`stream` checks them."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     _check_generator(generator, model)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
@@ -346,36 +357,64 @@ def stream_transformers(model, input_ids: Tensor, *, max_new_tokens: int, temper
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}")
     # (a model that accelerate dispatched over devices, device_map=..., moves the ids itself)
-    check_tokens(input_ids, "input_ids", None if getattr(model, "hf_device_map", None) else model_device(model))
+    device = None if getattr(model, "hf_device_map", None) else model_device(model)
+    check_tokens(input_ids, "input_ids", device)
+    mask = _left_padding(input_ids, attention_mask, device)
     check_token_values(input_ids, model.config.vocab_size)  # (on CUDA, an id out of range is a device-side assert)
     _check_context(input_ids.shape[1], max_new_tokens, context_limit(model), "the model's context")
     texts = _row_stops(stop_strings, tokenizer, input_ids.shape[0])
-    return _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id,
+    return _stream_transformers(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id,
                                 generator, texts)
 
 
-def _stream_transformers(model, input_ids, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
-                         texts):
-    """The loop behind :func:`stream_transformers`, on checked arguments."""
+def _stream_transformers(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id,
+                         generator, texts):
+    """The loop behind :func:`stream_transformers`, on checked arguments (``mask``: bool or
+    ``None``)."""
     # transformers 5.24 renamed the cache, argument and output field, from past_key_values; a
     # forward may take both names (ours do) while its output, transformers' class, has one
-    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    parameters = inspect.signature(model.forward).parameters
+    cache = "cache" if "cache" in parameters else "past_key_values"
+    padding = {} if mask is None else _padded_inputs(mask, "position_ids" in parameters)
     stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     with torch.no_grad():
-        out = model(input_ids=input_ids, use_cache=True)
+        out = model(input_ids=input_ids, use_cache=True, **padding)
         for step in range(max_new_tokens):
             tokens = sample(out.logits[:, -1].float(), temperature, top_k, top_p, generator)
             tokens = tokens.masked_fill(finished, pad_token_id)
             finished |= torch.isin(tokens, stop_ids)
             if step < max_new_tokens - 1:  # launched before the caller reads this step's tokens
-                out = model(input_ids=tokens[:, None], use_cache=True, **{cache: _output_cache(out)})
+                padding = _next_padded_inputs(padding)
+                out = model(input_ids=tokens[:, None], use_cache=True, **{cache: _output_cache(out)}, **padding)
             yield tokens
             if texts is not None:
                 if texts.update(tokens, finished)[0]:
                     return
             elif stop_ids.numel() and bool(finished.all()):
                 return
+
+
+def _padded_inputs(mask: Tensor, positions: bool) -> dict[str, Tensor]:
+    """The prefill's padding inputs as transformers' ``generate`` makes them from a left-padded
+    ``mask``: the mask (0/1 integers, as a tokenizer gives it) and, for a forward that takes
+    them (``positions``), position ids counting real tokens (``0`` on the padding)."""
+    inputs = {"attention_mask": mask.long()}
+    if positions:
+        inputs["position_ids"] = (inputs["attention_mask"].cumsum(-1) - 1).masked_fill(~mask, 0)
+    return inputs
+
+
+def _next_padded_inputs(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The padding inputs of the next decode step: the mask one real column longer, the one
+    new token's position after the last (none without padding)."""
+    if not inputs:
+        return inputs
+    mask = inputs["attention_mask"]
+    step = {"attention_mask": torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)}
+    if "position_ids" in inputs:
+        step["position_ids"] = inputs["position_ids"][:, -1:] + 1
+    return step
 
 
 def _output_cache(out):
