@@ -1424,3 +1424,19 @@ def test_ctrl_c_during_a_batch_prints_what_each_prompt_has(run_dir, capsys, monk
     assert out.out == "==> 1/2: --prompt #1 <==\nab\n\n==> 2/2: --prompt #2 <==\nxy\n"
     assert "attnres generate: 2 prompts in one batch, interrupted after 4 tokens in " in out.err
     assert "  1/2 (--prompt #1): 2 tokens" in out.err
+
+
+def test_generate_names_the_prompt_of_several_that_does_not_fit_and_reads_standard_input_once(run_dir, monkeypatch):
+    """Of several prompts, one longer than the context was refused as 'the prompt (N tokens)',
+    naming none of them; now the longest is named as given. `--prompt-file -` given twice read
+    standard input twice and refused the second, empty, read as 'is empty'; now it says
+    standard input is read once."""
+    import io
+
+    long = "the quick brown fox " * 80
+    with pytest.raises(SystemExit, match=r"the longest prompt \(--prompt #2\) \(\d+ tokens\) plus --max-new-tokens 8 "):
+        cli_main(["generate", str(run_dir), *_GREEDY_8, "--prompt", "the", "--prompt", long, "--prompt", "a"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the\n"))
+    with pytest.raises(SystemExit, match=r"--prompt-file - \(standard input\) is given 2 times, but standard input is "
+                                         "read once: give it once, with --each-line for a prompt per line"):
+        cli_main(["generate", str(run_dir), *_GREEDY_8, "--prompt-file", "-", "--prompt-file", "-"])

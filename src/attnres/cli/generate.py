@@ -56,9 +56,10 @@ def run(args, parser) -> int:
     return run_generate(args)
 
 
-def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+def check_context(prompt_tokens: int, max_new_tokens: int, limit: int, which: str = "the prompt") -> None:
     """Raise ``ValueError`` when a prompt of ``prompt_tokens`` plus ``max_new_tokens`` does not
-    fit the model's context of ``limit`` tokens (the last new token is not fed back)."""
+    fit the model's context of ``limit`` tokens (the last new token is not fed back);
+    ``which``: the prompt, as the message names it (of several, the longest and how it was given)."""
     need = prompt_tokens + max_new_tokens - 1
     if need > limit:
         room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
@@ -67,7 +68,7 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
         # One limit, the context: the prompt and the new tokens but the last fill it together.
         hint = " or ".join(hints) or (f"shorten the prompt and lower --max-new-tokens: together they may be at most "
                                       f"{limit + 1} tokens")
-        raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
+        raise ValueError(f"{which} ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
 
@@ -245,6 +246,9 @@ def read_prompts(prompts: list[str] | None, prompt_files: list[str] | None, each
     if each_line and not prompt_files:
         raise ValueError("--each-line reads the lines of --prompt-file as prompts: give --prompt-file FILE (or repeat "
                          "--prompt, one prompt each)")
+    if prompt_files is not None and prompt_files.count("-") > 1:  # (the second read found it empty)
+        raise ValueError(f"--prompt-file - (standard input) is given {prompt_files.count('-')} times, but standard input "
+                         "is read once: give it once, with --each-line for a prompt per line")
     if prompts is not None:
         found = [(text, "--prompt" if len(prompts) == 1 else f"--prompt #{n}") for n, text in enumerate(prompts, 1)]
     else:
@@ -379,7 +383,9 @@ def run_generate(args) -> int:
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         model, tokenizer, stops, chat = _load(args)
         encoded = _encode_prompts(tokenizer, prompts, args.chat, chat)
-        check_context(max(map(len, encoded)), args.max_new_tokens, context_limit(model))
+        longest = max(range(len(encoded)), key=lambda k: len(encoded[k]))  # (of several: named)
+        check_context(len(encoded[longest]), args.max_new_tokens, context_limit(model),
+                      "the prompt" if len(prompts) == 1 else f"the longest prompt ({prompts[longest][1]})")
         device = next(model.parameters()).device
 
         def sampling():
