@@ -55,3 +55,12 @@ class SavesAutoMap(KeepsItsSourceHome):
             names = ", ".join(sorted(set(classes.values())))
             (Path(save_directory) / MODULE_FILE).write_text(f"{_DOCSTRING}\nfrom {module} import {names}  # noqa: F401\n")
         return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
+    def _get_files_timestamps(self, working_dir) -> dict[str, float]:
+        """transformers' record of a folder's files before ``save_pretrained(DIR,
+        push_to_hub=True)`` writes, whose newer files it uploads - less :data:`MODULE_FILE`,
+        which :meth:`save_pretrained` writes before that record is taken: the Hub repository
+        got a ``config.json`` whose ``auto_map`` named a file it lacked."""
+        stamps = super()._get_files_timestamps(working_dir)
+        stamps.pop(MODULE_FILE, None)
+        return stamps
