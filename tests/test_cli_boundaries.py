@@ -321,18 +321,24 @@ def test_eval_of_a_run_whose_tokenizer_adds_a_bos_equals_eval_of_its_export(tmp_
 def test_generate_of_a_run_whose_tokenizer_adds_a_bos_continues_what_its_export_does(tmp_path):
     """`attnres generate RUN --prompt X` encoded the prompt without the <bos> that its export's
     tokenizer puts before it (and `attnres eval` reads before a text): the run and its export
-    continued different ids. The run's prompt now starts with it too: the same ids."""
+    continued different ids. The run's prompt now starts with it too: the same ids; README's
+    Python prompt, tokenizer.prefix_ids + encode, is those ids (a byte tokenizer had no prefix_ids)."""
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
     from attnres.cli.generate import encode_prompt
+    from attnres.data.tokenizer import ByteTokenizer
     from attnres.inference import load_run, load_tokenizer
 
     backend = _run_and_export_whose_tokenizer_adds_a_bos(tmp_path)
     prompt = "the quick brown"
     want = AutoTokenizer.from_pretrained(tmp_path / "hf")(prompt)["input_ids"]
     assert want[0] == backend.token_to_id("<bos>") and len(want) > 2
-    assert encode_prompt(load_tokenizer(load_run(tmp_path / "run")), prompt, False) == want
+    tokenizer = load_tokenizer(load_run(tmp_path / "run"))
+    assert encode_prompt(tokenizer, prompt, False) == want
+    # README's Python prompt, for a run's tokenizer of either kind: the command's ids
+    for tokenizer in (tokenizer, ByteTokenizer()):
+        assert tokenizer.prefix_ids + tokenizer.encode(prompt) == encode_prompt(tokenizer, prompt, False)
 
 
 def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, tmp_path, capsys):
