@@ -1062,11 +1062,12 @@ def test_generate_names_a_bad_sampling_option_by_its_flag_before_loading(run_dir
 
 
 @pytest.mark.parametrize("target", ["checkpoints/STEP/state.json", "checkpoints/STEP/model.safetensors", "config.json",
-                                    "metrics.jsonl", "hf/config.json", "hf/tokenizer.json"])
+                                    "metrics.jsonl", "hf/config.json", "hf/tokenizer.json", "hf/attnres_classes.py"])
 def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path, target):
     """`attnres eval RUN --out RUN/checkpoints/step-N/state.json` replaced the checkpoint's
     manifest with the results (the checkpoint no longer verified); a run's config.json or a
-    Hugging Face directory's files likewise. Refused now, before any work."""
+    Hugging Face directory's files likewise. Refused now, before any work, --overwrite or not
+    (with it, the module file that config.json's auto_map names was replaced)."""
     import shutil
 
     run = tmp_path / "run"
@@ -1074,11 +1075,12 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
     (run / "hf").mkdir()  # (a Hugging Face directory: its config.json and weights)
     (run / "hf" / "config.json").write_text("{}")
     (run / "hf" / "model.safetensors").write_bytes(b"")
+    (run / "hf" / "attnres_classes.py").write_text("from attnres.hf import AttnResConfig\n")
     step = sorted((run / "checkpoints").glob("step-*"))[-1].name
     out = run / target.replace("STEP", step)
     before = out.read_bytes() if out.exists() else None
     with pytest.raises(SystemExit) as info:
-        cli_main(["eval", str(run), "--tasks", "none", "--out", str(out)])
+        cli_main(["eval", str(run), "--tasks", "none", "--out", str(out), "--overwrite"])
     assert f"--out {str(out)!r} is a file of " in str(info.value) and "another --out" in str(info.value)
     assert (out.read_bytes() if out.exists() else None) == before
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ...output_paths import HF_MODULE_FILE
+
 __all__ = ["MODULE_FILE", "KeepsItsSourceHome", "SavesAutoMap"]
 
 #: The module file of a saved directory that ``config.json``'s ``auto_map`` names.
-MODULE_FILE = "attnres_classes.py"
+MODULE_FILE = HF_MODULE_FILE
 
 _DOCSTRING = '''"""The classes of this AttnRes model, for transformers' trust_remote_code loading
 (config.json's auto_map): imported from the installed attnres package with its hf extra
