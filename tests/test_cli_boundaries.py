@@ -394,8 +394,11 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
     assert written["lm_eval_settings"] == {"tasks": ["attnres_ppl", "attnres_cloze"], "limit": 0.1, "num_fewshot": None,
                                            "batch_size": "auto:2", "bootstrap_iters": 1000}
     for value, said in (("1.0", "--limit takes a whole number of documents (>= 1) or a fraction F of each task's "
-                                "documents (0 < F < 1); got 1.0 (omit it for every document)"),
-                        ("2.5", "got 2.5"), ("-0.5", "got -0.5"), ("nan", "got nan")):
+                                "documents (0 < F < 1); got 1.0 (write 1 for 1 document of each task, or omit it for "
+                                "every document)"),
+                        ("2.5", "got 2.5 (omit it"), ("-0.5", "got -0.5 (omit it"), ("nan", "got nan (omit it"),
+                        # (lm-eval's five documents, refused as not whole: the count to write is named)
+                        ("5.0", "got 5.0 (write 5 for 5 documents of each task, or omit it for every document)")):
         with pytest.raises(SystemExit, match=re.escape(f"attnres eval: error: {said}" if value == "1.0" else said)):
             cli_main(["eval", str(run_dir), "--limit", value, "--out", str(out)])
     for option, value in (("--batch-size", "auto:0"), ("--batch-size", "big"), ("--limit", "some")):
