@@ -1451,3 +1451,15 @@ def test_generate_names_the_prompt_of_several_that_does_not_fit_and_reads_standa
     with pytest.raises(SystemExit, match=r"--prompt-file - \(standard input\) is given 2 times, but standard input is "
                                          "read once: give it once, with --each-line for a prompt per line"):
         cli_main(["generate", str(run_dir), *_GREEDY_8, "--prompt-file", "-", "--prompt-file", "-"])
+
+
+def test_generate_help_says_how_several_prompts_are_headed_and_run():
+    """`attnres generate --help` said each completion comes under a '==> N/M: PROMPT <==' line
+    (it is how the prompt was given, not its text) and that several prompts run in one batch
+    (a transformers model continues them one after the other)."""
+    from attnres.cli import build_parser
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    said = " ".join(generate.format_help().split())
+    assert "'==> 2/3: --prompt #2 <=='" in said and "PROMPT <==" not in said
+    assert "a transformers model one after the other" in said

@@ -743,7 +743,8 @@ def test_stop_strings_none_is_none_and_text_until_stop_reads_tensors(model):
     stop = int(free[0, 2])
     assert text_until_stop(_AngleTokenizer, free[0], (), torch.tensor([stop])) == text_until_stop(
         _AngleTokenizer, free[0].tolist(), (), [stop])
-    assert text_until_stop(_AngleTokenizer, free[0], (), torch.tensor([stop])).n_tokens == free[0].tolist().index(stop) + 1
+    first = free[0].tolist().index(stop) + 1
+    assert text_until_stop(_AngleTokenizer, free[0], (), torch.tensor([stop])).n_tokens == first
     for args, message in (((free, ()), r"ids must be a list of token ids or a 1-D tensor \(one sequence's: a row of "
                                        r"generate's output, out\[0\]\); got Tensor of shape \(1, 6\)"),
                           ((free[0], (), stop), r"stop_tokens must be a list of token ids or a 1-D tensor \(\[id\] for "

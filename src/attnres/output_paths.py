@@ -21,8 +21,8 @@ from typing import Any
 from .user_warning import warn_user
 
 __all__ = ["HF_MODEL_FILES", "HF_MODULE_FILE", "HF_TOKENIZER_FILES", "HF_WEIGHT_FILES", "OutputPathError",
-           "check_output_dir", "check_output_file", "file_in_the_way", "honour_umask", "not_a_directory", "os_cause", "strict_json", "write_directory_atomically",
-           "write_text_atomically"]
+           "check_output_dir", "check_output_file", "file_in_the_way", "honour_umask", "not_a_directory", "os_cause",
+           "strict_json", "write_directory_atomically", "write_text_atomically"]
 
 
 #: The files a Hugging Face directory keeps its weights in (``save_pretrained``'s
