@@ -321,18 +321,24 @@ def test_eval_of_a_run_whose_tokenizer_adds_a_bos_equals_eval_of_its_export(tmp_
 def test_generate_of_a_run_whose_tokenizer_adds_a_bos_continues_what_its_export_does(tmp_path):
     """`attnres generate RUN --prompt X` encoded the prompt without the <bos> that its export's
     tokenizer puts before it (and `attnres eval` reads before a text): the run and its export
-    continued different ids. The run's prompt now starts with it too: the same ids."""
+    continued different ids. The run's prompt now starts with it too: the same ids; README's
+    Python prompt, tokenizer.prefix_ids + encode, is those ids (a byte tokenizer had no prefix_ids)."""
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
     from attnres.cli.generate import encode_prompt
+    from attnres.data.tokenizer import ByteTokenizer
     from attnres.inference import load_run, load_tokenizer
 
     backend = _run_and_export_whose_tokenizer_adds_a_bos(tmp_path)
     prompt = "the quick brown"
     want = AutoTokenizer.from_pretrained(tmp_path / "hf")(prompt)["input_ids"]
     assert want[0] == backend.token_to_id("<bos>") and len(want) > 2
-    assert encode_prompt(load_tokenizer(load_run(tmp_path / "run")), prompt, False) == want
+    tokenizer = load_tokenizer(load_run(tmp_path / "run"))
+    assert encode_prompt(tokenizer, prompt, False) == want
+    # README's Python prompt, for a run's tokenizer of either kind: the command's ids
+    for tokenizer in (tokenizer, ByteTokenizer()):
+        assert tokenizer.prefix_ids + tokenizer.encode(prompt) == encode_prompt(tokenizer, prompt, False)
 
 
 def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, tmp_path, capsys):
@@ -388,8 +394,11 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
     assert written["lm_eval_settings"] == {"tasks": ["attnres_ppl", "attnres_cloze"], "limit": 0.1, "num_fewshot": None,
                                            "batch_size": "auto:2", "bootstrap_iters": 1000}
     for value, said in (("1.0", "--limit takes a whole number of documents (>= 1) or a fraction F of each task's "
-                                "documents (0 < F < 1); got 1.0 (omit it for every document)"),
-                        ("2.5", "got 2.5"), ("-0.5", "got -0.5"), ("nan", "got nan")):
+                                "documents (0 < F < 1); got 1.0 (write 1 for 1 document of each task, or omit it for "
+                                "every document)"),
+                        ("2.5", "got 2.5 (omit it"), ("-0.5", "got -0.5 (omit it"), ("nan", "got nan (omit it"),
+                        # (lm-eval's five documents, refused as not whole: the count to write is named)
+                        ("5.0", "got 5.0 (write 5 for 5 documents of each task, or omit it for every document)")):
         with pytest.raises(SystemExit, match=re.escape(f"attnres eval: error: {said}" if value == "1.0" else said)):
             cli_main(["eval", str(run_dir), "--limit", value, "--out", str(out)])
     for option, value in (("--batch-size", "auto:0"), ("--batch-size", "big"), ("--limit", "some")):
@@ -1056,11 +1065,12 @@ def test_generate_names_a_bad_sampling_option_by_its_flag_before_loading(run_dir
 
 
 @pytest.mark.parametrize("target", ["checkpoints/STEP/state.json", "checkpoints/STEP/model.safetensors", "config.json",
-                                    "metrics.jsonl", "hf/config.json", "hf/tokenizer.json"])
+                                    "metrics.jsonl", "hf/config.json", "hf/tokenizer.json", "hf/attnres_classes.py"])
 def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path, target):
     """`attnres eval RUN --out RUN/checkpoints/step-N/state.json` replaced the checkpoint's
     manifest with the results (the checkpoint no longer verified); a run's config.json or a
-    Hugging Face directory's files likewise. Refused now, before any work."""
+    Hugging Face directory's files likewise. Refused now, before any work, --overwrite or not
+    (with it, the module file that config.json's auto_map names was replaced)."""
     import shutil
 
     run = tmp_path / "run"
@@ -1068,11 +1078,12 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
     (run / "hf").mkdir()  # (a Hugging Face directory: its config.json and weights)
     (run / "hf" / "config.json").write_text("{}")
     (run / "hf" / "model.safetensors").write_bytes(b"")
+    (run / "hf" / "attnres_classes.py").write_text("from attnres.hf import AttnResConfig\n")
     step = sorted((run / "checkpoints").glob("step-*"))[-1].name
     out = run / target.replace("STEP", step)
     before = out.read_bytes() if out.exists() else None
     with pytest.raises(SystemExit) as info:
-        cli_main(["eval", str(run), "--tasks", "none", "--out", str(out)])
+        cli_main(["eval", str(run), "--tasks", "none", "--out", str(out), "--overwrite"])
     assert f"--out {str(out)!r} is a file of " in str(info.value) and "another --out" in str(info.value)
     assert (out.read_bytes() if out.exists() else None) == before
 
@@ -1426,3 +1437,30 @@ def test_ctrl_c_during_a_batch_prints_what_each_prompt_has(run_dir, capsys, monk
     assert out.out == "==> 1/2: --prompt #1 <==\nab\n\n==> 2/2: --prompt #2 <==\nxy\n"
     assert "attnres generate: 2 prompts in one batch, interrupted after 4 tokens in " in out.err
     assert "  1/2 (--prompt #1): 2 tokens" in out.err
+
+
+def test_generate_names_the_prompt_of_several_that_does_not_fit_and_reads_standard_input_once(run_dir, monkeypatch):
+    """Of several prompts, one longer than the context was refused as 'the prompt (N tokens)',
+    naming none of them; now the longest is named as given. `--prompt-file -` given twice read
+    standard input twice and refused the second, empty, read as 'is empty'; now it says
+    standard input is read once."""
+    import io
+
+    long = "the quick brown fox " * 80
+    with pytest.raises(SystemExit, match=r"the longest prompt \(--prompt #2\) \(\d+ tokens\) plus --max-new-tokens 8 "):
+        cli_main(["generate", str(run_dir), *_GREEDY_8, "--prompt", "the", "--prompt", long, "--prompt", "a"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("the\n"))
+    with pytest.raises(SystemExit, match=r"--prompt-file - \(standard input\) is given 2 times, but standard input is "
+                                         "read once: give it once, with --each-line for a prompt per line"):
+        cli_main(["generate", str(run_dir), *_GREEDY_8, "--prompt-file", "-", "--prompt-file", "-"])
+
+
+def test_generate_help_says_how_several_prompts_are_headed_and_run():
+    """`attnres generate --help` said each completion comes under a '==> N/M: PROMPT <==' line
+    (it is how the prompt was given, not its text)."""
+    from attnres.cli import build_parser
+
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    said = " ".join(generate.format_help().split())
+    assert "'==> 2/3: --prompt #2 <=='" in said and "PROMPT <==" not in said
+    assert "continued together in one batch" in said

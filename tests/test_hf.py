@@ -643,6 +643,37 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
     assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
 
 
+def test_a_config_pushed_from_its_folder_uploads_the_module_file_its_auto_map_names(tmp_path, monkeypatch):
+    """``config.save_pretrained(DIR, push_to_hub=True)`` uploads the files that transformers saw
+    change while it saved; the module file ``auto_map`` names was written before it looked, so
+    the Hub repository got a config.json naming a file it lacked (trust_remote_code loading
+    failed there). Offline: the Hub client is a stand-in recording what is uploaded."""
+    from types import SimpleNamespace
+
+    import transformers.configuration_utils
+    import transformers.utils.hub
+
+    from attnres.hf.families.remote_code import MODULE_FILE
+
+    uploads = []
+
+    class Hub:
+        def create_repo(self, repo_id, **kwargs):
+            return SimpleNamespace(repo_id=repo_id)
+
+        def create_commit(self, repo_id, operations, **kwargs):
+            uploads.append(sorted(op.path_in_repo for op in operations))
+
+    for module in (transformers.configuration_utils, transformers.utils.hub):
+        monkeypatch.setattr(module, "hf_api", Hub)
+    config = AttnResForCausalLM.from_native(native_model(residual="attnres_block")).config
+    for _ in range(2):  # a new folder, then the same one again
+        config.save_pretrained(str(tmp_path / "pushed"), push_to_hub=True, repo_id="me/attnres")
+        assert uploads.pop() == sorted([MODULE_FILE, "config.json"])
+    assert json.loads((tmp_path / "pushed" / "config.json").read_text())["auto_map"]["AutoConfig"].startswith(
+        "attnres_classes.")
+
+
 @pytest.mark.slow
 def test_lm_eval_s_own_command_line_evaluates_a_saved_directory_with_trust_remote_code(tmp_path):
     """``lm_eval run --model hf --model_args pretrained=DIR,trust_remote_code=True`` (no

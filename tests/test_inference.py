@@ -728,6 +728,31 @@ def test_stop_strings_end_a_sequence_at_the_token_that_completes_them(model, dec
     assert both.shape[1] == max(_first_holding(free[0], across), 3)
 
 
+def test_stop_strings_none_is_none_and_text_until_stop_reads_tensors(model):
+    """``stop_strings=None``, transformers' default (``generate(stop_strings=config.get("stop"))``),
+    was refused as 'must be a list'; it is none. ``text_until_stop`` given ``generate``'s whole
+    output ``[1, n]`` failed in torch ('only one element tensors can be converted'), and stop
+    tokens as a tensor were never equal to an id (the text ran on past them); now a row and a
+    tensor of stop tokens read as lists, and the rest is refused naming the parameter."""
+    from attnres.inference import text_until_stop
+
+    ids = random_ids(1, 5)
+    free = generate(model, ids, max_new_tokens=6)
+    assert torch.equal(generate(model, ids, max_new_tokens=6, stop_strings=None), free)
+    assert text_until_stop(_AngleTokenizer, free[0], None) == (_AngleTokenizer.decode(free[0].tolist()), None, 6)
+    stop = int(free[0, 2])
+    assert text_until_stop(_AngleTokenizer, free[0], (), torch.tensor([stop])) == text_until_stop(
+        _AngleTokenizer, free[0].tolist(), (), [stop])
+    first = free[0].tolist().index(stop) + 1
+    assert text_until_stop(_AngleTokenizer, free[0], (), torch.tensor([stop])).n_tokens == first
+    for args, message in (((free, ()), r"ids must be a list of token ids or a 1-D tensor \(one sequence's: a row of "
+                                       r"generate's output, out\[0\]\); got Tensor of shape \(1, 6\)"),
+                          ((free[0], (), stop), r"stop_tokens must be a list of token ids or a 1-D tensor \(\[id\] for "
+                                                "one\); got int")):
+        with pytest.raises(ValueError, match=message):
+            text_until_stop(_AngleTokenizer, *args)
+
+
 def test_stop_strings_in_stream_transformers_and_their_errors():
     from types import SimpleNamespace
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from .user_warning import warn_user
 
-__all__ = ["HF_MODEL_FILES", "HF_TOKENIZER_FILES", "HF_WEIGHT_FILES", "OutputPathError", "check_output_dir", "check_output_file", "file_in_the_way",
-           "honour_umask", "not_a_directory", "os_cause", "strict_json", "write_directory_atomically",
-           "write_text_atomically"]
+__all__ = ["HF_MODEL_FILES", "HF_MODULE_FILE", "HF_TOKENIZER_FILES", "HF_WEIGHT_FILES", "OutputPathError",
+           "check_output_dir", "check_output_file", "file_in_the_way", "honour_umask", "not_a_directory", "os_cause",
+           "strict_json", "write_directory_atomically", "write_text_atomically"]
 
 
 #: The files a Hugging Face directory keeps its weights in (``save_pretrained``'s
@@ -40,8 +40,11 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
                       "merges.txt", "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
                       "generation_config.json")
+#: The module file of a saved AttnRes directory, which ``config.json``'s ``auto_map`` names
+#: for transformers' ``trust_remote_code`` loading (:mod:`attnres.hf.families.remote_code`).
+HF_MODULE_FILE = "attnres_classes.py"
 #: Every file of a model that ``attnres export`` / ``attnres upcycle`` replace as a whole.
-HF_MODEL_FILES = HF_WEIGHT_FILES + HF_TOKENIZER_FILES
+HF_MODEL_FILES = HF_WEIGHT_FILES + HF_TOKENIZER_FILES + (HF_MODULE_FILE,)
 
 
 def _finite(value: Any) -> Any:

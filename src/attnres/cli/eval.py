@@ -89,9 +89,11 @@ def _check_harness_sizes(args) -> None:
     accepted: a count >= 1, ``auto[:N]`` (the parser's), a fraction strictly between 0 and 1."""
     if not isinstance(args.limit, float):
         check_optional_count("--limit", args.limit, "every document of each task")
-    elif not 0 < args.limit < 1:
+    elif not 0 < args.limit < 1:  # (1.0 too: lm-eval's one document, or meant as all of them?)
+        count = int(args.limit) if args.limit >= 1 and args.limit.is_integer() else None
+        count = "" if count is None else f"write {count} for {count} document{'s' * (count > 1)} of each task, or "
         raise ValueError(f"--limit takes a whole number of documents (>= 1) or a fraction F of each task's documents "
-                         f"(0 < F < 1); got {args.limit} (omit it for every document)")
+                         f"(0 < F < 1); got {args.limit} ({count}omit it for every document)")
     if isinstance(args.batch_size, int) and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1 (lm-eval's batch); got {args.batch_size} ('auto' or 'auto:N' for "
                          "lm-eval's choice)")

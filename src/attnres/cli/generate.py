@@ -15,18 +15,19 @@ def add_parser(sub) -> None:
                          "upcycle's output: its own tokenizer, stopping at its end-of-sequence tokens), streaming "
                          "the text; tokens/s on stderr. A run started from an instruct model's directory stops at its "
                          "end-of-sequence tokens too; the sampling options keep their defaults here, not that "
-                         "model's (its export carries those). Several prompts are continued in one batch and printed "
-                         "one after the other, each under a '==> N/M: PROMPT <==' line.")
+                         "model's (its export carries those). Several prompts are continued together in one batch "
+                         "(left-padded) and printed one after the other, each under a line saying how it was given: '==> 2/3: --prompt #2 <==', '==> 1/2: "
+                         "--prompt-file FILE, line 4 <=='.")
     add_checkpoint_argument(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
-                        help="the text to continue; repeat it for several prompts, continued together in one batch")
+                        help="the text to continue; repeat it for several prompts, continued together")
     prompt.add_argument("--prompt-file", metavar="FILE", action="append",
                         help="read the text to continue from FILE (UTF-8), or from standard input with '-'; repeat it "
                         "for several prompts, or see --each-line")
     gen.add_argument("--each-line", action="store_true",
                      help="each line of --prompt-file is a prompt of its own (blank lines skipped), all continued "
-                     "together in one batch")
+                     "together")
     gen.add_argument("--chat", action="store_true",
                      help="give the prompt as a user's message through the tokenizer's chat template, for an instruct "
                      "model (an upcycled SmolLM2-Instruct: its own template; attnres's models: plain 'user: ...' / "
@@ -56,9 +57,10 @@ def run(args, parser) -> int:
     return run_generate(args)
 
 
-def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+def check_context(prompt_tokens: int, max_new_tokens: int, limit: int, which: str = "the prompt") -> None:
     """Raise ``ValueError`` when a prompt of ``prompt_tokens`` plus ``max_new_tokens`` does not
-    fit the model's context of ``limit`` tokens (the last new token is not fed back)."""
+    fit the model's context of ``limit`` tokens (the last new token is not fed back);
+    ``which``: the prompt, as the message names it (of several, the longest and how it was given)."""
     need = prompt_tokens + max_new_tokens - 1
     if need > limit:
         room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
@@ -67,7 +69,7 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
         # One limit, the context: the prompt and the new tokens but the last fill it together.
         hint = " or ".join(hints) or (f"shorten the prompt and lower --max-new-tokens: together they may be at most "
                                       f"{limit + 1} tokens")
-        raise ValueError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
+        raise ValueError(f"{which} ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
 
@@ -245,6 +247,9 @@ def read_prompts(prompts: list[str] | None, prompt_files: list[str] | None, each
     if each_line and not prompt_files:
         raise ValueError("--each-line reads the lines of --prompt-file as prompts: give --prompt-file FILE (or repeat "
                          "--prompt, one prompt each)")
+    if prompt_files is not None and prompt_files.count("-") > 1:  # (the second read found it empty)
+        raise ValueError(f"--prompt-file - (standard input) is given {prompt_files.count('-')} times, but standard "
+                         "input is read once: give it once, with --each-line for a prompt per line")
     if prompts is not None:
         found = [(text, "--prompt" if len(prompts) == 1 else f"--prompt #{n}") for n, text in enumerate(prompts, 1)]
     else:
@@ -332,8 +337,8 @@ def _collect(steps, n_rows: int) -> tuple[list[list[int]], bool]:
 
 def _print_completions(tokenizer, prompts: list[tuple[str, str]], rows, stops: list[str],
                        stop_ids) -> tuple[list[str], int]:
-    """Print each prompt's completion under a ``==> N/M: PROMPT <==`` line (as ``head`` heads
-    each of several files), its text up to its first stop string - as one prompt alone prints
+    """Print each prompt's completion under a ``==> N/M: HOW <==`` line, how it was given (as
+    ``head`` heads each of several files), its text up to its first stop string - as one prompt alone prints
     it (:func:`~attnres.inference.text_until_stop`); return a line on each for the summary and
     the tokens of all (to the one that ended each)."""
     from ..inference import text_until_stop
@@ -373,7 +378,9 @@ def run_generate(args) -> int:
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         model, tokenizer, stops, chat = _load(args)
         encoded = _encode_prompts(tokenizer, prompts, args.chat, chat)
-        check_context(max(map(len, encoded)), args.max_new_tokens, context_limit(model))
+        longest = max(range(len(encoded)), key=lambda k: len(encoded[k]))  # (of several: named)
+        check_context(len(encoded[longest]), args.max_new_tokens, context_limit(model),
+                      "the prompt" if len(prompts) == 1 else f"the longest prompt ({prompts[longest][1]})")
         device = next(model.parameters()).device
 
         def sampling():

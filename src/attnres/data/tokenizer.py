@@ -67,6 +67,12 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
+    @property
+    def prefix_ids(self) -> list[int]:
+        """None: bytes have no beginning-of-text token (:attr:`BPETokenizer.prefix_ids`), so a
+        prompt is ``tokenizer.prefix_ids + tokenizer.encode(text)`` with either tokenizer."""
+        return []
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.vocab_size} tokens)"
 

@@ -13,6 +13,7 @@ text before the stop string, what ``attnres generate`` prints.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from numbers import Integral
 from typing import NamedTuple
 
 import torch
@@ -90,15 +91,16 @@ class Completion(NamedTuple):
     n_tokens: int  #: the tokens read: up to the one that ended it (a stop string's last, a stop token), or all
 
 
-def text_until_stop(tokenizer, ids: Iterable[int], stop_strings: Iterable[str] | str = (),
+def text_until_stop(tokenizer, ids: Iterable[int], stop_strings: Iterable[str] | str | None = (),
                     stop_tokens: Iterable[int] = ()) -> Completion:
     """The text of ``ids`` (one sequence's new tokens, a row of ``generate``'s output) up to
     the first of ``stop_strings``, without it - what ``attnres generate --stop`` prints - and
     the stop string found. The tokens after the one that completes a stop string, or after
-    one of ``stop_tokens`` (its text kept), are not read: ``generate``'s padding."""
+    one of ``stop_tokens`` (its text kept), are not read: ``generate``'s padding. ``ids`` and
+    ``stop_tokens``: lists of ids or 1-D tensors."""
     pieces, until = TextPieces(tokenizer), StopStrings(check_stop_strings(stop_strings, tokenizer))
-    ends, out = set(stop_tokens), []
-    for token in map(int, ids):
+    ends, out = set(_token_ids(stop_tokens, "stop_tokens", "[id] for one")), []
+    for token in _token_ids(ids, "ids", "one sequence's: a row of generate's output, out[0]"):
         out.append(until.feed(pieces.add(token)))
         if until.found is not None:
             return Completion("".join(out), until.found, len(pieces.ids))
@@ -108,10 +110,27 @@ def text_until_stop(tokenizer, ids: Iterable[int], stop_strings: Iterable[str] |
     return Completion("".join(out) + until.flush(), until.found, len(pieces.ids))
 
 
-def check_stop_strings(stop_strings: Iterable[str] | str, tokenizer) -> list[str]:
-    """``stop_strings`` as a list (one string alone: that one, as transformers takes it),
-    after checking each is a non-empty ``str`` and that ``tokenizer`` can decode (``decode(ids)
-    -> str``) when there are any; ``ValueError`` naming the parameter otherwise."""
+def _token_ids(values: Iterable[int], name: str, hint: str) -> list[int]:
+    """``values`` as Python ints: a 0-d tensor's elements were never equal to an int (its
+    stop tokens were not seen), a 2-D tensor (``generate``'s output, not a row) raised torch's
+    "only one element tensors can be converted"; ``ValueError`` naming ``name`` (``hint``: what
+    to give) for those and for one int alone."""
+    if isinstance(values, Tensor) and values.dim() == 1:
+        return values.tolist()
+    if isinstance(values, (Integral, str, bytes, Tensor)) or not isinstance(values, Iterable):
+        shape = f" of shape {tuple(values.shape)}" if isinstance(values, Tensor) else ""
+        raise ValueError(f"{name} must be a list of token ids or a 1-D tensor ({hint}); got {type(values).__name__}"
+                         f"{shape}")
+    return [int(v) for v in values]
+
+
+def check_stop_strings(stop_strings: Iterable[str] | str | None, tokenizer) -> list[str]:
+    """``stop_strings`` as a list (one string alone: that one, as transformers takes it;
+    ``None``, transformers' default: none), after checking each is a non-empty ``str`` and that
+    ``tokenizer`` can decode (``decode(ids) -> str``) when there are any; ``ValueError`` naming
+    the parameter otherwise."""
+    if stop_strings is None:
+        return []
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
     if isinstance(stop_strings, (bytes, Tensor)) or not isinstance(stop_strings, Iterable):

@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ...output_paths import HF_MODULE_FILE
+
 __all__ = ["MODULE_FILE", "KeepsItsSourceHome", "SavesAutoMap"]
 
 #: The module file of a saved directory that ``config.json``'s ``auto_map`` names.
-MODULE_FILE = "attnres_classes.py"
+MODULE_FILE = HF_MODULE_FILE
 
 _DOCSTRING = '''"""The classes of this AttnRes model, for transformers' trust_remote_code loading
 (config.json's auto_map): imported from the installed attnres package with its hf extra
@@ -55,3 +57,12 @@ class SavesAutoMap(KeepsItsSourceHome):
             names = ", ".join(sorted(set(classes.values())))
             (Path(save_directory) / MODULE_FILE).write_text(f"{_DOCSTRING}\nfrom {module} import {names}  # noqa: F401\n")
         return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
+    def _get_files_timestamps(self, working_dir) -> dict[str, float]:
+        """transformers' record of a folder's files before ``save_pretrained(DIR,
+        push_to_hub=True)`` writes, whose newer files it uploads - less :data:`MODULE_FILE`,
+        which :meth:`save_pretrained` writes before that record is taken: the Hub repository
+        got a ``config.json`` whose ``auto_map`` named a file it lacked."""
+        stamps = super()._get_files_timestamps(working_dir)
+        stamps.pop(MODULE_FILE, None)
+        return stamps
