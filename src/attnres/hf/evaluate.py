@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..data.dataset import UNKNOWN_SHARE
-from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, unknown_share
+from ..data.tokenizer import ByteTokenizer, Tokenizer, unknown_share
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean_each
@@ -53,8 +53,8 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
                progress: bool = False) -> dict:
     """Next-token loss of ``model`` (an ``AttnResLM`` or a transformers causal LM) on ``text``
     in windows of ``seq_len + 1`` tokens that overlap by one, so every token but the first is
-    predicted exactly once (from at most ``seq_len`` tokens of context). A BPE tokenizer's
-    ``text`` starts with the tokens its template puts before a text (:attr:`BPETokenizer.prefix_ids`:
+    predicted exactly once (from at most ``seq_len`` tokens of context). A run's tokenizer's
+    ``text`` starts with the tokens its template puts before a text (:attr:`~attnres.data.tokenizer.BPETokenizer.prefix_ids`:
     a ``<s>``, which then predicts the text's first token), as the run's export encodes it, so
     that a run and its export give the same perplexity. Windows of the same
     length run in batches of about :data:`PERPLEXITY_BATCH_TOKENS` tokens (one token of
@@ -70,9 +70,7 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     if not 1 <= seq_len <= limit:
         raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, "
                          f"max_seq_len); got {seq_len}: omit it to use the whole context")
-    ids = tokenizer.encode(text)
-    if isinstance(tokenizer, BPETokenizer):
-        ids = tokenizer.prefix_ids + ids
+    ids = [*getattr(tokenizer, "prefix_ids", ()), *tokenizer.encode(text)]  # (as attnres generate's prompt)
     if len(ids) < 2:
         raise ValueError(f"the held-out text has {len(ids)} token{'' if len(ids) == 1 else 's'}: at least 2 are needed "
                          "(the first is only read)")
