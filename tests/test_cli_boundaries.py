@@ -557,6 +557,20 @@ def test_eval_reads_a_cached_harness_task_where_the_hub_cannot_be_reached(run_di
     assert constants.HF_HUB_OFFLINE is False
 
 
+def test_eval_says_that_harness_options_do_nothing_without_harness_tasks(run_dir, tmp_path):
+    """`attnres eval --tasks none --limit 3` ignored --limit without a word (the perplexity pass
+    reads the whole text), and the results recorded harness settings the harness never got.
+    Now a warning names the options, and the results record no harness settings."""
+    import json
+
+    out = tmp_path / "eval.json"
+    with pytest.warns(UserWarning, match=r"^--limit and --num-fewshot act on lm-eval's tasks, and --tasks none runs "
+                                         r"none: the perplexity pass reads the whole held-out text$"):
+        assert cli_main(["eval", str(run_dir), "--tasks", "none", "--limit", "3", "--num-fewshot", "2", "--out",
+                         str(out), "--device", "cpu"]) == 0
+    assert json.loads(out.read_text())["lm_eval_settings"] is None
+
+
 def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_its_checkpoints(run_dir, tmp_path):
     """`attnres eval RUN/checkpoints/step-N` wrote eval.json into the checkpoint, which the run's
     keep_checkpoints rotation deletes with it when the run goes on (or resumes), and `attnres eval

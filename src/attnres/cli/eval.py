@@ -260,6 +260,12 @@ def run_eval(args) -> int:
         for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):
             if value is not None and value < 0:
                 raise ValueError(f"{option} must be >= 0; got {value}")
+        if not tasks and (unused := [o for o, v in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot))
+                                     if v is not None]):
+            from ..user_warning import warn_user
+
+            warn_user(f"{' and '.join(unused)} act{'s' * (len(unused) == 1)} on lm-eval's tasks, and --tasks none runs "
+                      "none: the perplexity pass reads the whole held-out text")
         device = pick_device(args.device)
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
         local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
@@ -276,7 +282,8 @@ def run_eval(args) -> int:
                                                                        progress=True),
                    # (what the harness was given: its scores on a --limit of each task are not the full task's)
                    "lm_eval_settings": {"tasks": tasks, "limit": args.limit, "num_fewshot": args.num_fewshot,
-                                        "batch_size": args.batch_size, "bootstrap_iters": args.bootstrap_iters},
+                                        "batch_size": args.batch_size, "bootstrap_iters": args.bootstrap_iters}
+                   if tasks else None,  # (--tasks none: the harness was given nothing)
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
               "over {tokens} tokens".format(**results["perplexity"]))
