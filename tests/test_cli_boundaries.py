@@ -341,6 +341,23 @@ def test_generate_of_a_run_whose_tokenizer_adds_a_bos_continues_what_its_export_
         assert tokenizer.prefix_ids + tokenizer.encode(prompt) == encode_prompt(tokenizer, prompt, False)
 
 
+def test_analyze_of_a_run_whose_tokenizer_adds_a_bos_equals_analyze_of_its_export(tmp_path):
+    """`attnres analyze RUN` read the text without the <s> that its export's tokenizer puts
+    first: every window one token apart from the export's, other matrices. Now the same."""
+    pytest.importorskip("transformers")
+    import json
+
+    import torch
+
+    _run_and_export_whose_tokenizer_adds_a_bos(tmp_path)
+    common = ["--text", str(tmp_path / "corpus.txt"), "--seq-len", "16", "--rows", "3", "--device", "cpu"]
+    assert cli_main(["analyze", str(tmp_path / "run"), "--out", str(tmp_path / "of-run"), *common]) == 0
+    assert cli_main(["analyze", str(tmp_path / "hf"), *common]) == 0
+    of_run = json.loads((tmp_path / "of-run" / "mixing.json").read_text())[0]["matrix"]
+    of_export = json.loads((tmp_path / "hf-analysis" / "mixing.json").read_text())[0]["matrix"]
+    assert torch.allclose(torch.tensor(of_export), torch.tensor(of_run), atol=1e-6, rtol=0)
+
+
 def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, tmp_path, capsys):
     """`attnres eval --num-fewshot 5` (lm-eval's own option, for a task such as MMLU 5-shot) was
     an unrecognised argument. Now the harness gets it, and the results and the printed lines say

@@ -40,12 +40,16 @@ DEFAULT_ROWS = 8
 
 def analysis_tokens(run, rows: int | None = None, seq_len: int | None = None, text: str | None = None) -> torch.Tensor:
     """``[rows, seq_len]`` token ids from the run's validation split (or ``text``), windows
-    spread evenly from its start to its end that do not overlap (:func:`token_windows`)."""
+    spread evenly from its start to its end that do not overlap (:func:`token_windows`); the
+    text starts with what the tokenizer's template puts before one (a ``<s>``), as in the run's
+    export, whose analysis is then the run's."""
     from ...inference.loading import load_tokenizer
 
     if text is None:
         text = run.validation_text()
-    ids = load_tokenizer(run).encode(text)
+    tokenizer = load_tokenizer(run)
+    # (what the run's tokenizer template puts before a text, as its export's tokenizer does)
+    ids = [*getattr(tokenizer, "prefix_ids", ()), *tokenizer.encode(text)]
     device = next(run.model.parameters()).device
     return token_windows(ids, run.run_config["model"]["max_seq_len"], rows, seq_len).to(device)
 
