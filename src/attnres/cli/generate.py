@@ -113,8 +113,10 @@ def encode_prompt(tokenizer, prompt: str, chat: bool, settings: dict[str, str] |
     (:attr:`~attnres.data.tokenizer.BPETokenizer.prefix_ids`: a transformers model's ``<s>``), as
     its export's tokenizer and ``attnres eval`` encode it: the run and its export continue the
     same ids (a chat template writes its own)."""
+    from ..data.tokenizer import text_ids
+
     if not chat:
-        return [*getattr(tokenizer, "prefix_ids", ()), *tokenizer.encode(prompt)]
+        return text_ids(tokenizer, prompt)
     if hasattr(tokenizer, "encode_chat"):  # a transformers directory's tokenizer
         return tokenizer.encode_chat(prompt)
     from ..hf.export import CHAT_TEMPLATE, make_hf_tokenizer

@@ -163,6 +163,15 @@ class BPETokenizer:
         return self._tok.decode(list(ids))
 
 
+def text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of a text read on its own - a prompt, held-out text: ``tokenizer``'s template's
+    tokens before a text (:attr:`BPETokenizer.prefix_ids`, a transformers ``tokenizer.json``'s
+    ``<s>``; none for attnres's own tokenizers) and then its ids, as a run's export's tokenizer
+    encodes it in transformers, so that ``attnres generate``, ``eval`` and ``analyze`` give a
+    run and its export the same ids. (Training streams text without them: :meth:`encode`.)"""
+    return [*getattr(tokenizer, "prefix_ids", ()), *tokenizer.encode(text)]
+
+
 def unknown_share(tokenizer: Tokenizer, ids) -> tuple[str, int, float] | None:
     """``(token, count, share)`` of ``tokenizer``'s unknown token (``[UNK]``: text its
     vocabulary does not cover) among ``ids`` (a list, an array or a tensor of token ids), or

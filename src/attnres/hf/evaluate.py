@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..data.dataset import UNKNOWN_SHARE
-from ..data.tokenizer import ByteTokenizer, Tokenizer, unknown_share
+from ..data.tokenizer import ByteTokenizer, Tokenizer, text_ids, unknown_share
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean_each
@@ -70,7 +70,7 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     if not 1 <= seq_len <= limit:
         raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, "
                          f"max_seq_len); got {seq_len}: omit it to use the whole context")
-    ids = [*getattr(tokenizer, "prefix_ids", ()), *tokenizer.encode(text)]  # (as attnres generate's prompt)
+    ids = text_ids(tokenizer, text)
     if len(ids) < 2:
         raise ValueError(f"the held-out text has {len(ids)} token{'' if len(ids) == 1 else 's'}: at least 2 are needed "
                          "(the first is only read)")

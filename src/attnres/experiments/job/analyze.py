@@ -43,13 +43,12 @@ def analysis_tokens(run, rows: int | None = None, seq_len: int | None = None, te
     spread evenly from its start to its end that do not overlap (:func:`token_windows`); the
     text starts with what the tokenizer's template puts before one (a ``<s>``), as in the run's
     export, whose analysis is then the run's."""
+    from ...data.tokenizer import text_ids
     from ...inference.loading import load_tokenizer
 
     if text is None:
         text = run.validation_text()
-    tokenizer = load_tokenizer(run)
-    # (what the run's tokenizer template puts before a text, as its export's tokenizer does)
-    ids = [*getattr(tokenizer, "prefix_ids", ()), *tokenizer.encode(text)]
+    ids = text_ids(load_tokenizer(run), text)
     device = next(run.model.parameters()).device
     return token_windows(ids, run.run_config["model"]["max_seq_len"], rows, seq_len).to(device)
 
