@@ -307,7 +307,7 @@ def _stream(model, prompts: list[list[int]], args, device, sampling) -> tuple:
     """``(the stream of [B] tokens, the decode it runs)``: the prompts continued in one batch,
     left-padded - by attnres's own model (:func:`~attnres.inference.stream`) or a transformers
     model (``model.hf_architecture``, a directory: :func:`~attnres.inference.stream_transformers`,
-    over its own cache). ``sampling()``: the stream's keyword arguments, a seeded generator
+    over its own cache). ``sampling``: the stream's keyword arguments, a seeded generator
     included."""
     import sys
 
@@ -316,12 +316,12 @@ def _stream(model, prompts: list[list[int]], args, device, sampling) -> tuple:
 
     ids, mask = left_padded(prompts, device)
     if not isinstance(model, AttnResLM):
-        return stream_transformers(model, ids, mask, **sampling()), "transformers"
+        return stream_transformers(model, ids, mask, **sampling), "transformers"
     decode = resolve_decode(model, args.decode)
     if decode == "compiled":  # otherwise tens of seconds pass without a word before the first token
         print("attnres generate: compiling the decode step (torch.compile; the first token waits for it)",
               file=sys.stderr, flush=True)
-    return stream(model, ids, attention_mask=mask, chunk_size=args.chunk_size, decode=decode, **sampling()), decode
+    return stream(model, ids, attention_mask=mask, chunk_size=args.chunk_size, decode=decode, **sampling), decode
 
 
 def _collect(steps, n_rows: int) -> tuple[list[list[int]], bool]:
@@ -384,12 +384,11 @@ def run_generate(args) -> int:
         check_context(len(encoded[longest]), args.max_new_tokens, context_limit(model),
                       "the prompt" if len(prompts) == 1 else f"the longest prompt ({prompts[longest][1]})")
         device = next(model.parameters()).device
-
-        def sampling():
-            return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        # (one prompt's text is followed for its stop strings as it prints, print_until_stop; of several, the
+        # stream ends each row at its own)
+        sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
-                        stop_tokens=stops, stop_strings=until, tokenizer=tokenizer)
-
+                        stop_tokens=stops, **(dict(stop_strings=until, tokenizer=tokenizer) if len(prompts) > 1 else {}))
         steps, decode = _stream(model, encoded, args, device, sampling)
         new: list[int] = []
         one = StopStrings(until)  # (one prompt: its text printed as it comes)
