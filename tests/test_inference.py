@@ -227,7 +227,8 @@ class _CudaGenerator(torch.Generator):
 
 
 @pytest.mark.parametrize("generator, expected", [
-    (42, "generator must be a torch.Generator (torch.Generator().manual_seed(seed)) or None; got 42"),
+    (42, "generator must be a torch.Generator (torch.Generator().manual_seed(seed)), a list of them (one per row of "
+         "the batch) or None; got 42"),
     (_CudaGenerator(), "generator is on cuda:0, the model on cpu: the tokens are drawn on the model's device; use "
                        "torch.Generator(device='cpu').manual_seed(seed)"),
 ])
@@ -241,6 +242,61 @@ def test_a_generator_that_cannot_draw_the_tokens_is_refused_by_name(generator, e
     with pytest.raises(ValueError) as info:
         generate(model, random_ids(1, 4), max_new_tokens=2, temperature=temperature, generator=generator)
     assert str(info.value) == expected
+
+
+def _seeded(n, seed=11):
+    return [torch.Generator().manual_seed(seed) for _ in range(n)]
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_sampled_batch_with_a_generator_per_row_gives_each_prompt_its_tokens_alone(decode):
+    """A sampled batch drew every row from one generator, so a prompt's sampled tokens changed
+    with the other prompts beside it (vLLM seeds each request). ``generator=`` a list, one per
+    row: each row of a ragged, left-padded batch (float64) now gets the tokens its prompt gets
+    alone with a generator of the same seed - top-k / top-p included - while one generator for
+    the whole batch still draws once for all rows (reproducible; not each alone's)."""
+    model = make_model(torch.float64, residual="attnres_block").eval()
+    prompts, ids, mask = padded_batch([5, 12, 9])
+    kw = dict(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.95, decode=decode)
+    batch = generate(model, ids, mask, generator=_seeded(3), **kw)
+    alone = [generate(model, p[None], generator=_seeded(1)[0], **kw)[0] for p in prompts]
+    assert batch.tolist() == [a.tolist() for a in alone]
+    shared = generate(model, ids, mask, generator=torch.Generator().manual_seed(11), **kw)
+    assert torch.equal(shared, generate(model, ids, mask, generator=torch.Generator().manual_seed(11), **kw))
+    assert not torch.equal(shared, batch)  # (one generator's draws go to the rows in turn)
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rows = sample(logits, 0.7, 0, 1.0, _seeded(3))
+    assert rows.tolist() == [int(sample(logits[i:i + 1], 0.7, 0, 1.0, _seeded(1)[0])) for i in range(3)]
+
+
+def test_a_bad_list_of_generators_is_refused_by_name():
+    """A list of generators must hold one ``torch.Generator`` per row, on the device the
+    tokens are drawn on; otherwise ``sample``, ``stream`` / ``generate`` and
+    ``stream_transformers`` refuse it at the call, naming ``generator`` (the entry)."""
+    from attnres.hf import AttnResForCausalLM
+    from attnres.inference import stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    exported = AttnResForCausalLM.from_native(model).eval()
+    ids = random_ids(2, 4)
+    cases = (
+        (_seeded(3), "generator: a list of generators takes one per row of the batch, 2; got 3"),
+        ([], "generator: a list of generators takes one per row of the batch, 2; got 0"),
+        ([torch.Generator(), 7], r"generator\[1\] must be a torch.Generator \(torch.Generator\(\).manual_seed\(seed\)\); "
+                                 "got 7"),
+        ([_CudaGenerator(), torch.Generator()], r"generator\[0\] is on cuda:0, the model on cpu: the tokens are drawn "
+                                                r"on the model's device; use torch.Generator\(device='cpu'\)"),
+        ("ab", "generator must be a torch.Generator .*, a list of them"),
+    )
+    for generator, message in cases:
+        for temperature in (0.0, 1.0):
+            with pytest.raises(ValueError, match=message):
+                generate(model, ids, max_new_tokens=2, temperature=temperature, generator=generator)
+            with pytest.raises(ValueError, match=message):
+                stream_transformers(exported, ids, max_new_tokens=2, temperature=temperature, generator=generator)
+            on_logits = message.replace("the model's", "the logits'").replace("the model", "the logits")
+            with pytest.raises(ValueError, match=on_logits):
+                sample(torch.zeros(2, 5), temperature, generator=generator)
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])

@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0); of several prompts, each "
+                     "samples with its own generator seeded with it: its completion is the one it gets alone")
     gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens "
                      "(default: all at once)")
     gen.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
@@ -385,9 +386,11 @@ def run_generate(args) -> int:
                       "the prompt" if len(prompts) == 1 else f"the longest prompt ({prompts[longest][1]})")
         device = next(model.parameters()).device
         # (one prompt's text is followed for its stop strings as it prints, print_until_stop; of several, the
-        # stream ends each row at its own)
+        # stream ends each row at its own). Each prompt draws from a generator of its own, seeded with --seed:
+        # its sampled completion is the one it gets alone.
+        seeded = [torch.Generator(device=device).manual_seed(args.seed) for _ in prompts]
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
+                        top_p=args.top_p, generator=seeded,
                         stop_tokens=stops, **(dict(stop_strings=until, tokenizer=tokenizer) if len(prompts) > 1 else {}))
         steps, decode = _stream(model, encoded, args, device, sampling)
         new: list[int] = []
