@@ -617,6 +617,112 @@ def test_generate_prints_a_character_split_over_tokens_once_whole():
     assert cut == ["a", "\ufffd"]
 
 
+class _WholeTextPieces:
+    """``TextPieces`` as it was: the whole continuation decoded at each token (the pieces that
+    the tail window must give)."""
+
+    def __init__(self, tokenizer, ids=None):
+        self.tokenizer, self.ids, self._shown, self._text = tokenizer, [] if ids is None else ids, "", ""
+
+    def add(self, token):
+        self.ids.append(token)
+        self._text = self.tokenizer.decode(self.ids)
+        ready = self._text.rstrip("\ufffd")
+        if len(ready) <= len(self._shown):
+            return ""
+        piece, self._shown = ready[len(self._shown):], ready
+        return piece
+
+    def end(self):
+        rest, self._shown = self._text[len(self._shown):], self._text
+        return rest
+
+
+def _pieces(cls, tokenizer, ids):
+    text = cls(tokenizer)
+    return [text.add(i) for i in ids] + [text.end()]
+
+
+def _byte_fallback_tokenizer():
+    """A Llama-style tokenizer of letters, '▁' and 256 byte tokens: every character beyond
+    them is its UTF-8 bytes, each a token (byte fallback), and the decoder strips the text's
+    leading space."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers
+
+    letters = "▁abcdefghijklmnopqrstuvwxyzT.,"
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, **{c: 257 + i for i, c in enumerate(letters)}}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+
+    class ByteFallback:
+        def encode(self, text):
+            return backend.encode(text).ids
+
+        def decode(self, ids):
+            return backend.decode(list(ids))
+
+    return ByteFallback()
+
+
+def test_text_pieces_follow_a_tail_window_with_the_pieces_of_the_whole_text(monkeypatch):
+    """``TextPieces`` decoded the whole continuation at each token: quadratic in the tokens.
+    It decodes a tail window now, and gives the very pieces the whole text gave - characters
+    split over byte tokens (byte-level BPE, byte fallback with its leading space stripped, the
+    byte tokenizer, invalid bytes), so ``text_until_stop`` finds a stop string across tokens at
+    the same token, with the same text."""
+    import random
+
+    from attnres.data.tokenizer import ByteTokenizer, bpe_available, train_bpe
+    from attnres.inference import TextPieces, text_until_stop
+    from attnres.inference import stop_strings as module
+
+    text = "The café ☕ is naïve, 😀 日本 ok. " * 4
+    draw = random.Random(0)
+    cases = [(ByteTokenizer(), list(text.encode())), (ByteTokenizer(), [draw.randrange(256) for _ in range(400)]),
+             (ByteTokenizer(), [draw.choice(b"\x80\xbf\xe2\x82\xac\xf0\x9f\x98\xc3\xa9A") for _ in range(400)])]
+    fallback = _byte_fallback_tokenizer()
+    texts = [cases[0], (fallback, fallback.encode(text))]
+    if bpe_available():
+        bpe = train_bpe(text * 10, 300)
+        texts.append((bpe, bpe.encode(text)))
+        cases.append((bpe, [draw.randrange(bpe.vocab_size) for _ in range(300)]))
+    for tokenizer, ids in cases + texts:
+        assert _pieces(TextPieces, tokenizer, ids) == _pieces(_WholeTextPieces, tokenizer, ids), (tokenizer, ids)
+    stops = ["é ☕ i", "😀 日", "naïve, 😀", "k. T"]  # across byte tokens, characters and words
+    for tokenizer, ids in texts:
+        for stop in stops:
+            got = text_until_stop(tokenizer, ids, [stop])
+            with monkeypatch.context() as whole:
+                whole.setattr(module, "TextPieces", _WholeTextPieces)
+                assert got == text_until_stop(tokenizer, ids, [stop]) and got.stop == stop
+
+
+def test_text_pieces_decode_a_bounded_window_at_each_token():
+    """The work of each token is bounded: every decode reads at most a few tokens, for text
+    and for bytes that never make a whole character (the whole continuation was decoded
+    each time: the work of the n-th token grew with n)."""
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.inference import TextPieces
+
+    class Counting(ByteTokenizer):
+        def __init__(self):
+            super().__init__()
+            self.lengths = []
+
+        def decode(self, ids):
+            self.lengths.append(len(ids))
+            return super().decode(ids)
+
+    for ids in (list(("café €! 😀 naïve " * 100).encode()), [0x80] * 2000, [0xF0, 0x9F, 0x98] * 700):
+        tokenizer = Counting()
+        pieces = _pieces(TextPieces, tokenizer, ids)
+        assert "".join(pieces) == bytes(ids).decode("utf-8", errors="replace")
+        assert max(tokenizer.lengths) <= 16 and sum(tokenizer.lengths) <= 16 * len(ids), max(tokenizer.lengths)
+
+
 def test_stream_transformers_reads_the_cache_field_the_output_has():
     """A forward taking the cache by both names (``cache``, transformers 5.24's, and
     ``past_key_values``), as attnres' transformers models' do, whose output has only the
