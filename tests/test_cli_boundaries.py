@@ -1435,6 +1435,38 @@ def test_generate_continues_several_prompts_with_chat_and_a_seed_as_one(run_dir,
     _batch_as_each_alone(run_dir, capsys, [], sampling=_SAMPLED_8)
 
 
+def test_a_prompt_file_given_twice_is_numbered_and_a_repeated_prompt_warned_of(run_dir, tmp_path, capsys):
+    """`--prompt-file F --prompt-file F` printed both completions under the same
+    `--prompt-file F` header; each now says which time it is (`#1`, `#2`). A prompt given twice
+    (that file, `--prompt` twice) is warned of: each prompt samples with a generator seeded with
+    `--seed`, so the two get the same completion - the one it gets alone - not two samples."""
+    import warnings
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("the quick\n")
+
+    def run(*argv) -> tuple[str, list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = _generate([str(run_dir), *_SAMPLED_8, *argv], capsys)[0]
+        return out, [str(w.message) for w in caught if "the same prompt" in str(w.message)]
+
+    alone = _generate([str(run_dir), *_SAMPLED_8, "--prompt-file", str(prompt)], capsys)[0]
+    out, said = run("--prompt-file", str(prompt), "--prompt-file", str(prompt))
+    assert out == f"==> 1/2: --prompt-file {prompt} #1 <==\n{alone}\n==> 2/2: --prompt-file {prompt} #2 <==\n{alone}"
+    assert said == [f"--prompt-file {prompt} #2 is the same prompt as --prompt-file {prompt} #1: it gets the same "
+                    "completion (each prompt samples with a generator seeded with --seed, as alone); for several "
+                    "samples of one prompt, run it with several --seed values"]
+    out, said = run("--prompt-file", str(prompt), "--prompt-file", str(prompt), "--each-line")
+    assert f"==> 2/2: --prompt-file {prompt} #2, line 1 <==\n" in out and len(said) == 1
+    assert run("--prompt", "the", "--prompt", "a", "--prompt", "the")[1] == [
+        "--prompt #3 is the same prompt as --prompt #1: it gets the same completion (each prompt samples with a "
+        "generator seeded with --seed, as alone); for several samples of one prompt, run it with several --seed values"]
+    assert run("--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1])[1] == []
+    assert run("--prompt", "the", "--prompt", "the", "--temperature", "0")[1] == [
+        "--prompt #2 is the same prompt as --prompt #1: it gets the same completion (greedy decoding)"]
+
+
 def test_generate_continues_several_prompts_of_a_transformers_directory_in_one_batch(run_dir, tmp_path, capsys):
     """A transformers directory (an export here) continued several prompts one after the other
     (stream_transformers took no attention mask). They go in one left-padded batch now, as the
