@@ -1381,15 +1381,19 @@ _PROMPTS = ["the", "a quick brown fox"]
 _GREEDY_8 = ["--max-new-tokens", "8", "--temperature", "0"]
 
 
-def _each_alone(run_dir, capsys, extra) -> list[tuple[str, str]]:
-    return [_generate([str(run_dir), *_GREEDY_8, "--prompt", p, *extra], capsys) for p in _PROMPTS]
+_SAMPLED_8 = ["--max-new-tokens", "8", "--temperature", "1", "--top-k", "40", "--seed", "5"]
 
 
-def _batch_as_each_alone(run_dir, capsys, extra, each=None) -> str:
-    """`attnres generate` of both prompts with ``extra``: each completion and its summary line
-    as each prompt alone (``each``: their outputs, else run here); the batch's output."""
-    each = each or _each_alone(run_dir, capsys, extra)
-    batch, said = _generate([str(run_dir), *_GREEDY_8, "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1], *extra], capsys)
+def _each_alone(run_dir, capsys, extra, sampling=_GREEDY_8) -> list[tuple[str, str]]:
+    return [_generate([str(run_dir), *sampling, "--prompt", p, *extra], capsys) for p in _PROMPTS]
+
+
+def _batch_as_each_alone(run_dir, capsys, extra, each=None, sampling=_GREEDY_8) -> str:
+    """`attnres generate` of both prompts with ``extra`` (and ``sampling``, greedy by default):
+    each completion and its summary line as each prompt alone (``each``: their outputs, else
+    run here); the batch's output."""
+    each = each or _each_alone(run_dir, capsys, extra, sampling)
+    batch, said = _generate([str(run_dir), *sampling, "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1], *extra], capsys)
     assert batch == f"==> 1/2: --prompt #1 <==\n{each[0][0]}\n==> 2/2: --prompt #2 <==\n{each[1][0]}"
     lines = said.splitlines()
     assert re.search(r"^attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", said, re.M), said
@@ -1423,25 +1427,59 @@ def test_generate_continues_several_prompts_in_one_batch_as_each_alone(run_dir, 
 
 
 def test_generate_continues_several_prompts_with_chat_and_a_seed_as_one(run_dir, capsys):
-    """`--chat` puts each prompt of a batch through the template, as alone; `--seed` makes a
-    sampled batch reproducible (its rows share the generator's draws, docs/inference.md)."""
+    """`--chat` puts each prompt of a batch through the template, as alone. A sampled batch
+    drew its rows from one generator seeded with `--seed`, so a prompt's completion was not
+    the one it gets alone with that seed; each prompt now samples with a generator of its own
+    seeded with `--seed`: its completion alone (docs/inference.md)."""
     _batch_as_each_alone(run_dir, capsys, ["--chat"])
-    sampled = [str(run_dir), "--max-new-tokens", "8", "--seed", "5", "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1]]
-    assert _generate(sampled, capsys)[0] == _generate(sampled, capsys)[0]
+    _batch_as_each_alone(run_dir, capsys, [], sampling=_SAMPLED_8)
+
+
+def test_a_prompt_file_given_twice_is_numbered_and_a_repeated_prompt_warned_of(run_dir, tmp_path, capsys):
+    """`--prompt-file F --prompt-file F` printed both completions under the same
+    `--prompt-file F` header; each now says which time it is (`#1`, `#2`). A prompt given twice
+    (that file, `--prompt` twice) is warned of: each prompt samples with a generator seeded with
+    `--seed`, so the two get the same completion - the one it gets alone - not two samples."""
+    import warnings
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("the quick\n")
+
+    def run(*argv) -> tuple[str, list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = _generate([str(run_dir), *_SAMPLED_8, *argv], capsys)[0]
+        return out, [str(w.message) for w in caught if "the same prompt" in str(w.message)]
+
+    alone = _generate([str(run_dir), *_SAMPLED_8, "--prompt-file", str(prompt)], capsys)[0]
+    out, said = run("--prompt-file", str(prompt), "--prompt-file", str(prompt))
+    assert out == f"==> 1/2: --prompt-file {prompt} #1 <==\n{alone}\n==> 2/2: --prompt-file {prompt} #2 <==\n{alone}"
+    assert said == [f"--prompt-file {prompt} #2 is the same prompt as --prompt-file {prompt} #1: it gets the same "
+                    "completion (each prompt samples with a generator seeded with --seed, as alone); for several "
+                    "samples of one prompt, run it with several --seed values"]
+    out, said = run("--prompt-file", str(prompt), "--prompt-file", str(prompt), "--each-line")
+    assert f"==> 2/2: --prompt-file {prompt} #2, line 1 <==\n" in out and len(said) == 1
+    assert run("--prompt", "the", "--prompt", "a", "--prompt", "the")[1] == [
+        "--prompt #3 is the same prompt as --prompt #1: it gets the same completion (each prompt samples with a "
+        "generator seeded with --seed, as alone); for several samples of one prompt, run it with several --seed values"]
+    assert run("--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1])[1] == []
+    assert run("--prompt", "the", "--prompt", "the", "--temperature", "0")[1] == [
+        "--prompt #2 is the same prompt as --prompt #1: it gets the same completion (greedy decoding)"]
 
 
 def test_generate_continues_several_prompts_of_a_transformers_directory_in_one_batch(run_dir, tmp_path, capsys):
     """A transformers directory (an export here) continued several prompts one after the other
     (stream_transformers took no attention mask). They go in one left-padded batch now, as the
     run's own: greedy, each completion is the one that prompt gets alone (stop tokens and strings
-    in a batch: tests/test_hf.py); sampled, the run's batch with the same seed (a batch's rows
-    share the generator's draws: not each alone's, docs/inference.md)."""
+    in a batch: tests/test_hf.py); sampled, too (a generator of its own a prompt, seeded with
+    `--seed`), and the run's batch with the same seed."""
     pytest.importorskip("transformers")
     assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     _batch_as_each_alone(tmp_path / "hf", capsys, [])
-    sampled = ["--max-new-tokens", "8", "--seed", "5", "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1]]
-    batch, said = _generate([str(tmp_path / "hf"), *sampled], capsys)
-    assert batch == _generate([str(run_dir), *sampled], capsys)[0] and "transformers decode" in said
+    batch = _batch_as_each_alone(tmp_path / "hf", capsys, [], sampling=_SAMPLED_8)
+    sampled = [*_SAMPLED_8, "--prompt", _PROMPTS[0], "--prompt", _PROMPTS[1]]
+    assert batch == _generate([str(run_dir), *sampled], capsys)[0]
+    assert "transformers decode" in _generate([str(tmp_path / "hf"), *sampled], capsys)[1]
 
 
 def test_ctrl_c_during_a_batch_prints_what_each_prompt_has(run_dir, capsys, monkeypatch):

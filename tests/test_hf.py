@@ -307,7 +307,9 @@ def test_stream_transformers_of_a_left_padded_batch_is_each_prompt_alone_and_tra
     (float32) now gives each prompt's greedy tokens alone and transformers' own
     ``generate(..., attention_mask=...)`` on the same batch, token for token; a stop token and
     a stop string end the rows they end alone (and the stop token where ``generate``'s
-    ``eos_token_id`` ends them); sampled, the draws of attnres's own model's batch."""
+    ``eos_token_id`` ends them); sampled with a generator per row, each prompt's draws alone
+    (one generator for the batch gave each row draws that depended on the others), an
+    export's the draws of attnres's own model's batch."""
     from types import SimpleNamespace
 
     from attnres.cli.generate import left_padded
@@ -342,11 +344,13 @@ def test_stream_transformers_of_a_left_padded_batch_is_each_prompt_alone_and_tra
     stopped = batch(stop_strings=[f"{free[0][k]:03d}"], tokenizer=angle, pad_token_id=5)
     assert stopped == alone(len(stopped[0]), stop_strings=[f"{free[0][k]:03d}"], tokenizer=angle)
     assert stopped[0] == free[0][:k + 1] + [5] * (len(stopped[0]) - k - 1)
-    if which == "export":  # sampled: the native batch's draws (its rows share the generator's: not each alone's)
-        sampled = batch(temperature=1.0, generator=torch.Generator().manual_seed(3))
-        own = stream(native, ids, mask, max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    # sampled with a generator per row: each prompt's draws alone (and, an export, its native model's batch's)
+    sampled = batch(temperature=1.0, generator=[torch.Generator().manual_seed(3) for _ in prompts])
+    assert sampled == alone(seed=3)
+    if which == "export":
+        own = stream(native, ids, mask, max_new_tokens=8, temperature=1.0,
+                     generator=[torch.Generator().manual_seed(3) for _ in prompts])
         assert sampled == torch.stack(list(own), dim=1).tolist()
-        assert sampled != alone(seed=3)
 
 
 def test_generate_takes_a_transformers_directory(tmp_path, capsys):

@@ -227,7 +227,8 @@ class _CudaGenerator(torch.Generator):
 
 
 @pytest.mark.parametrize("generator, expected", [
-    (42, "generator must be a torch.Generator (torch.Generator().manual_seed(seed)) or None; got 42"),
+    (42, "generator must be a torch.Generator (torch.Generator().manual_seed(seed)), a list of them (one per row of "
+         "the batch) or None; got 42"),
     (_CudaGenerator(), "generator is on cuda:0, the model on cpu: the tokens are drawn on the model's device; use "
                        "torch.Generator(device='cpu').manual_seed(seed)"),
 ])
@@ -241,6 +242,61 @@ def test_a_generator_that_cannot_draw_the_tokens_is_refused_by_name(generator, e
     with pytest.raises(ValueError) as info:
         generate(model, random_ids(1, 4), max_new_tokens=2, temperature=temperature, generator=generator)
     assert str(info.value) == expected
+
+
+def _seeded(n, seed=11):
+    return [torch.Generator().manual_seed(seed) for _ in range(n)]
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_sampled_batch_with_a_generator_per_row_gives_each_prompt_its_tokens_alone(decode):
+    """A sampled batch drew every row from one generator, so a prompt's sampled tokens changed
+    with the other prompts beside it (vLLM seeds each request). ``generator=`` a list, one per
+    row: each row of a ragged, left-padded batch (float64) now gets the tokens its prompt gets
+    alone with a generator of the same seed - top-k / top-p included - while one generator for
+    the whole batch still draws once for all rows (reproducible; not each alone's)."""
+    model = make_model(torch.float64, residual="attnres_block").eval()
+    prompts, ids, mask = padded_batch([5, 12, 9])
+    kw = dict(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.95, decode=decode)
+    batch = generate(model, ids, mask, generator=_seeded(3), **kw)
+    alone = [generate(model, p[None], generator=_seeded(1)[0], **kw)[0] for p in prompts]
+    assert batch.tolist() == [a.tolist() for a in alone]
+    shared = generate(model, ids, mask, generator=torch.Generator().manual_seed(11), **kw)
+    assert torch.equal(shared, generate(model, ids, mask, generator=torch.Generator().manual_seed(11), **kw))
+    assert not torch.equal(shared, batch)  # (one generator's draws go to the rows in turn)
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rows = sample(logits, 0.7, 0, 1.0, _seeded(3))
+    assert rows.tolist() == [int(sample(logits[i:i + 1], 0.7, 0, 1.0, _seeded(1)[0])) for i in range(3)]
+
+
+def test_a_bad_list_of_generators_is_refused_by_name():
+    """A list of generators must hold one ``torch.Generator`` per row, on the device the
+    tokens are drawn on; otherwise ``sample``, ``stream`` / ``generate`` and
+    ``stream_transformers`` refuse it at the call, naming ``generator`` (the entry)."""
+    from attnres.hf import AttnResForCausalLM
+    from attnres.inference import stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    exported = AttnResForCausalLM.from_native(model).eval()
+    ids = random_ids(2, 4)
+    cases = (
+        (_seeded(3), "generator: a list of generators takes one per row of the batch, 2; got 3"),
+        ([], "generator: a list of generators takes one per row of the batch, 2; got 0"),
+        ([torch.Generator(), 7], r"generator\[1\] must be a torch.Generator \(torch.Generator\(\).manual_seed\(seed\)\); "
+                                 "got 7"),
+        ([_CudaGenerator(), torch.Generator()], r"generator\[0\] is on cuda:0, the model on cpu: the tokens are drawn "
+                                                r"on the model's device; use torch.Generator\(device='cpu'\)"),
+        ("ab", "generator must be a torch.Generator .*, a list of them"),
+    )
+    for generator, message in cases:
+        for temperature in (0.0, 1.0):
+            with pytest.raises(ValueError, match=message):
+                generate(model, ids, max_new_tokens=2, temperature=temperature, generator=generator)
+            with pytest.raises(ValueError, match=message):
+                stream_transformers(exported, ids, max_new_tokens=2, temperature=temperature, generator=generator)
+            on_logits = message.replace("the model's", "the logits'").replace("the model", "the logits")
+            with pytest.raises(ValueError, match=on_logits):
+                sample(torch.zeros(2, 5), temperature, generator=generator)
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
@@ -559,6 +615,112 @@ def test_generate_prints_a_character_split_over_tokens_once_whole():
     assert pieces[:3] == ["c", "a", "f"] and "é" in pieces and "€" in pieces  # one piece per whole character
     cut = list(text_pieces(tokenizer, ([i] for i in tokenizer.encode("aé")[:-1]), []))
     assert cut == ["a", "\ufffd"]
+
+
+class _WholeTextPieces:
+    """``TextPieces`` as it was: the whole continuation decoded at each token (the pieces that
+    the tail window must give)."""
+
+    def __init__(self, tokenizer, ids=None):
+        self.tokenizer, self.ids, self._shown, self._text = tokenizer, [] if ids is None else ids, "", ""
+
+    def add(self, token):
+        self.ids.append(token)
+        self._text = self.tokenizer.decode(self.ids)
+        ready = self._text.rstrip("\ufffd")
+        if len(ready) <= len(self._shown):
+            return ""
+        piece, self._shown = ready[len(self._shown):], ready
+        return piece
+
+    def end(self):
+        rest, self._shown = self._text[len(self._shown):], self._text
+        return rest
+
+
+def _pieces(cls, tokenizer, ids):
+    text = cls(tokenizer)
+    return [text.add(i) for i in ids] + [text.end()]
+
+
+def _byte_fallback_tokenizer():
+    """A Llama-style tokenizer of letters, '▁' and 256 byte tokens: every character beyond
+    them is its UTF-8 bytes, each a token (byte fallback), and the decoder strips the text's
+    leading space."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers
+
+    letters = "▁abcdefghijklmnopqrstuvwxyzT.,"
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, **{c: 257 + i for i, c in enumerate(letters)}}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+
+    class ByteFallback:
+        def encode(self, text):
+            return backend.encode(text).ids
+
+        def decode(self, ids):
+            return backend.decode(list(ids))
+
+    return ByteFallback()
+
+
+def test_text_pieces_follow_a_tail_window_with_the_pieces_of_the_whole_text(monkeypatch):
+    """``TextPieces`` decoded the whole continuation at each token: quadratic in the tokens.
+    It decodes a tail window now, and gives the very pieces the whole text gave - characters
+    split over byte tokens (byte-level BPE, byte fallback with its leading space stripped, the
+    byte tokenizer, invalid bytes), so ``text_until_stop`` finds a stop string across tokens at
+    the same token, with the same text."""
+    import random
+
+    from attnres.data.tokenizer import ByteTokenizer, bpe_available, train_bpe
+    from attnres.inference import TextPieces, text_until_stop
+    from attnres.inference import stop_strings as module
+
+    text = "The café ☕ is naïve, 😀 日本 ok. " * 4
+    draw = random.Random(0)
+    cases = [(ByteTokenizer(), list(text.encode())), (ByteTokenizer(), [draw.randrange(256) for _ in range(400)]),
+             (ByteTokenizer(), [draw.choice(b"\x80\xbf\xe2\x82\xac\xf0\x9f\x98\xc3\xa9A") for _ in range(400)])]
+    fallback = _byte_fallback_tokenizer()
+    texts = [cases[0], (fallback, fallback.encode(text))]
+    if bpe_available():
+        bpe = train_bpe(text * 10, 300)
+        texts.append((bpe, bpe.encode(text)))
+        cases.append((bpe, [draw.randrange(bpe.vocab_size) for _ in range(300)]))
+    for tokenizer, ids in cases + texts:
+        assert _pieces(TextPieces, tokenizer, ids) == _pieces(_WholeTextPieces, tokenizer, ids), (tokenizer, ids)
+    stops = ["é ☕ i", "😀 日", "naïve, 😀", "k. T"]  # across byte tokens, characters and words
+    for tokenizer, ids in texts:
+        for stop in stops:
+            got = text_until_stop(tokenizer, ids, [stop])
+            with monkeypatch.context() as whole:
+                whole.setattr(module, "TextPieces", _WholeTextPieces)
+                assert got == text_until_stop(tokenizer, ids, [stop]) and got.stop == stop
+
+
+def test_text_pieces_decode_a_bounded_window_at_each_token():
+    """The work of each token is bounded: every decode reads at most a few tokens, for text
+    and for bytes that never make a whole character (the whole continuation was decoded
+    each time: the work of the n-th token grew with n)."""
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.inference import TextPieces
+
+    class Counting(ByteTokenizer):
+        def __init__(self):
+            super().__init__()
+            self.lengths = []
+
+        def decode(self, ids):
+            self.lengths.append(len(ids))
+            return super().decode(ids)
+
+    for ids in (list(("café €! 😀 naïve " * 100).encode()), [0x80] * 2000, [0xF0, 0x9F, 0x98] * 700):
+        tokenizer = Counting()
+        pieces = _pieces(TextPieces, tokenizer, ids)
+        assert "".join(pieces) == bytes(ids).decode("utf-8", errors="replace")
+        assert max(tokenizer.lengths) <= 16 and sum(tokenizer.lengths) <= 16 * len(ids), max(tokenizer.lengths)
 
 
 def test_stream_transformers_reads_the_cache_field_the_output_has():

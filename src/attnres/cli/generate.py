@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                          "end-of-sequence tokens too; the sampling options keep their defaults here, not that "
                          "model's (its export carries those). Several prompts are continued together in one batch "
                          "(left-padded) and printed one after the other, each under a line saying how it was given: '==> 2/3: --prompt #2 <==', '==> 1/2: "
-                         "--prompt-file FILE, line 4 <=='.")
+                         "--prompt-file FILE, line 4 <==' ('--prompt-file FILE #2': a file given twice).")
     add_checkpoint_argument(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1: off)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0); of several prompts, each "
+                     "samples with its own generator seeded with it: its completion is the one it gets alone")
     gen.add_argument("--chunk-size", type=int, help="prefill the prompt in chunks of this many tokens "
                      "(default: all at once)")
     gen.add_argument("--tokenizer", help="tokenizer.json (or a directory holding one) to use instead of the one stored in the checkpoint")
@@ -244,7 +245,8 @@ def print_until_stop(pieces, stops) -> bool:
 
 def read_prompts(prompts: list[str] | None, prompt_files: list[str] | None, each_line: bool) -> list[tuple[str, str]]:
     """``(text, how it was given)`` of each prompt: every ``--prompt``, or every
-    ``--prompt-file`` (:func:`read_prompt`), with ``--each-line`` each of its lines that is not
+    ``--prompt-file`` (:func:`read_prompt`; a file given more than once numbered by its
+    occurrence, ``--prompt-file FILE #2``), with ``--each-line`` each of its lines that is not
     blank; an empty prompt is a ``ValueError`` naming it."""
     if each_line and not prompt_files:
         raise ValueError("--each-line reads the lines of --prompt-file as prompts: give --prompt-file FILE (or repeat "
@@ -256,8 +258,10 @@ def read_prompts(prompts: list[str] | None, prompt_files: list[str] | None, each
         found = [(text, "--prompt" if len(prompts) == 1 else f"--prompt #{n}") for n, text in enumerate(prompts, 1)]
     else:
         found = []
-        for name in prompt_files:
+        for k, name in enumerate(prompt_files):
             text, given = read_prompt(None, name)
+            if prompt_files.count(name) > 1:  # (the same file again: its header would read as the first's)
+                given += f" #{prompt_files[:k + 1].count(name)}"
             if not each_line:
                 found.append((text, given))
                 continue
@@ -289,6 +293,18 @@ def _encode_prompts(tokenizer, prompts: list[tuple[str, str]], chat: bool, setti
     return encoded
 
 
+def _warn_repeated(prompts: list[tuple[str, str]], encoded: list[list[int]], sampled: bool) -> None:
+    """Warn of prompts of the same ids (a file given twice, a line repeated): they get the
+    same completion - greedy, or (``sampled``) each with a generator seeded with ``--seed`` -
+    not several samples of one prompt."""
+    first: dict[tuple[int, ...], str] = {}
+    why = ("each prompt samples with a generator seeded with --seed, as alone); for several samples of one prompt, "
+           "run it with several --seed values" if sampled else "greedy decoding)")
+    for (_, given), ids in zip(prompts, encoded):
+        if (seen := first.setdefault(tuple(ids), given)) != given:
+            warn_user(f"{given} is the same prompt as {seen}: it gets the same completion ({why}")
+
+
 def left_padded(prompts: list[list[int]], device):
     """``(input_ids [B, T], attention_mask [B, T] or None)``: the prompts left-padded with id
     0 to the longest (``None``: all of one length, nothing to mask)."""
@@ -307,8 +323,8 @@ def _stream(model, prompts: list[list[int]], args, device, sampling) -> tuple:
     """``(the stream of [B] tokens, the decode it runs)``: the prompts continued in one batch,
     left-padded - by attnres's own model (:func:`~attnres.inference.stream`) or a transformers
     model (``model.hf_architecture``, a directory: :func:`~attnres.inference.stream_transformers`,
-    over its own cache). ``sampling``: the stream's keyword arguments, a seeded generator
-    included."""
+    over its own cache). ``sampling``: the stream's keyword arguments, a seeded generator a
+    prompt included."""
     import sys
 
     from ..inference import resolve_decode, stream, stream_transformers
@@ -380,14 +396,17 @@ def run_generate(args) -> int:
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         model, tokenizer, stops, chat = _load(args)
         encoded = _encode_prompts(tokenizer, prompts, args.chat, chat)
+        _warn_repeated(prompts, encoded, args.temperature > 0)
         longest = max(range(len(encoded)), key=lambda k: len(encoded[k]))  # (of several: named)
         check_context(len(encoded[longest]), args.max_new_tokens, context_limit(model),
                       "the prompt" if len(prompts) == 1 else f"the longest prompt ({prompts[longest][1]})")
         device = next(model.parameters()).device
         # (one prompt's text is followed for its stop strings as it prints, print_until_stop; of several, the
-        # stream ends each row at its own)
+        # stream ends each row at its own). Each prompt draws from a generator of its own, seeded with --seed:
+        # its sampled completion is the one it gets alone.
+        seeded = [torch.Generator(device=device).manual_seed(args.seed) for _ in prompts]
         sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
+                        top_p=args.top_p, generator=seeded,
                         stop_tokens=stops, **(dict(stop_strings=until, tokenizer=tokenizer) if len(prompts) > 1 else {}))
         steps, decode = _stream(model, encoded, args, device, sampling)
         new: list[int] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from numbers import Integral, Real
 
 import torch
@@ -40,6 +40,9 @@ _STATIC_MODE = {"static": "eager", "compiled": "compiled", "graph": "graph"}
 #: ``max_seq_len``): the compiled step's shapes include the capacity, so generations whose
 #: prompt and ``max_new_tokens`` differ a little share one compiled graph.
 _COMPILED_CAPACITY_STEP = 256
+#: What ``generator=`` takes: none (torch's global generator), one for the whole batch, or one
+#: per row of the batch (:func:`sample`).
+Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
 def _check_mask(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None,
@@ -144,16 +147,22 @@ def sample(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> Tensor:
     """Pick one token per row of ``logits [B, vocab]``: argmax for ``temperature == 0``,
     otherwise a draw from ``softmax(logits / temperature)`` restricted to the ``top_k``
     largest logits (``0`` = all) and then to the smallest set of tokens whose probability
     reaches ``top_p`` (nucleus). Returns ``[B]`` (int64).
 
+    ``generator``: one ``torch.Generator`` that every row draws from (in one draw), or a
+    sequence of ``B`` of them, one per row: row ``i`` then draws from ``generator[i]`` as
+    a batch of that row alone would, so a prompt's sampled tokens do not depend on the
+    other prompts of its batch (vLLM's per-request seed).
+
     A row without a distribution to draw from - NaN or infinite logits, or logits over a
     temperature near 0 beyond float32's range - takes its argmax, as greedy decoding does."""
     check_sampling(temperature, top_k, top_p)
+    _check_generator(generator, logits.device, logits.shape[0], "the logits")
     if temperature == 0:
         return logits.argmax(dim=-1)
     raw, logits = logits, logits.float() / temperature
@@ -168,7 +177,11 @@ def sample(
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     probs = logits.softmax(dim=-1)
     invalid = probs.isnan().any(dim=-1, keepdim=True)  # (multinomial refuses such a row, or draws garbage on CUDA)
-    drawn = torch.multinomial(probs.masked_fill(invalid, 1.0), 1, generator=generator)
+    probs = probs.masked_fill(invalid, 1.0)
+    if generator is None or isinstance(generator, torch.Generator):
+        drawn = torch.multinomial(probs, 1, generator=generator)
+    else:  # one draw a row, each [1, vocab] as the row alone draws it: its generator's state moves as alone
+        drawn = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs.split(1), generator)])
     return torch.where(invalid, raw.argmax(dim=-1, keepdim=True), drawn).squeeze(-1)
 
 
@@ -183,7 +196,7 @@ def stream(
     top_p: float = 1.0,
     stop_tokens: Iterable[int] = (),
     pad_token_id: int = 0,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     chunk_size: int | None = None,
     decode: str = "auto",
     stop_strings: Iterable[str] | str = (),
@@ -200,7 +213,8 @@ def stream(
     yielded, as transformers returns them (:func:`~attnres.inference.stop_strings.text_until_stop`
     gives the text before the stop string, what ``attnres generate --stop`` prints). Each
     step then reads the tokens on the host. Sampling as in :func:`sample`
-    (``temperature=0``: greedy); ``generator`` makes sampling reproducible. The prompt is
+    (``temperature=0``: greedy); ``generator`` makes sampling reproducible - one per row of
+    the batch (a list) gives each row the tokens its prompt gets alone with that generator. The prompt is
     validated (non-empty, in-vocabulary ids of dtype ``torch.long`` or ``torch.int32``, on the
     model's device, ``T + max_new_tokens - 1 <= max_seq_len``) before anything runs.
 
@@ -212,9 +226,9 @@ def stream(
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     _check_chunk_size(chunk_size)
-    _check_generator(generator, model)
     decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask, max_new_tokens)
+    _check_generator(generator, model_device(model), input_ids.shape[0], "the model")
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
     texts = _row_stops(stop_strings, tokenizer, input_ids.shape[0])
     return _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, stops, pad_token_id, generator,
@@ -227,20 +241,35 @@ def _row_stops(stop_strings, tokenizer, batch_size: int) -> RowStops | None:
     return RowStops(tokenizer, stops, batch_size) if stops else None
 
 
-def _check_generator(generator, model) -> None:
-    """``generator`` must be ``None`` or a ``torch.Generator`` on the model's device (the
-    draws happen there): a seed given as an int, or the README's CPU generator for a model
-    moved to CUDA, failed in ``torch.multinomial`` after the prompt's prefill (or, greedy,
-    was ignored without a word)."""
+def _check_generator(generator, device: torch.device | None, rows: int, holder: str) -> None:
+    """``generator`` must be ``None``, a ``torch.Generator``, or a sequence of ``rows`` of them
+    (one per row of the batch), each on ``device`` - the device of ``holder`` (the model, the
+    logits), where the tokens are drawn: a seed given as an int, or the README's CPU generator
+    for a model moved to CUDA, failed in ``torch.multinomial`` after the prompt's prefill (or,
+    greedy, was ignored without a word)."""
     if generator is None:
         return
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator (torch.Generator().manual_seed(seed)) or None; got "
-                         f"{generator!r}")
-    device = next(model.parameters()).device
-    if generator.device.type != device.type:
-        raise ValueError(f"generator is on {generator.device}, the model on {device}: the tokens are drawn on the "
-                         f"model's device; use torch.Generator(device={str(device)!r}).manual_seed(seed)")
+    if isinstance(generator, torch.Generator):
+        _check_generator_device(generator, "generator", device, holder)
+        return
+    if isinstance(generator, (str, bytes, Tensor)) or not isinstance(generator, Sequence):
+        raise ValueError(f"generator must be a torch.Generator (torch.Generator().manual_seed(seed)), a list of them "
+                         f"(one per row of the batch) or None; got {generator!r}")
+    if len(generator) != rows:
+        raise ValueError(f"generator: a list of generators takes one per row of the batch, {rows}; got "
+                         f"{len(generator)}")
+    for i, one in enumerate(generator):
+        if not isinstance(one, torch.Generator):
+            raise ValueError(f"generator[{i}] must be a torch.Generator (torch.Generator().manual_seed(seed)); got "
+                             f"{one!r}")
+        _check_generator_device(one, f"generator[{i}]", device, holder)
+
+
+def _check_generator_device(generator: torch.Generator, name: str, device: torch.device | None, holder: str) -> None:
+    if device is not None and generator.device.type != device.type:
+        whose = holder + ("'" if holder.endswith("s") else "'s")
+        raise ValueError(f"{name} is on {generator.device}, {holder} on {device}: the tokens are drawn on {whose} "
+                         f"device; use torch.Generator(device={str(device)!r}).manual_seed(seed)")
 
 
 def _check_stops(stop_tokens: Iterable[int], pad_token_id: int, vocab: int) -> list[int]:
@@ -337,7 +366,7 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
 
 def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Iterable[int] = (),
-                        pad_token_id: int = 0, generator: torch.Generator | None = None,
+                        pad_token_id: int = 0, generator: Generators = None,
                         stop_strings: Iterable[str] | str = (), tokenizer=None) -> Iterator[Tensor]:
     """:func:`stream` for a transformers causal LM - a family's model with an AttnRes residual
     (``model.hf_architecture``, ``attnres upcycle``), an export, or any other: the prompt
@@ -351,11 +380,11 @@ def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None 
     ``pad_token_id``; the stream ends when every sequence has ended). The arguments are checked
     at the call, as :func:`stream` checks them."""
     check_sampling(temperature, top_k, top_p, max_new_tokens)
-    _check_generator(generator, model)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty tensor of shape [batch, seq_len], got {got}")
+    _check_generator(generator, model_device(model), input_ids.shape[0], "the model")
     # (a model that accelerate dispatched over devices, device_map=..., moves the ids itself)
     device = None if getattr(model, "hf_device_map", None) else model_device(model)
     check_tokens(input_ids, "input_ids", device)

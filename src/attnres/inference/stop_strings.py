@@ -2,10 +2,11 @@
 (transformers' ``generate(stop_strings=..., tokenizer=...)``, vLLM's ``stop``,
 ``attnres generate --stop``).
 
-The text is followed as it grows, token by token (:class:`TextPieces`), and searched piece by
-piece (:class:`StopStrings`), so a stop string is found at the token that completes it -
-across tokens, inside one, or ending inside a character's bytes - and ``stream``,
-``generate`` and ``attnres generate`` stop at the same token. The stop string's tokens are
+The text is followed as it grows, token by token, each decoding a tail window of a few tokens
+(:class:`TextPieces`), and searched piece by piece (:class:`StopStrings`), so a stop string is
+found at the token that completes it - across tokens, inside one, or ending inside a
+character's bytes - and ``stream``, ``generate`` and ``attnres generate`` stop at the same
+token. The stop string's tokens are
 returned (as transformers does, and as a stop token is); :func:`text_until_stop` gives the
 text before the stop string, what ``attnres generate`` prints.
 """
@@ -22,33 +23,82 @@ from torch import Tensor
 __all__ = ["StopStrings", "TextPieces", "Completion", "text_until_stop", "check_stop_strings", "RowStops"]
 
 
+#: The character a decoder writes for bytes that are not (yet) a whole UTF-8 character.
+_REPLACEMENT = "\ufffd"
+#: The most tokens a character's bytes can span (UTF-8 has at most 4 bytes a character, a token
+#: at least one): past twice this many tokens whose text ends in U+FFFD, all but the last this
+#: many are settled (:meth:`TextPieces._settle_early`).
+_CHARACTER_TOKENS = 4
+
+
 class TextPieces:
     """The text of one sequence's new tokens as they come: :meth:`add` takes a token and
-    gives the text it adds. The whole continuation is decoded each time (a decoder may join
-    tokens, e.g. a word's leading space); a token that ends inside a character (a byte-level
-    token holding part of "é": U+FFFD) waits for the rest of it, so the pieces add up to the
-    final text, not to a U+FFFD that the next token completes; :meth:`end` gives a character
-    cut short by the last token, as it is. ``ids``: the tokens so far (a list given is
-    appended to)."""
+    gives the text it adds. A token that ends inside a character (a byte-level token holding
+    part of "é": U+FFFD) waits for the rest of it, so the pieces add up to the final text, not
+    to a U+FFFD that the next token completes; :meth:`end` gives a character cut short by the
+    last token, as it is. ``ids``: the tokens so far (a list given is appended to).
+
+    Decoding the whole continuation at each token costs work that grows with its length (the
+    generation quadratic in it); as transformers' ``TextStreamer`` and vLLM's detokenizer do,
+    only a tail window is decoded: from the token where the text before last ended on a
+    whole character (``_start``) to the newest, and the new text is what it adds to the
+    window's text up to where the text last ended whole (``_read``) - a decoder that joins
+    tokens (a word's leading space, a byte-fallback character) sees the tokens it joins. The
+    pieces are those that decoding the whole continuation each time gives, for decoders whose
+    text past a whole character does not depend on the tokens before it (byte-level BPE, byte
+    fallback on valid UTF-8, the byte tokenizer)."""
 
     def __init__(self, tokenizer, ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.ids = [] if ids is None else ids
-        self._shown = self._text = ""
+        self._start = self._read = 0  # the window's first token; the tokens whose text is settled
+        self._prefix = 0  # len(decode(ids[_start:_read])): where the window's new text begins
+        self._held = 0  # the U+FFFD that the settled text ends with (after _settle_early), not yet shown
+        self._tail = ""  # the text after the settled text
+        self._shown = 0  # how much of _tail is given out (-k: all but the settled text's last k U+FFFD)
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        self._text = self.tokenizer.decode(self.ids)
-        ready = self._text.rstrip("\ufffd")
-        if len(ready) <= len(self._shown):
-            return ""
-        piece, self._shown = ready[len(self._shown):], ready
+        window = self.tokenizer.decode(self.ids[self._start:])
+        self._tail = window[self._prefix:]
+        ready = self._tail.rstrip(_REPLACEMENT)
+        # (the text with its final U+FFFD held back reaches `reach` past the settled text)
+        reach = len(ready) if ready else -self._held
+        piece = ""
+        if reach > self._shown:
+            piece = (_REPLACEMENT * self._held + self._tail)[self._held + self._shown:self._held + reach]
+            self._shown = reach
+        if len(ready) == len(self._tail):  # the text ends on a whole character: all of it settled
+            self._settle(len(self.ids), self._tail)
+        elif len(self.ids) - self._read > 2 * _CHARACTER_TOKENS:
+            self._settle_early(window)
         return piece
 
     def end(self) -> str:
-        rest = self._text[len(self._shown):]
-        self._shown = self._text
+        rest = (_REPLACEMENT * self._held + self._tail)[self._held + self._shown:]
+        self._shown = len(self._tail)
         return rest
+
+    def _settle(self, upto: int, text: str) -> None:
+        """The tokens before ``upto`` are settled, ``text`` what they add to the settled text;
+        the window now starts where the settled text ended before."""
+        whole = text.rstrip(_REPLACEMENT)
+        self._held = len(text) - len(whole) + (0 if whole else self._held)
+        self._shown -= len(text)
+        self._tail = self._tail[len(text):]
+        self._start, self._read = self._read, upto
+        self._prefix = len(self.tokenizer.decode(self.ids[self._start:self._read]))
+
+    def _settle_early(self, window: str) -> None:
+        """A long run of tokens whose text ends in U+FFFD (bytes that are no character: a model
+        gone astray) would widen the window without end: the tokens before the last
+        :data:`_CHARACTER_TOKENS` are settled when their text is the window's beginning - the
+        tokens after them, 3 bytes or more, have decided any character their last bytes begin:
+        completed, it would have changed that text's final U+FFFD."""
+        upto = len(self.ids) - _CHARACTER_TOKENS
+        before = self.tokenizer.decode(self.ids[self._start:upto])
+        if window.startswith(before):
+            self._settle(upto, before[self._prefix:])
 
 
 class StopStrings:
