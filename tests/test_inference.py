@@ -910,7 +910,7 @@ def test_stop_strings_none_is_none_and_text_until_stop_reads_tensors(model):
     for args, message in (((free, ()), r"ids must be a list of token ids or a 1-D tensor \(one sequence's: a row of "
                                        r"generate's output, out\[0\]\); got Tensor of shape \(1, 6\)"),
                           ((free[0], (), stop), r"stop_tokens must be a list of token ids or a 1-D tensor \(\[id\] for "
-                                                "one\); got int")):
+                                                r"one\); got int")):
         with pytest.raises(ValueError, match=message):
             text_until_stop(_AngleTokenizer, *args)
 

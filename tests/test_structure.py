@@ -250,3 +250,29 @@ def test_imports_by_name_are_only_the_declared_ones():
                 if name in ("import_module", "__import__"):
                     found.add(path.relative_to(PACKAGE).as_posix())
     assert found == NAMED_IMPORTS
+
+
+def invalid_escapes(root: Path) -> list[str]:
+    """The Python files under ``root`` whose source Python warns about (an invalid escape
+    sequence such as ``"\\)"`` in a string that is not raw: a SyntaxWarning now, an error in a
+    later Python), each with the warning."""
+    import warnings
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compile(path.read_text(), str(path), "exec")
+        found += [f"{path.relative_to(root).as_posix()}:{w.lineno}: {w.message}" for w in caught]
+    return found
+
+
+def test_no_source_file_has_an_invalid_escape_sequence():
+    found = [name for part in ("src", "tests", "benchmarks", "studies") if (ROOT / part).is_dir()
+             for name in invalid_escapes(ROOT / part)]
+    assert not found, "\n".join(found)
+
+
+def test_the_escape_check_finds_an_invalid_escape(tmp_path):
+    (tmp_path / "m.py").write_text('x = "a\\)"\ny = r"a\\)"\n')
+    assert [line.split(":")[:2] for line in invalid_escapes(tmp_path)] == [["m.py", "1"]]
