@@ -374,6 +374,28 @@ def test_depth_weights_are_recorded_and_uniform_at_conversion():
         assert torch.allclose(w, torch.full_like(w, 1 / w.shape[0]))
 
 
+def test_depth_weights_and_depth_mixing_leave_nothing_on_the_model():
+    """The model kept the last recording forward's weights (with autograd on, their graph and
+    so the forward's activations, for as long as the model lived): ``copy.deepcopy`` of the
+    model then failed ("Only Tensors created explicitly by the user ... support the deepcopy
+    protocol"). The weights go to the caller alone; the copy is the same model."""
+    import copy
+    import gc
+    import weakref
+
+    up = upcycle(base_model("llama"), "attnres_block", block_size=4)
+    x = ids()
+    weights = up.depth_weights(x)
+    assert weights[-1].grad_fn is not None  # recorded under autograd: a loss may use them
+    held = weakref.ref(weights[-1])
+    del weights
+    gc.collect()
+    assert held() is None
+    up.depth_mixing(x)
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(up)(x).logits, up(x).logits)
+
+
 def test_other_registered_variants_wrap_the_same_modules():
     """The standard residual upcycles to the identical model; the baselines build, run and
     keep the pretrained weights (they start from their own papers' init, not the pretrained
