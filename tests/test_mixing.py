@@ -567,6 +567,22 @@ def test_the_rank_table_says_per_seed_what_each_rank_is_over(tmp_path):
         "largest over every token (16 tokens)"
 
 
+def test_a_rank_over_fewer_tokens_than_the_matrix_says_so():
+    """The rank of an input-dependent M is taken over its first ``rank_tokens`` tokens (256;
+    ``attnres analyze`` averages M over 1024 by default): the report said "averaged over 1024
+    tokens" and "largest over every token (256 tokens)". It names the first 256 of the 1024."""
+    from attnres.analysis.mixing_report import rank_table
+
+    m = model("attnres_full", perturb=1.0)
+    part = depth_mixing_matrix(m, ids(), rank_tokens=8)  # ids(): 16 tokens
+    assert part.rank_tokens == 8 and part.n_tokens == 16
+    assert part.rank_over == "largest over every token of the first 8 of the 16 tokens"
+    assert rank_table([("Full", [part], "")]).splitlines()[2].split(" | ")[3] == part.rank_over
+    assert "(largest over every token of the first 8 of the 16 tokens;" in repr(part)
+    hw = depth_mixing_matrix(model("highway", n_layers=6, perturb=0.5), ids(), rank_tokens=8)
+    assert hw.rank_over == "largest over every token and channel of the first 8 of the 16 tokens"
+
+
 def test_the_mixing_json_of_a_run_without_checkpoint_is_strict_json(tmp_path):
     """A run whose checkpoints are gone is read from its logged depth weights: no spread
     across tokens (NaN), which mixing.json wrote as ``NaN`` - not JSON; now ``null``."""

@@ -124,8 +124,8 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
 def _over(results: Sequence[DepthMixing]) -> str:
     """What the ranks of ``results`` (one per seed) are the largest over: once when the seeds
     agree, else per seed (a seed without checkpoint has only its logged averaged ``M``)."""
-    words = [r.rank_over if not r.input_dependent or not r.rank_tokens else f"{r.rank_over} ({r.rank_tokens} tokens)"
-             for r in results]
+    words = [r.rank_over if not r.input_dependent or not r.rank_tokens or r.rank_tokens < r.n_tokens  # (named there)
+             else f"{r.rank_over} ({r.rank_tokens} tokens)" for r in results]
     return words[0] if len(set(words)) == 1 else "; ".join(words) + " (per seed)"
 
 
