@@ -1202,6 +1202,34 @@ def test_a_sharded_directory_missing_shards_is_named_with_its_option_and_files(t
         cli_main(args)
 
 
+@pytest.mark.parametrize("command", ["upcycle", "generate", "eval", "analyze"])
+def test_a_config_that_does_not_fit_the_weights_is_refused_in_one_line(tmp_path, command):
+    """A directory whose config.json gives the weights other shapes (edited, or another
+    model's weights copied in): transformers raised "You set `ignore_mismatched_sizes` to
+    `False`, thus raising an error. For details look at the above report!", a traceback in
+    every command that loads a directory. One line now names the directory and the tensors."""
+    from attnres.cli import main as cli_main
+
+    src = tmp_path / "llama"
+    model = base_model("llama", vocab_size=256)
+    (upcycle(model) if command != "upcycle" else model).save_pretrained(src)
+    _byte_tokenizer().save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    (tmp_path / "held.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    args = {"upcycle": ["--model", str(src), "--out", str(tmp_path / "up")],
+            "generate": [str(src), "--prompt", "hi", "--max-new-tokens", "2"],
+            "eval": [str(src), "--tasks", "none", "--text", str(tmp_path / "held.txt")],
+            "analyze": [str(src), "--text", str(tmp_path / "held.txt"), "--seq-len", "8", "--rows", "1"]}[command]
+    where = "--model " if command == "upcycle" else ""
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {where}'.*llama': 9 weight\(s\) do not have the "
+                                         r"shapes its config\.json gives them \(model\.layers\.0\.mlp\.down_proj\.weight is "
+                                         r"\[32, 48\] in the weights, \[32, 64\] by config\.json; .*\): the config\.json is "
+                                         r"not these weights' model; restore [^\n]*$"):
+        cli_main([command, *args])
+    assert not (tmp_path / "up").exists()
+
+
 @pytest.mark.parametrize("command", ["upcycle", "train"])
 def test_a_directory_without_the_lm_head_is_refused(tmp_path, command):
     """A sequence classifier's (a reward model's) directory, of a supported family: its weights

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_missing_shards, refuse_missing_weights,
-                                  refuse_training_output, training_output, unreadable_weights)
+from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
+                                  refuse_missing_weights, refuse_training_output, training_output, unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
@@ -75,9 +75,12 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"--model {str(source)!r}: its tokenizer cannot be loaded: {e}") from None
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True, **kw)
+        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
+                                                              ignore_mismatched_sizes=True, **kw)  # (refused below)
     except WEIGHT_READ_ERRORS as e:  # (a download or copy cut short, a pickle of more than tensors: a traceback)
         raise unreadable_weights(f"--model {str(source)!r}", e, "download or copy the model again") from None
+    refuse_mismatched_weights(f"--model {str(source)!r}", loading["mismatched_keys"],
+                              "restore the model's own config.json, or download or copy the model again")
     refuse_missing_weights(f"--model {str(source)!r}", source, loading["missing_keys"],  # (a base model, a classifier)
                            "give the directory of a causal LM (a ...ForCausalLM's save_pretrained)")
     model.eval()
