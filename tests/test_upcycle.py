@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -1171,6 +1172,24 @@ def test_upcycle_names_a_truncated_weights_file(tmp_path):
                                          r"\.safetensors file is truncated or corrupted \(.*\); download or copy"):
         cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up")])
     assert not (tmp_path / "up").exists()
+
+
+def test_upcycle_names_the_file_given_as_model(tmp_path, monkeypatch):
+    """A .gguf file that is none was named as its folder ("--model '.': cannot read its
+    config: ./x.gguf does not start with the GGUF magic bytes"); another file (a text file,
+    a config.json) was read as a config ("is not a valid JSON file"). Both are named as given."""
+    pytest.importorskip("gguf")
+    from attnres.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    Path("x.gguf").write_text("not a GGUF file")
+    with pytest.raises(SystemExit, match=r"^attnres upcycle: error: --model 'x\.gguf': cannot read its config: .*GGUF"):
+        cli_main(["upcycle", "--model", "x.gguf", "--out", "up"])
+    Path("notes.txt").write_text("hello")
+    with pytest.raises(SystemExit, match=r"^attnres upcycle: error: --model 'notes\.txt' is a file, neither a "
+                                         r"save_pretrained directory nor a \.gguf file: give the directory"):
+        cli_main(["upcycle", "--model", "notes.txt", "--out", "up"])
+    assert not Path("up").exists()
 
 
 @pytest.mark.parametrize("command", ["upcycle", "eval", "generate", "train"])

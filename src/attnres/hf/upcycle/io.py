@@ -53,7 +53,10 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         source, gguf_file = smollm2_gguf()
     source = local_folder(str(source))
     source = Path(source)
-    if source.is_file() and source.suffix.lower() == ".gguf":  # (MODEL.GGUF too)
+    if source.is_file() and source.suffix.lower() != ".gguf":  # (read as a config: "not a valid JSON file")
+        raise ValueError(f"--model {str(source)!r} is a file, neither a save_pretrained directory nor a .gguf file: "
+                         "give the directory that holds the model's config.json, weights and tokenizer")
+    if source.is_file():  # (MODEL.GGUF too)
         source, gguf_file = source.parent, source.name
     if not source.exists():
         raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file, a "
@@ -111,8 +114,9 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
                          f"{_model_below(source)}")
     try:
         config = AutoConfig.from_pretrained(source, **kw)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {str(source)!r}: cannot read its config: {e}") from None
+    except (OSError, ValueError) as e:  # (a GGUF file named as the file: its folder was '.' beside it)
+        shown = source / kw["gguf_file"] if kw.get("gguf_file") else source
+        raise ValueError(f"--model {str(shown)!r}: cannot read its config: {e}") from None
     layout_of(config.model_type)
     stored = getattr(config, "dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
