@@ -499,6 +499,8 @@ def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path):
     assert result["residual"] == "attnres_block" and result["step"] is None
     M = torch.tensor(result["matrix"])
     assert M.shape[0] == M.shape[1] and bool(torch.isfinite(M).all())
+    report = (tmp_path / "up-analysis" / "report.md").read_text()  # uniform at conversion: said so, not a miss
+    assert "| 1: every weight uniform (zero pseudo-queries: a model at initialisation, an upcycle at conversion)" in report
     with pytest.raises(SystemExit, match=r"holds a LlamaForCausalLM, which has no residual of attnres to analyse: "
                                          r"upcycle it first"):
         cli_main(["analyze", str(src), "--out", str(tmp_path / "plain"), *common])

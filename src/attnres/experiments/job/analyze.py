@@ -27,6 +27,7 @@ from ...analysis.mixing_report import (
     rank_expectation,
     rank_table,
     sink_table,
+    uniform_weights,
 )
 from ...user_warning import warn_user
 
@@ -155,8 +156,11 @@ def expert_load_section(models: list[tuple[str, list[dict]]]) -> str:
             "block's partial sum).\n\n" + expert_load_table(loads, weights) + "\n")
 
 
-def _expect(info: dict) -> tuple[str, int | None, int | None]:
-    return rank_expectation(info["residual"], info["L"], info["block_size"], info["n_streams"])
+def _expect(info: dict, results: list[DepthMixing]) -> tuple[str, int | None, int | None]:
+    """Report §6.2's rank for the model of ``info``, measured as ``results`` (one per seed):
+    rank 1 where every seed's weights are uniform (zero queries: an upcycle at conversion)."""
+    return rank_expectation(info["residual"], info["L"], info["block_size"], info["n_streams"],
+                            uniform=all(uniform_weights(r) for r in results))
 
 
 def _label(info: dict) -> str:
@@ -250,7 +254,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
         parts.append(f"- **{n}**: `{info['checkpoint']}`{step}: {_label(info)}"
                      + (f"; vectors reduced by {r.reduction}" if r.reduction else ""))
     parts.append(f"\n{picture}\n")
-    parts.append("## Semiseparable rank\n\n" + rank_table([(f"{n}: {_label(i)}", [r], _expect(i)[0])
+    parts.append("## Semiseparable rank\n\n" + rank_table([(f"{n}: {_label(i)}", [r], _expect(i, [r])[0])
                                                             for n, (r, i) in zip(names, items)]) + "\n")
     parts.append("## Sink table\n\n" + "\n\n".join(sink_table(f"{n}: {_label(i)}", [r]) for n, (r, i) in zip(names, items))
                  + "\n")
@@ -261,7 +265,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
         parts.append(_comparison_section(items[0][0], items[1][0], diff))
     findings = []
     for n, (r, info) in zip(names, items):
-        _, low, high = _expect(info)
+        _, low, high = _expect(info, [r])
         findings += mixing_findings(f"{n} ({info['residual']})", [r], low, high)
     parts.append("## Findings (computed)\n\nOne checkpoint per model: the report's claims need at least 3 seeds "
                  "(`attnres compare --seeds 0 1 2` reports them over seeds).\n\n" + "\n".join(f"- {f}" for f in findings))
@@ -369,11 +373,11 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     parts = ["## Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)",
              method_note(n_tokens or first.n_tokens) + note,
              "![depth mixing matrices](mixing.png)",
-             rank_table([(labels.get(n, n), [r for r, _ in rs], _expect(rs[0][1])[0]) for n, rs in results.items()]),
+             rank_table([(labels.get(n, n), [r for r, _ in rs], _expect(rs[0][1], [r for r, _ in rs])[0]) for n, rs in results.items()]),
              "\n\n".join(sink_table(labels.get(n, n), [r for r, _ in rs]) for n, rs in results.items())]
     findings = []
     for n, rs in results.items():
-        _, low, high = _expect(rs[0][1])
+        _, low, high = _expect(rs[0][1], [r for r, _ in rs])
         if all(r.n_tokens == 0 for r, _ in rs):
             low = high = None  # the §6.2 bounds are about each token's M, not the average
         findings += mixing_findings(labels.get(n, n), [r for r, _ in rs], low, high)
