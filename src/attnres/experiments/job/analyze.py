@@ -30,6 +30,7 @@ from ...analysis.mixing_report import (
     uniform_weights,
 )
 from ...user_warning import warn_user
+from ...validation import check_optional_count
 
 __all__ = ["analysis_tokens", "analyze_checkpoint", "write_analysis", "mixing_section", "moe_layers",
            "expert_load_section", "DEFAULT_ROWS"]
@@ -230,6 +231,10 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     from ...checkpoint import CheckpointError, is_hf_directory, no_checkpoint_at
     from ...checkpoint.locate import newest_state
 
+    # (the command checks these first too, before a Hub download; in Python, rows=0 reached
+    # torch as an empty float tensor and seq_len=0 meant the default)
+    check_optional_count("--rows", rows, f"{DEFAULT_ROWS}, or as many windows as the text holds")
+    check_optional_count("--seq-len", seq_len, "min(128, the model's max_seq_len)")
     text = None if text_path is None else read_text_file(text_path, "--text")
     for path in (checkpoint, compare) if compare is not None else (checkpoint,):  # what they are, before --out
         # (its state.json only: loading verifies the checkpoint, reading every file's hash once)
