@@ -481,7 +481,7 @@ def _pretrained_directory(tmp_path, corpus):
     return tmp_path / "pretrained", base
 
 
-def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path):
+def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path, monkeypatch):
     """``attnres analyze`` of an upcycled model's directory: its depth mixing matrix at
     conversion (a family model's own ``depth_mixing``); the pretrained model it came from has
     no AttnRes residual and is refused, saying to upcycle it."""
@@ -504,6 +504,14 @@ def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"holds a LlamaForCausalLM, which has no residual of attnres to analyse: "
                                          r"upcycle it first"):
         cli_main(["analyze", str(src), "--out", str(tmp_path / "plain"), *common])
+    # As --compare: named as such, before the first model's analysis (it came after it, unnamed).
+    import attnres.experiments.job.analyze as analyze_mod
+
+    monkeypatch.setattr(analyze_mod, "analyze_checkpoint", lambda *a, **k: pytest.fail("analysed before the check"))
+    with pytest.raises(SystemExit, match=r"^attnres analyze: error: --compare: '.*pretrained' holds a "
+                                         r"LlamaForCausalLM, which has no residual of attnres to analyse"):
+        cli_main(["analyze", str(tmp_path / "up"), "--compare", str(src), "--out", str(tmp_path / "both"), *common])
+    assert not (tmp_path / "both").exists()
 
 
 def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):

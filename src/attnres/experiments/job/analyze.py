@@ -122,10 +122,28 @@ def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int
     if native:
         model = model.to_native().eval()
     elif not hasattr(model, "depth_mixing"):
-        raise ValueError(f"{str(path)!r} holds a {type(model).__name__}, which has no residual of attnres to analyse: "
-                         "upcycle it first (attnres upcycle --model DIR --out NEW), or give an attnres run or export")
+        raise ValueError(_plain_model(path, type(model).__name__))
     ids = tokenizer.encode(load_corpus().val if text is None else text)
     return model, token_windows(ids, context_limit(model), rows, seq_len).to(device), None, not native
+
+
+def _plain_model(path: str | Path, held: str) -> str:
+    return (f"{str(path)!r} holds a {held}, which has no residual of attnres to analyse: upcycle it first (attnres "
+            "upcycle --model DIR --out NEW), or give an attnres run or export")
+
+
+def _refuse_plain_directory(path: str | Path, option: str) -> None:
+    """Refuse, from its ``config.json`` alone, a transformers directory whose model is no
+    AttnRes one (its ``model_type`` is not ``attnres`` or ``attnres_<family>``); a config that
+    does not read is left to the model's load, which names the fault."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str) and not (model_type == "attnres" or model_type.startswith("attnres_")):
+        held = (config.get("architectures") or [None])[0]
+        raise ValueError(option + _plain_model(path, held if isinstance(held, str) else f"{model_type!r} model"))
 
 
 @torch.no_grad()
@@ -241,6 +259,8 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
         found = Path(path).expanduser().is_dir() and newest_state(Path(path).expanduser()) is not None
         if not found and not is_hf_directory(path):  # (--compare's named: the first is the command's argument)
             raise CheckpointError(("--compare: " if path is compare else "") + no_checkpoint_at(path))
+        if not found:  # (a plain model as --compare was found only after the first model's whole analysis)
+            _refuse_plain_directory(path, "--compare: " if path is compare else "")
     out = check_analysis_out(out if out is not None else default_analysis_dir(checkpoint))
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
     if compare is not None:
