@@ -397,6 +397,28 @@ def test_depth_weights_and_depth_mixing_leave_nothing_on_the_model():
         assert torch.equal(copy.deepcopy(up)(x).logits, up(x).logits)
 
 
+def test_a_forward_that_fails_midway_leaves_nothing_on_the_model():
+    """A forward that failed in a middle layer (out of memory, which lm-eval's batch-size
+    search catches and retries smaller) left its residual state on the model: every source so
+    far and their graph stayed in memory, and ``copy.deepcopy`` of the model failed on them.
+    The state goes with the failure; the next forward is the model's as before."""
+    import copy
+
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2)
+    x = ids()
+
+    def out_of_memory(module, args):
+        raise RuntimeError("out of memory (simulated)")
+
+    hook = up.model.layers[1].mlp.register_forward_pre_hook(out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated"):
+        up(x, labels=x)
+    hook.remove()
+    assert up.__dict__["_attnres_stream"].state is None
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(up)(x).logits, up(x).logits)
+
+
 def test_other_registered_variants_wrap_the_same_modules():
     """The standard residual upcycles to the identical model; the baselines build, run and
     keep the pretrained weights (they start from their own papers' init, not the pretrained

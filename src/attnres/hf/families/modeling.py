@@ -175,12 +175,18 @@ def _layer_forward(self, hidden_states, **kwargs):
             out = out[layout.mlp_output or 0]
         return finish(out, layout.mlp_post)
 
-    for l, sublayer in ((2 * index, attention), (2 * index + 1, mlp)):
-        h = residual.sublayer_input(state, l)
-        # Checkpointing per sublayer, never across the residual: a recomputed layer would
-        # replay the residual's calls out of order.
-        out = self._gradient_checkpointing_func(sublayer, h) if checkpointing else sublayer(h)
-        residual.add_output(state, l, out)
+    try:
+        for l, sublayer in ((2 * index, attention), (2 * index + 1, mlp)):
+            h = residual.sublayer_input(state, l)
+            # Checkpointing per sublayer, never across the residual: a recomputed layer would
+            # replay the residual's calls out of order.
+            out = self._gradient_checkpointing_func(sublayer, h) if checkpointing else sublayer(h)
+            residual.add_output(state, l, out)
+    except BaseException:
+        # A forward that fails (out of memory: lm-eval's batch-size search retries smaller)
+        # let go of its state, which held every source and their graph until the next forward.
+        stream.state = None
+        raise
     if index == stream.n_layers - 1:
         stream.state = None
         out = residual.finish(state)
