@@ -536,6 +536,29 @@ def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path, mon
     assert not (tmp_path / "both").exists()
 
 
+def test_analyze_says_how_many_tokens_each_model_read(tmp_path):
+    """A run of the byte tokenizer compared with an upcycle of a BPE model on the same --text:
+    the BPE reads fewer tokens, so fewer windows, but the report said both matrices were
+    "averaged over" the run's count (256 tokens; the upcycle's was fewer). It names each."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
+    train(load_config(None, overrides(corpus, tmp_path / "run", steps=1, warmup_steps=0)))  # byte tokenizer
+    (tmp_path / "held.txt").write_text(corpus.read_text()[:300])
+    out = tmp_path / "analysis"
+    assert cli_main(["analyze", str(tmp_path / "run"), "--compare", str(tmp_path / "up"), "--text",
+                     str(tmp_path / "held.txt"), "--seq-len", "32", "--out", str(out)]) == 0
+    a, b = (r["n_tokens"] for r in json.loads((out / "mixing.json").read_text()))
+    assert a == 8 * 32 and b < a  # the byte run's 8 windows; the BPE's text holds fewer
+    assert f"averaged over the tokens analysed (A: {a}, B: {b}); " in (out / "report.md").read_text()
+
+
 def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):
     pytest.importorskip("yaml")
     from test_train import overrides, write_corpus

@@ -33,9 +33,15 @@ __all__ = [
 MIN_SEEDS_FOR_CLAIMS = 3
 
 
-def method_note(n_tokens: int) -> str:
-    """How the numbers were measured, for a report."""
-    over = f"{n_tokens} tokens" if n_tokens else "the tokens analysed"
+def method_note(n_tokens: int | dict[str, int]) -> str:
+    """How the numbers were measured, for a report: over ``n_tokens`` tokens, or per model
+    (``{"A": 384, "B": 1024}``: models of other tokenizers cut the same text into other counts)."""
+    counts = n_tokens if isinstance(n_tokens, dict) else {"": n_tokens}
+    if len(set(counts.values())) > 1:
+        over = "the tokens analysed (" + ", ".join(f"{name}: {n}" for name, n in counts.items()) + ")"
+    else:
+        n = next(iter(counts.values()))
+        over = f"{n} tokens" if n else "the tokens analysed"
     return (f"`M[i -> l]` is the weight sublayer `l` (rows 1..L, the last row the output aggregation) gives source "
             f"`v_i` (columns: `v_0` the embedding, `v_i` the raw output of sublayer `i`), averaged over {over}; a "
             "Block AttnRes block's weight is given to each of its members (report §6.2). Semiseparable "

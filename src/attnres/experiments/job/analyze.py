@@ -273,7 +273,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     out.mkdir(parents=True, exist_ok=True)
     picture = _plot_if_possible(panels, out / "mixing.png", diff)
     parts = ["# Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)\n",
-             method_note(items[0][0].n_tokens) + "\n"]
+             method_note({n: r.n_tokens for n, (r, _) in zip(names, items)}) + "\n"]
     for n, (r, info) in zip(names, items):
         step = f" (step {info['step']})" if info["step"] is not None else ""  # (a transformers directory: none)
         parts.append(f"- **{n}**: `{info['checkpoint']}`{step}: {_label(info)}"
