@@ -5,6 +5,7 @@ what used to go silently wrong is refused or said."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -532,6 +533,23 @@ def test_zero_counts_are_refused_before_any_work(tmp_path, finished_run, capsys,
     out.mkdir()
     fails_with(capsys, [argv[0], "--checkpoint", str(finished_run), *argv[1:], *where], fragment)
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("given, fragment", [
+    ({"rows": 0}, "--rows must be >= 1 (omit it for 8, or as many windows as the text holds); got 0"),
+    ({"seq_len": 0}, "--seq-len must be >= 1 (omit it for min(128, the model's max_seq_len)); got 0"),
+    ({"rows": "8"}, "--rows must be an integer >= 1 (omit it for 8, or as many windows as the text holds); got '8'"),
+])
+def test_write_analysis_refuses_the_counts_the_command_refuses(tmp_path, finished_run, given, fragment):
+    """README's Python form of attnres analyze, ``write_analysis(checkpoint, ..., rows=None,
+    seq_len=None, ...)`` ("the command's options"), took rows=0 to torch ("Expected tensor for
+    argument #1 'indices' to have one of the following scalar types: Long, Int") and seq_len=0
+    as the default without a word. They are refused as the command refuses them, before any work."""
+    from attnres.experiments.job.analyze import write_analysis
+
+    with pytest.raises(ValueError, match=re.escape(fragment) + "$"):
+        write_analysis(finished_run, out=tmp_path / "analysis", **given)
+    assert not (tmp_path / "analysis").exists()
 
 
 def test_a_seed_past_what_torch_takes_is_named(tmp_path, finished_run, corpus, capsys):

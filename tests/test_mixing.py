@@ -537,6 +537,24 @@ def test_rank_bounds_never_exceed_what_the_matrix_allows():
         assert (low is None or low <= rank) and rank <= high, (L, S, rank, low, high)
 
 
+def test_uniform_weights_are_not_set_against_the_bounds_of_learnt_queries():
+    """An upcycle at conversion (zero pseudo-queries) has uniform weights, whose M is rank 1
+    whatever N and S; attnres analyze set that against report §6.2's "between N = 3 and
+    N + S = 4" (a finding "rank 1 (report §6.2: [3, 4])"), as if the conversion were wrong. The
+    rank table now says the weights are uniform, and no finding sets them against the bounds."""
+    from attnres.analysis.mixing_report import mixing_findings, rank_expectation, uniform_weights
+
+    zero = depth_mixing_matrix(model("attnres_block", n_layers=3, block_size=2), ids())  # L = 6, N = 3, S = 2
+    learnt = depth_mixing_matrix(model("attnres_block", n_layers=3, block_size=2, perturb=1.0), ids())
+    assert zero.rank == 1 and uniform_weights(zero) and not uniform_weights(learnt)
+    words, low, high = rank_expectation("attnres_block", 6, block_size=2, uniform=True)
+    assert (low, high) == (None, None) and words.startswith("1: every weight uniform (zero pseudo-queries")
+    assert rank_expectation("attnres_block", 6, block_size=2)[1:] == (3, 4)  # learnt queries: as the report says
+    assert not any("semiseparable rank" in f for f in mixing_findings("Block", [zero], low, high))
+    assert not uniform_weights(depth_mixing_matrix(model("attnres_full", n_layers=2, perturb=0.5), ids()))
+    assert uniform_weights(depth_mixing_matrix(model("attnres_full", n_layers=2), ids()))
+
+
 def test_the_sink_table_says_which_sources_it_leaves_out():
     """It showed v0 and each seed's top 4 with no word of the others: of the standard
     residual's 7 sources, v0-v3 (ties) and nothing about v4-v6."""
@@ -565,6 +583,22 @@ def test_the_rank_table_says_per_seed_what_each_rank_is_over(tmp_path):
                                    "checkpoint) (per seed)"), row
     assert rank_table([("Full", [measured, measured], "")]).splitlines()[2].split(" | ")[3] == \
         "largest over every token (16 tokens)"
+
+
+def test_a_rank_over_fewer_tokens_than_the_matrix_says_so():
+    """The rank of an input-dependent M is taken over its first ``rank_tokens`` tokens (256;
+    ``attnres analyze`` averages M over 1024 by default): the report said "averaged over 1024
+    tokens" and "largest over every token (256 tokens)". It names the first 256 of the 1024."""
+    from attnres.analysis.mixing_report import rank_table
+
+    m = model("attnres_full", perturb=1.0)
+    part = depth_mixing_matrix(m, ids(), rank_tokens=8)  # ids(): 16 tokens
+    assert part.rank_tokens == 8 and part.n_tokens == 16
+    assert part.rank_over == "largest over every token of the first 8 of the 16 tokens"
+    assert rank_table([("Full", [part], "")]).splitlines()[2].split(" | ")[3] == part.rank_over
+    assert "(largest over every token of the first 8 of the 16 tokens;" in repr(part)
+    hw = depth_mixing_matrix(model("highway", n_layers=6, perturb=0.5), ids(), rank_tokens=8)
+    assert hw.rank_over == "largest over every token and channel of the first 8 of the 16 tokens"
 
 
 def test_the_mixing_json_of_a_run_without_checkpoint_is_strict_json(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -374,6 +375,50 @@ def test_depth_weights_are_recorded_and_uniform_at_conversion():
         assert torch.allclose(w, torch.full_like(w, 1 / w.shape[0]))
 
 
+def test_depth_weights_and_depth_mixing_leave_nothing_on_the_model():
+    """The model kept the last recording forward's weights (with autograd on, their graph and
+    so the forward's activations, for as long as the model lived): ``copy.deepcopy`` of the
+    model then failed ("Only Tensors created explicitly by the user ... support the deepcopy
+    protocol"). The weights go to the caller alone; the copy is the same model."""
+    import copy
+    import gc
+    import weakref
+
+    up = upcycle(base_model("llama"), "attnres_block", block_size=4)
+    x = ids()
+    weights = up.depth_weights(x)
+    assert weights[-1].grad_fn is not None  # recorded under autograd: a loss may use them
+    held = weakref.ref(weights[-1])
+    del weights
+    gc.collect()
+    assert held() is None
+    up.depth_mixing(x)
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(up)(x).logits, up(x).logits)
+
+
+def test_a_forward_that_fails_midway_leaves_nothing_on_the_model():
+    """A forward that failed in a middle layer (out of memory, which lm-eval's batch-size
+    search catches and retries smaller) left its residual state on the model: every source so
+    far and their graph stayed in memory, and ``copy.deepcopy`` of the model failed on them.
+    The state goes with the failure; the next forward is the model's as before."""
+    import copy
+
+    up = upcycle(base_model("llama"), "attnres_block", block_size=2)
+    x = ids()
+
+    def out_of_memory(module, args):
+        raise RuntimeError("out of memory (simulated)")
+
+    hook = up.model.layers[1].mlp.register_forward_pre_hook(out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated"):
+        up(x, labels=x)
+    hook.remove()
+    assert up.__dict__["_attnres_stream"].state is None
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(up)(x).logits, up(x).logits)
+
+
 def test_other_registered_variants_wrap_the_same_modules():
     """The standard residual upcycles to the identical model; the baselines build, run and
     keep the pretrained weights (they start from their own papers' init, not the pretrained
@@ -458,7 +503,7 @@ def _pretrained_directory(tmp_path, corpus):
     return tmp_path / "pretrained", base
 
 
-def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path):
+def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path, monkeypatch):
     """``attnres analyze`` of an upcycled model's directory: its depth mixing matrix at
     conversion (a family model's own ``depth_mixing``); the pretrained model it came from has
     no AttnRes residual and is refused, saying to upcycle it."""
@@ -476,9 +521,42 @@ def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path):
     assert result["residual"] == "attnres_block" and result["step"] is None
     M = torch.tensor(result["matrix"])
     assert M.shape[0] == M.shape[1] and bool(torch.isfinite(M).all())
+    report = (tmp_path / "up-analysis" / "report.md").read_text()  # uniform at conversion: said so, not a miss
+    assert "| 1: every weight uniform (zero pseudo-queries: a model at initialisation, an upcycle at conversion)" in report
     with pytest.raises(SystemExit, match=r"holds a LlamaForCausalLM, which has no residual of attnres to analyse: "
                                          r"upcycle it first"):
         cli_main(["analyze", str(src), "--out", str(tmp_path / "plain"), *common])
+    # As --compare: named as such, before the first model's analysis (it came after it, unnamed).
+    import attnres.experiments.job.analyze as analyze_mod
+
+    monkeypatch.setattr(analyze_mod, "analyze_checkpoint", lambda *a, **k: pytest.fail("analysed before the check"))
+    with pytest.raises(SystemExit, match=r"^attnres analyze: error: --compare: '.*pretrained' holds a "
+                                         r"LlamaForCausalLM, which has no residual of attnres to analyse"):
+        cli_main(["analyze", str(tmp_path / "up"), "--compare", str(src), "--out", str(tmp_path / "both"), *common])
+    assert not (tmp_path / "both").exists()
+
+
+def test_analyze_says_how_many_tokens_each_model_read(tmp_path):
+    """A run of the byte tokenizer compared with an upcycle of a BPE model on the same --text:
+    the BPE reads fewer tokens, so fewer windows, but the report said both matrices were
+    "averaged over" the run's count (256 tokens; the upcycle's was fewer). It names each."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
+    train(load_config(None, overrides(corpus, tmp_path / "run", steps=1, warmup_steps=0)))  # byte tokenizer
+    (tmp_path / "held.txt").write_text(corpus.read_text()[:300])
+    out = tmp_path / "analysis"
+    assert cli_main(["analyze", str(tmp_path / "run"), "--compare", str(tmp_path / "up"), "--text",
+                     str(tmp_path / "held.txt"), "--seq-len", "32", "--out", str(out)]) == 0
+    a, b = (r["n_tokens"] for r in json.loads((out / "mixing.json").read_text()))
+    assert a == 8 * 32 and b < a  # the byte run's 8 windows; the BPE's text holds fewer
+    assert f"averaged over the tokens analysed (A: {a}, B: {b}); " in (out / "report.md").read_text()
 
 
 def test_upcycle_command_then_train_continues_from_the_weights(tmp_path):
@@ -1151,6 +1229,24 @@ def test_upcycle_names_a_truncated_weights_file(tmp_path):
     assert not (tmp_path / "up").exists()
 
 
+def test_upcycle_names_the_file_given_as_model(tmp_path, monkeypatch):
+    """A .gguf file that is none was named as its folder ("--model '.': cannot read its
+    config: ./x.gguf does not start with the GGUF magic bytes"); another file (a text file,
+    a config.json) was read as a config ("is not a valid JSON file"). Both are named as given."""
+    pytest.importorskip("gguf")
+    from attnres.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    Path("x.gguf").write_text("not a GGUF file")
+    with pytest.raises(SystemExit, match=r"^attnres upcycle: error: --model 'x\.gguf': cannot read its config: .*GGUF"):
+        cli_main(["upcycle", "--model", "x.gguf", "--out", "up"])
+    Path("notes.txt").write_text("hello")
+    with pytest.raises(SystemExit, match=r"^attnres upcycle: error: --model 'notes\.txt' is a file, neither a "
+                                         r"save_pretrained directory nor a \.gguf file: give the directory"):
+        cli_main(["upcycle", "--model", "notes.txt", "--out", "up"])
+    assert not Path("up").exists()
+
+
 @pytest.mark.parametrize("command", ["upcycle", "eval", "generate", "train"])
 def test_a_sharded_directory_missing_shards_is_named_with_its_option_and_files(tmp_path, command):
     """A model saved in shards, copied or downloaded without some: transformers' error named
@@ -1178,6 +1274,34 @@ def test_a_sharded_directory_missing_shards_is_named_with_its_option_and_files(t
                                          rf"model\.safetensors\.index\.json names 2 shard file\(s\) that are not in "
                                          rf"the folder \({shards[1].name}, {shards[3].name}\); download or copy [^\n]*$"):
         cli_main(args)
+
+
+@pytest.mark.parametrize("command", ["upcycle", "generate", "eval", "analyze"])
+def test_a_config_that_does_not_fit_the_weights_is_refused_in_one_line(tmp_path, command):
+    """A directory whose config.json gives the weights other shapes (edited, or another
+    model's weights copied in): transformers raised "You set `ignore_mismatched_sizes` to
+    `False`, thus raising an error. For details look at the above report!", a traceback in
+    every command that loads a directory. One line now names the directory and the tensors."""
+    from attnres.cli import main as cli_main
+
+    src = tmp_path / "llama"
+    model = base_model("llama", vocab_size=256)
+    (upcycle(model) if command != "upcycle" else model).save_pretrained(src)
+    _byte_tokenizer().save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    (tmp_path / "held.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    args = {"upcycle": ["--model", str(src), "--out", str(tmp_path / "up")],
+            "generate": [str(src), "--prompt", "hi", "--max-new-tokens", "2"],
+            "eval": [str(src), "--tasks", "none", "--text", str(tmp_path / "held.txt")],
+            "analyze": [str(src), "--text", str(tmp_path / "held.txt"), "--seq-len", "8", "--rows", "1"]}[command]
+    where = "--model " if command == "upcycle" else ""
+    with pytest.raises(SystemExit, match=rf"^attnres {command}: error: {where}'.*llama': 9 weight\(s\) do not have the "
+                                         r"shapes its config\.json gives them \(model\.layers\.0\.mlp\.down_proj\.weight is "
+                                         r"\[32, 48\] in the weights, \[32, 64\] by config\.json; .*\): the config\.json is "
+                                         r"not these weights' model; restore [^\n]*$"):
+        cli_main([command, *args])
+    assert not (tmp_path / "up").exists()
 
 
 @pytest.mark.parametrize("command", ["upcycle", "train"])
@@ -1262,6 +1386,9 @@ def test_a_pickle_that_would_run_code_is_refused_in_one_line(tmp_path, command):
     src, base = _pretrained_directory(tmp_path, corpus)
     (src / "model.safetensors").unlink()
     marker = tmp_path / "ran"
+    if command == "analyze":  # (a model without AttnRes is refused by its config.json, before its weights are read)
+        base = upcycle(base)
+        base.config.save_pretrained(src)
     torch.save({**base.state_dict(), "lm_head.weight": _RunsCode(marker)}, src / "pytorch_model.bin")
     args = {"upcycle": ["--model", str(src), "--out", str(tmp_path / "up")],
             "generate": [str(src), "--prompt", "the"],

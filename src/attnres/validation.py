@@ -196,6 +196,14 @@ class Int(Rule):
         return _quoted_number_hint(value, integer=True)
 
 
+def check_optional_count(option: str, value: int | None, default: str) -> None:
+    """An option (or the Python parameter that mirrors it) that is omitted for its ``default``
+    or given as a count >= 1 (0 used to mean the default without a word)."""
+    if value is not None and not Int(1).ok(value):
+        kind = "" if isinstance(value, int) and not isinstance(value, bool) else "an integer "
+        raise ValueError(f"{option} must be {kind}>= 1 (omit it for {default}); got {value!r}")
+
+
 @dataclass(frozen=True)
 class Number(Rule):
     lo: float

@@ -262,6 +262,18 @@ def source_stats(per_token: Tensor) -> list[SourceStats]:
     return stats
 
 
+def _rank_over(input_dependent: bool, per_channel: bool, rank_tokens: int, n_tokens: int) -> str:
+    """What the rank's maximum runs over, in words. The first ``rank_tokens`` of the
+    ``n_tokens`` analysed where that is fewer (``attnres analyze``'s default 1024 tokens: 256),
+    named as such: "every token" beside "averaged over 1024 tokens" read as all of them."""
+    if not input_dependent:
+        return "largest over every channel" if per_channel else "the matrix (input-independent)"
+    channel = " and channel" if per_channel else ""
+    if rank_tokens < n_tokens:
+        return f"largest over every token{channel} of the first {rank_tokens} of the {n_tokens} tokens"
+    return f"largest over every token{channel}"
+
+
 @torch.no_grad()
 def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = False, rank_tokens: int = 256,
                         rtol: float = RANK_RTOL) -> DepthMixing:
@@ -292,16 +304,14 @@ def depth_mixing_matrix(model: nn.Module, input_ids: Tensor, per_token: bool = F
     if pc is not None:
         pc = pc.reshape(-1, *pc.shape[-3:])[:rank_tokens]  # [N', n, n, d]
         rank_mats = pc.movedim(-1, 1).reshape(-1, *pc.shape[1:3])
-        over = "channel" if W.dim() == 2 else "token and channel"
     else:
         rank_mats = tokens[:rank_tokens]
-        over = "token" if W.dim() > 2 else "the matrix (input-independent)"
     n_rank_tokens = rank_mats.shape[0] if pc is None else pc.shape[0]
     rank = int(semiseparable_rank(rank_mats, rtol).max())
     return DepthMixing(
         residual=model.residual.name, matrix=mean, std=std, rank=rank,
         rank_of_mean=int(semiseparable_rank(mean, rtol)), rank_tokens=n_rank_tokens if W.dim() > 2 else 1,
-        rank_over=f"largest over every {over}" if over != "the matrix (input-independent)" else over,
+        rank_over=_rank_over(W.dim() > 2, pc is not None, n_rank_tokens, B * T),
         rtol=rtol, reduction=mm.reduction, input_dependent=mm.input_dependent, source_groups=mm.source_groups,
         sources=source_stats(tokens), n_tokens=B * T,
         per_token=(W if W.dim() > 2 else W.expand(B, T, *W.shape)).clone() if per_token else None,

@@ -22,6 +22,7 @@ __all__ = [
     "MIN_SEEDS_FOR_CLAIMS",
     "plot_mixing_panels",
     "rank_expectation",
+    "uniform_weights",
     "rank_table",
     "sink_table",
     "mixing_findings",
@@ -32,9 +33,15 @@ __all__ = [
 MIN_SEEDS_FOR_CLAIMS = 3
 
 
-def method_note(n_tokens: int) -> str:
-    """How the numbers were measured, for a report."""
-    over = f"{n_tokens} tokens" if n_tokens else "the tokens analysed"
+def method_note(n_tokens: int | dict[str, int]) -> str:
+    """How the numbers were measured, for a report: over ``n_tokens`` tokens, or per model
+    (``{"A": 384, "B": 1024}``: models of other tokenizers cut the same text into other counts)."""
+    counts = n_tokens if isinstance(n_tokens, dict) else {"": n_tokens}
+    if len(set(counts.values())) > 1:
+        over = "the tokens analysed (" + ", ".join(f"{name}: {n}" for name, n in counts.items()) + ")"
+    else:
+        n = next(iter(counts.values()))
+        over = f"{n} tokens" if n else "the tokens analysed"
     return (f"`M[i -> l]` is the weight sublayer `l` (rows 1..L, the last row the output aggregation) gives source "
             f"`v_i` (columns: `v_0` the embedding, `v_i` the raw output of sublayer `i`), averaged over {over}; a "
             "Block AttnRes block's weight is given to each of its members (report §6.2). Semiseparable "
@@ -48,13 +55,18 @@ def method_note(n_tokens: int) -> str:
 
 
 def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = None,
-                     n_streams: int | None = None) -> tuple[str, int | None, int | None]:
+                     n_streams: int | None = None, uniform: bool = False) -> tuple[str, int | None, int | None]:
     """What report §6.2 says of the semiseparable rank: ``(words, low, high)`` (bounds or
     ``None``). No bound exceeds the most the blocks of an ``(L + 1) × (L + 1)`` matrix allow
     (``(L + 2) // 2``, Full AttnRes's); Block AttnRes with ``S = 1`` is Full AttnRes, and
-    ``S`` counts at most ``L`` sublayers (``S ≥ L``: one block)."""
+    ``S`` counts at most ``L`` sublayers (``S ≥ L``: one block). ``uniform``: the measured
+    AttnRes weights are uniform (:func:`uniform_weights`), whose matrix has rank 1 whatever
+    N and S: the report's bounds, those of learnt queries, are not set against it."""
     L = n_sublayers
     dense = (L + 2) // 2
+    if uniform and residual in ("attnres_full", "attnres_block"):
+        return ("1: every weight uniform (zero pseudo-queries: a model at initialisation, an upcycle at conversion); "
+                "report §6.2's bounds are for learnt queries", None, None)  # (no finding against them)
     if residual in ("standard", "highway", "rezero", "layerscale"):
         return "1 (report §6.2)", 1, 1
     if residual in ("hyper_connections", "mhc", "mhc_lite") and n_streams:
@@ -74,6 +86,15 @@ def rank_expectation(residual: str, n_sublayers: int, block_size: int | None = N
         return (f"≤ N + S = {N + S}{cap}; the lower bound N = {N} may fail when S < N - 1 (here S = {S}; "
                 f"it held in our tests whenever S ≥ N - 1)", None, high)
     return "", None, None
+
+
+def uniform_weights(result: DepthMixing, tol: float = 1e-6) -> bool:
+    """Whether every row of ``result``'s ``M`` gives its sources one weight, the same for every
+    token: what zero pseudo-queries give (the faithful init, an upcycle at conversion)."""
+    M = result.matrix.double()
+    rows = [M[r, : r + 1] for r in range(M.shape[0])]
+    spread = result.std.double().nan_to_num(0.0)
+    return all(float(row.max() - row.min()) <= tol for row in rows) and float(spread.abs().max()) <= tol
 
 
 def _label(i: int, n: int) -> str:
@@ -124,8 +145,8 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
 def _over(results: Sequence[DepthMixing]) -> str:
     """What the ranks of ``results`` (one per seed) are the largest over: once when the seeds
     agree, else per seed (a seed without checkpoint has only its logged averaged ``M``)."""
-    words = [r.rank_over if not r.input_dependent or not r.rank_tokens else f"{r.rank_over} ({r.rank_tokens} tokens)"
-             for r in results]
+    words = [r.rank_over if not r.input_dependent or not r.rank_tokens or r.rank_tokens < r.n_tokens  # (named there)
+             else f"{r.rank_over} ({r.rank_tokens} tokens)" for r in results]
     return words[0] if len(set(words)) == 1 else "; ".join(words) + " (per seed)"
 
 

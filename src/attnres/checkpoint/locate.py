@@ -21,7 +21,8 @@ from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_check
 from .sharded import is_sharded, verify_dcp_files
 
 __all__ = ["Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
-           "no_checkpoint_at", "refuse_loading_training_output", "refuse_missing_shards", "refuse_missing_weights",
+           "no_checkpoint_at", "refuse_loading_training_output", "refuse_mismatched_weights", "refuse_missing_shards",
+           "refuse_missing_weights",
            "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint",
            "set_aside_newer", "training_output", "unreadable_weights", "verify_checkpoint"]
 
@@ -149,6 +150,22 @@ def refuse_missing_weights(where: str, path: str | Path, missing, fix: str) -> N
     raise ValueError(f"{where} lacks {len(names)} weight(s) of the causal LM ({', '.join(names[:3])}"
                      f"{', ...' if len(names) > 3 else ''}){f'; it holds a {held[0]}' if held else ''}: they would start "
                      f"at random, and the model would not be the pretrained one; {fix}")
+
+
+def refuse_mismatched_weights(where: str, mismatched, fix: str) -> None:
+    """Raise ``ValueError``, saying ``fix``, when weights of a transformers directory do not
+    have the shapes its ``config.json`` gives them (``mismatched``: ``from_pretrained``'s
+    ``mismatched_keys`` with ``ignore_mismatched_sizes=True``, ``(name, stored shape, config's
+    shape)``): an edited config, or another model's weights copied in. transformers raised a
+    RuntimeError that pointed at its load report ("You set `ignore_mismatched_sizes` to `False`"),
+    a traceback in every command that loads a directory."""
+    if not mismatched:
+        return
+    found = sorted(mismatched)
+    shown = "; ".join(f"{name} is {list(stored)} in the weights, {list(wanted)} by config.json"
+                      for name, stored, wanted in found[:2])
+    raise ValueError(f"{where}: {len(found)} weight(s) do not have the shapes its config.json gives them ({shown}"
+                     f"{'; ...' if len(found) > 2 else ''}): the config.json is not these weights' model; {fix}")
 
 
 def training_output(path: str | Path) -> str | None:

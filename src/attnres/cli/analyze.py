@@ -40,12 +40,12 @@ def run(args, parser) -> int:
 
 def run_analyze(args) -> int:
     """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
-    from ..experiments.job.analyze import write_analysis
+    from ..experiments.job.analyze import DEFAULT_ROWS, write_analysis
     from ..checkpoint import CheckpointError
     from ..hf.hub import is_hub_id, local_folder
 
     try:
-        check_optional_count("--rows", args.rows, "8, or as many windows as the text holds")
+        check_optional_count("--rows", args.rows, f"{DEFAULT_ROWS}, or as many windows as the text holds")
         check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
         if args.text is not None and not os.path.isfile(args.text):
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..user_warning import at_the_raise_site
-from ..validation import did_you_mean, did_you_mean_each
+from ..validation import check_optional_count, did_you_mean, did_you_mean_each  # noqa: F401 (the commands')
 
 
 class Parser(argparse.ArgumentParser):
@@ -319,13 +319,6 @@ def check_output_dir(command: str, out: str) -> None:
         check(out, "--out")
     except OutputPathError as e:
         raise SystemExit(f"{command}: error: {e}") from None
-
-
-def check_optional_count(option: str, value: int | None, default: str) -> None:
-    """An option that is omitted for its ``default`` or given as a count >= 1 (0 used to mean
-    the default without a word)."""
-    if value is not None and value < 1:
-        raise ValueError(f"{option} must be >= 1 (omit it for {default}); got {value}")
 
 
 #: The package's directory: a warning raised from a file under it is the package's own.

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_shards, unreadable_weights
+from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards, unreadable_weights
 from ..data.tokenizer import TEMPLATE_PROBE, ordinary_tokens_marked_special, template_tokens
 from ..user_warning import warn_user
 
@@ -79,11 +79,15 @@ def load_directory(path: str | Path, device: torch.device) -> tuple[torch.nn.Mod
     ``device``, and its tokenizer. Raises ``ValueError`` when either does not load."""
     refuse_missing_shards(repr(str(path)), path, "download or copy the directory again")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path).eval().to(device)
+        model, loading = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                              ignore_mismatched_sizes=True)  # (refused below)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{str(path)!r}: transformers cannot load its model: {e}") from None
     except WEIGHT_READ_ERRORS as e:  # a weights file cut short or damaged, a pickle holding more than tensors
         raise unreadable_weights(repr(str(path)), e, "export or copy the directory again") from None
+    refuse_mismatched_weights(repr(str(path)), loading["mismatched_keys"],
+                              "restore its own config.json, or export or copy the directory again")
+    model = model.eval().to(device)
     if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"{str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): save the "
                          f"model's own there: AutoTokenizer.from_pretrained(ORIGINAL).save_pretrained({str(path)!r}) (attnres "

@@ -27,8 +27,10 @@ from ...analysis.mixing_report import (
     rank_expectation,
     rank_table,
     sink_table,
+    uniform_weights,
 )
 from ...user_warning import warn_user
+from ...validation import check_optional_count
 
 __all__ = ["analysis_tokens", "analyze_checkpoint", "write_analysis", "mixing_section", "moe_layers",
            "expert_load_section", "DEFAULT_ROWS"]
@@ -120,10 +122,28 @@ def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int
     if native:
         model = model.to_native().eval()
     elif not hasattr(model, "depth_mixing"):
-        raise ValueError(f"{str(path)!r} holds a {type(model).__name__}, which has no residual of attnres to analyse: "
-                         "upcycle it first (attnres upcycle --model DIR --out NEW), or give an attnres run or export")
+        raise ValueError(_plain_model(path, type(model).__name__))
     ids = tokenizer.encode(load_corpus().val if text is None else text)
     return model, token_windows(ids, context_limit(model), rows, seq_len).to(device), None, not native
+
+
+def _plain_model(path: str | Path, held: str) -> str:
+    return (f"{str(path)!r} holds a {held}, which has no residual of attnres to analyse: upcycle it first (attnres "
+            "upcycle --model DIR --out NEW), or give an attnres run or export")
+
+
+def _refuse_plain_directory(path: str | Path, option: str) -> None:
+    """Refuse, from its ``config.json`` alone, a transformers directory whose model is no
+    AttnRes one (its ``model_type`` is not ``attnres`` or ``attnres_<family>``); a config that
+    does not read is left to the model's load, which names the fault."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str) and not (model_type == "attnres" or model_type.startswith("attnres_")):
+        held = (config.get("architectures") or [None])[0]
+        raise ValueError(option + _plain_model(path, held if isinstance(held, str) else f"{model_type!r} model"))
 
 
 @torch.no_grad()
@@ -155,8 +175,11 @@ def expert_load_section(models: list[tuple[str, list[dict]]]) -> str:
             "block's partial sum).\n\n" + expert_load_table(loads, weights) + "\n")
 
 
-def _expect(info: dict) -> tuple[str, int | None, int | None]:
-    return rank_expectation(info["residual"], info["L"], info["block_size"], info["n_streams"])
+def _expect(info: dict, results: list[DepthMixing]) -> tuple[str, int | None, int | None]:
+    """Report §6.2's rank for the model of ``info``, measured as ``results`` (one per seed):
+    rank 1 where every seed's weights are uniform (zero queries: an upcycle at conversion)."""
+    return rank_expectation(info["residual"], info["L"], info["block_size"], info["n_streams"],
+                            uniform=all(uniform_weights(r) for r in results))
 
 
 def _label(info: dict) -> str:
@@ -226,12 +249,18 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     from ...checkpoint import CheckpointError, is_hf_directory, no_checkpoint_at
     from ...checkpoint.locate import newest_state
 
+    # (the command checks these first too, before a Hub download; in Python, rows=0 reached
+    # torch as an empty float tensor and seq_len=0 meant the default)
+    check_optional_count("--rows", rows, f"{DEFAULT_ROWS}, or as many windows as the text holds")
+    check_optional_count("--seq-len", seq_len, "min(128, the model's max_seq_len)")
     text = None if text_path is None else read_text_file(text_path, "--text")
     for path in (checkpoint, compare) if compare is not None else (checkpoint,):  # what they are, before --out
         # (its state.json only: loading verifies the checkpoint, reading every file's hash once)
         found = Path(path).expanduser().is_dir() and newest_state(Path(path).expanduser()) is not None
         if not found and not is_hf_directory(path):  # (--compare's named: the first is the command's argument)
             raise CheckpointError(("--compare: " if path is compare else "") + no_checkpoint_at(path))
+        if not found:  # (a plain model as --compare was found only after the first model's whole analysis)
+            _refuse_plain_directory(path, "--compare: " if path is compare else "")
     out = check_analysis_out(out if out is not None else default_analysis_dir(checkpoint))
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
     if compare is not None:
@@ -244,13 +273,13 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
     out.mkdir(parents=True, exist_ok=True)
     picture = _plot_if_possible(panels, out / "mixing.png", diff)
     parts = ["# Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)\n",
-             method_note(items[0][0].n_tokens) + "\n"]
+             method_note({n: r.n_tokens for n, (r, _) in zip(names, items)}) + "\n"]
     for n, (r, info) in zip(names, items):
         step = f" (step {info['step']})" if info["step"] is not None else ""  # (a transformers directory: none)
         parts.append(f"- **{n}**: `{info['checkpoint']}`{step}: {_label(info)}"
                      + (f"; vectors reduced by {r.reduction}" if r.reduction else ""))
     parts.append(f"\n{picture}\n")
-    parts.append("## Semiseparable rank\n\n" + rank_table([(f"{n}: {_label(i)}", [r], _expect(i)[0])
+    parts.append("## Semiseparable rank\n\n" + rank_table([(f"{n}: {_label(i)}", [r], _expect(i, [r])[0])
                                                             for n, (r, i) in zip(names, items)]) + "\n")
     parts.append("## Sink table\n\n" + "\n\n".join(sink_table(f"{n}: {_label(i)}", [r]) for n, (r, i) in zip(names, items))
                  + "\n")
@@ -261,7 +290,7 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
         parts.append(_comparison_section(items[0][0], items[1][0], diff))
     findings = []
     for n, (r, info) in zip(names, items):
-        _, low, high = _expect(info)
+        _, low, high = _expect(info, [r])
         findings += mixing_findings(f"{n} ({info['residual']})", [r], low, high)
     parts.append("## Findings (computed)\n\nOne checkpoint per model: the report's claims need at least 3 seeds "
                  "(`attnres compare --seeds 0 1 2` reports them over seeds).\n\n" + "\n".join(f"- {f}" for f in findings))
@@ -369,11 +398,11 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     parts = ["## Depth mixing matrices (report §6.2, Fig. 9) and depth-wise attention sinks (report §5.4.2)",
              method_note(n_tokens or first.n_tokens) + note,
              "![depth mixing matrices](mixing.png)",
-             rank_table([(labels.get(n, n), [r for r, _ in rs], _expect(rs[0][1])[0]) for n, rs in results.items()]),
+             rank_table([(labels.get(n, n), [r for r, _ in rs], _expect(rs[0][1], [r for r, _ in rs])[0]) for n, rs in results.items()]),
              "\n\n".join(sink_table(labels.get(n, n), [r for r, _ in rs]) for n, rs in results.items())]
     findings = []
     for n, rs in results.items():
-        _, low, high = _expect(rs[0][1])
+        _, low, high = _expect(rs[0][1], [r for r, _ in rs])
         if all(r.n_tokens == 0 for r, _ in rs):
             low = high = None  # the §6.2 bounds are about each token's M, not the average
         findings += mixing_findings(labels.get(n, n), [r for r, _ in rs], low, high)

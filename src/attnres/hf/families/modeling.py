@@ -110,8 +110,10 @@ class _Stream:
         self.modules, self.n_layers = modules, n_layers
         self.state = None
         self.record_weights = False
-        self.weights: list[torch.Tensor] | None = None  # the last recording forward's depth weights
-        self.recorded = None  # ... and its finished residual state (for the depth mixing matrix)
+        # A recording forward's depth weights and finished residual state, until
+        # _recorded_forward hands them on.
+        self.weights: list[torch.Tensor] | None = None
+        self.recorded = None
         self.onloaded: list[nn.Module] = []  # the residual's modules accelerate offloads, loaded for the pass
 
     @property
@@ -173,12 +175,18 @@ def _layer_forward(self, hidden_states, **kwargs):
             out = out[layout.mlp_output or 0]
         return finish(out, layout.mlp_post)
 
-    for l, sublayer in ((2 * index, attention), (2 * index + 1, mlp)):
-        h = residual.sublayer_input(state, l)
-        # Checkpointing per sublayer, never across the residual: a recomputed layer would
-        # replay the residual's calls out of order.
-        out = self._gradient_checkpointing_func(sublayer, h) if checkpointing else sublayer(h)
-        residual.add_output(state, l, out)
+    try:
+        for l, sublayer in ((2 * index, attention), (2 * index + 1, mlp)):
+            h = residual.sublayer_input(state, l)
+            # Checkpointing per sublayer, never across the residual: a recomputed layer would
+            # replay the residual's calls out of order.
+            out = self._gradient_checkpointing_func(sublayer, h) if checkpointing else sublayer(h)
+            residual.add_output(state, l, out)
+    except BaseException:
+        # A forward that fails (out of memory: lm-eval's batch-size search retries smaller)
+        # let go of its state, which held every source and their graph until the next forward.
+        stream.state = None
+        raise
     if index == stream.n_layers - 1:
         stream.state = None
         out = residual.finish(state)
@@ -338,29 +346,29 @@ class UpcycledModelMixin(KeepsItsSourceHome):
         adjust_eps(self.residual, self.model.layers, self.model.norm, layout, self.config.rms_norm_eps)
 
     def _recorded_forward(self, *args, **kwargs):
-        """``self(*args, **kwargs)`` recording the depth-attention weights; the stream keeps
-        them and the finished residual state."""
+        """``self(*args, **kwargs)`` recording the depth-attention weights: the weights and the
+        finished residual state, which the stream then lets go of (kept on the model, their
+        autograd graph held the whole forward's activations, and ``copy.deepcopy`` of the model
+        failed on them)."""
         stream = self.__dict__["_attnres_stream"]
         stream.record_weights, stream.weights, stream.recorded = True, None, None
         try:
             self(*args, **kwargs)
+            return stream.weights, stream.recorded
         finally:
-            stream.record_weights = False
-        return stream
+            stream.record_weights, stream.weights, stream.recorded = False, None, None
 
     def depth_weights(self, *args, **kwargs) -> list[torch.Tensor]:
         """Run ``self(*args, **kwargs)`` recording the depth-attention weights; one tensor
         ``[n_sources, B, T]`` per sublayer, then the output aggregation."""
-        stream = self._recorded_forward(*args, **kwargs)
-        stream.recorded = None  # the finished state holds every source: not kept
-        return stream.weights or []
+        weights, _ = self._recorded_forward(*args, **kwargs)
+        return weights or []
 
     def depth_mixing(self, input_ids: torch.Tensor, per_channel: bool = False):
         """The depth mixing matrix (report §6.2) of a forward on ``input_ids [B, T]``: the
         residual's :class:`~attnres.nn.residual.mixing.MixingMatrix` (see
         :meth:`~attnres.nn.residual.ResidualStream.mixing_matrix`)."""
-        stream = self._recorded_forward(input_ids, use_cache=False)
-        state, stream.recorded = stream.recorded, None
+        _, state = self._recorded_forward(input_ids, use_cache=False)
         return self.residual.mixing_matrix(state, per_channel=per_channel)
 
     def training_forward_kwargs(self) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_missing_shards, refuse_missing_weights,
-                                  refuse_training_output, training_output, unreadable_weights)
+from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_mismatched_weights, refuse_missing_shards,
+                                  refuse_missing_weights, refuse_training_output, training_output, unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
@@ -53,7 +53,10 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
         source, gguf_file = smollm2_gguf()
     source = local_folder(str(source))
     source = Path(source)
-    if source.is_file() and source.suffix.lower() == ".gguf":  # (MODEL.GGUF too)
+    if source.is_file() and source.suffix.lower() != ".gguf":  # (read as a config: "not a valid JSON file")
+        raise ValueError(f"--model {str(source)!r} is a file, neither a save_pretrained directory nor a .gguf file: "
+                         "give the directory that holds the model's config.json, weights and tokenizer")
+    if source.is_file():  # (MODEL.GGUF too)
         source, gguf_file = source.parent, source.name
     if not source.exists():
         raise ValueError(f"--model {str(source)!r} does not exist (a save_pretrained directory, a .gguf file, a "
@@ -75,9 +78,12 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"--model {str(source)!r}: its tokenizer cannot be loaded: {e}") from None
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True, **kw)
+        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, output_loading_info=True,
+                                                              ignore_mismatched_sizes=True, **kw)  # (refused below)
     except WEIGHT_READ_ERRORS as e:  # (a download or copy cut short, a pickle of more than tensors: a traceback)
         raise unreadable_weights(f"--model {str(source)!r}", e, "download or copy the model again") from None
+    refuse_mismatched_weights(f"--model {str(source)!r}", loading["mismatched_keys"],
+                              "restore the model's own config.json, or download or copy the model again")
     refuse_missing_weights(f"--model {str(source)!r}", source, loading["missing_keys"],  # (a base model, a classifier)
                            "give the directory of a causal LM (a ...ForCausalLM's save_pretrained)")
     model.eval()
@@ -108,8 +114,9 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
                          f"{_model_below(source)}")
     try:
         config = AutoConfig.from_pretrained(source, **kw)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {str(source)!r}: cannot read its config: {e}") from None
+    except (OSError, ValueError) as e:  # (a GGUF file named as the file: its folder was '.' beside it)
+        shown = source / kw["gguf_file"] if kw.get("gguf_file") else source
+        raise ValueError(f"--model {str(shown)!r}: cannot read its config: {e}") from None
     layout_of(config.model_type)
     stored = getattr(config, "dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
