@@ -98,9 +98,12 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
     for k, (label, c) in enumerate(curves.items()):
         color = f"C{k % 10}"
         if c.train["step"]:
-            train_ax.plot(c.train[x], c.train["loss"], color=color, alpha=0.25 if smooth else 1.0, lw=0.8)
+            # a run shorter than log_every logs one training loss, its last step's: a point,
+            # which a line alone does not draw either
+            point = {"marker": "o", "ms": 3} if len(c.train["step"]) == 1 else {}
+            train_ax.plot(c.train[x], c.train["loss"], color=color, alpha=0.25 if smooth else 1.0, lw=0.8, **point)
             if smooth:
-                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, lw=1.4)
+                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, lw=1.4, **point)
         if c.val["step"]:  # markers: a run of one evaluation is a point, which a line alone does not draw
             val_ax.plot(c.val[x], c.val["loss"], color=color, marker="o", ms=3, lw=1.4)
         # one legend entry per run in both panels (a run without evaluations too), the last values said
