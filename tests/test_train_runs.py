@@ -160,6 +160,23 @@ def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkey
                                           **{"data.tokenizer": str(tmp_path / "tok" / "tokenizer.json")})))
 
 
+def test_the_tokenizer_a_started_run_keeps_is_named_by_its_model(tmp_path):
+    """init_from a run trained with a WordLevel tokenizer.json and data.tokenizer=byte warned
+    that the run keeps the tokenizer stored with it "(bpe, 15 tokens)" - how it is stored, not
+    what it is - while the start-up summary said "tokenizer wordlevel, 15 tokens"."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from attnres.train.setup import warn_if_tokenizer_unused
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1, "fox": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    source = SimpleNamespace(path=tmp_path / "run" / "checkpoints" / "step-00000003")
+    with pytest.warns(UserWarning, match=r"keeps the tokenizer stored with it \(wordlevel, 3 tokens\)"):
+        warn_if_tokenizer_unused("byte", BPETokenizer(backend), source)
+
+
 def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
     run = tmp_path / "run"
     train(load_config(None, bpe(corpus_file, run, stop_after=3)))

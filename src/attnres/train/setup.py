@@ -158,7 +158,7 @@ def warn_if_tokenizer_unused(requested: str, given: Tokenizer, source: Source) -
         except ValueError:
             pass  # (unreadable or gone: not used either)
     warn_user(f"data.tokenizer={requested!r} is not used: a run started from {str(source.path)!r} keeps the "
-              f"tokenizer stored with it ({given.kind}, {given.vocab_size} tokens), the one its embeddings were "
+              f"tokenizer stored with it ({given.model_name}, {given.vocab_size} tokens), the one its embeddings were "
               "trained with")
 
 
