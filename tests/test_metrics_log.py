@@ -101,3 +101,24 @@ def test_a_nonfinite_field_that_does_not_fit_is_ignored(tmp_path, marks):
     (record,) = read_metrics(path)
     assert record["tokens"] == 5 and "nonfinite" not in record
     assert record["val_loss"] is None if marks == '"oops"' else math.isnan(record["val_loss"])
+
+
+def test_a_resumed_run_keeps_the_tensorboard_events_of_its_checkpoints_step(tmp_path):
+    """Resumed from the checkpoint of step 2, TensorBoard dropped the train and eval events of
+    step 2 itself (``purge_step`` purges the step given and later ones), which the resumed run
+    does not log again: every resume left a hole at its checkpoint's step, which
+    metrics.jsonl kept."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    for step in (1, 2, 3):  # step 3 after the checkpoint of step 2: logged again on resume
+        first.log("train", step, loss=float(step))
+    first.close()
+    resumed = MetricsLogger(tmp_path, tensorboard=True, resume_step=2)
+    resumed.log("train", 3, loss=30.0)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]

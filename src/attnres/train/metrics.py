@@ -134,7 +134,9 @@ class MetricsLogger:
             except ImportError:
                 pass
             else:
-                self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
+                # (the events after the checkpoint, which the resumed run logs again: its own step kept)
+                self.writer = SummaryWriter(str(out_dir / "tensorboard"),
+                                            purge_step=None if resume_step is None else resume_step + 1)
         self.wandb = wandb
 
     def log(self, kind: str, step: int, **values: Any) -> None:
