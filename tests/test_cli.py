@@ -161,6 +161,21 @@ def test_config_file_as_a_positional_argument(capsys, tmp_path):
     assert err.startswith("usage: attnres train ")  # train's usage, not the top level's
 
 
+@pytest.mark.parametrize("argv, whole", [
+    (["data.paths=[a.txt,", "b.txt]", "steps=3"], "data.paths=[a.txt, b.txt]"),
+    (["steps=3", "data.paths=[a.txt,", "b.txt,", "c.txt]"], "data.paths=[a.txt, b.txt, c.txt]"),  # (two stray pieces)
+    (["model={preset:", "tiny}"], "model={preset: tiny}"),
+])
+def test_an_override_the_shell_split_at_its_spaces_is_named_whole(capsys, argv, whole):
+    """``data.paths=[a.txt, b.txt]`` unquoted reaches attnres as two arguments: the piece
+    after the space was refused as "'b.txt]' is neither a key=value override nor a config
+    file", two such pieces as "one config file at most"; the override itself was not named."""
+    with pytest.raises(SystemExit):
+        cli_main(["train", *argv, "--print-config"])
+    assert capsys.readouterr().err.rstrip().endswith(
+        f'attnres train: error: the shell split an override at its spaces: quote it, "{whole}", or leave the spaces out')
+
+
 class _Ended(Exception):
     """What ``os._exit`` raises here instead of ending the test process."""
 
