@@ -160,3 +160,14 @@ def test_a_run_that_logged_one_training_loss_is_drawn_as_a_point(tmp_path):
     long_run = write_run(tmp_path / "long", [train_record(1, 5.0), train_record(2, 4.0)])
     train_ax, _ = plot_curves({"long": read_curves(long_run)}).axes
     assert {line.get_marker() for line in train_ax.get_lines() if len(line.get_xdata())} == {"None"}
+
+
+def test_a_run_that_diverged_before_its_first_logged_step_is_called_diverged(tmp_path, capsys):
+    """A run stopped at step 3 by a NaN gradient norm, log_every=10, logged only its
+    ``diverged`` record: ``attnres plot`` said "no run has logged a loss yet (a run's directory
+    holds config.json and metrics.jsonl)", as if it had not started, of a directory holding both."""
+    run = write_run(tmp_path / "runs" / "lr-1e4", [{"kind": "diverged", "step": 3, "loss": 2.6e11, "grad_norm": None,
+                                                     "nonfinite": {"grad_norm": "NaN"}}])
+    assert read_curves(run).diverged == 3 and read_curves(run).empty
+    with pytest.raises(SystemExit, match=r"no run has logged a finite loss; no finite loss logged \(diverged\): lr-1e4 "):
+        cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png")])
