@@ -122,3 +122,25 @@ def test_a_resumed_run_keeps_the_tensorboard_events_of_its_checkpoints_step(tmp_
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_resumed_log_cut_short_by_a_failed_write_keeps_its_records(tmp_path, monkeypatch):
+    """On resume the log was rewritten in place: a full disk (or a kill) part-way left
+    metrics.jsonl cut short, the run's history before the checkpoint gone. It is written
+    beside it and renamed into place: a failure leaves the log as it was."""
+    import errno
+
+    old, _ = write_runs(tmp_path)
+    before = (old / "metrics.jsonl").read_text()
+
+    def full_disk(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        MetricsLogger(old, tensorboard=False, resume_step=2)
+    monkeypatch.undo()
+    assert (old / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in old.iterdir() if p.name.startswith(".")) == []  # (no temporary file left)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +125,14 @@ class MetricsLogger:
         self.path = out_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
-            self.path.write_text("".join(map(metrics_line, kept)))
+            # through a file renamed into place: a process killed (or a disk full) while writing
+            # left the log cut short, the run's history before the checkpoint gone with it
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text("".join(map(metrics_line, kept)))
+                os.replace(tmp, self.path)
+            finally:
+                tmp.unlink(missing_ok=True)
         elif resume_step is None:
             self.path.write_text("")
         self.writer = None
