@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..checkpoint import (Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint, no_checkpoint_at,
                           remove_partial_checkpoints, set_aside_newer)
+from ..checkpoint.manifest import OPTIMIZER_FILE
 from ..data import BatchSampler, TokenData, corpus_fingerprint, load_corpus, prepare_data, validation_batches
 from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
                               slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
@@ -85,7 +86,9 @@ def _init_source(config: TrainConfig) -> Start:
                              f"(model.from_hf={config.init_from})")
         source = hf_source(config.init_from)
         return Start(init=source, origin={"transformers_directory": str(source.path), "step": 0})
-    source = find_valid_checkpoint(config.init_from)
+    # the weights alone are read (a fresh optimiser): a checkpoint shared without its optimiser
+    # state starts a run, as attnres generate and export take it
+    source = find_valid_checkpoint(config.init_from, optional=(OPTIMIZER_FILE,))
     if source is None:
         raise ValueError(f"init_from: {no_checkpoint_at(config.init_from)}")
     source.run_config()  # a checkpoint without one refused by name
