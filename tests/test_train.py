@@ -608,6 +608,18 @@ def test_a_section_s_field_given_at_the_top_level_is_named_with_its_section(over
         load_config(None, [override])
 
 
+def test_an_overrides_dotted_key_in_a_config_file_is_shown_nested(tmp_path):
+    """``model.d_model: 32`` in a YAML file (the override's form, copied into it) was "unknown
+    TrainConfig key(s) ['model.d_model']" with no key meant, though its section is a known one."""
+    (tmp_path / "run.yaml").write_text("model.residual.block_size: 4\ndata.paths: [a.txt]\nstpes: 3\n")
+    with pytest.raises(ValueError, match=re.escape(
+            "unknown TrainConfig key(s) ['data.paths', 'model.residual.block_size', 'stpes'] (did you mean "
+            "'data: {paths: ...}' for 'data.paths', 'model: {residual: {block_size: ...}}' for "
+            "'model.residual.block_size', 'steps' for 'stpes'?); a dotted key is a command-line override's: in a "
+            "config file, nest it under its section; known keys: [")):
+        load_config(tmp_path / "run.yaml", [])
+
+
 @pytest.mark.parametrize("text, said", [
     ("1: 2\nfoo: 3\n", "unknown TrainConfig key(s) [1, 'foo']"),  # was: '<' not supported between 'int' and 'str'
     ("model:\n  preset: tiny\n  1: 2\n", "unknown ModelConfig key(s) [1]"),  # was: keywords must be strings
