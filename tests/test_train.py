@@ -608,6 +608,29 @@ def test_a_section_s_field_given_at_the_top_level_is_named_with_its_section(over
         load_config(None, [override])
 
 
+def test_tokens_per_second_leave_out_evaluations_diagnostics_and_checkpoints(tmp_path, corpus_file, monkeypatch):
+    """The train record after each evaluation counted the evaluation's time (and a checkpoint's,
+    the diagnostics') as its steps': on the train-cpu config its tokens/s were half the others'.
+    On a clock that only steps, evaluations, diagnostics and checkpoints move, every record's
+    rate is the steps' own."""
+    from types import SimpleNamespace
+
+    from attnres.train import loop
+    from attnres.train.metrics import read_metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    for name, seconds in (("step", 1.0), ("evaluate", 1000.0), ("diagnostics", 100.0), ("checkpoint", 500.0)):
+        def timed(self, *args, _real=getattr(loop.Trainer, name), _seconds=seconds):
+            clock[0] += _seconds
+            return _real(self, *args)
+        monkeypatch.setattr(loop.Trainer, name, timed)
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, log_every=2, checkpoint_every=2)))
+    rates = [r["tokens_per_s"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert rates == [128.0] * 3  # batch 4 x seq_len 32 a second
+
+
 def test_an_overrides_dotted_key_in_a_config_file_is_shown_nested(tmp_path):
     """``model.d_model: 32`` in a YAML file (the override's form, copied into it) was "unknown
     TrainConfig key(s) ['model.d_model']" with no key meant, though its section is a known one."""
