@@ -144,3 +144,23 @@ def test_a_resumed_log_cut_short_by_a_failed_write_keeps_its_records(tmp_path, m
     monkeypatch.undo()
     assert (old / "metrics.jsonl").read_text() == before
     assert sorted(p.name for p in old.iterdir() if p.name.startswith(".")) == []  # (no temporary file left)
+
+
+def test_a_fresh_run_in_a_directory_of_an_earlier_attempt_shows_only_its_own_tensorboard_events(tmp_path):
+    """A run killed before its first checkpoint, then started again in the same out_dir (with
+    other settings): metrics.jsonl started over, but TensorBoard showed the first attempt's
+    events beside the new run's, one curve of two runs."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    for step in (10, 20, 30):
+        first.log("train", step, loss=float(step))
+    first.close()
+    again = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    again.log("train", 10, loss=1.0)
+    again.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [10]

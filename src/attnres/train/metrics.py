@@ -142,9 +142,11 @@ class MetricsLogger:
             except ImportError:
                 pass
             else:
-                # (the events after the checkpoint, which the resumed run logs again: its own step kept)
+                # Resumed: the events after the checkpoint, which the run logs again (its own step
+                # kept). Fresh: every earlier event, of an attempt that stopped before its first
+                # checkpoint, whose metrics.jsonl starts over too; it was shown beside this run's.
                 self.writer = SummaryWriter(str(out_dir / "tensorboard"),
-                                            purge_step=None if resume_step is None else resume_step + 1)
+                                            purge_step=0 if resume_step is None else resume_step + 1)
         self.wandb = wandb
 
     def log(self, kind: str, step: int, **values: Any) -> None:
