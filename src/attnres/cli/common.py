@@ -393,3 +393,20 @@ def train_config_keys() -> list[str]:
     from ..train.config import TrainConfig
 
     return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def override_split_by_the_shell(arguments: list[str]) -> str | None:
+    """An override whose YAML list or mapping the shell cut at its spaces, put together again
+    (``data.paths=[a.txt,`` ``b.txt]``: ``data.paths=[a.txt, b.txt]``), or ``None``."""
+    for i, argument in enumerate(arguments):
+        if "=" not in argument:
+            continue
+        whole = argument
+        for word in arguments[i + 1:]:
+            depth = whole.count("[") + whole.count("{") - whole.count("]") - whole.count("}")
+            if depth <= 0 or "=" in word:
+                break
+            whole += " " + word
+        if whole != argument:
+            return whole
+    return None

@@ -66,9 +66,6 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
     """``attnres train [CONFIG.yaml] [key=value ...]``: an argument without ``=`` is the config
     file (what users type, and what multi-node recipes pass), the same as ``--config``."""
     files = [a for a in arguments if "=" not in a]
-    split = _split_by_the_shell(arguments) if files else None
-    if split is not None:  # (its pieces after the first read as config files: "one config file at most")
-        parser.error(f"the shell split an override at its spaces: quote it, \"{split}\", or leave the spaces out")
     given = [f for f in (config, *files) if f is not None]
     if len(given) > 1:
         parser.error(f"one config file at most (as the first argument or with --config); got {given}")
@@ -80,23 +77,6 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
         if not config_path(files[0]).is_file():
             parser.error(f"{files[0]!r} is neither a key=value override nor a config file")
     return (given[0] if given else None), [a for a in arguments if "=" in a]
-
-
-def _split_by_the_shell(arguments: list[str]) -> str | None:
-    """An override whose YAML list or mapping the shell cut at its spaces, put together again
-    (``data.paths=[a.txt,`` ``b.txt]``: ``data.paths=[a.txt, b.txt]``), or ``None``."""
-    for i, argument in enumerate(arguments):
-        if "=" not in argument:
-            continue
-        whole, depth = argument, 0
-        for word in arguments[i + 1:]:
-            depth = whole.count("[") + whole.count("{") - whole.count("]") - whole.count("}")
-            if depth <= 0 or "=" in word:
-                break
-            whole += " " + word
-        if whole != argument:
-            return whole
-    return None
 
 
 def _train_error(error: BaseException) -> SystemExit:
