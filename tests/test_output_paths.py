@@ -66,6 +66,22 @@ def test_a_file_where_the_run_writes_a_folder_is_refused_before_training(tmp_pat
     assert sorted(p.name for p in out.iterdir()) == [name]
 
 
+def test_a_folder_of_runs_is_refused_as_out_dir(tmp_path, corpus, capsys):
+    """``out_dir=runs`` (the folder attnres status and plot read) trained a run into it, its
+    files beside the runs there; ``attnres status runs`` then listed that run alone. And
+    ``out_dir=runs --resume`` said to drop --resume "to start it anew", which did that."""
+    runs = tmp_path / "runs"
+    train(load_config(None, overrides(corpus, runs / "baseline", steps=1)))
+    before = sorted(p.name for p in runs.iterdir())
+    for resume in ([], ["--resume"]):
+        with pytest.raises(SystemExit, match=rf"^attnres train: error: out_dir '{runs}' is a folder of runs "
+                           rf"\({runs}/baseline\), not a run: .*give the run a folder of its own \(out_dir={runs}/NAME\), "
+                           rf"or to continue one of them, `attnres train out_dir={runs}/baseline --resume`$"):
+            cli_main(["train", *overrides(corpus, runs, steps=1), *resume])
+    assert sorted(p.name for p in runs.iterdir()) == before
+    assert cli_main(["status", str(runs)]) == 0 and "baseline" in capsys.readouterr().out
+
+
 def test_read_only_out_dir(tmp_path, corpus, monkeypatch):
     """Every write under ``out_dir`` fails as on a read-only mount (the directory exists)."""
     out = tmp_path / "mounted"

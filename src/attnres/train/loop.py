@@ -89,6 +89,7 @@ from .resume import check_resumable, check_resumable_before_data, init_model_cha
 from .schedule import lr_factor
 from .setup import RunData, Start, locate_start, prepare_run_data
 from .signals import StopSignals
+from .status import refuse_a_folder_of_runs
 from .wandb_log import WANDB_FILE, WandbMirror, require_wandb
 from .summary import RunFacts, startup_summary, unused_stream_option, warmup_overrun
 
@@ -639,6 +640,7 @@ def check_inputs(config: TrainConfig, main: bool = True) -> None:
     resumed ``out_dir`` that does not exist is rank 0's to refuse (``main``): on a node that
     does not share it, check_out_dir's message says what is wrong."""
     refuse_out_dir_not_a_run(config.out_dir)
+    refuse_a_folder_of_runs(config.out_dir)
     if main and config.resume and config.resume_from is None and not Path(config.out_dir).exists():
         raise ValueError(f"resume=true but out_dir {str(config.out_dir)!r} does not exist"
                          f"{missing_path_hint(config.out_dir, directories_only=True)}: there is no run there to "
