@@ -608,6 +608,16 @@ def test_a_section_s_field_given_at_the_top_level_is_named_with_its_section(over
         load_config(None, [override])
 
 
+def test_the_start_up_summary_does_not_say_the_bytes_were_made_from_the_data(tmp_path, corpus_file, capsys):
+    """data.tokenizer=byte: "tokenizer byte, 256 tokens, made from the data", as if trained on it
+    (as README's example showed); a BPE is, and says so."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "byte", steps=1, warmup_steps=0)))
+    assert "; tokenizer byte, 256 tokens, one per byte value; fingerprint " in capsys.readouterr().out
+    train(load_config(None, overrides(corpus_file, tmp_path / "bpe", steps=1, warmup_steps=0,
+                                      **{"data.tokenizer": "bpe", "data.vocab_size": 300})))
+    assert re.search(r"; tokenizer bpe, \d+ tokens, made from the data; fingerprint ", capsys.readouterr().out)
+
+
 def test_tokens_per_second_leave_out_evaluations_diagnostics_and_checkpoints(tmp_path, corpus_file, monkeypatch):
     """The train record after each evaluation counted the evaluation's time (and a checkpoint's,
     the diagnostics') as its steps': on the train-cpu config its tokens/s were half the others'.

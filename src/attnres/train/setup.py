@@ -226,9 +226,12 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     sampler = BatchSampler(tokens.train, config.seq_len, config.batch_size, config.seed)
     if start.resume is not None and not changed:
         sampler.load_state_dict(start.resume.state["sampler"])
-    # (a tokenizer.json given by path was said to be "made from the data" at start-up)
-    origin = ("stored in the checkpoint" if given is not None else "made from the data"
-              if config.data.tokenizer in TOKENIZER_KINDS else f"read from {config.data.tokenizer}")
+    # (a tokenizer.json given by path was said to be "made from the data" at start-up, and so
+    # were the bytes, which nothing is made from)
+    origin = ("stored in the checkpoint" if given is not None
+              else "one per byte value" if tokens.tokenizer.kind == "byte"
+              else "made from the data" if config.data.tokenizer in TOKENIZER_KINDS
+              else f"read from {config.data.tokenizer}")
     data = RunData(tokens, corpus.digest, meta, files, origin, changed, sampler,
                    validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches))
     return config, data
