@@ -123,3 +123,15 @@ def test_a_run_with_only_checkpoints_set_aside_says_so(tmp_path):
         "holds only checkpoints set aside (superseded-step-00000001: corrupt-* did not verify, superseded-* belong to "
         "an abandoned trajectory); name one of them to use it anyway")  # was "holds none yet"
     assert find_valid_checkpoint(ckpt.with_name("superseded-" + ckpt.name)).step == 1  # and named, it loads
+
+
+def test_a_step_the_run_never_checkpointed_is_named_with_those_it_did(tmp_path):
+    """``--resume-from runs/x/checkpoints/step-00001000`` (README's example, on a run that
+    checkpointed other steps) said only that it does not exist."""
+    for step in (2, 4):
+        (tmp_path / "run" / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"step-00001000' does not exist; its run's checkpoints: step-00000002, "
+                                              r"step-00000004$"):
+        read_checkpoint_state(tmp_path / "run" / "checkpoints" / "step-00001000")
+    with pytest.raises(CheckpointError, match=r"'.*elsewhere' does not exist$"):
+        read_checkpoint_state(tmp_path / "elsewhere")

@@ -161,6 +161,25 @@ def test_config_file_as_a_positional_argument(capsys, tmp_path):
     assert err.startswith("usage: attnres train ")  # train's usage, not the top level's
 
 
+@pytest.mark.parametrize("argv, whole", [
+    (["train", "data.paths=[a.txt,", "b.txt]", "steps=3", "--print-config"], "data.paths=[a.txt, b.txt]"),
+    (["train", "steps=3", "data.paths=[a.txt,", "b.txt,", "c.txt]"], "data.paths=[a.txt, b.txt, c.txt]"),
+    (["train", "model={preset:", "tiny}", "--print-config"], "model={preset: tiny}"),
+    (["compare", "--out", "x", "data.paths=[a.txt,", "b.txt]"], "data.paths=[a.txt, b.txt]"),
+    (["experiment", "ablation", "--out", "x", "--seeds", "0", "data.paths=[a.txt,", "b.txt]"], "data.paths=[a.txt, b.txt]"),
+])
+def test_an_override_the_shell_split_at_its_spaces_is_named_whole(capsys, argv, whole):
+    """``data.paths=[a.txt, b.txt]`` unquoted reaches attnres as two arguments: the piece
+    after the space was refused as "'b.txt]' is neither a key=value override nor a config
+    file" (two such pieces: "one config file at most"), by compare as a YAML error of the
+    first piece, by experiment as "unrecognized arguments"; the override itself was not named."""
+    with pytest.raises(SystemExit):
+        cli_main(argv)
+    assert capsys.readouterr().err.rstrip().endswith(
+        f'attnres {argv[0]}: error: the shell split an override at its spaces: quote it, "{whole}", or leave the '
+        "spaces out")
+
+
 class _Ended(Exception):
     """What ``os._exit`` raises here instead of ending the test process."""
 

@@ -727,6 +727,26 @@ def test_a_checkpoint_without_its_optimizer_state_generates_and_exports(run_dir,
                   "data.vocab_size": 320}), f"resume_from={ckpt}"])
 
 
+def test_a_checkpoint_without_its_optimizer_state_starts_a_run_with_init_from(run_dir, tmp_path):
+    """init_from reads the weights alone (a fresh optimiser), yet a checkpoint shared without
+    its optimiser state was refused ("optimizer.safetensors is missing"), and a run directory
+    whose newest checkpoint lacked it fell back to an older one, while generate and export
+    took it."""
+    import shutil
+
+    from attnres.checkpoint import latest_checkpoint, read_checkpoint_state
+
+    shared = tmp_path / "shared"
+    shutil.copytree(run_dir, shared)
+    (latest_checkpoint(shared) / "optimizer.safetensors").unlink()
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    for init_from in (latest_checkpoint(shared), shared):
+        result = train(load_config(None, overrides(corpus, tmp_path / f"from-{init_from.name}", steps=1, warmup_steps=0,
+                                                   init_from=str(init_from), **{"data.tokenizer": "bpe"})))
+        origin = read_checkpoint_state(result.checkpoint)["init_from"]
+        assert origin["checkpoint"] == str(latest_checkpoint(shared)) and origin["step"] == 4
+
+
 def test_the_long_prompt_hint_counts_the_new_tokens():
     """A context of 128: 64 new tokens leave room for a prompt of 65, not 128."""
     from attnres.cli import check_context

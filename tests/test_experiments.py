@@ -801,6 +801,18 @@ def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they
         check_same_experiment(out, {**saved, "overrides": ["steps=600", "lr=1e-3"]})
 
 
+def test_a_misspelt_override_given_to_continue_a_grid_is_refused_by_its_name(tmp_path):
+    """`attnres compare --out X stpes=600` on a grid trained without overrides said the grid was
+    "trained with the overrides none; this command gives stpes=600": the typo read as a change
+    of the grid's settings. The unknown key is named first, with the key meant."""
+    out = tmp_path / "grid"
+    out.mkdir()
+    (out / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny", "overrides": []}))
+    with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) \['stpes'\] \(did you mean 'steps'"):
+        run_experiment(get_experiment("compare", "tiny"), out, [0], ["stpes=600"], log=lambda s: None)
+    assert sorted(p.name for p in out.iterdir()) == ["experiment.json"]
+
+
 def test_a_run_that_diverges_is_named_with_the_grid_it_stopped(corpus, tmp_path, capsys):
     """One diverged run of a grid ended `attnres compare` with the trainer's message alone
     ("non-finite gradient norm at step 4 ..."), which of the grid's runs it was scrolled away."""

@@ -369,6 +369,12 @@ def test_the_nearest_name_is_a_close_spelling_or_the_one_name_with_that_ending()
     (["compare", "--out", "RUN/x", "--seeds", "0", "steps"], "attnres compare: error: --seeds takes integers; got 'steps'",
      "(an override looks like key=value"),
     (["compare", "--out", "RUN/x", "--seeds", "1.5"], "attnres compare: error: --seeds takes integers; got '1.5'", None),
+    # a training setting written as a PyTorch script's option: the override meant, not '--help'
+    (["train", "--steps", "5", "--lr=3e-4", "--model.d-model", "64"], "unrecognized arguments: --steps",
+     "(did you mean 'steps=5' for '--steps', 'lr=3e-4' for '--lr', 'model.d_model=64' for '--model.d-model'?)"),
+    (["compare", "--out", "RUN/x", "--batch-size", "8"], "unrecognized arguments: --batch-size",
+     "(did you mean 'batch_size=8' for '--batch-size'?)"),
+    (["train", "--compile"], "unrecognized arguments: --compile", "(did you mean 'compile=VALUE' for '--compile'?)"),
 ])
 def test_a_misspelt_command_option_or_choice_names_the_nearest_one(finished_run, capsys, argv, fragment, hint):
     """argparse's own messages get the nearest allowed command, option or choice (what

@@ -101,3 +101,66 @@ def test_a_nonfinite_field_that_does_not_fit_is_ignored(tmp_path, marks):
     (record,) = read_metrics(path)
     assert record["tokens"] == 5 and "nonfinite" not in record
     assert record["val_loss"] is None if marks == '"oops"' else math.isnan(record["val_loss"])
+
+
+def test_a_resumed_run_keeps_the_tensorboard_events_of_its_checkpoints_step(tmp_path):
+    """Resumed from the checkpoint of step 2, TensorBoard dropped the train and eval events of
+    step 2 itself (``purge_step`` purges the step given and later ones), which the resumed run
+    does not log again: every resume left a hole at its checkpoint's step, which
+    metrics.jsonl kept."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    for step in (1, 2, 3):  # step 3 after the checkpoint of step 2: logged again on resume
+        first.log("train", step, loss=float(step))
+    first.close()
+    resumed = MetricsLogger(tmp_path, tensorboard=True, resume_step=2)
+    resumed.log("train", 3, loss=30.0)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_resumed_log_cut_short_by_a_failed_write_keeps_its_records(tmp_path, monkeypatch):
+    """On resume the log was rewritten in place: a full disk (or a kill) part-way left
+    metrics.jsonl cut short, the run's history before the checkpoint gone. It is written
+    beside it and renamed into place: a failure leaves the log as it was."""
+    import errno
+
+    old, _ = write_runs(tmp_path)
+    before = (old / "metrics.jsonl").read_text()
+
+    def full_disk(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        MetricsLogger(old, tensorboard=False, resume_step=2)
+    monkeypatch.undo()
+    assert (old / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in old.iterdir() if p.name.startswith(".")) == []  # (no temporary file left)
+
+
+def test_a_fresh_run_in_a_directory_of_an_earlier_attempt_shows_only_its_own_tensorboard_events(tmp_path):
+    """A run killed before its first checkpoint, then started again in the same out_dir (with
+    other settings): metrics.jsonl started over, but TensorBoard showed the first attempt's
+    events beside the new run's, one curve of two runs."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    for step in (10, 20, 30):
+        first.log("train", step, loss=float(step))
+    first.close()
+    again = MetricsLogger(tmp_path, tensorboard=True, resume_step=None)
+    again.log("train", 10, loss=1.0)
+    again.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [10]

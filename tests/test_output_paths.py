@@ -47,6 +47,41 @@ def test_out_dir_that_is_a_file(tmp_path, corpus):
     assert a_file.read_text() == "not a directory"
 
 
+@pytest.mark.parametrize("name, make", [("checkpoints", Path.touch), ("tensorboard", Path.touch),
+                                        ("metrics.jsonl", Path.mkdir), ("config.json", Path.mkdir)])
+def test_a_file_where_the_run_writes_a_folder_is_refused_before_training(tmp_path, corpus, name, make, monkeypatch):
+    """A file named ``checkpoints`` in out_dir stopped the run at its first checkpoint, every step
+    before it lost ("File exists"); a folder named ``metrics.jsonl`` said "could not write to
+    out_dir: is a directory", naming neither. Refused before the data is read or a step taken."""
+    from attnres.train import loop
+
+    out = tmp_path / "run"
+    out.mkdir()
+    make(out / name)
+    monkeypatch.setattr(loop.Trainer, "step", lambda self: pytest.fail("a step was trained"))
+    kind = "a file" if make is Path.touch else "a folder"
+    with pytest.raises(SystemExit, match=rf"^attnres train: error: out_dir '{out}' cannot be used: '{out / name}' is "
+                       rf"{kind}, where the run writes its .*; move it away or pick another out_dir$"):
+        cli_main(["train", *overrides(corpus, out, steps=2, checkpoint_every=1)])
+    assert sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_a_folder_of_runs_is_refused_as_out_dir(tmp_path, corpus, capsys):
+    """``out_dir=runs`` (the folder attnres status and plot read) trained a run into it, its
+    files beside the runs there; ``attnres status runs`` then listed that run alone. And
+    ``out_dir=runs --resume`` said to drop --resume "to start it anew", which did that."""
+    runs = tmp_path / "runs"
+    train(load_config(None, overrides(corpus, runs / "baseline", steps=1)))
+    before = sorted(p.name for p in runs.iterdir())
+    for resume in ([], ["--resume"]):
+        with pytest.raises(SystemExit, match=rf"^attnres train: error: out_dir '{runs}' is a folder of runs "
+                           rf"\({runs}/baseline\), not a run: .*give the run a folder of its own \(out_dir={runs}/NAME\), "
+                           rf"or to continue one of them, `attnres train out_dir={runs}/baseline --resume`$"):
+            cli_main(["train", *overrides(corpus, runs, steps=1), *resume])
+    assert sorted(p.name for p in runs.iterdir()) == before
+    assert cli_main(["status", str(runs)]) == 0 and "baseline" in capsys.readouterr().out
+
+
 def test_read_only_out_dir(tmp_path, corpus, monkeypatch):
     """Every write under ``out_dir`` fails as on a read-only mount (the directory exists)."""
     out = tmp_path / "mounted"

@@ -144,3 +144,30 @@ def test_a_run_whose_every_loss_is_not_finite_is_called_diverged_not_unstarted(r
     with pytest.raises(SystemExit, match=r"no run has logged a finite loss; no loss logged yet: runs/fresh; no finite loss "
                        r"logged \(diverged\): sweep/lr-10 \("):
         cli_main(["plot", str(runs / "fresh"), str(tmp_path / "sweep" / "lr-10"), "--out", str(out)])
+
+
+def test_a_run_that_logged_one_training_loss_is_drawn_as_a_point(tmp_path):
+    """A run shorter than ``log_every`` (README's notebook example: 4 steps) logs one training
+    loss, its last step's. Its training panel was empty - a line through one point draws
+    nothing - while its legend gave the value; the validation panel drew its one point."""
+    from attnres.experiments.curves import plot_curves
+
+    run = write_run(tmp_path / "short", [train_record(4, 4.8), eval_record(4, 4.7)])
+    train_ax, _ = plot_curves({"short": read_curves(run)}).axes
+    drawn = [line for line in train_ax.get_lines() if len(line.get_xdata())]
+    assert drawn and all(line.get_marker() == "o" for line in drawn)
+    assert [list(line.get_xdata()) for line in drawn] == [[4], [4]]  # the raw loss and the smoothed
+    long_run = write_run(tmp_path / "long", [train_record(1, 5.0), train_record(2, 4.0)])
+    train_ax, _ = plot_curves({"long": read_curves(long_run)}).axes
+    assert {line.get_marker() for line in train_ax.get_lines() if len(line.get_xdata())} == {"None"}
+
+
+def test_a_run_that_diverged_before_its_first_logged_step_is_called_diverged(tmp_path, capsys):
+    """A run stopped at step 3 by a NaN gradient norm, log_every=10, logged only its
+    ``diverged`` record: ``attnres plot`` said "no run has logged a loss yet (a run's directory
+    holds config.json and metrics.jsonl)", as if it had not started, of a directory holding both."""
+    run = write_run(tmp_path / "runs" / "lr-1e4", [{"kind": "diverged", "step": 3, "loss": 2.6e11, "grad_norm": None,
+                                                     "nonfinite": {"grad_norm": "NaN"}}])
+    assert read_curves(run).diverged == 3 and read_curves(run).empty
+    with pytest.raises(SystemExit, match=r"no run has logged a finite loss; no finite loss logged \(diverged\): lr-1e4 "):
+        cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png")])

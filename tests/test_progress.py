@@ -83,6 +83,20 @@ def test_on_a_terminal_a_bar_shows_the_validation_loss_too():
     assert "10/10" in drawn and "loss=6.0000" in drawn and "val_loss=5.9000" in drawn
 
 
+def test_on_a_terminal_a_run_that_stops_early_fills_its_bar_to_its_stop():
+    """``stop_after=K`` on a terminal: the bar ran to ``steps`` and its time to go was to
+    ``steps`` (hours, for a job that ends in minutes), while the log lines counted to K."""
+    pytest.importorskip("tqdm")
+    screen = Terminal()
+    p = StepProgress(1000, initial=100, stream=screen, stop=300)
+    assert p.bar.total == 300  # (tqdm's time to go: the steps left to its total at the measured rate)
+    p.update(100)
+    p.close()
+    assert "to stop_after=300 of 1000 steps" in screen.getvalue() and "200/300" in screen.getvalue()
+    whole = StepProgress(1000, initial=100, stream=Terminal())
+    assert whole.bar.total == 1000 and not whole.bar.desc
+
+
 def test_a_training_run_in_a_log_writes_lines_with_its_validation_loss(tmp_path: Path, capfd):
     pytest.importorskip("yaml")
     from test_train import overrides, write_corpus

@@ -608,6 +608,51 @@ def test_a_section_s_field_given_at_the_top_level_is_named_with_its_section(over
         load_config(None, [override])
 
 
+def test_the_start_up_summary_does_not_say_the_bytes_were_made_from_the_data(tmp_path, corpus_file, capsys):
+    """data.tokenizer=byte: "tokenizer byte, 256 tokens, made from the data", as if trained on it
+    (as README's example showed); a BPE is, and says so."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "byte", steps=1, warmup_steps=0)))
+    assert "; tokenizer byte, 256 tokens, one per byte value; fingerprint " in capsys.readouterr().out
+    train(load_config(None, overrides(corpus_file, tmp_path / "bpe", steps=1, warmup_steps=0,
+                                      **{"data.tokenizer": "bpe", "data.vocab_size": 300})))
+    assert re.search(r"; tokenizer bpe, \d+ tokens, made from the data; fingerprint ", capsys.readouterr().out)
+
+
+def test_tokens_per_second_leave_out_evaluations_diagnostics_and_checkpoints(tmp_path, corpus_file, monkeypatch):
+    """The train record after each evaluation counted the evaluation's time (and a checkpoint's,
+    the diagnostics') as its steps': on the train-cpu config its tokens/s were half the others'.
+    On a clock that only steps, evaluations, diagnostics and checkpoints move, every record's
+    rate is the steps' own."""
+    from types import SimpleNamespace
+
+    from attnres.train import loop
+    from attnres.train.metrics import read_metrics
+
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    for name, seconds in (("step", 1.0), ("evaluate", 1000.0), ("diagnostics", 100.0), ("checkpoint", 500.0)):
+        def timed(self, *args, _real=getattr(loop.Trainer, name), _seconds=seconds):
+            clock[0] += _seconds
+            return _real(self, *args)
+        monkeypatch.setattr(loop.Trainer, name, timed)
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus_file, run, log_every=2, checkpoint_every=2)))
+    rates = [r["tokens_per_s"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert rates == [128.0] * 3  # batch 4 x seq_len 32 a second
+
+
+def test_an_overrides_dotted_key_in_a_config_file_is_shown_nested(tmp_path):
+    """``model.d_model: 32`` in a YAML file (the override's form, copied into it) was "unknown
+    TrainConfig key(s) ['model.d_model']" with no key meant, though its section is a known one."""
+    (tmp_path / "run.yaml").write_text("model.residual.block_size: 4\ndata.paths: [a.txt]\nstpes: 3\n")
+    with pytest.raises(ValueError, match=re.escape(
+            "unknown TrainConfig key(s) ['data.paths', 'model.residual.block_size', 'stpes'] (did you mean "
+            "'data: {paths: ...}' for 'data.paths', 'model: {residual: {block_size: ...}}' for "
+            "'model.residual.block_size', 'steps' for 'stpes'?); a dotted key is a command-line override's: in a "
+            "config file, nest it under its section; known keys: [")):
+        load_config(tmp_path / "run.yaml", [])
+
+
 @pytest.mark.parametrize("text, said", [
     ("1: 2\nfoo: 3\n", "unknown TrainConfig key(s) [1, 'foo']"),  # was: '<' not supported between 'int' and 'str'
     ("model:\n  preset: tiny\n  1: 2\n", "unknown ModelConfig key(s) [1]"),  # was: keywords must be strings

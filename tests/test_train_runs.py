@@ -160,6 +160,23 @@ def test_a_run_trains_with_your_own_tokenizer_json(tmp_path, corpus_file, monkey
                                           **{"data.tokenizer": str(tmp_path / "tok" / "tokenizer.json")})))
 
 
+def test_the_tokenizer_a_started_run_keeps_is_named_by_its_model(tmp_path):
+    """init_from a run trained with a WordLevel tokenizer.json and data.tokenizer=byte warned
+    that the run keeps the tokenizer stored with it "(bpe, 15 tokens)" - how it is stored, not
+    what it is - while the start-up summary said "tokenizer wordlevel, 15 tokens"."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from attnres.train.setup import warn_if_tokenizer_unused
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1, "fox": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    source = SimpleNamespace(path=tmp_path / "run" / "checkpoints" / "step-00000003")
+    with pytest.warns(UserWarning, match=r"keeps the tokenizer stored with it \(wordlevel, 3 tokens\)"):
+        warn_if_tokenizer_unused("byte", BPETokenizer(backend), source)
+
+
 def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
     run = tmp_path / "run"
     train(load_config(None, bpe(corpus_file, run, stop_after=3)))
@@ -302,6 +319,22 @@ def test_resume_from_an_earlier_checkpoint(tmp_path, corpus_file):
     assert_same_weights(final_weights(tmp_path / "full"), final_weights(split))
     steps = [r["step"] for r in read_metrics(split / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 7))
+
+
+def test_resume_from_another_runs_checkpoint_into_a_run_directory_is_refused(tmp_path, corpus_file):
+    """``--resume-from runs/a/checkpoints/step-2 out_dir=runs/b``, runs/b another run with
+    checkpoints of its own: b's checkpoints were set aside as superseded and b's metrics.jsonl
+    cut back to step 2, its history gone, with a continuation of a's run in their place."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(load_config(None, overrides(corpus_file, a, stop_after=2)))
+    train(load_config(None, overrides(corpus_file, b, stop_after=4, lr=1e-3)))
+    log = (b / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=rf"resume_from='{a}/checkpoints/step-00000002' is not a checkpoint of out_dir "
+                       rf"'{b}', which holds checkpoints of another run \(step-00000004 the newest\)"):
+        train(load_config(None, overrides(corpus_file, b, lr=1e-3, resume_from=str(a / "checkpoints" / "step-00000002"))))
+    assert [p.name for p in (b / "checkpoints").iterdir()] == ["step-00000004"] and (b / "metrics.jsonl").read_text() == log
+    # into a new out_dir it continues, as it did
+    assert train(load_config(None, overrides(corpus_file, tmp_path / "c", resume_from=str(a)))).step == 6
 
 
 def test_truncated_last_metrics_line_is_tolerated(tmp_path, corpus_file):

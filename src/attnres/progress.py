@@ -68,8 +68,10 @@ class StepProgress:
         notebook = _in_notebook(self.stream)  # (a Jupyter cell redraws its bar in place)
         if notebook or _is_terminal(self.stream):
             tqdm = _bar_class(notebook)  # without tqdm, lines as away from a terminal
-            if tqdm is not None:
-                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=self.stream)
+            if tqdm is not None:  # its bar and time to go to where this invocation ends, as the lines'
+                until = {"desc": f"to stop_after={self.stop} of {total} steps"} if self.stop < total else {}
+                self.bar = tqdm(total=self.stop, initial=initial, unit="step", dynamic_ncols=True, file=self.stream,
+                                **until)
 
     def update(self, n: int = 1) -> None:
         self.step += n

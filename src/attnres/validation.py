@@ -119,7 +119,13 @@ def check_known_keys(section: str, data: Iterable[str], known: Iterable[str],
     for name, keys in (sections or {}).items():
         for key in keys:
             meant.setdefault(key, f"{name}.{key}")  # (the first section that has it)
-    raise ValueError(f"unknown {section} key(s) {unknown}{did_you_mean_each(unknown, known, meant=meant)}; "
+    # an override's dotted key written into a YAML file (model.d_model: 64), where it names no field
+    dotted = [k for k in unknown if isinstance(k, str) and "." in k and k.partition(".")[0] in known]
+    for key in dotted:
+        *heads, last = key.split(".")
+        meant[key] = "".join(f"{h}: {{" for h in heads) + f"{last}: ..." + "}" * len(heads)
+    nest = "; a dotted key is a command-line override's: in a config file, nest it under its section" if dotted else ""
+    raise ValueError(f"unknown {section} key(s) {unknown}{did_you_mean_each(unknown, known, meant=meant)}{nest}; "
                      f"known keys: {known}")
 
 

@@ -200,7 +200,10 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
     Raises :class:`CheckpointError` naming the problem."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+        # (a step a run never checkpointed, --resume-from runs/x/checkpoints/step-00001000: which ones it did)
+        there = checkpoint_dirs(path.parent.parent) if path.parent.name == "checkpoints" else []
+        held = f"; its run's checkpoints: {', '.join(p.name for p in there[-5:])}" if there else ""
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist{held}")
     try:
         doc = json.loads((path / STATE_FILE).read_text())
     except FileNotFoundError:

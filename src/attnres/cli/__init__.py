@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from . import analyze, env, experiment, export, generate, plot, status, train, upcycle
 from . import eval as eval_command
-from .common import (ImportModule, Parser, end_process, missing_extra, plain_warnings, record_given_imports,
-                     refuse_empty_values, resolve_checkpoint, version_line)
+from .common import (ImportModule, Parser, end_process, missing_extra, override_split_by_the_shell, plain_warnings,
+                     record_given_imports, refuse_empty_values, resolve_checkpoint, version_line)
 from .experiment import EXPERIMENT_NAMES
 from .generate import check_context
 
@@ -118,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     record_given_imports(args.imports)
     warn_about_clashes(thorough=True)  # every distribution's file list: a fraction of a second
     command = COMMANDS[args.command]
+    split = override_split_by_the_shell(getattr(parser.commands[args.command], "_given", [])) \
+        if command.accepts_extra is not None else None
+    if split is not None:  # (its pieces after the first were read as a config file, a seed, an argument)
+        parser.commands[args.command].error(f"the shell split an override at its spaces: quote it, \"{split}\", or "
+                                            "leave the spaces out")
     if extra and (command.accepts_extra is None or not all(command.accepts_extra(e) for e in extra)):
         hint = f" ({command.extra_path_hint})" if command.extra_path_hint and any(
             not e.startswith("-") for e in extra) else ""

@@ -11,7 +11,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..user_warning import at_the_raise_site
@@ -20,11 +20,15 @@ from ..validation import check_optional_count, did_you_mean, did_you_mean_each  
 
 class Parser(argparse.ArgumentParser):
     """An argument parser whose ``--help`` can end with text made only when asked for
-    (``help_tail``): ``attnres train --help`` lists every config field that way."""
+    (``help_tail``): ``attnres train --help`` lists every config field that way.
+    ``override_keys``: for a command that takes ``key=value`` overrides, the top-level keys
+    (asked for only on an error), so that ``--steps 5`` is answered with ``steps=5``."""
 
-    def __init__(self, *args, help_tail: Callable[[], str] | None = None, **kwargs) -> None:
+    def __init__(self, *args, help_tail: Callable[[], str] | None = None,
+                 override_keys: Callable[[], Iterable[str]] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.help_tail = help_tail
+        self.override_keys = override_keys
 
     def parse_known_args(self, args=None, namespace=None):
         # kept for the hint of a missing required option: a misspelt ``--promt`` makes
@@ -63,7 +67,27 @@ class Parser(argparse.ArgumentParser):
         options = [o for action in self._actions for o in action.option_strings]
         # (--import is attnres's own option, misplaced after the command: main() says so)
         flags = dict.fromkeys(w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] != "--import")
-        return did_you_mean_each([f for f in flags if f not in options], options)
+        unknown = [f for f in flags if f not in options]
+        return did_you_mean_each(unknown, options, meant=self._overrides_meant(words, unknown))
+
+    def _overrides_meant(self, words: list[str], unknown: list[str]) -> dict[str, str]:
+        """The override each unknown ``--KEY[=VALUE]`` of :attr:`override_keys` means, as a
+        PyTorch script's options are written (``--steps 5``, ``--lr=3e-4``,
+        ``--model.d-model 64``): ``steps=5``; argparse's nearest option was ``--help``."""
+        if self.override_keys is None or not unknown:
+            return {}
+        keys, meant = set(self.override_keys()), {}
+        words = getattr(self, "_given", words)  # (argparse took a value after a flag for the overrides: `--steps 5`)
+        for i, word in enumerate(words):
+            flag, eq, value = word.partition("=")
+            key = flag[2:].replace("-", "_")
+            if flag not in unknown or key.split(".")[0] not in keys:
+                continue
+            following = words[i + 1] if i + 1 < len(words) else "-"
+            if not eq and not following.startswith("-") and "=" not in following:
+                value = following
+            meant[flag] = f"{key}={value if value or eq else 'VALUE'}"
+        return meant
 
 
 #: What the reading commands take as their checkpoint.
@@ -352,3 +376,30 @@ def plain_warnings(program: str = "attnres") -> Iterator[None]:
     with warnings.catch_warnings(), at_the_raise_site():  # (no user's line to name: the package's own, printed so)
         warnings.showwarning = show
         yield
+
+
+def train_config_keys() -> list[str]:
+    """``TrainConfig``'s top-level fields: what the training commands' overrides set (imported
+    only when a command line is refused: ``--help`` and a good line do without it)."""
+    import dataclasses
+
+    from ..train.config import TrainConfig
+
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def override_split_by_the_shell(arguments: list[str]) -> str | None:
+    """An override whose YAML list or mapping the shell cut at its spaces, put together again
+    (``data.paths=[a.txt,`` ``b.txt]``: ``data.paths=[a.txt, b.txt]``), or ``None``."""
+    for i, argument in enumerate(arguments):
+        if "=" not in argument:
+            continue
+        whole = argument
+        for word in arguments[i + 1:]:
+            depth = whole.count("[") + whole.count("{") - whole.count("]") - whole.count("}")
+            if depth <= 0 or "=" in word:
+                break
+            whole += " " + word
+        if whole != argument:
+            return whole
+    return None

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from ..validation import missing_path_hint
-from .common import apply_cpu_allocator, check_output_dir
+from .common import apply_cpu_allocator, check_output_dir, train_config_keys
 
 #: Each grid's presets (``attnres.experiments.PRESETS``, restated so that building the parser
 #: imports no experiment code; a test keeps the two equal) and its default one.
@@ -35,6 +35,7 @@ def add_compare_parser(sub) -> None:
         "validation-loss curves, a loss table at equal steps, equal compute and equal time (step times measured side "
         "by side after training) with tokens/s, output and gradient magnitude per block (Fig. 5), depth-weight "
         "heatmaps (Fig. 8) and depth mixing matrices (Fig. 9). Same as `attnres experiment compare`.",
+        override_keys=train_config_keys,
     )
     _grid_arguments(cmp, default_out="runs/compare", presets="'tiny' (seconds), 'demo' (minutes; default) or "
                     "'long' (the committed 12-block comparison, 30+ minutes per run)")
@@ -47,6 +48,7 @@ def add_experiment_parser(sub) -> None:
         description="Run every (variant, seed) of an experiment grid under --out (one run directory each; finished "
         "runs are skipped, interrupted ones resumed), then write --out/report.md and plots. Overrides apply to "
         "every run alike, e.g. `attnres experiment block-size --preset cpu --out runs/bs --seeds 0 1 steps=500`.",
+        override_keys=train_config_keys,
     )
     ex.add_argument("name", choices=EXPERIMENT_NAMES, help="which grid")
     _grid_arguments(ex, default_out=None, presets="'tiny' (seconds), by grid - " + "; ".join(

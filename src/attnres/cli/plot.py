@@ -56,8 +56,9 @@ def run(args, parser) -> int:
     except OutputPathError as e:
         raise SystemExit(f"attnres plot: error: {e}") from None
     curves = {label: read_curves(path) for label, path in zip(run_labels(runs), runs)}
-    empty = [label for label, c in curves.items() if c.empty and not c.nonfinite]
-    diverged = [label for label, c in curves.items() if c.empty and c.nonfinite]  # (every loss NaN or infinite)
+    # (every loss NaN or infinite, or the run stopped by a diverged step before it logged one)
+    diverged = [label for label, c in curves.items() if c.empty and (c.nonfinite or c.diverged is not None)]
+    empty = [label for label, c in curves.items() if c.empty and label not in diverged]
     drawn = {label: c for label, c in curves.items() if not c.empty}
     left_out = "".join(f"; {what}: {', '.join(labels)}" for what, labels in (
         ("no loss logged yet", empty), ("no finite loss logged (diverged)", diverged)) if labels)

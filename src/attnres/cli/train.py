@@ -7,7 +7,7 @@ import os
 import sys
 
 from .common import (apply_cpu_allocator, attnres_command, end_process, first_on_node,
-                     leave_the_message_to_the_first_on_node, rank_zero)
+                     leave_the_message_to_the_first_on_node, rank_zero, train_config_keys)
 
 
 def add_parser(sub) -> None:
@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
         "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2 data parallel; parallel.tp / parallel.pp for "
         "tensor / pipeline parallelism, docs/scale-out.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter, help_tail=_config_reference,
+        override_keys=train_config_keys,
     )
     tr.add_argument("--config", metavar="CONFIG.yaml",
                     help="YAML file with TrainConfig fields (default: built-in defaults); may also be given "

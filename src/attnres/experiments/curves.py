@@ -27,11 +27,13 @@ AXES = ("step", "tokens")
 class Curves:
     """One run's losses: ``train`` and ``val`` map an axis name (``step``, ``tokens``) and
     ``loss`` to equally long lists, in step order; ``nonfinite``: the steps whose logged loss
-    was not a finite number (left out of the curves: a diverged run's)."""
+    was not a finite number (left out of the curves: a diverged run's); ``diverged``: the step
+    whose loss or gradient norm stopped the run (its ``diverged`` record), if one did."""
 
     train: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "tokens": [], "loss": []})
     val: dict[str, list[float]] = field(default_factory=lambda: {"step": [], "tokens": [], "loss": []})
     nonfinite: int = 0
+    diverged: int | None = None
 
     @property
     def empty(self) -> bool:
@@ -44,12 +46,16 @@ def read_curves(run: str | Path) -> Curves:
     not finite (a diverged step) is left out of the curve."""
     train: dict[int, tuple[float, float]] = {}
     val: dict[int, tuple[float, float]] = {}
+    diverged = None
     for record in read_metrics(Path(run) / METRICS_FILE, warn=False):
         kind, loss = record["kind"], record.get("loss" if record["kind"] == "train" else "val_loss")
         if kind in ("train", "eval"):
             loss = float(loss) if isinstance(loss, (int, float)) else math.nan
             (train if kind == "train" else val)[int(record["step"])] = (float(record.get("tokens", math.nan)), loss)
-    curves = Curves(nonfinite=sum(not math.isfinite(loss) for points in (train, val) for _, loss in points.values()))
+        elif kind == "diverged":  # (before its first log_every, the only record of a run)
+            diverged = int(record["step"])
+    curves = Curves(nonfinite=sum(not math.isfinite(loss) for points in (train, val) for _, loss in points.values()),
+                    diverged=diverged)
     for points, into in ((train, curves.train), (val, curves.val)):
         for step in sorted(s for s, (_, loss) in points.items() if math.isfinite(loss)):
             into["step"].append(step)
@@ -98,9 +104,12 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
     for k, (label, c) in enumerate(curves.items()):
         color = f"C{k % 10}"
         if c.train["step"]:
-            train_ax.plot(c.train[x], c.train["loss"], color=color, alpha=0.25 if smooth else 1.0, lw=0.8)
+            # a run shorter than log_every logs one training loss, its last step's: a point,
+            # which a line alone does not draw either
+            point = {"marker": "o", "ms": 3} if len(c.train["step"]) == 1 else {}
+            train_ax.plot(c.train[x], c.train["loss"], color=color, alpha=0.25 if smooth else 1.0, lw=0.8, **point)
             if smooth:
-                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, lw=1.4)
+                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, lw=1.4, **point)
         if c.val["step"]:  # markers: a run of one evaluation is a point, which a line alone does not draw
             val_ax.plot(c.val[x], c.val["loss"], color=color, marker="o", ms=3, lw=1.4)
         # one legend entry per run in both panels (a run without evaluations too), the last values said

@@ -89,6 +89,7 @@ from .resume import check_resumable, check_resumable_before_data, init_model_cha
 from .schedule import lr_factor
 from .setup import RunData, Start, locate_start, prepare_run_data
 from .signals import StopSignals
+from .status import refuse_a_folder_of_runs
 from .wandb_log import WANDB_FILE, WandbMirror, require_wandb
 from .summary import RunFacts, startup_summary, unused_stream_option, warmup_overrun
 
@@ -584,9 +585,9 @@ class Trainer:
         if (step % config.log_every == 0 or step == end) and self.main:
             self.log_step(factor, grad_norm, window)
         if step % config.eval_every == 0 or step == config.steps:
-            self.evaluate()
+            _off_the_clock(window, self.evaluate)
         if grads is not None:
-            self.diagnostics(grads)
+            _off_the_clock(window, lambda: self.diagnostics(grads))
 
     def _train_loop(self) -> TrainResult:
         config = self.config
@@ -600,12 +601,21 @@ class Trainer:
                 self._after_step(factor, grad_norm, grads, window, end)
                 interrupted = self.stop_signal(signals)
                 if interrupted is not None or self.step_count % config.checkpoint_every == 0 or self.step_count == end:
-                    self.checkpoint()
+                    _off_the_clock(window, self.checkpoint)
                 if interrupted is not None:
                     break
         return TrainResult(step=self.step_count, train_loss=self.train_loss, val_loss=self.val_loss,
                            checkpoint=self.last_ckpt, out_dir=self.out_dir, interrupted=interrupted,
                            val_step=self.val_step)
+
+
+def _off_the_clock(window: list, work: Callable[[], object]) -> None:
+    """Run ``work`` (an evaluation, the diagnostics, a checkpoint) outside the tokens/s
+    ``window`` (``[tokens, start time]``): the train record after each evaluation gave half the
+    rate of the others, the evaluation's time counted as the steps'."""
+    started = time.perf_counter()
+    work()
+    window[1] += time.perf_counter() - started
 
 
 def check_layout(config: TrainConfig, ctx: DistContext) -> None:
@@ -630,6 +640,7 @@ def check_inputs(config: TrainConfig, main: bool = True) -> None:
     resumed ``out_dir`` that does not exist is rank 0's to refuse (``main``): on a node that
     does not share it, check_out_dir's message says what is wrong."""
     refuse_out_dir_not_a_run(config.out_dir)
+    refuse_a_folder_of_runs(config.out_dir)
     if main and config.resume and config.resume_from is None and not Path(config.out_dir).exists():
         raise ValueError(f"resume=true but out_dir {str(config.out_dir)!r} does not exist"
                          f"{missing_path_hint(config.out_dir, directories_only=True)}: there is no run there to "

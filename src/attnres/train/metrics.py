@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +125,14 @@ class MetricsLogger:
         self.path = out_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
-            self.path.write_text("".join(map(metrics_line, kept)))
+            # through a file renamed into place: a process killed (or a disk full) while writing
+            # left the log cut short, the run's history before the checkpoint gone with it
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text("".join(map(metrics_line, kept)))
+                os.replace(tmp, self.path)
+            finally:
+                tmp.unlink(missing_ok=True)
         elif resume_step is None:
             self.path.write_text("")
         self.writer = None
@@ -134,7 +142,11 @@ class MetricsLogger:
             except ImportError:
                 pass
             else:
-                self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=resume_step)
+                # Resumed: the events after the checkpoint, which the run logs again (its own step
+                # kept). Fresh: every earlier event, of an attempt that stopped before its first
+                # checkpoint, whose metrics.jsonl starts over too; it was shown beside this run's.
+                self.writer = SummaryWriter(str(out_dir / "tensorboard"),
+                                            purge_step=0 if resume_step is None else resume_step + 1)
         self.wandb = wandb
 
     def log(self, kind: str, step: int, **values: Any) -> None:

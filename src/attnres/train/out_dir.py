@@ -18,11 +18,18 @@ import socket
 from pathlib import Path
 
 from ..distributed.launch import DistContext, broadcast_object, gather_objects, raise_on_every_rank
+from ..checkpoint.locate import RUN_LOG
 from ..output_paths import file_in_the_way, not_a_directory, os_cause
 
 __all__ = ["OutDirError", "check_out_dir", "os_cause"]
 
 TOKEN = ".attnres-out-dir-check"
+
+#: What a run writes into out_dir, and whether it is a folder. One of these names taken by
+#: the other kind failed only when first written: a file named ``checkpoints`` at the first
+#: checkpoint, the steps before it lost.
+RUN_ENTRIES = {"checkpoints": "its checkpoints (a folder)", "tensorboard": "its TensorBoard events (a folder)",
+               "config.json": "its config (a file)", RUN_LOG: "its metrics log (a file)"}
 
 
 class OutDirError(ValueError):
@@ -39,6 +46,17 @@ def create_out_dir(out_dir: Path) -> None:
         raise OutDirError(f"out_dir {str(out_dir)!r} cannot be created: {os_cause(e)}") from None
 
 
+def refuse_entries_in_the_way(out_dir: Path) -> None:
+    """:class:`OutDirError` when a name of :data:`RUN_ENTRIES` in ``out_dir`` is a folder where
+    the run writes a file, or the other way round."""
+    for name, what in RUN_ENTRIES.items():
+        path = out_dir / name
+        if path.exists() and path.is_dir() != what.endswith("(a folder)"):
+            kind = "a folder" if path.is_dir() else "a file"
+            raise OutDirError(f"out_dir {str(out_dir)!r} cannot be used: {str(path)!r} is {kind}, where the run writes "
+                              f"{what}; move it away or pick another out_dir")
+
+
 def write_token(path: Path, value: str) -> None:
     """Write ``value`` into ``path`` and flush it to the file system (a shared one included)."""
     with path.open("w") as f:
@@ -51,6 +69,7 @@ def _prepare(out_dir: Path, value: str) -> OutDirError | None:
     """Rank 0: create ``out_dir`` and write the token; the error, if any."""
     try:
         create_out_dir(out_dir)
+        refuse_entries_in_the_way(out_dir)
         write_token(out_dir / TOKEN, value)
     except OutDirError as e:
         return e

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..checkpoint import (Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint, no_checkpoint_at,
                           remove_partial_checkpoints, set_aside_newer)
+from ..checkpoint.manifest import OPTIMIZER_FILE
 from ..data import BatchSampler, TokenData, corpus_fingerprint, load_corpus, prepare_data, validation_batches
 from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
                               slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
@@ -63,6 +64,12 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
     if source is None:
         raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint: the run has none to "
                          "continue (it stopped before its first, or they were removed); drop --resume to start it anew")
+    own = latest_checkpoint(out_dir)
+    if config.resume_from is not None and not _owns(out_dir, where) and own is not None:
+        raise ValueError(f"resume_from={config.resume_from!r} is not a checkpoint of out_dir {str(out_dir)!r}, which "
+                         f"holds checkpoints of another run ({own.name} the newest): continuing it there would set those "
+                         "aside and cut that run's metrics.jsonl back to the resumed step; continue it into a new "
+                         "out_dir, or name one of out_dir's own checkpoints")
     source.run_config()  # a checkpoint without one refused by name (check_progress would assume defaults)
     check_progress(source)
     if config.resume_from is not None and main:
@@ -79,7 +86,9 @@ def _init_source(config: TrainConfig) -> Start:
                              f"(model.from_hf={config.init_from})")
         source = hf_source(config.init_from)
         return Start(init=source, origin={"transformers_directory": str(source.path), "step": 0})
-    source = find_valid_checkpoint(config.init_from)
+    # the weights alone are read (a fresh optimiser): a checkpoint shared without its optimiser
+    # state starts a run, as attnres generate and export take it
+    source = find_valid_checkpoint(config.init_from, optional=(OPTIMIZER_FILE,))
     if source is None:
         raise ValueError(f"init_from: {no_checkpoint_at(config.init_from)}")
     source.run_config()  # a checkpoint without one refused by name
@@ -158,7 +167,7 @@ def warn_if_tokenizer_unused(requested: str, given: Tokenizer, source: Source) -
         except ValueError:
             pass  # (unreadable or gone: not used either)
     warn_user(f"data.tokenizer={requested!r} is not used: a run started from {str(source.path)!r} keeps the "
-              f"tokenizer stored with it ({given.kind}, {given.vocab_size} tokens), the one its embeddings were "
+              f"tokenizer stored with it ({given.model_name}, {given.vocab_size} tokens), the one its embeddings were "
               "trained with")
 
 
@@ -217,9 +226,12 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
     sampler = BatchSampler(tokens.train, config.seq_len, config.batch_size, config.seed)
     if start.resume is not None and not changed:
         sampler.load_state_dict(start.resume.state["sampler"])
-    # (a tokenizer.json given by path was said to be "made from the data" at start-up)
-    origin = ("stored in the checkpoint" if given is not None else "made from the data"
-              if config.data.tokenizer in TOKENIZER_KINDS else f"read from {config.data.tokenizer}")
+    # (a tokenizer.json given by path was said to be "made from the data" at start-up, and so
+    # were the bytes, which nothing is made from)
+    origin = ("stored in the checkpoint" if given is not None
+              else "one per byte value" if tokens.tokenizer.kind == "byte"
+              else "made from the data" if config.data.tokenizer in TOKENIZER_KINDS
+              else f"read from {config.data.tokenizer}")
     data = RunData(tokens, corpus.digest, meta, files, origin, changed, sampler,
                    validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches))
     return config, data

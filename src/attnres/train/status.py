@@ -57,6 +57,22 @@ def is_run_directory(path: Path) -> bool:
     return (path / "config.json").is_file() and ((path / METRICS_FILE).is_file() or (path / "checkpoints").is_dir())
 
 
+def refuse_a_folder_of_runs(out_dir: str | Path) -> None:
+    """``ValueError`` when ``out_dir`` is no run but holds runs (``runs/``, a sweep's folder):
+    a run trained there put its files beside theirs, and ``attnres status`` and ``plot`` of the
+    folder then found that run alone (a run is not looked inside)."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir() or is_run_directory(out_dir):
+        return
+    runs = sorted(p for p in out_dir.iterdir() if p.is_dir() and p.name not in _INSIDE_A_RUN and is_run_directory(p))
+    if runs:
+        named = ", ".join(str(p) for p in runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+        raise ValueError(f"out_dir {str(out_dir)!r} is a folder of runs ({named}), not a run: a run written there "
+                         f"would put its files beside theirs, and attnres status and plot of the folder would then "
+                         f"find it alone; give the run a folder of its own (out_dir={out_dir / 'NAME'}), or to continue "
+                         f"one of them, `attnres train out_dir={runs[0]} --resume`")
+
+
 def find_runs(root: str | Path) -> list[Path]:
     """The run directories at or under ``root``, in sorted order (not looking inside runs);
     for a path inside a run (a ``checkpoints/step-*`` directory, as ``attnres generate``

@@ -264,13 +264,14 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         chosen = [v for v in experiment.variants if v.name in variants]
     out = Path(out)
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
-    check_grid_overrides(experiment, overrides)  # before the header, whose message would name only 'overrides'
-    check_same_experiment(out, header)
-    marker = out / EXPERIMENT_FILE
     # Seed-major: each seed completes a whole comparison before the next seed starts, so an
-    # interrupted grid still holds comparable runs. Every run is validated before the first starts.
+    # interrupted grid still holds comparable runs. Every run is validated before the first starts,
+    # and before the header: a misspelt override (stpes=600) given to continue a grid was refused
+    # as one the grid was not trained with, not by its name.
     configs = [(v, s, run_config(experiment, v, s, run_dir(out, v.name, s), overrides))
                for s in seeds for v in chosen]
+    check_same_experiment(out, header)
+    marker = out / EXPERIMENT_FILE
     check_data_passes(configs, experiment.max_data_passes)
     check_flops_counted(configs)
     check_data_found(configs)
