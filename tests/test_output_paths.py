@@ -197,6 +197,15 @@ def test_a_path_without_a_checkpoint_is_named_with_what_it_is(tmp_path):
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     assert "makes it a Hugging Face directory" in no_checkpoint_at(hf) and "import attnres.hf" in no_checkpoint_at(hf)
+    # a file of a model's folder (its weights) given for the folder: that folder named
+    (hf / "model.safetensors").write_bytes(b"")
+    assert no_checkpoint_at(hf / "model.safetensors").endswith(
+        f": it is a file of the Hugging Face directory {str(hf)!r}; name that directory")
+    step = tmp_path / "run" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    assert no_checkpoint_at(step / "state.json").endswith(f": it is a file of the checkpoint {str(step)!r}; name that "
+                                                          "directory")
     (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
     assert no_checkpoint_at(tmp_path / "frsh") == f"{str(tmp_path / 'frsh')!r} does not exist (did you mean 'fresh'?)"
     assert no_checkpoint_at(tmp_path / "fresh").endswith(f": {str(tmp_path / 'fresh' / 'checkpoints')!r} holds none yet")

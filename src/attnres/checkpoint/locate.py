@@ -279,6 +279,13 @@ def no_checkpoint_at(location: str | Path) -> str:
         return f"{str(location)!r} does not exist" + missing_path_hint(location, directories_only=True)
     what = f"{str(location)!r} is neither a checkpoint nor a run directory with checkpoints"
     if not location.is_dir():
+        # (a file of a checkpoint or of a transformers directory - its weights, its state.json -
+        # given for the folder it belongs to)
+        folder = location.parent
+        owner = ("checkpoint" if (folder / STATE_FILE).is_file() else
+                 "Hugging Face directory" if is_hf_directory(folder) else None)
+        if owner is not None:
+            return f"{what}: it is a file of the {owner} {str(folder)!r}; name that directory"
         return f"{what}: it is a file; name a run directory or one of its checkpoints/step-* directories"
     if is_hf_directory(location):
         return (f"{what}: its config.json makes it a Hugging Face directory (attnres export's or attnres "
