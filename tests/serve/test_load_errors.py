@@ -205,3 +205,23 @@ def test_a_family_whose_vllm_module_is_missing_is_refused_alone(monkeypatch):
                            "vllm.model_executor.models.gemma (ModuleNotFoundError: "), said
     assert "Serve it with vLLM 0.32 (pip install vllm==0.32.0; docs/serving.md)" in said
     assert issubclass(served_class.__wrapped__("llama"), UpcycledCausalLM)
+
+
+def test_an_export_with_as_many_key_value_heads_as_heads_is_read(tmp_path):
+    """The presets but ``tiny`` leave ``n_kv_heads`` None (as many as ``n_heads``): vLLM took
+    the None of ``num_key_value_heads`` and stopped before any model, with a validation error
+    of its ModelConfig about ``total_num_kv_heads`` (a training run of configs/train-cpu.yaml,
+    exported, did not serve). vLLM's config of such an export now counts ``n_heads``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from attnres import AttnResLM, ModelConfig
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import AttnResForCausalLM, make_hf_tokenizer
+
+    for n_kv_heads, counted in ((None, 2), (1, 1)):
+        out = tmp_path / f"kv{n_kv_heads}"
+        model = AttnResLM(ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=n_kv_heads))
+        AttnResForCausalLM.from_native(model, eos_token_id=None).save_pretrained(out)
+        make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(out)
+        config = EngineArgs(model=str(out), dtype="float32").create_model_config()
+        assert (config.get_total_num_kv_heads(), config.model_arch_config.total_num_attention_heads) == (counted, 2)
