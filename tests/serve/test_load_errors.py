@@ -207,6 +207,18 @@ def test_a_family_whose_vllm_module_is_missing_is_refused_alone(monkeypatch):
     assert issubclass(served_class.__wrapped__("llama"), UpcycledCausalLM)
 
 
+def _export(out, n_kv_heads=1, max_seq_len=256):
+    """A random export (Block AttnRes, head size 32) with the byte tokenizer, written to ``out``."""
+    from attnres import AttnResLM, ModelConfig
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import AttnResForCausalLM, make_hf_tokenizer
+
+    config = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=n_kv_heads, max_seq_len=max_seq_len)
+    AttnResForCausalLM.from_native(AttnResLM(config), eos_token_id=None).save_pretrained(out)
+    make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(out)
+    return out
+
+
 def test_an_export_with_as_many_key_value_heads_as_heads_is_read(tmp_path):
     """The presets but ``tiny`` leave ``n_kv_heads`` None (as many as ``n_heads``): vLLM took
     the None of ``num_key_value_heads`` and stopped before any model, with a validation error
@@ -214,14 +226,32 @@ def test_an_export_with_as_many_key_value_heads_as_heads_is_read(tmp_path):
     exported, did not serve). vLLM's config of such an export now counts ``n_heads``."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from attnres import AttnResLM, ModelConfig
-    from attnres.data.tokenizer import ByteTokenizer
-    from attnres.hf import AttnResForCausalLM, make_hf_tokenizer
-
     for n_kv_heads, counted in ((None, 2), (1, 1)):
-        out = tmp_path / f"kv{n_kv_heads}"
-        model = AttnResLM(ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=n_kv_heads))
-        AttnResForCausalLM.from_native(model, eos_token_id=None).save_pretrained(out)
-        make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(out)
+        out = _export(tmp_path / f"kv{n_kv_heads}", n_kv_heads)
         config = EngineArgs(model=str(out), dtype="float32").create_model_config()
         assert (config.get_total_num_kv_heads(), config.model_arch_config.total_num_attention_heads) == (counted, 2)
+
+
+def test_a_context_longer_than_the_export_is_refused(tmp_path, monkeypatch):
+    """``--max-model-len`` past the export's ``max_seq_len``, which vLLM takes under
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` (with a warning), served every position past it with
+    NaN logits (token 0, log-probability NaN; by hand, a 300-token prompt with 512 of 256). The
+    export's class refuses it when vLLM builds it, naming config.json and the longest length."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from attnres.serve.native import check_context
+
+    out = _export(tmp_path / "export", max_seq_len=128)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    for length in (64, 128, 256):
+        config = EngineArgs(model=str(out), dtype="float32", max_model_len=length).create_engine_config()
+        native = config.model_config.hf_config.to_model_config()
+        if length <= 128:
+            check_context(config, native)
+            continue
+        with pytest.raises(ValueError) as refused:
+            check_context(config, native)
+        assert str(refused.value) == (
+            f"{out}/config.json: max_model_len 256 is longer than the model's max_seq_len 128 "
+            "(VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM take it): its rotary tables, as attnres generate's, end there, "
+            "and every position past them would give NaN logits; serve with --max-model-len 128 or less")
