@@ -92,7 +92,7 @@ def refusal(monkeypatch, refused: dict[str, str], dtype: torch.dtype = torch.flo
         speculative_config=SimpleNamespace(method=method) if method else None, quant_config=None, lora_config=None,
         compilation_config=SimpleNamespace(mode=CompilationMode.VLLM_COMPILE),
         parallel_config=SimpleNamespace(enable_eplb=eplb),
-        model_config=SimpleNamespace(model="served", dtype=dtype, skip_tokenizer_init=True))
+        model_config=SimpleNamespace(model="served", dtype=dtype, skip_tokenizer_init=True, max_model_len=256))
     model = nn.Module()
     model.model = SimpleNamespace(residual=None)  # (its residual is asked about pipeline stages only)
     try:
@@ -214,7 +214,8 @@ def _export(out, n_kv_heads=1, max_seq_len=256):
     from attnres.data.tokenizer import ByteTokenizer
     from attnres.hf import AttnResForCausalLM, make_hf_tokenizer
 
-    config = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=n_kv_heads, max_seq_len=max_seq_len)
+    config = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=n_kv_heads,
+                         max_seq_len=max_seq_len)
     AttnResForCausalLM.from_native(AttnResLM(config), eos_token_id=None).save_pretrained(out)
     make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(out)
     return out
@@ -233,26 +234,45 @@ def test_an_export_with_as_many_key_value_heads_as_heads_is_read(tmp_path):
         assert (config.get_total_num_kv_heads(), config.model_arch_config.total_num_attention_heads) == (counted, 2)
 
 
-def test_a_context_longer_than_the_export_is_refused(tmp_path, monkeypatch):
-    """``--max-model-len`` past the export's ``max_seq_len``, which vLLM takes under
-    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` (with a warning), served every position past it with
-    NaN logits (token 0, log-probability NaN; by hand, a 300-token prompt with 512 of 256). The
-    export's class refuses it when vLLM builds it, naming config.json and the longest length."""
+def test_a_context_longer_than_the_rotary_tables_is_refused(tmp_path, monkeypatch):
+    """``--max-model-len`` past the model's positions, which vLLM takes under
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` (with a warning), was served from outside vLLM's rotary
+    tables: by hand, an export (256 positions, 512 asked) gave token 0 with NaN
+    log-probabilities for a 300-token prompt, an upcycled Llama (512, 1024 asked) other tokens
+    than transformers' for a 600-token prompt. Every served class refuses it when vLLM builds
+    it, by the rows of its rotary tables (more than max_position_embeddings under YaRN), against
+    vLLM's own config and rotary embeddings here."""
+    from torch import nn
+    from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from attnres.serve.native import check_context
+    from attnres.serve.decoder import check_context
 
     out = _export(tmp_path / "export", max_seq_len=128)
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    for length in (64, 128, 256):
+
+    def said(length: int, rope: dict, positions: int = 128) -> str | None:
         config = EngineArgs(model=str(out), dtype="float32", max_model_len=length).create_engine_config()
-        native = config.model_config.hf_config.to_model_config()
-        if length <= 128:
-            check_context(config, native)
-            continue
-        with pytest.raises(ValueError) as refused:
-            check_context(config, native)
-        assert str(refused.value) == (
-            f"{out}/config.json: max_model_len 256 is longer than the model's max_seq_len 128 "
-            "(VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM take it): its rotary tables, as attnres generate's, end there, "
-            "and every position past them would give NaN logits; serve with --max-model-len 128 or less")
+        model = nn.Module()
+        model.layer = nn.Module()
+        with set_current_vllm_config(config):
+            model.layer.rotary_emb = get_rope(32, positions, rope_parameters={"rope_theta": 10000.0, **rope},
+                                              dtype=torch.float32)
+        try:
+            check_context(model, config)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    default = {"rope_type": "default"}
+    assert said(64, default) is None and said(128, default) is None
+    assert said(256, default) == (
+        f"{out}/config.json: max_model_len 256 is longer than the model's rotary tables, 128 positions "
+        "(layer.rotary_emb; its max_position_embeddings, an export's max_seq_len): VLLM_ALLOW_LONG_MAX_MODEL_LEN lets "
+        "vLLM take it, and every position past them would be encoded from outside the tables (NaN logits or wrong "
+        "tokens); serve with --max-model-len 128 or less")
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}  # tables of 256 positions
+    assert said(256, yarn, positions=256) is None
+    assert said(512, yarn, positions=256).startswith(f"{out}/config.json: max_model_len 512 is longer than the "
+                                                     "model's rotary tables, 256 positions (layer.rotary_emb; ")

@@ -47,7 +47,7 @@ from ..models import AttnResLM, ModelConfig
 from ..nn.rope import RotaryEmbedding
 from ..hf.families.layout import Layout
 from .checkpoint import checked_weights, expected_shapes
-from .decoder import (DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, config_file, empty_stream,
+from .decoder import (DYNAMIC_ARG_DIMS, SublayerNames, check_config_class, check_servable, empty_stream,
                       last_stage_head, run_decoder, serving_residual, stage_embedding)
 from .families import NATIVE_ARCHITECTURE
 
@@ -60,19 +60,6 @@ REFUSED = {
     "eagle3": "an attnres export (AttnResForCausalLM) does not hand EAGLE-3 drafters its hidden states; the upcycled "
               "Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, DeepSeek-V2 and DeepSeek-V3 do",
 }
-
-
-def check_context(vllm_config: VllmConfig, config: ModelConfig) -> None:
-    """Refuse a ``max_model_len`` past the export's ``max_seq_len``, which vLLM allows under
-    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``: the rotary tables have ``max_seq_len`` rows (as
-    ``attnres generate``'s, which refuses longer contexts), and every position past them gave
-    NaN logits - token 0 with log-probability NaN, for any prompt that reached them."""
-    length = vllm_config.model_config.max_model_len
-    if length > config.max_seq_len:
-        raise ValueError(f"{config_file(vllm_config)}: max_model_len {length} is longer than the model's max_seq_len "
-                         f"{config.max_seq_len} (VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM take it): its rotary tables, "
-                         f"as attnres generate's, end there, and every position past them would give NaN logits; "
-                         f"serve with --max-model-len {config.max_seq_len} or less")
 
 
 def _exact_rope(rotary: nn.Module, config: ModelConfig) -> None:
@@ -157,7 +144,6 @@ class AttnResForCausalLM(nn.Module, SupportsPP):
         check_config_class(vllm_config, AttnResConfig, NATIVE_ARCHITECTURE)
         self.config = vllm_config.model_config.hf_config
         self.native_config: ModelConfig = self.config.to_model_config()
-        check_context(vllm_config, self.native_config)
         self.checkpoint_dir = Path(vllm_config.model_config.model)
         self.model = AttnResModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         native = self.native_config
