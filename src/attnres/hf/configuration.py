@@ -35,6 +35,8 @@ _MODEL_FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
 _FACTORY_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.default_factory is not dataclasses.MISSING}
 #: The transformers names of fields (``attribute_map``) that :meth:`AttnResConfig.to_dict` adds.
 HF_NAMES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+#: A property ``attribute_map`` points at -> the field it reads and sets (:attr:`AttnResConfig.kv_heads`).
+_PROPERTY_FIELDS = {"kv_heads": "n_kv_heads"}
 #: The architectures a saved AttnResConfig may name.
 ARCHITECTURES = ("AttnResForCausalLM", "AttnResModel")
 
@@ -63,6 +65,19 @@ class _AttnResConfigMethods(SavesAutoMap):
             )
         super().__post_init__(**kwargs)
         self.to_model_config()  # validates every field, naming the bad one
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads (``num_key_value_heads``, the transformers name): ``n_kv_heads``,
+        or ``n_heads`` where it is None. Readers of the transformers name want a count, as
+        every transformers config of a family gives: vLLM takes the attribute whenever the
+        config has it, and an export's None (as many heads as ``n_heads``, the presets'
+        default) stopped ``vllm serve`` with a validation error about ``total_num_kv_heads``."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @kv_heads.setter
+    def kv_heads(self, value: int | None) -> None:
+        self.n_kv_heads = value
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -96,6 +111,7 @@ class _AttnResConfigMethods(SavesAutoMap):
         ``n_kv_heads=None`` (as many as ``n_heads``) adds no ``num_key_value_heads``, which
         such tools then take as ``num_attention_heads``."""
         names = {alias: getattr(self, alias) for alias in HF_NAMES}
+        names["num_key_value_heads"] = self.n_kv_heads  # None stays out: it loads back as None, not as n_heads
         return {**super().to_dict(), **{alias: value for alias, value in names.items() if value is not None}}
 
     def to_diff_dict(self) -> dict:
@@ -121,7 +137,8 @@ def _check_extra_keys(config, extra: dict) -> None:
     ``intermediate_size``), and an HF name that contradicts its field (``hidden_size=64,
     d_model=128``: the alias won)."""
     defaults = ModelConfig()
-    for alias, name in config.attribute_map.items():
+    for alias, target in config.attribute_map.items():
+        name = _PROPERTY_FIELDS.get(target, target)
         if alias in extra and getattr(config, name) not in (getattr(defaults, name), extra[alias]):
             raise ValueError(f"AttnResConfig: {alias}={extra[alias]!r} (the HF name of {name}) contradicts "
                              f"{name}={getattr(config, name)!r}; set {name} only")
@@ -159,7 +176,7 @@ def _body(ns: dict) -> None:
             "hidden_size": "d_model",
             "num_hidden_layers": "n_layers",
             "num_attention_heads": "n_heads",
-            "num_key_value_heads": "n_kv_heads",
+            "num_key_value_heads": "kv_heads",
             "max_position_embeddings": "max_seq_len",
             "initializer_range": "init_std",
         },

@@ -40,7 +40,7 @@ from .checkpoint import check_tokenizer
 
 __all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "stream_keys", "empty_stream", "stage_embedding",
            "run_decoder", "last_stage_head", "FlatRotary", "config_file", "check_config_class", "check_servable",
-           "TARGET_AGNOSTIC_SPECULATION", "uncut_residual"]
+           "check_context", "TARGET_AGNOSTIC_SPECULATION", "uncut_residual"]
 
 #: Speculative decoding methods that need nothing of the target model but its ordinary
 #: forward (the drafter sees token ids only; the target verifies the drafts as a batch).
@@ -272,7 +272,8 @@ def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str,
     speculative decoding that reads hidden states other than EAGLE-3's, what ``refused``
     names (``"lora"``, ``"eagle3"``, ``"float16"`` -> the reason), expert-parallel load balancing, a head
     size the selected attention backend does not support (vLLM's CPU attention takes a
-    fixed list), and a tokenizer that would drop ordinary text from the served text
+    fixed list), a context longer than the rotary tables (:func:`check_context`), and a
+    tokenizer that would drop ordinary text from the served text
     (:func:`attnres.serve.checkpoint.check_tokenizer`)."""
     file = config_file(vllm_config)
     problems = _refusals(vllm_config, refused or {})
@@ -288,6 +289,26 @@ def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str,
                 f"supported by vLLM's {backend.get_name()} attention backend, which takes head sizes "
                 f"{backend.get_supported_head_sizes()} ({name}): generate with attnres generate or transformers "
                 "instead, or train a model whose d_model / n_heads is one of them")
+    check_context(model, vllm_config)
     model_config = vllm_config.model_config
     if not model_config.skip_tokenizer_init and Path(model_config.tokenizer).exists():  # (--tokenizer: a file too)
         check_tokenizer(model_config.tokenizer)
+
+
+def check_context(model: nn.Module, vllm_config: VllmConfig) -> None:
+    """Refuse a ``max_model_len`` past the positions of the model's rotary tables (vLLM's
+    ``cos_sin_cache``: ``max_position_embeddings`` rows, an export's ``max_seq_len``; more
+    under YaRN or dynamic scaling), which vLLM takes under ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``
+    with a warning only: a position past them reads outside the table - NaN logits for an
+    export (token 0), other tokens than transformers' for an upcycled Llama - where
+    ``attnres generate`` refuses the context and transformers computes the rotation."""
+    length = vllm_config.model_config.max_model_len
+    for name, module in model.named_modules():
+        table = getattr(module, "cos_sin_cache", None)
+        if isinstance(table, Tensor) and table.shape[0] < length:
+            raise ValueError(
+                f"{config_file(vllm_config)}: max_model_len {length} is longer than the model's rotary tables, "
+                f"{table.shape[0]} positions ({name}; its max_position_embeddings, an export's max_seq_len): "
+                "VLLM_ALLOW_LONG_MAX_MODEL_LEN lets vLLM take it, and every position past them would be encoded "
+                f"from outside the tables (NaN logits or wrong tokens); serve with --max-model-len {table.shape[0]} "
+                "or less")
