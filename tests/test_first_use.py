@@ -234,15 +234,12 @@ def test_triton_kernels_on_the_cpu_are_refused_before_any_work(tmp_path, corpus,
 @pytest.mark.parametrize("extra, said", [
     ({"parallel.tp": 2}, "TrainConfig.parallel asks for dp 1 x tp 2 x pp 1 = 2 ranks; launch them with `torchrun"),
     ({"parallel.dp": 2}, "dp 2 x tp 1 x pp 1 = 2 ranks"),
-    ({"model.hf_architecture": "llama", "activation_checkpoint": "block"},
-     "TrainConfig.activation_checkpoint='block' needs the native AttnResLM"),
     ({"data.tokenizer": "missing/tokenizer.json"}, "data.tokenizer 'missing/tokenizer.json' does not exist"),
 ])
 def test_what_one_process_cannot_run_is_refused_before_the_data_is_read(tmp_path, corpus, capsys, monkeypatch, extra,
                                                                         said):
-    """A layout of several ranks, the transformers model's activation checkpointing (in one
-    process) and a tokenizer.json that is not there were refused after the whole corpus was
-    read (and tokenised)."""
+    """A layout of several ranks and a tokenizer.json that is not there were refused after the
+    whole corpus was read (and tokenised)."""
     import attnres.train.setup as setup
 
     monkeypatch.setattr(setup, "load_corpus", lambda *a, **k: pytest.fail("the data was read"))

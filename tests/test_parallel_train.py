@@ -407,8 +407,7 @@ def test_invalid_layouts_name_the_field(root):
     family = cfg.replace(hf_architecture="llama")
     with pytest.raises(ValueError, match="data parallelism only"):
         check_parallel_config(family, ParallelConfig(tp=2), 16, 4, 1)
-    with pytest.raises(ValueError, match="activation_checkpoint='block' needs the native AttnResLM"):
-        check_parallel_config(family, ParallelConfig(), 16, 4, 1, "block")
+    check_parallel_config(family, ParallelConfig(), 16, 4, 1, "block")  # (its own checkpointing: test below)
 
 
 def test_layout_line_says_the_diagnostics_are_not_recorded_under_tp_or_pp():
@@ -441,6 +440,43 @@ def test_activation_checkpointing_gives_equal_gradients(mode):
     model's (float32, 1e-6 relative)."""
     for residual in ("standard", "attnres_block", "attnres_full"):
         _check_checkpointed_gradients(mode, residual)
+
+
+@pytest.mark.parametrize("mode", ["block", "selective"])
+def test_a_family_models_activation_checkpointing_gives_equal_gradients(mode):
+    """``activation_checkpoint=block|selective`` of a transformers family's model
+    (``model.hf_architecture``: it was refused) turns on its own checkpointing, per
+    sublayer, with the native model's options: the loss and every gradient equal the
+    plain model's (float32, 1e-6 relative), and each sublayer runs again in the backward."""
+    from attnres.distributed.mesh_model import build_parallel_model
+    from attnres.distributed.parallel import ParallelConfig, ParallelLayout
+    from attnres.models import ModelConfig
+
+    config = ModelConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, max_seq_len=16, hf_architecture="llama",
+                         residual={"kind": "attnres_block", "block_size": 2})
+    layout = ParallelLayout(dp=1, tp=1, pp=1, dp_rank=0, tp_rank=0, pp_rank=0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    for checkpointing in ("none", mode):
+        model = build_parallel_model(config, ParallelConfig(), layout, torch.device("cpu"), 0, checkpointing).model
+        with torch.no_grad():
+            for p in model.residual.parameters():
+                p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape))  # non-uniform depth attention
+        model.train()
+        runs = []  # each run of a checkpointed sublayer, in the forward and again in the backward
+        for layer in model.model.layers:
+            if checkpointing != "none":
+                given = layer._gradient_checkpointing_func
+                options = given.keywords  # (a partial of torch's checkpoint)
+                layer._gradient_checkpointing_func = lambda fn, *args, given=given, **kw: given(
+                    lambda *x: runs.append(1) or fn(*x), *args, **kw)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()], len(runs)))
+    assert options["use_reentrant"] is False and ("context_fn" in options) == (mode == "selective")
+    assert [r[2] for r in results] == [0, 2 * 2 * config.n_layers]  # both sublayers, recomputed in the backward
+    assert abs(results[0][0] - results[1][0]) <= 1e-6 * abs(results[0][0])
+    assert max(tensor_errors(results[1][1], results[0][1])) <= 1e-6
 
 
 def _check_checkpointed_gradients(mode: str, residual: str) -> None:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from ..models import AttnResLM, ModelConfig, build_model
-from ..models.trunk import sublayer_caller
+from ..models.trunk import checkpoint_options, sublayer_caller
 from .data_parallel import apply_fsdp, full_tensor, reshard
 from .grads import clip_grads_, global_grad_norm
 from .materialize import build_on_meta
@@ -59,9 +59,6 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
         if not parallel.is_default:
             raise ValueError("TrainConfig.parallel.tp/pp split the native AttnResLM; model.hf_architecture="
                              f"{model.hf_architecture!r} trains with data parallelism only (parallel.tp=1, parallel.pp=1)")
-        if activation_checkpoint != "none":
-            raise ValueError(f"TrainConfig.activation_checkpoint={activation_checkpoint!r} needs the native AttnResLM "
-                             "(model.hf_architecture unset); use activation_checkpoint=none")
     if parallel.tp > 1:
         check_tp_shapes(model, parallel.tp)
         if seq_len % parallel.tp:
@@ -312,6 +309,17 @@ def _silence_fsdp_view_warning(chunks: list[nn.Module]) -> None:
                             category=UserWarning)
 
 
+def checkpoint_family_model(model: nn.Module, mode: str) -> None:
+    """``activation_checkpoint=mode`` for a transformers family's model: its own activation
+    checkpointing, per sublayer as the native model's (the residual between them is never
+    recomputed: attnres.hf.families.modeling), with the native model's checkpoint options."""
+    options = checkpoint_options(mode)
+    if hasattr(model, "activation_checkpointing_enable"):  # (the newer name; transformers 5.20 has only the one below)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
 def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: ParallelLayout, device: torch.device,
                          seed: int, activation_checkpoint: str = "none", param_dtype: torch.dtype | None = None,
                          compile: bool = False, prepare: Callable[[nn.Module], None] | None = None) -> ParallelModel:
@@ -340,7 +348,9 @@ def build_parallel_model(config: ModelConfig, parallel: ParallelConfig, layout: 
         if prepare is not None:
             prepare(model)
         chunks = [model]
-    if activation_checkpoint != "none":
+    if activation_checkpoint != "none" and config.hf_architecture is not None:
+        checkpoint_family_model(model, activation_checkpoint)
+    elif activation_checkpoint != "none":
         call = sublayer_caller(activation_checkpoint)
         for chunk in chunks:
             chunk.sublayer_call = call

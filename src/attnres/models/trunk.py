@@ -86,14 +86,25 @@ def sublayer_caller(mode: str) -> Callable:
     ``SelectiveCheckpointContext`` policy)."""
     if mode == "none":
         return plain_call
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
+
+    options = checkpoint_options(mode)
+    return lambda fn, *args: checkpoint(fn, *args, **options)
+
+
+def checkpoint_options(mode: str) -> dict:
+    """The keyword arguments of ``torch.utils.checkpoint.checkpoint`` for
+    ``activation_checkpoint=mode`` (``"block"`` or ``"selective"``): the non-reentrant
+    implementation, and for ``"selective"`` the policy that keeps matmuls and attention.
+    A transformers family's model takes them as its ``gradient_checkpointing_kwargs``."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     if mode == "block":
-        return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False)
+        return {"use_reentrant": False}
     # (a partial of module-level functions: Dynamo's checkpoint operator takes a plain or
     # partial function as context_fn, and refused the nested one: selective under torch.compile)
-    return lambda fn, *args: checkpoint(fn, *args, use_reentrant=False, context_fn=functools.partial(
-        create_selective_checkpoint_contexts, _selective_policy))
+    return {"use_reentrant": False,
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
 
 
 #: The operators whose outputs ``activation_checkpoint="selective"`` keeps.
