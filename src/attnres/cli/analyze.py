@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from ..validation import missing_path_hint
-from .common import add_checkpoint_argument, check_optional_count
+from ..validation import check_optional_count, missing_path_hint
+from .common import add_checkpoint_argument
 
 
 def add_parser(sub) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..user_warning import at_the_raise_site
-from ..validation import check_optional_count, did_you_mean, did_you_mean_each  # noqa: F401 (the commands')
+from ..validation import did_you_mean, did_you_mean_each
 
 
 class Parser(argparse.ArgumentParser):

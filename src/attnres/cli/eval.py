@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..validation import missing_path_hint
-from .common import DTYPES, add_checkpoint_argument, check_optional_count
+from ..validation import check_optional_count, missing_path_hint
+from .common import DTYPES, add_checkpoint_argument
 
 
 #: The default perplexity window of a transformers directory, at most: a pretrained model's

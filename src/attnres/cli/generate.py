@@ -3,9 +3,9 @@ directory), streamed, with tokens/s."""
 
 from __future__ import annotations
 
-from .common import DTYPES, add_checkpoint_argument, check_optional_count
+from .common import DTYPES, add_checkpoint_argument
 from ..user_warning import warn_user
-from ..validation import SEED_MAX, missing_path_hint
+from ..validation import SEED_MAX, check_optional_count, missing_path_hint
 
 
 def add_parser(sub) -> None:

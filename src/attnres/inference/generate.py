@@ -163,6 +163,12 @@ def sample(
     temperature near 0 beyond float32's range - takes its argmax, as greedy decoding does."""
     check_sampling(temperature, top_k, top_p)
     _check_generator(generator, logits.device, logits.shape[0], "the logits")
+    return _draw(logits, temperature, top_k, top_p, generator)
+
+
+def _draw(logits: Tensor, temperature: float, top_k: int, top_p: float, generator: Generators) -> Tensor:
+    """:func:`sample` of arguments checked already: the streams check them once, at the call,
+    not at every token."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     raw, logits = logits, logits.float() / temperature
@@ -329,7 +335,7 @@ def _stream(model, input_ids, mask, max_new_tokens, temperature, top_k, top_p, s
     warned = False
     for step in range(max_new_tokens):
         finite = torch.isfinite(logits).all()
-        tokens = sample(logits, temperature, top_k, top_p, generator)
+        tokens = _draw(logits, temperature, top_k, top_p, generator)
         tokens = tokens.masked_fill(finished, pad_token_id)
         finished |= torch.isin(tokens, stop_ids)
         last = step == max_new_tokens - 1
@@ -410,7 +416,7 @@ def _stream_transformers(model, input_ids, mask, max_new_tokens, temperature, to
     with torch.no_grad():
         out = model(input_ids=input_ids, use_cache=True, **padding)
         for step in range(max_new_tokens):
-            tokens = sample(out.logits[:, -1].float(), temperature, top_k, top_p, generator)
+            tokens = _draw(out.logits[:, -1].float(), temperature, top_k, top_p, generator)
             tokens = tokens.masked_fill(finished, pad_token_id)
             finished |= torch.isin(tokens, stop_ids)
             if step < max_new_tokens - 1:  # launched before the caller reads this step's tokens

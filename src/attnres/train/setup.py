@@ -64,8 +64,8 @@ def _resume_source(config: TrainConfig, out_dir: Path, main: bool, main_first: M
     if source is None:
         raise ValueError(f"resume=true but {str(where / 'checkpoints')!r} holds no checkpoint: the run has none to "
                          "continue (it stopped before its first, or they were removed); drop --resume to start it anew")
-    own = latest_checkpoint(out_dir)
-    if config.resume_from is not None and not _owns(out_dir, where) and own is not None:
+    if (config.resume_from is not None and not _owns(out_dir, where)
+            and (own := latest_checkpoint(out_dir)) is not None):
         raise ValueError(f"resume_from={config.resume_from!r} is not a checkpoint of out_dir {str(out_dir)!r}, which "
                          f"holds checkpoints of another run ({own.name} the newest): continuing it there would set those "
                          "aside and cut that run's metrics.jsonl back to the resumed step; continue it into a new "
