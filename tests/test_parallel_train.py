@@ -559,3 +559,27 @@ def test_checkpoints_reshard(root):
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]), json.loads(sys.argv[2]))
+
+
+def test_a_family_models_training_and_validation_forwards_build_no_kv_cache(caplog):
+    """A transformers family's model built a KV cache in every training and validation
+    forward (its config's ``use_cache``, which generation wants): every layer's keys and
+    values held to the end of a validation forward, and, under activation checkpointing,
+    transformers' "use_cache=True is incompatible with gradient checkpointing" at every run.
+    Both forwards now pass ``use_cache=False``; the losses are unchanged."""
+    from attnres.distributed.mesh_model import build_parallel_model
+    from attnres.distributed.parallel import ParallelConfig, ParallelLayout
+    from attnres.models import ModelConfig
+
+    config = ModelConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, max_seq_len=16, hf_architecture="llama")
+    layout = ParallelLayout(dp=1, tp=1, pp=1, dp_rank=0, tp_rank=0, pp_rank=0)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    pm = build_parallel_model(config, ParallelConfig(), layout, torch.device("cpu"), 0, "block")
+    assert pm.model.config.use_cache  # generation's default, kept for the exported model
+    caches = []
+    pm.model.register_forward_hook(lambda module, args, out: caches.append(out.past_key_values))
+    loss, _ = pm.forward_backward(ids, 1)
+    val = pm.loss(ids)
+    assert caches == [None, None]
+    assert abs(loss - val) <= 1e-5 * val  # the same weights, the same batch
+    assert "use_cache" not in caplog.text

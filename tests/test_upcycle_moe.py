@@ -149,11 +149,11 @@ def test_the_auxiliary_loss_is_the_original(model_type, residual):
     torch.manual_seed(0)  # the same router jitter, where a family has one (PhiMoE's sparse mixer)
     got = up(x, labels=x, **up.training_forward_kwargs())
     if model_type in AUX:
-        assert up.training_forward_kwargs() == {"output_router_logits": True}
+        assert up.training_forward_kwargs() == {"use_cache": False, "output_router_logits": True}
         assert got.aux_loss is not None and abs(got.aux_loss.item() - want.aux_loss.item()) <= 1e-5 * want.aux_loss.item()
         assert abs(got.loss.item() - want.loss.item()) <= 1e-5 * want.loss.item()  # cross-entropy + coef * aux
     else:  # DeepSeek-style routers train without one in transformers
-        assert up.training_forward_kwargs() == {} and getattr(want, "aux_loss", None) is None
+        assert up.training_forward_kwargs() == {"use_cache": False} and getattr(want, "aux_loss", None) is None
 
 
 def test_router_outputs_follow_the_recorded_contract():

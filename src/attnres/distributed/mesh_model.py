@@ -119,9 +119,11 @@ class ParallelModel:
         self.forward = forward if forward is not None else chunks[0]
         self._replicated = replicated or []  # names of the parameters tp left replicated
         self._dp_manual = dp_manual or []  # names of the parameters FSDP2 leaves alone under dp x tp
-        # What a training forward passes besides the labels: a mixture-of-experts family asks
-        # for its router logits, so that its causal LM adds the load-balancing loss.
+        # What a training / validation forward passes besides the labels: a family model builds
+        # no KV cache, and a mixture-of-experts family asks for its router logits in training,
+        # so that its causal LM adds the load-balancing loss.
         self._training_kwargs = getattr(model, "training_forward_kwargs", dict)()
+        self._evaluation_kwargs = getattr(model, "evaluation_forward_kwargs", dict)()
 
     @property
     def holds_whole_model(self) -> bool:
@@ -198,7 +200,7 @@ class ParallelModel:
             with autocast():
                 if self.runner is not None:
                     return self.runner.loss(ids, ids).item()
-                return self.model(ids, labels=ids).loss.item()
+                return self.model(ids, labels=ids, **self._evaluation_kwargs).loss.item()
         finally:
             reshard(self.chunks)
             self.train(True)

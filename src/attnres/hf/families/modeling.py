@@ -372,11 +372,21 @@ class UpcycledModelMixin(KeepsItsSourceHome):
         return self.residual.mixing_matrix(state, per_channel=per_channel)
 
     def training_forward_kwargs(self) -> dict[str, Any]:
-        """What a training forward passes besides ``labels``: ``output_router_logits=True``
-        for a mixture-of-experts family whose causal LM then adds its load-balancing loss
+        """What a training forward passes besides ``labels``: ``use_cache=False`` (see
+        :meth:`evaluation_forward_kwargs`), and ``output_router_logits=True`` for a
+        mixture-of-experts family whose causal LM then adds its load-balancing loss
         (``router_aux_loss_coef`` times ``aux_loss``) to the loss, as the family trains."""
         router = layout_of(family_of(self.config.model_type)).router
-        return {"output_router_logits": True} if router is not None and router.aux_loss_coef else {}
+        moe = {"output_router_logits": True} if router is not None and router.aux_loss_coef else {}
+        return {**self.evaluation_forward_kwargs(), **moe}
+
+    def evaluation_forward_kwargs(self) -> dict[str, Any]:
+        """What a loss-only forward (training, validation) passes besides ``labels``:
+        ``use_cache=False``. The family's forward builds a KV cache by default (the config's
+        ``use_cache``, which generation wants), holding every layer's keys and values to the
+        end of the forward - memory a validation pass would otherwise free layer by layer -
+        and transformers warns of it under activation checkpointing at every run."""
+        return {"use_cache": False}
 
     def _init_weights(self, module: nn.Module) -> None:
         """The family's init, except for the residual's tensors: those the checkpoint lacks
