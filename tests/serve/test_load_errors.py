@@ -276,3 +276,29 @@ def test_a_context_longer_than_the_rotary_tables_is_refused(tmp_path, monkeypatc
     assert said(256, yarn, positions=256) is None
     assert said(512, yarn, positions=256).startswith(f"{out}/config.json: max_model_len 512 is longer than the "
                                                      "model's rotary tables, 256 positions (layer.rotary_emb; ")
+
+
+def test_the_served_residual_is_logged_under_vllms_logger():
+    """A server's log said nothing of the residual it serves (the plugin logged nothing of its
+    own): building the served residual logs it once per process, under vLLM's logger (its
+    handler and ``VLLM_LOGGING_LEVEL``; a logger of the plugin's own name showed no INFO)."""
+    import logging
+
+    from attnres.nn.residual import ResidualConfig
+    from attnres.serve import decoder
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    decoder.logger.addHandler(handler)
+    decoder.logger.setLevel(logging.INFO)  # (vLLM's engine sets the "vllm" logger's level; this test starts none)
+    try:
+        for _ in range(2):
+            decoder.serving_residual(ResidualConfig.from_value({"kind": "attnres_block", "block_size": 2}), 24, 6)
+    finally:
+        decoder.logger.removeHandler(handler)
+        decoder.logger.setLevel(logging.NOTSET)
+    assert decoder.logger.name.startswith("vllm.")
+    assert [r.getMessage() for r in records] == [
+        "attnres 0.1.0: residual attnres_block (S=2, N=3) over 6 sublayers (d = 24); depth attention in PyTorch "
+        "operations, compiled with the model where vLLM compiles it"]

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from vllm.config import CompilationMode, VllmConfig
 from vllm.distributed import get_pp_group
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -34,13 +35,18 @@ from vllm.model_executor.models.utils import PPMissingLayer, make_empty_intermed
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
-from ..nn.residual import DepthHistory, ResidualConfig, ResidualStream, build_residual
+from .. import __version__
+from ..nn.residual import DepthHistory, ResidualConfig, ResidualStream, build_residual, residual_class
 from ..hf.families.layout import Layout
 from .checkpoint import check_tokenizer
 
 __all__ = ["SublayerNames", "DYNAMIC_ARG_DIMS", "serving_residual", "stream_keys", "empty_stream", "stage_embedding",
            "run_decoder", "last_stage_head", "FlatRotary", "config_file", "check_config_class", "check_servable",
            "check_context", "TARGET_AGNOSTIC_SPECULATION", "uncut_residual"]
+
+#: Under vLLM's own logger (its handler, format and ``VLLM_LOGGING_LEVEL``): a logger of the
+#: plugin's own name would go to Python's root logger, which shows no INFO line.
+logger = init_logger("vllm.attnres")
 
 #: Speculative decoding methods that need nothing of the target model but its ordinary
 #: forward (the drafter sees token ids only; the target verifies the drafts as a batch).
@@ -66,9 +72,13 @@ def serving_residual(config: ResidualConfig, dim: int, n_sublayers: int) -> Resi
     operations (``backend="reference"``): vLLM compiles the model body, and its inductor
     fuses the residual's elementwise work like any other (the custom operators of
     :mod:`attnres.ops.depth_attention` would be opaque calls there; they serve training).
-    Same function, same parameters."""
-    return build_residual(ResidualConfig.from_value({**config.to_dict(), "backend": "reference"}), dim,
-                          n_sublayers)
+    Same function, same parameters. Logs (once per process) what it built: a server's log
+    names the residual it serves."""
+    serving = ResidualConfig.from_value({**config.to_dict(), "backend": "reference"})
+    logger.info_once("attnres %s: residual %s over %d sublayers (d = %d); depth attention in PyTorch operations, "
+                     "compiled with the model where vLLM compiles it", __version__,
+                     residual_class(serving.kind).describe(serving, n_sublayers), n_sublayers, dim)
+    return build_residual(serving, dim, n_sublayers)
 
 
 #: The names of the residual stream's tensors among vLLM's intermediate tensors between
