@@ -155,6 +155,37 @@ def test_training_on_one_gpu_of_several_is_device_cuda_n(monkeypatch):
             TrainConfig(device=bad)
 
 
+def test_more_torchrun_ranks_on_a_node_than_gpus_is_refused_on_every_rank(monkeypatch):
+    """`torchrun --nproc-per-node 2 -m attnres train` on a node with one GPU: rank 1 took
+    cuda:1, which does not exist, and stopped alone on CUDA's "invalid device ordinal". Every
+    rank of the node now refuses alike (LOCAL_WORLD_SIZE, not LOCAL_RANK, decides), saying how
+    many to launch; as many ranks as GPUs still each take cuda:LOCAL_RANK. CUDA stubbed: one
+    device."""
+    import pytest
+
+    from attnres.distributed.launch import _pick_device
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # (as torchrun sets them)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        for device in ("auto", "cuda"):
+            with pytest.raises(ValueError, match=rf"TrainConfig.device='{device}': torchrun started 2 ranks on this "
+                                                 r"node, each on its own GPU \(cuda:LOCAL_RANK\), but the node shows 1 "
+                                                 r"CUDA device\(s\); launch at most 1 per node \(torchrun "
+                                                 r"--nproc-per-node 1\), or train on the CPU \(device=cpu\)"):
+                _pick_device(device)
+    assert current == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _pick_device("auto") == torch.device("cuda", 1) and current == [1]
+
+
 def test_apple_gpu_is_refused_saying_to_use_the_cpu(monkeypatch, tmp_path):
     """On a Mac: `--device mps` listed the allowed names only, `device=mps` the same, and
     `--device cuda` told the user that a GPU needs a CUDA build of torch (there is none for
