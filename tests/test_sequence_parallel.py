@@ -21,6 +21,7 @@ pytest.importorskip("safetensors")
 from conftest import TOL, assert_rel_close, make_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from attnres.distributed.sequence_parallel import sharded_prefill  # noqa: E402
 from attnres.inference import prefill  # noqa: E402
 
 RESIDUALS = ("standard", "attnres_block", "attnres_full")
@@ -121,6 +122,19 @@ def test_sharded_prefill_matches_one_process(sharded, residual, dname, p):
 def test_sharded_prefill_rejects_indivisible_length(sharded):
     """T must split into P equal shards: every rank raises, before any collective."""
     assert "sequence length 10 must be divisible by the number of ranks 4" in (sharded / "indivisible.txt").read_text()
+
+
+@pytest.mark.parametrize("residual", ["mhc", "denseformer"])
+def test_sharded_prefill_names_a_residual_without_described_sources(residual):
+    """Hyper-connections' streams and DenseFormer's averages are not the history the prefill
+    measures: every rank ran the whole sharded prefill, then stopped on "cannot be cut into
+    pipeline stages". Refused before any collective (here no process group exists at all),
+    naming the residual and those that work."""
+    model, ids = build(residual, torch.float32)
+    with pytest.raises(ValueError, match=rf"sharded_prefill: residual '{residual}' does not describe the depth "
+                                         r"sources it holds .*use a residual that does \(standard, attnres_block, "
+                                         r"attnres_full\)"):
+        sharded_prefill(model, ids)
 
 
 if __name__ == "__main__":
