@@ -628,7 +628,7 @@ def check_layout(config: TrainConfig, ctx: DistContext) -> None:
             check_one_process(config.parallel)
         dp = 1 if ctx.backend is None else resolve_degrees(config.parallel, ctx.world_size)[0]
         check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, dp,
-                              config.activation_checkpoint)
+                              config.activation_checkpoint, resuming=config.resuming)
     except ValueError as e:
         raise on_every_rank(e) from None
 
