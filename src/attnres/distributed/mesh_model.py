@@ -55,7 +55,8 @@ __all__ = ["ParallelModel", "build_parallel_model", "check_parallel_config", "co
 def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len: int, batch_size: int,
                           dp: int, activation_checkpoint: str = "none", resuming: bool = False) -> None:
     """``ValueError`` naming the field for a combination the layout cannot run. ``resuming``:
-    ``batch_size`` is the checkpoint's, which a resume keeps, so the way out is the layout."""
+    ``batch_size`` and the model are the checkpoint's, which a resume keeps, so the way out is
+    the layout."""
     if model.hf_architecture is not None:
         if not parallel.is_default:
             raise ValueError("TrainConfig.parallel.tp/pp split the native AttnResLM; model.hf_architecture="
@@ -67,8 +68,10 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
                              "norms and the residual run on the sequence shard)")
     if parallel.pp > 1:
         if model.tie_embeddings:
+            way = (": this resume keeps the checkpoint's tied model, so continue it with parallel.pp=1 (data or tensor "
+                   "parallel)" if resuming else "")
             raise ValueError("model.tie_embeddings must be false with parallel.pp > 1 (the embedding and the LM head "
-                             "live on different stages)")
+                             f"live on different stages){way}")
         try:  # a residual that cannot be cut into stages says so (a variant of one's own too)
             with torch.device("meta"):
                 model.build_residual().history_layout(0)
