@@ -137,5 +137,20 @@ def test_sharded_prefill_names_a_residual_without_described_sources(residual):
         sharded_prefill(model, ids)
 
 
+def test_sharded_prefill_on_a_rank_outside_its_group_says_so(monkeypatch):
+    """A rank outside ``group`` (torch's get_rank(group) = -1) sliced an empty shard and
+    stopped on "torch.cat(): expected a non-empty list of Tensors" after a collective it was
+    not part of. It is refused first, naming its rank. Torch's answers for a non-member are
+    stubbed (no process group here)."""
+    from attnres.distributed import sequence_parallel
+
+    monkeypatch.setattr(sequence_parallel.dist, "get_rank", lambda group=None: 1 if group is None else -1)
+    monkeypatch.setattr(sequence_parallel.dist, "get_world_size", lambda group=None: 2 if group is None else -1)
+    model, ids = build("attnres_block", torch.float32)
+    with pytest.raises(ValueError, match=r"sharded_prefill: this process \(global rank 1\) is not in the group it was "
+                                         r"given; call it on the group's ranks only"):
+        sharded_prefill(model, ids, group=object())
+
+
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))

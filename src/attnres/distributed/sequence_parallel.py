@@ -118,6 +118,9 @@ def sharded_prefill(model: AttnResLM, input_ids: Tensor, group=None, build_cache
     model.check_input_ids(input_ids)
     _check_sources_described(model)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:  # (torch's answer for a rank outside the group: it sliced an empty shard, then torch.cat failed)
+        raise ValueError(f"sharded_prefill: this process (global rank {dist.get_rank()}) is not in the group it was "
+                         "given; call it on the group's ranks only")
     t = input_ids.shape[1]
     if t % world:
         raise ValueError(f"sequence length {t} must be divisible by the number of ranks {world} for sharded prefill")
