@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from . import analyze, env, experiment, export, generate, plot, status, train, upcycle
 from . import eval as eval_command
 from .common import (ImportModule, Parser, end_process, missing_extra, override_split_by_the_shell, plain_warnings,
-                     record_given_imports, refuse_empty_values, resolve_checkpoint, version_line)
+                     record_given_imports, refuse_a_multi_rank_launch, refuse_empty_values, resolve_checkpoint,
+                     version_line)
 from .experiment import EXPERIMENT_NAMES
 from .generate import check_context
 
@@ -56,6 +57,11 @@ COMMANDS: dict[str, Command] = {
     "plot": Command(plot.add_parser, plot.run),
     "env": Command(env.add_parser, env.run),
 }
+
+#: The commands that run in one process and write what they make: under a multi-rank launch
+#: they are refused (every rank ran them whole). `train` is the launch's command; `status`
+#: and `env` only read (`env` on each node of a launch says what each node has).
+ONE_PROCESS_COMMANDS = frozenset({"generate", "export", "analyze", "upcycle", "eval", "plot"})
 
 
 def _in_process_group() -> bool:
@@ -131,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:
         args.overrides = args.overrides + extra
+    if args.command in ONE_PROCESS_COMMANDS:
+        refuse_a_multi_rank_launch(args.command)
     refuse_empty_values(parser.commands[args.command], args)
     resolve_checkpoint(args)
     try:
