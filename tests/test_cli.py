@@ -121,21 +121,27 @@ def test_print_config_under_torchrun_is_printed_once_per_node(capsys, monkeypatc
 
 @pytest.mark.parametrize("command", [["export", "RUN", "--out", "OUT"], ["generate", "RUN", "--prompt", "a"],
                                      ["eval", "RUN", "--out", "OUT/eval.json"], ["analyze", "RUN"],
-                                     ["plot", "RUN", "--out", "OUT/curves.png"]])
+                                     ["plot", "RUN", "--out", "OUT/curves.png"],
+                                     ["compare", "--preset", "tiny", "--out", "OUT"]])
 def test_a_one_process_command_under_torchrun_is_refused_once_per_node(capsys, monkeypatch, tmp_path, command):
     """`torchrun --nproc-per-node 2 -m attnres export RUN --out DIR` (a sharded checkpoint
     taken to need the ranks that wrote it) ran the export on each rank, both writing DIR at
-    once and printing everything twice. The node's first rank says to run it without torchrun,
-    the others exit without a word (after waiting for it); nothing is read or written."""
+    once and printing everything twice; `compare` printed every line twice, wrote its report
+    from both ranks and timed each variant's step on both at once. The node's first rank says
+    to run it without torchrun, the others exit without a word (after waiting for it);
+    nothing is read or written."""
     from attnres.cli import common
 
     monkeypatch.setattr(common, "SILENT_RANK_WAIT_S", 0.0)
     argv = [a.replace("RUN", str(tmp_path / "no-run")).replace("OUT", str(tmp_path / "out")) for a in command]
     for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(SystemExit, match=rf"attnres {command[0]}: error: it runs in one process \(sharded checkpoints "
-                                         r"included: it reads every rank's shards itself\), but torchrun started 2 "
-                                         rf"ranks, .*; run it without torchrun: `attnres {command[0]} ...`"):
+    why = (r"it trains its runs one after another .*; to spread a grid over processes, start one per --variants, sharing --out"
+           if command[0] == "compare" else r"sharded checkpoints included: it reads every rank's shards itself"
+           if command[0] != "plot" else "one figure")
+    with pytest.raises(SystemExit, match=rf"attnres {command[0]}: error: it runs in one process \({why}\), but "
+                                         rf"torchrun started 2 ranks, .*; run it without torchrun: "
+                                         rf"`attnres {command[0]} ...`"):
         cli_main(argv)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
