@@ -136,6 +136,9 @@ def test_a_one_process_command_under_torchrun_is_refused_once_per_node(capsys, m
     argv = [a.replace("RUN", str(tmp_path / "no-run")).replace("OUT", str(tmp_path / "out")) for a in command]
     for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # a job script's own variables, without torchrun:
+    assert common.refuse_a_multi_rank_launch(command[0], "") is None  # not refused
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # (torchrun's workers have it)
     why = (r"it trains its runs one after another .*; to spread a grid over processes, start one per --variants, sharing --out"
            if command[0] == "compare" else r"sharded checkpoints included: it reads every rank's shards itself"
            if command[0] != "plot" else "one figure")

@@ -185,9 +185,10 @@ def refuse_a_multi_rank_launch(command: str, why: str) -> None:
     """``SystemExit`` where a launcher (torchrun) started the one-process ``command`` on
     several ranks: each rank ran all of it (an export, an evaluation, a report, written into
     the same place at once) and printed everything once per rank. Said once per node, with
-    ``why`` (what the one process does)."""
+    ``why`` (what the one process does). Torchrun's workers are told by its run id (a job
+    script may export ``WORLD_SIZE`` for its own launch and run such a command beside it)."""
     world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() or int(world) <= 1:
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not world.isdigit() or int(world) <= 1:
         return
     if not first_on_node():
         leave_the_message_to_the_first_on_node()
