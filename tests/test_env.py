@@ -169,6 +169,11 @@ def test_more_torchrun_ranks_on_a_node_than_gpus_is_refused_on_every_rank(monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # (left in the environment: one process, no launch)
+    assert _pick_device("auto") == torch.device("cuda", 0) and current == [0]
+    current.clear()
     for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
                         "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)  # (as torchrun sets them)

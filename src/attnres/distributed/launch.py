@@ -118,6 +118,8 @@ def _check_a_gpu_per_rank(device: str) -> None:
     ``set_device`` on CUDA's "invalid device ordinal", a traceback that names no fix. Checked
     from ``LOCAL_WORLD_SIZE``, the same on every rank of the node (``LOCAL_RANK`` is not), so
     that every rank stops alike and the node's first rank prints it once."""
+    if launched_world_size() is None:  # (one process: a LOCAL_WORLD_SIZE left in the environment is not its launch)
+        return
     ranks_here, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     if ranks_here > gpus:
         raise ValueError(f"TrainConfig.device={device!r}: torchrun started {ranks_here} ranks on this node, each on "
