@@ -124,6 +124,18 @@ def test_asking_for_cuda_where_there_is_none_says_why(monkeypatch, tmp_path):
     assert "is built for CUDA but finds no device" in no_cuda_reason() and "CUDA_VISIBLE_DEVICES" in no_cuda_reason()
 
 
+def stub_cuda_one_process(monkeypatch, gpus: int) -> list[int]:
+    """CUDA stubbed with ``gpus`` devices and no launch in the environment; the list records
+    every ``set_device``."""
+    current: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    return current
+
+
 def test_training_on_one_gpu_of_several_is_device_cuda_n(monkeypatch):
     """`device=cuda:1` was refused ("did you mean 'cuda'?"), so that a user of a machine with
     several GPUs trained on cuda:0. One process now trains on the GPU named, made the current
@@ -134,12 +146,7 @@ def test_training_on_one_gpu_of_several_is_device_cuda_n(monkeypatch):
     from attnres.distributed.launch import _pick_device
     from attnres.train import TrainConfig
 
-    current = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    current = stub_cuda_one_process(monkeypatch, gpus=2)
     assert TrainConfig(device="cuda:1").device == "cuda:1"
     assert _pick_device("cuda:1") == torch.device("cuda", 1) and current == [1]
     assert _pick_device("cuda") == torch.device("cuda", 0) and current == [1, 0]
@@ -165,12 +172,7 @@ def test_more_torchrun_ranks_on_a_node_than_gpus_is_refused_on_every_rank(monkey
 
     from attnres.distributed.launch import _pick_device
 
-    current = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    current = stub_cuda_one_process(monkeypatch, gpus=1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # (left in the environment: one process, no launch)
     assert _pick_device("auto") == torch.device("cuda", 0) and current == [0]
     current.clear()
