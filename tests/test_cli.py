@@ -119,6 +119,41 @@ def test_print_config_under_torchrun_is_printed_once_per_node(capsys, monkeypatc
         assert ("steps: 7" in capsys.readouterr().out) == printed
 
 
+@pytest.mark.parametrize("command", [["export", "RUN", "--out", "OUT"], ["generate", "RUN", "--prompt", "a"],
+                                     ["eval", "RUN", "--out", "OUT/eval.json"], ["analyze", "RUN"],
+                                     ["plot", "RUN", "--out", "OUT/curves.png"],
+                                     ["compare", "--preset", "tiny", "--out", "OUT"]])
+def test_a_one_process_command_under_torchrun_is_refused_once_per_node(capsys, monkeypatch, tmp_path, command):
+    """`torchrun --nproc-per-node 2 -m attnres export RUN --out DIR` (a sharded checkpoint
+    taken to need the ranks that wrote it) ran the export on each rank, both writing DIR at
+    once and printing everything twice; `compare` printed every line twice, wrote its report
+    from both ranks and timed each variant's step on both at once. The node's first rank says
+    to run it without torchrun, the others exit without a word (after waiting for it);
+    nothing is read or written."""
+    from attnres.cli import common
+
+    monkeypatch.setattr(common, "SILENT_RANK_WAIT_S", 0.0)
+    argv = [a.replace("RUN", str(tmp_path / "no-run")).replace("OUT", str(tmp_path / "out")) for a in command]
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # a job script's own variables, without torchrun:
+    assert common.refuse_a_multi_rank_launch(command[0], "") is None  # not refused
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # (torchrun's workers have it)
+    why = (r"it trains its runs one after another .*; to spread a grid over processes, start one per --variants, sharing --out"
+           if command[0] == "compare" else r"sharded checkpoints included: it reads every rank's shards itself"
+           if command[0] != "plot" else "one figure")
+    with pytest.raises(SystemExit, match=rf"attnres {command[0]}: error: it runs in one process \({why}\), but "
+                                         rf"torchrun started 2 ranks, .*; run it without torchrun: "
+                                         rf"`attnres {command[0]} ...`"):
+        cli_main(argv)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as silent:
+        cli_main(argv)
+    assert silent.value.code == 1 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("override", ["wandb_project='1e3'", "data.paths=['2e5']", "out_dir='1E3'"])
 def test_print_config_loads_back_strings_that_look_like_numbers(capsys, tmp_path, override):
     """A string such as '1e3' (a W&B project, a path) was printed plain, as PyYAML's YAML 1.1

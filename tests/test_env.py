@@ -124,6 +124,18 @@ def test_asking_for_cuda_where_there_is_none_says_why(monkeypatch, tmp_path):
     assert "is built for CUDA but finds no device" in no_cuda_reason() and "CUDA_VISIBLE_DEVICES" in no_cuda_reason()
 
 
+def stub_cuda_one_process(monkeypatch, gpus: int) -> list[int]:
+    """CUDA stubbed with ``gpus`` devices and no launch in the environment; the list records
+    every ``set_device``."""
+    current: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    return current
+
+
 def test_training_on_one_gpu_of_several_is_device_cuda_n(monkeypatch):
     """`device=cuda:1` was refused ("did you mean 'cuda'?"), so that a user of a machine with
     several GPUs trained on cuda:0. One process now trains on the GPU named, made the current
@@ -134,12 +146,7 @@ def test_training_on_one_gpu_of_several_is_device_cuda_n(monkeypatch):
     from attnres.distributed.launch import _pick_device
     from attnres.train import TrainConfig
 
-    current = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    current = stub_cuda_one_process(monkeypatch, gpus=2)
     assert TrainConfig(device="cuda:1").device == "cuda:1"
     assert _pick_device("cuda:1") == torch.device("cuda", 1) and current == [1]
     assert _pick_device("cuda") == torch.device("cuda", 0) and current == [1, 0]
@@ -153,6 +160,37 @@ def test_training_on_one_gpu_of_several_is_device_cuda_n(monkeypatch):
     for bad in ("cuda:x", "cuda:-1", "cuda1", "gpu"):
         with pytest.raises(ValueError, match=r"TrainConfig.device must be one of 'auto', 'cpu', 'cuda', or 'cuda:N'"):
             TrainConfig(device=bad)
+
+
+def test_more_torchrun_ranks_on_a_node_than_gpus_is_refused_on_every_rank(monkeypatch):
+    """`torchrun --nproc-per-node 2 -m attnres train` on a node with one GPU: rank 1 took
+    cuda:1, which does not exist, and stopped alone on CUDA's "invalid device ordinal". Every
+    rank of the node now refuses alike (LOCAL_WORLD_SIZE, not LOCAL_RANK, decides), saying how
+    many to launch; as many ranks as GPUs still each take cuda:LOCAL_RANK. CUDA stubbed: one
+    device."""
+    import pytest
+
+    from attnres.distributed.launch import _pick_device
+
+    current = stub_cuda_one_process(monkeypatch, gpus=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # (left in the environment: one process, no launch)
+    assert _pick_device("auto") == torch.device("cuda", 0) and current == [0]
+    current.clear()
+    for name, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # (as torchrun sets them)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        for device in ("auto", "cuda"):
+            with pytest.raises(ValueError, match=rf"TrainConfig.device='{device}': torchrun started 2 ranks on this "
+                                                 r"node, each on its own GPU \(cuda:LOCAL_RANK\), but the node shows 1 "
+                                                 r"CUDA device\(s\); launch at most 1 per node \(torchrun "
+                                                 r"--nproc-per-node 1\), or train on the CPU \(device=cpu\)"):
+                _pick_device(device)
+    assert current == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _pick_device("auto") == torch.device("cuda", 1) and current == [1]
 
 
 def test_apple_gpu_is_refused_saying_to_use_the_cpu(monkeypatch, tmp_path):

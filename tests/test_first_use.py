@@ -456,6 +456,27 @@ def test_autocast_stream_without_autocast_is_said(tmp_path, corpus, capsys):
         assert f"bfloat16 ({said}: {option})" in capsys.readouterr().out, option
 
 
+def test_pipeline_settings_without_a_pipeline_are_said(tmp_path, corpus):
+    """``parallel.pp_schedule=interleaved_1f1b parallel.pp_virtual=2 parallel.pp_cache=true``
+    without ``parallel.pp`` (a launch that meant a pipeline) trained without one and said
+    nothing: a warning names the settings that do nothing at ``parallel.pp=1``; none for the
+    defaults."""
+    import warnings
+
+    pipeline = ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2", "parallel.pp_cache=true"]
+    with pytest.warns(UserWarning, match=r"parallel.pp_schedule=interleaved_1f1b, parallel.pp_virtual=2, "
+                                         r"parallel.pp_cache=true have no effect with parallel.pp=1: they shape a "
+                                         r"pipeline, and this run has none; set parallel.pp \(the pipeline stages"):
+        assert cli_main(["train", *overrides(corpus, tmp_path / "pipeline", warmup_steps=1, stop_after=1),
+                         *pipeline]) == 0
+    with pytest.warns(UserWarning, match=r"parallel.pp_microbatches=2 has no effect with parallel.pp=1: it shapes"):
+        assert cli_main(["train", *overrides(corpus, tmp_path / "microbatches", warmup_steps=1, stop_after=1),
+                         "parallel.pp_microbatches=2"]) == 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="parallel.")
+        assert cli_main(["train", *overrides(corpus, tmp_path / "plain", warmup_steps=1, stop_after=1)]) == 0
+
+
 # -- non-finite weights ----------------------------------------------------------------------
 
 def poison_weights(ckpt: Path) -> None:

@@ -410,6 +410,42 @@ def test_invalid_layouts_name_the_field(root):
     check_parallel_config(family, ParallelConfig(), 16, 4, 1, "block")  # (its own checkpointing: test below)
 
 
+def test_a_resume_that_the_layout_cannot_split_is_not_told_to_change_batch_size_or_the_model():
+    """A one-process run of batch_size=3 resumed on 2 ranks was told to "set batch_size=4",
+    which the resume then refused (the config differs in batch_size). A resume is told the
+    data-parallel degrees that divide its batch, and under a pipeline the micro-batches, that
+    the checkpoint's batch_size stays; a new run still hears of batch_size too. A tied model
+    resumed under a pipeline was told the tie "must be false", a model change no resume takes:
+    it is told to continue without the pipeline."""
+    from types import SimpleNamespace
+
+    from attnres.distributed import ParallelConfig
+    from attnres.distributed.mesh_model import check_parallel_config
+    from attnres.models import ModelConfig
+    from attnres.train import TrainConfig
+    from attnres.train.loop import check_layout
+
+    two_ranks = SimpleNamespace(backend="gloo", world_size=2)
+    kept = r" \(batch_size is the checkpoint's: a resume keeps it\)$"
+    with pytest.raises(ValueError, match=r"batch_size=3 \(the global batch\) must be divisible by parallel.dp=2 \(each "
+                                         r"data-parallel rank trains on batch_size / dp rows\): launch a number of "
+                                         r"data-parallel ranks that divides 3 \(parallel.dp = 1 or 3\)" + kept):
+        check_layout(TrainConfig(batch_size=3, resume=True), two_ranks)
+    with pytest.raises(ValueError, match=r"\): set batch_size=4 \(or another multiple of 2\), or launch a number of "
+                                         r"data-parallel ranks that divides 3 \(parallel.dp = 1 or 3\)$"):
+        check_layout(TrainConfig(batch_size=3), two_ranks)
+    with pytest.raises(ValueError, match=r"parallel.dp = 1, 2, 3, 4, 6 or 12\)" + kept):
+        check_parallel_config(ModelConfig.preset("tiny"), ParallelConfig(), 16, 12, 5, resuming=True)
+    pipeline = ModelConfig.preset("tiny", n_layers=4)
+    with pytest.raises(ValueError, match=r"= 4\) must be divisible by parallel.pp_microbatches=3: set "
+                                         r"parallel.pp_microbatches to a divisor of 4 that the schedule takes" + kept):
+        check_parallel_config(pipeline, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1, resuming=True)
+    with pytest.raises(ValueError, match=r"tie_embeddings must be false with parallel.pp > 1 \(the embedding and the LM "
+                                         r"head live on different stages\): this resume keeps the checkpoint's tied "
+                                         r"model, so continue it with parallel.pp=1"):
+        check_parallel_config(pipeline.replace(tie_embeddings=True), ParallelConfig(pp=2), 16, 4, 1, resuming=True)
+
+
 def test_layout_line_says_the_diagnostics_are_not_recorded_under_tp_or_pp():
     """Under tp or pp the per-block diagnostics (they need the whole model on a rank) are not
     recorded: the start-up's layout line says so where the run would record them (a run

@@ -21,6 +21,7 @@ pytest.importorskip("safetensors")
 from conftest import TOL, assert_rel_close, make_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from attnres.distributed.sequence_parallel import sharded_prefill  # noqa: E402
 from attnres.inference import prefill  # noqa: E402
 
 RESIDUALS = ("standard", "attnres_block", "attnres_full")
@@ -121,6 +122,34 @@ def test_sharded_prefill_matches_one_process(sharded, residual, dname, p):
 def test_sharded_prefill_rejects_indivisible_length(sharded):
     """T must split into P equal shards: every rank raises, before any collective."""
     assert "sequence length 10 must be divisible by the number of ranks 4" in (sharded / "indivisible.txt").read_text()
+
+
+@pytest.mark.parametrize("residual", ["mhc", "denseformer"])
+def test_sharded_prefill_names_a_residual_without_described_sources(residual):
+    """Hyper-connections' streams and DenseFormer's averages are not the history the prefill
+    measures: every rank ran the whole sharded prefill, then stopped on "cannot be cut into
+    pipeline stages". Refused before any collective (here no process group exists at all),
+    naming the residual and those that work."""
+    model, ids = build(residual, torch.float32)
+    with pytest.raises(ValueError, match=rf"sharded_prefill: residual '{residual}' does not describe the depth "
+                                         r"sources it holds .*use a residual that does \(standard, attnres_block, "
+                                         r"attnres_full\)"):
+        sharded_prefill(model, ids)
+
+
+def test_sharded_prefill_on_a_rank_outside_its_group_says_so(monkeypatch):
+    """A rank outside ``group`` (torch's get_rank(group) = -1) sliced an empty shard and
+    stopped on "torch.cat(): expected a non-empty list of Tensors" after a collective it was
+    not part of. It is refused first, naming its rank. Torch's answers for a non-member are
+    stubbed (no process group here)."""
+    from attnres.distributed import sequence_parallel
+
+    monkeypatch.setattr(sequence_parallel.dist, "get_rank", lambda group=None: 1 if group is None else -1)
+    monkeypatch.setattr(sequence_parallel.dist, "get_world_size", lambda group=None: 2 if group is None else -1)
+    model, ids = build("attnres_block", torch.float32)
+    with pytest.raises(ValueError, match=r"sharded_prefill: this process \(global rank 1\) is not in the group it was "
+                                         r"given; call it on the group's ranks only"):
+        sharded_prefill(model, ids, group=object())
 
 
 if __name__ == "__main__":

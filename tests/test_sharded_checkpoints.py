@@ -147,3 +147,30 @@ def test_checkpoint_missing_a_file_its_metadata_names_does_not_verify(tmp_path):
         find_valid_checkpoint(path)
     with pytest.raises(SystemExit, match="attnres generate: error: .*dcp/__0_0.distcp, which its DCP metadata names"):
         cli_main(["generate", "--checkpoint", str(path), "--prompt", "the"])
+
+
+def test_consolidate_takes_a_run_and_names_what_it_cannot_consolidate(tmp_path):
+    """`attnres.checkpoint.consolidate` (docs/scale-out.md) given a run directory - what
+    generate, export and resume_from take - said "checkpoint 'runs/x' is incomplete:
+    dcp/.metadata is missing", as it did for a one-process (consolidated) checkpoint, and an
+    `out` folder that did not exist gave safetensors' "I/O error". A run directory now
+    consolidates its newest checkpoint; a consolidated one is named as such; `out` is made."""
+    from attnres.checkpoint import consolidate, save_checkpoint
+    from safetensors.torch import load_file
+
+    path = sharded_checkpoint(tmp_path / "run")
+    written = consolidate(tmp_path / "run", tmp_path / "new" / "folder")
+    assert written == tmp_path / "new" / "folder" / "model.safetensors"
+    whole = load_file(str(written))
+    shards = read_sharded_tensors(path)
+    assert set(whole) == set(shards) and all(torch.equal(whole[k], shards[k]) for k in shards)
+    assert consolidate(path) == path / "model.safetensors"
+
+    model = AttnResLM(load_config(None, ["model.d_model=32"]).model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    one = save_checkpoint(tmp_path / "one", 1, model, optimizer, {"step": 1}, keep=1)
+    with pytest.raises(CheckpointError, match=rf"consolidate: checkpoint '{one}' is consolidated already \(one "
+                                              r"process wrote it\): its model.safetensors is the file to use"):
+        consolidate(tmp_path / "one")
+    with pytest.raises(CheckpointError, match=r"consolidate: .*'.*nowhere' does not exist"):
+        consolidate(tmp_path / "nowhere")

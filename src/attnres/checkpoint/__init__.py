@@ -6,7 +6,8 @@ finding and verifying a checkpoint.
 * :mod:`~attnres.checkpoint.consolidated` - the whole model and optimiser state as
   safetensors (one process);
 * :mod:`~attnres.checkpoint.sharded` - ``torch.distributed.checkpoint`` (DCP), every rank its
-  shards, resumable at any layout; :func:`consolidate` turns one into ``model.safetensors``;
+  shards, resumable at any layout; :func:`consolidate`
+  (:mod:`~attnres.checkpoint.consolidation`) turns one into ``model.safetensors``;
   :mod:`~attnres.checkpoint.dcp_metadata` reads DCP's pickled index without running what
   it holds;
 * :mod:`~attnres.checkpoint.locate` - the newest checkpoint that verifies.
@@ -41,7 +42,8 @@ from .manifest import (
     read_checkpoint_state,
     remove_partial_checkpoints,
 )
-from .sharded import consolidate, is_sharded, load_sharded, load_sharded_weights, read_sharded_tensors, save_sharded
+from .consolidation import consolidate
+from .sharded import is_sharded, load_sharded, load_sharded_weights, read_sharded_tensors, save_sharded
 
 
 def load_weights(path: str | Path, state: dict[str, Any], model: nn.Module) -> None:

@@ -20,8 +20,9 @@ those. No rank ever gathers the whole model.
 As with consolidated checkpoints, the files are written into a hidden directory renamed into
 place when complete (every rank must see the same file system: a shared one across nodes).
 :func:`load_sharded_weights` loads one into a whole model in one process (generation,
-export and evaluation do so through :func:`attnres.inference.load_run`); :func:`consolidate`
-writes the consolidated ``model.safetensors`` that other tools read.
+export and evaluation do so through :func:`attnres.inference.load_run`);
+:func:`attnres.checkpoint.consolidation.consolidate` writes the consolidated
+``model.safetensors`` that other tools read.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from ..output_paths import honour_umask
 from .manifest import (
     FORMAT_VERSION,
     RNG_FILE,
@@ -54,7 +54,7 @@ from .manifest import (
 from .manifest import restore_rng as _restore_rng
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
-           "consolidate", "verify_dcp_files"]
+           "verify_dcp_files"]
 
 DCP_LAYOUT = "dcp"
 DCP_DIR = "dcp"
@@ -264,13 +264,3 @@ def load_sharded_weights(path: str | Path, model: nn.Module) -> None:
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)}, "
                               f"unexpected {sorted(unexpected)}")
-
-
-def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
-    """Write the consolidated ``model.safetensors`` (the single-process layout that export,
-    generation and the transformers integration read) of the sharded checkpoint ``path``,
-    in one process, into ``out`` (default: ``path``). Returns the file written."""
-    target = Path(out or path) / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in read_sharded_tensors(path).items()}, str(target))
-    honour_umask([target])
-    return target

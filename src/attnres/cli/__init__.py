@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from . import analyze, env, experiment, export, generate, plot, status, train, upcycle
 from . import eval as eval_command
 from .common import (ImportModule, Parser, end_process, missing_extra, override_split_by_the_shell, plain_warnings,
-                     record_given_imports, refuse_empty_values, resolve_checkpoint, version_line)
+                     record_given_imports, refuse_a_multi_rank_launch, refuse_empty_values, resolve_checkpoint,
+                     version_line)
 from .experiment import EXPERIMENT_NAMES
 from .generate import check_context
 
@@ -56,6 +57,16 @@ COMMANDS: dict[str, Command] = {
     "plot": Command(plot.add_parser, plot.run),
     "env": Command(env.add_parser, env.run),
 }
+
+#: The commands that run in one process and write what they make, and why: under a
+#: multi-rank launch they are refused (every rank ran them whole). `train` is the launch's
+#: command; `status` and `env` only read (`env` on each node of a launch says what each has).
+_READS_SHARDS = "sharded checkpoints included: it reads every rank's shards itself"
+_A_GRID = ("it trains its runs one after another and times their steps side by side; to spread a grid over "
+           "processes, start one per --variants, sharing --out")
+ONE_PROCESS_COMMANDS = {"generate": _READS_SHARDS, "export": _READS_SHARDS, "analyze": _READS_SHARDS,
+                        "eval": _READS_SHARDS, "upcycle": "a transformers model in, one out", "plot": "one figure",
+                        "compare": _A_GRID, "experiment": _A_GRID}
 
 
 def _in_process_group() -> bool:
@@ -131,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if extra:
         args.overrides = args.overrides + extra
+    if args.command in ONE_PROCESS_COMMANDS:
+        refuse_a_multi_rank_launch(args.command, ONE_PROCESS_COMMANDS[args.command])
     refuse_empty_values(parser.commands[args.command], args)
     resolve_checkpoint(args)
     try:

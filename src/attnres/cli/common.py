@@ -181,6 +181,23 @@ def leave_the_message_to_the_first_on_node() -> None:
     time.sleep(SILENT_RANK_WAIT_S)
 
 
+def refuse_a_multi_rank_launch(command: str, why: str) -> None:
+    """``SystemExit`` where a launcher (torchrun) started the one-process ``command`` on
+    several ranks: each rank ran all of it (an export, an evaluation, a report, written into
+    the same place at once) and printed everything once per rank. Said once per node, with
+    ``why`` (what the one process does). Torchrun's workers are told by its run id (a job
+    script may export ``WORLD_SIZE`` for its own launch and run such a command beside it)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not world.isdigit() or int(world) <= 1:
+        return
+    if not first_on_node():
+        leave_the_message_to_the_first_on_node()
+        raise SystemExit(1)
+    raise SystemExit(f"attnres {command}: error: it runs in one process ({why}), but torchrun started {world} ranks, "
+                     f"each of which would run all of it and write the same files; run it without torchrun: "
+                     f"`attnres {command} ...`")
+
+
 def rank_zero() -> bool:
     """One process, or rank 0 of a launch: the one that reports how a run ended."""
     return os.environ.get("RANK", "0") == "0"

@@ -106,8 +106,25 @@ def _pick_device(device: str) -> torch.device:
         if index >= torch.cuda.device_count():
             raise ValueError(f"TrainConfig.device={device!r}: this machine has {torch.cuda.device_count()} CUDA "
                              f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    else:
+        _check_a_gpu_per_rank(device)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def _check_a_gpu_per_rank(device: str) -> None:
+    """``ValueError`` where torchrun started more ranks on this node than it has GPUs: rank
+    ``LOCAL_RANK`` takes ``cuda:LOCAL_RANK``, and a rank past the last GPU would stop alone in
+    ``set_device`` on CUDA's "invalid device ordinal", a traceback that names no fix. Checked
+    from ``LOCAL_WORLD_SIZE``, the same on every rank of the node (``LOCAL_RANK`` is not), so
+    that every rank stops alike and the node's first rank prints it once."""
+    if launched_world_size() is None:  # (one process: a LOCAL_WORLD_SIZE left in the environment is not its launch)
+        return
+    ranks_here, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if ranks_here > gpus:
+        raise ValueError(f"TrainConfig.device={device!r}: torchrun started {ranks_here} ranks on this node, each on "
+                         f"its own GPU (cuda:LOCAL_RANK), but the node shows {gpus} CUDA device(s); launch at most "
+                         f"{gpus} per node (torchrun --nproc-per-node {gpus}), or train on the CPU (device=cpu)")
 
 
 def init_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistContext:

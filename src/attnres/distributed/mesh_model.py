@@ -53,8 +53,10 @@ __all__ = ["ParallelModel", "build_parallel_model", "check_parallel_config", "co
 
 
 def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len: int, batch_size: int,
-                          dp: int, activation_checkpoint: str = "none") -> None:
-    """``ValueError`` naming the field for a combination the layout cannot run."""
+                          dp: int, activation_checkpoint: str = "none", resuming: bool = False) -> None:
+    """``ValueError`` naming the field for a combination the layout cannot run. ``resuming``:
+    ``batch_size`` and the model are the checkpoint's, which a resume keeps, so the way out is
+    the layout."""
     if model.hf_architecture is not None:
         if not parallel.is_default:
             raise ValueError("TrainConfig.parallel.tp/pp split the native AttnResLM; model.hf_architecture="
@@ -66,8 +68,10 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
                              "norms and the residual run on the sequence shard)")
     if parallel.pp > 1:
         if model.tie_embeddings:
+            way = (": this resume keeps the checkpoint's tied model, so continue it with parallel.pp=1 (data or tensor "
+                   "parallel)" if resuming else "")
             raise ValueError("model.tie_embeddings must be false with parallel.pp > 1 (the embedding and the LM head "
-                             "live on different stages)")
+                             f"live on different stages){way}")
         try:  # a residual that cannot be cut into stages says so (a variant of one's own too)
             with torch.device("meta"):
                 model.build_residual().history_layout(0)
@@ -81,15 +85,29 @@ def check_parallel_config(model: ModelConfig, parallel: ParallelConfig, seq_len:
         rows = batch_size // dp
         if rows % parallel.microbatches:
             step = dp * parallel.microbatches
+            way = (f"set batch_size={-(-batch_size // step) * step} (or another multiple of dp x pp_microbatches = "
+                   f"{step}), or parallel.pp_microbatches" if not resuming else "set parallel.pp_microbatches")
             raise ValueError(f"each data-parallel rank's batch (batch_size / dp = {batch_size} / {dp} = {rows}) must be "
-                             f"divisible by parallel.pp_microbatches={parallel.microbatches}: set batch_size="
-                             f"{-(-batch_size // step) * step} (or another multiple of dp x pp_microbatches = {step}), "
-                             f"or parallel.pp_microbatches to a divisor of {rows} that the schedule takes")
+                             f"divisible by parallel.pp_microbatches={parallel.microbatches}: {way} to a divisor of "
+                             f"{rows} that the schedule takes{_KEPT * resuming}")
     if batch_size % dp:
         up = -(-batch_size // dp) * dp
+        bigger = f"set batch_size={up} (or another multiple of {dp}), or " if not resuming else ""
+        *some, last = [str(d) for d in _divisors(batch_size)]
+        degrees = f"{', '.join(some)} or {last}" if some else last
         raise ValueError(f"TrainConfig.batch_size={batch_size} (the global batch) must be divisible by parallel.dp={dp} "
-                         f"(each data-parallel rank trains on batch_size / dp rows): set batch_size={up} (or another "
-                         f"multiple of {dp}), or launch a number of data-parallel ranks that divides {batch_size}")
+                         f"(each data-parallel rank trains on batch_size / dp rows): {bigger}launch a number of "
+                         f"data-parallel ranks that divides {batch_size} (parallel.dp = {degrees}){_KEPT * resuming}")
+
+
+#: Why a resume's error does not offer another batch_size.
+_KEPT = " (batch_size is the checkpoint's: a resume keeps it)"
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending (pairs up to its square root: a batch_size may be large)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:

@@ -95,14 +95,32 @@ class ShardedPrefill:
     source_bytes: int
 
 
+def _check_sources_described(model: AttnResLM) -> None:
+    """``ValueError`` before any collective where the residual does not describe the depth
+    sources it holds (the measure :func:`sharded_prefill` returns): its history was asked for
+    only after every rank had run the whole prefill, and the error spoke of pipeline stages."""
+    try:
+        model.residual.history_layout(0)
+    except ValueError:
+        raise ValueError(f"sharded_prefill: residual {model.config.residual.kind!r} does not describe the depth sources "
+                         "it holds (history_layout), which the prefill measures on each shard; use a residual that "
+                         "does (standard, attnres_block, attnres_full)") from None
+
+
 @torch.no_grad()
 def sharded_prefill(model: AttnResLM, input_ids: Tensor, group=None, build_cache: bool = False) -> ShardedPrefill:
     """Prefill the prompt ``input_ids [B, T]`` (the same on every rank of ``group``, default
     the whole world) with the sequence split into ``P = group size`` equal shards; rank ``r``
     computes positions ``[r T/P, (r+1) T/P)``. Every rank of the group must call this.
-    ``T`` must be divisible by ``P``. See the module docstring."""
+    ``T`` must be divisible by ``P``, and the residual must describe its depth sources
+    (``history_layout``: standard, Block and Full AttnRes do; hyper-connections, mHC and
+    DenseFormer do not). See the module docstring."""
     model.check_input_ids(input_ids)
+    _check_sources_described(model)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:  # (torch's answer for a rank outside the group: it sliced an empty shard, then torch.cat failed)
+        raise ValueError(f"sharded_prefill: this process (global rank {dist.get_rank()}) is not in the group it was "
+                         "given; call it on the group's ranks only")
     t = input_ids.shape[1]
     if t % world:
         raise ValueError(f"sequence length {t} must be divisible by the number of ranks {world} for sharded prefill")

@@ -91,7 +91,7 @@ from .setup import RunData, Start, locate_start, prepare_run_data
 from .signals import StopSignals
 from .status import refuse_a_folder_of_runs
 from .wandb_log import WANDB_FILE, WandbMirror, require_wandb
-from .summary import RunFacts, startup_summary, unused_stream_option, warmup_overrun
+from .summary import RunFacts, startup_summary, unused_pipeline_options, unused_stream_option, warmup_overrun
 
 
 class _Named:
@@ -410,7 +410,8 @@ class Trainer:
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
         changes = init_model_changes(init, self.config.model.to_dict()) if init is not None else None
-        for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config)):
+        for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config),
+                        unused_pipeline_options(self.config)):
             if message is not None:
                 warn_user(message)
 
@@ -627,7 +628,7 @@ def check_layout(config: TrainConfig, ctx: DistContext) -> None:
             check_one_process(config.parallel)
         dp = 1 if ctx.backend is None else resolve_degrees(config.parallel, ctx.world_size)[0]
         check_parallel_config(config.model, config.parallel, config.seq_len, config.batch_size, dp,
-                              config.activation_checkpoint)
+                              config.activation_checkpoint, resuming=config.resuming)
     except ValueError as e:
         raise on_every_rank(e) from None
 

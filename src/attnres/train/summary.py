@@ -55,6 +55,25 @@ def unused_stream_option(config: TrainConfig) -> str | None:
             "without autocast the stream keeps the parameters' dtype; set dtype=bfloat16 for bf16 autocast")
 
 
+def unused_pipeline_options(config: TrainConfig) -> str | None:
+    """In words, that the pipeline's settings (``parallel.pp_schedule``, ``pp_virtual``,
+    ``pp_cache``, ``pp_microbatches``) set away from their defaults do nothing in this run
+    (``parallel.pp=1``: no pipeline); ``None`` otherwise. A launch that meant a pipeline and
+    left out ``parallel.pp`` trained data parallel, without a word."""
+    p = config.parallel
+    if p.pp > 1:
+        return None
+    default = type(p)()
+    unused = [f"parallel.{name}={str(value).lower() if isinstance(value, bool) else value}"
+              for name in ("pp_schedule", "pp_virtual", "pp_cache", "pp_microbatches")
+              if (value := getattr(p, name)) != getattr(default, name)]
+    if not unused:
+        return None
+    return (f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with parallel.pp=1: "
+            f"{'it shapes' if len(unused) == 1 else 'they shape'} a pipeline, and this run has none; set parallel.pp "
+            "(the pipeline stages, e.g. parallel.pp=2 on 2 ranks) for one")
+
+
 def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     model = config.model.to_dict()
     end = config.end_step
