@@ -577,10 +577,10 @@ def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
     assert "custom code" not in run.stderr  # the auto_map the directory also has: neither a prompt nor a warning
 
 
-def _fresh_process(script: str, *args, modules) -> subprocess.CompletedProcess:
+def _fresh_process(script: str, *args, modules, PYTHONPATH: str = SRC) -> subprocess.CompletedProcess:
     """``script`` in an interpreter that has not imported attnres (stdin closed: transformers'
     trust_remote_code question is answered at once), transformers' module cache in ``modules``."""
-    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
+    env = {"PYTHONPATH": PYTHONPATH, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
     return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=180, stdin=subprocess.DEVNULL)
 
@@ -645,6 +645,108 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
             "    print(e)\n")
     run = _fresh_process(hide, dirs[1], modules=tmp_path / "modules")
     assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
+
+
+#: A user's module registering a residual of their own (README, "Bring your own residual").
+USER_RESIDUAL = """
+import torch
+from torch import nn
+from attnres import register_residual
+from attnres.nn.residual import SingleStreamResidual
+
+@register_residual("scaled_byo")
+class ScaledResidual(SingleStreamResidual):
+    def __init__(self, dim, n_sublayers, init=1.0):
+        super().__init__(dim, n_sublayers)
+        self.init = init
+        self.scale = nn.Parameter(torch.full((n_sublayers,), init))
+    def reset_parameters(self):
+        nn.init.constant_(self.scale, self.init)
+    def update(self, l, h, out):
+        return h + self.scale[l].to(out.dtype) * out
+"""
+
+
+def test_an_export_and_an_upcycle_of_a_residual_of_the_user_s_own_load_in_a_fresh_process(tmp_path, monkeypatch,
+                                                                                           request):
+    """``attnres --import my_residuals export`` / ``upcycle --residual <own>``: the directory did
+    not say which module registers its residual, so ``from_pretrained(DIR, trust_remote_code=True)``
+    in a fresh process stopped with the registry's list of the names it knows. config.json names
+    the module, which the directory's module file imports first: it loads, with the logits of the
+    model written; where the module cannot be imported the error names it and how to make it
+    importable, and after ``import attnres.hf`` (nothing imported for the directory) it names the
+    module to import. A built-in residual's directory is written as before (no such key)."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from fixtures.tiny_families import tiny_model
+
+    NATIVE_KEY, FAMILY_KEY = "residual_module", "attnres_residual_module"  # (config.json's, beside the residual)
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "byo_residuals.py").write_text(USER_RESIDUAL)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (--import puts the file's folder first)
+    request.addfinalizer(lambda: sys.modules.pop("byo_residuals", None))  # (the registry forgets it too)
+    imported = ["--import", str(user / "byo_residuals.py")]
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    assert cli_main([*imported, "train", *overrides(corpus, run, steps=1, warmup_steps=0, eval_every=100, diagnostics_every=100,
+                                                   **{"model.residual.kind": "scaled_byo",
+                                                      "model.residual.options.init": 0.5})]) == 0
+    assert cli_main([*imported, "export", str(run), "--out", str(tmp_path / "export")]) == 0
+    tiny_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    assert cli_main([*imported, "upcycle", "--model", str(tmp_path / "llama"), "--residual", "scaled_byo",
+                     "--out", str(tmp_path / "upcycle")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    dirs = {"export": NATIVE_KEY, "upcycle": FAMILY_KEY}
+    for name, key in dirs.items():
+        assert json.loads((tmp_path / name / "config.json").read_text())[key] == "byo_residuals"
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        ids = torch.randint(0, 256, (1, 9))
+        with torch.no_grad():
+            torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / name / "ref.pt")
+    from attnres.upcycle import upcycle
+
+    for builtin in (AttnResForCausalLM.from_native(native_model(residual="attnres_block")),
+                    upcycle(tiny_model("llama"), "attnres_block", block_size=2)):
+        builtin.save_pretrained(tmp_path / "builtin")
+        assert not {NATIVE_KEY, FAMILY_KEY} & set(json.loads((tmp_path / "builtin" / "config.json").read_text()))
+        assert "import_residual_module" not in (tmp_path / "builtin" / "attnres_classes.py").read_text()
+
+    load = ("import sys, torch\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "for d in sys.argv[1:]:\n"
+            "    try:\n"
+            "        m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()\n"
+            "    except ImportError as e:\n"
+            "        print(e)\n"
+            "        continue\n"
+            "    ref = torch.load(d + '/ref.pt')\n"
+            "    diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
+            "    assert diff < 1e-5, (d, diff)  # another process: other thread count, other rounding\n"
+            "    print('loaded', type(m).__name__)\n")
+    paths = [tmp_path / name for name in dirs]
+    found = _fresh_process(load, *paths, modules=tmp_path / "modules", PYTHONPATH=f"{SRC}:{user}")
+    assert found.stdout.splitlines() == ["loaded AttnResForCausalLM", "loaded AttnResLlamaForCausalLM"], (
+        found.stdout[-2000:] + found.stderr[-3000:])
+    missing = _fresh_process(load, *paths, modules=tmp_path / "modules")
+    assert missing.stdout.splitlines() == [
+        f"residual 'scaled_byo' is registered by module 'byo_residuals' (config.json's {key}), which cannot be "
+        "imported here (No module named 'byo_residuals'): put the folder that holds it on PYTHONPATH, or pip install "
+        "the package that has it" for key in dirs.values()], missing.stdout[-2000:] + missing.stderr[-3000:]
+    # Where attnres.hf is imported, its classes load the directory, and nothing is imported for it:
+    from attnres.nn.residual import registry
+
+    monkeypatch.delitem(registry._REGISTRY, "scaled_byo")  # (a process that did not import the module)
+    with pytest.raises(ValueError) as refused:
+        AutoModelForCausalLM.from_pretrained(paths[0])
+    assert str(refused.value) == (
+        f"{paths[0] / 'config.json'}: residual 'scaled_byo' is not registered: module 'byo_residuals' registers it "
+        f"(config.json's {NATIVE_KEY}); import it first (`import byo_residuals` in Python, `attnres --import "
+        "byo_residuals <command> ...`)")
 
 
 def test_a_config_pushed_from_its_folder_uploads_the_module_file_its_auto_map_names(tmp_path, monkeypatch):
