@@ -459,8 +459,8 @@ def test_cli_import_of_a_module_with_a_syntax_error_says_where(tmp_path, monkeyp
 
 def test_registering_a_taken_name_names_who_has_it_and_a_class_defined_again_replaces_it():
     """A built-in's name was answered "pass replace=True" (which would change what every such
-    checkpoint loads as), and the same class defined again - its module reloaded, a notebook
-    cell run a second time - was refused as a clash."""
+    checkpoint loads as), and replace=True replaced it; the same class defined again - its
+    module reloaded, a notebook cell run a second time - was refused as a clash."""
     source = ("from attnres import register_residual\nfrom attnres.nn.residual import SingleStreamResidual\n"
               "@register_residual('again_test')\nclass Again(SingleStreamResidual):\n"
               "    def update(self, l, h, out):\n        return h + out\n")
@@ -472,6 +472,12 @@ def test_registering_a_taken_name_names_who_has_it_and_a_class_defined_again_rep
                        r"\(attnres.nn.residual.standard.StandardResidual\); register ScaledResidual under a name of "
                        r"its own, e.g. register_residual\('my_standard'\)"):
         register_residual("standard")(ScaledResidual)
+    # replace=True too: a checkpoint or export naming 'standard' would load as the built-in where the module is not
+    # imported, silently another function (it replaced it).
+    with pytest.raises(ValueError, match=r"residual 'standard' is already registered: it is a built-in variant .*"
+                       r"\(replace=True replaces a variant of your own, never a built-in"):
+        register_residual("standard", replace=True)(ScaledResidual)
+    assert residual_class("standard").builtin()
     with pytest.raises(ValueError, match=r"residual 'again_test' is already registered by notebook.Again; register "
                        r"ScaledResidual under another name, or pass replace=True to override it"):
         register_residual("again_test")(ScaledResidual)

@@ -37,7 +37,7 @@ T = TypeVar("T", bound=type)
 def register_residual(name: str, *, replace: bool = False):
     """Class decorator: register a :class:`~attnres.nn.residual.ResidualStream` subclass
     under ``name`` (sets its ``name`` attribute). Registering a taken name raises
-    ``ValueError`` unless ``replace=True``."""
+    ``ValueError`` unless ``replace=True``; a built-in variant's name raises even then."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a residual name must be a Python identifier such as 'my_residual'; got {name!r}")
 
@@ -49,7 +49,7 @@ def register_residual(name: str, *, replace: bool = False):
             raise TypeError(f"register_residual({name!r}): {cls.__qualname__} does not define {', '.join(missing)}, "
                             "which every residual must (SingleStreamResidual subclasses: update(l, h, out); "
                             "docs/design.md, 'The registry, and how to add a variant')")
-        if name in _REGISTRY and _REGISTRY[name] is not cls and not replace:
+        if name in _REGISTRY and _REGISTRY[name] is not cls and (not replace or _REGISTRY[name].builtin()):
             _refuse_taken(name, _REGISTRY[name], cls)
         cls.name = name
         _REGISTRY[name] = cls
@@ -64,9 +64,13 @@ def _refuse_taken(name: str, taken: type, cls: type) -> None:
     where = f"{taken.__module__}.{taken.__qualname__}"
     if where == f"{cls.__module__}.{cls.__qualname__}":
         return  # (it was refused, and the second run of a notebook cell needed replace=True)
-    if taken.builtin():  # replacing it would change what every such checkpoint loads as
+    # Replacing a built-in (replace=True too) would change what every such checkpoint loads as:
+    # in a process without the user's module it loads as the built-in again, silently.
+    if taken.builtin():
         raise ValueError(f"residual {name!r} is already registered: it is a built-in variant ({where}); register "
-                         f"{cls.__qualname__} under a name of its own, e.g. register_residual('my_{name}')")
+                         f"{cls.__qualname__} under a name of its own, e.g. register_residual('my_{name}') (replace=True "
+                         "replaces a variant of your own, never a built-in: what names it would load as the built-in "
+                         "wherever your module is not imported)")
     raise ValueError(f"residual {name!r} is already registered by {where}; register {cls.__qualname__} under another "
                      "name, or pass replace=True to override it")
 
