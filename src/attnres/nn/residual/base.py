@@ -188,7 +188,8 @@ class ResidualStream(nn.Module, ABC):
             # the default from_config passes only options: else a TypeError from __init__ at build time
             raise ValueError(f"ModelConfig.residual.options must set {required} for residual {config.kind!r} (arguments "
                              f"of {cls.__qualname__}.__init__ without a default): e.g. "
-                             f"model.residual.options.{required[0]}=VALUE, or give them defaults")
+                             f"model.residual.options.{required[0]}=VALUE (attnres train), --residual-option "
+                             f"{required[0]}=VALUE (attnres upcycle), or give them defaults")
         if any(p.kind == p.VAR_KEYWORD for p in params):
             return
         accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
