@@ -290,6 +290,9 @@ def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
     with pytest.raises(ValueError, match=r"ModelConfig.residual.options must set \['gamma'\] for residual "
                        r"'needs_gamma_test' .*model.residual.options.gamma=VALUE"):
         ModelConfig.preset("tiny", residual="needs_gamma_test")
+    with pytest.raises(ValueError, match=r"options \['gama'\] are not options of residual 'needs_gamma_test' \(did you "
+                       r"mean 'gamma'"):  # (was: "must set ['gamma']", the misspelling unnamed)
+        ModelConfig.preset("tiny", residual={"kind": "needs_gamma_test", "options": {"gama": 0.5}})
     model = AttnResLM(ModelConfig.preset("tiny", residual={"kind": "needs_gamma_test", "options": {"gamma": 0.5}}))
     with pytest.raises(ValueError, match=r"residual 'needs_gamma_test': .*NeedsGamma.update\(0, h, out\) must return "
                        r"the next hidden state, of h's shape \[2, 5, 64\]; got \[2, 5, 128\]"):

@@ -180,8 +180,14 @@ class ResidualStream(nn.Module, ABC):
     @classmethod
     def _check_options(cls, config: ResidualConfig) -> None:
         """``options`` as keyword arguments of ``__init__`` (those without a default set, when
-        the default ``from_config`` builds it)."""
+        the default ``from_config`` builds it). Names it does not take are refused first: a
+        misspelt required one (``gama``) was answered that ``gamma`` must be set."""
         params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # after self, dim, n_sublayers
+        accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unknown = sorted(set(config.options) - accepted)
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
+            raise ValueError(f"ModelConfig.residual.options {unknown} are not options of residual {config.kind!r}"
+                             f"{did_you_mean_each(unknown, accepted)}; it takes {sorted(accepted) or 'none'}")
         required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                     and p.name not in config.options]
         if required and cls.from_config.__func__ is ResidualStream.from_config.__func__:
@@ -190,13 +196,6 @@ class ResidualStream(nn.Module, ABC):
                              f"of {cls.__qualname__}.__init__ without a default): e.g. "
                              f"model.residual.options.{required[0]}=VALUE (attnres train), --residual-option "
                              f"{required[0]}=VALUE (attnres upcycle), or give them defaults")
-        if any(p.kind == p.VAR_KEYWORD for p in params):
-            return
-        accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        unknown = sorted(set(config.options) - accepted)
-        if unknown:
-            raise ValueError(f"ModelConfig.residual.options {unknown} are not options of residual {config.kind!r}"
-                             f"{did_you_mean_each(unknown, accepted)}; it takes {sorted(accepted) or 'none'}")
 
     @classmethod
     def describe(cls, config: ResidualConfig, n_sublayers: int) -> str:
