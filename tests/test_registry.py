@@ -278,6 +278,27 @@ def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
     with pytest.raises(TypeError, match="Bare does not define _add, _finish, _input, _start"):
         register_residual("bare_test")(Bare)
 
+    # A protocol method the model cannot call as it does: a TypeError in the first forward, or at the build.
+    class NoSublayerIndex(SingleStreamResidual):
+        def update(self, h, out):
+            return h + out
+
+    with pytest.raises(TypeError, match=r"register_residual\('no_index_test'\): .*NoSublayerIndex.update\(self, h, out\) "
+                       r"cannot be called as the model calls it, update\(self, l, h, out\)"):
+        register_residual("no_index_test")(NoSublayerIndex)
+
+    class NoDepth(SingleStreamResidual):
+        def __init__(self, dim):
+            super().__init__(dim, 4)
+
+        def update(self, l, h, out):
+            return h + out
+
+    with pytest.raises(TypeError, match=r".*NoDepth.__init__\(self, dim\) cannot be called as the default from_config "
+                       r"calls it, __init__\(self, dim, n_sublayers, \*\*options\), or define from_config"):
+        register_residual("no_depth_test")(NoDepth)
+    assert not {"no_index_test", "no_depth_test"} & set(registered_residuals())
+
     @register_residual("needs_gamma_test", replace=True)
     class NeedsGamma(SingleStreamResidual):
         def __init__(self, dim, n_sublayers, gamma):

@@ -21,6 +21,7 @@ without parameters of its own or built on ``AttnResBase``)::
 
 from __future__ import annotations
 
+import inspect
 from typing import TypeVar
 
 from ...validation import did_you_mean
@@ -32,6 +33,11 @@ __all__ = ["UnregisteredResidual", "register_residual", "residual_class", "regis
 
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)
+
+#: The protocol's methods as the model calls them (the arguments after ``self``); ``update`` is
+#: a :class:`~attnres.nn.residual.SingleStreamResidual`'s.
+PROTOCOL_CALLS = {"_start": ("embedding", "common"), "_input": ("state", "l"), "_add": ("state", "l", "output"),
+                  "_finish": ("state",), "update": ("l", "h", "out")}
 
 
 def register_residual(name: str, *, replace: bool = False):
@@ -49,6 +55,7 @@ def register_residual(name: str, *, replace: bool = False):
             raise TypeError(f"register_residual({name!r}): {cls.__qualname__} does not define {', '.join(missing)}, "
                             "which every residual must (SingleStreamResidual subclasses: update(l, h, out); "
                             "docs/design.md, 'The registry, and how to add a variant')")
+        _check_signatures(name, cls)
         if name in _REGISTRY and _REGISTRY[name] is not cls and (not replace or _REGISTRY[name].builtin()):
             _refuse_taken(name, _REGISTRY[name], cls)
         cls.name = name
@@ -56,6 +63,33 @@ def register_residual(name: str, *, replace: bool = False):
         return cls
 
     return decorate
+
+
+def _check_signatures(name: str, cls: type) -> None:
+    """Raise ``TypeError`` naming the method unless the model can call each protocol method of
+    ``cls`` as it does (:data:`PROTOCOL_CALLS`), and its ``__init__`` with ``(dim, n_sublayers)``
+    where the default ``from_config`` builds it: said at registration, not as a TypeError in the
+    middle of the first forward ("update() takes 3 positional arguments but 4 were given")."""
+    calls = {name_: args for name_, args in PROTOCOL_CALLS.items() if hasattr(cls, name_)}
+    if cls.from_config.__func__ is ResidualStream.from_config.__func__:
+        calls["__init__"] = ("dim", "n_sublayers")
+    for method, args in calls.items():
+        function = getattr(cls, method)
+        bound = () if isinstance(inspect.getattr_static(cls, method), staticmethod) else (None,)  # (self)
+        try:
+            signature = inspect.signature(function)
+            # (__init__'s other arguments are options, which check_config requires where they have no default)
+            (signature.bind_partial if method == "__init__" else signature.bind)(*bound, *args)
+        except TypeError:
+            said = f"{cls.__qualname__}.{method}{inspect.signature(function)}" if callable(function) else (
+                f"{cls.__qualname__}.{method} = {function!r}")
+            caller = "the default from_config" if method == "__init__" else "the model"
+            hint = ", **options), or define from_config" if method == "__init__" else ")"
+            raise TypeError(f"register_residual({name!r}): {said} cannot be called as {caller} calls it, "
+                            f"{method}(self, {', '.join(args)}{hint} (docs/design.md, 'The registry, and how to add "
+                            "a variant')") from None
+        except ValueError:  # (no signature to read: a builtin or C function, left to the call)
+            continue
 
 
 def _refuse_taken(name: str, taken: type, cls: type) -> None:
