@@ -749,6 +749,41 @@ def test_an_export_and_an_upcycle_of_a_residual_of_the_user_s_own_load_in_a_fres
         "byo_residuals <command> ...`)")
 
 
+def test_a_directory_of_a_residual_a_script_registered_says_so(tmp_path, monkeypatch):
+    """A residual registered in a script (its ``__main__``) is in no module another process can
+    import: saving warns, and loading where it is not registered says why, under
+    ``trust_remote_code`` (the module file) and after ``import attnres.hf`` alike; the script run
+    again, which registers it, loads the directory."""
+    from transformers import AutoModelForCausalLM
+
+    from attnres import register_residual
+    from attnres.nn.residual import SingleStreamResidual, registry
+    from attnres.nn.residual.imports import import_residual_module
+
+    script_class = type("InScript", (SingleStreamResidual,), {"__module__": "__main__",
+                                                              "update": lambda self, l, h, out: h + 0.5 * out})
+    register_residual("in_script_test")(script_class)
+    model = AttnResForCausalLM.from_native(native_model(residual="in_script_test"))
+    with pytest.warns(UserWarning, match=r"residual 'in_script_test' is registered by this script \(its __main__\), "
+                      r"which no other process can import: .* loads only in a process that registers it again"):
+        model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["residual_module"] == "__main__"
+    assert "import_residual_module('__main__', 'in_script_test', 'residual_module')" in (
+        tmp_path / "attnres_classes.py").read_text()
+    import_residual_module("__main__", "in_script_test", "residual_module")  # registered here: nothing to do
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "AttnResForCausalLM"
+    monkeypatch.delitem(registry._REGISTRY, "in_script_test")
+    said = ("residual 'in_script_test' was registered by the script that saved this directory (its residual_module is "
+            "'__main__'), which no other process can import: move the class into a module, import that module, and "
+            "save the directory again")
+    with pytest.raises(ImportError) as refused:
+        import_residual_module("__main__", "in_script_test", "residual_module")
+    assert str(refused.value) == said
+    with pytest.raises(ValueError) as refused:
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert str(refused.value) == f"{tmp_path / 'config.json'}: {said}"
+
+
 def test_a_config_pushed_from_its_folder_uploads_the_module_file_its_auto_map_names(tmp_path, monkeypatch):
     """``config.save_pretrained(DIR, push_to_hub=True)`` uploads the files that transformers saw
     change while it saved; the module file ``auto_map`` names was written before it looked, so

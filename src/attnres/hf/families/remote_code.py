@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ...nn.residual.imports import MAIN
 from ...output_paths import HF_MODULE_FILE
+from ...user_warning import warn_user
 from .residual_module import residual_module
 
 __all__ = ["MODULE_FILE", "KeepsItsSourceHome", "SavesAutoMap"]
@@ -82,6 +84,10 @@ class SavesAutoMap(KeepsItsSourceHome):
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
         module, classes = self.auto_classes()
         self.auto_map = {auto: f"{Path(MODULE_FILE).stem}.{name}" for auto, name in classes.items()}
+        if residual_module(self.residual_kind()) == MAIN:
+            warn_user(f"residual {self.residual_kind()!r} is registered by this script (its __main__), which no other "
+                      f"process can import: {save_directory} loads only in a process that registers it again; "
+                      "move the class into a module, import it, and save again")
         if not os.path.isfile(save_directory):  # (a file there: transformers' own refusal follows)
             os.makedirs(save_directory, exist_ok=True)
             names = ", ".join(sorted(set(classes.values())))

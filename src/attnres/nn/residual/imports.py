@@ -25,7 +25,7 @@ import importlib
 import shlex
 from typing import Any
 
-from .registry import UnregisteredResidual, residual_class
+from .registry import UnregisteredResidual, registered_residuals, residual_class
 
 __all__ = ["MAIN", "import_residual_module", "imports_record", "set_given_imports", "unimportable_residual",
            "unregistered_residual_error"]
@@ -85,8 +85,11 @@ def unimportable_residual(module: str, kind: str, key: str) -> str:
 def import_residual_module(module: str, kind: str, key: str) -> None:
     """Import ``module``, which registers residual ``kind`` (what a saved directory's module
     file calls under ``trust_remote_code``, before its config is read); ``ImportError`` in one
-    line naming the module and how to make it importable where it cannot be found."""
+    line naming the module and how to make it importable where it cannot be found. A
+    script's class (``"__main__"``) is there only where the script registered it again."""
     if module == MAIN:
+        if kind in registered_residuals():
+            return
         raise ImportError(unimportable_residual(module, kind, key))
     try:
         importlib.import_module(module)
