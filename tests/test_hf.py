@@ -741,6 +741,7 @@ def test_an_export_and_an_upcycle_of_a_residual_of_the_user_s_own_load_in_a_fres
     from attnres.nn.residual import registry
 
     monkeypatch.delitem(registry._REGISTRY, "scaled_byo")  # (a process that did not import the module)
+    monkeypatch.delitem(sys.modules, "byo_residuals")
     with pytest.raises(ValueError) as refused:
         AutoModelForCausalLM.from_pretrained(paths[0])
     assert str(refused.value) == (
@@ -782,6 +783,32 @@ def test_a_directory_of_a_residual_a_script_registered_says_so(tmp_path, monkeyp
     with pytest.raises(ValueError) as refused:
         AutoModelForCausalLM.from_pretrained(tmp_path)
     assert str(refused.value) == f"{tmp_path / 'config.json'}: {said}"
+
+
+def test_a_module_that_no_longer_registers_the_residual_is_named_as_imported(tmp_path, monkeypatch, request):
+    """config.json names a module that is imported but registers the residual no more (renamed
+    since, or another module of that name first on sys.path): the load said to import the
+    module - imported already - and under trust_remote_code the registry's list of names."""
+    from transformers import AutoModelForCausalLM
+
+    from attnres.nn.residual.imports import import_residual_module
+
+    (tmp_path / "renamed_byo.py").write_text(USER_RESIDUAL.replace('"scaled_byo"', '"renamed_byo"'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    request.addfinalizer(lambda: sys.modules.pop("renamed_byo", None))
+    said = (f"residual 'scaled_byo' is not registered, though module 'renamed_byo' ({tmp_path / 'renamed_byo.py'}) - "
+            "which config.json's residual_module says registers it - was imported: the class was renamed or moved "
+            "since the directory was saved, or another module of that name comes first on sys.path; registered here: ")
+    with pytest.raises(ImportError) as refused:
+        import_residual_module("renamed_byo", "scaled_byo", "residual_module")
+    assert str(refused.value).startswith(said) and "renamed_byo" in str(refused.value)[len(said):], refused.value
+    config = AttnResForCausalLM.from_native(native_model()).config.to_diff_dict()
+    config["residual"]["kind"], config["residual_module"] = "scaled_byo", "renamed_byo"
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as refused:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert str(refused.value).startswith(f"{tmp_path / 'saved' / 'config.json'}: {said}"), refused.value
 
 
 def test_a_config_pushed_from_its_folder_uploads_the_module_file_its_auto_map_names(tmp_path, monkeypatch):

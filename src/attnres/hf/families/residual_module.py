@@ -15,11 +15,12 @@ run code a downloaded ``config.json`` names) and the refusal names the module to
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 from ...nn.residual import residual_class
-from ...nn.residual.imports import MAIN, unimportable_residual
+from ...nn.residual.imports import MAIN, not_registered_by, unimportable_residual
 from ...nn.residual.registry import UnregisteredResidual
 
 __all__ = ["FAMILY_KEY", "NATIVE_KEY", "naming_residual_module", "residual_module", "saved_residual_module"]
@@ -58,6 +59,8 @@ def naming_residual_module(module: str | None, kind: object, key: str) -> Iterat
             raise
         if module == MAIN:
             raise UnregisteredResidual(unimportable_residual(module, kind, key), kind) from None
+        if module in sys.modules:
+            raise UnregisteredResidual(not_registered_by(module, kind, key), kind) from None
         raise UnregisteredResidual(
             f"residual {kind!r} is not registered: module {module!r} registers it (config.json's {key}); import it "
             f"first (`import {module}` in Python, `attnres --import {module} <command> ...`)", kind) from None

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import importlib
 import shlex
+import sys
 from typing import Any
 
 from .registry import UnregisteredResidual, registered_residuals, residual_class
 
-__all__ = ["MAIN", "import_residual_module", "imports_record", "set_given_imports", "unimportable_residual",
-           "unregistered_residual_error"]
+__all__ = ["MAIN", "import_residual_module", "imports_record", "not_registered_by", "set_given_imports",
+           "unimportable_residual", "unregistered_residual_error"]
 
 #: The module of a class a script defined: no other process can import it.
 MAIN = "__main__"
@@ -99,3 +100,15 @@ def import_residual_module(module: str, kind: str, key: str) -> None:
         raise ImportError(f"residual {kind!r} is registered by module {module!r} (config.json's {key}), which "
                           f"cannot be imported here ({e}): put the folder that holds it on PYTHONPATH, or pip "
                           "install the package that has it") from None
+    if kind not in registered_residuals():
+        raise ImportError(not_registered_by(module, kind, key))
+
+
+def not_registered_by(module: str, kind: str, key: str) -> str:
+    """Why residual ``kind`` is missing though ``module``, which config.json's ``key`` says
+    registers it, was imported (renamed since, or another module of that name found first)."""
+    found = getattr(sys.modules.get(module), "__file__", None)
+    where = f" ({found})" if found else ""
+    return (f"residual {kind!r} is not registered, though module {module!r}{where} - which config.json's {key} says "
+            f"registers it - was imported: the class was renamed or moved since the directory was saved, or another "
+            f"module of that name comes first on sys.path; registered here: {', '.join(registered_residuals())}")
