@@ -299,6 +299,23 @@ def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
         register_residual("no_depth_test")(NoDepth)
     assert not {"no_index_test", "no_depth_test"} & set(registered_residuals())
 
+    # One class under two names: its name became the second, and models of the first were reported under it.
+    @register_residual("once_test")
+    class Once(SingleStreamResidual):
+        def update(self, l, h, out):
+            return h + out
+
+    with pytest.raises(ValueError, match=r"register_residual\('twice_test'\): .*Once is registered as 'once_test' "
+                       r"already; a class has one name - register a subclass under 'twice_test'"):
+        register_residual("twice_test")(Once)
+    assert Once.name == "once_test" and "twice_test" not in registered_residuals()
+
+    @register_residual("alias_test")
+    class Alias(Once):
+        pass
+
+    assert (Alias.name, residual_class("once_test").name) == ("alias_test", "once_test")
+
     @register_residual("needs_gamma_test", replace=True)
     class NeedsGamma(SingleStreamResidual):
         def __init__(self, dim, n_sublayers, gamma):

@@ -58,6 +58,13 @@ def register_residual(name: str, *, replace: bool = False):
         _check_signatures(name, cls)
         if name in _REGISTRY and _REGISTRY[name] is not cls and (not replace or _REGISTRY[name].builtin()):
             _refuse_taken(name, _REGISTRY[name], cls)
+        own = cls.__dict__.get("name")  # (a subclass inherits its parent's: not its own registration)
+        if own not in (None, name) and _REGISTRY.get(own) is cls:
+            # its name is what analyze, the start line and mixing.json say: models of the first name
+            # would have been reported under the second
+            raise ValueError(f"register_residual({name!r}): {cls.__qualname__} is registered as {own!r} already; a "
+                             f"class has one name - register a subclass under {name!r} (class Alias({cls.__name__}): "
+                             "pass)")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
