@@ -254,6 +254,10 @@ def test_cli_imports_a_python_file_by_its_path_and_names_a_near_module(tmp_path,
     assert cli_main(["--import", "elsewhere/by_path_residuals.py", "train", "--print-config",
                      "model.residual.kind=by_path_test"]) == 0
     assert "kind: by_path_test" in capsys.readouterr().out
+    # What its checkpoints record, for the hint of a later command, from any folder: not the relative path.
+    from attnres.nn.residual.imports import imports_record
+
+    assert imports_record("by_path_test")["given"] == [str(tmp_path / "elsewhere" / "by_path_residuals.py")]
     (tmp_path / "my_residuals.py").write_text("")
     with pytest.raises(SystemExit):
         cli_main(["--import", "my_residual", "train", "--print-config"])

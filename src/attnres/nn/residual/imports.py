@@ -9,7 +9,7 @@ says which one to import, from the ``"imports"`` of the checkpoint's ``state.jso
 
     {"given": ["my_pkg.residuals"], "residual": "my_res", "residual_module": "my_pkg.residuals"}
 
-``given``: the command's ``--import`` values as typed; ``residual``: the run's residual kind;
+``given``: the command's ``--import`` values as typed (a ``.py`` file's path made absolute); ``residual``: the run's residual kind;
 ``residual_module``: the module of its class (``None`` for a built-in variant). Checkpoints of earlier versions have no
 ``"imports"``: their error is the registry's own.
 
