@@ -809,6 +809,12 @@ def test_a_module_that_no_longer_registers_the_residual_is_named_as_imported(tmp
     with pytest.raises(ValueError) as refused:
         AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert str(refused.value).startswith(f"{tmp_path / 'saved' / 'config.json'}: {said}"), refused.value
+    # A value that names no module (a hand edit): refused naming the key, never imported.
+    config["residual_module"] = "my residuals; rm"
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: residual_module must name the module that registers the "
+                                         r"residual, such as 'my_pkg.residuals'; got 'my residuals; rm'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
 
 
 def test_a_config_pushed_from_its_folder_uploads_the_module_file_its_auto_map_names(tmp_path, monkeypatch):
