@@ -7,9 +7,9 @@ knew only the residual's name, and stopped with the registry's list of the names
 for an upcycled family's; absent for a built-in residual, so such a directory is written as
 before), as this process had it when it saved. Where ``trust_remote_code`` allows the
 directory's code to run, its module file imports that module first
-(:func:`attnres.nn.residual.imports.import_residual_module`); elsewhere nothing is imported for a directory (that would
-run code a downloaded ``config.json`` names) and the refusal names the module to import
-(:func:`naming_residual_module`).
+(:func:`attnres.nn.residual.imports.import_residual_module`); elsewhere nothing is imported
+for a directory (that would run code a downloaded ``config.json`` names) and the refusal
+names the module to import (:func:`naming_residual_module`).
 """
 
 from __future__ import annotations

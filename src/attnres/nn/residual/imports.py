@@ -9,9 +9,10 @@ says which one to import, from the ``"imports"`` of the checkpoint's ``state.jso
 
     {"given": ["my_pkg.residuals"], "residual": "my_res", "residual_module": "my_pkg.residuals"}
 
-``given``: the command's ``--import`` values as typed (a ``.py`` file's path made absolute); ``residual``: the run's residual kind;
-``residual_module``: the module of its class (``None`` for a built-in variant). Checkpoints of earlier versions have no
-``"imports"``: their error is the registry's own.
+``given``: the command's ``--import`` values as typed (a ``.py`` file's path made absolute);
+``residual``: the run's residual kind; ``residual_module``: the module of its class (``None``
+for a built-in variant). Checkpoints of earlier versions have no ``"imports"``: their error is
+the registry's own.
 
 A saved Hugging Face directory names the module in its ``config.json``
 (:mod:`attnres.hf.families.residual_module`); under ``trust_remote_code`` its module file imports
