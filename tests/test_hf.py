@@ -577,10 +577,10 @@ def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
     assert "custom code" not in run.stderr  # the auto_map the directory also has: neither a prompt nor a warning
 
 
-def _fresh_process(script: str, *args, modules) -> subprocess.CompletedProcess:
+def _fresh_process(script: str, *args, modules, PYTHONPATH: str = SRC) -> subprocess.CompletedProcess:
     """``script`` in an interpreter that has not imported attnres (stdin closed: transformers'
     trust_remote_code question is answered at once), transformers' module cache in ``modules``."""
-    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
+    env = {"PYTHONPATH": PYTHONPATH, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
     return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=180, stdin=subprocess.DEVNULL)
 
@@ -645,6 +645,176 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
             "    print(e)\n")
     run = _fresh_process(hide, dirs[1], modules=tmp_path / "modules")
     assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
+
+
+#: A user's module registering a residual of their own (README, "Bring your own residual").
+USER_RESIDUAL = """
+import torch
+from torch import nn
+from attnres import register_residual
+from attnres.nn.residual import SingleStreamResidual
+
+@register_residual("scaled_byo")
+class ScaledResidual(SingleStreamResidual):
+    def __init__(self, dim, n_sublayers, init=1.0):
+        super().__init__(dim, n_sublayers)
+        self.init = init
+        self.scale = nn.Parameter(torch.full((n_sublayers,), init))
+    def reset_parameters(self):
+        nn.init.constant_(self.scale, self.init)
+    def update(self, l, h, out):
+        return h + self.scale[l].to(out.dtype) * out
+"""
+
+
+def test_an_export_and_an_upcycle_of_a_residual_of_the_user_s_own_load_in_a_fresh_process(tmp_path, monkeypatch,
+                                                                                           request):
+    """``attnres --import my_residuals export`` / ``upcycle --residual <own>``: the directory did
+    not say which module registers its residual, so ``from_pretrained(DIR, trust_remote_code=True)``
+    in a fresh process stopped with the registry's list of the names it knows. config.json names
+    the module, which the directory's module file imports first: it loads, with the logits of the
+    model written; where the module cannot be imported the error names it and how to make it
+    importable, and after ``import attnres.hf`` (nothing imported for the directory) it names the
+    module to import. A built-in residual's directory is written as before (no such key)."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from fixtures.tiny_families import tiny_model
+
+    NATIVE_KEY, FAMILY_KEY = "residual_module", "attnres_residual_module"  # (config.json's, beside the residual)
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "byo_residuals.py").write_text(USER_RESIDUAL)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (--import puts the file's folder first)
+    request.addfinalizer(lambda: sys.modules.pop("byo_residuals", None))  # (the registry forgets it too)
+    imported = ["--import", str(user / "byo_residuals.py")]
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    assert cli_main([*imported, "train", *overrides(corpus, run, steps=1, warmup_steps=0, eval_every=100, diagnostics_every=100,
+                                                   **{"model.residual.kind": "scaled_byo",
+                                                      "model.residual.options.init": 0.5})]) == 0
+    assert cli_main([*imported, "export", str(run), "--out", str(tmp_path / "export")]) == 0
+    tiny_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    assert cli_main([*imported, "upcycle", "--model", str(tmp_path / "llama"), "--residual", "scaled_byo",
+                     "--out", str(tmp_path / "upcycle")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    dirs = {"export": NATIVE_KEY, "upcycle": FAMILY_KEY}
+    for name, key in dirs.items():
+        assert json.loads((tmp_path / name / "config.json").read_text())[key] == "byo_residuals"
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        ids = torch.randint(0, 256, (1, 9))
+        with torch.no_grad():
+            torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / name / "ref.pt")
+    from attnres.upcycle import upcycle
+
+    for builtin in (AttnResForCausalLM.from_native(native_model(residual="attnres_block")),
+                    upcycle(tiny_model("llama"), "attnres_block", block_size=2)):
+        builtin.save_pretrained(tmp_path / "builtin")
+        assert not {NATIVE_KEY, FAMILY_KEY} & set(json.loads((tmp_path / "builtin" / "config.json").read_text()))
+        assert "import_residual_module" not in (tmp_path / "builtin" / "attnres_classes.py").read_text()
+
+    load = ("import sys, torch\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "for d in sys.argv[1:]:\n"
+            "    try:\n"
+            "        m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()\n"
+            "    except ImportError as e:\n"
+            "        print(e)\n"
+            "        continue\n"
+            "    ref = torch.load(d + '/ref.pt')\n"
+            "    diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
+            "    assert diff < 1e-5, (d, diff)  # another process: other thread count, other rounding\n"
+            "    print('loaded', type(m).__name__)\n")
+    paths = [tmp_path / name for name in dirs]
+    found = _fresh_process(load, *paths, modules=tmp_path / "modules", PYTHONPATH=f"{SRC}:{user}")
+    assert found.stdout.splitlines() == ["loaded AttnResForCausalLM", "loaded AttnResLlamaForCausalLM"], (
+        found.stdout[-2000:] + found.stderr[-3000:])
+    missing = _fresh_process(load, *paths, modules=tmp_path / "modules")
+    assert missing.stdout.splitlines() == [
+        f"residual 'scaled_byo' is registered by module 'byo_residuals' (config.json's {key}), which cannot be "
+        "imported here (No module named 'byo_residuals'): put the folder that holds it on PYTHONPATH, or pip install "
+        "the package that has it" for key in dirs.values()], missing.stdout[-2000:] + missing.stderr[-3000:]
+    # Where attnres.hf is imported, its classes load the directory, and nothing is imported for it:
+    from attnres.nn.residual import registry
+
+    monkeypatch.delitem(registry._REGISTRY, "scaled_byo")  # (a process that did not import the module)
+    monkeypatch.delitem(sys.modules, "byo_residuals")
+    with pytest.raises(ValueError) as refused:
+        AutoModelForCausalLM.from_pretrained(paths[0])
+    assert str(refused.value) == (
+        f"{paths[0] / 'config.json'}: residual 'scaled_byo' is not registered: module 'byo_residuals' registers it "
+        f"(config.json's {NATIVE_KEY}); import it first (`import byo_residuals` in Python, `attnres --import "
+        "byo_residuals <command> ...`)")
+
+
+def test_a_directory_of_a_residual_a_script_registered_says_so(tmp_path, monkeypatch):
+    """A residual registered in a script (its ``__main__``) is in no module another process can
+    import: saving warns, and loading where it is not registered says why, under
+    ``trust_remote_code`` (the module file) and after ``import attnres.hf`` alike; the script run
+    again, which registers it, loads the directory."""
+    from transformers import AutoModelForCausalLM
+
+    from attnres import register_residual
+    from attnres.nn.residual import SingleStreamResidual, registry
+    from attnres.nn.residual.imports import import_residual_module
+
+    script_class = type("InScript", (SingleStreamResidual,), {"__module__": "__main__",
+                                                              "update": lambda self, l, h, out: h + 0.5 * out})
+    register_residual("in_script_test")(script_class)
+    model = AttnResForCausalLM.from_native(native_model(residual="in_script_test"))
+    with pytest.warns(UserWarning, match=r"residual 'in_script_test' is registered by this script \(its __main__\), "
+                      r"which no other process can import: .* loads only in a process that registers it again"):
+        model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["residual_module"] == "__main__"
+    assert "import_residual_module('__main__', 'in_script_test', 'residual_module')" in (
+        tmp_path / "attnres_classes.py").read_text()
+    import_residual_module("__main__", "in_script_test", "residual_module")  # registered here: nothing to do
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "AttnResForCausalLM"
+    monkeypatch.delitem(registry._REGISTRY, "in_script_test")
+    said = ("residual 'in_script_test' was registered by the script that saved this directory (its residual_module is "
+            "'__main__'), which no other process can import: move the class into a module, import that module, and "
+            "save the directory again")
+    with pytest.raises(ImportError) as refused:
+        import_residual_module("__main__", "in_script_test", "residual_module")
+    assert str(refused.value) == said
+    with pytest.raises(ValueError) as refused:
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert str(refused.value) == f"{tmp_path / 'config.json'}: {said}"
+
+
+def test_a_module_that_no_longer_registers_the_residual_is_named_as_imported(tmp_path, monkeypatch, request):
+    """config.json names a module that is imported but registers the residual no more (renamed
+    since, or another module of that name first on sys.path): the load said to import the
+    module - imported already - and under trust_remote_code the registry's list of names."""
+    from transformers import AutoModelForCausalLM
+
+    from attnres.nn.residual.imports import import_residual_module
+
+    (tmp_path / "renamed_byo.py").write_text(USER_RESIDUAL.replace('"scaled_byo"', '"renamed_byo"'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    request.addfinalizer(lambda: sys.modules.pop("renamed_byo", None))
+    said = (f"residual 'scaled_byo' is not registered, though module 'renamed_byo' ({tmp_path / 'renamed_byo.py'}) - "
+            "which config.json's residual_module says registers it - was imported: the class was renamed or moved "
+            "since the directory was saved, or another module of that name comes first on sys.path; registered here: ")
+    with pytest.raises(ImportError) as refused:
+        import_residual_module("renamed_byo", "scaled_byo", "residual_module")
+    assert str(refused.value).startswith(said) and "renamed_byo" in str(refused.value)[len(said):], refused.value
+    config = AttnResForCausalLM.from_native(native_model()).config.to_diff_dict()
+    config["residual"]["kind"], config["residual_module"] = "scaled_byo", "renamed_byo"
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as refused:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert str(refused.value).startswith(f"{tmp_path / 'saved' / 'config.json'}: {said}"), refused.value
+    # A value that names no module (a hand edit): refused naming the key, never imported.
+    config["residual_module"] = "my residuals; rm"
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: residual_module must name the module that registers the "
+                                         r"residual, such as 'my_pkg.residuals'; got 'my residuals; rm'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
 
 
 def test_a_config_pushed_from_its_folder_uploads_the_module_file_its_auto_map_names(tmp_path, monkeypatch):

@@ -254,6 +254,10 @@ def test_cli_imports_a_python_file_by_its_path_and_names_a_near_module(tmp_path,
     assert cli_main(["--import", "elsewhere/by_path_residuals.py", "train", "--print-config",
                      "model.residual.kind=by_path_test"]) == 0
     assert "kind: by_path_test" in capsys.readouterr().out
+    # What its checkpoints record, for the hint of a later command, from any folder: not the relative path.
+    from attnres.nn.residual.imports import imports_record
+
+    assert imports_record("by_path_test")["given"] == [str(tmp_path / "elsewhere" / "by_path_residuals.py")]
     (tmp_path / "my_residuals.py").write_text("")
     with pytest.raises(SystemExit):
         cli_main(["--import", "my_residual", "train", "--print-config"])
@@ -278,6 +282,44 @@ def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
     with pytest.raises(TypeError, match="Bare does not define _add, _finish, _input, _start"):
         register_residual("bare_test")(Bare)
 
+    # A protocol method the model cannot call as it does: a TypeError in the first forward, or at the build.
+    class NoSublayerIndex(SingleStreamResidual):
+        def update(self, h, out):
+            return h + out
+
+    with pytest.raises(TypeError, match=r"register_residual\('no_index_test'\): .*NoSublayerIndex.update\(self, h, out\) "
+                       r"cannot be called as the model calls it, update\(self, l, h, out\)"):
+        register_residual("no_index_test")(NoSublayerIndex)
+
+    class NoDepth(SingleStreamResidual):
+        def __init__(self, dim):
+            super().__init__(dim, 4)
+
+        def update(self, l, h, out):
+            return h + out
+
+    with pytest.raises(TypeError, match=r".*NoDepth.__init__\(self, dim\) cannot be called as the default from_config "
+                       r"calls it, __init__\(self, dim, n_sublayers, \*\*options\), or define from_config"):
+        register_residual("no_depth_test")(NoDepth)
+    assert not {"no_index_test", "no_depth_test"} & set(registered_residuals())
+
+    # One class under two names: its name became the second, and models of the first were reported under it.
+    @register_residual("once_test")
+    class Once(SingleStreamResidual):
+        def update(self, l, h, out):
+            return h + out
+
+    with pytest.raises(ValueError, match=r"register_residual\('twice_test'\): .*Once is registered as 'once_test' "
+                       r"already; a class has one name - register a subclass under 'twice_test'"):
+        register_residual("twice_test")(Once)
+    assert Once.name == "once_test" and "twice_test" not in registered_residuals()
+
+    @register_residual("alias_test")
+    class Alias(Once):
+        pass
+
+    assert (Alias.name, residual_class("once_test").name) == ("alias_test", "once_test")
+
     @register_residual("needs_gamma_test", replace=True)
     class NeedsGamma(SingleStreamResidual):
         def __init__(self, dim, n_sublayers, gamma):
@@ -290,6 +332,9 @@ def test_a_variant_that_breaks_the_protocol_is_named_with_the_fix():
     with pytest.raises(ValueError, match=r"ModelConfig.residual.options must set \['gamma'\] for residual "
                        r"'needs_gamma_test' .*model.residual.options.gamma=VALUE"):
         ModelConfig.preset("tiny", residual="needs_gamma_test")
+    with pytest.raises(ValueError, match=r"options \['gama'\] are not options of residual 'needs_gamma_test' \(did you "
+                       r"mean 'gamma'"):  # (was: "must set ['gamma']", the misspelling unnamed)
+        ModelConfig.preset("tiny", residual={"kind": "needs_gamma_test", "options": {"gama": 0.5}})
     model = AttnResLM(ModelConfig.preset("tiny", residual={"kind": "needs_gamma_test", "options": {"gamma": 0.5}}))
     with pytest.raises(ValueError, match=r"residual 'needs_gamma_test': .*NeedsGamma.update\(0, h, out\) must return "
                        r"the next hidden state, of h's shape \[2, 5, 64\]; got \[2, 5, 128\]"):
@@ -459,8 +504,8 @@ def test_cli_import_of_a_module_with_a_syntax_error_says_where(tmp_path, monkeyp
 
 def test_registering_a_taken_name_names_who_has_it_and_a_class_defined_again_replaces_it():
     """A built-in's name was answered "pass replace=True" (which would change what every such
-    checkpoint loads as), and the same class defined again - its module reloaded, a notebook
-    cell run a second time - was refused as a clash."""
+    checkpoint loads as), and replace=True replaced it; the same class defined again - its
+    module reloaded, a notebook cell run a second time - was refused as a clash."""
     source = ("from attnres import register_residual\nfrom attnres.nn.residual import SingleStreamResidual\n"
               "@register_residual('again_test')\nclass Again(SingleStreamResidual):\n"
               "    def update(self, l, h, out):\n        return h + out\n")
@@ -472,6 +517,12 @@ def test_registering_a_taken_name_names_who_has_it_and_a_class_defined_again_rep
                        r"\(attnres.nn.residual.standard.StandardResidual\); register ScaledResidual under a name of "
                        r"its own, e.g. register_residual\('my_standard'\)"):
         register_residual("standard")(ScaledResidual)
+    # replace=True too: a checkpoint or export naming 'standard' would load as the built-in where the module is not
+    # imported, silently another function (it replaced it).
+    with pytest.raises(ValueError, match=r"residual 'standard' is already registered: it is a built-in variant .*"
+                       r"\(replace=True replaces a variant of your own, never a built-in"):
+        register_residual("standard", replace=True)(ScaledResidual)
+    assert residual_class("standard").builtin()
     with pytest.raises(ValueError, match=r"residual 'again_test' is already registered by notebook.Again; register "
                        r"ScaledResidual under another name, or pass replace=True to override it"):
         register_residual("again_test")(ScaledResidual)

@@ -16,6 +16,8 @@ pytest.importorskip("transformers")
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from attnres import register_residual  # noqa: E402
+from attnres.nn.residual import SingleStreamResidual  # noqa: E402
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
 from fixtures.tiny_families import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
@@ -33,6 +35,18 @@ RESIDUALS = [
 
 
 base_model = tiny_model  # 3 decoder layers (L = 6), d = 32, norm gains away from their init
+
+
+@register_residual("gamma_test", replace=True)
+class GammaResidual(SingleStreamResidual):
+    """A residual of the user's own with an option it cannot do without: h + gamma f(h)."""
+
+    def __init__(self, dim, n_sublayers, *, gamma):
+        super().__init__(dim, n_sublayers)
+        self.register_buffer("gamma", torch.tensor(float(gamma)), persistent=False)
+
+    def update(self, l, h, out):
+        return torch.addcmul(h, self.gamma.to(out.dtype), out)
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -746,6 +760,13 @@ def test_a_directory_without_config_json_is_said_to_be_none_and_a_model_below_na
     (["--block-size", "0"], "--block-size must be an integer >= 1 (sublayers per block); got 0"),
     (["--residual", "attnres_ful"], "--residual: ModelConfig.residual.kind must be one of"),
     (["--residual", "standard", "--block-size", "4"], "--block-size is Block AttnRes' S; --residual standard takes none"),
+    (["--residual", "gamma_test"], "--residual-option: ModelConfig.residual.options must set ['gamma'] for residual "
+     "'gamma_test' (arguments of GammaResidual.__init__ without a default): e.g. model.residual.options.gamma=VALUE "
+     "(attnres train), --residual-option gamma=VALUE (attnres upcycle)"),
+    (["--residual", "gamma_test", "--residual-option", "gamma"], "--residual-option 'gamma' must look like NAME=VALUE"),
+    (["--residual", "gamma_test", "--residual-option", "gamma=1", "--residual-option", "gamma=2"],
+     "--residual-option gamma is given twice"),
+    (["--residual-option", "gamma=1"], "--residual-option: residual 'attnres_block' takes no options"),
 ])
 def test_upcycle_options_are_checked_before_the_model_loads(tmp_path, monkeypatch, options, fragment):
     """They were checked after loading (minutes for a large GGUF), or not at all."""
@@ -757,6 +778,23 @@ def test_upcycle_options_are_checked_before_the_model_loads(tmp_path, monkeypatc
         cli_main(["upcycle", "--model", "smollm2", "--out", str(tmp_path / "up"), *options])
     assert str(info.value).startswith("attnres upcycle: error: ") and fragment in str(info.value), info.value
     assert not (tmp_path / "up").exists()
+
+
+def test_upcycle_gives_a_residual_of_the_user_s_own_its_options(tmp_path):
+    """``attnres upcycle --residual <own>`` took no options: a residual whose ``__init__`` needs
+    one could not be upcycled from the command line (the error, after the model had loaded,
+    said to set ``model.residual.options.gamma``, an override of ``attnres train``), and one with
+    defaults kept them. ``--residual-option NAME=VALUE`` sets them, read as YAML."""
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    base_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    assert cli_main(["upcycle", "--model", str(tmp_path / "llama"), "--out", str(tmp_path / "up"), "--residual",
+                     "gamma_test", "--residual-option", "gamma=0.25"]) == 0
+    assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["options"] == {"gamma": 0.25}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "up").residual.gamma == 0.25
 
 
 def test_eval_of_a_pretrained_directory_and_of_its_upcycle_agree(tmp_path):

@@ -251,7 +251,9 @@ class ImportModule(argparse.Action):
         except SyntaxError as e:  # (a traceback through argparse's internals, before the command had started)
             where = f"{e.filename}, line {e.lineno}" + (f": {e.text.strip()}" if e.text and e.text.strip() else "")
             parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run `python {e.filename}` to see it")
-        getattr(namespace, self.dest).append(value)  # (as given: checkpoints record it, record_given_imports)
+        # As given, for the checkpoints to record (record_given_imports); a file's path made
+        # absolute: the hint of a later command in another folder named a file not there.
+        getattr(namespace, self.dest).append(str(file.resolve()) if file.suffix == ".py" else value)
 
 
 def record_given_imports(values: list[str]) -> None:

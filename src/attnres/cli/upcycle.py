@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
     up.add_argument("--out", required=True, help="output directory (created if missing; the files of a model "
                     "already there - weights, tokenizer, chat template - are replaced, other files kept)")
     up.add_argument("--residual", default="attnres_block", help="a registered residual (default attnres_block)")
+    up.add_argument("--residual-option", action="append", metavar="NAME=VALUE",
+                    help="an option of --residual (an argument of its class's __init__: ResidualConfig.options), the "
+                    "value read as YAML; repeat it for several: --residual-option init=0.5")
     up.add_argument("--block-size", type=int, help="Block AttnRes S in sublayers (default: about 8 blocks)")
     up.add_argument("--no-exact-eps", action="store_true",
                     help="keep the pre-norms' epsilon (not the pretrained function on small hidden states)")
@@ -39,6 +42,7 @@ def run_upcycle(args) -> int:
         residual_class(args.residual)
     except ValueError as e:
         raise SystemExit(f"attnres upcycle: error: --residual: {e}") from None
+    residual = {"kind": args.residual, "options": _residual_options(args.residual, args.residual_option or [])}
     if args.block_size is not None and args.block_size < 1:
         raise SystemExit(f"attnres upcycle: error: --block-size must be an integer >= 1 (sublayers per block); "
                          f"got {args.block_size}")
@@ -46,9 +50,39 @@ def run_upcycle(args) -> int:
         raise SystemExit(f"attnres upcycle: error: --block-size is Block AttnRes' S; --residual {args.residual} "
                          "takes none (use --residual attnres_block, the default)")
     try:
-        out = upcycle_directory(args.model, args.out, args.residual, args.block_size, not args.no_exact_eps)
+        out = upcycle_directory(args.model, args.out, residual, args.block_size, not args.no_exact_eps)
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres upcycle: error: {e}") from None
     print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
           f"`{attnres_command(args.residual)} train model.from_hf={out} init_from={out} ...`")
     return 0
+
+
+def _residual_options(kind: str, given: list[str]) -> dict:
+    """``--residual-option NAME=VALUE`` as ``ResidualConfig.options``, checked against
+    residual ``kind``'s ``__init__`` where its checks are the default ones (the rest need the
+    model's width and depth: they follow at the conversion)."""
+    from ..nn.residual import ResidualConfig, ResidualStream, residual_class
+    from ..train.config import parse_override
+
+    options: dict = {}
+    for item in given:
+        keys, value = parse_override(item) if "=" in item else ([], None)
+        if len(keys) != 1 or not keys[0].isidentifier():
+            raise SystemExit(f"attnres upcycle: error: --residual-option {item!r} must look like NAME=VALUE, NAME an "
+                             "argument of the residual's __init__ (e.g. --residual-option init=0.5)")
+        if keys[0] in options:
+            raise SystemExit(f"attnres upcycle: error: --residual-option {keys[0]} is given twice")
+        options[keys[0]] = value
+    cls = residual_class(kind)
+    if options and cls.builtin():
+        raise SystemExit(f"attnres upcycle: error: --residual-option: residual {kind!r} takes no options (attnres's "
+                         "own variants are set by ModelConfig.residual's fields; here --block-size); options are the "
+                         "__init__ arguments of a residual of your own")
+    try:
+        config = ResidualConfig.from_value({"kind": kind, "options": options})
+        if cls.check_config.__func__ is ResidualStream.check_config.__func__:
+            cls.check_config(config, 1, 1)  # (the default reads the options alone)
+    except ValueError as e:
+        raise SystemExit(f"attnres upcycle: error: --residual-option: {e}") from None
+    return options

@@ -25,6 +25,7 @@ from ..models.saved_config import check_saved_config, config_source, naming_sour
 from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys
 from .families.layout import NATIVE_MODEL_TYPE
 from .families.remote_code import SavesAutoMap
+from .families.residual_module import NATIVE_KEY, naming_residual_module, saved_residual_module
 from ..nn.residual.config import ResidualConfig, merge_residual
 from .families.build import FIELD_HF_NAMES
 
@@ -44,13 +45,19 @@ ARCHITECTURES = ("AttnResForCausalLM", "AttnResModel")
 class _AttnResConfigMethods(SavesAutoMap):
     """The behaviour of :class:`AttnResConfig` (its fields are generated below)."""
 
+    RESIDUAL_MODULE_KEY = NATIVE_KEY
+
     @classmethod
     def auto_classes(cls) -> tuple[str, dict[str, str]]:
         """What a saved directory's ``auto_map`` names (:class:`~attnres.hf.families.remote_code.SavesAutoMap`)."""
         return "attnres.hf", {"AutoConfig": "AttnResConfig", "AutoModel": "AttnResModel",
                               "AutoModelForCausalLM": "AttnResForCausalLM"}
 
+    def residual_kind(self) -> str:
+        return self.residual["kind"]
+
     def __post_init__(self, **kwargs) -> None:
+        module = saved_residual_module(kwargs, NATIVE_KEY)
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
         _check_extra_keys(self, kwargs)
         if legacy:
@@ -64,7 +71,8 @@ class _AttnResConfigMethods(SavesAutoMap):
                 "set tie_embeddings (the attnres field) only"
             )
         super().__post_init__(**kwargs)
-        self.to_model_config()  # validates every field, naming the bad one
+        with naming_residual_module(module, self.residual["kind"], NATIVE_KEY):
+            self.to_model_config()  # validates every field, naming the bad one
 
     @property
     def kv_heads(self) -> int:

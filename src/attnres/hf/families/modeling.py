@@ -39,6 +39,7 @@ from ...nn.residual import ResidualConfig, ResidualStream, build_residual, valid
 from ...models.saved_config import check_saved_config, config_source, naming_source
 from .layout import PREFIX, Layout, family_of, layout_of
 from .remote_code import KeepsItsSourceHome, SavesAutoMap
+from .residual_module import FAMILY_KEY, naming_residual_module, saved_residual_module
 
 try:  # transformers' record of the outputs of a forward (output_hidden_states, output_attentions)
     from transformers.utils.output_capturing import _active_collector as _output_collector
@@ -269,6 +270,8 @@ class UpcycledConfigMixin(SavesAutoMap):
     :class:`~attnres.nn.residual.ResidualConfig` as a mapping) and ``attnres_exact_eps``.
     A saved config must hold both, and name this family's model_type and architecture."""
 
+    RESIDUAL_MODULE_KEY = FAMILY_KEY
+
     @classmethod
     def auto_classes(cls) -> tuple[str, dict[str, str]]:
         """What a saved directory's ``auto_map`` names (:class:`SavesAutoMap`; no ``AutoModel``:
@@ -291,10 +294,15 @@ class UpcycledConfigMixin(SavesAutoMap):
                            required=SAVED_FIELDS, source=source, given=kwargs)
         return naming_source(source, lambda: super(UpcycledConfigMixin, cls).from_dict(config_dict, **kwargs))
 
+    def residual_kind(self) -> str:
+        return self.attnres_residual["kind"]
+
     def __post_init__(self, **kwargs) -> None:
+        module = saved_residual_module(kwargs, FAMILY_KEY)
         self.attnres_residual = ResidualConfig.from_value(self.attnres_residual or {}).to_dict()
         super().__post_init__(**kwargs)
-        validate_residual_config(self.residual_config(), self.hidden_size, 2 * self.num_hidden_layers)
+        with naming_residual_module(module, self.residual_kind(), FAMILY_KEY):
+            validate_residual_config(self.residual_config(), self.hidden_size, 2 * self.num_hidden_layers)
         if self.residual_config().autocast_norm_output:
             raise ValueError(f"attnres_residual.autocast_norm_output applies to attnres' own transformer blocks; a "
                              f"{self.model_type!r} model's norms are its family's own: leave it false")

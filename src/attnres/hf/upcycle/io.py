@@ -182,9 +182,12 @@ def _forget_gguf_quantizer(model) -> None:
         del model.config.quantization_config
 
 
-def upcycle_directory(source: str | Path, out: str | Path, residual: str = "attnres_block", block_size: int | None = None,
+def upcycle_directory(source: str | Path, out: str | Path, residual: str | dict = "attnres_block",
+                      block_size: int | None = None,
                       exact_eps: bool = True, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """``attnres upcycle``: load ``source`` (in ``dtype``), upcycle it, and write the AttnRes
+    """``attnres upcycle``: load ``source`` (in ``dtype``), upcycle it (``residual`` as
+    :func:`~attnres.hf.upcycle.upcycle` takes it: a name, or ``ResidualConfig`` fields with the
+    ``options`` of a residual of the user's own), and write the AttnRes
     model, in the dtype the pretrained weights are stored in (float32 for a GGUF file), with the
     tokenizer to ``out`` (a directory ``AutoModelForCausalLM.from_pretrained`` loads after
     ``import attnres.hf``; ``attnres train model.from_hf=OUT init_from=OUT`` trains it on).

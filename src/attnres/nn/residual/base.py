@@ -180,22 +180,22 @@ class ResidualStream(nn.Module, ABC):
     @classmethod
     def _check_options(cls, config: ResidualConfig) -> None:
         """``options`` as keyword arguments of ``__init__`` (those without a default set, when
-        the default ``from_config`` builds it)."""
+        the default ``from_config`` builds it). Names it does not take are refused first: a
+        misspelt required one (``gama``) was answered that ``gamma`` must be set."""
         params = list(inspect.signature(cls.__init__).parameters.values())[3:]  # after self, dim, n_sublayers
+        accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unknown = sorted(set(config.options) - accepted)
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
+            raise ValueError(f"ModelConfig.residual.options {unknown} are not options of residual {config.kind!r}"
+                             f"{did_you_mean_each(unknown, accepted)}; it takes {sorted(accepted) or 'none'}")
         required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
                     and p.name not in config.options]
         if required and cls.from_config.__func__ is ResidualStream.from_config.__func__:
             # the default from_config passes only options: else a TypeError from __init__ at build time
             raise ValueError(f"ModelConfig.residual.options must set {required} for residual {config.kind!r} (arguments "
                              f"of {cls.__qualname__}.__init__ without a default): e.g. "
-                             f"model.residual.options.{required[0]}=VALUE, or give them defaults")
-        if any(p.kind == p.VAR_KEYWORD for p in params):
-            return
-        accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        unknown = sorted(set(config.options) - accepted)
-        if unknown:
-            raise ValueError(f"ModelConfig.residual.options {unknown} are not options of residual {config.kind!r}"
-                             f"{did_you_mean_each(unknown, accepted)}; it takes {sorted(accepted) or 'none'}")
+                             f"model.residual.options.{required[0]}=VALUE (attnres train), --residual-option "
+                             f"{required[0]}=VALUE (attnres upcycle), or give them defaults")
 
     @classmethod
     def describe(cls, config: ResidualConfig, n_sublayers: int) -> str:

@@ -9,19 +9,31 @@ says which one to import, from the ``"imports"`` of the checkpoint's ``state.jso
 
     {"given": ["my_pkg.residuals"], "residual": "my_res", "residual_module": "my_pkg.residuals"}
 
-``given``: the command's ``--import`` values as typed; ``residual``: the run's residual kind;
-``residual_module``: the module of its class (``None`` for a built-in variant). Checkpoints of earlier versions have no
-``"imports"``: their error is the registry's own.
+``given``: the command's ``--import`` values as typed (a ``.py`` file's path made absolute);
+``residual``: the run's residual kind; ``residual_module``: the module of its class (``None``
+for a built-in variant). Checkpoints of earlier versions have no ``"imports"``: their error is
+the registry's own.
+
+A saved Hugging Face directory names the module in its ``config.json``
+(:mod:`attnres.hf.families.residual_module`); under ``trust_remote_code`` its module file imports
+it (:func:`import_residual_module`, which imports nothing of transformers: a failed import
+leaves the process as it was, and the load can be tried again).
 """
 
 from __future__ import annotations
 
+import importlib
 import shlex
+import sys
 from typing import Any
 
-from .registry import UnregisteredResidual, residual_class
+from .registry import UnregisteredResidual, registered_residuals, residual_class
 
-__all__ = ["imports_record", "set_given_imports", "unregistered_residual_error"]
+__all__ = ["MAIN", "import_residual_module", "imports_record", "not_registered_by", "set_given_imports",
+           "unimportable_residual", "unregistered_residual_error"]
+
+#: The module of a class a script defined: no other process can import it.
+MAIN = "__main__"
 
 _GIVEN: list[str] = []
 
@@ -63,3 +75,41 @@ def unregistered_residual_error(error: Exception, record: Any) -> str | None:
         return (f"{missing}: this run's residual class is in module {module!r}; add --import {module} (`attnres "
                 f"--import {module} <command> ...`{in_python})")
     return None
+
+
+def unimportable_residual(module: str, kind: str, key: str) -> str:
+    """Why residual ``kind`` of a script's ``__main__`` cannot be registered elsewhere."""
+    return (f"residual {kind!r} was registered by the script that saved this directory (its {key} is {module!r}), "
+            "which no other process can import: move the class into a module, import that module, and save the "
+            "directory again")
+
+
+def import_residual_module(module: str, kind: str, key: str) -> None:
+    """Import ``module``, which registers residual ``kind`` (what a saved directory's module
+    file calls under ``trust_remote_code``, before its config is read); ``ImportError`` in one
+    line naming the module and how to make it importable where it cannot be found. A
+    script's class (``"__main__"``) is there only where the script registered it again."""
+    if module == MAIN:
+        if kind in registered_residuals():
+            return
+        raise ImportError(unimportable_residual(module, kind, key))
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+            raise  # (a module the user's module imports is missing: its own error says which)
+        raise ImportError(f"residual {kind!r} is registered by module {module!r} (config.json's {key}), which "
+                          f"cannot be imported here ({e}): put the folder that holds it on PYTHONPATH, or pip "
+                          "install the package that has it") from None
+    if kind not in registered_residuals():
+        raise ImportError(not_registered_by(module, kind, key))
+
+
+def not_registered_by(module: str, kind: str, key: str) -> str:
+    """Why residual ``kind`` is missing though ``module``, which config.json's ``key`` says
+    registers it, was imported (renamed since, or another module of that name found first)."""
+    found = getattr(sys.modules.get(module), "__file__", None)
+    where = f" ({found})" if found else ""
+    return (f"residual {kind!r} is not registered, though module {module!r}{where} - which config.json's {key} says "
+            f"registers it - was imported: the class was renamed or moved since the directory was saved, or another "
+            f"module of that name comes first on sys.path; registered here: {', '.join(registered_residuals())}")

@@ -21,6 +21,7 @@ without parameters of its own or built on ``AttnResBase``)::
 
 from __future__ import annotations
 
+import inspect
 from typing import TypeVar
 
 from ...validation import did_you_mean
@@ -33,11 +34,16 @@ __all__ = ["UnregisteredResidual", "register_residual", "residual_class", "regis
 _REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)
 
+#: The protocol's methods as the model calls them (the arguments after ``self``); ``update`` is
+#: a :class:`~attnres.nn.residual.SingleStreamResidual`'s.
+PROTOCOL_CALLS = {"_start": ("embedding", "common"), "_input": ("state", "l"), "_add": ("state", "l", "output"),
+                  "_finish": ("state",), "update": ("l", "h", "out")}
+
 
 def register_residual(name: str, *, replace: bool = False):
     """Class decorator: register a :class:`~attnres.nn.residual.ResidualStream` subclass
     under ``name`` (sets its ``name`` attribute). Registering a taken name raises
-    ``ValueError`` unless ``replace=True``."""
+    ``ValueError`` unless ``replace=True``; a built-in variant's name raises even then."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a residual name must be a Python identifier such as 'my_residual'; got {name!r}")
 
@@ -49,13 +55,48 @@ def register_residual(name: str, *, replace: bool = False):
             raise TypeError(f"register_residual({name!r}): {cls.__qualname__} does not define {', '.join(missing)}, "
                             "which every residual must (SingleStreamResidual subclasses: update(l, h, out); "
                             "docs/design.md, 'The registry, and how to add a variant')")
-        if name in _REGISTRY and _REGISTRY[name] is not cls and not replace:
+        _check_signatures(name, cls)
+        if name in _REGISTRY and _REGISTRY[name] is not cls and (not replace or _REGISTRY[name].builtin()):
             _refuse_taken(name, _REGISTRY[name], cls)
+        own = cls.__dict__.get("name")  # (a subclass inherits its parent's: not its own registration)
+        if own not in (None, name) and _REGISTRY.get(own) is cls:
+            # its name is what analyze, the start line and mixing.json say: models of the first name
+            # would have been reported under the second
+            raise ValueError(f"register_residual({name!r}): {cls.__qualname__} is registered as {own!r} already; a "
+                             f"class has one name - register a subclass under {name!r} (class Alias({cls.__name__}): "
+                             "pass)")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
 
     return decorate
+
+
+def _check_signatures(name: str, cls: type) -> None:
+    """Raise ``TypeError`` naming the method unless the model can call each protocol method of
+    ``cls`` as it does (:data:`PROTOCOL_CALLS`), and its ``__init__`` with ``(dim, n_sublayers)``
+    where the default ``from_config`` builds it: said at registration, not as a TypeError in the
+    middle of the first forward ("update() takes 3 positional arguments but 4 were given")."""
+    calls = {name_: args for name_, args in PROTOCOL_CALLS.items() if hasattr(cls, name_)}
+    if cls.from_config.__func__ is ResidualStream.from_config.__func__:
+        calls["__init__"] = ("dim", "n_sublayers")
+    for method, args in calls.items():
+        function = getattr(cls, method)
+        bound = () if isinstance(inspect.getattr_static(cls, method), staticmethod) else (None,)  # (self)
+        try:
+            signature = inspect.signature(function)
+            # (__init__'s other arguments are options, which check_config requires where they have no default)
+            (signature.bind_partial if method == "__init__" else signature.bind)(*bound, *args)
+        except TypeError:
+            said = f"{cls.__qualname__}.{method}{inspect.signature(function)}" if callable(function) else (
+                f"{cls.__qualname__}.{method} = {function!r}")
+            caller = "the default from_config" if method == "__init__" else "the model"
+            hint = ", **options), or define from_config" if method == "__init__" else ")"
+            raise TypeError(f"register_residual({name!r}): {said} cannot be called as {caller} calls it, "
+                            f"{method}(self, {', '.join(args)}{hint} (docs/design.md, 'The registry, and how to add "
+                            "a variant')") from None
+        except ValueError:  # (no signature to read: a builtin or C function, left to the call)
+            continue
 
 
 def _refuse_taken(name: str, taken: type, cls: type) -> None:
@@ -64,9 +105,13 @@ def _refuse_taken(name: str, taken: type, cls: type) -> None:
     where = f"{taken.__module__}.{taken.__qualname__}"
     if where == f"{cls.__module__}.{cls.__qualname__}":
         return  # (it was refused, and the second run of a notebook cell needed replace=True)
-    if taken.builtin():  # replacing it would change what every such checkpoint loads as
+    # Replacing a built-in (replace=True too) would change what every such checkpoint loads as:
+    # in a process without the user's module it loads as the built-in again, silently.
+    if taken.builtin():
         raise ValueError(f"residual {name!r} is already registered: it is a built-in variant ({where}); register "
-                         f"{cls.__qualname__} under a name of its own, e.g. register_residual('my_{name}')")
+                         f"{cls.__qualname__} under a name of its own, e.g. register_residual('my_{name}') (replace=True "
+                         "replaces a variant of your own, never a built-in: what names it would load as the built-in "
+                         "wherever your module is not imported)")
     raise ValueError(f"residual {name!r} is already registered by {where}; register {cls.__qualname__} under another "
                      "name, or pass replace=True to override it")
 
