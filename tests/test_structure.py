@@ -232,10 +232,13 @@ def test_the_function_length_check_finds_a_long_function(tmp_path):
 #: Imports by name, which the import graph above cannot see, and why each is allowed: the
 #: lazy public names of the root and of ``attnres.distributed`` (lazy_exports.py: modules below
 #: each), the one plugin load of the transformers wing by the core's registry (documented in
-#: models/hf_registry.py), ``--import-module`` (a user's module, not the package's), and the
-#: serving plugin's vLLM module of each upcycled family (serve/upcycled.py: vLLM's, not ours;
-#: imported only for the family served, as vLLM releases drop some).
-NAMED_IMPORTS = {"lazy_exports.py", "models/hf_registry.py", "cli/common.py", "serve/upcycled.py"}
+#: models/hf_registry.py), ``--import-module`` (a user's module, not the package's), the module
+#: a saved directory names as registering its residual of the user's own (nn/residual/imports.py:
+#: the user's, under trust_remote_code only), and the serving plugin's vLLM module of each
+#: upcycled family (serve/upcycled.py: vLLM's, not ours; imported only for the family served,
+#: as vLLM releases drop some).
+NAMED_IMPORTS = {"lazy_exports.py", "models/hf_registry.py", "cli/common.py", "nn/residual/imports.py",
+                 "serve/upcycled.py"}
 
 
 def test_imports_by_name_are_only_the_declared_ones():
