@@ -7,6 +7,7 @@ import argparse
 import re
 from pathlib import Path
 
+from ..termination import interrupted_status
 from ..validation import missing_path_hint
 from .common import apply_cpu_allocator, check_output_dir, train_config_keys
 
@@ -169,7 +170,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
         raise SystemExit(f"{prog}: error: {e}") from None
     except KeyboardInterrupt as e:  # a run checkpointed on SIGINT/SIGTERM: re-running resumes it
         print(f"{prog}: interrupted ({e or 'SIGINT'}); run the same command again to resume")
-        return 130
+        return interrupted_status(e)
     reported = len(reportable(records))  # (the report names those it leaves out, and why)
     print(f"{prog}: {reported} run{'' if reported == 1 else 's'} reported"
           + (f" of {len(records)} finished" if reported < len(records) else "") + f"; report {path}")
