@@ -160,3 +160,26 @@ def test_a_diverged_run_is_called_diverged_not_stopped(tmp_path, capsys):
     assert cli_main(["status", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "diverged" in out and "continue a stopped run" not in out
+
+
+def test_a_run_whose_config_json_is_damaged_is_reported_from_its_checkpoint(runs, tmp_path, capsys):
+    """A finished run whose config.json was truncated (a full disk, an editor) was called
+    "stopped", of '?' steps, with no word of the file. Its newest checkpoint stores the
+    config: the run is "finished" again, and the damaged file is named; without that either,
+    the state is "unknown", not "stopped"."""
+    run = tmp_path / "runs" / "done"
+    shutil.copytree(runs / "done", run)
+    text = (run / "config.json").read_text()
+    (run / "config.json").write_text(text[: len(text) // 2])
+    status = run_status(run)
+    assert (status.step, status.steps, status.checkpoint_step, status.state) == (6, 6, 6, "finished")
+    assert (status.residual, status.n_layers) == ("attnres_block", 2)
+    assert status.config_error.startswith(f"{str(run / 'config.json')!r} cannot be read (JSONDecodeError: ")
+    assert status.config_error.endswith("the model and steps are those its checkpoint step-00000006 stores")
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("finished") and lines[3] == f"{run}: {status.config_error}"
+    (run / "checkpoints" / "step-00000006" / "state.json").unlink()
+    status = run_status(run)
+    assert (status.step, status.steps, status.state, status.residual) == (6, None, "unknown", None)
+    assert status.config_error.endswith("; the model and steps are unknown")

@@ -30,6 +30,9 @@ def run(args, parser) -> int:
               "and metrics.jsonl or checkpoints/)")
         return 0
     print(render(runs))
+    for status in runs:  # (the table's model and steps for such a run: its checkpoint's, or "?")
+        if status.config_error is not None:
+            print(f"\n{status.path}: {status.config_error}")
     stopped = [s.path for s in runs if s.state == "stopped" and s.checkpoint_step is not None]
     if stopped:
         print(f"\ncontinue a stopped run with {_continue_command(stopped[0])}")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import latest_checkpoint
+from ..checkpoint.manifest import STATE_FILE
 from .lock import LOCK_FILE, stale_here
 from .metrics import METRICS_FILE, read_metrics
 
@@ -32,8 +33,10 @@ class RunStatus:
     ``val_loss`` was measured), tokens/s of its last logging window, its newest checkpoint's
     step, and ``state``: ``running`` (a live process holds its lock), ``finished`` (a
     checkpoint of its last step), ``diverged`` (its last record: a loss or gradient norm that
-    was not finite), ``stopped`` or ``not started``; ``holder``: who holds
-    the lock (``None`` unless running, or a lock left by a process of another host)."""
+    was not finite), ``stopped``, ``not started``, or ``unknown`` (a checkpoint, but no config
+    that says the run's ``steps``); ``holder``: who holds the lock (``None`` unless running,
+    or a lock left by a process of another host); ``config_error``: why its ``config.json``
+    cannot be read, and where the model and ``steps`` came from instead."""
 
     path: str
     residual: str | None
@@ -48,6 +51,7 @@ class RunStatus:
     checkpoint_step: int | None
     state: str
     holder: str | None = None
+    config_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,17 +101,14 @@ def find_runs(root: str | Path) -> list[Path]:
 def run_status(path: str | Path) -> RunStatus:
     """The :class:`RunStatus` of the run directory ``path``."""
     path = Path(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
+    newest = latest_checkpoint(path)
+    config, config_error = _run_config(path, newest)
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     residual = model.get("residual")
     kind = residual.get("kind") if isinstance(residual, dict) else residual
     records = read_metrics(path / METRICS_FILE, warn=False)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval" and r.get("val_loss") is not None]
-    newest = latest_checkpoint(path)
     checkpoint_step = int(newest.name.split("-", 1)[1]) if newest is not None else None
     step = max([r["step"] for r in records] + [checkpoint_step or 0])
     steps = config.get("steps")
@@ -116,7 +117,31 @@ def run_status(path: str | Path) -> RunStatus:
                      step=step, steps=steps, train_loss=train[-1].get("loss") if train else None,
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
-                     state=state, holder=holder)
+                     state=state, holder=holder, config_error=config_error)
+
+
+def _run_config(path: Path, newest: Path | None) -> tuple[dict[str, Any], str | None]:
+    """The config of the run ``path``: its ``config.json``, or where that cannot be read (a
+    truncated file), the one its newest checkpoint ``newest`` stores (its ``state.json``,
+    read, not verified: status only reads); and, then, the sentence that says so (else
+    ``None``). A finished run with a damaged config.json was called "stopped", its steps
+    unknown, with no word of the file."""
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text())
+        if isinstance(config, dict):
+            return config, None
+        cause = f"a JSON {type(config).__name__}, not an object"
+    except (OSError, ValueError) as e:
+        cause = f"{type(e).__name__}: {e}"
+    said = f"{str(file)!r} cannot be read ({cause})"
+    try:
+        stored = json.loads((newest / STATE_FILE).read_text())["config"] if newest is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        stored = None
+    if isinstance(stored, dict):
+        return stored, f"{said}; the model and steps are those its checkpoint {newest.name} stores"
+    return {}, f"{said}; the model and steps are unknown"
 
 
 def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None,
@@ -133,4 +158,6 @@ def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None
         return "finished", None
     if diverged:  # (its last record: the loss or the gradient norm was not finite, and it stopped unsaved)
         return "diverged", None
+    if steps is None and checkpoint_step is not None:  # (no config says how far it was to go)
+        return "unknown", None
     return ("stopped" if step > 0 else "not started"), None
