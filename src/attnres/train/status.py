@@ -9,8 +9,10 @@ under a folder, a grid's ``<variant>/seed<k>`` runs included.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,15 +64,17 @@ def is_run_directory(path: Path) -> bool:
 
 
 def refuse_a_folder_of_runs(out_dir: str | Path) -> None:
-    """``ValueError`` when ``out_dir`` is no run but holds runs (``runs/``, a sweep's folder):
-    a run trained there put its files beside theirs, and ``attnres status`` and ``plot`` of the
-    folder then found that run alone (a run is not looked inside)."""
+    """``ValueError`` when ``out_dir`` is no run but holds runs at any depth, as
+    :func:`find_runs` finds them (``runs/``, a sweep's folder, ``runs/`` holding
+    ``runs/sweep1/<run>``, a grid's ``--out``): a run trained there put its files beside
+    theirs, and ``attnres status`` and ``plot`` of the folder then found that run alone (a run
+    is not looked inside). Looks no further than the first four runs it meets."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir() or is_run_directory(out_dir):
         return
-    runs = sorted(p for p in out_dir.iterdir() if p.is_dir() and p.name not in _INSIDE_A_RUN and is_run_directory(p))
+    runs = list(itertools.islice(_runs_below(out_dir), 4))
     if runs:
-        named = ", ".join(str(p) for p in runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+        named = ", ".join(str(p) for p in runs[:3]) + (" and more" if len(runs) > 3 else "")
         raise ValueError(f"out_dir {str(out_dir)!r} is a folder of runs ({named}), not a run: a run written there "
                          f"would put its files beside theirs, and attnres status and plot of the folder would then "
                          f"find it alone; give the run a folder of its own (out_dir={out_dir / 'NAME'}), or to continue "
@@ -87,15 +91,19 @@ def find_runs(root: str | Path) -> list[Path]:
     enclosing = next((p for p in list(root.parents)[:3] if is_run_directory(p)), None)
     if enclosing is not None and root.relative_to(enclosing).parts[0] in _INSIDE_A_RUN:
         return [enclosing]
-    found = []
+    return sorted(_runs_below(root))
+
+
+def _runs_below(root: Path) -> Iterator[Path]:
+    """The run directories under ``root`` (not a run itself), depth first in sorted order, not
+    looking inside runs, hidden folders or the folders a run writes."""
     for folder, subfolders, _ in os.walk(root):
         here = Path(folder)
         if is_run_directory(here):
-            found.append(here)
+            yield here
             subfolders.clear()
         else:
             subfolders[:] = sorted(s for s in subfolders if s not in _INSIDE_A_RUN and not s.startswith("."))
-    return sorted(found)
 
 
 def run_status(path: str | Path) -> RunStatus:
