@@ -599,6 +599,29 @@ def test_report_only_takes_the_preset_from_the_experiment(corpus, tmp_path):
     assert title == "# Standard vs Block vs Full AttnRes — preset tiny"
 
 
+def test_report_only_refuses_what_it_would_ignore(corpus, tmp_path, capsys):
+    """``--report-only`` with ``--seeds 0``, ``--variants block`` or ``--overhead-repeats 15``
+    reported every finished run and timed nothing, and with overrides of other runs
+    (``steps=3``) reported the grid's runs as if they were those; all without a word."""
+    out = tmp_path / "compare"
+    over = [f"data.paths=[{corpus}]", "--overhead-repeats", "0"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--seeds", "0", "1", *over]) == 0
+    before = (out / "report.md").read_text()
+    for given, named in ((["--seeds", "0"], "--seeds"), (["--variants", "block"], "--variants"),
+                         (["--overhead-repeats", "15"], "--overhead-repeats")):
+        with pytest.raises(SystemExit):
+            cli_main(["compare", "--out", str(out), "--report-only", *given])
+        assert (f"attnres compare: error: --report-only only rewrites the report, of every finished run in --out; it "
+                f"takes no {named}") in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=rf"^attnres compare: error: '{out}' holds the 'compare' grid trained with the "
+                       rf"overrides data.paths=\[{corpus}\]; this command gives steps=3: "):
+        cli_main(["compare", "--out", str(out), "--report-only", "steps=3"])
+    assert (out / "report.md").read_text() == before
+    for same in ([f"data.paths=[{corpus}]"], [], ["--overhead-repeats", "0"]):  # the grid's command, or none
+        assert cli_main(["compare", "--out", str(out), "--report-only", *same]) == 0
+    assert capsys.readouterr().out.count("attnres compare: 6 runs reported") == 3  # every variant of both seeds
+
+
 def test_reports_tolerate_a_truncated_metrics_line(corpus, tmp_path):
     out = tmp_path / "compare"
     assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard",

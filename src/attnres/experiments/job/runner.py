@@ -200,7 +200,7 @@ def check_not_foreign(out: Path) -> None:
 def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
     """Raise ``ValueError`` when ``out`` holds an experiment whose ``experiment.json`` differs
     from ``header`` in a key ``header`` gives: results (and reports) of different grids must
-    not mix. ``--report-only`` passes the experiment and preset alone (it takes no overrides)."""
+    not mix. ``--report-only`` passes the overrides only where the command gives some."""
     out = Path(out)
     saved = read_experiment_header(out)
     if saved is None and (out / EXPERIMENT_FILE).exists():
@@ -217,8 +217,8 @@ def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
     if "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
         was, now = (" ".join(map(str, o)) if o else "none" for o in (saved.get("overrides"), header["overrides"]))
         raise ValueError(f"{str(out)!r} holds the {saved.get('experiment')!r} grid trained with the overrides {was}; "
-                         f"this command gives {now}: to continue it give its overrides again (in any order), or "
-                         "pick another --out")
+                         f"this command gives {now}: to continue it give its overrides again (in any order; --report-only "
+                         "takes them or none), or pick another --out")
 
 
 def _same_overrides(saved: Any, given: list[str]) -> bool:
