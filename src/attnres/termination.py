@@ -14,12 +14,12 @@ from collections.abc import Iterator
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived while :func:`sigterm_raises` was active. A ``KeyboardInterrupt``, so
     that whatever cleans up after an interrupt (removing a temporary cache, releasing a lock)
-    does so after a SIGTERM too; ``str()`` is ``"SIGTERM"``."""
+    does so after a SIGTERM too; ``str()`` is ``"SIGTERM"`` unless a message says more."""
 
     signal_number = int(signal.SIGTERM)
 
-    def __init__(self) -> None:
-        super().__init__("SIGTERM")
+    def __init__(self, message: str = "SIGTERM") -> None:
+        super().__init__(message)
 
 
 class _RaiseOnce:

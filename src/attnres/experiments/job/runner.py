@@ -27,6 +27,7 @@ from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
 from ...output_paths import strict_json
 from ...progress import clock
+from ...termination import Terminated
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
 from ...train.metrics import read_metrics
@@ -163,8 +164,9 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     result = train(config)
-    if result.interrupted:
-        raise KeyboardInterrupt(f"run {out} stopped by {result.interrupted}, at its checkpoint")  # (re-running resumes it)
+    if result.interrupted:  # (re-running resumes it; a SIGTERM's is the status 143 of the command, as train's)
+        stopped = Terminated if result.interrupted == "SIGTERM" else KeyboardInterrupt
+        raise stopped(f"run {out} stopped by {result.interrupted}, at its checkpoint")
     model = ModelConfig.from_dict(json.loads((out / "config.json").read_text())["model"])  # the tokenizer's vocab
     params, residual_params = model_counts(model)
     flops = training_flops_per_token(model, config.seq_len)
