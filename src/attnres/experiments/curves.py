@@ -6,6 +6,7 @@ runs it trains itself.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from ..train.metrics import METRICS_FILE, read_metrics
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["Curves", "plot_curves", "read_curves", "run_labels"]
+__all__ = ["Curves", "plot_curves", "read_curves", "run_labels", "tokenizer_of", "tokens_per_step"]
 
 #: What the x axis may count: optimiser steps or training tokens.
 AXES = ("step", "tokens")
@@ -62,6 +63,27 @@ def read_curves(run: str | Path) -> Curves:
             into["tokens"].append(points[step][0])
             into["loss"].append(points[step][1])
     return curves
+
+
+def tokenizer_of(run: str | Path) -> str | None:
+    """The tokenizer ``run``'s losses are per token of, as its ``config.json`` says: its
+    vocabulary (the model's, set from the tokenizer, a checkpoint's on resume) and the
+    ``data.tokenizer`` asked for, e.g. ``"256 tokens (byte)"``; ``None`` when unreadable."""
+    try:
+        config = json.loads((Path(run) / "config.json").read_text())
+        vocab, asked = config["model"]["vocab_size"], config["data"]["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return f"{vocab} tokens ({asked})" if isinstance(vocab, int) else None
+
+
+def tokens_per_step(curves: Curves) -> float | None:
+    """The training tokens of one step of the run ``curves`` were read from (from its logged
+    records: ``tokens`` over ``step``), ``None`` when it logged none."""
+    for points in (curves.train, curves.val):
+        if points["step"] and math.isfinite(points["tokens"][-1]):
+            return points["tokens"][-1] / points["step"][-1]
+    return None
 
 
 def run_labels(runs: list[Path]) -> list[str]:
