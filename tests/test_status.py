@@ -104,7 +104,8 @@ def test_a_path_inside_a_run_finds_that_run(runs, capsys):
     folder now stand for their run, in status and plot alike."""
     run = runs / "done"
     step = sorted((run / "checkpoints").glob("step-*"))[-1]
-    for inside in (step, run / "checkpoints", step / "model.safetensors"):
+    # (its own files too: `attnres plot RUN/metrics.jsonl` said it was "a file, not a run")
+    for inside in (step, run / "checkpoints", step / "model.safetensors", run / "metrics.jsonl", run / "config.json"):
         assert find_runs(inside) == [run], inside
     assert cli_main(["status", str(step)]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith(str(run))

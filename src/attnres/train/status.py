@@ -89,7 +89,8 @@ def find_runs(root: str | Path) -> list[Path]:
     if is_run_directory(root):
         return [root]
     enclosing = next((p for p in list(root.parents)[:3] if is_run_directory(p)), None)
-    if enclosing is not None and root.relative_to(enclosing).parts[0] in _INSIDE_A_RUN:
+    # (a file of the run itself too: `attnres plot runs/x/metrics.jsonl` said it was no run)
+    if enclosing is not None and (root.relative_to(enclosing).parts[0] in _INSIDE_A_RUN or root.is_file()):
         return [enclosing]
     return sorted(_runs_below(root))
 
