@@ -216,6 +216,26 @@ def test_interrupted_run_is_resumed(corpus, tmp_path):
     assert not any("training" in line for line in log) and (done / "result.json").exists()
 
 
+def test_a_grid_resumed_on_changed_data_says_what_a_grid_can_do(corpus, tmp_path):
+    """A grid resumed after its text was edited stopped with train's message, naming no run of the
+    grid and advising allow_data_change=true: an override the grid refuses (another grid's
+    overrides), and one that would have its runs trained on two texts."""
+    exp = get_experiment("compare", "tiny")
+    over = [f"data.paths=[{corpus}]"]
+    run_experiment(exp, tmp_path, [0], over, variants=["standard"], log=lambda s: None)
+    run = tmp_path / "standard" / "seed0"
+    (run / "result.json").unlink()  # as if the run had stopped after its final checkpoint
+    with corpus.open("a") as f:
+        f.write("\nan edited line")
+    with pytest.raises(ValueError) as raised:
+        run_experiment(exp, tmp_path, [0], over, variants=["standard"], log=lambda s: None)
+    message = str(raised.value)
+    assert message.startswith(f"run standard seed 0 ({run}): the training data differ from the data checkpoint ")
+    assert message.endswith("where the grid's runs are trained on the same text: put the original text back at its "
+                            "data.paths to continue the grid, or train the new text as a new grid, in another --out")
+    assert "allow_data_change" not in message
+
+
 def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, tmp_path, monkeypatch):
     """An hours-long grid said only `[3/12] mhc seed 0: val loss ...`; now each run's time and
     the remaining runs' at the pace so far (seconds per step), finished runs not counted."""

@@ -30,6 +30,7 @@ from ...progress import clock
 from ...termination import Terminated
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
+from ...train.resume import DataChanged
 from ...train.metrics import read_metrics
 from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
@@ -298,6 +299,10 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         except (TrainingDiverged, TrainingOutOfMemory) as e:  # (the message alone named no run of the grid)
             raise type(e)(f"run {variant.name} seed {seed} ({config.out_dir}): {str(e).rstrip('.')} (the grid's "
                           "finished runs are kept: --report-only reports them)") from e
+        except DataChanged as e:  # (train's advice, allow_data_change=true, is an override the grid refuses)
+            raise ValueError(f"run {variant.name} seed {seed} ({config.out_dir}): {e.what}, where the grid's runs "
+                             "are trained on the same text: put the original text back at its data.paths to continue "
+                             "the grid, or train the new text as a new grid, in another --out") from None
         took = pace.add(config.steps - done_steps, time.perf_counter() - started)
         # the runs still to train, each from its latest checkpoint (an interrupted grid's)
         left = [c.steps - _trained_steps(c) for _, _, c in configs[i:] if not (Path(c.out_dir) / RESULT_FILE).exists()]
