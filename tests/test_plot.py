@@ -199,3 +199,19 @@ def test_runs_that_do_not_compare_are_said_so(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # at equal data: nothing to say
         assert cli_main(["plot", str(root / "bpe"), str(root / "long"), "--out", out, "--x", "tokens"]) == 0
+
+
+def test_every_run_of_a_large_grid_is_drawn_its_own_way(runs):
+    """Past matplotlib's 10 colours the 11th run was drawn as the 1st (an ablation grid's 12
+    variants: 'mhc' and 'baseline' one blue line, one blue legend entry each). Each run now
+    differs from every other in colour, line style or marker, in both panels and legends."""
+    from attnres.experiments.curves import plot_curves
+
+    one = read_curves(runs / "lr-1")
+    fig = plot_curves({f"run-{k}": one for k in range(23)})
+    for ax in fig.axes:
+        handles, labels = ax.get_legend_handles_labels()
+        assert labels == [f"run-{k} ({v:.4f})" for k, v in [(k, one.train["loss"][-1] if ax is fig.axes[0]
+                                                                else one.val["loss"][-1]) for k in range(23)]]
+        looks = [(h.get_color(), h.get_linestyle(), h.get_marker()) for h in handles]
+        assert len(set(looks)) == 23, looks

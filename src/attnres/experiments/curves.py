@@ -109,6 +109,11 @@ def _last(points: dict[str, list[float]]) -> str:
     return f" ({points['loss'][-1]:.4f})" if points["step"] else ""
 
 
+#: The line styles and markers of the runs after matplotlib's first 10 colours, 10 runs each.
+_LINE_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D")
+
+
 def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: str = "step", smooth: float = 0.6,
                 log_x: bool = False) -> Figure:
     """Two panels: each run's training loss (raw and faint, and smoothed by an exponential
@@ -124,19 +129,22 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
     fig = Figure(figsize=(11, 4))
     train_ax, val_ax = fig.subplots(1, 2)
     for k, (label, c) in enumerate(curves.items()):
-        color = f"C{k % 10}"
+        # matplotlib's 10 colours, then again with the next line style and marker: the 11th run
+        # (a grid's 12 ablations) was drawn as the 1st, one colour for two runs in both legends
+        color, style, marker = f"C{k % 10}", _LINE_STYLES[k // 10 % 4], _MARKERS[k // 10 % 4]
         if c.train["step"]:
             # a run shorter than log_every logs one training loss, its last step's: a point,
             # which a line alone does not draw either
-            point = {"marker": "o", "ms": 3} if len(c.train["step"]) == 1 else {}
-            train_ax.plot(c.train[x], c.train["loss"], color=color, alpha=0.25 if smooth else 1.0, lw=0.8, **point)
+            point = {"marker": marker, "ms": 3} if len(c.train["step"]) == 1 else {}
+            train_ax.plot(c.train[x], c.train["loss"], color=color, ls=style, alpha=0.25 if smooth else 1.0, lw=0.8,
+                          **point)
             if smooth:
-                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, lw=1.4, **point)
+                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, ls=style, lw=1.4, **point)
         if c.val["step"]:  # markers: a run of one evaluation is a point, which a line alone does not draw
-            val_ax.plot(c.val[x], c.val["loss"], color=color, marker="o", ms=3, lw=1.4)
+            val_ax.plot(c.val[x], c.val["loss"], color=color, ls=style, marker=marker, ms=3, lw=1.4)
         # one legend entry per run in both panels (a run without evaluations too), the last values said
-        train_ax.plot([], [], color=color, label=label + _last(c.train))
-        val_ax.plot([], [], color=color, label=label + _last(c.val))
+        train_ax.plot([], [], color=color, ls=style, label=label + _last(c.train))
+        val_ax.plot([], [], color=color, ls=style, marker=marker, ms=3, label=label + _last(c.val))
     xlabel = "optimiser step" if x == "step" else "training tokens"
     for ax, title in ((train_ax, "training loss" + (f" (smoothed, {smooth:g})" if smooth else "")),
                       (val_ax, "validation loss")):
