@@ -184,3 +184,21 @@ def test_a_run_whose_config_json_is_damaged_is_reported_from_its_checkpoint(runs
     status = run_status(run)
     assert (status.step, status.steps, status.state, status.residual) == (6, None, "unknown", None)
     assert status.config_error.endswith("; the model and steps are unknown")
+
+
+def test_runs_of_different_tokenizers_are_said_not_to_compare(runs, tmp_path, capsys):
+    """The table set a byte run's losses beside a BPE run's (nats per byte against per word
+    piece) as if they compared. A line below it says they do not, naming the tokenizers."""
+    for name, vocab, tokenizer in (("byte", 256, "byte"), ("bpe", 4096, "bpe")):
+        run = tmp_path / "runs" / name
+        shutil.copytree(runs / "done", run)
+        config = json.loads((run / "config.json").read_text())
+        config["model"]["vocab_size"], config["data"]["tokenizer"] = vocab, tokenizer
+        (run / "config.json").write_text(json.dumps(config))
+    assert run_status(tmp_path / "runs" / "bpe").tokenizer == "4096 tokens (bpe)"
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "the losses are per token of different tokenizers (256 tokens (byte), 4096 tokens (bpe)), which do not "
+        "compare; attnres eval gives each run's bits per byte, which do")
+    assert cli_main(["status", str(tmp_path / "runs" / "byte"), str(runs / "grid")]) == 0  # (one tokenizer: no line)
+    assert "tokenizers" not in capsys.readouterr().out

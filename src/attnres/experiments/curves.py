@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..train.metrics import METRICS_FILE, read_metrics
+from ..train.status import tokenizer_description
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -66,15 +67,13 @@ def read_curves(run: str | Path) -> Curves:
 
 
 def tokenizer_of(run: str | Path) -> str | None:
-    """The tokenizer ``run``'s losses are per token of, as its ``config.json`` says: its
-    vocabulary (the model's, set from the tokenizer, a checkpoint's on resume) and the
-    ``data.tokenizer`` asked for, e.g. ``"256 tokens (byte)"``; ``None`` when unreadable."""
+    """The tokenizer ``run``'s losses are per token of, as its ``config.json`` says
+    (:func:`~attnres.train.status.tokenizer_description`); ``None`` when unreadable."""
     try:
         config = json.loads((Path(run) / "config.json").read_text())
-        vocab, asked = config["model"]["vocab_size"], config["data"]["tokenizer"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
-    return f"{vocab} tokens ({asked})" if isinstance(vocab, int) else None
+    return tokenizer_description(config) if isinstance(config, dict) else None
 
 
 def tokens_per_step(curves: Curves) -> float | None:

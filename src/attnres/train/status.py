@@ -38,7 +38,8 @@ class RunStatus:
     was not finite), ``stopped``, ``not started``, or ``unknown`` (a checkpoint, but no config
     that says the run's ``steps``); ``holder``: who holds the lock (``None`` unless running,
     or a lock left by a process of another host); ``config_error``: why its ``config.json``
-    cannot be read, and where the model and ``steps`` came from instead."""
+    cannot be read, and where the model and ``steps`` came from instead; ``tokenizer``: what its
+    losses are per token of (:func:`tokenizer_description`)."""
 
     path: str
     residual: str | None
@@ -54,6 +55,7 @@ class RunStatus:
     state: str
     holder: str | None = None
     config_error: str | None = None
+    tokenizer: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,7 +128,17 @@ def run_status(path: str | Path) -> RunStatus:
                      step=step, steps=steps, train_loss=train[-1].get("loss") if train else None,
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
-                     state=state, holder=holder, config_error=config_error)
+                     state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config))
+
+
+def tokenizer_description(config: dict[str, Any]) -> str | None:
+    """The tokenizer a run's losses are per token of, from its config (``config.json``'s): its
+    vocabulary (the model's, set from the tokenizer, a checkpoint's on resume) and the
+    ``data.tokenizer`` asked for, e.g. ``"256 tokens (byte)"``; ``None`` where it does not say."""
+    model, data = config.get("model"), config.get("data")
+    vocab = model.get("vocab_size") if isinstance(model, dict) else None
+    asked = data.get("tokenizer") if isinstance(data, dict) else None
+    return f"{vocab} tokens ({asked})" if isinstance(vocab, int) and isinstance(asked, str) else None
 
 
 def _run_config(path: Path, newest: Path | None) -> tuple[dict[str, Any], str | None]:
