@@ -236,6 +236,33 @@ def test_a_grid_resumed_on_changed_data_says_what_a_grid_can_do(corpus, tmp_path
     assert "allow_data_change" not in message
 
 
+def test_a_damaged_result_json_is_named_and_made_again(corpus, tmp_path, monkeypatch):
+    """A result.json cut short (written in place: a grid killed mid-write) stopped every later
+    command of the grid with the JSON parser's words alone ("Unterminated string starting at:
+    line 4 column 2"), naming no file. It is named with the fix, deleting it, after which the
+    grid's command makes the same record again from the final checkpoint; and it is written
+    atomically now."""
+    from attnres.experiments.job import runner
+
+    over = ["--overhead-repeats", "0", f"data.paths=[{corpus}]"]
+    command = ["compare", "--preset", "tiny", "--out", str(tmp_path), "--variants", "standard", *over]
+    assert cli_main(command) == 0
+    result = tmp_path / "standard" / "seed0" / "result.json"
+    text = result.read_text()
+    result.write_text(text[: len(text) // 2])
+    for again in (command, ["compare", "--out", str(tmp_path), "--report-only"]):
+        with pytest.raises(SystemExit, match=rf"^attnres compare: error: '{result}' cannot be read \(JSONDecodeError: "
+                           r".*\); delete it, and the grid's command makes it again from the run's final checkpoint "
+                           r"\(training nothing\)$"):
+            cli_main(again)
+    result.unlink()
+    assert cli_main(command) == 0 and json.loads(result.read_text()) == json.loads(text)
+    written, atomically = [], runner.write_text_atomically
+    monkeypatch.setattr(runner, "write_text_atomically", lambda path, *args: written.append(path) or atomically(path, *args))
+    result.unlink()
+    assert cli_main(command) == 0 and written == [result]
+
+
 def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, tmp_path, monkeypatch):
     """An hours-long grid said only `[3/12] mhc seed 0: val loss ...`; now each run's time and
     the remaining runs' at the pace so far (seconds per step), finished runs not counted."""

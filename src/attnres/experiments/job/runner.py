@@ -25,7 +25,7 @@ from ...checkpoint.locate import training_output
 from ...data import load_corpus, prepare_data
 from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
-from ...output_paths import strict_json
+from ...output_paths import strict_json, write_text_atomically
 from ...progress import clock
 from ...termination import Terminated
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
@@ -180,8 +180,25 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
         "step_time_s": median_step_time(out / "metrics.jsonl", config.tokens_per_step),
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
     }
-    (out / RESULT_FILE).write_text(strict_json(record, indent=1))
+    # (atomically: a grid killed mid-write left a truncated result.json, which stopped every later command)
+    write_text_atomically(out / RESULT_FILE, strict_json(record, indent=1), "the run's record")
     return record
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """The record a finished run wrote to ``path`` (its ``result.json``); ``ValueError`` naming
+    the file and the fix when it cannot be read (truncated, edited): the error of the JSON
+    parser alone, "Unterminated string starting at: line 4 column 2", named no file."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        cause = f"{type(e).__name__}: {e}"
+    else:
+        if isinstance(record, dict) and isinstance(record.get("variant"), str) and isinstance(record.get("seed"), int):
+            return record
+        cause = "not a run's record: an object with its variant and seed"
+    raise ValueError(f"{str(path)!r} cannot be read ({cause}); delete it, and the grid's command makes it again from "
+                     "the run's final checkpoint (training nothing)")
 
 
 def check_not_foreign(out: Path) -> None:
@@ -286,7 +303,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         done = Path(config.out_dir) / RESULT_FILE
         if done.exists():
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: finished earlier, skipped")
-            records.append(json.loads(done.read_text()))
+            records.append(read_result(done))
             continue
         done_steps = _trained_steps(config)
         if done_steps:
@@ -339,7 +356,7 @@ class _Pace:
 def load_records(out: str | Path, experiment: Experiment | None = None) -> list[dict[str, Any]]:
     """Every finished run's record under ``out`` (all seeds run so far), in the grid order of
     ``experiment`` when given (its variants only), else by directory name."""
-    records = [json.loads(p.read_text()) for p in sorted(Path(out).glob(f"*/seed*/{RESULT_FILE}"))]
+    records = [read_result(p) for p in sorted(Path(out).glob(f"*/seed*/{RESULT_FILE}"))]
     if experiment is None:
         return records
     order = {v.name: i for i, v in enumerate(experiment.variants)}
