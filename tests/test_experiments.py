@@ -263,6 +263,31 @@ def test_a_damaged_result_json_is_named_and_made_again(corpus, tmp_path, monkeyp
     assert cli_main(command) == 0 and written == [result]
 
 
+def test_a_damaged_grid_header_says_how_to_put_it_back(corpus, tmp_path, monkeypatch):
+    """experiment.json cut short (written in place) said only to pick another --out; deleted,
+    the folder was refused for its report.md, which no grid wrote: the grid's finished runs were
+    out of reach. The command that trained the grid says what header to put back, and the
+    header is written atomically now."""
+    from attnres.experiments.job import runner
+
+    command = ["compare", "--preset", "tiny", "--out", str(tmp_path), "--variants", "standard", "--overhead-repeats",
+               "0", f"data.paths=[{corpus}]"]
+    written, atomically = [], runner.write_text_atomically
+    monkeypatch.setattr(runner, "write_text_atomically", lambda path, *args: written.append(path) or atomically(path, *args))
+    assert cli_main(command) == 0 and tmp_path / "experiment.json" in written
+    header = (tmp_path / "experiment.json").read_text()
+    (tmp_path / "experiment.json").write_text(header[:10])
+    with pytest.raises(SystemExit) as refused:
+        cli_main(command)
+    said = str(refused.value)
+    assert said.startswith(f"attnres compare: error: '{tmp_path / 'experiment.json'}' is not an experiment header (a "
+                           "JSON mapping); if this command trained the grid, put its header back: ")
+    put_back = said.split("put its header back: ", 1)[1].removesuffix("; else pick another --out")
+    assert json.loads(put_back) == json.loads(header)
+    (tmp_path / "experiment.json").write_text(put_back)
+    assert cli_main(command) == 0  # the grid again: its run finished earlier, skipped
+
+
 def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, tmp_path, monkeypatch):
     """An hours-long grid said only `[3/12] mhc seed 0: val loss ...`; now each run's time and
     the remaining runs' at the pace so far (seconds per step), finished runs not counted."""

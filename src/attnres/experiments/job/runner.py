@@ -223,9 +223,11 @@ def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
     not mix. ``--report-only`` passes the overrides only where the command gives some."""
     out = Path(out)
     saved = read_experiment_header(out)
-    if saved is None and (out / EXPERIMENT_FILE).exists():
-        raise ValueError(f"{str(out / EXPERIMENT_FILE)!r} is not an experiment header (a JSON mapping); pick another "
-                         "--out")
+    if saved is None and (out / EXPERIMENT_FILE).exists():  # (cut short, or edited: the grid's runs are still there)
+        mine = (f"; if this command trained the grid, put its header back: {json.dumps(header)}; else"
+                if "overrides" in header else ";")
+        raise ValueError(f"{str(out / EXPERIMENT_FILE)!r} is not an experiment header (a JSON mapping){mine} pick "
+                         "another --out")
     if saved is None:
         check_not_foreign(out)
         return
@@ -296,7 +298,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     check_flops_counted(configs)
     check_data_found(configs)
     out.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(header, indent=1))
+    write_text_atomically(marker, json.dumps(header, indent=1), "the grid's header")  # (cut short, the grid is lost)
     records = []
     pace = _Pace()
     for i, (variant, seed, config) in enumerate(configs, 1):
