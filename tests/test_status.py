@@ -202,3 +202,16 @@ def test_runs_of_different_tokenizers_are_said_not_to_compare(runs, tmp_path, ca
         "compare; attnres eval gives each run's bits per byte, which do")
     assert cli_main(["status", str(tmp_path / "runs" / "byte"), str(runs / "grid")]) == 0  # (one tokenizer: no line)
     assert "tokenizers" not in capsys.readouterr().out
+
+
+def test_a_finished_run_copied_without_its_checkpoints_is_finished(runs, tmp_path):
+    """Runs copied without their checkpoints (as results/ holds the committed grids) were
+    called "stopped" at step 3600 of 3600, though nothing continues them. One whose log
+    reached its last step is finished; one that did not is still stopped."""
+    run = tmp_path / "done"
+    shutil.copytree(runs / "done", run, ignore=shutil.ignore_patterns("checkpoints"))
+    status = run_status(run)
+    assert (status.step, status.steps, status.checkpoint_step, status.state) == (6, 6, None, "finished")
+    stopped = tmp_path / "stopped"
+    shutil.copytree(runs / "grid" / "block" / "seed0", stopped, ignore=shutil.ignore_patterns("checkpoints"))
+    assert (run_status(stopped).step, run_status(stopped).state) == (3, "stopped")

@@ -34,7 +34,7 @@ class RunStatus:
     (``step`` of its newest record, of ``steps``), its latest losses (``val_step``: where
     ``val_loss`` was measured), tokens/s of its last logging window, its newest checkpoint's
     step, and ``state``: ``running`` (a live process holds its lock), ``finished`` (a
-    checkpoint of its last step), ``diverged`` (its last record: a loss or gradient norm that
+    checkpoint of its last step; without checkpoints, a record of it), ``diverged`` (its last record: a loss or gradient norm that
     was not finite), ``stopped``, ``not started``, or ``unknown`` (a checkpoint, but no config
     that says the run's ``steps``); ``holder``: who holds the lock (``None`` unless running,
     or a lock left by a process of another host); ``config_error``: why its ``config.json``
@@ -175,7 +175,9 @@ def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None
             holder = None
         if isinstance(holder, dict) and not stale_here(holder):
             return "running", f"PID {holder.get('pid')} on {holder.get('host')}"
-    if steps is not None and checkpoint_step == steps:
+    # (a run copied without its checkpoints, as results/ holds them, logged its last step: it was
+    # called "stopped", and no command continues it)
+    if steps is not None and (checkpoint_step == steps or (checkpoint_step is None and step == steps)):
         return "finished", None
     if diverged:  # (its last record: the loss or the gradient norm was not finite, and it stopped unsaved)
         return "diverged", None
