@@ -260,7 +260,7 @@ def test_a_damaged_result_json_is_named_and_made_again(corpus, tmp_path, monkeyp
     written, atomically = [], runner.write_text_atomically
     monkeypatch.setattr(runner, "write_text_atomically", lambda path, *args: written.append(path) or atomically(path, *args))
     result.unlink()
-    assert cli_main(command) == 0 and written == [result]
+    assert cli_main(command) == 0 and result in written
 
 
 def test_a_damaged_grid_header_says_how_to_put_it_back(corpus, tmp_path, monkeypatch):

@@ -176,9 +176,9 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
         experiment = get_experiment(name, preset)
         # the report of another grid in `out` must not be overwritten (said first: its variants are others too)
         # (a report's overrides, given, must be the grid's: it reports the runs as they were trained; a run's
-        # are checked by run_experiment, after each is validated)
-        given = {"overrides": overrides} if report_only and overrides else {}
-        check_same_experiment(out, {"experiment": name, "preset": preset, **given})
+        # are compared by run_experiment, after each is validated)
+        given = {"overrides": overrides} if overrides or not report_only else {}
+        check_same_experiment(out, {"experiment": name, "preset": preset, **given}, check_overrides=report_only)
         _refuse_variants_added_in_python(out, name, experiment)
         if not report_only:
             apply_cpu_allocator(apply_overrides({}, overrides))

@@ -194,9 +194,9 @@ def read_result(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         cause = f"{type(e).__name__}: {e}"
     else:
-        if isinstance(record, dict) and isinstance(record.get("variant"), str) and isinstance(record.get("seed"), int):
+        if isinstance(record, dict):
             return record
-        cause = "not a run's record: an object with its variant and seed"
+        cause = f"a JSON {type(record).__name__}, not a run's record"
     raise ValueError(f"{str(path)!r} cannot be read ({cause}); delete it, and the grid's command makes it again from "
                      "the run's final checkpoint (training nothing)")
 
@@ -217,10 +217,12 @@ def check_not_foreign(out: Path) -> None:
                          "folder outside it, or that grid's folder to continue it")
 
 
-def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
+def check_same_experiment(out: str | Path, header: dict[str, Any], check_overrides: bool = True) -> None:
     """Raise ``ValueError`` when ``out`` holds an experiment whose ``experiment.json`` differs
     from ``header`` in a key ``header`` gives: results (and reports) of different grids must
-    not mix. ``--report-only`` passes the overrides only where the command gives some."""
+    not mix. ``check_overrides=False``: the overrides are compared later (after they are
+    validated), and only said where the header cannot be read. ``--report-only`` passes the
+    overrides only where the command gives some."""
     out = Path(out)
     saved = read_experiment_header(out)
     if saved is None and (out / EXPERIMENT_FILE).exists():  # (cut short, or edited: the grid's runs are still there)
@@ -236,11 +238,11 @@ def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
         raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
                          f"{ {k: saved.get(k) for k in differing} }, not { {k: header[k] for k in differing} }); "
                          "pick another --out")
-    if "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
+    if check_overrides and "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
         was, now = (" ".join(map(str, o)) if o else "none" for o in (saved.get("overrides"), header["overrides"]))
         raise ValueError(f"{str(out)!r} holds the {saved.get('experiment')!r} grid trained with the overrides {was}; "
-                         f"this command gives {now}: to continue it give its overrides again (in any order; --report-only "
-                         "takes them or none), or pick another --out")
+                         f"this command gives {now}: to continue it give its overrides again (in any order), or "
+                         "pick another --out")
 
 
 def _same_overrides(saved: Any, given: list[str]) -> bool:
