@@ -288,6 +288,28 @@ def test_a_damaged_grid_header_says_how_to_put_it_back(corpus, tmp_path, monkeyp
     assert cli_main(command) == 0  # the grid again: its run finished earlier, skipped
 
 
+def test_a_damaged_overhead_json_is_named(corpus, tmp_path, monkeypatch):
+    """overhead.json cut short (written in place) stopped the grid's report with "Expecting ':'
+    delimiter: line 4 column 9", naming no file. It is named with the fix, and written
+    atomically now."""
+    from attnres.experiments.job import overhead
+
+    written, atomically = [], overhead.write_text_atomically
+    monkeypatch.setattr(overhead, "write_text_atomically", lambda path, *args: written.append(path) or atomically(path, *args))
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(tmp_path), "--variants", "standard",
+                     "--overhead-repeats", "1", f"data.paths=[{corpus}]"]) == 0
+    measured = tmp_path / "overhead.json"
+    assert written == [measured]
+    text = measured.read_text()
+    measured.write_text(text[:40])
+    with pytest.raises(SystemExit, match=rf"^attnres compare: error: '{measured}' cannot be read \(JSONDecodeError: .*\); "
+                       r"delete it \(the report then takes the step times the runs logged\), and the grid's command "
+                       r"without --report-only measures them again$"):
+        cli_main(["compare", "--out", str(tmp_path), "--report-only"])
+    measured.unlink()
+    assert cli_main(["compare", "--out", str(tmp_path), "--report-only"]) == 0
+
+
 def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, tmp_path, monkeypatch):
     """An hours-long grid said only `[3/12] mhc seed 0: val loss ...`; now each run's time and
     the remaining runs' at the pace so far (seconds per step), finished runs not counted."""
