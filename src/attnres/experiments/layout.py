@@ -38,16 +38,22 @@ def read_overhead(out: Path) -> dict[str, Any] | None:
     path = Path(out) / OVERHEAD_FILE
     if not path.exists():
         return None
+    return read_grid_file(path, "delete it (the report then takes the step times the runs logged), and the grid's "
+                                "command without --report-only measures them again")
+
+
+def read_grid_file(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object a grid wrote to ``path`` (a run's record, the overhead measurements);
+    ``ValueError`` naming the file, why it cannot be read (cut short, edited) and ``fix``."""
     try:
-        measured = json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         cause = f"{type(e).__name__}: {e}"
     else:
-        if isinstance(measured, dict):
-            return measured
-        cause = f"a JSON {type(measured).__name__}, not the measurements"
-    raise ValueError(f"{str(path)!r} cannot be read ({cause}); delete it (the report then takes the step times the "
-                     "runs logged), and the grid's command without --report-only measures them again")
+        if isinstance(value, dict):
+            return value
+        cause = f"a JSON {type(value).__name__}, not an object"
+    raise ValueError(f"{str(path)!r} cannot be read ({cause}); {fix}")
 
 
 def read_experiment_header(out: str | Path) -> dict[str, Any] | None:

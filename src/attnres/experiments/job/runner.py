@@ -35,7 +35,7 @@ from ...train.metrics import read_metrics
 from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
-from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
+from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, read_grid_file, run_dir
 
 
 def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,
@@ -189,16 +189,8 @@ def read_result(path: Path) -> dict[str, Any]:
     """The record a finished run wrote to ``path`` (its ``result.json``); ``ValueError`` naming
     the file and the fix when it cannot be read (truncated, edited): the error of the JSON
     parser alone, "Unterminated string starting at: line 4 column 2", named no file."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        cause = f"{type(e).__name__}: {e}"
-    else:
-        if isinstance(record, dict):
-            return record
-        cause = f"a JSON {type(record).__name__}, not a run's record"
-    raise ValueError(f"{str(path)!r} cannot be read ({cause}); delete it, and the grid's command makes it again from "
-                     "the run's final checkpoint (training nothing)")
+    return read_grid_file(path, "delete it, and the grid's command makes it again from the run's final checkpoint "
+                                "(training nothing)")
 
 
 def check_not_foreign(out: Path) -> None:
