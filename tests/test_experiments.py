@@ -310,6 +310,32 @@ def test_a_damaged_overhead_json_is_named(corpus, tmp_path, monkeypatch):
     assert cli_main(["compare", "--out", str(tmp_path), "--report-only"]) == 0
 
 
+def test_a_report_of_runs_trained_on_different_texts_says_so(corpus, tmp_path):
+    """A grid's text edited while it ran (hours, run by run): the runs after the edit trained on
+    the new text without a word, and the report compared their losses with the others'. It
+    says which runs trained on which text (their records' fingerprints, or their checkpoints'
+    for records of earlier versions), in the report and as a warning."""
+    command = ["compare", "--preset", "tiny", "--out", str(tmp_path), "--overhead-repeats", "0", f"data.paths=[{corpus}]"]
+    assert cli_main([*command, "--variants", "standard"]) == 0
+    assert "These runs were not all" not in (tmp_path / "report.md").read_text()
+    with corpus.open("a") as f:
+        f.write("\nan edited line")
+    with pytest.warns(UserWarning, match="These runs were not all trained on the same text"):
+        assert cli_main([*command, "--variants", "block"]) == 0
+    fingerprints = [json.loads((tmp_path / v / "seed0" / "result.json").read_text())["data_fingerprint"]
+                    for v in ("standard", "block")]
+    said = (f"**These runs were not all trained on the same text (its data files changed while the grid ran), so their "
+            f"losses do not compare: data fingerprints {fingerprints[0][:12]}: standard seed 0; {fingerprints[1][:12]}: "
+            "block seed 0. Retrain the runs of the text that is not wanted (delete their folders and run the grid's "
+            "command again).**")
+    assert fingerprints[0] != fingerprints[1] and said in (tmp_path / "report.md").read_text()
+    result = tmp_path / "standard" / "seed0" / "result.json"  # a record of an earlier version: its checkpoint says
+    result.write_text(json.dumps({k: v for k, v in json.loads(result.read_text()).items() if k != "data_fingerprint"}))
+    with pytest.warns(UserWarning, match="These runs were not all trained on the same text"):
+        assert cli_main(["compare", "--out", str(tmp_path), "--report-only"]) == 0
+    assert said in (tmp_path / "report.md").read_text()
+
+
 def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, tmp_path, monkeypatch):
     """An hours-long grid said only `[3/12] mhc seed 0: val loss ...`; now each run's time and
     the remaining runs' at the pace so far (seconds per step), finished runs not counted."""

@@ -150,6 +150,14 @@ def passes_drawn(checkpoint: Path | None) -> float | None:
     return sampler["samples_drawn"] / sampler["n_windows"]
 
 
+def data_fingerprint(checkpoint: Path | None) -> str | None:
+    """The fingerprint of the text a run trained on, from its final ``checkpoint`` (``None``
+    without one): the report says where a grid's runs trained on different texts."""
+    if checkpoint is None:
+        return None
+    return (json.loads((Path(checkpoint) / "state.json").read_text()).get("data") or {}).get("fingerprint")
+
+
 def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     """Train (or resume) one run and write its ``result.json``; returns that record.
 
@@ -157,7 +165,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     training split: above 1, tokens were seen twice), val_loss, params,
     residual_params, non_embedding_params (the scaling-law model size), flops_per_token (training, per token), flops (total training FLOPs),
     pflops_days, step_time_s (median seconds per step), peak_memory_bytes (CUDA only, else
-    None).
+    None), data_fingerprint (of the text it trained on).
     """
     out = Path(config.out_dir)
     if latest_checkpoint(out) is not None:
@@ -179,6 +187,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
         "flops_per_token": flops.total, "flops": flops.total * tokens, "pflops_days": to_pflops_days(flops.total * tokens),
         "step_time_s": median_step_time(out / "metrics.jsonl", config.tokens_per_step),
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+        "data_fingerprint": data_fingerprint(result.checkpoint),
     }
     # (atomically: a grid killed mid-write left a truncated result.json, which stopped every later command)
     write_text_atomically(out / RESULT_FILE, strict_json(record, indent=1), "the run's record")
