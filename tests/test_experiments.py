@@ -216,6 +216,126 @@ def test_interrupted_run_is_resumed(corpus, tmp_path):
     assert not any("training" in line for line in log) and (done / "result.json").exists()
 
 
+def test_a_grid_resumed_on_changed_data_says_what_a_grid_can_do(corpus, tmp_path):
+    """A grid resumed after its text was edited stopped with train's message, naming no run of the
+    grid and advising allow_data_change=true: an override the grid refuses (another grid's
+    overrides), and one that would have its runs trained on two texts."""
+    exp = get_experiment("compare", "tiny")
+    over = [f"data.paths=[{corpus}]"]
+    run_experiment(exp, tmp_path, [0], over, variants=["standard"], log=lambda s: None)
+    run = tmp_path / "standard" / "seed0"
+    (run / "result.json").unlink()  # as if the run had stopped after its final checkpoint
+    with corpus.open("a") as f:
+        f.write("\nan edited line")
+    with pytest.raises(ValueError) as raised:
+        run_experiment(exp, tmp_path, [0], over, variants=["standard"], log=lambda s: None)
+    message = str(raised.value)
+    assert message.startswith(f"run standard seed 0 ({run}): the training data differ from the data checkpoint ")
+    assert message.endswith("where the grid's runs are trained on the same text: put the original text back at its "
+                            "data.paths to continue the grid, or train the new text as a new grid, in another --out")
+    assert "allow_data_change" not in message
+
+
+def test_a_damaged_result_json_is_named_and_made_again(corpus, tmp_path, monkeypatch):
+    """A result.json cut short (written in place: a grid killed mid-write) stopped every later
+    command of the grid with the JSON parser's words alone ("Unterminated string starting at:
+    line 4 column 2"), naming no file. It is named with the fix, deleting it, after which the
+    grid's command makes the same record again from the final checkpoint; and it is written
+    atomically now."""
+    from attnres.experiments.job import runner
+
+    over = ["--overhead-repeats", "0", f"data.paths=[{corpus}]"]
+    command = ["compare", "--preset", "tiny", "--out", str(tmp_path), "--variants", "standard", *over]
+    assert cli_main(command) == 0
+    result = tmp_path / "standard" / "seed0" / "result.json"
+    text = result.read_text()
+    result.write_text(text[: len(text) // 2])
+    for again in (command, ["compare", "--out", str(tmp_path), "--report-only"]):
+        with pytest.raises(SystemExit, match=rf"^attnres compare: error: '{result}' cannot be read \(JSONDecodeError: "
+                           r".*\); delete it, and the grid's command makes it again from the run's final checkpoint "
+                           r"\(training nothing\)$"):
+            cli_main(again)
+    result.unlink()
+    assert cli_main(command) == 0 and json.loads(result.read_text()) == json.loads(text)
+    written, atomically = [], runner.write_text_atomically
+    monkeypatch.setattr(runner, "write_text_atomically", lambda path, *args: written.append(path) or atomically(path, *args))
+    result.unlink()
+    assert cli_main(command) == 0 and result in written
+
+
+def test_a_damaged_grid_header_says_how_to_put_it_back(corpus, tmp_path, monkeypatch):
+    """experiment.json cut short (written in place) said only to pick another --out; deleted,
+    the folder was refused for its report.md, which no grid wrote: the grid's finished runs were
+    out of reach. The command that trained the grid says what header to put back, and the
+    header is written atomically now."""
+    from attnres.experiments.job import runner
+
+    command = ["compare", "--preset", "tiny", "--out", str(tmp_path), "--variants", "standard", "--overhead-repeats",
+               "0", f"data.paths=[{corpus}]"]
+    written, atomically = [], runner.write_text_atomically
+    monkeypatch.setattr(runner, "write_text_atomically", lambda path, *args: written.append(path) or atomically(path, *args))
+    assert cli_main(command) == 0 and tmp_path / "experiment.json" in written
+    header = (tmp_path / "experiment.json").read_text()
+    (tmp_path / "experiment.json").write_text(header[:10])
+    with pytest.raises(SystemExit) as refused:
+        cli_main(command)
+    said = str(refused.value)
+    assert said.startswith(f"attnres compare: error: '{tmp_path / 'experiment.json'}' is not an experiment header (a "
+                           "JSON mapping); if this command trained the grid, put its header back: ")
+    put_back = said.split("put its header back: ", 1)[1].removesuffix("; else pick another --out")
+    assert json.loads(put_back) == json.loads(header)
+    (tmp_path / "experiment.json").write_text(put_back)
+    assert cli_main(command) == 0  # the grid again: its run finished earlier, skipped
+
+
+def test_a_damaged_overhead_json_is_named(corpus, tmp_path, monkeypatch):
+    """overhead.json cut short (written in place) stopped the grid's report with "Expecting ':'
+    delimiter: line 4 column 9", naming no file. It is named with the fix, and written
+    atomically now."""
+    from attnres.experiments.job import overhead
+
+    written, atomically = [], overhead.write_text_atomically
+    monkeypatch.setattr(overhead, "write_text_atomically", lambda path, *args: written.append(path) or atomically(path, *args))
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(tmp_path), "--variants", "standard",
+                     "--overhead-repeats", "1", f"data.paths=[{corpus}]"]) == 0
+    measured = tmp_path / "overhead.json"
+    assert written == [measured]
+    text = measured.read_text()
+    measured.write_text(text[:40])
+    with pytest.raises(SystemExit, match=rf"^attnres compare: error: '{measured}' cannot be read \(JSONDecodeError: .*\); "
+                       r"delete it \(the report then takes the step times the runs logged\), and the grid's command "
+                       r"without --report-only measures them again$"):
+        cli_main(["compare", "--out", str(tmp_path), "--report-only"])
+    measured.unlink()
+    assert cli_main(["compare", "--out", str(tmp_path), "--report-only"]) == 0
+
+
+def test_a_report_of_runs_trained_on_different_texts_says_so(corpus, tmp_path):
+    """A grid's text edited while it ran (hours, run by run): the runs after the edit trained on
+    the new text without a word, and the report compared their losses with the others'. It
+    says which runs trained on which text (their records' fingerprints, or their checkpoints'
+    for records of earlier versions), in the report and as a warning."""
+    command = ["compare", "--preset", "tiny", "--out", str(tmp_path), "--overhead-repeats", "0", f"data.paths=[{corpus}]"]
+    assert cli_main([*command, "--variants", "standard"]) == 0
+    assert "These runs were not all" not in (tmp_path / "report.md").read_text()
+    with corpus.open("a") as f:
+        f.write("\nan edited line")
+    with pytest.warns(UserWarning, match="These runs were not all trained on the same text"):
+        assert cli_main([*command, "--variants", "block"]) == 0
+    fingerprints = [json.loads((tmp_path / v / "seed0" / "result.json").read_text())["data_fingerprint"]
+                    for v in ("standard", "block")]
+    said = (f"**These runs were not all trained on the same text (its data files changed while the grid ran), so their "
+            f"losses do not compare: data fingerprints {fingerprints[0][:12]}: standard seed 0; {fingerprints[1][:12]}: "
+            "block seed 0. Retrain the runs of the text that is not wanted (delete their folders and run the grid's "
+            "command again).**")
+    assert fingerprints[0] != fingerprints[1] and said in (tmp_path / "report.md").read_text()
+    result = tmp_path / "standard" / "seed0" / "result.json"  # a record of an earlier version: its checkpoint says
+    result.write_text(json.dumps({k: v for k, v in json.loads(result.read_text()).items() if k != "data_fingerprint"}))
+    with pytest.warns(UserWarning, match="These runs were not all trained on the same text"):
+        assert cli_main(["compare", "--out", str(tmp_path), "--report-only"]) == 0
+    assert said in (tmp_path / "report.md").read_text()
+
+
 def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, tmp_path, monkeypatch):
     """An hours-long grid said only `[3/12] mhc seed 0: val loss ...`; now each run's time and
     the remaining runs' at the pace so far (seconds per step), finished runs not counted."""
@@ -599,6 +719,29 @@ def test_report_only_takes_the_preset_from_the_experiment(corpus, tmp_path):
     assert title == "# Standard vs Block vs Full AttnRes — preset tiny"
 
 
+def test_report_only_refuses_what_it_would_ignore(corpus, tmp_path, capsys):
+    """``--report-only`` with ``--seeds 0``, ``--variants block`` or ``--overhead-repeats 15``
+    reported every finished run and timed nothing, and with overrides of other runs
+    (``steps=3``) reported the grid's runs as if they were those; all without a word."""
+    out = tmp_path / "compare"
+    over = [f"data.paths=[{corpus}]", "--overhead-repeats", "0"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--seeds", "0", "1", *over]) == 0
+    before = (out / "report.md").read_text()
+    for given, named in ((["--seeds", "0"], "--seeds"), (["--variants", "block"], "--variants"),
+                         (["--overhead-repeats", "15"], "--overhead-repeats")):
+        with pytest.raises(SystemExit):
+            cli_main(["compare", "--out", str(out), "--report-only", *given])
+        assert (f"attnres compare: error: --report-only only rewrites the report, of every finished run in --out; it "
+                f"takes no {named}") in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=rf"^attnres compare: error: '{out}' holds the 'compare' grid trained with the "
+                       rf"overrides data.paths=\[{corpus}\]; this command gives steps=3: "):
+        cli_main(["compare", "--out", str(out), "--report-only", "steps=3"])
+    assert (out / "report.md").read_text() == before
+    for same in ([f"data.paths=[{corpus}]"], [], ["--overhead-repeats", "0"]):  # the grid's command, or none
+        assert cli_main(["compare", "--out", str(out), "--report-only", *same]) == 0
+    assert capsys.readouterr().out.count("attnres compare: 6 runs reported") == 3  # every variant of both seeds
+
+
 def test_reports_tolerate_a_truncated_metrics_line(corpus, tmp_path):
     out = tmp_path / "compare"
     assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard",
@@ -832,13 +975,15 @@ def test_an_interrupted_grid_says_once_how_to_resume(corpus, tmp_path, monkeypat
 
     import attnres.experiments.job.runner as runner
 
-    monkeypatch.setattr(runner, "train", lambda config: SimpleNamespace(interrupted="SIGINT"))
     out = tmp_path / "grid"
-    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
-                     f"data.paths=[{corpus}]"]) == 130
-    assert capsys.readouterr().out.splitlines()[-1] == (
-        f"attnres compare: interrupted (run {out / 'standard' / 'seed0'} stopped by SIGINT, at its checkpoint); "
-        "run the same command again to resume")
+    # (the status is a shell's of the signal, as attnres train's: SIGTERM's was 130, as for Ctrl-C)
+    for signal_name, status in (("SIGINT", 130), ("SIGTERM", 143)):
+        monkeypatch.setattr(runner, "train", lambda config: SimpleNamespace(interrupted=signal_name))
+        assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard",
+                         "--overhead-repeats", "0", f"data.paths=[{corpus}]"]) == status
+        assert capsys.readouterr().out.splitlines()[-1] == (
+            f"attnres compare: interrupted (run {out / 'standard' / 'seed0'} stopped by {signal_name}, at its "
+            "checkpoint); run the same command again to resume")
 
 
 def test_a_grid_is_not_started_inside_another_grid(tmp_path):

@@ -164,3 +164,24 @@ def test_a_fresh_run_in_a_directory_of_an_earlier_attempt_shows_only_its_own_ten
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0)]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [10]
+
+
+@pytest.mark.parametrize("line", ['{"kind": "eval", "step": "x", "val_loss": 1.0}',
+                                  '{"kind": "train", "step": 3, "loss": "high", "tokens": 96}',
+                                  '{"kind": "train", "step": 3, "loss": 1.0, "tokens_per_s": "fast"}',
+                                  '{"kind": "eval", "step": 3, "val_loss": 1.0, "tokens": "many"}',
+                                  '{"kind": 7, "step": 3}', '{"kind": "eval", "step": true, "val_loss": 1.0}'])
+def test_a_line_of_the_wrong_types_is_skipped_as_unreadable(tmp_path, line, capsys):
+    """A line edited by hand with a string where a number goes stopped attnres status and plot
+    with a traceback ('>' not supported between 'int' and 'str', Unknown format code 'f'). It is
+    skipped as an unreadable line, and the rest of the log is read."""
+    from attnres.cli import main as cli_main
+
+    _, run = write_runs(tmp_path)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(line + "\n")
+    with pytest.warns(UserWarning, match=r"skipped 1 unreadable line\(s\) \[6\]"):
+        assert same(read_metrics(run / "metrics.jsonl"), [{"kind": k, "step": s, **v} for k, s, v in RECORDS])
+    assert run_status(run).step == 4 and read_curves(run).train["step"] == [2]
+    assert cli_main(["status", str(run)]) == 0
+    assert cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png"), "--x", "tokens"]) == 0

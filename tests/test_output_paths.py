@@ -11,6 +11,7 @@ write under ``out_dir``, a full disk in the checkpoint writer). The same cases o
 from __future__ import annotations
 
 import errno
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,26 @@ def test_a_folder_of_runs_is_refused_as_out_dir(tmp_path, corpus, capsys):
             cli_main(["train", *overrides(corpus, runs, steps=1), *resume])
     assert sorted(p.name for p in runs.iterdir()) == before
     assert cli_main(["status", str(runs)]) == 0 and "baseline" in capsys.readouterr().out
+
+
+def test_a_folder_of_folders_of_runs_is_refused_as_out_dir(tmp_path, corpus, capsys):
+    """The check looked one level down only: ``out_dir=runs`` with ``runs/sweep1/<run>`` (or a
+    grid's ``runs/grid/<variant>/seed<k>``) was trained into, and ``attnres status runs`` then
+    found the new run alone. Runs are looked for at any depth, as status and plot find them."""
+    made = tmp_path / "made"
+    train(load_config(None, overrides(corpus, made, steps=1, warmup_steps=0)))
+    runs = tmp_path / "runs"
+    for nested in ("sweep1/lr3e-3", "grids/compare/block/seed0"):
+        shutil.copytree(made, runs / nested)
+    before = sorted(str(p.relative_to(runs)) for p in runs.rglob("*"))
+    for out in (runs, runs / "grids"):
+        first = next(p for p in (runs / "grids/compare/block/seed0", runs / "sweep1/lr3e-3") if out in p.parents)
+        with pytest.raises(SystemExit, match=rf"^attnres train: error: out_dir '{out}' is a folder of runs \({first}"
+                           rf"(, {runs}/sweep1/lr3e-3)?\), not a run: .*`attnres train out_dir={first} --resume`$"):
+            cli_main(["train", *overrides(corpus, out, steps=1)])
+    assert sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) == before
+    capsys.readouterr()
+    assert cli_main(["status", str(runs)]) == 0 and len(capsys.readouterr().out.splitlines()) == 3  # both runs
 
 
 def test_read_only_out_dir(tmp_path, corpus, monkeypatch):

@@ -171,3 +171,47 @@ def test_a_run_that_diverged_before_its_first_logged_step_is_called_diverged(tmp
     assert read_curves(run).diverged == 3 and read_curves(run).empty
     with pytest.raises(SystemExit, match=r"no run has logged a finite loss; no finite loss logged \(diverged\): lr-1e4 "):
         cli_main(["plot", str(run), "--out", str(tmp_path / "curves.png")])
+
+
+def test_runs_that_do_not_compare_are_said_so(tmp_path):
+    """A byte run beside a BPE run was drawn on one "nats per token" axis, and against steps a
+    run of 128 tokens a step beside one of 32, both without a word: the curves looked like a
+    comparison. The plot is drawn, with a warning naming each run's tokenizer or tokens per step."""
+    root = tmp_path / "runs"
+    for name, vocab, tokenizer, per_step in (("byte", 256, "byte", 64), ("bpe", 4096, "bpe", 64),
+                                             ("long", 4096, "bpe", 256)):
+        run = write_run(root / name, [{**train_record(2, 4.0), "tokens": 2 * per_step},
+                                      {**eval_record(2, 4.1), "tokens": 2 * per_step}])
+        (run / "config.json").write_text(json.dumps({"model": {"vocab_size": vocab}, "data": {"tokenizer": tokenizer}}))
+    out = str(tmp_path / "curves.png")
+    with pytest.warns(UserWarning) as shown:
+        assert cli_main(["plot", str(root / "byte"), str(root / "bpe"), "--out", out]) == 0
+    assert [str(w.message) for w in shown] == [
+        "the runs' losses are per token of different tokenizers (byte: 256 tokens (byte), bpe: 4096 tokens (bpe)), "
+        "which do not compare; attnres eval gives each run's bits per byte, which do"]
+    with pytest.warns(UserWarning) as shown:
+        assert cli_main(["plot", str(root / "bpe"), str(root / "long"), "--out", out]) == 0
+    assert [str(w.message) for w in shown] == [
+        "the runs train on different tokens per step (bpe: 64, long: 256): at equal steps they have seen different "
+        "amounts of data; --x tokens draws them at equal data"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at equal data: nothing to say
+        assert cli_main(["plot", str(root / "bpe"), str(root / "long"), "--out", out, "--x", "tokens"]) == 0
+
+
+def test_every_run_of_a_large_grid_is_drawn_its_own_way(runs):
+    """Past matplotlib's 10 colours the 11th run was drawn as the 1st (an ablation grid's 12
+    variants: 'mhc' and 'baseline' one blue line, one blue legend entry each). Each run now
+    differs from every other in colour, line style or marker, in both panels and legends."""
+    from attnres.experiments.curves import plot_curves
+
+    one = read_curves(runs / "lr-1")
+    fig = plot_curves({f"run-{k}": one for k in range(23)})
+    for ax in fig.axes:
+        handles, labels = ax.get_legend_handles_labels()
+        assert labels == [f"run-{k} ({v:.4f})" for k, v in [(k, one.train["loss"][-1] if ax is fig.axes[0]
+                                                                else one.val["loss"][-1]) for k in range(23)]]
+        looks = [(h.get_color(), h.get_linestyle(), h.get_marker()) for h in handles]
+        assert len(set(looks)) == 23, looks

@@ -104,7 +104,8 @@ def test_a_path_inside_a_run_finds_that_run(runs, capsys):
     folder now stand for their run, in status and plot alike."""
     run = runs / "done"
     step = sorted((run / "checkpoints").glob("step-*"))[-1]
-    for inside in (step, run / "checkpoints", step / "model.safetensors"):
+    # (its own files too: `attnres plot RUN/metrics.jsonl` said it was "a file, not a run")
+    for inside in (step, run / "checkpoints", step / "model.safetensors", run / "metrics.jsonl", run / "config.json"):
         assert find_runs(inside) == [run], inside
     assert cli_main(["status", str(step)]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith(str(run))
@@ -160,3 +161,57 @@ def test_a_diverged_run_is_called_diverged_not_stopped(tmp_path, capsys):
     assert cli_main(["status", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "diverged" in out and "continue a stopped run" not in out
+
+
+def test_a_run_whose_config_json_is_damaged_is_reported_from_its_checkpoint(runs, tmp_path, capsys):
+    """A finished run whose config.json was truncated (a full disk, an editor) was called
+    "stopped", of '?' steps, with no word of the file. Its newest checkpoint stores the
+    config: the run is "finished" again, and the damaged file is named; without that either,
+    the state is "unknown", not "stopped"."""
+    run = tmp_path / "runs" / "done"
+    shutil.copytree(runs / "done", run)
+    text = (run / "config.json").read_text()
+    (run / "config.json").write_text(text[: len(text) // 2])
+    status = run_status(run)
+    assert (status.step, status.steps, status.checkpoint_step, status.state) == (6, 6, 6, "finished")
+    assert (status.residual, status.n_layers) == ("attnres_block", 2)
+    assert status.config_error.startswith(f"{str(run / 'config.json')!r} cannot be read (JSONDecodeError: ")
+    assert status.config_error.endswith("the model and steps are those its checkpoint step-00000006 stores")
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("finished") and lines[3] == f"{run}: {status.config_error}"
+    (run / "checkpoints" / "step-00000006" / "state.json").unlink()
+    status = run_status(run)
+    assert (status.step, status.steps, status.state, status.residual) == (6, None, "unknown", None)
+    assert status.config_error.endswith("; the model and steps are unknown")
+
+
+def test_runs_of_different_tokenizers_are_said_not_to_compare(runs, tmp_path, capsys):
+    """The table set a byte run's losses beside a BPE run's (nats per byte against per word
+    piece) as if they compared. A line below it says they do not, naming the tokenizers."""
+    for name, vocab, tokenizer in (("byte", 256, "byte"), ("bpe", 4096, "bpe")):
+        run = tmp_path / "runs" / name
+        shutil.copytree(runs / "done", run)
+        config = json.loads((run / "config.json").read_text())
+        config["model"]["vocab_size"], config["data"]["tokenizer"] = vocab, tokenizer
+        (run / "config.json").write_text(json.dumps(config))
+    assert run_status(tmp_path / "runs" / "bpe").tokenizer == "4096 tokens (bpe)"
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "the losses are per token of different tokenizers (256 tokens (byte), 4096 tokens (bpe)), which do not "
+        "compare; attnres eval gives each run's bits per byte, which do")
+    assert cli_main(["status", str(tmp_path / "runs" / "byte"), str(runs / "grid")]) == 0  # (one tokenizer: no line)
+    assert "tokenizers" not in capsys.readouterr().out
+
+
+def test_a_finished_run_copied_without_its_checkpoints_is_finished(runs, tmp_path):
+    """Runs copied without their checkpoints (as results/ holds the committed grids) were
+    called "stopped" at step 3600 of 3600, though nothing continues them. One whose log
+    reached its last step is finished; one that did not is still stopped."""
+    run = tmp_path / "done"
+    shutil.copytree(runs / "done", run, ignore=shutil.ignore_patterns("checkpoints"))
+    status = run_status(run)
+    assert (status.step, status.steps, status.checkpoint_step, status.state) == (6, 6, None, "finished")
+    stopped = tmp_path / "stopped"
+    shutil.copytree(runs / "grid" / "block" / "seed0", stopped, ignore=shutil.ignore_patterns("checkpoints"))
+    assert (run_status(stopped).step, run_status(stopped).state) == (3, "stopped")

@@ -631,6 +631,52 @@ def test_run_interruptibly_returns_the_call_or_stops_at_ctrl_c(ctrl_c_raises):
         watcher.join()
 
 
+SLOW_TOKENISING = """
+import os, time
+from pathlib import Path
+import attnres.data.dataset as dataset
+
+encode = dataset._encode_to_file
+
+def slow(tok, text, path, *args, **kwargs):  # tokenising a large corpus: here, time to send SIGTERM
+    Path(os.environ["ATTNRES_TEST_MARK"]).write_text(str(path.parent))
+    time.sleep(60)
+    return encode(tok, text, path, *args, **kwargs)
+
+dataset._encode_to_file = slow
+"""
+
+
+def test_sigterm_while_tokenising_leaves_no_lock_and_no_partial_cache(tmp_path):
+    """SIGTERM (``kill``, a scheduler's time limit) while the data was tokenised ended the
+    process at once (Python's default): ``run.lock`` and the temporary cache directory stayed,
+    taken over or removed only by the next run. It now stops as Ctrl-C does: both removed,
+    one line, status 143."""
+    corpus, out, mark = write_corpus(tmp_path / "corpus.txt"), tmp_path / "run", tmp_path / "tokenising"
+    out.mkdir()  # (an existing out_dir stays: only its lock should go)
+    hook = tmp_path / "slow_tokenising.py"
+    hook.write_text(SLOW_TOKENISING)
+    proc = subprocess.Popen([sys.executable, "-m", "attnres", "--import", str(hook), "train",
+                             *overrides(corpus, out, steps=3)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "ATTNRES_TEST_MARK": str(mark)})
+    try:
+        for _ in range(1200):  # (the interpreter's and torch's start-up: seconds)
+            if mark.exists() or proc.poll() is not None:
+                break
+            threading.Event().wait(0.05)
+        assert mark.exists(), proc.communicate(timeout=60)
+        partial = Path(mark.read_text())
+        assert partial.name.startswith(".") and partial.is_dir() and (out / LOCK_FILE).is_file()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "attnres train: stopped by SIGTERM before a checkpoint was written" in err
+    assert list(out.iterdir()) == []
+    assert not partial.exists() and list(partial.parent.iterdir()) == []
+
+
 # -- 8: a long text without line breaks --------------------------------------------------
 
 @pytest.mark.parametrize("sep", [" ", ""], ids=["one-line", "no-spaces"])

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..termination import Terminated, interrupted_status
 from . import analyze, env, experiment, export, generate, plot, status, train, upcycle
 from . import eval as eval_command
 from .common import (ImportModule, Parser, end_process, missing_extra, override_split_by_the_shell, plain_warnings,
@@ -148,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     resolve_checkpoint(args)
     try:
         return command.run(args, parser)
-    except KeyboardInterrupt:  # Ctrl-C outside a training loop's own handling: one line, not a traceback
-        print(f"attnres {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C (or a SIGTERM) outside a training loop's own handling: one line
+        print(f"attnres {args.command}: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}",
+              file=sys.stderr)
+        return interrupted_status(e)
     except ImportError as e:
         message = missing_extra([args.command], e)
         if message is None:

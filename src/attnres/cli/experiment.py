@@ -7,6 +7,7 @@ import argparse
 import re
 from pathlib import Path
 
+from ..termination import interrupted_status
 from ..validation import missing_path_hint
 from .common import apply_cpu_allocator, check_output_dir, train_config_keys
 
@@ -67,8 +68,12 @@ def accepts_extra(argument: str) -> bool:
 
 
 def run(args, parser) -> int:
+    seeds_given = args.seeds is not None
+    args.seeds = args.seeds if seeds_given else ["0"]
     _split_overrides(args, parser)
     name = "compare" if args.command == "compare" else args.name
+    if args.report_only:
+        _refuse_what_report_only_ignores(args, parser, seeds_given and bool(args.seeds))
     if not args.report_only:
         check_output_dir(f"attnres {args.command}", args.out)
     preset = args.preset or _saved_preset(args.out, name) or DEFAULT_PRESET.get(name, "cpu")
@@ -81,6 +86,20 @@ def run(args, parser) -> int:
             f"report; the {name} grid has none: drop the option")
     return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
                               repeats, args.variants, prog=f"attnres {args.command}")
+
+
+def _refuse_what_report_only_ignores(args, parser, seeds_given: bool) -> None:
+    """``--report-only`` trains and times nothing and reports every finished run: given with
+    it, ``--seeds``, ``--variants`` and ``--overhead-repeats N`` were dropped without a word (a
+    report of every seed, no overhead measured, where the command asked for one seed or a
+    timing). Overrides are checked against the grid's (:func:`run_experiment_cli`)."""
+    given = [option for option, is_given in (("--seeds", seeds_given), ("--variants", args.variants is not None),
+                                             ("--overhead-repeats", bool(args.overhead_repeats))) if is_given]
+    timing = (" (to time the variants, run the grid's command again without --report-only: it trains nothing once "
+              "every run has finished)") if "--overhead-repeats" in given else ""
+    if given:
+        parser.commands[args.command].error(f"--report-only only rewrites the report, of every finished run in --out; "
+                                            f"it takes no {', '.join(given)}{timing}")
 
 
 def _split_overrides(args, parser) -> None:
@@ -106,7 +125,7 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
         parser.add_argument("--out", required=True, help="results directory")
     else:
         parser.add_argument("--out", default=default_out, help=f"results directory (default {default_out})")
-    parser.add_argument("--seeds", nargs="+", default=["0"], help="seeds of every variant (default 0)")
+    parser.add_argument("--seeds", nargs="+", default=None, help="seeds of every variant (default 0)")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from finished runs")
     parser.add_argument("--variants", nargs="+", metavar="NAME",
                         help="train only these variants of the grid (e.g. to split it over processes sharing --out); "
@@ -156,7 +175,10 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     try:
         experiment = get_experiment(name, preset)
         # the report of another grid in `out` must not be overwritten (said first: its variants are others too)
-        check_same_experiment(out, {"experiment": name, "preset": preset})
+        # (a report's overrides, given, must be the grid's: it reports the runs as they were trained; a run's
+        # are compared by run_experiment, after each is validated)
+        given = {"overrides": overrides} if overrides or not report_only else {}
+        check_same_experiment(out, {"experiment": name, "preset": preset, **given}, check_overrides=report_only)
         _refuse_variants_added_in_python(out, name, experiment)
         if not report_only:
             apply_cpu_allocator(apply_overrides({}, overrides))
@@ -169,7 +191,7 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
         raise SystemExit(f"{prog}: error: {e}") from None
     except KeyboardInterrupt as e:  # a run checkpointed on SIGINT/SIGTERM: re-running resumes it
         print(f"{prog}: interrupted ({e or 'SIGINT'}); run the same command again to resume")
-        return 130
+        return interrupted_status(e)
     reported = len(reportable(records))  # (the report names those it leaves out, and why)
     print(f"{prog}: {reported} run{'' if reported == 1 else 's'} reported"
           + (f" of {len(records)} finished" if reported < len(records) else "") + f"; report {path}")

@@ -66,6 +66,29 @@ def run(args, parser) -> int:
         what = (f"no training runs under {', '.join(args.dirs)}" if not runs else "no run has logged a loss yet"
                 if not diverged else f"no run has logged a finite loss{left_out}")
         raise SystemExit(f"attnres plot: error: {what} (a run's directory holds config.json and metrics.jsonl)")
+    _warn_incomparable(drawn, dict(zip(run_labels(runs), runs)), args.x)
     plot_curves(drawn, out, x=args.x, smooth=args.smooth, log_x=args.log_x)
     print(f"attnres plot: wrote {out} ({len(drawn)} run{'s' if len(drawn) > 1 else ''}: {', '.join(drawn)}){left_out}")
     return 0
+
+
+def _warn_incomparable(drawn: dict, paths: dict, x: str) -> None:
+    """Warn where the figure sets side by side what does not compare: losses per token of
+    different tokenizers (a byte run's and a BPE run's: nats per byte against per word piece,
+    drawn on one axis of "nats per token"), or, against steps, runs of different tokens per step."""
+    from ..experiments.curves import tokenizer_of, tokens_per_step
+    from ..user_warning import warn_user
+
+    def differing(values: dict) -> str | None:
+        known = {label: v for label, v in values.items() if v is not None}
+        return ", ".join(f"{label}: {v}" for label, v in known.items()) if len(set(known.values())) > 1 else None
+
+    tokenizers = differing({label: tokenizer_of(paths[label]) for label in drawn})
+    if tokenizers:
+        warn_user(f"the runs' losses are per token of different tokenizers ({tokenizers}), which do not "
+                  "compare; attnres eval gives each run's bits per byte, which do")
+    per_step = differing({label: (f"{n:,.0f}" if n is not None else None)
+                          for label, n in ((label, tokens_per_step(c)) for label, c in drawn.items())})
+    if x == "step" and per_step:
+        warn_user(f"the runs train on different tokens per step ({per_step}): at equal steps they have "
+                  "seen different amounts of data; --x tokens draws them at equal data")

@@ -30,6 +30,13 @@ def run(args, parser) -> int:
               "and metrics.jsonl or checkpoints/)")
         return 0
     print(render(runs))
+    for status in runs:  # (the table's model and steps for such a run: its checkpoint's, or "?")
+        if status.config_error is not None:
+            print(f"\n{status.path}: {status.config_error}")
+    tokenizers = {s.tokenizer for s in runs if s.tokenizer is not None}
+    if len(tokenizers) > 1:  # (a byte run's 1.6 beside a BPE run's 4.1: nats per byte against per word piece)
+        print(f"\nthe losses are per token of different tokenizers ({', '.join(sorted(tokenizers))}), which do not "
+              "compare; attnres eval gives each run's bits per byte, which do")
     stopped = [s.path for s in runs if s.state == "stopped" and s.checkpoint_step is not None]
     if stopped:
         print(f"\ncontinue a stopped run with {_continue_command(stopped[0])}")

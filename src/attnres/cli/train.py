@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ..termination import Terminated, interrupted_status
 from .common import (apply_cpu_allocator, attnres_command, end_process, first_on_node,
                      leave_the_message_to_the_first_on_node, rank_zero, train_config_keys)
 
@@ -140,11 +141,12 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
         _exit_after_collective_failure(_train_error(e))
     except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
         raise _train_error(e) from None
-    except KeyboardInterrupt:  # before the loop (reading or tokenising the data), or a second Ctrl-C in it
+    except KeyboardInterrupt as e:  # before the loop (reading or tokenising the data), or a second Ctrl-C in it
+        stopped = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
         if rank_zero():
-            print("attnres train: interrupted before a checkpoint was written; run the same command again (with "
+            print(f"attnres train: {stopped} before a checkpoint was written; run the same command again (with "
                   "--resume where the run already has checkpoints)", file=sys.stderr)
-        return 130
+        return interrupted_status(e)
     if result.interrupted:
         if rank_zero():
             print(f"attnres train: stopped by {result.interrupted} after step {result.step}; checkpoint "

@@ -33,6 +33,7 @@ import torch
 
 from ..output_paths import OutputPathError, os_cause
 from ..progress import progress_bar
+from ..termination import sigterm_raises
 from ..user_warning import warn_user
 from ..validation import did_you_mean
 from .cache_index import record_files, recorded_digest, remove_stale_temporaries, temporary_dir
@@ -138,7 +139,7 @@ def _open_cache(cache: Path, tok: Tokenizer | None) -> TokenData | None:
 
 def _write_cache(corpus: Corpus, cache: Path, tok: Tokenizer, progress: bool = False) -> None:
     """Tokenise both splits with ``tok`` into ``cache``, atomically (a temporary directory
-    renamed into place; removed again if anything, Ctrl-C included, interrupts it).
+    renamed into place; removed again if anything, Ctrl-C or a SIGTERM included, interrupts it).
     :class:`~attnres.output_paths.OutputPathError` (a ``ValueError``) naming the cache, the
     cause and the fix when it cannot be written (a full disk, a read-only file system)."""
     tmp = temporary_dir(cache)
@@ -249,15 +250,16 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     remove_stale_temporaries(root)
     names = functools.partial(_cache_names, tokenizer=tokenizer, vocab_size=vocab_size, given=given,
                               bpe_sample=bpe_sample)
-    found = _find_cache(corpus, root, names, given)
-    if found is not None:
-        return found
-    cache = root / names(corpus.digest)[-1]
-    made = (given if given is not None
-            else train_bpe(corpus.train_parts(), vocab_size, progress, corpus.train_length, bpe_sample)
-            if tokenizer == "bpe" else ByteTokenizer())
-    _write_cache(corpus, cache, made, progress)
-    return _open_cache(cache, given)
+    with sigterm_raises():  # (a SIGTERM, as Ctrl-C, removes the partial cache: see _write_cache)
+        found = _find_cache(corpus, root, names, given)
+        if found is not None:
+            return found
+        cache = root / names(corpus.digest)[-1]
+        made = (given if given is not None
+                else train_bpe(corpus.train_parts(), vocab_size, progress, corpus.train_length, bpe_sample)
+                if tokenizer == "bpe" else ByteTokenizer())
+        _write_cache(corpus, cache, made, progress)
+        return _open_cache(cache, given)
 
 
 def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer | None,

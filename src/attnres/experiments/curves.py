@@ -6,6 +6,7 @@ runs it trains itself.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -13,11 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..train.metrics import METRICS_FILE, read_metrics
+from ..train.status import tokenizer_description
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["Curves", "plot_curves", "read_curves", "run_labels"]
+__all__ = ["Curves", "plot_curves", "read_curves", "run_labels", "tokenizer_of", "tokens_per_step"]
 
 #: What the x axis may count: optimiser steps or training tokens.
 AXES = ("step", "tokens")
@@ -64,6 +66,25 @@ def read_curves(run: str | Path) -> Curves:
     return curves
 
 
+def tokenizer_of(run: str | Path) -> str | None:
+    """The tokenizer ``run``'s losses are per token of, as its ``config.json`` says
+    (:func:`~attnres.train.status.tokenizer_description`); ``None`` when unreadable."""
+    try:
+        config = json.loads((Path(run) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return tokenizer_description(config) if isinstance(config, dict) else None
+
+
+def tokens_per_step(curves: Curves) -> float | None:
+    """The training tokens of one step of the run ``curves`` were read from (from its logged
+    records: ``tokens`` over ``step``), ``None`` when it logged none."""
+    for points in (curves.train, curves.val):
+        if points["step"] and math.isfinite(points["tokens"][-1]):
+            return points["tokens"][-1] / points["step"][-1]
+    return None
+
+
 def run_labels(runs: list[Path]) -> list[str]:
     """Each run's path with the folders all of them share left out (``runs/lr-1e-3`` and
     ``runs/lr-3e-3``: ``lr-1e-3``, ``lr-3e-3``); one run: its folder's name."""
@@ -87,6 +108,11 @@ def _last(points: dict[str, list[float]]) -> str:
     return f" ({points['loss'][-1]:.4f})" if points["step"] else ""
 
 
+#: The line styles and markers of the runs after matplotlib's first 10 colours, 10 runs each.
+_LINE_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D")
+
+
 def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: str = "step", smooth: float = 0.6,
                 log_x: bool = False) -> Figure:
     """Two panels: each run's training loss (raw and faint, and smoothed by an exponential
@@ -102,19 +128,22 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
     fig = Figure(figsize=(11, 4))
     train_ax, val_ax = fig.subplots(1, 2)
     for k, (label, c) in enumerate(curves.items()):
-        color = f"C{k % 10}"
+        # matplotlib's 10 colours, then again with the next line style and marker: the 11th run
+        # (a grid's 12 ablations) was drawn as the 1st, one colour for two runs in both legends
+        color, style, marker = f"C{k % 10}", _LINE_STYLES[k // 10 % 4], _MARKERS[k // 10 % 4]
         if c.train["step"]:
             # a run shorter than log_every logs one training loss, its last step's: a point,
             # which a line alone does not draw either
-            point = {"marker": "o", "ms": 3} if len(c.train["step"]) == 1 else {}
-            train_ax.plot(c.train[x], c.train["loss"], color=color, alpha=0.25 if smooth else 1.0, lw=0.8, **point)
+            point = {"marker": marker, "ms": 3} if len(c.train["step"]) == 1 else {}
+            train_ax.plot(c.train[x], c.train["loss"], color=color, ls=style, alpha=0.25 if smooth else 1.0, lw=0.8,
+                          **point)
             if smooth:
-                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, lw=1.4, **point)
+                train_ax.plot(c.train[x], _ema(c.train["loss"], smooth), color=color, ls=style, lw=1.4, **point)
         if c.val["step"]:  # markers: a run of one evaluation is a point, which a line alone does not draw
-            val_ax.plot(c.val[x], c.val["loss"], color=color, marker="o", ms=3, lw=1.4)
+            val_ax.plot(c.val[x], c.val["loss"], color=color, ls=style, marker=marker, ms=3, lw=1.4)
         # one legend entry per run in both panels (a run without evaluations too), the last values said
-        train_ax.plot([], [], color=color, label=label + _last(c.train))
-        val_ax.plot([], [], color=color, label=label + _last(c.val))
+        train_ax.plot([], [], color=color, ls=style, label=label + _last(c.train))
+        val_ax.plot([], [], color=color, ls=style, marker=marker, ms=3, label=label + _last(c.val))
     xlabel = "optimiser step" if x == "step" else "training tokens"
     for ax, title in ((train_ax, "training loss" + (f" (smoothed, {smooth:g})" if smooth else "")),
                       (val_ax, "validation loss")):

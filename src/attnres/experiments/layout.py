@@ -32,9 +32,28 @@ def saved_config(out: Path, record: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def read_overhead(out: Path) -> dict[str, Any] | None:
-    """The side-by-side measurements of ``out/overhead.json`` (``None`` if not measured)."""
+    """The side-by-side measurements of ``out/overhead.json`` (``None`` if not measured);
+    ``ValueError`` naming the file and the fix when it cannot be read (cut short: the JSON
+    parser's words alone, "Expecting ':' delimiter", named no file)."""
     path = Path(out) / OVERHEAD_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    return read_grid_file(path, "delete it (the report then takes the step times the runs logged), and the grid's "
+                                "command without --report-only measures them again")
+
+
+def read_grid_file(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object a grid wrote to ``path`` (a run's record, the overhead measurements);
+    ``ValueError`` naming the file, why it cannot be read (cut short, edited) and ``fix``."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        cause = f"{type(e).__name__}: {e}"
+    else:
+        if isinstance(value, dict):
+            return value
+        cause = f"a JSON {type(value).__name__}, not an object"
+    raise ValueError(f"{str(path)!r} cannot be read ({cause}); {fix}")
 
 
 def read_experiment_header(out: str | Path) -> dict[str, Any] | None:

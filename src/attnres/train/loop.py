@@ -77,6 +77,7 @@ from ..nn.residual.imports import imports_record
 from ..output_paths import check_output_dir
 from ..progress import StepProgress
 from ..user_warning import warn_user
+from ..termination import sigterm_raises
 from ..validation import missing_path_hint
 from .config import TrainConfig, flatten
 from .cpu_memory import retains_freed_memory
@@ -162,7 +163,11 @@ def train(config: TrainConfig) -> TrainResult:
     """
     config.validate()
     ctx = process_context(config.device, config.dist_timeout_s)
-    with collective_errors(ctx):
+    # One process: a SIGTERM during the set-up (reading, tokenising) releases the lock and removes
+    # what it was writing, as Ctrl-C does; the loop's StopSignals take it over for the steps. (A rank
+    # of a launch may wait in a collective, where no Python handler runs: there the default ends it.)
+    terminating = sigterm_raises() if ctx.world_size == 1 else contextlib.nullcontext()
+    with collective_errors(ctx), terminating:
         try:
             result = Trainer(config, ctx).run()
             if ctx.world_size > 1:  # (FSDP2's hooks keep a sharded model in reference cycles:

@@ -74,10 +74,27 @@ def _restored(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+#: The fields of a record that the run tools read as numbers (``null``: not measured).
+NUMBER_FIELDS = ("loss", "val_loss", "tokens", "tokens_per_s", "lr", "grad_norm")
+
+
+def _readable(record: Any) -> bool:
+    """Whether ``record`` is one the run tools can read: an object with a string ``kind``, an
+    integer ``step`` and numbers (or ``null``) in :data:`NUMBER_FIELDS` - a line edited by hand
+    (``"step": "x"``, ``"loss": "high"``) stopped attnres status and plot with a traceback."""
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        return False
+    if not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+        return False
+    return all(record.get(name) is None or (isinstance(record[name], (int, float)) and not isinstance(record[name], bool))
+               for name in NUMBER_FIELDS)
+
+
 def read_metrics(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` file, in order. Lines that are not JSON objects -
-    typically the last line, cut short when the process was killed mid-write - are skipped,
-    with a warning naming them when ``warn``. A missing file gives no records."""
+    """The records of a ``metrics.jsonl`` file, in order. Lines that are not records the tools
+    can read (:func:`_readable`) - typically the last line, cut short when the process was
+    killed mid-write - are skipped, with a warning naming them when ``warn``. A missing file
+    gives no records."""
     path = Path(path)
     if not path.exists():
         return []
@@ -89,8 +106,8 @@ def read_metrics(path: str | Path, warn: bool = True) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
-        if isinstance(record, dict) and "kind" in record and "step" in record:
-            records.append(_restored(record))
+        if isinstance(record, dict) and _readable(record := _restored(record)):
+            records.append(record)
         else:
             bad.append(lineno)
     if bad and warn:

@@ -191,10 +191,19 @@ def check_progress(source: Source) -> None:
                               f"says tokens_seen={tokens}; the checkpoint was edited")
 
 
+class DataChanged(ValueError):
+    """The data differ from those of the checkpoint a run resumes (:func:`check_data`);
+    ``what`` is the message less its advice, for a caller whose advice is another (a grid's)."""
+
+    def __init__(self, message: str, what: str | None = None) -> None:
+        super().__init__(message)
+        self.what = what if what is not None else message
+
+
 def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
     """Compare the data's ``fingerprint`` with the one ``source`` was trained on. Returns
     whether the data changed (then ``allow_change`` was set: a warning says so); raises
-    ``ValueError`` when it changed and ``allow_change`` is not set. Checkpoints of earlier
+    :class:`DataChanged` when it changed and ``allow_change`` is not set. Checkpoints of earlier
     versions store no fingerprint: a warning says the data cannot be checked."""
     saved = (source.state.get("data") or {}).get("fingerprint")
     if saved is None:
@@ -204,11 +213,12 @@ def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
     if saved == fingerprint:
         return False
     if not allow_change:
-        raise ValueError(
-            f"the training data differ from the data checkpoint {str(source.path)!r} was trained on (fingerprint "
-            f"{fingerprint[:12]} vs {saved[:12]}): resuming would continue on other text without a word. Point "
-            "data.paths at the original data, or set allow_data_change=true to continue on the new data (tokenised "
-            "with the checkpoint's tokenizer, the data position starting over)")
+        what = (f"the training data differ from the data checkpoint {str(source.path)!r} was trained on (fingerprint "
+                f"{fingerprint[:12]} vs {saved[:12]})")
+        raise DataChanged(
+            f"{what}: resuming would continue on other text without a word. Point data.paths at the original data, or "
+            "set allow_data_change=true to continue on the new data (tokenised with the checkpoint's tokenizer, the "
+            "data position starting over)", what)
     warn_user(f"allow_data_change=true: the data differ from checkpoint {str(source.path)!r}'s (fingerprint "
               f"{fingerprint[:12]} vs {saved[:12]}); continuing on the new data with the checkpoint's tokenizer, "
               "the data position starting over")

@@ -9,13 +9,16 @@ under a folder, a grid's ``<variant>/seed<k>`` runs included.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import latest_checkpoint
+from ..checkpoint.manifest import STATE_FILE
 from .lock import LOCK_FILE, stale_here
 from .metrics import METRICS_FILE, read_metrics
 
@@ -31,9 +34,12 @@ class RunStatus:
     (``step`` of its newest record, of ``steps``), its latest losses (``val_step``: where
     ``val_loss`` was measured), tokens/s of its last logging window, its newest checkpoint's
     step, and ``state``: ``running`` (a live process holds its lock), ``finished`` (a
-    checkpoint of its last step), ``diverged`` (its last record: a loss or gradient norm that
-    was not finite), ``stopped`` or ``not started``; ``holder``: who holds
-    the lock (``None`` unless running, or a lock left by a process of another host)."""
+    checkpoint of its last step; without checkpoints, a record of it), ``diverged`` (its last record: a loss or gradient norm that
+    was not finite), ``stopped``, ``not started``, or ``unknown`` (a checkpoint, but no config
+    that says the run's ``steps``); ``holder``: who holds the lock (``None`` unless running,
+    or a lock left by a process of another host); ``config_error``: why its ``config.json``
+    cannot be read, and where the model and ``steps`` came from instead; ``tokenizer``: what its
+    losses are per token of (:func:`tokenizer_description`)."""
 
     path: str
     residual: str | None
@@ -48,6 +54,8 @@ class RunStatus:
     checkpoint_step: int | None
     state: str
     holder: str | None = None
+    config_error: str | None = None
+    tokenizer: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,15 +66,17 @@ def is_run_directory(path: Path) -> bool:
 
 
 def refuse_a_folder_of_runs(out_dir: str | Path) -> None:
-    """``ValueError`` when ``out_dir`` is no run but holds runs (``runs/``, a sweep's folder):
-    a run trained there put its files beside theirs, and ``attnres status`` and ``plot`` of the
-    folder then found that run alone (a run is not looked inside)."""
+    """``ValueError`` when ``out_dir`` is no run but holds runs at any depth, as
+    :func:`find_runs` finds them (``runs/``, a sweep's folder, ``runs/`` holding
+    ``runs/sweep1/<run>``, a grid's ``--out``): a run trained there put its files beside
+    theirs, and ``attnres status`` and ``plot`` of the folder then found that run alone (a run
+    is not looked inside). Looks no further than the first four runs it meets."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir() or is_run_directory(out_dir):
         return
-    runs = sorted(p for p in out_dir.iterdir() if p.is_dir() and p.name not in _INSIDE_A_RUN and is_run_directory(p))
+    runs = list(itertools.islice(_runs_below(out_dir), 4))
     if runs:
-        named = ", ".join(str(p) for p in runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+        named = ", ".join(str(p) for p in runs[:3]) + (" and more" if len(runs) > 3 else "")
         raise ValueError(f"out_dir {str(out_dir)!r} is a folder of runs ({named}), not a run: a run written there "
                          f"would put its files beside theirs, and attnres status and plot of the folder would then "
                          f"find it alone; give the run a folder of its own (out_dir={out_dir / 'NAME'}), or to continue "
@@ -81,33 +91,35 @@ def find_runs(root: str | Path) -> list[Path]:
     if is_run_directory(root):
         return [root]
     enclosing = next((p for p in list(root.parents)[:3] if is_run_directory(p)), None)
-    if enclosing is not None and root.relative_to(enclosing).parts[0] in _INSIDE_A_RUN:
+    # (a file of the run itself too: `attnres plot runs/x/metrics.jsonl` said it was no run)
+    if enclosing is not None and (root.relative_to(enclosing).parts[0] in _INSIDE_A_RUN or root.is_file()):
         return [enclosing]
-    found = []
+    return sorted(_runs_below(root))
+
+
+def _runs_below(root: Path) -> Iterator[Path]:
+    """The run directories under ``root`` (not a run itself), depth first in sorted order, not
+    looking inside runs, hidden folders or the folders a run writes."""
     for folder, subfolders, _ in os.walk(root):
         here = Path(folder)
         if is_run_directory(here):
-            found.append(here)
+            yield here
             subfolders.clear()
         else:
             subfolders[:] = sorted(s for s in subfolders if s not in _INSIDE_A_RUN and not s.startswith("."))
-    return sorted(found)
 
 
 def run_status(path: str | Path) -> RunStatus:
     """The :class:`RunStatus` of the run directory ``path``."""
     path = Path(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
+    newest = latest_checkpoint(path)
+    config, config_error = _run_config(path, newest)
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     residual = model.get("residual")
     kind = residual.get("kind") if isinstance(residual, dict) else residual
     records = read_metrics(path / METRICS_FILE, warn=False)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval" and r.get("val_loss") is not None]
-    newest = latest_checkpoint(path)
     checkpoint_step = int(newest.name.split("-", 1)[1]) if newest is not None else None
     step = max([r["step"] for r in records] + [checkpoint_step or 0])
     steps = config.get("steps")
@@ -116,7 +128,41 @@ def run_status(path: str | Path) -> RunStatus:
                      step=step, steps=steps, train_loss=train[-1].get("loss") if train else None,
                      val_loss=evals[-1]["val_loss"] if evals else None, val_step=evals[-1]["step"] if evals else None,
                      tokens_per_s=train[-1].get("tokens_per_s") if train else None, checkpoint_step=checkpoint_step,
-                     state=state, holder=holder)
+                     state=state, holder=holder, config_error=config_error, tokenizer=tokenizer_description(config))
+
+
+def tokenizer_description(config: dict[str, Any]) -> str | None:
+    """The tokenizer a run's losses are per token of, from its config (``config.json``'s): its
+    vocabulary (the model's, set from the tokenizer, a checkpoint's on resume) and the
+    ``data.tokenizer`` asked for, e.g. ``"256 tokens (byte)"``; ``None`` where it does not say."""
+    model, data = config.get("model"), config.get("data")
+    vocab = model.get("vocab_size") if isinstance(model, dict) else None
+    asked = data.get("tokenizer") if isinstance(data, dict) else None
+    return f"{vocab} tokens ({asked})" if isinstance(vocab, int) and isinstance(asked, str) else None
+
+
+def _run_config(path: Path, newest: Path | None) -> tuple[dict[str, Any], str | None]:
+    """The config of the run ``path``: its ``config.json``, or where that cannot be read (a
+    truncated file), the one its newest checkpoint ``newest`` stores (its ``state.json``,
+    read, not verified: status only reads); and, then, the sentence that says so (else
+    ``None``). A finished run with a damaged config.json was called "stopped", its steps
+    unknown, with no word of the file."""
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text())
+        if isinstance(config, dict):
+            return config, None
+        cause = f"a JSON {type(config).__name__}, not an object"
+    except (OSError, ValueError) as e:
+        cause = f"{type(e).__name__}: {e}"
+    said = f"{str(file)!r} cannot be read ({cause})"
+    try:
+        stored = json.loads((newest / STATE_FILE).read_text())["config"] if newest is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        stored = None
+    if isinstance(stored, dict):
+        return stored, f"{said}; the model and steps are those its checkpoint {newest.name} stores"
+    return {}, f"{said}; the model and steps are unknown"
 
 
 def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None,
@@ -129,8 +175,12 @@ def _state(path: Path, step: int, steps: int | None, checkpoint_step: int | None
             holder = None
         if isinstance(holder, dict) and not stale_here(holder):
             return "running", f"PID {holder.get('pid')} on {holder.get('host')}"
-    if steps is not None and checkpoint_step == steps:
+    # (a run copied without its checkpoints, as results/ holds them, logged its last step: it was
+    # called "stopped", and no command continues it)
+    if steps is not None and (checkpoint_step == steps or (checkpoint_step is None and step == steps)):
         return "finished", None
     if diverged:  # (its last record: the loss or the gradient norm was not finite, and it stopped unsaved)
         return "diverged", None
+    if steps is None and checkpoint_step is not None:  # (no config says how far it was to go)
+        return "unknown", None
     return ("stopped" if step > 0 else "not started"), None

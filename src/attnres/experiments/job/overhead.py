@@ -25,7 +25,7 @@ import torch
 
 from ...analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
 from ...models import AttnResLM
-from ...output_paths import strict_json
+from ...output_paths import strict_json, write_text_atomically
 from ...train.cpu_memory import retains_freed_memory
 from .presets import Experiment
 from ..layout import OVERHEAD_FILE
@@ -118,5 +118,5 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
         "variants": variants,
     }
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / OVERHEAD_FILE).write_text(strict_json(result, indent=1))
+    write_text_atomically(Path(out) / OVERHEAD_FILE, strict_json(result, indent=1), "the overhead measurements")
     return result

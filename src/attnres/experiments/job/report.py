@@ -7,6 +7,7 @@ PNG plots (matplotlib, Agg backend).
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ import numpy as np
 from ...train import latest_checkpoint
 from ...train.status import run_status
 from .compare import compare_markdown
-from ..layout import RESULT_FILE, read_overhead, saved_config
+from ...user_warning import warn_user
+from ..layout import RESULT_FILE, read_overhead, run_dir, saved_config
 from .presets import PRESETS, get_experiment
 from ..grids.scaling_report import scaling_section
 from ..stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
@@ -306,6 +308,39 @@ def reportable(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if isinstance(r.get("val_loss"), (int, float)) and math.isfinite(r["val_loss"])]
 
 
+def _data_fingerprint(out: Path, record: dict[str, Any]) -> str | None:
+    """The fingerprint of the text the run of ``record`` trained on: its record's (``data_fingerprint``),
+    else its final checkpoint's (records of earlier versions); ``None`` where neither says."""
+    if isinstance(record.get("data_fingerprint"), str):
+        return record["data_fingerprint"]
+    if not isinstance(record.get("variant"), str) or not isinstance(record.get("seed"), int):
+        return None
+    newest = latest_checkpoint(run_dir(out, record["variant"], record["seed"]))
+    try:
+        return json.loads((newest / "state.json").read_text())["data"]["fingerprint"] if newest else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _other_texts(out: Path, records: list[dict[str, Any]]) -> str:
+    """A paragraph, and a warning, where the runs were not all trained on the same text (its
+    file edited while the grid ran: the runs after it trained on the new text, without a word,
+    and the tables compared them with the others); "" where they were."""
+    texts: dict[str, list[str]] = {}
+    for r in records:
+        fingerprint = _data_fingerprint(out, r)
+        if fingerprint is not None:
+            texts.setdefault(fingerprint, []).append(f"{r.get('variant')} seed {r.get('seed')}")
+    if len(texts) < 2:
+        return ""
+    groups = "; ".join(f"{fingerprint[:12]}: {', '.join(runs)}" for fingerprint, runs in texts.items())
+    said = (f"These runs were not all trained on the same text (its data files changed while the grid ran), so "
+            f"their losses do not compare: data fingerprints {groups}. Retrain the runs of the text that is not wanted "
+            "(delete their folders and run the grid's command again)")
+    warn_user(said)
+    return f"**{said}.**\n\n"
+
+
 def _left_out(out: Path, records: list[dict[str, Any]], variants: set[str] | None) -> tuple[list[dict[str, Any]], str]:
     """The records the report can use (a final validation loss that is a number) and a
     sentence naming the runs it leaves out: those whose loss is not a number (NaN, or
@@ -346,7 +381,7 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
             "multiplier": lambda: _multiplier_md(records, out, preset)}[name]()
     steps = sorted({r["steps"] for r in records})
     head = (f"# {_TITLES[name]}{f' — preset {preset}' if preset else ''}\n\n{_setup(out, records, per_size=name in ('scaling', 'multiplier'))}"
-            f"{left_out}{_plural(len(records), 'run')}, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
+            f"{_other_texts(out, records)}{left_out}{_plural(len(records), 'run')}, steps {steps}. Validation loss: mean ± sample std over seeds (n = seeds). "
             + _measures(name, measured)
             + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")
     path = out / "report.md"

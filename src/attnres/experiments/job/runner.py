@@ -25,15 +25,17 @@ from ...checkpoint.locate import training_output
 from ...data import load_corpus, prepare_data
 from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
-from ...output_paths import strict_json
+from ...output_paths import strict_json, write_text_atomically
 from ...progress import clock
+from ...termination import Terminated
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
 from ...train.config import apply_overrides, flatten, parse_override
+from ...train.resume import DataChanged
 from ...train.metrics import read_metrics
 from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
-from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, run_dir
+from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, read_grid_file, run_dir
 
 
 def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,
@@ -148,6 +150,14 @@ def passes_drawn(checkpoint: Path | None) -> float | None:
     return sampler["samples_drawn"] / sampler["n_windows"]
 
 
+def data_fingerprint(checkpoint: Path | None) -> str | None:
+    """The fingerprint of the text a run trained on, from its final ``checkpoint`` (``None``
+    without one): the report says where a grid's runs trained on different texts."""
+    if checkpoint is None:
+        return None
+    return (json.loads((Path(checkpoint) / "state.json").read_text()).get("data") or {}).get("fingerprint")
+
+
 def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     """Train (or resume) one run and write its ``result.json``; returns that record.
 
@@ -155,7 +165,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     training split: above 1, tokens were seen twice), val_loss, params,
     residual_params, non_embedding_params (the scaling-law model size), flops_per_token (training, per token), flops (total training FLOPs),
     pflops_days, step_time_s (median seconds per step), peak_memory_bytes (CUDA only, else
-    None).
+    None), data_fingerprint (of the text it trained on).
     """
     out = Path(config.out_dir)
     if latest_checkpoint(out) is not None:
@@ -163,8 +173,9 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     result = train(config)
-    if result.interrupted:
-        raise KeyboardInterrupt(f"run {out} stopped by {result.interrupted}, at its checkpoint")  # (re-running resumes it)
+    if result.interrupted:  # (re-running resumes it; a SIGTERM's is the status 143 of the command, as train's)
+        stopped = Terminated if result.interrupted == "SIGTERM" else KeyboardInterrupt
+        raise stopped(f"run {out} stopped by {result.interrupted}, at its checkpoint")
     model = ModelConfig.from_dict(json.loads((out / "config.json").read_text())["model"])  # the tokenizer's vocab
     params, residual_params = model_counts(model)
     flops = training_flops_per_token(model, config.seq_len)
@@ -176,9 +187,19 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
         "flops_per_token": flops.total, "flops": flops.total * tokens, "pflops_days": to_pflops_days(flops.total * tokens),
         "step_time_s": median_step_time(out / "metrics.jsonl", config.tokens_per_step),
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+        "data_fingerprint": data_fingerprint(result.checkpoint),
     }
-    (out / RESULT_FILE).write_text(strict_json(record, indent=1))
+    # (atomically: a grid killed mid-write left a truncated result.json, which stopped every later command)
+    write_text_atomically(out / RESULT_FILE, strict_json(record, indent=1), "the run's record")
     return record
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """The record a finished run wrote to ``path`` (its ``result.json``); ``ValueError`` naming
+    the file and the fix when it cannot be read (truncated, edited): the error of the JSON
+    parser alone, "Unterminated string starting at: line 4 column 2", named no file."""
+    return read_grid_file(path, "delete it, and the grid's command makes it again from the run's final checkpoint "
+                                "(training nothing)")
 
 
 def check_not_foreign(out: Path) -> None:
@@ -197,15 +218,19 @@ def check_not_foreign(out: Path) -> None:
                          "folder outside it, or that grid's folder to continue it")
 
 
-def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
+def check_same_experiment(out: str | Path, header: dict[str, Any], check_overrides: bool = True) -> None:
     """Raise ``ValueError`` when ``out`` holds an experiment whose ``experiment.json`` differs
     from ``header`` in a key ``header`` gives: results (and reports) of different grids must
-    not mix. ``--report-only`` passes the experiment and preset alone (it takes no overrides)."""
+    not mix. ``check_overrides=False``: the overrides are compared later (after they are
+    validated), and only said where the header cannot be read. ``--report-only`` passes the
+    overrides only where the command gives some."""
     out = Path(out)
     saved = read_experiment_header(out)
-    if saved is None and (out / EXPERIMENT_FILE).exists():
-        raise ValueError(f"{str(out / EXPERIMENT_FILE)!r} is not an experiment header (a JSON mapping); pick another "
-                         "--out")
+    if saved is None and (out / EXPERIMENT_FILE).exists():  # (cut short, or edited: the grid's runs are still there)
+        mine = (f"; if this command trained the grid, put its header back: {json.dumps(header)}; else"
+                if "overrides" in header else ";")
+        raise ValueError(f"{str(out / EXPERIMENT_FILE)!r} is not an experiment header (a JSON mapping){mine} pick "
+                         "another --out")
     if saved is None:
         check_not_foreign(out)
         return
@@ -214,7 +239,7 @@ def check_same_experiment(out: str | Path, header: dict[str, Any]) -> None:
         raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
                          f"{ {k: saved.get(k) for k in differing} }, not { {k: header[k] for k in differing} }); "
                          "pick another --out")
-    if "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
+    if check_overrides and "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
         was, now = (" ".join(map(str, o)) if o else "none" for o in (saved.get("overrides"), header["overrides"]))
         raise ValueError(f"{str(out)!r} holds the {saved.get('experiment')!r} grid trained with the overrides {was}; "
                          f"this command gives {now}: to continue it give its overrides again (in any order), or "
@@ -276,14 +301,14 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     check_flops_counted(configs)
     check_data_found(configs)
     out.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(header, indent=1))
+    write_text_atomically(marker, json.dumps(header, indent=1), "the grid's header")  # (cut short, the grid is lost)
     records = []
     pace = _Pace()
     for i, (variant, seed, config) in enumerate(configs, 1):
         done = Path(config.out_dir) / RESULT_FILE
         if done.exists():
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: finished earlier, skipped")
-            records.append(json.loads(done.read_text()))
+            records.append(read_result(done))
             continue
         done_steps = _trained_steps(config)
         if done_steps:
@@ -296,6 +321,10 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         except (TrainingDiverged, TrainingOutOfMemory) as e:  # (the message alone named no run of the grid)
             raise type(e)(f"run {variant.name} seed {seed} ({config.out_dir}): {str(e).rstrip('.')} (the grid's "
                           "finished runs are kept: --report-only reports them)") from e
+        except DataChanged as e:  # (train's advice, allow_data_change=true, is an override the grid refuses)
+            raise ValueError(f"run {variant.name} seed {seed} ({config.out_dir}): {e.what}, where the grid's runs "
+                             "are trained on the same text: put the original text back at its data.paths to continue "
+                             "the grid, or train the new text as a new grid, in another --out") from None
         took = pace.add(config.steps - done_steps, time.perf_counter() - started)
         # the runs still to train, each from its latest checkpoint (an interrupted grid's)
         left = [c.steps - _trained_steps(c) for _, _, c in configs[i:] if not (Path(c.out_dir) / RESULT_FILE).exists()]
@@ -332,7 +361,7 @@ class _Pace:
 def load_records(out: str | Path, experiment: Experiment | None = None) -> list[dict[str, Any]]:
     """Every finished run's record under ``out`` (all seeds run so far), in the grid order of
     ``experiment`` when given (its variants only), else by directory name."""
-    records = [json.loads(p.read_text()) for p in sorted(Path(out).glob(f"*/seed*/{RESULT_FILE}"))]
+    records = [read_result(p) for p in sorted(Path(out).glob(f"*/seed*/{RESULT_FILE}"))]
     if experiment is None:
         return records
     order = {v.name: i for i, v in enumerate(experiment.variants)}
