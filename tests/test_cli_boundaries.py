@@ -828,6 +828,26 @@ def test_the_checkpoint_is_the_first_argument_or_checkpoint(run_dir, tmp_path, c
     assert "two checkpoints given" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, transformers", [("generate", True), ("eval", True), ("analyze", True),
+                                                   ("export", False)])
+def test_the_checkpoint_s_help_names_the_transformers_directories_a_command_reads(command, transformers, capsys):
+    """``attnres generate --help`` said CHECKPOINT is "a checkpoint directory (step-*) or a run
+    directory", and so did its missing-argument error, though generate, eval and analyze read an
+    export, an upcycle or a Hub id there too (export does not)."""
+    from attnres.cli import build_parser
+
+    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    helps = {a.dest: a.help for a in parser._actions if a.dest in ("checkpoint_path", "checkpoint")}
+    assert len(helps) == 2
+    assert all(("transformers directory" in h and "Hub id" in h) == transformers for h in helps.values()), helps
+    rest = {"generate": ["--prompt", "the"], "export": ["--out", "hf"]}.get(command, [])
+    with pytest.raises(SystemExit):
+        cli_main([command, *rest])
+    err = capsys.readouterr().err
+    assert "arguments are required: CHECKPOINT (a run or checkpoint directory" in err
+    assert ("a transformers directory or a Hub id" in err) == transformers, err
+
+
 def test_generate_runs_from_a_positional_checkpoint(run_dir, capsys):
     assert cli_main(["generate", str(run_dir), *GREEDY]) == 0
     assert capsys.readouterr().out.strip()

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
                          "model's (its export carries those). Several prompts are continued together in one batch "
                          "(left-padded) and printed one after the other, each under a line saying how it was given: '==> 2/3: --prompt #2 <==', '==> 1/2: "
                          "--prompt-file FILE, line 4 <==' ('--prompt-file FILE #2': a file given twice).")
-    add_checkpoint_argument(gen)
+    add_checkpoint_argument(gen, transformers=True)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
                         help="the text to continue; repeat it for several prompts, continued together")
