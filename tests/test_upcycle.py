@@ -536,6 +536,31 @@ def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path, mon
     assert not (tmp_path / "both").exists()
 
 
+def test_a_tokenizer_past_the_model_s_vocabulary_is_one_line_in_eval_and_analyze(tmp_path, capsys):
+    """A directory whose tokenizer has more tokens than its model's embedding has rows (one not
+    its own): ``attnres eval`` and ``attnres analyze`` of it ended in a traceback, an
+    ``IndexError`` from inside the family's embedding, where ``generate`` named the token id."""
+    pytest.importorskip("yaml")
+    from test_train import write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import train_bpe
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
+    wide = train_bpe(corpus.read_text(), 400)  # more tokens than the model's rows (300)
+    (tmp_path / "up" / "tokenizer.json").write_text(wide.to_json())
+    capsys.readouterr()
+    common = ["--text", str(corpus), "--seq-len", "16"]
+    refusal = r"its tokenizer gives token id \d+, outside the model's vocabulary \[0, \d+\) \(its embedding's rows\)"
+    with pytest.raises(SystemExit, match=r"^attnres eval: error: the held-out text: " + refusal):
+        cli_main(["eval", str(tmp_path / "up"), *common, "--tasks", "none", "--out", str(tmp_path / "eval.json")])
+    with pytest.raises(SystemExit, match=r"^attnres analyze: error: the text analysed with '.*up': " + refusal):
+        cli_main(["analyze", str(tmp_path / "up"), *common, "--rows", "2"])
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_analyze_says_how_many_tokens_each_model_read(tmp_path):
     """A run of the byte tokenizer compared with an upcycle of a BPE model on the same --text:
     the BPE reads fewer tokens, so fewer windows, but the report said both matrices were
