@@ -148,6 +148,20 @@ def _transformers_decode_only(args, what: str) -> None:
                          "are for attnres's own models; omit them")
 
 
+def _check_graph_decode(args) -> None:
+    """``--decode graph`` where the model will not be on CUDA: said in the options' words,
+    before the model loads (the library's check names ``decode='graph'``, after it). A
+    transformers directory takes no static decode at all, which :func:`_load` says."""
+    from ..checkpoint import is_hf_directory
+    from ..inference.loading import pick_device
+
+    if args.decode != "graph" or is_hf_directory(args.checkpoint):
+        return
+    if (device := pick_device(args.device)).type != "cuda":
+        raise ValueError(f"--decode graph captures a CUDA graph, which needs a GPU: the model would be on {device} "
+                         f"(--device {args.device}); use --decode static or compiled there, or --device cuda")
+
+
 def _load(args):
     """``(model, tokenizer, stop ids)`` of ``--checkpoint``: a training checkpoint or run
     directory (its stored tokenizer), or a transformers directory (its own tokenizer and
@@ -389,6 +403,7 @@ def run_generate(args) -> int:
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, options=True)  # (before loading)
         check_optional_count("--chunk-size", args.chunk_size, "the whole prompt at once")
+        _check_graph_decode(args)
         until = read_stops(args.stop)
         # before the model loads: a wrong path fails fast
         prompts = read_prompts(args.prompt, args.prompt_file, args.each_line)
