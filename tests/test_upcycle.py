@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -1489,6 +1490,31 @@ def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):
     assert trained.get_input_embeddings().weight.shape[0] == padded
     out = trained.generate(x[:1], max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 13)
+
+
+def test_the_start_up_summary_names_the_family_and_where_the_tokenizer_came_from(tmp_path, capsys):
+    """`attnres train model.from_hf=U init_from=U` (the README's next step after an upcycle) said
+    "residual attnres_block ...; d_model 32" as for attnres's own model, the family unnamed, and
+    that the upcycle's tokenizer was "stored in the checkpoint", which there is none of."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    up = tmp_path / "up"
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(up), "--block-size", "2"]) == 0
+    capsys.readouterr()
+    argv = [a for a in overrides(corpus, tmp_path / "run", steps=2, warmup_steps=0, **{
+        "model.from_hf": str(up), "init_from": str(up), "data.tokenizer": "bpe"}) if not a.startswith("model=")]
+    assert cli_main(["train", *argv, "stop_after=1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n  model   [\d,]+ parameters, transformers' llama architecture; residual attnres_block ", out), out
+    assert f", from {str(up)!r} (init_from)" in out and "stored in the checkpoint" not in out, out
+    assert cli_main(["train", *argv, "--resume"]) == 0  # resumed: the run's own checkpoint holds it
+    out = capsys.readouterr().out
+    assert "stored in the checkpoint" in out and "transformers' llama architecture" in out, out
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_by_its_sizes(tmp_path, capsys):
