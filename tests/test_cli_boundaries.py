@@ -782,7 +782,8 @@ def test_generate_decodes_the_same_text_over_a_static_cache(run_dir, capsys, mon
     """`attnres generate --decode static` (the static cache, eager) prints the dynamic
     cache's greedy continuation and names the decode it ran, in the stored float32 and with
     `--dtype bfloat16` (the weights cast before decoding; the cache and the stream follow
-    them); `--decode graph` on the CPU is a one-line error."""
+    them); `--decode graph` on the CPU is a one-line error in the options' words (it named
+    `decode='graph'`, the Python argument), before the model loads."""
     import torch
 
     from attnres.inference import loading
@@ -799,8 +800,15 @@ def test_generate_decodes_the_same_text_over_a_static_cache(run_dir, capsys, mon
         assert f"cpu, {dtype}, {decode} decode)" in out.err
     assert text["static"] == text["dynamic"] and text["dynamic"].strip()
     assert {p.dtype for run in seen for p in run.model.parameters()} == {getattr(torch, dtype)}
-    with pytest.raises(SystemExit, match="decode='graph' captures a CUDA graph: the model is on cpu"):
-        cli_main([*args, "--decode", "graph", "--device", "cpu"])
+    seen.clear()
+    for device in ("cpu", "auto"):  # (auto: the CPU here, as there is no GPU in the suite's runs)
+        if device == "auto" and torch.cuda.is_available():
+            continue
+        with pytest.raises(SystemExit, match=re.escape(
+                f"attnres generate: error: --decode graph captures a CUDA graph, which needs a GPU: the model would be "
+                f"on cpu (--device {device}); use --decode static or compiled there, or --device cuda")):
+            cli_main([*args, "--decode", "graph", "--device", device])
+    assert not seen  # refused before the model loads
 
 
 @pytest.mark.parametrize("command", ["generate", "export", "analyze", "eval"])
@@ -826,6 +834,26 @@ def test_the_checkpoint_is_the_first_argument_or_checkpoint(run_dir, tmp_path, c
     with pytest.raises(SystemExit):
         cli_main([command, str(run_dir), "--checkpoint", str(tmp_path), *rest])
     assert "two checkpoints given" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, transformers", [("generate", True), ("eval", True), ("analyze", True),
+                                                   ("export", False)])
+def test_the_checkpoint_s_help_names_the_transformers_directories_a_command_reads(command, transformers, capsys):
+    """``attnres generate --help`` said CHECKPOINT is "a checkpoint directory (step-*) or a run
+    directory", and so did its missing-argument error, though generate, eval and analyze read an
+    export, an upcycle or a Hub id there too (export does not)."""
+    from attnres.cli import build_parser
+
+    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    helps = {a.dest: a.help for a in parser._actions if a.dest in ("checkpoint_path", "checkpoint")}
+    assert len(helps) == 2
+    assert all(("transformers directory" in h and "Hub id" in h) == transformers for h in helps.values()), helps
+    rest = {"generate": ["--prompt", "the"], "export": ["--out", "hf"]}.get(command, [])
+    with pytest.raises(SystemExit):
+        cli_main([command, *rest])
+    err = capsys.readouterr().err
+    assert "arguments are required: CHECKPOINT (a run or checkpoint directory" in err
+    assert ("a transformers directory or a Hub id" in err) == transformers, err
 
 
 def test_generate_runs_from_a_positional_checkpoint(run_dir, capsys):

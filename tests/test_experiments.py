@@ -942,6 +942,11 @@ def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they
         check_same_experiment(out, {**saved, "overrides": []})
     with pytest.raises(ValueError, match="this command gives steps=600 lr=1e-3: "):
         check_same_experiment(out, {**saved, "overrides": ["steps=600", "lr=1e-3"]})
+    # a grid trained without any: said so (it read "trained with the overrides none")
+    (out / "experiment.json").write_text(json.dumps({**saved, "overrides": []}))
+    with pytest.raises(ValueError, match=r"holds the 'compare' grid trained without overrides; this command gives "
+                       r"steps=600: to continue it give none, or pick another --out$"):
+        check_same_experiment(out, {**saved, "overrides": ["steps=600"]})
 
 
 def test_a_misspelt_override_given_to_continue_a_grid_is_refused_by_its_name(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -583,6 +584,18 @@ def test_unknown_config_key_and_preset():
         ResidualConfig(blocksize=4)
     with pytest.warns(DeprecationWarning):  # a renamed key still migrates first
         assert ResidualConfig(kernels="torch").backend == "torch"
+
+
+def test_a_residual_field_given_at_the_model_s_top_level_is_named_with_its_section():
+    """``ModelConfig(block_size=4)`` (and ``attnres train model.block_size=4``) asked "did you
+    mean 'vocab_size'?": the block size is the residual's, ``residual.block_size``."""
+    with pytest.raises(TypeError, match=re.escape("ModelConfig: unknown field(s) ['block_size'] "
+                                                  "(did you mean 'residual.block_size'?)")):
+        ModelConfig(block_size=4)
+    with pytest.raises(ValueError, match=re.escape("(did you mean 'residual.schedule' for 'schedule'?)")):
+        ModelConfig.from_dict({"schedule": "naive"})
+    with pytest.raises(ValueError, match=re.escape("(did you mean 'residual.block_size' for 'block_size'?)")):
+        ModelConfig.preset("tiny", block_size=4)
 
 
 def test_config_round_trip_and_derived_values():

@@ -149,14 +149,16 @@ def test_the_own_model_example_runs_as_written_and_is_attnres():
 
 def test_the_docstrings_of_the_public_packages_show_an_example_that_runs():
     """``help(attnres.nn)`` and ``help(attnres.ops)`` showed one line each and no way to use
-    them; the package's own example must keep running as well."""
+    them; the package's own example must keep running as well. ``help(attnres.inference)``'s
+    example generated from an ``input_ids`` it never made, from a run that is not there."""
     import doctest
 
     import attnres
+    import attnres.inference
     import attnres.nn
     import attnres.ops
 
-    for module in (attnres, attnres.nn, attnres.ops):
+    for module in (attnres, attnres.nn, attnres.ops, attnres.inference):
         tests = doctest.DocTestFinder(recurse=False).find(module, module.__name__, globs={})
         assert tests and tests[0].examples, f"{module.__name__}'s docstring shows no example"
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)

@@ -608,6 +608,21 @@ def test_a_section_s_field_given_at_the_top_level_is_named_with_its_section(over
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("key, meant", [("val_fraction", "data.val_fraction"), ("pp", "parallel.pp"),
+                                        ("block_size", "model.residual.block_size")])
+def test_a_section_s_field_given_to_the_constructor_is_named_with_its_section(key, meant):
+    """``TrainConfig(val_fraction=0.1)`` - the README's Python way, ``train(TrainConfig(...))`` -
+    suggested 'decay_fraction', ``pp=2`` nothing, and ``block_size=4`` (here and on the command
+    line) 'batch_size', where ``load_config`` named the section's field."""
+    with pytest.raises(TypeError, match=re.escape(f"TrainConfig: unknown field(s) ['{key}'] (did you mean '{meant}'?)")):
+        TrainConfig(**{key: 1})
+    with pytest.raises(ValueError, match=re.escape(f"(did you mean '{meant}' for '{key}'?)")):
+        load_config(None, [f"{key}=1"])
+    # a misspelt top-level field still gets its nearest spelling
+    with pytest.raises(TypeError, match=re.escape("(did you mean 'steps'?)")):
+        TrainConfig(stpes=3)
+
+
 def test_the_start_up_summary_does_not_say_the_bytes_were_made_from_the_data(tmp_path, corpus_file, capsys):
     """data.tokenizer=byte: "tokenizer byte, 256 tokens, made from the data", as if trained on it
     (as README's example showed); a BPE is, and says so."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -548,6 +549,31 @@ def test_an_upcycled_directory_is_analysed_and_a_plain_one_refused(tmp_path, mon
                                          r"LlamaForCausalLM, which has no residual of attnres to analyse"):
         cli_main(["analyze", str(tmp_path / "up"), "--compare", str(src), "--out", str(tmp_path / "both"), *common])
     assert not (tmp_path / "both").exists()
+
+
+def test_a_tokenizer_past_the_model_s_vocabulary_is_one_line_in_eval_and_analyze(tmp_path, capsys):
+    """A directory whose tokenizer has more tokens than its model's embedding has rows (one not
+    its own): ``attnres eval`` and ``attnres analyze`` of it ended in a traceback, an
+    ``IndexError`` from inside the family's embedding, where ``generate`` named the token id."""
+    pytest.importorskip("yaml")
+    from test_train import write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import train_bpe
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "2"]) == 0
+    wide = train_bpe(corpus.read_text(), 400)  # more tokens than the model's rows (300)
+    (tmp_path / "up" / "tokenizer.json").write_text(wide.to_json())
+    capsys.readouterr()
+    common = ["--text", str(corpus), "--seq-len", "16"]
+    refusal = r"its tokenizer gives token id \d+, outside the model's vocabulary \[0, \d+\) \(its embedding's rows\)"
+    with pytest.raises(SystemExit, match=r"^attnres eval: error: the held-out text: " + refusal):
+        cli_main(["eval", str(tmp_path / "up"), *common, "--tasks", "none", "--out", str(tmp_path / "eval.json")])
+    with pytest.raises(SystemExit, match=r"^attnres analyze: error: the text analysed with '.*up': " + refusal):
+        cli_main(["analyze", str(tmp_path / "up"), *common, "--rows", "2"])
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_analyze_says_how_many_tokens_each_model_read(tmp_path):
@@ -1502,6 +1528,31 @@ def test_a_padded_vocabulary_upcycles_trains_and_generates(tmp_path):
     assert trained.get_input_embeddings().weight.shape[0] == padded
     out = trained.generate(x[:1], max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 13)
+
+
+def test_the_start_up_summary_names_the_family_and_where_the_tokenizer_came_from(tmp_path, capsys):
+    """`attnres train model.from_hf=U init_from=U` (the README's next step after an upcycle) said
+    "residual attnres_block ...; d_model 32" as for attnres's own model, the family unnamed, and
+    that the upcycle's tokenizer was "stored in the checkpoint", which there is none of."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    up = tmp_path / "up"
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(up), "--block-size", "2"]) == 0
+    capsys.readouterr()
+    argv = [a for a in overrides(corpus, tmp_path / "run", steps=2, warmup_steps=0, **{
+        "model.from_hf": str(up), "init_from": str(up), "data.tokenizer": "bpe"}) if not a.startswith("model=")]
+    assert cli_main(["train", *argv, "stop_after=1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n  model   [\d,]+ parameters, transformers' llama architecture; residual attnres_block ", out), out
+    assert f", from {str(up)!r} (init_from)" in out and "stored in the checkpoint" not in out, out
+    assert cli_main(["train", *argv, "--resume"]) == 0  # resumed: the run's own checkpoint holds it
+    out = capsys.readouterr().out
+    assert "stored in the checkpoint" in out and "transformers' llama architecture" in out, out
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_by_its_sizes(tmp_path, capsys):

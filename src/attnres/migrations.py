@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 from .user_warning import warn_user
-from .validation import did_you_mean
+from .validation import did_you_mean, section_keys
 
 __all__ = [
     "RESIDUAL_RENAMES",
@@ -210,19 +211,22 @@ def renamed_attribute(obj: Any, name: str, renames: dict[str, tuple[str, ...]], 
     return value
 
 
-def accept_old_keys(cls: type, migrate: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+def accept_old_keys(cls: type, migrate: Callable[[dict[str, Any]], dict[str, Any]],
+                    sections: Mapping[str, Iterable[str]] | None = None) -> None:
     """Make the constructor of the dataclass ``cls`` pass its keyword arguments through
     ``migrate`` first (one of the functions above), keeping its signature and docstring; an
-    unknown keyword raises ``TypeError`` naming the known fields (and the nearest one)."""
+    unknown keyword raises ``TypeError`` naming the known fields and the nearest one - or, for
+    a field of one of ``sections`` (as ``from_dict`` takes them), that section's field."""
     init = cls.__init__
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    meant = section_keys(sections)
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs = migrate(kwargs)
         unknown = [k for k in kwargs if k not in fields]
         if unknown:
-            raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}{did_you_mean(unknown[0], fields)}; "
-                            f"known fields: {sorted(fields)}")
+            hint = f" (did you mean {meant[unknown[0]]!r}?)" if unknown[0] in meant else did_you_mean(unknown[0], fields)
+            raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}{hint}; known fields: {sorted(fields)}")
         init(self, *args, **kwargs)
 
     __init__.__doc__ = init.__doc__

@@ -106,6 +106,17 @@ def did_you_mean_each(values: Iterable[str], allowed: Iterable[str], note: Calla
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
+def section_keys(sections: Mapping[str, Iterable[str]] | None) -> dict[str, str]:
+    """Each key of ``sections`` (section name -> its keys) -> ``section.key``, from the first
+    section that has it: what a section's field written one level up meant (``val_fraction``
+    -> ``data.val_fraction``), where the nearest spelling of the level's own keys would mislead."""
+    meant: dict[str, str] = {}
+    for name, keys in (sections or {}).items():
+        for key in keys:
+            meant.setdefault(key, f"{name}.{key}")
+    return meant
+
+
 def check_known_keys(section: str, data: Iterable[str], known: Iterable[str],
                      sections: Mapping[str, Iterable[str]] | None = None) -> None:
     """Raise ``ValueError`` for keys of ``data`` not in ``known``, naming the nearest known key
@@ -115,10 +126,7 @@ def check_known_keys(section: str, data: Iterable[str], known: Iterable[str],
     unknown = sorted(set(data) - set(known), key=str)  # (a YAML key may be a number: 1: 2)
     if not unknown:
         return
-    meant: dict[str, str] = {}
-    for name, keys in (sections or {}).items():
-        for key in keys:
-            meant.setdefault(key, f"{name}.{key}")  # (the first section that has it)
+    meant = section_keys(sections)
     # an override's dotted key written into a YAML file (model.d_model: 64), where it names no field
     dotted = [k for k in unknown if isinstance(k, str) and "." in k and k.partition(".")[0] in known]
     for key in dotted:
@@ -379,6 +387,7 @@ class Fields:
     def choice(self, name: str, value: Any, allowed: Iterable[str]) -> None:
         self.rule(name, Choice(tuple(allowed)), value)
 
-    def known_keys(self, data: dict[str, Any], known: Iterable[str]) -> None:
+    def known_keys(self, data: dict[str, Any], known: Iterable[str],
+                   sections: Mapping[str, Iterable[str]] | None = None) -> None:
         """Raise for keys of ``data`` that are not in ``known`` (:func:`check_known_keys`)."""
-        check_known_keys(self.prefix, data, known)
+        check_known_keys(self.prefix, data, known, sections)

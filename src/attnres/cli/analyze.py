@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
         "(ORG/NAME: fetched into the Hugging Face cache; the report into ./analysis-ORG--NAME) is read with its own "
         "tokenizer, on --text or the built-in corpus's validation split.",
     )
-    add_checkpoint_argument(an)
+    add_checkpoint_argument(an, transformers=True)
     an.add_argument("--compare", metavar="DIR", help="a second checkpoint, run or transformers directory (or Hub id) to "
                     "compare with")
     an.add_argument("--out", help="output directory (default: <run>/analysis/step-N for a run's step-N directory, kept when the run "

@@ -92,15 +92,21 @@ class Parser(argparse.ArgumentParser):
 
 #: What the reading commands take as their checkpoint.
 CHECKPOINT_HELP = "a checkpoint directory (step-*) or a run directory (its newest)"
+#: What generate, eval and analyze take there besides (their transformers path).
+TRANSFORMERS_HELP = "a transformers directory (an export, an upcycle) or a Hugging Face Hub id (ORG/NAME)"
 
 
-def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+def add_checkpoint_argument(parser: argparse.ArgumentParser, transformers: bool = False) -> None:
     """The checkpoint a command reads, given either way: ``attnres generate runs/x ...`` or
     ``attnres generate --checkpoint runs/x ...`` (:func:`resolve_checkpoint` makes
-    ``args.checkpoint`` of it after parsing)."""
-    parser.add_argument("checkpoint_path", nargs="?", metavar="CHECKPOINT", help=f"{CHECKPOINT_HELP} (or --checkpoint)")
-    parser.add_argument("--checkpoint", help=f"{CHECKPOINT_HELP} (or as the first argument)")
-    parser.set_defaults(checkpoint_parser=parser)
+    ``args.checkpoint`` of it after parsing). ``transformers``: the command reads a
+    transformers directory or a Hub id there too, and its help says so."""
+    what = f"{CHECKPOINT_HELP}, or {TRANSFORMERS_HELP}" if transformers else CHECKPOINT_HELP
+    parser.add_argument("checkpoint_path", nargs="?", metavar="CHECKPOINT", help=f"{what} (or --checkpoint)")
+    parser.add_argument("--checkpoint", help=f"{what} (or as the first argument)")
+    parser.set_defaults(checkpoint_parser=parser, checkpoint_takes=(
+        "a run or checkpoint directory, a transformers directory or a Hub id" if transformers
+        else "a run or checkpoint directory"))
 
 
 #: ``--dtype`` choices of the commands that run a model (``torch`` dtype names).
@@ -116,12 +122,12 @@ def resolve_checkpoint(args: argparse.Namespace) -> None:
         return
     given = [p for p in (args.checkpoint_path, args.checkpoint) if p is not None]
     if not given:
-        parser.error("the following arguments are required: CHECKPOINT (a run or checkpoint directory, or "
+        parser.error(f"the following arguments are required: CHECKPOINT ({args.checkpoint_takes}, or "
                      "--checkpoint DIR)")
     if len(set(given)) > 1:
         parser.error(f"two checkpoints given: {given[0]!r} and --checkpoint {given[1]!r}; give one")
     args.checkpoint = given[0]
-    del args.checkpoint_path, args.checkpoint_parser
+    del args.checkpoint_path, args.checkpoint_parser, args.checkpoint_takes
 
 
 #: The arguments whose empty value the command itself explains: free text (``--prompt ""``:

@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
         "on the local tasks attnres_ppl and attnres_cloze built from that text, or on any harness task names given "
         "(those need the network).",
     )
-    add_checkpoint_argument(ev)
+    add_checkpoint_argument(ev, transformers=True)
     ev.add_argument("--tasks", default="attnres_ppl,attnres_cloze",
                     help="comma-separated lm-eval tasks (default: the local 'attnres_ppl,attnres_cloze'; 'none' to skip)")
     ev.add_argument("--text", help="held-out text file (default: the run's validation split; for a transformers "

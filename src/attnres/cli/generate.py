@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
                          "model's (its export carries those). Several prompts are continued together in one batch "
                          "(left-padded) and printed one after the other, each under a line saying how it was given: '==> 2/3: --prompt #2 <==', '==> 1/2: "
                          "--prompt-file FILE, line 4 <==' ('--prompt-file FILE #2': a file given twice).")
-    add_checkpoint_argument(gen)
+    add_checkpoint_argument(gen, transformers=True)
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append",
                         help="the text to continue; repeat it for several prompts, continued together")
@@ -146,6 +146,20 @@ def _transformers_decode_only(args, what: str) -> None:
     if args.chunk_size is not None or args.decode not in ("auto", "dynamic"):
         raise ValueError(f"{what}, which decodes over its own cache: --chunk-size and --decode static/compiled/graph "
                          "are for attnres's own models; omit them")
+
+
+def _check_graph_decode(args) -> None:
+    """``--decode graph`` where the model will not be on CUDA: said in the options' words,
+    before the model loads (the library's check names ``decode='graph'``, after it). A
+    transformers directory takes no static decode at all, which :func:`_load` says."""
+    from ..checkpoint import is_hf_directory
+    from ..inference.loading import pick_device
+
+    if args.decode != "graph" or is_hf_directory(args.checkpoint):
+        return
+    if (device := pick_device(args.device)).type != "cuda":
+        raise ValueError(f"--decode graph captures a CUDA graph, which needs a GPU: the model would be on {device} "
+                         f"(--device {args.device}); use --decode static or compiled there, or --device cuda")
 
 
 def _load(args):
@@ -389,6 +403,7 @@ def run_generate(args) -> int:
             raise ValueError(f"--seed must be an integer >= 0 and <= {SEED_MAX}; got {args.seed}")
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, options=True)  # (before loading)
         check_optional_count("--chunk-size", args.chunk_size, "the whole prompt at once")
+        _check_graph_decode(args)
         until = read_stops(args.stop)
         # before the model loads: a wrong path fails fast
         prompts = read_prompts(args.prompt, args.prompt_file, args.each_line)

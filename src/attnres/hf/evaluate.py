@@ -37,7 +37,7 @@ from ..data.tokenizer import ByteTokenizer, Tokenizer, text_ids, unknown_share
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean_each
-from ..models.factory import context_limit
+from ..models.factory import check_tokenizer_ids, context_limit
 
 LOCAL_TASKS = ("attnres_ppl", "attnres_cloze")
 CLOZE_CHOICES = 4
@@ -71,6 +71,7 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
         raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, "
                          f"max_seq_len); got {seq_len}: omit it to use the whole context")
     ids = text_ids(tokenizer, text)
+    check_tokenizer_ids(model, ids, "the held-out text")
     if len(ids) < 2:
         raise ValueError(f"the held-out text has {len(ids)} token{'' if len(ids) == 1 else 's'}: at least 2 are needed "
                          "(the first is only read)")

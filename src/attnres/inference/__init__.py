@@ -1,9 +1,15 @@
 """Inference: KV caches, one-shot and chunked prefill, cached decoding (eager, compiled or
 in a CUDA graph), sampling, stop tokens and stop strings, streaming.
 
->>> from attnres.inference import generate, load_run
->>> model = load_run("runs/my-run").model            # a trained run's newest checkpoint
->>> new_tokens = generate(model, input_ids, max_new_tokens=32, temperature=0.8, top_p=0.9)
+>>> import torch
+>>> from attnres import AttnResLM, ModelConfig
+>>> from attnres.inference import generate
+>>> model = AttnResLM(ModelConfig.preset("tiny")).eval()  # a trained run's: load_run("runs/my-run").model
+>>> input_ids = torch.tensor([[5, 17, 42]])     # a text's: torch.tensor([load_tokenizer(run).encode(text)])
+>>> new_tokens = generate(model, input_ids, max_new_tokens=32, temperature=0.8, top_p=0.9,
+...                       generator=torch.Generator().manual_seed(0))
+>>> new_tokens.shape                            # [batch, new tokens]; load_tokenizer(run).decode(ids) their text
+torch.Size([1, 32])
 """
 
 from ..nn.kv_cache import KVCache, StaticKVCache

@@ -153,7 +153,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.from_dict takes a mapping of ModelConfig fields; got {data!r} (a preset by "
                              "name: ModelConfig.preset(name))")
         data = migrate_model_keys(data)
-        _CHECK.known_keys(data, _FIELDS)
+        _CHECK.known_keys(data, _FIELDS, SECTIONS)
         return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -174,8 +174,11 @@ class ModelConfig:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+#: The nested section's fields, named as such when given at the top level (``block_size=4``,
+#: whose nearest top-level spelling, ``vocab_size``, was the hint).
+SECTIONS = {"residual": [f.name for f in dataclasses.fields(ResidualConfig)]}
 _FLAT_ATTRIBUTES = {key: ("residual", *path) for key, path in FLAT_RESIDUAL_KEYS.items()}
-accept_old_keys(ModelConfig, migrate_model_keys)
+accept_old_keys(ModelConfig, migrate_model_keys, SECTIONS)
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from ..data.corpus import read_text_file
 from ..data.tokenizer import TOKENIZER_KINDS, is_tokenizer_path
 from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
-from ..models.config import PRESETS, RENAMED_PRESETS, ModelConfig
+from ..models.config import PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig
 from ..models.hf_registry import hf_hook
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
                           TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars)
@@ -319,9 +319,7 @@ class TrainConfig:
         # section's defaults, as without the line (a mapping was asked for, and refused).
         data = {k: v for k, v in data.items() if not (v is None and k in ("model", "data", "parallel"))}
         # (a section's field given at the top level, ``val_fraction=0.1``, is named as the section's)
-        check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)}, sections={
-            "data": [f.name for f in dataclasses.fields(DataConfig)], "model": sorted(_MODEL_FIELDS),
-            "parallel": [f.name for f in dataclasses.fields(ParallelConfig)]})
+        check_known_keys("TrainConfig", data, {f.name for f in dataclasses.fields(cls)}, sections=_SECTIONS)
         return cls(**data)  # (__post_init__ reads the sections)
 
 
@@ -375,10 +373,13 @@ TRAIN_RULES: dict[str, Rule] = {
 }
 
 
-accept_old_keys(TrainConfig, migrate_train_keys)
-
-
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+#: Each section's fields, named with their section when given at the top level (``from_dict``
+#: and the constructor alike): ``val_fraction`` is ``data.val_fraction``, not 'decay_fraction'.
+_SECTIONS = {"data": [f.name for f in dataclasses.fields(DataConfig)], "model": sorted(_MODEL_FIELDS),
+             "parallel": [f.name for f in dataclasses.fields(ParallelConfig)],
+             **{f"model.{name}": keys for name, keys in MODEL_SECTIONS.items()}}
+accept_old_keys(TrainConfig, migrate_train_keys, _SECTIONS)
 
 
 @dataclass(frozen=True)

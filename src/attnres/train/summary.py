@@ -96,9 +96,12 @@ def startup_summary(config: TrainConfig, facts: RunFacts) -> str:
     else:  # it printed 'steps 41-40 of 40 (0 to go)'
         limit = f"stop_after={config.stop_after}" if end < config.steps else f"steps={config.steps}"
         head = f"attnres train: {facts.start}; nothing to train: the run is at step {facts.first_step} and {limit} ends it there"
+    # (a transformers family's model said only its residual and sizes, as if it were attnres's own)
+    family = f", transformers' {model['hf_architecture']} architecture" if model.get("hf_architecture") else ""
     lines = [
         head,
-        f"  model   {facts.parameters:,} parameters; residual {config.model.describe_residual()}; d_model {model.get('d_model')}, "
+        f"  model   {facts.parameters:,} parameters{family}; residual {config.model.describe_residual()}; "
+        f"d_model {model.get('d_model')}, "
         f"{model.get('n_layers')} transformer blocks, vocabulary {model.get('vocab_size')}",
         f"  tokens  {config.tokens_per_step:,} per step (batch {config.batch_size} x seq_len {config.seq_len} x "
         f"grad_accum {config.grad_accum}); {config.optimizer}, {lr}, {config.schedule} schedule",

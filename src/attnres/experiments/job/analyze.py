@@ -114,7 +114,7 @@ def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int
     from ...hf.directory import load_directory
     from ...hf.modeling import AttnResForCausalLM
     from ...inference.loading import pick_device
-    from ...models.factory import context_limit
+    from ...models.factory import check_tokenizer_ids, context_limit
 
     device = pick_device(device)
     model, tokenizer = load_directory(path, device)
@@ -124,6 +124,7 @@ def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int
     elif not hasattr(model, "depth_mixing"):
         raise ValueError(_plain_model(path, type(model).__name__))
     ids = tokenizer.encode(load_corpus().val if text is None else text)
+    check_tokenizer_ids(model, ids, f"the text analysed with {str(path)!r}")
     return model, token_windows(ids, context_limit(model), rows, seq_len).to(device), None, not native
 
 

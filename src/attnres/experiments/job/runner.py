@@ -241,9 +241,12 @@ def check_same_experiment(out: str | Path, header: dict[str, Any], check_overrid
                          "pick another --out")
     if check_overrides and "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
         was, now = (" ".join(map(str, o)) if o else "none" for o in (saved.get("overrides"), header["overrides"]))
-        raise ValueError(f"{str(out)!r} holds the {saved.get('experiment')!r} grid trained with the overrides {was}; "
-                         f"this command gives {now}: to continue it give its overrides again (in any order), or "
-                         "pick another --out")
+        if was == "none":  # (it read "trained with the overrides none")
+            trained, again = "without overrides", "give none"
+        else:
+            trained, again = f"with the overrides {was}", "give its overrides again (in any order)"
+        raise ValueError(f"{str(out)!r} holds the {saved.get('experiment')!r} grid trained {trained}; this command "
+                         f"gives {now}: to continue it {again}, or pick another --out")
 
 
 def _same_overrides(saved: Any, given: list[str]) -> bool:
