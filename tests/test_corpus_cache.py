@@ -144,6 +144,33 @@ def test_temporary_caches_of_dead_processes_of_this_host_are_removed(tmp_path):
     assert left == {made.cache_dir.name, names["elsewhere"], names["alive"], names["earlier"]}
 
 
+def test_meta_temporaries_of_dead_processes_inside_caches_are_removed(tmp_path, monkeypatch):
+    """record_files killed between writing a cache's .meta.json.tmp-<host>-<pid> and its
+    rename left that file in the cache for ever; the next run removes it when its process is
+    gone from this host, by the rules of the temporary caches beside it."""
+    (tmp_path / "c.txt").write_text(OLD_TEXT)
+    root, host, dead = tmp_path / "cache", cache_index._host(), _dead_pid()
+    made = prepare_data(_corpus(tmp_path / "c.txt"), "byte", cache_dir=str(root)).cache_dir
+
+    def killed(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache_index.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        cache_index.record_files(made, "another files key")
+    monkeypatch.undo()
+    mine = cache_index.temporary_dir(made / "meta.json")
+    assert mine.is_file()  # (what a kill leaves; this process is alive: it stays)
+    names = {"dead": f".meta.json.tmp-{host}-{dead}", "elsewhere": f".meta.json.tmp-other-{host}-{dead}",
+             "earlier": f".meta.json.tmp-{dead}"}
+    for name in names.values():
+        (made / name).write_text("{}")
+    cache_index.remove_stale_temporaries(root)
+    left = {p.name for p in made.iterdir()}
+    assert names["dead"] not in left
+    assert {mine.name, names["elsewhere"], names["earlier"], "meta.json", "train.bin"} <= left
+
+
 def test_a_writer_names_its_temporary_cache_by_host_and_process(tmp_path, monkeypatch):
     """What a writer killed mid-way leaves is what the next run recognises as its own."""
     seen = []

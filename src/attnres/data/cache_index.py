@@ -7,8 +7,9 @@ inodes, ``val_fraction``, ``text_field``). A run whose files have a recorded key
 digest from there and reads no text when its tokenizer's cache exists.
 
 A cache is written in ``.<name>.tmp-<host>-<pid>`` and renamed into place when complete; a
-writer killed outright leaves that directory behind. :func:`remove_stale_temporaries`
-removes those of this host whose process is gone; another host's are left alone (on a shared
+writer killed outright leaves that directory behind (and :func:`record_files` its
+``.meta.json.tmp-<host>-<pid>`` inside a cache). :func:`remove_stale_temporaries` removes
+those of this host whose process is gone; another host's are left alone (on a shared
 file system its live writer would look dead from here), as are the ``.<name>.tmp-<pid>`` of
 earlier versions, which name no host.
 """
@@ -101,17 +102,36 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stale(name: str, host: str) -> bool:
+    """Whether ``name`` is a temporary that a process of this host left and that is gone."""
+    match = _TEMPORARY.fullmatch(name)
+    return bool(match) and match["host"] == host and not _alive(int(match["pid"]))
+
+
 def remove_stale_temporaries(root: Path) -> list[Path]:
-    """Remove the temporary cache directories in ``root`` that a process of this host left
-    and that process is gone (killed outright while it tokenised); returns them."""
+    """Remove the temporary cache directories in ``root``, and the temporary meta.json files
+    in its caches (:func:`record_files` killed before its rename), that a process of this
+    host left and that process is gone (killed outright); returns them."""
     try:
-        entries = [e for e in os.scandir(root) if e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+        entries = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
     except OSError:
         return []
     host, removed = _host(), []
     for entry in entries:
-        match = _TEMPORARY.fullmatch(entry.name)
-        if match and match["host"] == host and not _alive(int(match["pid"])):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(Path(entry.path))
+        if entry.name.startswith("."):
+            if _stale(entry.name, host):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+            continue
+        try:
+            inside = [e for e in os.scandir(entry.path) if e.name.startswith(".") and e.is_file(follow_symlinks=False)]
+        except OSError:
+            continue
+        for file in inside:
+            if _stale(file.name, host):
+                try:
+                    os.remove(file.path)
+                except OSError:  # (a shared read-only cache: left, as record_files leaves it)
+                    continue
+                removed.append(Path(file.path))
     return removed
