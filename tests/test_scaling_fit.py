@@ -161,6 +161,28 @@ def test_one_seed_fits_without_intervals():
     assert fit.comparisons["block"].multiplier_common[1][1].text(".2f", "×") == "1.20×"
 
 
+def test_a_report_cut_short_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    """A grid's report.md was written in place: a kill mid-write (a scheduler's time limit
+    during --report-only) left it truncated. It is written atomically: the last one stays whole."""
+    import pathlib
+
+    base = PowerLaw(4.0, 0.06)
+    records = _records({"baseline": base, "block": _shifted(base, 1.2)}, compute=COMPUTE[:3])
+    before = write_report("scaling", records, tmp_path, "tiny").read_text()
+    write_text = pathlib.Path.write_text
+
+    def killed_mid_write(path, text, *args, **kwargs):
+        if "report.md" not in path.name:
+            return write_text(path, text, *args, **kwargs)
+        write_text(path, text[:20], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pathlib.Path, "write_text", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        write_report("scaling", records[:-1], tmp_path, "tiny")
+    assert (tmp_path / "report.md").read_text() == before
+
+
 def test_report_on_a_partial_grid_marks_missing_runs(tmp_path):
     """`--report-only` while the grid runs: missing runs are named, fits wait for 3 complete sizes."""
     base = PowerLaw(4.0, 0.06)

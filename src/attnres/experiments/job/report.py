@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ...output_paths import write_text_atomically
 from ...train import latest_checkpoint
 from ...train.status import run_status
 from .compare import compare_markdown
@@ -385,5 +386,5 @@ def write_report(name: str, records: list[dict[str, Any]], out: str | Path, pres
             + _measures(name, measured)
             + "The report's numbers come from far larger models and budgets: compare orderings and gaps, not values.\n\n")
     path = out / "report.md"
-    path.write_text(head + body + "\n")
+    write_text_atomically(path, head + body + "\n", "the grid's report")  # (cut short by a kill, it would stay so)
     return path
