@@ -119,6 +119,24 @@ def test_print_config_under_torchrun_is_printed_once_per_node(capsys, monkeypatc
         assert ("steps: 7" in capsys.readouterr().out) == printed
 
 
+@pytest.mark.parametrize("asked", [["train", "--help"], ["--help"], ["--version"]])
+def test_help_under_torchrun_is_printed_once_per_node(capsys, monkeypatch, asked):
+    """`torchrun --nproc-per-node 2 -m attnres train --help` printed the help once per rank,
+    one after the other; the node's first rank prints it, the others end as quietly (status 0)."""
+    for name, value in {"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "job"}.items():
+        monkeypatch.setenv(name, value)
+    printed = {}
+    for local_rank in ("0", "1"):
+        monkeypatch.setenv("RANK", local_rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as ended:
+            cli_main(asked)
+        assert ended.value.code in (0, None)
+        printed[local_rank] = capsys.readouterr()
+    assert printed["0"].out.startswith("usage: attnres" if asked[0] != "--version" else "attnres ")
+    assert printed["1"].out == printed["1"].err == ""
+
+
 @pytest.mark.parametrize("command", [["export", "RUN", "--out", "OUT"], ["generate", "RUN", "--prompt", "a"],
                                      ["eval", "RUN", "--out", "OUT/eval.json"], ["analyze", "RUN"],
                                      ["plot", "RUN", "--out", "OUT/curves.png"],

@@ -22,7 +22,8 @@ class Parser(argparse.ArgumentParser):
     """An argument parser whose ``--help`` can end with text made only when asked for
     (``help_tail``): ``attnres train --help`` lists every config field that way.
     ``override_keys``: for a command that takes ``key=value`` overrides, the top-level keys
-    (asked for only on an error), so that ``--steps 5`` is answered with ``steps=5``."""
+    (asked for only on an error), so that ``--steps 5`` is answered with ``steps=5``.
+    Under a launch it prints once per node (:func:`first_on_node`)."""
 
     def __init__(self, *args, help_tail: Callable[[], str] | None = None,
                  override_keys: Callable[[], Iterable[str]] | None = None, **kwargs) -> None:
@@ -40,6 +41,12 @@ class Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         text = super().format_help()
         return text + "\n" + self.help_tail() + "\n" if self.help_tail is not None else text
+
+    def _print_message(self, message, file=None) -> None:
+        # argparse prints --help and --version here; every rank of a launch (torchrun ...
+        # train --help) asked alike: printed once per node, as the other messages are
+        if first_on_node():
+            super()._print_message(message, file)
 
     def error(self, message: str):
         if not first_on_node():  # every rank of a launch parses the same line: one message per node
