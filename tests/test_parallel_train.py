@@ -446,6 +446,35 @@ def test_a_resume_that_the_layout_cannot_split_is_not_told_to_change_batch_size_
         check_parallel_config(pipeline.replace(tie_embeddings=True), ParallelConfig(pp=2), 16, 4, 1, resuming=True)
 
 
+def test_a_consolidated_init_from_under_a_pipeline_is_told_how_to_start():
+    """init_from a consolidated checkpoint under parallel.pp > 1 was told to "continue it with
+    parallel.pp=1 first", a resume's way: this run has nothing to continue. It is told how to
+    start (pp=1 to a first sharded checkpoint, then --resume under the pipeline, or a sharded
+    checkpoint to start from); a resume keeps its own."""
+    from types import SimpleNamespace
+
+    from attnres.checkpoint import CheckpointError
+    from attnres.distributed.parallel import ParallelConfig
+    from attnres.train.loop import Trainer
+    from attnres.train.setup import Start
+
+    def refusal(start: Start) -> str:
+        trainer = object.__new__(Trainer)
+        trainer.config, trainer.start = SimpleNamespace(parallel=ParallelConfig(pp=2)), start
+        with pytest.raises(CheckpointError) as refused:
+            trainer._whole_model_weights()
+        return str(refused.value)
+
+    source = SimpleNamespace(path=Path("/runs/a/checkpoints/step-00000004"), state={"step": 4})
+    said = refusal(Start(init=source))
+    assert said == ("'/runs/a/checkpoints/step-00000004' is a consolidated checkpoint; pipeline-parallel runs "
+                    "(parallel.pp > 1) start from sharded (DCP) checkpoints only: start this run with parallel.pp=1 and "
+                    "stop_after=1 on the same ranks (its checkpoint is sharded), then resume it with --resume and "
+                    "parallel.pp > 1; or give init_from a sharded checkpoint")
+    assert refusal(Start(resume=source)).endswith(": continue it with parallel.pp=1 first (a run on several ranks "
+                                                   "then writes sharded checkpoints)")
+
+
 def test_layout_line_says_the_diagnostics_are_not_recorded_under_tp_or_pp():
     """Under tp or pp the per-block diagnostics (they need the whole model on a rank) are not
     recorded: the start-up's layout line says so where the run would record them (a run

@@ -339,10 +339,14 @@ class Trainer:
         else:
             return None
         if config.parallel.pp > 1:  # the config and the checkpoint are the same on every rank: so is the error
+            # (each stage builds only its own layers: the whole weights have no model to load into)
+            way = ("continue it with parallel.pp=1 first (a run on several ranks then writes sharded checkpoints)"
+                   if source is resume else
+                   "start this run with parallel.pp=1 and stop_after=1 on the same ranks (its checkpoint is sharded), "
+                   "then resume it with --resume and parallel.pp > 1; or give init_from a sharded checkpoint")
             raise on_every_rank(CheckpointError(
                 f"{str(source.path)!r} is a consolidated checkpoint; pipeline-parallel runs (parallel.pp > 1) start "
-                "from sharded (DCP) checkpoints only: continue it with parallel.pp=1 first (a run on several ranks "
-                "then writes sharded checkpoints)"))
+                f"from sharded (DCP) checkpoints only: {way}"))
         return load
 
     def _build_model(self) -> ParallelModel:
