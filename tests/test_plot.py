@@ -52,6 +52,21 @@ def test_the_curves_are_what_the_log_holds_once_per_step(runs):
     assert read_curves(runs / "fresh").empty and read_curves(runs / "nowhere").empty
 
 
+def test_unreadable_metrics_lines_are_counted_once_per_run(runs, tmp_path, recwarn):
+    """A metrics.jsonl line cut short (a kill mid-write) or of the wrong types (a hand edit)
+    was skipped without a word. One line per run says how many were skipped, in which file,
+    and which lines; the curves drawn are the same."""
+    log = runs / "lr-1" / "metrics.jsonl"
+    before = read_curves(runs / "lr-1")
+    log.write_text(log.read_text() + json.dumps({"kind": "train", "step": 9, "loss": "high"}) + '\n{"kind": "tr')
+    n = len(log.read_text().splitlines())
+    assert cli_main(["plot", str(runs), "--out", str(tmp_path / "curves.png")]) == 0
+    said = [str(w.message) for w in recwarn if "metrics.jsonl" in str(w.message)]
+    assert said == [f"{str(log)!r}: skipped 2 unreadable line(s) [{n - 1}, {n}] (a run killed mid-write leaves a "
+                    "truncated last line)"]
+    assert read_curves(runs / "lr-1") == before
+
+
 def test_runs_are_labelled_by_what_tells_them_apart(tmp_path):
     a, b = tmp_path / "sweep" / "lr-1", tmp_path / "sweep" / "lr-2"
     assert run_labels([a, b]) == ["lr-1", "lr-2"]

@@ -186,6 +186,25 @@ def test_a_run_whose_config_json_is_damaged_is_reported_from_its_checkpoint(runs
     assert status.config_error.endswith("; the model and steps are unknown")
 
 
+def test_unreadable_metrics_lines_are_counted_once_per_run(tmp_path, recwarn):
+    """A metrics.jsonl line cut short (a kill mid-write) or of the wrong types (a hand edit)
+    was skipped without a word: the table's step and losses came from the other lines. One
+    line per run says how many were skipped, in which file, and which lines; the table is
+    the same."""
+    run = tmp_path / "runs" / "cut"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {"residual": "standard"}, "steps": 10}))
+    records = [{"kind": "train", "step": 1, "loss": 5.0, "tokens_per_s": 9.0}, {"kind": "train", "step": "two"},
+               {"kind": "train", "step": 3, "loss": 4.0, "tokens_per_s": 9.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "tra')
+    assert cli_main(["status", str(tmp_path / "runs")]) == 0
+    assert [str(w.message) for w in recwarn if "metrics.jsonl" in str(w.message)] == [
+        f"{str(run / 'metrics.jsonl')!r}: skipped 2 unreadable line(s) [2, 4] (a run killed mid-write leaves a "
+        "truncated last line)"]
+    status = run_status(run)
+    assert (status.step, status.train_loss) == (3, 4.0)
+
+
 def test_runs_of_different_tokenizers_are_said_not_to_compare(runs, tmp_path, capsys):
     """The table set a byte run's losses beside a BPE run's (nats per byte against per word
     piece) as if they compared. A line below it says they do not, naming the tokenizers."""

@@ -20,7 +20,7 @@ def run(args, parser) -> int:
     from ..train.status import run_status
     from .common import runs_under
 
-    runs = [run_status(path) for path in runs_under("status", args.dirs)]
+    runs = [run_status(path, warn=True) for path in runs_under("status", args.dirs)]
     if args.json:
         for status in runs:
             print(strict_json(status.to_dict()))

@@ -45,11 +45,12 @@ class Curves:
 def read_curves(run: str | Path) -> Curves:
     """The losses ``run``'s metrics log holds. A step logged twice (a run resumed from an
     earlier checkpoint logs the steps after it again) keeps its last record; a loss that is
-    not finite (a diverged step) is left out of the curve."""
+    not finite (a diverged step) is left out of the curve. Lines that cannot be read are
+    skipped with one warning naming the file, their count and their numbers."""
     train: dict[int, tuple[float, float]] = {}
     val: dict[int, tuple[float, float]] = {}
     diverged = None
-    for record in read_metrics(Path(run) / METRICS_FILE, warn=False):
+    for record in read_metrics(Path(run) / METRICS_FILE):
         kind, loss = record["kind"], record.get("loss" if record["kind"] == "train" else "val_loss")
         if kind in ("train", "eval"):
             loss = float(loss) if isinstance(loss, (int, float)) else math.nan

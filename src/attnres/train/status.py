@@ -109,15 +109,16 @@ def _runs_below(root: Path) -> Iterator[Path]:
             subfolders[:] = sorted(s for s in subfolders if s not in _INSIDE_A_RUN and not s.startswith("."))
 
 
-def run_status(path: str | Path) -> RunStatus:
-    """The :class:`RunStatus` of the run directory ``path``."""
+def run_status(path: str | Path, warn: bool = False) -> RunStatus:
+    """The :class:`RunStatus` of the run directory ``path``; ``warn``: say how many lines of
+    its metrics.jsonl could not be read, and which (``attnres status``)."""
     path = Path(path)
     newest = latest_checkpoint(path)
     config, config_error = _run_config(path, newest)
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     residual = model.get("residual")
     kind = residual.get("kind") if isinstance(residual, dict) else residual
-    records = read_metrics(path / METRICS_FILE, warn=False)
+    records = read_metrics(path / METRICS_FILE, warn=warn)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval" and r.get("val_loss") is not None]
     checkpoint_step = int(newest.name.split("-", 1)[1]) if newest is not None else None
