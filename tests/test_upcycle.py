@@ -576,6 +576,38 @@ def test_a_tokenizer_past_the_model_s_vocabulary_is_one_line_in_eval_and_analyze
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_an_end_of_text_token_past_the_embedding_is_refused_before_eval(tmp_path, monkeypatch, capsys):
+    """A directory whose tokenizer_config.json adds an end-of-text token its tokenizer.json
+    lacks (transformers' Qwen2Tokenizer adds '<|endoftext|>'), one id past the embedding's rows:
+    the held-out text never holds it, so `attnres eval` measured the perplexity, then lm-eval,
+    which starts each document with that token, ended in an IndexError. Refused first, in one
+    line naming the id, the tokenizer's size and the embedding's rows."""
+    pytest.importorskip("yaml")
+    from test_train import write_corpus
+
+    import attnres.hf.evaluate as evaluate
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import train_bpe
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    tok = train_bpe(corpus.read_text(), 300)
+    base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(tmp_path / "up")
+    (tmp_path / "up" / "tokenizer.json").write_text(tok.to_json())
+    (tmp_path / "up" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: pytest.fail("measured before the refusal"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        cli_main(["eval", str(tmp_path / "up"), "--text", str(corpus), "--seq-len", "16", "--limit", "1",
+                  "--tasks", "attnres_ppl", "--out", str(tmp_path / "eval.json")])
+    assert done.value.code == (
+        f"attnres eval: error: {str(tmp_path / 'up')!r}: lm-eval starts each document with its tokenizer's "
+        f"end-of-text token '<|endoftext|>' (id {tok.vocab_size}), but the tokenizer has {tok.vocab_size + 1} tokens "
+        f"and the model's embedding {tok.vocab_size} rows: save a tokenizer of at most {tok.vocab_size} tokens with "
+        "the model, or give --tasks none for the perplexity alone")
+    assert "Traceback" not in capsys.readouterr().err and not (tmp_path / "eval.json").exists()
+
+
 def test_analyze_says_how_many_tokens_each_model_read(tmp_path):
     """A run of the byte tokenizer compared with an upcycle of a BPE model on the same --text:
     the BPE reads fewer tokens, so fewer windows, but the report said both matrices were

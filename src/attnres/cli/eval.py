@@ -236,7 +236,7 @@ def run_eval(args) -> int:
     from ..data.corpus import read_text_file
     from ..data.tokenizer import tokenizer_file
     from ..hf.hub import local_folder
-    from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity
+    from ..hf.evaluate import LOCAL_TASKS, check_document_start, check_tasks, local_task_data, perplexity
     from ..inference.loading import pick_device
     from ..models.factory import context_limit
     from ..output_paths import strict_json, write_text_atomically
@@ -272,6 +272,8 @@ def run_eval(args) -> int:
         directory = is_hf_directory(args.checkpoint)
         model, tokenizer, text, text_name, run = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
+        if tasks and directory:  # (an export of a run's checkpoint starts them with its own line break)
+            check_document_start(model, tokenizer.tokenizer, args.checkpoint)
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
         results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()),
