@@ -758,6 +758,11 @@ def test_the_long_prompt_hint_counts_the_new_tokens():
         check_context(200, 64, 128)
     with pytest.raises(ValueError, match=r"lower --max-new-tokens: together they may be at most 129 tokens$"):
         check_context(200, 300, 128)
+    # One token, said so (was: "the prompt (1 tokens)", "at most 1 tokens").
+    with pytest.raises(ValueError, match=r"^the prompt \(1 token\) plus --max-new-tokens 200 needs"):
+        check_context(1, 200, 128)
+    with pytest.raises(ValueError, match=r"shorten the prompt to at most 1 token$"):
+        check_context(200, 128, 128)
     with pytest.raises(ValueError, match=r"\(max_seq_len\): use --max-new-tokens 126 or less$"):  # one limit, not two
         check_context(3, 100000, 128)
 
@@ -1034,7 +1039,8 @@ def test_generate_stop_ends_the_text_before_the_stop_string(run_dir, capsys, mon
     assert cli_main(["generate", str(run_dir), *GREEDY, *[a for stop in stops for a in ("--stop", stop)]]) == 0
     out = capsys.readouterr()
     assert out.out == printed + "\n"
-    assert f"attnres generate: stopped at --stop {found} after {tokens} tokens in " in out.err, out.err
+    # (one token: "1 token", not "1 tokens")
+    assert f"attnres generate: stopped at --stop {found} after {tokens} token{'s' * (tokens != 1)} in " in out.err, out.err
 
 
 def test_generate_stop_holds_back_a_possible_stop_string_until_it_diverges(run_dir, capsys, monkeypatch):
@@ -1446,7 +1452,7 @@ def _batch_as_each_alone(run_dir, capsys, extra, each=None, sampling=_GREEDY_8) 
     lines = said.splitlines()
     assert re.search(r"^attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", said, re.M), said
     for k, (out, err) in enumerate(each, 1):
-        tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens) in", err).group(1)
+        tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens?) in", err).group(1)
         assert f"  {k}/2 (--prompt #{k}): {tokens}" in lines, (said, err)
     return batch
 
