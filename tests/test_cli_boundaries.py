@@ -378,6 +378,30 @@ def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, 
     assert "attnres eval: attnres_cloze (2-shot): acc" in said and "attnres eval: attnres_ppl: " in said
 
 
+def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_dir, tmp_path, monkeypatch, capsys):
+    """`attnres eval` printed lm-eval's keys with their filter suffix ('word_perplexity,none
+    3.4e10'); it prints the metric's name, with the filter where it is not lm-eval's default
+    'none'. The results JSON keeps the harness's keys as they are."""
+    import json
+
+    import attnres.cli.eval as eval_cli
+    from attnres.hf import evaluate
+
+    harness = {"attnres_ppl": {"alias": "attnres_ppl", "word_perplexity,none": 34.5, "word_perplexity_stderr,none": 1.5,
+                               "n-shot": 0},
+               "gsm8k": {"exact_match,strict-match": 0.25, "exact_match,flexible-extract": 0.5, "n-shot": 5}}
+    monkeypatch.setattr(evaluate, "check_tasks", lambda tasks: None)  # (gsm8k's data set: not looked for)
+    monkeypatch.setattr(eval_cli, "_lm_eval", lambda *a, **k: json.loads(json.dumps(harness)))
+    out = tmp_path / "eval.json"
+    capsys.readouterr()
+    assert cli_main(["eval", str(run_dir), "--tasks", "attnres_ppl,gsm8k", "--out", str(out), "--device", "cpu"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("attnres eval: attnres_ppl",
+                                                                                      "attnres eval: gsm8k"))]
+    assert said == ["attnres eval: attnres_ppl: word_perplexity 34.5000, word_perplexity_stderr 1.5000",
+                    "attnres eval: gsm8k (5-shot): exact_match,strict-match 0.2500, exact_match,flexible-extract 0.5000"]
+    assert json.loads(out.read_text())["lm_eval"] == harness
+
+
 def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(run_dir, tmp_path, monkeypatch,
                                                                                 capsys):
     """`attnres eval --batch-size auto` and `--limit 0.1`, as lm-eval's command line takes them,

@@ -225,6 +225,14 @@ def _harness_failed(error: OSError, tasks: list[str], out) -> str:
     return f"{said}; the perplexity results are written to {out}, without lm-eval's"
 
 
+def _metric_name(key: str) -> str:
+    """lm-eval's ``metric,filter`` key as printed: the metric, and its filter where it is not
+    lm-eval's default ``none`` (``acc,none`` is ``acc``; ``exact_match,flexible-extract``
+    stays). The results JSON keeps the harness's keys."""
+    metric, _, applied = key.partition(",")
+    return metric if applied in ("", "none") else key
+
+
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
@@ -300,7 +308,7 @@ def run_eval(args) -> int:
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None
     for task, metrics in results["lm_eval"].items():
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+        shown = ", ".join(f"{_metric_name(k)} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
         shots = f" ({metrics['n-shot']}-shot)" if metrics.get("n-shot") else ""
         print(f"attnres eval: {task}{shots}: {shown}")
     print(f"attnres eval: results written to {out}")
