@@ -457,7 +457,7 @@ def test_an_option_value_init_refuses_is_named_as_the_option():
     inside the user's ``__init__``."""
     with pytest.raises(ValueError, match=r"ModelConfig.residual.options \{'init': 'abc'\}: ScaledResidual.__init__ of "
                        r"residual 'scaled_test' refused them \(TypeError: .*fill_value.*\); set values it takes, e.g. "
-                       r"model.residual.options.init=VALUE"):
+                       r"model.residual.options.init=VALUE \(attnres train\), --residual-option init=VALUE \(attnres upcycle\)$"):
         AttnResLM(ModelConfig.preset("tiny", residual={"kind": "scaled_test", "options": {"init": "abc"}}))
 
 

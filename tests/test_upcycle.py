@@ -855,6 +855,25 @@ def test_upcycle_gives_a_residual_of_the_user_s_own_its_options(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "up").residual.gamma == 0.25
 
 
+def test_an_option_value_the_residual_refuses_is_told_in_upcycle_s_spelling(tmp_path):
+    """``attnres upcycle --residual-option gamma=abc``, a value the residual's ``__init__``
+    refuses: the error said to set ``model.residual.options.gamma=VALUE``, attnres train's
+    spelling, which upcycle does not take. It names --residual-option too."""
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    base_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["upcycle", "--model", str(tmp_path / "llama"), "--out", str(tmp_path / "up"), "--residual",
+                  "gamma_test", "--residual-option", "gamma=abc"])
+    assert str(info.value).startswith("attnres upcycle: error: ModelConfig.residual.options {'gamma': 'abc'}: "
+                                      "GammaResidual.__init__ of residual 'gamma_test' refused them (ValueError: ")
+    assert str(info.value).endswith("; set values it takes, e.g. model.residual.options.gamma=VALUE (attnres train), "
+                                    "--residual-option gamma=VALUE (attnres upcycle)"), info.value
+
+
 def test_eval_of_a_pretrained_directory_and_of_its_upcycle_agree(tmp_path):
     """`attnres eval` takes a transformers directory: a pretrained model and its upcycle give
     the same perplexity and lm-eval results (the same function). This tokenizer declares an
