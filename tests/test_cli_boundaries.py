@@ -402,6 +402,19 @@ def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_di
     assert json.loads(out.read_text())["lm_eval"] == harness
 
 
+def test_eval_says_one_token_in_the_singular(run_dir, tmp_path, monkeypatch, capsys):
+    """A held-out text of two tokens predicts one: the line said "over 1 tokens"."""
+    from attnres.hf import evaluate
+
+    monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: dict(loss=1.0, perplexity=2.718, bits_per_byte=1.5,
+                                                                       tokens=1, bytes=1))
+    capsys.readouterr()
+    assert cli_main(["eval", str(run_dir), "--tasks", "none", "--out", str(tmp_path / "eval.json"), "--device",
+                     "cpu"]) == 0
+    assert "attnres eval: held-out loss 1.0000, perplexity 2.718, bits/byte 1.5000 over 1 token\n" in \
+        capsys.readouterr().out
+
+
 def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(run_dir, tmp_path, monkeypatch,
                                                                                 capsys):
     """`attnres eval --batch-size auto` and `--limit 0.1`, as lm-eval's command line takes them,

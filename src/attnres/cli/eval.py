@@ -296,7 +296,7 @@ def run_eval(args) -> int:
                    if tasks else None,  # (--tasks none: the harness was given nothing)
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
-              "over {tokens} tokens".format(**results["perplexity"]))
+              "over {tokens} token".format(**results["perplexity"]) + "s" * (results["perplexity"]["tokens"] != 1))
         try:
             results["lm_eval"] = _lm_eval(args, tasks, text, run, device, offline is not None) if tasks else {}
         except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
