@@ -1103,7 +1103,7 @@ def test_generate_stop_prints_what_it_held_back_when_ctrl_c_ends_the_text(run_di
     monkeypatch.setattr(generate_cli, "text_pieces", interrupted)
     assert cli_main(["generate", str(run_dir), *GREEDY, "--stop", "User:"]) == 130
     out = capsys.readouterr()
-    assert out.out == "x U\n" and "interrupted after 1 tokens" in out.err
+    assert out.out == "x U\n" and "interrupted after 1 token in " in out.err
 
 
 @pytest.mark.parametrize("text, stop, printed", [
