@@ -378,6 +378,43 @@ def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, 
     assert "attnres eval: attnres_cloze (2-shot): acc" in said and "attnres eval: attnres_ppl: " in said
 
 
+def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_dir, tmp_path, monkeypatch, capsys):
+    """`attnres eval` printed lm-eval's keys with their filter suffix ('word_perplexity,none
+    3.4e10'); it prints the metric's name, with the filter where it is not lm-eval's default
+    'none'. The results JSON keeps the harness's keys as they are."""
+    import json
+
+    import attnres.cli.eval as eval_cli
+    from attnres.hf import evaluate
+
+    harness = {"attnres_ppl": {"alias": "attnres_ppl", "word_perplexity,none": 34.5, "word_perplexity_stderr,none": 1.5,
+                               "n-shot": 0},
+               "gsm8k": {"exact_match,strict-match": 0.25, "exact_match,flexible-extract": 0.5, "n-shot": 5}}
+    monkeypatch.setattr(evaluate, "check_tasks", lambda tasks: None)  # (gsm8k's data set: not looked for)
+    monkeypatch.setattr(eval_cli, "_lm_eval", lambda *a, **k: json.loads(json.dumps(harness)))
+    out = tmp_path / "eval.json"
+    capsys.readouterr()
+    assert cli_main(["eval", str(run_dir), "--tasks", "attnres_ppl,gsm8k", "--out", str(out), "--device", "cpu"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("attnres eval: attnres_ppl",
+                                                                                      "attnres eval: gsm8k"))]
+    assert said == ["attnres eval: attnres_ppl: word_perplexity 34.5000, word_perplexity_stderr 1.5000",
+                    "attnres eval: gsm8k (5-shot): exact_match,strict-match 0.2500, exact_match,flexible-extract 0.5000"]
+    assert json.loads(out.read_text())["lm_eval"] == harness
+
+
+def test_eval_says_one_token_in_the_singular(run_dir, tmp_path, monkeypatch, capsys):
+    """A held-out text of two tokens predicts one: the line said "over 1 tokens"."""
+    from attnres.hf import evaluate
+
+    monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: dict(loss=1.0, perplexity=2.718, bits_per_byte=1.5,
+                                                                       tokens=1, bytes=1))
+    capsys.readouterr()
+    assert cli_main(["eval", str(run_dir), "--tasks", "none", "--out", str(tmp_path / "eval.json"), "--device",
+                     "cpu"]) == 0
+    assert "attnres eval: held-out loss 1.0000, perplexity 2.718, bits/byte 1.5000 over 1 token\n" in \
+        capsys.readouterr().out
+
+
 def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(run_dir, tmp_path, monkeypatch,
                                                                                 capsys):
     """`attnres eval --batch-size auto` and `--limit 0.1`, as lm-eval's command line takes them,
@@ -758,6 +795,11 @@ def test_the_long_prompt_hint_counts_the_new_tokens():
         check_context(200, 64, 128)
     with pytest.raises(ValueError, match=r"lower --max-new-tokens: together they may be at most 129 tokens$"):
         check_context(200, 300, 128)
+    # One token, said so (was: "the prompt (1 tokens)", "at most 1 tokens").
+    with pytest.raises(ValueError, match=r"^the prompt \(1 token\) plus --max-new-tokens 200 needs"):
+        check_context(1, 200, 128)
+    with pytest.raises(ValueError, match=r"shorten the prompt to at most 1 token$"):
+        check_context(200, 128, 128)
     with pytest.raises(ValueError, match=r"\(max_seq_len\): use --max-new-tokens 126 or less$"):  # one limit, not two
         check_context(3, 100000, 128)
 
@@ -1034,7 +1076,8 @@ def test_generate_stop_ends_the_text_before_the_stop_string(run_dir, capsys, mon
     assert cli_main(["generate", str(run_dir), *GREEDY, *[a for stop in stops for a in ("--stop", stop)]]) == 0
     out = capsys.readouterr()
     assert out.out == printed + "\n"
-    assert f"attnres generate: stopped at --stop {found} after {tokens} tokens in " in out.err, out.err
+    # (one token: "1 token", not "1 tokens")
+    assert f"attnres generate: stopped at --stop {found} after {tokens} token{'s' * (tokens != 1)} in " in out.err, out.err
 
 
 def test_generate_stop_holds_back_a_possible_stop_string_until_it_diverges(run_dir, capsys, monkeypatch):
@@ -1060,7 +1103,7 @@ def test_generate_stop_prints_what_it_held_back_when_ctrl_c_ends_the_text(run_di
     monkeypatch.setattr(generate_cli, "text_pieces", interrupted)
     assert cli_main(["generate", str(run_dir), *GREEDY, "--stop", "User:"]) == 130
     out = capsys.readouterr()
-    assert out.out == "x U\n" and "interrupted after 1 tokens" in out.err
+    assert out.out == "x U\n" and "interrupted after 1 token in " in out.err
 
 
 @pytest.mark.parametrize("text, stop, printed", [
@@ -1446,7 +1489,7 @@ def _batch_as_each_alone(run_dir, capsys, extra, each=None, sampling=_GREEDY_8) 
     lines = said.splitlines()
     assert re.search(r"^attnres generate: 2 prompts in one batch: \d+ tokens in [\d.]+ s \(", said, re.M), said
     for k, (out, err) in enumerate(each, 1):
-        tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens) in", err).group(1)
+        tokens = re.search(r"((stopped at --stop .* after )?\d+ tokens?) in", err).group(1)
         assert f"  {k}/2 (--prompt #{k}): {tokens}" in lines, (said, err)
     return batch
 

@@ -198,9 +198,12 @@ def test_generate_past_the_context_is_refused_before_any_compute():
         long = torch.randint(0, native.config.vocab_size, (1, limit + 10))  # the prompt alone is too long
         for given, fix in ((dict(max_new_tokens=5), f"a prompt of at most {limit - 4} tokens"),  # (was: {limit})
                            (dict(max_new_tokens=limit + 5), f"a prompt and max_new_tokens that add up to at most {limit + 1}"),
-                           (dict(max_length=limit + 20), f"a prompt of at most {limit} tokens and max_length={limit + 1}")):
+                           (dict(max_length=limit + 20), f"a prompt of at most {limit} tokens and max_length={limit + 1}"),
+                           (dict(max_new_tokens=limit), "a prompt of at most 1 token$")):  # (was: "1 tokens")
             with pytest.raises(ValueError, match=rf"the prompt \({limit + 10} tokens\) .*: use {fix}"):
                 hf.generate(long, cache_implementation=cache, **given, **greedy)
+        with pytest.raises(ValueError, match=rf"the prompt \(1 token\) with max_new_tokens={limit + 5} "):
+            hf.generate(ids[:, :1], max_new_tokens=limit + 5, cache_implementation=cache, **greedy)
         out = hf.generate(ids, max_new_tokens=limit - 19, cache_implementation=cache, **greedy)[:, 20:]
         if cache == "static":  # a cache of the caller's, too large (was: "lower max_new_tokens", which it ignores)
             from transformers import StaticCache

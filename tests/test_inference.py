@@ -752,7 +752,7 @@ def test_a_generation_past_the_context_names_lengths_that_fit():
     model = make_model(residual="attnres_block").eval()
     limit = model.config.max_seq_len
     for t, new, fix in ((limit + 10, 5, f"a prompt of at most {limit - 4} tokens$"),
-                        (20, limit, f"max_new_tokens <= {limit - 19} or a prompt of at most 1 tokens$"),
+                        (20, limit, f"max_new_tokens <= {limit - 19} or a prompt of at most 1 token$"),
                         (limit + 10, limit + 5, f"a prompt and max_new_tokens that add up to at most {limit + 1}$")):
         with pytest.raises(ValueError, match=rf"prompt length {t} \+ max_new_tokens {new} - 1 exceeds "
                                              rf"ModelConfig.max_seq_len={limit}: use {fix}"):

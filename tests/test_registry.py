@@ -457,7 +457,7 @@ def test_an_option_value_init_refuses_is_named_as_the_option():
     inside the user's ``__init__``."""
     with pytest.raises(ValueError, match=r"ModelConfig.residual.options \{'init': 'abc'\}: ScaledResidual.__init__ of "
                        r"residual 'scaled_test' refused them \(TypeError: .*fill_value.*\); set values it takes, e.g. "
-                       r"model.residual.options.init=VALUE"):
+                       r"model.residual.options.init=VALUE \(attnres train\), --residual-option init=VALUE \(attnres upcycle\)$"):
         AttnResLM(ModelConfig.preset("tiny", residual={"kind": "scaled_test", "options": {"init": "abc"}}))
 
 
@@ -478,9 +478,11 @@ def test_the_commands_after_a_run_of_a_users_residual_say_to_import_its_module(t
     assert _how_to_continue(config) == f"continue with --resume (`attnres --import {here} train out_dir=run --resume`: " \
                                        "the run's own config)"
     assert "`attnres train out_dir=run --resume`" in _how_to_continue(TrainConfig.from_dict({"out_dir": "run"}))
-    (tmp_path / "config.json").write_text(json.dumps({"residual": SCALED}))
+    (tmp_path / "config.json").write_text(json.dumps({"residual": SCALED, "residual_module": "test_registry"}))
     assert _and_the_residual(tmp_path / "config.json") == \
-        f" and `import test_registry` ({here}), which registers its residual 'scaled_test'"
+        f" and `import test_registry` ({here}), which registers its residual 'scaled_test'; or with " \
+        "trust_remote_code=True, which imports test_registry itself (config.json's residual_module) where Python " \
+        "finds it: on PYTHONPATH, or installed"  # (was: only the import)
     (tmp_path / "config.json").write_text(json.dumps({"residual": {"kind": "attnres_block"}}))
     assert _and_the_residual(tmp_path / "config.json") == ""
 
@@ -790,4 +792,6 @@ def test_the_upcycle_of_a_users_residual_and_its_run_s_export_say_to_import_its_
     assert f"continue training with `attnres --import {here} train model.from_hf=up init_from=up ...`" \
         in capsys.readouterr().out
     assert _and_the_residual(tmp_path / "up" / "config.json") == \
-        f" and `import test_registry` ({here}), which registers its residual 'scaled_test'"
+        f" and `import test_registry` ({here}), which registers its residual 'scaled_test'; or with " \
+        "trust_remote_code=True, which imports test_registry itself (config.json's attnres_residual_module) where " \
+        "Python finds it: on PYTHONPATH, or installed"

@@ -1182,6 +1182,11 @@ def test_splits_shorter_than_a_window_say_how_to_go_on():
     with pytest.raises(ValueError, match=r"the validation split has 10 tokens, fewer than seq_len = 16; raise "
                                          r"data.val_fraction or lower seq_len"):
         validation_batches(np.arange(10, dtype=np.uint16), seq_len=16, batch_size=2, n_batches=1)
+    # (one token: "1 token", not "1 tokens")
+    with pytest.raises(ValueError, match=r"^the training split has 1 token, fewer than seq_len = 16"):
+        BatchSampler(np.arange(1, dtype=np.uint16), seq_len=16, batch_size=2, seed=0)
+    with pytest.raises(ValueError, match=r"^the validation split has 1 token, fewer than seq_len = 16"):
+        validation_batches(np.arange(1, dtype=np.uint16), seq_len=16, batch_size=2, n_batches=1)
 
 
 def test_a_validation_fraction_that_leaves_no_training_text_says_so(tmp_path):

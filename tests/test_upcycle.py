@@ -576,6 +576,38 @@ def test_a_tokenizer_past_the_model_s_vocabulary_is_one_line_in_eval_and_analyze
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_an_end_of_text_token_past_the_embedding_is_refused_before_eval(tmp_path, monkeypatch, capsys):
+    """A directory whose tokenizer_config.json adds an end-of-text token its tokenizer.json
+    lacks (transformers' Qwen2Tokenizer adds '<|endoftext|>'), one id past the embedding's rows:
+    the held-out text never holds it, so `attnres eval` measured the perplexity, then lm-eval,
+    which starts each document with that token, ended in an IndexError. Refused first, in one
+    line naming the id, the tokenizer's size and the embedding's rows."""
+    pytest.importorskip("yaml")
+    from test_train import write_corpus
+
+    import attnres.hf.evaluate as evaluate
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import train_bpe
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    tok = train_bpe(corpus.read_text(), 300)
+    base_model("llama", vocab_size=tok.vocab_size, max_position_embeddings=128).save_pretrained(tmp_path / "up")
+    (tmp_path / "up" / "tokenizer.json").write_text(tok.to_json())
+    (tmp_path / "up" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: pytest.fail("measured before the refusal"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        cli_main(["eval", str(tmp_path / "up"), "--text", str(corpus), "--seq-len", "16", "--limit", "1",
+                  "--tasks", "attnres_ppl", "--out", str(tmp_path / "eval.json")])
+    assert done.value.code == (
+        f"attnres eval: error: {str(tmp_path / 'up')!r}: lm-eval starts each document with its tokenizer's "
+        f"end-of-text token '<|endoftext|>' (id {tok.vocab_size}), but the tokenizer has {tok.vocab_size + 1} tokens "
+        f"and the model's embedding {tok.vocab_size} rows: save a tokenizer of at most {tok.vocab_size} tokens with "
+        "the model, or give --tasks none for the perplexity alone")
+    assert "Traceback" not in capsys.readouterr().err and not (tmp_path / "eval.json").exists()
+
+
 def test_analyze_says_how_many_tokens_each_model_read(tmp_path):
     """A run of the byte tokenizer compared with an upcycle of a BPE model on the same --text:
     the BPE reads fewer tokens, so fewer windows, but the report said both matrices were
@@ -821,6 +853,25 @@ def test_upcycle_gives_a_residual_of_the_user_s_own_its_options(tmp_path):
                      "gamma_test", "--residual-option", "gamma=0.25"]) == 0
     assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["options"] == {"gamma": 0.25}
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "up").residual.gamma == 0.25
+
+
+def test_an_option_value_the_residual_refuses_is_told_in_upcycle_s_spelling(tmp_path):
+    """``attnres upcycle --residual-option gamma=abc``, a value the residual's ``__init__``
+    refuses: the error said to set ``model.residual.options.gamma=VALUE``, attnres train's
+    spelling, which upcycle does not take. It names --residual-option too."""
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    base_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["upcycle", "--model", str(tmp_path / "llama"), "--out", str(tmp_path / "up"), "--residual",
+                  "gamma_test", "--residual-option", "gamma=abc"])
+    assert str(info.value).startswith("attnres upcycle: error: ModelConfig.residual.options {'gamma': 'abc'}: "
+                                      "GammaResidual.__init__ of residual 'gamma_test' refused them (ValueError: ")
+    assert str(info.value).endswith("; set values it takes, e.g. model.residual.options.gamma=VALUE (attnres train), "
+                                    "--residual-option gamma=VALUE (attnres upcycle)"), info.value
 
 
 def test_eval_of_a_pretrained_directory_and_of_its_upcycle_agree(tmp_path):

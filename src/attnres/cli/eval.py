@@ -225,6 +225,14 @@ def _harness_failed(error: OSError, tasks: list[str], out) -> str:
     return f"{said}; the perplexity results are written to {out}, without lm-eval's"
 
 
+def _metric_name(key: str) -> str:
+    """lm-eval's ``metric,filter`` key as printed: the metric, and its filter where it is not
+    lm-eval's default ``none`` (``acc,none`` is ``acc``; ``exact_match,flexible-extract``
+    stays). The results JSON keeps the harness's keys."""
+    metric, _, applied = key.partition(",")
+    return metric if applied in ("", "none") else key
+
+
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
@@ -236,7 +244,7 @@ def run_eval(args) -> int:
     from ..data.corpus import read_text_file
     from ..data.tokenizer import tokenizer_file
     from ..hf.hub import local_folder
-    from ..hf.evaluate import LOCAL_TASKS, check_tasks, local_task_data, perplexity
+    from ..hf.evaluate import LOCAL_TASKS, check_document_start, check_tasks, local_task_data, perplexity
     from ..inference.loading import pick_device
     from ..models.factory import context_limit
     from ..output_paths import strict_json, write_text_atomically
@@ -272,6 +280,8 @@ def run_eval(args) -> int:
         directory = is_hf_directory(args.checkpoint)
         model, tokenizer, text, text_name, run = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
+        if tasks and directory:  # (an export of a run's checkpoint starts them with its own line break)
+            check_document_start(model, tokenizer.tokenizer, args.checkpoint)
         if any(task in LOCAL_TASKS for task in tasks):
             local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
         results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()),
@@ -286,7 +296,7 @@ def run_eval(args) -> int:
                    if tasks else None,  # (--tasks none: the harness was given nothing)
                    "lm_eval": {}}
         print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
-              "over {tokens} tokens".format(**results["perplexity"]))
+              "over {tokens} token".format(**results["perplexity"]) + "s" * (results["perplexity"]["tokens"] != 1))
         try:
             results["lm_eval"] = _lm_eval(args, tasks, text, run, device, offline is not None) if tasks else {}
         except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
@@ -298,7 +308,7 @@ def run_eval(args) -> int:
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None
     for task, metrics in results["lm_eval"].items():
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+        shown = ", ".join(f"{_metric_name(k)} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
         shots = f" ({metrics['n-shot']}-shot)" if metrics.get("n-shot") else ""
         print(f"attnres eval: {task}{shots}: {shown}")
     print(f"attnres eval: results written to {out}")

@@ -50,8 +50,12 @@ def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
 
 def _and_the_residual(config_file: Path) -> str:
     """For a residual of the user's: that its module must be imported too where the directory
-    loads (else the load fails: its kind is not registered there). (A native export's config
-    holds it as ``residual``, a family model's - upcycled - as ``attnres_residual``.)"""
+    loads (else the load fails: its kind is not registered there), or that
+    ``trust_remote_code=True`` imports it, config.json naming it. (A native export's config
+    holds the residual as ``residual``, a family model's - upcycled - as ``attnres_residual``;
+    the module likewise.)"""
+    from ..hf.families.residual_module import FAMILY_KEY, NATIVE_KEY
+
     config = json.loads(config_file.read_text())
     residual = config.get("residual", config.get("attnres_residual"))
     kind = residual.get("kind") if isinstance(residual, dict) else None
@@ -59,7 +63,10 @@ def _and_the_residual(config_file: Path) -> str:
     if module is None:
         return ""
     name = Path(module).stem if module.endswith(".py") else module
-    return f" and `import {name}`{f' ({module})' if name != module else ''}, which registers its residual {kind!r}"
+    key = NATIVE_KEY if "residual" in config else FAMILY_KEY  # (the export has just recorded it)
+    return (f" and `import {name}`{f' ({module})' if name != module else ''}, which registers its residual {kind!r}; "
+            f"or with trust_remote_code=True, which imports {config[key]} itself (config.json's {key}) where Python "
+            "finds it: on PYTHONPATH, or installed")
 
 
 def _head_size(config_file: Path) -> int | None:

@@ -66,11 +66,11 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int, which: st
     if need > limit:
         room, keep = limit - prompt_tokens + 1, limit - max_new_tokens + 1
         hints = [f"use --max-new-tokens {room} or less"] if room >= 1 else []
-        hints += [f"shorten the prompt to at most {keep} tokens"] if keep >= 1 else []
+        hints += [f"shorten the prompt to at most {keep} token{'s' * (keep != 1)}"] if keep >= 1 else []
         # One limit, the context: the prompt and the new tokens but the last fill it together.
         hint = " or ".join(hints) or (f"shorten the prompt and lower --max-new-tokens: together they may be at most "
                                       f"{limit + 1} tokens")
-        raise ValueError(f"{which} ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} needs a context of "
+        raise ValueError(f"{which} ({prompt_tokens} token{'s' * (prompt_tokens != 1)}) plus --max-new-tokens {max_new_tokens} needs a context of "
                          f"{need} tokens, beyond the model's context limit of {limit} tokens (max_seq_len): {hint}")
 
 
@@ -380,7 +380,7 @@ def _print_completions(tokenizer, prompts: list[tuple[str, str]], rows, stops: l
         done = text_until_stop(tokenizer, row, stops, stop_ids)
         _show(("\n" if k > 1 else "") + f"==> {k}/{n}: {given} <==\n" + done.text + "\n")
         ended = "" if done.stop is None else f"stopped at --stop {done.stop!r} after "
-        said.append(f"  {k}/{n} ({given}): {ended}{done.n_tokens} tokens")
+        said.append(f"  {k}/{n} ({given}): {ended}{done.n_tokens} token{'s' * (done.n_tokens != 1)}")
         n_tokens += done.n_tokens
     return said, n_tokens
 
@@ -442,7 +442,7 @@ def run_generate(args) -> int:
                  else f"stopped at --stop {one.found!r} after ")
     else:
         ended = f"{len(prompts)} prompts in one batch" + (", interrupted after " if interrupted else ": ")
-    print(f"attnres generate: {ended}{n_tokens} tokens in {elapsed:.2f} s "
+    print(f"attnres generate: {ended}{n_tokens} token{'s' * (n_tokens != 1)} in {elapsed:.2f} s "
           f"({n_tokens / max(elapsed, 1e-9):.1f} tokens/s, prefill included, {device}, {args.dtype}, {decode} decode)",
           *said, sep="\n", file=sys.stderr)
     return 130 if interrupted else 0

@@ -316,7 +316,7 @@ class BatchSampler:
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.n_windows = len(tokens) // seq_len
         if self.n_windows < 1:
-            raise ValueError(f"the training split has {len(tokens)} tokens, fewer than seq_len = {seq_len}; lower seq_len, "
+            raise ValueError(f"the training split has {len(tokens)} token{'s' * (len(tokens) != 1)}, fewer than seq_len = {seq_len}; lower seq_len, "
                              "or give more text (or a smaller data.val_fraction)")
         self.samples_drawn = 0
         self._epoch = -1
@@ -357,7 +357,7 @@ def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batc
     span = seq_len
     n_windows = min(len(tokens) // span, batch_size * n_batches)
     if n_windows < 1:
-        raise ValueError(f"the validation split has {len(tokens)} tokens, fewer than seq_len = {span}; "
+        raise ValueError(f"the validation split has {len(tokens)} token{'s' * (len(tokens) != 1)}, fewer than seq_len = {span}; "
                          "raise data.val_fraction or lower seq_len")
     windows = np.asarray(tokens[: n_windows * span], dtype=np.int64).reshape(n_windows, span)
     return [torch.from_numpy(windows[i:i + batch_size]) for i in range(0, n_windows, batch_size)]

@@ -37,7 +37,7 @@ from ..data.tokenizer import ByteTokenizer, Tokenizer, text_ids, unknown_share
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean_each
-from ..models.factory import check_tokenizer_ids, context_limit
+from ..models.factory import check_tokenizer_ids, context_limit, embedding_rows
 
 LOCAL_TASKS = ("attnres_ppl", "attnres_cloze")
 CLOZE_CHOICES = 4
@@ -386,26 +386,48 @@ def _quiet_git_describe():
             m.get_git_commit_hash = original
 
 
+def document_start(tokenizer, hf_dir: str | Path) -> tuple[int, str]:
+    """``(id, what it is)``: the token lm-eval starts each document of ``hf_dir``'s
+    ``tokenizer`` (a transformers one) with: its end-of-text token, else its beginning-of-text
+    one, else a line break."""
+    from .export import PREFIX_TEXT
+
+    if tokenizer.eos_token_id is not None:  # (a pretrained model's: the harness's own choice)
+        return tokenizer.eos_token_id, f"end-of-text token {tokenizer.eos_token!r}"
+    if tokenizer.bos_token_id is not None:
+        return tokenizer.bos_token_id, f"beginning-of-text token {tokenizer.bos_token!r}"
+    # attnres's exports declare no end-of-text token (see attnres.hf.export): the harness
+    # prefixes rolling log-likelihoods with a line break instead.
+    ids = tokenizer(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"the tokenizer of {str(hf_dir)!r} has no end- or beginning-of-text token and does not "
+                         f"encode {PREFIX_TEXT!r} as one token: lm-eval has no token to start a document with")
+    return ids[0], "line break"
+
+
+def check_document_start(model: nn.Module, tokenizer, hf_dir: str | Path) -> None:
+    """Refuse, before any work, a directory whose tokenizer starts lm-eval's documents with a
+    token past ``model``'s embedding rows (a tokenizer_config.json that adds an end-of-text
+    token the tokenizer.json lacks, as transformers' Qwen2Tokenizer does): the held-out text
+    never holds that token, and lm-eval ended in an ``IndexError`` after the perplexity pass."""
+    start, named = document_start(tokenizer, hf_dir)
+    rows = embedding_rows(model)
+    if start >= rows:
+        raise ValueError(f"{str(hf_dir)!r}: lm-eval starts each document with its tokenizer's {named} (id {start}), "
+                         f"but the tokenizer has {len(tokenizer)} tokens and the model's embedding {rows} rows: save "
+                         f"a tokenizer of at most {rows} tokens with the model, or give --tasks none for the "
+                         "perplexity alone")
+
+
 def harness_tokenizer(hf_dir: str | Path):
     """``(tokenizer, prefix)``: ``hf_dir``'s tokenizer as lm-eval is given it, and the
     ``prefix_token_id`` model argument where it needs one."""
     from transformers import AutoTokenizer
 
-    from .export import PREFIX_TEXT
-
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    prefix = {}
-    own = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
-    if own is None:
-        # attnres's exports declare no end-of-text token (see attnres.hf.export): the harness
-        # prefixes rolling log-likelihoods with a line break instead. (A tokenizer with one, a
-        # pretrained model's, keeps the harness's own choice: its end or beginning of text.)
-        ids = tokenizer(PREFIX_TEXT, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise ValueError(f"the tokenizer of {str(hf_dir)!r} has no end- or beginning-of-text token and does not "
-                             f"encode {PREFIX_TEXT!r} as one token: lm-eval has no token to start a document with")
-        own = prefix["prefix_token_id"] = ids[0]
-    # Nor a padding token, often: the harness would add one beyond the model's vocabulary.
+    own, named = document_start(tokenizer, hf_dir)
+    prefix = {"prefix_token_id": own} if named == "line break" else {}
+    # Often no padding token either: the harness would add one beyond the model's vocabulary.
     # Padded positions are masked, so that token pads (in memory only).
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = own

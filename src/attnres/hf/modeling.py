@@ -353,9 +353,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                       else (f"max_length={max_length}", f"max_length={limit + 1} or less"))
         if limit - t + 1 < 1:  # the prompt alone is too long
             fix = (f"a prompt of at most {limit} tokens and max_length={limit + 1} or less" if new is None
-                   else f"a prompt of at most {limit + 1 - new} tokens" if new <= limit
+                   else f"a prompt of at most {limit + 1 - new} token{'s' * (new != limit)}" if new <= limit
                    else f"a prompt and max_new_tokens that add up to at most {limit + 1}")
-        raise ValueError(f"generate: the prompt ({t} tokens) with {given} needs a context of {max_length - 1} tokens "
+        raise ValueError(f"generate: the prompt ({t} token{'s' * (t != 1)}) with {given} needs a context of {max_length - 1} tokens "
                          f"(the last new token is not fed back), beyond the model's max_seq_len={limit}: use {fix}")
 
     def set_output_embeddings(self, value: nn.Linear) -> None:

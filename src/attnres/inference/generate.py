@@ -298,7 +298,7 @@ def _check_context(t: int, max_new_tokens: int, limit: int, name: str) -> None:
     what it named before, was too long by ``max_new_tokens - 1``)."""
     if t + max_new_tokens - 1 > limit:
         room, keep = limit - t + 1, limit - max_new_tokens + 1
-        fixes = [f"max_new_tokens <= {room}"] * (room >= 1) + [f"a prompt of at most {keep} tokens"] * (keep >= 1)
+        fixes = [f"max_new_tokens <= {room}"] * (room >= 1) + [f"a prompt of at most {keep} token{'s' * (keep != 1)}"] * (keep >= 1)
         raise ValueError(f"prompt length {t} + max_new_tokens {max_new_tokens} - 1 exceeds {name}={limit}: use "
                          + (" or ".join(fixes) or f"a prompt and max_new_tokens that add up to at most {limit + 1}"))
 

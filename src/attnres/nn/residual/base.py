@@ -106,6 +106,12 @@ class HistoryLayout(NamedTuple):
     running: bool
 
 
+def _option_spellings(name: str) -> str:
+    """How the commands set residual option ``name``: ``attnres train``'s override and
+    ``attnres upcycle``'s flag (an error under upcycle named train's spelling only)."""
+    return f"model.residual.options.{name}=VALUE (attnres train), --residual-option {name}=VALUE (attnres upcycle)"
+
+
 class ResidualStream(nn.Module, ABC):
     """How the outputs of ``n_sublayers`` sublayers are combined into their inputs.
 
@@ -165,7 +171,7 @@ class ResidualStream(nn.Module, ABC):
             # (a value __init__ cannot take, e.g. options.init=abc, was a traceback ending in torch.full)
             raise ValueError(f"ModelConfig.residual.options {config.options!r}: {cls.__qualname__}.__init__ of residual "
                              f"{config.kind!r} refused them ({type(e).__name__}: {e}); set values it takes, e.g. "
-                             f"model.residual.options.{next(iter(config.options))}=VALUE") from e
+                             f"{_option_spellings(next(iter(config.options)))}") from e
 
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
@@ -194,8 +200,7 @@ class ResidualStream(nn.Module, ABC):
             # the default from_config passes only options: else a TypeError from __init__ at build time
             raise ValueError(f"ModelConfig.residual.options must set {required} for residual {config.kind!r} (arguments "
                              f"of {cls.__qualname__}.__init__ without a default): e.g. "
-                             f"model.residual.options.{required[0]}=VALUE (attnres train), --residual-option "
-                             f"{required[0]}=VALUE (attnres upcycle), or give them defaults")
+                             f"{_option_spellings(required[0])}, or give them defaults")
 
     @classmethod
     def describe(cls, config: ResidualConfig, n_sublayers: int) -> str:
