@@ -389,15 +389,17 @@ def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_di
 
     harness = {"attnres_ppl": {"alias": "attnres_ppl", "word_perplexity,none": 34.5, "word_perplexity_stderr,none": 1.5,
                                "n-shot": 0},
+               "attnres_cloze": {"word_perplexity,none": 3.4e10},  # (an untrained model's: not 34000000000.0000)
                "gsm8k": {"exact_match,strict-match": 0.25, "exact_match,flexible-extract": 0.5, "n-shot": 5}}
     monkeypatch.setattr(evaluate, "check_tasks", lambda tasks: None)  # (gsm8k's data set: not looked for)
     monkeypatch.setattr(eval_cli, "_lm_eval", lambda *a, **k: json.loads(json.dumps(harness)))
     out = tmp_path / "eval.json"
     capsys.readouterr()
     assert cli_main(["eval", str(run_dir), "--tasks", "attnres_ppl,gsm8k", "--out", str(out), "--device", "cpu"]) == 0
-    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("attnres eval: attnres_ppl",
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("attnres eval: attnres_",
                                                                                       "attnres eval: gsm8k"))]
     assert said == ["attnres eval: attnres_ppl: word_perplexity 34.5000, word_perplexity_stderr 1.5000",
+                    "attnres eval: attnres_cloze: word_perplexity 3.4000e+10",
                     "attnres eval: gsm8k (5-shot): exact_match,strict-match 0.2500, exact_match,flexible-extract 0.5000"]
     assert json.loads(out.read_text())["lm_eval"] == harness
 

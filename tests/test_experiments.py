@@ -371,6 +371,24 @@ def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, 
     assert done[-1].endswith(f"(took {clock(7 * steps[n - 2])})"), done[-1]  # nothing left to train
 
 
+def test_a_run_of_one_step_is_announced_in_the_singular(corpus, tmp_path, monkeypatch):
+    """A grid of ``steps=1`` announced each run as "training 1 steps"."""
+    from attnres.experiments.job import runner
+
+    exp = get_experiment("compare", "tiny")
+
+    def run_one(config, variant):
+        Path(config.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(config.out_dir) / "result.json").write_text(json.dumps({"variant": variant.name, "val_loss": 1.0}))
+        return {"variant": variant.name, "val_loss": 1.0}
+
+    monkeypatch.setattr(runner, "run_one", run_one)
+    log: list[str] = []
+    run_experiment(exp, tmp_path, [0], [f"data.paths=[{corpus}]", "steps=1"], log=log.append)
+    announced = [line for line in log if ": training" in line]
+    assert announced and all(line.endswith(": training 1 step") for line in announced), announced
+
+
 def test_arch_sweep_end_to_end(corpus, tmp_path, users_matplotlib):
     import matplotlib
     import matplotlib.pyplot as plt

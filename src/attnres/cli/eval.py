@@ -233,6 +233,12 @@ def _metric_name(key: str) -> str:
     return metric if applied in ("", "none") else key
 
 
+def _number(value: float, decimals: int = 4) -> str:
+    """A score as printed: fixed decimals, or in scientific notation from a million on (a word
+    perplexity of an untrained model, 3.4e10, printed 34000000000.0000)."""
+    return f"{value:.{decimals}f}" if abs(value) < 1e6 else f"{value:.{decimals}e}"
+
+
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
@@ -295,8 +301,9 @@ def run_eval(args) -> int:
                                         "batch_size": args.batch_size, "bootstrap_iters": args.bootstrap_iters}
                    if tasks else None,  # (--tasks none: the harness was given nothing)
                    "lm_eval": {}}
-        print("attnres eval: held-out loss {loss:.4f}, perplexity {perplexity:.3f}, bits/byte {bits_per_byte:.4f} "
-              "over {tokens} token".format(**results["perplexity"]) + "s" * (results["perplexity"]["tokens"] != 1))
+        ppl = results["perplexity"]
+        print(f"attnres eval: held-out loss {ppl['loss']:.4f}, perplexity {_number(ppl['perplexity'], 3)}, bits/byte "
+              f"{ppl['bits_per_byte']:.4f} over {ppl['tokens']} token" + "s" * (ppl["tokens"] != 1))
         try:
             results["lm_eval"] = _lm_eval(args, tasks, text, run, device, offline is not None) if tasks else {}
         except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
@@ -308,7 +315,7 @@ def run_eval(args) -> int:
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres eval: error: {e}") from None
     for task, metrics in results["lm_eval"].items():
-        shown = ", ".join(f"{_metric_name(k)} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+        shown = ", ".join(f"{_metric_name(k)} {_number(v)}" for k, v in metrics.items() if isinstance(v, float))
         shots = f" ({metrics['n-shot']}-shot)" if metrics.get("n-shot") else ""
         print(f"attnres eval: {task}{shots}: {shown}")
     print(f"attnres eval: results written to {out}")

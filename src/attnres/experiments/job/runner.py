@@ -317,7 +317,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
         if done_steps:
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: resuming at step {done_steps} of {config.steps}")
         else:
-            log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} steps")
+            log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} step{'' if config.steps == 1 else 's'}")
         started = time.perf_counter()
         try:
             record = run_one(config, variant)
