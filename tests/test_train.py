@@ -47,6 +47,7 @@ from attnres.train.schedule import wsd_decay_start  # noqa: E402
 from attnres.train.optim import MUON_RMS_SCALE, param_groups  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+README = Path(__file__).resolve().parents[1] / "README.md"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "every daft zebra near the old mill and río café naïve").split()
 
@@ -1220,6 +1221,36 @@ def test_diagnostics_are_logged(tmp_path, corpus_file):
     assert len(weights) == 2 * n_layers + 1 and all(sum(w) == pytest.approx(1.0, abs=1e-5) for w in weights)
     assert {r["kind"] for r in records} == {"train", "eval", "diagnostics"}
     assert "tokens_per_s" in records[0]
+    # every field a researcher reads in the record is named where README describes it
+    section = README.read_text(encoding="utf-8").split("- **Diagnostics**", 1)[1].split("\n- **", 1)[0]
+    assert [f for f in diag if f not in ("kind", "step") and f"`{f}`" not in section] == []
+
+
+def test_logged_depth_weights_are_the_models_on_the_first_validation_batch(tmp_path, corpus_file):
+    """What README says a diagnostics record holds, computed by hand from the checkpoint of
+    the same step: the mean of the model's depth_weights, the RMS of v_attn + v_mlp."""
+    args = overrides(corpus_file, tmp_path, steps=3, checkpoint_every=3, **{"model.residual": "attnres_full"})
+    config = load_config(None, args)
+    train(config)
+    diag = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert diag["kind"] == "diagnostics" and diag["step"] == 3
+    from attnres.inference.loading import load_run
+
+    model = load_run(tmp_path).model  # the checkpoint of step 3, in eval mode
+    tokens = prepare_data(load_corpus([str(corpus_file)], val_fraction=config.data.val_fraction), "byte",
+                          cache_dir=config.data.cache_dir)
+    ids = validation_batches(tokens.val, config.seq_len, config.batch_size, config.eval_batches)[0]
+    outputs: dict[int, list[torch.Tensor]] = {}
+    for b, layer in enumerate(model.layers):
+        for sublayer in (layer.attn, layer.mlp):
+            sublayer.register_forward_hook(lambda _m, _a, out, b=b: outputs.setdefault(b, []).append(out))
+    with torch.no_grad():
+        weights = model(ids, return_depth_weights=True).depth_weights
+    assert len(diag["depth_weights"]) == len(weights) == 2 * len(model.layers) + 1
+    for logged, w in zip(diag["depth_weights"], weights):
+        assert logged == pytest.approx(w.mean(dim=(1, 2)).tolist(), abs=1e-6)
+    assert diag["block_output_rms"] == pytest.approx(
+        [(a + m).pow(2).mean().sqrt().item() for a, m in outputs.values()], rel=1e-5)
 
 
 def test_bf16_autocast_and_tensorboard(tmp_path, corpus_file):
