@@ -390,6 +390,22 @@ def test_depth_weights_are_recorded_and_uniform_at_conversion():
         assert torch.allclose(w, torch.full_like(w, 1 / w.shape[0]))
 
 
+@pytest.mark.parametrize("kind", ["standard", "mhc"])
+def test_depth_weights_of_a_residual_without_depth_attention_is_refused(kind):
+    """It returned [] without a word, read as 'no sublayer'; the native model's
+    return_depth_weights gives None. The refusal names the residual and depth_mixing, which
+    describes it; the training diagnostics of such a model log depth_weights null."""
+    from attnres.analysis import forward_diagnostics
+
+    up = upcycle(base_model("llama"), kind).eval()
+    with pytest.raises(ValueError, match=rf"the '{kind}' residual computes no depth-attention weights.*"
+                                         r"model\.depth_mixing\(input_ids\)"):
+        up.depth_weights(ids())
+    assert up.depth_mixing(ids()).weights.shape[-1] == 2 * len(up.model.layers) + 1
+    diag = forward_diagnostics(up, ids())
+    assert diag["depth_weights"] is None and len(diag["block_output_rms"]) == len(up.model.layers)
+
+
 def test_depth_weights_and_depth_mixing_leave_nothing_on_the_model():
     """The model kept the last recording forward's weights (with autograd on, their graph and
     so the forward's activations, for as long as the model lived): ``copy.deepcopy`` of the

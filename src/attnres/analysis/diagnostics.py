@@ -89,9 +89,9 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
     model.eval()
     routers = None  # a family model's RouterRecorder
     try:
-        if hasattr(model, "depth_weights"):  # a family model: it records through its own call
+        if hasattr(model, "depth_weights_if_any"):  # a family model: it records through its own call
             with hf_hook("router_recorder")(model) as routers:
-                recorded = model.depth_weights(input_ids, use_cache=False)
+                recorded = model.depth_weights_if_any(input_ids, use_cache=False)
         else:
             recorded = model(input_ids, return_depth_weights=True).depth_weights
     finally:

@@ -157,7 +157,7 @@ def moe_layers(model, tokens: torch.Tensor) -> list[dict]:
     from ...hf.families.moe import RouterRecorder
 
     with RouterRecorder(model) as rec:
-        weights = model.depth_weights(tokens, use_cache=False)
+        weights = model.depth_weights_if_any(tokens, use_cache=False)
     return [{**x.to_dict(), "depth_weights": weights[2 * x.layer + 1].float().mean(dim=(1, 2)).tolist() if weights else None}
             for x in recorded_expert_load(rec)]
 

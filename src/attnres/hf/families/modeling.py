@@ -368,9 +368,25 @@ class UpcycledModelMixin(KeepsItsSourceHome):
 
     def depth_weights(self, *args, **kwargs) -> list[torch.Tensor]:
         """Run ``self(*args, **kwargs)`` recording the depth-attention weights; one tensor
-        ``[n_sources, B, T]`` per sublayer, then the output aggregation."""
+        ``[n_sources, B, T]`` per sublayer, then the output aggregation. A residual without
+        depth attention (the standard one, the baselines) has none: a ``ValueError`` naming
+        it, and :meth:`depth_mixing`, which describes every residual (an empty list read as
+        weights that were never computed)."""
+        if not self.residual.has_depth_attention:
+            raise ValueError(f"depth_weights: the {self.residual.name!r} residual computes no depth-attention "
+                             "weights (Full and Block AttnRes do); model.depth_mixing(input_ids) gives its depth "
+                             "mixing matrix (report §6.2)")
+        return self.depth_weights_if_any(*args, **kwargs)
+
+    def depth_weights_if_any(self, *args, **kwargs) -> list[torch.Tensor] | None:
+        """:meth:`depth_weights`, or ``None`` (the forward run all the same, for the hooks and
+        recorders of a caller that reads more than the weights) for a residual without depth
+        attention, as the native model's ``return_depth_weights``."""
+        if not self.residual.has_depth_attention:
+            self(*args, **kwargs)
+            return None
         weights, _ = self._recorded_forward(*args, **kwargs)
-        return weights or []
+        return weights
 
     def depth_mixing(self, input_ids: torch.Tensor, per_channel: bool = False):
         """The depth mixing matrix (report §6.2) of a forward on ``input_ids [B, T]``: the
