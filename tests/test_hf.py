@@ -497,6 +497,28 @@ def test_per_layer_outputs_are_refused_not_dropped(name):
     assert hf.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 10)
 
 
+def test_return_dict_false_gives_a_tuple():
+    """``return_dict=False`` (in the call, or ``config.return_dict``), which transformers'
+    models and the upcycled families answer with a tuple, was swallowed: the output stayed a
+    ``ModelOutput``, and ``loss, logits = model(..., return_dict=False)`` unpacked its keys,
+    the strings ``'loss'`` and ``'logits'``. It is now ``(loss, logits, cache)`` /
+    ``(last_hidden_state, cache)``, the ``None`` ones left out (the cache with ``use_cache=False``),
+    the same tensors."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        full = hf(ids, labels=ids)
+        loss, logits = hf(ids, labels=ids, use_cache=False, return_dict=False)
+        (hidden,) = AttnResModel(hf.config)(ids, use_cache=False, return_dict=False)
+        cached = hf(ids, return_dict=False)
+        hf.config.return_dict = False
+        from_config = hf(ids, labels=ids)
+    assert torch.equal(loss, full.loss) and torch.equal(logits, full.logits)
+    assert isinstance(hidden, torch.Tensor) and hidden.shape == (2, 8, hf.config.d_model)
+    assert len(cached) == 2 and cached[1].get_seq_length() == 8
+    assert isinstance(from_config, tuple) and torch.equal(from_config[0], full.loss)
+
+
 def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
     """``logits_to_keep`` is, as in transformers' models, a count of last positions or a 1-D
     tensor of the positions to keep (was: a tensor stopped the forward with "Boolean value of

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
 from ..models import AttnResLM, DecoderTrunk, next_token_loss
 from ..nn.norm import RMSNorm
@@ -275,6 +276,7 @@ class AttnResModel(AttnResPreTrainedModel):
         super().__init__(config)
         self.post_init()
 
+    @can_return_tuple  # return_dict=False (the call's or the config's): a tuple, as transformers' models give
     def forward(
         self,
         input_ids: Tensor | None = None,
@@ -361,6 +363,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    @can_return_tuple  # return_dict=False: (loss, logits, cache), the None ones left out, as transformers' models give
     def forward(
         self,
         input_ids: Tensor | None = None,
