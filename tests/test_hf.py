@@ -479,6 +479,25 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
     assert hf.defer_norm and "defer_norm" not in hf.__dict__
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_generate_in_training_mode_with_activation_checkpointing(reentrant):
+    """``generate`` right after training (the model still in training mode, activation
+    checkpointing on, as ``Trainer`` leaves it) dropped the cache, which only a backward's
+    recompute of a sublayer makes unsafe: each step then saw its last token alone and the
+    continuation was another one, without a word. Without gradients the sublayers run as is,
+    cache included, as transformers' layers do: the tokens of the model in eval mode; with
+    gradients the cache is still dropped."""
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block"))
+    prompt = torch.randint(0, hf.config.vocab_size, (2, 5))
+    expected = hf.eval().generate(prompt, max_new_tokens=6, do_sample=False)
+    activation_checkpointing(hf, use_reentrant=reentrant)
+    hf.train()
+    torch.testing.assert_close(hf.generate(prompt, max_new_tokens=6, do_sample=False), expected, rtol=0, atol=0)
+    out = hf(prompt, use_cache=True)  # with gradients: no cache under checkpointing ('past_key_values' before 5.24)
+    assert getattr(out, "cache", getattr(out, "past_key_values", None)) is None
+    activation_checkpointing(hf, enable=False)
+
+
 @pytest.mark.parametrize("name", ["output_hidden_states", "output_attentions"])
 def test_per_layer_outputs_are_refused_not_dropped(name):
     """The native decoder records no per-layer hidden states or attention weights: asking for

@@ -187,7 +187,10 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, PreTrainedModel, DecoderTrunk):
         """The decoder pass shared by both heads: final-norm input ``h [B, T, d]`` and the cache.
         ``inputs_embeds [B, T, d]`` in place of ``input_ids``: taken as ``embed_tokens(input_ids)``."""
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training and use_cache:
+        # Without gradients (generate, an evaluation in training mode) there is no backward to
+        # recompute a sublayer: it runs as is, cache included, as transformers' layers do.
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if checkpointing and use_cache:
             use_cache = False  # recomputing a sublayer would append its keys/values twice
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -204,7 +207,6 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, PreTrainedModel, DecoderTrunk):
             if bool(attention_mask.all()):
                 attention_mask = None
         self._set_attention()
-        checkpointing = self.gradient_checkpointing and self.training
         onloaded = onload(self.residual)  # (device_map offloading: the residual runs no forward of its own)
         h, _ = self.decode(input_ids, attention_mask, store, inputs_embeds=inputs_embeds,
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
