@@ -6,6 +6,7 @@ tokenizer export, and ``attnres eval`` with lm-evaluation-harness on local tasks
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,31 @@ def test_config_rejects_bad_fields_and_mirrors_model_config():
             AttnResConfig(**{hf_name: 7})
     assert AttnResConfig(hidden_size=64).d_model == 64  # HF names alone, and HF's own keys, still go
     assert AttnResConfig(sep_token_id=3, architectures=["AttnResForCausalLM"], num_labels=2).d_model == 512
+
+
+@pytest.mark.parametrize("option, value, does", [
+    ("head_dim", 8, "its heads are d_model // n_heads: 16"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, "its RoPE is unscaled"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 4.0}, "its RoPE is unscaled"),
+    ("hidden_act", "gelu", "its MLP is SwiGLU: 'silu'"),
+    ("attention_bias", True, "no bias"),
+    ("mlp_bias", True, "no bias"),
+    ("attention_dropout", 0.1, "no dropout"),
+    ("sliding_window", 8, "its attention is global"),
+])
+def test_config_refuses_an_option_the_decoder_does_not_have(option, value, does):
+    """A transformers option the native decoder does not have (a Llama config's ``head_dim``,
+    ``rope_parameters`` with a scaling, ``attention_dropout`` for fine-tuning, ...) was kept as
+    an extra attribute and the model built without it: heads of ``d_model // n_heads``,
+    unscaled RoPE, no dropout, without a word. Refused, naming what the decoder does; the
+    value it matches (a Llama config's default) still goes, and builds the same model."""
+    fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
+    with pytest.raises(ValueError, match=rf"AttnResConfig: {option}=.* is an option the AttnRes decoder does not have \(.*{re.escape(does)}"):
+        AttnResConfig(**fields, **{option: value})
+    matching = {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": None,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+                "sliding_window": None}[option]
+    assert AttnResConfig(**fields, **{option: matching}).to_model_config() == AttnResConfig(**fields).to_model_config()
 
 
 def test_cache_is_accepted_under_both_names():
