@@ -564,6 +564,22 @@ def test_return_dict_false_gives_a_tuple():
     assert isinstance(from_config, tuple) and torch.equal(from_config[0], full.loss)
 
 
+def test_labels_of_another_shape_are_refused_in_one_line():
+    """Labels not of the input's shape ``[batch, seq_len]`` - 1-D, or already shifted by the
+    user - stopped inside the loss with "too many indices for tensor of dimension 1" or
+    cross-entropy's "Expected input batch_size (2) to match target batch_size (1)". Refused
+    naming both shapes; labels of the input's shape give the loss as before."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 8))
+    for labels in (ids[0], ids[:, 1:], torch.cat([ids, ids], 1)):
+        with pytest.raises(ValueError, match=rf"labels of shape {re.escape(str(list(labels.shape)))}: they must be \[batch, seq_len\] as "
+                                             r"the input ids are, here \[1, 8\] \(not shifted"):
+            hf(ids, labels=labels)
+    with pytest.raises(ValueError, match=r"as the positions logits_to_keep keeps of the input ids are, here \[1, 1\]"):
+        hf(ids, labels=ids, logits_to_keep=1)
+    assert hf(ids, labels=ids).loss.ndim == 0
+
+
 def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
     """``logits_to_keep`` is, as in transformers' models, a count of last positions or a 1-D
     tensor of the positions to keep (was: a tensor stopped the forward with "Boolean value of

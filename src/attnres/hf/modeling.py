@@ -393,6 +393,11 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         h = h[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]  # 0: all
         logits = self.lm_head(self.norm(h))
         loss = None
+        if labels is not None and tuple(labels.shape) != tuple(logits.shape[:2]):
+            # (cross-entropy's own error compares flattened sizes, or a 1-D labels fails on its shift)
+            kept = "" if isinstance(logits_to_keep, int) and logits_to_keep == 0 else " the positions logits_to_keep keeps of"
+            raise ValueError(f"labels of shape {list(labels.shape)}: they must be [batch, seq_len] as{kept} the input ids are, "
+                             f"here {list(logits.shape[:2])} (not shifted: the model shifts them to the next token)")
         if labels is not None and num_items_in_batch is None:
             loss = next_token_loss(logits, labels.to(logits.device))
         elif labels is not None:
