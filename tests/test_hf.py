@@ -6,6 +6,7 @@ tokenizer export, and ``attnres eval`` with lm-evaluation-harness on local tasks
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,31 @@ def test_config_rejects_bad_fields_and_mirrors_model_config():
             AttnResConfig(**{hf_name: 7})
     assert AttnResConfig(hidden_size=64).d_model == 64  # HF names alone, and HF's own keys, still go
     assert AttnResConfig(sep_token_id=3, architectures=["AttnResForCausalLM"], num_labels=2).d_model == 512
+
+
+@pytest.mark.parametrize("option, value, does", [
+    ("head_dim", 8, "its heads are d_model // n_heads: 16"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, "its RoPE is unscaled"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 4.0}, "its RoPE is unscaled"),
+    ("hidden_act", "gelu", "its MLP is SwiGLU: 'silu'"),
+    ("attention_bias", True, "no bias"),
+    ("mlp_bias", True, "no bias"),
+    ("attention_dropout", 0.1, "no dropout"),
+    ("sliding_window", 8, "its attention is global"),
+])
+def test_config_refuses_an_option_the_decoder_does_not_have(option, value, does):
+    """A transformers option the native decoder does not have (a Llama config's ``head_dim``,
+    ``rope_parameters`` with a scaling, ``attention_dropout`` for fine-tuning, ...) was kept as
+    an extra attribute and the model built without it: heads of ``d_model // n_heads``,
+    unscaled RoPE, no dropout, without a word. Refused, naming what the decoder does; the
+    value it matches (a Llama config's default) still goes, and builds the same model."""
+    fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
+    with pytest.raises(ValueError, match=rf"AttnResConfig: {option}=.* is an option the AttnRes decoder does not have \(.*{re.escape(does)}"):
+        AttnResConfig(**fields, **{option: value})
+    matching = {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": None,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+                "sliding_window": None}[option]
+    assert AttnResConfig(**fields, **{option: matching}).to_model_config() == AttnResConfig(**fields).to_model_config()
 
 
 def test_cache_is_accepted_under_both_names():
@@ -479,6 +505,25 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
     assert hf.defer_norm and "defer_norm" not in hf.__dict__
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_generate_in_training_mode_with_activation_checkpointing(reentrant):
+    """``generate`` right after training (the model still in training mode, activation
+    checkpointing on, as ``Trainer`` leaves it) dropped the cache, which only a backward's
+    recompute of a sublayer makes unsafe: each step then saw its last token alone and the
+    continuation was another one, without a word. Without gradients the sublayers run as is,
+    cache included, as transformers' layers do: the tokens of the model in eval mode; with
+    gradients the cache is still dropped."""
+    hf = AttnResForCausalLM.from_native(native_model(residual="attnres_block"))
+    prompt = torch.randint(0, hf.config.vocab_size, (2, 5))
+    expected = hf.eval().generate(prompt, max_new_tokens=6, do_sample=False)
+    activation_checkpointing(hf, use_reentrant=reentrant)
+    hf.train()
+    torch.testing.assert_close(hf.generate(prompt, max_new_tokens=6, do_sample=False), expected, rtol=0, atol=0)
+    out = hf(prompt, use_cache=True)  # with gradients: no cache under checkpointing ('past_key_values' before 5.24)
+    assert getattr(out, "cache", getattr(out, "past_key_values", None)) is None
+    activation_checkpointing(hf, enable=False)
+
+
 @pytest.mark.parametrize("name", ["output_hidden_states", "output_attentions"])
 def test_per_layer_outputs_are_refused_not_dropped(name):
     """The native decoder records no per-layer hidden states or attention weights: asking for
@@ -495,6 +540,44 @@ def test_per_layer_outputs_are_refused_not_dropped(name):
     hf.config.output_hidden_states = False
     assert hf(ids, **{name: False}).logits.shape == (1, 8, hf.config.vocab_size)
     assert hf.generate(ids, max_new_tokens=2, do_sample=False).shape == (1, 10)
+
+
+def test_return_dict_false_gives_a_tuple():
+    """``return_dict=False`` (in the call, or ``config.return_dict``), which transformers'
+    models and the upcycled families answer with a tuple, was swallowed: the output stayed a
+    ``ModelOutput``, and ``loss, logits = model(..., return_dict=False)`` unpacked its keys,
+    the strings ``'loss'`` and ``'logits'``. It is now ``(loss, logits, cache)`` /
+    ``(last_hidden_state, cache)``, the ``None`` ones left out (the cache with ``use_cache=False``),
+    the same tensors."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        full = hf(ids, labels=ids)
+        loss, logits = hf(ids, labels=ids, use_cache=False, return_dict=False)
+        (hidden,) = AttnResModel(hf.config)(ids, use_cache=False, return_dict=False)
+        cached = hf(ids, return_dict=False)
+        hf.config.return_dict = False
+        from_config = hf(ids, labels=ids)
+    assert torch.equal(loss, full.loss) and torch.equal(logits, full.logits)
+    assert isinstance(hidden, torch.Tensor) and hidden.shape == (2, 8, hf.config.d_model)
+    assert len(cached) == 2 and cached[1].get_seq_length() == 8
+    assert isinstance(from_config, tuple) and torch.equal(from_config[0], full.loss)
+
+
+def test_labels_of_another_shape_are_refused_in_one_line():
+    """Labels not of the input's shape ``[batch, seq_len]`` - 1-D, or already shifted by the
+    user - stopped inside the loss with "too many indices for tensor of dimension 1" or
+    cross-entropy's "Expected input batch_size (2) to match target batch_size (1)". Refused
+    naming both shapes; labels of the input's shape give the loss as before."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (1, 8))
+    for labels in (ids[0], ids[:, 1:], torch.cat([ids, ids], 1)):
+        with pytest.raises(ValueError, match=rf"labels of shape {re.escape(str(list(labels.shape)))}: they must be \[batch, seq_len\] as "
+                                             r"the input ids are, here \[1, 8\] \(not shifted"):
+            hf(ids, labels=labels)
+    with pytest.raises(ValueError, match=r"as the positions logits_to_keep keeps of the input ids are, here \[1, 1\]"):
+        hf(ids, labels=ids, logits_to_keep=1)
+    assert hf(ids, labels=ids).loss.ndim == 0
 
 
 def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():

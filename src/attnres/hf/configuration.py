@@ -152,6 +152,7 @@ def _check_extra_keys(config, extra: dict) -> None:
                              f"{name}={getattr(config, name)!r}; set {name} only")
     unaliased = {hf: name for name, hf in FIELD_HF_NAMES.items() if hf != name and hf not in config.attribute_map}
     for key in extra:
+        _check_absent_option(config, key, extra[key])
         if key in unaliased:
             raise ValueError(f"AttnResConfig: {key} is the transformers name of {unaliased[key]}, which the config "
                              f"takes under its own name only: set {unaliased[key]}={extra[key]!r}")
@@ -161,6 +162,34 @@ def _check_extra_keys(config, extra: dict) -> None:
         if near:
             raise ValueError(f"AttnResConfig got an unknown field {key!r} - did you mean {near[0]!r}? The fields are "
                              f"ModelConfig's: {', '.join(_MODEL_FIELDS)}")
+
+
+#: transformers architecture options the native decoder does not have, with what it does
+#: instead: the value it matches is accepted (a Llama config's defaults), another one refused.
+_ABSENT_OPTIONS = {
+    "hidden_act": (lambda c, v: v == "silu", lambda c: "its MLP is SwiGLU: 'silu'"),
+    "attention_bias": (lambda c, v: v is False, lambda c: "its projections have no bias: False"),
+    "mlp_bias": (lambda c, v: v is False, lambda c: "its projections have no bias: False"),
+    "attention_dropout": (lambda c, v: v == 0, lambda c: "it has no dropout: 0.0"),
+    "sliding_window": (lambda c, v: v is None, lambda c: "its attention is global: None"),
+    "head_dim": (lambda c, v: v in (None, c.d_model // c.n_heads),
+                 lambda c: f"its heads are d_model // n_heads: {c.d_model // c.n_heads}"),
+    "rope_scaling": (lambda c, v: v is None, lambda c: "its RoPE is unscaled, of base rope_theta: None"),
+    "rope_parameters": (lambda c, v: v is None or (v.get("rope_type", "default") == "default"
+                                                   and v.get("rope_theta", c.rope_theta) == c.rope_theta),
+                        lambda c: f"its RoPE is unscaled, of base rope_theta={c.rope_theta}: rope_type 'default'"),
+}
+
+
+def _check_absent_option(config, key: str, value) -> None:
+    """Refuse a transformers option the native decoder does not have (kept as an extra
+    attribute, the model would be built without it: ``head_dim=8`` gave heads of
+    ``d_model // n_heads``, ``rope_parameters`` with a scaling unscaled RoPE)."""
+    accepts, does = _ABSENT_OPTIONS.get(key, (None, None))
+    if accepts is not None and not accepts(config, value):
+        raise ValueError(f"AttnResConfig: {key}={value!r} is an option the AttnRes decoder does not have "
+                         f"({does(config)}); drop it. A transformers family's decoder takes its own options in "
+                         "hf_config, with hf_architecture")
 
 
 def _body(ns: dict) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
 from ..models import AttnResLM, DecoderTrunk, next_token_loss
 from ..nn.norm import RMSNorm
@@ -186,7 +187,10 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, PreTrainedModel, DecoderTrunk):
         """The decoder pass shared by both heads: final-norm input ``h [B, T, d]`` and the cache.
         ``inputs_embeds [B, T, d]`` in place of ``input_ids``: taken as ``embed_tokens(input_ids)``."""
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training and use_cache:
+        # Without gradients (generate, an evaluation in training mode) there is no backward to
+        # recompute a sublayer: it runs as is, cache included, as transformers' layers do.
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if checkpointing and use_cache:
             use_cache = False  # recomputing a sublayer would append its keys/values twice
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -203,7 +207,6 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, PreTrainedModel, DecoderTrunk):
             if bool(attention_mask.all()):
                 attention_mask = None
         self._set_attention()
-        checkpointing = self.gradient_checkpointing and self.training
         onloaded = onload(self.residual)  # (device_map offloading: the residual runs no forward of its own)
         h, _ = self.decode(input_ids, attention_mask, store, inputs_embeds=inputs_embeds,
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
@@ -275,6 +278,7 @@ class AttnResModel(AttnResPreTrainedModel):
         super().__init__(config)
         self.post_init()
 
+    @can_return_tuple  # return_dict=False (the call's or the config's): a tuple, as transformers' models give
     def forward(
         self,
         input_ids: Tensor | None = None,
@@ -361,6 +365,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    @can_return_tuple  # return_dict=False: (loss, logits, cache), the None ones left out, as transformers' models give
     def forward(
         self,
         input_ids: Tensor | None = None,
@@ -388,6 +393,11 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         h = h[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]  # 0: all
         logits = self.lm_head(self.norm(h))
         loss = None
+        if labels is not None and tuple(labels.shape) != tuple(logits.shape[:2]):
+            # (cross-entropy's own error compares flattened sizes, or a 1-D labels fails on its shift)
+            kept = "" if isinstance(logits_to_keep, int) and logits_to_keep == 0 else " the positions logits_to_keep keeps of"
+            raise ValueError(f"labels of shape {list(labels.shape)}: they must be [batch, seq_len] as{kept} the input ids are, "
+                             f"here {list(logits.shape[:2])} (not shifted: the model shifts them to the next token)")
         if labels is not None and num_items_in_batch is None:
             loss = next_token_loss(logits, labels.to(logits.device))
         elif labels is not None:
