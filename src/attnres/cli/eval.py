@@ -239,6 +239,11 @@ def _number(value: float, decimals: int = 4) -> str:
     return f"{value:.{decimals}f}" if abs(value) < 1e6 else f"{value:.{decimals}e}"
 
 
+def _perplexity_line(ppl: dict) -> str:
+    return (f"attnres eval: held-out loss {ppl['loss']:.4f}, perplexity {_number(ppl['perplexity'], 3)}, bits/byte "
+            f"{ppl['bits_per_byte']:.4f} over {ppl['tokens']} token" + "s" * (ppl["tokens"] != 1))
+
+
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
@@ -301,9 +306,7 @@ def run_eval(args) -> int:
                                         "batch_size": args.batch_size, "bootstrap_iters": args.bootstrap_iters}
                    if tasks else None,  # (--tasks none: the harness was given nothing)
                    "lm_eval": {}}
-        ppl = results["perplexity"]
-        print(f"attnres eval: held-out loss {ppl['loss']:.4f}, perplexity {_number(ppl['perplexity'], 3)}, bits/byte "
-              f"{ppl['bits_per_byte']:.4f} over {ppl['tokens']} token" + "s" * (ppl["tokens"] != 1))
+        print(_perplexity_line(results["perplexity"]))
         try:
             results["lm_eval"] = _lm_eval(args, tasks, text, run, device, offline is not None) if tasks else {}
         except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
