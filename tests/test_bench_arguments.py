@@ -44,6 +44,9 @@ CASES = [
     ("triton_other_cards.py", ["--cards", "sm_75,sm_99"], "--cards: 'sm_99'; known cards: sm_70, sm_75,"),
     ("triton_other_cards.py", ["--json", "{file}/x.json"], "--json: {file} is not a directory"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
+    ("bf16_stream_loss.py", ["--out", "{file}-runs", "--steps", "0"], "--steps: must be an integer >= 1, got '0'"),
+    ("bf16_stream_loss.py", ["--out", "{file}/runs"], "--out: {file} is a file; give a directory"),
+    ("bf16_stream_loss.py", ["--out", "{file}-runs", "--results", "{file}/r"], "--results: {file} is a file; give"),
 ]
 
 
