@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_training_overhead import out_dir, positive_int
 
 from attnres.data import load_corpus
 from attnres.train import load_config, train
@@ -49,11 +50,11 @@ def perplexity(model, token_ids: list[int], seq: int = SEQ, windows: int | None 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="results/upcycle-smollm2")
-    p.add_argument("--work", default="runs/upcycle-smollm2", help="model directories and training runs")
-    p.add_argument("--eval-windows", type=int, default=None, help="at most this many 1024-token windows")
-    p.add_argument("--steps", type=int, default=120, help="continued-training steps of each model")
-    p.add_argument("--train-eval-batches", type=int, default=4, help="held-out batches of each evaluation during training")
+    p.add_argument("--out", type=out_dir, default="results/upcycle-smollm2")
+    p.add_argument("--work", type=out_dir, default="runs/upcycle-smollm2", help="model directories and training runs")
+    p.add_argument("--eval-windows", type=positive_int, default=None, help="at most this many 1024-token windows")
+    p.add_argument("--steps", type=positive_int, default=120, help="continued-training steps of each model")
+    p.add_argument("--train-eval-batches", type=positive_int, default=4, help="held-out batches of each evaluation during training")
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--report-only", action="store_true", help="rewrite report.md and loss.png from results.json")

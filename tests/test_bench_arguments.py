@@ -47,6 +47,11 @@ CASES = [
     ("bf16_stream_loss.py", ["--out", "{file}-runs", "--steps", "0"], "--steps: must be an integer >= 1, got '0'"),
     ("bf16_stream_loss.py", ["--out", "{file}/runs"], "--out: {file} is a file; give a directory"),
     ("bf16_stream_loss.py", ["--out", "{file}-runs", "--results", "{file}/r"], "--results: {file} is a file; give"),
+    ("upcycle_exactness.py", ["--out", "{file}/x"], "--out: {file} is a file; give a directory"),
+    ("upcycle_moe.py", ["--work", "{file}/w"], "--work: {file} is a file; give a directory"),
+    ("upcycle_moe.py", ["--pretrain-steps", "0"], "--pretrain-steps: must be an integer >= 1, got '0'"),
+    ("upcycle_smollm2.py", ["--out", "{file}/x"], "--out: {file} is a file; give a directory"),
+    ("upcycle_smollm2.py", ["--steps", "0"], "--steps: must be an integer >= 1, got '0'"),
 ]
 
 
@@ -91,3 +96,4 @@ def test_seq_prefill_records_the_command_it_ran(tmp_path, monkeypatch):
         runpy.run_path(str(BENCHMARKS / "bench_seq_prefill.py"), run_name="__main__")
     command = json.loads(out.with_suffix(".json").read_text())["command"]
     assert command.split()[1:] == ["benchmarks/bench_seq_prefill.py", "--out", str(out)]
+
