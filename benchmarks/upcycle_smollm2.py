@@ -70,7 +70,10 @@ def main() -> int:
         "threads": torch.get_num_threads()}
 
     t0 = time.perf_counter()
-    base, tokenizer = load_pretrained("smollm2")
+    try:
+        base, tokenizer = load_pretrained("smollm2")
+    except ValueError as e:  # (the weights' package not installed: its install line, not a traceback)
+        raise SystemExit(f"upcycle_smollm2.py: {e}") from None
     results["load_s"] = round(time.perf_counter() - t0, 1)
     val_ids = tokenizer(load_corpus().val)["input_ids"]
     results["val_tokens"] = len(val_ids)

