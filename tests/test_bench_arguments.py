@@ -51,6 +51,7 @@ CASES = [
     ("demo_under_load.py", ["--loaded-runs", "0", "--out", "{file}-runs"], "--loaded-runs: must be an integer >= 1, got 0"),
     ("demo_under_load.py", ["--repeats", "0", "--out", "{file}-runs"], "--repeats: must be an integer >= 1, got 0"),
     ("demo_under_load.py", ["--tolerance", "-1", "--out", "{file}-runs"], "--tolerance: must be a number >= 0, got -1.0"),
+    ("plan_scaling_grid.py", ["--overhead", "-1"], "--overhead: must be a share in [0, 1), got -1.0"),
     ("upcycle_exactness.py", ["--out", "{file}/x"], "--out: {file} is a file; give a directory"),
     ("upcycle_moe.py", ["--work", "{file}/w"], "--work: {file} is a file; give a directory"),
     ("upcycle_moe.py", ["--pretrain-steps", "0"], "--pretrain-steps: must be an integer >= 1, got '0'"),
