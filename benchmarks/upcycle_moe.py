@@ -186,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     suffix = "-quick" if args.quick else ""  # (a smoke run wrote over the committed results/upcycle-moe)
     args.out = args.out or f"results/upcycle-moe{suffix}"
     args.work = args.work or f"runs/upcycle-moe{suffix}"
+    if args.report_only and not (Path(args.out) / "results.json").is_file():  # (was a FileNotFoundError traceback)
+        p.error(f"argument --report-only: {Path(args.out) / 'results.json'} not found: run the benchmark first")
     return args
 
 

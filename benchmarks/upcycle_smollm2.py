@@ -59,6 +59,8 @@ def main() -> int:
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--report-only", action="store_true", help="rewrite report.md and loss.png from results.json")
     args = p.parse_args()
+    if args.report_only and not (Path(args.out) / "results.json").is_file():  # (was a FileNotFoundError traceback)
+        p.error(f"argument --report-only: {Path(args.out) / 'results.json'} not found: run the benchmark first")
     if args.report_only:
         save(Path(args.out), json.loads((Path(args.out) / "results.json").read_text()), args)
         return 0

@@ -60,6 +60,8 @@ CASES = [
     ("upcycle_moe.py", ["--pretrain-steps", "0"], "--pretrain-steps: must be an integer >= 1, got '0'"),
     ("upcycle_smollm2.py", ["--out", "{file}/x"], "--out: {file} is a file; give a directory"),
     ("upcycle_smollm2.py", ["--steps", "0"], "--steps: must be an integer >= 1, got '0'"),
+    ("upcycle_moe.py", ["--report-only", "--out", "{file}-none"], "--report-only: {file}-none/results.json not found"),
+    ("upcycle_smollm2.py", ["--report-only", "--out", "{file}-none"], "--report-only: {file}-none/results.json not found"),
 ]
 
 
