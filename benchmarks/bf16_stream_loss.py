@@ -41,6 +41,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_training_overhead import out_dir, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "train-cpu.yaml"
 MODELS = {"standard": "standard", "block": "attnres_block", "full": "attnres_full"}
@@ -169,12 +171,14 @@ def plot(out: Path, results: Path, models: list[str], seeds: list[int], settings
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="the run directories (checkpoints included)")
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results",
+    # (checked before the first run: a file in the way of --results was a traceback after the whole grid)
+    parser.add_argument("--out", type=lambda v: Path(out_dir(v)), required=True,
+                        help="the run directories (checkpoints included)")
+    parser.add_argument("--results", type=lambda v: Path(out_dir(v)), default=ROOT / "benchmarks" / "results",
                         help="where bf16_stream_loss.{md,json,png} go")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["standard", "block"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=positive_int, default=1000)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
                         help="the float32 stream always runs (the others are paired with it)")
     args = parser.parse_args()

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_training_overhead import out_dir
+
 
 def _spin() -> None:
     while True:
@@ -65,13 +67,20 @@ def verdict(quiet: dict, loaded: dict, report: str, name: str, tolerance: float)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="demo")
-    parser.add_argument("--out", default="runs/compare")
+    parser.add_argument("--out", type=out_dir, default="runs/compare")
     parser.add_argument("--repeats", type=int, default=10, help="--overhead-repeats of every run (default 10)")
     parser.add_argument("--loaded-runs", type=int, default=2)
     parser.add_argument("--busy", type=int, default=os.cpu_count(), help="busy loops beside a loaded run (default: one per core)")
     parser.add_argument("--tolerance", type=float, default=0.05)
     parser.add_argument("overrides", nargs="*", help="TrainConfig overrides passed to attnres compare")
     args = parser.parse_args(argv)
+    # (checked before the quiet run: --loaded-runs 0 was an IndexError after it, a negative
+    # --tolerance a FAIL of every loaded run)
+    for name in ("repeats", "loaded_runs", "busy"):
+        if getattr(args, name) < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be an integer >= 1, got {getattr(args, name)}")
+    if not args.tolerance >= 0:
+        parser.error(f"argument --tolerance: must be a number >= 0, got {args.tolerance}")
     from attnres.experiments import get_experiment
 
     try:  # (else `attnres compare` fails in a subprocess and this one with a CalledProcessError traceback)

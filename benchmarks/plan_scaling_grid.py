@@ -89,6 +89,8 @@ def main() -> None:
     for name in ("seeds", "processes", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"argument --{name}: must be an integer >= 1, got {getattr(args, name)}")
+    if not 0 <= args.overhead < 1:  # (a share of the run: a negative one planned less than the steps alone)
+        parser.error(f"argument --overhead: must be a share in [0, 1), got {args.overhead}")
     torch.set_num_threads(1)
     preset, rounds = ("tiny", 1) if args.quick else (args.preset, args.rounds)
     measured = step_cpu_seconds(preset, rounds)

@@ -244,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", type=int, action="append", choices=ARCHS,
                    help=f"compile for sm_<ARCH> only (repeatable; default: {', '.join(map(str, ARCHS))})")
     args = p.parse_args(argv)
+    if args.workers is not None and args.workers < 1:  # (0 ran with the default number without a word)
+        p.error(f"argument --workers: must be an integer >= 1, got {args.workers}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # (else a traceback after every compile)
+        p.error(f"argument --json: {Path(args.json).parent} is not a directory")
     archs = tuple(sorted(set(args.arch))) if args.arch else ARCHS
     if args.write_docs and (args.aligned_only or archs != ARCHS):
         p.error("--write-docs states that every target and the variants at an odd d were checked: run it without "

@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--json", help="also write every variant's numbers to this file")
     args = p.parse_args(argv)
+    if args.workers is not None and args.workers < 1:  # (0 ran with the default number without a word)
+        p.error(f"argument --workers: must be an integer >= 1, got {args.workers}")
     cards = [c.strip() for c in args.cards.split(",") if c.strip()]
     unknown = [c for c in cards if c not in CARDS]
     if unknown or not cards:

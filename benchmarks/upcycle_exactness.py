@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from bench_training_overhead import out_dir
 
 from attnres.upcycle import CHECKED_WITH, FAMILIES, upcycle
 
@@ -91,7 +92,7 @@ def table(results: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="results/upcycle-exactness")
+    p.add_argument("--out", type=out_dir, default="results/upcycle-exactness")
     args = p.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

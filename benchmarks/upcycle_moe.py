@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_training_overhead import out_dir, positive_int
 
 FAMILY = "qwen3_moe"
 MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 256}
@@ -163,20 +164,20 @@ def _curves(run: Path) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="report directory (default results/upcycle-moe; --quick: "
+    p.add_argument("--out", type=out_dir, default=None, help="report directory (default results/upcycle-moe; --quick: "
                                                "results/upcycle-moe-quick, not the committed one)")
-    p.add_argument("--work", default=None, help="model directories and training runs (default runs/upcycle-moe"
+    p.add_argument("--work", type=out_dir, default=None, help="model directories and training runs (default runs/upcycle-moe"
                                                 "[-quick])")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--pretrain-steps", type=int, default=400)
+    p.add_argument("--pretrain-steps", type=positive_int, default=400)
     p.add_argument("--pretrain-lr", type=float, default=3e-3)
-    p.add_argument("--steps", type=int, default=300, help="continued-training steps of each model")
+    p.add_argument("--steps", type=positive_int, default=300, help="continued-training steps of each model")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--every", type=int, default=50, help="checkpoint, eval and diagnostics cadence")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--rows", type=int, default=16, help="validation windows for the routing measurements")
+    p.add_argument("--every", type=positive_int, default=50, help="checkpoint, eval and diagnostics cadence")
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--vocab", type=positive_int, default=2048)
+    p.add_argument("--rows", type=positive_int, default=16, help="validation windows for the routing measurements")
     p.add_argument("--quick", action="store_true", help="a smoke run: few steps, small batches")
     p.add_argument("--report-only", action="store_true", help="rewrite report.md and the plots from results.json")
     args = p.parse_args(argv)
@@ -185,6 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     suffix = "-quick" if args.quick else ""  # (a smoke run wrote over the committed results/upcycle-moe)
     args.out = args.out or f"results/upcycle-moe{suffix}"
     args.work = args.work or f"runs/upcycle-moe{suffix}"
+    if args.report_only and not (Path(args.out) / "results.json").is_file():  # (was a FileNotFoundError traceback)
+        p.error(f"argument --report-only: {Path(args.out) / 'results.json'} not found: run the benchmark first")
     return args
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_training_overhead import out_dir, positive_int
 
 from attnres.data import load_corpus
 from attnres.train import load_config, train
@@ -49,15 +50,17 @@ def perplexity(model, token_ids: list[int], seq: int = SEQ, windows: int | None 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="results/upcycle-smollm2")
-    p.add_argument("--work", default="runs/upcycle-smollm2", help="model directories and training runs")
-    p.add_argument("--eval-windows", type=int, default=None, help="at most this many 1024-token windows")
-    p.add_argument("--steps", type=int, default=120, help="continued-training steps of each model")
-    p.add_argument("--train-eval-batches", type=int, default=4, help="held-out batches of each evaluation during training")
+    p.add_argument("--out", type=out_dir, default="results/upcycle-smollm2")
+    p.add_argument("--work", type=out_dir, default="runs/upcycle-smollm2", help="model directories and training runs")
+    p.add_argument("--eval-windows", type=positive_int, default=None, help="at most this many 1024-token windows")
+    p.add_argument("--steps", type=positive_int, default=120, help="continued-training steps of each model")
+    p.add_argument("--train-eval-batches", type=positive_int, default=4, help="held-out batches of each evaluation during training")
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--report-only", action="store_true", help="rewrite report.md and loss.png from results.json")
     args = p.parse_args()
+    if args.report_only and not (Path(args.out) / "results.json").is_file():  # (was a FileNotFoundError traceback)
+        p.error(f"argument --report-only: {Path(args.out) / 'results.json'} not found: run the benchmark first")
     if args.report_only:
         save(Path(args.out), json.loads((Path(args.out) / "results.json").read_text()), args)
         return 0
@@ -69,7 +72,10 @@ def main() -> int:
         "threads": torch.get_num_threads()}
 
     t0 = time.perf_counter()
-    base, tokenizer = load_pretrained("smollm2")
+    try:
+        base, tokenizer = load_pretrained("smollm2")
+    except ValueError as e:  # (the weights' package not installed: its install line, not a traceback)
+        raise SystemExit(f"upcycle_smollm2.py: {e}") from None
     results["load_s"] = round(time.perf_counter() - t0, 1)
     val_ids = tokenizer(load_corpus().val)["input_ids"]
     results["val_tokens"] = len(val_ids)

