@@ -22,7 +22,7 @@ from .user_warning import warn_user
 
 __all__ = ["HF_MODEL_FILES", "HF_MODULE_FILE", "HF_TOKENIZER_FILES", "HF_WEIGHT_FILES", "OutputPathError",
            "check_output_dir", "check_output_file", "file_in_the_way", "honour_umask", "not_a_directory", "os_cause",
-           "strict_json", "write_directory_atomically", "write_text_atomically"]
+           "read_json_object", "strict_json", "write_directory_atomically", "write_text_atomically"]
 
 
 #: The files a Hugging Face directory keeps its weights in (``save_pretrained``'s
@@ -65,6 +65,16 @@ def strict_json(value: Any, **kwargs: Any) -> str:
     which JSON does not have: ``jq``, JavaScript and ``json.loads(..., parse_constant=...)``
     refuse the file."""
     return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def read_json_object(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON object a file written here holds, and ``None``; or ``None`` and why it cannot
+    be read, in words for an error (cut short or edited: the exception; another JSON value)."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    return (value, None) if isinstance(value, dict) else (None, f"a JSON {type(value).__name__}, not an object")
 
 
 class OutputPathError(ValueError):

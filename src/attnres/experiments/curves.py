@@ -6,13 +6,13 @@ runs it trains itself.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..output_paths import read_json_object
 from ..train.metrics import METRICS_FILE, read_metrics
 from ..train.status import tokenizer_description
 
@@ -70,11 +70,8 @@ def read_curves(run: str | Path) -> Curves:
 def tokenizer_of(run: str | Path) -> str | None:
     """The tokenizer ``run``'s losses are per token of, as its ``config.json`` says
     (:func:`~attnres.train.status.tokenizer_description`); ``None`` when unreadable."""
-    try:
-        config = json.loads((Path(run) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return tokenizer_description(config) if isinstance(config, dict) else None
+    config, _ = read_json_object(Path(run) / "config.json")
+    return tokenizer_description(config) if config is not None else None
 
 
 def tokens_per_step(curves: Curves) -> float | None:

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..output_paths import read_json_object
+
 EXPERIMENT_FILE = "experiment.json"
 OVERHEAD_FILE = "overhead.json"
 RESULT_FILE = "result.json"
@@ -42,18 +44,22 @@ def read_overhead(out: Path) -> dict[str, Any] | None:
                                 "command without --report-only measures them again")
 
 
+def data_fingerprint(checkpoint: Path | None) -> str | None:
+    """The fingerprint of the text a run trained on, from the ``state.json`` of its final
+    ``checkpoint``; ``None`` without one, or where it does not say (the report says where a
+    grid's runs trained on different texts)."""
+    state, _ = read_json_object(Path(checkpoint) / "state.json") if checkpoint is not None else (None, None)
+    data = state.get("data") if state is not None else None
+    return data.get("fingerprint") if isinstance(data, dict) else None
+
+
 def read_grid_file(path: Path, fix: str) -> dict[str, Any]:
     """The JSON object a grid wrote to ``path`` (a run's record, the overhead measurements);
     ``ValueError`` naming the file, why it cannot be read (cut short, edited) and ``fix``."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        cause = f"{type(e).__name__}: {e}"
-    else:
-        if isinstance(value, dict):
-            return value
-        cause = f"a JSON {type(value).__name__}, not an object"
-    raise ValueError(f"{str(path)!r} cannot be read ({cause}); {fix}")
+    value, cause = read_json_object(path)
+    if value is None:
+        raise ValueError(f"{str(path)!r} cannot be read ({cause}); {fix}")
+    return value
 
 
 def read_experiment_header(out: str | Path) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..checkpoint import latest_checkpoint
 from ..checkpoint.manifest import STATE_FILE
+from ..output_paths import read_json_object
 from .lock import LOCK_FILE, stale_here
 from .metrics import METRICS_FILE, read_metrics
 
@@ -149,13 +150,9 @@ def _run_config(path: Path, newest: Path | None) -> tuple[dict[str, Any], str | 
     ``None``). A finished run with a damaged config.json was called "stopped", its steps
     unknown, with no word of the file."""
     file = path / "config.json"
-    try:
-        config = json.loads(file.read_text())
-        if isinstance(config, dict):
-            return config, None
-        cause = f"a JSON {type(config).__name__}, not an object"
-    except (OSError, ValueError) as e:
-        cause = f"{type(e).__name__}: {e}"
+    config, cause = read_json_object(file)
+    if config is not None:
+        return config, None
     said = f"{str(file)!r} cannot be read ({cause})"
     try:
         stored = json.loads((newest / STATE_FILE).read_text())["config"] if newest is not None else None

@@ -7,7 +7,6 @@ PNG plots (matplotlib, Agg backend).
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from ...train import latest_checkpoint
 from ...train.status import run_status
 from .compare import compare_markdown
 from ...user_warning import warn_user
-from ..layout import RESULT_FILE, read_overhead, run_dir, saved_config
+from ..layout import RESULT_FILE, data_fingerprint, read_overhead, run_dir, saved_config
 from .presets import PRESETS, get_experiment
 from ..grids.scaling_report import scaling_section
 from ..stats import holm, markdown_table, mean_difference, mean_std, pooled_sd
@@ -316,11 +315,7 @@ def _data_fingerprint(out: Path, record: dict[str, Any]) -> str | None:
         return record["data_fingerprint"]
     if not isinstance(record.get("variant"), str) or not isinstance(record.get("seed"), int):
         return None
-    newest = latest_checkpoint(run_dir(out, record["variant"], record["seed"]))
-    try:
-        return json.loads((newest / "state.json").read_text())["data"]["fingerprint"] if newest else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return data_fingerprint(latest_checkpoint(run_dir(out, record["variant"], record["seed"])))
 
 
 def _other_texts(out: Path, records: list[dict[str, Any]]) -> str:

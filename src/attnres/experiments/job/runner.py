@@ -35,7 +35,8 @@ from ...train.metrics import read_metrics
 from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
-from ..layout import EXPERIMENT_FILE, RESULT_FILE, read_experiment_header, read_grid_file, run_dir
+from ..layout import (EXPERIMENT_FILE, RESULT_FILE, data_fingerprint, read_experiment_header, read_grid_file,
+                      run_dir)
 
 
 def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,
@@ -148,14 +149,6 @@ def passes_drawn(checkpoint: Path | None) -> float | None:
         return None
     sampler = json.loads((Path(checkpoint) / "state.json").read_text())["sampler"]
     return sampler["samples_drawn"] / sampler["n_windows"]
-
-
-def data_fingerprint(checkpoint: Path | None) -> str | None:
-    """The fingerprint of the text a run trained on, from its final ``checkpoint`` (``None``
-    without one): the report says where a grid's runs trained on different texts."""
-    if checkpoint is None:
-        return None
-    return (json.loads((Path(checkpoint) / "state.json").read_text()).get("data") or {}).get("fingerprint")
 
 
 def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
