@@ -1249,6 +1249,10 @@ def test_logged_depth_weights_are_the_models_on_the_first_validation_batch(tmp_p
     assert len(diag["depth_weights"]) == len(weights) == 2 * len(model.layers) + 1
     for logged, w in zip(diag["depth_weights"], weights):
         assert logged == pytest.approx(w.mean(dim=(1, 2)).tolist(), abs=1e-6)
+    # depth_entropy: each position's entropy over its sources, then the mean (float64 by hand)
+    by_hand = [-(w.double() * w.double().log()).nan_to_num().sum(0).mean().item() for w in weights]
+    assert diag["depth_entropy"] == pytest.approx(by_hand, abs=1e-6)
+    assert diag["depth_entropy"][0] == 0.0 and all(h > 0 for h in diag["depth_entropy"][1:])
     assert diag["block_output_rms"] == pytest.approx(
         [(a + m).pow(2).mean().sqrt().item() for a, m in outputs.values()], rel=1e-5)
 
@@ -1356,3 +1360,15 @@ def test_a_symlinked_folder_in_a_data_directory_is_named_as_not_searched(tmp_pat
                                                    "data.paths")):
         corpus = load_corpus([str(tmp_path / "data")], read=False)
     assert [p.name for p in corpus.files] == ["a.txt"]
+
+
+def test_depth_entropy_is_the_mean_of_each_positions_entropy():
+    """Two positions that each take one source, a different one: the entropy of the mean
+    weights (log 2) would call that even mixing; each position's entropy is 0."""
+    from attnres.analysis import depth_entropy
+
+    picks = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]])  # [sources, B=1, T=2]
+    assert depth_entropy(picks) == 0.0 and str(depth_entropy(picks[:1, :, :1])) == "0.0"  # not -0.0
+    assert depth_entropy(torch.full((3, 2, 5), 1 / 3, dtype=torch.float64)) == pytest.approx(math.log(3), rel=1e-12)
+    half = torch.tensor([[[0.5, 1.0]], [[0.5, 0.0]]])
+    assert depth_entropy(half) == pytest.approx(math.log(2) / 2, rel=1e-12)

@@ -8,6 +8,7 @@ expert-load analysis."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -350,6 +351,7 @@ def test_train_an_moe_family_from_scratch_logs_the_aux_loss_and_expert_load(tmp_
 
     from attnres.cli import main as cli_main
     from attnres.train import load_config, train
+    from attnres.train.metrics import scalars
 
     corpus = write_corpus(tmp_path / "corpus.txt")
     args = overrides(corpus, tmp_path / "run", steps=2, diagnostics_every=1, checkpoint_every=2,
@@ -362,6 +364,12 @@ def test_train_an_moe_family_from_scratch_logs_the_aux_loss_and_expert_load(tmp_
     diag = _records(tmp_path / "run", "diagnostics")[-1]
     assert [d["layer"] for d in diag["expert_load"]] == [0, 1]  # preset tiny: 2 layers
     assert all(sum(d["fraction"]) == pytest.approx(1.0) and len(d["fraction"]) == 4 for d in diag["expert_load"])
+    # and their summaries, which TensorBoard / W&B get as scalars, one per MoE layer
+    fractions = [torch.tensor(d["fraction"], dtype=torch.float64) for d in diag["expert_load"]]
+    assert diag["expert_load_entropy"] == pytest.approx(
+        [(-torch.special.xlogy(f, f).sum() / math.log(4)).item() for f in fractions], abs=1e-9)
+    assert diag["expert_max_load"] == pytest.approx([4 * f.max().item() for f in fractions], abs=1e-9)
+    assert {"diagnostics/expert_max_load/1", "diagnostics/depth_entropy/4"} <= set(scalars("diagnostics", diag))
     # attnres analyze: the depth mixing matrix and, per MoE layer, the expert load
     assert cli_main(["analyze", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "an"), "--rows", "2",
                      "--seq-len", "16"]) == 0

@@ -1,7 +1,7 @@
 """Analysis helpers: training diagnostics of the report's Fig. 5 and Fig. 8, and residuals as
 depth mixing matrices with their depth-wise attention sinks (report §6.2, Fig. 9, §5.4.2)."""
 
-from .diagnostics import block_grad_norms, forward_diagnostics
+from .diagnostics import block_grad_norms, depth_entropy, forward_diagnostics
 from .mixing import (
     RANK_RTOL,
     DepthMixing,
@@ -15,6 +15,7 @@ from .mixing import (
 
 __all__ = [
     "block_grad_norms",
+    "depth_entropy",
     "forward_diagnostics",
     "depth_mixing_matrix",
     "mixing_forward",

@@ -9,8 +9,13 @@
   the block's parameters together (attention, MLP and both pre-norm gains), before clipping.
 * **Depth-attention weights** (Fig. 8): for every sublayer and the output aggregation, the
   mean over batch and positions of its softmax weights over the sources.
+* **Depth-attention entropy**: for every sublayer and the output aggregation, the mean over
+  batch and positions of the entropy (nats) of each position's weights over the sources - 0
+  when each position takes one source, ``log(sources)`` when it spreads evenly. The entropy of
+  the mean weights would hide positions that each pick one source, but different ones.
 * **Expert load** (mixture-of-experts family models only): per MoE layer, the share of the
-  routing assignments each expert received (:mod:`attnres.analysis.experts`).
+  routing assignments each expert received (:mod:`attnres.analysis.experts`), with its
+  normalised entropy and the busiest expert's load over an even one.
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ def _blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, nn.
         return [(layer, layer.attn, layer.mlp, layer.attn_norm) for layer in model.layers]
     x = hf_hook("layout_of")(hf_hook("family_of")(model.config.model_type))
     return [(layer, getattr(layer, x.attn), getattr(layer, x.mlp), getattr(layer, x.attn_norm)) for layer in model.model.layers]
+
+
+def depth_entropy(weights: Tensor) -> float:
+    """The mean over batch and positions of the entropy (nats) of ``weights [sources, B, T]``
+    (one mixer's depth-attention weights, as ``return_depth_weights`` gives them) over the
+    sources; ``0 log 0 = 0``."""
+    w = weights.detach().double()
+    return float(-torch.special.xlogy(w, w).sum(0).mean()) + 0.0  # + 0.0: one source gives -0.0
 
 
 def _first(out):
@@ -65,8 +78,10 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
 
     Returns ``block_output_rms`` and ``block_input_rms`` (one float per transformer block)
     and ``depth_weights`` (one list of per-source means per sublayer, then the output
-    aggregation; ``None`` for the standard residual); for a mixture-of-experts family model
-    also ``expert_load``, per MoE layer ``{"layer", "fraction"}`` (see
+    aggregation) with ``depth_entropy`` (per sublayer, then the output aggregation: see
+    :func:`depth_entropy`), both ``None`` for a residual without depth attention; for a
+    mixture-of-experts family model also ``expert_load``, per MoE layer ``{"layer",
+    "fraction"}``, and per MoE layer ``expert_load_entropy`` and ``expert_max_load`` (see
     :mod:`attnres.analysis.experts`). Touches no random state.
     """
     # torch.compile's wrapper runs the module it wraps: calling the wrapper would trace the model
@@ -99,14 +114,17 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
         for h in handles:
             h.remove()
     n = len(blocks)
-    weights = [w.float().mean(dim=(1, 2)).tolist() for w in recorded] if recorded else None
     out = {
         "block_output_rms": [_rms(outputs[b][0] + outputs[b][1]) for b in range(n)],
         "block_input_rms": [inputs[b] for b in range(n)],
-        "depth_weights": weights,
+        "depth_weights": [w.float().mean(dim=(1, 2)).tolist() for w in recorded] if recorded else None,
+        "depth_entropy": [depth_entropy(w) for w in recorded] if recorded else None,
     }
     if routers is not None and routers.routers:
         from .experts import recorded_expert_load
 
-        out["expert_load"] = [{"layer": x.layer, "fraction": x.fraction} for x in recorded_expert_load(routers)]
+        loads = recorded_expert_load(routers)
+        out["expert_load"] = [{"layer": x.layer, "fraction": x.fraction} for x in loads]
+        out["expert_load_entropy"] = [x.entropy for x in loads]
+        out["expert_max_load"] = [x.max_load for x in loads]
     return out
