@@ -15,7 +15,8 @@ from attnres.cli import build_parser
 from attnres.train.config import TrainConfig, flatten
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "benchmarks" / "results").glob("*/README.md"))]
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 OPTION = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
