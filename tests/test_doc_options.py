@@ -1,8 +1,9 @@
 """Every option and config key the README and docs/ name exists: ``attnres SUBCOMMAND
 --option`` in that subcommand's parser (``attnres --import X`` in the top one), ``python
 benchmarks/X.py --option`` in that script, and a config key (``model.residual.block_size``,
-``data.val_fraction=...``) among ``TrainConfig``'s fields. A renamed option or field left a
-doc telling users to type what argparse or the config refuses."""
+``data.val_fraction=...``) among ``TrainConfig``'s fields, and ``make TARGET`` among the
+Makefile's targets. A renamed option, field or target left a doc telling users to type what
+argparse, the config or make refuses."""
 
 from __future__ import annotations
 
@@ -107,3 +108,24 @@ def test_the_key_check_finds_a_key_no_config_has():
             "```bash\nattnres train parallel.pp=2 data.val=0.1\n```\n"
             "```python\nx = data.train_tokens\n```\n")
     assert unknown_keys(text, keys) == ["model.residual.blocksize", "data.val"]
+
+
+def unknown_make_targets(text: str, makefile: str) -> list[str]:
+    """``make TARGET`` in the code spans and ``bash`` blocks of ``text`` whose target the
+    Makefile lacks (prose's "make it" is not a command)."""
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    code = [*CODE_SPAN.findall(FENCE.sub("", text)),
+            *(block for block in FENCE.findall(text) if block.startswith("```bash"))]
+    return [target for span in code for target in re.findall(r"(?<![\w-])make ([a-z][\w-]*)", span)
+            if target not in targets]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_make_target_a_doc_names_exists(doc):
+    assert unknown_make_targets(doc.read_text(), (ROOT / "Makefile").read_text()) == []
+
+
+def test_the_make_check_finds_a_target_the_makefile_lacks():
+    makefile = "test: venv\n\tpytest\nbench-serving:\n\tpython b.py\n"
+    text = "`make test`, to make it run; `make gone`\n```bash\nmake bench-serving && make lost\n```\n"
+    assert unknown_make_targets(text, makefile) == ["gone", "lost"]
