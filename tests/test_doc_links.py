@@ -2,7 +2,8 @@
 ``#anchor`` one of the target's headings (GitHub's slugs) or explicit ``<a id>`` anchors: the
 README's '[Performance](#performance-cpu)' pointed at a heading that had been renamed. Every
 table's rows have its header's number of cells (design.md's numerical policy had a separator
-row of three under a header of two)."""
+row of three under a header of two). Every path of the repository a doc names in prose or code
+(``src/...``, ``benchmarks/results/...``, ``attnres/...`` for ``src/attnres/...``) exists."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "benchmarks" / "results").glob("*/README.md"))]
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -109,3 +111,39 @@ def test_the_table_check_counts_cells_outside_code_and_escapes():
     assert misshapen_tables("| a | b |\n|---|---|---|\n| 1 | 2 |\n") == [
         "'| a | b |': 3 cells, not 2, in '|---|---|---|'"]
     assert len(misshapen_tables("| a | b |\n|---|---|\n| 1 | 2 | 3 |\n")) == 1
+
+
+#: A path of the repository named in a doc: one of its top folders, or the package's own
+#: ``attnres/...`` (under ``src/``), not part of a longer path (``runs/x/results/...``).
+REPO_PATH = re.compile(r"(?<![\w./$-])((?:src|docs|benchmarks|results|tests|configs|studies|attnres)/[\w./-]*[\w/])")
+#: Paths a doc names that are not files of this version, each for a reason the doc says.
+NOT_FILES = {"benchmarks/results/gpu-h200-DATE",  # kernels.md: the directory of one's own next GPU run
+             "benchmarks/results/kernels_gpu",  # kernels.md: bench_kernels_gpu.py's default --out
+             "attnres/kernels/cpu_merge.c"}  # training-overhead.md: the C kernel's file before 18bf88c
+
+
+def missing_paths(text: str, root: Path = ROOT) -> list[str]:
+    """The repository paths ``text`` names that do not exist. A path without its suffix
+    (``--out DIR/stem``, ``stem.{json,md}``) is found by its stem."""
+    missing = []
+    for named in REPO_PATH.findall(LINK.sub("", text)):  # (links: the check above)
+        path = root / ("src/" + named if named.startswith("attnres/") else named)
+        if named in NOT_FILES or path.exists() or any(path.parent.glob(path.name + ".*")):
+            continue
+        missing.append(named)
+    return missing
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_repository_path_a_doc_names_exists(doc):
+    assert missing_paths(doc.read_text()) == []
+
+
+def test_the_path_check_finds_a_missing_path(tmp_path):
+    (tmp_path / "src" / "attnres").mkdir(parents=True)
+    (tmp_path / "src" / "attnres" / "a.py").write_text("")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "r.json").write_text("")
+    text = ("`src/attnres/a.py` and attnres/a.py, `benchmarks/r.{json,md}`, --out benchmarks/r, "
+            "[a link](docs/gone.md), runs/x/results/y, `src/attnres/b.py` and benchmarks/gone.json")
+    assert missing_paths(text, tmp_path) == ["src/attnres/b.py", "benchmarks/gone.json"]

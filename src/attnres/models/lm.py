@@ -92,7 +92,7 @@ class AttnResLM(DecoderTrunk):
 
     def init_weights(self) -> None:
         """Normal(0, init_std) for projections and embeddings, ones for norm gains, and -
-        last, so that nothing overwrites them - zero pseudo-queries (report §3.1)."""
+        last, so that nothing overwrites them - zero pseudo-queries (report §5, "Architecture Details")."""
         self.apply(self._init_module)
         self.residual.reset_parameters()
 

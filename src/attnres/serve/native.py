@@ -1,7 +1,8 @@
 """``AttnResForCausalLM`` (an ``attnres export`` directory) as a vLLM model.
 
-The native decoder is a Llama-style PreNorm transformer (report §3: grouped-query attention
-with RoPE, SwiGLU MLP, RMSNorm), so its sublayers are vLLM's own Llama modules -
+The native decoder is a Llama-style PreNorm transformer (grouped-query attention with RoPE,
+SwiGLU MLP, RMSNorm: this package's choice; the report's model is a Kimi Linear MoE, report
+§5), so its sublayers are vLLM's own Llama modules -
 ``LlamaAttention`` (``QKVParallelLinear``, the rotary embedding, vLLM's ``Attention`` over
 the paged KV cache, ``RowParallelLinear``) and ``LlamaMLP`` (``MergedColumnParallelLinear``,
 ``SiluAndMul``) - with vLLM's ``RMSNorm`` as pre-norms, ``VocabParallelEmbedding`` and

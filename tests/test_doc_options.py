@@ -1,0 +1,131 @@
+"""Every option and config key the README and docs/ name exists: ``attnres SUBCOMMAND
+--option`` in that subcommand's parser (``attnres --import X`` in the top one), ``python
+benchmarks/X.py --option`` in that script, and a config key (``model.residual.block_size``,
+``data.val_fraction=...``) among ``TrainConfig``'s fields, and ``make TARGET`` among the
+Makefile's targets. A renamed option, field or target left a doc telling users to type what
+argparse, the config or make refuses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from attnres.cli import build_parser
+from attnres.train.config import TrainConfig, flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "benchmarks" / "results").glob("*/README.md"))]
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+OPTION = re.compile(r"(?<![\w-])(--[A-Za-z][\w-]*)")
+
+
+def parser_options() -> tuple[set[str], dict[str, set[str]]]:
+    """The top-level parser's options, and each subcommand's."""
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    options = lambda p: {o for action in p._actions for o in action.option_strings}  # noqa: E731
+    return options(parser), {name: options(command) for name, command in commands.items()}
+
+
+def unknown_options(text: str, top: set[str], commands: dict[str, set[str]], root: Path = ROOT) -> list[str]:
+    """``attnres [--top-option ...] COMMAND ... --option`` and ``python benchmarks/X.py ...
+    --option`` in ``text`` (on one line, up to a pipe, ``;`` or ``&&``) whose option the
+    command lacks: not in the subcommand's parser, or not written in the script's source."""
+    command_line = re.compile(r"\battnres((?:\s+--[\w-]+(?:[ =](?!-)[^\s`]+)?)*)\s+(" + "|".join(commands)
+                              + r")\b([^`\n|;&]*)")
+    script_line = re.compile(r"\bpython3?\s+((?:benchmarks|studies)/[\w/.-]+\.py)([^`\n|;&]*)")
+    problems = []
+    for line in text.splitlines():
+        for before, command, after in command_line.findall(line):
+            problems += [f"attnres {o}" for o in OPTION.findall(before) if o not in top]
+            problems += [f"attnres {command} {o}" for o in OPTION.findall(after) if o not in commands[command]]
+        for script, after in script_line.findall(line):
+            source = (root / script).read_text() if (root / script).exists() else ""
+            problems += [f"{script} {o}" for o in OPTION.findall(after) if f'"{o}"' not in source]
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_option_a_doc_names_is_its_command_s(doc):
+    assert unknown_options(doc.read_text(), *parser_options()) == []
+
+
+def test_the_option_check_finds_an_option_its_command_lacks(tmp_path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "b.py").write_text('parser.add_argument("--out")')
+    top, commands = {"--import"}, {"train": {"--config"}, "generate": {"--seed"}}
+    text = ("`attnres --import m train --config c.yaml --gone` then\n"
+            "attnres --nope x generate --seed 1 | grep --count x\n"
+            "python benchmarks/b.py --out d --missing && attnres generate --seed 2\n")
+    assert unknown_options(text, top, commands, tmp_path) == [
+        "attnres train --gone", "attnres --nope", "benchmarks/b.py --missing"]
+
+
+#: Keys a ``model`` section takes besides ``ModelConfig``'s fields (``train/config.py``'s
+#: ``model_from_spec``), and the mappings whose keys are free: a residual's own options
+#: and a transformers family's config.
+MODEL_SPEC_KEYS = {"model.preset", "model.from_hf"}
+FREE_MAPPINGS = ("model.residual.options.", "model.hf_config.")
+#: Dotted names the docs show that are not keys, each for a reason the doc says.
+NOT_KEYS = {"model.block_size",  # README: the wrong key whose error names model.residual.block_size
+            "model.config"}  # upcycling.md: a transformers model's attribute
+#: A dotted name that may be a key: not a call (``model.to(...)``), not a file name
+#: (``model.safetensors``, ``model.safetensors.index.json``).
+KEY = re.compile(r"(?<![\w.$/-])((?:model|data|parallel)(?:\.\w+)+)(?![\w(.])(?<!\.safetensors)(?<!\.json)")
+
+
+def config_keys() -> set[str]:
+    """Every key an override or a YAML file may set, and every section above one."""
+    keys = set(flatten(TrainConfig().to_dict())) | MODEL_SPEC_KEYS
+    return keys | {key.rsplit(".", i)[0] for key in keys for i in range(1, key.count("."))}
+
+
+def unknown_keys(text: str, keys: set[str]) -> list[str]:
+    """The config keys ``text`` names that ``keys`` lacks: a code span that is a key, and a
+    ``key=value`` in a code span or a ``bash`` block (Python code's ``data.train`` is not one)."""
+    bash = [block for block in FENCE.findall(text) if block.startswith("```bash")]
+    named = [span for span in CODE_SPAN.findall(FENCE.sub("", text)) if KEY.fullmatch(span)]
+    for code in [*CODE_SPAN.findall(FENCE.sub("", text)), *bash]:
+        named += re.findall(KEY.pattern + r"(?==)", code)
+    return [key for key in named
+            if key not in keys and key not in NOT_KEYS and not key.startswith(FREE_MAPPINGS)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_config_key_a_doc_names_is_a_field(doc):
+    assert unknown_keys(doc.read_text(), config_keys()) == []
+
+
+def test_the_key_check_finds_a_key_no_config_has():
+    keys = config_keys()
+    assert {"model.residual.block_size", "model.residual", "data.val_fraction", "model.preset"} <= keys
+    text = ("`model.residual.block_size` and `data.val_fraction=0.1`, `model.residual.options.init=0.5`, "
+            "`model.residual.blocksize`, `model.to(device)`, `model.safetensors.index.json`\n"
+            "```bash\nattnres train parallel.pp=2 data.val=0.1\n```\n"
+            "```python\nx = data.train_tokens\n```\n")
+    assert unknown_keys(text, keys) == ["model.residual.blocksize", "data.val"]
+
+
+def unknown_make_targets(text: str, makefile: str) -> list[str]:
+    """``make TARGET`` in the code spans and ``bash`` blocks of ``text`` whose target the
+    Makefile lacks (prose's "make it" is not a command)."""
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    code = [*CODE_SPAN.findall(FENCE.sub("", text)),
+            *(block for block in FENCE.findall(text) if block.startswith("```bash"))]
+    return [target for span in code for target in re.findall(r"(?<![\w-])make ([a-z][\w-]*)", span)
+            if target not in targets]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_make_target_a_doc_names_exists(doc):
+    assert unknown_make_targets(doc.read_text(), (ROOT / "Makefile").read_text()) == []
+
+
+def test_the_make_check_finds_a_target_the_makefile_lacks():
+    makefile = "test: venv\n\tpytest\nbench-serving:\n\tpython b.py\n"
+    text = "`make test`, to make it run; `make gone`\n```bash\nmake bench-serving && make lost\n```\n"
+    assert unknown_make_targets(text, makefile) == ["gone", "lost"]
