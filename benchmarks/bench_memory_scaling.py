@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for N in sweeps["N"]:
             measure("N", sweeps["N at L"], sweeps["N at L"] // N)
 
-    results = {**run_header(), "d": D, "tokens": tokens, "unit_bytes": unit, "rows": rows}
+    results = {**run_header(), "quick": args.quick, "d": D, "tokens": tokens, "unit_bytes": unit, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
@@ -124,19 +124,37 @@ def render(r: dict) -> str:
             f"{row['block_lean'] / unit:.1f} | {row['block_graph'] / unit:.1f} | {row['N']} | {full[0]} | {full[1]} | "
             f"{row['L'] if row['sweep'] == 'L' else ''} |"
         )
-    lines += [
-        "",
-        "Reading it: the graph path keeps about 2 extra [tokens, d] tensors per sublayer (the Phase-1 weighted sum and "
-        "the partial sum beside the norm's input) and grows with L well above the N d line. The lean path (the "
-        "default) keeps one [tokens, d] tensor per sublayer, as the standard model keeps its norm's input: Block its "
-        "partial sums (the block sums among them), Full its outputs; the merge's fused norm saves only 1/rms, and "
-        "Phase 1's weighted sums are recomputed in the backward, once per block or group (recompute_phase1). What "
-        "remains is per-token statistics and the backward's transients, chiefly the S weighted sums of the block "
-        "being differentiated: Block's extra is about S + 2 units whatever L (S = 4: 5.4 to 7.7 units from L = 8 to "
-        "64, below the N d line from L = 32 on; at L = 32, S = 16 to 2: 18.5 to 4.2). At S = 1 (N = L, every "
-        "sublayer a block) it is about the N d line.",
-    ]
+    lines += ["", _reading(r) if not r.get("quick") else (
+        "A quick run (`--quick`: L = 4 and 8, N = 2 and 4 at L = 8): it checks that every path runs and writes its "
+        "files; at these few, small depths its numbers draw no conclusion about the scaling (the full sweep's "
+        "reading: memory_scaling.md).")]
     return "\n".join(lines) + "\n"
+
+
+def _reading(r: dict) -> str:
+    """What the full sweep's table says, its numbers taken from the rows measured: the
+    mechanism (graph path against lean path) and where Block's extra lies against the N d line."""
+    unit = r["unit_bytes"]
+    depth = [x for x in r["rows"] if x["sweep"] == "L"]
+    blocks = [x for x in r["rows"] if x["sweep"] == "N" and x["S"] > 1]
+    every = [x for x in r["rows"] if x["sweep"] == "N" and x["S"] == 1]
+    below = next((x["L"] for k, x in enumerate(depth) if all(y["block_lean"] / unit < y["N"] for y in depth[k:])), None)
+    where = f"below the N d line from L = {below} on" if below is not None else "above the N d line throughout"
+    s = depth[0]["S"] if depth else None
+    numbers = (f"S = {s}: {depth[0]['block_lean'] / unit:.1f} to {depth[-1]['block_lean'] / unit:.1f} units from "
+               f"L = {depth[0]['L']} to {depth[-1]['L']}, {where}" if depth else "")
+    if blocks:
+        numbers += (f"; at L = {blocks[0]['L']}, S = {blocks[0]['S']} to {blocks[-1]['S']}: "
+                    f"{blocks[0]['block_lean'] / unit:.1f} to {blocks[-1]['block_lean'] / unit:.1f}")
+    last = (f" At S = 1 (N = L, every sublayer a block): {every[0]['block_lean'] / unit:.1f} units against the N d "
+            f"line's {every[0]['N']}." if every else "")
+    return ("Reading it: the graph path keeps about 2 extra [tokens, d] tensors per sublayer (the Phase-1 weighted sum "
+            "and the partial sum beside the norm's input) and grows with L well above the N d line. The lean path (the "
+            "default) keeps one [tokens, d] tensor per sublayer, as the standard model keeps its norm's input: Block its "
+            "partial sums (the block sums among them), Full its outputs; the merge's fused norm saves only 1/rms, and "
+            "Phase 1's weighted sums are recomputed in the backward, once per block or group (recompute_phase1). What "
+            "remains is per-token statistics and the backward's transients, chiefly the S weighted sums of the block "
+            f"being differentiated: Block's extra is about S + 2 units whatever L ({numbers}).{last}")
 
 
 def plot(r: dict, path: Path) -> None:

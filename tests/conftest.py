@@ -267,6 +267,47 @@ def users_matplotlib():
     plt.switch_backend(before)
 
 
+@pytest.fixture()
+def writes_cut_short(monkeypatch):
+    """Call the returned ``cut_short(text=True, figures=True, where="")`` and from then on every
+    ``Path.write_text`` and matplotlib ``savefig`` to a file whose name holds ``where`` writes
+    half of its file and fails as a full disk does (a kill mid-write): a writer must then leave
+    the file that was there whole.
+    Returns the files of a folder and their bytes, to compare before and after
+    (``snapshot(folder)``)."""
+    from pathlib import Path
+
+    def cut_short(text: bool = True, figures: bool = True, where: str = "") -> None:
+        write_text = Path.write_text
+
+        def half_text(self, data, *args, **kwargs):
+            if where not in self.name:
+                return write_text(self, data, *args, **kwargs)
+            write_text(self, data[: len(data) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+
+        if text:
+            monkeypatch.setattr(Path, "write_text", half_text)
+        if figures:
+            from matplotlib.figure import Figure
+
+            savefig = Figure.savefig
+
+            def half_figure(self, fname, *args, **kwargs):
+                savefig(self, fname, *args, **kwargs)
+                if where not in Path(fname).name:
+                    return
+                Path(fname).write_bytes(Path(fname).read_bytes()[:64])
+                raise OSError(28, "No space left on device")
+
+            monkeypatch.setattr(Figure, "savefig", half_figure)
+
+    def snapshot(folder: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
+
+    return cut_short, snapshot
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

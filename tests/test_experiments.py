@@ -689,6 +689,26 @@ def test_val_loss_plot_draws_curves_of_a_single_evaluation(tmp_path, monkeypatch
         assert all(line.get_marker() not in (None, "", " ", "None") and line.get_markersize() > 0 for line in curves)
 
 
+def test_a_grid_figure_that_fails_mid_write_leaves_the_one_before_whole(tmp_path, writes_cut_short):
+    """The grid's figures (val_loss.png and the others of attnres compare and experiment)
+    were saved in place: a kill or a full disk mid-write left a figure cut short where the
+    last report's was. Each is saved beside and renamed into place."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attnres.experiments.job.compare import _plot_val_loss
+    from attnres.output_paths import OutputPathError
+
+    cut_short, snapshot = writes_cut_short
+    runs = _runs_of({"standard": [[2.0, 1.8]], "block": [[1.9, 1.7]]}, [2, 4])
+    _plot_val_loss(runs, tmp_path / "val_loss.png")
+    before = snapshot(tmp_path)
+    cut_short()
+    with pytest.raises(OutputPathError, match="the grid's figure '.*val_loss.png' could not be written: no space"):
+        _plot_val_loss(runs, tmp_path / "val_loss.png")
+    assert snapshot(tmp_path) == before
+
+
 def test_plots_of_runs_without_diagnostics_or_curves_warn_nothing(tmp_path):
     """A compare run shorter than diagnostics_every (`attnres compare steps=12`) printed
     matplotlib's "attnres: warning: No artists with labels found to put in legend"."""

@@ -466,6 +466,45 @@ def test_analyze_without_matplotlib_writes_the_tables_and_says_what_draws_the_pi
     assert json.loads((out / "mixing.json").read_text())[0]["residual"] == "attnres_block"
 
 
+def test_an_analysis_that_fails_mid_write_leaves_the_one_before_whole(tmp_path, writes_cut_short, monkeypatch):
+    """report.md, mixing.json and mixing.png were written in place: a kill or a full disk mid-write
+    left a file cut short where the last analysis was. Each is written beside and renamed
+    into place: a failure leaves the earlier files whole, and no temporary file."""
+    pytest.importorskip("yaml")
+    pytest.importorskip("matplotlib")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    cut_short, snapshot = writes_cut_short
+    run = tmp_path / "run"
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    train(load_config(None, overrides(corpus, run, steps=1, warmup_steps=0, eval_every=100, diagnostics_every=100)))
+    out = tmp_path / "analysis"
+    args = ["analyze", str(run), "--out", str(out), "--text", str(corpus), "--seq-len", "16", "--rows", "2"]
+    assert cli_main(args) == 0
+    before = snapshot(out)
+    assert sorted(before) == ["mixing.json", "mixing.png", "report.md"]
+    cut_short(text=True, figures=False)
+    with pytest.raises(SystemExit, match=r"the analysis '.*mixing.json' could not be written: no space left"):
+        cli_main(args)
+    after = snapshot(out)
+    assert sorted(after) == sorted(before) and after["mixing.json"] == before["mixing.json"]
+    assert after["report.md"] == before["report.md"]
+    monkeypatch.undo()
+    cut_short(text=True, figures=False, where="report")  # (mixing.json written, the report cut short)
+    with pytest.raises(SystemExit, match=r"the analysis '.*report.md' could not be written: no space left"):
+        cli_main(args)
+    after = snapshot(out)
+    assert sorted(after) == sorted(before) and after["report.md"] == before["report.md"]
+    monkeypatch.undo()
+    cut_short(text=False, figures=True)
+    with pytest.raises(SystemExit, match=r"the mixing figure '.*mixing.png' could not be written: no space left"):
+        cli_main(args)
+    assert snapshot(out) == after
+
+
 def test_analyze_writes_a_step_directorys_report_beside_the_checkpoints_not_inside_one(tmp_path):
     """A run's ``keep_checkpoints`` rotation deletes old ``step-*`` directories whole: the
     default report of a step directory goes to ``<run>/analysis/step-N``; a run directory's

@@ -212,6 +212,7 @@ def test_fsdp_data_parallel_writes_sharded_checkpoints(root):
         state = read_checkpoint_state(checkpoint_path(root / "fsdp", step))
         assert state["layout"] == "dcp" and "model.safetensors" not in state["files"]
         assert {f for f in state["files"] if f.endswith(".distcp")} == {"dcp/__0_0.distcp", "dcp/__1_0.distcp"}
+        assert state["launch"] == {"world_size": 2, "local_world_size": 2}  # (attnres status repeats the launch)
     assert_matches(root / "fsdp", ref)
     assert read_checkpoint_state(checkpoint_path(root / "cons-to-fsdp", STEPS))["layout"] == "dcp"
     assert_matches(root / "cons-to-fsdp", ref)

@@ -86,6 +86,21 @@ def test_the_command_draws_every_run_found_and_names_those_without_a_loss(runs, 
     assert "training tokens" in svg.read_text()  # the x axis's label
 
 
+def test_a_figure_that_fails_mid_write_leaves_the_one_before_whole(runs, tmp_path, writes_cut_short, capsys):
+    """The figure was saved in place: a kill or a full disk mid-write left a figure cut short
+    where the last one was (and a full disk ended in a traceback). It is saved beside and
+    renamed into place: the figure before stays whole, in one line naming --out and the cause."""
+    cut_short, snapshot = writes_cut_short
+    out = tmp_path / "figure" / "curves.png"
+    out.parent.mkdir()
+    assert cli_main(["plot", str(runs), "--out", str(out)]) == 0
+    before = snapshot(out.parent)
+    cut_short()
+    with pytest.raises(SystemExit, match=r"attnres plot: error: --out '.*curves.png' could not be written: no space"):
+        cli_main(["plot", str(runs), "--out", str(out)])
+    assert snapshot(out.parent) == before
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--out", "curves.jpg"], r"--out 'curves.jpg': give a file ending in .png, .pdf, .svg"),
     (["--smooth", "1"], r"--smooth: must be a number in \[0, 1\)"),

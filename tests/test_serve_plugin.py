@@ -121,6 +121,45 @@ def test_register_names_what_export_and_upcycle_write(tmp_path):
         assert module.startswith("attnres.serve.") and cls == name
 
 
+def test_a_residual_of_the_users_not_imported_is_refused_saying_how_vllm_imports_it(tmp_path):
+    """An export whose config.json names the module of a residual of the user's (not imported)
+    was refused under vLLM with "import it first (`import byo_residuals` in Python, `attnres
+    --import byo_residuals <command> ...`)": neither runs before vLLM reads config.json in the
+    processes it starts. Under the plugin (vLLM's register; vLLM stood in for by a package of
+    its two names) the refusal gives the vLLM plugin that imports it (docs/serving.md; the
+    recipe served such an export on vLLM 0.32); elsewhere it says what it said."""
+    pytest.importorskip("transformers")
+    directory = tmp_path / "export"
+    _export(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["residual"]["kind"], config["residual_module"] = "scaled_byo", "byo_residuals"
+    (directory / "config.json").write_text(json.dumps(config))
+    (tmp_path / "stub" / "vllm").mkdir(parents=True)
+    (tmp_path / "stub" / "vllm" / "__init__.py").write_text(
+        "__version__ = '0.32.0'\n\nclass ModelRegistry:\n    register_model = staticmethod(lambda name, target: None)\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+
+    def refusal(plugin: bool) -> str:
+        code = ("import sys, attnres.hf, attnres.serve\n" + ("attnres.serve.register()\n" if plugin else "") +
+                "from transformers import AutoConfig\n"
+                "try:\n    AutoConfig.from_pretrained(sys.argv[1])\nexcept ValueError as e:\n    print(e)\n")
+        env = {"PYTHONPATH": f"{tmp_path / 'stub'}:{src}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+        run = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, env=env,
+                             timeout=180)
+        return run.stdout.strip() or run.stderr[-3000:]
+
+    said = f"{directory / 'config.json'}: residual 'scaled_byo' is not registered: module 'byo_residuals' registers it " \
+           "(config.json's residual_module); "
+    assert refusal(plugin=True) == said + (
+        "vLLM imports no module a config.json names, only its plugins, in every process it starts: make "
+        "'byo_residuals' one - a function in it (`def vllm_plugin(): pass`: importing the module registers the "
+        "residual) and an entry point in the pyproject.toml of the package that holds it ([project.entry-points."
+        "\"vllm.general_plugins\"] byo_residuals = \"byo_residuals:vllm_plugin\"), then pip install that package "
+        "(with VLLM_PLUGINS set, add byo_residuals to it); docs/serving.md")
+    assert refusal(plugin=False) == said + (
+        "import it first (`import byo_residuals` in Python, `attnres --import byo_residuals <command> ...`)")
+
+
 def _export(directory, **fields) -> ModelConfig:
     from attnres.hf import AttnResForCausalLM
 
@@ -227,6 +266,10 @@ def test_register_warns_under_an_untested_vllm(monkeypatch):
     import types
     import warnings
 
+    from attnres.hf.families import residual_module
+
+    # (register marks the process as vLLM's: its refusals then say how vLLM imports a module)
+    monkeypatch.setattr(residual_module, "_FOR_VLLM", False)
     for version, warned in (("0.34.0", True), ("0.32.0", False)):
         registry = FakeRegistry()
         monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version, ModelRegistry=registry))

@@ -143,6 +143,29 @@ def test_a_stopped_run_of_a_grid_is_continued_with_its_grids_command(runs, tmp_p
     assert (args.out, args.seeds, args.overrides) == (str(tmp_path / "grid"), [0], header["overrides"])
 
 
+def test_a_stopped_run_trained_under_torchrun_is_continued_launched_as_it_was(runs, tmp_path, capsys):
+    """`attnres status` told a run stopped under torchrun (4 ranks, tp=2 x pp=2) to continue
+    with a one-process `attnres train out_dir=... --resume` (the stored config leaves the
+    layout to the launch: a run that needed 4 GPUs resumed in one). Now the torchrun launch of
+    docs/scale-out.md with the ranks and parallel.* settings its newest checkpoint records."""
+    run = tmp_path / "runs" / "pp"
+    shutil.copytree(runs / "grid" / "block" / "seed0", run)
+    state_file = run / "checkpoints" / "step-00000003" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["launch"] == {"world_size": 1, "local_world_size": 1}  # what the one-process trainer recorded
+    state["config"]["parallel"].update(tp=2, pp=2, pp_schedule="gpipe")
+
+    def hint(world: int, per_node: int) -> str:
+        state_file.write_text(json.dumps({**state, "launch": {"world_size": world, "local_world_size": per_node}}))
+        assert cli_main(["status", str(run)]) == 0
+        return capsys.readouterr().out.splitlines()[-1]
+
+    assert hint(4, 4) == (f"continue a stopped run with `torchrun --standalone --nproc-per-node 4 -m attnres train "
+                          f"out_dir={run} --resume parallel.tp=2 parallel.pp=2 parallel.pp_schedule=gpipe` (its own config)")
+    assert hint(16, 8).startswith("continue a stopped run with `torchrun ... -m attnres train")  # two nodes: their launch
+    assert hint(1, 1) == f"continue a stopped run with `attnres train out_dir={run} --resume` (its own config)"
+
+
 def test_a_diverged_run_is_called_diverged_not_stopped(tmp_path, capsys):
     """A run whose loss or gradient norm became NaN stopped without saving and was shown as
     "stopped", with the hint to continue it - which diverges again. The trainer now logs a

@@ -890,6 +890,31 @@ def test_an_option_value_the_residual_refuses_is_told_in_upcycle_s_spelling(tmp_
                                     "--residual-option gamma=VALUE (attnres upcycle)"), info.value
 
 
+def test_an_option_value_the_residual_refuses_is_said_before_the_weights_load(tmp_path, monkeypatch):
+    """``--residual-option gamma=abc`` was refused only once the pretrained model had loaded
+    (seconds to minutes for a real model, a large GGUF's de-quantisation): the residual is
+    built on the meta device at the model's width and depth, read from its config alone,
+    before its weights load - with the same message."""
+    import transformers
+
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    base_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    args = ["upcycle", "--model", str(tmp_path / "llama"), "--out", str(tmp_path / "up"), "--residual", "gamma_test"]
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                  lambda *a, **k: pytest.fail("loaded the weights before checking the option's value"))
+        with pytest.raises(SystemExit) as info:
+            cli_main([*args, "--residual-option", "gamma=abc"])
+    assert str(info.value).startswith("attnres upcycle: error: ModelConfig.residual.options {'gamma': 'abc'}: "
+                                      "GammaResidual.__init__ of residual 'gamma_test' refused them (ValueError: ")
+    assert not (tmp_path / "up").exists()
+    assert cli_main([*args, "--residual-option", "gamma=0.5"]) == 0  # (a value it takes: checked, then loaded)
+
+
 def test_eval_of_a_pretrained_directory_and_of_its_upcycle_agree(tmp_path):
     """`attnres eval` takes a transformers directory: a pretrained model and its upcycle give
     the same perplexity and lm-eval results (the same function). This tokenizer declares an

@@ -22,7 +22,8 @@ from .user_warning import warn_user
 
 __all__ = ["HF_MODEL_FILES", "HF_MODULE_FILE", "HF_TOKENIZER_FILES", "HF_WEIGHT_FILES", "OutputPathError",
            "check_output_dir", "check_output_file", "file_in_the_way", "honour_umask", "not_a_directory", "os_cause",
-           "read_json_object", "strict_json", "write_directory_atomically", "write_text_atomically"]
+           "read_json_object", "replace_atomically", "save_figure_atomically", "strict_json", "write_directory_atomically",
+           "write_text_atomically"]
 
 
 #: The files a Hugging Face directory keeps its weights in (``save_pretrained``'s
@@ -154,17 +155,32 @@ def check_output_file(path: str | Path, what: str = "--out") -> Path:
     return path
 
 
-def write_text_atomically(path: Path, text: str, what: str = "--out") -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed into place: a failure (a
-    disk that filled up since the check) leaves what was at ``path`` and raises
-    :class:`OutputPathError` naming ``what`` and the cause."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def replace_atomically(path: Path, write: Callable[[Path], None], what: str = "--out") -> None:
+    """Run ``write(tmp)`` on a temporary file beside ``path`` (its suffix kept: matplotlib's
+    ``savefig`` tells the format by it), then rename it over ``path``: a failure or an
+    interruption while writing (a full disk, Ctrl-C, a kill) leaves what was at ``path``, never
+    a file cut short, and no temporary file. An ``OSError`` becomes :class:`OutputPathError`
+    naming ``what``, the path and the cause; anything else propagates."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        write(tmp)
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise OutputPathError(f"{what} {str(path)!r} could not be written: {os_cause(e)}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomically(path: Path, text: str, what: str = "--out") -> None:
+    """Write ``text`` to ``path`` by :func:`replace_atomically`."""
+    replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), what)
+
+
+def save_figure_atomically(fig: Any, path: Path, what: str = "--out", **savefig: Any) -> None:
+    """``fig.savefig(path, **savefig)`` (a matplotlib figure) by :func:`replace_atomically`:
+    a figure cut short by a kill stayed so, and replaced the one a finished command wrote."""
+    replace_atomically(path, lambda tmp: fig.savefig(tmp, **savefig), what)
 
 
 def write_directory_atomically(path: Path, write: Callable[[Path], None], what: str = "--out",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..output_paths import save_figure_atomically
 from .mixing import RANK_RTOL, SINK_MAX_CV, SINK_RATIO, DepthMixing
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def plot_mixing_panels(panels: Sequence[tuple[str, torch.Tensor, list[range] | N
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=120)
+        save_figure_atomically(fig, path, "the mixing figure", dpi=120)
     return fig
 
 

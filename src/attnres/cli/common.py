@@ -309,6 +309,27 @@ def attnres_command(kind: str) -> str:
     return f"attnres --import {shlex.quote(module)}" if module else "attnres"
 
 
+def resume_command(out_dir: str, attnres: str, parallel: dict, world: int, per_node: int | None) -> str:
+    """The command that resumes the run in ``out_dir`` as it was launched: ``attnres`` (as
+    :func:`attnres_command` gives it), in one process, or for ``world`` ranks under torchrun
+    with the run's ``parallel`` settings that differ from the defaults (the stored config
+    leaves the layout to the launch, so a plain ``--resume`` trains in one process).
+    ``per_node``: ranks per node; ``None`` or fewer than ``world`` (several nodes): the
+    launch's own options are the user's to repeat (``torchrun ...``)."""
+    import shlex
+
+    from ..distributed.parallel import ParallelConfig
+
+    resume = f"out_dir={shlex.quote(str(out_dir))} --resume"
+    if world <= 1:
+        return f"{attnres} train {resume}"
+    default = ParallelConfig().to_dict()
+    layout = "".join(f" parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                     for k, v in parallel.items() if k in default and v != default[k])
+    launcher = f"torchrun --standalone --nproc-per-node {world}" if per_node == world else "torchrun ..."
+    return f"{launcher} -m {attnres} train {resume}{layout}"
+
+
 def apply_cpu_allocator(settings: dict) -> None:
     """``cpu_allocator`` of a training config (``settings``: its fields; default
     ``"retain"``), applied to this process when it trains on the CPU. The command sets it for

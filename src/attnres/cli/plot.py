@@ -67,7 +67,10 @@ def run(args, parser) -> int:
                 if not diverged else f"no run has logged a finite loss{left_out}")
         raise SystemExit(f"attnres plot: error: {what} (a run's directory holds config.json and metrics.jsonl)")
     _warn_incomparable(drawn, dict(zip(run_labels(runs), runs)), args.x)
-    plot_curves(drawn, out, x=args.x, smooth=args.smooth, log_x=args.log_x)
+    try:
+        plot_curves(drawn, out, x=args.x, smooth=args.smooth, log_x=args.log_x)
+    except OutputPathError as e:  # (a disk that filled up since the check: the figure that was there stays)
+        raise SystemExit(f"attnres plot: error: {e}") from None
     print(f"attnres plot: wrote {out} ({len(drawn)} run{'s' if len(drawn) > 1 else ''}: {', '.join(drawn)}){left_out}")
     return 0
 

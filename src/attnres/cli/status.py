@@ -46,7 +46,8 @@ def run(args, parser) -> int:
 def _continue_command(run: str) -> str:
     """How to continue the stopped ``run``: the command of the grid holding it (its
     ``experiment.json`` two folders up, ``<out>/<variant>/seed<k>``; resuming the run alone
-    would leave the grid without its record), else ``attnres train --resume``."""
+    would leave the grid without its record), else ``attnres train --resume`` launched as its
+    newest checkpoint was written (:func:`_launch_command`)."""
     import shlex
     from pathlib import Path
 
@@ -55,12 +56,30 @@ def _continue_command(run: str) -> str:
     grid, seed = Path(run).parent.parent, Path(run).name.removeprefix("seed")
     header = read_experiment_header(grid)
     if header is None or not seed.isdigit() or not isinstance(header.get("experiment"), str):
-        return f"`attnres train out_dir={run} --resume` (its own config)"
+        return f"`{_launch_command(run)}` (its own config)"
     name = header["experiment"]
     words = ["attnres", "compare"] if name == "compare" else ["attnres", "experiment", name]
     words += ["--preset", str(header.get("preset")), "--out", str(grid), "--seeds", seed,
               *map(str, header.get("overrides") or [])]
     return f"`{shlex.join(words)}` (its grid's command, for this seed)"
+
+
+def _launch_command(run: str) -> str:
+    """``attnres train out_dir=RUN --resume``, under torchrun with the ranks and ``parallel.*``
+    settings its newest checkpoint records (``launch``, ``config.parallel``) where it was
+    trained on several: the stored config leaves the layout to the launch, and a run that
+    needed 4 GPUs resumed in one process (docs/scale-out.md)."""
+    from ..checkpoint.locate import newest_state
+    from .common import resume_command
+
+    found = newest_state(run)
+    state = found[1] if found is not None else {}
+    launch = state.get("launch") if isinstance(state.get("launch"), dict) else {}
+    parallel = (state.get("config") or {}).get("parallel") if isinstance(state.get("config"), dict) else None
+    world, per_node = launch.get("world_size"), launch.get("local_world_size")
+    if not isinstance(world, int) or not isinstance(parallel, dict):
+        world, parallel = 1, {}
+    return resume_command(run, "attnres", parallel, world, per_node if isinstance(per_node, int) else None)
 
 
 def render(runs) -> str:

@@ -8,7 +8,7 @@ import sys
 
 from ..termination import Terminated, interrupted_status
 from .common import (apply_cpu_allocator, attnres_command, end_process, first_on_node,
-                     leave_the_message_to_the_first_on_node, rank_zero, train_config_keys)
+                     leave_the_message_to_the_first_on_node, rank_zero, resume_command, train_config_keys)
 
 
 def add_parser(sub) -> None:
@@ -179,22 +179,14 @@ def _how_to_continue(config) -> str:
     """The command that continues the run of ``config``: under torchrun, launched as this run
     was, with its ``parallel.*`` settings (the stored config leaves the layout to the launch:
     a plain `attnres train ... --resume` resumes a 4-rank tp x pp run in one process)."""
-    import shlex
-
-    from ..distributed.parallel import ParallelConfig
-
-    resume = f"out_dir={shlex.quote(str(config.out_dir))} --resume"
     attnres = attnres_command(config.model.residual.kind)  # (without --import the resume fails: kind not registered)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+    command = resume_command(str(config.out_dir), attnres, config.parallel.to_dict(), world, per_node)
     if world <= 1:
-        return f"continue with --resume (`{attnres} train {resume}`: the run's own config)"
-    default = ParallelConfig().to_dict()
-    layout = "".join(f" parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                     for k, v in config.parallel.to_dict().items() if v != default[k])
-    one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(world)
-    launcher = f"torchrun --standalone --nproc-per-node {world}" if one_node else "torchrun ..."
-    return (f"continue with --resume, launched as this run was (`{launcher} -m {attnres} train {resume}{layout}`: the run's "
-            "own config; any other layout resumes it too)")
+        return f"continue with --resume (`{command}`: the run's own config)"
+    return (f"continue with --resume, launched as this run was (`{command}`: the run's own config; any other layout "
+            "resumes it too)")
 
 
 def _end_of_run(result, config) -> str:

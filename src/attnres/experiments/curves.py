@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..output_paths import read_json_object
+from ..output_paths import read_json_object, save_figure_atomically
 from ..train.metrics import METRICS_FILE, read_metrics
 from ..train.status import tokenizer_description
 
@@ -154,5 +154,5 @@ def plot_curves(curves: dict[str, Curves], path: str | Path | None = None, x: st
         ax.legend(fontsize=8)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=120)
+        save_figure_atomically(fig, path, "--out", dpi=120)
     return fig

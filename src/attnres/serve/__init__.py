@@ -41,14 +41,19 @@ def register(registry=None) -> None:
     point; idempotent). ``registry``: vLLM's ``ModelRegistry`` unless given.
 
     Also registers attnres's transformers configs (``model_type`` ``attnres`` and
-    ``attnres_<family>``) with ``AutoConfig``, which vLLM uses to read ``config.json``, and
-    warns (once per process) where vLLM is not the release the plugin is tested with
+    ``attnres_<family>``) with ``AutoConfig``, which vLLM uses to read ``config.json`` (a
+    residual of the user's that is not imported is then refused saying how vLLM imports its
+    module), and warns (once per process) where vLLM is not the release the plugin is tested with
     (:func:`untested_vllm`)."""
     import attnres.hf  # noqa: F401 - registers the configs with transformers' Auto classes
 
     if registry is None:
         import vllm
         from vllm import ModelRegistry as registry
+
+        from ..hf.families.residual_module import read_for_vllm
+
+        read_for_vllm()  # (a residual of the user's, not imported: said the vLLM way)
 
         untested = untested_vllm(vllm.__version__)
         if untested:

@@ -531,7 +531,10 @@ class Trainer:
                               "val_tokens": len(data.tokens.val), "paths": absolute_paths(config.data.paths)},
                      "init_from": self.start.origin,
                      # (the modules a later command must import for a residual of the user's: named, not imported)
-                     "imports": imports_record(config.model.residual.kind)}
+                     "imports": imports_record(config.model.residual.kind),
+                     # (the ranks it ran on, in all and per node: attnres status repeats the launch)
+                     "launch": {"world_size": self.ctx.world_size,
+                                "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", self.ctx.world_size))}}
         try:
             if self.sharded:
                 self.last_ckpt = save_sharded(self.out_dir, step, self.pm.named_parameters(), self.optimizer,

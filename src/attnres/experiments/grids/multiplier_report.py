@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ...output_paths import save_figure_atomically
 from .multiplier import ladder_loss, seed_multipliers
 from ..stats import TInterval, detectable_effect, markdown_table, t_interval, t_test_power
 
@@ -233,7 +234,7 @@ def _plot(records: list[dict[str, Any]], out: Path) -> str:
         ax.set(xscale="log", xlabel="training compute C (PFLOP/s-days)", ylabel="validation loss", title=f"{s} shape")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "multiplier.png", dpi=120)
+    save_figure_atomically(fig, out / "multiplier.png", "the grid's figure", dpi=120)
     return "multiplier.png"
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ...output_paths import save_figure_atomically
 from .scaling_fit import PowerLaw, ScalingFit, compute_multiplier, fit_scaling
 from .scaling_grid import (MIN_SIZES, ScalingGridError, finished_sizes, fittable_part, missing_runs, scaling_data,
                            size_key)
@@ -176,7 +177,7 @@ def _plot(fit: ScalingFit, out: Path) -> str:
     for axes in (ax, bx):  # a narrow log x range labels every minor tick: they overlap
         axes.xaxis.set_minor_formatter(NullFormatter())
     fig.tight_layout()
-    fig.savefig(out / "scaling.png", dpi=120)
+    save_figure_atomically(fig, out / "scaling.png", "the grid's figure", dpi=120)
     return "scaling.png"
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ...analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
 from ...data.corpus import read_text_file
-from ...output_paths import OutputPathError, check_output_dir, strict_json
+from ...output_paths import OutputPathError, check_output_dir, strict_json, write_text_atomically
 from ...analysis.mixing_report import (
     method_note,
     mixing_findings,
@@ -295,9 +295,10 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
         findings += mixing_findings(f"{n} ({info['residual']})", [r], low, high)
     parts.append("## Findings (computed)\n\nOne checkpoint per model: the report's claims need at least 3 seeds "
                  "(`attnres compare --seeds 0 1 2` reports them over seeds).\n\n" + "\n".join(f"- {f}" for f in findings))
-    (out / "mixing.json").write_text(strict_json([{**info, **r.to_dict()} for r, info in items], indent=1))
+    write_text_atomically(out / "mixing.json", strict_json([{**info, **r.to_dict()} for r, info in items], indent=1),
+                          "the analysis")
     path = out / "report.md"
-    path.write_text("\n".join(parts) + "\n")
+    write_text_atomically(path, "\n".join(parts) + "\n", "the analysis")
     return path
 
 
@@ -382,8 +383,8 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
     panels = [(f"{labels.get(n, n)}\n{_label(rs[0][1])}", rs[0][0].matrix, rs[0][0].source_groups)
               for n, rs in results.items()]
     plot_mixing_panels(panels, out / "mixing.png")
-    (out / "mixing.json").write_text(strict_json({n: [{**i, **r.to_dict()} for r, i in rs] for n, rs in results.items()},
-                                                  indent=1))
+    write_text_atomically(out / "mixing.json", strict_json({n: [{**i, **r.to_dict()} for r, i in rs]
+                                                            for n, rs in results.items()}, indent=1), "the grid's analysis")
     first = next(iter(results.values()))[0][0]
     n_tokens = max(r.n_tokens for rs in results.values() for r, _ in rs)
     note = " Each seed's last checkpoint; panels: first seed."

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ...output_paths import save_figure_atomically
 from ...train.metrics import read_metrics
 from ...train.schedule import wsd_decay_start
 from ..flops import to_pflops_days
@@ -305,7 +306,7 @@ def _plot_val_loss(groups: dict[str, list[Run]], path: Path, start: int | None =
     axes[0].set_title("equal steps")
     axes[1].set_title("equal compute")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomically(fig, path, "the grid's figure", dpi=120)
 
 
 def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
@@ -334,7 +335,7 @@ def _plot_magnitudes(groups: dict[str, list[Run]], path: Path) -> bool:
     if drew:  # no diagnostics record (a run shorter than diagnostics_every): no plot, and no empty legend
         axes[0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        save_figure_atomically(fig, path, "the grid's figure", dpi=120)
     return drew
 
 
@@ -366,7 +367,7 @@ def _plot_depth_weights(groups: dict[str, list[Run]], path: Path) -> bool:
             ax.set_title(f"{_LABELS.get(name, name)}: {kind}{step}", fontsize=10)
             fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomically(fig, path, "the grid's figure", dpi=120)
     return True
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ...output_paths import write_text_atomically
+from ...output_paths import save_figure_atomically, write_text_atomically
 from ...train import latest_checkpoint
 from ...train.status import run_status
 from .compare import compare_markdown
@@ -178,7 +178,7 @@ def _block_size_md(summ: dict[str, Summary], out: Path, records: list[dict[str, 
     ax.set_ylabel("validation loss")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "block_size.png", dpi=120)
+    save_figure_atomically(fig, out / "block_size.png", "the grid's figure", dpi=120)
     table = markdown_table(["S", "N blocks", "report (Fig. 6)", "ours: val loss", "Δ vs baseline"] + _OVERHEAD_COLS, rows)
     return table + (f"\n\n{note}" if note else "") + "\n\n![block-size sweep](block_size.png)"
 
@@ -237,7 +237,7 @@ def _arch_sweep_md(summ: dict[str, Summary], out: Path) -> str:
         ax.set_title(family)
         fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(out / "arch_sweep.png", dpi=120)
+    save_figure_atomically(fig, out / "arch_sweep.png", "the grid's figure", dpi=120)
     best = {f: min((fam[f].loss, k[0]) for k, fam in cells.items() if f in fam)[1] for f in families}
     table = markdown_table(["d/L_b", "H/L_b", "L_b", "d", "H", "baseline loss", "AttnRes (Block) loss", "Δ"] + _OVERHEAD_COLS, rows)
     best_txt = ", ".join(f"{f}: d/L_b = {v:g}" for f, v in best.items())

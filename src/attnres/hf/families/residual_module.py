@@ -23,12 +23,40 @@ from ...nn.residual import residual_class
 from ...nn.residual.imports import MAIN, not_registered_by, unimportable_residual
 from ...nn.residual.registry import UnregisteredResidual
 
-__all__ = ["FAMILY_KEY", "NATIVE_KEY", "naming_residual_module", "residual_module", "saved_residual_module"]
+__all__ = ["FAMILY_KEY", "NATIVE_KEY", "naming_residual_module", "read_for_vllm", "residual_module",
+           "saved_residual_module"]
 
 #: The key of ``config.json`` that names the module, in an AttnRes model's config (beside ``residual``).
 NATIVE_KEY = "residual_module"
 #: The same in an upcycled family's config (beside ``attnres_residual``).
 FAMILY_KEY = "attnres_residual_module"
+
+
+#: Whether this process reads config.json for vLLM (:func:`read_for_vllm`).
+_FOR_VLLM = False
+
+
+def read_for_vllm() -> None:
+    """Mark this process as one vLLM started (``attnres.serve.register``, its plugin, calls
+    this): there neither ``import MODULE`` nor ``attnres --import`` runs before vLLM reads
+    config.json, so a residual refused here says how vLLM imports its module."""
+    global _FOR_VLLM
+    _FOR_VLLM = True
+
+
+def _how_to_import(module: str) -> str:
+    """How to import ``module`` before the config is read: in Python or the attnres command;
+    in vLLM's processes, which import only their plugins, through a plugin of the user's own
+    (the ``vllm.general_plugins`` entry point: vLLM imports its module and calls it, in every
+    process it starts; docs/serving.md)."""
+    if not _FOR_VLLM:
+        return f"import it first (`import {module}` in Python, `attnres --import {module} <command> ...`)"
+    name = module.replace(".", "_")
+    return (f"vLLM imports no module a config.json names, only its plugins, in every process it starts: make "
+            f"{module!r} one - a function in it (`def vllm_plugin(): pass`: importing the module registers the "
+            f"residual) and an entry point in the pyproject.toml of the package that holds it ([project.entry-points."
+            f"\"vllm.general_plugins\"] {name} = \"{module}:vllm_plugin\"), then pip install that package (with "
+            f"VLLM_PLUGINS set, add {name} to it); docs/serving.md")
 
 
 def residual_module(kind: str) -> str | None:
@@ -61,6 +89,5 @@ def naming_residual_module(module: str | None, kind: object, key: str) -> Iterat
             raise UnregisteredResidual(unimportable_residual(module, kind, key), kind) from None
         if module in sys.modules:
             raise UnregisteredResidual(not_registered_by(module, kind, key), kind) from None
-        raise UnregisteredResidual(
-            f"residual {kind!r} is not registered: module {module!r} registers it (config.json's {key}); import it "
-            f"first (`import {module}` in Python, `attnres --import {module} <command> ...`)", kind) from None
+        raise UnregisteredResidual(f"residual {kind!r} is not registered: module {module!r} registers it "
+                                   f"(config.json's {key}); {_how_to_import(module)}", kind) from None

