@@ -166,6 +166,32 @@ def test_a_stopped_run_trained_under_torchrun_is_continued_launched_as_it_was(ru
     assert hint(1, 1) == f"continue a stopped run with `attnres train out_dir={run} --resume` (its own config)"
 
 
+def test_a_stopped_run_of_a_residual_of_the_users_own_is_continued_with_its_import(runs, tmp_path, capsys):
+    """status's command for a stopped run of a registered residual had no --import: the
+    resume it gave stopped at "residual 'mine' is not registered". The checkpoint's imports
+    record gives the run's own --import values, else its residual class's module."""
+    run = tmp_path / "runs" / "mine"
+    shutil.copytree(runs / "grid" / "block" / "seed0", run)
+    state_file = run / "checkpoints" / "step-00000003" / "state.json"
+    state = json.loads(state_file.read_text())
+
+    def hint(imports: dict, world: int = 1) -> str:
+        launch = {"world_size": world, "local_world_size": world}
+        state_file.write_text(json.dumps({**state, "imports": imports, "launch": launch}))
+        assert cli_main(["status", str(run)]) == 0
+        return capsys.readouterr().out.splitlines()[-1]
+
+    given = {"given": ["/home/u/my res.py"], "residual": "mine", "residual_module": "my_res"}
+    assert hint(given) == (f"continue a stopped run with `attnres --import '/home/u/my res.py' train out_dir={run} "
+                           "--resume` (its own config)")
+    assert hint({**given, "given": []}, world=2) == (
+        f"continue a stopped run with `torchrun --standalone --nproc-per-node 2 -m attnres --import my_res train "
+        f"out_dir={run} --resume` (its own config)")
+    for nothing_to_import in ({**given, "given": [], "residual_module": "__main__"}, {**given, "given": [],
+                              "residual_module": None}):
+        assert hint(nothing_to_import).startswith("continue a stopped run with `attnres train out_dir=")
+
+
 def test_a_diverged_run_is_called_diverged_not_stopped(tmp_path, capsys):
     """A run whose loss or gradient norm became NaN stopped without saving and was shown as
     "stopped", with the hint to continue it - which diverges again. The trainer now logs a

@@ -68,8 +68,10 @@ def _launch_command(run: str) -> str:
     """``attnres train out_dir=RUN --resume``, under torchrun with the ranks and ``parallel.*``
     settings its newest checkpoint records (``launch``, ``config.parallel``) where it was
     trained on several: the stored config leaves the layout to the launch, and a run that
-    needed 4 GPUs resumed in one process (docs/scale-out.md)."""
+    needed 4 GPUs resumed in one process (docs/scale-out.md); with the ``--import`` of a
+    residual of the user's own that it records (``imports``)."""
     from ..checkpoint.locate import newest_state
+    from ..nn.residual.imports import recorded_import_flags
     from .common import resume_command
 
     found = newest_state(run)
@@ -79,7 +81,9 @@ def _launch_command(run: str) -> str:
     world, per_node = launch.get("world_size"), launch.get("local_world_size")
     if not isinstance(world, int) or not isinstance(parallel, dict):
         world, parallel = 1, {}
-    return resume_command(run, "attnres", parallel, world, per_node if isinstance(per_node, int) else None)
+    # a residual of the user's own: the resume cannot build the model without its module imported
+    attnres = " ".join(filter(None, ("attnres", recorded_import_flags(state.get("imports")))))
+    return resume_command(run, attnres, parallel, world, per_node if isinstance(per_node, int) else None)
 
 
 def render(runs) -> str:

@@ -29,8 +29,8 @@ from typing import Any
 
 from .registry import UnregisteredResidual, registered_residuals, residual_class
 
-__all__ = ["MAIN", "import_residual_module", "imports_record", "not_registered_by", "set_given_imports",
-           "unimportable_residual", "unregistered_residual_error"]
+__all__ = ["MAIN", "import_residual_module", "imports_record", "not_registered_by", "recorded_import_flags",
+           "set_given_imports", "unimportable_residual", "unregistered_residual_error"]
 
 #: The module of a class a script defined: no other process can import it.
 MAIN = "__main__"
@@ -47,6 +47,20 @@ def imports_record(kind: str) -> dict[str, Any]:
     """The ``"imports"`` a checkpoint of a model with residual ``kind`` records."""
     cls = residual_class(kind)
     return {"given": list(_GIVEN), "residual": kind, "residual_module": None if cls.builtin() else cls.__module__}
+
+
+def recorded_import_flags(record: Any) -> str:
+    """The ``--import`` options another ``attnres`` command of a run needs, from its
+    checkpoint's ``record`` (its ``"imports"``): the run's own ``--import`` values, else the
+    module of its residual class; ``""`` for a built-in variant, a class of a script's
+    ``__main__`` (nothing can import it) or a checkpoint without the record."""
+    if not isinstance(record, dict):
+        return ""
+    given = [g for g in record.get("given") or () if isinstance(g, str)]
+    module = record.get("residual_module")
+    if not given and isinstance(module, str) and module != MAIN:
+        given = [module]
+    return " ".join(f"--import {shlex.quote(g)}" for g in given)
 
 
 def unregistered_residual_error(error: Exception, record: Any) -> str | None:
