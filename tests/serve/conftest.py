@@ -493,9 +493,8 @@ STRUCTURED = [{"params": {"regex": STRUCTURED_REGEX}, "stop": []},
 def features(session_root, model_dirs, jobs) -> dict[str, _Part]:
     """The engines of :data:`FEATURE_MODELS`, one after the other in one worker (eager): for
     each model NAME, the greedy batch under KV-cache pressure, seeded parallel sampling (top 5,
-    top 1), beam
-    search, prompt log-probabilities and structured outputs; for NAME-embed, the embeddings of
-    :data:`FEATURE_PROMPTS`. Name -> its part of the worker's result."""
+    top 1), beam search, prompt log-probabilities and structured outputs; for NAME-embed, the
+    embeddings of :data:`FEATURE_PROMPTS`. Name -> its part of the worker's result."""
     specs = []
     for name in FEATURE_MODELS:
         engine = dict(ENGINE, enforce_eager=True, enable_chunked_prefill=False,
