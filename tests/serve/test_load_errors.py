@@ -76,6 +76,18 @@ def test_lora_on_an_export(load_failures):
            "declare LoRA support" in log, log[-3000:]
 
 
+@pytest.mark.parametrize("name", ["classify_native", "classify_upcycled"])
+def test_sequence_classification(load_failures, name):
+    """vLLM's classify adapter (the classify and score tasks) adds a classification head
+    (``score.weight``) that no attnres checkpoint holds: vLLM left it uninitialised and
+    classified with it (an export's probabilities were 0 and 1, noise), or the upcycled class's
+    own check called it a variant of the family. Refused at load, saying what is served."""
+    log = refused(load_failures, name)
+    assert "config.json: sequence classification (vLLM's classify and score tasks, --convert classify) is not " \
+           "served for AttnRes models: their checkpoints hold no classification head (score.weight)" in log, log[-3000:]
+    assert "vLLM's LlamaForCausalLM has parameters the checkpoint does not provide" not in log
+
+
 def refusal(monkeypatch, refused: dict[str, str], dtype: torch.dtype = torch.float32, method: str | None = None,
             eplb: bool = False) -> str | None:
     """What ``check_servable`` - called by every served class when vLLM builds it - says of a
@@ -92,7 +104,8 @@ def refusal(monkeypatch, refused: dict[str, str], dtype: torch.dtype = torch.flo
         speculative_config=SimpleNamespace(method=method) if method else None, quant_config=None, lora_config=None,
         compilation_config=SimpleNamespace(mode=CompilationMode.VLLM_COMPILE),
         parallel_config=SimpleNamespace(enable_eplb=eplb),
-        model_config=SimpleNamespace(model="served", dtype=dtype, skip_tokenizer_init=True, max_model_len=256))
+        model_config=SimpleNamespace(model="served", dtype=dtype, skip_tokenizer_init=True, max_model_len=256,
+                                     convert_type="none"))
     model = nn.Module()
     model.model = SimpleNamespace(residual=None)  # (its residual is asked about pipeline stages only)
     try:

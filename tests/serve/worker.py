@@ -16,10 +16,19 @@ SPEC: ``model`` (directory), ``engine`` (``vllm.LLM`` keyword arguments), ``max_
 ``prompts`` (submitted together), ``prefix_prompts`` (two prompts sharing a prefix, run one
 after the other); optionally ``top_k_1`` (sample with top_k = 1), ``stop`` (a prompt and its
 stop string), ``lora`` (an adapter's ``path`` and the ``prompts`` to run with it),
-``capture_aux`` (a prompt whose prefill's EAGLE-3 auxiliary hidden states are recorded).
+``capture_aux`` (a prompt whose prefill's EAGLE-3 auxiliary hidden states are recorded),
+``sampling`` (parallel sampling: ``prompts`` and ``params``, a list of ``SamplingParams``
+keyword arguments),
+``beam_search`` (``prompts``, ``beam_width``, ``max_tokens``), ``prompt_logprobs`` (prompts),
+``structured`` (``prompts``, ``max_tokens`` and constraints: each a ``StructuredOutputsParams``
+keyword argument and the ``stop`` strings that go with it).
 OUT: token ids, the sampled tokens' log-probabilities, prefix-cache hits, finish reasons,
-what the options ask for, and vLLM's speculative decoding counters where the engine
-speculates.
+what the options ask for, vLLM's speculative decoding counters where the engine
+speculates, and its count of preemptions where the engine's KV cache is set small
+(``num_gpu_blocks_override``).
+
+Or SPEC ``embed``: prompts whose embeddings an engine with ``runner="pooling"`` computes
+(``LLM.embed``). OUT: the embeddings.
 
 Or SPEC ``models``: a list of such SPECs, each with a ``name``, run one after the other in
 this process (an import of torch and vLLM per model spared). OUT: name -> that model's OUT.
@@ -108,9 +117,59 @@ def run(spec: dict) -> dict:
         adapter = LoRARequest("adapter", 1, spec["lora"]["path"])
         lora = llm.generate(spec["lora"]["prompts"], greedy, use_tqdm=False, lora_request=adapter)
         out["lora"] = [_ids(o) for o in lora]
+    out.update(_features(llm, spec))
+    if spec["engine"].get("num_gpu_blocks_override"):  # a KV cache too small for every request at once
+        out["preemptions"] = _counter(llm, "vllm:num_preemptions")
     if spec["engine"].get("speculative_config"):
         out["spec_decode"] = {key: _counter(llm, f"vllm:spec_decode_{key}")
                               for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    llm.llm_engine.engine_core.shutdown()
+    return out
+
+
+def _features(llm, spec: dict) -> dict:
+    """What the ``sampling``, ``beam_search``, ``prompt_logprobs`` and ``structured`` scenarios
+    of ``spec`` give."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import BeamSearchParams, StructuredOutputsParams
+
+    out = {}
+    out["sampling"] = []
+    for kwargs in spec.get("sampling", {}).get("params", []):  # each twice with the same seed: the same samples
+        params = SamplingParams(**kwargs, logprobs=1)
+        runs = [llm.generate(spec["sampling"]["prompts"], params, use_tqdm=False) for _ in range(2)]
+        out["sampling"].append({"ids": [[list(c.token_ids) for c in o.outputs] for o in runs[0]],
+                                "logprobs": [[[step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+                                              for c in o.outputs] for o in runs[0]],
+                                "again": [[list(c.token_ids) for c in o.outputs] for o in runs[1]]})
+    if "beam_search" in spec:
+        beams = spec["beam_search"]
+        found = llm.beam_search([{"prompt": p} for p in beams["prompts"]],
+                                BeamSearchParams(beam_width=beams["beam_width"], max_tokens=beams["max_tokens"]))
+        out["beam_search"] = [[{"tokens": s.tokens, "cum_logprob": s.cum_logprob} for s in o.sequences] for o in found]
+    if "prompt_logprobs" in spec:  # the prompt's own tokens' (vLLM adds the top ones: none here)
+        scored = llm.generate(spec["prompt_logprobs"], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)
+        out["prompt_logprobs"] = [[None if step is None else step[t].logprob
+                                   for step, t in zip(o.prompt_logprobs, o.prompt_token_ids)] for o in scored]
+    if "structured" in spec:
+        structured = spec["structured"]
+        out["structured"] = []
+        for constraint in structured["constraints"]:
+            params = SamplingParams(temperature=0.0, max_tokens=structured["max_tokens"], stop=constraint["stop"],
+                                    structured_outputs=StructuredOutputsParams(**constraint["params"]))
+            out["structured"].append([{"text": o.outputs[0].text, "ids": list(o.outputs[0].token_ids),
+                                       "finish_reason": o.outputs[0].finish_reason}
+                                      for o in llm.generate(structured["prompts"], params, use_tqdm=False)])
+    return out
+
+
+def embed(spec: dict) -> dict:
+    """The embeddings of ``spec["embed"]`` from an engine with vLLM's pooling runner."""
+    from vllm import LLM
+
+    llm = LLM(spec["model"], runner="pooling", **spec["engine"])
+    out = {"embeddings": [o.outputs.embedding for o in llm.embed(spec["embed"], use_tqdm=False)]}
     llm.llm_engine.engine_core.shutdown()
     return out
 
@@ -163,7 +222,7 @@ if __name__ == "__main__":
     elif "attempts" in spec:
         result = one_after_another(spec["attempts"], attempt)
     elif "models" in spec:
-        result = one_after_another(spec["models"], run)
+        result = one_after_another(spec["models"], lambda one: embed(one) if "embed" in one else run(one))
     else:
         result = run(spec)
     Path(out_file).write_text(json.dumps(result))

@@ -272,6 +272,13 @@ def _refusals(vllm_config: VllmConfig, refused: dict[str, str]) -> list[str]:
         out.append(f"LoRA adapters are not supported here: {refused['lora']}")
     if vllm_config.parallel_config.enable_eplb:
         out.append("expert-parallel load balancing (--enable-eplb) is not supported by AttnRes models (untested)")
+    if vllm_config.model_config.convert_type == "classify":
+        # vLLM's adapter adds a head the checkpoint lacks; its loader does not check linear
+        # layers of unquantized models, so the head would stay uninitialised.
+        out.append("sequence classification (vLLM's classify and score tasks, --convert classify) is not served for "
+                   "AttnRes models: their checkpoints hold no classification head (score.weight), and vLLM would "
+                   "classify with an uninitialised one; embeddings are served (--runner pooling, whose default for a "
+                   "causal LM is --convert embed)")
     return out
 
 
@@ -279,7 +286,7 @@ def check_servable(model: nn.Module, vllm_config: VllmConfig, refused: dict[str,
     """Refuse, with the reason, what the served AttnRes models cannot run - checked when the
     model is built, before any weight is read: pipeline parallelism on the CPU without the
     compiled mode, or for a residual that cannot be cut into stages (:func:`uncut_residual`), EAGLE-3 under pipeline parallelism, quantization,
-    speculative decoding that reads hidden states other than EAGLE-3's, what ``refused``
+    sequence classification (vLLM's classify adapter), speculative decoding that reads hidden states other than EAGLE-3's, what ``refused``
     names (``"lora"``, ``"eagle3"``, ``"float16"`` -> the reason), expert-parallel load balancing, a head
     size the selected attention backend does not support (vLLM's CPU attention takes a
     fixed list), a context longer than the rotary tables (:func:`check_context`), and a

@@ -1,0 +1,156 @@
+"""vLLM's features beyond greedy decoding, on the export (Block AttnRes, ragged S) and the
+upcycled Llama, each against the model itself (``attnres generate`` and the native model's
+forward for the export, HF ``generate`` and forward for the Llama; conftest.reference_model):
+seeded parallel sampling (``n > 1``), ``LLM.beam_search`` against a beam search computed here,
+prompt log-probabilities, preemption under KV-cache pressure, structured outputs (guided
+decoding by a regular expression or a choice), and embeddings from vLLM's pooling runner.
+One engine a model serves all of them but the embeddings (conftest.features)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import (BEAM_TOKENS, BEAM_WIDTH, FEATURE_MAX_TOKENS, FEATURE_MODELS, FEATURE_PROMPTS, PROMPTS, SAMPLING,
+                      SAMPLING_TOP_1, STRUCTURED_CHOICES, STRUCTURED_REGEX, STRUCTURED_STOP, _generate, reference_model)
+
+pytestmark = pytest.mark.parametrize("name", FEATURE_MODELS)
+
+
+class Reference:
+    """One model as the references compute it: its tokenizer and the log-probabilities of
+    every next token after each position of a sequence (the native model for an export)."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+        self.tok, self.hf, native = reference_model(directory)
+        self.model = native or self.hf
+
+    def ids(self, prompt: str) -> list[int]:
+        return self.tok(prompt)["input_ids"]
+
+    def last_hidden_state(self, ids: list[int]) -> torch.Tensor:
+        """``[len(ids), d]``: the final norm's output (transformers' base model: an upcycled
+        model's ``model``, an export's ``AutoModel``)."""
+        from transformers import AutoModel
+
+        base = self.hf.model if hasattr(self.hf, "model") else AutoModel.from_pretrained(self.directory, dtype=torch.float32)
+        with torch.inference_mode():
+            return base(torch.tensor([ids])).last_hidden_state[0].float()
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """``[len(ids), vocab]``: row i is the distribution of the token after ``ids[:i + 1]``."""
+        with torch.inference_mode():
+            return self.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    references = {}
+
+    def get(name: str) -> Reference:
+        if name not in references:
+            references[name] = Reference(model_dirs[name])
+        return references[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def greedy(model_dirs):
+    """``attnres generate`` / HF ``generate``: the greedy tokens of :data:`PROMPTS` and their
+    log-probabilities, by model."""
+    return {name: _generate(model_dirs[name], PROMPTS, FEATURE_MAX_TOKENS) for name in FEATURE_MODELS}
+
+
+def test_preemption_keeps_the_greedy_tokens(features, greedy, name):
+    """A KV cache too small for the batch at once: vLLM preempts requests and recomputes their
+    KV entries when they resume - the tokens and their log-probabilities stay the model's."""
+    out, (ref, ref_logprobs) = features[name].result(), greedy[name]
+    assert out["preemptions"] > 0, out["preemptions"]
+    for prompt, ours, theirs in zip(PROMPTS, out["batch"], ref):
+        assert ours == theirs, f"prompt {prompt!r}: vLLM {ours} != reference {theirs}"
+    for ours, theirs in zip(out["batch_logprobs"], ref_logprobs):
+        assert ours == pytest.approx(theirs, abs=2e-4)
+
+
+def test_parallel_sampling_draws_samples_of_the_model(features, reference, name):
+    """``n = 4`` seeded samples a prompt, top-k 5: each token one of the model's five likeliest
+    in its context, with the model's log-probability; the samples differ, and the same seed
+    draws the same samples again."""
+    out, model = features[name].result()["sampling"][0], reference(name)
+    for prompt, samples, logprobs in zip(FEATURE_PROMPTS, out["ids"], out["logprobs"]):
+        assert len(samples) == SAMPLING["n"] and len({tuple(s) for s in samples}) > 1, samples
+        prompt_ids = model.ids(prompt)
+        for sample, sample_logprobs in zip(samples, logprobs):
+            assert len(sample) == SAMPLING["max_tokens"]
+            theirs = model.logprobs(prompt_ids + sample)[len(prompt_ids) - 1:-1]
+            for step, (token, ours) in enumerate(zip(sample, sample_logprobs)):
+                assert token in theirs[step].topk(SAMPLING["top_k"]).indices.tolist(), (prompt, sample, step)
+                assert ours == pytest.approx(theirs[step, token].item(), abs=2e-4)
+    assert out["again"] == out["ids"]
+
+
+def test_parallel_sampling_from_the_top_token_is_greedy(features, greedy, name):
+    """``n = 3`` samples from the top token each give the greedy tokens (vLLM refuses ``n > 1``
+    at temperature 0: "n must be 1 when using greedy sampling")."""
+    out, (ref, _) = features[name].result()["sampling"][1], greedy[name]
+    for prompt, samples in zip(FEATURE_PROMPTS, out["ids"]):
+        assert samples == [ref[PROMPTS.index(prompt)][:SAMPLING_TOP_1["max_tokens"]]] * SAMPLING_TOP_1["n"], prompt
+
+
+def test_beam_search_is_the_models(features, reference, name):
+    """``LLM.beam_search`` (width 3, 5 tokens) against the same search over the model's
+    log-probabilities: each step every beam's 2 x width likeliest continuations, the width best
+    by summed log-probability kept (no end-of-sequence token: every beam runs to the end)."""
+    out, model = features[name].result()["beam_search"], reference(name)
+    for prompt, beams in zip(FEATURE_PROMPTS, out):
+        prompt_ids = model.ids(prompt)
+        kept = [([], 0.0)]
+        for _ in range(BEAM_TOKENS):
+            candidates = []
+            for tokens, score in kept:
+                top = model.logprobs(prompt_ids + tokens)[-1].topk(2 * BEAM_WIDTH)
+                candidates += [(tokens + [t], score + v) for v, t in zip(top.values.tolist(), top.indices.tolist())]
+            kept = sorted(candidates, key=lambda c: c[1], reverse=True)[:BEAM_WIDTH]
+        assert [b["tokens"] for b in beams] == [prompt_ids + tokens for tokens, _ in kept], prompt
+        assert [b["cum_logprob"] for b in beams] == pytest.approx([score for _, score in kept], abs=2e-4 * BEAM_TOKENS)
+
+
+def test_prompt_logprobs_are_the_models(features, reference, name):
+    """vLLM's log-probability of every prompt token after the tokens before it (none for the
+    first), against the model's forward on the prompt."""
+    out, model = features[name].result()["prompt_logprobs"], reference(name)
+    for prompt, ours in zip(PROMPTS, out):
+        ids = model.ids(prompt)
+        assert len(ours) == len(ids) and ours[0] is None
+        theirs = model.logprobs(ids)[torch.arange(len(ids) - 1), torch.tensor(ids[1:], dtype=torch.long)]
+        assert ours[1:] == pytest.approx(theirs.tolist(), abs=2e-4), prompt
+
+
+def test_structured_outputs_hold_to_the_constraint(features, name):
+    """Guided decoding (vLLM's default backend, xgrammar) by a regular expression and by a
+    choice: the text is what the constraint allows. The test models' tokenizer (an export's) has
+    no end-of-sequence token, so nothing the grammar allows can end the request once the
+    constraint is met: xgrammar's mask then leaves no token, vLLM samples token 0 (byte 0) and
+    ends the request as ``error``. A terminator in the constraint and a stop string at it end
+    the request there, ``stop``, the text the constraint's alone."""
+    regex, choice, regex_stop, choice_stop = features[name].result()["structured"]
+    for out in regex + choice:
+        assert out["ids"][-1] == 0 and out["finish_reason"] == "error", out
+    assert all(re.fullmatch(STRUCTURED_REGEX, out["text"][:-1]) for out in regex), regex
+    assert all(out["text"][:-1] in STRUCTURED_CHOICES for out in choice), choice
+    for out in regex_stop + choice_stop:
+        assert out["finish_reason"] == "stop" and out["ids"][-1] == ord(STRUCTURED_STOP), out
+    assert all(re.fullmatch(STRUCTURED_REGEX, out["text"]) for out in regex_stop), regex_stop
+    assert all(out["text"] in STRUCTURED_CHOICES for out in choice_stop), choice_stop
+
+
+def test_embeddings_are_the_final_hidden_state(features, reference, name):
+    """vLLM's pooling runner (``runner="pooling"``, ``LLM.embed``) wraps the served class in its
+    embedding adapter: the embedding of a prompt is the final norm's output at its last token,
+    normalised - the model's ``last_hidden_state`` (transformers' base model of the directory)."""
+    out, model = features[f"{name}-embed"].result()["embeddings"], reference(name)
+    for prompt, ours in zip(FEATURE_PROMPTS, out):
+        theirs = torch.nn.functional.normalize(model.last_hidden_state(model.ids(prompt))[-1], dim=-1)
+        assert ours == pytest.approx(theirs.tolist(), abs=2e-5), prompt
