@@ -22,3 +22,52 @@ def test_the_model_takes_a_model_config_and_says_how_to_make_one(config):
     with pytest.raises(TypeError, match=rf"^AttnResLM takes a ModelConfig, got {type(config).__name__}: .*"
                                         r"ModelConfig.preset\(name\)"):
         AttnResLM(config)
+
+
+def test_ids_labels_and_mask_on_another_device_than_the_model_are_refused_by_name():
+    """Token ids on the meta device with a CPU model gave logits of uninitialised memory
+    without a word (the embedding of meta indices reads nothing); a CUDA model with CPU ids
+    failed inside the embedding with torch's "Expected all tensors to be on the same device".
+    The forward names the argument and the device to move it to, as ``generate`` does."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    meta = ids.to("meta")
+    with pytest.raises(ValueError, match=r"^input_ids is on meta, the model on cpu: .*input_ids.to\('cpu'\)"):
+        model(meta)
+    with pytest.raises(ValueError, match=r"^labels is on meta, the model on cpu: .*labels.to\('cpu'\)"):
+        model(ids, labels=meta)
+    with pytest.raises(ValueError, match=r"^attention_mask is on meta, the model on cpu"):
+        model(ids, attention_mask=torch.ones(2, 8, device="meta"))
+    with torch.device("meta"):
+        on_meta = AttnResLM(ModelConfig.preset("tiny"))
+    with pytest.raises(ValueError, match=r"^input_ids is on cpu, the model on meta: .*input_ids.to\('meta'\)"):
+        on_meta(ids)
+    assert on_meta(meta).logits.shape == (2, 8, 256)  # (shape inference on meta stays)
+
+
+@pytest.mark.parametrize("labels, match", [
+    (lambda ids: ids.float(), r"^labels must be a tensor of token ids \(torch.long or torch.int32, -100 = ignored\), "
+                              r"got dtype torch.float32$"),
+    (lambda ids: ids.tolist(), r"^labels must be a tensor of token ids .*got list$"),
+])
+def test_labels_that_are_not_token_ids_are_refused_by_name(labels, match):
+    """Float labels stopped in cross-entropy with "expected target dtype to be Long or Byte,
+    but got Float"; a list of ids with "'list' object has no attribute 'shape'"."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with pytest.raises(ValueError, match=match):
+        model(ids, labels=labels(ids))
+
+
+def test_int32_labels_give_the_loss_of_int64_labels():
+    """int32 ids are taken as token ids, so ``model(ids, labels=ids)`` with them is the natural
+    call; it stopped in cross-entropy ("expected target dtype to be Long or Byte, but got Int")."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    expected = model(ids, labels=ids).loss
+    assert torch.equal(model(ids.int(), labels=ids.int()).loss, expected)
+
+
+def test_an_attention_mask_that_is_not_a_tensor_is_refused_by_name():
+    """A nested list as the mask ended in "'list' object has no attribute 'shape'"."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with pytest.raises(ValueError, match=r"^attention_mask must be a tensor of shape \[batch, past \+ seq_len\] = "
+                                         r"\(2, 8\), got list$"):
+        model(ids, attention_mask=[[1] * 8] * 2)

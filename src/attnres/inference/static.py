@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..models.lm import AttnResLM
+from ..models.trunk import check_device
 from ..nn.kv_cache import KVCache, StaticKVCache
 from ..user_warning import warn_user
 from ..validation import did_you_mean
@@ -56,17 +57,6 @@ def check_native(model, what: str) -> None:
 def model_device(model) -> torch.device | None:
     """The device of ``model``'s first parameter (``None``: it has none)."""
     return next((p.device for p in model.parameters()), None)
-
-
-def check_device(tensor, name: str, device: torch.device | None) -> None:
-    """Refuse ``tensor`` (``name``: the argument) on a device other than the model's,
-    ``device``, before anything runs: a prompt built on the CPU for a model moved to CUDA
-    (``torch.tensor(ids)`` after ``model.cuda()``) failed deep inside the forward with
-    torch's "Expected all tensors to be on the same device" (or, replayed in a CUDA graph,
-    was copied over without a word)."""
-    if isinstance(tensor, Tensor) and device is not None and tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device}, the model on {device}: move it there first, "
-                         f"{name}.to({str(device)!r}) (or build it with device={str(device)!r})")
 
 
 def check_tokens(tokens: Tensor, name: str, device: torch.device | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
@@ -11,7 +12,7 @@ from ..nn.kv_cache import StaticKVCache
 from ..nn.norm import RMSNorm
 from ..nn.transformer import KVStore
 from .config import ModelConfig
-from .trunk import DecoderTrunk, next_token_loss, plain_call
+from .trunk import IGNORE_INDEX, DecoderTrunk, check_device, next_token_loss, plain_call
 
 
 @dataclass
@@ -116,6 +117,10 @@ class AttnResLM(DecoderTrunk):
         """``input_ids [B, T]`` -> :class:`LMOutput` with ``logits [B, T, vocab]``
         (``[B, 1, vocab]``, the last position only, with ``last_logits_only``).
 
+        ``labels [B, T]``: token ids (int64 or int32, ``-100`` ignored), the inputs' own - the
+        loss shifts them. ``input_ids``, ``labels`` and ``attention_mask`` on a device other
+        than the model's are a ``ValueError`` naming the argument.
+
         ``inputs_embeds [B, T, d]`` in place of ``input_ids``: vectors the model takes as it
         takes ``embed_tokens(input_ids)`` (the residual's ``v_0``), e.g. a soft prompt
         concatenated with ``embed_tokens(ids)``; in the embedding's dtype and device.
@@ -123,11 +128,11 @@ class AttnResLM(DecoderTrunk):
         in place. ``attention_mask``: ``[B, past + T]`` of 0/1, left padding only. A
         ``StaticKVCache`` holds the padding itself (``attention_mask`` must be ``None``).
         """
+        device = self.embed_tokens.weight.device
+        check_device(input_ids, "input_ids", device)  # (before its values are read, on its device)
         input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
-        if labels is not None and labels.shape != (b, t):
-            raise ValueError(f"labels must have the shape [batch, seq_len] = {(b, t)} of the inputs, got {tuple(labels.shape)}")
-        if labels is not None and last_logits_only:
-            raise ValueError("labels need the logits of every position; do not pass last_logits_only=True with labels")
+        self._check_labels(labels, (b, t), last_logits_only, device)
+        check_device(attention_mask, "attention_mask", device)
         self._check_cache(kv_cache, b)
         past = 0 if kv_cache is None else kv_cache.seq_len
         if past + t > self.config.max_seq_len:
@@ -143,6 +148,24 @@ class AttnResLM(DecoderTrunk):
         logits = self.lm_head(self.norm(h))
         loss = None if labels is None else next_token_loss(logits, labels)
         return LMOutput(logits=logits, loss=loss, depth_weights=state.weights if return_depth_weights else None)
+
+    @staticmethod
+    def _check_labels(labels: Tensor | None, shape: tuple[int, int], last_logits_only: bool,
+                      device: torch.device) -> None:
+        """Refuse labels the loss cannot take, naming them: not a tensor of token ids (float
+        labels failed in cross-entropy's "expected target dtype to be Long"), of another shape
+        than the inputs, or on another device than the model. Reads shapes only."""
+        if labels is None:
+            return
+        if not isinstance(labels, Tensor) or labels.dtype not in (torch.long, torch.int32):
+            got = f"dtype {labels.dtype}" if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(f"labels must be a tensor of token ids (torch.long or torch.int32, {IGNORE_INDEX} = "
+                             f"ignored), got {got}")
+        if labels.shape != shape:
+            raise ValueError(f"labels must have the shape [batch, seq_len] = {shape} of the inputs, got {tuple(labels.shape)}")
+        if last_logits_only:
+            raise ValueError("labels need the logits of every position; do not pass last_logits_only=True with labels")
+        check_device(labels, "labels", device)
 
     def _check_cache(self, kv_cache: KVStore | None, batch_size: int) -> None:
         """Refuse a cache made for another model (its layers; a static cache's batch, key/value

@@ -38,6 +38,17 @@ def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_device(tensor, name: str, device: torch.device | None) -> None:
+    """Refuse ``tensor`` (``name``: the argument) on a device other than the model's,
+    ``device``, before anything runs: a prompt built on the CPU for a model moved to CUDA
+    (``torch.tensor(ids)`` after ``model.cuda()``) failed deep inside the forward with
+    torch's "Expected all tensors to be on the same device" (or, replayed in a CUDA graph,
+    was copied over without a word)."""
+    if isinstance(tensor, Tensor) and device is not None and tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, the model on {device}: move it there first, "
+                         f"{name}.to({str(device)!r}) (or build it with device={str(device)!r})")
+
+
 def _checked_token_ids(input_ids: Tensor, vocab_size: int) -> Tensor:
     check_token_values(input_ids, vocab_size)
     return input_ids.clone()
@@ -71,7 +82,8 @@ def next_token_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> 
     shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
     if shifted.dtype in (torch.float16, torch.bfloat16):
         shifted = shifted.float()  # the loss in at least float32
-    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction)
+    # (int32 labels, as int32 input ids, which the embedding takes: cross-entropy takes int64 only)
+    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 def plain_call(fn, *args):
@@ -243,11 +255,10 @@ class DecoderTrunk(nn.Module):
         if attention_mask is None:
             cos, sin = self.rope(t, offset=past)
             return cos, sin, None
-        if attention_mask.shape != (input_ids.shape[0], past + t):
-            raise ValueError(
-                f"attention_mask must have shape [batch, past + seq_len] = {(input_ids.shape[0], past + t)}, "
-                f"got {tuple(attention_mask.shape)}"
-            )
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != (input_ids.shape[0], past + t):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be a tensor of shape [batch, past + seq_len] = "
+                             f"{(input_ids.shape[0], past + t)}, got {got}")
         real = attention_mask.bool()
         # RoPE positions count real tokens; left padding sits at position 0.
         position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
