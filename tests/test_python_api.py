@@ -71,3 +71,14 @@ def test_an_attention_mask_that_is_not_a_tensor_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^attention_mask must be a tensor of shape \[batch, past \+ seq_len\] = "
                                          r"\(2, 8\), got list$"):
         model(ids, attention_mask=[[1] * 8] * 2)
+
+
+def test_generate_without_a_number_of_new_tokens_is_refused_by_name():
+    """``generate(model, ids, max_new_tokens=None)`` (a notebook's "as many as you like")
+    passed the check and ended in "unsupported operand type(s) for +: 'int' and 'NoneType'"."""
+    from attnres.inference import generate, stream
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    for call in (generate, stream):
+        with pytest.raises(ValueError, match=r"^max_new_tokens must be an integer >= 1; got None$"):
+            call(model, ids, max_new_tokens=None)

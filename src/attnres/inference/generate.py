@@ -136,10 +136,15 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
         raise ValueError(f"{name('top_k')} must be an integer >= 0 (0 = no top-k filter); got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, Real) or not (0 < top_p <= 1):
         raise ValueError(f"{name('top_p')} must be a number in (0, 1] (1 = no nucleus filter); got {top_p!r}")
-    if max_new_tokens is not None and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 1
-    ):
-        raise ValueError(f"{name('max_new_tokens')} must be an integer >= 1; got {max_new_tokens!r}")
+    if max_new_tokens is not None:
+        _check_max_new_tokens(max_new_tokens, name("max_new_tokens"))
+
+
+def _check_max_new_tokens(max_new_tokens: int, name: str = "max_new_tokens") -> None:
+    """What :func:`check_sampling` checks of ``max_new_tokens``, which the streams need given
+    (``max_new_tokens=None`` ended in "unsupported operand type(s) for +: 'int' and 'NoneType'")."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 1:
+        raise ValueError(f"{name} must be an integer >= 1; got {max_new_tokens!r}")
 
 
 def sample(
@@ -230,7 +235,8 @@ def stream(
     ``decode`` (one of :data:`DECODE_MODES`) picks how the decode steps run; the static modes
     give the same tokens as ``"dynamic"`` (up to floating-point rounding of the logits).
     """
-    check_sampling(temperature, top_k, top_p, max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
+    _check_max_new_tokens(max_new_tokens)
     _check_chunk_size(chunk_size)
     decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask, max_new_tokens)
@@ -385,7 +391,8 @@ def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None 
     Stop tokens and stop strings end a sequence as in :func:`stream` (later steps give it
     ``pad_token_id``; the stream ends when every sequence has ended). The arguments are checked
     at the call, as :func:`stream` checks them."""
-    check_sampling(temperature, top_k, top_p, max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
+    _check_max_new_tokens(max_new_tokens)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
