@@ -82,3 +82,17 @@ def test_generate_without_a_number_of_new_tokens_is_refused_by_name():
     for call in (generate, stream):
         with pytest.raises(ValueError, match=r"^max_new_tokens must be an integer >= 1; got None$"):
             call(model, ids, max_new_tokens=None)
+
+
+@pytest.mark.parametrize("logits, got", [(torch.randn(2, 3, 10), r"\(2, 3, 10\)"), (torch.randn(10), r"\(10,\)"),
+                                         ([[0.5, 1.0]], "list")])
+def test_sample_takes_one_row_of_logits_per_sequence_and_says_how_to_get_them(logits, got):
+    """``sample(out.logits, temperature=0.8)`` with a forward's ``[B, T, vocab]`` stopped in
+    ``torch.multinomial`` ("prob_dist must be 1 or 2 dim"); one row's ``[vocab]`` failed in the
+    top-k filter ("too many indices for tensor of dimension 1"); a list, "'list' object has no
+    attribute 'device'"."""
+    from attnres.inference import sample
+
+    with pytest.raises(ValueError, match=rf"^sample: logits must be a tensor \[batch, vocab\], got {got}: .*"
+                                         r"out.logits\[:, -1\], one row \[vocab\] as logits\[None\]$"):
+        sample(logits, temperature=0.8, top_k=5)

@@ -167,6 +167,12 @@ def sample(
     A row without a distribution to draw from - NaN or infinite logits, or logits over a
     temperature near 0 beyond float32's range - takes its argmax, as greedy decoding does."""
     check_sampling(temperature, top_k, top_p)
+    # (a forward's [B, T, vocab] stopped in torch.multinomial with "prob_dist must be 1 or 2 dim", and
+    # one row's [vocab] drew a token without a batch, or failed in the top-k filter with "too many indices")
+    if not isinstance(logits, Tensor) or logits.dim() != 2:
+        got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"sample: logits must be a tensor [batch, vocab], got {got}: a forward's [batch, seq_len, "
+                         "vocab] gives it as out.logits[:, -1], one row [vocab] as logits[None]")
     _check_generator(generator, logits.device, logits.shape[0], "the logits")
     return _draw(logits, temperature, top_k, top_p, generator)
 
