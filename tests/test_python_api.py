@@ -96,3 +96,14 @@ def test_sample_takes_one_row_of_logits_per_sequence_and_says_how_to_get_them(lo
     with pytest.raises(ValueError, match=rf"^sample: logits must be a tensor \[batch, vocab\], got {got}: .*"
                                          r"out.logits\[:, -1\], one row \[vocab\] as logits\[None\]$"):
         sample(logits, temperature=0.8, top_k=5)
+
+
+@pytest.mark.parametrize("args, match", [(("2",), r"n_layers must be an integer >= 1, got '2'"),
+                                         ((0,), r"n_layers must be an integer >= 1, got 0"),
+                                         ((2, -1), r"capacity must be an integer >= 0, got -1")])
+def test_a_kv_cache_of_a_bad_size_is_refused_by_name(args, match):
+    """``KVCache("2")`` failed with "'<' not supported between instances of 'str' and 'int'"."""
+    from attnres.inference import KVCache
+
+    with pytest.raises(ValueError, match=rf"^KVCache: {match}$"):
+        KVCache(*args)
