@@ -4,10 +4,13 @@ boundary, in one message naming the argument and what it takes, instead of deep 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from attnres import AttnResLM, ModelConfig
+from attnres.nn import Attention, RotaryEmbedding, SwiGLU
 
 
 def tiny_model(**changes) -> AttnResLM:
@@ -107,3 +110,39 @@ def test_a_kv_cache_of_a_bad_size_is_refused_by_name(args, match):
 
     with pytest.raises(ValueError, match=rf"^KVCache: {match}$"):
         KVCache(*args)
+
+
+def test_attention_on_its_own_names_the_input_shape_it_takes():
+    """``attnres.nn.Attention`` in a model of one's own: an unbatched ``[T, d]`` input failed
+    with "not enough values to unpack (expected 3, got 2)", another width in a matmul ("mat1
+    and mat2 shapes cannot be multiplied (10x12 and 16x16)"), RoPE tables of another length
+    in a broadcast inside ``apply_rotary``."""
+    attention, rope = Attention(16, 4, 2), RotaryEmbedding(4, 32)
+    for x in (torch.randn(5, 16), torch.randn(2, 5, 12)):
+        with pytest.raises(ValueError, match=rf"^Attention: x must have shape \[batch, seq_len, d_model=16\], got "
+                                             rf"{re.escape(str(tuple(x.shape)))}$"):
+            attention(x, *rope(5))
+    with pytest.raises(ValueError, match=r"^Attention: cos and sin must have the 6 rows of x's positions .*got \(5, 4\)$"):
+        attention(torch.randn(2, 6, 16), *rope(5))
+    assert attention(torch.randn(2, 5, 16), *rope(5)).shape == (2, 5, 16)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: SwiGLU(8, 0), r"^SwiGLU: hidden must be an integer >= 1, got 0$"),
+    (lambda: SwiGLU(-1, 4), r"^SwiGLU: d_model must be an integer >= 1"),
+    (lambda: RotaryEmbedding(0, 8),
+     r"^RotaryEmbedding: head_dim must be an integer >= 1, got 0$"),
+    (lambda: RotaryEmbedding("4", 8),
+     r"^RotaryEmbedding: head_dim must be an integer >= 1, got '4'$"),
+    (lambda: RotaryEmbedding(4, 0),
+     r"^RotaryEmbedding: max_seq_len must be an integer >= 1, got 0$"),
+    (lambda: RotaryEmbedding(4, 8, theta=-1.0),
+     r"^RotaryEmbedding: theta must be a finite number > 0, got -1.0$"),
+])
+def test_mlp_and_rope_of_sizes_they_cannot_have_are_refused_where_they_are_built(build, match):
+    """``SwiGLU(8, 0)`` was built and returned zeros, ``SwiGLU(-1, 4)`` failed inside torch
+    ("Trying to create tensor with negative dimension"); ``RotaryEmbedding`` with a head
+    dimension or length of 0 built empty tables, with a negative ``theta`` tables of NaN,
+    and with ``"4"`` failed in a string format ("not all arguments converted")."""
+    with pytest.raises(ValueError, match=match):
+        build()
