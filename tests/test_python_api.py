@@ -4,6 +4,8 @@ boundary, in one message naming the argument and what it takes, instead of deep 
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 
 import pytest
@@ -146,3 +148,40 @@ def test_mlp_and_rope_of_sizes_they_cannot_have_are_refused_where_they_are_built
     and with ``"4"`` failed in a string format ("not all arguments converted")."""
     with pytest.raises(ValueError, match=match):
         build()
+
+
+PUBLIC_MODULES = ["attnres", "attnres.nn", "attnres.nn.residual", "attnres.ops", "attnres.models", "attnres.inference"]
+
+
+def undocumented(module_name: str) -> list[str]:
+    """The names of ``module_name.__all__`` that are missing, or are a class or function
+    without a docstring, or a class whose public methods or properties have none (one inherited
+    from the method it overrides counts: ``help()`` shows it)."""
+    module = importlib.import_module(module_name)
+    missing = []
+    for name in module.__all__:
+        if not hasattr(module, name):
+            missing.append(f"{name} (in __all__, not in the module)")
+            continue
+        obj = getattr(module, name)
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue  # (constants: documented by the comment above them)
+        if not obj.__doc__:
+            missing.append(name)
+        if inspect.isclass(obj):
+            missing += [f"{name}.{attr}" for attr, member in vars(obj).items()
+                        if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property))
+                        and not inspect.getdoc(getattr(obj, attr) if inspect.isfunction(member) else member)
+                        and not _inherited_doc(obj, attr)]
+    return missing
+
+
+def _inherited_doc(cls: type, attr: str) -> bool:
+    return any(getattr(getattr(base, attr, None), "__doc__", None) for base in cls.__mro__[1:])
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_every_public_name_has_a_docstring_that_help_shows(module_name):
+    """``help(attnres.inference.StopStrings)`` and the like showed methods without a word
+    (``AttnResLM.num_parameters``, ``ModelConfig.head_dim``, ``KVCache``'s, ``feed``, ...)."""
+    assert undocumented(module_name) == []

@@ -132,10 +132,12 @@ class StaticDecoder:
 
     @property
     def batch_size(self) -> int:
+        """The rows its step decodes, fixed at construction."""
         return self.cache.batch_size
 
     @property
     def capacity(self) -> int:
+        """The positions its static cache holds, prompt included."""
         return self.cache.capacity
 
     # -- filling and rewinding the cache ---------------------------------------------------

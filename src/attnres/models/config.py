@@ -114,10 +114,12 @@ class ModelConfig:
     # -- derived quantities --------------------------------------------------------------
     @property
     def kv_heads(self) -> int:
+        """The key/value heads: ``n_kv_heads``, or ``n_heads`` when it is ``None``."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def head_dim(self) -> int:
+        """The width of one attention head, ``d_model // n_heads``."""
         return self.d_model // self.n_heads
 
     @property
@@ -143,6 +145,8 @@ class ModelConfig:
 
     # -- (de)serialisation and presets ---------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a nested mapping (``residual`` too), as config.json stores them;
+        ``from_dict`` reads it back."""
         return dataclasses.asdict(self)
 
     @classmethod

@@ -185,6 +185,8 @@ class AttnResLM(DecoderTrunk):
 
     # -- conveniences --------------------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """The parameters, each counted once (a tied LM head shares the embedding's);
+        ``exclude_embeddings``: without the token embedding's ``vocab_size * d_model``."""
         params = {id(p): p for p in self.parameters()}
         if exclude_embeddings:
             params.pop(id(self.embed_tokens.weight), None)

@@ -169,6 +169,8 @@ class DecoderTrunk(nn.Module):
     shard_inputs_embeds: Callable[[Tensor], Tensor] | None = None
 
     def build_trunk(self, config: ModelConfig) -> None:
+        """Build the embedding, the blocks, the residual, the final norm and the RoPE tables
+        that ``config`` describes, under the names of the class docstring."""
         self.model_config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(

@@ -182,9 +182,12 @@ class TransformerBlock(nn.Module):
         kv_cache: KVStore | None = None,
         layer: int = 0,
     ) -> Tensor:
+        """``attn(attn_norm(h))``: ``h [B, T, d]`` -> the raw output ``[B, T, d]`` (the
+        arguments after ``h`` as :class:`Attention` takes them)."""
         return self.attn(_normalized(self.attn_norm, h, self.attn), cos, sin, attn_mask, kv_cache, layer)
 
     def mlp_sublayer(self, h: Tensor) -> Tensor:
+        """``mlp(mlp_norm(h))``: ``h [B, T, d]`` -> the raw output ``[B, T, d]``."""
         return self.mlp(_normalized(self.mlp_norm, h, self.mlp))
 
 
