@@ -185,3 +185,16 @@ def test_every_public_name_has_a_docstring_that_help_shows(module_name):
     """``help(attnres.inference.StopStrings)`` and the like showed methods without a word
     (``AttnResLM.num_parameters``, ``ModelConfig.head_dim``, ``KVCache``'s, ``feed``, ...)."""
     assert undocumented(module_name) == []
+
+
+def test_load_run_names_its_device_argument_not_the_command_line_option(tmp_path, monkeypatch):
+    """``load_run(run, device="gpu")`` in a notebook was told "--device must be ...", an option
+    it has not got, and ``device="cuda"`` without one to "use --device cpu"."""
+    from attnres.inference import load_run
+
+    with pytest.raises(ValueError, match=r"^device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu' "
+                                         r"\(did you mean 'cuda'\?\)$"):
+        load_run(tmp_path, device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device 'cuda': no CUDA device is available here \(.*\); use device='cpu'$"):
+        load_run(tmp_path, device="cuda")
