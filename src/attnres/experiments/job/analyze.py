@@ -116,7 +116,7 @@ def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int
     from ...inference.loading import pick_device
     from ...models.factory import check_tokenizer_ids, context_limit
 
-    device = pick_device(device)
+    device = pick_device(device, "device")
     model, tokenizer = load_directory(path, device)
     native = isinstance(model, AttnResForCausalLM)
     if native:
