@@ -198,3 +198,12 @@ def test_load_run_names_its_device_argument_not_the_command_line_option(tmp_path
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"^device 'cuda': no CUDA device is available here \(.*\); use device='cpu'$"):
         load_run(tmp_path, device="cuda")
+
+
+def test_a_kv_cache_that_is_not_one_is_refused_by_name():
+    """``model(ids, kv_cache=cache_list)`` (or any other object) ended in "'list' object has no
+    attribute 'seq_len'"."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with pytest.raises(ValueError, match=r"^kv_cache must be an attnres.inference.KVCache or StaticKVCache, got list: "
+                                         r"make it for this model: KVCache\(model.config.n_layers\)"):
+        model(ids, kv_cache=[])

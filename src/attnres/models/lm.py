@@ -74,9 +74,9 @@ class AttnResLM(DecoderTrunk):
         super().__init__()
         # (a mapping or a preset's name failed with "'dict' object has no attribute 'validate'")
         if not isinstance(config, ModelConfig):
-            raise TypeError(f"AttnResLM takes a ModelConfig, got {type(config).__name__}: build one with ModelConfig(**fields), "
-                            "ModelConfig.from_dict(mapping) or ModelConfig.preset(name) (a transformers AttnResConfig: "
-                            "config.to_model_config())")
+            raise TypeError(f"AttnResLM takes a ModelConfig, got {type(config).__name__}: build one with "
+                            "ModelConfig(**fields), ModelConfig.from_dict(mapping) or ModelConfig.preset(name) (a "
+                            "transformers AttnResConfig: config.to_model_config())")
         config.validate()
         if config.hf_architecture is not None:
             raise ValueError(f"ModelConfig.hf_architecture={config.hf_architecture!r} builds a transformers model: use "
@@ -168,11 +168,15 @@ class AttnResLM(DecoderTrunk):
         check_device(labels, "labels", device)
 
     def _check_cache(self, kv_cache: KVStore | None, batch_size: int) -> None:
-        """Refuse a cache made for another model (its layers; a static cache's batch, key/value
-        heads and head size), which failed inside an update ("list index out of range",
-        "index_copy_(): Source/destination tensor must have same slice shapes")."""
+        """Refuse what is not a cache, and a cache made for another model (its layers; a static
+        cache's batch, key/value heads and head size), which failed inside an update ("list
+        index out of range", "index_copy_(): Source/destination tensor must have same slice shapes")."""
         config = self.config
         fix = "make it for this model: KVCache(model.config.n_layers) or StaticKVCache.for_model(model, batch_size)"
+        # (a cache of the wrong kind failed with "'str' object has no attribute 'seq_len'")
+        if kv_cache is not None and not callable(getattr(kv_cache, "update", None)):
+            raise ValueError(f"kv_cache must be an attnres.inference.KVCache or StaticKVCache, got "
+                             f"{type(kv_cache).__name__}: {fix}")
         if getattr(kv_cache, "n_layers", config.n_layers) != config.n_layers:
             raise ValueError(f"kv_cache holds {kv_cache.n_layers} layers, the model has ModelConfig.n_layers="
                              f"{config.n_layers}: {fix}")
