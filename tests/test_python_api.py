@@ -207,3 +207,18 @@ def test_a_kv_cache_that_is_not_one_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^kv_cache must be an attnres.inference.KVCache or StaticKVCache, got list: "
                                          r"make it for this model: KVCache\(model.config.n_layers\)"):
         model(ids, kv_cache=[])
+
+
+def test_generate_shows_its_arguments_and_names_a_misspelt_one():
+    """``help(generate)`` showed ``(model, input_ids, attention_mask=None, **kwargs)``, and a
+    misspelt argument was "stream() got an unexpected keyword argument 'max_tokens'", a function
+    the call did not name; transformers' ``eos_token_id`` would be matched to ``pad_token_id``."""
+    from attnres.inference import generate, stream
+
+    assert list(inspect.signature(generate).parameters) == list(inspect.signature(stream).parameters)
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    for given, meant in (("max_tokens", "max_new_tokens"), ("eos_token_id", "stop_tokens")):
+        with pytest.raises(TypeError, match=rf"^generate\(\) got unexpected keyword argument\(s\) \['{given}'\] \(did "
+                                            rf"you mean '{meant}' for '{given}'\?\); it takes max_new_tokens, temperature"):
+            generate(model, ids, max_new_tokens=2, **{given: 1})
+    assert generate(model, ids, max_new_tokens=2).shape == (2, 2)

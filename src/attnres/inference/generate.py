@@ -23,7 +23,7 @@ from ..models.lm import AttnResLM
 from ..models.trunk import check_token_values
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
-from ..validation import did_you_mean
+from ..validation import did_you_mean, did_you_mean_each
 from .static import StaticDecoder, check_device, check_native, check_tokens, model_device
 from .stop_strings import RowStops, check_stop_strings
 
@@ -475,4 +475,17 @@ def generate(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None 
     """Generate after ``input_ids [B, T]``; returns the new tokens ``[B, n]`` with
     ``n <= max_new_tokens`` (fewer when every sequence stopped early; finished sequences
     are filled with ``pad_token_id``). Keyword arguments as in :func:`stream`."""
+    unknown = sorted(set(kwargs) - set(_STREAM_KEYWORDS))
+    if unknown:  # (was "stream() got an unexpected keyword argument", a function the call did not name)
+        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}"
+                        f"{did_you_mean_each(unknown, _STREAM_KEYWORDS, meant=_TRANSFORMERS_NAMES)}; it takes "
+                        f"{', '.join(_STREAM_KEYWORDS)}")
     return torch.stack(list(stream(model, input_ids, attention_mask, **kwargs)), dim=1)
+
+
+#: What ``generate`` passes on to :func:`stream`; ``help(generate)`` shows them in its signature.
+_STREAM_KEYWORDS = [name for name, p in inspect.signature(stream).parameters.items() if p.kind is p.KEYWORD_ONLY]
+generate.__signature__ = inspect.signature(stream).replace(return_annotation=Tensor)
+#: transformers' ``generate`` arguments, by habit, and ours for them (spelling would suggest
+#: ``pad_token_id`` for ``eos_token_id``).
+_TRANSFORMERS_NAMES = {"eos_token_id": "stop_tokens", "max_length": "max_new_tokens", "do_sample": "temperature"}
