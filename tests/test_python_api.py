@@ -222,3 +222,13 @@ def test_generate_shows_its_arguments_and_names_a_misspelt_one():
                                             rf"you mean '{meant}' for '{given}'\?\); it takes max_new_tokens, temperature"):
             generate(model, ids, max_new_tokens=2, **{given: 1})
     assert generate(model, ids, max_new_tokens=2).shape == (2, 2)
+
+
+def test_labels_of_a_single_token_sequence_are_refused_instead_of_a_nan_loss():
+    """``model(ids[:, :1], labels=ids[:, :1])`` gave ``loss = nan``: the mean over no predicted
+    token (the labels are shifted by one inside)."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 1))
+    with pytest.raises(ValueError, match=r"^labels need a sequence of at least 2 tokens: .*a sequence of 1 predicts "
+                                         r"none \(the loss would be NaN\)$"):
+        model(ids, labels=ids)
+    assert model(ids).logits.shape == (2, 1, 256)  # (without labels, one token is a forward like any)

@@ -117,8 +117,8 @@ class AttnResLM(DecoderTrunk):
         """``input_ids [B, T]`` -> :class:`LMOutput` with ``logits [B, T, vocab]``
         (``[B, 1, vocab]``, the last position only, with ``last_logits_only``).
 
-        ``labels [B, T]``: token ids (int64 or int32, ``-100`` ignored), the inputs' own - the
-        loss shifts them. ``input_ids``, ``labels`` and ``attention_mask`` on a device other
+        ``labels [B, T]`` (``T >= 2``): token ids (int64 or int32, ``-100`` ignored), the
+        inputs' own - the loss shifts them. ``input_ids``, ``labels`` and ``attention_mask`` on a device other
         than the model's are a ``ValueError`` naming the argument.
 
         ``inputs_embeds [B, T, d]`` in place of ``input_ids``: vectors the model takes as it
@@ -165,6 +165,9 @@ class AttnResLM(DecoderTrunk):
             raise ValueError(f"labels must have the shape [batch, seq_len] = {shape} of the inputs, got {tuple(labels.shape)}")
         if last_logits_only:
             raise ValueError("labels need the logits of every position; do not pass last_logits_only=True with labels")
+        if shape[1] < 2:  # (the mean over no predicted token: a NaN loss, without a word)
+            raise ValueError(f"labels need a sequence of at least 2 tokens: position t predicts token t + 1, and a "
+                             f"sequence of {shape[1]} predicts none (the loss would be NaN)")
         check_device(labels, "labels", device)
 
     def _check_cache(self, kv_cache: KVStore | None, batch_size: int) -> None:
