@@ -232,3 +232,13 @@ def test_labels_of_a_single_token_sequence_are_refused_instead_of_a_nan_loss():
                                          r"none \(the loss would be NaN\)$"):
         model(ids, labels=ids)
     assert model(ids).logits.shape == (2, 1, 256)  # (without labels, one token is a forward like any)
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_every_public_function_that_takes_tensors_gives_their_shapes(module_name):
+    """``help(attnres.models.run_sublayers)`` did not say what ``cos``, ``sin`` and
+    ``attn_mask`` are ([T, head_dim], [B, 1, T, past + T])."""
+    module = importlib.import_module(module_name)
+    functions = [getattr(module, name) for name in module.__all__ if inspect.isfunction(getattr(module, name))]
+    takes_tensors = [f for f in functions if "Tensor" in str(inspect.signature(f))]
+    assert [f.__name__ for f in takes_tensors if "[" not in (f.__doc__ or "")] == []

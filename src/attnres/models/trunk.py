@@ -143,8 +143,10 @@ def run_sublayers(
 ) -> None:
     """Run the transformer blocks ``blocks`` (pairs ``(i, TransformerBlock)``, block ``i``
     holding sublayers ``2i`` and ``2i + 1``) on ``state``: each sublayer gets its input from
-    the residual and hands its raw output back. ``sublayer_call(fn, *args)`` runs each
-    sublayer (activation checkpointing goes here)."""
+    the residual and hands its raw output back. ``cos``/``sin``: the RoPE tables of the ``T``
+    positions, ``[T, head_dim]`` or ``[B, T, head_dim]``; ``attn_mask``: ``[B, 1, T, past + T]``
+    (True = may attend) or ``None`` (causal). ``sublayer_call(fn, *args)`` runs each sublayer
+    (activation checkpointing goes here)."""
     for i, layer in blocks:
         a, m = 2 * i, 2 * i + 1
         h_a = residual.sublayer_input(state, a)
