@@ -44,9 +44,8 @@ def test_ids_labels_and_mask_on_another_device_than_the_model_are_refused_by_nam
         model(ids, attention_mask=torch.ones(2, 8, device="meta"))
     with torch.device("meta"):
         on_meta = AttnResLM(ModelConfig.preset("tiny"))
-    with pytest.raises(ValueError, match=r"^input_ids is on cpu, the model on meta: .*input_ids.to\('meta'\)"):
-        on_meta(ids)
-    assert on_meta(meta).logits.shape == (2, 8, 256)  # (shape inference on meta stays)
+    for inputs in (meta, ids):  # (shape inference, or weights accelerate offloads: computed where they are loaded)
+        assert on_meta(inputs).logits.shape == (2, 8, 256)
 
 
 @pytest.mark.parametrize("labels, match", [

@@ -128,7 +128,9 @@ class AttnResLM(DecoderTrunk):
         in place. ``attention_mask``: ``[B, past + T]`` of 0/1, left padding only. A
         ``StaticKVCache`` holds the padding itself (``attention_mask`` must be ``None``).
         """
-        device = self.embed_tokens.weight.device
+        # (weights on meta - a model built there for shape inference, or offloaded by accelerate,
+        # whose hooks load them - compute wherever the inputs are: nothing to refuse)
+        device = None if (weight := self.embed_tokens.weight).device.type == "meta" else weight.device
         check_device(input_ids, "input_ids", device)  # (before its values are read, on its device)
         input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
         self._check_labels(labels, (b, t), last_logits_only, device)
@@ -151,7 +153,7 @@ class AttnResLM(DecoderTrunk):
 
     @staticmethod
     def _check_labels(labels: Tensor | None, shape: tuple[int, int], last_logits_only: bool,
-                      device: torch.device) -> None:
+                      device: torch.device | None) -> None:
         """Refuse labels the loss cannot take, naming them: not a tensor of token ids (float
         labels failed in cross-entropy's "expected target dtype to be Long"), of another shape
         than the inputs, or on another device than the model. Reads shapes only."""
