@@ -241,3 +241,19 @@ def test_every_public_function_that_takes_tensors_gives_their_shapes(module_name
     functions = [getattr(module, name) for name in module.__all__ if inspect.isfunction(getattr(module, name))]
     takes_tensors = [f for f in functions if "Tensor" in str(inspect.signature(f))]
     assert [f.__name__ for f in takes_tensors if "[" not in (f.__doc__ or "")] == []
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0])
+def test_a_static_decoder_asked_for_no_steps_says_so(n):
+    """``StaticDecoder.decode(tokens, 0)`` ended in torch.stack's "stack expects a non-empty
+    TensorList"; a negative ``n`` likewise."""
+    from attnres.inference import StaticDecoder, prefill
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    logits, cache = prefill(model, ids)
+    decoder = StaticDecoder(model, batch_size=2, capacity=16, mode="eager")
+    decoder.load(cache)
+    with pytest.raises(ValueError, match=rf"^StaticDecoder.decode: n \(the steps to decode\) must be an integer >= 1, "
+                                         rf"got {n!r}$"):
+        decoder.decode(logits.argmax(-1), n)
+    assert decoder.decode(logits.argmax(-1), 2).shape == (2, 2)

@@ -26,7 +26,7 @@ from ..models.lm import AttnResLM
 from ..models.trunk import check_device
 from ..nn.kv_cache import KVCache, StaticKVCache
 from ..user_warning import warn_user
-from ..validation import did_you_mean
+from ..validation import Int, did_you_mean
 
 __all__ = ["STATIC_MODES", "StaticDecoder", "static_decode_step"]
 
@@ -199,6 +199,8 @@ class StaticDecoder:
     def decode(self, tokens: Tensor, n: int) -> Tensor:
         """``n`` greedy steps from ``tokens [B]`` (fed first); returns the ``n`` tokens chosen,
         ``[B, n]``. Nothing is read back to the host."""
+        if not Int(1).ok(n):  # (n=0 ended in torch.stack's "stack expects a non-empty TensorList")
+            raise ValueError(f"StaticDecoder.decode: n (the steps to decode) must be an integer >= 1, got {n!r}")
         out = []
         for _ in range(n):
             tokens = self.step(tokens).argmax(dim=-1)
