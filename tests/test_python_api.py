@@ -21,12 +21,16 @@ def tiny_model(**changes) -> AttnResLM:
 
 
 @pytest.mark.parametrize("config", [{"vocab_size": 256}, "tiny", None])
-def test_the_model_takes_a_model_config_and_says_how_to_make_one(config):
+@pytest.mark.parametrize("build", ["AttnResLM", "build_model"])
+def test_the_model_takes_a_model_config_and_says_how_to_make_one(config, build):
     """``AttnResLM({"vocab_size": 256})`` or ``AttnResLM("tiny")`` ended in "'dict' object has
-    no attribute 'validate'"."""
-    with pytest.raises(TypeError, match=rf"^AttnResLM takes a ModelConfig, got {type(config).__name__}: .*"
+    no attribute 'validate'", ``build_model("tiny")`` in "'str' object has no attribute
+    'hf_architecture'"."""
+    from attnres.models import build_model
+
+    with pytest.raises(TypeError, match=rf"^{build} takes a ModelConfig, got {type(config).__name__}: .*"
                                         r"ModelConfig.preset\(name\)"):
-        AttnResLM(config)
+        {"AttnResLM": AttnResLM, "build_model": build_model}[build](config)
 
 
 def test_ids_labels_and_mask_on_another_device_than_the_model_are_refused_by_name():

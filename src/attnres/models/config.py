@@ -177,6 +177,16 @@ class ModelConfig:
         return cls.from_dict(_merge(PRESETS[name], migrate_model_keys(overrides)))
 
 
+def require_model_config(config: Any, who: str) -> None:
+    """Raise ``TypeError`` unless ``config`` is a :class:`ModelConfig`, saying how to make one
+    (``who``: the callable given it; a mapping or a preset's name failed with "'dict' object
+    has no attribute 'validate'")."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"{who} takes a ModelConfig, got {type(config).__name__}: build one with "
+                        "ModelConfig(**fields), ModelConfig.from_dict(mapping) or ModelConfig.preset(name) (a "
+                        "transformers AttnResConfig: config.to_model_config())")
+
+
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 #: The nested section's fields, named as such when given at the top level (``block_size=4``,
 #: whose nearest top-level spelling, ``vocab_size``, was the hint).

@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 from ..nn.kv_cache import StaticKVCache
 from ..nn.norm import RMSNorm
 from ..nn.transformer import KVStore
-from .config import ModelConfig
+from .config import ModelConfig, require_model_config
 from .trunk import IGNORE_INDEX, DecoderTrunk, check_device, next_token_loss, plain_call
 
 
@@ -72,11 +72,7 @@ class AttnResLM(DecoderTrunk):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        # (a mapping or a preset's name failed with "'dict' object has no attribute 'validate'")
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"AttnResLM takes a ModelConfig, got {type(config).__name__}: build one with "
-                            "ModelConfig(**fields), ModelConfig.from_dict(mapping) or ModelConfig.preset(name) (a "
-                            "transformers AttnResConfig: config.to_model_config())")
+        require_model_config(config, "AttnResLM")
         config.validate()
         if config.hf_architecture is not None:
             raise ValueError(f"ModelConfig.hf_architecture={config.hf_architecture!r} builds a transformers model: use "
