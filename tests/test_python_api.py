@@ -261,3 +261,15 @@ def test_a_static_decoder_asked_for_no_steps_says_so(n):
                                          rf"got {n!r}$"):
         decoder.decode(logits.argmax(-1), n)
     assert decoder.decode(logits.argmax(-1), 2).shape == (2, 2)
+
+
+@pytest.mark.parametrize("labels, logits", [((2, 7), (2, 8, 10)), ((8,), (2, 8, 10)), ((2, 8), (8, 10))])
+def test_next_token_loss_of_labels_not_of_the_logits_positions_is_refused_by_name(labels, logits):
+    """``attnres.models.next_token_loss`` in one's own training loop, with labels the caller
+    shifted already, failed in cross-entropy with "Expected input batch_size (14) to match
+    target batch_size (12)"; 1-D labels with "too many indices for tensor of dimension 1"."""
+    from attnres.models import next_token_loss
+
+    with pytest.raises(ValueError, match=rf"^next_token_loss: labels must be \[batch, seq_len\] as logits are .*"
+                                         rf"got labels {re.escape(str(labels))}, logits {re.escape(str(logits))}$"):
+        next_token_loss(torch.randn(logits), torch.zeros(labels, dtype=torch.long))

@@ -79,6 +79,11 @@ def next_token_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> 
     """Cross-entropy of ``logits [B, T, vocab]`` at positions ``0 .. T-2`` against ``labels
     [B, T]`` at ``1 .. T-1`` (the shift is done here), ignoring ``IGNORE_INDEX``, in at least
     float32. ``reduction``: ``"mean"`` over the predicted tokens, or ``"sum"``."""
+    # (labels shifted by the caller failed in cross-entropy's "Expected input batch_size (14) to match target
+    # batch_size (12)", 1-D labels with "too many indices")
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"next_token_loss: labels must be [batch, seq_len] as logits are [batch, seq_len, vocab] (the "
+                         f"shift is done here); got labels {tuple(labels.shape)}, logits {tuple(logits.shape)}")
     shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
     if shifted.dtype in (torch.float16, torch.bfloat16):
         shifted = shifted.float()  # the loss in at least float32
