@@ -210,6 +210,15 @@ class Int(Rule):
         return _quoted_number_hint(value, integer=True)
 
 
+def check_sizes(owner: str, **sizes: Any) -> None:
+    """Raise ``ValueError`` ``"{owner}: {name} must be an integer >= 1, got {value!r}"`` for
+    the first of ``sizes`` that is not: a module's widths and counts, checked where it is built
+    (``SwiGLU(8, 0)`` was built and returned zeros; a negative size failed inside torch)."""
+    for name, value in sizes.items():
+        if not Int(1).ok(value):
+            raise ValueError(f"{owner}: {name} must be an integer >= 1, got {value!r}")
+
+
 def check_optional_count(option: str, value: int | None, default: str) -> None:
     """An option (or the Python parameter that mirrors it) that is omitted for its ``default``
     or given as a count >= 1 (0 used to mean the default without a word)."""

@@ -43,8 +43,10 @@ def run_analyze(args) -> int:
     from ..experiments.job.analyze import DEFAULT_ROWS, write_analysis
     from ..checkpoint import CheckpointError
     from ..hf.hub import is_hub_id, local_folder
+    from ..inference.loading import pick_device
 
     try:
+        device = pick_device(args.device)  # (named as the option; the Python functions name their argument)
         check_optional_count("--rows", args.rows, f"{DEFAULT_ROWS}, or as many windows as the text holds")
         check_optional_count("--seq-len", args.seq_len, "min(128, the model's max_seq_len)")
         if args.text is not None and not os.path.isfile(args.text):
@@ -56,7 +58,7 @@ def run_analyze(args) -> int:
             out = f"analysis-{args.checkpoint.replace('/', '--')}"
         checkpoint = local_folder(args.checkpoint, "CHECKPOINT")  # a Hub id: fetched into the Hugging Face cache
         compare = None if args.compare is None else local_folder(args.compare, "--compare")
-        path = write_analysis(checkpoint, compare, out, args.rows, args.seq_len, args.text, args.device)
+        path = write_analysis(checkpoint, compare, out, args.rows, args.seq_len, args.text, device)
     except (ValueError, OSError, CheckpointError, NotImplementedError) as e:
         raise SystemExit(f"attnres analyze: error: {e}") from None
     print(f"attnres analyze: report {path}")

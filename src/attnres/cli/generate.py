@@ -182,7 +182,7 @@ def _load(args):
         model, text = load_directory(args.checkpoint, pick_device(args.device))
         stops, source, chat = text.stop_ids, args.checkpoint, {}
     else:
-        run = load_run(args.checkpoint, args.device)
+        run = load_run(args.checkpoint, pick_device(args.device))
         model, text, source = run.model, load_tokenizer(run, args.tokenizer), run.checkpoint
         # a run started from an instruct model: its chat template and special tokens
         chat = run.chat_settings() if args.tokenizer is None else {}

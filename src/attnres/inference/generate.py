@@ -23,7 +23,7 @@ from ..models.lm import AttnResLM
 from ..models.trunk import check_token_values
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
-from ..validation import did_you_mean
+from ..validation import did_you_mean, did_you_mean_each
 from .static import StaticDecoder, check_device, check_native, check_tokens, model_device
 from .stop_strings import RowStops, check_stop_strings
 
@@ -136,10 +136,15 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
         raise ValueError(f"{name('top_k')} must be an integer >= 0 (0 = no top-k filter); got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, Real) or not (0 < top_p <= 1):
         raise ValueError(f"{name('top_p')} must be a number in (0, 1] (1 = no nucleus filter); got {top_p!r}")
-    if max_new_tokens is not None and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 1
-    ):
-        raise ValueError(f"{name('max_new_tokens')} must be an integer >= 1; got {max_new_tokens!r}")
+    if max_new_tokens is not None:
+        _check_max_new_tokens(max_new_tokens, name("max_new_tokens"))
+
+
+def _check_max_new_tokens(max_new_tokens: int, name: str = "max_new_tokens") -> None:
+    """What :func:`check_sampling` checks of ``max_new_tokens``, which the streams need given
+    (``max_new_tokens=None`` ended in "unsupported operand type(s) for +: 'int' and 'NoneType'")."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 1:
+        raise ValueError(f"{name} must be an integer >= 1; got {max_new_tokens!r}")
 
 
 def sample(
@@ -162,6 +167,12 @@ def sample(
     A row without a distribution to draw from - NaN or infinite logits, or logits over a
     temperature near 0 beyond float32's range - takes its argmax, as greedy decoding does."""
     check_sampling(temperature, top_k, top_p)
+    # (a forward's [B, T, vocab] stopped in torch.multinomial with "prob_dist must be 1 or 2 dim", and
+    # one row's [vocab] drew a token without a batch, or failed in the top-k filter with "too many indices")
+    if not isinstance(logits, Tensor) or logits.dim() != 2:
+        got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"sample: logits must be a tensor [batch, vocab], got {got}: a forward's [batch, seq_len, "
+                         "vocab] gives it as out.logits[:, -1], one row [vocab] as logits[None]")
     _check_generator(generator, logits.device, logits.shape[0], "the logits")
     return _draw(logits, temperature, top_k, top_p, generator)
 
@@ -230,7 +241,8 @@ def stream(
     ``decode`` (one of :data:`DECODE_MODES`) picks how the decode steps run; the static modes
     give the same tokens as ``"dynamic"`` (up to floating-point rounding of the logits).
     """
-    check_sampling(temperature, top_k, top_p, max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
+    _check_max_new_tokens(max_new_tokens)
     _check_chunk_size(chunk_size)
     decode = resolve_decode(model, decode)
     mask = _check_mask(model, input_ids, attention_mask, max_new_tokens)
@@ -385,7 +397,8 @@ def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None 
     Stop tokens and stop strings end a sequence as in :func:`stream` (later steps give it
     ``pad_token_id``; the stream ends when every sequence has ended). The arguments are checked
     at the call, as :func:`stream` checks them."""
-    check_sampling(temperature, top_k, top_p, max_new_tokens)
+    check_sampling(temperature, top_k, top_p)
+    _check_max_new_tokens(max_new_tokens)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
         got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
@@ -462,4 +475,17 @@ def generate(model: AttnResLM, input_ids: Tensor, attention_mask: Tensor | None 
     """Generate after ``input_ids [B, T]``; returns the new tokens ``[B, n]`` with
     ``n <= max_new_tokens`` (fewer when every sequence stopped early; finished sequences
     are filled with ``pad_token_id``). Keyword arguments as in :func:`stream`."""
+    unknown = sorted(set(kwargs) - set(_STREAM_KEYWORDS))
+    if unknown:  # (was "stream() got an unexpected keyword argument", a function the call did not name)
+        raise TypeError(f"generate() got unexpected keyword argument(s) {unknown}"
+                        f"{did_you_mean_each(unknown, _STREAM_KEYWORDS, meant=_TRANSFORMERS_NAMES)}; it takes "
+                        f"{', '.join(_STREAM_KEYWORDS)}")
     return torch.stack(list(stream(model, input_ids, attention_mask, **kwargs)), dim=1)
+
+
+#: What ``generate`` passes on to :func:`stream`; ``help(generate)`` shows them in its signature.
+_STREAM_KEYWORDS = [name for name, p in inspect.signature(stream).parameters.items() if p.kind is p.KEYWORD_ONLY]
+generate.__signature__ = inspect.signature(stream).replace(return_annotation=Tensor)
+#: transformers' ``generate`` arguments, by habit, and ours for them (spelling would suggest
+#: ``pad_token_id`` for ``eos_token_id``).
+_TRANSFORMERS_NAMES = {"eos_token_id": "stop_tokens", "max_length": "max_new_tokens", "do_sample": "temperature"}

@@ -28,31 +28,32 @@ from ..validation import did_you_mean, unsupported_device_hint
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
 
 
-def pick_device(name: str | None) -> torch.device:
+def pick_device(name: str | None, option: str = "--device") -> torch.device:
     """``"auto"`` (or ``None``): CUDA when available, else the CPU; otherwise a device name
     such as ``"cpu"``, ``"cuda"`` or ``"cuda:1"``. Raises ``ValueError`` naming the allowed
-    values for a bad name, and for CUDA where there is none."""
+    values for a bad name, and for CUDA where there is none; ``option`` is the argument the
+    error names (the command line's ``--device``, or a Python function's ``device``)."""
     if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise ValueError(_bad_device(name)) from None
+        raise ValueError(_bad_device(name, option)) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name!r}: no CUDA device is available here ({no_cuda_reason()}); use "
-                             "--device cpu")
+            cpu = f"{option} cpu" if option.startswith("--") else f"{option}='cpu'"
+            raise ValueError(f"{option} {name!r}: no CUDA device is available here ({no_cuda_reason()}); use {cpu}")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(f"{option} {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif device.type != "cpu":
-        raise ValueError(_bad_device(name))
+        raise ValueError(_bad_device(name, option))
     return device
 
 
-def _bad_device(name: str) -> str:
+def _bad_device(name: str, option: str) -> str:
     allowed = ("auto", "cpu", "cuda")
     hint = unsupported_device_hint(name) or did_you_mean(name, allowed)
-    return f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}{hint}"
+    return f"{option} must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {name!r}{hint}"
 
 
 #: Files of a training checkpoint that using the model does not need.
@@ -133,7 +134,8 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads.
     Returns a :class:`LoadedRun`: the model in eval mode, the run's config (a dict), the
     checkpoint's path and its verified state (step, tokenizer, ...)."""
-    device = device if isinstance(device, torch.device) else pick_device(device)  # (a bad one: before any loading)
+    # (a bad one: before any loading, named as this function's argument, not the command line's --device)
+    device = device if isinstance(device, torch.device) else pick_device(device, "device")
     source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
     if source is None:
         raise CheckpointError(no_checkpoint_at(path))

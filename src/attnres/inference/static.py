@@ -23,9 +23,10 @@ import torch
 from torch import Tensor
 
 from ..models.lm import AttnResLM
+from ..models.trunk import check_device
 from ..nn.kv_cache import KVCache, StaticKVCache
 from ..user_warning import warn_user
-from ..validation import did_you_mean
+from ..validation import Int, did_you_mean
 
 __all__ = ["STATIC_MODES", "StaticDecoder", "static_decode_step"]
 
@@ -56,17 +57,6 @@ def check_native(model, what: str) -> None:
 def model_device(model) -> torch.device | None:
     """The device of ``model``'s first parameter (``None``: it has none)."""
     return next((p.device for p in model.parameters()), None)
-
-
-def check_device(tensor, name: str, device: torch.device | None) -> None:
-    """Refuse ``tensor`` (``name``: the argument) on a device other than the model's,
-    ``device``, before anything runs: a prompt built on the CPU for a model moved to CUDA
-    (``torch.tensor(ids)`` after ``model.cuda()``) failed deep inside the forward with
-    torch's "Expected all tensors to be on the same device" (or, replayed in a CUDA graph,
-    was copied over without a word)."""
-    if isinstance(tensor, Tensor) and device is not None and tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device}, the model on {device}: move it there first, "
-                         f"{name}.to({str(device)!r}) (or build it with device={str(device)!r})")
 
 
 def check_tokens(tokens: Tensor, name: str, device: torch.device | None) -> None:
@@ -142,10 +132,12 @@ class StaticDecoder:
 
     @property
     def batch_size(self) -> int:
+        """The rows its step decodes, fixed at construction."""
         return self.cache.batch_size
 
     @property
     def capacity(self) -> int:
+        """The positions its static cache holds, prompt included."""
         return self.cache.capacity
 
     # -- filling and rewinding the cache ---------------------------------------------------
@@ -207,6 +199,8 @@ class StaticDecoder:
     def decode(self, tokens: Tensor, n: int) -> Tensor:
         """``n`` greedy steps from ``tokens [B]`` (fed first); returns the ``n`` tokens chosen,
         ``[B, n]``. Nothing is read back to the host."""
+        if not Int(1).ok(n):  # (n=0 ended in torch.stack's "stack expects a non-empty TensorList")
+            raise ValueError(f"StaticDecoder.decode: n (the steps to decode) must be an integer >= 1, got {n!r}")
         out = []
         for _ in range(n):
             tokens = self.step(tokens).argmax(dim=-1)

@@ -58,6 +58,7 @@ class TextPieces:
         self._shown = 0  # how much of _tail is given out (-k: all but the settled text's last k U+FFFD)
 
     def add(self, token: int) -> str:
+        """Append ``token``; the text it adds that is now settled (possibly ``""``)."""
         self.ids.append(token)
         window = self.tokenizer.decode(self.ids[self._start:])
         self._tail = window[self._prefix:]
@@ -75,6 +76,7 @@ class TextPieces:
         return piece
 
     def end(self) -> str:
+        """The text not given yet, at the end of the sequence (a character cut short as it is)."""
         rest = (_REPLACEMENT * self._held + self._tail)[self._held + self._shown:]
         self._shown = len(self._tail)
         return rest
@@ -115,6 +117,7 @@ class StopStrings:
         self._longest = max(map(len, stops), default=0)
 
     def feed(self, piece: str) -> str:
+        """Take the next ``piece`` of the text; the part now safe to print (``""`` after a stop)."""
         if self.found is not None:
             return ""
         text = self._held + piece  # (a stop string that was not in the text before begins in what is held)
@@ -129,6 +132,7 @@ class StopStrings:
         return text[:len(text) - keep]
 
     def flush(self) -> str:
+        """What was held back (a possible start of a stop string), at the end of the text."""
         held, self._held = self._held, ""
         return held
 

@@ -114,10 +114,12 @@ class ModelConfig:
     # -- derived quantities --------------------------------------------------------------
     @property
     def kv_heads(self) -> int:
+        """The key/value heads: ``n_kv_heads``, or ``n_heads`` when it is ``None``."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def head_dim(self) -> int:
+        """The width of one attention head, ``d_model // n_heads``."""
         return self.d_model // self.n_heads
 
     @property
@@ -143,6 +145,8 @@ class ModelConfig:
 
     # -- (de)serialisation and presets ---------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a nested mapping (``residual`` too), as config.json stores them;
+        ``from_dict`` reads it back."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -171,6 +175,16 @@ class ModelConfig:
         if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; available: {sorted(PRESETS)}")
         return cls.from_dict(_merge(PRESETS[name], migrate_model_keys(overrides)))
+
+
+def require_model_config(config: Any, who: str) -> None:
+    """Raise ``TypeError`` unless ``config`` is a :class:`ModelConfig`, saying how to make one
+    (``who``: the callable given it; a mapping or a preset's name failed with "'dict' object
+    has no attribute 'validate'")."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"{who} takes a ModelConfig, got {type(config).__name__}: build one with "
+                        "ModelConfig(**fields), ModelConfig.from_dict(mapping) or ModelConfig.preset(name) (a "
+                        "transformers AttnResConfig: config.to_model_config())")
 
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, require_model_config
 from .hf_registry import hf_hook
 from .lm import AttnResLM
 
@@ -16,6 +16,7 @@ def build_model(config: ModelConfig) -> nn.Module:
     ``hf_architecture`` a ``transformers`` family's AttnRes causal LM
     (:mod:`attnres.hf.families`, found through :mod:`.hf_registry`; needs ``transformers``),
     on the default device."""
+    require_model_config(config, "build_model")
     if config.hf_architecture is None:
         return AttnResLM(config)
     return hf_hook("build_model")(config)

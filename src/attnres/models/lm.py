@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..nn.kv_cache import StaticKVCache
 from ..nn.norm import RMSNorm
 from ..nn.transformer import KVStore
-from .config import ModelConfig
-from .trunk import DecoderTrunk, next_token_loss, plain_call
+from .config import ModelConfig, require_model_config
+from .trunk import IGNORE_INDEX, DecoderTrunk, check_device, next_token_loss, plain_call
 
 
 @dataclass
@@ -71,6 +72,7 @@ class AttnResLM(DecoderTrunk):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        require_model_config(config, "AttnResLM")
         config.validate()
         if config.hf_architecture is not None:
             raise ValueError(f"ModelConfig.hf_architecture={config.hf_architecture!r} builds a transformers model: use "
@@ -111,6 +113,10 @@ class AttnResLM(DecoderTrunk):
         """``input_ids [B, T]`` -> :class:`LMOutput` with ``logits [B, T, vocab]``
         (``[B, 1, vocab]``, the last position only, with ``last_logits_only``).
 
+        ``labels [B, T]`` (``T >= 2``): token ids (int64 or int32, ``-100`` ignored), the
+        inputs' own - the loss shifts them. ``input_ids``, ``labels`` and ``attention_mask`` on a device other
+        than the model's are a ``ValueError`` naming the argument.
+
         ``inputs_embeds [B, T, d]`` in place of ``input_ids``: vectors the model takes as it
         takes ``embed_tokens(input_ids)`` (the residual's ``v_0``), e.g. a soft prompt
         concatenated with ``embed_tokens(ids)``; in the embedding's dtype and device.
@@ -118,11 +124,13 @@ class AttnResLM(DecoderTrunk):
         in place. ``attention_mask``: ``[B, past + T]`` of 0/1, left padding only. A
         ``StaticKVCache`` holds the padding itself (``attention_mask`` must be ``None``).
         """
+        # (weights on meta - a model built there for shape inference, or offloaded by accelerate,
+        # whose hooks load them - compute wherever the inputs are: nothing to refuse)
+        device = None if (weight := self.embed_tokens.weight).device.type == "meta" else weight.device
+        check_device(input_ids, "input_ids", device)  # (before its values are read, on its device)
         input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
-        if labels is not None and labels.shape != (b, t):
-            raise ValueError(f"labels must have the shape [batch, seq_len] = {(b, t)} of the inputs, got {tuple(labels.shape)}")
-        if labels is not None and last_logits_only:
-            raise ValueError("labels need the logits of every position; do not pass last_logits_only=True with labels")
+        self._check_labels(labels, (b, t), last_logits_only, device)
+        check_device(attention_mask, "attention_mask", device)
         self._check_cache(kv_cache, b)
         past = 0 if kv_cache is None else kv_cache.seq_len
         if past + t > self.config.max_seq_len:
@@ -139,12 +147,37 @@ class AttnResLM(DecoderTrunk):
         loss = None if labels is None else next_token_loss(logits, labels)
         return LMOutput(logits=logits, loss=loss, depth_weights=state.weights if return_depth_weights else None)
 
+    @staticmethod
+    def _check_labels(labels: Tensor | None, shape: tuple[int, int], last_logits_only: bool,
+                      device: torch.device | None) -> None:
+        """Refuse labels the loss cannot take, naming them: not a tensor of token ids (float
+        labels failed in cross-entropy's "expected target dtype to be Long"), of another shape
+        than the inputs, or on another device than the model. Reads shapes only."""
+        if labels is None:
+            return
+        if not isinstance(labels, Tensor) or labels.dtype not in (torch.long, torch.int32):
+            got = f"dtype {labels.dtype}" if isinstance(labels, Tensor) else type(labels).__name__
+            raise ValueError(f"labels must be a tensor of token ids (torch.long or torch.int32, {IGNORE_INDEX} = "
+                             f"ignored), got {got}")
+        if labels.shape != shape:
+            raise ValueError(f"labels must have the shape [batch, seq_len] = {shape} of the inputs, got {tuple(labels.shape)}")
+        if last_logits_only:
+            raise ValueError("labels need the logits of every position; do not pass last_logits_only=True with labels")
+        if shape[1] < 2:  # (the mean over no predicted token: a NaN loss, without a word)
+            raise ValueError(f"labels need a sequence of at least 2 tokens: position t predicts token t + 1, and a "
+                             f"sequence of {shape[1]} predicts none (the loss would be NaN)")
+        check_device(labels, "labels", device)
+
     def _check_cache(self, kv_cache: KVStore | None, batch_size: int) -> None:
-        """Refuse a cache made for another model (its layers; a static cache's batch, key/value
-        heads and head size), which failed inside an update ("list index out of range",
-        "index_copy_(): Source/destination tensor must have same slice shapes")."""
+        """Refuse what is not a cache, and a cache made for another model (its layers; a static
+        cache's batch, key/value heads and head size), which failed inside an update ("list
+        index out of range", "index_copy_(): Source/destination tensor must have same slice shapes")."""
         config = self.config
         fix = "make it for this model: KVCache(model.config.n_layers) or StaticKVCache.for_model(model, batch_size)"
+        # (a cache of the wrong kind failed with "'str' object has no attribute 'seq_len'")
+        if kv_cache is not None and not callable(getattr(kv_cache, "update", None)):
+            raise ValueError(f"kv_cache must be an attnres.inference.KVCache or StaticKVCache, got "
+                             f"{type(kv_cache).__name__}: {fix}")
         if getattr(kv_cache, "n_layers", config.n_layers) != config.n_layers:
             raise ValueError(f"kv_cache holds {kv_cache.n_layers} layers, the model has ModelConfig.n_layers="
                              f"{config.n_layers}: {fix}")
@@ -157,6 +190,8 @@ class AttnResLM(DecoderTrunk):
 
     # -- conveniences --------------------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """The parameters, each counted once (a tied LM head shares the embedding's);
+        ``exclude_embeddings``: without the token embedding's ``vocab_size * d_model``."""
         params = {id(p): p for p in self.parameters()}
         if exclude_embeddings:
             params.pop(id(self.embed_tokens.weight), None)

@@ -38,6 +38,17 @@ def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_device(tensor, name: str, device: torch.device | None) -> None:
+    """Refuse ``tensor`` (``name``: the argument) on a device other than the model's,
+    ``device``, before anything runs: a prompt built on the CPU for a model moved to CUDA
+    (``torch.tensor(ids)`` after ``model.cuda()``) failed deep inside the forward with
+    torch's "Expected all tensors to be on the same device" (or, replayed in a CUDA graph,
+    was copied over without a word)."""
+    if isinstance(tensor, Tensor) and device is not None and tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, the model on {device}: move it there first, "
+                         f"{name}.to({str(device)!r}) (or build it with device={str(device)!r})")
+
+
 def _checked_token_ids(input_ids: Tensor, vocab_size: int) -> Tensor:
     check_token_values(input_ids, vocab_size)
     return input_ids.clone()
@@ -68,10 +79,16 @@ def next_token_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> 
     """Cross-entropy of ``logits [B, T, vocab]`` at positions ``0 .. T-2`` against ``labels
     [B, T]`` at ``1 .. T-1`` (the shift is done here), ignoring ``IGNORE_INDEX``, in at least
     float32. ``reduction``: ``"mean"`` over the predicted tokens, or ``"sum"``."""
+    # (labels shifted by the caller failed in cross-entropy's "Expected input batch_size (14) to match target
+    # batch_size (12)", 1-D labels with "too many indices")
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"next_token_loss: labels must be [batch, seq_len] as logits are [batch, seq_len, vocab] (the "
+                         f"shift is done here); got labels {tuple(labels.shape)}, logits {tuple(logits.shape)}")
     shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
     if shifted.dtype in (torch.float16, torch.bfloat16):
         shifted = shifted.float()  # the loss in at least float32
-    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction)
+    # (int32 labels, as int32 input ids, which the embedding takes: cross-entropy takes int64 only)
+    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 def plain_call(fn, *args):
@@ -131,8 +148,10 @@ def run_sublayers(
 ) -> None:
     """Run the transformer blocks ``blocks`` (pairs ``(i, TransformerBlock)``, block ``i``
     holding sublayers ``2i`` and ``2i + 1``) on ``state``: each sublayer gets its input from
-    the residual and hands its raw output back. ``sublayer_call(fn, *args)`` runs each
-    sublayer (activation checkpointing goes here)."""
+    the residual and hands its raw output back. ``cos``/``sin``: the RoPE tables of the ``T``
+    positions, ``[T, head_dim]`` or ``[B, T, head_dim]``; ``attn_mask``: ``[B, 1, T, past + T]``
+    (True = may attend) or ``None`` (causal). ``sublayer_call(fn, *args)`` runs each sublayer
+    (activation checkpointing goes here)."""
     for i, layer in blocks:
         a, m = 2 * i, 2 * i + 1
         h_a = residual.sublayer_input(state, a)
@@ -157,6 +176,8 @@ class DecoderTrunk(nn.Module):
     shard_inputs_embeds: Callable[[Tensor], Tensor] | None = None
 
     def build_trunk(self, config: ModelConfig) -> None:
+        """Build the embedding, the blocks, the residual, the final norm and the RoPE tables
+        that ``config`` describes, under the names of the class docstring."""
         self.model_config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(
@@ -243,11 +264,10 @@ class DecoderTrunk(nn.Module):
         if attention_mask is None:
             cos, sin = self.rope(t, offset=past)
             return cos, sin, None
-        if attention_mask.shape != (input_ids.shape[0], past + t):
-            raise ValueError(
-                f"attention_mask must have shape [batch, past + seq_len] = {(input_ids.shape[0], past + t)}, "
-                f"got {tuple(attention_mask.shape)}"
-            )
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != (input_ids.shape[0], past + t):
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be a tensor of shape [batch, past + seq_len] = "
+                             f"{(input_ids.shape[0], past + t)}, got {got}")
         real = attention_mask.bool()
         # RoPE positions count real tokens; left padding sits at position 0.
         position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]

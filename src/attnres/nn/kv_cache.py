@@ -38,8 +38,11 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, capacity: int = 0) -> None:
-        if n_layers < 1:
-            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+        # (KVCache("2") failed with "'<' not supported between instances of 'str' and 'int'", a float
+        # number of layers or positions later, in the first update)
+        for name, value, least in (("n_layers", n_layers, 1), ("capacity", capacity, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"KVCache: {name} must be an integer >= {least}, got {value!r}")
         self.n_layers = n_layers
         self.capacity = capacity
         self._k: list[Tensor | None] = [None] * n_layers

@@ -121,6 +121,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def reset_parameters(self) -> None:
+        """The gain back to ones."""
         nn.init.ones_(self.weight)
 
     def output_dtype(self) -> torch.dtype | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..validation import Number, check_sizes
+
 
 class RotaryEmbedding(nn.Module):
     """Precomputed ``cos``/``sin`` tables of shape ``[max_seq_len, head_dim]``.
@@ -20,8 +22,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:
         super().__init__()
+        # (a head_dim of 0, a max_seq_len of 0 or a theta <= 0 built empty or NaN tables without a word)
+        check_sizes("RotaryEmbedding", head_dim=head_dim, max_seq_len=max_seq_len)
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+        if not Number(0.0, lo_open=True).ok(theta):
+            raise ValueError(f"RotaryEmbedding: theta must be {Number(0.0, lo_open=True).describe()}, got {theta!r}")
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len
         self.theta = theta
@@ -64,12 +70,15 @@ class RotaryEmbedding(nn.Module):
         self.reset_tables()
 
     def forward(self, seq_len: int, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)``, each ``[seq_len, head_dim]``: the rows of positions ``offset ..
+        offset + seq_len - 1``."""
         if offset + seq_len > self.max_seq_len:  # (the slice came out short: a broadcast error in apply_rotary)
             raise ValueError(f"RotaryEmbedding: positions {offset}..{offset + seq_len - 1} are past its "
                              f"max_seq_len={self.max_seq_len} (the tables' rows): build it with a larger max_seq_len")
         return self.cos[offset : offset + seq_len], self.sin[offset : offset + seq_len]
 
     def at(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``(cos, sin)``, each ``[B, T, head_dim]``: the rows of ``position_ids [B, T]``."""
         return self.cos[position_ids], self.sin[position_ids]
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..validation import Int
+from ..validation import check_sizes
 from .norm import FusableNormInput, RMSNorm
 from .rope import apply_rotary
 
@@ -52,7 +52,8 @@ class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE through ``scaled_dot_product_attention``.
 
     Shapes: ``x [B, T, d] -> [B, T, d]``; ``n_heads`` query heads share ``n_kv_heads``
-    key/value heads.
+    key/value heads. ``cos``/``sin``: the RoPE tables of the ``T`` positions, ``[T, head_dim]``
+    (``RotaryEmbedding(head_dim, max_seq_len)(T)``) or ``[B, T, head_dim]`` (``.at(positions)``).
 
     Incremental decoding: with ``kv_cache`` the new keys/values are appended to layer
     ``layer``'s cache and the ``T`` queries attend over all ``past + T`` keys.
@@ -75,9 +76,7 @@ class Attention(nn.Module):
         super().__init__()
         # (used on its own, in a model of the user's: d_model=10, n_heads=4 ran with heads of 2 and q of width 8;
         # n_kv_heads=0 ran; n_kv_heads=3 of 4 failed inside scaled_dot_product_attention)
-        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            if not Int(1).ok(value):
-                raise ValueError(f"Attention: {name} must be an integer >= 1, got {value!r}")
+        check_sizes("Attention", d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads)
         if d_model % n_heads:
             raise ValueError(f"Attention: n_heads={n_heads} must divide d_model={d_model} (the head dimension is "
                              "d_model / n_heads)")
@@ -103,6 +102,8 @@ class Attention(nn.Module):
         layer: int = 0,
     ) -> Tensor:
         xq, xk, xv = x if isinstance(x, tuple) else (x, x, x)
+        if xq.dim() != 3 or xq.shape[-1] != self.q_proj.in_features or cos.shape[-2] != xq.shape[1]:
+            self._refuse(xq, cos)
         b, t, _ = xq.shape
         q = self.q_proj(xq).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(xk).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -123,6 +124,16 @@ class Attention(nn.Module):
         out = attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))  # (-1: no T = 0)
 
+    def _refuse(self, x: Tensor, cos: Tensor) -> None:
+        """The error of an input that is not ``[B, T, d_model]`` or RoPE tables not of its ``T``
+        rows (used on its own: a ``[T, d]`` input failed with "not enough values to unpack",
+        another width in a matmul, tables of another length in a broadcast)."""
+        d = self.q_proj.in_features
+        if x.dim() != 3 or x.shape[-1] != d:
+            raise ValueError(f"Attention: x must have shape [batch, seq_len, d_model={d}], got {tuple(x.shape)}")
+        raise ValueError(f"Attention: cos and sin must have the {x.shape[1]} rows of x's positions "
+                         f"([seq_len, head_dim] or [batch, seq_len, head_dim], rope(seq_len)), got {tuple(cos.shape)}")
+
 
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``: ``[..., d] -> [..., d]`` with hidden size ``hidden``;
@@ -134,6 +145,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, hidden: int) -> None:
         super().__init__()
+        check_sizes("SwiGLU", d_model=d_model, hidden=hidden)
         self.gate_proj = nn.Linear(d_model, hidden, bias=False)
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
@@ -170,9 +182,12 @@ class TransformerBlock(nn.Module):
         kv_cache: KVStore | None = None,
         layer: int = 0,
     ) -> Tensor:
+        """``attn(attn_norm(h))``: ``h [B, T, d]`` -> the raw output ``[B, T, d]`` (the
+        arguments after ``h`` as :class:`Attention` takes them)."""
         return self.attn(_normalized(self.attn_norm, h, self.attn), cos, sin, attn_mask, kv_cache, layer)
 
     def mlp_sublayer(self, h: Tensor) -> Tensor:
+        """``mlp(mlp_norm(h))``: ``h [B, T, d]`` -> the raw output ``[B, T, d]``."""
         return self.mlp(_normalized(self.mlp_norm, h, self.mlp))
 
 

@@ -79,7 +79,7 @@ def token_windows(ids: list[int], limit: int, rows: int | None = None, seq_len: 
 
 
 def analyze_checkpoint(path: str | Path, rows: int | None = None, seq_len: int | None = None,
-                       text: str | None = None, device: str = "cpu") -> tuple[DepthMixing, dict]:
+                       text: str | None = None, device: str | torch.device = "cpu") -> tuple[DepthMixing, dict]:
     """The :class:`DepthMixing` of the checkpoint (or run directory) ``path`` on its
     validation tokens - or of the transformers directory ``path`` (an export, an upcycle,
     an AttnRes model from the Hub) on the built-in corpus's validation split - unless
@@ -105,7 +105,7 @@ def analyze_checkpoint(path: str | Path, rows: int | None = None, seq_len: int |
 
 
 def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int | None, text: str | None,
-                                device: str | None) -> tuple[torch.nn.Module, torch.Tensor, None, bool]:
+                                device: str | torch.device | None) -> tuple[torch.nn.Module, torch.Tensor, None, bool]:
     """``(model, tokens, step, family)`` of a transformers directory: attnres's own model as
     its native :class:`~attnres.AttnResLM` (the same weights), a transformers family's
     (``attnres upcycle``) as it loads; its tokenizer's windows of ``text`` (or of the built-in
@@ -116,7 +116,7 @@ def _directory_model_and_tokens(path: str | Path, rows: int | None, seq_len: int
     from ...inference.loading import pick_device
     from ...models.factory import check_tokenizer_ids, context_limit
 
-    device = pick_device(device)
+    device = pick_device(device, "device")
     model, tokenizer = load_directory(path, device)
     native = isinstance(model, AttnResForCausalLM)
     if native:
@@ -243,7 +243,7 @@ def _plot_if_possible(panels, path: Path, diff) -> str:
 
 def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, out: str | Path | None = None,
                    rows: int | None = None, seq_len: int | None = None, text_path: str | None = None,
-                   device: str = "cpu") -> Path:
+                   device: str | torch.device = "cpu") -> Path:
     """``attnres analyze``: write ``report.md``, ``mixing.png`` (Fig.-9-style panels, and the
     difference when ``compare`` is given) and ``mixing.json`` into ``out`` (default
     :func:`default_analysis_dir`); returns the report's path."""

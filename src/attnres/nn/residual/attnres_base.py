@@ -317,6 +317,7 @@ class AttnResBase(ResidualStream):
         return cached[1], cached[2]
 
     def new_sources(self, dtype: torch.dtype) -> CompletedSources:
+        """A forward's empty :class:`CompletedSources`, holding the folded queries in ``dtype``."""
         if _keeps_nothing():
             # (rows of one stacked tensor: every query stays in the graph - a query that no
             # merge reads, such as the first sublayer's over the embedding alone, gets a zero

@@ -59,9 +59,12 @@ class AttnResAblation:
 
     @property
     def active(self) -> bool:
+        """Whether any ablation is on (the model then differs from AttnRes)."""
         return self != AttnResAblation()
 
     def validate(self, dim: int, prefix: str = "ModelConfig.residual.ablation") -> None:
+        """Raise ``ValueError`` naming the field (under ``prefix``) and its allowed values, for a
+        model of width ``dim``."""
         python_scalars(self)
         check = Fields(prefix)
         for name in ("input_dependent_query", "input_independent_mixing", "sigmoid_weights", "key_norm"):
@@ -193,6 +196,7 @@ class ResidualConfig:
         return max(1, -(-n_sublayers // 8))
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a mapping (``ablation`` nested), as ``ModelConfig.to_dict`` stores them."""
         return dataclasses.asdict(self)
 
     @classmethod

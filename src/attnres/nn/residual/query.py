@@ -36,6 +36,8 @@ class DepthQuery(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """The init of the report (§3.1): a zero query (uniform weights over the sources), unit
+        key-norm gains; an ablation's query projection or source logits zero too."""
         nn.init.zeros_(self.query)
         self.key_norm.reset_parameters()
         if self.query_proj is not None:

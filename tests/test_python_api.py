@@ -1,0 +1,275 @@
+"""The Python API as a notebook uses it: what a user passes by mistake to ``AttnResLM``, its
+forward, the inference functions and the ``attnres.nn`` building blocks is refused at the
+boundary, in one message naming the argument and what it takes, instead of deep inside torch."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import pytest
+import torch
+
+from attnres import AttnResLM, ModelConfig
+from attnres.nn import Attention, RotaryEmbedding, SwiGLU
+
+
+def tiny_model(**changes) -> AttnResLM:
+    torch.manual_seed(0)
+    return AttnResLM(ModelConfig.preset("tiny", **changes)).eval()
+
+
+@pytest.mark.parametrize("config", [{"vocab_size": 256}, "tiny", None])
+@pytest.mark.parametrize("build", ["AttnResLM", "build_model"])
+def test_the_model_takes_a_model_config_and_says_how_to_make_one(config, build):
+    """``AttnResLM({"vocab_size": 256})`` or ``AttnResLM("tiny")`` ended in "'dict' object has
+    no attribute 'validate'", ``build_model("tiny")`` in "'str' object has no attribute
+    'hf_architecture'"."""
+    from attnres.models import build_model
+
+    with pytest.raises(TypeError, match=rf"^{build} takes a ModelConfig, got {type(config).__name__}: .*"
+                                        r"ModelConfig.preset\(name\)"):
+        {"AttnResLM": AttnResLM, "build_model": build_model}[build](config)
+
+
+def test_ids_labels_and_mask_on_another_device_than_the_model_are_refused_by_name():
+    """Token ids on the meta device with a CPU model gave logits of uninitialised memory
+    without a word (the embedding of meta indices reads nothing); a CUDA model with CPU ids
+    failed inside the embedding with torch's "Expected all tensors to be on the same device".
+    The forward names the argument and the device to move it to, as ``generate`` does."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    meta = ids.to("meta")
+    with pytest.raises(ValueError, match=r"^input_ids is on meta, the model on cpu: .*input_ids.to\('cpu'\)"):
+        model(meta)
+    with pytest.raises(ValueError, match=r"^labels is on meta, the model on cpu: .*labels.to\('cpu'\)"):
+        model(ids, labels=meta)
+    with pytest.raises(ValueError, match=r"^attention_mask is on meta, the model on cpu"):
+        model(ids, attention_mask=torch.ones(2, 8, device="meta"))
+    with torch.device("meta"):
+        on_meta = AttnResLM(ModelConfig.preset("tiny"))
+    for inputs in (meta, ids):  # (shape inference, or weights accelerate offloads: computed where they are loaded)
+        assert on_meta(inputs).logits.shape == (2, 8, 256)
+
+
+@pytest.mark.parametrize("labels, match", [
+    (lambda ids: ids.float(), r"^labels must be a tensor of token ids \(torch.long or torch.int32, -100 = ignored\), "
+                              r"got dtype torch.float32$"),
+    (lambda ids: ids.tolist(), r"^labels must be a tensor of token ids .*got list$"),
+])
+def test_labels_that_are_not_token_ids_are_refused_by_name(labels, match):
+    """Float labels stopped in cross-entropy with "expected target dtype to be Long or Byte,
+    but got Float"; a list of ids with "'list' object has no attribute 'shape'"."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with pytest.raises(ValueError, match=match):
+        model(ids, labels=labels(ids))
+
+
+def test_int32_labels_give_the_loss_of_int64_labels():
+    """int32 ids are taken as token ids, so ``model(ids, labels=ids)`` with them is the natural
+    call; it stopped in cross-entropy ("expected target dtype to be Long or Byte, but got Int")."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    expected = model(ids, labels=ids).loss
+    assert torch.equal(model(ids.int(), labels=ids.int()).loss, expected)
+
+
+def test_an_attention_mask_that_is_not_a_tensor_is_refused_by_name():
+    """A nested list as the mask ended in "'list' object has no attribute 'shape'"."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with pytest.raises(ValueError, match=r"^attention_mask must be a tensor of shape \[batch, past \+ seq_len\] = "
+                                         r"\(2, 8\), got list$"):
+        model(ids, attention_mask=[[1] * 8] * 2)
+
+
+def test_generate_without_a_number_of_new_tokens_is_refused_by_name():
+    """``generate(model, ids, max_new_tokens=None)`` (a notebook's "as many as you like")
+    passed the check and ended in "unsupported operand type(s) for +: 'int' and 'NoneType'"."""
+    from attnres.inference import generate, stream
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    for call in (generate, stream):
+        with pytest.raises(ValueError, match=r"^max_new_tokens must be an integer >= 1; got None$"):
+            call(model, ids, max_new_tokens=None)
+
+
+@pytest.mark.parametrize("logits, got", [(torch.randn(2, 3, 10), r"\(2, 3, 10\)"), (torch.randn(10), r"\(10,\)"),
+                                         ([[0.5, 1.0]], "list")])
+def test_sample_takes_one_row_of_logits_per_sequence_and_says_how_to_get_them(logits, got):
+    """``sample(out.logits, temperature=0.8)`` with a forward's ``[B, T, vocab]`` stopped in
+    ``torch.multinomial`` ("prob_dist must be 1 or 2 dim"); one row's ``[vocab]`` failed in the
+    top-k filter ("too many indices for tensor of dimension 1"); a list, "'list' object has no
+    attribute 'device'"."""
+    from attnres.inference import sample
+
+    with pytest.raises(ValueError, match=rf"^sample: logits must be a tensor \[batch, vocab\], got {got}: .*"
+                                         r"out.logits\[:, -1\], one row \[vocab\] as logits\[None\]$"):
+        sample(logits, temperature=0.8, top_k=5)
+
+
+@pytest.mark.parametrize("args, match", [(("2",), r"n_layers must be an integer >= 1, got '2'"),
+                                         ((0,), r"n_layers must be an integer >= 1, got 0"),
+                                         ((2, -1), r"capacity must be an integer >= 0, got -1")])
+def test_a_kv_cache_of_a_bad_size_is_refused_by_name(args, match):
+    """``KVCache("2")`` failed with "'<' not supported between instances of 'str' and 'int'"."""
+    from attnres.inference import KVCache
+
+    with pytest.raises(ValueError, match=rf"^KVCache: {match}$"):
+        KVCache(*args)
+
+
+def test_attention_on_its_own_names_the_input_shape_it_takes():
+    """``attnres.nn.Attention`` in a model of one's own: an unbatched ``[T, d]`` input failed
+    with "not enough values to unpack (expected 3, got 2)", another width in a matmul ("mat1
+    and mat2 shapes cannot be multiplied (10x12 and 16x16)"), RoPE tables of another length
+    in a broadcast inside ``apply_rotary``."""
+    attention, rope = Attention(16, 4, 2), RotaryEmbedding(4, 32)
+    for x in (torch.randn(5, 16), torch.randn(2, 5, 12)):
+        with pytest.raises(ValueError, match=rf"^Attention: x must have shape \[batch, seq_len, d_model=16\], got "
+                                             rf"{re.escape(str(tuple(x.shape)))}$"):
+            attention(x, *rope(5))
+    with pytest.raises(ValueError, match=r"^Attention: cos and sin must have the 6 rows of x's positions .*got \(5, 4\)$"):
+        attention(torch.randn(2, 6, 16), *rope(5))
+    assert attention(torch.randn(2, 5, 16), *rope(5)).shape == (2, 5, 16)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: SwiGLU(8, 0), r"^SwiGLU: hidden must be an integer >= 1, got 0$"),
+    (lambda: SwiGLU(-1, 4), r"^SwiGLU: d_model must be an integer >= 1"),
+    (lambda: RotaryEmbedding(0, 8),
+     r"^RotaryEmbedding: head_dim must be an integer >= 1, got 0$"),
+    (lambda: RotaryEmbedding("4", 8),
+     r"^RotaryEmbedding: head_dim must be an integer >= 1, got '4'$"),
+    (lambda: RotaryEmbedding(4, 0),
+     r"^RotaryEmbedding: max_seq_len must be an integer >= 1, got 0$"),
+    (lambda: RotaryEmbedding(4, 8, theta=-1.0),
+     r"^RotaryEmbedding: theta must be a finite number > 0, got -1.0$"),
+])
+def test_mlp_and_rope_of_sizes_they_cannot_have_are_refused_where_they_are_built(build, match):
+    """``SwiGLU(8, 0)`` was built and returned zeros, ``SwiGLU(-1, 4)`` failed inside torch
+    ("Trying to create tensor with negative dimension"); ``RotaryEmbedding`` with a head
+    dimension or length of 0 built empty tables, with a negative ``theta`` tables of NaN,
+    and with ``"4"`` failed in a string format ("not all arguments converted")."""
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+PUBLIC_MODULES = ["attnres", "attnres.nn", "attnres.nn.residual", "attnres.ops", "attnres.models", "attnres.inference"]
+
+
+def undocumented(module_name: str) -> list[str]:
+    """The names of ``module_name.__all__`` that are missing, or are a class or function
+    without a docstring, or a class whose public methods or properties have none (one inherited
+    from the method it overrides counts: ``help()`` shows it)."""
+    module = importlib.import_module(module_name)
+    missing = []
+    for name in module.__all__:
+        if not hasattr(module, name):
+            missing.append(f"{name} (in __all__, not in the module)")
+            continue
+        obj = getattr(module, name)
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue  # (constants: documented by the comment above them)
+        if not obj.__doc__:
+            missing.append(name)
+        if inspect.isclass(obj):
+            missing += [f"{name}.{attr}" for attr, member in vars(obj).items()
+                        if not attr.startswith("_") and (inspect.isfunction(member) or isinstance(member, property))
+                        and not inspect.getdoc(getattr(obj, attr) if inspect.isfunction(member) else member)
+                        and not _inherited_doc(obj, attr)]
+    return missing
+
+
+def _inherited_doc(cls: type, attr: str) -> bool:
+    return any(getattr(getattr(base, attr, None), "__doc__", None) for base in cls.__mro__[1:])
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_every_public_name_has_a_docstring_that_help_shows(module_name):
+    """``help(attnres.inference.StopStrings)`` and the like showed methods without a word
+    (``AttnResLM.num_parameters``, ``ModelConfig.head_dim``, ``KVCache``'s, ``feed``, ...)."""
+    assert undocumented(module_name) == []
+
+
+def test_load_run_names_its_device_argument_not_the_command_line_option(tmp_path, monkeypatch):
+    """``load_run(run, device="gpu")`` in a notebook was told "--device must be ...", an option
+    it has not got, and ``device="cuda"`` without one to "use --device cpu"."""
+    from attnres.inference import load_run
+
+    with pytest.raises(ValueError, match=r"^device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu' "
+                                         r"\(did you mean 'cuda'\?\)$"):
+        load_run(tmp_path, device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device 'cuda': no CUDA device is available here \(.*\); use device='cpu'$"):
+        load_run(tmp_path, device="cuda")
+
+
+def test_a_kv_cache_that_is_not_one_is_refused_by_name():
+    """``model(ids, kv_cache=cache_list)`` (or any other object) ended in "'list' object has no
+    attribute 'seq_len'"."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with pytest.raises(ValueError, match=r"^kv_cache must be an attnres.inference.KVCache or StaticKVCache, got list: "
+                                         r"make it for this model: KVCache\(model.config.n_layers\)"):
+        model(ids, kv_cache=[])
+
+
+def test_generate_shows_its_arguments_and_names_a_misspelt_one():
+    """``help(generate)`` showed ``(model, input_ids, attention_mask=None, **kwargs)``, and a
+    misspelt argument was "stream() got an unexpected keyword argument 'max_tokens'", a function
+    the call did not name; transformers' ``eos_token_id`` would be matched to ``pad_token_id``."""
+    from attnres.inference import generate, stream
+
+    assert list(inspect.signature(generate).parameters) == list(inspect.signature(stream).parameters)
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    for given, meant in (("max_tokens", "max_new_tokens"), ("eos_token_id", "stop_tokens")):
+        with pytest.raises(TypeError, match=rf"^generate\(\) got unexpected keyword argument\(s\) \['{given}'\] \(did "
+                                            rf"you mean '{meant}' for '{given}'\?\); it takes max_new_tokens, temperature"):
+            generate(model, ids, max_new_tokens=2, **{given: 1})
+    assert generate(model, ids, max_new_tokens=2).shape == (2, 2)
+
+
+def test_labels_of_a_single_token_sequence_are_refused_instead_of_a_nan_loss():
+    """``model(ids[:, :1], labels=ids[:, :1])`` gave ``loss = nan``: the mean over no predicted
+    token (the labels are shifted by one inside)."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 1))
+    with pytest.raises(ValueError, match=r"^labels need a sequence of at least 2 tokens: .*a sequence of 1 predicts "
+                                         r"none \(the loss would be NaN\)$"):
+        model(ids, labels=ids)
+    assert model(ids).logits.shape == (2, 1, 256)  # (without labels, one token is a forward like any)
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_every_public_function_that_takes_tensors_gives_their_shapes(module_name):
+    """``help(attnres.models.run_sublayers)`` did not say what ``cos``, ``sin`` and
+    ``attn_mask`` are ([T, head_dim], [B, 1, T, past + T])."""
+    module = importlib.import_module(module_name)
+    functions = [getattr(module, name) for name in module.__all__ if inspect.isfunction(getattr(module, name))]
+    takes_tensors = [f for f in functions if "Tensor" in str(inspect.signature(f))]
+    assert [f.__name__ for f in takes_tensors if "[" not in (f.__doc__ or "")] == []
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0])
+def test_a_static_decoder_asked_for_no_steps_says_so(n):
+    """``StaticDecoder.decode(tokens, 0)`` ended in torch.stack's "stack expects a non-empty
+    TensorList"; a negative ``n`` likewise."""
+    from attnres.inference import StaticDecoder, prefill
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    logits, cache = prefill(model, ids)
+    decoder = StaticDecoder(model, batch_size=2, capacity=16, mode="eager")
+    decoder.load(cache)
+    with pytest.raises(ValueError, match=rf"^StaticDecoder.decode: n \(the steps to decode\) must be an integer >= 1, "
+                                         rf"got {n!r}$"):
+        decoder.decode(logits.argmax(-1), n)
+    assert decoder.decode(logits.argmax(-1), 2).shape == (2, 2)
+
+
+@pytest.mark.parametrize("labels, logits", [((2, 7), (2, 8, 10)), ((8,), (2, 8, 10)), ((2, 8), (8, 10))])
+def test_next_token_loss_of_labels_not_of_the_logits_positions_is_refused_by_name(labels, logits):
+    """``attnres.models.next_token_loss`` in one's own training loop, with labels the caller
+    shifted already, failed in cross-entropy with "Expected input batch_size (14) to match
+    target batch_size (12)"; 1-D labels with "too many indices for tensor of dimension 1"."""
+    from attnres.models import next_token_loss
+
+    with pytest.raises(ValueError, match=rf"^next_token_loss: labels must be \[batch, seq_len\] as logits are .*"
+                                         rf"got labels {re.escape(str(labels))}, logits {re.escape(str(logits))}$"):
+        next_token_loss(torch.randn(logits), torch.zeros(labels, dtype=torch.long))
