@@ -182,7 +182,7 @@ def test_every_served_family_has_its_class_under_the_saved_name():
     import pickle
 
     from attnres.hf.families import upcycled_classes
-    from attnres.serve import SERVED_FAMILIES, register
+    from attnres.serve import SERVED_FAMILIES
     from attnres.serve.upcycled import UpcycledBody, UpcycledCausalLM, served_class
 
     upcycled = importlib.import_module("attnres.serve.upcycled")

@@ -182,7 +182,7 @@ def training_output(path: str | Path) -> str | None:
     return None
 
 
-def refuse_training_output(path: str | Path, what: str = "--out") -> None:
+def refuse_training_output(path: str | Path) -> None:
     """Raise :class:`~attnres.output_paths.OutputPathError` when ``path`` is a training run's
     directory or one of its checkpoints (:func:`training_output`): a command writing a Hugging
     Face directory there would replace the run's ``config.json``, which ``--resume``,
@@ -191,7 +191,7 @@ def refuse_training_output(path: str | Path, what: str = "--out") -> None:
     if found is not None:
         harm = "put the model's files among its checkpoints" if found.startswith("the checkpoints/") else \
             "replace its config.json"
-        raise OutputPathError(f"{what} {str(path)!r} is {found}: a Hugging Face directory written there would "
+        raise OutputPathError(f"--out {str(path)!r} is {found}: a Hugging Face directory written there would "
                               f"{harm}; pick another directory")
 
 
@@ -251,7 +251,7 @@ def _checkpoint_files(folder: Path) -> set[str]:
     return {STATE_FILE, *(str(name).split("/")[0] for name in files)}
 
 
-def refuse_model_file(path: str | Path, what: str = "--out") -> None:
+def refuse_model_file(path: str | Path) -> None:
     """Raise :class:`~attnres.output_paths.OutputPathError` when the file ``path`` is one a
     training checkpoint, a run or a Hugging Face directory is read from (a checkpoint's
     ``state.json`` or weights, a run's ``config.json``, a model's tokenizer): a command's
@@ -266,7 +266,7 @@ def refuse_model_file(path: str | Path, what: str = "--out") -> None:
     elif is_hf_directory(folder) and any(fnmatch(name, p) for p in ("config.json", *HF_MODEL_FILES)):
         owner = "the Hugging Face directory"
     if owner is not None:
-        raise OutputPathError(f"{what} {str(path)!r} is a file of {owner} {str(folder)!r}, which writing there would "
+        raise OutputPathError(f"--out {str(path)!r} is a file of {owner} {str(folder)!r}, which writing there would "
                               f"replace; give another --out (e.g. {str(folder / 'eval.json')!r})")
 
 

@@ -403,7 +403,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def plain_warnings(program: str = "attnres") -> Iterator[None]:
+def plain_warnings() -> Iterator[None]:
     """Within: the package's own warnings printed as one line, ``attnres: warning: ...``, as a
     command's other messages are, instead of Python's ``file:line: UserWarning: ...`` and a
     line of our source; other packages' warnings as Python prints them. Under torchrun the
@@ -424,7 +424,7 @@ def plain_warnings(program: str = "attnres") -> Iterator[None]:
             return
         stream = sys.stderr if file is None else file
         if stream is not None:  # a warning that names the package for Python's format names it once
-            stream.write(f"{program}: warning: {str(message).removeprefix('attnres: ')}\n")
+            stream.write(f"attnres: warning: {str(message).removeprefix('attnres: ')}\n")
 
     with warnings.catch_warnings(), at_the_raise_site():  # (no user's line to name: the package's own, printed so)
         warnings.showwarning = show

@@ -80,7 +80,6 @@ class MetaBuild:
 
     module: nn.Module
     ops: dict[int, list[_Op]]
-    rng_after: Tensor
     keep: list[Tensor] = field(default_factory=list)  # the recorded meta tensors, kept alive
 
     def materialize(self, names: Iterable[str], device: torch.device | str = "cpu",
@@ -141,4 +140,4 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> MetaBuild:
     recorder = _Recorder()
     with torch.device("meta"), recorder:
         module = factory()
-    return MetaBuild(module, recorder.ops, torch.get_rng_state(), recorder.keep)
+    return MetaBuild(module, recorder.ops, recorder.keep)

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["apply_tensor_parallel", "replicated_parameters", "reduce_replicated_grads", "reduce_grads", "check_tp_shapes"]
+__all__ = ["apply_tensor_parallel", "reduce_replicated_grads", "reduce_grads", "check_tp_shapes"]
 
 # Attention.forward(x, cos, sin, attn_mask, kv_cache, layer): only x is sharded.
 _ATTN_ARGS = 6
@@ -121,18 +121,6 @@ def sequence_shard(mesh, inputs_embeds: torch.Tensor) -> torch.Tensor:
     check_sequence_length("inputs_embeds", inputs_embeds.shape[1], mesh.size())
     whole = DTensor.from_local(inputs_embeds, mesh, [Replicate()], run_check=False)
     return whole.redistribute(mesh, [Shard(1)]).to_local()
-
-
-def replicated_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """The parameters of ``modules`` that tensor parallelism left as plain tensors (the
-    residual's depth queries and key norms): every tp rank holds all of them."""
-    seen, out = set(), []
-    for module in modules:
-        for p in module.parameters():
-            if not isinstance(p, DTensor) and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
 
 
 def reduce_replicated_grads(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:

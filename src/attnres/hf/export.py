@@ -62,14 +62,6 @@ CHAT_TEMPLATE = (
 PREFIX_TEXT = "\n"
 
 
-def prefix_token_id(tokenizer: Tokenizer) -> int:
-    """The id of :data:`PREFIX_TEXT` (one token in both of our tokenizers)."""
-    ids = tokenizer.encode(PREFIX_TEXT)
-    if len(ids) != 1:
-        raise ValueError(f"the tokenizer does not encode {PREFIX_TEXT!r} as one token")
-    return ids[0]
-
-
 def _byte_stand_ins() -> dict[int, str]:
     """The byte -> character table of byte-level BPE (``tokenizers``' ``ByteLevel``):
     printable Latin-1 bytes stand for themselves, the other bytes for ``chr(256 + k)``."""

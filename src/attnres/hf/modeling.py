@@ -32,7 +32,8 @@ from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
 from ..validation import did_you_mean
-from .families import init_missing_tensors, offload, onload
+from .families import offload, onload
+from .families.modeling import InitsResidualFromFresh
 from .families.remote_code import KeepsItsSourceHome
 from .configuration import AttnResConfig
 
@@ -86,7 +87,7 @@ class HFStaticCacheAdapter(HFCacheAdapter):
         return cos, sin, (allowed if allowed.dim() == 3 else allowed[None]).unsqueeze(1)
 
 
-class AttnResPreTrainedModel(KeepsItsSourceHome, PreTrainedModel, DecoderTrunk):
+class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrainedModel, DecoderTrunk):
     """Common base: config class, the decoder trunk, init that gives every parameter the
     checkpoint lacks its faithful value (zero pseudo-queries, unit gains), attention
     implementations ("sdpa", "eager") and activation checkpointing."""
@@ -140,18 +141,8 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, PreTrainedModel, DecoderTrunk):
         elif isinstance(module, RotaryEmbedding):
             module.reset_tables()
 
-    def _init_residual_tensors(self, module: nn.Module, name: str) -> None:
-        fresh = self.__dict__.get("_fresh_residual")
-        if fresh is None:
-            with torch.device("cpu"):
-                fresh = self.__dict__["_fresh_residual"] = self.native_config.build_residual()
-        init_missing_tensors(module, fresh.get_submodule(name) if name else fresh)
-
-    def initialize_weights(self) -> None:
-        try:
-            super().initialize_weights()
-        finally:
-            self.__dict__.pop("_fresh_residual", None)  # built for one init pass only
+    def _new_residual(self) -> nn.Module:
+        return self.native_config.build_residual()
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
                                     every_n_layers: int = 1) -> None:

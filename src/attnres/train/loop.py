@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path

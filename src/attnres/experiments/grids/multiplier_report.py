@@ -134,11 +134,11 @@ def _runs_table(records: list[dict[str, Any]]) -> str:
                            "C (PFLOP/s-days)", "passes over the data", "val loss (mean ± sd)"], rows)
 
 
-def _interval(t: TInterval | None, fmt: str, suffix: str = "") -> str:
+def _interval(t: TInterval | None, fmt: str) -> str:
     if t is None:
         return "–"
     p = f"; p = {t.p_value:.2g} vs {t.null:g}" if t.p_value is not None else ""
-    return f"{t.text(fmt, suffix)} (n = {t.n}{p})"
+    return f"{t.text(fmt)} (n = {t.n}{p})"
 
 
 def _multiplier_table(comparisons: list[Comparison]) -> str:

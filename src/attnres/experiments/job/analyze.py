@@ -351,8 +351,7 @@ def logged_mixing(run_dir: Path) -> tuple[DepthMixing, dict] | None:
     return depth_mixing_from_logged(residual, diags[-1]["depth_weights"]), info
 
 
-def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, str] | None = None,
-                   rows: int | None = None) -> str | None:
+def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, str] | None = None) -> str | None:
     """The ``attnres compare`` report's section: for every model (``groups``: variant name ->
     its run directories, one per seed) the depth mixing matrix of each seed's last
     checkpoint, panels of the first seed in ``out/mixing.png``, the rank and sink tables and
@@ -365,7 +364,7 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
         for d in dirs:
             if find_valid_checkpoint(d) is not None:
                 try:
-                    item = analyze_checkpoint(d, rows)
+                    item = analyze_checkpoint(d)
                 except NotImplementedError as e:  # a registered variant without _mixing_matrix: the others still
                     undescribed[name] = str(e)
                     break

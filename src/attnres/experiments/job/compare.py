@@ -111,12 +111,12 @@ def _by_variant(runs: list[Run]) -> dict[str, list[Run]]:
     return out
 
 
-def _pm(values: list[float], digits: int = 4) -> str:
+def _pm(values: list[float]) -> str:
     values = [v for v in values if not math.isnan(v)]
     if not values:
         return "–"
     mean, std = mean_std(values)
-    return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None else "") + f" (n={len(values)})"
+    return f"{mean:.4f}" + (f" ± {std:.4f}" if std is not None else "") + f" (n={len(values)})"
 
 
 def _equal_compute_losses(groups: dict[str, list[Run]]) -> dict[str, dict[int, float]]:

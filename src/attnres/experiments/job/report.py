@@ -50,7 +50,6 @@ class Summary:
     loss_std: float | None
     params: int
     residual_params: int
-    pflops_days: float
     step_time_s: float | None
     peak_memory_bytes: float | None
     step_ratio: float | None = None  # measured side by side (overhead.json): median per-round ratio to the baseline
@@ -68,8 +67,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Summary]:
         times = [r["step_time_s"] for r in rs if r.get("step_time_s") is not None]
         mems = [r["peak_memory_bytes"] for r in rs if r.get("peak_memory_bytes") is not None]
         out[name] = Summary(name, rs[0]["family"], rs[0]["coords"], len(rs), loss, std, rs[0]["params"],
-                            rs[0]["residual_params"], statistics.fmean(r["pflops_days"] for r in rs),
-                            statistics.fmean(times) if times else None, statistics.fmean(mems) if mems else None)
+                            rs[0]["residual_params"], statistics.fmean(times) if times else None,
+                            statistics.fmean(mems) if mems else None)
     return out
 
 

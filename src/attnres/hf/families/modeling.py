@@ -311,7 +311,32 @@ class UpcycledConfigMixin(SavesAutoMap):
         return ResidualConfig.from_value(self.attnres_residual)
 
 
-class UpcycledModelMixin(KeepsItsSourceHome):
+class InitsResidualFromFresh:
+    """The faithful init of a residual whose tensors a checkpoint may lack: each module's
+    missing tensors (:func:`init_missing_tensors`) take the values of a freshly built residual
+    (:meth:`_new_residual`, built on the CPU once per init pass and dropped after it) - zero
+    pseudo-queries, unit key-norm gains, each baseline's own init - whatever the module type."""
+
+    def _new_residual(self) -> ResidualStream:
+        """The residual the model's config describes, newly built."""
+        raise NotImplementedError
+
+    def _init_residual_tensors(self, module: nn.Module, name: str) -> None:
+        """Init the residual's submodule ``module`` (``name`` within it; ``""``: the residual)."""
+        fresh = self.__dict__.get("_fresh_residual")
+        if fresh is None:
+            with torch.device("cpu"):
+                fresh = self.__dict__["_fresh_residual"] = self._new_residual()
+        init_missing_tensors(module, fresh.get_submodule(name) if name else fresh)
+
+    def initialize_weights(self) -> None:
+        try:
+            super().initialize_weights()
+        finally:
+            self.__dict__.pop("_fresh_residual", None)  # built for one init pass only
+
+
+class UpcycledModelMixin(KeepsItsSourceHome, InitsResidualFromFresh):
     """What the AttnRes version of a family's causal LM adds: the ``residual`` module, the
     swapped decoder layers, the epsilon adjustment and the faithful init of the residual."""
 
@@ -419,16 +444,8 @@ class UpcycledModelMixin(KeepsItsSourceHome):
         if name is None:
             super()._init_weights(module)
             return
-        fresh = self.__dict__.get("_fresh_residual")
-        if fresh is None:
-            config = self.config
-            with torch.device("cpu"):
-                fresh = self.__dict__["_fresh_residual"] = build_residual(
-                    config.residual_config(), config.hidden_size, 2 * config.num_hidden_layers)
-        init_missing_tensors(module, fresh.get_submodule(name) if name else fresh)
+        self._init_residual_tensors(module, name)
 
-    def initialize_weights(self) -> None:
-        try:
-            super().initialize_weights()
-        finally:
-            self.__dict__.pop("_fresh_residual", None)
+    def _new_residual(self) -> ResidualStream:
+        config = self.config
+        return build_residual(config.residual_config(), config.hidden_size, 2 * config.num_hidden_layers)

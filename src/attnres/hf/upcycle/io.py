@@ -41,7 +41,7 @@ def smollm2_gguf() -> tuple[Path, str]:
     return directory, _SMOLLM2_FILE
 
 
-def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32, *,
+def load_pretrained(source: str | Path, dtype: torch.dtype = torch.float32, *,
                     with_stored_dtype: bool = False, check_config: Callable[[Any], None] | None = None):
     """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
     by transformers; needs the ``gguf`` package), a Hugging Face Hub model id (downloaded into
@@ -52,6 +52,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
     model's transformers config before the weights load (it raises to refuse the model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    gguf_file = None
     if str(source) == SMOLLM2:
         source, gguf_file = smollm2_gguf()
     source = local_folder(str(source))
@@ -191,7 +192,7 @@ def _forget_gguf_quantizer(model) -> None:
 
 def upcycle_directory(source: str | Path, out: str | Path, residual: str | dict = "attnres_block",
                       block_size: int | None = None,
-                      exact_eps: bool = True, gguf_file: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
+                      exact_eps: bool = True, dtype: torch.dtype = torch.float32) -> Path:
     """``attnres upcycle``: load ``source`` (in ``dtype``), upcycle it (``residual`` as
     :func:`~attnres.hf.upcycle.upcycle` takes it: a name, or ``ResidualConfig`` fields with the
     ``options`` of a residual of the user's own), and write the AttnRes
@@ -207,7 +208,7 @@ def upcycle_directory(source: str | Path, out: str | Path, residual: str | dict 
         raise OutputPathError(f"--out {str(out)!r} is --model's own directory: the upcycled model would replace the "
                               "pretrained one there; pick another directory")
     # (an option value the residual's __init__ refuses: said from the model's config, before its weights load)
-    model, tokenizer, stored = load_pretrained(source, gguf_file, dtype, with_stored_dtype=True, check_config=lambda c:
+    model, tokenizer, stored = load_pretrained(source, dtype, with_stored_dtype=True, check_config=lambda c:
                                                check_upcycle_residual(c, residual, block_size))
     upcycled = upcycle(model, residual, block_size, exact_eps=exact_eps)  # (converted in `dtype`)
     if stored is not None and stored != dtype:
