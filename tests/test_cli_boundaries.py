@@ -1238,7 +1238,7 @@ def test_eval_replaces_an_earlier_result_but_no_other_file_unless_told(run_dir, 
                                                          Path(src).rename(dst)))
     assert cli_main([*evaluate_args, str(tmp_path / "notes.txt")]) == 0  # an earlier result: replaced
     assert json.loads((tmp_path / "notes.txt").read_text()) == earlier
-    assert replaced == [(f".notes.txt.tmp-{os.getpid()}", "notes.txt")]
+    assert replaced == [(f".notes.txt.tmp-{os.getpid()}.txt", "notes.txt")]  # (the suffix kept: replace_atomically)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.json", "notes.txt", "settings.json"]
 
 
