@@ -363,7 +363,7 @@ class Nullable(Rule):
 
     def hint(self, value: Any) -> str:
         if _spelt_null(value):
-            return f" (a string: YAML's null is written null or ~)"
+            return " (a string: YAML's null is written null or ~)"
         return self.rule.hint(value)
 
 
