@@ -15,7 +15,7 @@ from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_mismatched_weights,
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
-from ..hub import local_folder
+from ...hub import local_folder
 from .convert import upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -43,7 +43,7 @@ def load_pretrained(source: str | Path, gguf_file: str | None = None, dtype: tor
                     with_stored_dtype: bool = False):
     """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
     by transformers; needs the ``gguf`` package), a Hugging Face Hub model id (downloaded into
-    the Hugging Face cache, :mod:`attnres.hf.hub`), or ``"smollm2"``; the model in ``dtype``.
+    the Hugging Face cache, :mod:`attnres.hub`), or ``"smollm2"``; the model in ``dtype``.
     ``with_stored_dtype``: ``(model, tokenizer, stored)``, with the dtype the checkpoint's
     weights are stored in (its ``config.json``'s ``dtype``; ``None`` for a GGUF file, whose
     weights are quantised, or a config that names none)."""
