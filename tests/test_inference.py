@@ -273,6 +273,7 @@ def test_a_bad_list_of_generators_is_refused_by_name():
     """A list of generators must hold one ``torch.Generator`` per row, on the device the
     tokens are drawn on; otherwise ``sample``, ``stream`` / ``generate`` and
     ``stream_transformers`` refuse it at the call, naming ``generator`` (the entry)."""
+    pytest.importorskip("transformers")
     from attnres.hf import AttnResForCausalLM
     from attnres.inference import stream_transformers
 
