@@ -747,6 +747,12 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
                        "'yaml' is not installed)")
     monkeypatch.setattr(extras, "installed_from", lambda: None)
     assert 'pip install -e ".[hf]" in a clone of attnres' in missing_extra(["eval"], ModuleNotFoundError(name="lm_eval"))
+    # transformers, which a run's command needs for a transformers directory, a family's model or
+    # --chat, is the hf extra's: the command's own extra (train, experiments) holds none of it
+    for command in ("generate", "analyze", "train", "export"):
+        assert missing_extra([command], ModuleNotFoundError(name="transformers")).startswith(
+            f"attnres {command}: error: this needs the 'hf' extra: ")
+    assert "needs the 'upcycle' extra" in missing_extra(["upcycle"], ModuleNotFoundError(name="gguf"))
 
 
 # -- the docs --------------------------------------------------------------------------------
