@@ -242,7 +242,7 @@ def hub_online_unset(monkeypatch):
     import datasets.config
     from huggingface_hub import constants
 
-    from attnres.hf.hub import OFFLINE_VARIABLES
+    from attnres.hub import OFFLINE_VARIABLES
 
     for name in OFFLINE_VARIABLES:
         monkeypatch.delenv(name, raising=False)

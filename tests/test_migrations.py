@@ -144,8 +144,6 @@ def test_a_config_saved_by_an_earlier_version_gives_one_warning_naming_every_old
     """A checkpoint of the flat-key era holds up to 13 old keys, which the user never wrote:
     one warning names them all with their new places (was: one line each, on every command
     that read the checkpoint, and again for its export)."""
-    from attnres.hf import AttnResConfig
-
     flat = {"attnres_block_size": 2, "attnres_impl": "naive", "attnres_kernels": "torch_graph", "hc_streams": 4}
     want = ModelConfig.preset("tiny", residual={"block_size": 2, "schedule": "naive", "backend": "reference"})
     fields = {k: v for k, v in ModelConfig.preset("tiny").to_dict().items() if k != "residual"}
@@ -157,6 +155,9 @@ def test_a_config_saved_by_an_earlier_version_gives_one_warning_naming_every_old
             "ModelConfig.attnres_kernels='torch_graph' -> ModelConfig.residual.backend='reference', "
             "ModelConfig.hc_streams -> ModelConfig.residual.hc_streams (read as the new ones; a config saved by "
             "this version writes those)"]
+    pytest.importorskip("transformers")  # (the export's config)
+    from attnres.hf import AttnResConfig
+
     _, messages = loaded(lambda: AttnResConfig(**{**fields, "residual": {"kind": "attnres_block", "impl": "naive"},
                                                   **flat}))
     assert len(messages) == 1 and all(key in messages[0] for key in [*flat, "residual.impl"])

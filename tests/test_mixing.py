@@ -404,6 +404,7 @@ def test_analyze_rows_are_capped_at_the_windows_the_text_holds(tmp_path):
     analyses those 6, with a warning naming the cap, and the report counts 96 tokens (it took
     1000 windows 0.08 tokens apart and claimed 16000); without ``--rows``, 6 of the default 8."""
     pytest.importorskip("yaml")
+    pytest.importorskip("matplotlib")  # (else a second warning: mixing.png is not drawn)
     from test_train import overrides, write_corpus
 
     from attnres.cli import main as cli_main
@@ -445,6 +446,7 @@ def test_analyze_without_matplotlib_writes_the_tables_and_says_what_draws_the_pi
     import sys
 
     pytest.importorskip("yaml")
+    pytest.importorskip("matplotlib")  # (the older analysis's picture)
     from test_train import overrides, write_corpus
 
     from attnres.cli import main as cli_main

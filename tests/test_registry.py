@@ -467,7 +467,6 @@ def test_the_commands_after_a_run_of_a_users_residual_say_to_import_its_module(t
     export's note said only `import attnres.hf`."""
     import json
 
-    from attnres.cli.export import _and_the_residual
     from attnres.cli.train import _how_to_continue
     from attnres.train import TrainConfig
 
@@ -478,6 +477,9 @@ def test_the_commands_after_a_run_of_a_users_residual_say_to_import_its_module(t
     assert _how_to_continue(config) == f"continue with --resume (`attnres --import {here} train out_dir=run --resume`: " \
                                        "the run's own config)"
     assert "`attnres train out_dir=run --resume`" in _how_to_continue(TrainConfig.from_dict({"out_dir": "run"}))
+    pytest.importorskip("transformers")  # (attnres export's)
+    from attnres.cli.export import _and_the_residual
+
     (tmp_path / "config.json").write_text(json.dumps({"residual": SCALED, "residual_module": "test_registry"}))
     assert _and_the_residual(tmp_path / "config.json") == \
         f" and `import test_registry` ({here}), which registers its residual 'scaled_test'; or with " \

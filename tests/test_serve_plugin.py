@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from attnres import AttnResLM, ModelConfig
-from attnres.hf.families import upcycled_classes
-from attnres.serve import NATIVE_ARCHITECTURE, SERVED_FAMILIES, architectures, register, unserved_families
-from attnres.serve.checkpoint import CheckpointMismatch, checked_weights, expected_shapes
+pytest.importorskip("transformers")  # (the serve extra's: the plugin is built on the transformers wing)
+
+from safetensors import safe_open  # noqa: E402
+
+from attnres import AttnResLM, ModelConfig  # noqa: E402
+from attnres.hf.families import upcycled_classes  # noqa: E402
+from attnres.serve import NATIVE_ARCHITECTURE, SERVED_FAMILIES, architectures, register, unserved_families  # noqa: E402
+from attnres.serve.checkpoint import CheckpointMismatch, checked_weights, expected_shapes  # noqa: E402
 
 
 def test_importing_the_plugin_imports_no_vllm():

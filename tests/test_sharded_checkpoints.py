@@ -97,8 +97,12 @@ def test_metadata_that_would_run_code_is_refused(tmp_path, capsys):
         read_sharded_tensors(path)
     with pytest.raises(SystemExit, match="attnres generate: error: .*refers to posix.system"):
         cli_main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "the"])
+    from test_train import write_corpus
+
+    # (a corpus of its own: the default one is an optional package's, which a GPU machine may lack)
+    corpus = write_corpus(tmp_path / "corpus.txt")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .* verifies: .*refers to posix\.system"):
-        train(load_config(None, ["model.d_model=32", "data.tokenizer=byte", "resume=true",
+        train(load_config(None, ["model.d_model=32", "data.tokenizer=byte", f"data.paths=[{corpus}]", "resume=true",
                                  f"out_dir={tmp_path / 'run'}", "progress=false", "tensorboard=false"]))
     assert not marker.exists()
 

@@ -104,7 +104,8 @@ def test_the_cycle_check_finds_a_lazy_cycle(tmp_path):
 LAYERS: list[tuple[str, ...]] = [
     ("validation", "user_warning"),  # the config checks and their error format, imported by migrations too;
     # warn_user, which names the user's line
-    ("migrations", "progress", "name_clash", "extras", "output_paths", "lazy_exports", "termination"),
+    ("migrations", "progress", "name_clash", "extras", "output_paths", "lazy_exports", "termination",
+     "hub"),
     ("ops",),
     ("nn",),
     ("models",),

@@ -127,7 +127,8 @@ def test_resume_without_a_config_file_takes_the_run_s_own(tmp_path, corpus_file,
     with pytest.raises(SystemExit, match=r"differs in \['model.d_model'\]"):
         cli_main(["train", "--resume", f"out_dir={tmp_path / 'split'}", "model.d_model=64"])
     config_file = tmp_path / "c.yaml"
-    config_file.write_text("steps: 6\n")
+    # (its own data: the default corpus is an optional package's, which a GPU machine may lack)
+    config_file.write_text(f"steps: 6\ndata:\n  paths: [{corpus_file}]\n")
     with pytest.raises(SystemExit, match="the config differs in"):
         cli_main(["train", str(config_file), "--resume", f"out_dir={tmp_path / 'split'}"])
 

@@ -105,3 +105,23 @@ def test_the_command_prints_the_packages_warning_once_as_its_own(monkeypatch, ca
     err = capsys.readouterr().err
     assert err == ("attnres: warning: model preset 'demo' is now called 'train-cpu' ('demo' names the `attnres compare` "
                    "/ `make demo` grid); the old name will be removed\n")
+
+
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_a_warning_for_a_line_of_python_c_or_standard_input_is_shown(how):
+    """``python -c`` and a script on standard input (as the interactive interpreter) run in a
+    ``__main__`` loaded by the built-in importer: passed on as ``warn_explicit``'s
+    ``module_globals``, it made every warning of the package an ImportError, "'__main__' is not
+    a built-in module" (a warm-up longer than the run, a missing matplotlib in ``attnres
+    analyze``: the work stopped)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    code = "from attnres import ModelConfig\nModelConfig(attnres_block_size=4)\nprint('done')\n"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    argv, stdin = ([sys.executable, "-c", code], None) if how == "-c" else ([sys.executable, "-"], code)
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout == "done\n", done.stderr[-2000:]
+    where = "<string>" if how == "-c" else "<stdin>"
+    assert f"{where}:2: DeprecationWarning: ModelConfig.attnres_block_size is deprecated" in done.stderr

@@ -136,6 +136,7 @@ def test_a_missing_package_or_a_bad_name_is_refused_before_any_work(tmp_path, co
 
 
 def test_a_wandb_that_cannot_start_says_how_to_log_in_or_go_offline(tmp_path, corpus, monkeypatch):
+    pytest.importorskip("tensorboard")
     from torch.utils import tensorboard
 
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb(fail=RuntimeError("api_key not configured (no-tty)")))

@@ -18,6 +18,7 @@ it as its own, ``attnres: warning: ...``, once.
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import sys
 import warnings
 from collections.abc import Iterator
@@ -42,7 +43,16 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=module_globals.get("__name__", "<string>"),
                            registry=module_globals.setdefault("__warningregistry__", {}),
-                           module_globals=module_globals)
+                           module_globals=_with_a_source_loader(module_globals))
+
+
+def _with_a_source_loader(module_globals: dict) -> dict | None:
+    """``module_globals``, through whose ``__loader__`` ``warn_explicit`` reads the line it
+    shows, or ``None`` where that loader is the built-in importer: the ``__main__`` of
+    ``python -c``, of a script on standard input and of the interactive interpreter, whose
+    ``get_source('__main__')`` raises ImportError out of ``warn_explicit`` (the warning was
+    lost to "'__main__' is not a built-in module")."""
+    return None if module_globals.get("__loader__") is importlib.machinery.BuiltinImporter else module_globals
 
 
 def _in_library(frame) -> bool:

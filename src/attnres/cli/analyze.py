@@ -42,7 +42,7 @@ def run_analyze(args) -> int:
     """``attnres analyze``: the depth mixing report of one checkpoint (or two)."""
     from ..experiments.job.analyze import DEFAULT_ROWS, write_analysis
     from ..checkpoint import CheckpointError
-    from ..hf.hub import is_hub_id, local_folder
+    from ..hub import is_hub_id, local_folder
     from ..inference.loading import pick_device
 
     try:

@@ -347,6 +347,11 @@ def apply_cpu_allocator(settings: dict) -> None:
 #: The extra each command needs beyond torch (pyproject.toml's optional dependencies).
 COMMAND_EXTRAS = {"train": "train", "generate": "train", "compare": "experiments", "experiment": "experiments",
                   "analyze": "experiments", "plot": "experiments", "export": "hf", "eval": "hf", "upcycle": "hf"}
+#: The extra of a module that a command needs only for some of its inputs, whatever the
+#: command's own extra: transformers for a transformers directory, a family's model
+#: (``model.hf_architecture``) or ``generate --chat`` (the train and experiments extras hold
+#: none), gguf for ``upcycle`` of a GGUF file.
+MODULE_EXTRAS = {"transformers": "hf", "gguf": "upcycle"}
 
 
 def runs_under(command: str, dirs: list[str]) -> list:
@@ -382,7 +387,7 @@ def missing_extra(argv: list[str], error: ImportError) -> str | None:
     from ..extras import install_command
 
     command = next((a for a in argv if a in COMMAND_EXTRAS), None)
-    extra = "upcycle" if missing == "gguf" else COMMAND_EXTRAS.get(command, "train")
+    extra = MODULE_EXTRAS.get(missing) or COMMAND_EXTRAS.get(command, "train")
     return (f"attnres{f' {command}' if command else ''}: error: this needs the '{extra}' extra: "
             f"{install_command(extra)} (the module {missing!r} is not installed)")
 

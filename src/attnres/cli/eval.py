@@ -142,7 +142,7 @@ def _eval_output_path(args):
 
     from ..checkpoint import is_hf_directory, no_checkpoint_at, refuse_model_file
     from ..checkpoint.locate import run_of_checkpoint
-    from ..hf.hub import is_hub_id
+    from ..hub import is_hub_id
     from ..output_paths import check_output_file
 
     if args.out:
@@ -254,7 +254,7 @@ def run_eval(args) -> int:
     from ..checkpoint import is_hf_directory
     from ..data.corpus import read_text_file
     from ..data.tokenizer import tokenizer_file
-    from ..hf.hub import local_folder
+    from ..hub import local_folder
     from ..hf.evaluate import LOCAL_TASKS, check_document_start, check_tasks, local_task_data, perplexity
     from ..inference.loading import pick_device
     from ..models.factory import context_limit

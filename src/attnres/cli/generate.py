@@ -169,7 +169,7 @@ def _load(args):
     import torch
 
     from ..checkpoint import is_hf_directory
-    from ..hf.hub import local_folder
+    from ..hub import local_folder
     from ..inference.loading import load_run, load_tokenizer, pick_device
 
     args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")  # a Hub id: fetched into the Hugging Face cache

@@ -301,11 +301,11 @@ def harness_task_manager():
 def harness_offline() -> str | None:
     """Why the harness's own tasks must read their data sets from the local cache, or ``None``
     where they may download them: offline mode set by the user (``HF_HUB_OFFLINE=1``), or the
-    Hub out of reach (:func:`attnres.hf.hub.hub_unreachable`, asked only where the user has set
-    none of :data:`attnres.hf.hub.OFFLINE_VARIABLES`: one set to 0 keeps the harness online)."""
+    Hub out of reach (:func:`attnres.hub.hub_unreachable`, asked only where the user has set
+    none of :data:`attnres.hub.OFFLINE_VARIABLES`: one set to 0 keeps the harness online)."""
     import datasets.config
 
-    from .hub import OFFLINE_VARIABLES, hub_unreachable
+    from ..hub import OFFLINE_VARIABLES, hub_unreachable
 
     if datasets.config.HF_HUB_OFFLINE:
         return "offline mode is set (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
@@ -319,7 +319,7 @@ def _check_cached(manager, tasks: list[str], offline: str) -> None:
     """Raise ``ValueError`` naming each of the harness's ``tasks`` whose data set is not in
     the local cache, built as the harness builds it in offline mode (at once, no requests);
     ``offline``: why it cannot be downloaded."""
-    from .hub import offline_mode
+    from ..hub import offline_mode
 
     missing = []
     with offline_mode(), warnings.catch_warnings():
@@ -447,7 +447,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     ``limit`` and ``batch_size`` as the harness takes them: a count, or a fraction (below 1) of
     each task's documents; a count, ``"auto"`` or ``"auto:N"``.
     ``num_fewshot``: solved examples before each request (``None``: each task's own).
-    ``offline``: the data sets are read from the local cache only (:func:`attnres.hf.hub.offline_mode`:
+    ``offline``: the data sets are read from the local cache only (:func:`attnres.hub.offline_mode`:
     where :func:`harness_offline` says so, they are there, and the Hub client would spend its
     retries before reading them).
     Returns the harness's ``results`` (per task, metric -> value, and ``n-shot``, the
@@ -457,7 +457,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from .hub import offline_mode
+    from ..hub import offline_mode
 
     local = [t for t in tasks if t in LOCAL_TASKS]
     tokenizer, prefix = harness_tokenizer(hf_dir)

@@ -16,7 +16,7 @@ from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_mismatched_weights,
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
 from ...validation import did_you_mean
-from ..hub import local_folder
+from ...hub import local_folder
 from .convert import check_upcycle_residual, upcycle
 
 __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
@@ -45,7 +45,7 @@ def load_pretrained(source: str | Path, dtype: torch.dtype = torch.float32, *,
                     with_stored_dtype: bool = False, check_config: Callable[[Any], None] | None = None):
     """``(model, tokenizer)`` from a ``save_pretrained`` directory, a GGUF file (dequantised
     by transformers; needs the ``gguf`` package), a Hugging Face Hub model id (downloaded into
-    the Hugging Face cache, :mod:`attnres.hf.hub`), or ``"smollm2"``; the model in ``dtype``.
+    the Hugging Face cache, :mod:`attnres.hub`), or ``"smollm2"``; the model in ``dtype``.
     ``with_stored_dtype``: ``(model, tokenizer, stored)``, with the dtype the checkpoint's
     weights are stored in (its ``config.json``'s ``dtype``; ``None`` for a GGUF file, whose
     weights are quantised, or a config that names none). ``check_config``: called with the

@@ -1,6 +1,11 @@
 """Hugging Face Hub model ids (``organisation/name``) where a command takes a model's
 folder: ``attnres upcycle --model``, ``attnres eval`` and ``attnres generate``. A name that is
-no local file or directory and reads as an id is fetched into the Hugging Face cache."""
+no local file or directory and reads as an id is fetched into the Hugging Face cache.
+
+Outside the transformers wing (:mod:`attnres.hf`, whose import needs ``transformers``): it
+needs only ``huggingface_hub``, when a Hub id is fetched, and ``attnres generate`` and
+``attnres analyze`` ask it about every checkpoint, a native run's too, which they load
+without ``transformers``."""
 
 from __future__ import annotations
 
