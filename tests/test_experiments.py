@@ -152,7 +152,7 @@ def test_flops_scale_with_params_and_tokens():
 def test_mean_std_and_summary():
     assert mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
     assert mean_std([4.0]) == (4.0, None)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^mean_std needs at least one value$"):  # (not statistics' own error)
         mean_std([])
     rec = dict(variant="v", family="f", coords={}, params=1, residual_params=0, pflops_days=1.0, peak_memory_bytes=None)
     s = summarize([{**rec, "val_loss": 1.0, "step_time_s": 0.1, "seed": 0}, {**rec, "val_loss": 2.0, "step_time_s": 0.3, "seed": 1}])["v"]
