@@ -1262,6 +1262,10 @@ def test_bf16_autocast_and_tensorboard(tmp_path, corpus_file):
     result = train(load_config(None, overrides(corpus_file, tmp_path, steps=2, dtype="bfloat16", tensorboard="true",
                                                optimizer="muon")))
     assert result.step == 2 and math.isfinite(result.train_loss) and math.isfinite(result.val_loss)
+    # The same run in float32: the losses move by bf16's rounding only (and do move: autocast was on)
+    full = train(load_config(None, overrides(corpus_file, tmp_path / "float32", steps=2, optimizer="muon")))
+    assert result.train_loss != full.train_loss and result.train_loss == pytest.approx(full.train_loss, rel=1e-3)
+    assert result.val_loss != full.val_loss and result.val_loss == pytest.approx(full.val_loss, rel=1e-3)
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
     # Master weights stay float32 under autocast.
     assert all(t.dtype == torch.float32 for t in final_weights(tmp_path).values())
