@@ -1174,7 +1174,8 @@ def test_split_is_deterministic_and_spread(tmp_path):
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i} " * 50}) for i in range(20)) + "\n")
     c1, c2 = load_corpus([str(tmp_path)], 0.05), load_corpus([str(tmp_path)], 0.05)
     assert (c1.digest, c1.val, c1.train, c1.sources) == (c2.digest, c2.val, c2.train, c2.sources)
-    assert len(c1.val) == pytest.approx(0.05 * (len(c1.train) + len(c1.val)), rel=0.5)
+    # within the split's promise (FRACTION_TOLERANCE: 10 %); 5 validation pieces of 94 here
+    assert len(c1.val) == pytest.approx(0.05 * (len(c1.train) + len(c1.val)), rel=0.1)
     assert "doc 3" in c1.train + c1.val and len(c1.sources) == 2
 
 
