@@ -66,8 +66,14 @@ def test_dry_run_plans_without_a_gpu(capsys):
     args = bench.parse_args([])
     cfg = bench.e2e_config(args)  # the shape: d = 2048, 32 blocks, N = 8
     assert (cfg.d_model, cfg.n_layers, 2 * cfg.n_layers // cfg.residual.block_size) == (2048, 32, 8)
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--e2e-blocks", "5"])
+    assert bench.parse_args(["--e2e-blocks", "16"]).e2e_blocks == 16  # (a divisor of the 64 sublayers)
+    for refused in ("5", "6", "128"):  # (6: even, and no divisor)
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--e2e-blocks", refused])
+        assert f"error: --e2e-blocks must divide the 64 sublayers, got {refused}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (--quick: 8 layers)
+        bench.parse_args(["--quick", "--e2e-blocks", "32"])
+    assert "error: --e2e-blocks must divide the 16 sublayers, got 32" in capsys.readouterr().err
 
 
 def test_our_block_implementation_matches_its_reference():

@@ -46,7 +46,7 @@ def test_markdown_judges_the_target_on_the_paired_ratio():
     assert full.endswith("<= 1.10: missed by 0.100 |")
 
 
-def test_profile_table_lists_the_top_operators_of_any_model_side_by_side():
+def test_profile_table_lists_the_top_operators_of_any_model_side_by_side(capsys):
     import profile_serving as prof
 
     args = prof.parse_args(["--variants", "standard,block", "--top", "2"])
@@ -60,9 +60,10 @@ def test_profile_table_lists_the_top_operators_of_any_model_side_by_side():
     assert "| total self CPU | 110.0 |  | 128.0 |  |" in text
     with pytest.raises(SystemExit):
         prof.parse_args(["--variants", "standard,hyper"])
+    assert "error: --variants: unknown ['hyper']; choose from ['block', 'full', 'standard']" in capsys.readouterr().err
 
 
-def test_moe_models_are_judged_against_their_own_standard_model():
+def test_moe_models_are_judged_against_their_own_standard_model(capsys):
     """The upcycled mixture of experts' ratios are against the mixture of experts, not the
     native standard model; --models takes a subset and adds each model's baseline."""
     rounds = rounds_with_drift()
@@ -79,6 +80,8 @@ def test_moe_models_are_judged_against_their_own_standard_model():
     assert "| moe-block |" in md and "1.030 [1.030, 1.030]" in md
     with pytest.raises(SystemExit):
         bench.parse_args(["--models", "moe-full"])
+    assert ("error: --models: unknown ['moe-full']; choose from standard, block, full, moe-standard, moe-block"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("argv, named", [

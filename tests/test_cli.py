@@ -182,7 +182,7 @@ def test_print_config_loads_back_strings_that_look_like_numbers(capsys, tmp_path
     assert load_config(printed).to_dict() == load_config(None, [override]).to_dict()
 
 
-def test_overrides_on_both_sides_of_resume(tmp_path):
+def test_overrides_on_both_sides_of_resume(tmp_path, capsys):
     """``attnres train a=b --resume c=d`` (also what torchrun passes on): argparse fills a
     positional list once, so the overrides after ``--resume`` used to be rejected."""
     corpus = write_corpus(tmp_path / "corpus.txt")
@@ -190,8 +190,11 @@ def test_overrides_on_both_sides_of_resume(tmp_path):
     assert cli_main(["train", *args]) == 0
     args = overrides(corpus, tmp_path / "run")
     assert cli_main(["train", *args[:4], "--resume", *args[4:]]) == 0
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         cli_main(["train", *args[:4], "--resume", "not-an-override"])
+    assert capsys.readouterr().err.rstrip().endswith(
+        "attnres train: error: 'not-an-override' is neither a key=value override nor a config file")
 
 
 def test_config_file_as_a_positional_argument(capsys, tmp_path):

@@ -123,6 +123,10 @@ def test_arch_shape_hits_ratios_and_budget():
         n_layers, d, heads = arch_shape(rd, rh, budget)
         assert d % (2 * heads) == 0
         assert abs(d / n_layers - rd) / rd < 0.25 and 0.5 < 12 * n_layers * d**2 / budget < 2
+        assert heads == rh * n_layers  # (exactly, on these ratios)
+    # by hand: L_b = (budget / (12 (d/L_b)^2))^(1/3) = 8.35, 3.31; H = (H/L_b) L_b; d the multiple
+    # of 2 H nearest (d/L_b) L_b (45 x 4 = 180, a tie between multiples of 8, is left out)
+    assert [arch_shape(rd, rh, budget) for rd, rh in [(15, 0.5), (60, 2)]] == [(8, 120, 4), (3, 180, 6)]
     with pytest.raises(ValueError, match="must be > 0"):
         arch_shape(0, 1, budget)
 
@@ -152,7 +156,7 @@ def test_flops_scale_with_params_and_tokens():
 def test_mean_std_and_summary():
     assert mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
     assert mean_std([4.0]) == (4.0, None)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^mean_std needs at least one value$"):  # (not statistics' own error)
         mean_std([])
     rec = dict(variant="v", family="f", coords={}, params=1, residual_params=0, pflops_days=1.0, peak_memory_bytes=None)
     s = summarize([{**rec, "val_loss": 1.0, "step_time_s": 0.1, "seed": 0}, {**rec, "val_loss": 2.0, "step_time_s": 0.3, "seed": 1}])["v"]

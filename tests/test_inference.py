@@ -390,9 +390,12 @@ def test_prefill_names_a_bad_capacity():
 def test_stream_validates_before_running():
     """``stream`` raises at the call, not at the first ``next()``."""
     model = make_model(residual="attnres_block")
-    for kwargs in (dict(chunk_size=0), dict(top_p=2.0), dict(stop_tokens=[-1])):
-        with pytest.raises(ValueError):
+    for kwargs, said in ((dict(chunk_size=0), "chunk_size must be an integer >= 1 or None (one shot), got 0"),
+                         (dict(top_p=2.0), "top_p must be a number in (0, 1] (1 = no nucleus filter); got 2.0"),
+                         (dict(stop_tokens=[-1]), "stop_tokens must be token ids (Python ints) in [0, 256); got -1")):
+        with pytest.raises(ValueError) as refused:
             stream(model, random_ids(1, 4), max_new_tokens=2, **kwargs)
+        assert str(refused.value) == said
 
 
 def test_invalid_prompts():

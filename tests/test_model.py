@@ -550,7 +550,8 @@ def test_legacy_flat_keys_load_with_a_deprecation_warning():
     r = cfg.residual
     assert (r.kind, r.schedule, r.full_group_size, r.ablation.sigmoid_weights, r.hc_streams, r.sinkhorn_iters) == (
         "attnres_full", "naive", 2, True, 3, 5)
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match=r"^ModelConfig\.attnres_block_size is deprecated: use "
+                      r"ModelConfig\.residual\.block_size$"):
         assert ModelConfig(attnres_block_size=4).residual.block_size == 4
     with pytest.warns(DeprecationWarning, match="residual.block_size"):
         assert ModelConfig(residual={"block_size": 3}).attnres_block_size == 3
@@ -582,7 +583,8 @@ def test_unknown_config_key_and_preset():
         TrainConfig(stpes=3)
     with pytest.raises(TypeError, match=r"ResidualConfig: unknown field\(s\) \['blocksize'\] \(did you mean 'block_size'"):
         ResidualConfig(blocksize=4)
-    with pytest.warns(DeprecationWarning):  # a renamed key still migrates first
+    with pytest.warns(DeprecationWarning, match=r"^ModelConfig\.residual\.kernels is deprecated: use "
+                      r"ModelConfig\.residual\.backend$"):  # a renamed key still migrates first
         assert ResidualConfig(kernels="torch").backend == "torch"
 
 

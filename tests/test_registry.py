@@ -232,6 +232,8 @@ def test_cli_imports_a_module_that_registers_a_residual(tmp_path, monkeypatch, c
     assert "kind: cli_test" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli_main(["--import", "no_such_module_here", "train", "--print-config"])
+    assert capsys.readouterr().err.strip().endswith(
+        "attnres: error: --import no_such_module_here: No module named 'no_such_module_here'")
 
 
 def test_cli_imports_a_python_file_by_its_path_and_names_a_near_module(tmp_path, monkeypatch, capsys):

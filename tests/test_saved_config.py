@@ -123,7 +123,8 @@ def test_complete_configs_still_load(saved):
         config["attnres_block_size"] = block_size
 
     directory = edited(saved, "native", "legacy_keys", flat)
-    with pytest.warns(DeprecationWarning):
+    with pytest.warns(DeprecationWarning, match=r"^AttnResConfig\.attnres_block_size is deprecated: use "
+                      r"AttnResConfig\.residual\.block_size$"):
         config = AutoConfig.from_pretrained(directory)
     assert config.residual["block_size"] == 2
 

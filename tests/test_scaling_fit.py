@@ -64,11 +64,14 @@ def test_known_exponents_and_multipliers_are_recovered():
         assert fit.fits[family].alpha.value == pytest.approx(law.alpha, rel=0.02)
         assert fit.fits[family].A.value == pytest.approx(law.A, rel=0.02)
         assert fit.fits[family].alpha.low < fit.fits[family].alpha.value < fit.fits[family].alpha.high
-    # Block: a constant 1.25 (over its own compute, 2 % above the reference's at each size)
+    # Block: a constant 1.25 at every size - the reference needs 1.25 x 1.02 C for the loss Block
+    # reaches at its own compute, 1.02 C (2 % above the reference's at each size), and the
+    # multiplier is over that own compute (1.25 / 1.02 would count the 2 % twice; 1.25 x 1.02
+    # not at all). 0.3 % at most off here, from the loss noise.
     for e in fit.comparisons["block"].multiplier_at_size:
-        assert e.value == pytest.approx(1.25 / 1.02, rel=0.03)
+        assert e.value == pytest.approx(1.25, rel=5e-3)
     for c, e in fit.comparisons["block"].multiplier_common:
-        assert e.value == pytest.approx(1.25, rel=0.03) and e.high - e.low < 0.1
+        assert e.value == pytest.approx(1.25, rel=5e-3) and e.high - e.low < 0.1
     # Full: a steeper law, so the multiplier grows with compute; read where the fits overlap
     points = [c for c, _ in fit.comparisons["full"].multiplier_common]
     assert points[0] == pytest.approx(COMPUTE[0] * 1.02) and points[-1] == pytest.approx(COMPUTE[-1])

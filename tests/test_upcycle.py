@@ -5,6 +5,7 @@ Full and Block AttnRes (S dividing L, not dividing it, S >= L)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import io
 import re
@@ -19,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from attnres import register_residual  # noqa: E402
 from attnres.nn.residual import SingleStreamResidual  # noqa: E402
+from attnres.nn.residual.baselines import layerscale_init  # noqa: E402
 from attnres.upcycle import FAMILIES, upcycle  # noqa: E402
 from fixtures.tiny_families import TINY_COMMON, VOCAB, tiny_model  # noqa: E402
 
@@ -411,7 +413,6 @@ def test_depth_weights_and_depth_mixing_leave_nothing_on_the_model():
     so the forward's activations, for as long as the model lived): ``copy.deepcopy`` of the
     model then failed ("Only Tensors created explicitly by the user ... support the deepcopy
     protocol"). The weights go to the caller alone; the copy is the same model."""
-    import copy
     import gc
     import weakref
 
@@ -433,8 +434,6 @@ def test_a_forward_that_fails_midway_leaves_nothing_on_the_model():
     search catches and retries smaller) left its residual state on the model: every source so
     far and their graph stayed in memory, and ``copy.deepcopy`` of the model failed on them.
     The state goes with the failure; the next forward is the model's as before."""
-    import copy
-
     up = upcycle(base_model("llama"), "attnres_block", block_size=2)
     x = ids()
 
@@ -451,17 +450,35 @@ def test_a_forward_that_fails_midway_leaves_nothing_on_the_model():
 
 
 def test_other_registered_variants_wrap_the_same_modules():
-    """The standard residual upcycles to the identical model; the baselines build, run and
-    keep the pretrained weights (they start from their own papers' init, not the pretrained
-    function)."""
+    """The standard residual upcycles to the identical model; the baselines keep the pretrained
+    weights and start from their own papers' init, not the pretrained function - each a
+    function of the pretrained model's own modules: DenseFormer's identity weights are the
+    pretrained model; ReZero's zero gains leave the embedding alone; LayerScale scales each
+    sublayer's output projection by its init; the multi-stream ones are the pretrained model
+    with the final norm's eps divided by m^2 (its input is the sum of m equal streams).
+    Highway's gates are random: finite only."""
     base = base_model("llama")
     x = ids()
     with torch.no_grad():
         assert max_rel(upcycle(base, "standard")(x).logits, base(x).logits) <= 1e-6
-        for kind in ("rezero", "highway", "mhc"):
+        for kind in ("denseformer", "rezero", "layerscale", "hyper_connections", "mhc", "mhc_lite", "highway"):
             up = upcycle(base, kind)
-            assert torch.isfinite(up(x).logits).all()
             assert torch.equal(up.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
+            if kind == "highway":
+                assert torch.isfinite(up(x).logits).all()
+                continue
+            want = copy.deepcopy(base)
+            if kind == "rezero":
+                want.model.layers = want.model.layers[:0]
+            elif kind == "layerscale":
+                (scale,) = {s.item() for s in torch.cat(list(up.residual.scales))}
+                assert scale == pytest.approx(layerscale_init(base.config.num_hidden_layers))  # (CaiT's, 0.1 here)
+                for layer in want.model.layers:
+                    layer.self_attn.o_proj.weight.mul_(scale)
+                    layer.mlp.down_proj.weight.mul_(scale)
+            elif kind != "denseformer":
+                want.model.norm.variance_epsilon /= up.residual.n_streams**2
+            assert max_rel(up(x).logits, want(x).logits) <= 1e-6, kind
 
 
 def test_unsupported_layouts_are_refused_with_the_reason():
