@@ -388,8 +388,11 @@ def test_deprecated_distributed_key_keeps_working_with_a_warning():
         load_config(None, ["distributed=ddp"])
     with pytest.warns(DeprecationWarning, match=r"distributed='none' is now parallel.dp=1"):
         assert TrainConfig.from_dict({"distributed": "none"}).parallel.dp == 1
-    with pytest.warns(DeprecationWarning):  # a given parallel.dp wins
+    # a given parallel.dp wins, and the warning says so (it said "is now parallel.dp=1", which did not hold)
+    with pytest.warns(DeprecationWarning, match=r"distributed='none' is ignored: parallel.dp=2 is given\. Remove it"):
         assert TrainConfig.from_dict({"distributed": "none", "parallel": {"dp": 2}}).parallel.dp == 2
+    with pytest.warns(DeprecationWarning, match=r"distributed='none' is ignored: parallel.dp=2 is given"):
+        assert TrainConfig(distributed="none", parallel=ParallelConfig(dp=2)).parallel.dp == 2
     with pytest.raises(ValueError, match=r"TrainConfig.distributed must be one of 'auto', 'fsdp', 'ddp', 'none'"):
         TrainConfig(distributed="zero")
 

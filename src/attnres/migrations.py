@@ -184,10 +184,15 @@ def migrate_train_keys(data: dict[str, Any]) -> dict[str, Any]:
     if value not in LEGACY_DISTRIBUTED:
         raise ValueError(f"TrainConfig.distributed must be one of {', '.join(map(repr, LEGACY_DISTRIBUTED))} "
                          f"(deprecated: use parallel.dp); got {value!r}")
-    warn_user(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is now "
-              f"{LEGACY_DISTRIBUTED[value]}. Remove it (docs/scale-out.md)", DeprecationWarning)
     parallel = out.get("parallel")
-    if value != "none":
+    given_dp = parallel.dp if dataclasses.is_dataclass(parallel) else (
+        parallel.get("dp") if isinstance(parallel, dict) else None)
+    # (distributed='none' beside a parallel.dp of its own was said to be parallel.dp=1, where the dp given holds)
+    meaning = (f"ignored: parallel.dp={given_dp!r} is given" if value == "none" and given_dp is not None
+               else f"now {LEGACY_DISTRIBUTED[value]}")
+    warn_user(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is {meaning}. Remove "
+              "it (docs/scale-out.md)", DeprecationWarning)
+    if value != "none" or given_dp is not None:
         pass
     elif parallel is None:
         out["parallel"] = {"dp": 1}
