@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..user_warning import at_the_raise_site
+from ..shell_words import shell_path
 from ..validation import did_you_mean, did_you_mean_each
 
 
@@ -263,7 +264,8 @@ class ImportModule(argparse.Action):
             parser.error(f"--import {value}: {e}{hint}")
         except SyntaxError as e:  # (a traceback through argparse's internals, before the command had started)
             where = f"{e.filename}, line {e.lineno}" + (f": {e.text.strip()}" if e.text and e.text.strip() else "")
-            parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run `python {e.filename}` to see it")
+            parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run "
+                         f"`python {shell_path(e.filename)}` to see it")
         # As given, for the checkpoints to record (record_given_imports); a file's path made
         # absolute: the hint of a later command in another folder named a file not there.
         getattr(namespace, self.dest).append(str(file.resolve()) if file.suffix == ".py" else value)
@@ -316,11 +318,9 @@ def resume_command(out_dir: str, attnres: str, parallel: dict, world: int, per_n
     leaves the layout to the launch, so a plain ``--resume`` trains in one process).
     ``per_node``: ranks per node; ``None`` or fewer than ``world`` (several nodes): the
     launch's own options are the user's to repeat (``torchrun ...``)."""
-    import shlex
-
     from ..distributed.parallel import ParallelConfig
 
-    resume = f"out_dir={shlex.quote(str(out_dir))} --resume"
+    resume = f"out_dir={shell_path(out_dir)} --resume"
     if world <= 1:
         return f"{attnres} train {resume}"
     default = ParallelConfig().to_dict()

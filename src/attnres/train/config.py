@@ -16,6 +16,7 @@ from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig
 from ..models.hf_registry import hf_hook
+from ..shell_words import shell_path
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
                           TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars)
 from .cpu_memory import CPU_ALLOCATORS
@@ -446,7 +447,8 @@ def _fields_of_hf_directory(source: Any) -> dict[str, Any]:
     found = training_output(str(source))
     if found is not None:
         fail("TrainConfig", "model.from_hf", allowed, source, f": it is {found}; start from its weights with "
-             f"init_from={source} (and the run's model settings), or `attnres export` it and give the export")
+             f"init_from={shell_path(source)} (and the run's model settings), or `attnres export` it and give the "
+             "export")
     if not (Path(str(source)) / "config.json").is_file():  # (transformers would read it as a Hub name)
         fail("TrainConfig", "model.from_hf", allowed, source)
     try:
