@@ -149,11 +149,16 @@ NULL_SPELLINGS = ("none", "null", "~")
 
 
 def _yaml_typed_hint(value: Any) -> str:
-    """Why a text field got a number, boolean or date: YAML read it so (``0777``, ``12:30``,
-    ``2024-01-01``, ``yes``, ``1e3``); quoting keeps the text."""
+    """Why a text field got a number, boolean, date or null: YAML read it so (``0777``,
+    ``12:30``, ``2024-01-01``, ``yes``, ``1e3``, ``~``); quoting keeps the text. On the command
+    line the YAML quotes go inside the shell's: ``key='VALUE'`` reached YAML as ``key=VALUE``."""
+    if value is None:  # (`out_dir=~`: a home directory to the user, YAML's null to the parser)
+        return (" (YAML read the value as null: null, ~ and an empty value are YAML's null; a folder under your "
+                "home is ~/NAME)")
     kind = ("a boolean" if isinstance(value, bool) else "a number" if isinstance(value, (int, float))
             else "a date" if type(value).__name__ in ("date", "datetime") else None)
-    return "" if kind is None else f" (YAML read the value as {kind}; quote it to keep it as text: key='VALUE')"
+    return "" if kind is None else (f" (YAML read the value as {kind}; quote it to keep it as text: key: 'VALUE' in "
+                                    "a config file, \"key='VALUE'\" on the command line)")
 
 
 def _quoted_number_hint(value: Any, integer: bool) -> str:
