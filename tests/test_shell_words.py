@@ -91,3 +91,18 @@ def test_a_stopped_runs_commands_paste_back_to_it(tmp_path, capsys):
         cli_main([*resume[1:], "steps=4"])
     step = run / "checkpoints" / "step-00000002"
     assert f"init_from={shlex.quote(str(step))} (fresh optimiser" in str(refused.value)
+
+
+def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, monkeypatch):
+    """``attnres compare --out -g`` (from its folder): status's command to continue a stopped
+    run of the grid said ``--out -g``, which argparse refuses ("expected one argument")."""
+    import json
+
+    from attnres.cli.status import _continue_command
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-g").mkdir()
+    (tmp_path / "-g" / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny",
+                                                                 "overrides": ["steps=3"]}))
+    (command,) = _commands(_continue_command("-g/block/seed0"))
+    assert command == ["attnres", "compare", "--preset", "tiny", "--out", "./-g", "--seeds", "0", "steps=3"]

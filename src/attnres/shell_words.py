@@ -6,10 +6,17 @@ import os
 import shlex
 
 
-def shell_path(path: str | os.PathLike) -> str:
-    """``path`` as one shell word that reads back as that path: quoted where it holds a space,
-    a quote or another character the shell reads (``runs/my run`` split in two when pasted),
-    and a relative one that starts with ``-`` written ``./-x`` (argparse took ``-x`` for an
-    option). Fits a positional argument, an option's value and a ``key=VALUE`` override alike."""
+def path_argument(path: str | os.PathLike) -> str:
+    """``path`` as an argument that argparse reads as a path: a relative one that starts with
+    ``-`` written ``./-x`` (``--out -x`` was refused as a missing value, ``-x`` taken for an
+    option)."""
     text = os.fspath(path)
-    return shlex.quote(f"./{text}" if text.startswith("-") else text)
+    return f"./{text}" if text.startswith("-") else text
+
+
+def shell_path(path: str | os.PathLike) -> str:
+    """``path`` as one shell word that reads back as that path (:func:`path_argument`), quoted
+    where it holds a space, a quote or another character the shell reads (``runs/my run``
+    split in two when pasted). Fits a positional argument, an option's value and a
+    ``key=VALUE`` override alike."""
+    return shlex.quote(path_argument(path))
