@@ -542,8 +542,24 @@ def test_an_override_meant_as_a_list_that_is_not_valid_yaml_is_refused(override)
     was taken as one path, '[/data/a.txt]', refused as a glob pattern that matches nothing
     "(in a YAML list an item that starts with * must be quoted)"."""
     with pytest.raises(ValueError, match=re.escape(f"override {override!r}: its value is not valid YAML (") + r".*\); "
-                       r"quote an item holding \$\{, \{, \} or ': ' - data.paths='\[\"\$\{DATA\}/a.txt\"\]'$"):
+                       r"quote an item holding \$\{, \{, \}, ' #' or ': ' - data.paths='\[\"\$\{DATA\}/a.txt\"\]'$"):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("path", ["Läufe 2026/run #1", "it's #1", "#1"])
+def test_a_hash_in_an_override_is_refused_not_dropped_as_a_comment(path):
+    """``out_dir=run #1`` trained into ``run``: YAML took `` #1`` for a comment. Refused, with
+    the quoted override that keeps it, which pasted into bash gives the path back."""
+    import subprocess
+
+    with pytest.raises(ValueError, match=f"^override {re.escape(repr('out_dir=' + path))}: YAML read its value from "
+                                         "a # on as a comment and dropped that part") as info:
+        load_config(None, [f"out_dir={path}"])
+    pasted = str(info.value).rpartition("quote the value: ")[2]
+    override = subprocess.run(["bash", "-c", f"printf '%s' {pasted}"], capture_output=True, text=True,
+                              check=True).stdout  # (the one argument bash makes of it)
+    assert load_config(None, [override]).out_dir == path
+    assert load_config(None, ["out_dir=run#1", "data.paths=['a #1.txt']"]).data.paths == ["a #1.txt"]
 
 
 def test_unknown_config_keys(tmp_path):

@@ -533,10 +533,32 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as e:
         if raw.strip().startswith(("[", "{")):  # (meant as a list or mapping: as one string, a path '[a, b'...)
             said = _yaml_error_line(e)
-            quote = "" if "quoted" in said else "; quote an item holding ${, {, } or ': ' - data.paths='[\"${DATA}/a.txt\"]'"
+            quote = "" if "quoted" in said else "; quote an item holding ${, {, }, ' #' or ': ' - data.paths='[\"${DATA}/a.txt\"]'"
             raise ValueError(f"override {item!r}: its value is not valid YAML ({said}){quote}") from None
         value = raw
+    if raw.count("#") > _hash_count(value):
+        raise ValueError(f"override {item!r}: YAML read its value from a # on as a comment and dropped that part "
+                         f"(leaving {value!r}); to keep the # (in a path), quote the value: "
+                         f"{_yaml_quoted_override(key, raw)}")
     return key.strip().split("."), value
+
+
+def _hash_count(value: Any) -> int:
+    """The ``#`` in the text of a parsed override's value: fewer than in the value as typed when
+    YAML took `` #...`` for a comment (``out_dir=run #1`` trained into ``run``)."""
+    if isinstance(value, dict):
+        return sum(_hash_count(k) + _hash_count(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(map(_hash_count, value))
+    return str(value).count("#") if isinstance(value, str) else 0
+
+
+def _yaml_quoted_override(key: str, raw: str) -> str:
+    """``key=raw`` with ``raw`` a YAML single-quoted string, as one shell word to paste."""
+    import shlex
+
+    word = f"{key.strip()}='{raw.strip().replace(chr(39), chr(39) * 2)}'"  # (YAML doubles a ' inside '...')
+    return f'"{word}"' if not any(c in word for c in '"$`\\!') else shlex.quote(word)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
