@@ -147,6 +147,25 @@ OWN_EMPTY_MESSAGE = frozenset({"prompt", "tasks", "overrides"})
 SPACES_ARE_TEXT = frozenset({"stop"})
 
 
+#: The arguments that name a file or folder (the commands' dests): a ``~`` leading one is the
+#: home directory, as in a training config's paths. The shell leaves it where the path is
+#: quoted for its spaces (``attnres status "~/my runs"``: "'.' holds no '~'", while
+#: ``attnres train "out_dir=~/my runs"`` trained there).
+PATH_ARGUMENTS = frozenset({"config", "resume_from", "out", "checkpoint_path", "checkpoint", "compare", "text",
+                            "tokenizer", "prompt_file", "model", "dirs"})
+
+
+def expand_home(args: argparse.Namespace) -> None:
+    """``~`` and ``~user`` at the start of the path arguments (:data:`PATH_ARGUMENTS`) of
+    ``args``, expanded in place."""
+    def expanded(value):
+        return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+    for dest in PATH_ARGUMENTS & vars(args).keys():
+        value = getattr(args, dest)
+        setattr(args, dest, list(map(expanded, value)) if isinstance(value, list) else expanded(value))
+
+
 def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """An option or argument given as an empty string (``--out ""``; a shell variable that is
     not set, ``--out "$DIR"``) is a usage error naming it: as a path it was read as the
