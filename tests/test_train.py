@@ -857,7 +857,10 @@ def cli_help(argv: list[str]) -> str:
                            "value as a date; quote it to keep it as text: key: 'VALUE' in a config file, "
                            "\"key='VALUE'\" on the command line)"),
     ("out_dir=~", "TrainConfig.out_dir must be a directory path; got None (YAML read the value as null: null, ~ and an "
-                  "empty value are YAML's null; a folder under your home is ~/NAME)"),
+                  "empty value are YAML's null)"),
+    ("data.tokenizer=yes", "(with a '/': ./gpt2); got True (YAML read the value as a boolean; quote it"),
+    ("data.tokenizer=null", "(with a '/': ./gpt2); got None (YAML read the value as null"),
+    ("model.from_hf=1e3", "(e.g. attnres upcycle's --out); got 1000.0 (YAML read the value as a number; quote it"),
     ("out_dir=null", "got None (YAML read the value as null"),
     ("wandb_project=0777", "got 511 (YAML read the value as a number; quote it"),
     ("data.paths=[runs, yes]", "got ['runs', True] (YAML read the value as a boolean; quote it"),

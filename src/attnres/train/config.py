@@ -18,7 +18,7 @@ from ..models.config import PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS
 from ..models.hf_registry import hf_hook
 from ..shell_words import shell_path
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
-                          TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars)
+                          TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars, yaml_typed_hint)
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -450,7 +450,7 @@ def _fields_of_hf_directory(source: Any) -> dict[str, Any]:
              f"init_from={shell_path(source)} (and the run's model settings), or `attnres export` it and give the "
              "export")
     if not (Path(str(source)) / "config.json").is_file():  # (transformers would read it as a Hub name)
-        fail("TrainConfig", "model.from_hf", allowed, source)
+        fail("TrainConfig", "model.from_hf", allowed, source, yaml_typed_hint(source))
     try:
         return hf_hook("fields_from_directory")(source)
     except (ValueError, OSError) as e:  # (the family's or transformers' words, without the field)
