@@ -14,8 +14,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from ..user_warning import at_the_raise_site
 from ..shell_words import shell_path
+from ..user_warning import at_the_raise_site
 from ..validation import did_you_mean, did_you_mean_each
 
 
