@@ -3,7 +3,10 @@ train --help`` listing every field, ``--print-config`` and ``--version``."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -215,6 +218,41 @@ def test_config_file_as_a_positional_argument(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "attnres train: error: '" + str(tmp_path / "missing.yaml") + "' is neither a key=value override nor a config file" in err
     assert err.startswith("usage: attnres train ")  # train's usage, not the top level's
+
+
+def test_a_config_file_with_an_equals_sign_in_its_name_is_told_to_take_config(tmp_path, monkeypatch, capsys):
+    """``attnres train "lr=3e-4.yaml"`` (a file named after its setting) was read as the override
+    lr='3e-4.yaml' ("unknown key" for others); the refusal names the file and --config, which takes it."""
+    monkeypatch.chdir(tmp_path)
+    Path("a=b ä.yaml").write_text("steps: 7\n")
+    with pytest.raises(SystemExit):
+        cli_main(["train", "a=b ä.yaml", "--print-config"])
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("attnres train: error: 'a=b ä.yaml' is a config file, but the '=' in its name makes "
+                                 "it a key=value override here: give it with --config 'a=b ä.yaml'")
+    assert cli_main(["train", *shlex.split(err.rpartition("give it with ")[2]), "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["steps"] == 7
+
+
+def test_a_quoted_tilde_in_a_path_argument_is_the_home_directory(tmp_path, monkeypatch, capsys):
+    """``attnres status "~/my runs"`` (quoted for its space, so the shell leaves the ``~``) said
+    "no such folder: '.' holds no '~'", where ``attnres train "out_dir=~/my runs/a"`` had
+    trained there; every command's path arguments now read ``~`` as the home directory."""
+    import json
+
+    from attnres.cli.common import expand_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run = tmp_path / "my runs" / "Lauf ä"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    assert cli_main(["status", "--json", "~/my runs"]) == 0
+    assert [json.loads(line)["path"] for line in capsys.readouterr().out.splitlines()] == [str(run)]
+    args = argparse.Namespace(dirs=["~/a", "b/~"], out="~", checkpoint_path="~/c", prompt="~/not a path", x=None)
+    expand_home(args)
+    assert vars(args) == dict(dirs=[str(tmp_path / "a"), "b/~"], out=str(tmp_path), checkpoint_path=str(tmp_path / "c"),
+                              prompt="~/not a path", x=None)
 
 
 @pytest.mark.parametrize("argv, whole", [

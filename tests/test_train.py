@@ -542,8 +542,24 @@ def test_an_override_meant_as_a_list_that_is_not_valid_yaml_is_refused(override)
     was taken as one path, '[/data/a.txt]', refused as a glob pattern that matches nothing
     "(in a YAML list an item that starts with * must be quoted)"."""
     with pytest.raises(ValueError, match=re.escape(f"override {override!r}: its value is not valid YAML (") + r".*\); "
-                       r"quote an item holding \$\{, \{, \} or ': ' - data.paths='\[\"\$\{DATA\}/a.txt\"\]'$"):
+                       r"quote an item holding \$\{, \{, \}, ' #' or ': ' - data.paths='\[\"\$\{DATA\}/a.txt\"\]'$"):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("path", ["Läufe 2026/run #1", "it's #1", "#1"])
+def test_a_hash_in_an_override_is_refused_not_dropped_as_a_comment(path):
+    """``out_dir=run #1`` trained into ``run``: YAML took `` #1`` for a comment. Refused, with
+    the quoted override that keeps it, which pasted into bash gives the path back."""
+    import subprocess
+
+    with pytest.raises(ValueError, match=f"^override {re.escape(repr('out_dir=' + path))}: YAML read its value from "
+                                         "a # on as a comment and dropped that part") as info:
+        load_config(None, [f"out_dir={path}"])
+    pasted = str(info.value).rpartition("quote the value: ")[2]
+    override = subprocess.run(["bash", "-c", f"printf '%s' {pasted}"], capture_output=True, text=True,
+                              check=True).stdout  # (the one argument bash makes of it)
+    assert load_config(None, [override]).out_dir == path
+    assert load_config(None, ["out_dir=run#1", "data.paths=['a #1.txt']"]).data.paths == ["a #1.txt"]
 
 
 def test_unknown_config_keys(tmp_path):
@@ -838,7 +854,14 @@ def cli_help(argv: list[str]) -> str:
     ("lr='3e-4'", "TrainConfig.lr must be a finite number > 0; got '3e-4' (a quoted number is a string: write it "
                   "without quotes)"),
     ("out_dir=2024-01-01", "TrainConfig.out_dir must be a directory path; got datetime.date(2024, 1, 1) (YAML read the "
-                           "value as a date; quote it to keep it as text: key='VALUE')"),
+                           "value as a date; quote it to keep it as text: key: 'VALUE' in a config file, "
+                           "\"key='VALUE'\" on the command line)"),
+    ("out_dir=~", "TrainConfig.out_dir must be a directory path; got None (YAML read the value as null: null, ~ and an "
+                  "empty value are YAML's null)"),
+    ("data.tokenizer=yes", "(with a '/': ./gpt2); got True (YAML read the value as a boolean; quote it"),
+    ("data.tokenizer=null", "(with a '/': ./gpt2); got None (YAML read the value as null"),
+    ("model.from_hf=1e3", "(e.g. attnres upcycle's --out); got 1000.0 (YAML read the value as a number; quote it"),
+    ("out_dir=null", "got None (YAML read the value as null"),
     ("wandb_project=0777", "got 511 (YAML read the value as a number; quote it"),
     ("data.paths=[runs, yes]", "got ['runs', True] (YAML read the value as a boolean; quote it"),
     ("data.cache_dir=None", "TrainConfig.data.cache_dir must be a directory path, or null (beside the data); got 'None' "
@@ -856,6 +879,24 @@ def test_a_refused_value_says_how_to_write_it(override, said):
     with pytest.raises(ValueError) as info:
         load_config(None, ["model=tiny", override])
     assert said in str(info.value)
+
+
+@pytest.mark.parametrize("path", ["1e3", "yes", "2024-01-01"])
+def test_the_quoting_a_refusal_shows_keeps_the_path_when_pasted(path):
+    """The hint said ``key='VALUE'``: typed on the command line, the shell took the quotes and
+    YAML read 1e3 as a number again. Its command-line form, split as the shell splits it, gives
+    the path back; its config-file form too."""
+    import shlex
+
+    import yaml
+
+    with pytest.raises(ValueError) as info:
+        load_config(None, [f"out_dir={path}"])
+    (file_form, line_form) = re.search(r"key: ('VALUE') in a config file, (\S+) on the command line",
+                                       str(info.value)).groups()
+    (override,) = shlex.split(line_form.replace("key", "out_dir").replace("VALUE", path))
+    assert load_config(None, [override]).out_dir == path
+    assert yaml.safe_load(f"out_dir: {file_form.replace('VALUE', path)}") == {"out_dir": path}
 
 
 def test_seq_len_below_two_is_refused_up_front():

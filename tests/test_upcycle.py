@@ -1721,3 +1721,20 @@ def test_a_model_that_does_not_exist_is_said_with_the_nearest_name(tmp_path, mon
         io.load_pretrained(model)
     assert str(info.value) == (f"--model {model!r} does not exist (a save_pretrained directory, a .gguf file, a "
                                f"Hugging Face Hub id such as Qwen/Qwen3-0.6B, or 'smollm2'){hint}")
+
+
+def test_the_continue_training_hint_pastes_an_out_with_spaces_and_quotes(tmp_path, capsys):
+    """``attnres upcycle --out "Läufe 2026/up 'b'"`` closed with `... train model.from_hf=DIR
+    init_from=DIR ...` naming DIR bare: pasted, the shell split it at the space."""
+    import shlex
+
+    from test_train import write_corpus
+
+    from attnres.cli import main as cli_main
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    out = tmp_path / "Läufe 2026" / "up 'b'"
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(out), "--block-size", "2"]) == 0
+    (hint,) = re.findall(r"continue training with `([^`]+)`", capsys.readouterr().out)
+    assert shlex.split(hint) == ["attnres", "train", f"model.from_hf={out}", f"init_from={out}", "..."]

@@ -148,12 +148,16 @@ def fail(section: str, name: str, allowed: str, value: Any, hint: str = "") -> N
 NULL_SPELLINGS = ("none", "null", "~")
 
 
-def _yaml_typed_hint(value: Any) -> str:
-    """Why a text field got a number, boolean or date: YAML read it so (``0777``, ``12:30``,
-    ``2024-01-01``, ``yes``, ``1e3``); quoting keeps the text."""
+def yaml_typed_hint(value: Any) -> str:
+    """Why a text field got a number, boolean, date or null: YAML read it so (``0777``,
+    ``12:30``, ``2024-01-01``, ``yes``, ``1e3``, ``~``); quoting keeps the text. On the command
+    line the YAML quotes go inside the shell's: ``key='VALUE'`` reached YAML as ``key=VALUE``."""
+    if value is None:  # (`out_dir=~`: a home directory to the user, YAML's null to the parser)
+        return " (YAML read the value as null: null, ~ and an empty value are YAML's null)"
     kind = ("a boolean" if isinstance(value, bool) else "a number" if isinstance(value, (int, float))
             else "a date" if type(value).__name__ in ("date", "datetime") else None)
-    return "" if kind is None else f" (YAML read the value as {kind}; quote it to keep it as text: key='VALUE')"
+    return "" if kind is None else (f" (YAML read the value as {kind}; quote it to keep it as text: key: 'VALUE' in "
+                                    "a config file, \"key='VALUE'\" on the command line)")
 
 
 def _quoted_number_hint(value: Any, integer: bool) -> str:
@@ -304,6 +308,9 @@ class ChoiceOrPath(Choice):
     def describe(self) -> str:
         return f"{super().describe()}, or {self.path}"
 
+    def hint(self, value: Any) -> str:
+        return yaml_typed_hint(value) or super().hint(value)
+
 
 @dataclass(frozen=True)
 class Bool(Rule):
@@ -327,7 +334,7 @@ class Text(Rule):
         return self.what
 
     def hint(self, value: Any) -> str:
-        return _yaml_typed_hint(value)
+        return yaml_typed_hint(value)
 
 
 @dataclass(frozen=True)
@@ -344,7 +351,7 @@ class TextList(Rule):
 
     def hint(self, value: Any) -> str:
         items = value if isinstance(value, list) else [value]
-        return next((h for h in map(_yaml_typed_hint, items) if h), "")
+        return next((h for h in map(yaml_typed_hint, items) if h), "")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 from safetensors import SafetensorError
 
 from ..output_paths import HF_MODEL_FILES, HF_WEIGHT_FILES, OutputPathError
+from ..shell_words import shell_path
 from ..user_warning import warn_user
 from ..validation import missing_path_hint
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
@@ -202,7 +203,8 @@ def refuse_loading_training_output(path: str | Path) -> None:
     found = training_output(path)
     if found is not None:
         raise CheckpointError(
-            f"{str(path)!r} is {found}, not a Hugging Face directory: write one with `attnres export {path} --out DIR` "
+            f"{str(path)!r} is {found}, not a Hugging Face directory: write one with "
+            f"`attnres export {shell_path(path)} --out DIR` "
             f"and load DIR (attnres.inference.load_run({str(path)!r}) loads the run's own model as it is)")
 
 
@@ -222,17 +224,18 @@ def refuse_out_dir_not_a_run(out_dir: str | Path) -> None:
         run, what, folder = path.parent, f"the checkpoints/ folder of the run {str(path.parent)!r}", None
     elif is_hf_directory(path) and any(any(path.glob(p)) for p in HF_WEIGHT_FILES):
         raise OutputPathError(f"out_dir {str(path)!r} is a Hugging Face directory: a training run written there would "
-                              f"replace its config.json; to train from it, `init_from={path}` (with "
-                              f"model.from_hf={path}) and another out_dir")
+                              f"replace its config.json; to train from it, `init_from={shell_path(path)}` (with "
+                              f"model.from_hf={shell_path(path)}) and another out_dir")
     else:
         return
-    advice = (f"to continue that run, `attnres train out_dir={run} --resume`" if run is not None
-              else f"to continue it, `attnres train --resume-from {path} out_dir=DIR`")
+    advice = (f"to continue that run, `attnres train out_dir={shell_path(run)} --resume`" if run is not None
+              else f"to continue it, `attnres train --resume-from {shell_path(path)} out_dir=DIR`")
     if run is not None and folder is not None:
-        advice += f" (or `--resume-from {folder} out_dir={run}`: this checkpoint)"
+        advice += f" (or `--resume-from {shell_path(folder)} out_dir={shell_path(run)}`: this checkpoint)"
     raise OutputPathError(f"out_dir {str(path)!r} is {what}, not a run directory: a run writes config.json, "
                           f"metrics.jsonl and checkpoints/ into out_dir, which would nest a second run in there; "
-                          f"{advice}; to start a new run from its weights, `init_from={folder or run} out_dir=DIR` "
+                          f"{advice}; to start a new run from its weights, "
+                          f"`init_from={shell_path(folder or run)} out_dir=DIR` "
                           "(a new directory)")
 
 

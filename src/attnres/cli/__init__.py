@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from ..termination import Terminated, interrupted_status
 from . import analyze, env, experiment, export, generate, plot, status, train, upcycle
 from . import eval as eval_command
-from .common import (ImportModule, Parser, end_process, missing_extra, override_split_by_the_shell, plain_warnings,
-                     record_given_imports, refuse_a_multi_rank_launch, refuse_empty_values, resolve_checkpoint,
-                     version_line)
+from .common import (ImportModule, Parser, end_process, expand_home, missing_extra, override_split_by_the_shell,
+                     plain_warnings, record_given_imports, refuse_a_multi_rank_launch, refuse_empty_values,
+                     resolve_checkpoint, version_line)
 from .experiment import EXPERIMENT_NAMES
 from .generate import check_context
 
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ONE_PROCESS_COMMANDS:
         refuse_a_multi_rank_launch(args.command, ONE_PROCESS_COMMANDS[args.command])
     refuse_empty_values(parser.commands[args.command], args)
+    expand_home(args)
     resolve_checkpoint(args)
     try:
         return command.run(args, parser)

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from ..shell_words import shell_path
 from ..user_warning import at_the_raise_site
 from ..validation import did_you_mean, did_you_mean_each
 
@@ -146,6 +147,25 @@ OWN_EMPTY_MESSAGE = frozenset({"prompt", "tasks", "overrides"})
 SPACES_ARE_TEXT = frozenset({"stop"})
 
 
+#: The arguments that name a file or folder (the commands' dests): a ``~`` leading one is the
+#: home directory, as in a training config's paths. The shell leaves it where the path is
+#: quoted for its spaces (``attnres status "~/my runs"``: "'.' holds no '~'", while
+#: ``attnres train "out_dir=~/my runs"`` trained there).
+PATH_ARGUMENTS = frozenset({"config", "resume_from", "out", "checkpoint_path", "checkpoint", "compare", "text",
+                            "tokenizer", "prompt_file", "model", "dirs"})
+
+
+def expand_home(args: argparse.Namespace) -> None:
+    """``~`` and ``~user`` at the start of the path arguments (:data:`PATH_ARGUMENTS`) of
+    ``args``, expanded in place."""
+    def expanded(value):
+        return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+    for dest in PATH_ARGUMENTS & vars(args).keys():
+        value = getattr(args, dest)
+        setattr(args, dest, list(map(expanded, value)) if isinstance(value, list) else expanded(value))
+
+
 def refuse_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """An option or argument given as an empty string (``--out ""``; a shell variable that is
     not set, ``--out "$DIR"``) is a usage error naming it: as a path it was read as the
@@ -263,7 +283,8 @@ class ImportModule(argparse.Action):
             parser.error(f"--import {value}: {e}{hint}")
         except SyntaxError as e:  # (a traceback through argparse's internals, before the command had started)
             where = f"{e.filename}, line {e.lineno}" + (f": {e.text.strip()}" if e.text and e.text.strip() else "")
-            parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run `python {e.filename}` to see it")
+            parser.error(f"--import {value}: {e.msg} in {where}; fix the module, or run "
+                         f"`python {shell_path(e.filename)}` to see it")
         # As given, for the checkpoints to record (record_given_imports); a file's path made
         # absolute: the hint of a later command in another folder named a file not there.
         getattr(namespace, self.dest).append(str(file.resolve()) if file.suffix == ".py" else value)
@@ -316,11 +337,9 @@ def resume_command(out_dir: str, attnres: str, parallel: dict, world: int, per_n
     leaves the layout to the launch, so a plain ``--resume`` trains in one process).
     ``per_node``: ranks per node; ``None`` or fewer than ``world`` (several nodes): the
     launch's own options are the user's to repeat (``torchrun ...``)."""
-    import shlex
-
     from ..distributed.parallel import ParallelConfig
 
-    resume = f"out_dir={shlex.quote(str(out_dir))} --resume"
+    resume = f"out_dir={shell_path(out_dir)} --resume"
     if world <= 1:
         return f"{attnres} train {resume}"
     default = ParallelConfig().to_dict()

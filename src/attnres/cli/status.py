@@ -52,6 +52,7 @@ def _continue_command(run: str) -> str:
     from pathlib import Path
 
     from ..experiments.layout import read_experiment_header
+    from ..shell_words import path_argument
 
     grid, seed = Path(run).parent.parent, Path(run).name.removeprefix("seed")
     header = read_experiment_header(grid)
@@ -59,7 +60,7 @@ def _continue_command(run: str) -> str:
         return f"`{_launch_command(run)}` (its own config)"
     name = header["experiment"]
     words = ["attnres", "compare"] if name == "compare" else ["attnres", "experiment", name]
-    words += ["--preset", str(header.get("preset")), "--out", str(grid), "--seeds", seed,
+    words += ["--preset", str(header.get("preset")), "--out", path_argument(grid), "--seeds", seed,
               *map(str, header.get("overrides") or [])]
     return f"`{shlex.join(words)}` (its grid's command, for this seed)"
 

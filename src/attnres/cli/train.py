@@ -68,6 +68,12 @@ def _config_file_and_overrides(parser, config: str | None, arguments: list[str])
     file (what users type, and what multi-node recipes pass), the same as ``--config``."""
     files = [a for a in arguments if "=" not in a]
     given = [f for f in (config, *files) if f is not None]
+    named = [a for a in arguments if "=" in a and a.endswith((".yaml", ".yml")) and os.path.isfile(a)]
+    if named and not given:  # (its '=' made it an override: "unknown TrainConfig key(s) ['a']")
+        from ..shell_words import shell_path
+
+        parser.error(f"{named[0]!r} is a config file, but the '=' in its name makes it a key=value override here: "
+                     f"give it with --config {shell_path(named[0])}")
     if len(given) > 1:
         parser.error(f"one config file at most (as the first argument or with --config); got {given}")
     if files and os.path.isdir(files[0]):

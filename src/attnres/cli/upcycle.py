@@ -36,6 +36,7 @@ def run_upcycle(args) -> int:
     checked before the model loads (a large GGUF takes minutes to de-quantise)."""
     from ..hf.upcycle.io import upcycle_directory
     from ..nn.residual import residual_class
+    from ..shell_words import shell_path
     from .common import attnres_command
 
     try:
@@ -54,7 +55,7 @@ def run_upcycle(args) -> int:
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres upcycle: error: {e}") from None
     print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
-          f"`{attnres_command(args.residual)} train model.from_hf={out} init_from={out} ...`")
+          f"`{attnres_command(args.residual)} train model.from_hf={shell_path(out)} init_from={shell_path(out)} ...`")
     return 0
 
 

@@ -16,8 +16,9 @@ from ..migrations import accept_old_keys, migrate_train_keys
 from ..distributed.parallel import PARALLEL_RULES, ParallelConfig
 from ..models.config import PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS, ModelConfig
 from ..models.hf_registry import hf_hook
+from ..shell_words import shell_path
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
-                          TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars)
+                          TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars, yaml_typed_hint)
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -446,9 +447,10 @@ def _fields_of_hf_directory(source: Any) -> dict[str, Any]:
     found = training_output(str(source))
     if found is not None:
         fail("TrainConfig", "model.from_hf", allowed, source, f": it is {found}; start from its weights with "
-             f"init_from={source} (and the run's model settings), or `attnres export` it and give the export")
+             f"init_from={shell_path(source)} (and the run's model settings), or `attnres export` it and give the "
+             "export")
     if not (Path(str(source)) / "config.json").is_file():  # (transformers would read it as a Hub name)
-        fail("TrainConfig", "model.from_hf", allowed, source)
+        fail("TrainConfig", "model.from_hf", allowed, source, yaml_typed_hint(source))
     try:
         return hf_hook("fields_from_directory")(source)
     except (ValueError, OSError) as e:  # (the family's or transformers' words, without the field)
@@ -531,10 +533,32 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as e:
         if raw.strip().startswith(("[", "{")):  # (meant as a list or mapping: as one string, a path '[a, b'...)
             said = _yaml_error_line(e)
-            quote = "" if "quoted" in said else "; quote an item holding ${, {, } or ': ' - data.paths='[\"${DATA}/a.txt\"]'"
+            quote = "" if "quoted" in said else "; quote an item holding ${, {, }, ' #' or ': ' - data.paths='[\"${DATA}/a.txt\"]'"
             raise ValueError(f"override {item!r}: its value is not valid YAML ({said}){quote}") from None
         value = raw
+    if raw.count("#") > _hash_count(value):
+        raise ValueError(f"override {item!r}: YAML read its value from a # on as a comment and dropped that part "
+                         f"(leaving {value!r}); to keep the # (in a path), quote the value: "
+                         f"{_yaml_quoted_override(key, raw)}")
     return key.strip().split("."), value
+
+
+def _hash_count(value: Any) -> int:
+    """The ``#`` in the text of a parsed override's value: fewer than in the value as typed when
+    YAML took `` #...`` for a comment (``out_dir=run #1`` trained into ``run``)."""
+    if isinstance(value, dict):
+        return sum(_hash_count(k) + _hash_count(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(map(_hash_count, value))
+    return str(value).count("#") if isinstance(value, str) else 0
+
+
+def _yaml_quoted_override(key: str, raw: str) -> str:
+    """``key=raw`` with ``raw`` a YAML single-quoted string, as one shell word to paste."""
+    import shlex
+
+    word = f"{key.strip()}='{raw.strip().replace(chr(39), chr(39) * 2)}'"  # (YAML doubles a ' inside '...')
+    return f'"{word}"' if not any(c in word for c in '"$`\\!') else shlex.quote(word)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

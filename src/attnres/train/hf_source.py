@@ -15,6 +15,7 @@ from typing import Any
 from ..data.tokenizer import TOKENIZER_FILE, BPETokenizer, generation_record, is_marker_token
 from ..checkpoint import Source
 from ..checkpoint.locate import WEIGHT_READ_ERRORS, refuse_missing_shards, refuse_missing_weights, unreadable_weights
+from ..shell_words import shell_path
 
 __all__ = ["hf_source", "load_hf_weights"]
 
@@ -90,11 +91,11 @@ def load_hf_weights(model, path: str | Path) -> None:
                                                       output_loading_info=True)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"init_from={str(path)!r}: its weights do not fit this run's model ({e}); describe the model "
-                         f"with model.from_hf={path}") from None
+                         f"with model.from_hf={shell_path(path)}") from None
     except WEIGHT_READ_ERRORS as e:
         raise unreadable_weights(f"init_from={str(path)!r}", e, "copy or download the model again") from None
     # (a base model's or a classifier's directory: no LM head, which would start at random)
     missing = {k for k in loading["missing_keys"] if not k.startswith("residual.")}
     refuse_missing_weights(f"init_from={str(path)!r}", path, missing, "give the directory of this run's causal LM, "
-                           f"which model.from_hf={path} describes")
+                           f"which model.from_hf={shell_path(path)} describes")
     model.load_state_dict(loaded.state_dict())

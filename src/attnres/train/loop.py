@@ -75,6 +75,7 @@ from ..distributed.parallel import build_layout, check_one_process, resolve_degr
 from ..nn.residual.imports import imports_record
 from ..output_paths import check_output_dir
 from ..progress import StepProgress
+from ..shell_words import shell_path
 from ..user_warning import warn_user
 from ..termination import sigterm_raises
 from ..validation import missing_path_hint
@@ -482,8 +483,8 @@ class Trainer:
         if self.last_ckpt is None:
             return "no checkpoint was written yet. Lower lr, raise warmup_steps or set grad_clip."
         return (f"the last good checkpoint is {str(self.last_ckpt)!r}. Lower lr, raise warmup_steps or set grad_clip, "
-                f"and start again from its weights with init_from={self.last_ckpt} (a fresh optimiser and schedule) "
-                "in a new out_dir")
+                f"and start again from its weights with init_from={shell_path(self.last_ckpt)} (a fresh optimiser and "
+                "schedule) in a new out_dir")
 
     def log_step(self, factor: float, grad_norm: float, window: list) -> None:
         """A ``train`` record (rank 0) with the tokens/s of the window since the last one;

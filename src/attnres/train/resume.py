@@ -23,6 +23,7 @@ from typing import Any
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from ..nn.residual.imports import unregistered_residual_error
+from ..shell_words import shell_path
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
 from .schedule import lr_factor, wsd_decay_start
 from ..user_warning import warn_user
@@ -139,7 +140,7 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
             f"steps={old['steps']}, and the {old['schedule']!r} learning-rate schedule spans `steps` ({change}), so the "
             "run would jump to another point of its schedule. To stop earlier, keep "
             f"steps={old['steps']} and set stop_after=K. To train longer, start a new run from this checkpoint's "
-            f"weights with init_from={str(source.path)} (fresh optimiser and schedule)"
+            f"weights with init_from={shell_path(source.path)} (fresh optimiser and schedule)"
             + _why_steps_cannot_change(old, new, step))
 
 

@@ -28,6 +28,7 @@ from .config import TrainConfig
 from .hf_source import hf_source
 from .resume import check_data, check_progress
 from ..user_warning import warn_user
+from ..shell_words import shell_path
 
 __all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]
 
@@ -83,7 +84,7 @@ def _init_source(config: TrainConfig) -> Start:
     if is_hf_directory(config.init_from):
         if config.model.hf_architecture is None:
             raise ValueError(f"init_from={config.init_from!r} is a transformers directory: its model must be this run's "
-                             f"(model.from_hf={config.init_from})")
+                             f"(model.from_hf={shell_path(config.init_from)})")
         source = hf_source(config.init_from)
         return Start(init=source, origin={"transformers_directory": str(source.path), "step": 0})
     # the weights alone are read (a fresh optimiser): a checkpoint shared without its optimiser

@@ -20,6 +20,7 @@ from typing import Any
 from ..checkpoint import latest_checkpoint
 from ..checkpoint.manifest import STATE_FILE
 from ..output_paths import read_json_object
+from ..shell_words import shell_path
 from .lock import LOCK_FILE, stale_here
 from .metrics import METRICS_FILE, read_metrics
 
@@ -80,8 +81,9 @@ def refuse_a_folder_of_runs(out_dir: str | Path) -> None:
         named = ", ".join(str(p) for p in runs[:3]) + (" and more" if len(runs) > 3 else "")
         raise ValueError(f"out_dir {str(out_dir)!r} is a folder of runs ({named}), not a run: a run written there "
                          f"would put its files beside theirs, and attnres status and plot of the folder would then "
-                         f"find it alone; give the run a folder of its own (out_dir={out_dir / 'NAME'}), or to continue "
-                         f"one of them, `attnres train out_dir={runs[0]} --resume`")
+                         f"find it alone; give the run a folder of its own "
+                         f"(out_dir={shell_path(out_dir / 'NAME')}), or to continue one of them, "
+                         f"`attnres train out_dir={shell_path(runs[0])} --resume`")
 
 
 def find_runs(root: str | Path) -> list[Path]:

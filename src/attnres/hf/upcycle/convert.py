@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from ...nn.residual import ResidualConfig, validate_residual_config
 from ...nn.residual.config import merge_residual
+from ...shell_words import shell_path
 from ..families import layout_of, upcycled_classes, upcycled_config
 
 __all__ = ["check_upcycle_residual", "upcycle"]
@@ -97,7 +98,7 @@ def _hint(given: Any) -> str:
     command takes those), or a PEFT model (whose adapters are not weights of the model)."""
     if isinstance(given, (str, os.PathLike)):
         return (f"; load it first - upcycle(AutoModelForCausalLM.from_pretrained({str(given)!r}), ...) - or run "
-                f"`attnres upcycle --model {given} --out DIR`")
+                f"`attnres upcycle --model {shell_path(given)} --out DIR`")
     if hasattr(given, "merge_and_unload"):
         return "; a PEFT model: upcycle model.merge_and_unload(), its adapters merged into the weights"
     return ""

@@ -15,6 +15,7 @@ from ...checkpoint.locate import (WEIGHT_READ_ERRORS, refuse_mismatched_weights,
                                   refuse_missing_weights, refuse_training_output, training_output, unreadable_weights)
 from ...extras import install_command
 from ...output_paths import HF_MODEL_FILES, OutputPathError, check_output_dir, honour_umask, write_directory_atomically
+from ...shell_words import shell_path
 from ...validation import did_you_mean
 from ...hub import local_folder
 from .convert import check_upcycle_residual, upcycle
@@ -114,7 +115,8 @@ def check_layout(source: Path, kw: dict[str, Any], check_config: Callable[[Any],
 
     if (found := training_output(source)) is not None:  # (its config.json is the run's: "Unrecognized model")
         raise ValueError(f"--model {str(source)!r} is {found}, attnres's own model, AttnRes already: use it as it is "
-                         f"(attnres generate / eval / analyze), or train on from it (`attnres train init_from={source}`)")
+                         f"(attnres generate / eval / analyze), or train on from it "
+                         f"(`attnres train init_from={shell_path(source)}`)")
     if not kw and source.is_dir() and not (source / "config.json").is_file():  # (transformers: "Unrecognized model")
         raise ValueError(f"--model {str(source)!r} holds no config.json: it is not a save_pretrained directory"
                          f"{_model_below(source)}")
@@ -163,7 +165,7 @@ def _model_below(folder: Path, depth: int = 3) -> str:
     for level in range(1, depth + 1):
         found = [f for f in sorted(folder.glob("/".join(["*"] * level) + "/config.json")) if _names_a_model(f)]
         if found:
-            return f": a model's config.json is in {str(found[0].parent)!r}; give --model {found[0].parent}"
+            return f": a model's config.json is in {str(found[0].parent)!r}; give --model {shell_path(found[0].parent)}"
     return " (one holds config.json, the weights and the tokenizer files)"
 
 

@@ -1,0 +1,108 @@
+"""The commands attnres prints for the user to paste (in backticks in its messages) name the
+user's paths as one shell word each: a run under ``Läufe 2026/run 'b'`` was printed bare, and
+the pasted command split it at the space (or stopped at the quote)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from attnres.checkpoint.locate import refuse_loading_training_output, refuse_out_dir_not_a_run
+from attnres.shell_words import shell_path
+from attnres.train.status import refuse_a_folder_of_runs
+
+NAMES = ["Läufe 2026/run 'b'", "my run", "-x", "a=b", "$HOME [x]", "null", "1e3"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_path_reads_back_as_itself_in_bash(name):
+    """bash itself, not only shlex: the word comes back as the path (``-x`` as ``./-x``, the
+    same folder, which argparse does not take for an option)."""
+    said = subprocess.run(["bash", "-c", f"printf '%s' {shell_path(name)}"], capture_output=True, text=True,
+                          check=True).stdout
+    assert said == (f"./{name}" if name.startswith("-") else name)
+    assert shell_path("runs/plain") == "runs/plain"  # (nothing to quote: printed as it was)
+
+
+def _commands(message: str) -> list[list[str]]:
+    """The backticked commands of ``message`` as the shell splits them."""
+    return [shlex.split(c) for c in re.findall(r"`([^`]+)`", message)]
+
+
+def _run(folder: Path) -> Path:
+    """A training run's files, as far as the refusals look: config, log, one checkpoint."""
+    (folder / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (folder / "checkpoints" / "step-00000001" / "state.json").write_text("{}")
+    (folder / "config.json").write_text("{}")
+    (folder / "metrics.jsonl").write_text("")
+    return folder
+
+
+def test_out_dir_in_a_checkpoint_names_the_run_pasteably(tmp_path):
+    run = _run(tmp_path / "Läufe 2026" / "run 'b'")
+    step = run / "checkpoints" / "step-00000001"
+    with pytest.raises(ValueError) as refused:
+        refuse_out_dir_not_a_run(step)
+    commands = _commands(str(refused.value))
+    assert ["attnres", "train", f"out_dir={run}", "--resume"] in commands
+    assert ["--resume-from", str(step), f"out_dir={run}"] in commands
+    assert [f"init_from={step}", "out_dir=DIR"] in commands
+
+
+def test_a_folder_of_runs_names_its_run_pasteably(tmp_path):
+    runs = tmp_path / "Läufe 2026"
+    run = _run(runs / "run 'b'")
+    with pytest.raises(ValueError) as refused:
+        refuse_a_folder_of_runs(runs)
+    assert _commands(str(refused.value)) == [["attnres", "train", f"out_dir={run}", "--resume"]]
+    assert f"(out_dir={shlex.quote(str(runs / 'NAME'))})" in str(refused.value)
+
+
+def test_loading_a_run_as_transformers_names_the_export_pasteably(tmp_path):
+    run = _run(tmp_path / "Läufe 2026" / "run 'b'")
+    with pytest.raises(ValueError) as refused:
+        refuse_loading_training_output(run)
+    assert _commands(str(refused.value)) == [["attnres", "export", str(run), "--out", "DIR"]]
+
+
+def test_a_stopped_runs_commands_paste_back_to_it(tmp_path, capsys):
+    """End to end, a run under a folder with a space, a non-ASCII letter and a quote: the
+    "continue with" hint of a stopped run and status's resume command give its out_dir back,
+    and resuming it with another ``steps`` is refused naming its checkpoint as ``init_from``
+    that pastes (it was printed bare)."""
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+
+    (tmp_path / "Läufe 2026").mkdir()
+    corpus = write_corpus(tmp_path / "Läufe 2026" / "my text.txt", n_lines=100)
+    run = tmp_path / "Läufe 2026" / "run 'b'"
+    assert cli_main(["train", *overrides(corpus, run, steps=3, stop_after=2, warmup_steps=0)]) == 0
+    said = capsys.readouterr()
+    (resume,) = _commands(said.out + said.err)
+    assert resume == ["attnres", "train", f"out_dir={run}", "--resume"]
+    assert cli_main(["status", str(run.parent)]) == 0
+    assert _commands(capsys.readouterr().out) == [resume]
+    with pytest.raises(SystemExit) as refused:
+        cli_main([*resume[1:], "steps=4"])
+    step = run / "checkpoints" / "step-00000002"
+    assert f"init_from={shlex.quote(str(step))} (fresh optimiser" in str(refused.value)
+
+
+def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, monkeypatch):
+    """``attnres compare --out -g`` (from its folder): status's command to continue a stopped
+    run of the grid said ``--out -g``, which argparse refuses ("expected one argument")."""
+    import json
+
+    from attnres.cli.status import _continue_command
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-g").mkdir()
+    (tmp_path / "-g" / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny",
+                                                                 "overrides": ["steps=3"]}))
+    (command,) = _commands(_continue_command("-g/block/seed0"))
+    assert command == ["attnres", "compare", "--preset", "tiny", "--out", "./-g", "--seeds", "0", "steps=3"]
