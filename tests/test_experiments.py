@@ -35,6 +35,7 @@ from attnres.experiments import (  # noqa: E402
 )
 from attnres.experiments.flops import matmul_parameters, non_embedding_parameters  # noqa: E402
 from attnres.models import AttnResLM  # noqa: E402
+from attnres.train.metrics import read_metrics  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex every daft zebra".split()
 
@@ -220,6 +221,53 @@ def test_interrupted_run_is_resumed(corpus, tmp_path):
     assert not any("training" in line for line in log) and (done / "result.json").exists()
 
 
+def test_a_grid_paused_with_stop_after_is_continued_by_the_command_status_gives(corpus, tmp_path, capsys):
+    """stop_after=K was stored as the grid's override and its runs' records written at step K:
+    the command `attnres status` gave (with stop_after) skipped every run as "finished
+    earlier", and the command without it was refused as another grid's. stop_after is per
+    launch now: the runs are stopped, not finished, and the grid's command continues them."""
+    import shlex
+
+    out = tmp_path / "grid"
+    over = ["--overhead-repeats", "0", f"data.paths=[{corpus}]", "steps=4"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over[2:],
+                     "stop_after=2"]) == 0  # (nothing finished: the variants are not timed either)
+    printed = capsys.readouterr().out
+    assert "standard seed 0: stopped at step 2 of 4 (stop_after" in printed
+    assert "every run stopped at step 2 (stop_after), none finished, so no report yet" in printed
+    run = out / "standard" / "seed0"
+    assert not any((path / name).exists() for path, name in ((run, "result.json"), (out, "report.md"),
+                                                              (out, "overhead.json")))
+    assert json.loads((out / "experiment.json").read_text())["overrides"] == over[2:]
+    assert cli_main(["status", str(out)]) == 0
+    status = capsys.readouterr().out
+    assert " 2/4 " in status and "stopped" in status
+    command = status.splitlines()[-1].split("`")[1]
+    assert "stop_after" not in command
+    assert cli_main(shlex.split(command)[1:] + ["--variants", "standard", "--overhead-repeats", "0"]) == 0
+    assert "standard seed 0: resuming at step 2 of 4" in capsys.readouterr().out
+    assert json.loads((run / "result.json").read_text())["steps"] == 4 and (out / "report.md").exists()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "eval"][-1] == 4
+    # a grid's header of an earlier version, stop_after among its overrides, is continued without it
+    header = json.loads((out / "experiment.json").read_text())
+    (out / "experiment.json").write_text(json.dumps({**header, "overrides": header["overrides"] + ["stop_after=2"]}))
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", *over]) == 0
+    assert "finished earlier, skipped" in capsys.readouterr().out
+
+
+def test_a_run_recorded_at_stop_after_by_an_earlier_version_is_resumed_not_skipped(corpus, tmp_path):
+    """An earlier version wrote the record of a run stop_after ended (at step K of N): such a
+    run is continued to its steps, its record written again."""
+    exp = get_experiment("compare", "tiny")
+    over = [f"data.paths=[{corpus}]", "steps=4"]
+    run_experiment(exp, tmp_path, [0], over + ["stop_after=2"], variants=["standard"], log=lambda s: None)
+    run = tmp_path / "standard" / "seed0"
+    (run / "result.json").write_text(json.dumps({"variant": "standard", "seed": 0, "steps": 4, "val_loss": 9.0}))
+    log: list[str] = []
+    records = run_experiment(exp, tmp_path, [0], over, variants=["standard"], log=log.append)
+    assert log[0].endswith("standard seed 0: resuming at step 2 of 4") and records[0]["val_loss"] != 9.0
+
+
 def test_a_grid_resumed_on_changed_data_says_what_a_grid_can_do(corpus, tmp_path):
     """A grid resumed after its text was edited stopped with train's message, naming no run of the
     grid and advising allow_data_change=true: an override the grid refuses (another grid's
@@ -363,14 +411,14 @@ def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, 
     monkeypatch.setattr(runner.time, "perf_counter", lambda: now[0])
     (tmp_path / exp.variants[-1].name / "seed0").mkdir(parents=True)  # a run finished earlier: skipped, not counted
     (tmp_path / exp.variants[-1].name / "seed0" / "result.json").write_text(json.dumps({"val_loss": 2.0}))
-    # a run interrupted earlier: to go from its checkpoint, not from step 0
-    (tmp_path / exp.variants[1].name / "seed0" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    # a run interrupted earlier: to go from its checkpoint, not from step 0 (one of its 2 steps)
+    (tmp_path / exp.variants[1].name / "seed0" / "checkpoints" / "step-00000001").mkdir(parents=True)
     log: list[str] = []
     run_experiment(exp, tmp_path, [0], over, log=log.append)
     steps = [runner.run_config(exp, v, 0, tmp_path / v.name / "seed0", over).steps for v in exp.variants]
     done = [line for line in log if ": val loss" in line]
     assert len(done) == n - 1 and log[-1].endswith("finished earlier, skipped")
-    assert done[0].endswith(f"val loss 1.0000 (took {clock(7 * steps[0])}; about {clock(7 * (sum(steps[1:n - 1]) - 4))} "
+    assert done[0].endswith(f"val loss 1.0000 (took {clock(7 * steps[0])}; about {clock(7 * (sum(steps[1:n - 1]) - 1))} "
                             f"to go for {n - 2} run(s))"), done[0]
     assert done[-1].endswith(f"(took {clock(7 * steps[n - 2])})"), done[-1]  # nothing left to train
 

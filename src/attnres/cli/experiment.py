@@ -183,6 +183,10 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
         if not report_only:
             apply_cpu_allocator(apply_overrides({}, overrides))
             run_experiment(experiment, out, seeds, overrides, variants=variants)
+            if not load_records(out, experiment) and _stop_after(overrides) is not None:  # (nothing to time or report)
+                print(f"{prog}: every run stopped at step {_stop_after(overrides)} (stop_after), none finished, so no "
+                      "report yet: the same command without stop_after continues them")
+                return 0
             if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
                 measure_overhead(experiment, out, overrides, overhead_repeats)
         records = load_records(out, experiment)  # every seed finished so far, not only this invocation's
@@ -196,6 +200,14 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
     print(f"{prog}: {reported} run{'' if reported == 1 else 's'} reported"
           + (f" of {len(records)} finished" if reported < len(records) else "") + f"; report {path}")
     return 0
+
+
+def _stop_after(overrides: list[str]):
+    """The ``stop_after=K`` among a grid command's ``overrides`` (the last one), else ``None``."""
+    from ..train.config import parse_override
+
+    given = [value for keys, value in map(parse_override, overrides) if keys == ["stop_after"]]
+    return given[-1] if given else None
 
 
 def _refuse_variants_added_in_python(out: str, name: str, experiment) -> None:

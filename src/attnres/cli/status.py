@@ -51,7 +51,7 @@ def _continue_command(run: str) -> str:
     import shlex
     from pathlib import Path
 
-    from ..experiments.layout import read_experiment_header
+    from ..experiments.layout import grid_overrides, read_experiment_header
     from ..shell_words import path_argument
 
     grid, seed = Path(run).parent.parent, Path(run).name.removeprefix("seed")
@@ -61,7 +61,7 @@ def _continue_command(run: str) -> str:
     name = header["experiment"]
     words = ["attnres", "compare"] if name == "compare" else ["attnres", "experiment", name]
     words += ["--preset", str(header.get("preset")), "--out", path_argument(grid), "--seeds", seed,
-              *map(str, header.get("overrides") or [])]
+              *grid_overrides(map(str, header.get("overrides") or []))]  # (stop_after: it paused the grid)
     return f"`{shlex.join(words)}` (its grid's command, for this seed)"
 
 

@@ -21,6 +21,18 @@ EXPERIMENT_FILE = "experiment.json"
 OVERHEAD_FILE = "overhead.json"
 RESULT_FILE = "result.json"
 
+#: Overrides that say how far this command trains, not what the grid is (as ``attnres train
+#: --resume`` takes them from each launch, train.resume.PER_LAUNCH): a grid paused with
+#: ``stop_after=K`` is continued by its command without it, so the key is neither stored in
+#: ``experiment.json`` nor compared with the grid's overrides.
+PER_LAUNCH_OVERRIDES = frozenset({"stop_after"})
+
+
+def grid_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` less the per-launch ones (:data:`PER_LAUNCH_OVERRIDES`): the grid's own,
+    as ``experiment.json`` stores them (one written before stop_after was per launch holds it)."""
+    return [o for o in overrides if str(o).partition("=")[0].strip() not in PER_LAUNCH_OVERRIDES]
+
 
 def run_dir(out: str | Path, variant: str, seed: int) -> Path:
     """The directory of one run in an experiment directory: ``out/<variant>/seed<k>``."""

@@ -35,8 +35,8 @@ from ...train.metrics import read_metrics
 from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
 from .presets import Experiment, Variant
-from ..layout import (EXPERIMENT_FILE, RESULT_FILE, data_fingerprint, read_experiment_header, read_grid_file,
-                      run_dir)
+from ..layout import (EXPERIMENT_FILE, RESULT_FILE, data_fingerprint, grid_overrides, read_experiment_header,
+                      read_grid_file, run_dir)
 
 
 def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,
@@ -151,8 +151,11 @@ def passes_drawn(checkpoint: Path | None) -> float | None:
     return sampler["samples_drawn"] / sampler["n_windows"]
 
 
-def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
-    """Train (or resume) one run and write its ``result.json``; returns that record.
+def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any] | None:
+    """Train (or resume) one run and write its ``result.json``; returns that record, or
+    ``None`` for a run that ``stop_after`` ended before its ``steps``: stopped at its
+    checkpoint, not finished (its record written then had it skipped as "finished earlier" by
+    every later command, at a loss of step K).
 
     Record fields: variant, family, coords, seed, steps, tokens, data_passes (passes over the
     training split: above 1, tokens were seen twice), val_loss, params,
@@ -169,6 +172,8 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any]:
     if result.interrupted:  # (re-running resumes it; a SIGTERM's is the status 143 of the command, as train's)
         stopped = Terminated if result.interrupted == "SIGTERM" else KeyboardInterrupt
         raise stopped(f"run {out} stopped by {result.interrupted}, at its checkpoint")
+    if result.step < config.steps:
+        return None
     model = ModelConfig.from_dict(json.loads((out / "config.json").read_text())["model"])  # the tokenizer's vocab
     params, residual_params = model_counts(model)
     flops = training_flops_per_token(model, config.seq_len)
@@ -247,8 +252,9 @@ def _same_overrides(saved: Any, given: list[str]) -> bool:
     (``steps=6 lr=1e-3`` is ``lr=1e-3 steps=6``: a grid resumed with them is the same grid)."""
     if saved == given:
         return True
-    try:
-        return apply_overrides({}, list(saved)) == apply_overrides({}, list(given))
+    try:  # (stop_after pauses a grid, and an experiment.json of an earlier version may hold it)
+        saved, given = grid_overrides(list(saved)), grid_overrides(list(given))
+        return apply_overrides({}, saved) == apply_overrides({}, given)
     except (TypeError, ValueError):  # (an experiment.json edited by hand: only the same list matches)
         return False
 
@@ -256,7 +262,8 @@ def _same_overrides(saved: Any, given: list[str]) -> bool:
 def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (0,), overrides: list[str] = (),
                    log: Callable[[str], None] = print, variants: list[str] | None = None) -> list[dict[str, Any]]:
     """Run every (seed, variant) of ``experiment`` under ``out``, seed by seed, skipping finished
-    runs; returns all records (finished earlier or now). ``variants``: only these (by name),
+    runs; returns all records (finished earlier or now; a run ``stop_after`` ended before its
+    steps has none). ``variants``: only these (by name),
     e.g. to split one grid over several processes or machines sharing ``out``.
 
     Raises ``ValueError`` if ``out`` holds a different experiment, preset, or overrides
@@ -270,21 +277,9 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     if twice:  # (the second one would only be reported "finished earlier, skipped")
         raise ValueError(f"seeds (--seeds) list {', '.join(map(str, twice))} more than once; each seed is one run per variant: "
                          f"give distinct seeds, e.g. --seeds {' '.join(map(str, dict.fromkeys(seeds)))}")
-    chosen = experiment.variants
-    if variants is not None:
-        names = [v.name for v in experiment.variants]
-        unknown = [v for v in variants if v not in names]
-        if unknown or not variants:
-            own = [v for v in unknown if v in registered_residuals()]
-            raise ValueError(f"variants (--variants) must be names of the {experiment.name!r} grid {names}; got "
-                             f"{list(variants)!r}"
-                             f"{did_you_mean_each(unknown, names)}"
-                             + (f"; {own} {'is a registered residual' if len(own) == 1 else 'are registered residuals'}"
-                                ", in no grid: add it to one as a Variant in Python (docs/experiments.md, 'Grids')"
-                                if own else ""))
-        chosen = [v for v in experiment.variants if v.name in variants]
+    chosen = _chosen_variants(experiment, variants)
     out = Path(out)
-    header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": list(overrides)}
+    header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": grid_overrides(overrides)}
     # Seed-major: each seed completes a whole comparison before the next seed starts, so an
     # interrupted grid still holds comparable runs. Every run is validated before the first starts,
     # and before the header: a misspelt override (stpes=600) given to continue a grid was refused
@@ -302,7 +297,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     pace = _Pace()
     for i, (variant, seed, config) in enumerate(configs, 1):
         done = Path(config.out_dir) / RESULT_FILE
-        if done.exists():
+        if done.exists() and not _stopped_early(config):
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: finished earlier, skipped")
             records.append(read_result(done))
             continue
@@ -321,13 +316,43 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
             raise ValueError(f"run {variant.name} seed {seed} ({config.out_dir}): {e.what}, where the grid's runs "
                              "are trained on the same text: put the original text back at its data.paths to continue "
                              "the grid, or train the new text as a new grid, in another --out") from None
-        took = pace.add(config.steps - done_steps, time.perf_counter() - started)
+        took = pace.add(config.end_step - done_steps, time.perf_counter() - started)
+        if record is None:
+            log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: stopped at step {config.end_step} of {config.steps} "
+                f"(stop_after; took {clock(took)}): the grid's command without stop_after continues it")
+            continue
         # the runs still to train, each from its latest checkpoint (an interrupted grid's)
-        left = [c.steps - _trained_steps(c) for _, _, c in configs[i:] if not (Path(c.out_dir) / RESULT_FILE).exists()]
+        left = [max(c.end_step - _trained_steps(c), 0) for _, _, c in configs[i:]
+                if not (Path(c.out_dir) / RESULT_FILE).exists()]
         log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: val loss {record['val_loss']:.4f} (took {clock(took)}"
             + (f"; about {clock(pace.seconds(sum(left)))} to go for {len(left)} run(s))" if left else ")"))
         records.append(record)
     return records
+
+
+def _chosen_variants(experiment: Experiment, variants: list[str] | None) -> list[Variant]:
+    """The variants of ``experiment`` that ``variants`` names (all of them for ``None``);
+    ``ValueError`` naming the grid's for an unknown name."""
+    if variants is None:
+        return experiment.variants
+    names = [v.name for v in experiment.variants]
+    unknown = [v for v in variants if v not in names]
+    if unknown or not variants:
+        own = [v for v in unknown if v in registered_residuals()]
+        raise ValueError(f"variants (--variants) must be names of the {experiment.name!r} grid {names}; got "
+                         f"{list(variants)!r}"
+                         f"{did_you_mean_each(unknown, names)}"
+                         + (f"; {own} {'is a registered residual' if len(own) == 1 else 'are registered residuals'}"
+                            ", in no grid: add it to one as a Variant in Python (docs/experiments.md, 'Grids')"
+                            if own else ""))
+    return [v for v in experiment.variants if v.name in variants]
+
+
+def _stopped_early(config: TrainConfig) -> bool:
+    """Whether a run with a ``result.json`` ended before its ``steps``: one written at
+    ``stop_after`` by an earlier version, which skipped the run as finished for good. (A
+    run copied without its checkpoints is finished: nothing says otherwise.)"""
+    return 0 < _trained_steps(config) < config.steps
 
 
 def _trained_steps(config: TrainConfig) -> int:
