@@ -255,6 +255,53 @@ def test_a_grid_paused_with_stop_after_is_continued_by_the_command_status_gives(
     assert "finished earlier, skipped" in capsys.readouterr().out
 
 
+def test_a_grids_relative_data_paths_are_stored_absolute_so_it_continues_from_anywhere(corpus, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """data.paths=[corpus.txt] was stored as typed and read against the directory of each later
+    command: the grid's command `attnres status` gave found no corpus from another directory.
+    The grid's path overrides are stored absolute; the command typed again from where the grid
+    started (relative paths, in any form) is still the grid's own."""
+    import shlex
+
+    monkeypatch.chdir(corpus.parent)
+    typed = ["--variants", "standard", "--overhead-repeats", "0", "data.paths=[corpus.txt]", "data.cache_dir=cache",
+             "steps=4"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", "grid", *typed, "stop_after=2"]) == 0
+    header = json.loads((tmp_path / "grid" / "experiment.json").read_text())
+    assert header["overrides"] == [f"data.paths=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}", "steps=4"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert cli_main(["status", str(tmp_path / "grid")]) == 0
+    command = capsys.readouterr().out.splitlines()[-1].split("`")[1]
+    assert cli_main(shlex.split(command)[1:] + typed[:4]) == 0
+    assert "standard seed 0: resuming at step 2 of 4" in capsys.readouterr().out
+    assert json.loads((tmp_path / "grid" / "standard" / "seed0" / "result.json").read_text())["steps"] == 4
+    assert not (elsewhere / "cache").exists() and (tmp_path / "cache").is_dir()
+    monkeypatch.chdir(tmp_path)  # the original command, from the original directory: the same grid
+    assert cli_main(["compare", "--preset", "tiny", "--out", "grid", *typed[:4], "data.paths=./corpus.txt",
+                     "data.cache_dir=cache/", "steps=4"]) == 0
+    assert "finished earlier, skipped" in capsys.readouterr().out
+    # a header of an earlier version, its paths as typed: the same command, from the same directory, continues it
+    (tmp_path / "grid" / "experiment.json").write_text(json.dumps({**header, "overrides": typed[4:]}))
+    assert cli_main(["compare", "--preset", "tiny", "--out", "grid", *typed]) == 0
+    assert "finished earlier, skipped" in capsys.readouterr().out
+
+
+def test_only_relative_paths_of_path_overrides_are_made_absolute(tmp_path, monkeypatch):
+    from attnres.experiments.job.override_paths import absolute_path_overrides
+
+    monkeypatch.chdir(tmp_path)
+    given = ["data.paths=[a.txt, 'b c/*.txt']", "data.paths='x #1.txt'", "data.tokenizer=bpe", "data.tokenizer=./tok",
+             "init_from=null", "resume_from=run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs",
+             "lr=1e-3", "out_dir=x"]
+    assert absolute_path_overrides(given) == [
+        f"data.paths=[{tmp_path}/a.txt, {tmp_path}/b c/*.txt]", f'data.paths=["{tmp_path}/x #1.txt"]',
+        "data.tokenizer=bpe", f"data.tokenizer={tmp_path}/tok", "init_from=null",
+        f"resume_from={tmp_path}/run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs", "lr=1e-3", "out_dir=x"]
+
+
 def test_a_run_recorded_at_stop_after_by_an_earlier_version_is_resumed_not_skipped(corpus, tmp_path):
     """An earlier version wrote the record of a run stop_after ended (at step K of N): such a
     run is continued to its steps, its record written again."""

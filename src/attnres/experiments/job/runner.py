@@ -34,6 +34,7 @@ from ...train.resume import DataChanged
 from ...train.metrics import read_metrics
 from ...validation import SEED_MAX, did_you_mean_each
 from ..flops import non_embedding_parameters, residual_flops_forward, to_pflops_days, training_flops_per_token
+from .override_paths import absolute_path_overrides
 from .presets import Experiment, Variant
 from ..layout import (EXPERIMENT_FILE, RESULT_FILE, data_fingerprint, grid_overrides, read_experiment_header,
                       read_grid_file, run_dir)
@@ -253,7 +254,8 @@ def _same_overrides(saved: Any, given: list[str]) -> bool:
     if saved == given:
         return True
     try:  # (stop_after pauses a grid, and an experiment.json of an earlier version may hold it)
-        saved, given = grid_overrides(list(saved)), grid_overrides(list(given))
+        # (relative paths: against this directory, as this command's are; a header of an earlier version holds them)
+        saved, given = (absolute_path_overrides(grid_overrides(list(o))) for o in (saved, given))
         return apply_overrides({}, saved) == apply_overrides({}, given)
     except (TypeError, ValueError):  # (an experiment.json edited by hand: only the same list matches)
         return False
@@ -279,6 +281,8 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
                          f"give distinct seeds, e.g. --seeds {' '.join(map(str, dict.fromkeys(seeds)))}")
     chosen = _chosen_variants(experiment, variants)
     out = Path(out)
+    # (the paths absolute: the command status gives, and the runs' resumes, read them from other directories too)
+    overrides = absolute_path_overrides(list(overrides))
     header = {"experiment": experiment.name, "preset": experiment.preset, "overrides": grid_overrides(overrides)}
     # Seed-major: each seed completes a whole comparison before the next seed starts, so an
     # interrupted grid still holds comparable runs. Every run is validated before the first starts,
