@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
         "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2 data parallel; parallel.tp / parallel.pp for "
         "tensor / pipeline parallelism, docs/scale-out.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter, help_tail=_config_reference,
-        override_keys=train_config_keys,
+        override_keys=train_config_keys, path_option="--config",
     )
     tr.add_argument("--config", metavar="CONFIG.yaml",
                     help="YAML file with TrainConfig fields (default: built-in defaults); may also be given "
