@@ -118,12 +118,19 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
 
     from ..checkpoint import refuse_out_dir_not_a_run
     from ..distributed.launch import DistributedError
+    from ..nn.residual.kinds import UnregisteredResidual
     from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
-    from ..train.config import yaml_dump
-    from ..train.resume import config_of_the_run
+    from ..train.config import config_data, yaml_dump
+    from ..train.resume import config_of_the_run, unregistered_in_the_resumed_run
 
     try:
-        config = load_config(config_path, overrides)
+        try:
+            config = load_config(config_path, overrides)
+        except UnregisteredResidual as e:  # (a resumed run's kind restated without --import)
+            said = unregistered_in_the_resumed_run(e, config_data(config_path, overrides))
+            if said is None:
+                raise
+            raise ValueError(said) from None
         if config_path is None and config.resuming:  # the run's own config: no model to restate
             refuse_out_dir_not_a_run(config.out_dir)  # (before saying it resumes what is there)
             config, stored_in = config_of_the_run(config, overrides)
