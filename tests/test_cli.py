@@ -234,6 +234,29 @@ def test_a_config_file_with_an_equals_sign_in_its_name_is_told_to_take_config(tm
     assert yaml.safe_load(capsys.readouterr().out)["steps"] == 7
 
 
+@pytest.mark.parametrize("argv", [["-c.yaml"], ["steps=7", "-c.yaml"], ["--config", "-c.yaml"]])
+def test_a_config_file_whose_name_starts_with_a_dash_is_told_the_forms_argparse_takes(tmp_path, monkeypatch, capsys,
+                                                                                        argv):
+    """``attnres train -c.yaml`` got argparse's "unrecognized arguments: -c.yaml" alone (and
+    ``--config -c.yaml`` "expected one argument"): argparse reads a word that starts with '-'
+    as an option. The refusal now gives the two forms it reads as the file, and each works."""
+    monkeypatch.chdir(tmp_path)
+    Path("-c.yaml").write_text("steps: 7\n")
+    with pytest.raises(SystemExit):
+        cli_main(["train", *argv, "--print-config"])
+    err = capsys.readouterr().err
+    said = "expected one argument" if argv[0] == "--config" else "unrecognized arguments: -c.yaml"
+    assert err.rstrip().endswith(f"attnres train: error: {'argument --config: ' * (argv[0] == '--config')}{said} "
+                                 "('-c.yaml' starts with '-', which argparse reads as an option: give the file as "
+                                 "./-c.yaml or --config=-c.yaml)"), err
+    for form in err.rstrip()[:-1].rpartition("give the file as ")[2].split(" or "):
+        assert cli_main(["train", *shlex.split(form), "--print-config"]) == 0
+        assert yaml.safe_load(capsys.readouterr().out)["steps"] == 7
+    with pytest.raises(SystemExit):  # an unknown option that names no file: no such hint
+        cli_main(["train", "-x", "--print-config"])
+    assert capsys.readouterr().err.rstrip().endswith("attnres train: error: unrecognized arguments: -x")
+
+
 def test_a_quoted_tilde_in_a_path_argument_is_the_home_directory(tmp_path, monkeypatch, capsys):
     """``attnres status "~/my runs"`` (quoted for its space, so the shell leaves the ``~``) said
     "no such folder: '.' holds no '~'", where ``attnres train "out_dir=~/my runs/a"`` had

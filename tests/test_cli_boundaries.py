@@ -84,8 +84,9 @@ def test_the_commands_after_a_run_trained_with_import_name_the_module(tmp_path, 
     """A run trained with `attnres --import MODULE train ...`: its `train --resume`, `generate` and
     `eval` without --import said only "kind must be one of ...; `attnres --import MODULE`" - the
     run did not record which module. Its checkpoints do now (state.json's "imports"), and the
-    error names it; the module is not imported for the user. A checkpoint of an earlier version
-    (no record) gives the registry's message as before."""
+    error names it; the module is not imported for the user. A resume that restates the run's
+    kind (refused before the checkpoint was read) names it too. A checkpoint of an earlier
+    version (no record) gives the registry's message as before."""
     import json
 
     from attnres.checkpoint.manifest import STATE_FILE, latest_checkpoint, seal_state
@@ -96,6 +97,10 @@ def test_the_commands_after_a_run_trained_with_import_name_the_module(tmp_path, 
                      "model.residual.kind=halved"]) == 0
     del halved_module._REGISTRY["halved"]  # a new process that has not imported the module
     commands = {"resume": ["train", f"out_dir={run}", "--resume"],
+                # its kind restated (refused before the run was read: the registry's message alone)
+                "resume, kind given": ["train", f"out_dir={run}", "--resume", "model.residual.kind=halved"],
+                "resume_from, kind given": ["train", f"out_dir={tmp_path / 'next'}", f"resume_from={run}",
+                                            "model.residual.kind=halved"],
                 "generate": ["generate", "--checkpoint", str(run), "--prompt", "the", "--max-new-tokens", "2"],
                 "eval": ["eval", "--checkpoint", str(run), "--tasks", "none"]}
     for name, argv in commands.items():

@@ -30,13 +30,38 @@ def test_env_as_json_and_each_extras_packages(capsys):
     found = json.loads(capsys.readouterr().out)
     assert set(found) == {"attnres", "python", "torch", "devices", "depth_attention", "extras", "also", "serving"}
     assert found["torch"]["version"] == torch.__version__ and found["torch"]["cpu_capability"]
-    try:
-        metadata.version("attnres")
-    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH: no installed metadata
-        assert found["extras"] == {}
-        return
-    assert found["extras"]["train"]["pyyaml"] == metadata.version("pyyaml")
+    assert found["extras"]["train"]["pyyaml"] == env._version("pyyaml")  # (installed, or this checkout's)
     assert "attnres" not in found["extras"].get("dev", {})  # extras that name extras are not packages
+
+
+def test_env_reads_the_extras_of_the_checkout_it_runs_from(monkeypatch, tmp_path):
+    """`attnres env` run from a clone with PYTHONPATH=src and nothing installed (how the GPU
+    machine runs it) said "no extras to read": it read the installed metadata only. It now
+    reads the extras of the checkout attnres is imported from (its pyproject.toml), as for
+    an install; a pyproject.toml of another project is not read."""
+    package = tmp_path / "src" / "attnres"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "attnres"\n[project.optional-dependencies]\n'
+                         'train = ["pyyaml>=6", "attnres-test-never-installed>=1"]\n'
+                         'kernels = ["triton>=3.6; platform_system == \'Nowhere\'"]\n'
+                         'dev = ["pytest>=8", "attnres[train]"]\n')
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "requires", not_installed)
+    monkeypatch.setattr(metadata, "metadata", not_installed)
+    monkeypatch.setattr(attnres, "__file__", str(package / "__init__.py"))
+    found = env.facts()
+    assert found["extras"] == {"train": {"pyyaml": metadata.version("pyyaml"), "attnres-test-never-installed": None},
+                               "dev": {"pytest": metadata.version("pytest")}}
+    assert f"\n  train        missing attnres-test-never-installed: pyyaml {metadata.version('pyyaml')}\n" \
+           f"  dev          complete: pytest {metadata.version('pytest')}\n" in env.render(found)
+    pyproject.write_text(pyproject.read_text().replace('name = "attnres"', 'name = "another"'))
+    assert env._extras() == {}
+    assert "  (attnres is not installed as a package here: no extras to read)" in env.render(env.facts())
 
 
 def test_env_says_why_the_fast_kernels_do_not_run(monkeypatch, capsys):

@@ -143,6 +143,27 @@ def test_unknown_and_duplicate_names_and_bad_options():
         ModelConfig(residual={"options": {"x": 1}})
 
 
+def test_a_residual_config_of_a_kind_not_registered_is_refused_as_it_is_built():
+    """``ResidualConfig(kind="nope")`` on its own was accepted: only a ModelConfig using it
+    refused the kind, away from where it was given. It is now refused as it is built, with
+    ModelConfig's message (the registered names, the nearest one, how to register one's own),
+    in every form the config takes; a variant registered first is accepted."""
+    from attnres import ResidualConfig
+    from attnres.nn.residual.registry import UnregisteredResidual
+
+    with pytest.raises(UnregisteredResidual) as in_model:
+        ModelConfig(residual="attnres_blok")
+    for build in (lambda: ResidualConfig(kind="attnres_blok"), lambda: ResidualConfig.from_value("attnres_blok"),
+                  lambda: ResidualConfig.from_value({"kind": "attnres_blok", "block_size": 2})):
+        with pytest.raises(UnregisteredResidual) as built:
+            build()
+        assert str(built.value) == str(in_model.value) and built.value.kind == "attnres_blok"
+    assert str(in_model.value).startswith("ModelConfig.residual.kind must be one of 'standard', 'attnres_full', ")
+    assert "got 'attnres_blok' (did you mean 'attnres_block'?); a residual of your own is registered by importing " \
+           "its module first" in str(in_model.value)
+    assert ResidualConfig(kind="scaled_test", options={"init": 0.5}).kind == "scaled_test"  # (registered above)
+
+
 def test_flops_come_from_the_variant_and_an_uncounted_one_says_so():
     cfg = ModelConfig.preset("tiny", residual=SCALED)
     assert residual_flops_forward(cfg) == 2 * cfg.n_sublayers * cfg.d_model

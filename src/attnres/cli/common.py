@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import os
 import re
+import shlex
 import sys
 import time
 import warnings
@@ -24,13 +25,18 @@ class Parser(argparse.ArgumentParser):
     (``help_tail``): ``attnres train --help`` lists every config field that way.
     ``override_keys``: for a command that takes ``key=value`` overrides, the top-level keys
     (asked for only on an error), so that ``--steps 5`` is answered with ``steps=5``.
+    ``path_option``: the option that takes the file the positional takes too (train's
+    ``--config``), so that a file named ``-c.yaml``, which argparse reads as an option, is
+    answered with the ways to give it.
     Under a launch it prints once per node (:func:`first_on_node`)."""
 
     def __init__(self, *args, help_tail: Callable[[], str] | None = None,
-                 override_keys: Callable[[], Iterable[str]] | None = None, **kwargs) -> None:
+                 override_keys: Callable[[], Iterable[str]] | None = None, path_option: str | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.help_tail = help_tail
         self.override_keys = override_keys
+        self.path_option = path_option
 
     def parse_known_args(self, args=None, namespace=None):
         # kept for the hint of a missing required option: a misspelt ``--promt`` makes
@@ -65,7 +71,12 @@ class Parser(argparse.ArgumentParser):
             value = choice.group(1).strip("'\"")
             return did_you_mean(value, [c.strip().strip("'\"") for c in choice.group(2).split(",")])
         if message.startswith("unrecognized arguments: "):
-            return self._unknown_options_hint(message[len("unrecognized arguments: "):].split())
+            words = message[len("unrecognized arguments: "):].split()
+            return self._unknown_options_hint(words) + self._dash_file_hint(words)
+        if self.path_option is not None and message == f"argument {self.path_option}: expected one argument":
+            given = getattr(self, "_given", [])
+            following = [given[i + 1] for i, word in enumerate(given[:-1]) if word == self.path_option]
+            return self._dash_file_hint(following)
         if message.startswith("the following arguments are required: ") or re.match(r"one of the arguments .* is "
                                                                                       r"required$", message):
             return self._unknown_options_hint(getattr(self, "_given", []))
@@ -77,6 +88,19 @@ class Parser(argparse.ArgumentParser):
         flags = dict.fromkeys(w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] != "--import")
         unknown = [f for f in flags if f not in options]
         return did_you_mean_each(unknown, options, meant=self._overrides_meant(words, unknown))
+
+    def _dash_file_hint(self, words: list[str]) -> str:
+        """For each of ``words`` that names a file but starts with '-' (``-c.yaml``: argparse
+        took it for an option, and ``--config -c.yaml`` for a missing value), the forms
+        argparse reads as the file: ``./-c.yaml`` and ``--config=-c.yaml``."""
+        if self.path_option is None:
+            return ""
+        options = {o for action in self._actions for o in action.option_strings}
+        files = [w for w in words if w.startswith("-") and "=" not in w and w not in options
+                 and (w.endswith((".yaml", ".yml")) or os.path.isfile(w))]
+        forms = [f"{w!r} starts with '-', which argparse reads as an option: give the file as {shell_path(w)} or "
+                 f"{shlex.quote(f'{self.path_option}={w}')}" for w in files]
+        return f" ({'; '.join(forms)})" if forms else ""
 
     def _overrides_meant(self, words: list[str], unknown: list[str]) -> dict[str, str]:
         """The override each unknown ``--KEY[=VALUE]`` of :attr:`override_keys` means, as a

@@ -61,8 +61,8 @@ def facts() -> dict[str, Any]:
 def _shadowing(origin: tuple[str, Path] | None) -> str | None:
     """The package directory this process imports attnres from where it is not the clone
     attnres was installed from (another source tree first on ``PYTHONPATH`` shadows it: the
-    installed metadata, extras and the vLLM plugin's entry point are the clone's, the code
-    is the other tree's); ``None`` where they agree or the origin is unknown."""
+    installed metadata and the vLLM plugin's entry point are the clone's, the code and the
+    extras are the other tree's); ``None`` where they agree or the origin is unknown."""
     from .. import __file__ as package_init
 
     package = Path(package_init).resolve().parent
@@ -135,25 +135,75 @@ def _version(name: str) -> str | None:
 
 
 def _extras() -> dict[str, dict[str, str | None]]:
-    """Per extra of attnres's installed metadata: each of its packages' installed version
-    (``None``: missing); extras that only name other extras are left out."""
+    """Per extra of attnres: each of its packages' installed version (``None``: missing);
+    extras that only name other extras are left out. The extras are those of the checkout
+    this process imports attnres from (its ``pyproject.toml``: run with ``PYTHONPATH=src``,
+    nothing is installed, and the code run is the checkout's), else of the installed
+    metadata."""
     try:
         from packaging.requirements import Requirement
     except ImportError:  # (packaging comes with pip's and most packages' environments)
         return {}
-    try:
-        requires = metadata.requires("attnres") or []
-    except metadata.PackageNotFoundError:  # run from a source tree (PYTHONPATH=src)
-        return {}
+    declared = _checkout_extras(_checkout_root())
     extras: dict[str, dict[str, str | None]] = {}
-    for line in requires:
-        requirement = Requirement(line)
-        if requirement.marker is None or requirement.name == "attnres":
-            continue
-        for extra in metadata.metadata("attnres").get_all("Provides-Extra") or []:
-            if requirement.marker.evaluate({"extra": extra}):
+    for extra, lines in (_installed_extras() if declared is None else declared).items():
+        for requirement in map(Requirement, lines):
+            if requirement.name == "attnres":
+                continue
+            if requirement.marker is None or requirement.marker.evaluate({"extra": extra}):
                 extras.setdefault(extra, {})[requirement.name] = _version(requirement.name)
     return extras
+
+
+def _installed_extras() -> dict[str, list[str]]:
+    """The requirements each extra of attnres's installed metadata brings in (none where
+    attnres is not installed)."""
+    from packaging.requirements import Requirement
+
+    try:
+        requires = metadata.requires("attnres") or []
+        provided = metadata.metadata("attnres").get_all("Provides-Extra") or []
+    except metadata.PackageNotFoundError:  # a source tree whose pyproject.toml was not read
+        return {}
+    extras: dict[str, list[str]] = {}
+    for line in requires:
+        marker = Requirement(line).marker
+        for extra in provided if marker is not None else ():
+            if marker.evaluate({"extra": extra}):
+                extras.setdefault(extra, []).append(line)
+    return extras
+
+
+def _checkout_root() -> Path | None:
+    """The checkout attnres is imported from (``pyproject.toml`` beside ``src/attnres``), or
+    ``None`` (imported from an installed package)."""
+    from .. import __file__ as package_init
+
+    package = Path(package_init).resolve().parent
+    root = package.parents[1]
+    return root if package.parent.name == "src" and (root / "pyproject.toml").is_file() else None
+
+
+def _checkout_extras(root: Path | None) -> dict[str, list[str]] | None:
+    """``[project.optional-dependencies]`` of attnres's ``pyproject.toml`` in ``root``;
+    ``None`` where there is none, it is another project's or broken, or nothing here reads
+    TOML (Python 3.10 without ``tomli``)."""
+    if root is None:
+        return None
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            return None
+    try:
+        project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8")).get("project", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
+    if project.get("name") != "attnres":
+        return None
+    return project.get("optional-dependencies", {})
 
 
 def render(found: dict[str, Any]) -> str:

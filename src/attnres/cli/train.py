@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
         "processes: `torchrun --nproc-per-node K -m attnres train ...` (FSDP2 data parallel; parallel.tp / parallel.pp for "
         "tensor / pipeline parallelism, docs/scale-out.md).",
         formatter_class=argparse.RawDescriptionHelpFormatter, help_tail=_config_reference,
-        override_keys=train_config_keys,
+        override_keys=train_config_keys, path_option="--config",
     )
     tr.add_argument("--config", metavar="CONFIG.yaml",
                     help="YAML file with TrainConfig fields (default: built-in defaults); may also be given "
@@ -118,12 +118,19 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
 
     from ..checkpoint import refuse_out_dir_not_a_run
     from ..distributed.launch import DistributedError
+    from ..nn.residual.kinds import UnregisteredResidual
     from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
-    from ..train.config import yaml_dump
-    from ..train.resume import config_of_the_run
+    from ..train.config import config_data, yaml_dump
+    from ..train.resume import config_of_the_run, unregistered_in_the_resumed_run
 
     try:
-        config = load_config(config_path, overrides)
+        try:
+            config = load_config(config_path, overrides)
+        except UnregisteredResidual as e:  # (a resumed run's kind restated without --import)
+            said = unregistered_in_the_resumed_run(e, config_data(config_path, overrides))
+            if said is None:
+                raise
+            raise ValueError(said) from None
         if config_path is None and config.resuming:  # the run's own config: no model to restate
             refuse_out_dir_not_a_run(config.out_dir)  # (before saying it resumes what is there)
             config, stored_in = config_of_the_run(config, overrides)

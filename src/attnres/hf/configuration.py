@@ -62,7 +62,10 @@ class _AttnResConfigMethods(SavesAutoMap):
         _check_extra_keys(self, kwargs)
         if legacy:
             self.residual = migrate_model_keys({"residual": self.residual, **legacy}, "AttnResConfig")["residual"]
-        self.residual = ResidualConfig.from_value(merge_residual(None, self.residual or {})).to_dict()
+        merged = merge_residual(None, self.residual or {})
+        # (ResidualConfig refuses a kind not registered here: named with the module config.json records)
+        with naming_residual_module(module, merged.get("kind", ResidualConfig.kind), NATIVE_KEY):
+            self.residual = ResidualConfig.from_value(merged).to_dict()
         if self.tie_word_embeddings is None:
             self.tie_word_embeddings = self.tie_embeddings
         elif self.tie_word_embeddings != self.tie_embeddings:

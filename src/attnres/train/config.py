@@ -685,6 +685,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides.
     ``configs/NAME.yaml`` falls back to the config of that name shipped with attnres
     (:func:`config_path`)."""
+    return TrainConfig.from_dict(config_data(path, overrides))
+
+
+def config_data(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """What :func:`load_config` builds its ``TrainConfig`` from: the YAML file's mapping (or
+    none) with the overrides applied, not yet checked."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -702,4 +708,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = _without_anchor_keys(data, text, str(p))
-    return TrainConfig.from_dict(apply_overrides(data, list(overrides)))
+    return apply_overrides(data, list(overrides))

@@ -79,6 +79,20 @@ def config_of_the_run(config: TrainConfig, overrides: list[str]) -> tuple[TrainC
     return resumed, found[0]
 
 
+def unregistered_in_the_resumed_run(error: Exception, data: dict[str, Any]) -> str | None:
+    """The message of ``error`` (a residual not registered here) for a config that resumes a
+    run (``data``: :func:`~attnres.train.config.config_data`) where its checkpoint recorded
+    the module that registers it: ``attnres train --resume model.residual.kind=mine`` without
+    ``--import`` restates the run's kind, which is refused before the run is read. ``None``
+    for another error, a config that resumes nothing, or a checkpoint without the record."""
+    if not (data.get("resume") is True or isinstance(data.get("resume_from"), str)):
+        return None
+    where = data["resume_from"] if isinstance(data.get("resume_from"), str) else data.get("out_dir", TrainConfig.out_dir)
+    found = newest_state(Path(where).expanduser()) if isinstance(where, str) else None
+    said = unregistered_residual_error(error, found[1].get("imports")) if found is not None else None
+    return None if said is None else f"checkpoint {str(found[0])!r}: {said}"
+
+
 def _refuse_moved_data(paths: list[str], checkpoint: Path) -> None:
     """Raise ``ValueError`` for a data path stored with the run at ``checkpoint`` that is no
     longer there: the data moved, and the error said only that the path (which the command

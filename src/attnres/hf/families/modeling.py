@@ -36,6 +36,7 @@ from torch import nn
 
 from ...checkpoint.locate import refuse_loading_training_output
 from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
+from ...nn.residual.config import residual_as_dict
 from ...models.saved_config import check_saved_config, config_source, naming_source
 from .layout import PREFIX, Layout, family_of, layout_of
 from .remote_code import KeepsItsSourceHome, SavesAutoMap
@@ -299,7 +300,10 @@ class UpcycledConfigMixin(SavesAutoMap):
 
     def __post_init__(self, **kwargs) -> None:
         module = saved_residual_module(kwargs, FAMILY_KEY)
-        self.attnres_residual = ResidualConfig.from_value(self.attnres_residual or {}).to_dict()
+        given = residual_as_dict(self.attnres_residual or {})
+        # (ResidualConfig refuses a kind not registered here: named with the module config.json records)
+        with naming_residual_module(module, given.get("kind", ResidualConfig.kind), FAMILY_KEY):
+            self.attnres_residual = ResidualConfig.from_value(given).to_dict()
         super().__post_init__(**kwargs)
         with naming_residual_module(module, self.residual_kind(), FAMILY_KEY):
             validate_residual_config(self.residual_config(), self.hidden_size, 2 * self.num_hidden_layers)

@@ -20,6 +20,7 @@ from typing import Any
 from ...migrations import RESIDUAL_RENAMES, accept_old_keys, migrate_residual_keys, renamed_attribute
 from ...ops.depth_attention import BACKENDS
 from ...validation import Fields, python_scalars
+from .kinds import residual_class
 
 __all__ = [
     "AttnResAblation",
@@ -84,7 +85,8 @@ class ResidualConfig:
     kind: a registered variant: ``"standard"`` (PreNorm baseline), ``"attnres_full"``,
         ``"attnres_block"`` (default), the baselines (``"rezero"``, ``"layerscale"``,
         ``"highway"``, ``"denseformer"``, ``"hyper_connections"``, ``"mhc"``, ``"mhc_lite"``)
-        or any variant registered with :func:`attnres.register_residual`.
+        or any variant registered with :func:`attnres.register_residual` (before the config
+        is built: another name is refused as it is given).
     block_size: Block AttnRes ``S`` **in sublayers** (a transformer block is 2 sublayers);
         ``None`` picks ``ceil(L / 8)``, about 8 blocks as the report recommends.
     schedule: ``"two_phase"`` (the fast schedule, default) or ``"naive"`` (the per-sublayer
@@ -157,6 +159,9 @@ class ResidualConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # A kind that is not registered is refused here, as ModelConfig refuses it, not first
+        # where a model is built of this config (the variant's module is imported before).
+        residual_class(self.kind)
         if isinstance(self.ablation, dict):
             Fields("ModelConfig.residual.ablation").known_keys(self.ablation, _ABLATION_FIELDS)
             self.ablation = AttnResAblation(**self.ablation)

@@ -24,14 +24,13 @@ from __future__ import annotations
 import inspect
 from typing import TypeVar
 
-from ...validation import did_you_mean
 from .base import ResidualStream
 from .config import ResidualConfig
+from .kinds import _REGISTRY, UnregisteredResidual, registered_residuals, residual_class
 
 __all__ = ["UnregisteredResidual", "register_residual", "residual_class", "registered_residuals",
            "validate_residual_config"]
 
-_REGISTRY: dict[str, type] = {}
 T = TypeVar("T", bound=type)
 
 #: The protocol's methods as the model calls them (the arguments after ``self``); ``update`` is
@@ -114,34 +113,6 @@ def _refuse_taken(name: str, taken: type, cls: type) -> None:
                          "wherever your module is not imported)")
     raise ValueError(f"residual {name!r} is already registered by {where}; register {cls.__qualname__} under another "
                      "name, or pass replace=True to override it")
-
-
-class UnregisteredResidual(ValueError):
-    """A residual name that is not registered in this process (``kind``): its module was not
-    imported, or the name is misspelt."""
-
-    def __init__(self, message: str, kind: object = None) -> None:  # (unpickled from the message alone)
-        super().__init__(message)
-        self.kind = kind
-
-
-def residual_class(name: str) -> type[ResidualStream]:
-    """The class registered as ``name``; :class:`UnregisteredResidual` (a ``ValueError``)
-    listing the registered names otherwise."""
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise UnregisteredResidual(
-            f"ModelConfig.residual.kind must be one of {', '.join(repr(n) for n in _REGISTRY)}; "
-            f"got {name!r}{did_you_mean(name, _REGISTRY)}; "
-            "a residual of your own is registered by importing its module first: `attnres --import MODULE <command> "
-            "...` on the command line, `import MODULE` in Python", name
-        ) from None
-
-
-def registered_residuals() -> tuple[str, ...]:
-    """Every registered name, built-in variants first, in registration order."""
-    return tuple(_REGISTRY)
 
 
 def validate_residual_config(config: ResidualConfig, dim: int, n_sublayers: int) -> None:

@@ -1,0 +1,40 @@
+"""The registered residual names and their classes: the lookup that ``ResidualConfig`` (its
+``kind``, checked as it is built) and the registry (which fills it) share, apart from both so
+that neither imports the other."""
+
+from __future__ import annotations
+
+from ...validation import did_you_mean
+
+__all__ = ["UnregisteredResidual", "registered_residuals", "residual_class"]
+
+#: Each registered name -> its ``ResidualStream`` class (:func:`attnres.register_residual` fills it).
+_REGISTRY: dict[str, type] = {}
+
+
+class UnregisteredResidual(ValueError):
+    """A residual name that is not registered in this process (``kind``): its module was not
+    imported, or the name is misspelt."""
+
+    def __init__(self, message: str, kind: object = None) -> None:  # (unpickled from the message alone)
+        super().__init__(message)
+        self.kind = kind
+
+
+def residual_class(name: str) -> type:
+    """The ``ResidualStream`` class registered as ``name``; :class:`UnregisteredResidual` (a
+    ``ValueError``) listing the registered names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise UnregisteredResidual(
+            f"ModelConfig.residual.kind must be one of {', '.join(repr(n) for n in _REGISTRY)}; "
+            f"got {name!r}{did_you_mean(name, _REGISTRY)}; "
+            "a residual of your own is registered by importing its module first: `attnres --import MODULE <command> "
+            "...` on the command line, `import MODULE` in Python", name
+        ) from None
+
+
+def registered_residuals() -> tuple[str, ...]:
+    """Every registered name, built-in variants first, in registration order."""
+    return tuple(_REGISTRY)
