@@ -1555,7 +1555,8 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[st
 def start_warm_up(peers: dict, force: list[str], options: list[str] = ()) -> dict[str, subprocess.Popen]:
     """The warm-up's workers, started: ``{what: process}``."""
     extra = [*(arg for setting in force for arg in ("--force", setting)), *option_flags(options)]
-    return {what: subprocess.Popen([sys.executable, __file__, "--out", os.devnull, "--warm-up-worker", what, *extra],
+    # (no --out: a worker writes nothing, and --out's check refuses os.devnull as a file)
+    return {what: subprocess.Popen([sys.executable, __file__, "--warm-up-worker", what, *extra],
                                    stdout=subprocess.DEVNULL) for what in [*WARMED_MODELS, "sweeps", *peers]}
 
 
@@ -1663,7 +1664,7 @@ def parse_args(argv=None):
                    help="print the digest of this tree's sources that a run records (code.source_digest) and exit")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not args.out and not args.source_digest:
+    if not args.out and not args.source_digest and not args.warm_up_worker:  # (a worker writes nothing)
         p.error("the following arguments are required: --out")
     return args
 

@@ -491,6 +491,26 @@ def test_model_options_reach_every_model_and_the_warm_up_workers(monkeypatch):
     assert seen == [True]
 
 
+def test_the_warm_up_workers_command_lines_are_read_by_the_workers_parser(monkeypatch):
+    """Each warm-up worker is this script run again: its command line must pass the script's
+    own parser. They were started with ``--out /dev/null``, which ``--out``'s check refuses as
+    a file, so every worker exited with argparse's error at once and the parts compiled every
+    kernel in their first steps, on the budget's time."""
+    import gpu_check
+
+    commands = []
+    monkeypatch.setattr(gpu_check.subprocess, "Popen", lambda command, **kwargs: commands.append(command))
+    gpu_check.start_warm_up({"a peer": None}, ["phase1_rows=false"], ["autocast_stream"])
+    workers = []
+    for command in commands:
+        assert command[:2] == [sys.executable, gpu_check.__file__]
+        args = gpu_check.parse_args(command[2:])
+        workers.append(args.warm_up_worker)
+        assert args.force == ["phase1_rows=false"]
+        assert gpu_check.model_options(args) == ["autocast_stream"] and not args.cpu_smoke
+    assert workers == [*gpu_check.WARMED_MODELS, "sweeps", "a peer"]
+
+
 def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_process(monkeypatch, tmp_path):
     """A kernel's memory fault is sticky: every later CUDA call of the process fails. A part
     that raises and leaves the device unusable is recorded, the results are written, and the
