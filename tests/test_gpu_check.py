@@ -4,10 +4,12 @@ summary the GPU targets are judged on; its byte bounds and summary logic."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -509,6 +511,103 @@ def test_the_warm_up_workers_command_lines_are_read_by_the_workers_parser(monkey
         assert args.force == ["phase1_rows=false"]
         assert gpu_check.model_options(args) == ["autocast_stream"] and not args.cpu_smoke
     assert workers == [*gpu_check.WARMED_MODELS, "sweeps", "a peer"]
+
+
+class _FakeCuda:
+    """The ``torch.cuda`` calls of the check's timing and memory code, recorded in ``log``:
+    streams, a graph's capture and replays, events (each ``elapsed_ms`` apart) and the
+    allocator's counters (``allocated`` bytes, their ``peak`` since the last reset)."""
+
+    def __init__(self, monkeypatch, elapsed_ms: float = 2.0):
+        self.log, self.allocated, self.peak = [], 0, 0
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other):
+                fake.log.append("wait")
+
+        class Graph:
+            def replay(self):
+                fake.log.append("replay")
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+
+            def record(self):
+                fake.log.append("event")
+
+            def elapsed_time(self, end):
+                return elapsed_ms
+
+        @contextlib.contextmanager
+        def scope(begin, end):
+            self.log.append(begin)
+            yield
+            self.log.append(end)
+
+        def reset_peak_memory_stats():
+            self.peak = self.allocated
+
+        for name, value in {"Stream": Stream, "current_stream": Stream, "CUDAGraph": Graph, "Event": Event,
+                            "stream": lambda s: scope("side stream", "side stream end"),
+                            "graph": lambda g: scope("capture", "capture end"),
+                            "synchronize": lambda: self.log.append("sync"),
+                            "memory_allocated": lambda: self.allocated, "max_memory_allocated": lambda: self.peak,
+                            "reset_peak_memory_stats": reset_peak_memory_stats}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def allocate(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+
+def test_a_replayed_timing_warms_up_outside_the_capture_and_times_the_replays_alone(monkeypatch):
+    """The ops' timing on a GPU (``Clock.replayed``, CUDA calls faked): the operation runs once
+    on a side stream first (its kernels compiled and loaded, which a capture cannot do), then
+    once inside the capture; the graph is replayed once untimed, then each timed replay sits
+    alone between its two events, and the median of their spans is returned."""
+    import gpu_check
+
+    cuda = _FakeCuda(monkeypatch)
+    seconds = gpu_check.Clock("cuda").replayed(lambda: cuda.log.append("op"), 3)
+    assert cuda.log == ["wait", "side stream", "op", "side stream end", "wait", "capture", "op", "capture end",
+                        "replay", "sync", *["event", "replay", "event", "sync"] * 3]
+    assert seconds == pytest.approx(2e-3)
+
+
+def test_a_steps_memory_on_a_gpu_is_its_own_peak_and_what_its_forward_keeps(monkeypatch):
+    """The training part's memory on a GPU (the allocator's counters faked): a step's peak is
+    counted from what was allocated before it, with the peak of the steps before it reset;
+    the forward's kept bytes are what it leaves allocated."""
+    import gpu_check
+
+    cuda = _FakeCuda(monkeypatch)
+    cuda.allocate(1000)
+    cuda.allocate(-900)  # (an earlier step's peak of 1000, 100 still allocated)
+
+    def step():
+        cuda.allocate(70)
+        cuda.allocate(-70)
+
+    assert gpu_check.peak_memory(step, "cuda") == 70
+    assert gpu_check.kept_bytes(lambda: cuda.allocate(30), "cuda") == 30
+
+
+def test_the_profiles_device_branch_reads_what_this_torch_profiler_gives(monkeypatch):
+    """The profiles on a GPU read each average's ``self_device_time_total`` and each event's
+    ``device_type`` (names torch has renamed before: ``cuda_time``): run here with the CUDA
+    activity asked for and no device, they read zero device time and no kernels, and the
+    operations are still listed."""
+    import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    x = torch.randn(16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the profiler's: CUDA asked for, none here)
+        result = gpu_check.profiled(lambda: (x @ x).relu(), "cuda", 2)
+    assert result["total_ms"] == 0 and result["kernels"] == 0
+    assert len(result["top"]) == 2 and {"aten::relu", "aten::mm"} & {e["op"] for e in result["top"]}
 
 
 def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_process(monkeypatch, tmp_path):
