@@ -1580,17 +1580,25 @@ def wait_for_warm_up(workers: dict, started: float, deadline: float) -> dict:
         if pending:
             time.sleep(0.2)
     for what, worker in pending.items():
-        worker.terminate()
-        try:
-            worker.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_worker(worker)
         codes[what] = f"stopped at the warm-up's deadline ({deadline - started:.0f} s)"
     failed = {what: code for what, code in codes.items() if code != 0}
     if failed:
         log(f"[gpu_check] warm-up workers that did not finish (their kernels compile in the parts): {failed}")
     return {"s": time.perf_counter() - started, "workers": codes, "finished_s": finished}
+
+
+def stop_worker(worker: subprocess.Popen) -> None:
+    """Stop a warm-up worker (killed if it ignores the request for 10 s); one that ended is
+    left as it is."""
+    if worker.poll() is not None:
+        return
+    worker.terminate()
+    try:
+        worker.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
 
 
 def apply_force(settings: list[str]) -> dict:
@@ -1772,18 +1780,44 @@ def run_check(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: di
     """The run of :func:`main`: the warm-up (unless ``--continue``), the models, the parts."""
     device, out, parts = "cuda" if clock.cuda else "cpu", Path(args.out), args.parts.split(",")
     peers, skipped = ({}, {}) if args.no_peers or args.cpu_smoke else kernels_bench.select_peers()
-    if args.resume:  # (the kernels are in the on-disk caches already: no warm-up)
+    # (the kernels of a --continue are in the on-disk caches already: no warm-up)
+    workers = start_warm_up(peers, args.force, options) if clock.cuda and not args.resume else {}
+    try:
+        prepared = prepare(args, argv, clock, z, forced_settings, options, start, workers)
+    finally:  # (a run that raised before the warm-up was waited for leaves no worker compiling on its device)
+        for worker in workers.values():
+            stop_worker(worker)
+    if prepared is None:
+        return 2
+    result, models, spent_before = prepared
+    for i, part in enumerate(parts):
+        lost = run_one_part(part, result, args, clock, z, models, device, peers, skipped, start, spent_before)
+        if lost:
+            rest = parts[i + 1:]
+            return continue_elsewhere(argv, rest, clock.left()) if rest else 0
+    result.pop("running", None)
+    result["elapsed_s"] = spent_before + time.perf_counter() - start
+    write(out, result, clock.strict)  # (parts skipped after the last that ran are named in the files too)
+    return 0
+
+
+def prepare(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: dict, options: list[str], start: float,
+            workers: dict) -> tuple[dict, dict, float] | None:
+    """What the parts start from, while the warm-up's ``workers`` compile: the results (this
+    run's head, or those a ``--continue`` adds to), the models, the warm-up waited for and the
+    copy bandwidth measured after it: ``(result, models, seconds spent by the run continued)``,
+    or ``None`` where there is nothing to continue (said in the log)."""
+    device, out = "cuda" if clock.cuda else "cpu", Path(args.out)
+    if args.resume:
         try:
             result = previous_result(out)
         except (OSError, ValueError) as e:
             log(f"gpu_check: {e}")
-            return 2
+            return None
         for key in ("errors", "skipped"):
             result.setdefault(key, {})
-        result.setdefault("continued", []).append(",".join(parts))
-        workers = {}
+        result.setdefault("continued", []).append(args.parts)
     else:
-        workers = start_warm_up(peers, args.force, options) if clock.cuda else {}
         # (as run from the repository root, the way the device machine runs it: it runs as written)
         result = {"command": " ".join(["PYTHONPATH=src python", script_path(__file__), *argv]),
                   "device": torch.cuda.get_device_name() if clock.cuda else "CPU (smoke)",
@@ -1803,15 +1837,7 @@ def run_check(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: di
         result["warm_up"] = wait_for_warm_up(workers, start, start + WARM_UP_SHARE * args.budget)
     if not args.resume:  # (after the warm-up: its workers would share the device)
         result["copy_GBps"] = (attempt(clock, result["errors"], "copy", lambda: copy_bandwidth(device)) or 0) / 1e9
-    for i, part in enumerate(parts):
-        lost = run_one_part(part, result, args, clock, z, models, device, peers, skipped, start, spent_before)
-        if lost:
-            rest = parts[i + 1:]
-            return continue_elsewhere(argv, rest, clock.left()) if rest else 0
-    result.pop("running", None)
-    result["elapsed_s"] = spent_before + time.perf_counter() - start
-    write(out, result, clock.strict)  # (parts skipped after the last that ran are named in the files too)
-    return 0
+    return result, models, spent_before
 
 
 def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: dict, device: str, peers: dict,

@@ -774,6 +774,26 @@ def test_the_warm_up_is_waited_for_until_its_share_of_the_budget_then_stopped(mo
     assert "stopped" in result["warm_up"]["workers"]["hung"] and "profile" in result
 
 
+def test_a_run_that_raises_before_the_warm_up_is_waited_for_stops_its_workers(monkeypatch, tmp_path):
+    """The models are built while the warm-up's workers compile: a run that raises there (out
+    of memory building them) stops its workers rather than leaving them compiling on the
+    device - holding its memory for the next call on a warm machine."""
+    import gpu_check
+
+    workers = {"compiling": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])}
+
+    def build_models(z, device):
+        raise RuntimeError("CUDA out of memory")
+
+    _fake_gpu(monkeypatch, gpu_check)
+    monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: workers)
+    monkeypatch.setattr(gpu_check, "build_models", build_models)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gpu_check.main(["--out", str(tmp_path), "--no-peers", "--budget", "100"])
+    assert workers["compiling"].poll() is not None
+    assert json.loads((tmp_path / "summary.json").read_text())["running"]["part"] == "warm-up"
+
+
 def test_a_parts_optional_piece_that_fails_keeps_the_parts_timings(monkeypatch):
     """The training part's memory, kept bytes and (compiled) profile are optional pieces:
     one that raises on the GPU is recorded under the part's ``errors`` and its timings kept
