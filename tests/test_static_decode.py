@@ -2,7 +2,8 @@
 the dynamic-cache decode token for token and in its logits (against the float64 truth), and
 its step compiles with ``fullgraph=True`` into one graph that every step reuses (nothing
 data-dependent reaches Python). The CUDA-graph capture itself runs only where there is a GPU;
-what it records - the eager step - is checked here for reads back and host data.
+what it records - the eager step - is checked here for reads back and host data, and the
+order of its warm-up and capture with the CUDA calls faked.
 
 Prompts are a ragged, left-padded batch; AttnRes models get random pseudo-queries.
 """
@@ -324,6 +325,53 @@ def test_a_graph_is_captured_with_the_models_device_current(monkeypatch):
     monkeypatch.setattr(decoder, "_record", lambda: events.append("record"))
     decoder._capture()
     assert events == [("enter", torch.device("cuda", 1)), "record", ("exit", torch.device("cuda", 1))]
+
+
+def test_a_graph_records_one_step_after_its_warm_up_steps_outside_the_capture(monkeypatch):
+    """What ``mode="graph"`` records (the CUDA calls faked, the capture running the step
+    eagerly): ``warmup`` steps on a side stream first - the kernels compiled and loaded, which a
+    capture cannot do -, then, the cache emptied, one step inside the capture, all without
+    autograd; the decoder is left empty, its graph current for the weights, and a step
+    replays it and returns the captured logits."""
+    from attnres.inference import static
+
+    model = make_model(residual="attnres_block").eval()
+    decoder = StaticDecoder(model, 1, capacity=8, mode="eager")
+    log = []
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            log.append("wait")
+
+    class Graph:
+        def replay(self):
+            log.append("replay")
+
+    @contextlib.contextmanager
+    def scope(name):
+        log.append(name)
+        yield
+        log.append(f"{name} end")
+
+    for name, value in {"Stream": Stream, "current_stream": Stream, "CUDAGraph": Graph,
+                        "stream": lambda s: scope("side stream"), "graph": lambda g: scope("capture")}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    step = static.static_decode_step
+
+    def logged(model, cache, tokens):
+        log.append(("step", int(cache.end), torch.is_grad_enabled()))
+        return step(model, cache, tokens)
+
+    monkeypatch.setattr(static, "static_decode_step", logged)
+    decoder._record()
+    assert log == ["wait", "side stream", ("step", 0, False), ("step", 1, False), "side stream end", "wait",
+                   "capture", ("step", 0, False), "capture end"]
+    assert decoder.length == 0 and not decoder._stale()
+    log.clear()
+    assert decoder.step(torch.zeros(1, dtype=torch.long)) is decoder._logits and log == ["replay"]
 
 
 def test_static_decoding_refuses_bad_input():
