@@ -308,7 +308,7 @@ def write_model_infos(session_root: Path) -> None:
         warnings.warn(f"vLLM's model information was not written ahead (each engine inspects the classes): {e}",
                       stacklevel=1)
         return
-    for server in ("server", "pooling-server"):
+    for server in ("server", "pooling-server", "data-parallel-server"):
         shutil.copytree(work.parent / "vllm-cache" / "modelinfos", session_root / server / "vllm-cache" / "modelinfos")
 
 
@@ -624,6 +624,20 @@ def server_run(session_root, model_dirs, jobs) -> Future:
 
     return jobs.submit(exercise_server, model_dirs[SERVER_MODEL], SERVER_PROMPTS, CHAT, SERVER_MAX_TOKENS, BURST,
                        SERVER_BEAMS, session_root / "server")
+
+
+@pytest.fixture(scope="session")
+def data_parallel_server_run(session_root, model_dirs, jobs) -> Future | None:
+    """``vllm serve --data-parallel-size 2`` on the text model, one core per engine (vLLM-CPU
+    takes one entry of ``VLLM_CPU_OMP_THREADS_BIND`` per data-parallel rank: "0|1"): its
+    completions of the server's prompts and the requests each engine finished (test_server.py,
+    slow; ``None`` where fewer than two cores are free to bind)."""
+    from server import exercise_data_parallel_server
+
+    if jobs.width < 2:
+        return None
+    return jobs.submit(exercise_data_parallel_server, model_dirs[SERVER_MODEL], SERVER_PROMPTS, SERVER_MAX_TOKENS,
+                       session_root / "data-parallel-server", cores=2)
 
 
 @pytest.fixture(scope="session")

