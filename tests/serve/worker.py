@@ -21,7 +21,10 @@ stop string), ``lora`` (an adapter's ``path`` and the ``prompts`` to run with it
 keyword arguments),
 ``beam_search`` (``prompts``, ``beam_width``, ``max_tokens``), ``prompt_logprobs`` (prompts),
 ``structured`` (``prompts``, ``max_tokens`` and constraints: each a ``StructuredOutputsParams``
-keyword argument and the ``stop`` strings that go with it).
+keyword argument and the ``stop`` strings that go with it), ``options`` (``prompts``, ``max_tokens``
+and ``params``: name -> greedy ``SamplingParams`` keyword arguments), ``prompt_embeds``
+(``embeds``: each prompt's ``[tokens, d]`` embeddings, and ``max_tokens``; the engine needs
+``enable_prompt_embeds``), ``chat`` (``conversations`` for ``LLM.chat``, ``max_tokens``).
 OUT: token ids, the sampled tokens' log-probabilities, prefix-cache hits, finish reasons,
 what the options ask for, vLLM's speculative decoding counters where the engine
 speculates, and its count of preemptions where the engine's KV cache is set small
@@ -96,7 +99,7 @@ def run(spec: dict) -> dict:
         captured = _capture_aux(llm)
         llm.generate([spec["capture_aux"]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         out["aux"] = [t.tolist() for t in captured[0]] if captured else None
-    batch = llm.generate(spec["prompts"], greedy, use_tqdm=False)
+    batch = llm.generate(spec["prompts"], greedy, use_tqdm=False) if spec["prompts"] else []
     out.update(batch=[_ids(o) for o in batch], batch_logprobs=[_logprobs(o) for o in batch])
     prefix = [llm.generate([p], greedy, use_tqdm=False)[0] for p in spec["prefix_prompts"]]
     out["prefix"] = [_ids(o) for o in prefix]
@@ -152,6 +155,31 @@ def _features(llm, spec: dict) -> dict:
                               use_tqdm=False)
         out["prompt_logprobs"] = [[None if step is None else step[t].logprob
                                    for step, t in zip(o.prompt_logprobs, o.prompt_token_ids)] for o in scored]
+    if "options" in spec:  # each step's top log-probabilities as {token: logprob} (JSON keys: strings)
+        options = spec["options"]
+        out["options"] = {}
+        for name, kwargs in options["params"].items():
+            if "logit_bias" in kwargs:  # (token ids as JSON keys: strings)
+                kwargs = dict(kwargs, logit_bias={int(t): bias for t, bias in kwargs["logit_bias"].items()})
+            params = SamplingParams(temperature=0.0, max_tokens=options["max_tokens"], **kwargs)
+            out["options"][name] = [{"ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+                                     "stop_reason": o.outputs[0].stop_reason,
+                                     "top": [{t: lp.logprob for t, lp in step.items()}
+                                             for step in o.outputs[0].logprobs or []]}
+                                    for o in llm.generate(options["prompts"], params, use_tqdm=False)]
+    if "prompt_embeds" in spec:  # greedy from embeddings [tokens, d] given in place of the prompt's ids
+        import torch
+
+        embeds = spec["prompt_embeds"]
+        inputs = [{"prompt_embeds": torch.tensor(e, dtype=torch.float32)} for e in embeds["embeds"]]
+        given = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=embeds["max_tokens"], logprobs=1),
+                             use_tqdm=False)
+        out["prompt_embeds"] = {"ids": [_ids(o) for o in given], "logprobs": [_logprobs(o) for o in given]}
+    if "chat" in spec:  # LLM.chat with the directory's chat template
+        chat = spec["chat"]
+        replies = llm.chat(chat["conversations"], SamplingParams(temperature=0.0, max_tokens=chat["max_tokens"]),
+                           use_tqdm=False)
+        out["chat"] = [{"prompt_ids": list(o.prompt_token_ids), "ids": _ids(o)} for o in replies]
     if "structured" in spec:
         structured = spec["structured"]
         out["structured"] = []
