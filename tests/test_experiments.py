@@ -1143,3 +1143,21 @@ def test_a_grid_is_not_started_inside_another_grid(tmp_path):
             check_same_experiment(inside, header)
     (tmp_path / "experiment.json").write_text("[1, 2]")  # another tool's file of that name: no grid
     check_same_experiment(tmp_path / "elsewhere", header)
+
+
+def test_a_cpu_run_on_a_gpu_machine_records_no_gpu_peak(corpus, tmp_path, monkeypatch):
+    """A grid run with device=cpu on a machine with a GPU recorded the GPU's peak (0 B, or
+    another process's) as its peak memory, where a CPU run has none; the reset ran on the
+    current GPU, not the run's. The peak is that of the GPU the run trains on, None on the CPU.
+    CUDA stubbed: a GPU present, the allocator's calls recorded."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", device)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: calls.append(("peak", device)) or 0)
+    command = ["compare", "--preset", "tiny", "--out", str(tmp_path), "--variants", "standard", "--overhead-repeats",
+               "0", "device=cpu", f"data.paths=[{corpus}]"]
+    assert cli_main(command) == 0
+    assert calls == []
+    assert json.loads((tmp_path / "standard" / "seed0" / "result.json").read_text())["peak_memory_bytes"] is None

@@ -89,8 +89,17 @@ def no_cuda_reason() -> str:
 
 
 def _pick_device(device: str) -> torch.device:
-    """``"auto"`` -> ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; ``"cuda:N"``
-    (one process) -> that GPU. The GPU picked becomes the current device."""
+    """:func:`training_device`, a GPU made the current device."""
+    picked = training_device(device)
+    if picked.type == "cuda":
+        torch.cuda.set_device(picked.index)
+    return picked
+
+
+def training_device(device: str) -> torch.device:
+    """The device a training process of ``TrainConfig.device`` runs on: ``"auto"`` ->
+    ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU; ``"cuda:N"`` (one process) ->
+    that GPU. Raises ``ValueError`` for a GPU this machine or launch cannot give; sets nothing."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -108,7 +117,6 @@ def _pick_device(device: str) -> torch.device:
                              f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     else:
         _check_a_gpu_per_rank(device)
-    torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 

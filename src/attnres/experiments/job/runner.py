@@ -23,6 +23,7 @@ import torch
 
 from ...checkpoint.locate import training_output
 from ...data import load_corpus, prepare_data
+from ...distributed.launch import training_device
 from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
 from ...output_paths import strict_json, write_text_atomically
@@ -161,14 +162,16 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any] | None:
     Record fields: variant, family, coords, seed, steps, tokens, data_passes (passes over the
     training split: above 1, tokens were seen twice), val_loss, params,
     residual_params, non_embedding_params (the scaling-law model size), flops_per_token (training, per token), flops (total training FLOPs),
-    pflops_days, step_time_s (median seconds per step), peak_memory_bytes (CUDA only, else
-    None), data_fingerprint (of the text it trained on).
+    pflops_days, step_time_s (median seconds per step), peak_memory_bytes (of the GPU it trains on;
+    None on the CPU, a GPU machine's included), data_fingerprint (of the text it trained on).
     """
     out = Path(config.out_dir)
     if latest_checkpoint(out) is not None:
         config.resume = True
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    device = training_device(config.device)
+    gpu = device if device.type == "cuda" else None
+    if gpu is not None:
+        torch.cuda.reset_peak_memory_stats(gpu)
     result = train(config)
     if result.interrupted:  # (re-running resumes it; a SIGTERM's is the status 143 of the command, as train's)
         stopped = Terminated if result.interrupted == "SIGTERM" else KeyboardInterrupt
@@ -185,7 +188,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any] | None:
         "params": params, "residual_params": residual_params, "non_embedding_params": non_embedding_parameters(model),
         "flops_per_token": flops.total, "flops": flops.total * tokens, "pflops_days": to_pflops_days(flops.total * tokens),
         "step_time_s": median_step_time(out / "metrics.jsonl", config.tokens_per_step),
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+        "peak_memory_bytes": None if gpu is None else torch.cuda.max_memory_allocated(gpu),
         "data_fingerprint": data_fingerprint(result.checkpoint),
     }
     # (atomically: a grid killed mid-write left a truncated result.json, which stopped every later command)
