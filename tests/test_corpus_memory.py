@@ -110,6 +110,38 @@ def test_text_chunks_of_parts_are_those_of_their_join():
             assert list(text_chunks(iter(parts), size)) == want
 
 
+def test_text_without_line_breaks_is_cut_into_bounded_pieces():
+    """A corpus on one line (text8, a dump without line breaks) was one piece, the whole text
+    encoded in one call (~75 bytes of the BPE's memory a character). Its pieces are at most
+    twice the size, cut before a space where there is one (else anywhere), and streamed in
+    parts they are still those of the join."""
+    rng = random.Random(2)
+    words = "".join(rng.choice(["ab ", "cdé ", "  ", "x" * 30, "\t"]) for _ in range(2000))
+    for text, cut_before_space in ((words, True), ("y" * 5000, False)):
+        for size in (1, 16, 300):
+            pieces = list(text_chunks(text, size))
+            assert "".join(pieces) == text and max(map(len, pieces)) <= 2 * size
+            if size > 1:
+                assert len(pieces) >= len(text) // (2 * size)
+            if cut_before_space and size == 300:  # (a space in every 300 characters: each cut is before one)
+                assert all(p.startswith(" ") for p in pieces[1:])
+            for _ in range(3):
+                cuts = sorted(rng.sample(range(len(text)), 30)) + [len(text)]
+                parts = [text[a:b] for a, b in zip([0] + cuts, cuts)]
+                assert list(text_chunks(iter(parts), size)) == pieces
+
+
+@pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+def test_a_line_cut_before_its_spaces_keeps_the_bpe_ids():
+    """Cutting a long line before a space does not change a byte-level BPE's ids: its
+    pre-tokenizer splits there anyway."""
+    text = "".join(LINE.format(i * 7 % 1000).replace("\n", "  ") for i in range(400))
+    tok = train_bpe(text, 400)
+    pieces = list(text_chunks(text, 500))
+    assert len(pieces) > 20
+    assert [i for piece in pieces for i in tok.encode(piece)] == tok.encode(text)
+
+
 @pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
 def test_the_bpe_of_the_streamed_training_text_is_the_one_of_the_string(tmp_path, monkeypatch):
     """The same vocabulary (the same tokenizer file) and the same token ids as the BPE trained
