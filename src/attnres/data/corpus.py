@@ -51,6 +51,24 @@ def read_text_file(path: str | Path, what: str) -> str:
     return "".join(_text_parts(Path(path), what))
 
 
+def read_documents(path: str | Path, what: str, text_field: str = "text") -> str:
+    """The text of the file ``path`` as training reads a data file: of a ``.jsonl`` file, its
+    records' ``text_field`` joined by :data:`DOCUMENT_SEPARATOR` (its JSON syntax is no text:
+    held-out JSON lines read whole scored a model on braces, quotes and field names); of any
+    other, :func:`read_text_file`'s. ``ValueError`` naming it as ``what``."""
+    path = Path(path)
+    if path.suffix.lower() != ".jsonl":
+        return read_text_file(path, what)
+    try:
+        return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field))
+    except UnicodeDecodeError:
+        raise _not_utf8(what, path) from None
+    except ValueError as e:  # (a line that is not JSON, or has no string text_field: where, by line)
+        raise ValueError(f"{what}: {e}") from None
+    except OSError as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+
+
 def _text_parts(path: Path, what: str) -> Iterator[str]:
     """The text of ``path`` as :func:`read_text_file` gives it (line endings translated alike,
     a ``\\r\\n`` across two parts included), in consecutive parts of :data:`READ_CHUNK` characters."""
