@@ -1421,6 +1421,27 @@ def test_a_symlinked_folder_in_a_data_directory_is_named_as_not_searched(tmp_pat
     assert [p.name for p in corpus.files] == ["a.txt"]
 
 
+def test_compressed_text_files_in_a_data_directory_are_named_as_not_read(tmp_path):
+    """A directory of corpus shards, some of them compressed (``b.jsonl.gz``), lost those
+    without a word: a directory's search reads .txt and .jsonl files only. It still does; it
+    names them, and a directory holding only such files says what they are."""
+    import gzip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("the first file's text\n" * 50)
+    (data / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "compressed"}\n'))
+    (data / "c.tar.gz").write_bytes(gzip.compress(b"not a corpus shard"))
+    with pytest.warns(UserWarning, match=re.escape(f"data directory '{data}': 1 compressed text file(s) not read: "
+                                                   f"'{data / 'b.jsonl.gz'}'; decompress them (gunzip,")):
+        corpus = load_corpus([str(data)], read=False)
+    assert [p.name for p in corpus.files] == ["a.txt"]
+    (data / "a.txt").unlink()
+    with pytest.raises(ValueError, match=re.escape(f"data directory '{data}' holds no .txt or .jsonl files (only "
+                                                   f"compressed ones, '{data / 'b.jsonl.gz'}': decompress them")):
+        load_corpus([str(data)], read=False)
+
+
 def test_depth_entropy_is_the_mean_of_each_positions_entropy():
     """Two positions that each take one source, a different one: the entropy of the mean
     weights (log 2) would call that even mixing; each position's entropy is 0."""

@@ -155,9 +155,31 @@ def _files_of(path: Path) -> list[Path]:
     files = sorted(p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     _warn_unfollowed(path, sorted(p for p in found if p.is_symlink() and p.is_dir()))
     files = _without_runs(path, files)
+    packed = sorted(p for p in found if _is_compressed_text(p) and p.is_file())
     if not files:
-        raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
+        also = f" (only compressed ones, {_some(packed)}: {DECOMPRESS})" if packed else ""
+        raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files{also}")
+    if packed:  # (shards of a corpus: a directory of .jsonl and .jsonl.gz lost the second kind without a word)
+        warn_user(f"data directory {str(path)!r}: {len(packed)} compressed text file(s) not read: {_some(packed)}; "
+                  f"{DECOMPRESS}")
     return files
+
+
+#: The endings of compressed files (those of :data:`COMPRESSED`'s formats), which a data
+#: directory's search does not read, and what to do about them.
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".xz", ".bz2", ".zip")
+DECOMPRESS = "decompress them (gunzip, zstd -d, xz -d, bunzip2, unzip) to train on them"
+
+
+def _is_compressed_text(path: Path) -> bool:
+    """Whether ``path`` is named as a compressed text file of a corpus (``a.jsonl.gz``, ``b.txt.zst``)."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    return len(suffixes) == 2 and suffixes[0] in TEXT_SUFFIXES and suffixes[1] in COMPRESSED_SUFFIXES
+
+
+def _some(paths: list[Path]) -> str:
+    """The first three of ``paths``, quoted, and how many more."""
+    return ", ".join(repr(str(p)) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def _warn_unfollowed(path: Path, links: list[Path]) -> None:
@@ -165,8 +187,7 @@ def _warn_unfollowed(path: Path, links: list[Path]) -> None:
     directory's search does not follow them - a loop would never end): a corpus assembled from
     links to other folders lost their text without a word."""
     if links:
-        names = ", ".join(repr(str(p)) for p in links[:3]) + (f" and {len(links) - 3} more" if len(links) > 3 else "")
-        warn_user(f"data directory {str(path)!r}: its symlinked folder(s) are not searched: {names}; give them in "
+        warn_user(f"data directory {str(path)!r}: its symlinked folder(s) are not searched: {_some(links)}; give them in "
                   "data.paths to read them")
 
 
@@ -540,10 +561,9 @@ def _skip_empty(empty: list[Path], others: bool) -> None:
     deleted), are skipped; ``ValueError`` when there are no ``others``."""
     if not empty:
         return
-    names = ", ".join(repr(str(f)) for f in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
     if not others:
-        raise ValueError(f"data.paths finds only empty files: {names}")
-    warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {names}")
+        raise ValueError(f"data.paths finds only empty files: {_some(empty)}")
+    warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {_some(empty)}")
 
 
 def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str) -> _Layout:
