@@ -1375,6 +1375,32 @@ def test_training_prepares_its_data_with_its_progress_setting(tmp_path, corpus_f
         assert ("tokenizing train" in err and "tokenizing val" in err) == (progress == "true"), progress
 
 
+def test_a_tokenizer_whose_ids_skip_is_refused_before_the_data_is_tokenised(tmp_path, corpus_file):
+    """A user's tokenizer.json whose vocabulary skips ids (16 tokens, ids up to 1500) sized the
+    model's embedding by its count: the whole corpus was tokenised, then the first step failed
+    with "token id 1400 is outside the vocabulary [0, 16)", naming neither the option nor the
+    file. It is refused as it is read, naming both, before any data is read."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = sorted({w for w in corpus_file.read_text().replace(".", " ").split()})[:15] + ["[UNK]"]
+    for name, step in (("gaps.json", 100), ("dense.json", 1)):
+        tok = HFTokenizer(WordLevel({w: i * step for i, w in enumerate(words)}, unk_token="[UNK]"))
+        tok.pre_tokenizer = Whitespace()
+        tok.save(str(tmp_path / name))
+    with pytest.raises(ValueError, match=re.escape(f"data.tokenizer '{tmp_path / 'gaps.json'}' has 16 tokens but ids up "
+                                                   "to 1500 (its vocabulary skips ids): the model's embedding has a "
+                                                   "row per token, ids 0 to 15")):
+        prepare_data(load_corpus([str(corpus_file)], read=False), str(tmp_path / "gaps.json"),
+                     cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+    with pytest.warns(UserWarning, match="unknown token"):  # (15 words of the text: the rest is [UNK])
+        data = prepare_data(load_corpus([str(corpus_file)]), str(tmp_path / "dense.json"),
+                            cache_dir=str(tmp_path / "cache"))
+    assert data.vocab_size == 16 and int(np.max(data.train)) < 16
+
+
 @pytest.mark.parametrize("covering", [False, True])
 def test_a_tokenizer_that_turns_the_text_into_its_unknown_token_is_warned_of(tmp_path, corpus_file, covering, capsys):
     """A user's tokenizer whose vocabulary does not cover the text (a WordLevel or WordPiece

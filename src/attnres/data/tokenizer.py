@@ -272,9 +272,15 @@ def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
     (the option, e.g. ``--tokenizer``) for a directory without one or a path that does not exist."""
     file = tokenizer_file(path, what)
     try:
-        return BPETokenizer.load(file)
+        tok = BPETokenizer.load(file)
     except ValueError as e:  # ("cannot read tokenizer file ...": which option named it)
         raise ValueError(f"{what}: {e}") from None
+    top = max(tok.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= tok.vocab_size:  # (the model has a row per token: found at the first step, after all the tokenising)
+        raise ValueError(f"{what} {str(file)!r} has {tok.vocab_size} tokens but ids up to {top} (its vocabulary "
+                         f"skips ids): the model's embedding has a row per token, ids 0 to {tok.vocab_size - 1}; give "
+                         "a tokenizer whose ids run without gaps")
+    return tok
 
 
 def tokenizer_file(path: str | Path, what: str) -> Path:
