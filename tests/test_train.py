@@ -1401,6 +1401,31 @@ def test_a_tokenizer_whose_ids_skip_is_refused_before_the_data_is_tokenised(tmp_
     assert data.vocab_size == 16 and int(np.max(data.train)) < 16
 
 
+def test_a_tokenizer_that_drops_the_blank_line_between_documents_is_warned_of(tmp_path, corpus_file):
+    """Documents (files, JSON lines) are joined by a blank line; a user's tokenizer that drops
+    whitespace (a Whitespace or BERT pre-tokenizer) encodes it as nothing, and each document
+    ran into the next with no boundary, without a word. Tokenising several documents with it
+    warns now; one document, or a tokenizer that keeps the blank line, does not."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = sorted({w for w in re.findall(r"\w+|[^\w\s]", corpus_file.read_text())})
+    tok = HFTokenizer(WordLevel({w: i for i, w in enumerate(words + ["[UNK]"])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "words.json"))
+    second = write_corpus(tmp_path / "second.txt", n_lines=300, seed=1)
+    cases = [([corpus_file, second], str(tmp_path / "words.json"), True), ([corpus_file], str(tmp_path / "words.json"),
+                                                                          False), ([corpus_file, second], "byte", False)]
+    for k, (files, tokenizer, said) in enumerate(cases):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prepare_data(load_corpus([str(f) for f in files]), tokenizer, cache_dir=str(tmp_path / f"cache{k}"))
+        messages = [str(w.message) for w in caught]
+        assert any("the tokenizer encodes the blank line that separates documents (files, JSON lines) as no token"
+                   in m for m in messages) == said, (k, messages)
+
+
 @pytest.mark.parametrize("covering", [False, True])
 def test_a_tokenizer_that_turns_the_text_into_its_unknown_token_is_warned_of(tmp_path, corpus_file, covering, capsys):
     """A user's tokenizer whose vocabulary does not cover the text (a WordLevel or WordPiece
