@@ -1472,6 +1472,24 @@ def test_a_symlinked_folder_in_a_data_directory_is_named_as_not_searched(tmp_pat
     assert [p.name for p in corpus.files] == ["a.txt"]
 
 
+def test_a_dangling_symlink_in_data_paths_is_named_as_one(tmp_path):
+    """A corpus of links to files on a mount that is not there: a directory's search dropped a
+    dangling ``b.txt`` without a word, and ``data.paths=[data/b.txt]`` said it "does not exist
+    (did you mean 'b.txt'?)", suggesting itself. The search names it in a warning; the path
+    named is refused as a link to what does not exist."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("the first file's text\n" * 50)
+    (data / "b.txt").symlink_to(tmp_path / "gone" / "b.txt")
+    with pytest.warns(UserWarning, match=re.escape(f"data directory '{data}': 1 symbolic link(s) to files that do "
+                                                   f"not exist not read: '{data / 'b.txt'}'")):
+        corpus = load_corpus([str(data)], read=False)
+    assert [p.name for p in corpus.files] == ["a.txt"]
+    with pytest.raises(ValueError, match=re.escape(f"data path '{data / 'b.txt'}' does not exist (a symbolic link to "
+                                                   f"'{tmp_path / 'gone' / 'b.txt'}', which does not exist)")):
+        load_corpus([str(data / "b.txt")], read=False)
+
+
 def test_compressed_text_files_in_a_data_directory_are_named_as_not_read(tmp_path):
     """A directory of corpus shards, some of them compressed (``b.jsonl.gz``), lost those
     without a word: a directory's search reads .txt and .jsonl files only. It still does; it

@@ -154,6 +154,10 @@ def _files_of(path: Path) -> list[Path]:
     found = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
     files = sorted(p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     _warn_unfollowed(path, sorted(p for p in found if p.is_symlink() and p.is_dir()))
+    dangling = sorted(p for p in found if p.suffix.lower() in TEXT_SUFFIXES and p.is_symlink() and not p.exists())
+    if dangling:  # (a corpus of links to files on a mount that is not there lost them without a word)
+        warn_user(f"data directory {str(path)!r}: {len(dangling)} symbolic link(s) to files that do not exist not "
+                  f"read: {_some(dangling)}")
     files = _without_runs(path, files)
     packed = sorted(p for p in found if _is_compressed_text(p) and p.is_file())
     if not files:
