@@ -1472,6 +1472,21 @@ def test_a_symlinked_folder_in_a_data_directory_is_named_as_not_searched(tmp_pat
     assert [p.name for p in corpus.files] == ["a.txt"]
 
 
+def test_several_data_paths_in_one_string_are_shown_as_a_list(tmp_path, monkeypatch):
+    """``data.paths=a.txt,b.txt`` (no brackets: one string, one path) said the path "does not
+    exist (did you mean 'a.txt'?)", as though one file were misspelt. It says that it is two
+    paths and how a list is written; a path that is not existing ones run together keeps the hint."""
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "a.txt", n_lines=50)
+    write_corpus(tmp_path / "b.txt", n_lines=50)
+    for given in ("a.txt,b.txt", "a.txt b.txt", "a.txt, b.txt"):
+        with pytest.raises(ValueError, match=re.escape(f"data path '{given}' does not exist: it is 2 paths in one "
+                                                       "string; a list is written in brackets, data.paths=[a.txt,b.txt]")):
+            load_corpus([given], read=False)
+    with pytest.raises(ValueError, match=re.escape("data path 'a.txt,c.txt' does not exist (did you mean 'a.txt'?)")):
+        load_corpus(["a.txt,c.txt"], read=False)
+
+
 def test_a_dangling_symlink_in_data_paths_is_named_as_one(tmp_path):
     """A corpus of links to files on a mount that is not there: a directory's search dropped a
     dangling ``b.txt`` without a word, and ``data.paths=[data/b.txt]`` said it "does not exist

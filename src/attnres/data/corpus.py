@@ -148,7 +148,7 @@ def _files_of(path: Path) -> list[Path]:
     if not path.exists():
         # (a config file's relative paths too: not relative to the file, as out_dir is not)
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {os.getcwd()!r})"
-        raise ValueError(f"data path {str(path)!r} does not exist{missing_path_hint(path)}{where}")
+        raise ValueError(f"data path {str(path)!r} does not exist{_list_hint(path) or missing_path_hint(path) + where}")
     if path.is_file():
         return [path]
     found = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
@@ -184,6 +184,16 @@ def _is_compressed_text(path: Path) -> bool:
 def _some(paths: list[Path]) -> str:
     """The first three of ``paths``, quoted, and how many more."""
     return ", ".join(repr(str(p)) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def _list_hint(path: Path) -> str:
+    """For a missing data path that is existing ones run together (``data.paths=a.txt,b.txt``,
+    one string, not a list): how to write them as a list; else ``""``."""
+    for sep in (",", " "):
+        parts = [part.strip() for part in str(path).split(sep) if part.strip()]
+        if len(parts) > 1 and all(Path(part).expanduser().exists() for part in parts):
+            return f": it is {len(parts)} paths in one string; a list is written in brackets, data.paths=[{','.join(parts)}]"
+    return ""
 
 
 def _warn_unfollowed(path: Path, links: list[Path]) -> None:
