@@ -401,6 +401,27 @@ def test_empty_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
         load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
 
 
+def test_blank_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
+    """A file holding only whitespace (a crawl's page that extracted to a line break, a .jsonl
+    of empty texts) refused the whole directory, "data file '.../b.txt' holds no text", while an
+    empty one is skipped: it is skipped too now, said when the text is read, the text and its
+    digest those of the other files; one named in data.paths is still refused."""
+    (tmp_path / "docs").mkdir()
+    write_corpus(tmp_path / "docs" / "a.txt")
+    (tmp_path / "docs" / "b.txt").write_text("  \n\n")
+    (tmp_path / "docs" / "c.jsonl").write_text('{"text": " "}\n\n{"text": ""}\n')
+    write_corpus(tmp_path / "docs" / "d.txt", n_lines=100, seed=1)
+    with pytest.warns(UserWarning, match=r"data.paths: 2 file\(s\) holding only whitespace skipped: '.*b.txt', "
+                                         r"'.*c.jsonl'$"):
+        skipping = load_corpus([str(tmp_path / "docs")], 0.1)
+    wanted = load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "d.txt")], 0.1)
+    assert (skipping.digest, skipping.train, skipping.val) == (wanted.digest, wanted.train, wanted.val)
+    with pytest.raises(ValueError, match=r"data.paths finds only files that hold no text: '.*b.txt', '.*c.jsonl'"):
+        load_corpus([str(tmp_path / "docs" / "[bc].*")])
+    with pytest.raises(ValueError, match=r"data file '.*b.txt' holds no text"):
+        load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
+
+
 def test_a_data_directory_holding_training_runs_does_not_read_their_outputs(tmp_path):
     """``data.paths=[.]`` with ``out_dir=runs/x`` (or a run written into the data directory)
     read the runs' ``metrics.jsonl`` as data, refused as JSON lines without a "text" field (and

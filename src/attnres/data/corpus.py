@@ -271,8 +271,10 @@ class Corpus:
     that want a string, whole (:attr:`train`).
     """
 
-    def __init__(self, files: list[Path], val_fraction: float, text_field: str = TEXT_FIELD) -> None:
+    def __init__(self, files: list[Path], val_fraction: float, text_field: str = TEXT_FIELD,
+                 found: Iterable[Path] = ()) -> None:
         self.files, self.val_fraction, self.text_field = tuple(files), val_fraction, text_field
+        self._found = frozenset(found)  # (files a directory or pattern found: skipped when blank, see read)
         self.home = self.files[0].parent
         self.sources = tuple(map(str, self.files))
         self.files_key = files_key(self.files, val_fraction, text_field)  # (before any reading: see recall)
@@ -288,13 +290,14 @@ class Corpus:
         """Split the text and hash it now (once); ``ValueError`` for a file that is not UTF-8
         text or holds none, or a text too small to split. Returns the corpus."""
         if self._layout is None:
-            layout = _layout_of(self.files, self.val_fraction, self.text_field)
-            self._val, self._digest = _val_and_digest(self._text(), layout, self.val_fraction)
+            layout = _layout_of(self.files, self.val_fraction, self.text_field, self._found)
+            self._val, self._digest = _val_and_digest(_corpus_text(layout.files, self.text_field), layout,
+                                                      self.val_fraction)
             self._layout = layout
         return self
 
     def _text(self) -> Iterator[str]:
-        return _corpus_text(self.files, self.text_field)
+        return _corpus_text(self.read()._layout.files, self.text_field)
 
     def train_parts(self) -> Iterator[str]:
         """The training text in consecutive parts (a read of :data:`READ_CHUNK` characters or a
@@ -333,12 +336,14 @@ class Corpus:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where a text of ``length`` characters is cut (``bounds``: 0, ..., ``length``) and which
-    of its pieces (``val``: their indices) form the validation split."""
+    """Where a text of ``length`` characters is cut (``bounds``: 0, ..., ``length``), which
+    of its pieces (``val``: their indices) form the validation split, and the ``files`` it is
+    the text of (a corpus's, less the blank ones a directory or pattern found)."""
 
     length: int
     bounds: tuple[int, ...]
     val: frozenset[int]
+    files: tuple[Path, ...]
 
     @property
     def train_length(self) -> int:
@@ -519,7 +524,11 @@ def _read_file(file: Path, text_field: str, first: bool = False) -> Iterator[str
     except UnicodeDecodeError:  # a .jsonl file's lines
         raise _not_utf8("data file", file) from None
     if blank:
-        raise ValueError(f"data file {str(file)!r} holds no text")
+        raise BlankFileError(f"data file {str(file)!r} holds no text")
+
+
+class BlankFileError(ValueError):
+    """A data file holds nothing but whitespace (a ``.jsonl`` file: in its text fields)."""
 
 
 def _warn_nul(file: Path, line: int) -> None:
@@ -531,13 +540,13 @@ def _warn_nul(file: Path, line: int) -> None:
               "UTF-8 (e.g. with iconv -f UTF-16LE -t UTF-8) or leave it out")
 
 
-def _corpus_text(files: tuple[Path, ...], text_field: str, first: bool = False) -> Iterator[str]:
+def _corpus_text(files: tuple[Path, ...], text_field: str) -> Iterator[str]:
     """The corpus's text, the documents of ``files`` joined by :data:`DOCUMENT_SEPARATOR`, in
     consecutive parts of a megabyte or less (a ``.jsonl`` record is one part)."""
     for k, file in enumerate(files):
         if k:
             yield DOCUMENT_SEPARATOR
-        yield from _read_file(file, text_field, first)
+        yield from _read_file(file, text_field)
 
 
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02,
@@ -546,13 +555,14 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
     ``.jsonl`` lines need a string field ``text_field``, ``"text"`` by default) - or the default corpus
     when ``paths`` is empty - and, with ``read``, read and split it now (empty files that a
-    directory or pattern holds are skipped, with a warning). Raises ``ValueError`` for a missing
+    directory or pattern holds are skipped, with a warning; so are blank ones, when the text is read). Raises ``ValueError`` for a missing
     or empty path, an empty file named or a file that two paths reach (it would count twice); with ``read``, also for a file that is not UTF-8 text or a split that leaves either
     part empty (without it, when the text is first wanted: see :class:`Corpus`)."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
     files: list[Path] = []
     empty: list[str] = []  # the empty files a directory or pattern holds: skipped
+    found: list[Path] = []  # the files a directory or pattern holds (the blank ones are skipped when read)
     seen: dict[Path, tuple[Path, Path]] = {}  # resolved file -> (the file, its data path) as first reached
     for root, root_files in data_files(paths):
         for file in root_files:
@@ -564,8 +574,10 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             if file.stat().st_size == 0 and file == root:  # (named: a file meant to hold the text)
                 raise ValueError(f"data file {str(file)!r} is empty")
             (empty if file.stat().st_size == 0 else files).append(file)
+            if file != root:
+                found.append(file)
     _skip_empty(empty, bool(files))
-    corpus = Corpus(files, val_fraction, text_field)
+    corpus = Corpus(files, val_fraction, text_field, found)
     return corpus.read() if read else corpus
 
 
@@ -580,13 +592,29 @@ def _skip_empty(empty: list[Path], others: bool) -> None:
     warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {_some(empty)}")
 
 
-def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str) -> _Layout:
+def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str,
+               found: frozenset[Path] = frozenset()) -> _Layout:
     """How the text of ``files`` is split (:func:`piece_bounds`): a pass over the files for its
-    length (checking each file), then one to find the cuts near their targets."""
-    length = sum(map(len, _corpus_text(files, text_field, first=True)))
-    with closing(_corpus_text(files, text_field)) as text:
+    length (checking each file; a blank one of ``found``, which a directory or pattern holds, is
+    skipped with a warning, as an empty one is), then one to find the cuts near their targets."""
+    kept, blank, length = [], [], 0
+    for file in files:
+        try:
+            length += sum(map(len, _read_file(file, text_field, first=True)))
+        except BlankFileError:
+            if file not in found:  # (named: a file meant to hold the text)
+                raise
+            blank.append(file)
+            continue
+        kept.append(file)
+    if blank:  # (a crawl's page that extracted to a line break refused the whole corpus)
+        if not kept:
+            raise ValueError(f"data.paths finds only files that hold no text: {_some(blank)}")
+        warn_user(f"data.paths: {len(blank)} file(s) holding only whitespace skipped: {_some(blank)}")
+    length += len(DOCUMENT_SEPARATOR) * (len(kept) - 1)
+    with closing(_corpus_text(tuple(kept), text_field)) as text:
         bounds, val = piece_bounds(length, val_fraction, _StreamFinder(text).find)
-    return _Layout(length, tuple(bounds), frozenset(val))
+    return _Layout(length, tuple(bounds), frozenset(val), tuple(kept))
 
 
 def _val_and_digest(text: Iterator[str], layout: _Layout, val_fraction: float) -> tuple[str, str]:
