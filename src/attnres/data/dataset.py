@@ -37,7 +37,7 @@ from ..termination import sigterm_raises
 from ..user_warning import warn_user
 from ..validation import did_you_mean
 from .cache_index import record_files, recorded_digest, remove_stale_temporaries, temporary_dir
-from .corpus import DOCUMENT_SEPARATOR, Corpus
+from .corpus import DOCUMENT_SEPARATOR, Corpus, is_json_lines
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
                         load_tokenizer_file, text_chunks, train_bpe, unknown_share)
 
@@ -191,7 +191,7 @@ def _warn_unseparated_documents(tok: Tokenizer, corpus: Corpus) -> None:
     blank line that joins them (:data:`~attnres.data.corpus.DOCUMENT_SEPARATOR`) as nothing: a
     tokenizer that drops whitespace (a ``Whitespace`` or BERT pre-tokenizer) ran one document
     into the next, with no boundary the model could see, without a word."""
-    several = len(corpus.files) > 1 or any(f.suffix.lower() == ".jsonl" for f in corpus.files)
+    several = len(corpus.files) > 1 or any(map(is_json_lines, corpus.files))
     if several and not tok.encode(DOCUMENT_SEPARATOR):
         warn_user(f"the tokenizer encodes the blank line that separates documents (files, JSON lines) as no token at "
                   "all (it drops whitespace): each document runs into the next with no boundary the model can see; "
