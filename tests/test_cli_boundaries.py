@@ -163,12 +163,13 @@ def test_text_the_tokenizer_does_not_cover_is_warned_of_in_generate_and_eval(tmp
     assert said([*evaluate, str(corpus)]) == []
 
 
-def test_eval_reads_held_out_json_lines_as_training_does(tmp_path):
+def test_eval_and_analyze_read_held_out_json_lines_as_training_does(tmp_path):
     """`attnres eval RUN --text held_out.jsonl` scored the model on the file's JSON syntax
-    (braces, quotes, field names), without a word: a run trained on JSON lines is measured on
-    their text field now (the run's data.text_field), the records joined by a blank line as
-    training joins them, the same numbers as that text in a .txt file; a line without the
-    field is refused, naming the option and the line."""
+    (braces, quotes, field names), without a word, and `attnres analyze` averaged its mixing
+    over it: a run trained on JSON lines is measured on their text field now (the run's
+    data.text_field), the records joined by a blank line as training joins them, the same
+    numbers as that text in a .txt file; a line without the field is refused, naming the
+    option and the line."""
     import json
 
     lines = write_corpus(tmp_path / "corpus.txt").read_text().splitlines()
@@ -188,6 +189,13 @@ def test_eval_reads_held_out_json_lines_as_training_does(tmp_path):
         return json.loads(out.read_text())["perplexity"]
 
     assert perplexity("held.jsonl") == perplexity("held.txt")
+
+    def mixing(name: str) -> dict:
+        assert cli_main(["analyze", str(run), "--text", str(tmp_path / name), "--device", "cpu", "--out",
+                         str(tmp_path / f"analysis-{name}")]) == 0
+        return json.loads((tmp_path / f"analysis-{name}" / "mixing.json").read_text())
+
+    assert mixing("held.jsonl") == mixing("held.txt")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"content": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
     with pytest.raises(SystemExit, match=r"--text: .*bad\.jsonl:2: every JSONL line must be an object with a "
                                          r"string field \"content\""):
