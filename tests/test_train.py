@@ -1508,6 +1508,17 @@ def test_several_data_paths_in_one_string_are_shown_as_a_list(tmp_path, monkeypa
         load_corpus(["a.txt,c.txt"], read=False)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_as_a_data_path_is_refused_as_one(tmp_path):
+    """``data.paths=[<(zcat corpus.txt.gz)]`` (a pipe, /dev/fd/63) was searched as a directory:
+    "data directory '/dev/fd/63' holds no .txt or .jsonl files". The text is read several
+    times over, which a pipe cannot give: it is refused as what it is, saying to write a file."""
+    os.mkfifo(tmp_path / "stream.txt")
+    with pytest.raises(ValueError, match=re.escape(f"data path '{tmp_path / 'stream.txt'}' is not a file or a directory "
+                                                   "(a pipe, a device): the data is read several times over")):
+        load_corpus([str(tmp_path / "stream.txt")], read=False)
+
+
 def test_a_dangling_symlink_in_data_paths_is_named_as_one(tmp_path):
     """A corpus of links to files on a mount that is not there: a directory's search dropped a
     dangling ``b.txt`` without a word, and ``data.paths=[data/b.txt]`` said it "does not exist

@@ -172,6 +172,10 @@ def _files_of(path: Path) -> list[Path]:
         raise ValueError(f"data path {str(path)!r} does not exist{_list_hint(path) or missing_path_hint(path) + where}")
     if path.is_file():
         return [path]
+    if not path.is_dir():  # (a pipe was searched as a directory: "data directory '/dev/fd/63' holds no .txt ...")
+        raise ValueError(f"data path {str(path)!r} is not a file or a directory (a pipe, a device): the data is read "
+                         "several times over, as only a file can be; write it to a file first (e.g. zcat data.txt.gz "
+                         "> data.txt)")
     found = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
     files = sorted(p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     _warn_unfollowed(path, sorted(p for p in found if p.is_symlink() and p.is_dir()))
