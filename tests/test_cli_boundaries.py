@@ -163,6 +163,46 @@ def test_text_the_tokenizer_does_not_cover_is_warned_of_in_generate_and_eval(tmp
     assert said([*evaluate, str(corpus)]) == []
 
 
+def test_eval_and_analyze_read_held_out_json_lines_as_training_does(tmp_path):
+    """`attnres eval RUN --text held_out.jsonl` scored the model on the file's JSON syntax
+    (braces, quotes, field names), without a word, and `attnres analyze` averaged its mixing
+    over it: a run trained on JSON lines is measured on their text field now (the run's
+    data.text_field), the records joined by a blank line as training joins them, the same
+    numbers as that text in a .txt file; a line without the field is refused, naming the
+    option and the line."""
+    import json
+
+    lines = write_corpus(tmp_path / "corpus.txt").read_text().splitlines()
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"content": line}) + "\n" for line in lines))
+    run = tmp_path / "run"
+    train(load_config(None, overrides(tmp_path / "train.jsonl", run, steps=1, warmup_steps=0,
+                                      **{"data.text_field": "content"})))
+    held = lines[:40]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"content": line, "id": i}) + "\n"
+                                                 for i, line in enumerate(held)))
+    (tmp_path / "held.txt").write_text("\n\n".join(held))
+
+    def perplexity(name: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        assert cli_main(["eval", str(run), "--tasks", "none", "--device", "cpu", "--text", str(tmp_path / name),
+                         "--out", str(out)]) == 0
+        return json.loads(out.read_text())["perplexity"]
+
+    assert perplexity("held.jsonl") == perplexity("held.txt")
+
+    def mixing(name: str) -> dict:
+        assert cli_main(["analyze", str(run), "--text", str(tmp_path / name), "--device", "cpu", "--out",
+                         str(tmp_path / f"analysis-{name}")]) == 0
+        return json.loads((tmp_path / f"analysis-{name}" / "mixing.json").read_text())
+
+    assert mixing("held.jsonl") == mixing("held.txt")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"content": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
+    with pytest.raises(SystemExit, match=r"--text: .*bad\.jsonl:2: every JSONL line must be an object with a "
+                                         r"string field \"content\""):
+        cli_main(["eval", str(run), "--tasks", "none", "--device", "cpu", "--text", str(tmp_path / "bad.jsonl"),
+                  "--out", str(tmp_path / "bad.json")])
+
+
 @pytest.mark.parametrize("command", ["generate", "eval", "export"])
 def test_a_tokenizer_of_another_vocabulary_is_refused(run_dir, tmp_path, command):
     from attnres.data.tokenizer import train_bpe

@@ -110,6 +110,68 @@ def test_text_chunks_of_parts_are_those_of_their_join():
             assert list(text_chunks(iter(parts), size)) == want
 
 
+def test_where_a_file_stops_being_utf8_is_found_without_reading_it_whole(tmp_path, monkeypatch):
+    """A data file that is not UTF-8 was read whole to say where (2.7 times its size: a 30 GB
+    .jsonl.zst named as data was killed rather than refused). It is read a chunk at a time now:
+    the same line and byte as decoding it whole (characters cut by a chunk's end, a file cut
+    mid-character), and a compressed file of 16 MB is refused holding under half its size."""
+    rng = random.Random(3)
+    monkeypatch.setattr(corpus_mod, "READ_CHUNK", 7)
+    for _ in range(300):
+        data = "".join(rng.choice(["a", "\n", "é", "€", "𝄞"]) for _ in range(rng.randint(0, 40))).encode()
+        at = rng.randint(0, len(data))
+        data = data[:at] + rng.choice([b"\xff", b"\xe9", b"\x80", b"", b"\xf0\x9d"]) + data[at:]
+        (tmp_path / "f.txt").write_bytes(data)
+        try:
+            data.decode("utf-8")
+            want = None
+        except UnicodeDecodeError as e:
+            want = (data.count(b"\n", 0, e.start) + 1, e.start)
+        assert corpus_mod._first_non_utf8(tmp_path / "f.txt") == want, data
+    monkeypatch.undo()
+    (tmp_path / "big.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00" + rng.randbytes(1 << 24))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"is not UTF-8 text \(line 1, byte 1; a gzip-compressed file: decompress"):
+            load_corpus([str(tmp_path / "big.jsonl.gz")])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak  # (a read buffer and the text reader's: about 5 MB)
+
+
+def test_text_without_line_breaks_is_cut_into_bounded_pieces():
+    """A corpus on one line (text8, a dump without line breaks) was one piece, the whole text
+    encoded in one call (~75 bytes of the BPE's memory a character). Its pieces are at most
+    twice the size, cut before a space where there is one (else anywhere), and streamed in
+    parts they are still those of the join."""
+    rng = random.Random(2)
+    words = "".join(rng.choice(["ab ", "cdé ", "  ", "x" * 30, "\t"]) for _ in range(2000))
+    for text, cut_before_space in ((words, True), ("y" * 5000, False)):
+        for size in (1, 16, 300):
+            pieces = list(text_chunks(text, size))
+            assert "".join(pieces) == text and max(map(len, pieces)) <= 2 * size
+            if size > 1:
+                assert len(pieces) >= len(text) // (2 * size)
+            if cut_before_space and size == 300:  # (a space in every 300 characters: each cut is before one)
+                assert all(p.startswith(" ") for p in pieces[1:])
+            for _ in range(3):
+                cuts = sorted(rng.sample(range(len(text)), 30)) + [len(text)]
+                parts = [text[a:b] for a, b in zip([0] + cuts, cuts)]
+                assert list(text_chunks(iter(parts), size)) == pieces
+
+
+@pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+def test_a_line_cut_before_its_spaces_keeps_the_bpe_ids():
+    """Cutting a long line before a space does not change a byte-level BPE's ids: its
+    pre-tokenizer splits there anyway."""
+    text = "".join(LINE.format(i * 7 % 1000).replace("\n", "  ") for i in range(400))
+    tok = train_bpe(text, 400)
+    pieces = list(text_chunks(text, 500))
+    assert len(pieces) > 20
+    assert [i for piece in pieces for i in tok.encode(piece)] == tok.encode(text)
+
+
 @pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
 def test_the_bpe_of_the_streamed_training_text_is_the_one_of_the_string(tmp_path, monkeypatch):
     """The same vocabulary (the same tokenizer file) and the same token ids as the BPE trained

@@ -401,6 +401,27 @@ def test_empty_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
         load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
 
 
+def test_blank_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
+    """A file holding only whitespace (a crawl's page that extracted to a line break, a .jsonl
+    of empty texts) refused the whole directory, "data file '.../b.txt' holds no text", while an
+    empty one is skipped: it is skipped too now, said when the text is read, the text and its
+    digest those of the other files; one named in data.paths is still refused."""
+    (tmp_path / "docs").mkdir()
+    write_corpus(tmp_path / "docs" / "a.txt")
+    (tmp_path / "docs" / "b.txt").write_text("  \n\n")
+    (tmp_path / "docs" / "c.jsonl").write_text('{"text": " "}\n\n{"text": ""}\n')
+    write_corpus(tmp_path / "docs" / "d.txt", n_lines=100, seed=1)
+    with pytest.warns(UserWarning, match=r"data.paths: 2 file\(s\) holding only whitespace skipped: '.*b.txt', "
+                                         r"'.*c.jsonl'$"):
+        skipping = load_corpus([str(tmp_path / "docs")], 0.1)
+    wanted = load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "d.txt")], 0.1)
+    assert (skipping.digest, skipping.train, skipping.val) == (wanted.digest, wanted.train, wanted.val)
+    with pytest.raises(ValueError, match=r"data.paths finds only files that hold no text: '.*b.txt', '.*c.jsonl'"):
+        load_corpus([str(tmp_path / "docs" / "[bc].*")])
+    with pytest.raises(ValueError, match=r"data file '.*b.txt' holds no text"):
+        load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
+
+
 def test_a_data_directory_holding_training_runs_does_not_read_their_outputs(tmp_path):
     """``data.paths=[.]`` with ``out_dir=runs/x`` (or a run written into the data directory)
     read the runs' ``metrics.jsonl`` as data, refused as JSON lines without a "text" field (and
@@ -1375,6 +1396,57 @@ def test_training_prepares_its_data_with_its_progress_setting(tmp_path, corpus_f
         assert ("tokenizing train" in err and "tokenizing val" in err) == (progress == "true"), progress
 
 
+def test_a_tokenizer_whose_ids_skip_is_refused_before_the_data_is_tokenised(tmp_path, corpus_file):
+    """A user's tokenizer.json whose vocabulary skips ids (16 tokens, ids up to 1500) sized the
+    model's embedding by its count: the whole corpus was tokenised, then the first step failed
+    with "token id 1400 is outside the vocabulary [0, 16)", naming neither the option nor the
+    file. It is refused as it is read, naming both, before any data is read."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = sorted({w for w in corpus_file.read_text().replace(".", " ").split()})[:15] + ["[UNK]"]
+    for name, step in (("gaps.json", 100), ("dense.json", 1)):
+        tok = HFTokenizer(WordLevel({w: i * step for i, w in enumerate(words)}, unk_token="[UNK]"))
+        tok.pre_tokenizer = Whitespace()
+        tok.save(str(tmp_path / name))
+    with pytest.raises(ValueError, match=re.escape(f"data.tokenizer '{tmp_path / 'gaps.json'}' has 16 tokens but ids up "
+                                                   "to 1500 (its vocabulary skips ids): the model's embedding has a "
+                                                   "row per token, ids 0 to 15")):
+        prepare_data(load_corpus([str(corpus_file)], read=False), str(tmp_path / "gaps.json"),
+                     cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+    with pytest.warns(UserWarning, match="unknown token"):  # (15 words of the text: the rest is [UNK])
+        data = prepare_data(load_corpus([str(corpus_file)]), str(tmp_path / "dense.json"),
+                            cache_dir=str(tmp_path / "cache"))
+    assert data.vocab_size == 16 and int(np.max(data.train)) < 16
+
+
+def test_a_tokenizer_that_drops_the_blank_line_between_documents_is_warned_of(tmp_path, corpus_file):
+    """Documents (files, JSON lines) are joined by a blank line; a user's tokenizer that drops
+    whitespace (a Whitespace or BERT pre-tokenizer) encodes it as nothing, and each document
+    ran into the next with no boundary, without a word. Tokenising several documents with it
+    warns now; one document, or a tokenizer that keeps the blank line, does not."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = sorted({w for w in re.findall(r"\w+|[^\w\s]", corpus_file.read_text())})
+    tok = HFTokenizer(WordLevel({w: i for i, w in enumerate(words + ["[UNK]"])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "words.json"))
+    second = write_corpus(tmp_path / "second.txt", n_lines=300, seed=1)
+    cases = [([corpus_file, second], str(tmp_path / "words.json"), True), ([corpus_file], str(tmp_path / "words.json"),
+                                                                          False), ([corpus_file, second], "byte", False)]
+    for k, (files, tokenizer, said) in enumerate(cases):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prepare_data(load_corpus([str(f) for f in files]), tokenizer, cache_dir=str(tmp_path / f"cache{k}"))
+        messages = [str(w.message) for w in caught]
+        assert any("the tokenizer encodes the blank line that separates documents (files, JSON lines) as no token"
+                   in m for m in messages) == said, (k, messages)
+
+
 @pytest.mark.parametrize("covering", [False, True])
 def test_a_tokenizer_that_turns_the_text_into_its_unknown_token_is_warned_of(tmp_path, corpus_file, covering, capsys):
     """A user's tokenizer whose vocabulary does not cover the text (a WordLevel or WordPiece
@@ -1419,6 +1491,71 @@ def test_a_symlinked_folder_in_a_data_directory_is_named_as_not_searched(tmp_pat
                                                    "data.paths")):
         corpus = load_corpus([str(tmp_path / "data")], read=False)
     assert [p.name for p in corpus.files] == ["a.txt"]
+
+
+def test_several_data_paths_in_one_string_are_shown_as_a_list(tmp_path, monkeypatch):
+    """``data.paths=a.txt,b.txt`` (no brackets: one string, one path) said the path "does not
+    exist (did you mean 'a.txt'?)", as though one file were misspelt. It says that it is two
+    paths and how a list is written; a path that is not existing ones run together keeps the hint."""
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "a.txt", n_lines=50)
+    write_corpus(tmp_path / "b.txt", n_lines=50)
+    for given in ("a.txt,b.txt", "a.txt b.txt", "a.txt, b.txt"):
+        with pytest.raises(ValueError, match=re.escape(f"data path '{given}' does not exist: it is 2 paths in one "
+                                                       "string; a list is written in brackets, data.paths=[a.txt,b.txt]")):
+            load_corpus([given], read=False)
+    with pytest.raises(ValueError, match=re.escape("data path 'a.txt,c.txt' does not exist (did you mean 'a.txt'?)")):
+        load_corpus(["a.txt,c.txt"], read=False)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_as_a_data_path_is_refused_as_one(tmp_path):
+    """``data.paths=[<(zcat corpus.txt.gz)]`` (a pipe, /dev/fd/63) was searched as a directory:
+    "data directory '/dev/fd/63' holds no .txt or .jsonl files". The text is read several
+    times over, which a pipe cannot give: it is refused as what it is, saying to write a file."""
+    os.mkfifo(tmp_path / "stream.txt")
+    with pytest.raises(ValueError, match=re.escape(f"data path '{tmp_path / 'stream.txt'}' is not a file or a directory "
+                                                   "(a pipe, a device): the data is read several times over")):
+        load_corpus([str(tmp_path / "stream.txt")], read=False)
+
+
+def test_a_dangling_symlink_in_data_paths_is_named_as_one(tmp_path):
+    """A corpus of links to files on a mount that is not there: a directory's search dropped a
+    dangling ``b.txt`` without a word, and ``data.paths=[data/b.txt]`` said it "does not exist
+    (did you mean 'b.txt'?)", suggesting itself. The search names it in a warning; the path
+    named is refused as a link to what does not exist."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("the first file's text\n" * 50)
+    (data / "b.txt").symlink_to(tmp_path / "gone" / "b.txt")
+    with pytest.warns(UserWarning, match=re.escape(f"data directory '{data}': 1 symbolic link(s) to files that do "
+                                                   f"not exist not read: '{data / 'b.txt'}'")):
+        corpus = load_corpus([str(data)], read=False)
+    assert [p.name for p in corpus.files] == ["a.txt"]
+    with pytest.raises(ValueError, match=re.escape(f"data path '{data / 'b.txt'}' does not exist (a symbolic link to "
+                                                   f"'{tmp_path / 'gone' / 'b.txt'}', which does not exist)")):
+        load_corpus([str(data / "b.txt")], read=False)
+
+
+def test_compressed_text_files_in_a_data_directory_are_named_as_not_read(tmp_path):
+    """A directory of corpus shards, some of them compressed (``b.jsonl.gz``), lost those
+    without a word: a directory's search reads .txt and .jsonl files only. It still does; it
+    names them, and a directory holding only such files says what they are."""
+    import gzip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("the first file's text\n" * 50)
+    (data / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "compressed"}\n'))
+    (data / "c.tar.gz").write_bytes(gzip.compress(b"not a corpus shard"))
+    with pytest.warns(UserWarning, match=re.escape(f"data directory '{data}': 1 compressed text file(s) not read: "
+                                                   f"'{data / 'b.jsonl.gz'}'; decompress them (gunzip,")):
+        corpus = load_corpus([str(data)], read=False)
+    assert [p.name for p in corpus.files] == ["a.txt"]
+    (data / "a.txt").unlink()
+    with pytest.raises(ValueError, match=re.escape(f"data directory '{data}' holds no .txt or .jsonl files (only "
+                                                   f"compressed ones, '{data / 'b.jsonl.gz'}': decompress them")):
+        load_corpus([str(data)], read=False)
 
 
 def test_depth_entropy_is_the_mean_of_each_positions_entropy():

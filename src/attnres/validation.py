@@ -83,6 +83,8 @@ def missing_path_hint(path: str | os.PathLike[str], directories_only: bool = Fal
     is the first missing component, not the last); ``""`` with nothing near. ``directories_only``:
     the last component names a directory, so only directories are suggested for it."""
     path = Path(path)
+    if path.is_symlink():  # (a dangling link: the nearest name was the link's own)
+        return f" (a symbolic link to {os.readlink(path)!r}, which does not exist)"
     missing = path
     while missing.parent != missing and not missing.parent.exists():
         missing = missing.parent

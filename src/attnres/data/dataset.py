@@ -37,7 +37,7 @@ from ..termination import sigterm_raises
 from ..user_warning import warn_user
 from ..validation import did_you_mean
 from .cache_index import record_files, recorded_digest, remove_stale_temporaries, temporary_dir
-from .corpus import Corpus
+from .corpus import DOCUMENT_SEPARATOR, Corpus, is_json_lines
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
                         load_tokenizer_file, text_chunks, train_bpe, unknown_share)
 
@@ -152,6 +152,7 @@ def _write_cache(corpus: Corpus, cache: Path, tok: Tokenizer, progress: bool = F
         n_train = _encode_to_file(tok, corpus.train_parts(), tmp / "train.bin", dtype, progress, corpus.train_length)
         n_val = _encode_to_file(tok, corpus.val, tmp / "val.bin", dtype, progress)
         _warn_unknown_tokens(tok, _open_tokens(tmp / "train.bin", dtype, n_train))
+        _warn_unseparated_documents(tok, corpus)
         meta = dict(digest=corpus.digest, tokenizer=tok.kind, vocab_size=tok.vocab_size, dtype=dtype.name,
                     n_train=n_train, n_val=n_val, sources=list(corpus.sources), files=[corpus.files_key])
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -183,6 +184,18 @@ def _warn_unknown_tokens(tok: Tokenizer, tokens: np.ndarray) -> None:
                   "vocabulary does not cover this text (a tokenizer of another language or script?), and the model "
                   "would learn to predict that token; use a tokenizer made for the text (data.tokenizer=bpe trains "
                   "one on it)")
+
+
+def _warn_unseparated_documents(tok: Tokenizer, corpus: Corpus) -> None:
+    """Warn when ``corpus`` holds several documents (files, JSON lines) and ``tok`` encodes the
+    blank line that joins them (:data:`~attnres.data.corpus.DOCUMENT_SEPARATOR`) as nothing: a
+    tokenizer that drops whitespace (a ``Whitespace`` or BERT pre-tokenizer) ran one document
+    into the next, with no boundary the model could see, without a word."""
+    several = len(corpus.files) > 1 or any(map(is_json_lines, corpus.files))
+    if several and not tok.encode(DOCUMENT_SEPARATOR):
+        warn_user(f"the tokenizer encodes the blank line that separates documents (files, JSON lines) as no token at "
+                  "all (it drops whitespace): each document runs into the next with no boundary the model can see; "
+                  "use a tokenizer that keeps line breaks (data.tokenizer=bpe trains one on the text)")
 
 
 def _publish(tmp: Path, cache: Path) -> None:

@@ -272,9 +272,15 @@ def load_tokenizer_file(path: str | Path, what: str) -> BPETokenizer:
     (the option, e.g. ``--tokenizer``) for a directory without one or a path that does not exist."""
     file = tokenizer_file(path, what)
     try:
-        return BPETokenizer.load(file)
+        tok = BPETokenizer.load(file)
     except ValueError as e:  # ("cannot read tokenizer file ...": which option named it)
         raise ValueError(f"{what}: {e}") from None
+    top = max(tok.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= tok.vocab_size:  # (the model has a row per token: found at the first step, after all the tokenising)
+        raise ValueError(f"{what} {str(file)!r} has {tok.vocab_size} tokens but ids up to {top} (its vocabulary "
+                         f"skips ids): the model's embedding has a row per token, ids 0 to {tok.vocab_size - 1}; give "
+                         "a tokenizer whose ids run without gaps")
+    return tok
 
 
 def tokenizer_file(path: str | Path, what: str) -> Path:
@@ -421,20 +427,37 @@ def text_chunks(text: str | Iterable[str], size: int = 1 << 20) -> Iterator[str]
     """``text`` in consecutive pieces of about ``size`` characters, each ending just after the
     first line break ``size`` characters or more after its start (the last one at the end of
     the text). Joined, they give ``text`` back. ``text`` may be given as consecutive parts
-    (a stream of a corpus): the pieces are those of their join, which is never made."""
+    (a stream of a corpus): the pieces are those of their join, which is never made.
+
+    A piece that reaches ``2 * size`` characters with no line break past ``size`` ends just
+    before its first space past ``size`` instead, or at ``2 * size`` where it has none: a text
+    without line breaks (text8, a dump on one line) was one piece, the whole corpus encoded in
+    one call (about 75 bytes of the BPE's memory a character, no progress, no Ctrl-C until it
+    ended). A byte-level BPE's pre-tokenizer splits before a space anyway, so such a cut
+    leaves the vocabulary and the ids as they were."""
+    limit = 2 * size
     held: list[str] = []  # the current piece's text so far, of `length` characters
-    length = 0
+    length, space = 0, -1  # space: where in the piece its first space past `size` is (-1: none yet)
     for part in [text] if isinstance(text, str) else text:
         start = 0
         while start < len(part):
-            end = part.find("\n", start + max(0, size - length))
+            lo, hi = start + max(0, size - length), start + limit - length  # the piece's [size, limit) in `part`
+            end = part.find("\n", lo, hi)
             if end < 0:
-                held.append(part[start:] if start else part)
-                length += len(part) - start
-                break
-            held.append(part[start:end + 1])
-            yield "".join(held)
-            held, length, start = [], 0, end + 1
+                if space < 0 and (at := part.find(" ", lo, hi)) >= 0:
+                    space = length + at - start
+                if hi > len(part):  # (the piece goes on in the next part)
+                    held.append(part[start:] if start else part)
+                    length += len(part) - start
+                    break
+            piece = "".join([*held, part[start:end + 1 if end >= 0 else hi]])
+            start = end + 1 if end >= 0 else hi
+            if end < 0 and space >= 0:  # (the rest, from that space on, begins the next piece)
+                piece, held, length = piece[:space], [piece[space:]], len(piece) - space
+            else:
+                held, length = [], 0
+            space = -1
+            yield piece
     if held:
         yield "".join(held)
 

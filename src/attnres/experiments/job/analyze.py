@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ...analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
-from ...data.corpus import read_text_file
+from ...data.corpus import TEXT_FIELD, is_json_lines, json_lines_text, read_text_file
 from ...output_paths import OutputPathError, check_output_dir, strict_json, write_text_atomically
 from ...analysis.mixing_report import (
     method_note,
@@ -241,6 +241,16 @@ def _plot_if_possible(panels, path: Path, diff) -> str:
     return "![depth mixing matrices](mixing.png)"
 
 
+def _trained_text_field(checkpoint: str | Path) -> str:
+    """The ``data.text_field`` the run of ``checkpoint`` was trained on (``"text"`` for a
+    transformers directory, or a run that records none)."""
+    from ...checkpoint.locate import newest_state
+
+    found = newest_state(Path(checkpoint).expanduser()) if Path(checkpoint).expanduser().is_dir() else None
+    data = ((found[1].get("config") or {}).get("data") or {}) if found is not None else {}
+    return data.get("text_field") or TEXT_FIELD
+
+
 def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, out: str | Path | None = None,
                    rows: int | None = None, seq_len: int | None = None, text_path: str | None = None,
                    device: str | torch.device = "cpu") -> Path:
@@ -262,6 +272,8 @@ def write_analysis(checkpoint: str | Path, compare: str | Path | None = None, ou
             raise CheckpointError(("--compare: " if path is compare else "") + no_checkpoint_at(path))
         if not found:  # (a plain model as --compare was found only after the first model's whole analysis)
             _refuse_plain_directory(path, "--compare: " if path is compare else "")
+    if text_path is not None and is_json_lines(text_path):  # (its records' text, as eval reads it: not its JSON)
+        text = json_lines_text(text_path, "--text", _trained_text_field(checkpoint))
     out = check_analysis_out(out if out is not None else default_analysis_dir(checkpoint))
     items = [analyze_checkpoint(checkpoint, rows, seq_len, text, device)]
     if compare is not None:
