@@ -295,11 +295,12 @@ def test_only_relative_paths_of_path_overrides_are_made_absolute(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     given = ["data.paths=[a.txt, 'b c/*.txt']", "data.paths='x #1.txt'", "data.tokenizer=bpe", "data.tokenizer=./tok",
              "init_from=null", "resume_from=run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs",
-             "lr=1e-3", "out_dir=x"]
+             "lr=1e-3", "out_dir=x", "model.from_hf=hf", "model.from_hf=~/up"]
     assert absolute_path_overrides(given) == [
         f"data.paths=[{tmp_path}/a.txt, {tmp_path}/b c/*.txt]", f'data.paths=["{tmp_path}/x #1.txt"]',
         "data.tokenizer=bpe", f"data.tokenizer={tmp_path}/tok", "init_from=null",
-        f"resume_from={tmp_path}/run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs", "lr=1e-3", "out_dir=x"]
+        f"resume_from={tmp_path}/run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs", "lr=1e-3", "out_dir=x",
+        f"model.from_hf={tmp_path}/hf", f"model.from_hf={Path.home()}/up"]
 
 
 def test_a_run_recorded_at_stop_after_by_an_earlier_version_is_resumed_not_skipped(corpus, tmp_path):
