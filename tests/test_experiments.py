@@ -255,6 +255,30 @@ def test_a_grid_paused_with_stop_after_is_continued_by_the_command_status_gives(
     assert "finished earlier, skipped" in capsys.readouterr().out
 
 
+def test_a_grid_is_continued_with_another_progress_display_or_process_layout(corpus, tmp_path, capsys):
+    """progress=false and parallel.* were stored as the grid's overrides and compared: the grid
+    continued with the progress bar back on, or another parallel.dp, was refused as another
+    grid's, where attnres train --resume takes them from each launch. They are per launch for a
+    grid too: not stored, not compared (a header of an earlier version that holds them matches)."""
+    from attnres.experiments.layout import PER_LAUNCH_OVERRIDES
+    from attnres.train.resume import PER_LAUNCH
+
+    assert PER_LAUNCH_OVERRIDES == PER_LAUNCH - {"resume", "resume_from", "out_dir"}  # (the grid sets those per run)
+    out = tmp_path / "grid"
+    over = ["--variants", "standard", "--overhead-repeats", "0", f"data.paths=[{corpus}]", "steps=4"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), *over, "stop_after=2", "progress=false",
+                     "dist_timeout_s=60"]) == 0
+    assert json.loads((out / "experiment.json").read_text())["overrides"] == over[4:]
+    capsys.readouterr()
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), *over, "progress=true", "parallel.dp=1"]) == 0
+    assert "standard seed 0: resuming at step 2 of 4" in capsys.readouterr().out
+    assert json.loads((out / "standard" / "seed0" / "result.json").read_text())["steps"] == 4
+    header = json.loads((out / "experiment.json").read_text())
+    (out / "experiment.json").write_text(json.dumps({**header, "overrides": header["overrides"] + ["progress=false"]}))
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), *over]) == 0
+    assert "finished earlier, skipped" in capsys.readouterr().out
+
+
 def test_a_grids_relative_data_paths_are_stored_absolute_so_it_continues_from_anywhere(corpus, tmp_path, monkeypatch,
                                                                                        capsys):
     """data.paths=[corpus.txt] was stored as typed and read against the directory of each later

@@ -61,7 +61,7 @@ def _continue_command(run: str) -> str:
     name = header["experiment"]
     words = ["attnres", "compare"] if name == "compare" else ["attnres", "experiment", name]
     words += ["--preset", str(header.get("preset")), "--out", path_argument(grid), "--seeds", seed,
-              *grid_overrides(map(str, header.get("overrides") or []))]  # (stop_after: it paused the grid)
+              *grid_overrides(map(str, header.get("overrides") or []))]  # (stop_after, progress, parallel.*: per launch)
     return f"`{shlex.join(words)}` (its grid's command, for this seed)"
 
 
