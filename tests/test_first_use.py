@@ -73,6 +73,15 @@ def test_a_checkpoint_removed_while_it_is_read_loads_the_runs_newest_or_is_named
         loading.load_run(newer)
 
 
+def test_generate_names_the_checkpoint_of_a_run_it_loaded(finished_run, capsys):
+    """attnres generate RUN (checkpoints at steps 2 and 4) said nothing of which it loaded,
+    where attnres eval names it: a run still training replaces its newest as it goes. stderr
+    now names the checkpoint and its step."""
+    assert cli_main(["generate", str(finished_run), "--prompt", "the", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (f"attnres generate: checkpoint "
+                                                       f"{finished_run / 'checkpoints' / 'step-00000004'} (step 4)")
+
+
 def test_a_loaded_run_and_its_tokenizer_show_in_a_notebook_as_one_line(finished_run):
     """``run = load_run(...)`` shown in a notebook printed the model's module tree and the
     whole state.json (the config twice); the tokenizer as ``<... object at 0x...>``."""
