@@ -82,6 +82,15 @@ def test_generate_names_the_checkpoint_of_a_run_it_loaded(finished_run, capsys):
                                                        f"{finished_run / 'checkpoints' / 'step-00000004'} (step 4)")
 
 
+def test_export_names_the_checkpoint_of_a_run_it_wrote(finished_run, tmp_path, capsys):
+    """attnres export RUN (checkpoints at steps 2 and 4) said "wrote OUT" alone: nothing in
+    the export says which step it holds. It now names the checkpoint and its step."""
+    pytest.importorskip("transformers")
+    assert cli_main(["export", str(finished_run), "--out", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.startswith(f"attnres export: wrote {tmp_path / 'hf'} from checkpoint "
+                                              f"{finished_run / 'checkpoints' / 'step-00000004'} (step 4); load it with ")
+
+
 def test_a_loaded_run_and_its_tokenizer_show_in_a_notebook_as_one_line(finished_run):
     """``run = load_run(...)`` shown in a notebook printed the model's module tree and the
     whole state.json (the config twice); the tokenizer as ``<... object at 0x...>``."""
