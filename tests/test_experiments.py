@@ -323,7 +323,7 @@ def test_only_relative_paths_of_path_overrides_are_made_absolute(tmp_path, monke
     assert absolute_path_overrides(given) == [
         f"data.paths=[{tmp_path}/a.txt, {tmp_path}/b c/*.txt]", f'data.paths=["{tmp_path}/x #1.txt"]',
         "data.tokenizer=bpe", f"data.tokenizer={tmp_path}/tok", "init_from=null",
-        f"resume_from={tmp_path}/run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs", "lr=1e-3", "out_dir=x",
+        "resume_from=run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs", "lr=1e-3", "out_dir=x",
         f"model.from_hf={tmp_path}/hf", f"model.from_hf={Path.home()}/up"]
 
 
@@ -1121,6 +1121,21 @@ def test_a_misspelt_override_given_to_continue_a_grid_is_refused_by_its_name(tmp
     with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) \['stpes'\] \(did you mean 'steps'"):
         run_experiment(get_experiment("compare", "tiny"), out, [0], ["stpes=600"], log=lambda s: None)
     assert sorted(p.name for p in out.iterdir()) == ["experiment.json"]
+
+
+@pytest.mark.parametrize("override", ["resume=true", "resume_from=elsewhere/run"])
+def test_resume_overrides_are_refused_before_the_grid_is_written(tmp_path, override, capsys):
+    """`attnres compare --out X resume=true` wrote the grid's header, then its first run was
+    refused with train's advice ("drop --resume"), and resume_from=RUN resumed that one
+    checkpoint into every run of the grid. The grid resumes each run from its own
+    checkpoints: both are refused by name, before anything is written."""
+    out = tmp_path / "grid"
+    with pytest.raises(SystemExit, match=rf"override '{override.split('=')[0]}=.*' changes {override.split('=')[0]}, "
+                                         "which the grid sets for each run \\(a run with checkpoints is resumed from its "
+                                         "newest: give the grid's command again\\)"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                  override])
+    assert not out.exists()
 
 
 def test_a_run_that_diverges_is_named_with_the_grid_it_stopped(corpus, tmp_path, capsys):

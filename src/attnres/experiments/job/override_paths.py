@@ -15,7 +15,7 @@ from ...train.config import parse_override
 #: whether the value is a list of them. (``model.from_hf`` names a directory only, never a Hub
 #: id: a relative one kept as typed named another folder, or none, from another directory.)
 PATH_KEYS = {"data.paths": True, "data.cache_dir": False, "data.tokenizer": False, "init_from": False,
-             "resume_from": False, "model.from_hf": False}
+             "model.from_hf": False}
 
 
 def absolute_path_overrides(overrides: list[str]) -> list[str]:

@@ -60,8 +60,13 @@ def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Pat
 def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
     """Refuse an override of what the grid itself sets: a field its variants differ in (e.g.
     ``model.residual.kind`` in ``compare``, which would train three alike models under three
-    names), or ``seed`` / ``out_dir``, which every run gets from ``--seeds`` / ``--out``."""
-    set_by_grid = {("seed",): "--seeds sets for each run", ("out_dir",): "--out sets for each run"}
+    names), ``seed`` / ``out_dir``, which every run gets from ``--seeds`` / ``--out``, or
+    ``resume`` / ``resume_from``: the grid resumes each run from its own checkpoints (given,
+    the grid's header was written and its first run refused with train's advice, "drop
+    --resume", or resumed another run's checkpoint into each of its runs)."""
+    resumed = "the grid sets for each run (a run with checkpoints is resumed from its newest: give the grid's command again)"
+    set_by_grid = {("seed",): "--seeds sets for each run", ("out_dir",): "--out sets for each run",
+                   ("resume",): resumed, ("resume_from",): resumed}
     for v in experiment.variants:
         for key in flatten({"model": v.model, **v.train}):
             set_by_grid.setdefault(tuple(key.split(".")), f"the {experiment.name!r} grid sets per variant (choose variants "
