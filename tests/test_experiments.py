@@ -313,6 +313,32 @@ def test_a_grids_relative_data_paths_are_stored_absolute_so_it_continues_from_an
     assert "finished earlier, skipped" in capsys.readouterr().out
 
 
+def test_a_grid_moved_with_its_data_continues_with_the_new_paths_of_the_same_text(corpus, tmp_path, capsys):
+    """A grid moved, or copied to another machine, with its data: experiment.json holds the
+    old absolute data.paths, so the grid's command named a file no longer there, and the one
+    with the new paths was refused as another grid's (unless experiment.json was edited by
+    hand). The data's location is not the grid's identity (as for train --resume): the new
+    paths continue it, their text checked against the fingerprint its runs recorded."""
+    import shutil
+
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    first.mkdir()
+    shutil.copy(corpus, first / "corpus.txt")
+    grid = ["compare", "--preset", "tiny", "--variants", "standard", "--overhead-repeats", "0", "steps=4"]
+    assert cli_main([*grid, "--out", str(first / "grid"), f"data.paths=[{first / 'corpus.txt'}]", "stop_after=2"]) == 0
+    first.rename(moved)
+    capsys.readouterr()
+    assert cli_main([*grid, "--out", str(moved / "grid"), f"data.paths=[{moved / 'corpus.txt'}]"]) == 0
+    assert "standard seed 0: resuming at step 2 of 4" in capsys.readouterr().out
+    header = json.loads((moved / "grid" / "experiment.json").read_text())
+    assert header["overrides"] == ["steps=4", f"data.paths=[{moved / 'corpus.txt'}]"]  # (status gives these now)
+    (moved / "other.txt").write_text("another text entirely\n" * 200)
+    with pytest.raises(SystemExit, match=rf"data.paths \['{moved / 'other.txt'}'\] hold other text than the grid in "
+                                         rf"'{moved / 'grid'}' trained on \(fingerprint \w+; its runs': \w+\)"):
+        cli_main([*grid, "--out", str(moved / "grid"), "--seeds", "1", f"data.paths=[{moved / 'other.txt'}]"])
+    assert not (moved / "grid" / "standard" / "seed1").exists()
+
+
 def test_only_relative_paths_of_path_overrides_are_made_absolute(tmp_path, monkeypatch):
     from attnres.experiments.job.override_paths import absolute_path_overrides
 
