@@ -73,6 +73,30 @@ def test_a_checkpoint_removed_while_it_is_read_loads_the_runs_newest_or_is_named
         loading.load_run(newer)
 
 
+def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished_run, corpus, tmp_path, monkeypatch,
+                                                                         capsys):
+    """init_from=RUN of a run still training: its rotation (keep_checkpoints) deleted the
+    checkpoint found at start-up before this run read its weights (after its data was
+    prepared), and train ended in a FileNotFoundError's traceback naming model.safetensors."""
+    import shutil
+
+    import attnres.train.setup as setup
+
+    source = tmp_path / "source"
+    shutil.copytree(finished_run, source)
+    found = setup._init_source
+
+    def and_rotated(config):
+        start = found(config)
+        shutil.rmtree(start.init.path)
+        return start
+
+    monkeypatch.setattr(setup, "_init_source", and_rotated)
+    message = fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", steps=2), f"init_from={source}"],
+                         f"init_from='{source}/checkpoints/step-00000004' was removed while this run was set up: ")
+    assert message.endswith("or copy a checkpoint aside and start from the copy")
+
+
 def test_generate_names_the_checkpoint_of_a_run_it_loaded(finished_run, capsys):
     """attnres generate RUN (checkpoints at steps 2 and 4) said nothing of which it loaded,
     where attnres eval names it: a run still training replaces its newest as it goes. stderr
