@@ -1164,6 +1164,19 @@ def test_resume_overrides_are_refused_before_the_grid_is_written(tmp_path, overr
     assert not out.exists()
 
 
+def test_a_layout_of_several_ranks_is_refused_before_the_grid_is_written(tmp_path):
+    """`attnres compare --out X parallel.dp=2` wrote the grid's header, then its first run was
+    refused with train's advice to launch `torchrun ... -m attnres train`, where a grid runs in
+    one process (a torchrun launch of it is refused). Refused first, naming the grid's way."""
+    out = tmp_path / "grid"
+    with pytest.raises(SystemExit, match=r"error: parallel asks for dp 2 x tp 1 x pp 1 = 2 ranks, where a grid trains "
+                                         r"its runs one after another in one process: leave the parallel.\* overrides "
+                                         r"out \(or train each run with attnres train under torchrun\)$"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                  "parallel.dp=2"])
+    assert not out.exists()
+
+
 def test_a_run_that_diverges_is_named_with_the_grid_it_stopped(corpus, tmp_path, capsys):
     """One diverged run of a grid ended `attnres compare` with the trainer's message alone
     ("non-finite gradient norm at step 4 ..."), which of the grid's runs it was scrolled away."""

@@ -126,6 +126,19 @@ def check_flops_counted(configs: list[tuple[Variant, int, TrainConfig]]) -> None
                              "first run starts)") from None
 
 
+def check_one_process(configs: list[tuple[Variant, int, TrainConfig]]) -> None:
+    """Raise ``ValueError`` when the runs' ``parallel.*`` asks for more than one rank: a grid
+    trains its runs one after another in one process (a launch under torchrun is refused),
+    and its first run was refused with train's advice to launch ``torchrun ... -m attnres
+    train``, after the grid's header was written."""
+    parallel = configs[0][2].parallel if configs else None
+    ranks = None if parallel is None else (parallel.dp or 1) * parallel.tp * parallel.pp
+    if ranks is not None and ranks > 1:
+        raise ValueError(f"parallel asks for dp {parallel.dp or 1} x tp {parallel.tp} x pp {parallel.pp} = {ranks} "
+                         "ranks, where a grid trains its runs one after another in one process: leave the parallel.* "
+                         "overrides out (or train each run with attnres train under torchrun)")
+
+
 def check_data_passes(configs: list[tuple[Variant, int, TrainConfig]], limit: float | None) -> None:
     """Raise ``ValueError`` naming every run of ``configs`` that would go over its training
     split more than ``limit`` times (nothing to check when ``limit`` is ``None``)."""
@@ -349,6 +362,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
                for s in seeds for v in chosen]
     check_same_experiment(out, header)
     marker = out / EXPERIMENT_FILE
+    check_one_process(configs)
     check_data_passes(configs, experiment.max_data_passes)
     check_flops_counted(configs)
     check_data_found(configs)
