@@ -1120,7 +1120,8 @@ def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they
     from attnres.experiments.job.runner import check_same_experiment
 
     out = tmp_path / "grid"
-    out.mkdir()
+    (out / "standard" / "seed0").mkdir(parents=True)
+    (out / "standard" / "seed0" / "result.json").write_text("{}")  # (a run it trained: the header binds it)
     saved = {"experiment": "compare", "preset": "tiny", "overrides": ["steps=600", "lr=2e-3"]}
     (out / "experiment.json").write_text(json.dumps(saved))
     for same in (["lr=2e-3", "steps=600"], ["lr=0.002", "steps=600"], ["steps=600", "lr=2e-3"]):
@@ -1135,6 +1136,25 @@ def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they
     with pytest.raises(ValueError, match=r"holds the 'compare' grid trained without overrides; this command gives "
                        r"steps=600: to continue it give none, or pick another --out$"):
         check_same_experiment(out, {**saved, "overrides": ["steps=600"]})
+
+
+def test_the_header_of_a_grid_that_trained_nothing_does_not_bind_the_next_command(corpus, tmp_path):
+    """A grid whose first run was refused at its start (device=cuda on a machine without one)
+    left its header alone, holding the failing override: the command without it was refused as
+    another grid's ("give its overrides again"), the one with it failed again. A header without
+    a run that wrote a checkpoint or a record is replaced by the next command's."""
+    from attnres.experiments.job.runner import check_same_experiment
+
+    out = tmp_path / "grid"
+    out.mkdir()
+    failed = {"experiment": "compare", "preset": "tiny", "overrides": [f"data.paths=[{corpus}]", "steps=2",
+                                                                       "device=cuda"]}
+    (out / "experiment.json").write_text(json.dumps(failed))
+    run_experiment(get_experiment("compare", "tiny"), out, [0], failed["overrides"][:2], variants=["standard"],
+                   log=lambda s: None)
+    assert json.loads((out / "experiment.json").read_text())["overrides"] == failed["overrides"][:2]
+    with pytest.raises(ValueError, match="holds the 'compare' grid trained with the overrides"):  # now it binds
+        check_same_experiment(out, failed)
 
 
 def test_a_misspelt_override_given_to_continue_a_grid_is_refused_by_its_name(tmp_path):

@@ -256,7 +256,8 @@ def check_same_experiment(out: str | Path, header: dict[str, Any], check_overrid
         raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
                          f"{ {k: saved.get(k) for k in differing} }, not { {k: header[k] for k in differing} }); "
                          "pick another --out")
-    if check_overrides and "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
+    if check_overrides and "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]) \
+            and _trained_anything(out):  # (else the header of a grid that failed before its first checkpoint: replaced)
         was, now = (" ".join(map(str, o)) if o else "none" for o in (saved.get("overrides"), header["overrides"]))
         if was == "none":  # (it read "trained with the overrides none")
             trained, again = "without overrides", "give none"
@@ -271,6 +272,14 @@ def check_same_experiment(out: str | Path, header: dict[str, Any], check_overrid
 #: ``attnres train --resume`` does; the text there is checked against the fingerprint its
 #: runs recorded (:func:`check_same_text`).
 DATA_LOCATION = ("paths", "cache_dir")
+
+
+def _trained_anything(out: Path) -> bool:
+    """Whether a run of the grid in ``out`` wrote a checkpoint or its record: a header alone
+    (its first run refused at its start, ``device=cuda`` on a machine without one) bound the
+    grid to the overrides that failed, and the command without them was refused as another
+    grid's."""
+    return any(out.glob("*/seed*/checkpoints/step-*")) or any(out.glob(f"*/seed*/{RESULT_FILE}"))
 
 
 def _same_overrides(saved: Any, given: list[str]) -> bool:
