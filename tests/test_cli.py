@@ -257,6 +257,36 @@ def test_a_config_file_whose_name_starts_with_a_dash_is_told_the_forms_argparse_
     assert capsys.readouterr().err.rstrip().endswith("attnres train: error: unrecognized arguments: -x")
 
 
+@pytest.mark.parametrize("argv, dest", [
+    (["eval", "-run"], "checkpoint_path"), (["generate", "-run", "--prompt", "hi"], "checkpoint_path"),
+    (["analyze", "-run"], "checkpoint_path"),
+    (["export", "-run", "--out", "x"], "checkpoint_path"), (["status", "-run"], "dirs"), (["plot", "-run"], "dirs"),
+    (["export", "run", "--out", "-run"], "out"), (["upcycle", "--model", "-run", "--out", "y"], "model"),
+    (["compare", "--out", "-run"], "out"), (["plot", "run", "--out", "-run"], "out")])
+def test_a_path_argument_that_starts_with_a_dash_is_told_the_form_argparse_takes(tmp_path, monkeypatch, capsys, argv,
+                                                                                  dest):
+    """Only attnres train told a file named -c.yaml how to give it: the other commands got
+    argparse's bare "unrecognized arguments: -run" for a run folder named -run, and "argument
+    --out: expected one argument" for --out -run. Each now says the word starts with '-' and
+    gives the form argparse reads (./-run, --out=-run), and that form parses to the path."""
+    monkeypatch.chdir(tmp_path)
+    Path("-run").mkdir()
+    with pytest.raises(SystemExit):
+        cli_main(argv)
+    err = capsys.readouterr().err.rstrip()
+    assert err.endswith("('-run' starts with '-', which argparse reads as an option: give "
+                        + ("the path as ./-run)" if dest in ("checkpoint_path", "dirs") else f"it as --{dest}=-run)")), err
+    form = err[:-1].rpartition(" as ")[2]
+    fixed = [form if word == "-run" else word for word in argv]
+    if form.startswith("--"):  # (the option and its value in one word)
+        fixed = [w for i, w in enumerate(fixed) if not (w.startswith("--") and i + 1 < len(fixed) and fixed[i + 1] == form)]
+    value = getattr(build_parser().parse_args(fixed), dest)
+    assert value in ("./-run", "-run", ["./-run"]), value
+    with pytest.raises(SystemExit):  # an option that names nothing here: argparse's words alone
+        cli_main([argv[0], "-nothere"])
+    assert "starts with '-'" not in capsys.readouterr().err
+
+
 def test_a_quoted_tilde_in_a_path_argument_is_the_home_directory(tmp_path, monkeypatch, capsys):
     """``attnres status "~/my runs"`` (quoted for its space, so the shell leaves the ``~``) said
     "no such folder: '.' holds no '~'", where ``attnres train "out_dir=~/my runs/a"`` had

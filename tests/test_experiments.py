@@ -255,6 +255,30 @@ def test_a_grid_paused_with_stop_after_is_continued_by_the_command_status_gives(
     assert "finished earlier, skipped" in capsys.readouterr().out
 
 
+def test_a_grid_is_continued_with_another_progress_display_or_process_layout(corpus, tmp_path, capsys):
+    """progress=false and parallel.* were stored as the grid's overrides and compared: the grid
+    continued with the progress bar back on, or another parallel.dp, was refused as another
+    grid's, where attnres train --resume takes them from each launch. They are per launch for a
+    grid too: not stored, not compared (a header of an earlier version that holds them matches)."""
+    from attnres.experiments.layout import PER_LAUNCH_OVERRIDES
+    from attnres.train.resume import PER_LAUNCH
+
+    assert PER_LAUNCH_OVERRIDES == PER_LAUNCH - {"resume", "resume_from", "out_dir"}  # (the grid sets those per run)
+    out = tmp_path / "grid"
+    over = ["--variants", "standard", "--overhead-repeats", "0", f"data.paths=[{corpus}]", "steps=4"]
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), *over, "stop_after=2", "progress=false",
+                     "dist_timeout_s=60"]) == 0
+    assert json.loads((out / "experiment.json").read_text())["overrides"] == over[4:]
+    capsys.readouterr()
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), *over, "progress=true", "parallel.dp=1"]) == 0
+    assert "standard seed 0: resuming at step 2 of 4" in capsys.readouterr().out
+    assert json.loads((out / "standard" / "seed0" / "result.json").read_text())["steps"] == 4
+    header = json.loads((out / "experiment.json").read_text())
+    (out / "experiment.json").write_text(json.dumps({**header, "overrides": header["overrides"] + ["progress=false"]}))
+    assert cli_main(["compare", "--preset", "tiny", "--out", str(out), *over]) == 0
+    assert "finished earlier, skipped" in capsys.readouterr().out
+
+
 def test_a_grids_relative_data_paths_are_stored_absolute_so_it_continues_from_anywhere(corpus, tmp_path, monkeypatch,
                                                                                        capsys):
     """data.paths=[corpus.txt] was stored as typed and read against the directory of each later
@@ -289,17 +313,44 @@ def test_a_grids_relative_data_paths_are_stored_absolute_so_it_continues_from_an
     assert "finished earlier, skipped" in capsys.readouterr().out
 
 
+def test_a_grid_moved_with_its_data_continues_with_the_new_paths_of_the_same_text(corpus, tmp_path, capsys):
+    """A grid moved, or copied to another machine, with its data: experiment.json holds the
+    old absolute data.paths, so the grid's command named a file no longer there, and the one
+    with the new paths was refused as another grid's (unless experiment.json was edited by
+    hand). The data's location is not the grid's identity (as for train --resume): the new
+    paths continue it, their text checked against the fingerprint its runs recorded."""
+    import shutil
+
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    first.mkdir()
+    shutil.copy(corpus, first / "corpus.txt")
+    grid = ["compare", "--preset", "tiny", "--variants", "standard", "--overhead-repeats", "0", "steps=4"]
+    assert cli_main([*grid, "--out", str(first / "grid"), f"data.paths=[{first / 'corpus.txt'}]", "stop_after=2"]) == 0
+    first.rename(moved)
+    capsys.readouterr()
+    assert cli_main([*grid, "--out", str(moved / "grid"), f"data.paths=[{moved / 'corpus.txt'}]"]) == 0
+    assert "standard seed 0: resuming at step 2 of 4" in capsys.readouterr().out
+    header = json.loads((moved / "grid" / "experiment.json").read_text())
+    assert header["overrides"] == ["steps=4", f"data.paths=[{moved / 'corpus.txt'}]"]  # (status gives these now)
+    (moved / "other.txt").write_text("another text entirely\n" * 200)
+    with pytest.raises(SystemExit, match=rf"data.paths \['{moved / 'other.txt'}'\] hold other text than the grid in "
+                                         rf"'{moved / 'grid'}' trained on \(fingerprint \w+; its runs': \w+\)"):
+        cli_main([*grid, "--out", str(moved / "grid"), "--seeds", "1", f"data.paths=[{moved / 'other.txt'}]"])
+    assert not (moved / "grid" / "standard" / "seed1").exists()
+
+
 def test_only_relative_paths_of_path_overrides_are_made_absolute(tmp_path, monkeypatch):
     from attnres.experiments.job.override_paths import absolute_path_overrides
 
     monkeypatch.chdir(tmp_path)
     given = ["data.paths=[a.txt, 'b c/*.txt']", "data.paths='x #1.txt'", "data.tokenizer=bpe", "data.tokenizer=./tok",
              "init_from=null", "resume_from=run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs",
-             "lr=1e-3", "out_dir=x"]
+             "lr=1e-3", "out_dir=x", "model.from_hf=hf", "model.from_hf=~/up"]
     assert absolute_path_overrides(given) == [
         f"data.paths=[{tmp_path}/a.txt, {tmp_path}/b c/*.txt]", f'data.paths=["{tmp_path}/x #1.txt"]',
         "data.tokenizer=bpe", f"data.tokenizer={tmp_path}/tok", "init_from=null",
-        f"resume_from={tmp_path}/run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs", "lr=1e-3", "out_dir=x"]
+        "resume_from=run/checkpoints", "data.cache_dir=$SCRATCH/c", "data.cache_dir=/abs", "lr=1e-3", "out_dir=x",
+        f"model.from_hf={tmp_path}/hf", f"model.from_hf={Path.home()}/up"]
 
 
 def test_a_run_recorded_at_stop_after_by_an_earlier_version_is_resumed_not_skipped(corpus, tmp_path):
@@ -1069,7 +1120,8 @@ def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they
     from attnres.experiments.job.runner import check_same_experiment
 
     out = tmp_path / "grid"
-    out.mkdir()
+    (out / "standard" / "seed0").mkdir(parents=True)
+    (out / "standard" / "seed0" / "result.json").write_text("{}")  # (a run it trained: the header binds it)
     saved = {"experiment": "compare", "preset": "tiny", "overrides": ["steps=600", "lr=2e-3"]}
     (out / "experiment.json").write_text(json.dumps(saved))
     for same in (["lr=2e-3", "steps=600"], ["lr=0.002", "steps=600"], ["steps=600", "lr=2e-3"]):
@@ -1086,6 +1138,25 @@ def test_a_grid_is_continued_with_its_overrides_in_any_order_and_told_which_they
         check_same_experiment(out, {**saved, "overrides": ["steps=600"]})
 
 
+def test_the_header_of_a_grid_that_trained_nothing_does_not_bind_the_next_command(corpus, tmp_path):
+    """A grid whose first run was refused at its start (device=cuda on a machine without one)
+    left its header alone, holding the failing override: the command without it was refused as
+    another grid's ("give its overrides again"), the one with it failed again. A header without
+    a run that wrote a checkpoint or a record is replaced by the next command's."""
+    from attnres.experiments.job.runner import check_same_experiment
+
+    out = tmp_path / "grid"
+    out.mkdir()
+    failed = {"experiment": "compare", "preset": "tiny", "overrides": [f"data.paths=[{corpus}]", "steps=2",
+                                                                       "device=cuda"]}
+    (out / "experiment.json").write_text(json.dumps(failed))
+    run_experiment(get_experiment("compare", "tiny"), out, [0], failed["overrides"][:2], variants=["standard"],
+                   log=lambda s: None)
+    assert json.loads((out / "experiment.json").read_text())["overrides"] == failed["overrides"][:2]
+    with pytest.raises(ValueError, match="holds the 'compare' grid trained with the overrides"):  # now it binds
+        check_same_experiment(out, failed)
+
+
 def test_a_misspelt_override_given_to_continue_a_grid_is_refused_by_its_name(tmp_path):
     """`attnres compare --out X stpes=600` on a grid trained without overrides said the grid was
     "trained with the overrides none; this command gives stpes=600": the typo read as a change
@@ -1096,6 +1167,34 @@ def test_a_misspelt_override_given_to_continue_a_grid_is_refused_by_its_name(tmp
     with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) \['stpes'\] \(did you mean 'steps'"):
         run_experiment(get_experiment("compare", "tiny"), out, [0], ["stpes=600"], log=lambda s: None)
     assert sorted(p.name for p in out.iterdir()) == ["experiment.json"]
+
+
+@pytest.mark.parametrize("override", ["resume=true", "resume_from=elsewhere/run"])
+def test_resume_overrides_are_refused_before_the_grid_is_written(tmp_path, override, capsys):
+    """`attnres compare --out X resume=true` wrote the grid's header, then its first run was
+    refused with train's advice ("drop --resume"), and resume_from=RUN resumed that one
+    checkpoint into every run of the grid. The grid resumes each run from its own
+    checkpoints: both are refused by name, before anything is written."""
+    out = tmp_path / "grid"
+    with pytest.raises(SystemExit, match=rf"override '{override.split('=')[0]}=.*' changes {override.split('=')[0]}, "
+                                         "which the grid sets for each run \\(a run with checkpoints is resumed from its "
+                                         "newest: give the grid's command again\\)"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                  override])
+    assert not out.exists()
+
+
+def test_a_layout_of_several_ranks_is_refused_before_the_grid_is_written(tmp_path):
+    """`attnres compare --out X parallel.dp=2` wrote the grid's header, then its first run was
+    refused with train's advice to launch `torchrun ... -m attnres train`, where a grid runs in
+    one process (a torchrun launch of it is refused). Refused first, naming the grid's way."""
+    out = tmp_path / "grid"
+    with pytest.raises(SystemExit, match=r"error: parallel asks for dp 2 x tp 1 x pp 1 = 2 ranks, where a grid trains "
+                                         r"its runs one after another in one process: leave the parallel.\* overrides "
+                                         r"out \(or train each run with attnres train under torchrun\)$"):
+        cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                  "parallel.dp=2"])
+    assert not out.exists()
 
 
 def test_a_run_that_diverges_is_named_with_the_grid_it_stopped(corpus, tmp_path, capsys):

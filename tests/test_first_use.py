@@ -37,6 +37,84 @@ def finished_run(tmp_path_factory, corpus) -> Path:
     return out
 
 
+def test_a_checkpoint_removed_while_it_is_read_loads_the_runs_newest_or_is_named(finished_run, tmp_path, monkeypatch):
+    """load_run (generate, export, eval, analyze) of a run still training: its rotation
+    (keep_checkpoints) deleted the newest checkpoint once it had written another, between the
+    verification and the read of the weights, and the command ended in a FileNotFoundError's
+    traceback naming model.safetensors. Of a run directory, the newest is now loaded (a
+    warning says so); a step-* directory given by name is one error naming the run."""
+    import shutil
+
+    import attnres.inference.loading as loading
+    from attnres.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    newer, held = run / "checkpoints" / "step-00000004", tmp_path / "step-00000004"
+    newer.rename(held)  # not written yet: the run's newest is step 2
+    verify, doomed = loading.find_valid_checkpoint, [run / "checkpoints" / "step-00000002"]
+
+    def and_rotated(location, **kwargs):  # the run publishes step 4, its rotation deletes the one being read
+        found = verify(location, **kwargs)
+        if found.path in doomed:
+            shutil.rmtree(found.path)
+            if held.exists():
+                held.rename(newer)
+        return found
+
+    monkeypatch.setattr(loading, "find_valid_checkpoint", and_rotated)
+    with pytest.warns(UserWarning, match=r"step-00000002' was removed while it was read \(its run, still training, "
+                                         r"keeps only its newest checkpoints: keep_checkpoints\); loading the run's newest"):
+        loaded = loading.load_run(run)
+    assert (loaded.checkpoint, loaded.state["step"]) == (newer, 4)
+    doomed[:] = [newer]
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{newer}' was removed while it was read: .*or the run "
+                                              rf"directory '{run}' for its newest"):
+        loading.load_run(newer)
+
+
+def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished_run, corpus, tmp_path, monkeypatch,
+                                                                         capsys):
+    """init_from=RUN of a run still training: its rotation (keep_checkpoints) deleted the
+    checkpoint found at start-up before this run read its weights (after its data was
+    prepared), and train ended in a FileNotFoundError's traceback naming model.safetensors."""
+    import shutil
+
+    import attnres.train.setup as setup
+
+    source = tmp_path / "source"
+    shutil.copytree(finished_run, source)
+    found = setup._init_source
+
+    def and_rotated(config):
+        start = found(config)
+        shutil.rmtree(start.init.path)
+        return start
+
+    monkeypatch.setattr(setup, "_init_source", and_rotated)
+    message = fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", steps=2), f"init_from={source}"],
+                         f"init_from='{source}/checkpoints/step-00000004' was removed while this run was set up: ")
+    assert message.endswith("or copy a checkpoint aside and start from the copy")
+
+
+def test_generate_names_the_checkpoint_of_a_run_it_loaded(finished_run, capsys):
+    """attnres generate RUN (checkpoints at steps 2 and 4) said nothing of which it loaded,
+    where attnres eval names it: a run still training replaces its newest as it goes. stderr
+    now names the checkpoint and its step."""
+    assert cli_main(["generate", str(finished_run), "--prompt", "the", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (f"attnres generate: checkpoint "
+                                                       f"{finished_run / 'checkpoints' / 'step-00000004'} (step 4)")
+
+
+def test_export_names_the_checkpoint_of_a_run_it_wrote(finished_run, tmp_path, capsys):
+    """attnres export RUN (checkpoints at steps 2 and 4) said "wrote OUT" alone: nothing in
+    the export says which step it holds. It now names the checkpoint and its step."""
+    pytest.importorskip("transformers")
+    assert cli_main(["export", str(finished_run), "--out", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.startswith(f"attnres export: wrote {tmp_path / 'hf'} from checkpoint "
+                                              f"{finished_run / 'checkpoints' / 'step-00000004'} (step 4); load it with ")
+
+
 def test_a_loaded_run_and_its_tokenizer_show_in_a_notebook_as_one_line(finished_run):
     """``run = load_run(...)`` shown in a notebook printed the model's module tree and the
     whole state.json (the config twice); the tokenizer as ``<... object at 0x...>``."""

@@ -161,3 +161,39 @@ def test_a_config_saved_by_an_earlier_version_gives_one_warning_naming_every_old
     _, messages = loaded(lambda: AttnResConfig(**{**fields, "residual": {"kind": "attnres_block", "impl": "naive"},
                                                   **flat}))
     assert len(messages) == 1 and all(key in messages[0] for key in [*flat, "residual.impl"])
+
+
+
+def test_a_checkpoint_storing_a_committed_config_of_an_earlier_version_loads_and_resumes(tmp_path):
+    """The migrations were met from real old files as configs only: a checkpoint whose
+    state.json stores one (a committed run's config of the flat-key era, with the
+    ``distributed`` key, as that version's attnres train wrote it) loads with load_run into the
+    model the migrated config describes, with one warning, and ``attnres train --resume``
+    builds its config from it."""
+    import shutil
+
+    import torch
+
+    from attnres import AttnResLM
+    from attnres.checkpoint import write_checkpoint
+    from attnres.distributed import ParallelConfig
+    from attnres.inference import load_run
+    from attnres.train.resume import config_of_the_run
+
+    path = ROOT / COMMITTED[0]
+    data = json.loads(path.read_text())
+    assert "attnres_impl" in data["model"] and data["distributed"] == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = AttnResLM(ModelConfig.from_dict(data["model"]))
+    run = tmp_path / "run"
+    write_checkpoint(run, 2, model.state_dict(), {"state": {}, "param_groups": []}, {"config": data}, keep=1)
+    shutil.copy(path, run / "config.json")
+    loaded_run, messages = loaded(lambda: load_run(run))
+    assert loaded_run.model.config == model.config and loaded_run.model.config.residual.kind == "attnres_full"
+    assert loaded_run.model.config.residual.ablation.input_independent_mixing
+    assert all(torch.equal(a, b) for a, b in zip(loaded_run.model.state_dict().values(), model.state_dict().values()))
+    assert len(messages) == 1 and "keys of an earlier version are deprecated" in messages[0]
+    (config, source), _ = loaded(lambda: config_of_the_run(TrainConfig(out_dir=str(run)), []))
+    assert source == run / "checkpoints" / "step-00000002"
+    assert config.model == model.config and config.parallel == ParallelConfig() and config.steps == data["steps"]

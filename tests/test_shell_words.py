@@ -95,7 +95,8 @@ def test_a_stopped_runs_commands_paste_back_to_it(tmp_path, capsys):
 
 def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, monkeypatch):
     """``attnres compare --out -g`` (from its folder): status's command to continue a stopped
-    run of the grid said ``--out -g``, which argparse refuses ("expected one argument")."""
+    run of the grid said ``--out -g``, which argparse refuses ("expected one argument"). The
+    grid's folder is given absolute now (to paste anywhere), which argparse reads as a path."""
     import json
 
     from attnres.cli.status import _continue_command
@@ -105,4 +106,4 @@ def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, 
     (tmp_path / "-g" / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny",
                                                                  "overrides": ["steps=3"]}))
     (command,) = _commands(_continue_command("-g/block/seed0"))
-    assert command == ["attnres", "compare", "--preset", "tiny", "--out", "./-g", "--seeds", "0", "steps=3"]
+    assert command == ["attnres", "compare", "--preset", "tiny", "--out", str(tmp_path / "-g"), "--seeds", "0", "steps=3"]

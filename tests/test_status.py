@@ -143,6 +143,25 @@ def test_a_stopped_run_of_a_grid_is_continued_with_its_grids_command(runs, tmp_p
     assert (args.out, args.seeds, args.overrides) == (str(tmp_path / "grid"), [0], header["overrides"])
 
 
+@pytest.mark.parametrize("where, typed", [("grid", "."), ("grid/block/seed0", "."), ("grid/block", "seed0/../seed0"),
+                                          ("grid/block", "seed0/checkpoints")])
+def test_a_grids_run_named_by_a_relative_path_is_continued_with_the_grid_at_its_absolute_path(
+        runs, tmp_path, monkeypatch, capsys, where, typed):
+    """The grid's command took the grid's folder from the path as typed: `attnres status .`
+    from inside the run looked for experiment.json in `./..` of `.` (`.` again) and told the
+    run to resume alone (the grid left without its record), and a relative --out named another
+    folder, or none, once pasted elsewhere. The run's path is made absolute first."""
+    run = tmp_path / "grid" / "block" / "seed0"
+    shutil.copytree(runs / "grid" / "block" / "seed0", run)
+    (tmp_path / "grid" / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny",
+                                                                    "overrides": ["steps=6"]}))
+    monkeypatch.chdir(tmp_path / where)
+    assert cli_main(["status", typed]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (f"continue a stopped run with `attnres compare --preset tiny "
+                                                        f"--out {tmp_path / 'grid'} --seeds 0 steps=6` (its grid's "
+                                                        "command, for this seed)")
+
+
 def test_a_stopped_run_trained_under_torchrun_is_continued_launched_as_it_was(runs, tmp_path, capsys):
     """`attnres status` told a run stopped under torchrun (4 ranks, tp=2 x pp=2) to continue
     with a one-process `attnres train out_dir=... --resume` (the stored config leaves the

@@ -27,7 +27,8 @@ class Parser(argparse.ArgumentParser):
     (asked for only on an error), so that ``--steps 5`` is answered with ``steps=5``.
     ``path_option``: the option that takes the file the positional takes too (train's
     ``--config``), so that a file named ``-c.yaml``, which argparse reads as an option, is
-    answered with the ways to give it.
+    answered with both ways to give it; every command's path named ``-run`` (that exists) and
+    value given as ``--out -g`` are answered with the way argparse reads them.
     Under a launch it prints once per node (:func:`first_on_node`)."""
 
     def __init__(self, *args, help_tail: Callable[[], str] | None = None,
@@ -73,10 +74,14 @@ class Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments: "):
             words = message[len("unrecognized arguments: "):].split()
             return self._unknown_options_hint(words) + self._dash_file_hint(words)
-        if self.path_option is not None and message == f"argument {self.path_option}: expected one argument":
+        missing = re.fullmatch(r"argument (\S+): expected one argument", message)
+        if missing:  # (`--out -g`: argparse took the value for an option)
             given = getattr(self, "_given", [])
-            following = [given[i + 1] for i, word in enumerate(given[:-1]) if word == self.path_option]
-            return self._dash_file_hint(following)
+            names = missing.group(1).split("/")
+            following = [given[i + 1] for i, word in enumerate(given[:-1]) if word in names]
+            if self.path_option in names:
+                return self._dash_file_hint(following)
+            return self._dash_value_hint(names[-1], following)
         if message.startswith("the following arguments are required: ") or re.match(r"one of the arguments .* is "
                                                                                       r"required$", message):
             return self._unknown_options_hint(getattr(self, "_given", []))
@@ -90,16 +95,30 @@ class Parser(argparse.ArgumentParser):
         return did_you_mean_each(unknown, options, meant=self._overrides_meant(words, unknown))
 
     def _dash_file_hint(self, words: list[str]) -> str:
-        """For each of ``words`` that names a file but starts with '-' (``-c.yaml``: argparse
-        took it for an option, and ``--config -c.yaml`` for a missing value), the forms
-        argparse reads as the file: ``./-c.yaml`` and ``--config=-c.yaml``."""
-        if self.path_option is None:
-            return ""
+        """For each of ``words`` that names a path but starts with '-' (``attnres eval -run``,
+        ``attnres train -c.yaml``: argparse took it for an option, and ``--config -c.yaml`` for
+        a missing value), the forms argparse reads as the path: ``./-run``, and for train's
+        config file ``--config=-c.yaml`` too (a ``.yaml`` name there need not exist yet to be
+        meant)."""
         options = {o for action in self._actions for o in action.option_strings}
-        files = [w for w in words if w.startswith("-") and "=" not in w and w not in options
-                 and (w.endswith((".yaml", ".yml")) or os.path.isfile(w))]
-        forms = [f"{w!r} starts with '-', which argparse reads as an option: give the file as {shell_path(w)} or "
-                 f"{shlex.quote(f'{self.path_option}={w}')}" for w in files]
+        config = self.path_option is not None
+        paths = [w for w in words if w.startswith("-") and "=" not in w and w not in options
+                 and (w.endswith((".yaml", ".yml")) or os.path.isfile(w) if config
+                      else os.path.exists(os.path.expanduser(w)))]
+        forms = [f"{w!r} starts with '-', which argparse reads as an option: give the "
+                 + (f"file as {shell_path(w)} or {shlex.quote(f'{self.path_option}={w}')}" if config
+                    else f"path as {shell_path(w)}") for w in paths]
+        return f" ({'; '.join(forms)})" if forms else ""
+
+    def _dash_value_hint(self, option: str, words: list[str]) -> str:
+        """For the value ``option`` was given that starts with '-' (``--out -g``, ``--model
+        -run``), which argparse read as an option and so found no value: the form it reads as
+        the value, ``--out=-g``. Nothing for a word that is one of the options (the value was
+        left out)."""
+        options = {o for action in self._actions for o in action.option_strings}
+        values = [w for w in words if w.startswith("-") and w not in options]
+        forms = [f"{w!r} starts with '-', which argparse reads as an option: give it as {shlex.quote(f'{option}={w}')}"
+                 for w in dict.fromkeys(values)]
         return f" ({'; '.join(forms)})" if forms else ""
 
     def _overrides_meant(self, words: list[str], unknown: list[str]) -> dict[str, str]:

@@ -33,13 +33,18 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 def run_export(checkpoint: str, out: str, tokenizer: str | None) -> int:
     """``attnres export``: checkpoint -> Hugging Face directory."""
     from .. import hf
+    from ..hf.export import check_export_target
+    from ..inference.loading import load_run
 
     try:
-        path = hf.export_checkpoint(checkpoint, out, tokenizer)
+        check_export_target(out)  # (before the model loads)
+        run = load_run(checkpoint)  # (loaded here to say which: of a run, its newest, which a run still training replaces)
+        path = hf.export_checkpoint(run, out, tokenizer)
     except ValueError as e:
         raise SystemExit(f"attnres export: error: {e}") from None
-    print(f"attnres export: wrote {path} (load with transformers.AutoModelForCausalLM.from_pretrained after `import attnres.hf`"
-          f"{_and_the_residual(path / 'config.json')})")
+    print(f"attnres export: wrote {path} from checkpoint {run.checkpoint} (step {run.state.get('step')}); load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained after `import attnres.hf`"
+          f"{_and_the_residual(path / 'config.json')}")
     head_size = _head_size(path / "config.json")
     if head_size is not None and head_size not in VLLM_CPU_HEAD_SIZES:  # said now, not at the server's start
         print(f"attnres export: note: its head size {head_size} is not one vLLM's CPU attention takes "

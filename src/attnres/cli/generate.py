@@ -166,6 +166,8 @@ def _load(args):
     """``(model, tokenizer, stop ids)`` of ``--checkpoint``: a training checkpoint or run
     directory (its stored tokenizer), or a transformers directory (its own tokenizer and
     end-of-sequence ids)."""
+    import sys
+
     import torch
 
     from ..checkpoint import is_hf_directory
@@ -183,6 +185,8 @@ def _load(args):
         stops, source, chat = text.stop_ids, args.checkpoint, {}
     else:
         run = load_run(args.checkpoint, pick_device(args.device))
+        # (which one: of a run directory, its newest that verifies, which a run still training replaces)
+        print(f"attnres generate: checkpoint {run.checkpoint} (step {run.state.get('step')})", file=sys.stderr)
         model, text, source = run.model, load_tokenizer(run, args.tokenizer), run.checkpoint
         # a run started from an instruct model: its chat template and special tokens
         chat = run.chat_settings() if args.tokenizer is None else {}

@@ -47,13 +47,18 @@ def _continue_command(run: str) -> str:
     """How to continue the stopped ``run``: the command of the grid holding it (its
     ``experiment.json`` two folders up, ``<out>/<variant>/seed<k>``; resuming the run alone
     would leave the grid without its record), else ``attnres train --resume`` launched as its
-    newest checkpoint was written (:func:`_launch_command`)."""
+    newest checkpoint was written (:func:`_launch_command`). The run's path is made absolute
+    first: ``attnres status .`` from inside a grid's run looked for the grid in ``./..`` of
+    ``.`` (``.`` again) and gave the resume of the run alone, and a relative ``--out`` named
+    another folder, or none, once pasted elsewhere."""
+    import os
     import shlex
     from pathlib import Path
 
     from ..experiments.layout import grid_overrides, read_experiment_header
     from ..shell_words import path_argument
 
+    run = os.path.abspath(run)  # (not resolve(): a path through a symbolic link stays the one the user knows)
     grid, seed = Path(run).parent.parent, Path(run).name.removeprefix("seed")
     header = read_experiment_header(grid)
     if header is None or not seed.isdigit() or not isinstance(header.get("experiment"), str):
@@ -61,7 +66,7 @@ def _continue_command(run: str) -> str:
     name = header["experiment"]
     words = ["attnres", "compare"] if name == "compare" else ["attnres", "experiment", name]
     words += ["--preset", str(header.get("preset")), "--out", path_argument(grid), "--seeds", seed,
-              *grid_overrides(map(str, header.get("overrides") or []))]  # (stop_after: it paused the grid)
+              *grid_overrides(map(str, header.get("overrides") or []))]  # (stop_after, progress, parallel.*: per launch)
     return f"`{shlex.join(words)}` (its grid's command, for this seed)"
 
 

@@ -21,17 +21,27 @@ EXPERIMENT_FILE = "experiment.json"
 OVERHEAD_FILE = "overhead.json"
 RESULT_FILE = "result.json"
 
-#: Overrides that say how far this command trains, not what the grid is (as ``attnres train
-#: --resume`` takes them from each launch, train.resume.PER_LAUNCH): a grid paused with
-#: ``stop_after=K`` is continued by its command without it, so the key is neither stored in
-#: ``experiment.json`` nor compared with the grid's overrides.
-PER_LAUNCH_OVERRIDES = frozenset({"stop_after"})
+#: Overrides (by their top-level key) that say how this command trains, not what the grid is,
+#: as ``attnres train --resume`` takes them from each launch (train.resume.PER_LAUNCH, less
+#: ``out_dir`` and ``resume*``, which the grid sets per run): how far (a grid paused with
+#: ``stop_after=K`` is continued by its command without it), the progress display and the
+#: process layout (``parallel.*``, the rank timeouts). Neither stored in ``experiment.json``
+#: nor compared with the grid's overrides: a grid continued with ``progress=false`` or
+#: another ``parallel.dp`` was refused as another grid's. (Restated here, where ``attnres
+#: status`` reads it without the training code; a test keeps the two alike.)
+PER_LAUNCH_OVERRIDES = frozenset({"stop_after", "progress", "parallel", "distributed", "dist_timeout_s",
+                                  "setup_timeout_s"})
 
 
 def grid_overrides(overrides: list[str]) -> list[str]:
     """``overrides`` less the per-launch ones (:data:`PER_LAUNCH_OVERRIDES`): the grid's own,
-    as ``experiment.json`` stores them (one written before stop_after was per launch holds it)."""
-    return [o for o in overrides if str(o).partition("=")[0].strip() not in PER_LAUNCH_OVERRIDES]
+    as ``experiment.json`` stores them (one written by an earlier version may hold some)."""
+    return [o for o in overrides if _top_key(o) not in PER_LAUNCH_OVERRIDES]
+
+
+def _top_key(override: str) -> str:
+    """The top-level key an override sets: ``parallel`` for ``parallel.dp=2``."""
+    return str(override).partition("=")[0].strip().split(".")[0]
 
 
 def run_dir(out: str | Path, variant: str, seed: int) -> Path:

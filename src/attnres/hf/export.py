@@ -124,6 +124,15 @@ def make_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None,
                                    chat_template=chat_template, padding_side="left", **extra)
 
 
+def check_export_target(out_dir: str | Path) -> Path:
+    """``out_dir`` as a place :func:`export_checkpoint` may write (``ValueError`` naming why
+    not: a file in the way, read-only, a training run's directory), checked before the model
+    loads."""
+    out = check_output_dir(out_dir)
+    refuse_training_output(out)
+    return out
+
+
 def export_checkpoint(checkpoint: str | Path | LoadedRun, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
     """Write the checkpoint (a path, or a run :func:`load_run` loaded, its model as it is) as
     a Hugging Face directory loadable with
@@ -133,8 +142,7 @@ def export_checkpoint(checkpoint: str | Path | LoadedRun, out_dir: str | Path, t
     :data:`attnres.output_paths.HF_MODEL_FILES`) are removed, with a warning naming them.
     Raises ``ValueError`` (before any work) when ``out_dir`` cannot be written (a file in
     the way, a read-only file system), and when writing it fails."""
-    out = check_output_dir(out_dir)
-    refuse_training_output(out)
+    out = check_export_target(out_dir)
     run = checkpoint if isinstance(checkpoint, LoadedRun) else load_run(checkpoint)
     model = run.model
     tokenizer = load_tokenizer(run, tokenizer_path)  # refuses a vocabulary that is not the model's

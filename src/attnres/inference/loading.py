@@ -128,6 +128,11 @@ class LoadedRun:
         return corpus.val
 
 
+#: How often :func:`load_run` takes a run's newest checkpoint again after the one it was
+#: reading was removed (a run still training rotates them, keep_checkpoints).
+PRUNED_RETRIES = 3
+
+
 def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> LoadedRun:
     """The model of a training checkpoint - a ``step-*`` directory, or a run directory (its
     newest checkpoint that verifies) - on ``device`` (see :func:`pick_device`). The
@@ -136,14 +141,38 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     checkpoint's path and its verified state (step, tokenizer, ...)."""
     # (a bad one: before any loading, named as this function's argument, not the command line's --device)
     device = device if isinstance(device, torch.device) else pick_device(device, "device")
-    source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
-    if source is None:
-        raise CheckpointError(no_checkpoint_at(path))
-    run_config = source.run_config()
-    config = saved_model_config(source)
-    model = build_model(config)  # AttnResLM, or a transformers family's modules around the residual
-    load_weights(source.path, source.state, model)  # a sharded (DCP) one is read in this process
-    return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
+    for _ in range(PRUNED_RETRIES):
+        source = find_valid_checkpoint(path, optional=INFERENCE_OPTIONAL)
+        if source is None:
+            raise CheckpointError(no_checkpoint_at(path))
+        run_config = source.run_config()
+        config = saved_model_config(source)
+        model = build_model(config)  # AttnResLM, or a transformers family's modules around the residual
+        try:
+            load_weights(source.path, source.state, model)  # a sharded (DCP) one is read in this process
+        except FileNotFoundError:
+            if source.path.exists():
+                raise
+            _removed_while_read(source.path, given_step=source.path == Path(path))
+            continue
+        return LoadedRun(model.to(device).eval(), run_config, source.path, source.state)
+    raise CheckpointError(f"the checkpoints of {str(path)!r} were removed as fast as they were read ({PRUNED_RETRIES} "
+                          "times): its run keeps very few (keep_checkpoints); copy one aside and load the copy")
+
+
+def _removed_while_read(checkpoint: Path, given_step: bool) -> None:
+    """Say that ``checkpoint`` (verified, then gone while its weights were read) was removed:
+    the rotation of a run still training (``keep_checkpoints``) deleted it once it had written
+    a newer one. Of a run directory, the newest is loaded instead (a warning); a ``step-*``
+    directory given by name is an error naming the run (a FileNotFoundError's traceback
+    named a weights file alone)."""
+    run = checkpoint.parent.parent
+    if given_step:
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} was removed while it was read: its run, still training, "
+                              "keeps only its newest checkpoints (keep_checkpoints); name a newer one, or the run "
+                              f"directory {str(run)!r} for its newest")
+    warn_user(f"checkpoint {str(checkpoint)!r} was removed while it was read (its run, still training, keeps only its "
+              "newest checkpoints: keep_checkpoints); loading the run's newest instead")
 
 
 def saved_model_config(source: Source) -> ModelConfig:

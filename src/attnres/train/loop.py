@@ -680,9 +680,17 @@ def _load_init_weights(source, config: TrainConfig, load: Callable[[], None]) ->
     """``init_from`` a checkpoint: ``load()`` its weights only; an error naming the model
     fields that differ when they do not fit. Every rank loads the same checkpoint into the
     same model (a sharded one's misfit DCP reports on every rank), so the error is every
-    rank's: printed once per node."""
+    rank's: printed once per node. A checkpoint gone since it was verified (the rotation of a
+    run still training, ``keep_checkpoints``) is said so, not as a FileNotFoundError's traceback."""
     try:
         load()
+    except FileNotFoundError:
+        if Path(source.path).exists():
+            raise
+        raise on_every_rank(CheckpointError(
+            f"init_from={str(source.path)!r} was removed while this run was set up: its run, still training, keeps "
+            "only its newest checkpoints (keep_checkpoints); start again (of a run directory its newest is taken "
+            "then), or copy a checkpoint aside and start from the copy")) from None
     except CheckpointError as e:
         saved, ours = flatten(source.run_config()["model"]), flatten(config.model.to_dict())
         differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))

@@ -12,9 +12,10 @@ from ...data.tokenizer import is_tokenizer_path
 from ...train.config import parse_override
 
 #: The override keys that hold paths (``data.tokenizer`` only where it names a file), and
-#: whether the value is a list of them.
+#: whether the value is a list of them. (``model.from_hf`` names a directory only, never a Hub
+#: id: a relative one kept as typed named another folder, or none, from another directory.)
 PATH_KEYS = {"data.paths": True, "data.cache_dir": False, "data.tokenizer": False, "init_from": False,
-             "resume_from": False}
+             "model.from_hf": False}
 
 
 def absolute_path_overrides(overrides: list[str]) -> list[str]:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.locate import training_output
-from ...data import load_corpus, prepare_data
+from ...checkpoint.locate import newest_state, training_output
+from ...data import corpus_fingerprint, load_corpus, prepare_data
 from ...distributed.launch import training_device
 from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
@@ -61,8 +61,13 @@ def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Pat
 def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
     """Refuse an override of what the grid itself sets: a field its variants differ in (e.g.
     ``model.residual.kind`` in ``compare``, which would train three alike models under three
-    names), or ``seed`` / ``out_dir``, which every run gets from ``--seeds`` / ``--out``."""
-    set_by_grid = {("seed",): "--seeds sets for each run", ("out_dir",): "--out sets for each run"}
+    names), ``seed`` / ``out_dir``, which every run gets from ``--seeds`` / ``--out``, or
+    ``resume`` / ``resume_from``: the grid resumes each run from its own checkpoints (given,
+    the grid's header was written and its first run refused with train's advice, "drop
+    --resume", or resumed another run's checkpoint into each of its runs)."""
+    resumed = "the grid sets for each run (a run with checkpoints is resumed from its newest: give the grid's command again)"
+    set_by_grid = {("seed",): "--seeds sets for each run", ("out_dir",): "--out sets for each run",
+                   ("resume",): resumed, ("resume_from",): resumed}
     for v in experiment.variants:
         for key in flatten({"model": v.model, **v.train}):
             set_by_grid.setdefault(tuple(key.split(".")), f"the {experiment.name!r} grid sets per variant (choose variants "
@@ -120,6 +125,19 @@ def check_flops_counted(configs: list[tuple[Variant, int, TrainConfig]]) -> None
         except NotImplementedError as e:
             raise ValueError(f"variant {name!r}: {e} (a grid records each run's training FLOPs; checked before the "
                              "first run starts)") from None
+
+
+def check_one_process(configs: list[tuple[Variant, int, TrainConfig]]) -> None:
+    """Raise ``ValueError`` when the runs' ``parallel.*`` asks for more than one rank: a grid
+    trains its runs one after another in one process (a launch under torchrun is refused),
+    and its first run was refused with train's advice to launch ``torchrun ... -m attnres
+    train``, after the grid's header was written."""
+    parallel = configs[0][2].parallel if configs else None
+    ranks = None if parallel is None else (parallel.dp or 1) * parallel.tp * parallel.pp
+    if ranks is not None and ranks > 1:
+        raise ValueError(f"parallel asks for dp {parallel.dp or 1} x tp {parallel.tp} x pp {parallel.pp} = {ranks} "
+                         "ranks, where a grid trains its runs one after another in one process: leave the parallel.* "
+                         "overrides out (or train each run with attnres train under torchrun)")
 
 
 def check_data_passes(configs: list[tuple[Variant, int, TrainConfig]], limit: float | None) -> None:
@@ -241,7 +259,8 @@ def check_same_experiment(out: str | Path, header: dict[str, Any], check_overrid
         raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
                          f"{ {k: saved.get(k) for k in differing} }, not { {k: header[k] for k in differing} }); "
                          "pick another --out")
-    if check_overrides and "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]):
+    if check_overrides and "overrides" in header and not _same_overrides(saved.get("overrides"), header["overrides"]) \
+            and _trained_anything(out):  # (else the header of a grid that failed before its first checkpoint: replaced)
         was, now = (" ".join(map(str, o)) if o else "none" for o in (saved.get("overrides"), header["overrides"]))
         if was == "none":  # (it read "trained with the overrides none")
             trained, again = "without overrides", "give none"
@@ -251,17 +270,77 @@ def check_same_experiment(out: str | Path, header: dict[str, Any], check_overrid
                          f"gives {now}: to continue it {again}, or pick another --out")
 
 
+#: The ``data`` fields that say where a grid's text lies, not what it is: a grid moved or
+#: copied with its data (another folder, another machine) continues with the new paths, as
+#: ``attnres train --resume`` does; the text there is checked against the fingerprint its
+#: runs recorded (:func:`check_same_text`).
+DATA_LOCATION = ("paths", "cache_dir")
+
+
+def _trained_anything(out: Path) -> bool:
+    """Whether a run of the grid in ``out`` wrote a checkpoint or its record: a header alone
+    (its first run refused at its start, ``device=cuda`` on a machine without one) bound the
+    grid to the overrides that failed, and the command without them was refused as another
+    grid's."""
+    return any(out.glob("*/seed*/checkpoints/step-*")) or any(out.glob(f"*/seed*/{RESULT_FILE}"))
+
+
 def _same_overrides(saved: Any, given: list[str]) -> bool:
     """Whether two lists of ``key=value`` overrides set the same fields to the same values
-    (``steps=6 lr=1e-3`` is ``lr=1e-3 steps=6``: a grid resumed with them is the same grid)."""
+    (``steps=6 lr=1e-3`` is ``lr=1e-3 steps=6``: a grid resumed with them is the same grid),
+    where the data lies aside (:data:`DATA_LOCATION`)."""
     if saved == given:
         return True
-    try:  # (stop_after pauses a grid, and an experiment.json of an earlier version may hold it)
-        # (relative paths: against this directory, as this command's are; a header of an earlier version holds them)
-        saved, given = (absolute_path_overrides(grid_overrides(list(o))) for o in (saved, given))
-        return apply_overrides({}, saved) == apply_overrides({}, given)
+    try:
+        return _fields(saved, located=False) == _fields(given, located=False)
     except (TypeError, ValueError):  # (an experiment.json edited by hand: only the same list matches)
         return False
+
+
+def _fields(overrides: list[str], located: bool = True) -> dict[str, Any]:
+    """The fields a grid's ``overrides`` set, as a nested mapping: per-launch ones left out
+    (stop_after pauses a grid, and an experiment.json of an earlier version may hold it), the
+    relative paths made absolute against this directory, as this command's are (a header of
+    an earlier version holds them as typed); ``located=False``: without :data:`DATA_LOCATION`."""
+    fields = apply_overrides({}, absolute_path_overrides(grid_overrides(list(overrides))))
+    if not located and isinstance(fields.get("data"), dict):
+        fields["data"] = {k: v for k, v in fields["data"].items() if k not in DATA_LOCATION}
+    return fields
+
+
+def _data_location(overrides: list[str]) -> tuple[Any, ...]:
+    data = _fields(overrides).get("data")
+    return tuple(data.get(k) for k in DATA_LOCATION) if isinstance(data, dict) else (None,) * len(DATA_LOCATION)
+
+
+def check_same_text(out: Path, saved: dict[str, Any] | None, given: list[str],
+                    configs: list[tuple[Variant, int, TrainConfig]]) -> None:
+    """Raise ``ValueError`` when this command's data paths (``given``, absolute) are not the
+    ones the grid's header ``saved`` records - the grid moved, or its data did - and the text
+    there is not the one its runs trained on (the fingerprint their records and checkpoints
+    hold): new seeds would train on other text. Reads the text (or its token cache's record)
+    only where the paths moved and a run recorded its text."""
+    if saved is None or not configs:
+        return
+    try:
+        if _data_location(saved.get("overrides") or []) == _data_location(given):
+            return
+    except (TypeError, ValueError):
+        return
+    recorded = {r.get("data_fingerprint") for r in load_records(out)}
+    recorded |= {(found[1].get("data") or {}).get("fingerprint") if isinstance(found[1].get("data"), dict) else None
+                 for run in out.glob("*/seed*") if (found := newest_state(run)) is not None}
+    recorded.discard(None)
+    if not recorded:
+        return
+    data = configs[0][2].data
+    here = corpus_fingerprint(load_corpus(list(data.paths), data.val_fraction, data.text_field, read=False),
+                              data.cache_dir)
+    if here not in recorded:
+        raise ValueError(f"data.paths {list(data.paths) or '(the built-in corpus)'} hold other text than the grid in "
+                         f"{str(out)!r} trained on (fingerprint {here[:12]}; its runs': "
+                         f"{', '.join(sorted(f[:12] for f in recorded))}): give the paths where its text lies now, or "
+                         "train this text as a new grid, in another --out")
 
 
 def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (0,), overrides: list[str] = (),
@@ -295,9 +374,11 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
                for s in seeds for v in chosen]
     check_same_experiment(out, header)
     marker = out / EXPERIMENT_FILE
+    check_one_process(configs)
     check_data_passes(configs, experiment.max_data_passes)
     check_flops_counted(configs)
     check_data_found(configs)
+    check_same_text(out, read_experiment_header(out), header["overrides"], configs)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(marker, json.dumps(header, indent=1), "the grid's header")  # (cut short, the grid is lost)
     records = []
