@@ -629,14 +629,15 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def parity_model(z: Sizes, name: str, backend: str, ids: torch.Tensor, device: str):
+def parity_model(z: Sizes, name: str, backend: str, ids: torch.Tensor, device: str, **sublayers):
     """A small ``name`` ("block" or "full") model on ``backend``, float32, its 1-D parameters
     (queries, gains) perturbed so that the depth weights are not uniform: its logits and
-    ``{parameter: gradient}`` for ``ids``."""
+    ``{parameter: gradient}`` for ``ids``. ``sublayers``: ``ModelConfig`` fields that change
+    (the warm-up's smaller sublayers)."""
     residual = residual_of(name, z)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AttnResLM(model_config(z, {**residual, "backend": backend}))
+        model = AttnResLM(replace(model_config(z, {**residual, "backend": backend}), **sublayers))
     for p in model.parameters():
         if p.dim() == 1:
             p.data.add_(0.1 * torch.randn_like(p))
@@ -1493,6 +1494,11 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda", options: list[str]
     return 0
 
 
+#: The warm-up's models' sublayers: a key/value head and a narrow MLP (the kernels'
+#: specialisations do not depend on them).
+SMALL_SUBLAYERS = {"n_kv_heads": 1, "mlp_hidden": 64}
+
+
 def warm_up_ops(z: Sizes, device: str) -> None:
     """Launch what the parity and ops parts launch besides the models' training and decode
     steps, each specialisation once: the parity part's models (float32, no autocast: no
@@ -1500,10 +1506,12 @@ def warm_up_ops(z: Sizes, device: str) -> None:
     step's layout) at their sizes; the ops part's operations at their defaults (at a few
     rows, :func:`warm_up_rows`), its host time's merge at one token and Block AttnRes' block
     at the op shape."""
-    small = parity_model_sizes(z)
+    # (with the models' stages' small sublayers, vocabulary and key/value width: the same
+    # specialisations, 0.3 GB of weights instead of 2.1 beside the main process's models)
+    small = replace(parity_model_sizes(z), vocab=256)
     ids = torch.randint(0, small.vocab, (small.batch, small.seq), device=device)
     for name in ("block", "full"):
-        parity_model(small, name, "triton", ids, device)
+        parity_model(small, name, "triton", ids, device, **SMALL_SUBLAYERS)
     for dtype in (torch.float32, torch.bfloat16):
         for fn in op_calls(parity_sizes(z), device, dtype).values():
             fn()
@@ -1577,7 +1585,7 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[st
     # as launch the full shape's variants on this device)
     small = Sizes(**{**asdict(z), "seq": 48 if stage == "decode" else warm_up_rows(device, z.d, z.seq * z.batch),
                      "batch": 1})
-    config = replace(model_config(small, residual_of(name, small)), vocab_size=256, n_kv_heads=1, mlp_hidden=64)
+    config = replace(model_config(small, residual_of(name, small)), vocab_size=256, **SMALL_SUBLAYERS)
     torch.manual_seed(0)
     with torch.device(device):
         model = AttnResLM(config)

@@ -5,7 +5,6 @@ summary the GPU targets are judged on; its byte bounds and summary logic."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
