@@ -16,7 +16,9 @@ when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 0. **warm-up**, started first in parallel subprocesses: our Triton kernels at every variant
    the models run (a few rows each, the real ``d`` and dtypes; one process per AttnRes
    model and stage: the float32-stream step, the bf16 decode, the bf16 step), the ops
-   part's other launch settings and the peers' autotuners, into the on-disk caches, while
+   part's other launch settings, what the parity and ops parts launch outside the models'
+   steps (the parity's float32 models and ops, the ops at their defaults, the one-token
+   merge, Block at the op shape) and the peers' autotuners, into the on-disk caches, while
    the main process builds the models.
 1. **parity**: a small Block and Full AttnRes model at the real ``d``, float32, our kernels
    against the torch backend (logits, every gradient); each operation alone against the
@@ -468,6 +470,30 @@ def timed_launches(names: tuple[str, ...]):
     return replaced_kernels(names)
 
 
+#: The hidden size of the host time's merge at one token.
+HOST_D = 2048
+
+
+def one_token_merge(device: str, backend: str):
+    """Block's usual merge (the partial sum formed inside) at one token, as the host time
+    calls it: ``(forward, forward + backward with autograd, its inputs (x, partial, addend,
+    norm gain))``."""
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
+    x, partial, v = (r(1, HOST_D).requires_grad_() for _ in range(3))
+    z = r(1, 1).requires_grad_()
+    q, w = r(HOST_D).requires_grad_(), r(HOST_D).requires_grad_()
+
+    def forward():
+        return library.merge(z, [x], [partial], q, 1e-6, w, 1e-6, backend, addend=v)
+
+    def forward_backward():
+        out, _, total = forward()
+        torch.autograd.backward([out, total], [torch.ones_like(out), torch.ones_like(total)])
+
+    return forward, forward_backward, (x, partial, v, w)
+
+
 def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     """Host microseconds per call at one token (the device idle): our merge (forward +
     backward, with autograd, as the model calls it) against the standard model's add +
@@ -479,21 +505,10 @@ def host_overhead(clock: Clock, device: str, repeats: int) -> dict[str, float]:
     CPU operators, an estimate of the ratio before a GPU measures it."""
     from attnres.ops.depth_attention import triton_launch
 
-    d = 2048
+    d = HOST_D
     backend, kernels = ("auto", nullcontext()) if device == "cuda" else (
         "triton", replaced_kernels(tuple(triton_launch.SIGNATURES), _NoLaunch))
-    g = torch.Generator(device=device).manual_seed(0)
-    r = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
-    x, partial, v = (r(1, d).requires_grad_() for _ in range(3))
-    z = r(1, 1).requires_grad_()
-    q, w = r(d).requires_grad_(), r(d).requires_grad_()
-
-    def ours_forward():  # (Block's usual merge: the partial sum formed inside)
-        return library.merge(z, [x], [partial], q, 1e-6, w, 1e-6, backend, addend=v)
-
-    def ours():
-        out, _, total = ours_forward()
-        torch.autograd.backward([out, total], [torch.ones_like(out), torch.ones_like(total)])
+    ours_forward, ours, (x, partial, v, w) = one_token_merge(device, backend)
 
     def standard_forward():
         h = partial + v
@@ -614,14 +629,15 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def parity_model(z: Sizes, name: str, backend: str, ids: torch.Tensor, device: str):
+def parity_model(z: Sizes, name: str, backend: str, ids: torch.Tensor, device: str, **sublayers):
     """A small ``name`` ("block" or "full") model on ``backend``, float32, its 1-D parameters
     (queries, gains) perturbed so that the depth weights are not uniform: its logits and
-    ``{parameter: gradient}`` for ``ids``."""
+    ``{parameter: gradient}`` for ``ids``. ``sublayers``: ``ModelConfig`` fields that change
+    (the warm-up's smaller sublayers)."""
     residual = residual_of(name, z)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AttnResLM(model_config(z, {**residual, "backend": backend}))
+        model = AttnResLM(replace(model_config(z, {**residual, "backend": backend}), **sublayers))
     for p in model.parameters():
         if p.dim() == 1:
             p.data.add_(0.1 * torch.randn_like(p))
@@ -656,8 +672,7 @@ def part_parity(z: Sizes, device: str) -> dict:
     CPU). So the yardstick is that same pair on this device (``noise``): the kernels pass
     within :data:`PARITY_NOISE_FACTOR` times it. Each operation alone is held against
     float64 (``ops``), where no amplification hides anything."""
-    small = Sizes(**{**asdict(z), "layers": min(z.layers, 8), "blocks": min(z.blocks, 4),
-                     "seq": min(z.seq, 256), "batch": 2})
+    small = parity_model_sizes(z)
     ids = torch.randint(0, small.vocab, (small.batch, small.seq), device=device)
     result = {}
     for name in ("block", "full"):
@@ -674,6 +689,12 @@ def part_parity(z: Sizes, device: str) -> dict:
     log(f"[gpu_check] parity of the ops against float64: {result['ops']}; bf16 storage: {result['ops_bf16']}; "
         f"the training step's layout: {result['ops_autocast']}")
     return result
+
+
+def parity_model_sizes(z: Sizes) -> Sizes:
+    """The parity part's models: the real ``d``, eight layers in four blocks, 2 x 256 tokens."""
+    return Sizes(**{**asdict(z), "layers": min(z.layers, 8), "blocks": min(z.blocks, 4), "seq": min(z.seq, 256),
+                    "batch": 2})
 
 
 def flat(value) -> list[torch.Tensor]:
@@ -1441,11 +1462,16 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda", options: list[str]
     """Compile into the on-disk caches: ``models:NAME:STAGE`` runs that model's residual at a
     few rows (:func:`warm_up_model`: the same kernel variants as the full shape), ``sweeps``
     the ops part's other launch settings and its operations in the training step's layout,
-    a peer name its block at the op shape.
-    (``device``: the tests run the models' and ``sweeps`` under the interpreter.)"""
+    ``ops`` what the parity and ops parts launch outside the models' steps
+    (:func:`warm_up_ops`), a peer name its block at the op shape.
+    (``device``: the tests run them on the CPU, the kernels stubbed or interpreted.)"""
     if what.startswith("models:"):
         _, name, stage = what.split(":")
         warm_up_model(name, stage, z, device, options)
+        Clock(device).sync()
+        return 0
+    if what == "ops":
+        warm_up_ops(z, device)
         Clock(device).sync()
         return 0
     if what == "sweeps":  # the ops part's other launch settings and layout, at a few rows
@@ -1468,6 +1494,41 @@ def warm_up_worker(what: str, z: Sizes, device: str = "cuda", options: list[str]
     return 0
 
 
+#: The warm-up's models' sublayers: a key/value head and a narrow MLP (the kernels'
+#: specialisations do not depend on them).
+SMALL_SUBLAYERS = {"n_kv_heads": 1, "mlp_hidden": 64}
+
+
+def warm_up_ops(z: Sizes, device: str) -> None:
+    """Launch what the parity and ops parts launch besides the models' training and decode
+    steps, each specialisation once: the parity part's models (float32, no autocast: no
+    model stage runs so) and its operations alone (float32 and bf16 storage, the training
+    step's layout) at their sizes; the ops part's operations at their defaults (at a few
+    rows, :func:`warm_up_rows`), its host time's merge at one token and Block AttnRes' block
+    at the op shape."""
+    # (with the models' stages' small sublayers, vocabulary and key/value width: the same
+    # specialisations, 0.3 GB of weights instead of 2.1 beside the main process's models)
+    small = replace(parity_model_sizes(z), vocab=256)
+    ids = torch.randint(0, small.vocab, (small.batch, small.seq), device=device)
+    for name in ("block", "full"):
+        parity_model(small, name, "triton", ids, device, **SMALL_SUBLAYERS)
+    for dtype in (torch.float32, torch.bfloat16):
+        for fn in op_calls(parity_sizes(z), device, dtype).values():
+            fn()
+    for fn in autocast_op_calls(parity_sizes(z), device).values():
+        fn()
+    few = Sizes(**{**asdict(z), "tokens": warm_up_rows(device, z.d, z.tokens)})
+    for fn in op_calls(few, device).values():
+        fn()
+    one_token_merge(device, "auto")[1]()
+    shape = kernels_bench.OpShape(z.tokens, z.d, z.n, z.S)
+    inputs = kernels_bench.make_inputs(shape, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    for step in kernels_bench.block_steps("ours (triton)", kernels_bench.ours_triton, inputs).values():
+        step()
+
+
+#: The warm-up's workers that compile kernels outside the models' steps (:func:`warm_up_worker`).
+KERNEL_WORKERS = ("sweeps", "ops")
 #: The warm-up's stages of a model, each a worker of its own: the float32-stream training
 #: step (and Block's bf16 norm outputs), the bf16 model's prefill and decode steps, its
 #: training step. Each stage's variants are compiled in parallel with the others' (on the
@@ -1524,7 +1585,7 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[st
     # as launch the full shape's variants on this device)
     small = Sizes(**{**asdict(z), "seq": 48 if stage == "decode" else warm_up_rows(device, z.d, z.seq * z.batch),
                      "batch": 1})
-    config = replace(model_config(small, residual_of(name, small)), vocab_size=256, n_kv_heads=1, mlp_hidden=64)
+    config = replace(model_config(small, residual_of(name, small)), vocab_size=256, **SMALL_SUBLAYERS)
     torch.manual_seed(0)
     with torch.device(device):
         model = AttnResLM(config)
@@ -1557,7 +1618,7 @@ def start_warm_up(peers: dict, force: list[str], options: list[str] = ()) -> dic
     extra = [*(arg for setting in force for arg in ("--force", setting)), *option_flags(options)]
     # (no --out: a worker writes nothing, and --out's check refuses os.devnull as a file)
     return {what: subprocess.Popen([sys.executable, __file__, "--warm-up-worker", what, *extra],
-                                   stdout=subprocess.DEVNULL) for what in [*WARMED_MODELS, "sweeps", *peers]}
+                                   stdout=subprocess.DEVNULL) for what in [*WARMED_MODELS, *KERNEL_WORKERS, *peers]}
 
 
 #: The most of the budget the warm-up may take (from the run's start): the H200 took 78 s of

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -478,7 +479,7 @@ def test_model_options_reach_every_model_and_the_warm_up_workers(monkeypatch):
     commands = []
     monkeypatch.setattr(gpu_check.subprocess, "Popen", lambda command, **kwargs: commands.append(command))
     gpu_check.start_warm_up({}, ["phase1_rows=false"], options)
-    assert len(commands) == len(gpu_check.WARMED_MODELS) + 1  # (and the sweeps)
+    assert len(commands) == len(gpu_check.WARMED_MODELS) + len(gpu_check.KERNEL_WORKERS)  # (and the sweeps, the ops)
     for command in commands:
         assert command[-4:] == ["--force", "phase1_rows=false", "--autocast-norm-output", "--autocast-stream"]
 
@@ -510,7 +511,7 @@ def test_the_warm_up_workers_command_lines_are_read_by_the_workers_parser(monkey
         workers.append(args.warm_up_worker)
         assert args.force == ["phase1_rows=false"]
         assert gpu_check.model_options(args) == ["autocast_stream"] and not args.cpu_smoke
-    assert workers == [*gpu_check.WARMED_MODELS, "sweeps", "a peer"]
+    assert workers == [*gpu_check.WARMED_MODELS, "sweeps", "ops", "a peer"]
 
 
 class _FakeCuda:
@@ -974,3 +975,208 @@ def test_a_stderr_without_a_file_descriptor_runs_without_the_stack_dump(monkeypa
     monkeypatch.setattr(sys, "stderr", stderr)
     assert gpu_check.main(["--out", str(tmp_path), "--no-peers", "--parts", "profile"]) == 0
     assert "no stack dump past the budget" in stderr.getvalue() and (tmp_path / "summary.json").is_file()
+
+
+# ------------------------------------------------ the warm-up's coverage at the GPU run's sizes
+_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def _triton_key(arg):
+    """How Triton 3.6 specialises a kernel argument in its cache key (``specialize_impl``): a
+    tensor by its pointer's dtype and whether its address is a multiple of 16, an integer by
+    its width and whether it is 1 (then a constant) or a multiple of 16, a float or a bool by
+    its type alone, a tuple entry by entry."""
+    if isinstance(arg, torch.Tensor):
+        return "*" + _TRITON_DTYPES[arg.dtype], "D" if arg.data_ptr() % 16 == 0 else ""
+    if isinstance(arg, (tuple, list)):
+        return tuple(zip(*(_triton_key(a) for a in arg))) or ((), ())
+    if isinstance(arg, bool):
+        return ("u1", None)
+    if isinstance(arg, int):
+        if arg == 1:
+            return ("constexpr", 1)
+        return ("i32" if -2**31 <= arg < 2**31 else "i64", "D" if arg % 16 == 0 else "")
+    if isinstance(arg, float):
+        return ("fp32", None)
+    return ("constexpr", arg)
+
+
+class _SpecialisationLog:
+    """Stands in for a Triton kernel: a launch records its specialisation - the kernel, each
+    argument's key as Triton's (:func:`_triton_key`), the constexprs and the launch options
+    (``num_warps``, ``num_stages``) - and runs nothing."""
+
+    def __init__(self, name: str, launched: set):
+        self.name, self.launched = name, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.add((self.name, _triton_key(args), tuple(sorted(kwargs.items()))))
+        return launch
+
+
+def test_the_specialisation_key_is_tritons_own():
+    """:func:`_triton_key` gives what Triton's own ``specialize_impl`` gives for each kind of
+    argument the kernels take (where this Triton has it)."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    if not hasattr(libtriton, "native_specialize_impl"):
+        pytest.skip("this Triton keys its cache otherwise")
+    from triton.backends.compiler import BaseBackend
+
+    x = torch.zeros(64)
+    for arg in (x, x[1:], x[4:], x.bfloat16(), x.double(), 1, 2, 16, 0, 8192, 2**31, 1e-6, (x, x[1:])):
+        native = libtriton.native_specialize_impl(BaseBackend, arg, False, True, True)
+        assert _triton_key(arg) == native, (arg, native)
+
+
+class _CudaOnCpu(types.ModuleType):
+    """``torch`` for the GPU check's modules with ``"cuda"`` meaning the CPU (under a
+    ``FakeTensorMode``: tensors without storage), bf16 autocast on it for CUDA's, eager
+    steps for ``torch.compile``'s and the CUDA calls faked: the check's code as it runs on
+    the GPU - each ``device == "cuda"`` choice of dtypes, autocast and launch settings."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _on_cpu(kwargs):
+        return {**kwargs, "device": "cpu"} if "device" in kwargs else kwargs
+
+    def device(self, *args):
+        return torch.device("cpu") if str(args[0]).startswith("cuda") else torch.device(*args)
+
+    def Generator(self, device="cpu"):  # noqa: N802 - torch's name
+        return torch.Generator()
+
+    def randn(self, *shape, **kwargs):
+        return torch.randn(*shape, **self._on_cpu(kwargs))
+
+    def randint(self, low, high, shape, **kwargs):
+        return torch.randint(low, high, shape, **self._on_cpu(kwargs))
+
+    def autocast(self, device_type, dtype=None, **kwargs):
+        return torch.autocast("cpu" if device_type == "cuda" else device_type, dtype=dtype, **kwargs)
+
+    def compile(self, model, **kwargs):  # (the compiled steps' launches: the eager steps')
+        return model
+
+    cuda = types.SimpleNamespace(synchronize=lambda: None, is_available=lambda: True)
+
+
+class _OnceClock:
+    """The check's clock on the GPU with its timing faked: each step run once."""
+
+    cuda, strict, deadline = True, True, None
+
+    def left(self):
+        return float("inf")
+
+    def sync(self):
+        pass
+
+    def replayed(self, fn, repeats):
+        fn()
+        return 1e-3
+
+    def interleaved(self, steps, repeats):
+        return {k: (step(), 1e-3)[1] for k, step in steps.items()}
+
+
+def _gpu_run_recorded(monkeypatch) -> set:
+    """The GPU check's parts and workers run as on a GPU (:class:`_CudaOnCpu`, 132
+    multiprocessors as an H100's or H200's, ``"auto"`` picking our kernels) on tensors without
+    storage, every Triton kernel stubbed by :class:`_SpecialisationLog`: the set it fills.
+    (A fake tensor's address is its offset from an aligned base, as a fresh allocation's;
+    what needs the values - the token ids' range, the parity's errors, the memory and
+    profiler counters - is faked, and a CUDA graph's capture is the eager step it records.)"""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    import bench_kernels_gpu
+    import gpu_check
+
+    from attnres.models import trunk
+    from attnres.ops.depth_attention import library, torch_impl, triton_impl, triton_kernels, triton_launch
+
+    on_cpu = _CudaOnCpu()
+    monkeypatch.setattr(gpu_check, "torch", on_cpu)
+    monkeypatch.setattr(bench_kernels_gpu, "torch", on_cpu)
+    monkeypatch.setattr(bench_kernels_gpu, "peak_bandwidth", lambda: (3.35e12, "faked"))
+    monkeypatch.setattr(triton_impl, "_device_sms", lambda device: 132)
+    monkeypatch.setattr(library, "pick", lambda backend, tensors: torch_impl if backend == "torch" else triton_impl)
+    monkeypatch.setattr(FakeTensor, "data_ptr", lambda t: 1024 + t.storage_offset() * t.element_size(),
+                        raising=False)
+    # (a model's dtype changed in place: FakeTensorMode holds a weakref to each fake tensor,
+    # which torch.utils.swap_tensors refuses)
+    monkeypatch.setattr(torch.utils, "swap_tensors", lambda old, new: setattr(old, "data", new))
+    monkeypatch.setattr(trunk, "check_token_values", lambda ids, vocab: None)
+    monkeypatch.setattr(gpu_check, "relative_error", lambda a, b: 0.0)
+    monkeypatch.setattr(gpu_check, "parity_errors", lambda run, reference: {"logits": 0.0, "grads": 0.0,
+                                                                            "finite": True})
+    monkeypatch.setattr(gpu_check, "peak_memory", lambda step, device: 1)  # (a step as the others)
+    monkeypatch.setattr(gpu_check, "kept_bytes", lambda forward, device: 1)
+    monkeypatch.setattr(gpu_check, "profiled", lambda fn, device, top: (fn(), {"total_ms": 1.0, "kernels": 1})[1])
+    static = gpu_check.StaticDecoder
+    monkeypatch.setattr(gpu_check, "StaticDecoder", lambda model, batch, capacity, mode: static(
+        model, batch, capacity=capacity, mode="eager"))
+    launched: set = set()
+    for name in triton_launch.SIGNATURES:
+        monkeypatch.setattr(triton_kernels, name, _SpecialisationLog(name, launched))
+    return launched
+
+
+def _parts_and_workers(monkeypatch, parts: list[str], workers: tuple[str, ...]) -> tuple[set, set]:
+    """The specialisations ``parts`` launch and those the warm-up's ``workers`` launch, on the
+    GPU run's sizes (``Sizes()``) as on the GPU (:func:`_gpu_run_recorded`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import gpu_check
+
+    launched = _gpu_run_recorded(monkeypatch)
+    z, clock = gpu_check.Sizes(), _OnceClock()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        models = gpu_check.build_models(z, "cuda") if set(parts) - {"parity", "ops", "sweep"} else {}
+        for part in parts:
+            gpu_check.run_part(part, z, clock, models, "cuda", {}, {})
+        by_parts = set(launched)
+        del models
+        launched.clear()
+        for what in workers:
+            assert gpu_check.warm_up_worker(what, z, "cuda") == 0
+    return by_parts, set(launched)
+
+
+def _assert_warmed(parts: set, warmed: set) -> None:
+    missing = parts - warmed
+    assert parts and not missing, "\n".join(
+        [f"the warm-up misses {len(missing)} of the parts' {len(parts)} specialisations:",
+         *map(str, sorted(missing, key=str))])
+
+
+def test_the_warm_up_compiles_every_specialisation_the_parts_launch_outside_the_models_steps(monkeypatch):
+    """Every kernel specialisation - Triton's cache key: the kernel, its constexprs and warps,
+    its pointers' dtypes and 16-byte alignment, its integers' 1 / multiple-of-16
+    specialisation - that the parity, ops and sweep parts launch is launched by the warm-up's
+    workers other than the models' stages (``KERNEL_WORKERS``), on the GPU run's sizes as on
+    the GPU. A specialisation the workers miss compiles in a part's untimed first step, on
+    the budget's time: the parity part's float32 models without autocast and its ops, the
+    host time's merge at one token and the ops at their defaults did, before the ``ops``
+    worker."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    _assert_warmed(*_parts_and_workers(monkeypatch, ["parity", "ops", "sweep"], gpu_check.KERNEL_WORKERS))
+
+
+@pytest.mark.slow  # (two and a half minutes: every part's steps of three 1.6B-parameter models, on fake tensors)
+def test_the_warm_up_compiles_every_specialisation_every_part_launches(monkeypatch):
+    """:func:`test_the_warm_up_compiles_every_specialisation_the_parts_launch_outside_the_models_steps`
+    for every part of the prepared run - the models' training, decode and profiled steps
+    too (the compiled part's as its eager steps) - against every worker of the warm-up."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    parts = gpu_check.parse_args(["--out", "x"]).parts.split(",")
+    _assert_warmed(*_parts_and_workers(monkeypatch, parts, (*gpu_check.WARMED_MODELS, *gpu_check.KERNEL_WORKERS)))
