@@ -672,6 +672,25 @@ def test_eval_says_that_harness_options_do_nothing_without_harness_tasks(run_dir
     assert json.loads(out.read_text())["lm_eval_settings"] is None
 
 
+def test_eval_says_when_its_windows_reach_past_the_length_the_run_trained_on(run_dir, tmp_path, capsys):
+    """The run trained on 32-token sequences of a model whose max_seq_len is 128: `attnres eval`'s
+    default windows of 128 tokens measured it at positions 32-127, which training never showed it
+    (a higher loss than the run's val_loss, without a word). Now it says so and how to measure it
+    at its training length; a --seq-len given says nothing."""
+    import json
+
+    out = tmp_path / "eval.json"
+    note = ("attnres eval: perplexity windows of 128 tokens (the model's max_seq_len); the run trained on sequences "
+            "of 32 (seq_len), so positions 32-127 are ones its training never showed it: --seq-len 32 measures it "
+            "at the length it trained on\n")
+    capsys.readouterr()
+    assert cli_main(["eval", str(run_dir), "--tasks", "none", "--out", str(out), "--device", "cpu"]) == 0
+    assert note in capsys.readouterr().out and json.loads(out.read_text())["seq_len"] == 128
+    assert cli_main(["eval", str(run_dir), "--tasks", "none", "--seq-len", "32", "--out", str(out), "--device",
+                     "cpu"]) == 0
+    assert "perplexity windows" not in capsys.readouterr().out and json.loads(out.read_text())["seq_len"] == 32
+
+
 def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_its_checkpoints(run_dir, tmp_path):
     """`attnres eval RUN/checkpoints/step-N` wrote eval.json into the checkpoint, which the run's
     keep_checkpoints rotation deletes with it when the run goes on (or resumes), and `attnres eval

@@ -178,6 +178,7 @@ def _load(args, device, directory: bool, text: str | None):
         if text is not None and is_json_lines(args.text):  # (its records' text, in the field the run trained on)
             field = run.run_config["data"].get("text_field", TEXT_FIELD)
             text = _held_out(args.text, json_lines_text(args.text, "--text", field))
+        _note_untrained_positions(args, run)
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
                                                                    (run.validation_text(), "validation split")), run)
     if args.tokenizer is not None:
@@ -201,6 +202,22 @@ def _held_out(path: str, text: str) -> str:
     if not text.strip():  # (a .jsonl file's records may all be empty)
         raise ValueError(f"--text {path!r} is empty: there is no text to evaluate on")
     return text
+
+
+def _note_untrained_positions(args, run) -> None:
+    """Say so where the default window (the model's ``max_seq_len``) is longer than the
+    sequences the run trained on (its ``seq_len``): the positions past them are ones this
+    training never showed the model, and its loss there is higher than at the length it
+    trained on (and than its ``val_loss``, measured on ``seq_len`` windows). The default stays
+    the model's context, which the run's export is evaluated on too."""
+    from ..models.factory import context_limit
+
+    trained = run.run_config.get("seq_len")
+    window = context_limit(run.model)
+    if args.seq_len is None and isinstance(trained, int) and trained < window:
+        print(f"attnres eval: perplexity windows of {window} tokens (the model's max_seq_len); the run trained on "
+              f"sequences of {trained} (seq_len), so positions {trained}-{window - 1} are ones its training never "
+              f"showed it: --seq-len {trained} measures it at the length it trained on")
 
 
 def _lm_eval(args, tasks: list[str], text: str, run, device, offline: bool) -> dict:
