@@ -1069,6 +1069,31 @@ def test_local_cloze_items_have_distinct_choices_and_the_right_label(tmp_path):
         assert any(d.startswith(item["context"] + item["choices"][item["label"]]) for d in docs)
 
 
+def test_a_cloze_item_is_never_among_its_own_solved_examples(tmp_path):
+    """attnres_cloze draws each item's --num-fewshot examples from its one split: the harness
+    drew them from the whole split, the item itself with its answer among them (5-shot, 8 of 40
+    items here), which raised its accuracy. Named as the few-shot split too, each item is left
+    out of its own, as docs/hf.md says ("from its other items")."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from attnres.hf.evaluate import write_local_tasks
+
+    text = "\n".join(f"line {i} " + " ".join(f"w{(i * 7 + k) % 50}" for k in range(14)) for i in range(40))
+    manager = TaskManager(include_path=str(write_local_tasks(tmp_path, text)), include_defaults=False)
+    task = manager.load(["attnres_cloze"])["tasks"]["attnres_cloze"] if hasattr(manager, "load") else None
+    if task is None:  # (lm_eval before TaskManager.load)
+        from lm_eval.tasks import get_task_dict
+
+        task = get_task_dict(["attnres_cloze"], manager)["attnres_cloze"]
+    task.set_fewshot_seed(1234)
+    items = list(task.test_docs())
+    for shots in (5, len(items) - 1):
+        for item in items:
+            solved = item["context"] + item["choices"][item["label"]]
+            assert solved not in task.fewshot_context(item, num_fewshot=shots), (shots, item["context"])
+
+
 def test_importing_attnres_installs_no_import_hook_and_registers_nothing():
     """``import attnres`` leaves ``sys.meta_path`` as it was and does not touch transformers:
     importing transformers afterwards knows no AttnRes model type until ``attnres.hf`` is

@@ -207,6 +207,9 @@ def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
         "dataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(directory / 'cloze.jsonl'))}\n"
         "test_split: test\n"
+        # (its one split: named, the harness leaves each item out of its own solved examples, which
+        # it otherwise draws from the whole split, the item itself with its answer among them)
+        "fewshot_split: test\n"
         "output_type: multiple_choice\n"
         'doc_to_text: "{{context}}"\n'
         'doc_to_choice: "{{choices}}"\n'
