@@ -423,6 +423,32 @@ def test_eval_gives_the_harness_tasks_the_number_of_examples_asked_for(run_dir, 
     assert "attnres eval: attnres_cloze (2-shot): acc" in said and "attnres eval: attnres_ppl: " in said
 
 
+def test_eval_refuses_more_solved_examples_than_the_cloze_task_has_before_any_work(run_dir, tmp_path, capsys):
+    """`attnres eval --num-fewshot N` with N at least the cloze task's items ran the perplexity
+    pass, then lm-eval failed drawing each item's examples from the others ("Sample larger than
+    population or is negative", no option named) and the perplexity was lost with no results
+    file. Now it is refused first, with the most the text allows, which runs."""
+    pytest.importorskip("lm_eval")
+    import json
+
+    from attnres.hf.evaluate import local_task_data
+
+    text = write_corpus(tmp_path / "held-out.txt", n_lines=40, seed=2)
+    items = len(local_task_data(text.read_text())[1])
+    out = tmp_path / "eval.json"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--text", str(text), "--tasks", "attnres_cloze", "--limit", "1",
+                  "--num-fewshot", str(items), "--out", str(out), "--device", "cpu"])
+    assert str(info.value) == (f"attnres eval: error: --num-fewshot {items}: attnres_cloze has {items} items built from "
+                               "the held-out text, and draws each one's solved examples from the others: at most "
+                               f"{items - 1} (or give more held-out text, --text FILE)")
+    assert "held-out loss" not in capsys.readouterr().out and not out.exists()
+    assert cli_main(["eval", str(run_dir), "--text", str(text), "--tasks", "attnres_cloze", "--limit", "1",
+                     "--num-fewshot", str(items - 1), "--out", str(out), "--device", "cpu"]) == 0
+    assert json.loads(out.read_text())["lm_eval"]["attnres_cloze"]["n-shot"] == items - 1
+
+
 def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_dir, tmp_path, monkeypatch, capsys):
     """`attnres eval` printed lm-eval's keys with their filter suffix ('word_perplexity,none
     3.4e10'); it prints the metric's name, with the filter where it is not lm-eval's default

@@ -284,7 +284,7 @@ def run_eval(args) -> int:
     from ..data.corpus import read_text_file
     from ..data.tokenizer import tokenizer_file
     from ..hub import local_folder
-    from ..hf.evaluate import LOCAL_TASKS, check_document_start, check_tasks, local_task_data, perplexity
+    from ..hf.evaluate import LOCAL_TASKS, check_document_start, check_local_tasks, check_tasks, perplexity
     from ..inference.loading import pick_device
     from ..models.factory import context_limit
     from ..output_paths import strict_json, write_text_atomically
@@ -322,7 +322,7 @@ def run_eval(args) -> int:
         if tasks and directory:  # (an export of a run's checkpoint starts them with its own line break)
             check_document_start(model, tokenizer.tokenizer, args.checkpoint)
         if any(task in LOCAL_TASKS for task in tasks):
-            local_task_data(text)  # text they cannot be built from is refused before the perplexity pass
+            check_local_tasks(text, tasks, args.num_fewshot)  # (refused before the perplexity pass, not lost to it)
         results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()),
                    "step": None if run is None else run.state.get("step"),
                    "text": args.text or text_name,

@@ -177,6 +177,18 @@ def local_task_data(text: str, seed: int = 0) -> tuple[list[str], list[dict]]:
     return docs, items
 
 
+def check_local_tasks(text: str, tasks: list[str], num_fewshot: int | None) -> None:
+    """Refuse, before any evaluation, held-out text the local tasks among ``tasks`` cannot be
+    built from (:func:`local_task_data`), and a ``num_fewshot`` that ``attnres_cloze`` cannot
+    give: the harness draws each item's solved examples from its other items, and ran out of
+    them with "Sample larger than population or is negative" after the perplexity pass."""
+    _, items = local_task_data(text)
+    if "attnres_cloze" in tasks and num_fewshot is not None and num_fewshot >= len(items):
+        raise ValueError(f"--num-fewshot {num_fewshot}: attnres_cloze has {len(items)} items built from the held-out "
+                         f"text, and draws each one's solved examples from the others: at most {len(items) - 1} "
+                         "(or give more held-out text, --text FILE)")
+
+
 def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:
     """Write the task YAMLs and JSONL data of :data:`LOCAL_TASKS` built from ``text``
     (:func:`local_task_data`) into ``directory``; returns it (the harness's ``include_path``)."""
