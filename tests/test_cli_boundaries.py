@@ -534,6 +534,30 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
         assert info.value.code == 2 and f"argument {option}: takes " in capsys.readouterr().err
 
 
+def test_eval_keeps_the_perplexity_when_the_harness_refuses_a_setting_as_it_runs(run_dir, tmp_path, monkeypatch):
+    """A ValueError of lm-eval's after the perplexity pass (a task with fewer solved examples than
+    --num-fewshot asks for: "Sample larger than population or is negative") lost the perplexity
+    with no results file, as a harness task out of reach once did. Now the results file holds the
+    perplexity and the harness's error, as for that one."""
+    import json
+
+    from attnres.hf import evaluate
+
+    def refused(hf_dir, tasks, text, **kwargs):
+        raise ValueError("Sample larger than population or is negative")
+
+    monkeypatch.setattr(evaluate, "run_lm_eval", refused)
+    out = tmp_path / "eval.json"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--tasks", "attnres_ppl", "--text", str(write_corpus(tmp_path / "t.txt")),
+                  "--out", str(out), "--device", "cpu"])
+    assert str(info.value) == ("attnres eval: error: lm-eval failed: Sample larger than population or is negative; "
+                               f"the perplexity results are written to {out}, without lm-eval's")
+    results = json.loads(out.read_text())
+    assert results["lm_eval_error"] == "Sample larger than population or is negative" and results["lm_eval"] == {}
+    assert results["perplexity"]["tokens"] > 0
+
+
 def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run_dir, tmp_path, monkeypatch):
     """`attnres eval --tasks lambada_openai` without network: after the perplexity pass lm-eval
     failed ("Couldn't reach 'EleutherAI/lambada_openai' on the Hub", the datasets library's

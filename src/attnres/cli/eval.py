@@ -337,7 +337,9 @@ def run_eval(args) -> int:
         print(_perplexity_line(results["perplexity"]))
         try:
             results["lm_eval"] = _lm_eval(args, tasks, text, run, device, offline is not None) if tasks else {}
-        except OSError as e:  # a harness task's data set out of reach, most often: the perplexity is kept
+        # (a harness task's data set out of reach, most often, or a setting the harness refuses only as it
+        # runs, a ValueError: the perplexity is kept either way)
+        except (OSError, ValueError) as e:
             results["lm_eval_error"] = str(e)
             write_text_atomically(out, strict_json(results, indent=1, default=str))
             raise OSError(_harness_failed(e, tasks, out)) from None
