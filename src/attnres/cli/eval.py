@@ -190,7 +190,9 @@ def _load(args, device, directory: bool, text: str | None):
         args.seq_len = DIRECTORY_WINDOW
         print(f"attnres eval: perplexity windows of {DIRECTORY_WINDOW} tokens (the model's context is "
               f"{context_limit(model)}; --seq-len to change)")
-    if text is None:
+    if text is None:  # (said: an export of a run on other data was measured on other text, without a word)
+        print("attnres eval: held-out text: the built-in corpus's validation split, not the data the model was "
+              "trained on unless that was it (--text FILE for other text)")
         return model, tokenizer, load_corpus().val, "the built-in corpus's validation split", None
     if is_json_lines(args.text):  # (its records' text, in the field "text")
         text = _held_out(args.text, json_lines_text(args.text, "--text"))
