@@ -768,7 +768,9 @@ def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tm
     checkpoint (no step), and lm-eval's export took the run's newest checkpoint again, one
     written during the perplexity pass. Now the checkpoint and its step are printed and
     recorded, and lm-eval evaluates the model the perplexity pass measured, even when the
-    run has deleted its checkpoint since (keep_checkpoints)."""
+    run has deleted its checkpoint since (keep_checkpoints): with a BPE, whose tokenizer.json went
+    with it, the export failed reading it again ("cannot read the stored tokenizer") and lm-eval's
+    results were lost; the tokenizer loaded for the perplexity pass is exported now."""
     pytest.importorskip("lm_eval")
     import json
     import shutil
@@ -779,7 +781,8 @@ def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tm
 
     corpus = write_corpus(tmp_path / "corpus.txt", n_lines=200)
     run = tmp_path / "run"
-    train(load_config(None, overrides(corpus, run, steps=4, warmup_steps=1, checkpoint_every=2)))
+    train(load_config(None, overrides(corpus, run, steps=4, warmup_steps=1, checkpoint_every=2,
+                                      **{"data.tokenizer": "bpe", "data.vocab_size": 300})))
     newer = run / "checkpoints" / "step-00000004"
     shutil.move(newer, tmp_path / "later")  # the run is at step 2; step 4 is written during the perplexity pass
     older = run / "checkpoints" / "step-00000002"
@@ -792,6 +795,7 @@ def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tm
 
     def harness(hf_dir, tasks, text, **kwargs):
         exported.update(load_file(str(Path(hf_dir) / "model.safetensors")))
+        exported["tokenizer"] = json.loads((Path(hf_dir) / "tokenizer.json").read_text())["model"]["vocab"]
         return {}
 
     monkeypatch.setattr(evaluate, "perplexity", while_training)
@@ -805,6 +809,7 @@ def test_eval_of_a_training_run_records_and_keeps_the_checkpoint_it_evaluates(tm
     embedding = exported["embed_tokens.weight"]  # (an export keeps the checkpoint's tensor names)
     assert embedding.equal(evaluated["embed_tokens.weight"])
     assert not embedding.equal(load_file(str(newer / "model.safetensors"))["embed_tokens.weight"])
+    assert exported.pop("tokenizer") == json.loads((newer / "tokenizer.json").read_text())["model"]["vocab"]
 
 
 def test_generate_chat_puts_the_prompt_through_the_chat_template(run_dir, tmp_path, capsys):

@@ -222,11 +222,12 @@ def _note_untrained_positions(args, run) -> None:
               f"showed it: --seq-len {trained} measures it at the length it trained on")
 
 
-def _lm_eval(args, tasks: list[str], text: str, run, device, offline: bool) -> dict:
+def _lm_eval(args, tasks: list[str], text: str, run, tokenizer, device, offline: bool) -> dict:
     """lm-eval's results on ``tasks``: of the transformers directory, or (``run``: the
     training checkpoint loaded) of its model's export into a temporary directory - the model
     the perplexity pass measured, not the run's newest checkpoint by then, which a run still
-    training has replaced (and may have deleted). ``offline``: the harness reads its data sets
+    training has replaced (and may have deleted: with ``tokenizer``, the run's as loaded, not its
+    checkpoint's file read again). ``offline``: the harness reads its data sets
     from the local cache only (:func:`attnres.hf.evaluate.run_lm_eval`'s)."""
     import tempfile
 
@@ -238,7 +239,7 @@ def _lm_eval(args, tasks: list[str], text: str, run, device, offline: bool) -> d
     if run is None:
         return run_lm_eval(args.checkpoint, tasks, text, **harness)
     with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
-        hf.export_checkpoint(run, hf_dir, args.tokenizer)
+        hf.export_checkpoint(run, hf_dir, args.tokenizer, tokenizer=tokenizer)
         return run_lm_eval(hf_dir, tasks, text, **harness)
 
 
@@ -338,7 +339,7 @@ def run_eval(args) -> int:
                    "lm_eval": {}}
         print(_perplexity_line(results["perplexity"]))
         try:
-            results["lm_eval"] = _lm_eval(args, tasks, text, run, device, offline is not None) if tasks else {}
+            results["lm_eval"] = _lm_eval(args, tasks, text, run, tokenizer, device, offline is not None) if tasks else {}
         # (a harness task's data set out of reach, most often, or a setting the harness refuses only as it
         # runs, a ValueError: the perplexity is kept either way)
         except (OSError, ValueError) as e:

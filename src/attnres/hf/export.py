@@ -133,7 +133,8 @@ def check_export_target(out_dir: str | Path) -> Path:
     return out
 
 
-def export_checkpoint(checkpoint: str | Path | LoadedRun, out_dir: str | Path, tokenizer_path: str | None = None) -> Path:
+def export_checkpoint(checkpoint: str | Path | LoadedRun, out_dir: str | Path, tokenizer_path: str | None = None,
+                      tokenizer: Tokenizer | None = None) -> Path:
     """Write the checkpoint (a path, or a run :func:`load_run` loaded, its model as it is) as
     a Hugging Face directory loadable with
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` and ``AutoTokenizer.from_pretrained``.
@@ -141,11 +142,14 @@ def export_checkpoint(checkpoint: str | Path | LoadedRun, out_dir: str | Path, t
     export does not overwrite (its shards and their index, its tokenizer's other files:
     :data:`attnres.output_paths.HF_MODEL_FILES`) are removed, with a warning naming them.
     Raises ``ValueError`` (before any work) when ``out_dir`` cannot be written (a file in
-    the way, a read-only file system), and when writing it fails."""
+    the way, a read-only file system), and when writing it fails. ``tokenizer``: the one
+    :func:`load_tokenizer` gave for the run and ``tokenizer_path`` already, not read again from
+    the checkpoint, which a run still training may have deleted since (``keep_checkpoints``)."""
     out = check_export_target(out_dir)
     run = checkpoint if isinstance(checkpoint, LoadedRun) else load_run(checkpoint)
     model = run.model
-    tokenizer = load_tokenizer(run, tokenizer_path)  # refuses a vocabulary that is not the model's
+    if tokenizer is None:
+        tokenizer = load_tokenizer(run, tokenizer_path)  # refuses a vocabulary that is not the model's
     # (a run started from an instruct model keeps its chat template and end of turn; the tokenizer's own only)
     chat = run.chat_settings() if tokenizer_path is None else {}
     native = isinstance(model, AttnResLM)  # else model.hf_architecture: already a transformers model
