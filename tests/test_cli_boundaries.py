@@ -320,6 +320,35 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
 
 
+def test_eval_of_a_run_with_a_long_context_equals_eval_of_its_export(run_dir, tmp_path, monkeypatch, capsys):
+    """A run's model whose context is longer than MAX_DEFAULT_WINDOW (a run started from a
+    pretrained model's upcycle: Qwen3's 40,960 tokens) was evaluated on windows of its whole
+    context, its export on windows of MAX_DEFAULT_WINDOW: a run and its export gave different
+    perplexities (and the run's took minutes and gigabytes on a CPU). Both are held to it now,
+    which the command says, and give the same numbers; --seq-len still decides."""
+    import json
+
+    from attnres.cli import eval as eval_command
+
+    monkeypatch.setattr(eval_command, "MAX_DEFAULT_WINDOW", 24)  # (below the tiny model's 128)
+    text = tmp_path / "held-out.txt"
+    text.write_text(write_corpus(tmp_path / "corpus.txt").read_text()[:3000])
+    assert cli_main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    got = {}
+    for name, source in (("run", run_dir), ("export", tmp_path / "hf")):
+        capsys.readouterr()
+        assert cli_main(["eval", str(source), "--text", str(text), "--tasks", "none", "--out",
+                         str(tmp_path / f"{name}.json"), "--device", "cpu"]) == 0
+        assert "perplexity windows of 24 tokens (the model's context is 128; --seq-len to change)" in \
+            capsys.readouterr().out
+        got[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert got["run"]["seq_len"] == got["export"]["seq_len"] == 24
+    assert got["run"]["perplexity"]["loss"] == pytest.approx(got["export"]["perplexity"]["loss"], rel=1e-6)
+    assert cli_main(["eval", str(run_dir), "--text", str(text), "--tasks", "none", "--seq-len", "100", "--out",
+                     str(tmp_path / "run.json"), "--device", "cpu"]) == 0
+    assert json.loads((tmp_path / "run.json").read_text())["seq_len"] == 100
+
+
 def _run_and_export_whose_tokenizer_adds_a_bos(tmp_path):
     """A 2-step run trained with a tokenizer.json whose template puts <bos> before every text
     (a transformers model's, data.tokenizer=PATH, or a run started from an upcycle), exported to
@@ -734,9 +763,9 @@ def test_eval_says_when_its_windows_reach_past_the_length_the_run_trained_on(run
     import json
 
     out = tmp_path / "eval.json"
-    note = ("attnres eval: perplexity windows of 128 tokens (the model's max_seq_len); the run trained on sequences "
-            "of 32 (seq_len), so positions 32-127 are ones its training never showed it: --seq-len 32 measures it "
-            "at the length it trained on\n")
+    note = ("attnres eval: perplexity windows of 128 tokens (the model's context); the run trained from scratch on "
+            "sequences of 32 (seq_len), so positions 32-127 are ones its training never showed it: --seq-len 32 "
+            "measures it at the length it trained on\n")
     capsys.readouterr()
     assert cli_main(["eval", str(run_dir), "--tasks", "none", "--out", str(out), "--device", "cpu"]) == 0
     assert note in capsys.readouterr().out and json.loads(out.read_text())["seq_len"] == 128

@@ -1142,7 +1142,7 @@ def test_a_generation_record_keeps_only_what_validates(values, kept):
 def test_eval_of_a_directory_with_a_long_context_uses_shorter_windows(tmp_path, monkeypatch, capsys):
     """A pretrained model's whole context (40,960 tokens for Qwen3) as one perplexity window
     would take minutes and gigabytes on a CPU: a directory's default window is at most
-    DIRECTORY_WINDOW tokens (said, and recorded as seq_len); --seq-len still decides."""
+    MAX_DEFAULT_WINDOW tokens (said, and recorded as seq_len); --seq-len still decides."""
     from test_train import write_corpus
 
     from attnres.cli import eval as eval_command
@@ -1152,7 +1152,7 @@ def test_eval_of_a_directory_with_a_long_context_uses_shorter_windows(tmp_path, 
     src, _ = _pretrained_directory(tmp_path, corpus)  # a context of 128 tokens
     text = tmp_path / "held-out.txt"
     text.write_text(corpus.read_text()[:3000])
-    monkeypatch.setattr(eval_command, "DIRECTORY_WINDOW", 32)
+    monkeypatch.setattr(eval_command, "MAX_DEFAULT_WINDOW", 32)
     for given, window in ((None, 32), ("100", 100)):
         out = tmp_path / f"eval-{given}.json"
         assert cli_main(["eval", str(src), "--text", str(text), "--tasks", "none", "--out", str(out),

@@ -9,10 +9,11 @@ from ..validation import check_optional_count, missing_path_hint
 from .common import DTYPES, add_checkpoint_argument
 
 
-#: The default perplexity window of a transformers directory, at most: a pretrained model's
-#: whole context (40,960 tokens for Qwen3) would be one window of the held-out text, minutes
-#: and gigabytes of attention on a CPU.
-DIRECTORY_WINDOW = 2048
+#: The default perplexity window, at most: a pretrained model's whole context (40,960 tokens
+#: for Qwen3; a transformers directory's, or a run's started from one) would be one window of
+#: the held-out text, minutes and gigabytes of attention on a CPU. A run and its export are
+#: both held to it, so that they give the same numbers.
+MAX_DEFAULT_WINDOW = 2048
 
 
 def add_parser(sub) -> None:
@@ -41,8 +42,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--limit", type=_limit, help="at most this many documents per lm-eval task, or a fraction F "
                     "(0 < F < 1) of each task's (lm-eval's --limit; default: all); the perplexity pass reads the whole "
                     "held-out text either way")
-    ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's max_seq_len; for a "
-                    f"transformers directory, at most {DIRECTORY_WINDOW})")
+    ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's context, its max_seq_len, "
+                    f"at most {MAX_DEFAULT_WINDOW})")
     ev.add_argument("--batch-size", type=_batch_size, default=8,
                     help="lm-eval's batch: a number of requests (default 8), 'auto' (the largest that fits, found by "
                     "trial from 64 down) or 'auto:N' (found again N times over the run), as lm-eval's --batch_size; the "
@@ -164,12 +165,11 @@ def _eval_output_path(args):
 def _load(args, device, directory: bool, text: str | None):
     """``(model, tokenizer, held-out text, its name, the run loaded)``: of a transformers
     directory (its own model class and tokenizer; the built-in corpus's validation split by
-    default; windows of at most :data:`DIRECTORY_WINDOW`; no run), or of a training checkpoint
-    (its stored tokenizer; the run's validation split; ``args.checkpoint`` becomes the
-    checkpoint loaded, a run directory's newest)."""
+    default; no run), or of a training checkpoint (its stored tokenizer; the run's validation
+    split; ``args.checkpoint`` becomes the checkpoint loaded, a run directory's newest); the
+    windows of either at most :data:`MAX_DEFAULT_WINDOW` unless ``--seq-len`` says."""
     from ..data.corpus import TEXT_FIELD, is_json_lines, json_lines_text, load_corpus
     from ..inference.loading import load_run, load_tokenizer
-    from ..models.factory import context_limit
 
     if not directory:
         run = load_run(args.checkpoint, device)
@@ -179,6 +179,7 @@ def _load(args, device, directory: bool, text: str | None):
             field = run.run_config["data"].get("text_field", TEXT_FIELD)
             text = _held_out(args.text, json_lines_text(args.text, "--text", field))
         _note_untrained_positions(args, run)
+        _default_window(args, run.model)
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
                                                                    (run.validation_text(), "validation split")), run)
     if args.tokenizer is not None:
@@ -186,10 +187,7 @@ def _load(args, device, directory: bool, text: str | None):
     from ..hf.directory import load_directory
 
     model, tokenizer = load_directory(args.checkpoint, device)
-    if args.seq_len is None and context_limit(model) > DIRECTORY_WINDOW:
-        args.seq_len = DIRECTORY_WINDOW
-        print(f"attnres eval: perplexity windows of {DIRECTORY_WINDOW} tokens (the model's context is "
-              f"{context_limit(model)}; --seq-len to change)")
+    _default_window(args, model)
     if text is None:  # (said: an export of a run on other data was measured on other text, without a word)
         print("attnres eval: held-out text: the built-in corpus's validation split, not the data the model was "
               "trained on unless that was it (--text FILE for other text)")
@@ -206,20 +204,34 @@ def _held_out(path: str, text: str) -> str:
     return text
 
 
+def _default_window(args, model) -> None:
+    """``--seq-len``'s default: the model's context, at most :data:`MAX_DEFAULT_WINDOW` (said
+    where it is shortened)."""
+    from ..models.factory import context_limit
+
+    if args.seq_len is None and context_limit(model) > MAX_DEFAULT_WINDOW:
+        args.seq_len = MAX_DEFAULT_WINDOW
+        print(f"attnres eval: perplexity windows of {MAX_DEFAULT_WINDOW} tokens (the model's context is "
+              f"{context_limit(model)}; --seq-len to change)")
+
+
 def _note_untrained_positions(args, run) -> None:
-    """Say so where the default window (the model's ``max_seq_len``) is longer than the
-    sequences the run trained on (its ``seq_len``): the positions past them are ones this
-    training never showed the model, and its loss there is higher than at the length it
-    trained on (and than its ``val_loss``, measured on ``seq_len`` windows). The default stays
-    the model's context, which the run's export is evaluated on too."""
+    """Say so where the default window (the model's context, at most
+    :data:`MAX_DEFAULT_WINDOW`) is longer than the sequences the run trained on (its
+    ``seq_len``): the positions past them are ones this training never showed the model, and
+    its loss there is higher than at the length it trained on (and than its ``val_loss``,
+    measured on ``seq_len`` windows). Not of a run started from other weights (``init_from``:
+    a pretrained model's saw its whole context). The default stays the model's context, which
+    the run's export is evaluated on too."""
     from ..models.factory import context_limit
 
     trained = run.run_config.get("seq_len")
-    window = context_limit(run.model)
-    if args.seq_len is None and isinstance(trained, int) and trained < window:
-        print(f"attnres eval: perplexity windows of {window} tokens (the model's max_seq_len); the run trained on "
-              f"sequences of {trained} (seq_len), so positions {trained}-{window - 1} are ones its training never "
-              f"showed it: --seq-len {trained} measures it at the length it trained on")
+    window = min(context_limit(run.model), MAX_DEFAULT_WINDOW)
+    if args.seq_len is None and isinstance(trained, int) and trained < window and not run.run_config.get("init_from"):
+        print(f"attnres eval: perplexity windows of {window} tokens (the model's context"
+              f"{'' if window == context_limit(run.model) else f', at most {MAX_DEFAULT_WINDOW}'}); the run trained "
+              f"from scratch on sequences of {trained} (seq_len), so positions {trained}-{window - 1} are ones its "
+              f"training never showed it: --seq-len {trained} measures it at the length it trained on")
 
 
 def _lm_eval(args, tasks: list[str], text: str, run, tokenizer, device, offline: bool) -> dict:
