@@ -772,6 +772,12 @@ def test_eval_says_when_its_windows_reach_past_the_length_the_run_trained_on(run
     assert cli_main(["eval", str(run_dir), "--tasks", "none", "--seq-len", "32", "--out", str(out), "--device",
                      "cpu"]) == 0
     assert "perplexity windows" not in capsys.readouterr().out and json.loads(out.read_text())["seq_len"] == 32
+    # (a run started from other weights, init_from: those may have seen every position; nothing said)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    train(load_config(None, overrides(corpus, tmp_path / "tuned", steps=1, warmup_steps=0, init_from=str(run_dir),
+                                      **{"data.tokenizer": "bpe", "data.vocab_size": 320})))
+    assert cli_main(["eval", str(tmp_path / "tuned"), "--tasks", "none", "--out", str(out), "--device", "cpu"]) == 0
+    assert "perplexity windows" not in capsys.readouterr().out and json.loads(out.read_text())["seq_len"] == 128
 
 
 def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_its_checkpoints(run_dir, tmp_path):
