@@ -780,6 +780,19 @@ def test_eval_says_when_its_windows_reach_past_the_length_the_run_trained_on(run
     assert "perplexity windows" not in capsys.readouterr().out and json.loads(out.read_text())["seq_len"] == 128
 
 
+def test_eval_records_the_held_out_text_s_absolute_path(run_dir, tmp_path, monkeypatch):
+    """`attnres eval RUN --text held-out.txt` recorded "held-out.txt" as typed beside the
+    checkpoint's absolute path: read from another directory, the results named no file. The
+    text is recorded absolute now, as the checkpoint is."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "held-out.txt")
+    assert cli_main(["eval", str(run_dir), "--text", "held-out.txt", "--tasks", "none", "--out", "eval.json",
+                     "--device", "cpu"]) == 0
+    assert json.loads((tmp_path / "eval.json").read_text())["text"] == str((tmp_path / "held-out.txt").resolve())
+
+
 def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_its_checkpoints(run_dir, tmp_path):
     """`attnres eval RUN/checkpoints/step-N` wrote eval.json into the checkpoint, which the run's
     keep_checkpoints rotation deletes with it when the run goes on (or resumes), and `attnres eval

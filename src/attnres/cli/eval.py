@@ -340,7 +340,8 @@ def run_eval(args) -> int:
             check_local_tasks(text, tasks, args.num_fewshot)  # (refused before the perplexity pass, not lost to it)
         results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()),
                    "step": None if run is None else run.state.get("step"),
-                   "text": args.text or text_name,
+                   # (absolute, as the checkpoint: the file a relative --text named, read from elsewhere)
+                   "text": str(Path(args.text).resolve()) if args.text else text_name,
                    "seq_len": args.seq_len or context_limit(model),
                    "device": str(device), "dtype": args.dtype, "perplexity": perplexity(model, tokenizer, text, args.seq_len,
                                                                        progress=True),
