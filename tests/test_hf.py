@@ -1036,6 +1036,10 @@ def test_perplexity_windows_predict_every_token_once():
     assert windows["tokens"] == one["tokens"] and windows["loss"] != one["loss"]
     with pytest.raises(ValueError, match=r"--seq-len must be in \[1, 128\] \(the model's context limit, max_seq_len\)"):
         perplexity(model, ByteTokenizer(), text, seq_len=129)
+    # (a transformers model's field: `attnres eval DIR --seq-len 500` named max_seq_len, which its config lacks)
+    with pytest.raises(ValueError, match=r"^--seq-len must be in \[1, 128\] \(the model's context limit, "
+                                         r"max_position_embeddings\); got 129: omit it for the default window$"):
+        perplexity(AttnResForCausalLM.from_native(model), ByteTokenizer(), text, seq_len=129)
 
 
 @pytest.mark.parametrize("text", ["élan vital, naïve café", "日本語のテキスト and more", "plain ascii text here"])

@@ -37,6 +37,7 @@ from ..data.tokenizer import ByteTokenizer, Tokenizer, text_ids, unknown_share
 from ..progress import progress_bar
 from ..user_warning import warn_user
 from ..validation import did_you_mean_each
+from ..models import AttnResLM
 from ..models.factory import check_tokenizer_ids, context_limit, embedding_rows
 
 LOCAL_TASKS = ("attnres_ppl", "attnres_cloze")
@@ -68,8 +69,9 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     limit = context_limit(model)
     seq_len = seq_len or limit
     if not 1 <= seq_len <= limit:
-        raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, "
-                         f"max_seq_len); got {seq_len}: omit it to use the whole context")
+        field = "max_seq_len" if isinstance(model, AttnResLM) else "max_position_embeddings"  # (its config's name)
+        raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, {field}); got {seq_len}: "
+                         "omit it for the default window")
     ids = text_ids(tokenizer, text)
     check_tokenizer_ids(model, ids, "the held-out text")
     if len(ids) < 2:
