@@ -510,6 +510,26 @@ def test_a_warmup_longer_than_the_run_is_said(tmp_path, corpus, capsys):
         assert cli_main(["train", *overrides(corpus, tmp_path / "run2", warmup_steps=5, stop_after=1)]) == 0
 
 
+# -- a validation split shorter than the evaluation asks for -------------------------------
+
+def test_a_validation_split_shorter_than_eval_batches_asks_for_is_said(tmp_path, corpus):
+    """eval_batches=50 x batch_size=4 windows of 32 tokens on a split of a few hundred: val_loss
+    was measured on the few windows the split holds, and nothing said the setting was not met."""
+    from attnres.data.corpus import load_corpus
+
+    held = len(load_corpus([str(corpus)]).val) // 32  # (the byte tokenizer: a token per character)
+    with pytest.warns(UserWarning, match=rf"^eval_batches=50 x batch_size=4 = 200 validation windows of seq_len=32 "
+                      rf"tokens asked for, and the validation split \([0-9,]+ tokens\) holds {held}: val_loss is "
+                      rf"measured on those {held * 32:,} tokens; raise data.val_fraction for more, or lower "
+                      rf"eval_batches to {held // 4}$"):
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run", eval_batches=50, stop_after=1)]) == 0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="eval_batches")  # the split holds them: nothing to say
+        assert cli_main(["train", *overrides(corpus, tmp_path / "run2", eval_batches=held // 4, stop_after=1)]) == 0
+
+
 # -- the bf16 residual stream asked for without autocast -----------------------------------
 
 AUTOCAST_OPTIONS_SAID = {"autocast_stream": "the residual stream in bf16",

@@ -92,7 +92,8 @@ from .setup import RunData, Start, locate_start, prepare_run_data
 from .signals import StopSignals
 from .status import refuse_a_folder_of_runs
 from .wandb_log import WANDB_FILE, WandbMirror, require_wandb
-from .summary import RunFacts, startup_summary, unused_pipeline_options, unused_stream_option, warmup_overrun
+from .summary import (RunFacts, short_validation, startup_summary, unused_pipeline_options, unused_stream_option,
+                      warmup_overrun)
 
 
 class _Named:
@@ -420,7 +421,7 @@ class Trainer:
         print(startup_summary(self.config, facts), flush=True)
         changes = init_model_changes(init, self.config.model.to_dict()) if init is not None else None
         for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config),
-                        unused_pipeline_options(self.config)):
+                        unused_pipeline_options(self.config), short_validation(self.config, len(data.tokens.val))):
             if message is not None:
                 warn_user(message)
 

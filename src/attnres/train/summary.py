@@ -38,6 +38,20 @@ def warmup_overrun(config: TrainConfig) -> str | None:
             f"warmup_steps={max(config.steps // 10, 1) if config.steps > 1 else 0})")
 
 
+def short_validation(config: TrainConfig, val_tokens: int) -> str | None:
+    """In words, that the validation split holds fewer windows of ``seq_len`` tokens than
+    ``eval_batches x batch_size`` (the run's ``val_loss`` is measured on those it holds, fewer
+    tokens than asked for: noisier than the setting says); ``None`` where it holds them all."""
+    asked = config.eval_batches * config.batch_size
+    held = val_tokens // config.seq_len
+    if held >= asked:
+        return None
+    return (f"eval_batches={config.eval_batches} x batch_size={config.batch_size} = {asked} validation windows of "
+            f"seq_len={config.seq_len} tokens asked for, and the validation split ({val_tokens:,} tokens) holds "
+            f"{held}: val_loss is measured on those {held * config.seq_len:,} tokens; raise data.val_fraction for "
+            f"more, or lower eval_batches to {max(held // config.batch_size, 1)}")
+
+
 #: The autocast rounding options of ``ModelConfig.residual``, and what each does under autocast.
 _AUTOCAST_OPTIONS = {"autocast_stream": "stores the residual stream in the autocast dtype",
                      "autocast_norm_output": "rounds the sublayers' norm outputs to the autocast dtype",
