@@ -1568,3 +1568,27 @@ def test_depth_entropy_is_the_mean_of_each_positions_entropy():
     assert depth_entropy(torch.full((3, 2, 5), 1 / 3, dtype=torch.float64)) == pytest.approx(math.log(3), rel=1e-12)
     half = torch.tensor([[[0.5, 1.0]], [[0.5, 0.0]]])
     assert depth_entropy(half) == pytest.approx(math.log(2) / 2, rel=1e-12)
+
+
+def test_a_model_vocab_size_given_and_replaced_by_the_tokenizer_s_is_warned_of(tmp_path, corpus_file):
+    """``attnres train model.vocab_size=300`` (or in the config file) trained a model of the
+    tokenizer's 256 rows without a word. The tokenizer's size still wins (the embedding has a
+    row per token id: docs' "set from the tokenizer"), said once, naming both numbers; the
+    preset's default, which the user did not give, and a given size equal to it, are not."""
+    def warnings_of(argv: list[str]) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli_main(["train", *argv]) == 0
+        return [str(w.message) for w in caught if "model.vocab_size" in str(w.message)]
+
+    base = overrides(corpus_file, tmp_path / "a", steps=2, eval_every=2)
+    said = warnings_of([*base, "model.vocab_size=300"])
+    assert len(said) == 1 and said[0].startswith("model.vocab_size=300 is replaced by 256, the tokenizer's vocabulary "
+                                                 "(data.tokenizer=byte: one per byte value)")
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["model"]["vocab_size"] == 256
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("model:\n  preset: tiny\n  vocab_size: 4096\n")
+    in_file = [o for o in overrides(corpus_file, tmp_path / "b", steps=2, eval_every=2) if o != "model=tiny"]
+    assert len(warnings_of([str(config_file), *in_file])) == 1
+    assert warnings_of(overrides(corpus_file, tmp_path / "c", steps=2, eval_every=2)) == []
+    assert warnings_of([*overrides(corpus_file, tmp_path / "d", steps=2, eval_every=2), "model.vocab_size=256"]) == []
