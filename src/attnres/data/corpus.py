@@ -150,7 +150,14 @@ def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> Iterator[str]:
                 raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field "
                                  f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); data.text_field names "
                                  "the field that holds the text")
-            yield record[text_field]
+            yield _universal_newlines(record[text_field])
+
+
+def _universal_newlines(text: str) -> str:
+    """``text`` with its line ends made ``\\n`` as a text file's are when read (Python's
+    universal newlines: ``\\r\\n`` and a lone ``\\r``): a record's text of Windows line ends
+    gave other tokens than the same text in a ``.txt`` file."""
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def _what_line_holds(record: object, text_field: str) -> str:
@@ -261,7 +268,8 @@ def _matches_of(pattern: str) -> list[Path]:
 
 #: Bump when reading or splitting changes the text that the same files give (and so its
 #: digest): digests that token caches recorded for files (:func:`files_key`) then stop matching.
-READ_VERSION = 1
+#: 2: a ``.jsonl`` record's line ends are a text file's (:func:`_universal_newlines`).
+READ_VERSION = 2
 
 
 def files_key(files: list[Path] | tuple[Path, ...], val_fraction: float, text_field: str) -> str:
