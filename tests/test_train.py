@@ -1519,6 +1519,21 @@ def test_a_pipe_as_a_data_path_is_refused_as_one(tmp_path):
         load_corpus([str(tmp_path / "stream.txt")], read=False)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_in_a_data_directory_is_named_as_not_read(tmp_path):
+    """A named pipe ``b.txt`` in a searched data directory was skipped without a word (one
+    named in data.paths is refused as a pipe): the search names it in a warning, as it names
+    dangling links and compressed files, and reads the rest."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("the first file's text\n" * 50)
+    os.mkfifo(data / "b.txt")
+    with pytest.warns(UserWarning, match=re.escape(f"data directory '{data}': 1 named pipe(s) or other file(s) that "
+                                                   f"are not regular files not read: '{data / 'b.txt'}'")):
+        corpus = load_corpus([str(data)], read=False)
+    assert [p.name for p in corpus.files] == ["a.txt"]
+
+
 def test_a_dangling_symlink_in_data_paths_is_named_as_one(tmp_path):
     """A corpus of links to files on a mount that is not there: a directory's search dropped a
     dangling ``b.txt`` without a word, and ``data.paths=[data/b.txt]`` said it "does not exist

@@ -190,6 +190,13 @@ def _files_of(path: Path) -> list[Path]:
     if dangling:  # (a corpus of links to files on a mount that is not there lost them without a word)
         warn_user(f"data directory {str(path)!r}: {len(dangling)} symbolic link(s) to files that do not exist not "
                   f"read: {_some(dangling)}")
+    # (a named pipe, a socket or a device named .txt: one named in data.paths is refused as such)
+    special = sorted(p for p in found if p.suffix.lower() in TEXT_SUFFIXES and p.exists() and not p.is_file()
+                     and not p.is_dir())
+    if special:
+        warn_user(f"data directory {str(path)!r}: {len(special)} named pipe(s) or other file(s) that are not regular "
+                  f"files not read: {_some(special)}; the data is read several times over, as only a file can be: "
+                  "write their text to files to train on it")
     files = _without_runs(path, files)
     packed = sorted(p for p in found if _is_compressed_text(p) and p.is_file())
     if not files:
