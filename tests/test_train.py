@@ -401,6 +401,32 @@ def test_empty_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
         load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
 
 
+def test_empty_and_blank_files_skipped_are_said_alike_when_the_text_is_read(tmp_path):
+    """The empty files a data directory holds were said on every run, the blank ones (only
+    whitespace) only when the text was read, on a cache miss: only reading finds those. Both
+    are said when the text is read now: not by a corpus found without reading, nor on a cache
+    hit (the cache, made without them, said so when it was made)."""
+    (tmp_path / "docs").mkdir()
+    write_corpus(tmp_path / "docs" / "a.txt")
+    (tmp_path / "docs" / "b.txt").write_text("")
+    (tmp_path / "docs" / "c.txt").write_text(" \n")
+
+    def said(run) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        return [str(w.message) for w in caught if str(w.message).startswith("data.paths:")]
+
+    cache = str(tmp_path / "cache")
+    found = []
+    assert said(lambda: found.append(load_corpus([str(tmp_path / "docs")], 0.1, read=False))) == []
+    assert said(lambda: prepare_data(found[0], "byte", cache_dir=cache)) == [
+        f"data.paths: 1 empty file(s) skipped: '{tmp_path / 'docs' / 'b.txt'}'",
+        f"data.paths: 1 file(s) holding only whitespace skipped: '{tmp_path / 'docs' / 'c.txt'}'"]
+    again = load_corpus([str(tmp_path / "docs")], 0.1, read=False)
+    assert said(lambda: prepare_data(again, "byte", cache_dir=cache)) == [] and not again.is_read
+
+
 def test_blank_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
     """A file holding only whitespace (a crawl's page that extracted to a line break, a .jsonl
     of empty texts) refused the whole directory, "data file '.../b.txt' holds no text", while an
