@@ -206,3 +206,26 @@ def test_a_resume_on_a_cache_hit_checks_the_data_without_reading_it(tmp_path, mo
     monkeypatch.setattr(corpus_mod, "_read_file", lambda *a: pytest.fail("the text was read"))
     resumed = train(load_config(None, [*run, "resume=true"]))
     assert resumed.step == 3 and read_checkpoint_state(resumed.checkpoint)["data"]["fingerprint"] == want
+
+
+def test_json_lines_read_line_ends_as_a_text_file_does_and_miss_the_earlier_version_s_cache(tmp_path, monkeypatch):
+    """A ``.txt`` file's ``\\r\\n`` (and lone ``\\r``) are read as ``\\n``, but a ``.jsonl``
+    record's text kept them: the same text gave other tokens by format. It reads as the text
+    file now, and a cache the earlier reading made for the same files (found by their key,
+    without reading) is not reused with its old tokens: the key's version changed."""
+    docs = [f"{i} the quick brown fox\r\njumps over the lazy dog\rby the old mill\n" for i in range(60)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "t").mkdir()
+    for i, doc in enumerate(docs):
+        (tmp_path / "t" / f"{i:02}.txt").write_bytes(doc.encode())
+    with monkeypatch.context() as earlier:  # the earlier reading: the record's text as it is
+        earlier.setattr(corpus_mod, "_universal_newlines", lambda text: text, raising=False)
+        earlier.setattr(corpus_mod, "READ_VERSION", 1)
+        old = prepare_data(_corpus(tmp_path / "c.jsonl"), "byte", cache_dir=str(tmp_path / "cache"))
+    assert 13 in np.asarray(old.train)
+    corpus = _corpus(tmp_path / "c.jsonl")
+    new = prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache"))
+    as_text = prepare_data(_corpus(tmp_path / "t"), "byte", cache_dir=str(tmp_path / "cache"))
+    assert corpus.is_read and new.cache_dir != old.cache_dir and new.cache_dir == as_text.cache_dir
+    assert 13 not in np.asarray(new.train) and 13 not in np.asarray(new.val)
+    assert np.array_equal(new.train, as_text.train) and np.array_equal(new.val, as_text.val)

@@ -401,6 +401,32 @@ def test_empty_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
         load_corpus([str(tmp_path / "docs" / "a.txt"), str(tmp_path / "docs" / "b.txt")])
 
 
+def test_empty_and_blank_files_skipped_are_said_alike_when_the_text_is_read(tmp_path):
+    """The empty files a data directory holds were said on every run, the blank ones (only
+    whitespace) only when the text was read, on a cache miss: only reading finds those. Both
+    are said when the text is read now: not by a corpus found without reading, nor on a cache
+    hit (the cache, made without them, said so when it was made)."""
+    (tmp_path / "docs").mkdir()
+    write_corpus(tmp_path / "docs" / "a.txt")
+    (tmp_path / "docs" / "b.txt").write_text("")
+    (tmp_path / "docs" / "c.txt").write_text(" \n")
+
+    def said(run) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        return [str(w.message) for w in caught if str(w.message).startswith("data.paths:")]
+
+    cache = str(tmp_path / "cache")
+    found = []
+    assert said(lambda: found.append(load_corpus([str(tmp_path / "docs")], 0.1, read=False))) == []
+    assert said(lambda: prepare_data(found[0], "byte", cache_dir=cache)) == [
+        f"data.paths: 1 empty file(s) skipped: '{tmp_path / 'docs' / 'b.txt'}'",
+        f"data.paths: 1 file(s) holding only whitespace skipped: '{tmp_path / 'docs' / 'c.txt'}'"]
+    again = load_corpus([str(tmp_path / "docs")], 0.1, read=False)
+    assert said(lambda: prepare_data(again, "byte", cache_dir=cache)) == [] and not again.is_read
+
+
 def test_blank_files_in_a_data_directory_are_skipped_with_a_warning(tmp_path):
     """A file holding only whitespace (a crawl's page that extracted to a line break, a .jsonl
     of empty texts) refused the whole directory, "data file '.../b.txt' holds no text", while an
@@ -1519,6 +1545,21 @@ def test_a_pipe_as_a_data_path_is_refused_as_one(tmp_path):
         load_corpus([str(tmp_path / "stream.txt")], read=False)
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_in_a_data_directory_is_named_as_not_read(tmp_path):
+    """A named pipe ``b.txt`` in a searched data directory was skipped without a word (one
+    named in data.paths is refused as a pipe): the search names it in a warning, as it names
+    dangling links and compressed files, and reads the rest."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("the first file's text\n" * 50)
+    os.mkfifo(data / "b.txt")
+    with pytest.warns(UserWarning, match=re.escape(f"data directory '{data}': 1 named pipe(s) or other file(s) that "
+                                                   f"are not regular files not read: '{data / 'b.txt'}'")):
+        corpus = load_corpus([str(data)], read=False)
+    assert [p.name for p in corpus.files] == ["a.txt"]
+
+
 def test_a_dangling_symlink_in_data_paths_is_named_as_one(tmp_path):
     """A corpus of links to files on a mount that is not there: a directory's search dropped a
     dangling ``b.txt`` without a word, and ``data.paths=[data/b.txt]`` said it "does not exist
@@ -1568,3 +1609,27 @@ def test_depth_entropy_is_the_mean_of_each_positions_entropy():
     assert depth_entropy(torch.full((3, 2, 5), 1 / 3, dtype=torch.float64)) == pytest.approx(math.log(3), rel=1e-12)
     half = torch.tensor([[[0.5, 1.0]], [[0.5, 0.0]]])
     assert depth_entropy(half) == pytest.approx(math.log(2) / 2, rel=1e-12)
+
+
+def test_a_model_vocab_size_given_and_replaced_by_the_tokenizer_s_is_warned_of(tmp_path, corpus_file):
+    """``attnres train model.vocab_size=300`` (or in the config file) trained a model of the
+    tokenizer's 256 rows without a word. The tokenizer's size still wins (the embedding has a
+    row per token id: docs' "set from the tokenizer"), said once, naming both numbers; the
+    preset's default, which the user did not give, and a given size equal to it, are not."""
+    def warnings_of(argv: list[str]) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli_main(["train", *argv]) == 0
+        return [str(w.message) for w in caught if "model.vocab_size" in str(w.message)]
+
+    base = overrides(corpus_file, tmp_path / "a", steps=2, eval_every=2)
+    said = warnings_of([*base, "model.vocab_size=300"])
+    assert len(said) == 1 and said[0].startswith("model.vocab_size=300 is replaced by 256, the tokenizer's vocabulary "
+                                                 "(data.tokenizer=byte: one per byte value)")
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["model"]["vocab_size"] == 256
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("model:\n  preset: tiny\n  vocab_size: 4096\n")
+    in_file = [o for o in overrides(corpus_file, tmp_path / "b", steps=2, eval_every=2) if o != "model=tiny"]
+    assert len(warnings_of([str(config_file), *in_file])) == 1
+    assert warnings_of(overrides(corpus_file, tmp_path / "c", steps=2, eval_every=2)) == []
+    assert warnings_of([*overrides(corpus_file, tmp_path / "d", steps=2, eval_every=2), "model.vocab_size=256"]) == []

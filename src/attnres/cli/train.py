@@ -149,7 +149,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
                 print(note)
             return 0
         apply_cpu_allocator(config.to_dict())
-        result = train(config)
+        result = train(config, vocab_size_given=_vocab_size_given(config_path, overrides))
     except DistributedError as e:
         _exit_after_collective_failure(_train_error(e))
     except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
@@ -168,6 +168,15 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     if rank_zero():
         print(_end_of_run(result, config))
     return 0
+
+
+def _vocab_size_given(config_path: str | None, overrides: list[str]) -> bool:
+    """Whether the user set model.vocab_size, in the config file or an override (a preset's
+    default is not): the run warns when the tokenizer's size replaces it."""
+    from ..train.config import config_data
+
+    model = config_data(config_path, overrides).get("model")
+    return isinstance(model, dict) and "vocab_size" in model
 
 
 def _default_options_note(residual) -> str | None:

@@ -150,7 +150,14 @@ def _read_jsonl(path: Path, text_field: str = TEXT_FIELD) -> Iterator[str]:
                 raise ValueError(f"{path}:{lineno}: every JSONL line must be an object with a string field "
                                  f"{json.dumps(text_field)} ({_what_line_holds(record, text_field)}); data.text_field names "
                                  "the field that holds the text")
-            yield record[text_field]
+            yield _universal_newlines(record[text_field])
+
+
+def _universal_newlines(text: str) -> str:
+    """``text`` with its line ends made ``\\n`` as a text file's are when read (Python's
+    universal newlines: ``\\r\\n`` and a lone ``\\r``): a record's text of Windows line ends
+    gave other tokens than the same text in a ``.txt`` file."""
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def _what_line_holds(record: object, text_field: str) -> str:
@@ -183,6 +190,13 @@ def _files_of(path: Path) -> list[Path]:
     if dangling:  # (a corpus of links to files on a mount that is not there lost them without a word)
         warn_user(f"data directory {str(path)!r}: {len(dangling)} symbolic link(s) to files that do not exist not "
                   f"read: {_some(dangling)}")
+    # (a named pipe, a socket or a device named .txt: one named in data.paths is refused as such)
+    special = sorted(p for p in found if p.suffix.lower() in TEXT_SUFFIXES and p.exists() and not p.is_file()
+                     and not p.is_dir())
+    if special:
+        warn_user(f"data directory {str(path)!r}: {len(special)} named pipe(s) or other file(s) that are not regular "
+                  f"files not read: {_some(special)}; the data is read several times over, as only a file can be: "
+                  "write their text to files to train on it")
     files = _without_runs(path, files)
     packed = sorted(p for p in found if _is_compressed_text(p) and p.is_file())
     if not files:
@@ -261,7 +275,8 @@ def _matches_of(pattern: str) -> list[Path]:
 
 #: Bump when reading or splitting changes the text that the same files give (and so its
 #: digest): digests that token caches recorded for files (:func:`files_key`) then stop matching.
-READ_VERSION = 1
+#: 2: a ``.jsonl`` record's line ends are a text file's (:func:`_universal_newlines`).
+READ_VERSION = 2
 
 
 def files_key(files: list[Path] | tuple[Path, ...], val_fraction: float, text_field: str) -> str:
@@ -297,9 +312,10 @@ class Corpus:
     """
 
     def __init__(self, files: list[Path], val_fraction: float, text_field: str = TEXT_FIELD,
-                 found: Iterable[Path] = ()) -> None:
+                 found: Iterable[Path] = (), empty: Iterable[Path] = ()) -> None:
         self.files, self.val_fraction, self.text_field = tuple(files), val_fraction, text_field
         self._found = frozenset(found)  # (files a directory or pattern found: skipped when blank, see read)
+        self._empty = tuple(empty)  # (the empty files they found, skipped: said when the text is read, as blank ones)
         self.home = self.files[0].parent
         self.sources = tuple(map(str, self.files))
         self.files_key = files_key(self.files, val_fraction, text_field)  # (before any reading: see recall)
@@ -315,7 +331,7 @@ class Corpus:
         """Split the text and hash it now (once); ``ValueError`` for a file that is not UTF-8
         text or holds none, or a text too small to split. Returns the corpus."""
         if self._layout is None:
-            layout = _layout_of(self.files, self.val_fraction, self.text_field, self._found)
+            layout = _layout_of(self.files, self.val_fraction, self.text_field, self._found, self._empty)
             self._val, self._digest = _val_and_digest(_corpus_text(layout.files, self.text_field), layout,
                                                       self.val_fraction)
             self._layout = layout
@@ -579,8 +595,8 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
     """Find ``paths`` (files, directories searched recursively for ``.txt`` and ``.jsonl``
     files in sorted order, or glob patterns such as ``data/*.txt`` or ``data/**/*.jsonl``;
     ``.jsonl`` lines need a string field ``text_field``, ``"text"`` by default) - or the default corpus
-    when ``paths`` is empty - and, with ``read``, read and split it now (empty files that a
-    directory or pattern holds are skipped, with a warning; so are blank ones, when the text is read). Raises ``ValueError`` for a missing
+    when ``paths`` is empty - and, with ``read``, read and split it now (empty and blank files
+    that a directory or pattern holds are skipped, with a warning when the text is read). Raises ``ValueError`` for a missing
     or empty path, an empty file named or a file that two paths reach (it would count twice); with ``read``, also for a file that is not UTF-8 text or a split that leaves either
     part empty (without it, when the text is first wanted: see :class:`Corpus`)."""
     if not 0.0 < val_fraction < 1.0:
@@ -602,26 +618,28 @@ def load_corpus(paths: list[str] | tuple[str, ...] = (), val_fraction: float = 0
             if file != root:
                 found.append(file)
     _skip_empty(empty, bool(files))
-    corpus = Corpus(files, val_fraction, text_field, found)
+    corpus = Corpus(files, val_fraction, text_field, found, empty)
     return corpus.read() if read else corpus
 
 
 def _skip_empty(empty: list[Path], others: bool) -> None:
-    """Say that the empty files ``empty``, which directories or patterns of ``data.paths`` hold
-    (a crawl's failed downloads: one refused the whole corpus, and the next one after it was
-    deleted), are skipped; ``ValueError`` when there are no ``others``."""
-    if not empty:
-        return
-    if not others:
+    """Refuse a corpus of only the empty files ``empty``, which directories or patterns of
+    ``data.paths`` hold (a crawl's failed downloads: one refused the whole corpus, and the next
+    one after it was deleted): ``ValueError`` when there are no ``others``. Otherwise they are
+    skipped, which :func:`_layout_of` says when the text is read."""
+    if empty and not others:
         raise ValueError(f"data.paths finds only empty files: {_some(empty)}")
-    warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {_some(empty)}")
 
 
 def _layout_of(files: tuple[Path, ...], val_fraction: float, text_field: str,
-               found: frozenset[Path] = frozenset()) -> _Layout:
+               found: frozenset[Path] = frozenset(), empty: tuple[Path, ...] = ()) -> _Layout:
     """How the text of ``files`` is split (:func:`piece_bounds`): a pass over the files for its
     length (checking each file; a blank one of ``found``, which a directory or pattern holds, is
-    skipped with a warning, as an empty one is), then one to find the cuts near their targets."""
+    skipped with a warning, as the ``empty`` ones it held were), then one to find the cuts near
+    their targets. Both are said here, when the text is read, as only reading finds the blank
+    ones: a cache hit reads nothing, and its cache was made without them."""
+    if empty:
+        warn_user(f"data.paths: {len(empty)} empty file(s) skipped: {_some(list(empty))}")
     kept, blank, length = [], [], 0
     for file in files:
         try:

@@ -149,7 +149,7 @@ class TrainResult:
     val_step: int | None = None  # the step ``val_loss`` was measured at (None: unknown, or none measured)
 
 
-def train(config: TrainConfig) -> TrainResult:
+def train(config: TrainConfig, vocab_size_given: bool = False) -> TrainResult:
     """Run (or resume) the training run described by ``config``; see the module docstring.
     Returns a :class:`TrainResult`: the step reached, the last training and validation losses,
     the last checkpoint (``load_run(result.checkpoint)`` loads the model) and ``out_dir``.
@@ -161,6 +161,9 @@ def train(config: TrainConfig) -> TrainResult:
     on a non-finite loss (the last good checkpoint is left untouched),
     :class:`TrainingOutOfMemory` when a step does not fit in memory, and
     :class:`~attnres.distributed.DistributedError` when another rank died or stalled.
+
+    ``vocab_size_given``: the user set ``model.vocab_size`` (in a config file or an override),
+    who is warned when the tokenizer's size replaces it.
     """
     config.validate()
     ctx = process_context(config.device, config.dist_timeout_s)
@@ -170,7 +173,7 @@ def train(config: TrainConfig) -> TrainResult:
     terminating = sigterm_raises() if ctx.world_size == 1 else contextlib.nullcontext()
     with collective_errors(ctx), terminating:
         try:
-            result = Trainer(config, ctx).run()
+            result = Trainer(config, ctx, vocab_size_given).run()
             if ctx.world_size > 1:  # (FSDP2's hooks keep a sharded model in reference cycles:
                 collect_garbage()   # freed now, its memory with it, not at some later collection)
             return result
@@ -191,15 +194,16 @@ class Trainer:
     (or a signal) and releases everything; :meth:`close` releases it without training. It
     leaves the C allocator alone (``cpu_allocator`` is the ``attnres`` command's to apply).
     ``ctx``: this process's place in the process group (world size 1 alone,
-    :func:`attnres.distributed.process_context`).
+    :func:`attnres.distributed.process_context`); ``vocab_size_given``: :func:`train`'s.
     """
 
-    def __init__(self, config: TrainConfig, ctx: DistContext) -> None:
+    def __init__(self, config: TrainConfig, ctx: DistContext, vocab_size_given: bool = False) -> None:
         config.validate()
         check_backend(config, ctx.device)
         require_wandb(config.wandb_project)
         check_layout(config, ctx)
         self.ctx, self.main, self.device = ctx, ctx.is_main, ctx.device
+        self._vocab_size_given = vocab_size_given
         # the waits for rank 0's long local work (tokenising a large corpus, hashing every
         # rank's shards of a checkpoint) are not bounded by dist_timeout_s, meant for the steps
         self.patient = patient(ctx, config.setup_timeout_s)
@@ -283,7 +287,7 @@ class Trainer:
         """The run's data, and ``config`` with the model's vocabulary set from it, checked
         against the checkpoint resumed."""
         start = self.start
-        config, data = prepare_run_data(config, start, self._main_first)
+        config, data = prepare_run_data(config, start, self._main_first, self._vocab_size_given)
         if start.resume is not None:
             check_resumable(start.resume.run_config(), config.to_dict(), start.resume)
         return config, data

@@ -73,7 +73,7 @@ MEANINGS: dict[str, str] = {
     "model": "the model: a preset, or model.<field> settings",
     "model.preset": "the preset the model.<field> settings start from",
     "model.from_hf": "a saved transformers model's directory to take the model from",
-    "model.vocab_size": "embedding rows (set from the tokenizer when the run starts)",
+    "model.vocab_size": "embedding rows (set from the tokenizer when the run starts; a value given is replaced, with a warning)",
     "model.d_model": "the width d",
     "model.n_layers": "transformer blocks (2 sublayers each: L = 2 x n_layers)",
     "model.n_heads": "attention heads",

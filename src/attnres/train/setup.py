@@ -199,13 +199,33 @@ def model_vocab_size(config: TrainConfig, start: Start, tokenizer_size: int) -> 
     return padded if padded is not None and padded > tokenizer_size else tokenizer_size
 
 
-def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -> tuple[TrainConfig, RunData]:
+def _vocab_size_replaced(config: TrainConfig, start: Start, vocab_size: int, tokenizer_size: int) -> str:
+    """Why the ``model.vocab_size`` the user gave is not the run's ``vocab_size``: the
+    embedding needs a row per token id of the tokenizer, and has no use for more (but where
+    the model started from pads its embedding, whose rows it keeps)."""
+    given = f"model.vocab_size={config.model.vocab_size} is replaced by {vocab_size}"
+    source = start.resume or start.init
+    if vocab_size != tokenizer_size:
+        return (f"{given}: the embedding of {str(source.path)!r}, which the run starts from, is padded to {vocab_size} "
+                f"rows beyond its tokenizer's {tokenizer_size} tokens, and keeps them")
+    how = ("the tokenizer stored with the checkpoint the run starts from" if source is not None
+           else "data.tokenizer=byte: one per byte value" if config.data.tokenizer == "byte"
+           else f"the BPE of data.vocab_size={config.data.vocab_size} (set that for another size)"
+           if config.data.tokenizer == "bpe" else f"data.tokenizer={config.data.tokenizer!r}")
+    return (f"{given}, the tokenizer's vocabulary ({how}): the model's embedding has one row per token id, "
+            "so its size follows the tokenizer")
+
+
+def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
+                     vocab_size_given: bool = False) -> tuple[TrainConfig, RunData]:
     """Read and tokenise the corpus (rank 0 first, the others then read its cache) and
     build the sampler and the validation batches. A run that starts from a checkpoint keeps
     that checkpoint's tokenizer; a resumed one checks that the data is the checkpoint's and
     continues at its data position. Returns ``config`` with the model's vocabulary set from
     the tokenizer (or kept where a start's embedding is padded beyond it,
-    :func:`model_vocab_size`; the caller's config is left alone), and the data."""
+    :func:`model_vocab_size`; the caller's config is left alone), and the data.
+    ``vocab_size_given``: the user set ``model.vocab_size`` (a preset's default cannot be
+    told from it in ``config``), who is told when it is replaced."""
     # (the text is read only where no token cache recorded these files: a cache hit reads none)
     corpus = load_corpus(config.data.paths, config.data.val_fraction, config.data.text_field, read=False)
     source = start.resume or start.init
@@ -219,6 +239,8 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst) -
                                              bpe_sample=config.data.bpe_sample),
                         what="preparing the data: training the tokenizer, tokenising the corpus")
     vocab_size = model_vocab_size(config, start, tokens.vocab_size)
+    if vocab_size_given and config.model.vocab_size != vocab_size:
+        warn_user(_vocab_size_replaced(config, start, vocab_size, tokens.vocab_size))
     if config.model.vocab_size != vocab_size:
         config = dataclasses.replace(config, model=config.model.replace(vocab_size=vocab_size))
     meta, files = tokenizer_state(tokens.tokenizer)
