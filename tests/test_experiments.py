@@ -498,7 +498,7 @@ def test_each_finished_run_says_how_long_it_took_and_the_grid_has_to_go(corpus, 
     assert n >= 3
     now = [0.0]
 
-    def run_one(config, variant):  # each run: 7 s a step
+    def run_one(config, variant, **_):  # each run: 7 s a step
         now[0] += 7.0 * config.steps
         record = {"variant": variant.name, "val_loss": 1.0}
         Path(config.out_dir).mkdir(parents=True, exist_ok=True)
@@ -527,7 +527,7 @@ def test_a_run_of_one_step_is_announced_in_the_singular(corpus, tmp_path, monkey
 
     exp = get_experiment("compare", "tiny")
 
-    def run_one(config, variant):
+    def run_one(config, variant, **_):
         Path(config.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(config.out_dir) / "result.json").write_text(json.dumps({"variant": variant.name, "val_loss": 1.0}))
         return {"variant": variant.name, "val_loss": 1.0}
@@ -1260,3 +1260,21 @@ def test_a_cpu_run_on_a_gpu_machine_records_no_gpu_peak(corpus, tmp_path, monkey
     assert cli_main(command) == 0
     assert calls == []
     assert json.loads((tmp_path / "standard" / "seed0" / "result.json").read_text())["peak_memory_bytes"] is None
+
+
+def test_a_grids_model_vocab_size_replaced_by_the_tokenizers_is_warned_of(corpus, tmp_path):
+    """A grid given model.vocab_size=300 trained each run at the tokenizer's 256 rows without a
+    word, where attnres train says so: each run says it, once; a grid without it says nothing."""
+    import warnings
+
+    def said(out, *extra) -> list[str]:
+        command = ["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard", "--overhead-repeats", "0",
+                   f"data.paths=[{corpus}]", *extra]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli_main(command) == 0
+        return [str(w.message) for w in caught if "model.vocab_size" in str(w.message)]
+
+    given = said(tmp_path / "given", "model.vocab_size=300")
+    assert len(given) == 1 and given[0].startswith("model.vocab_size=300 is replaced by 256, the tokenizer's vocabulary")
+    assert said(tmp_path / "default") == []

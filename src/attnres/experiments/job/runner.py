@@ -171,7 +171,7 @@ def passes_drawn(checkpoint: Path | None) -> float | None:
     return sampler["samples_drawn"] / sampler["n_windows"]
 
 
-def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any] | None:
+def run_one(config: TrainConfig, variant: Variant, vocab_size_given: bool = False) -> dict[str, Any] | None:
     """Train (or resume) one run and write its ``result.json``; returns that record, or
     ``None`` for a run that ``stop_after`` ended before its ``steps``: stopped at its
     checkpoint, not finished (its record written then had it skipped as "finished earlier" by
@@ -190,7 +190,7 @@ def run_one(config: TrainConfig, variant: Variant) -> dict[str, Any] | None:
     gpu = device if device.type == "cuda" else None
     if gpu is not None:
         torch.cuda.reset_peak_memory_stats(gpu)
-    result = train(config)
+    result = train(config, vocab_size_given=vocab_size_given)
     if result.interrupted:  # (re-running resumes it; a SIGTERM's is the status 143 of the command, as train's)
         stopped = Terminated if result.interrupted == "SIGTERM" else KeyboardInterrupt
         raise stopped(f"run {out} stopped by {result.interrupted}, at its checkpoint")
@@ -373,6 +373,8 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     configs = [(v, s, run_config(experiment, v, s, run_dir(out, v.name, s), overrides))
                for s in seeds for v in chosen]
     check_same_experiment(out, header)
+    # (a model.vocab_size of the user's, replaced by the tokenizer's, is warned of as attnres train does)
+    vocab_size_given = any(parse_override(item)[0] == ["model", "vocab_size"] for item in overrides)
     marker = out / EXPERIMENT_FILE
     check_one_process(configs)
     check_data_passes(configs, experiment.max_data_passes)
@@ -396,7 +398,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: training {config.steps} step{'' if config.steps == 1 else 's'}")
         started = time.perf_counter()
         try:
-            record = run_one(config, variant)
+            record = run_one(config, variant, vocab_size_given=vocab_size_given)
         except (TrainingDiverged, TrainingOutOfMemory) as e:  # (the message alone named no run of the grid)
             raise type(e)(f"run {variant.name} seed {seed} ({config.out_dir}): {str(e).rstrip('.')} (the grid's "
                           "finished runs are kept: --report-only reports them)") from e
