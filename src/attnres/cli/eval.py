@@ -197,6 +197,61 @@ def _load(args, device, directory: bool, text: str | None):
     return model, tokenizer, text, None, None
 
 
+def _check_against_config(args, directory: bool) -> None:
+    """Refuse ``--seq-len`` past the model's context and a ``--tokenizer`` that does not read or
+    whose vocabulary is not the model's, from the model's config alone (a transformers
+    directory's ``config.json``; the ``state.json`` of a run's newest checkpoint, unverified),
+    before the weights load - minutes for a large upcycled model - with the messages the
+    checks after the load give. A config that does not read is left to the load, which says
+    what is wrong with it."""
+    from ..hf.evaluate import check_window
+
+    if directory:
+        config = _directory_config(args.checkpoint)
+        limit = getattr(config, "max_position_embeddings", None)
+        if args.seq_len is not None and isinstance(limit, int):
+            check_window(args.seq_len, limit, "max_position_embeddings")
+        return  # (a --tokenizer is refused as such: a directory is evaluated with its own)
+    config = _checkpoint_model_config(args.checkpoint)
+    if config is None:
+        return
+    if args.seq_len is not None:  # (the name the model built from it gives its context: perplexity's)
+        check_window(args.seq_len, config.max_seq_len,
+                     "max_seq_len" if config.hf_architecture is None else "max_position_embeddings")
+    if args.tokenizer is not None:
+        from ..data.tokenizer import load_tokenizer_file
+        from ..inference.loading import check_vocabulary
+
+        check_vocabulary(load_tokenizer_file(args.tokenizer, "--tokenizer"), config.vocab_size, args.tokenizer)
+
+
+def _directory_config(path: str):
+    """The transformers config of the directory ``path``, or ``None`` where it does not read."""
+    from transformers import AutoConfig
+
+    from .. import hf  # noqa: F401 (importing it registers AttnRes's model types with AutoConfig)
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _checkpoint_model_config(path: str):
+    """The :class:`~attnres.models.config.ModelConfig` stored in the newest checkpoint at
+    ``path`` (a run or ``step-*`` directory), read without verifying it; ``None`` where there is
+    none or it does not build."""
+    from ..checkpoint.locate import newest_state
+    from ..models.config import ModelConfig
+
+    found = newest_state(path)
+    config = found[1].get("config") if found is not None else None
+    try:
+        return ModelConfig.from_dict(config["model"]) if isinstance(config, dict) else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 def _held_out(path: str, text: str) -> str:
     """``text``, read from the ``--text`` file ``path``; ``ValueError`` when it is blank."""
     if not text.strip():  # (a .jsonl file's records may all be empty)
@@ -332,6 +387,7 @@ def run_eval(args) -> int:
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
         local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
         directory = is_hf_directory(args.checkpoint)
+        _check_against_config(args, directory)  # (before the weights: minutes of an upcycled model's)
         model, tokenizer, text, text_name, run = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
         if tasks and directory:  # (an export of a run's checkpoint starts them with its own line break)

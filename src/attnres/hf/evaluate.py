@@ -68,10 +68,8 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     """
     limit = context_limit(model)
     seq_len = seq_len or limit
-    if not 1 <= seq_len <= limit:
-        field = "max_seq_len" if isinstance(model, AttnResLM) else "max_position_embeddings"  # (its config's name)
-        raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, {field}); got {seq_len}: "
-                         "omit it for the default window")
+    # (its config's name for the context)
+    check_window(seq_len, limit, "max_seq_len" if isinstance(model, AttnResLM) else "max_position_embeddings")
     ids = text_ids(tokenizer, text)
     check_tokenizer_ids(model, ids, "the held-out text")
     if len(ids) < 2:
@@ -107,6 +105,15 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
         "perplexity": math.exp(total / n_tokens),
         "bits_per_byte": total / math.log(2) / n_bytes,
     }
+
+
+def check_window(seq_len: int, limit: int, field: str) -> None:
+    """Refuse a perplexity window ``seq_len`` (``--seq-len``) outside ``[1, limit]``, the
+    model's context, which its config names ``field``: by :func:`perplexity`, and by
+    ``attnres eval`` from the config alone, before the weights load."""
+    if not 1 <= seq_len <= limit:
+        raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, {field}); got {seq_len}: "
+                         "omit it for the default window")
 
 
 def _token_bytes(tokenizer: Tokenizer, token_id: int) -> int:
