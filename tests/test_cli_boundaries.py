@@ -537,7 +537,7 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
 
     def recorded(**kwargs):
         out = harness(**kwargs)
-        seen.update(batch_size=kwargs["batch_size"], limit=kwargs["limit"],
+        seen.update(batch_size=kwargs["batch_size"], limit=kwargs["limit"], max_length=kwargs["model_args"].get("max_length"),
                     docs={task: len(samples) for task, samples in out["samples"].items()})
         return out
 
@@ -545,9 +545,11 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
     text = write_corpus(tmp_path / "held-out.txt", n_lines=100, seed=2)  # 100 documents, one a line
     out = tmp_path / "eval.json"
     assert cli_main(["eval", str(run_dir), "--text", str(text), "--batch-size", "auto:2", "--limit", "0.1", "--out",
-                     str(out), "--device", "cpu"]) == 0
-    assert seen == {"batch_size": "auto:2", "limit": 0.1, "docs": {"attnres_ppl": 10, "attnres_cloze": 10}}
+                     str(out), "--device", "cpu", "--seq-len", "64"]) == 0
+    # (max_length: the perplexity's window, which the results record)
+    assert seen == {"batch_size": "auto:2", "limit": 0.1, "max_length": 64, "docs": {"attnres_ppl": 10, "attnres_cloze": 10}}
     written = json.loads(out.read_text())
+    assert written["seq_len"] == 64
     assert written["perplexity"]["tokens"] > 1000  # (the whole text: --limit is lm-eval's)
     assert math.isfinite(written["lm_eval"]["attnres_ppl"]["bits_per_byte,none"])
     # (recorded: the scores of a tenth of each task are not the whole task's)

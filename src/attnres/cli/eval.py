@@ -42,8 +42,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--limit", type=_limit, help="at most this many documents per lm-eval task, or a fraction F "
                     "(0 < F < 1) of each task's (lm-eval's --limit; default: all); the perplexity pass reads the whole "
                     "held-out text either way")
-    ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's context, its max_seq_len, "
-                    f"at most {MAX_DEFAULT_WINDOW})")
+    ev.add_argument("--seq-len", type=int, help="perplexity window, and lm-eval's (its max_length) (default: the "
+                    f"model's context, its max_seq_len, at most {MAX_DEFAULT_WINDOW})")
     ev.add_argument("--batch-size", type=_batch_size, default=8,
                     help="lm-eval's batch: a number of requests (default 8), 'auto' (the largest that fits, found by "
                     "trial from 64 down) or 'auto:N' (found again N times over the run), as lm-eval's --batch_size; the "
@@ -289,20 +289,22 @@ def _note_untrained_positions(args, run) -> None:
               f"training never showed it: --seq-len {trained} measures it at the length it trained on")
 
 
-def _lm_eval(args, tasks: list[str], text: str, run, tokenizer, device, offline: bool) -> dict:
+def _lm_eval(args, tasks: list[str], text: str, run, tokenizer, device, offline: bool, window: int) -> dict:
     """lm-eval's results on ``tasks``: of the transformers directory, or (``run``: the
     training checkpoint loaded) of its model's export into a temporary directory - the model
     the perplexity pass measured, not the run's newest checkpoint by then, which a run still
     training has replaced (and may have deleted: with ``tokenizer``, the run's as loaded, not its
     checkpoint's file read again). ``offline``: the harness reads its data sets
-    from the local cache only (:func:`attnres.hf.evaluate.run_lm_eval`'s)."""
+    from the local cache only (:func:`attnres.hf.evaluate.run_lm_eval`'s). ``window``: the
+    perplexity pass's, the harness's ``max_length``."""
     import tempfile
 
     from .. import hf
     from ..hf.evaluate import run_lm_eval
 
     harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
-                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot, offline=offline)
+                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot, offline=offline,
+                   max_length=window)  # (the perplexity's windows: the harness's are the model's whole context)
     if run is None:
         return run_lm_eval(args.checkpoint, tasks, text, **harness)
     with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
@@ -408,7 +410,8 @@ def run_eval(args) -> int:
                    "lm_eval": {}}
         print(_perplexity_line(results["perplexity"]))
         try:
-            results["lm_eval"] = _lm_eval(args, tasks, text, run, tokenizer, device, offline is not None) if tasks else {}
+            results["lm_eval"] = (_lm_eval(args, tasks, text, run, tokenizer, device, offline is not None,
+                                           results["seq_len"]) if tasks else {})
         # (a harness task's data set out of reach, most often, or a setting the harness refuses only as it
         # runs, a ValueError: the perplexity is kept either way)
         except (OSError, ValueError) as e:
