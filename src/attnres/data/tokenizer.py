@@ -430,8 +430,8 @@ def is_marker_token(tok, content: str) -> bool:
 #: Qwen's) split anyway, so the pieces' ids are those of the whole text. A cut inside a longer
 #: run (after the first of three line breaks, a line break before an indent) changed them: the
 #: run's merged tokens ("\n\n") became several. (Python's whitespace holds the tokenizers'.)
-_LINE_CUT = re.compile(r"(?<=\S)\n(?=\S)")
-_SPACE_CUT = re.compile(r"(?<=\S) (?=\S)")
+_LINE_CUT = re.compile(r"\n(?<=\S\n)(?=\S)")  # (the literal first: found as fast as str.find)
+_SPACE_CUT = re.compile(r" (?<=\S )(?=\S)")
 
 
 def text_chunks(text: str | Iterable[str], size: int = 1 << 20) -> Iterator[str]:
