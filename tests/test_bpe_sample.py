@@ -35,7 +35,7 @@ def test_the_bpe_is_trained_on_the_sample_and_on_all_the_text_by_default(tmp_pat
     assert full.tokenizer.to_json() == train_bpe(corpus.train, 320).to_json()  # (today's vocabulary)
     assert sampled.tokenizer.to_json() == train_bpe(corpus.train, 320, sample=8000).to_json()
     assert "Ġzyxwvut" in full.tokenizer.backend.get_vocab() and "Ġzyxwvut" not in sampled.tokenizer.backend.get_vocab()
-    assert (full.cache_dir.name.endswith("-bpe320") and sampled.cache_dir.name.endswith("-bpe320-sample8000"))
+    assert (full.cache_dir.name.endswith("-bpe320-cleancut") and sampled.cache_dir.name.endswith("-bpe320-sample8000-cleancut"))
     decoded = sampled.tokenizer.decode(np.asarray(sampled.train).tolist())
     assert decoded == corpus.train
     again = prepare_data(load_corpus([str(tmp_path / "c.txt")], 0.02, read=False), "bpe", 320, str(tmp_path / "cache"),
@@ -65,4 +65,4 @@ def test_a_run_trains_its_bpe_on_the_sample(tmp_path):
                     diagnostics_every=100, checkpoint_every=100, **{"data.paths": f"[{tmp_path / 'c.txt'}]",
                     "data.tokenizer": "bpe", "data.vocab_size": 300, "data.bpe_sample": 3000})
     train(load_config(None, [f"{k}={v}" for k, v in settings.items()]))
-    assert [p.name[16:] for p in (tmp_path / ".attnres-cache").iterdir()] == ["-bpe300-sample3000"]
+    assert [p.name[16:] for p in (tmp_path / ".attnres-cache").iterdir()] == ["-bpe300-sample3000-cleancut"]

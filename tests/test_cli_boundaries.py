@@ -537,7 +537,7 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
 
     def recorded(**kwargs):
         out = harness(**kwargs)
-        seen.update(batch_size=kwargs["batch_size"], limit=kwargs["limit"],
+        seen.update(batch_size=kwargs["batch_size"], limit=kwargs["limit"], max_length=kwargs["model_args"].get("max_length"),
                     docs={task: len(samples) for task, samples in out["samples"].items()})
         return out
 
@@ -545,9 +545,11 @@ def test_eval_takes_lm_eval_s_automatic_batch_size_and_a_fraction_of_each_task(r
     text = write_corpus(tmp_path / "held-out.txt", n_lines=100, seed=2)  # 100 documents, one a line
     out = tmp_path / "eval.json"
     assert cli_main(["eval", str(run_dir), "--text", str(text), "--batch-size", "auto:2", "--limit", "0.1", "--out",
-                     str(out), "--device", "cpu"]) == 0
-    assert seen == {"batch_size": "auto:2", "limit": 0.1, "docs": {"attnres_ppl": 10, "attnres_cloze": 10}}
+                     str(out), "--device", "cpu", "--seq-len", "64"]) == 0
+    # (max_length: the perplexity's window, which the results record)
+    assert seen == {"batch_size": "auto:2", "limit": 0.1, "max_length": 64, "docs": {"attnres_ppl": 10, "attnres_cloze": 10}}
     written = json.loads(out.read_text())
+    assert written["seq_len"] == 64
     assert written["perplexity"]["tokens"] > 1000  # (the whole text: --limit is lm-eval's)
     assert math.isfinite(written["lm_eval"]["attnres_ppl"]["bits_per_byte,none"])
     # (recorded: the scores of a tenth of each task are not the whole task's)
@@ -1514,6 +1516,39 @@ def test_a_bad_device_or_tokenizer_is_refused_before_loading(run_dir, tmp_path, 
         with pytest.raises(SystemExit) as info:
             cli_main([command, str(run_dir), *rest, *option])
         assert expected in str(info.value)
+
+
+def test_eval_refuses_a_long_window_or_a_wrong_tokenizer_before_the_weights_load(run_dir, tmp_path, monkeypatch):
+    """`attnres eval RUN --seq-len N` past the model's context, and a `--tokenizer` that does
+    not read or whose vocabulary is not the model's, were refused only once the weights had
+    loaded (minutes for a large upcycled model); of a transformers directory, --seq-len too.
+    They are refused from the config, before, with the messages the checks after the load give."""
+    pytest.importorskip("transformers")
+    from attnres.data.tokenizer import train_bpe
+    from attnres.hf import directory
+    from attnres.inference import loading
+
+    assert cli_main(["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    other, unreadable = tmp_path / "other.json", tmp_path / "unreadable.json"
+    train_bpe(write_corpus(tmp_path / "other.txt", n_lines=100, seed=1).read_text(), 290).save(other)
+    unreadable.write_text("{not a tokenizer")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the option was checked")
+
+    monkeypatch.setattr(loading, "load_run", no_loading)
+    monkeypatch.setattr(directory, "load_directory", no_loading)
+    window = "--seq-len must be in [1, 128] (the model's context limit, {}); got 129: omit it for the default window"
+    for source, option, expected in (
+            (run_dir, ["--seq-len", "129"], window.format("max_seq_len")),
+            (tmp_path / "hf", ["--seq-len", "129"], window.format("max_position_embeddings")),
+            (run_dir, ["--tokenizer", str(other)], f"--tokenizer {str(other)!r} has 290 tokens, the model's vocabulary "
+             "(vocab_size) 320: its ids would index other embeddings"),
+            (run_dir, ["--tokenizer", str(unreadable)], f"--tokenizer: cannot read tokenizer file {str(unreadable)!r}")):
+        with pytest.raises(SystemExit) as info:
+            cli_main(["eval", str(source), "--tasks", "none", "--device", "cpu", "--out", str(tmp_path / "e.json"),
+                      *option])
+        assert str(info.value).startswith(f"attnres eval: error: {expected}"), info.value
 
 
 @pytest.mark.parametrize("command", ["eval", "analyze"])

@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import tracemalloc
 from pathlib import Path
 
@@ -170,6 +171,50 @@ def test_a_line_cut_before_its_spaces_keeps_the_bpe_ids():
     pieces = list(text_chunks(text, 500))
     assert len(pieces) > 20
     assert [i for piece in pieces for i in tok.encode(piece)] == tok.encode(text)
+
+
+@pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+def test_pieces_cut_inside_whitespace_runs_keep_the_bpe_ids_of_the_whole_text():
+    """The caches' pieces were cut just after the first line break past their size: inside a
+    run of three (a paragraph break and a blank line), before an indent, after a line's
+    trailing spaces, where the BPE's pre-tokenizer does not split - its merged "\\n\\n"
+    became two "\\n", and the validation split's ids were not those `attnres eval --text`
+    gives the same text as a whole. They are cut where it splits anyway: the ids are the
+    whole text's, for every size, and in parts too."""
+    rng = random.Random(4)
+    blocks = ["para {} words here", "\n", "\n\n", "\n\n\n", "\n    indented {}", "  \n", " \n\n  ", "x" * 12, " "]
+    text = "".join(rng.choice(blocks).format(i) + "ab cd" for i in range(3000))  # (a clean space in each block)
+    tok = train_bpe(text, 320)
+    assert {"ĊĊ", "ĊĠĠĠ"} <= set(tok.backend.get_vocab())  # (runs the pre-tokenizer keeps whole are merged)
+    whole = tok.encode(text)
+    for size in (60, 300, 1000):  # (no piece of 2 * size: each cut is a clean one)
+        pieces = list(text_chunks(text, size))
+        assert "".join(pieces) == text and len(pieces) > len(text) // (3 * size)
+        assert [i for piece in pieces for i in tok.encode(piece)] == whole, size
+        cuts = sorted(rng.sample(range(len(text)), 30)) + [len(text)]
+        assert list(text_chunks(iter([text[a:b] for a, b in zip([0] + cuts, cuts)]), size)) == pieces
+
+
+@pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+def test_a_cache_of_pieces_cut_inside_whitespace_runs_is_not_taken_by_a_new_run(tmp_path):
+    """An earlier version's BPE cache holds ids cut inside whitespace runs: a new run (the
+    same corpus and settings: the same name then) would have taken them silently. It makes its
+    own (named -cleancut); a run given the tokenizer (a checkpoint's: it may have trained on
+    the old cache) keeps the old one, with a warning. A byte cache's ids are the same."""
+    (tmp_path / "c.txt").write_text("".join(LINE.format(i) + "\n\n" * (i % 3) for i in range(300)))
+    corpus = load_corpus([str(tmp_path / "c.txt")], 0.1)
+    data = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"))
+    assert data.cache_dir.name.endswith("-bpe300-cleancut")
+    old = data.cache_dir.with_name(data.cache_dir.name.removesuffix("-cleancut"))
+    data.cache_dir.rename(old)  # (as an earlier version named it)
+    again = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"))
+    assert again.cache_dir.name == data.cache_dir.name and again.cache_dir.exists() and old.exists()
+    shutil.rmtree(again.cache_dir)
+    with pytest.warns(UserWarning, match=r"was made by an earlier attnres, which cut the text into pieces inside "
+                                         r"whitespace runs: .* It is kept for this run, whose tokenizer was given"):
+        kept = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer)
+    assert kept.cache_dir == old
+    assert prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache")).cache_dir.name.endswith("-byte256")
 
 
 @pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")

@@ -976,6 +976,35 @@ def test_lm_eval_s_truncation_warnings_are_counted_into_one(caplog):
     assert [r.getMessage()[:14] for r in caplog.records] == ["something else", "Combined lengt"]
 
 
+def test_attnres_ppl_reads_documents_in_the_perplexity_windows(tmp_path, monkeypatch):
+    """lm-eval's rolling log-likelihood windows were the model's whole context
+    (max_position_embeddings, 128 here; a Qwen3 upcycle's 40,960), not `attnres eval`'s window
+    (--seq-len, or the context at most 2,048): a document longer than --seq-len was scored in
+    other windows than the perplexity pass's. The harness is given the window (max_length): a
+    document of whole windows (the harness's last window takes a full one's context, the
+    perplexity pass's a shorter one) has the perplexity's loss, started from the line break
+    the harness starts it with."""
+    pytest.importorskip("lm_eval")
+    import math
+
+    from attnres.hf.evaluate import perplexity, run_lm_eval
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    native = native_model(residual="attnres_block")
+    AttnResForCausalLM.from_native(native).save_pretrained(tmp_path / "hf")
+    make_hf_tokenizer(ByteTokenizer(), native.config.max_seq_len).save_pretrained(tmp_path / "hf")
+    window = 32
+    docs = [" ".join(f"w{i}{j}" for j in range(24))[: 3 * window].rstrip() for i in range(4)]
+    docs = [d + "x" * (3 * window - len(d)) for d in docs]  # (three windows each, of bytes)
+    results = run_lm_eval(tmp_path / "hf", ["attnres_ppl"], "\n\n".join(docs), bootstrap_iters=0, max_length=window)
+    nats = sum(perplexity(native, ByteTokenizer(), "\n" + d, seq_len=window)["loss"] * len(d) for d in docs)
+    want = nats / math.log(2) / sum(map(len, docs))
+    assert results["attnres_ppl"]["bits_per_byte,none"] == pytest.approx(want, rel=1e-5)
+    whole = run_lm_eval(tmp_path / "hf", ["attnres_ppl"], "\n\n".join(docs), bootstrap_iters=0)  # (128: one window)
+    assert abs(whole["attnres_ppl"]["bits_per_byte,none"] - want) > 1e-3  # (0.007 bits: other windows)
+
+
 def test_attnres_eval_runs_lm_eval_on_local_tasks(tmp_path, monkeypatch, capfd, caplog):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train import overrides, write_corpus

@@ -42,8 +42,8 @@ def add_parser(sub) -> None:
     ev.add_argument("--limit", type=_limit, help="at most this many documents per lm-eval task, or a fraction F "
                     "(0 < F < 1) of each task's (lm-eval's --limit; default: all); the perplexity pass reads the whole "
                     "held-out text either way")
-    ev.add_argument("--seq-len", type=int, help="perplexity window (default: the model's context, its max_seq_len, "
-                    f"at most {MAX_DEFAULT_WINDOW})")
+    ev.add_argument("--seq-len", type=int, help="perplexity window, and lm-eval's (its max_length) (default: the "
+                    f"model's context, its max_seq_len, at most {MAX_DEFAULT_WINDOW})")
     ev.add_argument("--batch-size", type=_batch_size, default=8,
                     help="lm-eval's batch: a number of requests (default 8), 'auto' (the largest that fits, found by "
                     "trial from 64 down) or 'auto:N' (found again N times over the run), as lm-eval's --batch_size; the "
@@ -197,6 +197,61 @@ def _load(args, device, directory: bool, text: str | None):
     return model, tokenizer, text, None, None
 
 
+def _check_against_config(args, directory: bool) -> None:
+    """Refuse ``--seq-len`` past the model's context and a ``--tokenizer`` that does not read or
+    whose vocabulary is not the model's, from the model's config alone (a transformers
+    directory's ``config.json``; the ``state.json`` of a run's newest checkpoint, unverified),
+    before the weights load - minutes for a large upcycled model - with the messages the
+    checks after the load give. A config that does not read is left to the load, which says
+    what is wrong with it."""
+    from ..hf.evaluate import check_window
+
+    if directory:
+        config = _directory_config(args.checkpoint)
+        limit = getattr(config, "max_position_embeddings", None)
+        if args.seq_len is not None and isinstance(limit, int):
+            check_window(args.seq_len, limit, "max_position_embeddings")
+        return  # (a --tokenizer is refused as such: a directory is evaluated with its own)
+    config = _checkpoint_model_config(args.checkpoint)
+    if config is None:
+        return
+    if args.seq_len is not None:  # (the name the model built from it gives its context: perplexity's)
+        check_window(args.seq_len, config.max_seq_len,
+                     "max_seq_len" if config.hf_architecture is None else "max_position_embeddings")
+    if args.tokenizer is not None:
+        from ..data.tokenizer import load_tokenizer_file
+        from ..inference.loading import check_vocabulary
+
+        check_vocabulary(load_tokenizer_file(args.tokenizer, "--tokenizer"), config.vocab_size, args.tokenizer)
+
+
+def _directory_config(path: str):
+    """The transformers config of the directory ``path``, or ``None`` where it does not read."""
+    from transformers import AutoConfig
+
+    from .. import hf  # noqa: F401 (importing it registers AttnRes's model types with AutoConfig)
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _checkpoint_model_config(path: str):
+    """The :class:`~attnres.models.config.ModelConfig` stored in the newest checkpoint at
+    ``path`` (a run or ``step-*`` directory), read without verifying it; ``None`` where there is
+    none or it does not build."""
+    from ..checkpoint.locate import newest_state
+    from ..models.config import ModelConfig
+
+    found = newest_state(path)
+    config = found[1].get("config") if found is not None else None
+    try:
+        return ModelConfig.from_dict(config["model"]) if isinstance(config, dict) else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 def _held_out(path: str, text: str) -> str:
     """``text``, read from the ``--text`` file ``path``; ``ValueError`` when it is blank."""
     if not text.strip():  # (a .jsonl file's records may all be empty)
@@ -234,20 +289,22 @@ def _note_untrained_positions(args, run) -> None:
               f"training never showed it: --seq-len {trained} measures it at the length it trained on")
 
 
-def _lm_eval(args, tasks: list[str], text: str, run, tokenizer, device, offline: bool) -> dict:
+def _lm_eval(args, tasks: list[str], text: str, run, tokenizer, device, offline: bool, window: int) -> dict:
     """lm-eval's results on ``tasks``: of the transformers directory, or (``run``: the
     training checkpoint loaded) of its model's export into a temporary directory - the model
     the perplexity pass measured, not the run's newest checkpoint by then, which a run still
     training has replaced (and may have deleted: with ``tokenizer``, the run's as loaded, not its
     checkpoint's file read again). ``offline``: the harness reads its data sets
-    from the local cache only (:func:`attnres.hf.evaluate.run_lm_eval`'s)."""
+    from the local cache only (:func:`attnres.hf.evaluate.run_lm_eval`'s). ``window``: the
+    perplexity pass's, the harness's ``max_length``."""
     import tempfile
 
     from .. import hf
     from ..hf.evaluate import run_lm_eval
 
     harness = dict(limit=args.limit, batch_size=args.batch_size, device=str(device), dtype=args.dtype,
-                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot, offline=offline)
+                   bootstrap_iters=args.bootstrap_iters, num_fewshot=args.num_fewshot, offline=offline,
+                   max_length=window)  # (the perplexity's windows: the harness's are the model's whole context)
     if run is None:
         return run_lm_eval(args.checkpoint, tasks, text, **harness)
     with tempfile.TemporaryDirectory(prefix="attnres-hf-") as hf_dir:
@@ -332,6 +389,7 @@ def run_eval(args) -> int:
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
         local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
         directory = is_hf_directory(args.checkpoint)
+        _check_against_config(args, directory)  # (before the weights: minutes of an upcycled model's)
         model, tokenizer, text, text_name, run = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
         if tasks and directory:  # (an export of a run's checkpoint starts them with its own line break)
@@ -352,7 +410,8 @@ def run_eval(args) -> int:
                    "lm_eval": {}}
         print(_perplexity_line(results["perplexity"]))
         try:
-            results["lm_eval"] = _lm_eval(args, tasks, text, run, tokenizer, device, offline is not None) if tasks else {}
+            results["lm_eval"] = (_lm_eval(args, tasks, text, run, tokenizer, device, offline is not None,
+                                           results["seq_len"]) if tasks else {})
         # (a harness task's data set out of reach, most often, or a setting the harness refuses only as it
         # runs, a ValueError: the perplexity is kept either way)
         except (OSError, ValueError) as e:

@@ -1,6 +1,6 @@
 """Finding a token cache without reading the text, and removing what crashed writers left.
 
-A cache is named by the text's digest (``<digest[:16]>-<kind><vocab>``, see
+A cache is named by the text's digest (``<digest[:16]>-<kind><vocab>``, ``-cleancut`` for a BPE, see
 :mod:`attnres.data.dataset`); its ``meta.json`` holds that digest and the keys of the files
 it was made from or found for (:func:`attnres.data.corpus.files_key`: paths, sizes, times,
 inodes, ``val_fraction``, ``text_field``). A run whose files have a recorded key takes the

@@ -2,7 +2,7 @@
 
 Layout of a cache, beside the data by default::
 
-    <cache_dir>/<digest[:16]>-<kind><vocab>/
+    <cache_dir>/<digest[:16]>-<kind><vocab>[-cleancut]/
         tokenizer.json      (BPE only)
         train.bin, val.bin  raw token ids, uint16 (uint32 for vocabularies > 65536)
         meta.json           what the .bin files hold; written last, so its presence marks
@@ -11,7 +11,8 @@ Layout of a cache, beside the data by default::
 The key (corpus digest, tokenizer kind, requested vocabulary size) changes whenever the
 text, the split or the tokenizer request does, so a stale cache is never reused. Data
 tokenised with a given tokenizer (a checkpoint's, on resume or ``init_from``) that differs
-from the cached one goes to ``<digest[:16]>-<kind><vocab>-<tokenizer fingerprint[-12:]>``.
+from the cached one goes to ``<digest[:16]>-<kind><vocab>-<tokenizer fingerprint[-12:]>-cleancut``
+(:data:`CUT_SUFFIX`, a BPE's: the pieces the text was tokenised in).
 meta.json also records the keys of the files the cache was made from (see
 :mod:`attnres.data.cache_index`): the digest is found there, and the text not read, while
 the files are unchanged.
@@ -275,6 +276,14 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
         return _open_cache(cache, given)
 
 
+#: The end of the caches' names: their text was cut into pieces (:func:`~attnres.data.tokenizer.text_chunks`)
+#: where the tokenizer's pre-tokenizer splits anyway, so their ids are those of the whole text.
+#: Earlier versions' caches, named without it, cut inside whitespace runs (after the first of
+#: three line breaks): a few ids at their cuts differ. A new run does not take them. A BPE's
+#: only: bytes' ids are the same wherever the text is cut.
+CUT_SUFFIX = "-cleancut"
+
+
 def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer | None,
                  bpe_sample: int | None = None) -> list[str]:
     """The caches that hold the corpus of ``digest`` tokenised as asked, in the order they are
@@ -284,24 +293,39 @@ def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer 
     requested = f"{digest[:16]}-{kind}{vocab_size if kind == 'bpe' else 256}"
     if kind == "bpe" and bpe_sample is not None:
         requested += f"-sample{bpe_sample}"
+    cut = CUT_SUFFIX if kind == "bpe" else ""  # (bytes' ids are the same wherever the text is cut)
     if given is None:
-        return [requested]
+        return [requested + cut]
     key_vocab = given.vocab_size if given.kind == "bpe" else 256
-    return [requested, f"{digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}"]
+    return [requested + cut, f"{digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}{cut}"]
 
 
 def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
                 given: Tokenizer | None) -> TokenData | None:
     """The complete cache of ``corpus`` tokenised as asked: by the digest recorded for its
     files (no text read), else by its text's digest (a cache of an earlier version, or files
-    copied or touched since: their key is then recorded too); ``None`` when there is none."""
+    copied or touched since: their key is then recorded too); ``None`` when there is none.
+    With a tokenizer ``given`` (a checkpoint's: a run resumed or started from one, which may
+    have trained on it), an earlier version's cache of it (:data:`CUT_SUFFIX`) is taken last,
+    with a warning."""
     recorded = _recall_digest(corpus, root)
     if recorded is not None:
         found = _first_cache(root, names(recorded), given, corpus.files_key)
         if found is not None:
             return found
         corpus.read()  # (the recorded caches are gone: the text decides)
-    return _first_cache(root, names(corpus.digest), given, corpus.files_key)
+    found = _first_cache(root, names(corpus.digest), given, corpus.files_key)
+    if found is not None or given is None or given.kind != "bpe":
+        return found
+    found = _first_cache(root, [name.removesuffix(CUT_SUFFIX) for name in names(corpus.digest)], given,
+                         corpus.files_key)
+    if found is not None:
+        warn_user(f"token cache {str(found.cache_dir)!r} was made by an earlier attnres, which cut the text into "
+                  "pieces inside whitespace runs: a few of its ids at the cuts (about one piece of 1 MB in a few) are "
+                  "not those of the text as a whole. It is kept for this run, whose tokenizer was given (a "
+                  "checkpoint's: the run may have trained on it); delete it for a cache cut where the tokenizer "
+                  "splits anyway")
+    return found
 
 
 def _first_cache(root: Path, names: list[str], given: Tokenizer | None, files_key: str) -> TokenData | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -423,43 +424,53 @@ def is_marker_token(tok, content: str) -> bool:
     return added and tok.model.token_to_id(content) is None
 
 
+#: Where :func:`text_chunks` cuts a text: just after a line break, or else just before a space,
+#: with a character other than whitespace on either side - a whitespace run of its own, where
+#: byte-level BPEs' pre-tokenizers (GPT-2's, which ``data.tokenizer=bpe`` trains; Llama 3's and
+#: Qwen's) split anyway, so the pieces' ids are those of the whole text. A cut inside a longer
+#: run (after the first of three line breaks, a line break before an indent) changed them: the
+#: run's merged tokens ("\n\n") became several. (Python's whitespace holds the tokenizers'.)
+_LINE_CUT = re.compile(r"\n(?<=\S\n)(?=\S)")  # (the literal first: found as fast as str.find)
+_SPACE_CUT = re.compile(r" (?<=\S )(?=\S)")
+
+
 def text_chunks(text: str | Iterable[str], size: int = 1 << 20) -> Iterator[str]:
     """``text`` in consecutive pieces of about ``size`` characters, each ending just after the
-    first line break ``size`` characters or more after its start (the last one at the end of
-    the text). Joined, they give ``text`` back. ``text`` may be given as consecutive parts
-    (a stream of a corpus): the pieces are those of their join, which is never made.
+    first line break of :data:`_LINE_CUT` (a line break between two characters other than
+    whitespace) ``size`` characters or more after its start (the last one at the end of the
+    text). Joined, they give ``text`` back. ``text`` may be given as consecutive parts (a
+    stream of a corpus): the pieces are those of their join.
 
-    A piece that reaches ``2 * size`` characters with no line break past ``size`` ends just
-    before its first space past ``size`` instead, or at ``2 * size`` where it has none: a text
-    without line breaks (text8, a dump on one line) was one piece, the whole corpus encoded in
-    one call (about 75 bytes of the BPE's memory a character, no progress, no Ctrl-C until it
-    ended). A byte-level BPE's pre-tokenizer splits before a space anyway, so such a cut
-    leaves the vocabulary and the ids as they were."""
-    limit = 2 * size
-    held: list[str] = []  # the current piece's text so far, of `length` characters
-    length, space = 0, -1  # space: where in the piece its first space past `size` is (-1: none yet)
+    A piece that reaches ``2 * size`` characters with no such line break past ``size`` ends
+    just before its first space of :data:`_SPACE_CUT` past ``size`` instead, or at ``2 * size``
+    where it has none: a text without line breaks (text8, a dump on one line) was one piece,
+    the whole corpus encoded in one call (about 75 bytes of the BPE's memory a character, no
+    progress, no Ctrl-C until it ended). Both cuts leave a byte-level BPE's ids as those of
+    the whole text (its pre-tokenizer splits there anyway); only the last resort, 2 * size
+    characters without either, may not."""
+    held, start = "", 0  # (the text not yet yielded is held[start:])
     for part in [text] if isinstance(text, str) else text:
+        held = held[start:] + part if start < len(held) else part
         start = 0
-        while start < len(part):
-            lo, hi = start + max(0, size - length), start + limit - length  # the piece's [size, limit) in `part`
-            end = part.find("\n", lo, hi)
-            if end < 0:
-                if space < 0 and (at := part.find(" ", lo, hi)) >= 0:
-                    space = length + at - start
-                if hi > len(part):  # (the piece goes on in the next part)
-                    held.append(part[start:] if start else part)
-                    length += len(part) - start
-                    break
-            piece = "".join([*held, part[start:end + 1 if end >= 0 else hi]])
-            start = end + 1 if end >= 0 else hi
-            if end < 0 and space >= 0:  # (the rest, from that space on, begins the next piece)
-                piece, held, length = piece[:space], [piece[space:]], len(piece) - space
-            else:
-                held, length = [], 0
-            space = -1
-            yield piece
-    if held:
-        yield "".join(held)
+        while (end := _piece_end(held, start, size, final=False)) is not None:
+            yield held[start:end]
+            start = end
+    while start < len(held):
+        end = _piece_end(held, start, size, final=True)
+        yield held[start:end]
+        start = end
+
+
+def _piece_end(text: str, start: int, size: int, final: bool) -> int | None:
+    """Where :func:`text_chunks`' piece starting at ``start`` of ``text`` ends, or ``None``
+    where that needs more text than ``text`` holds (``final``: the text ends there)."""
+    lo, hi = start + size, start + 2 * size
+    if (line := _LINE_CUT.search(text, lo, hi + 1)) is not None:  # (hi + 1: the character after it is seen)
+        return line.end()
+    if len(text) <= hi:  # (a line break may come before hi, or the text ends)
+        return len(text) if final else None
+    space = _SPACE_CUT.search(text, lo, hi + 1)
+    return hi if space is None else space.start()
 
 
 def sampled_chunks(text: str | Iterable[str], length: int, sample: int, size: int = 1 << 20) -> Iterator[str]:

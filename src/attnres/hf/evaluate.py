@@ -68,10 +68,8 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
     """
     limit = context_limit(model)
     seq_len = seq_len or limit
-    if not 1 <= seq_len <= limit:
-        field = "max_seq_len" if isinstance(model, AttnResLM) else "max_position_embeddings"  # (its config's name)
-        raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, {field}); got {seq_len}: "
-                         "omit it for the default window")
+    # (its config's name for the context)
+    check_window(seq_len, limit, "max_seq_len" if isinstance(model, AttnResLM) else "max_position_embeddings")
     ids = text_ids(tokenizer, text)
     check_tokenizer_ids(model, ids, "the held-out text")
     if len(ids) < 2:
@@ -107,6 +105,15 @@ def perplexity(model: nn.Module, tokenizer: Tokenizer, text: str, seq_len: int |
         "perplexity": math.exp(total / n_tokens),
         "bits_per_byte": total / math.log(2) / n_bytes,
     }
+
+
+def check_window(seq_len: int, limit: int, field: str) -> None:
+    """Refuse a perplexity window ``seq_len`` (``--seq-len``) outside ``[1, limit]``, the
+    model's context, which its config names ``field``: by :func:`perplexity`, and by
+    ``attnres eval`` from the config alone, before the weights load."""
+    if not 1 <= seq_len <= limit:
+        raise ValueError(f"--seq-len must be in [1, {limit}] (the model's context limit, {field}); got {seq_len}: "
+                         "omit it for the default window")
 
 
 def _token_bytes(tokenizer: Tokenizer, token_id: int) -> int:
@@ -456,7 +463,7 @@ def harness_tokenizer(hf_dir: str | Path):
 
 def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int | float | None = None,
                 batch_size: int | str = 8, device: str = "cpu", dtype: str = "float32", bootstrap_iters: int = 1000,
-                num_fewshot: int | None = None, offline: bool = False) -> dict:
+                num_fewshot: int | None = None, offline: bool = False, max_length: int | None = None) -> dict:
     """``lm_eval.simple_evaluate`` with ``model="hf"`` on the transformers directory ``hf_dir``
     (an export, an upcycle, a pretrained model; its weights in ``dtype``, a ``torch`` dtype
     name).
@@ -467,6 +474,11 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     ``offline``: the data sets are read from the local cache only (:func:`attnres.hub.offline_mode`:
     where :func:`harness_offline` says so, they are there, and the Hub client would spend its
     retries before reading them).
+    ``max_length``: the harness's window (its rolling log-likelihood windows, and the most
+    tokens of a request it reads: it cuts longer ones from the left), which it otherwise takes
+    from the model's whole context (``max_position_embeddings``): ``attnres eval`` gives it its
+    perplexity window, so that ``attnres_ppl`` reads a long document in the windows the
+    perplexity pass reads the text in.
     Returns the harness's ``results`` (per task, metric -> value, and ``n-shot``, the
     examples it was given), with standard errors:
     the harness's own (closed form for accuracies; ``bootstrap_iters`` resamples where it
@@ -480,7 +492,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
     tokenizer, prefix = harness_tokenizer(hf_dir)
     model_args = {"pretrained": str(hf_dir), "tokenizer": tokenizer, "dtype": dtype,
                   # an attnres model is a causal LM the harness cannot tell from its model_type
-                  "backend": "causal", **prefix}
+                  "backend": "causal", **prefix, **({"max_length": max_length} if max_length is not None else {})}
     with tempfile.TemporaryDirectory(prefix="attnres-tasks-") as tmp:
         include = write_local_tasks(tmp, text) if local else None
         # (the harness's tasks alone: the index the task names were checked with)
@@ -501,7 +513,8 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                 bootstrap_iters=bootstrap_iters,
             )
     if truncated:
-        warn_user(f"{len(truncated)} of the tasks' requests were longer than the model's context and were cut "
+        window = "the model's context" if max_length is None else f"the window, {max_length} tokens"
+        warn_user(f"{len(truncated)} of the tasks' requests were longer than {window} and were cut "
                   f"from the left by lm-eval (the longest by {max(truncated)} tokens): their scores saw less "
                   "context")
     if out is None:
