@@ -1219,7 +1219,7 @@ def test_an_interrupted_grid_says_once_how_to_resume(corpus, tmp_path, monkeypat
     out = tmp_path / "grid"
     # (the status is a shell's of the signal, as attnres train's: SIGTERM's was 130, as for Ctrl-C)
     for signal_name, status in (("SIGINT", 130), ("SIGTERM", 143)):
-        monkeypatch.setattr(runner, "train", lambda config: SimpleNamespace(interrupted=signal_name))
+        monkeypatch.setattr(runner, "train", lambda config, **_: SimpleNamespace(interrupted=signal_name))
         assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--variants", "standard",
                          "--overhead-repeats", "0", f"data.paths=[{corpus}]"]) == status
         assert capsys.readouterr().out.splitlines()[-1] == (
