@@ -345,6 +345,39 @@ def _perplexity_line(ppl: dict) -> str:
             f"{ppl['bits_per_byte']:.4f} over {ppl['tokens']} token" + "s" * (ppl["tokens"] != 1))
 
 
+def _checked_before_loading(args, tasks: list[str]):
+    """The arguments of ``attnres eval`` checked before the model loads, each refused naming
+    its option (``ValueError``): ``(results file, the harness's offline note, the --text's
+    text or None)``."""
+    from pathlib import Path
+
+    from ..checkpoint import is_hf_directory
+    from ..data.corpus import read_text_file
+    from ..data.tokenizer import tokenizer_file
+    from ..hf.evaluate import check_tasks
+
+    check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
+    _check_harness_sizes(args)
+    out = _eval_output(args)
+    offline = check_tasks(tasks)  # (why the harness reads its data sets from the cache, where it must)
+    if args.text is not None and not Path(args.text).is_file():
+        raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
+    # (said before the model loads, naming the option; a .jsonl file's records are read after it: _load)
+    text = _held_out(args.text, read_text_file(args.text, "--text")) if args.text is not None else None
+    if args.tokenizer is not None and not is_hf_directory(args.checkpoint):  # (a directory's: refused as such)
+        tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
+    for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):
+        if value is not None and value < 0:
+            raise ValueError(f"{option} must be >= 0; got {value}")
+    if not tasks and (unused := [o for o, v in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot))
+                                 if v is not None]):
+        from ..user_warning import warn_user
+
+        warn_user(f"{' and '.join(unused)} act{'s' * (len(unused) == 1)} on lm-eval's tasks, and --tasks none runs "
+                  "none: the perplexity pass reads the whole held-out text")
+    return out, offline, text
+
+
 def run_eval(args) -> int:
     """``attnres eval``: perplexity and bits per byte, then lm-eval; writes a results JSON.
     Arguments that can be checked (output folder, text file, device) are checked first."""
@@ -353,10 +386,8 @@ def run_eval(args) -> int:
     import torch
 
     from ..checkpoint import is_hf_directory
-    from ..data.corpus import read_text_file
-    from ..data.tokenizer import tokenizer_file
     from ..hub import local_folder
-    from ..hf.evaluate import LOCAL_TASKS, check_document_start, check_local_tasks, check_tasks, perplexity
+    from ..hf.evaluate import LOCAL_TASKS, check_document_start, check_local_tasks, perplexity
     from ..inference.loading import pick_device
     from ..models.factory import context_limit
     from ..output_paths import strict_json, write_text_atomically
@@ -366,25 +397,7 @@ def run_eval(args) -> int:
         if not tasks and args.tasks.strip().lower() != "none":
             raise ValueError(f"--tasks {args.tasks!r} names no task: give lm-eval task names, or 'none' for the "
                              "perplexity alone")
-        check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
-        _check_harness_sizes(args)
-        out = _eval_output(args)
-        offline = check_tasks(tasks)  # (why the harness reads its data sets from the cache, where it must)
-        if args.text is not None and not Path(args.text).is_file():
-            raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
-        # (said before the model loads, naming the option; a .jsonl file's records are read after it: _load)
-        text = _held_out(args.text, read_text_file(args.text, "--text")) if args.text is not None else None
-        if args.tokenizer is not None and not is_hf_directory(args.checkpoint):  # (a directory's: refused as such)
-            tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
-        for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):
-            if value is not None and value < 0:
-                raise ValueError(f"{option} must be >= 0; got {value}")
-        if not tasks and (unused := [o for o, v in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot))
-                                     if v is not None]):
-            from ..user_warning import warn_user
-
-            warn_user(f"{' and '.join(unused)} act{'s' * (len(unused) == 1)} on lm-eval's tasks, and --tasks none runs "
-                      "none: the perplexity pass reads the whole held-out text")
+        out, offline, text = _checked_before_loading(args, tasks)
         device = pick_device(args.device)
         source = args.checkpoint  # (a Hub id stays the name in the results, not its folder in the cache)
         local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
