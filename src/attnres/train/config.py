@@ -688,6 +688,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return TrainConfig.from_dict(config_data(path, overrides))
 
 
+def sets_vocab_size(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> bool:
+    """Whether the config file ``path`` or the ``overrides`` set ``model.vocab_size`` (a preset's
+    default is not): a run warns when the tokenizer's size replaces it (``train``'s
+    ``vocab_size_given``)."""
+    model = config_data(path, overrides).get("model")
+    return isinstance(model, dict) and "vocab_size" in model
+
+
 def config_data(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """What :func:`load_config` builds its ``TrainConfig`` from: the YAML file's mapping (or
     none) with the overrides applied, not yet checked."""

@@ -30,7 +30,7 @@ from ...output_paths import strict_json, write_text_atomically
 from ...progress import clock
 from ...termination import Terminated
 from ...train import TrainConfig, TrainingDiverged, TrainingOutOfMemory, latest_checkpoint, train
-from ...train.config import apply_overrides, flatten, parse_override
+from ...train.config import apply_overrides, flatten, parse_override, sets_vocab_size
 from ...train.resume import DataChanged
 from ...train.metrics import read_metrics
 from ...validation import SEED_MAX, did_you_mean_each
@@ -374,7 +374,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
                for s in seeds for v in chosen]
     check_same_experiment(out, header)
     # (a model.vocab_size of the user's, replaced by the tokenizer's, is warned of as attnres train does)
-    vocab_size_given = any(parse_override(item)[0] == ["model", "vocab_size"] for item in overrides)
+    vocab_size_given = sets_vocab_size(None, overrides)
     marker = out / EXPERIMENT_FILE
     check_one_process(configs)
     check_data_passes(configs, experiment.max_data_passes)
