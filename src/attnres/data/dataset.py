@@ -2,7 +2,7 @@
 
 Layout of a cache, beside the data by default::
 
-    <cache_dir>/<digest[:16]>-<kind><vocab>[-cleancut]/
+    <cache_dir>/<digest[:16]>-<kind><vocab>[-cleancut[-incontext]]/
         tokenizer.json      (BPE only)
         train.bin, val.bin  raw token ids, uint16 (uint32 for vocabularies > 65536)
         meta.json           what the .bin files hold; written last, so its presence marks
@@ -12,7 +12,9 @@ The key (corpus digest, tokenizer kind, requested vocabulary size) changes whene
 text, the split or the tokenizer request does, so a stale cache is never reused. Data
 tokenised with a given tokenizer (a checkpoint's, on resume or ``init_from``) that differs
 from the cached one goes to ``<digest[:16]>-<kind><vocab>-<tokenizer fingerprint[-12:]>-cleancut``
-(:data:`CUT_SUFFIX`, a BPE's: the pieces the text was tokenised in).
+(:data:`CUT_SUFFIX`, a BPE's: the pieces the text was tokenised in; ``-cleancut-incontext``,
+:data:`CONTEXT_SUFFIX`, for a tokenizer that marks a text's start, whose pieces are read in
+context).
 meta.json also records the keys of the files the cache was made from (see
 :mod:`attnres.data.cache_index`): the digest is found there, and the text not read, while
 the files are unchanged.
@@ -39,6 +41,7 @@ from ..user_warning import warn_user
 from ..validation import did_you_mean
 from .cache_index import record_files, recorded_digest, remove_stale_temporaries, temporary_dir
 from .corpus import DOCUMENT_SEPARATOR, Corpus, is_json_lines
+from .piece_ids import pieces_ids
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
                         load_tokenizer_file, text_chunks, train_bpe, unknown_share)
 
@@ -88,20 +91,23 @@ def _encode_to_file(tok: Tokenizer, text: str | Iterable[str], path: Path, dtype
     """Encode ``text`` (a string, or its consecutive parts: a split streamed from the files,
     of ``length`` characters) piece by piece (the pieces of :func:`text_chunks`, about 1 MB,
     cut after a line break, so memory stays bounded for large corpora; :data:`ENCODE_BATCH`
-    of them at a time, on as many threads) and write the ids to ``path`` atomically, with a
-    progress bar over the characters when ``progress``. Returns the number of tokens."""
+    of them at a time, on as many threads; each read as the text's continuation where the
+    tokenizer marks a text's start: :func:`~attnres.data.piece_ids.pieces_ids`) and write the
+    ids to ``path`` atomically, with a progress bar over the characters when ``progress``.
+    Returns the number of tokens."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     n = 0
     length = len(text) if isinstance(text, str) else length
     bar = progress_bar(progress, total=length, unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
-    pieces = text_chunks(text)
+    pieces, before = text_chunks(text), ""
     try:
         with tmp.open("wb") as f:
             while batch := list(itertools.islice(pieces, ENCODE_BATCH)):
-                for ids in tok.encode_batch(batch):
+                for ids in pieces_ids(tok, batch, before):
                     ids = np.asarray(ids, dtype=dtype)
                     ids.tofile(f)
                     n += ids.shape[0]
+                before = batch[-1]
                 if bar is not None:
                     bar.update(sum(map(len, batch)))
     finally:
@@ -229,7 +235,8 @@ def corpus_fingerprint(corpus: Corpus, cache_dir: str | None = None) -> str:
 
 
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
-                 given: Tokenizer | None = None, progress: bool = False, bpe_sample: int | None = None) -> TokenData:
+                 given: Tokenizer | None = None, progress: bool = False, bpe_sample: int | None = None,
+                 resumed: bool = False) -> TokenData:
     """Tokenise ``corpus`` with the requested tokenizer, reusing a complete cache if present.
 
     ``tokenizer="bpe"`` trains a byte-level BPE on the *training* split only; when the
@@ -251,6 +258,9 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     ``bpe_sample``: train the BPE on about that many characters of the training split, evenly
     spaced pieces (:func:`~attnres.data.tokenizer.sampled_chunks`), not on all of it; its
     cache is its own (``...-bpe4096-sample<N>``). ``None`` (the default): all of it.
+
+    ``resumed``: ``given`` is the tokenizer of a checkpoint this run resumes, which may have
+    trained on an earlier version's cache of it (:func:`_find_cache`).
     """
     if tokenizer not in TOKENIZER_KINDS and not is_tokenizer_path(tokenizer):
         raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS} or a tokenizer.json path; got {tokenizer!r}"
@@ -265,7 +275,7 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     names = functools.partial(_cache_names, tokenizer=tokenizer, vocab_size=vocab_size, given=given,
                               bpe_sample=bpe_sample)
     with sigterm_raises():  # (a SIGTERM, as Ctrl-C, removes the partial cache: see _write_cache)
-        found = _find_cache(corpus, root, names, given)
+        found = _find_cache(corpus, root, names, given, resumed)
         if found is not None:
             return found
         cache = root / names(corpus.digest)[-1]
@@ -283,6 +293,13 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
 #: only: bytes' ids are the same wherever the text is cut.
 CUT_SUFFIX = "-cleancut"
 
+#: After :data:`CUT_SUFFIX`, for a tokenizer that marks the start of every text it encodes
+#: (:attr:`~attnres.data.tokenizer.BPETokenizer.marks_text_start`: a Llama 2 or Mistral v0.1
+#: ``tokenizer.json``): its pieces were read as the text's continuation
+#: (:mod:`attnres.data.piece_ids`). Earlier versions read each as a text's start, a "▁" at every
+#: cut: a new run does not take their caches. Other tokenizers' ids, and names, are unchanged.
+CONTEXT_SUFFIX = "-incontext"
+
 
 def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer | None,
                  bpe_sample: int | None = None) -> list[str]:
@@ -294,6 +311,8 @@ def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer 
     if kind == "bpe" and bpe_sample is not None:
         requested += f"-sample{bpe_sample}"
     cut = CUT_SUFFIX if kind == "bpe" else ""  # (bytes' ids are the same wherever the text is cut)
+    if given is not None and given.marks_text_start:
+        cut += CONTEXT_SUFFIX
     if given is None:
         return [requested + cut]
     key_vocab = given.vocab_size if given.kind == "bpe" else 256
@@ -301,13 +320,15 @@ def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer 
 
 
 def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
-                given: Tokenizer | None) -> TokenData | None:
+                given: Tokenizer | None, resumed: bool = False) -> TokenData | None:
     """The complete cache of ``corpus`` tokenised as asked: by the digest recorded for its
     files (no text read), else by its text's digest (a cache of an earlier version, or files
     copied or touched since: their key is then recorded too); ``None`` when there is none.
     With a tokenizer ``given`` (a checkpoint's: a run resumed or started from one, which may
     have trained on it), an earlier version's cache of it (:data:`CUT_SUFFIX`) is taken last,
-    with a warning."""
+    with a warning; for a tokenizer that marks a text's start (:data:`CONTEXT_SUFFIX`), whose
+    earlier caches differ at every cut, only by a ``resumed`` run (its data position counts
+    the windows of the cache it trained on)."""
     recorded = _recall_digest(corpus, root)
     if recorded is not None:
         found = _first_cache(root, names(recorded), given, corpus.files_key)
@@ -315,11 +336,19 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
             return found
         corpus.read()  # (the recorded caches are gone: the text decides)
     found = _first_cache(root, names(corpus.digest), given, corpus.files_key)
-    if found is not None or given is None or given.kind != "bpe":
+    if found is not None or given is None or given.kind != "bpe" or (given.marks_text_start and not resumed):
         return found
-    found = _first_cache(root, [name.removesuffix(CUT_SUFFIX) for name in names(corpus.digest)], given,
-                         corpus.files_key)
-    if found is not None:
+    current = [name.removesuffix(CONTEXT_SUFFIX) for name in names(corpus.digest)]
+    earlier = ([*current, *(name.removesuffix(CUT_SUFFIX) for name in current)] if given.marks_text_start
+               else [name.removesuffix(CUT_SUFFIX) for name in current])
+    found = _first_cache(root, earlier, given, corpus.files_key)
+    if found is not None and given.marks_text_start:
+        warn_user(f"token cache {str(found.cache_dir)!r} was made by an earlier attnres, which read each piece of the "
+                  "text as the start of a text: this tokenizer marks a text's start (a SentencePiece-style '▁'), so "
+                  "its ids at every cut (one each 1 MB) are not those of the text as a whole. It is kept for this "
+                  "run, which resumes a checkpoint that may have trained on it; a new run makes its own, named "
+                  "-incontext")
+    elif found is not None:
         warn_user(f"token cache {str(found.cache_dir)!r} was made by an earlier attnres, which cut the text into "
                   "pieces inside whitespace runs: a few of its ids at the cuts (about one piece of 1 MB in a few) are "
                   "not those of the text as a whole. It is kept for this run, whose tokenizer was given (a "

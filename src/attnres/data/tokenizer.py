@@ -8,6 +8,7 @@ checkpoint (``tokenizer.json`` for the BPE, a marker for bytes) and load it back
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -26,6 +27,8 @@ class Tokenizer(Protocol):
     kind: str
     vocab_size: int
     fingerprint: str
+    #: Whether :meth:`encode` reads the start of a text apart (:attr:`BPETokenizer.marks_text_start`).
+    marks_text_start: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -38,6 +41,10 @@ class Tokenizer(Protocol):
 
 #: The text a tokenizer's template (:func:`template_tokens`) is probed with.
 TEMPLATE_PROBE = "Hello"
+
+#: Texts cut in two where :func:`text_chunks` cuts (after a line break, before a space) that
+#: :attr:`BPETokenizer.marks_text_start` reads apart and whole.
+START_PROBES = (("a\n", "b"), ("a", " b"))
 
 
 def template_tokens(full: list[int], plain: list[int]) -> tuple[list[int], list[int]] | None:
@@ -58,6 +65,7 @@ class ByteTokenizer:
     vocab_size = 256
     fingerprint = "byte"
     model_name = "byte"  # (what a run's summary calls it)
+    marks_text_start = False
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -125,6 +133,27 @@ class BPETokenizer:
         ``tokenizer.json`` of another model ``"wordpiece"``, ``"unigram"``, ``"wordlevel"``
         (:attr:`kind` stays ``"bpe"``: how the tokenizer is stored and read, any model)."""
         return type(self._tok.model).__name__.lower()
+
+    @functools.cached_property
+    def marks_text_start(self) -> bool:
+        """Whether this tokenizer encodes the start of every text it is given apart from the
+        same characters inside a text: a SentencePiece-style ``tokenizer.json`` (Llama 2's,
+        Mistral v0.1's) puts a "▁" before it (a ``Prepend("▁")`` normalizer; a ``Metaspace``
+        pre-tokenizer whose ``prepend_scheme`` is "always" or "first"), a ``ByteLevel`` one with
+        ``add_prefix_space`` a space. Each piece of :func:`text_chunks` after the first then reads
+        "▁word" where the whole text has "word" (:mod:`attnres.data.piece_ids`). Told from the
+        normalizer and pre-tokenizer, at both kinds of cut: the two sides of each
+        :data:`START_PROBES` read apart are not what the whole reads. attnres's own BPE does not."""
+        return any(self._as_model_reads(a + b) != self._as_model_reads(a) + self._as_model_reads(b)
+                   for a, b in START_PROBES)
+
+    def _as_model_reads(self, text: str) -> str:
+        """``text`` normalized and pre-tokenized as :meth:`encode` does, its pre-tokens joined."""
+        if self._tok.normalizer is not None:
+            text = self._tok.normalizer.normalize_str(text)
+        if self._tok.pre_tokenizer is not None:
+            text = "".join(piece for piece, _ in self._tok.pre_tokenizer.pre_tokenize_str(text))
+        return text
 
     @property
     def unknown_token(self) -> tuple[str, int] | None:

@@ -236,7 +236,7 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
                                                       config.allow_data_change)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
                                              config.data.cache_dir, given=given, progress=config.progress,
-                                             bpe_sample=config.data.bpe_sample),
+                                             bpe_sample=config.data.bpe_sample, resumed=start.resume is not None),
                         what="preparing the data: training the tokenizer, tokenising the corpus")
     vocab_size = model_vocab_size(config, start, tokens.vocab_size)
     if vocab_size_given and config.model.vocab_size != vocab_size:
