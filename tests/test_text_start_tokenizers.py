@@ -181,3 +181,39 @@ def test_a_resumed_run_keeps_the_earlier_cache_it_trained_on(tmp_path):
     with pytest.warns(UserWarning, match=r"It is kept for this run, which resumes a checkpoint"):
         assert train(load_config(None, [*args, "resume=true"])).step == 4
     assert sorted(p.name for p in (tmp_path / ".attnres-cache").iterdir()) == [made.name.removesuffix("-incontext")]
+
+
+def _one_long_line(n: int = 3000) -> str:
+    """Text with neither a line break nor a space (a minified dump): words and numbers between
+    punctuation, where GPT-2's pre-tokenizer splits."""
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "délta", "12345", "zebra"]
+    text = "".join(words[rng.integers(len(words))] + ",;.:(){}[]"[rng.integers(10)] for _ in range(n))
+    return text
+
+
+@pytest.mark.parametrize("size", [64, 100, 300])
+def test_a_text_without_a_clean_cut_is_cut_where_the_pre_tokenizer_splits(size, tmp_path, monkeypatch):
+    """The last resort (2 * size characters with neither a line break nor a space to cut at)
+    cut at 2 * size, inside a word: its two halves were encoded apart. It now cuts where the
+    tokenizer's pre-tokenizer splits (here GPT-2's, between a word and punctuation): the ids are
+    the whole text's, and the pieces of the text streamed in parts those of the whole."""
+    text = _one_long_line()
+    tok = train_bpe(text, 320)
+    at_twice_the_size = list(text_chunks(text, size))  # (as before, and still without a pre-tokenizer)
+    assert {len(p) for p in at_twice_the_size[:-1]} == {2 * size}
+    assert [i for piece in at_twice_the_size for i in tok.encode(piece)] != tok.encode(text)
+    pieces = list(text_chunks(text, size, splits=tok.pre_token_starts))
+    assert "".join(pieces) == text and all(size < len(p) <= 2 * size for p in pieces[:-1])
+    assert _pieces_ids_in_cache(tok, text, tmp_path, monkeypatch, size) == tok.encode(text)
+    rng = np.random.default_rng(size)
+    cuts = sorted(rng.choice(len(text), 40, replace=False).tolist()) + [len(text)]
+    parts = [text[a:b] for a, b in zip([0] + cuts, cuts)]
+    assert list(text_chunks(iter(parts), size, splits=tok.pre_token_starts)) == pieces
+
+
+def test_a_run_the_pre_tokenizer_does_not_split_is_cut_at_twice_the_size():
+    """Letters only (CJK text, for GPT-2's pre-tokenizer one word): no place to cut but 2 * size."""
+    text = "漢字かな" * 200
+    tok = train_bpe(text, 300)
+    assert [len(p) for p in text_chunks(text, 100, splits=tok.pre_token_starts)] == [200] * 4

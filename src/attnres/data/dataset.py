@@ -99,7 +99,7 @@ def _encode_to_file(tok: Tokenizer, text: str | Iterable[str], path: Path, dtype
     n = 0
     length = len(text) if isinstance(text, str) else length
     bar = progress_bar(progress, total=length, unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
-    pieces, before = text_chunks(text), ""
+    pieces, before = text_chunks(text, splits=tok.pre_token_starts), ""
     try:
         with tmp.open("wb") as f:
             while batch := list(itertools.islice(pieces, ENCODE_BATCH)):

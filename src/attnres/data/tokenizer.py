@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +29,8 @@ class Tokenizer(Protocol):
     fingerprint: str
     #: Whether :meth:`encode` reads the start of a text apart (:attr:`BPETokenizer.marks_text_start`).
     marks_text_start: bool
+    #: Where its pre-tokenizer splits a text (:attr:`BPETokenizer.pre_token_starts`), or ``None``.
+    pre_token_starts: Callable[[str], list[int]] | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -66,6 +68,7 @@ class ByteTokenizer:
     fingerprint = "byte"
     model_name = "byte"  # (what a run's summary calls it)
     marks_text_start = False
+    pre_token_starts = None  # (bytes read the same wherever a text is cut)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -146,6 +149,17 @@ class BPETokenizer:
         :data:`START_PROBES` read apart are not what the whole reads. attnres's own BPE does not."""
         return any(self._as_model_reads(a + b) != self._as_model_reads(a) + self._as_model_reads(b)
                    for a, b in START_PROBES)
+
+    @property
+    def pre_token_starts(self) -> Callable[[str], list[int]] | None:
+        """A function giving the offsets in a text where this tokenizer's pre-tokenizer starts
+        a pre-token (GPT-2's: at each change between letters, digits and punctuation), where
+        :func:`text_chunks` cuts a text that has no line break or space to cut at; ``None``
+        where it has no pre-tokenizer (a Llama 2 ``tokenizer.json``)."""
+        pre = self._tok.pre_tokenizer
+        if pre is None:
+            return None
+        return lambda text: [start for _, (start, _) in pre.pre_tokenize_str(text)]
 
     def _as_model_reads(self, text: str) -> str:
         """``text`` normalized and pre-tokenized as :meth:`encode` does, its pre-tokens joined."""
@@ -463,7 +477,14 @@ _LINE_CUT = re.compile(r"\n(?<=\S\n)(?=\S)")  # (the literal first: found as fas
 _SPACE_CUT = re.compile(r" (?<=\S )(?=\S)")
 
 
-def text_chunks(text: str | Iterable[str], size: int = 1 << 20) -> Iterator[str]:
+#: How many characters before a last-resort cut of :func:`text_chunks` (2 * size without a
+#: clean one) a tokenizer's pre-tokenizer is asked where it splits, and how many after it are
+#: read with them (so that a pre-token that ends at the cut is seen to end there).
+SPLIT_WINDOW, SPLIT_LOOKAHEAD = 1024, 16
+
+
+def text_chunks(text: str | Iterable[str], size: int = 1 << 20,
+                splits: Callable[[str], list[int]] | None = None) -> Iterator[str]:
     """``text`` in consecutive pieces of about ``size`` characters, each ending just after the
     first line break of :data:`_LINE_CUT` (a line break between two characters other than
     whitespace) ``size`` characters or more after its start (the last one at the end of the
@@ -475,22 +496,26 @@ def text_chunks(text: str | Iterable[str], size: int = 1 << 20) -> Iterator[str]
     where it has none: a text without line breaks (text8, a dump on one line) was one piece,
     the whole corpus encoded in one call (about 75 bytes of the BPE's memory a character, no
     progress, no Ctrl-C until it ended). Both cuts leave a byte-level BPE's ids as those of
-    the whole text (its pre-tokenizer splits there anyway); only the last resort, 2 * size
-    characters without either, may not."""
+    the whole text (its pre-tokenizer splits there anyway). The last resort, 2 * size
+    characters without either, ends at the last place before them where ``splits`` (a
+    tokenizer's :attr:`~BPETokenizer.pre_token_starts`) splits the text (:func:`_split_before`),
+    or, without one (bytes, a tokenizer without a pre-tokenizer, a run of letters such as CJK
+    text that GPT-2's pre-tokenizer does not split), at 2 * size: it may split a word."""
     held, start = "", 0  # (the text not yet yielded is held[start:])
     for part in [text] if isinstance(text, str) else text:
         held = held[start:] + part if start < len(held) else part
         start = 0
-        while (end := _piece_end(held, start, size, final=False)) is not None:
+        while (end := _piece_end(held, start, size, False, splits)) is not None:
             yield held[start:end]
             start = end
     while start < len(held):
-        end = _piece_end(held, start, size, final=True)
+        end = _piece_end(held, start, size, True, splits)
         yield held[start:end]
         start = end
 
 
-def _piece_end(text: str, start: int, size: int, final: bool) -> int | None:
+def _piece_end(text: str, start: int, size: int, final: bool,
+               splits: Callable[[str], list[int]] | None) -> int | None:
     """Where :func:`text_chunks`' piece starting at ``start`` of ``text`` ends, or ``None``
     where that needs more text than ``text`` holds (``final``: the text ends there)."""
     lo, hi = start + size, start + 2 * size
@@ -498,8 +523,24 @@ def _piece_end(text: str, start: int, size: int, final: bool) -> int | None:
         return line.end()
     if len(text) <= hi:  # (a line break may come before hi, or the text ends)
         return len(text) if final else None
-    space = _SPACE_CUT.search(text, lo, hi + 1)
-    return hi if space is None else space.start()
+    if (space := _SPACE_CUT.search(text, lo, hi + 1)) is not None:
+        return space.start()
+    if splits is None:
+        return hi
+    if len(text) < hi + SPLIT_LOOKAHEAD and not final:  # (the pieces of parts are those of their join)
+        return None
+    return _split_before(text, lo, hi, splits)
+
+
+def _split_before(text: str, lo: int, hi: int, splits: Callable[[str], list[int]]) -> int:
+    """The last place in ``text`` after ``lo`` and at most ``hi`` where ``splits`` splits it,
+    asked of the :data:`SPLIT_WINDOW` characters before ``hi`` and :data:`SPLIT_LOOKAHEAD`
+    after, from two starts one character apart: a place both find (a window's first characters
+    may be split otherwise than in the whole text: Llama 3's digits, in threes from their
+    window's start); ``hi`` where there is none."""
+    first, end = max(lo + 1, hi - SPLIT_WINDOW), hi + SPLIT_LOOKAHEAD
+    found = [{begin + k for k in splits(text[begin:end])} for begin in (first, first + 1)]
+    return max((k for k in found[0] & found[1] if first + 1 < k <= hi), default=hi)
 
 
 def sampled_chunks(text: str | Iterable[str], length: int, sample: int, size: int = 1 << 20) -> Iterator[str]:
