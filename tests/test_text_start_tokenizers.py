@@ -3,7 +3,8 @@
 pre-tokenizer whose ``prepend_scheme`` is "always" or "first"). The token caches encode a
 text in the pieces of ``text_chunks``: each piece after the first was read as a text's start
 ("▁word" where the whole text has "word"), and the ids changed at every cut. Tiny tokenizers
-of each style are trained here, on a few lines (nothing is downloaded)."""
+of each style are trained here, on a few lines (nothing is downloaded). And the last-resort
+cut of a text with neither a line break nor a space, where the pre-tokenizer splits."""
 
 import functools
 import shutil
@@ -22,7 +23,8 @@ TEXT = ("The quick brown fox jumps over the lazy dog.\nA second line of text her
 
 #: The styles built below: each marks a text's start, but for "metaspace-never" (no "▁" put
 #: before a text) and attnres's own byte-level BPE.
-STYLES = ("llama2", "metaspace-always", "metaspace-first", "unigram-always", "bytelevel-prefix-space")
+STYLES = ("llama2", "metaspace-always", "metaspace-first", "metaspace-first-unsplit", "unigram-always",
+          "bytelevel-prefix-space")
 
 
 def _trained(model, trainer, pre_tokenizer, normalizer=None, decoder=None):
@@ -43,22 +45,24 @@ def _trained(model, trainer, pre_tokenizer, normalizer=None, decoder=None):
 def spm_style(style: str) -> BPETokenizer:
     """A tiny tokenizer of ``style``: "llama2" (Llama 2 / Mistral v0.1: normalizer
     ``Prepend("▁")`` + ``Replace(" ", "▁")``, no pre-tokenizer, byte fallback),
-    "metaspace-<scheme>" (a BPE with a ``Metaspace`` pre-tokenizer of that ``prepend_scheme``),
+    "metaspace-<scheme>" (a BPE with a ``Metaspace`` pre-tokenizer of that ``prepend_scheme``;
+    "metaspace-first-unsplit": one that does not split at spaces, as transformers converts Llama's
+    tokenizer with ``legacy=False``),
     "unigram-always" (a Unigram with ``Metaspace``, as T5's) or "bytelevel-prefix-space" (a
     byte-level BPE whose ``ByteLevel`` has ``add_prefix_space``)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     bpe = functools.partial(trainers.BpeTrainer, vocab_size=400, show_progress=False)
     if style == "llama2":
+        prepend = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
         return BPETokenizer(_trained(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True),
-                                     bpe(special_tokens=["<unk>", "<s>", "</s>"]), None,
-                                     normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
+                                     bpe(special_tokens=["<unk>", "<s>", "</s>"]), None, prepend,
                                      decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])))
     if style.startswith("metaspace-"):
-        scheme = style.removeprefix("metaspace-")
+        scheme, split = style.removeprefix("metaspace-").removesuffix("-unsplit"), not style.endswith("-unsplit")
         return BPETokenizer(_trained(models.BPE(unk_token="<unk>"), bpe(special_tokens=["<unk>"]),
-                                     pre_tokenizers.Metaspace(prepend_scheme=scheme), None,
+                                     pre_tokenizers.Metaspace(prepend_scheme=scheme, split=split), None,
                                      decoders.Metaspace(prepend_scheme=scheme)))
     if style == "unigram-always":
         trainer = trainers.UnigramTrainer(vocab_size=100, special_tokens=["<unk>"], unk_token="<unk>",
