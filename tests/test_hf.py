@@ -580,6 +580,28 @@ def test_labels_of_another_shape_are_refused_in_one_line():
     assert hf(ids, labels=ids).loss.ndim == 0
 
 
+def test_a_fully_masked_batch_gives_the_loss_transformers_gives():
+    """Labels all -100 (an SFT batch whose every answer is masked): the loss is a mean over no
+    tokens, NaN, with zero gradients, as transformers' Llama gives for the same labels; summed
+    over the Trainer's num_items_in_batch, 0 (NaN for 0 items), as Llama's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ours = AttnResForCausalLM.from_native(native_model())
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=ours.config.vocab_size, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    ids = torch.randint(0, ours.config.vocab_size, (2, 6))
+    masked = torch.full_like(ids, -100)
+    for model in (ours, llama):
+        loss = model(ids, labels=masked).loss
+        loss.backward()
+        assert loss.isnan(), type(model).__name__
+        assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters() if p.grad is not None)
+        assert model(ids, labels=masked, num_items_in_batch=5).loss.item() == 0.0
+        assert model(ids, labels=masked, num_items_in_batch=torch.tensor(0)).loss.isnan()
+        assert model(ids[:, :1], labels=ids[:, :1]).loss.isnan()  # one token a row: nothing to predict
+
+
 def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
     """``logits_to_keep`` is, as in transformers' models, a count of last positions or a 1-D
     tensor of the positions to keep (was: a tensor stopped the forward with "Boolean value of
