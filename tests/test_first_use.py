@@ -104,17 +104,11 @@ def test_a_checkpoint_removed_while_it_is_verified_takes_the_runs_newest_or_is_n
                f"checkpoints (keep_checkpoints); name a newer one, or the run directory '{run}' for its newest")
 
 
-def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished_run, corpus, tmp_path, monkeypatch,
-                                                                         capsys):
-    """init_from=RUN of a run still training: its rotation (keep_checkpoints) deleted the
-    checkpoint found at start-up before this run read its weights (after its data was
-    prepared), and train ended in a FileNotFoundError's traceback naming model.safetensors."""
-    import shutil
-
+def rotate_init_from_once_verified(monkeypatch) -> None:
+    """Have ``attnres train``'s init_from checkpoint deleted once it is verified, before its
+    weights are read, as the rotation (keep_checkpoints) of its run, still training, does."""
     import attnres.train.setup as setup
 
-    source = tmp_path / "source"
-    shutil.copytree(finished_run, source)
     found = setup._init_source
 
     def and_rotated(config):
@@ -123,6 +117,16 @@ def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished
         return start
 
     monkeypatch.setattr(setup, "_init_source", and_rotated)
+
+
+def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished_run, corpus, tmp_path, monkeypatch,
+                                                                         capsys):
+    """init_from=RUN of a run still training: its rotation (keep_checkpoints) deleted the
+    checkpoint found at start-up before this run read its weights (after its data was
+    prepared), and train ended in a FileNotFoundError's traceback naming model.safetensors."""
+    source = tmp_path / "source"
+    shutil.copytree(finished_run, source)
+    rotate_init_from_once_verified(monkeypatch)
     message = fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", steps=2), f"init_from={source}"],
                          f"init_from='{source}/checkpoints/step-00000004' was removed while this run was set up: ")
     assert message.endswith("or copy a checkpoint aside and start from the copy")
