@@ -1370,6 +1370,31 @@ def test_from_pretrained_accepts_the_flat_keys_of_earlier_versions(tmp_path):
     assert AttnResForCausalLM.from_pretrained(tmp_path).config.to_model_config().residual.block_size == 2
 
 
+def test_from_pretrained_changes_only_the_residual_fields_it_is_given(tmp_path):
+    """`from_pretrained(dir, residual={"kind": "attnres_block", "backend": "torch"})` (another
+    kernel for the same model) replaced the stored residual with the mapping given: the block
+    size went back to its default (ceil(L / 8), not the stored 2) and the weights, of the same
+    shapes, loaded without a word into another model; `residual={"backend": "torch"}` stopped
+    with KeyError 'kind', `residual="attnres_full"` with a TypeError. A residual given changes
+    what it names of the stored one, as ModelConfig.replace does."""
+    from transformers import AutoModelForCausalLM
+
+    native = native_model(residual={"kind": "attnres_block", "block_size": 2})
+    AttnResForCausalLM.from_native(native).save_pretrained(tmp_path)
+    ids = torch.randint(0, native.config.vocab_size, (1, 8))
+    for cls, given in ((AttnResForCausalLM, {"kind": "attnres_block", "backend": "torch"}),
+                       (AutoModelForCausalLM, {"kind": "attnres_block", "backend": "torch"}),
+                       (AttnResForCausalLM, {"backend": "torch"})):
+        model = cls.from_pretrained(tmp_path, residual=given).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, native(ids).logits)
+        assert model.config.residual["block_size"] == 2 and model.config.residual["backend"] == "torch"
+    residual = AttnResForCausalLM.from_pretrained(tmp_path, residual={"block_size": 1}).config.to_model_config().residual
+    assert (residual.kind, residual.block_size) == ("attnres_block", 1)
+    residual = AttnResForCausalLM.from_pretrained(tmp_path, residual="attnres_full").config.to_model_config().residual
+    assert (residual.kind, residual.block_size) == ("attnres_full", 2)
+
+
 def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):
     """The exported tokenizer carries a chat template (vLLM's /v1/chat/completions needs one):
     one ``role: content`` line per message, then ``assistant: `` to continue; it survives
