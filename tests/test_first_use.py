@@ -73,17 +73,42 @@ def test_a_checkpoint_removed_while_it_is_read_loads_the_runs_newest_or_is_named
         loading.load_run(newer)
 
 
-def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished_run, corpus, tmp_path, monkeypatch,
-                                                                         capsys):
-    """init_from=RUN of a run still training: its rotation (keep_checkpoints) deleted the
-    checkpoint found at start-up before this run read its weights (after its data was
-    prepared), and train ended in a FileNotFoundError's traceback naming model.safetensors."""
-    import shutil
+def test_a_checkpoint_removed_while_it_is_verified_takes_the_runs_newest_or_is_named(finished_run, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """The same rotation a moment earlier, while the checkpoint's files were hashed to verify
+    it: the command (generate, eval, init_from, ...) ended in a FileNotFoundError's traceback.
+    Of a run directory, its checkpoints are listed again and the newest taken; a step-*
+    directory given by name is one line naming the run."""
+    import attnres.checkpoint.manifest as manifest
+    from attnres.checkpoint import find_valid_checkpoint
 
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    older, newer, held = run / "checkpoints" / "step-00000002", run / "checkpoints" / "step-00000004", tmp_path / "held"
+    newer.rename(held)  # not written yet: the run's newest is step 2
+    hash_of, doomed = manifest._sha256, [older]
+
+    def rotated_first(path):  # the run publishes step 4, its rotation deletes the one being hashed
+        if path.parent in doomed:
+            shutil.rmtree(path.parent)
+            if held.exists():
+                held.rename(newer)
+        return hash_of(path)
+
+    monkeypatch.setattr(manifest, "_sha256", rotated_first)
+    found = find_valid_checkpoint(run)
+    assert (found.path, found.step) == (newer, 4) and not older.exists()
+    doomed[:] = [newer]
+    fails_with(capsys, ["generate", str(newer), "--prompt", "the"],
+               f"checkpoint '{newer}' was removed while it was verified: its run, still training, keeps only its newest "
+               f"checkpoints (keep_checkpoints); name a newer one, or the run directory '{run}' for its newest")
+
+
+def rotate_init_from_once_verified(monkeypatch) -> None:
+    """Have ``attnres train``'s init_from checkpoint deleted once it is verified, before its
+    weights are read, as the rotation (keep_checkpoints) of its run, still training, does."""
     import attnres.train.setup as setup
 
-    source = tmp_path / "source"
-    shutil.copytree(finished_run, source)
     found = setup._init_source
 
     def and_rotated(config):
@@ -92,6 +117,16 @@ def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished
         return start
 
     monkeypatch.setattr(setup, "_init_source", and_rotated)
+
+
+def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished_run, corpus, tmp_path, monkeypatch,
+                                                                         capsys):
+    """init_from=RUN of a run still training: its rotation (keep_checkpoints) deleted the
+    checkpoint found at start-up before this run read its weights (after its data was
+    prepared), and train ended in a FileNotFoundError's traceback naming model.safetensors."""
+    source = tmp_path / "source"
+    shutil.copytree(finished_run, source)
+    rotate_init_from_once_verified(monkeypatch)
     message = fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", steps=2), f"init_from={source}"],
                          f"init_from='{source}/checkpoints/step-00000004' was removed while this run was set up: ")
     assert message.endswith("or copy a checkpoint aside and start from the copy")

@@ -580,6 +580,28 @@ def test_labels_of_another_shape_are_refused_in_one_line():
     assert hf(ids, labels=ids).loss.ndim == 0
 
 
+def test_a_fully_masked_batch_gives_the_loss_transformers_gives():
+    """Labels all -100 (an SFT batch whose every answer is masked): the loss is a mean over no
+    tokens, NaN, with zero gradients, as transformers' Llama gives for the same labels; summed
+    over the Trainer's num_items_in_batch, 0 (NaN for 0 items), as Llama's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ours = AttnResForCausalLM.from_native(native_model())
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=ours.config.vocab_size, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    ids = torch.randint(0, ours.config.vocab_size, (2, 6))
+    masked = torch.full_like(ids, -100)
+    for model in (ours, llama):
+        loss = model(ids, labels=masked).loss
+        loss.backward()
+        assert loss.isnan(), type(model).__name__
+        assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters() if p.grad is not None)
+        assert model(ids, labels=masked, num_items_in_batch=5).loss.item() == 0.0
+        assert model(ids, labels=masked, num_items_in_batch=torch.tensor(0)).loss.isnan()
+        assert model(ids[:, :1], labels=ids[:, :1]).loss.isnan()  # one token a row: nothing to predict
+
+
 def test_logits_to_keep_takes_a_count_or_the_positions_to_keep():
     """``logits_to_keep`` is, as in transformers' models, a count of last positions or a 1-D
     tensor of the positions to keep (was: a tensor stopped the forward with "Boolean value of
@@ -1346,6 +1368,31 @@ def test_from_pretrained_accepts_the_flat_keys_of_earlier_versions(tmp_path):
             model = cls.from_pretrained(tmp_path, attnres_block_size=1)
         assert model.config.to_model_config().residual.block_size == 1
     assert AttnResForCausalLM.from_pretrained(tmp_path).config.to_model_config().residual.block_size == 2
+
+
+def test_from_pretrained_changes_only_the_residual_fields_it_is_given(tmp_path):
+    """`from_pretrained(dir, residual={"kind": "attnres_block", "backend": "torch"})` (another
+    kernel for the same model) replaced the stored residual with the mapping given: the block
+    size went back to its default (ceil(L / 8), not the stored 2) and the weights, of the same
+    shapes, loaded without a word into another model; `residual={"backend": "torch"}` stopped
+    with KeyError 'kind', `residual="attnres_full"` with a TypeError. A residual given changes
+    what it names of the stored one, as ModelConfig.replace does."""
+    from transformers import AutoModelForCausalLM
+
+    native = native_model(residual={"kind": "attnres_block", "block_size": 2})
+    AttnResForCausalLM.from_native(native).save_pretrained(tmp_path)
+    ids = torch.randint(0, native.config.vocab_size, (1, 8))
+    for cls, given in ((AttnResForCausalLM, {"kind": "attnres_block", "backend": "torch"}),
+                       (AutoModelForCausalLM, {"kind": "attnres_block", "backend": "torch"}),
+                       (AttnResForCausalLM, {"backend": "torch"})):
+        model = cls.from_pretrained(tmp_path, residual=given).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, native(ids).logits)
+        assert model.config.residual["block_size"] == 2 and model.config.residual["backend"] == "torch"
+    residual = AttnResForCausalLM.from_pretrained(tmp_path, residual={"block_size": 1}).config.to_model_config().residual
+    assert (residual.kind, residual.block_size) == ("attnres_block", 1)
+    residual = AttnResForCausalLM.from_pretrained(tmp_path, residual="attnres_full").config.to_model_config().residual
+    assert (residual.kind, residual.block_size) == ("attnres_full", 2)
 
 
 def test_exported_tokenizer_renders_chats_as_plain_text(tmp_path):

@@ -70,6 +70,22 @@ def test_eval_and_generate_fetch_a_hub_id(hub_model, tmp_path, monkeypatch, caps
     assert not (hub_model.parent / f"{hub_model.name}-analysis").exists()
 
 
+def test_eval_of_a_hub_id_refuses_a_tokenizer_before_fetching_it(hub_model, tmp_path, monkeypatch):
+    """`attnres eval ORG/NAME --tokenizer DIR` (a transformers tokenizer's directory, holding a
+    tokenizer.json) fetched the whole model - minutes and gigabytes - before refusing the
+    --tokenizer that a transformers directory never takes. Refused first, with the message a
+    local directory gets."""
+    def snapshot_download(repo_id, allow_patterns=None, **kwargs):
+        raise AssertionError(f"{repo_id} fetched before --tokenizer was refused")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.chdir(tmp_path)
+    for model in ("acme/tiny", str(hub_model)):
+        with pytest.raises(SystemExit, match=r"error: --tokenizer: a transformers directory is evaluated with its own "
+                                             r"tokenizer; omit it$"):
+            cli_main(["eval", model, "--tasks", "none", "--tokenizer", str(hub_model)])
+
+
 def test_the_harness_reads_its_data_sets_offline_only_where_it_cannot_download_them(monkeypatch, hub_online_unset):
     """`attnres eval` with a harness task asks the Hub once, without the client's retries: where
     something answers (a local server here), the harness stays online; where nothing does, or the

@@ -153,6 +153,24 @@ def test_checkpoint_missing_a_file_its_metadata_names_does_not_verify(tmp_path):
         cli_main(["generate", "--checkpoint", str(path), "--prompt", "the"])
 
 
+def test_a_sharded_init_from_removed_while_the_run_sets_up_is_named(tmp_path, monkeypatch):
+    """init_from a sharded checkpoint of a run still training, deleted by its rotation
+    (keep_checkpoints) after it was verified: DCP's reader's error was taken for a misfit and
+    said the checkpoint was incomplete or did not load into this model. It says it was removed,
+    as of a consolidated one."""
+    from test_first_use import rotate_init_from_once_verified
+    from test_train import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    path = sharded_checkpoint(tmp_path / "source", corpus)
+    rotate_init_from_once_verified(monkeypatch)
+    with pytest.raises(SystemExit, match=rf"attnres train: error: init_from='{path}' was removed while this run was set "
+                                         r"up: its run, still training, keeps only its newest checkpoints"):
+        cli_main(["train", "model.d_model=32", "data.tokenizer=byte", f"data.paths=[{corpus}]", "seq_len=16",
+                  "batch_size=2", "steps=1", "warmup_steps=0", f"out_dir={tmp_path / 'run'}", "progress=false",
+                  "tensorboard=false", f"init_from={path}"])
+
+
 def test_consolidate_takes_a_run_and_names_what_it_cannot_consolidate(tmp_path):
     """`attnres.checkpoint.consolidate` (docs/scale-out.md) given a run directory - what
     generate, export and resume_from take - said "checkpoint 'runs/x' is incomplete:

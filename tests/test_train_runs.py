@@ -736,6 +736,30 @@ def test_resume_and_init_from_a_checkpoint_without_a_run_config_are_refused_by_n
             train(load_config(None, overrides(corpus_file, tmp_path / "run", **start)))
 
 
+def test_init_from_a_checkpoint_of_another_residual_is_refused_unless_allowed(tmp_path, corpus_file):
+    """Full and Block AttnRes (and Block AttnRes of another block size) have parameters of the
+    same names and shapes: init_from a Block AttnRes run with a Full AttnRes config (or none,
+    the preset's Block AttnRes for a Full run's checkpoint) loaded its weights into the other
+    model with a warning among the start-up lines. It is refused, naming both, before any
+    training; allow_residual_change=true trains it (an upcycle of Block into Full)."""
+    train(load_config(None, overrides(corpus_file, tmp_path / "base", steps=1, warmup_steps=0)))  # attnres_block, S=2
+    good = latest_checkpoint(tmp_path / "base")
+    start = dict(steps=1, warmup_steps=0, init_from=str(good))
+    for change, said in ((("model.residual.kind", "attnres_full"),
+                          r"model.residual.kind: 'attnres_block' there, 'attnres_full' here\)"),
+                         (("model.residual.block_size", 1), r"model.residual.block_size: 2 there, 1 here\)")):
+        with pytest.raises(ValueError, match=rf"init_from='.*step-00000001': this run's residual differs from the "
+                                             rf"checkpoint's \({said}.*allow_residual_change=true"):
+            train(load_config(None, overrides(corpus_file, tmp_path / f"to-{change[1]}", **start, **dict([change]))))
+        assert not (tmp_path / f"to-{change[1]}" / "checkpoints").exists()
+    with pytest.warns(UserWarning, match=r"model.residual.kind: 'attnres_block' there, 'attnres_full' here"):
+        result = train(load_config(None, overrides(corpus_file, tmp_path / "full", **start, allow_residual_change=True,
+                                                   **{"model.residual.kind": "attnres_full"})))
+    assert read_checkpoint_state(result.checkpoint)["config"]["model"]["residual"]["kind"] == "attnres_full"
+    # the same residual run by another kernel: no refusal
+    train(load_config(None, overrides(corpus_file, tmp_path / "same", **start, **{"model.residual.backend": "torch"})))
+
+
 def test_init_from_says_which_model_fields_it_changes_where_the_weights_still_fit(tmp_path, corpus_file, recwarn):
     """A model field that changes what the model computes but not its tensors' shapes (the
     block size, rope_theta) was taken without a word, as a --config left out gives it: the run
@@ -746,7 +770,7 @@ def test_init_from_says_which_model_fields_it_changes_where_the_weights_still_fi
     with pytest.warns(UserWarning, match=r"its weights fit, but this run's model differs from the checkpoint's in "
                                          r"\['model.residual.block_size', 'model.rope_theta'\] \(model.residual."
                                          r"block_size: 2 there, 1 here, model.rope_theta: 10000.0 there, 500 here\)"):
-        train(load_config(None, overrides(corpus_file, tmp_path / "changed", **start,
+        train(load_config(None, overrides(corpus_file, tmp_path / "changed", **start, allow_residual_change=True,
                                           **{"model.residual.block_size": 1, "model.rope_theta": 500})))
     recwarn.clear()  # the same model, or another kernel for it: nothing to say
     train(load_config(None, overrides(corpus_file, tmp_path / "same", **start, **{"model.residual.backend": "torch"})))

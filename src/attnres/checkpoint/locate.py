@@ -21,7 +21,7 @@ from ..validation import missing_path_hint
 from .manifest import STATE_FILE, CheckpointError, checkpoint_dirs, latest_checkpoint, read_checkpoint_state
 from .sharded import is_sharded, verify_dcp_files
 
-__all__ = ["Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
+__all__ = ["CheckpointRemoved", "Source", "WEIGHT_READ_ERRORS", "find_valid_checkpoint", "is_hf_directory", "newest_state",
            "no_checkpoint_at", "refuse_loading_training_output", "refuse_mismatched_weights", "refuse_missing_shards",
            "refuse_missing_weights",
            "refuse_model_file", "refuse_out_dir_not_a_run", "refuse_training_output", "run_of_checkpoint",
@@ -67,14 +67,31 @@ def _set_aside(path: Path, prefix: str) -> Path:
     return target
 
 
+class CheckpointRemoved(CheckpointError):
+    """A checkpoint that was there when it was found and was removed while it was verified:
+    the ``keep_checkpoints`` rotation of its run, still training, deleted it after writing a
+    newer one."""
+
+
 def verify_checkpoint(path: str | Path, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """``state.json`` of checkpoint ``path`` once every file it lists verifies and, for a
     sharded one, every file its DCP metadata names is among them (the metadata read
-    safely). Raises :class:`CheckpointError` naming the problem. ``optional``: files that
-    may be absent (see :func:`read_checkpoint_state`)."""
-    state = read_checkpoint_state(path, optional)
-    if is_sharded(state):
-        verify_dcp_files(path, state)
+    safely). Raises :class:`CheckpointError` naming the problem (:class:`CheckpointRemoved`
+    for one removed meanwhile). ``optional``: files that may be absent (see
+    :func:`read_checkpoint_state`)."""
+    path = Path(path)
+    existed = path.is_dir()
+    try:
+        state = read_checkpoint_state(path, optional)
+        if is_sharded(state):
+            verify_dcp_files(path, state)
+    except CheckpointError:
+        if not existed or path.exists():
+            raise
+        run = path.parent.parent
+        raise CheckpointRemoved(f"checkpoint {str(path)!r} was removed while it was verified: its run, still training, "
+                                "keeps only its newest checkpoints (keep_checkpoints); name a newer one, or the run "
+                                f"directory {str(run)!r} for its newest") from None
     return state
 
 
@@ -349,6 +366,11 @@ def newest_state(location: str | Path) -> tuple[Path, dict[str, Any]] | None:
     return (step, state) if isinstance(state, dict) else None
 
 
+#: How often :func:`find_valid_checkpoint` lists a run's checkpoints again after the one it was
+#: verifying was removed (a run still training rotates them, keep_checkpoints).
+REMOVED_RETRIES = 3
+
+
 def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optional: tuple[str, ...] = (),
                           resuming: bool = False) -> Source | None:
     """The newest checkpoint at ``location`` that verifies: ``location`` is a ``step-*``
@@ -357,7 +379,10 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
     ``set_aside`` (the run's own directory, under its lock), renamed to ``corrupt-step-*``.
     ``None`` when the run directory holds no checkpoint; :class:`CheckpointError` naming
     every problem when none verifies (nothing is renamed then), with what to do next: for a
-    training run ``resuming`` it, how to start over; otherwise, what else to load.
+    training run ``resuming`` it, how to start over; otherwise, what else to load. One
+    removed while it was verified (the rotation of a run still training) is not a problem:
+    the run's checkpoints are listed again, and its newest taken; a ``step-*`` directory so
+    removed is :class:`CheckpointRemoved`.
     ``optional``: files that may be absent (see :func:`read_checkpoint_state`)."""
     location = Path(location)
     if (location / STATE_FILE).is_file() or location.name.startswith("step-"):
@@ -365,9 +390,19 @@ def find_valid_checkpoint(location: str | Path, set_aside: bool = False, optiona
     run = _run_directory(location)
     candidates = checkpoint_dirs(run)
     bad: list[tuple[Path, str]] = []
-    for path in reversed(candidates):
+    removed = 0
+    while candidates:
+        path = candidates.pop()
         try:
             state = verify_checkpoint(path, optional)
+        except CheckpointRemoved:  # (rotated away after a newer one was written: the run's newest again)
+            removed += 1
+            if removed > REMOVED_RETRIES:
+                raise CheckpointError(f"the checkpoints of {str(location)!r} were removed as fast as they were "
+                                      f"verified ({removed} times): its run keeps very few (keep_checkpoints); copy one "
+                                      "aside and name the copy") from None
+            candidates = [p for p in checkpoint_dirs(run) if p not in {b for b, _ in bad}]
+            continue
         except CheckpointError as e:
             bad.append((path, str(e)))
             continue

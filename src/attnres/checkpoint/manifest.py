@@ -217,13 +217,18 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
         f = path / name
         if name in optional and not f.exists():
             continue
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
-        size = f.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted: {name} has {size} bytes, expected {info['bytes']}")
-        if _sha256(f) != info["sha256"]:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {name} does not match its SHA-256 in {STATE_FILE}")
+        try:
+            if not f.is_file():
+                raise FileNotFoundError(name)
+            size = f.stat().st_size
+            if size != info["bytes"]:
+                raise CheckpointError(f"checkpoint {str(path)!r} is truncated or corrupted: {name} has {size} bytes, "
+                                      f"expected {info['bytes']}")
+            if _sha256(f) != info["sha256"]:
+                raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {name} does not match its SHA-256 in "
+                                      f"{STATE_FILE}")
+        except FileNotFoundError:  # (also one removed since is_file: a run's rotation deleting the checkpoint)
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing") from None
     return doc
 
 

@@ -182,8 +182,6 @@ def _load(args, device, directory: bool, text: str | None):
         _default_window(args, run.model)
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
                                                                    (run.validation_text(), "validation split")), run)
-    if args.tokenizer is not None:
-        raise ValueError("--tokenizer: a transformers directory is evaluated with its own tokenizer; omit it")
     from ..hf.directory import load_directory
 
     model, tokenizer = load_directory(args.checkpoint, device)
@@ -346,8 +344,8 @@ def _perplexity_line(ppl: dict) -> str:
 
 
 def _checked_before_loading(args, tasks: list[str]):
-    """The arguments of ``attnres eval`` checked before the model loads, each refused naming
-    its option (``ValueError``): ``(results file, the harness's offline note, the --text's
+    """The arguments of ``attnres eval`` checked before the model loads (or is fetched from the
+    Hub), each refused naming its option (``ValueError``): ``(results file, the harness's offline note, the --text's
     text or None)``."""
     from pathlib import Path
 
@@ -355,6 +353,7 @@ def _checked_before_loading(args, tasks: list[str]):
     from ..data.corpus import read_text_file
     from ..data.tokenizer import tokenizer_file
     from ..hf.evaluate import check_tasks
+    from ..hub import is_hub_id
 
     check_optional_count("--seq-len", args.seq_len, "the model's max_seq_len")
     _check_harness_sizes(args)
@@ -364,7 +363,10 @@ def _checked_before_loading(args, tasks: list[str]):
         raise ValueError(f"--text {args.text!r} is not a file{missing_path_hint(args.text)}")
     # (said before the model loads, naming the option; a .jsonl file's records are read after it: _load)
     text = _held_out(args.text, read_text_file(args.text, "--text")) if args.text is not None else None
-    if args.tokenizer is not None and not is_hf_directory(args.checkpoint):  # (a directory's: refused as such)
+    # (a Hub id is a transformers directory too: refused before it is fetched, minutes and gigabytes)
+    if args.tokenizer is not None and (is_hf_directory(args.checkpoint) or is_hub_id(args.checkpoint)):
+        raise ValueError("--tokenizer: a transformers directory is evaluated with its own tokenizer; omit it")
+    if args.tokenizer is not None:
         tokenizer_file(args.tokenizer, "--tokenizer")  # (a wrong path: said before the model loads)
     for option, value in (("--bootstrap-iters", args.bootstrap_iters), ("--num-fewshot", args.num_fewshot)):
         if value is not None and value < 0:

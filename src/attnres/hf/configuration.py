@@ -105,15 +105,20 @@ class _AttnResConfigMethods(SavesAutoMap):
         flat residual keys of earlier versions among the ``kwargs``
         (``from_pretrained(dir, attnres_block_size=2)``) join the stored fields, which
         migrate them with a ``DeprecationWarning``, instead of reaching the model's
-        ``__init__``."""
+        ``__init__``. A ``residual`` among the ``kwargs`` changes what it names of the stored
+        residual, as :meth:`attnres.ModelConfig.replace` does (``residual={"backend": "torch"}``
+        keeps the kind and the block size; ``residual="attnres_full"`` the block size)."""
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
         flat = legacy or any(k in FLAT_RESIDUAL_KEYS for k in config_dict)  # residual settings of earlier versions
         source = config_source(kwargs)
         check_saved_config(config_dict, model_type=cls.model_type, architectures=ARCHITECTURES,
                            required={"residual": "the AttnRes residual settings: kind, block_size, ..."},
                            source=source, given=[*kwargs, *(["residual"] if flat else [])])
-        return naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(
-            {**config_dict, **legacy} if legacy else config_dict, **kwargs))
+        stored = {**config_dict, **legacy}
+        if "residual" in kwargs:  # (transformers sets a kwarg as the whole attribute, unchecked: the stored block
+            # size went back to its default without a word, into weights of the same shapes, or a KeyError 'kind')
+            stored["residual"] = merge_residual(config_dict.get("residual"), kwargs.pop("residual"))
+        return naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(stored, **kwargs))
 
     def to_dict(self) -> dict:
         """As ``PretrainedConfig.to_dict``, with the transformers names of :data:`HF_NAMES`

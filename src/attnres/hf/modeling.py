@@ -373,7 +373,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """``input_ids [B, T]`` -> logits ``[B, T, vocab]`` (the last ``logits_to_keep``
         positions when > 0, the positions a 1-D tensor of indices names, as in transformers'
         models) and, with ``labels``, the mean next-token cross-entropy
-        (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it.
+        (labels shifted inside, ``-100`` ignored), as ``AttnResLM`` computes it. Labels that
+        are all ``-100`` past the first position (a fully masked batch, or one token per row)
+        give a NaN loss with finite, zero gradients, as transformers' causal LMs give (a mean
+        over no tokens); with ``num_items_in_batch`` above 0, a loss of 0.
 
         ``num_items_in_batch``: the predicted tokens of every batch a gradient-accumulation
         step holds, which ``transformers.Trainer`` passes to a forward taking ``**kwargs``;

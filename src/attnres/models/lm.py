@@ -114,7 +114,8 @@ class AttnResLM(DecoderTrunk):
         (``[B, 1, vocab]``, the last position only, with ``last_logits_only``).
 
         ``labels [B, T]`` (``T >= 2``): token ids (int64 or int32, ``-100`` ignored), the
-        inputs' own - the loss shifts them. ``input_ids``, ``labels`` and ``attention_mask`` on a device other
+        inputs' own - the loss shifts them (their mean over the predicted tokens: NaN where
+        every label past the first is ``-100``, as in transformers' causal LMs). ``input_ids``, ``labels`` and ``attention_mask`` on a device other
         than the model's are a ``ValueError`` naming the argument.
 
         ``inputs_embeds [B, T, d]`` in place of ``input_ids``: vectors the model takes as it

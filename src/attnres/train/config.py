@@ -37,7 +37,7 @@ DEFAULT_MODEL_PRESET = "tiny"
 RESUMABLE_CHANGES = frozenset({
     "steps", "stop_after", "eval_every", "eval_batches", "log_every", "diagnostics_every", "checkpoint_every",
     "keep_checkpoints", "progress", "tensorboard", "wandb_project", "resume", "resume_from", "init_from", "allow_data_change",
-    "out_dir",
+    "allow_residual_change", "out_dir",
     # Where freed CPU memory goes (kept by the process or handed back) changes no value.
     "cpu_allocator",
     # The data is identified by its fingerprint (checked on resume), not by where it lies.
@@ -171,7 +171,9 @@ class TrainConfig:
     ``allow_data_change`` lets a resumed run continue on data whose fingerprint differs
     from the checkpoint's; ``init_from`` starts a new run from a checkpoint's weights (and
     tokenizer) with a fresh optimiser, schedule and data position (fine-tuning, or a restart
-    with other hyper-parameters after a divergence).
+    with other hyper-parameters after a divergence); a model whose residual is not the
+    checkpoint's (Full vs Block AttnRes, another block size: the same weights) is refused
+    unless ``allow_residual_change`` says it is meant.
 
     Parallelism (``torchrun --nproc-per-node K -m attnres train ...``, docs/distributed.md,
     docs/scale-out.md): ``parallel`` (a :class:`~attnres.distributed.ParallelConfig`) sets the
@@ -235,6 +237,7 @@ class TrainConfig:
     resume_from: str | None = None
     init_from: str | None = None
     allow_data_change: bool = False
+    allow_residual_change: bool = False
     progress: bool = True
     tensorboard: bool = True
     wandb_project: str | None = None
@@ -366,7 +369,7 @@ TRAIN_RULES: dict[str, Rule] = {
     "min_lr_ratio": Number(0.0, 1.0),
     "decay_fraction": Number(0.0, 1.0),
     "grad_clip": Number(0.0),
-    **{name: Bool() for name in ("compile", "resume", "allow_data_change", "progress", "tensorboard")},
+    **{name: Bool() for name in ("compile", "resume", "allow_data_change", "allow_residual_change", "progress", "tensorboard")},
     "out_dir": Text("a directory path"),
     "resume_from": Nullable(Text("a checkpoint (step-*) or run directory"), "the newest valid checkpoint in out_dir"),
     "init_from": Nullable(Text("a checkpoint (step-*) or run directory"), "random initialisation"),

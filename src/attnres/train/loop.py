@@ -686,24 +686,31 @@ def _load_init_weights(source, config: TrainConfig, load: Callable[[], None]) ->
     fields that differ when they do not fit. Every rank loads the same checkpoint into the
     same model (a sharded one's misfit DCP reports on every rank), so the error is every
     rank's: printed once per node. A checkpoint gone since it was verified (the rotation of a
-    run still training, ``keep_checkpoints``) is said so, not as a FileNotFoundError's traceback."""
+    run still training, ``keep_checkpoints``) is said so, not as a FileNotFoundError's traceback
+    (nor, of a sharded one, as weights that do not fit this model)."""
     try:
         load()
-    except FileNotFoundError:
+    except (FileNotFoundError, CheckpointError) as e:  # (a sharded one's DCP reader says it as a CheckpointError)
         if Path(source.path).exists():
-            raise
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise _misfit(source, config, e) from None
         raise on_every_rank(CheckpointError(
             f"init_from={str(source.path)!r} was removed while this run was set up: its run, still training, keeps "
             "only its newest checkpoints (keep_checkpoints); start again (of a run directory its newest is taken "
             "then), or copy a checkpoint aside and start from the copy")) from None
-    except CheckpointError as e:
-        saved, ours = flatten(source.run_config()["model"]), flatten(config.model.to_dict())
-        differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
-        if not differing:
-            raise on_every_rank(CheckpointError(f"init_from: {e}")) from None
-        # The fields first and alone: the load's own error lists every tensor that does not fit.
-        values = ", ".join(f"model.{k}: {saved.get(k)!r} there, {ours.get(k)!r} here" for k in differing)
-        raise on_every_rank(CheckpointError(
-            f"init_from={str(source.path)!r}: its weights do not fit this run's model, which differs from the "
-            f"checkpoint's in {['model.' + k for k in differing]} ({values}); set those fields as the checkpoint "
-            "has them")) from None
+
+
+def _misfit(source, config: TrainConfig, error: CheckpointError) -> Exception:
+    """What :func:`_load_init_weights` raises for ``error``, met loading ``source``'s weights:
+    the model fields that differ from the checkpoint's first and alone (the load's own error
+    lists every tensor that does not fit), else the load's error."""
+    saved, ours = flatten(source.run_config()["model"]), flatten(config.model.to_dict())
+    differing = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
+    if not differing:
+        return on_every_rank(CheckpointError(f"init_from: {error}"))
+    values = ", ".join(f"model.{k}: {saved.get(k)!r} there, {ours.get(k)!r} here" for k in differing)
+    return on_every_rank(CheckpointError(
+        f"init_from={str(source.path)!r}: its weights do not fit this run's model, which differs from the "
+        f"checkpoint's in {['model.' + k for k in differing]} ({values}); set those fields as the checkpoint "
+        "has them"))

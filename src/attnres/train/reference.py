@@ -53,6 +53,8 @@ MEANINGS: dict[str, str] = {
     "resume_from": "continue this checkpoint (into out_dir)",
     "init_from": "a new run from this checkpoint's weights: fresh optimiser, schedule and data position",
     "allow_data_change": "let a resumed run continue on data whose fingerprint differs from the checkpoint's",
+    "allow_residual_change": "let init_from load a checkpoint's weights into another residual (Full vs Block AttnRes, "
+                             "another block size)",
     "progress": "show progress on stderr: a bar on a terminal, a line per evaluation in a log",
     "tensorboard": "also write TensorBoard events under out_dir/tensorboard",
     "wandb_project": "also log to this Weights & Biases project (extra wandb)",

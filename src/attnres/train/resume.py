@@ -12,6 +12,8 @@ fine-tuning starts (``init_from``). Finding the checkpoint is :mod:`attnres.chec
   ``allow_data_change`` says otherwise.
 * :func:`init_model_changes` - what an ``init_from`` run changes about the checkpoint's model
   while its weights still fit, said at start-up.
+* :func:`refuse_residual_change` - an ``init_from`` run whose residual is not the
+  checkpoint's, refused unless ``allow_residual_change`` says it is meant.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
+from ..models.config import ModelConfig
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
@@ -266,3 +269,42 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
     return (f"init_from={str(source.path)!r}: its weights fit, but this run's model differs from the checkpoint's in "
             f"{['model.' + k for k in differing]} ({values}): it trains that model from those weights; set the fields "
             "as the checkpoint has them (or pass its run's --config) to continue the checkpoint's own model")
+
+
+def _residual_fields(model: dict[str, Any]) -> dict[str, Any]:
+    """The residual fields of a ``model`` config (a dict) that change what the model
+    computes, flattened; Block AttnRes' block size as its ``S`` (``None`` resolved), and only
+    for Block AttnRes, the one variant that reads it."""
+    config = ModelConfig.from_dict(model)
+    fields = {k: v for k, v in flatten({"residual": config.residual.to_dict()}).items()
+              if k not in _NOT_A_MODEL_CHANGE and k != "residual.block_size"}
+    if config.residual.kind == "attnres_block":
+        fields["residual.block_size"] = config.residual.resolved_block_size(config.n_sublayers)
+    return fields
+
+
+def refuse_residual_change(source: Source, model: dict[str, Any], allowed: bool) -> None:
+    """Raise ``ValueError`` when ``model`` (the run's ``model`` config as a dict) has another
+    residual than ``source``, the checkpoint an ``init_from`` run starts from (Full vs Block
+    AttnRes, another block size): their parameters have the same names and shapes, so the
+    weights load without a word into a model that computes something else - as a left-out
+    ``--config`` gives it. ``allowed`` (``allow_residual_change``): meant (upcycling a Block
+    AttnRes run into Full AttnRes); :func:`init_model_changes` still says it. A transformers
+    directory's model is the run's: nothing to compare."""
+    if allowed or source.state.get("hf_directory"):
+        return
+    try:
+        old, new = _residual_fields(_normalised({"model": source.run_config()["model"]})["model"]), _residual_fields(model)
+    except (KeyError, TypeError, ValueError):
+        return  # a stored model this version cannot build: the load names what does not fit
+    # (a block size on one side only: the kinds differ, which says it)
+    differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
+                       and (k != "residual.block_size" or k in old.keys() & new.keys()))
+    if not differing:
+        return
+    values = ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
+    raise ValueError(f"init_from={str(source.path)!r}: this run's residual differs from the checkpoint's "
+                     f"({values}); its weights would load into this model without a word (the same names and shapes), "
+                     "which computes something else from them. Set model.residual as the checkpoint has it (or pass its "
+                     "run's --config), or set allow_residual_change=true to train this residual from those weights "
+                     "(e.g. a Block AttnRes run continued as Full AttnRes)")

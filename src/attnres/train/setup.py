@@ -26,7 +26,7 @@ from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, To
                               slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
 from .config import TrainConfig
 from .hf_source import hf_source
-from .resume import check_data, check_progress
+from .resume import check_data, check_progress, refuse_residual_change
 from ..user_warning import warn_user
 from ..shell_words import shell_path
 
@@ -93,6 +93,7 @@ def _init_source(config: TrainConfig) -> Start:
     if source is None:
         raise ValueError(f"init_from: {no_checkpoint_at(config.init_from)}")
     source.run_config()  # a checkpoint without one refused by name
+    refuse_residual_change(source, config.model.to_dict(), config.allow_residual_change)
     return Start(init=source, origin={"checkpoint": str(source.path), "step": source.step})
 
 
