@@ -34,7 +34,7 @@ from attnres.data.tokenizer import BPETokenizer, run_interruptibly  # noqa: E402
 from attnres.inference.loading import load_run, load_tokenizer  # noqa: E402
 from attnres.train import latest_checkpoint, load_config, train  # noqa: E402
 from attnres.train.cpu_memory import retains_freed_memory  # noqa: E402
-from attnres.checkpoint import read_checkpoint_state  # noqa: E402
+from attnres.checkpoint import CheckpointError, read_checkpoint_state  # noqa: E402
 from attnres.train.lock import LOCK_FILE, RunLock, RunLocked  # noqa: E402
 from attnres.train.metrics import read_metrics  # noqa: E402
 
@@ -726,7 +726,7 @@ def test_resume_and_init_from_a_checkpoint_without_a_run_config_are_refused_by_n
     it compared the run with the defaults (a tokens_seen 'edited' at 2048 tokens per step, or a
     run of the default model accepted), and init_from met a KeyError when its weights did not fit."""
     from torch import nn
-    from attnres.checkpoint import CheckpointError, write_checkpoint
+    from attnres.checkpoint import write_checkpoint
 
     model = nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
@@ -758,6 +758,12 @@ def test_init_from_a_checkpoint_of_another_residual_is_refused_unless_allowed(tm
     assert read_checkpoint_state(result.checkpoint)["config"]["model"]["residual"]["kind"] == "attnres_full"
     # the same residual run by another kernel: no refusal
     train(load_config(None, overrides(corpus_file, tmp_path / "same", **start, **{"model.residual.backend": "torch"})))
+    # weights that do not fit (Block AttnRes has queries the standard model has not): the load's own message,
+    # field by field, not "the same names and shapes" and an option that cannot help
+    with pytest.raises(CheckpointError, match=r"its weights do not fit this run's model.*"
+                                              r"model.residual.kind: 'attnres_block' there, 'standard' here"):
+        train(load_config(None, overrides(corpus_file, tmp_path / "standard", **start,
+                                          **{"model.residual.kind": "standard"})))
 
 
 def test_init_from_says_which_model_fields_it_changes_where_the_weights_still_fit(tmp_path, corpus_file, recwarn):
