@@ -709,6 +709,10 @@ def test_compare_finds_how_the_gap_moves_during_the_decay(tmp_path):
     config.parent.mkdir(parents=True)
     config.write_text(json.dumps({"schedule": "wsd", "steps": 3600, "warmup_steps": 200, "decay_fraction": 0.2}))
     assert decay_start(tmp_path, {"variant": "block", "seed": 0}) == 2880
+    # `attnres compare steps=30` on preset demo (warmup_steps=30): the warm-up takes the whole run, and
+    # the report said "The learning rate decays from step 30" and read a stable phase before it
+    config.write_text(json.dumps({"schedule": "wsd", "steps": 30, "warmup_steps": 30, "decay_fraction": 0.2}))
+    assert decay_start(tmp_path, {"variant": "block", "seed": 0}) is None
     config.write_text(json.dumps({"schedule": "cosine", "steps": 3600, "warmup_steps": 200, "decay_fraction": 0.2}))
     assert decay_start(tmp_path, {"variant": "block", "seed": 0}) is None
 

@@ -97,11 +97,13 @@ def load_runs(out: Path, records: list[dict[str, Any]]) -> list[Run]:
 
 def decay_start(out: Path, record: dict[str, Any]) -> int | None:
     """The step where the run's WSD learning-rate decay begins, from its ``config.json``
-    (``None`` for other schedules or without a config)."""
+    (``None`` for other schedules, without a config, or where a warm-up as long as the run
+    leaves no step to decay: the report would speak of a decay the runs never had)."""
     c = saved_config(out, record)
     if c is None or c.get("schedule") != "wsd":
         return None
-    return wsd_decay_start(c["steps"], c["warmup_steps"], c["decay_fraction"])
+    start = wsd_decay_start(c["steps"], c["warmup_steps"], c["decay_fraction"])
+    return start if start < c["steps"] else None
 
 
 def _by_variant(runs: list[Run]) -> dict[str, list[Run]]:
