@@ -709,8 +709,32 @@ def test_compare_finds_how_the_gap_moves_during_the_decay(tmp_path):
     config.parent.mkdir(parents=True)
     config.write_text(json.dumps({"schedule": "wsd", "steps": 3600, "warmup_steps": 200, "decay_fraction": 0.2}))
     assert decay_start(tmp_path, {"variant": "block", "seed": 0}) == 2880
+    # `attnres compare steps=30` on preset demo (warmup_steps=30): the warm-up takes the whole run, and
+    # the report said "The learning rate decays from step 30" and read a stable phase before it
+    config.write_text(json.dumps({"schedule": "wsd", "steps": 30, "warmup_steps": 30, "decay_fraction": 0.2}))
+    assert decay_start(tmp_path, {"variant": "block", "seed": 0}) is None
     config.write_text(json.dumps({"schedule": "cosine", "steps": 3600, "warmup_steps": 200, "decay_fraction": 0.2}))
     assert decay_start(tmp_path, {"variant": "block", "seed": 0}) is None
+
+
+def test_a_reading_at_equal_compute_outside_the_evaluations_is_said_why(tmp_path):
+    """`attnres compare --preset tiny` (4 steps, evaluated at step 4 only): AttnRes's cell at
+    equal compute, read at step 4 / 1.03, before its one evaluation, was "–" without a word.
+    The report says why, and says nothing where every cell is read."""
+    from attnres.experiments.job.compare import BASELINE, Run, _tables
+
+    def run(variant, flops_per_token, eval_steps, losses):
+        rec = {"variant": variant, "seed": 0, "steps": 4, "tokens": 400, "flops": 400 * flops_per_token,
+               "flops_per_token": flops_per_token, "params": 100, "residual_params": 0, "val_loss": losses[-1]}
+        return Run(rec, eval_steps=eval_steps, val_loss=losses)
+
+    said = "\"–\" at equal compute: the step to read lies outside the steps the AttnRes run was evaluated at (the first"
+    at_end = {BASELINE: [run(BASELINE, 1.0, [4], [5.0])], "block": [run("block", 1.03, [4], [4.9])]}
+    md, _, _ = _tables(at_end)
+    assert "| Block AttnRes | 100 | 0 | 4.9000 (n=1) | – |" in md and f"{said} at step 4)" in md
+    evaluated = {BASELINE: [run(BASELINE, 1.0, [2, 4], [5.5, 5.0])], "block": [run("block", 1.03, [2, 4], [5.4, 4.9])]}
+    md, _, _ = _tables(evaluated)
+    assert "| Block AttnRes | 100 | 0 | 4.9000 (n=1) | 4.9" in md and "outside the steps" not in md
 
 
 def test_block_size_overheads_are_measured_side_by_side(corpus, tmp_path):

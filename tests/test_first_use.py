@@ -565,6 +565,25 @@ def test_a_validation_split_shorter_than_eval_batches_asks_for_is_said(tmp_path,
         assert cli_main(["train", *overrides(corpus, tmp_path / "run2", eval_batches=held // 4, stop_after=1)]) == 0
 
 
+def test_the_eval_batches_a_short_validation_split_suggests_silence_it():
+    """A split of 354 tokens holds 2 windows of 128: the warning said "lower eval_batches to 1",
+    and eval_batches=1 x batch_size=16 still asked for 16 windows, warned alike. The advice
+    given is one that holds; below one batch only a larger split does, and it says so."""
+    from attnres.train import TrainConfig
+    from attnres.train.summary import short_validation
+
+    for val_tokens in (354, 2047, 2048, 5000, 19_000):  # (2 to 148 of the 160 windows asked for)
+        said = short_validation(TrainConfig(batch_size=16, seq_len=128, eval_batches=10), val_tokens)
+        lower = re.search(r"lower eval_batches to (\d+)$", said)
+        if val_tokens < 16 * 128:
+            assert lower is None and said.endswith(
+                "raise data.val_fraction for more (it holds less than one batch of batch_size=16 windows, which "
+                "even eval_batches=1 asks for)"), said
+        else:
+            assert short_validation(TrainConfig(batch_size=16, seq_len=128, eval_batches=int(lower[1])),
+                                    val_tokens) is None, said
+
+
 # -- the bf16 residual stream asked for without autocast -----------------------------------
 
 AUTOCAST_OPTIONS_SAID = {"autocast_stream": "the residual stream in bf16",

@@ -46,10 +46,16 @@ def short_validation(config: TrainConfig, val_tokens: int) -> str | None:
     held = val_tokens // config.seq_len
     if held >= asked:
         return None
+    # Lowering eval_batches helps only down to one batch: a split of fewer windows than
+    # batch_size is short of even eval_batches=1, so only a larger split silences this.
+    fewer = held // config.batch_size
+    remedy = (f", or lower eval_batches to {fewer}" if fewer else
+              f" (it holds less than one batch of batch_size={config.batch_size} windows, which even eval_batches=1 "
+              "asks for)")
     return (f"eval_batches={config.eval_batches} x batch_size={config.batch_size} = {asked} validation windows of "
             f"seq_len={config.seq_len} tokens asked for, and the validation split ({val_tokens:,} tokens) holds "
             f"{held}: val_loss is measured on those {held * config.seq_len:,} tokens; raise data.val_fraction for "
-            f"more, or lower eval_batches to {max(held // config.batch_size, 1)}")
+            f"more{remedy}")
 
 
 #: The autocast rounding options of ``ModelConfig.residual``, and what each does under autocast.

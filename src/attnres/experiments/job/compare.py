@@ -97,11 +97,13 @@ def load_runs(out: Path, records: list[dict[str, Any]]) -> list[Run]:
 
 def decay_start(out: Path, record: dict[str, Any]) -> int | None:
     """The step where the run's WSD learning-rate decay begins, from its ``config.json``
-    (``None`` for other schedules or without a config)."""
+    (``None`` for other schedules, without a config, or where a warm-up as long as the run
+    leaves no step to decay: the report would speak of a decay the runs never had)."""
     c = saved_config(out, record)
     if c is None or c.get("schedule") != "wsd":
         return None
-    return wsd_decay_start(c["steps"], c["warmup_steps"], c["decay_fraction"])
+    start = wsd_decay_start(c["steps"], c["warmup_steps"], c["decay_fraction"])
+    return start if start < c["steps"] else None
 
 
 def _by_variant(runs: list[Run]) -> dict[str, list[Run]]:
@@ -225,7 +227,23 @@ def _tables(groups: dict[str, list[Run]], overheads: dict[str, dict[str, float]]
                   "t-test's p:\n\n" + markdown_table(header, paired_rows))
     if noisy:
         md.append(_TIME_NOTE)
+    if unread := _unread_note(groups, losses):
+        md.append(unread)
     return "\n\n".join(md), gaps, noisy
+
+
+def _unread_note(groups: dict[str, list[Run]], losses: dict[str, dict[str, dict[int, float]]]) -> str | None:
+    """Why an AttnRes cell at equal compute or equal time is "–" (else ``None``): the step it is
+    read at lies outside the steps its run was evaluated at, where the curve has no value - a
+    grid of few steps evaluated at its end only (preset tiny, a shortened demo) reads none."""
+    unread = [key for key in ("compute", "time") if any(
+        math.isnan(v) for name, by_seed in losses.get(key, {}).items() if name != BASELINE for v in by_seed.values())]
+    if not unread:
+        return None
+    evaluated = sorted({r.eval_steps[0] for name, rs in groups.items() if name != BASELINE for r in rs if r.eval_steps})
+    first = f" (the first at step {evaluated[0]})" if evaluated else ""
+    return (f"\"–\" at equal {' and at equal '.join(unread)}: the step to read lies outside the steps the AttnRes run was "
+            f"evaluated at{first}, where its curve has no value; a lower `eval_every` evaluates earlier steps.")
 
 
 _NO_BASELINE = ("No standard run has finished in this grid: the readings at equal compute and equal time and the gaps "
