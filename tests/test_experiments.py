@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -1191,6 +1192,21 @@ def test_a_misspelt_override_given_to_continue_a_grid_is_refused_by_its_name(tmp
     with pytest.raises(ValueError, match=r"unknown TrainConfig key\(s\) \['stpes'\] \(did you mean 'steps'"):
         run_experiment(get_experiment("compare", "tiny"), out, [0], ["stpes=600"], log=lambda s: None)
     assert sorted(p.name for p in out.iterdir()) == ["experiment.json"]
+
+
+def test_a_misspelt_override_of_a_new_grid_is_said_as_the_grids_not_its_first_variants(tmp_path):
+    """`attnres compare --out X step=10` said "experiment 'compare' variant 'standard': unknown
+    TrainConfig key(s) ['step']": a mistake of every run read as one of the standard model's.
+    The overrides are named instead; a variant's own error still names the variant."""
+    from attnres.experiments.job.runner import run_config
+    exp = get_experiment("compare", "tiny")
+    with pytest.raises(ValueError, match=r"^experiment 'compare', the overrides \['step=10'\] \(every run of the grid\): "
+                                         r"unknown TrainConfig key\(s\) \['step'\] \(did you mean 'steps'"):
+        run_config(exp, exp.variants[0], 0, tmp_path / "run", ["step=10"])
+    broken = dataclasses.replace(exp.variants[0], train={"stpes": 3})
+    with pytest.raises(ValueError, match=r"^experiment 'compare' variant 'standard': unknown TrainConfig key\(s\) "
+                                         r"\['stpes'\]"):
+        run_config(exp, broken, 0, tmp_path / "run", ["steps=10"])
 
 
 @pytest.mark.parametrize("override", ["resume=true", "resume_from=elsewhere/run"])

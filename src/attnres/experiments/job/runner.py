@@ -46,16 +46,27 @@ def run_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Pat
     """The ``TrainConfig`` of one run: the experiment's base, the variant's changes, the
     user's ``key=value`` overrides (applied to every run alike), then seed and out_dir."""
     check_grid_overrides(experiment, overrides)
+    try:
+        return _variant_config(experiment, variant, seed, out_dir, overrides)
+    except ValueError as e:
+        try:  # (whose error it is: a misspelt override is every run's, not the first variant's)
+            _variant_config(experiment, variant, seed, out_dir, ())
+        except ValueError:
+            raise ValueError(f"experiment {experiment.name!r} variant {variant.name!r}: {e}") from None
+        raise ValueError(f"experiment {experiment.name!r}, the overrides {list(overrides)} (every run of the grid): "
+                         f"{e}") from None
+
+
+def _variant_config(experiment: Experiment, variant: Variant, seed: int, out_dir: Path,
+                    overrides: list[str] | tuple[str, ...]) -> TrainConfig:
+    """:func:`run_config` after its checks: ``ValueError`` where the config is not one."""
     base = {**experiment.base, **variant.train}
     base["model"] = {**base["model"], **variant.model}
     data = apply_overrides(base, list(overrides))
     data.update(seed=seed, out_dir=str(out_dir))
     if not {"preset", "from_hf"} & set(data["model"]):  # the grids give sizes over ModelConfig's own defaults
         data["model"] = ModelConfig.from_dict(data["model"])
-    try:
-        return TrainConfig.from_dict(data)
-    except ValueError as e:
-        raise ValueError(f"experiment {experiment.name!r} variant {variant.name!r}: {e}") from None
+    return TrainConfig.from_dict(data)
 
 
 def check_grid_overrides(experiment: Experiment, overrides: list[str]) -> None:
