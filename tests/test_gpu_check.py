@@ -1180,3 +1180,70 @@ def test_the_warm_up_compiles_every_specialisation_every_part_launches(monkeypat
 
     parts = gpu_check.parse_args(["--out", "x"]).parts.split(",")
     _assert_warmed(*_parts_and_workers(monkeypatch, parts, (*gpu_check.WARMED_MODELS, *gpu_check.KERNEL_WORKERS)))
+
+
+def _documented_gpu_check_commands() -> list[tuple[str, list[str]]]:
+    """Every ``benchmarks/gpu_check.py ...`` command line docs/kernels.md and README.md quote
+    (in code spans, which may run over lines, and code blocks), and every code span of the
+    prepared check's section made of the script's flags alone (a follow-up's flags):
+    ``(as quoted, its arguments)``, ``$OUT`` and ``$R`` standing for directories. The
+    arguments end where the shell line does (``&&``, ``|``, ``;``, ``2>&1``, a comment)."""
+    import re
+    import shlex
+
+    found = []
+    for doc in (ROOT / "docs" / "kernels.md", ROOT / "README.md"):
+        text = doc.read_text()
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+        spans = re.findall(r"(?<!`)`([^`]+)`(?!`)", re.sub(r"```.*?```", "", text, flags=re.S))
+        section = text.split("## The prepared GPU check", 1)[-1].split("\n## ", 1)[0] if doc.name == "kernels.md" else ""
+        pieces = [line for block in blocks for line in block.splitlines()] + spans
+        for piece in pieces:
+            piece = " ".join(piece.split())
+            if "benchmarks/gpu_check.py" in piece and piece != "benchmarks/gpu_check.py":  # (not its name alone)
+                rest = piece.split("benchmarks/gpu_check.py", 1)[1]
+            elif piece.startswith("--") and f"`{piece}`" in " ".join(section.split()):
+                rest = piece
+            else:
+                continue
+            rest = re.split(r"\s(?:&&|\|\|?|;|2>&1|#)\s?", rest + " ", maxsplit=1)[0]
+            found.append((piece, shlex.split(rest.replace("$OUT", "/tmp/OUT").replace("$R", "/tmp/R"))))
+    return found
+
+
+#: What the docs quote as refused: the warm-up workers' command line until 2026-12-05.
+REFUSED_AS_DOCUMENTED = {"--out /dev/null"}
+
+
+def test_every_command_line_the_docs_quote_is_one_the_script_takes(tmp_path, capsys):
+    """A session lent a GPU for minutes runs docs/kernels.md's prepared check and follow-ups as
+    written: each flag must be the script's, each ``--parts`` name a part and each ``--force``
+    a launch setting, or the device time goes to argparse's error. The flags alone that the
+    docs quote are parsed with an ``--out``; a placeholder (``SETTING=VALUE``) is not checked."""
+    import re
+
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    commands = _documented_gpu_check_commands()
+    assert len(commands) >= 8 and any("--continue" in args for _, args in commands)
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--help"])
+    flags = set(re.findall(r"--[a-z0-9-]+", capsys.readouterr().out))
+    for quoted, args in commands:
+        if quoted in REFUSED_AS_DOCUMENTED:
+            continue
+        if len(args) == 1 and args[0].startswith("--"):  # (a flag named in prose: one of the script's)
+            assert args[0] in flags, f"`{quoted}`: the script has no such flag"
+            continue
+        if not any(a in args for a in ("--out", "--source-digest")):
+            args = ["--out", str(tmp_path), *args]
+        try:
+            parsed = gpu_check.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"the script's parser refuses the documented `{quoted}`")
+        unknown = set(parsed.parts.split(",")) - set(gpu_check.MIN_SECONDS)
+        assert not unknown, f"`{quoted}`: no such part {sorted(unknown)}"
+        for setting in parsed.force:
+            name = setting.partition("=")[0]
+            assert name == "SETTING" or name in triton_impl.FORCED, f"`{quoted}`: no launch setting {name!r}"
