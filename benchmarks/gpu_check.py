@@ -1908,6 +1908,7 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     ``skipped``), and write the files: before (naming it as ``running``, so that a run its
     time limit kills says where) and after. Whether it left the device unusable."""
     out, left = Path(args.out), clock.left()
+    forget_earlier(result, part)
     part_models, note = fitting_models(part, models, left) if clock.cuda else (models, None)
     if note:
         result["skipped"][f"{part} full"] = note
@@ -1944,6 +1945,14 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     result["elapsed_s"] = spent_before + time.perf_counter() - start
     print(write(out, result, clock.strict), flush=True)
     return lost
+
+
+def forget_earlier(result: dict, part: str) -> None:
+    """Drop what an earlier run said of ``part`` - skipped (``part``, ``part full``), failed
+    (``part``, ``part.piece``) - now that it runs again (``--continue``) and says anew: the
+    files' ``skipped`` and ``errors`` say what to rerun."""
+    for key in ("skipped", "errors"):
+        result[key] = {name: v for name, v in result[key].items() if name.split(" ")[0].split(".")[0] != part}
 
 
 def release_memory(device: str) -> None:

@@ -1247,3 +1247,30 @@ def test_every_command_line_the_docs_quote_is_one_the_script_takes(tmp_path, cap
         for setting in parsed.force:
             name = setting.partition("=")[0]
             assert name == "SETTING" or name in triton_impl.FORCED, f"`{quoted}`: no launch setting {name!r}"
+
+
+def test_a_continued_part_is_no_longer_named_skipped_or_failed(monkeypatch, tmp_path):
+    """docs/kernels.md's follow-up 5 reruns the parts the prepared run skipped for its budget
+    with ``--continue`` into the same files, and says to read ``skipped`` and ``errors`` for
+    what to rerun: a part run again must leave what the earlier run said of it (skipped, its
+    models dropped, failed, its pieces' failures), which still named ``train_bf16`` and
+    ``profile`` skipped after they ran. Other parts' entries stay."""
+    import gpu_check
+
+    _fake_gpu(monkeypatch, gpu_check, lambda part, *args: {"ran": part})
+    earlier = {"command": "PYTHONPATH=src python benchmarks/gpu_check.py --out OUT", "device": "a faked GPU",
+               "elapsed_s": 400.0, "decode": {},
+               "skipped": {"train_bf16": "25 s of the 440 s budget left", "train_compiled full": "170 s left",
+                           "profile": "25 s of the 440 s budget left", "profile_decode": "10 s left"},
+               "errors": {"profile": "Traceback: the profiler broke", "train_compiled.profile": "Traceback",
+                          "decode": "Traceback: decode broke", "copy": "Traceback: no copy"}}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(earlier))
+    argv = ["--out", str(tmp_path), "--continue", "--no-peers", "--parts", "train_bf16,profile,train_compiled",
+            "--budget", "440"]
+    assert gpu_check.main(argv) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["train_bf16"] == {"ran": "train_bf16"} and result["profile"] == {"ran": "profile"}
+    assert result["skipped"] == {"profile_decode": "10 s left"}
+    assert set(result["errors"]) == {"decode", "copy"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["skipped"] == {"profile_decode": "10 s left"} and summary["errors"] == ["copy", "decode"]
