@@ -7,9 +7,10 @@ on an H100, that measures what the GPU targets are judged on and writes it as it
                                                       # a part with a launch setting forced (triton_impl.FORCED)
 
 Run it from the repository root with ``PYTHONPATH=src`` on a machine that has only PyTorch
-and Triton (the peers are optional: ``pip install *.whl`` of flash-linear-attention,
-fast-attnres, flash-attn-res brought along; see bench_kernels_gpu.py for why
-``PYTHONPATH=src`` matters with fast-attnres). The parts, in order; each prints its table
+and Triton (the peers are optional: their wheels brought along in ``.whl`` - flash-linear-attention,
+fla-core, fast-attnres, flash-attn-res and einops, which fla-core needs - installed with ``pip
+install --no-deps --target`` beside ``src`` on ``PYTHONPATH``: docs/kernels.md's follow-up 4;
+see bench_kernels_gpu.py for why ``PYTHONPATH=src`` comes first with fast-attnres). The parts, in order; each prints its table
 when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 ``OUT/summary.json``, so a run stopped by a time limit keeps what it measured:
 
@@ -1726,9 +1727,9 @@ def parse_args(argv=None):
                    help="every model stores its residual stream in bf16 under autocast (ResidualConfig.autocast_stream)"
                         " in every part - e.g. with --parts train_eager,train_compiled")
     p.add_argument("--continue", dest="resume", action="store_true",
-                   help="add the parts' results to those already in OUT (no warm-up): e.g. the peers' --parts ops "
-                        "after the prepared run; a run does so by itself, in a fresh process, after a part lost "
-                        "the device")
+                   help="add the parts' results to those already in OUT/gpu_check.json (no warm-up): e.g. the parts "
+                        "a run skipped for its budget, into a copy of its files (docs/kernels.md's follow-up 5); a "
+                        "run does so by itself, in a fresh process, after a part lost the device")
     p.add_argument("--source-digest", action="store_true",
                    help="print the digest of this tree's sources that a run records (code.source_digest) and exit")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
