@@ -1182,10 +1182,10 @@ def test_the_warm_up_compiles_every_specialisation_every_part_launches(monkeypat
     _assert_warmed(*_parts_and_workers(monkeypatch, parts, (*gpu_check.WARMED_MODELS, *gpu_check.KERNEL_WORKERS)))
 
 
-def _documented_gpu_check_commands() -> list[tuple[str, list[str]]]:
-    """Every ``benchmarks/gpu_check.py ...`` command line docs/kernels.md and README.md quote
+def _documented_commands(script: str = "benchmarks/gpu_check.py") -> list[tuple[str, list[str]]]:
+    """Every ``SCRIPT ...`` command line docs/kernels.md and README.md quote
     (in code spans, which may run over lines, and code blocks), and every code span of the
-    prepared check's section made of the script's flags alone (a follow-up's flags):
+    prepared check's section made of gpu_check.py's flags alone (a follow-up's flags):
     ``(as quoted, its arguments)``, ``$OUT`` and ``$R`` standing for directories. The
     arguments end where the shell line does (``&&``, ``|``, ``;``, ``2>&1``, a comment)."""
     import re
@@ -1200,9 +1200,9 @@ def _documented_gpu_check_commands() -> list[tuple[str, list[str]]]:
         pieces = [line for block in blocks for line in block.splitlines()] + spans
         for piece in pieces:
             piece = " ".join(piece.split())
-            if "benchmarks/gpu_check.py" in piece and piece != "benchmarks/gpu_check.py":  # (not its name alone)
-                rest = piece.split("benchmarks/gpu_check.py", 1)[1]
-            elif piece.startswith("--") and f"`{piece}`" in " ".join(section.split()):
+            if script in piece and piece != script:  # (not its name alone)
+                rest = piece.split(script, 1)[1]
+            elif script.endswith("gpu_check.py") and piece.startswith("--") and f"`{piece}`" in " ".join(section.split()):
                 rest = piece
             else:
                 continue
@@ -1225,7 +1225,7 @@ def test_every_command_line_the_docs_quote_is_one_the_script_takes(tmp_path, cap
     import gpu_check
     from attnres.ops.depth_attention import triton_impl
 
-    commands = _documented_gpu_check_commands()
+    commands = _documented_commands()
     assert len(commands) >= 8 and any("--continue" in args for _, args in commands)
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--help"])
@@ -1274,3 +1274,17 @@ def test_a_continued_part_is_no_longer_named_skipped_or_failed(monkeypatch, tmp_
     assert set(result["errors"]) == {"decode", "copy"}
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["skipped"] == {"profile_decode": "10 s left"} and summary["errors"] == ["copy", "decode"]
+
+
+def test_every_gpu_benchmark_command_line_the_docs_quote_is_one_it_takes():
+    """docs/kernels.md's "GPU benchmark" is followed as written on a lent GPU too: each
+    ``benchmarks/bench_kernels_gpu.py`` command line it quotes passes that script's parser."""
+    import bench_kernels_gpu
+
+    commands = _documented_commands("benchmarks/bench_kernels_gpu.py")
+    assert len(commands) >= 4 and any("--out" in args for _, args in commands)
+    for quoted, args in commands:
+        try:
+            bench_kernels_gpu.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"bench_kernels_gpu.py's parser refuses the documented `{quoted}`")
