@@ -1288,3 +1288,24 @@ def test_every_gpu_benchmark_command_line_the_docs_quote_is_one_it_takes():
             bench_kernels_gpu.parse_args(args)
         except SystemExit:
             pytest.fail(f"bench_kernels_gpu.py's parser refuses the documented `{quoted}`")
+
+
+def test_each_sweep_rows_setting_is_one_force_takes(monkeypatch):
+    """docs/kernels.md's follow-up 3 reads ``SETTING=VALUE`` off a row of the sweep's table
+    (``op@SETTING=VALUE``, a bool as Python writes it) into ``--force``: each must be taken."""
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    class Clock:
+        def replayed(self, fn, repeats):
+            return 1e-6
+
+    calls = {name: None for _, names in gpu_check.SWEEPS.values() for name in names}
+    rows = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, dict.fromkeys(calls, 1e5), 1e11)
+    settings = {row.split("@", 1)[1] for row in rows} - {"default"}
+    assert len(settings) == sum(len(values) for values, _ in gpu_check.SWEEPS.values())
+    monkeypatch.setattr(triton_impl, "FORCED", dict.fromkeys(triton_impl.FORCED))
+    for text in settings:
+        name, _, value = text.partition("=")
+        assert gpu_check.apply_force([text]) == {name: triton_impl.FORCED[name]}, text
+        assert str(triton_impl.FORCED[name]) == value  # (the value the row was timed at)
