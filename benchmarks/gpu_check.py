@@ -1,7 +1,7 @@
 """The prepared GPU check of the depth-attention path: one command, at most about 8 minutes
 on an H100, that measures what the GPU targets are judged on and writes it as it goes.
 
-    PYTHONPATH=src python benchmarks/gpu_check.py --out benchmarks/results/gpu-h100
+    PYTHONPATH=src python benchmarks/gpu_check.py --out gpu-check   # on a lent GPU: docs/kernels.md's steps
     PYTHONPATH=src python benchmarks/gpu_check.py --cpu-smoke --out /tmp/gpu-check   # every part, toy sizes, CPU
     PYTHONPATH=src python benchmarks/gpu_check.py --out OUT --parts train_eager --force phase1_rows=false
                                                       # a part with a launch setting forced (triton_impl.FORCED)

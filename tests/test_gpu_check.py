@@ -1186,7 +1186,8 @@ def _documented_commands(script: str = "benchmarks/gpu_check.py") -> list[tuple[
     """Every ``SCRIPT ...`` command line docs/kernels.md and README.md quote
     (in code spans, which may run over lines, and code blocks), and every code span of the
     prepared check's section made of gpu_check.py's flags alone (a follow-up's flags):
-    ``(as quoted, its arguments)``, ``$OUT`` and ``$R`` standing for directories. The
+    ``(as quoted, its arguments)``, ``$OUT`` standing for the lent machine's directory and
+    any other variable set in the same line (pasted as quoted, the line runs with it). The
     arguments end where the shell line does (``&&``, ``|``, ``;``, ``2>&1``, a comment)."""
     import re
     import shlex
@@ -1207,7 +1208,11 @@ def _documented_commands(script: str = "benchmarks/gpu_check.py") -> list[tuple[
             else:
                 continue
             rest = re.split(r"\s(?:&&|\|\|?|;|2>&1|#)\s?", rest + " ", maxsplit=1)[0]
-            found.append((piece, shlex.split(rest.replace("$OUT", "/tmp/OUT").replace("$R", "/tmp/R"))))
+            before = piece[:piece.find(rest)] if rest.strip() else piece
+            for name in set(re.findall(r"\$(\w+)", rest)) - {"OUT"}:  # ($OUT is the lent machine's)
+                assert re.search(rf"(^|\s){name}=\S", before), f"`{piece}`: ${name} is set nowhere in it"
+                rest = rest.replace(f"${name}", f"/tmp/{name}")
+            found.append((piece, shlex.split(rest.replace("$OUT", "/tmp/OUT"))))
     return found
 
 
