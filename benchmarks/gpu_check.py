@@ -1,15 +1,16 @@
 """The prepared GPU check of the depth-attention path: one command, at most about 8 minutes
 on an H100, that measures what the GPU targets are judged on and writes it as it goes.
 
-    PYTHONPATH=src python benchmarks/gpu_check.py --out benchmarks/results/gpu-h100
+    PYTHONPATH=src python benchmarks/gpu_check.py --out gpu-check   # on a lent GPU: docs/kernels.md's steps
     PYTHONPATH=src python benchmarks/gpu_check.py --cpu-smoke --out /tmp/gpu-check   # every part, toy sizes, CPU
     PYTHONPATH=src python benchmarks/gpu_check.py --out OUT --parts train_eager --force phase1_rows=false
                                                       # a part with a launch setting forced (triton_impl.FORCED)
 
 Run it from the repository root with ``PYTHONPATH=src`` on a machine that has only PyTorch
-and Triton (the peers are optional: ``pip install *.whl`` of flash-linear-attention,
-fast-attnres, flash-attn-res brought along; see bench_kernels_gpu.py for why
-``PYTHONPATH=src`` matters with fast-attnres). The parts, in order; each prints its table
+and Triton (the peers are optional: their wheels brought along in ``.whl`` - flash-linear-attention,
+fla-core, fast-attnres, flash-attn-res and einops, which fla-core needs - installed with ``pip
+install --no-deps --target`` beside ``src`` on ``PYTHONPATH``: docs/kernels.md's follow-up 4;
+see bench_kernels_gpu.py for why ``PYTHONPATH=src`` comes first with fast-attnres). The parts, in order; each prints its table
 when measured and rewrites ``OUT/gpu_check.md``, ``OUT/gpu_check.json`` and
 ``OUT/summary.json``, so a run stopped by a time limit keeps what it measured:
 
@@ -1726,9 +1727,9 @@ def parse_args(argv=None):
                    help="every model stores its residual stream in bf16 under autocast (ResidualConfig.autocast_stream)"
                         " in every part - e.g. with --parts train_eager,train_compiled")
     p.add_argument("--continue", dest="resume", action="store_true",
-                   help="add the parts' results to those already in OUT (no warm-up): e.g. the peers' --parts ops "
-                        "after the prepared run; a run does so by itself, in a fresh process, after a part lost "
-                        "the device")
+                   help="add the parts' results to those already in OUT/gpu_check.json (no warm-up): e.g. the parts "
+                        "a run skipped for its budget, into a copy of its files (docs/kernels.md's follow-up 5); a "
+                        "run does so by itself, in a fresh process, after a part lost the device")
     p.add_argument("--source-digest", action="store_true",
                    help="print the digest of this tree's sources that a run records (code.source_digest) and exit")
     p.add_argument("--warm-up-worker", help=argparse.SUPPRESS)
@@ -1908,6 +1909,7 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     ``skipped``), and write the files: before (naming it as ``running``, so that a run its
     time limit kills says where) and after. Whether it left the device unusable."""
     out, left = Path(args.out), clock.left()
+    forget_earlier(result, part)
     part_models, note = fitting_models(part, models, left) if clock.cuda else (models, None)
     if note:
         result["skipped"][f"{part} full"] = note
@@ -1944,6 +1946,14 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
     result["elapsed_s"] = spent_before + time.perf_counter() - start
     print(write(out, result, clock.strict), flush=True)
     return lost
+
+
+def forget_earlier(result: dict, part: str) -> None:
+    """Drop what an earlier run said of ``part`` - skipped (``part``, ``part full``), failed
+    (``part``, ``part.piece``) - now that it runs again (``--continue``) and says anew: the
+    files' ``skipped`` and ``errors`` say what to rerun."""
+    for key in ("skipped", "errors"):
+        result[key] = {name: v for name, v in result[key].items() if name.split(" ")[0].split(".")[0] != part}
 
 
 def release_memory(device: str) -> None:

@@ -1180,3 +1180,137 @@ def test_the_warm_up_compiles_every_specialisation_every_part_launches(monkeypat
 
     parts = gpu_check.parse_args(["--out", "x"]).parts.split(",")
     _assert_warmed(*_parts_and_workers(monkeypatch, parts, (*gpu_check.WARMED_MODELS, *gpu_check.KERNEL_WORKERS)))
+
+
+def _documented_commands(script: str = "benchmarks/gpu_check.py") -> list[tuple[str, list[str]]]:
+    """Every ``SCRIPT ...`` command line docs/kernels.md and README.md quote
+    (in code spans, which may run over lines, and code blocks), and every code span of the
+    prepared check's section made of gpu_check.py's flags alone (a follow-up's flags):
+    ``(as quoted, its arguments)``, ``$OUT`` standing for the lent machine's directory and
+    any other variable set in the same line (pasted as quoted, the line runs with it). The
+    arguments end where the shell line does (``&&``, ``|``, ``;``, ``2>&1``, a comment)."""
+    import re
+    import shlex
+
+    found = []
+    for doc in (ROOT / "docs" / "kernels.md", ROOT / "README.md"):
+        text = doc.read_text()
+        blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+        spans = re.findall(r"(?<!`)`([^`]+)`(?!`)", re.sub(r"```.*?```", "", text, flags=re.S))
+        section = text.split("## The prepared GPU check", 1)[-1].split("\n## ", 1)[0] if doc.name == "kernels.md" else ""
+        pieces = [line for block in blocks for line in block.splitlines()] + spans
+        for piece in pieces:
+            piece = " ".join(piece.split())
+            if script in piece and piece != script:  # (not its name alone)
+                rest = piece.split(script, 1)[1]
+            elif script.endswith("gpu_check.py") and piece.startswith("--") and f"`{piece}`" in " ".join(section.split()):
+                rest = piece
+            else:
+                continue
+            rest = re.split(r"\s(?:&&|\|\|?|;|2>&1|#)\s?", rest + " ", maxsplit=1)[0]
+            before = piece[:piece.find(rest)] if rest.strip() else piece
+            for name in set(re.findall(r"\$(\w+)", rest)) - {"OUT"}:  # ($OUT is the lent machine's)
+                assert re.search(rf"(^|\s){name}=\S", before), f"`{piece}`: ${name} is set nowhere in it"
+                rest = rest.replace(f"${name}", f"/tmp/{name}")
+            found.append((piece, shlex.split(rest.replace("$OUT", "/tmp/OUT"))))
+    return found
+
+
+#: What the docs quote as refused: the warm-up workers' command line until 2026-12-05.
+REFUSED_AS_DOCUMENTED = {"--out /dev/null"}
+
+
+def test_every_command_line_the_docs_quote_is_one_the_script_takes(tmp_path, capsys):
+    """A session lent a GPU for minutes runs docs/kernels.md's prepared check and follow-ups as
+    written: each flag must be the script's, each ``--parts`` name a part and each ``--force``
+    a launch setting, or the device time goes to argparse's error. The flags alone that the
+    docs quote are parsed with an ``--out``; a placeholder (``SETTING=VALUE``) is not checked."""
+    import re
+
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    commands = _documented_commands()
+    assert len(commands) >= 8 and any("--continue" in args for _, args in commands)
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--help"])
+    flags = set(re.findall(r"--[a-z0-9-]+", capsys.readouterr().out))
+    for quoted, args in commands:
+        if quoted in REFUSED_AS_DOCUMENTED:
+            continue
+        if len(args) == 1 and args[0].startswith("--"):  # (a flag named in prose: one of the script's)
+            assert args[0] in flags, f"`{quoted}`: the script has no such flag"
+            continue
+        if not any(a in args for a in ("--out", "--source-digest")):
+            args = ["--out", str(tmp_path), *args]
+        try:
+            parsed = gpu_check.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"the script's parser refuses the documented `{quoted}`")
+        unknown = set(parsed.parts.split(",")) - set(gpu_check.MIN_SECONDS)
+        assert not unknown, f"`{quoted}`: no such part {sorted(unknown)}"
+        for setting in parsed.force:
+            name = setting.partition("=")[0]
+            assert name == "SETTING" or name in triton_impl.FORCED, f"`{quoted}`: no launch setting {name!r}"
+
+
+def test_a_continued_part_is_no_longer_named_skipped_or_failed(monkeypatch, tmp_path):
+    """docs/kernels.md's follow-up 5 reruns the parts the prepared run skipped for its budget
+    with ``--continue`` into the same files, and says to read ``skipped`` and ``errors`` for
+    what to rerun: a part run again must leave what the earlier run said of it (skipped, its
+    models dropped, failed, its pieces' failures), which still named ``train_bf16`` and
+    ``profile`` skipped after they ran. Other parts' entries stay."""
+    import gpu_check
+
+    _fake_gpu(monkeypatch, gpu_check, lambda part, *args: {"ran": part})
+    earlier = {"command": "PYTHONPATH=src python benchmarks/gpu_check.py --out OUT", "device": "a faked GPU",
+               "elapsed_s": 400.0, "decode": {},
+               "skipped": {"train_bf16": "25 s of the 440 s budget left", "train_compiled full": "170 s left",
+                           "profile": "25 s of the 440 s budget left", "profile_decode": "10 s left"},
+               "errors": {"profile": "Traceback: the profiler broke", "train_compiled.profile": "Traceback",
+                          "decode": "Traceback: decode broke", "copy": "Traceback: no copy"}}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(earlier))
+    argv = ["--out", str(tmp_path), "--continue", "--no-peers", "--parts", "train_bf16,profile,train_compiled",
+            "--budget", "440"]
+    assert gpu_check.main(argv) == 0
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["train_bf16"] == {"ran": "train_bf16"} and result["profile"] == {"ran": "profile"}
+    assert result["skipped"] == {"profile_decode": "10 s left"}
+    assert set(result["errors"]) == {"decode", "copy"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["skipped"] == {"profile_decode": "10 s left"} and summary["errors"] == ["copy", "decode"]
+
+
+def test_every_gpu_benchmark_command_line_the_docs_quote_is_one_it_takes():
+    """docs/kernels.md's "GPU benchmark" is followed as written on a lent GPU too: each
+    ``benchmarks/bench_kernels_gpu.py`` command line it quotes passes that script's parser."""
+    import bench_kernels_gpu
+
+    commands = _documented_commands("benchmarks/bench_kernels_gpu.py")
+    assert len(commands) >= 4 and any("--out" in args for _, args in commands)
+    for quoted, args in commands:
+        try:
+            bench_kernels_gpu.parse_args(args)
+        except SystemExit:
+            pytest.fail(f"bench_kernels_gpu.py's parser refuses the documented `{quoted}`")
+
+
+def test_each_sweep_rows_setting_is_one_force_takes(monkeypatch):
+    """docs/kernels.md's follow-up 3 reads ``SETTING=VALUE`` off a row of the sweep's table
+    (``op@SETTING=VALUE``, a bool as Python writes it) into ``--force``: each must be taken."""
+    import gpu_check
+    from attnres.ops.depth_attention import triton_impl
+
+    class Clock:
+        def replayed(self, fn, repeats):
+            return 1e-6
+
+    calls = {name: None for _, names in gpu_check.SWEEPS.values() for name in names}
+    rows = gpu_check.sweep(gpu_check.SMOKE, Clock(), "cuda", calls, dict.fromkeys(calls, 1e5), 1e11)
+    settings = {row.split("@", 1)[1] for row in rows} - {"default"}
+    assert len(settings) == sum(len(values) for values, _ in gpu_check.SWEEPS.values())
+    monkeypatch.setattr(triton_impl, "FORCED", dict.fromkeys(triton_impl.FORCED))
+    for text in settings:
+        name, _, value = text.partition("=")
+        assert gpu_check.apply_force([text]) == {name: triton_impl.FORCED[name]}, text
+        assert str(triton_impl.FORCED[name]) == value  # (the value the row was timed at)
