@@ -1614,12 +1614,30 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[st
         raise ValueError(f"warm-up stage {stage!r}: choose from {WARM_UP_STAGES}")
 
 
-def start_warm_up(peers: dict, force: list[str], options: list[str] = ()) -> dict[str, subprocess.Popen]:
-    """The warm-up's workers, started: ``{what: process}``."""
+#: Which of the warm-up's workers compile what each part launches: the kernel workers
+#: (:data:`KERNEL_WORKERS`), or a stage of the models (:data:`WARM_UP_STAGES`, each model's
+#: worker of it). A run of some parts starts only theirs (with ``ops``, the peers' too): a
+#: follow-up of one part, ``--parts train_compiled`` on a fresh machine, waited for all eight,
+#: up to 35 % of its budget, and could skip the one part it was run for.
+WARM_UP_OF_PART = {"parity": KERNEL_WORKERS, "ops": KERNEL_WORKERS, "sweep": KERNEL_WORKERS,
+                   "train_eager": ("train",), "train_compiled": ("train",), "profile": ("train",),
+                   "decode": ("decode",), "profile_decode": ("decode",), "train_bf16": ("bf16",)}
+
+
+def warm_up_workers(parts: list[str], peers: dict) -> list[str]:
+    """The warm-up's workers a run of ``parts`` starts (:data:`WARM_UP_OF_PART`), in the order
+    of :data:`WARMED_MODELS`, :data:`KERNEL_WORKERS`, then ``peers``' names where ``ops`` runs."""
+    wanted = {what for part in parts for what in WARM_UP_OF_PART[part]}
+    models = [what for what in WARMED_MODELS if what.rsplit(":", 1)[1] in wanted]
+    return [*models, *(what for what in KERNEL_WORKERS if what in wanted), *(peers if "ops" in parts else ())]
+
+
+def start_warm_up(parts: list[str], peers: dict, force: list[str], options: list[str] = ()) -> dict[str, subprocess.Popen]:
+    """The warm-up's workers for ``parts`` (:func:`warm_up_workers`), started: ``{what: process}``."""
     extra = [*(arg for setting in force for arg in ("--force", setting)), *option_flags(options)]
     # (no --out: a worker writes nothing, and --out's check refuses os.devnull as a file)
     return {what: subprocess.Popen([sys.executable, __file__, "--warm-up-worker", what, *extra],
-                                   stdout=subprocess.DEVNULL) for what in [*WARMED_MODELS, *KERNEL_WORKERS, *peers]}
+                                   stdout=subprocess.DEVNULL) for what in warm_up_workers(parts, peers)}
 
 
 #: The most of the budget the warm-up may take (from the run's start): the H200 took 78 s of
@@ -1843,7 +1861,7 @@ def run_check(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: di
     device, out, parts = "cuda" if clock.cuda else "cpu", Path(args.out), args.parts.split(",")
     peers, skipped = ({}, {}) if args.no_peers or args.cpu_smoke else kernels_bench.select_peers()
     # (the kernels of a --continue are in the on-disk caches already: no warm-up)
-    workers = start_warm_up(peers, args.force, options) if clock.cuda and not args.resume else {}
+    workers = start_warm_up(parts, peers, args.force, options) if clock.cuda and not args.resume else {}
     try:
         prepared = prepare(args, argv, clock, z, forced_settings, options, start, workers)
     finally:  # (a run that raised before the warm-up was waited for leaves no worker compiling on its device)

@@ -20,6 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+def _all_parts() -> list[str]:
+    """The parts of the prepared run (``--parts``' default), in its order."""
+    import gpu_check
+
+    return gpu_check.parse_args(["--out", "x"]).parts.split(",")
+
+
 def test_cpu_smoke_runs_every_part_and_writes_the_summary(tmp_path):
     pytest.importorskip("triton")
     import gpu_check
@@ -478,7 +485,7 @@ def test_model_options_reach_every_model_and_the_warm_up_workers(monkeypatch):
 
     commands = []
     monkeypatch.setattr(gpu_check.subprocess, "Popen", lambda command, **kwargs: commands.append(command))
-    gpu_check.start_warm_up({}, ["phase1_rows=false"], options)
+    gpu_check.start_warm_up(_all_parts(), {}, ["phase1_rows=false"], options)
     assert len(commands) == len(gpu_check.WARMED_MODELS) + len(gpu_check.KERNEL_WORKERS)  # (and the sweeps, the ops)
     for command in commands:
         assert command[-4:] == ["--force", "phase1_rows=false", "--autocast-norm-output", "--autocast-stream"]
@@ -503,7 +510,7 @@ def test_the_warm_up_workers_command_lines_are_read_by_the_workers_parser(monkey
 
     commands = []
     monkeypatch.setattr(gpu_check.subprocess, "Popen", lambda command, **kwargs: commands.append(command))
-    gpu_check.start_warm_up({"a peer": None}, ["phase1_rows=false"], ["autocast_stream"])
+    gpu_check.start_warm_up(_all_parts(), {"a peer": None}, ["phase1_rows=false"], ["autocast_stream"])
     workers = []
     for command in commands:
         assert command[:2] == [sys.executable, gpu_check.__file__]
@@ -512,6 +519,23 @@ def test_the_warm_up_workers_command_lines_are_read_by_the_workers_parser(monkey
         assert args.force == ["phase1_rows=false"]
         assert gpu_check.model_options(args) == ["autocast_stream"] and not args.cpu_smoke
     assert workers == [*gpu_check.WARMED_MODELS, "sweeps", "ops", "a peer"]
+
+
+def test_a_run_of_some_parts_starts_only_their_warm_up_workers():
+    """The prepared run's parts start every worker (the peers' with ``ops``); a follow-up of
+    one part starts only the workers of its kernels: ``--parts train_compiled``, on a fresh
+    machine, waited for all eight - up to 35 % of its 240 s budget - and could skip the part it
+    was run for. (That each part's workers compile all it launches: the slow test below.)"""
+    import gpu_check
+
+    peers = {"a peer": None}
+    assert gpu_check.warm_up_workers(_all_parts(), peers) == [*gpu_check.WARMED_MODELS, *gpu_check.KERNEL_WORKERS,
+                                                               "a peer"]
+    assert set(gpu_check.WARM_UP_OF_PART) == set(_all_parts()) == set(gpu_check.MIN_SECONDS)
+    assert gpu_check.warm_up_workers(["train_compiled"], peers) == ["models:block:train", "models:full:train"]
+    assert gpu_check.warm_up_workers(["ops"], peers) == ["sweeps", "ops", "a peer"]
+    assert gpu_check.warm_up_workers(["decode", "train_bf16"], {}) == [
+        "models:block:decode", "models:block:bf16", "models:full:decode", "models:full:bf16"]
 
 
 class _FakeCuda:
@@ -1180,6 +1204,32 @@ def test_the_warm_up_compiles_every_specialisation_every_part_launches(monkeypat
 
     parts = gpu_check.parse_args(["--out", "x"]).parts.split(",")
     _assert_warmed(*_parts_and_workers(monkeypatch, parts, (*gpu_check.WARMED_MODELS, *gpu_check.KERNEL_WORKERS)))
+
+
+@pytest.mark.slow  # (about three minutes: each part alone, on fresh models, then each worker)
+def test_each_parts_own_warm_up_workers_compile_every_specialisation_it_launches(monkeypatch):
+    """A run of some parts starts only their workers (:data:`gpu_check.WARM_UP_OF_PART`): each
+    part run alone, as a follow-up runs it (fresh models), launches no specialisation its
+    workers miss."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import gpu_check
+
+    launched = _gpu_run_recorded(monkeypatch)
+    z, clock, by_part, by_worker = gpu_check.Sizes(), _OnceClock(), {}, {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for part in _all_parts():
+            models = gpu_check.build_models(z, "cuda") if part not in ("parity", "ops", "sweep") else {}
+            gpu_check.run_part(part, z, clock, models, "cuda", {}, {})
+            by_part[part], models = set(launched), None
+            launched.clear()
+        for what in gpu_check.warm_up_workers(_all_parts(), {}):
+            assert gpu_check.warm_up_worker(what, z, "cuda") == 0
+            by_worker[what] = set(launched)
+            launched.clear()
+    for part in _all_parts():
+        _assert_warmed(by_part[part], set().union(*(by_worker[w] for w in gpu_check.warm_up_workers([part], {}))))
 
 
 def _documented_commands(script: str = "benchmarks/gpu_check.py") -> list[tuple[str, list[str]]]:
