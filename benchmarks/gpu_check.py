@@ -1619,6 +1619,8 @@ def warm_up_model(name: str, stage: str, z: Sizes, device: str, options: list[st
 #: worker of it). A run of some parts starts only theirs (with ``ops``, the peers' too): a
 #: follow-up of one part, ``--parts train_compiled`` on a fresh machine, waited for all eight,
 #: up to 35 % of its budget, and could skip the one part it was run for.
+#: The parts that build their own inputs and models (the others run the check's three models).
+MODEL_FREE_PARTS = ("parity", "ops", "sweep")
 WARM_UP_OF_PART = {"parity": KERNEL_WORKERS, "ops": KERNEL_WORKERS, "sweep": KERNEL_WORKERS,
                    "train_eager": ("train",), "train_compiled": ("train",), "profile": ("train",),
                    "decode": ("decode",), "profile_decode": ("decode",), "train_bf16": ("bf16",)}
@@ -1909,7 +1911,9 @@ def prepare(args, argv: list[str], clock: Clock, z: Sizes, forced_settings: dict
     result["running"] = {"part": "warm-up" if workers else "building the models",
                          "since_s": spent_before + time.perf_counter() - start}
     write(out, result, clock.strict)  # (a run cut off from here on still says what ran, where, and which code)
-    models = build_models(z, device)
+    # (a run of the parts that build their own inputs - the peers' follow-up, --parts ops - held three
+    # 1.6B-parameter models it never ran)
+    models = build_models(z, device) if set(args.parts.split(",")) - set(MODEL_FREE_PARTS) else {}
     apply_model_options(models, options)
     if options:
         result["forced"] = {**(forced_settings or {}), **dict.fromkeys(options, True)}

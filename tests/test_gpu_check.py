@@ -538,6 +538,22 @@ def test_a_run_of_some_parts_starts_only_their_warm_up_workers():
         "models:block:decode", "models:block:bf16", "models:full:decode", "models:full:bf16"]
 
 
+def test_a_run_of_the_parts_that_build_their_own_inputs_builds_no_models(tmp_path, monkeypatch):
+    """The peers' follow-up (``--parts ops``) built the check's three 1.6B-parameter models and
+    held them, unused, through its op-level timings."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    built = []
+    monkeypatch.setattr(gpu_check, "build_models", lambda *args, **kwargs: built.append(args) or {})
+    monkeypatch.setattr(gpu_check, "copy_bandwidth", lambda device: 1.0)
+    for parts, models in ((",".join(gpu_check.MODEL_FREE_PARTS), 0), ("parity,decode", 1)):
+        argv = ["--cpu-smoke", "--parts", parts, "--out", str(tmp_path)]
+        gpu_check.prepare(gpu_check.parse_args(argv), argv, gpu_check.Clock("cpu"), gpu_check.SMOKE, {}, [], 0.0, {})
+        assert len(built) == models
+        built.clear()
+
+
 class _FakeCuda:
     """The ``torch.cuda`` calls of the check's timing and memory code, recorded in ``log``:
     streams, a graph's capture and replays, events (each ``elapsed_ms`` apart) and the
@@ -1161,7 +1177,7 @@ def _parts_and_workers(monkeypatch, parts: list[str], workers: tuple[str, ...]) 
     launched = _gpu_run_recorded(monkeypatch)
     z, clock = gpu_check.Sizes(), _OnceClock()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        models = gpu_check.build_models(z, "cuda") if set(parts) - {"parity", "ops", "sweep"} else {}
+        models = gpu_check.build_models(z, "cuda") if set(parts) - set(gpu_check.MODEL_FREE_PARTS) else {}
         for part in parts:
             gpu_check.run_part(part, z, clock, models, "cuda", {}, {})
         by_parts = set(launched)
@@ -1220,7 +1236,7 @@ def test_each_parts_own_warm_up_workers_compile_every_specialisation_it_launches
     z, clock, by_part, by_worker = gpu_check.Sizes(), _OnceClock(), {}, {}
     with FakeTensorMode(allow_non_fake_inputs=True):
         for part in _all_parts():
-            models = gpu_check.build_models(z, "cuda") if part not in ("parity", "ops", "sweep") else {}
+            models = gpu_check.build_models(z, "cuda") if part not in gpu_check.MODEL_FREE_PARTS else {}
             gpu_check.run_part(part, z, clock, models, "cuda", {}, {})
             by_part[part], models = set(launched), None
             launched.clear()
