@@ -37,8 +37,29 @@ def test_away_from_a_terminal_each_evaluation_is_one_plain_line(monkeypatch):
     p.close()
     assert log.getvalue().splitlines() == [
         "step 10/100  loss 6.0000  val_loss 5.9000  (0:05 elapsed, ~0:45 to go)",
-        "step 30/100  loss 5.0000  val_loss 5.9000  (1:10 elapsed, ~2:43 to go)",
+        "step 30/100  loss 5.0000  val_loss 5.9000 (at step 10)  (1:10 elapsed, ~2:43 to go)",
         "step 100/100  loss 5.0000  val_loss 4.0000  (3:20 elapsed)",
+    ]
+
+
+def test_a_line_between_evaluations_says_the_step_its_validation_loss_is_from(monkeypatch):
+    """A log's line at step 310 read 'val_loss 5.0833' beside that step's train loss, though
+    the run evaluated at step 200 (eval_every=200): the loss of another model. A line after
+    the evaluation names its step; the evaluation's own line, and a field ``show`` sets, do not."""
+    clock = iter([0.0, 10.0, 80.0, 150.0])
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    p = StepProgress(1000, initial=0, stream=log, every_s=60)
+    p.update(200)
+    p.mark(val_loss="5.0833")  # the evaluation's line
+    p.update(110)
+    p.show(loss="4.7128", tok_s="3,458")  # a minute later, between evaluations
+    p.update(90)
+    p.show(val_loss="4.6000")  # a field shown as of this step
+    assert log.getvalue().splitlines() == [
+        "step 200/1000  val_loss 5.0833  (0:10 elapsed, ~0:40 to go)",
+        "step 310/1000  val_loss 5.0833 (at step 200)  loss 4.7128  tok_s 3,458  (1:20 elapsed, ~2:58 to go)",
+        "step 400/1000  val_loss 4.6000  loss 4.7128  tok_s 3,458  (2:30 elapsed, ~3:45 to go)",
     ]
 
 

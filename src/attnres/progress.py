@@ -53,7 +53,9 @@ class StepProgress:
 
     ``update`` counts steps; ``show(**fields)`` sets what is shown beside the step (the
     latest train loss, tokens/s), ``mark(**fields)`` also writes a line away from a terminal
-    (an evaluation's validation loss). ``stop``: the step this invocation ends at when that
+    (an evaluation's validation loss), which a later line shows with the step it was
+    marked at, ``val_loss 5.3810 (at step 200)``: bare, it read as the loss of the line's
+    step. ``stop``: the step this invocation ends at when that
     is before ``total`` (``stop_after``): the time to go is to it, and the line says so."""
 
     def __init__(self, total: int, initial: int = 0, stream=None, every_s: float = LOG_INTERVAL_S,
@@ -63,6 +65,7 @@ class StepProgress:
         self.stop = total if stop is None else min(stop, total)
         self.every_s = every_s
         self.fields: dict[str, str] = {}
+        self.marked_at: dict[str, int] = {}  # the step each ``mark``ed field was measured at
         self.started = self.last_line = time.perf_counter()
         self.bar = None
         notebook = _in_notebook(self.stream)  # (a Jupyter cell redraws its bar in place)
@@ -81,6 +84,8 @@ class StepProgress:
     def show(self, **fields: str) -> None:
         """Show ``fields`` from now on; away from a terminal, a line if ``every_s`` has passed."""
         self.fields.update(fields)
+        for name in fields:
+            self.marked_at.pop(name, None)
         if self.bar is not None:
             self.bar.set_postfix(self.fields, refresh=False)
         else:
@@ -91,6 +96,7 @@ class StepProgress:
     def mark(self, **fields: str) -> None:
         """Show ``fields`` from now on and, away from a terminal, write a line now."""
         self.fields.update(fields)
+        self.marked_at.update(dict.fromkeys(fields, self.step))
         if self.bar is not None:
             self.bar.set_postfix(self.fields, refresh=False)
         else:
@@ -102,8 +108,13 @@ class StepProgress:
         left = self.stop - self.step
         until = "" if self.stop == self.total else f" to step {self.stop} (stop_after)"
         eta = f", ~{clock(elapsed / done * left)} to go{until}" if done > 0 and left > 0 else ""
-        shown = "".join(f"  {name} {value}" for name, value in self.fields.items())
+        shown = "".join(f"  {name} {value}{self._measured_at(name)}" for name, value in self.fields.items())
         print(f"step {self.step}/{self.total}{shown}  ({clock(elapsed)} elapsed{eta})", file=self.stream, flush=True)
+
+    def _measured_at(self, name: str) -> str:
+        """`` (at step N)`` for a ``mark``ed field measured at an earlier step than the line's."""
+        at = self.marked_at.get(name, self.step)
+        return "" if at == self.step else f" (at step {at})"
 
     def close(self) -> None:
         if self.bar is not None:
