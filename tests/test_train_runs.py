@@ -473,6 +473,21 @@ def test_the_order_of_residual_overrides_does_not_matter():
         "kind": "attnres_block", "block_size": 3}
 
 
+def test_resuming_a_finished_run_says_only_that_it_is_finished(tmp_path, corpus_file, capsys):
+    """A finished run of warmup_steps >= steps resumed: 'nothing to train', and still the
+    warning that its warm-up rises for the whole run - advice on steps it will not take."""
+    run = tmp_path / "run"
+    settings = dict(steps=2, warmup_steps=5, **{"model.residual": "standard"})
+    with pytest.warns(UserWarning, match=r"^warmup_steps=5 >= steps=2"):  # (the run itself is warned)
+        train(load_config(None, overrides(corpus_file, run, **settings)))
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(load_config(None, overrides(corpus_file, run, resume="true", **settings)))
+    assert "nothing to train: the run is at step 2 and steps=2 ends it there" in capsys.readouterr().out
+    assert [str(w.message) for w in caught] == []
+
+
 def test_startup_summary_states_the_resolved_run(tmp_path, corpus_file, capsys):
     run = tmp_path / "run"
     train(load_config(None, overrides(corpus_file, run, stop_after=2, **{"model.residual": "standard"})))

@@ -423,6 +423,8 @@ class Trainer:
                          fingerprint=data.fingerprint, device=device, world_size=self.ctx.world_size,
                          layout=self._describe_layout() if self.ctx.world_size > 1 else "")
         print(startup_summary(self.config, facts), flush=True)
+        if self.step_count >= self.config.end_step:
+            return  # (nothing to train: the settings of steps it will not take - a warm-up as long as the run - are moot)
         changes = init_model_changes(init, self.config.model.to_dict()) if init is not None else None
         for message in (changes, warmup_overrun(self.config), unused_stream_option(self.config),
                         unused_pipeline_options(self.config), short_validation(self.config, len(data.tokens.val))):
