@@ -64,7 +64,7 @@ def test_every_readme_command_runs_or_parses_as_written(tmp_path, monkeypatch, c
 
     monkeypatch.chdir(tmp_path)  # what the README's relative paths mean: the user's directory
     pretrained = tmp_path / "path" / "to" / "qwen3"
-    tiny_model("qwen3", max_position_embeddings=2048).save_pretrained(pretrained)
+    readme_qwen3(tiny_model).save_pretrained(pretrained)
     train_bpe(write_corpus(tmp_path / "corpus.txt").read_text(), 300).save(pretrained / "tokenizer.json")
     for argv in readme_commands():
         command = " ".join(argv)
@@ -87,6 +87,13 @@ def test_every_readme_command_runs_or_parses_as_written(tmp_path, monkeypatch, c
     assert not (tmp_path / "runs").exists()  # nothing trained
 
 
+def readme_qwen3(tiny_model):
+    """The small pretrained Qwen3 the README's ``path/to/qwen3`` stands for: 8 layers, so that
+    the examples' ``block_size=8`` (sublayers, for a real Qwen3 of 28 layers) gives 2 blocks -
+    of the fixture's 3 layers (6 sublayers) it is a single block, which warns."""
+    return tiny_model("qwen3", max_position_embeddings=2048, num_hidden_layers=8)
+
+
 def readme_python_blocks() -> list[str]:
     """The README's ``python`` blocks, as written."""
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
@@ -106,7 +113,7 @@ def test_every_readme_python_block_runs_as_written(tmp_path):
 
     blocks = readme_python_blocks()
     assert len(blocks) >= 4 and any("load_run(" in b for b in blocks)
-    tiny_model("qwen3", max_position_embeddings=2048).save_pretrained(tmp_path / "path" / "to" / "qwen3")
+    readme_qwen3(tiny_model).save_pretrained(tmp_path / "path" / "to" / "qwen3")
     corpus = write_corpus(tmp_path / "corpus.txt")
     run = tmp_path / "runs" / "compare" / "block" / "seed0"
     assert cli_main(["train", "data.tokenizer=byte", f"data.paths=[{corpus}]", "seq_len=32", "batch_size=2", "steps=2",

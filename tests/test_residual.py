@@ -623,3 +623,28 @@ def test_float32_rule_measures_small_tensors_at_the_scale_of_the_largest():
     assert fast_path_violations(loose, naive, truth, torch.float32, ["big", "small"], 1e-5) == []
     wrong = [big.float(), (small * 1.01).float()]  # 1 % off: 1e-4 of the largest tensor's norm
     assert fast_path_violations(wrong, naive, truth, torch.float32, ["big", "small"], 1e-5)
+
+
+@pytest.mark.parametrize("n_layers, block_size, warns", [(3, 5, False), (3, 6, True), (3, 100, True), (3, None, False),
+                                                         (1, 1, False)])
+def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_of_two_blocks(n_layers, block_size,
+                                                                                             warns):
+    """``model.residual.block_size=100`` (or 8 of a 3-layer model, S counted in layers) was
+    accepted without a word: S >= L is one block (report §3.2), which Block AttnRes defines, but
+    rarely what was meant. It warns, naming the field, the sublayers and the largest S of 2+
+    blocks; S < L, the default and a 1-layer model's S = 1 say nothing."""
+    import warnings
+
+    from attnres.models import ModelConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ModelConfig.preset("tiny", n_layers=n_layers, residual={"kind": "attnres_block", "block_size": block_size})
+    said = [str(w.message) for w in caught]
+    if not warns:
+        assert said == []
+        return
+    assert said == [f"ModelConfig.residual.block_size (upcycle's --block-size) = {block_size} is at least the model's 6 "
+                    "sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed block to attend "
+                    "over; block_size counts sublayers - at most 5 gives 2 or more blocks, 1 (the default, unset) about 8 "
+                    "as the report recommends (§3.2)"]

@@ -1738,3 +1738,24 @@ def test_the_continue_training_hint_pastes_an_out_with_spaces_and_quotes(tmp_pat
     assert cli_main(["upcycle", "--model", str(src), "--out", str(out), "--block-size", "2"]) == 0
     (hint,) = re.findall(r"continue training with `([^`]+)`", capsys.readouterr().out)
     assert shlex.split(hint) == ["attnres", "train", f"model.from_hf={out}", f"init_from={out}", "..."]
+
+
+def test_upcycle_block_size_of_the_whole_model_warns(tmp_path, capsys):
+    """``attnres upcycle --block-size 8`` of a 3-layer model (6 sublayers) gave one block
+    (S = 8, N = 1) without a word. It says so, naming --block-size, the sublayers and the
+    largest S of two blocks, and still writes the model (a single block is defined)."""
+    from test_train import write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.cli.common import plain_warnings
+
+    src, _ = _pretrained_directory(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    assert AutoConfig.from_pretrained(src).num_hidden_layers == 3
+    with plain_warnings():  # (as the attnres command prints them)
+        assert cli_main(["upcycle", "--model", str(src), "--out", str(tmp_path / "up"), "--block-size", "8"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("attnres: warning:")]
+    assert warned == ["attnres: warning: ModelConfig.residual.block_size (upcycle's --block-size) = 8 is at least the "
+                      "model's 6 sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed "
+                      "block to attend over; block_size counts sublayers - at most 5 gives 2 or more blocks, 1 (the "
+                      "default, unset) about 8 as the report recommends (§3.2)"]
+    assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["block_size"] == 8

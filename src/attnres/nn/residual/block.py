@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ...ops import Operations
+from ...user_warning import warn_user
 from ...validation import Int
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .base import DepthHistory, HistoryLayout, ResidualState
@@ -156,6 +157,20 @@ def _partial(state: BlockNaiveState | BlockTwoPhaseState) -> list[Tensor]:
     return [] if state.partial is None else [state.partial]
 
 
+
+def _warn_single_block(block_size: int | None, n_sublayers: int) -> None:
+    """Warn when a given ``block_size`` cuts the model's ``n_sublayers`` into a single block
+    (report §3.2: ``S >= L``). Defined, so not refused, but Block AttnRes is then another thing
+    than meant - every sublayer attends over the embedding and its partial sum only, never a
+    completed block - most often ``S`` counted in transformer blocks (layers), not sublayers."""
+    if block_size is None or n_sublayers < 2 or block_size < n_sublayers:
+        return
+    warn_user(f"ModelConfig.residual.block_size (upcycle's --block-size) = {block_size} is at least the model's "
+              f"{n_sublayers} sublayers ({n_sublayers // 2} layers of 2): Block AttnRes has a single block (N = 1), "
+              f"no completed block to attend over; block_size counts sublayers - at most {n_sublayers - 1} gives 2 or "
+              f"more blocks, {-(-n_sublayers // 8)} (the default, unset) about 8 as the report recommends (§3.2)")
+
+
 @register_residual("attnres_block")
 class BlockAttnRes(AttnResBase):
     """Block AttnRes (report §3.2) with block size ``S`` counted in sublayers.
@@ -199,6 +214,7 @@ class BlockAttnRes(AttnResBase):
         if config.ablation.window is not None:
             raise ValueError("ModelConfig.residual.ablation.window must be None unless residual.kind='attnres_full' "
                              f"(the sliding window ablates Full AttnRes); got {config.ablation.window!r}")
+        _warn_single_block(config.block_size, n_sublayers)
 
     @classmethod
     def _layout_words(cls, config: ResidualConfig, n_sublayers: int) -> list[str]:
