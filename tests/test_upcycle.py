@@ -1759,3 +1759,20 @@ def test_upcycle_block_size_of_the_whole_model_warns(tmp_path, capsys):
                       "block to attend over; block_size counts sublayers - at most 5 gives 2 or more blocks, 1 (the "
                       "default, unset) about 8 as the report recommends (§3.2)"]
     assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["block_size"] == 8
+
+
+def test_upcycling_doc_names_the_tokenizer_files_upcycle_needs_and_a_lone_tokenizer_json_is_one(tmp_path):
+    """docs/upcycling.md listed the tokenizer files 'with tokenizer_config.json', as if that
+    were needed too; the check takes any one of TOKENIZER_FILES, and a directory whose only
+    tokenizer file is tokenizer.json upcycles."""
+    from test_train import write_corpus
+
+    from attnres.hf.upcycle.io import TOKENIZER_FILES, upcycle_directory
+
+    doc = (Path(__file__).parents[1] / "docs" / "upcycling.md").read_text()
+    listed = re.search(r"needs the model's tokenizer beside it \((.*?)\)", doc, re.S)[1]
+    assert re.findall(r"`([^`]+)`", listed) == list(TOKENIZER_FILES)
+    src, _ = _pretrained_directory(tmp_path, write_corpus(tmp_path / "corpus.txt"))
+    assert [p.name for p in src.iterdir() if p.name.startswith(("tokenizer", "vocab", "spiece"))] == ["tokenizer.json"]
+    out = upcycle_directory(src, tmp_path / "up", "attnres_block", 2)
+    assert AutoTokenizer.from_pretrained(out).vocab_size == AutoTokenizer.from_pretrained(src).vocab_size
