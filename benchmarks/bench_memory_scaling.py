@@ -26,14 +26,13 @@ Writes ``benchmarks/results/memory_scaling.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_training_overhead import log, out_stem, run_header  # noqa: E402
+from bench_training_overhead import log, out_stem, run_header, write_results  # noqa: E402
 from memory_forecast import gpu_like_rms_norm  # noqa: E402
 
 from attnres import AttnResLM, ModelConfig  # noqa: E402
@@ -95,12 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             measure("N", sweeps["N at L"], sweeps["N at L"] // N)
 
     results = {**run_header(), "quick": args.quick, "d": D, "tokens": tokens, "unit_bytes": unit, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    out.with_suffix(".md").write_text(render(results))
-    plot(results, out.with_suffix(".png"))
-    print(render(results))
+    write_results(Path(args.out), results, render, plot)
     return 0
 
 

@@ -39,7 +39,6 @@ vLLM-CPU binds the engine's compute to one core; run on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -399,11 +398,10 @@ def main(argv=None) -> None:
                                            f"{moe.num_attention_heads} heads, vocabulary {moe.vocab_size}, "
                                            + ", ".join(f"{k} {getattr(moe, k)}" for k in MOE_SHAPES[args.moe])
                                            + f"; Block AttnRes S = {moe_block_size(args)}"}
+    from bench_training_overhead import write_results
+
     stem = args.out or RESULTS / ("serving_quick" if args.quick else "serving")
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{stem}.json").write_text(json.dumps(results, indent=2))
-    Path(f"{stem}.md").write_text(markdown(args, results, generate_ms, config))
-    print(Path(f"{stem}.md").read_text())
+    write_results(Path(stem), results, lambda r: markdown(args, r, generate_ms, config))
 
 
 if __name__ == "__main__":

@@ -491,13 +491,20 @@ def render_side_by_side(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(out: Path, results: dict, render) -> None:
-    """Write ``out.json`` and the Markdown ``render(results)`` to ``out.md``, and print it."""
+def write_results(out: Path, results: dict, render, plot=None) -> None:
+    """Write ``out.json``, the Markdown ``render(results)`` to ``out.md`` and, given ``plot``,
+    ``plot(results, out.png)``; print the Markdown, then the paths written: the default ``out``
+    replaces a committed result (benchmarks/results/), which the run's last line now says."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    written = [out.with_suffix(".json"), out.with_suffix(".md")]
+    written[0].write_text(json.dumps(results, indent=1))
     md = render(results)
-    out.with_suffix(".md").write_text(md)
+    written[1].write_text(md)
+    if plot is not None:
+        written.append(out.with_suffix(".png"))
+        plot(results, written[-1])
     print(md)
+    print("wrote " + ", ".join(str(path) for path in written), flush=True)
 
 
 def block_size_of(config: dict) -> int:

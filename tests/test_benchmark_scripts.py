@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -33,3 +34,29 @@ def test_help_prints_the_usage_and_writes_nothing(script, monkeypatch):
         runpy.run_path(str(script), run_name="__main__")
     assert exit_.value.code == 0 and out.getvalue().startswith("usage: "), out.getvalue()[:500]
     assert snapshot(BENCHMARKS / "results") == before
+
+
+#: The benchmarks whose results are committed under benchmarks/results/ (``--out`` defaults there).
+RESULT_WRITERS = sorted(p for p in BENCHMARKS.glob("bench_*.py") if "results" in p.read_text())
+
+
+def test_the_shared_writer_says_the_paths_it_wrote_last(tmp_path, monkeypatch, capsys):
+    """A benchmark replaced its committed results (benchmarks/results/X.json, .md, .png) without
+    saying where it wrote: the run's last line now names each file."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_training_overhead import write_results
+
+    out = tmp_path / "memory_scaling"
+    write_results(out, {"rows": [1]}, lambda r: f"# rows {r['rows']}", lambda r, path: path.write_bytes(b"png"))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["# rows [1]", f"wrote {out}.json, {out}.md, {out}.png"]
+    assert (out.with_suffix(".md").read_text(), out.with_suffix(".png").read_bytes()) == ("# rows [1]", b"png")
+
+
+@pytest.mark.parametrize("script", RESULT_WRITERS, ids=lambda p: p.name)
+def test_each_benchmark_writes_its_results_through_the_shared_writer(script):
+    """Each one writes its .json / .md through ``write_results`` (which prints the paths), none
+    on its own (bench_memory_scaling.py and bench_serving.py did, and said nothing)."""
+    text = script.read_text()
+    assert "write_results(" in text
+    assert not re.search(r"""with_suffix\("\.(json|md)"\)\.write_text|\{stem\}\.(json|md)""", text)
