@@ -132,6 +132,35 @@ def test_an_init_from_checkpoint_removed_while_the_run_sets_up_is_named(finished
     assert message.endswith("or copy a checkpoint aside and start from the copy")
 
 
+def rotate_resume_from_once_verified(monkeypatch) -> None:
+    """Have ``attnres train``'s resume_from checkpoint deleted once it is verified, before its
+    weights are read, as the rotation (keep_checkpoints) of its run, still training, does."""
+    import attnres.train.setup as setup
+
+    found = setup._resume_source
+
+    def and_rotated(*args):
+        source = found(*args)
+        shutil.rmtree(source.path)
+        return source
+
+    monkeypatch.setattr(setup, "_resume_source", and_rotated)
+
+
+def test_a_resume_from_checkpoint_removed_while_the_run_sets_up_is_named(finished_run, corpus, tmp_path, monkeypatch,
+                                                                         capsys):
+    """--resume-from RUN/checkpoints/step-N of a run still training: its rotation
+    (keep_checkpoints) deleted the checkpoint after it was verified, before its weights were
+    read, and train ended in a FileNotFoundError's traceback naming model.safetensors."""
+    source = tmp_path / "source"
+    shutil.copytree(finished_run, source)
+    step = source / "checkpoints" / "step-00000002"
+    rotate_resume_from_once_verified(monkeypatch)
+    message = fails_with(capsys, ["train", *overrides(corpus, tmp_path / "run", steps=4), f"--resume-from={step}"],
+                         f"resume_from='{step}' was removed while this run was set up: ")
+    assert message.endswith("or copy a checkpoint aside and resume from the copy")
+
+
 def test_generate_names_the_checkpoint_of_a_run_it_loaded(finished_run, capsys):
     """attnres generate RUN (checkpoints at steps 2 and 4) said nothing of which it loaded,
     where attnres eval names it: a run still training replaces its newest as it goes. stderr

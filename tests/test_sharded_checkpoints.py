@@ -171,6 +171,26 @@ def test_a_sharded_init_from_removed_while_the_run_sets_up_is_named(tmp_path, mo
                   "tensorboard=false", f"init_from={path}"])
 
 
+def test_a_sharded_resume_from_removed_while_the_run_sets_up_is_named(tmp_path):
+    """--resume-from a sharded checkpoint of a run still training, deleted by its rotation
+    (keep_checkpoints) after it was verified: DCP's reader's error is said as the removal, as
+    of a consolidated one (tests/test_first_use.py runs that one through attnres train)."""
+    import shutil
+
+    from attnres.checkpoint.sharded import load_sharded
+    from attnres.train.loop import _load_resumed
+
+    path = sharded_checkpoint(tmp_path / "source")
+    source = find_valid_checkpoint(path)
+    config = load_config(None, ["model.d_model=32", f"out_dir={tmp_path / 'run'}", f"resume_from={path}"])
+    model = AttnResLM(config.model)
+    shutil.rmtree(path)
+    with pytest.raises(CheckpointError, match=rf"^resume_from='{path}' was removed while this run was set up: .* or "
+                                              r"copy a checkpoint aside and resume from the copy$"):
+        _load_resumed(source, config, lambda: load_sharded(path, dict(model.named_parameters()),
+                                                           build_optimizer(model, config)))
+
+
 def test_consolidate_takes_a_run_and_names_what_it_cannot_consolidate(tmp_path):
     """`attnres.checkpoint.consolidate` (docs/scale-out.md) given a run directory - what
     generate, export and resume_from take - said "checkpoint 'runs/x' is incomplete:

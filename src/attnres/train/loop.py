@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -94,6 +95,8 @@ from .status import refuse_a_folder_of_runs
 from .wandb_log import WANDB_FILE, WandbMirror, require_wandb
 from .summary import (RunFacts, short_validation, startup_summary, unused_pipeline_options, unused_stream_option,
                       warmup_overrun)
+
+T = TypeVar("T")
 
 
 class _Named:
@@ -334,7 +337,8 @@ class Trainer:
         resume, init, config = self.start.resume, self.start.init, self.config
         if resume is not None and not is_sharded(resume.state):
             source = resume
-            load = lambda model: load_checkpoint(source.path, model, verified=source.state)  # noqa: E731
+            load = lambda model: _load_resumed(source, config, lambda: load_checkpoint(  # noqa: E731
+                source.path, model, verified=source.state))
         elif init is not None and init.state.get("hf_directory"):
             return lambda model: load_hf_weights(model, init.path)
         elif init is not None and not is_sharded(init.state):
@@ -372,9 +376,10 @@ class Trainer:
         one's optimiser state, cut to this rank's shards (its weights are already in)."""
         resume, init = self.start.resume, self.start.init
         if resume is not None and is_sharded(resume.state):
-            load_sharded(resume.path, self.pm.named_parameters(), self.optimizer)
+            _load_resumed(resume, self.config, lambda: load_sharded(resume.path, self.pm.named_parameters(),
+                                                                     self.optimizer))
         elif resume is not None:
-            full = read_optimizer_state(resume.path, resume.state)
+            full = _load_resumed(resume, self.config, lambda: read_optimizer_state(resume.path, resume.state))
             self.optimizer.load_state_dict(shard_optimizer_state(self.optimizer, full))
         elif init is not None and is_sharded(init.state):
             _load_init_weights(init, self.config, lambda: load_sharded(init.path, self.pm.named_parameters(), None,
@@ -697,10 +702,29 @@ def _load_init_weights(source, config: TrainConfig, load: Callable[[], None]) ->
             if isinstance(e, FileNotFoundError):
                 raise
             raise _misfit(source, config, e) from None
-        raise on_every_rank(CheckpointError(
-            f"init_from={str(source.path)!r} was removed while this run was set up: its run, still training, keeps "
-            "only its newest checkpoints (keep_checkpoints); start again (of a run directory its newest is taken "
-            "then), or copy a checkpoint aside and start from the copy")) from None
+        raise _removed_while_set_up("init_from", source, "start") from None
+
+
+def _load_resumed(source, config: TrainConfig, load: Callable[[], T]) -> T:
+    """``load()`` of the checkpoint resumed (its weights, optimiser or RNG states): one gone
+    since it was verified - ``resume_from`` a checkpoint of another run, still training, whose
+    rotation (``keep_checkpoints``) removed it - is said so, not as a FileNotFoundError's
+    traceback naming one of its files."""
+    try:
+        return load()
+    except (FileNotFoundError, CheckpointError):  # (a sharded one's DCP reader says it as a CheckpointError)
+        if Path(source.path).exists():
+            raise
+        key = "resume_from" if config.resume_from is not None else "resume"
+        raise _removed_while_set_up(key, source, "resume") from None
+
+
+def _removed_while_set_up(key: str, source, verb: str) -> Exception:
+    """The error, every rank's, for ``source`` (``key``'s checkpoint) removed after it was verified."""
+    return on_every_rank(CheckpointError(
+        f"{key}={str(source.path)!r} was removed while this run was set up: its run, still training, keeps only its "
+        f"newest checkpoints (keep_checkpoints); start again (of a run directory its newest is taken then), or copy "
+        f"a checkpoint aside and {verb} from the copy"))
 
 
 def _misfit(source, config: TrainConfig, error: CheckpointError) -> Exception:
