@@ -644,7 +644,7 @@ def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_
     if not warns:
         assert said == []
         return
-    assert said == [f"ModelConfig.residual.block_size (upcycle's --block-size) = {block_size} is at least the model's 6 "
-                    "sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed block to attend "
-                    "over; block_size counts sublayers - at most 5 gives 2 or more blocks, 1 (the default, unset) about 8 "
+    assert said == [f"model.residual.block_size (attnres upcycle's --block-size) = {block_size} is at least the model's "
+                    "6 sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed block to attend "
+                    "over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it is 1: about 8 blocks, "
                     "as the report recommends (§3.2)"]

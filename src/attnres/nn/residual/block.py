@@ -157,7 +157,6 @@ def _partial(state: BlockNaiveState | BlockTwoPhaseState) -> list[Tensor]:
     return [] if state.partial is None else [state.partial]
 
 
-
 def _warn_single_block(block_size: int | None, n_sublayers: int) -> None:
     """Warn when a given ``block_size`` cuts the model's ``n_sublayers`` into a single block
     (report §3.2: ``S >= L``). Defined, so not refused, but Block AttnRes is then another thing
@@ -165,10 +164,10 @@ def _warn_single_block(block_size: int | None, n_sublayers: int) -> None:
     completed block - most often ``S`` counted in transformer blocks (layers), not sublayers."""
     if block_size is None or n_sublayers < 2 or block_size < n_sublayers:
         return
-    warn_user(f"ModelConfig.residual.block_size (upcycle's --block-size) = {block_size} is at least the model's "
+    warn_user(f"model.residual.block_size (attnres upcycle's --block-size) = {block_size} is at least the model's "
               f"{n_sublayers} sublayers ({n_sublayers // 2} layers of 2): Block AttnRes has a single block (N = 1), "
               f"no completed block to attend over; block_size counts sublayers - at most {n_sublayers - 1} gives 2 or "
-              f"more blocks, {-(-n_sublayers // 8)} (the default, unset) about 8 as the report recommends (§3.2)")
+              f"more blocks; unset, it is {-(-n_sublayers // 8)}: about 8 blocks, as the report recommends (§3.2)")
 
 
 @register_residual("attnres_block")
