@@ -559,7 +559,7 @@ def test_analyze_of_a_runs_checkpoints_folder_writes_beside_it_not_among_the_che
     assert default_analysis_dir(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "analysis"  # no run: as is
 
 
-@pytest.mark.filterwarnings("ignore:ModelConfig.residual.block_size .* single block")  # (S = 100 on purpose)
+@pytest.mark.filterwarnings("ignore:model.residual.block_size .* single block")  # (S = 100 on purpose)
 def test_rank_bounds_never_exceed_what_the_matrix_allows():
     """Block AttnRes's bounds were N .. N + S as written, past the most an (L+1)×(L+1)
     matrix allows: S = 1 (Full AttnRes, L = 4) had "the lower bound N = 4", which no 5×5

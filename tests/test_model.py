@@ -32,7 +32,7 @@ SHAPES = [
     (dict(residual={"kind": "attnres_block", "block_size": 4}, n_layers=3), 2, 7),
     (dict(residual={"kind": "attnres_block", "block_size": 1}, n_layers=3), 1, 5),
     pytest.param(dict(residual={"kind": "attnres_block", "block_size": 9}, n_layers=2), 2, 1,  # (one block: warned)
-                 marks=pytest.mark.filterwarnings("ignore:ModelConfig.residual.block_size .* single block")),
+                 marks=pytest.mark.filterwarnings("ignore:model.residual.block_size .* single block")),
     (dict(residual={"kind": "attnres_block", "block_size": 5}, n_layers=3, d_model=36, n_heads=3, n_kv_heads=1, vocab_size=37), 1, 3),
     (dict(residual="attnres_full", n_layers=3), 2, 5),
     (dict(residual={"kind": "attnres_full", "full_group_size": 4}, n_layers=3, d_model=36, n_heads=3, n_kv_heads=3, vocab_size=37), 1, 1),

@@ -34,7 +34,7 @@ RESIDUALS = [
     pytest.param(("attnres_block", 2), id="block-S2"),  # S divides L = 6
     pytest.param(("attnres_block", 4), id="block-S4"),  # S does not divide L
     pytest.param(("attnres_block", 8), id="block-S8",  # S >= L: one block (warned)
-                 marks=pytest.mark.filterwarnings("ignore:ModelConfig.residual.block_size .* single block")),
+                 marks=pytest.mark.filterwarnings("ignore:model.residual.block_size .* single block")),
 ]
 
 
