@@ -61,6 +61,7 @@ import torch
 
 from attnres import AttnResLM, ModelConfig
 from attnres.analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
+from attnres.output_paths import replace_atomically, write_text_atomically
 from attnres.train.cpu_memory import CPU_ALLOCATORS, minor_page_faults, set_cpu_allocator
 
 VARIANTS = {
@@ -494,15 +495,18 @@ def render_side_by_side(r: dict) -> str:
 def write_results(out: Path, results: dict, render, plot=None) -> None:
     """Write ``out.json``, the Markdown ``render(results)`` to ``out.md`` and, given ``plot``,
     ``plot(results, out.png)``; print the Markdown, then the paths written: the default ``out``
-    replaces a committed result (benchmarks/results/), which the run's last line now says."""
+    replaces a committed result (benchmarks/results/), which the run's last line now says.
+    Each file is written beside its place and renamed over it, so a run stopped while writing
+    (Ctrl-C, a full disk) leaves the committed file as it was, never cut short; the Markdown is
+    rendered before anything is written."""
     out.parent.mkdir(parents=True, exist_ok=True)
     written = [out.with_suffix(".json"), out.with_suffix(".md")]
-    written[0].write_text(json.dumps(results, indent=1))
     md = render(results)
-    written[1].write_text(md)
+    write_text_atomically(written[0], json.dumps(results, indent=1))
+    write_text_atomically(written[1], md)
     if plot is not None:
         written.append(out.with_suffix(".png"))
-        plot(results, written[-1])
+        replace_atomically(written[-1], lambda tmp: plot(results, tmp))
     print(md)
     print("wrote " + ", ".join(str(path) for path in written), flush=True)
 

@@ -53,6 +53,34 @@ def test_the_shared_writer_says_the_paths_it_wrote_last(tmp_path, monkeypatch, c
     assert (out.with_suffix(".md").read_text(), out.with_suffix(".png").read_bytes()) == ("# rows [1]", b"png")
 
 
+@pytest.mark.parametrize("failing", [".json", ".md", ".png"])
+def test_the_shared_writer_stopped_mid_write_keeps_the_committed_file(tmp_path, monkeypatch, failing):
+    """A run stopped while writing its results (Ctrl-C, a full disk) left the committed
+    benchmarks/results/X.json / .md / .png cut short: each is now written beside its place and
+    renamed over it, so the file being written keeps its old content and no temporary file stays."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_training_overhead import write_results
+
+    out = tmp_path / "memory_scaling"
+    old = {suffix: f"old {suffix}, the committed result" for suffix in (".json", ".md", ".png")}
+    for suffix, text in old.items():
+        out.with_suffix(suffix).write_text(text)
+    write_text = Path.write_text
+
+    def half_then_interrupted(path, data, *args, **kwargs):
+        if not path.name.endswith(failing):
+            return write_text(path, data, *args, **kwargs)
+        write_text(path, data[: len(data) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_results(out, {"rows": list(range(50))}, lambda r: f"# rows {r['rows']}",
+                      lambda r, path: path.write_text("png " * 100))
+    assert out.with_suffix(failing).read_text() == old[failing]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"memory_scaling{suffix}" for suffix in (".json", ".md", ".png")]
+
+
 @pytest.mark.parametrize("script", RESULT_WRITERS, ids=lambda p: p.name)
 def test_each_benchmark_writes_its_results_through_the_shared_writer(script):
     """Each one writes its .json / .md through ``write_results`` (which prints the paths), none
