@@ -161,6 +161,32 @@ def test_a_resume_from_checkpoint_removed_while_the_run_sets_up_is_named(finishe
     assert message.endswith("or copy a checkpoint aside and resume from the copy")
 
 
+@pytest.mark.parametrize("start", ["resume_from", "init_from"])
+def test_a_checkpoint_removed_before_its_stored_tokenizer_is_read_is_named(corpus, tmp_path, monkeypatch, capsys,
+                                                                           start):
+    """--resume-from (or init_from) a checkpoint of a run still training, with a tokenizer made
+    from the data: its rotation (keep_checkpoints) deleted the checkpoint after it was verified,
+    before its tokenizer.json was read, and train said "cannot read the stored tokenizer ...:
+    No such file", as of a damaged checkpoint. It is the removal's one line, as of its weights."""
+    import attnres.train.setup as setup
+
+    bpe = {"data.tokenizer": "bpe", "data.vocab_size": 300, "eval_batches": 1, "warmup_steps": 1}  # (no warnings)
+    train(load_config(None, overrides(corpus, tmp_path / "source", steps=4, stop_after=2, checkpoint_every=2, **bpe)))
+    step = tmp_path / "source" / "checkpoints" / "step-00000002"
+    read = setup.tokenizer_from_state
+
+    def rotated_first(meta, directory):
+        shutil.rmtree(directory)
+        return read(meta, directory)
+
+    monkeypatch.setattr(setup, "tokenizer_from_state", rotated_first)
+    argv = [*overrides(corpus, tmp_path / "run", steps=4, **bpe),
+            f"--resume-from={step}" if start == "resume_from" else f"init_from={step}"]
+    message = fails_with(capsys, ["train", *argv], f"{start}='{step}' was removed while this run was set up: ")
+    verb = "resume" if start == "resume_from" else "start"
+    assert message.endswith(f"or copy a checkpoint aside and {verb} from the copy")
+
+
 def test_generate_names_the_checkpoint_of_a_run_it_loaded(finished_run, capsys):
     """attnres generate RUN (checkpoints at steps 2 and 4) said nothing of which it loaded,
     where attnres eval names it: a run still training replaces its newest as it goes. stderr

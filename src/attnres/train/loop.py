@@ -89,7 +89,7 @@ from .optim import build_optimizer
 from .out_dir import OutDirError, check_out_dir, os_cause
 from .resume import check_resumable, check_resumable_before_data, init_model_changes
 from .schedule import lr_factor
-from .setup import RunData, Start, locate_start, prepare_run_data
+from .setup import RunData, Start, locate_start, prepare_run_data, removed_while_set_up
 from .signals import StopSignals
 from .status import refuse_a_folder_of_runs
 from .wandb_log import WANDB_FILE, WandbMirror, require_wandb
@@ -702,7 +702,7 @@ def _load_init_weights(source, config: TrainConfig, load: Callable[[], None]) ->
             if isinstance(e, FileNotFoundError):
                 raise
             raise _misfit(source, config, e) from None
-        raise _removed_while_set_up("init_from", source, "start") from None
+        raise removed_while_set_up(config, source, resumed=False) from None
 
 
 def _load_resumed(source, config: TrainConfig, load: Callable[[], T]) -> T:
@@ -715,16 +715,7 @@ def _load_resumed(source, config: TrainConfig, load: Callable[[], T]) -> T:
     except (FileNotFoundError, CheckpointError):  # (a sharded one's DCP reader says it as a CheckpointError)
         if Path(source.path).exists():
             raise
-        key = "resume_from" if config.resume_from is not None else "resume"
-        raise _removed_while_set_up(key, source, "resume") from None
-
-
-def _removed_while_set_up(key: str, source, verb: str) -> Exception:
-    """The error, every rank's, for ``source`` (``key``'s checkpoint) removed after it was verified."""
-    return on_every_rank(CheckpointError(
-        f"{key}={str(source.path)!r} was removed while this run was set up: its run, still training, keeps only its "
-        f"newest checkpoints (keep_checkpoints); start again (of a run directory its newest is taken then), or copy "
-        f"a checkpoint aside and {verb} from the copy"))
+        raise removed_while_set_up(config, source, resumed=True) from None
 
 
 def _misfit(source, config: TrainConfig, error: CheckpointError) -> Exception:

@@ -18,19 +18,20 @@ from typing import Any
 
 from torch import Tensor
 
-from ..checkpoint import (Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint, no_checkpoint_at,
-                          remove_partial_checkpoints, set_aside_newer)
+from ..checkpoint import (CheckpointError, Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint,
+                          no_checkpoint_at, remove_partial_checkpoints, set_aside_newer)
 from ..checkpoint.manifest import OPTIMIZER_FILE
 from ..data import BatchSampler, TokenData, corpus_fingerprint, load_corpus, prepare_data, validation_batches
 from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
                               slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
+from ..distributed.launch import on_every_rank
 from .config import TrainConfig
 from .hf_source import hf_source
 from .resume import check_data, check_progress, refuse_residual_change
 from ..user_warning import warn_user
 from ..shell_words import shell_path
 
-__all__ = ["Start", "RunData", "locate_start", "prepare_run_data"]
+__all__ = ["Start", "RunData", "locate_start", "prepare_run_data", "removed_while_set_up"]
 
 MainFirst = Callable[..., Any]  # (fn, shared=False, what=rank 0's work in words) -> fn()'s result, see above
 
@@ -156,6 +157,18 @@ def stored_tokenizer(source: Source, requested: str) -> Tokenizer | None:
     return tokenizer_from_state(meta, source.path)
 
 
+def removed_while_set_up(config: TrainConfig, source: Source, resumed: bool) -> Exception:
+    """The error, every rank's, for the checkpoint a run starts from (``source``: the one
+    resumed, or else ``init_from``'s) removed after it was verified, while its tokenizer,
+    weights, optimiser or RNG states were still to be read: a checkpoint of another run, still
+    training, whose rotation (``keep_checkpoints``) removed it."""
+    key = ("resume_from" if config.resume_from is not None else "resume") if resumed else "init_from"
+    return on_every_rank(CheckpointError(
+        f"{key}={str(source.path)!r} was removed while this run was set up: its run, still training, keeps only its "
+        f"newest checkpoints (keep_checkpoints); start again (of a run directory its newest is taken then), or copy "
+        f"a checkpoint aside and {'resume' if resumed else 'start'} from the copy"))
+
+
 def warn_if_tokenizer_unused(requested: str, given: Tokenizer, source: Source) -> None:
     """Say so when ``data.tokenizer`` asks for a tokenizer other than the one a run started
     from ``source`` keeps (``given``, the one its embeddings were trained with): bytes, or a
@@ -230,7 +243,12 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
     # (the text is read only where no token cache recorded these files: a cache hit reads none)
     corpus = load_corpus(config.data.paths, config.data.val_fraction, config.data.text_field, read=False)
     source = start.resume or start.init
-    given = stored_tokenizer(source, config.data.tokenizer) if source is not None else None
+    try:
+        given = stored_tokenizer(source, config.data.tokenizer) if source is not None else None
+    except ValueError:  # (its tokenizer.json gone: "cannot read the stored tokenizer", as if the checkpoint were damaged)
+        if source is None or source.state.get("hf_directory") or Path(source.path).exists():
+            raise
+        raise removed_while_set_up(config, source, resumed=start.resume is not None) from None
     if given is not None:
         warn_if_tokenizer_unused(config.data.tokenizer, given, source)
     changed = start.resume is not None and check_data(start.resume, corpus_fingerprint(corpus, config.data.cache_dir),
