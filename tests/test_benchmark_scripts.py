@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import runpy
 import sys
@@ -22,6 +23,32 @@ def snapshot(root: Path) -> dict[str, int]:
     return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
 
 
+def run_in_this_process(script: Path) -> None:
+    """``script`` run as ``__main__`` in this process (``runpy``), what it changed in the
+    environment undone after: triton_aot_report.py and triton_other_cards.py pop
+    ``TRITON_INTERPRET`` as they are imported (to compile for real), which left the test
+    worker's Triton without its interpreter switch - the worker's first interpreted launch
+    after it that imported Triton's gluon failed its assertion (CI on 2026-12-06: the 9
+    interpreted tests of test_kernels.py and test_triton_interpreter.py that ran there)."""
+    saved = dict(os.environ)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+@pytest.mark.parametrize("script", ["triton_aot_report.py", "triton_other_cards.py"])
+def test_a_script_run_in_this_process_leaves_the_environment_as_it_was(script, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), "--help"])
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    before = dict(os.environ)
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit):
+        run_in_this_process(BENCHMARKS / script)
+    assert dict(os.environ) == before
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_help_prints_the_usage_and_writes_nothing(script, monkeypatch):
     if script.name in NEEDS_TRANSFORMERS:
@@ -31,7 +58,7 @@ def test_help_prints_the_usage_and_writes_nothing(script, monkeypatch):
     before = snapshot(BENCHMARKS / "results")
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(script), run_name="__main__")
+        run_in_this_process(script)
     assert exit_.value.code == 0 and out.getvalue().startswith("usage: "), out.getvalue()[:500]
     assert snapshot(BENCHMARKS / "results") == before
 
