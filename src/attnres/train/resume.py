@@ -316,10 +316,12 @@ def refuse_residual_change(source: Source, model: dict[str, Any], allowed: bool)
     # (a block size on one side only: the kinds differ, which says it)
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
                        and (k != "residual.block_size" or k in old.keys() & new.keys()))
+    if not differing:
+        return
     # Weights that do not fit (a standard run into AttnRes) are named by the load, field by field. (The
     # vocabulary is the checkpoint's tokenizer's, which this run takes later.)
     shapes = _parameter_shapes(saved), _parameter_shapes(ours.replace(vocab_size=saved.vocab_size))
-    if not differing or (None not in shapes and shapes[0] != shapes[1]):
+    if None not in shapes and shapes[0] != shapes[1]:
         return
     values = ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
     raise ValueError(f"init_from={str(source.path)!r}: this run's residual differs from the checkpoint's "
