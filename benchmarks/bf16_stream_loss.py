@@ -43,6 +43,8 @@ from pathlib import Path
 
 from bench_training_overhead import out_dir, positive_int
 
+from attnres.output_paths import save_figure_atomically, write_text_atomically
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "train-cpu.yaml"
 MODELS = {"standard": "standard", "block": "attnres_block", "full": "attnres_full"}
@@ -166,7 +168,9 @@ def plot(out: Path, results: Path, models: list[str], seeds: list[int], settings
     axes[0][-1].legend(fontsize=7)
     axes[1][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(results / "bf16_stream_loss.png", dpi=120)
+    # (written beside it and renamed over it: a run stopped while saving keeps the committed plot whole)
+    save_figure_atomically(fig, results / "bf16_stream_loss.png", "--results", dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -190,9 +194,10 @@ def main() -> None:
                 losses[model][setting][seed] = train(args.out, model, setting, seed, args.steps)
     text = report(losses, args.steps, args.seeds, shlex.join(["python", "benchmarks/bf16_stream_loss.py", *sys.argv[1:]]))
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "bf16_stream_loss.md").write_text(text)
-    (args.results / "bf16_stream_loss.json").write_text(json.dumps(
-        {m: {s: {str(k): v for k, v in d.items()} for s, d in by.items()} for m, by in losses.items()}, indent=1))
+    write_text_atomically(args.results / "bf16_stream_loss.md", text, "--results")
+    write_text_atomically(args.results / "bf16_stream_loss.json", json.dumps(
+        {m: {s: {str(k): v for k, v in d.items()} for s, d in by.items()} for m, by in losses.items()}, indent=1),
+        "--results")
     plot(args.out, args.results, args.models, args.seeds, settings)
     print(text)
 

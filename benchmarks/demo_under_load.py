@@ -3,7 +3,8 @@
 Runs ``attnres compare`` (what ``make demo`` runs) once on a quiet machine and then
 ``--loaded-runs`` times with busy loops on every core beside it, and compares the step-time
 ratios of the reports' ``overhead.json``. The first run trains the models (about 7 minutes
-for the demo preset); the later ones find the runs finished and only re-time the steps and
+for the demo preset); the later ones find the runs finished and only re-time the steps
+(``--remeasure-overhead``: a re-run that trains nothing keeps the measurement otherwise) and
 rewrite the report. A loaded run passes when every AttnRes ratio is within ``--tolerance``
 of the quiet run's, or when its report says that variant's equal-time reading is too noisy
 (or draws none).
@@ -41,7 +42,7 @@ def run_compare(preset: str, out: Path, repeats: int, overrides: list[str], busy
         p.start()
     try:
         subprocess.run([sys.executable, "-m", "attnres", "compare", "--preset", preset, "--out", str(out),
-                        "--overhead-repeats", str(repeats), *overrides], check=True)
+                        "--overhead-repeats", str(repeats), "--remeasure-overhead", *overrides], check=True)
     finally:
         for p in loops:
             p.terminate()

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from bench_training_overhead import out_dir, positive_int
 
+from attnres.output_paths import write_text_atomically
+
 FAMILY = "qwen3_moe"
 MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 256}
 EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True,
@@ -203,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     results = run_all(args, work, out)
-    (out / "config.json").write_text(json.dumps(results.pop("configs"), indent=1))
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_text_atomically(out / "config.json", json.dumps(results.pop("configs"), indent=1))
+    write_text_atomically(out / "results.json", json.dumps(results, indent=1))
     from upcycle_moe_report import write_report
 
     write_report(out, json.loads((out / "results.json").read_text()))

@@ -1,11 +1,14 @@
 """The report of ``benchmarks/upcycle_moe.py``: ``report.md``, ``loss.png`` and ``experts.png``
-from its ``results.json`` (``python benchmarks/upcycle_moe.py --report-only --out DIR``)."""
+from its ``results.json`` (``python benchmarks/upcycle_moe.py --report-only --out DIR``). Each
+is written beside its place and renamed over it: a run stopped while writing keeps the
+committed file whole."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from attnres.analysis.experts import ExpertLoad, expert_load_table
+from attnres.output_paths import save_figure_atomically, write_text_atomically
 
 MODELS = ("original", "block")
 
@@ -55,7 +58,7 @@ def plot_loss(out: Path, r: dict) -> None:
     for a in (ax, dx, xx):
         a.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=120)
+    save_figure_atomically(fig, out / "loss.png", "--out", dpi=120)
     plt.close(fig)
 
 
@@ -89,7 +92,7 @@ def plot_experts(out: Path, r: dict) -> None:
         a.legend(fontsize=6)
     fig.suptitle("Routing of the upcycle as its pseudo-queries leave zero (means over the MoE layers)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / "experts.png", dpi=120)
+    save_figure_atomically(fig, out / "experts.png", "--out", dpi=120)
     plt.close(fig)
 
 
@@ -151,4 +154,4 @@ def write_report(out: Path, r: dict) -> None:
         "## Expert load at the end (first seed)", "", expert_load_table(final), "",
         "`analysis/report.md`: `attnres analyze` of the first seed's final upcycle (A) against the original (B): "
         "depth mixing matrices, and per MoE layer the expert load beside the depth weights into its MLP.", ""]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_text_atomically(out / "report.md", "\n".join(lines) + "\n")

@@ -31,6 +31,7 @@ from attnres.train import load_config, train
 from attnres.train.metrics import read_metrics
 from attnres.upcycle import upcycle
 from attnres.hf.upcycle.io import load_pretrained
+from attnres.output_paths import save_figure_atomically, write_text_atomically
 
 SEQ = 1024
 
@@ -131,7 +132,7 @@ def main() -> int:
 
 
 def save(out: Path, results: dict, args) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_text_atomically(out / "results.json", json.dumps(results, indent=1))
     write_report(out, results, args)
 
 
@@ -173,14 +174,15 @@ def write_report(out: Path, r: dict, args) -> None:
             dx.legend(fontsize=8)
         dx.set_xlabel("step (1024 tokens each)")
         fig.tight_layout()
-        fig.savefig(out / "loss.png", dpi=120)
+        save_figure_atomically(fig, out / "loss.png", "--out", dpi=120)
+        plt.close(fig)
         lines += ["## Continued training", "", "![loss](loss.png)", "",
                   "| model | steps | wall time (s) | first train loss | last train loss | held-out perplexity after |",
                   "|---|---:|---:|---:|---:|---:|"]
         for name, c in r["training"].items():
             lines.append(f"| {name} | {len(c['train'])} | {c['seconds']} | {c['train'][0][1]:.4f} | "
                          f"{c['train'][-1][1]:.4f} | {c['final_perplexity']:.4f} |")
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_text_atomically(out / "report.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -115,3 +115,92 @@ def test_each_benchmark_writes_its_results_through_the_shared_writer(script):
     text = script.read_text()
     assert "write_results(" in text
     assert not re.search(r"""with_suffix\("\.(json|md)"\)\.write_text|\{stem\}\.(json|md)""", text)
+
+
+#: The committed experiments whose results.json the study scripts' writers are given below.
+RESULTS = BENCHMARKS.parent / "results"
+
+
+def _bf16_stream_loss(out: Path, monkeypatch) -> None:
+    import bf16_stream_loss as study
+
+    monkeypatch.setattr(study, "train", lambda *args: 4.0)  # (the runs, not what this checks)
+    monkeypatch.setattr(study, "curve", lambda run_dir: [(1, 4.5), (2, 4.0)])
+    monkeypatch.setattr(sys, "argv", ["bf16_stream_loss.py", "--out", str(out.parent / "runs"), "--results", str(out),
+                                      "--models", "block", "--seeds", "0", "1", "--settings", "bf16 stream"])
+    study.main()
+
+
+def _upcycle_moe(out: Path, monkeypatch) -> None:
+    import json
+
+    import upcycle_moe as bench
+
+    results = json.loads((RESULTS / "upcycle-moe" / "results.json").read_text())
+    monkeypatch.setattr(bench, "run_all", lambda args, work, out: {**results, "configs": {"model": "config"}})
+    monkeypatch.setattr(bench.torch, "set_num_threads", lambda n: None)  # (this process's, not the script's)
+    bench.main(["--out", str(out), "--work", str(out.parent / "work")])
+
+
+def _upcycle_moe_report(out: Path, monkeypatch) -> None:
+    import json
+
+    from upcycle_moe_report import write_report
+
+    write_report(out, json.loads((RESULTS / "upcycle-moe" / "results.json").read_text()))
+
+
+def _upcycle_smollm2(out: Path, monkeypatch) -> None:
+    import json
+
+    pytest.importorskip("transformers")
+    from upcycle_smollm2 import save
+
+    save(out, json.loads((RESULTS / "upcycle-smollm2" / "results.json").read_text()), None)
+
+
+#: The study scripts that write their results themselves, not through ``write_results``, each
+#: run on its committed results (or stand-ins), and the files each writes.
+STUDY_WRITERS = {"bf16_stream_loss.py": (_bf16_stream_loss, ("bf16_stream_loss.md", "bf16_stream_loss.json",
+                                                             "bf16_stream_loss.png")),
+                 "upcycle_moe.py": (_upcycle_moe, ("config.json", "results.json")),
+                 "upcycle_moe_report.py": (_upcycle_moe_report, ("loss.png", "experts.png", "report.md")),
+                 "upcycle_smollm2.py": (_upcycle_smollm2, ("results.json", "loss.png", "report.md"))}
+
+
+@pytest.mark.parametrize(("script", "failing"), [(script, name) for script, (_, names) in STUDY_WRITERS.items()
+                                                 for name in names])
+def test_a_study_stopped_mid_write_keeps_its_committed_file(script, failing, tmp_path, monkeypatch, capsys):
+    """bf16_stream_loss.py, upcycle_moe.py (and its report) and upcycle_smollm2.py saved their
+    plots (``fig.savefig``) and wrote their .json / .md in place, into the committed results: a
+    run stopped while writing left the file cut short. Each now goes through output_paths'
+    helpers: written beside its place and renamed over it, the old file kept, no temporary one."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    run, names = STUDY_WRITERS[script]
+    out = tmp_path / "results"
+    out.mkdir()
+    for name in names:
+        (out / name).write_text(f"old {name}, the committed result")
+    write_text = Path.write_text
+
+    def text_cut_short(path, data, *args, **kwargs):
+        if failing not in path.name:
+            return write_text(path, data, *args, **kwargs)
+        write_text(path, data[: len(data) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    def figure_cut_short(fig, path, *args, **kwargs):
+        if failing not in Path(path).name:
+            return Path(path).write_bytes(b"new png")  # (rendering is not what this checks)
+        Path(path).write_bytes(b"\x89PNG\r\n half a plot")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", text_cut_short)
+    monkeypatch.setattr(Figure, "savefig", figure_cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        run(out, monkeypatch)
+    assert (out / failing).read_text() == f"old {failing}, the committed result"
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)

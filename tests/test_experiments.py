@@ -461,6 +461,77 @@ def test_a_damaged_overhead_json_is_named(corpus, tmp_path, monkeypatch):
     assert cli_main(["compare", "--out", str(tmp_path), "--report-only"]) == 0
 
 
+def test_a_rerun_that_trains_nothing_keeps_the_overhead_measurement(corpus, tmp_path, monkeypatch, capsys):
+    """`attnres compare` run again over a finished grid trained nothing and timed every variant
+    again (minutes on CPU): the report's step-time ratios changed at each such re-run. It now
+    keeps overhead.json where it measured the same models, batch and rounds, and says so;
+    --remeasure-overhead, other rounds, a file of an earlier version or a run trained time them
+    again."""
+    import attnres.experiments as experiments
+
+    measured, measure = [], experiments.measure_overhead
+    monkeypatch.setattr(experiments, "measure_overhead", lambda *args, **kw: measured.append(args[3]) or measure(*args, **kw))
+    command = ["compare", "--preset", "tiny", "--out", str(tmp_path), "--variants", "standard", f"data.paths=[{corpus}]",
+               "--overhead-repeats", "1"]
+    stored = tmp_path / "overhead.json"
+    assert cli_main(command) == 0 and measured == [1]  # trained: measured
+    first = stored.read_text()
+    capsys.readouterr()
+    assert cli_main(command) == 0 and measured == [1]  # nothing trained: kept, as it was
+    assert stored.read_text() == first
+    said = capsys.readouterr().out
+    assert ("attnres compare: nothing trained; the step times and memory of overhead.json, measured with these models, "
+            "batch and 1 round, are kept (--remeasure-overhead times them again)\n") in said
+    assert "overhead: " not in said
+    assert cli_main([*command, "--remeasure-overhead"]) == 0 and measured == [1, 1]
+    assert cli_main([*command[:-1], "2"]) == 0 and measured == [1, 1, 2]  # other rounds
+    assert json.loads(stored.read_text())["settings"]["repeats"] == 2
+    written = json.loads(stored.read_text())
+    del written["settings"]  # (written by an earlier version: what it measured is unknown)
+    stored.write_text(json.dumps(written))
+    assert cli_main([*command[:-1], "2"]) == 0 and measured == [1, 1, 2, 2]
+    assert cli_main([*command[:-1], "2"]) == 0 and measured == [1, 1, 2, 2]
+    written = json.loads(stored.read_text())
+    written["settings"]["models"]["block"]["residual"]["block_size"] += 1  # (the grid's models changed since)
+    stored.write_text(json.dumps(written))
+    assert cli_main([*command[:-1], "2"]) == 0 and measured == [1, 1, 2, 2, 2]
+    assert cli_main([*command[:-1], "2", "--seeds", "0", "1"]) == 0 and measured == [1, 1, 2, 2, 2, 2]  # seed 1 trained
+
+
+def test_demo_under_load_times_the_finished_grid_again(tmp_path, monkeypatch):
+    """benchmarks/demo_under_load.py re-runs `attnres compare` over the grid its quiet run
+    trained, to time the steps beside a busy load: such a re-run now keeps the quiet
+    measurement unless told --remeasure-overhead, and the loaded runs compared it with itself."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import demo_under_load
+
+    ran = []
+    monkeypatch.setattr(demo_under_load.subprocess, "run", lambda command, check: ran.append(command))
+    (tmp_path / "overhead.json").write_text('{"variants": {}}')
+    (tmp_path / "report.md").write_text("# report")
+    assert demo_under_load.run_compare("tiny", tmp_path, 4, ["steps=4"], busy=0) == ({"variants": {}}, "# report")
+    (command,) = ran
+    assert command[command.index("compare"):] == ["compare", "--preset", "tiny", "--out", str(tmp_path),
+                                                  "--overhead-repeats", "4", "--remeasure-overhead", "steps=4"]
+
+
+def test_remeasure_overhead_is_refused_where_nothing_would_be_timed(tmp_path, capsys):
+    """--remeasure-overhead where no measurement is taken (--report-only, --overhead-repeats 0,
+    a grid without an overhead table) is refused naming the option, before anything trains."""
+    refusals = [(["compare", "--report-only"], "--report-only only rewrites the report, of every finished run in --out; "
+                 "it takes no --remeasure-overhead (to time the variants, run the grid's command again with "
+                 "--remeasure-overhead and without --report-only"),
+                (["compare", "--overhead-repeats", "0"], "--remeasure-overhead times the variants again, which "
+                 "--overhead-repeats 0 turns off: drop one of them"),
+                (["experiment", "scaling"], "--remeasure-overhead times the variants for an overhead table, which only "
+                 "compare, ablation, block-size report; the scaling grid has none: drop the option")]
+    for given, said in refusals:
+        with pytest.raises(SystemExit):
+            cli_main([*given, "--out", str(tmp_path), "--remeasure-overhead"])
+        assert said in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_report_of_runs_trained_on_different_texts_says_so(corpus, tmp_path):
     """A grid's text edited while it ran (hours, run by run): the runs after the edit trained on
     the new text without a word, and the report compared their losses with the others'. It

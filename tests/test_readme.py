@@ -193,6 +193,33 @@ def test_make_alone_lists_every_target():
     assert [t for t in phony if t != "help" and f"make {t} " not in listed] == [], listed
 
 
+def make_dry_run(*arguments: str) -> list[list[str]]:
+    """The commands ``make -n ARGUMENTS`` prints (runs nothing), each split as the shell would."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    printed = subprocess.run(["make", "-n", "-f", str(README.parent / "Makefile"), *arguments], capture_output=True,
+                             text=True, check=True, cwd=README.parent).stdout
+    return [shlex.split(line) for line in printed.splitlines()]
+
+
+def test_make_demo_passes_args_on_as_the_readme_says():
+    """``make demo`` took no overrides: a user who wanted ``steps=50`` retyped the command.
+    ``ARGS`` is added to it, as the README's quick start shows (and to ``make train``'s)."""
+    found = re.search(r'`make demo ARGS="([^"]*)"` runs `(attnres compare [^`]*)`', README.read_text())
+    assert found, "the quick start shows make demo ARGS=... and the command it runs"
+    (ran,) = [c[c.index("attnres"):] for c in make_dry_run("demo", f"ARGS={found.group(1)}") if "attnres" in c]
+    assert ran == shlex.split(found.group(2))
+    assert ran[-4:] == ["steps=50", "--seeds", "0", "1"]
+    (ran,) = [c for c in make_dry_run("train", 'ARGS=steps=5 "data.paths=[a b.txt]"') if "attnres" in c]
+    assert ran[ran.index("attnres"):] == ["attnres", "train", "--config", "configs/train-cpu.yaml", "steps=5",
+                                          "data.paths=[a b.txt]"]
+    (ran,) = [c for c in make_dry_run("demo") if "attnres" in c]  # without ARGS: the demo as it was
+    assert ran[ran.index("attnres"):] == ["attnres", "compare", "--preset", "demo", "--out", "runs/compare"]
+
+
 def test_the_python_api_of_attnres_analyze_is_named_with_its_signature():
     """The README named the pieces of `attnres analyze` in Python but not the function that
     writes its whole report (a notebook user analysing a checkpoint had to read the CLI's code)."""

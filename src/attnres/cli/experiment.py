@@ -84,19 +84,30 @@ def run(args, parser) -> int:
         parser.commands[args.command].error(
             f"--overhead-repeats times the variants for an overhead table, which only {', '.join(OVERHEAD_EXPERIMENTS)} "
             f"report; the {name} grid has none: drop the option")
+    if args.remeasure_overhead and name not in OVERHEAD_EXPERIMENTS:
+        parser.commands[args.command].error(
+            f"--remeasure-overhead times the variants for an overhead table, which only {', '.join(OVERHEAD_EXPERIMENTS)} "
+            f"report; the {name} grid has none: drop the option")
+    if args.remeasure_overhead and not repeats and not args.report_only:
+        parser.commands[args.command].error("--remeasure-overhead times the variants again, which --overhead-repeats 0 "
+                                            "turns off: drop one of them")
     return run_experiment_cli(name, preset, args.out, args.seeds, args.overrides, args.report_only,
-                              repeats, args.variants, prog=f"attnres {args.command}")
+                              repeats, args.variants, prog=f"attnres {args.command}",
+                              remeasure_overhead=args.remeasure_overhead)
 
 
 def _refuse_what_report_only_ignores(args, parser, seeds_given: bool) -> None:
     """``--report-only`` trains and times nothing and reports every finished run: given with
-    it, ``--seeds``, ``--variants`` and ``--overhead-repeats N`` were dropped without a word (a
-    report of every seed, no overhead measured, where the command asked for one seed or a
-    timing). Overrides are checked against the grid's (:func:`run_experiment_cli`)."""
+    it, ``--seeds``, ``--variants``, ``--overhead-repeats N`` and ``--remeasure-overhead``
+    were dropped without a word (a report of every seed, no overhead measured, where the
+    command asked for one seed or a timing). Overrides are checked against the grid's
+    (:func:`run_experiment_cli`)."""
     given = [option for option, is_given in (("--seeds", seeds_given), ("--variants", args.variants is not None),
-                                             ("--overhead-repeats", bool(args.overhead_repeats))) if is_given]
-    timing = (" (to time the variants, run the grid's command again without --report-only: it trains nothing once "
-              "every run has finished)") if "--overhead-repeats" in given else ""
+                                             ("--overhead-repeats", bool(args.overhead_repeats)),
+                                             ("--remeasure-overhead", args.remeasure_overhead)) if is_given]
+    timing = (" (to time the variants, run the grid's command again with --remeasure-overhead and without "
+              "--report-only: it trains nothing once every run has finished)"
+              if {"--overhead-repeats", "--remeasure-overhead"} & set(given) else "")
     if given:
         parser.commands[args.command].error(f"--report-only only rewrites the report, of every finished run in --out; "
                                             f"it takes no {', '.join(given)}{timing}")
@@ -135,6 +146,10 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
                         "over this many interleaved rounds (CPU time of the process at one thread, with its noise) and "
                         "measure its peak memory, for the report's overhead columns (default 10; 0 = use the step times "
                         "the runs logged); other grids have no such columns")
+    parser.add_argument("--remeasure-overhead", action="store_true",
+                        help="compare / ablation / block-size: time the variants again where the command trains "
+                        "nothing (every run finished) and overhead.json already holds a measurement of the same "
+                        "models, batch and --overhead-repeats, which such a command otherwise keeps")
     parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",  # default: not listed as required
                         help="TrainConfig overrides for every run")
 
@@ -152,11 +167,14 @@ def _saved_preset(out: str, name: str) -> str | None:
 
 def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overrides: list[str], report_only: bool,
                        overhead_repeats: int = 0, variants: list[str] | None = None,
-                       prog: str = "attnres experiment") -> int:
+                       prog: str = "attnres experiment", remeasure_overhead: bool = False) -> int:
     """``attnres experiment`` / ``attnres compare``: bad presets, seeds or overrides end the
-    process with a one-line message, prefixed with ``prog`` (the command the user typed)."""
+    process with a one-line message, prefixed with ``prog`` (the command the user typed).
+    A command that trains nothing keeps the overhead measurement of the same settings
+    (``overhead.json``) unless ``remeasure_overhead``."""
     from ..experiments import get_experiment, load_records, measure_overhead, run_experiment, write_report
-    from ..experiments.job.runner import check_same_experiment
+    from ..experiments.job.overhead import stored_overhead
+    from ..experiments.job.runner import check_same_experiment, nothing_to_train
     from ..experiments.job.report import reportable
     from ..train import TrainingDiverged, TrainingOutOfMemory
     from ..train.config import apply_overrides
@@ -182,12 +200,20 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
         _refuse_variants_added_in_python(out, name, experiment)
         if not report_only:
             apply_cpu_allocator(apply_overrides({}, overrides))
+            timed = bool(overhead_repeats) and name in OVERHEAD_EXPERIMENTS
+            # (asked before training: a re-run of a finished grid kept no numbers of its own - its report's
+            # step-time ratios changed at every re-run that trained nothing)
+            keep = timed and not remeasure_overhead and nothing_to_train(experiment, out, seeds, overrides, variants)
             run_experiment(experiment, out, seeds, overrides, variants=variants)
             if not load_records(out, experiment) and _stop_after(overrides) is not None:  # (nothing to time or report)
                 print(f"{prog}: every run stopped at step {_stop_after(overrides)} (stop_after), none finished, so no "
                       "report yet: the same command without stop_after continues them")
                 return 0
-            if overhead_repeats and name in OVERHEAD_EXPERIMENTS:
+            if keep and stored_overhead(experiment, out, overrides, overhead_repeats) is not None:
+                rounds = f"{overhead_repeats} round{'' if overhead_repeats == 1 else 's'}"
+                print(f"{prog}: nothing trained; the step times and memory of overhead.json, measured with these "
+                      f"models, batch and {rounds}, are kept (--remeasure-overhead times them again)")
+            elif timed:
                 measure_overhead(experiment, out, overrides, overhead_repeats)
         records = load_records(out, experiment)  # every seed finished so far, not only this invocation's
         path = write_report(name, records, out, preset)

@@ -11,11 +11,15 @@ machine cannot bias the ratio the way it biases wall-clock time. Each ratio come
 noise (:func:`timing_noise`): the 95 % interval of the median, widened to how far an
 identical copy of the baseline (an A/A twin, timed alike) lands from 1. The peak memory of
 one step is taken from the profiler. Written to ``<out>/overhead.json``; the report's
-tables read it.
+tables read it. It records what its numbers depend on (``settings``: each variant's model,
+the batch, the rounds, the allocator, torch's version), so that a grid's command run again
+over finished runs keeps it (:func:`stored_overhead`) rather than report other numbers of
+the same models.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +29,8 @@ import torch
 
 from ...analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
 from ...models import AttnResLM
-from ...output_paths import strict_json, write_text_atomically
+from ...output_paths import read_json_object, strict_json, write_text_atomically
+from ...train import TrainConfig
 from ...train.cpu_memory import retains_freed_memory
 from .presets import Experiment
 from ..layout import OVERHEAD_FILE
@@ -63,6 +68,35 @@ def _one_thread(fn: Callable[[], Any]) -> Any:
         torch.set_num_threads(previous)
 
 
+def _variant_configs(experiment: Experiment, overrides: list[str], tmp: str) -> dict[str, TrainConfig]:
+    """Each variant's run config (of seed 0, in a throwaway directory ``tmp``): what is timed."""
+    return {v.name: run_config(experiment, v, 0, Path(tmp) / v.name, overrides) for v in experiment.variants}
+
+
+def _settings(configs: dict[str, TrainConfig], repeats: int) -> dict[str, Any]:
+    """What a measurement's numbers depend on, as ``overhead.json`` stores them (its JSON
+    form): each variant's model, the batch's shape (the first variant's), the rounds, whether
+    the allocator keeps freed memory, and torch's version."""
+    first = next(iter(configs.values()))
+    settings = {"models": {name: c.model.to_dict() for name, c in configs.items()}, "batch_size": first.batch_size,
+                "seq_len": first.seq_len, "repeats": repeats, "freed_memory_retained": retains_freed_memory(),
+                "torch": torch.__version__}
+    return json.loads(strict_json(settings))
+
+
+def stored_overhead(experiment: Experiment, out: str | Path, overrides: list[str] = (),
+                    repeats: int = 10) -> dict[str, Any] | None:
+    """``out/overhead.json``'s measurements where :func:`measure_overhead` with these arguments
+    would measure the same (its ``settings``); ``None`` where there are none, they cannot be
+    read, they are of an earlier version (no ``settings``) or of other settings."""
+    stored, _ = read_json_object(Path(out) / OVERHEAD_FILE)
+    if stored is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = _settings(_variant_configs(experiment, list(overrides), tmp), repeats)
+    return stored if stored.get("settings") == settings else None
+
+
 def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[str] = (), repeats: int = 10,
                      log: Callable[[str], None] = print) -> dict[str, Any]:
     """Time one training step of every variant of ``experiment`` and of an A/A twin of the
@@ -70,23 +104,24 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
     two warm-up steps each), and take each step's peak memory; write and return ``{"repeats",
     "threads", "clock", "batch", "seq_len", "baseline", "freed_memory_retained", "twin":
     {step_ratio, step_ratio_interval}, "variants": {name: {median_ms, step_ratio,
-    step_ratio_interval, step_ratio_noise, peak_memory_bytes, peak_ratio}}}``. Ratios are
+    step_ratio_interval, step_ratio_noise, peak_memory_bytes, peak_ratio}}, "settings"}``
+    (what the numbers depend on, which :func:`stored_overhead` compares). Ratios are
     against the grid's first ``baseline``-family variant. The steps run under this
     process's allocator, which the ``attnres`` command set from the runs' ``cpu_allocator``
     before they trained (:mod:`attnres.train.cpu_memory`); this function leaves it alone."""
     baseline = next((v for v in experiment.variants if v.family == "baseline"), None)
     if baseline is None:
         raise ValueError(f"experiment {experiment.name!r} has no baseline variant to measure overheads against")
-    steps, batch, retained = {}, None, False
+    steps, batch = {}, None
     with tempfile.TemporaryDirectory() as tmp:
-        for name, v in [(v.name, v) for v in experiment.variants] + [(TWIN, baseline)]:
-            config = run_config(experiment, v, 0, Path(tmp) / name, overrides)
-            retained = retains_freed_memory()
-            torch.manual_seed(0)
-            model = AttnResLM(config.model)
-            if batch is None:  # the same tokens for every variant
-                batch = torch.randint(0, config.model.vocab_size, (config.batch_size, config.seq_len))
-            steps[name] = _train_step(model, batch)
+        configs = _variant_configs(experiment, list(overrides), tmp)
+    settings = _settings(configs, repeats)
+    for name, config in [*configs.items(), (TWIN, configs[baseline.name])]:
+        torch.manual_seed(0)
+        model = AttnResLM(config.model)
+        if batch is None:  # the same tokens for every variant
+            batch = torch.randint(0, config.model.vocab_size, (config.batch_size, config.seq_len))
+        steps[name] = _train_step(model, batch)
     log(f"overhead: {len(steps) - 1} variants and an A/A twin of {baseline.name!r}, batch {tuple(batch.shape)}, "
         f"{repeats} interleaved rounds, CPU time at one thread")
 
@@ -113,9 +148,9 @@ def measure_overhead(experiment: Experiment, out: str | Path, overrides: list[st
         f"{twin['paired_ratio_interval'][1]:.3f}; an identical model: 1 is exact)")
     result = {
         "repeats": repeats, "threads": 1, "clock": "cpu", "batch": batch.shape[0], "seq_len": batch.shape[1],
-        "baseline": baseline.name, "freed_memory_retained": retained,
+        "baseline": baseline.name, "freed_memory_retained": settings["freed_memory_retained"],
         "twin": {"step_ratio": twin["median_paired_ratio"], "step_ratio_interval": twin["paired_ratio_interval"]},
-        "variants": variants,
+        "variants": variants, "settings": settings,
     }
     Path(out).mkdir(parents=True, exist_ok=True)
     write_text_atomically(Path(out) / OVERHEAD_FILE, strict_json(result, indent=1), "the overhead measurements")

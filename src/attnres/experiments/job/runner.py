@@ -365,13 +365,7 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     (results of different grids must not mix), on an unknown variant, on a bad override, or
     when a run would go over its training data more than ``experiment.max_data_passes``
     times (checked before the first run starts)."""
-    seeds = list(seeds)
-    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= SEED_MAX for s in seeds):
-        raise ValueError(f"seeds (--seeds) must be a non-empty list of integers >= 0 and <= {SEED_MAX}; got {seeds!r}")
-    twice = sorted({s for s in seeds if seeds.count(s) > 1})
-    if twice:  # (the second one would only be reported "finished earlier, skipped")
-        raise ValueError(f"seeds (--seeds) list {', '.join(map(str, twice))} more than once; each seed is one run per variant: "
-                         f"give distinct seeds, e.g. --seeds {' '.join(map(str, dict.fromkeys(seeds)))}")
+    seeds = _checked_seeds(seeds)
     chosen = _chosen_variants(experiment, variants)
     out = Path(out)
     # (the paths absolute: the command status gives, and the runs' resumes, read them from other directories too)
@@ -397,10 +391,9 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
     records = []
     pace = _Pace()
     for i, (variant, seed, config) in enumerate(configs, 1):
-        done = Path(config.out_dir) / RESULT_FILE
-        if done.exists() and not _stopped_early(config):
+        if is_finished(config):
             log(f"[{i}/{len(configs)}] {variant.name} seed {seed}: finished earlier, skipped")
-            records.append(read_result(done))
+            records.append(read_result(Path(config.out_dir) / RESULT_FILE))
             continue
         done_steps = _trained_steps(config)
         if done_steps:
@@ -429,6 +422,35 @@ def run_experiment(experiment: Experiment, out: str | Path, seeds: list[int] = (
             + (f"; about {clock(pace.seconds(sum(left)))} to go for {len(left)} run(s))" if left else ")"))
         records.append(record)
     return records
+
+
+def nothing_to_train(experiment: Experiment, out: str | Path, seeds: list[int] = (0,), overrides: list[str] = (),
+                     variants: list[str] | None = None) -> bool:
+    """Whether every run that :func:`run_experiment` with these arguments goes through has
+    finished already, so that it would train nothing; ``ValueError`` as it raises it, for the
+    seeds, the variants and the overrides."""
+    overrides = absolute_path_overrides(list(overrides))
+    return all(is_finished(run_config(experiment, v, s, run_dir(out, v.name, s), overrides))
+               for s in _checked_seeds(seeds) for v in _chosen_variants(experiment, variants))
+
+
+def _checked_seeds(seeds) -> list[int]:
+    """``seeds`` as a list; ``ValueError`` naming ``--seeds`` where it is empty, holds what is
+    not a seed, or a seed twice."""
+    seeds = list(seeds)
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= SEED_MAX for s in seeds):
+        raise ValueError(f"seeds (--seeds) must be a non-empty list of integers >= 0 and <= {SEED_MAX}; got {seeds!r}")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:  # (the second one would only be reported "finished earlier, skipped")
+        raise ValueError(f"seeds (--seeds) list {', '.join(map(str, twice))} more than once; each seed is one run per variant: "
+                         f"give distinct seeds, e.g. --seeds {' '.join(map(str, dict.fromkeys(seeds)))}")
+    return seeds
+
+
+def is_finished(config: TrainConfig) -> bool:
+    """Whether the run of ``config`` has finished: its ``result.json`` written at its last
+    step (a grid's command skips it)."""
+    return (Path(config.out_dir) / RESULT_FILE).exists() and not _stopped_early(config)
 
 
 def _chosen_variants(experiment: Experiment, variants: list[str] | None) -> list[Variant]:
