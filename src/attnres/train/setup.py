@@ -94,7 +94,7 @@ def _init_source(config: TrainConfig) -> Start:
     if source is None:
         raise ValueError(f"init_from: {no_checkpoint_at(config.init_from)}")
     source.run_config()  # a checkpoint without one refused by name
-    refuse_residual_change(source, config.model.to_dict(), config.allow_residual_change)
+    refuse_residual_change(source, config.model, config.allow_residual_change)
     return Start(init=source, origin={"checkpoint": str(source.path), "step": source.step})
 
 
