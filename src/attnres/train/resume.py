@@ -28,7 +28,7 @@ from ..models.config import ModelConfig
 from ..models.residual_change import HOW_NOT_WHAT, residual_change_refusal
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
-from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
+from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten, model_from_spec
 from .schedule import lr_factor, wsd_decay_start
 from ..user_warning import warn_user
 from ..validation import missing_path_hint
@@ -275,13 +275,19 @@ def refuse_residual_change(source: Source, model: ModelConfig, allowed: bool) ->
     (:func:`~attnres.models.residual_change.residual_change_refusal`: Full vs Block AttnRes,
     another block size) - as a left-out ``--config`` gives it. ``allowed``
     (``allow_residual_change``): meant (upcycling a Block AttnRes run into Full AttnRes);
-    :func:`init_model_changes` still says it. A transformers directory's model is the run's:
-    nothing to compare."""
-    if allowed or source.state.get("hf_directory"):
+    :func:`init_model_changes` still says it of a checkpoint. A transformers directory is
+    compared as its ``config.json`` describes it: ``model.residual`` set beside
+    ``model.from_hf`` changes its residual."""
+    if allowed:
         return
-    refusal = residual_change_refusal(
-        source.run_config()["model"], model, f"init_from={str(source.path)!r}", "this run's",
-        "Set model.residual as the checkpoint has it (or pass its run's --config), or set allow_residual_change=true "
-        "to train this residual from those weights")
+    if source.state.get("hf_directory"):
+        saved = model_from_spec({"from_hf": str(source.path)}).to_dict()
+        match = "Leave model.residual out (model.from_hf gives the directory's)"
+    else:
+        saved = source.run_config()["model"]
+        match = "Set model.residual as the checkpoint has it (or pass its run's --config)"
+    refusal = residual_change_refusal(saved, model, f"init_from={str(source.path)!r}", "this run's",
+                                      f"{match}, or set allow_residual_change=true to train this residual from those "
+                                      "weights")
     if refusal is not None:
         raise ValueError(refusal)
