@@ -26,8 +26,8 @@ def refuse_residual_change(path: str | Path, state: dict[str, Any] | None, model
     AttnRes run continued as Full AttnRes."""
     if allowed:
         return
-    # (imported here: the model modules import torch._dynamo, which a checkpoint's tools need not wait for,
-    # and a model that is a ModelConfig's has imported them already)
+    # (imported when a load asks, not with attnres.checkpoint: the model modules import torch._dynamo, which
+    # the checkpoint's other tools - finding, verifying, consolidating one - need not wait for)
     from ..models.config import ModelConfig
     from ..models.residual_change import residual_change_refusal
 
