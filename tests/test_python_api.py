@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,3 +274,64 @@ def test_next_token_loss_of_labels_not_of_the_logits_positions_is_refused_by_nam
     with pytest.raises(ValueError, match=rf"^next_token_loss: labels must be \[batch, seq_len\] as logits are .*"
                                          rf"got labels {re.escape(str(labels))}, logits {re.escape(str(logits))}$"):
         next_token_loss(torch.randn(logits), torch.zeros(labels, dtype=torch.long))
+
+
+def block_checkpoint(out: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A checkpoint of a Block AttnRes model (S=2 of 8 sublayers) as ``attnres train`` stores
+    it (its model config in ``state.json``), written without training; and its weights."""
+    from attnres.checkpoint import save_checkpoint
+
+    model = tiny_model(n_layers=4, residual={"kind": "attnres_block", "block_size": 2})
+    with torch.no_grad():  # (the pseudo-queries start at zero: weights another model could not have by chance)
+        for p in model.parameters():
+            p.normal_()
+    state = {"config": {"model": model.config.to_dict()}}
+    path = save_checkpoint(out, 1, model, torch.optim.AdamW(model.parameters()), state, keep=1)
+    return path, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("residual, said", [
+    ({"kind": "attnres_block", "block_size": 4}, r"model.residual.block_size: 2 there, 4 here"),
+    ({"kind": "attnres_full"}, r"model.residual.kind: 'attnres_block' there, 'attnres_full' here"),
+])
+@pytest.mark.parametrize("loader", ["load_checkpoint", "load_weights"])
+def test_loading_a_checkpoint_into_a_model_of_another_residual_is_refused_naming_both(tmp_path, residual, said, loader):
+    """``attnres.checkpoint.load_checkpoint(path, model)`` of a Block AttnRes S=2 run into a
+    Block AttnRes S=4 or a Full AttnRes model (the same parameter names and shapes) loaded its
+    weights without a word, where ``attnres train init_from=...`` refuses it: the model then
+    computed something else from them. Refused, naming both residuals and the keyword that
+    allows it; nothing is loaded."""
+    from attnres.checkpoint import CheckpointError, load_checkpoint, load_weights, read_checkpoint_state
+
+    path, _ = block_checkpoint(tmp_path / "run")
+    model = tiny_model(n_layers=4, residual=residual)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"^checkpoint '.*step-00000001': this model's residual differs from the "
+                                              rf"checkpoint's \({said}\); its weights would load into this model "
+                                              rf"without a word .*allow_residual_change=True"):
+        if loader == "load_checkpoint":
+            load_checkpoint(path, model)
+        else:
+            load_weights(path, read_checkpoint_state(path), model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_checkpoint_loads_into_its_own_residual_an_allowed_other_one_and_a_plain_module(tmp_path):
+    """The refusal above asks only where the model tells its residual (an ``AttnResLM``) and it
+    is another one: the same residual by another kernel loads, ``allow_residual_change=True``
+    loads a Block AttnRes run into Full AttnRes (an upcycle meant), and a plain ``nn.Module``
+    (nothing to compare) loads as before."""
+    from attnres.checkpoint import load_checkpoint
+
+    path, saved = block_checkpoint(tmp_path / "run")
+
+    def loaded(model: torch.nn.Module, **kwargs) -> bool:
+        load_checkpoint(path, model, restore_rng=False, **kwargs)
+        return all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+
+    assert loaded(tiny_model(n_layers=4, residual={"kind": "attnres_block", "block_size": 2, "backend": "torch"}))
+    assert loaded(tiny_model(n_layers=4, residual="attnres_full"), allow_residual_change=True)
+    plain = torch.nn.Module()  # a Full AttnRes model's modules, without its config
+    for name, child in tiny_model(n_layers=4, residual="attnres_full").named_children():
+        plain.add_module(name, child)
+    assert loaded(plain)

@@ -216,3 +216,24 @@ def test_consolidate_takes_a_run_and_names_what_it_cannot_consolidate(tmp_path):
         consolidate(tmp_path / "one")
     with pytest.raises(CheckpointError, match=r"consolidate: .*'.*nowhere' does not exist"):
         consolidate(tmp_path / "nowhere")
+
+
+def test_sharded_weights_of_another_residual_are_refused_unless_allowed(tmp_path):
+    """``load_sharded_weights(path, model)`` (and ``load_weights``, which ``load_run`` uses) of a
+    Block AttnRes run into a Full AttnRes model loaded its weights (the same names and shapes)
+    without a word, as ``load_checkpoint`` did: refused by the same rule, naming both residuals;
+    ``allow_residual_change=True`` loads them."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_sharded_weights, load_weights, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    state = read_checkpoint_state(path)
+    full = AttnResLM(ModelConfig.from_dict(state["config"]["model"]).replace(residual="attnres_full"))
+    for load in (lambda: load_sharded_weights(path, full), lambda: load_weights(path, state, full)):
+        with pytest.raises(CheckpointError, match=r"this model's residual differs from the checkpoint's \(model."
+                                                  r"residual.kind: 'attnres_block' there, 'attnres_full' here\).*"
+                                                  r"allow_residual_change=True"):
+            load()
+    load_sharded_weights(path, full, allow_residual_change=True)
+    saved = read_sharded_tensors(path)
+    assert all(torch.equal(full.state_dict()[k], v) for k, v in saved.items())

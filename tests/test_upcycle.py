@@ -1665,6 +1665,43 @@ def test_the_start_up_summary_names_the_family_and_where_the_tokenizer_came_from
     assert "stored in the checkpoint" in out and "transformers' llama architecture" in out, out
 
 
+def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless_allowed(tmp_path):
+    """`attnres train model.from_hf=U init_from=U model.residual.kind=attnres_full` of a Block
+    AttnRes upcycle loaded its residual's weights (the same names and shapes) into Full AttnRes
+    without a word: the transformers directory was taken as the run's own model, where a
+    checkpoint's init_from refuses it. Refused by the same rule, naming both residuals, unless
+    allow_residual_change=true; the directory's own residual, or a plain family directory into
+    AttnRes (the queries are new, at their faithful init), start as before."""
+    pytest.importorskip("yaml")
+    from test_train import overrides, write_corpus
+
+    from attnres.cli import main as cli_main
+    from attnres.train import load_config, train
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    src, _ = _pretrained_directory(tmp_path, corpus)
+    up = tmp_path / "up"
+    assert cli_main(["upcycle", "--model", str(src), "--out", str(up), "--block-size", "2"]) == 0
+
+    def start(out: str, directory: Path, **changes) -> list[str]:
+        return [a for a in overrides(corpus, tmp_path / out, steps=1, warmup_steps=0, **{
+            "model.from_hf": str(directory), "init_from": str(directory), "data.tokenizer": "bpe", **changes})
+            if not a.startswith("model=")]
+
+    for out, change, said in (("full", {"model.residual.kind": "attnres_full"},
+                               r"model.residual.kind: 'attnres_block' there, 'attnres_full' here"),
+                              ("s1", {"model.residual.block_size": 1}, r"model.residual.block_size: 2 there, 1 here")):
+        with pytest.raises(ValueError, match=rf"init_from='.*up': this run's residual differs from the checkpoint's "
+                                             rf"\({said}\).*allow_residual_change=true"):
+            train(load_config(None, start(out, up, **change)))
+        assert not (tmp_path / out / "checkpoints").exists()
+    assert train(load_config(None, start("allowed", up, allow_residual_change=True,
+                                         **{"model.residual.kind": "attnres_full"}))).step == 1
+    assert train(load_config(None, start("same", up))).step == 1
+    assert train(load_config(None, start("plain", src, **{"model.residual.kind": "attnres_block",
+                                                          "model.residual.block_size": 2}))).step == 1
+
+
 def test_a_tokenizer_larger_than_the_embedding_is_refused_by_its_sizes(tmp_path, capsys):
     """A saved directory whose tokenizer.json has more tokens than its embedding has rows
     (an upcycle whose tokenizer_config added an end-of-sequence token the BPE lacked): `attnres

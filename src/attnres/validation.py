@@ -139,6 +139,18 @@ def check_known_keys(section: str, data: Iterable[str], known: Iterable[str],
                      f"known keys: {known}")
 
 
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings (a config's ``to_dict()``) as one mapping with dotted keys (an empty
+    mapping, such as ``model.residual.options``, is a value of its own)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
 def fail(section: str, name: str, allowed: str, value: Any, hint: str = "") -> NoReturn:
     """Raise the one error format of config validation: the field, what it allows, the value
     (then ``hint``, such as :func:`did_you_mean`'s)."""

@@ -13,7 +13,10 @@ finding and verifying a checkpoint.
 * :mod:`~attnres.checkpoint.locate` - the newest checkpoint that verifies.
 
 Nothing here knows a training config, a model class or a process group's layout: a model
-is any ``nn.Module``, run state a JSON-serialisable mapping.
+is any ``nn.Module``, run state a JSON-serialisable mapping. One exception, by duck typing: a
+model that tells its residual (an ``AttnResLM``'s ``config``) is refused the weights of a
+checkpoint of another residual (:mod:`~attnres.checkpoint.residual`), unless
+``allow_residual_change``.
 """
 
 from __future__ import annotations
@@ -46,14 +49,17 @@ from .consolidation import consolidate
 from .sharded import is_sharded, load_sharded, load_sharded_weights, read_sharded_tensors, save_sharded
 
 
-def load_weights(path: str | Path, state: dict[str, Any], model: nn.Module) -> None:
+def load_weights(path: str | Path, state: dict[str, Any], model: nn.Module, *,
+                 allow_residual_change: bool = False) -> None:
     """Load the weights of the verified checkpoint ``path`` (its ``state.json``: ``state``)
     into the whole ``model``, in one process, whichever format it has. Raises
-    :class:`CheckpointError` when they do not fit."""
+    :class:`CheckpointError` when they do not fit, or when ``model`` (an ``AttnResLM``) has
+    another residual than the checkpoint's, unless ``allow_residual_change``
+    (:func:`load_checkpoint`)."""
     if is_sharded(state):
-        load_sharded_weights(path, model)
+        load_sharded_weights(path, model, state, allow_residual_change=allow_residual_change)
     else:
-        load_checkpoint(path, model, restore_rng=False, verified=state)
+        load_checkpoint(path, model, restore_rng=False, verified=state, allow_residual_change=allow_residual_change)
 
 
 __all__ = [

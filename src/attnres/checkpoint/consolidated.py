@@ -41,6 +41,7 @@ from .manifest import (
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
+from .residual import refuse_residual_change
 
 __all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
 
@@ -131,13 +132,18 @@ def read_optimizer_state(path: str | Path, doc: dict[str, Any]) -> dict[str, Any
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    restore_rng: bool = True, verified: dict[str, Any] | None = None) -> dict[str, Any]:
+                    restore_rng: bool = True, verified: dict[str, Any] | None = None, *,
+                    allow_residual_change: bool = False) -> dict[str, Any]:
     """Verify a checkpoint and load it into ``model`` (and ``optimizer``, and the global RNGs).
     Returns the run state from ``state.json``. ``verified``: that state, when the caller has
     just verified the checkpoint with :func:`read_checkpoint_state` (its files are not hashed
-    again)."""
+    again). A model that tells its residual (an ``AttnResLM``) whose residual is not the one
+    the checkpoint's run config stores while the weights fit (Full vs Block AttnRes, another
+    block size) is refused (:class:`CheckpointError` naming both) unless
+    ``allow_residual_change``."""
     path = Path(path)
     doc = verified if verified is not None else read_checkpoint_state(path)
+    refuse_residual_change(path, doc, model, allow_residual_change)
     try:
         missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
         if missing or unexpected:

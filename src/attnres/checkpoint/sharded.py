@@ -52,6 +52,7 @@ from .manifest import (
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
+from .residual import refuse_residual_change
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
            "verify_dcp_files"]
@@ -251,16 +252,22 @@ def read_sharded_tensors(path: str | Path, prefix: str = "model.") -> dict[str, 
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 
-def load_sharded_weights(path: str | Path, model: nn.Module) -> None:
+def load_sharded_weights(path: str | Path, model: nn.Module, state: dict[str, Any] | None = None, *,
+                         allow_residual_change: bool = False) -> None:
     """Load the weights of the sharded checkpoint ``path`` into the whole ``model`` (one
     process: generation, export, evaluation). A tied weight is stored once, under the name
     ``named_parameters`` gives it; its other names are filled by the tie.
-    :class:`CheckpointError` when the checkpoint does not fit the model."""
+    :class:`CheckpointError` when the checkpoint does not fit the model, or when ``model``
+    tells its residual (an ``AttnResLM``) and it is not the one the checkpoint's run config
+    stores while the weights fit, unless ``allow_residual_change``
+    (:func:`attnres.checkpoint.load_checkpoint`'s rule). ``state``: its ``state.json``, where
+    the caller has read it."""
+    refuse_residual_change(path, state, model, allow_residual_change)
     weights = read_sharded_tensors(path)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    state = model.state_dict()
-    loaded = {state[k].data_ptr() for k in weights if k in state}
-    missing = [k for k in missing if state[k].data_ptr() not in loaded]
+    held = model.state_dict()
+    loaded = {held[k].data_ptr() for k in weights if k in held}
+    missing = [k for k in missing if held[k].data_ptr() not in loaded]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)}, "
                               f"unexpected {sorted(unexpected)}")

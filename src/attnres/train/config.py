@@ -18,7 +18,8 @@ from ..models.config import PRESETS, RENAMED_PRESETS, SECTIONS as MODEL_SECTIONS
 from ..models.hf_registry import hf_hook
 from ..shell_words import shell_path
 from ..validation import (SEED_MAX, Bool, Choice, ChoiceOrPath, DeviceChoice, Int, Nullable, Number, Rule, Text,
-                          TextList, check_known_keys, fail, missing_path_hint, nearest, python_scalars, yaml_typed_hint)
+                          TextList, check_known_keys, fail, flatten, missing_path_hint, nearest, python_scalars,
+                          yaml_typed_hint)
 from .cpu_memory import CPU_ALLOCATORS
 
 OPTIMIZERS = ("adamw", "muon")
@@ -51,18 +52,6 @@ RESUMABLE_CHANGES = frozenset({
     # recomputing activations in the backward pass (the same function).
     *(f"parallel.{name}" for name in PARALLEL_RULES), "activation_checkpoint",
 })
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings (a config's ``to_dict()``) as one mapping with dotted keys (an empty
-    mapping, such as ``model.residual.options``, is a value of its own)."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
 
 
 def _check_rules(config: Any, rules: dict[str, Rule], prefix: str = "") -> None:

@@ -343,8 +343,10 @@ class Trainer:
             return lambda model: load_hf_weights(model, init.path)
         elif init is not None and not is_sharded(init.state):
             source = init
+            # (a residual change was refused, or allowed, when the run was set up: refuse_residual_change)
             load = lambda model: _load_init_weights(source, config, lambda: load_checkpoint(  # noqa: E731
-                source.path, model, restore_rng=False, verified=source.state))
+                source.path, model, restore_rng=False, verified=source.state,
+                allow_residual_change=config.allow_residual_change))
         else:
             return None
         if config.parallel.pp > 1:  # the config and the checkpoint are the same on every rank: so is the error

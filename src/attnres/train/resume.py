@@ -22,15 +22,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
-from ..models import build_model
 from ..models.config import ModelConfig
+from ..models.residual_change import HOW_NOT_WHAT, residual_change_refusal
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
-from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten
+from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten, model_from_spec
 from .schedule import lr_factor, wsd_decay_start
 from ..user_warning import warn_user
 from ..validation import missing_path_hint
@@ -248,10 +246,7 @@ def check_data(source: Source, fingerprint: str, allow_change: bool) -> bool:
 
 #: Model fields that change how a model is computed or stored, not what it computes (see
 #: ``ResidualConfig``), and the vocabulary, which a run takes from the checkpoint's tokenizer.
-_NOT_A_MODEL_CHANGE = frozenset({"vocab_size", "residual.schedule", "residual.backend", "residual.recompute_phase1",
-                                 "residual.autocast_stream", "residual.autocast_norm_output",
-                                 "residual.autocast_phase1_sums",
-                                 "residual.full_group_size"})
+_NOT_A_MODEL_CHANGE = frozenset({"vocab_size", *(f"residual.{name}" for name in HOW_NOT_WHAT)})
 
 
 def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
@@ -274,58 +269,25 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
             "as the checkpoint has them (or pass its run's --config) to continue the checkpoint's own model")
 
 
-def _residual_fields(config: ModelConfig) -> dict[str, Any]:
-    """The residual fields of a model ``config`` that change what the model computes,
-    flattened; Block AttnRes' block size as its ``S`` (``None`` resolved), and only for Block
-    AttnRes, the one variant that reads it."""
-    fields = {k: v for k, v in flatten({"residual": config.residual.to_dict()}).items()
-              if k not in _NOT_A_MODEL_CHANGE and k != "residual.block_size"}
-    if config.residual.kind == "attnres_block":
-        fields["residual.block_size"] = config.residual.resolved_block_size(config.n_sublayers)
-    return fields
-
-
-def _parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
-    """The names and shapes of the weights of a model built from ``config`` (on the meta
-    device: nothing allocated), or ``None`` where it cannot be built here."""
-    try:
-        with torch.device("meta"):
-            model = build_model(config)
-    except Exception:  # (a residual of the user's not importable here, ...: the load names what does not fit)
-        return None
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def refuse_residual_change(source: Source, model: dict[str, Any], allowed: bool) -> None:
-    """Raise ``ValueError`` when ``model`` (the run's ``model`` config as a dict) has another
-    residual than ``source``, the checkpoint an ``init_from`` run starts from (Full vs Block
-    AttnRes, another block size): their parameters have the same names and shapes, so the
-    weights load without a word into a model that computes something else - as a left-out
-    ``--config`` gives it. ``allowed`` (``allow_residual_change``): meant (upcycling a Block
-    AttnRes run into Full AttnRes); :func:`init_model_changes` still says it. Weights that do not
-    fit (a standard run into AttnRes) are left to the load, which names the fields. A transformers
-    directory's model is the run's: nothing to compare."""
-    if allowed or source.state.get("hf_directory"):
+def refuse_residual_change(source: Source, model: ModelConfig, allowed: bool) -> None:
+    """Raise ``ValueError`` when ``model`` (the run's model config) has another residual than
+    ``source``, the checkpoint an ``init_from`` run starts from, while its weights fit
+    (:func:`~attnres.models.residual_change.residual_change_refusal`: Full vs Block AttnRes,
+    another block size) - as a left-out ``--config`` gives it. ``allowed``
+    (``allow_residual_change``): meant (upcycling a Block AttnRes run into Full AttnRes);
+    :func:`init_model_changes` still says it of a checkpoint. A transformers directory is
+    compared as its ``config.json`` describes it: ``model.residual`` set beside
+    ``model.from_hf`` changes its residual."""
+    if allowed:
         return
-    try:
-        saved, ours = ModelConfig.from_dict(_normalised({"model": source.run_config()["model"]})["model"]), \
-            ModelConfig.from_dict(model)
-        old, new = _residual_fields(saved), _residual_fields(ours)
-    except (KeyError, TypeError, ValueError):
-        return  # a stored model this version cannot build: the load names what does not fit
-    # (a block size on one side only: the kinds differ, which says it)
-    differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
-                       and (k != "residual.block_size" or k in old.keys() & new.keys()))
-    if not differing:
-        return
-    # Weights that do not fit (a standard run into AttnRes) are named by the load, field by field. (The
-    # vocabulary is the checkpoint's tokenizer's, which this run takes later.)
-    shapes = _parameter_shapes(saved), _parameter_shapes(ours.replace(vocab_size=saved.vocab_size))
-    if None not in shapes and shapes[0] != shapes[1]:
-        return
-    values = ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
-    raise ValueError(f"init_from={str(source.path)!r}: this run's residual differs from the checkpoint's "
-                     f"({values}); its weights would load into this model without a word (the same names and shapes), "
-                     "which computes something else from them. Set model.residual as the checkpoint has it (or pass its "
-                     "run's --config), or set allow_residual_change=true to train this residual from those weights "
-                     "(e.g. a Block AttnRes run continued as Full AttnRes)")
+    if source.state.get("hf_directory"):
+        saved = model_from_spec({"from_hf": str(source.path)}).to_dict()
+        match = "Leave model.residual out (model.from_hf gives the directory's)"
+    else:
+        saved = source.run_config()["model"]
+        match = "Set model.residual as the checkpoint has it (or pass its run's --config)"
+    refusal = residual_change_refusal(saved, model, f"init_from={str(source.path)!r}", "this run's",
+                                      f"{match}, or set allow_residual_change=true to train this residual from those "
+                                      "weights")
+    if refusal is not None:
+        raise ValueError(refusal)

@@ -87,6 +87,7 @@ def _init_source(config: TrainConfig) -> Start:
             raise ValueError(f"init_from={config.init_from!r} is a transformers directory: its model must be this run's "
                              f"(model.from_hf={shell_path(config.init_from)})")
         source = hf_source(config.init_from)
+        refuse_residual_change(source, config.model, config.allow_residual_change)
         return Start(init=source, origin={"transformers_directory": str(source.path), "step": 0})
     # the weights alone are read (a fresh optimiser): a checkpoint shared without its optimiser
     # state starts a run, as attnres generate and export take it
@@ -94,7 +95,7 @@ def _init_source(config: TrainConfig) -> Start:
     if source is None:
         raise ValueError(f"init_from: {no_checkpoint_at(config.init_from)}")
     source.run_config()  # a checkpoint without one refused by name
-    refuse_residual_change(source, config.model.to_dict(), config.allow_residual_change)
+    refuse_residual_change(source, config.model, config.allow_residual_change)
     return Start(init=source, origin={"checkpoint": str(source.path), "step": source.step})
 
 

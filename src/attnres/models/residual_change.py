@@ -1,0 +1,80 @@
+"""Weights saved from one residual loaded into a model of another: Full and Block AttnRes (and
+Block AttnRes of another block size) have parameters of the same names and shapes, so a
+checkpoint of one loads into the other without a word, and the model then computes something
+else from them. :func:`residual_change_refusal` says so, in one wording for every loader that
+knows both models: ``attnres train init_from=...`` (:mod:`attnres.train.resume`) and the
+Python loaders of :mod:`attnres.checkpoint`, each with its own way out."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..validation import flatten
+from .config import ModelConfig
+from .factory import build_model
+
+__all__ = ["HOW_NOT_WHAT", "residual_change_refusal"]
+
+#: The residual fields that change how a model is computed or stored, not what it computes
+#: (see ``ResidualConfig``): a checkpoint's weights continue the same model under another one.
+HOW_NOT_WHAT = frozenset({"schedule", "backend", "recompute_phase1", "autocast_stream", "autocast_norm_output",
+                          "autocast_phase1_sums", "full_group_size"})
+
+
+def _residual_fields(config: ModelConfig) -> dict[str, Any]:
+    """The residual fields of a model ``config`` that change what the model computes,
+    flattened; Block AttnRes' block size as its ``S`` (``None`` resolved), and only for Block
+    AttnRes, the one variant that reads it."""
+    fields = {k: v for k, v in flatten({"residual": config.residual.to_dict()}).items()
+              if k.removeprefix("residual.") not in HOW_NOT_WHAT and k != "residual.block_size"}
+    if config.residual.kind == "attnres_block":
+        fields["residual.block_size"] = config.residual.resolved_block_size(config.n_sublayers)
+    return fields
+
+
+def _parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
+    """The names and shapes of the weights of a model built from ``config`` (on the meta
+    device: nothing allocated), or ``None`` where it cannot be built here."""
+    try:
+        with torch.device("meta"):
+            model = build_model(config)
+    except Exception:  # (a residual of the user's not importable here, ...: the load names what does not fit)
+        return None
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def residual_change_refusal(saved: Mapping[str, Any], ours: ModelConfig, where: str, whose: str,
+                            way_out: str) -> str | None:
+    """The refusal of loading the weights of a checkpoint whose model config is ``saved`` (the
+    ``model`` section of its run config, as stored) into the model of ``ours`` where their
+    residuals differ (Full vs Block AttnRes, another block size) while the weights have the same
+    names and shapes; ``None`` where the residuals agree (another kernel or schedule is the same
+    model), where the weights do not fit (the load names the fields: an option to allow it
+    could not help), or where ``saved`` cannot be built here. The message starts with ``where``
+    (``"init_from='...'"``) and ``whose`` (``"this run's"``) and ends with ``way_out`` (how to
+    load the checkpoint's own residual, or to allow this one)."""
+    try:
+        with warnings.catch_warnings():  # (an old checkpoint's spellings: no warning about what it stores)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            theirs = ModelConfig.from_dict(dict(saved))
+        old, new = _residual_fields(theirs), _residual_fields(ours)
+    except (KeyError, TypeError, ValueError):
+        return None  # a stored model this version cannot build: the load names what does not fit
+    # (a block size on one side only: the kinds differ, which says it)
+    differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
+                       and (k != "residual.block_size" or k in old.keys() & new.keys()))
+    if not differing:
+        return None
+    # Weights that do not fit (a standard run into AttnRes) are named by the load, field by field. (The
+    # vocabulary is not the residual's: compared at the checkpoint's, the load names another one.)
+    shapes = _parameter_shapes(theirs), _parameter_shapes(ours.replace(vocab_size=theirs.vocab_size))
+    if None not in shapes and shapes[0] != shapes[1]:
+        return None
+    values = ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
+    return (f"{where}: {whose} residual differs from the checkpoint's ({values}); its weights would load into this "
+            "model without a word (the same names and shapes), which computes something else from them. "
+            f"{way_out} (e.g. a Block AttnRes run continued as Full AttnRes)")
