@@ -9,6 +9,7 @@ import math
 import random
 import shutil
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -196,24 +197,43 @@ def test_pieces_cut_inside_whitespace_runs_keep_the_bpe_ids_of_the_whole_text():
 
 
 @pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
-def test_a_cache_of_pieces_cut_inside_whitespace_runs_is_not_taken_by_a_new_run(tmp_path):
+def test_a_cache_of_pieces_cut_inside_whitespace_runs_is_not_taken_by_a_new_run(tmp_path, monkeypatch):
     """An earlier version's BPE cache holds ids cut inside whitespace runs: a new run (the
     same corpus and settings: the same name then) would have taken them silently. It makes its
-    own (named -cleancut); a run given the tokenizer (a checkpoint's: it may have trained on
-    the old cache) keeps the old one, with a warning. A byte cache's ids are the same."""
+    own (named -cleancut), and so does a new run given the tokenizer (init_from, data.tokenizer=PATH:
+    it trained on neither); a resumed run (it may have trained on the old cache: its data
+    position counts that cache's windows) keeps the old one, with a warning. A byte cache's ids
+    are the same."""
+    monkeypatch.setattr(dataset_mod, "text_chunks", functools.partial(text_chunks, size=1000))
     (tmp_path / "c.txt").write_text("".join(LINE.format(i) + "\n\n" * (i % 3) for i in range(300)))
     corpus = load_corpus([str(tmp_path / "c.txt")], 0.1)
     data = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"))
     assert data.cache_dir.name.endswith("-bpe300-cleancut")
     old = data.cache_dir.with_name(data.cache_dir.name.removesuffix("-cleancut"))
-    data.cache_dir.rename(old)  # (as an earlier version named it)
+    data.cache_dir.rename(old)  # (as an earlier version named it, with its ids: cut after each first line break)
+    cuts = [0] + [corpus.train.index("\n", k) + 1 for k in range(1000, len(corpus.train), 1000)] + [len(corpus.train)]
+    earlier = [i for a, b in zip(cuts, cuts[1:]) for i in data.tokenizer.encode(corpus.train[a:b])]
+    assert earlier != data.tokenizer.encode(corpus.train)  # (one of them cut a run of line breaks)
+    (old / "train.bin").unlink()
+    np.asarray(earlier, np.uint16).tofile(old / "train.bin")
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({**meta, "n_train": len(earlier)}))
     again = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"))
     assert again.cache_dir.name == data.cache_dir.name and again.cache_dir.exists() and old.exists()
     shutil.rmtree(again.cache_dir)
+    data.tokenizer.save(tmp_path / "tokenizer.json")
+    for given in (dict(given=data.tokenizer), dict(tokenizer=str(tmp_path / "tokenizer.json"))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no word of the old cache: it is not taken)
+            made = prepare_data(corpus, **{"tokenizer": "bpe", "vocab_size": 300, **given},
+                                cache_dir=str(tmp_path / "cache"))
+        assert made.cache_dir.name.endswith("-cleancut") and old.exists()
+        assert made.train.tolist() == data.tokenizer.encode(corpus.train)
+        shutil.rmtree(made.cache_dir)
     with pytest.warns(UserWarning, match=r"was made by an earlier attnres, which cut the text into pieces inside "
-                                         r"whitespace runs: .* It is kept for this run, whose tokenizer was given"):
-        kept = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer)
-    assert kept.cache_dir == old
+                                         r"whitespace runs: .* It is kept for this run, which resumes a checkpoint"):
+        kept = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer, resumed=True)
+    assert kept.cache_dir == old and kept.train.tolist() == earlier
     assert prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache")).cache_dir.name.endswith("-byte256")
 
 

@@ -10,7 +10,8 @@ Layout of a cache, beside the data by default::
 
 The key (corpus digest, tokenizer kind, requested vocabulary size) changes whenever the
 text, the split or the tokenizer request does, so a stale cache is never reused. Data
-tokenised with a given tokenizer (a checkpoint's, on resume or ``init_from``) that differs
+tokenised with a given tokenizer (a checkpoint's, on resume or ``init_from``; or
+``data.tokenizer=PATH``) that differs
 from the cached one goes to ``<digest[:16]>-<kind><vocab>-<tokenizer fingerprint[-12:]>-cleancut``
 (:data:`CUT_SUFFIX`, a BPE's: the pieces the text was tokenised in; ``-cleancut-incontext``,
 :data:`CONTEXT_SUFFIX`, for a tokenizer that marks a text's start, whose pieces are read in
@@ -260,7 +261,8 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     cache is its own (``...-bpe4096-sample<N>``). ``None`` (the default): all of it.
 
     ``resumed``: ``given`` is the tokenizer of a checkpoint this run resumes, which may have
-    trained on an earlier version's cache of it (:func:`_find_cache`).
+    trained on an earlier version's cache of it: that cache is kept, with a warning
+    (:func:`_find_cache`). A run not resumed makes its own instead.
     """
     if tokenizer not in TOKENIZER_KINDS and not is_tokenizer_path(tokenizer):
         raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS} or a tokenizer.json path; got {tokenizer!r}"
@@ -289,8 +291,9 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
 #: The end of the caches' names: their text was cut into pieces (:func:`~attnres.data.tokenizer.text_chunks`)
 #: where the tokenizer's pre-tokenizer splits anyway, so their ids are those of the whole text.
 #: Earlier versions' caches, named without it, cut inside whitespace runs (after the first of
-#: three line breaks): a few ids at their cuts differ. A new run does not take them. A BPE's
-#: only: bytes' ids are the same wherever the text is cut.
+#: three line breaks): a few ids at their cuts differ. A new run does not take them, even one
+#: given a tokenizer (``init_from``, ``data.tokenizer=PATH``); a resumed one does, with a warning
+#: (:func:`_find_cache`). A BPE's only: bytes' ids are the same wherever the text is cut.
 CUT_SUFFIX = "-cleancut"
 
 #: After :data:`CUT_SUFFIX`, for a tokenizer that marks the start of every text it encodes
@@ -324,11 +327,12 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
     """The complete cache of ``corpus`` tokenised as asked: by the digest recorded for its
     files (no text read), else by its text's digest (a cache of an earlier version, or files
     copied or touched since: their key is then recorded too); ``None`` when there is none.
-    With a tokenizer ``given`` (a checkpoint's: a run resumed or started from one, which may
-    have trained on it), an earlier version's cache of it (:data:`CUT_SUFFIX`) is taken last,
-    with a warning; for a tokenizer that marks a text's start (:data:`CONTEXT_SUFFIX`), whose
-    earlier caches differ at every cut, only by a ``resumed`` run (its data position counts
-    the windows of the cache it trained on)."""
+    A ``resumed`` run (its tokenizer ``given``: the checkpoint's, whose data position counts the
+    windows of the cache it trained on) takes an earlier version's cache of it last, with a
+    warning: one named without :data:`CUT_SUFFIX` (cut inside whitespace runs) or, for a
+    tokenizer that marks a text's start, without :data:`CONTEXT_SUFFIX` (its pieces read as
+    text starts). A new run, even one given a tokenizer (``init_from``, ``data.tokenizer=PATH``),
+    makes its own: it trained on neither."""
     recorded = _recall_digest(corpus, root)
     if recorded is not None:
         found = _first_cache(root, names(recorded), given, corpus.files_key)
@@ -336,7 +340,7 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
             return found
         corpus.read()  # (the recorded caches are gone: the text decides)
     found = _first_cache(root, names(corpus.digest), given, corpus.files_key)
-    if found is not None or given is None or given.kind != "bpe" or (given.marks_text_start and not resumed):
+    if found is not None or given is None or given.kind != "bpe" or not resumed:
         return found
     current = [name.removesuffix(CONTEXT_SUFFIX) for name in names(corpus.digest)]
     earlier = ([*current, *(name.removesuffix(CUT_SUFFIX) for name in current)] if given.marks_text_start
@@ -351,9 +355,9 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
     elif found is not None:
         warn_user(f"token cache {str(found.cache_dir)!r} was made by an earlier attnres, which cut the text into "
                   "pieces inside whitespace runs: a few of its ids at the cuts (about one piece of 1 MB in a few) are "
-                  "not those of the text as a whole. It is kept for this run, whose tokenizer was given (a "
-                  "checkpoint's: the run may have trained on it); delete it for a cache cut where the tokenizer "
-                  "splits anyway")
+                  "not those of the text as a whole. It is kept for this run, which resumes a checkpoint that may "
+                  "have trained on it; a new run makes its own, named -cleancut, cut where the tokenizer splits "
+                  "anyway")
     return found
 
 
