@@ -235,6 +235,45 @@ def test_a_cache_of_pieces_cut_inside_whitespace_runs_is_not_taken_by_a_new_run(
         kept = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer, resumed=True)
     assert kept.cache_dir == old and kept.train.tolist() == earlier
     assert prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache")).cache_dir.name.endswith("-byte256")
+    # both found (a run started from the checkpoint made the current one): the one whose windows
+    # the resumed run's data position counts
+    made = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"))
+    assert len(earlier) != len(made.train)
+    with pytest.warns(UserWarning, match=r"was made by an earlier attnres, .* It is kept for this run, which resumes"):
+        kept = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer, resumed=True,
+                            fits=lambda train: len(train) == len(earlier))
+    assert kept.cache_dir == old
+    current = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer, resumed=True,
+                           fits=lambda train: len(train) == len(made.train))
+    assert current.cache_dir == made.cache_dir
+
+
+@pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_run_takes_the_earlier_cache_its_data_position_counts(tmp_path, monkeypatch):
+    """attnres train stopped, then upgraded (its cache named as an earlier version named it), a
+    new run started from its checkpoint since (init_from: a current cache, here a window shorter):
+    the resume takes the cache it trained on, with a warning, where the current one has other
+    windows than its data position counts ('sampler state does not match the data')."""
+    from test_train import overrides
+
+    from attnres.train import load_config, train
+
+    monkeypatch.setattr(dataset_mod, "text_chunks", functools.partial(text_chunks, size=1000))
+    (tmp_path / "c.txt").write_text("".join(LINE.format(i) + "\n\n" * (i % 3) for i in range(300)))
+    args = overrides(tmp_path / "c.txt", tmp_path / "run", **{"data.tokenizer": "bpe", "data.vocab_size": 300},
+                     seq_len=16, batch_size=2, steps=4, eval_every=2, eval_batches=1)
+    assert train(load_config(None, [*args, "stop_after=2"])).step == 2
+    [made] = (tmp_path / ".attnres-cache").iterdir()
+    old = made.rename(made.with_name(made.name.removesuffix("-cleancut")))
+    shutil.copytree(old, made)  # (the current cache, its ids cut elsewhere: a window fewer)
+    meta = json.loads((made / "meta.json").read_text())
+    ids = np.fromfile(made / "train.bin", dtype=meta["dtype"])[:-16]
+    (made / "train.bin").unlink()
+    ids.tofile(made / "train.bin")
+    (made / "meta.json").write_text(json.dumps({**meta, "n_train": len(ids)}))
+    with pytest.warns(UserWarning, match=r"was made by an earlier attnres, .* It is kept for this run, which resumes"):
+        assert train(load_config(None, [*args, "resume=true"])).step == 4
 
 
 @pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")

@@ -250,7 +250,7 @@ def corpus_fingerprint(corpus: Corpus, cache_dir: str | None = None) -> str:
 
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
                  given: Tokenizer | None = None, progress: bool = False, bpe_sample: int | None = None,
-                 resumed: bool = False) -> TokenData:
+                 resumed: bool = False, fits: Callable[[np.ndarray], bool] | None = None) -> TokenData:
     """Tokenise ``corpus`` with the requested tokenizer, reusing a complete cache if present.
 
     ``tokenizer="bpe"`` trains a byte-level BPE on the *training* split only; when the
@@ -276,6 +276,11 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     ``resumed``: ``given`` is the tokenizer of a checkpoint this run resumes, which may have
     trained on an earlier version's cache of it: that cache is kept, with a warning
     (:func:`_find_cache`). A run not resumed makes its own instead.
+
+    ``fits``: of a ``resumed`` run, whether a training split holds as many windows as its
+    checkpoint's data position counts. A current cache that does not is passed over for an
+    earlier version's that does: the run trained on that one, and a new run made the current one
+    since (a run started from the same checkpoint).
     """
     if tokenizer not in TOKENIZER_KINDS and not is_tokenizer_path(tokenizer):
         raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS} or a tokenizer.json path; got {tokenizer!r}"
@@ -291,7 +296,7 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     names = functools.partial(_cache_names, tokenizer=tokenizer, vocab_size=vocab_size, given=given,
                               bpe_sample=bpe_sample)
     with sigterm_raises():  # (a SIGTERM, as Ctrl-C, removes the partial cache: see _write_cache)
-        found = _find_cache(corpus, root, names, given, resumed)
+        found = _find_cache(corpus, root, names, given, resumed, fits)
         if found is not None:
             return found
         cache = root / names(corpus.digest)[-1]
@@ -359,35 +364,36 @@ def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer 
     return [requested + cut, f"{digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}{cut}"]
 
 
-def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
-                given: Tokenizer | None, resumed: bool = False) -> TokenData | None:
+def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]], given: Tokenizer | None,
+                resumed: bool = False, fits: Callable[[np.ndarray], bool] | None = None) -> TokenData | None:
     """The complete cache of ``corpus`` tokenised as asked: by the digest recorded for its
     files (no text read), else by its text's digest (a cache of an earlier version, or files
     copied or touched since: their key is then recorded too); ``None`` when there is none.
     A ``resumed`` run (its tokenizer ``given``: the checkpoint's, whose data position counts the
     windows of the cache it trained on) takes an earlier version's cache of it last, with a
     warning: one named without the latest of its suffixes (:data:`TOKEN_CUT_SUFFIX`,
-    :data:`CONTEXT_SUFFIX`, then :data:`CUT_SUFFIX`), newest first. A new run, even one given
-    a tokenizer (``init_from``, ``data.tokenizer=PATH``), makes its own: it trained on none."""
+    :data:`CONTEXT_SUFFIX`, then :data:`CUT_SUFFIX`), newest first; or before a current one whose
+    training split does not ``fit`` its data position. A new run, even one given a tokenizer
+    (``init_from``, ``data.tokenizer=PATH``), makes its own: it trained on none."""
     recorded = _recall_digest(corpus, root)
-    if recorded is not None:
-        found = _first_cache(root, names(recorded), given, corpus.files_key)
-        if found is not None:
-            return found
+    found = None if recorded is None else _first_cache(root, names(recorded), given, corpus.files_key)
+    if recorded is not None and found is None:
         corpus.read()  # (the recorded caches are gone: the text decides)
-    found = _first_cache(root, names(corpus.digest), given, corpus.files_key)
-    if found is not None or given is None or given.kind != "bpe" or not resumed:
+    if found is None:
+        found = _first_cache(root, names(corpus.digest), given, corpus.files_key)
+    if (given is None or given.kind != "bpe" or not resumed
+            or found is not None and (fits is None or fits(found.train))):
         return found
     levels = _earlier_names(names(corpus.digest))
     for earlier, lacking in levels:
-        found = _first_cache(root, earlier, given, corpus.files_key)
-        if found is not None:
+        older = _first_cache(root, earlier, given, corpus.files_key)
+        if older is not None and (found is None or fits(older.train)):
             why = "; and ".join(_WITHOUT[suffix] for suffix in lacking)
-            warn_user(f"token cache {str(found.cache_dir)!r} was made by an earlier attnres, which {why}. It is kept "
+            warn_user(f"token cache {str(older.cache_dir)!r} was made by an earlier attnres, which {why}. It is kept "
                       "for this run, which resumes a checkpoint that may have trained on it; a new run makes its own, "
                       f"named ...{''.join(reversed(levels[-1][1]))}")
-            return found
-    return None
+            return older
+    return found
 
 
 def _earlier_names(names: list[str]) -> list[tuple[list[str], list[str]]]:
