@@ -33,19 +33,16 @@ def clean_cuts(backend) -> tuple[str, ...]:
     normalizer and pre-tokenizer split each of its :data:`CUT_PROBES` there, or else where no
     piece of the vocabulary holds the cut's whitespace (as the vocabulary spells it) next to a
     character on the cut's other side."""
+    unsplit = [kind for kind in CUTS if not all(_splits_at(backend, a, b) for a, b in CUT_PROBES[kind])]
+    if not unsplit:
+        return CUTS
     forms = {c: _form(backend, c) for c in _WHITESPACE}
     spaces = set("".join(f for f in forms.values() if f is not None))
-    vocabulary = None
-    kept = []
-    for kind in CUTS:
-        if all(_splits_at(backend, a, b) for a, b in CUT_PROBES[kind]):
-            kept.append(kind)
-            continue
-        vocabulary = list(backend.get_vocab(with_added_tokens=False)) if vocabulary is None else vocabulary
-        form = forms["\n" if kind == "line" else " "]
-        if form and not any(_crosses(piece, form, kind, spaces) for piece in vocabulary):
-            kept.append(kind)
-    return tuple(kept)
+    vocabulary = backend.get_vocab(with_added_tokens=False)
+    crossed = [kind for kind in unsplit
+               if not (form := forms["\n" if kind == "line" else " "])
+               or any(_crosses(piece, form, kind, spaces) for piece in vocabulary)]
+    return tuple(kind for kind in CUTS if kind not in crossed)
 
 
 def _splits_at(backend, before: str, after: str) -> bool:
