@@ -9,6 +9,7 @@ import math
 import random
 import shutil
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -196,25 +197,83 @@ def test_pieces_cut_inside_whitespace_runs_keep_the_bpe_ids_of_the_whole_text():
 
 
 @pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
-def test_a_cache_of_pieces_cut_inside_whitespace_runs_is_not_taken_by_a_new_run(tmp_path):
+def test_a_cache_of_pieces_cut_inside_whitespace_runs_is_not_taken_by_a_new_run(tmp_path, monkeypatch):
     """An earlier version's BPE cache holds ids cut inside whitespace runs: a new run (the
     same corpus and settings: the same name then) would have taken them silently. It makes its
-    own (named -cleancut); a run given the tokenizer (a checkpoint's: it may have trained on
-    the old cache) keeps the old one, with a warning. A byte cache's ids are the same."""
+    own (named -cleancut), and so does a new run given the tokenizer (init_from, data.tokenizer=PATH:
+    it trained on neither); a resumed run (it may have trained on the old cache: its data
+    position counts that cache's windows) keeps the old one, with a warning. A byte cache's ids
+    are the same."""
+    monkeypatch.setattr(dataset_mod, "text_chunks", functools.partial(text_chunks, size=1000))
     (tmp_path / "c.txt").write_text("".join(LINE.format(i) + "\n\n" * (i % 3) for i in range(300)))
     corpus = load_corpus([str(tmp_path / "c.txt")], 0.1)
     data = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"))
     assert data.cache_dir.name.endswith("-bpe300-cleancut")
     old = data.cache_dir.with_name(data.cache_dir.name.removesuffix("-cleancut"))
-    data.cache_dir.rename(old)  # (as an earlier version named it)
+    data.cache_dir.rename(old)  # (as an earlier version named it, with its ids: cut after each first line break)
+    cuts = [0] + [corpus.train.index("\n", k) + 1 for k in range(1000, len(corpus.train), 1000)] + [len(corpus.train)]
+    earlier = [i for a, b in zip(cuts, cuts[1:]) for i in data.tokenizer.encode(corpus.train[a:b])]
+    assert earlier != data.tokenizer.encode(corpus.train)  # (one of them cut a run of line breaks)
+    (old / "train.bin").unlink()
+    np.asarray(earlier, np.uint16).tofile(old / "train.bin")
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({**meta, "n_train": len(earlier)}))
     again = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"))
     assert again.cache_dir.name == data.cache_dir.name and again.cache_dir.exists() and old.exists()
     shutil.rmtree(again.cache_dir)
+    data.tokenizer.save(tmp_path / "tokenizer.json")
+    for given in (dict(given=data.tokenizer), dict(tokenizer=str(tmp_path / "tokenizer.json"))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no word of the old cache: it is not taken)
+            made = prepare_data(corpus, **{"tokenizer": "bpe", "vocab_size": 300, **given},
+                                cache_dir=str(tmp_path / "cache"))
+        assert made.cache_dir.name.endswith("-cleancut") and old.exists()
+        assert made.train.tolist() == data.tokenizer.encode(corpus.train)
+        shutil.rmtree(made.cache_dir)
     with pytest.warns(UserWarning, match=r"was made by an earlier attnres, which cut the text into pieces inside "
-                                         r"whitespace runs: .* It is kept for this run, whose tokenizer was given"):
-        kept = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer)
-    assert kept.cache_dir == old
+                                         r"whitespace runs: .* It is kept for this run, which resumes a checkpoint"):
+        kept = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer, resumed=True)
+    assert kept.cache_dir == old and kept.train.tolist() == earlier
     assert prepare_data(corpus, "byte", cache_dir=str(tmp_path / "cache")).cache_dir.name.endswith("-byte256")
+    # both found (a run started from the checkpoint made the current one): the one whose windows
+    # the resumed run's data position counts
+    made = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"))
+    assert len(earlier) != len(made.train)
+    with pytest.warns(UserWarning, match=r"was made by an earlier attnres, .* It is kept for this run, which resumes"):
+        kept = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer, resumed=True,
+                            fits=lambda train: len(train) == len(earlier))
+    assert kept.cache_dir == old
+    current = prepare_data(corpus, "bpe", 300, str(tmp_path / "cache"), given=data.tokenizer, resumed=True,
+                           fits=lambda train: len(train) == len(made.train))
+    assert current.cache_dir == made.cache_dir
+
+
+@pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_run_takes_the_earlier_cache_its_data_position_counts(tmp_path, monkeypatch):
+    """attnres train stopped, then upgraded (its cache named as an earlier version named it), a
+    new run started from its checkpoint since (init_from: a current cache, here a window shorter):
+    the resume takes the cache it trained on, with a warning, where the current one has other
+    windows than its data position counts ('sampler state does not match the data')."""
+    from test_train import overrides
+
+    from attnres.train import load_config, train
+
+    monkeypatch.setattr(dataset_mod, "text_chunks", functools.partial(text_chunks, size=1000))
+    (tmp_path / "c.txt").write_text("".join(LINE.format(i) + "\n\n" * (i % 3) for i in range(300)))
+    args = overrides(tmp_path / "c.txt", tmp_path / "run", **{"data.tokenizer": "bpe", "data.vocab_size": 300},
+                     seq_len=16, batch_size=2, steps=4, eval_every=2, eval_batches=1)
+    assert train(load_config(None, [*args, "stop_after=2"])).step == 2
+    [made] = (tmp_path / ".attnres-cache").iterdir()
+    old = made.rename(made.with_name(made.name.removesuffix("-cleancut")))
+    shutil.copytree(old, made)  # (the current cache, its ids cut elsewhere: a window fewer)
+    meta = json.loads((made / "meta.json").read_text())
+    ids = np.fromfile(made / "train.bin", dtype=meta["dtype"])[:-16]
+    (made / "train.bin").unlink()
+    ids.tofile(made / "train.bin")
+    (made / "meta.json").write_text(json.dumps({**meta, "n_train": len(ids)}))
+    with pytest.warns(UserWarning, match=r"was made by an earlier attnres, .* It is kept for this run, which resumes"):
+        assert train(load_config(None, [*args, "resume=true"])).step == 4
 
 
 @pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")

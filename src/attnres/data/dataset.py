@@ -2,7 +2,7 @@
 
 Layout of a cache, beside the data by default::
 
-    <cache_dir>/<digest[:16]>-<kind><vocab>[-cleancut[-incontext]]/
+    <cache_dir>/<digest[:16]>-<kind><vocab>[-cleancut[-incontext][-tokencut]]/
         tokenizer.json      (BPE only)
         train.bin, val.bin  raw token ids, uint16 (uint32 for vocabularies > 65536)
         meta.json           what the .bin files hold; written last, so its presence marks
@@ -10,11 +10,11 @@ Layout of a cache, beside the data by default::
 
 The key (corpus digest, tokenizer kind, requested vocabulary size) changes whenever the
 text, the split or the tokenizer request does, so a stale cache is never reused. Data
-tokenised with a given tokenizer (a checkpoint's, on resume or ``init_from``) that differs
-from the cached one goes to ``<digest[:16]>-<kind><vocab>-<tokenizer fingerprint[-12:]>-cleancut``
+tokenised with a given tokenizer (a checkpoint's, on resume or ``init_from``; or
+``data.tokenizer=PATH``) that differs from the cached one goes to ``<digest[:16]>-<kind><vocab>-<tokenizer fingerprint[-12:]>-cleancut``
 (:data:`CUT_SUFFIX`, a BPE's: the pieces the text was tokenised in; ``-cleancut-incontext``,
 :data:`CONTEXT_SUFFIX`, for a tokenizer that marks a text's start, whose pieces are read in
-context).
+context; ``-tokencut``, :data:`TOKEN_CUT_SUFFIX`, last, for one whose pieces cross line breaks).
 meta.json also records the keys of the files the cache was made from (see
 :mod:`attnres.data.cache_index`): the digest is found there, and the text not read, while
 the files are unchanged.
@@ -41,6 +41,7 @@ from ..user_warning import warn_user
 from ..validation import did_you_mean
 from .cache_index import record_files, recorded_digest, remove_stale_temporaries, temporary_dir
 from .corpus import DOCUMENT_SEPARATOR, Corpus, is_json_lines
+from .crossing_cuts import CUTS
 from .piece_ids import pieces_ids
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
                         load_tokenizer_file, text_chunks, train_bpe, unknown_share)
@@ -90,16 +91,16 @@ def _encode_to_file(tok: Tokenizer, text: str | Iterable[str], path: Path, dtype
                     length: int | None = None) -> int:
     """Encode ``text`` (a string, or its consecutive parts: a split streamed from the files,
     of ``length`` characters) piece by piece (the pieces of :func:`text_chunks`, about 1 MB,
-    cut after a line break, so memory stays bounded for large corpora; :data:`ENCODE_BATCH`
-    of them at a time, on as many threads; each read as the text's continuation where the
-    tokenizer marks a text's start: :func:`~attnres.data.piece_ids.pieces_ids`) and write the
-    ids to ``path`` atomically, with a progress bar over the characters when ``progress``.
-    Returns the number of tokens."""
+    cut after a line break or before a space that ``tok`` reads apart, so memory stays bounded
+    for large corpora; :data:`ENCODE_BATCH` of them at a time, on as many threads; each read as
+    the text's continuation where the tokenizer marks a text's start:
+    :func:`~attnres.data.piece_ids.pieces_ids`) and write the ids to ``path`` atomically, with
+    a progress bar over the characters when ``progress``. Returns the number of tokens."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     n = 0
     length = len(text) if isinstance(text, str) else length
     bar = progress_bar(progress, total=length, unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
-    pieces, before = text_chunks(text, splits=tok.pre_token_starts), ""
+    pieces, before = text_chunks(text, splits=tok.pre_token_starts, cuts=tok.clean_cuts), ""
     try:
         with tmp.open("wb") as f:
             while batch := list(itertools.islice(pieces, ENCODE_BATCH)):
@@ -193,6 +194,19 @@ def _warn_unknown_tokens(tok: Tokenizer, tokens: np.ndarray) -> None:
                   "one on it)")
 
 
+def _warn_no_clean_cut(tok: Tokenizer, name: str) -> None:
+    """Warn when ``tok`` (called ``name``) reads none of
+    :func:`~attnres.data.tokenizer.text_chunks`' cuts apart
+    (:attr:`~attnres.data.tokenizer.BPETokenizer.clean_cuts`: its pieces cross both line breaks
+    and spaces): its text is then cut where its pre-tokenizer splits, else every 2 MB, and the
+    ids there may not be those of the text as a whole."""
+    if not tok.clean_cuts:
+        warn_user(f"the tokenizer ({name}) has pieces across line breaks and spaces (a BPE trained without a "
+                  "pre-tokenizer?): the token cache cuts the text into pieces of about 1 MB where its pre-tokenizer "
+                  "splits, else every 2 MB, and its ids at those cuts may not be those of the text as a whole; a "
+                  "tokenizer whose pre-tokenizer splits at spaces or line breaks has none")
+
+
 def _warn_unseparated_documents(tok: Tokenizer, corpus: Corpus) -> None:
     """Warn when ``corpus`` holds several documents (files, JSON lines) and ``tok`` encodes the
     blank line that joins them (:data:`~attnres.data.corpus.DOCUMENT_SEPARATOR`) as nothing: a
@@ -236,7 +250,7 @@ def corpus_fingerprint(corpus: Corpus, cache_dir: str | None = None) -> str:
 
 def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096, cache_dir: str | None = None,
                  given: Tokenizer | None = None, progress: bool = False, bpe_sample: int | None = None,
-                 resumed: bool = False) -> TokenData:
+                 resumed: bool = False, fits: Callable[[np.ndarray], bool] | None = None) -> TokenData:
     """Tokenise ``corpus`` with the requested tokenizer, reusing a complete cache if present.
 
     ``tokenizer="bpe"`` trains a byte-level BPE on the *training* split only; when the
@@ -260,12 +274,19 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     cache is its own (``...-bpe4096-sample<N>``). ``None`` (the default): all of it.
 
     ``resumed``: ``given`` is the tokenizer of a checkpoint this run resumes, which may have
-    trained on an earlier version's cache of it (:func:`_find_cache`).
+    trained on an earlier version's cache of it: that cache is kept, with a warning
+    (:func:`_find_cache`). A run not resumed makes its own instead.
+
+    ``fits``: of a ``resumed`` run, whether a training split holds as many windows as its
+    checkpoint's data position counts. A current cache that does not is passed over for an
+    earlier version's that does: the run trained on that one, and a new run made the current one
+    since (a run started from the same checkpoint).
     """
     if tokenizer not in TOKENIZER_KINDS and not is_tokenizer_path(tokenizer):
         raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS} or a tokenizer.json path; got {tokenizer!r}"
                          f"{did_you_mean(tokenizer, TOKENIZER_KINDS)}")
-    if given is None and tokenizer not in TOKENIZER_KINDS:
+    by_path = given is None and tokenizer not in TOKENIZER_KINDS
+    if by_path:
         given = load_tokenizer_file(tokenizer, "data.tokenizer")
     if given is None and tokenizer == "bpe" and not bpe_available():
         warn_user("the 'tokenizers' package is not installed: falling back to the byte-level tokenizer")
@@ -275,13 +296,14 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     names = functools.partial(_cache_names, tokenizer=tokenizer, vocab_size=vocab_size, given=given,
                               bpe_sample=bpe_sample)
     with sigterm_raises():  # (a SIGTERM, as Ctrl-C, removes the partial cache: see _write_cache)
-        found = _find_cache(corpus, root, names, given, resumed)
+        found = _find_cache(corpus, root, names, given, resumed, fits)
         if found is not None:
             return found
         cache = root / names(corpus.digest)[-1]
         made = (given if given is not None
                 else train_bpe(corpus.train_parts(), vocab_size, progress, corpus.train_length, bpe_sample)
                 if tokenizer == "bpe" else ByteTokenizer())
+        _warn_no_clean_cut(made, f"data.tokenizer={tokenizer}" if by_path else repr(made))
         _write_cache(corpus, cache, made, progress)
         return _open_cache(cache, given)
 
@@ -289,8 +311,9 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
 #: The end of the caches' names: their text was cut into pieces (:func:`~attnres.data.tokenizer.text_chunks`)
 #: where the tokenizer's pre-tokenizer splits anyway, so their ids are those of the whole text.
 #: Earlier versions' caches, named without it, cut inside whitespace runs (after the first of
-#: three line breaks): a few ids at their cuts differ. A new run does not take them. A BPE's
-#: only: bytes' ids are the same wherever the text is cut.
+#: three line breaks): a few ids at their cuts differ. A new run does not take them, even one
+#: given a tokenizer (``init_from``, ``data.tokenizer=PATH``); a resumed one does, with a warning
+#: (:func:`_find_cache`). A BPE's only: bytes' ids are the same wherever the text is cut.
 CUT_SUFFIX = "-cleancut"
 
 #: After :data:`CUT_SUFFIX`, for a tokenizer that marks the start of every text it encodes
@@ -299,6 +322,26 @@ CUT_SUFFIX = "-cleancut"
 #: (:mod:`attnres.data.piece_ids`). Earlier versions read each as a text's start, a "▁" at every
 #: cut: a new run does not take their caches. Other tokenizers' ids, and names, are unchanged.
 CONTEXT_SUFFIX = "-incontext"
+
+#: Last, for a tokenizer that reads some of :func:`~attnres.data.tokenizer.text_chunks`' cuts
+#: together (:attr:`~attnres.data.tokenizer.BPETokenizer.clean_cuts`: its pieces cross line
+#: breaks, ``"text\nnext"``): its text was cut only where it reads the two sides apart.
+#: Earlier versions cut it after line breaks, its ids there not the whole text's: a new run does
+#: not take their caches. Other tokenizers' ids, and names, are unchanged.
+TOKEN_CUT_SUFFIX = "-tokencut"
+
+#: Why a cache named without each suffix, an earlier version's, holds ids that are not the
+#: whole text's (:func:`_find_cache`'s warning).
+_WITHOUT = {
+    CUT_SUFFIX: "cut the text into pieces inside whitespace runs: a few of its ids at the cuts (about one piece of "
+                "1 MB in a few) are not those of the text as a whole",
+    CONTEXT_SUFFIX: "read each piece of the text as the start of a text: this tokenizer marks a text's start (a "
+                    "SentencePiece-style '▁'), so its ids at every cut (one each 1 MB) are not those of the text as "
+                    "a whole",
+    TOKEN_CUT_SUFFIX: "cut the text into pieces after line breaks that this tokenizer's pieces cross (its vocabulary "
+                      "holds pieces with a line break inside), so its ids at those cuts are not those of the text as "
+                      "a whole",
+}
 
 
 def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer | None,
@@ -313,48 +356,55 @@ def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer 
     cut = CUT_SUFFIX if kind == "bpe" else ""  # (bytes' ids are the same wherever the text is cut)
     if given is not None and given.marks_text_start:
         cut += CONTEXT_SUFFIX
+    if given is not None and given.clean_cuts != CUTS:
+        cut += TOKEN_CUT_SUFFIX
     if given is None:
         return [requested + cut]
     key_vocab = given.vocab_size if given.kind == "bpe" else 256
     return [requested + cut, f"{digest[:16]}-{given.kind}{key_vocab}-{given.fingerprint[-12:]}{cut}"]
 
 
-def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]],
-                given: Tokenizer | None, resumed: bool = False) -> TokenData | None:
+def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]], given: Tokenizer | None,
+                resumed: bool = False, fits: Callable[[np.ndarray], bool] | None = None) -> TokenData | None:
     """The complete cache of ``corpus`` tokenised as asked: by the digest recorded for its
     files (no text read), else by its text's digest (a cache of an earlier version, or files
     copied or touched since: their key is then recorded too); ``None`` when there is none.
-    With a tokenizer ``given`` (a checkpoint's: a run resumed or started from one, which may
-    have trained on it), an earlier version's cache of it (:data:`CUT_SUFFIX`) is taken last,
-    with a warning; for a tokenizer that marks a text's start (:data:`CONTEXT_SUFFIX`), whose
-    earlier caches differ at every cut, only by a ``resumed`` run (its data position counts
-    the windows of the cache it trained on)."""
+    A ``resumed`` run (its tokenizer ``given``: the checkpoint's, whose data position counts the
+    windows of the cache it trained on) takes an earlier version's cache of it last, with a
+    warning: one named without the latest of its suffixes (:data:`TOKEN_CUT_SUFFIX`,
+    :data:`CONTEXT_SUFFIX`, then :data:`CUT_SUFFIX`), newest first; or before a current one whose
+    training split does not ``fit`` its data position. A new run, even one given a tokenizer
+    (``init_from``, ``data.tokenizer=PATH``), makes its own: it trained on none."""
     recorded = _recall_digest(corpus, root)
-    if recorded is not None:
-        found = _first_cache(root, names(recorded), given, corpus.files_key)
-        if found is not None:
-            return found
+    found = None if recorded is None else _first_cache(root, names(recorded), given, corpus.files_key)
+    if recorded is not None and found is None:
         corpus.read()  # (the recorded caches are gone: the text decides)
-    found = _first_cache(root, names(corpus.digest), given, corpus.files_key)
-    if found is not None or given is None or given.kind != "bpe" or (given.marks_text_start and not resumed):
+    if found is None:
+        found = _first_cache(root, names(corpus.digest), given, corpus.files_key)
+    if (given is None or given.kind != "bpe" or not resumed
+            or found is not None and (fits is None or fits(found.train))):
         return found
-    current = [name.removesuffix(CONTEXT_SUFFIX) for name in names(corpus.digest)]
-    earlier = ([*current, *(name.removesuffix(CUT_SUFFIX) for name in current)] if given.marks_text_start
-               else [name.removesuffix(CUT_SUFFIX) for name in current])
-    found = _first_cache(root, earlier, given, corpus.files_key)
-    if found is not None and given.marks_text_start:
-        warn_user(f"token cache {str(found.cache_dir)!r} was made by an earlier attnres, which read each piece of the "
-                  "text as the start of a text: this tokenizer marks a text's start (a SentencePiece-style '▁'), so "
-                  "its ids at every cut (one each 1 MB) are not those of the text as a whole. It is kept for this "
-                  "run, which resumes a checkpoint that may have trained on it; a new run makes its own, named "
-                  "-incontext")
-    elif found is not None:
-        warn_user(f"token cache {str(found.cache_dir)!r} was made by an earlier attnres, which cut the text into "
-                  "pieces inside whitespace runs: a few of its ids at the cuts (about one piece of 1 MB in a few) are "
-                  "not those of the text as a whole. It is kept for this run, whose tokenizer was given (a "
-                  "checkpoint's: the run may have trained on it); delete it for a cache cut where the tokenizer "
-                  "splits anyway")
+    levels = _earlier_names(names(corpus.digest))
+    for earlier, lacking in levels:
+        older = _first_cache(root, earlier, given, corpus.files_key)
+        if older is not None and (found is None or fits(older.train)):
+            why = "; and ".join(_WITHOUT[suffix] for suffix in lacking)
+            warn_user(f"token cache {str(older.cache_dir)!r} was made by an earlier attnres, which {why}. It is kept "
+                      "for this run, which resumes a checkpoint that may have trained on it; a new run makes its own, "
+                      f"named ...{''.join(reversed(levels[-1][1]))}")
+            return older
     return found
+
+
+def _earlier_names(names: list[str]) -> list[tuple[list[str], list[str]]]:
+    """``names`` (all ending with the same suffixes of :data:`_WITHOUT`) as earlier versions
+    named them, with the suffixes they lack: less their last suffix, then less the one before
+    it too, ... (the newest first)."""
+    levels: list[tuple[list[str], list[str]]] = []
+    while (suffix := next((s for s in _WITHOUT if names[0].endswith(s)), None)) is not None:
+        names = [name.removesuffix(suffix) for name in names]
+        levels.append((names, [*(levels[-1][1] if levels else []), suffix]))
+    return levels
 
 
 def _first_cache(root: Path, names: list[str], given: Tokenizer | None, files_key: str) -> TokenData | None:

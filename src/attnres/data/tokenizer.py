@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from .crossing_cuts import CUTS, clean_cuts
+
 TOKENIZER_KINDS = ("bpe", "byte")
 
 
@@ -29,6 +31,8 @@ class Tokenizer(Protocol):
     fingerprint: str
     #: Whether :meth:`encode` reads the start of a text apart (:attr:`BPETokenizer.marks_text_start`).
     marks_text_start: bool
+    #: The kinds of :func:`text_chunks`' cuts it reads apart (:attr:`BPETokenizer.clean_cuts`).
+    clean_cuts: tuple[str, ...]
     #: Where its pre-tokenizer splits a text (:attr:`BPETokenizer.pre_token_starts`), or ``None``.
     pre_token_starts: Callable[[str], list[int]] | None
 
@@ -68,6 +72,7 @@ class ByteTokenizer:
     fingerprint = "byte"
     model_name = "byte"  # (what a run's summary calls it)
     marks_text_start = False
+    clean_cuts = CUTS
     pre_token_starts = None  # (bytes read the same wherever a text is cut)
 
     def encode(self, text: str) -> list[int]:
@@ -150,12 +155,23 @@ class BPETokenizer:
         return any(self._as_model_reads(a + b) != self._as_model_reads(a) + self._as_model_reads(b)
                    for a, b in START_PROBES)
 
+    @functools.cached_property
+    def clean_cuts(self) -> tuple[str, ...]:
+        """The kinds of :func:`text_chunks`' cuts (:data:`~attnres.data.crossing_cuts.CUTS`: after
+        a line break, before a space) whose two sides this tokenizer reads apart: both for
+        attnres's own BPE, GPT-2's, Llama 3's and Qwen's (their pre-tokenizers split there), and
+        for a SentencePiece-style one whose pieces hold no line break and a "▁" only at their
+        start; only "space" for one whose pieces cross line breaks (a ``Metaspace``
+        pre-tokenizer with ``prepend_scheme="never"`` trained on text with line breaks:
+        ``"text\\nnext"``). See :func:`~attnres.data.crossing_cuts.clean_cuts`."""
+        return clean_cuts(self._tok)
+
     @property
     def pre_token_starts(self) -> Callable[[str], list[int]] | None:
         """A function giving the offsets in a text where this tokenizer's pre-tokenizer starts
         a pre-token (GPT-2's: at each change between letters, digits and punctuation), where
-        :func:`text_chunks` cuts a text that has no line break or space to cut at; ``None``
-        where it has no pre-tokenizer (a Llama 2 ``tokenizer.json``)."""
+        :func:`text_chunks` cuts a text that has no line break or space to cut at (of
+        :attr:`clean_cuts`); ``None`` where it has no pre-tokenizer (a Llama 2 ``tokenizer.json``)."""
         pre = self._tok.pre_tokenizer
         if pre is None:
             return None
@@ -483,8 +499,8 @@ _SPACE_CUT = re.compile(r" (?<=\S )(?=\S)")
 SPLIT_WINDOW, SPLIT_LOOKAHEAD = 1024, 16
 
 
-def text_chunks(text: str | Iterable[str], size: int = 1 << 20,
-                splits: Callable[[str], list[int]] | None = None) -> Iterator[str]:
+def text_chunks(text: str | Iterable[str], size: int = 1 << 20, splits: Callable[[str], list[int]] | None = None,
+                cuts: tuple[str, ...] = CUTS) -> Iterator[str]:
     """``text`` in consecutive pieces of about ``size`` characters, each ending just after the
     first line break of :data:`_LINE_CUT` (a line break between two characters other than
     whitespace) ``size`` characters or more after its start (the last one at the end of the
@@ -500,30 +516,35 @@ def text_chunks(text: str | Iterable[str], size: int = 1 << 20,
     characters without either, ends at the last place before them where ``splits`` (a
     tokenizer's :attr:`~BPETokenizer.pre_token_starts`) splits the text (:func:`_split_before`),
     or, without one (bytes, a tokenizer without a pre-tokenizer, a run of letters such as CJK
-    text that GPT-2's pre-tokenizer does not split), at 2 * size: it may split a word."""
+    text that GPT-2's pre-tokenizer does not split), at 2 * size: it may split a word.
+
+    ``cuts``: the kinds of cut taken (a tokenizer's :attr:`~BPETokenizer.clean_cuts`): a text
+    encoded by one whose pieces cross line breaks is cut only before a space, else as the last
+    resort."""
     held, start = "", 0  # (the text not yet yielded is held[start:])
     for part in [text] if isinstance(text, str) else text:
         held = held[start:] + part if start < len(held) else part
         start = 0
-        while (end := _piece_end(held, start, size, False, splits)) is not None:
+        while (end := _piece_end(held, start, size, False, splits, cuts)) is not None:
             yield held[start:end]
             start = end
     while start < len(held):
-        end = _piece_end(held, start, size, True, splits)
+        end = _piece_end(held, start, size, True, splits, cuts)
         yield held[start:end]
         start = end
 
 
-def _piece_end(text: str, start: int, size: int, final: bool,
-               splits: Callable[[str], list[int]] | None) -> int | None:
+def _piece_end(text: str, start: int, size: int, final: bool, splits: Callable[[str], list[int]] | None,
+               cuts: tuple[str, ...]) -> int | None:
     """Where :func:`text_chunks`' piece starting at ``start`` of ``text`` ends, or ``None``
     where that needs more text than ``text`` holds (``final``: the text ends there)."""
     lo, hi = start + size, start + 2 * size
-    if (line := _LINE_CUT.search(text, lo, hi + 1)) is not None:  # (hi + 1: the character after it is seen)
+    # (hi + 1: the character after it is seen)
+    if "line" in cuts and (line := _LINE_CUT.search(text, lo, hi + 1)) is not None:
         return line.end()
     if len(text) <= hi:  # (a line break may come before hi, or the text ends)
         return len(text) if final else None
-    if (space := _SPACE_CUT.search(text, lo, hi + 1)) is not None:
+    if "space" in cuts and (space := _SPACE_CUT.search(text, lo, hi + 1)) is not None:
         return space.start()
     if splits is None:
         return hi

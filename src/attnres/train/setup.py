@@ -254,9 +254,15 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
         warn_if_tokenizer_unused(config.data.tokenizer, given, source)
     changed = start.resume is not None and check_data(start.resume, corpus_fingerprint(corpus, config.data.cache_dir),
                                                       config.allow_data_change)
+    # (a resumed run's data position counts the windows of the cache it trained on, where an
+    # earlier version's and a current one are both found)
+    position = (start.resume.state.get("sampler") or {}) if start.resume is not None and not changed else {}
+    windows = position.get("n_windows")
+    fits = None if windows is None else lambda train: len(train) // config.seq_len == windows
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
                                              config.data.cache_dir, given=given, progress=config.progress,
-                                             bpe_sample=config.data.bpe_sample, resumed=start.resume is not None),
+                                             bpe_sample=config.data.bpe_sample, resumed=start.resume is not None,
+                                             fits=fits),
                         what="preparing the data: training the tokenizer, tokenising the corpus")
     vocab_size = model_vocab_size(config, start, tokens.vocab_size)
     if vocab_size_given and config.model.vocab_size != vocab_size:

@@ -1,0 +1,85 @@
+"""Which of :func:`~attnres.data.tokenizer.text_chunks`' cuts a tokenizer reads apart.
+
+The token caches encode a text in pieces of about 1 MB, cut just after a line break or just
+before a space with text on either side (:data:`CUTS`). Their ids are the whole text's where no
+token crosses the cut: where the pre-tokenizer splits there (GPT-2's, Llama 3's and Qwen's do at
+both, a ``Metaspace`` one before a space), or where the vocabulary holds no piece across it (a
+SentencePiece-style ``tokenizer.json`` without a pre-tokenizer, as Llama 2's, trained split at
+whitespace: its pieces hold no line break, and a "▁" only at their start). A ``tokenizer.json``
+whose pre-tokenizer does not split at a line break (a ``Metaspace`` one, or none) trained on
+text with line breaks holds pieces such as ``"text\\nnext"``: cut after that line break, its
+ids were not the whole text's.
+"""
+
+from __future__ import annotations
+
+#: The kinds of cut of :func:`~attnres.data.tokenizer.text_chunks`: just after a line break,
+#: just before a space (each with a character other than whitespace on either side).
+CUTS = ("line", "space")
+
+#: For each kind of cut, texts cut there (the two sides): the pre-tokenizer must split every one
+#: there (after a letter or punctuation, before one) for the cut to be read apart.
+CUT_PROBES = {"line": (("x\n", "y"), ("x.\n", "(y")), "space": (("x", " y"), ("x.", " (y"))}
+
+#: The whitespace characters whose forms (as a vocabulary spells them: "Ċ" for a line break in
+#: a byte-level BPE's, "▁" for a space in a SentencePiece-style one) a piece may hold on the
+#: whitespace side of a cut without crossing it.
+_WHITESPACE = " \n\t\r"
+
+
+def clean_cuts(backend) -> tuple[str, ...]:
+    """The kinds of :data:`CUTS` that the ``tokenizers.Tokenizer`` ``backend`` reads apart: the
+    ids of a text cut there are those of the whole text. A kind is read apart where the
+    normalizer and pre-tokenizer split each of its :data:`CUT_PROBES` there, or else where no
+    piece of the vocabulary holds the cut's whitespace (as the vocabulary spells it) next to a
+    character on the cut's other side."""
+    unsplit = [kind for kind in CUTS if not all(_splits_at(backend, a, b) for a, b in CUT_PROBES[kind])]
+    if not unsplit:
+        return CUTS
+    forms = {c: _form(backend, c) for c in _WHITESPACE}
+    spaces = set("".join(f for f in forms.values() if f is not None))
+    vocabulary = backend.get_vocab(with_added_tokens=False)
+    crossed = [kind for kind in unsplit
+               if not (form := forms["\n" if kind == "line" else " "])
+               or any(_crosses(piece, form, kind, spaces) for piece in vocabulary)]
+    return tuple(kind for kind in CUTS if kind not in crossed)
+
+
+def _splits_at(backend, before: str, after: str) -> bool:
+    """Whether ``backend``'s normalizer and pre-tokenizer split ``before + after`` between the
+    two: no pre-token holds characters of both (one that drops whitespace, ``Whitespace``, has
+    none that starts at a cut before a space, and none across it)."""
+    from tokenizers import PreTokenizedString
+
+    text = PreTokenizedString(before + after)
+    if backend.normalizer is not None:
+        text.normalize(backend.normalizer.normalize)
+    if backend.pre_tokenizer is None:
+        return False
+    backend.pre_tokenizer.pre_tokenize(text)
+    cut = len(before)
+    return not any(start < cut < end for _, (start, end), _ in text.get_splits(offset_referential="original"))
+
+
+def _form(backend, whitespace: str) -> str | None:
+    """``whitespace`` as ``backend``'s vocabulary spells it between two letters (``None``
+    where the letters are not found as themselves: a normalizer that changes them)."""
+    text = "x" + whitespace + "y"
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    if backend.pre_tokenizer is not None:
+        text = "".join(piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text))
+    x, y = text.find("x"), text.rfind("y")
+    return text[x + 1:y] if 0 <= x < y else None
+
+
+def _crosses(piece: str, form: str, kind: str, spaces: set[str]) -> bool:
+    """Whether ``piece`` holds a cut of ``kind`` whose whitespace is spelled ``form``: the
+    line break followed by a character other than whitespace, or a space after one."""
+    at = piece.find(form)
+    while at >= 0:
+        beside = at + len(form) if kind == "line" else at - 1
+        if 0 <= beside < len(piece) and piece[beside] not in spaces:
+            return True
+        at = piece.find(form, at + 1)
+    return False
