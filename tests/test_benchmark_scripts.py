@@ -130,14 +130,37 @@ def test_each_benchmark_writes_its_results_through_the_shared_writer(script):
 RESULTS = BENCHMARKS.parent / "results"
 
 
-def _bf16_stream_loss(out: Path, monkeypatch) -> None:
+def _bf16_stream_loss(out: Path, monkeypatch, loss=lambda out, model, setting, seed, steps: 4.0) -> None:
+    """The study run on stand-in losses (``loss``: each run's last loss; the runs, not what this checks)."""
     import bf16_stream_loss as study
 
-    monkeypatch.setattr(study, "train", lambda *args: 4.0)  # (the runs, not what this checks)
+    monkeypatch.setattr(study, "train", loss)
     monkeypatch.setattr(study, "curve", lambda run_dir: [(1, 4.5), (2, 4.0)])
     monkeypatch.setattr(sys, "argv", ["bf16_stream_loss.py", "--out", str(out.parent / "runs"), "--results", str(out),
                                       "--models", "block", "--seeds", "0", "1", "--settings", "bf16 stream"])
     study.main()
+
+
+def test_bf16_stream_loss_reports_a_diverged_run(tmp_path, monkeypatch):
+    """A diverged run's NaN loss stopped bf16_stream_loss.py after the whole grid, before it
+    wrote anything (``statistics.stdev`` raises an AttributeError on NaN), and its .json would
+    have held ``NaN``, which JSON does not have (``jq`` and JavaScript refuse the file): the
+    table now shows nan and the .json ``null``."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+    def diverged(out, model, setting, seed, steps):
+        return float("nan") if (setting, seed) == ("bf16 stream", 1) else 4.0
+
+    _bf16_stream_loss(tmp_path / "results", monkeypatch, diverged)
+
+    def refused(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    written = json.loads((tmp_path / "results" / "bf16_stream_loss.json").read_text(), parse_constant=refused)
+    assert written["block"]["bf16 stream"] == {"0": 4.0, "1": None}
+    table = (tmp_path / "results" / "bf16_stream_loss.md").read_text()
+    assert "| block | bf16 stream (FSDP2, 2 ranks) | 4.0000 | nan | nan | +nan ± nan |" in table
 
 
 def _upcycle_moe(out: Path, monkeypatch) -> None:
