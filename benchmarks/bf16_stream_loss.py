@@ -33,7 +33,7 @@ the grid can be stopped and continued, and ``--settings`` adds a setting to a fi
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import shlex
 import statistics
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from bench_training_overhead import out_dir, positive_int
 
-from attnres.output_paths import save_figure_atomically, write_text_atomically
+from attnres.output_paths import save_figure_atomically, strict_json, write_text_atomically
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "train-cpu.yaml"
@@ -106,6 +106,13 @@ def train(out: Path, model: str, setting: str, seed: int, steps: int) -> float:
     return loss
 
 
+def spread(values) -> float:
+    """The sample standard deviation of ``values``; NaN where there are fewer than two or one is
+    NaN (a diverged run's loss), where ``statistics.stdev`` raises an ``AttributeError``."""
+    values = list(values)
+    return statistics.stdev(values) if len(values) > 1 and all(math.isfinite(v) for v in values) else float("nan")
+
+
 def report(losses: dict, steps: int, seeds: list[int], command: str = "python benchmarks/bf16_stream_loss.py") -> str:
     """The final losses of every setting, seed by seed, and each bf16 setting's paired
     difference from the float32 stream; ``command``: the command line that ran them."""
@@ -127,13 +134,13 @@ def report(losses: dict, steps: int, seeds: list[int], command: str = "python be
             paired = ""
             if setting != BASELINE:
                 diffs = [runs[s] - base[s] for s in seeds]
-                sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
+                sd = spread(diffs)
                 paired = f"{statistics.mean(diffs):+.4f} ± {sd:.4f}"
             cells = " | ".join(f"{runs[s]:.4f}" for s in seeds)
             lines.append(f"| {model} | {SETTINGS[setting]} | {cells} | {statistics.mean(runs.values()):.4f} | {paired} |")
     if len(seeds) > 1:
         lines += ["", "Seed-to-seed spread of the float32-stream runs (sd of the final loss): "
-                  + ", ".join(f"{m} {statistics.stdev(v[BASELINE].values()):.4f}" for m, v in losses.items())
+                  + ", ".join(f"{m} {spread(v[BASELINE].values()):.4f}" for m, v in losses.items())
                   + "."]
     return "\n".join(lines) + "\n"
 
@@ -195,7 +202,7 @@ def main() -> None:
     text = report(losses, args.steps, args.seeds, shlex.join(["python", "benchmarks/bf16_stream_loss.py", *sys.argv[1:]]))
     args.results.mkdir(parents=True, exist_ok=True)
     write_text_atomically(args.results / "bf16_stream_loss.md", text, "--results")
-    write_text_atomically(args.results / "bf16_stream_loss.json", json.dumps(
+    write_text_atomically(args.results / "bf16_stream_loss.json", strict_json(
         {m: {s: {str(k): v for k, v in d.items()} for s, d in by.items()} for m, by in losses.items()}, indent=1),
         "--results")
     plot(args.out, args.results, args.models, args.seeds, settings)

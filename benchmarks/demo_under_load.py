@@ -22,12 +22,13 @@ import argparse
 import json
 import multiprocessing
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from bench_training_overhead import out_dir
+
+from attnres.output_paths import write_text_atomically
 
 
 def _spin() -> None:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         label = "quiet" if k == 0 else f"loaded {k} ({args.busy} busy loops)"
         measured, report = run_compare(args.preset, out, args.repeats, args.overrides, 0 if k == 0 else args.busy)
         for name in ("overhead.json", "report.md"):
-            shutil.copy(out / name, keep / f"{'quiet' if k == 0 else f'loaded{k}'}-{name}")
+            write_text_atomically(keep / f"{'quiet' if k == 0 else f'loaded{k}'}-{name}", (out / name).read_text())
         results.append((label, measured, report))
     quiet = results[0][1]
     names = [n for n in quiet["variants"] if n != quiet["baseline"]]
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = (f"`attnres compare --preset {args.preset}`, step-time ratios (CPU time at one thread, interleaved, "
                f"{args.repeats} rounds) quiet and under load; pass: within ±{args.tolerance} of quiet, or the "
                f"report says too noisy.\n\n" + "\n".join(rows) + f"\n\n{'FAIL' if failed else 'PASS'}\n")
-    (keep / "summary.md").write_text(summary)
+    write_text_atomically(keep / "summary.md", summary)
     print(summary)
     return 1 if failed else 0
 

@@ -130,6 +130,7 @@ from attnres import AttnResLM, ModelConfig  # noqa: E402
 from attnres.analysis import profiling  # noqa: E402
 from attnres.inference import KVCache, StaticDecoder, decode_step, prefill  # noqa: E402
 from attnres.ops.depth_attention import library  # noqa: E402
+from attnres.output_paths import write_text_atomically  # noqa: E402
 
 #: The targets (ratios to the standard model, Block AttnRes) and the op-level bound.
 TARGETS = {"train_eager": 1.04, "train_compiled": 1.04, "decode_b1": 1.02, "decode_b8": 1.02, "memory": 1.05}
@@ -1369,7 +1370,7 @@ def write(out: Path, result: dict, strict: bool = False) -> str:
     part's result missing a key), the files say why and the run goes on - unless ``strict``
     (the smoke: the tests see it)."""
     out.mkdir(parents=True, exist_ok=True)
-    _write_whole(out / "gpu_check.json", json.dumps(result, indent=1, default=str))
+    write_text_atomically(out / "gpu_check.json", json.dumps(result, indent=1, default=str))
     try:
         summary = summarize(result)
     except Exception as e:  # noqa: BLE001 - the raw results are written; the summary says what failed
@@ -1377,7 +1378,7 @@ def write(out: Path, result: dict, strict: bool = False) -> str:
             raise
         summary = {"device": result.get("device"), "summary_failed": "".join(traceback.format_exception(e))[-3000:],
                    "skipped": result.get("skipped", {}), "errors": sorted(result.get("errors", {}))}
-    _write_whole(out / "summary.json", json.dumps(summary, indent=1, default=str))
+    write_text_atomically(out / "summary.json", json.dumps(summary, indent=1, default=str))
     try:
         md = render(result)
     except Exception as e:  # noqa: BLE001 - as above
@@ -1385,14 +1386,8 @@ def write(out: Path, result: dict, strict: bool = False) -> str:
             raise
         md = (f"# GPU check on {result.get('device')}\n\nThe tables failed (gpu_check.json has every number):\n\n"
               f"```\n{''.join(traceback.format_exception(e))[-3000:]}```\n")
-    _write_whole(out / "gpu_check.md", md)
+    write_text_atomically(out / "gpu_check.md", md)
     return md
-
-
-def _write_whole(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------ provenance

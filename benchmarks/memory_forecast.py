@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, replace
@@ -45,6 +44,7 @@ from bench_training_overhead import out_stem, positive_int  # noqa: E402
 
 from attnres import AttnResLM  # noqa: E402
 from attnres.analysis.profiling import peak_memory_bytes  # noqa: E402
+from attnres.output_paths import strict_json, write_text_atomically  # noqa: E402
 
 #: The GPU check's shape scaled down: d 2048 -> 512 and 4 x 2048 -> 2 x 512 tokens, with its
 #: depth (32 transformer blocks, 8 blocks of 8 sublayers: the share of sublayers with a
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             + table(result) + "\n")
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"sizes": asdict(z), **result}, indent=1) + "\n")
-    Path(args.out + ".md").write_text(text)
+    write_text_atomically(Path(args.out + ".json"), strict_json({"sizes": asdict(z), **result}, indent=1) + "\n")
+    write_text_atomically(Path(args.out + ".md"), text)
     return 0
 
 

@@ -33,7 +33,6 @@ same inputs: the Phase-1 sum stored in bf16 (a lever not built), and the whole s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import torch
 from bench_training_overhead import out_dir, positive_int
 
 from attnres.ops.depth_attention import reference, torch_impl
+from attnres.output_paths import strict_json, write_text_atomically
 
 EPS = 1e-6
 NAMES = ("z (the sum's logit)", "Phase-1 sum", "partial sum", "sublayer output", "query", "norm gain")
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(f"| {name} | " + " | ".join(f"{r[c]:.1e}" for c in COLUMNS) + " |")
         lines.append("")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "merge_backward_from_output.md").write_text("\n".join(lines))
-    (args.out / "merge_backward_from_output.json").write_text(json.dumps(
+    write_text_atomically(args.out / "merge_backward_from_output.md", "\n".join(lines))
+    write_text_atomically(args.out / "merge_backward_from_output.json", strict_json(
         {"tokens": args.tokens, "d": args.d, "seeds": args.seeds, "results": results}, indent=1) + "\n")
     print("\n".join(lines))
 

@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving  # noqa: E402
 
+from attnres.output_paths import write_text_atomically  # noqa: E402
+
 PARTS = {"prefill": 1, "workload": None}  # max_tokens (None: bench_serving's --max-tokens)
 
 
@@ -97,8 +99,9 @@ def main(argv=None) -> None:
             tables[name, part] = profile(args, llm, prompts, max_tokens or bench_args.max_tokens)
         del llm
     out = bench_serving.RESULTS / f"serving_profile{'_quick' if args.quick else ''}.md"
-    out.write_text(markdown(args, tables))
-    print(out.read_text())
+    text = markdown(args, tables)
+    write_text_atomically(out, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real (set before triton 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from triton_aot_report import aligned_attrs  # noqa: E402
 
+from attnres.output_paths import write_text_atomically  # noqa: E402
+
 KIB = 1024
 #: Each card's Triton target and the shared memory (AMD: LDS) one program may use, in bytes.
 CARDS = {
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --json: {Path(args.json).parent} is not a directory")
     rows = compile_all(cards, args.workers)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_text_atomically(Path(args.json), json.dumps(rows, indent=1), "--json")
     import triton
 
     text, bad = summary(rows, cards)

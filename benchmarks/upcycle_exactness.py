@@ -15,13 +15,13 @@ without the epsilon adjustment. Writes ``--out/exactness.json`` and ``exactness.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 from bench_training_overhead import out_dir
 
+from attnres.output_paths import strict_json, write_text_atomically
 from attnres.upcycle import CHECKED_WITH, FAMILIES, upcycle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny models are test fixtures
@@ -101,8 +101,8 @@ def main() -> int:
     failed = [(f, k, d) for f, rows in results["families"].items() for k, v in rows.items()
               for d, bound in BOUNDS.items() if f"| {d} |" in k
               for key in ("logits", "router_logits") if key in v and v[key] > bound]
-    (out / "exactness.json").write_text(json.dumps(results, indent=1))
-    (out / "exactness.md").write_text(
+    write_text_atomically(out / "exactness.json", strict_json(results, indent=1))
+    write_text_atomically(out / "exactness.md",
         "# Upcycling exactness per family\n\n"
         "Command: `python benchmarks/upcycle_exactness.py --out results/upcycle-exactness`; "
         f"transformers {results['transformers']}, torch {results['torch']}, one thread.\n\n"

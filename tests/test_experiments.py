@@ -480,8 +480,8 @@ def test_a_rerun_that_trains_nothing_keeps_the_overhead_measurement(corpus, tmp_
     assert cli_main(command) == 0 and measured == [1]  # nothing trained: kept, as it was
     assert stored.read_text() == first
     said = capsys.readouterr().out
-    assert ("attnres compare: nothing trained; the step times and memory of overhead.json, measured with these models, "
-            "batch and 1 round, are kept (--remeasure-overhead times them again)\n") in said
+    assert ("attnres compare: nothing trained; the step times and memory of overhead.json, measured on this machine "
+            "with these models, batch and 1 round, are kept (--remeasure-overhead times them again)\n") in said
     assert "overhead: " not in said
     assert cli_main([*command, "--remeasure-overhead"]) == 0 and measured == [1, 1]
     assert cli_main([*command[:-1], "2"]) == 0 and measured == [1, 1, 2]  # other rounds
@@ -496,6 +496,32 @@ def test_a_rerun_that_trains_nothing_keeps_the_overhead_measurement(corpus, tmp_
     stored.write_text(json.dumps(written))
     assert cli_main([*command[:-1], "2"]) == 0 and measured == [1, 1, 2, 2, 2]
     assert cli_main([*command[:-1], "2", "--seeds", "0", "1"]) == 0 and measured == [1, 1, 2, 2, 2, 2]  # seed 1 trained
+
+
+def test_an_overhead_measured_on_another_machine_is_not_kept(tmp_path, monkeypatch):
+    """overhead.json's settings did not name the machine: a finished grid copied to another
+    computer and run again there kept the first computer's step times. Another CPU model,
+    number of cores or architecture now times the variants again (the grid's command keeps
+    only what stored_overhead returns)."""
+    import os
+    import platform
+
+    from attnres import machine
+    from attnres.experiments import measure_overhead
+    from attnres.experiments.job.overhead import stored_overhead
+
+    grid = get_experiment("compare", "tiny")
+    measured = measure_overhead(grid, tmp_path, repeats=1, log=lambda line: None)
+    assert measured["settings"]["machine"] == {"cpu": machine.cpu_name(), "cores": os.cpu_count(),
+                                               "architecture": platform.machine()}
+    written = json.loads((tmp_path / "overhead.json").read_text())
+    assert stored_overhead(grid, tmp_path, repeats=1) == written
+    for module, name, other in [(machine, "cpu_name", "Another CPU"), (os, "cpu_count", 1024),
+                                (platform, "machine", "riscv64")]:
+        with monkeypatch.context() as elsewhere:
+            elsewhere.setattr(module, name, lambda: other)
+            assert stored_overhead(grid, tmp_path, repeats=1) is None, name
+    assert stored_overhead(grid, tmp_path, repeats=1) == written  # back on the machine that measured
 
 
 def test_demo_under_load_times_the_finished_grid_again(tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("validation", "user_warning"),  # the config checks and their error format, imported by migrations too;
     # warn_user, which names the user's line
     ("migrations", "progress", "name_clash", "extras", "output_paths", "lazy_exports", "termination",
-     "hub", "shell_words"),
+     "hub", "shell_words", "machine"),
     ("ops",),
     ("nn",),
     ("models",),

@@ -39,6 +39,7 @@ def facts() -> dict[str, Any]:
 
     from .. import __version__
     from ..extras import installed_from
+    from ..machine import cpu_name
 
     origin = installed_from()
     cuda = torch.cuda.is_available()
@@ -48,7 +49,7 @@ def facts() -> dict[str, Any]:
         "python": {"version": platform.python_version(), "platform": platform.platform()},
         "torch": {"version": torch.__version__, "cuda_build": torch.version.cuda, "hip_build": torch.version.hip,
                   "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()},
-        "devices": {"cpu": f"{_cpu_name()}, {os.cpu_count()} cores",
+        "devices": {"cpu": f"{cpu_name()}, {os.cpu_count()} cores",
                     "cuda": [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
                              for i in range(torch.cuda.device_count())] if cuda else []},
         "depth_attention": {"cpu": _cpu_kernel(), "cuda": _cuda_kernels(cuda)},
@@ -88,17 +89,6 @@ def _vllm_plugin() -> str:
     untested = untested_vllm(versions[0])
     return (f"vLLM loads the attnres plugin ({plugins['attnres']}, entry point 'attnres' of vllm.general_plugins)"
             + (f"; but {untested}" if untested else ""))
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _cpu_kernel() -> str:

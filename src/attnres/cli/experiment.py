@@ -149,7 +149,7 @@ def _grid_arguments(parser: argparse.ArgumentParser, default_out: str | None, pr
     parser.add_argument("--remeasure-overhead", action="store_true",
                         help="compare / ablation / block-size: time the variants again where the command trains "
                         "nothing (every run finished) and overhead.json already holds a measurement of the same "
-                        "models, batch and --overhead-repeats, which such a command otherwise keeps")
+                        "models, batch and --overhead-repeats on this machine, which such a command otherwise keeps")
     parser.add_argument("overrides", nargs="*", default=[], metavar="key=value",  # default: not listed as required
                         help="TrainConfig overrides for every run")
 
@@ -211,8 +211,8 @@ def run_experiment_cli(name: str, preset: str, out: str, seeds: list[int], overr
                 return 0
             if keep and stored_overhead(experiment, out, overrides, overhead_repeats) is not None:
                 rounds = f"{overhead_repeats} round{'' if overhead_repeats == 1 else 's'}"
-                print(f"{prog}: nothing trained; the step times and memory of overhead.json, measured with these "
-                      f"models, batch and {rounds}, are kept (--remeasure-overhead times them again)")
+                print(f"{prog}: nothing trained; the step times and memory of overhead.json, measured on this "
+                      f"machine with these models, batch and {rounds}, are kept (--remeasure-overhead times them again)")
             elif timed:
                 measure_overhead(experiment, out, overrides, overhead_repeats)
         records = load_records(out, experiment)  # every seed finished so far, not only this invocation's

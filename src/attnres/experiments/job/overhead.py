@@ -12,9 +12,10 @@ noise (:func:`timing_noise`): the 95 % interval of the median, widened to how fa
 identical copy of the baseline (an A/A twin, timed alike) lands from 1. The peak memory of
 one step is taken from the profiler. Written to ``<out>/overhead.json``; the report's
 tables read it. It records what its numbers depend on (``settings``: each variant's model,
-the batch, the rounds, the allocator, torch's version), so that a grid's command run again
-over finished runs keeps it (:func:`stored_overhead`) rather than report other numbers of
-the same models.
+the batch, the rounds, the allocator, torch's version, the machine), so that a grid's command
+run again over finished runs keeps it (:func:`stored_overhead`) rather than report other
+numbers of the same models - and measures again on another computer (a finished grid copied
+there).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from ...analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
+from ...machine import cpu_machine
 from ...models import AttnResLM
 from ...output_paths import read_json_object, strict_json, write_text_atomically
 from ...train import TrainConfig
@@ -76,11 +78,12 @@ def _variant_configs(experiment: Experiment, overrides: list[str], tmp: str) -> 
 def _settings(configs: dict[str, TrainConfig], repeats: int) -> dict[str, Any]:
     """What a measurement's numbers depend on, as ``overhead.json`` stores them (its JSON
     form): each variant's model, the batch's shape (the first variant's), the rounds, whether
-    the allocator keeps freed memory, and torch's version."""
+    the allocator keeps freed memory, torch's version, and the machine (its CPU, cores and
+    architecture: a grid copied to another computer kept the first one's timings)."""
     first = next(iter(configs.values()))
     settings = {"models": {name: c.model.to_dict() for name, c in configs.items()}, "batch_size": first.batch_size,
                 "seq_len": first.seq_len, "repeats": repeats, "freed_memory_retained": retains_freed_memory(),
-                "torch": torch.__version__}
+                "torch": torch.__version__, "machine": cpu_machine()}
     return json.loads(strict_json(settings))
 
 
