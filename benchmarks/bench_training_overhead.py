@@ -61,7 +61,6 @@ import torch
 
 from attnres import AttnResLM, ModelConfig
 from attnres.analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
-from attnres.output_paths import replace_atomically, write_text_atomically
 from attnres.train.cpu_memory import CPU_ALLOCATORS, minor_page_faults, set_cpu_allocator
 
 VARIANTS = {
@@ -499,6 +498,10 @@ def write_results(out: Path, results: dict, render, plot=None) -> None:
     Each file is written beside its place and renamed over it, so a run stopped while writing
     (Ctrl-C, a full disk) leaves the committed file as it was, never cut short; the Markdown is
     rendered before anything is written."""
+    # Imported here, not with the module: a --baseline worker runs this script against the
+    # baseline's package, and the documented baselines (ad2ee06, 331a2fd) predate output_paths.
+    from attnres.output_paths import replace_atomically, write_text_atomically
+
     out.parent.mkdir(parents=True, exist_ok=True)
     written = [out.with_suffix(".json"), out.with_suffix(".md")]
     md = render(results)

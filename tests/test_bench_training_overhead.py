@@ -97,6 +97,21 @@ def test_an_unknown_baseline_revision_says_so(tmp_path):
         bench.baseline_source("no-such-rev", tmp_path)
 
 
+def test_the_documented_baseline_revision_starts_its_worker(tmp_path):
+    """``--baseline ad2ee06`` (docs/training-overhead.md's command) stopped with 'benchmark
+    worker exited with 1': the worker runs this script against the baseline's package, and the
+    script imported ``attnres.output_paths``, which that revision (and 331a2fd) predates."""
+    try:
+        src = bench.baseline_source("ad2ee06", tmp_path)
+    except SystemExit:
+        pytest.skip("revision ad2ee06 is not in this clone's history (a shallow clone)")
+    worker = bench.Worker(src, bench.worker_argv(bench.parse_args(["--quick", "--variants", "standard"])))
+    try:
+        assert worker.header["variants"] == ["standard"]
+    finally:
+        worker.close()
+
+
 def test_the_recorded_command_runs_from_the_repository_root(monkeypatch):
     """Results record ``python benchmarks/<script> ...`` even when the script was started from
     ``benchmarks/`` (``inference.md`` said ``python bench_inference.py``)."""

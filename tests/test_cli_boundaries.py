@@ -1092,6 +1092,12 @@ def test_analyze_says_what_it_was_given_before_it_writes_anything(run_dir, tmp_p
                        r"checkpoints: it is a training run that has written no checkpoint yet") as e:
         cli_main(["analyze", str(bare)])
     assert "Hugging Face" not in str(e.value) and not (bare / "analysis").exists()
+    # a grid's finished run without its checkpoints (docs/experiments.md's `attnres analyze --checkpoint
+    # results/compare-long-300/block/seed0` on a clone) was said to have written none yet, "or still training"
+    (bare / "result.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"checkpoints: it is a finished run of a grid \(result.json\) whose "
+                       r"checkpoints are not there \(removed, or not copied with it"):
+        cli_main(["analyze", str(bare)])
     text = tmp_path / "notes.txt"
     text.write_text("x")
     with pytest.raises(SystemExit, match=r"'.*notes.txt' is neither a checkpoint .*: it is a file; name a run"):

@@ -301,8 +301,11 @@ def test_report_only_refuses_the_directory_of_another_experiment(tmp_path, capsy
     before = tree(out)
     fails_with(capsys, ["experiment", "ablation", "--preset", "tiny", "--out", str(out), "--report-only"],
                "holds a different experiment", "'compare'", "'ablation'")
+    # another preset of the same grid (docs/experiments.md's `--preset cpu ... --report-only` over a
+    # tiny grid) was sent to "pick another --out": the folder's own preset is named instead
     fails_with(capsys, ["compare", "--preset", "demo", "--out", str(out), "--report-only"],
-               "holds a different experiment", "'preset'")
+               "holds the 'compare' grid of preset 'tiny', not 'demo': give --preset tiny, or no --preset (the "
+               "folder's own), to continue or report it, or another --out for a 'demo' grid")
     assert tree(out) == before
     assert cli_main(["compare", "--out", str(out), "--report-only"]) == 0  # its own preset, from experiment.json
     (out / "experiment.json").write_text("{not json")

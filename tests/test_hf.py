@@ -998,6 +998,18 @@ def test_lm_eval_s_truncation_warnings_are_counted_into_one(caplog):
     assert [r.getMessage()[:14] for r in caplog.records] == ["something else", "Combined lengt"]
 
 
+def test_the_truncation_warning_names_the_window_in_parentheses():
+    """`attnres eval --limit 4 --num-fewshot 5` (docs/hf.md) warned "longer than the window, 64
+    tokens and were cut ...": the window's length reads as the start of a list."""
+    from attnres.hf.evaluate import truncation_warning
+
+    assert truncation_warning([9, 131], 64) == (
+        "2 of the tasks' requests were longer than the window (64 tokens) and were cut from the left by lm-eval "
+        "(the longest by 131 tokens): their scores saw less context")
+    assert truncation_warning([5], None).startswith("1 of the tasks' requests were longer than the model's context "
+                                                    "and were cut")
+
+
 def test_attnres_ppl_reads_documents_in_the_perplexity_windows(tmp_path, monkeypatch):
     """lm-eval's rolling log-likelihood windows were the model's whole context
     (max_position_embeddings, 128 here; a Qwen3 upcycle's 40,960), not `attnres eval`'s window

@@ -646,5 +646,21 @@ def test_a_block_size_of_the_whole_model_warns_naming_the_field_and_the_largest_
         return
     assert said == [f"model.residual.block_size (attnres upcycle's --block-size) = {block_size} is at least the model's "
                     "6 sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed block to attend "
-                    "over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it is 1: about 8 blocks, "
-                    "as the report recommends (§3.2)"]
+                    "over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it is 1: 6 blocks (about "
+                    "8 where the depth allows, as the report recommends, §3.2)"]
+
+
+def test_the_single_block_warning_of_a_one_layer_model_gives_its_own_default():
+    """``attnres experiment scaling --preset tiny`` (docs/experiments.md, "seconds") warned of
+    its one-layer Block model that unset, block_size "is 1: about 8 blocks" (it is 2: Full
+    AttnRes) of "1 layers of 2". The default's own count of blocks is given, and one layer is one."""
+    import warnings
+
+    from attnres.models import ModelConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ModelConfig.preset("tiny", n_layers=1, residual={"kind": "attnres_block", "block_size": 2})
+    said = " ".join(str(w.message) for w in caught)
+    assert "the model's 2 sublayers (1 layer of 2)" in said
+    assert "unset, it is 1: 2 blocks (about 8 where the depth allows" in said

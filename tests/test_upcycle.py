@@ -1795,7 +1795,7 @@ def test_upcycle_block_size_of_the_whole_model_warns(tmp_path, capsys):
     assert warned == ["attnres: warning: model.residual.block_size (attnres upcycle's --block-size) = 8 is at least "
                       "the model's 6 sublayers (3 layers of 2): Block AttnRes has a single block (N = 1), no completed "
                       "block to attend over; block_size counts sublayers - at most 5 gives 2 or more blocks; unset, it "
-                      "is 1: about 8 blocks, as the report recommends (§3.2)"]
+                      "is 1: 6 blocks (about 8 where the depth allows, as the report recommends, §3.2)"]
     assert json.loads((tmp_path / "up" / "config.json").read_text())["attnres_residual"]["block_size"] == 8
 
 

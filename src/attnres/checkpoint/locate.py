@@ -98,6 +98,9 @@ def verify_checkpoint(path: str | Path, optional: tuple[str, ...] = ()) -> dict[
 #: The log every training run writes at its start (``attnres.train.metrics.METRICS_FILE``):
 #: a run that stopped before its first checkpoint has it beside its ``config.json``.
 RUN_LOG = "metrics.jsonl"
+#: What a grid writes in a run's directory once the run has finished (``attnres.experiments.layout``'s
+#: ``RESULT_FILE``; named here, as that package builds on this one).
+GRID_RUN_RECORD = "result.json"
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -318,6 +321,10 @@ def no_checkpoint_at(location: str | Path) -> str:
                     "corrupt-* did not verify, superseded-* belong to an abandoned trajectory); name one of them "
                     "to use it anyway")
         return f"{what}: {str(location / 'checkpoints')!r} holds none yet"
+    if (location / RUN_LOG).is_file() and (location / GRID_RUN_RECORD).is_file():
+        return (f"{what}: it is a finished run of a grid ({GRID_RUN_RECORD}) whose checkpoints are not there (removed, "
+                "or not copied with it: a grid's committed results keep none): name a run or step-* directory that "
+                "holds one, or train this one again")
     if (location / RUN_LOG).is_file():  # (its config.json is the training config, not a transformers one)
         return (f"{what}: it is a training run that has written no checkpoint yet (it stopped, or is still training, "
                 f"before its first checkpoint; {RUN_LOG} holds what it logged): name a run or step-* directory "

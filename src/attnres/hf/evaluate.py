@@ -384,6 +384,14 @@ def _truncations_counted():
         harness.removeFilter(hold_back)
 
 
+def truncation_warning(truncated: list[int], max_length: int | None) -> str:
+    """The one warning for the requests the harness cut (``truncated``: the tokens cut from
+    each, :func:`_truncations_counted`) to ``max_length`` (None: the model's context)."""
+    window = "the model's context" if max_length is None else f"the window ({max_length} tokens)"
+    return (f"{len(truncated)} of the tasks' requests were longer than {window} and were cut from the left by "
+            f"lm-eval (the longest by {max(truncated)} tokens): their scores saw less context")
+
+
 @contextlib.contextmanager
 def _quiet_git_describe():
     """The harness records the git commit of the working directory with ``git describe``,
@@ -513,10 +521,7 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], text: str, *, limit: int |
                 bootstrap_iters=bootstrap_iters,
             )
     if truncated:
-        window = "the model's context" if max_length is None else f"the window, {max_length} tokens"
-        warn_user(f"{len(truncated)} of the tasks' requests were longer than {window} and were cut "
-                  f"from the left by lm-eval (the longest by {max(truncated)} tokens): their scores saw less "
-                  "context")
+        warn_user(truncation_warning(truncated, max_length))
     if out is None:
         raise RuntimeError("lm_eval.simple_evaluate returned no results")
     for task, shots in (out.get("n-shot") or {}).items():  # (each task's own number, where not given)

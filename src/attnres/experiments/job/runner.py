@@ -266,6 +266,10 @@ def check_same_experiment(out: str | Path, header: dict[str, Any], check_overrid
         check_not_foreign(out)
         return
     differing = sorted(k for k in header if k != "overrides" and saved.get(k) != header[k])
+    if differing == ["preset"]:  # (the same grid at another size: the folder's own is one option away)
+        raise ValueError(f"{str(out)!r} holds the {saved.get('experiment')!r} grid of preset {saved.get('preset')!r}, "
+                         f"not {header['preset']!r}: give --preset {saved.get('preset')}, or no --preset (the "
+                         f"folder's own), to continue or report it, or another --out for a {header['preset']!r} grid")
     if differing:
         raise ValueError(f"{str(out)!r} holds a different experiment (differs in {differing}: "
                          f"{ {k: saved.get(k) for k in differing} }, not { {k: header[k] for k in differing} }); "

@@ -164,10 +164,12 @@ def _warn_single_block(block_size: int | None, n_sublayers: int) -> None:
     completed block - most often ``S`` counted in transformer blocks (layers), not sublayers."""
     if block_size is None or n_sublayers < 2 or block_size < n_sublayers:
         return
+    default = -(-n_sublayers // 8)  # ResidualConfig's unset block_size
     warn_user(f"model.residual.block_size (attnres upcycle's --block-size) = {block_size} is at least the model's "
-              f"{n_sublayers} sublayers ({n_sublayers // 2} layers of 2): Block AttnRes has a single block (N = 1), "
+              f"{n_sublayers} sublayers ({n_sublayers // 2} layer{'s' if n_sublayers > 2 else ''} of 2): Block AttnRes has a single block (N = 1), "
               f"no completed block to attend over; block_size counts sublayers - at most {n_sublayers - 1} gives 2 or "
-              f"more blocks; unset, it is {-(-n_sublayers // 8)}: about 8 blocks, as the report recommends (§3.2)")
+              f"more blocks; unset, it is {default}: {-(-n_sublayers // default)} blocks (about 8 where the depth allows, "
+              "as the report recommends, §3.2)")
 
 
 @register_residual("attnres_block")
