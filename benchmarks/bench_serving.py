@@ -366,9 +366,15 @@ def markdown(args, results: dict, generate_ms: dict, config) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     vllm = import_vllm()
+    # (the served models' directories: removed when the run ends, also on an error or Ctrl-C)
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as root:
+        serve_and_time(args, vllm, Path(root))
+
+
+def serve_and_time(args, vllm, root: Path) -> None:
+    """Write the models of ``args`` into ``root``, serve and time them, and write the results."""
     from vllm import SamplingParams
 
-    root = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     models = {**write_models(args, root), **write_moe_models(args, root)}
     config = model_config(args, VARIANTS["standard"])
     engines = {name: engine(args, models[name][0], enforce_eager=args.enforce_eager, disable_log_stats=False, seed=0)

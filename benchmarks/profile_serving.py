@@ -90,7 +90,19 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     bench_serving.import_vllm()
     bench_args = bench_serving.parse_args(["--quick"] if args.quick else [])
-    models = bench_serving.write_models(bench_args, Path(tempfile.mkdtemp(prefix="attnres-profile-")))
+    # (the served models' directories: removed when the run ends, also on an error or Ctrl-C)
+    with tempfile.TemporaryDirectory(prefix="attnres-profile-") as root:
+        tables = profile_models(args, bench_args, Path(root))
+    out = bench_serving.RESULTS / f"serving_profile{'_quick' if args.quick else ''}.md"
+    text = markdown(args, tables)
+    write_text_atomically(out, text)
+    print(text)
+
+
+def profile_models(args, bench_args, root: Path) -> dict:
+    """Write the models of ``args.variants`` into ``root`` and profile each: ``{(model, part):
+    its operator table}`` (:func:`profile`)."""
+    models = bench_serving.write_models(bench_args, root)
     prompts = bench_serving.workload(bench_args, models["standard"][1].config.vocab_size)
     tables = {}
     for name in args.variants:
@@ -98,10 +110,7 @@ def main(argv=None) -> None:
         for part, max_tokens in PARTS.items():
             tables[name, part] = profile(args, llm, prompts, max_tokens or bench_args.max_tokens)
         del llm
-    out = bench_serving.RESULTS / f"serving_profile{'_quick' if args.quick else ''}.md"
-    text = markdown(args, tables)
-    write_text_atomically(out, text)
-    print(text)
+    return tables
 
 
 if __name__ == "__main__":

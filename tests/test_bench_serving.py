@@ -114,3 +114,88 @@ def test_the_recorded_command_reproduces_the_run():
     args = bench.parse_args(["--models", "moe-block", "--rounds", "9", "--out", "benchmarks/results/serving_moe"])
     assert bench.command_line(args) == ("python benchmarks/bench_serving.py --models moe-standard,moe-block "
                                        "--rounds 9 --out benchmarks/results/serving_moe")
+
+
+def _served_models_kept(monkeypatch, tmp_path, module) -> list[Path]:
+    """``module.write_models`` (bench_serving's, which profile_serving calls) stood in for by
+    one that writes a served model's file into the folder it is given, kept in the list
+    returned; temporary folders made under ``tmp_path`` (a test without the fix leaves none in
+    /tmp)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    roots: list[Path] = []
+
+    def write_models(args, root):
+        roots.append(root)
+        (root / "standard").mkdir()
+        (root / "standard" / "model.safetensors").write_bytes(b"weights")
+        return {"standard": (root / "standard", SimpleNamespace(config=SimpleNamespace(vocab_size=16)))}
+
+    monkeypatch.setattr(module, "write_models", write_models)
+    return roots
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_bench_serving_removes_the_served_models_folder(fails, tmp_path, monkeypatch):
+    """bench_serving.py wrote its served models (Hugging Face directories) into
+    tempfile.mkdtemp(prefix="bench-serving-") and left them under /tmp after every run. The
+    folder is removed when the run ends, also when it fails (vLLM stood in for)."""
+    from types import ModuleType
+
+    roots = _served_models_kept(monkeypatch, tmp_path, bench)
+    vllm = ModuleType("vllm")
+    vllm.__version__, vllm.SamplingParams = "0.0", lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(bench, "import_vllm", lambda: vllm)
+    monkeypatch.setattr(bench, "engine", lambda args, directory, **options: directory)
+    monkeypatch.setattr(bench, "workload", lambda args, vocab: ["prompt"])
+    monkeypatch.setattr(bench, "time_attnres_generate", lambda args, model: 0.001)
+
+    def run_once(llm, prompts, params):
+        assert (llm / "model.safetensors").is_file()  # (served while the run lasts)
+        if fails:
+            raise RuntimeError("the engine failed")
+        return {"wall_s": 1.0, "tokens": 10, "itl_s": 0.1}
+
+    monkeypatch.setattr(bench, "run_once", run_once)
+    argv = ["--quick", "--models", "standard", "--rounds", "1", "--out", str(tmp_path / "results" / "serving")]
+    if fails:
+        with pytest.raises(RuntimeError, match="the engine failed"):
+            bench.main(argv)
+    else:
+        bench.main(argv)
+        assert (tmp_path / "results" / "serving.json").is_file()
+    (root,) = roots
+    assert root.name.startswith("bench-serving-") and not root.exists()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_profile_serving_removes_the_served_models_folder(fails, tmp_path, monkeypatch):
+    """profile_serving.py left its served models under /tmp (mkdtemp(prefix="attnres-profile-"))
+    after every run: removed when the run ends, also when it fails (vLLM stood in for)."""
+    import profile_serving as prof
+
+    roots = _served_models_kept(monkeypatch, tmp_path, prof.bench_serving)
+    monkeypatch.setattr(prof.bench_serving, "import_vllm", lambda: None)
+    monkeypatch.setattr(prof.bench_serving, "workload", lambda args, vocab: ["prompt"])
+    monkeypatch.setattr(prof.bench_serving, "engine", lambda args, directory: directory)
+    monkeypatch.setattr(prof.bench_serving, "RESULTS", tmp_path / "results")
+    (tmp_path / "results").mkdir()
+
+    def profile(args, llm, prompts, max_tokens):
+        assert (llm / "model.safetensors").is_file()  # (served while the run lasts)
+        if fails:
+            raise RuntimeError("the profiler failed")
+        return {"aten::mm": (1.5, 2.0)}
+
+    monkeypatch.setattr(prof, "profile", profile)
+    if fails:
+        with pytest.raises(RuntimeError, match="the profiler failed"):
+            prof.main(["--quick", "--variants", "standard"])
+    else:
+        prof.main(["--quick", "--variants", "standard"])
+        assert (tmp_path / "results" / "serving_profile_quick.md").is_file()
+    (root,) = roots
+    assert root.name.startswith("attnres-profile-") and not root.exists()

@@ -248,7 +248,6 @@ def _profile_serving(out: Path, monkeypatch) -> None:
     monkeypatch.setattr(study.bench_serving, "workload", lambda args, vocab: ["prompt"])
     monkeypatch.setattr(study.bench_serving, "engine", lambda args, model: None)
     monkeypatch.setattr(study.bench_serving, "RESULTS", out)
-    monkeypatch.setattr(study.tempfile, "mkdtemp", lambda prefix: str(out.parent))
     monkeypatch.setattr(study, "profile", lambda args, llm, prompts, max_tokens: {"aten::mm": (1.5, 2.0)})
     study.main(["--quick", "--variants", "standard"])
 

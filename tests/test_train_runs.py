@@ -225,6 +225,39 @@ def test_old_checkpoints_fall_back_with_a_warning(tmp_path, corpus_file):
         assert train(load_config(None, bpe(corpus_file, run, resume="true"))).step == 6
 
 
+
+def _as_an_earlier_versions_cache(cache_root: Path) -> BPETokenizer:
+    """Rename the one BPE cache in ``cache_root`` as an earlier version named it (without
+    -cleancut), its tokenizer.json one that training a BPE again does not give: an earlier
+    version's BPE trained on its text cut elsewhere (stood in for by two ids swapped). Returns it."""
+    (cache,) = [d for d in cache_root.iterdir() if d.name.endswith(dataset_mod.CUT_SUFFIX)]
+    earlier = cache.rename(cache.with_name(cache.name.removesuffix(dataset_mod.CUT_SUFFIX)))
+    doc = json.loads((earlier / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = (k for k, v in vocab.items() if v in (256, 257))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (earlier / "tokenizer.json").write_text(json.dumps(doc))
+    return BPETokenizer.load(earlier / "tokenizer.json")
+
+
+def test_an_old_checkpoint_takes_the_tokenizer_of_the_cache_it_trained_on(tmp_path, corpus_file):
+    """A checkpoint that stores no tokenizer (an earlier version's) trained with the BPE of its
+    token cache, which that version named without -cleancut. load_tokenizer and a resumed run
+    trained a BPE again (and tokenised the corpus into a new -cleancut cache), which need not
+    give that one: an earlier version's training read the text cut elsewhere (after the first
+    of three line breaks at a ~1 MB cut, a BPE of 4000 tokens on 1 MB came out otherwise),
+    with the same number of tokens, so no check caught it. They take that cache's tokenizer."""
+    run = tmp_path / "run"
+    train(load_config(None, bpe(corpus_file, run, stop_after=3)))
+    strip_to_old_format(latest_checkpoint(run))
+    earlier = _as_an_earlier_versions_cache(tmp_path / "cache")
+    with pytest.warns(UserWarning, match="stores no tokenizer.*the token cache it trained on"):
+        assert load_tokenizer(run).fingerprint == earlier.fingerprint
+    assert not [d for d in (tmp_path / "cache").iterdir() if d.name.endswith(dataset_mod.CUT_SUFFIX)]
+    with pytest.warns(UserWarning, match="stores no data fingerprint"):
+        assert train(load_config(None, bpe(corpus_file, run, resume="true"))).step == 6
+    assert read_checkpoint_state(latest_checkpoint(run))["tokenizer"]["fingerprint"] == earlier.fingerprint
+
 # -- 3: the run-directory lock ------------------------------------------------------------
 
 def test_a_second_run_on_a_locked_out_dir_is_refused(tmp_path, corpus_file):

@@ -1665,18 +1665,13 @@ def test_the_start_up_summary_names_the_family_and_where_the_tokenizer_came_from
     assert "stored in the checkpoint" in out and "transformers' llama architecture" in out, out
 
 
-def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless_allowed(tmp_path):
-    """`attnres train model.from_hf=U init_from=U model.residual.kind=attnres_full` of a Block
-    AttnRes upcycle loaded its residual's weights (the same names and shapes) into Full AttnRes
-    without a word: the transformers directory was taken as the run's own model, where a
-    checkpoint's init_from refuses it. Refused by the same rule, naming both residuals, unless
-    allow_residual_change=true; the directory's own residual, or a plain family directory into
-    AttnRes (the queries are new, at their faithful init), start as before."""
-    pytest.importorskip("yaml")
+def _upcycled_start(tmp_path):
+    """A pretrained directory, its Block AttnRes (S=2) upcycle ``up``, and ``start(out,
+    directory, **changes)``: the overrides of a one-step run into ``out`` with
+    ``model.from_hf=directory init_from=directory`` and ``changes``."""
     from test_train import overrides, write_corpus
 
     from attnres.cli import main as cli_main
-    from attnres.train import load_config, train
 
     corpus = write_corpus(tmp_path / "corpus.txt")
     src, _ = _pretrained_directory(tmp_path, corpus)
@@ -1687,6 +1682,21 @@ def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless
         return [a for a in overrides(corpus, tmp_path / out, steps=1, warmup_steps=0, **{
             "model.from_hf": str(directory), "init_from": str(directory), "data.tokenizer": "bpe", **changes})
             if not a.startswith("model=")]
+
+    return src, up, start
+
+
+def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless_allowed(tmp_path):
+    """`attnres train model.from_hf=U init_from=U model.residual.kind=attnres_full` of a Block
+    AttnRes upcycle loaded its residual's weights (the same names and shapes) into Full AttnRes
+    without a word: the transformers directory was taken as the run's own model, where a
+    checkpoint's init_from refuses it. Refused by the same rule, naming both residuals, unless
+    allow_residual_change=true; the directory's own residual, or a plain family directory into
+    AttnRes (the queries are new, at their faithful init), start as before."""
+    pytest.importorskip("yaml")
+    from attnres.train import load_config, train
+
+    src, up, start = _upcycled_start(tmp_path)
 
     for out, change, said in (("full", {"model.residual.kind": "attnres_full"},
                                r"model.residual.kind: 'attnres_block' there, 'attnres_full' here"),
@@ -1701,6 +1711,29 @@ def test_init_from_an_upcycled_directory_with_another_residual_is_refused_unless
     assert train(load_config(None, start("plain", src, **{"model.residual.kind": "attnres_block",
                                                           "model.residual.block_size": 2}))).step == 1
 
+
+def test_init_from_an_upcycled_directory_says_the_residual_change_it_allows(tmp_path, recwarn):
+    """`attnres train model.from_hf=U init_from=U model.residual.kind=attnres_full
+    allow_residual_change=true` of a Block AttnRes upcycle trained without a word naming the
+    changed fields, where the same from a checkpoint warns: the start-up warning passed over
+    transformers directories. It now names them against the directory's config.json, and
+    says nothing for the directory's own residual or for a plain family directory into AttnRes
+    (its queries are new, at their faithful init: the upcycle itself)."""
+    pytest.importorskip("yaml")
+    from attnres.train import load_config, train
+
+    src, up, start = _upcycled_start(tmp_path)
+
+    with pytest.warns(UserWarning, match=r"init_from='.*up': its weights fit, but this run's model differs from the "
+                                         r"directory's \(its config.json\) in \['model.residual.kind'\] \(model."
+                                         r"residual.kind: 'attnres_block' there, 'attnres_full' here\).*leave them out"):
+        train(load_config(None, start("full", up, allow_residual_change=True,
+                                      **{"model.residual.kind": "attnres_full"})))
+    recwarn.clear()
+    train(load_config(None, start("same", up, **{"model.residual.backend": "torch"})))
+    train(load_config(None, start("plain", src, **{"model.residual.kind": "attnres_block",
+                                                   "model.residual.block_size": 2})))
+    assert not [w for w in recwarn if "init_from" in str(w.message)], [str(w.message) for w in recwarn]
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused_by_its_sizes(tmp_path, capsys):
     """A saved directory whose tokenizer.json has more tokens than its embedding has rows

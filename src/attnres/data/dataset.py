@@ -27,9 +27,10 @@ import itertools
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ from ..termination import sigterm_raises
 from ..user_warning import warn_user
 from ..validation import did_you_mean
 from .cache_index import record_files, recorded_digest, remove_stale_temporaries, temporary_dir
-from .corpus import DOCUMENT_SEPARATOR, Corpus, is_json_lines
+from .corpus import DOCUMENT_SEPARATOR, TEXT_FIELD, Corpus, is_json_lines, load_corpus
 from .crossing_cuts import CUTS
 from .piece_ids import pieces_ids
 from .tokenizer import (TOKENIZER_KINDS, BPETokenizer, ByteTokenizer, Tokenizer, bpe_available, is_tokenizer_path,
@@ -395,6 +396,24 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]], g
             return older
     return found
 
+
+
+def earlier_cache(data: Mapping[str, Any]) -> TokenData | None:
+    """The complete cache of a run's data tokenised as its settings ask (``data``: the ``data``
+    section of its stored config) that an earlier version made, named without the latest of
+    the suffixes of :data:`_WITHOUT`, newest first; ``None`` where there is none (or the
+    settings ask for no BPE). Its tokenizer is the one a checkpoint that stores none (an earlier
+    version's) trained with: training a BPE again need not give it, the earlier version's
+    training having read the text cut elsewhere (:data:`CUT_SUFFIX`). Raises ``ValueError``
+    where the data is not found (:func:`~attnres.data.corpus.load_corpus`)."""
+    if data.get("tokenizer") != "bpe":
+        return None
+    corpus = load_corpus(data["paths"], data["val_fraction"], data.get("text_field", TEXT_FIELD), read=False)
+    root = resolve_cache_root(corpus, data.get("cache_dir"))
+    _recall_digest(corpus, root)  # (no text read where a cache recorded these files)
+    names = _cache_names(corpus.digest, "bpe", data["vocab_size"], None, data.get("bpe_sample"))
+    return next((found for earlier, _ in _earlier_names(names)
+                 if (found := _first_cache(root, earlier, None, corpus.files_key)) is not None), None)
 
 def _earlier_names(names: list[str]) -> list[tuple[list[str], list[str]]]:
     """``names`` (all ending with the same suffixes of :data:`_WITHOUT`) as earlier versions

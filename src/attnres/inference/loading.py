@@ -235,16 +235,24 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
         checkpoint, state = found.path, found.state
     if state.get("tokenizer") is not None:
         return tokenizer_from_state(state["tokenizer"], checkpoint)
-    warn_user(f"checkpoint {str(checkpoint)!r} stores no tokenizer (written by an earlier version): making it "
-              "from the run's data settings; pass --tokenizer to choose one")
     data = Source(checkpoint, state).run_config().get("data") or {}
     if "tokenizer" not in data:
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} stores neither a tokenizer nor the data settings to "
                               "make one from: pass the tokenizer.json it was trained with (--tokenizer)")
+    old = f"checkpoint {str(checkpoint)!r} stores no tokenizer (written by an earlier version)"
     if data["tokenizer"] == "byte":
+        warn_user(f"{old}: bytes, as its data settings say; pass --tokenizer to choose another")
         return ByteTokenizer()
-    from ..data import load_corpus, prepare_data
+    from ..data import earlier_cache, load_corpus, prepare_data
 
+    # (the BPE it trained with is its version's cache's: one trained again here need not be it)
+    trained_on = earlier_cache(data)
+    if trained_on is not None:
+        warn_user(f"{old}: taking the tokenizer of the token cache it trained on, {str(trained_on.cache_dir)!r}; "
+                  "pass --tokenizer to choose another")
+        return trained_on.tokenizer
+    warn_user(f"{old}: making it from the run's data settings (no token cache of its version is left to take it "
+              "from); pass --tokenizer to choose one")
     corpus = load_corpus(data["paths"], data["val_fraction"], data.get("text_field", "text"), read=False)
     return prepare_data(corpus, data["tokenizer"], data["vocab_size"], data["cache_dir"],
                         bpe_sample=data.get("bpe_sample")).tokenizer

@@ -17,7 +17,7 @@ from ..validation import flatten
 from .config import ModelConfig
 from .factory import build_model
 
-__all__ = ["HOW_NOT_WHAT", "residual_change_refusal"]
+__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal"]
 
 #: The residual fields that change how a model is computed or stored, not what it computes
 #: (see ``ResidualConfig``): a checkpoint's weights continue the same model under another one.
@@ -47,32 +47,50 @@ def _parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def residual_change_refusal(saved: Mapping[str, Any], ours: ModelConfig, where: str, whose: str,
-                            way_out: str) -> str | None:
-    """The refusal of loading the weights of a checkpoint whose model config is ``saved`` (the
-    ``model`` section of its run config, as stored) into the model of ``ours`` where their
-    residuals differ (Full vs Block AttnRes, another block size) while the weights have the same
-    names and shapes; ``None`` where the residuals agree (another kernel or schedule is the same
-    model), where the weights do not fit (the load names the fields: an option to allow it
-    could not help), or where ``saved`` cannot be built here. The message starts with ``where``
-    (``"init_from='...'"``) and ``whose`` (``"this run's"``) and ends with ``way_out`` (how to
-    load the checkpoint's own residual, or to allow this one)."""
+def _fitting_change(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """The residual fields of ``saved`` and of ``ours`` (:func:`_residual_fields`) and those of
+    them that differ where the weights of one still load into the other; no fields where they
+    cannot be compared (``saved`` cannot be built here)."""
     try:
         with warnings.catch_warnings():  # (an old checkpoint's spellings: no warning about what it stores)
             warnings.simplefilter("ignore", DeprecationWarning)
             theirs = ModelConfig.from_dict(dict(saved))
         old, new = _residual_fields(theirs), _residual_fields(ours)
     except (KeyError, TypeError, ValueError):
-        return None  # a stored model this version cannot build: the load names what does not fit
+        return {}, {}, []  # a stored model this version cannot build: the load names what does not fit
     # (a block size on one side only: the kinds differ, which says it)
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
                        and (k != "residual.block_size" or k in old.keys() & new.keys()))
     if not differing:
-        return None
+        return old, new, []
     # Weights that do not fit (a standard run into AttnRes) are named by the load, field by field. (The
     # vocabulary is not the residual's: compared at the checkpoint's, the load names another one.)
     shapes = _parameter_shapes(theirs), _parameter_shapes(ours.replace(vocab_size=theirs.vocab_size))
     if None not in shapes and shapes[0] != shapes[1]:
+        return old, new, []
+    return old, new, differing
+
+
+def changed_residual_fields(saved: Mapping[str, Any], ours: ModelConfig) -> list[str]:
+    """The residual fields (flattened: ``residual.kind``) in which ``ours`` differs from
+    ``saved`` (a checkpoint's model config, as stored) where the weights of one still load into
+    the other (Full vs Block AttnRes, another block size: the same names and shapes); ``[]``
+    where the residuals agree (another kernel or schedule is the same model), where the weights
+    do not fit (a standard model into AttnRes), or where ``saved`` cannot be built here."""
+    return _fitting_change(saved, ours)[2]
+
+
+def residual_change_refusal(saved: Mapping[str, Any], ours: ModelConfig, where: str, whose: str,
+                            way_out: str) -> str | None:
+    """The refusal of loading the weights of a checkpoint whose model config is ``saved`` (the
+    ``model`` section of its run config, as stored) into the model of ``ours`` where their
+    residuals differ while the weights have the same names and shapes
+    (:func:`changed_residual_fields`); ``None`` where they do not (another residual whose
+    weights do not fit is named by the load: an option to allow it could not help). The message
+    starts with ``where`` (``"init_from='...'"``) and ``whose`` (``"this run's"``) and ends
+    with ``way_out`` (how to load the checkpoint's own residual, or to allow this one)."""
+    old, new, differing = _fitting_change(saved, ours)
+    if not differing:
         return None
     values = ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
     return (f"{where}: {whose} residual differs from the checkpoint's ({values}); its weights would load into this "

@@ -25,7 +25,7 @@ from typing import Any
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from ..models.config import ModelConfig
-from ..models.residual_change import HOW_NOT_WHAT, residual_change_refusal
+from ..models.residual_change import HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten, model_from_spec
@@ -254,19 +254,34 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
     from the model of ``source``, the checkpoint an ``init_from`` run starts from, although
     its weights fit (a block size, ``rope_theta``, Full vs Block AttnRes): the run then trains
     another model than the checkpoint's from its weights. That may be meant (a longer
-    ``max_seq_len``), but it should not go unsaid, as a ``--config`` left out would give it.
-    ``None`` when they agree, or for a transformers directory (its model is the run's)."""
-    if source.state.get("hf_directory"):
-        return None
-    saved = _normalised({"model": source.run_config()["model"]}).get("model", {})
+    ``max_seq_len``, a residual change ``allow_residual_change`` allowed), but it should not go
+    unsaid, as a ``--config`` left out would give it. A transformers directory is compared as
+    its ``config.json`` describes it (fields set beside ``model.from_hf`` change it), less the
+    residual of a plain family model upcycled into AttnRes, whose new queries start at their
+    faithful init. ``None`` when they agree."""
+    directory = bool(source.state.get("hf_directory"))
+    if directory:
+        saved = _directory_model(source)
+        theirs, match = "the directory's (its config.json)", "leave them out (model.from_hf gives the directory's)"
+    else:
+        saved = _normalised({"model": source.run_config()["model"]}).get("model", {})
+        theirs, match = "the checkpoint's", "set the fields as the checkpoint has them (or pass its run's --config)"
     old, new = flatten(saved), flatten(model)
     differing = sorted(k for k in set(old) | set(new) if k not in _NOT_A_MODEL_CHANGE and old.get(k) != new.get(k))
+    if directory and not changed_residual_fields(saved, ModelConfig.from_dict(model)):
+        differing = [k for k in differing if not k.startswith("residual.")]  # (the upcycle's new queries)
     if not differing:
         return None
     values = ", ".join(f"model.{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in differing)
-    return (f"init_from={str(source.path)!r}: its weights fit, but this run's model differs from the checkpoint's in "
-            f"{['model.' + k for k in differing]} ({values}): it trains that model from those weights; set the fields "
-            "as the checkpoint has them (or pass its run's --config) to continue the checkpoint's own model")
+    return (f"init_from={str(source.path)!r}: its weights fit, but this run's model differs from {theirs} in "
+            f"{['model.' + k for k in differing]} ({values}): it trains that model from those weights; {match} to "
+            "continue its own model")
+
+
+def _directory_model(source: Source) -> dict[str, Any]:
+    """The model config (as a dict) of ``source``, a transformers directory, as its
+    ``config.json`` describes it."""
+    return model_from_spec({"from_hf": str(source.path)}).to_dict()
 
 
 def refuse_residual_change(source: Source, model: ModelConfig, allowed: bool) -> None:
@@ -281,7 +296,7 @@ def refuse_residual_change(source: Source, model: ModelConfig, allowed: bool) ->
     if allowed:
         return
     if source.state.get("hf_directory"):
-        saved = model_from_spec({"from_hf": str(source.path)}).to_dict()
+        saved = _directory_model(source)
         match = "Leave model.residual out (model.from_hf gives the directory's)"
     else:
         saved = source.run_config()["model"]

@@ -21,7 +21,8 @@ from torch import Tensor
 from ..checkpoint import (CheckpointError, Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint,
                           no_checkpoint_at, remove_partial_checkpoints, set_aside_newer)
 from ..checkpoint.manifest import OPTIMIZER_FILE
-from ..data import BatchSampler, TokenData, corpus_fingerprint, load_corpus, prepare_data, validation_batches
+from ..data import (BatchSampler, TokenData, corpus_fingerprint, earlier_cache, load_corpus, prepare_data,
+                   validation_batches)
 from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
                               slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
 from ..distributed.launch import on_every_rank
@@ -137,8 +138,10 @@ class RunData:
 
 
 def stored_tokenizer(source: Source, requested: str) -> Tokenizer | None:
-    """The tokenizer stored with ``source``; ``None`` (with a warning) for checkpoints of
-    earlier versions, which store none: the tokenizer is then made from ``data`` as then. A
+    """The tokenizer stored with ``source``. A checkpoint of an earlier version stores none:
+    it trained with its token cache's, named as that version named it, taken where it is left
+    (:func:`~attnres.data.earlier_cache`; a BPE trained again need not be it), else ``None``
+    (with a warning: the tokenizer is then made from ``data`` as then). A
     transformers directory without a ``tokenizer.json`` is refused unless ``requested``
     (``data.tokenizer``) names one: its embeddings index its own vocabulary, which a
     tokenizer made from the data does not match (a smaller one trained on it without a word)."""
@@ -152,8 +155,15 @@ def stored_tokenizer(source: Source, requested: str) -> Tokenizer | None:
                          "there" + (slow_tokenizer_hint(source.path) or f" (AutoTokenizer.from_pretrained(ORIGINAL)"
                                     f".save_pretrained({path!r}) writes it)") + " or give it as data.tokenizer=PATH")
     if meta is None:
-        warn_user(f"{str(source.path)!r} stores no tokenizer (written by an earlier version): making it from the data "
-                  "settings")
+        old = f"{str(source.path)!r} stores no tokenizer (written by an earlier version)"
+        try:
+            trained_on = earlier_cache(source.run_config().get("data") or {})
+        except (KeyError, TypeError, ValueError):  # (its data settings unreadable, or its data gone)
+            trained_on = None
+        if trained_on is not None:
+            warn_user(f"{old}: taking the tokenizer of the token cache it trained on, {str(trained_on.cache_dir)!r}")
+            return trained_on.tokenizer
+        warn_user(f"{old}: making it from the data settings")
         return None
     return tokenizer_from_state(meta, source.path)
 
