@@ -105,5 +105,5 @@ def test_status_names_a_grid_folder_that_starts_with_a_dash_as_a_path(tmp_path, 
     (tmp_path / "-g").mkdir()
     (tmp_path / "-g" / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny",
                                                                  "overrides": ["steps=3"]}))
-    (command,) = _commands(_continue_command("-g/block/seed0"))
+    command = _commands(_continue_command("-g/block/seed0"))[0]  # (then the --variants hint's pieces)
     assert command == ["attnres", "compare", "--preset", "tiny", "--out", str(tmp_path / "-g"), "--seeds", "0", "steps=3"]

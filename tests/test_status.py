@@ -141,6 +141,15 @@ def test_a_stopped_run_of_a_grid_is_continued_with_its_grids_command(runs, tmp_p
     args = parser.parse_args(__import__("shlex").split(command)[1:])
     _split_overrides(args, parser)  # (as `attnres compare` does: the overrides end --seeds' list)
     assert (args.out, args.seeds, args.overrides) == (str(tmp_path / "grid"), [0], header["overrides"])
+    # The grid's command trains its other variants of the seed too (a grid split among processes by --variants,
+    # which experiment.json does not record, had the other processes' variants trained): the hint's --variants,
+    # put where it says, limits it to this run
+    hint = last.split("`")[3]
+    assert hint == "--variants block" and last.split("`")[5] == "--seeds 0"
+    alone = command.replace("--seeds 0", f"--seeds 0 {hint}")
+    args = parser.parse_args(__import__("shlex").split(alone)[1:])
+    _split_overrides(args, parser)
+    assert (args.seeds, args.variants, args.overrides) == ([0], ["block"], header["overrides"])
 
 
 @pytest.mark.parametrize("where, typed", [("grid", "."), ("grid/block/seed0", "."), ("grid/block", "seed0/../seed0"),
@@ -159,7 +168,9 @@ def test_a_grids_run_named_by_a_relative_path_is_continued_with_the_grid_at_its_
     assert cli_main(["status", typed]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (f"continue a stopped run with `attnres compare --preset tiny "
                                                         f"--out {tmp_path / 'grid'} --seeds 0 steps=6` (its grid's "
-                                                        "command, for this seed)")
+                                                        "command, for this seed: it also trains the grid's other "
+                                                        "variants not finished for it; `--variants block` after "
+                                                        "`--seeds 0` continues this run alone)")
 
 
 def test_a_stopped_run_trained_under_torchrun_is_continued_launched_as_it_was(runs, tmp_path, capsys):

@@ -46,7 +46,8 @@ def run(args, parser) -> int:
 def _continue_command(run: str) -> str:
     """How to continue the stopped ``run``: the command of the grid holding it (its
     ``experiment.json`` two folders up, ``<out>/<variant>/seed<k>``; resuming the run alone
-    would leave the grid without its record), else ``attnres train --resume`` launched as its
+    would leave the grid without its record), with the ``--variants`` that limits it to this
+    run, else ``attnres train --resume`` launched as its
     newest checkpoint was written (:func:`_launch_command`). The run's path is made absolute
     first: ``attnres status .`` from inside a grid's run looked for the grid in ``./..`` of
     ``.`` (``.`` again) and gave the resume of the run alone, and a relative ``--out`` named
@@ -67,7 +68,10 @@ def _continue_command(run: str) -> str:
     words = ["attnres", "compare"] if name == "compare" else ["attnres", "experiment", name]
     words += ["--preset", str(header.get("preset")), "--out", path_argument(grid), "--seeds", seed,
               *grid_overrides(map(str, header.get("overrides") or []))]  # (stop_after, progress, parallel.*: per launch)
-    return f"`{shlex.join(words)}` (its grid's command, for this seed)"
+    # (the grid's command trains every variant of the grid for this seed: a grid split among processes by
+    # --variants, which experiment.json does not record, would train the other processes' variants too)
+    return (f"`{shlex.join(words)}` (its grid's command, for this seed: it also trains the grid's other variants "
+            f"not finished for it; `--variants {Path(run).parent.name}` after `--seeds {seed}` continues this run alone)")
 
 
 def _launch_command(run: str) -> str:
