@@ -977,3 +977,30 @@ def test_stop_strings_in_stream_transformers_and_their_errors():
                      lambda: stream_transformers(Counting(), prompt, max_new_tokens=2, **kwargs)):
             with pytest.raises(ValueError, match=message):
                 call()
+
+
+def test_the_arguments_in_another_order_are_refused_naming_the_order():
+    """``generate(ids, model, ...)`` - the prompt where the model goes - failed with
+    "'Tensor' object has no attribute 'parameters'" (``stream`` read the model's device
+    before checking it), ``decode_step(cache, model, tokens)`` likewise with "'KVCache'
+    object has no attribute 'parameters'", and ``stream_transformers(ids, model, ...)``
+    with "'Tensor' object has no attribute 'config'". Each names the order it takes."""
+    from attnres.inference import StaticDecoder, stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 4)
+    for call in (lambda: generate(ids, model, max_new_tokens=2), lambda: stream(ids, model, max_new_tokens=2),
+                 lambda: prefill(ids, model)):
+        with pytest.raises(ValueError, match=r"takes the model first, got a Tensor there: call it as "
+                                             r"\(model, input_ids, \.\.\.\)$"):
+            call()
+    logits, cache = prefill(model, ids)
+    with pytest.raises(ValueError, match=r"decode_step takes the model first, got a KVCache there: call it as "
+                                         r"decode_step\(model, cache, tokens\)$"):
+        decode_step(cache, model, ids[:, 0])
+    with pytest.raises(ValueError, match=r"StaticDecoder takes the model first, got a Tensor there"):
+        StaticDecoder(ids, 2, 8, mode="eager")
+    with pytest.raises(ValueError, match=r"stream_transformers takes a transformers causal LM first \(model, "
+                                         r"input_ids, \.\.\.\), got Tensor$"):
+        stream_transformers(ids, model, max_new_tokens=2)
+    assert cache.seq_len == 4  # the refused step wrote nothing
