@@ -580,6 +580,25 @@ def test_labels_of_another_shape_are_refused_in_one_line():
     assert hf(ids, labels=ids).loss.ndim == 0
 
 
+def test_labels_that_are_not_in_vocabulary_token_ids_are_refused_by_name():
+    """Float labels were cast to ids without a word (``AttnResLM`` refuses them), and a label
+    past the vocabulary, or negative other than -100, stopped in cross-entropy with "Target
+    300 is out of bounds"; both name ``labels`` and what it takes, as ``AttnResLM`` does."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    vocab = hf.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 8))
+    with pytest.raises(ValueError, match=r"^labels must be a tensor of token ids \(torch.long or torch.int32, -100 = "
+                                         r"ignored\), got dtype torch.float32$"):
+        hf(ids, labels=ids.float())
+    for bad in (vocab, -5):
+        labels = ids.clone()
+        labels[0, 2] = bad
+        with pytest.raises(ValueError, match=rf"^labels must be token ids in \[0, {vocab}\) or -100 \(ignored\); got {bad}$"):
+            hf(ids, labels=labels)
+        labels[0, 2] = -100
+        assert torch.equal(hf(ids, labels=labels).loss, hf.to_native()(ids, labels=labels).loss)
+
+
 def test_a_fully_masked_batch_gives_the_loss_transformers_gives():
     """Labels all -100 (an SFT batch whose every answer is masked): the loss is a mean over no
     tokens, NaN, with zero gradients, as transformers' Llama gives for the same labels; summed

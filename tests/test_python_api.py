@@ -66,6 +66,21 @@ def test_labels_that_are_not_token_ids_are_refused_by_name(labels, match):
         model(ids, labels=labels(ids))
 
 
+@pytest.mark.parametrize("bad", [256, 1000, -1, -99, -101])
+def test_labels_outside_the_vocabulary_are_refused_by_name(bad):
+    """A label id past the vocabulary, or negative other than -100, stopped in cross-entropy
+    with "Target 256 is out of bounds" (a device-side assert on CUDA); it is refused naming
+    ``labels`` and the ids it takes. -100 is ignored as before (read on the CPU only: on an
+    accelerator the values are not read, which would wait for the device)."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    labels = ids.clone()
+    labels[1, 3] = bad
+    with pytest.raises(ValueError, match=rf"^labels must be token ids in \[0, 256\) or -100 \(ignored\); got {bad}$"):
+        model(ids, labels=labels)
+    labels[1, 3] = -100  # ignored
+    assert torch.isfinite(model(ids, labels=labels).loss)
+
+
 def test_int32_labels_give_the_loss_of_int64_labels():
     """int32 ids are taken as token ids, so ``model(ids, labels=ids)`` with them is the natural
     call; it stopped in cross-entropy ("expected target dtype to be Long or Byte, but got Int")."""

@@ -28,6 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.generic import can_return_tuple
 
 from ..models import AttnResLM, DecoderTrunk, next_token_loss
+from ..models.trunk import check_label_values, check_labels_type
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
@@ -387,6 +388,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         h = h[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]  # 0: all
         logits = self.lm_head(self.norm(h))
         loss = None
+        if labels is not None:
+            check_labels_type(labels)  # (float labels were cast to ids without a word)
+            check_label_values(labels, self.config.vocab_size)
         if labels is not None and tuple(labels.shape) != tuple(logits.shape[:2]):
             # (cross-entropy's own error compares flattened sizes, or a 1-D labels fails on its shift)
             kept = "" if isinstance(logits_to_keep, int) and logits_to_keep == 0 else " the positions logits_to_keep keeps of"

@@ -27,7 +27,8 @@ from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import KVStore, TransformerBlock, causal_mask
 from .config import ModelConfig
 
-__all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call"]
+__all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call", "check_labels_type",
+           "check_label_values"]
 
 
 def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
@@ -73,6 +74,28 @@ def _(input_ids: Tensor, vocab_size: int) -> Tensor:
 
 
 IGNORE_INDEX = -100
+
+
+def check_labels_type(labels) -> None:
+    """Raise ``ValueError`` unless ``labels`` is a tensor of token ids (int64 or int32): float
+    labels failed in cross-entropy's "expected target dtype to be Long" (or, cast, lost their
+    fractions without a word)."""
+    if not isinstance(labels, Tensor) or labels.dtype not in (torch.long, torch.int32):
+        got = f"dtype {labels.dtype}" if isinstance(labels, Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be a tensor of token ids (torch.long or torch.int32, {IGNORE_INDEX} = ignored), "
+                         f"got {got}")
+
+
+def check_label_values(labels: Tensor, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless every label is a token id in ``[0, vocab_size)`` or
+    ``IGNORE_INDEX``: cross-entropy failed with "Target 100 is out of bounds" (a device-side
+    assert on CUDA). Reads the values only on the CPU and outside ``torch.compile``: on an
+    accelerator the read would wait for the device at every forward with labels."""
+    if labels.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bad = labels[((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)]
+    if bad.numel():
+        raise ValueError(f"labels must be token ids in [0, {vocab_size}) or {IGNORE_INDEX} (ignored); got {int(bad[0])}")
 
 
 def next_token_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
