@@ -599,6 +599,27 @@ def test_labels_that_are_not_in_vocabulary_token_ids_are_refused_by_name():
         assert torch.equal(hf(ids, labels=labels).loss, hf.to_native()(ids, labels=labels).loss)
 
 
+def test_a_mask_the_model_would_drop_unread_is_refused_by_name():
+    """A mask of ones and 2s, or of ones but another shape than the batch, was taken as 'no
+    padding' and dropped without a word (``generate`` with it too); a value other than 0 and 1
+    is refused naming ``attention_mask`` and the values it takes, a shape naming both, as
+    ``AttnResLM`` refuses them. A mask of ones of the right shape is still dropped: the
+    logits of no mask."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    twos = torch.ones(2, 8, dtype=torch.long)
+    twos[0, 0] = 2
+    values = r"^attention_mask must hold only 0 \(padding\) and 1 \(a real token\); got 2 "
+    with pytest.raises(ValueError, match=values):
+        hf(ids, attention_mask=twos)
+    with pytest.raises(ValueError, match=values):
+        hf.generate(ids, attention_mask=twos, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^attention_mask must be a tensor of shape \[batch, past \+ seq_len\] = "
+                                         r"\(2, 8\), got \(2, 5\)$"):
+        hf(ids, attention_mask=torch.ones(2, 5, dtype=torch.long))
+    assert torch.equal(hf(ids, attention_mask=torch.ones(2, 8, dtype=torch.long)).logits, hf(ids).logits)
+
+
 def test_a_fully_masked_batch_gives_the_loss_transformers_gives():
     """Labels all -100 (an SFT batch whose every answer is masked): the loss is a mean over no
     tokens, NaN, with zero gradients, as transformers' Llama gives for the same labels; summed

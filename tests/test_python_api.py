@@ -81,6 +81,25 @@ def test_labels_outside_the_vocabulary_are_refused_by_name(bad):
     assert torch.isfinite(model(ids, labels=labels).loss)
 
 
+@pytest.mark.parametrize("bad", [2.0, -float("inf"), 0.5, -1.0])
+def test_an_attention_mask_of_values_other_than_0_and_1_is_refused_by_name(bad):
+    """A mask value other than 0 and 1 was read as 1 without a word: an additive mask (0 for a
+    token, -inf for padding) masked the tokens and kept the padding, a 2 or 0.5 counted as a
+    real token. Refused naming ``attention_mask`` and the values it takes (on the CPU); a
+    mask of 0/1 in any dtype gives the logits of the boolean mask."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    mask = torch.ones(2, 8)
+    mask[0, :3] = 0
+    mask[1, 5] = bad
+    with pytest.raises(ValueError, match=rf"^attention_mask must hold only 0 \(padding\) and 1 \(a real token\); got "
+                                         rf"{re.escape(str(bad))} \(an additive mask"):
+        model(ids, attention_mask=mask)
+    mask[1, 5] = 1
+    expected = model(ids, attention_mask=mask.bool()).logits
+    for dtype in (torch.float32, torch.long, torch.int32):
+        assert torch.equal(model(ids, attention_mask=mask.to(dtype)).logits, expected)
+
+
 def test_int32_labels_give_the_loss_of_int64_labels():
     """int32 ids are taken as token ids, so ``model(ids, labels=ids)`` with them is the natural
     call; it stopped in cross-entropy ("expected target dtype to be Long or Byte, but got Int")."""

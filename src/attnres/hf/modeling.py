@@ -28,7 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.generic import can_return_tuple
 
 from ..models import AttnResLM, DecoderTrunk, next_token_loss
-from ..models.trunk import check_label_values, check_labels_type
+from ..models.trunk import check_label_values, check_labels_type, check_mask_values
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
@@ -188,7 +188,7 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
             past_key_values = DynamicCache(config=self.config)
         if use_cache and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
-        input_ids, _, t = self.check_inputs(input_ids, inputs_embeds)
+        input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
         store = HFCacheAdapter(past_key_values) if use_cache else None
         past = 0 if store is None else store.seq_len
         if past + t > self.native_config.max_seq_len:
@@ -196,7 +196,10 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(f"attention_mask must be 2-D [batch, past + seq_len], got {attention_mask.dim()}-D")
-            if bool(attention_mask.all()):
+            # (a mask of ones of another shape, or holding 2s, was dropped as 'no padding' without a word;
+            # the decoder names a wrong shape)
+            check_mask_values(attention_mask)
+            if attention_mask.shape == (b, past + t) and bool(attention_mask.all()):
                 attention_mask = None
         self._set_attention()
         onloaded = onload(self.residual)  # (device_map offloading: the residual runs no forward of its own)

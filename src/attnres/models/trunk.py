@@ -39,6 +39,19 @@ def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def check_mask_values(attention_mask: Tensor) -> None:
+    """Raise ``ValueError`` unless ``attention_mask`` holds only 0 (padding) and 1 (a real
+    token): any other value was read as 1 without a word (an additive mask's 0 / -inf as
+    padding / real, the other way round). Reads the values only on the CPU and outside
+    ``torch.compile``: on an accelerator the read would wait for the device at every forward."""
+    if attention_mask.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+    if bad.numel():
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (a real token); got {bad[0].item()} (an "
+                         "additive mask of 0 and -inf is not taken: 1 where a token is, 0 where padding is)")
+
+
 def check_device(tensor, name: str, device: torch.device | None) -> None:
     """Refuse ``tensor`` (``name``: the argument) on a device other than the model's,
     ``device``, before anything runs: a prompt built on the CPU for a model moved to CUDA
@@ -291,6 +304,7 @@ class DecoderTrunk(nn.Module):
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
             raise ValueError(f"attention_mask must be a tensor of shape [batch, past + seq_len] = "
                              f"{(input_ids.shape[0], past + t)}, got {got}")
+        check_mask_values(attention_mask)
         real = attention_mask.bool()
         # RoPE positions count real tokens; left padding sits at position 0.
         position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
