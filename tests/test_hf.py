@@ -620,6 +620,27 @@ def test_a_mask_the_model_would_drop_unread_is_refused_by_name():
     assert torch.equal(hf(ids, attention_mask=torch.ones(2, 8, dtype=torch.long)).logits, hf(ids).logits)
 
 
+def test_inputs_on_the_meta_device_are_refused_by_name_before_the_forward():
+    """Token ids on the meta device (no values) next to a model on the CPU gave logits on meta
+    without a word, a mask there "Tensor.item() cannot be called on meta tensors", labels there
+    "Cannot copy out of meta tensor; no data!" after the whole forward. Each is refused naming
+    the argument before anything runs, as ``AttnResLM`` refuses them; a model whose weights
+    are on meta (shape inference, accelerate's offloading) still computes where they are."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    ran = []
+    hf.embed_tokens.register_forward_pre_hook(lambda *a: ran.append(True))
+    for name, call in (("input_ids", lambda: hf(ids.to("meta"))),
+                       ("attention_mask", lambda: hf(ids, attention_mask=torch.ones(2, 8, device="meta"))),
+                       ("labels", lambda: hf(ids, labels=ids.to("meta")))):
+        with pytest.raises(ValueError, match=rf"^{name} is on meta, the model on cpu: move it there first, "
+                                             rf"{name}.to\('cpu'\)"):
+            call()
+    assert not ran
+    on_meta = AttnResForCausalLM.from_native(native_model()).to("meta")
+    assert on_meta(ids.to("meta")).logits.shape == (2, 8, hf.config.vocab_size)
+
+
 def test_a_fully_masked_batch_gives_the_loss_transformers_gives():
     """Labels all -100 (an SFT batch whose every answer is masked): the loss is a mean over no
     tokens, NaN, with zero gradients, as transformers' Llama gives for the same labels; summed

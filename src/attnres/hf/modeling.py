@@ -28,7 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.generic import can_return_tuple
 
 from ..models import AttnResLM, DecoderTrunk, next_token_loss
-from ..models.trunk import check_label_values, check_labels_type, check_mask_values
+from ..models.trunk import check_device, check_label_values, check_labels_type, check_mask_values
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
@@ -188,6 +188,7 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
             past_key_values = DynamicCache(config=self.config)
         if use_cache and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
+        self.refuse_meta_inputs(input_ids=input_ids, attention_mask=attention_mask)
         input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
         store = HFCacheAdapter(past_key_values) if use_cache else None
         past = 0 if store is None else store.seq_len
@@ -207,6 +208,16 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
         offload(onloaded)
         return h, past_key_values if use_cache else None
+
+    def refuse_meta_inputs(self, **tensors: Tensor | None) -> None:
+        """Refuse an input on the meta device (no values) next to weights that have values,
+        naming it: ids there gave logits of nothing without a word, a mask "Tensor.item() cannot
+        be called on meta tensors", labels "Cannot copy out of meta tensor". Inputs on another
+        real device are left to accelerate's hooks, which move them (``device_map``)."""
+        weight = self.embed_tokens.weight
+        for name, tensor in tensors.items():
+            if isinstance(tensor, Tensor) and tensor.device.type == "meta" and weight.device.type != "meta":
+                check_device(tensor, name, weight.device)
 
     def _hidden_static(self, input_ids: Tensor | None, attention_mask: Tensor | None, cache: Cache,
                        inputs_embeds: Tensor | None = None) -> Tensor:
@@ -387,13 +398,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         the loss is then this batch's summed cross-entropy over it (the Trainer, counting on
         that, does not divide by the accumulation steps)."""
         _refuse_unreturned_outputs(self.config, kwargs)
+        if labels is not None:  # (before the forward's work)
+            self.refuse_meta_inputs(labels=labels)
+            check_labels_type(labels)  # (float labels were cast to ids without a word)
+            check_label_values(labels, self.config.vocab_size)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         h = h[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]  # 0: all
         logits = self.lm_head(self.norm(h))
         loss = None
-        if labels is not None:
-            check_labels_type(labels)  # (float labels were cast to ids without a word)
-            check_label_values(labels, self.config.vocab_size)
         if labels is not None and tuple(labels.shape) != tuple(logits.shape[:2]):
             # (cross-entropy's own error compares flattened sizes, or a 1-D labels fails on its shift)
             kept = "" if isinstance(logits_to_keep, int) and logits_to_keep == 0 else " the positions logits_to_keep keeps of"
