@@ -641,6 +641,19 @@ def test_inputs_on_the_meta_device_are_refused_by_name_before_the_forward():
     assert on_meta(ids.to("meta")).logits.shape == (2, 8, hf.config.vocab_size)
 
 
+def test_from_native_of_a_config_says_how_to_build_the_model():
+    """``AttnResForCausalLM.from_native(config)`` - the ModelConfig where the model goes -
+    ended in "'ModelConfig' object has no attribute 'config'"; it names what it takes and
+    how to build the model from a config."""
+    from attnres.hf import AttnResConfig
+
+    config = native_model().config
+    with pytest.raises(TypeError, match=r"^from_native takes an AttnResLM, got ModelConfig: build the model from it, "
+                                        r"AttnResForCausalLM\(AttnResConfig.from_model_config\(config\)\)$"):
+        AttnResForCausalLM.from_native(config)
+    assert AttnResForCausalLM(AttnResConfig.from_model_config(config)).config.d_model == config.d_model
+
+
 def test_a_fully_masked_batch_gives_the_loss_transformers_gives():
     """Labels all -100 (an SFT batch whose every answer is masked): the loss is a mean over no
     tokens, NaN, with zero gradients, as transformers' Llama gives for the same labels; summed

@@ -100,6 +100,24 @@ def test_an_attention_mask_of_values_other_than_0_and_1_is_refused_by_name(bad):
         assert torch.equal(model(ids, attention_mask=mask.to(dtype)).logits, expected)
 
 
+def test_the_loaders_given_a_model_where_the_path_goes_name_the_order(tmp_path):
+    """``load_checkpoint(model, path)`` and ``load_run(model)`` ended in pathlib's "expected
+    str, bytes or os.PathLike object, not AttnResLM", ``load_checkpoint(path, state_dict)`` deep in
+    the load; each names the argument and
+    the order the function takes."""
+    from attnres.checkpoint import load_checkpoint
+    from attnres.inference import load_run
+
+    model = tiny_model()
+    with pytest.raises(TypeError, match=r"^path must be a checkpoint or run directory \(a str or Path\), got AttnResLM: "
+                                        r"call it as load_checkpoint\(path, model, optimizer=None, \.\.\.\)$"):
+        load_checkpoint(model, tmp_path)
+    with pytest.raises(TypeError, match=r"^path must be .*got AttnResLM: call it as load_run\(path, device='cpu'\)$"):
+        load_run(model)
+    with pytest.raises(TypeError, match=r"^load_checkpoint: model must be the nn.Module to load into, got OrderedDict$"):
+        load_checkpoint(tmp_path, model.state_dict())
+
+
 def test_int32_labels_give_the_loss_of_int64_labels():
     """int32 ids are taken as token ids, so ``model(ids, labels=ids)`` with them is the natural
     call; it stopped in cross-entropy ("expected target dtype to be Long or Byte, but got Int")."""

@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from ..models import AttnResLM, DecoderTrunk, next_token_loss
+from ..models import AttnResLM, DecoderTrunk, ModelConfig, next_token_loss
 from ..models.trunk import check_device, check_label_values, check_labels_type, check_mask_values
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
@@ -423,6 +423,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def from_native(cls, model: AttnResLM, **config_kwargs) -> AttnResForCausalLM:
         """An HF copy of a native model (same weights, same device and dtype).
         ``config_kwargs`` set HF fields such as ``eos_token_id``."""
+        if not isinstance(model, AttnResLM):  # (its ModelConfig there failed in "'ModelConfig' object has no attribute 'config'")
+            raise TypeError(f"from_native takes an AttnResLM, got {type(model).__name__}"
+                            + (": build the model from it, AttnResForCausalLM(AttnResConfig.from_model_config(config))"
+                               if isinstance(model, ModelConfig) else ""))
         config = AttnResConfig.from_model_config(model.config, **config_kwargs)
         param = next(model.parameters())
         hf = cls(config).to(device=param.device, dtype=param.dtype)

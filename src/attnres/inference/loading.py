@@ -23,7 +23,7 @@ from ..nn.residual.imports import unregistered_residual_error
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
 from ..distributed.launch import no_cuda_reason
 from ..user_warning import warn_user
-from ..validation import did_you_mean, unsupported_device_hint
+from ..validation import check_path_argument, did_you_mean, unsupported_device_hint
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
 
@@ -139,6 +139,7 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads.
     Returns a :class:`LoadedRun`: the model in eval mode, the run's config (a dict), the
     checkpoint's path and its verified state (step, tokenizer, ...)."""
+    check_path_argument(path, "load_run(path, device='cpu')")
     # (a bad one: before any loading, named as this function's argument, not the command line's --device)
     device = device if isinstance(device, torch.device) else pick_device(device, "device")
     for _ in range(PRUNED_RETRIES):
