@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_model, twin_with_schedule
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnres import AttnResLM, ModelConfig
 from attnres.nn import Attention, RotaryEmbedding, SwiGLU
@@ -387,3 +391,95 @@ def test_a_checkpoint_loads_into_its_own_residual_an_allowed_other_one_and_a_pla
     for name, child in tiny_model(n_layers=4, residual="attnres_full").named_children():
         plain.add_module(name, child)
     assert loaded(plain)
+
+
+# -- properties over the whole boundary (hypothesis) ---------------------------------------
+
+_NOT_A_COUNT = st.one_of(st.integers(max_value=0), st.integers(1, 64).map(str),
+                         st.floats(0.5, 64).filter(lambda x: x != int(x)), st.booleans(), st.just([2]))
+_NOT_POSITIVE = st.one_of(st.floats(max_value=0.0), st.sampled_from([math.nan, math.inf, None, True]),
+                          st.floats(0.1, 10).map(str))
+#: Values each ModelConfig field refuses, by field (a count, a count or null, a positive number, a bool).
+_INVALID_MODEL_FIELDS = {
+    **{name: _NOT_A_COUNT | st.none() for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")},
+    **{name: _NOT_A_COUNT for name in ("n_kv_heads", "mlp_hidden")},
+    **{name: _NOT_POSITIVE for name in ("rope_theta", "norm_eps", "init_std")},
+    "tie_embeddings": st.one_of(st.integers(), st.text(max_size=3), st.none()),
+}
+_INVALID_RESIDUAL_FIELDS = {
+    "block_size": _NOT_A_COUNT,
+    "eps": st.one_of(st.floats(max_value=-1e-9), st.just(math.nan), st.text(max_size=2)),
+    "backend": st.text(max_size=6).filter(lambda s: s not in ("auto", "torch", "triton", "reference")),
+    "schedule": st.text(max_size=6).filter(lambda s: s not in ("two_phase", "naive")),
+}
+
+
+def _field_and_value(invalid: dict) -> st.SearchStrategy:
+    return st.sampled_from(sorted(invalid)).flatmap(lambda name: st.tuples(st.just(name), invalid[name]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_field_and_value(_INVALID_MODEL_FIELDS), st.booleans())
+def test_any_invalid_model_field_is_refused_naming_it(field_value, nested):
+    """Whatever a notebook passes to a field - 0, a negative, a quoted number, a fraction, a
+    bool, a list, NaN - the error starts with the field's full name (a residual field's too),
+    whether set directly or through ``ModelConfig.preset``."""
+    field, value = field_value
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    with pytest.raises(ValueError, match=rf"^ModelConfig\.{field} "):
+        ModelConfig.preset("tiny", **{field: value}) if nested else ModelConfig(**{**base, field: value})
+
+
+@settings(max_examples=100, deadline=None)
+@given(_field_and_value(_INVALID_RESIDUAL_FIELDS))
+def test_any_invalid_residual_field_is_refused_naming_it(field_value):
+    field, value = field_value
+    with pytest.raises(ValueError, match=rf"^ModelConfig\.residual\.{field} "):
+        ModelConfig.preset("tiny", residual={"kind": "attnres_block", field: value})
+
+
+_SHAPE_MODELS: dict = {}
+
+
+def _shape_model(residual: str):
+    """The tiny model of ``residual`` with random pseudo-queries and its twin on the naive
+    (per-sublayer reference) schedule, built once per test session."""
+    from conftest import make_model, twin_with_schedule
+
+    if residual not in _SHAPE_MODELS:
+        model = make_model(residual=residual, max_seq_len=24).eval()
+        _SHAPE_MODELS[residual] = (model, twin_with_schedule(model, "naive"))
+    return _SHAPE_MODELS[residual]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["attnres_block", "attnres_full", "standard"]), st.integers(1, 3), st.integers(1, 24),
+       st.integers(0, 2**16))
+def test_any_valid_batch_and_length_match_the_reference_and_each_row_alone(residual, batch, length, seed):
+    """Every ``[batch, seq_len]`` with ``1 <= seq_len <= max_seq_len``, int64 or int32: the
+    two-phase schedule gives the naive reference's logits, and each row of the batch the
+    logits it gets alone (up to float32 rounding)."""
+    model, reference = _shape_model(residual)
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert logits.shape == (batch, length, 256)
+        torch.testing.assert_close(logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(ids.int()).logits, logits, atol=0, rtol=0)
+        for row in range(batch):
+            torch.testing.assert_close(model(ids[row:row + 1]).logits[0], logits[row], atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 40), st.sampled_from([torch.long, torch.int32, torch.float32, torch.int16]))
+def test_any_invalid_batch_length_or_dtype_is_refused_naming_input_ids(batch, length, dtype):
+    """An empty batch or sequence, one past ``max_seq_len`` or ids that are not int64/int32:
+    a ``ValueError`` naming ``input_ids`` (or ``max_seq_len``) before any compute; the rest run."""
+    model, _ = _shape_model("attnres_block")
+    ids = torch.zeros(batch, length, dtype=dtype)
+    valid = dtype in (torch.long, torch.int32) and batch >= 1 and 1 <= length <= 24
+    if valid:
+        assert model(ids).logits.shape == (batch, length, 256)
+        return
+    with pytest.raises(ValueError, match=r"^(input_ids must|sequence length \d+ exceeds ModelConfig.max_seq_len=24$)"):
+        model(ids)
