@@ -163,6 +163,18 @@ def test_sample_takes_one_row_of_logits_per_sequence_and_says_how_to_get_them(lo
         sample(logits, temperature=0.8, top_k=5)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sample_of_logits_over_no_token_is_refused_by_name(temperature):
+    """Logits ``[batch, 0]`` (a head sliced to nothing) failed in argmax's "Expected reduction
+    dim 1 to have non-zero size" (greedy) or deeper in the draw."""
+    from attnres.inference import sample
+
+    with pytest.raises(ValueError, match=r"^sample: logits must hold a logit for each token of the vocabulary, got "
+                                         r"\(2, 0\): no token to pick$"):
+        sample(torch.randn(2, 0), temperature=temperature)
+    assert sample(torch.randn(0, 5), temperature=temperature).shape == (0,)  # (an empty batch: nothing to draw)
+
+
 @pytest.mark.parametrize("args, match", [(("2",), r"n_layers must be an integer >= 1, got '2'"),
                                          ((0,), r"n_layers must be an integer >= 1, got 0"),
                                          ((2, -1), r"capacity must be an integer >= 0, got -1")])

@@ -174,6 +174,9 @@ def sample(
         got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
         raise ValueError(f"sample: logits must be a tensor [batch, vocab], got {got}: a forward's [batch, seq_len, "
                          "vocab] gives it as out.logits[:, -1], one row [vocab] as logits[None]")
+    if logits.shape[1] == 0:  # (failed in argmax's "Expected reduction dim 1 to have non-zero size")
+        raise ValueError(f"sample: logits must hold a logit for each token of the vocabulary, got {tuple(logits.shape)}: "
+                         "no token to pick")
     _check_generator(generator, logits.device, logits.shape[0], "the logits")
     return _draw(logits, temperature, top_k, top_p, generator)
 
