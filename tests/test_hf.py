@@ -654,6 +654,40 @@ def test_from_native_of_a_config_says_how_to_build_the_model():
     assert AttnResForCausalLM(AttnResConfig.from_model_config(config)).config.d_model == config.d_model
 
 
+@pytest.mark.parametrize("keep, got", [(-1, "-1"), (True, "True"), ("2", "'2'"), (2.5, "2.5"),
+                                       (torch.tensor([[0, 1]]), "a 2-D torch.int64 tensor"),
+                                       (torch.tensor([0.0, 1.0]), "a 1-D torch.float32 tensor")])
+def test_a_logits_to_keep_that_keeps_other_positions_is_refused_by_name(keep, got):
+    """``logits_to_keep=-1`` kept every position but the first without a word (the slice
+    ``[1:]``), a 2-D tensor of indices gave 4-D logits, a string or float failed in indexing.
+    Refused naming it and what it takes; 0, a count and a 1-D tensor of indices keep what they
+    kept (the last positions, or the ones named)."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    with pytest.raises(ValueError, match=rf"^logits_to_keep must be an integer >= 0 \(the last positions; 0: all\) or a "
+                                         rf"1-D tensor of position indices; got {re.escape(got)}$"):
+        hf(ids, logits_to_keep=keep)
+    logits = hf(ids).logits
+    assert torch.equal(hf(ids, logits_to_keep=3).logits, logits[:, -3:])
+    assert torch.equal(hf(ids, logits_to_keep=torch.tensor([0, 5])).logits, logits[:, [0, 5]])
+
+
+def test_a_negative_item_count_or_a_legacy_cache_is_refused_by_name():
+    """``num_items_in_batch=-3`` turned the loss's sign without a word; a legacy cache (a tuple
+    or list of tensors, which transformers 5 no longer takes) failed with "'list' object has no
+    attribute 'is_compileable'"."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    with pytest.raises(ValueError, match=r"^num_items_in_batch must be the number \(>= 0\) of predicted tokens in the "
+                                         r"accumulated batches; got -3$"):
+        hf(ids, labels=ids, num_items_in_batch=-3)
+    with pytest.raises(ValueError, match=r"^past_key_values must be a transformers Cache \(DynamicCache, StaticCache, "
+                                         r"or the one a forward returned\), got list$"):
+        hf(ids, past_key_values=[], use_cache=True)
+    summed = hf(ids, labels=ids, num_items_in_batch=14).loss
+    torch.testing.assert_close(summed, hf(ids, labels=ids).loss)  # (14 predicted tokens: the mean)
+
+
 def test_a_fully_masked_batch_gives_the_loss_transformers_gives():
     """Labels all -100 (an SFT batch whose every answer is masked): the loss is a mean over no
     tokens, NaN, with zero gradients, as transformers' Llama gives for the same labels; summed

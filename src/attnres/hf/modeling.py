@@ -263,7 +263,26 @@ def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | 
     (``generate`` passes the new name), earlier 5.x versions use the old one."""
     if cache is not None and past_key_values is not None:
         raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
-    return past_key_values if past_key_values is not None else cache
+    given = past_key_values if past_key_values is not None else cache
+    if given is not None and not isinstance(given, Cache):  # (a legacy tuple of tensors: "no attribute 'is_compileable'")
+        raise ValueError(f"past_key_values must be a transformers Cache (DynamicCache, StaticCache, or the one a forward "
+                         f"returned), got {type(given).__name__}")
+    return given
+
+
+def _check_logits_to_keep(logits_to_keep) -> None:
+    """Refuse what would keep other positions than meant: a negative count kept all but the
+    first ones without a word (``slice(1, None)`` for -1), a 2-D tensor of indices gave 4-D
+    logits, a float or a string failed in indexing. Reads no tensor's values."""
+    if isinstance(logits_to_keep, Tensor):
+        if logits_to_keep.dim() == 1 and not logits_to_keep.is_floating_point() and logits_to_keep.dtype != torch.bool:
+            return
+    elif isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep >= 0:
+        return
+    got = (f"a {logits_to_keep.dim()}-D {logits_to_keep.dtype} tensor" if isinstance(logits_to_keep, Tensor)
+           else repr(logits_to_keep))
+    raise ValueError(f"logits_to_keep must be an integer >= 0 (the last positions; 0: all) or a 1-D tensor of position "
+                     f"indices; got {got}")
 
 
 #: The name of the cache field of each output class (``cache`` from transformers 5.24 on,
@@ -398,6 +417,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         the loss is then this batch's summed cross-entropy over it (the Trainer, counting on
         that, does not divide by the accumulation steps)."""
         _refuse_unreturned_outputs(self.config, kwargs)
+        _check_logits_to_keep(logits_to_keep)
+        if isinstance(num_items_in_batch, (int, float)) and not num_items_in_batch >= 0:  # (a negative one flipped the loss)
+            raise ValueError(f"num_items_in_batch must be the number (>= 0) of predicted tokens in the accumulated "
+                             f"batches; got {num_items_in_batch!r}")
         if labels is not None:  # (before the forward's work)
             self.refuse_meta_inputs(labels=labels)
             check_labels_type(labels)  # (float labels were cast to ids without a word)
