@@ -122,6 +122,19 @@ def test_the_loaders_given_a_model_where_the_path_goes_name_the_order(tmp_path):
         load_checkpoint(tmp_path, model.state_dict())
 
 
+def test_load_tokenizer_of_the_model_says_to_pass_the_run():
+    """``load_tokenizer(run.model)`` - the model where the run goes - ended in pathlib's
+    "expected str, bytes or os.PathLike object, not AttnResLM"."""
+    from attnres.inference import load_tokenizer
+
+    with pytest.raises(TypeError, match=r"^load_tokenizer takes the LoadedRun that load_run\(path\) gives, or a "
+                                        r"checkpoint or run directory; got AttnResLM: pass the run, load_tokenizer\(run\), "
+                                        r"not run.model$"):
+        load_tokenizer(tiny_model())
+    with pytest.raises(TypeError, match=r"^load_tokenizer takes .*; got int$"):
+        load_tokenizer(3)
+
+
 def test_int32_labels_give_the_loss_of_int64_labels():
     """int32 ids are taken as token ids, so ``model(ids, labels=ids)`` with them is the natural
     call; it stopped in cross-entropy ("expected target dtype to be Long or Byte, but got Int")."""

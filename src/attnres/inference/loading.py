@@ -8,6 +8,7 @@ making it from the run's data settings as then (cached beside the data, or retra
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,10 @@ def load_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None = 
     settings produce (cached beside the data, or retrained identically), with a warning.
     With a :class:`LoadedRun`, a tokenizer whose vocabulary is not the model's is refused
     (``ValueError``): its ids would index other embeddings, and the text would be garbage."""
+    if not isinstance(source, (LoadedRun, str, os.PathLike)):  # (the model, run.model: pathlib's "expected str, ...")
+        raise TypeError(f"load_tokenizer takes the LoadedRun that load_run(path) gives, or a checkpoint or run directory; "
+                        f"got {type(source).__name__}" + (": pass the run, load_tokenizer(run), not run.model"
+                                                          if isinstance(source, torch.nn.Module) else ""))
     tokenizer = _find_tokenizer(source, tokenizer_path)
     if isinstance(source, LoadedRun):
         # The run's own tokenizer may have fewer tokens than a padded embedding (attnres.train.setup).
