@@ -1004,3 +1004,24 @@ def test_the_arguments_in_another_order_are_refused_naming_the_order():
                                          r"input_ids, \.\.\.\), got Tensor$"):
         stream_transformers(ids, model, max_new_tokens=2)
     assert cache.seq_len == 4  # the refused step wrote nothing
+
+
+def test_a_cache_read_or_cropped_at_a_position_it_does_not_have_is_refused_by_name():
+    """``cache.crop(2.5)`` was taken as the cache's length (every later forward read it),
+    ``cache.keys(5)`` of a 2-layer cache failed with "list index out of range", ``keys(-1)``
+    read the last layer, a layer not filled yet "'NoneType' object is not subscriptable"."""
+    model = make_model(residual="attnres_block").eval()
+    with pytest.raises(ValueError, match=r"^layer 0 holds nothing yet: the cache is filled by a forward \(prefill\)$"):
+        KVCache(model.config.n_layers).keys(0)
+    logits, cache = prefill(model, random_ids(2, 5))
+    for bad in (5, -1, 2.0, True):
+        for read in (cache.keys, cache.values):
+            with pytest.raises(ValueError, match=rf"^layer must be an integer in \[0, 2\) \(the cache's n_layers\), "
+                                                 rf"got {re.escape(repr(bad))}$"):
+                read(bad)
+    for bad in (2.5, -1, 6, True):
+        with pytest.raises(ValueError, match=rf"^seq_len must be an integer in \[0, 5\], got {re.escape(repr(bad))}$"):
+            cache.crop(bad)
+    assert cache.seq_len == 5 and cache.keys(1).shape[2] == 5
+    cache.crop(3)
+    assert cache.seq_len == 3 and cache.values(0).shape[2] == 3
