@@ -188,7 +188,7 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
             past_key_values = DynamicCache(config=self.config)
         if use_cache and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
-        self.refuse_meta_inputs(input_ids=input_ids, attention_mask=attention_mask)
+        self._refuse_meta_inputs(input_ids=input_ids, attention_mask=attention_mask)
         input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
         store = HFCacheAdapter(past_key_values) if use_cache else None
         past = 0 if store is None else store.seq_len
@@ -209,7 +209,7 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         offload(onloaded)
         return h, past_key_values if use_cache else None
 
-    def refuse_meta_inputs(self, **tensors: Tensor | None) -> None:
+    def _refuse_meta_inputs(self, **tensors: Tensor | None) -> None:
         """Refuse an input on the meta device (no values) next to weights that have values,
         naming it: ids there gave logits of nothing without a word, a mask "Tensor.item() cannot
         be called on meta tensors", labels "Cannot copy out of meta tensor". Inputs on another
@@ -422,7 +422,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             raise ValueError(f"num_items_in_batch must be the number (>= 0) of predicted tokens in the accumulated "
                              f"batches; got {num_items_in_batch!r}")
         if labels is not None:  # (before the forward's work)
-            self.refuse_meta_inputs(labels=labels)
+            self._refuse_meta_inputs(labels=labels)
             check_labels_type(labels)  # (float labels were cast to ids without a word)
             check_label_values(labels, self.config.vocab_size)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
