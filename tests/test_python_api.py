@@ -508,3 +508,28 @@ def test_any_invalid_batch_length_or_dtype_is_refused_naming_input_ids(batch, le
         return
     with pytest.raises(ValueError, match=r"^(input_ids must|sequence length \d+ exceeds ModelConfig.max_seq_len=24$)"):
         model(ids)
+
+
+#: Values each sampling argument of generate refuses, by argument.
+_INVALID_SAMPLING = {
+    "max_new_tokens": _NOT_A_COUNT | st.none(),
+    "temperature": st.one_of(st.floats(max_value=-1e-9), st.sampled_from([math.nan, math.inf, True, None, "0.8"])),
+    "top_k": st.one_of(st.integers(max_value=-1), st.floats(0.5, 9).filter(lambda x: x != int(x)), st.just("5")),
+    "top_p": st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True), st.just(math.nan),
+                       st.just("0.9")),
+}
+
+
+@settings(max_examples=80, deadline=None)
+@given(_field_and_value(_INVALID_SAMPLING))
+def test_any_invalid_sampling_argument_of_generate_is_refused_naming_it(argument_value):
+    """``max_new_tokens`` 0, negative or fractional, a negative or NaN ``temperature``, a
+    ``top_p`` past 1, a quoted number: ``generate`` refuses each before any compute, with the
+    argument's name first."""
+    from attnres.inference import generate
+
+    argument, value = argument_value
+    model, _ = _shape_model("attnres_block")
+    arguments = {"max_new_tokens": 2, "temperature": 0.8, argument: value}
+    with pytest.raises(ValueError, match=rf"^{argument} must be "):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), **arguments)
