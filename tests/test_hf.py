@@ -580,6 +580,114 @@ def test_labels_of_another_shape_are_refused_in_one_line():
     assert hf(ids, labels=ids).loss.ndim == 0
 
 
+def test_labels_that_are_not_in_vocabulary_token_ids_are_refused_by_name():
+    """Float labels were cast to ids without a word (``AttnResLM`` refuses them), and a label
+    past the vocabulary, or negative other than -100, stopped in cross-entropy with "Target
+    300 is out of bounds"; both name ``labels`` and what it takes, as ``AttnResLM`` does."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    vocab = hf.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 8))
+    with pytest.raises(ValueError, match=r"^labels must be a tensor of token ids \(torch.long or torch.int32, -100 = "
+                                         r"ignored\), got dtype torch.float32$"):
+        hf(ids, labels=ids.float())
+    for bad in (vocab, -5):
+        labels = ids.clone()
+        labels[0, 2] = bad
+        with pytest.raises(ValueError, match=rf"^labels must be token ids in \[0, {vocab}\) or -100 \(ignored\); got {bad}$"):
+            hf(ids, labels=labels)
+        labels[0, 2] = -100
+        assert torch.equal(hf(ids, labels=labels).loss, hf.to_native()(ids, labels=labels).loss)
+
+
+def test_a_mask_the_model_would_drop_unread_is_refused_by_name():
+    """A mask of ones and 2s, or of ones but another shape than the batch, was taken as 'no
+    padding' and dropped without a word (``generate`` with it too); a value other than 0 and 1
+    is refused naming ``attention_mask`` and the values it takes, a shape naming both, as
+    ``AttnResLM`` refuses them. A mask of ones of the right shape is still dropped: the
+    logits of no mask."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    twos = torch.ones(2, 8, dtype=torch.long)
+    twos[0, 0] = 2
+    values = r"^attention_mask must hold only 0 \(padding\) and 1 \(a real token\); got 2 "
+    with pytest.raises(ValueError, match=values):
+        hf(ids, attention_mask=twos)
+    with pytest.raises(ValueError, match=values):
+        hf.generate(ids, attention_mask=twos, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^attention_mask must be a tensor of shape \[batch, past \+ seq_len\] = "
+                                         r"\(2, 8\), got \(2, 5\)$"):
+        hf(ids, attention_mask=torch.ones(2, 5, dtype=torch.long))
+    assert torch.equal(hf(ids, attention_mask=torch.ones(2, 8, dtype=torch.long)).logits, hf(ids).logits)
+
+
+def test_inputs_on_the_meta_device_are_refused_by_name_before_the_forward():
+    """Token ids on the meta device (no values) next to a model on the CPU gave logits on meta
+    without a word, a mask there "Tensor.item() cannot be called on meta tensors", labels there
+    "Cannot copy out of meta tensor; no data!" after the whole forward. Each is refused naming
+    the argument before anything runs, as ``AttnResLM`` refuses them; a model whose weights
+    are on meta (shape inference, accelerate's offloading) still computes where they are."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    ran = []
+    hf.embed_tokens.register_forward_pre_hook(lambda *a: ran.append(True))
+    for name, call in (("input_ids", lambda: hf(ids.to("meta"))),
+                       ("attention_mask", lambda: hf(ids, attention_mask=torch.ones(2, 8, device="meta"))),
+                       ("labels", lambda: hf(ids, labels=ids.to("meta")))):
+        with pytest.raises(ValueError, match=rf"^{name} is on meta, the model on cpu: move it there first, "
+                                             rf"{name}.to\('cpu'\)"):
+            call()
+    assert not ran
+    on_meta = AttnResForCausalLM.from_native(native_model()).to("meta")
+    assert on_meta(ids.to("meta")).logits.shape == (2, 8, hf.config.vocab_size)
+
+
+def test_from_native_of_a_config_says_how_to_build_the_model():
+    """``AttnResForCausalLM.from_native(config)`` - the ModelConfig where the model goes -
+    ended in "'ModelConfig' object has no attribute 'config'"; it names what it takes and
+    how to build the model from a config."""
+    from attnres.hf import AttnResConfig
+
+    config = native_model().config
+    with pytest.raises(TypeError, match=r"^from_native takes an AttnResLM, got ModelConfig: build the model from it, "
+                                        r"AttnResForCausalLM\(AttnResConfig.from_model_config\(config\)\)$"):
+        AttnResForCausalLM.from_native(config)
+    assert AttnResForCausalLM(AttnResConfig.from_model_config(config)).config.d_model == config.d_model
+
+
+@pytest.mark.parametrize("keep, got", [(-1, "-1"), (True, "True"), ("2", "'2'"), (2.5, "2.5"),
+                                       (torch.tensor([[0, 1]]), "a 2-D torch.int64 tensor"),
+                                       (torch.tensor([0.0, 1.0]), "a 1-D torch.float32 tensor")])
+def test_a_logits_to_keep_that_keeps_other_positions_is_refused_by_name(keep, got):
+    """``logits_to_keep=-1`` kept every position but the first without a word (the slice
+    ``[1:]``), a 2-D tensor of indices gave 4-D logits, a string or float failed in indexing.
+    Refused naming it and what it takes; 0, a count and a 1-D tensor of indices keep what they
+    kept (the last positions, or the ones named)."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    with pytest.raises(ValueError, match=rf"^logits_to_keep must be an integer >= 0 \(the last positions; 0: all\) or a "
+                                         rf"1-D tensor of position indices; got {re.escape(got)}$"):
+        hf(ids, logits_to_keep=keep)
+    logits = hf(ids).logits
+    assert torch.equal(hf(ids, logits_to_keep=3).logits, logits[:, -3:])
+    assert torch.equal(hf(ids, logits_to_keep=torch.tensor([0, 5])).logits, logits[:, [0, 5]])
+
+
+def test_a_negative_item_count_or_a_legacy_cache_is_refused_by_name():
+    """``num_items_in_batch=-3`` turned the loss's sign without a word; a legacy cache (a tuple
+    or list of tensors, which transformers 5 no longer takes) failed with "'list' object has no
+    attribute 'is_compileable'"."""
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    with pytest.raises(ValueError, match=r"^num_items_in_batch must be the number \(>= 0\) of predicted tokens in the "
+                                         r"accumulated batches; got -3$"):
+        hf(ids, labels=ids, num_items_in_batch=-3)
+    with pytest.raises(ValueError, match=r"^past_key_values must be a transformers Cache \(DynamicCache, StaticCache, "
+                                         r"or the one a forward returned\), got list$"):
+        hf(ids, past_key_values=[], use_cache=True)
+    summed = hf(ids, labels=ids, num_items_in_batch=14).loss
+    torch.testing.assert_close(summed, hf(ids, labels=ids).loss)  # (14 predicted tokens: the mean)
+
+
 def test_a_fully_masked_batch_gives_the_loss_transformers_gives():
     """Labels all -100 (an SFT batch whose every answer is masked): the loss is a mean over no
     tokens, NaN, with zero gradients, as transformers' Llama gives for the same labels; summed

@@ -977,3 +977,51 @@ def test_stop_strings_in_stream_transformers_and_their_errors():
                      lambda: stream_transformers(Counting(), prompt, max_new_tokens=2, **kwargs)):
             with pytest.raises(ValueError, match=message):
                 call()
+
+
+def test_the_arguments_in_another_order_are_refused_naming_the_order():
+    """``generate(ids, model, ...)`` - the prompt where the model goes - failed with
+    "'Tensor' object has no attribute 'parameters'" (``stream`` read the model's device
+    before checking it), ``decode_step(cache, model, tokens)`` likewise with "'KVCache'
+    object has no attribute 'parameters'", and ``stream_transformers(ids, model, ...)``
+    with "'Tensor' object has no attribute 'config'". Each names the order it takes."""
+    from attnres.inference import StaticDecoder, stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 4)
+    for call in (lambda: generate(ids, model, max_new_tokens=2), lambda: stream(ids, model, max_new_tokens=2),
+                 lambda: prefill(ids, model)):
+        with pytest.raises(ValueError, match=r"takes the model first, got a Tensor there: call it as "
+                                             r"\(model, input_ids, \.\.\.\)$"):
+            call()
+    logits, cache = prefill(model, ids)
+    with pytest.raises(ValueError, match=r"decode_step takes the model first, got a KVCache there: call it as "
+                                         r"decode_step\(model, cache, tokens\)$"):
+        decode_step(cache, model, ids[:, 0])
+    with pytest.raises(ValueError, match=r"StaticDecoder takes the model first, got a Tensor there"):
+        StaticDecoder(ids, 2, 8, mode="eager")
+    with pytest.raises(ValueError, match=r"stream_transformers takes a transformers causal LM first \(model, "
+                                         r"input_ids, \.\.\.\), got Tensor$"):
+        stream_transformers(ids, model, max_new_tokens=2)
+    assert cache.seq_len == 4  # the refused step wrote nothing
+
+
+def test_a_cache_read_or_cropped_at_a_position_it_does_not_have_is_refused_by_name():
+    """``cache.crop(2.5)`` was taken as the cache's length (every later forward read it),
+    ``cache.keys(5)`` of a 2-layer cache failed with "list index out of range", ``keys(-1)``
+    read the last layer, a layer not filled yet "'NoneType' object is not subscriptable"."""
+    model = make_model(residual="attnres_block").eval()
+    with pytest.raises(ValueError, match=r"^layer 0 holds nothing yet: the cache is filled by a forward \(prefill\)$"):
+        KVCache(model.config.n_layers).keys(0)
+    logits, cache = prefill(model, random_ids(2, 5))
+    for bad in (5, -1, 2.0, True):
+        for read in (cache.keys, cache.values):
+            with pytest.raises(ValueError, match=rf"^layer must be an integer in \[0, 2\) \(the cache's n_layers\), "
+                                                 rf"got {re.escape(repr(bad))}$"):
+                read(bad)
+    for bad in (2.5, -1, 6, True):
+        with pytest.raises(ValueError, match=rf"^seq_len must be an integer in \[0, 5\], got {re.escape(repr(bad))}$"):
+            cache.crop(bad)
+    assert cache.seq_len == 5 and cache.keys(1).shape[2] == 5
+    cache.crop(3)
+    assert cache.seq_len == 3 and cache.values(0).shape[2] == 3

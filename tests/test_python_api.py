@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_model, twin_with_schedule
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnres import AttnResLM, ModelConfig
 from attnres.nn import Attention, RotaryEmbedding, SwiGLU
@@ -66,6 +70,71 @@ def test_labels_that_are_not_token_ids_are_refused_by_name(labels, match):
         model(ids, labels=labels(ids))
 
 
+@pytest.mark.parametrize("bad", [256, 1000, -1, -99, -101])
+def test_labels_outside_the_vocabulary_are_refused_by_name(bad):
+    """A label id past the vocabulary, or negative other than -100, stopped in cross-entropy
+    with "Target 256 is out of bounds" (a device-side assert on CUDA); it is refused naming
+    ``labels`` and the ids it takes. -100 is ignored as before (read on the CPU only: on an
+    accelerator the values are not read, which would wait for the device)."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    labels = ids.clone()
+    labels[1, 3] = bad
+    with pytest.raises(ValueError, match=rf"^labels must be token ids in \[0, 256\) or -100 \(ignored\); got {bad}$"):
+        model(ids, labels=labels)
+    labels[1, 3] = -100  # ignored
+    assert torch.isfinite(model(ids, labels=labels).loss)
+
+
+@pytest.mark.parametrize("bad", [2.0, -float("inf"), 0.5, -1.0])
+def test_an_attention_mask_of_values_other_than_0_and_1_is_refused_by_name(bad):
+    """A mask value other than 0 and 1 was read as 1 without a word: an additive mask (0 for a
+    token, -inf for padding) masked the tokens and kept the padding, a 2 or 0.5 counted as a
+    real token. Refused naming ``attention_mask`` and the values it takes (on the CPU); a
+    mask of 0/1 in any dtype gives the logits of the boolean mask."""
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    mask = torch.ones(2, 8)
+    mask[0, :3] = 0
+    mask[1, 5] = bad
+    with pytest.raises(ValueError, match=rf"^attention_mask must hold only 0 \(padding\) and 1 \(a real token\); got "
+                                         rf"{re.escape(str(bad))} \(an additive mask"):
+        model(ids, attention_mask=mask)
+    mask[1, 5] = 1
+    expected = model(ids, attention_mask=mask.bool()).logits
+    for dtype in (torch.float32, torch.long, torch.int32):
+        assert torch.equal(model(ids, attention_mask=mask.to(dtype)).logits, expected)
+
+
+def test_the_loaders_given_a_model_where_the_path_goes_name_the_order(tmp_path):
+    """``load_checkpoint(model, path)`` and ``load_run(model)`` ended in pathlib's "expected
+    str, bytes or os.PathLike object, not AttnResLM", ``load_checkpoint(path, state_dict)`` deep in
+    the load; each names the argument and
+    the order the function takes."""
+    from attnres.checkpoint import load_checkpoint
+    from attnres.inference import load_run
+
+    model = tiny_model()
+    with pytest.raises(TypeError, match=r"^path must be a checkpoint or run directory \(a str or Path\), got AttnResLM: "
+                                        r"call it as load_checkpoint\(path, model, optimizer=None, \.\.\.\)$"):
+        load_checkpoint(model, tmp_path)
+    with pytest.raises(TypeError, match=r"^path must be .*got AttnResLM: call it as load_run\(path, device='cpu'\)$"):
+        load_run(model)
+    with pytest.raises(TypeError, match=r"^load_checkpoint: model must be the nn.Module to load into, got OrderedDict$"):
+        load_checkpoint(tmp_path, model.state_dict())
+
+
+def test_load_tokenizer_of_the_model_says_to_pass_the_run():
+    """``load_tokenizer(run.model)`` - the model where the run goes - ended in pathlib's
+    "expected str, bytes or os.PathLike object, not AttnResLM"."""
+    from attnres.inference import load_tokenizer
+
+    with pytest.raises(TypeError, match=r"^load_tokenizer takes the LoadedRun that load_run\(path\) gives, or a "
+                                        r"checkpoint or run directory; got AttnResLM: pass the run, load_tokenizer\(run\), "
+                                        r"not run.model$"):
+        load_tokenizer(tiny_model())
+    with pytest.raises(TypeError, match=r"^load_tokenizer takes .*; got int$"):
+        load_tokenizer(3)
+
+
 def test_int32_labels_give_the_loss_of_int64_labels():
     """int32 ids are taken as token ids, so ``model(ids, labels=ids)`` with them is the natural
     call; it stopped in cross-entropy ("expected target dtype to be Long or Byte, but got Int")."""
@@ -105,6 +174,18 @@ def test_sample_takes_one_row_of_logits_per_sequence_and_says_how_to_get_them(lo
     with pytest.raises(ValueError, match=rf"^sample: logits must be a tensor \[batch, vocab\], got {got}: .*"
                                          r"out.logits\[:, -1\], one row \[vocab\] as logits\[None\]$"):
         sample(logits, temperature=0.8, top_k=5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sample_of_logits_over_no_token_is_refused_by_name(temperature):
+    """Logits ``[batch, 0]`` (a head sliced to nothing) failed in argmax's "Expected reduction
+    dim 1 to have non-zero size" (greedy) or deeper in the draw."""
+    from attnres.inference import sample
+
+    with pytest.raises(ValueError, match=r"^sample: logits must hold a logit for each token of the vocabulary, got "
+                                         r"\(2, 0\): no token to pick$"):
+        sample(torch.randn(2, 0), temperature=temperature)
+    assert sample(torch.randn(0, 5), temperature=temperature).shape == (0,)  # (an empty batch: nothing to draw)
 
 
 @pytest.mark.parametrize("args, match", [(("2",), r"n_layers must be an integer >= 1, got '2'"),
@@ -335,3 +416,120 @@ def test_a_checkpoint_loads_into_its_own_residual_an_allowed_other_one_and_a_pla
     for name, child in tiny_model(n_layers=4, residual="attnres_full").named_children():
         plain.add_module(name, child)
     assert loaded(plain)
+
+
+# -- properties over the whole boundary (hypothesis) ---------------------------------------
+
+_NOT_A_COUNT = st.one_of(st.integers(max_value=0), st.integers(1, 64).map(str),
+                         st.floats(0.5, 64).filter(lambda x: x != int(x)), st.booleans(), st.just([2]))
+_NOT_POSITIVE = st.one_of(st.floats(max_value=0.0), st.sampled_from([math.nan, math.inf, None, True]),
+                          st.floats(0.1, 10).map(str))
+#: Values each ModelConfig field refuses, by field (a count, a count or null, a positive number, a bool).
+_INVALID_MODEL_FIELDS = {
+    **{name: _NOT_A_COUNT | st.none() for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len")},
+    **{name: _NOT_A_COUNT for name in ("n_kv_heads", "mlp_hidden")},
+    **{name: _NOT_POSITIVE for name in ("rope_theta", "norm_eps", "init_std")},
+    "tie_embeddings": st.one_of(st.integers(), st.text(max_size=3), st.none()),
+}
+_INVALID_RESIDUAL_FIELDS = {
+    "block_size": _NOT_A_COUNT,
+    "eps": st.one_of(st.floats(max_value=-1e-9), st.just(math.nan), st.text(max_size=2)),
+    "backend": st.text(max_size=6).filter(lambda s: s not in ("auto", "torch", "triton", "reference")),
+    "schedule": st.text(max_size=6).filter(lambda s: s not in ("two_phase", "naive")),
+}
+
+
+def _field_and_value(invalid: dict) -> st.SearchStrategy:
+    return st.sampled_from(sorted(invalid)).flatmap(lambda name: st.tuples(st.just(name), invalid[name]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_field_and_value(_INVALID_MODEL_FIELDS), st.booleans())
+def test_any_invalid_model_field_is_refused_naming_it(field_value, nested):
+    """Whatever a notebook passes to a field - 0, a negative, a quoted number, a fraction, a
+    bool, a list, NaN - the error starts with the field's full name (a residual field's too),
+    whether set directly or through ``ModelConfig.preset``."""
+    field, value = field_value
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    with pytest.raises(ValueError, match=rf"^ModelConfig\.{field} "):
+        ModelConfig.preset("tiny", **{field: value}) if nested else ModelConfig(**{**base, field: value})
+
+
+@settings(max_examples=100, deadline=None)
+@given(_field_and_value(_INVALID_RESIDUAL_FIELDS))
+def test_any_invalid_residual_field_is_refused_naming_it(field_value):
+    field, value = field_value
+    with pytest.raises(ValueError, match=rf"^ModelConfig\.residual\.{field} "):
+        ModelConfig.preset("tiny", residual={"kind": "attnres_block", field: value})
+
+
+_SHAPE_MODELS: dict = {}
+
+
+def _shape_model(residual: str):
+    """The tiny model of ``residual`` with random pseudo-queries and its twin on the naive
+    (per-sublayer reference) schedule, built once per test session."""
+    from conftest import make_model, twin_with_schedule
+
+    if residual not in _SHAPE_MODELS:
+        model = make_model(residual=residual, max_seq_len=24).eval()
+        _SHAPE_MODELS[residual] = (model, twin_with_schedule(model, "naive"))
+    return _SHAPE_MODELS[residual]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["attnres_block", "attnres_full", "standard"]), st.integers(1, 3), st.integers(1, 24),
+       st.integers(0, 2**16))
+def test_any_valid_batch_and_length_match_the_reference_and_each_row_alone(residual, batch, length, seed):
+    """Every ``[batch, seq_len]`` with ``1 <= seq_len <= max_seq_len``, int64 or int32: the
+    two-phase schedule gives the naive reference's logits, and each row of the batch the
+    logits it gets alone (up to float32 rounding)."""
+    model, reference = _shape_model(residual)
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert logits.shape == (batch, length, 256)
+        torch.testing.assert_close(logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(ids.int()).logits, logits, atol=0, rtol=0)
+        for row in range(batch):
+            torch.testing.assert_close(model(ids[row:row + 1]).logits[0], logits[row], atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 40), st.sampled_from([torch.long, torch.int32, torch.float32, torch.int16]))
+def test_any_invalid_batch_length_or_dtype_is_refused_naming_input_ids(batch, length, dtype):
+    """An empty batch or sequence, one past ``max_seq_len`` or ids that are not int64/int32:
+    a ``ValueError`` naming ``input_ids`` (or ``max_seq_len``) before any compute; the rest run."""
+    model, _ = _shape_model("attnres_block")
+    ids = torch.zeros(batch, length, dtype=dtype)
+    valid = dtype in (torch.long, torch.int32) and batch >= 1 and 1 <= length <= 24
+    if valid:
+        assert model(ids).logits.shape == (batch, length, 256)
+        return
+    with pytest.raises(ValueError, match=r"^(input_ids must|sequence length \d+ exceeds ModelConfig.max_seq_len=24$)"):
+        model(ids)
+
+
+#: Values each sampling argument of generate refuses, by argument.
+_INVALID_SAMPLING = {
+    "max_new_tokens": _NOT_A_COUNT | st.none(),
+    "temperature": st.one_of(st.floats(max_value=-1e-9), st.sampled_from([math.nan, math.inf, True, None, "0.8"])),
+    "top_k": st.one_of(st.integers(max_value=-1), st.floats(0.5, 9).filter(lambda x: x != int(x)), st.just("5")),
+    "top_p": st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0, exclude_min=True), st.just(math.nan),
+                       st.just("0.9")),
+}
+
+
+@settings(max_examples=80, deadline=None)
+@given(_field_and_value(_INVALID_SAMPLING))
+def test_any_invalid_sampling_argument_of_generate_is_refused_naming_it(argument_value):
+    """``max_new_tokens`` 0, negative or fractional, a negative or NaN ``temperature``, a
+    ``top_p`` past 1, a quoted number: ``generate`` refuses each before any compute, with the
+    argument's name first."""
+    from attnres.inference import generate
+
+    argument, value = argument_value
+    model, _ = _shape_model("attnres_block")
+    arguments = {"max_new_tokens": 2, "temperature": 0.8, argument: value}
+    with pytest.raises(ValueError, match=rf"^{argument} must be "):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), **arguments)

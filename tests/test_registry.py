@@ -125,6 +125,16 @@ def test_user_variant_round_trips_through_the_hf_wrapper(tmp_path):
     assert torch.equal(loaded.to_native().residual.scale, native.residual.scale)
 
 
+def test_the_decorator_without_its_name_says_how_to_write_it():
+    """``@register_residual`` above a class, without ``('name')``, was told that "a residual
+    name must be a Python identifier ...; got <class ...>"; it now says the form it takes."""
+    with pytest.raises(ValueError, match=r"^register_residual takes the variant's name first: "
+                                         r"@register_residual\('my_residual'\) above class ScaledResidual, not a bare "
+                                         r"@register_residual$"):
+        register_residual(ScaledResidual)
+    assert ScaledResidual.name == "scaled_test"  # (left as it was)
+
+
 def test_unknown_and_duplicate_names_and_bad_options():
     with pytest.raises(ValueError) as info:
         ModelConfig(residual="no_such_residual")

@@ -42,6 +42,7 @@ from .manifest import (
 )
 from .manifest import restore_rng as _restore_rng
 from .residual import refuse_residual_change
+from ..validation import check_path_argument
 
 __all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
 
@@ -141,6 +142,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     the checkpoint's run config stores while the weights fit (Full vs Block AttnRes, another
     block size) is refused (:class:`CheckpointError` naming both) unless
     ``allow_residual_change``."""
+    check_path_argument(path, "load_checkpoint(path, model, optimizer=None, ...)")
+    if not isinstance(model, nn.Module):  # (a state dict there failed deep in the load)
+        raise TypeError(f"load_checkpoint: model must be the nn.Module to load into, got {type(model).__name__}")
     path = Path(path)
     doc = verified if verified is not None else read_checkpoint_state(path)
     refuse_residual_change(path, doc, model, allow_residual_change)

@@ -27,7 +27,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from ..models import AttnResLM, DecoderTrunk, next_token_loss
+from ..models import AttnResLM, DecoderTrunk, ModelConfig, next_token_loss
+from ..models.trunk import check_device, check_label_values, check_labels_type, check_mask_values
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
@@ -187,7 +188,8 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
             past_key_values = DynamicCache(config=self.config)
         if use_cache and past_key_values.is_compileable:
             return self._hidden_static(input_ids, attention_mask, past_key_values, inputs_embeds), past_key_values
-        input_ids, _, t = self.check_inputs(input_ids, inputs_embeds)
+        self._refuse_meta_inputs(input_ids=input_ids, attention_mask=attention_mask)
+        input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
         store = HFCacheAdapter(past_key_values) if use_cache else None
         past = 0 if store is None else store.seq_len
         if past + t > self.native_config.max_seq_len:
@@ -195,7 +197,10 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(f"attention_mask must be 2-D [batch, past + seq_len], got {attention_mask.dim()}-D")
-            if bool(attention_mask.all()):
+            # (a mask of ones of another shape, or holding 2s, was dropped as 'no padding' without a word;
+            # the decoder names a wrong shape)
+            check_mask_values(attention_mask)
+            if attention_mask.shape == (b, past + t) and bool(attention_mask.all()):
                 attention_mask = None
         self._set_attention()
         onloaded = onload(self.residual)  # (device_map offloading: the residual runs no forward of its own)
@@ -203,6 +208,16 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
                            **({"sublayer_call": self._gradient_checkpointing_func} if checkpointing else {}))
         offload(onloaded)
         return h, past_key_values if use_cache else None
+
+    def _refuse_meta_inputs(self, **tensors: Tensor | None) -> None:
+        """Refuse an input on the meta device (no values) next to weights that have values,
+        naming it: ids there gave logits of nothing without a word, a mask "Tensor.item() cannot
+        be called on meta tensors", labels "Cannot copy out of meta tensor". Inputs on another
+        real device are left to accelerate's hooks, which move them (``device_map``)."""
+        weight = self.embed_tokens.weight
+        for name, tensor in tensors.items():
+            if isinstance(tensor, Tensor) and tensor.device.type == "meta" and weight.device.type != "meta":
+                check_device(tensor, name, weight.device)
 
     def _hidden_static(self, input_ids: Tensor | None, attention_mask: Tensor | None, cache: Cache,
                        inputs_embeds: Tensor | None = None) -> Tensor:
@@ -248,7 +263,26 @@ def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | 
     (``generate`` passes the new name), earlier 5.x versions use the old one."""
     if cache is not None and past_key_values is not None:
         raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
-    return past_key_values if past_key_values is not None else cache
+    given = past_key_values if past_key_values is not None else cache
+    if given is not None and not isinstance(given, Cache):  # (a legacy tuple of tensors: "no attribute 'is_compileable'")
+        raise ValueError(f"past_key_values must be a transformers Cache (DynamicCache, StaticCache, or the one a forward "
+                         f"returned), got {type(given).__name__}")
+    return given
+
+
+def _check_logits_to_keep(logits_to_keep) -> None:
+    """Refuse what would keep other positions than meant: a negative count kept all but the
+    first ones without a word (``slice(1, None)`` for -1), a 2-D tensor of indices gave 4-D
+    logits, a float or a string failed in indexing. Reads no tensor's values."""
+    if isinstance(logits_to_keep, Tensor):
+        if logits_to_keep.dim() == 1 and not logits_to_keep.is_floating_point() and logits_to_keep.dtype != torch.bool:
+            return
+    elif isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool) and logits_to_keep >= 0:
+        return
+    got = (f"a {logits_to_keep.dim()}-D {logits_to_keep.dtype} tensor" if isinstance(logits_to_keep, Tensor)
+           else repr(logits_to_keep))
+    raise ValueError(f"logits_to_keep must be an integer >= 0 (the last positions; 0: all) or a 1-D tensor of position "
+                     f"indices; got {got}")
 
 
 #: The name of the cache field of each output class (``cache`` from transformers 5.24 on,
@@ -383,6 +417,14 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         the loss is then this batch's summed cross-entropy over it (the Trainer, counting on
         that, does not divide by the accumulation steps)."""
         _refuse_unreturned_outputs(self.config, kwargs)
+        _check_logits_to_keep(logits_to_keep)
+        if isinstance(num_items_in_batch, (int, float)) and not num_items_in_batch >= 0:  # (a negative one flipped the loss)
+            raise ValueError(f"num_items_in_batch must be the number (>= 0) of predicted tokens in the accumulated "
+                             f"batches; got {num_items_in_batch!r}")
+        if labels is not None:  # (before the forward's work)
+            self._refuse_meta_inputs(labels=labels)
+            check_labels_type(labels)  # (float labels were cast to ids without a word)
+            check_label_values(labels, self.config.vocab_size)
         h, cache = self._hidden(input_ids, attention_mask, _given_cache(past_key_values, cache), use_cache, inputs_embeds)
         h = h[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep]  # 0: all
         logits = self.lm_head(self.norm(h))
@@ -404,6 +446,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     def from_native(cls, model: AttnResLM, **config_kwargs) -> AttnResForCausalLM:
         """An HF copy of a native model (same weights, same device and dtype).
         ``config_kwargs`` set HF fields such as ``eos_token_id``."""
+        if not isinstance(model, AttnResLM):  # (its ModelConfig there failed in "'ModelConfig' object has no attribute 'config'")
+            raise TypeError(f"from_native takes an AttnResLM, got {type(model).__name__}"
+                            + (": build the model from it, AttnResForCausalLM(AttnResConfig.from_model_config(config))"
+                               if isinstance(model, ModelConfig) else ""))
         config = AttnResConfig.from_model_config(model.config, **config_kwargs)
         param = next(model.parameters())
         hf = cls(config).to(device=param.device, dtype=param.dtype)

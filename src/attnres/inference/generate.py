@@ -113,6 +113,7 @@ def prefill(
 def decode_step(model: AttnResLM, cache: KVCache, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """Feed one token per sequence, ``tokens [B]``; return the next-token logits ``[B, vocab]``
     (float32). ``attention_mask [B, cache.seq_len + 1]`` (or ``None`` without padding)."""
+    check_native(model, "decode_step", "decode_step(model, cache, tokens)")
     if not isinstance(tokens, Tensor) or tokens.dim() != 1:
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"decode_step: tokens must have shape [B] (one token per sequence), got {got}")
@@ -173,6 +174,9 @@ def sample(
         got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
         raise ValueError(f"sample: logits must be a tensor [batch, vocab], got {got}: a forward's [batch, seq_len, "
                          "vocab] gives it as out.logits[:, -1], one row [vocab] as logits[None]")
+    if logits.shape[1] == 0:  # (failed in argmax's "Expected reduction dim 1 to have non-zero size")
+        raise ValueError(f"sample: logits must hold a logit for each token of the vocabulary, got {tuple(logits.shape)}: "
+                         "no token to pick")
     _check_generator(generator, logits.device, logits.shape[0], "the logits")
     return _draw(logits, temperature, top_k, top_p, generator)
 
@@ -241,6 +245,7 @@ def stream(
     ``decode`` (one of :data:`DECODE_MODES`) picks how the decode steps run; the static modes
     give the same tokens as ``"dynamic"`` (up to floating-point rounding of the logits).
     """
+    check_native(model, "prefill, generate and stream each")  # (before resolve_decode reads its parameters)
     check_sampling(temperature, top_k, top_p)
     _check_max_new_tokens(max_new_tokens)
     _check_chunk_size(chunk_size)
@@ -397,6 +402,10 @@ def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None 
     Stop tokens and stop strings end a sequence as in :func:`stream` (later steps give it
     ``pad_token_id``; the stream ends when every sequence has ended). The arguments are checked
     at the call, as :func:`stream` checks them."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(getattr(model, "config", None), "vocab_size"):
+        # (the arguments in another order failed in "'Tensor' object has no attribute 'config'")
+        raise ValueError(f"stream_transformers takes a transformers causal LM first (model, input_ids, ...), got "
+                         f"{type(model).__name__}")
     check_sampling(temperature, top_k, top_p)
     _check_max_new_tokens(max_new_tokens)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)

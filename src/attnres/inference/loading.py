@@ -8,6 +8,7 @@ making it from the run's data settings as then (cached beside the data, or retra
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ..nn.residual.imports import unregistered_residual_error
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
 from ..distributed.launch import no_cuda_reason
 from ..user_warning import warn_user
-from ..validation import did_you_mean, unsupported_device_hint
+from ..validation import check_path_argument, did_you_mean, unsupported_device_hint
 
 __all__ = ["LoadedRun", "load_run", "load_model", "load_tokenizer", "check_vocabulary", "pick_device"]
 
@@ -139,6 +140,7 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Loa
     optimiser's state is not needed: a checkpoint without ``optimizer.safetensors`` loads.
     Returns a :class:`LoadedRun`: the model in eval mode, the run's config (a dict), the
     checkpoint's path and its verified state (step, tokenizer, ...)."""
+    check_path_argument(path, "load_run(path, device='cpu')")
     # (a bad one: before any loading, named as this function's argument, not the command line's --device)
     device = device if isinstance(device, torch.device) else pick_device(device, "device")
     for _ in range(PRUNED_RETRIES):
@@ -201,6 +203,10 @@ def load_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None = 
     settings produce (cached beside the data, or retrained identically), with a warning.
     With a :class:`LoadedRun`, a tokenizer whose vocabulary is not the model's is refused
     (``ValueError``): its ids would index other embeddings, and the text would be garbage."""
+    if not isinstance(source, (LoadedRun, str, os.PathLike)):  # (the model, run.model: pathlib's "expected str, ...")
+        raise TypeError(f"load_tokenizer takes the LoadedRun that load_run(path) gives, or a checkpoint or run directory; "
+                        f"got {type(source).__name__}" + (": pass the run, load_tokenizer(run), not run.model"
+                                                          if isinstance(source, torch.nn.Module) else ""))
     tokenizer = _find_tokenizer(source, tokenizer_path)
     if isinstance(source, LoadedRun):
         # The run's own tokenizer may have fewer tokens than a padded embedding (attnres.train.setup).

@@ -44,10 +44,13 @@ def static_decode_step(model, cache: StaticKVCache, tokens: Tensor) -> Tensor:
     return model.lm_head(model.norm(h[:, -1])).float()
 
 
-def check_native(model, what: str) -> None:
+def check_native(model, what: str, call: str = "(model, input_ids, ...)") -> None:
     """Refuse a model other than an :class:`AttnResLM` (or one under ``torch.compile``): a
     transformers model's forward takes ``kv_cache`` into its ``**kwargs`` and ignores it, so
-    every decode step saw its one new token without the prompt."""
+    every decode step saw its one new token without the prompt. ``call``: the arguments in
+    their order, for the message when another argument stands where the model should."""
+    if isinstance(model, (Tensor, KVCache, StaticKVCache)):  # (the arguments in another order failed in model.parameters())
+        raise ValueError(f"{what} takes the model first, got a {type(model).__name__} there: call it as {call}")
     if not isinstance(getattr(model, "_orig_mod", model), AttnResLM):
         raise ValueError(f"{what} runs attnres's own model (an AttnResLM), got {type(model).__name__}: convert an "
                          "AttnResForCausalLM with .to_native(), or decode a transformers model with its own generate "
@@ -110,7 +113,7 @@ class StaticDecoder:
     def __init__(self, model, batch_size: int, capacity: int | None = None, mode: str = "graph", warmup: int = 2) -> None:
         if mode not in STATIC_MODES:
             raise ValueError(f"mode must be one of {STATIC_MODES}, got {mode!r}{did_you_mean(mode, STATIC_MODES)}")
-        check_native(model, "StaticDecoder")
+        check_native(model, "StaticDecoder", "StaticDecoder(model, batch_size, capacity, ...)")
         self.model, self.mode, self.warmup = model, mode, warmup
         with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not
             self.cache = StaticKVCache.for_model(model, batch_size, capacity)

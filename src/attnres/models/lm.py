@@ -12,7 +12,7 @@ from ..nn.kv_cache import StaticKVCache
 from ..nn.norm import RMSNorm
 from ..nn.transformer import KVStore
 from .config import ModelConfig, require_model_config
-from .trunk import IGNORE_INDEX, DecoderTrunk, check_device, next_token_loss, plain_call
+from .trunk import DecoderTrunk, check_device, check_label_values, check_labels_type, next_token_loss, plain_call
 
 
 @dataclass
@@ -130,7 +130,7 @@ class AttnResLM(DecoderTrunk):
         device = None if (weight := self.embed_tokens.weight).device.type == "meta" else weight.device
         check_device(input_ids, "input_ids", device)  # (before its values are read, on its device)
         input_ids, b, t = self.check_inputs(input_ids, inputs_embeds)
-        self._check_labels(labels, (b, t), last_logits_only, device)
+        self._check_labels(labels, (b, t), last_logits_only, device, self.config.vocab_size)
         check_device(attention_mask, "attention_mask", device)
         self._check_cache(kv_cache, b)
         past = 0 if kv_cache is None else kv_cache.seq_len
@@ -150,16 +150,13 @@ class AttnResLM(DecoderTrunk):
 
     @staticmethod
     def _check_labels(labels: Tensor | None, shape: tuple[int, int], last_logits_only: bool,
-                      device: torch.device | None) -> None:
-        """Refuse labels the loss cannot take, naming them: not a tensor of token ids (float
-        labels failed in cross-entropy's "expected target dtype to be Long"), of another shape
-        than the inputs, or on another device than the model. Reads shapes only."""
+                      device: torch.device | None, vocab_size: int) -> None:
+        """Refuse labels the loss cannot take, naming them: not a tensor of token ids
+        (:func:`check_labels_type`), of another shape than the inputs, on another device than
+        the model, or (on the CPU) ids outside the vocabulary (:func:`check_label_values`)."""
         if labels is None:
             return
-        if not isinstance(labels, Tensor) or labels.dtype not in (torch.long, torch.int32):
-            got = f"dtype {labels.dtype}" if isinstance(labels, Tensor) else type(labels).__name__
-            raise ValueError(f"labels must be a tensor of token ids (torch.long or torch.int32, {IGNORE_INDEX} = "
-                             f"ignored), got {got}")
+        check_labels_type(labels)
         if labels.shape != shape:
             raise ValueError(f"labels must have the shape [batch, seq_len] = {shape} of the inputs, got {tuple(labels.shape)}")
         if last_logits_only:
@@ -168,6 +165,7 @@ class AttnResLM(DecoderTrunk):
             raise ValueError(f"labels need a sequence of at least 2 tokens: position t predicts token t + 1, and a "
                              f"sequence of {shape[1]} predicts none (the loss would be NaN)")
         check_device(labels, "labels", device)
+        check_label_values(labels, vocab_size)
 
     def _check_cache(self, kv_cache: KVStore | None, batch_size: int) -> None:
         """Refuse what is not a cache, and a cache made for another model (its layers; a static

@@ -27,7 +27,8 @@ from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import KVStore, TransformerBlock, causal_mask
 from .config import ModelConfig
 
-__all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call"]
+__all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "plain_call", "check_labels_type",
+           "check_label_values"]
 
 
 def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
@@ -36,6 +37,19 @@ def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_mask_values(attention_mask: Tensor) -> None:
+    """Raise ``ValueError`` unless ``attention_mask`` holds only 0 (padding) and 1 (a real
+    token): any other value was read as 1 without a word (an additive mask's 0 / -inf as
+    padding / real, the other way round). Reads the values only on the CPU and outside
+    ``torch.compile``: on an accelerator the read would wait for the device at every forward."""
+    if attention_mask.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+    if bad.numel():
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (a real token); got {bad[0].item()} (an "
+                         "additive mask of 0 and -inf is not taken: 1 where a token is, 0 where padding is)")
 
 
 def check_device(tensor, name: str, device: torch.device | None) -> None:
@@ -73,6 +87,28 @@ def _(input_ids: Tensor, vocab_size: int) -> Tensor:
 
 
 IGNORE_INDEX = -100
+
+
+def check_labels_type(labels) -> None:
+    """Raise ``ValueError`` unless ``labels`` is a tensor of token ids (int64 or int32): float
+    labels failed in cross-entropy's "expected target dtype to be Long" (or, cast, lost their
+    fractions without a word)."""
+    if not isinstance(labels, Tensor) or labels.dtype not in (torch.long, torch.int32):
+        got = f"dtype {labels.dtype}" if isinstance(labels, Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be a tensor of token ids (torch.long or torch.int32, {IGNORE_INDEX} = ignored), "
+                         f"got {got}")
+
+
+def check_label_values(labels: Tensor, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless every label is a token id in ``[0, vocab_size)`` or
+    ``IGNORE_INDEX``: cross-entropy failed with "Target 100 is out of bounds" (a device-side
+    assert on CUDA). Reads the values only on the CPU and outside ``torch.compile``: on an
+    accelerator the read would wait for the device at every forward with labels."""
+    if labels.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bad = labels[((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)]
+    if bad.numel():
+        raise ValueError(f"labels must be token ids in [0, {vocab_size}) or {IGNORE_INDEX} (ignored); got {int(bad[0])}")
 
 
 def next_token_loss(logits: Tensor, labels: Tensor, reduction: str = "mean") -> Tensor:
@@ -268,6 +304,7 @@ class DecoderTrunk(nn.Module):
             got = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
             raise ValueError(f"attention_mask must be a tensor of shape [batch, past + seq_len] = "
                              f"{(input_ids.shape[0], past + t)}, got {got}")
+        check_mask_values(attention_mask)
         real = attention_mask.bool()
         # RoPE positions count real tokens; left padding sits at position 0.
         position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]

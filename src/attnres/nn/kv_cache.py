@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from numbers import Integral
+
 import torch
 from torch import Tensor
 
@@ -81,17 +83,28 @@ class KVCache:
 
     def keys(self, layer: int) -> Tensor:
         """The cached keys of ``layer``, ``[B, n_kv_heads, seq_len, head_dim]``."""
+        self._check_layer(layer)
         return self._k[layer][:, :, : self._len[layer]]
 
     def values(self, layer: int) -> Tensor:
         """The cached values of ``layer``, ``[B, n_kv_heads, seq_len, head_dim]``."""
+        self._check_layer(layer)
         return self._v[layer][:, :, : self._len[layer]]
+
+    def _check_layer(self, layer: int) -> None:
+        # (layer 5 of 2 failed with "list index out of range", -1 read the last layer, a layer not yet
+        # filled with "'NoneType' object is not subscriptable")
+        if isinstance(layer, bool) or not isinstance(layer, Integral) or not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer must be an integer in [0, {self.n_layers}) (the cache's n_layers), got {layer!r}")
+        if self._k[layer] is None:
+            raise ValueError(f"layer {layer} holds nothing yet: the cache is filled by a forward (prefill)")
 
     def crop(self, seq_len: int) -> None:
         """Forget every position from ``seq_len`` on (keeps the allocation)."""
-        if not 0 <= seq_len <= self.seq_len:
-            raise ValueError(f"seq_len must be in [0, {self.seq_len}], got {seq_len}")
-        self._len = [seq_len] * self.n_layers
+        # (a float one was taken as the cache's length, which every later forward then read)
+        if isinstance(seq_len, bool) or not isinstance(seq_len, Integral) or not 0 <= seq_len <= self.seq_len:
+            raise ValueError(f"seq_len must be an integer in [0, {self.seq_len}], got {seq_len!r}")
+        self._len = [int(seq_len)] * self.n_layers
 
     def nbytes(self) -> int:
         """Bytes allocated for keys and values (capacity, not only the used part)."""

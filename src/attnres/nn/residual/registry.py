@@ -43,6 +43,9 @@ def register_residual(name: str, *, replace: bool = False):
     """Class decorator: register a :class:`~attnres.nn.residual.ResidualStream` subclass
     under ``name`` (sets its ``name`` attribute). Registering a taken name raises
     ``ValueError`` unless ``replace=True``; a built-in variant's name raises even then."""
+    if isinstance(name, type):  # (@register_residual without its name: the class came as the name)
+        raise ValueError(f"register_residual takes the variant's name first: @register_residual('my_residual') above "
+                         f"class {name.__qualname__}, not a bare @register_residual")
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a residual name must be a Python identifier such as 'my_residual'; got {name!r}")
 
