@@ -104,6 +104,20 @@ def test_an_attention_mask_of_values_other_than_0_and_1_is_refused_by_name(bad):
         assert torch.equal(model(ids, attention_mask=mask.to(dtype)).logits, expected)
 
 
+def test_labels_and_a_mask_on_fake_tensors_are_not_read():
+    """The value checks of labels and masks read the values (boolean indexing) on the CPU:
+    under ``FakeTensorMode`` (shapes without storage, as the GPU check's launch survey runs a
+    model) that indexing has no shape to give ("DynamicOutputShapeException: aten.nonzero").
+    Fake tensors are not read; the forward gives its shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = tiny_model()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ids = torch.randint(0, 256, (2, 8))
+        out = model(ids, labels=ids.clone(), attention_mask=torch.ones(2, 8, dtype=torch.long))
+        assert out.logits.shape == (2, 8, 256) and out.loss.shape == ()
+
+
 def test_the_loaders_given_a_model_where_the_path_goes_name_the_order(tmp_path):
     """``load_checkpoint(model, path)`` and ``load_run(model)`` ended in pathlib's "expected
     str, bytes or os.PathLike object, not AttnResLM", ``load_checkpoint(path, state_dict)`` deep in

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from ..nn.norm import RMSNorm
 from ..nn.residual import ResidualState, ResidualStream
@@ -39,12 +40,19 @@ def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def _values_readable(tensor: Tensor) -> bool:
+    """Whether a check may read ``tensor``'s values at no cost: on the CPU, outside
+    ``torch.compile`` and not a fake tensor (``FakeTensorMode``: shapes without storage, as a
+    memory or launch survey runs a model; its boolean indexing has no shape to give)."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(tensor)
+
+
 def check_mask_values(attention_mask: Tensor) -> None:
     """Raise ``ValueError`` unless ``attention_mask`` holds only 0 (padding) and 1 (a real
     token): any other value was read as 1 without a word (an additive mask's 0 / -inf as
     padding / real, the other way round). Reads the values only on the CPU and outside
     ``torch.compile``: on an accelerator the read would wait for the device at every forward."""
-    if attention_mask.device.type != "cpu" or torch.compiler.is_compiling():
+    if not _values_readable(attention_mask):
         return
     bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
     if bad.numel():
@@ -104,7 +112,7 @@ def check_label_values(labels: Tensor, vocab_size: int) -> None:
     ``IGNORE_INDEX``: cross-entropy failed with "Target 100 is out of bounds" (a device-side
     assert on CUDA). Reads the values only on the CPU and outside ``torch.compile``: on an
     accelerator the read would wait for the device at every forward with labels."""
-    if labels.device.type != "cpu" or torch.compiler.is_compiling():
+    if not _values_readable(labels):
         return
     bad = labels[((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)]
     if bad.numel():
@@ -258,6 +266,8 @@ class DecoderTrunk(nn.Module):
             return input_ids
         if torch.compiler.is_compiling():
             return checked_token_ids(input_ids, config.vocab_size)
+        if is_fake(input_ids):  # (FakeTensorMode outside torch.compile, a shape survey: no values either)
+            return input_ids
         check_token_values(input_ids, config.vocab_size)
         return input_ids
 
