@@ -197,3 +197,61 @@ def test_a_checkpoint_storing_a_committed_config_of_an_earlier_version_loads_and
     (config, source), _ = loaded(lambda: config_of_the_run(TrainConfig(out_dir=str(run)), []))
     assert source == run / "checkpoints" / "step-00000002"
     assert config.model == model.config and config.parallel == ParallelConfig() and config.steps == data["steps"]
+
+
+def test_report_only_and_status_over_a_grid_of_an_earlier_version_do_not_warn_of_its_stored_keys(tmp_path, capsys):
+    """`attnres compare --report-only` over a copy of results/compare-long (docs/experiments.md),
+    whose runs' config.json an earlier version wrote with 13 flat ``attnres_*`` keys, warned
+    "13 keys of an earlier version are deprecated: ..." - keys the user never wrote (the
+    report's mixing section built each run's model from its config.json). It and `attnres
+    status` now read those configs without a deprecation warning, and the report is written."""
+    import shutil
+
+    from attnres.cli import main as cli_main
+
+    out = tmp_path / "compare-long"
+    shutil.copytree(ROOT / "results" / "compare-long", out)
+    stored = json.loads((out / "block" / "seed0" / "config.json").read_text())["model"]
+    assert {"attnres_impl", "attnres_block_size", "hc_streams"} <= set(stored)  # (what an earlier version wrote)
+    (out / "report.md").unlink()
+    for command in (["compare", "--out", str(out), "--report-only"], ["status", str(out)]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli_main(command) == 0
+        said = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+        assert said == [], (command, said)
+        assert "deprecated" not in capsys.readouterr().err
+    assert "## Depth mixing matrices" in (out / "report.md").read_text()
+
+
+def test_a_config_the_user_passes_with_the_old_spellings_still_warns(tmp_path):
+    """What the report reads quietly (:func:`attnres.migrations.stored_config`) is the
+    earlier version's stored config only: the same keys in a --config file of the user's, or
+    in an override beside a stored config, still warn, and read the same within it."""
+    import yaml
+
+    from attnres.migrations import stored_config
+    from attnres.train.config import load_config
+
+    data = json.loads((ROOT / COMMITTED[0]).read_text())
+    file = tmp_path / "old.yaml"
+    file.write_text(yaml.safe_dump(data))
+    config, messages = loaded(lambda: load_config(file))
+    assert len(messages) == 2 and any("13 keys of an earlier version are deprecated" in m for m in messages)
+    assert any(m.startswith("TrainConfig.distributed is deprecated") for m in messages)
+    with stored_config():
+        quiet, none = loaded(lambda: load_config(file))
+    assert none == [] and quiet == config
+    _, after = loaded(lambda: ModelConfig.from_dict({**data["model"]}))
+    assert len(after) == 1  # (the quiet is over when the stored config is read)
+    # a resumed run of an earlier version's checkpoint: its stored keys are quiet, an old key the user gives is not
+    from attnres import AttnResLM
+    from attnres.checkpoint import write_checkpoint
+    from attnres.train.resume import config_of_the_run
+
+    run = tmp_path / "run"
+    write_checkpoint(run, 2, AttnResLM(config.model).state_dict(), {"state": {}, "param_groups": []}, {"config": data},
+                     keep=1)
+    _, resumed = loaded(lambda: config_of_the_run(TrainConfig(out_dir=str(run)), []))
+    _, given = loaded(lambda: config_of_the_run(TrainConfig(out_dir=str(run)), ["distributed=auto"]))
+    assert resumed == [] and len(given) == 1 and given[0].startswith("TrainConfig.distributed is deprecated")

@@ -17,13 +17,19 @@ Kept because committed configs and checkpoints (``results/``) still hold them:
 
 Where an old key and its new key are both given (a saved config with a CLI override of the
 old spelling), the old key is the one the user just wrote, and it wins.
+
+A config an earlier version stored (a grid run's ``config.json``, a checkpoint's
+``state.json``) is read within :func:`stored_config`: its old keys are migrated without a
+warning, since the user never wrote them; a config the user passes (``--config FILE``,
+``key=value`` overrides, keyword arguments) still warns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable
 
 from .user_warning import warn_user
@@ -39,6 +45,7 @@ __all__ = [
     "migrate_train_keys",
     "renamed_attribute",
     "accept_old_keys",
+    "stored_config",
 ]
 
 #: ``ResidualConfig`` keys renamed: one name per axis of the depth-attention op.
@@ -74,17 +81,40 @@ LEGACY_DISTRIBUTED = {
 }
 
 
+_reading_stored: list[bool] = []  # (non-empty within stored_config)
+
+
+@contextlib.contextmanager
+def stored_config() -> Iterator[None]:
+    """Within it, the old keys of the configs built are migrated without a
+    ``DeprecationWarning``: for reading a config an earlier version stored (a grid run's
+    ``config.json``, a checkpoint's ``state.json``), whose up to 13 old keys the user never
+    wrote (``attnres compare --report-only`` over a committed grid warned of them as if the
+    user had). Other warnings are left as they are."""
+    _reading_stored.append(True)
+    try:
+        yield
+    finally:
+        _reading_stored.pop()
+
+
+def _warn_deprecated_key(message: str) -> None:
+    """The ``DeprecationWarning`` of an old key, but not of one a stored config holds."""
+    if not _reading_stored:
+        warn_user(message, DeprecationWarning)
+
+
 def _warn_renamed(renamed: list[tuple[str, str]]) -> None:
     """One warning for the old keys ``(old, new)`` of one config: a config an earlier version
     saved holds up to 13 of them, which the user never wrote (one line each was a flood on
     every command that read the checkpoint)."""
     if len(renamed) == 1:
         old, new = renamed[0]
-        warn_user(f"{old} is deprecated: use {new}", DeprecationWarning)
+        _warn_deprecated_key(f"{old} is deprecated: use {new}")
     elif renamed:
         pairs = ", ".join(f"{old} -> {new}" for old, new in renamed)
-        warn_user(f"{len(renamed)} keys of an earlier version are deprecated: {pairs} (read as the new ones; a "
-                  "config saved by this version writes those)", DeprecationWarning)
+        _warn_deprecated_key(f"{len(renamed)} keys of an earlier version are deprecated: {pairs} (read as the new "
+                             "ones; a config saved by this version writes those)")
 
 
 def _renamed_backend(value: Any) -> bool:
@@ -190,8 +220,8 @@ def migrate_train_keys(data: dict[str, Any]) -> dict[str, Any]:
     # (distributed='none' beside a parallel.dp of its own was said to be parallel.dp=1, where the dp given holds)
     meaning = (f"ignored: parallel.dp={given_dp!r} is given" if value == "none" and given_dp is not None
                else f"now {LEGACY_DISTRIBUTED[value]}")
-    warn_user(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is {meaning}. Remove "
-              "it (docs/scale-out.md)", DeprecationWarning)
+    _warn_deprecated_key(f"TrainConfig.distributed is deprecated: use parallel.dp; distributed={value!r} is "
+                         f"{meaning}. Remove it (docs/scale-out.md)")
     if value != "none" or given_dp is not None:
         pass
     elif parallel is None:

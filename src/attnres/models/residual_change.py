@@ -7,12 +7,12 @@ Python loaders of :mod:`attnres.checkpoint`, each with its own way out."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..migrations import stored_config
 from ..validation import flatten
 from .config import ModelConfig
 from .factory import build_model
@@ -52,8 +52,7 @@ def _fitting_change(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[s
     them that differ where the weights of one still load into the other; no fields where they
     cannot be compared (``saved`` cannot be built here)."""
     try:
-        with warnings.catch_warnings():  # (an old checkpoint's spellings: no warning about what it stores)
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
             theirs = ModelConfig.from_dict(dict(saved))
         old, new = _residual_fields(theirs), _residual_fields(ours)
     except (KeyError, TypeError, ValueError):

@@ -18,12 +18,12 @@ fine-tuning starts (``init_from``). Finding the checkpoint is :mod:`attnres.chec
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
+from ..migrations import stored_config
 from ..models.config import ModelConfig
 from ..models.residual_change import HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal
 from ..nn.residual.imports import unregistered_residual_error
@@ -40,8 +40,7 @@ def _normalised(saved: dict[str, Any]) -> dict[str, Any]:
     config for what an old checkpoint stores); the saved mapping itself when it no longer
     validates."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with stored_config():
             return TrainConfig.from_dict(saved).to_dict()
     except (ValueError, TypeError):
         return saved

@@ -19,6 +19,7 @@ import torch
 
 from ...analysis.mixing import DepthMixing, depth_mixing_from_logged, depth_mixing_matrix
 from ...data.corpus import TEXT_FIELD, is_json_lines, json_lines_text, read_text_file
+from ...migrations import stored_config
 from ...output_paths import OutputPathError, check_output_dir, strict_json, write_text_atomically
 from ...analysis.mixing_report import (
     method_note,
@@ -344,7 +345,8 @@ def logged_mixing(run_dir: Path) -> tuple[DepthMixing, dict] | None:
     if not config_path.exists() or not metrics_path.exists():
         return None
     cfg = json.loads(config_path.read_text())
-    model_config = ModelConfig.from_dict(cfg["model"])
+    with stored_config():  # (a run of an earlier version: no warning about the old keys it stored)
+        model_config = ModelConfig.from_dict(cfg["model"])
     residual = model_config.build_residual()
     info = {"checkpoint": None, "residual": residual.name, "L": residual.n_sublayers,
             "block_size": getattr(residual, "block_size", None), "n_streams": getattr(residual, "n_streams", None),
@@ -376,7 +378,8 @@ def mixing_section(groups: dict[str, list[Path]], out: Path, labels: dict[str, s
         for d in dirs:
             if find_valid_checkpoint(d) is not None:
                 try:
-                    item = analyze_checkpoint(d)
+                    with stored_config():  # (the grid's runs, maybe of an earlier version: not the user's keys)
+                        item = analyze_checkpoint(d)
                 except NotImplementedError as e:  # a registered variant without _mixing_matrix: the others still
                     undescribed[name] = str(e)
                     break

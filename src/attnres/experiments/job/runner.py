@@ -24,6 +24,7 @@ import torch
 from ...checkpoint.locate import newest_state, training_output
 from ...data import corpus_fingerprint, load_corpus, prepare_data
 from ...distributed.launch import training_device
+from ...migrations import stored_config
 from ...models import AttnResLM, ModelConfig
 from ...nn.residual import registered_residuals
 from ...output_paths import strict_json, write_text_atomically
@@ -207,7 +208,8 @@ def run_one(config: TrainConfig, variant: Variant, vocab_size_given: bool = Fals
         raise stopped(f"run {out} stopped by {result.interrupted}, at its checkpoint")
     if result.step < config.steps:
         return None
-    model = ModelConfig.from_dict(json.loads((out / "config.json").read_text())["model"])  # the tokenizer's vocab
+    with stored_config():  # (the tokenizer's vocab; a run an earlier version finished stored old keys)
+        model = ModelConfig.from_dict(json.loads((out / "config.json").read_text())["model"])
     params, residual_params = model_counts(model)
     flops = training_flops_per_token(model, config.seq_len)
     tokens = config.steps * config.tokens_per_step
