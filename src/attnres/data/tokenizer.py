@@ -558,10 +558,12 @@ def _split_before(text: str, lo: int, hi: int, splits: Callable[[str], list[int]
     asked of the :data:`SPLIT_WINDOW` characters before ``hi`` and :data:`SPLIT_LOOKAHEAD`
     after, from two starts one character apart: a place both find (a window's first characters
     may be split otherwise than in the whole text: Llama 3's digits, in threes from their
-    window's start); ``hi`` where there is none."""
+    window's start), and not just after whitespace (GPT-2's pre-tokenizer reads "\\n\\n" before a
+    word as "\\n", "\\n" and at a text's end as one "\\n\\n": its lookahead ``\\s+(?!\\S)``); ``hi``
+    where there is none."""
     first, end = max(lo + 1, hi - SPLIT_WINDOW), hi + SPLIT_LOOKAHEAD
     found = [{begin + k for k in splits(text[begin:end])} for begin in (first, first + 1)]
-    return max((k for k in found[0] & found[1] if first + 1 < k <= hi), default=hi)
+    return max((k for k in found[0] & found[1] if first + 1 < k <= hi and not text[k - 1].isspace()), default=hi)
 
 
 def sampled_chunks(text: str | Iterable[str], length: int, sample: int, size: int = 1 << 20) -> Iterator[str]:

@@ -1,0 +1,177 @@
+"""Property tests of the token caches' promise: a text encoded in the pieces of ``text_chunks``
+(about 1 MB each; here a few dozen characters, so that texts of a few KB have many cuts) gives
+the ids of the whole text, wherever the tokenizer's ``clean_cuts`` says it reads the cut apart.
+Texts are drawn from an alphabet that stresses the cuts (whitespace runs, "\\r\\n", tabs, CJK,
+emoji, a combining accent); tokenizers of each style are trained here on a few lines (nothing
+is downloaded)."""
+
+import functools
+import re
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from attnres.data import dataset as dataset_mod
+from attnres.data.crossing_cuts import CUTS
+from attnres.data.tokenizer import BPETokenizer, bpe_available, text_chunks, train_bpe
+
+pytestmark = pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+
+#: The atoms texts are built of: words, digits, punctuation, CJK characters, emoji, a letter
+#: with a combining accent and the accent alone; and between them each kind of whitespace and
+#: runs of it (a single space or line break most often: the cuts' places).
+WORDS = ("the", "word", "Zebra", "x", "42", "7", ".", ",", "!", "(", ")", "-", "漢字", "かな", "😀", "👍🏽", "e\u0301",
+         "\u0301")
+SPACES = (" ", " ", " ", "\n", "\n", "  ", "   ", "\n\n", "\n\n\n", "\t", "\r\n", " \n", "\n ", "")
+ATOMS = WORDS + SPACES
+
+#: Texts of a few hundred to a few thousand characters: with :data:`sizes`, many cuts each.
+texts = st.lists(st.tuples(st.lists(st.sampled_from(WORDS), min_size=1, max_size=4).map("".join),
+                           st.sampled_from(SPACES)).map("".join), min_size=30, max_size=600).map("".join)
+sizes = st.integers(16, 120)
+
+#: What the tokenizers are trained on: each atom beside the others, over a few lines.
+TRAINING_TEXT = "".join(f"{a}the word {i % 7}{b}Zebra, 42.\n" for i, (a, b) in
+                        enumerate(zip(ATOMS * 3, reversed(ATOMS * 3))))
+
+
+def _trained(model, trainer, pre_tokenizer, normalizer=None, decoder=None, train_pre_tokenizer=None):
+    """A ``tokenizers.Tokenizer`` trained on :data:`TRAINING_TEXT` with ``train_pre_tokenizer``
+    (or ``pre_tokenizer``), then given ``pre_tokenizer`` to encode with."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer(model)
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = train_pre_tokenizer or pre_tokenizer
+    tok.train_from_iterator([TRAINING_TEXT], trainer=trainer)
+    tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+    return tok
+
+
+@functools.cache
+def tokenizer(style: str) -> BPETokenizer:
+    """A tiny tokenizer of ``style`` (built once per module run)."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = functools.partial(trainers.BpeTrainer, vocab_size=400, show_progress=False)
+    if style == "attnres-bpe":
+        return train_bpe(TRAINING_TEXT, 400)
+    if style == "gpt2-bytelevel":
+        return BPETokenizer(_trained(models.BPE(), bpe(initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=False), None, decoders.ByteLevel()))
+    if style == "bytelevel-prefix-space":
+        return BPETokenizer(_trained(models.BPE(), bpe(initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=True), None, decoders.ByteLevel()))
+    if style in ("metaspace-first", "metaspace-always"):
+        scheme = style.removeprefix("metaspace-")
+        words = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(prepend_scheme="never"),
+                                         pre_tokenizers.Split("\n", "isolated")])
+        return BPETokenizer(_trained(models.BPE(unk_token="<unk>"), bpe(special_tokens=["<unk>"]),
+                                     pre_tokenizers.Metaspace(prepend_scheme=scheme), None,
+                                     decoders.Metaspace(prepend_scheme=scheme), train_pre_tokenizer=words))
+    if style == "metaspace-never-lines":  # (trained with its pieces across line breaks: "▁word\nZebra")
+        return BPETokenizer(_trained(models.BPE(unk_token="<unk>"), bpe(special_tokens=["<unk>"]),
+                                     pre_tokenizers.Metaspace(prepend_scheme="never"), None,
+                                     decoders.Metaspace(prepend_scheme="never")))
+    if style == "whitespace-wordlevel":
+        return BPETokenizer(_trained(models.WordLevel(unk_token="[UNK]"),
+                                     trainers.WordLevelTrainer(special_tokens=["[UNK]"], show_progress=False),
+                                     pre_tokenizers.Whitespace()))
+    assert style == "whitespace-bpe"
+    return BPETokenizer(_trained(models.BPE(unk_token="[UNK]"), bpe(special_tokens=["[UNK]"]),
+                                 pre_tokenizers.Whitespace()))
+
+
+STYLES = ("attnres-bpe", "gpt2-bytelevel", "bytelevel-prefix-space", "metaspace-first", "metaspace-always",
+          "metaspace-never-lines", "whitespace-wordlevel", "whitespace-bpe")
+
+_LINE_CUT = re.compile(r"\S\n\S")
+_SPACE_CUT = re.compile(r"\S \S")
+
+
+def cut_kind(text: str, at: int) -> str | None:
+    """The kind of cut (of :data:`CUTS`) at ``at`` in ``text``, or ``None`` (a last-resort cut)."""
+    if _LINE_CUT.fullmatch(text, at - 2, at + 1):
+        return "line"
+    if _SPACE_CUT.fullmatch(text, at - 1, at + 2):
+        return "space"
+    return None
+
+
+def cache_ids(tok, text: str, size: int, batch: int = 3) -> list[int]:
+    """The ids the token caches write for ``text`` (``_encode_to_file``), cut in pieces of about
+    ``size`` characters and encoded ``batch`` pieces at a time."""
+    with tempfile.TemporaryDirectory() as tmp, \
+            mock.patch.object(dataset_mod, "text_chunks", functools.partial(text_chunks, size=size)), \
+            mock.patch.object(dataset_mod, "ENCODE_BATCH", batch):
+        n = dataset_mod._encode_to_file(tok, text, Path(tmp) / "t.bin", np.dtype(np.uint32))
+        ids = np.fromfile(Path(tmp) / "t.bin", dtype=np.uint32).tolist()
+    assert len(ids) == n
+    return ids
+
+
+def test_the_styles_are_what_they_claim():
+    """The tokenizers built here are the kinds the properties are about."""
+    assert tokenizer("metaspace-never-lines").clean_cuts == ("space",)
+    assert any("\n" in piece.strip("\n") for piece in tokenizer("metaspace-never-lines").backend.get_vocab())
+    assert tokenizer("metaspace-first").marks_text_start and tokenizer("metaspace-always").marks_text_start
+    assert tokenizer("bytelevel-prefix-space").marks_text_start
+    for style in ("attnres-bpe", "gpt2-bytelevel", "whitespace-wordlevel", "whitespace-bpe"):
+        assert tokenizer(style).clean_cuts == CUTS and not tokenizer(style).marks_text_start
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=texts, size=sizes, cuts=st.sampled_from([CUTS, ("line",), ("space",), ()]))
+def test_the_pieces_join_to_the_text_and_each_but_the_last_is_at_least_size(text, size, cuts):
+    pieces = list(text_chunks(text, size, cuts=cuts))
+    assert "".join(pieces) == text
+    assert all(len(piece) >= size for piece in pieces[:-1])
+    assert all(len(piece) <= 2 * size for piece in pieces)
+    ends = np.cumsum([len(p) for p in pieces[:-1]]).tolist()
+    assert all(cut_kind(text, at) in cuts or len(p) == 2 * size for at, p in zip(ends, pieces))
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=texts, size=sizes, parts=st.lists(st.integers(0, 4000), max_size=12))
+def test_the_pieces_of_a_text_streamed_in_parts_are_those_of_the_whole(text, size, parts):
+    tok = tokenizer("gpt2-bytelevel")
+    at = sorted({min(p, len(text)) for p in parts})
+    streamed = [text[a:b] for a, b in zip([0, *at], [*at, len(text)])]
+    for splits in (None, tok.pre_token_starts):
+        assert list(text_chunks(iter(streamed), size, splits=splits)) == list(text_chunks(text, size, splits=splits))
+
+
+#: A text whose last-resort cut (2 * 16 characters without a clean one) was where GPT-2's
+#: pre-tokenizer starts "the" after "\n\n": read at the piece's end, "\n\n" was one pre-token, in
+#: the whole text two ("\n", "\n": its lookahead ``\s+(?!\S)``), and the ids differed.
+AFTER_WHITESPACE = "the " * 28 + "thethethethe  the\n\nthe "
+
+
+@pytest.mark.parametrize("style", STYLES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=texts, size=sizes, batch=st.integers(1, 4))
+@example(text=AFTER_WHITESPACE, size=16, batch=3)
+def test_the_caches_ids_are_the_whole_texts_where_the_cuts_are_clean(style, text, size, batch):
+    """Where each cut is of a kind the tokenizer reads apart (``clean_cuts``) or, the last
+    resort, where its pre-tokenizer starts a pre-token in the whole text (``pre_token_starts``),
+    the ids the cache writes are those of the text encoded in one call."""
+    tok = tokenizer(style)
+    pieces = list(text_chunks(text, size, splits=tok.pre_token_starts, cuts=tok.clean_cuts))
+    ends = np.cumsum([len(p) for p in pieces[:-1]]).tolist()
+    starts = set(tok.pre_token_starts(text))
+    if all(cut_kind(text, at) in tok.clean_cuts or at in starts for at in ends):
+        assert cache_ids(tok, text, size, batch) == tok.encode(text)
+
+
+def test_a_last_resort_cut_is_not_just_after_whitespace():
+    """The cut of :data:`AFTER_WHITESPACE` is now before "  the", where GPT-2's pre-tokenizer reads
+    the two sides apart."""
+    tok = tokenizer("gpt2-bytelevel")
+    pieces = list(text_chunks(AFTER_WHITESPACE, 16, splits=tok.pre_token_starts, cuts=tok.clean_cuts))
+    assert not any(piece[-1].isspace() for piece in pieces[:-1])
+    assert [i for piece in pieces for i in tok.encode(piece)] == tok.encode(AFTER_WHITESPACE)
