@@ -315,3 +315,28 @@ def test_the_served_residual_is_logged_under_vllms_logger():
     assert [r.getMessage() for r in records] == [
         "attnres 0.1.0: residual attnres_block (S=2, N=3) over 6 sublayers (d = 24); depth attention in PyTorch "
         "operations, compiled with the model where vLLM compiles it"]
+
+
+def test_the_load_line_serving_md_shows_is_the_line_logged():
+    """docs/serving.md, "Use", shows the line each worker logs at load, to check there that a
+    directory serves the residual trained: it showed only its first half, which a reader
+    searching the log for it as shown (a grep up to its closing parenthesis and the end of the
+    line) did not find. The line the doc shows is the one logged for its residual."""
+    import logging
+    from pathlib import Path
+
+    from attnres.nn.residual import ResidualConfig
+    from attnres.serve import decoder
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    decoder.logger.addHandler(handler)
+    decoder.logger.setLevel(logging.INFO)
+    try:
+        decoder.serving_residual(ResidualConfig.from_value({"kind": "attnres_block", "block_size": 2}), 128, 8)
+    finally:
+        decoder.logger.removeHandler(handler)
+        decoder.logger.setLevel(logging.NOTSET)
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text().split())
+    assert f"e.g. `{records[0].getMessage()}`" in doc
