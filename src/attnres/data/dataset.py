@@ -415,6 +415,22 @@ def earlier_cache(data: Mapping[str, Any]) -> TokenData | None:
     return next((found for earlier, _ in _earlier_names(names)
                  if (found := _first_cache(root, earlier, None, corpus.files_key)) is not None), None)
 
+
+def earlier_cache_tokenizer(data: Mapping[str, Any], old: str, hint: str = "") -> Tokenizer | None:
+    """The tokenizer of :func:`earlier_cache` of ``data``, said in a warning (``old``: the
+    checkpoint that stores none, in words; ``hint``: what the caller offers besides); ``None``
+    where no such cache is left, or its data settings or its data cannot be read (the caller
+    then makes one from the data settings, or says what is missing)."""
+    try:
+        trained_on = earlier_cache(data)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if trained_on is None:
+        return None
+    warn_user(f"{old}: taking the tokenizer of the token cache it trained on, {str(trained_on.cache_dir)!r}{hint}")
+    return trained_on.tokenizer
+
+
 def _earlier_names(names: list[str]) -> list[tuple[list[str], list[str]]]:
     """``names`` (all ending with the same suffixes of :data:`_WITHOUT`) as earlier versions
     named them, with the suffixes they lack: less their last suffix, then less the one before

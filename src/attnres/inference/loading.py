@@ -249,14 +249,12 @@ def _find_tokenizer(source: LoadedRun | str | Path, tokenizer_path: str | None) 
     if data["tokenizer"] == "byte":
         warn_user(f"{old}: bytes, as its data settings say; pass --tokenizer to choose another")
         return ByteTokenizer()
-    from ..data import earlier_cache, load_corpus, prepare_data
+    from ..data import earlier_cache_tokenizer, load_corpus, prepare_data
 
     # (the BPE it trained with is its version's cache's: one trained again here need not be it)
-    trained_on = earlier_cache(data)
+    trained_on = earlier_cache_tokenizer(data, old, "; pass --tokenizer to choose another")
     if trained_on is not None:
-        warn_user(f"{old}: taking the tokenizer of the token cache it trained on, {str(trained_on.cache_dir)!r}; "
-                  "pass --tokenizer to choose another")
-        return trained_on.tokenizer
+        return trained_on
     warn_user(f"{old}: making it from the run's data settings (no token cache of its version is left to take it "
               "from); pass --tokenizer to choose one")
     corpus = load_corpus(data["paths"], data["val_fraction"], data.get("text_field", "text"), read=False)

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..checkpoint import (CheckpointError, Source, find_valid_checkpoint, is_hf_directory, latest_checkpoint,
                           no_checkpoint_at, remove_partial_checkpoints, set_aside_newer)
 from ..checkpoint.manifest import OPTIMIZER_FILE
-from ..data import (BatchSampler, TokenData, corpus_fingerprint, earlier_cache, load_corpus, prepare_data,
+from ..data import (BatchSampler, TokenData, corpus_fingerprint, earlier_cache_tokenizer, load_corpus, prepare_data,
                    validation_batches)
 from ..data.tokenizer import (CHAT_SETTINGS, TOKENIZER_FILE, TOKENIZER_KINDS, Tokenizer, load_tokenizer_file,
                               slow_tokenizer_hint, tokenizer_from_state, tokenizer_state)
@@ -140,7 +140,7 @@ class RunData:
 def stored_tokenizer(source: Source, requested: str) -> Tokenizer | None:
     """The tokenizer stored with ``source``. A checkpoint of an earlier version stores none:
     it trained with its token cache's, named as that version named it, taken where it is left
-    (:func:`~attnres.data.earlier_cache`; a BPE trained again need not be it), else ``None``
+    (:func:`~attnres.data.earlier_cache_tokenizer`; a BPE trained again need not be it), else ``None``
     (with a warning: the tokenizer is then made from ``data`` as then). A
     transformers directory without a ``tokenizer.json`` is refused unless ``requested``
     (``data.tokenizer``) names one: its embeddings index its own vocabulary, which a
@@ -156,15 +156,10 @@ def stored_tokenizer(source: Source, requested: str) -> Tokenizer | None:
                                     f".save_pretrained({path!r}) writes it)") + " or give it as data.tokenizer=PATH")
     if meta is None:
         old = f"{str(source.path)!r} stores no tokenizer (written by an earlier version)"
-        try:
-            trained_on = earlier_cache(source.run_config().get("data") or {})
-        except (KeyError, TypeError, ValueError):  # (its data settings unreadable, or its data gone)
-            trained_on = None
-        if trained_on is not None:
-            warn_user(f"{old}: taking the tokenizer of the token cache it trained on, {str(trained_on.cache_dir)!r}")
-            return trained_on.tokenizer
-        warn_user(f"{old}: making it from the data settings")
-        return None
+        trained_on = earlier_cache_tokenizer(source.run_config().get("data") or {}, old)
+        if trained_on is None:
+            warn_user(f"{old}: making it from the data settings")
+        return trained_on
     return tokenizer_from_state(meta, source.path)
 
 
