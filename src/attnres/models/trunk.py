@@ -34,7 +34,8 @@ __all__ = ["IGNORE_INDEX", "DecoderTrunk", "run_sublayers", "next_token_loss", "
 
 def check_token_values(input_ids: Tensor, vocab_size: int) -> None:
     """Raise ``ValueError`` unless every id of ``input_ids`` is in ``[0, vocab_size)``."""
-    lo, hi = int(input_ids.min()), int(input_ids.max())
+    # (one read of both bounds: on an accelerator each read of a value waits for the device)
+    lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
