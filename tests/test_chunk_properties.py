@@ -175,3 +175,114 @@ def test_a_last_resort_cut_is_not_just_after_whitespace():
     pieces = list(text_chunks(AFTER_WHITESPACE, 16, splits=tok.pre_token_starts, cuts=tok.clean_cuts))
     assert not any(piece[-1].isspace() for piece in pieces[:-1])
     assert [i for piece in pieces for i in tok.encode(piece)] == tok.encode(AFTER_WHITESPACE)
+
+
+#: Added tokens a cut of the token cache fell inside (``tokenizer.add_tokens``): a line break or
+#: a space between their characters, one that takes the whitespace before / after it, a
+#: special token a last-resort cut split ("<|" | "endoftext|>").
+ADDED = (("<br>\n", {}), ("<p>\n</p>", {}), ("\n<li>", {}), ("New York", {}), ("<x>", {"lstrip": True}),
+         ("<y>", {"rstrip": True}), ("<|endoftext|>", {"special": True}))
+
+#: Texts that hold the added tokens' contents, and their parts, beside words and whitespace.
+ADDED_WORDS = ("the", "word", "Zebra", "New", "York", "<br>", "<p>", "<|end", "oftext|>",
+               *(content for content, _ in ADDED))
+added_texts = st.lists(st.tuples(st.sampled_from(ADDED_WORDS), st.sampled_from((" ", " ", "\n", "\n", "", "  ", "\n\n"))
+                                 ).map("".join), min_size=20, max_size=300).map("".join)
+
+
+@functools.cache
+def with_added_tokens(style: str) -> BPETokenizer:
+    """The tokenizer of ``style`` with the :data:`ADDED` tokens added."""
+    from tokenizers import AddedToken, Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer(style).to_json())
+    backend.add_tokens([AddedToken(content, **options) for content, options in ADDED])
+    return BPETokenizer(backend)
+
+
+#: Shrunk by hypothesis against the cuts before added tokens were kept whole: a line cut inside
+#: "<p>\n</p>" read "<p>\n" and "</p>" as pieces of text.
+SPLIT_ADDED = "the " * 5 + "<p>\n</p>" + " the" * 5
+
+
+@pytest.mark.parametrize("style", ["gpt2-bytelevel", "metaspace-first", "whitespace-bpe"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=added_texts, size=sizes, batch=st.integers(1, 4), parts=st.lists(st.integers(0, 3000), max_size=8))
+@example(text=SPLIT_ADDED, size=16, batch=1, parts=[])
+def test_no_cut_falls_inside_an_added_token(style, text, size, batch, parts):
+    """An added token holding a line break or space between characters (``"<p>\\n</p>"``,
+    ``"New York"``), or taking the whitespace beside it (``lstrip`` / ``rstrip``), was cut in
+    two by the token cache's cuts (a special token by a last-resort cut): its pieces read it as
+    text, and the ids were not the whole text's. No cut falls inside a match now (the text
+    streamed in parts is cut alike), and where the cuts are clean the cache's ids are the whole
+    text's."""
+    tok = with_added_tokens(style)
+    chunks = functools.partial(text_chunks, size=size, splits=tok.pre_token_starts, cuts=tok.clean_cuts,
+                               added=tok.added_tokens)
+    pieces = list(chunks(text))
+    assert "".join(pieces) == text
+    at = sorted({min(p, len(text)) for p in parts})
+    assert list(chunks(iter([text[a:b] for a, b in zip([0, *at], [*at, len(text)])]))) == pieces
+    ends = np.cumsum([len(p) for p in pieces[:-1]]).tolist()
+    assert all(tok.added_tokens.holding(text, at) is None for at in ends)
+    starts = set(tok.pre_token_starts(text))
+    if all(cut_kind(text, at) in tok.clean_cuts or at in starts for at in ends):
+        assert cache_ids(tok, text, size, batch) == tok.encode(text)
+
+
+def test_added_tokens_are_read_where_a_cut_can_fall_inside_them():
+    """Which added tokens a cut can fall inside, and where."""
+    from attnres.data.crossing_cuts import added_token_matches
+
+    tok = with_added_tokens("gpt2-bytelevel")
+    assert tokenizer("gpt2-bytelevel").added_tokens is None and tokenizer("attnres-bpe").added_tokens is None
+    assert tok.added_tokens.holds_a_cut()
+    text = "a<p>\n</p>b New York c\n<x> <y> d<|endoftext|>"
+    inside = {at: tok.added_tokens.holding(text, at) for at in range(len(text) + 1)}
+    # (a0 <1 ... >8 b9, N11 ... k18, c20 \n21 <x>22-24, <y>26-28 ' '29, <|endoftext|>31-43)
+    assert {at for at, start in inside.items() if start is not None} == {
+        *range(2, 9), *range(12, 19), 22, 23, 24, 27, 28, 29, *range(32, 44)}
+    assert inside[5] == 1 and inside[22] == 21 and inside[29] == 26  # (the start of the match that holds it)
+    from tokenizers import AddedToken, Tokenizer
+
+    specials = Tokenizer.from_str(tokenizer("gpt2-bytelevel").to_json())
+    specials.add_tokens([AddedToken("<|endoftext|>", special=True), AddedToken("\n")])
+    assert not added_token_matches(specials).holds_a_cut()  # (only a last-resort cut can fall inside)
+
+
+def test_a_cache_cut_inside_added_tokens_is_kept_only_by_a_resumed_run(tmp_path):
+    """The cache of a tokenizer with such added tokens holds the whole text's ids and is named
+    ...-addedcut: the cache an earlier version wrote (named without it, its text cut inside
+    them, its ids there the tokens read as text) is not taken by a new run; a resumed run,
+    which may have trained on it, keeps it, with a warning."""
+    import shutil
+    import warnings
+
+    from attnres.data import load_corpus, prepare_data
+
+    tok = with_added_tokens("gpt2-bytelevel")
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    (tmp_path / "c.txt").write_text(SPLIT_ADDED * 40)
+    corpus = load_corpus([str(tmp_path / "c.txt")], 0.2)
+    cache = str(tmp_path / "cache")
+
+    def cut_as_before(text, added=None, **kwargs):  # (the earlier version's cuts: inside added tokens too)
+        return text_chunks(text, size=16, **kwargs)
+
+    with mock.patch.object(dataset_mod, "text_chunks", cut_as_before), \
+            mock.patch.object(dataset_mod, "ADDED_TOKEN_SUFFIX", ""):
+        earlier = prepare_data(corpus, path, cache_dir=cache)
+    assert earlier.train.tolist() != tok.encode(corpus.train)
+    with mock.patch.object(dataset_mod, "text_chunks", functools.partial(text_chunks, size=16)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            made = prepare_data(corpus, path, cache_dir=cache)
+        assert made.cache_dir.name == earlier.cache_dir.name + "-addedcut"
+        assert made.train.tolist() == tok.encode(corpus.train) and made.val.tolist() == tok.encode(corpus.val)
+        shutil.rmtree(made.cache_dir)
+        with pytest.warns(UserWarning, match=r"was made by an earlier attnres, which cut the text into pieces inside "
+                                             r"added tokens of this tokenizer .* named \.\.\.-cleancut-addedcut"):
+            kept = prepare_data(corpus, path, cache_dir=cache, given=made.tokenizer, resumed=True)
+    assert kept.cache_dir == earlier.cache_dir and kept.train.tolist() == earlier.train.tolist()
+    assert not dataset_mod._cache_names("0" * 16, "bpe", 400, tokenizer("gpt2-bytelevel"))[0].endswith("-addedcut")

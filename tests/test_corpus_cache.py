@@ -229,3 +229,45 @@ def test_json_lines_read_line_ends_as_a_text_file_does_and_miss_the_earlier_vers
     assert corpus.is_read and new.cache_dir != old.cache_dir and new.cache_dir == as_text.cache_dir
     assert 13 not in np.asarray(new.train) and 13 not in np.asarray(new.val)
     assert np.array_equal(new.train, as_text.train) and np.array_equal(new.val, as_text.val)
+
+
+def test_documents_are_files_and_json_lines_joined_by_a_blank_line(tmp_path):
+    """docs/data.md, "Documents: files and JSON lines": a ``.jsonl`` file read the same text as
+    a ``.txt`` holding its records one after another, and gave more tokens, with nothing said
+    why. Each record is a document, as each file is, and the documents are joined by a blank
+    line with no end-of-text token: the ``.jsonl`` gives the ids of the ``.txt`` holding its
+    records joined by ``\\n\\n``, and 2 byte tokens more per record boundary than their
+    concatenation; an empty record adds its separator; files are joined alike."""
+    records = ["".join(f"{r}.{i} the quick brown fox jumps over the lazy dog\n" for i in range(50)) for r in range(8)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    (tmp_path / "joined.txt").write_text("\n\n".join(records))
+    (tmp_path / "concatenated.txt").write_text("".join(records))
+
+    def tokens(name: str) -> np.ndarray:
+        data = prepare_data(_corpus(tmp_path / name), "byte", cache_dir=str(tmp_path / f"cache-{name}"))
+        return np.concatenate([np.asarray(data.train), np.asarray(data.val)])
+
+    as_jsonl, joined, concatenated = tokens("c.jsonl"), tokens("joined.txt"), tokens("concatenated.txt")
+    assert np.array_equal(as_jsonl, joined)
+    assert len(as_jsonl) - len(concatenated) == 2 * (len(records) - 1)
+    def read(path: Path) -> tuple[str, str]:
+        corpus = load_corpus([str(path)], 0.1)
+        return corpus.train, corpus.val
+
+    def as_text(name: str, text: str) -> tuple[str, str]:
+        (tmp_path / name).write_text(text)
+        return read(tmp_path / name)
+
+    assert read(tmp_path / "c.jsonl") == read(tmp_path / "joined.txt")
+    assert _corpus(tmp_path / "c.jsonl").digest == _corpus(tmp_path / "joined.txt").digest
+    (tmp_path / "empty.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in ("a" * 300, "", "b" * 300)))
+    assert read(tmp_path / "empty.jsonl") == as_text("empty.txt", "a" * 300 + "\n\n\n\n" + "b" * 300)
+    (tmp_path / "files").mkdir()
+    for i, record in enumerate(records):
+        (tmp_path / "files" / f"{i}.txt").write_text(record)
+    assert read(tmp_path / "files") == read(tmp_path / "joined.txt")
+    # (what docs/data.md says is what is pinned here)
+    said = " ".join((Path(__file__).parents[1] / "docs" / "data.md").read_text().split())
+    for words in ("joined by one blank line, `\\n\\n`", "2 characters, and 2 byte tokens, per boundary",
+                  "(`\"a\"`, `\"\"`, `\"b\"` read as `a\\n\\n\\n\\nb`)"):
+        assert words in said, words

@@ -620,6 +620,40 @@ def test_a_mask_the_model_would_drop_unread_is_refused_by_name():
     assert torch.equal(hf(ids, attention_mask=torch.ones(2, 8, dtype=torch.long)).logits, hf(ids).logits)
 
 
+def test_a_cpu_mask_s_values_are_read_once_a_forward(monkeypatch):
+    """The wrapper read a CPU mask's values (``check_mask_values``), then the shared decoder
+    read them again: each forward with padding scanned its mask twice. The decoder's check is
+    the one left (one scan a forward; none for a mask of ones, dropped as no padding), and a
+    bad value is still refused with its words, as ``AttnResLM`` refuses it."""
+    import attnres.hf.modeling as modeling
+    import attnres.models.trunk as trunk
+
+    checked = []
+
+    def counted(mask):
+        checked.append(mask)
+        return check(mask)
+
+    check = trunk.check_mask_values
+    monkeypatch.setattr(trunk, "check_mask_values", counted)
+    monkeypatch.setattr(modeling, "check_mask_values", counted, raising=False)  # (the wrapper's own name of it)
+    hf = AttnResForCausalLM.from_native(native_model()).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 8))
+    padded = torch.ones(2, 8, dtype=torch.long)
+    padded[0, :3] = 0
+    assert torch.equal(hf(ids, attention_mask=padded).logits, hf.to_native()(ids, attention_mask=padded).logits)
+    assert len(checked) == 2  # (one by the wrapper's forward, one by the native model's)
+    checked.clear()
+    hf(ids, attention_mask=torch.ones(2, 8, dtype=torch.long))
+    assert checked == []
+    twos = padded * 2
+    with pytest.raises(ValueError) as wrapped:
+        hf(ids, attention_mask=twos)
+    with pytest.raises(ValueError) as native:
+        hf.to_native()(ids, attention_mask=twos)
+    assert str(wrapped.value) == str(native.value) and str(native.value).startswith("attention_mask must hold only 0")
+
+
 def test_inputs_on_the_meta_device_are_refused_by_name_before_the_forward():
     """Token ids on the meta device (no values) next to a model on the CPU gave logits on meta
     without a word, a mask there "Tensor.item() cannot be called on meta tensors", labels there

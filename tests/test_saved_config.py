@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 
@@ -112,21 +113,49 @@ def test_attnres_class_refuses_a_family_model_type(saved):
         upcycled_class().from_pretrained(directory)
 
 
+def _deprecations(build):
+    """``build()`` and the messages of the ``DeprecationWarning``s it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = build()
+    return value, [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+
+
 def test_complete_configs_still_load(saved):
     """The saved directories themselves load (and with flat residual keys of earlier versions,
-    which count as residual settings)."""
+    which count as residual settings). Those keys, an earlier export's, are read without a
+    DeprecationWarning (the user never wrote them: every command that read the directory
+    warned of them); the same key given by the user to from_pretrained still warns."""
     assert type(AutoModelForCausalLM.from_pretrained(saved / "native")).__name__ == "AttnResForCausalLM"
     assert type(AutoModelForCausalLM.from_pretrained(saved / "upcycled")).__name__ == "AttnResLlamaForCausalLM"
 
     def flat(config):
-        block_size = config.pop("residual")["block_size"]
-        config["attnres_block_size"] = block_size
+        residual = config.pop("residual")
+        config["attnres_block_size"], config["attnres_impl"] = residual["block_size"], residual["schedule"]
 
     directory = edited(saved, "native", "legacy_keys", flat)
-    with pytest.warns(DeprecationWarning, match=r"^AttnResConfig\.attnres_block_size is deprecated: use "
-                      r"AttnResConfig\.residual\.block_size$"):
-        config = AutoConfig.from_pretrained(directory)
-    assert config.residual["block_size"] == 2
+    config, said = _deprecations(lambda: AutoConfig.from_pretrained(directory))
+    assert said == [] and config.residual["block_size"] == 2
+    assert config.to_model_config() == AutoConfig.from_pretrained(saved / "native").to_model_config()
+    given, said = _deprecations(lambda: AutoConfig.from_pretrained(directory, attnres_block_size=1))
+    assert said == ["AttnResConfig.attnres_block_size is deprecated: use AttnResConfig.residual.block_size"]
+    assert given.residual["block_size"] == 1  # (the key the user just wrote wins)
+
+
+def test_an_upcycled_directory_of_an_earlier_version_loads_without_warning_of_its_keys(saved):
+    """An upcycled directory an earlier version saved stores its residual's op as
+    ``attnres_residual.impl`` / ``kernels``: read without a DeprecationWarning, as today's
+    ``schedule`` / ``backend``."""
+    def old_spellings(config):
+        residual = config["attnres_residual"]
+        residual["impl"], residual["kernels"] = residual.pop("schedule"), "torch_graph"
+        residual.pop("backend")
+
+    directory = edited(saved, "upcycled", "legacy_residual_keys", old_spellings)
+    config, said = _deprecations(lambda: AutoConfig.from_pretrained(directory))
+    assert said == []
+    today = AutoConfig.from_pretrained(saved / "upcycled").attnres_residual
+    assert config.attnres_residual == {**today, "backend": "reference"}
 
 
 def test_a_training_run_or_checkpoint_given_to_from_pretrained_says_to_export_it(tmp_path):

@@ -240,12 +240,14 @@ def _checkpoint_model_config(path: str):
     ``path`` (a run or ``step-*`` directory), read without verifying it; ``None`` where there is
     none or it does not build."""
     from ..checkpoint.locate import newest_state
+    from ..migrations import stored_config
     from ..models.config import ModelConfig
 
     found = newest_state(path)
     config = found[1].get("config") if found is not None else None
     try:
-        return ModelConfig.from_dict(config["model"]) if isinstance(config, dict) else None
+        with stored_config():  # (an earlier version's spellings: not the user's to be warned of)
+            return ModelConfig.from_dict(config["model"]) if isinstance(config, dict) else None
     except (ValueError, TypeError, KeyError):
         return None
 

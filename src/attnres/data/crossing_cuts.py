@@ -8,7 +8,8 @@ SentencePiece-style ``tokenizer.json`` without a pre-tokenizer, as Llama 2's, tr
 whitespace: its pieces hold no line break, and a "▁" only at their start). A ``tokenizer.json``
 whose pre-tokenizer does not split at a line break (a ``Metaspace`` one, or none) trained on
 text with line breaks holds pieces such as ``"text\\nnext"``: cut after that line break, its
-ids were not the whole text's.
+ids were not the whole text's. Its added tokens, found in the whole text before it is
+pre-tokenized, are not cut inside either (:class:`AddedTokenMatches`).
 """
 
 from __future__ import annotations
@@ -83,3 +84,72 @@ def _crosses(piece: str, form: str, kind: str, spaces: set[str]) -> bool:
             return True
         at = piece.find(form, at + 1)
     return False
+
+
+class AddedTokenMatches:
+    """Where the added tokens of a ``tokenizers.Tokenizer`` (``tokenizer.add_tokens``, its
+    special tokens) may match a text, for :func:`~attnres.data.tokenizer.text_chunks` not to cut
+    inside one. ``tokenizers`` finds them in the whole text before it pre-tokenizes: their
+    content, and with ``lstrip`` / ``rstrip`` the whitespace before / after it. A cut inside a
+    match - after the line break of ``"<p>\\n</p>"``, before the space of ``"New York"``, before
+    a ``lstrip`` token after a line break, a last-resort cut at ``"<|" | "endoftext|>"`` -
+    split it in two, and the pieces' ids there were not the whole text's. Each occurrence of a
+    content counts (leftmost-longest matching may take another there: a cut is then passed over
+    that could have been taken), as the text spells it (a normalizer that changes the text,
+    lowercasing, is not applied)."""
+
+    def __init__(self, tokens) -> None:
+        #: ``(content, lstrip, rstrip)`` of each added token a cut can fall inside.
+        self.tokens = tuple((t.content, t.lstrip, t.rstrip) for t in tokens
+                            if len(t.content) > 1 or t.lstrip or t.rstrip)
+        #: How many characters after a cut decide whether it is inside a match.
+        self.reach = max((len(content) for content, _, _ in self.tokens), default=0) + 1
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens)
+
+    def holding(self, text: str, at: int) -> int | None:
+        """The start of the first match in ``text`` that a cut at ``at`` would split (``at``
+        inside it, the whitespace an ``lstrip`` / ``rstrip`` token takes included), or ``None``
+        where there is none."""
+        found = None
+        for content, lstrip, rstrip in self.tokens:
+            n = len(content)
+            begin = text.find(content, max(0, at - n), at + n)
+            while begin != -1:
+                first, last = begin, begin + n
+                while lstrip and first > 0 and text[first - 1].isspace():
+                    first -= 1
+                while rstrip and last <= at < len(text) and text[last].isspace():  # (read up to the cut only)
+                    last += 1
+                if first < at < last:
+                    found = first if found is None else min(found, first)
+                begin = text.find(content, begin + 1, at + n)
+        return found
+
+    def holds_a_cut(self) -> bool:
+        """Whether a cut of a kind of :data:`CUTS` (after a line break, before a space, each
+        between characters other than whitespace) can fall inside a match: a content with a
+        line break before, or a space after, a character other than whitespace; a token that
+        takes the whitespace before or after it (``lstrip``, ``rstrip``)."""
+        return any(lstrip or rstrip or _inner_cut(content) for content, lstrip, rstrip in self.tokens)
+
+
+def _inner_cut(content: str) -> bool:
+    """Whether ``content`` holds a place strictly inside it where a cut of :data:`CUTS` may
+    fall: just after a line break followed by a character other than whitespace, or just
+    before a space preceded by one (each with no whitespace on its other side within
+    ``content``: what is beyond it may be the text's)."""
+    def space(k: int) -> bool:
+        return content[k].isspace()
+
+    return any(content[k - 1] == "\n" and not space(k) and (k == 1 or not space(k - 2))
+               or content[k] == " " and not space(k - 1) and (k + 1 == len(content) or not space(k + 1))
+               for k in range(1, len(content)))
+
+
+def added_token_matches(backend) -> AddedTokenMatches | None:
+    """The :class:`AddedTokenMatches` of the ``tokenizers.Tokenizer`` ``backend``, or ``None``
+    where it has no added token a cut can fall inside (attnres's own BPE has none)."""
+    matches = AddedTokenMatches(backend.get_added_tokens_decoder().values())
+    return matches if matches else None

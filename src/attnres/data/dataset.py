@@ -101,7 +101,7 @@ def _encode_to_file(tok: Tokenizer, text: str | Iterable[str], path: Path, dtype
     n = 0
     length = len(text) if isinstance(text, str) else length
     bar = progress_bar(progress, total=length, unit="char", unit_scale=True, desc=f"tokenizing {path.stem}")
-    pieces, before = text_chunks(text, splits=tok.pre_token_starts, cuts=tok.clean_cuts), ""
+    pieces, before = text_chunks(text, splits=tok.pre_token_starts, cuts=tok.clean_cuts, added=tok.added_tokens), ""
     try:
         with tmp.open("wb") as f:
             while batch := list(itertools.islice(pieces, ENCODE_BATCH)):
@@ -331,6 +331,15 @@ CONTEXT_SUFFIX = "-incontext"
 #: not take their caches. Other tokenizers' ids, and names, are unchanged.
 TOKEN_CUT_SUFFIX = "-tokencut"
 
+#: Last, for a tokenizer with an added token that a line or space cut can fall inside
+#: (``tokenizer.add_tokens(["<p>\n</p>"])``, ``"New York"``, one that takes the whitespace beside
+#: it: :meth:`~attnres.data.crossing_cuts.AddedTokenMatches.holds_a_cut`): its text is not cut
+#: inside a match. Earlier versions cut there, splitting the token in two: a new run does not take
+#: their caches. Other tokenizers' names are unchanged: only a last-resort cut, in 2 MB without a
+#: line break or space, fell inside their tokens (``"<|endoftext|>"`` written out in the text), as
+#: rare as the last-resort cuts that an earlier change moved without renaming caches.
+ADDED_TOKEN_SUFFIX = "-addedcut"
+
 #: Why a cache named without each suffix, an earlier version's, holds ids that are not the
 #: whole text's (:func:`_find_cache`'s warning).
 _WITHOUT = {
@@ -342,6 +351,8 @@ _WITHOUT = {
     TOKEN_CUT_SUFFIX: "cut the text into pieces after line breaks that this tokenizer's pieces cross (its vocabulary "
                       "holds pieces with a line break inside), so its ids at those cuts are not those of the text as "
                       "a whole",
+    ADDED_TOKEN_SUFFIX: "cut the text into pieces inside added tokens of this tokenizer (a line break or space "
+                        "inside one, or beside one that takes it), so its ids there read the token as text",
 }
 
 
@@ -359,6 +370,8 @@ def _cache_names(digest: str, tokenizer: str, vocab_size: int, given: Tokenizer 
         cut += CONTEXT_SUFFIX
     if given is not None and given.clean_cuts != CUTS:
         cut += TOKEN_CUT_SUFFIX
+    if given is not None and given.added_tokens is not None and given.added_tokens.holds_a_cut():
+        cut += ADDED_TOKEN_SUFFIX
     if given is None:
         return [requested + cut]
     key_vocab = given.vocab_size if given.kind == "bpe" else 256
@@ -372,9 +385,9 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]], g
     copied or touched since: their key is then recorded too); ``None`` when there is none.
     A ``resumed`` run (its tokenizer ``given``: the checkpoint's, whose data position counts the
     windows of the cache it trained on) takes an earlier version's cache of it last, with a
-    warning: one named without the latest of its suffixes (:data:`TOKEN_CUT_SUFFIX`,
-    :data:`CONTEXT_SUFFIX`, then :data:`CUT_SUFFIX`), newest first; or before a current one whose
-    training split does not ``fit`` its data position. A new run, even one given a tokenizer
+    warning: one named without the latest of its suffixes (:data:`ADDED_TOKEN_SUFFIX`,
+    :data:`TOKEN_CUT_SUFFIX`, :data:`CONTEXT_SUFFIX`, then :data:`CUT_SUFFIX`), newest first; or
+    before a current one whose training split does not ``fit`` its data position. A new run, even one given a tokenizer
     (``init_from``, ``data.tokenizer=PATH``), makes its own: it trained on none."""
     recorded = _recall_digest(corpus, root)
     found = None if recorded is None else _first_cache(root, names(recorded), given, corpus.files_key)

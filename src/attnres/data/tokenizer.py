@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from .crossing_cuts import CUTS, clean_cuts
+from .crossing_cuts import CUTS, AddedTokenMatches, added_token_matches, clean_cuts
 
 TOKENIZER_KINDS = ("bpe", "byte")
 
@@ -35,6 +35,8 @@ class Tokenizer(Protocol):
     clean_cuts: tuple[str, ...]
     #: Where its pre-tokenizer splits a text (:attr:`BPETokenizer.pre_token_starts`), or ``None``.
     pre_token_starts: Callable[[str], list[int]] | None
+    #: Where its added tokens match a text, not to be cut (:attr:`BPETokenizer.added_tokens`), or ``None``.
+    added_tokens: AddedTokenMatches | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -74,6 +76,7 @@ class ByteTokenizer:
     marks_text_start = False
     clean_cuts = CUTS
     pre_token_starts = None  # (bytes read the same wherever a text is cut)
+    added_tokens = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -165,6 +168,14 @@ class BPETokenizer:
         pre-tokenizer with ``prepend_scheme="never"`` trained on text with line breaks:
         ``"text\\nnext"``). See :func:`~attnres.data.crossing_cuts.clean_cuts`."""
         return clean_cuts(self._tok)
+
+    @functools.cached_property
+    def added_tokens(self) -> AddedTokenMatches | None:
+        """Where this tokenizer's added tokens (``add_tokens``, its special tokens) match a
+        text, which :func:`text_chunks` does not cut inside (a cut in ``"<p>\\n</p>"`` split the
+        token in two); ``None`` where it has none a cut can fall inside (attnres's own BPE).
+        See :class:`~attnres.data.crossing_cuts.AddedTokenMatches`."""
+        return added_token_matches(self._tok)
 
     @property
     def pre_token_starts(self) -> Callable[[str], list[int]] | None:
@@ -500,7 +511,7 @@ SPLIT_WINDOW, SPLIT_LOOKAHEAD = 1024, 16
 
 
 def text_chunks(text: str | Iterable[str], size: int = 1 << 20, splits: Callable[[str], list[int]] | None = None,
-                cuts: tuple[str, ...] = CUTS) -> Iterator[str]:
+                cuts: tuple[str, ...] = CUTS, added: AddedTokenMatches | None = None) -> Iterator[str]:
     """``text`` in consecutive pieces of about ``size`` characters, each ending just after the
     first line break of :data:`_LINE_CUT` (a line break between two characters other than
     whitespace) ``size`` characters or more after its start (the last one at the end of the
@@ -520,50 +531,63 @@ def text_chunks(text: str | Iterable[str], size: int = 1 << 20, splits: Callable
 
     ``cuts``: the kinds of cut taken (a tokenizer's :attr:`~BPETokenizer.clean_cuts`): a text
     encoded by one whose pieces cross line breaks is cut only before a space, else as the last
-    resort."""
+    resort. ``added``: where a tokenizer's added tokens match (:attr:`~BPETokenizer.added_tokens`):
+    no cut falls inside a match (the last resort at 2 * size one inside falls at its start)."""
     held, start = "", 0  # (the text not yet yielded is held[start:])
     for part in [text] if isinstance(text, str) else text:
         held = held[start:] + part if start < len(held) else part
         start = 0
-        while (end := _piece_end(held, start, size, False, splits, cuts)) is not None:
+        while (end := _piece_end(held, start, size, False, splits, cuts, added)) is not None:
             yield held[start:end]
             start = end
     while start < len(held):
-        end = _piece_end(held, start, size, True, splits, cuts)
+        end = _piece_end(held, start, size, True, splits, cuts, added)
         yield held[start:end]
         start = end
 
 
 def _piece_end(text: str, start: int, size: int, final: bool, splits: Callable[[str], list[int]] | None,
-               cuts: tuple[str, ...]) -> int | None:
+               cuts: tuple[str, ...], added: AddedTokenMatches | None) -> int | None:
     """Where :func:`text_chunks`' piece starting at ``start`` of ``text`` ends, or ``None``
     where that needs more text than ``text`` holds (``final``: the text ends there)."""
     lo, hi = start + size, start + 2 * size
+    if added is not None and not final and len(text) < hi + SPLIT_LOOKAHEAD + added.reach:
+        return None  # (whether a cut is inside a match is read past it: the pieces of parts are those of their join)
+
+    def clean(at: int) -> bool:
+        return added is None or added.holding(text, at) is None
+
     # (hi + 1: the character after it is seen)
-    if "line" in cuts and (line := _LINE_CUT.search(text, lo, hi + 1)) is not None:
-        return line.end()
+    if "line" in cuts and (line := next((m.end() for m in _LINE_CUT.finditer(text, lo, hi + 1) if clean(m.end())),
+                                        None)) is not None:
+        return line
     if len(text) <= hi:  # (a line break may come before hi, or the text ends)
         return len(text) if final else None
-    if "space" in cuts and (space := _SPACE_CUT.search(text, lo, hi + 1)) is not None:
-        return space.start()
+    if "space" in cuts and (space := next((m.start() for m in _SPACE_CUT.finditer(text, lo, hi + 1)
+                                           if clean(m.start())), None)) is not None:
+        return space
     if splits is None:
-        return hi
-    if len(text) < hi + SPLIT_LOOKAHEAD and not final:  # (the pieces of parts are those of their join)
+        at = hi
+    elif len(text) < hi + SPLIT_LOOKAHEAD and not final:  # (the pieces of parts are those of their join)
         return None
-    return _split_before(text, lo, hi, splits)
+    else:
+        at = _split_before(text, lo, hi, splits, clean)
+    inside = None if added is None else added.holding(text, at)  # (at hi, where no other place was found)
+    return inside if inside is not None and inside > start else at
 
 
-def _split_before(text: str, lo: int, hi: int, splits: Callable[[str], list[int]]) -> int:
+def _split_before(text: str, lo: int, hi: int, splits: Callable[[str], list[int]], clean: Callable[[int], bool]) -> int:
     """The last place in ``text`` after ``lo`` and at most ``hi`` where ``splits`` splits it,
     asked of the :data:`SPLIT_WINDOW` characters before ``hi`` and :data:`SPLIT_LOOKAHEAD`
     after, from two starts one character apart: a place both find (a window's first characters
     may be split otherwise than in the whole text: Llama 3's digits, in threes from their
     window's start), and not just after whitespace (GPT-2's pre-tokenizer reads "\\n\\n" before a
-    word as "\\n", "\\n" and at a text's end as one "\\n\\n": its lookahead ``\\s+(?!\\S)``); ``hi``
-    where there is none."""
+    word as "\\n", "\\n" and at a text's end as one "\\n\\n": its lookahead ``\\s+(?!\\S)``),
+    nor inside a match of an added token (``clean``); ``hi`` where there is none."""
     first, end = max(lo + 1, hi - SPLIT_WINDOW), hi + SPLIT_LOOKAHEAD
     found = [{begin + k for k in splits(text[begin:end])} for begin in (first, first + 1)]
-    return max((k for k in found[0] & found[1] if first + 1 < k <= hi and not text[k - 1].isspace()), default=hi)
+    return max((k for k in found[0] & found[1] if first + 1 < k <= hi and not text[k - 1].isspace() and clean(k)),
+               default=hi)
 
 
 def sampled_chunks(text: str | Iterable[str], length: int, sample: int, size: int = 1 << 20) -> Iterator[str]:

@@ -5,9 +5,9 @@ same names and defaults, so ``config.json`` reads like ``ModelConfig.to_dict()``
 residual settings nested under ``residual``) - plus the usual HF generation fields;
 ``attribute_map`` exposes the HF names (``hidden_size``, ``num_hidden_layers``, ...) that
 generic code such as lm-evaluation-harness reads. A ``config.json`` written by an earlier
-version, with flat residual keys (``attnres_block_size``, ...), still loads, with a
-``DeprecationWarning``; one without any residual settings, or whose ``model_type`` or
-``architectures`` name another model, is refused
+version, with flat residual keys (``attnres_block_size``, ...), still loads, migrated
+without a warning (the user never wrote them); one without any residual settings, or whose
+``model_type`` or ``architectures`` name another model, is refused
 (:func:`attnres.models.saved_config.check_saved_config`).
 """
 
@@ -22,7 +22,7 @@ from transformers import PretrainedConfig
 from ..checkpoint.locate import refuse_loading_training_output
 from ..models.config import ModelConfig
 from ..models.saved_config import check_saved_config, config_source, naming_source
-from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys
+from ..migrations import FLAT_RESIDUAL_KEYS, migrate_model_keys, stored_config
 from .families.layout import NATIVE_MODEL_TYPE
 from .families.remote_code import SavesAutoMap
 from .families.residual_module import NATIVE_KEY, naming_residual_module, saved_residual_module
@@ -101,12 +101,13 @@ class _AttnResConfigMethods(SavesAutoMap):
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """As ``PretrainedConfig.from_dict`` (what every loader calls with a ``config.json``'s
-        contents), refusing a config without residual settings or naming another model;
-        flat residual keys of earlier versions among the ``kwargs``
-        (``from_pretrained(dir, attnres_block_size=2)``) join the stored fields, which
-        migrate them with a ``DeprecationWarning``, instead of reaching the model's
-        ``__init__``. A ``residual`` among the ``kwargs`` changes what it names of the stored
-        residual, as :meth:`attnres.ModelConfig.replace` does (``residual={"backend": "torch"}``
+        contents), refusing a config without residual settings or naming another model.
+        The keys of earlier versions a ``config.json`` stores (an old export's flat
+        ``attnres_block_size``, ...) are migrated without a warning: the user never wrote
+        them. Flat residual keys among the ``kwargs`` (``from_pretrained(dir,
+        attnres_block_size=2)``, the user's own) join the stored fields, which migrate them
+        with a ``DeprecationWarning``, instead of reaching the model's ``__init__``. A
+        ``residual`` among the ``kwargs`` changes what it names of the stored residual, as :meth:`attnres.ModelConfig.replace` does (``residual={"backend": "torch"}``
         keeps the kind and the block size; ``residual="attnres_full"`` the block size)."""
         legacy = {k: kwargs.pop(k) for k in list(kwargs) if k in FLAT_RESIDUAL_KEYS}
         flat = legacy or any(k in FLAT_RESIDUAL_KEYS for k in config_dict)  # residual settings of earlier versions
@@ -114,10 +115,11 @@ class _AttnResConfigMethods(SavesAutoMap):
         check_saved_config(config_dict, model_type=cls.model_type, architectures=ARCHITECTURES,
                            required={"residual": "the AttnRes residual settings: kind, block_size, ..."},
                            source=source, given=[*kwargs, *(["residual"] if flat else [])])
-        stored = {**config_dict, **legacy}
+        with stored_config():  # (an old export's spellings: no warning about what it stores)
+            stored = {**migrate_model_keys(config_dict, "AttnResConfig"), **legacy}
         if "residual" in kwargs:  # (transformers sets a kwarg as the whole attribute, unchecked: the stored block
             # size went back to its default without a word, into weights of the same shapes, or a KeyError 'kind')
-            stored["residual"] = merge_residual(config_dict.get("residual"), kwargs.pop("residual"))
+            stored["residual"] = merge_residual(stored.get("residual"), kwargs.pop("residual"))
         return naming_source(source, lambda: super(_AttnResConfigMethods, cls).from_dict(stored, **kwargs))
 
     def to_dict(self) -> dict:

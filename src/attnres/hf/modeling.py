@@ -28,7 +28,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.utils.generic import can_return_tuple
 
 from ..models import AttnResLM, DecoderTrunk, ModelConfig, next_token_loss
-from ..models.trunk import check_device, check_label_values, check_labels_type, check_mask_values
+from ..models.trunk import check_device, check_label_values, check_labels_type
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention
@@ -197,10 +197,10 @@ class AttnResPreTrainedModel(KeepsItsSourceHome, InitsResidualFromFresh, PreTrai
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(f"attention_mask must be 2-D [batch, past + seq_len], got {attention_mask.dim()}-D")
-            # (a mask of ones of another shape, or holding 2s, was dropped as 'no padding' without a word;
-            # the decoder names a wrong shape)
-            check_mask_values(attention_mask)
-            if attention_mask.shape == (b, past + t) and bool(attention_mask.all()):
+            # A mask of exactly ones of the batch's shape is no padding: dropped. Any other goes to the decoder,
+            # which names a wrong shape and checks the values once (trunk.check_mask_values): a mask of ones of
+            # another shape, or holding 2s, was dropped as 'no padding' without a word.
+            if attention_mask.shape == (b, past + t) and bool((attention_mask == 1).all()):
                 attention_mask = None
         self._set_attention()
         onloaded = onload(self.residual)  # (device_map offloading: the residual runs no forward of its own)

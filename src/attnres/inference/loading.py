@@ -19,6 +19,7 @@ from ..data.tokenizer import (CHAT_SETTINGS, ByteTokenizer, Tokenizer, generatio
                               tokenizer_from_state)
 from ..models.config import ModelConfig
 from ..models.factory import build_model
+from ..migrations import stored_config
 from ..models.lm import AttnResLM
 from ..nn.residual.imports import unregistered_residual_error
 from ..checkpoint import CheckpointError, Source, find_valid_checkpoint, load_weights, no_checkpoint_at
@@ -181,9 +182,11 @@ def saved_model_config(source: Source) -> ModelConfig:
     """The :class:`ModelConfig` a checkpoint's run config describes; a config this version
     cannot read (a field of a newer attnres, a residual of a module not imported: named by the
     checkpoint's record of its imports) is a :class:`CheckpointError` that names the checkpoint
-    as well as the field."""
+    as well as the field. Keys of an earlier version it stores migrate without a warning
+    (:func:`attnres.migrations.stored_config`)."""
     try:
-        return ModelConfig.from_dict(source.run_config()["model"])
+        with stored_config():  # (an earlier version's spellings: no warning about what the checkpoint stores)
+            return ModelConfig.from_dict(source.run_config()["model"])
     except (ValueError, TypeError) as e:
         said = unregistered_residual_error(e, source.state.get("imports")) or (
             f"its saved model config (config.model in state.json) cannot be built here: {e}")

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ...checkpoint.locate import refuse_loading_training_output
+from ...migrations import migrate_residual_keys, stored_config
 from ...nn.residual import ResidualConfig, ResidualStream, build_residual, validate_residual_config
 from ...nn.residual.config import residual_as_dict
 from ...models.saved_config import check_saved_config, config_source, naming_source
@@ -289,10 +290,16 @@ class UpcycledConfigMixin(SavesAutoMap):
     def from_dict(cls, config_dict: dict, **kwargs):
         """As the family's ``from_dict`` (what every loader calls with a ``config.json``'s
         contents), refusing a config that lacks the AttnRes fields or names another model
-        (:func:`attnres.models.saved_config.check_saved_config`)."""
+        (:func:`attnres.models.saved_config.check_saved_config`). The residual keys of an
+        earlier version it stores (``attnres_residual.impl``, ``kernels``) are migrated without
+        a warning: the user never wrote them."""
         source = config_source(kwargs)
         check_saved_config(config_dict, model_type=cls.model_type, architectures=(cls.architecture,),
                            required=SAVED_FIELDS, source=source, given=kwargs)
+        if isinstance(config_dict.get("attnres_residual"), dict):
+            with stored_config():  # (an earlier upcycle's spellings: no warning about what it stores)
+                config_dict = {**config_dict, "attnres_residual": migrate_residual_keys(
+                    config_dict["attnres_residual"], f"{cls.__name__}.attnres_residual")}
         return naming_source(source, lambda: super(UpcycledConfigMixin, cls).from_dict(config_dict, **kwargs))
 
     def residual_kind(self) -> str:
