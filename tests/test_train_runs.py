@@ -258,6 +258,23 @@ def test_an_old_checkpoint_takes_the_tokenizer_of_the_cache_it_trained_on(tmp_pa
         assert train(load_config(None, bpe(corpus_file, run, resume="true"))).step == 6
     assert read_checkpoint_state(latest_checkpoint(run))["tokenizer"]["fingerprint"] == earlier.fingerprint
 
+
+def test_the_start_up_summary_says_the_tokenizer_of_an_old_checkpoint_came_from_its_cache(tmp_path, corpus_file,
+                                                                                          capsys):
+    """A run resumed from a checkpoint that stores no tokenizer, which takes the tokenizer of
+    the token cache it trained on (warned as such), said in its start-up summary that the
+    tokenizer was "stored in the checkpoint". It says where it came from."""
+    run = tmp_path / "run"
+    train(load_config(None, bpe(corpus_file, run, stop_after=3)))
+    strip_to_old_format(latest_checkpoint(run))
+    _as_an_earlier_versions_cache(tmp_path / "cache")
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="stores no tokenizer.*the token cache it trained on"):
+        assert train(load_config(None, bpe(corpus_file, run, resume="true"))).step == 6
+    said = [line for line in capsys.readouterr().out.splitlines() if "; tokenizer bpe, " in line]
+    assert len(said) == 1 and "stored in the checkpoint" not in said[0], said
+    assert "tokenizer bpe, 300 tokens, from the token cache the checkpoint trained on (it stores none);" in said[0]
+
 # -- 3: the run-directory lock ------------------------------------------------------------
 
 def test_a_second_run_on_a_locked_out_dir_is_refused(tmp_path, corpus_file):

@@ -282,9 +282,11 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
         sampler.load_state_dict(start.resume.state["sampler"])
     # (a tokenizer.json given by path was said to be "made from the data" at start-up, and so
     # were the bytes, which nothing is made from)
-    # (and a transformers directory's, of init_from, was said to be "stored in the checkpoint")
+    # (and a transformers directory's, of init_from, was said to be "stored in the checkpoint"; so was the one
+    # of the token cache an earlier version's checkpoint trained on, which stores none: stored_tokenizer)
     origin = (f"from {str(source.path)!r} (init_from)" if given is not None and source.state.get("hf_directory")
-              else "stored in the checkpoint" if given is not None
+              else "stored in the checkpoint" if given is not None and source.state.get("tokenizer") is not None
+              else "from the token cache the checkpoint trained on (it stores none)" if given is not None
               else "one per byte value" if tokens.tokenizer.kind == "byte"
               else "made from the data" if config.data.tokenizer in TOKENIZER_KINDS
               else f"read from {config.data.tokenizer}")
