@@ -846,3 +846,30 @@ def test_init_from_says_which_model_fields_it_changes_where_the_weights_still_fi
     recwarn.clear()  # the same model, or another kernel for it: nothing to say
     train(load_config(None, overrides(corpus_file, tmp_path / "same", **start, **{"model.residual.backend": "torch"})))
     assert not [w for w in recwarn if "init_from" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("saved_residual, run_residual", [
+    ({"kind": "attnres_block"}, {"kind": "attnres_block", "block_size": 2}),  # (unset: ceil(4 / 8) ... = 2 here)
+    ({"kind": "attnres_block", "block_size": 2}, {"kind": "attnres_block", "block_size": None}),
+    ({"kind": "attnres_full", "block_size": 4}, {"kind": "attnres_full", "block_size": None}),  # (Full reads none)
+])
+def test_init_from_says_nothing_of_a_residual_spelled_otherwise_that_computes_the_same(tmp_path, saved_residual,
+                                                                                        run_residual):
+    """init_from's start-up warning compared the residual as written: a checkpoint whose Block
+    AttnRes left block_size unset and a run that spells the block size it resolves to (or the
+    other way round), or a block size that Full AttnRes does not read, were said to train
+    "another model than the checkpoint's from its weights" - the same model, which the refusal
+    of a residual change (reading the residual as it computes) lets through. Nothing is said
+    now; another block size still is."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import init_model_changes
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32, residual=saved_residual)
+    assert model.residual.kind != "attnres_block" or model.residual.resolved_block_size(model.n_sublayers) == 2
+    source = Source(tmp_path / "step-00000001", {"config": TrainConfig(model=model, seq_len=16).to_dict(), "step": 1})
+    assert init_model_changes(source, model.replace(residual=run_residual).to_dict()) is None
+    if model.residual.kind == "attnres_block":
+        said = init_model_changes(source, model.replace(residual={**run_residual, "block_size": 4}).to_dict())
+        assert said is not None and re.search(r"in \['model.residual.block_size'\] \(model.residual.block_size: "
+                                              r"2 there, 4 here\)", said), said

@@ -25,7 +25,8 @@ from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from ..migrations import stored_config
 from ..models.config import ModelConfig
-from ..models.residual_change import HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal
+from ..models.residual_change import (HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal,
+                                      residual_differences)
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten, model_from_spec
@@ -267,7 +268,13 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
         theirs, match = "the checkpoint's", "set the fields as the checkpoint has them (or pass its run's --config)"
     old, new = flatten(saved), flatten(model)
     differing = sorted(k for k in set(old) | set(new) if k not in _NOT_A_MODEL_CHANGE and old.get(k) != new.get(k))
-    if directory and not changed_residual_fields(saved, ModelConfig.from_dict(model)):
+    ours = ModelConfig.from_dict(model)
+    residual = residual_differences(saved, ours)
+    if residual is not None:  # (the residual as it computes, as a residual change is refused: a block size left
+        # unset and the one it resolves to, or one that Full AttnRes does not read, were "another model")
+        old, new = {**old, **residual[0]}, {**new, **residual[1]}
+        differing = sorted([k for k in differing if not k.startswith("residual.")] + residual[2])
+    if directory and not changed_residual_fields(saved, ours):
         differing = [k for k in differing if not k.startswith("residual.")]  # (the upcycle's new queries)
     if not differing:
         return None
