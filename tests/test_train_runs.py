@@ -873,3 +873,31 @@ def test_init_from_says_nothing_of_a_residual_spelled_otherwise_that_computes_th
         said = init_model_changes(source, model.replace(residual={**run_residual, "block_size": 4}).to_dict())
         assert said is not None and re.search(r"in \['model.residual.block_size'\] \(model.residual.block_size: "
                                               r"2 there, 4 here\)", said), said
+
+
+@pytest.mark.parametrize("saved_residual, run_residual, resumes", [
+    ({"kind": "attnres_block"}, {"block_size": 2}, True),  # (unset: 2 here, as the checkpoint resolved it)
+    ({"kind": "attnres_block", "block_size": 2}, {"block_size": None}, True),
+    ({"kind": "attnres_full", "block_size": 4}, {"block_size": None}, True),  # (Full AttnRes reads no block size)
+    ({"kind": "attnres_block"}, {"block_size": 4}, False),
+    ({"kind": "attnres_block", "block_size": 4}, {"kind": "attnres_full"}, False),
+])
+def test_resume_takes_a_block_size_spelled_otherwise_that_computes_the_same(tmp_path, saved_residual, run_residual,
+                                                                            resumes):
+    """`attnres train --resume model.residual.block_size=2` of a run whose Block AttnRes left
+    it unset (2 for its depth), or a block size given to Full AttnRes, which reads none, was
+    refused as a config change ("model.residual.block_size: None there, 2 here") - the same
+    model, the same steps. It resumes; another block size, or another residual, is refused."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import check_resumable
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32, residual=saved_residual)
+    saved = TrainConfig(model=model, seq_len=16).to_dict()
+    source = Source(tmp_path / "step-00000001", {"config": saved, "step": 1})
+    current = TrainConfig(model=model.replace(residual=run_residual), seq_len=16).to_dict()
+    if resumes:
+        check_resumable(saved, current, source)
+    else:
+        with pytest.raises(ValueError, match=r"the config differs in \['model.residual"):
+            check_resumable(saved, current, source)
