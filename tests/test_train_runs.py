@@ -193,6 +193,28 @@ def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
     assert after["data"]["fingerprint"] == load_corpus([str(corpus_file)]).digest
 
 
+def test_a_resume_onto_other_data_takes_no_earlier_version_s_cache_of_it(tmp_path, corpus_file):
+    """A resumed run that allow_data_change lets onto other text took an earlier version's
+    token cache of that text (its ids cut inside whitespace runs, see docs/data.md) with "It is
+    kept for this run, which resumes a checkpoint that may have trained on it": the checkpoint
+    trained on none of that text, and its data position starts over. The run makes its own,
+    as a new run given the checkpoint's tokenizer does."""
+    run = tmp_path / "run"
+    train(load_config(None, bpe(corpus_file, run, stop_after=3)))
+    tok = BPETokenizer.load(latest_checkpoint(run) / "tokenizer.json")
+    other = write_corpus(tmp_path / "other.txt", seed=1)
+    made = prepare_data(load_corpus([str(other)], 0.02), "bpe", 300, str(tmp_path / "cache"), given=tok)
+    earlier = made.cache_dir.rename(made.cache_dir.with_name(made.cache_dir.name.removesuffix(dataset_mod.CUT_SUFFIX)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(load_config(None, bpe(other, run, resume="true", allow_data_change="true")))
+    assert result.step == 6
+    said = [str(w.message) for w in caught]
+    assert any("allow_data_change=true: the data differ" in m for m in said), said
+    assert not [m for m in said if "made by an earlier attnres" in m], said
+    assert earlier.exists() and made.cache_dir.exists()  # (made again, the earlier one left)
+
+
 def test_unchanged_data_at_another_path_resumes(tmp_path, corpus_file):
     """The data is identified by its content: a moved corpus resumes bit-exactly."""
     train(load_config(None, overrides(corpus_file, tmp_path / "full")))

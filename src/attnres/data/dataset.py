@@ -274,9 +274,10 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     spaced pieces (:func:`~attnres.data.tokenizer.sampled_chunks`), not on all of it; its
     cache is its own (``...-bpe4096-sample<N>``). ``None`` (the default): all of it.
 
-    ``resumed``: ``given`` is the tokenizer of a checkpoint this run resumes, which may have
-    trained on an earlier version's cache of it: that cache is kept, with a warning
-    (:func:`_find_cache`). A run not resumed makes its own instead.
+    ``resumed``: ``given`` is the tokenizer of a checkpoint this run resumes on the data it
+    trained on, which may have trained on an earlier version's cache of it: that cache is kept,
+    with a warning (:func:`_find_cache`). A run not resumed (or resumed onto other data,
+    ``allow_data_change``) makes its own instead.
 
     ``fits``: of a ``resumed`` run, whether a training split holds as many windows as its
     checkpoint's data position counts. A current cache that does not is passed over for an

@@ -264,10 +264,11 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
     position = (start.resume.state.get("sampler") or {}) if start.resume is not None and not changed else {}
     windows = position.get("n_windows")
     fits = None if windows is None else lambda train: len(train) // config.seq_len == windows
+    # (resumed onto other data, allow_data_change: the checkpoint trained on no cache of it, as a new run)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
                                              config.data.cache_dir, given=given, progress=config.progress,
-                                             bpe_sample=config.data.bpe_sample, resumed=start.resume is not None,
-                                             fits=fits),
+                                             bpe_sample=config.data.bpe_sample,
+                                             resumed=start.resume is not None and not changed, fits=fits),
                         what="preparing the data: training the tokenizer, tokenising the corpus")
     vocab_size = model_vocab_size(config, start, tokens.vocab_size)
     if vocab_size_given and config.model.vocab_size != vocab_size:
