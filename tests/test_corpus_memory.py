@@ -277,6 +277,35 @@ def test_a_resumed_run_takes_the_earlier_cache_its_data_position_counts(tmp_path
 
 
 @pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
+def test_a_resumed_run_whose_cache_was_deleted_makes_it_again_rather_than_take_an_earlier_one_of_other_windows(
+        tmp_path, monkeypatch):
+    """A resumed run whose current cache was deleted (to free the disk), an earlier version's
+    cache of its tokenizer still beside it: that one was taken, with "It is kept for this run",
+    although its windows are not those its data position counts - the run trained on the
+    current one, and the resume then failed with "sampler state does not match the data". It is
+    made again, with the windows the position counts, and the earlier one is left alone."""
+    monkeypatch.setattr(dataset_mod, "text_chunks", functools.partial(text_chunks, size=1000))
+    (tmp_path / "c.txt").write_text("".join(LINE.format(i) + "\n\n" * (i % 3) for i in range(300)))
+    cache = str(tmp_path / "cache")
+    data = prepare_data(load_corpus([str(tmp_path / "c.txt")], 0.1), "bpe", 300, cache)
+    trained_on = data.train.tolist()
+    old = data.cache_dir.with_name(data.cache_dir.name.removesuffix("-cleancut"))
+    shutil.copytree(data.cache_dir, old)  # (an earlier version's, its ids cut elsewhere: windows fewer)
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "train.bin").unlink()
+    np.asarray(trained_on[:-40], meta["dtype"]).tofile(old / "train.bin")
+    (old / "meta.json").write_text(json.dumps({**meta, "n_train": len(trained_on) - 40}))
+    shutil.rmtree(data.cache_dir)
+    windows = len(trained_on) // 16  # (the checkpoint's data position: seq_len 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no word of the earlier cache: it is not taken)
+        again = prepare_data(load_corpus([str(tmp_path / "c.txt")], 0.1), "bpe", 300, cache, given=data.tokenizer,
+                             resumed=True, fits=lambda train: len(train) // 16 == windows)
+    assert again.cache_dir.name.endswith("-cleancut") and again.train.tolist() == trained_on
+    assert old.exists()
+
+
+@pytest.mark.skipif(not bpe_available(), reason="needs the tokenizers package")
 def test_the_bpe_of_the_streamed_training_text_is_the_one_of_the_string(tmp_path, monkeypatch):
     """The same vocabulary (the same tokenizer file) and the same token ids as the BPE trained
     on the training split as one string."""

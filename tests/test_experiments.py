@@ -524,6 +524,31 @@ def test_an_overhead_measured_on_another_machine_is_not_kept(tmp_path, monkeypat
     assert stored_overhead(grid, tmp_path, repeats=1) == written  # back on the machine that measured
 
 
+def test_an_overhead_measured_by_another_depth_attention_implementation_is_not_kept(tmp_path, monkeypatch):
+    """overhead.json's settings did not say what ran depth attention in the timed steps: the
+    same grid run again with ``ATTNRES_CPU_KERNEL=0`` (the PyTorch implementation, to compare it
+    with the C kernel), or after the kernel changed, kept the C kernel's step times, saying they
+    were measured with these models. The kernel's build (or the PyTorch implementation) is
+    recorded now, and another one times the variants again."""
+    from attnres.experiments import measure_overhead
+    from attnres.experiments.job.overhead import stored_overhead
+    from attnres.ops.depth_attention import cpu_kernel
+
+    grid = get_experiment("compare", "tiny")
+    measure_overhead(grid, tmp_path, repeats=1, log=lambda line: None)
+    written = json.loads((tmp_path / "overhead.json").read_text())
+    assert stored_overhead(grid, tmp_path, repeats=1) == written
+    built = cpu_kernel.cpu_kernel()
+    with monkeypatch.context() as switched_off:
+        switched_off.setattr(cpu_kernel, "cpu_kernel", lambda: None)  # (ATTNRES_CPU_KERNEL=0, or no compiler)
+        assert stored_overhead(grid, tmp_path, repeats=1) is None
+    if built is not None:  # (another build: the kernel's source, flags, compiler or CPU changed)
+        with monkeypatch.context() as rebuilt:
+            rebuilt.setattr(built, "path", built.path.with_name("attnres_depth_attention-0123456789abcdef.so"))
+            assert stored_overhead(grid, tmp_path, repeats=1) is None
+    assert stored_overhead(grid, tmp_path, repeats=1) == written
+
+
 def test_demo_under_load_times_the_finished_grid_again(tmp_path, monkeypatch):
     """benchmarks/demo_under_load.py re-runs `attnres compare` over the grid its quiet run
     trained, to time the steps beside a busy load: such a re-run now keeps the quiet

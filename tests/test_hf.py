@@ -718,6 +718,10 @@ def test_a_negative_item_count_or_a_legacy_cache_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^past_key_values must be a transformers Cache \(DynamicCache, StaticCache, "
                                          r"or the one a forward returned\), got list$"):
         hf(ids, past_key_values=[], use_cache=True)
+    # (transformers 5.24's name for it, which generate passes: the message named past_key_values, not given)
+    with pytest.raises(ValueError, match=r"^cache must be a transformers Cache \(DynamicCache, StaticCache, or the one "
+                                         r"a forward returned\), got tuple$"):
+        hf(ids, cache=(), use_cache=True)
     summed = hf(ids, labels=ids, num_items_in_batch=14).loss
     torch.testing.assert_close(summed, hf(ids, labels=ids).loss)  # (14 predicted tokens: the mean)
 

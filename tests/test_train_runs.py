@@ -193,6 +193,28 @@ def test_resume_refuses_changed_data_unless_allowed(tmp_path, corpus_file):
     assert after["data"]["fingerprint"] == load_corpus([str(corpus_file)]).digest
 
 
+def test_a_resume_onto_other_data_takes_no_earlier_version_s_cache_of_it(tmp_path, corpus_file):
+    """A resumed run that allow_data_change lets onto other text took an earlier version's
+    token cache of that text (its ids cut inside whitespace runs, see docs/data.md) with "It is
+    kept for this run, which resumes a checkpoint that may have trained on it": the checkpoint
+    trained on none of that text, and its data position starts over. The run makes its own,
+    as a new run given the checkpoint's tokenizer does."""
+    run = tmp_path / "run"
+    train(load_config(None, bpe(corpus_file, run, stop_after=3)))
+    tok = BPETokenizer.load(latest_checkpoint(run) / "tokenizer.json")
+    other = write_corpus(tmp_path / "other.txt", seed=1)
+    made = prepare_data(load_corpus([str(other)], 0.02), "bpe", 300, str(tmp_path / "cache"), given=tok)
+    earlier = made.cache_dir.rename(made.cache_dir.with_name(made.cache_dir.name.removesuffix(dataset_mod.CUT_SUFFIX)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(load_config(None, bpe(other, run, resume="true", allow_data_change="true")))
+    assert result.step == 6
+    said = [str(w.message) for w in caught]
+    assert any("allow_data_change=true: the data differ" in m for m in said), said
+    assert not [m for m in said if "made by an earlier attnres" in m], said
+    assert earlier.exists() and made.cache_dir.exists()  # (made again, the earlier one left)
+
+
 def test_unchanged_data_at_another_path_resumes(tmp_path, corpus_file):
     """The data is identified by its content: a moved corpus resumes bit-exactly."""
     train(load_config(None, overrides(corpus_file, tmp_path / "full")))
@@ -257,6 +279,23 @@ def test_an_old_checkpoint_takes_the_tokenizer_of_the_cache_it_trained_on(tmp_pa
     with pytest.warns(UserWarning, match="stores no data fingerprint"):
         assert train(load_config(None, bpe(corpus_file, run, resume="true"))).step == 6
     assert read_checkpoint_state(latest_checkpoint(run))["tokenizer"]["fingerprint"] == earlier.fingerprint
+
+
+def test_the_start_up_summary_says_the_tokenizer_of_an_old_checkpoint_came_from_its_cache(tmp_path, corpus_file,
+                                                                                          capsys):
+    """A run resumed from a checkpoint that stores no tokenizer, which takes the tokenizer of
+    the token cache it trained on (warned as such), said in its start-up summary that the
+    tokenizer was "stored in the checkpoint". It says where it came from."""
+    run = tmp_path / "run"
+    train(load_config(None, bpe(corpus_file, run, stop_after=3)))
+    strip_to_old_format(latest_checkpoint(run))
+    _as_an_earlier_versions_cache(tmp_path / "cache")
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="stores no tokenizer.*the token cache it trained on"):
+        assert train(load_config(None, bpe(corpus_file, run, resume="true"))).step == 6
+    said = [line for line in capsys.readouterr().out.splitlines() if "; tokenizer bpe, " in line]
+    assert len(said) == 1 and "stored in the checkpoint" not in said[0], said
+    assert "tokenizer bpe, 300 tokens, from the token cache the checkpoint trained on (it stores none);" in said[0]
 
 # -- 3: the run-directory lock ------------------------------------------------------------
 
@@ -829,3 +868,58 @@ def test_init_from_says_which_model_fields_it_changes_where_the_weights_still_fi
     recwarn.clear()  # the same model, or another kernel for it: nothing to say
     train(load_config(None, overrides(corpus_file, tmp_path / "same", **start, **{"model.residual.backend": "torch"})))
     assert not [w for w in recwarn if "init_from" in str(w.message)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("saved_residual, run_residual", [
+    ({"kind": "attnres_block"}, {"kind": "attnres_block", "block_size": 2}),  # (unset: ceil(4 / 8) ... = 2 here)
+    ({"kind": "attnres_block", "block_size": 2}, {"kind": "attnres_block", "block_size": None}),
+    ({"kind": "attnres_full", "block_size": 4}, {"kind": "attnres_full", "block_size": None}),  # (Full reads none)
+])
+def test_init_from_says_nothing_of_a_residual_spelled_otherwise_that_computes_the_same(tmp_path, saved_residual,
+                                                                                        run_residual):
+    """init_from's start-up warning compared the residual as written: a checkpoint whose Block
+    AttnRes left block_size unset and a run that spells the block size it resolves to (or the
+    other way round), or a block size that Full AttnRes does not read, were said to train
+    "another model than the checkpoint's from its weights" - the same model, which the refusal
+    of a residual change (reading the residual as it computes) lets through. Nothing is said
+    now; another block size still is."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import init_model_changes
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32, residual=saved_residual)
+    assert model.residual.kind != "attnres_block" or model.residual.resolved_block_size(model.n_sublayers) == 2
+    source = Source(tmp_path / "step-00000001", {"config": TrainConfig(model=model, seq_len=16).to_dict(), "step": 1})
+    assert init_model_changes(source, model.replace(residual=run_residual).to_dict()) is None
+    if model.residual.kind == "attnres_block":
+        said = init_model_changes(source, model.replace(residual={**run_residual, "block_size": 4}).to_dict())
+        assert said is not None and re.search(r"in \['model.residual.block_size'\] \(model.residual.block_size: "
+                                              r"2 there, 4 here\)", said), said
+
+
+@pytest.mark.parametrize("saved_residual, run_residual, resumes", [
+    ({"kind": "attnres_block"}, {"block_size": 2}, True),  # (unset: 2 here, as the checkpoint resolved it)
+    ({"kind": "attnres_block", "block_size": 2}, {"block_size": None}, True),
+    ({"kind": "attnres_full", "block_size": 4}, {"block_size": None}, True),  # (Full AttnRes reads no block size)
+    ({"kind": "attnres_block"}, {"block_size": 4}, False),
+    ({"kind": "attnres_block", "block_size": 4}, {"kind": "attnres_full"}, False),
+])
+def test_resume_takes_a_block_size_spelled_otherwise_that_computes_the_same(tmp_path, saved_residual, run_residual,
+                                                                            resumes):
+    """`attnres train --resume model.residual.block_size=2` of a run whose Block AttnRes left
+    it unset (2 for its depth), or a block size given to Full AttnRes, which reads none, was
+    refused as a config change ("model.residual.block_size: None there, 2 here") - the same
+    model, the same steps. It resumes; another block size, or another residual, is refused."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import check_resumable
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32, residual=saved_residual)
+    saved = TrainConfig(model=model, seq_len=16).to_dict()
+    source = Source(tmp_path / "step-00000001", {"config": saved, "step": 1})
+    current = TrainConfig(model=model.replace(residual=run_residual), seq_len=16).to_dict()
+    if resumes:
+        check_resumable(saved, current, source)
+    else:
+        with pytest.raises(ValueError, match=r"the config differs in \['model.residual"):
+            check_resumable(saved, current, source)

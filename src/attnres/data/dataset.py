@@ -274,9 +274,10 @@ def prepare_data(corpus: Corpus, tokenizer: str = "bpe", vocab_size: int = 4096,
     spaced pieces (:func:`~attnres.data.tokenizer.sampled_chunks`), not on all of it; its
     cache is its own (``...-bpe4096-sample<N>``). ``None`` (the default): all of it.
 
-    ``resumed``: ``given`` is the tokenizer of a checkpoint this run resumes, which may have
-    trained on an earlier version's cache of it: that cache is kept, with a warning
-    (:func:`_find_cache`). A run not resumed makes its own instead.
+    ``resumed``: ``given`` is the tokenizer of a checkpoint this run resumes on the data it
+    trained on, which may have trained on an earlier version's cache of it: that cache is kept,
+    with a warning (:func:`_find_cache`). A run not resumed (or resumed onto other data,
+    ``allow_data_change``) makes its own instead.
 
     ``fits``: of a ``resumed`` run, whether a training split holds as many windows as its
     checkpoint's data position counts. A current cache that does not is passed over for an
@@ -387,7 +388,9 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]], g
     windows of the cache it trained on) takes an earlier version's cache of it last, with a
     warning: one named without the latest of its suffixes (:data:`ADDED_TOKEN_SUFFIX`,
     :data:`TOKEN_CUT_SUFFIX`, :data:`CONTEXT_SUFFIX`, then :data:`CUT_SUFFIX`), newest first; or
-    before a current one whose training split does not ``fit`` its data position. A new run, even one given a tokenizer
+    before a current one whose training split does not ``fit`` its data position. An earlier
+    cache that does not ``fit`` it either is not the one the run trained on: it is left, and the
+    current one made again where it was deleted. A new run, even one given a tokenizer
     (``init_from``, ``data.tokenizer=PATH``), makes its own: it trained on none."""
     recorded = _recall_digest(corpus, root)
     found = None if recorded is None else _first_cache(root, names(recorded), given, corpus.files_key)
@@ -401,7 +404,8 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]], g
     levels = _earlier_names(names(corpus.digest))
     for earlier, lacking in levels:
         older = _first_cache(root, earlier, given, corpus.files_key)
-        if older is not None and (found is None or fits(older.train)):
+        # (one of other windows than the data position counts: the run did not train on it)
+        if older is not None and (fits is None or fits(older.train)):
             why = "; and ".join(_WITHOUT[suffix] for suffix in lacking)
             warn_user(f"token cache {str(older.cache_dir)!r} was made by an earlier attnres, which {why}. It is kept "
                       "for this run, which resumes a checkpoint that may have trained on it; a new run makes its own, "

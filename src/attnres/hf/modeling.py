@@ -263,9 +263,9 @@ def _given_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | 
     (``generate`` passes the new name), earlier 5.x versions use the old one."""
     if cache is not None and past_key_values is not None:
         raise ValueError("pass the cache as `cache` or as `past_key_values`, not both")
-    given = past_key_values if past_key_values is not None else cache
+    name, given = ("past_key_values", past_key_values) if past_key_values is not None else ("cache", cache)
     if given is not None and not isinstance(given, Cache):  # (a legacy tuple of tensors: "no attribute 'is_compileable'")
-        raise ValueError(f"past_key_values must be a transformers Cache (DynamicCache, StaticCache, or the one a forward "
+        raise ValueError(f"{name} must be a transformers Cache (DynamicCache, StaticCache, or the one a forward "
                          f"returned), got {type(given).__name__}")
     return given
 

@@ -17,7 +17,7 @@ from ..validation import flatten
 from .config import ModelConfig
 from .factory import build_model
 
-__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal"]
+__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal", "residual_differences"]
 
 #: The residual fields that change how a model is computed or stored, not what it computes
 #: (see ``ResidualConfig``): a checkpoint's weights continue the same model under another one.
@@ -47,19 +47,41 @@ def _parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def _fitting_change(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """The residual fields of ``saved`` and of ``ours`` (:func:`_residual_fields`) and those of
-    them that differ where the weights of one still load into the other; no fields where they
-    cannot be compared (``saved`` cannot be built here)."""
+def _compared(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[ModelConfig, dict[str, Any], dict[str, Any],
+                                                                       list[str]] | None:
+    """``saved`` built, the residual fields of it and of ``ours`` (:func:`_residual_fields`) and
+    those of them that differ; ``None`` where ``saved`` cannot be built here."""
     try:
         with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
             theirs = ModelConfig.from_dict(dict(saved))
         old, new = _residual_fields(theirs), _residual_fields(ours)
     except (KeyError, TypeError, ValueError):
-        return {}, {}, []  # a stored model this version cannot build: the load names what does not fit
+        return None
     # (a block size on one side only: the kinds differ, which says it)
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
                        and (k != "residual.block_size" or k in old.keys() & new.keys()))
+    return theirs, old, new, differing
+
+
+def residual_differences(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[str, Any], dict[str, Any],
+                                                                               list[str]] | None:
+    """The residual fields (flattened: ``residual.kind``) of ``saved`` (a model config as
+    stored) and of ``ours`` that change what the model computes - Block AttnRes' block size
+    resolved, and only for Block AttnRes - and those in which they differ, whether or not the
+    weights fit; ``None`` where ``saved`` cannot be built here. A block size left unset and the
+    one it resolves to are the same model, and so are two that Full AttnRes does not read."""
+    compared = _compared(saved, ours)
+    return None if compared is None else compared[1:]
+
+
+def _fitting_change(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """The residual fields of ``saved`` and of ``ours`` (:func:`_residual_fields`) and those of
+    them that differ where the weights of one still load into the other; no fields where they
+    cannot be compared (``saved`` cannot be built here)."""
+    compared = _compared(saved, ours)
+    if compared is None:
+        return {}, {}, []  # a stored model this version cannot build: the load names what does not fit
+    theirs, old, new, differing = compared
     if not differing:
         return old, new, []
     # Weights that do not fit (a standard run into AttnRes) are named by the load, field by field. (The

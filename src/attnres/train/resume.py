@@ -25,7 +25,8 @@ from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from ..migrations import stored_config
 from ..models.config import ModelConfig
-from ..models.residual_change import HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal
+from ..models.residual_change import (HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal,
+                                      residual_differences)
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten, model_from_spec
@@ -128,7 +129,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
     """Raise ``ValueError`` when ``current`` may not continue ``source`` (whose config is
     ``saved``): a field that changes the trajectory differs, or ``steps`` changes the
     learning rate of the steps already taken, or falls below them."""
-    old, new = flatten(_normalised(saved)), flatten(current)
+    normalised = _normalised(saved)
+    old, new = flatten(normalised), flatten(current)
     if new.get("init_from") is not None and not _same_path(new["init_from"], old.get("init_from")):
         # init_from may stay as it was (the run's first command again, with --resume); another
         # one would be ignored without a word: the checkpoint's weights are what continues.
@@ -138,6 +140,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
     differing = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
     # an empty mapping on one side (options: {}) against its keys on the other: the keys say it
     differing = [k for k in differing if not any(d.startswith(k + ".") for d in differing)]
+    if "model.residual.block_size" in differing and _same_block_size(normalised.get("model"), current["model"]):
+        differing.remove("model.residual.block_size")
     if differing:
         def said(values: dict[str, Any], k: str) -> str:
             return repr(values[k]) if k in values else "not set"
@@ -177,6 +181,18 @@ def _why_steps_cannot_change(old: dict[str, Any], new: dict[str, Any], step: int
     start = wsd_decay_start(new["steps"], new["warmup_steps"], new["decay_fraction"])
     return (f"{lead}, and with steps={new['steps']} the decay would start at step {start + 1}, which the checkpoint "
             f"(step {step}) has already taken.")
+
+
+def _same_block_size(saved: Any, current: dict[str, Any]) -> bool:
+    """Whether the model configs ``saved`` (as stored) and ``current`` read the same block size:
+    one left unset and the one it resolves to, or two that a residual other than Block AttnRes
+    does not read (:func:`~attnres.models.residual_change.residual_differences`) - the same
+    model, the same steps, which a resume continues."""
+    try:
+        compared = residual_differences(saved, ModelConfig.from_dict(current)) if isinstance(saved, dict) else None
+    except (TypeError, ValueError):
+        return False
+    return compared is not None and "residual.block_size" not in compared[2]
 
 
 def check_resumable_before_data(saved: dict[str, Any], current: dict[str, Any], source: Source) -> None:
@@ -267,7 +283,13 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
         theirs, match = "the checkpoint's", "set the fields as the checkpoint has them (or pass its run's --config)"
     old, new = flatten(saved), flatten(model)
     differing = sorted(k for k in set(old) | set(new) if k not in _NOT_A_MODEL_CHANGE and old.get(k) != new.get(k))
-    if directory and not changed_residual_fields(saved, ModelConfig.from_dict(model)):
+    ours = ModelConfig.from_dict(model)
+    residual = residual_differences(saved, ours)
+    if residual is not None:  # (the residual as it computes, as a residual change is refused: a block size left
+        # unset and the one it resolves to, or one that Full AttnRes does not read, were "another model")
+        old, new = {**old, **residual[0]}, {**new, **residual[1]}
+        differing = sorted([k for k in differing if not k.startswith("residual.")] + residual[2])
+    if directory and not changed_residual_fields(saved, ours):
         differing = [k for k in differing if not k.startswith("residual.")]  # (the upcycle's new queries)
     if not differing:
         return None

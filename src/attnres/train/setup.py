@@ -264,10 +264,11 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
     position = (start.resume.state.get("sampler") or {}) if start.resume is not None and not changed else {}
     windows = position.get("n_windows")
     fits = None if windows is None else lambda train: len(train) // config.seq_len == windows
+    # (resumed onto other data, allow_data_change: the checkpoint trained on no cache of it, as a new run)
     tokens = main_first(lambda: prepare_data(corpus, config.data.tokenizer, config.data.vocab_size,
                                              config.data.cache_dir, given=given, progress=config.progress,
-                                             bpe_sample=config.data.bpe_sample, resumed=start.resume is not None,
-                                             fits=fits),
+                                             bpe_sample=config.data.bpe_sample,
+                                             resumed=start.resume is not None and not changed, fits=fits),
                         what="preparing the data: training the tokenizer, tokenising the corpus")
     vocab_size = model_vocab_size(config, start, tokens.vocab_size)
     if vocab_size_given and config.model.vocab_size != vocab_size:
@@ -282,9 +283,11 @@ def prepare_run_data(config: TrainConfig, start: Start, main_first: MainFirst,
         sampler.load_state_dict(start.resume.state["sampler"])
     # (a tokenizer.json given by path was said to be "made from the data" at start-up, and so
     # were the bytes, which nothing is made from)
-    # (and a transformers directory's, of init_from, was said to be "stored in the checkpoint")
+    # (and a transformers directory's, of init_from, was said to be "stored in the checkpoint"; so was the one
+    # of the token cache an earlier version's checkpoint trained on, which stores none: stored_tokenizer)
     origin = (f"from {str(source.path)!r} (init_from)" if given is not None and source.state.get("hf_directory")
-              else "stored in the checkpoint" if given is not None
+              else "stored in the checkpoint" if given is not None and source.state.get("tokenizer") is not None
+              else "from the token cache the checkpoint trained on (it stores none)" if given is not None
               else "one per byte value" if tokens.tokenizer.kind == "byte"
               else "made from the data" if config.data.tokenizer in TOKENIZER_KINDS
               else f"read from {config.data.tokenizer}")

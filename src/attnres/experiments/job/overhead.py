@@ -12,7 +12,8 @@ noise (:func:`timing_noise`): the 95 % interval of the median, widened to how fa
 identical copy of the baseline (an A/A twin, timed alike) lands from 1. The peak memory of
 one step is taken from the profiler. Written to ``<out>/overhead.json``; the report's
 tables read it. It records what its numbers depend on (``settings``: each variant's model,
-the batch, the rounds, the allocator, torch's version, the machine), so that a grid's command
+the batch, the rounds, the allocator, torch's version, the machine, what runs depth attention
+on the CPU), so that a grid's command
 run again over finished runs keeps it (:func:`stored_overhead`) rather than report other
 numbers of the same models - and measures again on another computer (a finished grid copied
 there).
@@ -31,6 +32,7 @@ import torch
 from ...analysis.profiling import paired_summary, peak_memory_bytes, time_interleaved
 from ...machine import cpu_machine
 from ...models import AttnResLM
+from ...ops.depth_attention import cpu_kernel
 from ...output_paths import read_json_object, strict_json, write_text_atomically
 from ...train import TrainConfig
 from ...train.cpu_memory import retains_freed_memory
@@ -78,13 +80,23 @@ def _variant_configs(experiment: Experiment, overrides: list[str], tmp: str) -> 
 def _settings(configs: dict[str, TrainConfig], repeats: int) -> dict[str, Any]:
     """What a measurement's numbers depend on, as ``overhead.json`` stores them (its JSON
     form): each variant's model, the batch's shape (the first variant's), the rounds, whether
-    the allocator keeps freed memory, torch's version, and the machine (its CPU, cores and
-    architecture: a grid copied to another computer kept the first one's timings)."""
+    the allocator keeps freed memory, torch's version, the machine (its CPU, cores and
+    architecture: a grid copied to another computer kept the first one's timings), and what
+    runs the AttnRes variants' depth attention (:func:`_depth_attention_on_cpu`)."""
     first = next(iter(configs.values()))
     settings = {"models": {name: c.model.to_dict() for name, c in configs.items()}, "batch_size": first.batch_size,
                 "seq_len": first.seq_len, "repeats": repeats, "freed_memory_retained": retains_freed_memory(),
-                "torch": torch.__version__, "machine": cpu_machine()}
+                "torch": torch.__version__, "machine": cpu_machine(), "depth_attention_cpu": _depth_attention_on_cpu()}
     return json.loads(strict_json(settings))
+
+
+def _depth_attention_on_cpu() -> str | None:
+    """What runs depth attention in the timed steps (on the CPU, float32): the C kernel's build,
+    by its file name (a hash of the kernel's source, flags, compiler and CPU), or ``None`` for
+    the PyTorch implementation (``ATTNRES_CPU_KERNEL=0``, no compiler). A grid timed again with
+    the kernel switched off (to compare the two) kept the kernel's step times."""
+    library = cpu_kernel.cpu_kernel()
+    return None if library is None else library.path.name
 
 
 def stored_overhead(experiment: Experiment, out: str | Path, overrides: list[str] = (),
