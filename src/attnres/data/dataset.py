@@ -414,7 +414,6 @@ def _find_cache(corpus: Corpus, root: Path, names: Callable[[str], list[str]], g
     return found
 
 
-
 def earlier_cache(data: Mapping[str, Any]) -> TokenData | None:
     """The complete cache of a run's data tokenised as its settings ask (``data``: the ``data``
     section of its stored config) that an earlier version made, named without the latest of
