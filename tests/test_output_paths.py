@@ -403,7 +403,7 @@ IN_PLACE_WRITES = {
     ("checkpoint/sharded.py", "complete", "write_bytes"): "into the checkpoint's temporary directory",
     ("checkpoint/manifest.py", "publish_checkpoint", "json.dump"): "state.json, into the temporary directory",
     ("checkpoint/manifest.py", "publish_checkpoint", "open"): "state.json, into the temporary directory",
-    ("checkpoint/consolidation.py", "consolidate", "save_file"): "model.safetensors written in place: next commit",
+    ("checkpoint/consolidation.py", "consolidate", "save_file"): "the temporary file replace_atomically gives it",
     ("data/cache_index.py", "record_files", "tmp.write_text"): "a temporary file renamed over meta.json",
     ("data/dataset.py", "_encode_to_file", "tmp.open"): "a temporary file renamed into place",
     ("data/dataset.py", "_write_cache", "write_text"): "meta.json, into the cache's temporary directory",
