@@ -393,31 +393,29 @@ def test_a_resumed_run_killed_while_writing_its_config_keeps_the_config_there(tm
     assert train(load_config(None, overrides(corpus, out, resume="true", stop_after=3))).step == 3
 
 
-#: The writes in place under src/attnres (module, function, call) and why each is safe: it
-#: writes into a temporary file or directory that is renamed into place, or a scratch file.
-IN_PLACE_WRITES = {
-    ("analysis/profiling.py", "_native_stderr_silenced", "open"): "opens os.devnull",
-    ("checkpoint/consolidated.py", "write_checkpoint", "save_file"): "into the checkpoint's temporary directory",
-    ("checkpoint/consolidated.py", "write_checkpoint", "write_bytes"): "into the checkpoint's temporary directory",
-    ("checkpoint/sharded.py", "complete", "save_file"): "into the checkpoint's temporary directory",
-    ("checkpoint/sharded.py", "complete", "write_bytes"): "into the checkpoint's temporary directory",
-    ("checkpoint/manifest.py", "publish_checkpoint", "json.dump"): "state.json, into the temporary directory",
-    ("checkpoint/manifest.py", "publish_checkpoint", "open"): "state.json, into the temporary directory",
-    ("checkpoint/consolidation.py", "consolidate", "save_file"): "the temporary file replace_atomically gives it",
-    ("data/cache_index.py", "record_files", "tmp.write_text"): "a temporary file renamed over meta.json",
-    ("data/dataset.py", "_encode_to_file", "tmp.open"): "a temporary file renamed into place",
-    ("data/dataset.py", "_write_cache", "write_text"): "meta.json, into the cache's temporary directory",
-    ("hf/evaluate.py", "write_local_tasks", "open"): "the harness's task files, into a temporary directory",
-    ("hf/evaluate.py", "write_local_tasks", "write_text"): "the harness's task files, into a temporary directory",
-    ("hf/families/remote_code.py", "save_pretrained", "write_text"): "beside save_pretrained's own files, which "
-    "export and upcycle write into a staging directory (write_directory_atomically)",
-    ("output_paths.py", "save_figure_atomically", "fig.savefig"): "the temporary file replace_atomically gives it",
-    ("output_paths.py", "write_text_atomically", "tmp.write_text"): "the temporary file replace_atomically gives it",
-    ("train/lock.py", "acquire", "tmp.write_text"): "a temporary file linked into place as the lock",
-    ("train/metrics.py", "__init__", "tmp.write_text"): "a temporary file renamed over the resumed log",
-    ("train/metrics.py", "__init__", "write_text"): "a fresh run's log, emptied: nothing to cut short",
-    ("train/metrics.py", "log", "open"): "appends a line; a line cut short is skipped when read (read_metrics)",
-    ("train/out_dir.py", "write_token", "path.open"): "the out_dir check's token, which no command reads back",
+#: The writes in place under src/attnres (module, function, call), by why each is safe.
+SAFE_WRITES = {
+    "into a temporary file or directory that is renamed into place (a checkpoint's, a token cache's, "
+    "replace_atomically's, the lock's)": [
+        ("checkpoint/consolidated.py", "write_checkpoint", "save_file"),
+        ("checkpoint/consolidated.py", "write_checkpoint", "write_bytes"),
+        ("checkpoint/sharded.py", "complete", "save_file"), ("checkpoint/sharded.py", "complete", "write_bytes"),
+        ("checkpoint/manifest.py", "publish_checkpoint", "json.dump"),
+        ("checkpoint/manifest.py", "publish_checkpoint", "open"),
+        ("checkpoint/consolidation.py", "consolidate", "save_file"),
+        ("data/cache_index.py", "record_files", "tmp.write_text"), ("data/dataset.py", "_encode_to_file", "tmp.open"),
+        ("data/dataset.py", "_write_cache", "write_text"),
+        ("output_paths.py", "save_figure_atomically", "fig.savefig"),
+        ("output_paths.py", "write_text_atomically", "tmp.write_text"), ("train/lock.py", "acquire", "tmp.write_text"),
+        ("train/metrics.py", "__init__", "tmp.write_text")],
+    "scratch: os.devnull, the harness's task files in a temporary directory, the out_dir check's token (never "
+    "read back)": [
+        ("analysis/profiling.py", "_native_stderr_silenced", "open"), ("hf/evaluate.py", "write_local_tasks", "open"),
+        ("hf/evaluate.py", "write_local_tasks", "write_text"), ("train/out_dir.py", "write_token", "path.open")],
+    "beside save_pretrained's own files, which export and upcycle write into a staging directory "
+    "(write_directory_atomically)": [("hf/families/remote_code.py", "save_pretrained", "write_text")],
+    "nothing to cut short: a fresh run's metrics log emptied, a line appended (read_metrics skips one cut short)": [
+        ("train/metrics.py", "__init__", "write_text"), ("train/metrics.py", "log", "open")],
 }
 
 
@@ -425,11 +423,9 @@ def test_no_module_writes_a_file_in_place_but_those_listed():
     """A training run wrote its config.json (and wandb.json) in place: a kill part-way left a
     file the next --resume could not read. Each write under src/attnres goes through
     output_paths' helpers or a temporary file renamed into place; a new write in place fails
-    here until it does, or is listed above with why it is safe."""
-    from test_benchmark_scripts import direct_writes
+    here until it does, or is listed above under why it is safe."""
+    from test_benchmark_scripts import assert_only_listed_writes
 
     package = Path(__file__).resolve().parents[1] / "src" / "attnres"
-    found = {(str(module.relative_to(package)), *write) for module in sorted(package.rglob("*.py"))
-             for write in direct_writes(module)}
-    assert sorted(found - set(IN_PLACE_WRITES)) == [], "write these through attnres.output_paths' helpers"
-    assert set(IN_PLACE_WRITES) <= found, f"no longer written there: {set(IN_PLACE_WRITES) - found}"
+    assert_only_listed_writes(package, sorted(package.rglob("*.py")),
+                              {write: why for why, writes in SAFE_WRITES.items() for write in writes})
