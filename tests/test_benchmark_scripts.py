@@ -368,6 +368,15 @@ def direct_writes(script: Path) -> set[tuple[str, str]]:
     return found
 
 
+def assert_only_listed_writes(root: Path, files: list[Path], listed: dict[tuple[str, str, str], str]) -> None:
+    """Every write in place of ``files`` is one of ``listed`` (the file, by its path under
+    ``root``, the function and the call), and each of ``listed`` is still written there."""
+    found = {(str(file.relative_to(root)), *write) for file in files for write in direct_writes(file)}
+    in_place = sorted(found - set(listed))
+    assert not in_place, f"write these (file, function, call) through attnres.output_paths' helpers: {in_place}"
+    assert set(listed) <= found, f"no longer written there: {set(listed) - found}"
+
+
 #: The writes in place that write no result, by script, function and call, and why.
 SCRATCH_WRITES = {
     ("bench_memory_scaling.py", "plot", "fig.savefig"): "draws into the temporary file write_results gives it",
@@ -389,10 +398,7 @@ def test_no_benchmark_writes_its_results_in_place():
     memory_forecast.py, ... gpu_check.py's own rename left its temporary file): each writes
     through output_paths' write_text_atomically / save_figure_atomically (or write_results), so
     a new script that writes in place fails here. Writes of scratch files are listed above."""
-    found = {(script.name, *write) for script in sorted(BENCHMARKS.glob("*.py")) for write in direct_writes(script)}
-    in_place = sorted(found - set(SCRATCH_WRITES))
-    assert not in_place, f"write these (script, function, call) through attnres.output_paths' helpers: {in_place}"
-    assert set(SCRATCH_WRITES) <= set(found), f"no longer written there: {set(SCRATCH_WRITES) - set(found)}"
+    assert_only_listed_writes(BENCHMARKS, sorted(BENCHMARKS.glob("*.py")), SCRATCH_WRITES)
 
 
 def test_the_write_finder_tells_writes_from_reads(tmp_path):

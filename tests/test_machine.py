@@ -31,3 +31,42 @@ def test_an_arm_cpu_is_named_by_its_implementer_and_part(monkeypatch):
     assert named["n1"] != named["v1"]
     assert "CPU implementer 0x41" in named["n1"] and "CPU part 0xd0c" in named["n1"], named
     assert "CPU part 0xd40" in named["v1"], named
+
+
+def test_a_mac_is_named_by_its_cpus_brand_string(monkeypatch):
+    """macOS has no /proc/cpuinfo, and platform.processor() there is "arm" (or "i386"): two
+    Macs of as many cores (an M1 Pro and an M2 Pro) were one machine to compare's re-use of
+    overhead.json. sysctl's machdep.cpu.brand_string names it now; where sysctl fails or
+    hangs, what platform knows, as before."""
+    import platform
+    import subprocess
+
+    def no_cpuinfo(path, *args, **kwargs):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(machine, "open", no_cpuinfo, raising=False)
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "processor", lambda: "arm")
+    asked = []
+
+    def sysctl(brand):
+        def run(command, **kwargs):
+            asked.append((list(command), kwargs.get("timeout")))
+            if isinstance(brand, Exception):
+                raise brand
+            return subprocess.CompletedProcess(command, 0, stdout=brand, stderr="")
+        return run
+
+    named = {}
+    for name, brand in (("m1", "Apple M1 Pro\n"), ("m2", "Apple M2 Pro\n"), ("hangs", subprocess.TimeoutExpired(
+            "sysctl", 2)), ("missing", FileNotFoundError("sysctl")), ("fails", subprocess.CalledProcessError(1, "x")),
+            ("empty", "\n")):
+        monkeypatch.setattr(subprocess, "run", sysctl(brand))
+        named[name] = machine.cpu_name()
+    assert named == {"m1": "Apple M1 Pro", "m2": "Apple M2 Pro", "hangs": "arm", "missing": "arm", "fails": "arm",
+                     "empty": "arm"}
+    assert all(command == ["sysctl", "-n", "machdep.cpu.brand_string"] and 0 < timeout <= 5
+               for command, timeout in asked), asked
+    monkeypatch.setattr(platform, "system", lambda: "Linux")  # (sysctl is asked on a Mac only)
+    asked.clear()
+    assert machine.cpu_name() == "arm" and asked == []

@@ -260,3 +260,42 @@ def test_a_config_the_user_passes_with_the_old_spellings_still_warns(tmp_path):
     _, resumed = loaded(lambda: config_of_the_run(TrainConfig(out_dir=str(run)), []))
     _, given = loaded(lambda: config_of_the_run(TrainConfig(out_dir=str(run)), ["distributed=auto"]))
     assert resumed == [] and len(given) == 1 and given[0].startswith("TrainConfig.distributed is deprecated")
+
+
+def test_a_stored_config_read_in_one_thread_leaves_another_threads_warnings(monkeypatch):
+    """stored_config() set a flag of the process: while a thread read a checkpoint's config (a
+    data loader, a server's thread), the warning of an old key the user gave in another was
+    silenced, and a stored config read while the user's thread was inside warned. The quiet
+    belongs to the thread (contextvars) that reads the stored config."""
+    import threading
+
+    import attnres.migrations as migrations
+    from attnres.migrations import stored_config
+
+    said: list[tuple[str, str]] = []
+    monkeypatch.setattr(migrations, "warn_user",
+                        lambda message, *args: said.append((threading.current_thread().name, message)))
+    inside, go_on = threading.Event(), threading.Event()
+
+    def reads_a_stored_config() -> None:
+        with stored_config():
+            inside.set()
+            go_on.wait(10)
+            ModelConfig(attnres_block_size=2)  # the stored config's own old key: quiet
+
+    def the_users_config() -> None:
+        ModelConfig(attnres_block_size=2)  # given by the user: warns
+
+    loader = threading.Thread(target=reads_a_stored_config, name="loader")
+    loader.start()
+    assert inside.wait(10)
+    ModelConfig(attnres_block_size=2)  # the user's, in the main thread
+    go_on.set()
+    loader.join(10)
+    with stored_config():  # and the other way round: the user's thread given an old key while this one reads
+        user = threading.Thread(target=the_users_config, name="user")
+        user.start()
+        user.join(10)
+        ModelConfig(attnres_block_size=2)
+    assert [name for name, _ in said] == ["MainThread", "user"]
+    assert all("attnres_block_size is deprecated" in message for _, message in said)

@@ -366,3 +366,66 @@ def test_strict_json_writes_what_is_not_a_finite_number_as_null():
     text = strict_json(value, indent=1)
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}")) == {
         "loss": None, "rates": [1.5, None, None], "pair": [2, None], "name": "x", "n": 3}
+
+
+def test_a_resumed_run_killed_while_writing_its_config_keeps_the_config_there(tmp_path, corpus, monkeypatch):
+    """A resumed run writes the run's config.json again at its start; written in place, a kill
+    (or a full disk) part-way left it cut short, and the next ``--resume`` and ``attnres
+    status`` could not read the run. It is renamed into place: the config that was there stays,
+    with no temporary file beside it."""
+    out = tmp_path / "run"
+    train(load_config(None, overrides(corpus, out, stop_after=2, checkpoint_every=2)))
+    before = (out / "config.json").read_text()
+    write_text = Path.write_text
+
+    def killed_half_way(self, text, *args, **kwargs):
+        if "config.json" in self.name:
+            write_text(self, text[: len(text) // 2], *args, **kwargs)
+            raise KeyboardInterrupt
+        return write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(None, overrides(corpus, out, resume="true", stop_after=3)))
+    monkeypatch.undo()
+    assert (out / "config.json").read_text() == before
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert train(load_config(None, overrides(corpus, out, resume="true", stop_after=3))).step == 3
+
+
+#: The writes in place under src/attnres (module, function, call), by why each is safe.
+SAFE_WRITES = {
+    "into a temporary file or directory that is renamed into place (a checkpoint's, a token cache's, "
+    "replace_atomically's, the lock's)": [
+        ("checkpoint/consolidated.py", "write_checkpoint", "save_file"),
+        ("checkpoint/consolidated.py", "write_checkpoint", "write_bytes"),
+        ("checkpoint/sharded.py", "complete", "save_file"), ("checkpoint/sharded.py", "complete", "write_bytes"),
+        ("checkpoint/manifest.py", "publish_checkpoint", "json.dump"),
+        ("checkpoint/manifest.py", "publish_checkpoint", "open"),
+        ("checkpoint/consolidation.py", "consolidate", "save_file"),
+        ("data/cache_index.py", "record_files", "tmp.write_text"), ("data/dataset.py", "_encode_to_file", "tmp.open"),
+        ("data/dataset.py", "_write_cache", "write_text"),
+        ("output_paths.py", "save_figure_atomically", "fig.savefig"),
+        ("output_paths.py", "write_text_atomically", "tmp.write_text"), ("train/lock.py", "acquire", "tmp.write_text"),
+        ("train/metrics.py", "__init__", "tmp.write_text")],
+    "scratch: os.devnull, the harness's task files in a temporary directory, the out_dir check's token (never "
+    "read back)": [
+        ("analysis/profiling.py", "_native_stderr_silenced", "open"), ("hf/evaluate.py", "write_local_tasks", "open"),
+        ("hf/evaluate.py", "write_local_tasks", "write_text"), ("train/out_dir.py", "write_token", "path.open")],
+    "beside save_pretrained's own files, which export and upcycle write into a staging directory "
+    "(write_directory_atomically)": [("hf/families/remote_code.py", "save_pretrained", "write_text")],
+    "nothing to cut short: a fresh run's metrics log emptied, a line appended (read_metrics skips one cut short)": [
+        ("train/metrics.py", "__init__", "write_text"), ("train/metrics.py", "log", "open")],
+}
+
+
+def test_no_module_writes_a_file_in_place_but_those_listed():
+    """A training run wrote its config.json (and wandb.json) in place: a kill part-way left a
+    file the next --resume could not read. Each write under src/attnres goes through
+    output_paths' helpers or a temporary file renamed into place; a new write in place fails
+    here until it does, or is listed above under why it is safe."""
+    from test_benchmark_scripts import assert_only_listed_writes
+
+    package = Path(__file__).resolve().parents[1] / "src" / "attnres"
+    assert_only_listed_writes(package, sorted(package.rglob("*.py")),
+                              {write: why for why, writes in SAFE_WRITES.items() for write in writes})

@@ -237,3 +237,25 @@ def test_sharded_weights_of_another_residual_are_refused_unless_allowed(tmp_path
     load_sharded_weights(path, full, allow_residual_change=True)
     saved = read_sharded_tensors(path)
     assert all(torch.equal(full.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_consolidate_killed_while_writing_keeps_the_model_file_there(tmp_path, monkeypatch):
+    """safetensors before 0.6 writes in place: consolidate killed part-way (or out of disk)
+    left a model.safetensors cut short in the checkpoint, over the one consolidated before.
+    It is written beside and renamed into place: the earlier file stays, no temporary file."""
+    from attnres.checkpoint import consolidate
+    from attnres.checkpoint import consolidation
+
+    path = sharded_checkpoint(tmp_path / "run")
+    before = consolidate(path).read_bytes()
+
+    def in_place_killed_half_way(tensors, filename, *args, **kwargs):
+        with open(filename, "wb") as f:
+            f.write(before[: len(before) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(consolidation, "save_file", in_place_killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        consolidate(path)
+    assert (path / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith(".")) == []

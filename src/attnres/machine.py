@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 
 __all__ = ["cpu_machine", "cpu_name"]
 
@@ -13,9 +14,24 @@ __all__ = ["cpu_machine", "cpu_name"]
 _ARM_ID = ("CPU implementer", "CPU variant", "CPU part", "CPU revision")
 
 
+#: What names a Mac's CPU ("Apple M2 Pro", "Intel(R) Core(TM) i7-9750H ..."): macOS has no
+#: ``/proc/cpuinfo``, and ``platform.processor()`` there is only "arm" or "i386".
+_DARWIN_BRAND = ("sysctl", "-n", "machdep.cpu.brand_string")
+
+
+def _darwin_cpu_brand() -> str | None:
+    """A Mac's CPU model name, or ``None`` where ``sysctl`` cannot say (missing, slow, failed)."""
+    try:
+        done = subprocess.run(_DARWIN_BRAND, capture_output=True, text=True, timeout=2, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``; an ARM CPU's implementer, variant, part and
-    revision, the values of its cores joined where they differ), or what ``platform`` knows."""
+    revision, the values of its cores joined where they differ; a Mac's brand string), or what
+    ``platform`` knows."""
     arm: dict[str, list[str]] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
@@ -29,6 +45,10 @@ def cpu_name() -> str:
         pass
     if arm:  # (every ARM CPU was "aarch64": another one of as many cores was the same machine)
         return ", ".join(f"{key} {'/'.join(arm[key])}" for key in _ARM_ID if key in arm)
+    if platform.system() == "Darwin":  # (else two Macs of as many cores, an M1 and an M3, were one machine)
+        brand = _darwin_cpu_brand()
+        if brand:
+            return brand
     return platform.processor() or platform.machine()
 
 

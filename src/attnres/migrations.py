@@ -27,6 +27,7 @@ warning, since the user never wrote them; a config the user passes (``--config F
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import inspect
 from collections.abc import Iterable, Iterator, Mapping
@@ -81,7 +82,9 @@ LEGACY_DISTRIBUTED = {
 }
 
 
-_reading_stored: list[bool] = []  # (non-empty within stored_config)
+# True within stored_config, in its own thread (or asyncio task) only: a flag of the process
+# let a thread reading a checkpoint silence the warning of an old key the user gave in another
+_reading_stored: contextvars.ContextVar[bool] = contextvars.ContextVar("attnres_reading_stored", default=False)
 
 
 @contextlib.contextmanager
@@ -90,17 +93,18 @@ def stored_config() -> Iterator[None]:
     ``DeprecationWarning``: for reading a config an earlier version stored (a grid run's
     ``config.json``, a checkpoint's ``state.json``), whose up to 13 old keys the user never
     wrote (``attnres compare --report-only`` over a committed grid warned of them as if the
-    user had). Other warnings are left as they are."""
-    _reading_stored.append(True)
+    user had). Other warnings are left as they are. Per thread and asyncio task: another
+    thread's configs (a config the user passes) still warn."""
+    token = _reading_stored.set(True)
     try:
         yield
     finally:
-        _reading_stored.pop()
+        _reading_stored.reset(token)
 
 
 def _warn_deprecated_key(message: str) -> None:
     """The ``DeprecationWarning`` of an old key, but not of one a stored config holds."""
-    if not _reading_stored:
+    if not _reading_stored.get():
         warn_user(message, DeprecationWarning)
 
 

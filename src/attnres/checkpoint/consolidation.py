@@ -7,7 +7,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..output_paths import check_output_dir, honour_umask
+from ..output_paths import check_output_dir, honour_umask, replace_atomically
 from .locate import find_valid_checkpoint, no_checkpoint_at
 from .manifest import CheckpointError
 from .sharded import is_sharded, read_sharded_tensors
@@ -30,6 +30,9 @@ def consolidate(path: str | Path, out: str | Path | None = None) -> Path:
     folder = source.path if out is None else check_output_dir(out, "consolidate's out")
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in read_sharded_tensors(source.path).items()}, str(target))
+    tensors = {k: v.contiguous() for k, v in read_sharded_tensors(source.path).items()}
+    # (renamed into place: safetensors before 0.6 writes in place, and a kill part-way left a
+    # model.safetensors cut short beside the checkpoint, or over the one consolidated before)
+    replace_atomically(target, lambda tmp: save_file(tensors, str(tmp)), "consolidate's out")
     honour_umask([target])
     return target

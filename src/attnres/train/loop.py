@@ -74,7 +74,7 @@ from ..distributed.launch import (
 from ..distributed.mesh_model import ParallelModel, build_parallel_model, check_parallel_config
 from ..distributed.parallel import build_layout, check_one_process, resolve_degrees
 from ..nn.residual.imports import imports_record
-from ..output_paths import check_output_dir
+from ..output_paths import OutputPathError, check_output_dir, write_text_atomically
 from ..progress import StepProgress
 from ..shell_words import shell_path
 from ..user_warning import warn_user
@@ -392,11 +392,16 @@ class Trainer:
         if not self.main:
             return
         try:
-            (self.out_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
+            # (renamed into place: a resumed run killed while writing it left the run's config cut
+            # short, which the next --resume and attnres status could not read)
+            write_text_atomically(self.out_dir / "config.json", json.dumps(self.config.to_dict(), indent=1),
+                                  "out_dir's config.json")
             if self.wandb is not None:
                 self.wandb.update_config(self.config.to_dict())
             self.logger = MetricsLogger(self.out_dir, self.config.tensorboard, self.resume_step, self.wandb)
             self.wandb = None  # the log's to close now
+        except OutputPathError as e:
+            raise OutDirError(str(e)) from None
         except OSError as e:  # a disk that filled up since the start-up check
             raise OutDirError(f"could not write to out_dir {str(self.out_dir)!r}: {os_cause(e)}") from None
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..extras import install_command
+from ..output_paths import write_text_atomically
 from ..user_warning import warn_user
 
 #: The file in ``out_dir`` that keeps the W&B run id across resumptions.
@@ -60,7 +61,9 @@ class WandbMirror:
                 run_id = None
         if run_id is None:
             run_id = uuid.uuid4().hex[:16]
-            keep.write_text(json.dumps({"id": run_id, "project": project}))
+            # (renamed into place: cut short by a kill, the resumed run could not read the id
+            # and started another W&B run)
+            write_text_atomically(keep, json.dumps({"id": run_id, "project": project}), f"out_dir's {WANDB_FILE}")
         self.run = None
         try:
             self.run = wandb.init(project=project, name=str(out_dir), id=run_id, resume="allow", dir=str(out_dir),
