@@ -383,8 +383,16 @@ def test_static_decoding_refuses_bad_input():
         stream(model, ids, mask, max_new_tokens=2, decode="graph")
     with pytest.raises(ValueError, match="mode='graph' captures a CUDA graph"):
         StaticDecoder(model, 1, mode="graph")
-    with pytest.raises(ValueError, match=r"mode must be one of .*, got 'static'$"):  # nothing near: no guess
+    # (docs/inference.md names generate's decode="static" beside StaticDecoder's mode="eager", the same step:
+    # either name where the other goes said only the allowed values)
+    with pytest.raises(ValueError, match=r"mode must be one of .*, got 'static' \(generate's decode='static' is "
+                                         r"mode='eager' here\)$"):
         StaticDecoder(model, 1, mode="static")
+    with pytest.raises(ValueError, match=r"decode must be one of .*; got 'eager' \(StaticDecoder's mode='eager' is "
+                                         r"decode='static' here\)$"):
+        generate(model, ids, mask, max_new_tokens=2, decode="eager")
+    with pytest.raises(ValueError, match=r"mode must be one of .*, got 'fast'$"):  # nothing near: no guess
+        StaticDecoder(model, 1, mode="fast")
     with pytest.raises(ValueError, match=r"got 'compile' \(did you mean 'compiled'\?\)"):
         StaticDecoder(model, 1, mode="compile")
     with pytest.raises(ValueError, match="capacity must be <= ModelConfig.max_seq_len"):

@@ -324,7 +324,10 @@ def resolve_decode(model, decode: str) -> str:
     """``decode`` checked against :data:`DECODE_MODES` for ``model``'s device, with ``"auto"``
     resolved (``"graph"`` on CUDA, ``"dynamic"`` elsewhere)."""
     if decode not in DECODE_MODES:
-        raise ValueError(f"decode must be one of {DECODE_MODES}; got {decode!r}{did_you_mean(decode, DECODE_MODES)}")
+        # (StaticDecoder's mode="eager" is decode="static" here: the eager step over a static cache)
+        hint = " (StaticDecoder's mode='eager' is decode='static' here)" if decode == "eager" else \
+            did_you_mean(decode, DECODE_MODES)
+        raise ValueError(f"decode must be one of {DECODE_MODES}; got {decode!r}{hint}")
     device = next(model.parameters()).device
     if decode == "auto":
         return "graph" if device.type == "cuda" else "dynamic"
