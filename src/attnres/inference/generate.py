@@ -98,6 +98,7 @@ def prefill(
     if chunk_size is None:
         chunk_size = t
     cache = KVCache(model.config.n_layers, capacity=max(capacity, t))
+    cache.left_padded = mask is not None
     for start in range(0, t, chunk_size):
         end = min(start + chunk_size, t)
         out = model(
@@ -118,6 +119,11 @@ def decode_step(model: AttnResLM, cache: KVCache, tokens: Tensor, attention_mask
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"decode_step: tokens must have shape [B] (one token per sequence), got {got}")
     check_tokens(tokens, "tokens", model_device(model))
+    if attention_mask is None and getattr(cache, "left_padded", False):  # (a cache of a prefill: KVCache)
+        raise ValueError(f"decode_step: this cache was prefilled from a left-padded batch (its attention_mask holds "
+                         f"zeros), so each step needs the mask too - the prompt's with a column of ones per token fed "
+                         f"since, attention_mask [B, cache.seq_len + 1] = [{tokens.shape[0]}, {cache.seq_len + 1}], as "
+                         "stream passes it; without it the padded keys would be attended")
     out = model(tokens[:, None], kv_cache=cache, attention_mask=attention_mask, last_logits_only=True)
     return out.logits[:, -1].float()
 

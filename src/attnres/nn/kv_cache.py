@@ -37,6 +37,9 @@ class KVCache:
 
     ``update(layer, k, v)`` is called by ``Attention`` once per layer and forward; every
     layer must see the same number of new tokens, in order.
+
+    ``left_padded``: set by ``prefill`` when its prompt was left-padded, so that a later step
+    given no ``attention_mask`` is refused (it would attend to the padded keys).
     """
 
     def __init__(self, n_layers: int, capacity: int = 0) -> None:
@@ -50,6 +53,7 @@ class KVCache:
         self._k: list[Tensor | None] = [None] * n_layers
         self._v: list[Tensor | None] = [None] * n_layers
         self._len = [0] * n_layers
+        self.left_padded = False
 
     @property
     def seq_len(self) -> int:
