@@ -1031,6 +1031,21 @@ def test_the_arguments_in_another_order_are_refused_naming_the_order():
     assert cache.seq_len == 4  # the refused step wrote nothing
 
 
+def test_stream_transformers_of_attnres_s_own_model_names_stream():
+    """``stream_transformers(model, ...)`` of an ``AttnResLM`` (the model ``load_run`` gives, with
+    ``stream``'s arguments) failed inside its first forward with "AttnResLM.forward() got an
+    unexpected keyword argument 'use_cache'"; it is refused by name, naming ``stream`` /
+    ``generate`` (which give its tokens) and the export, compiled or not."""
+    from attnres.inference import stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    for given in (model, torch.compile(model)):
+        with pytest.raises(ValueError, match=r"got attnres's own model \(an AttnResLM\): decode it with stream or "
+                                             r"generate \(same arguments\), or export it, "
+                                             r"AttnResForCausalLM.from_native\(model\)$"):
+            stream_transformers(given, random_ids(2, 4), max_new_tokens=2)
+
+
 def test_a_cache_read_or_cropped_at_a_position_it_does_not_have_is_refused_by_name():
     """``cache.crop(2.5)`` was taken as the cache's length (every later forward read it),
     ``cache.keys(5)`` of a 2-layer cache failed with "list index out of range", ``keys(-1)``

@@ -415,6 +415,10 @@ def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None 
         # (the arguments in another order failed in "'Tensor' object has no attribute 'config'")
         raise ValueError(f"stream_transformers takes a transformers causal LM first (model, input_ids, ...), got "
                          f"{type(model).__name__}")
+    if isinstance(getattr(model, "_orig_mod", model), AttnResLM):  # (its forward failed on use_cache=True)
+        raise ValueError("stream_transformers decodes a transformers causal LM over its own cache, got attnres's own "
+                         "model (an AttnResLM): decode it with stream or generate (same arguments), or export it, "
+                         "AttnResForCausalLM.from_native(model)")
     check_sampling(temperature, top_k, top_p)
     _check_max_new_tokens(max_new_tokens)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)
