@@ -4,7 +4,7 @@ The residual module (standard, Block or Full AttnRes, two-phase or naive) is dri
 with random sublayer outputs, under a ``TorchDispatchMode`` that sees every operator the
 residual calls (eager, ``through_dispatcher``). For each we add up the per-token tensors it
 reads (tensor arguments) and writes (results; for in-place ops the updated tensor counts as
-read and written). The depth-attention operators (``attnres::rms_logits``, ``phase1``, ``merge``)
+read and written). The depth-attention operators (``attnres::phase1``, ``attnres::merge``)
 count as what they are in the fused kernels: one read of each input and one write of each
 result. "Per-token" tensors are the ``[..., d]`` activations; the parameters (queries,
 gains) and the per-token scalars (logits, softmax statistics) are counted apart, since
@@ -13,12 +13,12 @@ they are O(1) or O(L) numbers per token, not multiples of ``d``.
 Each op is attributed to the phase the residual's state names while it runs (the public
 ``ResidualState.phase``):
 
-* Phase 1: the RMS factor and logits of a source that just completed (against every later
-  query at once), the batched softmax and the weighted sums, and Full AttnRes' new outputs'
-  RMS factors and logits;
-* Phase 2: the rest of ``sublayer_input`` (merge with the partial sum / the group's own
-  outputs; Block AttnRes' merge forms the partial sum itself from the last output) and the
-  add that closes a block; the standard residual's ``h + f(h)`` is its merge;
+* Phase 1: a block's (a group's) ``phase1`` of its queries over the completed sources - their
+  RMS factors and logits, the softmax and the weighted sums in one pass;
+* Phase 2: the rest of ``sublayer_input`` (the merge with the partial sum / the group's own
+  outputs, whose logits it computes; Block AttnRes' merge forms the partial sum itself from
+  the last output) and the add that closes a block; the standard residual's ``h + f(h)`` is
+  its merge;
 * Output aggregation (``finish``, including the completion of the last block / group):
   once per token, shown amortised over the L sublayers.
 

@@ -482,6 +482,37 @@ def test_eval_refuses_more_solved_examples_than_the_cloze_task_has_before_any_wo
     assert json.loads(out.read_text())["lm_eval"]["attnres_cloze"]["n-shot"] == items - 1
 
 
+def test_eval_refuses_a_window_shorter_than_a_cloze_choice_before_any_work(run_dir, tmp_path, capsys):
+    """`attnres eval --seq-len 8` (a short window, as a small run's seq_len): after the perplexity
+    pass lm-eval stopped on a bare AssertionError traceback (`len(continuation_enc) <=
+    self.max_length`: it reads each cloze choice, 8 words, whole inside its window) and no results
+    file was written. Now the window is refused first, naming the one the cloze task needs, which
+    runs."""
+    pytest.importorskip("lm_eval")
+    import json
+
+    from attnres.hf.evaluate import local_task_data, longest_cloze_choice
+    from attnres.inference import load_run, load_tokenizer
+
+    text = write_corpus(tmp_path / "held-out.txt", n_lines=40, seed=2)
+    items = local_task_data(text.read_text())[1][:3]  # (the harness's --limit 3: the first three)
+    longest = longest_cloze_choice(items, load_tokenizer(load_run(run_dir)))
+    out = tmp_path / "eval.json"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--text", str(text), "--limit", "3", "--seq-len", str(longest - 1),
+                  "--out", str(out), "--device", "cpu"])
+    assert str(info.value) == (f"attnres eval: error: --seq-len {longest - 1}: attnres_cloze's longest choice takes "
+                               f"{longest} tokens, and lm-eval reads each choice whole inside its window: give "
+                               f"--seq-len {longest} or more, or --tasks attnres_ppl (the cloze task left out)")
+    assert "held-out loss" not in capsys.readouterr().out and not out.exists()
+    assert cli_main(["eval", str(run_dir), "--text", str(text), "--tasks", "attnres_ppl", "--limit", "3",
+                     "--seq-len", str(longest - 1), "--out", str(out), "--device", "cpu"]) == 0
+    assert cli_main(["eval", str(run_dir), "--text", str(text), "--limit", "3", "--seq-len", str(longest),
+                     "--out", str(out), "--overwrite", "--device", "cpu"]) == 0
+    assert 0 <= json.loads(out.read_text())["lm_eval"]["attnres_cloze"]["acc,none"] <= 1
+
+
 def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_dir, tmp_path, monkeypatch, capsys):
     """`attnres eval` printed lm-eval's keys with their filter suffix ('word_perplexity,none
     3.4e10'); it prints the metric's name, with the filter where it is not lm-eval's default

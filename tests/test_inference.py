@@ -440,6 +440,31 @@ def test_decode_step_names_its_argument_and_the_cache_its_batch():
     assert step.shape == (2, 256) and cache.seq_len == 4
 
 
+def test_decode_step_after_a_left_padded_prefill_needs_the_mask():
+    """``prefill(model, ids, mask)`` of a left-padded batch, then ``decode_step(model, cache,
+    tokens)`` without a mask (its signature's default) attended to the padded keys and counted
+    them in the positions: other tokens than ``generate``'s, without a word. That step is now
+    refused, naming the mask it needs; with it, the steps give ``generate``'s tokens, and a
+    prompt without padding still decodes without one."""
+    model = make_model(residual="attnres_block").eval()
+    ids = random_ids(2, 5)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    logits, cache = prefill(model, ids, mask)
+    with pytest.raises(ValueError, match=re.escape("prefilled from a left-padded batch") + ".*"
+                       + re.escape("attention_mask [B, cache.seq_len + 1] = [2, 6]")):
+        decode_step(model, cache, sample(logits))
+    assert cache.seq_len == 5  # nothing written
+    tokens = []
+    for _ in range(4):
+        tokens.append(sample(logits))
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        logits = decode_step(model, cache, tokens[-1], mask)
+    assert torch.equal(torch.stack(tokens, 1), generate(model, ids, mask[:, :5], max_new_tokens=4))
+    logits, cache = prefill(model, ids, torch.ones(2, 5, dtype=torch.long))  # (no padding: the mask is dropped)
+    step = decode_step(model, cache, sample(logits))
+    torch.testing.assert_close(step, prefill(model, torch.cat([ids, sample(logits)[:, None]], 1))[0], atol=1e-4, rtol=1e-4)
+
+
 def test_a_cache_for_another_number_of_layers_is_refused_naming_the_fix():
     """A ``KVCache`` (or ``StaticKVCache``) made for fewer layers than the model failed with
     "list index out of range", one for more with "layers hold different lengths ...: a
@@ -1004,6 +1029,21 @@ def test_the_arguments_in_another_order_are_refused_naming_the_order():
                                          r"input_ids, \.\.\.\), got Tensor$"):
         stream_transformers(ids, model, max_new_tokens=2)
     assert cache.seq_len == 4  # the refused step wrote nothing
+
+
+def test_stream_transformers_of_attnres_s_own_model_names_stream():
+    """``stream_transformers(model, ...)`` of an ``AttnResLM`` (the model ``load_run`` gives, with
+    ``stream``'s arguments) failed inside its first forward with "AttnResLM.forward() got an
+    unexpected keyword argument 'use_cache'"; it is refused by name, naming ``stream`` /
+    ``generate`` (which give its tokens) and the export, compiled or not."""
+    from attnres.inference import stream_transformers
+
+    model = make_model(residual="attnres_block").eval()
+    for given in (model, torch.compile(model)):
+        with pytest.raises(ValueError, match=r"got attnres's own model \(an AttnResLM\): decode it with stream or "
+                                             r"generate \(same arguments\), or export it, "
+                                             r"AttnResForCausalLM.from_native\(model\)$"):
+            stream_transformers(given, random_ids(2, 4), max_new_tokens=2)
 
 
 def test_a_cache_read_or_cropped_at_a_position_it_does_not_have_is_refused_by_name():

@@ -127,13 +127,39 @@ def test_the_loaders_given_a_model_where_the_path_goes_name_the_order(tmp_path):
     from attnres.inference import load_run
 
     model = tiny_model()
-    with pytest.raises(TypeError, match=r"^path must be a checkpoint or run directory \(a str or Path\), got AttnResLM: "
-                                        r"call it as load_checkpoint\(path, model, optimizer=None, \.\.\.\)$"):
+    with pytest.raises(TypeError, match=r"^path must be a checkpoint directory \(step-\*\) \(a str or Path\), got "
+                                        r"AttnResLM: call it as load_checkpoint\(path, model, optimizer=None, \.\.\.\)$"):
         load_checkpoint(model, tmp_path)
-    with pytest.raises(TypeError, match=r"^path must be .*got AttnResLM: call it as load_run\(path, device='cpu'\)$"):
+    with pytest.raises(TypeError, match=r"^path must be a checkpoint or run directory \(a str or Path\), got AttnResLM: "
+                                        r"call it as load_run\(path, device='cpu'\)$"):
         load_run(model)
     with pytest.raises(TypeError, match=r"^load_checkpoint: model must be the nn.Module to load into, got OrderedDict$"):
         load_checkpoint(tmp_path, model.state_dict())
+
+
+def test_load_checkpoint_of_a_run_directory_names_its_newest_checkpoint(tmp_path):
+    """``load_checkpoint("runs/my-run", model)`` - a run directory, as ``load_run`` takes - was
+    told "checkpoint 'runs/my-run' is incomplete: state.json is missing", as if the run were
+    damaged. It is told the directory is a run's, its newest checkpoint, and ``load_run``; a
+    directory that is neither is still incomplete."""
+    from test_train import write_corpus
+
+    from attnres.checkpoint import CheckpointError, load_checkpoint
+    from attnres.checkpoint.manifest import checkpoint_dirs
+    from attnres.cli import main as cli_main
+
+    run = tmp_path / "run"
+    assert cli_main(["train", "model=tiny", "data.tokenizer=byte", f"data.paths=[{write_corpus(tmp_path / 'c.txt')}]",
+                     "seq_len=16", "batch_size=2", "steps=2", "warmup_steps=1", "checkpoint_every=1",
+                     "keep_checkpoints=2", f"out_dir={run}", "progress=false", "tensorboard=false"]) == 0
+    newest = checkpoint_dirs(run)[-1]
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{str(run)!r} is a run directory, not one of its checkpoints: give a checkpoint (its newest: "
+            f"{str(newest)!r}); attnres.inference.load_run takes a run directory (its newest checkpoint that verifies)")):
+        load_checkpoint(run, tiny_model())
+    load_checkpoint(newest, tiny_model())
+    with pytest.raises(CheckpointError, match="is incomplete: state.json is missing"):
+        load_checkpoint(tmp_path, tiny_model())
 
 
 def test_load_tokenizer_of_the_model_says_to_pass_the_run():

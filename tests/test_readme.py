@@ -232,3 +232,61 @@ def test_the_python_api_of_attnres_analyze_is_named_with_its_signature():
     written = inspect.signature(eval(f"lambda {found.group(1)[1:-1]}: None"))  # (the README's defaults, as Python)
     assert [(p.name, p.default) for p in written.parameters.values()] == [
         (p.name, p.default) for p in inspect.signature(write_analysis).parameters.values()]
+
+
+def doc_python_blocks(name: str) -> list[str]:
+    """The ``python`` blocks of ``docs/NAME``, as written."""
+    return re.findall(r"```python\n(.*?)```", (README.parent / "docs" / name).read_text(), re.S)
+
+
+def test_the_inference_doc_python_blocks_run_as_written():
+    """docs/inference.md's blocks in one namespace, as a reader runs them one after the other:
+    the batch generated and streamed, then the static-cache pieces (decode n tokens, rewind).
+    Off CUDA the CUDA-graph mode the second block names (its comment: "on CUDA") is swapped for
+    its eager twin, decode="static" / mode="eager" - the same step, not captured."""
+    import warnings
+
+    blocks = doc_python_blocks("inference.md")
+    assert len(blocks) == 2 and 'decode="graph"' in blocks[1] and 'mode="graph"' in blocks[1]
+    if not torch.cuda.is_available():
+        blocks[1] = blocks[1].replace('decode="graph"', 'decode="static"').replace('mode="graph"', 'mode="eager"')
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (an example as written should not alarm its reader)
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"docs/inference.md block {i}", "exec"), scope)
+    from attnres.inference import generate
+
+    model, ids, mask, n = scope["model"], scope["ids"], scope["mask"], scope["n"]
+    assert scope["new"].shape == (2, 64) and scope["tokens"].shape == (2, n)
+    # (the decoder's tokens follow the one fed first, the prefill's greedy pick: generate's from its second on)
+    assert torch.equal(scope["tokens"], generate(model, ids, mask, max_new_tokens=n + 1)[:, 1:])
+    assert scope["decoder"].length == ids.shape[1]  # rewound to the prompt
+
+
+def test_the_upcycling_doc_python_block_runs_as_written(tmp_path, monkeypatch):
+    """docs/upcycling.md's block on a small pretrained Llama at ``path/to/llama`` (8 layers: the
+    block's block_size=8 sublayers gives 2 blocks) with its tokenizer: the directory it writes
+    loads after ``import attnres.hf`` with the tokenizer beside it, and computes the original's
+    logits."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    from fixtures.tiny_families import tiny_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnres.data import ByteTokenizer
+    from attnres.hf import make_hf_tokenizer
+
+    (block,) = doc_python_blocks("upcycling.md")
+    monkeypatch.chdir(tmp_path)
+    original = tiny_model("llama", vocab_size=256, num_hidden_layers=8)
+    original.save_pretrained("path/to/llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained("path/to/llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(compile(block, "docs/upcycling.md", "exec"), {})
+    up = AutoModelForCausalLM.from_pretrained("llama-attnres").eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained("llama-attnres")("The meaning of")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(up(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)

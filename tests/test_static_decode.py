@@ -374,6 +374,21 @@ def test_a_graph_records_one_step_after_its_warm_up_steps_outside_the_capture(mo
     assert decoder.step(torch.zeros(1, dtype=torch.long)) is decoder._logits and log == ["replay"]
 
 
+def test_a_left_padded_prefill_is_loaded_with_its_mask():
+    """``decoder.load(cache)`` of a left-padded prefill without its mask (docs/inference.md's
+    ``decoder.load(cache, mask)`` with the mask left out) took the padded keys as real, without a
+    word; it is refused, naming the mask, and with it the decoder gives ``generate``'s tokens."""
+    model = make_model(residual="attnres_block").eval()
+    ids, mask = ragged_prompts()
+    logits, cache = prefill(model, ids, mask)
+    decoder = StaticDecoder(model, batch_size=3, capacity=7 + 4, mode="eager")
+    with pytest.raises(ValueError, match=re.escape("prefilled from a left-padded batch (its attention_mask holds "
+                                                   "zeros): pass that mask too, attention_mask [B, T] = [3, 7]")):
+        decoder.load(cache)
+    decoder.load(cache, mask)
+    assert torch.equal(decoder.decode(logits.argmax(-1), 3), generate(model, ids, mask, max_new_tokens=4)[:, 1:])
+
+
 def test_static_decoding_refuses_bad_input():
     model = make_model(residual="attnres_block").eval()
     ids, mask = ragged_prompts()
@@ -383,8 +398,16 @@ def test_static_decoding_refuses_bad_input():
         stream(model, ids, mask, max_new_tokens=2, decode="graph")
     with pytest.raises(ValueError, match="mode='graph' captures a CUDA graph"):
         StaticDecoder(model, 1, mode="graph")
-    with pytest.raises(ValueError, match=r"mode must be one of .*, got 'static'$"):  # nothing near: no guess
+    # (docs/inference.md names generate's decode="static" beside StaticDecoder's mode="eager", the same step:
+    # either name where the other goes said only the allowed values)
+    with pytest.raises(ValueError, match=r"mode must be one of .*, got 'static' \(generate's decode='static' is "
+                                         r"mode='eager' here\)$"):
         StaticDecoder(model, 1, mode="static")
+    with pytest.raises(ValueError, match=r"decode must be one of .*; got 'eager' \(StaticDecoder's mode='eager' is "
+                                         r"decode='static' here\)$"):
+        generate(model, ids, mask, max_new_tokens=2, decode="eager")
+    with pytest.raises(ValueError, match=r"mode must be one of .*, got 'fast'$"):  # nothing near: no guess
+        StaticDecoder(model, 1, mode="fast")
     with pytest.raises(ValueError, match=r"got 'compile' \(did you mean 'compiled'\?\)"):
         StaticDecoder(model, 1, mode="compile")
     with pytest.raises(ValueError, match="capacity must be <= ModelConfig.max_seq_len"):

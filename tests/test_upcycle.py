@@ -1847,3 +1847,13 @@ def test_upcycling_doc_names_the_tokenizer_files_upcycle_needs_and_a_lone_tokeni
     assert [p.name for p in src.iterdir() if p.name.startswith(("tokenizer", "vocab", "spiece"))] == ["tokenizer.json"]
     out = upcycle_directory(src, tmp_path / "up", "attnres_block", 2)
     assert AutoTokenizer.from_pretrained(out).vocab_size == AutoTokenizer.from_pretrained(src).vocab_size
+
+
+def test_upcycling_doc_lists_every_refused_family():
+    """docs/upcycling.md's table of refused families is `attnres.upcycle.REFUSED`: it lacked
+    'attnres' (an `attnres export` of a training run), which `attnres upcycle` refuses too."""
+    from attnres.upcycle import REFUSED
+
+    doc = (Path(__file__).parents[1] / "docs" / "upcycling.md").read_text()
+    table = doc.split("## Refused families", 1)[1].split("\n\n")[2]
+    assert [row.split("|")[1].strip() for row in table.splitlines()[2:]] == list(REFUSED)

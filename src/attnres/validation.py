@@ -97,13 +97,13 @@ def missing_path_hint(path: str | os.PathLike[str], directories_only: bool = Fal
     return where + did_you_mean(missing.name, names)
 
 
-def check_path_argument(value: Any, call: str) -> None:
-    """Refuse a ``path`` argument that is not a path (``str`` or ``os.PathLike``), naming the
-    order the function takes, ``call``: a model given first, ``load_checkpoint(model, path)``,
-    ended in pathlib's "expected str, bytes or os.PathLike object, not AttnResLM"."""
+def check_path_argument(value: Any, call: str, what: str = "a checkpoint or run directory") -> None:
+    """Refuse a ``path`` argument that is not a path (``str`` or ``os.PathLike``), naming
+    ``what`` it takes and the order the function takes, ``call``: a model given first,
+    ``load_checkpoint(model, path)``, ended in pathlib's "expected str, bytes or os.PathLike
+    object, not AttnResLM"."""
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"path must be a checkpoint or run directory (a str or Path), got {type(value).__name__}: "
-                        f"call it as {call}")
+        raise TypeError(f"path must be {what} (a str or Path), got {type(value).__name__}: call it as {call}")
 
 
 def did_you_mean_each(values: Iterable[str], allowed: Iterable[str], note: Callable[[str], str] | None = None,

@@ -142,7 +142,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     the checkpoint's run config stores while the weights fit (Full vs Block AttnRes, another
     block size) is refused (:class:`CheckpointError` naming both) unless
     ``allow_residual_change``."""
-    check_path_argument(path, "load_checkpoint(path, model, optimizer=None, ...)")
+    check_path_argument(path, "load_checkpoint(path, model, optimizer=None, ...)", "a checkpoint directory (step-*)")
     if not isinstance(model, nn.Module):  # (a state dict there failed deep in the load)
         raise TypeError(f"load_checkpoint: model must be the nn.Module to load into, got {type(model).__name__}")
     path = Path(path)

@@ -207,6 +207,10 @@ def read_checkpoint_state(path: str | Path, optional: tuple[str, ...] = ()) -> d
     try:
         doc = json.loads((path / STATE_FILE).read_text())
     except FileNotFoundError:
+        if (newest := latest_checkpoint(path)) is not None:  # (a run directory: "incomplete" sent users hunting)
+            raise CheckpointError(f"{str(path)!r} is a run directory, not one of its checkpoints: give a checkpoint "
+                                  f"(its newest: {str(newest)!r}); attnres.inference.load_run takes a run directory "
+                                  "(its newest checkpoint that verifies)") from None
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {STATE_FILE} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {STATE_FILE} is not valid JSON ({e})") from None

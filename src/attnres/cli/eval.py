@@ -412,7 +412,9 @@ def run_eval(args) -> int:
         if tasks and directory:  # (an export of a run's checkpoint starts them with its own line break)
             check_document_start(model, tokenizer.tokenizer, args.checkpoint)
         if any(task in LOCAL_TASKS for task in tasks):
-            check_local_tasks(text, tasks, args.num_fewshot)  # (refused before the perplexity pass, not lost to it)
+            # (refused before the perplexity pass, not lost to it; the window is the harness's max_length)
+            check_local_tasks(text, tasks, args.num_fewshot, tokenizer, args.seq_len or context_limit(model),
+                              seq_len_given=args.seq_len is not None, limit=args.limit)
         results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()),
                    "step": None if run is None else run.state.get("step"),
                    # (absolute, as the checkpoint: the file a relative --text named, read from elsewhere)

@@ -186,16 +186,41 @@ def local_task_data(text: str, seed: int = 0) -> tuple[list[str], list[dict]]:
     return docs, items
 
 
-def check_local_tasks(text: str, tasks: list[str], num_fewshot: int | None) -> None:
+def longest_cloze_choice(items: list[dict], tokenizer) -> int:
+    """The most tokens a choice of the ``attnres_cloze`` ``items`` takes, counted as lm-eval
+    counts a continuation: the ids of context + choice past those of the context alone
+    (``tokenizer``: anything with ``encode(text) -> ids``)."""
+    longest = 0
+    for item in items:
+        context = len(tokenizer.encode(item["context"]))
+        longest = max(longest, *(len(tokenizer.encode(item["context"] + choice)) - context for choice in item["choices"]))
+    return longest
+
+
+def check_local_tasks(text: str, tasks: list[str], num_fewshot: int | None, tokenizer=None,
+                      window: int | None = None, seq_len_given: bool = True,
+                      limit: int | float | None = None) -> None:
     """Refuse, before any evaluation, held-out text the local tasks among ``tasks`` cannot be
     built from (:func:`local_task_data`), and a ``num_fewshot`` that ``attnres_cloze`` cannot
     give: the harness draws each item's solved examples from its other items, and ran out of
-    them with "Sample larger than population or is negative" after the perplexity pass."""
+    them with "Sample larger than population or is negative" after the perplexity pass.
+    With ``tokenizer`` and the harness's ``window`` (its ``max_length``: ``--seq-len`` where
+    ``seq_len_given``, else the model's context), a window shorter than a cloze choice is
+    refused too: the harness reads a choice whole, and stopped on a bare ``AssertionError``. Of
+    the items it reads: the first ``limit`` (``--limit``: a count, or a fraction of them)."""
     _, items = local_task_data(text)
     if "attnres_cloze" in tasks and num_fewshot is not None and num_fewshot >= len(items):
         raise ValueError(f"--num-fewshot {num_fewshot}: attnres_cloze has {len(items)} items built from the held-out "
                          f"text, and draws each one's solved examples from the others: at most {len(items) - 1} "
                          "(or give more held-out text, --text FILE)")
+    if "attnres_cloze" in tasks and tokenizer is not None and window is not None:
+        read = None if limit is None else int(limit) if limit >= 1 else math.ceil(len(items) * limit)
+        longest = longest_cloze_choice(items[:read], tokenizer)
+        if longest > window:
+            what = f"--seq-len {window}" if seq_len_given else f"the model's context of {window} tokens"
+            more = f"give --seq-len {longest} or more, or " if seq_len_given else ""
+            raise ValueError(f"{what}: attnres_cloze's longest choice takes {longest} tokens, and lm-eval reads each "
+                             f"choice whole inside its window: {more}--tasks attnres_ppl (the cloze task left out)")
 
 
 def write_local_tasks(directory: str | Path, text: str, seed: int = 0) -> Path:

@@ -98,6 +98,7 @@ def prefill(
     if chunk_size is None:
         chunk_size = t
     cache = KVCache(model.config.n_layers, capacity=max(capacity, t))
+    cache.left_padded = mask is not None
     for start in range(0, t, chunk_size):
         end = min(start + chunk_size, t)
         out = model(
@@ -118,6 +119,11 @@ def decode_step(model: AttnResLM, cache: KVCache, tokens: Tensor, attention_mask
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"decode_step: tokens must have shape [B] (one token per sequence), got {got}")
     check_tokens(tokens, "tokens", model_device(model))
+    if attention_mask is None and getattr(cache, "left_padded", False):  # (a cache of a prefill: KVCache)
+        raise ValueError(f"decode_step: this cache was prefilled from a left-padded batch (its attention_mask holds "
+                         f"zeros), so each step needs the mask too - the prompt's with a column of ones per token fed "
+                         f"since, attention_mask [B, cache.seq_len + 1] = [{tokens.shape[0]}, {cache.seq_len + 1}], as "
+                         "stream passes it; without it the padded keys would be attended")
     out = model(tokens[:, None], kv_cache=cache, attention_mask=attention_mask, last_logits_only=True)
     return out.logits[:, -1].float()
 
@@ -324,7 +330,10 @@ def resolve_decode(model, decode: str) -> str:
     """``decode`` checked against :data:`DECODE_MODES` for ``model``'s device, with ``"auto"``
     resolved (``"graph"`` on CUDA, ``"dynamic"`` elsewhere)."""
     if decode not in DECODE_MODES:
-        raise ValueError(f"decode must be one of {DECODE_MODES}; got {decode!r}{did_you_mean(decode, DECODE_MODES)}")
+        # (StaticDecoder's mode="eager" is decode="static" here: the eager step over a static cache)
+        hint = " (StaticDecoder's mode='eager' is decode='static' here)" if decode == "eager" else \
+            did_you_mean(decode, DECODE_MODES)
+        raise ValueError(f"decode must be one of {DECODE_MODES}; got {decode!r}{hint}")
     device = next(model.parameters()).device
     if decode == "auto":
         return "graph" if device.type == "cuda" else "dynamic"
@@ -406,6 +415,10 @@ def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None 
         # (the arguments in another order failed in "'Tensor' object has no attribute 'config'")
         raise ValueError(f"stream_transformers takes a transformers causal LM first (model, input_ids, ...), got "
                          f"{type(model).__name__}")
+    if isinstance(getattr(model, "_orig_mod", model), AttnResLM):  # (its forward failed on use_cache=True)
+        raise ValueError("stream_transformers decodes a transformers causal LM over its own cache, got attnres's own "
+                         "model (an AttnResLM): decode it with stream or generate (same arguments), or export it, "
+                         "AttnResForCausalLM.from_native(model)")
     check_sampling(temperature, top_k, top_p)
     _check_max_new_tokens(max_new_tokens)
     stops = _check_stops(stop_tokens, pad_token_id, model.config.vocab_size)

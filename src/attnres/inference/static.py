@@ -112,7 +112,9 @@ class StaticDecoder:
 
     def __init__(self, model, batch_size: int, capacity: int | None = None, mode: str = "graph", warmup: int = 2) -> None:
         if mode not in STATIC_MODES:
-            raise ValueError(f"mode must be one of {STATIC_MODES}, got {mode!r}{did_you_mean(mode, STATIC_MODES)}")
+            # (generate's decode="static" - the eager step over a static cache - is mode="eager" here)
+            hint = " (generate's decode='static' is mode='eager' here)" if mode == "static" else did_you_mean(mode, STATIC_MODES)
+            raise ValueError(f"mode must be one of {STATIC_MODES}, got {mode!r}{hint}")
         check_native(model, "StaticDecoder", "StaticDecoder(model, batch_size, capacity, ...)")
         self.model, self.mode, self.warmup = model, mode, warmup
         with torch.inference_mode(False):  # buffers updated in place, inside inference mode or not

@@ -37,6 +37,10 @@ class KVCache:
 
     ``update(layer, k, v)`` is called by ``Attention`` once per layer and forward; every
     layer must see the same number of new tokens, in order.
+
+    ``left_padded``: set by ``prefill`` when its prompt was left-padded, so that a later step
+    (or ``StaticKVCache.load_``) given no ``attention_mask`` is refused (it would attend to the
+    padded keys).
     """
 
     def __init__(self, n_layers: int, capacity: int = 0) -> None:
@@ -50,6 +54,7 @@ class KVCache:
         self._k: list[Tensor | None] = [None] * n_layers
         self._v: list[Tensor | None] = [None] * n_layers
         self._len = [0] * n_layers
+        self.left_padded = False
 
     @property
     def seq_len(self) -> int:
@@ -201,6 +206,10 @@ class StaticKVCache:
         if cache.n_layers != self.n_layers or cache.keys(0).shape[0] != self.batch_size:
             raise ValueError(f"the cache holds {cache.n_layers} layers at batch size {cache.keys(0).shape[0]}, this one "
                              f"{self.n_layers} at {self.batch_size}")
+        if attention_mask is None and cache.left_padded:
+            raise ValueError(f"the cache was prefilled from a left-padded batch (its attention_mask holds zeros): pass "
+                             f"that mask too, attention_mask [B, T] = [{self.batch_size}, {t}]; without it the padded "
+                             "keys would be attended")
         attention_mask = check_left_padding(attention_mask, (self.batch_size, t), "the batch and cached positions")
         for layer in range(self.n_layers):
             for dst, src in ((self.k[layer], cache.keys(layer)), (self.v[layer], cache.values(layer))):

@@ -199,6 +199,10 @@ def _pointer(fn: str, param: str, nullable: bool, x: Tensor | None, dtype: torch
     raise TypeError(f"attnres_{fn}: {param} must be a contiguous CPU tensor of {dtype}, got {got}")
 
 
+#: The way to the PyTorch implementation without the build's warning (the same numbers, somewhat slower).
+_QUIET = " (or ATTNRES_CPU_KERNEL=0 to run it without building, and without this warning)"
+
+
 @functools.cache
 def cpu_kernel() -> KernelLibrary | None:
     """The kernel library, built on the first call; ``None`` when it is switched off
@@ -207,14 +211,14 @@ def cpu_kernel() -> KernelLibrary | None:
         return None
     compiler = shlex.split(os.environ.get("CC", "")) or [c for c in [shutil.which("cc") or shutil.which("gcc")] if c]
     if not compiler:
-        warn_user("attnres: no C compiler found (set $CC); depth attention runs its PyTorch implementation on CPU")
+        warn_user(f"attnres: no C compiler found (set $CC); depth attention runs its PyTorch implementation on CPU{_QUIET}")
         return None
     try:
         return KernelLibrary(_build(compiler))
     except (OSError, subprocess.CalledProcessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or str(err)
         warn_user(f"attnres: the CPU kernel could not be built ({detail.strip()[:500]}); "
-                  "depth attention runs its PyTorch implementation instead")
+                  f"depth attention runs its PyTorch implementation instead: set $CC to a working C compiler{_QUIET}")
         return None
 
 
