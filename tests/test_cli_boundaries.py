@@ -908,7 +908,10 @@ def test_a_distribution_that_also_installs_attnres_is_named(tmp_path):
 
     _fake_distribution(tmp_path, "fast-attnres", "2.1.0")
     _fake_distribution(tmp_path, "attnres-fork", "0.3")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "default"}
+    # (this checkout's src after the fakes: the code under test where attnres is not installed, as on a machine
+    # that runs a clone with PYTHONPATH=src, and not another checkout's installed copy where it is)
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src)]), "PYTHONWARNINGS": "default"}
     done = subprocess.run([sys.executable, "-c", "import attnres"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "also installs a top-level package named 'attnres'" not in done.stderr
