@@ -103,6 +103,9 @@ def test_the_commands_after_a_run_trained_with_import_name_the_module(tmp_path, 
                                             "model.residual.kind=halved"],
                 "generate": ["generate", "--checkpoint", str(run), "--prompt", "the", "--max-new-tokens", "2"],
                 "eval": ["eval", "--checkpoint", str(run), "--tasks", "none"]}
+    without_hf = importlib.util.find_spec("transformers") is None
+    if without_hf:  # (attnres eval needs the hf extra; the other commands are checked without it, then a skip)
+        del commands["eval"]
     for name, argv in commands.items():
         with pytest.raises(SystemExit) as info:
             cli_main(argv)
@@ -121,6 +124,8 @@ def test_the_commands_after_a_run_trained_with_import_name_the_module(tmp_path, 
             cli_main(argv)
         assert "got 'halved'; a residual of your own is registered by importing its module first: `attnres --import " \
                "MODULE <command> ...`" in str(info.value), (name, str(info.value))
+    if without_hf:
+        pytest.skip("attnres eval needs transformers (the hf extra)")
 
 
 def test_text_the_tokenizer_does_not_cover_is_warned_of_in_generate_and_eval(tmp_path):
@@ -156,6 +161,7 @@ def test_text_the_tokenizer_does_not_cover_is_warned_of_in_generate_and_eval(tmp
         "2 of the prompt's 3 tokens are the tokenizer's unknown token '[UNK]': its vocabulary does not cover that "
         "text, and the model sees the unknown token in its place"]
     assert said([*generate, "the"]) == []
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     evaluate = ["eval", str(run), "--tasks", "none", "--device", "cpu", "--out", str(tmp_path / "eval.json"), "--text"]
     assert said([*evaluate, str(other)]) == [
         "75% of the held-out text's tokens are the tokenizer's unknown token '[UNK]': its vocabulary does not cover "
@@ -170,6 +176,7 @@ def test_eval_and_analyze_read_held_out_json_lines_as_training_does(tmp_path):
     data.text_field), the records joined by a blank line as training joins them, the same
     numbers as that text in a .txt file; a line without the field is refused, naming the
     option and the line."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
 
     lines = write_corpus(tmp_path / "corpus.txt").read_text().splitlines()
@@ -250,6 +257,7 @@ def test_eval_refuses_text_too_short_for_the_local_tasks_before_any_work(run_dir
     """Held-out text too short to build the local tasks from is refused before the perplexity
     pass (it ran, printed its result and was lost to the error with no results file), saying
     how to go on."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     short = tmp_path / "short.txt"
     short.write_text("the quick brown fox\njumps over the lazy dog\n")
     out = tmp_path / "eval.json"
@@ -266,6 +274,7 @@ def test_eval_refuses_text_too_short_for_the_local_tasks_before_any_work(run_dir
 def test_eval_writes_strict_json_when_the_perplexity_is_not_a_number(run_dir, tmp_path, monkeypatch):
     """A diverged model's NaN loss went into eval.json as a bare NaN, which jq and JavaScript
     refuse; now null, as attnres status --json writes it."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
     import math
 
@@ -326,6 +335,7 @@ def test_eval_of_a_run_with_a_long_context_equals_eval_of_its_export(run_dir, tm
     context, its export on windows of MAX_DEFAULT_WINDOW: a run and its export gave different
     perplexities (and the run's took minutes and gigabytes on a CPU). Both are held to it now,
     which the command says, and give the same numbers; --seq-len still decides."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
 
     from attnres.cli import eval as eval_command
@@ -517,6 +527,7 @@ def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_di
     """`attnres eval` printed lm-eval's keys with their filter suffix ('word_perplexity,none
     3.4e10'); it prints the metric's name, with the filter where it is not lm-eval's default
     'none'. The results JSON keeps the harness's keys as they are."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
 
     import attnres.cli.eval as eval_cli
@@ -541,6 +552,7 @@ def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_di
 
 def test_eval_says_one_token_in_the_singular(run_dir, tmp_path, monkeypatch, capsys):
     """A held-out text of two tokens predicts one: the line said "over 1 tokens"."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     from attnres.hf import evaluate
 
     monkeypatch.setattr(evaluate, "perplexity", lambda *a, **k: dict(loss=1.0, perplexity=2.718, bits_per_byte=1.5,
@@ -605,6 +617,7 @@ def test_eval_keeps_the_perplexity_when_the_harness_refuses_a_setting_as_it_runs
     --num-fewshot asks for: "Sample larger than population or is negative") lost the perplexity
     with no results file, as a harness task out of reach once did. Now the results file holds the
     perplexity and the harness's error, as for that one."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
 
     from attnres.hf import evaluate
@@ -629,6 +642,7 @@ def test_eval_keeps_the_perplexity_when_a_harness_task_cannot_fetch_its_data(run
     failed ("Couldn't reach 'EleutherAI/lambada_openai' on the Hub", the datasets library's
     ConnectionError) and the perplexity was lost, no results file written. Now the results
     file holds the perplexity and the error, and the message says why and what to do."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
 
     from attnres.hf import evaluate
@@ -778,6 +792,7 @@ def test_eval_says_that_harness_options_do_nothing_without_harness_tasks(run_dir
     """`attnres eval --tasks none --limit 3` ignored --limit without a word (the perplexity pass
     reads the whole text), and the results recorded harness settings the harness never got.
     Now a warning names the options, and the results record no harness settings."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
 
     out = tmp_path / "eval.json"
@@ -793,6 +808,7 @@ def test_eval_says_when_its_windows_reach_past_the_length_the_run_trained_on(run
     default windows of 128 tokens measured it at positions 32-127, which training never showed it
     (a higher loss than the run's val_loss, without a word). Now it says so and how to measure it
     at its training length; a --seq-len given says nothing."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
 
     out = tmp_path / "eval.json"
@@ -817,6 +833,7 @@ def test_eval_records_the_held_out_text_s_absolute_path(run_dir, tmp_path, monke
     """`attnres eval RUN --text held-out.txt` recorded "held-out.txt" as typed beside the
     checkpoint's absolute path: read from another directory, the results named no file. The
     text is recorded absolute now, as the checkpoint is."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
 
     monkeypatch.chdir(tmp_path)
@@ -831,6 +848,7 @@ def test_eval_of_a_step_or_the_checkpoints_folder_writes_in_the_run_not_among_it
     keep_checkpoints rotation deletes with it when the run goes on (or resumes), and `attnres eval
     RUN/checkpoints` (what tab completion offers) among the checkpoints. Now RUN/eval-step-N.json
     and RUN/eval.json, as attnres analyze writes RUN/analysis/step-N and RUN/analysis."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
     import shutil
 
@@ -939,7 +957,10 @@ def test_a_distribution_that_also_installs_attnres_is_named(tmp_path):
 
     _fake_distribution(tmp_path, "fast-attnres", "2.1.0")
     _fake_distribution(tmp_path, "attnres-fork", "0.3")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "default"}
+    # (this checkout's src after the fakes: the code under test where attnres is not installed, as on a machine
+    # that runs a clone with PYTHONPATH=src, and not another checkout's installed copy where it is)
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src)]), "PYTHONWARNINGS": "default"}
     done = subprocess.run([sys.executable, "-c", "import attnres"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "also installs a top-level package named 'attnres'" not in done.stderr
@@ -1200,6 +1221,8 @@ def test_out_dir_that_is_a_hugging_face_directory_is_refused(tmp_path):
 def test_a_misspelt_file_is_named_with_the_nearest_one(run_dir, tmp_path, monkeypatch, args, expected):
     """A newcomer's typos in the files a command reads (`.yml` for `.yaml`, transposed letters)
     were said not to exist, with no word of the file that does."""
+    if args[0] == "eval":
+        pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "run.yaml").write_text("steps: 1\n")
     (tmp_path / "my_texts").mkdir()
@@ -1405,6 +1428,7 @@ def test_eval_out_that_is_a_file_of_a_run_or_model_is_refused(run_dir, tmp_path,
     manifest with the results (the checkpoint no longer verified); a run's config.json or a
     Hugging Face directory's files likewise. Refused now, before any work, --overwrite or not
     (with it, the module file that config.json's auto_map names was replaced)."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import shutil
 
     run = tmp_path / "run"
@@ -1427,6 +1451,7 @@ def test_eval_replaces_an_earlier_result_but_no_other_file_unless_told(run_dir, 
     with the results. A file that is not an earlier result (its keys checkpoint, perplexity,
     lm_eval) is now refused before any work unless --overwrite; an earlier result is replaced as
     before, through a temporary file renamed into place."""
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     import json
     import os
 
@@ -1520,6 +1545,8 @@ def test_a_wrong_argument_is_one_line_naming_it(run_dir, tmp_path, capsys, args,
     "TypeError: unhashable type: 'list'", a traceback; a binary config file: "'utf-8' codec
     can't decode byte 0xb1"; a file given as the checkpoint of `eval`, called its --out; a
     prompt file under a file: a traceback) are each one line naming the option or field."""
+    if args[0] == "eval":
+        pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     binary = tmp_path / "weights.bin"
     binary.write_bytes(bytes(range(256)))
     not_a_dir = tmp_path / "notes.txt"
@@ -1539,6 +1566,8 @@ def test_a_bad_device_or_tokenizer_is_refused_before_loading(run_dir, tmp_path, 
     """`attnres generate RUN --device bogus` read and verified the checkpoint and built the
     model (minutes for a large one) before it refused the device; `--tokenizer` naming no
     file likewise, in generate and eval."""
+    if command == "eval":
+        pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     from attnres.inference import loading
 
     def no_loading(*args, **kwargs):
@@ -1592,6 +1621,8 @@ def test_eval_refuses_a_long_window_or_a_wrong_tokenizer_before_the_weights_load
 def test_an_empty_text_file_is_refused_by_its_option_before_loading(run_dir, tmp_path, monkeypatch, command):
     """`attnres eval / analyze RUN --text empty.txt` loaded the model, then said 'the held-out
     text must have at least 2 tokens' (analyze: 'the text has 0 tokens'), naming no option."""
+    if command == "eval":
+        pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     from attnres.inference import loading
 
     def no_loading(*args, **kwargs):
@@ -1767,8 +1798,9 @@ def test_generate_continues_several_prompts_with_chat_and_a_seed_as_one(run_dir,
     drew its rows from one generator seeded with `--seed`, so a prompt's completion was not
     the one it gets alone with that seed; each prompt now samples with a generator of its own
     seeded with `--seed`: its completion alone (docs/inference.md)."""
-    _batch_as_each_alone(run_dir, capsys, ["--chat"])
     _batch_as_each_alone(run_dir, capsys, [], sampling=_SAMPLED_8)
+    pytest.importorskip("transformers")  # (--chat renders the template with transformers: the hf extra)
+    _batch_as_each_alone(run_dir, capsys, ["--chat"])
 
 
 def test_a_prompt_file_given_twice_is_numbered_and_a_repeated_prompt_warned_of(run_dir, tmp_path, capsys):

@@ -94,6 +94,7 @@ def test_validation_split_is_found_from_another_directory(tmp_path, corpus_file,
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same data: no warning that it changed
         assert load_run(tmp_path / "run").validation_text() == load_corpus([str(corpus_file)]).val
+    pytest.importorskip("transformers")  # (attnres eval: the hf extra)
     corpus_file.rename(tmp_path / "moved.txt")
     with pytest.raises(SystemExit, match=r"cannot be read again from its data \[.*corpus.txt'\]: data path .* does "
                                          r"not exist; pass the held-out text \(--text FILE\)"):
