@@ -183,8 +183,10 @@ def _load(args, device, directory: bool, text: str | None):
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
                                                                    (run.validation_text(), "validation split")), run)
     from ..hf.directory import load_directory
+    from ..progress import redraws_in_place, transformers_bars
 
-    model, tokenizer = load_directory(args.checkpoint, device)
+    with transformers_bars(redraws_in_place()):  # (its "Loading weights" bar: not in a log)
+        model, tokenizer = load_directory(args.checkpoint, device)
     _default_window(args, model)
     if text is None:  # (said: an export of a run on other data was measured on other text, without a word)
         print("attnres eval: held-out text: the built-in corpus's validation split, not the data the model was "

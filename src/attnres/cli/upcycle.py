@@ -36,6 +36,7 @@ def run_upcycle(args) -> int:
     checked before the model loads (a large GGUF takes minutes to de-quantise)."""
     from ..hf.upcycle.io import upcycle_directory
     from ..nn.residual import residual_class
+    from ..progress import redraws_in_place, transformers_bars
     from ..shell_words import shell_path
     from .common import attnres_command
 
@@ -50,8 +51,9 @@ def run_upcycle(args) -> int:
     if args.block_size is not None and args.residual != "attnres_block":
         raise SystemExit(f"attnres upcycle: error: --block-size is Block AttnRes' S; --residual {args.residual} "
                          "takes none (use --residual attnres_block, the default)")
-    try:
-        out = upcycle_directory(args.model, args.out, residual, args.block_size, not args.no_exact_eps)
+    try:  # (transformers' "Loading weights" and "Writing model shards" bars: not in a log)
+        with transformers_bars(redraws_in_place()):
+            out = upcycle_directory(args.model, args.out, residual, args.block_size, not args.no_exact_eps)
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres upcycle: error: {e}") from None
     print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
