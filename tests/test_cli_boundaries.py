@@ -523,6 +523,56 @@ def test_eval_refuses_a_window_shorter_than_a_cloze_choice_before_any_work(run_d
     assert 0 <= json.loads(out.read_text())["lm_eval"]["attnres_cloze"]["acc,none"] <= 1
 
 
+def test_eval_names_a_capped_default_window_not_a_seq_len_the_user_gave(run_dir, tmp_path, monkeypatch, capsys):
+    """A model of a long context evaluated without --seq-len gets windows of MAX_DEFAULT_WINDOW
+    (2048); a cloze choice longer than that was refused as "--seq-len 2048", an option never
+    given. The refusal names the default window and the cap, and still offers a longer
+    --seq-len, which the model's context holds."""
+    pytest.importorskip("lm_eval")
+    import attnres.cli.eval as eval_cli
+    from attnres.hf.evaluate import local_task_data, longest_cloze_choice
+    from attnres.inference import load_run, load_tokenizer
+    from attnres.models.factory import context_limit
+
+    text = write_corpus(tmp_path / "held-out.txt", n_lines=40, seed=2)
+    items = local_task_data(text.read_text())[1][:3]
+    run = load_run(run_dir)
+    longest, context = longest_cloze_choice(items, load_tokenizer(run)), context_limit(run.model)
+    assert longest <= context  # (the cap below the context, as 2048 below a long model's)
+    monkeypatch.setattr(eval_cli, "MAX_DEFAULT_WINDOW", longest - 1)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["eval", str(run_dir), "--text", str(text), "--limit", "3", "--out", str(tmp_path / "eval.json"),
+                  "--device", "cpu"])
+    assert str(info.value) == (f"attnres eval: error: the default window of {longest - 1} tokens (the model's context "
+                               f"of {context}, capped; --seq-len to change): attnres_cloze's longest choice takes "
+                               f"{longest} tokens, and lm-eval reads each choice whole inside its window: give "
+                               f"--seq-len {longest} or more, or --tasks attnres_ppl (the cloze task left out)")
+
+
+@pytest.mark.parametrize("given, context, named, offered", [
+    (True, "long", "--seq-len {w}", True), (False, "long", "the default window of {w} tokens (the model's context "
+                                             "of 4096, capped; --seq-len to change)", True),
+    (False, "the window", "the model's context of {w} tokens", False),
+    (True, "the window", "--seq-len {w}", False)])  # (a --seq-len past the context is refused: not offered)
+def test_a_window_shorter_than_a_cloze_choice_is_named_as_it_was_set(given, context, named, offered, tmp_path):
+    """The window is named as it was set - the --seq-len given, the default capped below the
+    model's context, or that context - and a longer --seq-len is offered where the context
+    holds the choice."""
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf.evaluate import check_local_tasks, local_task_data, longest_cloze_choice
+
+    text = write_corpus(tmp_path / "held-out.txt", n_lines=40, seed=2).read_text()
+    longest = longest_cloze_choice(local_task_data(text)[1], ByteTokenizer())
+    w = longest - 1
+    context = 4096 if context == "long" else w
+    with pytest.raises(ValueError) as info:
+        check_local_tasks(text, ["attnres_cloze"], None, ByteTokenizer(), w, seq_len_given=given, context=context)
+    more = f"give --seq-len {longest} or more, or " if offered else ""
+    assert str(info.value) == (f"{named.format(w=w)}: attnres_cloze's longest choice takes {longest} tokens, and "
+                               f"lm-eval reads each choice whole inside its window: {more}--tasks attnres_ppl (the "
+                               "cloze task left out)")
+
+
 def test_eval_prints_each_metric_by_its_name_and_keeps_the_harness_s_keys(run_dir, tmp_path, monkeypatch, capsys):
     """`attnres eval` printed lm-eval's keys with their filter suffix ('word_perplexity,none
     3.4e10'); it prints the metric's name, with the filter where it is not lm-eval's default

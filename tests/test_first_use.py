@@ -1190,3 +1190,21 @@ def test_perplexity_of_short_windows_is_batched_and_shows_progress(finished_run,
         got = perplexity(run.model, tok, text, seq_len, progress=True)
         assert got["tokens"] == len(ids) - 1 and got["loss"] == pytest.approx(total / (len(ids) - 1), rel=1e-5)
         assert f"{len(ids) - 1}/{len(ids) - 1}" in capsys.readouterr().err  # the bar reached the end
+
+
+def test_generate_names_the_transformers_directory_it_loaded(tmp_path, capsys):
+    """attnres generate DIR (a transformers directory) said nothing on stderr of what it
+    loaded, where a checkpoint gets a line: the directory gets one, with its model's class."""
+    pytest.importorskip("transformers")
+    from fixtures.tiny_families import tiny_model
+
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf.export import make_hf_tokenizer
+
+    tiny_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    capsys.readouterr()
+    assert cli_main(["generate", str(tmp_path / "llama"), "--prompt", "the", "--max-new-tokens", "2",
+                     "--device", "cpu"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (f"attnres generate: transformers directory "
+                                                       f"{tmp_path / 'llama'} (LlamaForCausalLM)")

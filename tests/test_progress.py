@@ -157,3 +157,54 @@ def test_a_jupyter_notebook_gets_a_bar_not_lines():
     p.mark(val_loss="5.9000")
     p.close()
     assert p.bar is None and "step 5/10" not in cell.getvalue() and "5/10" in cell.getvalue()
+
+
+def _tiny_llama_directory(path: Path) -> Path:
+    from fixtures.tiny_families import tiny_model
+
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf.export import make_hf_tokenizer
+
+    tiny_model("llama", vocab_size=256).save_pretrained(path)
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(path)
+    return path
+
+
+def _transformers_command(name: str, llama: Path, tmp_path: Path) -> list[str]:
+    text = tmp_path / "held_out.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 8)
+    return {"generate": ["generate", str(llama), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"],
+            "eval": ["eval", str(llama), "--tasks", "none", "--text", str(text), "--device", "cpu",
+                     "--out", str(tmp_path / "results.json")],
+            "upcycle": ["upcycle", "--model", str(llama), "--out", str(tmp_path / "up")]}[name]
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "upcycle"])
+@pytest.mark.parametrize("user_had_them", [True, False])
+def test_transformers_bars_follow_ours_and_the_users_setting_is_kept(command, user_had_them, tmp_path, capsys):
+    """`attnres generate/eval/upcycle DIR` in a log printed transformers' own "Loading weights"
+    (and upcycle's "Writing model shards") bars, carriage-return redraws our bars avoid there.
+    Away from a terminal they are off; on one they show; after the command, transformers'
+    setting is the one a Python caller had."""
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    from attnres.cli import main as cli_main
+
+    llama = _tiny_llama_directory(tmp_path / "llama")
+    capsys.readouterr()
+    (hf_logging.enable_progress_bar if user_had_them else hf_logging.disable_progress_bar)()
+    try:
+        assert cli_main(_transformers_command(command, llama, tmp_path)) == 0
+        err = capsys.readouterr().err
+        assert "Loading weights" not in err and "Writing model shards" not in err, err
+        assert hf_logging.is_progress_bar_enabled() == user_had_them
+        if user_had_them:  # on a terminal: shown, as ours are
+            with pytest.MonkeyPatch.context() as patch:
+                terminal = Terminal()
+                patch.setattr("sys.stderr", terminal)
+                assert cli_main(_transformers_command(command, llama, tmp_path)) == 0
+            assert "Loading weights" in terminal.getvalue(), terminal.getvalue()
+            assert hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()

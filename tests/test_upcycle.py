@@ -482,6 +482,45 @@ def test_other_registered_variants_wrap_the_same_modules():
             assert max_rel(up(x).logits, want(x).logits) <= 1e-6, kind
 
 
+def test_each_built_in_residual_says_whether_it_upcycles_exactly():
+    """``upcycles_exactly``, which `attnres upcycle`'s note reads, is what an upcycle computes."""
+    from attnres.nn.residual import registered_residuals, residual_class
+
+    base = base_model("llama")
+    x = ids()
+    with torch.no_grad():
+        for kind in filter(lambda k: residual_class(k).builtin(), registered_residuals()):
+            exact = max_rel(upcycle(base, kind)(x).logits, base(x).logits) <= 1e-5
+            assert residual_class(kind).upcycles_exactly is exact, kind
+
+
+@pytest.mark.parametrize("kind, note", [
+    ("attnres_block", None),
+    ("rezero", "starts from its own init, not as the pretrained function: the upcycled model's logits differ from the "
+               "original's, and its greedy text may too, until it is fine-tuned"),
+    ("unsaid", "may not start as the pretrained function (its class does not set upcycles_exactly): compare the "
+               "upcycled model's greedy text with the original's (attnres generate --temperature 0)")])
+def test_upcycle_notes_a_residual_that_does_not_start_as_the_pretrained_function(kind, note, tmp_path, capsys):
+    """`attnres upcycle --residual rezero` (a baseline from its paper's init) printed only "wrote
+    OUT", as an AttnRes upcycle, which is the pretrained function: nothing said the model's text
+    would differ. A line says so first, and which residuals upcycle exactly; a residual of one's
+    own that does not say (``GammaResidual``) is told to compare."""
+    from attnres.cli import main as cli_main
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf.export import make_hf_tokenizer
+
+    tiny_model("llama", vocab_size=256).save_pretrained(tmp_path / "src")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "src")
+    given = ["gamma_test", "--residual-option", "gamma=1"] if kind == "unsaid" else [kind]
+    assert cli_main(["upcycle", "--model", str(tmp_path / "src"), "--out", str(tmp_path / "up"), "--residual",
+                     *given]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.startswith("attnres upcycle: wrote ") for line in lines] == [False] * (note is not None) + [True]
+    if note is not None:
+        assert lines[0] == (f"attnres upcycle: note: --residual {given[0]} {note}; exact upcycles: standard, attnres_full, "
+                            "attnres_block, denseformer")
+
+
 def test_unsupported_layouts_are_refused_with_the_reason():
     olmo2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("olmo2", **TINY_COMMON))
     with pytest.raises(ValueError, match="post-norm layout"):

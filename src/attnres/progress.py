@@ -3,12 +3,14 @@
 Long work shows a bar on stderr (a training run's steps, a grid's runs, tokenising a
 corpus); a bar is a convenience, so without ``tqdm`` the work runs silently. A training
 run's steps (:class:`StepProgress`) are shown as plain lines away from a terminal.
+transformers' own bars follow ours in a command (:func:`transformers_bars`).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 
 
 def progress_bar(enabled: bool = True, **kwargs):
@@ -120,6 +122,38 @@ class StepProgress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def redraws_in_place(stream=None) -> bool:
+    """Whether a bar on ``stream`` (stderr by default) is redrawn in place: a terminal or a
+    Jupyter cell, not a log file, where each redraw stays."""
+    stream = sys.stderr if stream is None else stream
+    return _in_notebook(stream) or _is_terminal(stream)
+
+
+@contextmanager
+def transformers_bars(shown: bool):
+    """transformers' own bars ("Loading weights", "Writing model shards", a Hub download's)
+    off inside the block unless ``shown``; the setting before it is restored after, as a
+    Python caller of a command had it. ``HF_HUB_DISABLE_PROGRESS_BARS`` set either way is the
+    user's choice, and left to rule."""
+    import huggingface_hub.utils.tqdm  # noqa: F401 (the module; as an attribute of huggingface_hub.utils, the class)
+
+    hub = sys.modules["huggingface_hub.utils.tqdm"]
+    if shown or hub.HF_HUB_DISABLE_PROGRESS_BARS is not None:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was, groups = hf_logging.is_progress_bar_enabled(), dict(hub.progress_bar_states)
+    hf_logging.disable_progress_bar()  # (and the Hub's)
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+        hub.progress_bar_states.clear()  # (the Hub's per-group settings, which either call cleared)
+        hub.progress_bar_states.update(groups)
 
 
 def _in_notebook(stream) -> bool:

@@ -183,8 +183,10 @@ def _load(args, device, directory: bool, text: str | None):
         return (run.model, load_tokenizer(run, args.tokenizer), *((text, None) if text is not None else
                                                                    (run.validation_text(), "validation split")), run)
     from ..hf.directory import load_directory
+    from ..progress import redraws_in_place, transformers_bars
 
-    model, tokenizer = load_directory(args.checkpoint, device)
+    with transformers_bars(redraws_in_place()):  # (its "Loading weights" bar: not in a log)
+        model, tokenizer = load_directory(args.checkpoint, device)
     _default_window(args, model)
     if text is None:  # (said: an export of a run on other data was measured on other text, without a word)
         print("attnres eval: held-out text: the built-in corpus's validation split, not the data the model was "
@@ -407,6 +409,7 @@ def run_eval(args) -> int:
         local = args.checkpoint = local_folder(args.checkpoint, "CHECKPOINT")
         directory = is_hf_directory(args.checkpoint)
         _check_against_config(args, directory)  # (before the weights: minutes of an upcycled model's)
+        seq_len_given = args.seq_len is not None  # (_load sets the default's cap in its place)
         model, tokenizer, text, text_name, run = _load(args, device, directory, text)
         model.to(getattr(torch, args.dtype))
         if tasks and directory:  # (an export of a run's checkpoint starts them with its own line break)
@@ -414,7 +417,7 @@ def run_eval(args) -> int:
         if any(task in LOCAL_TASKS for task in tasks):
             # (refused before the perplexity pass, not lost to it; the window is the harness's max_length)
             check_local_tasks(text, tasks, args.num_fewshot, tokenizer, args.seq_len or context_limit(model),
-                              seq_len_given=args.seq_len is not None, limit=args.limit)
+                              seq_len_given=seq_len_given, limit=args.limit, context=context_limit(model))
         results = {"checkpoint": source if source != local else str(Path(args.checkpoint).resolve()),
                    "step": None if run is None else run.state.get("step"),
                    # (absolute, as the checkpoint: the file a relative --text named, read from elsewhere)

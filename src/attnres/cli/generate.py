@@ -179,9 +179,13 @@ def _load(args):
         if args.tokenizer is not None:
             raise ValueError("--tokenizer: a transformers directory generates with its own tokenizer; omit it")
         from ..hf.directory import load_directory
+        from ..progress import redraws_in_place, transformers_bars
 
         _transformers_decode_only(args, f"{args.checkpoint!r} is a transformers directory")
-        model, text = load_directory(args.checkpoint, pick_device(args.device))
+        with transformers_bars(redraws_in_place()):  # (its "Loading weights" bar: not in a log)
+            model, text = load_directory(args.checkpoint, pick_device(args.device))
+        # (which model: as a checkpoint's line says which checkpoint; a Hub id's, its folder in the cache)
+        print(f"attnres generate: transformers directory {args.checkpoint} ({type(model).__name__})", file=sys.stderr)
         stops, source, chat = text.stop_ids, args.checkpoint, {}
     else:
         run = load_run(args.checkpoint, pick_device(args.device))

@@ -36,6 +36,7 @@ def run_upcycle(args) -> int:
     checked before the model loads (a large GGUF takes minutes to de-quantise)."""
     from ..hf.upcycle.io import upcycle_directory
     from ..nn.residual import residual_class
+    from ..progress import redraws_in_place, transformers_bars
     from ..shell_words import shell_path
     from .common import attnres_command
 
@@ -50,13 +51,37 @@ def run_upcycle(args) -> int:
     if args.block_size is not None and args.residual != "attnres_block":
         raise SystemExit(f"attnres upcycle: error: --block-size is Block AttnRes' S; --residual {args.residual} "
                          "takes none (use --residual attnres_block, the default)")
-    try:
-        out = upcycle_directory(args.model, args.out, residual, args.block_size, not args.no_exact_eps)
+    _note_inexact(args.residual)
+    try:  # (transformers' "Loading weights" and "Writing model shards" bars: not in a log)
+        with transformers_bars(redraws_in_place()):
+            out = upcycle_directory(args.model, args.out, residual, args.block_size, not args.no_exact_eps)
     except (ValueError, OSError) as e:
         raise SystemExit(f"attnres upcycle: error: {e}") from None
     print(f"attnres upcycle: wrote {out} ({args.residual}); continue training with "
           f"`{attnres_command(args.residual)} train model.from_hf={shell_path(out)} init_from={shell_path(out)} ...`")
     return 0
+
+
+def _note_inexact(kind: str) -> None:
+    """Say so, before the work, where residual ``kind`` does not start as the pretrained function
+    (its ``upcycles_exactly``), as the AttnRes residuals do: a baseline's upcycle is a start for
+    fine-tuning, not the original model with another residual."""
+    from ..nn.residual import registered_residuals, residual_class
+
+    cls = residual_class(kind)
+    # (a user's subclass of an exact variant changes its function, most often: its own word, not the inherited one)
+    exact = cls.upcycles_exactly if cls.builtin() else vars(cls).get("upcycles_exactly")
+    if exact:
+        return
+    alike = ", ".join(k for k in registered_residuals()
+                      if residual_class(k).builtin() and residual_class(k).upcycles_exactly)
+    if exact is False:
+        said = ("starts from its own init, not as the pretrained function: the upcycled model's logits differ from "
+                "the original's, and its greedy text may too, until it is fine-tuned")
+    else:  # (a residual of the user's own that does not say)
+        said = ("may not start as the pretrained function (its class does not set upcycles_exactly): compare the "
+                "upcycled model's greedy text with the original's (attnres generate --temperature 0)")
+    print(f"attnres upcycle: note: --residual {kind} {said}; exact upcycles: {alike}")
 
 
 def _residual_options(kind: str, given: list[str]) -> dict:

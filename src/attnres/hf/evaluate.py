@@ -199,15 +199,17 @@ def longest_cloze_choice(items: list[dict], tokenizer) -> int:
 
 def check_local_tasks(text: str, tasks: list[str], num_fewshot: int | None, tokenizer=None,
                       window: int | None = None, seq_len_given: bool = True,
-                      limit: int | float | None = None) -> None:
+                      limit: int | float | None = None, context: int | None = None) -> None:
     """Refuse, before any evaluation, held-out text the local tasks among ``tasks`` cannot be
     built from (:func:`local_task_data`), and a ``num_fewshot`` that ``attnres_cloze`` cannot
     give: the harness draws each item's solved examples from its other items, and ran out of
     them with "Sample larger than population or is negative" after the perplexity pass.
     With ``tokenizer`` and the harness's ``window`` (its ``max_length``: ``--seq-len`` where
-    ``seq_len_given``, else the model's context), a window shorter than a cloze choice is
-    refused too: the harness reads a choice whole, and stopped on a bare ``AssertionError``. Of
-    the items it reads: the first ``limit`` (``--limit``: a count, or a fraction of them)."""
+    ``seq_len_given``, else the default: the model's ``context``, or a cap below it), a window
+    shorter than a cloze choice is refused too: the harness reads a choice whole, and stopped on
+    a bare ``AssertionError``; the message names the window as it was set, and offers a longer
+    ``--seq-len`` where the model's context holds the choice. Of the items it reads: the first
+    ``limit`` (``--limit``: a count, or a fraction of them)."""
     _, items = local_task_data(text)
     if "attnres_cloze" in tasks and num_fewshot is not None and num_fewshot >= len(items):
         raise ValueError(f"--num-fewshot {num_fewshot}: attnres_cloze has {len(items)} items built from the held-out "
@@ -217,8 +219,12 @@ def check_local_tasks(text: str, tasks: list[str], num_fewshot: int | None, toke
         read = None if limit is None else int(limit) if limit >= 1 else math.ceil(len(items) * limit)
         longest = longest_cloze_choice(items[:read], tokenizer)
         if longest > window:
-            what = f"--seq-len {window}" if seq_len_given else f"the model's context of {window} tokens"
-            more = f"give --seq-len {longest} or more, or " if seq_len_given else ""
+            capped = not seq_len_given and context is not None and window < context
+            what = (f"--seq-len {window}" if seq_len_given else f"the default window of {window} tokens (the model's "
+                    f"context of {context}, capped; --seq-len to change)" if capped
+                    else f"the model's context of {window} tokens")
+            fits = longest <= context if context is not None else seq_len_given
+            more = f"give --seq-len {longest} or more, or " if fits else ""
             raise ValueError(f"{what}: attnres_cloze's longest choice takes {longest} tokens, and lm-eval reads each "
                              f"choice whole inside its window: {more}--tasks attnres_ppl (the cloze task left out)")
 

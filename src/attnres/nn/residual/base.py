@@ -129,6 +129,10 @@ class ResidualStream(nn.Module, ABC):
     name: ClassVar[str] = ""
     #: Whether the variant computes depth-attention weights (``record_weights`` is ignored otherwise).
     has_depth_attention: ClassVar[bool] = False
+    #: Whether a pretrained model upcycled with the variant (:func:`attnres.upcycle`) computes the
+    #: pretrained function at conversion, up to rounding: ``True``, ``False`` (it starts from its
+    #: own init, and its text differs until fine-tuned), ``None`` where the class does not say.
+    upcycles_exactly: ClassVar[bool | None] = None
     #: ``ResidualConfig.autocast_stream`` (set by :func:`attnres.nn.residual.build_residual`):
     #: under autocast, ``start`` and ``resume`` store the stream in the autocast dtype.
     autocast_stream: bool = False

@@ -93,6 +93,8 @@ class _Builtin:
 class ReZero(_Builtin, SingleStreamResidual):
     """``h_{l+1} = h_l + alpha_l f_l(h_l)``, ``alpha_l`` a scalar initialised to 0."""
 
+    upcycles_exactly = False  # (alpha = 0: the sublayers' outputs are dropped at the start)
+
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__(dim, n_sublayers)
         self.alpha = nn.Parameter(torch.zeros(n_sublayers))
@@ -125,6 +127,8 @@ def layerscale_init(n_layers: int) -> float:
 class LayerScale(_Builtin, SingleStreamResidual):
     """``h_{l+1} = h_l + diag(lambda_l) f_l(h_l)``; one ``[d]`` vector per sublayer."""
 
+    upcycles_exactly = False  # (lambda small: the sublayers' outputs scaled down at the start)
+
     def __init__(self, dim: int, n_sublayers: int, init: float | None = None) -> None:
         super().__init__(dim, n_sublayers)
         self.init_value = layerscale_init(math.ceil(n_sublayers / 2)) if init is None else init
@@ -156,6 +160,8 @@ class Highway(_Builtin, SingleStreamResidual):
     The gate is computed from the sublayer's input ``h_l`` (element-wise, ``d x d`` weights
     per sublayer); ``b_l`` starts at ``gate_bias`` (negative: carry first).
     """
+
+    upcycles_exactly = False  # (a gate that mixes h_l and f_l(h_l), not their sum)
 
     def __init__(self, dim: int, n_sublayers: int, gate_bias: float = -1.0, init_std: float = 0.02) -> None:
         super().__init__(dim, n_sublayers)
@@ -215,6 +221,8 @@ class DenseFormer(_Builtin, ResidualStream):
     ``sum_{j=0}^{i} alpha_{i,j} Y_j`` over the embedding ``Y_0`` and the block outputs
     ``Y_1 .. Y_i``; ``alpha_{i,i} = 1`` and all others 0 at init.
     """
+
+    upcycles_exactly = True  # (alpha_{i,i} = 1, the rest 0: the standard residual at the start)
 
     def __init__(self, dim: int, n_sublayers: int) -> None:
         super().__init__(dim, n_sublayers)
@@ -297,6 +305,8 @@ class _MultiStream(_Builtin, ResidualStream):
     """``m`` residual streams ``H [..., m, d]``; subclasses give the read-in weights
     ``pre [..., m]``, the write-out weights ``post [..., m]`` and the stream mixing
     ``res [..., m, m]`` (``res[i, j]``: weight of old stream ``j`` in new stream ``i``)."""
+
+    upcycles_exactly = False  # (m equal streams: the final norm reads their sum, its epsilon in effect / m^2)
 
     def __init__(self, dim: int, n_sublayers: int, n_streams: int) -> None:
         super().__init__(dim, n_sublayers)

@@ -70,6 +70,8 @@ class SingleStreamResidual(ResidualStream):
 class StandardResidual(SingleStreamResidual):
     """PreNorm residual: the input of sublayer ``l`` is ``v_0 + v_1 + ... + v_l``."""
 
+    upcycles_exactly = True  # (the pretrained models' own residual)
+
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
         super().check_config(config, dim, n_sublayers)
