@@ -799,38 +799,6 @@ def test_tokenizer_export_keeps_ids(tmp_path):
         assert loaded.eos_token is None and loaded.pad_token is None and loaded.all_special_ids == []
 
 
-def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
-    """In a fresh process, ``import attnres.hf`` is all ``AutoModelForCausalLM`` /
-    ``AutoModel.from_pretrained`` need for a saved directory (no ``trust_remote_code``)."""
-    native = native_model(residual="attnres_block")
-    hf = AttnResForCausalLM.from_native(native)
-    hf.save_pretrained(tmp_path)
-    assert (tmp_path / "model.safetensors").is_file()
-    ids = torch.randint(0, native.config.vocab_size, (1, 10))
-    with torch.no_grad():
-        torch.save({"ids": ids, "logits": native(ids).logits}, tmp_path / "ref.pt")
-    script = (
-        "import sys, torch, attnres.hf\n"
-        "from transformers import AutoModel, AutoModelForCausalLM\n"
-        "d = sys.argv[1]; ref = torch.load(d + '/ref.pt')\n"
-        "m = AutoModelForCausalLM.from_pretrained(d).eval()\n"
-        "assert type(m).__name__ == 'AttnResForCausalLM', type(m)\n"
-        "diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
-        "assert diff < 1e-5, diff  # another process: other thread count, other rounding\n"
-        "assert type(AutoModel.from_pretrained(d)).__name__ == 'AttnResModel'\n"
-        "e = AutoModelForCausalLM.from_pretrained(d, attn_implementation='eager').eval()\n"
-        "assert e.config._attn_implementation == 'eager'\n"
-        "assert (e(ref['ids']).logits - ref['logits']).abs().max().item() < 1e-5\n"
-        "assert e.layers[0].attn.implementation == 'eager'\n"
-        "print('ok')\n"
-    )
-    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120,
-                         stdin=subprocess.DEVNULL)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-2000:]
-    assert "custom code" not in run.stderr  # the auto_map the directory also has: neither a prompt nor a warning
-
-
 def _fresh_process(script: str, *args, modules, PYTHONPATH: str = SRC) -> subprocess.CompletedProcess:
     """``script`` in an interpreter that has not imported attnres (stdin closed: transformers'
     trust_remote_code question is answered at once), transformers' module cache in ``modules``."""
@@ -1307,10 +1275,20 @@ def test_a_cloze_item_is_never_among_its_own_solved_examples(tmp_path):
             assert solved not in task.fewshot_context(item, num_fewshot=shots), (shots, item["context"])
 
 
-def test_importing_attnres_installs_no_import_hook_and_registers_nothing():
-    """``import attnres`` leaves ``sys.meta_path`` as it was and does not touch transformers:
+def test_importing_attnres_registers_nothing_and_attnres_hf_is_all_the_auto_classes_need(tmp_path):
+    """In a fresh process (one for both checks: starting one costs more than the checks),
+    ``import attnres`` leaves ``sys.meta_path`` as it was and does not touch transformers:
     importing transformers afterwards knows no AttnRes model type until ``attnres.hf`` is
-    imported (or ``attnres.hf.register()`` is called), which registers them all."""
+    imported (or ``attnres.hf.register()`` is called), which registers them all. Then
+    ``import attnres.hf`` is all ``AutoModelForCausalLM`` / ``AutoModel.from_pretrained``
+    need for a saved directory (no ``trust_remote_code``)."""
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native)
+    hf.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    ids = torch.randint(0, native.config.vocab_size, (1, 10))
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": native(ids).logits}, tmp_path / "ref.pt")
     script = (
         "import sys\n"
         "before = list(sys.meta_path)\n"
@@ -1323,11 +1301,25 @@ def test_importing_attnres_installs_no_import_hook_and_registers_nothing():
         "import attnres.hf\n"
         "assert not [f for f in sys.meta_path if type(f).__module__.startswith('attnres')]  # transformers adds its own\n"
         "assert 'attnres' in CONFIG_MAPPING and 'attnres_llama' in CONFIG_MAPPING\n"
+        "import torch\n"
+        "from transformers import AutoModel, AutoModelForCausalLM\n"
+        "d = sys.argv[1]; ref = torch.load(d + '/ref.pt')\n"
+        "m = AutoModelForCausalLM.from_pretrained(d).eval()\n"
+        "assert type(m).__name__ == 'AttnResForCausalLM', type(m)\n"
+        "diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
+        "assert diff < 1e-5, diff  # another process: other thread count, other rounding\n"
+        "assert type(AutoModel.from_pretrained(d)).__name__ == 'AttnResModel'\n"
+        "e = AutoModelForCausalLM.from_pretrained(d, attn_implementation='eager').eval()\n"
+        "assert e.config._attn_implementation == 'eager'\n"
+        "assert (e(ref['ids']).logits - ref['logits']).abs().max().item() < 1e-5\n"
+        "assert e.layers[0].attn.implementation == 'eager'\n"
         "print('ok')\n"
     )
     env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-2000:]
+    assert "custom code" not in run.stderr  # the auto_map the directory also has: neither a prompt nor a warning
 
 
 def test_import_attnres_without_transformers(tmp_path):
