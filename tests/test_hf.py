@@ -827,9 +827,22 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
             ids = torch.randint(0, VOCAB, (1, 9))
             model.eval().save_pretrained(tmp_path / name)
             torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / name / "ref.pt")
+    # One process for every check (starting one costs more than the checks): first attnres not
+    # installed - transformers' own check of the module file's imports names it - then the
+    # finder that hides it is taken away, and the process has still not imported attnres.
     script = (
-        "import sys, torch\n"
+        "import sys, importlib.abc, torch\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] == 'attnres': raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Hide())\n"
         "from transformers import AutoModelForCausalLM\n"
+        "try:\n"
+        "    AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True)\n"
+        "    raise SystemExit('loaded without attnres')\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+        "del sys.meta_path[0]\n"
         "for d in sys.argv[1:]:\n"
         "    try:\n"
         "        AutoModelForCausalLM.from_pretrained(d)\n"
@@ -849,24 +862,12 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
     dirs = [tmp_path / name for name in models]
     run = _fresh_process(script, *dirs, modules=tmp_path / "modules")
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
+    assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
     for d in dirs:  # saved again from the class the module file gave: the same files, the same auto_map
         again = tmp_path / f"{d.name}-again"
         assert sorted(p.name for p in again.glob("*.py")) == ["attnres_classes.py"]
         auto_map = json.loads((d / "config.json").read_text())["auto_map"]
         assert json.loads((again / "config.json").read_text())["auto_map"] == auto_map
-    # attnres not installed: transformers' own check of the module file's imports names it
-    hide = ("import sys, importlib.abc\n"
-            "class Hide(importlib.abc.MetaPathFinder):\n"
-            "    def find_spec(self, name, path, target=None):\n"
-            "        if name.split('.')[0] == 'attnres': raise ModuleNotFoundError(f'No module named {name!r}')\n"
-            "sys.meta_path.insert(0, Hide())\n"
-            "from transformers import AutoModelForCausalLM\n"
-            "try:\n"
-            "    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
-            "except ImportError as e:\n"
-            "    print(e)\n")
-    run = _fresh_process(hide, dirs[1], modules=tmp_path / "modules")
-    assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
 
 
 #: A user's module registering a residual of their own (README, "Bring your own residual").
