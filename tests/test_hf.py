@@ -799,10 +799,10 @@ def test_tokenizer_export_keeps_ids(tmp_path):
         assert loaded.eos_token is None and loaded.pad_token is None and loaded.all_special_ids == []
 
 
-def _fresh_process(script: str, *args, modules, PYTHONPATH: str = SRC) -> subprocess.CompletedProcess:
+def _fresh_process(script: str, *args, modules) -> subprocess.CompletedProcess:
     """``script`` in an interpreter that has not imported attnres (stdin closed: transformers'
     trust_remote_code question is answered at once), transformers' module cache in ``modules``."""
-    env = {"PYTHONPATH": PYTHONPATH, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
+    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
     return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=180, stdin=subprocess.DEVNULL)
 
@@ -939,27 +939,35 @@ def test_an_export_and_an_upcycle_of_a_residual_of_the_user_s_own_load_in_a_fres
         assert not {NATIVE_KEY, FAMILY_KEY} & set(json.loads((tmp_path / "builtin" / "config.json").read_text()))
         assert "import_residual_module" not in (tmp_path / "builtin" / "attnres_classes.py").read_text()
 
-    load = ("import sys, torch\n"
+    # One process for both (starting one costs more than the checks): without the user's folder
+    # on sys.path each directory names the module it cannot import; with it, each loads.
+    load = ("import importlib, sys, torch\n"
             "from transformers import AutoModelForCausalLM\n"
-            "for d in sys.argv[1:]:\n"
-            "    try:\n"
-            "        m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()\n"
-            "    except ImportError as e:\n"
-            "        print(e)\n"
-            "        continue\n"
-            "    ref = torch.load(d + '/ref.pt')\n"
-            "    diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
-            "    assert diff < 1e-5, (d, diff)  # another process: other thread count, other rounding\n"
-            "    print('loaded', type(m).__name__)\n")
+            "def load_each():\n"
+            "    for d in sys.argv[2:]:\n"
+            "        try:\n"
+            "            m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()\n"
+            "        except ImportError as e:\n"
+            "            print(e)\n"
+            "            continue\n"
+            "        ref = torch.load(d + '/ref.pt')\n"
+            "        diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
+            "        assert diff < 1e-5, (d, diff)  # another process: other thread count, other rounding\n"
+            "        print('loaded', type(m).__name__)\n"
+            "load_each()\n"
+            "print('-- the user folder on sys.path --')\n"
+            "sys.path.append(sys.argv[1])\n"
+            "importlib.invalidate_caches()\n"
+            "load_each()\n")
     paths = [tmp_path / name for name in dirs]
-    found = _fresh_process(load, *paths, modules=tmp_path / "modules", PYTHONPATH=f"{SRC}:{user}")
-    assert found.stdout.splitlines() == ["loaded AttnResForCausalLM", "loaded AttnResLlamaForCausalLM"], (
-        found.stdout[-2000:] + found.stderr[-3000:])
-    missing = _fresh_process(load, *paths, modules=tmp_path / "modules")
-    assert missing.stdout.splitlines() == [
+    run = _fresh_process(load, user, *paths, modules=tmp_path / "modules")
+    missing, _, found = run.stdout.partition("-- the user folder on sys.path --\n")
+    assert missing.splitlines() == [
         f"residual 'scaled_byo' is registered by module 'byo_residuals' (config.json's {key}), which cannot be "
         "imported here (No module named 'byo_residuals'): put the folder that holds it on PYTHONPATH, or pip install "
-        "the package that has it" for key in dirs.values()], missing.stdout[-2000:] + missing.stderr[-3000:]
+        "the package that has it" for key in dirs.values()], run.stdout[-2000:] + run.stderr[-3000:]
+    assert found.splitlines() == ["loaded AttnResForCausalLM", "loaded AttnResLlamaForCausalLM"], (
+        run.stdout[-2000:] + run.stderr[-3000:])
     # Where attnres.hf is imported, its classes load the directory, and nothing is imported for it:
     from attnres.nn.residual import registry
 
