@@ -475,6 +475,7 @@ def test_a_rerun_that_trains_nothing_keeps_the_overhead_measurement(corpus, tmp_
                "--overhead-repeats", "1"]
     stored = tmp_path / "overhead.json"
     assert cli_main(command) == 0 and measured == [1]  # trained: measured
+    figures_not_drawn(monkeypatch)  # (the runs' figures are drawn: the re-runs' reports need not draw them again)
     first = stored.read_text()
     capsys.readouterr()
     assert cli_main(command) == 0 and measured == [1]  # nothing trained: kept, as it was
@@ -969,6 +970,15 @@ def _saved_figures(monkeypatch):
     return saved
 
 
+def figures_not_drawn(monkeypatch) -> None:
+    """From here on each matplotlib figure is saved as an empty file, not drawn: for the reports
+    that a test writes again from runs whose figures it has drawn once (drawing them is most
+    of a report's time; what the figures show is test_compare_end_to_end's)."""
+    from matplotlib.figure import Figure
+
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, *args, **kwargs: Path(path).write_bytes(b""))
+
+
 def test_val_loss_plot_draws_curves_of_a_single_evaluation(tmp_path, monkeypatch):
     """A short run evaluates once: its curve is one point, which a line alone does not
     draw; every curve has visible markers."""
@@ -1054,13 +1064,14 @@ def test_report_only_takes_the_preset_from_the_experiment(corpus, tmp_path):
     assert title == "# Standard vs Block vs Full AttnRes — preset tiny"
 
 
-def test_report_only_refuses_what_it_would_ignore(corpus, tmp_path, capsys):
+def test_report_only_refuses_what_it_would_ignore(corpus, tmp_path, capsys, monkeypatch):
     """``--report-only`` with ``--seeds 0``, ``--variants block`` or ``--overhead-repeats 15``
     reported every finished run and timed nothing, and with overrides of other runs
     (``steps=3``) reported the grid's runs as if they were those; all without a word."""
     out = tmp_path / "compare"
     over = [f"data.paths=[{corpus}]", "--overhead-repeats", "0"]
     assert cli_main(["compare", "--preset", "tiny", "--out", str(out), "--seeds", "0", "1", *over]) == 0
+    figures_not_drawn(monkeypatch)  # (the grid's figures are drawn: the reports again of its runs need not draw them)
     before = (out / "report.md").read_text()
     for given, named in ((["--seeds", "0"], "--seeds"), (["--variants", "block"], "--variants"),
                          (["--overhead-repeats", "15"], "--overhead-repeats")):

@@ -262,7 +262,9 @@ def test_native_decoding_refuses_a_transformers_model():
             call()
     want = hf.generate(ids, max_new_tokens=6, do_sample=False)[:, 8:]
     assert torch.equal(generate(hf.to_native(), ids, max_new_tokens=6), want)
-    assert torch.equal(generate(torch.compile(native, backend="eager"), ids, max_new_tokens=6), want)
+    # (under torch.compile: the prefill and a cached decode step are what the check lets through; each
+    # further step's new cache length made Dynamo trace again, 5.1 CPU-s for 6 tokens against 1.8 for 2)
+    assert torch.equal(generate(torch.compile(native, backend="eager"), ids, max_new_tokens=2), want[:, :2])
 
 
 def test_stream_transformers_validates_before_running():
@@ -799,42 +801,10 @@ def test_tokenizer_export_keeps_ids(tmp_path):
         assert loaded.eos_token is None and loaded.pad_token is None and loaded.all_special_ids == []
 
 
-def test_auto_classes_load_saved_directory_in_fresh_process(tmp_path):
-    """In a fresh process, ``import attnres.hf`` is all ``AutoModelForCausalLM`` /
-    ``AutoModel.from_pretrained`` need for a saved directory (no ``trust_remote_code``)."""
-    native = native_model(residual="attnres_block")
-    hf = AttnResForCausalLM.from_native(native)
-    hf.save_pretrained(tmp_path)
-    assert (tmp_path / "model.safetensors").is_file()
-    ids = torch.randint(0, native.config.vocab_size, (1, 10))
-    with torch.no_grad():
-        torch.save({"ids": ids, "logits": native(ids).logits}, tmp_path / "ref.pt")
-    script = (
-        "import sys, torch, attnres.hf\n"
-        "from transformers import AutoModel, AutoModelForCausalLM\n"
-        "d = sys.argv[1]; ref = torch.load(d + '/ref.pt')\n"
-        "m = AutoModelForCausalLM.from_pretrained(d).eval()\n"
-        "assert type(m).__name__ == 'AttnResForCausalLM', type(m)\n"
-        "diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
-        "assert diff < 1e-5, diff  # another process: other thread count, other rounding\n"
-        "assert type(AutoModel.from_pretrained(d)).__name__ == 'AttnResModel'\n"
-        "e = AutoModelForCausalLM.from_pretrained(d, attn_implementation='eager').eval()\n"
-        "assert e.config._attn_implementation == 'eager'\n"
-        "assert (e(ref['ids']).logits - ref['logits']).abs().max().item() < 1e-5\n"
-        "assert e.layers[0].attn.implementation == 'eager'\n"
-        "print('ok')\n"
-    )
-    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120,
-                         stdin=subprocess.DEVNULL)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-2000:]
-    assert "custom code" not in run.stderr  # the auto_map the directory also has: neither a prompt nor a warning
-
-
-def _fresh_process(script: str, *args, modules, PYTHONPATH: str = SRC) -> subprocess.CompletedProcess:
+def _fresh_process(script: str, *args, modules) -> subprocess.CompletedProcess:
     """``script`` in an interpreter that has not imported attnres (stdin closed: transformers'
     trust_remote_code question is answered at once), transformers' module cache in ``modules``."""
-    env = {"PYTHONPATH": PYTHONPATH, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
+    env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_MODULES_CACHE": str(modules)}
     return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=180, stdin=subprocess.DEVNULL)
 
@@ -859,9 +829,22 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
             ids = torch.randint(0, VOCAB, (1, 9))
             model.eval().save_pretrained(tmp_path / name)
             torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / name / "ref.pt")
+    # One process for every check (starting one costs more than the checks): first attnres not
+    # installed - transformers' own check of the module file's imports names it - then the
+    # finder that hides it is taken away, and the process has still not imported attnres.
     script = (
-        "import sys, torch\n"
+        "import sys, importlib.abc, torch\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] == 'attnres': raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Hide())\n"
         "from transformers import AutoModelForCausalLM\n"
+        "try:\n"
+        "    AutoModelForCausalLM.from_pretrained(sys.argv[2], trust_remote_code=True)\n"
+        "    raise SystemExit('loaded without attnres')\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+        "del sys.meta_path[0]\n"
         "for d in sys.argv[1:]:\n"
         "    try:\n"
         "        AutoModelForCausalLM.from_pretrained(d)\n"
@@ -881,24 +864,12 @@ def test_a_saved_directory_loads_with_trust_remote_code_where_attnres_hf_was_not
     dirs = [tmp_path / name for name in models]
     run = _fresh_process(script, *dirs, modules=tmp_path / "modules")
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
+    assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
     for d in dirs:  # saved again from the class the module file gave: the same files, the same auto_map
         again = tmp_path / f"{d.name}-again"
         assert sorted(p.name for p in again.glob("*.py")) == ["attnres_classes.py"]
         auto_map = json.loads((d / "config.json").read_text())["auto_map"]
         assert json.loads((again / "config.json").read_text())["auto_map"] == auto_map
-    # attnres not installed: transformers' own check of the module file's imports names it
-    hide = ("import sys, importlib.abc\n"
-            "class Hide(importlib.abc.MetaPathFinder):\n"
-            "    def find_spec(self, name, path, target=None):\n"
-            "        if name.split('.')[0] == 'attnres': raise ModuleNotFoundError(f'No module named {name!r}')\n"
-            "sys.meta_path.insert(0, Hide())\n"
-            "from transformers import AutoModelForCausalLM\n"
-            "try:\n"
-            "    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
-            "except ImportError as e:\n"
-            "    print(e)\n")
-    run = _fresh_process(hide, dirs[1], modules=tmp_path / "modules")
-    assert "requires the following packages that were not found in your environment: attnres" in run.stdout, run.stderr
 
 
 #: A user's module registering a residual of their own (README, "Bring your own residual").
@@ -970,27 +941,35 @@ def test_an_export_and_an_upcycle_of_a_residual_of_the_user_s_own_load_in_a_fres
         assert not {NATIVE_KEY, FAMILY_KEY} & set(json.loads((tmp_path / "builtin" / "config.json").read_text()))
         assert "import_residual_module" not in (tmp_path / "builtin" / "attnres_classes.py").read_text()
 
-    load = ("import sys, torch\n"
+    # One process for both (starting one costs more than the checks): without the user's folder
+    # on sys.path each directory names the module it cannot import; with it, each loads.
+    load = ("import importlib, sys, torch\n"
             "from transformers import AutoModelForCausalLM\n"
-            "for d in sys.argv[1:]:\n"
-            "    try:\n"
-            "        m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()\n"
-            "    except ImportError as e:\n"
-            "        print(e)\n"
-            "        continue\n"
-            "    ref = torch.load(d + '/ref.pt')\n"
-            "    diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
-            "    assert diff < 1e-5, (d, diff)  # another process: other thread count, other rounding\n"
-            "    print('loaded', type(m).__name__)\n")
+            "def load_each():\n"
+            "    for d in sys.argv[2:]:\n"
+            "        try:\n"
+            "            m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()\n"
+            "        except ImportError as e:\n"
+            "            print(e)\n"
+            "            continue\n"
+            "        ref = torch.load(d + '/ref.pt')\n"
+            "        diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
+            "        assert diff < 1e-5, (d, diff)  # another process: other thread count, other rounding\n"
+            "        print('loaded', type(m).__name__)\n"
+            "load_each()\n"
+            "print('-- the user folder on sys.path --')\n"
+            "sys.path.append(sys.argv[1])\n"
+            "importlib.invalidate_caches()\n"
+            "load_each()\n")
     paths = [tmp_path / name for name in dirs]
-    found = _fresh_process(load, *paths, modules=tmp_path / "modules", PYTHONPATH=f"{SRC}:{user}")
-    assert found.stdout.splitlines() == ["loaded AttnResForCausalLM", "loaded AttnResLlamaForCausalLM"], (
-        found.stdout[-2000:] + found.stderr[-3000:])
-    missing = _fresh_process(load, *paths, modules=tmp_path / "modules")
-    assert missing.stdout.splitlines() == [
+    run = _fresh_process(load, user, *paths, modules=tmp_path / "modules")
+    missing, _, found = run.stdout.partition("-- the user folder on sys.path --\n")
+    assert missing.splitlines() == [
         f"residual 'scaled_byo' is registered by module 'byo_residuals' (config.json's {key}), which cannot be "
         "imported here (No module named 'byo_residuals'): put the folder that holds it on PYTHONPATH, or pip install "
-        "the package that has it" for key in dirs.values()], missing.stdout[-2000:] + missing.stderr[-3000:]
+        "the package that has it" for key in dirs.values()], run.stdout[-2000:] + run.stderr[-3000:]
+    assert found.splitlines() == ["loaded AttnResForCausalLM", "loaded AttnResLlamaForCausalLM"], (
+        run.stdout[-2000:] + run.stderr[-3000:])
     # Where attnres.hf is imported, its classes load the directory, and nothing is imported for it:
     from attnres.nn.residual import registry
 
@@ -1307,10 +1286,20 @@ def test_a_cloze_item_is_never_among_its_own_solved_examples(tmp_path):
             assert solved not in task.fewshot_context(item, num_fewshot=shots), (shots, item["context"])
 
 
-def test_importing_attnres_installs_no_import_hook_and_registers_nothing():
-    """``import attnres`` leaves ``sys.meta_path`` as it was and does not touch transformers:
+def test_importing_attnres_registers_nothing_and_attnres_hf_is_all_the_auto_classes_need(tmp_path):
+    """In a fresh process (one for both checks: starting one costs more than the checks),
+    ``import attnres`` leaves ``sys.meta_path`` as it was and does not touch transformers:
     importing transformers afterwards knows no AttnRes model type until ``attnres.hf`` is
-    imported (or ``attnres.hf.register()`` is called), which registers them all."""
+    imported (or ``attnres.hf.register()`` is called), which registers them all. Then
+    ``import attnres.hf`` is all ``AutoModelForCausalLM`` / ``AutoModel.from_pretrained``
+    need for a saved directory (no ``trust_remote_code``)."""
+    native = native_model(residual="attnres_block")
+    hf = AttnResForCausalLM.from_native(native)
+    hf.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    ids = torch.randint(0, native.config.vocab_size, (1, 10))
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": native(ids).logits}, tmp_path / "ref.pt")
     script = (
         "import sys\n"
         "before = list(sys.meta_path)\n"
@@ -1323,11 +1312,25 @@ def test_importing_attnres_installs_no_import_hook_and_registers_nothing():
         "import attnres.hf\n"
         "assert not [f for f in sys.meta_path if type(f).__module__.startswith('attnres')]  # transformers adds its own\n"
         "assert 'attnres' in CONFIG_MAPPING and 'attnres_llama' in CONFIG_MAPPING\n"
+        "import torch\n"
+        "from transformers import AutoModel, AutoModelForCausalLM\n"
+        "d = sys.argv[1]; ref = torch.load(d + '/ref.pt')\n"
+        "m = AutoModelForCausalLM.from_pretrained(d).eval()\n"
+        "assert type(m).__name__ == 'AttnResForCausalLM', type(m)\n"
+        "diff = (m(ref['ids']).logits - ref['logits']).abs().max().item()\n"
+        "assert diff < 1e-5, diff  # another process: other thread count, other rounding\n"
+        "assert type(AutoModel.from_pretrained(d)).__name__ == 'AttnResModel'\n"
+        "e = AutoModelForCausalLM.from_pretrained(d, attn_implementation='eager').eval()\n"
+        "assert e.config._attn_implementation == 'eager'\n"
+        "assert (e(ref['ids']).logits - ref['logits']).abs().max().item() < 1e-5\n"
+        "assert e.layers[0].attn.implementation == 'eager'\n"
         "print('ok')\n"
     )
     env = {"PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-2000:]
+    assert "custom code" not in run.stderr  # the auto_map the directory also has: neither a prompt nor a warning
 
 
 def test_import_attnres_without_transformers(tmp_path):

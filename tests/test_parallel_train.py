@@ -397,6 +397,9 @@ def test_invalid_layouts_name_the_field(root):
     with pytest.raises(ValueError, match="tie_embeddings"):
         check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(pp=2), 16, 4, 1)
     check_parallel_config(cfg.replace(tie_embeddings=True), ParallelConfig(tp=2), 16, 4, 1)  # allowed
+    with pytest.raises(ValueError, match=r"^model.residual.kind='mhc' cannot run with parallel.pp=2: residual 'mhc' "
+                                         r"does not describe its history"):
+        check_parallel_config(cfg.replace(residual="mhc"), ParallelConfig(pp=2), 16, 4, 1)
     with pytest.raises(ValueError, match=r"= 4\) must be divisible by parallel.pp_microbatches=3: set batch_size=6 \(or "
                        r"another multiple of dp x pp_microbatches = 3\), or parallel.pp_microbatches to a divisor of 4"):
         check_parallel_config(cfg, ParallelConfig(pp=2, pp_microbatches=3), 16, 4, 1)

@@ -23,11 +23,44 @@ from attnres.serve import NATIVE_ARCHITECTURE, SERVED_FAMILIES, architectures, r
 from attnres.serve.checkpoint import CheckpointMismatch, checked_weights, expected_shapes  # noqa: E402
 
 
-def test_importing_the_plugin_imports_no_vllm():
-    code = "import sys, attnres, attnres.serve, attnres.serve.families, attnres.serve.checkpoint, attnres.serve.refused; " \
-           "print('vllm' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory) -> dict:
+    """One fresh interpreter for the checks that need one (starting one costs more than the
+    checks), vLLM stood in for by a package of its two names: whether importing the plugin
+    imported vLLM, then what reading the config.json of an export whose residual's module
+    (the user's) is not imported says - before the plugin registered (``refused``) and after
+    (``refused_under_plugin``)."""
+    tmp_path = tmp_path_factory.mktemp("plugin")
+    directory = tmp_path / "export"
+    _export(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["residual"]["kind"], config["residual_module"] = "scaled_byo", "byo_residuals"
+    (directory / "config.json").write_text(json.dumps(config))
+    (tmp_path / "stub" / "vllm").mkdir(parents=True)
+    (tmp_path / "stub" / "vllm" / "__init__.py").write_text(
+        "__version__ = '0.32.0'\n\nclass ModelRegistry:\n    register_model = staticmethod(lambda name, target: None)\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    code = ("import json, sys, attnres, attnres.serve, attnres.serve.families, attnres.serve.checkpoint, "
+            "attnres.serve.refused\n"
+            "said = {'imports_vllm': 'vllm' in sys.modules}\n"
+            "import attnres.hf\n"
+            "from transformers import AutoConfig\n"
+            "def refusal():\n"
+            "    try:\n        AutoConfig.from_pretrained(sys.argv[1])\n"
+            "    except ValueError as e:\n        return str(e)\n"
+            "said['refused'] = refusal()\n"
+            "attnres.serve.register()\n"
+            "said['refused_under_plugin'] = refusal()\n"
+            "print(json.dumps(said))\n")
+    env = {"PYTHONPATH": f"{tmp_path / 'stub'}:{src}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, env=env,
+                         timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return {"directory": directory, **json.loads(run.stdout.splitlines()[-1])}
+
+
+def test_importing_the_plugin_imports_no_vllm(fresh_process):
+    assert fresh_process["imports_vllm"] is False
 
 
 def test_entry_point_is_the_register_function():
@@ -124,42 +157,22 @@ def test_register_names_what_export_and_upcycle_write(tmp_path):
         assert module.startswith("attnres.serve.") and cls == name
 
 
-def test_a_residual_of_the_users_not_imported_is_refused_saying_how_vllm_imports_it(tmp_path):
+def test_a_residual_of_the_users_not_imported_is_refused_saying_how_vllm_imports_it(fresh_process):
     """An export whose config.json names the module of a residual of the user's (not imported)
     was refused under vLLM with "import it first (`import byo_residuals` in Python, `attnres
     --import byo_residuals <command> ...`)": neither runs before vLLM reads config.json in the
     processes it starts. Under the plugin (vLLM's register; vLLM stood in for by a package of
     its two names) the refusal gives the vLLM plugin that imports it (docs/serving.md; the
     recipe served such an export on vLLM 0.32); elsewhere it says what it said."""
-    pytest.importorskip("transformers")
-    directory = tmp_path / "export"
-    _export(directory)
-    config = json.loads((directory / "config.json").read_text())
-    config["residual"]["kind"], config["residual_module"] = "scaled_byo", "byo_residuals"
-    (directory / "config.json").write_text(json.dumps(config))
-    (tmp_path / "stub" / "vllm").mkdir(parents=True)
-    (tmp_path / "stub" / "vllm" / "__init__.py").write_text(
-        "__version__ = '0.32.0'\n\nclass ModelRegistry:\n    register_model = staticmethod(lambda name, target: None)\n")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-
-    def refusal(plugin: bool) -> str:
-        code = ("import sys, attnres.hf, attnres.serve\n" + ("attnres.serve.register()\n" if plugin else "") +
-                "from transformers import AutoConfig\n"
-                "try:\n    AutoConfig.from_pretrained(sys.argv[1])\nexcept ValueError as e:\n    print(e)\n")
-        env = {"PYTHONPATH": f"{tmp_path / 'stub'}:{src}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-        run = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, env=env,
-                             timeout=180)
-        return run.stdout.strip() or run.stderr[-3000:]
-
-    said = f"{directory / 'config.json'}: residual 'scaled_byo' is not registered: module 'byo_residuals' registers it " \
-           "(config.json's residual_module); "
-    assert refusal(plugin=True) == said + (
+    said = f"{fresh_process['directory'] / 'config.json'}: residual 'scaled_byo' is not registered: module " \
+           "'byo_residuals' registers it (config.json's residual_module); "
+    assert fresh_process["refused_under_plugin"] == said + (
         "vLLM imports no module a config.json names, only its plugins, in every process it starts: make "
         "'byo_residuals' one - a function in it (`def vllm_plugin(): pass`: importing the module registers the "
         "residual) and an entry point in the pyproject.toml of the package that holds it ([project.entry-points."
         "\"vllm.general_plugins\"] byo_residuals = \"byo_residuals:vllm_plugin\"), then pip install that package "
         "(with VLLM_PLUGINS set, add byo_residuals to it); docs/serving.md")
-    assert refusal(plugin=False) == said + (
+    assert fresh_process["refused"] == said + (
         "import it first (`import byo_residuals` in Python, `attnres --import byo_residuals <command> ...`)")
 
 
