@@ -322,9 +322,10 @@ def test_eval_of_an_export_equals_eval_of_its_run(run_dir, tmp_path, capsys):
     assert not (tmp_path / "hf" / "eval.json").exists()
     assert written["text"] == "the built-in corpus's validation split" and written["perplexity"]["tokens"] > 1000
     # (said: the run trained on other data, and nothing on the terminal told which text was measured)
-    assert capsys.readouterr().out.startswith("attnres eval: held-out text: the built-in corpus's validation split, "
-                                              "not the data the model was trained on unless that was it (--text FILE "
-                                              "for other text)\n")
+    # (after the line naming the directory loaded)
+    assert capsys.readouterr().out.splitlines()[1] == ("attnres eval: held-out text: the built-in corpus's validation "
+                                                       "split, not the data the model was trained on unless that was "
+                                                       "it (--text FILE for other text)")
     with pytest.raises(SystemExit, match="--tokenizer: a transformers directory is evaluated with its own tokenizer"):
         cli_main(["eval", str(tmp_path / "hf"), "--tasks", "none", "--tokenizer", str(tmp_path / "hf")])
 

@@ -1201,3 +1201,22 @@ def test_generate_names_the_transformers_directory_it_loaded(tmp_path, capsys):
                      "--device", "cpu"]) == 0
     assert capsys.readouterr().err.splitlines()[0] == (f"attnres generate: transformers directory "
                                                        f"{tmp_path / 'llama'} (LlamaForCausalLM)")
+
+
+def test_eval_names_the_transformers_directory_it_loaded(tmp_path, capsys):
+    """attnres eval DIR (a transformers directory) said nothing of what it loaded, where a
+    checkpoint gets a line ("attnres eval: checkpoint ... (step N)"): the directory gets one."""
+    pytest.importorskip("transformers")
+    from fixtures.tiny_families import tiny_model
+
+    from attnres.data.tokenizer import ByteTokenizer
+    from attnres.hf.export import make_hf_tokenizer
+
+    tiny_model("llama", vocab_size=256).save_pretrained(tmp_path / "llama")
+    make_hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "llama")
+    (tmp_path / "text.txt").write_text("the cat sat on the mat.\n" * 8)
+    capsys.readouterr()
+    assert cli_main(["eval", str(tmp_path / "llama"), "--tasks", "none", "--text", str(tmp_path / "text.txt"),
+                     "--seq-len", "32", "--out", str(tmp_path / "eval.json"), "--device", "cpu"]) == 0
+    assert f"attnres eval: transformers directory {tmp_path / 'llama'} (LlamaForCausalLM)" in \
+        capsys.readouterr().out.splitlines()

@@ -187,6 +187,8 @@ def _load(args, device, directory: bool, text: str | None):
 
     with transformers_bars(redraws_in_place()):  # (its "Loading weights" bar: not in a log)
         model, tokenizer = load_directory(args.checkpoint, device)
+    # (which model, as a checkpoint's line says which checkpoint: a Hub id's, its folder in the cache)
+    print(f"attnres eval: transformers directory {args.checkpoint} ({type(model).__name__})")
     _default_window(args, model)
     if text is None:  # (said: an export of a run on other data was measured on other text, without a word)
         print("attnres eval: held-out text: the built-in corpus's validation split, not the data the model was "
