@@ -113,9 +113,16 @@ class AddedTokenMatches:
         inside it, the whitespace an ``lstrip`` / ``rstrip`` token takes included), or ``None``
         where there is none."""
         found = None
+        # (the whitespace run around the cut: an rstrip token's match may end in it, far after the token's
+        # content, and an lstrip token's begin in it, far before)
+        run_start, run_end = at, at
+        while run_start > 0 and text[run_start - 1].isspace():
+            run_start -= 1
+        while run_end < len(text) and text[run_end].isspace():
+            run_end += 1
         for content, lstrip, rstrip in self.tokens:
             n = len(content)
-            begin = text.find(content, max(0, at - n), at + n)
+            begin = text.find(content, max(0, run_start - n), run_end + n)
             while begin != -1:
                 first, last = begin, begin + n
                 while lstrip and first > 0 and text[first - 1].isspace():
@@ -124,7 +131,7 @@ class AddedTokenMatches:
                     last += 1
                 if first < at < last:
                     found = first if found is None else min(found, first)
-                begin = text.find(content, begin + 1, at + n)
+                begin = text.find(content, begin + 1, run_end + n)
         return found
 
     def holds_a_cut(self) -> bool:
