@@ -924,3 +924,37 @@ def test_resume_takes_a_block_size_spelled_otherwise_that_computes_the_same(tmp_
     else:
         with pytest.raises(ValueError, match=r"the config differs in \['model.residual"):
             check_resumable(saved, current, source)
+
+
+@pytest.mark.parametrize("saved_model, run_model, refused", [
+    ({}, {"n_kv_heads": 2}, None),  # (unset: as many as n_heads=2)
+    ({"n_kv_heads": 2}, {"n_kv_heads": None}, None),
+    ({}, {"mlp_hidden": 128}, None),  # (unset: 8/3 of d_model=32, rounded up to 64)
+    ({"mlp_hidden": 128}, {"mlp_hidden": None}, None),
+    ({"residual": {"kind": "attnres_full"}}, {"residual": {"full_group_size": 4}}, None),  # (unset: round(sqrt(16)))
+    ({"residual": {"full_group_size": 3}}, {"residual": {"full_group_size": 5}}, None),  # (Block AttnRes reads none)
+    ({}, {"n_kv_heads": 1}, "model.n_kv_heads: 2 there, 1 here"),
+    ({}, {"mlp_hidden": 192}, "model.mlp_hidden: 128 there, 192 here"),
+    ({"residual": {"kind": "attnres_full"}}, {"residual": {"full_group_size": 2}},
+     "model.residual.full_group_size: 4 there, 2 here"),
+])
+def test_resume_takes_a_model_field_spelled_as_what_it_resolves_to(tmp_path, saved_model, run_model, refused):
+    """Resume compared the model section as written, so a field whose None is derived from
+    another (n_kv_heads: n_heads; mlp_hidden: 8/3 d; Full AttnRes' full_group_size:
+    round(sqrt(L))) left unset on one side and spelled as its value on the other was refused
+    as a config change ("model.n_kv_heads: None there, 2 here") - the same model, the same
+    steps. It resumes, as a block size did; another value is refused, named as resolved."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import check_resumable
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32).replace(**saved_model)
+    saved = TrainConfig(model=model, seq_len=16).to_dict()
+    source = Source(tmp_path / "step-00000001", {"config": saved, "step": 1})
+    current = TrainConfig(model=model.replace(**run_model), seq_len=16).to_dict()
+    if refused is None:
+        check_resumable(saved, current, source)
+    else:
+        with pytest.raises(ValueError, match=r"the config differs in \['model\.") as caught:
+            check_resumable(saved, current, source)
+        assert refused in str(caught.value), caught.value

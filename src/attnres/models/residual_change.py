@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from ..migrations import stored_config
-from ..validation import flatten
-from .config import ModelConfig
+from .config import READ_BY_ONE_KIND, ModelConfig
 from .factory import build_model
 
 __all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal", "residual_differences"]
@@ -27,13 +26,11 @@ HOW_NOT_WHAT = frozenset({"schedule", "backend", "recompute_phase1", "autocast_s
 
 def _residual_fields(config: ModelConfig) -> dict[str, Any]:
     """The residual fields of a model ``config`` that change what the model computes,
-    flattened; Block AttnRes' block size as its ``S`` (``None`` resolved), and only for Block
-    AttnRes, the one variant that reads it."""
-    fields = {k: v for k, v in flatten({"residual": config.residual.to_dict()}).items()
-              if k.removeprefix("residual.") not in HOW_NOT_WHAT and k != "residual.block_size"}
-    if config.residual.kind == "attnres_block":
-        fields["residual.block_size"] = config.residual.resolved_block_size(config.n_sublayers)
-    return fields
+    flattened, as the model reads them (:meth:`ModelConfig.resolved_fields`): Block AttnRes'
+    block size as its ``S`` (``None`` resolved), and only for Block AttnRes, the one variant
+    that reads it."""
+    return {k: v for k, v in config.resolved_fields().items()
+            if k.startswith("residual.") and k.removeprefix("residual.") not in HOW_NOT_WHAT}
 
 
 def _parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
@@ -59,7 +56,7 @@ def _compared(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[ModelConfig,
         return None
     # (a block size on one side only: the kinds differ, which says it)
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
-                       and (k != "residual.block_size" or k in old.keys() & new.keys()))
+                       and (k not in READ_BY_ONE_KIND or k in old.keys() & new.keys()))
     return theirs, old, new, differing
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from ..migrations import stored_config
-from ..models.config import ModelConfig
+from ..models.config import READ_BY_ONE_KIND, ModelConfig
 from ..models.residual_change import (HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal,
                                       residual_differences)
 from ..nn.residual.imports import unregistered_residual_error
@@ -129,8 +129,7 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
     """Raise ``ValueError`` when ``current`` may not continue ``source`` (whose config is
     ``saved``): a field that changes the trajectory differs, or ``steps`` changes the
     learning rate of the steps already taken, or falls below them."""
-    normalised = _normalised(saved)
-    old, new = flatten(normalised), flatten(current)
+    old, new = _as_the_model_reads_it(_normalised(saved)), _as_the_model_reads_it(current)
     if new.get("init_from") is not None and not _same_path(new["init_from"], old.get("init_from")):
         # init_from may stay as it was (the run's first command again, with --resume); another
         # one would be ignored without a word: the checkpoint's weights are what continues.
@@ -140,8 +139,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
     differing = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
     # an empty mapping on one side (options: {}) against its keys on the other: the keys say it
     differing = [k for k in differing if not any(d.startswith(k + ".") for d in differing)]
-    if "model.residual.block_size" in differing and _same_block_size(normalised.get("model"), current["model"]):
-        differing.remove("model.residual.block_size")
+    # (a field one variant only reads, on one side only: the kinds differ, which says it)
+    differing = [k for k in differing if k.removeprefix("model.") not in READ_BY_ONE_KIND or (k in old and k in new)]
     if differing:
         def said(values: dict[str, Any], k: str) -> str:
             return repr(values[k]) if k in values else "not set"
@@ -183,16 +182,19 @@ def _why_steps_cannot_change(old: dict[str, Any], new: dict[str, Any], step: int
             f"(step {step}) has already taken.")
 
 
-def _same_block_size(saved: Any, current: dict[str, Any]) -> bool:
-    """Whether the model configs ``saved`` (as stored) and ``current`` read the same block size:
-    one left unset and the one it resolves to, or two that a residual other than Block AttnRes
-    does not read (:func:`~attnres.models.residual_change.residual_differences`) - the same
-    model, the same steps, which a resume continues."""
+def _as_the_model_reads_it(config: dict[str, Any]) -> dict[str, Any]:
+    """A run config flattened (``model.n_heads``), its model section as the model reads it
+    (:meth:`ModelConfig.resolved_fields`): a field left unset and one spelled as what it
+    resolves to (a Block AttnRes block size, ``n_kv_heads``) are the same model, the same
+    steps, which a resume continues; so are two values of a field that the residual does not
+    read. The model section as written where it does not build here."""
+    flat = flatten(config)
     try:
-        compared = residual_differences(saved, ModelConfig.from_dict(current)) if isinstance(saved, dict) else None
-    except (TypeError, ValueError):
-        return False
-    return compared is not None and "residual.block_size" not in compared[2]
+        with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
+            model = ModelConfig.from_dict(dict(config["model"])).resolved_fields()
+    except (KeyError, TypeError, ValueError):
+        return flat
+    return {**{k: v for k, v in flat.items() if not k.startswith("model.")}, **{f"model.{k}": v for k, v in model.items()}}
 
 
 def check_resumable_before_data(saved: dict[str, Any], current: dict[str, Any], source: Source) -> None:
