@@ -359,6 +359,96 @@ def test_without_proc_a_reused_pid_does_not_hold_the_lock(tmp_path, monkeypatch)
         other.kill()
         other.wait()
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a process forked to be killed")
+def test_a_lock_left_empty_by_a_run_killed_while_taking_it_is_taken_over(tmp_path):
+    """Where the file system has no hard links the lock is created empty, then written: a run
+    killed between the two left an empty run.lock that no run could take ("an unreadable lock
+    file ...; delete that file"). The temporary file it leaves names it: a process of this
+    host that no longer runs, and the lock is taken over with a warning naming it."""
+    import signal
+
+    run = tmp_path / "run"
+    child = os.fork()  # (a process of its own to kill, started in a millisecond)
+    if child == 0:
+        try:
+            def no_hard_links(*args):
+                raise PermissionError("hard links not supported")
+
+            def killed(*args):  # (between the exclusive create and the write: SIGKILL, nothing cleaned up)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            os.link, os.fdopen = no_hard_links, killed
+            RunLock(run).acquire()
+        finally:
+            os._exit(1)
+    assert os.waitpid(child, 0)[1] == signal.SIGKILL  # (killed by the signal)
+    left = {p.name: p.read_text() for p in run.iterdir()}
+    assert left[LOCK_FILE] == "" and len(left) == 2, left
+    (temporary,) = (name for name in left if name != LOCK_FILE)
+    pid = json.loads(left[temporary])["pid"]
+    with pytest.warns(UserWarning, match=rf"stale lock .*PID {pid} on host .*killed while taking the lock"), \
+            RunLock(run):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+        assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]  # (its temporary file removed too)
+    assert list(run.iterdir()) == []
+
+
+def test_an_empty_lock_that_a_live_or_unknown_process_may_be_writing_is_refused(tmp_path):
+    """An empty run.lock is taken over only where every temporary lock file names a process of
+    this host that no longer runs: one of a live process (writing the lock now, on a file
+    system without hard links), of another host, or none at all is refused as before."""
+    from attnres.train import lock
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = {"host": socket.gethostname(), "started": 0}
+        for name, temporaries in (("live", {live.pid: {**me, "pid": live.pid, "proc_start": lock._start_time(live.pid)}}),
+                                  ("other-host", {4242: {**me, "pid": 4242, "host": "some-other-host"}}),
+                                  ("none", {})):
+            run = tmp_path / name
+            run.mkdir()
+            (run / LOCK_FILE).write_text("")
+            for pid, holder in temporaries.items():
+                (run / f".{LOCK_FILE}.{pid}").write_text(json.dumps(holder))
+            with pytest.raises(RunLocked, match="unreadable lock file .*if no run uses this directory, delete that file"):
+                RunLock(run).acquire()
+            assert (run / LOCK_FILE).read_text() == "", name
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_lock_that_cannot_be_written_without_hard_links_is_not_left_behind(tmp_path, monkeypatch):
+    """Without hard links the lock was created, then written: a write that failed (a full
+    disk) left it empty, and no later run could take it. It is removed; the error stays."""
+    import errno
+
+    from attnres.train import lock
+
+    class FullDisk:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def no_hard_links(*args):
+        raise PermissionError("hard links not supported")
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(lock.os, "link", no_hard_links)
+    monkeypatch.setattr(lock.os, "fdopen", lambda fd, mode: os.close(fd) or FullDisk())
+    with pytest.raises(OSError, match="No space left"):
+        RunLock(run).acquire()
+    assert list(run.iterdir()) == []
+    monkeypatch.undo()
+    with RunLock(run):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
 # -- 4: recovery --------------------------------------------------------------------------
 
 def test_corrupted_newest_checkpoint_falls_back_to_an_intact_one(tmp_path, corpus_file):
