@@ -988,6 +988,29 @@ def test_init_from_says_nothing_of_a_residual_spelled_otherwise_that_computes_th
                                               r"2 there, 4 here\)", said), said
 
 
+@pytest.mark.parametrize("saved_model, run_model, said", [
+    ({}, {"n_kv_heads": 2}, None),  # (unset: as many as n_heads=2)
+    ({"mlp_hidden": 128}, {"mlp_hidden": None}, None),  # (unset: 8/3 of d_model=32, rounded up to 64)
+    ({}, {"n_kv_heads": 1}, "model.n_kv_heads: 2 there, 1 here"),
+    ({"mlp_hidden": 128}, {"mlp_hidden": 192}, "model.mlp_hidden: 128 there, 192 here"),
+])
+def test_init_from_says_nothing_of_a_model_field_spelled_as_what_it_resolves_to(tmp_path, saved_model, run_model,
+                                                                                 said):
+    """init_from's start-up warning compared the fields other than the residual as written: a
+    checkpoint that left n_kv_heads (or mlp_hidden) unset and a run that spells what it
+    resolves to were said to train "another model than the checkpoint's from its weights"
+    ("model.n_kv_heads: None there, 2 here"). Nothing is said now; another value still is,
+    named as resolved."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import init_model_changes
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32).replace(**saved_model)
+    source = Source(tmp_path / "step-00000001", {"config": TrainConfig(model=model, seq_len=16).to_dict(), "step": 1})
+    changes = init_model_changes(source, model.replace(**run_model).to_dict())
+    assert changes is None if said is None else said in changes, changes
+
+
 @pytest.mark.parametrize("saved_residual, run_residual, resumes", [
     ({"kind": "attnres_block"}, {"block_size": 2}, True),  # (unset: 2 here, as the checkpoint resolved it)
     ({"kind": "attnres_block", "block_size": 2}, {"block_size": None}, True),

@@ -16,7 +16,7 @@ from ..migrations import stored_config
 from .config import READ_BY_ONE_KIND, ModelConfig
 from .factory import build_model
 
-__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal", "residual_differences"]
+__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal"]
 
 #: The residual fields that change how a model is computed or stored, not what it computes
 #: (see ``ResidualConfig``): a checkpoint's weights continue the same model under another one.
@@ -58,17 +58,6 @@ def _compared(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[ModelConfig,
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
                        and (k not in READ_BY_ONE_KIND or k in old.keys() & new.keys()))
     return theirs, old, new, differing
-
-
-def residual_differences(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[str, Any], dict[str, Any],
-                                                                               list[str]] | None:
-    """The residual fields (flattened: ``residual.kind``) of ``saved`` (a model config as
-    stored) and of ``ours`` that change what the model computes - Block AttnRes' block size
-    resolved, and only for Block AttnRes - and those in which they differ, whether or not the
-    weights fit; ``None`` where ``saved`` cannot be built here. A block size left unset and the
-    one it resolves to are the same model, and so are two that Full AttnRes does not read."""
-    compared = _compared(saved, ours)
-    return None if compared is None else compared[1:]
 
 
 def _fitting_change(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
