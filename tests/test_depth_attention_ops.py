@@ -29,6 +29,7 @@ from torch.autograd import gradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from attnres import machine
 from attnres.ops import operations
 from attnres.ops.depth_attention import cpu_kernel, library, reference, torch_impl
 
@@ -1512,7 +1513,7 @@ def test_kernel_cache_tells_arm_cpus_apart(monkeypatch, tmp_path):
         info = tmp_path / f"cpuinfo-{part}"
         info.write_text(f"processor\t: 0\nBogoMIPS\t: 2000.00\nFeatures\t: {features}\nCPU implementer\t: 0x41\n"
                         f"CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: {part}\nCPU revision\t: 1\n")
-        monkeypatch.setattr(cpu_kernel, "CPUINFO", info)
+        monkeypatch.setattr(machine, "CPUINFO", info)
         ids.append(cpu_kernel._cpu_id())
     assert ids[0] != ids[1] and all("CPU part" in i for i in ids)
 

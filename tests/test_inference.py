@@ -95,6 +95,29 @@ def test_folded_queries_kept_between_steps_follow_parameter_updates():
         close(model(ids).logits, logits, "cached vs rebuilt queries")
 
 
+@pytest.mark.filterwarnings("error")
+def test_a_model_of_fake_tensors_runs_without_autograd_and_keeps_no_queries(monkeypatch):
+    """The GPU check's launch survey builds its models under FakeTensorMode and runs their
+    decode steps without autograd: the kept queries' key read each query's and gain's
+    data_ptr(), which a fake tensor gives as 0 for all with a deprecation warning (an error in
+    a later PyTorch). A fake model keeps nothing (it has no values) and reads no data_ptr."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from attnres import AttnResLM, ModelConfig
+
+    def refused(tensor):  # (as a later PyTorch: the warning is PyTorch's warn-once, given once per process)
+        raise RuntimeError("data_ptr() of a fake tensor")
+
+    monkeypatch.setattr(FakeTensor, "data_ptr", refused, raising=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = AttnResLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16))
+        ids = torch.randint(0, 64, (2, 5))
+        with torch.no_grad():
+            assert model(ids).logits.shape == (2, 5, 64)
+            assert model.residual.folded_queries(torch.float32) is not model.residual.folded_queries(torch.float32)
+    assert "_folded_cache" not in model.residual.__dict__
+
+
 # -- chunked prefill == one-shot prefill ---------------------------------------------------
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 19, 64])
 def test_chunked_prefill_matches_one_shot(model, chunk_size):

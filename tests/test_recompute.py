@@ -429,3 +429,52 @@ def test_recomputed_sums_serve_a_second_backward_and_step_aside_for_checkpointin
 def test_recompute_phase1_is_validated():
     with pytest.raises(ValueError, match="recompute_phase1"):
         ModelConfig.preset("tiny", residual={"kind": "attnres_block", "recompute_phase1": "yes"}).validate()
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("device", ["fake", "meta"])
+def test_the_recipe_finds_each_sum_of_tensors_without_storage(device):
+    """The recipe found a merge's saved sum by its data_ptr(): under ``FakeTensorMode``
+    (shapes without storage, as the GPU check's launch survey runs a model) that is 0 for
+    every tensor, with a deprecation warning a later PyTorch makes an error, and a meta
+    tensor's is its offset from 0 - every sum was found as the last one. Each sum is found as
+    itself now (by its storage and offset), without the warning; another tensor of the same
+    shape is saved as it is."""
+    from contextlib import nullcontext
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attnres.ops.depth_attention.recompute import Phase1Recompute
+
+    with FakeTensorMode() if device == "fake" else nullcontext():
+        where = "cpu" if device == "fake" else "meta"
+        qg, source = torch.empty(3, 4, device=where), torch.empty(2, 5, 4, device=where)
+        outs = [torch.empty(2, 5, 4, device=where) for _ in range(3)]
+        recipe = Phase1Recompute(lambda *args: None, qg, [source], 1e-6, outs)
+        assert [recipe._pack(o).index for o in outs] == [0, 1, 2]
+        assert recipe._pack(outs[1].view(2, 5, 4)).index == 1  # (a view of the same memory, the same layout)
+        other, shorter = torch.empty(2, 5, 4, device=where), outs[0][:1]  # (another tensor; another layout)
+        assert recipe._pack(other) is other and recipe._pack(shorter) is shorter
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_training_step_on_fake_tensors_recomputes_phase1_without_a_warning(monkeypatch):
+    """The GPU check's launch survey runs the models' training steps on fake tensors: the
+    recipe's data_ptr() warned at every Phase 1 and merge (an error in a later PyTorch). The
+    step runs without it, its backward running each Phase 1 once more, without autograd, and
+    gives every parameter a gradient of its shape."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    def refused(tensor):  # (as a later PyTorch: the warning is PyTorch's warn-once, given once per process)
+        raise RuntimeError("data_ptr() of a fake tensor")
+
+    monkeypatch.setattr(FakeTensor, "data_ptr", refused, raising=False)
+    model, _ = _recompute_twins("attnres_block", "auto")
+    calls = _phase1_calls(monkeypatch)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ids = torch.randint(0, model.config.vocab_size, (2, 7))
+        loss = model(ids, labels=ids).loss
+        forward_calls = len(calls)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert forward_calls >= 1 and calls[forward_calls:] == [False] * forward_calls
+    assert [g.shape for g in grads] == [p.shape for p in model.parameters()]

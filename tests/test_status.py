@@ -152,6 +152,31 @@ def test_a_stopped_run_of_a_grid_is_continued_with_its_grids_command(runs, tmp_p
     assert (args.seeds, args.variants, args.overrides) == ([0], ["block"], header["overrides"])
 
 
+@pytest.mark.parametrize("variant", ["my block", "it's"])
+def test_the_variants_hint_quotes_a_variant_named_with_shell_characters(tmp_path, variant):
+    """The continue hint of a grid split by --variants printed the variant's name as it is:
+    every built-in name is shell-safe, but a grid file's variant named "my block" gave
+    `--variants my block`, which the shell reads as two variants. The name is quoted now: the
+    hint, pasted where it says, gives back the name."""
+    import shlex
+
+    from attnres.cli import build_parser
+    from attnres.cli.experiment import _split_overrides
+    from attnres.cli.status import _continue_command
+
+    grid = tmp_path / "grid"
+    (grid / variant / "seed0").mkdir(parents=True)
+    (grid / "experiment.json").write_text(json.dumps({"experiment": "compare", "preset": "tiny",
+                                                      "overrides": ["steps=6"]}))
+    said = _continue_command(str(grid / variant / "seed0")).split("`")
+    command, hint = said[1], said[3]
+    assert shlex.split(hint) == ["--variants", variant]
+    parser = build_parser()
+    args = parser.parse_args(shlex.split(command.replace("--seeds 0", f"--seeds 0 {hint}"))[1:])
+    _split_overrides(args, parser)
+    assert (args.seeds, args.variants, args.overrides) == ([0], [variant], ["steps=6"])
+
+
 @pytest.mark.parametrize("where, typed", [("grid", "."), ("grid/block/seed0", "."), ("grid/block", "seed0/../seed0"),
                                           ("grid/block", "seed0/checkpoints")])
 def test_a_grids_run_named_by_a_relative_path_is_continued_with_the_grid_at_its_absolute_path(

@@ -359,6 +359,96 @@ def test_without_proc_a_reused_pid_does_not_hold_the_lock(tmp_path, monkeypatch)
         other.kill()
         other.wait()
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a process forked to be killed")
+def test_a_lock_left_empty_by_a_run_killed_while_taking_it_is_taken_over(tmp_path):
+    """Where the file system has no hard links the lock is created empty, then written: a run
+    killed between the two left an empty run.lock that no run could take ("an unreadable lock
+    file ...; delete that file"). The temporary file it leaves names it: a process of this
+    host that no longer runs, and the lock is taken over with a warning naming it."""
+    import signal
+
+    run = tmp_path / "run"
+    child = os.fork()  # (a process of its own to kill, started in a millisecond)
+    if child == 0:
+        try:
+            def no_hard_links(*args):
+                raise PermissionError("hard links not supported")
+
+            def killed(*args):  # (between the exclusive create and the write: SIGKILL, nothing cleaned up)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            os.link, os.fdopen = no_hard_links, killed
+            RunLock(run).acquire()
+        finally:
+            os._exit(1)
+    assert os.waitpid(child, 0)[1] == signal.SIGKILL  # (killed by the signal)
+    left = {p.name: p.read_text() for p in run.iterdir()}
+    assert left[LOCK_FILE] == "" and len(left) == 2, left
+    (temporary,) = (name for name in left if name != LOCK_FILE)
+    pid = json.loads(left[temporary])["pid"]
+    with pytest.warns(UserWarning, match=rf"stale lock .*PID {pid} on host .*killed while taking the lock"), \
+            RunLock(run):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+        assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]  # (its temporary file removed too)
+    assert list(run.iterdir()) == []
+
+
+def test_an_empty_lock_that_a_live_or_unknown_process_may_be_writing_is_refused(tmp_path):
+    """An empty run.lock is taken over only where every temporary lock file names a process of
+    this host that no longer runs: one of a live process (writing the lock now, on a file
+    system without hard links), of another host, or none at all is refused as before."""
+    from attnres.train import lock
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = {"host": socket.gethostname(), "started": 0}
+        for name, temporaries in (("live", {live.pid: {**me, "pid": live.pid, "proc_start": lock._start_time(live.pid)}}),
+                                  ("other-host", {4242: {**me, "pid": 4242, "host": "some-other-host"}}),
+                                  ("none", {})):
+            run = tmp_path / name
+            run.mkdir()
+            (run / LOCK_FILE).write_text("")
+            for pid, holder in temporaries.items():
+                (run / f".{LOCK_FILE}.{pid}").write_text(json.dumps(holder))
+            with pytest.raises(RunLocked, match="unreadable lock file .*if no run uses this directory, delete that file"):
+                RunLock(run).acquire()
+            assert (run / LOCK_FILE).read_text() == "", name
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_lock_that_cannot_be_written_without_hard_links_is_not_left_behind(tmp_path, monkeypatch):
+    """Without hard links the lock was created, then written: a write that failed (a full
+    disk) left it empty, and no later run could take it. It is removed; the error stays."""
+    import errno
+
+    from attnres.train import lock
+
+    class FullDisk:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def no_hard_links(*args):
+        raise PermissionError("hard links not supported")
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(lock.os, "link", no_hard_links)
+    monkeypatch.setattr(lock.os, "fdopen", lambda fd, mode: os.close(fd) or FullDisk())
+    with pytest.raises(OSError, match="No space left"):
+        RunLock(run).acquire()
+    assert list(run.iterdir()) == []
+    monkeypatch.undo()
+    with RunLock(run):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
 # -- 4: recovery --------------------------------------------------------------------------
 
 def test_corrupted_newest_checkpoint_falls_back_to_an_intact_one(tmp_path, corpus_file):
@@ -898,6 +988,29 @@ def test_init_from_says_nothing_of_a_residual_spelled_otherwise_that_computes_th
                                               r"2 there, 4 here\)", said), said
 
 
+@pytest.mark.parametrize("saved_model, run_model, said", [
+    ({}, {"n_kv_heads": 2}, None),  # (unset: as many as n_heads=2)
+    ({"mlp_hidden": 128}, {"mlp_hidden": None}, None),  # (unset: 8/3 of d_model=32, rounded up to 64)
+    ({}, {"n_kv_heads": 1}, "model.n_kv_heads: 2 there, 1 here"),
+    ({"mlp_hidden": 128}, {"mlp_hidden": 192}, "model.mlp_hidden: 128 there, 192 here"),
+])
+def test_init_from_says_nothing_of_a_model_field_spelled_as_what_it_resolves_to(tmp_path, saved_model, run_model,
+                                                                                 said):
+    """init_from's start-up warning compared the fields other than the residual as written: a
+    checkpoint that left n_kv_heads (or mlp_hidden) unset and a run that spells what it
+    resolves to were said to train "another model than the checkpoint's from its weights"
+    ("model.n_kv_heads: None there, 2 here"). Nothing is said now; another value still is,
+    named as resolved."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import init_model_changes
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32).replace(**saved_model)
+    source = Source(tmp_path / "step-00000001", {"config": TrainConfig(model=model, seq_len=16).to_dict(), "step": 1})
+    changes = init_model_changes(source, model.replace(**run_model).to_dict())
+    assert changes is None if said is None else said in changes, changes
+
+
 @pytest.mark.parametrize("saved_residual, run_residual, resumes", [
     ({"kind": "attnres_block"}, {"block_size": 2}, True),  # (unset: 2 here, as the checkpoint resolved it)
     ({"kind": "attnres_block", "block_size": 2}, {"block_size": None}, True),
@@ -924,3 +1037,37 @@ def test_resume_takes_a_block_size_spelled_otherwise_that_computes_the_same(tmp_
     else:
         with pytest.raises(ValueError, match=r"the config differs in \['model.residual"):
             check_resumable(saved, current, source)
+
+
+@pytest.mark.parametrize("saved_model, run_model, refused", [
+    ({}, {"n_kv_heads": 2}, None),  # (unset: as many as n_heads=2)
+    ({"n_kv_heads": 2}, {"n_kv_heads": None}, None),
+    ({}, {"mlp_hidden": 128}, None),  # (unset: 8/3 of d_model=32, rounded up to 64)
+    ({"mlp_hidden": 128}, {"mlp_hidden": None}, None),
+    ({"residual": {"kind": "attnres_full"}}, {"residual": {"full_group_size": 4}}, None),  # (unset: round(sqrt(16)))
+    ({"residual": {"full_group_size": 3}}, {"residual": {"full_group_size": 5}}, None),  # (Block AttnRes reads none)
+    ({}, {"n_kv_heads": 1}, "model.n_kv_heads: 2 there, 1 here"),
+    ({}, {"mlp_hidden": 192}, "model.mlp_hidden: 128 there, 192 here"),
+    ({"residual": {"kind": "attnres_full"}}, {"residual": {"full_group_size": 2}},
+     "model.residual.full_group_size: 4 there, 2 here"),
+])
+def test_resume_takes_a_model_field_spelled_as_what_it_resolves_to(tmp_path, saved_model, run_model, refused):
+    """Resume compared the model section as written, so a field whose None is derived from
+    another (n_kv_heads: n_heads; mlp_hidden: 8/3 d; Full AttnRes' full_group_size:
+    round(sqrt(L))) left unset on one side and spelled as its value on the other was refused
+    as a config change ("model.n_kv_heads: None there, 2 here") - the same model, the same
+    steps. It resumes, as a block size did; another value is refused, named as resolved."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import check_resumable
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32).replace(**saved_model)
+    saved = TrainConfig(model=model, seq_len=16).to_dict()
+    source = Source(tmp_path / "step-00000001", {"config": saved, "step": 1})
+    current = TrainConfig(model=model.replace(**run_model), seq_len=16).to_dict()
+    if refused is None:
+        check_resumable(saved, current, source)
+    else:
+        with pytest.raises(ValueError, match=r"the config differs in \['model\.") as caught:
+            check_resumable(saved, current, source)
+        assert refused in str(caught.value), caught.value

@@ -71,7 +71,8 @@ def _continue_command(run: str) -> str:
     # (the grid's command trains every variant of the grid for this seed: a grid split among processes by
     # --variants, which experiment.json does not record, would train the other processes' variants too)
     return (f"`{shlex.join(words)}` (its grid's command, for this seed: it also trains the grid's other variants "
-            f"not finished for it; `--variants {Path(run).parent.name}` after `--seeds {seed}` continues this run alone)")
+            f"not finished for it; `--variants {shlex.quote(Path(run).parent.name)}` after `--seeds {seed}` continues this "
+            "run alone)")
 
 
 def _launch_command(run: str) -> str:

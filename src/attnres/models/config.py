@@ -11,9 +11,9 @@ from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
 from ..nn.residual.config import merge_residual
 from ..user_warning import warn_user
-from ..validation import Choice, Fields, Nullable, did_you_mean, python_scalars
+from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
 
-__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES"]
+__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_ONE_KIND"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.hf.families.FAMILIES`` describes their layouts).
@@ -23,6 +23,10 @@ HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "ge
                     "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "phimoe", "granitemoe")
 
 _CHECK = Fields("ModelConfig")
+
+#: Residual fields that one variant only reads (flattened), with that variant: to another
+#: variant the model is the same whatever they hold.
+READ_BY_ONE_KIND = {"residual.block_size": "attnres_block", "residual.full_group_size": "attnres_full"}
 
 
 @dataclass
@@ -133,6 +137,18 @@ class ModelConfig:
     def n_sublayers(self) -> int:
         """``L = 2 * n_layers``: every attention and every MLP is one sublayer."""
         return 2 * self.n_layers
+
+    def resolved_fields(self) -> dict[str, Any]:
+        """The fields, flattened (``residual.kind``), as the model reads them: a ``None`` that
+        stands for a value derived from other fields as that value (``n_kv_heads``,
+        ``mlp_hidden``, ``residual.block_size``, ``residual.full_group_size``), and the fields
+        of :data:`READ_BY_ONE_KIND` only for the variant that reads them. A field left unset
+        and one spelled as what it resolves to give the same fields: the same model."""
+        fields = flatten(self.to_dict())
+        fields.update(n_kv_heads=self.kv_heads, mlp_hidden=self.hidden_size)
+        fields["residual.block_size"] = self.residual.resolved_block_size(self.n_sublayers)
+        fields["residual.full_group_size"] = self.residual.resolved_full_group_size(self.n_sublayers)
+        return {k: v for k, v in fields.items() if READ_BY_ONE_KIND.get(k, self.residual.kind) == self.residual.kind}
 
     def describe_residual(self) -> str:
         """The residual in words, as its variant describes it (e.g. ``attnres_block (S=2, N=2)``)."""

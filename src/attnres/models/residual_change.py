@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from ..migrations import stored_config
-from ..validation import flatten
-from .config import ModelConfig
+from .config import READ_BY_ONE_KIND, ModelConfig
 from .factory import build_model
 
-__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal", "residual_differences"]
+__all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal"]
 
 #: The residual fields that change how a model is computed or stored, not what it computes
 #: (see ``ResidualConfig``): a checkpoint's weights continue the same model under another one.
@@ -27,13 +26,11 @@ HOW_NOT_WHAT = frozenset({"schedule", "backend", "recompute_phase1", "autocast_s
 
 def _residual_fields(config: ModelConfig) -> dict[str, Any]:
     """The residual fields of a model ``config`` that change what the model computes,
-    flattened; Block AttnRes' block size as its ``S`` (``None`` resolved), and only for Block
-    AttnRes, the one variant that reads it."""
-    fields = {k: v for k, v in flatten({"residual": config.residual.to_dict()}).items()
-              if k.removeprefix("residual.") not in HOW_NOT_WHAT and k != "residual.block_size"}
-    if config.residual.kind == "attnres_block":
-        fields["residual.block_size"] = config.residual.resolved_block_size(config.n_sublayers)
-    return fields
+    flattened, as the model reads them (:meth:`ModelConfig.resolved_fields`): Block AttnRes'
+    block size as its ``S`` (``None`` resolved), and only for Block AttnRes, the one variant
+    that reads it."""
+    return {k: v for k, v in config.resolved_fields().items()
+            if k.startswith("residual.") and k.removeprefix("residual.") not in HOW_NOT_WHAT}
 
 
 def _parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]] | None:
@@ -59,19 +56,8 @@ def _compared(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[ModelConfig,
         return None
     # (a block size on one side only: the kinds differ, which says it)
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
-                       and (k != "residual.block_size" or k in old.keys() & new.keys()))
+                       and (k not in READ_BY_ONE_KIND or k in old.keys() & new.keys()))
     return theirs, old, new, differing
-
-
-def residual_differences(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[str, Any], dict[str, Any],
-                                                                               list[str]] | None:
-    """The residual fields (flattened: ``residual.kind``) of ``saved`` (a model config as
-    stored) and of ``ours`` that change what the model computes - Block AttnRes' block size
-    resolved, and only for Block AttnRes - and those in which they differ, whether or not the
-    weights fit; ``None`` where ``saved`` cannot be built here. A block size left unset and the
-    one it resolves to are the same model, and so are two that Full AttnRes does not read."""
-    compared = _compared(saved, ours)
-    return None if compared is None else compared[1:]
 
 
 def _fitting_change(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[dict[str, Any], dict[str, Any], list[str]]:

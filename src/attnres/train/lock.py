@@ -5,6 +5,8 @@ The lock is the file ``<out_dir>/run.lock`` holding the owner's PID, host, proce
 time and command line as JSON. It is created atomically (written under a temporary name,
 then hard-linked into place, which fails if the file exists), removed when the run ends,
 and taken over when it is *stale*: left by a process that no longer runs (a killed run).
+Where the file system has no hard links the lock is created empty, then written: a process
+killed between the two leaves it empty, and its temporary file names it.
 Only the host that ran the process can tell, so a job on several nodes
 (:func:`lock_run_dir`) has the holder checked by its ranks on the holder's host: a crashed
 run launched again takes its lock back wherever the rendezvous puts rank 0. A lock of a host
@@ -125,8 +127,34 @@ class RunLock:
             raise
         except OSError:  # a file system without hard links: exclusive create, then write
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            with os.fdopen(fd, "w") as f:
-                f.write(tmp.read_text())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(tmp.read_text())
+            except BaseException:  # (a full disk, Ctrl-C: no lock left that nobody can read)
+                self.path.unlink(missing_ok=True)
+                raise
+
+    def _killed_while_locking(self, mine: Path) -> list[tuple[Path, dict[str, Any]]]:
+        """Where the lock file cannot be read: the temporary files (``.run.lock.<pid>``, each
+        holding its process's lock content; every acquisition removes its own as it ends) of
+        processes killed while taking the lock - one of which left it empty (:meth:`_create`
+        without hard links) - when every temporary file but ``mine`` names a process of this
+        host that no longer runs (:func:`stale_here`), so that no live process can be writing
+        the lock now. ``[]`` where one may be, or none names the lock's writer."""
+        killed = []
+        for other in sorted(self.path.parent.glob(f".{LOCK_FILE}.*")):
+            if other == mine:
+                continue
+            try:
+                holder = json.loads(other.read_text())
+            except FileNotFoundError:  # (its acquisition ended meanwhile)
+                continue
+            except (OSError, ValueError):  # (being written now, or not one of ours: cannot tell)
+                return []
+            if not isinstance(holder, dict) or not stale_here(holder):
+                return []
+            killed.append((other, holder))
+        return killed
 
     def _refusal(self, holder: dict[str, Any], job_hosts: frozenset[str]) -> RunLocked:
         if holder.get("host") in job_hosts | {_host()}:
@@ -156,15 +184,20 @@ class RunLock:
                 holder = self._read()
                 if holder is None:  # released meanwhile: try again
                     continue
-                if not holder:
+                killed = [] if holder else self._killed_while_locking(tmp)
+                if not holder and not killed:
                     raise RunLocked(f"{str(self.path.parent)!r} is locked by an unreadable lock file {str(self.path)!r}; "
                                     "if no run uses this directory, delete that file")
-                if not (stale_here(holder) or holder == proven_stale):
+                if holder and not (stale_here(holder) or holder == proven_stale):
                     raise self._refusal(holder, job_hosts)
                 if self._read() != holder:  # another process took it over meanwhile: look again
                     continue
-                warn_user(f"removing the stale lock of a run that no longer runs: {_describe(holder)}")
+                warn_user("removing the stale lock of a run that no longer runs: " + (
+                    _describe(holder) if holder else f"{_describe(killed[0][1])}, killed while taking the lock, "
+                                                     "which it left unwritten"))
                 self.path.unlink(missing_ok=True)
+                for other, _ in killed:
+                    other.unlink(missing_ok=True)
             raise RunLocked(f"could not lock {str(self.path.parent)!r}: the lock file {str(self.path)!r} keeps changing")
         finally:
             tmp.unlink(missing_ok=True)

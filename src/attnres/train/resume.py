@@ -24,9 +24,8 @@ from typing import Any
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from ..migrations import stored_config
-from ..models.config import ModelConfig
-from ..models.residual_change import (HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal,
-                                      residual_differences)
+from ..models.config import READ_BY_ONE_KIND, ModelConfig
+from ..models.residual_change import HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
 from .config import RESUMABLE_CHANGES, TrainConfig, apply_overrides, flatten, model_from_spec
@@ -129,19 +128,14 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
     """Raise ``ValueError`` when ``current`` may not continue ``source`` (whose config is
     ``saved``): a field that changes the trajectory differs, or ``steps`` changes the
     learning rate of the steps already taken, or falls below them."""
-    normalised = _normalised(saved)
-    old, new = flatten(normalised), flatten(current)
+    old, new = _as_the_model_reads_it(_normalised(saved)), _as_the_model_reads_it(current)
     if new.get("init_from") is not None and not _same_path(new["init_from"], old.get("init_from")):
         # init_from may stay as it was (the run's first command again, with --resume); another
         # one would be ignored without a word: the checkpoint's weights are what continues.
         raise ValueError(f"cannot resume from {str(source.path)!r} with init_from={new['init_from']!r}: a resumed run "
                          f"continues its checkpoint's weights (the run started from init_from={old.get('init_from')!r});"
                          " drop init_from to resume, or start a new run (another out_dir) from those weights")
-    differing = sorted(k for k in set(old) | set(new) if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k))
-    # an empty mapping on one side (options: {}) against its keys on the other: the keys say it
-    differing = [k for k in differing if not any(d.startswith(k + ".") for d in differing)]
-    if "model.residual.block_size" in differing and _same_block_size(normalised.get("model"), current["model"]):
-        differing.remove("model.residual.block_size")
+    differing = _differing(old, new, RESUMABLE_CHANGES)
     if differing:
         def said(values: dict[str, Any], k: str) -> str:
             return repr(values[k]) if k in values else "not set"
@@ -183,16 +177,35 @@ def _why_steps_cannot_change(old: dict[str, Any], new: dict[str, Any], step: int
             f"(step {step}) has already taken.")
 
 
-def _same_block_size(saved: Any, current: dict[str, Any]) -> bool:
-    """Whether the model configs ``saved`` (as stored) and ``current`` read the same block size:
-    one left unset and the one it resolves to, or two that a residual other than Block AttnRes
-    does not read (:func:`~attnres.models.residual_change.residual_differences`) - the same
-    model, the same steps, which a resume continues."""
+def _as_the_model_reads_it(config: dict[str, Any]) -> dict[str, Any]:
+    """A run config flattened (``model.n_heads``), its model section as the model reads it
+    (:func:`_model_as_read`): a field left unset and one spelled as what it resolves to are
+    the same model, the same steps, which a resume continues."""
+    model = config.get("model") if isinstance(config.get("model"), dict) else None
+    flat = flatten({k: v for k, v in config.items() if k != "model" or model is None})
+    return flat if model is None else {**flat, **{f"model.{k}": v for k, v in _model_as_read(model).items()}}
+
+
+def _model_as_read(model: dict[str, Any]) -> dict[str, Any]:
+    """A model config (a dict, as stored) flattened as the model reads it
+    (:meth:`ModelConfig.resolved_fields`): a field left unset as what it resolves to (a Block
+    AttnRes block size, ``n_kv_heads``), a field the residual does not read left out; as
+    written where it does not build here."""
     try:
-        compared = residual_differences(saved, ModelConfig.from_dict(current)) if isinstance(saved, dict) else None
+        with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
+            return ModelConfig.from_dict(dict(model)).resolved_fields()
     except (TypeError, ValueError):
-        return False
-    return compared is not None and "residual.block_size" not in compared[2]
+        return flatten(model)
+
+
+def _differing(old: dict[str, Any], new: dict[str, Any], same: frozenset[str]) -> list[str]:
+    """The keys of two configs flattened as read (:func:`_model_as_read`) whose values differ,
+    less those of ``same``: a field one variant only reads, on one side only - the kinds
+    differ, which says it - and an empty mapping on one side (``options: {}``) against its
+    keys on the other, which say it."""
+    differing = sorted(k for k in set(old) | set(new) if k not in same and old.get(k) != new.get(k))
+    differing = [k for k in differing if not any(d.startswith(k + ".") for d in differing)]
+    return [k for k in differing if k.removeprefix("model.") not in READ_BY_ONE_KIND or (k in old and k in new)]
 
 
 def check_resumable_before_data(saved: dict[str, Any], current: dict[str, Any], source: Source) -> None:
@@ -281,14 +294,11 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
     else:
         saved = _normalised({"model": source.run_config()["model"]}).get("model", {})
         theirs, match = "the checkpoint's", "set the fields as the checkpoint has them (or pass its run's --config)"
-    old, new = flatten(saved), flatten(model)
-    differing = sorted(k for k in set(old) | set(new) if k not in _NOT_A_MODEL_CHANGE and old.get(k) != new.get(k))
+    # (as the model reads them, as a residual change is refused: a field left unset and the value it resolves to,
+    # or a block size that Full AttnRes does not read, were "another model")
     ours = ModelConfig.from_dict(model)
-    residual = residual_differences(saved, ours)
-    if residual is not None:  # (the residual as it computes, as a residual change is refused: a block size left
-        # unset and the one it resolves to, or one that Full AttnRes does not read, were "another model")
-        old, new = {**old, **residual[0]}, {**new, **residual[1]}
-        differing = sorted([k for k in differing if not k.startswith("residual.")] + residual[2])
+    old, new = _model_as_read(saved), ours.resolved_fields()
+    differing = _differing(old, new, _NOT_A_MODEL_CHANGE)
     if directory and not changed_residual_fields(saved, ours):
         differing = [k for k in differing if not k.startswith("residual.")]  # (the upcycle's new queries)
     if not differing:

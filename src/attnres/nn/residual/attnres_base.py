@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ...ops import Operations, compute_dtype, operations
 from ...ops.depth_attention import BACKENDS, reference
@@ -301,10 +302,13 @@ class AttnResBase(ResidualStream):
         """The kept ``[L + 1, d]`` folded queries and their rows (see :meth:`folded_queries`)."""
         compute = compute_dtype(dtype)
         key: list[Any] = [compute]
+        # (a model of fake tensors - FakeTensorMode's, as the GPU check's launch survey builds - has no values to
+        # keep, and their data_ptr() is 0 for all, with a warning a later PyTorch makes an error: nothing kept)
+        fake = isinstance(self.mixers[0]._parameters.get("query"), FakeTensor)
         for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
             q, g = m._parameters.get("query"), m._modules["key_norm"]._parameters.get("weight")
-            if q is None or g is None:  # (parametrized, torch.nn.utils.parametrize: a value computed at each read
-                # from tensors the key cannot name - nothing kept; it was a KeyError in every no-grad forward)
+            if q is None or g is None or fake:  # (parametrized, torch.nn.utils.parametrize: a value computed at each
+                # read from tensors the key cannot name - nothing kept; it was a KeyError in every no-grad forward)
                 stacked = torch.stack(self._fold(dtype))
                 return stacked, list(stacked.unbind(0))
             key += (q._version, q.data_ptr(), g._version, g.data_ptr())

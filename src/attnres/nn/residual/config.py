@@ -27,6 +27,7 @@ __all__ = [
     "ResidualConfig",
     "SCHEDULES",
     "BACKENDS",
+    "default_full_group_size",
 ]
 
 #: The schedules of Full and Block AttnRes: the fast two-phase one and the per-sublayer reference.
@@ -76,6 +77,11 @@ class AttnResAblation:
         check.integer("window", self.window, allow_none="no window")
         if self.input_dependent_query and self.input_independent_mixing:
             check.fail("input_independent_mixing", "False when input_dependent_query is True (they exclude each other)", True)
+
+
+def default_full_group_size(n_sublayers: int) -> int:
+    """Full AttnRes' Appendix-B scheduling group where none is given: ``round(sqrt(L))``, at least 1."""
+    return max(1, round(n_sublayers**0.5))
 
 
 @dataclass
@@ -199,6 +205,10 @@ class ResidualConfig:
         if self.block_size is not None:
             return self.block_size
         return max(1, -(-n_sublayers // 8))
+
+    def resolved_full_group_size(self, n_sublayers: int) -> int:
+        """Full AttnRes' Appendix-B group: ``full_group_size``, or :func:`default_full_group_size`."""
+        return default_full_group_size(n_sublayers) if self.full_group_size is None else self.full_group_size
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a mapping (``ablation`` nested), as ``ModelConfig.to_dict`` stores them."""

@@ -11,7 +11,7 @@ from ...ops import Operations
 from ...validation import Int
 from .attnres_base import AttnResBase, CompletedSources, Schedule
 from .base import DepthHistory, HistoryLayout, ResidualState
-from .config import AttnResAblation, ResidualConfig
+from .config import AttnResAblation, ResidualConfig, default_full_group_size
 from .registry import register_residual
 
 __all__ = ["FullAttnRes", "FullNaiveState", "FullTwoPhaseState"]
@@ -134,7 +134,7 @@ class FullAttnRes(AttnResBase):
             raise ValueError(f"FullAttnRes: group_size must be an integer >= 1, or None for round(sqrt(n_sublayers)); "
                              f"got {group_size!r}")
         if group_size is None:
-            group_size = max(1, round(n_sublayers**0.5))
+            group_size = default_full_group_size(n_sublayers)
         self.group_size = group_size
 
     def extra_repr(self) -> str:

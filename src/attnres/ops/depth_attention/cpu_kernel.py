@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ...machine import cpuinfo_lines
 from ...user_warning import warn_user
 from . import torch_impl
 
@@ -65,18 +66,15 @@ def _cache_dir() -> Path:
     return Path(base) / "attnres"
 
 
-#: Where Linux describes the CPU.
-CPUINFO = Path("/proc/cpuinfo")
-#: The lines of :data:`CPUINFO` that ``-march=native`` depends on: x86's model and flags,
+#: The lines of ``/proc/cpuinfo`` that ``-march=native`` depends on: x86's model and flags,
 #: an ARM CPU's implementer, part and features (Linux on aarch64 has no "model name").
 _CPU_LINES = ("model name", "flags", "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
 
 
 def _cpu_id() -> str:
     """What ``-march=native`` depends on: the CPU's model and instruction-set flags."""
-    try:
-        info = CPUINFO.read_text().splitlines()
-    except OSError:
+    info = cpuinfo_lines()
+    if info is None:
         return platform.processor() or platform.machine()
     keep = [line for line in info if line.startswith(_CPU_LINES)]
     return "\n".join(sorted(set(keep)))

@@ -66,9 +66,9 @@ class Phase1Recompute:
         self._phase1, self._qg, self._sources, self._eps = phase1, qg, list(sources), eps
         self._out_dtype = out_dtype
         self._versions = self._current_versions()
-        # (found by address - one cheap call per tensor a merge saves - then checked by shape,
-        # strides and dtype: the sums are alive while their block's merges run)
-        self._keys = {o.data_ptr(): (s, _layout(o)) for s, o in enumerate(outs)}
+        # (found by where they start - one cheap call per tensor a merge saves - then checked by
+        # shape, strides and dtype: the sums are alive while their block's merges run)
+        self._keys = {_start(o): (s, _layout(o)) for s, o in enumerate(outs)}
         self._sums: list[Tensor | None] | None = None
         self._pending = [0] * len(outs)  # (recipes of each sum not yet unpacked)
 
@@ -80,7 +80,7 @@ class Phase1Recompute:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: Tensor):
-        found = self._keys.get(t.data_ptr())
+        found = self._keys.get(_start(t))
         if found is None or found[1] != _layout(t):
             return t
         index = found[0]
@@ -105,6 +105,15 @@ class Phase1Recompute:
             sums[index] = None
         self._sums = None if all(o is None for o in sums) else sums
         return out
+
+
+def _start(t: Tensor) -> tuple[int, int]:
+    """Where ``t`` starts: its storage (the identity PyTorch's own ``StorageWeakRef`` keys by)
+    and its offset there. Not ``data_ptr()``: a fake tensor's (``FakeTensorMode``, shapes
+    without storage, as the GPU check's launch survey runs a model) is 0 for every tensor, with
+    a deprecation warning that a later PyTorch makes an error, and a meta tensor's is its
+    offset from 0 - every sum would have been found as the last one."""
+    return t.untyped_storage()._cdata, t.storage_offset()
 
 
 def _layout(t: Tensor) -> tuple:
