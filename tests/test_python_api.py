@@ -573,3 +573,26 @@ def test_any_invalid_sampling_argument_of_generate_is_refused_naming_it(argument
     arguments = {"max_new_tokens": 2, "temperature": 0.8, argument: value}
     with pytest.raises(ValueError, match=rf"^{argument} must be "):
         generate(model, torch.zeros(1, 3, dtype=torch.long), **arguments)
+
+
+def test_a_checkpoint_of_a_compiled_model_loads_into_the_model_and_back(tmp_path):
+    """``save_checkpoint(out, step, torch.compile(model), ...)`` stored the weights under
+    ``torch.compile``'s ``_orig_mod.`` prefix: ``load_run`` and ``load_checkpoint`` into the
+    model refused the checkpoint ("does not fit the model: missing ['embed_tokens.weight', ...]"),
+    and a checkpoint of the plain model did not load into its compiled one. Both sides save and
+    load the compiled model's original, the names ``model.state_dict()`` gives."""
+    from attnres.checkpoint import load_checkpoint, save_checkpoint
+    from attnres.inference import load_run
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with torch.no_grad():  # (weights a fresh model does not have by chance)
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    logits = model(ids).logits
+    compiled = torch.compile(model)
+    state = {"config": {"model": model.config.to_dict()}}
+    path = save_checkpoint(tmp_path / "run", 1, compiled, torch.optim.AdamW(compiled.parameters()), state, keep=1)
+    assert torch.equal(load_run(tmp_path / "run").model(ids).logits, logits)
+    into = tiny_model()
+    load_checkpoint(path, torch.compile(into), restore_rng=False)
+    assert torch.equal(into(ids).logits, logits)
