@@ -205,6 +205,12 @@ def run_sublayers(
         residual.add_output(state, m, sublayer_call(layer.mlp_sublayer, h_m))
 
 
+def _materialise_rope(trunk: DecoderTrunk, incompatible_keys) -> None:
+    """After a state dict loads: the RoPE tables where the embedding's weight now is (a model
+    built on meta and loaded with ``assign=True``: no state dict holds the tables)."""
+    trunk.rope.materialise(trunk.embed_tokens.weight.device)
+
+
 class DecoderTrunk(nn.Module):
     """Mixin: the decoder up to (not including) the LM head. Call :meth:`build_trunk` in
     ``__init__``; the modules keep the names ``embed_tokens``, ``layers.{i}``,
@@ -233,6 +239,7 @@ class DecoderTrunk(nn.Module):
         self.residual = config.build_residual()
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_load_state_dict_post_hook(_materialise_rope)
 
     def autocast_norm_outputs(self, on: bool) -> bool:
         """Whether the sublayers' norms return the autocast dtype under autocast
