@@ -596,3 +596,25 @@ def test_a_checkpoint_of_a_compiled_model_loads_into_the_model_and_back(tmp_path
     into = tiny_model()
     load_checkpoint(path, torch.compile(into), restore_rng=False)
     assert torch.equal(into(ids).logits, logits)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_numpy_integers_are_taken_wherever_generate_takes_ints(decode):
+    """``generate(model, ids, max_new_tokens=np.int64(3))`` (a count from a NumPy array or a
+    pandas sweep) passed generate's check and was refused by the cache it makes, naming an
+    argument the call never had: "KVCache: capacity must be an integer >= 0, got
+    np.int64(10)". The caches take any integer, as ``generate`` does: the same tokens."""
+    np = pytest.importorskip("numpy")
+    from attnres.inference import KVCache, StaticKVCache, generate, prefill
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+
+    def tokens(count):
+        return generate(model, ids, max_new_tokens=count, temperature=0.7, decode=decode,
+                        generator=torch.Generator().manual_seed(0))
+
+    assert torch.equal(tokens(np.int64(3)), tokens(3))
+    assert prefill(model, ids, capacity=np.int64(20))[1].seq_len == 8
+    assert KVCache(np.int32(2), capacity=np.int64(4)).n_layers == 2
+    assert StaticKVCache.for_model(model, np.int64(2), np.int64(16)).capacity == 16
+
