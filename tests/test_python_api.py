@@ -618,3 +618,20 @@ def test_numpy_integers_are_taken_wherever_generate_takes_ints(decode):
     assert KVCache(np.int32(2), capacity=np.int64(4)).n_layers == 2
     assert StaticKVCache.for_model(model, np.int64(2), np.int64(16)).capacity == 16
 
+
+@pytest.mark.parametrize("call, said", [
+    (lambda: ModelConfig.preset("tiny", residual="ATTNRES_FULL"), "ModelConfig.residual.kind must be one of"),
+    (lambda: ModelConfig.preset("TINY"), "unknown preset"),
+    (lambda: ModelConfig.preset("tiny", residual={"schedule": "TWO_PHASE"}), "ModelConfig.residual.schedule must be"),
+    (lambda: ModelConfig.preset("tiny", hf_architecture="QWEN3"), "ModelConfig.hf_architecture must be"),
+])
+def test_a_choice_written_in_another_case_is_named_in_its_own(call, said):
+    """Choices are lower case, and a notebook writes ``residual="ATTNRES_FULL"`` or
+    ``preset("TINY")``: the refusal listed the choices but suggested none (difflib compares
+    case: 'attnres_full' is not near 'ATTNRES_FULL'), as it does for 'AttnRes_Block'. Still
+    refused - the names are the ones configs and checkpoints store - naming the one meant."""
+    with pytest.raises((ValueError, KeyError), match=said) as error:
+        call()
+    meant = re.search(r"got '(\w+)'|unknown preset '(\w+)'", str(error.value)).group(1, 2)
+    assert f"(did you mean '{next(m for m in meant if m).lower()}'?)" in str(error.value)
+
