@@ -635,3 +635,27 @@ def test_a_choice_written_in_another_case_is_named_in_its_own(call, said):
     meant = re.search(r"got '(\w+)'|unknown preset '(\w+)'", str(error.value)).group(1, 2)
     assert f"(did you mean '{next(m for m in meant if m).lower()}'?)" in str(error.value)
 
+
+def test_a_hook_on_a_module_the_model_never_calls_warns_naming_what_to_hook():
+    """``model.layers[i].register_forward_hook(...)`` - a notebook capturing each block's
+    output - and a hook on ``model.residual`` never ran: the residual calls a block's two
+    sublayers apart and is driven through its methods, so the hook got nothing, without a word
+    (this suite's own check that no block ran before a refusal held so). Registering one warns,
+    naming what to hook; it is registered all the same (tools that hook every module go on),
+    and a hook on a module that runs (``attn``) is quiet."""
+    import warnings
+
+    model = tiny_model()
+    for module, instead in ((model.layers[0], r"\.attn and \.mlp give their raw outputs"),
+                            (model.residual, r"return_depth_weights=True")):
+        for register in (module.register_forward_pre_hook, module.register_forward_hook,
+                         module.register_full_backward_pre_hook, module.register_full_backward_hook):
+            with pytest.warns(UserWarning, match=rf"^a \w+ (pre-)?hook on {type(module).__name__} never runs: .*"
+                                                 rf"{instead}") as caught:
+                register(lambda *args: None)
+            assert caught[0].filename == __file__  # (the user's line)
+        assert len(module._forward_pre_hooks) == len(module._forward_hooks) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.layers[0].attn.register_forward_hook(lambda *args: None)
+
