@@ -659,3 +659,19 @@ def test_a_hook_on_a_module_the_model_never_calls_warns_naming_what_to_hook():
         warnings.simplefilter("error")
         model.layers[0].attn.register_forward_hook(lambda *args: None)
 
+
+def test_a_config_changed_after_building_a_model_leaves_that_model_as_built():
+    """A notebook that builds a model per size from one config (``config.n_layers = n`` in a
+    loop) gave every model the last one's config - the model holds the object it was given - so
+    the first model said 3 layers and had 2: ``generate`` failed with "KVCache layers hold
+    different lengths [4, 4, 0]: a forward was interrupted", an export with missing keys. Each
+    model keeps a copy of its config: what it was built from."""
+    from attnres.inference import generate
+
+    config, models = ModelConfig.preset("tiny"), []
+    for n_layers in (2, 3):
+        config.n_layers = n_layers
+        models.append(AttnResLM(config))
+    assert [m.config.n_layers for m in models] == [len(m.layers) for m in models] == [2, 3]
+    ids = torch.randint(0, 256, (1, 4))
+    assert generate(models[0].eval(), ids, max_new_tokens=2).shape == (1, 2)
