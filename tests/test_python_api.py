@@ -675,3 +675,26 @@ def test_a_config_changed_after_building_a_model_leaves_that_model_as_built():
     assert [m.config.n_layers for m in models] == [len(m.layers) for m in models] == [2, 3]
     ids = torch.randint(0, 256, (1, 4))
     assert generate(models[0].eval(), ids, max_new_tokens=2).shape == (1, 2)
+
+
+
+def test_the_state_dict_of_a_compiled_model_loads_into_the_model(tmp_path):
+    """``torch.compile(model).state_dict()`` names every weight ``_orig_mod.<name>``:
+    ``model.load_state_dict`` of it failed ("Missing key(s) in state_dict: embed_tokens.weight,
+    ... Unexpected key(s): _orig_mod.embed_tokens.weight, ..."), and so did ``load_run`` of a
+    checkpoint an earlier version saved from a compiled model. The names load as the model's
+    own (no module of the model is called ``_orig_mod``): the same logits."""
+    from attnres.checkpoint import write_checkpoint
+    from attnres.inference import load_run
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    logits, compiled = model(ids).logits, torch.compile(model)
+    into = tiny_model()
+    into.load_state_dict(compiled.state_dict())
+    assert torch.equal(into(ids).logits, logits)
+    write_checkpoint(tmp_path / "run", 1, compiled.state_dict(), torch.optim.AdamW(model.parameters()).state_dict(),
+                     {"config": {"model": model.config.to_dict()}}, keep=1)
+    assert torch.equal(load_run(tmp_path / "run").model(ids).logits, logits)
