@@ -698,3 +698,15 @@ def test_the_state_dict_of_a_compiled_model_loads_into_the_model(tmp_path):
     write_checkpoint(tmp_path / "run", 1, compiled.state_dict(), torch.optim.AdamW(model.parameters()).state_dict(),
                      {"config": {"model": model.config.to_dict()}}, keep=1)
     assert torch.equal(load_run(tmp_path / "run").model(ids).logits, logits)
+
+
+def test_the_standard_residual_given_another_variants_option_names_itself():
+    """Swapping the baseline into one's own model, ``BlockAttnRes(d, L, block_size=2)`` ->
+    ``StandardResidual(d, L, block_size=2)``, was refused naming another class:
+    "ResidualStream.__init__() got an unexpected keyword argument 'block_size'"."""
+    from attnres.nn import StandardResidual
+
+    with pytest.raises(TypeError, match=r"^StandardResidual\.__init__\(\) got an unexpected keyword argument "
+                                        r"'block_size'$"):
+        StandardResidual(64, 8, block_size=2)
+    assert StandardResidual(64, 8).n_sublayers == 8
