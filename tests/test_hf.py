@@ -42,6 +42,16 @@ def native_model(seed: int = 0, **overrides) -> AttnResLM:
     return model
 
 
+def test_from_native_takes_a_compiled_model():
+    """``AttnResForCausalLM.from_native(torch.compile(model))`` - a notebook's model is often
+    the compiled one - was refused as "from_native takes an AttnResLM, got OptimizedModule",
+    where generate and the checkpoints take it: it copies the compiled model's original."""
+    native, ids = native_model(), torch.randint(0, 256, (2, 8))
+    hf = AttnResForCausalLM.from_native(torch.compile(native)).eval()
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, native(ids).logits)
+
+
 @pytest.mark.parametrize("overrides", [dict(residual="attnres_block"), dict(residual="attnres_full", tie_embeddings=True),
                                        dict(residual="standard")])
 def test_native_hf_native_round_trip_is_exact(overrides):

@@ -681,7 +681,8 @@ def test_bad_inputs_embeds_are_refused_by_name_before_any_compute(call, match):
     model = make_model()
     assert model.config.d_model == 64
     ran = []
-    model.layers[0].register_forward_pre_hook(lambda *a: ran.append(True))
+    # (on the first sublayer's norm: a block is never called, and a hook on it never ran)
+    model.layers[0].attn_norm.register_forward_pre_hook(lambda *a: ran.append(True))
     with pytest.raises(ValueError, match=match):
         call(model, torch.zeros(2, 3, 64))
     assert not ran
@@ -857,6 +858,25 @@ def test_a_model_built_on_the_meta_device_runs_there_and_materialises_exactly(re
     ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_built_on_the_meta_device_loads_a_state_dict_by_assignment_exactly(dtype):
+    """The other way to materialise a large model: build it on meta, then
+    ``load_state_dict(state, assign=True)`` (torchtune's, accelerate's). The RoPE tables are
+    not in the state dict (computed, not learnt), so they stayed on meta and the forward failed
+    deep in ``apply_rotary`` with "Tensor on device meta is not on the expected device cpu!".
+    They are computed where the loaded weights are, in their own dtype: the logits of the model
+    whose state dict it was."""
+    config = ModelConfig.preset("tiny")
+    torch.manual_seed(0)
+    reference = AttnResLM(config).to(dtype).eval()
+    with torch.device("meta"):
+        model = AttnResLM(config).to(dtype)
+    model.load_state_dict(reference.state_dict(), assign=True)
+    ids = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, reference(ids).logits)
 
 
 def test_attention_and_rope_on_their_own_refuse_what_they_cannot_run_and_take_an_empty_sequence():

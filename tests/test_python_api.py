@@ -573,3 +573,140 @@ def test_any_invalid_sampling_argument_of_generate_is_refused_naming_it(argument
     arguments = {"max_new_tokens": 2, "temperature": 0.8, argument: value}
     with pytest.raises(ValueError, match=rf"^{argument} must be "):
         generate(model, torch.zeros(1, 3, dtype=torch.long), **arguments)
+
+
+def test_a_checkpoint_of_a_compiled_model_loads_into_the_model_and_back(tmp_path):
+    """``save_checkpoint(out, step, torch.compile(model), ...)`` stored the weights under
+    ``torch.compile``'s ``_orig_mod.`` prefix: ``load_run`` and ``load_checkpoint`` into the
+    model refused the checkpoint ("does not fit the model: missing ['embed_tokens.weight', ...]"),
+    and a checkpoint of the plain model did not load into its compiled one. Both sides save and
+    load the compiled model's original, the names ``model.state_dict()`` gives."""
+    from attnres.checkpoint import load_checkpoint, save_checkpoint
+    from attnres.inference import load_run
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with torch.no_grad():  # (weights a fresh model does not have by chance)
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    logits = model(ids).logits
+    compiled = torch.compile(model)
+    state = {"config": {"model": model.config.to_dict()}}
+    path = save_checkpoint(tmp_path / "run", 1, compiled, torch.optim.AdamW(compiled.parameters()), state, keep=1)
+    assert torch.equal(load_run(tmp_path / "run").model(ids).logits, logits)
+    into = tiny_model()
+    load_checkpoint(path, torch.compile(into), restore_rng=False)
+    assert torch.equal(into(ids).logits, logits)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_numpy_integers_are_taken_wherever_generate_takes_ints(decode):
+    """``generate(model, ids, max_new_tokens=np.int64(3))`` (a count from a NumPy array or a
+    pandas sweep) passed generate's check and was refused by the cache it makes, naming an
+    argument the call never had: "KVCache: capacity must be an integer >= 0, got
+    np.int64(10)". The caches take any integer, as ``generate`` does: the same tokens."""
+    np = pytest.importorskip("numpy")
+    from attnres.inference import KVCache, StaticKVCache, generate, prefill
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+
+    def tokens(count):
+        return generate(model, ids, max_new_tokens=count, temperature=0.7, decode=decode,
+                        generator=torch.Generator().manual_seed(0))
+
+    assert torch.equal(tokens(np.int64(3)), tokens(3))
+    assert prefill(model, ids, capacity=np.int64(20))[1].seq_len == 8
+    assert KVCache(np.int32(2), capacity=np.int64(4)).n_layers == 2
+    assert StaticKVCache.for_model(model, np.int64(2), np.int64(16)).capacity == 16
+
+
+@pytest.mark.parametrize("call, said", [
+    (lambda: ModelConfig.preset("tiny", residual="ATTNRES_FULL"), "ModelConfig.residual.kind must be one of"),
+    (lambda: ModelConfig.preset("TINY"), "unknown preset"),
+    (lambda: ModelConfig.preset("tiny", residual={"schedule": "TWO_PHASE"}), "ModelConfig.residual.schedule must be"),
+    (lambda: ModelConfig.preset("tiny", hf_architecture="QWEN3"), "ModelConfig.hf_architecture must be"),
+])
+def test_a_choice_written_in_another_case_is_named_in_its_own(call, said):
+    """Choices are lower case, and a notebook writes ``residual="ATTNRES_FULL"`` or
+    ``preset("TINY")``: the refusal listed the choices but suggested none (difflib compares
+    case: 'attnres_full' is not near 'ATTNRES_FULL'), as it does for 'AttnRes_Block'. Still
+    refused - the names are the ones configs and checkpoints store - naming the one meant."""
+    with pytest.raises((ValueError, KeyError), match=said) as error:
+        call()
+    meant = re.search(r"got '(\w+)'|unknown preset '(\w+)'", str(error.value)).group(1, 2)
+    assert f"(did you mean '{next(m for m in meant if m).lower()}'?)" in str(error.value)
+
+
+def test_a_hook_on_a_module_the_model_never_calls_warns_naming_what_to_hook():
+    """``model.layers[i].register_forward_hook(...)`` - a notebook capturing each block's
+    output - and a hook on ``model.residual`` never ran: the residual calls a block's two
+    sublayers apart and is driven through its methods, so the hook got nothing, without a word
+    (this suite's own check that no block ran before a refusal held so). Registering one warns,
+    naming what to hook; it is registered all the same (tools that hook every module go on),
+    and a hook on a module that runs (``attn``) is quiet."""
+    import warnings
+
+    model = tiny_model()
+    for module, instead in ((model.layers[0], r"\.attn and \.mlp give their raw outputs"),
+                            (model.residual, r"return_depth_weights=True")):
+        for register in (module.register_forward_pre_hook, module.register_forward_hook,
+                         module.register_full_backward_pre_hook, module.register_full_backward_hook):
+            with pytest.warns(UserWarning, match=rf"^a \w+ (pre-)?hook on {type(module).__name__} never runs: .*"
+                                                 rf"{instead}") as caught:
+                register(lambda *args: None)
+            assert caught[0].filename == __file__  # (the user's line)
+        assert len(module._forward_pre_hooks) == len(module._forward_hooks) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.layers[0].attn.register_forward_hook(lambda *args: None)
+
+
+def test_a_config_changed_after_building_a_model_leaves_that_model_as_built():
+    """A notebook that builds a model per size from one config (``config.n_layers = n`` in a
+    loop) gave every model the last one's config - the model holds the object it was given - so
+    the first model said 3 layers and had 2: ``generate`` failed with "KVCache layers hold
+    different lengths [4, 4, 0]: a forward was interrupted", an export with missing keys. Each
+    model keeps a copy of its config: what it was built from."""
+    from attnres.inference import generate
+
+    config, models = ModelConfig.preset("tiny"), []
+    for n_layers in (2, 3):
+        config.n_layers = n_layers
+        models.append(AttnResLM(config))
+    assert [m.config.n_layers for m in models] == [len(m.layers) for m in models] == [2, 3]
+    ids = torch.randint(0, 256, (1, 4))
+    assert generate(models[0].eval(), ids, max_new_tokens=2).shape == (1, 2)
+
+
+
+def test_the_state_dict_of_a_compiled_model_loads_into_the_model(tmp_path):
+    """``torch.compile(model).state_dict()`` names every weight ``_orig_mod.<name>``:
+    ``model.load_state_dict`` of it failed ("Missing key(s) in state_dict: embed_tokens.weight,
+    ... Unexpected key(s): _orig_mod.embed_tokens.weight, ..."), and so did ``load_run`` of a
+    checkpoint an earlier version saved from a compiled model. The names load as the model's
+    own (no module of the model is called ``_orig_mod``): the same logits."""
+    from attnres.checkpoint import write_checkpoint
+    from attnres.inference import load_run
+
+    model, ids = tiny_model(), torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    logits, compiled = model(ids).logits, torch.compile(model)
+    into = tiny_model()
+    into.load_state_dict(compiled.state_dict())
+    assert torch.equal(into(ids).logits, logits)
+    write_checkpoint(tmp_path / "run", 1, compiled.state_dict(), torch.optim.AdamW(model.parameters()).state_dict(),
+                     {"config": {"model": model.config.to_dict()}}, keep=1)
+    assert torch.equal(load_run(tmp_path / "run").model(ids).logits, logits)
+
+
+def test_the_standard_residual_given_another_variants_option_names_itself():
+    """Swapping the baseline into one's own model, ``BlockAttnRes(d, L, block_size=2)`` ->
+    ``StandardResidual(d, L, block_size=2)``, was refused naming another class:
+    "ResidualStream.__init__() got an unexpected keyword argument 'block_size'"."""
+    from attnres.nn import StandardResidual
+
+    with pytest.raises(TypeError, match=r"^StandardResidual\.__init__\(\) got an unexpected keyword argument "
+                                        r"'block_size'$"):
+        StandardResidual(64, 8, block_size=2)
+    assert StandardResidual(64, 8).n_sublayers == 8

@@ -259,3 +259,17 @@ def test_consolidate_killed_while_writing_keeps_the_model_file_there(tmp_path, m
         consolidate(path)
     assert (path / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_sharded_weights_load_into_a_compiled_model(tmp_path):
+    """``load_sharded_weights(path, torch.compile(model))`` found none of the checkpoint's
+    names under the compiled wrapper's ``_orig_mod.`` prefix ("does not fit the model"): it loads
+    into the original module, as ``load_checkpoint`` does."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_sharded_weights, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    load_sharded_weights(path, torch.compile(model))
+    saved = read_sharded_tensors(path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())

@@ -54,14 +54,19 @@ ALIASES = {"gpu": "cuda", "bf16": "bfloat16", "fp16": "float16", "half": "float1
 def nearest(value: Any, allowed: Iterable[str], cutoff: float = 0.6) -> str | None:
     """The allowed string nearest to a misspelt ``value`` (``difflib``'s similarity, at least
     ``cutoff``; a higher one for long lists, where some name is always somewhat near; first the
-    value an :data:`ALIASES` name stands for: 'gpu' -> 'cuda', not 'cpu'), else the
-    one allowed string that ends in ``_value`` (``block`` -> 'attnres_block'), or ``None`` when
-    no allowed one is near or ``value`` is not a string."""
+    value an :data:`ALIASES` name stands for: 'gpu' -> 'cuda', not 'cpu'; then the one allowed
+    string ``value`` is in another case), else the one allowed string that ends in ``_value``
+    (``block`` -> 'attnres_block'), or ``None`` when no allowed one is near or ``value`` is not
+    a string."""
     if not isinstance(value, str):
         return None
     allowed = list(allowed)
     if ALIASES.get(value.lower()) in allowed:
         return ALIASES[value.lower()]
+    # (difflib compares case: 'ATTNRES_FULL' was near no choice, 'TINY' no preset)
+    same = [a for a in allowed if a.casefold() == value.casefold()]
+    if len(same) == 1:
+        return same[0]
     near = difflib.get_close_matches(value, allowed, n=1, cutoff=cutoff)
     if near:
         return near[0]

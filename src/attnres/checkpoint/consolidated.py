@@ -41,6 +41,7 @@ from .manifest import (
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
+from .module import uncompiled
 from .residual import refuse_residual_change
 from ..validation import check_path_argument
 
@@ -90,9 +91,10 @@ def save_checkpoint(out_dir: str | Path, step: int, model: nn.Module, optimizer:
 
     ``state`` is JSON-serialisable run state (data position, config, counters); ``files``
     are further files to store (name -> content, e.g. the tokenizer), verified on load like
-    the others. Returns the checkpoint directory.
+    the others. Returns the checkpoint directory. A ``torch.compile``'d model is saved as its
+    original module (the weights' own names, without ``_orig_mod.``).
     """
-    return write_checkpoint(out_dir, step, model.state_dict(), optimizer.state_dict(), state, keep, files)
+    return write_checkpoint(out_dir, step, uncompiled(model).state_dict(), optimizer.state_dict(), state, keep, files)
 
 
 def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
@@ -145,6 +147,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     check_path_argument(path, "load_checkpoint(path, model, optimizer=None, ...)", "a checkpoint directory (step-*)")
     if not isinstance(model, nn.Module):  # (a state dict there failed deep in the load)
         raise TypeError(f"load_checkpoint: model must be the nn.Module to load into, got {type(model).__name__}")
+    model = uncompiled(model)  # (its weights, under the names the checkpoint stores)
     path = Path(path)
     doc = verified if verified is not None else read_checkpoint_state(path)
     refuse_residual_change(path, doc, model, allow_residual_change)

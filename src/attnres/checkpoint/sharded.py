@@ -52,6 +52,7 @@ from .manifest import (
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
+from .module import uncompiled
 from .residual import refuse_residual_change
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
@@ -262,6 +263,7 @@ def load_sharded_weights(path: str | Path, model: nn.Module, state: dict[str, An
     stores while the weights fit, unless ``allow_residual_change``
     (:func:`attnres.checkpoint.load_checkpoint`'s rule). ``state``: its ``state.json``, where
     the caller has read it."""
+    model = uncompiled(model)
     refuse_residual_change(path, state, model, allow_residual_change)
     weights = read_sharded_tensors(path)
     missing, unexpected = model.load_state_dict(weights, strict=False)

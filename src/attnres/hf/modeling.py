@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
+from ..checkpoint.module import uncompiled
 from ..models import AttnResLM, DecoderTrunk, ModelConfig, next_token_loss
 from ..models.trunk import check_device, check_label_values, check_labels_type
 from ..nn.norm import RMSNorm
@@ -445,7 +446,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
     @classmethod
     def from_native(cls, model: AttnResLM, **config_kwargs) -> AttnResForCausalLM:
         """An HF copy of a native model (same weights, same device and dtype).
-        ``config_kwargs`` set HF fields such as ``eos_token_id``."""
+        ``config_kwargs`` set HF fields such as ``eos_token_id``; a ``torch.compile``'d model
+        is copied as its original module."""
+        model = uncompiled(model)
         if not isinstance(model, AttnResLM):  # (its ModelConfig there failed in "'ModelConfig' object has no attribute 'config'")
             raise TypeError(f"from_native takes an AttnResLM, got {type(model).__name__}"
                             + (": build the model from it, AttnResForCausalLM(AttnResConfig.from_model_config(config))"

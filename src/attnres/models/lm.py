@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ class AttnResLM(DecoderTrunk):
     depth mixing, with the AttnRes pseudo-queries and key norms); ``norm``; ``lm_head``.
 
     ``forward(input_ids [B, T], labels [B, T] | None)`` returns :class:`LMOutput`.
+    ``config``: a copy of the :class:`ModelConfig` it was built from.
 
     Incremental decoding (``attnres.inference``): ``kv_cache`` holds the self-attention
     keys/values of the ``past`` tokens already processed; ``input_ids`` are the next ``T``
@@ -77,7 +79,9 @@ class AttnResLM(DecoderTrunk):
         if config.hf_architecture is not None:
             raise ValueError(f"ModelConfig.hf_architecture={config.hf_architecture!r} builds a transformers model: use "
                              "attnres.models.build_model(config)")
-        self.config = config
+        # A copy: a notebook that changes its config to build the next model (config.n_layers = 4)
+        # changed this one's, which then described another model (its cache, export, checkpoint).
+        self.config = config = copy.deepcopy(config)
         self.build_trunk(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -205,6 +205,27 @@ def run_sublayers(
         residual.add_output(state, m, sublayer_call(layer.mlp_sublayer, h_m))
 
 
+#: What ``torch.compile(model).state_dict()`` puts before each name: the wrapper's attribute.
+_COMPILED_PREFIX = "_orig_mod."
+
+
+def _drop_compiled_prefix(trunk: DecoderTrunk, state_dict: dict, prefix: str, *args) -> None:
+    """Before a state dict loads: where every name of it under ``prefix`` is a compiled model's
+    (``_orig_mod.<name>``, from ``torch.compile(model).state_dict()``), load them as the model's
+    own names, which failed as missing and unexpected keys. No module of the trunk is called so."""
+    marked = prefix + _COMPILED_PREFIX
+    names = [name for name in state_dict if name.startswith(prefix)]
+    if names and all(name.startswith(marked) for name in names):
+        for name in names:
+            state_dict[prefix + name[len(marked):]] = state_dict.pop(name)
+
+
+def _materialise_rope(trunk: DecoderTrunk, incompatible_keys) -> None:
+    """After a state dict loads: the RoPE tables where the embedding's weight now is (a model
+    built on meta and loaded with ``assign=True``: no state dict holds the tables)."""
+    trunk.rope.materialise(trunk.embed_tokens.weight.device)
+
+
 class DecoderTrunk(nn.Module):
     """Mixin: the decoder up to (not including) the LM head. Call :meth:`build_trunk` in
     ``__init__``; the modules keep the names ``embed_tokens``, ``layers.{i}``,
@@ -233,6 +254,8 @@ class DecoderTrunk(nn.Module):
         self.residual = config.build_residual()
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_load_state_dict_pre_hook(_drop_compiled_prefix)
+        self.register_load_state_dict_post_hook(_materialise_rope)
 
     def autocast_norm_outputs(self, on: bool) -> bool:
         """Whether the sublayers' norms return the autocast dtype under autocast

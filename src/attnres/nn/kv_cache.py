@@ -45,12 +45,13 @@ class KVCache:
 
     def __init__(self, n_layers: int, capacity: int = 0) -> None:
         # (KVCache("2") failed with "'<' not supported between instances of 'str' and 'int'", a float
-        # number of layers or positions later, in the first update)
+        # number of layers or positions later, in the first update; any integer type, as generate takes
+        # max_new_tokens: a NumPy one became a capacity this refused)
         for name, value, least in (("n_layers", n_layers, 1), ("capacity", capacity, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < least:
                 raise ValueError(f"KVCache: {name} must be an integer >= {least}, got {value!r}")
-        self.n_layers = n_layers
-        self.capacity = capacity
+        self.n_layers = int(n_layers)
+        self.capacity = int(capacity)
         self._k: list[Tensor | None] = [None] * n_layers
         self._v: list[Tensor | None] = [None] * n_layers
         self._len = [0] * n_layers
@@ -143,8 +144,10 @@ class StaticKVCache:
     ) -> None:
         for name, value in (("n_layers", n_layers), ("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
                             ("head_dim", head_dim), ("capacity", capacity)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        n_layers, batch_size, n_kv_heads, head_dim, capacity = (int(v) for v in (n_layers, batch_size, n_kv_heads,
+                                                                                 head_dim, capacity))
         self.n_layers, self.batch_size, self.capacity = n_layers, batch_size, capacity
         shape = (batch_size, n_kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -160,7 +163,7 @@ class StaticKVCache:
         parameters' dtype and device; ``capacity`` defaults to the model's ``max_seq_len``."""
         config = model.model_config
         capacity = config.max_seq_len if capacity is None else capacity
-        if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity > config.max_seq_len:
+        if isinstance(capacity, Integral) and not isinstance(capacity, bool) and capacity > config.max_seq_len:
             raise ValueError(f"capacity must be <= ModelConfig.max_seq_len={config.max_seq_len}, got {capacity}")
         param = model.embed_tokens.weight
         return cls(config.n_layers, batch_size, config.kv_heads, config.head_dim, capacity,

@@ -65,6 +65,13 @@ class RotaryEmbedding(nn.Module):
             self.reset_tables()
         return out
 
+    def materialise(self, device: torch.device) -> None:
+        """Compute the tables on ``device`` (in their dtype) where they are still on the meta
+        device: a model built there and given its weights by ``load_state_dict(..., assign=True)``
+        keeps them there, as no state dict holds them."""
+        if self.cos.device.type == "meta" and device.type != "meta":
+            self.cos, self.sin = self._tables(self.cos.dtype, device)
+
     def reset_parameters(self) -> None:
         """What a deferred initialisation calls on every module: the tables recomputed."""
         self.reset_tables()

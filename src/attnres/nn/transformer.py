@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..validation import check_sizes
+from .driven import DrivenModule
 from .norm import FusableNormInput, RMSNorm
 from .rope import apply_rotary
 
@@ -155,7 +156,7 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x_gate)) * self.up_proj(x_up))
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(DrivenModule):
     """One transformer block = two sublayers, each with its own pre-norm.
 
     ``attention_sublayer(h) = attn(attn_norm(h))`` and ``mlp_sublayer(h) = mlp(mlp_norm(h))``
@@ -163,8 +164,12 @@ class TransformerBlock(nn.Module):
     depth is the residual module's job, not the block's. ``h`` may be a
     :class:`~attnres.nn.norm.FusableNormInput`, which the block's norm turns into
     ``norm(h)`` inside the residual's fused kernel - handing each of the sublayer's linear
-    layers that read it (``input_readers``) a tensor of its own.
+    layers that read it (``input_readers``) a tensor of its own. The block itself is never
+    called (a hook on it warns that it never runs; hook its sublayers' modules).
     """
+
+    hook_instead = ("hook its sublayers' modules: .attn and .mlp give their raw outputs (what the residual mixes), "
+                    "a pre-hook on .attn_norm or .mlp_norm their inputs")
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, mlp_hidden: int, eps: float) -> None:
         super().__init__()

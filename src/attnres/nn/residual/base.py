@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ...validation import Int, did_you_mean_each
+from ..driven import DrivenModule
 from .config import ResidualConfig
 from .mixing import MixingMatrix
 
@@ -112,7 +113,7 @@ def _option_spellings(name: str) -> str:
     return f"model.residual.options.{name}=VALUE (attnres train), --residual-option {name}=VALUE (attnres upcycle)"
 
 
-class ResidualStream(nn.Module, ABC):
+class ResidualStream(DrivenModule, ABC):
     """How the outputs of ``n_sublayers`` sublayers are combined into their inputs.
 
     Call order per forward: ``start`` (or ``resume``), then for each sublayer ``l``
@@ -124,8 +125,13 @@ class ResidualStream(nn.Module, ABC):
     type (built with the ``common`` fields ``_start`` and ``_resume`` are given:
     ``MyState(h=embedding, **common)``), and optionally ``_history``/``_resume`` (for pipelines), and register with
     :func:`attnres.register_residual`.
+
+    The stream is never called as a module: a hook on it warns that it never runs.
     """
 
+    hook_instead = ("the depth weights come from AttnResLM's return_depth_weights=True (or start(x, "
+                    "record_weights=True): state.weights), the sublayers' inputs and outputs from hooks on the "
+                    "sublayers' modules")
     name: ClassVar[str] = ""
     #: Whether the variant computes depth-attention weights (``record_weights`` is ignored otherwise).
     has_depth_attention: ClassVar[bool] = False

@@ -72,6 +72,11 @@ class StandardResidual(SingleStreamResidual):
 
     upcycles_exactly = True  # (the pretrained models' own residual)
 
+    def __init__(self, dim: int, n_sublayers: int) -> None:
+        # (its own, so that another variant's option - BlockAttnRes's block_size, kept while swapping in
+        # the baseline - is refused naming StandardResidual, not "ResidualStream.__init__()")
+        super().__init__(dim, n_sublayers)
+
     @classmethod
     def check_config(cls, config: ResidualConfig, dim: int, n_sublayers: int) -> None:
         super().check_config(config, dim, n_sublayers)
