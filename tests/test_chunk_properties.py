@@ -13,8 +13,9 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from attnres.data import dataset as dataset_mod
 from attnres.data.crossing_cuts import CUTS
@@ -125,7 +126,7 @@ def test_the_styles_are_what_they_claim():
         assert tokenizer(style).clean_cuts == CUTS and not tokenizer(style).marks_text_start
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(text=texts, size=sizes, cuts=st.sampled_from([CUTS, ("line",), ("space",), ()]))
 def test_the_pieces_join_to_the_text_and_each_but_the_last_is_at_least_size(text, size, cuts):
     pieces = list(text_chunks(text, size, cuts=cuts))
@@ -136,7 +137,7 @@ def test_the_pieces_join_to_the_text_and_each_but_the_last_is_at_least_size(text
     assert all(cut_kind(text, at) in cuts or len(p) == 2 * size for at, p in zip(ends, pieces))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(text=texts, size=sizes, parts=st.lists(st.integers(0, 4000), max_size=12))
 def test_the_pieces_of_a_text_streamed_in_parts_are_those_of_the_whole(text, size, parts):
     tok = tokenizer("gpt2-bytelevel")
@@ -153,7 +154,7 @@ AFTER_WHITESPACE = "the " * 28 + "thethethethe  the\n\nthe "
 
 
 @pytest.mark.parametrize("style", STYLES)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40))
 @given(text=texts, size=sizes, batch=st.integers(1, 4))
 @example(text=AFTER_WHITESPACE, size=16, batch=3)
 def test_the_caches_ids_are_the_whole_texts_where_the_cuts_are_clean(style, text, size, batch):
@@ -210,7 +211,7 @@ RSTRIP_RUN = "the the the  the the the the the the  oftext|> <|endoftext|><y>  t
 
 
 @pytest.mark.parametrize("style", ["gpt2-bytelevel", "metaspace-first", "whitespace-bpe"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40))
 @given(text=added_texts, size=sizes, batch=st.integers(1, 4), parts=st.lists(st.integers(0, 3000), max_size=8))
 @example(text=SPLIT_ADDED, size=16, batch=1, parts=[])
 @example(text=RSTRIP_RUN, size=16, batch=1, parts=[])
