@@ -31,7 +31,7 @@ from attnres.distributed import (
     plan_transitions,
 )
 from attnres.distributed import pipeline as pipeline_module
-from attnres.distributed.local_spawn import free_port, run_local
+from attnres.distributed.local_spawn import run_local
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -178,8 +178,9 @@ def test_chained_chunks_equal_the_model(residual, extra, split):
 
 @pytest.fixture
 def one_rank_group():
-    """A gloo group of this process alone (P = 1: every edge stays on the rank)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    """A gloo group of this process alone (P = 1: every edge stays on the rank), on an
+    in-process store (no port to find free)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
