@@ -209,12 +209,20 @@ SPLIT_ADDED = "the " * 5 + "<p>\n</p>" + " the" * 5
 #: more than the token's length after its start, was not seen as inside its match.
 RSTRIP_RUN = "the the the  the the the the the the  oftext|> <|endoftext|><y>  the the the the the the the the "
 
+#: Found by `make test-fuzz` (seed 10): with no other place for the last-resort cut, it went to
+#: the start of the match holding it, which was itself inside another match - "\n<li>" starts
+#: in the whitespace "<y>" (rstrip) takes; "<x>" (lstrip) takes the line break "<br>\n" ends with.
+RSTRIP_INTO_NEXT = "the " * 12 + "thethethe <|end oftext|> oftext|><y> \n<li> "
+LSTRIP_INTO_PREVIOUS = "the " * 13 + "the\nword <|end oftext|>  <y> <br>\n<x> "
+
 
 @pytest.mark.parametrize("style", ["gpt2-bytelevel", "metaspace-first", "whitespace-bpe"])
 @settings(max_examples=examples(40))
 @given(text=added_texts, size=sizes, batch=st.integers(1, 4), parts=st.lists(st.integers(0, 3000), max_size=8))
 @example(text=SPLIT_ADDED, size=16, batch=1, parts=[])
 @example(text=RSTRIP_RUN, size=16, batch=1, parts=[])
+@example(text=RSTRIP_INTO_NEXT, size=16, batch=1, parts=[])
+@example(text=LSTRIP_INTO_PREVIOUS, size=16, batch=1, parts=[])
 def test_no_cut_falls_inside_an_added_token(style, text, size, batch, parts):
     """An added token holding a line break or space between characters (``"<p>\\n</p>"``,
     ``"New York"``), or taking the whitespace beside it (``lstrip`` / ``rstrip``), was cut in
