@@ -35,8 +35,9 @@ print(json.dumps({"profile": name, "drawn": drawn, "max_examples": hypothesis_pr
 """
 
 
-def draw(profile: str | None) -> dict:
-    """What :data:`DRAW` draws under ``profile`` (``None``: the variable unset), outside CI:
+def draw(profile: str | None, cwd: Path) -> dict:
+    """What :data:`DRAW` draws under ``profile`` (``None``: the variable unset), run in ``cwd``
+    (where ``explore`` keeps its example database), outside CI:
     hypothesis loads a derandomized profile of its own where ``CI`` is set, and that must not
     stand in for the suite's on a developer's machine."""
     from hypothesis._settings import _CI_VARS
@@ -46,22 +47,22 @@ def draw(profile: str | None) -> dict:
     if profile is not None:
         env[hypothesis_profiles.PROFILE_VARIABLE] = profile
     proc = subprocess.run([sys.executable, "-c", DRAW, str(TESTS)], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=TESTS)
+                          timeout=120, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
 @pytest.mark.skipif(os.environ.get(hypothesis_profiles.PROFILE_VARIABLE) == "explore", reason="make test-fuzz")
-def test_the_default_suite_draws_the_same_examples_every_run():
+def test_the_default_suite_draws_the_same_examples_every_run(tmp_path):
     assert settings.default.derandomize and settings.default.database is None
     assert settings.default.deadline is None and settings.default.print_blob
-    first, second = draw(None), draw(None)
+    first, second = draw(None, tmp_path), draw(None, tmp_path)
     assert first["profile"] == "deterministic" and first["max_examples"] == 20
     assert first["drawn"] == second["drawn"] and len(first["drawn"]) >= 10
 
 
-def test_the_explore_profile_draws_new_examples_ten_times_as_many():
-    first, second = draw("explore"), draw("explore")
+def test_the_explore_profile_draws_new_examples_ten_times_as_many(tmp_path):
+    first, second = draw("explore", tmp_path), draw("explore", tmp_path)
     assert first["profile"] == "explore" and first["max_examples"] == 200
     assert first["drawn"] != second["drawn"]
 
