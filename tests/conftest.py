@@ -28,6 +28,11 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
+import hypothesis_profiles  # noqa: E402
+
+# The same examples on every run unless ATTNRES_HYPOTHESIS=explore (tests/hypothesis_profiles.py).
+hypothesis_profiles.load()
+
 import torch  # noqa: E402 (importing torch does not import triton; importing torch._dynamo does)
 
 # `make test` runs the suite in one process per core (pytest-xdist): each takes its share of

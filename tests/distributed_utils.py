@@ -39,27 +39,30 @@ def torchrun(nproc: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S) -> subpr
     return proc
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now (for a rendezvous endpoint)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_agents(args: list[str], nnodes: int = 2, nproc: int = 1, cwd: Path | None = None,
                     wrap: dict[int, list[str]] | None = None, timeout: float = LAUNCH_TIMEOUT_S,
                     env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """``nnodes`` torchrun agents on this host, joined by a c10d rendezvous on 127.0.0.1, as
     the nodes of a multi-node job are: every agent runs ``torchrun --nnodes N --nproc-per-node
-    nproc --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID args``. ``wrap[i]``
-    is put in front of agent ``i``'s command (e.g. ``unshare -m sh -c '... exec "$@"' agent``:
-    in a mount namespace of its own). Returns every agent's completed process (output merged,
-    under ``stdout``); the caller checks the exit statuses."""
-    port = free_port()
-    base = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}", *args]
+    nproc --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID --rdzv-conf
+    is_host=false args``, the rendezvous store served from this process on a port bound at
+    once (:func:`~attnres.distributed.local_spawn.rendezvous_env`: a port found free and
+    bound later by the first agent could be taken in between). ``wrap[i]`` is put in front of
+    agent ``i``'s command (e.g. ``unshare -m sh -c '... exec "$@"' agent``: in a mount
+    namespace of its own). Returns every agent's completed process (output merged, under
+    ``stdout``); the caller checks the exit statuses."""
+    from attnres.distributed.local_spawn import rendezvous_env
+
+    with rendezvous_env() as rendezvous:
+        port = rendezvous["MASTER_PORT"]
+        base = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}",
+                "--rdzv-conf=is_host=false", *args]
+        return _run_agents(base, nnodes, cwd, wrap, timeout, env)
+
+
+def _run_agents(base: list[str], nnodes: int, cwd: Path | None, wrap: dict[int, list[str]] | None, timeout: float,
+                env: dict[str, str] | None) -> list[subprocess.CompletedProcess]:
     procs = []
     for i in range(nnodes):
         cmd = [*wrap[i], *base] if wrap and i in wrap else base

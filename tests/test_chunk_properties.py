@@ -13,8 +13,9 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from attnres.data import dataset as dataset_mod
 from attnres.data.crossing_cuts import CUTS
@@ -125,7 +126,7 @@ def test_the_styles_are_what_they_claim():
         assert tokenizer(style).clean_cuts == CUTS and not tokenizer(style).marks_text_start
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(text=texts, size=sizes, cuts=st.sampled_from([CUTS, ("line",), ("space",), ()]))
 def test_the_pieces_join_to_the_text_and_each_but_the_last_is_at_least_size(text, size, cuts):
     pieces = list(text_chunks(text, size, cuts=cuts))
@@ -136,7 +137,7 @@ def test_the_pieces_join_to_the_text_and_each_but_the_last_is_at_least_size(text
     assert all(cut_kind(text, at) in cuts or len(p) == 2 * size for at, p in zip(ends, pieces))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(text=texts, size=sizes, parts=st.lists(st.integers(0, 4000), max_size=12))
 def test_the_pieces_of_a_text_streamed_in_parts_are_those_of_the_whole(text, size, parts):
     tok = tokenizer("gpt2-bytelevel")
@@ -153,7 +154,7 @@ AFTER_WHITESPACE = "the " * 28 + "thethethethe  the\n\nthe "
 
 
 @pytest.mark.parametrize("style", STYLES)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40))
 @given(text=texts, size=sizes, batch=st.integers(1, 4))
 @example(text=AFTER_WHITESPACE, size=16, batch=3)
 def test_the_caches_ids_are_the_whole_texts_where_the_cuts_are_clean(style, text, size, batch):
@@ -208,12 +209,20 @@ SPLIT_ADDED = "the " * 5 + "<p>\n</p>" + " the" * 5
 #: more than the token's length after its start, was not seen as inside its match.
 RSTRIP_RUN = "the the the  the the the the the the  oftext|> <|endoftext|><y>  the the the the the the the the "
 
+#: Found by `make test-fuzz` (seed 10): with no other place for the last-resort cut, it went to
+#: the start of the match holding it, which was itself inside another match - "\n<li>" starts
+#: in the whitespace "<y>" (rstrip) takes; "<x>" (lstrip) takes the line break "<br>\n" ends with.
+RSTRIP_INTO_NEXT = "the " * 12 + "thethethe <|end oftext|> oftext|><y> \n<li> "
+LSTRIP_INTO_PREVIOUS = "the " * 13 + "the\nword <|end oftext|>  <y> <br>\n<x> "
+
 
 @pytest.mark.parametrize("style", ["gpt2-bytelevel", "metaspace-first", "whitespace-bpe"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40))
 @given(text=added_texts, size=sizes, batch=st.integers(1, 4), parts=st.lists(st.integers(0, 3000), max_size=8))
 @example(text=SPLIT_ADDED, size=16, batch=1, parts=[])
 @example(text=RSTRIP_RUN, size=16, batch=1, parts=[])
+@example(text=RSTRIP_INTO_NEXT, size=16, batch=1, parts=[])
+@example(text=LSTRIP_INTO_PREVIOUS, size=16, batch=1, parts=[])
 def test_no_cut_falls_inside_an_added_token(style, text, size, batch, parts):
     """An added token holding a line break or space between characters (``"<p>\\n</p>"``,
     ``"New York"``), or taking the whitespace beside it (``lstrip`` / ``rstrip``), was cut in
@@ -233,6 +242,21 @@ def test_no_cut_falls_inside_an_added_token(style, text, size, batch, parts):
     starts = set(tok.pre_token_starts(text))
     if all(cut_kind(text, at) in tok.clean_cuts or at in starts for at in ends):
         assert cache_ids(tok, text, size, batch) == tok.encode(text)
+
+
+#: Found by `make test-fuzz` (seed 22), not fixed yet: 2 * 16 characters with no line or space
+#: cut and no clean pre-token start (each after whitespace or inside "<br>\n"), so the last
+#: resort cuts at 2 * size, between the two spaces before the third "<br>\n". The pre-tokenizer
+#: starts a pre-token there in the raw text (" " | " <br"), but tokenizers takes "<br>\n" out
+#: first and reads the two spaces as one pre-token ("ĠĠ"). The end of the "<br>\n" before them
+#: (or its start) would be a cut the whole text's tokenization shares.
+BEFORE_AN_ADDED_TOKEN = "the the  the  the  <br>\n  <br>\n  <br>\n" + " the" * 13 + " "
+
+
+@pytest.mark.xfail(strict=True, reason="a last-resort cut at 2 * size in whitespace before an added token (seed 22)")
+def test_a_last_resort_cut_before_an_added_token_keeps_the_whole_texts_ids():
+    tok = with_added_tokens("gpt2-bytelevel")
+    assert cache_ids(tok, BEFORE_AN_ADDED_TOKEN, 16, 1) == tok.encode(BEFORE_AN_ADDED_TOKEN)
 
 
 def test_added_tokens_are_read_where_a_cut_can_fall_inside_them():

@@ -17,15 +17,16 @@ the wrong rows, or a gradient or loss not averaged over ranks, gives errors of 1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -239,36 +240,32 @@ def test_resume_on_four_ranks(dp_runs, references):
 
 # -- acceptance: a rank that dies ---------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_by_hand(task: str, root: Path) -> list[subprocess.Popen]:
-    """The ``task`` worker on 2 ranks launched by hand (no torchrun agent)."""
+@contextlib.contextmanager
+def launched_by_hand(task: str, root: Path) -> Iterator[list[subprocess.Popen]]:
+    """The ``task`` worker on 2 ranks launched by hand (no torchrun agent; their store served
+    from this process), killed if still running when the block ends."""
     from distributed_utils import worker_env
 
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = worker_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, __file__, task, str(root)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    return procs
+    from attnres.distributed.local_spawn import rendezvous_env
+
+    with rendezvous_env() as rendezvous:
+        procs = [subprocess.Popen([sys.executable, __file__, task, str(root)], text=True,
+                                  env=worker_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", **rendezvous),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
+        try:
+            yield procs
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
 
 
 def launch_failing(task: str, root: Path) -> tuple[int, str, float]:
     """Start the ``die``/``stall``/``sigterm`` worker on 2 hand-launched ranks; return rank
     0's exit status and output, and the seconds from rank 1's failure to rank 0's exit."""
-    procs = launch_by_hand(task, root)
-    try:
+    with launched_by_hand(task, root) as procs:
         out0, _ = procs[0].communicate(timeout=240)
         exited = time.time()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     out1, _ = procs[1].communicate(timeout=60)
     failed_at = root / f"{task}.txt"
     assert failed_at.exists(), f"rank 1 never reached its failure point:\n{out0}\n{out1}"
@@ -296,13 +293,8 @@ def test_waits_for_rank_0s_set_up_and_checkpoints_are_not_bounded_by_dist_timeou
     model is large), each for 2.5 x dist_timeout_s, while rank 1 waits: the run trains. (Rank 1
     stopped at dist_timeout_s with "another rank has probably died or stalled": with
     `dist_timeout_s=60`, as docs/distributed.md suggests, a first run on a large corpus failed.)"""
-    procs = launch_by_hand("slow-rank-0", root)
-    try:
+    with launched_by_hand("slow-rank-0", root) as procs:
         outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "attnres train: finished at step 2" in outs[0], outs[0]
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from torch.autograd import gradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
@@ -680,7 +681,7 @@ def test_merge_bf16_keeps_the_gradient_through_the_norm_in_float32(backend, kern
         assert_rel_close(a, b, 1e-2, f"d computed[{j}]")  # (bf16 results: 2^-9 relative)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25))
 @given(k=st.integers(0, 3), c=st.integers(0, 3), d=st.integers(1, 9), b=st.integers(1, 3), t=st.integers(1, 4),
        norm=st.booleans(), seed=st.integers(0, 2**16))
 def test_merge_matches_the_reference_over_shapes(k, c, d, b, t, norm, seed):
@@ -704,7 +705,7 @@ def _laid_out(x, layout: str):
     return x
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25))
 @given(S=st.integers(1, 3), n=st.integers(1, 3), d=st.integers(1, 9), b=st.integers(0, 3), t=st.integers(1, 3),
        layout=st.sampled_from(["contiguous", "transposed", "expanded"]), seed=st.integers(0, 2**16))
 def test_phase1_matches_the_reference_over_shapes_and_layouts(S, n, d, b, t, layout, seed):

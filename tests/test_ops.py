@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from attnres.ops import OPERATIONS, depth_attention
 
@@ -225,7 +226,7 @@ def test_gradcheck_depth_attention():
 
 
 # ------------------------------------------------------------------------------- property
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(
     n=st.integers(1, 6),
     lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),

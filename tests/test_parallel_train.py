@@ -354,18 +354,21 @@ def test_sigkilled_rank_ends_pipeline_job(root):
     verifies and resumes."""
     from distributed_utils import worker_env
 
-    port = str(__import__("attnres.distributed.local_spawn", fromlist=["free_port"]).free_port())
+    from attnres.distributed.local_spawn import rendezvous_env
+
     runs = json.dumps([["kill", {**PP, "dist_timeout_s": 30}, 0]])
-    env = {**worker_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(root), runs], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        out0, _ = procs[0].communicate(timeout=240)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    with rendezvous_env() as rendezvous:
+        env = {**worker_env(), **rendezvous, "WORLD_SIZE": "2"}
+        procs = [subprocess.Popen([sys.executable, __file__, str(root), runs],
+                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        try:
+            out0, _ = procs[0].communicate(timeout=240)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
     ended = time.time()
     killed = float((root / "killed.txt").read_text())
     assert procs[1].returncode == -signal.SIGKILL

@@ -31,7 +31,7 @@ from attnres.distributed import (
     plan_transitions,
 )
 from attnres.distributed import pipeline as pipeline_module
-from attnres.distributed.local_spawn import free_port, run_local
+from attnres.distributed.local_spawn import run_local
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -178,8 +178,9 @@ def test_chained_chunks_equal_the_model(residual, extra, split):
 
 @pytest.fixture
 def one_rank_group():
-    """A gloo group of this process alone (P = 1: every edge stays on the rank)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    """A gloo group of this process alone (P = 1: every edge stays on the rank), on an
+    in-process store (no port to find free)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -352,11 +353,14 @@ def test_the_documented_python_example_runs_as_written_on_two_ranks(tmp_path):
     script.write_text(block + "\ntorch.manual_seed(0)\n"
                       "reference = AttnResLM(config)(input_ids, labels).loss\n"
                       "assert torch.allclose(loss, reference, rtol=1e-5), (loss, reference)\n"
-                      "print('equal to one process on rank', os.environ['RANK'])\n")
+                      "print(f\"equal to one process on rank {os.environ['RANK']}\")\n")
     out = torchrun(2, str(script)).stdout
     for rank in (0, 1):
         # Not anchored to lines: the ranks share one pipe, and unbuffered, a print writes its
         # text and its newline apart, so one rank's line may land inside another's (CI saw
-        # "rank 1: loss 6.9043rank 0: loss 6.9043\n\n").
+        # "rank 1: loss 6.9043rank 0: loss 6.9043\n\n"). Each text is one piece, one f-string:
+        # a print of two arguments writes them and the space between apart, and the other
+        # rank's text landed between "rank" and its number (two ranks printing together under
+        # PYTHONUNBUFFERED=1 lost about a third of such lines, none of one f-string's).
         assert re.search(rf"rank {rank}: loss \d+\.\d{{4}}(?!\d)", out), out
         assert f"equal to one process on rank {rank}" in out, out

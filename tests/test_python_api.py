@@ -15,6 +15,7 @@ import torch
 from conftest import make_model, twin_with_schedule
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from attnres import AttnResLM, ModelConfig
 from attnres.nn import Attention, RotaryEmbedding, SwiGLU
@@ -483,7 +484,7 @@ def _field_and_value(invalid: dict) -> st.SearchStrategy:
     return st.sampled_from(sorted(invalid)).flatmap(lambda name: st.tuples(st.just(name), invalid[name]))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200))
 @given(_field_and_value(_INVALID_MODEL_FIELDS), st.booleans())
 def test_any_invalid_model_field_is_refused_naming_it(field_value, nested):
     """Whatever a notebook passes to a field - 0, a negative, a quoted number, a fraction, a
@@ -495,7 +496,7 @@ def test_any_invalid_model_field_is_refused_naming_it(field_value, nested):
         ModelConfig.preset("tiny", **{field: value}) if nested else ModelConfig(**{**base, field: value})
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100))
 @given(_field_and_value(_INVALID_RESIDUAL_FIELDS))
 def test_any_invalid_residual_field_is_refused_naming_it(field_value):
     field, value = field_value
@@ -517,7 +518,7 @@ def _shape_model(residual: str):
     return _SHAPE_MODELS[residual]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30))
 @given(st.sampled_from(["attnres_block", "attnres_full", "standard"]), st.integers(1, 3), st.integers(1, 24),
        st.integers(0, 2**16))
 def test_any_valid_batch_and_length_match_the_reference_and_each_row_alone(residual, batch, length, seed):
@@ -535,7 +536,7 @@ def test_any_valid_batch_and_length_match_the_reference_and_each_row_alone(resid
             torch.testing.assert_close(model(ids[row:row + 1]).logits[0], logits[row], atol=1e-4, rtol=1e-4)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(st.integers(0, 3), st.integers(0, 40), st.sampled_from([torch.long, torch.int32, torch.float32, torch.int16]))
 def test_any_invalid_batch_length_or_dtype_is_refused_naming_input_ids(batch, length, dtype):
     """An empty batch or sequence, one past ``max_seq_len`` or ids that are not int64/int32:
@@ -560,7 +561,7 @@ _INVALID_SAMPLING = {
 }
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80))
 @given(_field_and_value(_INVALID_SAMPLING))
 def test_any_invalid_sampling_argument_of_generate_is_refused_naming_it(argument_value):
     """``max_new_tokens`` 0, negative or fractional, a negative or NaN ``temperature``, a

@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_utils import LAUNCH_TIMEOUT_S, free_port, worker_env
+from distributed_utils import LAUNCH_TIMEOUT_S, worker_env
+
+from attnres.distributed.local_spawn import rendezvous_env
 
 WAIT_REPORT_S = 1.0
 RANK_0_SLOW_S = 3.5
@@ -177,7 +179,11 @@ def kill_launcher_of(task: str, root: Path) -> tuple[bool, str]:
     """Start the ``task`` worker under a process that stands for torchrun's agent, SIGKILL
     that process once the worker has written its pid, and return whether the worker was gone
     within 10 s, and its output."""
-    env = worker_env(**TORCHRUN_ENV, MASTER_PORT=str(free_port()))
+    with rendezvous_env() as rendezvous:
+        return _kill_launcher_of(task, root, worker_env(**{**TORCHRUN_ENV, **rendezvous}))
+
+
+def _kill_launcher_of(task: str, root: Path, env: dict[str, str]) -> tuple[bool, str]:
     pid_file, pid = root / "pid-0", None
     with open(root / "log.txt", "w") as log:
         agent = subprocess.Popen([sys.executable, "-c", AGENT, sys.executable, __file__, task, str(root)], env=env,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import re
 import socket
 import sys
 import time
@@ -103,19 +104,34 @@ def wait_until_up(url: str, proc, log: Path, timeout: float = 600) -> None:
 OPERATOR_FLAGS = ["--no-enable-chunked-prefill"]
 
 
+#: What a server's log says when another process bound its port first (EADDRINUSE).
+PORT_TAKEN = re.compile(r"\[Errno 98\]|address already in use", re.IGNORECASE)
+#: The ports a server is started on before its failure to bind one counts.
+PORT_ATTEMPTS = 3
+
+
 @contextlib.contextmanager
 def vllm_server(directory: Path, work: Path, core: int | None, flags: list[str]):
     """``vllm serve DIR`` (eager, float32, with ``flags``) up on a free port: its URL and its
-    process; the group is killed on exit."""
+    process; the group is killed on exit. The port is found free here and bound by the server
+    after it has imported vLLM (tens of seconds beside the default suite, whose processes'
+    sockets can take it meanwhile): a server that found it taken is started again on another."""
     work.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [*serve_command(directory), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "256", "--enforce-eager", *flags]
     log = work / "server.log"
-    with process_group(cmd, vllm_env(work, core), log) as proc:
-        wait_until_up(url, proc, log)
-        yield url, proc
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [*serve_command(directory), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "256", "--enforce-eager", *flags]
+        with process_group(cmd, vllm_env(work, core), log) as proc:
+            try:
+                wait_until_up(url, proc, log)
+            except RuntimeError:
+                if attempt < PORT_ATTEMPTS and PORT_TAKEN.search(log.read_text(errors="replace")):
+                    continue
+                raise
+            yield url, proc
+            return
 
 
 def exercise_server(directory: Path, prompts: list[str], chat: list[dict], max_tokens: int, burst: list[str],

@@ -150,3 +150,38 @@ def test_data_parallel_server_is_attnres_text(data_parallel_server_run, referenc
     out = data_parallel_server_run.result()
     assert out["completions"] == ids[: len(SERVER_PROMPTS)] * 2
     assert sorted(out["finished_by_engine"]) == ["0", "1"] and min(out["finished_by_engine"].values()) >= 1, out
+
+
+#: Stands for ``vllm serve``: binds ``--port`` (as vLLM does once imported) and answers ``/health``.
+FAKE_SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_it_starts_on_another(tmp_path, monkeypatch):
+    """The port is found free, then bound by the server once vLLM is imported: another process
+    bound it in between (the default suite runs beside this one), and the server exited with
+    EADDRINUSE. It is started again on another port."""
+    import socket
+    import sys
+
+    import server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1], server.free_port()]
+        second = ports[1]
+        monkeypatch.setattr(server, "free_port", lambda: ports.pop(0))
+        monkeypatch.setattr(server, "serve_command", lambda directory: [sys.executable, "-c", FAKE_SERVER])
+        with server.vllm_server(tmp_path, tmp_path / "work", None, []) as (url, proc):
+            assert url == f"http://127.0.0.1:{second}" and server.healthy(url)
+    assert ports == [] and proc.poll() is not None

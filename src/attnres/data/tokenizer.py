@@ -532,7 +532,8 @@ def text_chunks(text: str | Iterable[str], size: int = 1 << 20, splits: Callable
     ``cuts``: the kinds of cut taken (a tokenizer's :attr:`~BPETokenizer.clean_cuts`): a text
     encoded by one whose pieces cross line breaks is cut only before a space, else as the last
     resort. ``added``: where a tokenizer's added tokens match (:attr:`~BPETokenizer.added_tokens`):
-    no cut falls inside a match (the last resort at 2 * size one inside falls at its start)."""
+    no cut falls inside a match (the last resort at 2 * size one inside falls at its start, or
+    at the start of the match that holds that start)."""
     held, start = "", 0  # (the text not yet yielded is held[start:])
     for part in [text] if isinstance(text, str) else text:
         held = held[start:] + part if start < len(held) else part
@@ -572,8 +573,11 @@ def _piece_end(text: str, start: int, size: int, final: bool, splits: Callable[[
         return None
     else:
         at = _split_before(text, lo, hi, splits, clean)
-    inside = None if added is None else added.holding(text, at)  # (at hi, where no other place was found)
-    return inside if inside is not None and inside > start else at
+    # (at hi, where no other place was found: back to the start of the match that holds it, and
+    # of the one that holds that start - an rstrip token's whitespace may run into the next match)
+    while added is not None and (inside := added.holding(text, at)) is not None and inside > start:
+        at = inside
+    return at
 
 
 def _split_before(text: str, lo: int, hi: int, splits: Callable[[str], list[int]], clean: Callable[[int], bool]) -> int:

@@ -7,31 +7,49 @@ of them within ``timeout`` instead of blocking CI.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-__all__ = ["free_port", "run_local"]
+__all__ = ["rendezvous_env", "run_local"]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def rendezvous_env() -> Iterator[dict[str, str]]:
+    """Serve a ``TCPStore`` from this process on 127.0.0.1 while the block runs, and give the
+    environment that makes each worker's ``init_process_group`` a client of it
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``), as torchrun's agent
+    serves its workers' store.
+
+    The store is bound to the port the kernel gives it (port 0), so no other process can take
+    that port first. A port found free here and bound later by rank 0 could be: other
+    processes' sockets took it in the seconds rank 0 spent importing torch (another test's
+    gloo connections, a second pytest-xdist worker), and the launch failed."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store  # (the last reference: the server stops)
 
 
 def run_local(argv: Sequence[str], n_procs: int, timeout: float, env: dict[str, str] | None = None) -> list[str]:
     """Run ``python argv...`` ``n_procs`` times with torchrun's environment (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; one thread each) and
-    return their stdouts. Raises ``RuntimeError`` with the failing worker's output if one
-    exits non-zero or the group is not done within ``timeout`` seconds (all are killed)."""
-    base = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    base.update(WORLD_SIZE=str(n_procs), OMP_NUM_THREADS="1")
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; one thread each; the
+    store served from this process, :func:`rendezvous_env`) and return their stdouts. Raises
+    ``RuntimeError`` with the failing worker's output if one exits non-zero or the group is
+    not done within ``timeout`` seconds (all are killed)."""
+    with rendezvous_env() as rendezvous:
+        return _run_workers(argv, n_procs, timeout, {**os.environ, **(env or {}), **rendezvous})
+
+
+def _run_workers(argv: Sequence[str], n_procs: int, timeout: float, base: dict[str, str]) -> list[str]:
+    base = {**base, "WORLD_SIZE": str(n_procs), "OMP_NUM_THREADS": "1"}
     procs, logs = [], []
     for rank in range(n_procs):
         log = tempfile.TemporaryFile(mode="w+")
