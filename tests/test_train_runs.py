@@ -393,6 +393,25 @@ def test_a_lock_left_empty_by_a_run_killed_while_taking_it_is_taken_over(tmp_pat
     assert list(run.iterdir()) == []
 
 
+def test_an_empty_lock_left_by_a_killed_run_of_this_runs_pid_is_taken_over(tmp_path):
+    """The temporary lock file was named by the PID alone: a run restarted under the PID of the
+    run killed while taking the lock (a container's PID 1 again) wrote its own over the one
+    that named the killed run, found no other, and refused the empty lock it had left. The
+    killed run's file stays its own: the lock is taken over, with a warning naming it."""
+    from attnres.train import lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).write_text("")
+    killed = {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": "an earlier start", "started": 0}
+    assert lock.stale_here(killed)  # (its PID is this process's now)
+    (run / f".{LOCK_FILE}.{os.getpid()}").write_text(json.dumps(killed))  # (as the killed run named it)
+    with pytest.warns(UserWarning, match=rf"stale lock .*PID {os.getpid()} .*killed while taking the lock"), \
+            RunLock(run):
+        assert json.loads((run / LOCK_FILE).read_text())["proc_start"] == lock._start_time(os.getpid())
+    assert list(run.iterdir()) == []
+
+
 def test_an_empty_lock_that_a_live_or_unknown_process_may_be_writing_is_refused(tmp_path):
     """An empty run.lock is taken over only where every temporary lock file names a process of
     this host that no longer runs: one of a live process (writing the lock now, on a file
