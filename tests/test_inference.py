@@ -118,6 +118,27 @@ def test_a_model_of_fake_tensors_runs_without_autograd_and_keeps_no_queries(monk
     assert "_folded_cache" not in model.residual.__dict__
 
 
+def test_real_weights_run_under_fake_tensors_keep_no_fake_queries():
+    """A model of real weights run without autograd under FakeTensorMode (a shape survey of
+    an existing model) kept the folded queries it stacked there - a fake tensor, without
+    values - and every later forward outside the mode took them: its logits were fake
+    tensors too. Nothing fake is kept; the later forward equals the one before."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from attnres import AttnResLM, ModelConfig
+
+    torch.manual_seed(0)
+    model = AttnResLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        before = model(ids).logits
+        model.residual.__dict__.pop("_folded_cache", None)  # (the survey's forward is the first to stack them)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            assert model(torch.randint(0, 64, (2, 5))).logits.shape == (2, 5, 64)
+        after = model(ids).logits
+    assert not isinstance(after, FakeTensor) and torch.equal(after, before)
+
+
 # -- chunked prefill == one-shot prefill ---------------------------------------------------
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 19, 64])
 def test_chunked_prefill_matches_one_shot(model, chunk_size):

@@ -50,6 +50,11 @@ class UncountedResidual(SingleStreamResidual):
 SCALED = {"kind": "scaled_test", "options": {"init": 0.5}}
 
 
+@register_residual("block_alias_test", replace=True)
+class BlockAlias(attnres.nn.BlockAttnRes):  # (the registry's way to a second name: a subclass)
+    pass
+
+
 def test_user_variant_is_registered_and_builds_from_the_config():
     assert "scaled_test" in registered_residuals() and ScaledResidual.name == "scaled_test"
     model = AttnResLM(ModelConfig.preset("tiny", residual=SCALED))
@@ -830,3 +835,28 @@ def test_the_upcycle_of_a_users_residual_and_its_run_s_export_say_to_import_its_
         f" and `import test_registry` ({here}), which registers its residual 'scaled_test'; or with " \
         "trust_remote_code=True, which imports test_registry itself (config.json's attnres_residual_module) where " \
         "Python finds it: on PYTHONPATH, or installed"
+
+
+def test_a_subclass_of_block_attnres_under_its_own_name_is_another_model_at_another_block_size(tmp_path):
+    """The fields that one variant only reads (the block size: Block AttnRes') were compared
+    for that variant's name alone: a subclass registered under its own name, which builds
+    from the block size as Block AttnRes does, resumed at another block size without a word,
+    and init_from loaded its weights into another block size unrefused - another model from
+    the same weights. Both say it now, as for Block AttnRes; Full AttnRes still reads none."""
+    from attnres.checkpoint import Source
+    from attnres.models.residual_change import changed_residual_fields
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import check_resumable
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32,
+                        residual={"kind": "block_alias_test", "block_size": 2})
+    other = model.replace(residual={"block_size": 4})
+    assert AttnResLM(other).residual.block_size == 4
+    saved = TrainConfig(model=model, seq_len=16).to_dict()
+    with pytest.raises(ValueError, match=r"differs in \['model.residual.block_size'\] "
+                                         r"\(model.residual.block_size: 2 there, 4 here"):
+        check_resumable(saved, TrainConfig(model=other, seq_len=16).to_dict(),
+                        Source(tmp_path / "step-00000001", {"config": saved, "step": 1}))
+    assert changed_residual_fields(model.to_dict(), other) == ["residual.block_size"]
+    full = model.replace(residual={"kind": "attnres_full"})
+    assert changed_residual_fields(full.to_dict(), full.replace(residual={"block_size": 4})) == []

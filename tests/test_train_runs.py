@@ -393,6 +393,25 @@ def test_a_lock_left_empty_by_a_run_killed_while_taking_it_is_taken_over(tmp_pat
     assert list(run.iterdir()) == []
 
 
+def test_an_empty_lock_left_by_a_killed_run_of_this_runs_pid_is_taken_over(tmp_path):
+    """The temporary lock file was named by the PID alone: a run restarted under the PID of the
+    run killed while taking the lock (a container's PID 1 again) wrote its own over the one
+    that named the killed run, found no other, and refused the empty lock it had left. The
+    killed run's file stays its own: the lock is taken over, with a warning naming it."""
+    from attnres.train import lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).write_text("")
+    killed = {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": "an earlier start", "started": 0}
+    assert lock.stale_here(killed)  # (its PID is this process's now)
+    (run / f".{LOCK_FILE}.{os.getpid()}").write_text(json.dumps(killed))  # (as the killed run named it)
+    with pytest.warns(UserWarning, match=rf"stale lock .*PID {os.getpid()} .*killed while taking the lock"), \
+            RunLock(run):
+        assert json.loads((run / LOCK_FILE).read_text())["proc_start"] == lock._start_time(os.getpid())
+    assert list(run.iterdir()) == []
+
+
 def test_an_empty_lock_that_a_live_or_unknown_process_may_be_writing_is_refused(tmp_path):
     """An empty run.lock is taken over only where every temporary lock file names a process of
     this host that no longer runs: one of a live process (writing the lock now, on a file
@@ -1071,3 +1090,37 @@ def test_resume_takes_a_model_field_spelled_as_what_it_resolves_to(tmp_path, sav
         with pytest.raises(ValueError, match=r"the config differs in \['model\.") as caught:
             check_resumable(saved, current, source)
         assert refused in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize("saved_model, run_model, named", [
+    ({}, {"n_heads": 4}, ["model.n_heads"]),  # (n_kv_heads unset on both sides: as many as n_heads)
+    ({}, {"d_model": 64}, ["model.d_model"]),  # (mlp_hidden unset: 8/3 of d_model)
+    ({}, {"n_layers": 4}, ["model.n_layers"]),  # (block_size unset: ceil(L / 8))
+    ({"removed_field": 3}, {}, ["model.removed_field"]),  # (a stored model that does not build here)
+    ({"residual": {"kind": "unregistered_here"}}, {}, ["model.residual.kind"]),
+])
+def test_a_resume_refusal_names_the_changed_field_not_the_unset_ones_that_follow_it(tmp_path, saved_model, run_model,
+                                                                                    named):
+    """Resume compared the model as it resolves: a field left unset on both sides was named
+    beside the field it follows ("model.n_heads: 2 there, 4 here, model.n_kv_heads: 2 there,
+    4 here"); and a stored model that does not build here (a field of another version, a
+    residual not registered) was compared as written against the run's resolved, so that
+    n_kv_heads, mlp_hidden and the block size, unset on both sides, were said to differ
+    ("model.n_kv_heads: None there, 2 here"). Only what was changed is named."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import check_resumable, init_model_changes
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=8, n_heads=2, max_seq_len=32)
+    saved = TrainConfig(model=model, seq_len=16).to_dict()
+    saved["model"] = {**saved["model"], **saved_model}
+    if "residual" in saved_model:
+        saved["model"]["residual"] = {**model.residual.to_dict(), **saved_model["residual"]}
+    source = Source(tmp_path / "step-00000001", {"config": saved, "step": 1})
+    current = TrainConfig(model=model.replace(**run_model), seq_len=16).to_dict()
+    with pytest.raises(ValueError, match=r"the config differs in \[") as caught:
+        check_resumable(saved, current, source)
+    assert str(caught.value).split("the config differs in ")[1].startswith(f"{named} ("), caught.value
+    # (init_from's start-up warning, by the same comparison)
+    changes = init_model_changes(source, current["model"])
+    assert f"in {named} (" in changes, changes

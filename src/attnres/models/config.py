@@ -24,8 +24,9 @@ HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "ge
 
 _CHECK = Fields("ModelConfig")
 
-#: Residual fields that one variant only reads (flattened), with that variant: to another
-#: variant the model is the same whatever they hold.
+#: Residual fields that one variant only reads (flattened), with that variant (and its
+#: subclasses, registered under their own names): to another variant the model is the same
+#: whatever they hold.
 READ_BY_ONE_KIND = {"residual.block_size": "attnres_block", "residual.full_group_size": "attnres_full"}
 
 
@@ -142,13 +143,17 @@ class ModelConfig:
         """The fields, flattened (``residual.kind``), as the model reads them: a ``None`` that
         stands for a value derived from other fields as that value (``n_kv_heads``,
         ``mlp_hidden``, ``residual.block_size``, ``residual.full_group_size``), and the fields
-        of :data:`READ_BY_ONE_KIND` only for the variant that reads them. A field left unset
-        and one spelled as what it resolves to give the same fields: the same model."""
+        of :data:`READ_BY_ONE_KIND` only for the variant that reads them - or a subclass of it
+        (``class MyBlock(BlockAttnRes)`` registered as ``"my_block"`` builds from the block size
+        too). A field left unset and one spelled as what it resolves to give the same fields:
+        the same model."""
         fields = flatten(self.to_dict())
         fields.update(n_kv_heads=self.kv_heads, mlp_hidden=self.hidden_size)
         fields["residual.block_size"] = self.residual.resolved_block_size(self.n_sublayers)
         fields["residual.full_group_size"] = self.residual.resolved_full_group_size(self.n_sublayers)
-        return {k: v for k, v in fields.items() if READ_BY_ONE_KIND.get(k, self.residual.kind) == self.residual.kind}
+        ours = residual_class(self.residual.kind)
+        unread = {k for k, kind in READ_BY_ONE_KIND.items() if not issubclass(ours, residual_class(kind))}
+        return {k: v for k, v in fields.items() if k not in unread}
 
     def describe_residual(self) -> str:
         """The residual in words, as its variant describes it (e.g. ``attnres_block (S=2, N=2)``)."""

@@ -27,8 +27,8 @@ HOW_NOT_WHAT = frozenset({"schedule", "backend", "recompute_phase1", "autocast_s
 def _residual_fields(config: ModelConfig) -> dict[str, Any]:
     """The residual fields of a model ``config`` that change what the model computes,
     flattened, as the model reads them (:meth:`ModelConfig.resolved_fields`): Block AttnRes'
-    block size as its ``S`` (``None`` resolved), and only for Block AttnRes, the one variant
-    that reads it."""
+    block size as its ``S`` (``None`` resolved), and only for Block AttnRes (and its
+    subclasses), the one variant that reads it."""
     return {k: v for k, v in config.resolved_fields().items()
             if k.startswith("residual.") and k.removeprefix("residual.") not in HOW_NOT_WHAT}
 

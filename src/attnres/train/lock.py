@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,7 @@ class RunLock:
                 raise
 
     def _killed_while_locking(self, mine: Path) -> list[tuple[Path, dict[str, Any]]]:
-        """Where the lock file cannot be read: the temporary files (``.run.lock.<pid>``, each
+        """Where the lock file cannot be read: the temporary files (``.run.lock.<pid>.<id>``, each
         holding its process's lock content; every acquisition removes its own as it ends) of
         processes killed while taking the lock - one of which left it empty (:meth:`_create`
         without hard links) - when every temporary file but ``mine`` names a process of this
@@ -171,7 +172,10 @@ class RunLock:
         holder a rank on its host found stale); :class:`RunLocked` otherwise. ``job_hosts``:
         the hosts of this job's ranks (for the error's advice)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}")
+        # (a name of its own, not the PID alone: a run restarted under its killed run's PID - a container's PID 1 -
+        # wrote over the temporary file that named the killed run, and a process of the same PID on another host
+        # sharing the directory wrote over this one's)
+        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
         tmp.write_text(json.dumps(self._me()))
         try:
             for _ in range(3):

@@ -128,14 +128,14 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], source: Sour
     """Raise ``ValueError`` when ``current`` may not continue ``source`` (whose config is
     ``saved``): a field that changes the trajectory differs, or ``steps`` changes the
     learning rate of the steps already taken, or falls below them."""
-    old, new = _as_the_model_reads_it(_normalised(saved)), _as_the_model_reads_it(current)
+    (old, old_unset), (new, new_unset) = _as_the_model_reads_it(_normalised(saved)), _as_the_model_reads_it(current)
     if new.get("init_from") is not None and not _same_path(new["init_from"], old.get("init_from")):
         # init_from may stay as it was (the run's first command again, with --resume); another
         # one would be ignored without a word: the checkpoint's weights are what continues.
         raise ValueError(f"cannot resume from {str(source.path)!r} with init_from={new['init_from']!r}: a resumed run "
                          f"continues its checkpoint's weights (the run started from init_from={old.get('init_from')!r});"
                          " drop init_from to resume, or start a new run (another out_dir) from those weights")
-    differing = _differing(old, new, RESUMABLE_CHANGES)
+    differing = _differing(old, new, RESUMABLE_CHANGES, old_unset & new_unset)
     if differing:
         def said(values: dict[str, Any], k: str) -> str:
             return repr(values[k]) if k in values else "not set"
@@ -177,33 +177,44 @@ def _why_steps_cannot_change(old: dict[str, Any], new: dict[str, Any], step: int
             f"(step {step}) has already taken.")
 
 
-def _as_the_model_reads_it(config: dict[str, Any]) -> dict[str, Any]:
+def _as_the_model_reads_it(config: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     """A run config flattened (``model.n_heads``), its model section as the model reads it
     (:func:`_model_as_read`): a field left unset and one spelled as what it resolves to are
-    the same model, the same steps, which a resume continues."""
+    the same model, the same steps, which a resume continues; and the model fields it leaves
+    unset."""
     model = config.get("model") if isinstance(config.get("model"), dict) else None
     flat = flatten({k: v for k, v in config.items() if k != "model" or model is None})
-    return flat if model is None else {**flat, **{f"model.{k}": v for k, v in _model_as_read(model).items()}}
+    if model is None:
+        return flat, frozenset()
+    read, unset = _model_as_read(model)
+    return {**flat, **{f"model.{k}": v for k, v in read.items()}}, frozenset(f"model.{k}" for k in unset)
 
 
-def _model_as_read(model: dict[str, Any]) -> dict[str, Any]:
+def _model_as_read(model: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     """A model config (a dict, as stored) flattened as the model reads it
     (:meth:`ModelConfig.resolved_fields`): a field left unset as what it resolves to (a Block
     AttnRes block size, ``n_kv_heads``), a field the residual does not read left out; as
-    written where it does not build here."""
+    written where it does not build here. And the fields it leaves unset (``None``): one
+    unset on both sides differs only where the fields it derives from do, which name the
+    change (``n_heads``, not the ``n_kv_heads`` that follows it)."""
     try:
         with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
-            return ModelConfig.from_dict(dict(model)).resolved_fields()
+            config = ModelConfig.from_dict(dict(model))
     except (TypeError, ValueError):
-        return flatten(model)
+        written = flatten(model)
+        return written, frozenset(k for k, v in written.items() if v is None)
+    return config.resolved_fields(), frozenset(k for k, v in flatten(config.to_dict()).items() if v is None)
 
 
-def _differing(old: dict[str, Any], new: dict[str, Any], same: frozenset[str]) -> list[str]:
+def _differing(old: dict[str, Any], new: dict[str, Any], same: frozenset[str],
+               unset: frozenset[str] = frozenset()) -> list[str]:
     """The keys of two configs flattened as read (:func:`_model_as_read`) whose values differ,
-    less those of ``same``: a field one variant only reads, on one side only - the kinds
-    differ, which says it - and an empty mapping on one side (``options: {}``) against its
-    keys on the other, which say it."""
-    differing = sorted(k for k in set(old) | set(new) if k not in same and old.get(k) != new.get(k))
+    less those of ``same``; less those ``unset`` on both sides (a derived value: what it derives
+    from says it - and, where one side does not build here, a value resolved on the other side
+    only); less a field one variant only reads, on one side only - the kinds differ, which
+    says it - and an empty mapping on one side (``options: {}``) against its keys on the
+    other, which say it."""
+    differing = sorted(k for k in set(old) | set(new) if k not in same and k not in unset and old.get(k) != new.get(k))
     differing = [k for k in differing if not any(d.startswith(k + ".") for d in differing)]
     return [k for k in differing if k.removeprefix("model.") not in READ_BY_ONE_KIND or (k in old and k in new)]
 
@@ -297,8 +308,8 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
     # (as the model reads them, as a residual change is refused: a field left unset and the value it resolves to,
     # or a block size that Full AttnRes does not read, were "another model")
     ours = ModelConfig.from_dict(model)
-    old, new = _model_as_read(saved), ours.resolved_fields()
-    differing = _differing(old, new, _NOT_A_MODEL_CHANGE)
+    (old, old_unset), (new, new_unset) = _model_as_read(saved), _model_as_read(model)
+    differing = _differing(old, new, _NOT_A_MODEL_CHANGE, old_unset & new_unset)
     if directory and not changed_residual_fields(saved, ours):
         differing = [k for k in differing if not k.startswith("residual.")]  # (the upcycle's new queries)
     if not differing:

@@ -318,6 +318,9 @@ class AttnResBase(ResidualStream):
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
                 stacked = torch.stack(self._fold(dtype))
                 cached = (key, stacked, list(stacked.unbind(0)))
+            if isinstance(stacked, FakeTensor):  # (real weights run under FakeTensorMode: a stack without values,
+                # which every later forward outside it would have taken - its logits fake too)
+                return cached[1], cached[2]
             self.__dict__["_folded_cache"] = cached
         return cached[1], cached[2]
 
