@@ -1124,3 +1124,40 @@ def test_a_resume_refusal_names_the_changed_field_not_the_unset_ones_that_follow
     # (init_from's start-up warning, by the same comparison)
     changes = init_model_changes(source, current["model"])
     assert f"in {named} (" in changes, changes
+
+
+@pytest.mark.parametrize("lock_text", ["not a lock of ours", '{"pid": 1, "host"'])
+def test_a_lock_that_a_killed_run_did_not_begin_to_write_is_not_taken_over(tmp_path, lock_text):
+    """An unreadable run.lock was taken over wherever the temporary lock files beside it named
+    dead processes of this host - a lock holding another program's text, or one unreadable for
+    want of permission, which no killed acquisition wrote. Only a lock that is empty, or the
+    start of what a killed run was writing (killed mid-write), is taken over; this one is
+    refused, named, and left as it is."""
+    from attnres.train import lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).write_text(lock_text)
+    killed = {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": "an earlier start", "started": 0}
+    assert lock.stale_here(killed)
+    (run / f".{LOCK_FILE}.{os.getpid()}.0123456789ab").write_text(json.dumps(killed))
+    with pytest.raises(RunLocked, match="unreadable lock file .*delete that file"):
+        RunLock(run).acquire()
+    assert (run / LOCK_FILE).read_text() == lock_text
+
+
+def test_a_lock_cut_short_by_a_kill_mid_write_is_taken_over(tmp_path):
+    """A run killed while writing the lock (no hard links) may leave the start of its content,
+    not only an empty file: that, too, is the killed run's, and is taken over."""
+    from attnres.train import lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    killed = {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": "an earlier start", "started": 0}
+    content = json.dumps(killed)
+    (run / LOCK_FILE).write_text(content[:10])
+    (run / f".{LOCK_FILE}.{os.getpid()}.0123456789ab").write_text(content)
+    assert lock.stale_here(killed)
+    with pytest.warns(UserWarning, match="killed while taking the lock"), RunLock(run):
+        assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert list(run.iterdir()) == []

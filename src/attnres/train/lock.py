@@ -141,13 +141,20 @@ class RunLock:
         processes killed while taking the lock - one of which left it empty (:meth:`_create`
         without hard links) - when every temporary file but ``mine`` names a process of this
         host that no longer runs (:func:`stale_here`), so that no live process can be writing
-        the lock now. ``[]`` where one may be, or none names the lock's writer."""
-        killed = []
+        the lock now. ``[]`` where one may be, or none names the lock's writer: the lock holds
+        what none of them began to write (it is not empty or cut short, but unreadable for want
+        of permission, or another program's file), which is not taken over."""
+        try:
+            written = self.path.read_text()
+        except (OSError, ValueError):
+            return []
+        killed, contents = [], []
         for other in sorted(self.path.parent.glob(f".{LOCK_FILE}.*")):
             if other == mine:
                 continue
             try:
-                holder = json.loads(other.read_text())
+                content = other.read_text()
+                holder = json.loads(content)
             except FileNotFoundError:  # (its acquisition ended meanwhile)
                 continue
             except (OSError, ValueError):  # (being written now, or not one of ours: cannot tell)
@@ -155,7 +162,8 @@ class RunLock:
             if not isinstance(holder, dict) or not stale_here(holder):
                 return []
             killed.append((other, holder))
-        return killed
+            contents.append(content)
+        return killed if any(content.startswith(written) for content in contents) else []
 
     def _refusal(self, holder: dict[str, Any], job_hosts: frozenset[str]) -> RunLocked:
         if holder.get("host") in job_hosts | {_host()}:
