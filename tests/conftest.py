@@ -28,10 +28,15 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
-import hypothesis_profiles  # noqa: E402
-
 # The same examples on every run unless ATTNRES_HYPOTHESIS=explore (tests/hypothesis_profiles.py).
-hypothesis_profiles.load()
+# The serving suite's environment (make test-serve) has no hypothesis, and no property tests.
+try:
+    import hypothesis_profiles  # noqa: E402
+except ModuleNotFoundError as missing:
+    if missing.name != "hypothesis":
+        raise
+else:
+    hypothesis_profiles.load()
 
 import torch  # noqa: E402 (importing torch does not import triton; importing torch._dynamo does)
 

@@ -71,3 +71,13 @@ def test_an_unknown_profile_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv(hypothesis_profiles.PROFILE_VARIABLE, "fuzz")
     with pytest.raises(ValueError, match=r"^ATTNRES_HYPOTHESIS='fuzz': the test profiles are 'deterministic' "):
         hypothesis_profiles.load()
+
+
+def test_the_suites_conftest_loads_where_hypothesis_is_not_installed():
+    """The serving suite (``make test-serve``) runs in vLLM's environment, which has no
+    hypothesis, under this same conftest: importing the profiles there stopped every test of
+    that suite at collection (ModuleNotFoundError). The conftest loads without hypothesis."""
+    blocked = ("import sys; sys.modules['hypothesis'] = None; sys.path.insert(0, sys.argv[1]); import conftest; "
+               "print('loaded')")
+    done = subprocess.run([sys.executable, "-c", blocked, str(TESTS)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("loaded"), done.stderr[-3000:]
