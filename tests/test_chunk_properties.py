@@ -215,6 +215,17 @@ RSTRIP_RUN = "the the the  the the the the the the  oftext|> <|endoftext|><y>  t
 RSTRIP_INTO_NEXT = "the " * 12 + "thethethe <|end oftext|> oftext|><y> \n<li> "
 LSTRIP_INTO_PREVIOUS = "the " * 13 + "the\nword <|end oftext|>  <y> <br>\n<x> "
 
+#: Found by `make test-fuzz` (seed 22): 2 * 16 characters with no line or space cut and no clean
+#: pre-token start (each after whitespace or inside "<br>\n"), so the last resort cut at 2 * size,
+#: between the two spaces before the third "<br>\n". The pre-tokenizer starts a pre-token there in
+#: the raw text (" " | " <br"), but tokenizers takes "<br>\n" out first and reads the two spaces as
+#: one pre-token ("ĠĠ"): the ids differed. The cut is now at the end of the "<br>\n" before them.
+BEFORE_AN_ADDED_TOKEN = "the the  the  the  <br>\n  <br>\n  <br>\n" + " the" * 13 + " "
+
+#: Found by seed 3 against the first version of that fix: the last piece's last resort falls in
+#: whitespace that runs on to the text's end, where it looked past the text for a match.
+WHITESPACE_AT_THE_END = "the " * 15 + "the\n<|endoftext|> <|endoftext|><br>\n\n"
+
 
 @pytest.mark.parametrize("style", ["gpt2-bytelevel", "metaspace-first", "whitespace-bpe"])
 @settings(max_examples=examples(40))
@@ -223,6 +234,8 @@ LSTRIP_INTO_PREVIOUS = "the " * 13 + "the\nword <|end oftext|>  <y> <br>\n<x> "
 @example(text=RSTRIP_RUN, size=16, batch=1, parts=[])
 @example(text=RSTRIP_INTO_NEXT, size=16, batch=1, parts=[])
 @example(text=LSTRIP_INTO_PREVIOUS, size=16, batch=1, parts=[])
+@example(text=BEFORE_AN_ADDED_TOKEN, size=16, batch=1, parts=[])
+@example(text=WHITESPACE_AT_THE_END, size=16, batch=1, parts=[])
 def test_no_cut_falls_inside_an_added_token(style, text, size, batch, parts):
     """An added token holding a line break or space between characters (``"<p>\\n</p>"``,
     ``"New York"``), or taking the whitespace beside it (``lstrip`` / ``rstrip``), was cut in
@@ -244,19 +257,19 @@ def test_no_cut_falls_inside_an_added_token(style, text, size, batch, parts):
         assert cache_ids(tok, text, size, batch) == tok.encode(text)
 
 
-#: Found by `make test-fuzz` (seed 22), not fixed yet: 2 * 16 characters with no line or space
-#: cut and no clean pre-token start (each after whitespace or inside "<br>\n"), so the last
-#: resort cuts at 2 * size, between the two spaces before the third "<br>\n". The pre-tokenizer
-#: starts a pre-token there in the raw text (" " | " <br"), but tokenizers takes "<br>\n" out
-#: first and reads the two spaces as one pre-token ("ĠĠ"). The end of the "<br>\n" before them
-#: (or its start) would be a cut the whole text's tokenization shares.
-BEFORE_AN_ADDED_TOKEN = "the the  the  the  <br>\n  <br>\n  <br>\n" + " the" * 13 + " "
-
-
-@pytest.mark.xfail(strict=True, reason="a last-resort cut at 2 * size in whitespace before an added token (seed 22)")
 def test_a_last_resort_cut_before_an_added_token_keeps_the_whole_texts_ids():
+    """A last-resort cut inside the whitespace before an added token's match moves back to the
+    run's start, or to the end of the match the run begins at."""
     tok = with_added_tokens("gpt2-bytelevel")
+    pieces = list(text_chunks(BEFORE_AN_ADDED_TOKEN, 16, splits=tok.pre_token_starts, cuts=tok.clean_cuts,
+                              added=tok.added_tokens))
+    assert len(pieces[0]) == len("the the  the  the  <br>\n  <br>\n")
     assert cache_ids(tok, BEFORE_AN_ADDED_TOKEN, 16, 1) == tok.encode(BEFORE_AN_ADDED_TOKEN)
+    # (a run after a word, too long for its start to be the window's pre-token start: "thethe..." | "   ...<br>\n")
+    text = "the" * 6 + " " * 15 + "<br>\n" + " the" * 13
+    pieces = list(text_chunks(text, 16, splits=tok.pre_token_starts, cuts=tok.clean_cuts, added=tok.added_tokens))
+    assert pieces[0] == "the" * 6
+    assert cache_ids(tok, text, 16, 1) == tok.encode(text)
 
 
 def test_added_tokens_are_read_where_a_cut_can_fall_inside_them():

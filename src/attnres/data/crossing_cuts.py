@@ -134,6 +134,11 @@ class AddedTokenMatches:
                 begin = text.find(content, begin + 1, run_end + n)
         return found
 
+    def starts_at(self, text: str, at: int) -> bool:
+        """Whether a content starts at ``at`` in ``text`` (its match's own start, less any
+        whitespace an ``lstrip`` token takes before it)."""
+        return any(text.startswith(content, at) for content, _, _ in self.tokens)
+
     def holds_a_cut(self) -> bool:
         """Whether a cut of a kind of :data:`CUTS` (after a line break, before a space, each
         between characters other than whitespace) can fall inside a match: a content with a

@@ -338,7 +338,10 @@ TOKEN_CUT_SUFFIX = "-tokencut"
 #: inside a match. Earlier versions cut there, splitting the token in two: a new run does not take
 #: their caches. Other tokenizers' names are unchanged: only a last-resort cut, in 2 MB without a
 #: line break or space, fell inside their tokens (``"<|endoftext|>"`` written out in the text), as
-#: rare as the last-resort cuts that an earlier change moved without renaming caches.
+#: rare as the last-resort cuts that an earlier change moved without renaming caches. So, too, the
+#: last-resort cuts that fell inside the whitespace before a match (seed 22 of
+#: ``tests/test_chunk_properties.py``), moved to its start without renaming: a cache changes only
+#: where such a cut was, whose ids there were not the whole text's.
 ADDED_TOKEN_SUFFIX = "-addedcut"
 
 #: Why a cache named without each suffix, an earlier version's, holds ids that are not the
