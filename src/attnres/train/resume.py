@@ -190,19 +190,21 @@ def _as_the_model_reads_it(config: dict[str, Any]) -> tuple[dict[str, Any], froz
     return {**flat, **{f"model.{k}": v for k, v in read.items()}}, frozenset(f"model.{k}" for k in unset)
 
 
-def _model_as_read(model: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
-    """A model config (a dict, as stored) flattened as the model reads it
-    (:meth:`ModelConfig.resolved_fields`): a field left unset as what it resolves to (a Block
-    AttnRes block size, ``n_kv_heads``), a field the residual does not read left out; as
-    written where it does not build here. And the fields it leaves unset (``None``): one
-    unset on both sides differs only where the fields it derives from do, which name the
-    change (``n_heads``, not the ``n_kv_heads`` that follows it)."""
-    try:
-        with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
-            config = ModelConfig.from_dict(dict(model))
-    except (TypeError, ValueError):
-        written = flatten(model)
-        return written, frozenset(k for k, v in written.items() if v is None)
+def _model_as_read(model: dict[str, Any] | ModelConfig) -> tuple[dict[str, Any], frozenset[str]]:
+    """A model config (a dict, as stored, or one its caller has built already) flattened as
+    the model reads it (:meth:`ModelConfig.resolved_fields`): a field left unset as what it
+    resolves to (a Block AttnRes block size, ``n_kv_heads``), a field the residual does not
+    read left out; as written where it does not build here. And the fields it leaves unset
+    (``None``): one unset on both sides differs only where the fields it derives from do,
+    which name the change (``n_heads``, not the ``n_kv_heads`` that follows it)."""
+    config = model
+    if not isinstance(config, ModelConfig):
+        try:
+            with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
+                config = ModelConfig.from_dict(dict(model))
+        except (TypeError, ValueError):
+            written = flatten(model)
+            return written, frozenset(k for k, v in written.items() if v is None)
     return config.resolved_fields(), frozenset(k for k, v in flatten(config.to_dict()).items() if v is None)
 
 
@@ -307,8 +309,8 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
         theirs, match = "the checkpoint's", "set the fields as the checkpoint has them (or pass its run's --config)"
     # (as the model reads them, as a residual change is refused: a field left unset and the value it resolves to,
     # or a block size that Full AttnRes does not read, were "another model")
-    ours = ModelConfig.from_dict(model)
-    (old, old_unset), (new, new_unset) = _model_as_read(saved), _model_as_read(model)
+    ours = ModelConfig.from_dict(model)  # (built once: the residual check and the fields as read)
+    (old, old_unset), (new, new_unset) = _model_as_read(saved), _model_as_read(ours)
     differing = _differing(old, new, _NOT_A_MODEL_CHANGE, old_unset & new_unset)
     if directory and not changed_residual_fields(saved, ours):
         differing = [k for k in differing if not k.startswith("residual.")]  # (the upcycle's new queries)
