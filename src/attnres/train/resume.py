@@ -24,7 +24,7 @@ from typing import Any
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from ..migrations import stored_config
-from ..models.config import READ_BY_ONE_KIND, ModelConfig
+from ..models.config import READ_BY_SOME_KINDS, ModelConfig
 from ..models.residual_change import HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
@@ -213,12 +213,12 @@ def _differing(old: dict[str, Any], new: dict[str, Any], same: frozenset[str],
     """The keys of two configs flattened as read (:func:`_model_as_read`) whose values differ,
     less those of ``same``; less those ``unset`` on both sides (a derived value: what it derives
     from says it - and, where one side does not build here, a value resolved on the other side
-    only); less a field one variant only reads, on one side only - the kinds differ, which
+    only); less a field only some variants read, on one side only - the kinds differ, which
     says it - and an empty mapping on one side (``options: {}``) against its keys on the
     other, which say it."""
     differing = sorted(k for k in set(old) | set(new) if k not in same and k not in unset and old.get(k) != new.get(k))
     differing = [k for k in differing if not any(d.startswith(k + ".") for d in differing)]
-    return [k for k in differing if k.removeprefix("model.") not in READ_BY_ONE_KIND or (k in old and k in new)]
+    return [k for k in differing if k.removeprefix("model.") not in READ_BY_SOME_KINDS or (k in old and k in new)]
 
 
 def check_resumable_before_data(saved: dict[str, Any], current: dict[str, Any], source: Source) -> None:
