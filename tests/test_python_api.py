@@ -701,6 +701,55 @@ def test_the_state_dict_of_a_compiled_model_loads_into_the_model(tmp_path):
     assert torch.equal(load_run(tmp_path / "run").model(ids).logits, logits)
 
 
+class _Wrapper(torch.nn.Module):
+    """A user's module around the model: the model as ``.model`` and a weight of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model, self.scale = tiny_model(), torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, ids):
+        return self.scale * self.model(ids).logits
+
+
+def test_a_checkpoint_of_a_users_module_around_the_model_loads_whatever_part_of_it_is_compiled(tmp_path):
+    """The loaders knew ``torch.compile`` only around the model itself (``_orig_mod.<name>``):
+    the state dict of ``torch.compile(wrapper)``, a user's module around the model, written
+    with ``write_checkpoint`` (``_orig_mod.model.<name>``), did not load into ``wrapper``
+    ("does not fit the model: missing ['model.embed_tokens.weight', ...]"), nor a checkpoint of
+    ``wrapper`` into one whose model is compiled (``model._orig_mod.<name>``). Checkpoints store
+    the weights' own names, and a name that differs from the model's only in ``_orig_mod.``
+    loads as the model's: the same logits every way."""
+    from safetensors.torch import load_file
+
+    from attnres.checkpoint import load_checkpoint, save_checkpoint, write_checkpoint
+
+    wrapper, ids = _Wrapper(), torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        for p in wrapper.parameters():
+            p.normal_(0, 0.1)
+    logits = wrapper(ids)
+
+    def adamw(module):
+        return torch.optim.AdamW(module.parameters())
+
+    path = write_checkpoint(tmp_path / "a", 1, torch.compile(wrapper).state_dict(), adamw(wrapper).state_dict(), {},
+                            keep=1)
+    assert "model.norm.weight" in load_file(str(path / "model.safetensors"))
+    into = _Wrapper()
+    load_checkpoint(path, into, restore_rng=False)
+    assert torch.equal(into(ids), logits)
+    path = save_checkpoint(tmp_path / "b", 1, wrapper, adamw(wrapper), {}, keep=1)
+    into = _Wrapper()
+    into.model = torch.compile(into.model)
+    load_checkpoint(path, into, restore_rng=False)
+    assert torch.equal(into.scale * into.model._orig_mod(ids).logits, logits)
+    path = save_checkpoint(tmp_path / "c", 1, into, adamw(into), {}, keep=1)  # (its model compiled)
+    into = _Wrapper()
+    load_checkpoint(path, torch.compile(into), restore_rng=False)
+    assert torch.equal(into(ids), logits)
+
+
 def test_the_standard_residual_given_another_variants_option_names_itself():
     """Swapping the baseline into one's own model, ``BlockAttnRes(d, L, block_size=2)`` ->
     ``StandardResidual(d, L, block_size=2)``, was refused naming another class:

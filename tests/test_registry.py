@@ -860,3 +860,51 @@ def test_a_subclass_of_block_attnres_under_its_own_name_is_another_model_at_anot
     assert changed_residual_fields(model.to_dict(), other) == ["residual.block_size"]
     full = model.replace(residual={"kind": "attnres_full"})
     assert changed_residual_fields(full.to_dict(), full.replace(residual={"block_size": 4})) == []
+
+
+@register_residual("block_scaled_test", replace=True)
+class BlockScaledResidual(SingleStreamResidual):
+    """A user's variant that builds from the block size without being Block AttnRes: one
+    learned scalar per block of ``block_size`` sublayers."""
+
+    reads_fields = frozenset({"block_size"})
+
+    def __init__(self, dim: int, n_sublayers: int, block_size: int = 1) -> None:
+        super().__init__(dim, n_sublayers)
+        self.block_size = block_size
+        self.scale = nn.Parameter(torch.ones(-(-n_sublayers // block_size)))
+
+    @classmethod
+    def from_config(cls, config, dim: int, n_sublayers: int) -> BlockScaledResidual:
+        return cls(dim, n_sublayers, config.resolved_block_size(n_sublayers))
+
+    def update(self, l: int, h: Tensor, out: Tensor) -> Tensor:
+        return h + self.scale[l // self.block_size].to(out.dtype) * out
+
+
+def test_a_users_variant_that_declares_the_block_size_it_reads_is_another_model_at_another_one(tmp_path):
+    """Which residual fields a variant reads was decided by its class (Block AttnRes and its
+    subclasses read the block size): a user's variant that builds from the block size
+    otherwise resumed at another block size without a word - another model from the same
+    steps. A variant names the fields it reads (``reads_fields``): a resume at another block
+    size is refused, naming it, and a variant that declares none compares none; a field no
+    variant can read (misspelt) is refused at registration."""
+    from attnres.checkpoint import Source
+    from attnres.train.config import TrainConfig
+    from attnres.train.resume import check_resumable
+
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, max_seq_len=32,
+                        residual={"kind": "block_scaled_test", "block_size": 2})
+    other = model.replace(residual={"block_size": 4})
+    assert AttnResLM(model).residual.scale.shape == (4,) and AttnResLM(other).residual.scale.shape == (2,)
+    saved = TrainConfig(model=model, seq_len=16).to_dict()
+    with pytest.raises(ValueError, match=r"differs in \['model.residual.block_size'\] "
+                                         r"\(model.residual.block_size: 2 there, 4 here"):
+        check_resumable(saved, TrainConfig(model=other, seq_len=16).to_dict(),
+                        Source(tmp_path / "step-00000001", {"config": saved, "step": 1}))
+    assert "residual.block_size" not in model.replace(residual=SCALED).resolved_fields()
+    with pytest.raises(ValueError, match=r"^register_residual\('misspelt_test'\): .*Misspelt\.reads_fields must be a set "
+                                         r"of 'block_size', 'full_group_size' .*; got frozenset\(\{'blocksize'\}\)"):
+        @register_residual("misspelt_test")
+        class Misspelt(BlockScaledResidual):
+            reads_fields = frozenset({"blocksize"})

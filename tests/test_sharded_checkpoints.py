@@ -273,3 +273,18 @@ def test_sharded_weights_load_into_a_compiled_model(tmp_path):
     load_sharded_weights(path, torch.compile(model))
     saved = read_sharded_tensors(path)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_sharded_weights_load_into_a_model_with_a_compiled_part(tmp_path):
+    """A model with a compiled block (``model.layers[0] = torch.compile(model.layers[0])``)
+    names its weights ``layers.0._orig_mod.<name>``: ``load_sharded_weights`` found none of them
+    ("does not fit the model"). A name that differs only in ``_orig_mod.`` loads as the model's."""
+    from attnres import ModelConfig
+    from attnres.checkpoint import load_sharded_weights, read_checkpoint_state
+
+    path = sharded_checkpoint(tmp_path / "run")
+    model = AttnResLM(ModelConfig.from_dict(read_checkpoint_state(path)["config"]["model"]))
+    model.layers[0] = torch.compile(model.layers[0])
+    load_sharded_weights(path, model)
+    held = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
+    assert all(torch.equal(held[k], v) for k, v in read_sharded_tensors(path).items())

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ..models.hf_registry import hf_hook
+from ..nn.compiled import uncompiled
 from ..nn.norm import norm_input_value
 
 
@@ -86,7 +87,7 @@ def forward_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, Any]:
     """
     # torch.compile's wrapper runs the module it wraps: calling the wrapper would trace the model
     # again with the hooks below in it (a recompilation, and graph breaks at each hook's .item())
-    model = getattr(model, "_orig_mod", model)
+    model = uncompiled(model)
     outputs: dict[int, list[Tensor]] = {}
     inputs: dict[int, float] = {}
     handles = []

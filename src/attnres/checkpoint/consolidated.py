@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .manifest import (
@@ -41,8 +41,9 @@ from .manifest import (
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
-from .module import uncompiled
+from .module import load_weights
 from .residual import refuse_residual_change
+from ..nn.compiled import uncompiled, uncompiled_name
 from ..validation import check_path_argument
 
 __all__ = ["save_checkpoint", "write_checkpoint", "load_checkpoint", "read_optimizer_state"]
@@ -91,16 +92,19 @@ def save_checkpoint(out_dir: str | Path, step: int, model: nn.Module, optimizer:
 
     ``state`` is JSON-serialisable run state (data position, config, counters); ``files``
     are further files to store (name -> content, e.g. the tokenizer), verified on load like
-    the others. Returns the checkpoint directory. A ``torch.compile``'d model is saved as its
-    original module (the weights' own names, without ``_orig_mod.``).
+    the others. Returns the checkpoint directory. A ``torch.compile``'d model (or one with
+    compiled parts) is saved as its original module (:func:`write_checkpoint`).
     """
-    return write_checkpoint(out_dir, step, uncompiled(model).state_dict(), optimizer.state_dict(), state, keep, files)
+    return write_checkpoint(out_dir, step, model.state_dict(), optimizer.state_dict(), state, keep, files)
 
 
 def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any],
                      state: dict[str, Any], keep: int, files: dict[str, bytes] | None = None) -> Path:
     """:func:`save_checkpoint` from state dicts: ``model_state`` as ``model.state_dict()``
-    gives it, ``optimizer_state`` as ``optimizer.state_dict()``."""
+    gives it, ``optimizer_state`` as ``optimizer.state_dict()``. The weights are stored under
+    their own names, without ``torch.compile``'s ``_orig_mod.`` (that of
+    ``torch.compile(model).state_dict()``, or of a compiled part: ``model._orig_mod.<name>``),
+    so that a checkpoint loads alike wherever the loading model is compiled."""
     extra = dict(files or {})
     reserved = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE} & set(extra)
     if reserved or any(Path(name).name != name for name in extra):
@@ -111,7 +115,7 @@ def write_checkpoint(out_dir: str | Path, step: int, model_state: dict[str, torc
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file(_unique_tensors(model_state), str(tmp / MODEL_FILE))
+        save_file(_unique_tensors({uncompiled_name(k): v for k, v in model_state.items()}), str(tmp / MODEL_FILE))
         opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
         save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
         save_file(rng_state(), str(tmp / RNG_FILE))
@@ -152,9 +156,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     doc = verified if verified is not None else read_checkpoint_state(path)
     refuse_residual_change(path, doc, model, allow_residual_change)
     try:
-        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        load_weights(path, model, load_file(str(path / MODEL_FILE)))
         if optimizer is not None:
             optimizer.load_state_dict(read_optimizer_state(path, doc))
         if restore_rng:

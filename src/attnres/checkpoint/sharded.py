@@ -52,8 +52,9 @@ from .manifest import (
     write_failure,
 )
 from .manifest import restore_rng as _restore_rng
-from .module import uncompiled
+from .module import load_weights
 from .residual import refuse_residual_change
+from ..nn.compiled import uncompiled
 
 __all__ = ["DCP_LAYOUT", "is_sharded", "save_sharded", "load_sharded", "load_sharded_weights", "read_sharded_tensors",
            "verify_dcp_files"]
@@ -265,11 +266,4 @@ def load_sharded_weights(path: str | Path, model: nn.Module, state: dict[str, An
     the caller has read it."""
     model = uncompiled(model)
     refuse_residual_change(path, state, model, allow_residual_change)
-    weights = read_sharded_tensors(path)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    held = model.state_dict()
-    loaded = {held[k].data_ptr() for k in weights if k in held}
-    missing = [k for k in missing if held[k].data_ptr() not in loaded]
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint {str(path)!r} does not fit the model: missing {sorted(missing)}, "
-                              f"unexpected {sorted(unexpected)}")
+    load_weights(path, model, read_sharded_tensors(path))

@@ -27,9 +27,9 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
-from ..checkpoint.module import uncompiled
 from ..models import AttnResLM, DecoderTrunk, ModelConfig, next_token_loss
 from ..models.trunk import check_device, check_label_values, check_labels_type
+from ..nn.compiled import uncompiled
 from ..nn.norm import RMSNorm
 from ..nn.rope import RotaryEmbedding
 from ..nn.transformer import Attention

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..models.factory import context_limit
 from ..models.lm import AttnResLM
 from ..models.trunk import check_token_values
+from ..nn.compiled import uncompiled
 from ..nn.kv_cache import KVCache, check_left_padding
 from ..user_warning import warn_user
 from ..validation import did_you_mean, did_you_mean_each
@@ -415,7 +416,7 @@ def stream_transformers(model, input_ids: Tensor, attention_mask: Tensor | None 
         # (the arguments in another order failed in "'Tensor' object has no attribute 'config'")
         raise ValueError(f"stream_transformers takes a transformers causal LM first (model, input_ids, ...), got "
                          f"{type(model).__name__}")
-    if isinstance(getattr(model, "_orig_mod", model), AttnResLM):  # (its forward failed on use_cache=True)
+    if isinstance(uncompiled(model), AttnResLM):  # (its forward failed on use_cache=True)
         raise ValueError("stream_transformers decodes a transformers causal LM over its own cache, got attnres's own "
                          "model (an AttnResLM): decode it with stream or generate (same arguments), or export it, "
                          "AttnResForCausalLM.from_native(model)")

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..models.lm import AttnResLM
 from ..models.trunk import check_device
+from ..nn.compiled import uncompiled
 from ..nn.kv_cache import KVCache, StaticKVCache
 from ..user_warning import warn_user
 from ..validation import Int, did_you_mean
@@ -51,7 +52,7 @@ def check_native(model, what: str, call: str = "(model, input_ids, ...)") -> Non
     their order, for the message when another argument stands where the model should."""
     if isinstance(model, (Tensor, KVCache, StaticKVCache)):  # (the arguments in another order failed in model.parameters())
         raise ValueError(f"{what} takes the model first, got a {type(model).__name__} there: call it as {call}")
-    if not isinstance(getattr(model, "_orig_mod", model), AttnResLM):
+    if not isinstance(uncompiled(model), AttnResLM):
         raise ValueError(f"{what} runs attnres's own model (an AttnResLM), got {type(model).__name__}: convert an "
                          "AttnResForCausalLM with .to_native(), or decode a transformers model with its own generate "
                          "or attnres.inference.stream_transformers")

@@ -9,11 +9,11 @@ from typing import Any
 
 from ..migrations import FLAT_RESIDUAL_KEYS, accept_old_keys, migrate_model_keys, renamed_attribute
 from ..nn.residual import ResidualConfig, build_residual, residual_class, validate_residual_config
-from ..nn.residual.config import merge_residual
+from ..nn.residual.config import VARIANT_FIELDS, merge_residual
 from ..user_warning import warn_user
 from ..validation import Choice, Fields, Nullable, did_you_mean, flatten, python_scalars
 
-__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_ONE_KIND"]
+__all__ = ["ModelConfig", "ResidualConfig", "PRESETS", "HF_ARCHITECTURES", "READ_BY_SOME_KINDS"]
 
 #: ``transformers`` decoder families whose own modules an AttnRes model can be built from
 #: (``ModelConfig.hf_architecture``; ``attnres.hf.families.FAMILIES`` describes their layouts).
@@ -24,10 +24,11 @@ HF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "ge
 
 _CHECK = Fields("ModelConfig")
 
-#: Residual fields that one variant only reads (flattened), with that variant (and its
-#: subclasses, registered under their own names): to another variant the model is the same
-#: whatever they hold.
-READ_BY_ONE_KIND = {"residual.block_size": "attnres_block", "residual.full_group_size": "attnres_full"}
+#: Residual fields that only some variants read (flattened; ``VARIANT_FIELDS``), those whose
+#: class names them in ``reads_fields`` (Block AttnRes and its subclasses the block size, a
+#: variant of the user's what it declares): to another variant the model is the same whatever
+#: they hold.
+READ_BY_SOME_KINDS = frozenset(f"residual.{name}" for name in VARIANT_FIELDS)
 
 
 @dataclass
@@ -143,17 +144,16 @@ class ModelConfig:
         """The fields, flattened (``residual.kind``), as the model reads them: a ``None`` that
         stands for a value derived from other fields as that value (``n_kv_heads``,
         ``mlp_hidden``, ``residual.block_size``, ``residual.full_group_size``), and the fields
-        of :data:`READ_BY_ONE_KIND` only for the variant that reads them - or a subclass of it
-        (``class MyBlock(BlockAttnRes)`` registered as ``"my_block"`` builds from the block size
-        too). A field left unset and one spelled as what it resolves to give the same fields:
-        the same model."""
+        of :data:`READ_BY_SOME_KINDS` only for a variant that reads them (its class's
+        ``reads_fields``: Block AttnRes and a subclass of it registered as ``"my_block"``
+        the block size, a variant of the user's what it declares). A field left unset and one
+        spelled as what it resolves to give the same fields: the same model."""
         fields = flatten(self.to_dict())
         fields.update(n_kv_heads=self.kv_heads, mlp_hidden=self.hidden_size)
         fields["residual.block_size"] = self.residual.resolved_block_size(self.n_sublayers)
         fields["residual.full_group_size"] = self.residual.resolved_full_group_size(self.n_sublayers)
-        ours = residual_class(self.residual.kind)
-        unread = {k for k, kind in READ_BY_ONE_KIND.items() if not issubclass(ours, residual_class(kind))}
-        return {k: v for k, v in fields.items() if k not in unread}
+        reads = {f"residual.{name}" for name in residual_class(self.residual.kind).reads_fields}
+        return {k: v for k, v in fields.items() if k not in READ_BY_SOME_KINDS - reads}
 
     def describe_residual(self) -> str:
         """The residual in words, as its variant describes it (e.g. ``attnres_block (S=2, N=2)``)."""

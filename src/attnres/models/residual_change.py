@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..migrations import stored_config
-from .config import READ_BY_ONE_KIND, ModelConfig
+from .config import READ_BY_SOME_KINDS, ModelConfig
 from .factory import build_model
 
 __all__ = ["HOW_NOT_WHAT", "changed_residual_fields", "residual_change_refusal"]
@@ -27,8 +27,8 @@ HOW_NOT_WHAT = frozenset({"schedule", "backend", "recompute_phase1", "autocast_s
 def _residual_fields(config: ModelConfig) -> dict[str, Any]:
     """The residual fields of a model ``config`` that change what the model computes,
     flattened, as the model reads them (:meth:`ModelConfig.resolved_fields`): Block AttnRes'
-    block size as its ``S`` (``None`` resolved), and only for Block AttnRes (and its
-    subclasses), the one variant that reads it."""
+    block size as its ``S`` (``None`` resolved), and only for a variant that reads it (Block
+    AttnRes, its subclasses, a variant of the user's whose ``reads_fields`` names it)."""
     return {k: v for k, v in config.resolved_fields().items()
             if k.startswith("residual.") and k.removeprefix("residual.") not in HOW_NOT_WHAT}
 
@@ -56,7 +56,7 @@ def _compared(saved: Mapping[str, Any], ours: ModelConfig) -> tuple[ModelConfig,
         return None
     # (a block size on one side only: the kinds differ, which says it)
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)
-                       and (k not in READ_BY_ONE_KIND or k in old.keys() & new.keys()))
+                       and (k not in READ_BY_SOME_KINDS or k in old.keys() & new.keys()))
     return theirs, old, new, differing
 
 

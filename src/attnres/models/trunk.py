@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
+from ..nn.compiled import COMPILED_PREFIX
 from ..nn.norm import RMSNorm
 from ..nn.residual import ResidualState, ResidualStream
 from ..nn.rope import RotaryEmbedding
@@ -205,15 +206,12 @@ def run_sublayers(
         residual.add_output(state, m, sublayer_call(layer.mlp_sublayer, h_m))
 
 
-#: What ``torch.compile(model).state_dict()`` puts before each name: the wrapper's attribute.
-_COMPILED_PREFIX = "_orig_mod."
-
-
 def _drop_compiled_prefix(trunk: DecoderTrunk, state_dict: dict, prefix: str, *args) -> None:
     """Before a state dict loads: where every name of it under ``prefix`` is a compiled model's
     (``_orig_mod.<name>``, from ``torch.compile(model).state_dict()``), load them as the model's
-    own names, which failed as missing and unexpected keys. No module of the trunk is called so."""
-    marked = prefix + _COMPILED_PREFIX
+    own names, which failed as missing and unexpected keys. No module of the trunk is called so.
+    (The library's checkpoint loaders match names more widely, ``attnres.checkpoint.module``.)"""
+    marked = prefix + COMPILED_PREFIX
     names = [name for name in state_dict if name.startswith(prefix)]
     if names and all(name.startswith(marked) for name in names):
         for name in names:

@@ -24,7 +24,7 @@ from typing import Any
 from ..checkpoint import CheckpointError, Source
 from ..checkpoint.locate import newest_state
 from ..migrations import stored_config
-from ..models.config import READ_BY_ONE_KIND, ModelConfig
+from ..models.config import READ_BY_SOME_KINDS, ModelConfig
 from ..models.residual_change import HOW_NOT_WHAT, changed_residual_fields, residual_change_refusal
 from ..nn.residual.imports import unregistered_residual_error
 from ..shell_words import shell_path
@@ -190,19 +190,21 @@ def _as_the_model_reads_it(config: dict[str, Any]) -> tuple[dict[str, Any], froz
     return {**flat, **{f"model.{k}": v for k, v in read.items()}}, frozenset(f"model.{k}" for k in unset)
 
 
-def _model_as_read(model: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
-    """A model config (a dict, as stored) flattened as the model reads it
-    (:meth:`ModelConfig.resolved_fields`): a field left unset as what it resolves to (a Block
-    AttnRes block size, ``n_kv_heads``), a field the residual does not read left out; as
-    written where it does not build here. And the fields it leaves unset (``None``): one
-    unset on both sides differs only where the fields it derives from do, which name the
-    change (``n_heads``, not the ``n_kv_heads`` that follows it)."""
-    try:
-        with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
-            config = ModelConfig.from_dict(dict(model))
-    except (TypeError, ValueError):
-        written = flatten(model)
-        return written, frozenset(k for k, v in written.items() if v is None)
+def _model_as_read(model: dict[str, Any] | ModelConfig) -> tuple[dict[str, Any], frozenset[str]]:
+    """A model config (a dict, as stored, or one its caller has built already) flattened as
+    the model reads it (:meth:`ModelConfig.resolved_fields`): a field left unset as what it
+    resolves to (a Block AttnRes block size, ``n_kv_heads``), a field the residual does not
+    read left out; as written where it does not build here. And the fields it leaves unset
+    (``None``): one unset on both sides differs only where the fields it derives from do,
+    which name the change (``n_heads``, not the ``n_kv_heads`` that follows it)."""
+    config = model
+    if not isinstance(config, ModelConfig):
+        try:
+            with stored_config():  # (an old checkpoint's spellings: no warning about what it stores)
+                config = ModelConfig.from_dict(dict(model))
+        except (TypeError, ValueError):
+            written = flatten(model)
+            return written, frozenset(k for k, v in written.items() if v is None)
     return config.resolved_fields(), frozenset(k for k, v in flatten(config.to_dict()).items() if v is None)
 
 
@@ -211,12 +213,12 @@ def _differing(old: dict[str, Any], new: dict[str, Any], same: frozenset[str],
     """The keys of two configs flattened as read (:func:`_model_as_read`) whose values differ,
     less those of ``same``; less those ``unset`` on both sides (a derived value: what it derives
     from says it - and, where one side does not build here, a value resolved on the other side
-    only); less a field one variant only reads, on one side only - the kinds differ, which
+    only); less a field only some variants read, on one side only - the kinds differ, which
     says it - and an empty mapping on one side (``options: {}``) against its keys on the
     other, which say it."""
     differing = sorted(k for k in set(old) | set(new) if k not in same and k not in unset and old.get(k) != new.get(k))
     differing = [k for k in differing if not any(d.startswith(k + ".") for d in differing)]
-    return [k for k in differing if k.removeprefix("model.") not in READ_BY_ONE_KIND or (k in old and k in new)]
+    return [k for k in differing if k.removeprefix("model.") not in READ_BY_SOME_KINDS or (k in old and k in new)]
 
 
 def check_resumable_before_data(saved: dict[str, Any], current: dict[str, Any], source: Source) -> None:
@@ -307,8 +309,8 @@ def init_model_changes(source: Source, model: dict[str, Any]) -> str | None:
         theirs, match = "the checkpoint's", "set the fields as the checkpoint has them (or pass its run's --config)"
     # (as the model reads them, as a residual change is refused: a field left unset and the value it resolves to,
     # or a block size that Full AttnRes does not read, were "another model")
-    ours = ModelConfig.from_dict(model)
-    (old, old_unset), (new, new_unset) = _model_as_read(saved), _model_as_read(model)
+    ours = ModelConfig.from_dict(model)  # (built once: the residual check and the fields as read)
+    (old, old_unset), (new, new_unset) = _model_as_read(saved), _model_as_read(ours)
     differing = _differing(old, new, _NOT_A_MODEL_CHANGE, old_unset & new_unset)
     if directory and not changed_residual_fields(saved, ours):
         differing = [k for k in differing if not k.startswith("residual.")]  # (the upcycle's new queries)

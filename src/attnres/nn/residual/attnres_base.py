@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._guards import detect_fake_mode
 
 from ...ops import Operations, compute_dtype, operations
 from ...ops.depth_attention import BACKENDS, reference
@@ -300,29 +300,31 @@ class AttnResBase(ResidualStream):
 
     def _kept_queries(self, dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
         """The kept ``[L + 1, d]`` folded queries and their rows (see :meth:`folded_queries`)."""
-        compute = compute_dtype(dtype)
-        key: list[Any] = [compute]
-        # (a model of fake tensors - FakeTensorMode's, as the GPU check's launch survey builds - has no values to
-        # keep, and their data_ptr() is 0 for all, with a warning a later PyTorch makes an error: nothing kept)
-        fake = isinstance(self.mixers[0]._parameters.get("query"), FakeTensor)
+        # Fake tensors have no values to keep: a model built under FakeTensorMode (the GPU check's launch survey),
+        # whose data_ptr() is 0 for all, with a warning a later PyTorch makes an error; and real weights run under
+        # it (a shape survey of an existing model), whose stack kept gave every later forward outside the mode fake
+        # logits. One test for both, before any data_ptr(): the mode the weights are fake in or the forward runs in.
+        if detect_fake_mode(self.mixers[0]._parameters.get("query")) is not None:
+            return self._stacked(dtype)
+        key: list[Any] = [compute_dtype(dtype)]
         for m in self.mixers:  # direct dict reads: nn.Module.__getattr__ would make this 4x slower
             q, g = m._parameters.get("query"), m._modules["key_norm"]._parameters.get("weight")
-            if q is None or g is None or fake:  # (parametrized, torch.nn.utils.parametrize: a value computed at each
-                # read from tensors the key cannot name - nothing kept; it was a KeyError in every no-grad forward)
-                stacked = torch.stack(self._fold(dtype))
-                return stacked, list(stacked.unbind(0))
+            if q is None or g is None:  # (parametrized, torch.nn.utils.parametrize: a value computed at each read
+                # from tensors the key cannot name - nothing kept; it was a KeyError in every no-grad forward)
+                return self._stacked(dtype)
             key += (q._version, q.data_ptr(), g._version, g.data_ptr())
         key.append(q.device)
         cached = self.__dict__.get("_folded_cache")
         if cached is None or cached[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
-                stacked = torch.stack(self._fold(dtype))
-                cached = (key, stacked, list(stacked.unbind(0)))
-            if isinstance(stacked, FakeTensor):  # (real weights run under FakeTensorMode: a stack without values,
-                # which every later forward outside it would have taken - its logits fake too)
-                return cached[1], cached[2]
+                cached = (key, *self._stacked(dtype))
             self.__dict__["_folded_cache"] = cached
         return cached[1], cached[2]
+
+    def _stacked(self, dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
+        """The ``[L + 1, d]`` folded queries built now, and their rows."""
+        stacked = torch.stack(self._fold(dtype))
+        return stacked, list(stacked.unbind(0))
 
     def new_sources(self, dtype: torch.dtype) -> CompletedSources:
         """A forward's empty :class:`CompletedSources`, holding the folded queries in ``dtype``."""

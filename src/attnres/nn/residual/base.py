@@ -139,6 +139,11 @@ class ResidualStream(DrivenModule, ABC):
     #: pretrained function at conversion, up to rounding: ``True``, ``False`` (it starts from its
     #: own init, and its text differs until fine-tuned), ``None`` where the class does not say.
     upcycles_exactly: ClassVar[bool | None] = None
+    #: The fields of :data:`~attnres.nn.residual.config.VARIANT_FIELDS` the variant builds from
+    #: (Block AttnRes ``{"block_size"}``; a subclass inherits its parent's): a resume or an
+    #: ``init_from`` at another value of one is another model, said as such; one it does not
+    #: name is not compared.
+    reads_fields: ClassVar[frozenset[str]] = frozenset()
     #: ``ResidualConfig.autocast_stream`` (set by :func:`attnres.nn.residual.build_residual`):
     #: under autocast, ``start`` and ``resume`` store the stream in the autocast dtype.
     autocast_stream: bool = False

@@ -187,6 +187,7 @@ class BlockAttnRes(AttnResBase):
     """
 
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
+    reads_fields = frozenset({"block_size"})
 
     def __init__(
         self, dim: int, n_sublayers: int, block_size: int, eps: float = 1e-6, schedule: str = "two_phase",

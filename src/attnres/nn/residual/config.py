@@ -27,11 +27,17 @@ __all__ = [
     "ResidualConfig",
     "SCHEDULES",
     "BACKENDS",
+    "VARIANT_FIELDS",
     "default_full_group_size",
 ]
 
 #: The schedules of Full and Block AttnRes: the fast two-phase one and the per-sublayer reference.
 SCHEDULES = ("two_phase", "naive")
+
+#: The fields of :class:`ResidualConfig` that only some variants build from (Block AttnRes the
+#: block size, Full AttnRes its Appendix-B group): a variant names those it reads in
+#: ``ResidualStream.reads_fields``, and to any other the model is the same whatever they hold.
+VARIANT_FIELDS = ("block_size", "full_group_size")
 
 
 @dataclass(frozen=True)

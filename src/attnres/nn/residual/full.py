@@ -120,6 +120,7 @@ class FullAttnRes(AttnResBase):
     """
 
     SCHEDULES = {"naive": _Naive(), "two_phase": _TwoPhase()}
+    reads_fields = frozenset({"full_group_size"})
 
     def __init__(
         self, dim: int, n_sublayers: int, eps: float = 1e-6, schedule: str = "two_phase", group_size: int | None = None,

@@ -25,7 +25,7 @@ import inspect
 from typing import TypeVar
 
 from .base import ResidualStream
-from .config import ResidualConfig
+from .config import VARIANT_FIELDS, ResidualConfig
 from .kinds import _REGISTRY, UnregisteredResidual, registered_residuals, residual_class
 
 __all__ = ["UnregisteredResidual", "register_residual", "residual_class", "registered_residuals",
@@ -58,6 +58,7 @@ def register_residual(name: str, *, replace: bool = False):
                             "which every residual must (SingleStreamResidual subclasses: update(l, h, out); "
                             "docs/design.md, 'The registry, and how to add a variant')")
         _check_signatures(name, cls)
+        _check_reads_fields(name, cls)
         if name in _REGISTRY and _REGISTRY[name] is not cls and (not replace or _REGISTRY[name].builtin()):
             _refuse_taken(name, _REGISTRY[name], cls)
         own = cls.__dict__.get("name")  # (a subclass inherits its parent's: not its own registration)
@@ -99,6 +100,16 @@ def _check_signatures(name: str, cls: type) -> None:
                             "a variant')") from None
         except ValueError:  # (no signature to read: a builtin or C function, left to the call)
             continue
+
+
+def _check_reads_fields(name: str, cls: type) -> None:
+    """Raise ``ValueError`` unless ``cls.reads_fields`` is a set of :data:`VARIANT_FIELDS`: a
+    misspelt field would leave the one meant uncompared on resume, without a word."""
+    fields = cls.reads_fields
+    if not isinstance(fields, (set, frozenset)) or not set(fields) <= set(VARIANT_FIELDS):
+        raise ValueError(f"register_residual({name!r}): {cls.__qualname__}.reads_fields must be a set of "
+                         f"{', '.join(repr(f) for f in VARIANT_FIELDS)} (the residual fields it builds from that "
+                         f"only some variants read); got {fields!r}")
 
 
 def _refuse_taken(name: str, taken: type, cls: type) -> None:
