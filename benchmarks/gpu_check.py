@@ -1949,20 +1949,30 @@ def run_one_part(part: str, result: dict, args, clock: Clock, z: Sizes, models: 
         result["errors"][part] = "".join(traceback.format_exception(e))[-4000:]
         log(f"[gpu_check] {part} FAILED:\n{result['errors'][part]}")
         if lost:
-            result["errors"][part] += (f"\n(the device's context was lost: the parts after {part}, if any, ran in "
-                                       "a fresh process)")
+            result["errors"][part] += lost_note(part)
     else:
         result[part] = part_result
-        for piece, trace in (part_result.pop("errors", None) or {}).items():
+        pieces = part_result.pop("errors", None) or {}
+        for piece, trace in pieces.items():
             result["errors"][f"{part}.{piece}"] = trace
         for name, why in (part_result.pop("dropped", None) or {}).items():
             result["skipped"][f"{part} {name}"] = why
+        # (a piece's failure can lose the device as a part's can: the part's timings are kept,
+        # the parts after it run in a fresh process - in this one each would fail)
+        lost = bool(pieces) and not device_usable(device)
+        if lost:
+            result["errors"][f"{part}.{list(pieces)[-1]}"] += lost_note(part)
     if failed and not lost:  # (the failure's traceback held its tensors: give their memory back)
         release_memory(device)
     result.pop("running", None)
     result["elapsed_s"] = spent_before + time.perf_counter() - start
     print(write(out, result, clock.strict), flush=True)
     return lost
+
+
+def lost_note(part: str) -> str:
+    """What a failure's traceback adds where it left the device unusable."""
+    return f"\n(the device's context was lost: the parts after {part}, if any, ran in a fresh process)"
 
 
 def forget_earlier(result: dict, part: str) -> None:

@@ -696,6 +696,37 @@ def test_a_part_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_proce
     assert gpu_check.main(["--out", str(tmp_path / "none"), "--cpu-smoke", "--continue"]) == 2
 
 
+def test_a_piece_that_loses_the_device_leaves_the_parts_after_it_to_a_fresh_process(monkeypatch, tmp_path):
+    """A part's optional piece (its memory, a profile, the host time) is recorded where it
+    raises, and the part's timings kept; a memory fault there is as sticky as anywhere, so
+    where the device is unusable after the part, its results are written and the parts
+    after it run in a fresh process - in this one each failed in turn."""
+    pytest.importorskip("triton")
+    import gpu_check
+
+    ran, execs = [], []
+
+    def run_part(part, *args):
+        ran.append(part)
+        return {"errors": {"host": "CUDA error: an illegal memory access was encountered"}} if part == "profile" else {}
+
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: False)
+    monkeypatch.setattr(gpu_check.os, "execv", lambda path, command: execs.append(command))
+    argv = ["--out", str(tmp_path), "--cpu-smoke", "--budget", "300", "--parts", "profile,decode,profile_decode"]
+    assert gpu_check.main(argv) == 0
+    assert ran == ["profile"] and len(execs) == 1
+    assert gpu_check.parse_args(execs[0][2:]).parts == "decode,profile_decode"
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["profile"] == {} and "context was lost" in result["errors"]["profile.host"]
+    # (a piece that failed with the device still usable: the run goes on in this process)
+    ran.clear()
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)
+    assert gpu_check.main([*argv[:-1], "profile,decode"]) == 0
+    assert ran == ["profile", "decode"] and len(execs) == 1
+
+
 def test_a_failing_part_of_the_smoke_raises(monkeypatch, tmp_path):
     """On the CPU the device is never lost, and a part of the smoke that raises fails the
     run (the tests see it) rather than being recorded."""
