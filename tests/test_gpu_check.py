@@ -770,6 +770,7 @@ def _fake_gpu(monkeypatch, gpu_check, run_part=lambda part, *args: {}):
     monkeypatch.setattr(gpu_check, "start_warm_up", lambda *args: {})
     monkeypatch.setattr(gpu_check, "build_models", lambda z, device: {})
     monkeypatch.setattr(gpu_check, "run_part", run_part)
+    monkeypatch.setattr(gpu_check, "device_usable", lambda device: True)  # (its synchronize would fail here)
 
 
 def test_a_run_names_the_part_it_is_in_so_that_one_killed_by_its_time_limit_says_where(monkeypatch, tmp_path):
